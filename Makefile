@@ -1,0 +1,53 @@
+# The two commands a newcomer runs are `make synth` and `make test`; each sets
+# up what it needs (a Python venv with pinned packages, the pinned CDK CLI).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+CONFIG ?=
+CDK_OUT ?= cdk.out
+CDK := node_modules/.bin/cdk
+CONTAINER_PACKAGES := containers/inference containers/proxy
+export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
+export JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION := 1
+# No AWS call is ever needed to synthesize or test: make sure none is attempted.
+export AWS_EC2_METADATA_DISABLED := true
+
+.PHONY: setup venv cli synth test test-fast lint snapshot-update plan plan-rollout bench e2e clean
+
+setup: venv cli
+
+# The venv is rebuilt when a pin changes.
+venv: $(VENV)/.installed
+$(VENV)/.installed: requirements.txt $(foreach p,$(CONTAINER_PACKAGES),$(p)/pyproject.toml) pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check uv==0.13.8
+	$(BIN)/uv pip install --quiet --python $(BIN)/python -r requirements.txt
+	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps -e . $(foreach p,$(CONTAINER_PACKAGES),-e $(p))
+	touch $@
+
+cli: node_modules/.installed
+node_modules/.installed: package.json package-lock.json
+	npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+# Synthesizes every stack of the fleet offline with every policy check on.
+synth: setup
+	$(CDK) synth --no-lookups --quiet --output $(CDK_OUT) $(if $(CONFIG),-c config=$(CONFIG))
+	@echo "templates in $(CDK_OUT):"; ls -1 $(CDK_OUT)/*.template.json
+
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest
+
+snapshot-update: setup
+	$(BIN)/python -m pytest tests --snapshot-update
+
+plan: venv
+	$(BIN)/python -m inference_fleet plan $(if $(CONFIG),--config $(CONFIG))
+
+plan-rollout: venv
+	$(BIN)/python -m inference_fleet plan-rollout $(if $(CONFIG),--config $(CONFIG))
+
+clean:
+	rm -rf $(VENV) node_modules cdk.out .pytest_cache

@@ -1,0 +1,1 @@
+"""Launcher that forms a multi-node inference unit and runs vLLM on Neuron."""

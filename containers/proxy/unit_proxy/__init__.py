@@ -1,0 +1,1 @@
+"""Streaming reverse proxy beside each unit leader: health, load, admission, drain."""

@@ -1,0 +1,108 @@
+"""The Trainium instance catalogue: the one place that knows what each instance type has.
+
+Every other module (config validation, the planner, the launch template, the task
+definition's device list, the launcher's Neuron settings) reads instance facts from
+here. Sources are named per field; see also README "Instance catalogue".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceType:
+    """Hardware facts of one Trainium instance type."""
+
+    name: str
+    chip: str
+    chips: int
+    physical_neuron_cores: int
+    # Logical NeuronCore sizes the runtime accepts (NEURON_LOGICAL_NC_CONFIG); the
+    # first entry is the default. trn1 has no LNC=2.
+    logical_nc_configs: tuple[int, ...]
+    hbm_gib_per_chip: int
+    efa_interfaces: int
+    efa_gbps: int
+    vcpus: int
+    memory_gib: int
+    # Roofline figures per chip, for the planner's estimates (dense BF16).
+    hbm_tbps_per_chip: float
+    bf16_tflops_per_chip: float
+    sources: tuple[str, ...]
+
+    @property
+    def default_logical_nc_config(self) -> int:
+        return self.logical_nc_configs[0]
+
+    def logical_neuron_cores(self, logical_nc_config: int | None = None) -> int:
+        """NeuronCores the runtime exposes at the given logical core size."""
+        lnc = logical_nc_config or self.default_logical_nc_config
+        return self.physical_neuron_cores // lnc
+
+    @property
+    def hbm_gib(self) -> int:
+        return self.chips * self.hbm_gib_per_chip
+
+    @property
+    def neuron_devices(self) -> list[str]:
+        """Host device paths of the Neuron chips, passed into the task one by one."""
+        return [f"/dev/neuron{i}" for i in range(self.chips)]
+
+    @property
+    def efa_devices(self) -> list[str]:
+        """Host device paths of the EFA user verbs, one per EFA interface."""
+        return [f"/dev/infiniband/uverbs{i}" for i in range(self.efa_interfaces)]
+
+
+_TRN1_SOURCES = (
+    "https://awsdocs-neuron.readthedocs-hosted.com/en/latest/general/arch/neuron-hardware/trn1-arch.html",
+    "https://awsdocs-neuron.readthedocs-hosted.com/en/latest/general/arch/neuron-hardware/trainium.html",
+    "https://aws.amazon.com/ec2/instance-types/trn1/",
+)
+_TRN2_SOURCES = (
+    "https://awsdocs-neuron.readthedocs-hosted.com/en/latest/general/arch/neuron-hardware/trn2-arch.html",
+    "https://awsdocs-neuron.readthedocs-hosted.com/en/latest/general/arch/neuron-hardware/trainium2.html",
+    "https://aws.amazon.com/ec2/instance-types/trn2/",
+)
+
+CATALOGUE: dict[str, InstanceType] = {
+    t.name: t
+    for t in (
+        InstanceType(
+            name="trn1.32xlarge", chip="Trainium", chips=16, physical_neuron_cores=32,
+            logical_nc_configs=(1,), hbm_gib_per_chip=32, efa_interfaces=8, efa_gbps=800,
+            vcpus=128, memory_gib=512, hbm_tbps_per_chip=0.82, bf16_tflops_per_chip=190.0,
+            sources=_TRN1_SOURCES,
+        ),
+        InstanceType(
+            name="trn1n.32xlarge", chip="Trainium", chips=16, physical_neuron_cores=32,
+            logical_nc_configs=(1,), hbm_gib_per_chip=32, efa_interfaces=16, efa_gbps=1600,
+            vcpus=128, memory_gib=512, hbm_tbps_per_chip=0.82, bf16_tflops_per_chip=190.0,
+            sources=_TRN1_SOURCES,
+        ),
+        InstanceType(
+            name="trn2.48xlarge", chip="Trainium2", chips=16, physical_neuron_cores=128,
+            logical_nc_configs=(2, 1), hbm_gib_per_chip=96, efa_interfaces=16, efa_gbps=3200,
+            vcpus=192, memory_gib=2048, hbm_tbps_per_chip=2.9, bf16_tflops_per_chip=667.0,
+            sources=_TRN2_SOURCES,
+        ),
+        # EFA interface count of trn2u is not in the public docs we checked; it is the
+        # same chassis as trn2.48xlarge, so 16 is assumed (platform-facts.md).
+        InstanceType(
+            name="trn2u.48xlarge", chip="Trainium2", chips=16, physical_neuron_cores=128,
+            logical_nc_configs=(2, 1), hbm_gib_per_chip=96, efa_interfaces=16, efa_gbps=3200,
+            vcpus=192, memory_gib=2048, hbm_tbps_per_chip=2.9, bf16_tflops_per_chip=667.0,
+            sources=_TRN2_SOURCES,
+        ),
+    )
+}
+
+
+def instance_type(name: str) -> InstanceType:
+    """Look up an instance type; the error lists what is allowed."""
+    try:
+        return CATALOGUE[name]
+    except KeyError:
+        allowed = ", ".join(sorted(CATALOGUE))
+        raise KeyError(f"unknown instance type {name!r}; allowed: {allowed}") from None

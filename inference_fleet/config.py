@@ -1,0 +1,417 @@
+"""The fleet description: typed, validated configuration read from one YAML file.
+
+A fleet is one model served by multi-node inference units of one layout, spread over
+independent cells that are deployed wave by wave. Everything is checked here, before
+any construct is built: a mistake raises `ConfigError` naming the field path, the bad
+value and what is allowed, and nothing is synthesized.
+
+Defaults live in this module and nowhere else; constructs receive resolved values.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
+
+from inference_fleet.catalogue import CATALOGUE, InstanceType
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "config" / "default.yaml"
+
+DTYPE_BYTES: dict[str, float] = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3": 1}
+
+_IMAGE_DIGEST = r"^[a-z0-9][a-z0-9._/-]*(:[0-9]+)?[a-z0-9._/-]*@sha256:[0-9a-f]{64}$"
+ImageRef = Annotated[str, StringConstraints(pattern=_IMAGE_DIGEST)]
+
+
+class _Strict(BaseModel):
+    # Unknown keys are typos more often than not: refuse them.
+    model_config = ConfigDict(extra="forbid", frozen=True, str_strip_whitespace=True)
+
+
+class ModelConfig(_Strict):
+    """The model every unit serves, and the shape facts the planner needs."""
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=200)] = Field(
+        description="Served model name (the `model` of OpenAI requests), e.g. meta-llama/Llama-3.1-70B-Instruct."
+    )
+    artifacts_s3_uri: Annotated[str, StringConstraints(pattern=r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$")] = (
+        Field(description="S3 prefix holding weights and Neuron-compiled artifacts, s3://bucket/prefix/.")
+    )
+    parameters_billion: float = Field(gt=0, le=10_000)
+    dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3"] = "bfloat16"
+    max_seq_len: int = Field(ge=128, le=1_048_576, description="Longest prompt plus completion, in tokens.")
+    num_layers: int = Field(ge=1)
+    hidden_size: int = Field(ge=64)
+    num_attention_heads: int = Field(ge=1)
+    num_kv_heads: int = Field(ge=1)
+    head_dim: int | None = Field(default=None, ge=8, description="Defaults to hidden_size / num_attention_heads.")
+    intermediate_size: int | None = Field(default=None, ge=64, description="MLP width; defaults to 3.5 x hidden.")
+    vocab_size: int = Field(default=128_256, ge=256)
+
+    @property
+    def bucket(self) -> str:
+        return self.artifacts_s3_uri.removeprefix("s3://").split("/", 1)[0]
+
+    @property
+    def prefix(self) -> str:
+        """Key prefix of the artifacts, always ending in '/' (or empty for a whole bucket)."""
+        rest = self.artifacts_s3_uri.removeprefix("s3://").partition("/")[2]
+        return rest.rstrip("/") + "/" if rest.strip("/") else ""
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def bytes_per_param(self) -> float:
+        return DTYPE_BYTES[self.dtype]
+
+
+class UnitConfig(_Strict):
+    """One multi-node inference unit: a leader node and `nodes - 1` followers."""
+
+    instance_type: str
+    nodes: int = Field(ge=1, le=64, description="Nodes (instances) per unit, leader included.")
+    logical_nc_config: int | None = Field(
+        default=None, description="Physical cores per logical NeuronCore (LNC); default from the catalogue."
+    )
+    tensor_parallel_degree: int | None = Field(
+        default=None, ge=1, description="Defaults to every logical NeuronCore of the unit."
+    )
+    context_parallel_degree: int = Field(default=1, ge=1, description="Prefill (context encoding) CP degree.")
+    data_parallel_degree: int = Field(default=1, ge=1, description="Decode (token generation) attention DP degree.")
+    max_concurrent_sequences: int = Field(ge=1, le=4096, description="Engine batch size (max_num_seqs).")
+
+    @property
+    def instance(self) -> InstanceType:
+        return CATALOGUE[self.instance_type]
+
+    @property
+    def lnc(self) -> int:
+        return self.logical_nc_config or self.instance.default_logical_nc_config
+
+    @property
+    def cores_per_node(self) -> int:
+        """Logical NeuronCores one node contributes (NEURON_LOCAL_TP)."""
+        return self.instance.logical_neuron_cores(self.lnc)
+
+    @property
+    def total_cores(self) -> int:
+        return self.cores_per_node * self.nodes
+
+    @property
+    def tp(self) -> int:
+        return self.tensor_parallel_degree or self.total_cores
+
+
+class ImagesConfig(_Strict):
+    """Pinned images (repo@sha256:digest). Unset: built from containers/ at deploy."""
+
+    inference: ImageRef | None = None
+    proxy: ImageRef | None = None
+
+
+class CellConfig(_Strict):
+    """An independent copy of the whole serving stack; shares nothing with other cells."""
+
+    name: Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9-]{0,23}$")]
+    account: Annotated[str, StringConstraints(pattern=r"^[0-9]{12}$")]
+    region: Annotated[str, StringConstraints(pattern=r"^[a-z]{2}(-gov)?-[a-z]+-[0-9]$")]
+    trainium_az: Annotated[str, StringConstraints(pattern=r"^[a-z]{2}(-gov)?-[a-z]+-[0-9][a-z]$")] = Field(
+        description="The one AZ of the Trainium subnet and its cluster placement group."
+    )
+    alb_azs: tuple[str, ...] | None = Field(
+        default=None, description="AZs of the load balancer subnets (>= 2); default the Trainium AZ and one more."
+    )
+    vpc_cidr: ipaddress.IPv4Network
+    units: int = Field(ge=1, le=64)
+    wave: str
+    min_units_available: int | None = Field(
+        default=None, ge=0, description="Alarm floor of healthy units; default units - 1 (one unit updating)."
+    )
+    certificate_arn: Annotated[str, StringConstraints(pattern=r"^arn:aws[a-z-]*:acm:[a-z0-9-]+:[0-9]{12}:certificate/[A-Za-z0-9-]+$")] | None = None
+    internet_facing: bool = Field(default=False, description="Public ALB; off by default (internal application tier).")
+    images: ImagesConfig = ImagesConfig()
+
+    @field_validator("vpc_cidr")
+    @classmethod
+    def _vpc_size(cls, value: ipaddress.IPv4Network) -> ipaddress.IPv4Network:
+        if not 16 <= value.prefixlen <= 22:
+            raise ValueError(f"prefix /{value.prefixlen} not allowed; use /16 to /22 (room for 4 subnets)")
+        return value
+
+    @property
+    def resolved_alb_azs(self) -> tuple[str, ...]:
+        if self.alb_azs:
+            return self.alb_azs
+        other = f"{self.region}b" if self.trainium_az != f"{self.region}b" else f"{self.region}a"
+        return (self.trainium_az, other)
+
+    @property
+    def resolved_min_units_available(self) -> int:
+        if self.min_units_available is not None:
+            return self.min_units_available
+        return max(self.units - 1, 0)
+
+
+class WaveConfig(_Strict):
+    """A deployment wave: its cells deploy together, then bake under their alarms."""
+
+    name: Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9-]{0,23}$")]
+    bake_minutes: int = Field(default=60, ge=0, le=1440)
+    manual_approval: bool = False
+    deployment_window: str | None = Field(
+        default=None, description="Cron (6 fields, CodePipeline DeploymentWindow rule) when the wave may start."
+    )
+
+
+class ServingConfig(_Strict):
+    """Ports, timeouts and limits of the serving path; the defaults suit long token streams."""
+
+    frontend: Literal["openai", "triton"] = "openai"
+    engine_port: int = Field(default=8000, ge=1024, le=65535)
+    proxy_port: int = Field(default=8080, ge=1024, le=65535)
+    rendezvous_port: int = Field(default=29400, ge=1024, le=65535)
+    master_port: int = Field(default=29500, ge=1024, le=65535)
+    neuron_rt_port: int = Field(default=62182, ge=1024, le=65535)
+    alb_idle_timeout_seconds: int = Field(default=900, ge=60, le=4000)
+    deregistration_delay_seconds: int = Field(default=120, ge=0, le=3600)
+    health_check_grace_seconds: int = Field(default=2400, ge=60, le=2_147_483_647)
+    drain_timeout_seconds: int = Field(default=600, ge=0, le=3600)
+    max_inflight_requests: int | None = Field(default=None, ge=1, description="Default: max_concurrent_sequences.")
+    follower_loss_seconds: int = Field(default=30, ge=3, le=600)
+    root_volume_gib: int = Field(default=1024, ge=100, le=16384)
+    log_retention_days: Literal[7, 14, 30, 60, 90, 180, 365] = 30
+
+
+class PipelineConfig(_Strict):
+    """Where the rollout pipeline lives and what it watches."""
+
+    account: Annotated[str, StringConstraints(pattern=r"^[0-9]{12}$")]
+    region: Annotated[str, StringConstraints(pattern=r"^[a-z]{2}(-gov)?-[a-z]+-[0-9]$")]
+    connection_arn: Annotated[str, StringConstraints(pattern=r"^arn:aws[a-z-]*:(codestar-connections|codeconnections):[a-z0-9-]+:[0-9]{12}:connection/[A-Za-z0-9-]+$")]
+    repository: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+$")]
+    branch: str = "main"
+
+
+class FleetConfig(_Strict):
+    """The whole fleet description: one YAML file."""
+
+    name: Annotated[str, StringConstraints(pattern=r"^[A-Z][A-Za-z0-9]{0,23}$")] = Field(
+        description="Prefix of every stack name, e.g. Rufus -> Rufus-Cell-dev."
+    )
+    model: ModelConfig
+    unit: UnitConfig
+    serving: ServingConfig = ServingConfig()
+    waves: tuple[WaveConfig, ...] = Field(min_length=1)
+    cells: tuple[CellConfig, ...] = Field(min_length=1)
+    pipeline: PipelineConfig | None = None
+
+    def cell(self, name: str) -> CellConfig:
+        for cell in self.cells:
+            if cell.name == name:
+                return cell
+        raise KeyError(f"no cell {name!r}; cells: {', '.join(c.name for c in self.cells)}")
+
+    def cells_of_wave(self, wave: str) -> list[CellConfig]:
+        return [c for c in self.cells if c.wave == wave]
+
+    @property
+    def max_inflight_requests(self) -> int:
+        return self.serving.max_inflight_requests or self.unit.max_concurrent_sequences
+
+    def cell_stack_name(self, cell: CellConfig) -> str:
+        return f"{self.name}-Cell-{cell.name}"
+
+    @property
+    def pipeline_stack_name(self) -> str:
+        return f"{self.name}-Pipeline"
+
+
+# ---------------------------------------------------------------------------
+# Semantic checks: rules that span fields. Each yields issues; all are reported at once.
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigIssue:
+    path: str
+    value: Any
+    problem: str
+
+    def __str__(self) -> str:
+        return f"{self.path} = {self.value!r}: {self.problem}"
+
+
+class ConfigError(ValueError):
+    """The fleet file is wrong; the message lists every issue with its field path."""
+
+    def __init__(self, source: str, issues: Iterable[ConfigIssue]) -> None:
+        self.source = source
+        self.issues = list(issues)
+        lines = "\n".join(f"  - {issue}" for issue in self.issues)
+        super().__init__(f"invalid fleet config {source}:\n{lines}")
+
+
+FleetCheck = Callable[[FleetConfig], Iterable[ConfigIssue]]
+
+
+def _check_unit(fleet: FleetConfig) -> Iterable[ConfigIssue]:
+    unit = fleet.unit
+    if unit.instance_type not in CATALOGUE:
+        yield ConfigIssue("unit.instance_type", unit.instance_type, f"unknown; allowed: {', '.join(CATALOGUE)}")
+        return
+    allowed_lnc = unit.instance.logical_nc_configs
+    if unit.logical_nc_config is not None and unit.logical_nc_config not in allowed_lnc:
+        yield ConfigIssue(
+            "unit.logical_nc_config", unit.logical_nc_config,
+            f"{unit.instance_type} supports logical NeuronCore sizes {list(allowed_lnc)}",
+        )
+        return
+    total = unit.total_cores
+    if unit.tp != total:
+        yield ConfigIssue(
+            "unit.tensor_parallel_degree", unit.tp,
+            f"tensor parallelism spans every NeuronCore of the unit: must be nodes ({unit.nodes}) x "
+            f"logical NeuronCores per node ({unit.cores_per_node}) = {total}",
+        )
+    for field, degree, phase in (
+        ("context_parallel_degree", unit.context_parallel_degree, "prefill"),
+        ("data_parallel_degree", unit.data_parallel_degree, "decode"),
+    ):
+        if total % degree:
+            divisors = [d for d in range(1, total + 1) if total % d == 0]
+            yield ConfigIssue(
+                f"unit.{field}", degree,
+                f"{phase} runs {degree} groups x (tp / {degree}) cores, which must multiply to the unit's "
+                f"{total} NeuronCores; allowed: divisors of {total}: {divisors}",
+            )
+
+
+def _check_cells(fleet: FleetConfig) -> Iterable[ConfigIssue]:
+    seen: dict[str, int] = {}
+    waves = [w.name for w in fleet.waves]
+    for i, cell in enumerate(fleet.cells):
+        if cell.name in seen:
+            yield ConfigIssue(f"cells[{i}].name", cell.name, f"duplicate of cells[{seen[cell.name]}].name; cell names are unique")
+        seen.setdefault(cell.name, i)
+        if cell.wave not in waves:
+            yield ConfigIssue(f"cells[{i}].wave", cell.wave, f"no such wave; waves: {waves}")
+        if not cell.trainium_az.startswith(cell.region):
+            yield ConfigIssue(f"cells[{i}].trainium_az", cell.trainium_az, f"must be an AZ of region {cell.region}")
+        azs = cell.resolved_alb_azs
+        if len(set(azs)) < 2 or any(not az.startswith(cell.region) for az in azs):
+            yield ConfigIssue(f"cells[{i}].alb_azs", list(azs), f"need >= 2 distinct AZs of region {cell.region}")
+        if cell.certificate_arn and f":acm:{cell.region}:" not in cell.certificate_arn:
+            yield ConfigIssue(f"cells[{i}].certificate_arn", cell.certificate_arn, f"certificate must be in {cell.region}")
+        if cell.min_units_available is not None and cell.min_units_available > cell.units:
+            yield ConfigIssue(f"cells[{i}].min_units_available", cell.min_units_available, f"at most units ({cell.units})")
+    for i, a in enumerate(fleet.cells):
+        for j in range(i):
+            b = fleet.cells[j]
+            if (a.account, a.region) == (b.account, b.region) and a.vpc_cidr.overlaps(b.vpc_cidr):
+                yield ConfigIssue(
+                    f"cells[{i}].vpc_cidr", str(a.vpc_cidr),
+                    f"overlaps cells[{j}].vpc_cidr {b.vpc_cidr} ({b.name}) in {a.account}/{a.region}; "
+                    "cells of one account and region need disjoint CIDRs",
+                )
+
+
+def _check_waves(fleet: FleetConfig) -> Iterable[ConfigIssue]:
+    seen: set[str] = set()
+    for i, wave in enumerate(fleet.waves):
+        if wave.name in seen:
+            yield ConfigIssue(f"waves[{i}].name", wave.name, "duplicate wave name")
+        seen.add(wave.name)
+        cells = fleet.cells_of_wave(wave.name)
+        if not cells:
+            yield ConfigIssue(f"waves[{i}]", wave.name, "wave has no cells; every wave needs at least one")
+        if i == 0 and len(cells) > 1:
+            yield ConfigIssue(
+                "waves[0]", wave.name,
+                f"the first wave is the canary and holds exactly one cell, not {len(cells)}: {[c.name for c in cells]}",
+            )
+        if wave.deployment_window and len(wave.deployment_window.split()) != 6:
+            yield ConfigIssue(f"waves[{i}].deployment_window", wave.deployment_window, "cron needs 6 fields")
+
+
+def _check_serving(fleet: FleetConfig) -> Iterable[ConfigIssue]:
+    s = fleet.serving
+    ports = {"engine_port": s.engine_port, "proxy_port": s.proxy_port, "rendezvous_port": s.rendezvous_port,
+             "master_port": s.master_port, "neuron_rt_port": s.neuron_rt_port}
+    owner: dict[int, str] = {}
+    for name, port in ports.items():
+        if port in owner:
+            yield ConfigIssue(f"serving.{name}", port, f"same as serving.{owner[port]}; host networking needs distinct ports")
+        owner.setdefault(port, name)
+
+
+_CHECKS: list[FleetCheck] = [_check_unit, _check_cells, _check_waves, _check_serving]
+
+
+def register_check(check: FleetCheck) -> FleetCheck:
+    """Add a fleet-wide check (the planner registers its fit checks here)."""
+    if check not in _CHECKS:
+        _CHECKS.append(check)
+    return check
+
+
+def _location(loc: tuple[int | str, ...]) -> str:
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
+
+
+def _pydantic_issues(error: ValidationError) -> list[ConfigIssue]:
+    issues = []
+    for e in error.errors(include_url=False):
+        # Drop pydantic's internal union/constraint tags from the path.
+        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
+        message = e["msg"]
+        if e["type"] == "string_pattern_mismatch":
+            message = f"does not match the allowed pattern {e['ctx']['pattern']}"
+        elif e["type"] == "extra_forbidden":
+            message = "unknown field (check the spelling; see README 'Fleet file reference')"
+        elif e["type"] == "literal_error":
+            message = f"allowed: {e['ctx']['expected']}"
+        issues.append(ConfigIssue(_location(loc), e.get("input") if e["type"] != "missing" else None, message))
+    return issues
+
+
+def parse_fleet(data: Any, source: str = "<dict>") -> FleetConfig:
+    """Validate a fleet description (already parsed YAML) or raise ConfigError."""
+    try:
+        fleet = FleetConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(source, _pydantic_issues(error)) from None
+    # The planner's checks register themselves on import; import here to avoid a cycle.
+    import inference_fleet.planner  # noqa: F401
+
+    issues = [issue for check in _CHECKS for issue in check(fleet)]
+    if issues:
+        raise ConfigError(source, issues)
+    return fleet
+
+
+def load_fleet(path: str | Path | None = None) -> FleetConfig:
+    """Read and validate a fleet file; None reads the embedded default."""
+    path = DEFAULT_CONFIG if path is None else Path(path)
+    if not path.is_file():
+        raise ConfigError(str(path), [ConfigIssue("<file>", str(path), "no such file")])
+    text, source = path.read_text(), str(path)
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "?"
+        raise ConfigError(source, [ConfigIssue("<yaml>", where, f"not valid YAML: {error}")]) from None
+    if not isinstance(data, dict):
+        raise ConfigError(source, [ConfigIssue("<root>", type(data).__name__, "the fleet file is a mapping")])
+    return parse_fleet(data, source)
+
