@@ -30,6 +30,14 @@ class InstanceType:
     hbm_tbps_per_chip: float
     bf16_tflops_per_chip: float
     sources: tuple[str, ...]
+    # Chip-to-chip NeuronLink bandwidth inside one instance, GB/s per chip.
+    neuronlink_gbytes_per_chip: float = 0.0
+    # Latency of one step of a ring collective: between two chips over NeuronLink,
+    # and between two nodes over EFA (microseconds). See README "Parallelism planner".
+    link_hop_latency_us: float = 0.0
+    efa_hop_latency_us: float = 0.0
+    # Where each roofline figure comes from: (field name, source) pairs.
+    figure_sources: tuple[tuple[str, str], ...] = ()
 
     @property
     def default_logical_nc_config(self) -> int:
@@ -43,6 +51,18 @@ class InstanceType:
     @property
     def hbm_gib(self) -> int:
         return self.chips * self.hbm_gib_per_chip
+
+    @property
+    def efa_gbytes(self) -> float:
+        """EFA bandwidth of the whole instance in GB/s (efa_gbps is in Gbit/s)."""
+        return self.efa_gbps / 8
+
+    def logical_cores_per_chip(self, logical_nc_config: int | None = None) -> int:
+        return self.logical_neuron_cores(logical_nc_config) // self.chips
+
+    def figure_source(self, field: str) -> str:
+        """The source of one roofline figure (empty if none is recorded)."""
+        return dict(self.figure_sources).get(field, "")
 
     @property
     def neuron_devices(self) -> list[str]:
@@ -66,6 +86,34 @@ _TRN2_SOURCES = (
     "https://aws.amazon.com/ec2/instance-types/trn2/",
 )
 
+_NEURON_DOCS = "https://awsdocs-neuron.readthedocs-hosted.com/en/latest"
+_TRAINIUM_PAGE = f"{_NEURON_DOCS}/general/arch/neuron-hardware/trainium.html"
+_TRAINIUM2_PAGE = f"{_NEURON_DOCS}/about-neuron/arch/neuron-hardware/trainium2.html"
+_NCCOM_TEST = (
+    f"{_NEURON_DOCS}/tools/neuron-sys-tools/nccom-test.html "
+    "(8-rank all-gather of 1 KiB: p50 10 us over 7 ring steps, about 1.4 us a step)"
+)
+# No public per-message EFA latency of the Neuron collectives was found: 20 us is an
+# assumption. The nccom-test page bounds it from above (a 2-node 64-rank all-reduce of
+# 8 B takes 520 us, NEFF launch included). Only layouts that cross nodes depend on it.
+_EFA_HOP = "assumption (no public figure found); see README 'Parallelism planner'"
+_TRN1_FIGURES = (
+    ("hbm_tbps_per_chip", f"{_TRAINIUM_PAGE} (820 GB/s)"),
+    ("bf16_tflops_per_chip", f"{_TRAINIUM_PAGE} (190 BF16 TFLOPS)"),
+    ("neuronlink_gbytes_per_chip", f"{_TRAINIUM2_PAGE} (Trainium inter-chip interconnect 384 GB/s/chip)"),
+    ("efa_gbps", "https://aws.amazon.com/ec2/instance-types/trn1/ (800 Gbps trn1, 1600 Gbps trn1n)"),
+    ("link_hop_latency_us", _NCCOM_TEST),
+    ("efa_hop_latency_us", _EFA_HOP),
+)
+_TRN2_FIGURES = (
+    ("hbm_tbps_per_chip", f"{_TRAINIUM2_PAGE} (2.9 TB/s)"),
+    ("bf16_tflops_per_chip", f"{_TRAINIUM2_PAGE} (667 BF16 TFLOPS dense)"),
+    ("neuronlink_gbytes_per_chip", f"{_TRAINIUM2_PAGE} (NeuronLink-v3 1.28 TB/s per chip)"),
+    ("efa_gbps", "https://aws.amazon.com/ec2/instance-types/trn2/ (3200 Gbps EFAv3)"),
+    ("link_hop_latency_us", _NCCOM_TEST),
+    ("efa_hop_latency_us", _EFA_HOP),
+)
+
 CATALOGUE: dict[str, InstanceType] = {
     t.name: t
     for t in (
@@ -73,19 +121,22 @@ CATALOGUE: dict[str, InstanceType] = {
             name="trn1.32xlarge", chip="Trainium", chips=16, physical_neuron_cores=32,
             logical_nc_configs=(1,), hbm_gib_per_chip=32, efa_interfaces=8, efa_gbps=800,
             vcpus=128, memory_gib=512, hbm_tbps_per_chip=0.82, bf16_tflops_per_chip=190.0,
-            sources=_TRN1_SOURCES,
+            sources=_TRN1_SOURCES, neuronlink_gbytes_per_chip=384.0, link_hop_latency_us=1.4,
+            efa_hop_latency_us=20.0, figure_sources=_TRN1_FIGURES,
         ),
         InstanceType(
             name="trn1n.32xlarge", chip="Trainium", chips=16, physical_neuron_cores=32,
             logical_nc_configs=(1,), hbm_gib_per_chip=32, efa_interfaces=16, efa_gbps=1600,
             vcpus=128, memory_gib=512, hbm_tbps_per_chip=0.82, bf16_tflops_per_chip=190.0,
-            sources=_TRN1_SOURCES,
+            sources=_TRN1_SOURCES, neuronlink_gbytes_per_chip=384.0, link_hop_latency_us=1.4,
+            efa_hop_latency_us=20.0, figure_sources=_TRN1_FIGURES,
         ),
         InstanceType(
             name="trn2.48xlarge", chip="Trainium2", chips=16, physical_neuron_cores=128,
             logical_nc_configs=(2, 1), hbm_gib_per_chip=96, efa_interfaces=16, efa_gbps=3200,
             vcpus=192, memory_gib=2048, hbm_tbps_per_chip=2.9, bf16_tflops_per_chip=667.0,
-            sources=_TRN2_SOURCES,
+            sources=_TRN2_SOURCES, neuronlink_gbytes_per_chip=1280.0, link_hop_latency_us=1.4,
+            efa_hop_latency_us=20.0, figure_sources=_TRN2_FIGURES,
         ),
         # EFA interface count of trn2u is not in the public docs we checked; it is the
         # same chassis as trn2.48xlarge, so 16 is assumed (platform-facts.md).
@@ -93,7 +144,8 @@ CATALOGUE: dict[str, InstanceType] = {
             name="trn2u.48xlarge", chip="Trainium2", chips=16, physical_neuron_cores=128,
             logical_nc_configs=(2, 1), hbm_gib_per_chip=96, efa_interfaces=16, efa_gbps=3200,
             vcpus=192, memory_gib=2048, hbm_tbps_per_chip=2.9, bf16_tflops_per_chip=667.0,
-            sources=_TRN2_SOURCES,
+            sources=_TRN2_SOURCES, neuronlink_gbytes_per_chip=1280.0, link_hop_latency_us=1.4,
+            efa_hop_latency_us=20.0, figure_sources=_TRN2_FIGURES,
         ),
     )
 }

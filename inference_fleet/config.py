@@ -137,6 +137,10 @@ class CellConfig(_Strict):
     )
     certificate_arn: Annotated[str, StringConstraints(pattern=r"^arn:aws[a-z-]*:acm:[a-z0-9-]+:[0-9]{12}:certificate/[A-Za-z0-9-]+$")] | None = None
     internet_facing: bool = Field(default=False, description="Public ALB; off by default (internal application tier).")
+    client_cidrs: tuple[ipaddress.IPv4Network, ...] | None = Field(
+        default=None, description="Who may reach the load balancer; default the cell's VPC CIDR."
+    )
+    deletion_protection: bool = Field(default=True, description="ALB deletion protection.")
     images: ImagesConfig = ImagesConfig()
 
     @field_validator("vpc_cidr")
@@ -190,6 +194,17 @@ class ServingConfig(_Strict):
     log_retention_days: Literal[7, 14, 30, 60, 90, 180, 365] = 30
 
 
+class AlarmsConfig(_Strict):
+    """Thresholds of each cell's health alarms; the cell's composite alarm gates the rollout."""
+
+    ttft_p99_ms: int = Field(default=5000, ge=50, description="Proxy time-to-first-token p99, per unit.")
+    target_response_p99_seconds: float = Field(default=30, gt=0, description="ALB TargetResponseTime p99.")
+    alb_5xx_percent: float = Field(default=2.0, gt=0, le=100, description="ALB + target 5xx share of requests.")
+    queue_depth: int = Field(default=64, ge=1, description="Engine waiting requests per unit.")
+    unit_restarts: int = Field(default=2, ge=1, description="Unit re-formations per evaluation window.")
+    evaluation_minutes: int = Field(default=5, ge=1, le=60)
+
+
 class PipelineConfig(_Strict):
     """Where the rollout pipeline lives and what it watches."""
 
@@ -209,6 +224,7 @@ class FleetConfig(_Strict):
     model: ModelConfig
     unit: UnitConfig
     serving: ServingConfig = ServingConfig()
+    alarms: AlarmsConfig = AlarmsConfig()
     waves: tuple[WaveConfig, ...] = Field(min_length=1)
     cells: tuple[CellConfig, ...] = Field(min_length=1)
     pipeline: PipelineConfig | None = None

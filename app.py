@@ -1,0 +1,28 @@
+#!/usr/bin/env python3
+"""CDK entry point: `cdk synth` / `cdk deploy <Fleet>-Cell-<name>`.
+
+The fleet file comes from `-c config=path/to/fleet.yaml` (default config/default.yaml).
+It is validated before any construct is built: a mistake exits 2 with the field path.
+"""
+
+import sys
+
+from aws_cdk import App
+
+from inference_fleet.config import ConfigError, load_fleet
+from stacks.fleet import build_fleet
+
+
+def main() -> None:
+    app = App()
+    try:
+        fleet = load_fleet(app.node.try_get_context("config"))
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    build_fleet(app, fleet)
+    app.synth()
+
+
+if __name__ == "__main__":
+    main()

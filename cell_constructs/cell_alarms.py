@@ -1,0 +1,3 @@
+"""Per-cell health alarms (issue 7): placeholder until it lands."""
+
+CellAlarms = None

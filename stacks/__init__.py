@@ -1,0 +1,1 @@
+"""The deployable stacks: one `CellStack` per cell, one `PipelineStack` per fleet."""

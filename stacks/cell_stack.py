@@ -1,0 +1,261 @@
+"""One cell: an independent copy of the whole serving stack, deployed with `cdk deploy <Fleet>-Cell-<name>`.
+
+The stack wires the cell's constructs together and owns what they share: the KMS key,
+the task role, the log group and the Cloud Map namespace. A cell references nothing
+outside itself except the model artifacts in S3, which every cell reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+from aws_cdk import Duration, Environment, RemovalPolicy, Stack, Tags
+from aws_cdk import aws_ec2 as ec2
+from aws_cdk import aws_ecr as ecr
+from aws_cdk import aws_ecr_assets as ecr_assets
+from aws_cdk import aws_ecs as ecs
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_kms as kms
+from aws_cdk import aws_logs as logs
+from aws_cdk import aws_servicediscovery as servicediscovery
+from constructs import Construct
+
+from cell_constructs.cell_alarms import CellAlarms  # noqa: F401 (issue 7)
+from cell_constructs.inference_unit import MultiNodeInferenceUnit, UnitImages, UnitPorts
+from cell_constructs.nag import acknowledge
+from cell_constructs.network import CellNetwork
+from cell_constructs.trainium_capacity import TrainiumCapacity
+from cell_constructs.unit_load_balancer import UnitLoadBalancer
+from inference_fleet.config import CellConfig, FleetConfig
+from inference_fleet.unit_spec import build_unit_spec, container_environment, leader_service_name, namespace_name
+
+CONTAINERS_DIR = Path(__file__).resolve().parents[1] / "containers"
+_ECR_IMAGE = re.compile(r"^(?P<account>[0-9]{12})\.dkr\.ecr\.(?P<region>[a-z0-9-]+)\.amazonaws\.com/(?P<repo>[^@:]+)@(?P<digest>sha256:[0-9a-f]{64})$")
+
+
+_RETENTION = {
+    7: logs.RetentionDays.ONE_WEEK, 14: logs.RetentionDays.TWO_WEEKS, 30: logs.RetentionDays.ONE_MONTH,
+    60: logs.RetentionDays.TWO_MONTHS, 90: logs.RetentionDays.THREE_MONTHS, 180: logs.RetentionDays.SIX_MONTHS,
+    365: logs.RetentionDays.ONE_YEAR,
+}
+
+
+def proxy_metrics_namespace(fleet: FleetConfig) -> str:
+    return f"{fleet.name}/UnitProxy"
+
+
+class CellStack(Stack):
+    """Network, Trainium capacity, units and load balancer of one cell."""
+
+    def __init__(self, scope: Construct, construct_id: str, *, fleet: FleetConfig, cell: CellConfig) -> None:
+        super().__init__(
+            scope, construct_id,
+            env=Environment(account=cell.account, region=cell.region),
+            description=f"{fleet.name} cell {cell.name}: {cell.units} x {fleet.unit.nodes}-node "
+                        f"{fleet.unit.instance_type} inference units of {fleet.model.name}",
+            termination_protection=False,
+        )
+        self.fleet = fleet
+        self.cell = cell
+        Tags.of(self).add("fleet", fleet.name)
+        Tags.of(self).add("cell", cell.name)
+        serving = fleet.serving
+        retention = _RETENTION[serving.log_retention_days]
+
+        self.key = kms.Key(
+            self, "Key", enable_key_rotation=True, removal_policy=RemovalPolicy.RETAIN,
+            description=f"{fleet.name} cell {cell.name}: logs and node volumes",
+        )
+        self._allow_key_use_by_services()
+
+        self.network = CellNetwork(
+            self, "Network",
+            cidr=cell.vpc_cidr, trainium_az=cell.trainium_az, availability_zones=cell.resolved_alb_azs,
+            encryption_key=self.key, log_retention=retention,
+        )
+        self.cluster = ecs.Cluster(
+            self, "Cluster", vpc=self.network.vpc, container_insights_v2=ecs.ContainerInsights.ENHANCED,
+        )
+        self.capacity = TrainiumCapacity(
+            self, "Trainium",
+            vpc=self.network.vpc, subnets=self.network.trainium_subnets, cluster=self.cluster,
+            instance=fleet.unit.instance, instance_count=cell.units * fleet.unit.nodes,
+            root_volume_gib=serving.root_volume_gib, encryption_key=self.key,
+        )
+        self.namespace = servicediscovery.PrivateDnsNamespace(
+            self, "Namespace", name=namespace_name(fleet, cell), vpc=self.network.vpc,
+            description=f"Leaders of the units of cell {cell.name}",
+        )
+        self.log_group = logs.LogGroup(self, "UnitLogs", encryption_key=self.key, retention=retention,
+                                       removal_policy=RemovalPolicy.RETAIN)
+        self.task_role = self._unit_task_role()
+
+        self.load_balancer = UnitLoadBalancer(
+            self, "LoadBalancer",
+            vpc=self.network.vpc,
+            subnets=self.network.public_alb_subnets if cell.internet_facing else self.network.internal_alb_subnets,
+            internet_facing=cell.internet_facing,
+            client_cidrs=list(cell.client_cidrs) if cell.client_cidrs else [str(cell.vpc_cidr)],
+            certificate_arn=cell.certificate_arn,
+            target_port=serving.proxy_port,
+            idle_timeout=Duration.seconds(serving.alb_idle_timeout_seconds),
+            deregistration_delay=Duration.seconds(serving.deregistration_delay_seconds),
+            deletion_protection=cell.deletion_protection,
+        )
+        self.load_balancer.load_balancer.connections.allow_to(
+            self.capacity.security_group, ec2.Port.tcp(serving.proxy_port), "ALB to unit proxies"
+        )
+
+        self.alarms = self._alarms()
+
+        images, image_identity = self._images()
+        self.units: list[MultiNodeInferenceUnit] = []
+        for index in range(cell.units):
+            unit = self._unit(index, images, image_identity)
+            # One unit at a time: CloudFormation updates a unit's services only after the
+            # previous unit's services are stable, so an update costs one unit of capacity.
+            if self.units:
+                unit.node.add_dependency(self.units[-1])
+            self.units.append(unit)
+
+    # -- wiring ---------------------------------------------------------------------
+
+    def _unit(self, index: int, images: UnitImages, image_identity: str) -> MultiNodeInferenceUnit:
+        fleet, cell, serving = self.fleet, self.cell, self.fleet.serving
+        # The revision is a hash of everything the unit runs: its spec (with a fixed
+        # placeholder revision) and its images. A changed revision makes new task
+        # definitions, and the launcher refuses to mix members of two revisions.
+        spec = build_unit_spec(fleet, cell, index, revision="-")
+        revision = hashlib.sha256(json.dumps([spec, image_identity], sort_keys=True).encode()).hexdigest()[:12]
+        unit_id = f"u{index}"
+        proxy_environment = {
+            "PROXY_PORT": str(serving.proxy_port),
+            "UPSTREAM_URL": f"http://127.0.0.1:{serving.engine_port}",
+            "LAUNCHER_STATUS_URL": f"http://127.0.0.1:{serving.rendezvous_port}/status",
+            "MAX_INFLIGHT": str(fleet.max_inflight_requests),
+            "DRAIN_SECONDS": str(serving.deregistration_delay_seconds),
+            "DRAIN_TIMEOUT_SECONDS": str(serving.drain_timeout_seconds),
+            "FRONTEND": serving.frontend,
+            "METRICS_NAMESPACE": proxy_metrics_namespace(fleet),
+            "CELL": cell.name,
+            "UNIT_ID": unit_id,
+        }
+        return MultiNodeInferenceUnit(
+            self, f"Unit{index}",
+            unit_id=unit_id,
+            nodes=fleet.unit.nodes,
+            instance=fleet.unit.instance,
+            cluster=self.cluster,
+            capacity_provider_name=self.capacity.capacity_provider.capacity_provider_name,
+            images=images,
+            ports=UnitPorts(engine=serving.engine_port, proxy=serving.proxy_port, rendezvous=serving.rendezvous_port),
+            leader_environment=container_environment(fleet, cell, index, role="leader", revision=revision),
+            follower_environment=container_environment(fleet, cell, index, role="follower", revision=revision),
+            proxy_environment=proxy_environment,
+            task_role=self.task_role,
+            log_group=self.log_group,
+            namespace=self.namespace,
+            leader_service_name=leader_service_name(index),
+            target_group=self.load_balancer.target_group,
+            health_check_grace=Duration.seconds(serving.health_check_grace_seconds),
+            deployment_alarms=self.alarms.deployment_alarms if self.alarms else None,
+        )
+
+    def _alarms(self) -> CellAlarms | None:
+        """The cell's health alarms (issue 7): unit alarms for ECS rollback, composite for the rollout."""
+        return None
+
+    def _images(self) -> tuple[UnitImages, str]:
+        """Pinned digests from the fleet file, or images built from containers/ at deploy time."""
+        pinned = self.cell.images
+        identity: list[str] = []
+        images: dict[str, ecs.ContainerImage] = {}
+        for name in ("inference", "proxy"):
+            ref = getattr(pinned, name)
+            if ref:
+                images[name] = self._pinned_image(name, ref)
+                identity.append(ref)
+            else:
+                asset = ecr_assets.DockerImageAsset(
+                    self, f"{name.capitalize()}Image", directory=str(CONTAINERS_DIR / name),
+                    platform=ecr_assets.Platform.LINUX_AMD64,
+                )
+                images[name] = ecs.ContainerImage.from_docker_image_asset(asset)
+                identity.append(asset.asset_hash)
+        return UnitImages(**images), "|".join(identity)
+
+    def _pinned_image(self, name: str, ref: str) -> ecs.ContainerImage:
+        match = _ECR_IMAGE.match(ref)
+        if match is None:
+            return ecs.ContainerImage.from_registry(ref)
+        # A private ECR image: import the repository so the execution role may pull it.
+        repository = ecr.Repository.from_repository_attributes(
+            self, f"{name.capitalize()}Repository",
+            repository_arn=f"arn:{self.partition}:ecr:{match['region']}:{match['account']}:repository/{match['repo']}",
+            repository_name=match["repo"],
+        )
+        return ecs.ContainerImage.from_ecr_repository(repository, tag=match["digest"])
+
+    def _unit_task_role(self) -> iam.Role:
+        """Read this model's artifacts, discover this cell's leaders; nothing else."""
+        model = self.fleet.model
+        role = iam.Role(
+            self, "UnitTaskRole", assumed_by=iam.ServicePrincipal("ecs-tasks.amazonaws.com"),
+            description=f"Launcher and proxy of cell {self.cell.name}: read model artifacts, find unit leaders",
+        )
+        bucket_arn = f"arn:{self.partition}:s3:::{model.bucket}"
+        artifacts = f"{bucket_arn}/{model.prefix}*"
+        # A customer managed policy, not an inline one: reviewable and versioned on its own.
+        iam.ManagedPolicy(
+            self, "UnitTaskPolicy", roles=[role],
+            description=f"Read {model.artifacts_s3_uri}; discover leaders in {namespace_name(self.fleet, self.cell)}",
+            statements=[
+                iam.PolicyStatement(actions=["s3:GetObject"], resources=[artifacts]),
+                iam.PolicyStatement(
+                    actions=["s3:ListBucket"], resources=[bucket_arn],
+                    conditions={"StringLike": {"s3:prefix": [f"{model.prefix}*"]}},
+                ),
+                iam.PolicyStatement(
+                    actions=["servicediscovery:DiscoverInstances"], resources=["*"],
+                    conditions={"StringEquals": {
+                        "servicediscovery:NamespaceName": namespace_name(self.fleet, self.cell)}},
+                ),
+            ],
+        )
+        acknowledge(
+            self.node.find_child("UnitTaskPolicy"),
+            (f"AwsSolutions-IAM5[Resource::{artifacts}]",
+             "Read-only access to every object under the model's artifact prefix, which the launcher downloads"),
+            ("AwsSolutions-IAM5[Resource::*]",
+             "servicediscovery:DiscoverInstances has no resource ARN; it is limited to this cell's namespace by condition"),
+        )
+        return role
+
+    def _allow_key_use_by_services(self) -> None:
+        """CloudWatch Logs (log groups) and EC2 Auto Scaling (encrypted root volumes) use the cell key."""
+        self.key.add_to_resource_policy(iam.PolicyStatement(
+            principals=[iam.ServicePrincipal(f"logs.{self.region}.amazonaws.com")],
+            actions=["kms:Encrypt*", "kms:Decrypt*", "kms:ReEncrypt*", "kms:GenerateDataKey*", "kms:Describe*"],
+            resources=["*"],
+            conditions={"ArnLike": {"kms:EncryptionContext:aws:logs:arn":
+                                    f"arn:{self.partition}:logs:{self.region}:{self.account}:*"}},
+        ))
+        autoscaling_role = iam.ArnPrincipal(
+            f"arn:{self.partition}:iam::{self.account}:role/aws-service-role/autoscaling.amazonaws.com/"
+            "AWSServiceRoleForAutoScaling"
+        )
+        self.key.add_to_resource_policy(iam.PolicyStatement(
+            principals=[autoscaling_role],
+            actions=["kms:Encrypt", "kms:Decrypt", "kms:ReEncrypt*", "kms:GenerateDataKey*", "kms:DescribeKey"],
+            resources=["*"],
+        ))
+        self.key.add_to_resource_policy(iam.PolicyStatement(
+            principals=[autoscaling_role],
+            actions=["kms:CreateGrant"],
+            resources=["*"],
+            conditions={"Bool": {"kms:GrantIsForAWSResource": True}},
+        ))
+
