@@ -109,14 +109,16 @@ class MultiNodeInferenceUnit(Construct):
             environment=proxy_environment,
             memory_reservation_mib=PROXY_MEMORY_MIB,
             port_mappings=[ecs.PortMapping(container_port=ports.proxy, host_port=ports.proxy)],
-            logging=ecs.LogDrivers.aws_logs(stream_prefix=f"{unit_id}-proxy", log_group=log_group,
-                                            mode=ecs.AwsLogDriverMode.NON_BLOCKING),
+            logging=ecs.LogDrivers.aws_logs(
+                stream_prefix=f"{unit_id}-proxy", log_group=log_group, mode=ecs.AwsLogDriverMode.NON_BLOCKING
+            ),
             stop_timeout=CONTAINER_STOP_TIMEOUT,
             user="10001",
             readonly_root_filesystem=True,
         )
         self.leader_service = ecs.Ec2Service(
-            self, "Leader",
+            self,
+            "Leader",
             cluster=cluster,
             task_definition=leader_task,
             desired_count=1,
@@ -146,7 +148,8 @@ class MultiNodeInferenceUnit(Construct):
         if nodes > 1:
             follower_task = self._task_definition("FollowerTask", role="follower", environment=follower_environment)
             self.follower_service = ecs.Ec2Service(
-                self, "Followers",
+                self,
+                "Followers",
                 cluster=cluster,
                 task_definition=follower_task,
                 desired_count=nodes - 1,
@@ -168,13 +171,15 @@ class MultiNodeInferenceUnit(Construct):
         """A task that holds a whole instance: every Neuron and EFA device, pinned memory, shared memory."""
         instance = self._instance
         task = ecs.Ec2TaskDefinition(
-            self, construct_id,
+            self,
+            construct_id,
             network_mode=ecs.NetworkMode.HOST,
             task_role=self._task_role,
             volumes=[ecs.Volume(name="models", host=ecs.Host(source_path=MODEL_CACHE_HOST_PATH))],
         )
         linux = ecs.LinuxParameters(
-            self, f"{construct_id}Linux",
+            self,
+            f"{construct_id}Linux",
             shared_memory_size=int(instance.memory_gib * 1024 * SHARED_MEMORY_FRACTION),
             init_process_enabled=True,
         )
@@ -194,8 +199,11 @@ class MultiNodeInferenceUnit(Construct):
                 ecs.PortMapping(container_port=self._ports.rendezvous, host_port=self._ports.rendezvous),
                 ecs.PortMapping(container_port=self._ports.engine, host_port=self._ports.engine),
             ],
-            logging=ecs.LogDrivers.aws_logs(stream_prefix=f"{self.unit_id}-{role}", log_group=self._log_group,
-                                            mode=ecs.AwsLogDriverMode.NON_BLOCKING),
+            logging=ecs.LogDrivers.aws_logs(
+                stream_prefix=f"{self.unit_id}-{role}",
+                log_group=self._log_group,
+                mode=ecs.AwsLogDriverMode.NON_BLOCKING,
+            ),
             stop_timeout=CONTAINER_STOP_TIMEOUT,
         )
         container.add_ulimits(
@@ -207,18 +215,29 @@ class MultiNodeInferenceUnit(Construct):
         )
         acknowledge(
             task,
-            ("AwsSolutions-ECS2", "Environment holds only the non-secret unit spec (layout, ports, "
-             "discovery names); the task has no secrets"),
-            ("NIST.800.53.R5-ECSTaskDefinitionUserForHostMode",
-             "The engine runs as root as in the AWS Neuron vLLM image: the Neuron runtime and EFA register "
-             "pinned memory on /dev/neuron* and /dev/infiniband/*; the task holds a whole dedicated instance "
-             "(the proxy sidecar runs as uid 10001)"),
+            (
+                "AwsSolutions-ECS2",
+                "Environment holds only the non-secret unit spec (layout, ports, "
+                "discovery names); the task has no secrets",
+            ),
+            (
+                "NIST.800.53.R5-ECSTaskDefinitionUserForHostMode",
+                "The engine runs as root as in the AWS Neuron vLLM image: the Neuron runtime and EFA register "
+                "pinned memory on /dev/neuron* and /dev/infiniband/*; the task holds a whole dedicated instance "
+                "(the proxy sidecar runs as uid 10001)",
+            ),
         )
         acknowledge(
             task.obtain_execution_role(),
-            ("AwsSolutions-IAM5[Resource::*]", "ecr:GetAuthorizationToken has no resource-level scope; "
-             "image pull and log writes are scoped to this task's repository and log group"),
-            ("NIST.800.53.R5-IAMNoInlinePolicy", "CDK-generated execution policy scoped to this task's image "
-             "repository and log group, versioned with the stack"),
+            (
+                "AwsSolutions-IAM5[Resource::*]",
+                "ecr:GetAuthorizationToken has no resource-level scope; "
+                "image pull and log writes are scoped to this task's repository and log group",
+            ),
+            (
+                "NIST.800.53.R5-IAMNoInlinePolicy",
+                "CDK-generated execution policy scoped to this task's image "
+                "repository and log group, versioned with the stack",
+            ),
         )
         return task

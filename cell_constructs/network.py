@@ -61,8 +61,10 @@ class CellNetwork(Construct):
             restrict_default_security_group=True,
             subnet_configuration=[
                 ec2.SubnetConfiguration(
-                    name="public", subnet_type=ec2.SubnetType.PUBLIC,
-                    cidr_mask=cidr.prefixlen + 4, map_public_ip_on_launch=False,
+                    name="public",
+                    subnet_type=ec2.SubnetType.PUBLIC,
+                    cidr_mask=cidr.prefixlen + 4,
+                    map_public_ip_on_launch=False,
                 ),
                 ec2.SubnetConfiguration(
                     name="alb", subnet_type=ec2.SubnetType.PRIVATE_WITH_EGRESS, cidr_mask=cidr.prefixlen + 4
@@ -73,9 +75,14 @@ class CellNetwork(Construct):
             ],
         )
         for subnet in self.vpc.public_subnets:
-            acknowledge(subnet, ("NIST.800.53.R5-VPCNoUnrestrictedRouteToIGW",
-                                 "Public subnets hold only the NAT gateway (and the ALB when internet_facing); "
-                                 "they do not assign public IPs on launch"))
+            acknowledge(
+                subnet,
+                (
+                    "NIST.800.53.R5-VPCNoUnrestrictedRouteToIGW",
+                    "Public subnets hold only the NAT gateway (and the ALB when internet_facing); "
+                    "they do not assign public IPs on launch",
+                ),
+            )
         self.trainium_subnet = self.vpc.select_subnets(
             subnet_group_name="trainium", availability_zones=[trainium_az]
         ).subnets[0]
@@ -88,23 +95,38 @@ class CellNetwork(Construct):
         # The CIDR is written literally (not the VPC's CidrBlock attribute) so the policy
         # checks can evaluate the rule.
         endpoint_security_group = ec2.SecurityGroup(
-            self, "EndpointSecurityGroup", vpc=self.vpc, allow_all_outbound=False,
+            self,
+            "EndpointSecurityGroup",
+            vpc=self.vpc,
+            allow_all_outbound=False,
             description="Interface endpoints: HTTPS from the cell VPC",
         )
         endpoint_security_group.add_ingress_rule(ec2.Peer.ipv4(str(cidr)), ec2.Port.tcp(443), "HTTPS from the cell VPC")
         for name, service in _INTERFACE_ENDPOINTS.items():
             self.vpc.add_interface_endpoint(
-                name, service=service, subnets=self.trainium_subnets, private_dns_enabled=True,
-                security_groups=[endpoint_security_group], open=False,
+                name,
+                service=service,
+                subnets=self.trainium_subnets,
+                private_dns_enabled=True,
+                security_groups=[endpoint_security_group],
+                open=False,
             )
 
         flow_log_group = logs.LogGroup(
-            self, "FlowLogs", encryption_key=encryption_key, retention=log_retention,
+            self,
+            "FlowLogs",
+            encryption_key=encryption_key,
+            retention=log_retention,
         )
         flow_log = self.vpc.add_flow_log(
             "FlowLog",
             destination=ec2.FlowLogDestination.to_cloud_watch_logs(flow_log_group),
             traffic_type=ec2.FlowLogTrafficType.ALL,
         )
-        acknowledge(flow_log, ("NIST.800.53.R5-IAMNoInlinePolicy",
-                               "CDK-generated delivery policy of the flow log role, scoped to its one log group"))
+        acknowledge(
+            flow_log,
+            (
+                "NIST.800.53.R5-IAMNoInlinePolicy",
+                "CDK-generated delivery policy of the flow log role, scoped to its one log group",
+            ),
+        )

@@ -41,27 +41,35 @@ class UnitLoadBalancer(Construct):
     ) -> None:
         super().__init__(scope, construct_id)
         self.access_logs = s3.Bucket(
-            self, "AccessLogs",
+            self,
+            "AccessLogs",
             # ALB access logs support SSE-S3 only, not SSE-KMS.
             encryption=s3.BucketEncryption.S3_MANAGED,
             enforce_ssl=True,
             block_public_access=s3.BlockPublicAccess.BLOCK_ALL,
             object_ownership=s3.ObjectOwnership.BUCKET_OWNER_ENFORCED,
             versioned=True,
-            lifecycle_rules=[s3.LifecycleRule(expiration=Duration.days(90), noncurrent_version_expiration=Duration.days(7))],
+            lifecycle_rules=[
+                s3.LifecycleRule(expiration=Duration.days(90), noncurrent_version_expiration=Duration.days(7))
+            ],
             removal_policy=RemovalPolicy.RETAIN,
         )
         acknowledge(
             self.access_logs,
             ("AwsSolutions-S1", "This bucket is itself the access-log destination of the ALB"),
             ("NIST.800.53.R5-S3BucketLoggingEnabled", "This bucket is itself the access-log destination of the ALB"),
-            ("NIST.800.53.R5-S3BucketReplicationEnabled", "Access logs are kept in the cell's region; "
-             "a cell shares nothing with other regions"),
+            (
+                "NIST.800.53.R5-S3BucketReplicationEnabled",
+                "Access logs are kept in the cell's region; a cell shares nothing with other regions",
+            ),
             ("NIST.800.53.R5-S3DefaultEncryptionKMS", "ALB access logging supports only SSE-S3 encryption"),
         )
 
         self.security_group = ec2.SecurityGroup(
-            self, "SecurityGroup", vpc=vpc, allow_all_outbound=False,
+            self,
+            "SecurityGroup",
+            vpc=vpc,
+            allow_all_outbound=False,
             description="Unit load balancer: clients in, proxies out",
         )
         listener_port = 443 if certificate_arn else 80
@@ -69,7 +77,8 @@ class UnitLoadBalancer(Construct):
             self.security_group.add_ingress_rule(ec2.Peer.ipv4(cidr), ec2.Port.tcp(listener_port), "clients")
 
         self.load_balancer = elbv2.ApplicationLoadBalancer(
-            self, "Alb",
+            self,
+            "Alb",
             vpc=vpc,
             vpc_subnets=subnets,
             internet_facing=internet_facing,
@@ -81,11 +90,17 @@ class UnitLoadBalancer(Construct):
         )
         self.load_balancer.log_access_logs(self.access_logs, prefix="alb")
         if deletion_protection is False:
-            acknowledge(self.load_balancer, ("NIST.800.53.R5-ELBDeletionProtectionEnabled",
-                                             "deletion_protection is switched off for this cell in the fleet file"))
+            acknowledge(
+                self.load_balancer,
+                (
+                    "NIST.800.53.R5-ELBDeletionProtectionEnabled",
+                    "deletion_protection is switched off for this cell in the fleet file",
+                ),
+            )
 
         self.target_group = elbv2.ApplicationTargetGroup(
-            self, "Units",
+            self,
+            "Units",
             vpc=vpc,
             port=target_port,
             protocol=elbv2.ApplicationProtocol.HTTP,
@@ -108,29 +123,43 @@ class UnitLoadBalancer(Construct):
                 "Https",
                 port=443,
                 protocol=elbv2.ApplicationProtocol.HTTPS,
-                certificates=[elbv2.ListenerCertificate.from_certificate_manager(
-                    acm.Certificate.from_certificate_arn(self, "Certificate", certificate_arn))],
+                certificates=[
+                    elbv2.ListenerCertificate.from_certificate_manager(
+                        acm.Certificate.from_certificate_arn(self, "Certificate", certificate_arn)
+                    )
+                ],
                 ssl_policy=elbv2.SslPolicy.RECOMMENDED_TLS,
                 default_target_groups=[self.target_group],
                 open=False,
             )
         else:
             self.listener = self.load_balancer.add_listener(
-                "Http", port=80, protocol=elbv2.ApplicationProtocol.HTTP,
-                default_target_groups=[self.target_group], open=False,
+                "Http",
+                port=80,
+                protocol=elbv2.ApplicationProtocol.HTTP,
+                default_target_groups=[self.target_group],
+                open=False,
             )
-            no_tls = ("No certificate_arn is configured for this cell: plain HTTP, reachable only from the "
-                      "configured client CIDRs; set certificate_arn to serve HTTPS")
+            no_tls = (
+                "No certificate_arn is configured for this cell: plain HTTP, reachable only from the "
+                "configured client CIDRs; set certificate_arn to serve HTTPS"
+            )
             acknowledge(self.load_balancer, ("NIST.800.53.R5-ALBHttpToHttpsRedirection", no_tls))
             acknowledge(self.listener, ("NIST.800.53.R5-ELBv2ACMCertificateRequired", no_tls))
         if internet_facing:
-            acknowledge(self.security_group, ("AwsSolutions-EC23", "internet_facing is set for this cell in the fleet file"))
+            acknowledge(
+                self.security_group, ("AwsSolutions-EC23", "internet_facing is set for this cell in the fleet file")
+            )
             self._attach_web_acl()
         else:
-            acknowledge(self.load_balancer, (
-                "NIST.800.53.R5-ALBWAFEnabled",
-                "Internal ALB reachable only from the configured client CIDRs (the application tier); "
-                "AWS managed body-size rules would reject long prompts"))
+            acknowledge(
+                self.load_balancer,
+                (
+                    "NIST.800.53.R5-ALBWAFEnabled",
+                    "Internal ALB reachable only from the configured client CIDRs (the application tier); "
+                    "AWS managed body-size rules would reject long prompts",
+                ),
+            )
 
     def _attach_web_acl(self) -> None:
         """Internet-facing cells: AWS managed rules for known bad inputs and IP reputation.
@@ -144,22 +173,31 @@ class UnitLoadBalancer(Construct):
                 priority=priority,
                 statement=wafv2.CfnWebACL.StatementProperty(
                     managed_rule_group_statement=wafv2.CfnWebACL.ManagedRuleGroupStatementProperty(
-                        vendor_name="AWS", name=name)),
+                        vendor_name="AWS", name=name
+                    )
+                ),
                 override_action=wafv2.CfnWebACL.OverrideActionProperty(none={}),
                 visibility_config=wafv2.CfnWebACL.VisibilityConfigProperty(
-                    cloud_watch_metrics_enabled=True, metric_name=name, sampled_requests_enabled=True),
+                    cloud_watch_metrics_enabled=True, metric_name=name, sampled_requests_enabled=True
+                ),
             )
-            for priority, name in enumerate(("AWSManagedRulesKnownBadInputsRuleSet", "AWSManagedRulesAmazonIpReputationList"))
+            for priority, name in enumerate(
+                ("AWSManagedRulesKnownBadInputsRuleSet", "AWSManagedRulesAmazonIpReputationList")
+            )
         ]
         web_acl = wafv2.CfnWebACL(
-            self, "WebAcl",
+            self,
+            "WebAcl",
             scope="REGIONAL",
             default_action=wafv2.CfnWebACL.DefaultActionProperty(allow={}),
             rules=rules,
             visibility_config=wafv2.CfnWebACL.VisibilityConfigProperty(
-                cloud_watch_metrics_enabled=True, metric_name="UnitLoadBalancer", sampled_requests_enabled=True),
+                cloud_watch_metrics_enabled=True, metric_name="UnitLoadBalancer", sampled_requests_enabled=True
+            ),
         )
         wafv2.CfnWebACLAssociation(
-            self, "WebAclAssociation",
-            resource_arn=self.load_balancer.load_balancer_arn, web_acl_arn=web_acl.attr_arn,
+            self,
+            "WebAclAssociation",
+            resource_arn=self.load_balancer.load_balancer_arn,
+            web_acl_arn=web_acl.attr_arn,
         )

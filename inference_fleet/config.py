@@ -135,7 +135,12 @@ class CellConfig(_Strict):
     min_units_available: int | None = Field(
         default=None, ge=0, description="Alarm floor of healthy units; default units - 1 (one unit updating)."
     )
-    certificate_arn: Annotated[str, StringConstraints(pattern=r"^arn:aws[a-z-]*:acm:[a-z0-9-]+:[0-9]{12}:certificate/[A-Za-z0-9-]+$")] | None = None
+    certificate_arn: (
+        Annotated[
+            str, StringConstraints(pattern=r"^arn:aws[a-z-]*:acm:[a-z0-9-]+:[0-9]{12}:certificate/[A-Za-z0-9-]+$")
+        ]
+        | None
+    ) = None
     internet_facing: bool = Field(default=False, description="Public ALB; off by default (internal application tier).")
     client_cidrs: tuple[ipaddress.IPv4Network, ...] | None = Field(
         default=None, description="Who may reach the load balancer; default the cell's VPC CIDR."
@@ -210,7 +215,12 @@ class PipelineConfig(_Strict):
 
     account: Annotated[str, StringConstraints(pattern=r"^[0-9]{12}$")]
     region: Annotated[str, StringConstraints(pattern=r"^[a-z]{2}(-gov)?-[a-z]+-[0-9]$")]
-    connection_arn: Annotated[str, StringConstraints(pattern=r"^arn:aws[a-z-]*:(codestar-connections|codeconnections):[a-z0-9-]+:[0-9]{12}:connection/[A-Za-z0-9-]+$")]
+    connection_arn: Annotated[
+        str,
+        StringConstraints(
+            pattern=r"^arn:aws[a-z-]*:(codestar-connections|codeconnections):[a-z0-9-]+:[0-9]{12}:connection/[A-Za-z0-9-]+$"
+        ),
+    ]
     repository: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+$")]
     branch: str = "main"
 
@@ -285,14 +295,16 @@ def _check_unit(fleet: FleetConfig) -> Iterable[ConfigIssue]:
     allowed_lnc = unit.instance.logical_nc_configs
     if unit.logical_nc_config is not None and unit.logical_nc_config not in allowed_lnc:
         yield ConfigIssue(
-            "unit.logical_nc_config", unit.logical_nc_config,
+            "unit.logical_nc_config",
+            unit.logical_nc_config,
             f"{unit.instance_type} supports logical NeuronCore sizes {list(allowed_lnc)}",
         )
         return
     total = unit.total_cores
     if unit.tp != total:
         yield ConfigIssue(
-            "unit.tensor_parallel_degree", unit.tp,
+            "unit.tensor_parallel_degree",
+            unit.tp,
             f"tensor parallelism spans every NeuronCore of the unit: must be nodes ({unit.nodes}) x "
             f"logical NeuronCores per node ({unit.cores_per_node}) = {total}",
         )
@@ -303,7 +315,8 @@ def _check_unit(fleet: FleetConfig) -> Iterable[ConfigIssue]:
         if total % degree:
             divisors = [d for d in range(1, total + 1) if total % d == 0]
             yield ConfigIssue(
-                f"unit.{field}", degree,
+                f"unit.{field}",
+                degree,
                 f"{phase} runs {degree} groups x (tp / {degree}) cores, which must multiply to the unit's "
                 f"{total} NeuronCores; allowed: divisors of {total}: {divisors}",
             )
@@ -314,7 +327,9 @@ def _check_cells(fleet: FleetConfig) -> Iterable[ConfigIssue]:
     waves = [w.name for w in fleet.waves]
     for i, cell in enumerate(fleet.cells):
         if cell.name in seen:
-            yield ConfigIssue(f"cells[{i}].name", cell.name, f"duplicate of cells[{seen[cell.name]}].name; cell names are unique")
+            yield ConfigIssue(
+                f"cells[{i}].name", cell.name, f"duplicate of cells[{seen[cell.name]}].name; cell names are unique"
+            )
         seen.setdefault(cell.name, i)
         if cell.wave not in waves:
             yield ConfigIssue(f"cells[{i}].wave", cell.wave, f"no such wave; waves: {waves}")
@@ -324,15 +339,20 @@ def _check_cells(fleet: FleetConfig) -> Iterable[ConfigIssue]:
         if len(set(azs)) < 2 or any(not az.startswith(cell.region) for az in azs):
             yield ConfigIssue(f"cells[{i}].alb_azs", list(azs), f"need >= 2 distinct AZs of region {cell.region}")
         if cell.certificate_arn and f":acm:{cell.region}:" not in cell.certificate_arn:
-            yield ConfigIssue(f"cells[{i}].certificate_arn", cell.certificate_arn, f"certificate must be in {cell.region}")
+            yield ConfigIssue(
+                f"cells[{i}].certificate_arn", cell.certificate_arn, f"certificate must be in {cell.region}"
+            )
         if cell.min_units_available is not None and cell.min_units_available > cell.units:
-            yield ConfigIssue(f"cells[{i}].min_units_available", cell.min_units_available, f"at most units ({cell.units})")
+            yield ConfigIssue(
+                f"cells[{i}].min_units_available", cell.min_units_available, f"at most units ({cell.units})"
+            )
     for i, a in enumerate(fleet.cells):
         for j in range(i):
             b = fleet.cells[j]
             if (a.account, a.region) == (b.account, b.region) and a.vpc_cidr.overlaps(b.vpc_cidr):
                 yield ConfigIssue(
-                    f"cells[{i}].vpc_cidr", str(a.vpc_cidr),
+                    f"cells[{i}].vpc_cidr",
+                    str(a.vpc_cidr),
                     f"overlaps cells[{j}].vpc_cidr {b.vpc_cidr} ({b.name}) in {a.account}/{a.region}; "
                     "cells of one account and region need disjoint CIDRs",
                 )
@@ -349,7 +369,8 @@ def _check_waves(fleet: FleetConfig) -> Iterable[ConfigIssue]:
             yield ConfigIssue(f"waves[{i}]", wave.name, "wave has no cells; every wave needs at least one")
         if i == 0 and len(cells) > 1:
             yield ConfigIssue(
-                "waves[0]", wave.name,
+                "waves[0]",
+                wave.name,
                 f"the first wave is the canary and holds exactly one cell, not {len(cells)}: {[c.name for c in cells]}",
             )
         if wave.deployment_window and len(wave.deployment_window.split()) != 6:
@@ -358,12 +379,19 @@ def _check_waves(fleet: FleetConfig) -> Iterable[ConfigIssue]:
 
 def _check_serving(fleet: FleetConfig) -> Iterable[ConfigIssue]:
     s = fleet.serving
-    ports = {"engine_port": s.engine_port, "proxy_port": s.proxy_port, "rendezvous_port": s.rendezvous_port,
-             "master_port": s.master_port, "neuron_rt_port": s.neuron_rt_port}
+    ports = {
+        "engine_port": s.engine_port,
+        "proxy_port": s.proxy_port,
+        "rendezvous_port": s.rendezvous_port,
+        "master_port": s.master_port,
+        "neuron_rt_port": s.neuron_rt_port,
+    }
     owner: dict[int, str] = {}
     for name, port in ports.items():
         if port in owner:
-            yield ConfigIssue(f"serving.{name}", port, f"same as serving.{owner[port]}; host networking needs distinct ports")
+            yield ConfigIssue(
+                f"serving.{name}", port, f"same as serving.{owner[port]}; host networking needs distinct ports"
+            )
         owner.setdefault(port, name)
 
 
@@ -430,4 +458,3 @@ def load_fleet(path: str | Path | None = None) -> FleetConfig:
     if not isinstance(data, dict):
         raise ConfigError(source, [ConfigIssue("<root>", type(data).__name__, "the fleet file is a mapping")])
     return parse_fleet(data, source)
-

@@ -23,14 +23,19 @@ from aws_cdk import aws_logs as logs
 from aws_cdk import aws_servicediscovery as servicediscovery
 from constructs import Construct
 
-from cell_constructs.cell_alarms import CellAlarms  # noqa: F401 (issue 7)
+from cell_constructs.cell_alarms import CellAlarms
 from cell_constructs.inference_unit import MultiNodeInferenceUnit, UnitImages, UnitPorts
 from cell_constructs.nag import acknowledge
 from cell_constructs.network import CellNetwork
 from cell_constructs.trainium_capacity import TrainiumCapacity
 from cell_constructs.unit_load_balancer import UnitLoadBalancer
 from inference_fleet.config import CellConfig, FleetConfig
-from inference_fleet.unit_spec import build_unit_spec, container_environment, leader_service_name, namespace_name
+from inference_fleet.unit_spec import (
+    build_unit_spec,
+    container_environment,
+    leader_service_name,
+    namespace_name,
+)
 
 CONTAINERS_DIR = Path(__file__).resolve().parents[1] / "containers"
 _ECR_IMAGE = re.compile(r"^(?P<account>[0-9]{12})\.dkr\.ecr\.(?P<region>[a-z0-9-]+)\.amazonaws\.com/(?P<repo>[^@:]+)@(?P<digest>sha256:[0-9a-f]{64})$")
@@ -165,8 +170,22 @@ class CellStack(Stack):
         )
 
     def _alarms(self) -> CellAlarms | None:
-        """The cell's health alarms (issue 7): unit alarms for ECS rollback, composite for the rollout."""
-        return None
+        """The cell's health alarms: metric alarms for ECS rollback, the composite gate for the rollout."""
+        fleet, cell = self.fleet, self.cell
+        pipeline = fleet.pipeline
+        return CellAlarms(
+            self, "Alarms",
+            stack_name=self.stack_name,
+            cell_name=cell.name,
+            units=cell.units,
+            min_units_available=cell.resolved_min_units_available,
+            thresholds=fleet.alarms,
+            metrics_namespace=proxy_metrics_namespace(fleet),
+            load_balancer=self.load_balancer.load_balancer,
+            target_group=self.load_balancer.target_group,
+            # A pipeline in another account reads the gate through a role in this one.
+            gate_reader_account=pipeline.account if pipeline and pipeline.account != cell.account else None,
+        )
 
     def _images(self) -> tuple[UnitImages, str]:
         """Pinned digests from the fleet file, or images built from containers/ at deploy time."""

@@ -1,0 +1,84 @@
+"""Shared fixtures: synthesize a fleet the way `cdk synth` does, with the policy checks on.
+
+Tests pass cdk.json's context into the App so feature flags match `cdk synth`, and
+turn off aws-cdk-lib's built-in CloudFormation validation (5-8 s a template; `make
+synth` keeps it). cdk-nag still runs: a test synth fails on any unacknowledged finding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from aws_cdk import App
+from aws_cdk.assertions import Template
+
+from inference_fleet.config import FleetConfig, load_fleet, parse_fleet
+from stacks.fleet import build_fleet
+
+ROOT = Path(__file__).resolve().parents[1]
+FLEETS = Path(__file__).resolve().parent / "fleets"
+CDK_CONTEXT: dict = json.loads((ROOT / "cdk.json").read_text())["context"]
+os.environ.setdefault("JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION", "20")
+
+
+@dataclass
+class SynthesizedFleet:
+    fleet: FleetConfig
+    stacks: dict  # stack name -> Stack
+    templates: dict[str, Template]
+    outdir: Path
+
+    def template_json(self, stack_name: str) -> dict:
+        return json.loads((self.outdir / f"{stack_name}.template.json").read_text())
+
+
+def synth_fleet(fleet: FleetConfig, outdir: Path) -> SynthesizedFleet:
+    app = App(context=CDK_CONTEXT, outdir=str(outdir), builtin_cloud_formation_validation=False)
+    stacks = build_fleet(app, fleet)
+    app.synth()
+    templates = {name: Template.from_stack(stack) for name, stack in stacks.items()}
+    return SynthesizedFleet(fleet=fleet, stacks=stacks, templates=templates, outdir=outdir)
+
+
+PINNED_IMAGES = {
+    "inference": "111111111111.dkr.ecr.us-east-2.amazonaws.com/rufus/inference@sha256:" + "1" * 64,
+    "proxy": "111111111111.dkr.ecr.us-east-2.amazonaws.com/rufus/proxy@sha256:" + "2" * 64,
+}
+
+
+def pin_images(fleet: FleetConfig) -> FleetConfig:
+    """The fleet with every cell's images pinned, for synths that must not depend on containers/."""
+    data = fleet.model_dump(mode="json", exclude_none=True)
+    for cell in data["cells"]:
+        cell["images"] = dict(PINNED_IMAGES)
+    return parse_fleet(data, "pinned")
+
+
+@pytest.fixture
+def synth(tmp_path: Path):
+    """Factory: synth(fleet) -> SynthesizedFleet in a fresh temporary directory."""
+    return lambda fleet, *, pinned=False: synth_fleet(pin_images(fleet) if pinned else fleet, tmp_path)
+
+
+@pytest.fixture(scope="session")
+def default_fleet() -> FleetConfig:
+    return load_fleet(None)
+
+
+@pytest.fixture(scope="session")
+def large_fleet() -> FleetConfig:
+    return load_fleet(FLEETS / "large.yaml")
+
+
+@pytest.fixture(scope="session")
+def synth_default(default_fleet: FleetConfig, tmp_path_factory: pytest.TempPathFactory) -> SynthesizedFleet:
+    return synth_fleet(default_fleet, tmp_path_factory.mktemp("cdk-default"))
+
+
+@pytest.fixture(scope="session")
+def synth_large(large_fleet: FleetConfig, tmp_path_factory: pytest.TempPathFactory) -> SynthesizedFleet:
+    return synth_fleet(large_fleet, tmp_path_factory.mktemp("cdk-large"))

@@ -1,0 +1,163 @@
+"""Fleet file validation: every class of mistake fails before synthesis, naming field, value and what is allowed."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from inference_fleet.config import DEFAULT_CONFIG, ConfigError, load_fleet, parse_fleet
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def raw() -> dict:
+    return yaml.safe_load(DEFAULT_CONFIG.read_text())
+
+
+def second_cell(raw: dict, **changes: object) -> dict:
+    cell = copy.deepcopy(raw["cells"][0])
+    cell.update({"name": "dev2", "vpc_cidr": "10.11.0.0/16", **changes})
+    return cell
+
+
+def error_of(data: dict) -> ConfigError:
+    with pytest.raises(ConfigError) as caught:
+        parse_fleet(data, "test.yaml")
+    return caught.value
+
+
+def test_default_config_is_valid() -> None:
+    fleet = load_fleet(None)
+    assert [c.name for c in fleet.cells] == ["dev"]
+    assert fleet.unit.nodes == 2 and fleet.unit.instance_type == "trn2.48xlarge"
+    assert fleet.unit.tp == 128  # 2 nodes x 64 logical NeuronCores at LNC=2
+
+
+def test_unknown_instance_type_names_the_field_and_the_allowed_types(raw: dict) -> None:
+    raw["unit"]["instance_type"] = "p5.48xlarge"
+    error = error_of(raw)
+    assert "unit.instance_type = 'p5.48xlarge'" in str(error)
+    assert "trn1.32xlarge, trn1n.32xlarge, trn2.48xlarge, trn2u.48xlarge" in str(error)
+
+
+def test_tensor_parallel_must_span_the_unit(raw: dict) -> None:
+    raw["unit"]["tensor_parallel_degree"] = 64
+    error = error_of(raw)
+    assert "unit.tensor_parallel_degree = 64" in str(error)
+    assert "nodes (2) x logical NeuronCores per node (64) = 128" in str(error)
+
+
+def test_context_parallel_must_divide_the_unit_cores(raw: dict) -> None:
+    raw["unit"]["context_parallel_degree"] = 3
+    error = error_of(raw)
+    assert "unit.context_parallel_degree = 3" in str(error)
+    assert "divisors of 128: [1, 2, 4, 8, 16, 32, 64, 128]" in str(error)
+
+
+def test_lnc2_is_refused_on_trn1(raw: dict) -> None:
+    raw["unit"].update(instance_type="trn1.32xlarge", logical_nc_config=2)
+    error = error_of(raw)
+    assert "unit.logical_nc_config = 2" in str(error)
+    assert "trn1.32xlarge supports logical NeuronCore sizes [1]" in str(error)
+
+
+def test_duplicate_cell_names(raw: dict) -> None:
+    raw["cells"].append(second_cell(raw, name="dev"))
+    raw["waves"].append({"name": "rest"})
+    raw["cells"][1]["wave"] = "rest"
+    error = error_of(raw)
+    assert "cells[1].name = 'dev': duplicate of cells[0].name" in str(error)
+
+
+def test_overlapping_cidrs_in_one_account_and_region(raw: dict) -> None:
+    raw["waves"].append({"name": "rest"})
+    raw["cells"].append(second_cell(raw, vpc_cidr="10.10.128.0/17", wave="rest"))
+    error = error_of(raw)
+    assert "cells[1].vpc_cidr = '10.10.128.0/17'" in str(error)
+    assert "overlaps cells[0].vpc_cidr 10.10.0.0/16 (dev) in 111111111111/us-east-2" in str(error)
+
+
+def test_same_cidr_in_another_region_is_allowed(raw: dict) -> None:
+    raw["waves"].append({"name": "rest"})
+    raw["cells"].append(
+        second_cell(raw, vpc_cidr="10.10.0.0/16", wave="rest", region="us-west-2", trainium_az="us-west-2a")
+    )
+    assert len(parse_fleet(raw).cells) == 2
+
+
+def test_wave_without_cells(raw: dict) -> None:
+    raw["waves"].append({"name": "empty", "bake_minutes": 30})
+    error = error_of(raw)
+    assert "waves[1] = 'empty': wave has no cells" in str(error)
+
+
+def test_canary_wave_holds_one_cell(raw: dict) -> None:
+    raw["cells"].append(second_cell(raw))
+    error = error_of(raw)
+    assert "waves[0] = 'canary': the first wave is the canary and holds exactly one cell, not 2" in str(error)
+
+
+def test_cell_of_unknown_wave(raw: dict) -> None:
+    raw["cells"][0]["wave"] = "nope"
+    assert "cells[0].wave = 'nope': no such wave; waves: ['canary']" in str(error_of(raw))
+
+
+def test_missing_field_names_its_path(raw: dict) -> None:
+    del raw["cells"][0]["vpc_cidr"]
+    assert "cells[0].vpc_cidr = None: Field required" in str(error_of(raw))
+
+
+def test_misspelt_field_is_refused(raw: dict) -> None:
+    raw["unit"]["node"] = 2
+    assert "unit.node = 2: unknown field" in str(error_of(raw))
+
+
+def test_bad_pattern_says_what_is_allowed(raw: dict) -> None:
+    raw["cells"][0]["account"] = "1234"
+    error = str(error_of(raw))
+    assert "cells[0].account = '1234'" in error and "^[0-9]{12}$" in error
+
+
+def test_trainium_az_must_be_in_the_cell_region(raw: dict) -> None:
+    raw["cells"][0]["trainium_az"] = "us-west-2a"
+    assert "cells[0].trainium_az = 'us-west-2a': must be an AZ of region us-east-2" in str(error_of(raw))
+
+
+def test_every_mistake_is_reported_at_once(raw: dict) -> None:
+    raw["unit"]["context_parallel_degree"] = 3
+    raw["cells"][0]["wave"] = "nope"
+    issues = error_of(raw).issues
+    assert {i.path for i in issues} >= {"unit.context_parallel_degree", "cells[0].wave"}
+
+
+def test_yaml_syntax_error_names_the_line(tmp_path: Path) -> None:
+    bad = tmp_path / "fleet.yaml"
+    bad.write_text("name: Rufus\nunit: [\n")
+    with pytest.raises(ConfigError, match=r"<yaml> = 'line 3, column 1'"):
+        load_fleet(bad)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such file"):
+        load_fleet(tmp_path / "absent.yaml")
+
+
+def test_app_refuses_a_bad_fleet_before_synthesis(raw: dict, tmp_path: Path) -> None:
+    """`cdk synth -c config=...` runs app.py with the context in CDK_CONTEXT_JSON; nothing is written."""
+    raw["unit"]["data_parallel_degree"] = 5
+    fleet_file = tmp_path / "bad.yaml"
+    fleet_file.write_text(yaml.safe_dump(raw))
+    outdir = tmp_path / "out"
+    env = {**os.environ, "CDK_CONTEXT_JSON": json.dumps({"config": str(fleet_file)}), "CDK_OUTDIR": str(outdir)}
+    result = subprocess.run([sys.executable, "app.py"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "unit.data_parallel_degree = 5" in result.stderr
+    assert not list(outdir.glob("*.template.json"))
