@@ -126,6 +126,11 @@ class CellStack(Stack):
                 unit.node.add_dependency(self.units[-1])
             self.units.append(unit)
 
+    @property
+    def availability_zones(self) -> list[str]:
+        """The cell's AZs from the fleet file: no context lookup, so synth needs no credentials."""
+        return list(self.cell.resolved_alb_azs)
+
     # -- wiring ---------------------------------------------------------------------
 
     def _unit(self, index: int, images: UnitImages, image_identity: str) -> MultiNodeInferenceUnit:
