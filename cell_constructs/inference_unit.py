@@ -35,7 +35,8 @@ MODEL_CACHE_CONTAINER_PATH = "/models"
 PROXY_MEMORY_MIB = 2048
 SHARED_MEMORY_FRACTION = 0.25
 ENGINE_MEMORY_RESERVATION_FRACTION = 0.75
-CONTAINER_STOP_TIMEOUT = Duration.seconds(120)
+# Engine shutdown after the proxy has drained: release NeuronCores and EFA cleanly.
+ENGINE_STOP_TIMEOUT = Duration.seconds(120)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +76,7 @@ class MultiNodeInferenceUnit(Construct):
         leader_service_name: str,
         target_group: elbv2.IApplicationTargetGroup,
         health_check_grace: Duration,
+        proxy_stop_timeout: Duration,
         deployment_alarms: list[cloudwatch.IAlarm] | None = None,
     ) -> None:
         super().__init__(scope, construct_id)
@@ -102,7 +104,7 @@ class MultiNodeInferenceUnit(Construct):
         )
 
         leader_task = self._task_definition("LeaderTask", role="leader", environment=leader_environment)
-        leader_task.add_container(
+        proxy = leader_task.add_container(
             "proxy",
             image=images.proxy,
             essential=True,
@@ -112,9 +114,14 @@ class MultiNodeInferenceUnit(Construct):
             logging=ecs.LogDrivers.aws_logs(
                 stream_prefix=f"{unit_id}-proxy", log_group=log_group, mode=ecs.AwsLogDriverMode.NON_BLOCKING
             ),
-            stop_timeout=CONTAINER_STOP_TIMEOUT,
+            stop_timeout=proxy_stop_timeout,
             user="10001",
             readonly_root_filesystem=True,
+        )
+        # ECS stops containers in reverse dependency order: the proxy drains its streams
+        # before the engine behind it gets SIGTERM.
+        proxy.add_container_dependencies(
+            ecs.ContainerDependency(container=leader_task.default_container, condition=ecs.ContainerDependencyCondition.START)
         )
         self.leader_service = ecs.Ec2Service(
             self,
@@ -204,7 +211,7 @@ class MultiNodeInferenceUnit(Construct):
                 log_group=self._log_group,
                 mode=ecs.AwsLogDriverMode.NON_BLOCKING,
             ),
-            stop_timeout=CONTAINER_STOP_TIMEOUT,
+            stop_timeout=ENGINE_STOP_TIMEOUT,
         )
         container.add_ulimits(
             ecs.Ulimit(name=ecs.UlimitName.MEMLOCK, soft_limit=-1, hard_limit=-1),

@@ -55,7 +55,6 @@ def _node_user_data() -> list[str]:
         "ECS_ENABLE_TASK_IAM_ROLE=true",
         "ECS_ENABLE_TASK_IAM_ROLE_NETWORK_HOST=true",
         "ECS_IMAGE_PULL_BEHAVIOR=prefer-cached",
-        "ECS_CONTAINER_STOP_TIMEOUT=2m",
         "EOF",
         # Model artifacts are cached on the root volume across task restarts.
         "mkdir -p /opt/models && chmod 0775 /opt/models",

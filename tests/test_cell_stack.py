@@ -144,6 +144,12 @@ def test_unit_tasks_hold_a_whole_instance(synth_large) -> None:
         assert spec["unit_id"] == "u0" and spec["size"] == 4
         names = [c["Name"] for c in props["ContainerDefinitions"]]
         assert names == (["inference", "proxy"] if role == "leader" else ["inference"])
+        if role == "leader":
+            proxy = props["ContainerDefinitions"][1]
+            # deregistration delay 120 s + drain timeout 600 s + 30 s margin
+            assert proxy["StopTimeout"] == 750 and proxy["User"] == "10001"
+            # stopped before the engine, so in-flight streams finish
+            assert proxy["DependsOn"] == [{"ContainerName": "inference", "Condition": "START"}]
 
 
 def test_leader_and_followers_share_a_revision_and_units_differ(synth_large) -> None:
