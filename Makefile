@@ -43,8 +43,9 @@ test: setup
 snapshot-update: setup
 	$(BIN)/python -m pytest tests --snapshot-update
 
+PLAN_ARGS ?=
 plan: venv
-	$(BIN)/python -m inference_fleet plan $(if $(CONFIG),--config $(CONFIG))
+	$(BIN)/python -m inference_fleet plan $(if $(CONFIG),--config $(CONFIG)) $(PLAN_ARGS)
 
 plan-rollout: venv
 	$(BIN)/python -m inference_fleet plan-rollout $(if $(CONFIG),--config $(CONFIG))
