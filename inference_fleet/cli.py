@@ -4,6 +4,7 @@ Commands:
   validate       check a fleet file and print its cells and stacks
   plan           memory and parallel layout of the fleet's unit (see planner.py)
   plan-rollout   waves, bake times and capacity floor of a cell-by-cell rollout (see rollout.py)
+  reference      the fleet file reference (Markdown), generated from the config models
 """
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ def _validate(args: argparse.Namespace) -> int:
     for cell in fleet.cells:
         print(f"{fleet.cell_stack_name(cell)}: {cell.units} unit(s) of {fleet.unit.nodes} x "
               f"{fleet.unit.instance_type} in {cell.trainium_az}, wave {cell.wave}")
+    return 0
+
+
+def _reference(args: argparse.Namespace) -> int:
+    from inference_fleet.reference import markdown
+
+    print(markdown())
     return 0
 
 
@@ -39,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             sub.set_defaults(run=module.run)
         else:
             sub.set_defaults(run=_validate)
+    commands.add_parser("reference", help="print the fleet file reference").set_defaults(run=_reference)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

@@ -43,16 +43,18 @@ class ModelConfig(_Strict):
     artifacts_s3_uri: Annotated[str, StringConstraints(pattern=r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$")] = (
         Field(description="S3 prefix holding weights and Neuron-compiled artifacts, s3://bucket/prefix/.")
     )
-    parameters_billion: float = Field(gt=0, le=10_000)
-    dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3"] = "bfloat16"
+    parameters_billion: float = Field(gt=0, le=10_000, description="Parameter count in billions (weights memory).")
+    dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3"] = Field(
+        default="bfloat16", description="Weight and KV cache data type."
+    )
     max_seq_len: int = Field(ge=128, le=1_048_576, description="Longest prompt plus completion, in tokens.")
-    num_layers: int = Field(ge=1)
-    hidden_size: int = Field(ge=64)
-    num_attention_heads: int = Field(ge=1)
-    num_kv_heads: int = Field(ge=1)
+    num_layers: int = Field(ge=1, description="Transformer layers.")
+    hidden_size: int = Field(ge=64, description="Model width.")
+    num_attention_heads: int = Field(ge=1, description="Query heads; must split over the attention tp groups.")
+    num_kv_heads: int = Field(ge=1, description="Key/value heads (GQA); replicated when tp exceeds them.")
     head_dim: int | None = Field(default=None, ge=8, description="Defaults to hidden_size / num_attention_heads.")
     intermediate_size: int | None = Field(default=None, ge=64, description="MLP width; defaults to 3.5 x hidden.")
-    vocab_size: int = Field(default=128_256, ge=256)
+    vocab_size: int = Field(default=128_256, ge=256, description="Vocabulary size (embedding memory).")
 
     @property
     def bucket(self) -> str:
@@ -76,7 +78,7 @@ class ModelConfig(_Strict):
 class UnitConfig(_Strict):
     """One multi-node inference unit: a leader node and `nodes - 1` followers."""
 
-    instance_type: str
+    instance_type: str = Field(description="A type of the instance catalogue, e.g. trn2.48xlarge.")
     nodes: int = Field(ge=1, le=64, description="Nodes (instances) per unit, leader included.")
     logical_nc_config: int | None = Field(
         default=None, description="Physical cores per logical NeuronCore (LNC); default from the catalogue."
@@ -113,25 +115,29 @@ class UnitConfig(_Strict):
 class ImagesConfig(_Strict):
     """Pinned images (repo@sha256:digest). Unset: built from containers/ at deploy."""
 
-    inference: ImageRef | None = None
-    proxy: ImageRef | None = None
+    inference: ImageRef | None = Field(default=None, description="Inference image, repo@sha256:digest.")
+    proxy: ImageRef | None = Field(default=None, description="Proxy image, repo@sha256:digest.")
 
 
 class CellConfig(_Strict):
     """An independent copy of the whole serving stack; shares nothing with other cells."""
 
-    name: Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9-]{0,23}$")]
-    account: Annotated[str, StringConstraints(pattern=r"^[0-9]{12}$")]
-    region: Annotated[str, StringConstraints(pattern=r"^[a-z]{2}(-gov)?-[a-z]+-[0-9]$")]
+    name: Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9-]{0,23}$")] = Field(
+        description="Cell name: stack <Fleet>-Cell-<name>."
+    )
+    account: Annotated[str, StringConstraints(pattern=r"^[0-9]{12}$")] = Field(description="AWS account of the cell.")
+    region: Annotated[str, StringConstraints(pattern=r"^[a-z]{2}(-gov)?-[a-z]+-[0-9]$")] = Field(
+        description="AWS region of the cell."
+    )
     trainium_az: Annotated[str, StringConstraints(pattern=r"^[a-z]{2}(-gov)?-[a-z]+-[0-9][a-z]$")] = Field(
         description="The one AZ of the Trainium subnet and its cluster placement group."
     )
     alb_azs: tuple[str, ...] | None = Field(
         default=None, description="AZs of the load balancer subnets (>= 2); default the Trainium AZ and one more."
     )
-    vpc_cidr: ipaddress.IPv4Network
-    units: int = Field(ge=1, le=64)
-    wave: str
+    vpc_cidr: ipaddress.IPv4Network = Field(description="VPC CIDR, /16 to /22; disjoint from other cells of the account and region.")
+    units: int = Field(ge=1, le=64, description="Multi-node units (model replicas) in this cell.")
+    wave: str = Field(description="Name of the deployment wave this cell belongs to.")
     min_units_available: int | None = Field(
         default=None, ge=0, description="Alarm floor of healthy units; default units - 1 (one unit updating)."
     )
@@ -140,13 +146,13 @@ class CellConfig(_Strict):
             str, StringConstraints(pattern=r"^arn:aws[a-z-]*:acm:[a-z0-9-]+:[0-9]{12}:certificate/[A-Za-z0-9-]+$")
         ]
         | None
-    ) = None
+    ) = Field(default=None, description="ACM certificate in the cell's region: HTTPS listener with TLS 1.2+.")
     internet_facing: bool = Field(default=False, description="Public ALB; off by default (internal application tier).")
     client_cidrs: tuple[ipaddress.IPv4Network, ...] | None = Field(
         default=None, description="Who may reach the load balancer; default the cell's VPC CIDR."
     )
     deletion_protection: bool = Field(default=True, description="ALB deletion protection.")
-    images: ImagesConfig = ImagesConfig()
+    images: ImagesConfig = Field(default=ImagesConfig(), description="Pinned images; default: built from containers/.")
 
     @field_validator("vpc_cidr")
     @classmethod
@@ -172,9 +178,11 @@ class CellConfig(_Strict):
 class WaveConfig(_Strict):
     """A deployment wave: its cells deploy together, then bake under their alarms."""
 
-    name: Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9-]{0,23}$")]
-    bake_minutes: int = Field(default=60, ge=0, le=1440)
-    manual_approval: bool = False
+    name: Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9-]{0,23}$")] = Field(description="Wave name.")
+    bake_minutes: int = Field(
+        default=60, ge=0, le=1440, description="After deploying, the wave's alarms must stay OK this long."
+    )
+    manual_approval: bool = Field(default=False, description="A manual approval before the wave starts.")
     deployment_window: str | None = Field(
         default=None, description="Cron (6 fields, CodePipeline DeploymentWindow rule) when the wave may start."
     )
@@ -183,20 +191,40 @@ class WaveConfig(_Strict):
 class ServingConfig(_Strict):
     """Ports, timeouts and limits of the serving path; the defaults suit long token streams."""
 
-    frontend: Literal["openai", "triton"] = "openai"
-    engine_port: int = Field(default=8000, ge=1024, le=65535)
-    proxy_port: int = Field(default=8080, ge=1024, le=65535)
-    rendezvous_port: int = Field(default=29400, ge=1024, le=65535)
-    master_port: int = Field(default=29500, ge=1024, le=65535)
-    neuron_rt_port: int = Field(default=62182, ge=1024, le=65535)
-    alb_idle_timeout_seconds: int = Field(default=900, ge=60, le=4000)
-    deregistration_delay_seconds: int = Field(default=120, ge=0, le=3600)
-    health_check_grace_seconds: int = Field(default=2400, ge=60, le=2_147_483_647)
-    drain_timeout_seconds: int = Field(default=600, ge=0, le=3600)
+    frontend: Literal["openai", "triton"] = Field(
+        default="openai", description="Leader API front end: vLLM's OpenAI server or Triton with the vLLM backend."
+    )
+    engine_port: int = Field(default=8000, ge=1024, le=65535, description="Engine HTTP API on the leader (loopback use).")
+    proxy_port: int = Field(default=8080, ge=1024, le=65535, description="Proxy port: the ALB target.")
+    rendezvous_port: int = Field(
+        default=29400, ge=1024, le=65535, description="Launcher rendezvous, heartbeat and status endpoint on the leader."
+    )
+    master_port: int = Field(default=29500, ge=1024, le=65535, description="torch.distributed (vLLM --master-port).")
+    neuron_rt_port: int = Field(
+        default=62182, ge=1024, le=65535, description="Neuron runtime root communicator (NEURON_RT_ROOT_COMM_ID)."
+    )
+    alb_idle_timeout_seconds: int = Field(
+        default=900, ge=60, le=4000, description="ALB idle timeout; longer than any silent gap in a stream."
+    )
+    deregistration_delay_seconds: int = Field(
+        default=120, ge=0, le=3600, description="ALB deregistration delay; the proxy keeps serving this long after SIGTERM."
+    )
+    health_check_grace_seconds: int = Field(
+        default=2400, ge=60, le=2_147_483_647, description="ECS grace before ALB health counts: artifact fetch + model load."
+    )
+    drain_timeout_seconds: int = Field(
+        default=600, ge=0, le=3600, description="Longest wait for in-flight streams after the deregistration delay."
+    )
     max_inflight_requests: int | None = Field(default=None, ge=1, description="Default: max_concurrent_sequences.")
-    follower_loss_seconds: int = Field(default=30, ge=3, le=600)
-    root_volume_gib: int = Field(default=1024, ge=100, le=16384)
-    log_retention_days: Literal[7, 14, 30, 60, 90, 180, 365] = 30
+    follower_loss_seconds: int = Field(
+        default=30, ge=3, le=600, description="A member silent this long ends the unit; ECS restarts it whole."
+    )
+    root_volume_gib: int = Field(
+        default=1024, ge=100, le=16384, description="Encrypted root volume per node; holds the model artifact cache."
+    )
+    log_retention_days: Literal[7, 14, 30, 60, 90, 180, 365] = Field(
+        default=30, description="Retention of task, flow and function logs."
+    )
 
 
 class AlarmsConfig(_Strict):
@@ -207,22 +235,26 @@ class AlarmsConfig(_Strict):
     alb_5xx_percent: float = Field(default=2.0, gt=0, le=100, description="ALB + target 5xx share of requests.")
     queue_depth: int = Field(default=64, ge=1, description="Engine waiting requests per unit.")
     unit_restarts: int = Field(default=2, ge=1, description="Unit re-formations per evaluation window.")
-    evaluation_minutes: int = Field(default=5, ge=1, le=60)
+    evaluation_minutes: int = Field(default=5, ge=1, le=60, description="Alarm evaluation window.")
 
 
 class PipelineConfig(_Strict):
     """Where the rollout pipeline lives and what it watches."""
 
-    account: Annotated[str, StringConstraints(pattern=r"^[0-9]{12}$")]
-    region: Annotated[str, StringConstraints(pattern=r"^[a-z]{2}(-gov)?-[a-z]+-[0-9]$")]
+    account: Annotated[str, StringConstraints(pattern=r"^[0-9]{12}$")] = Field(description="Pipeline account.")
+    region: Annotated[str, StringConstraints(pattern=r"^[a-z]{2}(-gov)?-[a-z]+-[0-9]$")] = Field(
+        description="Pipeline region."
+    )
     connection_arn: Annotated[
         str,
         StringConstraints(
             pattern=r"^arn:aws[a-z-]*:(codestar-connections|codeconnections):[a-z0-9-]+:[0-9]{12}:connection/[A-Za-z0-9-]+$"
         ),
-    ]
-    repository: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+$")]
-    branch: str = "main"
+    ] = Field(description="CodeStar (CodeConnections) connection to the source repository.")
+    repository: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+$")] = Field(
+        description="Source repository, owner/name."
+    )
+    branch: str = Field(default="main", description="Branch that triggers the pipeline.")
 
 
 class FleetConfig(_Strict):
@@ -231,13 +263,15 @@ class FleetConfig(_Strict):
     name: Annotated[str, StringConstraints(pattern=r"^[A-Z][A-Za-z0-9]{0,23}$")] = Field(
         description="Prefix of every stack name, e.g. Rufus -> Rufus-Cell-dev."
     )
-    model: ModelConfig
-    unit: UnitConfig
-    serving: ServingConfig = ServingConfig()
-    alarms: AlarmsConfig = AlarmsConfig()
-    waves: tuple[WaveConfig, ...] = Field(min_length=1)
-    cells: tuple[CellConfig, ...] = Field(min_length=1)
-    pipeline: PipelineConfig | None = None
+    model: ModelConfig = Field(description="The model (see **model**).")
+    unit: UnitConfig = Field(description="The unit layout (see **unit**).")
+    serving: ServingConfig = Field(default=ServingConfig(), description="Ports and timeouts (see **serving**).")
+    alarms: AlarmsConfig = Field(default=AlarmsConfig(), description="Alarm thresholds (see **alarms**).")
+    waves: tuple[WaveConfig, ...] = Field(min_length=1, description="Deployment waves in rollout order; first = canary.")
+    cells: tuple[CellConfig, ...] = Field(min_length=1, description="The cells (see **cells[]**).")
+    pipeline: PipelineConfig | None = Field(
+        default=None, description="Rollout pipeline; without it no pipeline stack is synthesized."
+    )
 
     def cell(self, name: str) -> CellConfig:
         for cell in self.cells:
