@@ -135,7 +135,9 @@ class CellConfig(_Strict):
     alb_azs: tuple[str, ...] | None = Field(
         default=None, description="AZs of the load balancer subnets (>= 2); default the Trainium AZ and one more."
     )
-    vpc_cidr: ipaddress.IPv4Network = Field(description="VPC CIDR, /16 to /22; disjoint from other cells of the account and region.")
+    vpc_cidr: ipaddress.IPv4Network = Field(
+        description="VPC CIDR, /16 to /22; disjoint from other cells of the account and region."
+    )
     units: int = Field(ge=1, le=64, description="Multi-node units (model replicas) in this cell.")
     wave: str = Field(description="Name of the deployment wave this cell belongs to.")
     min_units_available: int | None = Field(
@@ -194,10 +196,15 @@ class ServingConfig(_Strict):
     frontend: Literal["openai", "triton"] = Field(
         default="openai", description="Leader API front end: vLLM's OpenAI server or Triton with the vLLM backend."
     )
-    engine_port: int = Field(default=8000, ge=1024, le=65535, description="Engine HTTP API on the leader (loopback use).")
+    engine_port: int = Field(
+        default=8000, ge=1024, le=65535, description="Engine HTTP API on the leader (loopback use)."
+    )
     proxy_port: int = Field(default=8080, ge=1024, le=65535, description="Proxy port: the ALB target.")
     rendezvous_port: int = Field(
-        default=29400, ge=1024, le=65535, description="Launcher rendezvous, heartbeat and status endpoint on the leader."
+        default=29400,
+        ge=1024,
+        le=65535,
+        description="Launcher rendezvous, heartbeat and status endpoint on the leader.",
     )
     master_port: int = Field(default=29500, ge=1024, le=65535, description="torch.distributed (vLLM --master-port).")
     neuron_rt_port: int = Field(
@@ -207,10 +214,16 @@ class ServingConfig(_Strict):
         default=900, ge=60, le=4000, description="ALB idle timeout; longer than any silent gap in a stream."
     )
     deregistration_delay_seconds: int = Field(
-        default=120, ge=0, le=3600, description="ALB deregistration delay; the proxy keeps serving this long after SIGTERM."
+        default=120,
+        ge=0,
+        le=3600,
+        description="ALB deregistration delay; the proxy keeps serving this long after SIGTERM.",
     )
     health_check_grace_seconds: int = Field(
-        default=2400, ge=60, le=2_147_483_647, description="ECS grace before ALB health counts: artifact fetch + model load."
+        default=2400,
+        ge=60,
+        le=2_147_483_647,
+        description="ECS grace before ALB health counts: artifact fetch + model load.",
     )
     drain_timeout_seconds: int = Field(
         default=600, ge=0, le=3600, description="Longest wait for in-flight streams after the deregistration delay."
@@ -267,7 +280,9 @@ class FleetConfig(_Strict):
     unit: UnitConfig = Field(description="The unit layout (see **unit**).")
     serving: ServingConfig = Field(default=ServingConfig(), description="Ports and timeouts (see **serving**).")
     alarms: AlarmsConfig = Field(default=AlarmsConfig(), description="Alarm thresholds (see **alarms**).")
-    waves: tuple[WaveConfig, ...] = Field(min_length=1, description="Deployment waves in rollout order; first = canary.")
+    waves: tuple[WaveConfig, ...] = Field(
+        min_length=1, description="Deployment waves in rollout order; first = canary."
+    )
     cells: tuple[CellConfig, ...] = Field(min_length=1, description="The cells (see **cells[]**).")
     pipeline: PipelineConfig | None = Field(
         default=None, description="Rollout pipeline; without it no pipeline stack is synthesized."
