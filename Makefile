@@ -33,6 +33,7 @@ node_modules/.installed: package.json package-lock.json
 
 # Synthesizes every stack of the fleet offline with every policy check on.
 synth: setup
+	rm -rf $(CDK_OUT)
 	$(CDK) synth --no-lookups --quiet --output $(CDK_OUT) $(if $(CONFIG),-c config=$(CONFIG))
 	@echo "templates in $(CDK_OUT):"; ls -1 $(CDK_OUT)/*.template.json
 
