@@ -51,5 +51,10 @@ plan: venv
 plan-rollout: venv
 	$(BIN)/python -m inference_fleet plan-rollout $(if $(CONFIG),--config $(CONFIG))
 
+# Proxy vs nginx vs direct on loopback; installs nginx and wrk with apt-get when missing.
+BENCH_ARGS ?=
+bench: venv
+	$(BIN)/python -m bench.proxy_bench $(BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) node_modules cdk.out .pytest_cache

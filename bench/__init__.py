@@ -1,0 +1,1 @@
+"""Benchmarks of the serving path (run with `make bench`)."""

@@ -1,0 +1,273 @@
+"""Fixtures of the proxy tests: a scriptable engine, a fake launcher and an in-process proxy,
+all real HTTP servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from aiohttp import web
+from unit_proxy.proxy import ProxyState
+from unit_proxy.server import start
+from unit_proxy.settings import Settings
+
+LOOPBACK = "127.0.0.1"
+
+
+def sse(obj: Any) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+def completion_chunk(i: int, text: str, chat: bool) -> dict[str, Any]:
+    if chat:
+        return {
+            "id": "chatcmpl-1",
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": "m",
+            "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}],
+        }
+    return {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "created": 0,
+        "model": "m",
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}],
+    }
+
+
+class FakeEngine:
+    """An OpenAI-style engine that streams, fails, stalls and crashes on cue.
+
+    The cue is the `x-cue` request header: stream (default), error500, stall, stall_mid,
+    crash, reset. `x-tokens` and `x-gap` set the stream's length and pace.
+    """
+
+    def __init__(self) -> None:
+        self.healthy = True
+        self.metrics_text = (
+            "# HELP vllm:num_requests_waiting waiting\n# TYPE vllm:num_requests_waiting gauge\n"
+            'vllm:num_requests_waiting{model_name="m"} 3.0\n'
+            'vllm:num_requests_running{model_name="m"} 7.0\n'
+            'vllm:kv_cache_usage_perc{model_name="m"} 0.42\n'
+            'vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 5.0\n'
+        )
+        self.started = 0
+        self.finished = 0
+        self.cancelled = 0
+        self.cancelled_at: float | None = None
+        self.bodies: list[bytes] = []
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._complete)
+        app.router.add_post("/v1/chat/completions", self._complete)
+        app.router.add_get("/v2/health/ready", self._health)
+        app.router.add_post("/v2/models/{model}/generate_stream", self._triton_stream)
+        # handler_cancellation: like vLLM, the engine notices a dropped client at once.
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, LOOPBACK, 0)
+        await site.start()
+        self.url = f"http://{LOOPBACK}:{self._runner.addresses[0][1]}"
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.metrics_text)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model", "owned_by": "test"}]})
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        self.bodies.append(body)
+        doc = json.loads(body or b"{}")
+        cue = request.headers.get("x-cue", "stream")
+        tokens = int(request.headers.get("x-tokens", "5"))
+        gap = float(request.headers.get("x-gap", "0.02"))
+        chat = request.path.endswith("/chat/completions")
+        self.started += 1
+        if cue == "error500":
+            return web.json_response({"error": {"message": "engine exploded"}}, status=500)
+        if cue == "reset":
+            assert request.transport is not None
+            request.transport.abort()
+            await asyncio.sleep(3600)
+        if cue == "stall":
+            await asyncio.sleep(3600)
+        if not doc.get("stream"):
+            text = "".join(f"tok{i} " for i in range(tokens))
+            return web.json_response(
+                {
+                    "id": "cmpl-1",
+                    "object": "text_completion",
+                    "model": "m",
+                    "choices": [{"index": 0, "text": text, "finish_reason": "stop"}],
+                }
+            )
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        try:
+            for i in range(tokens):
+                await resp.write(sse(completion_chunk(i, f"tok{i} ", chat)))
+                if cue == "stall_mid":
+                    await asyncio.sleep(3600)
+                if cue == "crash" and i == 1:
+                    assert request.transport is not None
+                    request.transport.abort()
+                    await asyncio.sleep(3600)
+                await asyncio.sleep(gap)
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            self.cancelled_at = time.monotonic()
+            raise
+        self.finished += 1
+        return resp
+
+    async def _triton_stream(self, request: web.Request) -> web.StreamResponse:
+        """Triton's generate_stream: SSE events carrying `text_output`."""
+        doc = await request.json()
+        self.started += 1
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(int(doc.get("parameters", {}).get("max_tokens", 3))):
+            await resp.write(sse({"model_name": request.match_info["model"], "text_output": f"tok{i} "}))
+            await asyncio.sleep(0.01)
+        await resp.write_eof()
+        self.finished += 1
+        return resp
+
+
+class FakeLauncher:
+    """The launcher's /status endpoint, with a document the test can change."""
+
+    def __init__(self) -> None:
+        self.status: dict[str, Any] = {
+            "unit_id": "u0",
+            "cell": "dev",
+            "revision": "r1",
+            "end_reason": None,
+            "size": 2,
+            "session_id": "s-1",
+            "state": "serving",
+            "since": 1764427200.0,
+            "members": [
+                {
+                    "rank": 0,
+                    "address": "10.0.1.5",
+                    "instance_id": "i-0",
+                    "last_heartbeat_age_s": 0.1,
+                    "alive": True,
+                },
+                {
+                    "rank": 1,
+                    "address": "10.0.1.6",
+                    "instance_id": "i-1",
+                    "last_heartbeat_age_s": 0.2,
+                    "alive": True,
+                },
+            ],
+        }
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/status", self._status)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, LOOPBACK, 0)
+        await site.start()
+        self.url = f"http://{LOOPBACK}:{self._runner.addresses[0][1]}/status"
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _status(self, request: web.Request) -> web.Response:
+        return web.json_response(self.status)
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[FakeEngine]:
+    e = FakeEngine()
+    await e.start()
+    yield e
+    await e.stop()
+
+
+@pytest.fixture
+async def launcher() -> AsyncIterator[FakeLauncher]:
+    fake = FakeLauncher()
+    await fake.start()
+    yield fake
+    await fake.stop()
+
+
+class RunningProxy:
+    def __init__(self, url: str, state: ProxyState) -> None:
+        self.url = url
+        self.state = state
+
+
+ProxyFactory = Callable[..., Awaitable[RunningProxy]]
+
+
+@pytest.fixture
+async def make_proxy(engine: FakeEngine, launcher: FakeLauncher) -> AsyncIterator[ProxyFactory]:
+    """Start an in-process proxy in front of the fake engine; keyword arguments override settings."""
+    runners: list[web.AppRunner] = []
+
+    async def factory(**overrides: Any) -> RunningProxy:
+        base = Settings(
+            host=LOOPBACK,
+            port=0,
+            upstream_url=engine.url,
+            launcher_status_url=launcher.url,
+            engine_metrics_url=engine.url + "/metrics",
+            max_inflight=64,
+            health_interval_seconds=0.05,
+            health_timeout_seconds=0.5,
+            upstream_connect_timeout_seconds=2.0,
+            upstream_read_timeout_seconds=10.0,
+        )
+        settings = replace(base, **overrides)
+        runner, _site, state = await start(settings)
+        runners.append(runner)
+        return RunningProxy(f"http://{LOOPBACK}:{runner.addresses[0][1]}", state)
+
+    yield factory
+    for runner in runners:
+        await runner.cleanup()
+
+
+async def wait_until(predicate: Callable[[], Any], timeout: float = 5.0, what: str = "condition") -> None:
+    """Poll `predicate` (sync or async) until true; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.02)

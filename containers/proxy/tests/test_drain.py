@@ -1,0 +1,127 @@
+"""SIGTERM drain of a real proxy process: /health turns 503 at once, new requests are
+served through the drain window, an in-flight stream finishes, the process exits 0; its
+stdout carries valid EMF lines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import aiohttp
+
+from .conftest import LOOPBACK, FakeEngine, FakeLauncher, wait_until
+from .test_emf import check_emf
+from .test_errors import free_port
+
+
+@asynccontextmanager
+async def proxy_process(
+    engine: FakeEngine, launcher: FakeLauncher, **env: str
+) -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
+    port = free_port()
+    full_env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "PROXY_HOST": LOOPBACK,
+        "PROXY_PORT": str(port),
+        "UPSTREAM_URL": engine.url,
+        "LAUNCHER_STATUS_URL": launcher.url,
+        "HEALTH_INTERVAL_SECONDS": "0.1",
+        "METRICS_NAMESPACE": "Rufus/UnitProxy",
+        "CELL": "dev",
+        "UNIT_ID": "u0",
+        "EMF_INTERVAL_SECONDS": "0.2",
+        **env,
+    }
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "unit_proxy",
+        env=full_env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    url = f"http://{LOOPBACK}:{port}"
+    try:
+        yield url, proc
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def health(session: aiohttp.ClientSession, url: str) -> int | None:
+    try:
+        async with session.get(f"{url}/health") as resp:
+            return resp.status
+    except aiohttp.ClientConnectionError:
+        return None
+
+
+async def test_sigterm_drains_in_flight_stream_and_exits_0(engine: FakeEngine, launcher: FakeLauncher):
+    async with proxy_process(engine, launcher, DRAIN_SECONDS="1", DRAIN_TIMEOUT_SECONDS="20") as (url, proc):
+        async with aiohttp.ClientSession() as session:
+            await wait_until(lambda: _is(health(session, url), 200), timeout=15, what="the proxy to be healthy")
+            await asyncio.sleep(0.5)  # let a few EMF intervals pass while healthy
+            stream = await session.post(
+                f"{url}/v1/completions",
+                json={"model": "m", "prompt": "x", "stream": True},
+                headers={"x-tokens": "25", "x-gap": "0.1"},
+            )
+            assert stream.status == 200
+            assert b"tok0" in await stream.content.readany()
+
+            proc.send_signal(signal.SIGTERM)
+            await wait_until(lambda: _is(health(session, url), 503), timeout=2, what="/health 503 after SIGTERM")
+            # Still inside DRAIN_SECONDS: a new request is served.
+            async with session.post(f"{url}/v1/completions", json={"model": "m", "prompt": "y"}) as resp:
+                assert resp.status == 200
+                assert "tok0" in (await resp.json())["choices"][0]["text"]
+
+            sigterm_at = time.monotonic()
+            rest = await asyncio.wait_for(stream.read(), 10)
+            assert rest.rstrip().endswith(b"data: [DONE]")  # the stream finished whole
+            assert b"tok24" in rest
+            code = await asyncio.wait_for(proc.wait(), 10)
+            assert code == 0
+            assert engine.cancelled == 0 and engine.started == 2 and engine.finished == 1  # finished counts streams
+            assert time.monotonic() - sigterm_at < 10
+            assert await health(session, url) is None  # the listener is gone
+        stdout, stderr = await asyncio.wait_for(proc.communicate(), 5)
+    log = stderr.decode()
+    assert "draining" in log and "drained; exiting" in log
+    events = [json.loads(line) for line in stdout.decode().splitlines()]
+    assert events, "no EMF line on stdout"
+    values = [check_emf(e) for e in events]
+    assert sum(v.get("Requests", 0) for v in values) == 2
+    assert any(v["UnitHealthy"] == 1 for v in values) and values[-1]["UnitHealthy"] == 0
+
+
+async def test_drain_timeout_bounds_the_wait(engine: FakeEngine, launcher: FakeLauncher):
+    async with (
+        proxy_process(engine, launcher, DRAIN_SECONDS="0", DRAIN_TIMEOUT_SECONDS="0.5") as (url, proc),
+        aiohttp.ClientSession() as session,
+    ):
+        await wait_until(lambda: _is(health(session, url), 200), timeout=15, what="the proxy to be healthy")
+        stream = await session.post(
+            f"{url}/v1/completions",
+            json={"model": "m", "prompt": "x", "stream": True},
+            headers={"x-tokens": "1000", "x-gap": "0.05"},
+        )
+        assert stream.status == 200
+        await stream.content.readany()
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+        assert time.monotonic() - started < 5
+        stream.close()
+    await wait_until(lambda: engine.cancelled == 1, timeout=3, what="the cut stream to be cancelled upstream")
+
+
+async def _is(status_coro, expected: int) -> bool:
+    return await status_coro == expected

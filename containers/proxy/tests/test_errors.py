@@ -1,0 +1,146 @@
+"""Upstream failures map to clear JSON errors; bad client input never hurts the proxy."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import aiohttp
+import pytest
+
+from .conftest import LOOPBACK, FakeEngine, ProxyFactory, wait_until
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+async def post(url: str, cue: str, stream: bool = False, **kwargs) -> tuple[int, dict, aiohttp.ClientResponse]:
+    async with (
+        aiohttp.ClientSession() as session,
+        asyncio.timeout(10),
+        session.post(
+            f"{url}/v1/completions",
+            json={"model": "m", "prompt": "x", "stream": stream},
+            headers={"x-cue": cue},
+        ) as resp,
+    ):
+        doc = await resp.json(content_type=None)
+        return resp.status, doc, resp
+
+
+async def test_connection_refused_is_502(make_proxy: ProxyFactory):
+    proxy = await make_proxy(upstream_url=f"http://{LOOPBACK}:{free_port()}")
+    status, doc, _ = await post(proxy.url, "stream")
+    assert status == 502
+    assert doc["error"]["type"] == "upstream_unavailable"
+    assert "refused" in doc["error"]["message"]
+
+
+async def test_connection_reset_before_answer_is_502(make_proxy: ProxyFactory):
+    proxy = await make_proxy()
+    status, doc, _ = await post(proxy.url, "reset")
+    assert status == 502
+    assert doc["error"]["type"] == "upstream_error"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_engine_stall_before_answer_is_504(make_proxy: ProxyFactory, engine: FakeEngine, stream: bool):
+    proxy = await make_proxy(upstream_read_timeout_seconds=0.3)
+    status, doc, _ = await post(proxy.url, "stall", stream=stream)
+    assert status == 504
+    assert doc["error"]["type"] == "upstream_timeout"
+    await wait_until(lambda: proxy.state.inflight == 0, what="in-flight back to 0")
+    text = proxy.state.telemetry.prometheus_text().decode()
+    assert 'unit_proxy_upstream_errors_total{kind="timeout"} 1.0' in text
+    assert 'unit_proxy_requests_total{code="504"} 1.0' in text
+
+
+async def test_engine_error_status_passes_through(make_proxy: ProxyFactory):
+    proxy = await make_proxy()
+    status, doc, resp = await post(proxy.url, "error500")
+    assert status == 500
+    assert doc == {"error": {"message": "engine exploded"}}
+    assert resp.headers["Content-Type"].startswith("application/json")
+
+
+async def test_unknown_route_is_404_and_not_forwarded(make_proxy: ProxyFactory, engine: FakeEngine):
+    proxy = await make_proxy()
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{proxy.url}/admin/../etc/passwd") as resp:
+            assert resp.status == 404
+            assert (await resp.json())["error"]["type"] == "not_found"
+        async with session.get(f"{proxy.url}/v2/models") as resp:  # Triton route, OpenAI front end
+            assert resp.status == 404
+    assert engine.started == 0
+
+
+async def test_body_over_limit_is_413(make_proxy: ProxyFactory, engine: FakeEngine):
+    proxy = await make_proxy(max_body_bytes=4096)
+    big = {"model": "m", "prompt": "x" * 10_000}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{proxy.url}/v1/completions", json=big) as resp:
+            assert resp.status == 413
+            assert "4096" in (await resp.json())["error"]["message"]
+
+        async def chunked():  # no Content-Length: the limit applies while reading
+            for _ in range(10):
+                yield b"x" * 1000
+
+        async with session.post(f"{proxy.url}/v1/completions", data=chunked()) as resp:
+            assert resp.status == 413
+    assert engine.started == 0
+
+
+async def raw_exchange(port: int, data: bytes, read_timeout: float = 5.0) -> bytes:
+    reader, writer = await asyncio.open_connection(LOOPBACK, port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        async with asyncio.timeout(read_timeout):
+            return await reader.read(65536)
+    finally:
+        writer.close()
+
+
+def status_of(answer: bytes) -> int:
+    assert answer.startswith(b"HTTP/1."), answer[:80]
+    return int(answer.split(b" ", 2)[1])
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+async def test_malformed_and_oversized_requests_get_4xx_and_proxy_survives(make_proxy: ProxyFactory):
+    proxy = await make_proxy()
+    port = port_of(proxy.url)
+    garbage = await raw_exchange(port, b"\x16\x03\x01\x02\x00 not http at all\r\n\r\n")
+    assert status_of(garbage) == 400
+    long_header = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n"
+    answer = await raw_exchange(port, long_header)
+    assert status_of(answer) in (400, 431)
+    bad_length = await raw_exchange(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n")
+    assert status_of(bad_length) == 400
+    async with aiohttp.ClientSession() as session, session.get(f"{proxy.url}/v1/models") as resp:
+        assert resp.status == 200
+
+
+async def test_slow_client_headers_and_body_are_cut(make_proxy: ProxyFactory, engine: FakeEngine):
+    proxy = await make_proxy(keepalive_timeout_seconds=0.3, body_read_timeout_seconds=0.3)
+    port = port_of(proxy.url)
+    # Headers trickled in and never finished: the connection is closed.
+    reader, writer = await asyncio.open_connection(LOOPBACK, port)
+    writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")
+    await writer.drain()
+    async with asyncio.timeout(3):
+        assert await reader.read() == b""
+    writer.close()
+    # A body announced but never sent: 408, and the engine never sees the request.
+    answer = await raw_exchange(
+        port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{", read_timeout=3
+    )
+    assert status_of(answer) == 408
+    assert engine.started == 0

@@ -1,0 +1,138 @@
+"""/health, /ready, /load and /metrics, driven by the fake engine and launcher."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import aiohttp
+import pytest
+from unit_proxy.health import CheckResult, HealthState, judge_launcher_status, parse_engine_load
+
+from .conftest import FakeEngine, FakeLauncher, ProxyFactory, wait_until
+
+
+async def get(url: str) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as session, session.get(url) as resp:
+        return resp.status, await resp.text()
+
+
+async def health_is(url: str, status: int) -> bool:
+    return (await get(f"{url}/health"))[0] == status
+
+
+async def test_health_follows_engine_launcher_and_drain(
+    make_proxy: ProxyFactory, engine: FakeEngine, launcher: FakeLauncher
+):
+    proxy = await make_proxy()
+    await wait_until(lambda: health_is(proxy.url, 200), what="/health 200 for a whole unit")
+
+    launcher.status["members"][1]["alive"] = False
+    launcher.status["members"][1]["last_heartbeat_age_s"] = 31.5
+    launcher.status["state"] = "degraded"
+    await wait_until(lambda: health_is(proxy.url, 503), what="/health 503 after a member is lost")
+    _status, text = await get(f"{proxy.url}/health")
+    assert "member rank 1 (10.0.1.6) not alive" in text and "degraded" in text
+    async with aiohttp.ClientSession() as session, session.get(f"{proxy.url}/ready") as resp:
+        ready = await resp.json()
+    assert resp.status == 503 and ready["healthy"] is False
+    assert ready["unit"]["ok"] is False and ready["engine"]["ok"] is True
+    assert ready["unit"]["launcher_status"]["state"] == "degraded"
+
+    launcher.status["members"][1]["alive"] = True
+    launcher.status["state"] = "serving"
+    await wait_until(lambda: health_is(proxy.url, 200), what="/health 200 after recovery")
+
+    engine.healthy = False
+    await wait_until(lambda: health_is(proxy.url, 503), what="/health 503 when the engine is unhealthy")
+    assert "engine: GET" in (await get(f"{proxy.url}/health"))[1]
+    engine.healthy = True
+    await wait_until(lambda: health_is(proxy.url, 200), what="/health 200 when the engine is back")
+
+    proxy.state.start_draining()
+    assert await health_is(proxy.url, 503)  # at once, no check round needed
+    assert "draining" in (await get(f"{proxy.url}/health"))[1]
+
+
+async def test_health_503_when_launcher_unreachable(make_proxy: ProxyFactory, launcher: FakeLauncher):
+    proxy = await make_proxy()
+    await wait_until(lambda: health_is(proxy.url, 200), what="/health 200")
+    await launcher.stop()
+    await wait_until(lambda: health_is(proxy.url, 503), what="/health 503 with the launcher gone")
+    assert "unit: GET" in (await get(f"{proxy.url}/health"))[1]
+
+
+def test_health_turns_503_when_checks_go_stale():
+    state = HealthState(stale_after=5.0)
+    state.last = CheckResult(engine_ok=True, unit_ok=True, checked_at=time.monotonic())
+    assert state.healthy
+    state.last.checked_at -= 60  # as if the checker had stopped a minute ago
+    assert not state.healthy
+    assert "last check is 60" in state.reasons()[0]
+    assert HealthState().reasons() == ["no check has completed yet"]
+
+
+async def test_session_change_counts_as_unit_restart(make_proxy: ProxyFactory, launcher: FakeLauncher):
+    proxy = await make_proxy()
+    await wait_until(lambda: health_is(proxy.url, 200), what="/health 200")
+    assert proxy.state.telemetry.restarts_total == 0
+    launcher.status["session_id"] = "s-2"
+    await wait_until(lambda: proxy.state.telemetry.restarts_total == 1, what="one restart counted")
+    await asyncio.sleep(0.2)  # several more rounds with the same session: still one
+    assert proxy.state.telemetry.restarts_total == 1
+    _status, text = await get(f"{proxy.url}/metrics")
+    assert "unit_proxy_unit_restarts_total 1.0" in text
+
+
+async def test_load_and_metrics_report_engine_figures(make_proxy: ProxyFactory):
+    proxy = await make_proxy(max_inflight=17)
+    await wait_until(lambda: proxy.state.telemetry.engine.running is not None, what="a metrics scrape")
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{proxy.url}/v1/completions", json={"model": "m", "prompt": "x", "stream": True}):
+            pass  # closed unread: counted as 499 (client went away)
+        async with session.post(f"{proxy.url}/v1/completions", json={"model": "m", "stream": True}) as resp:
+            assert b"[DONE]" in await resp.read()
+        async with session.get(f"{proxy.url}/load") as resp:
+            load = await resp.json()
+        async with session.get(f"{proxy.url}/metrics") as resp:
+            metrics = await resp.text()
+    assert load["queue_depth"] == 3.0 and load["running"] == 7.0 and load["kv_cache_usage"] == 0.42
+    assert load["max_inflight"] == 17 and load["inflight"] == 0 and load["requests_total"] == 2
+    assert load["healthy"] is True
+    assert "unit_proxy_engine_queue_depth 3.0" in metrics
+    assert "unit_proxy_engine_kv_cache_usage 0.42" in metrics
+    assert 'unit_proxy_requests_total{code="200"} 1.0' in metrics
+    assert 'unit_proxy_requests_total{code="499"} 1.0' in metrics
+    # The request closed unread may or may not have had its first token sent first.
+    assert re.search(r"^unit_proxy_time_to_first_token_seconds_count [12]\.0$", metrics, re.M)
+    assert "unit_proxy_request_latency_seconds_count 2.0" in metrics
+
+
+def test_parse_engine_load_sums_engines_and_takes_fullest_cache():
+    text = (
+        'vllm:num_requests_waiting{engine="0"} 2\nvllm:num_requests_waiting{engine="1"} 5\n'
+        'vllm:num_requests_running{engine="0"} 4\nvllm:num_requests_running{engine="1"} 1\n'
+        'vllm:kv_cache_usage_perc{engine="0"} 0.2\nvllm:kv_cache_usage_perc{engine="1"} 0.9\n'
+        "vllm:num_requests_waiting_by_reason 99\n"
+    )
+    load = parse_engine_load(text)
+    assert (load.queue_depth, load.running, load.kv_cache_usage) == (7, 5, 0.9)
+    assert parse_engine_load("").running is None
+    assert parse_engine_load("vllm:gpu_cache_usage_perc 0.5\n").kv_cache_usage == 0.5
+
+
+@pytest.mark.parametrize(
+    ("doc", "fragment"),
+    [
+        ({"state": "forming", "size": 2, "members": []}, "state is 'forming'"),
+        ({"state": "serving", "size": 2, "members": [{"rank": 0, "alive": True}]}, "1 of 2 members"),
+        ({"state": "serving", "size": 1, "members": [{"rank": 0, "alive": False}]}, "rank 0"),
+        ({"state": "serving"}, "lacks an integer 'size'"),
+        ([1, 2], "not a JSON object"),
+    ],
+)
+def test_launcher_status_judgement(doc, fragment):
+    ok, detail = judge_launcher_status(doc)
+    assert not ok and fragment in detail
+    assert judge_launcher_status({"state": "serving", "size": 1, "members": [{"alive": True}]})[0]

@@ -1,0 +1,65 @@
+"""Settings from the environment: defaults, and clear errors for bad values."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from unit_proxy.settings import Settings, SettingsError
+
+
+def test_defaults_follow_the_contract():
+    s = Settings.from_env({})
+    assert s.port == 8080 and s.upstream_url == "http://127.0.0.1:8000"
+    assert s.launcher_status_url == "http://127.0.0.1:29400/status"
+    assert s.engine_health_url == "http://127.0.0.1:8000/health"
+    assert s.engine_metrics_url == "http://127.0.0.1:8000/metrics"
+    assert s.drain_timeout_seconds == 600 and s.frontend == "openai" and not s.emf_enabled
+
+
+def test_triton_frontend_and_overrides():
+    s = Settings.from_env(
+        {
+            "FRONTEND": "triton",
+            "UPSTREAM_URL": "http://127.0.0.1:9000/",
+            "MAX_INFLIGHT": "32",
+            "DRAIN_SECONDS": "5",
+            "METRICS_NAMESPACE": "Rufus/UnitProxy",
+            "CELL": "dev",
+            "UNIT_ID": "u3",
+            "LAUNCHER_STATUS_URL": "",
+        }
+    )
+    assert s.routes == ("/v2/",) and s.engine_health_url == "http://127.0.0.1:9000/v2/health/ready"
+    assert s.engine_metrics_url == "http://127.0.0.1:8002/metrics"
+    assert s.max_inflight == 32 and s.drain_seconds == 5 and s.emf_enabled and s.launcher_status_url == ""
+
+
+@pytest.mark.parametrize(
+    ("env", "fragment"),
+    [
+        ({"PROXY_PORT": "http"}, "PROXY_PORT='http' is not allowed: an integer from 1 to 65535"),
+        ({"MAX_INFLIGHT": "0"}, "MAX_INFLIGHT='0'"),
+        ({"FRONTEND": "grpc"}, "'openai' or 'triton'"),
+        ({"UPSTREAM_URL": "127.0.0.1:8000"}, "UPSTREAM_URL='127.0.0.1:8000' is not allowed: an http://"),
+        ({"DRAIN_TIMEOUT_SECONDS": "-1"}, "DRAIN_TIMEOUT_SECONDS"),
+        ({"CELL": "dev"}, "METRICS_NAMESPACE, CELL and UNIT_ID are set together"),
+    ],
+)
+def test_bad_values_name_the_variable_and_what_is_allowed(env, fragment):
+    with pytest.raises(SettingsError, match="is not allowed") as info:
+        Settings.from_env(env)
+    assert fragment in str(info.value)
+
+
+def test_process_exits_2_with_the_message_on_bad_settings():
+    proc = subprocess.run(
+        [sys.executable, "-m", "unit_proxy"],
+        env={"PROXY_PORT": "99999", "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 2
+    assert "PROXY_PORT='99999' is not allowed" in proc.stderr

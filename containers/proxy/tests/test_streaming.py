@@ -1,0 +1,121 @@
+"""Streaming through the proxy: the official OpenAI client, no buffering, cancel on
+disconnect, and a stream cut by an engine crash."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import openai
+import pytest
+
+from .conftest import FakeEngine, ProxyFactory, wait_until
+
+
+def client(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="test", max_retries=0, timeout=10)
+
+
+async def test_openai_client_streams_chat_without_buffering(engine: FakeEngine, make_proxy: ProxyFactory):
+    proxy = await make_proxy()
+    arrivals: list[float] = []
+    texts: list[str] = []
+    async with client(proxy.url) as c:
+        stream = await c.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "hi"}],
+            stream=True,
+            extra_headers={"x-tokens": "5", "x-gap": "0.1"},
+        )
+        async for chunk in stream:
+            arrivals.append(time.monotonic())
+            texts.append(chunk.choices[0].delta.content or "")
+    assert texts == [f"tok{i} " for i in range(5)]
+    # The engine spaces tokens 0.1 s apart: a buffering proxy would deliver them together.
+    assert arrivals[-1] - arrivals[0] > 0.25, arrivals
+    assert engine.finished == 1
+
+
+async def test_openai_client_completions_stream_and_plain(engine: FakeEngine, make_proxy: ProxyFactory):
+    proxy = await make_proxy()
+    async with client(proxy.url) as c:
+        stream = await c.completions.create(model="m", prompt="hello", stream=True, extra_headers={"x-tokens": "3"})
+        texts = [chunk.choices[0].text async for chunk in stream]
+        plain = await c.completions.create(model="m", prompt="hello", extra_headers={"x-tokens": "3"})
+        models = await c.models.list()
+    assert texts == ["tok0 ", "tok1 ", "tok2 "]
+    assert plain.choices[0].text == "tok0 tok1 tok2 "
+    assert [m.id for m in models.data] == ["m"]
+    assert json.loads(engine.bodies[0])["prompt"] == "hello"
+
+
+async def test_client_disconnect_cancels_upstream_at_once(engine: FakeEngine, make_proxy: ProxyFactory):
+    proxy = await make_proxy()
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(
+            f"{proxy.url}/v1/completions",
+            json={"model": "m", "prompt": "x", "stream": True},
+            # A long gap: a proxy that only noticed the disconnect on its next write
+            # would hold the engine request for seconds.
+            headers={"x-tokens": "1000", "x-gap": "5"},
+        )
+        assert resp.status == 200
+        first = await resp.content.readany()
+        assert b"tok0" in first
+        closed_at = time.monotonic()
+        resp.close()  # drops the client connection mid-stream
+    await wait_until(lambda: engine.cancelled == 1, timeout=3, what="the engine to see the cancel")
+    assert engine.cancelled_at is not None and engine.cancelled_at - closed_at < 1.0
+    assert engine.finished == 0
+    await wait_until(lambda: proxy.state.inflight == 0, timeout=3, what="in-flight count back to 0")
+
+
+async def test_engine_crash_mid_stream_ends_with_error_event(engine: FakeEngine, make_proxy: ProxyFactory):
+    proxy = await make_proxy()
+    received: list[str] = []
+    async with client(proxy.url) as c:
+        stream = await c.completions.create(
+            model="m", prompt="x", stream=True, extra_headers={"x-cue": "crash", "x-tokens": "10"}
+        )
+        with pytest.raises(openai.APIError, match="engine stream cut"):
+            async with asyncio.timeout(5):  # a hang fails the test instead of blocking it
+                async for chunk in stream:
+                    received.append(chunk.choices[0].text)
+    assert received == ["tok0 ", "tok1 "]
+    assert proxy.state.telemetry.load_json()["requests_total"] == 1
+    metrics = proxy.state.telemetry.prometheus_text().decode()
+    assert 'unit_proxy_upstream_errors_total{kind="cut"} 1.0' in metrics
+
+
+async def test_engine_stall_mid_stream_ends_with_error_event(engine: FakeEngine, make_proxy: ProxyFactory):
+    proxy = await make_proxy(upstream_read_timeout_seconds=0.3)
+    async with aiohttp.ClientSession() as session:
+        async with asyncio.timeout(5):
+            resp = await session.post(
+                f"{proxy.url}/v1/completions",
+                json={"model": "m", "prompt": "x", "stream": True},
+                headers={"x-cue": "stall_mid"},
+            )
+            body = await resp.read()
+    assert resp.status == 200
+    assert b"tok0" in body
+    assert b'"type": "upstream_stream_error"' in body and b"stalled" in body
+    await wait_until(lambda: engine.cancelled == 1, timeout=3, what="the stalled engine request to be dropped")
+
+
+async def test_triton_front_end_routes_and_health(engine: FakeEngine, make_proxy: ProxyFactory):
+    proxy = await make_proxy(frontend="triton")
+    await wait_until(lambda: proxy.state.health.healthy, what="health via /v2/health/ready")
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            f"{proxy.url}/v2/models/llm/generate_stream",
+            json={"text_input": "hi", "parameters": {"stream": True, "max_tokens": 3}},
+        ) as resp:
+            assert resp.status == 200 and resp.content_type == "text/event-stream"
+            events = [json.loads(e.removeprefix("data: ")) for e in (await resp.text()).split("\n\n") if e]
+        async with session.post(f"{proxy.url}/v1/completions", json={"model": "m", "prompt": "x"}) as resp:
+            assert resp.status == 404  # OpenAI routes are not served by the Triton front end
+    assert [e["text_output"] for e in events] == ["tok0 ", "tok1 ", "tok2 "]
+    assert engine.started == 1

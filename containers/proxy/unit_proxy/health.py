@@ -1,0 +1,218 @@
+"""Background checks of the unit: engine health, launcher status and engine load.
+
+The checks run on a short interval; `/health` and `/ready` answer from the last result,
+so the load balancer's probe never waits on the engine or the launcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from unit_proxy.settings import Settings
+from unit_proxy.telemetry import EngineLoad, Telemetry
+
+log = logging.getLogger("unit_proxy.health")
+
+QUEUE_METRIC = "vllm:num_requests_waiting"
+RUNNING_METRIC = "vllm:num_requests_running"
+KV_METRICS = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # the second: vLLM < 0.10
+_WANTED = (QUEUE_METRIC, RUNNING_METRIC, *KV_METRICS)
+
+
+@dataclass
+class CheckResult:
+    """Outcome of one round of checks."""
+
+    engine_ok: bool = False
+    engine_detail: str = "not checked yet"
+    unit_ok: bool = False
+    unit_detail: str = "not checked yet"
+    launcher: dict[str, Any] | None = None
+    checked_at: float = 0.0  # time.monotonic() of the round; 0 = never
+    checked_wall: float = 0.0
+
+
+@dataclass
+class HealthState:
+    """What `/health` answers from; written by the monitor and by the drain."""
+
+    last: CheckResult = field(default_factory=CheckResult)
+    draining: bool = False
+    stale_after: float = 10.0
+
+    def reasons(self) -> list[str]:
+        out: list[str] = []
+        if self.draining:
+            out.append("draining (SIGTERM received)")
+        last = self.last
+        if last.checked_at == 0.0:
+            out.append("no check has completed yet")
+            return out
+        age = time.monotonic() - last.checked_at
+        if age > self.stale_after:
+            out.append(f"last check is {age:.1f} s old (limit {self.stale_after:.1f} s)")
+        if not last.engine_ok:
+            out.append(f"engine: {last.engine_detail}")
+        if not last.unit_ok:
+            out.append(f"unit: {last.unit_detail}")
+        return out
+
+    @property
+    def healthy(self) -> bool:
+        return not self.reasons()
+
+
+def judge_launcher_status(status: Any) -> tuple[bool, str]:
+    """Whether the launcher's /status document describes a whole, serving unit, and why not."""
+    if not isinstance(status, dict):
+        return False, f"status is not a JSON object: {type(status).__name__}"
+    state, size, members = status.get("state"), status.get("size"), status.get("members")
+    if not isinstance(size, int) or not isinstance(members, list):
+        return False, "status lacks an integer 'size' and a 'members' list"
+    problems: list[str] = []
+    if state != "serving":
+        problems.append(f"state is {state!r}, not 'serving'")
+    if len(members) != size:
+        problems.append(f"{len(members)} of {size} members present")
+    for member in members:
+        if not isinstance(member, dict) or member.get("alive") is not True:
+            rank = member.get("rank", "?") if isinstance(member, dict) else "?"
+            address = member.get("address", "?") if isinstance(member, dict) else "?"
+            age = member.get("last_heartbeat_age_s") if isinstance(member, dict) else None
+            since = f", last heartbeat {age} s ago" if age is not None else ""
+            problems.append(f"member rank {rank} ({address}) not alive{since}")
+    if problems:
+        return False, "; ".join(problems)
+    return True, f"{size} of {size} members alive, serving"
+
+
+def parse_engine_load(text: str) -> EngineLoad:
+    """The three load figures from a Prometheus exposition; label sets are summed (several
+    engines behind one API server), KV usage takes the fullest engine."""
+    # Only the wanted lines are parsed: a vLLM exposition is large (histograms) and parsing
+    # all of it would stall the event loop that carries the token streams.
+    lines = [line for line in text.splitlines() if line.startswith(_WANTED)]
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families("\n".join(lines) + "\n"):
+        for sample in family.samples:
+            if sample.name in KV_METRICS:
+                sums[sample.name] = max(sums.get(sample.name, 0.0), sample.value)
+            else:
+                sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+    kv = next((sums[name] for name in KV_METRICS if name in sums), None)
+    return EngineLoad(queue_depth=sums.get(QUEUE_METRIC), running=sums.get(RUNNING_METRIC), kv_cache_usage=kv)
+
+
+class HealthMonitor:
+    """Runs the checks forever; one round at a time, each check bounded by a timeout."""
+
+    def __init__(self, settings: Settings, state: HealthState, telemetry: Telemetry) -> None:
+        self.settings = settings
+        self.state = state
+        self.telemetry = telemetry
+        self._session: aiohttp.ClientSession | None = None
+        self._session_id: str | None = None
+        state.stale_after = 3 * settings.health_interval_seconds + settings.health_timeout_seconds + 1
+
+    async def run(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.settings.health_timeout_seconds)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            self._session = session
+            while True:
+                started = time.monotonic()
+                try:
+                    await self.check_once()
+                except Exception:  # a bug in a check must not stop health reporting
+                    log.exception("health check round failed")
+                elapsed = time.monotonic() - started
+                await asyncio.sleep(max(0.0, self.settings.health_interval_seconds - elapsed))
+
+    async def check_once(self) -> CheckResult:
+        engine, unit, load = await asyncio.gather(self._engine(), self._launcher(), self._load())
+        result = CheckResult(
+            engine_ok=engine[0],
+            engine_detail=engine[1],
+            unit_ok=unit[0],
+            unit_detail=unit[1],
+            launcher=unit[2],
+            checked_at=time.monotonic(),
+            checked_wall=time.time(),
+        )
+        was = self.state.healthy
+        self.state.last = result
+        self.telemetry.set_engine_load(load)
+        self.telemetry.set_healthy(self.state.healthy)
+        if was != self.state.healthy:
+            log.log(
+                logging.INFO if self.state.healthy else logging.WARNING,
+                "unit health %s: %s",
+                "OK" if self.state.healthy else "LOST",
+                "; ".join(self.state.reasons()) or result.unit_detail,
+            )
+        return result
+
+    async def _get(self, url: str) -> tuple[int, bytes]:
+        assert self._session is not None
+        async with self._session.get(url) as resp:
+            return resp.status, await resp.read()
+
+    async def _engine(self) -> tuple[bool, str]:
+        url = self.settings.engine_health_url
+        try:
+            status, _ = await self._get(url)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return False, f"GET {url} failed: {_describe(exc)}"
+        if status != 200:
+            return False, f"GET {url} answered {status}"
+        return True, "healthy"
+
+    async def _launcher(self) -> tuple[bool, str, dict[str, Any] | None]:
+        url = self.settings.launcher_status_url
+        if not url:
+            return True, "launcher check off (LAUNCHER_STATUS_URL empty)", None
+        try:
+            status, body = await self._get(url)
+            if status != 200:
+                return False, f"GET {url} answered {status}", None
+            doc = _json(body)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            return False, f"GET {url} failed: {_describe(exc)}", None
+        session_id = doc.get("session_id") if isinstance(doc, dict) else None
+        if isinstance(session_id, str) and session_id:
+            if self._session_id is not None and session_id != self._session_id:
+                log.warning("launcher session changed %s -> %s: unit restarted", self._session_id, session_id)
+                self.telemetry.unit_restarted()
+            self._session_id = session_id
+        ok, detail = judge_launcher_status(doc)
+        return ok, detail, doc if isinstance(doc, dict) else None
+
+    async def _load(self) -> EngineLoad:
+        url = self.settings.engine_metrics_url
+        if not url:
+            return EngineLoad()
+        try:
+            status, body = await self._get(url)
+            if status != 200:
+                return EngineLoad()
+            return parse_engine_load(body.decode("utf-8", "replace"))
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.debug("engine metrics scrape failed: %s", _describe(exc))
+            return EngineLoad()
+
+
+def _json(body: bytes) -> Any:
+    return json.loads(body)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -1,0 +1,389 @@
+"""The data path: streaming pass-through to the engine, admission control, error mapping,
+and the proxy's own endpoints (/health, /ready, /load, /metrics).
+
+Bytes from the engine are written to the client as they arrive (no buffering of
+server-sent events); `StreamResponse.write` waits while the client's socket buffer is
+full, and the next upstream read only happens after that, so backpressure reaches the
+engine. When the client goes away aiohttp cancels the handler (handler_cancellation),
+which closes the upstream connection at once: the engine sees the disconnect and frees
+the request's KV cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from unit_proxy.health import HealthMonitor, HealthState
+from unit_proxy.settings import Settings
+from unit_proxy.telemetry import Telemetry, write_emf
+
+log = logging.getLogger("unit_proxy")
+
+# RFC 9110 section 7.6.1 hop-by-hop headers, plus the ones aiohttp recomputes.
+_HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection",
+        "Keep-Alive",
+        "Proxy-Authenticate",
+        "Proxy-Authorization",
+        "Proxy-Connection",
+        "TE",
+        "Trailer",
+        "Transfer-Encoding",
+        "Upgrade",
+        "Host",
+        "Content-Length",
+    )
+)
+# Upstream responses up to this size with a Content-Length are read whole and sent in
+# one write (cheaper than chunked streaming for small JSON answers).
+_SMALL_BODY = 256 * 1024
+
+_TTFT: web.RequestKey[float] = web.RequestKey("unit_proxy_ttft", float)
+STATE_KEY: web.AppKey[ProxyState] = web.AppKey("unit_proxy_state")
+
+
+class ProxyState:
+    """Mutable state shared by the handlers, the monitor and the drain."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.inflight = 0
+        self.closing = False  # past the drain window: refuse new requests
+        self.health = HealthState()
+        self.telemetry = Telemetry(lambda: self.inflight)
+        self.session: aiohttp.ClientSession | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def enter(self) -> None:
+        self.inflight += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.inflight -= 1
+        if self.inflight == 0:
+            self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """True when no request is in flight, False if `timeout` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def start_draining(self) -> None:
+        self.health.draining = True
+        self.telemetry.draining.set(1)
+        self.telemetry.set_healthy(False)
+
+
+def error_response(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> web.Response:
+    """An OpenAI-style JSON error body."""
+    body = json.dumps({"error": {"message": message, "type": kind, "code": status}})
+    return web.Response(status=status, text=body, content_type="application/json", headers=headers)
+
+
+def _sse_error_event(message: str) -> bytes:
+    # The OpenAI client turns a `data: {"error": ...}` event into an APIError.
+    payload = json.dumps({"error": {"message": message, "type": "upstream_stream_error", "code": 502}})
+    return f"data: {payload}\n\n".encode()
+
+
+def _forward_headers(headers: Any) -> CIMultiDict[str]:
+    out: CIMultiDict[str] = CIMultiDict()
+    connection_tokens = {t.strip().lower() for t in headers.get("Connection", "").split(",") if t.strip()}
+    for name, value in headers.items():
+        low = name.lower()
+        if low not in _HOP_BY_HOP and low not in connection_tokens:
+            out.add(name, value)
+    return out
+
+
+async def proxy_handler(request: web.Request) -> web.StreamResponse:
+    """Forward one request to the engine and stream the answer back."""
+    state = request.app[STATE_KEY]
+    settings = state.settings
+    telemetry = state.telemetry
+    if not request.path.startswith(settings.routes):
+        return error_response(404, f"no route {request.path} on this {settings.frontend} front end", "not_found")
+    if state.closing:
+        return error_response(503, "proxy is shutting down", "unavailable", {"Connection": "close"})
+    if state.inflight >= settings.max_inflight:
+        telemetry.request_rejected()
+        return error_response(
+            429,
+            f"unit at its in-flight limit ({settings.max_inflight}); retry",
+            "overloaded",
+            {"Retry-After": str(settings.retry_after_seconds)},
+        )
+    started = time.perf_counter()
+    state.enter()
+    status = 500
+    ttft: float | None = None
+    try:
+        status, ttft, response = await _forward(request, state, started)
+        return response
+    except (asyncio.CancelledError, ConnectionResetError):
+        status = 499  # the client went away (nginx's convention)
+        ttft = request.get(_TTFT)  # tokens may have reached the client before it left
+        raise
+    finally:
+        state.leave()
+        telemetry.request_done(status, ttft, time.perf_counter() - started)
+
+
+async def _read_body(request: web.Request, settings: Settings) -> bytes | web.Response:
+    if not request.body_exists:
+        return b""
+    length = request.content_length
+    if length is not None and length > settings.max_body_bytes:
+        return error_response(
+            413, f"request body of {length} bytes exceeds the limit of {settings.max_body_bytes}", "too_large"
+        )
+    try:
+        return await asyncio.wait_for(request.read(), settings.body_read_timeout_seconds)
+    except web.HTTPRequestEntityTooLarge:
+        return error_response(413, f"request body exceeds the limit of {settings.max_body_bytes} bytes", "too_large")
+    except TimeoutError:
+        return error_response(
+            408,
+            f"request body not received within {settings.body_read_timeout_seconds:g} s",
+            "timeout",
+            {"Connection": "close"},
+        )
+
+
+async def _forward(
+    request: web.Request, state: ProxyState, started: float
+) -> tuple[int, float | None, web.StreamResponse]:
+    settings = state.settings
+    telemetry = state.telemetry
+    body = await _read_body(request, settings)
+    if isinstance(body, web.Response):
+        return body.status, None, body
+    assert state.session is not None
+    url = settings.upstream_url + request.raw_path
+    headers = _forward_headers(request.headers)
+    try:
+        upstream = await state.session.request(
+            request.method, url, headers=headers, data=body if body else None, allow_redirects=False
+        )
+    except aiohttp.ClientConnectorError as exc:
+        telemetry.upstream_error("connect")
+        return (
+            502,
+            None,
+            error_response(502, f"engine refused the connection: {exc.os_error}", "upstream_unavailable"),
+        )
+    except (TimeoutError, aiohttp.ServerTimeoutError):
+        telemetry.upstream_error("timeout")
+        return 504, None, error_response(504, "engine did not answer in time", "upstream_timeout")
+    except aiohttp.ClientError as exc:
+        telemetry.upstream_error("reset")
+        return 502, None, error_response(502, f"engine connection failed: {_describe(exc)}", "upstream_error")
+
+    try:
+        out_headers = _forward_headers(upstream.headers)
+        length = upstream.content_length
+        is_sse = upstream.content_type == "text/event-stream"
+        if length is not None and length <= _SMALL_BODY and not is_sse:
+            try:
+                data = await upstream.read()
+            except (TimeoutError, aiohttp.ServerTimeoutError):
+                telemetry.upstream_error("timeout")
+                return (
+                    504,
+                    None,
+                    error_response(504, "engine did not finish its answer in time", "upstream_timeout"),
+                )
+            except aiohttp.ClientError as exc:
+                telemetry.upstream_error("reset")
+                return (
+                    502,
+                    None,
+                    error_response(502, f"engine answer cut: {_describe(exc)}", "upstream_error"),
+                )
+            ttft = time.perf_counter() - started
+            return upstream.status, ttft, web.Response(status=upstream.status, body=data, headers=out_headers)
+
+        response = web.StreamResponse(status=upstream.status, headers=out_headers)
+        ttft: float | None = None
+        first_chunk: bytes | None = None
+        try:
+            # The first chunk is awaited before answering, so an engine that stalls or
+            # dies before any byte still gets a proper 504/502 status.
+            first_chunk = await upstream.content.readany()
+        except (TimeoutError, aiohttp.ServerTimeoutError):
+            telemetry.upstream_error("timeout")
+            return (
+                504,
+                None,
+                error_response(504, "engine sent headers but no body in time", "upstream_timeout"),
+            )
+        except aiohttp.ClientError as exc:
+            telemetry.upstream_error("reset")
+            return 502, None, error_response(502, f"engine answer cut: {_describe(exc)}", "upstream_error")
+        await response.prepare(request)
+        if first_chunk:
+            await response.write(first_chunk)
+            ttft = request[_TTFT] = time.perf_counter() - started
+            try:
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
+            except (TimeoutError, aiohttp.ServerTimeoutError):
+                telemetry.upstream_error("timeout")
+                return (
+                    504,
+                    ttft,
+                    await _end_cut_stream(request, response, is_sse, "engine stalled mid-stream (timeout)"),
+                )
+            except aiohttp.ClientPayloadError as exc:
+                telemetry.upstream_error("cut")
+                return (
+                    502,
+                    ttft,
+                    await _end_cut_stream(request, response, is_sse, f"engine stream cut: {_describe(exc)}"),
+                )
+            except aiohttp.ClientError as exc:
+                telemetry.upstream_error("cut")
+                return (
+                    502,
+                    ttft,
+                    await _end_cut_stream(request, response, is_sse, f"engine stream cut: {_describe(exc)}"),
+                )
+        await response.write_eof()
+        return upstream.status, ttft, response
+    except (ConnectionResetError, asyncio.CancelledError):
+        # The client went away: drop the engine connection now rather than draining it.
+        upstream.close()
+        raise
+    finally:
+        upstream.release()
+
+
+async def _end_cut_stream(
+    request: web.Request, response: web.StreamResponse, is_sse: bool, message: str
+) -> web.StreamResponse:
+    log.warning("%s", message)
+    if is_sse:
+        await response.write(_sse_error_event(message))
+        await response.write_eof()
+        return response
+    # Not SSE: there is no in-band way to signal the error, so the connection is cut and
+    # the client sees an incomplete chunked body, never a silent success.
+    if request.transport is not None:
+        request.transport.close()
+    return response
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+async def health_handler(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    reasons = state.health.reasons()
+    if not reasons:
+        return web.Response(text="ok\n")
+    return web.Response(status=503, text="unhealthy: " + "; ".join(reasons) + "\n")
+
+
+async def ready_handler(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    health = state.health
+    last = health.last
+    reasons = health.reasons()
+    doc = {
+        "healthy": not reasons,
+        "reasons": reasons,
+        "draining": health.draining,
+        "engine": {"ok": last.engine_ok, "detail": last.engine_detail},
+        "unit": {"ok": last.unit_ok, "detail": last.unit_detail, "launcher_status": last.launcher},
+        "checked_at": last.checked_wall or None,
+        "check_age_s": round(time.monotonic() - last.checked_at, 3) if last.checked_at else None,
+        "inflight": state.inflight,
+        "max_inflight": state.settings.max_inflight,
+    }
+    return web.json_response(doc, status=200 if not reasons else 503)
+
+
+async def load_handler(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    doc = state.telemetry.load_json()
+    doc["max_inflight"] = state.settings.max_inflight
+    doc["draining"] = state.health.draining
+    return web.json_response(doc)
+
+
+async def metrics_handler(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    return web.Response(body=state.telemetry.prometheus_text(), headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+async def _emf_loop(state: ProxyState) -> None:
+    s = state.settings
+    while True:
+        await asyncio.sleep(s.emf_interval_seconds)
+        events = state.telemetry.emf_events(s.metrics_namespace, s.cell, s.unit_id)
+        # Docker's log drivers block a full stdout pipe: write from a thread so that a
+        # slow log pipeline can never stall the token streams.
+        await asyncio.to_thread(write_emf, events)
+
+
+def flush_emf(state: ProxyState) -> None:
+    s = state.settings
+    if s.emf_enabled:
+        write_emf(state.telemetry.emf_events(s.metrics_namespace, s.cell, s.unit_id))
+
+
+def build_app(settings: Settings) -> tuple[web.Application, ProxyState]:
+    """The aiohttp application; background tasks start and stop with it."""
+    # client_max_size bounds the body even when no Content-Length is sent (chunked).
+    app = web.Application(client_max_size=settings.max_body_bytes)
+    state = ProxyState(settings)
+    app[STATE_KEY] = state
+    app.router.add_get("/health", health_handler)
+    app.router.add_get("/ready", ready_handler)
+    app.router.add_get("/load", load_handler)
+    app.router.add_get("/metrics", metrics_handler)
+    app.router.add_route("*", "/{tail:.*}", proxy_handler)
+
+    async def lifecycle(app: web.Application) -> Any:
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=300)
+        timeout = aiohttp.ClientTimeout(
+            total=None,
+            connect=settings.upstream_connect_timeout_seconds,
+            sock_read=settings.upstream_read_timeout_seconds,
+        )
+        state.session = aiohttp.ClientSession(
+            connector=connector,
+            # One session serves every client: it must never keep or replay cookies.
+            cookie_jar=aiohttp.DummyCookieJar(),
+            timeout=timeout,
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        )
+        monitor = HealthMonitor(settings, state.health, state.telemetry)
+        tasks = [asyncio.create_task(monitor.run(), name="health")]
+        if settings.emf_enabled:
+            tasks.append(asyncio.create_task(_emf_loop(state), name="emf"))
+        yield
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        flush_emf(state)
+        await state.session.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    return app, state

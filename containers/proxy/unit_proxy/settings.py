@@ -1,0 +1,170 @@
+"""The proxy's settings, read once from the environment (names in docs/contracts.md).
+
+Every value is checked at start: a bad one raises `SettingsError` naming the variable,
+the value and what is allowed, and the proxy exits before it listens.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+from urllib.parse import urlsplit
+
+# Routes the engine front ends serve; anything else is answered 404 by the proxy itself
+# so that probes and scanners never reach the engine.
+OPENAI_ROUTES: tuple[str, ...] = (
+    "/v1/",
+    "/tokenize",
+    "/detokenize",
+    "/version",
+    "/invocations",
+    "/pooling",
+    "/classify",
+    "/score",
+    "/rerank",
+)
+TRITON_ROUTES: tuple[str, ...] = ("/v2/",)
+
+
+class SettingsError(ValueError):
+    """An environment variable of the proxy has a value that is not allowed."""
+
+    def __init__(self, name: str, value: str, allowed: str) -> None:
+        super().__init__(f"{name}={value!r} is not allowed: {allowed}")
+        self.name = name
+
+
+def _int(env: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SettingsError(name, raw, f"an integer from {low} to {high}") from None
+    if not low <= value <= high:
+        raise SettingsError(name, raw, f"an integer from {low} to {high}")
+    return value
+
+
+def _float(env: Mapping[str, str], name: str, default: float, low: float, high: float) -> float:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingsError(name, raw, f"a number of seconds from {low:g} to {high:g}") from None
+    if not low <= value <= high:
+        raise SettingsError(name, raw, f"a number of seconds from {low:g} to {high:g}")
+    return value
+
+
+def _url(env: Mapping[str, str], name: str, default: str, *, optional: bool = False) -> str:
+    raw = env.get(name)
+    raw = default if raw is None else raw.strip()
+    if optional and raw == "":
+        return ""
+    parts = urlsplit(raw)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        hint = " (or empty to turn it off)" if optional else ""
+        raise SettingsError(name, raw, f"an http:// or https:// URL with a host{hint}")
+    return raw.rstrip("/") if name == "UPSTREAM_URL" else raw
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Resolved settings of one proxy process."""
+
+    host: str = "0.0.0.0"
+    port: int = 8080
+    upstream_url: str = "http://127.0.0.1:8000"
+    launcher_status_url: str = "http://127.0.0.1:29400/status"
+    engine_metrics_url: str = "http://127.0.0.1:8000/metrics"
+    frontend: Literal["openai", "triton"] = "openai"
+    max_inflight: int = 256
+    drain_seconds: float = 120.0
+    drain_timeout_seconds: float = 600.0
+    metrics_namespace: str = ""
+    cell: str = ""
+    unit_id: str = ""
+    health_interval_seconds: float = 2.0
+    health_timeout_seconds: float = 2.0
+    emf_interval_seconds: float = 5.0
+    max_body_bytes: int = 16 * 1024 * 1024
+    body_read_timeout_seconds: float = 30.0
+    upstream_connect_timeout_seconds: float = 5.0
+    upstream_read_timeout_seconds: float = 600.0
+    keepalive_timeout_seconds: float = 905.0
+    retry_after_seconds: int = 1
+
+    @property
+    def routes(self) -> tuple[str, ...]:
+        return OPENAI_ROUTES if self.frontend == "openai" else TRITON_ROUTES
+
+    @property
+    def engine_health_url(self) -> str:
+        path = "/health" if self.frontend == "openai" else "/v2/health/ready"
+        return self.upstream_url + path
+
+    @property
+    def emf_enabled(self) -> bool:
+        return bool(self.metrics_namespace and self.cell and self.unit_id)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        """Read and check every PROXY setting from `env` (default: os.environ)."""
+        env = os.environ if env is None else env
+        frontend = env.get("FRONTEND", "openai").strip() or "openai"
+        if frontend not in ("openai", "triton"):
+            raise SettingsError("FRONTEND", frontend, "'openai' or 'triton'")
+        upstream = _url(env, "UPSTREAM_URL", cls.upstream_url)
+        # Triton serves Prometheus metrics on its own port (8002), vLLM on its API port.
+        default_metrics = upstream + "/metrics" if frontend == "openai" else "http://127.0.0.1:8002/metrics"
+        namespace = env.get("METRICS_NAMESPACE", "").strip()
+        cell = env.get("CELL", "").strip()
+        unit_id = env.get("UNIT_ID", "").strip()
+        for name, value in (("METRICS_NAMESPACE", namespace), ("CELL", cell), ("UNIT_ID", unit_id)):
+            if len(value) > 255 or any(ord(c) < 32 for c in value):
+                raise SettingsError(name, value, "at most 255 printable characters")
+        if any((namespace, cell, unit_id)) and not all((namespace, cell, unit_id)):
+            missing = [n for n, v in (("METRICS_NAMESPACE", namespace), ("CELL", cell), ("UNIT_ID", unit_id)) if not v]
+            raise SettingsError(
+                missing[0],
+                "",
+                "METRICS_NAMESPACE, CELL and UNIT_ID are set together (EMF needs all three) or not at all",
+            )
+        health_interval = _float(env, "HEALTH_INTERVAL_SECONDS", cls.health_interval_seconds, 0.05, 60)
+        return cls(
+            host=env.get("PROXY_HOST", cls.host).strip() or cls.host,
+            port=_int(env, "PROXY_PORT", cls.port, 1, 65535),
+            upstream_url=upstream,
+            launcher_status_url=_url(env, "LAUNCHER_STATUS_URL", cls.launcher_status_url, optional=True),
+            engine_metrics_url=_url(env, "ENGINE_METRICS_URL", default_metrics, optional=True),
+            frontend=frontend,  # type: ignore[arg-type]
+            max_inflight=_int(env, "MAX_INFLIGHT", cls.max_inflight, 1, 1_000_000),
+            drain_seconds=_float(env, "DRAIN_SECONDS", cls.drain_seconds, 0, 3600),
+            drain_timeout_seconds=_float(env, "DRAIN_TIMEOUT_SECONDS", cls.drain_timeout_seconds, 0, 3600),
+            metrics_namespace=namespace,
+            cell=cell,
+            unit_id=unit_id,
+            health_interval_seconds=health_interval,
+            health_timeout_seconds=_float(env, "HEALTH_TIMEOUT_SECONDS", min(2.0, health_interval * 4), 0.05, 60),
+            emf_interval_seconds=_float(env, "EMF_INTERVAL_SECONDS", cls.emf_interval_seconds, 0.05, 300),
+            max_body_bytes=_int(env, "MAX_BODY_BYTES", cls.max_body_bytes, 1024, 1024**3),
+            body_read_timeout_seconds=_float(
+                env, "BODY_READ_TIMEOUT_SECONDS", cls.body_read_timeout_seconds, 0.05, 3600
+            ),
+            upstream_connect_timeout_seconds=_float(
+                env, "UPSTREAM_CONNECT_TIMEOUT_SECONDS", cls.upstream_connect_timeout_seconds, 0.05, 300
+            ),
+            upstream_read_timeout_seconds=_float(
+                env, "UPSTREAM_READ_TIMEOUT_SECONDS", cls.upstream_read_timeout_seconds, 0.05, 86400
+            ),
+            keepalive_timeout_seconds=_float(
+                env, "KEEPALIVE_TIMEOUT_SECONDS", cls.keepalive_timeout_seconds, 0.05, 86400
+            ),
+            retry_after_seconds=_int(env, "RETRY_AFTER_SECONDS", cls.retry_after_seconds, 0, 3600),
+        )

@@ -1,0 +1,239 @@
+"""Load and latency figures of one proxy, reported as Prometheus metrics, JSON and EMF lines.
+
+CloudWatch Embedded Metric Format (EMF) lines are plain JSON written to stdout; the ECS
+awslogs driver ships them and CloudWatch extracts the metrics, so no agent and no AWS
+call is needed. The format is documented at
+https://docs.aws.amazon.com/AmazonCloudWatch/latest/monitoring/CloudWatch_Embedded_Metric_Format_Specification.html
+(the `aws-embedded-metrics` library was not used: on ECS/EC2 it auto-detects an agent
+TCP sink or reads instance metadata over HTTP unless forced to its local mode, adds its
+own default dimensions, and flushes one event per logger; one pre-aggregated event per
+interval is all this needs).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# CloudWatch accepts at most 100 values per metric in one EMF event.
+EMF_MAX_VALUES = 100
+# Per-request samples kept per interval; beyond it a uniform reservoir sample is kept so
+# percentiles stay unbiased while memory stays bounded.
+SAMPLE_CAP = 1000
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
+LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+@dataclass
+class EngineLoad:
+    """Figures scraped from the engine's /metrics; None until a scrape succeeds."""
+
+    queue_depth: float | None = None
+    running: float | None = None
+    kv_cache_usage: float | None = None
+
+
+class _Reservoir:
+    """Up to SAMPLE_CAP samples of one interval (reservoir sampling beyond that)."""
+
+    __slots__ = ("seen", "values")
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+        self.seen = 0
+
+    def add(self, value: float) -> None:
+        self.seen += 1
+        if len(self.values) < SAMPLE_CAP:
+            self.values.append(value)
+        else:
+            slot = random.randrange(self.seen)
+            if slot < SAMPLE_CAP:
+                self.values[slot] = value
+
+
+@dataclass
+class _Interval:
+    requests: int = 0
+    rejected: int = 0
+    upstream_errors: int = 0
+    ttft_ms: _Reservoir = field(default_factory=_Reservoir)
+    latency_ms: _Reservoir = field(default_factory=_Reservoir)
+
+
+class Telemetry:
+    """Counters and histograms of the proxy; owns its Prometheus registry."""
+
+    def __init__(self, inflight: Callable[[], int]) -> None:
+        self._inflight = inflight
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.inflight_gauge = Gauge("unit_proxy_inflight_requests", "Requests being proxied now", registry=r)
+        self.inflight_gauge.set_function(lambda: float(self._inflight()))
+        self.requests = Counter("unit_proxy_requests", "Proxied requests by status code", ["code"], registry=r)
+        self.rejected = Counter("unit_proxy_rejected", "Requests refused with 429 (admission)", registry=r)
+        self.upstream_errors = Counter(
+            "unit_proxy_upstream_errors", "Errors the proxy made of upstream failures", ["kind"], registry=r
+        )
+        self.ttft = Histogram(
+            "unit_proxy_time_to_first_token_seconds",
+            "Request start to first body byte sent",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.latency = Histogram(
+            "unit_proxy_request_latency_seconds",
+            "Request start to last body byte sent",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_depth = Gauge("unit_proxy_engine_queue_depth", "vllm:num_requests_waiting", registry=r)
+        self.running = Gauge("unit_proxy_engine_running_requests", "vllm:num_requests_running", registry=r)
+        self.kv_usage = Gauge("unit_proxy_engine_kv_cache_usage", "vllm:kv_cache_usage_perc (0-1)", registry=r)
+        self.unit_healthy = Gauge("unit_proxy_unit_healthy", "1 when /health answers 200", registry=r)
+        self.unit_restarts = Counter(
+            "unit_proxy_unit_restarts", "Changes of the launcher session id (unit re-formed)", registry=r
+        )
+        self.draining = Gauge("unit_proxy_draining", "1 after SIGTERM", registry=r)
+        self.engine = EngineLoad()
+        self.healthy = False
+        self.restarts_total = 0
+        self.requests_total = 0
+        self.rejected_total = 0
+        self._restarts_reported = 0
+        self._counts: dict[int, Any] = {}
+        self._interval = _Interval()
+
+    # -- data path (called once per request: keep cheap) --------------------------------
+
+    def request_done(self, status: int, ttft_s: float | None, latency_s: float) -> None:
+        child = self._counts.get(status)
+        if child is None:
+            child = self._counts[status] = self.requests.labels(code=str(status))
+        child.inc()
+        self.requests_total += 1
+        self.latency.observe(latency_s)
+        iv = self._interval
+        iv.requests += 1
+        iv.latency_ms.add(latency_s * 1000.0)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+            iv.ttft_ms.add(ttft_s * 1000.0)
+
+    def request_rejected(self) -> None:
+        self.rejected.inc()
+        self.rejected_total += 1
+        self._interval.rejected += 1
+
+    def upstream_error(self, kind: str) -> None:
+        self.upstream_errors.labels(kind=kind).inc()
+        self._interval.upstream_errors += 1
+
+    # -- background checks ---------------------------------------------------------------
+
+    def set_engine_load(self, load: EngineLoad) -> None:
+        self.engine = load
+        for gauge, value in (
+            (self.queue_depth, load.queue_depth),
+            (self.running, load.running),
+            (self.kv_usage, load.kv_cache_usage),
+        ):
+            gauge.set(float("nan") if value is None else value)
+
+    def set_healthy(self, healthy: bool) -> None:
+        self.healthy = healthy
+        self.unit_healthy.set(1 if healthy else 0)
+
+    def unit_restarted(self) -> None:
+        self.restarts_total += 1
+        self.unit_restarts.inc()
+
+    # -- reports ---------------------------------------------------------------------------
+
+    def prometheus_text(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def load_json(self) -> dict[str, Any]:
+        return {
+            "inflight": self._inflight(),
+            "queue_depth": self.engine.queue_depth,
+            "running": self.engine.running,
+            "kv_cache_usage": self.engine.kv_cache_usage,
+            "healthy": self.healthy,
+            "unit_restarts": self.restarts_total,
+            "requests_total": self.requests_total,
+            "rejected_total": self.rejected_total,
+        }
+
+    def emf_events(self, namespace: str, cell: str, unit: str, now: float | None = None) -> list[dict[str, Any]]:
+        """The EMF events of the interval that ends now; starts the next interval."""
+        iv, self._interval = self._interval, _Interval()
+        timestamp = int((time.time() if now is None else now) * 1000)
+        values: dict[str, tuple[float | int, str]] = {
+            "InFlight": (self._inflight(), "Count"),
+            "Requests": (iv.requests, "Count"),
+            "Rejected": (iv.rejected, "Count"),
+            "UpstreamErrors": (iv.upstream_errors, "Count"),
+            "UnitHealthy": (1 if self.healthy else 0, "None"),
+            # Restarts in this interval: CloudWatch sums them per period for the alarm.
+            "UnitRestarts": (self._take_restarts(), "Count"),
+        }
+        if self.engine.queue_depth is not None:
+            values["QueueDepth"] = (self.engine.queue_depth, "Count")
+        if self.engine.running is not None:
+            values["RunningRequests"] = (self.engine.running, "Count")
+        if self.engine.kv_cache_usage is not None:
+            values["KvCacheUsage"] = (self.engine.kv_cache_usage, "None")
+        first: dict[str, Any] = {name: value for name, (value, _) in values.items()}
+        units = {name: unit_name for name, (_, unit_name) in values.items()}
+        samples = {"TimeToFirstToken": iv.ttft_ms.values, "RequestLatency": iv.latency_ms.values}
+        bodies: list[dict[str, Any]] = [first]
+        for name, series in samples.items():
+            for i in range(0, len(series), EMF_MAX_VALUES):
+                index = i // EMF_MAX_VALUES
+                while len(bodies) <= index:
+                    bodies.append({})
+                bodies[index][name] = [round(v, 3) for v in series[i : i + EMF_MAX_VALUES]]
+                units[name] = "Milliseconds"
+        return [_emf_event(namespace, cell, unit, timestamp, body, units) for body in bodies]
+
+    def _take_restarts(self) -> int:
+        total = self.restarts_total
+        taken = total - self._restarts_reported
+        self._restarts_reported = total
+        return taken
+
+
+def _emf_event(
+    namespace: str, cell: str, unit: str, timestamp: int, body: dict[str, Any], units: dict[str, str]
+) -> dict[str, Any]:
+    return {
+        "_aws": {
+            "Timestamp": timestamp,
+            "CloudWatchMetrics": [
+                {
+                    "Namespace": namespace,
+                    "Dimensions": [["Cell"], ["Cell", "Unit"]],
+                    "Metrics": [{"Name": name, "Unit": units[name]} for name in body],
+                }
+            ],
+        },
+        "Cell": cell,
+        "Unit": unit,
+        **body,
+    }
+
+
+def write_emf(events: list[dict[str, Any]], stream: IO[str] | None = None) -> None:
+    """One JSON object per line: the form CloudWatch Logs recognises as EMF."""
+    out = sys.stdout if stream is None else stream
+    out.write("".join(json.dumps(e, separators=(",", ":")) + "\n" for e in events))
+    out.flush()
