@@ -13,7 +13,7 @@ export JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION := 1
 # No AWS call is ever needed to synthesize or test: make sure none is attempted.
 export AWS_EC2_METADATA_DISABLED := true
 
-.PHONY: setup venv cli synth test test-fast lint snapshot-update plan plan-rollout bench e2e clean
+.PHONY: setup venv cli synth test snapshot-update plan plan-rollout bench bench-proxy bench-unit e2e clean
 
 setup: venv cli
 
@@ -39,6 +39,7 @@ synth: setup
 
 test: setup
 	$(BIN)/ruff check .
+	$(BIN)/hadolint --failure-threshold error containers/inference/Dockerfile containers/proxy/Dockerfile
 	$(BIN)/python -m pytest
 
 snapshot-update: setup
@@ -51,10 +52,14 @@ plan: venv
 plan-rollout: venv
 	$(BIN)/python -m inference_fleet plan-rollout $(if $(CONFIG),--config $(CONFIG))
 
-# Proxy vs nginx vs direct on loopback; installs nginx and wrk with apt-get when missing.
+# Benchmarks print their figures (ratios against a baseline measured in the same run).
+# The proxy benchmark installs nginx and wrk with apt-get when they are missing.
 BENCH_ARGS ?=
-bench: venv
+bench: bench-proxy bench-unit
+bench-proxy: venv
 	$(BIN)/python -m bench.proxy_bench $(BENCH_ARGS)
+bench-unit: venv
+	$(BIN)/python containers/inference/bench_unit.py --sizes 2 4 --runs 3
 
 clean:
 	rm -rf $(VENV) node_modules cdk.out .pytest_cache

@@ -1,0 +1,170 @@
+"""Fixtures of the launcher tests: unit specs on loopback and launcher nodes as real processes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import types
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+STANDIN = Path(__file__).with_name("standin_engine.py")
+
+
+def free_ports(count: int) -> list[int]:
+    sockets, ports = [], []
+    for _ in range(count):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        sockets.append(s)
+        ports.append(s.getsockname()[1])
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def cpu_spec(size: int, *, record_dir: Path, revision: str = "rev-a", **rendezvous: Any) -> dict[str, Any]:
+    """A cpu-device unit spec whose engine is the stand-in; every port is a free loopback port."""
+    engine_port, master_port, rdzv_port, rt_port = free_ports(4)
+    return {
+        "cell": "test",
+        "unit_id": "u0",
+        "size": size,
+        "revision": revision,
+        "model": {"name": "tiny", "local_dir": str(record_dir), "max_seq_len": 256},
+        "instance": {
+            "type": "cpu",
+            "cores_per_node": 1,
+            "lnc": 1,
+            "lnc_configurable": False,
+            "neuron_devices": 1,
+            "efa_interfaces": 0,
+        },
+        "neuron": {"tp_degree": size, "world_size": size, "rt_root_comm_port": rt_port},
+        "engine": {
+            "device": "cpu",
+            "command": [sys.executable, str(STANDIN)],
+            "port": engine_port,
+            "master_port": master_port,
+            "max_num_seqs": 4,
+            "stop_timeout_seconds": 5,
+            "extra_env": {"STANDIN_RECORD_DIR": str(record_dir)},
+        },
+        "rendezvous": {
+            "port": rdzv_port,
+            "join_timeout_seconds": 20,
+            "follower_loss_seconds": 3.0,
+            "heartbeat_interval_seconds": 0.3,
+            **rendezvous,
+        },
+        "discovery": {"namespace": "test.fleet.internal", "leader_service": "leader-u0"},
+    }
+
+
+class Node:
+    """One launcher process (`python -m unit_launcher run`) on loopback."""
+
+    def __init__(
+        self,
+        spec: dict[str, Any],
+        role: str,
+        instance_id: str,
+        log_dir: Path,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        self.spec, self.role, self.instance_id = spec, role, instance_id
+        self.log_path = log_dir / f"{instance_id}.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("UNIT_", "ECS_", "AWS_"))}
+        env.update(
+            {
+                "UNIT_ROLE": role,
+                "UNIT_SPEC": json.dumps(spec),
+                "UNIT_HOST_IP": "127.0.0.1",
+                "UNIT_INSTANCE_ID": instance_id,
+                "UNIT_LEADER_ADDR": "127.0.0.1",
+                "UNIT_BIND_ADDR": "127.0.0.1",
+                "AWS_EC2_METADATA_DISABLED": "true",
+                "PYTHONUNBUFFERED": "1",
+                **(extra_env or {}),
+            }
+        )
+        self.started = time.monotonic()
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "unit_launcher", "run"], env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.instance_id} still running after {timeout} s; log:\n{self.log}") from None
+
+    def signal(self, sig: int) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+
+
+def get_status(port: int, timeout: float = 1.0) -> dict[str, Any] | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=timeout) as response:
+            return json.loads(response.read())
+    except OSError:
+        return None
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.fixture
+def unit_nodes(tmp_path: Path) -> Iterator[Callable[..., Node]]:
+    """Start launcher nodes; every process still running at the end is killed."""
+    nodes: list[Node] = []
+
+    def start(spec: dict[str, Any], role: str, instance_id: str, **kwargs: Any) -> Node:
+        node = Node(spec, role, instance_id, tmp_path, **kwargs)
+        nodes.append(node)
+        return node
+
+    yield start
+    for node in nodes:
+        node.stop()
+    # Stand-in engines left by a launcher that was killed outright must have died with it.
+    for record in tmp_path.glob("*.json"):
+        pid = json.loads(record.read_text())["pid"]
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def h() -> types.SimpleNamespace:
+    """The helpers above, for test modules (conftest is not importable under --import-mode=importlib)."""
+    return types.SimpleNamespace(
+        cpu_spec=cpu_spec, free_ports=free_ports, get_status=get_status, wait_for=wait_for, standin=STANDIN
+    )

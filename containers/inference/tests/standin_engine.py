@@ -1,0 +1,42 @@
+"""Stand-in engine for launcher tests: records how it was started, then runs until SIGTERM.
+
+The tests pass it as the spec's engine command (engine.command), exactly the way the real
+`vllm` is given, so the launcher takes no test-only path. It writes its argv, pid and the
+UNIT_*/NEURON_*/FI_* environment to $STANDIN_RECORD_DIR/<UNIT_INSTANCE_ID>.json; with
+STANDIN_EXIT_AFTER=<seconds> it exits on its own with STANDIN_EXIT_CODE (default 1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> int:
+    record_dir = Path(os.environ["STANDIN_RECORD_DIR"])
+    record = {
+        "argv": sys.argv[1:],
+        "pid": os.getpid(),
+        "env": {k: v for k, v in os.environ.items() if k.startswith(("UNIT_", "NEURON_", "FI_", "VLLM_", "STANDIN_"))},
+    }
+    name = os.environ.get("UNIT_INSTANCE_ID", f"pid{os.getpid()}")
+    tmp = record_dir / f".{name}.tmp"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, record_dir / f"{name}.json")
+    stop = {"flag": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
+    exit_after = float(os.environ.get("STANDIN_EXIT_AFTER", "0") or 0)
+    started = time.monotonic()
+    while not stop["flag"]:
+        if exit_after and time.monotonic() - started >= exit_after:
+            return int(os.environ.get("STANDIN_EXIT_CODE", "1"))
+        time.sleep(0.05)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

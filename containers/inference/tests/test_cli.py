@@ -1,0 +1,100 @@
+"""The command line as operators and ECS use it: real processes, exit codes and messages."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from unit_launcher.cli import main
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def launcher(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("UNIT_")}
+    return subprocess.run(
+        [sys.executable, "-m", "unit_launcher", *args],
+        env={**base, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+
+
+def test_plan_from_a_spec_file_prints_argv_and_environment(tmp_path, h):
+    spec = h.cpu_spec(4, record_dir=tmp_path)
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    text = launcher("plan", "--spec", str(path), "--role", "follower", "--rank", "3", "--leader-addr", "127.0.0.1")
+    assert text.returncode == 0, text.stderr
+    assert "--node-rank=3" in text.stdout and "--headless" in text.stdout and "UNIT_RANK=3" in text.stdout
+    as_json = json.loads(launcher("plan", "--spec", str(path), "--role", "leader", "--json").stdout)
+    assert as_json["rank"] == 0 and as_json["argv"][2:4] == ["serve", str(tmp_path)]
+    # Nothing was started: no engine wrote a record.
+    assert not list(tmp_path.glob("i-*.json")) and not list(tmp_path.glob("pid*.json"))
+
+
+def test_plan_from_the_fleet_file(h):
+    result = launcher(
+        "plan",
+        "--config",
+        str(REPO / "config" / "default.yaml"),
+        "--cell",
+        "dev",
+        "--unit",
+        "0",
+        "--role",
+        "follower",
+        "--rank",
+        "1",
+        "--leader-addr",
+        "10.10.0.5",
+        "--json",
+    )
+    assert result.returncode == 0, result.stderr
+    node = json.loads(result.stdout)
+    assert node["env"]["NEURON_RT_ROOT_COMM_ID"] == "10.10.0.5:62182"
+    assert node["engine_args"]["additional_config"]["override_neuron_config"]["start_rank_id"] == 64
+
+
+def test_plan_errors_say_what_is_allowed(tmp_path, h, capsys):
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(h.cpu_spec(2, record_dir=tmp_path)))
+    assert main(["plan", "--spec", str(path), "--role", "follower", "--rank", "5"]) == 2
+    assert "follower rank 5 out of range: unit u0 of size 2 has ranks 1..1" in capsys.readouterr().err
+    assert main(["plan", "--cell", "dev", "--unit", "9", "--role", "leader"]) == 2
+    assert "--unit 9 out of range: cell dev has units 0..0" in capsys.readouterr().err
+    assert main(["plan", "--spec", str(tmp_path / "missing.json"), "--role", "leader"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_run_refuses_a_bad_role_or_spec_before_doing_anything(tmp_path, h, monkeypatch, caplog):
+    for name in [k for k in os.environ if k.startswith(("UNIT_", "ECS_"))]:
+        monkeypatch.delenv(name)
+    spec = json.dumps(h.cpu_spec(2, record_dir=tmp_path))
+    monkeypatch.setenv("UNIT_ROLE", "worker")
+    monkeypatch.setenv("UNIT_SPEC", spec)
+    assert main(["run"]) == 2 and "UNIT_ROLE='worker' not allowed; allowed: leader, follower" in caplog.text
+    monkeypatch.setenv("UNIT_ROLE", "leader")
+    monkeypatch.setenv("UNIT_SPEC", '{"size": 0}')
+    assert main(["run"]) == 2
+    monkeypatch.delenv("UNIT_SPEC")
+    assert main(["run"]) == 2
+    monkeypatch.setenv("UNIT_SPEC", spec)
+    monkeypatch.setenv("UNIT_HOST_IP", "127.0.0.1")
+    assert main(["run"]) == 2 and "ECS_CONTAINER_METADATA_URI_V4 is not set" in caplog.text
+
+
+def test_bad_spec_messages(capsys, monkeypatch):
+    monkeypatch.setenv("UNIT_ROLE", "leader")
+    monkeypatch.setenv("UNIT_SPEC", '{"size": 0}')
+    monkeypatch.delenv("UNIT_SPEC_FILE", raising=False)
+    assert main(["run"]) == 2
+    assert "size: Input should be greater than or equal to 1" in capsys.readouterr().err
+    monkeypatch.delenv("UNIT_SPEC")
+    assert main(["run"]) == 2
+    assert "no unit spec: set UNIT_SPEC" in capsys.readouterr().err

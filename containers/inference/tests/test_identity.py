@@ -1,0 +1,188 @@
+"""Identity from a local stand-in of the ECS task metadata endpoint v4; discovery with botocore's Stubber."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import boto3
+import pytest
+from botocore.stub import Stubber
+from unit_launcher.identity import DiscoveryError, IdentityError, discover_leader, resolve_identity
+
+TASK_ARN = "arn:aws:ecs:us-east-2:111111111111:task/Rufus-dev/0123456789abcdef0123456789abcdef"
+
+
+def _documents(network: dict) -> dict[str, dict]:
+    container = {
+        "DockerId": "abc",
+        "Name": "inference",
+        "Networks": [network],
+        "Labels": {"com.amazonaws.ecs.task-arn": TASK_ARN},
+    }
+    task = {"Cluster": "Rufus-dev", "TaskARN": TASK_ARN, "Family": "leader-u0", "Containers": [container]}
+    return {"/v4/abc": container, "/v4/abc/task": task}
+
+
+@pytest.fixture
+def metadata() -> Iterator[tuple[str, dict]]:
+    """A loopback HTTP server answering like the ECS agent; tests set the documents it serves."""
+    served: dict = {"docs": {}, "hits": []}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            served["hits"].append(self.path)
+            doc = served["docs"].get(self.path)
+            body = json.dumps(doc).encode() if doc is not None else b"not found"
+            self.send_response(200 if doc is not None else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v4/abc", served
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_identity_comes_from_task_metadata(metadata):
+    url, served = metadata
+    served["docs"] = _documents({"NetworkMode": "host", "IPv4Addresses": ["10.10.1.23"]})
+    me = resolve_identity({"ECS_CONTAINER_METADATA_URI_V4": url})
+    assert (me.host_ip, me.instance_id) == ("10.10.1.23", TASK_ARN)
+    assert served["hits"] == ["/v4/abc", "/v4/abc/task"]
+
+
+def test_explicit_values_override_metadata(metadata):
+    url, served = metadata
+    served["docs"] = _documents({"NetworkMode": "host", "IPv4Addresses": ["10.10.1.23"]})
+    me = resolve_identity({"ECS_CONTAINER_METADATA_URI_V4": url, "UNIT_HOST_IP": "127.0.0.1"})
+    assert (me.host_ip, me.instance_id) == ("127.0.0.1", TASK_ARN)
+    me = resolve_identity({"UNIT_HOST_IP": "127.0.0.1", "UNIT_INSTANCE_ID": "i-1"})
+    assert (me.host_ip, me.instance_id) == ("127.0.0.1", "i-1")
+
+
+def test_link_local_addresses_are_not_used_as_the_host_ip(metadata):
+    url, served = metadata
+    docs = _documents({"NetworkMode": "bridge", "IPv4Addresses": ["169.254.172.2"]})
+    docs["/v4/abc/task"]["Containers"].append({"Networks": [{"NetworkMode": "host", "IPv4Addresses": ["10.10.1.9"]}]})
+    served["docs"] = docs
+    assert resolve_identity({"ECS_CONTAINER_METADATA_URI_V4": url}).host_ip == "10.10.1.9"
+
+
+def test_unreachable_metadata_endpoint_is_a_clear_error(metadata):
+    url, _served = metadata  # serves 404 for everything
+    with pytest.raises(IdentityError, match=r"did not answer after 2 attempts: HTTP Error 404"):
+        resolve_identity({"ECS_CONTAINER_METADATA_URI_V4": url}, metadata_attempts=2, metadata_backoff=0.01)
+    with pytest.raises(IdentityError, match=r"ECS_CONTAINER_METADATA_URI_V4 is not set .* UNIT_INSTANCE_ID not given"):
+        resolve_identity({"UNIT_HOST_IP": "127.0.0.1"})
+
+
+class FakeTime:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps: list[float] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+@pytest.fixture
+def cloudmap():
+    client = boto3.client(
+        "servicediscovery", region_name="us-east-2", aws_access_key_id="test", aws_secret_access_key="test"
+    )
+    with Stubber(client) as stubber:
+        yield client, stubber
+        stubber.assert_no_pending_responses()
+
+
+EXPECTED = {
+    "NamespaceName": "dev.rufus.internal",
+    "ServiceName": "leader-u0",
+    "HealthStatus": "HEALTHY_OR_ELSE_ALL",
+    "MaxResults": 10,
+}
+
+
+def _instance(ip: str) -> dict:
+    return {
+        "InstanceId": f"task-{ip}",
+        "NamespaceName": "dev.rufus.internal",
+        "ServiceName": "leader-u0",
+        "HealthStatus": "HEALTHY",
+        "Attributes": {"AWS_INSTANCE_IPV4": ip, "AWS_INSTANCE_PORT": "29400"},
+    }
+
+
+def test_discovery_retries_with_backoff_until_the_leader_registers(cloudmap):
+    client, stubber = cloudmap
+    stubber.add_response("discover_instances", {"Instances": []}, EXPECTED)
+    stubber.add_client_error(
+        "discover_instances", "RequestLimitExceeded", "Rate exceeded", 400, expected_params=EXPECTED
+    )
+    stubber.add_response(
+        "discover_instances", {"Instances": [_instance("10.10.1.5"), _instance("10.10.1.6")]}, EXPECTED
+    )
+    fake = FakeTime()
+    leaders = discover_leader(
+        client,
+        "dev.rufus.internal",
+        "leader-u0",
+        timeout=60,
+        initial_backoff=1,
+        max_backoff=15,
+        sleep=fake.sleep,
+        clock=fake.clock,
+    )
+    assert leaders == ["10.10.1.5", "10.10.1.6"]
+    assert fake.sleeps == [1, 2]
+
+
+def test_discovery_gives_up_at_the_deadline_with_the_last_result(cloudmap):
+    client, stubber = cloudmap
+    for _ in range(5):
+        stubber.add_response("discover_instances", {"Instances": []}, EXPECTED)
+    fake = FakeTime()
+    with pytest.raises(
+        DiscoveryError,
+        match=r"no leader for service leader-u0 in namespace dev.rufus.internal after 5 "
+        r"attempts in 10 s; last result: no instance registered yet",
+    ):
+        discover_leader(
+            client,
+            "dev.rufus.internal",
+            "leader-u0",
+            timeout=10,
+            initial_backoff=1,
+            max_backoff=4,
+            sleep=fake.sleep,
+            clock=fake.clock,
+        )
+    assert fake.sleeps == [1, 2, 4, 3]
+
+
+def test_discovery_stops_early_on_a_wrong_namespace(cloudmap):
+    client, stubber = cloudmap
+    for _ in range(2):
+        stubber.add_client_error(
+            "discover_instances", "NamespaceNotFound", "Namespace not found", 404, expected_params=EXPECTED
+        )
+    fake = FakeTime()
+    with pytest.raises(DiscoveryError, match="NamespaceNotFound: Namespace not found"):
+        discover_leader(client, "dev.rufus.internal", "leader-u0", timeout=600, sleep=fake.sleep, clock=fake.clock)
+    assert len(fake.sleeps) == 1

@@ -1,0 +1,218 @@
+"""Launch plans and the spec: Neuron multi-node settings, cpu plans, Triton model repository, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+from unit_launcher import plan as plans
+from unit_launcher.spec import SpecError, load_spec_from_env, parse_spec
+
+
+def neuron_spec(**overrides) -> dict:
+    spec = {
+        "cell": "dev",
+        "unit_id": "u1",
+        "size": 2,
+        "revision": "r1",
+        "region": "us-east-2",
+        "model": {
+            "name": "meta-llama/Llama-3.1-405B-Instruct",
+            "artifacts_s3_uri": "s3://bucket/llama/",
+            "local_dir": "/opt/models/llama",
+            "layout": "L1",
+            "max_seq_len": 16384,
+        },
+        "instance": {
+            "type": "trn2.48xlarge",
+            "cores_per_node": 64,
+            "lnc": 2,
+            "lnc_configurable": True,
+            "neuron_devices": 16,
+            "efa_interfaces": 16,
+        },
+        "neuron": {"tp_degree": 128, "cp_degree": 4, "attention_dp_degree": 8, "world_size": 128},
+        "engine": {"max_num_seqs": 32},
+        "discovery": {"namespace": "dev.rufus.internal", "leader_service": "leader-u1"},
+    }
+    for key, value in overrides.items():
+        spec[key] = {**spec.get(key, {}), **value} if isinstance(value, dict) else value
+    return spec
+
+
+def test_neuron_follower_plan_has_the_documented_multinode_settings():
+    spec = parse_spec(neuron_spec())
+    node = plans.build_plan(spec, "follower", 1, leader_addr="10.0.0.5", host_ip="10.0.0.6", session_id="s1")
+    assert node.argv[:3] == ["vllm", "serve", "/opt/models/llama"]
+    for arg in (
+        "--tensor-parallel-size=128",
+        "--nnodes=2",
+        "--node-rank=1",
+        "--master-addr=10.0.0.5",
+        "--master-port=29500",
+        "--headless",
+        "--max-num-seqs=32",
+        "--max-model-len=16384",
+    ):
+        assert arg in node.argv
+    assert not any(a.startswith("--port") for a in node.argv)
+    additional = json.loads(next(a for a in node.argv if a.startswith("--additional-config=")).split("=", 1)[1])
+    assert additional == {
+        "override_neuron_config": {
+            "tp_degree": 128,
+            "cp_degree": 4,
+            "attention_dp_degree": 8,
+            "world_size": 128,
+            "start_rank_id": 64,
+            "local_ranks_size": 64,
+        }
+    }
+    assert node.env == {
+        "VLLM_NEURON_FRAMEWORK": "neuronx-distributed-inference",
+        "NEURON_LOCAL_TP": "64",
+        "NEURON_RANK_ID": "1",
+        "WORLD_SIZE": "2",
+        "ENABLE_NEURON_MULTI_NODE": "true",
+        "NEURON_RT_ROOT_COMM_ID": "10.0.0.5:62182",
+        "NEURON_LOGICAL_NC_CONFIG": "2",
+        "NEURON_RT_VIRTUAL_CORE_SIZE": "2",
+        "NEURON_COMPILED_ARTIFACTS": "/opt/models/llama/neuron/L1",
+        "FI_PROVIDER": "efa",
+        "FI_EFA_USE_DEVICE_RDMA": "1",
+        "FI_EFA_FORK_SAFE": "1",
+        "VLLM_HOST_IP": "10.0.0.6",
+        "UNIT_RANK": "1",
+        "UNIT_SESSION_ID": "s1",
+    }
+
+
+def test_leader_serves_http_on_loopback_and_extra_args_and_env_are_appended():
+    spec = parse_spec(
+        neuron_spec(
+            engine={
+                "max_num_seqs": 8,
+                "port": 8001,
+                "extra_args": ["--enable-prefix-caching"],
+                "extra_env": {"NEURON_RT_LOG_LEVEL": "WARNING"},
+            }
+        )
+    )
+    node = plans.build_plan(spec, "leader", 0, leader_addr="10.0.0.5", host_ip="10.0.0.5")
+    assert "--host=127.0.0.1" in node.argv and "--port=8001" in node.argv and "--headless" not in node.argv
+    assert node.argv[-1] == "--enable-prefix-caching"
+    assert node.env["NEURON_RANK_ID"] == "0" and node.env["NEURON_RT_LOG_LEVEL"] == "WARNING"
+
+
+def test_trn1_single_node_has_no_lnc_and_no_multinode_settings():
+    spec = parse_spec(
+        neuron_spec(
+            size=1,
+            instance={
+                "type": "trn1.32xlarge",
+                "cores_per_node": 32,
+                "lnc": 1,
+                "lnc_configurable": False,
+                "efa_interfaces": 8,
+            },
+            neuron={"tp_degree": 32, "cp_degree": 1, "attention_dp_degree": 1, "world_size": 32},
+        )
+    )
+    node = plans.build_plan(spec, "leader", 0, leader_addr="10.0.0.5", host_ip="10.0.0.5")
+    assert "NEURON_LOGICAL_NC_CONFIG" not in node.env and "ENABLE_NEURON_MULTI_NODE" not in node.env
+    assert not any(a.startswith(("--nnodes", "--node-rank", "--master-addr")) for a in node.argv)
+
+
+def test_cpu_plan_is_generic_vllm_without_neuron_settings():
+    spec = parse_spec(
+        neuron_spec(
+            engine={
+                "device": "cpu",
+                "command": ["python", "-m", "vllm.entrypoints.cli.main"],
+                "max_num_seqs": 4,
+                "extra_args": ["--enforce-eager"],
+            }
+        )
+    )
+    node = plans.build_plan(spec, "follower", 1, leader_addr="127.0.0.1", host_ip="127.0.0.1")
+    assert node.argv[:5] == ["python", "-m", "vllm.entrypoints.cli.main", "serve", "/opt/models/llama"]
+    assert "--tensor-parallel-size=2" in node.argv and "--distributed-executor-backend=mp" in node.argv
+    assert not any("neuron" in a for a in node.argv)
+    assert not any(k.startswith(("NEURON_", "FI_")) for k in node.env)
+
+
+def test_triton_leader_renders_a_model_repository_that_matches_tritons_schema():
+    spec = parse_spec(
+        neuron_spec(
+            engine={
+                "max_num_seqs": 32,
+                "frontend": "triton",
+                "extra_args": ["--enable-prefix-caching", "--block-size", "32"],
+            }
+        )
+    )
+    node = plans.build_plan(spec, "leader", 0, leader_addr="10.0.0.5", host_ip="10.0.0.5")
+    assert node.argv[0] == "tritonserver" and "--model-repository=/opt/triton/models" in node.argv
+    assert "--http-port=8000" in node.argv
+    config_text = node.files["/opt/triton/models/Llama-3.1-405B-Instruct/config.pbtxt"]
+    config = plans.check_triton_config(config_text)
+    assert config.backend == "vllm" and config.model_transaction_policy.decoupled
+    assert [i.name for i in config.input] == [
+        "text_input",
+        "stream",
+        "sampling_parameters",
+        "exclude_input_in_output",
+    ]
+    assert config.output[0].name == "text_output" and config.output[0].data_type == model_config_pb2.TYPE_STRING
+    model_json = json.loads(node.files["/opt/triton/models/Llama-3.1-405B-Instruct/1/model.json"])
+    assert model_json["model"] == "/opt/models/llama" and model_json["tensor_parallel_size"] == 128
+    assert (model_json["nnodes"], model_json["node_rank"], model_json["master_addr"]) == (2, 0, "10.0.0.5")
+    assert model_json["additional_config"]["override_neuron_config"]["start_rank_id"] == 0
+    assert model_json["enable_prefix_caching"] is True and model_json["block_size"] == 32
+    assert "port" not in model_json
+    # Followers of a Triton unit run the headless vLLM engine.
+    follower = plans.build_plan(spec, "follower", 1, leader_addr="10.0.0.5", host_ip="10.0.0.6")
+    assert follower.argv[:2] == ["vllm", "serve"] and "--headless" in follower.argv and not follower.files
+
+
+def test_schema_check_rejects_a_config_that_triton_would_refuse():
+    broken = plans.render_triton_config(parse_spec(neuron_spec())).replace("TYPE_STRING", "TYPE_TEXT", 1)
+    with pytest.raises(plans.PlanError, match="model-config schema"):
+        plans.check_triton_config(broken)
+    # The same text with the valid enum parses: the failure above is the schema's, not the parser's.
+    text_format.Parse(broken.replace("TYPE_TEXT", "TYPE_STRING"), model_config_pb2.ModelConfig())
+
+
+@pytest.mark.parametrize(
+    ("role", "rank", "message"),
+    [
+        ("leader", 1, "the leader is rank 0"),
+        ("follower", 0, "ranks 1..1"),
+        ("follower", 2, "ranks 1..1"),
+        ("worker", 1, "allowed: leader, follower"),
+    ],
+)
+def test_plan_refuses_impossible_roles_and_ranks(role, rank, message):
+    with pytest.raises(plans.PlanError, match=message):
+        plans.build_plan(parse_spec(neuron_spec()), role, rank, leader_addr="a", host_ip="b")
+
+
+def test_spec_errors_name_the_field_and_the_rule():
+    with pytest.raises(SpecError) as error:
+        parse_spec(neuron_spec(neuron={"world_size": 64, "cp_degree": 3}, engine={"port": 29400, "max_num_seqs": 1}))
+    text = str(error.value)
+    assert "neuron.world_size = 64: must be size (2) x instance.cores_per_node (64) = 128" in text
+    assert "neuron.cp_degree = 3: must divide neuron.tp_degree (128)" in text
+    assert "rendezvous.port = 29400: same as engine.port; host networking needs distinct ports" in text
+    with pytest.raises(SpecError, match=r"engine\.device: Input should be 'neuron' or 'cpu' \(got 'gpu'\)"):
+        parse_spec(neuron_spec(engine={"device": "gpu", "max_num_seqs": 1}))
+    with pytest.raises(SpecError, match=r"engine\.bogus: Extra inputs are not permitted"):
+        parse_spec(neuron_spec(engine={"bogus": 1, "max_num_seqs": 1}))
+    with pytest.raises(SpecError, match=r"rendezvous\.port = 8000: same as engine\.port"):
+        parse_spec(neuron_spec(rendezvous={"port": 8000}))
+    with pytest.raises(SpecError, match="invalid unit spec from UNIT_SPEC"):
+        parse_spec("{not json")
+    with pytest.raises(SpecError, match="set UNIT_SPEC"):
+        load_spec_from_env({})
+    assert load_spec_from_env({"UNIT_SPEC": json.dumps(neuron_spec())}).unit_id == "u1"

@@ -1,0 +1,252 @@
+"""Model artifacts: copy the unit's weights and Neuron-compiled layout from S3 to local disk.
+
+S3 layout under the model's prefix: the checkpoint files (config, tokenizer, weights) at
+the top, and one folder per compiled unit layout at `neuron/<layout>/`. A node fetches the
+top-level files and its own layout only. Objects already present with the size and ETag
+recorded by an earlier fetch are skipped; single-part objects are checked against their
+MD5 ETag after download. Transfers run concurrently (boto3's transfer manager splits
+large objects into ranged parts) and progress is logged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("unit_launcher.artifacts")
+
+MANIFEST = ".unit_launcher_manifest.json"
+LAYOUT_FILE = "neuron_config.json"
+
+
+class ArtifactError(RuntimeError):
+    """The artifacts are missing, do not match the unit's layout, or could not be fetched."""
+
+
+@dataclass(frozen=True)
+class S3Object:
+    key: str
+    size: int
+    etag: str
+
+    @property
+    def md5(self) -> str | None:
+        etag = self.etag.strip('"')
+        return None if "-" in etag else etag
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    downloaded: int
+    skipped: int
+    bytes_downloaded: int
+    seconds: float
+
+
+def split_uri(uri: str) -> tuple[str, str]:
+    rest = uri.removeprefix("s3://")
+    bucket, _, prefix = rest.partition("/")
+    prefix = prefix.strip("/")
+    return bucket, (prefix + "/" if prefix else "")
+
+
+def list_objects(client: Any, bucket: str, prefix: str) -> list[S3Object]:
+    from botocore.exceptions import ClientError
+
+    objects: list[S3Object] = []
+    try:
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            for item in page.get("Contents", []):
+                if not item["Key"].endswith("/"):
+                    objects.append(S3Object(item["Key"], int(item["Size"]), item["ETag"]))
+    except ClientError as error:
+        code = error.response.get("Error", {}).get("Code", "?")
+        raise ArtifactError(f"cannot list s3://{bucket}/{prefix}: {code}: {error}") from None
+    return objects
+
+
+def select(objects: list[S3Object], prefix: str, layout: str | None) -> list[S3Object]:
+    """Checkpoint files plus `neuron/<layout>/`; a missing layout is an error naming the ones present."""
+    chosen: list[S3Object] = []
+    layouts: set[str] = set()
+    for obj in objects:
+        relative = obj.key[len(prefix) :]
+        if relative.startswith("neuron/"):
+            name = relative.split("/", 2)[1]
+            layouts.add(name)
+            if name == layout:
+                chosen.append(obj)
+        else:
+            chosen.append(obj)
+    if layout is not None and layout not in layouts:
+        present = ", ".join(sorted(layouts)) or "none"
+        raise ArtifactError(
+            f"no compiled artifacts for layout {layout!r} under s3://.../{prefix}neuron/; "
+            f"layouts present: {present}. "
+            "Compile the model for this unit layout (or fix unit settings in the fleet file)"
+        )
+    return chosen
+
+
+def check_layout(local_layout_dir: Path, expected: dict[str, Any]) -> None:
+    """Compare the compiled layout's neuron_config.json (if shipped) with the unit's neuron config."""
+    path = local_layout_dir / LAYOUT_FILE
+    if not path.is_file():
+        log.info("%s has no %s: layout not cross-checked", local_layout_dir, LAYOUT_FILE)
+        return
+    try:
+        compiled = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ArtifactError(f"{path} is not JSON: {error}") from None
+    # Per-node keys (start_rank_id) differ by rank and are not part of the compiled layout.
+    keys = ("tp_degree", "cp_degree", "attention_dp_degree", "world_size", "local_ranks_size")
+    diffs = [
+        f"{k}: compiled {compiled[k]!r}, unit {expected[k]!r}"
+        for k in keys
+        if k in compiled and k in expected and compiled[k] != expected[k]
+    ]
+    if diffs:
+        raise ArtifactError(
+            f"compiled artifacts in {local_layout_dir} do not match this unit's layout: {'; '.join(diffs)}"
+        )
+
+
+def _md5(path: Path) -> str:
+    digest = hashlib.md5(usedforsecurity=False)
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(8 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fetch(
+    client: Any,
+    uri: str,
+    local_dir: str | Path,
+    *,
+    layout: str | None = None,
+    concurrency: int = 8,
+    progress_seconds: float = 10.0,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> FetchResult:
+    """Make `local_dir` a verified copy of the unit's artifacts under `uri`."""
+    # Imported on use: boto3 costs seconds of start-up, and nodes with local artifacts skip it.
+    from boto3.s3.transfer import TransferConfig
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    started = time.monotonic()
+    bucket, prefix = split_uri(uri)
+    objects = list_objects(client, bucket, prefix)
+    if not objects:
+        raise ArtifactError(
+            f"no objects under {uri}: check model.artifacts_s3_uri and that the artifacts were uploaded"
+        )
+    objects = select(objects, prefix, layout)
+    root = Path(local_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    manifest_path = root / MANIFEST
+    try:
+        manifest: dict[str, dict[str, Any]] = (
+            json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
+        )
+    except json.JSONDecodeError:
+        manifest = {}
+
+    todo: list[S3Object] = []
+    skipped = 0
+    for obj in objects:
+        target = root / obj.key[len(prefix) :]
+        known = manifest.get(obj.key)
+        if (
+            target.is_file()
+            and target.stat().st_size == obj.size
+            and known == {"size": obj.size, "etag": obj.etag}
+        ):
+            skipped += 1
+        else:
+            todo.append(obj)
+    total = sum(o.size for o in todo)
+    log.info(
+        "artifacts %s: %d objects, %d already present and verified, %d to fetch (%.1f MiB)",
+        uri,
+        len(objects),
+        skipped,
+        len(todo),
+        total / 2**20,
+    )
+
+    done = 0
+    lock = threading.Lock()
+    last_log = [time.monotonic()]
+
+    def progress(amount: int) -> None:
+        nonlocal done
+        with lock:
+            done += amount
+            now = time.monotonic()
+            if on_progress:
+                on_progress(done, total)
+            if now - last_log[0] >= progress_seconds:
+                last_log[0] = now
+                log.info(
+                    "artifacts: %.1f/%.1f MiB (%.0f%%)",
+                    done / 2**20,
+                    total / 2**20,
+                    100 * done / max(total, 1),
+                )
+
+    config = TransferConfig(
+        max_concurrency=concurrency, multipart_threshold=64 << 20, multipart_chunksize=64 << 20
+    )
+
+    def one(obj: S3Object) -> S3Object:
+        target = root / obj.key[len(prefix) :]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(target.name + ".part")
+        try:
+            client.download_file(bucket, obj.key, str(partial), Config=config, Callback=progress)
+        except (ClientError, BotoCoreError) as error:
+            partial.unlink(missing_ok=True)
+            raise ArtifactError(f"download of s3://{bucket}/{obj.key} failed: {error}") from None
+        size = partial.stat().st_size
+        if size != obj.size:
+            partial.unlink(missing_ok=True)
+            raise ArtifactError(f"s3://{bucket}/{obj.key}: got {size} bytes, expected {obj.size}")
+        if obj.md5 and _md5(partial) != obj.md5:
+            partial.unlink(missing_ok=True)
+            raise ArtifactError(f"s3://{bucket}/{obj.key}: MD5 does not match its ETag {obj.etag}")
+        os.replace(partial, target)
+        return obj
+
+    # Files run side by side; each large file is itself split into concurrent ranged parts.
+    with ThreadPoolExecutor(max_workers=max(1, min(4, concurrency))) as pool:
+        futures = [pool.submit(one, obj) for obj in todo]
+        try:
+            for future in as_completed(futures):
+                obj = future.result()
+                manifest[obj.key] = {"size": obj.size, "etag": obj.etag}
+        finally:
+            for future in futures:
+                future.cancel()
+            tmp = manifest_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+            os.replace(tmp, manifest_path)
+    seconds = time.monotonic() - started
+    log.info(
+        "artifacts ready in %s: %d fetched (%.1f MiB), %d skipped, %.1f s",
+        root,
+        len(todo),
+        total / 2**20,
+        skipped,
+        seconds,
+    )
+    return FetchResult(len(todo), skipped, total, seconds)

@@ -1,0 +1,519 @@
+"""Unit rendezvous and liveness: the leader's HTTP endpoint and the follower's side of it.
+
+The leader serves `/join`, `/heartbeat` and `/status` on the spec's rendezvous port. A
+follower joins with its unit id, revision, address and instance id; the leader refuses
+members of another unit or revision, gives ranks deterministically (followers sorted by
+address, then instance id) and releases everyone only when all `size` members are in.
+After release, followers heartbeat; a member silent for `follower_loss_seconds` ends the
+session: the leader stops its engine and exits non-zero, and answers every later
+heartbeat with "stopping" so the followers stop too. A unit runs whole or not at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from unit_launcher.spec import UnitSpec
+
+log = logging.getLogger("unit_launcher.rendezvous")
+
+FORMING, SERVING, DEGRADED, STOPPING = "forming", "serving", "degraded", "stopping"
+# Longest a /join request is held open waiting for the release (long poll).
+JOIN_POLL_SECONDS = 5.0
+# Identifies this launcher process in joins (a restarted process gets a new one).
+INCARNATION = uuid.uuid4().hex
+
+
+class JoinError(RuntimeError):
+    """The unit did not form for this node; the message says why and who was missing."""
+
+
+class UnitLost(RuntimeError):
+    """The unit session ended (member lost, leader gone, session changed)."""
+
+
+@dataclass
+class Member:
+    address: str
+    instance_id: str
+    joined_at: float
+    last_seen: float
+    rank: int | None = None
+    told_stop: bool = False
+    # A member whose /join is being held open is present even if its last_seen is old.
+    open_requests: int = 0
+    # Per launcher process: tells a retried join from a restarted member with the same id.
+    incarnation: str = ""
+
+    def describe(self) -> str:
+        rank = f"rank {self.rank} " if self.rank is not None else ""
+        return f"{rank}{self.address} ({self.instance_id})"
+
+
+def _sort_key(member: Member) -> tuple[Any, ...]:
+    try:
+        address: tuple[Any, ...] = (0, int(ipaddress.ip_address(member.address)))
+    except ValueError:
+        address = (1, member.address)
+    return (*address, member.instance_id)
+
+
+@dataclass
+class LeaderSession:
+    """The leader's view of one unit session."""
+
+    spec: UnitSpec
+    address: str
+    instance_id: str
+    session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    state: str = FORMING
+    since: float = field(default_factory=time.time)
+    ready: bool = False
+    members: dict[str, Member] = field(default_factory=dict)
+    end_reason: str | None = None
+    released: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        now = time.monotonic()
+        self.members[self.instance_id] = Member(self.address, self.instance_id, now, now, rank=0)
+
+    # -- state -----------------------------------------------------------------------------
+    def _set_state(self, state: str) -> None:
+        if state != self.state:
+            log.info("unit %s session %s: %s -> %s", self.spec.unit_id, self.session_id, self.state, state)
+            self.state, self.since = state, time.time()
+
+    @property
+    def followers(self) -> list[Member]:
+        return [m for m in self.members.values() if m.instance_id != self.instance_id]
+
+    def describe_members(self) -> str:
+        return ", ".join(
+            m.describe()
+            for m in sorted(self.members.values(), key=lambda m: (m.rank is None, m.rank or 0, _sort_key(m)))
+        )
+
+    def missing_message(self) -> str:
+        missing = self.spec.size - len(self.members)
+        return (
+            f"{len(self.members)}/{self.spec.size} members joined ({self.describe_members()}); "
+            f"missing {missing} follower(s)"
+        )
+
+    def mark_ready(self) -> None:
+        self.ready = True
+        self._maybe_release()
+
+    def _maybe_release(self) -> None:
+        if self.released.is_set() or not self.ready or len(self.members) < self.spec.size:
+            return
+        for rank, member in enumerate(sorted(self.followers, key=_sort_key), start=1):
+            member.rank = rank
+        now = time.monotonic()
+        for member in self.members.values():
+            member.last_seen = now
+        log.info(
+            "unit released: %s session %s with %s",
+            self.spec.unit_id,
+            self.session_id,
+            self.describe_members(),
+        )
+        self._set_state(SERVING)
+        self.released.set()
+
+    def end(self, reason: str) -> None:
+        if self.end_reason is None:
+            self.end_reason = reason
+            log.error("unit %s session %s ends: %s", self.spec.unit_id, self.session_id, reason)
+        self._set_state(STOPPING)
+        self.ended.set()
+
+    def prune_forming(self) -> None:
+        """Forget joiners that went silent before the release, so a replacement can take the place."""
+        if self.released.is_set():
+            return
+        limit = self.spec.rendezvous.follower_loss_seconds
+        now = time.monotonic()
+        for member in self.followers:
+            if member.open_requests == 0 and now - member.last_seen > limit:
+                log.warning(
+                    "forgetting %s: silent for %.1f s before the unit formed",
+                    member.describe(),
+                    now - member.last_seen,
+                )
+                del self.members[member.instance_id]
+
+    def check_liveness(self) -> None:
+        """Watchdog step after release: degrade on late heartbeats, end the session on a lost member."""
+        if not self.released.is_set() or self.state == STOPPING:
+            return
+        now = time.monotonic()
+        limit = self.spec.rendezvous.follower_loss_seconds
+        late = 2 * self.spec.rendezvous.heartbeat_interval
+        worst: Member | None = None
+        for member in self.followers:
+            if worst is None or member.last_seen < worst.last_seen:
+                worst = member
+        if worst is None:
+            return
+        silence = now - worst.last_seen
+        if silence > limit:
+            self.end(
+                f"follower {worst.describe()} lost: no heartbeat for {silence:.1f} s (limit {limit:g} s)"
+            )
+        elif silence > late:
+            self._set_state(DEGRADED)
+        else:
+            self._set_state(SERVING)
+
+    def status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        alive_limit = self.spec.rendezvous.follower_loss_seconds
+        members = []
+        for m in sorted(self.members.values(), key=lambda m: (m.rank is None, m.rank or 0, _sort_key(m))):
+            age = 0.0 if m.instance_id == self.instance_id else now - m.last_seen
+            alive = self.state != STOPPING and age <= alive_limit
+            members.append(
+                {
+                    "rank": m.rank,
+                    "address": m.address,
+                    "instance_id": m.instance_id,
+                    "last_heartbeat_age_s": round(age, 3),
+                    "alive": alive,
+                }
+            )
+        return {
+            "unit_id": self.spec.unit_id,
+            "cell": self.spec.cell,
+            "revision": self.spec.revision,
+            "size": self.spec.size,
+            "session_id": self.session_id,
+            "state": self.state,
+            "since": self.since,
+            "end_reason": self.end_reason,
+            "members": members,
+        }
+
+    def release_payload(self, member: Member) -> dict[str, Any]:
+        return {
+            "released": True,
+            "session_id": self.session_id,
+            "rank": member.rank,
+            "size": self.spec.size,
+            "leader_addr": self.address,
+            "members": self.status()["members"],
+        }
+
+    # -- HTTP --------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/join", self._join)
+        app.router.add_post("/heartbeat", self._heartbeat)
+        app.router.add_get("/status", self._status)
+        return app
+
+    async def _body(self, request: web.Request, required: tuple[str, ...]) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise web.HTTPBadRequest(
+                text='{"error": "body is not JSON"}', content_type="application/json"
+            ) from None
+        missing = [
+            k for k in required if not isinstance(body, dict) or not isinstance(body.get(k), str | int)
+        ]
+        if missing:
+            raise web.HTTPBadRequest(
+                text=f'{{"error": "missing or invalid fields: {", ".join(missing)}"}}',
+                content_type="application/json",
+            )
+        return body
+
+    def _refuse(self, reason: str, error: str) -> web.Response:
+        log.warning("refused: %s", error)
+        return web.json_response({"reason": reason, "error": error}, status=409)
+
+    async def _join(self, request: web.Request) -> web.Response:
+        body = await self._body(request, ("cell", "unit_id", "revision", "address", "instance_id"))
+        spec = self.spec
+        who = f"{body['address']} ({body['instance_id']})"
+        if (body["cell"], body["unit_id"]) != (spec.cell, spec.unit_id):
+            return self._refuse(
+                "wrong_unit",
+                f"{who} belongs to unit {body['unit_id']} of cell {body['cell']}; "
+                f"this is the leader of unit {spec.unit_id} of cell {spec.cell}",
+            )
+        if body["revision"] != spec.revision:
+            return self._refuse(
+                "wrong_revision",
+                f"{who} runs revision {body['revision']}; this leader runs revision "
+                f"{spec.revision}: a follower joins only a leader of its own revision",
+            )
+        instance_id = body["instance_id"]
+        incarnation = str(body.get("incarnation", ""))
+        member = self.members.get(instance_id)
+        if self.released.is_set():
+            if member is not None and self.state != STOPPING and member.incarnation != incarnation:
+                # Its engine died with the old process: the session cannot go on without it.
+                self.end(f"follower {member.describe()} restarted and asks to join again")
+            if member is not None and self.state != STOPPING:
+                member.last_seen = time.monotonic()
+                return web.json_response(self.release_payload(member))
+            return self._refuse(
+                "session_formed",
+                f"{who} cannot join: session {self.session_id} of unit {spec.unit_id} "
+                f"is {self.state} with {self.describe_members()}; a new member joins "
+                "the next session",
+            )
+        if instance_id == self.instance_id:
+            return self._refuse("duplicate", f"{who} has the leader's own instance id")
+        now = time.monotonic()
+        if member is None:
+            self.prune_forming()
+            if len(self.members) >= spec.size:
+                return self._refuse(
+                    "unit_full",
+                    f"{who} cannot join: unit {spec.unit_id} already has {spec.size} members "
+                    f"({self.describe_members()})",
+                )
+            member = Member(str(body["address"]), instance_id, now, now)
+            self.members[instance_id] = member
+            log.info("joined: %s (%d/%d)", who, len(self.members), spec.size)
+        member.address, member.last_seen, member.incarnation = str(body["address"]), now, incarnation
+        self._maybe_release()
+        wait = max(0.0, min(float(body.get("wait_seconds", JOIN_POLL_SECONDS)), JOIN_POLL_SECONDS))
+        member.open_requests += 1
+        try:
+            await asyncio.wait_for(self._released_or_ended(), wait)
+            if not self.released.is_set():
+                return self._refuse(
+                    "stopping",
+                    f"unit {spec.unit_id} session {self.session_id} ends before it formed: {self.end_reason}",
+                )
+        except TimeoutError:
+            member.last_seen = time.monotonic()
+            return web.json_response(
+                {
+                    "released": False,
+                    "session_id": self.session_id,
+                    "size": spec.size,
+                    "joined": len(self.members),
+                    "leader_ready": self.ready,
+                    "members": self.status()["members"],
+                }
+            )
+        finally:
+            member.open_requests -= 1
+        return web.json_response(self.release_payload(member))
+
+    async def _released_or_ended(self) -> None:
+        waits = [asyncio.ensure_future(self.released.wait()), asyncio.ensure_future(self.ended.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
+    async def _heartbeat(self, request: web.Request) -> web.Response:
+        body = await self._body(request, ("session_id", "instance_id"))
+        member = self.members.get(body["instance_id"])
+        if body["session_id"] != self.session_id or member is None or not self.released.is_set():
+            return self._refuse(
+                "session_changed",
+                f"{body['instance_id']} is not a member of session {self.session_id} "
+                f"of unit {self.spec.unit_id}",
+            )
+        member.last_seen = time.monotonic()
+        if self.state == STOPPING:
+            member.told_stop = True
+            return web.json_response(
+                {"reason": "stopping", "error": f"unit session ends: {self.end_reason}"}, status=410
+            )
+        if body.get("leaving"):
+            member.told_stop = True
+            self.end(f"follower {member.describe()} left: {body['leaving']}")
+            return web.json_response(
+                {"reason": "stopping", "error": f"unit session ends: {self.end_reason}"}, status=410
+            )
+        self.check_liveness()
+        return web.json_response({"state": self.state, "session_id": self.session_id})
+
+    async def _status(self, request: web.Request) -> web.Response:
+        return web.json_response(self.status())
+
+    async def watchdog(self) -> None:
+        step = min(0.5, self.spec.rendezvous.heartbeat_interval / 2)
+        while not self.ended.is_set():
+            self.prune_forming()
+            self.check_liveness()
+            await asyncio.sleep(step)
+
+    async def tell_followers(self, timeout: float) -> None:
+        """Give live followers a chance to hear "stopping" on their next heartbeat."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            limit = self.spec.rendezvous.follower_loss_seconds
+            waiting = [
+                m for m in self.followers if not m.told_stop and time.monotonic() - m.last_seen <= limit
+            ]
+            if not waiting:
+                return
+            await asyncio.sleep(0.05)
+
+
+async def start_server(session: LeaderSession, bind: str) -> web.AppRunner:
+    runner = web.AppRunner(session.app(), access_log=None, handle_signals=False, shutdown_timeout=2.0)
+    await runner.setup()
+    site = web.TCPSite(runner, bind, session.spec.rendezvous.port, reuse_address=True)
+    await site.start()
+    log.info(
+        "rendezvous endpoint on %s:%d (unit %s, session %s)",
+        bind,
+        session.spec.rendezvous.port,
+        session.spec.unit_id,
+        session.session_id,
+    )
+    return runner
+
+
+# -- follower side ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Release:
+    leader_addr: str
+    session_id: str
+    rank: int
+    size: int
+    members: list[dict[str, Any]]
+
+
+async def join(
+    http: aiohttp.ClientSession,
+    spec: UnitSpec,
+    leaders: list[str],
+    *,
+    address: str,
+    instance_id: str,
+    deadline: float,
+    rediscover: Any = None,
+) -> Release:
+    """Join the unit through one of the candidate leader addresses; wait for the release.
+
+    Retries connection failures and refusals until `deadline` (monotonic); a refusal is
+    retried because during a rolling update the right leader may be about to appear.
+    """
+    body: dict[str, Any] = {
+        "incarnation": INCARNATION,
+        "cell": spec.cell,
+        "unit_id": spec.unit_id,
+        "revision": spec.revision,
+        "address": address,
+        "instance_id": instance_id,
+    }
+    last = "no answer yet"
+    pause = 0.2
+    while True:
+        for leader in leaders:
+            url = f"http://{leader}:{spec.rendezvous.port}/join"
+            body["wait_seconds"] = max(0.1, min(JOIN_POLL_SECONDS, deadline - time.monotonic()))
+            try:
+                timeout = aiohttp.ClientTimeout(total=JOIN_POLL_SECONDS + 5, connect=3)
+                async with http.post(url, json=body, timeout=timeout) as response:
+                    data = await response.json(content_type=None)
+                if response.status == 200 and data.get("released"):
+                    release = Release(
+                        leader, data["session_id"], int(data["rank"]), int(data["size"]), data["members"]
+                    )
+                    log.info(
+                        "unit released: %s session %s, this node is rank %d of %d (leader %s)",
+                        spec.unit_id,
+                        release.session_id,
+                        release.rank,
+                        release.size,
+                        leader,
+                    )
+                    return release
+                if response.status == 200:
+                    joined = ", ".join(
+                        f"{m['address']} ({m['instance_id']})" for m in data.get("members", [])
+                    )
+                    last = (
+                        f"leader {leader} has {data.get('joined')}/{data.get('size')} members ({joined}); "
+                        f"missing {int(data.get('size', 0)) - int(data.get('joined', 0))}"
+                        + ("" if data.get("leader_ready") else "; the leader is still fetching its artifacts")
+                    )
+                    pause = 0.2
+                    if time.monotonic() >= deadline:
+                        break
+                    continue
+                last = f"leader {leader} refused: {data.get('error', data)}"
+                log.warning("%s", last)
+            except (aiohttp.ClientError, TimeoutError, ValueError) as error:
+                last = f"leader {leader}:{spec.rendezvous.port} unreachable: {error or type(error).__name__}"
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise JoinError(
+                f"unit {spec.unit_id} did not form for {address} ({instance_id}) within the deadline: {last}"
+            )
+        await asyncio.sleep(min(pause, remaining))
+        pause = min(pause * 2, 0.5)  # cheap requests; a late leader is found quickly
+        if rediscover is not None:
+            leaders = await rediscover()
+
+
+async def heartbeat_loop(
+    http: aiohttp.ClientSession, spec: UnitSpec, release: Release, instance_id: str
+) -> str:
+    """Heartbeat until the session ends; returns the reason (raises nothing)."""
+    url = f"http://{release.leader_addr}:{spec.rendezvous.port}/heartbeat"
+    body = {"session_id": release.session_id, "instance_id": instance_id, "rank": release.rank}
+    interval = spec.rendezvous.heartbeat_interval
+    limit = spec.rendezvous.follower_loss_seconds
+    last_ok = time.monotonic()
+    while True:
+        try:
+            timeout = aiohttp.ClientTimeout(total=max(interval, 1.0))
+            async with http.post(url, json=body, timeout=timeout) as response:
+                data = await response.json(content_type=None)
+            if response.status == 200:
+                last_ok = time.monotonic()
+            else:
+                reason = data.get("error", data)
+                return f"leader {release.leader_addr} ended session {release.session_id}: {reason}"
+        except (aiohttp.ClientError, TimeoutError, ValueError) as error:
+            silence = time.monotonic() - last_ok
+            if silence > limit:
+                return (
+                    f"leader {release.leader_addr} unreachable for {silence:.1f} s (limit {limit:g} s): "
+                    f"{error or type(error).__name__}"
+                )
+        await asyncio.sleep(interval)
+
+
+async def leave(
+    http: aiohttp.ClientSession, spec: UnitSpec, release: Release, instance_id: str, reason: str
+) -> None:
+    """Tell the leader this member is going, so the session ends now rather than after the loss timeout."""
+    url = f"http://{release.leader_addr}:{spec.rendezvous.port}/heartbeat"
+    body = {
+        "session_id": release.session_id,
+        "instance_id": instance_id,
+        "rank": release.rank,
+        "leaving": reason,
+    }
+    try:
+        async with http.post(url, json=body, timeout=aiohttp.ClientTimeout(total=2)) as response:
+            await response.read()
+    except (aiohttp.ClientError, TimeoutError):
+        pass

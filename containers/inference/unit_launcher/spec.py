@@ -1,0 +1,231 @@
+"""The unit spec: everything one node of a multi-node inference unit needs to know.
+
+The cell stack builds it from the fleet file (`inference_fleet.unit_spec.build_unit_spec`)
+and passes it to every container of the unit as the `UNIT_SPEC` JSON variable; the
+launcher validates it here before doing anything. The image installs only this package,
+so the model lives here and the fleet code produces plain dicts that this model accepts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+
+Port = Annotated[int, Field(ge=1024, le=65535)]
+EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+
+
+class SpecError(ValueError):
+    """The unit spec is missing or invalid; the message names each bad field."""
+
+
+class _Strict(BaseModel):
+    # A spec written by a newer stack must not be half-understood by an older launcher.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Strict):
+    """The served model and where its (compiled) artifacts come from."""
+
+    name: Annotated[str, StringConstraints(min_length=1)] = Field(description="Served model name.")
+    artifacts_s3_uri: (
+        Annotated[str, StringConstraints(pattern=r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$")] | None
+    ) = Field(
+        default=None,
+        description="S3 prefix to fetch before the engine starts; None: local_dir is used as is.",
+    )
+    local_dir: Annotated[str, StringConstraints(min_length=1)] = Field(
+        default="/opt/models/model",
+        description="Local copy of the artifacts; the engine loads the model from here.",
+    )
+    layout: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]+$")] | None = Field(
+        default=None,
+        description="Key of the compiled layout under <artifacts>/neuron/<layout>/ (Neuron only).",
+    )
+    dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3"] = "bfloat16"
+    max_seq_len: int = Field(ge=16)
+
+
+class InstanceSpec(_Strict):
+    """Facts of the node's instance type that the Neuron settings depend on."""
+
+    type: str
+    cores_per_node: int = Field(ge=1, description="Logical NeuronCores per node at the chosen LNC.")
+    lnc: int = Field(ge=1, le=2, description="Physical cores per logical NeuronCore.")
+    lnc_configurable: bool = Field(description="Whether the runtime takes NEURON_LOGICAL_NC_CONFIG (trn2).")
+    neuron_devices: int = Field(ge=1)
+    efa_interfaces: int = Field(ge=0)
+
+
+class NeuronSpec(_Strict):
+    """Hybrid parallelism of the unit (NxD Inference neuron config)."""
+
+    tp_degree: int = Field(ge=1)
+    cp_degree: int = Field(
+        default=1, ge=1, description="Context parallel degree for context encoding (prefill)."
+    )
+    attention_dp_degree: int = Field(
+        default=1, ge=1, description="Attention data parallel degree for decode."
+    )
+    world_size: int = Field(ge=1)
+    rt_root_comm_port: Port = Field(
+        default=62182, description="Port of NEURON_RT_ROOT_COMM_ID on the leader."
+    )
+    config_key: Literal["override_neuron_config", "neuron_config"] = Field(
+        default="override_neuron_config",
+        description="Key under vLLM's --additional-config that carries the neuron config.",
+    )
+    sequence_parallel_enabled: bool = False
+
+
+class EngineSpec(_Strict):
+    """How the engine is started."""
+
+    device: Literal["neuron", "cpu"] = "neuron"
+    command: tuple[Annotated[str, StringConstraints(min_length=1)], ...] = Field(
+        default=("vllm",), min_length=1
+    )
+    frontend: Literal["openai", "triton"] = "openai"
+    host: str = Field(default="127.0.0.1", description="Bind address of the leader's HTTP front end.")
+    port: Port = 8000
+    master_port: Port = Field(default=29500, description="torch.distributed master port on the leader.")
+    max_num_seqs: int = Field(ge=1)
+    tensor_parallel_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="vLLM TP size on cpu; default one rank per node. Neuron: neuron.tp_degree.",
+    )
+    extra_args: tuple[str, ...] = ()
+    extra_env: dict[EnvName, str] = Field(default_factory=dict)
+    triton_command: tuple[str, ...] = ("tritonserver",)
+    triton_model_repository: str = "/opt/triton/models"
+    stop_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
+
+
+class RendezvousSpec(_Strict):
+    """The leader's rendezvous endpoint and the unit's liveness rules."""
+
+    port: Port = 29400
+    join_timeout_seconds: float = Field(
+        default=900.0, gt=0, description="Longest wait for the whole unit to form."
+    )
+    follower_loss_seconds: float = Field(
+        default=30.0, gt=0, description="Silence after which a member is lost."
+    )
+    heartbeat_interval_seconds: float | None = Field(
+        default=None, gt=0, description="Default: follower_loss_seconds / 6, between 0.2 and 5 s."
+    )
+
+    @property
+    def heartbeat_interval(self) -> float:
+        if self.heartbeat_interval_seconds is not None:
+            return self.heartbeat_interval_seconds
+        return min(5.0, max(0.2, self.follower_loss_seconds / 6))
+
+
+class DiscoverySpec(_Strict):
+    """Where followers find their leader (AWS Cloud Map)."""
+
+    namespace: str
+    leader_service: str
+    timeout_seconds: float = Field(default=600.0, gt=0)
+    initial_backoff_seconds: float = Field(default=1.0, gt=0)
+    max_backoff_seconds: float = Field(default=15.0, gt=0)
+
+
+class UnitSpec(_Strict):
+    """The whole contract between the cell stack and the launcher."""
+
+    cell: str
+    unit_id: Annotated[str, StringConstraints(pattern=r"^u[0-9]+$")]
+    size: int = Field(ge=1, le=64, description="Nodes in the unit, leader included.")
+    revision: Annotated[str, StringConstraints(min_length=1, max_length=128)]
+    region: str | None = None
+    model: ModelSpec
+    instance: InstanceSpec
+    neuron: NeuronSpec
+    engine: EngineSpec
+    rendezvous: RendezvousSpec = RendezvousSpec()
+    discovery: DiscoverySpec
+
+    @model_validator(mode="after")
+    def _consistent(self) -> UnitSpec:
+        problems = []
+        if self.engine.device == "neuron":
+            total = self.size * self.instance.cores_per_node
+            if self.neuron.world_size != total:
+                problems.append(
+                    f"neuron.world_size = {self.neuron.world_size}: must be size ({self.size}) x "
+                    f"instance.cores_per_node ({self.instance.cores_per_node}) = {total}"
+                )
+            for name in ("cp_degree", "attention_dp_degree"):
+                degree = getattr(self.neuron, name)
+                if self.neuron.tp_degree % degree:
+                    problems.append(
+                        f"neuron.{name} = {degree}: must divide neuron.tp_degree ({self.neuron.tp_degree})"
+                    )
+        ports = {
+            "engine.port": self.engine.port,
+            "engine.master_port": self.engine.master_port,
+            "rendezvous.port": self.rendezvous.port,
+            "neuron.rt_root_comm_port": self.neuron.rt_root_comm_port,
+        }
+        seen: dict[int, str] = {}
+        for name, port in ports.items():
+            if port in seen:
+                problems.append(
+                    f"{name} = {port}: same as {seen[port]}; host networking needs distinct ports"
+                )
+            seen.setdefault(port, name)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        if self.engine.device == "neuron":
+            return self.neuron.tp_degree
+        return self.engine.tensor_parallel_size or self.size
+
+
+def parse_spec(data: str | bytes | dict, source: str = "UNIT_SPEC") -> UnitSpec:
+    """Validate a spec given as JSON text or a dict; raise SpecError naming every bad field."""
+    try:
+        if isinstance(data, dict):
+            return UnitSpec.model_validate(data)
+        return UnitSpec.model_validate_json(data)
+    except ValidationError as error:
+        lines = []
+        for e in error.errors(include_url=False):
+            where = ".".join(str(p) for p in e["loc"]) or "<spec>"
+            value = e.get("input")
+            shown = "" if e["type"] == "missing" or isinstance(value, dict) else f" (got {value!r})"
+            lines.append(f"  - {where}: {e['msg']}{shown}")
+        raise SpecError(f"invalid unit spec from {source}:\n" + "\n".join(lines)) from None
+
+
+def load_spec_from_env(env: dict[str, str] | None = None) -> UnitSpec:
+    """Read the spec from UNIT_SPEC (JSON) or UNIT_SPEC_FILE (path of a JSON file)."""
+    env = os.environ if env is None else env
+    if env.get("UNIT_SPEC"):
+        return parse_spec(env["UNIT_SPEC"], "UNIT_SPEC")
+    if env.get("UNIT_SPEC_FILE"):
+        return load_spec_file(env["UNIT_SPEC_FILE"])
+    raise SpecError("no unit spec: set UNIT_SPEC (JSON) or UNIT_SPEC_FILE (path to a JSON file)")
+
+
+def load_spec_file(path: str | Path) -> UnitSpec:
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(f"unit spec file {path} does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise SpecError(f"unit spec file {path} is not JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"unit spec file {path} must hold a JSON object, not {type(data).__name__}")
+    return parse_spec(data, str(path))
