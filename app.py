@@ -20,6 +20,13 @@ def main() -> None:
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+    if fleet.builds_images and not fleet.base_images.neuron_vllm_digest:
+        # Synth needs no image; deploying one built from containers/inference does.
+        print(
+            "note: base_images.neuron_vllm_digest is not set: the inference image cannot be built at deploy "
+            "time until it is (or pin cells[].images); see README 'Deploying a cell'",
+            file=sys.stderr,
+        )
     build_fleet(app, fleet)
     app.synth()
 

@@ -119,6 +119,19 @@ class ImagesConfig(_Strict):
     proxy: ImageRef | None = Field(default=None, description="Proxy image, repo@sha256:digest.")
 
 
+class BaseImagesConfig(_Strict):
+    """Base image of the inference image built from containers/inference (cells with pinned images skip it)."""
+
+    neuron_vllm_tag: str = Field(
+        default="0.16.0-neuronx-py312-sdk2.31.1-ubuntu24.04",
+        description="Tag of public.ecr.aws/neuron/pytorch-inference-vllm-neuronx.",
+    )
+    neuron_vllm_digest: Annotated[str, StringConstraints(pattern=r"^sha256:[0-9a-f]{64}$")] | None = Field(
+        default=None,
+        description="Digest of that tag (`docker buildx imagetools inspect ...`); needed to deploy a built image.",
+    )
+
+
 class CellConfig(_Strict):
     """An independent copy of the whole serving stack; shares nothing with other cells."""
 
@@ -280,6 +293,9 @@ class FleetConfig(_Strict):
     unit: UnitConfig = Field(description="The unit layout (see **unit**).")
     serving: ServingConfig = Field(default=ServingConfig(), description="Ports and timeouts (see **serving**).")
     alarms: AlarmsConfig = Field(default=AlarmsConfig(), description="Alarm thresholds (see **alarms**).")
+    base_images: BaseImagesConfig = Field(
+        default=BaseImagesConfig(), description="Base image of the built inference image (see **base_images**)."
+    )
     waves: tuple[WaveConfig, ...] = Field(
         min_length=1, description="Deployment waves in rollout order; first = canary."
     )
@@ -287,6 +303,11 @@ class FleetConfig(_Strict):
     pipeline: PipelineConfig | None = Field(
         default=None, description="Rollout pipeline; without it no pipeline stack is synthesized."
     )
+
+    @property
+    def builds_images(self) -> bool:
+        """True when some cell deploys images built from containers/ rather than pinned ones."""
+        return any(not (c.images.inference and c.images.proxy) for c in self.cells)
 
     def cell(self, name: str) -> CellConfig:
         for cell in self.cells:

@@ -23,6 +23,7 @@ _SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("unit", config.UnitConfig),
     ("serving", config.ServingConfig),
     ("alarms", config.AlarmsConfig),
+    ("base_images", config.BaseImagesConfig),
     ("waves[]", config.WaveConfig),
     ("cells[]", config.CellConfig),
     ("cells[].images", config.ImagesConfig),
