@@ -13,7 +13,7 @@ export JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION := 1
 # No AWS call is ever needed to synthesize or test: make sure none is attempted.
 export AWS_EC2_METADATA_DISABLED := true
 
-.PHONY: setup venv cli synth test snapshot-update plan plan-rollout bench bench-proxy bench-unit e2e clean
+.PHONY: setup venv cli synth test snapshot-update plan plan-rollout bench bench-proxy bench-unit bench-placement e2e clean
 
 setup: venv cli
 
@@ -55,11 +55,13 @@ plan-rollout: venv
 # Benchmarks print their figures (ratios against a baseline measured in the same run).
 # The proxy benchmark installs nginx and wrk with apt-get when they are missing.
 BENCH_ARGS ?=
-bench: bench-proxy bench-unit
+bench: bench-proxy bench-unit bench-placement
 bench-proxy: venv
 	$(BIN)/python -m bench.proxy_bench $(BENCH_ARGS)
 bench-unit: venv
 	$(BIN)/python containers/inference/bench_unit.py --sizes 2 4 --runs 3
+bench-placement: venv
+	$(BIN)/python functions/placement/bench_placement.py
 
 clean:
 	rm -rf $(VENV) node_modules cdk.out .pytest_cache

@@ -27,6 +27,7 @@ from cell_constructs.cell_alarms import CellAlarms
 from cell_constructs.inference_unit import MultiNodeInferenceUnit, UnitImages, UnitPorts
 from cell_constructs.nag import acknowledge
 from cell_constructs.network import CellNetwork
+from cell_constructs.topology_placement import TopologyPlacement
 from cell_constructs.trainium_capacity import TrainiumCapacity
 from cell_constructs.unit_load_balancer import UnitLoadBalancer
 from inference_fleet.config import CellConfig, FleetConfig
@@ -89,6 +90,17 @@ class CellStack(Stack):
             vpc=self.network.vpc, subnets=self.network.trainium_subnets, cluster=self.cluster,
             instance=fleet.unit.instance, instance_count=cell.units * fleet.unit.nodes,
             root_volume_gib=serving.root_volume_gib, encryption_key=self.key,
+        )
+        # Writes each instance's `unit` attribute, grouping a unit's nodes by network topology.
+        self.placement = TopologyPlacement(
+            self, "Placement",
+            cluster=self.cluster,
+            auto_scaling_group=self.capacity.auto_scaling_group,
+            units=cell.units,
+            nodes_per_unit=fleet.unit.nodes,
+            metrics_namespace=f"{fleet.name}/Cell",
+            log_retention=retention,
+            encryption_key=self.key,
         )
         self.namespace = servicediscovery.PrivateDnsNamespace(
             self, "Namespace", name=namespace_name(fleet, cell), vpc=self.network.vpc,
@@ -210,10 +222,21 @@ class CellStack(Stack):
                 asset = ecr_assets.DockerImageAsset(
                     self, f"{name.capitalize()}Image", directory=str(CONTAINERS_DIR / name),
                     platform=ecr_assets.Platform.LINUX_AMD64,
+                    build_args=self._build_args(name),
                 )
                 images[name] = ecs.ContainerImage.from_docker_image_asset(asset)
                 identity.append(asset.asset_hash)
         return UnitImages(**images), "|".join(identity)
+
+    def _build_args(self, name: str) -> dict[str, str] | None:
+        """The inference image's base is pinned by tag and digest from the fleet file."""
+        if name != "inference":
+            return None
+        base = self.fleet.base_images
+        args = {"NEURON_VLLM_TAG": base.neuron_vllm_tag}
+        if base.neuron_vllm_digest:
+            args["NEURON_VLLM_DIGEST"] = base.neuron_vllm_digest
+        return args
 
     def _pinned_image(self, name: str, ref: str) -> ecs.ContainerImage:
         match = _ECR_IMAGE.match(ref)

@@ -236,7 +236,9 @@ def test_load_balancer_admits_only_the_vpc_by_default(synth_large) -> None:
 
 def test_task_role_reads_only_the_model_prefix(synth_large) -> None:
     template = synth_large.templates["Rufus-Cell-use2-a"]
-    policy = only(template, "AWS::IAM::ManagedPolicy")["Properties"]["PolicyDocument"]["Statement"]
+    policy = next(
+        v for k, v in resources(template, "AWS::IAM::ManagedPolicy").items() if k.startswith("UnitTaskPolicy")
+    )["Properties"]["PolicyDocument"]["Statement"]
     by_action = {s["Action"]: s for s in policy}
     assert by_action["s3:GetObject"]["Resource"] == (
         "arn:aws:s3:::rufus-model-artifacts-222222222222/llama-3.1-405b-instruct/trn1-tp128/*"
@@ -261,3 +263,13 @@ def test_pinned_private_ecr_images_are_pulled_by_digest(synth_large) -> None:
     images = {c["Name"]: json.dumps(c["Image"]) for c in task["Properties"]["ContainerDefinitions"]}
     assert "rufus/inference@sha256:1111" in images["inference"]
     assert "rufus/proxy@sha256:2222" in images["proxy"]
+
+
+def test_cell_runs_the_topology_placement_controller(synth_large) -> None:
+    template = synth_large.templates["Rufus-Cell-use2-a"]
+    function = next(v for k, v in resources(template, "AWS::Lambda::Function").items() if k.startswith("Placement"))
+    assert function["Properties"]["ReservedConcurrentExecutions"] == 1
+    env = function["Properties"]["Environment"]["Variables"]
+    assert env["UNITS"] == "6" and env["NODES_PER_UNIT"] == "4"
+    patterns = [r["Properties"].get("EventPattern", {}) for r in resources(template, "AWS::Events::Rule").values()]
+    assert {"aws.ecs", "aws.autoscaling"} <= {p.get("source", [None])[0] for p in patterns if p}

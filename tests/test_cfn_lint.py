@@ -3,7 +3,8 @@
 Ignored, with reasons:
 - W3010 (hard-coded availability zones): a cell pins its Trainium subnet to one AZ on
   purpose; EFA and cluster placement groups need every node of a unit in one AZ.
-- W3005 (redundant DependsOn): emitted on CDK's own custom-resource provider, not ours.
+- W3005 (redundant DependsOn): CDK adds a DependsOn on a function's role next to the
+  GetAtt of that role (its own custom-resource provider and the placement function).
 """
 
 from __future__ import annotations

@@ -1,0 +1,316 @@
+"""The cell's placement controller: a Lambda that labels instances with units by network topology.
+
+The function (functions/placement) runs on every ECS container instance state change of
+the cell's cluster, on every successful launch or termination in the cell's Trainium
+Auto Scaling group, and on a periodic sweep. Each run reconciles the ECS attribute
+`unit` (u0, u1, ...) that the units' tasks are pinned to, so a unit's nodes sit under
+the deepest shared network node. Reserved concurrency 1 serialises runs; failed
+asynchronous invocations land in an encrypted dead-letter queue; function errors and
+dead letters each raise an alarm; logs are encrypted and expire. IAM: topology and group
+reads (no resource-level permissions exist for them), ECS reads and attribute writes on
+this cluster and its container instances only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from aws_cdk import Duration, Stack
+from aws_cdk import aws_autoscaling as autoscaling
+from aws_cdk import aws_cloudwatch as cloudwatch
+from aws_cdk import aws_ecs as ecs
+from aws_cdk import aws_events as events
+from aws_cdk import aws_events_targets as targets
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_kms as kms
+from aws_cdk import aws_lambda as lambda_
+from aws_cdk import aws_logs as logs
+from aws_cdk import aws_sqs as sqs
+from constructs import Construct
+
+from cell_constructs.nag import acknowledge
+
+FUNCTION_SOURCE = Path(__file__).resolve().parents[1] / "functions" / "placement"
+HANDLER = "placement_controller.handler.handler"
+# Tests, benchmark and caches stay out of the deployment package (and out of its hash).
+ASSET_EXCLUDE = ["tests", "bench_placement.py", "**/__pycache__", "**/*.pyc", ".hypothesis", ".pytest_cache"]
+MAX_UNITS = 1024
+MAX_NODES_PER_UNIT = 64
+_NAMESPACE = re.compile(r"^[A-Za-z0-9._/#:-]{1,255}$")
+
+
+class TopologyPlacement(Construct):
+    """Placement controller of one cell: function, triggers, dead letters, alarms, least-privilege role."""
+
+    def __init__(
+        self,
+        scope: Construct,
+        id: str,
+        *,
+        cluster: ecs.ICluster,
+        auto_scaling_group: autoscaling.IAutoScalingGroup,
+        units: int,
+        nodes_per_unit: int,
+        metrics_namespace: str,
+        log_retention: logs.RetentionDays,
+        encryption_key: kms.IKey,
+        sweep_interval: Duration = Duration.minutes(5),  # noqa: B008 - Duration is immutable
+    ) -> None:
+        super().__init__(scope, id)
+        _validate(units, nodes_per_unit, metrics_namespace, sweep_interval)
+        stack = Stack.of(self)
+
+        self.log_group = logs.LogGroup(self, "Logs", encryption_key=encryption_key, retention=log_retention)
+        self.dead_letter_queue = sqs.Queue(
+            self,
+            "DeadLetters",
+            encryption=sqs.QueueEncryption.KMS,
+            encryption_master_key=encryption_key,
+            enforce_ssl=True,
+            retention_period=Duration.days(14),
+        )
+
+        self.role = iam.Role(
+            self,
+            "Role",
+            assumed_by=iam.ServicePrincipal("lambda.amazonaws.com"),
+            description="Placement controller: read topology and container instances, write unit attributes",
+        )
+        container_instances = stack.format_arn(
+            service="ecs", resource="container-instance", resource_name=f"{cluster.cluster_name}/*"
+        )
+        # Every permission is in this one customer-managed policy: the role refuses the
+        # inline default policy that grants would otherwise create (NIST IAMNoInlinePolicy).
+        self.policy = iam.ManagedPolicy(
+            self,
+            "Policy",
+            description="Placement controller of one cell",
+            roles=[self.role],
+            statements=[
+                iam.PolicyStatement(
+                    sid="Logs",
+                    actions=["logs:CreateLogStream", "logs:PutLogEvents"],
+                    resources=[self.log_group.log_group_arn],
+                ),
+                iam.PolicyStatement(
+                    sid="ReadTopologyAndGroup",
+                    # Neither action supports resource-level permissions.
+                    actions=["ec2:DescribeInstanceTopology", "autoscaling:DescribeAutoScalingGroups"],
+                    resources=["*"],
+                ),
+                iam.PolicyStatement(
+                    sid="ListThisCluster",
+                    actions=["ecs:ListContainerInstances"],
+                    resources=[cluster.cluster_arn],
+                ),
+                iam.PolicyStatement(
+                    sid="UnitAttributesOnThisCluster",
+                    actions=["ecs:DescribeContainerInstances", "ecs:PutAttributes", "ecs:DeleteAttributes"],
+                    resources=[cluster.cluster_arn, container_instances],
+                ),
+                iam.PolicyStatement(
+                    sid="DeadLetters",
+                    actions=["sqs:SendMessage"],
+                    resources=[self.dead_letter_queue.queue_arn],
+                ),
+                iam.PolicyStatement(
+                    sid="DeadLettersKey",
+                    actions=["kms:GenerateDataKey", "kms:Decrypt"],
+                    resources=[encryption_key.key_arn],
+                ),
+            ],
+        )
+        acknowledge(
+            self.policy,
+            (
+                "AwsSolutions-IAM5[Resource::*]",
+                "ec2:DescribeInstanceTopology and autoscaling:DescribeAutoScalingGroups have no "
+                "resource-level permissions; both are read-only",
+            ),
+            (
+                f"AwsSolutions-IAM5[Resource::{nag_resource_text(stack, container_instances)}]",
+                "Container instances of this cluster only: their ids are not known before launch",
+            ),
+        )
+
+        self.function = lambda_.Function(
+            self,
+            "Function",
+            description="Groups the cell's Trainium instances into units by EC2 network topology",
+            # The newest Python runtime (cdk-nag AwsSolutions-L1); the code needs 3.11+ and boto3.
+            runtime=lambda_.Runtime.PYTHON_3_14,
+            architecture=lambda_.Architecture.ARM_64,
+            handler=HANDLER,
+            code=lambda_.Code.from_asset(str(FUNCTION_SOURCE), exclude=ASSET_EXCLUDE),
+            role=self.role.without_policy_updates(),
+            memory_size=256,
+            timeout=Duration.minutes(2),
+            # One run at a time: a run reads, plans and writes the whole cell.
+            reserved_concurrent_executions=1,
+            log_group=self.log_group,
+            dead_letter_queue=self.dead_letter_queue,
+            retry_attempts=2,
+            max_event_age=Duration.hours(1),
+            environment={
+                "CLUSTER_NAME": cluster.cluster_arn,
+                "AUTO_SCALING_GROUP_NAME": auto_scaling_group.auto_scaling_group_name,
+                "UNITS": str(units),
+                "NODES_PER_UNIT": str(nodes_per_unit),
+                "METRICS_NAMESPACE": metrics_namespace,
+            },
+        )
+        self.function.node.add_dependency(self.policy)
+        acknowledge(
+            self.function,
+            (
+                "NIST.800.53.R5-LambdaInsideVPC",
+                "Calls only the EC2, ECS and Auto Scaling control-plane APIs and reaches nothing inside "
+                "the VPC; in-VPC it would need three interface endpoints or NAT for no gain",
+            ),
+        )
+        acknowledge(
+            self.dead_letter_queue,
+            (
+                "AwsSolutions-SQS3",
+                "This queue is the dead-letter queue of the placement function's asynchronous invocations",
+            ),
+        )
+
+        run = targets.LambdaFunction(self.function, retry_attempts=2, max_event_age=Duration.hours(1))
+        self.rules = [
+            events.Rule(
+                self,
+                "ContainerInstanceChanges",
+                description="ECS container instance state changes of the cell's cluster",
+                event_pattern=events.EventPattern(
+                    source=["aws.ecs"],
+                    detail_type=["ECS Container Instance State Change"],
+                    detail={"clusterArn": [cluster.cluster_arn]},
+                ),
+                targets=[run],
+            ),
+            events.Rule(
+                self,
+                "GroupLaunchesAndTerminations",
+                description="Successful launches and terminations in the cell's Trainium group",
+                event_pattern=events.EventPattern(
+                    source=["aws.autoscaling"],
+                    detail_type=["EC2 Instance Launch Successful", "EC2 Instance Terminate Successful"],
+                    detail={"AutoScalingGroupName": [auto_scaling_group.auto_scaling_group_name]},
+                ),
+                targets=[run],
+            ),
+            events.Rule(
+                self,
+                "Sweep",
+                description="Periodic reconciliation: catches topology that appeared late and missed events",
+                schedule=events.Schedule.rate(sweep_interval),
+                targets=[run],
+            ),
+        ]
+
+        self.errors_alarm = cloudwatch.Alarm(
+            self,
+            "ErrorsAlarm",
+            alarm_description="The placement controller failed; unit attributes may be stale",
+            metric=self.function.metric_errors(period=Duration.minutes(5), statistic="Sum"),
+            threshold=1,
+            evaluation_periods=1,
+            comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
+            treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+        )
+        self.dead_letter_alarm = cloudwatch.Alarm(
+            self,
+            "DeadLettersAlarm",
+            alarm_description="Placement controller events exhausted their retries",
+            metric=self.dead_letter_queue.metric_approximate_number_of_messages_visible(
+                period=Duration.minutes(5), statistic="Maximum"
+            ),
+            threshold=1,
+            evaluation_periods=1,
+            comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
+            treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+        )
+        for alarm in (self.errors_alarm, self.dead_letter_alarm):
+            acknowledge(
+                alarm,
+                (
+                    "NIST.800.53.R5-CloudWatchAlarmAction",
+                    "Watched by the rollout pipeline's alarm conditions and the cell dashboard; no action",
+                ),
+            )
+        # The controller publishes these through Embedded Metric Format log lines.
+        self.min_score_metric = cloudwatch.Metric(
+            namespace=metrics_namespace,
+            metric_name="MinTopologyScore",
+            dimensions_map={"Cluster": cluster.cluster_name},
+            statistic="Minimum",
+            period=Duration.minutes(5),
+        )
+
+    def unit_score_metric(self, unit: str) -> cloudwatch.Metric:
+        """Topology score of one unit (3 best: one bottom-layer network node; 0 worst)."""
+        return cloudwatch.Metric(
+            namespace=self.min_score_metric.namespace,
+            metric_name="TopologyScore",
+            dimensions_map={**(self.min_score_metric.dimensions or {}), "Unit": unit},
+            statistic="Minimum",
+            period=Duration.minutes(5),
+        )
+
+
+def nag_resource_text(stack: Stack, value: str) -> str:
+    """A resource as cdk-nag 3 spells it in a finding id (its utils/flatten-cfn-reference.ts).
+
+    cdk-nag does not export that function; acknowledging the finding needs the same
+    spelling, whether the cluster name is a literal or a reference.
+    """
+
+    def visit(node: object) -> str:
+        if node is None:
+            return ""
+        if isinstance(node, str):
+            return node.replace("${", "<").replace("}", ">")
+        if isinstance(node, dict):
+            if "Fn::Join" in node:
+                delimiter, items = node["Fn::Join"]
+                return delimiter.join(visit(item) for item in items)
+            if "Fn::Sub" in node:
+                return visit(node["Fn::Sub"])
+            if "Fn::GetAtt" in node:
+                resource, attribute = node["Fn::GetAtt"]
+                return f"<{visit(resource)}.{visit(attribute)}>"
+            if "Fn::ImportValue" in node:
+                return visit(node["Fn::ImportValue"])
+            if "Ref" in node:
+                return f"<{visit(node['Ref'])}>"
+        return json.dumps(node, separators=(",", ":"))
+
+    return visit(stack.resolve(value))
+
+
+def _validate(units: int, nodes_per_unit: int, metrics_namespace: str, sweep_interval: Duration) -> None:
+    problems = []
+    if isinstance(units, bool) or not isinstance(units, int) or not 1 <= units <= MAX_UNITS:
+        problems.append(f"units = {units!r}: must be an integer from 1 to {MAX_UNITS}")
+    if (
+        isinstance(nodes_per_unit, bool)
+        or not isinstance(nodes_per_unit, int)
+        or not 1 <= nodes_per_unit <= MAX_NODES_PER_UNIT
+    ):
+        problems.append(
+            f"nodes_per_unit = {nodes_per_unit!r}: must be an integer from 1 to {MAX_NODES_PER_UNIT}"
+        )
+    if not isinstance(metrics_namespace, str) or not _NAMESPACE.match(metrics_namespace):
+        problems.append(
+            f"metrics_namespace = {metrics_namespace!r}: 1-255 characters of letters, digits and . _ / # : -"
+        )
+    elif metrics_namespace.startswith("AWS/"):
+        problems.append(f"metrics_namespace = {metrics_namespace!r}: the AWS/ prefix is reserved for AWS")
+    seconds = sweep_interval.to_seconds()
+    if seconds < 60 or seconds % 60:
+        problems.append(f"sweep_interval = {seconds} s: must be a whole number of minutes, at least 1")
+    if problems:
+        raise ValueError("TopologyPlacement: " + "; ".join(problems))

@@ -1,0 +1,216 @@
+"""The controller's AWS calls: cell membership, ECS container instances, topology, attributes.
+
+Every call goes through `Retry`, which retries throttling and transient server errors
+with capped exponential backoff and full jitter. The clients are built with botocore's
+own retries off (`total_max_attempts=1`) so that there is one retry policy, visible
+here and testable with botocore's Stubber (which answers before botocore's retry loop).
+Pages are walked by hand, NextToken by NextToken, so that a throttled page is retried
+on its own instead of restarting the whole listing.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from botocore.client import BaseClient
+from botocore.exceptions import ClientError
+
+from placement_controller.topology import NetworkPath, parse_network_nodes
+
+LOG = logging.getLogger(__name__)
+
+THROTTLING_CODES = frozenset(
+    {
+        "Throttling",
+        "ThrottlingException",
+        "ThrottledException",
+        "RequestThrottledException",
+        "TooManyRequestsException",
+        "RequestLimitExceeded",
+        "RequestThrottled",
+        "EC2ThrottledException",
+        "SlowDown",
+    }
+)
+TRANSIENT_CODES = frozenset(
+    {"InternalError", "InternalFailure", "ServiceUnavailable", "ServerException", "RequestTimeout"}
+)
+# DescribeInstanceTopology takes at most 100 explicit instance ids (and no MaxResults
+# with them); DescribeContainerInstances 100 instances; Put/DeleteAttributes 10 attributes.
+TOPOLOGY_IDS_PER_CALL = 100
+DESCRIBE_PER_CALL = 100
+ATTRIBUTES_PER_CALL = 10
+LIVE_LIFECYCLE_STATES = frozenset({"InService", "Pending", "Pending:Wait", "Pending:Proceed"})
+
+
+def error_code(error: ClientError) -> str:
+    return str(error.response.get("Error", {}).get("Code", ""))
+
+
+@dataclass
+class Retry:
+    """Retries a call on throttling and transient errors; anything else is raised at once."""
+
+    attempts: int = 6
+    base_delay: float = 0.25
+    max_delay: float = 8.0
+    sleep: Callable[[float], None] = time.sleep
+    rng: random.Random = field(default_factory=random.Random)
+    retried: int = 0
+
+    def call(self, method: Callable[..., dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
+        for attempt in range(1, self.attempts + 1):
+            try:
+                return method(**kwargs)
+            except ClientError as error:
+                code = error_code(error)
+                if code not in THROTTLING_CODES | TRANSIENT_CODES or attempt == self.attempts:
+                    raise
+                delay = self.rng.uniform(0, min(self.max_delay, self.base_delay * 2 ** (attempt - 1)))
+                LOG.warning("%s: %s, retry %d/%d in %.2f s", method.__name__, code, attempt, self.attempts - 1, delay)
+                self.retried += 1
+                self.sleep(delay)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def chunks(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerInstance:
+    """What the controller needs of one ECS container instance."""
+
+    arn: str
+    ec2_instance_id: str
+    status: str
+    agent_connected: bool
+    running_tasks: int
+    pending_tasks: int
+    attributes: Mapping[str, str | None]
+
+    @property
+    def busy(self) -> bool:
+        return self.running_tasks > 0 or self.pending_tasks > 0
+
+
+def group_lifecycle(autoscaling: BaseClient, group_name: str, retry: Retry) -> dict[str, str]:
+    """Instance id -> lifecycle state of every instance of the Auto Scaling group."""
+    response = retry.call(autoscaling.describe_auto_scaling_groups, AutoScalingGroupNames=[group_name])
+    groups = [g for g in response.get("AutoScalingGroups", []) if g.get("AutoScalingGroupName") == group_name]
+    if not groups:
+        raise LookupError(f"Auto Scaling group {group_name!r} not found; check AUTO_SCALING_GROUP_NAME")
+    return {i["InstanceId"]: i.get("LifecycleState", "") for i in groups[0].get("Instances", [])}
+
+
+def _parse_container_instance(raw: Mapping[str, Any]) -> ContainerInstance:
+    return ContainerInstance(
+        arn=raw["containerInstanceArn"],
+        ec2_instance_id=raw.get("ec2InstanceId", ""),
+        status=raw.get("status", ""),
+        agent_connected=bool(raw.get("agentConnected", False)),
+        running_tasks=int(raw.get("runningTasksCount", 0)),
+        pending_tasks=int(raw.get("pendingTasksCount", 0)),
+        attributes={a["name"]: a.get("value") for a in raw.get("attributes", [])},
+    )
+
+
+def describe_container_instances(
+    ecs: BaseClient, cluster: str, arns: Sequence[str], retry: Retry
+) -> list[ContainerInstance]:
+    found: list[ContainerInstance] = []
+    for batch in chunks(list(arns), DESCRIBE_PER_CALL):
+        response = retry.call(ecs.describe_container_instances, cluster=cluster, containerInstances=list(batch))
+        for failure in response.get("failures", []):
+            LOG.warning("container instance %s: %s", failure.get("arn"), failure.get("reason"))
+        found.extend(_parse_container_instance(raw) for raw in response.get("containerInstances", []))
+    return found
+
+
+def list_container_instances(ecs: BaseClient, cluster: str, retry: Retry) -> list[ContainerInstance]:
+    """Every container instance of the cluster except INACTIVE (deregistered) ones."""
+    arns: list[str] = []
+    token: str | None = None
+    while True:
+        kwargs: dict[str, Any] = {"cluster": cluster, "maxResults": 100}
+        if token:
+            kwargs["nextToken"] = token
+        response = retry.call(ecs.list_container_instances, **kwargs)
+        arns.extend(response.get("containerInstanceArns", []))
+        token = response.get("nextToken")
+        if not token:
+            break
+    return describe_container_instances(ecs, cluster, arns, retry)
+
+
+@dataclass(frozen=True)
+class TopologyResult:
+    paths: dict[str, NetworkPath | None]
+    errors: tuple[str, ...] = ()
+
+
+def network_paths(ec2: BaseClient, instance_ids: Iterable[str], retry: Retry) -> TopologyResult:
+    """Network path per instance id; None where the API gives no topology.
+
+    A chunk the API refuses (unsupported region, an instance gone in between, missing
+    permission) is logged and placed by the fallback rather than stopping the run.
+    """
+    ids = sorted(set(instance_ids))
+    paths: dict[str, NetworkPath | None] = dict.fromkeys(ids)
+    errors: list[str] = []
+    for batch in chunks(ids, TOPOLOGY_IDS_PER_CALL):
+        token: str | None = None
+        try:
+            while True:
+                kwargs: dict[str, Any] = {"InstanceIds": list(batch)}
+                if token:
+                    kwargs["NextToken"] = token
+                response = retry.call(ec2.describe_instance_topology, **kwargs)
+                for item in response.get("Instances", []):
+                    if item.get("InstanceId") in paths:
+                        paths[item["InstanceId"]] = parse_network_nodes(item.get("NetworkNodes"))
+                token = response.get("NextToken")
+                if not token:
+                    break
+        except ClientError as error:
+            LOG.error("DescribeInstanceTopology failed for %d instances: %s", len(batch), error)
+            errors.append(error_code(error) or "ClientError")
+    return TopologyResult(paths, tuple(errors))
+
+
+def _write(
+    method: Callable[..., dict[str, Any]], cluster: str, attributes: Sequence[dict[str, str]], retry: Retry
+) -> int:
+    """Put or delete attributes 10 per call; a target that disappeared is skipped, not fatal."""
+    written = 0
+    for batch in chunks(list(attributes), ATTRIBUTES_PER_CALL):
+        try:
+            retry.call(method, cluster=cluster, attributes=list(batch))
+            written += len(batch)
+        except ClientError as error:
+            if error_code(error) != "TargetNotFoundException":
+                raise
+            # One target of the batch is gone: write the others one by one.
+            for attribute in batch:
+                try:
+                    retry.call(method, cluster=cluster, attributes=[attribute])
+                    written += 1
+                except ClientError as single:
+                    if error_code(single) != "TargetNotFoundException":
+                        raise
+                    LOG.warning("%s: container instance %s is gone", method.__name__, attribute["targetId"])
+    return written
+
+
+def put_attributes(ecs: BaseClient, cluster: str, attributes: Sequence[dict[str, str]], retry: Retry) -> int:
+    return _write(ecs.put_attributes, cluster, attributes, retry)
+
+
+def delete_attributes(ecs: BaseClient, cluster: str, attributes: Sequence[dict[str, str]], retry: Retry) -> int:
+    return _write(ecs.delete_attributes, cluster, attributes, retry)

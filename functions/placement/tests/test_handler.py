@@ -1,0 +1,484 @@
+"""The handler against real boto3 clients answered by botocore's Stubber (no AWS is called).
+
+Responses follow the shapes of the EC2 DescribeInstanceTopology, ECS and Auto Scaling API
+references; the Stubber also checks every request against the service models.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+
+import boto3
+import pytest
+from botocore import UNSIGNED
+from botocore.config import Config
+from botocore.exceptions import ClientError
+from botocore.stub import ANY, Stubber
+from placement_controller import aws, handler
+from placement_controller.handler import Clients, Settings, reconcile
+
+REGION = "us-east-2"
+ACCOUNT = "123456789012"
+CLUSTER = f"arn:aws:ecs:{REGION}:{ACCOUNT}:cluster/rufus-dev"
+GROUP = "rufus-dev-trainium"
+SETTINGS = Settings(
+    cluster=CLUSTER, auto_scaling_group=GROUP, units=2, nodes_per_unit=2, metrics_namespace="Rufus/Cell"
+)
+
+
+def arn(instance: str) -> str:
+    return f"arn:aws:ecs:{REGION}:{ACCOUNT}:container-instance/rufus-dev/{instance.removeprefix('i-')}"
+
+
+def container(instance: str, *, running: int = 0, pending: int = 0, status: str = "ACTIVE", **attrs: str) -> dict:
+    attributes = [{"name": "ecs.instance-type", "value": "trn2.48xlarge"}]
+    attributes += [{"name": name.replace("_", "-"), "value": value} for name, value in attrs.items()]
+    return {
+        "containerInstanceArn": arn(instance),
+        "ec2InstanceId": instance,
+        "status": status,
+        "agentConnected": True,
+        "runningTasksCount": running,
+        "pendingTasksCount": pending,
+        "attributes": attributes,
+    }
+
+
+def topo(instance: str, *nodes: str | None) -> dict:
+    item = {
+        "InstanceId": instance,
+        "InstanceType": "trn2.48xlarge",
+        "GroupName": "cell-pg",
+        "AvailabilityZone": f"{REGION}a",
+        "ZoneId": "use2-az1",
+    }
+    if nodes != (None,):
+        item["NetworkNodes"] = list(nodes)
+    return item
+
+
+def put(instance: str, unit: str, mark: str) -> list[dict]:
+    return [
+        {"name": "unit", "value": unit, "targetType": "container-instance", "targetId": arn(instance)},
+        {
+            "name": "unit-placement",
+            "value": mark,
+            "targetType": "container-instance",
+            "targetId": arn(instance),
+        },
+    ]
+
+
+def delete(instance: str, *names: str) -> list[dict]:
+    return [{"name": name, "targetType": "container-instance", "targetId": arn(instance)} for name in names]
+
+
+class Cell:
+    """Three stubbed clients; queue expected calls on `.ec2`, `.ecs`, `.autoscaling`."""
+
+    def __init__(self) -> None:
+        config = Config(signature_version=UNSIGNED, retries={"total_max_attempts": 1, "mode": "standard"})
+        self.clients = Clients(
+            ec2=boto3.client("ec2", region_name=REGION, config=config),
+            ecs=boto3.client("ecs", region_name=REGION, config=config),
+            autoscaling=boto3.client("autoscaling", region_name=REGION, config=config),
+        )
+        self.ec2 = Stubber(self.clients.ec2)
+        self.ecs = Stubber(self.clients.ecs)
+        self.autoscaling = Stubber(self.clients.autoscaling)
+        self.delays: list[float] = []
+        self.lines: list[str] = []
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        with ExitStack() as stack:
+            for stubber in (self.ec2, self.ecs, self.autoscaling):
+                stack.enter_context(stubber)
+            yield
+            for stubber in (self.ec2, self.ecs, self.autoscaling):
+                stubber.assert_no_pending_responses()
+
+    def run(self, event: dict | None = None, settings: Settings = SETTINGS) -> dict:
+        retry = aws.Retry(sleep=self.delays.append)
+        with self.active():
+            return reconcile(settings, self.clients, event or {}, retry, self.lines.append)
+
+    def group(self, **states: str) -> None:
+        instances = [
+            {
+                "InstanceId": i,
+                "InstanceType": "trn2.48xlarge",
+                "AvailabilityZone": f"{REGION}a",
+                "LifecycleState": state,
+                "HealthStatus": "Healthy",
+                "LaunchTemplate": {"LaunchTemplateId": "lt-1"},
+                "ProtectedFromScaleIn": True,
+            }
+            for i, state in states.items()
+        ]
+        self.autoscaling.add_response(
+            "describe_auto_scaling_groups",
+            {
+                "AutoScalingGroups": [
+                    {
+                        "AutoScalingGroupName": GROUP,
+                        "MinSize": 0,
+                        "MaxSize": 8,
+                        "DesiredCapacity": len(states),
+                        "DefaultCooldown": 300,
+                        "AvailabilityZones": [f"{REGION}a"],
+                        "HealthCheckType": "EC2",
+                        "CreatedTime": "2026-01-01T00:00:00Z",
+                        "Instances": instances,
+                    }
+                ]
+            },
+            {"AutoScalingGroupNames": [GROUP]},
+        )
+
+    def containers(self, *pages: list[dict]) -> None:
+        for index, page in enumerate(pages):
+            response: dict = {"containerInstanceArns": [c["containerInstanceArn"] for c in page]}
+            params: dict = {"cluster": CLUSTER, "maxResults": 100}
+            if index + 1 < len(pages):
+                response["nextToken"] = f"page-{index + 1}"
+            if index:
+                params["nextToken"] = f"page-{index}"
+            self.ecs.add_response("list_container_instances", response, params)
+        everything = [c for page in pages for c in page]
+        for start in range(0, len(everything), 100):
+            self.describe(everything[start : start + 100])
+
+    def describe(self, containers: list[dict], exact: bool = True) -> None:
+        arns = [c["containerInstanceArn"] for c in containers] if exact else ANY
+        self.ecs.add_response(
+            "describe_container_instances",
+            {"containerInstances": containers, "failures": []},
+            {"cluster": CLUSTER, "containerInstances": arns},
+        )
+
+    def topology(self, ids: list[str], *pages: list[dict]) -> None:
+        for index, page in enumerate(pages):
+            response: dict = {"Instances": page}
+            params: dict = {"InstanceIds": ids}
+            if index + 1 < len(pages):
+                response["NextToken"] = f"topo-{index + 1}"
+            if index:
+                params["NextToken"] = f"topo-{index}"
+            self.ec2.add_response("describe_instance_topology", response, params)
+
+
+def emf_lines(cell: Cell) -> list[dict]:
+    return [json.loads(line) for line in cell.lines]
+
+
+def test_groups_by_topology_completes_a_unit_and_clears_a_terminated_instance():
+    cell = Cell()
+    cell.group(
+        **{
+            "i-0a": "InService",
+            "i-0c": "InService",
+            "i-0d": "InService",
+            "i-0e": "InService",
+            "i-0g": "Pending",
+            "i-0f": "Terminating:Wait",
+        }
+    )
+    a = container("i-0a", running=1, unit="u0", unit_placement="topology")
+    c = container("i-0c")
+    d = container("i-0d", unit="u1")
+    e = container("i-0e")
+    g = container("i-0g", unit="u1", unit_placement="topology")  # pending start: topology still null
+    f = container("i-0f", running=1, unit="u1", unit_placement="topology")
+    cell.containers([a, c, d], [e, g, f])
+    ids = ["i-0a", "i-0c", "i-0d", "i-0e", "i-0g"]
+    # The first call is throttled; the retry gets two pages, one with a null NetworkNodes.
+    cell.ec2.add_client_error(
+        "describe_instance_topology",
+        "RequestLimitExceeded",
+        http_status_code=503,
+        expected_params={"InstanceIds": ids},
+    )
+    cell.topology(
+        ids,
+        [
+            topo("i-0a", "nn-t", "nn-m1", "nn-b1"),
+            topo("i-0c", "nn-t", "nn-m1", "nn-b1"),
+            topo("i-0d", "nn-t", "nn-m2", "nn-b3"),
+        ],
+        [topo("i-0e", "nn-t", "nn-m2", "nn-b3"), topo("i-0g", None)],
+    )
+    cell.describe([c, d, e, g])  # the re-read before writing
+    cell.ecs.add_response(
+        "delete_attributes",
+        {"attributes": []},
+        {
+            "cluster": CLUSTER,
+            "attributes": delete("i-0f", "unit", "unit-placement") + delete("i-0g", "unit", "unit-placement"),
+        },
+    )
+    cell.ecs.add_client_error("put_attributes", "ThrottlingException", http_status_code=400)
+    expected_puts = put("i-0c", "u0", "topology") + put("i-0d", "u1", "topology") + put("i-0e", "u1", "topology")
+    cell.ecs.add_response(
+        "put_attributes", {"attributes": expected_puts}, {"cluster": CLUSTER, "attributes": expected_puts}
+    )
+
+    summary = cell.run()
+
+    assert summary["units"] == {
+        "u0": {"instances": ["i-0a", "i-0c"], "score": 3, "missing": 0},
+        "u1": {"instances": ["i-0d", "i-0e"], "score": 3, "missing": 0},
+    }
+    assert summary["spares"] == ["i-0g"]
+    assert summary["cleared"] == ["i-0f"]
+    assert summary["attributes_written"] == 6 and summary["attributes_deleted"] == 4
+    assert summary["retries"] == 2 and len(cell.delays) == 2
+    assert all(0 <= delay <= 0.25 for delay in cell.delays)
+    units = {line["Unit"]: line["TopologyScore"] for line in emf_lines(cell) if "Unit" in line}
+    assert units == {"u0": 3, "u1": 3}
+    cell_line = next(line for line in emf_lines(cell) if "Unit" not in line)
+    assert cell_line["_aws"]["CloudWatchMetrics"][0]["Namespace"] == "Rufus/Cell"
+    assert cell_line["_aws"]["CloudWatchMetrics"][0]["Dimensions"] == [["Cluster"]]
+    assert cell_line["Cluster"] == "rufus-dev" and cell_line["MinTopologyScore"] == 3
+
+
+def test_a_second_run_on_the_result_writes_nothing():
+    cell = Cell()
+    cell.group(**{"i-0a": "InService", "i-0b": "InService", "i-0c": "InService", "i-0d": "InService"})
+    containers = [
+        container("i-0a", running=1, unit="u0", unit_placement="topology"),
+        container("i-0b", unit="u0", unit_placement="topology"),
+        container("i-0c", unit="u1", unit_placement="topology"),
+        container("i-0d", unit="u1", unit_placement="topology"),
+    ]
+    cell.containers(containers)
+    cell.topology(
+        ["i-0a", "i-0b", "i-0c", "i-0d"],
+        [
+            topo("i-0a", "t", "m1", "b1"),
+            topo("i-0b", "t", "m1", "b1"),
+            topo("i-0c", "t", "m1", "b2"),
+            topo("i-0d", "t", "m1", "b2"),
+        ],
+    )
+    # No describe, put or delete is queued: any write would fail the Stubber.
+    summary = cell.run({"source": "aws.events", "detail-type": "Scheduled Event"})
+    assert summary["attributes_written"] == 0 and summary["attributes_deleted"] == 0
+    assert [u["score"] for u in summary["units"].values()] == [3, 3]
+
+
+def test_without_topology_instances_are_placed_by_the_fallback_and_marked():
+    cell = Cell()
+    cell.group(**{"i-0b": "InService", "i-0a": "InService", "i-0d": "InService", "i-0c": "InService"})
+    containers = [container(i) for i in ("i-0b", "i-0a", "i-0d", "i-0c")]
+    cell.containers(containers)
+    cell.ec2.add_client_error(
+        "describe_instance_topology",
+        "UnsupportedOperation",
+        http_status_code=400,
+        expected_params={"InstanceIds": ["i-0a", "i-0b", "i-0c", "i-0d"]},
+    )
+    cell.describe(containers)
+    expected = (
+        put("i-0a", "u0", "fallback")
+        + put("i-0b", "u0", "fallback")
+        + put("i-0c", "u1", "fallback")
+        + put("i-0d", "u1", "fallback")
+    )
+    # Ten attributes per call at most: eight fit one call.
+    cell.ecs.add_response("put_attributes", {"attributes": expected}, {"cluster": CLUSTER, "attributes": ANY})
+    summary = cell.run()
+    assert summary["topology_errors"] == ["UnsupportedOperation"]
+    assert summary["fallback_instances"] == ["i-0a", "i-0b", "i-0c", "i-0d"]
+    assert summary["units"]["u0"]["instances"] == ["i-0a", "i-0b"]
+    assert summary["units"]["u1"]["score"] == 0
+
+
+def test_an_instance_that_took_a_task_meanwhile_is_left_alone():
+    cell = Cell()
+    cell.group(**{"i-0a": "InService", "i-0b": "InService"})
+    a, b = container("i-0a"), container("i-0b")
+    cell.containers([a, b])
+    cell.topology(["i-0a", "i-0b"], [topo("i-0a", "t", "m", "b"), topo("i-0b", "t", "m", "b")])
+    cell.describe([container("i-0a", pending=1), b])
+    cell.ecs.add_response(
+        "put_attributes",
+        {"attributes": put("i-0b", "u0", "topology")},
+        {"cluster": CLUSTER, "attributes": put("i-0b", "u0", "topology")},
+    )
+    summary = cell.run(settings=Settings(CLUSTER, GROUP, units=1, nodes_per_unit=2, metrics_namespace="N"))
+    assert summary["skipped_busy"] == ["i-0a"]
+    assert summary["attributes_written"] == 2
+
+
+def test_terminate_event_clears_the_instance_before_the_group_shows_it():
+    cell = Cell()
+    cell.group(**{"i-0a": "InService", "i-0b": "InService"})
+    a = container("i-0a", unit="u0", unit_placement="topology")
+    b = container("i-0b", unit="u0", unit_placement="topology")
+    cell.containers([a, b])
+    cell.topology(["i-0a"], [topo("i-0a", "t", "m", "b")])
+    cell.describe([a])  # i-0a alone cannot make a unit of two: its label goes too
+    cell.ecs.add_response(
+        "delete_attributes",
+        {"attributes": []},
+        {
+            "cluster": CLUSTER,
+            "attributes": delete("i-0b", "unit", "unit-placement") + delete("i-0a", "unit", "unit-placement"),
+        },
+    )
+    event = {
+        "source": "aws.autoscaling",
+        "detail-type": "EC2 Instance Terminate Successful",
+        "detail": {"AutoScalingGroupName": GROUP, "EC2InstanceId": "i-0b"},
+    }
+    summary = cell.run(event, settings=Settings(CLUSTER, GROUP, units=1, nodes_per_unit=2, metrics_namespace="N"))
+    assert summary["cleared"] == ["i-0b"]
+    assert summary["units"]["u0"] == {"instances": [], "score": None, "missing": 2}
+    assert summary["spares"] == ["i-0a"]  # one instance cannot make a two-node unit
+
+
+def test_topology_is_read_100_ids_per_call_and_attributes_10_per_call():
+    ids = [f"i-{n:04d}" for n in range(130)]
+    cell = Cell()
+    cell.group(**dict.fromkeys(ids, "InService"))
+    containers = [container(i) for i in ids]
+    cell.containers(containers[:100], containers[100:])
+    cell.topology(ids[:100], [topo(i, "t", f"m{int(i[2:]) % 2}", f"b{int(i[2:]) % 4}") for i in ids[:100]])
+    cell.topology(ids[100:], [topo(i, "t", f"m{int(i[2:]) % 2}", f"b{int(i[2:]) % 4}") for i in ids[100:]])
+    settings = Settings(CLUSTER, GROUP, units=16, nodes_per_unit=8, metrics_namespace="N")
+    # 128 instances get labels (2 attributes each): 26 calls of 10 attributes less 4.
+    cell.describe(containers[:100], exact=False)  # the re-read of the 128 that change
+    cell.describe(containers[100:], exact=False)
+    for _ in range(26):
+        cell.ecs.add_response("put_attributes", {"attributes": []}, {"cluster": CLUSTER, "attributes": ANY})
+    summary = cell.run(settings=settings)
+    assert summary["attributes_written"] == 256
+    assert len(summary["spares"]) == 2
+    assert {u["score"] for u in summary["units"].values()} == {3}
+
+
+def test_a_container_instance_gone_during_the_write_is_skipped():
+    cell = Cell()
+    cell.group(**{"i-0a": "InService", "i-0b": "InService"})
+    a, b = container("i-0a"), container("i-0b")
+    cell.containers([a, b])
+    cell.topology(["i-0a", "i-0b"], [topo("i-0a", "t", "m", "b1"), topo("i-0b", "t", "m", "b2")])
+    cell.describe([a, b])
+    cell.ecs.add_client_error("put_attributes", "TargetNotFoundException", http_status_code=400)
+    both = put("i-0a", "u0", "topology") + put("i-0b", "u1", "topology")
+    for attribute in both:
+        if attribute["targetId"] == arn("i-0a"):
+            cell.ecs.add_client_error(
+                "put_attributes",
+                "TargetNotFoundException",
+                http_status_code=400,
+                expected_params={"cluster": CLUSTER, "attributes": [attribute]},
+            )
+        else:
+            cell.ecs.add_response(
+                "put_attributes", {"attributes": [attribute]}, {"cluster": CLUSTER, "attributes": [attribute]}
+            )
+    summary = cell.run(settings=Settings(CLUSTER, GROUP, units=2, nodes_per_unit=1, metrics_namespace="N"))
+    assert summary["attributes_written"] == 2
+
+
+def test_retry_gives_up_after_its_attempts_and_never_retries_other_errors():
+    cell = Cell()
+    delays: list[float] = []
+    retry = aws.Retry(attempts=3, sleep=delays.append)
+    for _ in range(3):
+        cell.autoscaling.add_client_error("describe_auto_scaling_groups", "Throttling", http_status_code=400)
+    cell.autoscaling.add_client_error("describe_auto_scaling_groups", "AccessDenied", http_status_code=403)
+    with cell.autoscaling:
+        with pytest.raises(ClientError, match="Throttling"):
+            aws.group_lifecycle(cell.clients.autoscaling, GROUP, retry)
+        assert len(delays) == 2 and delays[1] <= 0.5
+        with pytest.raises(ClientError, match="AccessDenied"):
+            aws.group_lifecycle(cell.clients.autoscaling, GROUP, retry)
+        assert len(delays) == 2
+
+
+def test_unknown_group_is_named_in_the_error():
+    cell = Cell()
+    cell.autoscaling.add_response("describe_auto_scaling_groups", {"AutoScalingGroups": []})
+    with cell.autoscaling, pytest.raises(LookupError, match=f"{GROUP!r} not found"):
+        aws.group_lifecycle(cell.clients.autoscaling, GROUP, aws.Retry())
+
+
+def test_settings_from_env_names_every_problem():
+    with pytest.raises(ValueError) as error:
+        Settings.from_env({"CLUSTER_NAME": CLUSTER, "UNITS": "0", "NODES_PER_UNIT": "two"})
+    message = str(error.value)
+    assert "AUTO_SCALING_GROUP_NAME is not set" in message
+    assert "UNITS = '0': must be an integer from 1 to" in message
+    assert "NODES_PER_UNIT = 'two'" in message
+    assert "METRICS_NAMESPACE is not set" in message
+    good = Settings.from_env(
+        {
+            "CLUSTER_NAME": CLUSTER,
+            "AUTO_SCALING_GROUP_NAME": GROUP,
+            "UNITS": "3",
+            "NODES_PER_UNIT": "4",
+            "METRICS_NAMESPACE": "Rufus/Cell",
+        }
+    )
+    assert (good.units, good.nodes_per_unit, good.cluster_name) == (3, 4, "rufus-dev")
+
+
+def test_lambda_entry_point_reads_its_environment(monkeypatch, capsys):
+    cell = Cell()
+    cell.group(**{"i-0a": "InService"})
+    cell.containers([container("i-0a", running=1, unit="u0", unit_placement="topology")])
+    cell.topology(["i-0a"], [topo("i-0a", "t", "m", "b")])
+    for name, value in {
+        "CLUSTER_NAME": CLUSTER,
+        "AUTO_SCALING_GROUP_NAME": GROUP,
+        "UNITS": "1",
+        "NODES_PER_UNIT": "1",
+        "METRICS_NAMESPACE": "Rufus/Cell",
+    }.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(handler, "_clients", lambda: cell.clients)
+    with cell.active():
+        summary = handler.handler(
+            {
+                "source": "aws.ecs",
+                "detail-type": "ECS Container Instance State Change",
+                "detail": {"status": "ACTIVE", "ec2InstanceId": "i-0a"},
+            },
+            None,
+        )
+    assert summary["units"]["u0"] == {"instances": ["i-0a"], "score": 3, "missing": 0}
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert printed[0]["Unit"] == "u0" and printed[0]["TopologyScore"] == 3
+    assert printed[0]["_aws"]["CloudWatchMetrics"][0]["Dimensions"] == [["Cluster", "Unit"]]
+
+
+@pytest.mark.parametrize(
+    ("event", "gone"),
+    [
+        ({"detail-type": "EC2 Instance Terminate Successful", "detail": {"EC2InstanceId": "i-0b"}}, {"i-0b"}),
+        ({"detail-type": "EC2 Instance Launch Successful", "detail": {"EC2InstanceId": "i-0b"}}, set()),
+        (
+            {
+                "detail-type": "ECS Container Instance State Change",
+                "detail": {"status": "INACTIVE", "ec2InstanceId": "i-0c"},
+            },
+            {"i-0c"},
+        ),
+        (
+            {
+                "detail-type": "ECS Container Instance State Change",
+                "detail": {"status": "DRAINING", "ec2InstanceId": "i-0c"},
+            },
+            set(),
+        ),
+        ({"detail-type": "Scheduled Event", "detail": {}}, set()),
+        ({"detail": "not a mapping"}, set()),
+    ],
+)
+def test_events_that_report_an_instance_leaving(event, gone):
+    assert handler.gone_from_event(event) == gone

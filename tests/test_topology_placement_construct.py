@@ -1,0 +1,284 @@
+"""The placement controller construct in a minimal stack: resources, IAM scope, triggers, cdk-nag."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from aws_cdk import App, Duration, Environment, Stack, Validations
+from aws_cdk import aws_autoscaling as autoscaling
+from aws_cdk import aws_ec2 as ec2
+from aws_cdk import aws_ecs as ecs
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_kms as kms
+from aws_cdk import aws_logs as logs
+from aws_cdk.assertions import Match, Template
+from cdk_nag import AwsSolutionsChecks, NIST80053R5Checks
+
+from cell_constructs.topology_placement import TopologyPlacement
+
+os.environ.setdefault("JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION", "20")
+ROOT = Path(__file__).resolve().parents[1]
+CDK_CONTEXT: dict = json.loads((ROOT / "cdk.json").read_text())["context"]
+ENV = Environment(account="123456789012", region="us-east-2")
+
+
+def build(
+    outdir: Path, *, real_cluster: bool = True, **overrides: object
+) -> tuple[App, Stack, TopologyPlacement]:
+    """A stack with a cluster, a group, a key and the construct; both cdk-nag packs on."""
+    app = App(context=CDK_CONTEXT, outdir=str(outdir), builtin_cloud_formation_validation=False)
+    Validations.of(app).add_plugins(
+        AwsSolutionsChecks(app, verbose=True), NIST80053R5Checks(app, verbose=True)
+    )
+    stack = Stack(app, "Cell", env=ENV)
+    vpc = ec2.Vpc.from_vpc_attributes(
+        stack,
+        "Vpc",
+        vpc_id="vpc-1",
+        availability_zones=["us-east-2a"],
+        private_subnet_ids=["subnet-1"],
+        private_subnet_route_table_ids=["rtb-1"],
+    )
+    if real_cluster:
+        # As in the cell stack: the cluster's name and ARN are references, not literals.
+        cluster: ecs.ICluster = ecs.Cluster(
+            stack, "Cluster", vpc=vpc, container_insights_v2=ecs.ContainerInsights.ENHANCED
+        )
+    else:
+        cluster = ecs.Cluster.from_cluster_attributes(stack, "Cluster", cluster_name="rufus-dev", vpc=vpc)
+    group = autoscaling.AutoScalingGroup.from_auto_scaling_group_name(stack, "Group", "rufus-dev-trainium")
+    key = kms.Key(stack, "Key", enable_key_rotation=True)
+    props: dict = {
+        "cluster": cluster,
+        "auto_scaling_group": group,
+        "units": 4,
+        "nodes_per_unit": 2,
+        "metrics_namespace": "Rufus/Cell",
+        "log_retention": logs.RetentionDays.ONE_MONTH,
+        "encryption_key": key,
+        **overrides,
+    }
+    placement = TopologyPlacement(stack, "Placement", **props)
+    return app, stack, placement
+
+
+def findings(outdir: Path) -> list[tuple[str, str]]:
+    """(rule, construct path) of every finding in the cloud assembly's validation report."""
+    report_file = outdir / "validation-report.json"
+    if not report_file.exists():
+        return []
+    report = json.loads(report_file.read_text())
+    return [
+        (violation["ruleName"], construct["constructPath"])
+        for plugin in report["pluginReports"]
+        for violation in plugin["violations"]
+        for construct in violation["violatingConstructs"]
+    ]
+
+
+@pytest.fixture(scope="module")
+def synthesized(tmp_path_factory: pytest.TempPathFactory) -> tuple[Template, Path, Stack]:
+    outdir = tmp_path_factory.mktemp("placement")
+    app, stack, _ = build(outdir)
+    app.synth()  # raises on any unacknowledged cdk-nag finding
+    return Template.from_stack(stack), outdir, stack
+
+
+def test_function_runs_one_at_a_time_with_its_settings(synthesized):
+    template, _, _ = synthesized
+    template.has_resource_properties(
+        "AWS::Lambda::Function",
+        {
+            "Handler": "placement_controller.handler.handler",
+            "Runtime": Match.string_like_regexp(r"^python3\.1[2-9]$"),
+            "ReservedConcurrentExecutions": 1,
+            "DeadLetterConfig": {
+                "TargetArn": {"Fn::GetAtt": [Match.string_like_regexp("PlacementDeadLetters"), "Arn"]}
+            },
+            "LoggingConfig": {"LogGroup": {"Ref": Match.string_like_regexp("PlacementLogs")}},
+            "Environment": {
+                "Variables": {
+                    "CLUSTER_NAME": {"Fn::GetAtt": [Match.string_like_regexp("^Cluster"), "Arn"]},
+                    "AUTO_SCALING_GROUP_NAME": "rufus-dev-trainium",
+                    "UNITS": "4",
+                    "NODES_PER_UNIT": "2",
+                    "METRICS_NAMESPACE": "Rufus/Cell",
+                }
+            },
+        },
+    )
+    template.has_resource_properties(
+        "AWS::Lambda::EventInvokeConfig", {"MaximumRetryAttempts": 2, "MaximumEventAgeInSeconds": 3600}
+    )
+
+
+def test_logs_and_dead_letters_are_encrypted_with_the_cell_key(synthesized):
+    template, _, _ = synthesized
+    key = {"Fn::GetAtt": [Match.string_like_regexp("^Key"), "Arn"]}
+    template.has_resource_properties("AWS::Logs::LogGroup", {"KmsKeyId": key, "RetentionInDays": 30})
+    template.has_resource_properties("AWS::SQS::Queue", {"KmsMasterKeyId": key})
+    template.has_resource_properties(
+        "AWS::SQS::QueuePolicy",
+        {
+            "PolicyDocument": {
+                "Statement": Match.array_with(
+                    [
+                        Match.object_like(
+                            {"Effect": "Deny", "Condition": {"Bool": {"aws:SecureTransport": "false"}}}
+                        )
+                    ]
+                )
+            }
+        },
+    )
+
+
+def test_rules_watch_this_cluster_this_group_and_a_sweep(synthesized):
+    template, _, _ = synthesized
+    function = {"Fn::GetAtt": [Match.string_like_regexp("PlacementFunction"), "Arn"]}
+    target = Match.array_with([Match.object_like({"Arn": function})])
+    template.has_resource_properties(
+        "AWS::Events::Rule",
+        {
+            "EventPattern": {
+                "source": ["aws.ecs"],
+                "detail-type": ["ECS Container Instance State Change"],
+                "detail": {"clusterArn": [{"Fn::GetAtt": [Match.string_like_regexp("^Cluster"), "Arn"]}]},
+            },
+            "Targets": target,
+        },
+    )
+    template.has_resource_properties(
+        "AWS::Events::Rule",
+        {
+            "EventPattern": {
+                "source": ["aws.autoscaling"],
+                "detail-type": ["EC2 Instance Launch Successful", "EC2 Instance Terminate Successful"],
+                "detail": {"AutoScalingGroupName": ["rufus-dev-trainium"]},
+            },
+            "Targets": target,
+        },
+    )
+    template.has_resource_properties(
+        "AWS::Events::Rule", {"ScheduleExpression": "rate(5 minutes)", "Targets": target}
+    )
+    template.resource_count_is("AWS::Lambda::Permission", 3)
+
+
+def test_alarms_on_errors_and_dead_letters(synthesized):
+    template, _, _ = synthesized
+    template.has_resource_properties(
+        "AWS::CloudWatch::Alarm",
+        {
+            "MetricName": "Errors",
+            "Namespace": "AWS/Lambda",
+            "Threshold": 1,
+            "TreatMissingData": "notBreaching",
+        },
+    )
+    template.has_resource_properties(
+        "AWS::CloudWatch::Alarm", {"MetricName": "ApproximateNumberOfMessagesVisible", "Threshold": 1}
+    )
+
+
+def test_iam_is_one_managed_policy_scoped_to_this_cell(synthesized):
+    template, _, _ = synthesized
+    template.resource_count_is("AWS::IAM::Policy", 0)  # no inline default policy
+    policies = template.find_resources("AWS::IAM::ManagedPolicy")
+    assert len(policies) == 1
+    statements = next(iter(policies.values()))["Properties"]["PolicyDocument"]["Statement"]
+    by_sid = {s["Sid"]: s for s in statements}
+    # "*" only where the service has no resource-level permissions.
+    assert [s["Sid"] for s in statements if s["Resource"] == "*"] == ["ReadTopologyAndGroup"]
+    assert sorted(by_sid["ReadTopologyAndGroup"]["Action"]) == [
+        "autoscaling:DescribeAutoScalingGroups",
+        "ec2:DescribeInstanceTopology",
+    ]
+    cluster_arn = {"Fn::GetAtt": [next(iter(template.find_resources("AWS::ECS::Cluster"))), "Arn"]}
+    assert by_sid["ListThisCluster"]["Resource"] == cluster_arn
+    attributes = by_sid["UnitAttributesOnThisCluster"]
+    assert sorted(attributes["Action"]) == [
+        "ecs:DeleteAttributes",
+        "ecs:DescribeContainerInstances",
+        "ecs:PutAttributes",
+    ]
+    assert attributes["Resource"][0] == cluster_arn
+    assert "container-instance/" in json.dumps(attributes["Resource"][1])
+    every_action = {
+        a for s in statements for a in ([s["Action"]] if isinstance(s["Action"], str) else s["Action"])
+    }
+    assert not any("*" in action for action in every_action)
+    assert not {"ecs:UpdateContainerInstancesState", "ecs:DeregisterContainerInstance"} & every_action
+
+
+def test_deployment_package_holds_only_the_runtime_code(synthesized):
+    _, outdir, _ = synthesized
+    (asset,) = [p for p in outdir.glob("asset.*") if p.is_dir()]
+    files = sorted(str(p.relative_to(asset)) for p in asset.rglob("*") if p.is_file())
+    assert files == [
+        "placement_controller/__init__.py",
+        "placement_controller/assignment.py",
+        "placement_controller/aws.py",
+        "placement_controller/handler.py",
+        "placement_controller/topology.py",
+    ]
+
+
+def test_cdk_nag_finds_nothing_in_the_construct(synthesized):
+    _, outdir, _ = synthesized
+    assert [f for f in findings(outdir) if f[1].startswith("Cell/Placement/")] == []
+
+
+def test_cdk_nag_is_clean_with_a_literal_cluster_name_too(tmp_path):
+    app, _, _ = build(tmp_path, real_cluster=False)
+    app.synth()
+    assert [f for f in findings(tmp_path) if f[1].startswith("Cell/Placement/")] == []
+
+
+def test_cdk_nag_reports_a_new_wildcard_on_the_construct(tmp_path):
+    # Control: the packs do look at the construct; an unacknowledged wildcard fails synth.
+    app, _, placement = build(tmp_path)
+    placement.policy.add_statements(iam.PolicyStatement(actions=["ecs:Describe*"], resources=["*"]))
+    with pytest.raises(
+        RuntimeError, match=r"(?s)ValidationFailed.*AwsSolutions-IAM5\[Action::ecs:Describe\*\]"
+    ):
+        app.synth()
+    found = findings(tmp_path)
+    assert found == [("AwsSolutions-IAM5[Action::ecs:Describe*]", "Cell/Placement/Policy/Resource")]
+    assert all(path.startswith("Cell/Placement/Policy") for _, path in found)
+
+
+def test_custom_sweep_interval(tmp_path):
+    _, stack, _ = build(tmp_path, sweep_interval=Duration.minutes(15))
+    Template.from_stack(stack).has_resource_properties(
+        "AWS::Events::Rule", {"ScheduleExpression": "rate(15 minutes)"}
+    )
+
+
+def test_controller_writes_the_attribute_the_units_are_pinned_to():
+    from placement_controller import handler
+
+    from cell_constructs import inference_unit
+
+    assert handler.UNIT_ATTRIBUTE == inference_unit.UNIT_ATTRIBUTE == "unit"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"units": 0}, r"units = 0: must be an integer from 1 to 1024"),
+        ({"nodes_per_unit": 65}, r"nodes_per_unit = 65: must be an integer from 1 to 64"),
+        ({"metrics_namespace": "AWS/Lambda"}, r"the AWS/ prefix is reserved"),
+        ({"metrics_namespace": "has space"}, r"metrics_namespace = 'has space'"),
+        (
+            {"sweep_interval": Duration.seconds(30)},
+            r"sweep_interval = 30 s: must be a whole number of minutes",
+        ),
+    ],
+)
+def test_bad_settings_are_refused_with_a_clear_message(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        build(tmp_path, **overrides)
