@@ -39,7 +39,10 @@ from inference_fleet.unit_spec import (
 )
 
 CONTAINERS_DIR = Path(__file__).resolve().parents[1] / "containers"
-_ECR_IMAGE = re.compile(r"^(?P<account>[0-9]{12})\.dkr\.ecr\.(?P<region>[a-z0-9-]+)\.amazonaws\.com/(?P<repo>[^@:]+)@(?P<digest>sha256:[0-9a-f]{64})$")
+_ECR_IMAGE = re.compile(
+    r"^(?P<account>[0-9]{12})\.dkr\.ecr\.(?P<region>[a-z0-9-]+)\.amazonaws\.com/"
+    r"(?P<repo>[^@:]+)@(?P<digest>sha256:[0-9a-f]{64})$"
+)
 
 
 _RETENTION = {
@@ -281,7 +284,8 @@ class CellStack(Stack):
             (f"AwsSolutions-IAM5[Resource::{artifacts}]",
              "Read-only access to every object under the model's artifact prefix, which the launcher downloads"),
             ("AwsSolutions-IAM5[Resource::*]",
-             "servicediscovery:DiscoverInstances has no resource ARN; it is limited to this cell's namespace by condition"),
+             "servicediscovery:DiscoverInstances has no resource ARN; it is limited to this cell's "
+             "namespace by condition"),
         )
         return role
 
