@@ -121,23 +121,29 @@ class MultiNodeInferenceUnit(Construct):
         # ECS stops containers in reverse dependency order: the proxy drains its streams
         # before the engine behind it gets SIGTERM.
         proxy.add_container_dependencies(
-            ecs.ContainerDependency(container=leader_task.default_container, condition=ecs.ContainerDependencyCondition.START)
+            ecs.ContainerDependency(
+                container=leader_task.default_container, condition=ecs.ContainerDependencyCondition.START
+            )
         )
+        # Leader and followers deploy alike: in place, with rollback by circuit breaker or alarm.
+        service_settings = {
+            "cluster": cluster,
+            "placement_constraints": placement,
+            "capacity_provider_strategies": strategy,
+            "min_healthy_percent": 0,
+            "max_healthy_percent": 100,
+            "circuit_breaker": ecs.DeploymentCircuitBreaker(rollback=True),
+            "deployment_alarms": alarm_config,
+            "enable_ecs_managed_tags": True,
+            "propagate_tags": ecs.PropagatedTagSource.SERVICE,
+        }
         self.leader_service = ecs.Ec2Service(
             self,
             "Leader",
-            cluster=cluster,
             task_definition=leader_task,
             desired_count=1,
-            placement_constraints=placement,
-            capacity_provider_strategies=strategy,
-            min_healthy_percent=0,
-            max_healthy_percent=100,
-            circuit_breaker=ecs.DeploymentCircuitBreaker(rollback=True),
-            deployment_alarms=alarm_config,
             health_check_grace_period=health_check_grace,
-            enable_ecs_managed_tags=True,
-            propagate_tags=ecs.PropagatedTagSource.SERVICE,
+            **service_settings,
             cloud_map_options=ecs.CloudMapOptions(
                 name=leader_service_name,
                 cloud_map_namespace=namespace,
@@ -155,19 +161,7 @@ class MultiNodeInferenceUnit(Construct):
         if nodes > 1:
             follower_task = self._task_definition("FollowerTask", role="follower", environment=follower_environment)
             self.follower_service = ecs.Ec2Service(
-                self,
-                "Followers",
-                cluster=cluster,
-                task_definition=follower_task,
-                desired_count=nodes - 1,
-                placement_constraints=placement,
-                capacity_provider_strategies=strategy,
-                min_healthy_percent=0,
-                max_healthy_percent=100,
-                circuit_breaker=ecs.DeploymentCircuitBreaker(rollback=True),
-                deployment_alarms=alarm_config,
-                enable_ecs_managed_tags=True,
-                propagate_tags=ecs.PropagatedTagSource.SERVICE,
+                self, "Followers", task_definition=follower_task, desired_count=nodes - 1, **service_settings
             )
 
     @property
