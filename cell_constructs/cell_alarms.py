@@ -1,3 +1,353 @@
-"""Per-cell health alarms (issue 7): placeholder until it lands."""
+"""A cell's health alarms, its rollout gate and its dashboard.
 
-CellAlarms = None
+Each alarm watches one signal of the whole cell: healthy units (ALB targets) against
+the configured floor, the ALB's 5xx share, the ALB target response time p99, and the
+unit proxies' time-to-first-token p99, queue depth and unit restarts (their Embedded
+Metric Format metrics, see docs/contracts.md). The metric alarms but the units floor are
+the ECS services' deployment alarms (a bad unit update rolls back inside the cell); the
+composite alarm over all of them is the cell's "stop the rollout" signal that the
+pipeline's stage condition watches. Alarm names are derived from the stack name, so the
+pipeline stack can name them without a cross-stack reference.
+
+The alarms are cell-wide on purpose (the proxy's `[Cell]` dimension set, with the
+Maximum statistic where one bad unit must trip it): per-unit alarms would grow the
+template by three resources a unit against CloudFormation's 500-resource limit, while
+a slow or stuck unit already dominates the cell's p99 and maximum. The dashboard, made
+with cdk-monitoring-constructs, shows every signal per unit (`[Cell, Unit]`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aws_cdk import ArnFormat, Duration, Stack
+from aws_cdk import aws_cloudwatch as cloudwatch
+from aws_cdk import aws_elasticloadbalancingv2 as elbv2
+from aws_cdk import aws_iam as iam
+from cdk_monitoring_constructs import (
+    CustomMetricGroup,
+    DefaultDashboardFactory,
+    MonitoringFacade,
+)
+from constructs import Construct
+
+from cell_constructs.nag import acknowledge
+from inference_fleet.config import AlarmsConfig
+
+ONE_MINUTE = Duration.minutes(1)
+
+
+def rollout_gate_name(stack_name: str) -> str:
+    """Name of a cell's composite alarm: the pipeline names it from the cell's stack name."""
+    return f"{stack_name}-rollout-gate"
+
+
+def gate_reader_role_name(stack_name: str) -> str:
+    """Role in a cell's account that lets the pipeline account read the cell's rollout gate."""
+    return f"{stack_name}-gate-reader"
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlarmSpec:
+    """One signal as documented in docs/pipeline.md: what the alarm compares, and how long it must breach."""
+
+    key: str
+    description: str
+    threshold: float
+    comparison: cloudwatch.ComparisonOperator
+    evaluation_periods: int
+    missing_data: cloudwatch.TreatMissingData
+
+
+class CellAlarms(Construct):
+    """Metric alarms of one cell, the composite rollout gate over them, and the cell dashboard."""
+
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        stack_name: str,
+        cell_name: str,
+        units: int,
+        min_units_available: int,
+        thresholds: AlarmsConfig,
+        metrics_namespace: str,
+        load_balancer: elbv2.IApplicationLoadBalancer,
+        target_group: elbv2.IApplicationTargetGroup,
+        gate_reader_account: str | None = None,
+    ) -> None:
+        super().__init__(scope, construct_id)
+        if units < 1:
+            raise ValueError(f"a cell has >= 1 unit, got {units}")
+        if not 0 <= min_units_available <= units:
+            raise ValueError(f"min_units_available must be 0..{units} (the cell's units), got {min_units_available}")
+        self.stack_name = stack_name
+        self.cell_name = cell_name
+        self.units = units
+        self.min_units_available = min_units_available
+        self.thresholds = thresholds
+        self.namespace = metrics_namespace
+        window = Duration.minutes(thresholds.evaluation_minutes)
+        sustained = thresholds.evaluation_minutes
+
+        self.alarms: dict[str, cloudwatch.Alarm] = {}
+        # A floor of 0 units can never be breached: the alarm would only add noise.
+        if min_units_available >= 1:
+            self._alarm(
+                AlarmSpec(
+                    key="units-available",
+                    description=f"Healthy units (ALB targets) of cell {cell_name} below {min_units_available} "
+                                f"of {units} for {sustained} min",
+                    threshold=min_units_available,
+                    comparison=cloudwatch.ComparisonOperator.LESS_THAN_THRESHOLD,
+                    evaluation_periods=sustained,
+                    # No healthy-host data at all means the target group is gone or detached.
+                    missing_data=cloudwatch.TreatMissingData.BREACHING,
+                ),
+                target_group.metrics.healthy_host_count(statistic="Minimum", period=ONE_MINUTE),
+            )
+        self._alarm(
+            AlarmSpec(
+                key="alb-5xx-rate",
+                description=f"5xx (load balancer + units) above {thresholds.alb_5xx_percent} % of requests "
+                            f"in cell {cell_name} for {sustained} min",
+                threshold=thresholds.alb_5xx_percent,
+                comparison=cloudwatch.ComparisonOperator.GREATER_THAN_THRESHOLD,
+                evaluation_periods=sustained,
+                missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+            ),
+            self._alb_5xx_percent(load_balancer),
+        )
+        self._alarm(
+            AlarmSpec(
+                key="target-response-p99",
+                description=f"ALB target response time p99 above {thresholds.target_response_p99_seconds} s "
+                            f"in cell {cell_name} for {sustained} min",
+                threshold=thresholds.target_response_p99_seconds,
+                comparison=cloudwatch.ComparisonOperator.GREATER_THAN_THRESHOLD,
+                evaluation_periods=sustained,
+                missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+            ),
+            load_balancer.metrics.target_response_time(statistic="p99", period=ONE_MINUTE),
+        )
+        self._alarm(
+            AlarmSpec(
+                key="ttft-p99",
+                description=f"Time to first token p99 above {thresholds.ttft_p99_ms} ms in cell {cell_name} "
+                            f"for {sustained} min",
+                threshold=thresholds.ttft_p99_ms,
+                comparison=cloudwatch.ComparisonOperator.GREATER_THAN_THRESHOLD,
+                evaluation_periods=sustained,
+                missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+            ),
+            self.proxy_metric("TimeToFirstToken", "p99", ONE_MINUTE),
+        )
+        self._alarm(
+            AlarmSpec(
+                key="queue-depth",
+                description=f"A unit of cell {cell_name} has more than {thresholds.queue_depth} requests waiting "
+                            f"for {sustained} min",
+                threshold=thresholds.queue_depth,
+                comparison=cloudwatch.ComparisonOperator.GREATER_THAN_THRESHOLD,
+                evaluation_periods=sustained,
+                missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+            ),
+            # Maximum over the [Cell] dimension set is the worst unit's queue.
+            self.proxy_metric("QueueDepth", "Maximum", ONE_MINUTE),
+        )
+        self._alarm(
+            AlarmSpec(
+                key="unit-restarts",
+                description=f"{thresholds.unit_restarts} or more unit re-formations in cell {cell_name} "
+                            f"within {sustained} min",
+                threshold=thresholds.unit_restarts,
+                comparison=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
+                evaluation_periods=1,
+                missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+            ),
+            self.proxy_metric("UnitRestarts", "Sum", window),
+        )
+
+        # ECS watches every alarm but the units floor during a unit's deployment: that alarm is
+        # about the whole cell, sits in ALARM while a new cell's units load one after another
+        # (which would fail the cell's first deployment), and would block the deployment of a fix
+        # into a degraded cell. One unit down at a time never crosses the default floor anyway.
+        self.deployment_alarms: list[cloudwatch.IAlarm] = [
+            alarm for key, alarm in self.alarms.items() if key != "units-available"]
+        self.rollout_gate = cloudwatch.CompositeAlarm(
+            self, "RolloutGate",
+            composite_alarm_name=rollout_gate_name(stack_name),
+            alarm_description=f"Cell {cell_name} is unhealthy: stop the rollout and roll the wave back",
+            alarm_rule=cloudwatch.AlarmRule.any_of(*self.alarms.values()),
+        )
+        no_action = ("This alarm is read, not notified: the pipeline's CloudWatchAlarm stage condition and the "
+                     "ECS deployment alarms act on its state; notification routing is left to the operator")
+        for alarm in [*self.alarms.values(), self.rollout_gate]:
+            acknowledge(alarm, ("NIST.800.53.R5-CloudWatchAlarmAction", no_action))
+
+        self.gate_reader_role: iam.Role | None = None
+        if gate_reader_account is not None:
+            self.gate_reader_role = self._gate_reader(gate_reader_account)
+
+        self.dashboard = self._dashboard(load_balancer, target_group)
+
+    # -- metrics --------------------------------------------------------------------
+
+    def proxy_metric(
+        self, name: str, statistic: str, period: Duration, unit_id: str | None = None,
+    ) -> cloudwatch.Metric:
+        """A unit proxy EMF metric of this cell, or of one unit of it."""
+        dimensions = {"Cell": self.cell_name}
+        if unit_id is not None:
+            dimensions["Unit"] = unit_id
+        return cloudwatch.Metric(
+            namespace=self.namespace, metric_name=name, dimensions_map=dimensions,
+            statistic=statistic, period=period,
+            # Dashboard legends name the unit; the cell-wide metric keeps CloudWatch's own label.
+            label=unit_id,
+        )
+
+    @staticmethod
+    def _alb_5xx_percent(load_balancer: elbv2.IApplicationLoadBalancer) -> cloudwatch.MathExpression:
+        metrics = load_balancer.metrics
+        return cloudwatch.MathExpression(
+            # No requests means no errors: 0, not a division by zero.
+            expression="IF(requests > 0, 100 * (FILL(elb5xx, 0) + FILL(target5xx, 0)) / requests, 0)",
+            using_metrics={
+                "requests": metrics.request_count(statistic="Sum", period=ONE_MINUTE),
+                "elb5xx": metrics.http_code_elb(elbv2.HttpCodeElb.ELB_5XX_COUNT, statistic="Sum", period=ONE_MINUTE),
+                "target5xx": metrics.http_code_target(elbv2.HttpCodeTarget.TARGET_5XX_COUNT, statistic="Sum",
+                                                      period=ONE_MINUTE),
+            },
+            label="5xx % of requests",
+            period=ONE_MINUTE,
+        )
+
+    def _alarm(self, spec: AlarmSpec, metric: cloudwatch.IMetric) -> cloudwatch.Alarm:
+        alarm = cloudwatch.Alarm(
+            self, "".join(part.capitalize() for part in spec.key.split("-")),
+            alarm_name=f"{self.stack_name}-{spec.key}",
+            alarm_description=spec.description,
+            metric=metric,
+            threshold=spec.threshold,
+            comparison_operator=spec.comparison,
+            evaluation_periods=spec.evaluation_periods,
+            datapoints_to_alarm=spec.evaluation_periods,
+            treat_missing_data=spec.missing_data,
+        )
+        self.alarms[spec.key] = alarm
+        return alarm
+
+    # -- pipeline access ---------------------------------------------------------------
+
+    def _gate_reader(self, account: str) -> iam.Role:
+        """Lets the pipeline in another account read (only) this cell's rollout gate state."""
+        stack = Stack.of(self)
+        role = iam.Role(
+            self, "GateReader",
+            role_name=gate_reader_role_name(self.stack_name),
+            assumed_by=iam.AccountPrincipal(account),
+            description=f"Pipeline account {account} reads the rollout gate of cell {self.cell_name}",
+            max_session_duration=Duration.hours(1),
+        )
+        iam.ManagedPolicy(
+            self, "GateReaderPolicy", roles=[role],
+            description=f"Describe the rollout gate alarm of cell {self.cell_name}",
+            statements=[iam.PolicyStatement(
+                actions=["cloudwatch:DescribeAlarms"],
+                resources=[stack.format_arn(
+                    service="cloudwatch", resource="alarm", resource_name=rollout_gate_name(self.stack_name),
+                    arn_format=ArnFormat.COLON_RESOURCE_NAME,
+                )],
+            )],
+        )
+        return role
+
+    # -- dashboard ------------------------------------------------------------------
+
+    def _dashboard(
+        self, load_balancer: elbv2.IApplicationLoadBalancer, target_group: elbv2.IApplicationTargetGroup,
+    ) -> cloudwatch.Dashboard:
+        """One dashboard per cell: the gate, the cell-wide signals, then each signal per unit."""
+        t = self.thresholds
+        factory = DefaultDashboardFactory(
+            self, "DashboardFactory",
+            dashboard_name_prefix=self.stack_name,
+            create_dashboard=True, create_summary_dashboard=False, create_alarm_dashboard=False,
+            detail_dashboard_range=Duration.hours(8),
+        )
+        facade = MonitoringFacade(
+            self, "Monitoring",
+            dashboard_factory=factory,
+            # The facade creates no alarm of its own here (every alarm is above); the prefix
+            # only keeps its naming apart from other facades.
+            alarm_factory_defaults={"actions_enabled": False, "alarm_name_prefix": self.stack_name},
+        )
+        facade.add_large_header(f"Cell {self.cell_name}: {self.units} unit(s), floor {self.min_units_available}")
+        facade.add_widget(cloudwatch.AlarmStatusWidget(
+            title="Rollout gate and cell alarms", alarms=[self.rollout_gate, *self.alarms.values()], width=24,
+        ))
+        unit_ids = [f"u{i}" for i in range(self.units)]
+
+        def limit(value: float, label: str) -> cloudwatch.HorizontalAnnotation:
+            return cloudwatch.HorizontalAnnotation(value=value, label=label, color=cloudwatch.Color.RED)
+
+        facade.monitor_custom(
+            human_readable_name=f"Cell {self.cell_name}: load balancer",
+            alarm_friendly_name=f"{self.cell_name}-alb",
+            metric_groups=[
+                CustomMetricGroup(
+                    title="Healthy units",
+                    metrics=[target_group.metrics.healthy_host_count(statistic="Minimum", period=ONE_MINUTE),
+                             target_group.metrics.unhealthy_host_count(statistic="Maximum", period=ONE_MINUTE)],
+                    horizontal_annotations=[limit(self.min_units_available, "floor")],
+                ),
+                CustomMetricGroup(title="5xx % of requests", metrics=[self._alb_5xx_percent(load_balancer)],
+                                  horizontal_annotations=[limit(t.alb_5xx_percent, "alarm")]),
+                CustomMetricGroup(
+                    title="Target response time p99 (s)",
+                    metrics=[load_balancer.metrics.target_response_time(statistic="p99", period=ONE_MINUTE)],
+                    horizontal_annotations=[limit(t.target_response_p99_seconds, "alarm")],
+                ),
+            ],
+        )
+        facade.monitor_custom(
+            human_readable_name=f"Cell {self.cell_name}: units",
+            alarm_friendly_name=f"{self.cell_name}-units",
+            metric_groups=[
+                CustomMetricGroup(
+                    title="Time to first token p99 (ms)",
+                    metrics=[self.proxy_metric("TimeToFirstToken", "p99", ONE_MINUTE, u) for u in unit_ids],
+                    horizontal_annotations=[limit(t.ttft_p99_ms, "alarm")],
+                ),
+                CustomMetricGroup(
+                    title="Queue depth (max)",
+                    metrics=[self.proxy_metric("QueueDepth", "Maximum", ONE_MINUTE, u) for u in unit_ids],
+                    horizontal_annotations=[limit(t.queue_depth, "alarm")],
+                ),
+                CustomMetricGroup(
+                    title="Unit healthy (min)",
+                    metrics=[self.proxy_metric("UnitHealthy", "Minimum", ONE_MINUTE, u) for u in unit_ids],
+                ),
+                CustomMetricGroup(
+                    title=f"Unit restarts per {t.evaluation_minutes} min",
+                    metrics=[self.proxy_metric("UnitRestarts", "Sum", Duration.minutes(t.evaluation_minutes), u)
+                             for u in unit_ids],
+                    horizontal_annotations=[limit(t.unit_restarts, "alarm")],
+                ),
+                CustomMetricGroup(
+                    title="In-flight requests (max)",
+                    metrics=[self.proxy_metric("InFlight", "Maximum", ONE_MINUTE, u) for u in unit_ids],
+                ),
+                CustomMetricGroup(
+                    title="KV cache usage (max, 0-1)",
+                    metrics=[self.proxy_metric("KvCacheUsage", "Maximum", ONE_MINUTE, u) for u in unit_ids],
+                ),
+            ],
+        )
+        dashboard = factory.created_dashboard()
+        if dashboard is None:
+            raise RuntimeError("cdk-monitoring-constructs did not create the cell dashboard")
+        return dashboard
+

@@ -1,11 +1,178 @@
-"""Rollout plan (placeholder until issue 7 lands)."""
+"""Rollout plan: how long a cell-by-cell rollout of the fleet takes and how much capacity it keeps.
+
+`python -m inference_fleet plan-rollout [--config FILE] [--unit-restart-minutes N]`
+prints the pipeline's waves in order with their cells, units, bake time and gates
+(manual approval, deployment window), each wave's duration, the cumulative time, and the
+fleet's capacity floor while the wave deploys.
+
+The model behind the figures is the pipeline's (stacks/pipeline_stack.py) and the cell
+stack's (stacks/cell_stack.py): the cells of one wave deploy in parallel; inside a cell
+the units update one at a time (each unit's services depend on the previous unit's),
+so a cell takes `units x unit restart time` and a wave takes its largest cell's time
+plus the bake time. While a wave deploys, each of its cells has exactly one unit down,
+so the fleet serves `total units - cells in the wave`. Waiting for an approval or a
+deployment window is not estimated: it is listed as a gate.
+"""
+
+from __future__ import annotations
 
 import argparse
+import json
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+from inference_fleet.config import ConfigIssue, FleetConfig, load_fleet, register_check
+
+DEFAULT_UNIT_RESTART_MINUTES = 30.0
+# CodePipeline takes at most 5 rules in one stage condition, and a stage has one OnSuccess
+# condition: the bake watches one rollout-gate alarm per cell, so a wave holds at most 5 cells.
+MAX_CELLS_PER_WAVE = 5
+
+
+@register_check
+def check_wave_sizes(fleet: FleetConfig) -> Iterable[ConfigIssue]:
+    """With a pipeline, every wave fits one CodePipeline stage condition."""
+    if fleet.pipeline is None:
+        return
+    for i, wave in enumerate(fleet.waves):
+        cells = fleet.cells_of_wave(wave.name)
+        if len(cells) > MAX_CELLS_PER_WAVE:
+            yield ConfigIssue(
+                f"waves[{i}]", wave.name,
+                f"{len(cells)} cells; the pipeline bakes a wave under one CloudWatchAlarm rule per cell and "
+                f"CodePipeline allows {MAX_CELLS_PER_WAVE} rules per stage condition: split it into waves of "
+                f"at most {MAX_CELLS_PER_WAVE} cells",
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class WavePlan:
+    name: str
+    cells: tuple[str, ...]
+    units: int
+    deploy_minutes: float
+    bake_minutes: int
+    manual_approval: bool
+    deployment_window: str | None
+    wave_minutes: float
+    cumulative_minutes: float
+    units_serving_floor: int
+    fleet_units: int
+
+    @property
+    def capacity_floor(self) -> float:
+        return self.units_serving_floor / self.fleet_units
+
+    @property
+    def gates(self) -> str:
+        gates = []
+        if self.manual_approval:
+            gates.append("approval")
+        if self.deployment_window:
+            gates.append(f"window {self.deployment_window}")
+        return ", ".join(gates) or "-"
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutPlan:
+    fleet: str
+    unit_restart_minutes: float
+    fleet_units: int
+    waves: tuple[WavePlan, ...]
+
+    @property
+    def total_minutes(self) -> float:
+        return self.waves[-1].cumulative_minutes if self.waves else 0.0
+
+    @property
+    def lowest(self) -> WavePlan:
+        return min(self.waves, key=lambda w: (w.units_serving_floor, self.waves.index(w)))
+
+
+def plan_rollout(fleet: FleetConfig, unit_restart_minutes: float = DEFAULT_UNIT_RESTART_MINUTES) -> RolloutPlan:
+    """The rollout of `fleet` wave by wave, in the order of the fleet file."""
+    if not unit_restart_minutes > 0:
+        raise ValueError(f"unit_restart_minutes must be > 0, got {unit_restart_minutes}")
+    fleet_units = sum(c.units for c in fleet.cells)
+    waves: list[WavePlan] = []
+    elapsed = 0.0
+    for wave in fleet.waves:
+        cells = fleet.cells_of_wave(wave.name)
+        deploy = max(c.units for c in cells) * unit_restart_minutes
+        elapsed += deploy + wave.bake_minutes
+        waves.append(WavePlan(
+            name=wave.name,
+            cells=tuple(c.name for c in cells),
+            units=sum(c.units for c in cells),
+            deploy_minutes=deploy,
+            bake_minutes=wave.bake_minutes,
+            manual_approval=wave.manual_approval,
+            deployment_window=wave.deployment_window,
+            wave_minutes=deploy + wave.bake_minutes,
+            cumulative_minutes=elapsed,
+            units_serving_floor=fleet_units - len(cells),
+            fleet_units=fleet_units,
+        ))
+    return RolloutPlan(fleet=fleet.name, unit_restart_minutes=unit_restart_minutes,
+                       fleet_units=fleet_units, waves=tuple(waves))
+
+
+def hours(minutes: float) -> str:
+    """90 -> '1h30'; fractions of a minute round up (an estimate should not promise too little)."""
+    whole = int(-(-minutes // 1))
+    return f"{whole // 60}h{whole % 60:02d}"
+
+
+def render(plan: RolloutPlan) -> str:
+    header = ("wave", "cells", "units", "deploy", "bake", "gates", "wave time", "cumulative", "capacity floor")
+    rows = [header]
+    for w in plan.waves:
+        rows.append((
+            w.name, ", ".join(w.cells), str(w.units), hours(w.deploy_minutes), hours(w.bake_minutes), w.gates,
+            hours(w.wave_minutes), hours(w.cumulative_minutes),
+            f"{w.units_serving_floor}/{w.fleet_units} ({w.capacity_floor:.1%})",
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [
+        f"Rollout plan for fleet {plan.fleet}: {len(plan.waves)} wave(s), {plan.fleet_units} unit(s), "
+        f"unit restart {plan.unit_restart_minutes:g} min",
+        "",
+        *("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows),
+        "",
+        f"total: {hours(plan.total_minutes)}"
+        + (" plus waits for approvals and deployment windows" if any(w.gates != "-" for w in plan.waves) else ""),
+        f"lowest capacity: {plan.lowest.units_serving_floor}/{plan.fleet_units} units "
+        f"({plan.lowest.capacity_floor:.1%}) during wave {plan.lowest.name}",
+        "(cells of a wave deploy in parallel; units of a cell update one at a time, one unit down per cell)",
+    ]
+    return "\n".join(lines)
+
+
+def _positive_minutes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of minutes") from None
+    if not 0 < value <= 24 * 60:
+        raise argparse.ArgumentTypeError(f"{text} minutes is out of range; allowed: more than 0, at most 1440")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """No options yet."""
+    parser.add_argument(
+        "--unit-restart-minutes", type=_positive_minutes, default=DEFAULT_UNIT_RESTART_MINUTES,
+        help="time for one unit to stop, load the model and pass its health check "
+             f"(default {DEFAULT_UNIT_RESTART_MINUTES:g}; model load dominates)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
-    raise SystemExit("plan-rollout is not implemented yet (issue 7)")
+    plan = plan_rollout(load_fleet(args.config), args.unit_restart_minutes)
+    if args.json:
+        data = asdict(plan)
+        data["total_minutes"] = plan.total_minutes
+        print(json.dumps(data, indent=2))
+    else:
+        print(render(plan))
+    return 0

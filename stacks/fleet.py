@@ -2,18 +2,31 @@
 
 from __future__ import annotations
 
-from aws_cdk import App
+from aws_cdk import App, Stack
 
 from cell_constructs.nag import add_policy_checks
 from inference_fleet.config import FleetConfig
 from stacks.cell_stack import CellStack
+from stacks.pipeline_stack import PipelineStack
 
 
-def build_fleet(app: App, fleet: FleetConfig) -> dict[str, CellStack]:
-    """One CellStack per cell, with the policy checks on; returns the stacks by stack name."""
+def build_fleet(app: App, fleet: FleetConfig) -> dict[str, Stack]:
+    """One CellStack per cell and, when the fleet has a `pipeline:`, the rollout pipeline stack
+    (plus the replication-bucket support stacks CodePipeline needs for cells in other regions),
+    with the policy checks on; returns the stacks by stack name.
+
+    The pipeline's build synthesizes the same fleet file: the app's `config` context
+    (`cdk synth -c config=FILE`), or the default config when it is not set.
+    """
     add_policy_checks(app)
-    stacks: dict[str, CellStack] = {}
+    stacks: dict[str, Stack] = {}
     for cell in fleet.cells:
         name = fleet.cell_stack_name(cell)
         stacks[name] = CellStack(app, name, fleet=fleet, cell=cell)
+    if fleet.pipeline is not None:
+        fleet_file = app.node.try_get_context("config")
+        pipeline = PipelineStack(app, fleet.pipeline_stack_name, fleet=fleet, fleet_file=fleet_file)
+        stacks[pipeline.stack_name] = pipeline
+        for support in pipeline.support_stacks:
+            stacks[support.stack_name] = support
     return stacks

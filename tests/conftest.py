@@ -32,8 +32,12 @@ class SynthesizedFleet:
     templates: dict[str, Template]
     outdir: Path
 
+    def template_path(self, stack_name: str) -> Path:
+        # Cross-region support stacks are written under their artifact id, not their name.
+        return self.outdir / f"{self.stacks[stack_name].artifact_id}.template.json"
+
     def template_json(self, stack_name: str) -> dict:
-        return json.loads((self.outdir / f"{stack_name}.template.json").read_text())
+        return json.loads(self.template_path(stack_name).read_text())
 
 
 def synth_fleet(fleet: FleetConfig, outdir: Path) -> SynthesizedFleet:

@@ -24,7 +24,7 @@ def test_templates_pass_cfn_lint(fixture: str, request: pytest.FixtureRequest) -
     # One run over all templates (cfn-lint's start-up dominates), checked against the
     # regions the fleet deploys to.
     regions = sorted({stack.region for stack in synthesized.stacks.values()})
-    templates = [str(synthesized.outdir / f"{name}.template.json") for name in synthesized.stacks]
+    templates = [str(synthesized.template_path(name)) for name in synthesized.stacks]
     result = subprocess.run(
         [
             str(Path(sys.executable).parent / "cfn-lint"),

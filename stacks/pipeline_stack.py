@@ -1,0 +1,427 @@
+"""The rollout pipeline: deployed once, it rolls every change out cell by cell, wave by wave.
+
+CodePipeline V2 (`aws_codepipeline.Pipeline`, not CDK Pipelines: only the former has
+stage conditions). Source is the fleet's repository through a CodeStar connection; the
+build runs `make test`, synthesizes the cloud assembly and publishes its assets (file
+assets and container images) into each cell's CDK bootstrap resources; then one stage
+per wave, in the order of the fleet file, deploys each of the wave's cell stacks from the
+cloud assembly through the cell account's CDK bootstrap roles, as `cdk deploy` would.
+
+Each wave stage may wait for a deployment window (BeforeEntry DeploymentWindow rule),
+starts with a manual approval when the wave asks for one, bakes after its deployments
+while every cell's rollout-gate composite alarm must stay out of ALARM (OnSuccess
+CloudWatchAlarm rules with WaitTime = bake minutes, result ROLLBACK), and rolls back by
+itself when an action fails (OnFailure ROLLBACK). The gate alarms are named from the
+cell stack names (cell_constructs.cell_alarms.rollout_gate_name): no cross-stack reference.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from aws_cdk import (
+    ArnFormat,
+    CfnCapabilities,
+    DefaultStackSynthesizer,
+    Duration,
+    Environment,
+    RemovalPolicy,
+    Stack,
+    Tags,
+)
+from aws_cdk import aws_codebuild as codebuild
+from aws_cdk import aws_codepipeline as codepipeline
+from aws_cdk import aws_codepipeline_actions as actions
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_kms as kms
+from aws_cdk import aws_logs as logs
+from aws_cdk import aws_s3 as s3
+from constructs import Construct
+
+from cell_constructs.cell_alarms import gate_reader_role_name, rollout_gate_name
+from cell_constructs.nag import acknowledge
+from inference_fleet.config import CellConfig, FleetConfig, PipelineConfig, WaveConfig
+from inference_fleet.rollout import MAX_CELLS_PER_WAVE
+
+REPOSITORY_ROOT = Path(__file__).resolve().parents[1]
+CDK_QUALIFIER = DefaultStackSynthesizer.DEFAULT_QUALIFIER
+CLOUD_ASSEMBLY_DIR = "cdk.out"
+# Model load dominates a unit update; a wave of a large cell takes hours. The pipeline
+# action timeout of CloudFormation actions is fixed by AWS (3 days), well above that.
+BUILD_TIMEOUT = Duration.hours(2)
+# Action wildcards of CDK's bucket and key grants (Bucket.grantReadWrite, Key.grantEncryptDecrypt).
+_GRANT_WILDCARD_ACTIONS = ("s3:Abort*", "s3:DeleteObject*", "s3:GetBucket*", "s3:GetObject*", "s3:List*",
+                           "kms:GenerateDataKey*", "kms:ReEncrypt*")
+
+
+def repository_path(fleet_file: str) -> str:
+    """The fleet file as the build sees it: a path inside the repository, relative to its root."""
+    path = Path(fleet_file)
+    if not path.is_absolute():
+        path = Path.cwd() / path
+    try:
+        return path.resolve().relative_to(REPOSITORY_ROOT).as_posix()
+    except ValueError:
+        raise ValueError(
+            f"fleet file {fleet_file} is outside the repository {REPOSITORY_ROOT}: the pipeline's build "
+            "synthesizes the fleet file from its checkout, so keep it in the repository"
+        ) from None
+
+
+def wave_stage_name(wave: WaveConfig) -> str:
+    return f"Wave-{wave.name}"
+
+
+def bootstrap_role_arn(partition: str, account: str, region: str, kind: str) -> str:
+    """A role of the default CDK bootstrap stack (`cdk bootstrap`), e.g. kind 'deploy-role'."""
+    return f"arn:{partition}:iam::{account}:role/cdk-{CDK_QUALIFIER}-{kind}-{account}-{region}"
+
+
+class PipelineStack(Stack):
+    """Source, build (test, synth, publish assets), then one deploy stage per wave."""
+
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        fleet: FleetConfig,
+        fleet_file: str | None = None,
+    ) -> None:
+        if fleet.pipeline is None:
+            raise ValueError(f"fleet {fleet.name} has no `pipeline:` section; add account, region, "
+                             "connection_arn, repository (and branch) to build the pipeline stack")
+        config: PipelineConfig = fleet.pipeline
+        super().__init__(
+            scope, construct_id,
+            env=Environment(account=config.account, region=config.region),
+            description=f"{fleet.name} rollout pipeline: {config.repository}@{config.branch} to "
+                        f"{len(fleet.cells)} cell(s) in {len(fleet.waves)} wave(s)",
+        )
+        self.fleet = fleet
+        self.config = config
+        self.fleet_file = repository_path(fleet_file) if fleet_file else None
+        Tags.of(self).add("fleet", fleet.name)
+
+        self.key = kms.Key(
+            # Retained like the artifact bucket and build logs it encrypts.
+            self, "ArtifactKey", enable_key_rotation=True, removal_policy=RemovalPolicy.RETAIN,
+            description=f"{fleet.name} rollout pipeline: artifacts and build logs",
+        )
+        self.key.add_to_resource_policy(iam.PolicyStatement(
+            principals=[iam.ServicePrincipal(f"logs.{self.region}.amazonaws.com")],
+            actions=["kms:Encrypt*", "kms:Decrypt*", "kms:ReEncrypt*", "kms:GenerateDataKey*", "kms:Describe*"],
+            resources=["*"],
+            conditions={"ArnLike": {"kms:EncryptionContext:aws:logs:arn":
+                                    f"arn:{self.partition}:logs:{self.region}:{self.account}:*"}},
+        ))
+        self.artifact_bucket = self._artifact_bucket()
+
+        source = codepipeline.Artifact("Source")
+        assembly = codepipeline.Artifact("CloudAssembly")
+        self.build_project = self._build_project()
+        stages = [
+            codepipeline.StageProps(stage_name="Source", actions=[actions.CodeStarConnectionsSourceAction(
+                action_name="Source",
+                connection_arn=config.connection_arn,
+                owner=config.repository.split("/")[0],
+                repo=config.repository.split("/")[1],
+                branch=config.branch,
+                output=source,
+                # The build needs the files at the commit, not the Git history: the zip will do.
+                code_build_clone_output=False,
+            )]),
+            codepipeline.StageProps(stage_name="Build", actions=[actions.CodeBuildAction(
+                action_name="TestSynthPublish", project=self.build_project, input=source, outputs=[assembly],
+            )]),
+        ]
+        stages += [self._wave_stage(wave, assembly) for wave in fleet.waves]
+
+        self.pipeline = codepipeline.Pipeline(
+            self, "Pipeline",
+            pipeline_name=f"{fleet.name}-rollout",
+            pipeline_type=codepipeline.PipelineType.V2,
+            execution_mode=codepipeline.ExecutionMode.SUPERSEDED,
+            artifact_bucket=self.artifact_bucket,
+            cross_account_keys=True,
+            enable_key_rotation=True,
+            restart_execution_on_update=False,
+            stages=stages,
+        )
+        self._harden_replication_buckets()
+        self._grant_gate_reads()
+        self._set_cross_account_gate_roles()
+        self._acknowledge_generated_policies()
+
+    @property
+    def support_stacks(self) -> list[Stack]:
+        """Replication-bucket stacks CodePipeline adds for cells in other regions (deployed with this stack)."""
+        return [support.stack for _, support in sorted(self.pipeline.cross_region_support.items())]
+
+    # -- storage ---------------------------------------------------------------------
+
+    def _artifact_bucket(self) -> s3.Bucket:
+        access_logs = _access_log_bucket(self, "ArtifactAccessLogs")
+        bucket = s3.Bucket(
+            self, "Artifacts",
+            encryption=s3.BucketEncryption.KMS,
+            encryption_key=self.key,
+            bucket_key_enabled=True,
+            enforce_ssl=True,
+            block_public_access=s3.BlockPublicAccess.BLOCK_ALL,
+            object_ownership=s3.ObjectOwnership.BUCKET_OWNER_ENFORCED,
+            versioned=True,
+            server_access_logs_bucket=access_logs,
+            server_access_logs_prefix="artifacts/",
+            lifecycle_rules=[s3.LifecycleRule(noncurrent_version_expiration=Duration.days(30))],
+            removal_policy=RemovalPolicy.RETAIN,
+        )
+        acknowledge(bucket, ("NIST.800.53.R5-S3BucketReplicationEnabled",
+                             "Pipeline artifacts are rebuilt from the repository by any execution; "
+                             "cross-region copies for cells are made by the pipeline's replication buckets"))
+        return bucket
+
+    # -- build -----------------------------------------------------------------------
+
+    def _build_project(self) -> codebuild.PipelineProject:
+        fleet = self.fleet
+        config_arg = f" CONFIG={self.fleet_file}" if self.fleet_file else ""
+        cell_stacks = " ".join(fleet.cell_stack_name(c) for c in fleet.cells)
+        log_group = logs.LogGroup(
+            self, "BuildLogs", encryption_key=self.key, retention=logs.RetentionDays.THREE_MONTHS,
+            removal_policy=RemovalPolicy.RETAIN,
+        )
+        project = codebuild.PipelineProject(
+            self, "Build",
+            description=f"{fleet.name}: make test, cdk synth, publish file and image assets of the cell stacks",
+            environment=codebuild.BuildEnvironment(
+                build_image=codebuild.LinuxBuildImage.STANDARD_7_0,
+                compute_type=codebuild.ComputeType.LARGE,
+                # Docker builds the inference and proxy images for asset publishing.
+                privileged=True,
+            ),
+            encryption_key=self.key,
+            timeout=BUILD_TIMEOUT,
+            logging=codebuild.LoggingOptions(cloud_watch=codebuild.CloudWatchLoggingOptions(log_group=log_group)),
+            build_spec=codebuild.BuildSpec.from_object({
+                "version": "0.2",
+                "env": {"variables": {"CI": "true", "JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION": "20"}},
+                "phases": {
+                    "install": {"runtime-versions": {"python": "3.11", "nodejs": "20"}},
+                    "build": {"commands": [
+                        "make test",
+                        f"make synth{config_arg} CDK_OUT={CLOUD_ASSEMBLY_DIR}",
+                        # Pinned CLI; publish-assets is flagged unstable in CDK CLI 2.1148.
+                        f"node_modules/.bin/cdk publish-assets --unstable=publish-assets --app {CLOUD_ASSEMBLY_DIR}"
+                        f" --exclusively {cell_stacks}",
+                    ]},
+                },
+                "artifacts": {"base-directory": CLOUD_ASSEMBLY_DIR, "files": ["**/*"]},
+            }),
+        )
+        acknowledge(project, ("AwsSolutions-CB3", "Privileged mode runs the Docker daemon that builds the "
+                                                  "inference and proxy images published as cell stack assets"))
+        # Publishing assumes the CDK bootstrap publishing roles of each cell's environment, and nothing else.
+        environments = sorted({(c.account, c.region) for c in fleet.cells})
+        project.add_to_role_policy(iam.PolicyStatement(
+            actions=["sts:AssumeRole"],
+            resources=[bootstrap_role_arn(self.partition, account, region, kind)
+                       for account, region in environments
+                       for kind in ("file-publishing-role", "image-publishing-role")],
+        ))
+        return project
+
+    # -- waves -----------------------------------------------------------------------
+
+    def _wave_stage(self, wave: WaveConfig, assembly: codepipeline.Artifact) -> codepipeline.StageProps:
+        cells = self.fleet.cells_of_wave(wave.name)
+        if len(cells) > MAX_CELLS_PER_WAVE:
+            # The fleet check (inference_fleet.rollout.check_wave_sizes) refuses such a file first.
+            raise ValueError(f"wave {wave.name} has {len(cells)} cells; at most {MAX_CELLS_PER_WAVE} per wave")
+        stage_actions: list[codepipeline.IAction] = []
+        if wave.manual_approval:
+            stage_actions.append(actions.ManualApprovalAction(
+                action_name="Approve", run_order=1,
+                additional_information=f"Wave {wave.name}: deploy {', '.join(c.name for c in cells)}",
+            ))
+        deploy_order = 2 if wave.manual_approval else 1
+        stage_actions += [self._deploy_action(cell, assembly, deploy_order) for cell in cells]
+
+        before_entry = None
+        if wave.deployment_window:
+            before_entry = codepipeline.Conditions(conditions=[codepipeline.Condition(
+                result=codepipeline.Result.FAIL,
+                rules=[codepipeline.Rule(
+                    name=f"{wave.name}-window", provider="DeploymentWindow", version="1",
+                    configuration={"Cron": wave.deployment_window, "TimeZone": "UTC"},
+                )],
+            )])
+        gate_configuration = {"AlarmStates": "ALARM"}
+        if wave.bake_minutes:
+            gate_configuration["WaitTime"] = str(wave.bake_minutes)
+        on_success = codepipeline.Conditions(conditions=[codepipeline.Condition(
+            result=codepipeline.Result.ROLLBACK,
+            rules=[
+                codepipeline.Rule(
+                    name=f"{wave.name}-{cell.name}-gate", provider="CloudWatchAlarm", version="1",
+                    region=cell.region,
+                    configuration={"AlarmName": rollout_gate_name(self.fleet.cell_stack_name(cell)),
+                                   **gate_configuration},
+                )
+                for cell in cells
+            ],
+        )])
+        return codepipeline.StageProps(
+            stage_name=wave_stage_name(wave),
+            actions=stage_actions,
+            before_entry=before_entry,
+            on_success=on_success,
+            on_failure=codepipeline.FailureConditions(result=codepipeline.Result.ROLLBACK),
+        )
+
+    def _deploy_action(
+        self, cell: CellConfig, assembly: codepipeline.Artifact, run_order: int,
+    ) -> actions.CloudFormationCreateUpdateStackAction:
+        """`cdk deploy <cell stack>`: the cell's template, deployed through its account's bootstrap roles."""
+        stack_name = self.fleet.cell_stack_name(cell)
+        deploy_role = iam.Role.from_role_arn(
+            self, f"DeployRole-{cell.name}",
+            bootstrap_role_arn(self.partition, cell.account, cell.region, "deploy-role"), mutable=False,
+        )
+        execution_role = iam.Role.from_role_arn(
+            self, f"CfnExecRole-{cell.name}",
+            bootstrap_role_arn(self.partition, cell.account, cell.region, "cfn-exec-role"), mutable=False,
+        )
+        return actions.CloudFormationCreateUpdateStackAction(
+            action_name=f"Deploy-{cell.name}",
+            stack_name=stack_name,
+            template_path=assembly.at_path(f"{stack_name}.template.json"),
+            admin_permissions=False,
+            role=deploy_role,
+            deployment_role=execution_role,
+            cfn_capabilities=[CfnCapabilities.NAMED_IAM, CfnCapabilities.AUTO_EXPAND],
+            region=cell.region,
+            replace_on_failure=False,
+            run_order=run_order,
+        )
+
+    # -- rollout gates -----------------------------------------------------------------
+
+    def _cross_account(self, cell: CellConfig) -> bool:
+        return cell.account != self.config.account
+
+    def _grant_gate_reads(self) -> None:
+        """The pipeline role reads same-account gates directly and assumes each other account's gate reader."""
+        role = self.pipeline.role
+        local = [c for c in self.fleet.cells if not self._cross_account(c)]
+        remote = [c for c in self.fleet.cells if self._cross_account(c)]
+        if local:
+            role.add_to_principal_policy(iam.PolicyStatement(
+                actions=["cloudwatch:DescribeAlarms"],
+                resources=[self.format_arn(
+                    service="cloudwatch", resource="alarm", region=c.region, account=c.account,
+                    resource_name=rollout_gate_name(self.fleet.cell_stack_name(c)),
+                    arn_format=ArnFormat.COLON_RESOURCE_NAME,
+                ) for c in local],
+            ))
+        if remote:
+            role.add_to_principal_policy(iam.PolicyStatement(
+                actions=["sts:AssumeRole"],
+                resources=[f"arn:{self.partition}:iam::{c.account}:role/"
+                           f"{gate_reader_role_name(self.fleet.cell_stack_name(c))}" for c in remote],
+            ))
+
+    def _set_cross_account_gate_roles(self) -> None:
+        """A rule watching another account's alarm runs as that cell's gate reader role.
+
+        `codepipeline.Rule(role=...)` takes only a role of this stack, so the role ARN of a
+        cell in another account is set on the rendered rule.
+        """
+        cfn = self.pipeline.node.default_child
+        first_wave_stage = 2  # after Source and Build
+        for w, wave in enumerate(self.fleet.waves):
+            for r, cell in enumerate(self.fleet.cells_of_wave(wave.name)):
+                if self._cross_account(cell):
+                    cfn.add_property_override(
+                        f"Stages.{first_wave_stage + w}.OnSuccess.Conditions.0.Rules.{r}.RoleArn",
+                        f"arn:{self.partition}:iam::{cell.account}:role/"
+                        f"{gate_reader_role_name(self.fleet.cell_stack_name(cell))}",
+                    )
+
+    # -- cross-region support ---------------------------------------------------------
+
+    def _harden_replication_buckets(self) -> None:
+        """Versioning and access logs on the replication bucket CodePipeline adds per cell region."""
+        for region, support in sorted(self.pipeline.cross_region_support.items()):
+            access_logs = _access_log_bucket(support.stack, "ReplicationAccessLogs")
+            bucket = support.replication_bucket.node.default_child
+            bucket.versioning_configuration = s3.CfnBucket.VersioningConfigurationProperty(status="Enabled")
+            bucket.logging_configuration = s3.CfnBucket.LoggingConfigurationProperty(
+                destination_bucket_name=access_logs.bucket_name, log_file_prefix="replication/")
+            acknowledge(bucket, ("NIST.800.53.R5-S3BucketReplicationEnabled",
+                                 f"This bucket is itself the pipeline's artifact copy for cells in {region}; "
+                                 "its objects are rebuilt by any pipeline execution"))
+
+    # -- policy checks -----------------------------------------------------------------
+
+    def _acknowledge_generated_policies(self) -> None:
+        """CDK's generated grants: action wildcards on this pipeline's own artifact buckets and key."""
+        artifacts = self.resolve(self.get_logical_id(self.artifact_bucket.node.default_child))
+        grant = ("CDK-generated read/write grant on this pipeline's own artifact bucket and its KMS key, "
+                 "scoped to that bucket and key")
+        artifact_findings = [
+            (f"AwsSolutions-IAM5[{finding}]", grant)
+            for finding in (*(f"Action::{a}" for a in _GRANT_WILDCARD_ACTIONS), f"Resource::<{artifacts}.Arn>/*")
+        ]
+        inline = ("NIST.800.53.R5-IAMNoInlinePolicy", "CDK-generated policy of a pipeline role, scoped to this "
+                  "pipeline's resources and versioned with this stack")
+        # The pipeline creates a role for each action without one: the source and the build action.
+        source_role = self.pipeline.node.find_child("Source").node.find_child("Source").node.find_child(
+            "CodePipelineActionRole")
+        build_action_role = self.pipeline.node.find_child("Build").node.find_child("TestSynthPublish").node.find_child(
+            "CodePipelineActionRole")
+        acknowledge(self.pipeline.role, *artifact_findings, inline)
+        acknowledge(source_role, *artifact_findings, inline)
+        acknowledge(build_action_role, inline)
+
+        project = self.resolve(self.get_logical_id(self.build_project.node.default_child))
+        where = f"{self.partition}:{{service}}:{self.region}:{self.account}"
+        acknowledge(
+            self.build_project.role, *artifact_findings, inline,
+            (f"AwsSolutions-IAM5[Resource::arn:{where.format(service='logs')}:log-group:/aws/codebuild/<{project}>:*]",
+             "CDK-generated: log streams of this build project's default log group"),
+            (f"AwsSolutions-IAM5[Resource::arn:{where.format(service='codebuild')}:report-group/<{project}>-*]",
+             "CDK-generated: test report groups of this build project"),
+        )
+        for region, support in sorted(self.pipeline.cross_region_support.items()):
+            bucket_name = self.resolve(support.replication_bucket.bucket_name)
+            acknowledge(self.pipeline.role, (
+                f"AwsSolutions-IAM5[Resource::arn:{self.partition}:s3:::{bucket_name}/*]",
+                f"CDK-generated read/write grant on the pipeline's replication bucket in {region}"))
+        if self.pipeline.cross_region_support:
+            acknowledge(self.pipeline.role, ("AwsSolutions-IAM5[Resource::*]",
+                        "CDK grants kms:Encrypt/Decrypt on '*' for the replication buckets' keys in other regions, "
+                        "whose ARNs this stack cannot reference; each key's own policy admits only this account"))
+
+
+def _access_log_bucket(scope: Construct, construct_id: str) -> s3.Bucket:
+    """SSE-S3 bucket that receives S3 server access logs (log delivery supports no KMS)."""
+    bucket = s3.Bucket(
+        scope, construct_id,
+        encryption=s3.BucketEncryption.S3_MANAGED,
+        enforce_ssl=True,
+        block_public_access=s3.BlockPublicAccess.BLOCK_ALL,
+        object_ownership=s3.ObjectOwnership.BUCKET_OWNER_ENFORCED,
+        versioned=True,
+        lifecycle_rules=[s3.LifecycleRule(expiration=Duration.days(365),
+                                          noncurrent_version_expiration=Duration.days(7))],
+        removal_policy=RemovalPolicy.RETAIN,
+    )
+    acknowledge(
+        bucket,
+        ("AwsSolutions-S1", "This bucket is itself the server access log destination of a pipeline bucket"),
+        ("NIST.800.53.R5-S3BucketLoggingEnabled", "This bucket is itself the server access log destination"),
+        ("NIST.800.53.R5-S3BucketReplicationEnabled", "Access logs are kept in their bucket's region only"),
+        ("NIST.800.53.R5-S3DefaultEncryptionKMS", "S3 server access log delivery supports only SSE-S3"),
+    )
+    return bucket

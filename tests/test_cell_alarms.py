@@ -1,0 +1,175 @@
+"""Each cell's alarms, rollout gate and dashboard: documented thresholds, ECS wiring, construct rules.
+
+The cell stacks come from the shared larger-fleet synth (tests/conftest.py, cdk-nag on);
+the construct's own rules (thresholds follow the fleet file, a zero floor has no alarm,
+bad input is refused) are checked on a small stack of their own.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from aws_cdk import App, Duration, Stack
+from aws_cdk import aws_ec2 as ec2
+from aws_cdk import aws_elasticloadbalancingv2 as elbv2
+from aws_cdk.assertions import Template
+
+from cell_constructs.cell_alarms import CellAlarms, rollout_gate_name
+from inference_fleet.config import AlarmsConfig
+
+LARGE_STACKS = ["Rufus-Cell-use2-a", "Rufus-Cell-use2-b", "Rufus-Cell-usw2-a"]
+# The documented defaults (docs/pipeline.md, "Alarms and thresholds"): key -> (threshold, operator, periods).
+DOCUMENTED = {
+    "units-available": (5, "LessThanThreshold", 5),
+    "alb-5xx-rate": (2, "GreaterThanThreshold", 5),
+    "target-response-p99": (30, "GreaterThanThreshold", 5),
+    "ttft-p99": (5000, "GreaterThanThreshold", 5),
+    "queue-depth": (64, "GreaterThanThreshold", 5),
+    "unit-restarts": (2, "GreaterThanOrEqualToThreshold", 1),
+}
+
+
+def _cell_alarms_of(template: Template) -> dict[str, dict]:
+    """The cell's health alarms by logical id: those under the CellAlarms construct (id `Alarms`)."""
+    found = template.find_resources("AWS::CloudWatch::Alarm")
+    return {i: a for i, a in found.items() if i.startswith("Alarms")}
+
+
+def _alarms_by_name(template: Template) -> dict[str, dict]:
+    return {a["Properties"]["AlarmName"]: a["Properties"] for a in _cell_alarms_of(template).values()}
+
+
+def _logical_ids(template: Template) -> dict[str, str]:
+    return {a["Properties"]["AlarmName"]: logical_id for logical_id, a in _cell_alarms_of(template).items()}
+
+
+@pytest.mark.parametrize("stack_name", LARGE_STACKS)
+def test_each_cell_has_its_alarms_with_the_documented_thresholds(synth_large, stack_name: str) -> None:
+    alarms = _alarms_by_name(synth_large.templates[stack_name])
+    assert sorted(alarms) == sorted(f"{stack_name}-{key}" for key in DOCUMENTED)
+    for key, (threshold, operator, periods) in DOCUMENTED.items():
+        alarm = alarms[f"{stack_name}-{key}"]
+        assert (alarm["Threshold"], alarm["ComparisonOperator"]) == (threshold, operator), key
+        assert alarm["EvaluationPeriods"] == alarm["DatapointsToAlarm"] == periods, key
+
+
+def test_alarm_metrics_watch_the_right_signals(synth_large) -> None:
+    alarms = _alarms_by_name(synth_large.templates["Rufus-Cell-use2-b"])
+    cell = [{"Name": "Cell", "Value": "use2-b"}]
+    ttft = alarms["Rufus-Cell-use2-b-ttft-p99"]
+    assert (ttft["Namespace"], ttft["MetricName"], ttft["Dimensions"], ttft["ExtendedStatistic"], ttft["Period"]) == (
+        "Rufus/UnitProxy", "TimeToFirstToken", cell, "p99", 60)
+    queue = alarms["Rufus-Cell-use2-b-queue-depth"]
+    assert (queue["MetricName"], queue["Statistic"], queue["Dimensions"]) == ("QueueDepth", "Maximum", cell)
+    restarts = alarms["Rufus-Cell-use2-b-unit-restarts"]
+    assert (restarts["MetricName"], restarts["Statistic"], restarts["Period"]) == ("UnitRestarts", "Sum", 300)
+    units = alarms["Rufus-Cell-use2-b-units-available"]
+    assert (units["Namespace"], units["MetricName"], units["Statistic"]) == (
+        "AWS/ApplicationELB", "HealthyHostCount", "Minimum")
+    assert units["TreatMissingData"] == "breaching"
+    assert alarms["Rufus-Cell-use2-b-target-response-p99"]["MetricName"] == "TargetResponseTime"
+    rate = alarms["Rufus-Cell-use2-b-alb-5xx-rate"]["Metrics"]
+    (expression,) = [m for m in rate if "Expression" in m]
+    assert expression["Expression"] == "IF(requests > 0, 100 * (FILL(elb5xx, 0) + FILL(target5xx, 0)) / requests, 0)"
+    assert {m["MetricStat"]["Metric"]["MetricName"] for m in rate if "MetricStat" in m} == {
+        "RequestCount", "HTTPCode_ELB_5XX_Count", "HTTPCode_Target_5XX_Count"}
+
+
+@pytest.mark.parametrize("stack_name", LARGE_STACKS)
+def test_composite_gate_fires_on_any_cell_alarm(synth_large, stack_name: str) -> None:
+    template = synth_large.templates[stack_name]
+    (gate,) = template.find_resources("AWS::CloudWatch::CompositeAlarm").values()
+    assert gate["Properties"]["AlarmName"] == rollout_gate_name(stack_name) == f"{stack_name}-rollout-gate"
+    rule = json.dumps(gate["Properties"]["AlarmRule"])
+    for logical_id in _logical_ids(template).values():
+        assert f'"{logical_id}", "Arn"' in rule
+    assert rule.count(" OR ") == len(DOCUMENTED) - 1 and " AND " not in rule
+
+
+@pytest.mark.parametrize("stack_name", LARGE_STACKS)
+def test_every_ecs_service_rolls_back_on_the_cell_alarms(synth_large, stack_name: str) -> None:
+    template = synth_large.templates[stack_name]
+    alarms = _logical_ids(template)
+    # Every alarm but the cell-wide units floor (see CellAlarms.deployment_alarms).
+    expected = sorted(repr({"Ref": i}) for name, i in alarms.items() if not name.endswith("-units-available"))
+    assert len(expected) == len(DOCUMENTED) - 1
+    services = template.find_resources("AWS::ECS::Service")
+    assert len(services) == 6 * 2  # a leader and a follower service per unit
+    for service in services.values():
+        alarms = service["Properties"]["DeploymentConfiguration"]["Alarms"]
+        assert alarms["Enable"] is True and alarms["Rollback"] is True
+        assert sorted(repr(a) for a in alarms["AlarmNames"]) == expected
+
+
+def test_dashboard_shows_every_unit(synth_large) -> None:
+    template = synth_large.templates["Rufus-Cell-usw2-a"]
+    (dashboard,) = template.find_resources("AWS::CloudWatch::Dashboard").values()
+    assert dashboard["Properties"]["DashboardName"] == "Rufus-Cell-usw2-a"
+    body = json.dumps(dashboard["Properties"]["DashboardBody"])
+    for metric in ("TimeToFirstToken", "QueueDepth", "UnitHealthy", "UnitRestarts", "InFlight", "KvCacheUsage"):
+        for unit in range(6):
+            assert f'\\"{metric}\\",\\"Cell\\",\\"usw2-a\\",\\"Unit\\",\\"u{unit}\\"' in body, (metric, unit)
+    assert "HealthyHostCount" in body and "Rollout gate and cell alarms" in body
+
+
+# -- the construct on its own -----------------------------------------------------------
+
+
+def _cell_alarms(**overrides: object) -> tuple[CellAlarms, Template]:
+    stack = Stack(App(), "Rufus-Cell-test")
+    vpc = ec2.Vpc(stack, "Vpc", max_azs=2, nat_gateways=0)
+    alb = elbv2.ApplicationLoadBalancer(stack, "Alb", vpc=vpc)
+    group = elbv2.ApplicationTargetGroup(stack, "Units", vpc=vpc, port=8080, target_type=elbv2.TargetType.INSTANCE)
+    alb.add_listener("Http", port=80, default_target_groups=[group], open=False)
+    args: dict = {
+        "stack_name": "Rufus-Cell-test", "cell_name": "test", "units": 4, "min_units_available": 3,
+        "thresholds": AlarmsConfig(), "metrics_namespace": "Rufus/UnitProxy",
+        "load_balancer": alb, "target_group": group,
+    }
+    args.update(overrides)
+    alarms = CellAlarms(stack, "Alarms", **args)
+    return alarms, Template.from_stack(stack)
+
+
+def test_thresholds_follow_the_fleet_file() -> None:
+    thresholds = AlarmsConfig(ttft_p99_ms=1234, target_response_p99_seconds=7.5, alb_5xx_percent=0.5,
+                              queue_depth=9, unit_restarts=3, evaluation_minutes=3)
+    alarms, template = _cell_alarms(thresholds=thresholds, min_units_available=2)
+    found = {name.removeprefix("Rufus-Cell-test-"): props for name, props in _alarms_by_name(template).items()}
+    assert {k: v["Threshold"] for k, v in found.items()} == {
+        "units-available": 2, "alb-5xx-rate": 0.5, "target-response-p99": 7.5, "ttft-p99": 1234,
+        "queue-depth": 9, "unit-restarts": 3}
+    assert found["ttft-p99"]["EvaluationPeriods"] == 3
+    assert found["unit-restarts"]["Period"] == 180
+    assert [a.node.id for a in alarms.deployment_alarms] == [
+        "Alb5xxRate", "TargetResponseP99", "TtftP99", "QueueDepth", "UnitRestarts"]
+    assert len(alarms.alarms) == 6
+    assert alarms.gate_reader_role is None
+    assert not template.find_resources("AWS::IAM::Role")
+
+
+def test_a_zero_floor_has_no_units_alarm() -> None:
+    alarms, template = _cell_alarms(units=1, min_units_available=0)
+    names = sorted(_alarms_by_name(template))
+    assert "Rufus-Cell-test-units-available" not in names and len(names) == 5
+    assert len(alarms.deployment_alarms) == 5
+    assert json.dumps(template.find_resources("AWS::CloudWatch::CompositeAlarm")).count("Arn") == 5
+
+
+@pytest.mark.parametrize(("units", "floor", "message"), [
+    (0, 0, "a cell has >= 1 unit, got 0"),
+    (2, 3, r"min_units_available must be 0\.\.2 \(the cell's units\), got 3"),
+    (2, -1, r"min_units_available must be 0\.\.2"),
+])
+def test_bad_sizes_are_refused(units: int, floor: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _cell_alarms(units=units, min_units_available=floor)
+
+
+def test_gate_reader_for_another_account() -> None:
+    alarms, template = _cell_alarms(gate_reader_account="999999999999")
+    assert alarms.gate_reader_role is not None
+    (role,) = template.find_resources("AWS::IAM::Role").values()
+    assert role["Properties"]["RoleName"] == "Rufus-Cell-test-gate-reader"
+    assert role["Properties"]["MaxSessionDuration"] == int(Duration.hours(1).to_seconds())

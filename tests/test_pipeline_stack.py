@@ -1,0 +1,336 @@
+"""The rollout pipeline stack: wave stages in order, alarm-gated bake with rollback, scoped IAM, snapshots.
+
+Two fleets with a `pipeline:` section: the default config, and the larger
+test fleet plus a pipeline in the account of its us-east-2 cells (so it has same-account,
+cross-account and cross-region cells). Each is synthesized once, with cdk-nag on: an
+unacknowledged finding fails the fixture and so every test here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from aws_cdk import App
+from aws_cdk import aws_s3 as s3
+from aws_cdk.assertions import Template
+from syrupy.extensions.json import JSONSnapshotExtension
+
+from cell_constructs.cell_alarms import gate_reader_role_name, rollout_gate_name
+from cell_constructs.nag import add_policy_checks
+from inference_fleet.config import FleetConfig, load_fleet
+from stacks.fleet import build_fleet
+from stacks.pipeline_stack import PipelineStack, repository_path
+
+ROOT = Path(__file__).resolve().parents[1]
+FLEETS = Path(__file__).resolve().parent / "fleets"
+CDK_CONTEXT: dict = json.loads((ROOT / "cdk.json").read_text())["context"]
+_HASH = re.compile(r"[0-9a-f]{64}")
+
+
+class Synth:
+    """One fleet synthesized as `cdk synth -c config=<file>` would, templates by stack name."""
+
+    def __init__(self, relative_file: str, outdir: Path) -> None:
+        self.file = relative_file
+        self.fleet: FleetConfig = load_fleet(ROOT / relative_file)
+        app = App(context={**CDK_CONTEXT, "config": relative_file}, outdir=str(outdir),
+                  builtin_cloud_formation_validation=False)
+        self.stacks = build_fleet(app, self.fleet)
+        app.synth()
+        self.outdir = outdir
+        self.templates = {name: Template.from_stack(stack) for name, stack in self.stacks.items()}
+
+    @property
+    def pipeline(self) -> dict:
+        template = self.templates[self.fleet.pipeline_stack_name]
+        (resource,) = template.find_resources("AWS::CodePipeline::Pipeline").values()
+        return resource["Properties"]
+
+    def stage(self, name: str) -> dict:
+        return next(s for s in self.pipeline["Stages"] if s["Name"] == name)
+
+    def template_json(self, stack_name: str) -> dict:
+        artifact = self.stacks[stack_name].artifact_id
+        return json.loads((self.outdir / f"{artifact}.template.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def default_synth(tmp_path_factory: pytest.TempPathFactory) -> Synth:
+    return Synth("config/default.yaml", tmp_path_factory.mktemp("pipeline-default"))
+
+
+@pytest.fixture(scope="module")
+def large_synth(tmp_path_factory: pytest.TempPathFactory) -> Synth:
+    return Synth("tests/fleets/pipeline_large.yaml", tmp_path_factory.mktemp("pipeline-large"))
+
+
+@pytest.fixture(params=["default", "large"])
+def synth(request: pytest.FixtureRequest) -> Synth:
+    return request.getfixturevalue(f"{request.param}_synth")
+
+
+def _statements(template: Template) -> list[dict]:
+    found = []
+    for policy_type in ("AWS::IAM::Policy", "AWS::IAM::ManagedPolicy"):
+        for resource in template.find_resources(policy_type).values():
+            found += resource["Properties"]["PolicyDocument"]["Statement"]
+    return found
+
+
+def _listify(value: object) -> list:
+    return value if isinstance(value, list) else [value]
+
+
+# -- fixture fleets --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("pipeline_file", "base_file"), [
+    ("tests/fleets/pipeline_large.yaml", "tests/fleets/large.yaml"),
+])
+def test_pipeline_fleets_are_their_base_fleet_plus_a_pipeline(pipeline_file: str, base_file: str) -> None:
+    with_pipeline = yaml.safe_load((ROOT / pipeline_file).read_text())
+    base = yaml.safe_load((ROOT / base_file).read_text())
+    assert with_pipeline.pop("pipeline")
+    base.pop("pipeline", None)
+    assert with_pipeline == base
+
+
+# -- structure ---------------------------------------------------------------------------
+
+
+def test_build_fleet_adds_the_pipeline_and_its_region_support_stacks(default_synth, large_synth) -> None:
+    assert sorted(default_synth.templates) == ["Rufus-Cell-dev", "Rufus-Pipeline"]
+    assert sorted(large_synth.templates) == [
+        "Rufus-Cell-use2-a", "Rufus-Cell-use2-b", "Rufus-Cell-usw2-a", "Rufus-Pipeline",
+        "Rufus-Pipeline-support-us-west-2",
+    ]
+    support = large_synth.stacks["Rufus-Pipeline-support-us-west-2"]
+    assert (support.account, support.region) == ("222222222222", "us-west-2")
+
+
+def test_policy_checks_pass_and_cover_the_pipeline_stack(large_synth, tmp_path) -> None:
+    report = json.loads((large_synth.outdir / "validation-report.json").read_text())
+    assert report["pluginReports"] == []
+    # The same checks fail a pipeline stack that gains an unencrypted, unlogged bucket.
+    app = App(context=CDK_CONTEXT, outdir=str(tmp_path), builtin_cloud_formation_validation=False)
+    add_policy_checks(app)
+    stack = PipelineStack(app, "Rufus-Pipeline", fleet=load_fleet(None))
+    s3.Bucket(stack, "Unchecked")
+    with pytest.raises(RuntimeError, match="ValidationFailed"):
+        app.synth()
+    failed = json.loads((tmp_path / "validation-report.json").read_text())
+    paths = {c["constructPath"] for p in failed["pluginReports"] for v in p["violations"]
+             for c in v["violatingConstructs"]}
+    assert paths == {"Rufus-Pipeline/Unchecked/Resource"}
+
+
+def test_no_pipeline_section_no_pipeline_stack() -> None:
+    fleet = load_fleet(FLEETS / "large.yaml")
+    assert fleet.pipeline is None
+    with pytest.raises(ValueError, match="has no `pipeline:` section"):
+        PipelineStack(App(), "Rufus-Pipeline", fleet=fleet)
+
+
+def test_the_build_synthesizes_the_fleet_file_from_the_repository(tmp_path, monkeypatch) -> None:
+    assert repository_path(str(ROOT / "tests/fleets/pipeline_large.yaml")) == "tests/fleets/pipeline_large.yaml"
+    monkeypatch.chdir(ROOT / "tests")
+    assert repository_path("fleets/pipeline_large.yaml") == "tests/fleets/pipeline_large.yaml"
+    with pytest.raises(ValueError, match=r"is outside the repository .*keep it in the repository"):
+        repository_path(str(tmp_path / "fleet.yaml"))
+
+
+def test_pipeline_is_v2_and_stages_follow_the_waves_in_order(synth) -> None:
+    fleet = synth.fleet
+    assert synth.pipeline["PipelineType"] == "V2"
+    assert [s["Name"] for s in synth.pipeline["Stages"]] == [
+        "Source", "Build", *(f"Wave-{w.name}" for w in fleet.waves)]
+    for wave in fleet.waves:
+        deployed = [a["Configuration"]["StackName"] for a in synth.stage(f"Wave-{wave.name}")["Actions"]
+                    if a["ActionTypeId"]["Provider"] == "CloudFormation"]
+        assert deployed == [fleet.cell_stack_name(c) for c in fleet.cells_of_wave(wave.name)]
+
+
+def test_canary_wave_holds_exactly_one_cell(synth) -> None:
+    canary = synth.pipeline["Stages"][2]
+    deploys = [a for a in canary["Actions"] if a["ActionTypeId"]["Provider"] == "CloudFormation"]
+    assert len(deploys) == 1
+
+
+def test_every_wave_bakes_under_its_cells_gates_and_rolls_back(synth) -> None:
+    fleet = synth.fleet
+    for wave in fleet.waves:
+        stage = synth.stage(f"Wave-{wave.name}")
+        (condition,) = stage["OnSuccess"]["Conditions"]
+        assert condition["Result"] == "ROLLBACK"
+        cells = fleet.cells_of_wave(wave.name)
+        assert [r["Configuration"]["AlarmName"] for r in condition["Rules"]] == [
+            rollout_gate_name(fleet.cell_stack_name(c)) for c in cells]
+        for rule, cell in zip(condition["Rules"], cells, strict=True):
+            assert rule["RuleTypeId"] == {"Category": "Rule", "Owner": "AWS", "Provider": "CloudWatchAlarm",
+                                          "Version": "1"}
+            assert rule["Configuration"]["WaitTime"] == str(wave.bake_minutes)
+            assert rule["Configuration"]["AlarmStates"] == "ALARM"
+            assert rule["Region"] == cell.region
+        assert stage["OnFailure"] == {"Result": "ROLLBACK"}
+
+
+def test_deploy_actions_deploy_cell_templates_like_cdk_deploy(synth) -> None:
+    fleet = synth.fleet
+    for cell in fleet.cells:
+        stack_name = fleet.cell_stack_name(cell)
+        (action,) = [a for s in synth.pipeline["Stages"] for a in s["Actions"]
+                     if a["Name"] == f"Deploy-{cell.name}"]
+        assert action["Region"] == cell.region
+        env = f"{cell.account}-{cell.region}"
+        assert action["RoleArn"] == f"arn:aws:iam::{cell.account}:role/cdk-hnb659fds-deploy-role-{env}"
+        assert action["Configuration"] == {
+            "ActionMode": "CREATE_UPDATE",
+            "StackName": stack_name,
+            "TemplatePath": f"CloudAssembly::{stack_name}.template.json",
+            "RoleArn": f"arn:aws:iam::{cell.account}:role/cdk-hnb659fds-cfn-exec-role-{env}",
+            "Capabilities": "CAPABILITY_NAMED_IAM,CAPABILITY_AUTO_EXPAND",
+        }
+        assert action["InputArtifacts"] == [{"Name": "CloudAssembly"}]
+
+
+def test_manual_approval_comes_first_and_the_window_gates_entry(large_synth, default_synth) -> None:
+    main = large_synth.stage("Wave-main")
+    orders = [(a["ActionTypeId"]["Provider"], a["RunOrder"]) for a in main["Actions"]]
+    assert orders == [("Manual", 1), ("CloudFormation", 2), ("CloudFormation", 2)]
+    (condition,) = main["BeforeEntry"]["Conditions"]
+    assert condition["Result"] == "FAIL"
+    (rule,) = condition["Rules"]
+    assert rule["RuleTypeId"]["Provider"] == "DeploymentWindow"
+    assert rule["Configuration"] == {"Cron": "0 14-20 ? * MON-THU *", "TimeZone": "UTC"}
+    # Waves without approval or window have neither.
+    for stage in (large_synth.stage("Wave-canary"), default_synth.stage("Wave-canary")):
+        assert "BeforeEntry" not in stage
+        assert {a["ActionTypeId"]["Provider"] for a in stage["Actions"]} == {"CloudFormation"}
+
+
+def test_source_and_build(large_synth, default_synth) -> None:
+    source = large_synth.stage("Source")["Actions"][0]
+    assert source["ActionTypeId"]["Provider"] == "CodeStarSourceConnection"
+    assert source["Configuration"]["FullRepositoryId"] == "example-org/trainium-inference-fleet"
+    assert source["Configuration"]["BranchName"] == "release"
+    assert source["Configuration"]["ConnectionArn"] == large_synth.fleet.pipeline.connection_arn
+    assert large_synth.stage("Build")["Actions"][0]["OutputArtifacts"] == [{"Name": "CloudAssembly"}]
+
+    for synth in (large_synth, default_synth):
+        template = synth.templates[synth.fleet.pipeline_stack_name]
+        (project,) = template.find_resources("AWS::CodeBuild::Project").values()
+        props = project["Properties"]
+        assert props["Environment"]["PrivilegedMode"] is True
+        assert "EncryptionKey" in props
+        spec = json.loads(props["Source"]["BuildSpec"])
+        commands = spec["phases"]["build"]["commands"]
+        stacks = " ".join(synth.fleet.cell_stack_name(c) for c in synth.fleet.cells)
+        assert commands == [
+            "make test",
+            f"make synth CONFIG={synth.file} CDK_OUT=cdk.out",
+            f"node_modules/.bin/cdk publish-assets --unstable=publish-assets --app cdk.out --exclusively {stacks}",
+        ]
+        assert spec["artifacts"] == {"base-directory": "cdk.out", "files": ["**/*"]}
+
+
+def test_artifacts_are_kms_encrypted(synth) -> None:
+    template = synth.templates[synth.fleet.pipeline_stack_name]
+    (store,) = [s for s in synth.pipeline["ArtifactStores"] if s["Region"] == synth.fleet.pipeline.region]
+    assert store["ArtifactStore"]["EncryptionKey"]["Type"] == "KMS"
+    buckets = template.find_resources("AWS::S3::Bucket")
+    bucket = buckets[store["ArtifactStore"]["Location"]["Ref"]]["Properties"]
+    (rule,) = bucket["BucketEncryption"]["ServerSideEncryptionConfiguration"]
+    assert rule["ServerSideEncryptionByDefault"]["SSEAlgorithm"] == "aws:kms"
+    template.has_resource_properties("AWS::KMS::Key", {"EnableKeyRotation": True})
+
+
+def test_cross_region_replication_bucket_is_versioned_logged_and_rotated(large_synth) -> None:
+    support = large_synth.templates["Rufus-Pipeline-support-us-west-2"]
+    replication = [b["Properties"] for b in support.find_resources("AWS::S3::Bucket").values()
+                   if "LoggingConfiguration" in b["Properties"]]
+    assert len(replication) == 1
+    assert replication[0]["VersioningConfiguration"] == {"Status": "Enabled"}
+    support.has_resource_properties("AWS::KMS::Key", {"EnableKeyRotation": True})
+
+
+# -- IAM -------------------------------------------------------------------------------
+
+
+def test_pipeline_iam_is_scoped(large_synth) -> None:
+    fleet = large_synth.fleet
+    template = large_synth.templates[fleet.pipeline_stack_name]
+    statements = _statements(template)
+    for statement in statements:
+        actions = _listify(statement["Action"])
+        assert "*" not in actions and not any(a.endswith(":*") for a in actions), statement
+        if any(a.startswith(("sts:", "cloudwatch:", "iam:")) for a in actions):
+            assert "*" not in _listify(statement["Resource"]), statement
+
+    def resources_of(action: str) -> set[str]:
+        # Literal ARNs only; {"Fn::GetAtt": ...} entries are roles of this stack.
+        return {r for s in statements if action in _listify(s["Action"]) for r in _listify(s["Resource"])
+                if isinstance(r, str)}
+
+    # Same-account gates are read directly, and only the gates.
+    assert resources_of("cloudwatch:DescribeAlarms") == {
+        f"arn:aws:cloudwatch:us-east-2:222222222222:alarm:{rollout_gate_name(f'Rufus-Cell-{n}')}"
+        for n in ("use2-a", "use2-b")}
+    # Roles assumed: each cell's bootstrap deploy role, the other account's gate reader, and
+    # (build) the bootstrap asset publishing roles; CDK's own action roles are in this stack.
+    assumed = resources_of("sts:AssumeRole")
+    assert assumed == {
+        "arn:aws:iam::222222222222:role/cdk-hnb659fds-deploy-role-222222222222-us-east-2",
+        "arn:aws:iam::333333333333:role/cdk-hnb659fds-deploy-role-333333333333-us-west-2",
+        f"arn:aws:iam::333333333333:role/{gate_reader_role_name('Rufus-Cell-usw2-a')}",
+        "arn:aws:iam::222222222222:role/cdk-hnb659fds-file-publishing-role-222222222222-us-east-2",
+        "arn:aws:iam::222222222222:role/cdk-hnb659fds-image-publishing-role-222222222222-us-east-2",
+        "arn:aws:iam::333333333333:role/cdk-hnb659fds-file-publishing-role-333333333333-us-west-2",
+        "arn:aws:iam::333333333333:role/cdk-hnb659fds-image-publishing-role-333333333333-us-west-2",
+    }
+
+
+def test_cross_account_gate_is_read_through_the_cells_reader_role(large_synth) -> None:
+    rules = {r["Name"]: r for s in large_synth.pipeline["Stages"][2:] for r in s["OnSuccess"]["Conditions"][0]["Rules"]}
+    assert rules["main-usw2-a-gate"]["RoleArn"] == "arn:aws:iam::333333333333:role/Rufus-Cell-usw2-a-gate-reader"
+    assert "RoleArn" not in rules["main-use2-b-gate"] and "RoleArn" not in rules["canary-use2-a-gate"]
+
+    cell = large_synth.templates["Rufus-Cell-usw2-a"]
+    reader = {"Properties": {"RoleName": "Rufus-Cell-usw2-a-gate-reader"}}
+    (role,) = cell.find_resources("AWS::IAM::Role", reader).values()
+    (trust,) = role["Properties"]["AssumeRolePolicyDocument"]["Statement"]
+    assert trust["Principal"] == {"AWS": "arn:aws:iam::222222222222:root"}
+    (policy,) = [p["Properties"] for p in cell.find_resources("AWS::IAM::ManagedPolicy").values()
+                 if "gate" in p["Properties"].get("Description", "")]
+    assert policy["PolicyDocument"]["Statement"] == [{
+        "Action": "cloudwatch:DescribeAlarms", "Effect": "Allow",
+        "Resource": "arn:aws:cloudwatch:us-west-2:333333333333:alarm:Rufus-Cell-usw2-a-rollout-gate",
+    }]
+    # Same-account cells need no reader role.
+    for name in ("Rufus-Cell-use2-a", "Rufus-Cell-use2-b"):
+        assert not large_synth.templates[name].find_resources(
+            "AWS::IAM::Role", {"Properties": {"RoleName": gate_reader_role_name(name)}})
+
+
+# -- snapshots ---------------------------------------------------------------------------
+
+
+def _normalised(template: dict) -> dict:
+    return json.loads(_HASH.sub("<asset-hash>", json.dumps(template, sort_keys=True)))
+
+
+@pytest.fixture
+def snapshot_json(snapshot):
+    return snapshot.use_extension(JSONSnapshotExtension)
+
+
+def test_pipeline_stack_snapshot_default(default_synth, snapshot_json) -> None:
+    assert _normalised(default_synth.template_json("Rufus-Pipeline")) == snapshot_json(name="Rufus-Pipeline")
+
+
+def test_pipeline_stack_snapshot_large(large_synth, snapshot_json) -> None:
+    for name in ("Rufus-Pipeline", "Rufus-Pipeline-support-us-west-2"):
+        assert _normalised(large_synth.template_json(name)) == snapshot_json(name=name)
