@@ -506,7 +506,7 @@ def parse_fleet(data: Any, source: str = "<dict>") -> FleetConfig:
         raise ConfigError(source, _pydantic_issues(error)) from None
     # The planner's and the rollout's checks register themselves on import; import here
     # to avoid a cycle.
-    import inference_fleet.planner  # noqa: F401
+    import inference_fleet.planner
     import inference_fleet.rollout  # noqa: F401
 
     issues = [issue for check in _CHECKS for issue in check(fleet)]

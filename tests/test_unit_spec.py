@@ -174,10 +174,11 @@ def test_launcher_neuron_config_agrees_with_the_planner() -> None:
     """What `make plan` prints is what the launcher hands the engine, rank by rank."""
     from pathlib import Path
 
-    from inference_fleet import planner
-    from inference_fleet.config import load_fleet
     from unit_launcher.plan import neuron_config
     from unit_launcher.spec import parse_spec
+
+    from inference_fleet import planner
+    from inference_fleet.config import load_fleet
 
     for path in (None, Path(__file__).parent / "fleets" / "large.yaml"):
         fleet = load_fleet(path)
