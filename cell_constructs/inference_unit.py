@@ -33,6 +33,7 @@ MODEL_CACHE_HOST_PATH = "/opt/models"
 MODEL_CACHE_CONTAINER_PATH = "/models"
 # The proxy is small; the engine gets the rest of the instance.
 PROXY_MEMORY_MIB = 2048
+PROXY_TMPFS_MIB = 64
 SHARED_MEMORY_FRACTION = 0.25
 ENGINE_MEMORY_RESERVATION_FRACTION = 0.75
 # Engine shutdown after the proxy has drained: release NeuronCores and EFA cleanly.
@@ -104,6 +105,16 @@ class MultiNodeInferenceUnit(Construct):
         )
 
         leader_task = self._task_definition("LeaderTask", role="leader", environment=leader_environment)
+        # The proxy's workers share metrics and a control socket through files: a small
+        # tmpfs /tmp, the only writable path of its read-only root filesystem.
+        proxy_linux = ecs.LinuxParameters(self, "ProxyLinux")
+        proxy_linux.add_tmpfs(
+            ecs.Tmpfs(
+                container_path="/tmp",
+                size=PROXY_TMPFS_MIB,
+                mount_options=[ecs.TmpfsMountOption.NOEXEC, ecs.TmpfsMountOption.NOSUID, ecs.TmpfsMountOption.NODEV],
+            )
+        )
         proxy = leader_task.add_container(
             "proxy",
             image=images.proxy,
@@ -117,6 +128,7 @@ class MultiNodeInferenceUnit(Construct):
             stop_timeout=proxy_stop_timeout,
             user="10001",
             readonly_root_filesystem=True,
+            linux_parameters=proxy_linux,
         )
         # ECS stops containers in reverse dependency order: the proxy drains its streams
         # before the engine behind it gets SIGTERM.

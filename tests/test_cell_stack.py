@@ -148,6 +148,8 @@ def test_unit_tasks_hold_a_whole_instance(synth_large) -> None:
             proxy = props["ContainerDefinitions"][1]
             # deregistration delay 120 s + drain timeout 600 s + 30 s margin
             assert proxy["StopTimeout"] == 750 and proxy["User"] == "10001"
+            assert proxy["ReadonlyRootFilesystem"] is True
+            assert proxy["LinuxParameters"]["Tmpfs"][0]["ContainerPath"] == "/tmp"
             # stopped before the engine, so in-flight streams finish
             assert proxy["DependsOn"] == [{"ContainerName": "inference", "Condition": "START"}]
 

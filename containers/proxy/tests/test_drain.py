@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import aiohttp
+import pytest
 
 from .conftest import LOOPBACK, FakeEngine, FakeLauncher, wait_until
 from .test_emf import check_emf
@@ -63,8 +64,11 @@ async def health(session: aiohttp.ClientSession, url: str) -> int | None:
         return None
 
 
-async def test_sigterm_drains_in_flight_stream_and_exits_0(engine: FakeEngine, launcher: FakeLauncher):
-    async with proxy_process(engine, launcher, DRAIN_SECONDS="1", DRAIN_TIMEOUT_SECONDS="20") as (url, proc):
+@pytest.mark.parametrize("workers", ["1", "3"])
+async def test_sigterm_drains_in_flight_stream_and_exits_0(engine: FakeEngine, launcher: FakeLauncher, workers: str):
+    async with proxy_process(
+        engine, launcher, DRAIN_SECONDS="1", DRAIN_TIMEOUT_SECONDS="20", PROXY_WORKERS=workers
+    ) as (url, proc):
         async with aiohttp.ClientSession() as session:
             await wait_until(lambda: _is(health(session, url), 200), timeout=15, what="the proxy to be healthy")
             await asyncio.sleep(0.5)  # let a few EMF intervals pass while healthy
@@ -102,9 +106,13 @@ async def test_sigterm_drains_in_flight_stream_and_exits_0(engine: FakeEngine, l
     assert any(v["UnitHealthy"] == 1 for v in values) and values[-1]["UnitHealthy"] == 0
 
 
-async def test_drain_timeout_bounds_the_wait(engine: FakeEngine, launcher: FakeLauncher):
+@pytest.mark.parametrize("workers", ["1", "2"])
+async def test_drain_timeout_bounds_the_wait(engine: FakeEngine, launcher: FakeLauncher, workers: str):
     async with (
-        proxy_process(engine, launcher, DRAIN_SECONDS="0", DRAIN_TIMEOUT_SECONDS="0.5") as (url, proc),
+        proxy_process(engine, launcher, DRAIN_SECONDS="0", DRAIN_TIMEOUT_SECONDS="0.5", PROXY_WORKERS=workers) as (
+            url,
+            proc,
+        ),
         aiohttp.ClientSession() as session,
     ):
         await wait_until(lambda: _is(health(session, url), 200), timeout=15, what="the proxy to be healthy")

@@ -16,6 +16,7 @@ def test_defaults_follow_the_contract():
     assert s.engine_health_url == "http://127.0.0.1:8000/health"
     assert s.engine_metrics_url == "http://127.0.0.1:8000/metrics"
     assert s.drain_timeout_seconds == 600 and s.frontend == "openai" and not s.emf_enabled
+    assert s.workers == 4 and Settings.from_env({"PROXY_WORKERS": "1"}).workers == 1
 
 
 def test_triton_frontend_and_overrides():
@@ -45,6 +46,8 @@ def test_triton_frontend_and_overrides():
         ({"UPSTREAM_URL": "127.0.0.1:8000"}, "UPSTREAM_URL='127.0.0.1:8000' is not allowed: an http://"),
         ({"DRAIN_TIMEOUT_SECONDS": "-1"}, "DRAIN_TIMEOUT_SECONDS"),
         ({"CELL": "dev"}, "METRICS_NAMESPACE, CELL and UNIT_ID are set together"),
+        ({"PROXY_WORKERS": "0"}, "PROXY_WORKERS='0' is not allowed: an integer from 1 to 64"),
+        ({"PROXY_WORKERS": "four"}, "PROXY_WORKERS='four'"),
     ],
 )
 def test_bad_values_name_the_variable_and_what_is_allowed(env, fragment):

@@ -15,6 +15,8 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -23,6 +25,7 @@ from multidict import CIMultiDict
 
 from unit_proxy.health import HealthMonitor, HealthState
 from unit_proxy.settings import Settings
+from unit_proxy.shared import SharedCounters
 from unit_proxy.telemetry import Telemetry, write_emf
 
 log = logging.getLogger("unit_proxy")
@@ -48,29 +51,73 @@ _HOP_BY_HOP = frozenset(
 # one write (cheaper than chunked streaming for small JSON answers).
 _SMALL_BODY = 256 * 1024
 
+_GET_HEAD = frozenset(("GET", "HEAD"))
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
 _TTFT: web.RequestKey[float] = web.RequestKey("unit_proxy_ttft", float)
 STATE_KEY: web.AppKey[ProxyState] = web.AppKey("unit_proxy_state")
 
 
-class ProxyState:
-    """Mutable state shared by the handlers, the monitor and the drain."""
+@dataclass(frozen=True)
+class WorkerLink:
+    """What a worker process of a multi-worker proxy shares with its supervisor."""
 
-    def __init__(self, settings: Settings) -> None:
+    index: int
+    counters: SharedCounters
+    control_socket: str  # the supervisor's Unix socket: /health, /ready, /load, /metrics
+
+
+class ProxyState:
+    """Mutable state shared by the handlers, the monitor and the drain.
+
+    Roles: one process (`link` None, `supervisor` False) does everything; a worker
+    (`link` set) proxies and counts in-flight requests in the shared counters, and asks
+    the supervisor for the whole-proxy endpoints; the supervisor (`supervisor` True)
+    serves those endpoints from the shared counters and its own health checks.
+    """
+
+    def __init__(
+        self, settings: Settings, link: WorkerLink | None = None, counters: SharedCounters | None = None
+    ) -> None:
         self.settings = settings
-        self.inflight = 0
+        self.link = link
+        self.counters = link.counters if link is not None else counters
+        self.inflight = 0  # requests of this process (its drain waits for them)
         self.closing = False  # past the drain window: refuse new requests
         self.health = HealthState()
-        self.telemetry = Telemetry(lambda: self.inflight)
+        whole = self.counters is not None and link is None  # the supervisor
+        self.telemetry = Telemetry(
+            self.reported_inflight,
+            request_metrics=not whole,
+            unit_metrics=link is None,
+            totals=self.counters.totals if whole and self.counters is not None else None,
+        )
         self.session: aiohttp.ClientSession | None = None
+        self.control: aiohttp.ClientSession | None = None
+        self.workers_info: Callable[[], dict[str, Any]] | None = None  # set by the supervisor
         self._idle = asyncio.Event()
         self._idle.set()
 
-    def enter(self) -> None:
+    def reported_inflight(self) -> int:
+        """In-flight requests of the whole proxy."""
+        return self.counters.inflight() if self.counters is not None else self.inflight
+
+    def try_enter(self) -> bool:
+        """Admit one request unless the whole proxy is at MAX_INFLIGHT."""
+        link = self.link
+        if link is not None:
+            if not link.counters.try_enter(link.index, self.settings.max_inflight):
+                return False
+        elif self.inflight >= self.settings.max_inflight:
+            return False
         self.inflight += 1
         self._idle.clear()
+        return True
 
     def leave(self) -> None:
         self.inflight -= 1
+        if self.link is not None:
+            self.link.counters.leave(self.link.index)
         if self.inflight == 0:
             self._idle.set()
 
@@ -84,7 +131,7 @@ class ProxyState:
 
     def start_draining(self) -> None:
         self.health.draining = True
-        self.telemetry.draining.set(1)
+        self.telemetry.set_draining()
         self.telemetry.set_healthy(False)
 
 
@@ -119,7 +166,7 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
         return error_response(404, f"no route {request.path} on this {settings.frontend} front end", "not_found")
     if state.closing:
         return error_response(503, "proxy is shutting down", "unavailable", {"Connection": "close"})
-    if state.inflight >= settings.max_inflight:
+    if not state.try_enter():
         telemetry.request_rejected()
         return error_response(
             429,
@@ -128,7 +175,6 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
             {"Retry-After": str(settings.retry_after_seconds)},
         )
     started = time.perf_counter()
-    state.enter()
     status = 500
     ttft: float | None = None
     try:
@@ -152,7 +198,9 @@ async def _read_body(request: web.Request, settings: Settings) -> bytes | web.Re
             413, f"request body of {length} bytes exceeds the limit of {settings.max_body_bytes}", "too_large"
         )
     try:
-        return await asyncio.wait_for(request.read(), settings.body_read_timeout_seconds)
+        # asyncio.timeout, not wait_for: no extra task per request.
+        async with asyncio.timeout(settings.body_read_timeout_seconds):
+            return await request.read()
     except web.HTTPRequestEntityTooLarge:
         return error_response(413, f"request body exceeds the limit of {settings.max_body_bytes} bytes", "too_large")
     except TimeoutError:
@@ -312,9 +360,11 @@ async def ready_handler(request: web.Request) -> web.Response:
         "unit": {"ok": last.unit_ok, "detail": last.unit_detail, "launcher_status": last.launcher},
         "checked_at": last.checked_wall or None,
         "check_age_s": round(time.monotonic() - last.checked_at, 3) if last.checked_at else None,
-        "inflight": state.inflight,
+        "inflight": state.reported_inflight(),
         "max_inflight": state.settings.max_inflight,
     }
+    if state.workers_info is not None:
+        doc["workers"] = state.workers_info()
     return web.json_response(doc, status=200 if not reasons else 503)
 
 
@@ -329,6 +379,44 @@ async def load_handler(request: web.Request) -> web.Response:
 async def metrics_handler(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     return web.Response(body=state.telemetry.prometheus_text(), headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+async def control_forward_handler(request: web.Request) -> web.Response:
+    """A worker's answer to /health, /ready, /load and /metrics: the supervisor's, which
+    speaks for the whole proxy. If the supervisor cannot answer, the proxy is not whole."""
+    state = request.app[STATE_KEY]
+    assert state.control is not None
+    try:
+        async with state.control.get(f"http://unit-proxy{request.path_qs}") as resp:
+            body = await resp.read()
+            ctype = resp.headers.get("Content-Type", "text/plain")
+            return web.Response(status=resp.status, body=body, headers={"Content-Type": ctype})
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return web.Response(status=503, text=f"unhealthy: proxy supervisor not answering ({_describe(exc)})\n")
+
+
+async def interval_handler(request: web.Request) -> web.Response:
+    """The supervisor's intake of a worker's EMF interval (Unix socket only)."""
+    state = request.app[STATE_KEY]
+    state.telemetry.merge_interval(await request.json())
+    return web.Response(status=204)
+
+
+async def push_interval(state: ProxyState) -> None:
+    """Send this worker's interval to the supervisor, which emits EMF for the whole proxy."""
+    assert state.control is not None
+    doc = state.telemetry.take_interval()
+    try:
+        async with state.control.post("http://unit-proxy/_interval", json=doc) as resp:
+            await resp.read()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        log.warning("could not hand the metrics interval to the supervisor: %s", _describe(exc))
+
+
+async def _push_loop(state: ProxyState) -> None:
+    while True:
+        await asyncio.sleep(state.settings.emf_interval_seconds)
+        await push_interval(state)
 
 
 async def _emf_loop(state: ProxyState) -> None:
@@ -347,17 +435,34 @@ def flush_emf(state: ProxyState) -> None:
         write_emf(state.telemetry.emf_events(s.metrics_namespace, s.cell, s.unit_id))
 
 
-def build_app(settings: Settings) -> tuple[web.Application, ProxyState]:
-    """The aiohttp application; background tasks start and stop with it."""
+def build_app(settings: Settings, link: WorkerLink | None = None) -> tuple[web.Application, ProxyState]:
+    """The aiohttp application; background tasks start and stop with it.
+
+    With `link` it is a worker of a multi-worker proxy: no health monitor and no EMF of
+    its own; the whole-proxy endpoints are answered by the supervisor.
+    """
     # client_max_size bounds the body even when no Content-Length is sent (chunked).
     app = web.Application(client_max_size=settings.max_body_bytes)
-    state = ProxyState(settings)
+    state = ProxyState(settings, link)
     app[STATE_KEY] = state
-    app.router.add_get("/health", health_handler)
-    app.router.add_get("/ready", ready_handler)
-    app.router.add_get("/load", load_handler)
-    app.router.add_get("/metrics", metrics_handler)
-    app.router.add_route("*", "/{tail:.*}", proxy_handler)
+    own: dict[str, Handler] = (
+        {"/health": health_handler, "/ready": ready_handler, "/load": load_handler, "/metrics": metrics_handler}
+        if link is None
+        else dict.fromkeys(("/health", "/ready", "/load", "/metrics"), control_forward_handler)
+    )
+
+    async def dispatch(request: web.Request) -> web.StreamResponse:
+        # One catch-all route and a dict lookup: aiohttp's router walks its resources
+        # per request, which cost about a fifth of a small request's server-side time.
+        # Like add_get, the proxy's own endpoints answer GET and HEAD; any other method
+        # goes to the proxy handler (which answers 404 for them).
+        if request.method in _GET_HEAD:
+            handler = own.get(request.path)
+            if handler is not None:
+                return await handler(request)
+        return await proxy_handler(request)
+
+    app.router.add_route("*", "/{tail:.*}", dispatch)
 
     async def lifecycle(app: web.Application) -> Any:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=300)
@@ -374,16 +479,38 @@ def build_app(settings: Settings) -> tuple[web.Application, ProxyState]:
             auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
         )
-        monitor = HealthMonitor(settings, state.health, state.telemetry)
-        tasks = [asyncio.create_task(monitor.run(), name="health")]
-        if settings.emf_enabled:
-            tasks.append(asyncio.create_task(_emf_loop(state), name="emf"))
+        tasks: list[asyncio.Task[None]] = []
+        if link is None:
+            monitor = HealthMonitor(settings, state.health, state.telemetry)
+            tasks.append(asyncio.create_task(monitor.run(), name="health"))
+            if settings.emf_enabled:
+                tasks.append(asyncio.create_task(_emf_loop(state), name="emf"))
+        else:
+            state.control = aiohttp.ClientSession(
+                connector=aiohttp.UnixConnector(path=link.control_socket),
+                timeout=aiohttp.ClientTimeout(total=max(2.0, settings.health_timeout_seconds)),
+            )
+            if settings.emf_enabled:
+                tasks.append(asyncio.create_task(_push_loop(state), name="interval"))
         yield
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        flush_emf(state)
+        if link is None:
+            flush_emf(state)
+        else:
+            if settings.emf_enabled:
+                await push_interval(state)  # the supervisor emits it with its last EMF
+            await state.control.close()
         await state.session.close()
 
     app.cleanup_ctx.append(lifecycle)
     return app, state
+
+
+def add_whole_proxy_routes(app: web.Application) -> None:
+    """/health, /ready, /load and /metrics, answered by the process that has the whole view."""
+    app.router.add_get("/health", health_handler)
+    app.router.add_get("/ready", ready_handler)
+    app.router.add_get("/load", load_handler)
+    app.router.add_get("/metrics", metrics_handler)

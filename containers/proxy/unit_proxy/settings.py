@@ -26,6 +26,7 @@ OPENAI_ROUTES: tuple[str, ...] = (
     "/rerank",
 )
 TRITON_ROUTES: tuple[str, ...] = ("/v2/",)
+MAX_WORKERS = 64
 
 
 class SettingsError(ValueError):
@@ -99,6 +100,9 @@ class Settings:
     upstream_read_timeout_seconds: float = 600.0
     keepalive_timeout_seconds: float = 905.0
     retry_after_seconds: int = 1
+    # Worker processes sharing the listen port (SO_REUSEPORT); 1 = one process, no
+    # supervisor. One aiohttp process carries about one core of proxying (README).
+    workers: int = 4
 
     @property
     def routes(self) -> tuple[str, ...]:
@@ -136,10 +140,12 @@ class Settings:
                 "",
                 "METRICS_NAMESPACE, CELL and UNIT_ID are set together (EMF needs all three) or not at all",
             )
+        workers = _int(env, "PROXY_WORKERS", cls.workers, 1, MAX_WORKERS)
+        port = _int(env, "PROXY_PORT", cls.port, 1, 65535)
         health_interval = _float(env, "HEALTH_INTERVAL_SECONDS", cls.health_interval_seconds, 0.05, 60)
         return cls(
             host=env.get("PROXY_HOST", cls.host).strip() or cls.host,
-            port=_int(env, "PROXY_PORT", cls.port, 1, 65535),
+            port=port,
             upstream_url=upstream,
             launcher_status_url=_url(env, "LAUNCHER_STATUS_URL", cls.launcher_status_url, optional=True),
             engine_metrics_url=_url(env, "ENGINE_METRICS_URL", default_metrics, optional=True),
@@ -167,4 +173,5 @@ class Settings:
                 env, "KEEPALIVE_TIMEOUT_SECONDS", cls.keepalive_timeout_seconds, 0.05, 86400
             ),
             retry_after_seconds=_int(env, "RETRY_AFTER_SECONDS", cls.retry_after_seconds, 0, 3600),
+            workers=workers,
         )
