@@ -24,6 +24,7 @@ from aws_cdk import aws_servicediscovery as servicediscovery
 from constructs import Construct
 
 from cell_constructs.cell_alarms import CellAlarms
+from cell_constructs.encryption import allow_cloudwatch_logs
 from cell_constructs.inference_unit import MultiNodeInferenceUnit, UnitImages, UnitPorts
 from cell_constructs.nag import acknowledge
 from cell_constructs.network import CellNetwork
@@ -291,13 +292,7 @@ class CellStack(Stack):
 
     def _allow_key_use_by_services(self) -> None:
         """CloudWatch Logs (log groups) and EC2 Auto Scaling (encrypted root volumes) use the cell key."""
-        self.key.add_to_resource_policy(iam.PolicyStatement(
-            principals=[iam.ServicePrincipal(f"logs.{self.region}.amazonaws.com")],
-            actions=["kms:Encrypt*", "kms:Decrypt*", "kms:ReEncrypt*", "kms:GenerateDataKey*", "kms:Describe*"],
-            resources=["*"],
-            conditions={"ArnLike": {"kms:EncryptionContext:aws:logs:arn":
-                                    f"arn:{self.partition}:logs:{self.region}:{self.account}:*"}},
-        ))
+        allow_cloudwatch_logs(self.key)
         autoscaling_role = iam.ArnPrincipal(
             f"arn:{self.partition}:iam::{self.account}:role/aws-service-role/autoscaling.amazonaws.com/"
             "AWSServiceRoleForAutoScaling"

@@ -39,6 +39,7 @@ from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
 from cell_constructs.cell_alarms import gate_reader_role_name, rollout_gate_name
+from cell_constructs.encryption import allow_cloudwatch_logs
 from cell_constructs.nag import acknowledge
 from inference_fleet.config import CellConfig, FleetConfig, PipelineConfig, WaveConfig
 from inference_fleet.rollout import MAX_CELLS_PER_WAVE
@@ -108,13 +109,7 @@ class PipelineStack(Stack):
             self, "ArtifactKey", enable_key_rotation=True, removal_policy=RemovalPolicy.RETAIN,
             description=f"{fleet.name} rollout pipeline: artifacts and build logs",
         )
-        self.key.add_to_resource_policy(iam.PolicyStatement(
-            principals=[iam.ServicePrincipal(f"logs.{self.region}.amazonaws.com")],
-            actions=["kms:Encrypt*", "kms:Decrypt*", "kms:ReEncrypt*", "kms:GenerateDataKey*", "kms:Describe*"],
-            resources=["*"],
-            conditions={"ArnLike": {"kms:EncryptionContext:aws:logs:arn":
-                                    f"arn:{self.partition}:logs:{self.region}:{self.account}:*"}},
-        ))
+        allow_cloudwatch_logs(self.key)
         self.artifact_bucket = self._artifact_bucket()
 
         source = codepipeline.Artifact("Source")
