@@ -70,7 +70,7 @@ class Engine:
             return None
         if self.running:
             log.info("stopping engine (SIGTERM, %.0f s grace)", timeout)
-            self._signal(signal.SIGTERM)
+            self.process.send_signal(signal.SIGTERM)
             try:
                 await asyncio.wait_for(self.process.wait(), timeout)
             except TimeoutError:

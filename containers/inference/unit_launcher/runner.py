@@ -146,8 +146,8 @@ async def run_leader(spec: UnitSpec, me: Identity, bind: str) -> int:
             status = engine_exit.result()
             session.end(f"leader engine exited with status {status}")
         elif signals.stop.is_set():
-            session.end("leader received SIGTERM")
             status = await engine.stop(spec.engine.stop_timeout_seconds) or 0
+            session.end("leader received SIGTERM")
         else:
             await engine.stop(spec.engine.stop_timeout_seconds)
             status = EXIT_UNIT_LOST
