@@ -80,6 +80,7 @@ class LeaderSession:
     ready: bool = False
     members: dict[str, Member] = field(default_factory=dict)
     end_reason: str | None = None
+    deliberate_end: bool = False
     released: asyncio.Event = field(default_factory=asyncio.Event)
     ended: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -131,12 +132,21 @@ class LeaderSession:
         self._set_state(SERVING)
         self.released.set()
 
-    def end(self, reason: str) -> None:
+    def end(self, reason: str, *, deliberate: bool = False) -> None:
+        """End the session. `deliberate`: the leader was asked to stop (SIGTERM), nothing failed."""
         if self.end_reason is None:
             self.end_reason = reason
-            log.error("unit %s session %s ends: %s", self.spec.unit_id, self.session_id, reason)
+            self.deliberate_end = deliberate
+            log.log(
+                logging.INFO if deliberate else logging.ERROR,
+                "unit %s session %s ends: %s", self.spec.unit_id, self.session_id, reason,
+            )
         self._set_state(STOPPING)
         self.ended.set()
+
+    def _stopping_reply(self) -> dict[str, object]:
+        return {"reason": "stopping", "error": f"unit session ends: {self.end_reason}",
+                "deliberate": self.deliberate_end}
 
     def prune_forming(self) -> None:
         """Forget joiners that went silent before the release, so a replacement can take the place."""
@@ -337,13 +347,13 @@ class LeaderSession:
         if self.state == STOPPING:
             member.told_stop = True
             return web.json_response(
-                {"reason": "stopping", "error": f"unit session ends: {self.end_reason}"}, status=410
+                self._stopping_reply(), status=410
             )
         if body.get("leaving"):
             member.told_stop = True
             self.end(f"follower {member.describe()} left: {body['leaving']}")
             return web.json_response(
-                {"reason": "stopping", "error": f"unit session ends: {self.end_reason}"}, status=410
+                self._stopping_reply(), status=410
             )
         self.check_liveness()
         return web.json_response({"state": self.state, "session_id": self.session_id})
@@ -472,10 +482,18 @@ async def join(
             leaders = await rediscover()
 
 
+@dataclass(frozen=True)
+class SessionEnd:
+    """Why a follower's session ended; `deliberate` when the leader was stopped on purpose."""
+
+    reason: str
+    deliberate: bool = False
+
+
 async def heartbeat_loop(
     http: aiohttp.ClientSession, spec: UnitSpec, release: Release, instance_id: str
-) -> str:
-    """Heartbeat until the session ends; returns the reason (raises nothing)."""
+) -> SessionEnd:
+    """Heartbeat until the session ends; returns why (raises nothing)."""
     url = f"http://{release.leader_addr}:{spec.rendezvous.port}/heartbeat"
     body = {"session_id": release.session_id, "instance_id": instance_id, "rank": release.rank}
     interval = spec.rendezvous.heartbeat_interval
@@ -490,11 +508,14 @@ async def heartbeat_loop(
                 last_ok = time.monotonic()
             else:
                 reason = data.get("error", data)
-                return f"leader {release.leader_addr} ended session {release.session_id}: {reason}"
+                return SessionEnd(
+                    f"leader {release.leader_addr} ended session {release.session_id}: {reason}",
+                    deliberate=bool(data.get("deliberate")) if isinstance(data, dict) else False,
+                )
         except (aiohttp.ClientError, TimeoutError, ValueError) as error:
             silence = time.monotonic() - last_ok
             if silence > limit:
-                return (
+                return SessionEnd(
                     f"leader {release.leader_addr} unreachable for {silence:.1f} s (limit {limit:g} s): "
                     f"{error or type(error).__name__}"
                 )

@@ -147,7 +147,7 @@ async def run_leader(spec: UnitSpec, me: Identity, bind: str) -> int:
             session.end(f"leader engine exited with status {status}")
         elif signals.stop.is_set():
             status = await engine.stop(spec.engine.stop_timeout_seconds) or 0
-            session.end("leader received SIGTERM")
+            session.end("leader received SIGTERM", deliberate=True)
         else:
             await engine.stop(spec.engine.stop_timeout_seconds)
             status = EXIT_UNIT_LOST
@@ -237,9 +237,13 @@ async def run_follower(spec: UnitSpec, me: Identity, env: Mapping[str, str]) -> 
             if signals.stop.is_set():
                 await rendezvous.leave(http, spec, release, me.instance_id, "follower received SIGTERM")
                 return await engine.stop(spec.engine.stop_timeout_seconds) or 0
-            reason = beats.result()
-            log.error("unit session over: %s; stopping the engine", reason)
+            ended = beats.result()
             await engine.stop(spec.engine.stop_timeout_seconds)
+            if ended.deliberate:
+                # The leader was stopped on purpose (a deployment, a scale-in): a clean stop.
+                log.info("unit session over: %s; engine stopped", ended.reason)
+                return 0
+            log.error("unit session over: %s; engine stopped", ended.reason)
             return EXIT_UNIT_LOST
         finally:
             if engine.running:
