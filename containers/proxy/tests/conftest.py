@@ -17,6 +17,7 @@ from unit_proxy.server import start
 from unit_proxy.settings import Settings
 
 LOOPBACK = "127.0.0.1"
+_PROBES = frozenset(("/health", "/metrics", "/v2/health/ready"))
 
 
 def sse(obj: Any) -> bytes:
@@ -62,11 +63,14 @@ class FakeEngine:
         self.cancelled = 0
         self.cancelled_at: float | None = None
         self.bodies: list[bytes] = []
+        self.data_requests = 0  # every request but the proxy's health and metrics probes
+        self._health_released = asyncio.Event()  # cleared: /health answers wait
+        self._health_released.set()
         self.url = ""
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._count])
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
@@ -82,10 +86,22 @@ class FakeEngine:
         self.url = f"http://{LOOPBACK}:{self._runner.addresses[0][1]}"
 
     async def stop(self) -> None:
+        self._health_released.set()
         if self._runner is not None:
             await self._runner.cleanup()
 
+    def hold_health(self) -> None:
+        """Hold /health answers back: the proxy's check rounds cannot complete."""
+        self._health_released.clear()
+
+    @web.middleware
+    async def _count(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path not in _PROBES:
+            self.data_requests += 1
+        return await handler(request)
+
     async def _health(self, request: web.Request) -> web.Response:
+        await self._health_released.wait()
         return web.Response(status=200 if self.healthy else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -157,7 +173,8 @@ class FakeEngine:
 
 
 class FakeLauncher:
-    """The launcher's /status endpoint, with a document the test can change."""
+    """The launcher's /status endpoint, with a document the test can change; after
+    `hold_answers()` answers wait for `release_answers()` (a check that cannot complete yet)."""
 
     def __init__(self) -> None:
         self.status: dict[str, Any] = {
@@ -186,6 +203,8 @@ class FakeLauncher:
                 },
             ],
         }
+        self._released = asyncio.Event()
+        self._released.set()
         self.url = ""
         self._runner: web.AppRunner | None = None
 
@@ -199,11 +218,19 @@ class FakeLauncher:
         self.url = f"http://{LOOPBACK}:{self._runner.addresses[0][1]}/status"
 
     async def stop(self) -> None:
+        self._released.set()  # a held answer must not hold up the shutdown
         if self._runner is not None:
             await self._runner.cleanup()
 
     async def _status(self, request: web.Request) -> web.Response:
+        await self._released.wait()
         return web.json_response(self.status)
+
+    def hold_answers(self) -> None:
+        self._released.clear()
+
+    def release_answers(self) -> None:
+        self._released.set()
 
 
 @pytest.fixture
@@ -233,10 +260,13 @@ ProxyFactory = Callable[..., Awaitable[RunningProxy]]
 
 @pytest.fixture
 async def make_proxy(engine: FakeEngine, launcher: FakeLauncher) -> AsyncIterator[ProxyFactory]:
-    """Start an in-process proxy in front of the fake engine; keyword arguments override settings."""
+    """Start an in-process proxy in front of the fake engine; keyword arguments override settings.
+
+    The proxy refuses data requests until its first launcher check has completed, so the
+    factory waits for that unless `wait_checked=False`."""
     runners: list[web.AppRunner] = []
 
-    async def factory(**overrides: Any) -> RunningProxy:
+    async def factory(wait_checked: bool = True, **overrides: Any) -> RunningProxy:
         base = Settings(
             host=LOOPBACK,
             port=0,
@@ -252,6 +282,8 @@ async def make_proxy(engine: FakeEngine, launcher: FakeLauncher) -> AsyncIterato
         settings = replace(base, **overrides)
         runner, _site, state = await start(settings)
         runners.append(runner)
+        if wait_checked and settings.launcher_status_url:
+            await wait_until(lambda: state.health.last.checked_at > 0, what="the first launcher check")
         return RunningProxy(f"http://{LOOPBACK}:{runner.addresses[0][1]}", state)
 
     yield factory

@@ -18,6 +18,7 @@ CONTRACT_METRICS = {
     "RequestLatency",
     "Requests",
     "Rejected",
+    "UnitUnavailable",
     "UpstreamErrors",
     "UnitHealthy",
     "UnitRestarts",
@@ -63,6 +64,8 @@ def test_emf_event_carries_every_contract_metric():
         t.request_done(200, 0.010 * (i + 1), 0.5)
     t.request_done(502, None, 0.1)
     t.request_rejected()
+    t.unit_unavailable()
+    t.unit_unavailable()
     t.upstream_error("cut")
     out = io.StringIO()
     write_emf(t.emf_events("Rufus/UnitProxy", "dev", "u0", now=1_764_427_200.0), out)
@@ -74,6 +77,7 @@ def test_emf_event_carries_every_contract_metric():
     assert event["Cell"] == "dev" and event["Unit"] == "u0"
     assert event["_aws"]["Timestamp"] == 1_764_427_200_000
     assert values["InFlight"] == 4 and values["Requests"] == 4 and values["Rejected"] == 1
+    assert values["UnitUnavailable"] == 2
     assert values["UpstreamErrors"] == 1 and values["UnitHealthy"] == 1 and values["UnitRestarts"] == 1
     assert values["QueueDepth"] == 3 and values["RunningRequests"] == 7 and values["KvCacheUsage"] == 0.5
     assert values["TimeToFirstToken"] == [10.0, 20.0, 30.0]
@@ -81,7 +85,7 @@ def test_emf_event_carries_every_contract_metric():
 
     # The next interval starts empty: counts reset, restarts are not counted twice.
     nxt = check_emf(t.emf_events("Rufus/UnitProxy", "dev", "u0")[0])
-    assert nxt["Requests"] == 0 and nxt["UnitRestarts"] == 0
+    assert nxt["Requests"] == 0 and nxt["UnitRestarts"] == 0 and nxt["UnitUnavailable"] == 0
     assert "TimeToFirstToken" not in nxt
 
 

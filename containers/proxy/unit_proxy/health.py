@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,11 @@ class CheckResult:
     checked_wall: float = 0.0
 
 
+def stale_limit(settings: Settings) -> float:
+    """Age past which a check result no longer counts (three missed rounds and a timeout)."""
+    return 3 * settings.health_interval_seconds + settings.health_timeout_seconds + 1
+
+
 @dataclass
 class HealthState:
     """What `/health` answers from; written by the monitor and by the drain."""
@@ -68,6 +74,20 @@ class HealthState:
     @property
     def healthy(self) -> bool:
         return not self.reasons()
+
+    def unit_unavailable(self) -> str | None:
+        """Why data-path requests must be refused now (the unit is not known to be whole),
+        or None. Only the launcher's verdict counts: engine failures show in the
+        requests themselves (502/504) and a draining proxy still serves."""
+        last = self.last
+        if last.checked_at == 0.0:
+            return "no launcher check has completed yet"
+        age = time.monotonic() - last.checked_at
+        if age > self.stale_after:
+            return f"last launcher check is {age:.1f} s old (limit {self.stale_after:.1f} s)"
+        if not last.unit_ok:
+            return last.unit_detail
+        return None
 
 
 def judge_launcher_status(status: Any) -> tuple[bool, str]:
@@ -114,13 +134,22 @@ def parse_engine_load(text: str) -> EngineLoad:
 class HealthMonitor:
     """Runs the checks forever; one round at a time, each check bounded by a timeout."""
 
-    def __init__(self, settings: Settings, state: HealthState, telemetry: Telemetry) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        state: HealthState,
+        telemetry: Telemetry,
+        on_check: Callable[[CheckResult], None] | None = None,
+    ) -> None:
+        """`on_check` is called with every completed round (the supervisor publishes the
+        unit verdict to its workers with it)."""
         self.settings = settings
         self.state = state
         self.telemetry = telemetry
+        self.on_check = on_check
         self._session: aiohttp.ClientSession | None = None
         self._session_id: str | None = None
-        state.stale_after = 3 * settings.health_interval_seconds + settings.health_timeout_seconds + 1
+        state.stale_after = stale_limit(settings)
 
     async def run(self) -> None:
         timeout = aiohttp.ClientTimeout(total=self.settings.health_timeout_seconds)
@@ -148,6 +177,8 @@ class HealthMonitor:
         )
         was = self.state.healthy
         self.state.last = result
+        if self.on_check is not None:
+            self.on_check(result)
         self.telemetry.set_engine_load(load)
         self.telemetry.set_healthy(self.state.healthy)
         if was != self.state.healthy:

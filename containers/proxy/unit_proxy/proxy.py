@@ -1,5 +1,10 @@
-"""The data path: streaming pass-through to the engine, admission control, error mapping,
-and the proxy's own endpoints (/health, /ready, /load, /metrics).
+"""The data path: streaming pass-through to the engine, the unit gate, admission control,
+error mapping, and the proxy's own endpoints (/health, /ready, /load, /metrics).
+
+Unit gate: while the launcher's latest check does not say the unit is whole (a follower
+lost, the unit forming again, no check completed yet, or the last result is stale), data
+requests get 503 `unit_unavailable` at once and never reach the engine: a half unit may
+still answer some routes (GET /v1/models) and must answer none.
 
 Bytes from the engine are written to the client as they arrive (no buffering of
 server-sent events); `StreamResponse.write` waits while the client's socket buffer is
@@ -23,7 +28,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from unit_proxy.health import HealthMonitor, HealthState
+from unit_proxy.health import HealthMonitor, HealthState, stale_limit
 from unit_proxy.settings import Settings
 from unit_proxy.shared import SharedCounters
 from unit_proxy.telemetry import Telemetry, write_emf
@@ -84,7 +89,9 @@ class ProxyState:
         self.counters = link.counters if link is not None else counters
         self.inflight = 0  # requests of this process (its drain waits for them)
         self.closing = False  # past the drain window: refuse new requests
-        self.health = HealthState()
+        self.health = HealthState(stale_after=stale_limit(settings))
+        # No launcher (local single-node runs): nothing to gate on.
+        self.gate_unit = bool(settings.launcher_status_url)
         whole = self.counters is not None and link is None  # the supervisor
         self.telemetry = Telemetry(
             self.reported_inflight,
@@ -101,6 +108,23 @@ class ProxyState:
     def reported_inflight(self) -> int:
         """In-flight requests of the whole proxy."""
         return self.counters.inflight() if self.counters is not None else self.inflight
+
+    def unit_unavailable(self) -> str | None:
+        """Why the unit may not serve now, or None when the latest launcher check (fresh)
+        says it is whole. A worker reads the supervisor's verdict from shared memory."""
+        if not self.gate_unit:
+            return None
+        link = self.link
+        if link is None:
+            return self.health.unit_unavailable()
+        if link.counters.unit_whole(self.health.stale_after):
+            return None
+        return "no recent launcher check found the unit whole (see /ready)"
+
+    def count_unavailable(self) -> None:
+        self.telemetry.unit_unavailable()
+        if self.link is not None:
+            self.link.counters.unit_unavailable(self.link.index)
 
     def try_enter(self) -> bool:
         """Admit one request unless the whole proxy is at MAX_INFLIGHT."""
@@ -166,6 +190,16 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
         return error_response(404, f"no route {request.path} on this {settings.frontend} front end", "not_found")
     if state.closing:
         return error_response(503, "proxy is shutting down", "unavailable", {"Connection": "close"})
+    if state.gate_unit:
+        why = state.unit_unavailable()
+        if why is not None:
+            state.count_unavailable()
+            return error_response(
+                503,
+                f"inference unit is not whole, not serving: {why}; retry",
+                "unit_unavailable",
+                {"Retry-After": str(settings.retry_after_seconds)},
+            )
     if not state.try_enter():
         telemetry.request_rejected()
         return error_response(
@@ -358,6 +392,8 @@ async def ready_handler(request: web.Request) -> web.Response:
         "draining": health.draining,
         "engine": {"ok": last.engine_ok, "detail": last.engine_detail},
         "unit": {"ok": last.unit_ok, "detail": last.unit_detail, "launcher_status": last.launcher},
+        # Why data requests are refused with 503 unit_unavailable now; null: they are served.
+        "unit_unavailable": state.unit_unavailable(),
         "checked_at": last.checked_wall or None,
         "check_age_s": round(time.monotonic() - last.checked_at, 3) if last.checked_at else None,
         "inflight": state.reported_inflight(),

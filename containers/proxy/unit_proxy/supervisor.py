@@ -7,7 +7,9 @@ keeps everything that must be answered for the whole proxy in one place:
 
 - admission: the workers count in-flight requests in shared memory (`SharedCounters`),
   so MAX_INFLIGHT holds for the proxy, not per worker;
-- health: one health monitor (engine, launcher, engine load) runs here; a worker that
+- health: one health monitor (engine, launcher, engine load) runs here and publishes
+  after every round whether the unit is whole (`SharedCounters.publish_unit`), which the
+  workers read to refuse data requests while it is not (503 unit_unavailable); a worker that
   receives /health, /ready, /load or /metrics forwards it over the supervisor's Unix
   socket, so every answer is the whole proxy's whichever worker the ALB reaches;
 - metrics: the workers' request counters and histograms live in Prometheus multiprocess
@@ -133,7 +135,12 @@ class Supervisor:
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         await runner.setup()
         await web.UnixSite(runner, self.socket_path).start()
-        monitor = HealthMonitor(self.settings, self.state.health, self.state.telemetry)
+        monitor = HealthMonitor(
+            self.settings,
+            self.state.health,
+            self.state.telemetry,
+            on_check=lambda result: self.counters.publish_unit(result.unit_ok, result.checked_at),
+        )
         tasks = [asyncio.create_task(monitor.run(), name="health")]
         if self.settings.emf_enabled:
             tasks.append(asyncio.create_task(_emf_loop(self.state), name="emf"))

@@ -64,6 +64,7 @@ class _Reservoir:
 class _Interval:
     requests: int = 0
     rejected: int = 0
+    unit_unavailable: int = 0
     upstream_errors: int = 0
     ttft_ms: _Reservoir = field(default_factory=_Reservoir)
     latency_ms: _Reservoir = field(default_factory=_Reservoir)
@@ -78,13 +79,13 @@ class Telemetry:
         *,
         request_metrics: bool = True,
         unit_metrics: bool = True,
-        totals: Callable[[], tuple[int, int]] | None = None,
+        totals: Callable[[], tuple[int, int, int]] | None = None,
     ) -> None:
         """`request_metrics`: counters and histograms of the requests this process proxies;
         `unit_metrics`: gauges of the unit and the engine (health, load, drain). One process
         keeps both; with several workers each worker keeps the first (in Prometheus
         multiprocess mode) and the supervisor the second. `totals` overrides the request
-        and refusal totals reported in /load (the supervisor reads them from the workers)."""
+        and refusal (429, unit unavailable) totals reported in /load (the supervisor reads them from the workers)."""
         self._inflight = inflight
         self._totals = totals
         self.registry = CollectorRegistry(auto_describe=True)
@@ -93,6 +94,11 @@ class Telemetry:
         if request_metrics:
             self.requests = Counter("unit_proxy_requests", "Proxied requests by status code", ["code"], registry=r)
             self.rejected = Counter("unit_proxy_rejected", "Requests refused with 429 (admission)", registry=r)
+            self.unavailable = Counter(
+                "unit_proxy_unit_unavailable",
+                "Requests refused with 503 unit_unavailable (the unit is not whole)",
+                registry=r,
+            )
             self.upstream_errors = Counter(
                 "unit_proxy_upstream_errors", "Errors the proxy made of upstream failures", ["kind"], registry=r
             )
@@ -124,6 +130,7 @@ class Telemetry:
         self.restarts_total = 0
         self.requests_total = 0
         self.rejected_total = 0
+        self.unavailable_total = 0
         self._restarts_reported = 0
         self._counts: dict[int, Any] = {}
         self._interval = _Interval()
@@ -149,6 +156,11 @@ class Telemetry:
         self.rejected_total += 1
         self._interval.rejected += 1
 
+    def unit_unavailable(self) -> None:
+        self.unavailable.inc()
+        self.unavailable_total += 1
+        self._interval.unit_unavailable += 1
+
     def upstream_error(self, kind: str) -> None:
         self.upstream_errors.labels(kind=kind).inc()
         self._interval.upstream_errors += 1
@@ -160,6 +172,7 @@ class Telemetry:
         iv = self._interval
         iv.requests += int(doc.get("requests", 0))
         iv.rejected += int(doc.get("rejected", 0))
+        iv.unit_unavailable += int(doc.get("unit_unavailable", 0))
         iv.upstream_errors += int(doc.get("upstream_errors", 0))
         for value in doc.get("ttft_ms", ()):
             iv.ttft_ms.add(float(value))
@@ -172,6 +185,7 @@ class Telemetry:
         return {
             "requests": iv.requests,
             "rejected": iv.rejected,
+            "unit_unavailable": iv.unit_unavailable,
             "upstream_errors": iv.upstream_errors,
             "ttft_ms": iv.ttft_ms.values,
             "latency_ms": iv.latency_ms.values,
@@ -208,8 +222,10 @@ class Telemetry:
         return generate_latest(self.registry)
 
     def load_json(self) -> dict[str, Any]:
-        requests_total, rejected_total = (
-            self._totals() if self._totals is not None else (self.requests_total, self.rejected_total)
+        requests_total, rejected_total, unavailable_total = (
+            self._totals()
+            if self._totals is not None
+            else (self.requests_total, self.rejected_total, self.unavailable_total)
         )
         return {
             "inflight": self._inflight(),
@@ -220,6 +236,7 @@ class Telemetry:
             "unit_restarts": self.restarts_total,
             "requests_total": requests_total,
             "rejected_total": rejected_total,
+            "unit_unavailable_total": unavailable_total,
         }
 
     def emf_events(self, namespace: str, cell: str, unit: str, now: float | None = None) -> list[dict[str, Any]]:
@@ -230,6 +247,7 @@ class Telemetry:
             "InFlight": (self._inflight(), "Count"),
             "Requests": (iv.requests, "Count"),
             "Rejected": (iv.rejected, "Count"),
+            "UnitUnavailable": (iv.unit_unavailable, "Count"),
             "UpstreamErrors": (iv.upstream_errors, "Count"),
             "UnitHealthy": (1 if self.healthy else 0, "None"),
             # Restarts in this interval: CloudWatch sums them per period for the alarm.

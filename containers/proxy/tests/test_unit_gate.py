@@ -1,0 +1,215 @@
+"""The unit gate: while the launcher does not say the unit is whole (a member lost, no
+check completed yet, a stale result), data requests get 503 `unit_unavailable` at once and
+never reach the engine; with no launcher configured nothing is gated. Single-process and
+multi-worker proxies, real HTTP on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import aiohttp
+from unit_proxy.health import CheckResult, HealthState
+from unit_proxy.shared import SharedCounters
+
+from .conftest import FakeEngine, FakeLauncher, ProxyFactory, wait_until
+from .test_drain import _is, health, proxy_process
+from .test_workers import _alive, _sample, fresh, ready
+
+
+async def call(session: aiohttp.ClientSession, url: str, route: str = "/v1/completions") -> tuple[int, Any, str]:
+    """One data request: GET /v1/models or a streamed completion; (status, JSON, Retry-After)."""
+    if route == "/v1/models":
+        request = session.get(f"{url}/v1/models")
+    else:
+        request = session.post(f"{url}{route}", json={"model": "m", "prompt": "x", "stream": True})
+    async with request as resp:
+        body = await resp.read()
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            doc = body.decode()
+        return resp.status, doc, resp.headers.get("Retry-After", "")
+
+
+def lose_member(launcher: FakeLauncher) -> None:
+    launcher.status["members"][1]["alive"] = False
+    launcher.status["members"][1]["last_heartbeat_age_s"] = 31.5
+    launcher.status["state"] = "degraded"
+
+
+def restore_member(launcher: FakeLauncher) -> None:
+    launcher.status["members"][1]["alive"] = True
+    launcher.status["members"][1]["last_heartbeat_age_s"] = 0.2
+    launcher.status["state"] = "serving"
+
+
+def assert_unit_unavailable(status: int, doc: Any, retry_after: str, expected_retry: str) -> None:
+    assert status == 503, (status, doc)
+    assert doc["error"]["type"] == "unit_unavailable" and doc["error"]["code"] == 503, doc
+    assert "not whole" in doc["error"]["message"]
+    assert retry_after == expected_retry
+
+
+async def listening(url: str, n: int) -> bool:
+    """True once n workers listen; False while the port is not open yet."""
+    try:
+        return await _alive(url, n)
+    except aiohttp.ClientConnectionError:
+        return False
+
+
+async def test_lost_member_refuses_data_requests_without_reaching_the_engine(
+    make_proxy: ProxyFactory, engine: FakeEngine, launcher: FakeLauncher
+):
+    proxy = await make_proxy(retry_after_seconds=3)
+    async with aiohttp.ClientSession() as session:
+        assert (await call(session, proxy.url, "/v1/models"))[0] == 200
+        assert (await call(session, proxy.url))[0] == 200
+        seen = engine.data_requests
+        assert seen == 2
+
+        lose_member(launcher)
+        await wait_until(lambda: not proxy.state.health.last.unit_ok, what="the launcher check to see the loss")
+        for route in ("/v1/models", "/v1/completions", "/v1/chat/completions"):
+            status, doc, retry_after = await call(session, proxy.url, route)
+            assert_unit_unavailable(status, doc, retry_after, "3")
+            assert "member rank 1 (10.0.1.6) not alive" in doc["error"]["message"]
+        assert engine.data_requests == seen  # the half unit answered nothing
+
+        async with session.get(f"{proxy.url}/ready") as resp:
+            assert "member rank 1" in (await resp.json())["unit_unavailable"]
+        async with session.get(f"{proxy.url}/load") as resp:
+            load = await resp.json()
+        async with session.get(f"{proxy.url}/metrics") as resp:
+            metrics = await resp.text()
+        assert load["unit_unavailable_total"] == 3 and load["requests_total"] == 2 and load["inflight"] == 0
+        assert _sample(metrics, "unit_proxy_unit_unavailable_total") == 3.0
+        assert 'unit_proxy_requests_total{code="503"}' not in metrics  # not a proxied request
+
+        restore_member(launcher)
+        await wait_until(lambda: proxy.state.health.last.unit_ok, what="the launcher check to see the unit whole")
+        assert (await call(session, proxy.url, "/v1/models"))[0] == 200
+        assert (await call(session, proxy.url))[0] == 200
+        assert engine.data_requests == seen + 2
+
+
+async def test_engine_failure_and_drain_are_not_gated(
+    make_proxy: ProxyFactory, engine: FakeEngine, launcher: FakeLauncher
+):
+    proxy = await make_proxy()
+    engine.healthy = False  # the engine's health check fails; the unit is whole
+    await wait_until(lambda: not proxy.state.health.last.engine_ok, what="the engine check to fail")
+    async with aiohttp.ClientSession() as session:
+        assert await health(session, proxy.url) == 503
+        assert (await call(session, proxy.url))[0] == 200  # forwarded: the engine decides
+        proxy.state.start_draining()
+        assert (await call(session, proxy.url))[0] == 200
+    assert engine.data_requests == 2
+
+
+async def test_refused_until_the_first_launcher_check_completes(
+    make_proxy: ProxyFactory, engine: FakeEngine, launcher: FakeLauncher
+):
+    launcher.hold_answers()
+    proxy = await make_proxy(wait_checked=False, health_timeout_seconds=10.0)
+    async with aiohttp.ClientSession() as session:
+        status, doc, retry_after = await call(session, proxy.url)
+        assert proxy.state.health.last.checked_at == 0.0  # still no check completed
+        assert_unit_unavailable(status, doc, retry_after, "1")
+        assert "no launcher check has completed yet" in doc["error"]["message"]
+        assert engine.data_requests == 0
+        launcher.release_answers()
+        await wait_until(lambda: proxy.state.health.last.unit_ok, what="the first launcher check")
+        assert (await call(session, proxy.url))[0] == 200
+    assert engine.data_requests == 1
+
+
+async def test_no_launcher_url_gates_nothing(make_proxy: ProxyFactory, engine: FakeEngine):
+    engine.hold_health()  # no check round completes: only the missing URL lets requests through
+    proxy = await make_proxy(launcher_status_url="", health_timeout_seconds=10.0)
+    async with aiohttp.ClientSession() as session:
+        assert (await call(session, proxy.url))[0] == 200
+        assert proxy.state.health.last.checked_at == 0.0
+        assert (await call(session, proxy.url, "/v1/models"))[0] == 200
+    assert engine.data_requests == 2
+
+
+def test_stale_or_failed_results_count_as_not_whole():
+    state = HealthState(stale_after=5.0)
+    assert state.unit_unavailable() == "no launcher check has completed yet"
+    state.last = CheckResult(engine_ok=False, unit_ok=True, checked_at=time.monotonic())
+    assert state.unit_unavailable() is None  # the engine's state does not gate
+    state.last.checked_at -= 60
+    assert "last launcher check is 60" in (state.unit_unavailable() or "")
+    state.last = CheckResult(unit_ok=False, unit_detail="1 of 2 members present", checked_at=time.monotonic())
+    assert state.unit_unavailable() == "1 of 2 members present"
+
+    counters = SharedCounters(1)
+    assert not counters.unit_whole(5.0)  # nothing published yet
+    counters.publish_unit(True, time.monotonic())
+    assert counters.unit_whole(5.0)
+    counters.publish_unit(True, time.monotonic() - 60)  # the supervisor's checks stopped
+    assert not counters.unit_whole(5.0)
+    counters.publish_unit(False, time.monotonic())
+    assert not counters.unit_whole(5.0)
+
+
+async def test_multi_worker_gate_follows_the_supervisors_check(engine: FakeEngine, launcher: FakeLauncher):
+    launcher.hold_answers()
+    async with (
+        proxy_process(engine, launcher, PROXY_WORKERS="2", HEALTH_TIMEOUT_SECONDS="10", RETRY_AFTER_SECONDS="2") as (
+            url,
+            _proc,
+        ),
+        fresh() as session,
+    ):
+        try:
+            await wait_until(lambda: listening(url, 2), timeout=20, what="both workers to listen")
+            assert (await ready(url))["check_age_s"] is None  # the first check is held
+            for _ in range(6):  # new connections: both workers answer some
+                assert_unit_unavailable(*(await call(session, url)), "2")
+            assert engine.data_requests == 0
+        finally:
+            launcher.release_answers()
+        await wait_until(lambda: _is(health(session, url), 200), timeout=15, what="the proxy to be healthy")
+        for _ in range(6):
+            assert (await call(session, url))[0] == 200
+        assert engine.data_requests == 6
+
+        lose_member(launcher)
+        # The supervisor publishes before /health can show the loss.
+        await wait_until(lambda: _is(health(session, url), 503), timeout=5, what="/health 503 on member loss")
+        for route in ("/v1/models", "/v1/completions") * 3:
+            status, doc, retry_after = await call(session, url, route)
+            assert_unit_unavailable(status, doc, retry_after, "2")
+        assert engine.data_requests == 6
+        async with session.get(f"{url}/load") as resp:
+            load = await resp.json()
+        async with session.get(f"{url}/metrics") as resp:
+            metrics = await resp.text()
+        assert load["unit_unavailable_total"] == 12 and load["requests_total"] == 6
+        assert _sample(metrics, "unit_proxy_unit_unavailable_total") == 12.0
+
+        restore_member(launcher)
+        await wait_until(lambda: _is(health(session, url), 200), timeout=5, what="/health 200 after recovery")
+        for _ in range(4):
+            assert (await call(session, url, "/v1/models"))[0] == 200
+        assert engine.data_requests == 10
+
+
+async def test_multi_worker_without_launcher_gates_nothing(engine: FakeEngine, launcher: FakeLauncher):
+    engine.hold_health()  # no check round completes: only the missing URL lets requests through
+    async with (
+        proxy_process(engine, launcher, PROXY_WORKERS="2", LAUNCHER_STATUS_URL="", HEALTH_TIMEOUT_SECONDS="10") as (
+            url,
+            _proc,
+        ),
+        fresh() as session,
+    ):
+        await wait_until(lambda: listening(url, 2), timeout=20, what="both workers to listen")
+        assert (await ready(url))["check_age_s"] is None
+        for _ in range(6):
+            assert (await call(session, url))[0] == 200
+    assert engine.data_requests == 6
