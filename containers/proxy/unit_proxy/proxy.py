@@ -246,6 +246,17 @@ async def _read_body(request: web.Request, settings: Settings) -> bytes | web.Re
         )
 
 
+def _upstream_failure(
+    telemetry: Telemetry, exc: BaseException, timed_out: str, failed: str
+) -> tuple[int, None, web.Response]:
+    """An engine that timed out is a 504; any other client error (reset, cut) is a 502."""
+    if isinstance(exc, (TimeoutError, aiohttp.ServerTimeoutError)):
+        telemetry.upstream_error("timeout")
+        return 504, None, error_response(504, f"engine {timed_out}", "upstream_timeout")
+    telemetry.upstream_error("reset")
+    return 502, None, error_response(502, f"engine {failed}: {_describe(exc)}", "upstream_error")
+
+
 async def _forward(
     request: web.Request, state: ProxyState, started: float
 ) -> tuple[int, float | None, web.StreamResponse]:
@@ -268,12 +279,8 @@ async def _forward(
             None,
             error_response(502, f"engine refused the connection: {exc.os_error}", "upstream_unavailable"),
         )
-    except (TimeoutError, aiohttp.ServerTimeoutError):
-        telemetry.upstream_error("timeout")
-        return 504, None, error_response(504, "engine did not answer in time", "upstream_timeout")
-    except aiohttp.ClientError as exc:
-        telemetry.upstream_error("reset")
-        return 502, None, error_response(502, f"engine connection failed: {_describe(exc)}", "upstream_error")
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        return _upstream_failure(telemetry, exc, "did not answer in time", "connection failed")
 
     try:
         out_headers = _forward_headers(upstream.headers)
@@ -282,20 +289,8 @@ async def _forward(
         if length is not None and length <= _SMALL_BODY and not is_sse:
             try:
                 data = await upstream.read()
-            except (TimeoutError, aiohttp.ServerTimeoutError):
-                telemetry.upstream_error("timeout")
-                return (
-                    504,
-                    None,
-                    error_response(504, "engine did not finish its answer in time", "upstream_timeout"),
-                )
-            except aiohttp.ClientError as exc:
-                telemetry.upstream_error("reset")
-                return (
-                    502,
-                    None,
-                    error_response(502, f"engine answer cut: {_describe(exc)}", "upstream_error"),
-                )
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                return _upstream_failure(telemetry, exc, "did not finish its answer in time", "answer cut")
             ttft = time.perf_counter() - started
             return upstream.status, ttft, web.Response(status=upstream.status, body=data, headers=out_headers)
 
@@ -306,16 +301,8 @@ async def _forward(
             # The first chunk is awaited before answering, so an engine that stalls or
             # dies before any byte still gets a proper 504/502 status.
             first_chunk = await upstream.content.readany()
-        except (TimeoutError, aiohttp.ServerTimeoutError):
-            telemetry.upstream_error("timeout")
-            return (
-                504,
-                None,
-                error_response(504, "engine sent headers but no body in time", "upstream_timeout"),
-            )
-        except aiohttp.ClientError as exc:
-            telemetry.upstream_error("reset")
-            return 502, None, error_response(502, f"engine answer cut: {_describe(exc)}", "upstream_error")
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            return _upstream_failure(telemetry, exc, "sent headers but no body in time", "answer cut")
         await response.prepare(request)
         if first_chunk:
             await response.write(first_chunk)
