@@ -167,6 +167,21 @@ class OpenAIDriver:
         return "".join(parts)
 
 
+def answer_twice(driver: OpenAIDriver, r: Report, label: str) -> tuple[str, str]:
+    """A completion and a streamed chat, each sent twice: timed, and the same text at temperature 0."""
+    t = time.monotonic()
+    first = driver.completion()
+    r.figure("first_request_s", time.monotonic() - t)
+    t = time.monotonic()
+    second = driver.completion()
+    r.figure("warm_request_s", time.monotonic() - t)
+    chats = [driver.stream_chat(), driver.stream_chat()]
+    r.check(f"{label}completion: same text twice at temperature 0", first == second and bool(first), repr(first))
+    r.check(f"{label}streamed chat completion: same text twice", chats[0] == chats[1] and bool(chats[0]),
+            repr(chats[0]))
+    return first, chats[0]
+
+
 class Harness:
     """What every mode shares: the process table, the tiny model, the report."""
 
@@ -257,16 +272,7 @@ def run_raw(h: Harness) -> None:
     r.figure("formation_s", time.monotonic() - started)
     r.check("raw unit serves /health 200", True)
     driver = OpenAIDriver(f"http://127.0.0.1:{api}/v1", timeout=h.left(180))
-    t = time.monotonic()
-    first = driver.completion()
-    r.figure("first_request_s", time.monotonic() - t)
-    t = time.monotonic()
-    second = driver.completion()
-    r.figure("warm_request_s", time.monotonic() - t)
-    streams = [driver.stream_chat(), driver.stream_chat()]
-    r.check("completion: same text twice at temperature 0", first == second and bool(first), repr(first))
-    r.check("streamed chat: same text twice at temperature 0", streams[0] == streams[1] and bool(streams[0]),
-            repr(streams[0]))
+    answer_twice(driver, r, label="")
     r.check("no restarts while serving", not leader.exits and not follower.exits,
             f"leader exits {leader.exits}, follower exits {follower.exits}")
     # Baseline for the launcher: bare vLLM does not notice a lost follower by itself.

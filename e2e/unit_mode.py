@@ -32,6 +32,7 @@ from run_e2e import (
     VLLM_ENTRY,
     Harness,
     OpenAIDriver,
+    answer_twice,
     engine_environment,
     free_port,
     http_get,
@@ -221,16 +222,7 @@ def run_unit(h: Harness, follower_loss_seconds: float = 5.0, stop_order: str = "
 
     # 2. Completion and streamed chat completion through the proxy; the same text twice.
     driver = OpenAIDriver(base, timeout=h.left(300))
-    t = time.monotonic()
-    first = driver.completion()
-    r.figure("first_request_s", time.monotonic() - t)
-    t = time.monotonic()
-    second = driver.completion()
-    r.figure("warm_request_s", time.monotonic() - t)
-    chats = [driver.stream_chat(), driver.stream_chat()]
-    r.check("2. completion: same text twice at temperature 0", first == second and bool(first), repr(first))
-    r.check("2. streamed chat completion: same text twice", chats[0] == chats[1] and bool(chats[0]),
-            repr(chats[0]))
+    first, chat = answer_twice(driver, r, label="2. ")
 
     # 3. Node loss: SIGKILL the follower task (launcher and engine, all at once).
     follower_proc = unit.follower.current
@@ -274,7 +266,7 @@ def run_unit(h: Harness, follower_loss_seconds: float = 5.0, stop_order: str = "
     again = driver.completion()
     r.figure("first_request_after_recovery_s", time.monotonic() - t)
     r.check("4. same request, same answer after recovery", again == first, f"{again!r} vs {first!r}")
-    r.check("4. same streamed chat after recovery", driver.stream_chat() == chats[0])
+    r.check("4. same streamed chat after recovery", driver.stream_chat() == chat)
 
     # 5. SIGTERM to the leader task while a stream is in flight.
     stream_result: dict[str, Any] = {}
