@@ -356,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         import setup_env
 
         env_stats = setup_env.ensure_env()
+        setup_env.install_executor()
     if not ENGINE_PYTHON.exists():
         print(f"error: {ENGINE_PYTHON} missing: run e2e/setup_env.py", file=sys.stderr)
         return 2
