@@ -317,6 +317,11 @@ FIGURE_LABELS = {
     "recovery_s": "follower SIGKILL to /health 200 again (s)",
     "first_request_after_recovery_s": "first request after recovery (s)",
     "drain": "drain result",
+    "lockstep_steps": "lockstep: steps broadcast by the leader = executed by every worker",
+    "lockstep_chain": "lockstep: digest chain of those steps (leader = every worker)",
+    "partition_detected_s": "follower SIGSTOP to unit declared lost (s)",
+    "partition_bound_s": "lockstep bound, rendezvous.step_timeout_seconds (s)",
+    "partition_recovery_s": "follower SIGSTOP to /health 200 again (s)",
     "drain_s": "leader task SIGTERM to all exited (s)",
     "drain_health_503_after_s": "leader task SIGTERM to proxy /health 503 (s)",
     "raw_leader_health_200_after_follower_kill_s": "bare vLLM: /health still 200 after follower kill (s)",
@@ -344,8 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=1800, help="overall time budget in seconds")
     parser.add_argument("--keep-logs", type=Path, default=E2E_DIR / "logs",
                         help="copy the processes' logs here at the end")
-    parser.add_argument("--follower-loss-seconds", type=float, default=5.0,
-                        help="unit spec rendezvous.follower_loss_seconds (production default 30)")
+    parser.add_argument("--follower-loss-seconds", type=float, default=None,
+                        help="unit spec rendezvous.follower_loss_seconds (default: the fleet's, 30 s)")
     parser.add_argument("--stop-order", choices=("together", "proxy-first"), default="together",
                         help="how ECS stops the leader task's containers in step 5")
     parser.add_argument("--skip-setup", action="store_true", help="do not check/build .e2e/venv first")

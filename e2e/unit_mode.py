@@ -61,7 +61,7 @@ def _exit_unit_lost() -> int:
 EXIT_UNIT_LOST = _exit_unit_lost()
 
 
-def build_e2e_spec(h: Harness, ports: UnitPorts, follower_loss_seconds: float) -> dict[str, Any]:
+def build_e2e_spec(h: Harness, ports: UnitPorts, follower_loss_seconds: float | None) -> dict[str, Any]:
     """The fleet's unit spec for unit 0 of the first cell, adapted to two CPU nodes on loopback."""
     from unit_launcher.spec import parse_spec
 
@@ -85,10 +85,25 @@ def build_e2e_spec(h: Harness, ports: UnitPorts, follower_loss_seconds: float) -
         extra_env=engine_environment(h.cache),
         stop_timeout_seconds=90,
     )
-    spec["rendezvous"].update(port=ports.rendezvous, follower_loss_seconds=follower_loss_seconds,
-                              join_timeout_seconds=600)
+    # The production timings (the fleet's follower loss and step bound) unless asked otherwise.
+    spec["rendezvous"].update(port=ports.rendezvous, join_timeout_seconds=600)
+    if follower_loss_seconds is not None:
+        spec["rendezvous"]["follower_loss_seconds"] = follower_loss_seconds
     parse_spec(spec, "e2e spec")  # the launcher's own validation, before anything starts
     return spec
+
+
+def task_starter(h: Harness, role: str, spec: dict[str, Any]) -> Any:
+    """Start one task of `role`; every start is a new task with a new instance identity, as on ECS."""
+    count = 0
+
+    def start() -> Proc:
+        nonlocal count
+        count += 1
+        env = launcher_env(spec, role, f"i-e2e-{role}-{count}")
+        return h.table.start(role, [sys.executable, "-m", "unit_launcher", "run"], env)
+
+    return start
 
 
 def launcher_env(spec: dict[str, Any], role: str, instance_id: str) -> dict[str, str]:
@@ -133,14 +148,9 @@ class Unit:
     def __init__(self, h: Harness, ports: UnitPorts, spec: dict[str, Any]) -> None:
         self.h = h
         self.ports = ports
-        py = sys.executable
-        leader_env = launcher_env(spec, "leader", "i-e2e-leader")
-        follower_env = launcher_env(spec, "follower", "i-e2e-follower")
-        self.leader = Supervisor(
-            "leader", lambda: h.table.start("leader", [py, "-m", "unit_launcher", "run"], leader_env))
-        self.follower = Supervisor(
-            "follower", lambda: h.table.start("follower", [py, "-m", "unit_launcher", "run"], follower_env))
-        self.proxy: Proc = h.table.start("proxy", [py, "-m", "unit_proxy"], proxy_env(ports))
+        self.leader = Supervisor("leader", task_starter(h, "leader", spec))
+        self.follower = Supervisor("follower", task_starter(h, "follower", spec))
+        self.proxy: Proc = h.table.start("proxy", [sys.executable, "-m", "unit_proxy"], proxy_env(ports))
         self.health_url = f"http://127.0.0.1:{ports.proxy}/health"
         self.status_url = f"http://127.0.0.1:{ports.rendezvous}/status"
 
@@ -178,10 +188,10 @@ class Probe:
     seconds: float
 
 
-def probe_half_unit(driver_url: str, stop: threading.Event, out: list[Probe]) -> None:
+def probe_half_unit(driver_url: str, stop: threading.Event, out: list[Probe], timeout: float = 20) -> None:
     import openai
 
-    client = openai.OpenAI(base_url=driver_url, api_key="e2e-no-key", max_retries=0, timeout=20)
+    client = openai.OpenAI(base_url=driver_url, api_key="e2e-no-key", max_retries=0, timeout=timeout)
     while not stop.is_set():
         t = time.monotonic()
         try:
@@ -197,7 +207,41 @@ def probe_half_unit(driver_url: str, stop: threading.Event, out: list[Probe]) ->
         stop.wait(0.5)
 
 
-def run_unit(h: Harness, follower_loss_seconds: float = 5.0, stop_order: str = "together") -> None:
+def probe_verdict(probes: list[Probe]) -> tuple[bool, str]:
+    """No request answered by a half unit: every probe gets the proxy's 503 unit_unavailable.
+
+    A 200 is an answer from a half unit; a 500 or 502 is a dying engine's answer reaching
+    the client; a timeout means the client was left hanging past its own deadline.
+    """
+    outcomes = sorted({p.outcome for p in probes})
+    return bool(probes) and outcomes == ["503"], f"{len(probes)} probes: {outcomes}"
+
+
+def check_lockstep(unit: Unit, r: Any, label: str, timeout: float) -> None:
+    """Followers executed exactly the steps the leader broadcast (count and digest chain)."""
+    steps: dict[str, Any] = {}
+
+    def settled() -> bool:
+        nonlocal steps
+        status = unit.status() or {}
+        steps = status.get("steps") or {}
+        return steps.get("lockstep") is True
+
+    try:
+        wait_until("lockstep figures", settled, timeout, 0.5)
+        ok = True
+    except TimeoutError:
+        ok = False
+    broadcast = steps.get("broadcast") or {}
+    per_worker = {f"rank {rank} {name}": s.get("steps") for rank, states in (steps.get("members") or {}).items()
+                  for name, s in states.items() if name.startswith("worker-")}
+    r.figure("lockstep_steps", f"{broadcast.get('steps')} = {per_worker}")
+    r.figure("lockstep_chain", str(broadcast.get("chain", ""))[:16])
+    r.facts[f"lockstep_{label}"] = steps
+    r.check(f"{label}. lockstep: every worker executed exactly the leader's steps", ok, json.dumps(per_worker))
+
+
+def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order: str = "together") -> None:
     r = h.report
     ports = UnitPorts()
     spec = build_e2e_spec(h, ports, follower_loss_seconds)
@@ -223,6 +267,7 @@ def run_unit(h: Harness, follower_loss_seconds: float = 5.0, stop_order: str = "
     # 2. Completion and streamed chat completion through the proxy; the same text twice.
     driver = OpenAIDriver(base, timeout=h.left(300))
     first, chat = answer_twice(driver, r, label="2. ")
+    check_lockstep(unit, r, "2", h.left(60))
 
     # 3. Node loss: SIGKILL the follower task (launcher and engine, all at once).
     follower_proc = unit.follower.current
@@ -244,11 +289,9 @@ def run_unit(h: Harness, follower_loss_seconds: float = 5.0, stop_order: str = "
     finally:
         stop_probes.set()
         prober.join(30)
-    answered = [p for p in probes if p.outcome == "200"]
     r.facts["half_unit_probes"] = [f"{p.started - killed_at:+.1f}s -> {p.outcome} in {p.seconds:.1f}s"
                                    for p in probes]
-    r.check("3. no request answered by the half unit", bool(probes) and not answered,
-            f"{len(probes)} probes: {sorted({p.outcome for p in probes})}")
+    r.check("3. no request answered by the half unit (only 503 unit_unavailable)", *probe_verdict(probes))
     # Any exit makes ECS replace an essential container; the code is recorded, not judged.
     r.check("3. leader exits after follower loss", leader_exit.code is not None, f"exit code {leader_exit.code}")
 
@@ -267,6 +310,14 @@ def run_unit(h: Harness, follower_loss_seconds: float = 5.0, stop_order: str = "
     r.figure("first_request_after_recovery_s", time.monotonic() - t)
     r.check("4. same request, same answer after recovery", again == first, f"{again!r} vs {first!r}")
     r.check("4. same streamed chat after recovery", driver.stream_chat() == chat)
+
+    # 4b. Partition: the follower task is stopped (SIGSTOP), not killed: its launcher and
+    # engine are alive but silent. With the production bounds the unit is declared lost
+    # within the step bound, and no request is answered by the half unit.
+    if not run_partition(h, unit, base, spec):
+        return
+    again = driver.completion()
+    r.check("4b. same request, same answer after the partition", again == first, f"{again!r} vs {first!r}")
 
     # 5. SIGTERM to the leader task while a stream is in flight.
     stream_result: dict[str, Any] = {}
@@ -305,7 +356,8 @@ def run_unit(h: Harness, follower_loss_seconds: float = 5.0, stop_order: str = "
     leader_code = leader_proc.wait(h.left(180))
     # The unit goes away as a whole: the follower task is stopped once its leader has gone
     # (it may already have ended by itself on hearing the leader's "stopping").
-    if follower_proc.wait(h.left(2 * follower_loss_seconds + 5)) is None:
+    loss = float(spec["rendezvous"]["follower_loss_seconds"])
+    if follower_proc.wait(h.left(2 * loss + 5)) is None:
         follower_proc.signal(signal.SIGTERM)
     follower_code = follower_proc.wait(h.left(180))
     r.figure("drain_s", time.monotonic() - term_at)
@@ -328,6 +380,73 @@ def run_unit(h: Harness, follower_loss_seconds: float = 5.0, stop_order: str = "
     r.check("5. everything exits 0 (proxy, leader, follower)", exits_ok, json.dumps(codes))
     r.figure("drain", f"stream {'completed' if ok_stream else 'BROKEN'}; exits proxy {proxy_code}, "
              f"leader {leader_code}, follower {follower_code}")
+
+
+def run_partition(h: Harness, unit: Unit, base: str, spec: dict[str, Any]) -> bool:
+    r = h.report
+    bound = float(spec["rendezvous"]["step_timeout_seconds"])
+    r.figure("partition_bound_s", bound)
+    session = unit.whole_session()
+    follower_proc = unit.follower.current
+    leader_exits_before = len(unit.leader.exits)
+    follower_exits_before = len(unit.follower.exits)
+    assert follower_proc is not None
+    follower_proc.signal_tree(signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    probes: list[Probe] = []
+    stop_probes = threading.Event()
+    # Probes wait longer than the bound: a request to a stuck unit must end in a clear 503.
+    prober = threading.Thread(target=probe_half_unit, args=(base, stop_probes, probes, bound + 30), daemon=True)
+    prober.start()
+    ended: dict[str, Any] = {}
+
+    def lost() -> bool:
+        status = unit.status()
+        if status is not None and status.get("session_id") == session and status.get("state") == "stopping":
+            ended.update(status)
+            return True
+        return len(unit.leader.exits) > leader_exits_before
+
+    try:
+        detected = wait_until("unit declared lost after SIGSTOP", lost, h.left(bound + 60), 0.1)
+        r.figure("partition_detected_s", detected)
+        leader_exit = unit.leader.wait_for_exit(leader_exits_before + 1, h.left(60))
+    except TimeoutError as error:
+        r.check("4b. partition: unit declared lost within the bound", False, f"{error}; {unit.describe()}")
+        return False
+    finally:
+        # The partition heals: the stopped follower runs again, finds its session gone.
+        follower_proc.signal_tree(signal.SIGCONT)
+    reason = str(ended.get("end_reason") or "")
+    r.facts["partition_end_reason"] = reason
+    r.facts["partition_leader_exit"] = leader_exit.code
+    r.check("4b. partition: unit declared lost within the step bound, culprit named",
+            detected <= bound + 5 and "not completed within" in reason and "rank 1" in reason,
+            f"{detected:.1f} s (bound {bound:g} s): {reason}")
+    r.check("4b. partition: leader exits 'unit lost' (5), not 0", leader_exit.code == EXIT_UNIT_LOST,
+            f"exit code {leader_exit.code}")
+    try:
+        follower_exit = unit.follower.wait_for_exit(follower_exits_before + 1, h.left(120))
+        r.check("4b. partition: the resumed follower does not serve; exits non-zero",
+                follower_exit.code not in (0, None), f"exit code {follower_exit.code}")
+        wait_until("proxy /health 200 after the partition", lambda: unit.health() == 200, h.left(900), 0.25)
+    except TimeoutError as error:
+        r.check("4b. partition: unit forms again", False, f"{error}; {unit.describe()}")
+        return False
+    finally:
+        stop_probes.set()
+        prober.join(bound + 40)
+    r.figure("partition_recovery_s", time.monotonic() - stopped_at)
+    during = [p for p in probes if p.started < stopped_at + detected + 1]
+    r.facts["partition_probes"] = [f"{p.started - stopped_at:+.1f}s -> {p.outcome} in {p.seconds:.1f}s"
+                                   for p in probes]
+    r.check("4b. partition: no request answered by the half unit (only 503 unit_unavailable)",
+            *probe_verdict(during))
+    session3 = unit.whole_session()
+    r.check("4b. partition: a new session with new task identities", session3 not in (None, session),
+            f"session {session} -> {session3}; starts leader {unit.leader.starts}, follower {unit.follower.starts}")
+    check_lockstep(unit, r, "4b", h.left(60))
+    return True
 
 
 def drain_stream(driver: OpenAIDriver, first_chunk: threading.Event) -> tuple[str, str | None, int]:

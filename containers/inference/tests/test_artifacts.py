@@ -121,7 +121,7 @@ def test_a_flat_or_missing_config_is_not_a_compiled_layout(tmp_path):
     (flat / "neuron_config.json").write_text(json.dumps({k: v for k, v in UNIT.items()}))
     with pytest.raises(artifacts.ArtifactError, match='has no "neuron_config" object'):
         artifacts.check_layout(flat, UNIT)
-    with pytest.raises(artifacts.ArtifactError, match="has no neuron_config.json"):
+    with pytest.raises(artifacts.ArtifactError, match=r"has no neuron_config\.json"):
         artifacts.check_layout(tmp_path, UNIT)
 
 
@@ -144,7 +144,7 @@ def test_node_layout_carries_the_nodes_rank_slice(tmp_path):
 
 
 def test_a_node_fetches_only_its_own_ranks_of_presharded_weights(s3, tmp_path):
-    client, objects = s3
+    client, _ = s3
     for rank in range(4):
         client.put_object(
             Bucket=BUCKET, Key=f"llama/neuron/{LAYOUT}/weights/tp{rank}_sharded_checkpoint.safetensors",

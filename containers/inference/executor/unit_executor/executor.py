@@ -19,9 +19,10 @@ workers only, no API server, no scheduler. This subclass adds the unit's contrac
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
