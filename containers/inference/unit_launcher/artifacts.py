@@ -5,8 +5,8 @@ the top, and one folder per compiled unit layout at `neuron/<layout>/`. A node f
 top-level files and its own layout only; when the layout carries presharded weights
 (`weights/tp<rank>_sharded_checkpoint.safetensors`, NxD Inference's `save_sharded_checkpoint`),
 it fetches only its own ranks' shards and not the full checkpoint's weight files.
-Objects already present with the size and ETag recorded by an earlier fetch are skipped; single-part objects are checked against their
-MD5 ETag after download. Transfers run concurrently (boto3's transfer manager splits
+Objects already present with the size and ETag recorded by an earlier fetch are
+skipped; single-part objects are checked against their MD5 ETag after download. Transfers run concurrently (boto3's transfer manager splits
 large objects into ranged parts) and progress is logged.
 """
 
