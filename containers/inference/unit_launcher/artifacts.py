@@ -6,8 +6,9 @@ top-level files and its own layout only; when the layout carries presharded weig
 (`weights/tp<rank>_sharded_checkpoint.safetensors`, NxD Inference's `save_sharded_checkpoint`),
 it fetches only its own ranks' shards and not the full checkpoint's weight files.
 Objects already present with the size and ETag recorded by an earlier fetch are
-skipped; single-part objects are checked against their MD5 ETag after download. Transfers run concurrently (boto3's transfer manager splits
-large objects into ranged parts) and progress is logged.
+skipped; single-part objects are checked against their MD5 ETag after download.
+Transfers run concurrently (boto3's transfer manager splits large objects into ranged
+parts) and progress is logged.
 """
 
 from __future__ import annotations
