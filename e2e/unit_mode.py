@@ -65,7 +65,7 @@ def build_e2e_spec(h: Harness, ports: UnitPorts, follower_loss_seconds: float) -
     """The fleet's unit spec for unit 0 of the first cell, adapted to two CPU nodes on loopback."""
     from unit_launcher.spec import parse_spec
 
-    from inference_fleet.config import load_fleet
+    from inference_fleet.checks import load_fleet
     from inference_fleet.unit_spec import build_unit_spec
 
     fleet = load_fleet(None)

@@ -2,7 +2,7 @@
 
 The memory cases are worked by hand below (plain numbers, not the planner's helpers);
 the suggestion is checked against an exhaustive search that pushes every layout through
-the real config validation path (`config.parse_fleet`).
+the real config validation path (`checks.parse_fleet`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import yaml
 
 from inference_fleet import planner
 from inference_fleet.catalogue import CATALOGUE
-from inference_fleet.config import DEFAULT_CONFIG, ConfigError, load_fleet, parse_fleet
+from inference_fleet.checks import load_fleet, parse_fleet
+from inference_fleet.config import DEFAULT_CONFIG, ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 FLEETS = Path(__file__).resolve().parent / "fleets"
