@@ -25,8 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from procs import Proc, Supervisor
-from run_e2e import (
+from harness import (
     ENGINE_PYTHON,
     MODEL_NAME,
     VLLM_ENTRY,
@@ -38,6 +37,7 @@ from run_e2e import (
     http_get,
     wait_until,
 )
+from procs import Proc, Supervisor
 
 MAX_MODEL_LEN = 256
 DRAIN_TOKENS = 96
