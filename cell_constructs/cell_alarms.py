@@ -49,7 +49,7 @@ def gate_reader_role_name(stack_name: str) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class AlarmSpec:
-    """One signal as documented in README.md ("Alarms and thresholds").
+    """One signal as documented in docs/rollout-pipeline.md ("Alarms and thresholds").
 
     What the alarm compares, and how long it must breach.
     """
