@@ -60,7 +60,6 @@ class TopologyPlacement(Construct):
     ) -> None:
         super().__init__(scope, id)
         _validate(units, nodes_per_unit, metrics_namespace, sweep_interval)
-        stack = Stack.of(self)
 
         self.log_group = logs.LogGroup(self, "Logs", encryption_key=encryption_key, retention=log_retention)
         self.dead_letter_queue = sqs.Queue(
@@ -71,8 +70,31 @@ class TopologyPlacement(Construct):
             enforce_ssl=True,
             retention_period=Duration.days(14),
         )
+        acknowledge(
+            self.dead_letter_queue,
+            (
+                "AwsSolutions-SQS3",
+                "This queue is the dead-letter queue of the placement function's asynchronous invocations",
+            ),
+        )
 
-        self.role = iam.Role(
+        self.role, self.policy = self._role_and_policy(cluster, encryption_key)
+        self.function = self._function(cluster, auto_scaling_group, units, nodes_per_unit, metrics_namespace)
+        self.rules = self._triggers(cluster, auto_scaling_group, sweep_interval)
+        self.errors_alarm, self.dead_letter_alarm = self._alarms()
+        # The controller publishes these through Embedded Metric Format log lines.
+        self.min_score_metric = cloudwatch.Metric(
+            namespace=metrics_namespace,
+            metric_name="MinTopologyScore",
+            dimensions_map={"Cluster": cluster.cluster_name},
+            statistic="Minimum",
+            period=Duration.minutes(5),
+        )
+
+    def _role_and_policy(self, cluster: ecs.ICluster, encryption_key: kms.IKey) -> tuple[iam.Role, iam.ManagedPolicy]:
+        """The function's role and its one managed policy: least privilege on this cluster."""
+        stack = Stack.of(self)
+        role = iam.Role(
             self,
             "Role",
             assumed_by=iam.ServicePrincipal("lambda.amazonaws.com"),
@@ -83,11 +105,11 @@ class TopologyPlacement(Construct):
         )
         # Every permission is in this one customer-managed policy: the role refuses the
         # inline default policy that grants would otherwise create (NIST IAMNoInlinePolicy).
-        self.policy = iam.ManagedPolicy(
+        policy = iam.ManagedPolicy(
             self,
             "Policy",
             description="Placement controller of one cell",
-            roles=[self.role],
+            roles=[role],
             statements=[
                 iam.PolicyStatement(
                     sid="Logs",
@@ -123,7 +145,7 @@ class TopologyPlacement(Construct):
             ],
         )
         acknowledge(
-            self.policy,
+            policy,
             (
                 "AwsSolutions-IAM5[Resource::*]",
                 "ec2:DescribeInstanceTopology and autoscaling:DescribeAutoScalingGroups have no "
@@ -134,8 +156,18 @@ class TopologyPlacement(Construct):
                 "Container instances of this cluster only: their ids are not known before launch",
             ),
         )
+        return role, policy
 
-        self.function = lambda_.Function(
+    def _function(
+        self,
+        cluster: ecs.ICluster,
+        auto_scaling_group: autoscaling.IAutoScalingGroup,
+        units: int,
+        nodes_per_unit: int,
+        metrics_namespace: str,
+    ) -> lambda_.Function:
+        """The controller function: one run at a time, dead letters, its settings in the environment."""
+        function = lambda_.Function(
             self,
             "Function",
             description="Groups the cell's Trainium instances into units by EC2 network topology",
@@ -161,25 +193,23 @@ class TopologyPlacement(Construct):
                 "METRICS_NAMESPACE": metrics_namespace,
             },
         )
-        self.function.node.add_dependency(self.policy)
+        function.node.add_dependency(self.policy)
         acknowledge(
-            self.function,
+            function,
             (
                 "NIST.800.53.R5-LambdaInsideVPC",
                 "Calls only the EC2, ECS and Auto Scaling control-plane APIs and reaches nothing inside "
                 "the VPC; in-VPC it would need three interface endpoints or NAT for no gain",
             ),
         )
-        acknowledge(
-            self.dead_letter_queue,
-            (
-                "AwsSolutions-SQS3",
-                "This queue is the dead-letter queue of the placement function's asynchronous invocations",
-            ),
-        )
+        return function
 
+    def _triggers(
+        self, cluster: ecs.ICluster, auto_scaling_group: autoscaling.IAutoScalingGroup, sweep_interval: Duration
+    ) -> list[events.Rule]:
+        """What runs the controller: container instance changes, group launches and terminations, a sweep."""
         run = targets.LambdaFunction(self.function, retry_attempts=2, max_event_age=Duration.hours(1))
-        self.rules = [
+        return [
             events.Rule(
                 self,
                 "ContainerInstanceChanges",
@@ -211,7 +241,9 @@ class TopologyPlacement(Construct):
             ),
         ]
 
-        self.errors_alarm = cloudwatch.Alarm(
+    def _alarms(self) -> tuple[cloudwatch.Alarm, cloudwatch.Alarm]:
+        """Function errors and dead letters, each an alarm (read by the pipeline and the dashboard)."""
+        errors = cloudwatch.Alarm(
             self,
             "ErrorsAlarm",
             alarm_description="The placement controller failed; unit attributes may be stale",
@@ -221,7 +253,7 @@ class TopologyPlacement(Construct):
             comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
             treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
         )
-        self.dead_letter_alarm = cloudwatch.Alarm(
+        dead_letters = cloudwatch.Alarm(
             self,
             "DeadLettersAlarm",
             alarm_description="Placement controller events exhausted their retries",
@@ -233,7 +265,7 @@ class TopologyPlacement(Construct):
             comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
             treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
         )
-        for alarm in (self.errors_alarm, self.dead_letter_alarm):
+        for alarm in (errors, dead_letters):
             acknowledge(
                 alarm,
                 (
@@ -241,14 +273,7 @@ class TopologyPlacement(Construct):
                     "Watched by the rollout pipeline's alarm conditions and the cell dashboard; no action",
                 ),
             )
-        # The controller publishes these through Embedded Metric Format log lines.
-        self.min_score_metric = cloudwatch.Metric(
-            namespace=metrics_namespace,
-            metric_name="MinTopologyScore",
-            dimensions_map={"Cluster": cluster.cluster_name},
-            statistic="Minimum",
-            period=Duration.minutes(5),
-        )
+        return errors, dead_letters
 
     def unit_score_metric(self, unit: str) -> cloudwatch.Metric:
         """Topology score of one unit (3 best: one bottom-layer network node; 0 worst)."""

@@ -25,8 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from procs import Proc, Supervisor
-from run_e2e import (
+from harness import (
     ENGINE_PYTHON,
     MODEL_NAME,
     VLLM_ENTRY,
@@ -38,6 +37,7 @@ from run_e2e import (
     http_get,
     wait_until,
 )
+from procs import Proc, Supervisor
 
 MAX_MODEL_LEN = 256
 DRAIN_TOKENS = 96
@@ -65,7 +65,7 @@ def build_e2e_spec(h: Harness, ports: UnitPorts, follower_loss_seconds: float | 
     """The fleet's unit spec for unit 0 of the first cell, adapted to two CPU nodes on loopback."""
     from unit_launcher.spec import parse_spec
 
-    from inference_fleet.config import load_fleet
+    from inference_fleet.checks import load_fleet
     from inference_fleet.unit_spec import build_unit_spec
 
     fleet = load_fleet(None)

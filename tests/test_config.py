@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from inference_fleet.config import DEFAULT_CONFIG, ConfigError, load_fleet, parse_fleet
+from inference_fleet.checks import load_fleet, parse_fleet
+from inference_fleet.config import DEFAULT_CONFIG, ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 

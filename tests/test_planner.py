@@ -2,7 +2,7 @@
 
 The memory cases are worked by hand below (plain numbers, not the planner's helpers);
 the suggestion is checked against an exhaustive search that pushes every layout through
-the real config validation path (`config.parse_fleet`).
+the real config validation path (`checks.parse_fleet`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import yaml
 
 from inference_fleet import planner
 from inference_fleet.catalogue import CATALOGUE
-from inference_fleet.config import DEFAULT_CONFIG, ConfigError, load_fleet, parse_fleet
+from inference_fleet.checks import load_fleet, parse_fleet
+from inference_fleet.config import DEFAULT_CONFIG, ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 FLEETS = Path(__file__).resolve().parent / "fleets"
@@ -329,17 +330,17 @@ def test_context_parallelism_off_accepts_any_max_seq_len():
     assert planner.violations(shape, lay) == []
 
 
-def test_published_comparison_rows_and_readme_table_agree():
+def test_published_comparison_rows_and_planner_doc_table_agree():
     rows = planner.comparison_rows()
     assert len({(r["model"], r["instance"]) for r in rows}) >= 2
-    doc = (ROOT / "README.md").read_text()
+    doc = (ROOT / "docs" / "planner.md").read_text()
     for r in rows:
         assert r["source"].startswith("https://") and r["source"] in doc
         assert r["tpot_error"] == pytest.approx(r["tpot_ms_estimate"] / r["tpot_ms_published"] - 1)
         # The documented accuracy of the model: every published point within +-50 %.
         assert abs(r["tpot_error"]) < 0.5
         assert r["ttft_error"] is None or abs(r["ttft_error"]) < 0.5
-        # The README table shows the figures the code computes today.
+        # The table of docs/planner.md shows the figures the code computes today.
         assert f"{r['tpot_ms_estimate']:.1f}" in doc and f"{r['tpot_error']:+.0%}" in doc
         if r["ttft_ms_published"]:
             assert f"{r['ttft_ms_estimate']:.0f}" in doc and f"{r['ttft_error']:+.0%}" in doc

@@ -15,7 +15,8 @@ from unit_launcher import plan as plans
 from unit_launcher.spec import UnitSpec
 
 from inference_fleet.catalogue import CATALOGUE
-from inference_fleet.config import DEFAULT_CONFIG, FleetConfig, load_fleet
+from inference_fleet.checks import load_fleet
+from inference_fleet.config import DEFAULT_CONFIG, FleetConfig
 from inference_fleet.unit_spec import build_unit_spec, container_environment
 
 _DEFAULT = yaml.safe_load(DEFAULT_CONFIG.read_text())
@@ -166,7 +167,8 @@ def test_plans_for_every_instance_type_and_parallel_layout(instance_type, lnc, n
 
 
 def test_config_refuses_degrees_the_plan_could_not_honour():
-    from inference_fleet.config import ConfigError, parse_fleet
+    from inference_fleet.checks import parse_fleet
+    from inference_fleet.config import ConfigError
 
     data = yaml.safe_load(DEFAULT_CONFIG.read_text())
     data["unit"]["context_parallel_degree"] = 3
@@ -182,7 +184,6 @@ def test_launcher_neuron_config_agrees_with_the_planner() -> None:
     from unit_launcher.spec import parse_spec
 
     from inference_fleet import planner
-    from inference_fleet.config import load_fleet
 
     for path in (None, Path(__file__).parent / "fleets" / "large.yaml"):
         fleet = load_fleet(path)
