@@ -154,5 +154,30 @@ def _check_serving(fleet: FleetConfig) -> Iterable[ConfigIssue]:
         owner.setdefault(port, name)
 
 
+def _check_frontend(fleet: FleetConfig) -> Iterable[ConfigIssue]:
+    """A Triton front end needs an image with tritonserver: refused here, not crash-looping on ECS."""
+    if fleet.serving.frontend != "triton":
+        return
+    for i, cell in enumerate(fleet.cells):
+        images = cell.images
+        if images.inference is None:
+            yield ConfigIssue(
+                "serving.frontend", "triton",
+                f"cell {cell.name} deploys the inference image built from containers/inference, whose base "
+                f"(the Neuron vLLM image {fleet.base_images.neuron_vllm_tag}) has no tritonserver; "
+                f"set cells[{i}].images.inference to an image with Triton Inference Server and its vLLM "
+                f"backend on the Neuron SDK and cells[{i}].images.inference_has_tritonserver: true, "
+                "or use frontend: openai",
+            )
+        elif not images.inference_has_tritonserver:
+            yield ConfigIssue(
+                f"cells[{i}].images.inference_has_tritonserver", False,
+                "serving.frontend is triton: state that the pinned inference image has tritonserver with the "
+                "vLLM backend (true), or use frontend: openai",
+            )
+
+
 # The order is the order of the messages: the fleet's own rules, then the planner's, then the pipeline's.
-CHECKS: tuple[FleetCheck, ...] = (_check_unit, _check_cells, _check_waves, _check_serving, check_fit, check_wave_sizes)
+CHECKS: tuple[FleetCheck, ...] = (
+    _check_unit, _check_cells, _check_waves, _check_serving, _check_frontend, check_fit, check_wave_sizes
+)

@@ -119,6 +119,11 @@ class ImagesConfig(_Strict):
 
     inference: ImageRef | None = Field(default=None, description="Inference image, repo@sha256:digest.")
     proxy: ImageRef | None = Field(default=None, description="Proxy image, repo@sha256:digest.")
+    inference_has_tritonserver: bool = Field(
+        default=False,
+        description="The pinned inference image has `tritonserver` with the vLLM backend (needed by "
+        "serving.frontend: triton; the image built from containers/inference has none).",
+    )
 
 
 class BaseImagesConfig(_Strict):
@@ -246,6 +251,13 @@ class ServingConfig(_Strict):
     max_inflight_requests: int | None = Field(default=None, ge=1, description="Default: max_concurrent_sequences.")
     follower_loss_seconds: int = Field(
         default=30, ge=3, le=600, description="A member silent this long ends the unit; ECS restarts it whole."
+    )
+    step_timeout_seconds: int = Field(
+        default=30,
+        ge=1,
+        le=3600,
+        description="Lockstep bound: a step the leader broadcast and a node has not completed in this "
+        "ends the unit (named in the evidence); covers the longest prefill step.",
     )
     root_volume_gib: int = Field(
         default=1024, ge=100, le=16384, description="Encrypted root volume per node; holds the model artifact cache."

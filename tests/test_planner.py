@@ -208,9 +208,26 @@ def test_attention_group_straddling_nodes():
     data = fleet_data(model, 4096, instance_type="trn1.32xlarge", nodes=3, context_parallel_degree=2,
                       data_parallel_degree=3, max_concurrent_sequences=6)
     issues = issues_of(data)
-    assert [i.path for i in issues] == ["unit.context_parallel_degree"]
+    # dp 3 > cp 2 also breaks NxD Inference's attention-DP rule (test below).
+    assert [i.path for i in issues] == ["unit.context_parallel_degree", "unit.data_parallel_degree"]
     assert "groups of tp/cp = 96/2 = 48 NeuronCores, which straddle the 32-core nodes" in issues[0].problem
     assert "allowed: [1, 3, 6, 12, 24, 48, 96]" in issues[0].problem
+
+
+@pytest.mark.parametrize(("cp", "dp", "refused"), [(4, 8, True), (4, 2, False), (4, 4, False), (8, 4, False),
+                                                   (2, 4, True), (1, 8, False), (8, 1, False)])
+def test_attention_dp_beside_cp_follows_nxd_inference(cp, dp, refused):
+    """validate_attention_data_parallel: with cp > 1 and dp > 1, dp <= cp and cp % dp == 0."""
+    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    data["unit"].update(context_parallel_degree=cp, data_parallel_degree=dp)
+    try:
+        parse_fleet(data, "test")
+        found = []
+    except ConfigError as error:
+        found = [i for i in error.issues if i.path == "unit.data_parallel_degree"]
+    assert bool(found) == refused
+    if refused:
+        assert "validate_attention_data_parallel" in found[0].problem and "allowed:" in found[0].problem
 
 
 def test_parameter_count_inconsistent_with_the_shape():

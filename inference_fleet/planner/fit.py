@@ -59,6 +59,13 @@ def _phases(layout: Layout) -> tuple[tuple[str, str, int, int, str], ...]:
     )
 
 
+def _attention_dp_with_cp(cp: int, dp: int) -> bool:
+    """NxD Inference's rule for attention DP beside CP (`NeuronConfig.validate_attention_data_parallel`,
+    neuronx-distributed-inference models/config.py, docs/neuron-sources.md section 3): with both
+    above 1, dp <= cp and cp % dp == 0."""
+    return cp == 1 or dp == 1 or (dp <= cp and cp % dp == 0)
+
+
 def violations(shape: ModelShape, layout: Layout) -> list[str]:
     """Short names of the rules a layout breaks (empty: the layout is usable)."""
     found = []
@@ -73,6 +80,8 @@ def violations(shape: ModelShape, layout: Layout) -> list[str]:
         found.append("cp-seq")
     if layout.batch % layout.dp:
         found.append("batch-dp")
+    if not _attention_dp_with_cp(layout.cp, layout.dp):
+        found.append("cp-dp")
     if not memory_plan(shape, layout).fits:
         found.append("memory")
     return found
@@ -123,7 +132,16 @@ def layout_issues(shape: ModelShape, layout: Layout) -> list[ConfigIssue]:
         issues.append(ConfigIssue(
             "unit.max_concurrent_sequences", layout.batch,
             f"token generation splits the batch over data_parallel_degree ({layout.dp}) attention groups: "
-            f"must be a multiple of {layout.dp}",
+            f"must be a multiple of {layout.dp} (NxD Inference refuses attention DP unless the batch divides "
+            "by it and continuous batching is on, which vllm-neuron turns on only for a batch above 1)",
+        ))
+    if "cp-dp" in found:
+        allowed = [d for d in _divisors(tp) if _attention_dp_with_cp(layout.cp, d)]
+        issues.append(ConfigIssue(
+            "unit.data_parallel_degree", layout.dp,
+            f"NxD Inference runs attention data parallelism beside context parallelism only when "
+            f"data_parallel_degree <= context_parallel_degree ({layout.cp}) and divides it "
+            f"(validate_attention_data_parallel); allowed: {allowed}",
         ))
     if "memory" in found:
         issues.append(_fit_issue(shape, layout, memory_plan(shape, layout)))

@@ -46,6 +46,8 @@ def neuron_config(fleet: FleetConfig, node_rank: int = 0) -> dict[str, Any]:
         "torch_dtype": model.dtype,
         # Prefill shards activations along the sequence between collectives (NxDI tutorials).
         "sequence_parallel_enabled": True,
+        # vllm-neuron's default (batch > 1); NxD Inference needs it for attention DP.
+        "is_continuous_batching": unit.max_concurrent_sequences > 1,
     }
 
 

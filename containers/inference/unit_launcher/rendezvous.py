@@ -100,7 +100,7 @@ class LeaderSession:
     @property
     def step_dir(self) -> Path:
         """Where this node's engine writes its step records for this session."""
-        return steps.step_dir(self.spec.unit_id, self.session_id)
+        return steps.step_dir(self.spec.unit_id, self.session_id, 0)
 
     # -- state -----------------------------------------------------------------------------
     def _set_state(self, state: str) -> None:

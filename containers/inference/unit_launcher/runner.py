@@ -246,7 +246,7 @@ async def run_follower(spec: UnitSpec, me: Identity, env: Mapping[str, str]) -> 
         except artifacts.ArtifactError as error:
             log.error("%s", error)
             return EXIT_ARTIFACTS
-        step_dir = steps.step_dir(spec.unit_id, release.session_id)
+        step_dir = steps.step_dir(spec.unit_id, release.session_id, release.rank)
         node_plan = plan.build_plan(
             spec,
             "follower",

@@ -24,9 +24,10 @@ from unit_executor.steps import StepState, read_dir
 EXECUTOR = "executor"
 
 
-def step_dir(unit_id: str, session_id: str) -> Path:
-    """Where the engine of this node writes its step records for one session."""
-    return Path(tempfile.gettempdir()) / "unit-steps" / f"{unit_id}-{session_id}"
+def step_dir(unit_id: str, session_id: str, rank: int) -> Path:
+    """Where the engine of this node writes its step records for one session (per rank, so
+    that nodes sharing a host in tests keep their records apart)."""
+    return Path(tempfile.gettempdir()) / "unit-steps" / f"{unit_id}-{session_id}-rank{rank}"
 
 
 def local_states(directory: Path) -> dict[str, dict[str, Any]]:
