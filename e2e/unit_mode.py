@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from harness import (
@@ -241,10 +242,62 @@ def check_lockstep(unit: Unit, r: Any, label: str, timeout: float) -> None:
     r.check(f"{label}. lockstep: every worker executed exactly the leader's steps", ok, json.dumps(per_worker))
 
 
+def rendered_plans(spec: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The e2e unit's CPU plans and the Neuron plans of the default and large fleets."""
+    from unit_launcher import plan
+    from unit_launcher.spec import parse_spec
+
+    from inference_fleet.checks import load_fleet
+    from inference_fleet.unit_spec import build_unit_spec
+
+    cpu = parse_spec(spec, "e2e spec")
+    plans = [(f"cpu {role}", plan.build_plan(cpu, role, rank, leader_addr="127.0.0.1", host_ip="127.0.0.1"))
+             for role, rank in (("leader", 0), ("follower", 1))]
+    for path in (None, Path(__file__).resolve().parent.parent / "tests" / "fleets" / "large.yaml"):
+        fleet = load_fleet(path)
+        neuron = parse_spec(build_unit_spec(fleet, fleet.cells[0], 0, revision="r"))
+        for rank in range(neuron.size):
+            role = "leader" if rank == 0 else "follower"
+            node = plan.build_plan(neuron, role, rank, leader_addr="10.0.0.1", host_ip=f"10.0.0.{rank + 1}")
+            plans.append((f"{neuron.instance.type} {role} {rank}", node))
+    return plans
+
+
+def check_rendered_commands(h: Harness, spec: dict[str, Any]) -> None:
+    """Every rendered `vllm serve` command parses with the installed vLLM's own parser and
+    lands on the engine arguments the plan meant (the Neuron image runs vLLM 0.16, whose
+    flags are cited in docs/neuron-sources.md; this parser is vLLM 0.32's)."""
+    import subprocess
+
+    plans = rendered_plans(spec)
+    script = Path(__file__).resolve().parent / "check_engine_args.py"
+    done = subprocess.run([str(ENGINE_PYTHON), str(script)], input=json.dumps([p.argv for _, p in plans]),
+                          capture_output=True, text=True, timeout=h.left(300), check=False)
+    try:
+        parsed = json.loads(done.stdout)
+    except ValueError:
+        h.report.check("0. rendered commands parse with vLLM's own parser", False, done.stderr[-2000:])
+        return
+    problems = []
+    for (name, node), got in zip(plans, parsed, strict=True):
+        if "error" in got:
+            problems.append(f"{name}: {got['error']}")
+            continue
+        for key, value in node.engine_args.items():
+            if key in got and key not in ("served_model_name", "additional_config") and got[key] != value:
+                problems.append(f"{name}: {key} parsed as {got[key]!r}, planned {value!r}")
+        if got["headless"] != ("--headless" in node.argv):
+            problems.append(f"{name}: headless {got['headless']}")
+    h.report.facts["rendered_commands_parsed"] = [name for name, _ in plans]
+    h.report.check("0. rendered commands parse with vLLM's own parser, as planned", not problems,
+                   "; ".join(problems) or f"{len(plans)} commands")
+
+
 def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order: str = "together") -> None:
     r = h.report
     ports = UnitPorts()
     spec = build_e2e_spec(h, ports, follower_loss_seconds)
+    check_rendered_commands(h, spec)
     r.facts["unit_spec"] = {k: spec[k] for k in ("unit_id", "size", "engine", "rendezvous")}
     r.facts["stop_order"] = stop_order
     unit = Unit(h, ports, spec)
