@@ -473,9 +473,12 @@ def run_partition(h: Harness, unit: Unit, base: str, spec: dict[str, Any]) -> bo
     reason = str(ended.get("end_reason") or "")
     r.facts["partition_end_reason"] = reason
     r.facts["partition_leader_exit"] = leader_exit.code
-    r.check("4b. partition: unit declared lost within the step bound, culprit named",
-            detected <= bound + 5 and "not completed within" in reason and "rank 1" in reason,
-            f"{detected:.1f} s (bound {bound:g} s): {reason}")
+    # Whichever production bound expires first ends the session: the heartbeat silence
+    # (follower_loss_seconds, counted from the last heartbeat before the stop) or the step
+    # bound (step_timeout_seconds, counted from the first step the stopped node missed).
+    limit = min(bound, float(spec["rendezvous"]["follower_loss_seconds"])) + 5
+    r.check("4b. partition: unit declared lost within the production bounds, culprit named",
+            detected <= limit and "rank 1" in reason, f"{detected:.1f} s (limit {limit:g} s): {reason}")
     r.check("4b. partition: leader exits 'unit lost' (5), not 0", leader_exit.code == EXIT_UNIT_LOST,
             f"exit code {leader_exit.code}")
     try:
