@@ -131,6 +131,8 @@ FIGURE_LABELS = {
     "partition_detected_s": "follower SIGSTOP to unit declared lost (s)",
     "partition_bound_s": "lockstep bound, rendezvous.step_timeout_seconds (s)",
     "partition_recovery_s": "follower SIGSTOP to /health 200 again (s)",
+    "hung_engine_detected_s": "follower engine SIGSTOP (launcher alive) to unit declared lost (s)",
+    "hung_engine_recovery_s": "follower engine SIGSTOP to /health 200 again (s)",
     "drain_s": "leader task SIGTERM to all exited (s)",
     "drain_health_503_after_s": "leader task SIGTERM to proxy /health 503 (s)",
     "raw_leader_health_200_after_follower_kill_s": "bare vLLM: /health still 200 after follower kill (s)",

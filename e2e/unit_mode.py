@@ -16,6 +16,7 @@ depends on the inference container, which ECS stops first).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -367,10 +368,11 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
     # 4b. Partition: the follower task is stopped (SIGSTOP), not killed: its launcher and
     # engine are alive but silent. With the production bounds the unit is declared lost
     # within the step bound, and no request is answered by the half unit.
-    if not run_partition(h, unit, base, spec):
-        return
-    again = driver.completion()
-    r.check("4b. same request, same answer after the partition", again == first, f"{again!r} vs {first!r}")
+    for case in (PARTITION, HUNG_ENGINE):
+        if not run_partition(h, unit, base, spec, case):
+            return
+        again = driver.completion()
+        r.check(f"{case.label}: same request, same answer after", again == first, f"{again!r} vs {first!r}")
 
     # 5. SIGTERM to the leader task while a stream is in flight.
     stream_result: dict[str, Any] = {}
@@ -435,7 +437,28 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
              f"leader {leader_code}, follower {follower_code}")
 
 
-def run_partition(h: Harness, unit: Unit, base: str, spec: dict[str, Any]) -> bool:
+@dataclass(frozen=True)
+class Stop:
+    """A follower failure played by SIGSTOP: what is stopped and which bound must catch it."""
+
+    label: str  # check prefix, e.g. "4b. partition"
+    key: str  # figure and fact prefix
+    engine_only: bool  # True: the launcher stays alive (heartbeats go on), only the engine hangs
+
+
+PARTITION = Stop("4b. partition", "partition", engine_only=False)
+HUNG_ENGINE = Stop("4c. hung engine, live launcher", "hung_engine", engine_only=True)
+
+
+def _stopped_pids(proc: Proc, case: Stop) -> list[int]:
+    from procs import descendants
+
+    return descendants(proc.pid) if case.engine_only else proc.tree()
+
+
+def run_partition(h: Harness, unit: Unit, base: str, spec: dict[str, Any], case: Stop = PARTITION) -> bool:
+    """SIGSTOP the follower task (or only its engine); the unit must be declared lost within
+    the production bounds, naming the follower, with no request answered by the half unit."""
     r = h.report
     bound = float(spec["rendezvous"]["step_timeout_seconds"])
     r.figure("partition_bound_s", bound)
@@ -444,7 +467,10 @@ def run_partition(h: Harness, unit: Unit, base: str, spec: dict[str, Any]) -> bo
     leader_exits_before = len(unit.leader.exits)
     follower_exits_before = len(unit.follower.exits)
     assert follower_proc is not None
-    follower_proc.signal_tree(signal.SIGSTOP)
+    pids = _stopped_pids(follower_proc, case)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
     stopped_at = time.monotonic()
     probes: list[Probe] = []
     stop_probes = threading.Event()
@@ -461,47 +487,54 @@ def run_partition(h: Harness, unit: Unit, base: str, spec: dict[str, Any]) -> bo
         return len(unit.leader.exits) > leader_exits_before
 
     try:
-        detected = wait_until("unit declared lost after SIGSTOP", lost, h.left(bound + 60), 0.1)
-        r.figure("partition_detected_s", detected)
+        detected = wait_until(f"{case.key}: unit declared lost", lost, h.left(bound + 60), 0.1)
+        r.figure(f"{case.key}_detected_s", detected)
         leader_exit = unit.leader.wait_for_exit(leader_exits_before + 1, h.left(60))
     except TimeoutError as error:
-        r.check("4b. partition: unit declared lost within the bound", False, f"{error}; {unit.describe()}")
+        r.check(f"{case.label}: unit declared lost within the bound", False, f"{error}; {unit.describe()}")
         return False
     finally:
-        # The partition heals: the stopped follower runs again, finds its session gone.
-        follower_proc.signal_tree(signal.SIGCONT)
+        # The stop ends: the follower runs again and finds its session gone.
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
     reason = str(ended.get("end_reason") or "")
-    r.facts["partition_end_reason"] = reason
-    r.facts["partition_leader_exit"] = leader_exit.code
-    # Whichever production bound expires first ends the session: the heartbeat silence
-    # (follower_loss_seconds, counted from the last heartbeat before the stop) or the step
-    # bound (step_timeout_seconds, counted from the first step the stopped node missed).
-    limit = min(bound, float(spec["rendezvous"]["follower_loss_seconds"])) + 5
-    r.check("4b. partition: unit declared lost within the production bounds, culprit named",
-            detected <= limit and "rank 1" in reason, f"{detected:.1f} s (limit {limit:g} s): {reason}")
-    r.check("4b. partition: leader exits 'unit lost' (5), not 0", leader_exit.code == EXIT_UNIT_LOST,
+    r.facts[f"{case.key}_end_reason"] = reason
+    r.facts[f"{case.key}_leader_exit"] = leader_exit.code
+    if case.engine_only:
+        # Heartbeats go on: only the step bound (step-level liveness) can catch it.
+        limit = bound + 5
+        caught = "not completed within" in reason
+    else:
+        # Whichever production bound expires first: the heartbeat silence (counted from the
+        # last heartbeat before the stop) or the step bound (from the first step missed).
+        limit = min(bound, float(spec["rendezvous"]["follower_loss_seconds"])) + 5
+        caught = True
+    r.check(f"{case.label}: unit declared lost within the production bounds, culprit named",
+            detected <= limit and caught and "rank 1" in reason, f"{detected:.1f} s (limit {limit:g} s): {reason}")
+    r.check(f"{case.label}: leader exits 'unit lost' (5), not 0", leader_exit.code == EXIT_UNIT_LOST,
             f"exit code {leader_exit.code}")
     try:
         follower_exit = unit.follower.wait_for_exit(follower_exits_before + 1, h.left(120))
-        r.check("4b. partition: the resumed follower does not serve; exits non-zero",
+        r.check(f"{case.label}: the resumed follower does not serve; exits non-zero",
                 follower_exit.code not in (0, None), f"exit code {follower_exit.code}")
-        wait_until("proxy /health 200 after the partition", lambda: unit.health() == 200, h.left(900), 0.25)
+        wait_until(f"proxy /health 200 after the {case.key}", lambda: unit.health() == 200, h.left(900), 0.25)
     except TimeoutError as error:
-        r.check("4b. partition: unit forms again", False, f"{error}; {unit.describe()}")
+        r.check(f"{case.label}: unit forms again", False, f"{error}; {unit.describe()}")
         return False
     finally:
         stop_probes.set()
         prober.join(bound + 40)
-    r.figure("partition_recovery_s", time.monotonic() - stopped_at)
+    r.figure(f"{case.key}_recovery_s", time.monotonic() - stopped_at)
     during = [p for p in probes if p.started < stopped_at + detected + 1]
-    r.facts["partition_probes"] = [f"{p.started - stopped_at:+.1f}s -> {p.outcome} in {p.seconds:.1f}s"
-                                   for p in probes]
-    r.check("4b. partition: no request answered by the half unit (only 503 unit_unavailable)",
+    r.facts[f"{case.key}_probes"] = [f"{p.started - stopped_at:+.1f}s -> {p.outcome} in {p.seconds:.1f}s"
+                                     for p in probes]
+    r.check(f"{case.label}: no request answered by the half unit (only 503 unit_unavailable)",
             *probe_verdict(during))
     session3 = unit.whole_session()
-    r.check("4b. partition: a new session with new task identities", session3 not in (None, session),
+    r.check(f"{case.label}: a new session with new task identities", session3 not in (None, session),
             f"session {session} -> {session3}; starts leader {unit.leader.starts}, follower {unit.follower.starts}")
-    check_lockstep(unit, r, "4b", h.left(60))
+    check_lockstep(unit, r, case.label.split(".")[0], h.left(60))
     return True
 
 
