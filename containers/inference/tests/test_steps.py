@@ -1,0 +1,153 @@
+"""Step records and the launcher's reading of them: lockstep, the step bound, the members behind."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import multiprocessing
+import os
+import sys
+import time
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from unit_executor import steps as records
+from unit_launcher import steps
+
+
+def _output(step: int, req: str = "r1") -> SimpleNamespace:
+    """The fields of a vLLM SchedulerOutput that the digest reads."""
+    return SimpleNamespace(
+        total_num_scheduled_tokens=step + 3,
+        num_scheduled_tokens={req: step + 3},
+        scheduled_new_reqs=[SimpleNamespace(req_id=req, prompt_token_ids=[1, 2, step], num_computed_tokens=0)]
+        if step == 0
+        else [],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[req] if step else [], num_computed_tokens=[step] if step else []),
+        finished_req_ids=set(),
+    )
+
+
+def _execute(path: str, count: int) -> None:
+    recorder = records.StepRecorder(path)
+    for step in range(count):
+        recorder.step(records.scheduler_output_digest(_output(step)))
+        recorder.done()
+
+
+def test_two_processes_that_ran_the_same_steps_have_the_same_record(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_execute, args=(str(tmp_path / name), 20)) for name in ("executor.rec", "worker-1.rec")]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(60)
+    found = records.read_dir(tmp_path)
+    assert found["executor"].steps == found["worker-1"].steps == 20
+    assert found["executor"].chain == found["worker-1"].chain != records.ZERO_CHAIN.hex()
+    assert found["executor"].inflight_since_ns == 0
+
+
+def test_a_different_step_changes_the_chain(tmp_path: Path) -> None:
+    a, b = records.StepRecorder(tmp_path / "a.rec"), records.StepRecorder(tmp_path / "b.rec")
+    for step in range(3):
+        a.step(records.scheduler_output_digest(_output(step)))
+        b.step(records.scheduler_output_digest(_output(step, req="r2" if step == 2 else "r1")))
+    ra, rb = records.read_record(tmp_path / "a.rec"), records.read_record(tmp_path / "b.rec")
+    assert ra is not None and rb is not None
+    assert ra.steps == rb.steps == 3 and ra.chain != rb.chain
+
+
+def test_step_in_flight_is_visible_and_overdue_after_the_bound(tmp_path: Path) -> None:
+    recorder = records.StepRecorder(tmp_path / records.EXECUTOR_RECORD)
+    recorder.step(records.scheduler_output_digest(_output(0)))
+    assert steps.overdue_step(tmp_path, bound=5.0) is None
+    time.sleep(0.3)
+    overdue = steps.overdue_step(tmp_path, bound=0.2)
+    assert overdue is not None and overdue.steps == 1 and overdue.inflight_seconds() >= 0.3
+    recorder.done()
+    assert steps.overdue_step(tmp_path, bound=0.2) is None
+
+
+def test_laggards_and_lockstep_name_the_member_behind() -> None:
+    executor = {"steps": 7, "chain": "c7", "inflight_seconds": 0}
+    members = {
+        "rank 0 10.0.0.1 (i-a)": {"executor": executor, "worker-0": {"steps": 7, "chain": "c7"}},
+        "rank 1 10.0.0.2 (i-b)": {"worker-1": {"steps": 6, "chain": "c6"}},
+    }
+    assert steps.laggards(7, members) == ["rank 1 10.0.0.2 (i-b) (executed 6 of 7 steps)"]
+    assert steps.lockstep(executor, members) is False
+    members["rank 1 10.0.0.2 (i-b)"]["worker-1"] = {"steps": 7, "chain": "c7"}
+    assert steps.laggards(7, members) == [] and steps.lockstep(executor, members) is True
+    assert steps.laggards(7, {"rank 2 x (i-c)": {}}) == ["rank 2 x (i-c) (no step record)"]
+    assert steps.lockstep(None, members) is None
+
+
+def test_a_missing_or_short_record_reads_as_none(tmp_path: Path) -> None:
+    assert records.read_record(tmp_path / "none.rec") is None
+    (tmp_path / "short.rec").write_bytes(b"\x00" * 3)
+    assert records.read_record(tmp_path / "short.rec") is None
+    assert records.read_dir(tmp_path / "absent") == {}
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+    """A stand-in for the parts of vLLM the platform touches (no vLLM in this venv)."""
+    config = types.ModuleType("vllm.config")
+
+    class ParallelConfig:
+        world_size_across_dp = property(lambda self: 99)
+
+    config.ParallelConfig = ParallelConfig  # type: ignore[attr-defined]
+    base = types.ModuleType("fake_platform")
+
+    class NeuronLikePlatform:
+        @classmethod
+        def check_and_update_config(cls, vllm_config: SimpleNamespace) -> None:
+            # What vllm-neuron 0.5.x does (platform.py:334-340): its worker, and `uni`.
+            vllm_config.parallel_config.worker_cls = "vllm_neuron.worker.neuron_worker.NeuronWorker"
+            vllm_config.parallel_config.distributed_executor_backend = "uni"
+
+    base.NeuronLikePlatform = NeuronLikePlatform  # type: ignore[attr-defined]
+    executor = types.ModuleType("unit_executor.executor")
+
+    class UnitExecutor:
+        pass
+
+    executor.UnitExecutor = UnitExecutor  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.config", config)
+    monkeypatch.setitem(sys.modules, "fake_platform", base)
+    monkeypatch.setitem(sys.modules, "unit_executor.executor", executor)
+    monkeypatch.setenv("UNIT_BASE_PLATFORM", "fake_platform.NeuronLikePlatform")
+    monkeypatch.delitem(sys.modules, "unit_executor.platform", raising=False)
+    return SimpleNamespace(UnitExecutor=UnitExecutor)
+
+
+def test_unit_platform_restores_the_step_broadcast_that_the_neuron_platform_turns_off(fake_vllm, monkeypatch):
+    from unit_executor import plugin
+
+    monkeypatch.delenv("UNIT_EXECUTOR", raising=False)
+    assert plugin.activate() is None  # installed but not asked for: vLLM picks its own platform
+    monkeypatch.setenv("UNIT_EXECUTOR", "1")
+    assert plugin.activate() == "unit_executor.platform.UnitPlatform"
+
+    platform = importlib.import_module("unit_executor.platform")
+    parallel = SimpleNamespace(worker_cls="auto", distributed_executor_backend=None, nnodes=2, world_size=2)
+    platform.UnitPlatform.check_and_update_config(SimpleNamespace(parallel_config=parallel))
+    assert parallel.distributed_executor_backend is fake_vllm.UnitExecutor
+    assert parallel.worker_cls == "unit_executor.neuron.UnitNeuronWorker"
+    assert os.environ["UNIT_BASE_WORKER_CLS"] == "vllm_neuron.worker.neuron_worker.NeuronWorker"
+    monkeypatch.delenv("UNIT_BASE_WORKER_CLS")
+
+
+def test_the_step_record_format_is_what_the_contract_says(tmp_path: Path) -> None:
+    recorder = records.StepRecorder(tmp_path / "worker-3.rec")
+    recorder.step(b"\x01" * 16)
+    state = records.read_record(tmp_path / "worker-3.rec")
+    assert state is not None
+    assert (tmp_path / "worker-3.rec").stat().st_size == 72
+    assert json.dumps(state.to_json())  # JSON-able, as heartbeats carry it
+    assert state.steps == 1 and state.inflight_since_ns > 0 and len(state.chain) == 64
