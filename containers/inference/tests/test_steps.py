@@ -25,7 +25,9 @@ def _output(step: int, req: str = "r1") -> SimpleNamespace:
         scheduled_new_reqs=[SimpleNamespace(req_id=req, prompt_token_ids=[1, 2, step], num_computed_tokens=0)]
         if step == 0
         else [],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[req] if step else [], num_computed_tokens=[step] if step else []),
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[req] if step else [], num_computed_tokens=[step] if step else []
+        ),
         finished_req_ids=set(),
     )
 
