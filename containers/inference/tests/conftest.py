@@ -42,6 +42,8 @@ def cpu_spec(size: int, *, record_dir: Path, revision: str = "rev-a", **rendezvo
         "size": size,
         "revision": revision,
         "model": {"name": "tiny", "local_dir": str(record_dir), "max_seq_len": 256},
+        # Each test keeps its own unit history (restart backoff), not its neighbours'.
+        "state_dir": str(record_dir / ".unit-state"),
         "instance": {
             "type": "cpu",
             "cores_per_node": 1,

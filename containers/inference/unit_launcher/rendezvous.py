@@ -32,6 +32,8 @@ from unit_launcher.spec import UnitSpec
 log = logging.getLogger("unit_launcher.rendezvous")
 
 FORMING, SERVING, DEGRADED, STOPPING = "forming", "serving", "degraded", "stopping"
+# The leader waits out the restart backoff before it lets the unit form (unit_launcher.evidence).
+BACKOFF = "backoff"
 # Longest a /join request is held open waiting for the release (long poll).
 JOIN_POLL_SECONDS = 5.0
 # Identifies this launcher process in joins (a restarted process gets a new one).
@@ -92,6 +94,13 @@ class LeaderSession:
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     # Set when the session ended because a step overran the lockstep bound.
     step_timeout: bool = False
+    # How the session ended, for the failure evidence (unit_launcher.evidence).
+    cause: str | None = None
+    ended_by: Member | None = None
+    ended_by_evidence: dict[str, Any] = field(default_factory=dict)
+    released_at: float | None = None
+    backoff: dict[str, Any] | None = None
+    last_failure: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         now = time.monotonic()
@@ -144,13 +153,28 @@ class LeaderSession:
             self.describe_members(),
         )
         self._set_state(SERVING)
+        self.released_at = time.time()
         self.released.set()
 
-    def end(self, reason: str, *, deliberate: bool = False) -> None:
-        """End the session. `deliberate`: the leader was asked to stop (SIGTERM), nothing failed."""
+    def end(
+        self,
+        reason: str,
+        *,
+        deliberate: bool = False,
+        cause: str = "unknown",
+        ended_by: Member | None = None,
+        evidence: dict[str, Any] | None = None,
+    ) -> None:
+        """End the session. `deliberate`: the leader was asked to stop (SIGTERM), nothing failed.
+
+        `cause` and `ended_by` say how and by whom, for the failure evidence; the first
+        call wins, as for the reason."""
         if self.end_reason is None:
             self.end_reason = reason
             self.deliberate_end = deliberate
+            self.cause = "deliberate_stop" if deliberate else cause
+            self.ended_by = ended_by
+            self.ended_by_evidence = evidence or {}
             log.log(
                 logging.INFO if deliberate else logging.ERROR,
                 "unit %s session %s ends: %s", self.spec.unit_id, self.session_id, reason,
@@ -160,7 +184,7 @@ class LeaderSession:
 
     def _stopping_reply(self) -> dict[str, object]:
         return {"reason": "stopping", "error": f"unit session ends: {self.end_reason}",
-                "deliberate": self.deliberate_end}
+                "deliberate": self.deliberate_end, "cause": self.cause, "released_at": self.released_at}
 
     def prune_forming(self) -> None:
         """Forget joiners that went silent before the release, so a replacement can take the place."""
@@ -193,7 +217,9 @@ class LeaderSession:
         silence = now - worst.last_seen
         if silence > limit:
             self.end(
-                f"follower {worst.describe()} lost: no heartbeat for {silence:.1f} s (limit {limit:g} s)"
+                f"follower {worst.describe()} lost: no heartbeat for {silence:.1f} s (limit {limit:g} s)",
+                cause="heartbeat_loss",
+                ended_by=worst,
             )
         elif silence > late:
             self._set_state(DEGRADED)
@@ -217,11 +243,18 @@ class LeaderSession:
         overdue = steps.overdue_step(self.step_dir, bound)
         if overdue is None:
             return
-        behind = steps.laggards(overdue.steps, self._member_steps())
+        records = self._member_steps()
+        behind = steps.laggards(overdue.steps, records)
+        culprit = next(
+            (m for m in self.followers if steps.laggards(overdue.steps, {m.describe(): records[m.describe()]})),
+            None,
+        )
         self.step_timeout = True
         self.end(
             f"step {overdue.steps} not completed within {bound:g} s "
-            f"(in flight {overdue.inflight_seconds():.1f} s); behind: {', '.join(behind) or 'none named'}"
+            f"(in flight {overdue.inflight_seconds():.1f} s); behind: {', '.join(behind) or 'none named'}",
+            cause="step_timeout",
+            ended_by=culprit,
         )
 
     def steps_status(self) -> dict[str, Any]:
@@ -265,6 +298,8 @@ class LeaderSession:
             "end_reason": self.end_reason,
             "members": members,
             "steps": self.steps_status(),
+            "backoff": self.backoff,
+            "last_failure": self.last_failure,
         }
 
     def release_payload(self, member: Member) -> dict[str, Any]:
@@ -328,7 +363,11 @@ class LeaderSession:
         if self.released.is_set():
             if member is not None and self.state != STOPPING and member.incarnation != incarnation:
                 # Its engine died with the old process: the session cannot go on without it.
-                self.end(f"follower {member.describe()} restarted and asks to join again")
+                self.end(
+                    f"follower {member.describe()} restarted and asks to join again",
+                    cause="member_restarted",
+                    ended_by=member,
+                )
             if member is not None and self.state != STOPPING:
                 member.last_seen = time.monotonic()
                 return web.json_response(self.release_payload(member))
@@ -406,7 +445,13 @@ class LeaderSession:
             )
         if body.get("leaving"):
             member.told_stop = True
-            self.end(f"follower {member.describe()} left: {body['leaving']}")
+            evidence = body.get("evidence") if isinstance(body.get("evidence"), dict) else {}
+            self.end(
+                f"follower {member.describe()} left: {body['leaving']}",
+                cause="member_left",
+                ended_by=member,
+                evidence=evidence,
+            )
             return web.json_response(
                 self._stopping_reply(), status=410
             )
@@ -543,6 +588,8 @@ class SessionEnd:
 
     reason: str
     deliberate: bool = False
+    cause: str = "leader_unreachable"
+    released_at: float | None = None
 
 
 async def heartbeat_loop(
@@ -569,9 +616,12 @@ async def heartbeat_loop(
                 last_ok = time.monotonic()
             else:
                 reason = data.get("error", data)
+                doc = data if isinstance(data, dict) else {}
                 return SessionEnd(
                     f"leader {release.leader_addr} ended session {release.session_id}: {reason}",
-                    deliberate=bool(data.get("deliberate")) if isinstance(data, dict) else False,
+                    deliberate=bool(doc.get("deliberate")),
+                    cause=str(doc.get("cause") or "session_changed"),
+                    released_at=doc.get("released_at"),
                 )
         except (aiohttp.ClientError, TimeoutError, ValueError) as error:
             silence = time.monotonic() - last_ok
@@ -584,15 +634,22 @@ async def heartbeat_loop(
 
 
 async def leave(
-    http: aiohttp.ClientSession, spec: UnitSpec, release: Release, instance_id: str, reason: str
+    http: aiohttp.ClientSession,
+    spec: UnitSpec,
+    release: Release,
+    instance_id: str,
+    reason: str,
+    evidence: dict[str, Any] | None = None,
 ) -> None:
-    """Tell the leader this member is going, so the session ends now rather than after the loss timeout."""
+    """Tell the leader this member is going (with its evidence: exit status, the engine's
+    last lines), so the session ends now rather than after the loss timeout."""
     url = f"http://{release.leader_addr}:{spec.rendezvous.port}/heartbeat"
     body = {
         "session_id": release.session_id,
         "instance_id": instance_id,
         "rank": release.rank,
         "leaving": reason,
+        "evidence": evidence or {},
     }
     try:
         async with http.post(url, json=body, timeout=aiohttp.ClientTimeout(total=2)) as response:

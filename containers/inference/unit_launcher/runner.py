@@ -21,7 +21,7 @@ from typing import Any
 
 import aiohttp
 
-from unit_launcher import artifacts, plan, rendezvous, steps
+from unit_launcher import artifacts, evidence, plan, rendezvous, steps
 from unit_launcher.engine import Engine
 from unit_launcher.identity import DiscoveryError, Identity, IdentityError, discover_leader, resolve_identity
 from unit_launcher.spec import SpecError, UnitSpec
@@ -113,71 +113,148 @@ def _engine_env(node_plan: plan.LaunchPlan) -> dict[str, str]:
     return env
 
 
+async def _wait_out_backoff(spec: UnitSpec, session: rendezvous.LeaderSession, signals: _Signals) -> None:
+    """A unit that keeps failing waits before it forms again (unit_launcher.evidence)."""
+    policy = _backoff_policy(spec)
+    records = evidence.read_history(_history(spec))
+    backoff = evidence.backoff_for(records, policy)
+    if backoff.last_failure is not None:
+        session.last_failure = _abridged(backoff.last_failure)
+    remaining = backoff.remaining()
+    if remaining <= 0:
+        return
+    session.backoff = {
+        "failures_in_a_row": backoff.failures_in_a_row,
+        "seconds": backoff.seconds,
+        "until": backoff.until,
+    }
+    session._set_state(rendezvous.BACKOFF)
+    log.warning(
+        "unit %s failed %d time(s) in a row (last: %s): waiting %.0f s more before it forms again",
+        spec.unit_id, backoff.failures_in_a_row, session.last_failure, remaining,
+    )
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(signals.stop.wait(), remaining)
+    session._set_state(rendezvous.FORMING)
+
+
+async def _form(spec: UnitSpec, session: rendezvous.LeaderSession, signals: _Signals) -> int | None:
+    """Fetch, back off if the unit keeps failing, wait for the members: an exit status, or None when formed."""
+    try:
+        await asyncio.to_thread(fetch_artifacts, spec, 0)
+        await asyncio.to_thread(prepare_node, spec, 0)
+    except artifacts.ArtifactError as error:
+        session.end(f"artifacts: {error}", cause="artifacts")
+        log.error("%s", error)
+        return EXIT_ARTIFACTS
+    await _wait_out_backoff(spec, session, signals)
+    if signals.stop.is_set():
+        session.end("leader stopped before the unit formed", deliberate=True)
+        return 0
+    session.mark_ready()
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(
+            _first(session.released.wait(), signals.stop.wait()), spec.rendezvous.join_timeout_seconds
+        )
+    if signals.stop.is_set():
+        session.end("leader stopped before the unit formed", deliberate=True)
+        return 0
+    if not session.released.is_set():
+        message = (
+            f"unit {spec.unit_id} did not form within {spec.rendezvous.join_timeout_seconds:g} s: "
+            f"{session.missing_message()}"
+        )
+        session.end(message, cause="form_timeout")
+        log.error("%s", message)
+        return EXIT_FORM_TIMEOUT
+    return None
+
+
+def _leader_plan(spec: UnitSpec, me: Identity, session: rendezvous.LeaderSession) -> plan.LaunchPlan:
+    node_plan = plan.build_plan(
+        spec,
+        "leader",
+        0,
+        leader_addr=me.host_ip,
+        host_ip=me.host_ip,
+        session_id=session.session_id,
+        step_dir=str(session.step_dir),
+    )
+    for path, content in node_plan.files.items():
+        if path.endswith("config.pbtxt"):
+            checked = plan.check_triton_config(content)
+            log.info(
+                "config.pbtxt %s Triton's model-config schema",
+                "matches" if checked is not None else "not checked (tritonclient absent) against",
+            )
+    plan.write_files(node_plan)
+    return node_plan
+
+
+async def _serve(spec: UnitSpec, session: rendezvous.LeaderSession, engine: Engine, signals: _Signals) -> int:
+    """Run the engine until the session ends; the leader's exit status."""
+    await engine.start()
+    engine_exit = asyncio.ensure_future(engine.wait())
+    await _first(asyncio.shield(engine_exit), session.ended.wait(), signals.stop.wait())
+    if engine_exit.done():
+        status = engine_exit.result()
+        # A step overrunning its bound also ends the engine (vLLM's own timeout, the
+        # backstop): name the members behind, as the watchdog would have.
+        session.check_steps()
+        session.end(f"leader engine exited with status {status}", cause="engine_exit")
+        return status or EXIT_UNIT_LOST
+    if signals.stop.is_set():
+        status = await engine.stop(spec.engine.stop_timeout_seconds) or 0
+        session.end("leader received SIGTERM", deliberate=True)
+        return status
+    await engine.stop(min(LOST_STOP_SECONDS, spec.engine.stop_timeout_seconds))
+    return EXIT_UNIT_LOST
+
+
+def _record_session_end(
+    spec: UnitSpec, session: rendezvous.LeaderSession, engine: Engine | None, status: int
+) -> None:
+    """The session's failure evidence: one event to the log (EMF) and the unit's history."""
+    culprit = session.ended_by
+    ended_by = None
+    tail: list[str] = []
+    if culprit is not None:
+        ended_by = {"rank": culprit.rank, "address": culprit.address, "instance_id": culprit.instance_id}
+        tail = list(session.ended_by_evidence.get("log_tail") or [])
+    elif session.cause == "engine_exit":
+        ended_by = {"rank": 0, "address": session.address, "instance_id": session.instance_id}
+        tail = engine.tail() if engine is not None else []
+    event = evidence.session_event(
+        spec=spec,
+        session_id=session.session_id,
+        cause=session.cause or "unknown",
+        reason=session.end_reason or "",
+        ended_by=ended_by,
+        members=session.status()["members"],
+        released_at=session.released_at,
+        exit_status=session.ended_by_evidence.get("exit_status", status if session.cause == "engine_exit" else None),
+        log_tail=tail,
+        steps=session.steps_status(),
+    )
+    evidence.emit(event, spec.metrics_namespace)
+    evidence.append_history(_history(spec), event)
+
+
 async def run_leader(spec: UnitSpec, me: Identity, bind: str) -> int:
     signals = _Signals()
     session = rendezvous.LeaderSession(spec, me.host_ip, me.instance_id)
     runner = await rendezvous.start_server(session, bind)
     watchdog = asyncio.ensure_future(session.watchdog())
     engine: Engine | None = None
+    status = EXIT_UNIT_LOST
     try:
-        try:
-            await asyncio.to_thread(fetch_artifacts, spec, 0)
-            await asyncio.to_thread(prepare_node, spec, 0)
-        except artifacts.ArtifactError as error:
-            session.end(f"artifacts: {error}")
-            log.error("%s", error)
-            return EXIT_ARTIFACTS
-        session.mark_ready()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(
-                _first(session.released.wait(), signals.stop.wait()), spec.rendezvous.join_timeout_seconds
-            )
-        if signals.stop.is_set():
-            session.end("leader stopped before the unit formed")
-            return 0
-        if not session.released.is_set():
-            message = (
-                f"unit {spec.unit_id} did not form within {spec.rendezvous.join_timeout_seconds:g} s: "
-                f"{session.missing_message()}"
-            )
-            session.end(message)
-            log.error("%s", message)
-            return EXIT_FORM_TIMEOUT
-        node_plan = plan.build_plan(
-            spec,
-            "leader",
-            0,
-            leader_addr=me.host_ip,
-            host_ip=me.host_ip,
-            session_id=session.session_id,
-            step_dir=str(session.step_dir),
-        )
-        if node_plan.files:
-            for path, content in node_plan.files.items():
-                if path.endswith("config.pbtxt"):
-                    checked = plan.check_triton_config(content)
-                    log.info(
-                        "config.pbtxt %s Triton's model-config schema",
-                        "matches" if checked is not None else "not checked (tritonclient absent) against",
-                    )
-            plan.write_files(node_plan)
+        formed = await _form(spec, session, signals)
+        if formed is not None:
+            status = formed
+            return status
+        node_plan = _leader_plan(spec, me, session)
         engine = Engine(node_plan.argv, _engine_env(node_plan))
-        await engine.start()
-        engine_exit = asyncio.ensure_future(engine.wait())
-        await _first(asyncio.shield(engine_exit), session.ended.wait(), signals.stop.wait())
-        if engine_exit.done():
-            status = engine_exit.result()
-            # A step overrunning its bound also ends the engine (vLLM's own timeout, the
-            # backstop): name the members behind, as the watchdog would have.
-            session.check_steps()
-            session.end(f"leader engine exited with status {status}")
-            status = status or EXIT_UNIT_LOST
-        elif signals.stop.is_set():
-            status = await engine.stop(spec.engine.stop_timeout_seconds) or 0
-            session.end("leader received SIGTERM", deliberate=True)
-        else:
-            await engine.stop(min(LOST_STOP_SECONDS, spec.engine.stop_timeout_seconds))
-            status = EXIT_UNIT_LOST
+        status = await _serve(spec, session, engine, signals)
         await session.tell_followers(2 * spec.rendezvous.heartbeat_interval + 1)
         log.info("leader exits with status %d (%s)", status, session.end_reason)
         return status
@@ -185,8 +262,24 @@ async def run_leader(spec: UnitSpec, me: Identity, bind: str) -> int:
         watchdog.cancel()
         if engine is not None and engine.running:
             await engine.stop(spec.engine.stop_timeout_seconds)
+        if session.end_reason is not None:
+            _record_session_end(spec, session, engine, status)
         await runner.cleanup()
         shutil.rmtree(session.step_dir, ignore_errors=True)
+
+
+def _history(spec: UnitSpec) -> Path:
+    return evidence.history_path(spec.history_dir, spec.cell, spec.unit_id)
+
+
+def _backoff_policy(spec: UnitSpec) -> evidence.BackoffPolicy:
+    r = spec.rendezvous
+    return evidence.BackoffPolicy(r.backoff_base_seconds, r.backoff_cap_seconds, r.backoff_reset_seconds)
+
+
+def _abridged(record: dict[str, Any]) -> dict[str, Any]:
+    keys = ("session_id", "cause", "reason", "ended_by", "exit_status", "ended_at", "served_seconds")
+    return {k: record.get(k) for k in keys}
 
 
 async def run_follower(spec: UnitSpec, me: Identity, env: Mapping[str, str]) -> int:
@@ -241,52 +334,80 @@ async def run_follower(spec: UnitSpec, me: Identity, env: Mapping[str, str]) -> 
         except (rendezvous.JoinError, DiscoveryError) as error:
             log.error("%s", error)
             return EXIT_FORM_TIMEOUT
-        try:
-            await asyncio.to_thread(prepare_node, spec, release.rank)
-        except artifacts.ArtifactError as error:
-            log.error("%s", error)
-            return EXIT_ARTIFACTS
-        step_dir = steps.step_dir(spec.unit_id, release.session_id, release.rank)
-        node_plan = plan.build_plan(
-            spec,
-            "follower",
-            release.rank,
-            leader_addr=release.leader_addr,
-            host_ip=me.host_ip,
-            session_id=release.session_id,
-            step_dir=str(step_dir),
-        )
-        engine = Engine(node_plan.argv, _engine_env(node_plan))
-        try:
-            await engine.start()
-            engine_exit = asyncio.ensure_future(engine.wait())
-            beats = asyncio.ensure_future(
-                rendezvous.heartbeat_loop(http, spec, release, me.instance_id, step_dir)
+        return await _follow(http, spec, me, release, signals)
+
+
+def _follower_record(spec: UnitSpec, release: rendezvous.Release, cause: str, reason: str, released_at: Any) -> None:
+    """This node's copy of the session's end in the unit's history (the next leader may start here)."""
+    now = time.time()
+    started = released_at if isinstance(released_at, int | float) else None
+    evidence.append_history(
+        _history(spec),
+        {
+            "event": "unit_session_end",
+            "cell": spec.cell,
+            "unit_id": spec.unit_id,
+            "session_id": release.session_id,
+            "cause": cause,
+            "reason": reason,
+            "ended_at": now,
+            "served_seconds": round(now - started, 3) if started else 0.0,
+            "recorded_by": f"rank {release.rank}",
+        },
+    )
+
+
+async def _follow(
+    http: aiohttp.ClientSession, spec: UnitSpec, me: Identity, release: rendezvous.Release, signals: _Signals
+) -> int:
+    """Run this node's engine in the released session until the session or the engine ends."""
+    try:
+        await asyncio.to_thread(prepare_node, spec, release.rank)
+    except artifacts.ArtifactError as error:
+        log.error("%s", error)
+        return EXIT_ARTIFACTS
+    step_dir = steps.step_dir(spec.unit_id, release.session_id, release.rank)
+    node_plan = plan.build_plan(
+        spec,
+        "follower",
+        release.rank,
+        leader_addr=release.leader_addr,
+        host_ip=me.host_ip,
+        session_id=release.session_id,
+        step_dir=str(step_dir),
+    )
+    engine = Engine(node_plan.argv, _engine_env(node_plan))
+    try:
+        await engine.start()
+        engine_exit = asyncio.ensure_future(engine.wait())
+        beats = asyncio.ensure_future(rendezvous.heartbeat_loop(http, spec, release, me.instance_id, step_dir))
+        await _first(asyncio.shield(engine_exit), asyncio.shield(beats), signals.stop.wait())
+        if engine_exit.done():
+            status = engine_exit.result()
+            why = f"engine exited with status {status}"
+            await rendezvous.leave(
+                http, spec, release, me.instance_id, why, {"exit_status": status, "log_tail": engine.tail()}
             )
-            await _first(asyncio.shield(engine_exit), asyncio.shield(beats), signals.stop.wait())
-            if engine_exit.done():
-                status = engine_exit.result()
-                await rendezvous.leave(
-                    http, spec, release, me.instance_id, f"engine exited with status {status}"
-                )
-                log.error("engine exited with status %d: follower leaves the unit", status)
-                return status or EXIT_UNIT_LOST
-            if signals.stop.is_set():
-                await rendezvous.leave(http, spec, release, me.instance_id, "follower received SIGTERM")
-                return await engine.stop(spec.engine.stop_timeout_seconds) or 0
-            ended = beats.result()
-            grace = spec.engine.stop_timeout_seconds if ended.deliberate else LOST_STOP_SECONDS
-            await engine.stop(min(grace, spec.engine.stop_timeout_seconds))
-            if ended.deliberate:
-                # The leader was stopped on purpose (a deployment, a scale-in): a clean stop.
-                log.info("unit session over: %s; engine stopped", ended.reason)
-                return 0
-            log.error("unit session over: %s; engine stopped", ended.reason)
-            return EXIT_UNIT_LOST
-        finally:
-            if engine.running:
-                await engine.stop(spec.engine.stop_timeout_seconds)
-            shutil.rmtree(step_dir, ignore_errors=True)
+            log.error("%s: follower leaves the unit", why)
+            return status or EXIT_UNIT_LOST
+        if signals.stop.is_set():
+            await rendezvous.leave(http, spec, release, me.instance_id, "follower received SIGTERM")
+            return await engine.stop(spec.engine.stop_timeout_seconds) or 0
+        ended = beats.result()
+        grace = spec.engine.stop_timeout_seconds if ended.deliberate else LOST_STOP_SECONDS
+        await engine.stop(min(grace, spec.engine.stop_timeout_seconds))
+        _follower_record(spec, release, "deliberate_stop" if ended.deliberate else ended.cause, ended.reason,
+                         ended.released_at)
+        if ended.deliberate:
+            # The leader was stopped on purpose (a deployment, a scale-in): a clean stop.
+            log.info("unit session over: %s; engine stopped", ended.reason)
+            return 0
+        log.error("unit session over: %s; engine stopped", ended.reason)
+        return EXIT_UNIT_LOST
+    finally:
+        if engine.running:
+            await engine.stop(spec.engine.stop_timeout_seconds)
+        shutil.rmtree(step_dir, ignore_errors=True)
 
 
 def run(role: str, spec: UnitSpec, env: Mapping[str, str]) -> int:

@@ -125,6 +125,13 @@ class RendezvousSpec(_Strict):
         le=3600,
         description="Lockstep bound: a step not completed by every node within this ends the unit.",
     )
+    backoff_base_seconds: float = Field(
+        default=15.0, ge=0, le=3600, description="Wait before forming again after the first failure in a row."
+    )
+    backoff_cap_seconds: float = Field(default=300.0, ge=0, le=3600, description="Longest restart backoff.")
+    backoff_reset_seconds: float = Field(
+        default=600.0, gt=0, description="A session that served this long resets the backoff."
+    )
 
     @property
     def heartbeat_interval(self) -> float:
@@ -157,6 +164,18 @@ class UnitSpec(_Strict):
     engine: EngineSpec
     rendezvous: RendezvousSpec = RendezvousSpec()
     discovery: DiscoverySpec
+    metrics_namespace: str | None = Field(
+        default=None, description="CloudWatch namespace of the session-end events' EMF metrics; None: plain JSON."
+    )
+    state_dir: str | None = Field(
+        default=None,
+        description="Where the unit's failure history is kept on the instance (survives task restarts); "
+        "default: .unit-state beside model.local_dir (the model cache volume).",
+    )
+
+    @property
+    def history_dir(self) -> str:
+        return self.state_dir or str(Path(self.model.local_dir).parent / ".unit-state")
 
     @model_validator(mode="after")
     def _consistent(self) -> UnitSpec:

@@ -1,0 +1,188 @@
+"""Failure evidence and restart backoff of a unit, kept beyond its tasks.
+
+When a unit session ends, the leader writes one structured event: unit, session,
+revision, which member ended it and how (heartbeat loss, step bound, engine exit code or
+signal, member left or restarted, deliberate stop), the members' instance ids and
+addresses, timings, and the last lines of the failing engine's log. It goes
+
+- to standard output as one CloudWatch embedded-metric-format line (the task's log
+  stream, kept after ECS replaces the task, and the metrics `UnitSessionEnds`,
+  `UnitFailures`, `UnitServedSeconds` per cell and unit), and
+- into the unit's history file on the instance's model cache volume, on every member, so
+  that whichever of the unit's instances the next leader lands on knows the history.
+
+The history gives the restart backoff: a unit whose sessions keep failing before they
+have served `reset_seconds` waits base x 2^(n-1) seconds (at most `cap_seconds`) after
+its n-th failure in a row before it forms again (LeaderWorkerSet recreates a group at
+once, however often it fails: kubernetes-sigs/lws issues #842, #1048).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+log = logging.getLogger("unit_launcher.evidence")
+
+DELIBERATE = "deliberate_stop"
+# How many history records a node keeps (the newest).
+HISTORY_LIMIT = 100
+
+
+@dataclass(frozen=True)
+class BackoffPolicy:
+    base_seconds: float
+    cap_seconds: float
+    reset_seconds: float
+
+    def wait(self, failures_in_a_row: int) -> float:
+        if failures_in_a_row <= 0:
+            return 0.0
+        return min(self.cap_seconds, self.base_seconds * 2 ** (failures_in_a_row - 1))
+
+
+def history_path(state_dir: str | Path, cell: str, unit_id: str) -> Path:
+    return Path(state_dir) / f"{cell}-{unit_id}.failures.jsonl"
+
+
+def read_history(path: Path) -> list[dict[str, Any]]:
+    """The unit's recorded session ends, oldest first; unreadable lines are skipped."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and "session_id" in record:
+            records.append(record)
+    return records
+
+
+def append_history(path: Path, event: dict[str, Any]) -> bool:
+    """Add the event unless this session is recorded already (members share hosts in tests)."""
+    records = read_history(path)
+    if any(r.get("session_id") == event["session_id"] for r in records):
+        return False
+    records = [*records, event][-HISTORY_LIMIT:]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
+        tmp.replace(path)
+    except OSError as error:
+        log.warning("cannot write the unit history %s: %s", path, error)
+        return False
+    return True
+
+
+def failures_in_a_row(records: Iterable[dict[str, Any]], policy: BackoffPolicy) -> int:
+    """Failed sessions since the last deliberate stop or the last session that served long enough."""
+    count = 0
+    for record in reversed(list(records)):
+        if record.get("cause") == DELIBERATE or float(record.get("served_seconds") or 0) >= policy.reset_seconds:
+            break
+        count += 1
+    return count
+
+
+@dataclass(frozen=True)
+class Backoff:
+    failures_in_a_row: int
+    seconds: float  # the whole wait the policy gives
+    until: float  # Unix time the unit may form again (the wait counts from the last failure)
+    last_failure: dict[str, Any] | None
+
+    def remaining(self, now: float | None = None) -> float:
+        return max(0.0, self.until - (time.time() if now is None else now))
+
+
+def backoff_for(records: list[dict[str, Any]], policy: BackoffPolicy, now: float | None = None) -> Backoff:
+    now = time.time() if now is None else now
+    n = failures_in_a_row(records, policy)
+    last = records[-1] if records else None
+    if n and last is not None and now - float(last.get("ended_at", 0)) > policy.cap_seconds + policy.reset_seconds:
+        n = 0  # quiet for longer than any backoff and the reset time: start afresh
+    seconds = policy.wait(n)
+    ended = float(last.get("ended_at", now)) if (last and n) else now
+    return Backoff(n, seconds, ended + seconds, last if n else None)
+
+
+def session_event(
+    *,
+    spec: Any,
+    session_id: str,
+    cause: str,
+    reason: str,
+    ended_by: dict[str, Any] | None,
+    members: list[dict[str, Any]],
+    released_at: float | None,
+    exit_status: int | None = None,
+    log_tail: list[str] | None = None,
+    steps: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One session's end as a JSON-able record."""
+    ended_at = time.time()
+    return {
+        "event": "unit_session_end",
+        "cell": spec.cell,
+        "unit_id": spec.unit_id,
+        "revision": spec.revision,
+        "session_id": session_id,
+        "cause": cause,
+        "reason": reason,
+        "ended_by": ended_by,
+        "exit_status": exit_status,
+        "members": members,
+        "released_at": released_at,
+        "ended_at": ended_at,
+        "served_seconds": round(ended_at - released_at, 3) if released_at else 0.0,
+        "log_tail": log_tail or [],
+        "steps": steps,
+    }
+
+
+def emf_line(event: dict[str, Any], namespace: str | None) -> str:
+    """The event as one log line; with a namespace, in CloudWatch's embedded metric format
+    (https://docs.aws.amazon.com/AmazonCloudWatch/latest/monitoring/CloudWatch_Embedded_Metric_Format_Specification.html)."""
+    doc = dict(event)
+    if namespace:
+        doc.update(
+            {
+                "_aws": {
+                    "Timestamp": int(event["ended_at"] * 1000),
+                    "CloudWatchMetrics": [
+                        {
+                            "Namespace": namespace,
+                            "Dimensions": [["Cell", "Unit"]],
+                            "Metrics": [
+                                {"Name": "UnitSessionEnds", "Unit": "Count"},
+                                {"Name": "UnitFailures", "Unit": "Count"},
+                                {"Name": "UnitServedSeconds", "Unit": "Seconds"},
+                            ],
+                        }
+                    ],
+                },
+                "Cell": event["cell"],
+                "Unit": event["unit_id"],
+                "UnitSessionEnds": 1,
+                "UnitFailures": 0 if event["cause"] == DELIBERATE else 1,
+                "UnitServedSeconds": event["served_seconds"],
+            }
+        )
+    return json.dumps(doc, sort_keys=True, default=str)
+
+
+def emit(event: dict[str, Any], namespace: str | None, stream: TextIO | None = None) -> None:
+    out = stream or sys.stdout
+    out.write(emf_line(event, namespace) + "\n")
+    out.flush()
