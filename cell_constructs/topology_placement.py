@@ -57,19 +57,42 @@ class TopologyPlacement(Construct):
         log_retention: logs.RetentionDays,
         encryption_key: kms.IKey,
         sweep_interval: Duration = Duration.minutes(5),  # noqa: B008 - Duration is immutable
+        reserved_concurrency: int | None = None,
     ) -> None:
         super().__init__(scope, id)
         _validate(units, nodes_per_unit, metrics_namespace, sweep_interval)
         stack = Stack.of(self)
 
         self.log_group = logs.LogGroup(self, "Logs", encryption_key=encryption_key, retention=log_retention)
+        # Runs are serialised by a FIFO queue with one message group: Lambda's SQS event
+        # source hands a group's messages to one invocation at a time and no more until that
+        # batch is done (https://docs.aws.amazon.com/lambda/latest/dg/services-sqs-scaling.html,
+        # https://docs.aws.amazon.com/AWSSimpleQueueService/latest/SQSDeveloperGuide/FIFO-key-terms.html),
+        # so no reserved concurrency is needed (accounts with a Lambda quota of 10 cannot
+        # reserve any). Events that arrive during a run are batched into the next one.
         self.dead_letter_queue = sqs.Queue(
             self,
             "DeadLetters",
+            fifo=True,
             encryption=sqs.QueueEncryption.KMS,
             encryption_master_key=encryption_key,
             enforce_ssl=True,
             retention_period=Duration.days(14),
+        )
+        self.trigger_queue = sqs.Queue(
+            self,
+            "Triggers",
+            fifo=True,
+            # EventBridge events carry a unique id and time: content-based deduplication
+            # drops only true duplicates.
+            content_based_deduplication=True,
+            encryption=sqs.QueueEncryption.KMS,
+            encryption_master_key=encryption_key,
+            enforce_ssl=True,
+            # Lambda recommends six times the function timeout for an SQS event source.
+            visibility_timeout=Duration.minutes(12),
+            retention_period=Duration.days(1),
+            dead_letter_queue=sqs.DeadLetterQueue(queue=self.dead_letter_queue, max_receive_count=3),
         )
 
         self.role = iam.Role(
@@ -111,13 +134,14 @@ class TopologyPlacement(Construct):
                     resources=[cluster.cluster_arn, container_instances],
                 ),
                 iam.PolicyStatement(
-                    sid="DeadLetters",
-                    actions=["sqs:SendMessage"],
-                    resources=[self.dead_letter_queue.queue_arn],
+                    sid="Triggers",
+                    actions=["sqs:ReceiveMessage", "sqs:DeleteMessage", "sqs:GetQueueAttributes",
+                             "sqs:ChangeMessageVisibility"],
+                    resources=[self.trigger_queue.queue_arn],
                 ),
                 iam.PolicyStatement(
-                    sid="DeadLettersKey",
-                    actions=["kms:GenerateDataKey", "kms:Decrypt"],
+                    sid="TriggersKey",
+                    actions=["kms:Decrypt"],
                     resources=[encryption_key.key_arn],
                 ),
             ],
@@ -126,8 +150,9 @@ class TopologyPlacement(Construct):
             self.policy,
             (
                 "AwsSolutions-IAM5[Resource::*]",
-                "ec2:DescribeInstanceTopology and autoscaling:DescribeAutoScalingGroups have no "
-                "resource-level permissions; both are read-only",
+                "ec2:DescribeInstanceTopology, autoscaling:DescribeAutoScalingGroups and (with rolling-update "
+                "signals) elasticloadbalancing:DescribeTargetHealth have no resource-level permissions; all "
+                "are read-only",
             ),
             (
                 f"AwsSolutions-IAM5[Resource::{nag_resource_text(stack, container_instances)}]",
@@ -147,12 +172,10 @@ class TopologyPlacement(Construct):
             role=self.role.without_policy_updates(),
             memory_size=256,
             timeout=Duration.minutes(2),
-            # One run at a time: a run reads, plans and writes the whole cell.
-            reserved_concurrent_executions=1,
+            # One run at a time comes from the FIFO trigger queue; reserved concurrency only
+            # when the fleet file asks for it (it guarantees the controller a slot).
+            reserved_concurrent_executions=reserved_concurrency,
             log_group=self.log_group,
-            dead_letter_queue=self.dead_letter_queue,
-            retry_attempts=2,
-            max_event_age=Duration.hours(1),
             environment={
                 "CLUSTER_NAME": cluster.cluster_arn,
                 "AUTO_SCALING_GROUP_NAME": auto_scaling_group.auto_scaling_group_name,
@@ -169,16 +192,34 @@ class TopologyPlacement(Construct):
                 "Calls only the EC2, ECS and Auto Scaling control-plane APIs and reaches nothing inside "
                 "the VPC; in-VPC it would need three interface endpoints or NAT for no gain",
             ),
+            (
+                "NIST.800.53.R5-LambdaDLQ",
+                "Invoked only by its SQS FIFO trigger queue, whose redrive policy sends failed triggers to the "
+                "encrypted dead-letter queue (alarmed); a function-level DLQ applies to asynchronous invocations",
+            ),
         )
+        if reserved_concurrency is None:
+            acknowledge(
+                self.function,
+                (
+                    "NIST.800.53.R5-LambdaConcurrency",
+                    "Concurrency is bounded by the FIFO trigger queue's single message group (one invocation at a "
+                    "time); reserved concurrency is left to cells[].placement_reserved_concurrency because accounts "
+                    "with a low Lambda quota cannot reserve any",
+                ),
+            )
         acknowledge(
             self.dead_letter_queue,
             (
                 "AwsSolutions-SQS3",
-                "This queue is the dead-letter queue of the placement function's asynchronous invocations",
+                "This queue is the dead-letter queue of the placement controller's trigger queue",
             ),
         )
 
-        run = targets.LambdaFunction(self.function, retry_attempts=2, max_event_age=Duration.hours(1))
+        self.function.add_event_source_mapping(
+            "TriggerQueue", event_source_arn=self.trigger_queue.queue_arn, batch_size=10, enabled=True,
+        )
+        run = targets.SqsQueue(self.trigger_queue, message_group_id="cell")
         self.rules = [
             events.Rule(
                 self,
@@ -233,7 +274,19 @@ class TopologyPlacement(Construct):
             comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
             treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
         )
-        for alarm in (self.errors_alarm, self.dead_letter_alarm):
+        self.backlog_alarm = cloudwatch.Alarm(
+            self,
+            "BacklogAlarm",
+            alarm_description="Placement controller triggers wait more than 15 min: runs are failing or stuck",
+            metric=self.trigger_queue.metric_approximate_age_of_oldest_message(
+                period=Duration.minutes(5), statistic="Maximum"
+            ),
+            threshold=900,
+            evaluation_periods=1,
+            comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_THRESHOLD,
+            treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+        )
+        for alarm in (self.errors_alarm, self.dead_letter_alarm, self.backlog_alarm):
             acknowledge(
                 alarm,
                 (
@@ -248,6 +301,32 @@ class TopologyPlacement(Construct):
             dimensions_map={"Cluster": cluster.cluster_name},
             statistic="Minimum",
             period=Duration.minutes(5),
+        )
+
+    def signal_replacements(self, *, group_logical_id: str, target_group_arn: str) -> None:
+        """Let the controller send the Trainium group's rolling-update signals.
+
+        During an update of the group (AMI or launch template change) CloudFormation waits
+        for one SUCCESS signal per replaced instance; the controller sends it for a new
+        instance once the unit that instance joined has its leader healthy in the target
+        group (placement_controller/signals.py).
+        """
+        stack = Stack.of(self)
+        self.function.add_environment("SIGNAL_STACK", stack.stack_name)
+        self.function.add_environment("SIGNAL_RESOURCE", group_logical_id)
+        self.function.add_environment("TARGET_GROUP_ARN", target_group_arn)
+        self.policy.add_statements(
+            iam.PolicyStatement(
+                sid="SignalThisStacksGroup",
+                actions=["cloudformation:DescribeStackResource", "cloudformation:SignalResource"],
+                resources=[stack.stack_id],
+            ),
+            iam.PolicyStatement(
+                sid="ReadUnitHealth",
+                # DescribeTargetHealth has no resource-level permissions.
+                actions=["elasticloadbalancing:DescribeTargetHealth"],
+                resources=["*"],
+            ),
         )
 
     def unit_score_metric(self, unit: str) -> cloudwatch.Metric:
