@@ -24,12 +24,12 @@ TRAINIUM_SUBNET_ENDPOINTS = 11
 SPARE_NODES = 1
 # CloudFormation: 500 resources per stack
 # (https://docs.aws.amazon.com/AWSCloudFormation/latest/UserGuide/cloudformation-limits.html).
-# A cell template holds a fixed part and a part per unit; both are measured from the
-# synthesized templates (tests/test_cell_checks.py keeps them true). The fixed part is
+# A cell template holds a fixed part and a part per unit, measured from the synthesized
+# templates (about 98 + 9.5 per unit; tests/test_cell_lifecycle.py keeps them true). The fixed part is
 # the largest variant (internet-facing with WAF, gate reader role, both images built).
 CFN_RESOURCE_LIMIT = 500
-CELL_BASE_RESOURCES = 160
-RESOURCES_PER_UNIT = 14
+CELL_BASE_RESOURCES = 110
+RESOURCES_PER_UNIT = 10
 # Boot, ECS registration and the placement controller's sweep before a replaced node's
 # unit starts loading; CloudFormation waits at most 1 h for a rolling-update signal
 # (PauseTime, https://docs.aws.amazon.com/AWSCloudFormation/latest/UserGuide/aws-attribute-updatepolicy.html).
