@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 CONFIG ?=
 CDK_OUT ?= cdk.out
 CDK := node_modules/.bin/cdk
-CONTAINER_PACKAGES := containers/inference containers/proxy
+CONTAINER_PACKAGES := containers/inference containers/inference/executor containers/proxy
 export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 export JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION := 1
 # No AWS call is ever needed to synthesize or test: make sure none is attempted.

@@ -9,7 +9,8 @@ import sys
 
 from aws_cdk import App
 
-from inference_fleet.config import ConfigError, load_fleet
+from inference_fleet.checks import load_fleet
+from inference_fleet.config import ConfigError
 from stacks.fleet import build_fleet
 
 
@@ -24,7 +25,7 @@ def main() -> None:
         # Synth needs no image; deploying one built from containers/inference does.
         print(
             "note: base_images.neuron_vllm_digest is not set: the inference image cannot be built at deploy "
-            "time until it is (or pin cells[].images); see README 'Deploying a cell'",
+            "time until it is (or pin cells[].images); see docs/deploying.md",
             file=sys.stderr,
         )
     try:

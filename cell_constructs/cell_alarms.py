@@ -49,7 +49,7 @@ def gate_reader_role_name(stack_name: str) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class AlarmSpec:
-    """One signal as documented in README.md ("Alarms and thresholds").
+    """One signal as documented in docs/rollout-pipeline.md ("Alarms and thresholds").
 
     What the alarm compares, and how long it must breach.
     """
@@ -94,10 +94,27 @@ class CellAlarms(Construct):
         self.min_units_available = min_units_available
         self.thresholds = thresholds
         self.namespace = metrics_namespace
-        window = Duration.minutes(thresholds.evaluation_minutes)
-        sustained = thresholds.evaluation_minutes
 
+        # Alarms of the cell's other components (the placement controller): in the gate and on
+        # the dashboard, not deployment alarms (they are about the cell, not a unit update).
+        self.component_alarms: dict[str, cloudwatch.IAlarm] = dict(component_alarms or {})
         self.alarms: dict[str, cloudwatch.Alarm] = {}
+        self._load_balancer_alarms(load_balancer, target_group)
+        self._proxy_alarms()
+        self.deployment_alarms, self.rollout_gate = self._rollout_gate()
+
+        self.gate_reader_role: iam.Role | None = None
+        if gate_reader_account is not None:
+            self.gate_reader_role = self._gate_reader(gate_reader_account)
+
+        self.dashboard = self._dashboard(load_balancer, target_group)
+
+    def _load_balancer_alarms(
+        self, load_balancer: elbv2.IApplicationLoadBalancer, target_group: elbv2.IApplicationTargetGroup
+    ) -> None:
+        """The load balancer's view: healthy units, 5xx share, target response time p99."""
+        thresholds, cell_name, sustained = self.thresholds, self.cell_name, self.thresholds.evaluation_minutes
+        units, min_units_available = self.units, self.min_units_available
         # A floor of 0 units can never be breached: the alarm would only add noise.
         if min_units_available >= 1:
             self._alarm(
@@ -137,6 +154,11 @@ class CellAlarms(Construct):
             ),
             load_balancer.metrics.target_response_time(statistic="p99", period=ONE_MINUTE),
         )
+
+    def _proxy_alarms(self) -> None:
+        """The proxies' view (EMF, dimension [Cell]): time to first token p99, queue depth, unit restarts."""
+        thresholds, cell_name, sustained = self.thresholds, self.cell_name, self.thresholds.evaluation_minutes
+        window = Duration.minutes(sustained)
         self._alarm(
             AlarmSpec(
                 key="ttft-p99",
@@ -175,6 +197,8 @@ class CellAlarms(Construct):
             self.proxy_metric("UnitRestarts", "Sum", window),
         )
 
+    def _rollout_gate(self) -> tuple[list[cloudwatch.IAlarm], cloudwatch.CompositeAlarm]:
+        """The alarms ECS rolls a unit's deployment back on, and the composite gate the pipeline bakes under."""
         # ECS watches every alarm but the units floor during a unit's deployment: that alarm is
         # about the whole cell, sits in ALARM while a new cell's units load one after another
         # (which would fail the cell's first deployment), and would block the deployment of a fix
@@ -182,27 +206,19 @@ class CellAlarms(Construct):
         # Nor the ALB target response time: a long non-streamed completion is a normal request
         # that takes as long as its tokens, and one of them would roll a unit's deployment
         # back; the gate still watches it (threshold at least the idle timeout, cell_checks).
-        self.deployment_alarms: list[cloudwatch.IAlarm] = [
+        deployment_alarms: list[cloudwatch.IAlarm] = [
             alarm for key, alarm in self.alarms.items() if key not in ("units-available", "target-response-p99")]
-        # Alarms of the cell's other components (the placement controller): in the gate and on
-        # the dashboard, not deployment alarms (they are about the cell, not a unit update).
-        self.component_alarms = dict(component_alarms or {})
-        self.rollout_gate = cloudwatch.CompositeAlarm(
+        gate = cloudwatch.CompositeAlarm(
             self, "RolloutGate",
-            composite_alarm_name=rollout_gate_name(stack_name),
-            alarm_description=f"Cell {cell_name} is unhealthy: stop the rollout and roll the wave back",
+            composite_alarm_name=rollout_gate_name(self.stack_name),
+            alarm_description=f"Cell {self.cell_name} is unhealthy: stop the rollout and roll the wave back",
             alarm_rule=cloudwatch.AlarmRule.any_of(*self.alarms.values(), *self.component_alarms.values()),
         )
         no_action = ("This alarm is read, not notified: the pipeline's CloudWatchAlarm stage condition and the "
                      "ECS deployment alarms act on its state; notification routing is left to the operator")
-        for alarm in [*self.alarms.values(), self.rollout_gate]:
+        for alarm in [*self.alarms.values(), gate]:
             acknowledge(alarm, ("NIST.800.53.R5-CloudWatchAlarmAction", no_action))
-
-        self.gate_reader_role: iam.Role | None = None
-        if gate_reader_account is not None:
-            self.gate_reader_role = self._gate_reader(gate_reader_account)
-
-        self.dashboard = self._dashboard(load_balancer, target_group)
+        return deployment_alarms, gate
 
     # -- metrics --------------------------------------------------------------------
 

@@ -93,21 +93,28 @@ class MultiNodeInferenceUnit(Construct):
         self._task_role = task_role
         self._log_group = log_group
 
-        placement = [
-            ecs.PlacementConstraint.distinct_instances(),
-            ecs.PlacementConstraint.member_of(f"attribute:{UNIT_ATTRIBUTE} == {unit_id}"),
-        ]
-        strategy = [ecs.CapacityProviderStrategy(capacity_provider=capacity_provider_name, weight=1)]
-        alarm_config = (
-            ecs.DeploymentAlarmConfig(
-                alarm_names=[a.alarm_name for a in deployment_alarms],
-                behavior=ecs.AlarmBehavior.ROLLBACK_ON_ALARM,
-            )
-            if deployment_alarms
-            else None
-        )
-
         leader_task = self._task_definition("LeaderTask", role="leader", environment=leader_environment)
+        self._add_proxy(leader_task, proxy_environment, proxy_stop_timeout)
+        service_settings = self._service_settings(cluster, capacity_provider_name, deployment_alarms)
+        self.leader_service = self._leader_service(
+            leader_task, service_settings, health_check_grace, namespace, leader_service_name, target_group
+        )
+        self.follower_service: ecs.Ec2Service | None = None
+        if nodes > 1:
+            follower_task = self._task_definition("FollowerTask", role="follower", environment=follower_environment)
+            self._follower_health_and_drain_guard(follower_task, leader_drain=proxy_stop_timeout)
+            self.follower_service = ecs.Ec2Service(
+                self, "Followers", task_definition=follower_task, desired_count=nodes - 1, **service_settings
+            )
+
+    @property
+    def services(self) -> list[ecs.Ec2Service]:
+        return [s for s in (self.leader_service, self.follower_service) if s is not None]
+
+    def _add_proxy(
+        self, leader_task: ecs.Ec2TaskDefinition, environment: dict[str, str], stop_timeout: Duration
+    ) -> None:
+        """The proxy sidecar of the leader task: the load balancer's target; stops before the engine."""
         # The proxy's workers share metrics and a control socket through files: a small
         # tmpfs /tmp, the only writable path of its read-only root filesystem.
         proxy_linux = ecs.LinuxParameters(self, "ProxyLinux")
@@ -120,15 +127,15 @@ class MultiNodeInferenceUnit(Construct):
         )
         proxy = leader_task.add_container(
             "proxy",
-            image=images.proxy,
+            image=self._images.proxy,
             essential=True,
-            environment=proxy_environment,
+            environment=environment,
             memory_reservation_mib=PROXY_MEMORY_MIB,
-            port_mappings=[ecs.PortMapping(container_port=ports.proxy, host_port=ports.proxy)],
+            port_mappings=[ecs.PortMapping(container_port=self._ports.proxy, host_port=self._ports.proxy)],
             logging=ecs.LogDrivers.aws_logs(
-                stream_prefix=f"{unit_id}-proxy", log_group=log_group, mode=ecs.AwsLogDriverMode.NON_BLOCKING
+                stream_prefix=f"{self.unit_id}-proxy", log_group=self._log_group, mode=ecs.AwsLogDriverMode.NON_BLOCKING
             ),
-            stop_timeout=proxy_stop_timeout,
+            stop_timeout=stop_timeout,
             user="10001",
             readonly_root_filesystem=True,
             linux_parameters=proxy_linux,
@@ -140,8 +147,26 @@ class MultiNodeInferenceUnit(Construct):
                 container=leader_task.default_container, condition=ecs.ContainerDependencyCondition.START
             )
         )
+
+    def _service_settings(
+        self, cluster: ecs.ICluster, capacity_provider_name: str, deployment_alarms: list[cloudwatch.IAlarm] | None
+    ) -> dict[str, object]:
+        """What the leader and follower services share: placement on the unit's instances, in-place deployment."""
+        placement = [
+            ecs.PlacementConstraint.distinct_instances(),
+            ecs.PlacementConstraint.member_of(f"attribute:{UNIT_ATTRIBUTE} == {self.unit_id}"),
+        ]
+        strategy = [ecs.CapacityProviderStrategy(capacity_provider=capacity_provider_name, weight=1)]
+        alarm_config = (
+            ecs.DeploymentAlarmConfig(
+                alarm_names=[a.alarm_name for a in deployment_alarms],
+                behavior=ecs.AlarmBehavior.ROLLBACK_ON_ALARM,
+            )
+            if deployment_alarms
+            else None
+        )
         # Leader and followers deploy alike: in place, with rollback by circuit breaker or alarm.
-        service_settings = {
+        return {
             "cluster": cluster,
             "placement_constraints": placement,
             "capacity_provider_strategies": strategy,
@@ -152,7 +177,18 @@ class MultiNodeInferenceUnit(Construct):
             "enable_ecs_managed_tags": True,
             "propagate_tags": ecs.PropagatedTagSource.SERVICE,
         }
-        self.leader_service = ecs.Ec2Service(
+
+    def _leader_service(
+        self,
+        leader_task: ecs.Ec2TaskDefinition,
+        service_settings: dict[str, object],
+        health_check_grace: Duration,
+        namespace: servicediscovery.INamespace,
+        leader_service_name: str,
+        target_group: elbv2.IApplicationTargetGroup,
+    ) -> ecs.Ec2Service:
+        """One leader task, registered in Cloud Map for the followers and in the target group by its proxy."""
+        service = ecs.Ec2Service(
             self,
             "Leader",
             task_definition=leader_task,
@@ -165,20 +201,13 @@ class MultiNodeInferenceUnit(Construct):
                 dns_record_type=servicediscovery.DnsRecordType.SRV,
                 dns_ttl=Duration.seconds(10),
                 container=leader_task.default_container,
-                container_port=ports.rendezvous,
+                container_port=self._ports.rendezvous,
             ),
         )
         target_group.add_target(
-            self.leader_service.load_balancer_target(container_name="proxy", container_port=ports.proxy)
+            service.load_balancer_target(container_name="proxy", container_port=self._ports.proxy)
         )
-
-        self.follower_service: ecs.Ec2Service | None = None
-        if nodes > 1:
-            follower_task = self._task_definition("FollowerTask", role="follower", environment=follower_environment)
-            self._follower_health_and_drain_guard(follower_task, leader_drain=proxy_stop_timeout)
-            self.follower_service = ecs.Ec2Service(
-                self, "Followers", task_definition=follower_task, desired_count=nodes - 1, **service_settings
-            )
+        return service
 
     def _follower_health_and_drain_guard(self, task: ecs.Ec2TaskDefinition, *, leader_drain: Duration) -> None:
         """A follower stops only after its unit's leader has drained, and reports its health.
@@ -231,10 +260,6 @@ class MultiNodeInferenceUnit(Construct):
         guard.add_container_dependencies(
             ecs.ContainerDependency(container=engine, condition=ecs.ContainerDependencyCondition.START)
         )
-
-    @property
-    def services(self) -> list[ecs.Ec2Service]:
-        return [s for s in (self.leader_service, self.follower_service) if s is not None]
 
     def _task_definition(self, construct_id: str, *, role: str, environment: dict[str, str]) -> ecs.Ec2TaskDefinition:
         """A task that holds a whole instance: every Neuron and EFA device, pinned memory, shared memory."""

@@ -52,8 +52,21 @@ class CellNetwork(Construct):
         super().__init__(scope, construct_id)
         if trainium_az not in availability_zones:
             raise ValueError(f"trainium_az {trainium_az} must be one of {availability_zones}")
+        self.vpc = self._vpc(cidr, trainium_az, availability_zones)
+        self.trainium_subnet = self.vpc.select_subnets(
+            subnet_group_name="trainium", availability_zones=[trainium_az]
+        ).subnets[0]
+        self.trainium_subnets = ec2.SubnetSelection(subnets=[self.trainium_subnet])
+        self.internal_alb_subnets = ec2.SubnetSelection(subnet_group_name="alb")
+        self.public_alb_subnets = ec2.SubnetSelection(subnet_group_name="public")
+
+        self._endpoints(cidr)
+        self._flow_logs(encryption_key, log_retention)
+
+    def _vpc(self, cidr: ipaddress.IPv4Network, trainium_az: str, availability_zones: tuple[str, ...]) -> ec2.Vpc:
+        """Public (NAT, and the ALB when internet-facing), ALB and Trainium subnets; the Trainium AZ first."""
         # The Trainium subnet gets a quarter of the VPC; the others 1/16 each.
-        self.vpc = ec2.Vpc(
+        vpc = ec2.Vpc(
             self,
             "Vpc",
             ip_addresses=ec2.IpAddresses.cidr(str(cidr)),
@@ -78,12 +91,12 @@ class CellNetwork(Construct):
         # AZ IDs (use2-az1) name the same physical zone in every account; subnets take them
         # as AvailabilityZoneId instead of AvailabilityZone
         # (https://docs.aws.amazon.com/AWSCloudFormation/latest/UserGuide/aws-resource-ec2-subnet.html).
-        for subnet in [*self.vpc.public_subnets, *self.vpc.private_subnets]:
+        for subnet in [*vpc.public_subnets, *vpc.private_subnets]:
             if is_az_id(subnet.availability_zone):
                 cfn_subnet = subnet.node.default_child
                 cfn_subnet.add_property_deletion_override("AvailabilityZone")
                 cfn_subnet.add_property_override("AvailabilityZoneId", subnet.availability_zone)
-        for subnet in self.vpc.public_subnets:
+        for subnet in vpc.public_subnets:
             acknowledge(
                 subnet,
                 (
@@ -92,13 +105,10 @@ class CellNetwork(Construct):
                     "they do not assign public IPs on launch",
                 ),
             )
-        self.trainium_subnet = self.vpc.select_subnets(
-            subnet_group_name="trainium", availability_zones=[trainium_az]
-        ).subnets[0]
-        self.trainium_subnets = ec2.SubnetSelection(subnets=[self.trainium_subnet])
-        self.internal_alb_subnets = ec2.SubnetSelection(subnet_group_name="alb")
-        self.public_alb_subnets = ec2.SubnetSelection(subnet_group_name="public")
+        return vpc
 
+    def _endpoints(self, cidr: ipaddress.IPv4Network) -> None:
+        """The S3 gateway endpoint and interface endpoints of the AWS APIs the nodes call, in the Trainium subnet."""
         self.vpc.add_gateway_endpoint("S3", service=ec2.GatewayVpcEndpointAwsService.S3)
         # One security group for every interface endpoint: HTTPS from inside the VPC.
         # The CIDR is written literally (not the VPC's CidrBlock attribute) so the policy
@@ -121,6 +131,8 @@ class CellNetwork(Construct):
                 open=False,
             )
 
+    def _flow_logs(self, encryption_key: kms.IKey, log_retention: logs.RetentionDays) -> None:
+        """Flow logs of all traffic to an encrypted log group."""
         flow_log_group = logs.LogGroup(
             self,
             "FlowLogs",

@@ -4,9 +4,11 @@ The function (functions/placement) runs on every ECS container instance state ch
 the cell's cluster, on every successful launch or termination in the cell's Trainium
 Auto Scaling group, and on a periodic sweep. Each run reconciles the ECS attribute
 `unit` (u0, u1, ...) that the units' tasks are pinned to, so a unit's nodes sit under
-the deepest shared network node. Reserved concurrency 1 serialises runs; failed
-asynchronous invocations land in an encrypted dead-letter queue; function errors and
-dead letters each raise an alarm; logs are encrypted and expire. IAM: topology and group
+the deepest shared network node. A FIFO trigger queue with one message group serialises
+runs; triggers that keep failing land in an encrypted dead-letter queue; function errors,
+dead letters and a trigger backlog each raise an alarm; logs are encrypted and expire. With
+`signal_replacements` the controller also sends the Trainium group's rolling-update
+signals (functions/placement/placement_controller/signals.py). IAM: topology and group
 reads (no resource-level permissions exist for them), ECS reads and attribute writes on
 this cluster and its container instances only.
 """
@@ -61,16 +63,34 @@ class TopologyPlacement(Construct):
     ) -> None:
         super().__init__(scope, id)
         _validate(units, nodes_per_unit, metrics_namespace, sweep_interval)
-        stack = Stack.of(self)
 
         self.log_group = logs.LogGroup(self, "Logs", encryption_key=encryption_key, retention=log_retention)
+        self.dead_letter_queue, self.trigger_queue = self._queues(encryption_key)
+
+        self.role, self.policy = self._role_and_policy(cluster, encryption_key)
+        self.function = self._function(
+            cluster, auto_scaling_group, units, nodes_per_unit, metrics_namespace, reserved_concurrency
+        )
+        self.rules = self._triggers(cluster, auto_scaling_group, sweep_interval)
+        self.errors_alarm, self.dead_letter_alarm, self.backlog_alarm = self._alarms()
+        # The controller publishes these through Embedded Metric Format log lines.
+        self.min_score_metric = cloudwatch.Metric(
+            namespace=metrics_namespace,
+            metric_name="MinTopologyScore",
+            dimensions_map={"Cluster": cluster.cluster_name},
+            statistic="Minimum",
+            period=Duration.minutes(5),
+        )
+
+    def _queues(self, encryption_key: kms.IKey) -> tuple[sqs.Queue, sqs.Queue]:
+        """The FIFO trigger queue that serialises runs, and its dead-letter queue."""
         # Runs are serialised by a FIFO queue with one message group: Lambda's SQS event
         # source hands a group's messages to one invocation at a time and no more until that
         # batch is done (https://docs.aws.amazon.com/lambda/latest/dg/services-sqs-scaling.html,
         # https://docs.aws.amazon.com/AWSSimpleQueueService/latest/SQSDeveloperGuide/FIFO-key-terms.html),
         # so no reserved concurrency is needed (accounts with a Lambda quota of 10 cannot
         # reserve any). Events that arrive during a run are batched into the next one.
-        self.dead_letter_queue = sqs.Queue(
+        dead_letter_queue = sqs.Queue(
             self,
             "DeadLetters",
             fifo=True,
@@ -79,7 +99,7 @@ class TopologyPlacement(Construct):
             enforce_ssl=True,
             retention_period=Duration.days(14),
         )
-        self.trigger_queue = sqs.Queue(
+        trigger_queue = sqs.Queue(
             self,
             "Triggers",
             fifo=True,
@@ -92,10 +112,21 @@ class TopologyPlacement(Construct):
             # Lambda recommends six times the function timeout for an SQS event source.
             visibility_timeout=Duration.minutes(12),
             retention_period=Duration.days(1),
-            dead_letter_queue=sqs.DeadLetterQueue(queue=self.dead_letter_queue, max_receive_count=3),
+            dead_letter_queue=sqs.DeadLetterQueue(queue=dead_letter_queue, max_receive_count=3),
         )
+        acknowledge(
+            dead_letter_queue,
+            (
+                "AwsSolutions-SQS3",
+                "This queue is the dead-letter queue of the placement controller's trigger queue",
+            ),
+        )
+        return dead_letter_queue, trigger_queue
 
-        self.role = iam.Role(
+    def _role_and_policy(self, cluster: ecs.ICluster, encryption_key: kms.IKey) -> tuple[iam.Role, iam.ManagedPolicy]:
+        """The function's role and its one managed policy: least privilege on this cluster."""
+        stack = Stack.of(self)
+        role = iam.Role(
             self,
             "Role",
             assumed_by=iam.ServicePrincipal("lambda.amazonaws.com"),
@@ -106,11 +137,11 @@ class TopologyPlacement(Construct):
         )
         # Every permission is in this one customer-managed policy: the role refuses the
         # inline default policy that grants would otherwise create (NIST IAMNoInlinePolicy).
-        self.policy = iam.ManagedPolicy(
+        policy = iam.ManagedPolicy(
             self,
             "Policy",
             description="Placement controller of one cell",
-            roles=[self.role],
+            roles=[role],
             statements=[
                 iam.PolicyStatement(
                     sid="Logs",
@@ -147,7 +178,7 @@ class TopologyPlacement(Construct):
             ],
         )
         acknowledge(
-            self.policy,
+            policy,
             (
                 "AwsSolutions-IAM5[Resource::*]",
                 "ec2:DescribeInstanceTopology, autoscaling:DescribeAutoScalingGroups and (with rolling-update "
@@ -159,8 +190,19 @@ class TopologyPlacement(Construct):
                 "Container instances of this cluster only: their ids are not known before launch",
             ),
         )
+        return role, policy
 
-        self.function = lambda_.Function(
+    def _function(
+        self,
+        cluster: ecs.ICluster,
+        auto_scaling_group: autoscaling.IAutoScalingGroup,
+        units: int,
+        nodes_per_unit: int,
+        metrics_namespace: str,
+        reserved_concurrency: int | None,
+    ) -> lambda_.Function:
+        """The controller function: fed by the FIFO trigger queue, its settings in the environment."""
+        function = lambda_.Function(
             self,
             "Function",
             description="Groups the cell's Trainium instances into units by EC2 network topology",
@@ -184,9 +226,9 @@ class TopologyPlacement(Construct):
                 "METRICS_NAMESPACE": metrics_namespace,
             },
         )
-        self.function.node.add_dependency(self.policy)
+        function.node.add_dependency(self.policy)
         acknowledge(
-            self.function,
+            function,
             (
                 "NIST.800.53.R5-LambdaInsideVPC",
                 "Calls only the EC2, ECS and Auto Scaling control-plane APIs and reaches nothing inside "
@@ -200,7 +242,7 @@ class TopologyPlacement(Construct):
         )
         if reserved_concurrency is None:
             acknowledge(
-                self.function,
+                function,
                 (
                     "NIST.800.53.R5-LambdaConcurrency",
                     "Concurrency is bounded by the FIFO trigger queue's single message group (one invocation at a "
@@ -208,19 +250,20 @@ class TopologyPlacement(Construct):
                     "with a low Lambda quota cannot reserve any",
                 ),
             )
-        acknowledge(
-            self.dead_letter_queue,
-            (
-                "AwsSolutions-SQS3",
-                "This queue is the dead-letter queue of the placement controller's trigger queue",
-            ),
-        )
+        return function
 
+    def _triggers(
+        self, cluster: ecs.ICluster, auto_scaling_group: autoscaling.IAutoScalingGroup, sweep_interval: Duration
+    ) -> list[events.Rule]:
+        """What runs the controller: container instance changes, group launches and terminations, a sweep.
+
+        Each rule sends its event to the FIFO trigger queue (one message group), which feeds the function.
+        """
         self.function.add_event_source_mapping(
             "TriggerQueue", event_source_arn=self.trigger_queue.queue_arn, batch_size=10, enabled=True,
         )
         run = targets.SqsQueue(self.trigger_queue, message_group_id="cell")
-        self.rules = [
+        return [
             events.Rule(
                 self,
                 "ContainerInstanceChanges",
@@ -252,7 +295,9 @@ class TopologyPlacement(Construct):
             ),
         ]
 
-        self.errors_alarm = cloudwatch.Alarm(
+    def _alarms(self) -> tuple[cloudwatch.Alarm, cloudwatch.Alarm, cloudwatch.Alarm]:
+        """Function errors, dead letters and a trigger backlog, each an alarm (pipeline and dashboard)."""
+        errors = cloudwatch.Alarm(
             self,
             "ErrorsAlarm",
             alarm_description="The placement controller failed; unit attributes may be stale",
@@ -262,7 +307,7 @@ class TopologyPlacement(Construct):
             comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
             treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
         )
-        self.dead_letter_alarm = cloudwatch.Alarm(
+        dead_letters = cloudwatch.Alarm(
             self,
             "DeadLettersAlarm",
             alarm_description="Placement controller events exhausted their retries",
@@ -274,7 +319,7 @@ class TopologyPlacement(Construct):
             comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
             treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
         )
-        self.backlog_alarm = cloudwatch.Alarm(
+        backlog = cloudwatch.Alarm(
             self,
             "BacklogAlarm",
             alarm_description="Placement controller triggers wait more than 15 min: runs are failing or stuck",
@@ -286,7 +331,7 @@ class TopologyPlacement(Construct):
             comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_THRESHOLD,
             treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
         )
-        for alarm in (self.errors_alarm, self.dead_letter_alarm, self.backlog_alarm):
+        for alarm in (errors, dead_letters, backlog):
             acknowledge(
                 alarm,
                 (
@@ -294,14 +339,7 @@ class TopologyPlacement(Construct):
                     "Watched by the rollout pipeline's alarm conditions and the cell dashboard; no action",
                 ),
             )
-        # The controller publishes these through Embedded Metric Format log lines.
-        self.min_score_metric = cloudwatch.Metric(
-            namespace=metrics_namespace,
-            metric_name="MinTopologyScore",
-            dimensions_map={"Cluster": cluster.cluster_name},
-            statistic="Minimum",
-            period=Duration.minutes(5),
-        )
+        return errors, dead_letters, backlog
 
     def signal_replacements(self, *, group_logical_id: str, target_group_arn: str) -> None:
         """Let the controller send the Trainium group's rolling-update signals.

@@ -173,7 +173,20 @@ class TrainiumCapacity(Construct):
         if instance_count < 1:
             raise ValueError(f"instance_count must be >= 1, got {instance_count}")
 
-        self.security_group = ec2.SecurityGroup(
+        self.security_group = self._efa_security_group(vpc)
+        self.placement_group = ec2.PlacementGroup(self, "ClusterPlacement", strategy=ec2.PlacementGroupStrategy.CLUSTER)
+
+        role = self._instance_role()
+        self.launch_template = self._launch_template(
+            instance, role, root_volume_gib, encryption_key, capacity_source=capacity_source, efa=efa, ami_id=ami_id
+        )
+        self.auto_scaling_group, self.capacity_provider = self._nodes(
+            vpc, subnets, cluster, instance_count, replacement_wait
+        )
+
+    def _efa_security_group(self, vpc: ec2.IVpc) -> ec2.SecurityGroup:
+        """One group for every EFA interface of every node, open to itself (EFA needs it) and HTTPS out."""
+        group = ec2.SecurityGroup(
             self,
             "EfaSecurityGroup",
             vpc=vpc,
@@ -181,20 +194,21 @@ class TrainiumCapacity(Construct):
             description="EFA and unit traffic between Trainium nodes of one cell",
         )
         # EFA requires all traffic to and from the group itself.
-        self.security_group.add_ingress_rule(self.security_group, ec2.Port.all_traffic(), "EFA and unit peers")
-        self.security_group.add_egress_rule(self.security_group, ec2.Port.all_traffic(), "EFA and unit peers")
+        group.add_ingress_rule(group, ec2.Port.all_traffic(), "EFA and unit peers")
+        group.add_egress_rule(group, ec2.Port.all_traffic(), "EFA and unit peers")
         # HTTPS out: VPC endpoints, S3, and the EFA installer download through NAT.
-        self.security_group.add_egress_rule(ec2.Peer.any_ipv4(), ec2.Port.tcp(443), "HTTPS to AWS APIs")
+        group.add_egress_rule(ec2.Peer.any_ipv4(), ec2.Port.tcp(443), "HTTPS to AWS APIs")
         acknowledge(
-            self.security_group,
+            group,
             (
                 "NIST.800.53.R5-EC2RestrictedCommonPorts",
                 "EFA requires all traffic between members of this group (source is the group itself, not a CIDR)",
             ),
         )
+        return group
 
-        self.placement_group = ec2.PlacementGroup(self, "ClusterPlacement", strategy=ec2.PlacementGroupStrategy.CLUSTER)
-
+    def _instance_role(self) -> iam.Role:
+        """The nodes' role: ECS agent registration (added by the cluster) and SSM sessions only."""
         role = iam.Role(
             self,
             "InstanceRole",
@@ -225,7 +239,21 @@ class TrainiumCapacity(Construct):
                 "for this instance role, versioned with the stack",
             ),
         )
+        return role
 
+    def _launch_template(
+        self,
+        instance: InstanceType,
+        role: iam.Role,
+        root_volume_gib: int,
+        encryption_key: kms.IKey,
+        *,
+        capacity_source: CapacitySource,
+        efa: EfaSetup,
+        ami_id: str | None,
+    ) -> ec2.LaunchTemplate:
+        """Neuron ECS AMI (or a pinned one), IMDSv2, encrypted root volume, placement group, every EFA
+        interface, the node's boot script, and the capacity reservation or block launches are aimed at."""
         user_data = ec2.UserData.for_linux()
         user_data.add_commands(*_node_user_data(efa))
         # A pinned AMI changes only when the fleet file does (the pipeline advances it);
@@ -235,7 +263,7 @@ class TrainiumCapacity(Construct):
             if ami_id
             else ecs.EcsOptimizedImage.amazon_linux2023(ecs.AmiHardwareType.NEURON)
         )
-        self.launch_template = ec2.LaunchTemplate(
+        template = ec2.LaunchTemplate(
             self,
             "LaunchTemplate",
             instance_type=ec2.InstanceType(instance.name),
@@ -261,16 +289,27 @@ class TrainiumCapacity(Construct):
         )
         # The L2 launch template has no network-interface prop: EFA interfaces go in by
         # override, and the security group moves from SecurityGroupIds into each interface.
-        cfn_template = self.launch_template.node.default_child
+        cfn_template = template.node.default_child
         cfn_template.add_property_override(
             "LaunchTemplateData.NetworkInterfaces",
             efa_network_interfaces(instance, self.security_group.security_group_id),
         )
         cfn_template.add_property_deletion_override("LaunchTemplateData.SecurityGroupIds")
+        # Aim launches at the configured capacity (reservation or block); nothing for on-demand.
         for name, value in capacity_overrides(capacity_source).items():
             cfn_template.add_property_override(f"LaunchTemplateData.{name}", value)
+        return template
 
-        self.auto_scaling_group = autoscaling.AutoScalingGroup(
+    def _nodes(
+        self,
+        vpc: ec2.IVpc,
+        subnets: ec2.SubnetSelection,
+        cluster: ecs.Cluster,
+        instance_count: int,
+        replacement_wait: Duration,
+    ) -> tuple[autoscaling.AutoScalingGroup, ecs.AsgCapacityProvider]:
+        """The fixed-size group of nodes (replaced one at a time on signal) and its capacity provider."""
+        group = autoscaling.AutoScalingGroup(
             self,
             "Nodes",
             vpc=vpc,
@@ -293,17 +332,17 @@ class TrainiumCapacity(Construct):
             ),
         )
         acknowledge(
-            self.auto_scaling_group,
+            group,
             (
                 "AwsSolutions-AS3",
                 "Instance launch and termination events go to EventBridge, "
                 "where the placement controller consumes them; no SNS topic needed",
             ),
         )
-        self.capacity_provider = ecs.AsgCapacityProvider(
+        provider = ecs.AsgCapacityProvider(
             self,
             "CapacityProvider",
-            auto_scaling_group=self.auto_scaling_group,
+            auto_scaling_group=group,
             # Units are pinned to instances by attribute; the group is sized by the fleet
             # file (units x nodes), not by ECS managed scaling.
             enable_managed_scaling=False,
@@ -312,4 +351,5 @@ class TrainiumCapacity(Construct):
             enable_managed_draining=True,
             machine_image_type=ecs.MachineImageType.AMAZON_LINUX_2,
         )
-        cluster.add_asg_capacity_provider(self.capacity_provider)
+        cluster.add_asg_capacity_provider(provider)
+        return group, provider

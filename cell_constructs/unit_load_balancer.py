@@ -40,7 +40,17 @@ class UnitLoadBalancer(Construct):
         deletion_protection: bool,
     ) -> None:
         super().__init__(scope, construct_id)
-        self.access_logs = s3.Bucket(
+        self.access_logs = self._access_logs_bucket()
+        listener_port = 443 if certificate_arn else 80
+        self.security_group = self._security_group(vpc, client_cidrs, listener_port)
+        self.load_balancer = self._load_balancer(vpc, subnets, internet_facing, idle_timeout, deletion_protection)
+        self.target_group = self._target_group(vpc, target_port, deregistration_delay)
+        self.listener = self._listener(certificate_arn)
+        self._guard(internet_facing)
+
+    def _access_logs_bucket(self) -> s3.Bucket:
+        """The ALB's access logs: SSE-S3 (the only encryption ALB logging takes), SSL only, kept 90 days."""
+        bucket = s3.Bucket(
             self,
             "AccessLogs",
             # ALB access logs support SSE-S3 only, not SSE-KMS.
@@ -55,7 +65,7 @@ class UnitLoadBalancer(Construct):
             removal_policy=RemovalPolicy.RETAIN,
         )
         acknowledge(
-            self.access_logs,
+            bucket,
             ("AwsSolutions-S1", "This bucket is itself the access-log destination of the ALB"),
             ("NIST.800.53.R5-S3BucketLoggingEnabled", "This bucket is itself the access-log destination of the ALB"),
             (
@@ -64,19 +74,31 @@ class UnitLoadBalancer(Construct):
             ),
             ("NIST.800.53.R5-S3DefaultEncryptionKMS", "ALB access logging supports only SSE-S3 encryption"),
         )
+        return bucket
 
-        self.security_group = ec2.SecurityGroup(
+    def _security_group(self, vpc: ec2.IVpc, client_cidrs: list[str], listener_port: int) -> ec2.SecurityGroup:
+        """Clients in on the listener port, from the configured CIDRs only; no outbound rule of its own."""
+        group = ec2.SecurityGroup(
             self,
             "SecurityGroup",
             vpc=vpc,
             allow_all_outbound=False,
             description="Unit load balancer: clients in, proxies out",
         )
-        listener_port = 443 if certificate_arn else 80
         for cidr in client_cidrs:
-            self.security_group.add_ingress_rule(ec2.Peer.ipv4(cidr), ec2.Port.tcp(listener_port), "clients")
+            group.add_ingress_rule(ec2.Peer.ipv4(cidr), ec2.Port.tcp(listener_port), "clients")
+        return group
 
-        self.load_balancer = elbv2.ApplicationLoadBalancer(
+    def _load_balancer(
+        self,
+        vpc: ec2.IVpc,
+        subnets: ec2.SubnetSelection,
+        internet_facing: bool,
+        idle_timeout: Duration,
+        deletion_protection: bool,
+    ) -> elbv2.ApplicationLoadBalancer:
+        """The ALB: invalid headers dropped, HTTP/2, access logs, deletion protection as configured."""
+        alb = elbv2.ApplicationLoadBalancer(
             self,
             "Alb",
             vpc=vpc,
@@ -88,17 +110,22 @@ class UnitLoadBalancer(Construct):
             deletion_protection=deletion_protection,
             http2_enabled=True,
         )
-        self.load_balancer.log_access_logs(self.access_logs, prefix="alb")
+        alb.log_access_logs(self.access_logs, prefix="alb")
         if deletion_protection is False:
             acknowledge(
-                self.load_balancer,
+                alb,
                 (
                     "NIST.800.53.R5-ELBDeletionProtectionEnabled",
                     "deletion_protection is switched off for this cell in the fleet file",
                 ),
             )
+        return alb
 
-        self.target_group = elbv2.ApplicationTargetGroup(
+    def _target_group(
+        self, vpc: ec2.IVpc, target_port: int, deregistration_delay: Duration
+    ) -> elbv2.ApplicationTargetGroup:
+        """The units' proxies: least outstanding requests, health from each proxy's /health."""
+        return elbv2.ApplicationTargetGroup(
             self,
             "Units",
             vpc=vpc,
@@ -118,8 +145,10 @@ class UnitLoadBalancer(Construct):
             ),
         )
 
+    def _listener(self, certificate_arn: str | None) -> elbv2.ApplicationListener:
+        """HTTPS with a TLS 1.2+ policy when the cell has a certificate, otherwise plain HTTP."""
         if certificate_arn:
-            self.listener = self.load_balancer.add_listener(
+            listener = self.load_balancer.add_listener(
                 "Https",
                 port=443,
                 protocol=elbv2.ApplicationProtocol.HTTPS,
@@ -133,7 +162,7 @@ class UnitLoadBalancer(Construct):
                 open=False,
             )
         else:
-            self.listener = self.load_balancer.add_listener(
+            listener = self.load_balancer.add_listener(
                 "Http",
                 port=80,
                 protocol=elbv2.ApplicationProtocol.HTTP,
@@ -145,7 +174,11 @@ class UnitLoadBalancer(Construct):
                 "configured client CIDRs; set certificate_arn to serve HTTPS"
             )
             acknowledge(self.load_balancer, ("NIST.800.53.R5-ALBHttpToHttpsRedirection", no_tls))
-            acknowledge(self.listener, ("NIST.800.53.R5-ELBv2ACMCertificateRequired", no_tls))
+            acknowledge(listener, ("NIST.800.53.R5-ELBv2ACMCertificateRequired", no_tls))
+        return listener
+
+    def _guard(self, internet_facing: bool) -> None:
+        """Internet-facing: a web ACL of AWS managed rules; internal: reachable from the client CIDRs only."""
         if internet_facing:
             acknowledge(
                 self.security_group, ("AwsSolutions-EC23", "internet_facing is set for this cell in the fleet file")

@@ -75,6 +75,11 @@ class Proc:
         """Send sig to the process only (what ECS's `docker stop` sends to PID 1)."""
         _signal_quietly(self.pid, sig)
 
+    def signal_tree(self, sig: int) -> None:
+        """Send sig to every process of the tree (SIGSTOP: a node partitioned, alive but silent)."""
+        for pid in self.tree():
+            _signal_quietly(pid, sig)
+
     def kill_tree(self) -> None:
         """SIGKILL the whole tree and group at once: a node lost, not a process stopped."""
         pids = self.tree()

@@ -158,6 +158,25 @@ def ensure_env(force: bool = False) -> dict[str, object]:
     return stats
 
 
+EXECUTOR = ROOT / "containers" / "inference" / "executor"
+
+
+def install_executor() -> None:
+    """Install this package's vLLM plugin (the unit executor) into the engine's env.
+
+    Editable and every run: it is the code under test, so the engine always runs the
+    work tree's copy, as the image installs it into the Neuron image's Python.
+    """
+    env = dict(os.environ, UV_CACHE_DIR=str(E2E_DIR / "cache" / "uv"))
+    env.pop("VIRTUAL_ENV", None)
+    run([_uv(), "pip", "install", "--quiet", "--python", str(VENV / "bin" / "python"), "--no-deps",
+         "-e", str(EXECUTOR)], env=env)
+    check = ("from importlib.metadata import entry_points; "
+             "names = [e.name for e in entry_points(group='vllm.platform_plugins')]; "
+             "assert 'unit' in names, names")
+    run([str(VENV / "bin" / "python"), "-c", check], env=env, timeout=120)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--force", action="store_true", help="rebuild even if the env is up to date")
@@ -166,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.relock:
         relock()
     ensure_env(force=args.force)
+    install_executor()
     return 0
 
 

@@ -23,10 +23,10 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from procs import Proc, Supervisor
-from run_e2e import (
+from harness import (
     ENGINE_PYTHON,
     MODEL_NAME,
     VLLM_ENTRY,
@@ -38,6 +38,7 @@ from run_e2e import (
     http_get,
     wait_until,
 )
+from procs import Proc, Supervisor
 
 MAX_MODEL_LEN = 256
 DRAIN_TOKENS = 96
@@ -61,11 +62,11 @@ def _exit_unit_lost() -> int:
 EXIT_UNIT_LOST = _exit_unit_lost()
 
 
-def build_e2e_spec(h: Harness, ports: UnitPorts, follower_loss_seconds: float) -> dict[str, Any]:
+def build_e2e_spec(h: Harness, ports: UnitPorts, follower_loss_seconds: float | None) -> dict[str, Any]:
     """The fleet's unit spec for unit 0 of the first cell, adapted to two CPU nodes on loopback."""
     from unit_launcher.spec import parse_spec
 
-    from inference_fleet.config import load_fleet
+    from inference_fleet.checks import load_fleet
     from inference_fleet.unit_spec import build_unit_spec
 
     fleet = load_fleet(None)
@@ -85,10 +86,25 @@ def build_e2e_spec(h: Harness, ports: UnitPorts, follower_loss_seconds: float) -
         extra_env=engine_environment(h.cache),
         stop_timeout_seconds=90,
     )
-    spec["rendezvous"].update(port=ports.rendezvous, follower_loss_seconds=follower_loss_seconds,
-                              join_timeout_seconds=600)
+    # The production timings (the fleet's follower loss and step bound) unless asked otherwise.
+    spec["rendezvous"].update(port=ports.rendezvous, join_timeout_seconds=600)
+    if follower_loss_seconds is not None:
+        spec["rendezvous"]["follower_loss_seconds"] = follower_loss_seconds
     parse_spec(spec, "e2e spec")  # the launcher's own validation, before anything starts
     return spec
+
+
+def task_starter(h: Harness, role: str, spec: dict[str, Any]) -> Any:
+    """Start one task of `role`; every start is a new task with a new instance identity, as on ECS."""
+    count = 0
+
+    def start() -> Proc:
+        nonlocal count
+        count += 1
+        env = launcher_env(spec, role, f"i-e2e-{role}-{count}")
+        return h.table.start(role, [sys.executable, "-m", "unit_launcher", "run"], env)
+
+    return start
 
 
 def launcher_env(spec: dict[str, Any], role: str, instance_id: str) -> dict[str, str]:
@@ -133,14 +149,9 @@ class Unit:
     def __init__(self, h: Harness, ports: UnitPorts, spec: dict[str, Any]) -> None:
         self.h = h
         self.ports = ports
-        py = sys.executable
-        leader_env = launcher_env(spec, "leader", "i-e2e-leader")
-        follower_env = launcher_env(spec, "follower", "i-e2e-follower")
-        self.leader = Supervisor(
-            "leader", lambda: h.table.start("leader", [py, "-m", "unit_launcher", "run"], leader_env))
-        self.follower = Supervisor(
-            "follower", lambda: h.table.start("follower", [py, "-m", "unit_launcher", "run"], follower_env))
-        self.proxy: Proc = h.table.start("proxy", [py, "-m", "unit_proxy"], proxy_env(ports))
+        self.leader = Supervisor("leader", task_starter(h, "leader", spec))
+        self.follower = Supervisor("follower", task_starter(h, "follower", spec))
+        self.proxy: Proc = h.table.start("proxy", [sys.executable, "-m", "unit_proxy"], proxy_env(ports))
         self.health_url = f"http://127.0.0.1:{ports.proxy}/health"
         self.status_url = f"http://127.0.0.1:{ports.rendezvous}/status"
 
@@ -178,10 +189,10 @@ class Probe:
     seconds: float
 
 
-def probe_half_unit(driver_url: str, stop: threading.Event, out: list[Probe]) -> None:
+def probe_half_unit(driver_url: str, stop: threading.Event, out: list[Probe], timeout: float = 20) -> None:
     import openai
 
-    client = openai.OpenAI(base_url=driver_url, api_key="e2e-no-key", max_retries=0, timeout=20)
+    client = openai.OpenAI(base_url=driver_url, api_key="e2e-no-key", max_retries=0, timeout=timeout)
     while not stop.is_set():
         t = time.monotonic()
         try:
@@ -197,10 +208,96 @@ def probe_half_unit(driver_url: str, stop: threading.Event, out: list[Probe]) ->
         stop.wait(0.5)
 
 
-def run_unit(h: Harness, follower_loss_seconds: float = 5.0, stop_order: str = "together") -> None:
+def probe_verdict(probes: list[Probe]) -> tuple[bool, str]:
+    """No request answered by a half unit: every probe gets the proxy's 503 unit_unavailable.
+
+    A 200 is an answer from a half unit; a 500 or 502 is a dying engine's answer reaching
+    the client; a timeout means the client was left hanging past its own deadline.
+    """
+    outcomes = sorted({p.outcome for p in probes})
+    return bool(probes) and outcomes == ["503"], f"{len(probes)} probes: {outcomes}"
+
+
+def check_lockstep(unit: Unit, r: Any, label: str, timeout: float) -> None:
+    """Followers executed exactly the steps the leader broadcast (count and digest chain)."""
+    steps: dict[str, Any] = {}
+
+    def settled() -> bool:
+        nonlocal steps
+        status = unit.status() or {}
+        steps = status.get("steps") or {}
+        return steps.get("lockstep") is True
+
+    try:
+        wait_until("lockstep figures", settled, timeout, 0.5)
+        ok = True
+    except TimeoutError:
+        ok = False
+    broadcast = steps.get("broadcast") or {}
+    per_worker = {f"rank {rank} {name}": s.get("steps") for rank, states in (steps.get("members") or {}).items()
+                  for name, s in states.items() if name.startswith("worker-")}
+    r.figure("lockstep_steps", f"{broadcast.get('steps')} = {per_worker}")
+    r.figure("lockstep_chain", str(broadcast.get("chain", ""))[:16])
+    r.facts[f"lockstep_{label}"] = steps
+    r.check(f"{label}. lockstep: every worker executed exactly the leader's steps", ok, json.dumps(per_worker))
+
+
+def rendered_plans(spec: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The e2e unit's CPU plans and the Neuron plans of the default and large fleets."""
+    from unit_launcher import plan
+    from unit_launcher.spec import parse_spec
+
+    from inference_fleet.checks import load_fleet
+    from inference_fleet.unit_spec import build_unit_spec
+
+    cpu = parse_spec(spec, "e2e spec")
+    plans = [(f"cpu {role}", plan.build_plan(cpu, role, rank, leader_addr="127.0.0.1", host_ip="127.0.0.1"))
+             for role, rank in (("leader", 0), ("follower", 1))]
+    for path in (None, Path(__file__).resolve().parent.parent / "tests" / "fleets" / "large.yaml"):
+        fleet = load_fleet(path)
+        neuron = parse_spec(build_unit_spec(fleet, fleet.cells[0], 0, revision="r"))
+        for rank in range(neuron.size):
+            role = "leader" if rank == 0 else "follower"
+            node = plan.build_plan(neuron, role, rank, leader_addr="10.0.0.1", host_ip=f"10.0.0.{rank + 1}")
+            plans.append((f"{neuron.instance.type} {role} {rank}", node))
+    return plans
+
+
+def check_rendered_commands(h: Harness, spec: dict[str, Any]) -> None:
+    """Every rendered `vllm serve` command parses with the installed vLLM's own parser and
+    lands on the engine arguments the plan meant (the Neuron image runs vLLM 0.16, whose
+    flags are cited in docs/neuron-sources.md; this parser is vLLM 0.32's)."""
+    import subprocess
+
+    plans = rendered_plans(spec)
+    script = Path(__file__).resolve().parent / "check_engine_args.py"
+    done = subprocess.run([str(ENGINE_PYTHON), str(script)], input=json.dumps([p.argv for _, p in plans]),
+                          capture_output=True, text=True, timeout=h.left(300), check=False)
+    try:
+        parsed = json.loads(done.stdout)
+    except ValueError:
+        h.report.check("0. rendered commands parse with vLLM's own parser", False, done.stderr[-2000:])
+        return
+    problems = []
+    for (name, node), got in zip(plans, parsed, strict=True):
+        if "error" in got:
+            problems.append(f"{name}: {got['error']}")
+            continue
+        for key, value in node.engine_args.items():
+            if key in got and key not in ("served_model_name", "additional_config") and got[key] != value:
+                problems.append(f"{name}: {key} parsed as {got[key]!r}, planned {value!r}")
+        if got["headless"] != ("--headless" in node.argv):
+            problems.append(f"{name}: headless {got['headless']}")
+    h.report.facts["rendered_commands_parsed"] = [name for name, _ in plans]
+    h.report.check("0. rendered commands parse with vLLM's own parser, as planned", not problems,
+                   "; ".join(problems) or f"{len(plans)} commands")
+
+
+def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order: str = "together") -> None:
     r = h.report
     ports = UnitPorts()
     spec = build_e2e_spec(h, ports, follower_loss_seconds)
+    check_rendered_commands(h, spec)
     r.facts["unit_spec"] = {k: spec[k] for k in ("unit_id", "size", "engine", "rendezvous")}
     r.facts["stop_order"] = stop_order
     unit = Unit(h, ports, spec)
@@ -223,6 +320,7 @@ def run_unit(h: Harness, follower_loss_seconds: float = 5.0, stop_order: str = "
     # 2. Completion and streamed chat completion through the proxy; the same text twice.
     driver = OpenAIDriver(base, timeout=h.left(300))
     first, chat = answer_twice(driver, r, label="2. ")
+    check_lockstep(unit, r, "2", h.left(60))
 
     # 3. Node loss: SIGKILL the follower task (launcher and engine, all at once).
     follower_proc = unit.follower.current
@@ -244,11 +342,9 @@ def run_unit(h: Harness, follower_loss_seconds: float = 5.0, stop_order: str = "
     finally:
         stop_probes.set()
         prober.join(30)
-    answered = [p for p in probes if p.outcome == "200"]
     r.facts["half_unit_probes"] = [f"{p.started - killed_at:+.1f}s -> {p.outcome} in {p.seconds:.1f}s"
                                    for p in probes]
-    r.check("3. no request answered by the half unit", bool(probes) and not answered,
-            f"{len(probes)} probes: {sorted({p.outcome for p in probes})}")
+    r.check("3. no request answered by the half unit (only 503 unit_unavailable)", *probe_verdict(probes))
     # Any exit makes ECS replace an essential container; the code is recorded, not judged.
     r.check("3. leader exits after follower loss", leader_exit.code is not None, f"exit code {leader_exit.code}")
 
@@ -267,6 +363,14 @@ def run_unit(h: Harness, follower_loss_seconds: float = 5.0, stop_order: str = "
     r.figure("first_request_after_recovery_s", time.monotonic() - t)
     r.check("4. same request, same answer after recovery", again == first, f"{again!r} vs {first!r}")
     r.check("4. same streamed chat after recovery", driver.stream_chat() == chat)
+
+    # 4b. Partition: the follower task is stopped (SIGSTOP), not killed: its launcher and
+    # engine are alive but silent. With the production bounds the unit is declared lost
+    # within the step bound, and no request is answered by the half unit.
+    if not run_partition(h, unit, base, spec):
+        return
+    again = driver.completion()
+    r.check("4b. same request, same answer after the partition", again == first, f"{again!r} vs {first!r}")
 
     # 5. SIGTERM to the leader task while a stream is in flight.
     stream_result: dict[str, Any] = {}
@@ -305,7 +409,8 @@ def run_unit(h: Harness, follower_loss_seconds: float = 5.0, stop_order: str = "
     leader_code = leader_proc.wait(h.left(180))
     # The unit goes away as a whole: the follower task is stopped once its leader has gone
     # (it may already have ended by itself on hearing the leader's "stopping").
-    if follower_proc.wait(h.left(2 * follower_loss_seconds + 5)) is None:
+    loss = float(spec["rendezvous"]["follower_loss_seconds"])
+    if follower_proc.wait(h.left(2 * loss + 5)) is None:
         follower_proc.signal(signal.SIGTERM)
     follower_code = follower_proc.wait(h.left(180))
     r.figure("drain_s", time.monotonic() - term_at)
@@ -328,6 +433,76 @@ def run_unit(h: Harness, follower_loss_seconds: float = 5.0, stop_order: str = "
     r.check("5. everything exits 0 (proxy, leader, follower)", exits_ok, json.dumps(codes))
     r.figure("drain", f"stream {'completed' if ok_stream else 'BROKEN'}; exits proxy {proxy_code}, "
              f"leader {leader_code}, follower {follower_code}")
+
+
+def run_partition(h: Harness, unit: Unit, base: str, spec: dict[str, Any]) -> bool:
+    r = h.report
+    bound = float(spec["rendezvous"]["step_timeout_seconds"])
+    r.figure("partition_bound_s", bound)
+    session = unit.whole_session()
+    follower_proc = unit.follower.current
+    leader_exits_before = len(unit.leader.exits)
+    follower_exits_before = len(unit.follower.exits)
+    assert follower_proc is not None
+    follower_proc.signal_tree(signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    probes: list[Probe] = []
+    stop_probes = threading.Event()
+    # Probes wait longer than the bound: a request to a stuck unit must end in a clear 503.
+    prober = threading.Thread(target=probe_half_unit, args=(base, stop_probes, probes, bound + 30), daemon=True)
+    prober.start()
+    ended: dict[str, Any] = {}
+
+    def lost() -> bool:
+        status = unit.status()
+        if status is not None and status.get("session_id") == session and status.get("state") == "stopping":
+            ended.update(status)
+            return True
+        return len(unit.leader.exits) > leader_exits_before
+
+    try:
+        detected = wait_until("unit declared lost after SIGSTOP", lost, h.left(bound + 60), 0.1)
+        r.figure("partition_detected_s", detected)
+        leader_exit = unit.leader.wait_for_exit(leader_exits_before + 1, h.left(60))
+    except TimeoutError as error:
+        r.check("4b. partition: unit declared lost within the bound", False, f"{error}; {unit.describe()}")
+        return False
+    finally:
+        # The partition heals: the stopped follower runs again, finds its session gone.
+        follower_proc.signal_tree(signal.SIGCONT)
+    reason = str(ended.get("end_reason") or "")
+    r.facts["partition_end_reason"] = reason
+    r.facts["partition_leader_exit"] = leader_exit.code
+    # Whichever production bound expires first ends the session: the heartbeat silence
+    # (follower_loss_seconds, counted from the last heartbeat before the stop) or the step
+    # bound (step_timeout_seconds, counted from the first step the stopped node missed).
+    limit = min(bound, float(spec["rendezvous"]["follower_loss_seconds"])) + 5
+    r.check("4b. partition: unit declared lost within the production bounds, culprit named",
+            detected <= limit and "rank 1" in reason, f"{detected:.1f} s (limit {limit:g} s): {reason}")
+    r.check("4b. partition: leader exits 'unit lost' (5), not 0", leader_exit.code == EXIT_UNIT_LOST,
+            f"exit code {leader_exit.code}")
+    try:
+        follower_exit = unit.follower.wait_for_exit(follower_exits_before + 1, h.left(120))
+        r.check("4b. partition: the resumed follower does not serve; exits non-zero",
+                follower_exit.code not in (0, None), f"exit code {follower_exit.code}")
+        wait_until("proxy /health 200 after the partition", lambda: unit.health() == 200, h.left(900), 0.25)
+    except TimeoutError as error:
+        r.check("4b. partition: unit forms again", False, f"{error}; {unit.describe()}")
+        return False
+    finally:
+        stop_probes.set()
+        prober.join(bound + 40)
+    r.figure("partition_recovery_s", time.monotonic() - stopped_at)
+    during = [p for p in probes if p.started < stopped_at + detected + 1]
+    r.facts["partition_probes"] = [f"{p.started - stopped_at:+.1f}s -> {p.outcome} in {p.seconds:.1f}s"
+                                   for p in probes]
+    r.check("4b. partition: no request answered by the half unit (only 503 unit_unavailable)",
+            *probe_verdict(during))
+    session3 = unit.whole_session()
+    r.check("4b. partition: a new session with new task identities", session3 not in (None, session),
+            f"session {session} -> {session3}; starts leader {unit.leader.starts}, follower {unit.follower.starts}")
+    check_lockstep(unit, r, "4b", h.left(60))
+    return True
 
 
 def drain_stream(driver: OpenAIDriver, first_chunk: threading.Event) -> tuple[str, str | None, int]:

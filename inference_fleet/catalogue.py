@@ -2,7 +2,7 @@
 
 Every other module (config validation, the planner, the launch template, the task
 definition's device list, the launcher's Neuron settings) reads instance facts from
-here. Sources are named per field; see also README "Instance catalogue".
+here. Sources are named per field; see also docs/fleet-reference.md "Instance catalogue".
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class InstanceType:
     # Chip-to-chip NeuronLink bandwidth inside one instance, GB/s per chip.
     neuronlink_gbytes_per_chip: float = 0.0
     # Latency of one step of a ring collective: between two chips over NeuronLink,
-    # and between two nodes over EFA (microseconds). See README "Parallelism planner".
+    # and between two nodes over EFA (microseconds). See docs/planner.md "Roofline estimate".
     link_hop_latency_us: float = 0.0
     efa_hop_latency_us: float = 0.0
     # Where each roofline figure comes from: (field name, source) pairs.
@@ -105,7 +105,7 @@ _NCCOM_TEST = (
 # No public per-message EFA latency of the Neuron collectives was found: 20 us is an
 # assumption. The nccom-test page bounds it from above (a 2-node 64-rank all-reduce of
 # 8 B takes 520 us, NEFF launch included). Only layouts that cross nodes depend on it.
-_EFA_HOP = "assumption (no public figure found); see README 'Parallelism planner'"
+_EFA_HOP = "assumption (no public figure found); see docs/planner.md 'Roofline estimate'"
 _TRN1_FIGURES = (
     ("hbm_tbps_per_chip", f"{_TRAINIUM_PAGE} (820 GB/s)"),
     ("bf16_tflops_per_chip", f"{_TRAINIUM_PAGE} (190 BF16 TFLOPS)"),

@@ -3,7 +3,7 @@
 Each check yields `ConfigIssue`s naming the field path and the numbers, so a fleet file
 that passes `load_fleet` also fits its subnet, its stack's resource limit, its TLS and
 capacity settings and its start-up budget. The figures and their sources are in
-docs/cell-lifecycle.md. Registered with `config.register_check` (one line at the end).
+docs/cell-lifecycle.md. Run by `inference_fleet.checks` (listed in its `CHECKS`).
 """
 
 from __future__ import annotations
@@ -154,13 +154,3 @@ def check_alarm_defaults(fleet: FleetConfig) -> Iterable[ConfigIssue]:
             f"a normal non-streamed completion may take up to serving.alb_idle_timeout_seconds ({limit} s); "
             f"a p99 threshold below it trips on ordinary long requests: use >= {limit} or leave it unset",
         )
-
-
-def check_cells(fleet: FleetConfig) -> Iterable[ConfigIssue]:
-    """Every check of this module."""
-    yield from check_cells_deployable(fleet)
-    yield from check_startup_budget(fleet)
-    yield from check_alarm_defaults(fleet)
-
-
-config.register_check(check_cells)

@@ -2,17 +2,26 @@
 
 Commands:
   validate       check a fleet file and print its cells and stacks
-  plan           memory and parallel layout of the fleet's unit (see planner.py)
+  plan           memory and parallel layout of the fleet's unit (see planner/)
   plan-rollout   waves, bake times and capacity floor of a cell-by-cell rollout (see rollout.py)
   reference      the fleet file reference (Markdown), generated from the config models
+
+Every command that reads a fleet reads it with `inference_fleet.checks.load_fleet`; a
+mistake in the file prints every issue with its field path and exits 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from dataclasses import asdict
 
-from inference_fleet.config import ConfigError, load_fleet
+from inference_fleet import rollout
+from inference_fleet.checks import load_fleet
+from inference_fleet.config import ConfigError
+from inference_fleet.planner import cli as planner_cli
+from inference_fleet.reference import markdown
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -24,31 +33,60 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _reference(args: argparse.Namespace) -> int:
-    from inference_fleet.reference import markdown
-
     print(markdown())
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    from inference_fleet import planner, rollout
+def _positive_minutes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of minutes") from None
+    if not 0 < value <= 24 * 60:
+        raise argparse.ArgumentTypeError(f"{text} minutes is out of range; allowed: more than 0, at most 1440")
+    return value
 
+
+def _rollout_arguments(parser: argparse.ArgumentParser) -> None:
+    default = rollout.DEFAULT_UNIT_RESTART_MINUTES
+    parser.add_argument(
+        "--unit-restart-minutes", type=_positive_minutes, default=default,
+        help="time for one unit to stop, load the model and pass its health check "
+             f"(default {default:g}; model load dominates)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _plan_rollout(args: argparse.Namespace) -> int:
+    plan = rollout.plan_rollout(load_fleet(args.config), args.unit_restart_minutes)
+    if args.json:
+        data = asdict(plan)
+        data["total_minutes"] = plan.total_minutes
+        print(json.dumps(data, indent=2))
+    else:
+        print(rollout.render(plan))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="inference-fleet", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    for name, help_text, module in (
-        ("validate", "check a fleet file", None),
-        ("plan", "print the unit's memory budget and parallel layout", planner),
-        ("plan-rollout", "print the cell-by-cell rollout plan", rollout),
+    for name, help_text, add_arguments, run in (
+        ("validate", "check a fleet file", None, _validate),
+        ("plan", "print the unit's memory budget and parallel layout", planner_cli.add_arguments, planner_cli.run),
+        ("plan-rollout", "print the cell-by-cell rollout plan", _rollout_arguments, _plan_rollout),
     ):
         sub = commands.add_parser(name, help=help_text)
         sub.add_argument("--config", help="fleet YAML file (default: config/default.yaml)")
-        if module is not None:
-            module.add_arguments(sub)
-            sub.set_defaults(run=module.run)
-        else:
-            sub.set_defaults(run=_validate)
+        if add_arguments is not None:
+            add_arguments(sub)
+        sub.set_defaults(run=run)
     commands.add_parser("reference", help="print the fleet file reference").set_defaults(run=_reference)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     try:
         return args.run(args)
     except ConfigError as error:

@@ -1,9 +1,11 @@
-"""The fleet description: typed, validated configuration read from one YAML file.
+"""The fleet description: the typed model of the one YAML file that describes a fleet.
 
 A fleet is one model served by multi-node inference units of one layout, spread over
-independent cells that are deployed wave by wave. Everything is checked here, before
-any construct is built: a mistake raises `ConfigError` naming the field path, the bad
-value and what is allowed, and nothing is synthesized.
+independent cells that are deployed wave by wave. This module holds the model (pydantic:
+the type, bounds and default of every field) and the error type; it imports none of the
+checkers. The rules that span fields, and the one function that reads a fleet and runs
+them all, are in `inference_fleet.checks`: `checks.load_fleet(path)`. A mistake raises
+`ConfigError` naming the field path, the bad value and what is allowed.
 
 Defaults live in this module and nowhere else; constructs receive resolved values.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -139,6 +141,11 @@ class ImagesConfig(_Strict):
 
     inference: ImageRef | None = Field(default=None, description="Inference image, repo@sha256:digest.")
     proxy: ImageRef | None = Field(default=None, description="Proxy image, repo@sha256:digest.")
+    inference_has_tritonserver: bool = Field(
+        default=False,
+        description="The pinned inference image has `tritonserver` with the vLLM backend (needed by "
+        "serving.frontend: triton; the image built from containers/inference has none).",
+    )
 
 
 class BaseImagesConfig(_Strict):
@@ -340,6 +347,13 @@ class ServingConfig(_Strict):
     follower_loss_seconds: int = Field(
         default=30, ge=3, le=600, description="A member silent this long ends the unit; ECS restarts it whole."
     )
+    step_timeout_seconds: int = Field(
+        default=30,
+        ge=1,
+        le=3600,
+        description="Lockstep bound: a step the leader broadcast and a node has not completed in this "
+        "ends the unit (named in the evidence); covers the longest prefill step.",
+    )
     root_volume_gib: int = Field(
         default=200,
         ge=100,
@@ -444,7 +458,7 @@ class FleetConfig(_Strict):
 
 
 # ---------------------------------------------------------------------------
-# Semantic checks: rules that span fields. Each yields issues; all are reported at once.
+# Errors: every issue found is reported at once, each with its field path.
 
 
 @dataclass(frozen=True, slots=True)
@@ -467,131 +481,6 @@ class ConfigError(ValueError):
         super().__init__(f"invalid fleet config {source}:\n{lines}")
 
 
-FleetCheck = Callable[[FleetConfig], Iterable[ConfigIssue]]
-
-
-def _check_unit(fleet: FleetConfig) -> Iterable[ConfigIssue]:
-    unit = fleet.unit
-    if unit.instance_type not in CATALOGUE:
-        yield ConfigIssue("unit.instance_type", unit.instance_type, f"unknown; allowed: {', '.join(CATALOGUE)}")
-        return
-    allowed_lnc = unit.instance.logical_nc_configs
-    if unit.logical_nc_config is not None and unit.logical_nc_config not in allowed_lnc:
-        yield ConfigIssue(
-            "unit.logical_nc_config",
-            unit.logical_nc_config,
-            f"{unit.instance_type} supports logical NeuronCore sizes {list(allowed_lnc)}",
-        )
-        return
-    total = unit.total_cores
-    if unit.tp != total:
-        yield ConfigIssue(
-            "unit.tensor_parallel_degree",
-            unit.tp,
-            f"tensor parallelism spans every NeuronCore of the unit: must be nodes ({unit.nodes}) x "
-            f"logical NeuronCores per node ({unit.cores_per_node}) = {total}",
-        )
-    for field, degree, phase in (
-        ("context_parallel_degree", unit.context_parallel_degree, "prefill"),
-        ("data_parallel_degree", unit.data_parallel_degree, "decode"),
-    ):
-        if total % degree:
-            divisors = [d for d in range(1, total + 1) if total % d == 0]
-            yield ConfigIssue(
-                f"unit.{field}",
-                degree,
-                f"{phase} runs {degree} groups x (tp / {degree}) cores, which must multiply to the unit's "
-                f"{total} NeuronCores; allowed: divisors of {total}: {divisors}",
-            )
-
-
-def _check_cells(fleet: FleetConfig) -> Iterable[ConfigIssue]:
-    seen: dict[str, int] = {}
-    waves = [w.name for w in fleet.waves]
-    for i, cell in enumerate(fleet.cells):
-        if cell.name in seen:
-            yield ConfigIssue(
-                f"cells[{i}].name", cell.name, f"duplicate of cells[{seen[cell.name]}].name; cell names are unique"
-            )
-        seen.setdefault(cell.name, i)
-        if cell.wave not in waves:
-            yield ConfigIssue(f"cells[{i}].wave", cell.wave, f"no such wave; waves: {waves}")
-        if not cell.in_region(cell.trainium_az):
-            yield ConfigIssue(
-                f"cells[{i}].trainium_az", cell.trainium_az,
-                f"must be an AZ of region {cell.region} (a name such as {cell.region}a or an AZ ID such as "
-                f"{az_id_prefix(cell.region)}-az1)",
-            )
-        azs = cell.resolved_alb_azs
-        if len(set(azs)) < 2 or any(not cell.in_region(az) for az in azs):
-            yield ConfigIssue(f"cells[{i}].alb_azs", list(azs), f"need >= 2 distinct AZs of region {cell.region}")
-        if cell.certificate_arn and f":acm:{cell.region}:" not in cell.certificate_arn:
-            yield ConfigIssue(
-                f"cells[{i}].certificate_arn", cell.certificate_arn, f"certificate must be in {cell.region}"
-            )
-        if cell.min_units_available is not None and cell.min_units_available > cell.units:
-            yield ConfigIssue(
-                f"cells[{i}].min_units_available", cell.min_units_available, f"at most units ({cell.units})"
-            )
-    for i, a in enumerate(fleet.cells):
-        for j in range(i):
-            b = fleet.cells[j]
-            if (a.account, a.region) == (b.account, b.region) and a.vpc_cidr.overlaps(b.vpc_cidr):
-                yield ConfigIssue(
-                    f"cells[{i}].vpc_cidr",
-                    str(a.vpc_cidr),
-                    f"overlaps cells[{j}].vpc_cidr {b.vpc_cidr} ({b.name}) in {a.account}/{a.region}; "
-                    "cells of one account and region need disjoint CIDRs",
-                )
-
-
-def _check_waves(fleet: FleetConfig) -> Iterable[ConfigIssue]:
-    seen: set[str] = set()
-    for i, wave in enumerate(fleet.waves):
-        if wave.name in seen:
-            yield ConfigIssue(f"waves[{i}].name", wave.name, "duplicate wave name")
-        seen.add(wave.name)
-        cells = fleet.cells_of_wave(wave.name)
-        if not cells:
-            yield ConfigIssue(f"waves[{i}]", wave.name, "wave has no cells; every wave needs at least one")
-        if i == 0 and len(cells) > 1:
-            yield ConfigIssue(
-                "waves[0]",
-                wave.name,
-                f"the first wave is the canary and holds exactly one cell, not {len(cells)}: {[c.name for c in cells]}",
-            )
-        if wave.deployment_window and len(wave.deployment_window.split()) != 6:
-            yield ConfigIssue(f"waves[{i}].deployment_window", wave.deployment_window, "cron needs 6 fields")
-
-
-def _check_serving(fleet: FleetConfig) -> Iterable[ConfigIssue]:
-    s = fleet.serving
-    ports = {
-        "engine_port": s.engine_port,
-        "proxy_port": s.proxy_port,
-        "rendezvous_port": s.rendezvous_port,
-        "master_port": s.master_port,
-        "neuron_rt_port": s.neuron_rt_port,
-    }
-    owner: dict[int, str] = {}
-    for name, port in ports.items():
-        if port in owner:
-            yield ConfigIssue(
-                f"serving.{name}", port, f"same as serving.{owner[port]}; host networking needs distinct ports"
-            )
-        owner.setdefault(port, name)
-
-
-_CHECKS: list[FleetCheck] = [_check_unit, _check_cells, _check_waves, _check_serving]
-
-
-def register_check(check: FleetCheck) -> FleetCheck:
-    """Add a fleet-wide check (the planner registers its fit checks here)."""
-    if check not in _CHECKS:
-        _CHECKS.append(check)
-    return check
-
-
 def _location(loc: tuple[int | str, ...]) -> str:
     path = ""
     for part in loc:
@@ -608,33 +497,28 @@ def _pydantic_issues(error: ValidationError) -> list[ConfigIssue]:
         if e["type"] == "string_pattern_mismatch":
             message = f"does not match the allowed pattern {e['ctx']['pattern']}"
         elif e["type"] == "extra_forbidden":
-            message = "unknown field (check the spelling; see README 'Fleet file reference')"
+            message = "unknown field (check the spelling; see docs/fleet-reference.md)"
         elif e["type"] == "literal_error":
             message = f"allowed: {e['ctx']['expected']}"
         issues.append(ConfigIssue(_location(loc), e.get("input") if e["type"] != "missing" else None, message))
     return issues
 
 
-def parse_fleet(data: Any, source: str = "<dict>") -> FleetConfig:
-    """Validate a fleet description (already parsed YAML) or raise ConfigError."""
+def parse_model(data: Any, source: str = "<dict>") -> FleetConfig:
+    """The fleet model of already parsed YAML, field by field, or ConfigError.
+
+    Only the types and bounds of each field are checked here; the rules that span fields
+    (layout, memory fit, CIDRs, waves, ports) are in inference_fleet.checks, and
+    `inference_fleet.checks.load_fleet` / `parse_fleet` run both: call those.
+    """
     try:
-        fleet = FleetConfig.model_validate(data)
+        return FleetConfig.model_validate(data)
     except ValidationError as error:
         raise ConfigError(source, _pydantic_issues(error)) from None
-    # The planner's and the rollout's checks register themselves on import; import here
-    # to avoid a cycle.
-    import inference_fleet.cell_checks
-    import inference_fleet.planner
-    import inference_fleet.rollout  # noqa: F401
-
-    issues = [issue for check in _CHECKS for issue in check(fleet)]
-    if issues:
-        raise ConfigError(source, issues)
-    return fleet
 
 
-def load_fleet(path: str | Path | None = None) -> FleetConfig:
-    """Read and validate a fleet file; None reads the embedded default."""
+def read_fleet_file(path: str | Path | None = None) -> tuple[dict[str, Any], str]:
+    """The parsed YAML mapping of a fleet file (None: the embedded default) and its name for messages."""
     path = DEFAULT_CONFIG if path is None else Path(path)
     if not path.is_file():
         raise ConfigError(str(path), [ConfigIssue("<file>", str(path), "no such file")])
@@ -647,4 +531,4 @@ def load_fleet(path: str | Path | None = None) -> FleetConfig:
         raise ConfigError(source, [ConfigIssue("<yaml>", where, f"not valid YAML: {error}")]) from None
     if not isinstance(data, dict):
         raise ConfigError(source, [ConfigIssue("<root>", type(data).__name__, "the fleet file is a mapping")])
-    return parse_fleet(data, source)
+    return data, source

@@ -1,7 +1,7 @@
-"""The fleet file reference, generated from the config models so the README cannot drift.
+"""The fleet file reference, generated from the config models so the docs cannot drift.
 
 `python -m inference_fleet reference` prints it; tests/test_readme.py checks that the
-README holds exactly this text between its markers.
+docs/fleet-reference.md holds exactly this text between its markers.
 """
 
 from __future__ import annotations

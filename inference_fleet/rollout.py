@@ -1,9 +1,9 @@
 """Rollout plan: how long a cell-by-cell rollout of the fleet takes and how much capacity it keeps.
 
 `python -m inference_fleet plan-rollout [--config FILE] [--unit-restart-minutes N]`
-prints the pipeline's waves in order with their cells, units, bake time and gates
-(manual approval, deployment window), each wave's duration, the cumulative time, and the
-fleet's capacity floor while the wave deploys.
+(command line in cli.py) prints the pipeline's waves in order with their cells, units,
+bake time and gates (manual approval, deployment window), each wave's duration, the
+cumulative time, and the fleet's capacity floor while the wave deploys.
 
 The model behind the figures is the pipeline's (stacks/pipeline_stack.py) and the cell
 stack's (stacks/cell_stack.py): the cells of one wave deploy in parallel; inside a cell
@@ -16,12 +16,10 @@ deployment window is not estimated: it is listed as a gate.
 
 from __future__ import annotations
 
-import argparse
-import json
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from inference_fleet.config import ConfigIssue, FleetConfig, load_fleet, register_check
+from inference_fleet.config import ConfigIssue, FleetConfig
 
 DEFAULT_UNIT_RESTART_MINUTES = 30.0
 # CodePipeline takes at most 5 rules in one stage condition, and a stage has one OnSuccess
@@ -29,9 +27,8 @@ DEFAULT_UNIT_RESTART_MINUTES = 30.0
 MAX_CELLS_PER_WAVE = 5
 
 
-@register_check
 def check_wave_sizes(fleet: FleetConfig) -> Iterable[ConfigIssue]:
-    """With a pipeline, every wave fits one CodePipeline stage condition."""
+    """With a pipeline, every wave fits one CodePipeline stage condition (run by inference_fleet.checks)."""
     if fleet.pipeline is None:
         return
     for i, wave in enumerate(fleet.waves):
@@ -146,33 +143,3 @@ def render(plan: RolloutPlan) -> str:
         "(cells of a wave deploy in parallel; units of a cell update one at a time, one unit down per cell)",
     ]
     return "\n".join(lines)
-
-
-def _positive_minutes(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of minutes") from None
-    if not 0 < value <= 24 * 60:
-        raise argparse.ArgumentTypeError(f"{text} minutes is out of range; allowed: more than 0, at most 1440")
-    return value
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--unit-restart-minutes", type=_positive_minutes, default=DEFAULT_UNIT_RESTART_MINUTES,
-        help="time for one unit to stop, load the model and pass its health check "
-             f"(default {DEFAULT_UNIT_RESTART_MINUTES:g}; model load dominates)",
-    )
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-
-
-def run(args: argparse.Namespace) -> int:
-    plan = plan_rollout(load_fleet(args.config), args.unit_restart_minutes)
-    if args.json:
-        data = asdict(plan)
-        data["total_minutes"] = plan.total_minutes
-        print(json.dumps(data, indent=2))
-    else:
-        print(render(plan))
-    return 0

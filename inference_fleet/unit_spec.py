@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from inference_fleet.config import CellConfig, FleetConfig
+from inference_fleet.planner.plan import neuron_config
 
 ROLES = ("leader", "follower")
 
@@ -55,6 +56,7 @@ def build_unit_spec(
     unit, model, serving = fleet.unit, fleet.model, fleet.serving
     instance = unit.instance
     safe_name = model.name.replace("/", "--")
+    planned = neuron_config(fleet)
     return {
         "cell": cell.name,
         "unit_id": f"u{unit_index}",
@@ -83,6 +85,7 @@ def build_unit_spec(
             "attention_dp_degree": unit.data_parallel_degree,
             "world_size": unit.total_cores,
             "rt_root_comm_port": serving.neuron_rt_port,
+            "sequence_parallel_enabled": planned["sequence_parallel_enabled"],
         },
         "engine": {
             "device": "neuron",
@@ -96,6 +99,7 @@ def build_unit_spec(
         "rendezvous": {
             "port": serving.rendezvous_port,
             "follower_loss_seconds": serving.follower_loss_seconds,
+            "step_timeout_seconds": serving.step_timeout_seconds,
             # Every node fetches and loads the model before it joins: the join wait covers
             # the slowest node's load, bounded by the task's health check grace.
             "join_timeout_seconds": serving.health_check_grace_seconds,

@@ -126,7 +126,29 @@ class CellStack(Stack):
                                        removal_policy=RemovalPolicy.RETAIN)
         self.task_role = self._unit_task_role()
 
-        self.load_balancer = UnitLoadBalancer(
+        self.load_balancer = self._load_balancer()
+        # The placement controller sends the Trainium group's rolling-update signals once a
+        # replaced instance's unit serves again behind the load balancer.
+        self.placement.signal_replacements(
+            group_logical_id=self.get_logical_id(self.capacity.auto_scaling_group.node.default_child),
+            target_group_arn=self.load_balancer.target_group.target_group_arn,
+        )
+        self.alarms = self._alarms()
+
+        self.units = self._units()
+        Aspects.of(self).add(_ServicesAfterCapacityAssociation(self.cluster))
+
+    @property
+    def availability_zones(self) -> list[str]:
+        """The cell's AZs from the fleet file: no context lookup, so synth needs no credentials."""
+        return list(self.cell.resolved_alb_azs)
+
+    # -- wiring ---------------------------------------------------------------------
+
+    def _load_balancer(self) -> UnitLoadBalancer:
+        """The cell's ALB in front of the units' proxies, allowed to reach them on the proxy port."""
+        cell, serving = self.cell, self.fleet.serving
+        load_balancer = UnitLoadBalancer(
             self, "LoadBalancer",
             vpc=self.network.vpc,
             subnets=self.network.public_alb_subnets if cell.internet_facing else self.network.internal_alb_subnets,
@@ -138,33 +160,23 @@ class CellStack(Stack):
             deregistration_delay=Duration.seconds(serving.deregistration_delay_seconds),
             deletion_protection=cell.deletion_protection,
         )
-        self.load_balancer.load_balancer.connections.allow_to(
+        load_balancer.load_balancer.connections.allow_to(
             self.capacity.security_group, ec2.Port.tcp(serving.proxy_port), "ALB to unit proxies"
         )
+        return load_balancer
 
-        self.placement.signal_replacements(
-            group_logical_id=self.get_logical_id(self.capacity.auto_scaling_group.node.default_child),
-            target_group_arn=self.load_balancer.target_group.target_group_arn,
-        )
-        self.alarms = self._alarms()
-
+    def _units(self) -> list[MultiNodeInferenceUnit]:
+        """The cell's units, chained so that they update one after another."""
         images, image_identity = self._images()
-        self.units: list[MultiNodeInferenceUnit] = []
-        for index in range(cell.units):
+        units: list[MultiNodeInferenceUnit] = []
+        for index in range(self.cell.units):
             unit = self._unit(index, images, image_identity)
             # One unit at a time: CloudFormation updates a unit's services only after the
             # previous unit's services are stable, so an update costs one unit of capacity.
-            if self.units:
-                unit.node.add_dependency(self.units[-1])
-            self.units.append(unit)
-        Aspects.of(self).add(_ServicesAfterCapacityAssociation(self.cluster))
-
-    @property
-    def availability_zones(self) -> list[str]:
-        """The cell's AZs from the fleet file: no context lookup, so synth needs no credentials."""
-        return list(self.cell.resolved_alb_azs)
-
-    # -- wiring ---------------------------------------------------------------------
+            if units:
+                unit.node.add_dependency(units[-1])
+            units.append(unit)
+        return units
 
     def _unit(self, index: int, images: UnitImages, image_identity: str) -> MultiNodeInferenceUnit:
         fleet, cell, serving = self.fleet, self.cell, self.fleet.serving

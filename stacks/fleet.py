@@ -5,6 +5,7 @@ from __future__ import annotations
 from aws_cdk import App, Stack
 
 from cell_constructs.nag import add_policy_checks
+from inference_fleet.checks import validate_fleet
 from inference_fleet.config import ConfigError, ConfigIssue, FleetConfig
 from stacks.cell_stack import CellStack
 from stacks.pipeline_stack import PipelineStack, repository_path
@@ -17,7 +18,11 @@ def build_fleet(app: App, fleet: FleetConfig) -> dict[str, Stack]:
 
     The pipeline's build synthesizes the same fleet file: the app's `config` context
     (`cdk synth -c config=FILE`), or the default config when it is not set.
+
+    The fleet normally comes from `inference_fleet.checks.load_fleet`; the checks run again
+    here (they are cheap) so that no caller can build stacks from a fleet that skipped them.
     """
+    validate_fleet(fleet, f"fleet {fleet.name}")
     fleet_file = app.node.try_get_context("config")
     if fleet.pipeline is not None and fleet_file:
         # Checked before any construct is built: a fleet file outside the repository is a

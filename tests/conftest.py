@@ -16,7 +16,8 @@ import pytest
 from aws_cdk import App
 from aws_cdk.assertions import Template
 
-from inference_fleet.config import FleetConfig, load_fleet, parse_fleet
+from inference_fleet.checks import load_fleet, parse_fleet
+from inference_fleet.config import FleetConfig
 from stacks.fleet import build_fleet
 
 ROOT = Path(__file__).resolve().parents[1]

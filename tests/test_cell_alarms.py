@@ -19,7 +19,8 @@ from cell_constructs.cell_alarms import CellAlarms, rollout_gate_name
 from inference_fleet.config import AlarmsConfig
 
 LARGE_STACKS = ["Rufus-Cell-use2-a", "Rufus-Cell-use2-b", "Rufus-Cell-usw2-a"]
-# The documented defaults (README.md, "Alarms and thresholds (per cell)"): key -> (threshold, operator, periods).
+# The documented defaults (docs/rollout-pipeline.md, "Alarms and thresholds (per cell)"):
+# key -> (threshold, operator, periods).
 DOCUMENTED = {
     "units-available": (5, "LessThanThreshold", 5),
     "alb-5xx-rate": (2, "GreaterThanThreshold", 5),

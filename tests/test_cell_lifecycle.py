@@ -18,7 +18,8 @@ import yaml
 from aws_cdk import App
 
 from inference_fleet import cell_checks
-from inference_fleet.config import DEFAULT_CONFIG, ConfigError, parse_fleet
+from inference_fleet.checks import parse_fleet
+from inference_fleet.config import DEFAULT_CONFIG, ConfigError
 from inference_fleet.unit_spec import MODEL_CACHE_PATH
 from stacks.fleet import build_fleet
 from tests.conftest import CDK_CONTEXT, FLEETS, synth_fleet

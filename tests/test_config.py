@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from inference_fleet.config import DEFAULT_CONFIG, ConfigError, load_fleet, parse_fleet
+from inference_fleet.checks import load_fleet, parse_fleet
+from inference_fleet.config import DEFAULT_CONFIG, ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -161,3 +162,18 @@ def test_app_refuses_a_bad_fleet_before_synthesis(raw: dict, tmp_path: Path) -> 
     assert result.returncode == 2
     assert "unit.data_parallel_degree = 5" in result.stderr
     assert not list(outdir.glob("*.template.json"))
+
+
+def test_triton_front_end_needs_an_image_with_tritonserver():
+    """The built image (Neuron vLLM base) has no tritonserver: refused at load, not crash-looping on ECS."""
+    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    data.setdefault("serving", {})["frontend"] = "triton"
+    with pytest.raises(ConfigError) as caught:
+        parse_fleet(data, "test")
+    (issue,) = [i for i in caught.value.issues if i.path == "serving.frontend"]
+    assert "has no tritonserver" in issue.problem and "images.inference" in issue.problem
+    data["cells"][0]["images"] = {"inference": "111111111111.dkr.ecr.us-east-2.amazonaws.com/triton@sha256:" + "a" * 64}
+    with pytest.raises(ConfigError, match="inference_has_tritonserver"):
+        parse_fleet(data, "test")
+    data["cells"][0]["images"]["inference_has_tritonserver"] = True
+    assert parse_fleet(data, "test").serving.frontend == "triton"

@@ -21,7 +21,8 @@ from syrupy.extensions.json import JSONSnapshotExtension
 
 from cell_constructs.cell_alarms import gate_reader_role_name, rollout_gate_name
 from cell_constructs.nag import add_policy_checks
-from inference_fleet.config import FleetConfig, load_fleet
+from inference_fleet.checks import load_fleet
+from inference_fleet.config import FleetConfig
 from stacks.fleet import build_fleet
 from stacks.pipeline_stack import PipelineStack, repository_path
 

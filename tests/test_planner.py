@@ -2,7 +2,7 @@
 
 The memory cases are worked by hand below (plain numbers, not the planner's helpers);
 the suggestion is checked against an exhaustive search that pushes every layout through
-the real config validation path (`config.parse_fleet`).
+the real config validation path (`checks.parse_fleet`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import yaml
 
 from inference_fleet import planner
 from inference_fleet.catalogue import CATALOGUE
-from inference_fleet.config import DEFAULT_CONFIG, ConfigError, load_fleet, parse_fleet
+from inference_fleet.checks import load_fleet, parse_fleet
+from inference_fleet.config import DEFAULT_CONFIG, ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 FLEETS = Path(__file__).resolve().parent / "fleets"
@@ -207,9 +208,26 @@ def test_attention_group_straddling_nodes():
     data = fleet_data(model, 4096, instance_type="trn1.32xlarge", nodes=3, context_parallel_degree=2,
                       data_parallel_degree=3, max_concurrent_sequences=6)
     issues = issues_of(data)
-    assert [i.path for i in issues] == ["unit.context_parallel_degree"]
+    # dp 3 > cp 2 also breaks NxD Inference's attention-DP rule (test below).
+    assert [i.path for i in issues] == ["unit.context_parallel_degree", "unit.data_parallel_degree"]
     assert "groups of tp/cp = 96/2 = 48 NeuronCores, which straddle the 32-core nodes" in issues[0].problem
     assert "allowed: [1, 3, 6, 12, 24, 48, 96]" in issues[0].problem
+
+
+@pytest.mark.parametrize(("cp", "dp", "refused"), [(4, 8, True), (4, 2, False), (4, 4, False), (8, 4, False),
+                                                   (2, 4, True), (1, 8, False), (8, 1, False)])
+def test_attention_dp_beside_cp_follows_nxd_inference(cp, dp, refused):
+    """validate_attention_data_parallel: with cp > 1 and dp > 1, dp <= cp and cp % dp == 0."""
+    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    data["unit"].update(context_parallel_degree=cp, data_parallel_degree=dp)
+    try:
+        parse_fleet(data, "test")
+        found = []
+    except ConfigError as error:
+        found = [i for i in error.issues if i.path == "unit.data_parallel_degree"]
+    assert bool(found) == refused
+    if refused:
+        assert "validate_attention_data_parallel" in found[0].problem and "allowed:" in found[0].problem
 
 
 def test_parameter_count_inconsistent_with_the_shape():
@@ -329,17 +347,17 @@ def test_context_parallelism_off_accepts_any_max_seq_len():
     assert planner.violations(shape, lay) == []
 
 
-def test_published_comparison_rows_and_readme_table_agree():
+def test_published_comparison_rows_and_planner_doc_table_agree():
     rows = planner.comparison_rows()
     assert len({(r["model"], r["instance"]) for r in rows}) >= 2
-    doc = (ROOT / "README.md").read_text()
+    doc = (ROOT / "docs" / "planner.md").read_text()
     for r in rows:
         assert r["source"].startswith("https://") and r["source"] in doc
         assert r["tpot_error"] == pytest.approx(r["tpot_ms_estimate"] / r["tpot_ms_published"] - 1)
         # The documented accuracy of the model: every published point within +-50 %.
         assert abs(r["tpot_error"]) < 0.5
         assert r["ttft_error"] is None or abs(r["ttft_error"]) < 0.5
-        # The README table shows the figures the code computes today.
+        # The table of docs/planner.md shows the figures the code computes today.
         assert f"{r['tpot_ms_estimate']:.1f}" in doc and f"{r['tpot_error']:+.0%}" in doc
         if r["ttft_ms_published"]:
             assert f"{r['ttft_ms_estimate']:.0f}" in doc and f"{r['ttft_error']:+.0%}" in doc

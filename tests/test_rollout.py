@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from inference_fleet.checks import parse_fleet
 from inference_fleet.cli import main
-from inference_fleet.config import ConfigError, parse_fleet
+from inference_fleet.config import ConfigError
 from inference_fleet.rollout import hours, plan_rollout, render
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,8 @@ from unit_launcher import plan as plans
 from unit_launcher.spec import UnitSpec
 
 from inference_fleet.catalogue import CATALOGUE
-from inference_fleet.config import DEFAULT_CONFIG, FleetConfig, load_fleet
+from inference_fleet.checks import load_fleet
+from inference_fleet.config import DEFAULT_CONFIG, FleetConfig
 from inference_fleet.unit_spec import build_unit_spec, container_environment
 
 _DEFAULT = yaml.safe_load(DEFAULT_CONFIG.read_text())
@@ -124,17 +125,22 @@ def test_plans_for_every_instance_type_and_parallel_layout(instance_type, lnc, n
                     spec, role, rank, leader_addr="10.0.0.1", host_ip=f"10.0.0.{rank + 1}"
                 )
                 env, argv = node.env, node.argv
-                config = node.engine_args["additional_config"]["override_neuron_config"]
-                assert config == {
+                config = node.neuron_config
+                assert config is not None
+                assert {k: config[k] for k in ("tp_degree", "cp_degree", "attention_dp_degree")} == {
                     "tp_degree": total,
                     "cp_degree": cp,
                     "attention_dp_degree": dp,
-                    "world_size": total,
-                    "start_rank_id": rank * local,
-                    "local_ranks_size": local,
                 }
-                assert env["NEURON_LOCAL_TP"] == str(local) and env["NEURON_RANK_ID"] == str(rank)
-                assert env["WORLD_SIZE"] == str(nodes)
+                assert (config["world_size"], config["start_rank_id"], config["local_ranks_size"]) == (
+                    total,
+                    rank * local,
+                    local,
+                )
+                # Nothing the pinned engine ignores (docs/neuron-multi-node.md, "dead settings").
+                assert not {"NEURON_LOCAL_TP", "NEURON_RANK_ID", "WORLD_SIZE", "ENABLE_NEURON_MULTI_NODE",
+                            "VLLM_NEURON_FRAMEWORK"} & set(env)
+                assert not any(a.startswith("--additional-config") for a in argv)
                 assert (env["FI_PROVIDER"], env["FI_EFA_USE_DEVICE_RDMA"], env["FI_EFA_FORK_SAFE"]) == (
                     "efa",
                     "1",
@@ -144,17 +150,16 @@ def test_plans_for_every_instance_type_and_parallel_layout(instance_type, lnc, n
                 assert env.get("NEURON_LOGICAL_NC_CONFIG") == (
                     str(lnc) if len(instance.logical_nc_configs) > 1 else None
                 )
-                assert f"--tensor-parallel-size={total}" in argv
+                assert f"--tensor-parallel-size={nodes}" in argv
                 assert env["NEURON_COMPILED_ARTIFACTS"].endswith(
-                    f"/neuron/{instance_type}-n{nodes}-lnc{lnc}-tp{total}-cp{cp}-adp{dp}-seq16384-bs8"
+                    f"/neuron/{instance_type}-n{nodes}-lnc{lnc}-tp{total}-cp{cp}-adp{dp}-seq16384-bs8.node{rank}"
                 )
                 if nodes > 1:
-                    assert env["ENABLE_NEURON_MULTI_NODE"] == "true"
                     assert env["NEURON_RT_ROOT_COMM_ID"] == f"10.0.0.1:{fleet.serving.neuron_rt_port}"
                     assert f"--nnodes={nodes}" in argv and f"--node-rank={rank}" in argv
                     assert "--master-addr=10.0.0.1" in argv
                 else:
-                    assert "ENABLE_NEURON_MULTI_NODE" not in env and "--nnodes=1" not in argv
+                    assert "NEURON_RT_ROOT_COMM_ID" not in env and "--nnodes=1" not in argv
                 assert ("--headless" in argv) == (rank > 0)
                 assert (f"--port={fleet.serving.engine_port}" in argv) == (rank == 0)
                 checked += 1
@@ -162,7 +167,8 @@ def test_plans_for_every_instance_type_and_parallel_layout(instance_type, lnc, n
 
 
 def test_config_refuses_degrees_the_plan_could_not_honour():
-    from inference_fleet.config import ConfigError, parse_fleet
+    from inference_fleet.checks import parse_fleet
+    from inference_fleet.config import ConfigError
 
     data = yaml.safe_load(DEFAULT_CONFIG.read_text())
     data["unit"]["context_parallel_degree"] = 3
@@ -178,7 +184,6 @@ def test_launcher_neuron_config_agrees_with_the_planner() -> None:
     from unit_launcher.spec import parse_spec
 
     from inference_fleet import planner
-    from inference_fleet.config import load_fleet
 
     for path in (None, Path(__file__).parent / "fleets" / "large.yaml"):
         fleet = load_fleet(path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import boto3
 import pytest
@@ -13,6 +14,22 @@ from unit_launcher import artifacts
 BUCKET = "rufus-model-artifacts-111111111111"
 URI = f"s3://{BUCKET}/llama/"
 LAYOUT = "trn2.48xlarge-n2-lnc2-tp128-cp4-adp4-seq16384-bs32"
+# A neuron_config.json in the format NxD Inference writes (HF keys at the top, the
+# NeuronConfig nested under "neuron_config", sorted, indent 2): see docs/neuron-multi-node.md.
+FIXTURE = Path(__file__).parent / "fixtures" / "neuron_config.json"
+UNIT = {
+    "tp_degree": 128,
+    "cp_degree": 4,
+    "attention_dp_degree": 4,
+    "world_size": 128,
+    "local_ranks_size": 64,
+    "logical_nc_config": 2,
+    "batch_size": 32,
+    "seq_len": 16384,
+    "max_context_length": 16384,
+    "sequence_parallel_enabled": True,
+    "is_continuous_batching": True,
+}
 
 
 @pytest.fixture
@@ -27,15 +44,7 @@ def s3(monkeypatch):
             "llama/tokenizer.json": b"{}" * 100,
             "llama/model-00001.safetensors": bytes(range(256)) * 4096,
             f"llama/neuron/{LAYOUT}/model.pt": b"compiled" * 1000,
-            f"llama/neuron/{LAYOUT}/neuron_config.json": json.dumps(
-                {
-                    "tp_degree": 128,
-                    "cp_degree": 4,
-                    "attention_dp_degree": 4,
-                    "world_size": 128,
-                    "local_ranks_size": 64,
-                }
-            ).encode(),
+            f"llama/neuron/{LAYOUT}/neuron_config.json": FIXTURE.read_bytes(),
             "llama/neuron/trn1.32xlarge-n4-lnc1-tp128-cp1-adp1-seq16384-bs32/model.pt": b"other layout",
         }
         for key, body in objects.items():
@@ -73,16 +82,7 @@ def test_fetch_copies_checkpoint_and_own_layout_and_skips_what_is_verified(s3, t
     third = artifacts.fetch(client, URI, tmp_path, layout=LAYOUT)
     assert (third.downloaded, third.skipped) == (1, 4)
     assert (tmp_path / "config.json").read_bytes() == objects["llama/config.json"]
-    artifacts.check_layout(
-        tmp_path / "neuron" / LAYOUT,
-        {
-            "tp_degree": 128,
-            "cp_degree": 4,
-            "attention_dp_degree": 4,
-            "world_size": 128,
-            "local_ranks_size": 64,
-        },
-    )
+    artifacts.check_layout(tmp_path / "neuron" / LAYOUT, UNIT)
 
 
 def test_missing_layout_names_the_layouts_present(s3, tmp_path):
@@ -109,13 +109,50 @@ def test_compiled_layout_that_does_not_match_the_unit_is_refused(s3, tmp_path):
     with pytest.raises(
         artifacts.ArtifactError, match="tp_degree: compiled 128, unit 64; world_size: compiled 128, unit 64"
     ):
-        artifacts.check_layout(
-            tmp_path / "neuron" / LAYOUT,
-            {
-                "tp_degree": 64,
-                "cp_degree": 4,
-                "attention_dp_degree": 4,
-                "world_size": 64,
-                "local_ranks_size": 64,
-            },
+        artifacts.check_layout(tmp_path / "neuron" / LAYOUT, {**UNIT, "tp_degree": 64, "world_size": 64})
+    with pytest.raises(artifacts.ArtifactError, match="batch_size: compiled 32, unit 8"):
+        artifacts.check_layout(tmp_path / "neuron" / LAYOUT, {**UNIT, "batch_size": 8})
+
+
+def test_a_flat_or_missing_config_is_not_a_compiled_layout(tmp_path):
+    """The nested format is what NxD Inference writes; a flat file would pass any check unseen."""
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    (flat / "neuron_config.json").write_text(json.dumps({k: v for k, v in UNIT.items()}))
+    with pytest.raises(artifacts.ArtifactError, match='has no "neuron_config" object'):
+        artifacts.check_layout(flat, UNIT)
+    with pytest.raises(artifacts.ArtifactError, match=r"has no neuron_config\.json"):
+        artifacts.check_layout(tmp_path, UNIT)
+
+
+def test_node_layout_carries_the_nodes_rank_slice(tmp_path):
+    layout = tmp_path / "neuron" / LAYOUT
+    layout.mkdir(parents=True)
+    (layout / "neuron_config.json").write_bytes(FIXTURE.read_bytes())
+    (layout / "model.pt").write_bytes(b"compiled")
+    (layout / "weights").mkdir()
+    node = artifacts.prepare_node_layout(layout, tmp_path / "neuron" / f"{LAYOUT}.node1", 64, 64)
+    whole = json.loads((node / "neuron_config.json").read_text())
+    assert whole["neuron_config"]["start_rank_id"] == 64 and whole["neuron_config"]["local_ranks_size"] == 64
+    assert whole["hidden_size"] == 16384  # the rest of the file as compiled
+    assert (node / "model.pt").resolve() == (layout / "model.pt").resolve()
+    assert (node / "weights").is_symlink()
+    # The fetched layout itself is untouched (start rank 0), and a second start rebuilds the view.
+    assert json.loads((layout / "neuron_config.json").read_text())["neuron_config"]["start_rank_id"] == 0
+    artifacts.prepare_node_layout(layout, node, 64, 64)
+    artifacts.check_layout(node, UNIT)
+
+
+def test_a_node_fetches_only_its_own_ranks_of_presharded_weights(s3, tmp_path):
+    client, _ = s3
+    for rank in range(4):
+        client.put_object(
+            Bucket=BUCKET, Key=f"llama/neuron/{LAYOUT}/weights/tp{rank}_sharded_checkpoint.safetensors",
+            Body=b"w" * 10,
         )
+    artifacts.fetch(client, URI, tmp_path, layout=LAYOUT, ranks=range(2, 4))
+    weights = sorted(p.name for p in (tmp_path / "neuron" / LAYOUT / "weights").iterdir())
+    assert weights == ["tp2_sharded_checkpoint.safetensors", "tp3_sharded_checkpoint.safetensors"]
+    # Presharded: the full checkpoint's weights are not needed; its config and tokenizer are.
+    assert not (tmp_path / "model-00001.safetensors").exists()
+    assert (tmp_path / "config.json").exists() and (tmp_path / "tokenizer.json").exists()

@@ -58,7 +58,8 @@ def test_plan_from_the_fleet_file(h):
     assert result.returncode == 0, result.stderr
     node = json.loads(result.stdout)
     assert node["env"]["NEURON_RT_ROOT_COMM_ID"] == "10.10.0.5:62182"
-    assert node["engine_args"]["additional_config"]["override_neuron_config"]["start_rank_id"] == 64
+    assert node["neuron_config"]["start_rank_id"] == 64 and node["neuron_config"]["local_ranks_size"] == 64
+    assert node["env"]["NEURON_COMPILED_ARTIFACTS"].endswith(".node1")
 
 
 def test_plan_errors_say_what_is_allowed(tmp_path, h, capsys):

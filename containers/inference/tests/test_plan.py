@@ -33,7 +33,7 @@ def neuron_spec(**overrides) -> dict:
             "neuron_devices": 16,
             "efa_interfaces": 16,
         },
-        "neuron": {"tp_degree": 128, "cp_degree": 4, "attention_dp_degree": 8, "world_size": 128},
+        "neuron": {"tp_degree": 128, "cp_degree": 4, "attention_dp_degree": 4, "world_size": 128},
         "engine": {"max_num_seqs": 32},
         "discovery": {"namespace": "dev.rufus.internal", "leader_service": "leader-u1"},
     }
@@ -42,12 +42,17 @@ def neuron_spec(**overrides) -> dict:
     return spec
 
 
-def test_neuron_follower_plan_has_the_documented_multinode_settings():
+def test_neuron_follower_plan_runs_the_unit_executor_with_its_rank_slice():
+    """vLLM's world is one worker per node (the unit executor broadcasts each step to it);
+    the node's rank slice comes from its own view of the compiled layout; nothing that the
+    pinned engine ignores is rendered (docs/neuron-multi-node.md names the sources)."""
     spec = parse_spec(neuron_spec())
-    node = plans.build_plan(spec, "follower", 1, leader_addr="10.0.0.5", host_ip="10.0.0.6", session_id="s1")
+    node = plans.build_plan(
+        spec, "follower", 1, leader_addr="10.0.0.5", host_ip="10.0.0.6", session_id="s1", step_dir="/tmp/st"
+    )
     assert node.argv[:3] == ["vllm", "serve", "/opt/models/llama"]
     for arg in (
-        "--tensor-parallel-size=128",
+        "--tensor-parallel-size=2",
         "--nnodes=2",
         "--node-rank=1",
         "--master-addr=10.0.0.5",
@@ -57,35 +62,35 @@ def test_neuron_follower_plan_has_the_documented_multinode_settings():
         "--max-model-len=16384",
     ):
         assert arg in node.argv
-    assert not any(a.startswith("--port") for a in node.argv)
-    additional = json.loads(next(a for a in node.argv if a.startswith("--additional-config=")).split("=", 1)[1])
-    assert additional == {
-        "override_neuron_config": {
-            "tp_degree": 128,
-            "cp_degree": 4,
-            "attention_dp_degree": 8,
-            "world_size": 128,
-            "start_rank_id": 64,
-            "local_ranks_size": 64,
-        }
-    }
+    assert not any(a.startswith(("--port", "--additional-config", "--distributed-executor-backend")) for a in node.argv)
     assert node.env == {
-        "VLLM_NEURON_FRAMEWORK": "neuronx-distributed-inference",
-        "NEURON_LOCAL_TP": "64",
-        "NEURON_RANK_ID": "1",
-        "WORLD_SIZE": "2",
-        "ENABLE_NEURON_MULTI_NODE": "true",
         "NEURON_RT_ROOT_COMM_ID": "10.0.0.5:62182",
         "NEURON_LOGICAL_NC_CONFIG": "2",
         "NEURON_RT_VIRTUAL_CORE_SIZE": "2",
-        "NEURON_COMPILED_ARTIFACTS": "/opt/models/llama/neuron/L1",
+        "NEURON_COMPILED_ARTIFACTS": "/opt/models/llama/neuron/L1.node1",
         "FI_PROVIDER": "efa",
         "FI_EFA_USE_DEVICE_RDMA": "1",
         "FI_EFA_FORK_SAFE": "1",
         "VLLM_HOST_IP": "10.0.0.6",
+        "UNIT_EXECUTOR": "1",
+        "UNIT_BASE_PLATFORM": "vllm_neuron.platform.NeuronPlatform",
+        "VLLM_PLUGINS": "unit",
+        "UNIT_STEP_DIR": "/tmp/st",
+        "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "40",
         "UNIT_RANK": "1",
         "UNIT_SESSION_ID": "s1",
     }
+    # The rank slice the launcher writes into the node's view of the layout.
+    config = plans.neuron_config(spec, 1)
+    assert (config["start_rank_id"], config["local_ranks_size"], config["world_size"]) == (64, 64, 128)
+
+
+def test_neuron_plan_without_a_compiled_layout_passes_the_config_the_plugin_compiles_with():
+    spec = parse_spec(neuron_spec(model={"layout": None}))
+    node = plans.build_plan(spec, "follower", 1, leader_addr="10.0.0.5", host_ip="10.0.0.6")
+    additional = json.loads(next(a for a in node.argv if a.startswith("--additional-config=")).split("=", 1)[1])
+    assert additional == {"override_neuron_config": plans.neuron_config(spec, 1)}
+    assert "NEURON_COMPILED_ARTIFACTS" not in node.env
 
 
 def test_leader_serves_http_on_loopback_and_extra_args_and_env_are_appended():
@@ -102,7 +107,7 @@ def test_leader_serves_http_on_loopback_and_extra_args_and_env_are_appended():
     node = plans.build_plan(spec, "leader", 0, leader_addr="10.0.0.5", host_ip="10.0.0.5")
     assert "--host=127.0.0.1" in node.argv and "--port=8001" in node.argv and "--headless" not in node.argv
     assert node.argv[-1] == "--enable-prefix-caching"
-    assert node.env["NEURON_RANK_ID"] == "0" and node.env["NEURON_RT_LOG_LEVEL"] == "WARNING"
+    assert node.env["UNIT_RANK"] == "0" and node.env["NEURON_RT_LOG_LEVEL"] == "WARNING"
 
 
 def test_trn1_single_node_has_no_lnc_and_no_multinode_settings():
@@ -120,7 +125,7 @@ def test_trn1_single_node_has_no_lnc_and_no_multinode_settings():
         )
     )
     node = plans.build_plan(spec, "leader", 0, leader_addr="10.0.0.5", host_ip="10.0.0.5")
-    assert "NEURON_LOGICAL_NC_CONFIG" not in node.env and "ENABLE_NEURON_MULTI_NODE" not in node.env
+    assert "NEURON_LOGICAL_NC_CONFIG" not in node.env and "NEURON_RT_ROOT_COMM_ID" not in node.env
     assert not any(a.startswith(("--nnodes", "--node-rank", "--master-addr")) for a in node.argv)
 
 
@@ -140,6 +145,7 @@ def test_cpu_plan_is_generic_vllm_without_neuron_settings():
     assert "--tensor-parallel-size=2" in node.argv and "--distributed-executor-backend=mp" in node.argv
     assert not any("neuron" in a for a in node.argv)
     assert not any(k.startswith(("NEURON_", "FI_")) for k in node.env)
+    assert (node.env["UNIT_EXECUTOR"], node.env["UNIT_BASE_PLATFORM"]) == ("1", "vllm.platforms.cpu.CpuPlatform")
 
 
 def test_triton_leader_renders_a_model_repository_that_matches_tritons_schema():
@@ -166,9 +172,9 @@ def test_triton_leader_renders_a_model_repository_that_matches_tritons_schema():
     ]
     assert config.output[0].name == "text_output" and config.output[0].data_type == model_config_pb2.TYPE_STRING
     model_json = json.loads(node.files["/opt/triton/models/Llama-3.1-405B-Instruct/1/model.json"])
-    assert model_json["model"] == "/opt/models/llama" and model_json["tensor_parallel_size"] == 128
+    assert model_json["model"] == "/opt/models/llama" and model_json["tensor_parallel_size"] == 2
     assert (model_json["nnodes"], model_json["node_rank"], model_json["master_addr"]) == (2, 0, "10.0.0.5")
-    assert model_json["additional_config"]["override_neuron_config"]["start_rank_id"] == 0
+    assert node.env["NEURON_COMPILED_ARTIFACTS"].endswith("/L1.node0")
     assert model_json["enable_prefix_caching"] is True and model_json["block_size"] == 32
     assert "port" not in model_json
     # Followers of a Triton unit run the headless vLLM engine.

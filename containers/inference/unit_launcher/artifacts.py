@@ -2,10 +2,13 @@
 
 S3 layout under the model's prefix: the checkpoint files (config, tokenizer, weights) at
 the top, and one folder per compiled unit layout at `neuron/<layout>/`. A node fetches the
-top-level files and its own layout only. Objects already present with the size and ETag
-recorded by an earlier fetch are skipped; single-part objects are checked against their
-MD5 ETag after download. Transfers run concurrently (boto3's transfer manager splits
-large objects into ranged parts) and progress is logged.
+top-level files and its own layout only; when the layout carries presharded weights
+(`weights/tp<rank>_sharded_checkpoint.safetensors`, NxD Inference's `save_sharded_checkpoint`),
+it fetches only its own ranks' shards and not the full checkpoint's weight files.
+Objects already present with the size and ETag recorded by an earlier fetch are
+skipped; single-part objects are checked against their MD5 ETag after download.
+Transfers run concurrently (boto3's transfer manager splits large objects into ranged
+parts) and progress is logged.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -97,27 +101,117 @@ def select(objects: list[S3Object], prefix: str, layout: str | None) -> list[S3O
     return chosen
 
 
+_SHARD = re.compile(r"/weights/tp(\d+)_sharded_checkpoint\.safetensors$")
+# Full-checkpoint weight files, not needed when the layout carries presharded weights.
+_CHECKPOINT_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def select_ranks(objects: list[S3Object], prefix: str, ranks: range | None) -> list[S3Object]:
+    """Keep only this node's ranks of a presharded layout (and drop the full checkpoint's weights).
+
+    Without presharded weights every node needs the full checkpoint (NxD Inference shards
+    it at load, reading `_name_or_path`), so nothing is dropped.
+    """
+    shards = {obj.key: int(m.group(1)) for obj in objects if (m := _SHARD.search(obj.key))}
+    if ranks is None or not shards:
+        return objects
+    kept = []
+    for obj in objects:
+        relative = obj.key[len(prefix) :]
+        if obj.key in shards:
+            if shards[obj.key] in ranks:
+                kept.append(obj)
+        elif "/" not in relative and relative.endswith(_CHECKPOINT_WEIGHTS):
+            continue
+        else:
+            kept.append(obj)
+    return kept
+
+
+# Keys of NxD Inference's NeuronConfig that the compiled graph depends on and that the unit
+# sets; start_rank_id is per node and set by `prepare_node_layout`, not compared.
+COMPARED_KEYS = (
+    "tp_degree",
+    "cp_degree",
+    "attention_dp_degree",
+    "world_size",
+    "local_ranks_size",
+    "logical_nc_config",
+    "batch_size",
+    "seq_len",
+    "max_context_length",
+    "sequence_parallel_enabled",
+    "is_continuous_batching",
+)
+
+
+def read_neuron_config(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The whole file and its `neuron_config` object, as NxD Inference writes them.
+
+    `InferenceConfig.save` writes the Hugging Face config keys at the top level and the
+    NeuronConfig nested under "neuron_config" (neuronx-distributed-inference
+    models/config.py, `to_json_file` / `from_json_string`; see docs/neuron-multi-node.md).
+    """
+    try:
+        whole = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ArtifactError(f"{path} is not readable JSON: {error}") from None
+    nested = whole.get("neuron_config") if isinstance(whole, dict) else None
+    if not isinstance(nested, dict):
+        raise ArtifactError(
+            f"{path} has no \"neuron_config\" object: it is not an NxD Inference compiled config "
+            "(InferenceConfig.save writes the NeuronConfig nested under that key)"
+        )
+    return whole, nested
+
+
 def check_layout(local_layout_dir: Path, expected: dict[str, Any]) -> None:
-    """Compare the compiled layout's neuron_config.json (if shipped) with the unit's neuron config."""
+    """Compare the compiled layout's neuron_config.json with the unit's neuron config.
+
+    A layout without the file is refused: NxD Inference loads its config from it, and the
+    plugin would otherwise compile on every node at start (minutes to hours).
+    """
     path = local_layout_dir / LAYOUT_FILE
     if not path.is_file():
-        log.info("%s has no %s: layout not cross-checked", local_layout_dir, LAYOUT_FILE)
-        return
-    try:
-        compiled = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ArtifactError(f"{path} is not JSON: {error}") from None
-    # Per-node keys (start_rank_id) differ by rank and are not part of the compiled layout.
-    keys = ("tp_degree", "cp_degree", "attention_dp_degree", "world_size", "local_ranks_size")
+        raise ArtifactError(
+            f"{local_layout_dir} has no {LAYOUT_FILE}: not a compiled NxD Inference layout"
+        )
+    _, compiled = read_neuron_config(path)
     diffs = [
         f"{k}: compiled {compiled[k]!r}, unit {expected[k]!r}"
-        for k in keys
+        for k in COMPARED_KEYS
         if k in compiled and k in expected and compiled[k] != expected[k]
     ]
     if diffs:
         raise ArtifactError(
             f"compiled artifacts in {local_layout_dir} do not match this unit's layout: {'; '.join(diffs)}"
         )
+
+
+def prepare_node_layout(layout_dir: Path, node_dir: Path, start_rank_id: int, local_ranks_size: int) -> Path:
+    """This node's view of the compiled layout: the same files, its own rank slice.
+
+    NxD Inference loads ranks [start_rank_id, start_rank_id + local_ranks_size) of the
+    compiled model, taking both from the neuron_config.json of the directory it loads
+    (`NeuronApplicationBase.load` -> `load_weights`, which falls back to
+    `neuron_config.start_rank_id`/`local_ranks_size`; the compiled graph fixes the local
+    size and world size but not the start rank). The vLLM plugin loads from
+    NEURON_COMPILED_ARTIFACTS and ignores override_neuron_config when artifacts exist, so
+    the rank slice is set here: a directory of links to the layout's files with its own
+    neuron_config.json (NxD Inference's multi-node example likewise gives each node its own
+    compiled-model path). Rebuilt each start; the fetched files are never modified.
+    """
+    whole, nested = read_neuron_config(layout_dir / LAYOUT_FILE)
+    if node_dir.exists():
+        for entry in node_dir.iterdir():
+            entry.unlink()
+    node_dir.mkdir(parents=True, exist_ok=True)
+    for entry in layout_dir.iterdir():
+        if entry.name != LAYOUT_FILE:
+            (node_dir / entry.name).symlink_to(entry.resolve())
+    nested = {**nested, "start_rank_id": start_rank_id, "local_ranks_size": local_ranks_size}
+    (node_dir / LAYOUT_FILE).write_text(json.dumps({**whole, "neuron_config": nested}, indent=2, sort_keys=True))
+    return node_dir
 
 
 def _md5(path: Path) -> str:
@@ -134,6 +228,7 @@ def fetch(
     local_dir: str | Path,
     *,
     layout: str | None = None,
+    ranks: range | None = None,
     concurrency: int = 8,
     progress_seconds: float = 10.0,
     on_progress: Callable[[int, int], None] | None = None,
@@ -150,7 +245,7 @@ def fetch(
         raise ArtifactError(
             f"no objects under {uri}: check model.artifacts_s3_uri and that the artifacts were uploaded"
         )
-    objects = select(objects, prefix, layout)
+    objects = select_ranks(select(objects, prefix, layout), prefix, ranks)
     root = Path(local_dir)
     root.mkdir(parents=True, exist_ok=True)
     manifest_path = root / MANIFEST

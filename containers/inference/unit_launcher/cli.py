@@ -22,7 +22,8 @@ from unit_launcher.spec import SpecError, UnitSpec, load_spec_file, load_spec_fr
 
 def _spec_from_config(path: str | None, cell: str, unit: int) -> UnitSpec:
     try:
-        from inference_fleet.config import ConfigError, load_fleet
+        from inference_fleet.checks import load_fleet
+        from inference_fleet.config import ConfigError
         from inference_fleet.unit_spec import build_unit_spec
     except ImportError:
         raise SpecError(

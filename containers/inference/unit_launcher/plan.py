@@ -50,6 +50,9 @@ class LaunchPlan:
     env: dict[str, str]
     engine_args: dict[str, Any]
     files: dict[str, str] = field(default_factory=dict)
+    # Neuron: the NeuronConfig this node loads with (its rank slice), written into its view
+    # of the compiled layout by the launcher before the engine starts.
+    neuron_config: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -59,37 +62,61 @@ class LaunchPlan:
             "env": self.env,
             "engine_args": self.engine_args,
             "files": self.files,
+            "neuron_config": self.neuron_config,
         }
 
     def to_text(self) -> str:
         lines = [f"# role={self.role} rank={self.rank}", "argv:", "  " + shlex.join(self.argv), "env:"]
         lines += [f"  {k}={v}" for k, v in sorted(self.env.items())]
+        if self.neuron_config is not None:
+            c = self.neuron_config
+            lines += [
+                f"neuron rank slice: ranks {c['start_rank_id']}..{c['start_rank_id'] + c['local_ranks_size'] - 1} "
+                f"of {c['world_size']} (start_rank_id={c['start_rank_id']}, local_ranks_size={c['local_ranks_size']})",
+                "neuron config: " + json.dumps(c, sort_keys=True),
+            ]
         for path, content in self.files.items():
             lines += [f"file {path}:", *("  " + line for line in content.rstrip("\n").splitlines())]
         return "\n".join(lines) + "\n"
 
 
 def neuron_config(spec: UnitSpec, rank: int) -> dict[str, Any]:
-    """The NxD Inference neuron config of one node: the unit's hybrid parallelism and its rank slice."""
+    """The NxD Inference NeuronConfig of one node: the unit's layout and this node's rank slice.
+
+    The same keys as the planner's (`inference_fleet` `neuron_config`; a test compares them),
+    each a field of NxD Inference's NeuronConfig (docs/neuron-multi-node.md).
+    """
     local = spec.instance.cores_per_node
-    config: dict[str, Any] = {
+    return {
         "tp_degree": spec.neuron.tp_degree,
         "cp_degree": spec.neuron.cp_degree,
         "attention_dp_degree": spec.neuron.attention_dp_degree,
         "world_size": spec.neuron.world_size,
         "start_rank_id": rank * local,
         "local_ranks_size": local,
+        "logical_nc_config": spec.instance.lnc,
+        "batch_size": spec.engine.max_num_seqs,
+        "seq_len": spec.model.max_seq_len,
+        "max_context_length": spec.model.max_seq_len,
+        "torch_dtype": spec.model.dtype,
+        "sequence_parallel_enabled": spec.neuron.sequence_parallel_enabled,
+        # vllm-neuron's default (continuous batching iff batch > 1); NxD Inference needs it
+        # for attention data parallelism.
+        "is_continuous_batching": spec.engine.max_num_seqs > 1,
     }
-    if spec.neuron.sequence_parallel_enabled:
-        config["sequence_parallel_enabled"] = True
-    return config
 
 
-def compiled_dir(spec: UnitSpec) -> str | None:
-    """Local directory of the Neuron-compiled artifacts of this unit's layout."""
+def layout_dir(spec: UnitSpec) -> str | None:
+    """Local directory of the fetched Neuron-compiled layout of this unit."""
     if spec.engine.device != "neuron" or not spec.model.layout:
         return None
     return str(Path(spec.model.local_dir) / "neuron" / spec.model.layout)
+
+
+def compiled_dir(spec: UnitSpec, rank: int) -> str | None:
+    """This node's view of the layout (its own rank slice), what NEURON_COMPILED_ARTIFACTS names."""
+    base = layout_dir(spec)
+    return None if base is None else f"{base}.node{rank}"
 
 
 def _parse_lines(text: str) -> tuple[dict[str, Any], list[str], dict[str, str]]:
@@ -152,7 +179,14 @@ def extra_args_to_engine_args(extra: tuple[str, ...] | list[str]) -> dict[str, A
 
 
 def build_plan(
-    spec: UnitSpec, role: Role, rank: int, *, leader_addr: str, host_ip: str, session_id: str = "plan"
+    spec: UnitSpec,
+    role: Role,
+    rank: int,
+    *,
+    leader_addr: str,
+    host_ip: str,
+    session_id: str = "plan",
+    step_dir: str | None = None,
 ) -> LaunchPlan:
     """Render the launch plan of one node. The leader is always rank 0."""
     if role not in ("leader", "follower"):
@@ -173,8 +207,12 @@ def build_plan(
         "model_path": spec.model.local_dir,
         "engine_dtype": _ENGINE_DTYPE[spec.model.dtype],
         "neuron_config": neuron_config(spec, rank),
-        "compiled_dir": compiled_dir(spec),
+        "compiled_dir": compiled_dir(spec, rank),
         "session_id": session_id,
+        "step_dir": step_dir or f"/tmp/unit-steps/{spec.unit_id}-{session_id}",
+        # vLLM's own wait for a step's answer, a little above the launcher's step bound, so
+        # that the launcher declares the unit lost first (its watchdog looks every 0.5 s).
+        "engine_step_timeout": int(spec.rendezvous.step_timeout_seconds + 10),
     }
     args, flags, env = _parse_lines(_TEMPLATES.get_template("engine.j2").render(context))
     env.update(spec.engine.extra_env)
@@ -200,7 +238,10 @@ def build_plan(
             argv += _cli(name, value)
         argv += ["--" + f for f in flags]
         argv += list(spec.engine.extra_args)
-    return LaunchPlan(role=role, rank=rank, argv=argv, env=env, engine_args=args, files=files)
+    node_config = context["neuron_config"] if spec.engine.device == "neuron" else None
+    return LaunchPlan(
+        role=role, rank=rank, argv=argv, env=env, engine_args=args, files=files, neuron_config=node_config
+    )
 
 
 def triton_model_name(spec: UnitSpec) -> str:

@@ -6,7 +6,10 @@ members of another unit or revision, gives ranks deterministically (followers so
 address, then instance id) and releases everyone only when all `size` members are in.
 After release, followers heartbeat; a member silent for `follower_loss_seconds` ends the
 session: the leader stops its engine and exits non-zero, and answers every later
-heartbeat with "stopping" so the followers stop too. A unit runs whole or not at all.
+heartbeat with "stopping" so the followers stop too. Heartbeats carry the follower's step
+records; a step the leader broadcast that is not completed within the step bound ends
+the session as well, naming the members behind (`unit_launcher.steps`). A unit runs
+whole or not at all.
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from unit_launcher import steps
 from unit_launcher.spec import UnitSpec
 
 log = logging.getLogger("unit_launcher.rendezvous")
@@ -53,6 +58,8 @@ class Member:
     open_requests: int = 0
     # Per launcher process: tells a retried join from a restarted member with the same id.
     incarnation: str = ""
+    # The member's step records as of its last heartbeat (unit_executor.steps, as JSON).
+    steps: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
         rank = f"rank {self.rank} " if self.rank is not None else ""
@@ -83,10 +90,17 @@ class LeaderSession:
     deliberate_end: bool = False
     released: asyncio.Event = field(default_factory=asyncio.Event)
     ended: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set when the session ended because a step overran the lockstep bound.
+    step_timeout: bool = False
 
     def __post_init__(self) -> None:
         now = time.monotonic()
         self.members[self.instance_id] = Member(self.address, self.instance_id, now, now, rank=0)
+
+    @property
+    def step_dir(self) -> Path:
+        """Where this node's engine writes its step records for this session."""
+        return steps.step_dir(self.spec.unit_id, self.session_id, 0)
 
     # -- state -----------------------------------------------------------------------------
     def _set_state(self, state: str) -> None:
@@ -185,6 +199,44 @@ class LeaderSession:
             self._set_state(DEGRADED)
         else:
             self._set_state(SERVING)
+        self.check_steps()
+
+    def _member_steps(self) -> dict[str, dict[str, Any]]:
+        """Every member's step records: the leader's own read now, the followers' as last heard."""
+        own = steps.local_states(self.step_dir)
+        result = {}
+        for m in self.members.values():
+            result[m.describe()] = own if m.instance_id == self.instance_id else m.steps
+        return result
+
+    def check_steps(self) -> None:
+        """End the session when a broadcast step has not completed within the step bound."""
+        if not self.released.is_set() or self.state == STOPPING:
+            return
+        bound = self.spec.rendezvous.step_timeout_seconds
+        overdue = steps.overdue_step(self.step_dir, bound)
+        if overdue is None:
+            return
+        behind = steps.laggards(overdue.steps, self._member_steps())
+        self.step_timeout = True
+        self.end(
+            f"step {overdue.steps} not completed within {bound:g} s "
+            f"(in flight {overdue.inflight_seconds():.1f} s); behind: {', '.join(behind) or 'none named'}"
+        )
+
+    def steps_status(self) -> dict[str, Any]:
+        own = steps.local_states(self.step_dir)
+        executor = own.get(steps.EXECUTOR)
+        members = {str(m.rank): (own if m.instance_id == self.instance_id else m.steps)
+                   for m in self.members.values() if m.rank is not None}
+        quiet = executor is not None and executor["inflight_seconds"] == 0
+        return {
+            "bound_seconds": self.spec.rendezvous.step_timeout_seconds,
+            "broadcast": executor,
+            "members": members,
+            # Only meaningful between steps: while one is in flight the counts differ by design.
+            "lockstep": steps.lockstep(executor, members) if quiet else None,
+        }
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -212,6 +264,7 @@ class LeaderSession:
             "since": self.since,
             "end_reason": self.end_reason,
             "members": members,
+            "steps": self.steps_status(),
         }
 
     def release_payload(self, member: Member) -> dict[str, Any]:
@@ -344,6 +397,8 @@ class LeaderSession:
                 f"of unit {self.spec.unit_id}",
             )
         member.last_seen = time.monotonic()
+        if isinstance(body.get("steps"), dict):
+            member.steps = body["steps"]
         if self.state == STOPPING:
             member.told_stop = True
             return web.json_response(
@@ -491,15 +546,21 @@ class SessionEnd:
 
 
 async def heartbeat_loop(
-    http: aiohttp.ClientSession, spec: UnitSpec, release: Release, instance_id: str
+    http: aiohttp.ClientSession,
+    spec: UnitSpec,
+    release: Release,
+    instance_id: str,
+    step_dir: Path | None = None,
 ) -> SessionEnd:
-    """Heartbeat until the session ends; returns why (raises nothing)."""
+    """Heartbeat (with this node's step records) until the session ends; returns why."""
     url = f"http://{release.leader_addr}:{spec.rendezvous.port}/heartbeat"
-    body = {"session_id": release.session_id, "instance_id": instance_id, "rank": release.rank}
+    body: dict[str, Any] = {"session_id": release.session_id, "instance_id": instance_id, "rank": release.rank}
     interval = spec.rendezvous.heartbeat_interval
     limit = spec.rendezvous.follower_loss_seconds
     last_ok = time.monotonic()
     while True:
+        if step_dir is not None:
+            body["steps"] = steps.local_states(step_dir)
         try:
             timeout = aiohttp.ClientTimeout(total=max(interval, 1.0))
             async with http.post(url, json=body, timeout=timeout) as response:

@@ -1,8 +1,9 @@
 """`run`: one node's whole life: identity, artifacts, rendezvous, engine, watchdog, exit.
 
-Exit status: the engine's own status when it ends the session (0 after a graceful stop),
+Exit status: 0 only after a deliberate stop (SIGTERM to the leader, or a follower told
+the leader was stopped on purpose); the engine's own status when it failed on its own;
 otherwise one of the codes below, so ECS restarts the task and the unit forms again as a
-new session.
+new session. A unit lost is never 0.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import time
 from collections.abc import Mapping
@@ -19,7 +21,7 @@ from typing import Any
 
 import aiohttp
 
-from unit_launcher import artifacts, plan, rendezvous
+from unit_launcher import artifacts, plan, rendezvous, steps
 from unit_launcher.engine import Engine
 from unit_launcher.identity import DiscoveryError, Identity, IdentityError, discover_leader, resolve_identity
 from unit_launcher.spec import SpecError, UnitSpec
@@ -29,7 +31,9 @@ log = logging.getLogger("unit_launcher")
 EXIT_CONFIG = 2  # bad spec, role or environment
 EXIT_FORM_TIMEOUT = 3  # the unit did not form (someone missing, leader not found, refused)
 EXIT_ARTIFACTS = 4  # artifacts missing or not matching the layout
-EXIT_UNIT_LOST = 5  # the session ended because another member was lost or left
+EXIT_UNIT_LOST = 5  # the session ended because another member was lost or left, or a step overran
+# A unit that lost a member cannot drain: its collectives are stuck. Stop the engine fast.
+LOST_STOP_SECONDS = 3.0
 
 
 def _boto3_client(service: str, spec: UnitSpec) -> Any:
@@ -42,23 +46,35 @@ def _boto3_client(service: str, spec: UnitSpec) -> Any:
     )
 
 
-def fetch_artifacts(spec: UnitSpec) -> None:
+def fetch_artifacts(spec: UnitSpec, rank: int | None = None) -> None:
+    """Fetch what this node needs (all ranks' when its rank is not known yet: the leader
+    fetches before the unit forms and is always rank 0), then check the compiled layout."""
     if spec.model.artifacts_s3_uri is None:
         if not os.path.exists(spec.model.local_dir):
             raise artifacts.ArtifactError(
                 f"model.local_dir {spec.model.local_dir} does not exist and no "
                 "model.artifacts_s3_uri is given to fetch it from"
             )
-        return
-    artifacts.fetch(
-        _boto3_client("s3", spec),
-        spec.model.artifacts_s3_uri,
-        spec.model.local_dir,
-        layout=spec.model.layout if spec.engine.device == "neuron" else None,
-    )
-    layout_dir = plan.compiled_dir(spec)
+    else:
+        local = spec.instance.cores_per_node
+        artifacts.fetch(
+            _boto3_client("s3", spec),
+            spec.model.artifacts_s3_uri,
+            spec.model.local_dir,
+            layout=spec.model.layout if spec.engine.device == "neuron" else None,
+            ranks=None if rank is None else range(rank * local, (rank + 1) * local),
+        )
+    layout_dir = plan.layout_dir(spec)
     if layout_dir:
         artifacts.check_layout(Path(layout_dir), plan.neuron_config(spec, 0))
+
+
+def prepare_node(spec: UnitSpec, rank: int) -> None:
+    """This node's rank slice of the compiled layout (see artifacts.prepare_node_layout)."""
+    layout_dir, node_dir = plan.layout_dir(spec), plan.compiled_dir(spec, rank)
+    if layout_dir and node_dir:
+        local = spec.instance.cores_per_node
+        artifacts.prepare_node_layout(Path(layout_dir), Path(node_dir), rank * local, local)
 
 
 class _Signals:
@@ -105,7 +121,8 @@ async def run_leader(spec: UnitSpec, me: Identity, bind: str) -> int:
     engine: Engine | None = None
     try:
         try:
-            await asyncio.to_thread(fetch_artifacts, spec)
+            await asyncio.to_thread(fetch_artifacts, spec, 0)
+            await asyncio.to_thread(prepare_node, spec, 0)
         except artifacts.ArtifactError as error:
             session.end(f"artifacts: {error}")
             log.error("%s", error)
@@ -127,7 +144,13 @@ async def run_leader(spec: UnitSpec, me: Identity, bind: str) -> int:
             log.error("%s", message)
             return EXIT_FORM_TIMEOUT
         node_plan = plan.build_plan(
-            spec, "leader", 0, leader_addr=me.host_ip, host_ip=me.host_ip, session_id=session.session_id
+            spec,
+            "leader",
+            0,
+            leader_addr=me.host_ip,
+            host_ip=me.host_ip,
+            session_id=session.session_id,
+            step_dir=str(session.step_dir),
         )
         if node_plan.files:
             for path, content in node_plan.files.items():
@@ -144,12 +167,16 @@ async def run_leader(spec: UnitSpec, me: Identity, bind: str) -> int:
         await _first(asyncio.shield(engine_exit), session.ended.wait(), signals.stop.wait())
         if engine_exit.done():
             status = engine_exit.result()
+            # A step overrunning its bound also ends the engine (vLLM's own timeout, the
+            # backstop): name the members behind, as the watchdog would have.
+            session.check_steps()
             session.end(f"leader engine exited with status {status}")
+            status = status or EXIT_UNIT_LOST
         elif signals.stop.is_set():
             status = await engine.stop(spec.engine.stop_timeout_seconds) or 0
             session.end("leader received SIGTERM", deliberate=True)
         else:
-            await engine.stop(spec.engine.stop_timeout_seconds)
+            await engine.stop(min(LOST_STOP_SECONDS, spec.engine.stop_timeout_seconds))
             status = EXIT_UNIT_LOST
         await session.tell_followers(2 * spec.rendezvous.heartbeat_interval + 1)
         log.info("leader exits with status %d (%s)", status, session.end_reason)
@@ -159,6 +186,7 @@ async def run_leader(spec: UnitSpec, me: Identity, bind: str) -> int:
         if engine is not None and engine.running:
             await engine.stop(spec.engine.stop_timeout_seconds)
         await runner.cleanup()
+        shutil.rmtree(session.step_dir, ignore_errors=True)
 
 
 async def run_follower(spec: UnitSpec, me: Identity, env: Mapping[str, str]) -> int:
@@ -213,6 +241,12 @@ async def run_follower(spec: UnitSpec, me: Identity, env: Mapping[str, str]) -> 
         except (rendezvous.JoinError, DiscoveryError) as error:
             log.error("%s", error)
             return EXIT_FORM_TIMEOUT
+        try:
+            await asyncio.to_thread(prepare_node, spec, release.rank)
+        except artifacts.ArtifactError as error:
+            log.error("%s", error)
+            return EXIT_ARTIFACTS
+        step_dir = steps.step_dir(spec.unit_id, release.session_id, release.rank)
         node_plan = plan.build_plan(
             spec,
             "follower",
@@ -220,12 +254,15 @@ async def run_follower(spec: UnitSpec, me: Identity, env: Mapping[str, str]) -> 
             leader_addr=release.leader_addr,
             host_ip=me.host_ip,
             session_id=release.session_id,
+            step_dir=str(step_dir),
         )
         engine = Engine(node_plan.argv, _engine_env(node_plan))
         try:
             await engine.start()
             engine_exit = asyncio.ensure_future(engine.wait())
-            beats = asyncio.ensure_future(rendezvous.heartbeat_loop(http, spec, release, me.instance_id))
+            beats = asyncio.ensure_future(
+                rendezvous.heartbeat_loop(http, spec, release, me.instance_id, step_dir)
+            )
             await _first(asyncio.shield(engine_exit), asyncio.shield(beats), signals.stop.wait())
             if engine_exit.done():
                 status = engine_exit.result()
@@ -233,12 +270,13 @@ async def run_follower(spec: UnitSpec, me: Identity, env: Mapping[str, str]) -> 
                     http, spec, release, me.instance_id, f"engine exited with status {status}"
                 )
                 log.error("engine exited with status %d: follower leaves the unit", status)
-                return status
+                return status or EXIT_UNIT_LOST
             if signals.stop.is_set():
                 await rendezvous.leave(http, spec, release, me.instance_id, "follower received SIGTERM")
                 return await engine.stop(spec.engine.stop_timeout_seconds) or 0
             ended = beats.result()
-            await engine.stop(spec.engine.stop_timeout_seconds)
+            grace = spec.engine.stop_timeout_seconds if ended.deliberate else LOST_STOP_SECONDS
+            await engine.stop(min(grace, spec.engine.stop_timeout_seconds))
             if ended.deliberate:
                 # The leader was stopped on purpose (a deployment, a scale-in): a clean stop.
                 log.info("unit session over: %s; engine stopped", ended.reason)
@@ -248,6 +286,7 @@ async def run_follower(spec: UnitSpec, me: Identity, env: Mapping[str, str]) -> 
         finally:
             if engine.running:
                 await engine.stop(spec.engine.stop_timeout_seconds)
+            shutil.rmtree(step_dir, ignore_errors=True)
 
 
 def run(role: str, spec: UnitSpec, env: Mapping[str, str]) -> int:

@@ -97,7 +97,7 @@ class EngineSpec(_Strict):
     tensor_parallel_size: int | None = Field(
         default=None,
         ge=1,
-        description="vLLM TP size on cpu; default one rank per node. Neuron: neuron.tp_degree.",
+        description="vLLM TP size on cpu; default one rank per node. Neuron: one vLLM worker per node.",
     )
     extra_args: tuple[str, ...] = ()
     extra_env: dict[EnvName, str] = Field(default_factory=dict)
@@ -118,6 +118,12 @@ class RendezvousSpec(_Strict):
     )
     heartbeat_interval_seconds: float | None = Field(
         default=None, gt=0, description="Default: follower_loss_seconds / 6, between 0.2 and 5 s."
+    )
+    step_timeout_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="Lockstep bound: a step not completed by every node within this ends the unit.",
     )
 
     @property
@@ -187,8 +193,14 @@ class UnitSpec(_Strict):
 
     @property
     def tensor_parallel_size(self) -> int:
+        """vLLM's tensor parallel size: its world is one worker per rank of vLLM's own.
+
+        On Neuron one worker process per node drives all of the node's NeuronCores through
+        NxD Inference (which runs the model's tensor parallelism, neuron.tp_degree, inside
+        its compiled graph), so vLLM's world is one rank per node.
+        """
         if self.engine.device == "neuron":
-            return self.neuron.tp_degree
+            return self.size
         return self.engine.tensor_parallel_size or self.size
 
 

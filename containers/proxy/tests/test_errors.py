@@ -31,12 +31,24 @@ async def post(url: str, cue: str, stream: bool = False, **kwargs) -> tuple[int,
         return resp.status, doc, resp
 
 
-async def test_connection_refused_is_502(make_proxy: ProxyFactory):
+async def test_engine_down_is_503_unit_unavailable(make_proxy: ProxyFactory):
+    """No engine at all (its health check fails too): the unit is not serving, not a 502."""
     proxy = await make_proxy(upstream_url=f"http://{LOOPBACK}:{free_port()}")
-    status, doc, _ = await post(proxy.url, "stream")
-    assert status == 502
-    assert doc["error"]["type"] == "upstream_unavailable"
-    assert "refused" in doc["error"]["message"]
+    status, doc, resp = await post(proxy.url, "stream")
+    assert status == 503 and doc["error"]["type"] == "unit_unavailable"
+    assert "engine health check failed" in doc["error"]["message"] and resp.headers["Retry-After"]
+
+
+async def test_a_dying_engines_500_is_503_unit_unavailable(make_proxy: ProxyFactory, engine: FakeEngine):
+    """A dying unit's engine answers 500 (EngineDeadError) before the launcher ends the
+    session: that is the half unit's answer, not the model's, so the client gets 503."""
+    proxy = await make_proxy()
+    status, doc, _ = await post(proxy.url, "error500")
+    assert status == 500  # a healthy engine's own error goes through
+    engine.healthy = False
+    status, doc, _ = await post(proxy.url, "error500")
+    assert status == 503 and doc["error"]["type"] == "unit_unavailable"
+    assert "engine health check answers 503" in doc["error"]["message"]
 
 
 async def test_connection_reset_before_answer_is_502(make_proxy: ProxyFactory):

@@ -193,13 +193,7 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
     if state.gate_unit:
         why = state.unit_unavailable()
         if why is not None:
-            state.count_unavailable()
-            return error_response(
-                503,
-                f"inference unit is not whole, not serving: {why}; retry",
-                "unit_unavailable",
-                {"Retry-After": str(settings.retry_after_seconds)},
-            )
+            return _unit_unavailable_response(state, why)
     if not state.try_enter():
         telemetry.request_rejected()
         return error_response(
@@ -246,6 +240,54 @@ async def _read_body(request: web.Request, settings: Settings) -> bytes | web.Re
         )
 
 
+# How long the check of a failing unit may add to an answer that is an error anyway.
+_UNIT_CHECK_SECONDS = 1.0
+
+
+async def _unit_failing(state: ProxyState) -> str | None:
+    """After an engine error: is the unit going down (then the answer is 503 unit_unavailable)?
+
+    A dying unit's engine answers 500 (vLLM's EngineDeadError) or drops the connection
+    before the launcher has ended the session; those answers are the half unit's, not the
+    model's. So an engine error is checked against the unit gate and the engine's own
+    health endpoint; only an error from a healthy engine in a whole unit goes through.
+    """
+    why = state.unit_unavailable()
+    if why is not None:
+        return why
+    session = state.session
+    if session is None:
+        return None
+    try:
+        timeout = aiohttp.ClientTimeout(total=_UNIT_CHECK_SECONDS)
+        async with session.get(state.settings.engine_health_url, timeout=timeout) as health:
+            if health.status == 200:
+                return None
+            return f"engine health check answers {health.status}"
+    except (TimeoutError, aiohttp.ClientError):
+        return "engine health check failed"
+
+
+def _unit_unavailable_response(state: ProxyState, why: str) -> web.Response:
+    state.count_unavailable()
+    return error_response(
+        503,
+        f"inference unit is not whole, not serving: {why}; retry",
+        "unit_unavailable",
+        {"Retry-After": str(state.settings.retry_after_seconds)},
+    )
+
+
+async def _failure_or_unit_lost(
+    state: ProxyState, failure: tuple[int, float | None, web.Response]
+) -> tuple[int, float | None, web.Response]:
+    """The engine failure as is, unless the unit is going down: then 503 unit_unavailable."""
+    why = await _unit_failing(state)
+    if why is None:
+        return failure
+    return 503, None, _unit_unavailable_response(state, why)
+
+
 def _upstream_failure(
     telemetry: Telemetry, exc: BaseException, timed_out: str, failed: str
 ) -> tuple[int, None, web.Response]:
@@ -274,13 +316,14 @@ async def _forward(
         )
     except aiohttp.ClientConnectorError as exc:
         telemetry.upstream_error("connect")
-        return (
-            502,
-            None,
-            error_response(502, f"engine refused the connection: {exc.os_error}", "upstream_unavailable"),
+        return await _failure_or_unit_lost(
+            state,
+            (502, None, error_response(502, f"engine refused the connection: {exc.os_error}", "upstream_unavailable")),
         )
     except (TimeoutError, aiohttp.ClientError) as exc:
-        return _upstream_failure(telemetry, exc, "did not answer in time", "connection failed")
+        return await _failure_or_unit_lost(
+            state, _upstream_failure(telemetry, exc, "did not answer in time", "connection failed")
+        )
 
     try:
         out_headers = _forward_headers(upstream.headers)
@@ -290,9 +333,14 @@ async def _forward(
             try:
                 data = await upstream.read()
             except (TimeoutError, aiohttp.ClientError) as exc:
-                return _upstream_failure(telemetry, exc, "did not finish its answer in time", "answer cut")
+                return await _failure_or_unit_lost(
+                    state, _upstream_failure(telemetry, exc, "did not finish its answer in time", "answer cut")
+                )
             ttft = time.perf_counter() - started
-            return upstream.status, ttft, web.Response(status=upstream.status, body=data, headers=out_headers)
+            answer = web.Response(status=upstream.status, body=data, headers=out_headers)
+            if upstream.status >= 500:
+                return await _failure_or_unit_lost(state, (upstream.status, ttft, answer))
+            return upstream.status, ttft, answer
 
         response = web.StreamResponse(status=upstream.status, headers=out_headers)
         ttft: float | None = None
@@ -302,7 +350,9 @@ async def _forward(
             # dies before any byte still gets a proper 504/502 status.
             first_chunk = await upstream.content.readany()
         except (TimeoutError, aiohttp.ClientError) as exc:
-            return _upstream_failure(telemetry, exc, "sent headers but no body in time", "answer cut")
+            return await _failure_or_unit_lost(
+                state, _upstream_failure(telemetry, exc, "sent headers but no body in time", "answer cut")
+            )
         await response.prepare(request)
         if first_chunk:
             await response.write(first_chunk)

@@ -158,10 +158,10 @@ def main() -> int:
         print(f"unit_proxy: {exc}", file=sys.stderr)
         return 2
     if settings.workers > 1:
-        from unit_proxy.supervisor import supervise  # here: the supervisor imports this module
+        from unit_proxy.supervisor import supervise  # here: only the multi-worker mode needs it
 
         _logging("supervisor")
-        return supervise(settings)
+        return supervise(settings, run_worker)
     _logging("single")
     return uvloop.run(serve(settings))
 

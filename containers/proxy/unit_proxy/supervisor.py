@@ -41,6 +41,7 @@ import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -58,11 +59,14 @@ from unit_proxy.proxy import (
     flush_emf,
     interval_handler,
 )
-from unit_proxy.server import run_worker
 from unit_proxy.settings import Settings
 from unit_proxy.shared import SharedCounters
 
 log = logging.getLogger("unit_proxy.supervisor")
+
+# A worker process's entry point (unit_proxy.server.run_worker); passed in by the server
+# rather than imported, so that the supervisor does not import the server that starts it.
+WorkerEntry = Callable[[Settings, WorkerLink], None]
 
 RESTART_LIMIT = 5
 RESTART_WINDOW = 60.0
@@ -74,8 +78,9 @@ _STOP_GRACE = 10.0
 class Supervisor:
     """Spawns, watches and drains the workers; answers the whole-proxy endpoints."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, worker: WorkerEntry) -> None:
         self.settings = settings
+        self.worker = worker
         self.ctx = multiprocessing.get_context("spawn")
         self.counters = SharedCounters(settings.workers, self.ctx)
         self.workdir = tempfile.mkdtemp(prefix="unit-proxy-")
@@ -112,7 +117,7 @@ class Supervisor:
 
     def _spawn(self, index: int) -> None:
         link = WorkerLink(index, self.counters, self.socket_path)
-        proc = self.ctx.Process(target=run_worker, args=(self.settings, link), name=f"unit-proxy-worker-{index}")
+        proc = self.ctx.Process(target=self.worker, args=(self.settings, link), name=f"unit-proxy-worker-{index}")
         proc.start()
         self.procs[index] = proc
         log.info("worker %d started (pid %s)", index, proc.pid)
@@ -225,6 +230,6 @@ class Supervisor:
         return 1 if failed else 0
 
 
-def supervise(settings: Settings) -> int:
-    """Run a multi-worker proxy until it has drained; returns the process exit code."""
-    return uvloop.run(Supervisor(settings).run())
+def supervise(settings: Settings, worker: WorkerEntry) -> int:
+    """Run a multi-worker proxy, each worker running `worker`, until it has drained; returns the exit code."""
+    return uvloop.run(Supervisor(settings, worker).run())

@@ -1,0 +1,53 @@
+"""The unit worker on Neuron with NxD Inference (vllm-neuron 0.5.x, the pinned image's plugin).
+
+vllm-neuron's worker starts torch.distributed with a world of one: one process drives
+every NeuronCore of its node through NxD Inference, and its platform forces the
+single-process executor (docs/neuron-multi-node.md cites the lines). A unit keeps the
+one-process-per-node model and widens vLLM's world to one rank per node, so that vLLM's
+multi-node executor can broadcast each step to every node's worker:
+
+- vLLM's world: `--tensor-parallel-size <nodes> --nnodes <nodes>`, one worker per node
+  (local world size 1), gloo over the nodes: a control plane for the step broadcast;
+- the model's own parallelism (tp/cp/attention dp over every NeuronCore of the unit)
+  runs inside NxD Inference's compiled graph, with its collectives over EFA;
+- each node loads its rank slice from its own view of the compiled layout (the launcher
+  writes `start_rank_id`/`local_ranks_size` into it: `unit_launcher.artifacts`).
+
+VERIFIED ONLY ON PAPER: no Trainium was available; nothing here has run on Neuron.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from unit_executor.worker import UnitWorker
+
+NEURON_WORKER = "vllm_neuron.worker.neuron_worker.NeuronWorker"
+
+
+def restore_world_size_property() -> None:
+    """Undo vllm-neuron's patch of ParallelConfig.world_size_across_dp (it returns the data
+    parallel size on Neuron), which would make vLLM's multi-node world one rank wide."""
+    from vllm.config import ParallelConfig
+
+    original = getattr(ParallelConfig, "_unit_world_size_across_dp", None)
+    if original is not None:
+        ParallelConfig.world_size_across_dp = original
+
+
+class UnitNeuronWorker(UnitWorker):  # type: ignore[misc, valid-type]
+    """vllm-neuron's worker, in a vLLM world of one rank per node."""
+
+    def init_distributed_environment(self, *args: Any, **kwargs: Any) -> None:
+        from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+
+        restore_world_size_property()
+        parallel = self.parallel_config
+        init_distributed_environment(
+            world_size=parallel.world_size,
+            rank=self.rank,
+            distributed_init_method=self.distributed_init_method,
+            local_rank=self.local_rank,
+            backend="gloo",
+        )
+        ensure_model_parallel_initialized(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)

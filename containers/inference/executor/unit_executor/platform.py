@@ -1,0 +1,85 @@
+"""The unit platform: the node's real vLLM platform, with the unit's executor and worker.
+
+vLLM resolves one platform per process from the `vllm.platform_plugins` entry points
+(vllm/plugins/__init__.py; vllm/platforms/__init__.py `resolve_current_platform_cls_qualname`,
+where an out-of-tree plugin wins over the built-in CPU one). The platform's
+`check_and_update_config` runs after the engine arguments are validated, which is where a
+platform chooses the executor and worker (vllm/platforms/cpu.py sets `mp` and `CPUWorker`;
+vllm-neuron's platform forces `uni`, see docs/neuron-multi-node.md). The unit platform
+calls the real platform's method first and then puts the unit executor and worker in
+place, so every other setting stays the real platform's.
+
+Activated by `unit_executor.plugin` when the launcher sets UNIT_EXECUTOR=1;
+UNIT_BASE_PLATFORM names the real platform class (default vLLM's CPU platform).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+WORKER_CLS = "unit_executor.worker.UnitWorker"
+NEURON_WORKER_CLS = "unit_executor.neuron.UnitNeuronWorker"
+UNIT_WORKERS = (WORKER_CLS, NEURON_WORKER_CLS)
+DEFAULT_BASE_PLATFORM = "vllm.platforms.cpu.CpuPlatform"
+# vllm-neuron 0.5.x's worker (vllm_neuron/worker/neuron_worker.py), which needs the
+# node-rank-aware subclass; any other worker is wrapped as it is.
+VLLM_NEURON_WORKER = "vllm_neuron.worker.neuron_worker.NeuronWorker"
+
+
+def resolve(qualname: str) -> Any:
+    module, _, name = qualname.rpartition(".")
+    if not module:
+        raise ValueError(f"{qualname!r} is not a module.Class name")
+    return getattr(importlib.import_module(module), name)
+
+
+def select_unit_parts(vllm_config: Any) -> None:
+    """Put the unit worker (every node) and the unit executor (the leader) into the config."""
+    parallel = vllm_config.parallel_config
+    if parallel.worker_cls not in UNIT_WORKERS:
+        # The worker wraps whatever worker the real platform chose; worker processes are
+        # spawned after this point and inherit the environment.
+        os.environ["UNIT_BASE_WORKER_CLS"] = parallel.worker_cls
+        neuron = parallel.worker_cls == VLLM_NEURON_WORKER
+        parallel.worker_cls = NEURON_WORKER_CLS if neuron else WORKER_CLS
+    if parallel.nnodes > 1 or parallel.world_size > 1:
+        from unit_executor.executor import UnitExecutor
+
+        # A class, not a name: ParallelConfig only checks names against its list of
+        # built-in backends (nnodes > 1 needs mp/uni/external_launcher), and it has run by now.
+        parallel.distributed_executor_backend = UnitExecutor
+
+
+def _remember_world_size_property() -> None:
+    """Keep vLLM's own ParallelConfig.world_size_across_dp before a base platform patches it."""
+    from vllm.config import ParallelConfig
+
+    if not hasattr(ParallelConfig, "_unit_world_size_across_dp"):
+        ParallelConfig._unit_world_size_across_dp = ParallelConfig.world_size_across_dp  # type: ignore[attr-defined]
+
+
+_Base: Any = resolve(os.environ.get("UNIT_BASE_PLATFORM", DEFAULT_BASE_PLATFORM))
+
+
+class UnitPlatform(_Base):  # type: ignore[misc, valid-type]
+    """The real platform of the node with the unit's executor and worker."""
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config: Any) -> None:
+        # vllm.config cannot be imported while the platform itself is being resolved
+        # (vllm/config/compilation.py imports current_platform), so this happens here.
+        _remember_world_size_property()
+        super().check_and_update_config(vllm_config)
+        if parallel_is_patched():
+            from unit_executor.neuron import restore_world_size_property
+
+            restore_world_size_property()
+        select_unit_parts(vllm_config)
+
+
+def parallel_is_patched() -> bool:
+    from vllm.config import ParallelConfig
+
+    return ParallelConfig.world_size_across_dp is not getattr(ParallelConfig, "_unit_world_size_across_dp", None)

@@ -1,0 +1,78 @@
+"""Step-level liveness and lockstep, read from the unit executor's step records.
+
+The engine's processes write their records (`unit_executor.steps`) into the session's
+step directory; this module is the launcher's reading of them:
+
+- on every node, `local_states` gives what this node's workers executed (followers send it
+  with each heartbeat);
+- on the leader, `overdue_step` finds a step broadcast but not completed within the
+  step bound, and `laggards` names the members that had not executed it, so the session
+  ends as "unit lost" with the culprit named instead of hanging in a collective;
+- `lockstep` says whether every worker of every node executed exactly the steps the
+  leader broadcast (same count, same digest chain).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from unit_executor.steps import StepState, read_dir
+
+EXECUTOR = "executor"
+
+
+def step_dir(unit_id: str, session_id: str, rank: int) -> Path:
+    """Where the engine of this node writes its step records for one session (per rank, so
+    that nodes sharing a host in tests keep their records apart)."""
+    return Path(tempfile.gettempdir()) / "unit-steps" / f"{unit_id}-{session_id}-rank{rank}"
+
+
+def local_states(directory: Path) -> dict[str, dict[str, Any]]:
+    """This node's records as JSON (for /status and heartbeats)."""
+    return {name: state.to_json() for name, state in read_dir(directory).items()}
+
+
+def overdue_step(directory: Path, bound: float) -> StepState | None:
+    """The leader executor's record when its oldest step in flight is older than `bound`."""
+    state = read_dir(directory).get(EXECUTOR)
+    if state is not None and state.inflight_seconds() > bound:
+        return state
+    return None
+
+
+def workers_of(states: Mapping[str, Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
+    return {name: s for name, s in states.items() if name.startswith("worker-")}
+
+
+def laggards(broadcast: int, members: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> list[str]:
+    """Members (by description) some worker of which had executed fewer than `broadcast` steps."""
+    behind = []
+    for who, states in members.items():
+        workers = workers_of(states)
+        if not workers:
+            behind.append(f"{who} (no step record)")
+            continue
+        done = min(int(w["steps"]) for w in workers.values())
+        if done < broadcast:
+            behind.append(f"{who} (executed {done} of {broadcast} steps)")
+    return behind
+
+
+def lockstep(executor: Mapping[str, Any] | None, members: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> bool | None:
+    """True when every worker of every member has the executor's step count and chain.
+
+    None when there is nothing to compare yet (no executor record, or a member without one).
+    """
+    if executor is None:
+        return None
+    for states in members.values():
+        workers = workers_of(states)
+        if not workers:
+            return None
+        for worker in workers.values():
+            if (worker["steps"], worker["chain"]) != (executor["steps"], executor["chain"]):
+                return False
+    return True

@@ -1,0 +1,42 @@
+"""Rendered engine commands against the installed vLLM's own `vllm serve` parser.
+
+Needs the engine environment (`.e2e/venv`, built by `make e2e` or `e2e/setup_env.py`);
+without it the test is skipped here and the same check runs as step 0 of `make e2e`,
+which CI runs after `make test`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+E2E = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(E2E))
+
+from harness import ENGINE_PYTHON  # noqa: E402
+from unit_mode import rendered_plans  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not ENGINE_PYTHON.exists(), reason="no .e2e/venv: checked by make e2e step 0")
+
+
+def test_neuron_and_cpu_commands_parse_as_planned() -> None:
+    from inference_fleet.checks import load_fleet
+    from inference_fleet.unit_spec import build_unit_spec
+
+    fleet = load_fleet(None)
+    spec = build_unit_spec(fleet, fleet.cells[0], 0, revision="t")
+    spec["engine"].update(device="cpu", tensor_parallel_size=2)
+    plans = rendered_plans(spec)
+    done = subprocess.run([str(ENGINE_PYTHON), str(E2E / "check_engine_args.py")],
+                          input=json.dumps([p.argv for _, p in plans]), capture_output=True, text=True,
+                          timeout=600, check=True)
+    for (name, node), got in zip(plans, json.loads(done.stdout), strict=True):
+        assert "error" not in got, (name, got)
+        for key in ("tensor_parallel_size", "nnodes", "node_rank", "master_addr", "max_num_seqs", "max_model_len"):
+            if key in node.engine_args:
+                assert got[key] == node.engine_args[key], (name, key)
+        assert got["headless"] == ("--headless" in node.argv), name

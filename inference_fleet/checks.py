@@ -1,0 +1,198 @@
+"""Every rule a fleet must pass, and `load_fleet`: the one way to read a fleet file.
+
+The fleet model (`inference_fleet.config`) checks each field on its own; the rules here
+span fields: the unit layout, the cells (names, AZs, CIDRs), the waves, the ports, the
+planner's memory and layout fit (`inference_fleet.planner.fit`) and the pipeline's wave
+size (`inference_fleet.rollout`), and whether each cell can be deployed on AWS
+(`inference_fleet.cell_checks`). Imports go one way: config <- planner, rollout, cell_checks <- checks,
+and every entry point (app.py, stacks/fleet.py, `python -m inference_fleet`, the
+launcher's `plan --config`, the tests) reads a fleet with `load_fleet` (a file) or
+`parse_fleet` (already parsed YAML). Every issue found is reported at once in one
+`ConfigError`, each with its field path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from inference_fleet.catalogue import CATALOGUE
+from inference_fleet.cell_checks import check_alarm_defaults, check_cells_deployable, check_startup_budget
+from inference_fleet.config import (
+    ConfigError,
+    ConfigIssue,
+    FleetConfig,
+    az_id_prefix,
+    parse_model,
+    read_fleet_file,
+)
+from inference_fleet.planner.fit import check_fit
+from inference_fleet.rollout import check_wave_sizes
+
+FleetCheck = Callable[[FleetConfig], Iterable[ConfigIssue]]
+
+
+def load_fleet(path: str | Path | None = None) -> FleetConfig:
+    """Read a fleet file (None: the embedded default, config/default.yaml) and run every check.
+
+    Raises ConfigError listing every issue with its field path; callers print it and exit 2.
+    """
+    data, source = read_fleet_file(path)
+    return parse_fleet(data, source)
+
+
+def parse_fleet(data: Any, source: str = "<dict>") -> FleetConfig:
+    """Validate an already parsed fleet description: the fields first, then every rule."""
+    return validate_fleet(parse_model(data, source), source)
+
+
+def validate_fleet(fleet: FleetConfig, source: str = "<dict>") -> FleetConfig:
+    """Run every rule on a fleet model; returns it unchanged or raises ConfigError."""
+    issues = [issue for check in CHECKS for issue in check(fleet)]
+    if issues:
+        raise ConfigError(source, issues)
+    return fleet
+
+
+def _check_unit(fleet: FleetConfig) -> Iterable[ConfigIssue]:
+    unit = fleet.unit
+    if unit.instance_type not in CATALOGUE:
+        yield ConfigIssue("unit.instance_type", unit.instance_type, f"unknown; allowed: {', '.join(CATALOGUE)}")
+        return
+    allowed_lnc = unit.instance.logical_nc_configs
+    if unit.logical_nc_config is not None and unit.logical_nc_config not in allowed_lnc:
+        yield ConfigIssue(
+            "unit.logical_nc_config",
+            unit.logical_nc_config,
+            f"{unit.instance_type} supports logical NeuronCore sizes {list(allowed_lnc)}",
+        )
+        return
+    total = unit.total_cores
+    if unit.tp != total:
+        yield ConfigIssue(
+            "unit.tensor_parallel_degree",
+            unit.tp,
+            f"tensor parallelism spans every NeuronCore of the unit: must be nodes ({unit.nodes}) x "
+            f"logical NeuronCores per node ({unit.cores_per_node}) = {total}",
+        )
+    for field, degree, phase in (
+        ("context_parallel_degree", unit.context_parallel_degree, "prefill"),
+        ("data_parallel_degree", unit.data_parallel_degree, "decode"),
+    ):
+        if total % degree:
+            divisors = [d for d in range(1, total + 1) if total % d == 0]
+            yield ConfigIssue(
+                f"unit.{field}",
+                degree,
+                f"{phase} runs {degree} groups x (tp / {degree}) cores, which must multiply to the unit's "
+                f"{total} NeuronCores; allowed: divisors of {total}: {divisors}",
+            )
+
+
+def _check_cells(fleet: FleetConfig) -> Iterable[ConfigIssue]:
+    seen: dict[str, int] = {}
+    waves = [w.name for w in fleet.waves]
+    for i, cell in enumerate(fleet.cells):
+        if cell.name in seen:
+            yield ConfigIssue(
+                f"cells[{i}].name", cell.name, f"duplicate of cells[{seen[cell.name]}].name; cell names are unique"
+            )
+        seen.setdefault(cell.name, i)
+        if cell.wave not in waves:
+            yield ConfigIssue(f"cells[{i}].wave", cell.wave, f"no such wave; waves: {waves}")
+        if not cell.in_region(cell.trainium_az):
+            yield ConfigIssue(
+                f"cells[{i}].trainium_az", cell.trainium_az,
+                f"must be an AZ of region {cell.region} (a name such as {cell.region}a or an AZ ID such as "
+                f"{az_id_prefix(cell.region)}-az1)",
+            )
+        azs = cell.resolved_alb_azs
+        if len(set(azs)) < 2 or any(not cell.in_region(az) for az in azs):
+            yield ConfigIssue(f"cells[{i}].alb_azs", list(azs), f"need >= 2 distinct AZs of region {cell.region}")
+        if cell.certificate_arn and f":acm:{cell.region}:" not in cell.certificate_arn:
+            yield ConfigIssue(
+                f"cells[{i}].certificate_arn", cell.certificate_arn, f"certificate must be in {cell.region}"
+            )
+        if cell.min_units_available is not None and cell.min_units_available > cell.units:
+            yield ConfigIssue(
+                f"cells[{i}].min_units_available", cell.min_units_available, f"at most units ({cell.units})"
+            )
+    for i, a in enumerate(fleet.cells):
+        for j in range(i):
+            b = fleet.cells[j]
+            if (a.account, a.region) == (b.account, b.region) and a.vpc_cidr.overlaps(b.vpc_cidr):
+                yield ConfigIssue(
+                    f"cells[{i}].vpc_cidr",
+                    str(a.vpc_cidr),
+                    f"overlaps cells[{j}].vpc_cidr {b.vpc_cidr} ({b.name}) in {a.account}/{a.region}; "
+                    "cells of one account and region need disjoint CIDRs",
+                )
+
+
+def _check_waves(fleet: FleetConfig) -> Iterable[ConfigIssue]:
+    seen: set[str] = set()
+    for i, wave in enumerate(fleet.waves):
+        if wave.name in seen:
+            yield ConfigIssue(f"waves[{i}].name", wave.name, "duplicate wave name")
+        seen.add(wave.name)
+        cells = fleet.cells_of_wave(wave.name)
+        if not cells:
+            yield ConfigIssue(f"waves[{i}]", wave.name, "wave has no cells; every wave needs at least one")
+        if i == 0 and len(cells) > 1:
+            yield ConfigIssue(
+                "waves[0]",
+                wave.name,
+                f"the first wave is the canary and holds exactly one cell, not {len(cells)}: {[c.name for c in cells]}",
+            )
+        if wave.deployment_window and len(wave.deployment_window.split()) != 6:
+            yield ConfigIssue(f"waves[{i}].deployment_window", wave.deployment_window, "cron needs 6 fields")
+
+
+def _check_serving(fleet: FleetConfig) -> Iterable[ConfigIssue]:
+    s = fleet.serving
+    ports = {
+        "engine_port": s.engine_port,
+        "proxy_port": s.proxy_port,
+        "rendezvous_port": s.rendezvous_port,
+        "master_port": s.master_port,
+        "neuron_rt_port": s.neuron_rt_port,
+    }
+    owner: dict[int, str] = {}
+    for name, port in ports.items():
+        if port in owner:
+            yield ConfigIssue(
+                f"serving.{name}", port, f"same as serving.{owner[port]}; host networking needs distinct ports"
+            )
+        owner.setdefault(port, name)
+
+
+def _check_frontend(fleet: FleetConfig) -> Iterable[ConfigIssue]:
+    """A Triton front end needs an image with tritonserver: refused here, not crash-looping on ECS."""
+    if fleet.serving.frontend != "triton":
+        return
+    for i, cell in enumerate(fleet.cells):
+        images = cell.images
+        if images.inference is None:
+            yield ConfigIssue(
+                "serving.frontend", "triton",
+                f"cell {cell.name} deploys the inference image built from containers/inference, whose base "
+                f"(the Neuron vLLM image {fleet.base_images.neuron_vllm_tag}) has no tritonserver; "
+                f"set cells[{i}].images.inference to an image with Triton Inference Server and its vLLM "
+                f"backend on the Neuron SDK and cells[{i}].images.inference_has_tritonserver: true, "
+                "or use frontend: openai",
+            )
+        elif not images.inference_has_tritonserver:
+            yield ConfigIssue(
+                f"cells[{i}].images.inference_has_tritonserver", False,
+                "serving.frontend is triton: state that the pinned inference image has tritonserver with the "
+                "vLLM backend (true), or use frontend: openai",
+            )
+
+
+# The order is the order of the messages: the fleet's own rules, then the planner's, then the pipeline's,
+# then whether each cell can be deployed and run on AWS (inference_fleet.cell_checks).
+CHECKS: tuple[FleetCheck, ...] = (
+    _check_unit, _check_cells, _check_waves, _check_serving, _check_frontend, check_fit, check_wave_sizes,
+    check_cells_deployable, check_startup_budget, check_alarm_defaults,
+)

@@ -1,0 +1,121 @@
+"""Planner, command line: `python -m inference_fleet plan [--suggest | --compare] [--json]`.
+
+Loads the fleet through `inference_fleet.checks.load_fleet` (every check runs), then
+prints the plan, the suggestion or the comparison with published figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+
+from inference_fleet import config
+from inference_fleet.catalogue import CATALOGUE, instance_type
+from inference_fleet.checks import load_fleet
+from inference_fleet.config import ConfigError, ModelConfig
+from inference_fleet.planner.fit import DEFAULT_MAX_NODES
+from inference_fleet.planner.plan import format_plan, plan_report
+from inference_fleet.planner.roofline import DEFAULT_PROMPT_TOKENS, EFFICIENCY, comparison_rows
+from inference_fleet.planner.shape import shape_of
+from inference_fleet.planner.suggestion import format_suggestion, suggest, suggestion_data
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `inference-fleet plan`."""
+    parser.add_argument("--suggest", action="store_true",
+                        help="find the smallest unit for the model and rank its layouts")
+    parser.add_argument("--concurrency", type=int, help="concurrent sequences (default: the fleet's)")
+    parser.add_argument("--seq-len", type=int, help="max sequence length (default: the model's)")
+    parser.add_argument("--prompt-tokens", type=int,
+                        help=f"prompt length of the prefill estimate (default {DEFAULT_PROMPT_TOKENS})")
+    parser.add_argument("--instance-type", choices=sorted(CATALOGUE),
+                        help="for --suggest (default: the fleet's)")
+    parser.add_argument("--max-nodes", type=int, default=DEFAULT_MAX_NODES,
+                        help="largest unit --suggest tries")
+    parser.add_argument("--top", type=int, default=10, help="layouts --suggest prints")
+    parser.add_argument("--compare", action="store_true",
+                        help="print the estimate next to published Neuron figures")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise SystemExit(f"error: --{name} must be a positive integer, got {value}")
+
+
+def run(args: argparse.Namespace) -> int:
+    """`inference-fleet plan`: print the plan (or suggestions, or the comparison)."""
+    for name in ("concurrency", "seq_len", "prompt_tokens", "max_nodes", "top"):
+        _positive(name.replace("_", "-"), getattr(args, name, None))
+    if args.compare:
+        return _print_comparison(args.json)
+    if args.suggest:
+        return _run_suggest(args)
+    fleet = load_fleet(args.config)
+    prompt = min(args.prompt_tokens or DEFAULT_PROMPT_TOKENS, fleet.model.max_seq_len)
+    report = plan_report(fleet, prompt)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_plan(fleet, report))
+    return 0
+
+
+
+def _model_section(path: str | None) -> tuple[ModelConfig, str, int | None]:
+    """The model section (and unit hints) of a fleet file, validated on its own."""
+    file = config.DEFAULT_CONFIG if path is None else Path(path)
+    data = yaml.safe_load(file.read_text())
+    unit = data.get("unit") or {}
+    return ModelConfig.model_validate(data["model"]), unit.get("instance_type", ""), unit.get(
+        "max_concurrent_sequences")
+
+
+def _run_suggest(args: argparse.Namespace) -> int:
+    try:
+        fleet = load_fleet(args.config)
+        model, inst_name, batch = fleet.model, fleet.unit.instance_type, fleet.unit.max_concurrent_sequences
+    except ConfigError as error:
+        # The configured layout may be the very thing that does not fit: suggest anyway
+        # when the model section alone is valid, after saying what is wrong.
+        try:
+            model, inst_name, batch = _model_section(args.config)
+        except (OSError, AttributeError, KeyError, TypeError, yaml.YAMLError, ValidationError):
+            raise error from None
+        print(f"note: {error}\n", file=sys.stderr)
+    if (args.instance_type or inst_name) not in CATALOGUE:
+        allowed = ", ".join(sorted(CATALOGUE))
+        raise SystemExit(f"error: unknown instance type {inst_name!r}; allowed: {allowed}")
+    inst = instance_type(args.instance_type or inst_name)
+    batch = args.concurrency or batch or 1
+    seq_len = args.seq_len or model.max_seq_len
+    prompt = min(args.prompt_tokens or DEFAULT_PROMPT_TOKENS, seq_len)
+    shape = shape_of(model)
+    result = suggest(shape, inst, batch, seq_len, prompt, args.max_nodes)
+    if args.json:
+        print(json.dumps(suggestion_data(result, args.top), indent=2))
+    else:
+        print(format_suggestion(shape, result, args.top))
+    return 0 if result.nodes is not None else 1
+
+
+
+def _print_comparison(as_json: bool) -> int:
+    rows = comparison_rows()
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"estimate (efficiency {EFFICIENCY}) next to published Neuron figures")
+    for r in rows:
+        ttft = (f"TTFT {r['ttft_ms_published']:.0f} ms published, {r['ttft_ms_estimate']:.0f} ms estimated "
+                f"({r['ttft_error']:+.0%})" if r["ttft_ms_published"] else "TTFT not published")
+        print(f"- {r['model']} on {r['instance']}: TPOT {r['tpot_ms_published']} ms published, "
+              f"{r['tpot_ms_estimate']:.1f} ms estimated ({r['tpot_error']:+.0%}); {ttft}\n"
+              f"  setup: {r['setup']}\n  source: {r['source']}")
+    return 0
+

@@ -1,0 +1,218 @@
+"""Planner, fit rules: does a layout work on a unit, and what is the smallest unit that fits.
+
+`violations` names the rules a layout breaks (memory, heads that do not split, a
+context-parallel degree the sequence cannot feed, an attention group straddling nodes, a
+batch that does not split); `layout_issues` turns them into `ConfigIssue`s naming the
+field to change; `check_fit` is the fleet check that `inference_fleet.checks` runs on
+every load of a fleet file. `minimal_nodes` searches the fewest nodes with a valid layout,
+for the fit message and for `--suggest` (docs/planner.md "Checks").
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable, Iterator
+
+from inference_fleet.catalogue import CATALOGUE, InstanceType
+from inference_fleet.config import ConfigIssue, FleetConfig
+from inference_fleet.planner.shape import (
+    GIB,
+    HBM_RESERVE_FRACTION,
+    Layout,
+    MemoryPlan,
+    ModelShape,
+    memory_plan,
+    shape_of,
+)
+
+# A context-parallel rank encodes max_seq_len / cp tokens; NeuronCore tiles have 128 rows
+# (the SBUF partition dimension), so each rank needs a whole number of 128-token tiles.
+CP_TILE_TOKENS = 128
+
+DEFAULT_MAX_NODES = 16
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _straddles(group: int, cores_per_node: int) -> bool:
+    # Groups are consecutive blocks of ranks: one lies inside a node or covers whole nodes.
+    return group % cores_per_node != 0 and cores_per_node % group != 0
+
+
+def _heads_split(shape: ModelShape, group: int) -> bool:
+    kv_ok = shape.num_kv_heads % group == 0 or group % shape.num_kv_heads == 0
+    return shape.num_attention_heads % group == 0 and kv_ok
+
+
+def _cp_fits_seq(layout: Layout, cp: int) -> bool:
+    # Without context parallelism the prompt is not split: any length is padded to a bucket.
+    return cp == 1 or layout.seq_len % (CP_TILE_TOKENS * cp) == 0
+
+
+def _phases(layout: Layout) -> tuple[tuple[str, str, int, int, str], ...]:
+    return (
+        ("context_parallel_degree", "cp", layout.cp, layout.ce_group, "context encoding"),
+        ("data_parallel_degree", "dp", layout.dp, layout.tkg_group, "token generation"),
+    )
+
+
+def _attention_dp_with_cp(cp: int, dp: int) -> bool:
+    """NxD Inference's rule for attention DP beside CP (`NeuronConfig.validate_attention_data_parallel`,
+    neuronx-distributed-inference models/config.py, docs/neuron-sources.md section 3): with both
+    above 1, dp <= cp and cp % dp == 0."""
+    return cp == 1 or dp == 1 or (dp <= cp and cp % dp == 0)
+
+
+def violations(shape: ModelShape, layout: Layout) -> list[str]:
+    """Short names of the rules a layout breaks (empty: the layout is usable)."""
+    found = []
+    if shape.other_params <= 0:
+        found.append("shape")
+    for _, letter, _, group, _ in _phases(layout):
+        if _straddles(group, layout.cores_per_node):
+            found.append(f"straddle-{letter}")
+        if not _heads_split(shape, group):
+            found.append(f"heads-{letter}")
+    if not _cp_fits_seq(layout, layout.cp):
+        found.append("cp-seq")
+    if layout.batch % layout.dp:
+        found.append("batch-dp")
+    if not _attention_dp_with_cp(layout.cp, layout.dp):
+        found.append("cp-dp")
+    if not memory_plan(shape, layout).fits:
+        found.append("memory")
+    return found
+
+
+def layout_issues(shape: ModelShape, layout: Layout) -> list[ConfigIssue]:
+    """Everything that makes a layout unusable, each naming the field to change."""
+    found = set(violations(shape, layout))
+    issues: list[ConfigIssue] = []
+    if "shape" in found:
+        # Every other number below would be meaningless.
+        return [ConfigIssue(
+            "model.parameters_billion", shape.parameters / 1e9,
+            f"smaller than the attention projections alone ({shape.attention_params / 1e9:.2f} B for "
+            f"{shape.num_layers} layers of hidden size {shape.hidden_size}, {shape.num_attention_heads} heads, "
+            f"{shape.num_kv_heads} KV heads of size {shape.head_dim}): check the model's numbers",
+        )]
+    cpn, tp = layout.cores_per_node, layout.tp
+    for fld, letter, degree, group, phase in _phases(layout):
+        share = f"tp/{letter} = {tp}/{degree} = {group} NeuronCores"
+        if f"straddle-{letter}" in found:
+            allowed = [d for d in _divisors(tp) if not _straddles(tp // d, cpn)]
+            issues.append(ConfigIssue(
+                f"unit.{fld}", degree,
+                f"{phase} runs attention in groups of {share}, which straddle the {cpn}-core nodes of "
+                f"{layout.instance.name} (a group must lie inside one node or cover whole nodes); "
+                f"allowed: {allowed}",
+            ))
+        if f"heads-{letter}" in found:
+            allowed = [d for d in _divisors(tp) if _heads_split(shape, tp // d)]
+            issues.append(ConfigIssue(
+                f"unit.{fld}", degree,
+                f"{phase} shards attention over {share}: model.num_attention_heads "
+                f"({shape.num_attention_heads}) must be divisible by {group}, and model.num_kv_heads "
+                f"({shape.num_kv_heads}) must divide or be divisible by it; "
+                f"allowed {fld}: {allowed or 'none at this unit size: change nodes'}",
+            ))
+    if "cp-seq" in found:
+        allowed = [d for d in _divisors(tp) if _cp_fits_seq(layout, d)]
+        tile = CP_TILE_TOKENS
+        issues.append(ConfigIssue(
+            "unit.context_parallel_degree", layout.cp,
+            f"each of the {layout.cp} context-parallel ranks encodes max_seq_len/cp tokens in {tile}-token "
+            f"tiles, so model.max_seq_len ({layout.seq_len}) must be a multiple of {tile} x cp = "
+            f"{tile * layout.cp}; allowed: {allowed}",
+        ))
+    if "batch-dp" in found:
+        issues.append(ConfigIssue(
+            "unit.max_concurrent_sequences", layout.batch,
+            f"token generation splits the batch over data_parallel_degree ({layout.dp}) attention groups: "
+            f"must be a multiple of {layout.dp} (NxD Inference refuses attention DP unless the batch divides "
+            "by it and continuous batching is on, which vllm-neuron turns on only for a batch above 1)",
+        ))
+    if "cp-dp" in found:
+        allowed = [d for d in _divisors(tp) if _attention_dp_with_cp(layout.cp, d)]
+        issues.append(ConfigIssue(
+            "unit.data_parallel_degree", layout.dp,
+            f"NxD Inference runs attention data parallelism beside context parallelism only when "
+            f"data_parallel_degree <= context_parallel_degree ({layout.cp}) and divides it "
+            f"(validate_attention_data_parallel); allowed: {allowed}",
+        ))
+    if "memory" in found:
+        issues.append(_fit_issue(shape, layout, memory_plan(shape, layout)))
+    return issues
+
+
+def _fit_issue(shape: ModelShape, layout: Layout, mem: MemoryPlan) -> ConfigIssue:
+    need = mem.weights_per_core + mem.kv_per_core + mem.reserve_per_core
+    budget = (
+        f"weights {mem.weights_per_core / GIB:.2f} GiB + KV cache of {mem.sequences_per_core} sequence(s) x "
+        f"{layout.seq_len} tokens {mem.kv_per_core / GIB:.2f} GiB + reserve "
+        f"{mem.reserve_per_core / GIB:.2f} GiB = {need / GIB:.2f} GiB per NeuronCore, over the "
+        f"{mem.hbm_per_core / GIB:.1f} GiB of HBM of one logical "
+        f"NeuronCore of {layout.instance.name} at LNC={layout.lnc}"
+    )
+    smallest = minimal_nodes(shape, layout.instance, layout.batch, layout.seq_len)
+    more = (f"the smallest {layout.instance.name} unit that fits {layout.batch} sequences of "
+            f"{layout.seq_len} tokens has {smallest} node(s) (`python -m inference_fleet plan --suggest` "
+            "lists its layouts)"
+            if smallest else f"no {layout.instance.name} unit of up to {DEFAULT_MAX_NODES} nodes fits")
+    if mem.max_sequences >= layout.dp:
+        return ConfigIssue(
+            "unit.max_concurrent_sequences", layout.batch,
+            f"{budget}; at most {mem.max_sequences} sequences fit this unit, or {more}",
+        )
+    return ConfigIssue("unit.nodes", layout.nodes, f"{budget}; not even one sequence per group fits: {more}")
+
+
+def _base_layout_valid(fleet: FleetConfig) -> bool:
+    # inference_fleet.checks reports these already; the planner only runs on a consistent unit.
+    unit = fleet.unit
+    if unit.instance_type not in CATALOGUE:
+        return False
+    if unit.logical_nc_config is not None and unit.logical_nc_config not in unit.instance.logical_nc_configs:
+        return False
+    total = unit.total_cores
+    cp, dp = unit.context_parallel_degree, unit.data_parallel_degree
+    return unit.tp == total and total % cp == 0 and total % dp == 0
+
+
+def check_fit(fleet: FleetConfig) -> Iterable[ConfigIssue]:
+    """The planner's fit checks on a fleet (run by inference_fleet.checks on every load)."""
+    if not _base_layout_valid(fleet):
+        return []
+    return layout_issues(shape_of(fleet.model), Layout.from_fleet(fleet))
+
+
+
+def layouts(instance: InstanceType, nodes: int, batch: int, seq_len: int) -> Iterator[Layout]:
+    """Every layout of a unit of `nodes` nodes: each LNC size, each cp and dp dividing tp."""
+    for lnc in instance.logical_nc_configs:
+        tp = instance.logical_neuron_cores(lnc) * nodes
+        for cp in _divisors(tp):
+            for dp in _divisors(tp):
+                yield Layout(instance=instance, nodes=nodes, lnc=lnc, cp=cp, dp=dp, batch=batch,
+                             seq_len=seq_len)
+
+
+def _nodes_lower_bound(shape: ModelShape, instance: InstanceType) -> int:
+    # Even perfectly sharded, the weights alone must fit in the budgeted HBM.
+    usable = instance.hbm_gib * GIB * (1 - HBM_RESERVE_FRACTION)
+    return max(1, math.ceil(shape.weights_bytes / usable))
+
+
+@functools.lru_cache(maxsize=256)
+def minimal_nodes(
+    shape: ModelShape, instance: InstanceType, batch: int, seq_len: int, max_nodes: int = DEFAULT_MAX_NODES,
+) -> int | None:
+    """Fewest nodes with at least one valid layout, or None up to max_nodes."""
+    for nodes in range(_nodes_lower_bound(shape, instance), max_nodes + 1):
+        if any(not violations(shape, lay) for lay in layouts(instance, nodes, batch, seq_len)):
+            return nodes
+    return None
+
