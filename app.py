@@ -28,7 +28,11 @@ def main() -> None:
             "time until it is (or pin cells[].images); see docs/deploying.md",
             file=sys.stderr,
         )
-    build_fleet(app, fleet)
+    try:
+        build_fleet(app, fleet)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
     app.synth()
 
 

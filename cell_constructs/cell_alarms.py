@@ -79,10 +79,13 @@ class CellAlarms(Construct):
         load_balancer: elbv2.IApplicationLoadBalancer,
         target_group: elbv2.IApplicationTargetGroup,
         gate_reader_account: str | None = None,
+        component_alarms: dict[str, cloudwatch.IAlarm] | None = None,
     ) -> None:
         super().__init__(scope, construct_id)
         if units < 1:
             raise ValueError(f"a cell has >= 1 unit, got {units}")
+        if thresholds.target_response_p99_seconds is None:
+            raise ValueError("thresholds.target_response_p99_seconds must be resolved (FleetConfig.resolved_alarms)")
         if not 0 <= min_units_available <= units:
             raise ValueError(f"min_units_available must be 0..{units} (the cell's units), got {min_units_available}")
         self.stack_name = stack_name
@@ -92,6 +95,9 @@ class CellAlarms(Construct):
         self.thresholds = thresholds
         self.namespace = metrics_namespace
 
+        # Alarms of the cell's other components (the placement controller): in the gate and on
+        # the dashboard, not deployment alarms (they are about the cell, not a unit update).
+        self.component_alarms: dict[str, cloudwatch.IAlarm] = dict(component_alarms or {})
         self.alarms: dict[str, cloudwatch.Alarm] = {}
         self._load_balancer_alarms(load_balancer, target_group)
         self._proxy_alarms()
@@ -197,13 +203,16 @@ class CellAlarms(Construct):
         # about the whole cell, sits in ALARM while a new cell's units load one after another
         # (which would fail the cell's first deployment), and would block the deployment of a fix
         # into a degraded cell. One unit down at a time never crosses the default floor anyway.
+        # Nor the ALB target response time: a long non-streamed completion is a normal request
+        # that takes as long as its tokens, and one of them would roll a unit's deployment
+        # back; the gate still watches it (threshold at least the idle timeout, cell_checks).
         deployment_alarms: list[cloudwatch.IAlarm] = [
-            alarm for key, alarm in self.alarms.items() if key != "units-available"]
+            alarm for key, alarm in self.alarms.items() if key not in ("units-available", "target-response-p99")]
         gate = cloudwatch.CompositeAlarm(
             self, "RolloutGate",
             composite_alarm_name=rollout_gate_name(self.stack_name),
             alarm_description=f"Cell {self.cell_name} is unhealthy: stop the rollout and roll the wave back",
-            alarm_rule=cloudwatch.AlarmRule.any_of(*self.alarms.values()),
+            alarm_rule=cloudwatch.AlarmRule.any_of(*self.alarms.values(), *self.component_alarms.values()),
         )
         no_action = ("This alarm is read, not notified: the pipeline's CloudWatchAlarm stage condition and the "
                      "ECS deployment alarms act on its state; notification routing is left to the operator")
@@ -305,7 +314,8 @@ class CellAlarms(Construct):
         )
         facade.add_large_header(f"Cell {self.cell_name}: {self.units} unit(s), floor {self.min_units_available}")
         facade.add_widget(cloudwatch.AlarmStatusWidget(
-            title="Rollout gate and cell alarms", alarms=[self.rollout_gate, *self.alarms.values()], width=24,
+            title="Rollout gate and cell alarms",
+            alarms=[self.rollout_gate, *self.alarms.values(), *self.component_alarms.values()], width=24,
         ))
         unit_ids = [f"u{i}" for i in range(self.units)]
 

@@ -27,10 +27,13 @@ from constructs import Construct
 
 from cell_constructs.nag import acknowledge
 from inference_fleet.catalogue import InstanceType
+from inference_fleet.unit_spec import MODEL_CACHE_PATH
 
 UNIT_ATTRIBUTE = "unit"
-MODEL_CACHE_HOST_PATH = "/opt/models"
-MODEL_CACHE_CONTAINER_PATH = "/models"
+# Host path (instance-store RAID0, user data) and container mount agree: the launcher's
+# local_dir (unit spec) is under it.
+MODEL_CACHE_HOST_PATH = MODEL_CACHE_PATH
+MODEL_CACHE_CONTAINER_PATH = MODEL_CACHE_PATH
 # The proxy is small; the engine gets the rest of the instance.
 PROXY_MEMORY_MIB = 2048
 PROXY_TMPFS_MIB = 64
@@ -99,6 +102,7 @@ class MultiNodeInferenceUnit(Construct):
         self.follower_service: ecs.Ec2Service | None = None
         if nodes > 1:
             follower_task = self._task_definition("FollowerTask", role="follower", environment=follower_environment)
+            self._follower_health_and_drain_guard(follower_task, leader_drain=proxy_stop_timeout)
             self.follower_service = ecs.Ec2Service(
                 self, "Followers", task_definition=follower_task, desired_count=nodes - 1, **service_settings
             )
@@ -204,6 +208,58 @@ class MultiNodeInferenceUnit(Construct):
             service.load_balancer_target(container_name="proxy", container_port=self._ports.proxy)
         )
         return service
+
+    def _follower_health_and_drain_guard(self, task: ecs.Ec2TaskDefinition, *, leader_drain: Duration) -> None:
+        """A follower stops only after its unit's leader has drained, and reports its health.
+
+        Leader and follower services of a unit update together (min 0 %, max 100 %), so ECS
+        sends SIGTERM to the leader and the followers at once. ECS stops a task's containers in
+        reverse dependency order and waits for each container's stop timeout
+        (https://docs.aws.amazon.com/AmazonECS/latest/developerguide/task_definition_parameters.html#container_definition_dependson):
+        the guard container depends on the engine, so the engine gets SIGTERM only after the
+        guard exits. On SIGTERM the guard waits while the engine lives (the follower's launcher
+        exits when the leader ends the unit's session after its proxy drained), at most the
+        leader's drain time, then exits; the follower's engine then stops. The task shares its
+        PID namespace (pidMode task) so the guard can see the engine.
+        """
+        engine = task.default_container
+        # Liveness of the follower's launcher (the process that holds the unit membership);
+        # grep of /proc needs nothing beyond the shell and grep of the image.
+        engine.health_check = None
+        cfn = task.node.default_child
+        cfn.add_property_override("PidMode", "task")
+        cfn.add_property_override(
+            "ContainerDefinitions.0.HealthCheck",
+            {
+                "Command": ["CMD-SHELL", "grep -qsa unit_launcher /proc/[0-9]*/cmdline || exit 1"],
+                "Interval": 30,
+                "Timeout": 5,
+                "Retries": 3,
+                "StartPeriod": 300,
+            },
+        )
+        wait = int(leader_drain.to_seconds())
+        guard_script = (
+            "engine_alive() { grep -qsa unit_launcher /proc/[0-9]*/cmdline; }; "
+            f"on_term() {{ i=0; while engine_alive && [ $i -lt {wait} ]; do sleep 1; i=$((i+1)); done; exit 0; }}; "
+            "trap on_term TERM; while true; do sleep 3600 & wait $!; done"
+        )
+        guard = task.add_container(
+            "drain-guard",
+            image=self._images.inference,
+            essential=False,
+            entry_point=["/bin/sh", "-c"],
+            command=[guard_script],
+            memory_reservation_mib=32,
+            stop_timeout=Duration.seconds(wait + 10),
+            logging=ecs.LogDrivers.aws_logs(
+                stream_prefix=f"{self.unit_id}-drain-guard", log_group=self._log_group,
+                mode=ecs.AwsLogDriverMode.NON_BLOCKING,
+            ),
+        )
+        guard.add_container_dependencies(
+            ecs.ContainerDependency(container=engine, condition=ecs.ContainerDependencyCondition.START)
+        )
 
     def _task_definition(self, construct_id: str, *, role: str, environment: dict[str, str]) -> ecs.Ec2TaskDefinition:
         """A task that holds a whole instance: every Neuron and EFA device, pinned memory, shared memory."""

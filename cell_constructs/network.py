@@ -16,6 +16,7 @@ from aws_cdk import aws_logs as logs
 from constructs import Construct
 
 from cell_constructs.nag import acknowledge
+from inference_fleet.config import is_az_id
 
 # Interface endpoints the nodes need at run time (ECR pull, awslogs, the ECS agent,
 # SSM sessions, STS for task roles, Cloud Map discovery of the unit leader).
@@ -87,6 +88,14 @@ class CellNetwork(Construct):
                 ),
             ],
         )
+        # AZ IDs (use2-az1) name the same physical zone in every account; subnets take them
+        # as AvailabilityZoneId instead of AvailabilityZone
+        # (https://docs.aws.amazon.com/AWSCloudFormation/latest/UserGuide/aws-resource-ec2-subnet.html).
+        for subnet in [*vpc.public_subnets, *vpc.private_subnets]:
+            if is_az_id(subnet.availability_zone):
+                cfn_subnet = subnet.node.default_child
+                cfn_subnet.add_property_deletion_override("AvailabilityZone")
+                cfn_subnet.add_property_override("AvailabilityZoneId", subnet.availability_zone)
         for subnet in vpc.public_subnets:
             acknowledge(
                 subnet,

@@ -4,9 +4,11 @@ The function (functions/placement) runs on every ECS container instance state ch
 the cell's cluster, on every successful launch or termination in the cell's Trainium
 Auto Scaling group, and on a periodic sweep. Each run reconciles the ECS attribute
 `unit` (u0, u1, ...) that the units' tasks are pinned to, so a unit's nodes sit under
-the deepest shared network node. Reserved concurrency 1 serialises runs; failed
-asynchronous invocations land in an encrypted dead-letter queue; function errors and
-dead letters each raise an alarm; logs are encrypted and expire. IAM: topology and group
+the deepest shared network node. A FIFO trigger queue with one message group serialises
+runs; triggers that keep failing land in an encrypted dead-letter queue; function errors,
+dead letters and a trigger backlog each raise an alarm; logs are encrypted and expire. With
+`signal_replacements` the controller also sends the Trainium group's rolling-update
+signals (functions/placement/placement_controller/signals.py). IAM: topology and group
 reads (no resource-level permissions exist for them), ECS reads and attribute writes on
 this cluster and its container instances only.
 """
@@ -57,31 +59,20 @@ class TopologyPlacement(Construct):
         log_retention: logs.RetentionDays,
         encryption_key: kms.IKey,
         sweep_interval: Duration = Duration.minutes(5),  # noqa: B008 - Duration is immutable
+        reserved_concurrency: int | None = None,
     ) -> None:
         super().__init__(scope, id)
         _validate(units, nodes_per_unit, metrics_namespace, sweep_interval)
 
         self.log_group = logs.LogGroup(self, "Logs", encryption_key=encryption_key, retention=log_retention)
-        self.dead_letter_queue = sqs.Queue(
-            self,
-            "DeadLetters",
-            encryption=sqs.QueueEncryption.KMS,
-            encryption_master_key=encryption_key,
-            enforce_ssl=True,
-            retention_period=Duration.days(14),
-        )
-        acknowledge(
-            self.dead_letter_queue,
-            (
-                "AwsSolutions-SQS3",
-                "This queue is the dead-letter queue of the placement function's asynchronous invocations",
-            ),
-        )
+        self.dead_letter_queue, self.trigger_queue = self._queues(encryption_key)
 
         self.role, self.policy = self._role_and_policy(cluster, encryption_key)
-        self.function = self._function(cluster, auto_scaling_group, units, nodes_per_unit, metrics_namespace)
+        self.function = self._function(
+            cluster, auto_scaling_group, units, nodes_per_unit, metrics_namespace, reserved_concurrency
+        )
         self.rules = self._triggers(cluster, auto_scaling_group, sweep_interval)
-        self.errors_alarm, self.dead_letter_alarm = self._alarms()
+        self.errors_alarm, self.dead_letter_alarm, self.backlog_alarm = self._alarms()
         # The controller publishes these through Embedded Metric Format log lines.
         self.min_score_metric = cloudwatch.Metric(
             namespace=metrics_namespace,
@@ -90,6 +81,47 @@ class TopologyPlacement(Construct):
             statistic="Minimum",
             period=Duration.minutes(5),
         )
+
+    def _queues(self, encryption_key: kms.IKey) -> tuple[sqs.Queue, sqs.Queue]:
+        """The FIFO trigger queue that serialises runs, and its dead-letter queue."""
+        # Runs are serialised by a FIFO queue with one message group: Lambda's SQS event
+        # source hands a group's messages to one invocation at a time and no more until that
+        # batch is done (https://docs.aws.amazon.com/lambda/latest/dg/services-sqs-scaling.html,
+        # https://docs.aws.amazon.com/AWSSimpleQueueService/latest/SQSDeveloperGuide/FIFO-key-terms.html),
+        # so no reserved concurrency is needed (accounts with a Lambda quota of 10 cannot
+        # reserve any). Events that arrive during a run are batched into the next one.
+        dead_letter_queue = sqs.Queue(
+            self,
+            "DeadLetters",
+            fifo=True,
+            encryption=sqs.QueueEncryption.KMS,
+            encryption_master_key=encryption_key,
+            enforce_ssl=True,
+            retention_period=Duration.days(14),
+        )
+        trigger_queue = sqs.Queue(
+            self,
+            "Triggers",
+            fifo=True,
+            # EventBridge events carry a unique id and time: content-based deduplication
+            # drops only true duplicates.
+            content_based_deduplication=True,
+            encryption=sqs.QueueEncryption.KMS,
+            encryption_master_key=encryption_key,
+            enforce_ssl=True,
+            # Lambda recommends six times the function timeout for an SQS event source.
+            visibility_timeout=Duration.minutes(12),
+            retention_period=Duration.days(1),
+            dead_letter_queue=sqs.DeadLetterQueue(queue=dead_letter_queue, max_receive_count=3),
+        )
+        acknowledge(
+            dead_letter_queue,
+            (
+                "AwsSolutions-SQS3",
+                "This queue is the dead-letter queue of the placement controller's trigger queue",
+            ),
+        )
+        return dead_letter_queue, trigger_queue
 
     def _role_and_policy(self, cluster: ecs.ICluster, encryption_key: kms.IKey) -> tuple[iam.Role, iam.ManagedPolicy]:
         """The function's role and its one managed policy: least privilege on this cluster."""
@@ -133,13 +165,14 @@ class TopologyPlacement(Construct):
                     resources=[cluster.cluster_arn, container_instances],
                 ),
                 iam.PolicyStatement(
-                    sid="DeadLetters",
-                    actions=["sqs:SendMessage"],
-                    resources=[self.dead_letter_queue.queue_arn],
+                    sid="Triggers",
+                    actions=["sqs:ReceiveMessage", "sqs:DeleteMessage", "sqs:GetQueueAttributes",
+                             "sqs:ChangeMessageVisibility"],
+                    resources=[self.trigger_queue.queue_arn],
                 ),
                 iam.PolicyStatement(
-                    sid="DeadLettersKey",
-                    actions=["kms:GenerateDataKey", "kms:Decrypt"],
+                    sid="TriggersKey",
+                    actions=["kms:Decrypt"],
                     resources=[encryption_key.key_arn],
                 ),
             ],
@@ -148,8 +181,9 @@ class TopologyPlacement(Construct):
             policy,
             (
                 "AwsSolutions-IAM5[Resource::*]",
-                "ec2:DescribeInstanceTopology and autoscaling:DescribeAutoScalingGroups have no "
-                "resource-level permissions; both are read-only",
+                "ec2:DescribeInstanceTopology, autoscaling:DescribeAutoScalingGroups and (with rolling-update "
+                "signals) elasticloadbalancing:DescribeTargetHealth have no resource-level permissions; all "
+                "are read-only",
             ),
             (
                 f"AwsSolutions-IAM5[Resource::{nag_resource_text(stack, container_instances)}]",
@@ -165,8 +199,9 @@ class TopologyPlacement(Construct):
         units: int,
         nodes_per_unit: int,
         metrics_namespace: str,
+        reserved_concurrency: int | None,
     ) -> lambda_.Function:
-        """The controller function: one run at a time, dead letters, its settings in the environment."""
+        """The controller function: fed by the FIFO trigger queue, its settings in the environment."""
         function = lambda_.Function(
             self,
             "Function",
@@ -179,12 +214,10 @@ class TopologyPlacement(Construct):
             role=self.role.without_policy_updates(),
             memory_size=256,
             timeout=Duration.minutes(2),
-            # One run at a time: a run reads, plans and writes the whole cell.
-            reserved_concurrent_executions=1,
+            # One run at a time comes from the FIFO trigger queue; reserved concurrency only
+            # when the fleet file asks for it (it guarantees the controller a slot).
+            reserved_concurrent_executions=reserved_concurrency,
             log_group=self.log_group,
-            dead_letter_queue=self.dead_letter_queue,
-            retry_attempts=2,
-            max_event_age=Duration.hours(1),
             environment={
                 "CLUSTER_NAME": cluster.cluster_arn,
                 "AUTO_SCALING_GROUP_NAME": auto_scaling_group.auto_scaling_group_name,
@@ -201,14 +234,35 @@ class TopologyPlacement(Construct):
                 "Calls only the EC2, ECS and Auto Scaling control-plane APIs and reaches nothing inside "
                 "the VPC; in-VPC it would need three interface endpoints or NAT for no gain",
             ),
+            (
+                "NIST.800.53.R5-LambdaDLQ",
+                "Invoked only by its SQS FIFO trigger queue, whose redrive policy sends failed triggers to the "
+                "encrypted dead-letter queue (alarmed); a function-level DLQ applies to asynchronous invocations",
+            ),
         )
+        if reserved_concurrency is None:
+            acknowledge(
+                function,
+                (
+                    "NIST.800.53.R5-LambdaConcurrency",
+                    "Concurrency is bounded by the FIFO trigger queue's single message group (one invocation at a "
+                    "time); reserved concurrency is left to cells[].placement_reserved_concurrency because accounts "
+                    "with a low Lambda quota cannot reserve any",
+                ),
+            )
         return function
 
     def _triggers(
         self, cluster: ecs.ICluster, auto_scaling_group: autoscaling.IAutoScalingGroup, sweep_interval: Duration
     ) -> list[events.Rule]:
-        """What runs the controller: container instance changes, group launches and terminations, a sweep."""
-        run = targets.LambdaFunction(self.function, retry_attempts=2, max_event_age=Duration.hours(1))
+        """What runs the controller: container instance changes, group launches and terminations, a sweep.
+
+        Each rule sends its event to the FIFO trigger queue (one message group), which feeds the function.
+        """
+        self.function.add_event_source_mapping(
+            "TriggerQueue", event_source_arn=self.trigger_queue.queue_arn, batch_size=10, enabled=True,
+        )
+        run = targets.SqsQueue(self.trigger_queue, message_group_id="cell")
         return [
             events.Rule(
                 self,
@@ -241,8 +295,8 @@ class TopologyPlacement(Construct):
             ),
         ]
 
-    def _alarms(self) -> tuple[cloudwatch.Alarm, cloudwatch.Alarm]:
-        """Function errors and dead letters, each an alarm (read by the pipeline and the dashboard)."""
+    def _alarms(self) -> tuple[cloudwatch.Alarm, cloudwatch.Alarm, cloudwatch.Alarm]:
+        """Function errors, dead letters and a trigger backlog, each an alarm (pipeline and dashboard)."""
         errors = cloudwatch.Alarm(
             self,
             "ErrorsAlarm",
@@ -265,7 +319,19 @@ class TopologyPlacement(Construct):
             comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
             treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
         )
-        for alarm in (errors, dead_letters):
+        backlog = cloudwatch.Alarm(
+            self,
+            "BacklogAlarm",
+            alarm_description="Placement controller triggers wait more than 15 min: runs are failing or stuck",
+            metric=self.trigger_queue.metric_approximate_age_of_oldest_message(
+                period=Duration.minutes(5), statistic="Maximum"
+            ),
+            threshold=900,
+            evaluation_periods=1,
+            comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_THRESHOLD,
+            treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+        )
+        for alarm in (errors, dead_letters, backlog):
             acknowledge(
                 alarm,
                 (
@@ -273,7 +339,33 @@ class TopologyPlacement(Construct):
                     "Watched by the rollout pipeline's alarm conditions and the cell dashboard; no action",
                 ),
             )
-        return errors, dead_letters
+        return errors, dead_letters, backlog
+
+    def signal_replacements(self, *, group_logical_id: str, target_group_arn: str) -> None:
+        """Let the controller send the Trainium group's rolling-update signals.
+
+        During an update of the group (AMI or launch template change) CloudFormation waits
+        for one SUCCESS signal per replaced instance; the controller sends it for a new
+        instance once the unit that instance joined has its leader healthy in the target
+        group (placement_controller/signals.py).
+        """
+        stack = Stack.of(self)
+        self.function.add_environment("SIGNAL_STACK", stack.stack_name)
+        self.function.add_environment("SIGNAL_RESOURCE", group_logical_id)
+        self.function.add_environment("TARGET_GROUP_ARN", target_group_arn)
+        self.policy.add_statements(
+            iam.PolicyStatement(
+                sid="SignalThisStacksGroup",
+                actions=["cloudformation:DescribeStackResource", "cloudformation:SignalResource"],
+                resources=[stack.stack_id],
+            ),
+            iam.PolicyStatement(
+                sid="ReadUnitHealth",
+                # DescribeTargetHealth has no resource-level permissions.
+                actions=["elasticloadbalancing:DescribeTargetHealth"],
+                resources=["*"],
+            ),
+        )
 
     def unit_score_metric(self, unit: str) -> cloudwatch.Metric:
         """Topology score of one unit (3 best: one bottom-layer network node; 0 worst)."""

@@ -9,7 +9,9 @@ apart at most; the placement controller then groups them into units by topology.
 
 from __future__ import annotations
 
-from aws_cdk import Duration
+from dataclasses import dataclass
+
+from aws_cdk import Duration, Stack
 from aws_cdk import aws_autoscaling as autoscaling
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_ecs as ecs
@@ -20,8 +22,52 @@ from constructs import Construct
 from cell_constructs.nag import acknowledge
 from inference_fleet.catalogue import InstanceType
 
-# Version of the EFA installer used when the Neuron ECS AMI lacks the EFA driver.
-EFA_INSTALLER_VERSION = "1.43.2"
+# The model cache: every NVMe instance-store disk, as one RAID0 when there are several.
+MODEL_CACHE_PATH = "/opt/models"
+# Instance metadata (IMDS) address; containers of ECS tasks are refused it (see _node_user_data).
+IMDS_ADDRESS = "169.254.169.254"
+# cgroup (v2) under which the ECS agent places task containers on Amazon Linux 2023
+# (unverified: check `cat /proc/<engine pid>/cgroup` on a node; docs/cell-lifecycle.md).
+ECS_TASKS_CGROUP = "ecstasks.slice"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CapacitySource:
+    """Where the instances come from: on-demand, a capacity reservation (or group of them), a capacity block."""
+
+    kind: str = "on-demand"
+    reservation_id: str | None = None
+    resource_group_arn: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class EfaSetup:
+    """EFA at boot: the AMI's own, or the installer of a pinned version verified by SHA-256."""
+
+    installer_version: str = "1.43.2"
+    installer_sha256: str | None = None
+
+
+def capacity_overrides(source: CapacitySource) -> dict[str, object]:
+    """LaunchTemplateData properties that aim launches at the configured capacity.
+
+    Capacity reservations: CapacityReservationSpecification.CapacityReservationTarget (an
+    id or a resource group); capacity blocks: InstanceMarketOptions.MarketType
+    capacity-block plus the block's reservation id
+    (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/capacity-blocks-launch.html,
+    https://docs.aws.amazon.com/autoscaling/ec2/userguide/launch-template-capacity-reservations.html).
+    """
+    if source.kind == "on-demand":
+        return {}
+    target: dict[str, str] = (
+        {"CapacityReservationResourceGroupArn": source.resource_group_arn}
+        if source.resource_group_arn
+        else {"CapacityReservationId": str(source.reservation_id)}
+    )
+    overrides: dict[str, object] = {"CapacityReservationSpecification": {"CapacityReservationTarget": target}}
+    if source.kind == "capacity-block":
+        overrides["InstanceMarketOptions"] = {"MarketType": "capacity-block"}
+    return overrides
 
 
 def efa_network_interfaces(instance: InstanceType, security_group_id: str) -> list[dict[str, object]]:
@@ -38,17 +84,60 @@ def efa_network_interfaces(instance: InstanceType, security_group_id: str) -> li
     ]
 
 
-def _node_user_data() -> list[str]:
-    """Instance bootstrap: EFA driver if missing, ECS agent settings for host-mode task roles."""
+def _node_user_data(efa: EfaSetup) -> list[str]:
+    """Instance bootstrap; any failure is logged to the console and the node leaves the group.
+
+    A failed step runs `fail`: it writes the reason to the serial console (EC2
+    GetConsoleOutput) and the journal, then powers the instance off. Auto Scaling counts an
+    instance in any state other than running as unhealthy and replaces it
+    (https://docs.aws.amazon.com/autoscaling/ec2/userguide/ec2-auto-scaling-health-checks.html).
+    """
+    if efa.installer_sha256:
+        tarball = f"aws-efa-installer-{efa.installer_version}.tar.gz"
+        efa_steps = [
+            "  cd /tmp",
+            f"  curl -fsSLO https://efa-installer.amazonaws.com/{tarball} || fail 'EFA installer download failed'",
+            f"  echo '{efa.installer_sha256}  {tarball}' | sha256sum -c - || fail 'EFA installer checksum mismatch'",
+            f"  tar -xf {tarball} && cd aws-efa-installer || fail 'EFA installer unpack failed'",
+            "  ./efa_installer.sh -y --skip-kmod-check || ./efa_installer.sh -y || fail 'EFA install failed'",
+        ]
+    else:
+        efa_steps = ["  fail 'the AMI has no EFA and node.efa_installer_sha256 is not set'"]
     return [
-        "set -euo pipefail",
-        # The Neuron ECS AMI may already carry EFA; install it only where it is missing.
+        "set -uo pipefail",
+        "fail() {",
+        "  echo \"node-setup FAILED: $*; leaving the Auto Scaling group\" | tee /dev/console | logger -t node-setup",
+        "  sync; systemctl poweroff --force",
+        "  exit 1",
+        "}",
+        # Containers share the host network (EFA), so the hop limit cannot keep them from
+        # IMDS and the instance role: refuse IMDS to every socket of an ECS task's cgroup;
+        # the ECS agent and SSM agent (outside it) keep it. ECS_AWSVPC_BLOCK_IMDS applies to
+        # awsvpc tasks only (https://docs.aws.amazon.com/AmazonECS/latest/developerguide/ecs-agent-config.html).
+        f"mkdir -p /sys/fs/cgroup/{ECS_TASKS_CGROUP} || fail 'cannot create the task cgroup'",
+        f"iptables -I OUTPUT -d {IMDS_ADDRESS}/32 -m cgroup --path {ECS_TASKS_CGROUP} -j REJECT "
+        "|| fail 'cannot block IMDS for task containers'",
+        # EFA: the AMI's own, or the pinned installer verified by its checksum.
         "if ! /opt/amazon/efa/bin/fi_info -p efa >/dev/null 2>&1; then",
-        "  cd /tmp",
-        f"  curl -fsSLO https://efa-installer.amazonaws.com/aws-efa-installer-{EFA_INSTALLER_VERSION}.tar.gz",
-        f"  tar -xf aws-efa-installer-{EFA_INSTALLER_VERSION}.tar.gz && cd aws-efa-installer",
-        "  ./efa_installer.sh -y --skip-kmod-check || ./efa_installer.sh -y",
+        *efa_steps,
         "fi",
+        # Model cache: the NVMe instance-store disks (attached automatically on Nitro
+        # instances, https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/ssd-instance-store.html)
+        # as one RAID0 with XFS, mounted where the unit's containers mount it.
+        "disks=$(lsblk -dnpo NAME,MODEL | awk '/Amazon EC2 NVMe Instance Storage/ {print $1}')",
+        "count=$(echo $disks | wc -w)",
+        "[ \"$count\" -ge 1 ] || fail 'no NVMe instance-store disk for the model cache'",
+        "if [ \"$count\" -gt 1 ]; then",
+        "  command -v mdadm >/dev/null || dnf install -y mdadm || fail 'mdadm install failed'",
+        "  mdadm --create /dev/md0 --run --level=0 --raid-devices=$count $disks || fail 'RAID0 assembly failed'",
+        "  cache_dev=/dev/md0",
+        "else",
+        "  cache_dev=$disks",
+        "fi",
+        "mkfs.xfs -f $cache_dev || fail 'mkfs of the model cache failed'",
+        f"mkdir -p {MODEL_CACHE_PATH} && mount -o noatime $cache_dev {MODEL_CACHE_PATH} "
+        "|| fail 'mounting the model cache failed'",
+        f"chmod 0775 {MODEL_CACHE_PATH}",
         # Host network mode: give tasks their task role, not the instance role. The
         # capacity provider appends ECS_CLUSTER.
         "cat >> /etc/ecs/ecs.config <<'EOF'",
@@ -56,8 +145,7 @@ def _node_user_data() -> list[str]:
         "ECS_ENABLE_TASK_IAM_ROLE_NETWORK_HOST=true",
         "ECS_IMAGE_PULL_BEHAVIOR=prefer-cached",
         "EOF",
-        # Model artifacts are cached on the root volume across task restarts.
-        "mkdir -p /opt/models && chmod 0775 /opt/models",
+        "echo 'node-setup done' | tee /dev/console | logger -t node-setup",
     ]
 
 
@@ -76,6 +164,10 @@ class TrainiumCapacity(Construct):
         instance_count: int,
         root_volume_gib: int,
         encryption_key: kms.IKey,
+        capacity_source: CapacitySource = CapacitySource(),
+        efa: EfaSetup = EfaSetup(),
+        ami_id: str | None = None,
+        replacement_wait: Duration = Duration.hours(1),  # noqa: B008 - Duration is immutable
     ) -> None:
         super().__init__(scope, construct_id)
         if instance_count < 1:
@@ -85,8 +177,12 @@ class TrainiumCapacity(Construct):
         self.placement_group = ec2.PlacementGroup(self, "ClusterPlacement", strategy=ec2.PlacementGroupStrategy.CLUSTER)
 
         role = self._instance_role()
-        self.launch_template = self._launch_template(instance, role, root_volume_gib, encryption_key)
-        self.auto_scaling_group, self.capacity_provider = self._nodes(vpc, subnets, cluster, instance_count)
+        self.launch_template = self._launch_template(
+            instance, role, root_volume_gib, encryption_key, capacity_source=capacity_source, efa=efa, ami_id=ami_id
+        )
+        self.auto_scaling_group, self.capacity_provider = self._nodes(
+            vpc, subnets, cluster, instance_count, replacement_wait
+        )
 
     def _efa_security_group(self, vpc: ec2.IVpc) -> ec2.SecurityGroup:
         """One group for every EFA interface of every node, open to itself (EFA needs it) and HTTPS out."""
@@ -146,16 +242,32 @@ class TrainiumCapacity(Construct):
         return role
 
     def _launch_template(
-        self, instance: InstanceType, role: iam.Role, root_volume_gib: int, encryption_key: kms.IKey
+        self,
+        instance: InstanceType,
+        role: iam.Role,
+        root_volume_gib: int,
+        encryption_key: kms.IKey,
+        *,
+        capacity_source: CapacitySource,
+        efa: EfaSetup,
+        ami_id: str | None,
     ) -> ec2.LaunchTemplate:
-        """Neuron ECS AMI, IMDSv2, encrypted root volume, placement group, every EFA interface."""
+        """Neuron ECS AMI (or a pinned one), IMDSv2, encrypted root volume, placement group, every EFA
+        interface, the node's boot script, and the capacity reservation or block launches are aimed at."""
         user_data = ec2.UserData.for_linux()
-        user_data.add_commands(*_node_user_data())
+        user_data.add_commands(*_node_user_data(efa))
+        # A pinned AMI changes only when the fleet file does (the pipeline advances it);
+        # unpinned, the recommended AMI's SSM parameter is re-read on every deploy.
+        machine_image = (
+            ec2.MachineImage.generic_linux({Stack.of(self).region: ami_id})
+            if ami_id
+            else ecs.EcsOptimizedImage.amazon_linux2023(ecs.AmiHardwareType.NEURON)
+        )
         template = ec2.LaunchTemplate(
             self,
             "LaunchTemplate",
             instance_type=ec2.InstanceType(instance.name),
-            machine_image=ecs.EcsOptimizedImage.amazon_linux2023(ecs.AmiHardwareType.NEURON),
+            machine_image=machine_image,
             user_data=user_data,
             role=role,
             security_group=self.security_group,
@@ -183,12 +295,20 @@ class TrainiumCapacity(Construct):
             efa_network_interfaces(instance, self.security_group.security_group_id),
         )
         cfn_template.add_property_deletion_override("LaunchTemplateData.SecurityGroupIds")
+        # Aim launches at the configured capacity (reservation or block); nothing for on-demand.
+        for name, value in capacity_overrides(capacity_source).items():
+            cfn_template.add_property_override(f"LaunchTemplateData.{name}", value)
         return template
 
     def _nodes(
-        self, vpc: ec2.IVpc, subnets: ec2.SubnetSelection, cluster: ecs.Cluster, instance_count: int
+        self,
+        vpc: ec2.IVpc,
+        subnets: ec2.SubnetSelection,
+        cluster: ecs.Cluster,
+        instance_count: int,
+        replacement_wait: Duration,
     ) -> tuple[autoscaling.AutoScalingGroup, ecs.AsgCapacityProvider]:
-        """The fixed-size group of nodes and its capacity provider in the cluster."""
+        """The fixed-size group of nodes (replaced one at a time on signal) and its capacity provider."""
         group = autoscaling.AutoScalingGroup(
             self,
             "Nodes",
@@ -198,7 +318,18 @@ class TrainiumCapacity(Construct):
             min_capacity=instance_count,
             max_capacity=instance_count,
             health_checks=autoscaling.HealthChecks.ec2(grace_period=Duration.minutes(15)),
-            update_policy=autoscaling.UpdatePolicy.rolling_update(max_batch_size=1, min_instances_in_service=0),
+            # Unit-aware replacement of instances (AMI or launch template change): one
+            # instance at a time, every other instance stays in service, and the next one
+            # is replaced only when the placement controller signals that the unit the new
+            # instance joined serves again (its leader is a healthy ALB target), within
+            # the 1 h CloudFormation allows per batch. See docs/cell-lifecycle.md.
+            update_policy=autoscaling.UpdatePolicy.rolling_update(
+                max_batch_size=1,
+                min_instances_in_service=instance_count - 1,
+                wait_on_resource_signals=True,
+                pause_time=replacement_wait,
+                min_success_percentage=100,
+            ),
         )
         acknowledge(
             group,

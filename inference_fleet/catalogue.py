@@ -38,6 +38,15 @@ class InstanceType:
     efa_hop_latency_us: float = 0.0
     # Where each roofline figure comes from: (field name, source) pairs.
     figure_sources: tuple[tuple[str, str], ...] = ()
+    # Local NVMe instance store: disks and decimal GB per disk (the instance type pages:
+    # trn1/trn1n 4 x 1900 GB; trn2/trn2u 4 x 1.92 TB, unverified for trn2u). The model
+    # cache is a RAID0 of these disks, assembled at boot (docs/cell-lifecycle.md).
+    instance_store_disks: int = 4
+    instance_store_gb_per_disk: int = 1900
+
+    @property
+    def instance_store_gib(self) -> float:
+        return self.instance_store_disks * self.instance_store_gb_per_disk * 1e9 / 2**30
 
     @property
     def default_logical_nc_config(self) -> int:
@@ -135,6 +144,7 @@ CATALOGUE: dict[str, InstanceType] = {
             name="trn2.48xlarge", chip="Trainium2", chips=16, physical_neuron_cores=128,
             logical_nc_configs=(2, 1), hbm_gib_per_chip=96, efa_interfaces=16, efa_gbps=3200,
             vcpus=192, memory_gib=2048, hbm_tbps_per_chip=2.9, bf16_tflops_per_chip=667.0,
+            instance_store_gb_per_disk=1920,
             sources=_TRN2_SOURCES, neuronlink_gbytes_per_chip=1280.0, link_hop_latency_us=1.4,
             efa_hop_latency_us=20.0, figure_sources=_TRN2_FIGURES,
         ),
@@ -144,6 +154,7 @@ CATALOGUE: dict[str, InstanceType] = {
             name="trn2u.48xlarge", chip="Trainium2", chips=16, physical_neuron_cores=128,
             logical_nc_configs=(2, 1), hbm_gib_per_chip=96, efa_interfaces=16, efa_gbps=3200,
             vcpus=192, memory_gib=2048, hbm_tbps_per_chip=2.9, bf16_tflops_per_chip=667.0,
+            instance_store_gb_per_disk=1920,
             sources=_TRN2_SOURCES, neuronlink_gbytes_per_chip=1280.0, link_hop_latency_us=1.4,
             efa_hop_latency_us=20.0, figure_sources=_TRN2_FIGURES,
         ),

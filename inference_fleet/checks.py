@@ -3,7 +3,8 @@
 The fleet model (`inference_fleet.config`) checks each field on its own; the rules here
 span fields: the unit layout, the cells (names, AZs, CIDRs), the waves, the ports, the
 planner's memory and layout fit (`inference_fleet.planner.fit`) and the pipeline's wave
-size (`inference_fleet.rollout`). Imports go one way: config <- planner, rollout <- checks,
+size (`inference_fleet.rollout`), and whether each cell can be deployed on AWS
+(`inference_fleet.cell_checks`). Imports go one way: config <- planner, rollout, cell_checks <- checks,
 and every entry point (app.py, stacks/fleet.py, `python -m inference_fleet`, the
 launcher's `plan --config`, the tests) reads a fleet with `load_fleet` (a file) or
 `parse_fleet` (already parsed YAML). Every issue found is reported at once in one
@@ -17,7 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from inference_fleet.catalogue import CATALOGUE
-from inference_fleet.config import ConfigError, ConfigIssue, FleetConfig, parse_model, read_fleet_file
+from inference_fleet.cell_checks import check_alarm_defaults, check_cells_deployable, check_startup_budget
+from inference_fleet.config import (
+    ConfigError,
+    ConfigIssue,
+    FleetConfig,
+    az_id_prefix,
+    parse_model,
+    read_fleet_file,
+)
 from inference_fleet.planner.fit import check_fit
 from inference_fleet.rollout import check_wave_sizes
 
@@ -92,10 +101,14 @@ def _check_cells(fleet: FleetConfig) -> Iterable[ConfigIssue]:
         seen.setdefault(cell.name, i)
         if cell.wave not in waves:
             yield ConfigIssue(f"cells[{i}].wave", cell.wave, f"no such wave; waves: {waves}")
-        if not cell.trainium_az.startswith(cell.region):
-            yield ConfigIssue(f"cells[{i}].trainium_az", cell.trainium_az, f"must be an AZ of region {cell.region}")
+        if not cell.in_region(cell.trainium_az):
+            yield ConfigIssue(
+                f"cells[{i}].trainium_az", cell.trainium_az,
+                f"must be an AZ of region {cell.region} (a name such as {cell.region}a or an AZ ID such as "
+                f"{az_id_prefix(cell.region)}-az1)",
+            )
         azs = cell.resolved_alb_azs
-        if len(set(azs)) < 2 or any(not az.startswith(cell.region) for az in azs):
+        if len(set(azs)) < 2 or any(not cell.in_region(az) for az in azs):
             yield ConfigIssue(f"cells[{i}].alb_azs", list(azs), f"need >= 2 distinct AZs of region {cell.region}")
         if cell.certificate_arn and f":acm:{cell.region}:" not in cell.certificate_arn:
             yield ConfigIssue(
@@ -177,7 +190,9 @@ def _check_frontend(fleet: FleetConfig) -> Iterable[ConfigIssue]:
             )
 
 
-# The order is the order of the messages: the fleet's own rules, then the planner's, then the pipeline's.
+# The order is the order of the messages: the fleet's own rules, then the planner's, then the pipeline's,
+# then whether each cell can be deployed and run on AWS (inference_fleet.cell_checks).
 CHECKS: tuple[FleetCheck, ...] = (
-    _check_unit, _check_cells, _check_waves, _check_serving, _check_frontend, check_fit, check_wave_sizes
+    _check_unit, _check_cells, _check_waves, _check_serving, _check_frontend, check_fit, check_wave_sizes,
+    check_cells_deployable, check_startup_budget, check_alarm_defaults,
 )

@@ -13,6 +13,7 @@ Defaults live in this module and nowhere else; constructs receive resolved value
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,27 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 from inference_fleet.catalogue import CATALOGUE, InstanceType
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "config" / "default.yaml"
+
+# An AZ name (us-east-2a, us-west-2-lax-1a) or an AZ ID (use2-az1, usw2-lax1-az1).
+AZ_PATTERN = r"^([a-z]{2}(-gov)?-[a-z]+-[0-9][a-z]|[a-z]{2}(gov)?[a-z]+[0-9](-[a-z]+[0-9]+)?-az[0-9]+)$"
+AZ_ID_PATTERN = re.compile(r"^[a-z]{2}(gov)?[a-z]+[0-9](-[a-z]+[0-9]+)?-az[0-9]+$")
+
+
+def is_az_id(zone: str) -> bool:
+    return bool(AZ_ID_PATTERN.match(zone))
+
+
+_DIRECTIONS = {"east": "e", "west": "w", "north": "n", "south": "s", "central": "c",
+               "northeast": "ne", "northwest": "nw", "southeast": "se", "southwest": "sw"}
+
+
+def az_id_prefix(region: str) -> str:
+    """The AZ ID prefix of a region: us-east-2 -> use2, ap-southeast-1 -> apse1, us-gov-west-1 -> usgw1."""
+    parts = region.split("-")
+    head, number = parts[0], parts[-1]
+    middle = "".join("g" if p == "gov" else _DIRECTIONS.get(p, p[:1]) for p in parts[1:-1])
+    return f"{head}{middle}{number}"
+
 
 DTYPE_BYTES: dict[str, float] = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3": 1}
 
@@ -139,6 +161,36 @@ class BaseImagesConfig(_Strict):
     )
 
 
+class CapacityConfig(_Strict):
+    """Where a cell's Trainium instances come from (see docs/cell-lifecycle.md)."""
+
+    source: Literal["on-demand", "capacity-reservation", "capacity-block"] = Field(
+        default="on-demand",
+        description="on-demand (open reservations that match are used), a named On-Demand Capacity "
+        "Reservation (or resource group of them), or an EC2 Capacity Block.",
+    )
+    reservation_id: Annotated[str, StringConstraints(pattern=r"^cr-[0-9a-f]{8,17}$")] | None = Field(
+        default=None, description="cr-... of the capacity reservation or capacity block."
+    )
+    resource_group_arn: (
+        Annotated[str, StringConstraints(pattern=r"^arn:aws[a-z-]*:resource-groups:[a-z0-9-]+:[0-9]{12}:group/.+$")]
+        | None
+    ) = Field(default=None, description="Resource group of capacity reservations (capacity-reservation only).")
+
+
+class NodeConfig(_Strict):
+    """Boot-time setup of every Trainium node (user data)."""
+
+    efa_installer_version: Annotated[str, StringConstraints(pattern=r"^[0-9]+\.[0-9]+\.[0-9]+$")] = Field(
+        default="1.43.2", description="aws-efa-installer version, used only when efa_installer_sha256 is set."
+    )
+    efa_installer_sha256: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")] | None = Field(
+        default=None,
+        description="SHA-256 of aws-efa-installer-<version>.tar.gz: install EFA when the AMI lacks it, verified. "
+        "Unset: the AMI's own EFA is required and a node without it leaves the group.",
+    )
+
+
 class CellConfig(_Strict):
     """An independent copy of the whole serving stack; shares nothing with other cells."""
 
@@ -149,11 +201,13 @@ class CellConfig(_Strict):
     region: Annotated[str, StringConstraints(pattern=r"^[a-z]{2}(-gov)?-[a-z]+-[0-9]$")] = Field(
         description="AWS region of the cell."
     )
-    trainium_az: Annotated[str, StringConstraints(pattern=r"^[a-z]{2}(-gov)?-[a-z]+-[0-9][a-z]$")] = Field(
-        description="The one AZ of the Trainium subnet and its cluster placement group."
+    trainium_az: Annotated[str, StringConstraints(pattern=AZ_PATTERN)] = Field(
+        description="The one AZ of the Trainium subnet and its cluster placement group: a name (us-east-2a) "
+        "or an AZ ID (use2-az1), the form Trainium offerings are listed in."
     )
-    alb_azs: tuple[str, ...] | None = Field(
-        default=None, description="AZs of the load balancer subnets (>= 2); default the Trainium AZ and one more."
+    alb_azs: tuple[Annotated[str, StringConstraints(pattern=AZ_PATTERN)], ...] | None = Field(
+        default=None,
+        description="AZs of the load balancer subnets (>= 2), names or AZ IDs; default the Trainium AZ and one more.",
     )
     vpc_cidr: ipaddress.IPv4Network = Field(
         description="VPC CIDR, /16 to /22; disjoint from other cells of the account and region."
@@ -168,13 +222,36 @@ class CellConfig(_Strict):
             str, StringConstraints(pattern=r"^arn:aws[a-z-]*:acm:[a-z0-9-]+:[0-9]{12}:certificate/[A-Za-z0-9-]+$")
         ]
         | None
-    ) = Field(default=None, description="ACM certificate in the cell's region: HTTPS listener with TLS 1.2+.")
+    ) = Field(
+        default=None,
+        description="ACM certificate in the cell's region: HTTPS listener with TLS 1.2+. Required unless "
+        "plain_http is set.",
+    )
+    plain_http: bool = Field(
+        default=False,
+        description="Serve plain HTTP on port 80 without a certificate (prompts cross the VPC in clear text).",
+    )
     internet_facing: bool = Field(default=False, description="Public ALB; off by default (internal application tier).")
     client_cidrs: tuple[ipaddress.IPv4Network, ...] | None = Field(
         default=None, description="Who may reach the load balancer; default the cell's VPC CIDR."
     )
     deletion_protection: bool = Field(default=True, description="ALB deletion protection.")
     images: ImagesConfig = Field(default=ImagesConfig(), description="Pinned images; default: built from containers/.")
+    capacity: CapacityConfig = Field(
+        default=CapacityConfig(), description="Source of the Trainium instances (see **cells[].capacity**)."
+    )
+    node_ami_id: Annotated[str, StringConstraints(pattern=r"^ami-[0-9a-f]{8,17}$")] | None = Field(
+        default=None,
+        description="Pinned Neuron ECS AMI of the nodes; the pipeline advances it deliberately. Unset: the "
+        "recommended AMI's SSM parameter, re-resolved on every deploy.",
+    )
+    placement_reserved_concurrency: int | None = Field(
+        default=None,
+        ge=1,
+        le=1000,
+        description="Reserved concurrency of the placement controller; unset reserves none (runs are "
+        "serialised by a FIFO queue either way).",
+    )
 
     @field_validator("vpc_cidr")
     @classmethod
@@ -187,8 +264,18 @@ class CellConfig(_Strict):
     def resolved_alb_azs(self) -> tuple[str, ...]:
         if self.alb_azs:
             return self.alb_azs
-        other = f"{self.region}b" if self.trainium_az != f"{self.region}b" else f"{self.region}a"
+        if is_az_id(self.trainium_az):
+            prefix = az_id_prefix(self.region)
+            other = f"{prefix}-az2" if self.trainium_az != f"{prefix}-az2" else f"{prefix}-az1"
+        else:
+            other = f"{self.region}b" if self.trainium_az != f"{self.region}b" else f"{self.region}a"
         return (self.trainium_az, other)
+
+    def in_region(self, zone: str) -> bool:
+        """True when `zone` (an AZ name or an AZ ID) belongs to the cell's region."""
+        if is_az_id(zone):
+            return zone.split("-az")[0].split("-")[0] == az_id_prefix(self.region)
+        return zone.startswith(self.region) and len(zone) > len(self.region)
 
     @property
     def resolved_min_units_available(self) -> int:
@@ -243,7 +330,15 @@ class ServingConfig(_Strict):
         default=2400,
         ge=60,
         le=2_147_483_647,
-        description="ECS grace before ALB health counts: artifact fetch + model load.",
+        description="ECS grace before ALB health counts; at least startup_budget_seconds.",
+    )
+    startup_budget_seconds: int = Field(
+        default=1800,
+        ge=60,
+        le=2700,
+        description="Longest a unit may take from task start to serving (fetch its ranks' artifacts to the "
+        "instance-store cache, join, load); a replaced node's unit must serve within it, plus 15 min of boot, "
+        "inside CloudFormation's 1 h rolling-update wait.",
     )
     drain_timeout_seconds: int = Field(
         default=600, ge=0, le=3600, description="Longest wait for in-flight streams after the deregistration delay."
@@ -260,7 +355,10 @@ class ServingConfig(_Strict):
         "ends the unit (named in the evidence); covers the longest prefill step.",
     )
     root_volume_gib: int = Field(
-        default=1024, ge=100, le=16384, description="Encrypted root volume per node; holds the model artifact cache."
+        default=200,
+        ge=100,
+        le=16384,
+        description="Encrypted root volume per node (OS, images, logs); the model cache is on instance store.",
     )
     log_retention_days: Literal[7, 14, 30, 60, 90, 180, 365] = Field(
         default=30, description="Retention of task, flow and function logs."
@@ -271,7 +369,12 @@ class AlarmsConfig(_Strict):
     """Thresholds of each cell's health alarms; the cell's composite alarm gates the rollout."""
 
     ttft_p99_ms: int = Field(default=5000, ge=50, description="Proxy time-to-first-token p99, per unit.")
-    target_response_p99_seconds: float = Field(default=30, gt=0, description="ALB TargetResponseTime p99.")
+    target_response_p99_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        description="ALB TargetResponseTime p99 (rollout gate only); at least serving.alb_idle_timeout_seconds, "
+        "the longest a normal non-streamed completion may take. Default: that idle timeout.",
+    )
     alb_5xx_percent: float = Field(default=2.0, gt=0, le=100, description="ALB + target 5xx share of requests.")
     queue_depth: int = Field(default=64, ge=1, description="Engine waiting requests per unit.")
     unit_restarts: int = Field(default=2, ge=1, description="Unit re-formations per evaluation window.")
@@ -310,6 +413,7 @@ class FleetConfig(_Strict):
     base_images: BaseImagesConfig = Field(
         default=BaseImagesConfig(), description="Base image of the built inference image (see **base_images**)."
     )
+    node: NodeConfig = Field(default=NodeConfig(), description="Node boot-time setup (see **node**).")
     waves: tuple[WaveConfig, ...] = Field(
         min_length=1, description="Deployment waves in rollout order; first = canary."
     )
@@ -331,6 +435,15 @@ class FleetConfig(_Strict):
 
     def cells_of_wave(self, wave: str) -> list[CellConfig]:
         return [c for c in self.cells if c.wave == wave]
+
+    @property
+    def resolved_alarms(self) -> AlarmsConfig:
+        """The alarm thresholds with their derived defaults filled in."""
+        if self.alarms.target_response_p99_seconds is not None:
+            return self.alarms
+        return self.alarms.model_copy(
+            update={"target_response_p99_seconds": float(self.serving.alb_idle_timeout_seconds)}
+        )
 
     @property
     def max_inflight_requests(self) -> int:

@@ -16,6 +16,10 @@ from inference_fleet.planner.plan import neuron_config
 
 ROLES = ("leader", "follower")
 
+# The model cache: the instance-store RAID0 mounted here on the host (user data) and the
+# same path inside the unit's containers, so the cache survives task restarts.
+MODEL_CACHE_PATH = "/opt/models"
+
 
 def namespace_name(fleet: FleetConfig, cell: CellConfig) -> str:
     """Cloud Map private DNS namespace of a cell."""
@@ -62,7 +66,7 @@ def build_unit_spec(
         "model": {
             "name": model.name,
             "artifacts_s3_uri": model.artifacts_s3_uri,
-            "local_dir": f"/opt/models/{safe_name}",
+            "local_dir": f"{MODEL_CACHE_PATH}/{safe_name}",
             "layout": layout_key(fleet),
             "dtype": model.dtype,
             "max_seq_len": model.max_seq_len,

@@ -12,7 +12,8 @@ import json
 import re
 from pathlib import Path
 
-from aws_cdk import Duration, Environment, RemovalPolicy, Stack, Tags
+import jsii
+from aws_cdk import Aspects, Duration, Environment, IAspect, RemovalPolicy, Stack, Tags
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_ecr as ecr
 from aws_cdk import aws_ecr_assets as ecr_assets
@@ -21,7 +22,7 @@ from aws_cdk import aws_iam as iam
 from aws_cdk import aws_kms as kms
 from aws_cdk import aws_logs as logs
 from aws_cdk import aws_servicediscovery as servicediscovery
-from constructs import Construct
+from constructs import Construct, IConstruct
 
 from cell_constructs.cell_alarms import CellAlarms
 from cell_constructs.encryption import allow_cloudwatch_logs
@@ -29,8 +30,9 @@ from cell_constructs.inference_unit import MultiNodeInferenceUnit, UnitImages, U
 from cell_constructs.nag import acknowledge
 from cell_constructs.network import CellNetwork
 from cell_constructs.topology_placement import TopologyPlacement
-from cell_constructs.trainium_capacity import TrainiumCapacity
+from cell_constructs.trainium_capacity import CapacitySource, EfaSetup, TrainiumCapacity
 from cell_constructs.unit_load_balancer import UnitLoadBalancer
+from inference_fleet.cell_checks import SIGNAL_WAIT_LIMIT_SECONDS
 from inference_fleet.config import CellConfig, FleetConfig
 from inference_fleet.unit_spec import (
     build_unit_spec,
@@ -94,6 +96,15 @@ class CellStack(Stack):
             vpc=self.network.vpc, subnets=self.network.trainium_subnets, cluster=self.cluster,
             instance=fleet.unit.instance, instance_count=cell.units * fleet.unit.nodes,
             root_volume_gib=serving.root_volume_gib, encryption_key=self.key,
+            capacity_source=CapacitySource(
+                kind=cell.capacity.source, reservation_id=cell.capacity.reservation_id,
+                resource_group_arn=cell.capacity.resource_group_arn,
+            ),
+            efa=EfaSetup(
+                installer_version=fleet.node.efa_installer_version, installer_sha256=fleet.node.efa_installer_sha256,
+            ),
+            ami_id=cell.node_ami_id,
+            replacement_wait=Duration.seconds(SIGNAL_WAIT_LIMIT_SECONDS),
         )
         # Writes each instance's `unit` attribute, grouping a unit's nodes by network topology.
         self.placement = TopologyPlacement(
@@ -105,6 +116,7 @@ class CellStack(Stack):
             metrics_namespace=f"{fleet.name}/Cell",
             log_retention=retention,
             encryption_key=self.key,
+            reserved_concurrency=cell.placement_reserved_concurrency,
         )
         self.namespace = servicediscovery.PrivateDnsNamespace(
             self, "Namespace", name=namespace_name(fleet, cell), vpc=self.network.vpc,
@@ -115,9 +127,16 @@ class CellStack(Stack):
         self.task_role = self._unit_task_role()
 
         self.load_balancer = self._load_balancer()
+        # The placement controller sends the Trainium group's rolling-update signals once a
+        # replaced instance's unit serves again behind the load balancer.
+        self.placement.signal_replacements(
+            group_logical_id=self.get_logical_id(self.capacity.auto_scaling_group.node.default_child),
+            target_group_arn=self.load_balancer.target_group.target_group_arn,
+        )
         self.alarms = self._alarms()
 
         self.units = self._units()
+        Aspects.of(self).add(_ServicesAfterCapacityAssociation(self.cluster))
 
     @property
     def availability_zones(self) -> list[str]:
@@ -214,7 +233,12 @@ class CellStack(Stack):
             cell_name=cell.name,
             units=cell.units,
             min_units_available=cell.resolved_min_units_available,
-            thresholds=fleet.alarms,
+            thresholds=fleet.resolved_alarms,
+            component_alarms={
+                "placement-errors": self.placement.errors_alarm,
+                "placement-dead-letters": self.placement.dead_letter_alarm,
+                "placement-stuck": self.placement.backlog_alarm,
+            },
             metrics_namespace=proxy_metrics_namespace(fleet),
             load_balancer=self.load_balancer.load_balancer,
             target_group=self.load_balancer.target_group,
@@ -301,21 +325,59 @@ class CellStack(Stack):
         return role
 
     def _allow_key_use_by_services(self) -> None:
-        """CloudWatch Logs (log groups) and EC2 Auto Scaling (encrypted root volumes) use the cell key."""
+        """CloudWatch Logs (log groups) and EC2 on behalf of Auto Scaling (encrypted root volumes) use the cell key.
+
+        The EBS statements name no role: Auto Scaling launches through its service-linked
+        role, which does not exist before an account's first Auto Scaling group, and KMS
+        refuses a key policy whose principal does not exist ("invalid principals"). They
+        allow instead any principal of this account, only through EC2 in this region, the
+        conditions of the AWS managed aws/ebs key's own policy
+        (https://docs.aws.amazon.com/kms/latest/developerguide/conditions-kms.html#conditions-kms-via-service,
+        https://docs.aws.amazon.com/autoscaling/ec2/userguide/key-policy-requirements-EBS-encryption.html).
+        """
         allow_cloudwatch_logs(self.key)
-        autoscaling_role = iam.ArnPrincipal(
-            f"arn:{self.partition}:iam::{self.account}:role/aws-service-role/autoscaling.amazonaws.com/"
-            "AWSServiceRoleForAutoScaling"
-        )
+        via_ec2 = {
+            "StringEquals": {
+                "kms:CallerAccount": self.account,
+                "kms:ViaService": f"ec2.{self.region}.amazonaws.com",
+            }
+        }
         self.key.add_to_resource_policy(iam.PolicyStatement(
-            principals=[autoscaling_role],
+            sid="EbsVolumesThroughEc2",
+            principals=[iam.AnyPrincipal()],
             actions=["kms:Encrypt", "kms:Decrypt", "kms:ReEncrypt*", "kms:GenerateDataKey*", "kms:DescribeKey"],
             resources=["*"],
+            conditions=via_ec2,
         ))
         self.key.add_to_resource_policy(iam.PolicyStatement(
-            principals=[autoscaling_role],
+            sid="EbsGrantsThroughEc2",
+            principals=[iam.AnyPrincipal()],
             actions=["kms:CreateGrant"],
             resources=["*"],
-            conditions={"Bool": {"kms:GrantIsForAWSResource": True}},
+            conditions={**via_ec2, "Bool": {"kms:GrantIsForAWSResource": True}},
         ))
 
+
+@jsii.implements(IAspect)
+class _ServicesAfterCapacityAssociation:
+    """Every ECS service depends on the cluster's capacity-provider association.
+
+    CDK adds `AWS::ECS::ClusterCapacityProviderAssociations` late (an aspect of the
+    cluster) and no dependency on it, so CreateService can run first and fail with "capacity
+    provider not associated with the cluster". This aspect runs after the cluster's (the
+    cluster precedes the units in the tree) and adds the dependency.
+    """
+
+    def __init__(self, cluster: ecs.Cluster) -> None:
+        self.cluster = cluster
+
+    def visit(self, node: IConstruct) -> None:
+        if not isinstance(node, ecs.CfnService):
+            return
+        associations = [
+            c for c in self.cluster.node.children if isinstance(c, ecs.CfnClusterCapacityProviderAssociations)
+        ]
+        if not associations:
+            raise RuntimeError("the cluster's capacity-provider association does not exist yet")
+        for association in associations:
+            node.node.add_dependency(association)

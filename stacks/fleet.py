@@ -6,9 +6,9 @@ from aws_cdk import App, Stack
 
 from cell_constructs.nag import add_policy_checks
 from inference_fleet.checks import validate_fleet
-from inference_fleet.config import FleetConfig
+from inference_fleet.config import ConfigError, ConfigIssue, FleetConfig
 from stacks.cell_stack import CellStack
-from stacks.pipeline_stack import PipelineStack
+from stacks.pipeline_stack import PipelineStack, repository_path
 
 
 def build_fleet(app: App, fleet: FleetConfig) -> dict[str, Stack]:
@@ -23,13 +23,20 @@ def build_fleet(app: App, fleet: FleetConfig) -> dict[str, Stack]:
     here (they are cheap) so that no caller can build stacks from a fleet that skipped them.
     """
     validate_fleet(fleet, f"fleet {fleet.name}")
+    fleet_file = app.node.try_get_context("config")
+    if fleet.pipeline is not None and fleet_file:
+        # Checked before any construct is built: a fleet file outside the repository is a
+        # configuration mistake, reported like every other one (no traceback).
+        try:
+            repository_path(fleet_file)
+        except ValueError as error:
+            raise ConfigError(str(fleet_file), [ConfigIssue("pipeline", "(set)", str(error))]) from None
     add_policy_checks(app)
     stacks: dict[str, Stack] = {}
     for cell in fleet.cells:
         name = fleet.cell_stack_name(cell)
         stacks[name] = CellStack(app, name, fleet=fleet, cell=cell)
     if fleet.pipeline is not None:
-        fleet_file = app.node.try_get_context("config")
         pipeline = PipelineStack(app, fleet.pipeline_stack_name, fleet=fleet, fleet_file=fleet_file)
         stacks[pipeline.stack_name] = pipeline
         for support in pipeline.support_stacks:

@@ -48,7 +48,7 @@ def test_launch_template_has_every_efa_interface_imdsv2_and_encrypted_root(synth
     assert "SecurityGroupIds" not in data  # the group lives in each interface instead
     assert data["MetadataOptions"]["HttpTokens"] == "required"
     root = data["BlockDeviceMappings"][0]["Ebs"]
-    assert root["Encrypted"] is True and root["VolumeSize"] == 1024 and "KmsKeyId" in root
+    assert root["Encrypted"] is True and root["VolumeSize"] == 200 and "KmsKeyId" in root
     assert data["Placement"]["GroupName"]["Fn::GetAtt"][0].startswith("TrainiumClusterPlacement")
     # The Neuron ECS AMI is resolved from its SSM parameter at deploy time, not looked up at synth.
     params = synth_large.template_json("Rufus-Cell-use2-a")["Parameters"]
@@ -143,7 +143,7 @@ def test_unit_tasks_hold_a_whole_instance(synth_large) -> None:
         spec = json.loads(env["UNIT_SPEC"])
         assert spec["unit_id"] == "u0" and spec["size"] == 4
         names = [c["Name"] for c in props["ContainerDefinitions"]]
-        assert names == (["inference", "proxy"] if role == "leader" else ["inference"])
+        assert names == (["inference", "proxy"] if role == "leader" else ["inference", "drain-guard"])
         if role == "leader":
             proxy = props["ContainerDefinitions"][1]
             # deregistration delay 120 s + drain timeout 600 s + 30 s margin
@@ -270,7 +270,7 @@ def test_pinned_private_ecr_images_are_pulled_by_digest(synth_large) -> None:
 def test_cell_runs_the_topology_placement_controller(synth_large) -> None:
     template = synth_large.templates["Rufus-Cell-use2-a"]
     function = next(v for k, v in resources(template, "AWS::Lambda::Function").items() if k.startswith("Placement"))
-    assert function["Properties"]["ReservedConcurrentExecutions"] == 1
+    assert "ReservedConcurrentExecutions" not in function["Properties"]
     env = function["Properties"]["Environment"]["Variables"]
     assert env["UNITS"] == "6" and env["NODES_PER_UNIT"] == "4"
     patterns = [r["Properties"].get("EventPattern", {}) for r in resources(template, "AWS::Events::Rule").values()]

@@ -94,10 +94,6 @@ def test_function_runs_one_at_a_time_with_its_settings(synthesized):
         {
             "Handler": "placement_controller.handler.handler",
             "Runtime": Match.string_like_regexp(r"^python3\.1[2-9]$"),
-            "ReservedConcurrentExecutions": 1,
-            "DeadLetterConfig": {
-                "TargetArn": {"Fn::GetAtt": [Match.string_like_regexp("PlacementDeadLetters"), "Arn"]}
-            },
             "LoggingConfig": {"LogGroup": {"Ref": Match.string_like_regexp("PlacementLogs")}},
             "Environment": {
                 "Variables": {
@@ -110,8 +106,24 @@ def test_function_runs_one_at_a_time_with_its_settings(synthesized):
             },
         },
     )
+    # One run at a time without reserved concurrency: a FIFO queue with one message group
+    # feeds the function; failed triggers go to the FIFO dead-letter queue.
+    function = template.find_resources("AWS::Lambda::Function")
+    assert all("ReservedConcurrentExecutions" not in f["Properties"] for f in function.values())
     template.has_resource_properties(
-        "AWS::Lambda::EventInvokeConfig", {"MaximumRetryAttempts": 2, "MaximumEventAgeInSeconds": 3600}
+        "AWS::Lambda::EventSourceMapping",
+        {"EventSourceArn": {"Fn::GetAtt": [Match.string_like_regexp("PlacementTriggers"), "Arn"]}},
+    )
+    template.has_resource_properties(
+        "AWS::SQS::Queue",
+        {
+            "FifoQueue": True,
+            "ContentBasedDeduplication": True,
+            "RedrivePolicy": {
+                "deadLetterTargetArn": {"Fn::GetAtt": [Match.string_like_regexp("PlacementDeadLetters"), "Arn"]},
+                "maxReceiveCount": 3,
+            },
+        },
     )
 
 
@@ -138,8 +150,8 @@ def test_logs_and_dead_letters_are_encrypted_with_the_cell_key(synthesized):
 
 def test_rules_watch_this_cluster_this_group_and_a_sweep(synthesized):
     template, _, _ = synthesized
-    function = {"Fn::GetAtt": [Match.string_like_regexp("PlacementFunction"), "Arn"]}
-    target = Match.array_with([Match.object_like({"Arn": function})])
+    queue = {"Fn::GetAtt": [Match.string_like_regexp("PlacementTriggers"), "Arn"]}
+    target = Match.array_with([Match.object_like({"Arn": queue, "SqsParameters": {"MessageGroupId": "cell"}})])
     template.has_resource_properties(
         "AWS::Events::Rule",
         {
@@ -165,7 +177,7 @@ def test_rules_watch_this_cluster_this_group_and_a_sweep(synthesized):
     template.has_resource_properties(
         "AWS::Events::Rule", {"ScheduleExpression": "rate(5 minutes)", "Targets": target}
     )
-    template.resource_count_is("AWS::Lambda::Permission", 3)
+    template.resource_count_is("AWS::Lambda::Permission", 0)
 
 
 def test_alarms_on_errors_and_dead_letters(synthesized):
@@ -223,6 +235,7 @@ def test_deployment_package_holds_only_the_runtime_code(synthesized):
         "placement_controller/assignment.py",
         "placement_controller/aws.py",
         "placement_controller/handler.py",
+        "placement_controller/signals.py",
         "placement_controller/topology.py",
     ]
 

@@ -6,7 +6,7 @@ duplicated event costs nothing: read the group's instances and the cluster's con
 instances, read their topology, plan (`assignment.plan_topology`), write only the
 attributes that differ, clear the attributes of instances that left, and publish each
 unit's topology score as a CloudWatch metric in Embedded Metric Format (a log line; no
-PutMetricData permission needed). Reserved concurrency 1 keeps runs from overlapping.
+PutMetricData permission needed). A FIFO trigger queue with one message group keeps runs from overlapping.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 from botocore.client import BaseClient
 
-from placement_controller import aws
+from placement_controller import aws, signals
 from placement_controller.assignment import (
     MAX_NODES_PER_UNIT,
     MAX_UNITS,
@@ -88,10 +88,14 @@ class Clients:
     ec2: BaseClient
     ecs: BaseClient
     autoscaling: BaseClient
+    cloudformation: BaseClient | None = None
+    elbv2: BaseClient | None = None
 
 
 def gone_from_event(event: Mapping[str, Any]) -> set[str]:
-    """EC2 instance ids the event reports as leaving, ahead of eventually consistent reads."""
+    """EC2 instance ids the event (or every event of an SQS batch) reports as leaving."""
+    if isinstance(event.get("Records"), list):
+        return set().union(*(gone_from_event(e) for e in signals.records(event)))
     detail = event.get("detail") or {}
     if not isinstance(detail, Mapping):
         return set()
@@ -214,6 +218,12 @@ def reconcile(
     deleted = aws.delete_attributes(clients.ecs, settings.cluster, deletes, retry)
     written = aws.put_attributes(clients.ecs, settings.cluster, puts, retry)
     summary = _summary(settings, plan, topology, left, skipped, written, deleted, retry.retried)
+    signal_settings = signals.SignalSettings.from_env(os.environ)
+    if signal_settings is not None and clients.cloudformation is not None and clients.elbv2 is not None:
+        summary["signalled"] = signals.signal_serving_units(
+            signal_settings, settings.auto_scaling_group, plan.units,
+            clients.cloudformation, clients.autoscaling, clients.elbv2, retry,
+        )
     _publish(settings, plan, summary, emit)
     return summary
 
@@ -291,6 +301,8 @@ def _clients() -> Clients:
         ec2=boto3.client("ec2", config=config),
         ecs=boto3.client("ecs", config=config),
         autoscaling=boto3.client("autoscaling", config=config),
+        cloudformation=boto3.client("cloudformation", config=config),
+        elbv2=boto3.client("elbv2", config=config),
     )
 
 
@@ -302,5 +314,6 @@ def _print(line: str) -> None:
 def handler(event: Mapping[str, Any], context: object) -> dict[str, Any]:
     """The Lambda handler (placement_controller.handler.handler)."""
     settings = Settings.from_env(os.environ)
-    LOG.info("trigger %s %s", event.get("source"), event.get("detail-type"))
+    for trigger in signals.records(event):
+        LOG.info("trigger %s %s", trigger.get("source"), trigger.get("detail-type"))
     return reconcile(settings, _clients(), event, aws.Retry(), _print)

@@ -1,0 +1,156 @@
+"""Fleet checks that a cell can actually be deployed and run on AWS (issue 12).
+
+Each check yields `ConfigIssue`s naming the field path and the numbers, so a fleet file
+that passes `load_fleet` also fits its subnet, its stack's resource limit, its TLS and
+capacity settings and its start-up budget. The figures and their sources are in
+docs/cell-lifecycle.md. Run by `inference_fleet.checks` (listed in its `CHECKS`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from inference_fleet import config
+from inference_fleet.config import CellConfig, ConfigIssue, FleetConfig
+
+# AWS reserves the first four and the last address of every subnet
+# (https://docs.aws.amazon.com/vpc/latest/userguide/subnet-sizing.html).
+SUBNET_RESERVED_IPS = 5
+# Interface endpoints placed in the Trainium subnet (cell_constructs/network.py), one ENI
+# (one IP) each in that subnet.
+TRAINIUM_SUBNET_ENDPOINTS = 11
+# Room for one instance beyond the group's size (a replacement launched while the old
+# instance's interfaces are being released).
+SPARE_NODES = 1
+# CloudFormation: 500 resources per stack
+# (https://docs.aws.amazon.com/AWSCloudFormation/latest/UserGuide/cloudformation-limits.html).
+# A cell template holds a fixed part and a part per unit, measured from the synthesized
+# templates (about 98 + 9.5 per unit; tests/test_cell_lifecycle.py keeps them true). The fixed part is
+# the largest variant (internet-facing with WAF, gate reader role, both images built).
+CFN_RESOURCE_LIMIT = 500
+CELL_BASE_RESOURCES = 110
+RESOURCES_PER_UNIT = 10
+# Boot, ECS registration and the placement controller's sweep before a replaced node's
+# unit starts loading; CloudFormation waits at most 1 h for a rolling-update signal
+# (PauseTime, https://docs.aws.amazon.com/AWSCloudFormation/latest/UserGuide/aws-attribute-updatepolicy.html).
+NODE_BOOT_SECONDS = 900
+SIGNAL_WAIT_LIMIT_SECONDS = 3600
+# Share of the instance store the model may fill (file system overhead, partial downloads).
+CACHE_FILL_LIMIT = 0.9
+
+
+def trainium_subnet_ips(cell: CellConfig) -> int:
+    """Usable addresses of the cell's Trainium subnet (a quarter of the VPC, network.py)."""
+    return 2 ** (32 - (cell.vpc_cidr.prefixlen + 2)) - SUBNET_RESERVED_IPS
+
+
+def ips_needed(fleet: FleetConfig, cell: CellConfig) -> int:
+    """Every EFA interface takes an IP: nodes x interfaces, one spare node, plus the endpoints."""
+    nodes = cell.units * fleet.unit.nodes + SPARE_NODES
+    return nodes * fleet.unit.instance.efa_interfaces + TRAINIUM_SUBNET_ENDPOINTS
+
+
+def max_units_per_cell() -> int:
+    """Units one cell stack can hold under CloudFormation's resource limit."""
+    return (CFN_RESOURCE_LIMIT - CELL_BASE_RESOURCES) // RESOURCES_PER_UNIT
+
+
+def check_cells_deployable(fleet: FleetConfig) -> Iterable[ConfigIssue]:
+    unit = fleet.unit
+    if unit.instance_type not in config.CATALOGUE:
+        return
+    per_node = unit.instance.efa_interfaces
+    for i, cell in enumerate(fleet.cells):
+        usable, needed = trainium_subnet_ips(cell), ips_needed(fleet, cell)
+        if needed > usable:
+            fits = max((usable - TRAINIUM_SUBNET_ENDPOINTS) // per_node - SPARE_NODES, 0) // unit.nodes
+            yield ConfigIssue(
+                f"cells[{i}].vpc_cidr",
+                str(cell.vpc_cidr),
+                f"the Trainium subnet (/{cell.vpc_cidr.prefixlen + 2}, {usable} usable IPs) cannot hold "
+                f"{cell.units} units x {unit.nodes} nodes (+{SPARE_NODES} spare) x {per_node} EFA interfaces "
+                f"(one IP each) + {TRAINIUM_SUBNET_ENDPOINTS} endpoints = {needed} IPs; it fits {fits} units: "
+                "use a larger VPC CIDR or fewer units",
+            )
+        limit = max_units_per_cell()
+        if cell.units > limit:
+            yield ConfigIssue(
+                f"cells[{i}].units",
+                cell.units,
+                f"a cell stack holds at most {limit} units: CloudFormation allows {CFN_RESOURCE_LIMIT} resources "
+                f"per stack, a cell uses about {CELL_BASE_RESOURCES} plus {RESOURCES_PER_UNIT} per unit; "
+                "split the units over more cells",
+            )
+        if not cell.certificate_arn and not cell.plain_http:
+            yield ConfigIssue(
+                f"cells[{i}].certificate_arn",
+                None,
+                "required: the listener serves HTTPS; set an ACM certificate ARN of the cell's region, or "
+                f"cells[{i}].plain_http: true to serve plain HTTP on purpose",
+            )
+        if cell.certificate_arn and cell.plain_http:
+            yield ConfigIssue(f"cells[{i}].plain_http", True, "set either certificate_arn or plain_http, not both")
+        yield from _capacity_issues(i, cell)
+
+
+def _capacity_issues(i: int, cell: CellConfig) -> Iterable[ConfigIssue]:
+    capacity = cell.capacity
+    path = f"cells[{i}].capacity"
+    if capacity.source == "on-demand":
+        for field in ("reservation_id", "resource_group_arn"):
+            if getattr(capacity, field):
+                yield ConfigIssue(f"{path}.{field}", getattr(capacity, field), "only with source "
+                                  "capacity-reservation or capacity-block")
+    elif capacity.source == "capacity-reservation":
+        if bool(capacity.reservation_id) == bool(capacity.resource_group_arn):
+            yield ConfigIssue(
+                f"{path}.reservation_id", capacity.reservation_id,
+                "source capacity-reservation needs exactly one of reservation_id (cr-...) or resource_group_arn",
+            )
+    else:
+        if not capacity.reservation_id:
+            yield ConfigIssue(f"{path}.reservation_id", None, "source capacity-block needs the block's cr-... id")
+        if capacity.resource_group_arn:
+            yield ConfigIssue(f"{path}.resource_group_arn", capacity.resource_group_arn,
+                              "a capacity block is named by its reservation_id only")
+
+
+def check_startup_budget(fleet: FleetConfig) -> Iterable[ConfigIssue]:
+    serving = fleet.serving
+    budget = serving.startup_budget_seconds
+    if serving.health_check_grace_seconds < budget:
+        yield ConfigIssue(
+            "serving.health_check_grace_seconds",
+            serving.health_check_grace_seconds,
+            f"below serving.startup_budget_seconds ({budget}): the load balancer's health check would replace "
+            "a unit that is still loading within its budget",
+        )
+    if budget + NODE_BOOT_SECONDS > SIGNAL_WAIT_LIMIT_SECONDS:
+        yield ConfigIssue(
+            "serving.startup_budget_seconds",
+            budget,
+            f"budget + {NODE_BOOT_SECONDS} s of node boot exceeds CloudFormation's {SIGNAL_WAIT_LIMIT_SECONDS} s "
+            "rolling-update wait for a replaced node's signal",
+        )
+    if fleet.unit.instance_type in config.CATALOGUE:
+        model_gib = fleet.model.parameters_billion * 1e9 * fleet.model.bytes_per_param / 2**30
+        store = fleet.unit.instance.instance_store_gib
+        if model_gib > store * CACHE_FILL_LIMIT:
+            yield ConfigIssue(
+                "model.parameters_billion",
+                fleet.model.parameters_billion,
+                f"the weights ({model_gib:.0f} GiB) do not fit {CACHE_FILL_LIMIT:.0%} of the "
+                f"{fleet.unit.instance_type} instance store ({store:.0f} GiB), where the model cache lives",
+            )
+
+
+def check_alarm_defaults(fleet: FleetConfig) -> Iterable[ConfigIssue]:
+    limit = fleet.serving.alb_idle_timeout_seconds
+    value = fleet.alarms.target_response_p99_seconds
+    if value is not None and value < limit:
+        yield ConfigIssue(
+            "alarms.target_response_p99_seconds",
+            value,
+            f"a normal non-streamed completion may take up to serving.alb_idle_timeout_seconds ({limit} s); "
+            f"a p99 threshold below it trips on ordinary long requests: use >= {limit} or leave it unset",
+        )
