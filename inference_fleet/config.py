@@ -347,6 +347,14 @@ class ServingConfig(_Strict):
     follower_loss_seconds: int = Field(
         default=30, ge=3, le=600, description="A member silent this long ends the unit; ECS restarts it whole."
     )
+    restart_backoff_base_seconds: int = Field(
+        default=15, ge=0, le=3600,
+        description="A unit that failed n times in a row waits base x 2^(n-1) s before it forms again.",
+    )
+    restart_backoff_cap_seconds: int = Field(default=300, ge=0, le=3600, description="Longest restart backoff.")
+    restart_backoff_reset_seconds: int = Field(
+        default=600, ge=1, le=86400, description="A session that served this long resets the backoff."
+    )
     step_timeout_seconds: int = Field(
         default=30,
         ge=1,

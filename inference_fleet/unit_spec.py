@@ -21,6 +21,11 @@ ROLES = ("leader", "follower")
 MODEL_CACHE_PATH = "/opt/models"
 
 
+def unit_metrics_namespace(fleet: FleetConfig) -> str:
+    """CloudWatch namespace of the launcher's unit events (UnitFailures, UnitSessionEnds, ...)."""
+    return f"{fleet.name}/Unit"
+
+
 def namespace_name(fleet: FleetConfig, cell: CellConfig) -> str:
     """Cloud Map private DNS namespace of a cell."""
     return f"{cell.name}.{fleet.name.lower()}.internal"
@@ -100,6 +105,9 @@ def build_unit_spec(
             "port": serving.rendezvous_port,
             "follower_loss_seconds": serving.follower_loss_seconds,
             "step_timeout_seconds": serving.step_timeout_seconds,
+            "backoff_base_seconds": serving.restart_backoff_base_seconds,
+            "backoff_cap_seconds": serving.restart_backoff_cap_seconds,
+            "backoff_reset_seconds": serving.restart_backoff_reset_seconds,
             # Every node fetches and loads the model before it joins: the join wait covers
             # the slowest node's load, bounded by the task's health check grace.
             "join_timeout_seconds": serving.health_check_grace_seconds,
@@ -108,6 +116,8 @@ def build_unit_spec(
             "namespace": namespace_name(fleet, cell),
             "leader_service": leader_service_name(unit_index),
         },
+        # The launcher's session-end events (failure evidence) as EMF metrics.
+        "metrics_namespace": unit_metrics_namespace(fleet),
     }
 
 

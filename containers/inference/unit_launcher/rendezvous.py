@@ -468,6 +468,12 @@ class LeaderSession:
             self.check_liveness()
             await asyncio.sleep(step)
 
+    def silent_followers(self) -> list[Member]:
+        """Followers that neither heard "stopping" nor sent a heartbeat in two intervals."""
+        late = 2 * self.spec.rendezvous.heartbeat_interval
+        now = time.monotonic()
+        return [m for m in self.followers if not m.told_stop and now - m.last_seen > late]
+
     async def tell_followers(self, timeout: float) -> None:
         """Give live followers a chance to hear "stopping" on their next heartbeat."""
         deadline = time.monotonic() + timeout

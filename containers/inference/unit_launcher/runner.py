@@ -218,6 +218,13 @@ def _record_session_end(
     culprit = session.ended_by
     ended_by = None
     tail: list[str] = []
+    if culprit is None and session.cause == "engine_exit":
+        # The leader's engine usually fails first when a follower dies (its collective
+        # breaks); a follower that then never heard "stopping" is the member that was lost.
+        silent = session.silent_followers()
+        if silent:
+            culprit = silent[0]
+            session.cause = "member_lost"
     if culprit is not None:
         ended_by = {"rank": culprit.rank, "address": culprit.address, "instance_id": culprit.instance_id}
         tail = list(session.ended_by_evidence.get("log_tail") or [])

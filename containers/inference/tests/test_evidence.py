@@ -1,0 +1,110 @@
+"""Failure evidence and restart backoff: the history rules, the EMF event, and real launchers."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from unit_launcher import evidence
+
+POLICY = evidence.BackoffPolicy(base_seconds=15, cap_seconds=300, reset_seconds=600)
+SPEC = SimpleNamespace(cell="dev", unit_id="u0", revision="r1")
+
+
+def _record(session: str, cause: str = "heartbeat_loss", served: float = 5.0, ended_at: float = 1000.0) -> dict:
+    return {"session_id": session, "cause": cause, "served_seconds": served, "ended_at": ended_at}
+
+
+def test_backoff_doubles_with_each_failure_in_a_row_and_is_capped():
+    assert [POLICY.wait(n) for n in range(7)] == [0, 15, 30, 60, 120, 240, 300]
+
+
+def test_a_session_that_served_long_enough_or_a_deliberate_stop_resets_the_count():
+    records = [_record("a"), _record("b", served=700), _record("c"), _record("d")]
+    assert evidence.failures_in_a_row(records, POLICY) == 2
+    records.append(_record("e", cause=evidence.DELIBERATE))
+    assert evidence.failures_in_a_row(records, POLICY) == 0
+
+
+def test_the_wait_counts_from_the_last_failure_and_lapses_after_a_long_quiet():
+    records = [_record("a", ended_at=1000), _record("b", ended_at=1010)]
+    backoff = evidence.backoff_for(records, POLICY, now=1020)
+    assert (backoff.failures_in_a_row, backoff.seconds, backoff.until) == (2, 30, 1040)
+    assert backoff.remaining(now=1020) == 20 and backoff.last_failure["session_id"] == "b"
+    assert evidence.backoff_for(records, POLICY, now=1010 + 300 + 600 + 1).failures_in_a_row == 0
+    assert evidence.backoff_for([], POLICY, now=5).remaining(now=5) == 0
+
+
+@given(st.lists(st.tuples(st.sampled_from(["heartbeat_loss", "step_timeout", evidence.DELIBERATE]),
+                          st.floats(0, 2000)), max_size=30))
+def test_backoff_is_never_negative_nor_above_the_cap(items):
+    records = [_record(str(i), cause, served, ended_at=1000 + i) for i, (cause, served) in enumerate(items)]
+    backoff = evidence.backoff_for(records, POLICY, now=1000 + len(items))
+    assert 0 <= backoff.seconds <= POLICY.cap_seconds
+    assert 0 <= backoff.remaining(now=1000 + len(items)) <= POLICY.cap_seconds
+
+
+def test_history_keeps_one_record_per_session_and_survives_a_bad_line(tmp_path: Path):
+    path = evidence.history_path(tmp_path, "dev", "u0")
+    assert evidence.append_history(path, _record("s1"))
+    assert not evidence.append_history(path, _record("s1", cause="other"))  # the same session, another member
+    with path.open("a") as handle:
+        handle.write("not json\n")
+    assert evidence.append_history(path, _record("s2"))
+    assert [r["session_id"] for r in evidence.read_history(path)] == ["s1", "s2"]
+
+
+def test_the_event_is_one_emf_line_with_the_unit_metrics():
+    event = evidence.session_event(
+        spec=SPEC, session_id="s1", cause="member_lost", reason="follower rank 1 lost",
+        ended_by={"rank": 1, "address": "10.0.0.2", "instance_id": "i-b"},
+        members=[], released_at=time.time() - 12, exit_status=None, log_tail=["boom"],
+    )
+    doc = json.loads(evidence.emf_line(event, "Rufus/Unit"))
+    directive = doc["_aws"]["CloudWatchMetrics"][0]
+    assert directive["Namespace"] == "Rufus/Unit" and directive["Dimensions"] == [["Cell", "Unit"]]
+    assert {m["Name"] for m in directive["Metrics"]} == {"UnitSessionEnds", "UnitFailures", "UnitServedSeconds"}
+    assert (doc["Cell"], doc["Unit"], doc["UnitFailures"], doc["UnitSessionEnds"]) == ("dev", "u0", 1, 1)
+    assert doc["UnitServedSeconds"] >= 12 and doc["ended_by"]["rank"] == 1 and doc["log_tail"] == ["boom"]
+    plain = json.loads(evidence.emf_line(event, None))
+    assert "_aws" not in plain and plain["cause"] == "member_lost"
+
+
+@pytest.mark.timeout(120)
+def test_a_unit_that_loses_the_same_follower_twice_records_it_and_backs_off(tmp_path, unit_nodes, h):
+    """Real launchers: follower killed, evidence names it; the next session waits out the backoff."""
+    spec = h.cpu_spec(2, record_dir=tmp_path, backoff_base_seconds=3, backoff_cap_seconds=10)
+    port = spec["rendezvous"]["port"]
+    history = evidence.history_path(spec["state_dir"], spec["cell"], spec["unit_id"])
+
+    def serving():
+        s = h.get_status(port)
+        return s if s and s["state"] == "serving" and all(m["alive"] for m in s["members"]) else None
+
+    starts = []
+    for attempt in (1, 2):
+        leader = unit_nodes(spec, "leader", f"i-leader-{attempt}")
+        follower = unit_nodes(spec, "follower", "i-follower")
+        began = time.monotonic()
+        if attempt == 2:
+            status = h.wait_for(lambda: (s := h.get_status(port)) and s["state"] == "backoff" and s, 10, "backoff")
+            assert status["backoff"]["failures_in_a_row"] == 1 and status["backoff"]["seconds"] == 3
+            assert status["last_failure"]["ended_by"]["instance_id"] == "i-follower"
+        h.wait_for(serving, 30, f"unit serving (attempt {attempt})")
+        starts.append(time.monotonic() - began)
+        follower.signal(signal.SIGKILL)
+        assert leader.wait(30) == 5, leader.log
+        records = evidence.read_history(history)
+        assert len(records) == attempt
+        last = records[-1]
+        assert last["ended_by"]["instance_id"] == "i-follower", last
+        assert last["cause"] in ("member_lost", "heartbeat_loss", "member_left"), last
+        assert '"event": "unit_session_end"' in leader.log
+    # The second formation waited out the backoff (3 s after the first failure).
+    assert starts[1] >= starts[0] + 1.5, starts
