@@ -91,6 +91,8 @@ def build_e2e_spec(h: Harness, ports: UnitPorts, follower_loss_seconds: float | 
     spec["rendezvous"].update(port=ports.rendezvous, join_timeout_seconds=600)
     if follower_loss_seconds is not None:
         spec["rendezvous"]["follower_loss_seconds"] = follower_loss_seconds
+    # The unit's failure history (evidence, restart backoff), as on an instance's cache volume.
+    spec["state_dir"] = str(h.work / "unit-state")
     parse_spec(spec, "e2e spec")  # the launcher's own validation, before anything starts
     return spec
 
@@ -217,6 +219,44 @@ def probe_verdict(probes: list[Probe]) -> tuple[bool, str]:
     """
     outcomes = sorted({p.outcome for p in probes})
     return bool(probes) and outcomes == ["503"], f"{len(probes)} probes: {outcomes}"
+
+
+def wait_for_recovery(h: Harness, unit: Unit, what: str) -> dict[str, Any]:
+    """Wait for /health 200 again; return the restart backoff the leader showed meanwhile."""
+    seen: dict[str, Any] = {}
+
+    def whole() -> bool:
+        status = unit.status() or {}
+        if status.get("state") == "backoff" and not seen:
+            seen.update(status.get("backoff") or {}, at=time.monotonic())
+        return unit.health() == 200
+
+    wait_until(what, whole, h.left(900), 0.25)
+    return seen
+
+
+def report_evidence(h: Harness, spec: dict[str, Any], label: str, backoff: dict[str, Any]) -> None:
+    """The failure evidence the unit kept (who, why) and the backoff before it formed again."""
+    from unit_launcher import evidence
+
+    r = h.report
+    records = evidence.read_history(evidence.history_path(spec["state_dir"], spec["cell"], spec["unit_id"]))
+    last = records[-1] if records else {}
+    who = last.get("ended_by") or {}
+    r.facts[f"evidence_{label}"] = {k: last.get(k) for k in ("cause", "reason", "ended_by", "exit_status",
+                                                             "served_seconds", "session_id")}
+    r.facts[f"evidence_{label}_log_tail"] = (last.get("log_tail") or [])[-5:]
+    r.figure(f"backoff_{label}_s", backoff.get("seconds", 0))
+    r.check(f"{label}. evidence names the lost follower and why",
+            who.get("rank") == 1 and last.get("cause") not in (None, "unknown", "deliberate_stop"),
+            f"{last.get('cause')}: {last.get('reason')}")
+    rdzv = spec["rendezvous"]
+    policy = evidence.BackoffPolicy(
+        rdzv["backoff_base_seconds"], rdzv["backoff_cap_seconds"], rdzv["backoff_reset_seconds"]
+    )
+    expected = policy.wait(evidence.failures_in_a_row(records, policy))
+    r.check(f"{label}. the unit backed off before forming again ({len(records)} failures in a row)",
+            backoff.get("seconds") == expected and expected > 0, f"backoff {backoff} (expected {expected} s)")
 
 
 def check_lockstep(unit: Unit, r: Any, label: str, timeout: float) -> None:
@@ -351,11 +391,12 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
 
     # 4. Recovery: the supervisor restarts both; a new session serves the same answer.
     try:
-        wait_until("proxy /health 200 after restart", lambda: unit.health() == 200, h.left(900), 0.25)
+        backoff = wait_for_recovery(h, unit, "proxy /health 200 after restart")
     except TimeoutError as error:
         r.check("4. unit forms again", False, f"{error}; {unit.describe()}")
         return
     r.figure("recovery_s", time.monotonic() - killed_at)
+    report_evidence(h, spec, "4", backoff)
     session2 = unit.whole_session()
     r.check("4. unit forms again with a new session", session2 is not None and session2 != session1,
             f"session {session1} -> {session2}")
@@ -518,7 +559,7 @@ def run_partition(h: Harness, unit: Unit, base: str, spec: dict[str, Any], case:
         follower_exit = unit.follower.wait_for_exit(follower_exits_before + 1, h.left(120))
         r.check(f"{case.label}: the resumed follower does not serve; exits non-zero",
                 follower_exit.code not in (0, None), f"exit code {follower_exit.code}")
-        wait_until(f"proxy /health 200 after the {case.key}", lambda: unit.health() == 200, h.left(900), 0.25)
+        backoff = wait_for_recovery(h, unit, f"proxy /health 200 after the {case.key}")
     except TimeoutError as error:
         r.check(f"{case.label}: unit forms again", False, f"{error}; {unit.describe()}")
         return False
@@ -526,6 +567,7 @@ def run_partition(h: Harness, unit: Unit, base: str, spec: dict[str, Any], case:
         stop_probes.set()
         prober.join(bound + 40)
     r.figure(f"{case.key}_recovery_s", time.monotonic() - stopped_at)
+    report_evidence(h, spec, case.label.split(".")[0], backoff)
     during = [p for p in probes if p.started < stopped_at + detected + 1]
     r.facts[f"{case.key}_probes"] = [f"{p.started - stopped_at:+.1f}s -> {p.outcome} in {p.seconds:.1f}s"
                                      for p in probes]
