@@ -225,6 +225,10 @@ def _record_session_end(
         if silent:
             culprit = silent[0]
             session.cause = "member_lost"
+            session.end_reason = (
+                f"follower {culprit.describe()} lost: silent since the leader's engine failed "
+                f"({session.end_reason})"
+            )
     if culprit is not None:
         ended_by = {"rank": culprit.rank, "address": culprit.address, "instance_id": culprit.instance_id}
         tail = list(session.ended_by_evidence.get("log_tail") or [])
