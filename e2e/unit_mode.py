@@ -414,6 +414,7 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
             return
         again = driver.completion()
         r.check(f"{case.label}: same request, same answer after", again == first, f"{again!r} vs {first!r}")
+        check_lockstep(unit, r, case.label.split(".")[0], h.left(60))
 
     # 5. SIGTERM to the leader task while a stream is in flight.
     stream_result: dict[str, Any] = {}
@@ -576,7 +577,6 @@ def run_partition(h: Harness, unit: Unit, base: str, spec: dict[str, Any], case:
     session3 = unit.whole_session()
     r.check(f"{case.label}: a new session with new task identities", session3 not in (None, session),
             f"session {session} -> {session3}; starts leader {unit.leader.starts}, follower {unit.follower.starts}")
-    check_lockstep(unit, r, case.label.split(".")[0], h.left(60))
     return True
 
 
