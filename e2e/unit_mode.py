@@ -277,8 +277,9 @@ def check_lockstep(unit: Unit, r: Any, label: str, timeout: float) -> None:
     broadcast = steps.get("broadcast") or {}
     per_worker = {f"rank {rank} {name}": s.get("steps") for rank, states in (steps.get("members") or {}).items()
                   for name, s in states.items() if name.startswith("worker-")}
-    r.figure("lockstep_steps", f"{broadcast.get('steps')} = {per_worker}")
-    r.figure("lockstep_chain", str(broadcast.get("chain", ""))[:16])
+    suffix = "" if label == "2" else f"_{label}"
+    r.figure(f"lockstep_steps{suffix}", f"{broadcast.get('steps')} = {per_worker}")
+    r.figure(f"lockstep_chain{suffix}", str(broadcast.get("chain", ""))[:16])
     r.facts[f"lockstep_{label}"] = steps
     r.check(f"{label}. lockstep: every worker executed exactly the leader's steps", ok, json.dumps(per_worker))
 
