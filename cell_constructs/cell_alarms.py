@@ -80,6 +80,7 @@ class CellAlarms(Construct):
         target_group: elbv2.IApplicationTargetGroup,
         gate_reader_account: str | None = None,
         component_alarms: dict[str, cloudwatch.IAlarm] | None = None,
+        unit_events_namespace: str | None = None,
     ) -> None:
         super().__init__(scope, construct_id)
         if units < 1:
@@ -94,6 +95,8 @@ class CellAlarms(Construct):
         self.min_units_available = min_units_available
         self.thresholds = thresholds
         self.namespace = metrics_namespace
+        # The launchers' session-end events (failure evidence, unit_launcher/evidence.py).
+        self.unit_events_namespace = unit_events_namespace
 
         # Alarms of the cell's other components (the placement controller): in the gate and on
         # the dashboard, not deployment alarms (they are about the cell, not a unit update).
@@ -221,6 +224,26 @@ class CellAlarms(Construct):
         return deployment_alarms, gate
 
     # -- metrics --------------------------------------------------------------------
+
+    def _unit_failure_groups(self, unit_ids: list[str]) -> list[CustomMetricGroup]:
+        """Unit failures and time served per session, from the launchers' evidence events
+        (the events themselves, with cause and member, are in the inference log group)."""
+        if self.unit_events_namespace is None:
+            return []
+
+        def metric(name: str, statistic: str, unit_id: str) -> cloudwatch.Metric:
+            return cloudwatch.Metric(
+                namespace=self.unit_events_namespace or "", metric_name=name,
+                dimensions_map={"Cell": self.cell_name, "Unit": unit_id},
+                statistic=statistic, period=Duration.minutes(5), label=unit_id,
+            )
+
+        return [
+            CustomMetricGroup(title="Unit failures (launcher evidence, per 5 min)",
+                              metrics=[metric("UnitFailures", "Sum", u) for u in unit_ids]),
+            CustomMetricGroup(title="Served before a session ended (s, min)",
+                              metrics=[metric("UnitServedSeconds", "Minimum", u) for u in unit_ids]),
+        ]
 
     def proxy_metric(
         self, name: str, statistic: str, period: Duration, unit_id: str | None = None,
@@ -365,6 +388,7 @@ class CellAlarms(Construct):
                              for u in unit_ids],
                     horizontal_annotations=[limit(t.unit_restarts, "alarm")],
                 ),
+                *self._unit_failure_groups(unit_ids),
                 CustomMetricGroup(
                     title="In-flight requests (max)",
                     metrics=[self.proxy_metric("InFlight", "Maximum", ONE_MINUTE, u) for u in unit_ids],

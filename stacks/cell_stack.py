@@ -39,6 +39,7 @@ from inference_fleet.unit_spec import (
     container_environment,
     leader_service_name,
     namespace_name,
+    unit_metrics_namespace,
 )
 
 CONTAINERS_DIR = Path(__file__).resolve().parents[1] / "containers"
@@ -240,6 +241,7 @@ class CellStack(Stack):
                 "placement-stuck": self.placement.backlog_alarm,
             },
             metrics_namespace=proxy_metrics_namespace(fleet),
+            unit_events_namespace=unit_metrics_namespace(fleet),
             load_balancer=self.load_balancer.load_balancer,
             target_group=self.load_balancer.target_group,
             # A pipeline in another account reads the gate through a role in this one.

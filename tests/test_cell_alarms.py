@@ -118,6 +118,11 @@ def test_dashboard_shows_every_unit(synth_large) -> None:
         for unit in range(6):
             assert f'\\"{metric}\\",\\"Cell\\",\\"usw2-a\\",\\"Unit\\",\\"u{unit}\\"' in body, (metric, unit)
     assert "HealthyHostCount" in body and "Rollout gate and cell alarms" in body
+    # The launchers' failure evidence, per unit (namespace <Fleet>/Unit).
+    for metric in ("UnitFailures", "UnitServedSeconds"):
+        for unit in range(6):
+            assert f'\\"Rufus/Unit\\",\\"{metric}\\",\\"Cell\\",\\"usw2-a\\",\\"Unit\\",\\"u{unit}\\"' in body, (
+                metric, unit)
 
 
 # -- the construct on its own -----------------------------------------------------------
