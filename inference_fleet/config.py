@@ -124,7 +124,7 @@ class UnitConfig(_Strict):
 
     @property
     def cores_per_node(self) -> int:
-        """Logical NeuronCores one node contributes (NEURON_LOCAL_TP)."""
+        """Logical NeuronCores one node contributes (its local_ranks_size in NxD Inference)."""
         return self.instance.logical_neuron_cores(self.lnc)
 
     @property
