@@ -55,6 +55,10 @@ _RETENTION = {
 }
 
 
+def _unit_count(cell: CellConfig) -> str:
+    return f"{cell.resolved_min_units}-{cell.resolved_max_units}" if cell.elastic else str(cell.resolved_max_units)
+
+
 def proxy_metrics_namespace(fleet: FleetConfig) -> str:
     return f"{fleet.name}/UnitProxy"
 
@@ -66,7 +70,7 @@ class CellStack(Stack):
         super().__init__(
             scope, construct_id,
             env=Environment(account=cell.account, region=cell.region),
-            description=f"{fleet.name} cell {cell.name}: {cell.units} x {fleet.unit.nodes}-node "
+            description=f"{fleet.name} cell {cell.name}: {_unit_count(cell)} x {fleet.unit.nodes}-node "
                         f"{fleet.unit.instance_type} inference units of {fleet.model.name}",
             termination_protection=False,
         )
@@ -111,7 +115,7 @@ class CellStack(Stack):
             self, "Placement",
             cluster=self.cluster,
             auto_scaling_group=self.capacity.auto_scaling_group,
-            units=cell.units,
+            units=cell.resolved_max_units,
             nodes_per_unit=fleet.unit.nodes,
             metrics_namespace=f"{fleet.name}/Cell",
             log_retention=retention,
@@ -169,7 +173,7 @@ class CellStack(Stack):
         """The cell's units, chained so that they update one after another."""
         images, image_identity = self._images()
         units: list[MultiNodeInferenceUnit] = []
-        for index in range(self.cell.units):
+        for index in range(self.cell.resolved_max_units):
             unit = self._unit(index, images, image_identity)
             # One unit at a time: CloudFormation updates a unit's services only after the
             # previous unit's services are stable, so an update costs one unit of capacity.
@@ -231,7 +235,7 @@ class CellStack(Stack):
             self, "Alarms",
             stack_name=self.stack_name,
             cell_name=cell.name,
-            units=cell.units,
+            units=cell.resolved_max_units,
             min_units_available=cell.resolved_min_units_available,
             thresholds=fleet.resolved_alarms,
             component_alarms={
