@@ -13,7 +13,7 @@ export JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION := 1
 # No AWS call is ever needed to synthesize or test: make sure none is attempted.
 export AWS_EC2_METADATA_DISABLED := true
 
-.PHONY: setup venv cli synth test snapshot-update plan plan-rollout bench bench-proxy bench-unit bench-placement e2e clean-e2e clean
+.PHONY: setup venv cli synth test snapshot-update plan plan-rollout bench bench-proxy bench-unit bench-placement simulate-scaling e2e clean-e2e clean
 
 setup: venv cli
 
@@ -62,6 +62,12 @@ bench-unit: venv
 	$(BIN)/python containers/inference/bench_unit.py --sizes 2 4 --runs 3
 bench-placement: venv
 	$(BIN)/python functions/placement/bench_placement.py
+
+# Replays a day's traffic (and a spike) through the unit autoscaler's decision code
+# (docs/autoscaling.md). SIM_ARGS=--help lists the knobs.
+SIM_ARGS ?=
+simulate-scaling: venv
+	$(BIN)/python functions/autoscaler/simulate_scaling.py $(SIM_ARGS)
 
 # End to end with a real vLLM engine on CPU (its own environment under .e2e/, cached).
 E2E_ARGS ?=

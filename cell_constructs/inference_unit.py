@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from aws_cdk import Duration
+from aws_cdk import Duration, Tags
 from aws_cdk import aws_cloudwatch as cloudwatch
 from aws_cdk import aws_ecs as ecs
 from aws_cdk import aws_elasticloadbalancingv2 as elbv2
@@ -82,7 +82,11 @@ class MultiNodeInferenceUnit(Construct):
         health_check_grace: Duration,
         proxy_stop_timeout: Duration,
         deployment_alarms: list[cloudwatch.IAlarm] | None = None,
+        desired_counts: tuple[int | float, int | float] | None = None,
     ) -> None:
+        """`desired_counts` (leader, followers): default 1 and nodes - 1 (a fixed cell, owned by
+        CloudFormation); an elastic cell passes the autoscaler's custom-resource attributes and
+        tags each service with `unit` and `unit-role`, by which the autoscaler finds it."""
         super().__init__(scope, construct_id)
         if nodes < 1:
             raise ValueError(f"a unit needs >= 1 node, got {nodes}")
@@ -96,16 +100,25 @@ class MultiNodeInferenceUnit(Construct):
         leader_task = self._task_definition("LeaderTask", role="leader", environment=leader_environment)
         self._add_proxy(leader_task, proxy_environment, proxy_stop_timeout)
         service_settings = self._service_settings(cluster, capacity_provider_name, deployment_alarms)
+        leader_count, follower_count = desired_counts or (1, nodes - 1)
         self.leader_service = self._leader_service(
-            leader_task, service_settings, health_check_grace, namespace, leader_service_name, target_group
+            leader_task, service_settings, health_check_grace, namespace, leader_service_name, target_group,
+            leader_count,
         )
+        self.task_definitions: list[ecs.TaskDefinition] = [leader_task]
         self.follower_service: ecs.Ec2Service | None = None
         if nodes > 1:
             follower_task = self._task_definition("FollowerTask", role="follower", environment=follower_environment)
             self._follower_health_and_drain_guard(follower_task, leader_drain=proxy_stop_timeout)
             self.follower_service = ecs.Ec2Service(
-                self, "Followers", task_definition=follower_task, desired_count=nodes - 1, **service_settings
+                self, "Followers", task_definition=follower_task, desired_count=follower_count, **service_settings
             )
+            self.task_definitions.append(follower_task)
+        if desired_counts is not None:
+            for service, role in ((self.leader_service, "leader"), (self.follower_service, "followers")):
+                if service is not None:
+                    Tags.of(service).add("unit", unit_id)
+                    Tags.of(service).add("unit-role", role)
 
     @property
     def services(self) -> list[ecs.Ec2Service]:
@@ -186,13 +199,14 @@ class MultiNodeInferenceUnit(Construct):
         namespace: servicediscovery.INamespace,
         leader_service_name: str,
         target_group: elbv2.IApplicationTargetGroup,
+        desired_count: int | float,
     ) -> ecs.Ec2Service:
         """One leader task, registered in Cloud Map for the followers and in the target group by its proxy."""
         service = ecs.Ec2Service(
             self,
             "Leader",
             task_definition=leader_task,
-            desired_count=1,
+            desired_count=desired_count,
             health_check_grace_period=health_check_grace,
             **service_settings,
             cloud_map_options=ecs.CloudMapOptions(

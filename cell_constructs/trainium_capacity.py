@@ -168,10 +168,13 @@ class TrainiumCapacity(Construct):
         efa: EfaSetup = EfaSetup(),
         ami_id: str | None = None,
         replacement_wait: Duration = Duration.hours(1),  # noqa: B008 - Duration is immutable
+        max_instance_count: int | None = None,
     ) -> None:
         super().__init__(scope, construct_id)
         if instance_count < 1:
             raise ValueError(f"instance_count must be >= 1, got {instance_count}")
+        if max_instance_count is not None and max_instance_count < instance_count:
+            raise ValueError(f"max_instance_count {max_instance_count} below instance_count {instance_count}")
 
         self.security_group = self._efa_security_group(vpc)
         self.placement_group = ec2.PlacementGroup(self, "ClusterPlacement", strategy=ec2.PlacementGroupStrategy.CLUSTER)
@@ -181,7 +184,7 @@ class TrainiumCapacity(Construct):
             instance, role, root_volume_gib, encryption_key, capacity_source=capacity_source, efa=efa, ami_id=ami_id
         )
         self.auto_scaling_group, self.capacity_provider = self._nodes(
-            vpc, subnets, cluster, instance_count, replacement_wait
+            vpc, subnets, cluster, instance_count, replacement_wait, max_instance_count
         )
 
     def _efa_security_group(self, vpc: ec2.IVpc) -> ec2.SecurityGroup:
@@ -307,8 +310,20 @@ class TrainiumCapacity(Construct):
         cluster: ecs.Cluster,
         instance_count: int,
         replacement_wait: Duration,
+        max_instance_count: int | None,
     ) -> tuple[autoscaling.AutoScalingGroup, ecs.AsgCapacityProvider]:
-        """The fixed-size group of nodes (replaced one at a time on signal) and its capacity provider."""
+        """The group of nodes (replaced one at a time on signal) and its capacity provider.
+
+        Fixed size (min = max = instance_count), or elastic with `max_instance_count`:
+        MinSize and MaxSize only, no DesiredCapacity, so CloudFormation never resets the
+        desired capacity the unit autoscaler set ("If this is set to a number, every
+        deployment will reset the amount of instances to this number", aws-cdk-lib
+        AutoScalingGroupProps.desiredCapacity; an omitted DesiredCapacity starts at MinSize,
+        https://docs.aws.amazon.com/AWSCloudFormation/latest/TemplateReference/aws-resource-autoscaling-autoscalinggroup.html).
+        Elastic groups protect every new instance from scale-in: only the autoscaler releases
+        instances, the ones of a unit it drained.
+        """
+        elastic = max_instance_count is not None and max_instance_count > instance_count
         group = autoscaling.AutoScalingGroup(
             self,
             "Nodes",
@@ -316,7 +331,8 @@ class TrainiumCapacity(Construct):
             vpc_subnets=subnets,
             launch_template=self.launch_template,
             min_capacity=instance_count,
-            max_capacity=instance_count,
+            max_capacity=max_instance_count if elastic else instance_count,
+            new_instances_protected_from_scale_in=True if elastic else None,
             health_checks=autoscaling.HealthChecks.ec2(grace_period=Duration.minutes(15)),
             # Unit-aware replacement of instances (AMI or launch template change): one
             # instance at a time, every other instance stays in service, and the next one

@@ -46,7 +46,7 @@ def trainium_subnet_ips(cell: CellConfig) -> int:
 
 def ips_needed(fleet: FleetConfig, cell: CellConfig) -> int:
     """Every EFA interface takes an IP: nodes x interfaces, one spare node, plus the endpoints."""
-    nodes = cell.units * fleet.unit.nodes + SPARE_NODES
+    nodes = cell.resolved_max_units * fleet.unit.nodes + SPARE_NODES
     return nodes * fleet.unit.instance.efa_interfaces + TRAINIUM_SUBNET_ENDPOINTS
 
 
@@ -68,15 +68,16 @@ def check_cells_deployable(fleet: FleetConfig) -> Iterable[ConfigIssue]:
                 f"cells[{i}].vpc_cidr",
                 str(cell.vpc_cidr),
                 f"the Trainium subnet (/{cell.vpc_cidr.prefixlen + 2}, {usable} usable IPs) cannot hold "
-                f"{cell.units} units x {unit.nodes} nodes (+{SPARE_NODES} spare) x {per_node} EFA interfaces "
+                f"{cell.resolved_max_units} units x {unit.nodes} nodes (+{SPARE_NODES} spare) x {per_node} "
+                "EFA interfaces "
                 f"(one IP each) + {TRAINIUM_SUBNET_ENDPOINTS} endpoints = {needed} IPs; it fits {fits} units: "
                 "use a larger VPC CIDR or fewer units",
             )
         limit = max_units_per_cell()
-        if cell.units > limit:
+        if cell.resolved_max_units > limit:
             yield ConfigIssue(
-                f"cells[{i}].units",
-                cell.units,
+                f"cells[{i}].{'max_units' if cell.max_units is not None else 'units'}",
+                cell.resolved_max_units,
                 f"a cell stack holds at most {limit} units: CloudFormation allows {CFN_RESOURCE_LIMIT} resources "
                 f"per stack, a cell uses about {CELL_BASE_RESOURCES} plus {RESOURCES_PER_UNIT} per unit; "
                 "split the units over more cells",

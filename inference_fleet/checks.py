@@ -20,6 +20,7 @@ from typing import Any
 from inference_fleet.catalogue import CATALOGUE
 from inference_fleet.cell_checks import check_alarm_defaults, check_cells_deployable, check_startup_budget
 from inference_fleet.config import (
+    CellConfig,
     ConfigError,
     ConfigIssue,
     FleetConfig,
@@ -114,9 +115,12 @@ def _check_cells(fleet: FleetConfig) -> Iterable[ConfigIssue]:
             yield ConfigIssue(
                 f"cells[{i}].certificate_arn", cell.certificate_arn, f"certificate must be in {cell.region}"
             )
-        if cell.min_units_available is not None and cell.min_units_available > cell.units:
+        yield from _unit_count_issues(i, cell)
+        if cell.min_units_available is not None and cell.min_units_available > cell.resolved_min_units:
             yield ConfigIssue(
-                f"cells[{i}].min_units_available", cell.min_units_available, f"at most units ({cell.units})"
+                f"cells[{i}].min_units_available", cell.min_units_available,
+                f"at most the cell's {'min_units' if cell.elastic else 'units'} ({cell.resolved_min_units}): "
+                "the floor must hold while the cell runs its fewest units",
             )
     for i, a in enumerate(fleet.cells):
         for j in range(i):
@@ -128,6 +132,37 @@ def _check_cells(fleet: FleetConfig) -> Iterable[ConfigIssue]:
                     f"overlaps cells[{j}].vpc_cidr {b.vpc_cidr} ({b.name}) in {a.account}/{a.region}; "
                     "cells of one account and region need disjoint CIDRs",
                 )
+
+
+def _unit_count_issues(i: int, cell: CellConfig) -> Iterable[ConfigIssue]:
+    """`units` (fixed) or `min_units` + `max_units` (elastic), consistent, and a scaling policy only when elastic."""
+    path = f"cells[{i}]"
+    bounds = (cell.min_units, cell.max_units)
+    if cell.units is not None and bounds != (None, None):
+        given = "min_units" if cell.min_units is not None else "max_units"
+        yield ConfigIssue(
+            f"{path}.{given}", getattr(cell, given),
+            f"set either units ({cell.units}: a fixed cell) or min_units and max_units (an elastic cell), not both",
+        )
+        return
+    if cell.units is None and bounds == (None, None):
+        yield ConfigIssue(f"{path}.units", None, "required: units (a fixed cell) or min_units and max_units")
+        return
+    if cell.units is None:
+        for name, value in (("min_units", cell.min_units), ("max_units", cell.max_units)):
+            if value is None:
+                yield ConfigIssue(f"{path}.{name}", None, "an elastic cell needs both min_units and max_units")
+        if None in bounds:
+            return
+        if cell.min_units > cell.max_units:
+            yield ConfigIssue(f"{path}.min_units", cell.min_units, f"above max_units ({cell.max_units})")
+            return
+    if cell.scaling is not None and not cell.elastic:
+        yield ConfigIssue(
+            f"{path}.scaling", cell.scaling.model_dump(exclude_defaults=True),
+            f"the cell has a fixed number of units ({cell.resolved_min_units}): a scaling policy needs "
+            "min_units < max_units",
+        )
 
 
 def _check_waves(fleet: FleetConfig) -> Iterable[ConfigIssue]:

@@ -27,7 +27,9 @@ from inference_fleet.reference import markdown
 def _validate(args: argparse.Namespace) -> int:
     fleet = load_fleet(args.config)
     for cell in fleet.cells:
-        print(f"{fleet.cell_stack_name(cell)}: {cell.units} unit(s) of {fleet.unit.nodes} x "
+        count = (f"{cell.resolved_min_units}-{cell.resolved_max_units} (elastic)" if cell.elastic
+                 else str(cell.resolved_max_units))
+        print(f"{fleet.cell_stack_name(cell)}: {count} unit(s) of {fleet.unit.nodes} x "
               f"{fleet.unit.instance_type} in {cell.trainium_az}, wave {cell.wave}")
     return 0
 

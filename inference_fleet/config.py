@@ -191,6 +191,38 @@ class NodeConfig(_Strict):
     )
 
 
+class ScalingConfig(_Strict):
+    """How an elastic cell's autoscaler decides (docs/autoscaling.md); every value has a default."""
+
+    target_load: float = Field(
+        default=0.7, gt=0.1, le=0.95,
+        description="Target load per serving unit, 0-1: the larger of (in flight + waiting) / admission "
+        "capacity and KV cache usage, from the proxies' EMF metrics. Above it on average: scale out.",
+    )
+    scale_in_margin: float = Field(
+        default=0.2, ge=0.05, le=0.5,
+        description="Scale in only when the load fits one unit fewer at target x (1 - margin): the band that "
+        "keeps a steady load from flapping.",
+    )
+    ttft_p90_ms: int | None = Field(
+        default=None, ge=50,
+        description="Optional objective: the cell's time-to-first-token p90 above it scales out by one unit "
+        "(and forbids scale-in) even below the target load.",
+    )
+    scale_out_cooldown_seconds: int = Field(
+        default=300, ge=60, le=7200, description="Least time between two scale-outs."
+    )
+    scale_in_cooldown_seconds: int = Field(
+        default=1800, ge=60, le=86400,
+        description="Least time after any scaling action before a scale-in (units take long to start).",
+    )
+    capacity_backoff_seconds: int = Field(
+        default=600, ge=60, le=86400,
+        description="After instances could not be obtained: wait this long, doubled on each further failure "
+        "(capped at 8x), before asking again.",
+    )
+
+
 class CellConfig(_Strict):
     """An independent copy of the whole serving stack; shares nothing with other cells."""
 
@@ -212,7 +244,26 @@ class CellConfig(_Strict):
     vpc_cidr: ipaddress.IPv4Network = Field(
         description="VPC CIDR, /16 to /22; disjoint from other cells of the account and region."
     )
-    units: int = Field(ge=1, le=64, description="Multi-node units (model replicas) in this cell.")
+    units: int | None = Field(
+        default=None, ge=1, le=64,
+        description="Multi-node units (model replicas) in this cell, fixed (min_units = max_units = units). "
+        "Set either units or min_units and max_units.",
+    )
+    min_units: int | None = Field(
+        default=None, ge=1, le=64,
+        description="Elastic cell: the fewest units the autoscaler keeps active (with max_units; see "
+        "docs/autoscaling.md).",
+    )
+    max_units: int | None = Field(
+        default=None, ge=1, le=64,
+        description="Elastic cell: the most units the autoscaler activates; the template holds this many units, "
+        "those beyond the active count dormant (desired count 0, no instances).",
+    )
+    scaling: ScalingConfig | None = Field(
+        default=None,
+        description="Scaling policy of an elastic cell (see **cells[].scaling**); default: the defaults below. "
+        "Only with min_units < max_units.",
+    )
     wave: str = Field(description="Name of the deployment wave this cell belongs to.")
     min_units_available: int | None = Field(
         default=None, ge=0, description="Alarm floor of healthy units; default units - 1 (one unit updating)."
@@ -278,10 +329,29 @@ class CellConfig(_Strict):
         return zone.startswith(self.region) and len(zone) > len(self.region)
 
     @property
+    def resolved_min_units(self) -> int:
+        """The fewest active units: min_units, or units of a fixed cell."""
+        return self.min_units if self.min_units is not None else (self.units or self.max_units or 1)
+
+    @property
+    def resolved_max_units(self) -> int:
+        """The units the template holds: max_units, or units of a fixed cell."""
+        return self.max_units if self.max_units is not None else (self.units or self.min_units or 1)
+
+    @property
+    def elastic(self) -> bool:
+        """True when an autoscaler varies the active units between min_units and max_units."""
+        return self.resolved_max_units > self.resolved_min_units
+
+    @property
+    def resolved_scaling(self) -> ScalingConfig:
+        return self.scaling or ScalingConfig()
+
+    @property
     def resolved_min_units_available(self) -> int:
         if self.min_units_available is not None:
             return self.min_units_available
-        return max(self.units - 1, 0)
+        return max(self.resolved_min_units - 1, 0)
 
 
 class WaveConfig(_Strict):

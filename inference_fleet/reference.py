@@ -27,6 +27,7 @@ _SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("waves[]", config.WaveConfig),
     ("cells[]", config.CellConfig),
     ("cells[].images", config.ImagesConfig),
+    ("cells[].scaling", config.ScalingConfig),
     ("pipeline", config.PipelineConfig),
 ]
 

@@ -90,17 +90,17 @@ def plan_rollout(fleet: FleetConfig, unit_restart_minutes: float = DEFAULT_UNIT_
     """The rollout of `fleet` wave by wave, in the order of the fleet file."""
     if not unit_restart_minutes > 0:
         raise ValueError(f"unit_restart_minutes must be > 0, got {unit_restart_minutes}")
-    fleet_units = sum(c.units for c in fleet.cells)
+    fleet_units = sum(c.resolved_max_units for c in fleet.cells)
     waves: list[WavePlan] = []
     elapsed = 0.0
     for wave in fleet.waves:
         cells = fleet.cells_of_wave(wave.name)
-        deploy = max(c.units for c in cells) * unit_restart_minutes
+        deploy = max(c.resolved_max_units for c in cells) * unit_restart_minutes
         elapsed += deploy + wave.bake_minutes
         waves.append(WavePlan(
             name=wave.name,
             cells=tuple(c.name for c in cells),
-            units=sum(c.units for c in cells),
+            units=sum(c.resolved_max_units for c in cells),
             deploy_minutes=deploy,
             bake_minutes=wave.bake_minutes,
             manual_approval=wave.manual_approval,

@@ -45,9 +45,9 @@ def layout_key(fleet: FleetConfig) -> str:
 
 
 def _check_unit_index(cell: CellConfig, unit_index: int) -> None:
-    if not isinstance(unit_index, int) or not 0 <= unit_index < cell.units:
+    if not isinstance(unit_index, int) or not 0 <= unit_index < cell.resolved_max_units:
         raise ValueError(
-            f"unit_index {unit_index!r} out of range: cell {cell.name} has units 0..{cell.units - 1}"
+            f"unit_index {unit_index!r} out of range: cell {cell.name} has units 0..{cell.resolved_max_units - 1}"
         )
 
 

@@ -31,6 +31,7 @@ from cell_constructs.nag import acknowledge
 from cell_constructs.network import CellNetwork
 from cell_constructs.topology_placement import TopologyPlacement
 from cell_constructs.trainium_capacity import CapacitySource, EfaSetup, TrainiumCapacity
+from cell_constructs.unit_autoscaler import UnitAutoscaler
 from cell_constructs.unit_load_balancer import UnitLoadBalancer
 from inference_fleet.cell_checks import SIGNAL_WAIT_LIMIT_SECONDS
 from inference_fleet.config import CellConfig, FleetConfig
@@ -56,6 +57,10 @@ _RETENTION = {
 }
 
 
+def _unit_count(cell: CellConfig) -> str:
+    return f"{cell.resolved_min_units}-{cell.resolved_max_units}" if cell.elastic else str(cell.resolved_max_units)
+
+
 def proxy_metrics_namespace(fleet: FleetConfig) -> str:
     return f"{fleet.name}/UnitProxy"
 
@@ -67,7 +72,7 @@ class CellStack(Stack):
         super().__init__(
             scope, construct_id,
             env=Environment(account=cell.account, region=cell.region),
-            description=f"{fleet.name} cell {cell.name}: {cell.units} x {fleet.unit.nodes}-node "
+            description=f"{fleet.name} cell {cell.name}: {_unit_count(cell)} x {fleet.unit.nodes}-node "
                         f"{fleet.unit.instance_type} inference units of {fleet.model.name}",
             termination_protection=False,
         )
@@ -95,7 +100,8 @@ class CellStack(Stack):
         self.capacity = TrainiumCapacity(
             self, "Trainium",
             vpc=self.network.vpc, subnets=self.network.trainium_subnets, cluster=self.cluster,
-            instance=fleet.unit.instance, instance_count=cell.units * fleet.unit.nodes,
+            instance=fleet.unit.instance, instance_count=cell.resolved_min_units * fleet.unit.nodes,
+            max_instance_count=cell.resolved_max_units * fleet.unit.nodes,
             root_volume_gib=serving.root_volume_gib, encryption_key=self.key,
             capacity_source=CapacitySource(
                 kind=cell.capacity.source, reservation_id=cell.capacity.reservation_id,
@@ -112,7 +118,7 @@ class CellStack(Stack):
             self, "Placement",
             cluster=self.cluster,
             auto_scaling_group=self.capacity.auto_scaling_group,
-            units=cell.units,
+            units=cell.resolved_max_units,
             nodes_per_unit=fleet.unit.nodes,
             metrics_namespace=f"{fleet.name}/Cell",
             log_retention=retention,
@@ -136,7 +142,10 @@ class CellStack(Stack):
         )
         self.alarms = self._alarms()
 
+        self.autoscaler = self._autoscaler() if cell.elastic else None
         self.units = self._units()
+        if self.autoscaler is not None:
+            self.autoscaler.watch_task_definitions([t for u in self.units for t in u.task_definitions])
         Aspects.of(self).add(_ServicesAfterCapacityAssociation(self.cluster))
 
     @property
@@ -170,11 +179,17 @@ class CellStack(Stack):
         """The cell's units, chained so that they update one after another."""
         images, image_identity = self._images()
         units: list[MultiNodeInferenceUnit] = []
-        for index in range(self.cell.units):
+        for index in range(self.cell.resolved_max_units):
             unit = self._unit(index, images, image_identity)
             # One unit at a time: CloudFormation updates a unit's services only after the
             # previous unit's services are stable, so an update costs one unit of capacity.
-            if units:
+            if units and self.autoscaler is not None:
+                # Elastic: services after services only. The counts resource reads every task
+                # definition, and every service reads the counts: a whole-unit chain would be a cycle.
+                for service in unit.services:
+                    for earlier in units[-1].services:
+                        service.node.add_dependency(earlier)
+            elif units:
                 unit.node.add_dependency(units[-1])
             units.append(unit)
         return units
@@ -222,6 +237,26 @@ class CellStack(Stack):
                 serving.deregistration_delay_seconds + serving.drain_timeout_seconds + 30
             ),
             deployment_alarms=self.alarms.deployment_alarms if self.alarms else None,
+            desired_counts=(
+                (self.autoscaler.desired_count(unit_id, "leader"), self.autoscaler.desired_count(unit_id, "followers"))
+                if self.autoscaler is not None else None
+            ),
+        )
+
+    def _autoscaler(self) -> UnitAutoscaler:
+        """The elastic cell's unit autoscaler (docs/autoscaling.md)."""
+        fleet, cell = self.fleet, self.cell
+        digest = hashlib.sha256(json.dumps(
+            [fleet.model_dump(mode="json", exclude={"cells", "waves", "pipeline"}), cell.model_dump(mode="json")],
+            sort_keys=True).encode()).hexdigest()[:16]
+        return UnitAutoscaler(
+            self, "Autoscaler",
+            cluster=self.cluster, auto_scaling_group=self.capacity.auto_scaling_group, cell_name=cell.name,
+            min_units=cell.resolved_min_units, max_units=cell.resolved_max_units, nodes=fleet.unit.nodes,
+            scaling=cell.resolved_scaling, admission_capacity=fleet.max_inflight_requests,
+            proxy_namespace=proxy_metrics_namespace(fleet), metrics_namespace=f"{fleet.name}/UnitAutoscaler",
+            log_retention=_RETENTION[fleet.serving.log_retention_days], encryption_key=self.key,
+            config_digest=digest,
         )
 
     def _alarms(self) -> CellAlarms | None:
@@ -232,7 +267,7 @@ class CellStack(Stack):
             self, "Alarms",
             stack_name=self.stack_name,
             cell_name=cell.name,
-            units=cell.units,
+            units=cell.resolved_max_units,
             min_units_available=cell.resolved_min_units_available,
             thresholds=fleet.resolved_alarms,
             component_alarms={

@@ -87,3 +87,14 @@ def synth_default(default_fleet: FleetConfig, tmp_path_factory: pytest.TempPathF
 @pytest.fixture(scope="session")
 def synth_large(large_fleet: FleetConfig, tmp_path_factory: pytest.TempPathFactory) -> SynthesizedFleet:
     return synth_fleet(large_fleet, tmp_path_factory.mktemp("cdk-large"))
+
+
+@pytest.fixture(scope="session")
+def elastic_fleet() -> FleetConfig:
+    return load_fleet(FLEETS / "elastic.yaml")
+
+
+@pytest.fixture(scope="session")
+def synth_elastic(elastic_fleet: FleetConfig, tmp_path_factory: pytest.TempPathFactory) -> SynthesizedFleet:
+    """The elastic test fleet (one cell of 2-12 units), images pinned."""
+    return synth_fleet(pin_images(elastic_fleet), tmp_path_factory.mktemp("synth-elastic"))

@@ -247,3 +247,18 @@ def test_stale_label_on_a_free_instance_is_cleared():
 def test_bad_input_is_refused_with_a_clear_message(instances, units, nodes, message):
     with pytest.raises(ValueError, match=message):
         plan_topology(instances, units, nodes)
+
+
+def test_new_instances_form_the_lowest_unit_without_members() -> None:
+    """The contract with the unit autoscaler, which activates the lowest-index dormant unit
+    (docs/autoscaling.md): instances added to a cell with units u1 and u3 serving form u0,
+    then u2."""
+    from placement_controller.assignment import Instance, plan_topology
+
+    busy = [Instance(f"i-{u}{n}", ("a", "b", f"c{u}"), unit=f"u{u}", busy=True) for u in (1, 3) for n in range(2)]
+    new = [Instance("i-n0", ("a", "b", "c9")), Instance("i-n1", ("a", "b", "c9"))]
+    plan = plan_topology(busy + new, 4, 2)
+    assert plan.assigned == {"i-n0": "u0", "i-n1": "u0"}
+    more = [Instance("i-n0", ("a", "b", "c9"), unit="u0", busy=True), Instance("i-n1", ("a", "b", "c9"),
+            unit="u0", busy=True), Instance("i-m0", ("a", "b", "c8")), Instance("i-m1", ("a", "b", "c7"))]
+    assert set(plan_topology(busy + more, 4, 2).assigned.values()) == {"u2"}

@@ -1,0 +1,214 @@
+"""Lambda entry point: one tick of the unit autoscaler, or the desired-counts custom resource.
+
+A tick (EventBridge schedule, every minute) reads the cell (stack state, unit services,
+unit labels of the instances, the group, recent capacity failures, the proxies' metrics),
+asks `decision.decide` for at most one action and carries it out:
+
+- activate: desired capacity + nodes per unit (new instances are protected from scale-in
+  from launch; the placement controller labels them with the lowest dormant unit ids),
+  then leader 1, followers nodes - 1;
+- deactivate: leader 0, then followers 0 (ECS sends SIGTERM; the proxy drains);
+- release: once the unit's tasks have all stopped, lift the protection of its instances
+  and terminate them, decrementing the desired capacity;
+- cancel: instances could not be obtained: the starting unit's services to 0 and the
+  desired capacity back to the live instances (no launch retried in a loop).
+
+Every tick writes one EMF line (namespace AUTOSCALER_NAMESPACE, dimension Cell) with the
+decision's figures, the capacity failures seen and the action, plus a log line with why.
+A CloudFormation custom resource request (RequestType) is answered by `counts`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from botocore.client import BaseClient
+
+from unit_autoscaler import aws, counts
+from unit_autoscaler.decision import Decision, Load, Observation, Policy, Unit, decide, phase_of
+
+LOG = logging.getLogger(__name__)
+LOG.setLevel(logging.INFO)
+CAPACITY_LOOKBACK_S = 86400.0
+CAPACITY_METRIC_WINDOW_S = 120.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    cluster: str
+    group: str
+    stack: str
+    cell: str
+    proxy_namespace: str
+    namespace: str
+    capacity: int
+    policy: Policy
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Settings:
+        missing = [n for n in ("CLUSTER", "GROUP", "STACK", "CELL", "PROXY_NAMESPACE", "AUTOSCALER_NAMESPACE",
+                               "ADMISSION_CAPACITY", "POLICY") if not env.get(n, "").strip()]
+        if missing:
+            raise ValueError(f"unit autoscaler misconfigured: {', '.join(missing)} not set")
+        try:
+            policy = Policy(**json.loads(env["POLICY"]))
+            capacity = int(env["ADMISSION_CAPACITY"])
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"unit autoscaler misconfigured: POLICY or ADMISSION_CAPACITY: {error}") from None
+        return cls(env["CLUSTER"], env["GROUP"], env["STACK"], env["CELL"], env["PROXY_NAMESPACE"],
+                   env["AUTOSCALER_NAMESPACE"], capacity, policy)
+
+    @property
+    def unit_ids(self) -> list[str]:
+        return [f"u{i}" for i in range(self.policy.max_units)]
+
+
+@dataclass(frozen=True)
+class Clients:
+    autoscaling: BaseClient
+    cloudformation: BaseClient
+    cloudwatch: BaseClient
+    ecs: BaseClient
+
+
+def _tag_time(tags: Mapping[str, str], key: str) -> float | None:
+    try:
+        return float(tags[key])
+    except (KeyError, ValueError):
+        return None
+
+
+def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) -> tuple[Observation, dict[str, Any]]:
+    """Everything the decision needs, and what the actions need beside it."""
+    status, last_update = aws.stack_state(clients.cloudformation, settings.stack, retry)
+    group = aws.group_state(clients.autoscaling, settings.group, retry)
+    context: dict[str, Any] = {"group": group, "stack_status": status}
+    if aws.STACK_BUSY.search(status):
+        return Observation(now=now, units=(), stack_busy=status), context
+    services = aws.unit_services(clients.ecs, settings.cluster, retry)
+    labelled = aws.unit_instances(clients.ecs, settings.cluster, retry)
+    failures = aws.capacity_failures(clients.autoscaling, settings.group, retry, now - CAPACITY_LOOKBACK_S)
+    metrics, ttft = aws.proxy_metrics(clients.cloudwatch, settings.proxy_namespace, settings.cell,
+                                      settings.unit_ids, now, retry)
+    units = []
+    for index, unit_id in enumerate(settings.unit_ids):
+        roles = [services.get((unit_id, role)) for role in ("leader", "followers")]
+        desired = sum(s.desired for s in roles if s)
+        running = sum(s.running for s in roles if s)
+        m = metrics[unit_id]
+        phase = phase_of(desired_tasks=desired, running_tasks=running,
+                         labelled_instances=len(labelled.get(unit_id, [])), healthy=m.healthy)
+        load = None
+        if m.inflight is not None:
+            load = Load(inflight=m.inflight, capacity=settings.capacity, waiting=m.waiting, kv_usage=m.kv_usage)
+        units.append(Unit(index, phase, load, running_tasks=running))
+    # A deploy restarts units: count its end as a scaling event for the scale-in cool-down.
+    last_in = max((t for t in (_tag_time(group.tags, aws.TAG_LAST_IN), last_update) if t is not None), default=None)
+    obs = Observation(
+        now=now, units=tuple(units), last_scale_out=_tag_time(group.tags, aws.TAG_LAST_OUT), last_scale_in=last_in,
+        capacity_failures=tuple(t for t, _ in failures), ttft_p90_ms=ttft,
+    )
+    context.update(services=services, labelled=labelled, failures=failures)
+    return obs, context
+
+
+def act(settings: Settings, clients: Clients, decision: Decision, context: Mapping[str, Any], now: float,
+        retry: aws.Retry) -> dict[str, Any]:
+    """Carry out the decision; returns what was done."""
+    services, group = context.get("services", {}), context["group"]
+    unit_ids = [f"u{i}" for i in decision.units]
+    nodes = settings.policy.nodes
+    done: dict[str, Any] = {}
+
+    def set_role(unit_id: str, role: str, count: int) -> None:
+        service = services.get((unit_id, role))
+        if service is not None and service.desired != count:
+            aws.set_service_count(clients.ecs, settings.cluster, service.arn, count, retry)
+            done.setdefault("services", []).append(f"{unit_id}/{role}={count}")
+
+    if decision.action == "activate":
+        desired = min(group.desired + nodes * len(unit_ids), group.max_size)
+        aws.set_desired_capacity(clients.autoscaling, settings.group, desired, retry)
+        aws.record_time(clients.autoscaling, settings.group, aws.TAG_LAST_OUT, now, retry)
+        done["desired_capacity"] = desired
+        for unit_id in unit_ids:
+            set_role(unit_id, "leader", 1)
+            set_role(unit_id, "followers", nodes - 1)
+    elif decision.action == "deactivate":
+        for unit_id in unit_ids:
+            set_role(unit_id, "leader", 0)
+            set_role(unit_id, "followers", 0)
+        aws.record_time(clients.autoscaling, settings.group, aws.TAG_LAST_IN, now, retry)
+    elif decision.action == "release":
+        labelled = context.get("labelled", {})
+        instances = [i for unit_id in unit_ids for i in labelled.get(unit_id, [])]
+        done["released"] = aws.release_instances(clients.autoscaling, settings.group, instances, retry)
+    elif decision.action == "cancel":
+        for unit_id in unit_ids:
+            set_role(unit_id, "leader", 0)
+            set_role(unit_id, "followers", 0)
+        live = len(group.live_instances)
+        if group.desired > live:
+            aws.set_desired_capacity(clients.autoscaling, settings.group, live, retry)
+            done["desired_capacity"] = live
+    return done
+
+
+def emf(settings: Settings, decision: Decision, failures: int, now: float, **fields: Any) -> str:
+    metrics = {**decision.metrics, "CapacityFailures": float(failures),
+               "ScaleOut": float(decision.action == "activate"), "ScaleIn": float(decision.action == "deactivate"),
+               "Cancelled": float(decision.action == "cancel")}
+    return json.dumps({
+        "_aws": {"Timestamp": int(now * 1000), "CloudWatchMetrics": [{
+            "Namespace": settings.namespace, "Dimensions": [["Cell"]],
+            "Metrics": [{"Name": name, "Unit": "None"} for name in metrics]}]},
+        "Cell": settings.cell, **metrics, **fields,
+    }, sort_keys=True, default=str)
+
+
+def tick(settings: Settings, clients: Clients, now: float, retry: aws.Retry,
+         emit: Callable[[str], None]) -> dict[str, Any]:
+    obs, context = observe(settings, clients, now, retry)
+    decision = decide(settings.policy, obs)
+    done = act(settings, clients, decision, context, now, retry) if decision.action != "hold" else {}
+    recent = [(t, m) for t, m in context.get("failures", []) if t >= now - CAPACITY_METRIC_WINDOW_S]
+    summary = {
+        "action": decision.action, "units": [f"u{i}" for i in decision.units], "reason": decision.reason,
+        "phases": {u.unit_id: u.phase for u in obs.units}, "done": done,
+        "capacity_failures": [m for _, m in recent], "stack_status": context.get("stack_status"),
+    }
+    if recent:
+        LOG.error("instances could not be obtained: %s", "; ".join(m for _, m in recent))
+    emit(emf(settings, decision, len(recent), now, message=f"{decision.action}: {decision.reason}",
+             summary=summary))
+    return summary
+
+
+def _clients() -> Clients:
+    import boto3
+    from botocore.config import Config
+
+    config = Config(retries={"total_max_attempts": 1, "mode": "standard"}, connect_timeout=5, read_timeout=20)
+    return Clients(*(boto3.client(name, config=config)
+                     for name in ("autoscaling", "cloudformation", "cloudwatch", "ecs")))
+
+
+def _print(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def handler(event: Mapping[str, Any], context: object) -> dict[str, Any]:
+    """The Lambda handler (unit_autoscaler.handler.handler)."""
+    settings = Settings.from_env(os.environ)
+    if "RequestType" in event:
+        return counts.handle(event, settings.policy, settings.cluster, _clients().ecs, aws.Retry())
+    return tick(settings, _clients(), time.time(), aws.Retry(), _print)
+
