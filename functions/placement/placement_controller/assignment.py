@@ -403,3 +403,22 @@ def assign_spares(instances: Sequence[Instance], units: int, nodes_per_unit: int
         if not need[unit]:
             del need[unit]
     return given
+
+
+def plan_cell(
+    instances: Sequence[Instance], units: int, nodes_per_unit: int, excluded: Iterable[str] = ()
+) -> tuple[dict[str, str], Plan]:
+    """The whole placement of a run: warm spares to units that lost nodes, then `plan_topology`.
+
+    `excluded` (quarantined instances) take no part at all. The spares given to units are
+    fixed members of those units in the plan, so the grouping never takes them back.
+    Returns the spares given (instance id -> unit) and the plan.
+    """
+    out = set(excluded)
+    candidates = [inst for inst in instances if inst.instance_id not in out]
+    gifts = assign_spares(candidates, units, nodes_per_unit)
+    fixed = [
+        Instance(inst.instance_id, inst.path, gifts[inst.instance_id], busy=True) if inst.instance_id in gifts else inst
+        for inst in candidates
+    ]
+    return gifts, plan_topology(fixed, units, nodes_per_unit)

@@ -38,8 +38,7 @@ from placement_controller.assignment import (
     SPARE_UNIT,
     Instance,
     Plan,
-    assign_spares,
-    plan_topology,
+    plan_cell,
 )
 from placement_controller.failures import (
     FAILURES_ATTRIBUTE,
@@ -272,13 +271,8 @@ def reconcile(
         )
         for instance_id, ci in managed.items()
     ]
-    # Warm spares first, to the units that lost a node; they are then fixed members.
-    gifts = assign_spares(instances, settings.units, settings.nodes_per_unit)
-    fixed = [
-        Instance(i.instance_id, i.path, gifts[i.instance_id], busy=True) if i.instance_id in gifts else i
-        for i in instances
-    ]
-    plan = plan_topology(fixed, settings.units, settings.nodes_per_unit)
+    # Warm spares first, to the units that lost a node; then the topology grouping.
+    gifts, plan = plan_cell(instances, settings.units, settings.nodes_per_unit, step.in_quarantine)
 
     changing: dict[str, tuple[str | None, str | None]] = {}
     for inst in instances:

@@ -88,8 +88,9 @@ def quarantine_step(
         if instance_id in step.in_quarantine:
             continue
         before = parse_times(ci.attributes.get(FAILURES_ATTRIBUTE))
-        times = before | {f.ended_at for f in implicated[instance_id]}
-        step.counted += len(times - before)
+        new = {f.ended_at for f in implicated[instance_id]} - before
+        times = before | new
+        step.counted += len([t for t in new if now - t < policy.window_seconds])
         value = format_times(recent(times, now, policy))
         if value and value != ci.attributes.get(FAILURES_ATTRIBUTE):
             step.failure_times[instance_id] = value
