@@ -8,18 +8,24 @@ the deepest shared network node. A FIFO trigger queue with one message group ser
 runs; triggers that keep failing land in an encrypted dead-letter queue; function errors,
 dead letters and a trigger backlog each raise an alarm; logs are encrypted and expire. With
 `signal_replacements` the controller also sends the Trainium group's rolling-update
-signals (functions/placement/placement_controller/signals.py). IAM: topology and group
-reads (no resource-level permissions exist for them), ECS reads and attribute writes on
-this cluster and its container instances only.
+signals (functions/placement/placement_controller/signals.py). With `watch_unit_failures`
+a subscription filter on the units' log group brings every unit failure to the function,
+which only enqueues it in the FIFO trigger queue; the run that follows counts it against
+the instance it names and quarantines an instance that keeps failing (ECS attribute
+`quarantine`, no `unit`, unhealthy in this group: SetInstanceHealth on this group only).
+With `manage_spares` the controller stops the spare task of a spare it gives to a unit.
+IAM: topology and group reads (no resource-level permissions exist for them), ECS reads,
+attribute writes and task reads on this cluster only, health of this group's instances.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
-from aws_cdk import Duration, Stack
+from aws_cdk import ArnFormat, Duration, Stack
 from aws_cdk import aws_autoscaling as autoscaling
 from aws_cdk import aws_cloudwatch as cloudwatch
 from aws_cdk import aws_ecs as ecs
@@ -29,6 +35,7 @@ from aws_cdk import aws_iam as iam
 from aws_cdk import aws_kms as kms
 from aws_cdk import aws_lambda as lambda_
 from aws_cdk import aws_logs as logs
+from aws_cdk import aws_logs_destinations as log_destinations
 from aws_cdk import aws_sqs as sqs
 from constructs import Construct
 
@@ -41,6 +48,27 @@ ASSET_EXCLUDE = ["tests", "bench_placement.py", "**/__pycache__", "**/*.pyc", ".
 MAX_UNITS = 1024
 MAX_NODES_PER_UNIT = 64
 _NAMESPACE = re.compile(r"^[A-Za-z0-9._/#:-]{1,255}$")
+# The launcher's session ends that are not deliberate (unit_launcher/evidence.py): what the
+# subscription sends to the controller. The controller decides which of them implicate a host.
+UNIT_FAILURE_PATTERN = '{ ($.event = "unit_session_end") && ($.cause != "deliberate_stop") }'
+
+
+@dataclass(frozen=True)
+class FailureHandling:
+    """Quarantine and spare settings of the controller (fleet: serving.quarantine_*, cells[].spare_nodes)."""
+
+    quarantine_failures: int = 3
+    quarantine_window: Duration = Duration.minutes(60)  # noqa: RUF009 - Duration is immutable
+    quarantine_max_instances: int = 1
+    spare_nodes: int = 0
+
+    def environment(self) -> dict[str, str]:
+        return {
+            "QUARANTINE_FAILURES": str(self.quarantine_failures),
+            "QUARANTINE_WINDOW_SECONDS": str(int(self.quarantine_window.to_seconds())),
+            "QUARANTINE_MAX_INSTANCES": str(self.quarantine_max_instances),
+            "SPARE_NODES": str(self.spare_nodes),
+        }
 
 
 class TopologyPlacement(Construct):
@@ -60,19 +88,25 @@ class TopologyPlacement(Construct):
         encryption_key: kms.IKey,
         sweep_interval: Duration = Duration.minutes(5),  # noqa: B008 - Duration is immutable
         reserved_concurrency: int | None = None,
+        failure_handling: FailureHandling | None = None,
     ) -> None:
         super().__init__(scope, id)
         _validate(units, nodes_per_unit, metrics_namespace, sweep_interval)
+        failure_handling = failure_handling or FailureHandling()
+        self._cluster = cluster
+        self._key = encryption_key
 
         self.log_group = logs.LogGroup(self, "Logs", encryption_key=encryption_key, retention=log_retention)
         self.dead_letter_queue, self.trigger_queue = self._queues(encryption_key)
+        self.delivery_dead_letter_queue = self._delivery_dead_letters(encryption_key)
 
-        self.role, self.policy = self._role_and_policy(cluster, encryption_key)
+        self.role, self.policy = self._role_and_policy(cluster, auto_scaling_group, encryption_key)
         self.function = self._function(
             cluster, auto_scaling_group, units, nodes_per_unit, metrics_namespace, reserved_concurrency
         )
+        for name, value in failure_handling.environment().items():
+            self.function.add_environment(name, value)
         self.rules = self._triggers(cluster, auto_scaling_group, sweep_interval)
-        self.errors_alarm, self.dead_letter_alarm, self.backlog_alarm = self._alarms()
         # The controller publishes these through Embedded Metric Format log lines.
         self.min_score_metric = cloudwatch.Metric(
             namespace=metrics_namespace,
@@ -81,6 +115,8 @@ class TopologyPlacement(Construct):
             statistic="Minimum",
             period=Duration.minutes(5),
         )
+        self.errors_alarm, self.dead_letter_alarm, self.backlog_alarm = self._alarms()
+        self.quarantine_alarm = self._quarantine_alarm()
 
     def _queues(self, encryption_key: kms.IKey) -> tuple[sqs.Queue, sqs.Queue]:
         """The FIFO trigger queue that serialises runs, and its dead-letter queue."""
@@ -123,7 +159,33 @@ class TopologyPlacement(Construct):
         )
         return dead_letter_queue, trigger_queue
 
-    def _role_and_policy(self, cluster: ecs.ICluster, encryption_key: kms.IKey) -> tuple[iam.Role, iam.ManagedPolicy]:
+    def _delivery_dead_letters(self, encryption_key: kms.IKey) -> sqs.Queue:
+        """Dead letters of the asynchronous invocations: the log deliveries of unit failures.
+
+        CloudWatch Logs invokes the function asynchronously; a delivery that fails its two
+        retries lands here (a standard queue: Lambda's dead-letter queue cannot be FIFO).
+        """
+        queue = sqs.Queue(
+            self,
+            "DeliveryDeadLetters",
+            encryption=sqs.QueueEncryption.KMS,
+            encryption_master_key=encryption_key,
+            enforce_ssl=True,
+            retention_period=Duration.days(14),
+        )
+        acknowledge(
+            queue,
+            (
+                "AwsSolutions-SQS3",
+                "This queue is the dead-letter queue of the placement controller's asynchronous invocations "
+                "(unit failures delivered by CloudWatch Logs)",
+            ),
+        )
+        return queue
+
+    def _role_and_policy(
+        self, cluster: ecs.ICluster, auto_scaling_group: autoscaling.IAutoScalingGroup, encryption_key: kms.IKey
+    ) -> tuple[iam.Role, iam.ManagedPolicy]:
         """The function's role and its one managed policy: least privilege on this cluster."""
         stack = Stack.of(self)
         role = iam.Role(
@@ -134,6 +196,14 @@ class TopologyPlacement(Construct):
         )
         container_instances = stack.format_arn(
             service="ecs", resource="container-instance", resource_name=f"{cluster.cluster_name}/*"
+        )
+        self._tasks_arn = stack.format_arn(service="ecs", resource="task", resource_name=f"{cluster.cluster_name}/*")
+        self._container_instances_arn = container_instances
+        group_arn = stack.format_arn(
+            service="autoscaling",
+            resource="autoScalingGroup",
+            resource_name=f"*:autoScalingGroupName/{auto_scaling_group.auto_scaling_group_name}",
+            arn_format=ArnFormat.COLON_RESOURCE_NAME,
         )
         # Every permission is in this one customer-managed policy: the role refuses the
         # inline default policy that grants would otherwise create (NIST IAMNoInlinePolicy).
@@ -172,8 +242,25 @@ class TopologyPlacement(Construct):
                 ),
                 iam.PolicyStatement(
                     sid="TriggersKey",
-                    actions=["kms:Decrypt"],
+                    actions=["kms:Decrypt", "kms:GenerateDataKey"],
                     resources=[encryption_key.key_arn],
+                ),
+                iam.PolicyStatement(
+                    sid="DeliveryDeadLetters",
+                    actions=["sqs:SendMessage"],
+                    resources=[self.delivery_dead_letter_queue.queue_arn],
+                ),
+                iam.PolicyStatement(
+                    # The task a unit failure names -> the container instance it ran on.
+                    sid="FailedTasksOfThisCluster",
+                    actions=["ecs:DescribeTasks"],
+                    resources=[self._tasks_arn],
+                ),
+                iam.PolicyStatement(
+                    # Quarantine: the group replaces the instance.
+                    sid="QuarantineInThisGroup",
+                    actions=["autoscaling:SetInstanceHealth"],
+                    resources=[group_arn],
                 ),
             ],
         )
@@ -188,6 +275,16 @@ class TopologyPlacement(Construct):
             (
                 f"AwsSolutions-IAM5[Resource::{nag_resource_text(stack, container_instances)}]",
                 "Container instances of this cluster only: their ids are not known before launch",
+            ),
+            (
+                f"AwsSolutions-IAM5[Resource::{nag_resource_text(stack, self._tasks_arn)}]",
+                "Tasks of this cluster only (DescribeTasks of the task a unit failure names, and with spares "
+                "StopTask of a spare's task): task ids are not known before the tasks start",
+            ),
+            (
+                f"AwsSolutions-IAM5[Resource::{nag_resource_text(stack, group_arn)}]",
+                "This Auto Scaling group only: the wildcard stands for the group's id, which its ARN carries "
+                "but CloudFormation does not return",
             ),
         )
         return role, policy
@@ -218,6 +315,7 @@ class TopologyPlacement(Construct):
             # when the fleet file asks for it (it guarantees the controller a slot).
             reserved_concurrent_executions=reserved_concurrency,
             log_group=self.log_group,
+            dead_letter_queue=self.delivery_dead_letter_queue,
             environment={
                 "CLUSTER_NAME": cluster.cluster_arn,
                 "AUTO_SCALING_GROUP_NAME": auto_scaling_group.auto_scaling_group_name,
@@ -233,11 +331,6 @@ class TopologyPlacement(Construct):
                 "NIST.800.53.R5-LambdaInsideVPC",
                 "Calls only the EC2, ECS and Auto Scaling control-plane APIs and reaches nothing inside "
                 "the VPC; in-VPC it would need three interface endpoints or NAT for no gain",
-            ),
-            (
-                "NIST.800.53.R5-LambdaDLQ",
-                "Invoked only by its SQS FIFO trigger queue, whose redrive policy sends failed triggers to the "
-                "encrypted dead-letter queue (alarmed); a function-level DLQ applies to asynchronous invocations",
             ),
         )
         if reserved_concurrency is None:
@@ -310,9 +403,19 @@ class TopologyPlacement(Construct):
         dead_letters = cloudwatch.Alarm(
             self,
             "DeadLettersAlarm",
-            alarm_description="Placement controller events exhausted their retries",
-            metric=self.dead_letter_queue.metric_approximate_number_of_messages_visible(
-                period=Duration.minutes(5), statistic="Maximum"
+            alarm_description="Placement controller events or unit-failure deliveries exhausted their retries",
+            metric=cloudwatch.MathExpression(
+                expression="triggers + deliveries",
+                using_metrics={
+                    "triggers": self.dead_letter_queue.metric_approximate_number_of_messages_visible(
+                        period=Duration.minutes(5), statistic="Maximum"
+                    ),
+                    "deliveries": self.delivery_dead_letter_queue.metric_approximate_number_of_messages_visible(
+                        period=Duration.minutes(5), statistic="Maximum"
+                    ),
+                },
+                label="Dead letters (triggers and unit-failure deliveries)",
+                period=Duration.minutes(5),
             ),
             threshold=1,
             evaluation_periods=1,
@@ -340,6 +443,75 @@ class TopologyPlacement(Construct):
                 ),
             )
         return errors, dead_letters, backlog
+
+    def _quarantine_alarm(self) -> cloudwatch.Alarm:
+        """An instance was quarantined: it is being replaced, and an operator should know why."""
+        alarm = cloudwatch.Alarm(
+            self,
+            "QuarantineAlarm",
+            alarm_description="The placement controller quarantined an instance after repeated unit failures "
+            "(its quarantine attribute and the controller's log say why); the group replaces it",
+            metric=cloudwatch.Metric(
+                namespace=self.min_score_metric.namespace,
+                metric_name="Quarantines",
+                dimensions_map=self.min_score_metric.dimensions,
+                statistic="Sum",
+                period=Duration.minutes(5),
+            ),
+            threshold=1,
+            evaluation_periods=1,
+            comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
+            treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+        )
+        acknowledge(
+            alarm,
+            (
+                "NIST.800.53.R5-CloudWatchAlarmAction",
+                "Watched by the rollout pipeline's alarm conditions and the cell dashboard; no action",
+            ),
+        )
+        return alarm
+
+    def watch_unit_failures(self, log_group: logs.ILogGroup) -> logs.SubscriptionFilter:
+        """Bring the units' failures (the launcher's session-end events) to the controller.
+
+        The subscription invokes the function, which only enqueues each event in the FIFO
+        trigger queue: the quarantine is decided by a serialised run.
+        """
+        self.function.add_environment("TRIGGER_QUEUE_URL", self.trigger_queue.queue_url)
+        self.policy.add_statements(
+            iam.PolicyStatement(
+                sid="EnqueueUnitFailures",
+                actions=["sqs:SendMessage"],
+                resources=[self.trigger_queue.queue_arn],
+            )
+        )
+        # LambdaDestination adds the permission for CloudWatch Logs to invoke the function
+        # from this log group only (source ARN).
+        return logs.SubscriptionFilter(
+            self,
+            "UnitFailures",
+            log_group=log_group,
+            destination=log_destinations.LambdaDestination(self.function),
+            filter_pattern=logs.FilterPattern.literal(UNIT_FAILURE_PATTERN),
+            filter_name="unit-failures-to-placement",
+        )
+
+    def manage_spares(self, spare_task_family: str) -> None:
+        """Let the controller stop the spare task of a spare it gives to a unit (the next spare takes over)."""
+        self.function.add_environment("SPARE_TASK_FAMILY", spare_task_family)
+        self.policy.add_statements(
+            iam.PolicyStatement(
+                sid="FindSpareTasksOnThisCluster",
+                actions=["ecs:ListTasks"],
+                resources=[self._container_instances_arn],
+            ),
+            iam.PolicyStatement(
+                sid="StopSpareTasksOnThisCluster",
+                actions=["ecs:StopTask"],
+                resources=[self._tasks_arn],
+            ),
+        )
 
     def signal_replacements(self, *, group_logical_id: str, target_group_arn: str) -> None:
         """Let the controller send the Trainium group's rolling-update signals.

@@ -45,8 +45,9 @@ def trainium_subnet_ips(cell: CellConfig) -> int:
 
 
 def ips_needed(fleet: FleetConfig, cell: CellConfig) -> int:
-    """Every EFA interface takes an IP: nodes x interfaces, one spare node, plus the endpoints."""
-    nodes = cell.resolved_max_units * fleet.unit.nodes + SPARE_NODES
+    """Every EFA interface takes an IP: nodes of the most units the cell may run (warm spares
+    included) x interfaces, one more node for a replacement, plus the endpoints."""
+    nodes = cell.resolved_max_units * fleet.unit.nodes + cell.spare_nodes + SPARE_NODES
     return nodes * fleet.unit.instance.efa_interfaces + TRAINIUM_SUBNET_ENDPOINTS
 
 
@@ -63,12 +64,13 @@ def check_cells_deployable(fleet: FleetConfig) -> Iterable[ConfigIssue]:
     for i, cell in enumerate(fleet.cells):
         usable, needed = trainium_subnet_ips(cell), ips_needed(fleet, cell)
         if needed > usable:
-            fits = max((usable - TRAINIUM_SUBNET_ENDPOINTS) // per_node - SPARE_NODES, 0) // unit.nodes
+            extra = SPARE_NODES + cell.spare_nodes
+            fits = max((usable - TRAINIUM_SUBNET_ENDPOINTS) // per_node - extra, 0) // unit.nodes
             yield ConfigIssue(
                 f"cells[{i}].vpc_cidr",
                 str(cell.vpc_cidr),
                 f"the Trainium subnet (/{cell.vpc_cidr.prefixlen + 2}, {usable} usable IPs) cannot hold "
-                f"{cell.resolved_max_units} units x {unit.nodes} nodes (+{SPARE_NODES} spare) x {per_node} "
+                f"{cell.resolved_max_units} units x {unit.nodes} nodes (+{extra} spare) x {per_node} "
                 "EFA interfaces "
                 f"(one IP each) + {TRAINIUM_SUBNET_ENDPOINTS} endpoints = {needed} IPs; it fits {fits} units: "
                 "use a larger VPC CIDR or fewer units",
@@ -155,3 +157,52 @@ def check_alarm_defaults(fleet: FleetConfig) -> Iterable[ConfigIssue]:
             f"a normal non-streamed completion may take up to serving.alb_idle_timeout_seconds ({limit} s); "
             f"a p99 threshold below it trips on ordinary long requests: use >= {limit} or leave it unset",
         )
+
+
+def fastest_failures_seconds(fleet: FleetConfig, failures: int) -> float:
+    """The shortest time in which one unit can fail `failures` times: the restart backoff waits between them.
+
+    Model loads and sessions add to it, so the real time is longer; this is the lower bound.
+    """
+    serving = fleet.serving
+    base, cap = serving.restart_backoff_base_seconds, serving.restart_backoff_cap_seconds
+    return float(sum(min(cap, base * 2 ** (n - 1)) for n in range(1, failures)))
+
+
+def check_quarantine(fleet: FleetConfig) -> Iterable[ConfigIssue]:
+    """Host quarantine must be reachable: K failures must fit the window despite the restart backoff."""
+    serving = fleet.serving
+    window = serving.quarantine_window_minutes * 60
+    fastest = fastest_failures_seconds(fleet, serving.quarantine_failures)
+    if fastest >= window:
+        yield ConfigIssue(
+            "serving.quarantine_window_minutes",
+            serving.quarantine_window_minutes,
+            f"{serving.quarantine_failures} failures of a unit take at least {fastest:.0f} s of restart backoff "
+            f"(serving.restart_backoff_*), more than the {window} s window: no host would ever be quarantined; "
+            "widen the window or lower serving.quarantine_failures",
+        )
+    for i, cell in enumerate(fleet.cells):
+        if serving.quarantine_max_instances > cell.resolved_max_units * fleet.unit.nodes + cell.spare_nodes:
+            yield ConfigIssue(
+                "serving.quarantine_max_instances",
+                serving.quarantine_max_instances,
+                f"more than the {cell.resolved_max_units * fleet.unit.nodes + cell.spare_nodes} instances of cell "
+                f"{cell.name} (cells[{i}]): quarantine would be allowed to take the whole cell",
+            )
+
+
+def check_spares_in_fixed_cells(fleet: FleetConfig) -> Iterable[ConfigIssue]:
+    """Warm spares and the unit autoscaler both label new instances; only one may, for now.
+
+    The placement controller labels an instance no unit needs as a spare, while the
+    autoscaler expects the instances it adds to go to the unit it activates. Until the two
+    share one notion of "needed", an elastic cell has no warm spares.
+    """
+    for i, cell in enumerate(fleet.cells):
+        if cell.elastic and cell.spare_nodes:
+            yield ConfigIssue(
+                f"cells[{i}].spare_nodes", cell.spare_nodes,
+                f"warm spares are not supported in an elastic cell (min_units {cell.resolved_min_units} < "
+                f"max_units {cell.resolved_max_units}) yet; allowed: 0, or a fixed cell (units)",
+            )

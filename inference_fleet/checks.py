@@ -18,7 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from inference_fleet.catalogue import CATALOGUE
-from inference_fleet.cell_checks import check_alarm_defaults, check_cells_deployable, check_startup_budget
+from inference_fleet.cell_checks import (
+    check_alarm_defaults,
+    check_cells_deployable,
+    check_quarantine,
+    check_spares_in_fixed_cells,
+    check_startup_budget,
+)
 from inference_fleet.config import (
     CellConfig,
     ConfigError,
@@ -229,5 +235,6 @@ def _check_frontend(fleet: FleetConfig) -> Iterable[ConfigIssue]:
 # then whether each cell can be deployed and run on AWS (inference_fleet.cell_checks).
 CHECKS: tuple[FleetCheck, ...] = (
     _check_unit, _check_cells, _check_waves, _check_serving, _check_frontend, check_fit, check_wave_sizes,
-    check_cells_deployable, check_startup_budget, check_alarm_defaults,
+    check_cells_deployable, check_startup_budget, check_alarm_defaults, check_quarantine,
+    check_spares_in_fixed_cells,
 )

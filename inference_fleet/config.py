@@ -303,6 +303,13 @@ class CellConfig(_Strict):
         description="Reserved concurrency of the placement controller; unset reserves none (runs are "
         "serialised by a FIFO queue either way).",
     )
+    spare_nodes: int = Field(
+        default=0,
+        ge=0,
+        le=16,
+        description="Warm spare nodes beyond units x nodes: they join with no unit (attribute unit=spare), "
+        "prefetch the model and replace a unit's lost node; the Auto Scaling group includes them.",
+    )
 
     @field_validator("vpc_cidr")
     @classmethod
@@ -424,6 +431,19 @@ class ServingConfig(_Strict):
     restart_backoff_cap_seconds: int = Field(default=300, ge=0, le=3600, description="Longest restart backoff.")
     restart_backoff_reset_seconds: int = Field(
         default=600, ge=1, le=86400, description="A session that served this long resets the backoff."
+    )
+    quarantine_failures: int = Field(
+        default=3, ge=1, le=10,
+        description="An instance named as the cause of this many unit failures within "
+        "quarantine_window_minutes is quarantined and replaced by the placement controller.",
+    )
+    quarantine_window_minutes: int = Field(
+        default=60, ge=1, le=1440, description="Window over which an instance's unit failures are counted."
+    )
+    quarantine_max_instances: int = Field(
+        default=1, ge=1, le=64,
+        description="Most instances of a cell in quarantine at once: failures spread over many hosts point "
+        "at the software, not the hosts, and must not replace the whole cell.",
     )
     step_timeout_seconds: int = Field(
         default=30,

@@ -14,7 +14,7 @@ from typing import Any
 from inference_fleet.config import CellConfig, FleetConfig
 from inference_fleet.planner.plan import neuron_config
 
-ROLES = ("leader", "follower")
+ROLES = ("leader", "follower", "spare")
 
 # The model cache: the instance-store RAID0 mounted here on the host (user data) and the
 # same path inside the unit's containers, so the cache survives task restarts.
@@ -124,7 +124,7 @@ def build_unit_spec(
 def container_environment(
     fleet: FleetConfig, cell: CellConfig, unit_index: int, *, role: str, revision: str
 ) -> dict[str, str]:
-    """The full environment of the inference container (leader or follower) of one unit."""
+    """The full environment of the inference container (leader, follower or warm spare) of one unit."""
     if role not in ROLES:
         raise ValueError(f"role {role!r} not allowed; allowed: {', '.join(ROLES)}")
     spec = build_unit_spec(fleet, cell, unit_index, revision=revision)

@@ -29,7 +29,8 @@ from cell_constructs.encryption import allow_cloudwatch_logs
 from cell_constructs.inference_unit import MultiNodeInferenceUnit, UnitImages, UnitPorts
 from cell_constructs.nag import acknowledge
 from cell_constructs.network import CellNetwork
-from cell_constructs.topology_placement import TopologyPlacement
+from cell_constructs.spare_nodes import SpareNodes
+from cell_constructs.topology_placement import FailureHandling, TopologyPlacement
 from cell_constructs.trainium_capacity import CapacitySource, EfaSetup, TrainiumCapacity
 from cell_constructs.unit_autoscaler import UnitAutoscaler
 from cell_constructs.unit_load_balancer import UnitLoadBalancer
@@ -100,8 +101,10 @@ class CellStack(Stack):
         self.capacity = TrainiumCapacity(
             self, "Trainium",
             vpc=self.network.vpc, subnets=self.network.trainium_subnets, cluster=self.cluster,
-            instance=fleet.unit.instance, instance_count=cell.resolved_min_units * fleet.unit.nodes,
-            max_instance_count=cell.resolved_max_units * fleet.unit.nodes,
+            # The warm spares are part of the group: they replace a unit's lost node at once.
+            instance=fleet.unit.instance,
+            instance_count=cell.resolved_min_units * fleet.unit.nodes + cell.spare_nodes,
+            max_instance_count=cell.resolved_max_units * fleet.unit.nodes + cell.spare_nodes,
             root_volume_gib=serving.root_volume_gib, encryption_key=self.key,
             capacity_source=CapacitySource(
                 kind=cell.capacity.source, reservation_id=cell.capacity.reservation_id,
@@ -124,6 +127,12 @@ class CellStack(Stack):
             log_retention=retention,
             encryption_key=self.key,
             reserved_concurrency=cell.placement_reserved_concurrency,
+            failure_handling=FailureHandling(
+                quarantine_failures=serving.quarantine_failures,
+                quarantine_window=Duration.minutes(serving.quarantine_window_minutes),
+                quarantine_max_instances=serving.quarantine_max_instances,
+                spare_nodes=cell.spare_nodes,
+            ),
         )
         self.namespace = servicediscovery.PrivateDnsNamespace(
             self, "Namespace", name=namespace_name(fleet, cell), vpc=self.network.vpc,
@@ -131,6 +140,8 @@ class CellStack(Stack):
         )
         self.log_group = logs.LogGroup(self, "UnitLogs", encryption_key=self.key, retention=retention,
                                        removal_policy=RemovalPolicy.RETAIN)
+        # Unit failures (the launcher's session-end events) reach the placement controller: host quarantine.
+        self.placement.watch_unit_failures(self.log_group)
         self.task_role = self._unit_task_role()
 
         self.load_balancer = self._load_balancer()
@@ -146,6 +157,7 @@ class CellStack(Stack):
         self.units = self._units()
         if self.autoscaler is not None:
             self.autoscaler.watch_task_definitions([t for u in self.units for t in u.task_definitions])
+        self.spares = self._spares()
         Aspects.of(self).add(_ServicesAfterCapacityAssociation(self.cluster))
 
     @property
@@ -178,6 +190,7 @@ class CellStack(Stack):
     def _units(self) -> list[MultiNodeInferenceUnit]:
         """The cell's units, chained so that they update one after another."""
         images, image_identity = self._images()
+        self._unit_images, self._image_identity = images, image_identity
         units: list[MultiNodeInferenceUnit] = []
         for index in range(self.cell.resolved_max_units):
             unit = self._unit(index, images, image_identity)
@@ -194,13 +207,36 @@ class CellStack(Stack):
             units.append(unit)
         return units
 
-    def _unit(self, index: int, images: UnitImages, image_identity: str) -> MultiNodeInferenceUnit:
-        fleet, cell, serving = self.fleet, self.cell, self.fleet.serving
+    def _spares(self) -> SpareNodes | None:
+        """The warm spares' service: prefetch the model on every `unit = spare` instance."""
+        if not self.cell.spare_nodes:
+            return None
+        spares = SpareNodes(
+            self, "Spares",
+            count=self.cell.spare_nodes,
+            cluster=self.cluster,
+            capacity_provider_name=self.capacity.capacity_provider.capacity_provider_name,
+            image=self._unit_images.inference,
+            # Every unit of the cell runs the same model and layout: unit 0's spec names the artifacts.
+            environment=container_environment(
+                self.fleet, self.cell, 0, role="spare", revision=self._revision(0, self._image_identity)
+            ),
+            task_role=self.task_role,
+            log_group=self.log_group,
+        )
+        self.placement.manage_spares(spares.task_definition.family)
+        return spares
+
+    def _revision(self, index: int, image_identity: str) -> str:
         # The revision is a hash of everything the unit runs: its spec (with a fixed
         # placeholder revision) and its images. A changed revision makes new task
         # definitions, and the launcher refuses to mix members of two revisions.
-        spec = build_unit_spec(fleet, cell, index, revision="-")
-        revision = hashlib.sha256(json.dumps([spec, image_identity], sort_keys=True).encode()).hexdigest()[:12]
+        spec = build_unit_spec(self.fleet, self.cell, index, revision="-")
+        return hashlib.sha256(json.dumps([spec, image_identity], sort_keys=True).encode()).hexdigest()[:12]
+
+    def _unit(self, index: int, images: UnitImages, image_identity: str) -> MultiNodeInferenceUnit:
+        fleet, cell, serving = self.fleet, self.cell, self.fleet.serving
+        revision = self._revision(index, image_identity)
         unit_id = f"u{index}"
         proxy_environment = {
             "PROXY_PORT": str(serving.proxy_port),
@@ -274,6 +310,7 @@ class CellStack(Stack):
                 "placement-errors": self.placement.errors_alarm,
                 "placement-dead-letters": self.placement.dead_letter_alarm,
                 "placement-stuck": self.placement.backlog_alarm,
+                "placement-quarantine": self.placement.quarantine_alarm,
             },
             metrics_namespace=proxy_metrics_namespace(fleet),
             unit_events_namespace=unit_metrics_namespace(fleet),

@@ -87,7 +87,7 @@ def test_every_service_depends_on_the_capacity_provider_association(synth_large)
     template = synth_large.template_json("Rufus-Cell-use2-a")
     (association,) = resources(template, "AWS::ECS::ClusterCapacityProviderAssociations")
     services = resources(template, "AWS::ECS::Service")
-    assert len(services) == 12
+    assert len(services) == 13  # 6 units x (leader + followers) and the spare service
     for logical_id, service in services.items():
         assert association in service.get("DependsOn", []), logical_id
 
@@ -152,7 +152,7 @@ def test_instances_are_replaced_one_at_a_time_after_their_unit_serves(synth_larg
     (group_id, group), = resources(template, "AWS::AutoScaling::AutoScalingGroup").items()
     rolling = group["UpdatePolicy"]["AutoScalingRollingUpdate"]
     assert rolling["MaxBatchSize"] == 1
-    assert rolling["MinInstancesInService"] == 23  # 6 units x 4 nodes, all but the one being replaced
+    assert rolling["MinInstancesInService"] == 25  # 6 units x 4 nodes + 2 spares, all but the one being replaced
     assert rolling["WaitOnResourceSignals"] is True and rolling["PauseTime"] == "PT1H"
     # The placement controller sends the signals, for this group, once the unit serves.
     (function,) = [f for k, f in resources(template, "AWS::Lambda::Function").items() if k.startswith("Placement")]
@@ -313,3 +313,24 @@ def test_az_ids_are_accepted(raw: dict, variants) -> None:
     subnets = resources(variants.template_json("Rufus-Cell-use2-a"), "AWS::EC2::Subnet").values()
     assert {s["Properties"].get("AvailabilityZoneId") for s in subnets} == {"use2-az2", "use2-az1"}
     assert all("AvailabilityZone" not in s["Properties"] for s in subnets)
+
+
+# -- host quarantine and warm spares (issue 13) ---------------------------------------------
+
+
+def test_a_quarantine_the_restart_backoff_makes_unreachable_is_refused(raw: dict) -> None:
+    raw["serving"] = {**raw.get("serving", {}), "restart_backoff_base_seconds": 600,
+                      "restart_backoff_cap_seconds": 3600, "quarantine_failures": 5}
+    message = error_text(raw)
+    assert "serving.quarantine_window_minutes = 60: 5 failures of a unit take at least 7800 s" in message
+    raw["serving"]["quarantine_window_minutes"] = 240
+    fleet = parse_fleet(raw)
+    assert cell_checks.fastest_failures_seconds(fleet, 3) == 600 + 1200  # defaults: 15 + 30 s
+
+
+def test_warm_spares_take_subnet_addresses_too(raw: dict) -> None:
+    fleet = parse_fleet(raw)
+    cell = fleet.cells[0]
+    with_spares = cell.model_copy(update={"spare_nodes": 3})
+    per_node = fleet.unit.instance.efa_interfaces
+    assert cell_checks.ips_needed(fleet, with_spares) - cell_checks.ips_needed(fleet, cell) == 3 * per_node

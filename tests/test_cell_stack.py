@@ -70,7 +70,7 @@ def test_capacity_is_one_subnet_one_cluster_placement_group(synth_large) -> None
     template.has_resource_properties("AWS::EC2::PlacementGroup", {"Strategy": "cluster"})
     asg = only(template, "AWS::AutoScaling::AutoScalingGroup")["Properties"]
     assert len(asg["VPCZoneIdentifier"]) == 1
-    assert asg["MinSize"] == asg["MaxSize"] == "24"  # 6 units x 4 nodes
+    assert asg["MinSize"] == asg["MaxSize"] == "26"  # 6 units x 4 nodes + 2 warm spares
 
 
 def test_efa_security_group_allows_all_traffic_to_and_from_itself(synth_large) -> None:
@@ -169,8 +169,8 @@ def test_leader_and_followers_share_a_revision_and_units_differ(synth_large) -> 
 
 def test_services_are_pinned_to_their_unit_and_replace_in_place(synth_large) -> None:
     template = synth_large.templates["Rufus-Cell-use2-a"]
-    services = resources(template, "AWS::ECS::Service")
-    assert len(services) == 12  # 6 units x (leader + followers)
+    services = {k: v for k, v in resources(template, "AWS::ECS::Service").items() if k.startswith("Unit")}
+    assert len(services) == 12  # 6 units x (leader + followers); the spare service is tested below
     for logical_id, service in services.items():
         props = service["Properties"]
         unit = logical_id.removeprefix("Unit").split("Leader")[0].split("Followers")[0]
@@ -275,3 +275,31 @@ def test_cell_runs_the_topology_placement_controller(synth_large) -> None:
     assert env["UNITS"] == "6" and env["NODES_PER_UNIT"] == "4"
     patterns = [r["Properties"].get("EventPattern", {}) for r in resources(template, "AWS::Events::Rule").values()]
     assert {"aws.ecs", "aws.autoscaling"} <= {p.get("source", [None])[0] for p in patterns if p}
+
+
+def test_warm_spares_join_the_group_and_prefetch_on_spare_instances(synth_large) -> None:
+    template = synth_large.templates["Rufus-Cell-use2-a"]  # 6 units x 4 nodes + 2 spare nodes
+    [group] = resources(template, "AWS::AutoScaling::AutoScalingGroup").values()
+    assert group["Properties"]["MinSize"] == group["Properties"]["MaxSize"] == "26"
+    spare = next(v for k, v in resources(template, "AWS::ECS::Service").items() if k.startswith("Spares"))
+    assert spare["Properties"]["DesiredCount"] == 2
+    assert {"Type": "memberOf", "Expression": "attribute:unit == spare"} in spare["Properties"]["PlacementConstraints"]
+    task_ref = spare["Properties"]["TaskDefinition"]["Ref"]
+    [container] = resources(template, "AWS::ECS::TaskDefinition")[task_ref]["Properties"]["ContainerDefinitions"]
+    env = {e["Name"]: e["Value"] for e in container["Environment"]}
+    assert env["UNIT_ROLE"] == "spare" and "LinuxParameters" not in container  # no device, no port
+    assert container["MountPoints"][0]["ContainerPath"] == "/opt/models"  # the units' cache
+    function = next(v for k, v in resources(template, "AWS::Lambda::Function").items() if k.startswith("Placement"))
+    assert function["Properties"]["Environment"]["Variables"]["SPARE_NODES"] == "2"
+    # A cell without spares has no spare service.
+    other = synth_large.templates["Rufus-Cell-use2-b"]
+    assert not [k for k in resources(other, "AWS::ECS::Service") if k.startswith("Spares")]
+
+
+def test_unit_failures_reach_the_placement_controller_and_a_quarantine_alarms(synth_large) -> None:
+    template = synth_large.templates["Rufus-Cell-use2-a"]
+    [subscription] = resources(template, "AWS::Logs::SubscriptionFilter").values()
+    assert subscription["Properties"]["LogGroupName"]["Ref"].startswith("UnitLogs")
+    assert "unit_session_end" in subscription["Properties"]["FilterPattern"]
+    gate = next(iter(resources(template, "AWS::CloudWatch::CompositeAlarm").values()))
+    assert "PlacementQuarantineAlarm" in json.dumps(gate["Properties"]["AlarmRule"])

@@ -72,3 +72,22 @@ def test_the_subnet_and_stack_limits_count_max_units(raw: dict) -> None:
     message = issues_of(cell_with(raw, min_units=1, max_units=60, vpc_cidr="10.10.0.0/22"))
     assert "cannot hold 60 units x 2 nodes" in message
     assert "cells[0].max_units = 60: a cell stack holds at most" in message
+
+
+def test_warm_spares_in_an_elastic_cell_are_refused_for_now():
+    """The placement controller's spare labelling and the autoscaler's activation would compete."""
+    import yaml
+
+    from inference_fleet.checks import parse_fleet
+    from inference_fleet.config import DEFAULT_CONFIG, ConfigError
+
+    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    data["cells"][0].update(min_units=1, max_units=2, spare_nodes=1)
+    data["cells"][0].pop("units", None)
+    try:
+        parse_fleet(data, "test")
+    except ConfigError as error:
+        paths = [i.path for i in error.issues]
+        assert "cells[0].spare_nodes" in paths, paths
+    else:
+        raise AssertionError("an elastic cell with warm spares was accepted")

@@ -17,7 +17,8 @@ from aws_cdk import aws_logs as logs
 from aws_cdk.assertions import Match, Template
 from cdk_nag import AwsSolutionsChecks, NIST80053R5Checks
 
-from cell_constructs.topology_placement import TopologyPlacement
+from cell_constructs.nag import acknowledge
+from cell_constructs.topology_placement import FailureHandling, TopologyPlacement
 
 os.environ.setdefault("JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION", "20")
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,9 +192,16 @@ def test_alarms_on_errors_and_dead_letters(synthesized):
             "TreatMissingData": "notBreaching",
         },
     )
-    template.has_resource_properties(
-        "AWS::CloudWatch::Alarm", {"MetricName": "ApproximateNumberOfMessagesVisible", "Threshold": 1}
+    # Dead letters of both paths (FIFO triggers, asynchronous log deliveries) in one alarm.
+    dead_letters = template.find_resources(
+        "AWS::CloudWatch::Alarm", {"Properties": {"Metrics": Match.array_with([Match.object_like({"Id": "triggers"})])}}
     )
+    [alarm] = dead_letters.values()
+    metrics = {m["Id"]: m for m in alarm["Properties"]["Metrics"]}
+    assert {m["MetricStat"]["Metric"]["MetricName"] for m in metrics.values() if "MetricStat" in m} == {
+        "ApproximateNumberOfMessagesVisible"
+    }
+    assert set(metrics) >= {"triggers", "deliveries"}
 
 
 def test_iam_is_one_managed_policy_scoped_to_this_cell(synthesized):
@@ -234,7 +242,10 @@ def test_deployment_package_holds_only_the_runtime_code(synthesized):
         "placement_controller/__init__.py",
         "placement_controller/assignment.py",
         "placement_controller/aws.py",
+        "placement_controller/failures.py",
+        "placement_controller/forward.py",
         "placement_controller/handler.py",
+        "placement_controller/quarantine.py",
         "placement_controller/signals.py",
         "placement_controller/topology.py",
     ]
@@ -295,3 +306,99 @@ def test_controller_writes_the_attribute_the_units_are_pinned_to():
 def test_bad_settings_are_refused_with_a_clear_message(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
         build(tmp_path, **overrides)
+
+
+# -- failure handling: quarantine, unit-failure subscription, spares ----------------------
+
+
+def build_with_failure_handling(outdir: Path) -> tuple[Template, TopologyPlacement, Stack]:
+    app, stack, placement = build(
+        outdir,
+        failure_handling=FailureHandling(
+            quarantine_failures=2, quarantine_window=Duration.minutes(30), quarantine_max_instances=1, spare_nodes=2
+        ),
+    )
+    unit_logs = logs.LogGroup(stack, "UnitLogs", retention=logs.RetentionDays.ONE_MONTH)
+    acknowledge(unit_logs, ("NIST.800.53.R5-CloudWatchLogGroupEncrypted", "Test log group"),
+                ("AwsSolutions-L1", "n/a"))
+    placement.watch_unit_failures(unit_logs)
+    placement.manage_spares("rufus-dev-spare")
+    app.synth()
+    return Template.from_stack(stack), placement, stack
+
+
+@pytest.fixture(scope="module")
+def with_failure_handling(tmp_path_factory):
+    outdir = tmp_path_factory.mktemp("failure-handling")
+    template, placement, stack = build_with_failure_handling(outdir)
+    return template, placement, stack, outdir
+
+
+def test_quarantine_and_spare_permissions_are_scoped_to_this_cell(with_failure_handling):
+    template, _, _, _ = with_failure_handling
+    [policy] = template.find_resources("AWS::IAM::ManagedPolicy").values()
+    by_sid = {s["Sid"]: s for s in policy["Properties"]["PolicyDocument"]["Statement"]}
+    health = by_sid["QuarantineInThisGroup"]
+    assert health["Action"] == "autoscaling:SetInstanceHealth"
+    text = json.dumps(health["Resource"])
+    assert ":autoScalingGroup:*:autoScalingGroupName/rufus-dev-trainium" in text
+    # Attribute writes (the quarantine mark, failure times, unit labels) on this cluster's container instances only.
+    attributes = by_sid["UnitAttributesOnThisCluster"]
+    assert {"ecs:PutAttributes", "ecs:DeleteAttributes"} <= set(attributes["Action"])
+    assert "container-instance/" in json.dumps(attributes["Resource"][1])
+    for sid, action, kind in (
+        ("FailedTasksOfThisCluster", "ecs:DescribeTasks", ":task/"),
+        ("StopSpareTasksOnThisCluster", "ecs:StopTask", ":task/"),
+        ("FindSpareTasksOnThisCluster", "ecs:ListTasks", ":container-instance/"),
+    ):
+        assert by_sid[sid]["Action"] == action
+        resource = json.dumps(by_sid[sid]["Resource"])
+        assert kind in resource and "Ref" in resource  # the cluster's own name, not any cluster
+    queue_arns = {
+        json.dumps(by_sid["EnqueueUnitFailures"]["Resource"]),
+        json.dumps(by_sid["Triggers"]["Resource"]),
+    }
+    assert len(queue_arns) == 1  # enqueue only into its own trigger queue
+    statements = policy["Properties"]["PolicyDocument"]["Statement"]
+    assert [s["Sid"] for s in statements if s["Resource"] == "*"] == ["ReadTopologyAndGroup"]
+
+
+def test_unit_failures_reach_the_function_from_the_unit_log_group_only(with_failure_handling):
+    template, _, _, _ = with_failure_handling
+    template.has_resource_properties(
+        "AWS::Logs::SubscriptionFilter",
+        {
+            "FilterPattern": '{ ($.event = "unit_session_end") && ($.cause != "deliberate_stop") }',
+            "LogGroupName": {"Ref": Match.string_like_regexp("UnitLogs")},
+            "DestinationArn": {"Fn::GetAtt": [Match.string_like_regexp("PlacementFunction"), "Arn"]},
+        },
+    )
+    template.has_resource_properties(
+        "AWS::Lambda::Permission",
+        {
+            "Action": "lambda:InvokeFunction",
+            "Principal": "logs.amazonaws.com",
+            "SourceArn": {"Fn::GetAtt": [Match.string_like_regexp("UnitLogs"), "Arn"]},
+        },
+    )
+    [function] = template.find_resources("AWS::Lambda::Function").values()
+    env = function["Properties"]["Environment"]["Variables"]
+    assert (env["QUARANTINE_FAILURES"], env["QUARANTINE_WINDOW_SECONDS"], env["SPARE_NODES"]) == ("2", "1800", "2")
+    assert env["SPARE_TASK_FAMILY"] == "rufus-dev-spare" and "TRIGGER_QUEUE_URL" in env
+    # Asynchronous invocations (the log deliveries) that fail land in an encrypted queue.
+    assert "TargetArn" in function["Properties"]["DeadLetterConfig"]
+
+
+def test_a_quarantine_raises_an_alarm(with_failure_handling):
+    template, placement, _, _ = with_failure_handling
+    template.has_resource_properties(
+        "AWS::CloudWatch::Alarm",
+        {"MetricName": "Quarantines", "Namespace": "Rufus/Cell", "Statistic": "Sum", "Threshold": 1,
+         "ComparisonOperator": "GreaterThanOrEqualToThreshold", "TreatMissingData": "notBreaching"},
+    )
+    assert placement.quarantine_alarm is not None
+
+
+def test_cdk_nag_is_clean_with_failure_handling_on(with_failure_handling):
+    _, _, _, outdir = with_failure_handling
+    assert [f for f in findings(outdir) if f[1].startswith("Cell/Placement/")] == []

@@ -2,6 +2,7 @@
 
 python -m unit_launcher run
     The container entry point: role from UNIT_ROLE, spec from UNIT_SPEC (or UNIT_SPEC_FILE).
+    UNIT_ROLE=spare: a warm spare node (unit_launcher.spare): fetch the model, then idle.
 python -m unit_launcher plan --spec FILE --role leader|follower --rank R [--leader-addr A] [--json]
 python -m unit_launcher plan --config fleet.yaml --cell NAME --unit I --role ... --rank R
     Print the engine's argv, environment and files for one node; starts nothing.
@@ -87,12 +88,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "plan":
             return _plan(args)
+        role = os.environ.get("UNIT_ROLE", "")
+        if role == "spare":
+            from unit_launcher.spare import run_spare
+
+            return run_spare(load_spec_from_env())
         from unit_launcher.runner import EXIT_CONFIG, run
 
-        role = os.environ.get("UNIT_ROLE", "")
         if role not in ("leader", "follower"):
             logging.getLogger("unit_launcher").error(
-                "UNIT_ROLE=%r not allowed; allowed: leader, follower", role
+                "UNIT_ROLE=%r not allowed; allowed: leader, follower, spare", role
             )
             return EXIT_CONFIG
         return run(role, load_spec_from_env(), os.environ)

@@ -357,3 +357,68 @@ def plan_topology(instances: Sequence[Instance], units: int, nodes_per_unit: int
             break  # no unit lost nodes: the strategies do not differ
     assert best is not None
     return _finish(ids, nodes_per_unit, fixed, best[1], free, fallback_only=False)
+
+
+SPARE_UNIT = "spare"
+"""The `unit` attribute value of a warm spare: no unit, its artifacts prefetched."""
+
+
+def meet_depth(members: Sequence[Instance], candidate: Instance) -> int:
+    """The layer at which `candidate` meets every one of `members` (0 when a path is unknown)."""
+    if not candidate.path or not members or any(not m.path for m in members):
+        return 0
+    return min(common_depth(m.path, candidate.path) for m in members if m.path)
+
+
+def assign_spares(instances: Sequence[Instance], units: int, nodes_per_unit: int) -> dict[str, str]:
+    """Warm spares (`unit == spare`) for the units that lost nodes: spare instance id -> unit.
+
+    A unit lost nodes when fewer than `nodes_per_unit` instances carry its label but some
+    still do (a unit with none left is grouped afresh by `plan_topology`). Each step takes
+    the spare that meets its unit's surviving members deepest (nearest first), the lower
+    instance id and then the earlier unit on a tie, until the units are whole or the
+    spares run out. So every spare given to a unit is at least as near to it as any
+    spare left over. Warm spares go before cold free instances, even a nearer cold one:
+    a spare has the model in its cache, so the unit serves again in its load time
+    instead of a download plus its load time.
+    """
+    _check(instances, units, nodes_per_unit)
+    ids = unit_ids(units)
+    members: dict[str, list[Instance]] = {unit: [] for unit in ids}
+    for inst in instances:
+        if inst.unit in members:
+            members[inst.unit].append(inst)
+    need = {unit: nodes_per_unit - len(group) for unit, group in members.items() if 0 < len(group) < nodes_per_unit}
+    spares = {inst.instance_id: inst for inst in instances if inst.unit == SPARE_UNIT}
+    given: dict[str, str] = {}
+    while spares and need:
+        _, spare_id, unit = min(
+            (-meet_depth(members[unit], spare), spare_id, unit)
+            for unit in need
+            for spare_id, spare in spares.items()
+        )
+        given[spare_id] = unit
+        del spares[spare_id]
+        need[unit] -= 1
+        if not need[unit]:
+            del need[unit]
+    return given
+
+
+def plan_cell(
+    instances: Sequence[Instance], units: int, nodes_per_unit: int, excluded: Iterable[str] = ()
+) -> tuple[dict[str, str], Plan]:
+    """The whole placement of a run: warm spares to units that lost nodes, then `plan_topology`.
+
+    `excluded` (quarantined instances) take no part at all. The spares given to units are
+    fixed members of those units in the plan, so the grouping never takes them back.
+    Returns the spares given (instance id -> unit) and the plan.
+    """
+    out = set(excluded)
+    candidates = [inst for inst in instances if inst.instance_id not in out]
+    gifts = assign_spares(candidates, units, nodes_per_unit)
+    fixed = [
+        Instance(inst.instance_id, inst.path, gifts[inst.instance_id], busy=True) if inst.instance_id in gifts else inst
+        for inst in candidates
+    ]
+    return gifts, plan_topology(fixed, units, nodes_per_unit)

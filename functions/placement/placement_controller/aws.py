@@ -100,13 +100,27 @@ class ContainerInstance:
         return self.running_tasks > 0 or self.pending_tasks > 0
 
 
-def group_lifecycle(autoscaling: BaseClient, group_name: str, retry: Retry) -> dict[str, str]:
-    """Instance id -> lifecycle state of every instance of the Auto Scaling group."""
+@dataclass(frozen=True, slots=True)
+class GroupInstance:
+    lifecycle: str
+    health: str
+
+
+def group_instances(autoscaling: BaseClient, group_name: str, retry: Retry) -> dict[str, GroupInstance]:
+    """Instance id -> lifecycle state and health status of every instance of the Auto Scaling group."""
     response = retry.call(autoscaling.describe_auto_scaling_groups, AutoScalingGroupNames=[group_name])
     groups = [g for g in response.get("AutoScalingGroups", []) if g.get("AutoScalingGroupName") == group_name]
     if not groups:
         raise LookupError(f"Auto Scaling group {group_name!r} not found; check AUTO_SCALING_GROUP_NAME")
-    return {i["InstanceId"]: i.get("LifecycleState", "") for i in groups[0].get("Instances", [])}
+    return {
+        i["InstanceId"]: GroupInstance(i.get("LifecycleState", ""), i.get("HealthStatus", ""))
+        for i in groups[0].get("Instances", [])
+    }
+
+
+def group_lifecycle(autoscaling: BaseClient, group_name: str, retry: Retry) -> dict[str, str]:
+    """Instance id -> lifecycle state of every instance of the Auto Scaling group."""
+    return {i: g.lifecycle for i, g in group_instances(autoscaling, group_name, retry).items()}
 
 
 def _parse_container_instance(raw: Mapping[str, Any]) -> ContainerInstance:
@@ -214,3 +228,51 @@ def put_attributes(ecs: BaseClient, cluster: str, attributes: Sequence[dict[str,
 
 def delete_attributes(ecs: BaseClient, cluster: str, attributes: Sequence[dict[str, str]], retry: Retry) -> int:
     return _write(ecs.delete_attributes, cluster, attributes, retry)
+
+
+def task_container_instances(ecs: BaseClient, cluster: str, task_arns: Sequence[str], retry: Retry) -> dict[str, str]:
+    """Task ARN -> ARN of the container instance it ran on (ECS keeps stopped tasks for about an hour)."""
+    found: dict[str, str] = {}
+    for batch in chunks(sorted(set(task_arns)), DESCRIBE_PER_CALL):
+        response = retry.call(ecs.describe_tasks, cluster=cluster, tasks=list(batch))
+        for failure in response.get("failures", []):
+            LOG.warning("task %s: %s", failure.get("arn"), failure.get("reason"))
+        for task in response.get("tasks", []):
+            if task.get("taskArn") and task.get("containerInstanceArn"):
+                found[task["taskArn"]] = task["containerInstanceArn"]
+    return found
+
+
+def mark_unhealthy(autoscaling: BaseClient, instance_id: str, retry: Retry) -> bool:
+    """Tell the group an instance is unhealthy so that it is terminated and replaced now.
+
+    The grace period is not respected: a quarantined instance is known bad. An instance
+    the group no longer holds (already terminating) is not an error.
+    """
+    try:
+        retry.call(
+            autoscaling.set_instance_health,
+            InstanceId=instance_id,
+            HealthStatus="Unhealthy",
+            ShouldRespectGracePeriod=False,
+        )
+    except ClientError as error:
+        if error_code(error) != "ValidationError":
+            raise
+        LOG.warning("SetInstanceHealth %s: %s", instance_id, error)
+        return False
+    return True
+
+
+def stop_spare_tasks(
+    ecs: BaseClient, cluster: str, container_instance: str, family: str, reason: str, retry: Retry
+) -> list[str]:
+    """Stop the spare service's tasks on one container instance (it now belongs to a unit)."""
+    response = retry.call(
+        ecs.list_tasks, cluster=cluster, containerInstance=container_instance, family=family, desiredStatus="RUNNING"
+    )
+    stopped: list[str] = []
+    for task in response.get("taskArns", []):
+        retry.call(ecs.stop_task, cluster=cluster, task=task, reason=reason[:255])
+        stopped.append(task)
+    return stopped

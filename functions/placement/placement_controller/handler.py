@@ -7,6 +7,13 @@ instances, read their topology, plan (`assignment.plan_topology`), write only th
 attributes that differ, clear the attributes of instances that left, and publish each
 unit's topology score as a CloudWatch metric in Embedded Metric Format (a log line; no
 PutMetricData permission needed). A FIFO trigger queue with one message group keeps runs from overlapping.
+
+Failure handling (docs/placement.md, "Failure handling"): the unit failures a run's
+triggers carry count against the instances they name; an instance that reaches the limit
+is quarantined (`quarantine` attribute, no `unit`, unhealthy in its Auto Scaling group)
+and never planned again. A unit that lost a node gets the nearest warm spare
+(`unit = spare`) before any cold instance; free instances left over become spares. A
+CloudWatch Logs delivery (the failures themselves) is only enqueued (`forward`).
 """
 
 from __future__ import annotations
@@ -22,15 +29,24 @@ from typing import Any
 
 from botocore.client import BaseClient
 
-from placement_controller import aws, signals
+from placement_controller import aws, forward, signals
 from placement_controller.assignment import (
     MAX_NODES_PER_UNIT,
     MAX_UNITS,
     PLACEMENT_FALLBACK,
+    PLACEMENT_TOPOLOGY,
+    SPARE_UNIT,
     Instance,
     Plan,
-    plan_topology,
+    plan_cell,
 )
+from placement_controller.failures import (
+    FAILURES_ATTRIBUTE,
+    QUARANTINE_ATTRIBUTE,
+    QuarantinePolicy,
+    failures_from_records,
+)
+from placement_controller.quarantine import QuarantineStep, quarantine_step
 
 LOG = logging.getLogger(__name__)
 LOG.setLevel(logging.INFO)
@@ -38,6 +54,7 @@ LOG.setLevel(logging.INFO)
 UNIT_ATTRIBUTE = "unit"
 PLACEMENT_ATTRIBUTE = "unit-placement"
 GONE_ECS_STATUSES = frozenset({"DEREGISTERING", "INACTIVE"})
+DEFAULT_QUARANTINE = QuarantinePolicy(failures=3, window_seconds=3600, max_instances=1)
 
 
 @dataclass(frozen=True)
@@ -49,6 +66,10 @@ class Settings:
     units: int
     nodes_per_unit: int
     metrics_namespace: str
+    quarantine: QuarantinePolicy = DEFAULT_QUARANTINE
+    spare_nodes: int = 0
+    # Task definition family of the cell's spare service: its task leaves a spare given to a unit.
+    spare_task_family: str = ""
 
     @property
     def cluster_name(self) -> str:
@@ -64,11 +85,13 @@ class Settings:
                 problems.append(f"{name} is not set; it must name the cell's {name.lower().replace('_', ' ')}")
             return value
 
-        def number(name: str, highest: int) -> int:
+        def number(name: str, highest: int, default: int | None = None, lowest: int = 1) -> int:
             raw = env.get(name, "").strip()
-            if raw.isdigit() and 1 <= int(raw) <= highest:
+            if not raw and default is not None:
+                return default
+            if raw.isdigit() and lowest <= int(raw) <= highest:
                 return int(raw)
-            problems.append(f"{name} = {raw!r}: must be an integer from 1 to {highest}")
+            problems.append(f"{name} = {raw!r}: must be an integer from {lowest} to {highest}")
             return 0
 
         settings = cls(
@@ -77,6 +100,13 @@ class Settings:
             units=number("UNITS", MAX_UNITS),
             nodes_per_unit=number("NODES_PER_UNIT", MAX_NODES_PER_UNIT),
             metrics_namespace=text("METRICS_NAMESPACE"),
+            quarantine=QuarantinePolicy(
+                failures=number("QUARANTINE_FAILURES", 10, default=3),
+                window_seconds=number("QUARANTINE_WINDOW_SECONDS", 86400, default=3600, lowest=60),
+                max_instances=number("QUARANTINE_MAX_INSTANCES", MAX_UNITS, default=1),
+            ),
+            spare_nodes=number("SPARE_NODES", MAX_UNITS, default=0, lowest=0),
+            spare_task_family=env.get("SPARE_TASK_FAMILY", "").strip(),
         )
         if problems:
             raise ValueError("placement controller misconfigured: " + "; ".join(problems))
@@ -90,6 +120,7 @@ class Clients:
     autoscaling: BaseClient
     cloudformation: BaseClient | None = None
     elbv2: BaseClient | None = None
+    sqs: BaseClient | None = None
 
 
 def gone_from_event(event: Mapping[str, Any]) -> set[str]:
@@ -123,6 +154,197 @@ def _clear(instance: aws.ContainerInstance) -> list[dict[str, str]]:
     ]
 
 
+def _movable(instance: aws.ContainerInstance) -> bool:
+    """Free, or a warm spare: its only task is the spare service's, which leaves when it is given a unit."""
+    return not instance.busy or instance.attributes.get(UNIT_ATTRIBUTE) == SPARE_UNIT
+
+
+def _desired(
+    settings: Settings, instance: Instance, plan: Plan, gifts: dict[str, str]
+) -> tuple[str | None, str | None]:
+    """The `unit` and `unit-placement` values a movable instance should carry (None: absent)."""
+    if instance.instance_id in gifts:
+        mark = PLACEMENT_TOPOLOGY if instance.path else PLACEMENT_FALLBACK
+        return gifts[instance.instance_id], mark
+    if instance.instance_id in plan.assigned:
+        return plan.assigned[instance.instance_id], plan.placement[instance.instance_id]
+    # Left over: a warm spare when the cell keeps spares, otherwise no label at all.
+    return (SPARE_UNIT, None) if settings.spare_nodes else (None, None)
+
+
+def _label_changes(
+    ci: aws.ContainerInstance, unit: str | None, mark: str | None
+) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """Puts and deletes that bring one instance's labels to the desired values."""
+    wanted = ((UNIT_ATTRIBUTE, unit), (PLACEMENT_ATTRIBUTE, mark))
+    deletes = [_attribute(name, ci.arn) for name, value in wanted if value is None and name in ci.attributes]
+    if all(ci.attributes.get(name) == value for name, value in wanted if value is not None):
+        return [], deletes
+    # Both labels together: what a unit's task is pinned to never changes without its mark.
+    return [_attribute(name, ci.arn, value) for name, value in wanted if value is not None], deletes
+
+
+def _quarantine(
+    settings: Settings,
+    clients: Clients,
+    container_instances: list[aws.ContainerInstance],
+    event: Mapping[str, Any],
+    retry: aws.Retry,
+    now: float,
+) -> QuarantineStep:
+    failures = failures_from_records(signals.records(event))
+    return quarantine_step(
+        settings.quarantine,
+        container_instances,
+        failures,
+        lambda tasks: aws.task_container_instances(clients.ecs, settings.cluster, tasks, retry),
+        now,
+    )
+
+
+def _quarantine_writes(
+    step: QuarantineStep, by_instance: Mapping[str, aws.ContainerInstance]
+) -> list[dict[str, str]]:
+    puts = [_attribute(FAILURES_ATTRIBUTE, by_instance[i].arn, v) for i, v in sorted(step.failure_times.items())]
+    puts += [_attribute(QUARANTINE_ATTRIBUTE, by_instance[i].arn, v) for i, v in sorted(step.quarantined_now.items())]
+    return puts
+
+
+def _mark_unhealthy(
+    settings: Settings, clients: Clients, step: QuarantineStep, group: Mapping[str, aws.GroupInstance], retry: aws.Retry
+) -> list[str]:
+    """Every instance in quarantine that its group still counts healthy is reported unhealthy (again, if need be)."""
+    marked = []
+    for instance_id in sorted(step.in_quarantine):
+        member = group.get(instance_id)
+        if member is None or member.lifecycle not in aws.LIVE_LIFECYCLE_STATES or member.health == "Unhealthy":
+            continue
+        if aws.mark_unhealthy(clients.autoscaling, instance_id, retry):
+            marked.append(instance_id)
+    return marked
+
+
+def reconcile(
+    settings: Settings,
+    clients: Clients,
+    event: Mapping[str, Any],
+    retry: aws.Retry,
+    emit: Callable[[str], None],
+    now: float | None = None,
+) -> dict[str, Any]:
+    """One full reconciliation of the cell; returns a summary (also logged)."""
+    now = time.time() if now is None else now
+    gone = gone_from_event(event)
+    group = aws.group_instances(clients.autoscaling, settings.auto_scaling_group, retry)
+    container_instances = aws.list_container_instances(clients.ecs, settings.cluster, retry)
+    by_instance = {ci.ec2_instance_id: ci for ci in container_instances}
+    step = _quarantine(settings, clients, container_instances, event, retry, now)
+
+    deletes: list[dict[str, str]] = []
+    managed: dict[str, aws.ContainerInstance] = {}
+    left: list[str] = []
+    for ci in container_instances:
+        member = group.get(ci.ec2_instance_id)
+        in_group = (
+            member is not None
+            and member.lifecycle in aws.LIVE_LIFECYCLE_STATES
+            and ci.ec2_instance_id not in gone
+            and ci.status not in GONE_ECS_STATUSES
+            and ci.ec2_instance_id not in step.in_quarantine
+        )
+        usable = ci.busy or (ci.status == "ACTIVE" and ci.agent_connected)
+        if in_group and usable:
+            managed[ci.ec2_instance_id] = ci
+        elif _clear(ci):
+            # Left the group, quarantined, or free but unable to take tasks (draining,
+            # agent away): its label would pin a unit's task where it cannot run.
+            deletes.extend(_clear(ci))
+            left.append(ci.ec2_instance_id)
+
+    topology = aws.network_paths(clients.ec2, managed, retry)
+    instances = [
+        Instance(
+            instance_id=instance_id,
+            path=topology.paths.get(instance_id),
+            unit=ci.attributes.get(UNIT_ATTRIBUTE),
+            busy=not _movable(ci),
+        )
+        for instance_id, ci in managed.items()
+    ]
+    # Warm spares first, to the units that lost a node; then the topology grouping.
+    gifts, plan = plan_cell(instances, settings.units, settings.nodes_per_unit, step.in_quarantine)
+
+    changing: dict[str, tuple[str | None, str | None]] = {}
+    for inst in instances:
+        ci = managed[inst.instance_id]
+        if inst.busy:
+            continue
+        desired = _desired(settings, inst, plan, gifts)
+        if any(_label_changes(ci, *desired)):
+            changing[ci.arn] = desired
+
+    # ECS has no conditional PutAttributes: re-read the instances about to change and
+    # leave alone any that took a (unit) task since the first read.
+    puts = _quarantine_writes(step, by_instance)
+    skipped: list[str] = []
+    leaving_spares: list[aws.ContainerInstance] = []
+    if changing:
+        for fresh in aws.describe_container_instances(clients.ecs, settings.cluster, list(changing), retry):
+            if fresh.arn not in changing:
+                continue
+            if not _movable(fresh):
+                skipped.append(fresh.ec2_instance_id)
+                continue
+            unit, mark = changing[fresh.arn]
+            more_puts, more_deletes = _label_changes(fresh, unit, mark)
+            puts.extend(more_puts)
+            deletes.extend(more_deletes)
+            if fresh.busy and unit not in (None, SPARE_UNIT):
+                leaving_spares.append(fresh)
+
+    # Deletes first: a label moving from one instance to another is never on both at once.
+    deleted = aws.delete_attributes(clients.ecs, settings.cluster, deletes, retry)
+    written = aws.put_attributes(clients.ecs, settings.cluster, puts, retry)
+    stopped = _stop_spare_tasks(settings, clients, leaving_spares, retry)
+    unhealthy = _mark_unhealthy(settings, clients, step, group, retry)
+    summary = _summary(settings, plan, topology, left, skipped, written, deleted, retry.retried)
+    summary.update(
+        {
+            "quarantined": dict(sorted(step.quarantined_now.items())),
+            "in_quarantine": sorted(step.in_quarantine),
+            "quarantine_deferred": step.deferred,
+            "marked_unhealthy": unhealthy,
+            "failures_counted": step.counted,
+            "unresolved_failures": step.unresolved,
+            "spares_assigned": dict(sorted(gifts.items())),
+            "spare_tasks_stopped": stopped,
+        }
+    )
+    signal_settings = signals.SignalSettings.from_env(os.environ)
+    if signal_settings is not None and clients.cloudformation is not None and clients.elbv2 is not None:
+        summary["signalled"] = signals.signal_serving_units(
+            signal_settings, settings.auto_scaling_group, plan.units,
+            clients.cloudformation, clients.autoscaling, clients.elbv2, retry,
+        )
+    _publish(settings, plan, summary, emit)
+    return summary
+
+
+def _stop_spare_tasks(
+    settings: Settings, clients: Clients, spares: list[aws.ContainerInstance], retry: aws.Retry
+) -> list[str]:
+    """The spare task leaves a spare given to a unit, so the spare service starts one on the next spare."""
+    if not settings.spare_task_family:
+        return []
+    stopped: list[str] = []
+    for ci in spares:
+        stopped += aws.stop_spare_tasks(
+            clients.ecs, settings.cluster, ci.arn, settings.spare_task_family,
+            "placement controller: this spare now belongs to a unit", retry,
+        )
+    return stopped
+
+
 def emf(namespace: str, dimensions: Mapping[str, str], metrics: Mapping[str, float], **fields: Any) -> str:
     """One Embedded Metric Format log line: CloudWatch turns it into metrics on ingestion."""
     document: dict[str, Any] = {
@@ -141,91 +363,6 @@ def emf(namespace: str, dimensions: Mapping[str, str], metrics: Mapping[str, flo
         **fields,
     }
     return json.dumps(document, sort_keys=True)
-
-
-def reconcile(
-    settings: Settings,
-    clients: Clients,
-    event: Mapping[str, Any],
-    retry: aws.Retry,
-    emit: Callable[[str], None],
-) -> dict[str, Any]:
-    """One full reconciliation of the cell; returns a summary (also logged)."""
-    gone = gone_from_event(event)
-    lifecycle = aws.group_lifecycle(clients.autoscaling, settings.auto_scaling_group, retry)
-    container_instances = aws.list_container_instances(clients.ecs, settings.cluster, retry)
-
-    deletes: list[dict[str, str]] = []
-    managed: dict[str, aws.ContainerInstance] = {}
-    left: list[str] = []
-    for ci in container_instances:
-        in_group = (
-            lifecycle.get(ci.ec2_instance_id) in aws.LIVE_LIFECYCLE_STATES
-            and ci.ec2_instance_id not in gone
-            and ci.status not in GONE_ECS_STATUSES
-        )
-        usable = ci.busy or (ci.status == "ACTIVE" and ci.agent_connected)
-        if in_group and usable:
-            managed[ci.ec2_instance_id] = ci
-        elif _clear(ci):
-            # Left the group, or free but unable to take tasks (draining, agent away):
-            # its label would pin a unit's task where it cannot run.
-            deletes.extend(_clear(ci))
-            left.append(ci.ec2_instance_id)
-
-    topology = aws.network_paths(clients.ec2, managed, retry)
-    instances = [
-        Instance(
-            instance_id=instance_id,
-            path=topology.paths.get(instance_id),
-            unit=ci.attributes.get(UNIT_ATTRIBUTE),
-            busy=ci.busy,
-        )
-        for instance_id, ci in managed.items()
-    ]
-    plan = plan_topology(instances, settings.units, settings.nodes_per_unit)
-
-    puts: list[dict[str, str]] = []
-    changing: dict[str, aws.ContainerInstance] = {}
-    for instance_id, ci in managed.items():
-        if ci.busy:
-            continue
-        unit = plan.assigned.get(instance_id)
-        if unit is None:
-            if _clear(ci):
-                changing[ci.arn] = ci
-            continue
-        mark = plan.placement[instance_id]
-        if ci.attributes.get(UNIT_ATTRIBUTE) != unit or ci.attributes.get(PLACEMENT_ATTRIBUTE) != mark:
-            changing[ci.arn] = ci
-
-    # ECS has no conditional PutAttributes: re-read the instances about to change and
-    # leave alone any that took a task since the first read.
-    skipped: list[str] = []
-    if changing:
-        for fresh in aws.describe_container_instances(clients.ecs, settings.cluster, list(changing), retry):
-            if fresh.busy:
-                skipped.append(fresh.ec2_instance_id)
-                continue
-            unit = plan.assigned.get(fresh.ec2_instance_id)
-            if unit is None:
-                deletes.extend(_clear(fresh))
-            else:
-                puts.append(_attribute(UNIT_ATTRIBUTE, fresh.arn, unit))
-                puts.append(_attribute(PLACEMENT_ATTRIBUTE, fresh.arn, plan.placement[fresh.ec2_instance_id]))
-
-    # Deletes first: a label moving from one instance to another is never on both at once.
-    deleted = aws.delete_attributes(clients.ecs, settings.cluster, deletes, retry)
-    written = aws.put_attributes(clients.ecs, settings.cluster, puts, retry)
-    summary = _summary(settings, plan, topology, left, skipped, written, deleted, retry.retried)
-    signal_settings = signals.SignalSettings.from_env(os.environ)
-    if signal_settings is not None and clients.cloudformation is not None and clients.elbv2 is not None:
-        summary["signalled"] = signals.signal_serving_units(
-            signal_settings, settings.auto_scaling_group, plan.units,
-            clients.cloudformation, clients.autoscaling, clients.elbv2, retry,
-        )
-    _publish(settings, plan, summary, emit)
-    return summary
 
 
 def _summary(
@@ -284,6 +421,11 @@ def _publish(settings: Settings, plan: Plan, summary: Mapping[str, Any], emit: C
                 "FallbackInstances": len(summary["fallback_instances"]),
                 "AttributeWrites": summary["attributes_written"] + summary["attributes_deleted"],
                 "TopologyErrors": len(summary["topology_errors"]),
+                "Quarantines": len(summary.get("quarantined", {})),
+                "InstancesInQuarantine": len(summary.get("in_quarantine", [])),
+                "QuarantinesDeferred": len(summary.get("quarantine_deferred", [])),
+                "UnitFailuresCounted": summary.get("failures_counted", 0),
+                "SparesAssigned": len(summary.get("spares_assigned", {})),
             },
             message="placement reconciled",
             summary=summary,
@@ -303,6 +445,7 @@ def _clients() -> Clients:
         autoscaling=boto3.client("autoscaling", config=config),
         cloudformation=boto3.client("cloudformation", config=config),
         elbv2=boto3.client("elbv2", config=config),
+        sqs=boto3.client("sqs", config=config),
     )
 
 
@@ -313,6 +456,12 @@ def _print(line: str) -> None:
 
 def handler(event: Mapping[str, Any], context: object) -> dict[str, Any]:
     """The Lambda handler (placement_controller.handler.handler)."""
+    if forward.is_log_delivery(event):
+        # A CloudWatch Logs delivery of unit failures: only enqueued, so runs stay serialised.
+        queue_url = os.environ.get("TRIGGER_QUEUE_URL", "").strip()
+        if not queue_url:
+            raise ValueError("placement controller misconfigured: TRIGGER_QUEUE_URL is not set")
+        return forward.forward(event, _clients().sqs, queue_url, aws.Retry())
     settings = Settings.from_env(os.environ)
     for trigger in signals.records(event):
         LOG.info("trigger %s %s", trigger.get("source"), trigger.get("detail-type"))

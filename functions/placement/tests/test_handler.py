@@ -105,14 +105,14 @@ class Cell:
         with self.active():
             return reconcile(settings, self.clients, event or {}, retry, self.lines.append)
 
-    def group(self, **states: str) -> None:
+    def group(self, unhealthy: tuple[str, ...] = (), **states: str) -> None:
         instances = [
             {
                 "InstanceId": i,
                 "InstanceType": "trn2.48xlarge",
                 "AvailabilityZone": f"{REGION}a",
                 "LifecycleState": state,
-                "HealthStatus": "Healthy",
+                "HealthStatus": "Unhealthy" if i in unhealthy else "Healthy",
                 "LaunchTemplate": {"LaunchTemplateId": "lt-1"},
                 "ProtectedFromScaleIn": True,
             }
@@ -482,3 +482,188 @@ def test_lambda_entry_point_reads_its_environment(monkeypatch, capsys):
 )
 def test_events_that_report_an_instance_leaving(event, gone):
     assert handler.gone_from_event(event) == gone
+
+
+# -- failure handling: quarantine and warm spares -------------------------------------
+
+NOW = 1_800_000_000
+SPARE_SETTINGS = Settings(
+    CLUSTER, GROUP, units=1, nodes_per_unit=2, metrics_namespace="Rufus/Cell",
+    spare_nodes=1, spare_task_family="rufus-dev-spare",
+)
+TASK_B = f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/0123456789abcdef"
+
+
+def failure_record(suspect: str, ended_at: float, cause: str = "heartbeat_loss") -> dict:
+    """An SQS record as the forwarder enqueues it (placement_controller.forward)."""
+    body = {
+        "source": "unit-launcher",
+        "detail-type": "Unit Session End",
+        "id": "3712",
+        "detail": {
+            "event": "unit_session_end", "cell": "dev", "unit_id": "u0", "session_id": f"s-{ended_at}",
+            "cause": cause, "ended_by": {"rank": 1, "address": "10.0.0.11", "instance_id": suspect},
+            "exit_status": None, "ended_at": ended_at, "reason": "follower rank 1 silent for 30 s",
+        },
+    }
+    return {"messageId": "m1", "body": json.dumps(body)}
+
+
+def test_a_host_failing_a_third_time_is_quarantined_and_its_unit_gets_the_nearest_spare():
+    cell = Cell()
+    cell.group(**{"i-0a": "InService", "i-0b": "InService", "i-0s": "InService", "i-0t": "InService"})
+    a = container("i-0a", running=1, unit="u0", unit_placement="topology")
+    b = container("i-0b", running=1, unit="u0", unit_placement="topology", unit_failures=f"{NOW - 100} {NOW - 900}")
+    s = container("i-0s", running=1, unit="spare")  # near spare, running the spare task
+    t = container("i-0t", running=1, unit="spare")  # far spare
+    cell.containers([a, b, s, t])
+    cell.ecs.add_response(
+        "describe_tasks",
+        {"tasks": [{"taskArn": TASK_B, "containerInstanceArn": arn("i-0b")}], "failures": []},
+        {"cluster": CLUSTER, "tasks": [TASK_B]},
+    )
+    # The quarantined host is not planned: its topology is not even read.
+    cell.topology(
+        ["i-0a", "i-0s", "i-0t"],
+        [topo("i-0a", "t", "m1", "b1"), topo("i-0s", "t", "m1", "b1"), topo("i-0t", "t", "m2", "b7")],
+    )
+    cell.describe([s])
+    cell.ecs.add_response(
+        "delete_attributes", {"attributes": []},
+        {"cluster": CLUSTER, "attributes": delete("i-0b", "unit", "unit-placement")},
+    )
+    reason = f"3 unit failures in 60 min: last heartbeat_loss of u0 at {NOW - 5}"
+    writes = [
+        {"name": "unit-failures", "value": f"{NOW - 5} {NOW - 100} {NOW - 900}",
+         "targetType": "container-instance", "targetId": arn("i-0b")},
+        {"name": "quarantine", "value": reason, "targetType": "container-instance", "targetId": arn("i-0b")},
+        *put("i-0s", "u0", "topology"),
+    ]
+    cell.ecs.add_response("put_attributes", {"attributes": writes}, {"cluster": CLUSTER, "attributes": writes})
+    spare_task = f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/5pare"
+    cell.ecs.add_response(
+        "list_tasks", {"taskArns": [spare_task]},
+        {"cluster": CLUSTER, "containerInstance": arn("i-0s"), "family": "rufus-dev-spare", "desiredStatus": "RUNNING"},
+    )
+    cell.ecs.add_response(
+        "stop_task", {"task": {"taskArn": spare_task}},
+        {"cluster": CLUSTER, "task": spare_task, "reason": "placement controller: this spare now belongs to a unit"},
+    )
+    cell.autoscaling.add_response(
+        "set_instance_health", {},
+        {"InstanceId": "i-0b", "HealthStatus": "Unhealthy", "ShouldRespectGracePeriod": False},
+    )
+    event = {"Records": [failure_record(TASK_B, NOW - 4.6)]}
+    retry = aws.Retry(sleep=cell.delays.append)
+    with cell.active():
+        summary = reconcile(SPARE_SETTINGS, cell.clients, event, retry, cell.lines.append, now=NOW)
+
+    assert summary["quarantined"] == {"i-0b": reason}
+    assert summary["marked_unhealthy"] == ["i-0b"] and summary["cleared"] == ["i-0b"]
+    assert summary["spares_assigned"] == {"i-0s": "u0"}
+    assert summary["units"]["u0"] == {"instances": ["i-0a", "i-0s"], "score": 3, "missing": 0}
+    assert summary["spare_tasks_stopped"] == [spare_task]
+    assert summary["spares"] == ["i-0t"]
+    metrics = next(line for line in emf_lines(cell) if "Unit" not in line)
+    assert (metrics["Quarantines"], metrics["InstancesInQuarantine"], metrics["SparesAssigned"]) == (1, 1, 1)
+    assert metrics["UnitFailuresCounted"] == 1
+
+
+def test_after_the_quarantine_the_replacement_becomes_the_new_spare_and_nothing_is_repeated():
+    cell = Cell()
+    cell.group(("i-0b",), **{"i-0a": "InService", "i-0s": "InService", "i-0b": "InService", "i-0n": "Pending"})
+    a = container("i-0a", running=1, unit="u0", unit_placement="topology")
+    s = container("i-0s", running=1, unit="u0", unit_placement="topology")
+    b = container("i-0b", running=1, quarantine="3 unit failures in 60 min", unit_failures=f"{NOW - 5}")
+    n = container("i-0n")
+    cell.containers([a, s, b, n])
+    cell.topology(["i-0a", "i-0n", "i-0s"], [topo(i, "t", "m1", "b1") for i in ("i-0a", "i-0n", "i-0s")])
+    cell.describe([n])
+    spare = [{"name": "unit", "value": "spare", "targetType": "container-instance", "targetId": arn("i-0n")}]
+    cell.ecs.add_response("put_attributes", {"attributes": spare}, {"cluster": CLUSTER, "attributes": spare})
+    # No SetInstanceHealth: the group already counts i-0b unhealthy.
+    summary = cell.run({"source": "aws.events", "detail-type": "Scheduled Event"}, settings=SPARE_SETTINGS)
+    assert summary["in_quarantine"] == ["i-0b"] and summary["quarantined"] == {}
+    assert summary["spares"] == ["i-0n"] and summary["marked_unhealthy"] == []
+
+
+def test_failures_below_the_limit_are_only_recorded_and_unknown_members_reported():
+    cell = Cell()
+    cell.group(**{"i-0a": "InService", "i-0b": "InService"})
+    a = container("i-0a", running=1, unit="u0", unit_placement="topology")
+    b = container("i-0b", running=1, unit="u0", unit_placement="topology")
+    cell.containers([a, b])
+    gone_task = f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/90ne"
+    cell.ecs.add_response(
+        "describe_tasks", {"tasks": [], "failures": [{"arn": gone_task, "reason": "MISSING"}]},
+        {"cluster": CLUSTER, "tasks": [gone_task]},
+    )
+    cell.topology(["i-0a", "i-0b"], [topo("i-0a", "t", "m", "b"), topo("i-0b", "t", "m", "b")])
+    times = [{"name": "unit-failures", "value": str(NOW - 60), "targetType": "container-instance",
+              "targetId": arn("i-0b")}]
+    cell.ecs.add_response("put_attributes", {"attributes": times}, {"cluster": CLUSTER, "attributes": times})
+    event = {"Records": [failure_record("i-0b", NOW - 60), failure_record(gone_task, NOW - 30)]}
+    with cell.active():
+        summary = reconcile(SPARE_SETTINGS, cell.clients, event, aws.Retry(), cell.lines.append, now=NOW)
+    assert summary["quarantined"] == {} and summary["failures_counted"] == 1
+    assert summary["unresolved_failures"] == [gone_task]
+
+
+def test_set_instance_health_on_an_instance_the_group_no_longer_holds_is_not_an_error():
+    cell = Cell()
+    cell.autoscaling.add_client_error("set_instance_health", "ValidationError", http_status_code=400)
+    with cell.autoscaling:
+        assert aws.mark_unhealthy(cell.clients.autoscaling, "i-0b", aws.Retry()) is False
+
+
+def test_a_log_delivery_is_only_enqueued(monkeypatch):
+    import base64
+    import gzip
+
+    from placement_controller import failures
+
+    line = {"event": "unit_session_end", "unit_id": "u0", "session_id": "s9", "cause": "step_timeout",
+            "ended_by": {"rank": 2, "address": "10.0.0.12", "instance_id": TASK_B}, "ended_at": NOW,
+            "log_tail": ["x" * 1000] * 50, "_aws": {"CloudWatchMetrics": []}, "reason": "r" * 2000}
+    payload = {
+        "messageType": "DATA_MESSAGE", "logGroup": "unit-logs", "logStream": "u0-leader/inference/abc",
+        "logEvents": [
+            {"id": "3700000000000000000000000000000000000000000000000000001", "timestamp": 1, "message": "boot"},
+            {"id": "3700000000000000000000000000000000000000000000000000002", "timestamp": 2,
+             "message": json.dumps(line)},
+        ],
+    }
+    event = {"awslogs": {"data": base64.b64encode(gzip.compress(json.dumps(payload).encode())).decode()}}
+    config = Config(signature_version=UNSIGNED)
+    sqs = boto3.client("sqs", region_name=REGION, config=config)
+    queue = f"https://sqs.{REGION}.amazonaws.com/{ACCOUNT}/placement-triggers.fifo"
+    sent: list[str] = []
+    with Stubber(sqs) as stub:
+        stub.add_response(
+            "send_message", {"MessageId": "m", "MD5OfMessageBody": "x"},
+            {"QueueUrl": queue, "MessageBody": ANY, "MessageGroupId": "cell",
+             "MessageDeduplicationId": "3700000000000000000000000000000000000000000000000000002"},
+        )
+        original = sqs.send_message
+        monkeypatch.setattr(sqs, "send_message", lambda **kw: (sent.append(kw["MessageBody"]), original(**kw))[1])
+        monkeypatch.setenv("TRIGGER_QUEUE_URL", queue)
+        monkeypatch.setattr(handler, "_clients", lambda: Clients(ec2=None, ecs=None, autoscaling=None, sqs=sqs))
+        assert handler.handler(event, None) == {"forwarded": 1}
+        stub.assert_no_pending_responses()
+    body = json.loads(sent[0])
+    assert "log_tail" not in body["detail"] and len(body["detail"]["reason"]) == 500
+    # What the next run reads back from the queue.
+    [failure] = failures.failures_from_records(handler.signals.records({"Records": [{"body": sent[0]}]}))
+    assert (failure.suspect, failure.cause, failure.unit) == (TASK_B, "step_timeout", "u0")
+
+
+def test_settings_read_quarantine_and_spares_with_defaults():
+    base = {"CLUSTER_NAME": CLUSTER, "AUTO_SCALING_GROUP_NAME": GROUP, "UNITS": "2", "NODES_PER_UNIT": "2",
+            "METRICS_NAMESPACE": "N"}
+    default = Settings.from_env(base)
+    assert (default.quarantine.failures, default.quarantine.window_seconds, default.spare_nodes) == (3, 3600, 0)
+    tuned = Settings.from_env({**base, "QUARANTINE_FAILURES": "2", "QUARANTINE_WINDOW_SECONDS": "600",
+                               "QUARANTINE_MAX_INSTANCES": "2", "SPARE_NODES": "1", "SPARE_TASK_FAMILY": "f"})
+    assert (tuned.quarantine.failures, tuned.quarantine.max_instances, tuned.spare_nodes) == (2, 2, 1)
+    with pytest.raises(ValueError, match="QUARANTINE_WINDOW_SECONDS = '5'"):
+        Settings.from_env({**base, "QUARANTINE_WINDOW_SECONDS": "5"})

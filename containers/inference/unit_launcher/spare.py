@@ -1,0 +1,101 @@
+"""The spare role: a warm spare node fetches the model into its cache, then idles, healthy.
+
+A cell with `spare_nodes` keeps that many instances beyond its units, labelled
+`unit = spare` by the placement controller; the cell's spare service runs one task of
+this role on each (UNIT_ROLE=spare). It fetches every rank's artifacts (it does not know
+which rank of which unit it will replace) into the instance's model cache, the same host
+path the unit tasks mount, says so in one JSON log line, and waits. When a unit loses a
+node, the controller gives the unit this instance and stops this task; the unit's task
+that ECS then places here finds the artifacts already in the cache (the fetch skips
+objects whose size and ETag match), so the unit serves again in its load time.
+
+Exit status: 0 after SIGTERM; EXIT_ARTIFACTS when the fetch fails (ECS starts it again).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+from unit_launcher.spec import UnitSpec
+
+log = logging.getLogger("unit_launcher.spare")
+
+EXIT_ARTIFACTS = 4  # as unit_launcher.runner.EXIT_ARTIFACTS
+POLL_SECONDS = 1.0
+
+
+def stop_on_sigterm() -> threading.Event:
+    """An event set by SIGTERM or SIGINT (ECS stops a task with SIGTERM)."""
+    stop = threading.Event()
+
+    def _on_signal(sig: int, _frame: object) -> None:
+        log.info("received %s: the spare stops", signal.Signals(sig).name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _on_signal)
+    return stop
+
+
+def _fetch_all_ranks(spec: UnitSpec) -> None:
+    # Imported here: the runner pulls in aiohttp and the engine plan, which the tests of
+    # this module replace.
+    from unit_launcher.runner import fetch_artifacts
+
+    fetch_artifacts(spec, rank=None)
+
+
+def run_spare(
+    spec: UnitSpec,
+    *,
+    stop: threading.Event | None = None,
+    fetch: Callable[[UnitSpec], None] = _fetch_all_ranks,
+    out: TextIO | None = None,
+) -> int:
+    """Prefetch, report ready, idle until stopped."""
+    stop = stop if stop is not None else stop_on_sigterm()
+    started = time.monotonic()
+    outcome: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            fetch(spec)
+        except Exception as error:  # any failure is reported and ECS starts the task again
+            outcome["error"] = error
+
+    # The fetch runs in a thread so that SIGTERM stops the spare at once, mid-download
+    # (the next fetch resumes: objects already complete are skipped).
+    worker = threading.Thread(target=work, name="spare-fetch", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        if stop.wait(POLL_SECONDS):
+            log.info("stopped while fetching the model")
+            return 0
+    if "error" in outcome:
+        log.error("the spare could not fetch the model: %s", outcome["error"])
+        return EXIT_ARTIFACTS
+    _ready(spec, time.monotonic() - started, out or sys.stdout)
+    stop.wait()
+    return 0
+
+
+def _ready(spec: UnitSpec, seconds: float, out: TextIO) -> None:
+    """One JSON line in the task's log: this spare has the model in its cache."""
+    event = {
+        "event": "spare_ready",
+        "cell": spec.cell,
+        "revision": spec.revision,
+        "model": spec.model.name,
+        "local_dir": spec.model.local_dir,
+        "fetch_seconds": round(seconds, 3),
+        "time": time.time(),
+    }
+    out.write(json.dumps(event, sort_keys=True) + "\n")
+    out.flush()

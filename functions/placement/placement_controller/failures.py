@@ -1,0 +1,133 @@
+"""Host quarantine: which instance a unit failure implicates, and when an instance is out.
+
+A pure module, no AWS in here. The unit launcher logs one `unit_session_end` event per
+session (containers/inference/unit_launcher/evidence.py); a CloudWatch Logs subscription
+brings the failures to the controller through its FIFO trigger queue. Each failure that
+names a member (`ended_by`) counts against that member's instance. An instance named in
+`failures` unit failures within `window_seconds` is quarantined.
+
+The failure times of an instance are kept on the instance itself, in the ECS attribute
+`unit-failures` (Unix seconds separated by spaces): the controller already reads and
+writes its container instances' attributes, runs are serialised by the FIFO queue (no
+lost update), and the record goes with the instance when it leaves (a replacement starts
+clean). A failure's time is the session's own `ended_at`, not the time the controller
+sees it, so a batch that is delivered twice counts once: times are a set.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+FAILURES_ATTRIBUTE = "unit-failures"
+QUARANTINE_ATTRIBUTE = "quarantine"
+EVENT_SOURCE = "unit-launcher"
+EVENT_DETAIL_TYPE = "Unit Session End"
+# Causes that say the named member's node failed: it was silent, overran a step, its
+# engine died or restarted. `member_left` counts only with an engine exit status: a
+# follower that leaves on SIGTERM (a deployment, a scale-in) is not at fault.
+IMPLICATING_CAUSES = frozenset(
+    {"heartbeat_loss", "step_timeout", "engine_exit", "member_restarted", "member_lost"}
+)
+# ECS attribute values: at most 128 characters of letters, digits, - _ . @ / \\ : and
+# spaces, neither first nor last a space
+# (https://docs.aws.amazon.com/AmazonECS/latest/APIReference/API_Attribute.html).
+ATTRIBUTE_VALUE_LIMIT = 128
+_NOT_IN_VALUE = re.compile(r"[^A-Za-z0-9_.@/\\: -]+")
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """One unit failure and the member it names: an EC2 instance id, or an ECS task ARN."""
+
+    unit: str
+    session_id: str
+    cause: str
+    ended_at: int
+    suspect: str
+    address: str = ""
+
+
+@dataclass(frozen=True)
+class QuarantinePolicy:
+    failures: int
+    window_seconds: int
+    max_instances: int = 1
+
+
+def failure_from_event(event: Mapping[str, Any]) -> Failure | None:
+    """The failure a session-end event reports, or None when it implicates no member."""
+    if event.get("event") != "unit_session_end":
+        return None
+    cause = str(event.get("cause") or "")
+    ended_by = event.get("ended_by")
+    if not isinstance(ended_by, Mapping) or not ended_by.get("instance_id"):
+        return None
+    if cause not in IMPLICATING_CAUSES and not (cause == "member_left" and event.get("exit_status") is not None):
+        return None
+    try:
+        ended_at = int(float(event.get("ended_at")))
+    except (TypeError, ValueError):
+        return None
+    return Failure(
+        unit=str(event.get("unit_id") or ""),
+        session_id=str(event.get("session_id") or ""),
+        cause=cause,
+        ended_at=ended_at,
+        suspect=str(ended_by["instance_id"]),
+        address=str(ended_by.get("address") or ""),
+    )
+
+
+def failures_from_records(records: Iterable[Mapping[str, Any]]) -> list[Failure]:
+    """The failures among the trigger records (other records are EventBridge events); one per session."""
+    found: dict[tuple[str, str], Failure] = {}
+    for record in records:
+        if record.get("source") != EVENT_SOURCE or not isinstance(record.get("detail"), Mapping):
+            continue
+        failure = failure_from_event(record["detail"])
+        if failure is not None:
+            found.setdefault((failure.unit, failure.session_id or str(failure.ended_at)), failure)
+    return sorted(found.values(), key=lambda f: (f.ended_at, f.unit, f.session_id))
+
+
+def parse_times(value: str | None) -> set[int]:
+    """Failure times from the attribute value; anything unreadable is ignored."""
+    return {int(part) for part in (value or "").split() if part.isdigit()}
+
+
+def format_times(times: Iterable[int]) -> str:
+    """Newest first, as many as fit an attribute value."""
+    text = ""
+    for time in sorted(set(times), reverse=True):
+        candidate = f"{text} {time}" if text else str(time)
+        if len(candidate) > ATTRIBUTE_VALUE_LIMIT:
+            break
+        text = candidate
+    return text
+
+
+def recent(times: Iterable[int], now: float, policy: QuarantinePolicy) -> list[int]:
+    """The failure times inside the window ending now, newest first, at most `failures` of them."""
+    inside = sorted((t for t in set(times) if now - t < policy.window_seconds), reverse=True)
+    return inside[: policy.failures]
+
+
+def reaches_quarantine(times: Iterable[int], now: float, policy: QuarantinePolicy) -> bool:
+    return len(recent(times, now, policy)) >= policy.failures
+
+
+def attribute_value(text: str) -> str:
+    """Any text as a valid ECS attribute value (disallowed characters become '-')."""
+    cleaned = _NOT_IN_VALUE.sub("-", text).strip()[:ATTRIBUTE_VALUE_LIMIT].strip()
+    return cleaned or "-"
+
+
+def quarantine_reason(failures: Sequence[Failure], count: int, policy: QuarantinePolicy) -> str:
+    """Why an instance is out, as the value of its `quarantine` attribute."""
+    last = failures[-1] if failures else None
+    detail = f" last {last.cause} of {last.unit} at {last.ended_at}" if last else ""
+    minutes = policy.window_seconds // 60
+    return attribute_value(f"{count} unit failures in {minutes} min:{detail}")

@@ -1,0 +1,82 @@
+"""Unit failure events from CloudWatch Logs into the controller's FIFO trigger queue.
+
+A subscription filter on the cell's task log group invokes the function with the
+launcher's `unit_session_end` lines (CloudWatch Logs sends them base64-encoded and
+gzipped, https://docs.aws.amazon.com/AmazonCloudWatch/latest/logs/SubscriptionFilters.html#LambdaFunctionExample).
+This path only enqueues: each event becomes one message of the trigger queue's single
+message group, so the quarantine is decided by a normal, serialised run and never
+overlaps with another. The log event id is the deduplication id: a subscription that
+delivers a batch twice within five minutes enqueues it once.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import hashlib
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from botocore.client import BaseClient
+
+from placement_controller import aws
+from placement_controller.failures import EVENT_DETAIL_TYPE, EVENT_SOURCE
+
+LOG = logging.getLogger(__name__)
+MESSAGE_GROUP = "cell"
+# What the controller reads of an event; the engine's log tail and step records stay in the log.
+KEPT_FIELDS = ("event", "cell", "unit_id", "revision", "session_id", "cause", "ended_by", "exit_status", "ended_at")
+REASON_LIMIT = 500
+
+
+def is_log_delivery(event: Mapping[str, Any]) -> bool:
+    return isinstance(event.get("awslogs"), Mapping)
+
+
+def log_events(event: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The log events of one subscription delivery (none for CloudWatch's control message)."""
+    payload = json.loads(gzip.decompress(base64.b64decode(event["awslogs"]["data"])))
+    if payload.get("messageType") != "DATA_MESSAGE":
+        return []
+    return [e for e in payload.get("logEvents", []) if isinstance(e, Mapping)]
+
+
+def trigger_message(log_event: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The trigger-queue message of one log line, or None when it is no session end."""
+    try:
+        document = json.loads(str(log_event.get("message", "")))
+    except ValueError:
+        return None
+    if not isinstance(document, Mapping) or document.get("event") != "unit_session_end":
+        return None
+    detail = {key: document.get(key) for key in KEPT_FIELDS}
+    detail["reason"] = str(document.get("reason") or "")[:REASON_LIMIT]
+    return {
+        "source": EVENT_SOURCE,
+        "detail-type": EVENT_DETAIL_TYPE,
+        "id": str(log_event.get("id", "")),
+        "detail": detail,
+    }
+
+
+def forward(event: Mapping[str, Any], sqs: BaseClient, queue_url: str, retry: aws.Retry) -> dict[str, Any]:
+    """Enqueue every session end of the delivery; returns how many."""
+    sent = 0
+    for log_event in log_events(event):
+        message = trigger_message(log_event)
+        if message is None:
+            continue
+        body = json.dumps(message, sort_keys=True)
+        retry.call(
+            sqs.send_message,
+            QueueUrl=queue_url,
+            MessageBody=body,
+            MessageGroupId=MESSAGE_GROUP,
+            # At most 128 characters; a CloudWatch log event id is a 56-digit number.
+            MessageDeduplicationId=(message["id"] or hashlib.sha256(body.encode()).hexdigest())[:128],
+        )
+        sent += 1
+    LOG.info("forwarded %d unit session ends to the trigger queue", sent)
+    return {"forwarded": sent}
