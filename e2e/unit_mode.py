@@ -417,7 +417,8 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
         r.check(f"{case.label}: same request, same answer after", again == first, f"{again!r} vs {first!r}")
         check_lockstep(unit, r, case.label.split(".")[0], h.left(60))
 
-    # 5. SIGTERM to the leader task while a stream is in flight.
+    # 5. SIGTERM to the leader task while a stream is in flight: a deployment, and the unit
+    # autoscaler's scale-in (it sets the unit's services to 0 tasks; ECS sends SIGTERM).
     stream_result: dict[str, Any] = {}
     first_chunk = threading.Event()
 
@@ -442,11 +443,25 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
     unit.proxy.signal(signal.SIGTERM)
     if stop_order == "together":
         leader_proc.signal(signal.SIGTERM)
+    # New requests during the drain: served while the load balancer may still send them
+    # (DRAIN_SECONDS), then refused at the socket (the load balancer sends them elsewhere);
+    # never an error from the unit.
+    drain_probes: list[Probe] = []
+    stop_drain_probes = threading.Event()
+    drain_prober = threading.Thread(target=probe_half_unit, args=(base, stop_drain_probes, drain_probes, 30),
+                                    daemon=True)
+    drain_prober.start()
     health_during_drain: list[tuple[float, int | None]] = []
     while streamer.is_alive() and time.monotonic() - term_at < h.left(300):
         health_during_drain.append((time.monotonic() - term_at, unit.health()))
         time.sleep(0.1)
     streamer.join(5)
+    stop_drain_probes.set()
+    drain_prober.join(40)
+    outcomes = sorted({p.outcome for p in drain_probes})
+    r.facts["drain_probes"] = [f"{p.started - term_at:+.1f}s -> {p.outcome}" for p in drain_probes]
+    r.check("5. new requests during the drain are served or refused at the socket, never a unit error",
+            bool(drain_probes) and set(outcomes) <= {"200", "503", "connection error"}, f"{outcomes}")
     if stop_order == "proxy-first":
         unit.proxy.wait(h.left(180))
         leader_proc.signal(signal.SIGTERM)
