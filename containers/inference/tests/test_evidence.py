@@ -25,11 +25,12 @@ def test_backoff_doubles_with_each_failure_in_a_row_and_is_capped():
     assert [POLICY.wait(n) for n in range(7)] == [0, 15, 30, 60, 120, 240, 300]
 
 
-def test_a_session_that_served_long_enough_or_a_deliberate_stop_resets_the_count():
+def test_a_session_that_served_long_enough_resets_the_count_and_deliberate_stops_are_neutral():
     records = [_record("a"), _record("b", served=700), _record("c"), _record("d")]
     assert evidence.failures_in_a_row(records, POLICY) == 2
-    records.append(_record("e", cause=evidence.DELIBERATE))
-    assert evidence.failures_in_a_row(records, POLICY) == 0
+    # A deploy or a drained instance during a flapping period neither counts nor resets.
+    records += [_record("e", cause=evidence.DELIBERATE), _record("f", cause="member_stopped"), _record("g")]
+    assert evidence.failures_in_a_row(records, POLICY) == 3
 
 
 def test_the_wait_counts_from_the_last_failure_and_lapses_after_a_long_quiet():
@@ -64,7 +65,8 @@ def test_the_event_is_one_emf_line_with_the_unit_metrics():
     event = evidence.session_event(
         spec=SPEC, session_id="s1", cause="member_lost", reason="follower rank 1 lost",
         ended_by={"rank": 1, "address": "10.0.0.2", "instance_id": "i-b"},
-        members=[], released_at=time.time() - 12, exit_status=None, log_tail=["boom"],
+        members=[], released_at=time.time() - 20, serving_since=time.time() - 12, exit_status=None,
+        log_tail=["boom"],
     )
     doc = json.loads(evidence.emf_line(event, "Rufus/Unit"))
     directive = doc["_aws"]["CloudWatchMetrics"][0]

@@ -79,8 +79,11 @@ def test_laggards_and_lockstep_name_the_member_behind() -> None:
         "rank 0 10.0.0.1 (i-a)": {"executor": executor, "worker-0": {"steps": 7, "chain": "c7"}},
         "rank 1 10.0.0.2 (i-b)": {"worker-1": {"steps": 6, "chain": "c6"}},
     }
-    assert steps.laggards(7, members) == ["rank 1 10.0.0.2 (i-b) (executed 6 of 7 steps)"]
+    assert steps.laggards(7, members) == ["rank 1 10.0.0.2 (i-b) (completed 6 of 7 steps)"]
     assert steps.lockstep(executor, members) is False
+    # Started the 7th step but hung inside it: still behind.
+    members["rank 1 10.0.0.2 (i-b)"]["worker-1"] = {"steps": 7, "completed": 6, "chain": "c7"}
+    assert steps.laggards(7, members) == ["rank 1 10.0.0.2 (i-b) (completed 6 of 7 steps)"]
     members["rank 1 10.0.0.2 (i-b)"]["worker-1"] = {"steps": 7, "chain": "c7"}
     assert steps.laggards(7, members) == [] and steps.lockstep(executor, members) is True
     assert steps.laggards(7, {"rank 2 x (i-c)": {}}) == ["rank 2 x (i-c) (no step record)"]
@@ -150,6 +153,13 @@ def test_the_step_record_format_is_what_the_contract_says(tmp_path: Path) -> Non
     recorder.step(b"\x01" * 16)
     state = records.read_record(tmp_path / "worker-3.rec")
     assert state is not None
-    assert (tmp_path / "worker-3.rec").stat().st_size == 72
+    assert (tmp_path / "worker-3.rec").stat().st_size == 80
     assert json.dumps(state.to_json())  # JSON-able, as heartbeats carry it
-    assert state.steps == 1 and state.inflight_since_ns > 0 and len(state.chain) == 64
+    assert state.steps == 1 and state.completed == 0 and state.inflight_since_ns > 0 and len(state.chain) == 64
+    recorder.begin()  # sampling, part of the same step
+    recorder.done()
+    state = records.read_record(tmp_path / "worker-3.rec")
+    assert state is not None and state.completed == 1 and state.inflight_since_ns > 0
+    recorder.done()
+    state = records.read_record(tmp_path / "worker-3.rec")
+    assert state is not None and state.completed == 1 and state.inflight_since_ns == 0

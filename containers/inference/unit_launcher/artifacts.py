@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -199,18 +200,25 @@ def prepare_node_layout(layout_dir: Path, node_dir: Path, start_rank_id: int, lo
     NEURON_COMPILED_ARTIFACTS and ignores override_neuron_config when artifacts exist, so
     the rank slice is set here: a directory of links to the layout's files with its own
     neuron_config.json (NxD Inference's multi-node example likewise gives each node its own
-    compiled-model path). Rebuilt each start; the fetched files are never modified.
+    compiled-model path). Rebuilt each start; the launcher never modifies the fetched files
+    (vllm-neuron compiles into this directory when loading fails, and through a linked
+    directory its writes would reach the fetched layout: the next fetch verifies it again).
     """
     whole, nested = read_neuron_config(layout_dir / LAYOUT_FILE)
-    if node_dir.exists():
-        for entry in node_dir.iterdir():
-            entry.unlink()
-    node_dir.mkdir(parents=True, exist_ok=True)
-    for entry in layout_dir.iterdir():
-        if entry.name != LAYOUT_FILE:
-            (node_dir / entry.name).symlink_to(entry.resolve())
-    nested = {**nested, "start_rank_id": start_rank_id, "local_ranks_size": local_ranks_size}
-    (node_dir / LAYOUT_FILE).write_text(json.dumps({**whole, "neuron_config": nested}, indent=2, sort_keys=True))
+    try:
+        # Anything left from the last start goes, directories included (vllm-neuron compiles
+        # into NEURON_COMPILED_ARTIFACTS when loading fails).
+        if node_dir.exists():
+            shutil.rmtree(node_dir)
+        node_dir.mkdir(parents=True)
+        for entry in layout_dir.iterdir():
+            if entry.name != LAYOUT_FILE:
+                (node_dir / entry.name).symlink_to(entry.resolve())
+        nested = {**nested, "start_rank_id": start_rank_id, "local_ranks_size": local_ranks_size}
+        text = json.dumps({**whole, "neuron_config": nested}, indent=2, sort_keys=True)
+        (node_dir / LAYOUT_FILE).write_text(text)
+    except OSError as error:
+        raise ArtifactError(f"cannot prepare this node's view {node_dir} of {layout_dir}: {error}") from None
     return node_dir
 
 

@@ -15,8 +15,10 @@ import contextlib
 import ctypes
 import logging
 import os
+import queue
 import signal
 import sys
+import threading
 from collections import deque
 
 log = logging.getLogger("unit_launcher.engine")
@@ -24,6 +26,36 @@ log = logging.getLogger("unit_launcher.engine")
 _PR_SET_PDEATHSIG = 1
 # Lines of the engine's output kept for the evidence of a failed session.
 TAIL_LINES = 40
+# Chunks of output waiting for the log writer; beyond this they are dropped (and counted)
+# rather than stall the launcher's loop or, through a full pipe, the engine itself.
+QUEUE_CHUNKS = 4096
+
+
+class _LogWriter(threading.Thread):
+    """Writes the engine's output to the launcher's stdout off the event loop.
+
+    A log driver that blocks (awslogs in blocking mode under throttling) then stalls this
+    thread only, never the rendezvous, heartbeats or the watchdog."""
+
+    def __init__(self) -> None:
+        super().__init__(name="engine-log", daemon=True)
+        self.chunks: queue.Queue[bytes | None] = queue.Queue(QUEUE_CHUNKS)
+        self.dropped = 0
+
+    def put(self, chunk: bytes) -> None:
+        try:
+            self.chunks.put_nowait(chunk)
+        except queue.Full:
+            self.dropped += 1
+
+    def run(self) -> None:
+        out = sys.stdout.buffer
+        while (chunk := self.chunks.get()) is not None:
+            try:
+                out.write(chunk)
+                out.flush()
+            except (OSError, ValueError):
+                self.dropped += 1
 
 
 def _die_with_parent() -> None:
@@ -46,23 +78,38 @@ class Engine:
         self.process: asyncio.subprocess.Process | None = None
         self._tail: deque[str] = deque(maxlen=TAIL_LINES)
         self._copier: asyncio.Task[None] | None = None
+        self._writer = _LogWriter()
 
     def tail(self) -> list[str]:
         """The engine's last lines of output (stdout and stderr together)."""
         return list(self._tail)
 
     async def _copy_output(self, stream: asyncio.StreamReader) -> None:
-        """Pass the output on as it comes (chunks, so no line is too long to copy)."""
-        out = sys.stdout.buffer
+        """Pass the output on as it comes (chunks, so no line is too long to copy); the pipe
+        is always drained, whatever happens to the writing, so the engine never blocks on it."""
+        self._writer.start()
         pending = b""
-        while chunk := await stream.read(1 << 16):
-            out.write(chunk)
-            out.flush()
-            *lines, pending = (pending + chunk).split(b"\n")
-            pending = pending[-4096:]
-            self._tail.extend(line.decode(errors="replace")[-500:] for line in lines)
-        if pending:
-            self._tail.append(pending.decode(errors="replace")[-500:])
+        try:
+            while chunk := await stream.read(1 << 16):
+                self._writer.put(chunk)
+                *lines, pending = (pending + chunk).split(b"\n")
+                pending = pending[-4096:]
+                self._tail.extend(line.decode(errors="replace")[-500:] for line in lines)
+            if pending:
+                self._tail.append(pending.decode(errors="replace")[-500:])
+        finally:
+            with contextlib.suppress(queue.Full):
+                self._writer.chunks.put_nowait(None)
+            if self._writer.dropped:
+                log.warning("%d chunks of engine output could not be written", self._writer.dropped)
+
+    async def _output_done(self, timeout: float = 1.0) -> None:
+        """Let the last lines through (the workers may hold the pipe open: briefly)."""
+        if self._copier is not None:
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(self._copier), timeout)
+            if self._copier.done() and self._writer.is_alive():
+                await asyncio.to_thread(self._writer.join, timeout)
 
     async def start(self) -> None:
         log.info("starting engine: %s", " ".join(self.argv))
@@ -88,10 +135,7 @@ class Engine:
     async def wait(self) -> int:
         assert self.process is not None
         status = exit_status(await self.process.wait())
-        if self._copier is not None:
-            # The last lines may still be in the pipe; the workers may hold it open, so briefly.
-            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(asyncio.shield(self._copier), 1.0)
+        await self._output_done()
         return status
 
     def _signal(self, sig: int) -> None:
@@ -116,4 +160,7 @@ class Engine:
         else:
             # The engine's own exit may leave its workers behind in the group.
             self._signal(signal.SIGKILL)
+        # The engine's last lines before anything the launcher writes next (the evidence line
+        # must start a line of its own to be read as EMF).
+        await self._output_done()
         return exit_status(self.process.returncode or 0)

@@ -31,6 +31,8 @@ from typing import Any, TextIO
 log = logging.getLogger("unit_launcher.evidence")
 
 DELIBERATE = "deliberate_stop"
+# Session ends that say nothing about the unit's health: they neither count nor reset.
+NEUTRAL = (DELIBERATE, "member_stopped")
 # How many history records a node keeps (the newest).
 HISTORY_LIMIT = 100
 
@@ -86,11 +88,16 @@ def append_history(path: Path, event: dict[str, Any]) -> bool:
 
 
 def failures_in_a_row(records: Iterable[dict[str, Any]], policy: BackoffPolicy) -> int:
-    """Failed sessions since the last deliberate stop or the last session that served long enough."""
+    """Failed sessions since the last session that served long enough.
+
+    Deliberate stops (a deploy, a drained instance) are neutral: a flapping unit that is
+    also being redeployed still backs off."""
     count = 0
     for record in reversed(list(records)):
-        if record.get("cause") == DELIBERATE or float(record.get("served_seconds") or 0) >= policy.reset_seconds:
+        if float(record.get("served_seconds") or 0) >= policy.reset_seconds:
             break
+        if record.get("cause") in NEUTRAL:
+            continue
         count += 1
     return count
 
@@ -126,6 +133,7 @@ def session_event(
     ended_by: dict[str, Any] | None,
     members: list[dict[str, Any]],
     released_at: float | None,
+    serving_since: float | None = None,
     exit_status: int | None = None,
     log_tail: list[str] | None = None,
     steps: dict[str, Any] | None = None,
@@ -144,8 +152,11 @@ def session_event(
         "exit_status": exit_status,
         "members": members,
         "released_at": released_at,
+        "serving_since": serving_since,
         "ended_at": ended_at,
-        "served_seconds": round(ended_at - released_at, 3) if released_at else 0.0,
+        # From the first completed step (the model loaded), not from the release: a unit
+        # that fails right after a long load has not served.
+        "served_seconds": round(ended_at - serving_since, 3) if serving_since else 0.0,
         "log_tail": log_tail or [],
         "steps": steps,
     }
@@ -175,7 +186,7 @@ def emf_line(event: dict[str, Any], namespace: str | None) -> str:
                 "Cell": event["cell"],
                 "Unit": event["unit_id"],
                 "UnitSessionEnds": 1,
-                "UnitFailures": 0 if event["cause"] == DELIBERATE else 1,
+                "UnitFailures": 0 if event["cause"] in NEUTRAL else 1,
                 "UnitServedSeconds": event["served_seconds"],
             }
         )
@@ -184,5 +195,7 @@ def emf_line(event: dict[str, Any], namespace: str | None) -> str:
 
 def emit(event: dict[str, Any], namespace: str | None, stream: TextIO | None = None) -> None:
     out = stream or sys.stdout
-    out.write(emf_line(event, namespace) + "\n")
+    # A line of its own even if the engine's output ended mid-line: CloudWatch reads EMF
+    # only from a log event that is the JSON document alone.
+    out.write("\n" + emf_line(event, namespace) + "\n")
     out.flush()

@@ -62,6 +62,8 @@ class Member:
     incarnation: str = ""
     # The member's step records as of its last heartbeat (unit_executor.steps, as JSON).
     steps: dict[str, Any] = field(default_factory=dict)
+    # What the member said when it left (exit status, its engine's last lines, deliberate).
+    left_evidence: dict[str, Any] | None = None
 
     def describe(self) -> str:
         rank = f"rank {self.rank} " if self.rank is not None else ""
@@ -99,6 +101,12 @@ class LeaderSession:
     ended_by: Member | None = None
     ended_by_evidence: dict[str, Any] = field(default_factory=dict)
     released_at: float | None = None
+    # When the unit first completed a step: model loaded, serving (what the backoff reset counts).
+    serving_since: float | None = None
+    # Set when the leader was asked to stop: a step cut short by the stop is not a lost unit.
+    stop_requested: bool = False
+    # The leader engine's exit status when it ended on its own.
+    engine_status: int | None = None
     backoff: dict[str, Any] | None = None
     last_failure: dict[str, Any] | None = None
 
@@ -184,7 +192,7 @@ class LeaderSession:
 
     def _stopping_reply(self) -> dict[str, object]:
         return {"reason": "stopping", "error": f"unit session ends: {self.end_reason}",
-                "deliberate": self.deliberate_end, "cause": self.cause, "released_at": self.released_at}
+                "deliberate": self.deliberate_end, "cause": self.cause, "serving_since": self.serving_since}
 
     def prune_forming(self) -> None:
         """Forget joiners that went silent before the release, so a replacement can take the place."""
@@ -225,7 +233,6 @@ class LeaderSession:
             self._set_state(DEGRADED)
         else:
             self._set_state(SERVING)
-        self.check_steps()
 
     def _member_steps(self) -> dict[str, dict[str, Any]]:
         """Every member's step records: the leader's own read now, the followers' as last heard."""
@@ -236,9 +243,14 @@ class LeaderSession:
         return result
 
     def check_steps(self) -> None:
-        """End the session when a broadcast step has not completed within the step bound."""
-        if not self.released.is_set() or self.state == STOPPING:
+        """Note when the unit first served; end the session when a broadcast step has not
+        completed within the step bound."""
+        if not self.released.is_set() or self.state == STOPPING or self.stop_requested:
             return
+        if self.serving_since is None:
+            executor = steps.local_states(self.step_dir).get(steps.EXECUTOR)
+            if executor is not None and int(executor.get("completed", 0)) > 0:
+                self.serving_since = time.time()
         bound = self.spec.rendezvous.step_timeout_seconds
         overdue = steps.overdue_step(self.step_dir, bound)
         if overdue is None:
@@ -438,6 +450,10 @@ class LeaderSession:
         member.last_seen = time.monotonic()
         if isinstance(body.get("steps"), dict):
             member.steps = body["steps"]
+        if body.get("leaving"):
+            # Kept even when the session already ended: a follower whose engine crashed often
+            # breaks the leader's collective first, and its evidence names the real cause.
+            member.left_evidence = body.get("evidence") if isinstance(body.get("evidence"), dict) else {}
         if self.state == STOPPING:
             member.told_stop = True
             return web.json_response(
@@ -445,12 +461,13 @@ class LeaderSession:
             )
         if body.get("leaving"):
             member.told_stop = True
-            evidence = body.get("evidence") if isinstance(body.get("evidence"), dict) else {}
+            stopped = bool((member.left_evidence or {}).get("deliberate"))
             self.end(
                 f"follower {member.describe()} left: {body['leaving']}",
-                cause="member_left",
+                # A follower stopped on purpose (its instance drained or replaced) is not a failure.
+                cause="member_stopped" if stopped else "member_left",
                 ended_by=member,
-                evidence=evidence,
+                evidence=member.left_evidence,
             )
             return web.json_response(
                 self._stopping_reply(), status=410
@@ -466,6 +483,7 @@ class LeaderSession:
         while not self.ended.is_set():
             self.prune_forming()
             self.check_liveness()
+            self.check_steps()
             await asyncio.sleep(step)
 
     def silent_followers(self) -> list[Member]:
@@ -595,7 +613,7 @@ class SessionEnd:
     reason: str
     deliberate: bool = False
     cause: str = "leader_unreachable"
-    released_at: float | None = None
+    serving_since: float | None = None
 
 
 async def heartbeat_loop(
@@ -627,7 +645,7 @@ async def heartbeat_loop(
                     f"leader {release.leader_addr} ended session {release.session_id}: {reason}",
                     deliberate=bool(doc.get("deliberate")),
                     cause=str(doc.get("cause") or "session_changed"),
-                    released_at=doc.get("released_at"),
+                    serving_since=doc.get("serving_since"),
                 )
         except (aiohttp.ClientError, TimeoutError, ValueError) as error:
             silence = time.monotonic() - last_ok

@@ -198,17 +198,43 @@ async def _serve(spec: UnitSpec, session: rendezvous.LeaderSession, engine: Engi
     await _first(asyncio.shield(engine_exit), session.ended.wait(), signals.stop.wait())
     if engine_exit.done():
         status = engine_exit.result()
+        session.engine_status = status
         # A step overrunning its bound also ends the engine (vLLM's own timeout, the
         # backstop): name the members behind, as the watchdog would have.
         session.check_steps()
         session.end(f"leader engine exited with status {status}", cause="engine_exit")
         return status or EXIT_UNIT_LOST
     if signals.stop.is_set():
+        session.stop_requested = True  # a step cut short by the stop is not a lost unit
         status = await engine.stop(spec.engine.stop_timeout_seconds) or 0
         session.end("leader received SIGTERM", deliberate=True)
         return status
     await engine.stop(min(LOST_STOP_SECONDS, spec.engine.stop_timeout_seconds))
     return EXIT_UNIT_LOST
+
+
+# Session ends that mean a member was lost: the leader exits "unit lost" whatever its engine said.
+LOST_CAUSES = ("member_lost", "member_engine_exit", "heartbeat_loss", "step_timeout", "member_left",
+               "member_restarted")
+
+
+def _settle_cause(session: rendezvous.LeaderSession) -> None:
+    """Who really ended the session, once the followers had their chance to hear "stopping".
+
+    The leader's engine usually fails first when a follower dies (its collective breaks):
+    a follower that left with its engine's exit status, or one that then stayed silent, is
+    the member that was lost."""
+    if session.cause != "engine_exit":
+        return
+    crashed = [m for m in session.followers if (m.left_evidence or {}).get("exit_status") not in (None, 0)]
+    if crashed:
+        session.cause, session.ended_by = "member_engine_exit", crashed[0]
+        session.ended_by_evidence = dict(crashed[0].left_evidence or {})
+    elif silent := session.silent_followers():
+        session.cause, session.ended_by = "member_lost", silent[0]
+    else:
+        return
+    session.end_reason = f"follower {session.ended_by.describe()} lost ({session.cause}): {session.end_reason}"
 
 
 def _record_session_end(
@@ -218,23 +244,12 @@ def _record_session_end(
     culprit = session.ended_by
     ended_by = None
     tail: list[str] = []
-    if culprit is None and session.cause == "engine_exit":
-        # The leader's engine usually fails first when a follower dies (its collective
-        # breaks); a follower that then never heard "stopping" is the member that was lost.
-        silent = session.silent_followers()
-        if silent:
-            culprit = silent[0]
-            session.cause = "member_lost"
-            session.end_reason = (
-                f"follower {culprit.describe()} lost: silent since the leader's engine failed "
-                f"({session.end_reason})"
-            )
     if culprit is not None:
         ended_by = {"rank": culprit.rank, "address": culprit.address, "instance_id": culprit.instance_id}
         tail = list(session.ended_by_evidence.get("log_tail") or [])
     elif session.cause == "engine_exit":
         ended_by = {"rank": 0, "address": session.address, "instance_id": session.instance_id}
-        tail = engine.tail() if engine is not None else []
+    leader_tail = engine.tail() if engine is not None and session.cause not in evidence.NEUTRAL else []
     event = evidence.session_event(
         spec=spec,
         session_id=session.session_id,
@@ -243,10 +258,13 @@ def _record_session_end(
         ended_by=ended_by,
         members=session.status()["members"],
         released_at=session.released_at,
-        exit_status=session.ended_by_evidence.get("exit_status", status if session.cause == "engine_exit" else None),
-        log_tail=tail,
+        serving_since=session.serving_since,
+        exit_status=session.ended_by_evidence.get("exit_status", session.engine_status),
+        log_tail=tail or leader_tail,
         steps=session.steps_status(),
     )
+    if tail and leader_tail:
+        event["leader_log_tail"] = leader_tail
     evidence.emit(event, spec.metrics_namespace)
     evidence.append_history(_history(spec), event)
 
@@ -267,6 +285,9 @@ async def run_leader(spec: UnitSpec, me: Identity, bind: str) -> int:
         engine = Engine(node_plan.argv, _engine_env(node_plan))
         status = await _serve(spec, session, engine, signals)
         await session.tell_followers(2 * spec.rendezvous.heartbeat_interval + 1)
+        _settle_cause(session)
+        if session.cause in LOST_CAUSES:
+            status = EXIT_UNIT_LOST
         log.info("leader exits with status %d (%s)", status, session.end_reason)
         return status
     finally:
@@ -348,10 +369,12 @@ async def run_follower(spec: UnitSpec, me: Identity, env: Mapping[str, str]) -> 
         return await _follow(http, spec, me, release, signals)
 
 
-def _follower_record(spec: UnitSpec, release: rendezvous.Release, cause: str, reason: str, released_at: Any) -> None:
+def _follower_record(
+    spec: UnitSpec, release: rendezvous.Release, cause: str, reason: str, serving_since: Any
+) -> None:
     """This node's copy of the session's end in the unit's history (the next leader may start here)."""
     now = time.time()
-    started = released_at if isinstance(released_at, int | float) else None
+    started = serving_since if isinstance(serving_since, int | float) else None
     evidence.append_history(
         _history(spec),
         {
@@ -400,15 +423,18 @@ async def _follow(
                 http, spec, release, me.instance_id, why, {"exit_status": status, "log_tail": engine.tail()}
             )
             log.error("%s: follower leaves the unit", why)
+            _follower_record(spec, release, "member_engine_exit", why, None)
             return status or EXIT_UNIT_LOST
         if signals.stop.is_set():
-            await rendezvous.leave(http, spec, release, me.instance_id, "follower received SIGTERM")
+            await rendezvous.leave(
+                http, spec, release, me.instance_id, "follower received SIGTERM", {"deliberate": True}
+            )
             return await engine.stop(spec.engine.stop_timeout_seconds) or 0
         ended = beats.result()
         grace = spec.engine.stop_timeout_seconds if ended.deliberate else LOST_STOP_SECONDS
         await engine.stop(min(grace, spec.engine.stop_timeout_seconds))
         _follower_record(spec, release, "deliberate_stop" if ended.deliberate else ended.cause, ended.reason,
-                         ended.released_at)
+                         ended.serving_since)
         if ended.deliberate:
             # The leader was stopped on purpose (a deployment, a scale-in): a clean stop.
             log.info("unit session over: %s; engine stopped", ended.reason)

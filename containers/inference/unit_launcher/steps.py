@@ -48,16 +48,18 @@ def workers_of(states: Mapping[str, Mapping[str, Any]]) -> dict[str, Mapping[str
 
 
 def laggards(broadcast: int, members: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> list[str]:
-    """Members (by description) some worker of which had executed fewer than `broadcast` steps."""
+    """Members (by description) some worker of which had completed fewer than `broadcast` steps.
+
+    Completed, not started: a worker hung inside the step it started is the one behind."""
     behind = []
     for who, states in members.items():
         workers = workers_of(states)
         if not workers:
             behind.append(f"{who} (no step record)")
             continue
-        done = min(int(w["steps"]) for w in workers.values())
+        done = min(int(w.get("completed", w["steps"])) for w in workers.values())
         if done < broadcast:
-            behind.append(f"{who} (executed {done} of {broadcast} steps)")
+            behind.append(f"{who} (completed {done} of {broadcast} steps)")
     return behind
 
 

@@ -13,6 +13,12 @@ multi-node executor can broadcast each step to every node's worker:
 - each node loads its rank slice from its own view of the compiled layout (the launcher
   writes `start_rank_id`/`local_ranks_size` into it: `unit_launcher.artifacts`).
 
+vllm-neuron 0.5.x patches ParallelConfig.world_size_across_dp to the data parallel size
+(its platform.py, in `pre_register_and_update`), which would make vLLM's multi-node world
+one rank wide; it applies the patch only when the current platform's class is named
+"NeuronPlatform", which the unit platform's is not. Other name checks of the plugin are
+skipped the same way: see docs/neuron-multi-node.md, "Not verified".
+
 VERIFIED ONLY ON PAPER: no Trainium was available; nothing here has run on Neuron.
 """
 
@@ -25,23 +31,12 @@ from unit_executor.worker import UnitWorker
 NEURON_WORKER = "vllm_neuron.worker.neuron_worker.NeuronWorker"
 
 
-def restore_world_size_property() -> None:
-    """Undo vllm-neuron's patch of ParallelConfig.world_size_across_dp (it returns the data
-    parallel size on Neuron), which would make vLLM's multi-node world one rank wide."""
-    from vllm.config import ParallelConfig
-
-    original = getattr(ParallelConfig, "_unit_world_size_across_dp", None)
-    if original is not None:
-        ParallelConfig.world_size_across_dp = original
-
-
 class UnitNeuronWorker(UnitWorker):  # type: ignore[misc, valid-type]
     """vllm-neuron's worker, in a vLLM world of one rank per node."""
 
     def init_distributed_environment(self, *args: Any, **kwargs: Any) -> None:
         from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
 
-        restore_world_size_property()
         parallel = self.parallel_config
         init_distributed_environment(
             world_size=parallel.world_size,

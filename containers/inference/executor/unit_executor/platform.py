@@ -38,10 +38,14 @@ def resolve(qualname: str) -> Any:
 def select_unit_parts(vllm_config: Any) -> None:
     """Put the unit worker (every node) and the unit executor (the leader) into the config."""
     parallel = vllm_config.parallel_config
+    if getattr(vllm_config, "model_config", True) is None or parallel.worker_cls == "auto":
+        # vLLM also checks default (empty) configs; the real platform leaves them alone and so
+        # does this one, or a later worker would wrap "auto".
+        return
     if parallel.worker_cls not in UNIT_WORKERS:
         # The worker wraps whatever worker the real platform chose; worker processes are
         # spawned after this point and inherit the environment.
-        os.environ["UNIT_BASE_WORKER_CLS"] = parallel.worker_cls
+        os.environ.setdefault("UNIT_BASE_WORKER_CLS", parallel.worker_cls)
         neuron = parallel.worker_cls == VLLM_NEURON_WORKER
         parallel.worker_cls = NEURON_WORKER_CLS if neuron else WORKER_CLS
     if parallel.nnodes > 1 or parallel.world_size > 1:
@@ -52,14 +56,6 @@ def select_unit_parts(vllm_config: Any) -> None:
         parallel.distributed_executor_backend = UnitExecutor
 
 
-def _remember_world_size_property() -> None:
-    """Keep vLLM's own ParallelConfig.world_size_across_dp before a base platform patches it."""
-    from vllm.config import ParallelConfig
-
-    if not hasattr(ParallelConfig, "_unit_world_size_across_dp"):
-        ParallelConfig._unit_world_size_across_dp = ParallelConfig.world_size_across_dp  # type: ignore[attr-defined]
-
-
 _Base: Any = resolve(os.environ.get("UNIT_BASE_PLATFORM", DEFAULT_BASE_PLATFORM))
 
 
@@ -68,18 +64,5 @@ class UnitPlatform(_Base):  # type: ignore[misc, valid-type]
 
     @classmethod
     def check_and_update_config(cls, vllm_config: Any) -> None:
-        # vllm.config cannot be imported while the platform itself is being resolved
-        # (vllm/config/compilation.py imports current_platform), so this happens here.
-        _remember_world_size_property()
         super().check_and_update_config(vllm_config)
-        if parallel_is_patched():
-            from unit_executor.neuron import restore_world_size_property
-
-            restore_world_size_property()
         select_unit_parts(vllm_config)
-
-
-def parallel_is_patched() -> bool:
-    from vllm.config import ParallelConfig
-
-    return ParallelConfig.world_size_across_dp is not getattr(ParallelConfig, "_unit_world_size_across_dp", None)

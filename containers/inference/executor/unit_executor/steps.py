@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# seq, steps, inflight_since_ns, last_done_ns, pid, chain (32 bytes)
-_FORMAT = "<QQQQQ32s"
+# seq, steps (started), completed, inflight_since_ns, last_done_ns, pid, chain (32 bytes)
+_FORMAT = "<QQQQQQ32s"
 _SIZE = struct.calcsize(_FORMAT)
 EXECUTOR_RECORD = "executor.rec"
 ZERO_CHAIN = bytes(32)
@@ -45,6 +45,7 @@ class StepState:
     """One record as read: what a process has done so far."""
 
     steps: int
+    completed: int
     inflight_since_ns: int
     last_done_ns: int
     pid: int
@@ -58,6 +59,7 @@ class StepState:
     def to_json(self) -> dict[str, Any]:
         return {
             "steps": self.steps,
+            "completed": self.completed,
             "chain": self.chain,
             "inflight_seconds": round(self.inflight_seconds(), 3),
             "pid": self.pid,
@@ -78,8 +80,10 @@ class StepRecorder:
             os.close(fd)
         self._seq = 0
         self.steps = 0
+        self.completed = 0
         self.chain = ZERO_CHAIN
-        self._inflight: list[int] = []  # start times of steps not yet completed, oldest first
+        # Calls not yet completed, oldest first: (start time, whether it is a step's first call).
+        self._inflight: list[tuple[int, bool]] = []
         self._last_done = 0
         self._pid = os.getpid()
         # Done-callbacks of non-blocking steps may run on another thread of the engine core.
@@ -88,9 +92,10 @@ class StepRecorder:
 
     def _write(self) -> None:
         self._seq += 1  # odd: a write is under way (the whole record is packed with it)
-        since = self._inflight[0] if self._inflight else 0
+        since = self._inflight[0][0] if self._inflight else 0
         struct.pack_into(
-            _FORMAT, self._map, 0, self._seq, self.steps, since, self._last_done, self._pid, self.chain
+            _FORMAT, self._map, 0, self._seq, self.steps, self.completed, since, self._last_done, self._pid,
+            self.chain,
         )
         self._seq += 1
         struct.pack_into("<Q", self._map, 0, self._seq)
@@ -100,20 +105,20 @@ class StepRecorder:
         with self._lock:
             self.steps += 1
             self.chain = hashlib.blake2b(self.chain + digest, digest_size=32).digest()
-            self._inflight.append(now_ns())
+            self._inflight.append((now_ns(), True))
             self._write()
 
     def begin(self) -> None:
         """Another call in flight that is part of a step already counted (e.g. sampling)."""
         with self._lock:
-            self._inflight.append(now_ns())
+            self._inflight.append((now_ns(), False))
             self._write()
 
     def done(self) -> None:
         """The oldest call in flight completed (calls complete in order)."""
         with self._lock:
-            if self._inflight:
-                self._inflight.pop(0)
+            if self._inflight and self._inflight.pop(0)[1]:
+                self.completed += 1
             self._last_done = now_ns()
             self._write()
 
@@ -126,12 +131,12 @@ def read_record(path: str | os.PathLike[str]) -> StepState | None:
                 data = handle.read(_SIZE)
                 if len(data) != _SIZE:
                     return None
-                seq, steps, since, last, pid, chain = struct.unpack(_FORMAT, data)
+                seq, steps, completed, since, last, pid, chain = struct.unpack(_FORMAT, data)
                 handle.seek(0)
                 again = struct.unpack_from("<Q", handle.read(8))[0]
                 handle.seek(0)
                 if seq % 2 == 0 and seq == again:
-                    return StepState(steps, since, last, pid, chain.hex())
+                    return StepState(steps, completed, since, last, pid, chain.hex())
     except OSError:
         return None
     return None
