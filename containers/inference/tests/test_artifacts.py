@@ -150,6 +150,10 @@ def test_a_node_fetches_only_its_own_ranks_of_presharded_weights(s3, tmp_path):
             Bucket=BUCKET, Key=f"llama/neuron/{LAYOUT}/weights/tp{rank}_sharded_checkpoint.safetensors",
             Body=b"w" * 10,
         )
+    # Before the release a follower knows no rank yet: everything but the shards.
+    artifacts.fetch(client, URI, tmp_path, layout=LAYOUT, ranks=range(0))
+    assert not (tmp_path / "neuron" / LAYOUT / "weights").exists()
+    assert (tmp_path / "neuron" / LAYOUT / "neuron_config.json").exists()
     artifacts.fetch(client, URI, tmp_path, layout=LAYOUT, ranks=range(2, 4))
     weights = sorted(p.name for p in (tmp_path / "neuron" / LAYOUT / "weights").iterdir())
     assert weights == ["tp2_sharded_checkpoint.safetensors", "tp3_sharded_checkpoint.safetensors"]

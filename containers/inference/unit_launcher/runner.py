@@ -47,8 +47,11 @@ def _boto3_client(service: str, spec: UnitSpec) -> Any:
 
 
 def fetch_artifacts(spec: UnitSpec, rank: int | None = None) -> None:
-    """Fetch what this node needs (all ranks' when its rank is not known yet: the leader
-    fetches before the unit forms and is always rank 0), then check the compiled layout."""
+    """Fetch what this node needs, then check the compiled layout.
+
+    `rank`: this node's ranks of a presharded layout; -1 before the node knows its rank (a
+    follower before the release): everything but the shards, which it fetches once released;
+    None: every rank. Without presharded weights every node needs the whole checkpoint."""
     if spec.model.artifacts_s3_uri is None:
         if not os.path.exists(spec.model.local_dir):
             raise artifacts.ArtifactError(
@@ -62,7 +65,7 @@ def fetch_artifacts(spec: UnitSpec, rank: int | None = None) -> None:
             spec.model.artifacts_s3_uri,
             spec.model.local_dir,
             layout=spec.model.layout if spec.engine.device == "neuron" else None,
-            ranks=None if rank is None else range(rank * local, (rank + 1) * local),
+            ranks=None if rank is None else range(max(rank, 0) * local, (rank + 1) * local),
         )
     layout_dir = plan.layout_dir(spec)
     if layout_dir:
@@ -317,7 +320,7 @@ def _abridged(record: dict[str, Any]) -> dict[str, Any]:
 async def run_follower(spec: UnitSpec, me: Identity, env: Mapping[str, str]) -> int:
     signals = _Signals()
     try:
-        await asyncio.to_thread(fetch_artifacts, spec)
+        await asyncio.to_thread(fetch_artifacts, spec, -1)
     except artifacts.ArtifactError as error:
         log.error("%s", error)
         return EXIT_ARTIFACTS
@@ -396,6 +399,8 @@ async def _follow(
 ) -> int:
     """Run this node's engine in the released session until the session or the engine ends."""
     try:
+        # Its own ranks' presharded weights, now that the rank is known (nothing when not presharded).
+        await asyncio.to_thread(fetch_artifacts, spec, release.rank)
         await asyncio.to_thread(prepare_node, spec, release.rank)
     except artifacts.ArtifactError as error:
         log.error("%s", error)
