@@ -381,6 +381,7 @@ async def _exchange(req: Request, match: Match, state: ProxyState, started: floa
     try:
         await _relay(req, upstream, started, progress, telemetry)
     finally:
+        upstream.sink = None
         state.streams.discard(upstream)
         upstream.release()  # back to the pool if read whole, else the connection is dropped
 
@@ -414,6 +415,8 @@ async def _relay(
     progress.status = status
     if first:
         progress.ttft = time.perf_counter() - started
+    if not upstream.head:
+        upstream.sink = req  # the body goes on from data_received while the client reads
     try:
         while data := await upstream.read():
             await req.write(data)

@@ -9,7 +9,11 @@ talks to `UPSTREAM_URL` (plain http on the leader's loopback or host address):
   `IDLE_SECONDS`, below the engine's own keep-alive (uvicorn's default is 5 s), so the
   proxy does not race the engine closing them; a GET or HEAD that finds a reused
   connection closed before any answer byte is sent again once on a new connection;
-- the answer's body chunks are queued as they arrive; past `_HIGH_WATER` queued bytes
+- while the proxy streams an answer and the client's socket takes more, body bytes are
+  written on from `data_received` itself (`UpstreamResponse.sink`): no task wakes per
+  token; the streaming task only wakes at the end, on an error, or when the client is
+  slow;
+- else the answer's body chunks are queued as they arrive; past `_HIGH_WATER` queued bytes
   the connection stops reading from the engine until the proxy has written them on, so
   a slow client slows the engine's socket, not the proxy's memory;
 - no byte from the engine for `read_timeout` while the proxy waits for one raises
@@ -24,6 +28,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+from typing import Protocol
 
 import httptools
 
@@ -56,6 +61,14 @@ class StreamCut(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+class Sink(Protocol):
+    """A client answer that can take body bytes at once (`wire.Request`)."""
+
+    def ready(self) -> bool: ...
+
+    def write_now(self, data: bytes) -> None: ...
 
 
 class UpstreamConnection(asyncio.Protocol):
@@ -162,6 +175,7 @@ class UpstreamResponse:
         "keep_alive",
         "last_read",
         "received",
+        "sink",
         "status",
     )
 
@@ -182,6 +196,9 @@ class UpstreamResponse:
         self._paused = False
         self._timer: asyncio.TimerHandle | None = None
         self._released = False
+        # Where body bytes go straight from `data_received` while nothing is queued and
+        # the client takes them (no task wake-up per token); None: queue for `read`.
+        self.sink: Sink | None = None
 
     # -- fed by the connection ---------------------------------------------------------------
 
@@ -190,6 +207,10 @@ class UpstreamResponse:
         self._wake()
 
     def feed(self, data: bytes) -> None:
+        sink = self.sink
+        if sink is not None and not self._chunks and sink.ready():
+            sink.write_now(data)
+            return
         self._chunks.append(data)
         self._queued += len(data)
         if self._queued > _HIGH_WATER and not self._paused and self.conn.transport is not None:

@@ -238,6 +238,16 @@ class Request:
             return b"%x\r\n%b\r\n" % (len(data), data)
         return data
 
+    def ready(self) -> bool:
+        """Whether body bytes can go out now without waiting (streaming, client reading)."""
+        conn = self._conn
+        return self._state == 1 and not conn.paused and not conn.closed
+
+    def write_now(self, data: bytes) -> None:
+        """Send part of a started body now (only when `ready()`)."""
+        if self.method != b"HEAD" and data:
+            self._conn.send(self._frame(data))
+
     async def write(self, data: bytes) -> None:
         """Send part of a started body; waits (at most the write timeout) while the
         client's socket is full. Raises WriteTimeout or ClientGone."""
