@@ -322,7 +322,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 65536), hard))
     load_cpus, proxy_cpus = cores(args.proxy_cores)
     os.sched_setaffinity(0, load_cpus)
-    ports = {name: free_port() for name in ("engine", "proxy", "nginx")}
+    ports = {name: free_port() for name in ("engine", "proxy", "nginx", "admin")}
     bases = {name: f"http://{LOOPBACK}:{port}" for name, port in ports.items()}
     procs = Processes()
     workdir = Path(tempfile.mkdtemp(prefix="proxy-bench-"))
@@ -332,6 +332,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             **os.environ,
             "PROXY_HOST": LOOPBACK,
             "PROXY_PORT": str(ports["proxy"]),
+            # /ready (the workers' state) is on the admin listener, not on the data port.
+            "PROXY_ADMIN_PORT": str(ports["admin"]),
             "UPSTREAM_URL": bases["engine"],
             "LAUNCHER_STATUS_URL": "",
             "MAX_INFLIGHT": "100000",
@@ -355,7 +357,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             await wait_http(bases[name] + "/v1/models")
         await wait_http(bases["proxy"] + "/health")
         if args.workers > 1:
-            await wait_workers(bases["proxy"], args.workers)
+            await wait_workers(bases["admin"], args.workers)
 
         streams: list[StreamResult] = []
         for n in args.streams:
@@ -419,6 +421,17 @@ def report(
             "ttft_p50_added_ms": round(by[(target, top)].ttft_ms["p50"] - by[("direct", top)].ttft_ms["p50"], 3),
             "ttft_p99_added_ms": round(by[(target, top)].ttft_ms["p99"] - by[("direct", top)].ttft_ms["p99"], 3),
         }
+    # Added TTFT at every stream count (the targets are at 512; 64 shows the light load).
+    added_by_streams = {
+        str(n): {
+            target: {
+                "p50": round(by[(target, n)].ttft_ms["p50"] - by[("direct", n)].ttft_ms["p50"], 3),
+                "p99": round(by[(target, n)].ttft_ms["p99"] - by[("direct", n)].ttft_ms["p99"], 3),
+            }
+            for target in ("proxy", "nginx")
+        }
+        for n in args.streams
+    }
     ratio = rps["proxy"]["requests_per_s"] / rps["nginx"]["requests_per_s"] if rps["nginx"]["requests_per_s"] else 0
     return {
         "benchmark": "unit proxy vs nginx vs direct, loopback",
@@ -467,6 +480,7 @@ def report(
             },
         },
         "nginx_added": added["nginx"],
+        "ttft_added_ms": added_by_streams,
         # Contention-free view of the same comparison: requests per CPU-second consumed.
         "proxy_over_nginx_requests_per_cpu_second": round(
             rps["proxy"].get("requests_per_cpu_second", 0) / rps["nginx"]["requests_per_cpu_second"], 3
@@ -508,6 +522,12 @@ def print_table(doc: dict[str, Any], path: Path) -> None:
         )
         print(f"{name}: {t['value']} (target {t['target']}) {verdict}")
     print(f"nginx for comparison: {doc['nginx_added']}")
+    print("added TTFT over direct, p50 / p99 ms:")
+    for n, by_target in doc["ttft_added_ms"].items():
+        print(
+            f"  {n:>4} streams: proxy {by_target['proxy']['p50']:+.2f} / {by_target['proxy']['p99']:+.2f}, "
+            f"nginx {by_target['nginx']['p50']:+.2f} / {by_target['nginx']['p99']:+.2f}"
+        )
     print(f"proxy/nginx requests per CPU-second: {doc['proxy_over_nginx_requests_per_cpu_second']}")
     print(f"pinning: {doc['host']['pinning']}")
     print(f"load average (1 min) before/after: {doc['host']['loadavg_1m_before_after']}")

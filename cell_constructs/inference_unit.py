@@ -153,6 +153,9 @@ class MultiNodeInferenceUnit(Construct):
             readonly_root_filesystem=True,
             linux_parameters=proxy_linux,
         )
+        # One descriptor per client stream and one per engine connection: the default
+        # 1024 would cap the proxy near 500 streams (it logs accept failures for lack of them).
+        proxy.add_ulimits(ecs.Ulimit(name=ecs.UlimitName.NOFILE, soft_limit=65536, hard_limit=65536))
         # ECS stops containers in reverse dependency order: the proxy drains its streams
         # before the engine behind it gets SIGTERM.
         proxy.add_container_dependencies(

@@ -52,6 +52,7 @@ class UnitPorts:
     rendezvous: int = field(default_factory=free_port)
     neuron_rt: int = field(default_factory=free_port)
     proxy: int = field(default_factory=free_port)
+    proxy_admin: int = field(default_factory=free_port)
 
 
 def _exit_unit_lost() -> int:
@@ -132,6 +133,7 @@ def proxy_env(ports: UnitPorts) -> dict[str, str]:
     env.update({
         "PROXY_HOST": "127.0.0.1",
         "PROXY_PORT": str(ports.proxy),
+        "PROXY_ADMIN_PORT": str(ports.proxy_admin),  # not the default 8081: runs may overlap
         "UPSTREAM_URL": f"http://127.0.0.1:{ports.engine}",
         "LAUNCHER_STATUS_URL": f"http://127.0.0.1:{ports.rendezvous}/status",
         "FRONTEND": "openai",

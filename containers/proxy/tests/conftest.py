@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 from unit_proxy.proxy import ProxyState
-from unit_proxy.server import start
+from unit_proxy.server import Running, start
 from unit_proxy.settings import Settings
 
 LOOPBACK = "127.0.0.1"
@@ -46,7 +46,8 @@ class FakeEngine:
     """An OpenAI-style engine that streams, fails, stalls and crashes on cue.
 
     The cue is the `x-cue` request header: stream (default), error500, stall, stall_mid,
-    crash, reset. `x-tokens` and `x-gap` set the stream's length and pace.
+    crash, reset. `x-tokens` and `x-gap` set the stream's length and pace, `x-pad` adds
+    that many bytes to each token.
     """
 
     def __init__(self) -> None:
@@ -63,6 +64,7 @@ class FakeEngine:
         self.cancelled = 0
         self.cancelled_at: float | None = None
         self.bodies: list[bytes] = []
+        self.seen_headers: list[dict[str, str]] = []  # of each completion request
         self.data_requests = 0  # every request but the proxy's health and metrics probes
         self._health_released = asyncio.Event()  # cleared: /health answers wait
         self._health_released.set()
@@ -113,10 +115,12 @@ class FakeEngine:
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         self.bodies.append(body)
+        self.seen_headers.append(dict(request.headers))
         doc = json.loads(body or b"{}")
         cue = request.headers.get("x-cue", "stream")
         tokens = int(request.headers.get("x-tokens", "5"))
         gap = float(request.headers.get("x-gap", "0.02"))
+        pad = " " * int(request.headers.get("x-pad", "0"))  # bytes added to each token
         chat = request.path.endswith("/chat/completions")
         self.started += 1
         if cue == "error500":
@@ -141,7 +145,7 @@ class FakeEngine:
         await resp.prepare(request)
         try:
             for i in range(tokens):
-                await resp.write(sse(completion_chunk(i, f"tok{i} ", chat)))
+                await resp.write(sse(completion_chunk(i, f"tok{i} {pad}", chat)))
                 if cue == "stall_mid":
                     await asyncio.sleep(3600)
                 if cue == "crash" and i == 1:
@@ -250,8 +254,11 @@ async def launcher() -> AsyncIterator[FakeLauncher]:
 
 
 class RunningProxy:
-    def __init__(self, url: str, state: ProxyState) -> None:
+    """`url`: the data listener (the ALB's port); `admin_url`: /ready, /load, /metrics."""
+
+    def __init__(self, url: str, admin_url: str, state: ProxyState) -> None:
         self.url = url
+        self.admin_url = admin_url
         self.state = state
 
 
@@ -264,12 +271,14 @@ async def make_proxy(engine: FakeEngine, launcher: FakeLauncher) -> AsyncIterato
 
     The proxy refuses data requests until its first launcher check has completed, so the
     factory waits for that unless `wait_checked=False`."""
-    runners: list[web.AppRunner] = []
+    started: list[Running] = []
 
     async def factory(wait_checked: bool = True, **overrides: Any) -> RunningProxy:
         base = Settings(
             host=LOOPBACK,
             port=0,
+            admin_host=LOOPBACK,
+            admin_port=0,
             upstream_url=engine.url,
             launcher_status_url=launcher.url,
             engine_metrics_url=engine.url + "/metrics",
@@ -280,15 +289,16 @@ async def make_proxy(engine: FakeEngine, launcher: FakeLauncher) -> AsyncIterato
             upstream_read_timeout_seconds=10.0,
         )
         settings = replace(base, **overrides)
-        runner, _site, state = await start(settings)
-        runners.append(runner)
+        running = await start(settings)
+        started.append(running)
+        state = running.state
         if wait_checked and settings.launcher_status_url:
             await wait_until(lambda: state.health.last.checked_at > 0, what="the first launcher check")
-        return RunningProxy(f"http://{LOOPBACK}:{runner.addresses[0][1]}", state)
+        return RunningProxy(f"http://{LOOPBACK}:{running.port}", f"http://{LOOPBACK}:{running.admin_port}", state)
 
     yield factory
-    for runner in runners:
-        await runner.cleanup()
+    for running in started:
+        await running.close()
 
 
 async def wait_until(predicate: Callable[[], Any], timeout: float = 5.0, what: str = "condition") -> None:

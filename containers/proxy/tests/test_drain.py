@@ -21,15 +21,23 @@ from .test_emf import check_emf
 from .test_errors import free_port
 
 
+class ProxyURL(str):
+    """The data listener's base URL; `admin` is the admin listener's (/ready, /load, /metrics)."""
+
+    admin: str
+
+
 @asynccontextmanager
 async def proxy_process(
     engine: FakeEngine, launcher: FakeLauncher, **env: str
-) -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
+) -> AsyncIterator[tuple[ProxyURL, asyncio.subprocess.Process]]:
     port = free_port()
+    admin_port = free_port()
     full_env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "PROXY_HOST": LOOPBACK,
         "PROXY_PORT": str(port),
+        "PROXY_ADMIN_PORT": str(admin_port),
         "UPSTREAM_URL": engine.url,
         "LAUNCHER_STATUS_URL": launcher.url,
         "HEALTH_INTERVAL_SECONDS": "0.1",
@@ -47,7 +55,8 @@ async def proxy_process(
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
-    url = f"http://{LOOPBACK}:{port}"
+    url = ProxyURL(f"http://{LOOPBACK}:{port}")
+    url.admin = f"http://{LOOPBACK}:{admin_port}"
     try:
         yield url, proc
     finally:

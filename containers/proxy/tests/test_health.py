@@ -32,9 +32,12 @@ async def test_health_follows_engine_launcher_and_drain(
     launcher.status["members"][1]["last_heartbeat_age_s"] = 31.5
     launcher.status["state"] = "degraded"
     await wait_until(lambda: health_is(proxy.url, 503), what="/health 503 after a member is lost")
-    _status, text = await get(f"{proxy.url}/health")
+    # The detail is on the admin listener; the data listener (the ALB's) names no address.
+    _status, text = await get(f"{proxy.admin_url}/health")
     assert "member rank 1 (10.0.1.6) not alive" in text and "degraded" in text
-    async with aiohttp.ClientSession() as session, session.get(f"{proxy.url}/ready") as resp:
+    _status, text = await get(f"{proxy.url}/health")
+    assert text == "unhealthy: unit not whole\n"
+    async with aiohttp.ClientSession() as session, session.get(f"{proxy.admin_url}/ready") as resp:
         ready = await resp.json()
     assert resp.status == 503 and ready["healthy"] is False
     assert ready["unit"]["ok"] is False and ready["engine"]["ok"] is True
@@ -46,7 +49,8 @@ async def test_health_follows_engine_launcher_and_drain(
 
     engine.healthy = False
     await wait_until(lambda: health_is(proxy.url, 503), what="/health 503 when the engine is unhealthy")
-    assert "engine: GET" in (await get(f"{proxy.url}/health"))[1]
+    assert "engine: GET" in (await get(f"{proxy.admin_url}/health"))[1]
+    assert "engine not healthy" in (await get(f"{proxy.url}/health"))[1]
     engine.healthy = True
     await wait_until(lambda: health_is(proxy.url, 200), what="/health 200 when the engine is back")
 
@@ -60,7 +64,7 @@ async def test_health_503_when_launcher_unreachable(make_proxy: ProxyFactory, la
     await wait_until(lambda: health_is(proxy.url, 200), what="/health 200")
     await launcher.stop()
     await wait_until(lambda: health_is(proxy.url, 503), what="/health 503 with the launcher gone")
-    assert "unit: GET" in (await get(f"{proxy.url}/health"))[1]
+    assert "unit: GET" in (await get(f"{proxy.admin_url}/health"))[1]
 
 
 def test_health_turns_503_when_checks_go_stale():
@@ -81,7 +85,7 @@ async def test_session_change_counts_as_unit_restart(make_proxy: ProxyFactory, l
     await wait_until(lambda: proxy.state.telemetry.restarts_total == 1, what="one restart counted")
     await asyncio.sleep(0.2)  # several more rounds with the same session: still one
     assert proxy.state.telemetry.restarts_total == 1
-    _status, text = await get(f"{proxy.url}/metrics")
+    _status, text = await get(f"{proxy.admin_url}/metrics")
     assert "unit_proxy_unit_restarts_total 1.0" in text
 
 
@@ -93,9 +97,9 @@ async def test_load_and_metrics_report_engine_figures(make_proxy: ProxyFactory):
             pass  # closed unread: counted as 499 (client went away)
         async with session.post(f"{proxy.url}/v1/completions", json={"model": "m", "stream": True}) as resp:
             assert b"[DONE]" in await resp.read()
-        async with session.get(f"{proxy.url}/load") as resp:
+        async with session.get(f"{proxy.admin_url}/load") as resp:
             load = await resp.json()
-        async with session.get(f"{proxy.url}/metrics") as resp:
+        async with session.get(f"{proxy.admin_url}/metrics") as resp:
             metrics = await resp.text()
     assert load["queue_depth"] == 3.0 and load["running"] == 7.0 and load["kv_cache_usage"] == 0.42
     assert load["max_inflight"] == 17 and load["inflight"] == 0 and load["requests_total"] == 2

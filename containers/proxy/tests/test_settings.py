@@ -17,6 +17,7 @@ def test_defaults_follow_the_contract():
     assert s.engine_metrics_url == "http://127.0.0.1:8000/metrics"
     assert s.drain_timeout_seconds == 600 and s.frontend == "openai" and not s.emf_enabled
     assert s.workers == 4 and Settings.from_env({"PROXY_WORKERS": "1"}).workers == 1
+    assert (s.admin_host, s.admin_port, s.write_timeout_seconds) == ("127.0.0.1", 8081, 30.0)
 
 
 def test_triton_frontend_and_overrides():
@@ -48,6 +49,12 @@ def test_triton_frontend_and_overrides():
         ({"CELL": "dev"}, "METRICS_NAMESPACE, CELL and UNIT_ID are set together"),
         ({"PROXY_WORKERS": "0"}, "PROXY_WORKERS='0' is not allowed: an integer from 1 to 64"),
         ({"PROXY_WORKERS": "four"}, "PROXY_WORKERS='four'"),
+        ({"PROXY_ADMIN_PORT": "8080"}, "a port other than PROXY_PORT (8080)"),
+        ({"PROXY_ADMIN_HOST": "localhost"}, "an IPv4 or IPv6 address"),
+        ({"WRITE_TIMEOUT_SECONDS": "0"}, "WRITE_TIMEOUT_SECONDS='0'"),
+        ({"UPSTREAM_URL": "https://127.0.0.1:8000"}, "an http:// URL"),
+        ({"UPSTREAM_URL": "http://127.0.0.1:8000/v1"}, "no path such as /v1"),
+        ({"UPSTREAM_URL": "http://127.0.0.1:0"}, "port is from 1 to 65535"),
     ],
 )
 def test_bad_values_name_the_variable_and_what_is_allowed(env, fragment):

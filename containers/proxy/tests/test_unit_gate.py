@@ -14,7 +14,7 @@ from unit_proxy.health import CheckResult, HealthState
 from unit_proxy.shared import SharedCounters
 
 from .conftest import FakeEngine, FakeLauncher, ProxyFactory, wait_until
-from .test_drain import _is, health, proxy_process
+from .test_drain import ProxyURL, _is, health, proxy_process
 from .test_workers import _alive, _sample, fresh, ready
 
 
@@ -52,7 +52,7 @@ def assert_unit_unavailable(status: int, doc: Any, retry_after: str, expected_re
     assert retry_after == expected_retry
 
 
-async def listening(url: str, n: int) -> bool:
+async def listening(url: ProxyURL, n: int) -> bool:
     """True once n workers listen; False while the port is not open yet."""
     try:
         return await _alive(url, n)
@@ -75,14 +75,14 @@ async def test_lost_member_refuses_data_requests_without_reaching_the_engine(
         for route in ("/v1/models", "/v1/completions", "/v1/chat/completions"):
             status, doc, retry_after = await call(session, proxy.url, route)
             assert_unit_unavailable(status, doc, retry_after, "3")
-            assert "member rank 1 (10.0.1.6) not alive" in doc["error"]["message"]
+            assert "10.0.1.6" not in doc["error"]["message"]  # the detail is on the admin port
         assert engine.data_requests == seen  # the half unit answered nothing
 
-        async with session.get(f"{proxy.url}/ready") as resp:
+        async with session.get(f"{proxy.admin_url}/ready") as resp:
             assert "member rank 1" in (await resp.json())["unit_unavailable"]
-        async with session.get(f"{proxy.url}/load") as resp:
+        async with session.get(f"{proxy.admin_url}/load") as resp:
             load = await resp.json()
-        async with session.get(f"{proxy.url}/metrics") as resp:
+        async with session.get(f"{proxy.admin_url}/metrics") as resp:
             metrics = await resp.text()
         assert load["unit_unavailable_total"] == 3 and load["requests_total"] == 2 and load["inflight"] == 0
         assert _sample(metrics, "unit_proxy_unit_unavailable_total") == 3.0
@@ -118,7 +118,8 @@ async def test_refused_until_the_first_launcher_check_completes(
         status, doc, retry_after = await call(session, proxy.url)
         assert proxy.state.health.last.checked_at == 0.0  # still no check completed
         assert_unit_unavailable(status, doc, retry_after, "1")
-        assert "no launcher check has completed yet" in doc["error"]["message"]
+        async with session.get(f"{proxy.admin_url}/ready") as resp:
+            assert (await resp.json())["unit_unavailable"] == "no launcher check has completed yet"
         assert engine.data_requests == 0
         launcher.release_answers()
         await wait_until(lambda: proxy.state.health.last.unit_ok, what="the first launcher check")
@@ -185,9 +186,9 @@ async def test_multi_worker_gate_follows_the_supervisors_check(engine: FakeEngin
             status, doc, retry_after = await call(session, url, route)
             assert_unit_unavailable(status, doc, retry_after, "2")
         assert engine.data_requests == 6
-        async with session.get(f"{url}/load") as resp:
+        async with session.get(f"{url.admin}/load") as resp:
             load = await resp.json()
-        async with session.get(f"{url}/metrics") as resp:
+        async with session.get(f"{url.admin}/metrics") as resp:
             metrics = await resp.text()
         assert load["unit_unavailable_total"] == 12 and load["requests_total"] == 6
         assert _sample(metrics, "unit_proxy_unit_unavailable_total") == 12.0

@@ -12,14 +12,13 @@ import json
 import os
 import re
 import signal
-import socket
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from .conftest import LOOPBACK, FakeEngine, FakeLauncher, wait_until
-from .test_drain import _is, health, proxy_process
+from .conftest import FakeEngine, FakeLauncher, wait_until
+from .test_drain import ProxyURL, _is, health, proxy_process
 from .test_emf import check_emf
 
 
@@ -28,8 +27,8 @@ def fresh() -> aiohttp.ClientSession:
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
 
 
-async def ready(url: str) -> dict[str, Any]:
-    async with fresh() as s, s.get(f"{url}/ready") as resp:
+async def ready(url: ProxyURL) -> dict[str, Any]:
+    async with fresh() as s, s.get(f"{url.admin}/ready") as resp:
         return await resp.json()
 
 
@@ -83,7 +82,7 @@ async def test_admission_limit_is_global_across_workers(engine: FakeEngine, laun
                 if resp.status == 429:
                     assert resp.headers["Retry-After"] == "1"
         assert codes == [429] * 10
-        load = await (await session.get(f"{url}/load")).json()
+        load = await (await session.get(f"{url.admin}/load")).json()
         assert load["inflight"] == limit and load["rejected_total"] == 10
         for resp in streams:
             resp.close()
@@ -102,10 +101,10 @@ async def test_whole_proxy_answers_from_every_worker(engine: FakeEngine, launche
         doc = await ready(url)
         assert sum(1 for n in doc["workers"]["inflight_by_worker"] if n == 0) == 3
         for _ in range(9):  # each on a new connection, so on any of the workers
-            async with session.get(f"{url}/load") as resp:
+            async with session.get(f"{url.admin}/load") as resp:
                 load = await resp.json()
             assert load["requests_total"] == 12 and load["inflight"] == 0 and load["queue_depth"] == 3.0
-            async with session.get(f"{url}/metrics") as resp:
+            async with session.get(f"{url.admin}/metrics") as resp:
                 text = await resp.text()
             assert _sample(text, 'unit_proxy_requests_total{code="200"}') == 12.0
             assert _sample(text, "unit_proxy_request_latency_seconds_count") == 12.0
@@ -115,7 +114,9 @@ async def test_whole_proxy_answers_from_every_worker(engine: FakeEngine, launche
         await wait_until(lambda: _is(health(session, url), 503), timeout=5, what="/health 503 on member loss")
         for _ in range(9):
             async with session.get(f"{url}/health") as resp:
-                assert resp.status == 503 and "member rank 1" in await resp.text()
+                assert resp.status == 503 and await resp.text() == "unhealthy: unit not whole\n"
+        async with session.get(f"{url.admin}/health") as resp:
+            assert resp.status == 503 and "member rank 1" in await resp.text()
 
 
 async def test_dead_worker_is_replaced_and_its_inflight_forgotten(engine: FakeEngine, launcher: FakeLauncher):
@@ -176,17 +177,17 @@ async def test_emf_is_written_once_per_interval_for_the_whole_proxy(engine: Fake
     assert len(stamps) >= 3 and all(g >= 150 for g in gaps[:-1]), stamps
 
 
-async def _alive(url: str, n: int) -> bool:
+async def _alive(url: ProxyURL, n: int) -> bool:
     """True once n workers have reported that they listen."""
     workers = (await ready(url))["workers"]
     return workers["alive"] == n and workers["listening"] == n
 
 
-async def _inflight(url: str, n: int) -> bool:
+async def _inflight(url: ProxyURL, n: int) -> bool:
     return (await ready(url))["inflight"] == n
 
 
-async def _restarted(url: str) -> bool:
+async def _restarted(url: ProxyURL) -> bool:
     doc = await ready(url)
     return doc["workers"]["restarts"] == 1 and doc["workers"]["listening"] == 2
 
@@ -198,12 +199,23 @@ def _sample(text: str, name: str) -> float:
 
 
 async def test_workers_that_keep_dying_stop_the_proxy_with_exit_1(engine: FakeEngine, launcher: FakeLauncher):
-    # The port is held by a socket without SO_REUSEPORT: no worker can bind it.
-    with socket.socket() as holder:
-        holder.bind((LOOPBACK, 0))
-        holder.listen()
-        port = holder.getsockname()[1]
-        async with proxy_process(engine, launcher, PROXY_WORKERS="2", PROXY_PORT=str(port)) as (_url, proc):
-            assert await asyncio.wait_for(proc.wait(), 40) == 1
-            _, stderr = await asyncio.wait_for(proc.communicate(), 5)
+    # (A port that is taken is found before any worker starts: one line, exit 2, see
+    # test_adversarial.) Here the workers are killed as fast as they come back.
+    async with proxy_process(engine, launcher, PROXY_WORKERS="2") as (url, proc), fresh() as session:
+        await wait_until(lambda: _is(health(session, url), 200), timeout=20, what="the proxy to be healthy")
+        killed: set[int] = set()
+        deadline = asyncio.get_running_loop().time() + 40
+        while proc.returncode is None and asyncio.get_running_loop().time() < deadline:
+            try:
+                pids = (await ready(url))["workers"]["pids"]
+            except aiohttp.ClientError:
+                break  # the supervisor is stopping
+            for pid in pids:
+                if pid is not None and pid not in killed:
+                    killed.add(pid)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+            await asyncio.sleep(0.05)
+        assert await asyncio.wait_for(proc.wait(), 40) == 1
+        _, stderr = await asyncio.wait_for(proc.communicate(), 5)
     assert "worker deaths within 60 s: stopping the proxy (exit 1)" in stderr.decode()

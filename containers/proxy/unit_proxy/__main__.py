@@ -2,6 +2,6 @@
 
 import sys
 
-from unit_proxy.server import main
+from unit_proxy.main import main
 
 sys.exit(main())

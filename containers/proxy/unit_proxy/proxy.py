@@ -1,5 +1,13 @@
-"""The data path: streaming pass-through to the engine, the unit gate, admission control,
-error mapping, and the proxy's own endpoints (/health, /ready, /load, /metrics).
+"""The proxy's logic: routes, the unit gate, admission, forwarding with error mapping,
+and the proxy's own endpoints. HTTP itself is `unit_proxy.wire` (server side) and
+`unit_proxy.upstream` (client side); this module only uses their small interfaces.
+
+Two audiences, two listeners:
+- the data listener (`PROXY_PORT`, the ALB's target): the engine routes and `/health`,
+  whose body names problems in general terms only (no addresses, no exception names);
+- the admin listener (`PROXY_ADMIN_HOST:PROXY_ADMIN_PORT`, loopback by default, a port
+  the ALB neither forwards nor may reach): `/health` with the detail, `/ready`, `/load`,
+  `/metrics`.
 
 Unit gate: while the launcher's latest check does not say the unit is whole (a follower
 lost, the unit forming again, no check completed yet, or the last result is stale), data
@@ -7,11 +15,11 @@ requests get 503 `unit_unavailable` at once and never reach the engine: a half u
 still answer some routes (GET /v1/models) and must answer none.
 
 Bytes from the engine are written to the client as they arrive (no buffering of
-server-sent events); `StreamResponse.write` waits while the client's socket buffer is
-full, and the next upstream read only happens after that, so backpressure reaches the
-engine. When the client goes away aiohttp cancels the handler (handler_cancellation),
-which closes the upstream connection at once: the engine sees the disconnect and frees
-the request's KV cache.
+server-sent events); a write waits while the client's socket is full (at most
+`WRITE_TIMEOUT_SECONDS`), and the next upstream read only happens after it, so
+backpressure reaches the engine. When the client goes away its handler is cancelled,
+which drops the engine connection at once: the engine sees the disconnect and frees the
+request's KV cache.
 """
 
 from __future__ import annotations
@@ -23,44 +31,52 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
-from aiohttp import web
-from multidict import CIMultiDict
 
-from unit_proxy.health import HealthMonitor, HealthState, stale_limit
+from unit_proxy.health import HealthState, stale_limit
+from unit_proxy.routes import BadTarget, Match, Routes
 from unit_proxy.settings import Settings
 from unit_proxy.shared import SharedCounters
 from unit_proxy.telemetry import Telemetry, write_emf
+from unit_proxy.upstream import (
+    StreamCut,
+    UpstreamCut,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+    describe,
+    header_value,
+)
+from unit_proxy.wire import BodyError, ClientGone, Request, WriteTimeout
 
 log = logging.getLogger("unit_proxy")
 
-# RFC 9110 section 7.6.1 hop-by-hop headers, plus the ones aiohttp recomputes.
+# RFC 9110 section 7.6.1 hop-by-hop headers, and the ones the proxy sets itself.
 _HOP_BY_HOP = frozenset(
-    h.lower()
-    for h in (
-        "Connection",
-        "Keep-Alive",
-        "Proxy-Authenticate",
-        "Proxy-Authorization",
-        "Proxy-Connection",
-        "TE",
-        "Trailer",
-        "Transfer-Encoding",
-        "Upgrade",
-        "Host",
-        "Content-Length",
+    (
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"host",
+        b"content-length",
+        b"expect",  # answered by the proxy (100-continue), never passed on
+        b"date",
     )
 )
-# Upstream responses up to this size with a Content-Length are read whole and sent in
-# one write (cheaper than chunked streaming for small JSON answers).
-_SMALL_BODY = 256 * 1024
-
-_GET_HEAD = frozenset(("GET", "HEAD"))
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-_TTFT: web.RequestKey[float] = web.RequestKey("unit_proxy_ttft", float)
-STATE_KEY: web.AppKey[ProxyState] = web.AppKey("unit_proxy_state")
+_JSON = [(b"Content-Type", b"application/json")]
+_TEXT = [(b"Content-Type", b"text/plain; charset=utf-8")]
+_PROMETHEUS = [(b"Content-Type", b"text/plain; version=0.0.4")]
+_SERVER_METHODS = b"GET, HEAD, POST"
 
 
 @dataclass(frozen=True)
@@ -69,7 +85,7 @@ class WorkerLink:
 
     index: int
     counters: SharedCounters
-    control_socket: str  # the supervisor's Unix socket: /health, /ready, /load, /metrics
+    control_socket: str  # the supervisor's Unix socket: the whole proxy's /health
 
 
 class ProxyState:
@@ -77,8 +93,8 @@ class ProxyState:
 
     Roles: one process (`link` None, `supervisor` False) does everything; a worker
     (`link` set) proxies and counts in-flight requests in the shared counters, and asks
-    the supervisor for the whole-proxy endpoints; the supervisor (`supervisor` True)
-    serves those endpoints from the shared counters and its own health checks.
+    the supervisor for the whole-proxy /health; the supervisor serves the whole-proxy
+    endpoints from the shared counters and its own health checks.
     """
 
     def __init__(
@@ -87,6 +103,7 @@ class ProxyState:
         self.settings = settings
         self.link = link
         self.counters = link.counters if link is not None else counters
+        self.routes = Routes(settings.frontend)
         self.inflight = 0  # requests of this process (its drain waits for them)
         self.closing = False  # past the drain window: refuse new requests
         self.health = HealthState(stale_after=stale_limit(settings))
@@ -99,9 +116,10 @@ class ProxyState:
             unit_metrics=link is None,
             totals=self.counters.totals if whole and self.counters is not None else None,
         )
-        self.session: aiohttp.ClientSession | None = None
+        self.pool: UpstreamPool | None = None
         self.control: aiohttp.ClientSession | None = None
         self.workers_info: Callable[[], dict[str, Any]] | None = None  # set by the supervisor
+        self.streams: set[UpstreamResponse] = set()  # open engine answers (cut at drain timeout)
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -120,6 +138,15 @@ class ProxyState:
         if link.counters.unit_whole(self.health.stale_after):
             return None
         return "no recent launcher check found the unit whole (see /ready)"
+
+    def health_reasons(self) -> list[str]:
+        """Why /health is 503 (detail for the admin listener); empty when healthy."""
+        reasons = self.health.reasons()
+        if self.workers_info is not None:
+            workers = self.workers_info()
+            if workers["listening"] < workers["configured"]:
+                reasons.append(f"workers: {workers['listening']} of {workers['configured']} serving")
+        return reasons
 
     def count_unavailable(self) -> None:
         self.telemetry.unit_unavailable()
@@ -153,16 +180,54 @@ class ProxyState:
             return False
         return True
 
+    def cut_streams(self, reason: str) -> int:
+        """End every open engine answer from the proxy's side (drain timeout)."""
+        for stream in list(self.streams):
+            stream.cut(reason)
+        return len(self.streams)
+
     def start_draining(self) -> None:
         self.health.draining = True
         self.telemetry.set_draining()
         self.telemetry.set_healthy(False)
 
 
-def error_response(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> web.Response:
+# -- answers -----------------------------------------------------------------------------
+
+
+def error_body(status: int, message: str, kind: str) -> bytes:
     """An OpenAI-style JSON error body."""
-    body = json.dumps({"error": {"message": message, "type": kind, "code": status}})
-    return web.Response(status=status, text=body, content_type="application/json", headers=headers)
+    return json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
+
+
+def send_error(
+    req: Request,
+    status: int,
+    message: str,
+    kind: str,
+    headers: list[tuple[bytes, bytes]] | None = None,
+    close: bool = False,
+) -> None:
+    req.reply(status, error_body(status, message, kind), _JSON + (headers or []), close=close)
+
+
+_KINDS = {
+    400: "bad_request",
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "timeout",
+    413: "too_large",
+    414: "bad_request",
+    417: "expectation_failed",
+    431: "bad_request",
+    500: "internal_error",
+    505: "bad_request",
+}
+
+
+def reject(req: Request, status: int, reason: str) -> None:
+    """The answer to a request the HTTP layer refuses (wire.HttpServer's `reject`)."""
+    send_error(req, status, reason, _KINDS.get(status, "bad_request"), close=True)
 
 
 def _sse_error_event(message: str) -> bytes:
@@ -171,259 +236,340 @@ def _sse_error_event(message: str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
-def _forward_headers(headers: Any) -> CIMultiDict[str]:
-    out: CIMultiDict[str] = CIMultiDict()
-    connection_tokens = {t.strip().lower() for t in headers.get("Connection", "").split(",") if t.strip()}
-    for name, value in headers.items():
+def _forward_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The headers that travel on: without hop-by-hop ones and those named by Connection."""
+    out: list[tuple[bytes, bytes]] = []
+    connection: set[bytes] | None = None
+    for name, value in headers:
         low = name.lower()
-        if low not in _HOP_BY_HOP and low not in connection_tokens:
-            out.add(name, value)
+        if low in _HOP_BY_HOP:
+            if low == b"connection":
+                connection = {t.strip().lower() for t in value.split(b",") if t.strip()}
+            continue
+        out.append((name, value))
+    if connection:
+        out = [(n, v) for n, v in out if n.lower() not in connection]
     return out
 
 
-async def proxy_handler(request: web.Request) -> web.StreamResponse:
+# -- the data listener ---------------------------------------------------------------------
+
+
+def data_handler(state: ProxyState, health: Callable[[Request], Awaitable[None]]) -> Callable[[Request], Any]:
+    """The handler of the data listener: /health and the engine routes."""
+
+    async def handle(req: Request) -> None:
+        method = req.method
+        if req.target == b"*":  # OPTIONS * (the wire layer lets no other method through)
+            req.reply(
+                200, json.dumps({"allow": ["GET", "HEAD", "POST"]}).encode(), [*_JSON, (b"Allow", _SERVER_METHODS)]
+            )
+            return
+        if method == b"CONNECT":
+            send_error(
+                req,
+                405,
+                "CONNECT is not served: this is not a forward proxy",
+                "method_not_allowed",
+                [(b"Allow", _SERVER_METHODS)],
+                close=True,
+            )
+            return
+        try:
+            match = state.routes.match(req.target)
+        except BadTarget as exc:
+            send_error(req, 400, str(exc), "bad_request")
+            return
+        if match.path == "/health":
+            if method not in (b"GET", b"HEAD"):
+                _method_not_allowed(req, b"GET, HEAD")
+                return
+            await health(req)
+            return
+        route = match.route
+        if route is None:
+            send_error(
+                req, 404, f"no route {match.path[:200]} on this {state.settings.frontend} front end", "not_found"
+            )
+            return
+        if method not in route.methods:
+            _method_not_allowed(req, b", ".join(route.methods))
+            return
+        await proxy_request(req, match, state)
+
+    return handle
+
+
+def _method_not_allowed(req: Request, allow: bytes) -> None:
+    send_error(
+        req,
+        405,
+        f"method {req.method.decode('ascii', 'replace')} is not allowed here; allowed: {allow.decode()}",
+        "method_not_allowed",
+        [(b"Allow", allow)],
+    )
+
+
+async def proxy_request(req: Request, match: Match, state: ProxyState) -> None:
     """Forward one request to the engine and stream the answer back."""
-    state = request.app[STATE_KEY]
     settings = state.settings
     telemetry = state.telemetry
-    if not request.path.startswith(settings.routes):
-        return error_response(404, f"no route {request.path} on this {settings.frontend} front end", "not_found")
     if state.closing:
-        return error_response(503, "proxy is shutting down", "unavailable", {"Connection": "close"})
-    if state.gate_unit:
-        why = state.unit_unavailable()
-        if why is not None:
-            return _unit_unavailable_response(state, why)
+        send_error(req, 503, "proxy is shutting down", "unavailable", close=True)
+        return
+    if state.gate_unit and state.unit_unavailable() is not None:
+        _send_unit_unavailable(req, state)
+        return
     if not state.try_enter():
         telemetry.request_rejected()
-        return error_response(
+        send_error(
+            req,
             429,
             f"unit at its in-flight limit ({settings.max_inflight}); retry",
             "overloaded",
-            {"Retry-After": str(settings.retry_after_seconds)},
+            [(b"Retry-After", str(settings.retry_after_seconds).encode())],
         )
+        return
     started = time.perf_counter()
-    status = 500
-    ttft: float | None = None
+    progress = _Progress()
     try:
-        status, ttft, response = await _forward(request, state, started)
-        return response
-    except (asyncio.CancelledError, ConnectionResetError):
-        status = 499  # the client went away (nginx's convention)
-        ttft = request.get(_TTFT)  # tokens may have reached the client before it left
+        await _exchange(req, match, state, started, progress)
+    except (asyncio.CancelledError, ClientGone):
+        progress.status = 499  # the client went away (nginx's convention)
+        raise
+    except WriteTimeout:
+        progress.status = 499
+        telemetry.write_timeout()
+        log.warning("client read nothing for %.0f s: stream dropped", settings.write_timeout_seconds)
         raise
     finally:
         state.leave()
-        telemetry.request_done(status, ttft, time.perf_counter() - started)
+        telemetry.request_done(progress.status, progress.ttft, time.perf_counter() - started)
 
 
-async def _read_body(request: web.Request, settings: Settings) -> bytes | web.Response:
-    if not request.body_exists:
-        return b""
-    length = request.content_length
-    if length is not None and length > settings.max_body_bytes:
-        return error_response(
-            413, f"request body of {length} bytes exceeds the limit of {settings.max_body_bytes}", "too_large"
-        )
+class _Progress:
+    """How far one proxied request got (for its metrics, also when it is cancelled)."""
+
+    __slots__ = ("status", "ttft")
+
+    def __init__(self) -> None:
+        self.status = 500
+        self.ttft: float | None = None
+
+
+async def _exchange(req: Request, match: Match, state: ProxyState, started: float, progress: _Progress) -> None:
+    telemetry = state.telemetry
     try:
-        # asyncio.timeout, not wait_for: no extra task per request.
-        async with asyncio.timeout(settings.body_read_timeout_seconds):
-            return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        return error_response(413, f"request body exceeds the limit of {settings.max_body_bytes} bytes", "too_large")
-    except TimeoutError:
-        return error_response(
-            408,
-            f"request body not received within {settings.body_read_timeout_seconds:g} s",
-            "timeout",
-            {"Connection": "close"},
-        )
+        body = await req.body()
+    except BodyError as exc:
+        progress.status = exc.status
+        _body_error(req, exc.status, state.settings)
+        return
+    assert state.pool is not None
+    try:
+        upstream = await state.pool.request(req.method, match.target, _forward_headers(req.headers), body)
+    except UpstreamError as exc:
+        if await _unit_going_down(req, state, progress):
+            return
+        progress.status = _upstream_failure(req, telemetry, exc, before="the answer")
+        return
+    state.streams.add(upstream)
+    try:
+        await _relay(req, upstream, started, progress, state)
+    finally:
+        upstream.sink = None
+        state.streams.discard(upstream)
+        upstream.release()  # back to the pool if read whole, else the connection is dropped
+
+
+async def _relay(
+    req: Request, upstream: UpstreamResponse, started: float, progress: _Progress, state: ProxyState
+) -> None:
+    telemetry = state.telemetry
+    headers = _forward_headers(upstream.headers)
+    raw_length = header_value(upstream.headers, b"content-length")
+    length = int(raw_length) if raw_length is not None and raw_length.isdigit() else None
+    content_type = header_value(upstream.headers, b"content-type") or b""
+    is_sse = content_type.startswith(b"text/event-stream")
+    status = upstream.status
+    try:
+        # The first chunk is awaited before answering, so an engine that stalls or dies
+        # before any body byte still gets a proper 504/502 status.
+        first = await upstream.read()
+    except UpstreamError as exc:
+        if await _unit_going_down(req, state, progress):
+            return
+        progress.status = _upstream_failure(req, telemetry, exc, before="the body")
+        return
+    except StreamCut as exc:
+        progress.status = 503
+        send_error(req, 503, f"proxy is shutting down ({exc.reason})", "unavailable", close=True)
+        return
+    if status >= 500 and await _unit_going_down(req, state, progress):
+        return  # a dying unit's engine answer (vLLM's EngineDeadError is a 500), not the model's
+    if upstream.complete and not upstream.head and (length is None or length == len(first)):
+        req.reply(status, first, headers)  # the whole answer in one write
+        progress.status = status
+        progress.ttft = time.perf_counter() - started
+        return
+    req.start(status, headers, length, first)
+    progress.status = status
+    if first:
+        progress.ttft = time.perf_counter() - started
+    if not upstream.head:
+        upstream.sink = req  # the body goes on from data_received while the client reads
+    try:
+        while data := await upstream.read():
+            await req.write(data)
+            if progress.ttft is None:
+                progress.ttft = time.perf_counter() - started
+    except UpstreamTimeout:
+        telemetry.upstream_error("timeout")
+        progress.status = 504
+        await _end_cut_stream(req, is_sse, "engine stalled mid-stream (timeout)")
+        return
+    except UpstreamError as exc:
+        telemetry.upstream_error("cut")
+        progress.status = 502
+        log.warning("engine stream cut: %s", describe(exc))
+        await _end_cut_stream(req, is_sse, "engine stream cut")
+        return
+    except StreamCut as exc:
+        await _end_cut_stream(req, is_sse, f"proxy is shutting down: stream cut ({exc.reason})")
+        return
+    req.end()
+
+
+def _send_unit_unavailable(req: Request, state: ProxyState) -> None:
+    state.count_unavailable()
+    send_error(
+        req,
+        503,
+        "inference unit is not whole, not serving; retry",
+        "unit_unavailable",
+        [(b"Retry-After", str(state.settings.retry_after_seconds).encode())],
+    )
 
 
 # How long the check of a failing unit may add to an answer that is an error anyway.
 _UNIT_CHECK_SECONDS = 1.0
 
 
-async def _unit_failing(state: ProxyState) -> str | None:
-    """After an engine error: is the unit going down (then the answer is 503 unit_unavailable)?
+async def _engine_healthy(state: ProxyState) -> bool:
+    """The engine's own health endpoint, asked now (vLLM answers 503 once its engine died)."""
+    assert state.pool is not None
+    path = urlsplit(state.settings.engine_health_url).path.encode() or b"/health"
+    try:
+        async with asyncio.timeout(_UNIT_CHECK_SECONDS):
+            resp = await state.pool.request(b"GET", path, [], b"")
+            try:
+                while await resp.read():
+                    pass
+            finally:
+                resp.release()
+            return resp.status == 200
+    except (TimeoutError, UpstreamError):
+        return False
 
-    A dying unit's engine answers 500 (vLLM's EngineDeadError) or drops the connection
-    before the launcher has ended the session; those answers are the half unit's, not the
-    model's. So an engine error is checked against the unit gate and the engine's own
-    health endpoint; only an error from a healthy engine in a whole unit goes through.
-    """
+
+async def _unit_going_down(req: Request, state: ProxyState, progress: _Progress) -> bool:
+    """After an engine error: if the unit is going down, answer 503 unit_unavailable (True).
+
+    A dying unit's engine answers 500 or drops the connection before the launcher has ended
+    the session; those answers are the half unit's, not the model's. Only an error of a
+    healthy engine in a whole unit goes through as it is."""
+    if not state.gate_unit:
+        return False
     why = state.unit_unavailable()
-    if why is not None:
-        return why
-    session = state.session
-    if session is None:
-        return None
-    try:
-        timeout = aiohttp.ClientTimeout(total=_UNIT_CHECK_SECONDS)
-        async with session.get(state.settings.engine_health_url, timeout=timeout) as health:
-            if health.status == 200:
-                return None
-            return f"engine health check answers {health.status}"
-    except (TimeoutError, aiohttp.ClientError):
-        return "engine health check failed"
-
-
-def _unit_unavailable_response(state: ProxyState, why: str) -> web.Response:
-    state.count_unavailable()
-    return error_response(
-        503,
-        f"inference unit is not whole, not serving: {why}; retry",
-        "unit_unavailable",
-        {"Retry-After": str(state.settings.retry_after_seconds)},
-    )
-
-
-async def _failure_or_unit_lost(
-    state: ProxyState, failure: tuple[int, float | None, web.Response]
-) -> tuple[int, float | None, web.Response]:
-    """The engine failure as is, unless the unit is going down: then 503 unit_unavailable."""
-    why = await _unit_failing(state)
     if why is None:
-        return failure
-    return 503, None, _unit_unavailable_response(state, why)
+        if await _engine_healthy(state):
+            return False
+        why = "the engine's own health check fails"
+    log.warning("engine error while the unit is going down (%s): answered 503 unit_unavailable", why)
+    progress.status = 503
+    _send_unit_unavailable(req, state)
+    return True
 
 
-def _upstream_failure(
-    telemetry: Telemetry, exc: BaseException, timed_out: str, failed: str
-) -> tuple[int, None, web.Response]:
-    """An engine that timed out is a 504; any other client error (reset, cut) is a 502."""
-    if isinstance(exc, (TimeoutError, aiohttp.ServerTimeoutError)):
-        telemetry.upstream_error("timeout")
-        return 504, None, error_response(504, f"engine {timed_out}", "upstream_timeout")
-    telemetry.upstream_error("reset")
-    return 502, None, error_response(502, f"engine {failed}: {_describe(exc)}", "upstream_error")
-
-
-async def _forward(
-    request: web.Request, state: ProxyState, started: float
-) -> tuple[int, float | None, web.StreamResponse]:
-    settings = state.settings
-    telemetry = state.telemetry
-    body = await _read_body(request, settings)
-    if isinstance(body, web.Response):
-        return body.status, None, body
-    assert state.session is not None
-    url = settings.upstream_url + request.raw_path
-    headers = _forward_headers(request.headers)
-    try:
-        upstream = await state.session.request(
-            request.method, url, headers=headers, data=body if body else None, allow_redirects=False
+def _body_error(req: Request, status: int, settings: Settings) -> None:
+    if status == 413:
+        send_error(
+            req, 413, f"request body exceeds the limit of {settings.max_body_bytes} bytes", "too_large", close=True
         )
-    except aiohttp.ClientConnectorError as exc:
+    elif status == 408:
+        send_error(
+            req,
+            408,
+            f"request body not received within {settings.body_read_timeout_seconds:g} s",
+            "timeout",
+            close=True,
+        )
+    else:
+        send_error(req, 400, "request body could not be read", "bad_request", close=True)
+
+
+def _upstream_failure(req: Request, telemetry: Telemetry, exc: UpstreamError, before: str) -> int:
+    """Map an engine failure before the answer began: timeout 504, anything else 502.
+    The body names the problem; the detail (addresses, errors) goes to the log."""
+    log.warning("engine failed before %s: %s", before, describe(exc))
+    if isinstance(exc, UpstreamUnavailable):
         telemetry.upstream_error("connect")
-        return await _failure_or_unit_lost(
-            state,
-            (502, None, error_response(502, f"engine refused the connection: {exc.os_error}", "upstream_unavailable")),
-        )
-    except (TimeoutError, aiohttp.ClientError) as exc:
-        return await _failure_or_unit_lost(
-            state, _upstream_failure(telemetry, exc, "did not answer in time", "connection failed")
-        )
-
-    try:
-        out_headers = _forward_headers(upstream.headers)
-        length = upstream.content_length
-        is_sse = upstream.content_type == "text/event-stream"
-        if length is not None and length <= _SMALL_BODY and not is_sse:
-            try:
-                data = await upstream.read()
-            except (TimeoutError, aiohttp.ClientError) as exc:
-                return await _failure_or_unit_lost(
-                    state, _upstream_failure(telemetry, exc, "did not finish its answer in time", "answer cut")
-                )
-            ttft = time.perf_counter() - started
-            answer = web.Response(status=upstream.status, body=data, headers=out_headers)
-            if upstream.status >= 500:
-                return await _failure_or_unit_lost(state, (upstream.status, ttft, answer))
-            return upstream.status, ttft, answer
-
-        response = web.StreamResponse(status=upstream.status, headers=out_headers)
-        ttft: float | None = None
-        first_chunk: bytes | None = None
-        try:
-            # The first chunk is awaited before answering, so an engine that stalls or
-            # dies before any byte still gets a proper 504/502 status.
-            first_chunk = await upstream.content.readany()
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            return await _failure_or_unit_lost(
-                state, _upstream_failure(telemetry, exc, "sent headers but no body in time", "answer cut")
-            )
-        await response.prepare(request)
-        if first_chunk:
-            await response.write(first_chunk)
-            ttft = request[_TTFT] = time.perf_counter() - started
-            try:
-                async for chunk in upstream.content.iter_any():
-                    await response.write(chunk)
-            except (TimeoutError, aiohttp.ServerTimeoutError):
-                telemetry.upstream_error("timeout")
-                return (
-                    504,
-                    ttft,
-                    await _end_cut_stream(request, response, is_sse, "engine stalled mid-stream (timeout)"),
-                )
-            except aiohttp.ClientPayloadError as exc:
-                telemetry.upstream_error("cut")
-                return (
-                    502,
-                    ttft,
-                    await _end_cut_stream(request, response, is_sse, f"engine stream cut: {_describe(exc)}"),
-                )
-            except aiohttp.ClientError as exc:
-                telemetry.upstream_error("cut")
-                return (
-                    502,
-                    ttft,
-                    await _end_cut_stream(request, response, is_sse, f"engine stream cut: {_describe(exc)}"),
-                )
-        await response.write_eof()
-        return upstream.status, ttft, response
-    except (ConnectionResetError, asyncio.CancelledError):
-        # The client went away: drop the engine connection now rather than draining it.
-        upstream.close()
-        raise
-    finally:
-        upstream.release()
+        send_error(req, 502, "engine refused the connection or is unreachable", "upstream_unavailable")
+        return 502
+    if isinstance(exc, UpstreamTimeout):
+        telemetry.upstream_error("timeout")
+        send_error(req, 504, f"engine did not answer in time (before {before})", "upstream_timeout")
+        return 504
+    telemetry.upstream_error("reset")
+    assert isinstance(exc, UpstreamCut)
+    send_error(req, 502, f"engine connection failed before {before}", "upstream_error")
+    return 502
 
 
-async def _end_cut_stream(
-    request: web.Request, response: web.StreamResponse, is_sse: bool, message: str
-) -> web.StreamResponse:
+async def _end_cut_stream(req: Request, is_sse: bool, message: str) -> None:
     log.warning("%s", message)
     if is_sse:
-        await response.write(_sse_error_event(message))
-        await response.write_eof()
-        return response
+        await req.write(_sse_error_event(message))
+        req.end()
+        return
     # Not SSE: there is no in-band way to signal the error, so the connection is cut and
-    # the client sees an incomplete chunked body, never a silent success.
-    if request.transport is not None:
-        request.transport.close()
-    return response
+    # the client sees an incomplete body, never a silent success.
+    req.abort()
 
 
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+# -- the proxy's own endpoints ---------------------------------------------------------------
 
 
-async def health_handler(request: web.Request) -> web.Response:
-    state = request.app[STATE_KEY]
-    reasons = state.health.reasons()
+def health_answer(state: ProxyState, detail: bool) -> tuple[int, bytes]:
+    """/health: 200 `ok`, or 503 with the reasons (in general terms unless `detail`)."""
+    reasons = state.health_reasons()
     if not reasons:
-        return web.Response(text="ok\n")
-    return web.Response(status=503, text="unhealthy: " + "; ".join(reasons) + "\n")
+        return 200, b"ok\n"
+    if not detail:
+        reasons = sorted({_coarse(r) for r in reasons})
+    return 503, ("unhealthy: " + "; ".join(reasons) + "\n").encode()
 
 
-async def ready_handler(request: web.Request) -> web.Response:
-    state = request.app[STATE_KEY]
+_COARSE = (
+    ("draining", "draining"),
+    ("no check", "no check has completed yet"),
+    ("last check", "health checks are stale"),
+    ("engine:", "engine not healthy"),
+    ("unit:", "unit not whole"),
+    ("workers:", "not every proxy worker is serving"),
+)
+
+
+def _coarse(reason: str) -> str:
+    """A reason in general terms: the detail (addresses, errors) is for the admin port."""
+    return next((text for prefix, text in _COARSE if reason.startswith(prefix)), "unhealthy")
+
+
+def ready_doc(state: ProxyState) -> tuple[int, dict[str, Any]]:
     health = state.health
     last = health.last
-    reasons = health.reasons()
-    doc = {
+    reasons = state.health_reasons()
+    doc: dict[str, Any] = {
         "healthy": not reasons,
         "reasons": reasons,
         "draining": health.draining,
@@ -438,41 +584,64 @@ async def ready_handler(request: web.Request) -> web.Response:
     }
     if state.workers_info is not None:
         doc["workers"] = state.workers_info()
-    return web.json_response(doc, status=200 if not reasons else 503)
+    return (200 if not reasons else 503), doc
 
 
-async def load_handler(request: web.Request) -> web.Response:
-    state = request.app[STATE_KEY]
+def load_doc(state: ProxyState) -> dict[str, Any]:
     doc = state.telemetry.load_json()
     doc["max_inflight"] = state.settings.max_inflight
     doc["draining"] = state.health.draining
-    return web.json_response(doc)
+    return doc
 
 
-async def metrics_handler(request: web.Request) -> web.Response:
-    state = request.app[STATE_KEY]
-    return web.Response(body=state.telemetry.prometheus_text(), headers={"Content-Type": "text/plain; version=0.0.4"})
+def admin_handler(state: ProxyState, extra: dict[bytes, Callable[[Request], Awaitable[None]]] | None = None) -> Any:
+    """The handler of the admin listener (and of the supervisor's control socket, with
+    `extra` POST endpoints): /health, /ready, /load, /metrics, GET and HEAD only."""
+    extra = extra or {}
+
+    async def handle(req: Request) -> None:
+        path = req.target.partition(b"?")[0]
+        post = extra.get(path)
+        if post is not None and req.method == b"POST":
+            await post(req)
+            return
+        if path not in (b"/health", b"/_health", b"/ready", b"/load", b"/metrics"):
+            send_error(req, 404, "no such endpoint", "not_found")
+            return
+        if req.method not in (b"GET", b"HEAD"):
+            _method_not_allowed(req, b"GET, HEAD")
+            return
+        if path in (b"/health", b"/_health"):
+            status, body = health_answer(state, detail=path == b"/health")
+            req.reply(status, body, _TEXT)
+        elif path == b"/ready":
+            status, doc = ready_doc(state)
+            req.reply(status, json.dumps(doc).encode(), _JSON)
+        elif path == b"/load":
+            req.reply(200, json.dumps(load_doc(state)).encode(), _JSON)
+        else:
+            req.reply(200, state.telemetry.prometheus_text(), _PROMETHEUS)
+
+    return handle
 
 
-async def control_forward_handler(request: web.Request) -> web.Response:
-    """A worker's answer to /health, /ready, /load and /metrics: the supervisor's, which
-    speaks for the whole proxy. If the supervisor cannot answer, the proxy is not whole."""
-    state = request.app[STATE_KEY]
+async def local_health(state: ProxyState, req: Request) -> None:
+    """/health on the data listener of a single-process proxy."""
+    status, body = health_answer(state, detail=False)
+    req.reply(status, body, _TEXT)
+
+
+async def forwarded_health(state: ProxyState, req: Request) -> None:
+    """/health on a worker's data listener: the supervisor's answer, which speaks for the
+    whole proxy. If the supervisor cannot answer, the proxy is not whole."""
     assert state.control is not None
     try:
-        async with state.control.get(f"http://unit-proxy{request.path_qs}") as resp:
+        async with state.control.get("http://unit-proxy/_health") as resp:
             body = await resp.read()
-            ctype = resp.headers.get("Content-Type", "text/plain")
-            return web.Response(status=resp.status, body=body, headers={"Content-Type": ctype})
+            req.reply(resp.status, body, _TEXT)
     except (aiohttp.ClientError, TimeoutError) as exc:
-        return web.Response(status=503, text=f"unhealthy: proxy supervisor not answering ({_describe(exc)})\n")
-
-
-async def interval_handler(request: web.Request) -> web.Response:
-    """The supervisor's intake of a worker's EMF interval (Unix socket only)."""
-    state = request.app[STATE_KEY]
-    state.telemetry.merge_interval(await request.json())
-    return web.Response(status=204)
+        log.warning("proxy supervisor not answering: %s", describe(exc))
+        req.reply(503, b"unhealthy: proxy supervisor not answering\n", _TEXT)
 
 
 async def push_interval(state: ProxyState) -> None:
@@ -483,16 +652,16 @@ async def push_interval(state: ProxyState) -> None:
         async with state.control.post("http://unit-proxy/_interval", json=doc) as resp:
             await resp.read()
     except (aiohttp.ClientError, TimeoutError) as exc:
-        log.warning("could not hand the metrics interval to the supervisor: %s", _describe(exc))
+        log.warning("could not hand the metrics interval to the supervisor: %s", describe(exc))
 
 
-async def _push_loop(state: ProxyState) -> None:
+async def push_loop(state: ProxyState) -> None:
     while True:
         await asyncio.sleep(state.settings.emf_interval_seconds)
         await push_interval(state)
 
 
-async def _emf_loop(state: ProxyState) -> None:
+async def emf_loop(state: ProxyState) -> None:
     s = state.settings
     while True:
         await asyncio.sleep(s.emf_interval_seconds)
@@ -506,84 +675,3 @@ def flush_emf(state: ProxyState) -> None:
     s = state.settings
     if s.emf_enabled:
         write_emf(state.telemetry.emf_events(s.metrics_namespace, s.cell, s.unit_id))
-
-
-def build_app(settings: Settings, link: WorkerLink | None = None) -> tuple[web.Application, ProxyState]:
-    """The aiohttp application; background tasks start and stop with it.
-
-    With `link` it is a worker of a multi-worker proxy: no health monitor and no EMF of
-    its own; the whole-proxy endpoints are answered by the supervisor.
-    """
-    # client_max_size bounds the body even when no Content-Length is sent (chunked).
-    app = web.Application(client_max_size=settings.max_body_bytes)
-    state = ProxyState(settings, link)
-    app[STATE_KEY] = state
-    own: dict[str, Handler] = (
-        {"/health": health_handler, "/ready": ready_handler, "/load": load_handler, "/metrics": metrics_handler}
-        if link is None
-        else dict.fromkeys(("/health", "/ready", "/load", "/metrics"), control_forward_handler)
-    )
-
-    async def dispatch(request: web.Request) -> web.StreamResponse:
-        # One catch-all route and a dict lookup: aiohttp's router walks its resources
-        # per request, which cost about a fifth of a small request's server-side time.
-        # Like add_get, the proxy's own endpoints answer GET and HEAD; any other method
-        # goes to the proxy handler (which answers 404 for them).
-        if request.method in _GET_HEAD:
-            handler = own.get(request.path)
-            if handler is not None:
-                return await handler(request)
-        return await proxy_handler(request)
-
-    app.router.add_route("*", "/{tail:.*}", dispatch)
-
-    async def lifecycle(app: web.Application) -> Any:
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=300)
-        timeout = aiohttp.ClientTimeout(
-            total=None,
-            connect=settings.upstream_connect_timeout_seconds,
-            sock_read=settings.upstream_read_timeout_seconds,
-        )
-        state.session = aiohttp.ClientSession(
-            connector=connector,
-            # One session serves every client: it must never keep or replay cookies.
-            cookie_jar=aiohttp.DummyCookieJar(),
-            timeout=timeout,
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept-Encoding"),
-        )
-        tasks: list[asyncio.Task[None]] = []
-        if link is None:
-            monitor = HealthMonitor(settings, state.health, state.telemetry)
-            tasks.append(asyncio.create_task(monitor.run(), name="health"))
-            if settings.emf_enabled:
-                tasks.append(asyncio.create_task(_emf_loop(state), name="emf"))
-        else:
-            state.control = aiohttp.ClientSession(
-                connector=aiohttp.UnixConnector(path=link.control_socket),
-                timeout=aiohttp.ClientTimeout(total=max(2.0, settings.health_timeout_seconds)),
-            )
-            if settings.emf_enabled:
-                tasks.append(asyncio.create_task(_push_loop(state), name="interval"))
-        yield
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if link is None:
-            flush_emf(state)
-        else:
-            if settings.emf_enabled:
-                await push_interval(state)  # the supervisor emits it with its last EMF
-            await state.control.close()
-        await state.session.close()
-
-    app.cleanup_ctx.append(lifecycle)
-    return app, state
-
-
-def add_whole_proxy_routes(app: web.Application) -> None:
-    """/health, /ready, /load and /metrics, answered by the process that has the whole view."""
-    app.router.add_get("/health", health_handler)
-    app.router.add_get("/ready", ready_handler)
-    app.router.add_get("/load", load_handler)
-    app.router.add_get("/metrics", metrics_handler)

@@ -1,70 +1,211 @@
-"""Process entry point: run the proxy on uvloop and drain gracefully on SIGTERM.
+"""One serving process: its listeners, its background tasks, and the drain on SIGTERM.
 
 Drain: `/health` turns 503 at once so the load balancer starts deregistering the target;
 new requests are still served for DRAIN_SECONDS (the ALB deregistration delay, while it
-may still route here); then the listener closes, in-flight streams get up to
-DRAIN_TIMEOUT_SECONDS to finish, and the process exits 0. A second SIGTERM or SIGINT
-skips the remaining wait.
+may still route here); then the data listener closes, in-flight streams get up to
+DRAIN_TIMEOUT_SECONDS to finish, streams still open then end with the SSE error event
+(other bodies are cut), and the process exits 0. A second SIGTERM or SIGINT skips the
+remaining wait.
 
-With PROXY_WORKERS > 1 `main` runs the supervisor (unit_proxy.supervisor), which spawns
-workers that each run `serve` here with a `WorkerLink`; PROXY_WORKERS=1 runs `serve`
-in this one process.
+A single-process proxy (PROXY_WORKERS=1) runs `serve` with both listeners; a worker of
+a multi-worker proxy (spawned by `unit_proxy.supervisor`) runs it with a `WorkerLink`
+and only the data listener (SO_REUSEPORT), the supervisor owning the admin listener.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
+import socket
 import sys
+from dataclasses import dataclass, field
 
 import aiohttp
 import uvloop
-from aiohttp import web
 
-from unit_proxy.proxy import ProxyState, WorkerLink, build_app
-from unit_proxy.settings import Settings, SettingsError
+from unit_proxy.health import HealthMonitor
+from unit_proxy.proxy import (
+    ProxyState,
+    WorkerLink,
+    admin_handler,
+    data_handler,
+    emf_loop,
+    flush_emf,
+    forwarded_health,
+    local_health,
+    push_interval,
+    push_loop,
+    reject,
+)
+from unit_proxy.settings import Settings
+from unit_proxy.upstream import UpstreamPool
+from unit_proxy.wire import Handler, HttpServer, Listener, Request, bind
 
 log = logging.getLogger("unit_proxy")
 
+# After the drain timeout, how long the cut streams get to send their error event.
+_CUT_GRACE = 2.0
 
-async def start(settings: Settings, link: WorkerLink | None = None) -> tuple[web.AppRunner, web.TCPSite, ProxyState]:
-    """Build the app and listen; port 0 picks a free port (see `runner.addresses`).
+
+class BindError(Exception):
+    """A listener could not be opened; the message is one line for the operator."""
+
+
+def http_server(settings: Settings, handler: Handler) -> HttpServer:
+    return HttpServer(
+        handler,
+        reject,
+        max_body=settings.max_body_bytes,
+        keepalive_timeout=settings.keepalive_timeout_seconds,
+        body_timeout=settings.body_read_timeout_seconds,
+        write_timeout=settings.write_timeout_seconds,
+    )
+
+
+def listen(http: HttpServer, host: str, port: int, *, reuse_port: bool = False) -> Listener:
+    """A TCP listener for `http`; raises BindError with a one-line reason."""
+    try:
+        sock = bind(host, port, reuse_port=reuse_port)
+    except OSError as exc:
+        raise BindError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return Listener(sock, http)
+
+
+def claim_port(settings: Settings) -> socket.socket:
+    """Make sure this is the only unit proxy on PROXY_PORT before workers share it.
+
+    SO_REUSEPORT lets any process of the same user bind the port too, so a second
+    multi-worker proxy would silently split the traffic with the first. The claim is an
+    abstract Unix socket named after the port (one per network namespace, which the
+    containers of a host-network task share; released when the process dies), plus a
+    bind without SO_REUSEPORT, which fails while anything else listens on the port.
+    The returned socket must stay open for the life of the proxy.
+    """
+    lock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        lock.bind(f"\0unit-proxy-port-{settings.port}")
+    except OSError:
+        lock.close()
+        raise BindError(f"another unit proxy already serves port {settings.port} on this host") from None
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((settings.host, settings.port))
+        except OSError as exc:
+            lock.close()
+            reason = "address already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+            raise BindError(f"cannot listen on {settings.host}:{settings.port}: {reason}") from None
+    return lock
+
+
+@dataclass
+class Running:
+    """A started proxy process: its state and listeners (port 0 picks a free port)."""
+
+    state: ProxyState
+    data: HttpServer
+    data_server: Listener
+    admin_server: Listener | None
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @property
+    def port(self) -> int:
+        return self.data_server.port
+
+    @property
+    def admin_port(self) -> int | None:
+        return self.admin_server.port if self.admin_server is not None else None
+
+    async def close(self) -> None:
+        """Stop everything now (tests, and the end of `serve`)."""
+        state = self.state
+        self.data_server.close()
+        if self.admin_server is not None:
+            self.admin_server.close()
+        self.data.abort_all()
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        settings = state.settings
+        if state.link is None:
+            flush_emf(state)
+        elif state.control is not None:
+            if settings.emf_enabled:
+                await push_interval(state)  # the supervisor emits it with its last EMF
+            await state.control.close()
+        if state.pool is not None:
+            state.pool.close()
+        await asyncio.sleep(0)  # let the aborted connections run their connection_lost
+
+
+async def start(settings: Settings, link: WorkerLink | None = None) -> Running:
+    """Start the background tasks and listen.
 
     A worker (`link` set) binds with SO_REUSEPORT: every worker has its own listening
     socket on the same port and the kernel spreads new connections across them.
     """
-    app, state = build_app(settings, link)
-    runner = web.AppRunner(
-        app,
-        handler_cancellation=True,  # a client disconnect cancels the upstream request at once
-        access_log=None,  # one log line per request would cost more than the proxying
-        keepalive_timeout=settings.keepalive_timeout_seconds,
-        shutdown_timeout=1.0,
+    state = ProxyState(settings, link)
+    host, port = settings.upstream_address
+    state.pool = UpstreamPool(
+        host,
+        port,
+        connect_timeout=settings.upstream_connect_timeout_seconds,
+        read_timeout=settings.upstream_read_timeout_seconds,
     )
-    await runner.setup()
-    site = web.TCPSite(
-        runner, settings.host, settings.port, backlog=4096, reuse_address=True, reuse_port=link is not None
-    )
-    await site.start()
+    tasks: list[asyncio.Task[None]] = []
+    if link is None:
+        monitor = HealthMonitor(settings, state.health, state.telemetry)
+        tasks.append(asyncio.create_task(monitor.run(), name="health"))
+        if settings.emf_enabled:
+            tasks.append(asyncio.create_task(emf_loop(state), name="emf"))
+    else:
+        state.control = aiohttp.ClientSession(
+            connector=aiohttp.UnixConnector(path=link.control_socket),
+            timeout=aiohttp.ClientTimeout(total=max(2.0, settings.health_timeout_seconds)),
+        )
+        if settings.emf_enabled:
+            tasks.append(asyncio.create_task(push_loop(state), name="interval"))
+
+    async def health(req: Request) -> None:
+        await (local_health(state, req) if link is None else forwarded_health(state, req))
+
+    data = http_server(settings, data_handler(state, health))
+    admin_server = None
+    try:
+        data_server = listen(data, settings.host, settings.port, reuse_port=link is not None)
+        if link is None:
+            admin_server = listen(http_server(settings, admin_handler(state)), settings.admin_host, settings.admin_port)
+    except BindError:
+        for task in tasks:
+            task.cancel()
+        if state.control is not None:
+            await state.control.close()
+        raise
+    running = Running(state, data, data_server, admin_server, tasks)
     if link is not None:
         await _report_listening(state, link)
     log.info(
-        "listening on %s -> %s (frontend %s, max in-flight %d)",
-        runner.addresses,
+        "listening on %s:%d (admin %s) -> %s (frontend %s, max in-flight %d)",
+        settings.host,
+        running.port,
+        f"{settings.admin_host}:{running.admin_port}" if admin_server is not None else "on the supervisor",
         settings.upstream_url,
         settings.frontend,
         settings.max_inflight,
     )
-    return runner, site, state
+    return running
 
 
 async def serve(settings: Settings, link: WorkerLink | None = None) -> int:
     """Serve until SIGTERM/SIGINT and a complete drain; returns the exit code."""
-    runner, site, state = await start(settings, link)
     loop = asyncio.get_running_loop()
+    running = await start(settings, link)
+    state = running.state
     signals = 0
     first = asyncio.Event()
     again = asyncio.Event()
@@ -84,7 +225,8 @@ async def serve(settings: Settings, link: WorkerLink | None = None) -> int:
     log.warning("draining: /health is 503; serving new requests for %.0f s", settings.drain_seconds)
     await _wait_or(again, settings.drain_seconds)
     state.closing = True
-    await site.stop()
+    running.data_server.close()
+    running.data.close_idle()
     log.warning(
         "listener closed; waiting up to %.0f s for %d in-flight requests",
         settings.drain_timeout_seconds,
@@ -96,12 +238,24 @@ async def serve(settings: Settings, link: WorkerLink | None = None) -> int:
     interrupted.cancel()
     if not idle.done() or not idle.result():
         idle.cancel()
-        log.warning("drain ended with %d requests still in flight; closing them", state.inflight)
-    await runner.cleanup()
+        cut = state.cut_streams("drain timeout")
+        log.warning("drain ended with %d requests still in flight; ending %d streams", state.inflight, cut)
+        await state.wait_idle(_CUT_GRACE)
+        await _flushed(running.data, _CUT_GRACE)
+    await running.close()
     if watchdog is not None:
         watchdog.cancel()
     log.warning("drained; exiting")
     return 0
+
+
+async def _flushed(http: HttpServer, timeout: float) -> None:
+    """Wait (bounded) until the connections have sent what they were given and closed."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout):
+            while http.connections:
+                http.close_idle()
+                await asyncio.sleep(0.02)
 
 
 async def _report_listening(state: ProxyState, link: WorkerLink) -> None:
@@ -132,12 +286,16 @@ async def _watch_parent() -> None:
 
 def run_worker(settings: Settings, link: WorkerLink) -> None:
     """Entry point of a worker process (spawned by the supervisor)."""
-    _logging(f"worker {link.index}")
-    code = uvloop.run(serve(settings, link))
+    configure_logging(f"worker {link.index}")
+    try:
+        code = uvloop.run(serve(settings, link))
+    except BindError as exc:
+        log.error("%s", exc)
+        code = 2
     sys.exit(code)
 
 
-def _logging(role: str) -> None:
+def configure_logging(role: str) -> None:
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,
@@ -149,22 +307,3 @@ def _logging(role: str) -> None:
 async def _wait_or(event: asyncio.Event, seconds: float) -> None:
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(event.wait(), seconds)
-
-
-def main() -> int:
-    try:
-        settings = Settings.from_env()
-    except SettingsError as exc:
-        print(f"unit_proxy: {exc}", file=sys.stderr)
-        return 2
-    if settings.workers > 1:
-        from unit_proxy.supervisor import supervise  # here: only the multi-worker mode needs it
-
-        _logging("supervisor")
-        return supervise(settings, run_worker)
-    _logging("single")
-    return uvloop.run(serve(settings))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

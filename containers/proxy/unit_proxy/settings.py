@@ -6,6 +6,7 @@ the value and what is allowed, and the proxy exits before it listens.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -69,10 +70,39 @@ def _url(env: Mapping[str, str], name: str, default: str, *, optional: bool = Fa
     if optional and raw == "":
         return ""
     parts = urlsplit(raw)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        hint = " (or empty to turn it off)" if optional else ""
-        raise SettingsError(name, raw, f"an http:// or https:// URL with a host{hint}")
-    return raw.rstrip("/") if name == "UPSTREAM_URL" else raw
+    hint = " (or empty to turn it off)" if optional else ""
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.username or parts.password:
+        raise SettingsError(name, raw, f"an http:// or https:// URL with a host and no user{hint}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0
+    if port == 0 or (":" in parts.netloc.rsplit("]", 1)[-1] and port is None):
+        raise SettingsError(name, raw, f"an http:// or https:// URL whose port is from 1 to 65535{hint}")
+    return raw
+
+
+def _upstream(env: Mapping[str, str], default: str) -> str:
+    """The engine's base URL: plain http, a host, a port, and nothing else. A path would
+    be prefixed to every forwarded path (`.../v1` gives `/v1/v1/...`), so it is refused."""
+    raw = _url(env, "UPSTREAM_URL", default)
+    parts = urlsplit(raw)
+    if parts.scheme != "http":
+        raise SettingsError("UPSTREAM_URL", raw, "an http:// URL (the engine is on this host or its network)")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise SettingsError(
+            "UPSTREAM_URL", raw, "scheme, host and port only, e.g. http://127.0.0.1:8000 (no path such as /v1)"
+        )
+    return raw.rstrip("/")
+
+
+def _host(env: Mapping[str, str], name: str, default: str) -> str:
+    raw = env.get(name, "").strip() or default
+    try:
+        ipaddress.ip_address(raw)
+    except ValueError:
+        raise SettingsError(name, raw, "an IPv4 or IPv6 address to listen on, e.g. 0.0.0.0 or 127.0.0.1") from None
+    return raw
 
 
 @dataclass(frozen=True)
@@ -100,6 +130,12 @@ class Settings:
     upstream_read_timeout_seconds: float = 600.0
     keepalive_timeout_seconds: float = 905.0
     retry_after_seconds: int = 1
+    # A write that finds the client's socket full waits at most this long for the client
+    # to read; then the stream is dropped and its in-flight slot freed.
+    write_timeout_seconds: float = 30.0
+    # /ready, /load, /metrics (and /health with detail): a listener the ALB does not reach.
+    admin_host: str = "127.0.0.1"
+    admin_port: int = 8081
     # Worker processes sharing the listen port (SO_REUSEPORT); 1 = one process, no
     # supervisor. One aiohttp process carries about one core of proxying (README).
     workers: int = 4
@@ -114,6 +150,12 @@ class Settings:
         return self.upstream_url + path
 
     @property
+    def upstream_address(self) -> tuple[str, int]:
+        parts = urlsplit(self.upstream_url)
+        assert parts.hostname is not None
+        return parts.hostname, parts.port or 80
+
+    @property
     def emf_enabled(self) -> bool:
         return bool(self.metrics_namespace and self.cell and self.unit_id)
 
@@ -124,7 +166,7 @@ class Settings:
         frontend = env.get("FRONTEND", "openai").strip() or "openai"
         if frontend not in ("openai", "triton"):
             raise SettingsError("FRONTEND", frontend, "'openai' or 'triton'")
-        upstream = _url(env, "UPSTREAM_URL", cls.upstream_url)
+        upstream = _upstream(env, cls.upstream_url)
         # Triton serves Prometheus metrics on its own port (8002), vLLM on its API port.
         default_metrics = upstream + "/metrics" if frontend == "openai" else "http://127.0.0.1:8002/metrics"
         namespace = env.get("METRICS_NAMESPACE", "").strip()
@@ -142,10 +184,15 @@ class Settings:
             )
         workers = _int(env, "PROXY_WORKERS", cls.workers, 1, MAX_WORKERS)
         port = _int(env, "PROXY_PORT", cls.port, 1, 65535)
+        admin_port = _int(env, "PROXY_ADMIN_PORT", cls.admin_port, 1, 65535)
+        if admin_port == port:
+            raise SettingsError("PROXY_ADMIN_PORT", str(admin_port), f"a port other than PROXY_PORT ({port})")
         health_interval = _float(env, "HEALTH_INTERVAL_SECONDS", cls.health_interval_seconds, 0.05, 60)
         return cls(
-            host=env.get("PROXY_HOST", cls.host).strip() or cls.host,
+            host=_host(env, "PROXY_HOST", cls.host),
             port=port,
+            admin_host=_host(env, "PROXY_ADMIN_HOST", cls.admin_host),
+            admin_port=admin_port,
             upstream_url=upstream,
             launcher_status_url=_url(env, "LAUNCHER_STATUS_URL", cls.launcher_status_url, optional=True),
             engine_metrics_url=_url(env, "ENGINE_METRICS_URL", default_metrics, optional=True),
@@ -173,5 +220,6 @@ class Settings:
                 env, "KEEPALIVE_TIMEOUT_SECONDS", cls.keepalive_timeout_seconds, 0.05, 86400
             ),
             retry_after_seconds=_int(env, "RETRY_AFTER_SECONDS", cls.retry_after_seconds, 0, 3600),
+            write_timeout_seconds=_float(env, "WRITE_TIMEOUT_SECONDS", cls.write_timeout_seconds, 0.05, 3600),
             workers=workers,
         )

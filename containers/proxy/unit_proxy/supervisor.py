@@ -1,7 +1,7 @@
 """The supervisor of a multi-worker proxy (PROXY_WORKERS > 1).
 
-One aiohttp process carries about one core of proxying; a leader with 512 streams at
-engine speed needs more. The supervisor spawns PROXY_WORKERS worker processes that each
+One process carries about one core of proxying; a leader with 512 streams at engine
+speed needs more. The supervisor spawns PROXY_WORKERS worker processes that each
 listen on PROXY_PORT with SO_REUSEPORT (the kernel spreads connections across them) and
 keeps everything that must be answered for the whole proxy in one place:
 
@@ -10,8 +10,10 @@ keeps everything that must be answered for the whole proxy in one place:
 - health: one health monitor (engine, launcher, engine load) runs here and publishes
   after every round whether the unit is whole (`SharedCounters.publish_unit`), which the
   workers read to refuse data requests while it is not (503 unit_unavailable); a worker that
-  receives /health, /ready, /load or /metrics forwards it over the supervisor's Unix
-  socket, so every answer is the whole proxy's whichever worker the ALB reaches;
+  receives /health forwards it over the supervisor's Unix socket, so every answer is the
+  whole proxy's whichever worker the ALB reaches, and /health is 503 until every worker
+  listens; the supervisor itself owns the admin listener (/health with detail, /ready,
+  /load, /metrics);
 - metrics: the workers' request counters and histograms live in Prometheus multiprocess
   mode (PROMETHEUS_MULTIPROC_DIR, one directory per proxy run) and are summed here with
   the unit gauges; each worker hands its EMF interval (counts, samples) to the supervisor,
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
 import multiprocessing
 import os
@@ -41,32 +44,20 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 import uvloop
-from aiohttp import web
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from unit_proxy.health import HealthMonitor
-from unit_proxy.proxy import (
-    STATE_KEY,
-    ProxyState,
-    WorkerLink,
-    _emf_loop,
-    add_whole_proxy_routes,
-    flush_emf,
-    interval_handler,
-)
+from unit_proxy.proxy import ProxyState, WorkerLink, admin_handler, emf_loop, flush_emf
+from unit_proxy.server import http_server, listen, run_worker
 from unit_proxy.settings import Settings
 from unit_proxy.shared import SharedCounters
+from unit_proxy.wire import Request
 
 log = logging.getLogger("unit_proxy.supervisor")
-
-# A worker process's entry point (unit_proxy.server.run_worker); passed in by the server
-# rather than imported, so that the supervisor does not import the server that starts it.
-WorkerEntry = Callable[[Settings, WorkerLink], None]
 
 RESTART_LIMIT = 5
 RESTART_WINDOW = 60.0
@@ -78,9 +69,8 @@ _STOP_GRACE = 10.0
 class Supervisor:
     """Spawns, watches and drains the workers; answers the whole-proxy endpoints."""
 
-    def __init__(self, settings: Settings, worker: WorkerEntry) -> None:
+    def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.worker = worker
         self.ctx = multiprocessing.get_context("spawn")
         self.counters = SharedCounters(settings.workers, self.ctx)
         self.workdir = tempfile.mkdtemp(prefix="unit-proxy-")
@@ -110,14 +100,19 @@ class Supervisor:
             "inflight_by_worker": self.counters.inflight_by_worker(),
         }
 
-    async def _worker_listening(self, request: web.Request) -> web.Response:
-        doc = await request.json()
+    async def _worker_listening(self, req: Request) -> None:
+        doc = json.loads(await req.body())
         self.listening[int(doc["index"])] = int(doc["pid"])
-        return web.Response(status=204)
+        req.reply(204, b"", [])
+
+    async def _interval(self, req: Request) -> None:
+        """A worker's EMF interval, emitted with the supervisor's own."""
+        self.state.telemetry.merge_interval(json.loads(await req.body()))
+        req.reply(204, b"", [])
 
     def _spawn(self, index: int) -> None:
         link = WorkerLink(index, self.counters, self.socket_path)
-        proc = self.ctx.Process(target=self.worker, args=(self.settings, link), name=f"unit-proxy-worker-{index}")
+        proc = self.ctx.Process(target=run_worker, args=(self.settings, link), name=f"unit-proxy-worker-{index}")
         proc.start()
         self.procs[index] = proc
         log.info("worker %d started (pid %s)", index, proc.pid)
@@ -132,14 +127,24 @@ class Supervisor:
         # written to files here, which MultiProcessCollector sums. The supervisor's own
         # metrics were created before, in memory.
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_dir
-        app = web.Application()
-        app[STATE_KEY] = self.state
-        add_whole_proxy_routes(app)
-        app.router.add_post("/_interval", interval_handler)
-        app.router.add_post("/_worker", self._worker_listening)
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
-        await runner.setup()
-        await web.UnixSite(runner, self.socket_path).start()
+        loop = asyncio.get_running_loop()
+        control = http_server(
+            self.settings,
+            admin_handler(self.state, {b"/_interval": self._interval, b"/_worker": self._worker_listening}),
+        )
+        control_server = await loop.create_unix_server(control.protocol, self.socket_path)
+        # The admin listener is the supervisor's: it has the whole view. A bind error
+        # ends the start here, before any worker exists (BindError: one line, exit 2).
+        try:
+            admin_server = listen(
+                http_server(self.settings, admin_handler(self.state)),
+                self.settings.admin_host,
+                self.settings.admin_port,
+            )
+        except BaseException:
+            control_server.close()
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            raise
         monitor = HealthMonitor(
             self.settings,
             self.state.health,
@@ -148,9 +153,8 @@ class Supervisor:
         )
         tasks = [asyncio.create_task(monitor.run(), name="health")]
         if self.settings.emf_enabled:
-            tasks.append(asyncio.create_task(_emf_loop(self.state), name="emf"))
+            tasks.append(asyncio.create_task(emf_loop(self.state), name="emf"))
 
-        loop = asyncio.get_running_loop()
         signals = 0
 
         def on_signal(signum: int) -> None:
@@ -173,7 +177,9 @@ class Supervisor:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             flush_emf(self.state)  # includes the intervals the workers handed over on exit
-            await runner.cleanup()
+            admin_server.close()
+            control_server.close()
+            control.abort_all()
             shutil.rmtree(self.workdir, ignore_errors=True)
         log.warning("all workers stopped; exiting %d", code)
         return code
@@ -230,6 +236,6 @@ class Supervisor:
         return 1 if failed else 0
 
 
-def supervise(settings: Settings, worker: WorkerEntry) -> int:
-    """Run a multi-worker proxy, each worker running `worker`, until it has drained; returns the exit code."""
-    return uvloop.run(Supervisor(settings, worker).run())
+def supervise(settings: Settings) -> int:
+    """Run a multi-worker proxy until it has drained; returns the process exit code."""
+    return uvloop.run(Supervisor(settings).run())

@@ -102,6 +102,11 @@ class Telemetry:
             self.upstream_errors = Counter(
                 "unit_proxy_upstream_errors", "Errors the proxy made of upstream failures", ["kind"], registry=r
             )
+            self.write_timeouts = Counter(
+                "unit_proxy_client_write_timeouts",
+                "Streams dropped because the client read nothing for WRITE_TIMEOUT_SECONDS",
+                registry=r,
+            )
             self.ttft = Histogram(
                 "unit_proxy_time_to_first_token_seconds",
                 "Request start to first body byte sent",
@@ -160,6 +165,9 @@ class Telemetry:
         self.unavailable.inc()
         self.unavailable_total += 1
         self._interval.unit_unavailable += 1
+
+    def write_timeout(self) -> None:
+        self.write_timeouts.inc()
 
     def upstream_error(self, kind: str) -> None:
         self.upstream_errors.labels(kind=kind).inc()

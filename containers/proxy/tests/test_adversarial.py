@@ -1,0 +1,446 @@
+"""The proxy as an attacker and a careless operator meet it: raw sockets, hand-made request
+lines, clients that stop reading, bad settings, a second proxy on the same port.
+
+Every case runs against a real proxy process (`python -m unit_proxy`), so the same
+module can be pointed at any version of the package. Each test names the defect it
+guards against (issue 15).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import aiohttp
+import pytest
+
+from .conftest import LOOPBACK, FakeEngine, FakeLauncher, wait_until
+from .test_drain import ProxyURL, _is, health, proxy_process
+from .test_errors import free_port, port_of
+
+
+class Answer:
+    """One HTTP answer read off a raw socket."""
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+        head, _, self.body = raw.partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        self.status_line = lines[0]
+        self.status = int(lines[0].split(b" ", 2)[1]) if lines[0].startswith(b"HTTP/1.") else 0
+        self.headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            self.headers[name.strip().lower().decode()] = value.strip().decode()
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+async def raw(port: int, data: bytes, timeout: float = 5.0) -> bytes:
+    """Send `data`, then read until the proxy closes the connection or `timeout` passes."""
+    reader, writer = await asyncio.open_connection(LOOPBACK, port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        chunks: list[bytes] = []
+        try:
+            async with asyncio.timeout(timeout):
+                while chunk := await reader.read(65536):
+                    chunks.append(chunk)
+        except TimeoutError:
+            pass
+        return b"".join(chunks)
+    finally:
+        writer.close()
+
+
+async def ask(port: int, request_line: str, headers: str = "", body: bytes = b"") -> Answer:
+    data = f"{request_line}\r\nHost: unit\r\nConnection: close\r\n{headers}\r\n".encode() + body
+    return Answer(await raw(port, data))
+
+
+async def started(engine: FakeEngine, launcher: FakeLauncher, **env: str) -> Any:
+    """A healthy proxy process: the context manager of test_drain.proxy_process."""
+    return proxy_process(engine, launcher, **env)
+
+
+async def wait_healthy(url: str) -> None:
+    async with aiohttp.ClientSession() as session:
+        await wait_until(lambda: _is(health(session, url), 200), timeout=20, what="the proxy to be healthy")
+
+
+async def admin_text(url: ProxyURL, path: str) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as session, session.get(f"{url.admin}{path}") as resp:
+        return resp.status, await resp.text()
+
+
+# -- 1. route allowlist: matched on the normalised path, forwarded as matched ------------------
+
+BYPASSES = [
+    "POST /v1/../reset_prefix_cache",
+    "POST /v1/%2e%2e/reset_prefix_cache",
+    "GET /v1/%2E%2E/metrics",
+    "POST /v1/../sleep?level=1",
+    "POST /v1/../collective_rpc",
+    "POST /v1/..%2freset_prefix_cache",
+    "POST /v1%2f..%2freset_prefix_cache",
+    "POST /v1/./../reset_prefix_cache",
+    "POST /tokenize/../reset_prefix_cache",
+    "POST /v1/..\\reset_prefix_cache",
+    "POST /v1/%5c..%5creset_prefix_cache",
+]
+
+
+async def test_dot_segments_and_encoded_separators_never_reach_the_engine(engine: FakeEngine, launcher: FakeLauncher):
+    async with proxy_process(engine, launcher, PROXY_WORKERS="1") as (url, _proc):
+        await wait_healthy(url)
+        port = port_of(url)
+        for line in BYPASSES:
+            answer = await ask(port, f"{line} HTTP/1.1", "Content-Length: 2\r\n", b"{}")
+            assert answer.status == 400, (line, answer.raw[:200])
+            assert answer.json()["error"]["type"] == "bad_request"
+        assert engine.data_requests == 0
+
+
+async def test_each_route_answers_only_its_methods(engine: FakeEngine, launcher: FakeLauncher):
+    async with proxy_process(engine, launcher, PROXY_WORKERS="1") as (url, _proc):
+        await wait_healthy(url)
+        port = port_of(url)
+        for line, allow in [
+            ("DELETE /v1/completions", "GET, HEAD, POST"),
+            ("PUT /v1/chat/completions", "GET, HEAD, POST"),
+            ("TRACE /v1/models", "GET, HEAD, POST"),
+            ("OPTIONS /v1/models", "GET, HEAD, POST"),
+            ("GET /tokenize", "POST"),
+            ("DELETE /version", "GET, HEAD"),
+            ("POST /health", "GET, HEAD"),
+        ]:
+            answer = await ask(port, f"{line} HTTP/1.1")
+            assert answer.status == 405, (line, answer.raw[:200])
+            assert answer.headers["allow"] == allow
+            assert answer.json()["error"]["type"] == "method_not_allowed"
+        connect = await ask(port, "CONNECT example.com:443 HTTP/1.1")
+        assert connect.status == 405 and connect.json()["error"]["code"] == 405
+        assert "allow" in connect.headers
+        assert engine.data_requests == 0
+
+
+# -- 2. a client that stops reading loses its stream and its slot -----------------------------
+
+
+async def test_client_that_reads_nothing_loses_its_stream_and_slot(engine: FakeEngine, launcher: FakeLauncher):
+    async with proxy_process(engine, launcher, PROXY_WORKERS="1", MAX_INFLIGHT="2", WRITE_TIMEOUT_SECONDS="0.5") as (
+        url,
+        _proc,
+    ):
+        await wait_healthy(url)
+        port = port_of(url)
+        body = b'{"model": "m", "prompt": "x", "stream": true}'
+        request = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: unit\r\nContent-Type: application/json\r\n"
+            b"x-tokens: 5000\r\nx-gap: 0\r\nx-pad: 60000\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body)
+        )
+        stalled = []
+        for _ in range(2):  # the two slots, taken by clients that never read
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect((LOOPBACK, port))
+            sock.sendall(request)
+            stalled.append(sock)
+        try:
+            async with aiohttp.ClientSession() as session:
+
+                async def served() -> bool:
+                    async with session.get(f"{url}/v1/models") as resp:
+                        return resp.status == 200
+
+                await asyncio.sleep(0.5)
+                await wait_until(served, timeout=15, what="a free slot after the write timeout")
+            status, metrics = await admin_text(url, "/metrics")
+            assert status == 200
+            assert "unit_proxy_client_write_timeouts_total 2.0" in metrics
+            assert 'unit_proxy_requests_total{code="499"} 2.0' in metrics
+        finally:
+            for sock in stalled:
+                sock.close()
+
+
+# -- 3. endpoints by audience; error bodies name no internals ----------------------------------
+
+
+async def test_ready_load_metrics_only_on_the_admin_listener(engine: FakeEngine, launcher: FakeLauncher):
+    async with proxy_process(engine, launcher, PROXY_WORKERS="1") as (url, _proc):
+        await wait_healthy(url)
+        port = port_of(url)
+        for path in ("/ready", "/load", "/metrics"):
+            answer = await ask(port, f"GET {path} HTTP/1.1")
+            assert answer.status == 404, (path, answer.raw[:200])
+            assert (await admin_text(url, path))[0] == 200
+        assert (await ask(port, "GET /health HTTP/1.1")).status == 200
+        assert engine.data_requests == 0
+
+
+_INTERNALS = re.compile(r"127\.0\.0\.1|10\.0\.1\.|Errno|Error:|Exception|Disconnected|Connector|OSError", re.I)
+
+
+async def test_error_bodies_name_no_addresses_or_exceptions(engine: FakeEngine, launcher: FakeLauncher):
+    body = b'{"model": "m", "prompt": "x"}'
+    post = f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+    dead_engine = f"http://{LOOPBACK}:{free_port()}"
+    async with proxy_process(engine, launcher, PROXY_WORKERS="1", UPSTREAM_URL=dead_engine, LAUNCHER_STATUS_URL="") as (
+        url,
+        _proc,
+    ):
+        await wait_until(lambda: _up(url), timeout=20, what="the proxy to listen")
+        refused = await ask(port_of(url), "POST /v1/completions HTTP/1.1", post, body)
+        assert refused.status == 502 and refused.json()["error"]["type"] == "upstream_unavailable"
+        assert not _INTERNALS.search(refused.body.decode()), refused.body
+        unhealthy = await ask(port_of(url), "GET /health HTTP/1.1")
+        assert unhealthy.status == 503 and not _INTERNALS.search(unhealthy.body.decode()), unhealthy.body
+    async with proxy_process(engine, launcher, PROXY_WORKERS="1") as (url, _proc):
+        await wait_healthy(url)
+        reset = await ask(port_of(url), "POST /v1/completions HTTP/1.1", post + "x-cue: reset\r\n", body)
+        assert reset.status == 502 and not _INTERNALS.search(reset.body.decode()), reset.body
+        launcher.status["members"][1]["alive"] = False
+        async with aiohttp.ClientSession() as session:
+            await wait_until(lambda: _is(health(session, url), 503), timeout=5, what="the member loss")
+        gated = await ask(port_of(url), "POST /v1/completions HTTP/1.1", post, body)
+        assert gated.status == 503 and gated.json()["error"]["type"] == "unit_unavailable"
+        assert not _INTERNALS.search(gated.body.decode()), gated.body
+        unhealthy = await ask(port_of(url), "GET /health HTTP/1.1")
+        assert not _INTERNALS.search(unhealthy.body.decode()), unhealthy.body
+
+
+async def _up(url: str) -> bool:
+    try:
+        async with aiohttp.ClientSession() as session, session.get(f"{url}/health") as resp:
+            return resp.status in (200, 503)
+    except aiohttp.ClientConnectionError:
+        return False
+
+
+# -- 4. protocol answers as RFC 9110/9112 expect ------------------------------------------------
+
+
+async def test_absolute_form_target_is_400_and_no_upstream_error(engine: FakeEngine, launcher: FakeLauncher):
+    async with proxy_process(engine, launcher, PROXY_WORKERS="1") as (url, _proc):
+        await wait_healthy(url)
+        for target in ("http://x/v1/models", "http://127.0.0.1:1/v1/models", "v1/models"):
+            answer = await ask(port_of(url), f"GET {target} HTTP/1.1")
+            assert answer.status == 400, (target, answer.raw[:200])
+            assert answer.json()["error"]["type"] == "bad_request"
+        assert engine.data_requests == 0
+        _status, metrics = await admin_text(url, "/metrics")
+        assert "unit_proxy_upstream_errors_total{" not in metrics
+
+
+async def test_expect_100_continue(engine: FakeEngine, launcher: FakeLauncher):
+    async with proxy_process(engine, launcher, PROXY_WORKERS="1", MAX_BODY_BYTES="4096") as (url, _proc):
+        await wait_healthy(url)
+        port = port_of(url)
+        # Over the limit: 413 at once, no 100 Continue first, and the body is not awaited.
+        reader, writer = await asyncio.open_connection(LOOPBACK, port)
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: unit\r\nExpect: 100-continue\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+        )
+        async with asyncio.timeout(5):
+            first = await reader.readuntil(b"\r\n\r\n")
+        writer.close()
+        assert first.startswith(b"HTTP/1.1 413 "), first
+        # Within the limit: 100 Continue, then the answer; Expect is not passed on.
+        body = b'{"model": "m", "prompt": "x"}'
+        reader, writer = await asyncio.open_connection(LOOPBACK, port)
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: unit\r\nExpect: 100-continue\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+        )
+        async with asyncio.timeout(5):
+            interim = await reader.readuntil(b"\r\n\r\n")
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n", interim
+        writer.write(body)
+        async with asyncio.timeout(5):
+            final = Answer(await reader.read())
+        writer.close()
+        assert final.status == 200 and "tok0" in final.json()["choices"][0]["text"]
+        assert engine.seen_headers and all("Expect" not in h for h in engine.seen_headers)
+        # An expectation the proxy cannot meet: 417.
+        unknown = await ask(port, "POST /v1/completions HTTP/1.1", "Expect: teapot\r\nContent-Length: 0\r\n")
+        assert unknown.status == 417
+
+
+async def test_head_keeps_content_length(engine: FakeEngine, launcher: FakeLauncher):
+    async with proxy_process(engine, launcher, PROXY_WORKERS="1") as (url, _proc):
+        await wait_healthy(url)
+        port = port_of(url)
+        get = await ask(port, "GET /v1/models HTTP/1.1")
+        head = await ask(port, "HEAD /v1/models HTTP/1.1")
+        assert get.status == head.status == 200
+        assert head.headers.get("content-length") == str(len(get.body)) and head.body == b""
+        own = await ask(port, "HEAD /health HTTP/1.1")
+        assert own.status == 200 and own.headers.get("content-length") == "3" and own.body == b""
+
+
+async def test_request_line_without_version_is_400_not_http_0_9(engine: FakeEngine, launcher: FakeLauncher):
+    async with proxy_process(engine, launcher, PROXY_WORKERS="1") as (url, _proc):
+        await wait_healthy(url)
+        answer = Answer(await raw(port_of(url), b"GET /v1/models\r\n\r\n"))
+        assert answer.status_line.startswith(b"HTTP/1.1 400 "), answer.raw[:200]
+        future = Answer(await raw(port_of(url), b"GET /v1/models HTTP/2.0\r\nHost: unit\r\n\r\n"))
+        assert future.status in (400, 505), future.raw[:200]
+        assert engine.data_requests == 0
+
+
+async def test_stream_cut_at_drain_timeout_ends_with_the_error_event(engine: FakeEngine, launcher: FakeLauncher):
+    async with (
+        proxy_process(engine, launcher, PROXY_WORKERS="1", DRAIN_SECONDS="0", DRAIN_TIMEOUT_SECONDS="0.5") as (
+            url,
+            proc,
+        ),
+        aiohttp.ClientSession() as session,
+    ):
+        await wait_healthy(url)
+        stream = await session.post(
+            f"{url}/v1/completions",
+            json={"model": "m", "prompt": "x", "stream": True},
+            headers={"x-tokens": "1000", "x-gap": "0.05"},
+        )
+        assert stream.status == 200
+        await stream.content.readany()
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(10):
+            rest = await stream.content.read()
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+    last = rest.rstrip().rsplit(b"\n\n", 1)[-1]
+    assert last.startswith(b"data: ") and json.loads(last[6:])["error"]["type"] == "upstream_stream_error", last
+
+
+# -- 5. start-up: every setting checked, one line and exit 2; one proxy per port ---------------
+
+
+def run_proxy(env: dict[str, str], timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    full = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LAUNCHER_STATUS_URL": "", "PROXY_HOST": LOOPBACK}
+    full.setdefault("PROXY_ADMIN_PORT", str(free_port()))
+    full.update(env)
+    return subprocess.run(
+        [sys.executable, "-m", "unit_proxy"], env=full, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.parametrize(
+    ("env", "fragment"),
+    [
+        ({"UPSTREAM_URL": "http://127.0.0.1:99999"}, "UPSTREAM_URL="),
+        ({"UPSTREAM_URL": "http://127.0.0.1:8000/v1"}, "UPSTREAM_URL="),
+        ({"UPSTREAM_URL": "http://127.0.0.1:http"}, "UPSTREAM_URL="),
+        ({"PROXY_HOST": "not-an-address"}, "PROXY_HOST="),
+        ({"PROXY_HOST": "192.0.2.1"}, "192.0.2.1"),  # not an address of this host: bind fails
+    ],
+)
+def test_bad_settings_end_in_one_line_and_exit_2(env: dict[str, str], fragment: str):
+    proc = run_proxy({"PROXY_PORT": str(free_port()), "PROXY_WORKERS": "1", **env})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_port_in_use_ends_in_one_line_and_exit_2(workers: str):
+    with socket.socket() as holder:
+        holder.bind((LOOPBACK, 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        proc = run_proxy({"PROXY_PORT": str(port), "PROXY_WORKERS": workers})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(port) in lines[0] and "in use" in lines[0], proc.stderr[-2000:]
+
+
+async def test_second_multi_worker_proxy_on_the_same_port_is_refused(engine: FakeEngine, launcher: FakeLauncher):
+    async with proxy_process(engine, launcher, PROXY_WORKERS="2") as (url, proc):
+        await wait_healthy(url)
+        second = await asyncio.to_thread(
+            run_proxy,
+            {"PROXY_PORT": str(port_of(url)), "PROXY_WORKERS": "2", "UPSTREAM_URL": engine.url},
+        )
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert len(second.stderr.strip().splitlines()) == 1, second.stderr[-2000:]
+        assert proc.returncode is None
+        await wait_healthy(url)
+
+
+def test_accept_failing_for_lack_of_descriptors_is_logged():
+    port = free_port()
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "PROXY_HOST": LOOPBACK,
+        "PROXY_PORT": str(port),
+        "PROXY_ADMIN_PORT": str(free_port()),
+        "PROXY_WORKERS": "1",
+        "LAUNCHER_STATUS_URL": "",
+        "DRAIN_SECONDS": "0",
+        "DRAIN_TIMEOUT_SECONDS": "0",
+    }
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "unit_proxy"], env=env, preexec_fn=limit, stderr=subprocess.PIPE, text=True
+    )
+    clients: list[socket.socket] = []
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                clients.append(socket.create_connection((LOOPBACK, port), timeout=1))
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the proxy did not listen"
+                time.sleep(0.1)
+        clients += [socket.create_connection((LOOPBACK, port), timeout=1) for _ in range(100)]
+        time.sleep(1.0)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            _, stderr = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, stderr = proc.communicate()
+        for client in clients:
+            client.close()
+    assert re.search(r"accept failed .*(Too many open files|descriptors)", stderr), stderr[-2000:]
+
+
+async def test_health_fails_unless_every_worker_serves(engine: FakeEngine, launcher: FakeLauncher):
+    async with proxy_process(engine, launcher, PROXY_WORKERS="2") as (url, _proc):
+        await wait_healthy(url)
+        async with aiohttp.ClientSession() as session:
+
+            async def listening() -> bool:
+                async with session.get(f"{url.admin}/ready") as resp:
+                    return (await resp.json()).get("workers", {}).get("listening") == 2
+
+            await wait_until(listening, timeout=20, what="both workers to listen")
+            async with session.get(f"{url.admin}/ready") as resp:
+                pids = (await resp.json())["workers"]["pids"]
+            os.kill(pids[0], signal.SIGKILL)
+            seen: set[int] = set()
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and 503 not in seen:
+                async with session.get(f"{url.admin}/health") as resp:
+                    seen.add(resp.status)
+                    text = await resp.text()
+                await asyncio.sleep(0.01)
+            assert 503 in seen and "workers" in text, (seen, text)
+            await wait_healthy(url)  # the replacement listens: healthy again
