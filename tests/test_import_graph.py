@@ -168,7 +168,7 @@ def test_the_graph_sees_the_imports_that_matter() -> None:
         ("app.py", "inference_fleet/checks.py"),  # from x import name
         ("inference_fleet/cli.py", "inference_fleet/planner/cli.py"),  # from package import submodule
         ("inference_fleet/checks.py", "inference_fleet/planner/fit.py"),
-        ("containers/proxy/unit_proxy/server.py", "containers/proxy/unit_proxy/supervisor.py"),  # inside a function
+        ("containers/inference/unit_launcher/cli.py", "containers/inference/unit_launcher/runner.py"),  # in a function
         ("e2e/unit_mode.py", "e2e/harness.py"),  # a script's own folder
         ("containers/inference/unit_launcher/cli.py", "inference_fleet/checks.py"),  # across source roots
     ):
