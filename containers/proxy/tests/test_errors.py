@@ -155,3 +155,11 @@ async def test_slow_client_headers_and_body_are_cut(make_proxy: ProxyFactory, en
     )
     assert status_of(answer) == 408
     assert engine.started == 0
+
+
+async def test_an_engine_error_while_draining_is_503_unit_unavailable(make_proxy: ProxyFactory):
+    """Stopping the task stops the engine too: its errors for new requests mean "go elsewhere"."""
+    proxy = await make_proxy()
+    proxy.state.start_draining()
+    status, doc, resp = await post(proxy.url, "error500")
+    assert status == 503 and doc["error"]["type"] == "unit_unavailable" and resp.headers["Retry-After"]

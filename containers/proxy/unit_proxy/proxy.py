@@ -478,9 +478,14 @@ async def _unit_going_down(req: Request, state: ProxyState, progress: _Progress)
     A dying unit's engine answers 500 or drops the connection before the launcher has ended
     the session; those answers are the half unit's, not the model's. Only an error of a
     healthy engine in a whole unit goes through as it is."""
-    if not state.gate_unit:
+    if state.health.draining:
+        # The task is being stopped (a deployment, a scale-in): with the engine stopping too,
+        # its errors for new requests mean "go elsewhere", which a 503 says and a 500 does not.
+        why = "the unit is draining"
+    elif not state.gate_unit:
         return False
-    why = state.unit_unavailable()
+    else:
+        why = state.unit_unavailable()
     if why is None:
         if await _engine_healthy(state):
             return False
