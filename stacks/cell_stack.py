@@ -132,6 +132,7 @@ class CellStack(Stack):
                 quarantine_window=Duration.minutes(serving.quarantine_window_minutes),
                 quarantine_max_instances=serving.quarantine_max_instances,
                 spare_nodes=cell.spare_nodes,
+                agent_disconnected=Duration.minutes(serving.agent_disconnected_minutes),
             ),
         )
         self.namespace = servicediscovery.PrivateDnsNamespace(
