@@ -269,6 +269,7 @@ class CellStack(Stack):
             leader_service_name=leader_service_name(index),
             target_group=self.load_balancer.target_group,
             health_check_grace=Duration.seconds(serving.health_check_grace_seconds),
+            startup_budget=Duration.seconds(serving.startup_budget_seconds),
             # SIGTERM -> keep serving for the deregistration delay -> let streams finish.
             proxy_stop_timeout=Duration.seconds(
                 serving.deregistration_delay_seconds + serving.drain_timeout_seconds + 30
