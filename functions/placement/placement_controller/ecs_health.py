@@ -15,9 +15,11 @@ back. Writing an attribute to an instance whose agent is disconnected is a contr
 call; that ECS accepts it then is **unverified**.
 
 Marks share the quarantine cap: at most `max_instances` instances of the cell are being
-replaced (Unhealthy in the group, or marked by this run) at once, and none while the
-group's rolling update waits for signals (a replacement outside the update's batch would
-take a second unit down while the update waits for the first).
+replaced (Unhealthy in the group, a new instance still Pending, or marked by this run) at
+once, and none while the group's rolling update waits for signals (a replacement outside
+the update's batch would take a second unit down while the update waits for the first).
+The cap counts an instance until its replacement is InService, not until the replacement's
+unit serves again (that would need the target health per unit).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from placement_controller import aws
 DISCONNECTED_ATTRIBUTE = "agent-disconnected-since"
 # Draining instances still hold tasks; a deregistering one is leaving already.
 WATCHED_ECS_STATUSES = frozenset({"ACTIVE", "DRAINING"})
+STARTING_LIFECYCLE_STATES = frozenset({"Pending", "Pending:Wait", "Pending:Proceed"})
 
 
 @dataclass(frozen=True)
@@ -96,11 +99,13 @@ def observe(
 
 
 def replacing(group: Mapping[str, aws.GroupInstance], marked: Sequence[str]) -> int:
-    """Instances of the cell being replaced now: live but Unhealthy in the group, or just marked."""
-    unhealthy = {
-        i for i, g in group.items() if g.lifecycle in aws.LIVE_LIFECYCLE_STATES and g.health == "Unhealthy"
-    }
-    return len(unhealthy | set(marked))
+    """Instances of the cell being replaced now: Unhealthy in the group (terminating included),
+    still starting (a replacement, as far as the group tells), or just marked.
+
+    Conservative on purpose: a deferred mark is retried by the next run, a second unit down is not undone.
+    """
+    busy = {i for i, g in group.items() if g.health == "Unhealthy" or g.lifecycle in STARTING_LIFECYCLE_STATES}
+    return len(busy | set(marked))
 
 
 def choose(broken: Sequence[tuple[float, str]], budget: int, updating: bool) -> tuple[list[str], list[str]]:

@@ -87,3 +87,13 @@ def test_quarantined_or_leaving_instances_are_left_to_their_own_handling():
     ci = aws.ContainerInstance("arn:q", "i-q", "ACTIVE", False, 1, 0, {DISCONNECTED_ATTRIBUTE: f"{NOW - 9999}"})
     assert ecs_health.observe(POLICY, [ci], group, {"i-q"}, NOW).broken == []
     assert ecs_health.observe(POLICY, [ci], group, set(), NOW).broken == [(9999.0, "i-q")]
+
+
+def test_a_replacement_still_starting_or_terminating_counts_against_the_cap():
+    group = {
+        "i-new": aws.GroupInstance("Pending", "Healthy"),
+        "i-old": aws.GroupInstance("Terminating", "Unhealthy"),
+        "i-ok": aws.GroupInstance("InService", "Healthy"),
+    }
+    assert ecs_health.replacing(group, []) == 2
+    assert ecs_health.replacing(group, ["i-ok"]) == 3
