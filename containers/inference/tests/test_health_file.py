@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from unit_launcher import health_file
@@ -104,3 +105,31 @@ def test_the_health_check_command_exits_by_the_verdict(tmp_path: Path):
 def test_the_path_comes_from_the_environment():
     assert health_file.path_from({}) == Path("/tmp/unit-launcher.state")
     assert health_file.path_from({"UNIT_HEALTH_FILE": "/x/y"}) == Path("/x/y")
+
+
+@pytest.mark.timeout(90)
+def test_a_real_follower_records_serving_with_its_session_then_stopping(tmp_path: Path, unit_nodes, h):
+    """Real launcher processes on loopback: the follower's record follows its membership."""
+    import signal
+
+    spec = h.cpu_spec(2, record_dir=tmp_path)
+    leader = unit_nodes(spec, "leader", "i-leader")
+    follower = unit_nodes(spec, "follower", "i-follower")
+    state = tmp_path / "i-follower.state"
+
+    def serving() -> dict | None:
+        status = h.get_status(spec["rendezvous"]["port"])
+        record = health_file.read(state)
+        if status and record and record.get("state") == SERVING:
+            return {"status": status, "record": record}
+        return None
+
+    seen = h.wait_for(serving, 30, "follower health file says serving")
+    assert seen["record"]["session_id"] == seen["status"]["session_id"]
+    assert seen["record"]["role"] == "follower"
+    check = [sys.executable, "-m", "unit_launcher.health_file", "--joining-seconds", "1800", "--path", str(state)]
+    assert subprocess.run(check, check=False).returncode == 0
+    leader.signal(signal.SIGTERM)
+    assert follower.wait(20) == 0, follower.log
+    assert health_file.read(state)["state"] == STOPPING
+    assert subprocess.run(check, check=False).returncode == 0
