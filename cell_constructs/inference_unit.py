@@ -56,6 +56,19 @@ class UnitPorts:
     rendezvous: int
 
 
+# The launcher's own interpreter in the inference image (containers/inference/Dockerfile ENTRYPOINT).
+LAUNCHER_PYTHON = "/opt/unit-launcher/bin/python"
+# ECS accepts a health check start period of 0 to 300 s
+# (https://docs.aws.amazon.com/AmazonECS/latest/APIReference/API_HealthCheck.html).
+MAX_HEALTH_START_PERIOD_SECONDS = 300
+
+
+def follower_health_command(startup_budget: Duration) -> list[str]:
+    """The follower container's health check: the launcher's health file judged against the budget."""
+    budget = int(startup_budget.to_seconds())
+    return ["CMD", LAUNCHER_PYTHON, "-m", "unit_launcher.health_file", "--joining-seconds", str(budget)]
+
+
 class MultiNodeInferenceUnit(Construct):
     """One unit: a leader service (with the proxy) and a follower service, pinned to the unit's instances."""
 
@@ -83,10 +96,13 @@ class MultiNodeInferenceUnit(Construct):
         proxy_stop_timeout: Duration,
         deployment_alarms: list[cloudwatch.IAlarm] | None = None,
         desired_counts: tuple[int | float, int | float] | None = None,
+        startup_budget: Duration | None = None,
     ) -> None:
         """`desired_counts` (leader, followers): default 1 and nodes - 1 (a fixed cell, owned by
         CloudFormation); an elastic cell passes the autoscaler's custom-resource attributes and
-        tags each service with `unit` and `unit-role`, by which the autoscaler finds it."""
+        tags each service with `unit` and `unit-role`, by which the autoscaler finds it.
+        `startup_budget` (default: `health_check_grace`) is how long a follower may be joining
+        (fetch, join) before its health check fails."""
         super().__init__(scope, construct_id)
         if nodes < 1:
             raise ValueError(f"a unit needs >= 1 node, got {nodes}")
@@ -109,7 +125,9 @@ class MultiNodeInferenceUnit(Construct):
         self.follower_service: ecs.Ec2Service | None = None
         if nodes > 1:
             follower_task = self._task_definition("FollowerTask", role="follower", environment=follower_environment)
-            self._follower_health_and_drain_guard(follower_task, leader_drain=proxy_stop_timeout)
+            self._follower_health_and_drain_guard(
+                follower_task, leader_drain=proxy_stop_timeout, startup_budget=startup_budget or health_check_grace
+            )
             self.follower_service = ecs.Ec2Service(
                 self, "Followers", task_definition=follower_task, desired_count=follower_count, **service_settings
             )
@@ -226,7 +244,9 @@ class MultiNodeInferenceUnit(Construct):
         )
         return service
 
-    def _follower_health_and_drain_guard(self, task: ecs.Ec2TaskDefinition, *, leader_drain: Duration) -> None:
+    def _follower_health_and_drain_guard(
+        self, task: ecs.Ec2TaskDefinition, *, leader_drain: Duration, startup_budget: Duration
+    ) -> None:
         """A follower stops only after its unit's leader has drained, and reports its health.
 
         Leader and follower services of a unit update together (min 0 %, max 100 %), so ECS
@@ -240,19 +260,21 @@ class MultiNodeInferenceUnit(Construct):
         PID namespace (pidMode task) so the guard can see the engine.
         """
         engine = task.default_container
-        # Liveness of the follower's launcher (the process that holds the unit membership);
-        # grep of /proc needs nothing beyond the shell and grep of the image.
+        # Unit membership as the follower's launcher records it (unit_launcher/health_file.py):
+        # unhealthy when joining longer than the start-up budget, or serving with a stale
+        # record. ECS caps StartPeriod at 300 s, below the budget, so the budget is the
+        # check's own argument; StartPeriod only covers the seconds before the first record.
         engine.health_check = None
         cfn = task.node.default_child
         cfn.add_property_override("PidMode", "task")
         cfn.add_property_override(
             "ContainerDefinitions.0.HealthCheck",
             {
-                "Command": ["CMD-SHELL", "grep -qsa unit_launcher /proc/[0-9]*/cmdline || exit 1"],
+                "Command": follower_health_command(startup_budget),
                 "Interval": 30,
-                "Timeout": 5,
+                "Timeout": 10,
                 "Retries": 3,
-                "StartPeriod": 300,
+                "StartPeriod": MAX_HEALTH_START_PERIOD_SECONDS,
             },
         )
         wait = int(leader_drain.to_seconds())

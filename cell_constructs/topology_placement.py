@@ -14,6 +14,8 @@ which only enqueues it in the FIFO trigger queue; the run that follows counts it
 the instance it names and quarantines an instance that keeps failing (ECS attribute
 `quarantine`, no `unit`, unhealthy in this group: SetInstanceHealth on this group only).
 With `manage_spares` the controller stops the spare task of a spare it gives to a unit.
+An instance whose ECS agent stays disconnected past `agent_disconnected` is also marked
+unhealthy in this group (same permission, same cap as the quarantine).
 IAM: topology and group reads (no resource-level permissions exist for them), ECS reads,
 attribute writes and task reads on this cluster only, health of this group's instances.
 """
@@ -61,6 +63,8 @@ class FailureHandling:
     quarantine_window: Duration = Duration.minutes(60)  # noqa: RUF009 - Duration is immutable
     quarantine_max_instances: int = 1
     spare_nodes: int = 0
+    # An instance whose ECS agent stays away this long is replaced (fleet: serving.agent_disconnected_minutes).
+    agent_disconnected: Duration = Duration.minutes(10)  # noqa: RUF009 - Duration is immutable
 
     def environment(self) -> dict[str, str]:
         return {
@@ -68,6 +72,7 @@ class FailureHandling:
             "QUARANTINE_WINDOW_SECONDS": str(int(self.quarantine_window.to_seconds())),
             "QUARANTINE_MAX_INSTANCES": str(self.quarantine_max_instances),
             "SPARE_NODES": str(self.spare_nodes),
+            "AGENT_DISCONNECTED_SECONDS": str(int(self.agent_disconnected.to_seconds())),
         }
 
 

@@ -445,6 +445,11 @@ class ServingConfig(_Strict):
         description="Most instances of a cell in quarantine at once: failures spread over many hosts point "
         "at the software, not the hosts, and must not replace the whole cell.",
     )
+    agent_disconnected_minutes: int = Field(
+        default=10, ge=1, le=1440,
+        description="An instance whose ECS agent stays disconnected this long is marked unhealthy by the "
+        "placement controller and replaced (within quarantine_max_instances at once).",
+    )
     step_timeout_seconds: int = Field(
         default=30,
         ge=1,

@@ -132,6 +132,7 @@ class CellStack(Stack):
                 quarantine_window=Duration.minutes(serving.quarantine_window_minutes),
                 quarantine_max_instances=serving.quarantine_max_instances,
                 spare_nodes=cell.spare_nodes,
+                agent_disconnected=Duration.minutes(serving.agent_disconnected_minutes),
             ),
         )
         self.namespace = servicediscovery.PrivateDnsNamespace(
@@ -268,6 +269,7 @@ class CellStack(Stack):
             leader_service_name=leader_service_name(index),
             target_group=self.load_balancer.target_group,
             health_check_grace=Duration.seconds(serving.health_check_grace_seconds),
+            startup_budget=Duration.seconds(serving.startup_budget_seconds),
             # SIGTERM -> keep serving for the deregistration delay -> let streams finish.
             proxy_stop_timeout=Duration.seconds(
                 serving.deregistration_delay_seconds + serving.drain_timeout_seconds + 30

@@ -289,7 +289,38 @@ def test_followers_have_a_container_health_check(synth_default) -> None:
     tasks = resources(synth_default.template_json(DEV), "AWS::ECS::TaskDefinition")
     follower = next(v for k, v in tasks.items() if k.startswith("Unit0FollowerTask"))["Properties"]
     check = follower["ContainerDefinitions"][0]["HealthCheck"]
-    assert check["Command"][0] == "CMD-SHELL" and "unit_launcher" in check["Command"][1]
+    # Unit membership (the launcher's health file), with the fleet's start-up budget (1800 s).
+    assert check["Command"] == [
+        "CMD", "/opt/unit-launcher/bin/python", "-m", "unit_launcher.health_file", "--joining-seconds", "1800",
+    ]
+    assert check["StartPeriod"] == 300 and check["Interval"] * check["Retries"] <= 120
+
+
+def test_the_follower_health_check_runs_against_the_launcher_record(synth_default, tmp_path) -> None:
+    """The synthesized command, run with this interpreter, judges a record the launcher wrote."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from unit_launcher.health_file import JOINING, SERVING, HealthFile
+
+    tasks = resources(synth_default.template_json(DEV), "AWS::ECS::TaskDefinition")
+    follower = next(v for k, v in tasks.items() if k.startswith("Unit0FollowerTask"))["Properties"]
+    _, python, *args = follower["ContainerDefinitions"][0]["HealthCheck"]["Command"]
+    dockerfile = (Path(__file__).parents[1] / "containers" / "inference" / "Dockerfile").read_text()
+    assert f'ENTRYPOINT ["{python}", "-m", "unit_launcher"]' in dockerfile
+    state = tmp_path / "unit-launcher.state"
+    env = {"UNIT_HEALTH_FILE": str(state), "PATH": "/usr/bin:/bin"}
+
+    def healthy() -> bool:
+        return subprocess.run([sys.executable, *args], env=env, capture_output=True, check=False).returncode == 0
+
+    HealthFile(state, "follower").set(JOINING)
+    assert healthy()
+    HealthFile(state, "follower", clock=lambda: 0.0).set(JOINING)  # joining since 1970: past the budget
+    assert not healthy()
+    HealthFile(state, "follower").set(SERVING, "s1")
+    assert healthy()
 
 
 def test_efa_is_verified_and_a_failed_setup_leaves_the_group(synth_default, variants) -> None:

@@ -242,6 +242,7 @@ def test_deployment_package_holds_only_the_runtime_code(synthesized):
         "placement_controller/__init__.py",
         "placement_controller/assignment.py",
         "placement_controller/aws.py",
+        "placement_controller/ecs_health.py",
         "placement_controller/failures.py",
         "placement_controller/forward.py",
         "placement_controller/handler.py",
@@ -384,6 +385,8 @@ def test_unit_failures_reach_the_function_from_the_unit_log_group_only(with_fail
     [function] = template.find_resources("AWS::Lambda::Function").values()
     env = function["Properties"]["Environment"]["Variables"]
     assert (env["QUARANTINE_FAILURES"], env["QUARANTINE_WINDOW_SECONDS"], env["SPARE_NODES"]) == ("2", "1800", "2")
+    # ECS-reported broken hosts: default grace, replaced with the quarantine's SetInstanceHealth grant.
+    assert env["AGENT_DISCONNECTED_SECONDS"] == "600"
     assert env["SPARE_TASK_FAMILY"] == "rufus-dev-spare" and "TRIGGER_QUEUE_URL" in env
     # Asynchronous invocations (the log deliveries) that fail land in an encrypted queue.
     assert "TargetArn" in function["Properties"]["DeadLetterConfig"]

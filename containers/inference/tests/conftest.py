@@ -97,6 +97,8 @@ class Node:
                 "UNIT_BIND_ADDR": "127.0.0.1",
                 "AWS_EC2_METADATA_DISABLED": "true",
                 "PYTHONUNBUFFERED": "1",
+                # The launcher's health file (unit_launcher/health_file.py), per node, never the host's /tmp.
+                "UNIT_HEALTH_FILE": str(log_dir / f"{instance_id}.state"),
                 **(extra_env or {}),
             }
         )
@@ -142,6 +144,12 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: 
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.fixture(autouse=True)
+def _private_health_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A follower run in-process writes its health file under the test's directory, not the host's /tmp."""
+    monkeypatch.setenv("UNIT_HEALTH_FILE", str(tmp_path / "unit-launcher.state"))
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from typing import Any
 
 import aiohttp
 
-from unit_launcher import artifacts, evidence, plan, rendezvous, steps
+from unit_launcher import artifacts, evidence, health_file, plan, rendezvous, steps
 from unit_launcher.engine import Engine
 from unit_launcher.identity import DiscoveryError, Identity, IdentityError, discover_leader, resolve_identity
 from unit_launcher.spec import SpecError, UnitSpec
@@ -319,6 +319,8 @@ def _abridged(record: dict[str, Any]) -> dict[str, Any]:
 
 async def run_follower(spec: UnitSpec, me: Identity, env: Mapping[str, str]) -> int:
     signals = _Signals()
+    health = health_file.HealthFile(health_file.path_from(env), "follower")
+    health.write()  # joining: the container health check allows the start-up budget
     try:
         await asyncio.to_thread(fetch_artifacts, spec, -1)
     except artifacts.ArtifactError as error:
@@ -369,7 +371,7 @@ async def run_follower(spec: UnitSpec, me: Identity, env: Mapping[str, str]) -> 
         except (rendezvous.JoinError, DiscoveryError) as error:
             log.error("%s", error)
             return EXIT_FORM_TIMEOUT
-        return await _follow(http, spec, me, release, signals)
+        return await _follow(http, spec, me, release, signals, health)
 
 
 def _follower_record(
@@ -395,7 +397,8 @@ def _follower_record(
 
 
 async def _follow(
-    http: aiohttp.ClientSession, spec: UnitSpec, me: Identity, release: rendezvous.Release, signals: _Signals
+    http: aiohttp.ClientSession, spec: UnitSpec, me: Identity, release: rendezvous.Release, signals: _Signals,
+    health: health_file.HealthFile,
 ) -> int:
     """Run this node's engine in the released session until the session or the engine ends."""
     try:
@@ -418,6 +421,7 @@ async def _follow(
     engine = Engine(node_plan.argv, _engine_env(node_plan))
     try:
         await engine.start()
+        health.serve(release.session_id)
         engine_exit = asyncio.ensure_future(engine.wait())
         beats = asyncio.ensure_future(rendezvous.heartbeat_loop(http, spec, release, me.instance_id, step_dir))
         await _first(asyncio.shield(engine_exit), asyncio.shield(beats), signals.stop.wait())
@@ -447,6 +451,7 @@ async def _follow(
         log.error("unit session over: %s; engine stopped", ended.reason)
         return EXIT_UNIT_LOST
     finally:
+        health.stop()
         if engine.running:
             await engine.stop(spec.engine.stop_timeout_seconds)
         shutil.rmtree(step_dir, ignore_errors=True)

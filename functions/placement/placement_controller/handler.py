@@ -13,7 +13,9 @@ triggers carry count against the instances they name; an instance that reaches t
 is quarantined (`quarantine` attribute, no `unit`, unhealthy in its Auto Scaling group)
 and never planned again. A unit that lost a node gets the nearest warm spare
 (`unit = spare`) before any cold instance; free instances left over become spares. A
-CloudWatch Logs delivery (the failures themselves) is only enqueued (`forward`).
+CloudWatch Logs delivery (the failures themselves) is only enqueued (`forward`). An
+instance whose ECS agent stays disconnected past a grace period is also marked unhealthy,
+within the same cap (`ecs_health`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 
 from botocore.client import BaseClient
 
-from placement_controller import aws, forward, signals
+from placement_controller import aws, ecs_health, forward, signals
 from placement_controller.assignment import (
     MAX_NODES_PER_UNIT,
     MAX_UNITS,
@@ -40,6 +42,7 @@ from placement_controller.assignment import (
     Plan,
     plan_cell,
 )
+from placement_controller.ecs_health import DISCONNECTED_ATTRIBUTE, EcsHealthObservation, EcsHealthPolicy
 from placement_controller.failures import (
     FAILURES_ATTRIBUTE,
     QUARANTINE_ATTRIBUTE,
@@ -70,6 +73,7 @@ class Settings:
     spare_nodes: int = 0
     # Task definition family of the cell's spare service: its task leaves a spare given to a unit.
     spare_task_family: str = ""
+    ecs_health: EcsHealthPolicy = EcsHealthPolicy()  # noqa: RUF009 - frozen, shared safely
 
     @property
     def cluster_name(self) -> str:
@@ -107,6 +111,9 @@ class Settings:
             ),
             spare_nodes=number("SPARE_NODES", MAX_UNITS, default=0, lowest=0),
             spare_task_family=env.get("SPARE_TASK_FAMILY", "").strip(),
+            ecs_health=EcsHealthPolicy(
+                disconnected_seconds=number("AGENT_DISCONNECTED_SECONDS", 86400, default=600, lowest=60),
+            ),
         )
         if problems:
             raise ValueError("placement controller misconfigured: " + "; ".join(problems))
@@ -224,6 +231,43 @@ def _mark_unhealthy(
     return marked
 
 
+def _agent_attribute_writes(
+    seen: EcsHealthObservation, by_instance: Mapping[str, aws.ContainerInstance]
+) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """Puts of first sightings of a disconnected agent, deletes for agents that are back."""
+    puts = [_attribute(DISCONNECTED_ATTRIBUTE, by_instance[i].arn, v) for i, v in sorted(seen.first_seen.items())]
+    deletes = [_attribute(DISCONNECTED_ATTRIBUTE, by_instance[i].arn) for i in sorted(seen.reconnected)]
+    return puts, deletes
+
+
+def _replace_disconnected(
+    settings: Settings,
+    clients: Clients,
+    seen: EcsHealthObservation,
+    group: Mapping[str, aws.GroupInstance],
+    marked: list[str],
+    retry: aws.Retry,
+) -> tuple[list[str], list[str]]:
+    """Mark instances whose agent stayed away past the grace, within the quarantine cap; (marked, deferred)."""
+    if not seen.broken:
+        return [], []
+    budget = settings.quarantine.max_instances - ecs_health.replacing(group, marked)
+    signal_settings = signals.SignalSettings.from_env(os.environ)
+    # Only asked when there is something to mark: a run with nothing to replace makes no extra call.
+    updating = (
+        budget > 0
+        and signal_settings is not None
+        and clients.cloudformation is not None
+        and signals.group_updating(signal_settings, clients.cloudformation, retry)
+    )
+    chosen, deferred = ecs_health.choose(seen.broken, budget, updating)
+    done = [i for i in chosen if aws.mark_unhealthy(clients.autoscaling, i, retry)]
+    for instance_id in deferred:
+        LOG.warning("%s: ECS agent disconnected past the grace; replacement deferred (%s)", instance_id,
+                    "rolling update in progress" if updating else "replacement cap reached")
+    return done, deferred
+
+
 def reconcile(
     settings: Settings,
     clients: Clients,
@@ -239,6 +283,7 @@ def reconcile(
     container_instances = aws.list_container_instances(clients.ecs, settings.cluster, retry)
     by_instance = {ci.ec2_instance_id: ci for ci in container_instances}
     step = _quarantine(settings, clients, container_instances, event, retry, now)
+    agents = ecs_health.observe(settings.ecs_health, container_instances, group, step.in_quarantine | gone, now)
 
     deletes: list[dict[str, str]] = []
     managed: dict[str, aws.ContainerInstance] = {}
@@ -286,6 +331,9 @@ def reconcile(
     # ECS has no conditional PutAttributes: re-read the instances about to change and
     # leave alone any that took a (unit) task since the first read.
     puts = _quarantine_writes(step, by_instance)
+    agent_puts, agent_deletes = _agent_attribute_writes(agents, by_instance)
+    puts += agent_puts
+    deletes += agent_deletes
     skipped: list[str] = []
     leaving_spares: list[aws.ContainerInstance] = []
     if changing:
@@ -307,13 +355,17 @@ def reconcile(
     written = aws.put_attributes(clients.ecs, settings.cluster, puts, retry)
     stopped = _stop_spare_tasks(settings, clients, leaving_spares, retry)
     unhealthy = _mark_unhealthy(settings, clients, step, group, retry)
+    disconnected, disconnected_deferred = _replace_disconnected(settings, clients, agents, group, unhealthy, retry)
     summary = _summary(settings, plan, topology, left, skipped, written, deleted, retry.retried)
     summary.update(
         {
             "quarantined": dict(sorted(step.quarantined_now.items())),
             "in_quarantine": sorted(step.in_quarantine),
             "quarantine_deferred": step.deferred,
-            "marked_unhealthy": unhealthy,
+            "marked_unhealthy": unhealthy + disconnected,
+            "agent_disconnected_replaced": disconnected,
+            "agent_disconnected_deferred": disconnected_deferred,
+            "agent_disconnected_first_seen": sorted(agents.first_seen),
             "failures_counted": step.counted,
             "unresolved_failures": step.unresolved,
             "spares_assigned": dict(sorted(gifts.items())),
@@ -426,6 +478,8 @@ def _publish(settings: Settings, plan: Plan, summary: Mapping[str, Any], emit: C
                 "QuarantinesDeferred": len(summary.get("quarantine_deferred", [])),
                 "UnitFailuresCounted": summary.get("failures_counted", 0),
                 "SparesAssigned": len(summary.get("spares_assigned", {})),
+                "AgentDisconnectedReplaced": len(summary.get("agent_disconnected_replaced", [])),
+                "AgentDisconnectedDeferred": len(summary.get("agent_disconnected_deferred", [])),
             },
             message="placement reconciled",
             summary=summary,

@@ -62,6 +62,14 @@ def healthy_targets(elbv2: BaseClient, target_group_arn: str, retry: aws.Retry) 
     }
 
 
+def group_updating(settings: SignalSettings, cloudformation: BaseClient, retry: aws.Retry) -> bool:
+    """Whether CloudFormation is updating the group resource (a rolling update may be waiting for signals)."""
+    detail = retry.call(
+        cloudformation.describe_stack_resource, StackName=settings.stack, LogicalResourceId=settings.resource
+    ).get("StackResourceDetail", {})
+    return detail.get("ResourceStatus") in UPDATING
+
+
 def signal_serving_units(
     settings: SignalSettings,
     group: str,
@@ -72,10 +80,7 @@ def signal_serving_units(
     retry: aws.Retry,
 ) -> list[str]:
     """Signal SUCCESS for new instances of serving units while the group is updating; returns them."""
-    detail = retry.call(
-        cloudformation.describe_stack_resource, StackName=settings.stack, LogicalResourceId=settings.resource
-    ).get("StackResourceDetail", {})
-    if detail.get("ResourceStatus") not in UPDATING:
+    if not group_updating(settings, cloudformation, retry):
         return []
     new = current_version_instances(autoscaling, group, retry)
     healthy = healthy_targets(elbv2, settings.target_group_arn, retry)

@@ -667,3 +667,137 @@ def test_settings_read_quarantine_and_spares_with_defaults():
     assert (tuned.quarantine.failures, tuned.quarantine.max_instances, tuned.spare_nodes) == (2, 2, 1)
     with pytest.raises(ValueError, match="QUARANTINE_WINDOW_SECONDS = '5'"):
         Settings.from_env({**base, "QUARANTINE_WINDOW_SECONDS": "5"})
+
+
+# ECS-reported broken hosts: an agent disconnected past the grace gets its instance replaced.
+GRACE = 600
+
+
+def disconnected(instance: str, since: float | None = None, **attrs: str) -> dict:
+    """A unit member whose ECS agent is away; `since` is the recorded first sighting."""
+    extra = {"agent_disconnected_since": f"{since:.0f}"} if since is not None else {}
+    raw = container(instance, running=1, unit="u0", unit_placement="topology", **extra, **attrs)
+    return {**raw, "agentConnected": False}
+
+
+def agent_attribute(instance: str, value: str | None = None) -> list[dict]:
+    attribute = {"name": "agent-disconnected-since", "targetType": "container-instance", "targetId": arn(instance)}
+    return [{**attribute, "value": value} if value is not None else attribute]
+
+
+def unit_of_two(cell: Cell, a: dict, b: dict, unhealthy: tuple[str, ...] = (), **more: str) -> None:
+    cell.group(unhealthy, **{"i-0a": "InService", "i-0b": "InService", **more})
+    cell.containers([a, b])
+    cell.topology(["i-0a", "i-0b"], [topo("i-0a", "t", "m", "b"), topo("i-0b", "t", "m", "b")])
+
+
+def health_call(cell: Cell, instance: str) -> None:
+    cell.autoscaling.add_response(
+        "set_instance_health", {},
+        {"InstanceId": instance, "HealthStatus": "Unhealthy", "ShouldRespectGracePeriod": False},
+    )
+
+
+def run_at_now(cell: Cell, clients: Clients | None = None) -> dict:
+    with cell.active():
+        return reconcile(SETTINGS, clients or cell.clients, {}, aws.Retry(), cell.lines.append, now=NOW)
+
+
+def test_a_disconnected_agent_is_first_recorded_not_replaced(monkeypatch):
+    monkeypatch.delenv("SIGNAL_STACK", raising=False)
+    cell = Cell()
+    unit_of_two(cell, container("i-0a", running=1, unit="u0", unit_placement="topology"), disconnected("i-0b"))
+    first = agent_attribute("i-0b", f"{NOW}")
+    cell.ecs.add_response("put_attributes", {"attributes": first}, {"cluster": CLUSTER, "attributes": first})
+    summary = run_at_now(cell)
+    assert summary["agent_disconnected_first_seen"] == ["i-0b"]
+    assert summary["marked_unhealthy"] == [] and summary["agent_disconnected_replaced"] == []
+
+
+def test_an_agent_disconnected_past_the_grace_gets_its_instance_replaced(monkeypatch):
+    monkeypatch.delenv("SIGNAL_STACK", raising=False)
+    cell = Cell()
+    unit_of_two(cell, container("i-0a", running=1, unit="u0", unit_placement="topology"),
+                disconnected("i-0b", NOW - GRACE - 1))
+    health_call(cell, "i-0b")
+    summary = run_at_now(cell)
+    assert summary["agent_disconnected_replaced"] == ["i-0b"] and summary["marked_unhealthy"] == ["i-0b"]
+    metrics = next(line for line in emf_lines(cell) if "Unit" not in line)
+    assert metrics["AgentDisconnectedReplaced"] == 1
+
+
+def test_an_agent_within_the_grace_is_left_alone(monkeypatch):
+    monkeypatch.delenv("SIGNAL_STACK", raising=False)
+    cell = Cell()
+    unit_of_two(cell, container("i-0a", running=1, unit="u0", unit_placement="topology"),
+                disconnected("i-0b", NOW - GRACE + 30))
+    summary = run_at_now(cell)
+    assert summary["agent_disconnected_replaced"] == [] and summary["agent_disconnected_deferred"] == []
+
+
+def test_disconnected_agents_are_replaced_one_at_a_time_longest_first(monkeypatch):
+    monkeypatch.delenv("SIGNAL_STACK", raising=False)
+    cell = Cell()
+    unit_of_two(cell, disconnected("i-0a", NOW - GRACE - 60), disconnected("i-0b", NOW - GRACE - 600))
+    health_call(cell, "i-0b")
+    summary = run_at_now(cell)
+    assert summary["agent_disconnected_replaced"] == ["i-0b"]
+    assert summary["agent_disconnected_deferred"] == ["i-0a"]
+
+
+def test_no_replacement_while_another_instance_is_being_replaced(monkeypatch):
+    monkeypatch.delenv("SIGNAL_STACK", raising=False)
+    cell = Cell()
+    # i-0c is Unhealthy in the group (being replaced): the cap of one is used up.
+    cell.group(("i-0c",), **{"i-0a": "InService", "i-0b": "InService", "i-0c": "InService"})
+    cell.containers([container("i-0a", running=1, unit="u0", unit_placement="topology"),
+                     disconnected("i-0b", NOW - GRACE - 1)])
+    cell.topology(["i-0a", "i-0b"], [topo("i-0a", "t", "m", "b"), topo("i-0b", "t", "m", "b")])
+    summary = run_at_now(cell)
+    assert summary["agent_disconnected_replaced"] == [] and summary["agent_disconnected_deferred"] == ["i-0b"]
+
+
+def test_no_replacement_while_the_group_rolling_update_waits_for_signals(monkeypatch):
+    import dataclasses
+
+    for name, value in (("SIGNAL_STACK", "Rufus-Cell-dev"), ("SIGNAL_RESOURCE", "TrainiumNodesASG1"),
+                        ("TARGET_GROUP_ARN", "arn:tg")):
+        monkeypatch.setenv(name, value)
+    cell = Cell()
+    cloudformation = boto3.client("cloudformation", region_name=REGION,
+                                  config=Config(signature_version=UNSIGNED))
+    clients = dataclasses.replace(cell.clients, cloudformation=cloudformation)
+    unit_of_two(cell, container("i-0a", running=1, unit="u0", unit_placement="topology"),
+                disconnected("i-0b", NOW - GRACE - 1))
+    with Stubber(cloudformation) as cfn:
+        cfn.add_response(
+            "describe_stack_resource",
+            {"StackResourceDetail": {"LogicalResourceId": "TrainiumNodesASG1",
+                                     "ResourceType": "AWS::AutoScaling::AutoScalingGroup",
+                                     "LastUpdatedTimestamp": "2026-01-01T00:00:00Z",
+                                     "ResourceStatus": "UPDATE_IN_PROGRESS"}},
+            {"StackName": "Rufus-Cell-dev", "LogicalResourceId": "TrainiumNodesASG1"},
+        )
+        summary = run_at_now(cell, clients)
+        cfn.assert_no_pending_responses()
+    assert summary["agent_disconnected_replaced"] == [] and summary["agent_disconnected_deferred"] == ["i-0b"]
+
+
+def test_an_agent_that_is_back_has_its_first_sighting_forgotten(monkeypatch):
+    monkeypatch.delenv("SIGNAL_STACK", raising=False)
+    cell = Cell()
+    back = container("i-0b", running=1, unit="u0", unit_placement="topology", agent_disconnected_since=f"{NOW - 99}")
+    unit_of_two(cell, container("i-0a", running=1, unit="u0", unit_placement="topology"), back)
+    gone = agent_attribute("i-0b")
+    cell.ecs.add_response("delete_attributes", {"attributes": gone}, {"cluster": CLUSTER, "attributes": gone})
+    summary = run_at_now(cell)
+    assert summary["marked_unhealthy"] == [] and summary["attributes_deleted"] == 1
+
+
+def test_the_agent_grace_comes_from_the_environment():
+    env = {"CLUSTER_NAME": CLUSTER, "AUTO_SCALING_GROUP_NAME": GROUP, "UNITS": "2", "NODES_PER_UNIT": "2",
+           "METRICS_NAMESPACE": "Rufus/Cell"}
+    assert Settings.from_env(env).ecs_health.disconnected_seconds == 600
+    assert Settings.from_env({**env, "AGENT_DISCONNECTED_SECONDS": "900"}).ecs_health.disconnected_seconds == 900
+    with pytest.raises(ValueError, match="AGENT_DISCONNECTED_SECONDS = '5'"):
+        Settings.from_env({**env, "AGENT_DISCONNECTED_SECONDS": "5"})
