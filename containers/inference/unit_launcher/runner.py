@@ -121,8 +121,10 @@ async def _wait_out_backoff(spec: UnitSpec, session: rendezvous.LeaderSession, s
     policy = _backoff_policy(spec)
     records = evidence.read_history(_history(spec))
     backoff = evidence.backoff_for(records, policy)
-    if backoff.last_failure is not None:
-        session.last_failure = _abridged(backoff.last_failure)
+    failures = [r for r in records if r.get("cause") not in evidence.NEUTRAL]
+    if failures:
+        # Shown in /status (and the proxy's /load) whether or not it still counts for the backoff.
+        session.last_failure = _abridged(failures[-1])
     remaining = backoff.remaining()
     if remaining <= 0:
         return

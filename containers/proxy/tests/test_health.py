@@ -140,3 +140,16 @@ def test_launcher_status_judgement(doc, fragment):
     ok, detail = judge_launcher_status(doc)
     assert not ok and fragment in detail
     assert judge_launcher_status({"state": "serving", "size": 1, "members": [{"alive": True}]})[0]
+
+
+async def test_load_shows_the_units_last_failure_and_backoff(make_proxy: ProxyFactory, launcher: FakeLauncher):
+    """The launcher's failure evidence reaches the proxy's /load (issue 13: it outlives the tasks)."""
+    failure = {"session_id": "s-0", "cause": "heartbeat_loss", "reason": "follower rank 1 lost",
+               "ended_by": {"rank": 1, "address": "10.0.1.6", "instance_id": "i-1"}}
+    launcher.status.update(last_failure=failure, backoff={"failures_in_a_row": 1, "seconds": 15.0})
+    proxy = await make_proxy()
+    await wait_until(lambda: (proxy.state.health.last.launcher or {}).get("last_failure"), what="a launcher check")
+    async with aiohttp.ClientSession() as session, session.get(f"{proxy.admin_url}/load") as resp:
+        load = await resp.json()
+    assert load["unit_last_failure"]["cause"] == "heartbeat_loss"
+    assert load["unit_backoff"]["failures_in_a_row"] == 1

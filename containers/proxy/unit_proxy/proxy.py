@@ -596,6 +596,11 @@ def load_doc(state: ProxyState) -> dict[str, Any]:
     doc = state.telemetry.load_json()
     doc["max_inflight"] = state.settings.max_inflight
     doc["draining"] = state.health.draining
+    # The unit's failure evidence as the launcher last reported it (unit_launcher/evidence.py):
+    # why the previous session ended, and the restart backoff while the unit waits it out.
+    launcher = state.health.last.launcher or {}
+    doc["unit_last_failure"] = launcher.get("last_failure")
+    doc["unit_backoff"] = launcher.get("backoff")
     return doc
 
 
