@@ -52,6 +52,7 @@ class FakeEngine:
 
     def __init__(self) -> None:
         self.healthy = True
+        self.default_cue = "stream"  # what a request without an x-cue header plays
         self.metrics_text = (
             "# HELP vllm:num_requests_waiting waiting\n# TYPE vllm:num_requests_waiting gauge\n"
             'vllm:num_requests_waiting{model_name="m"} 3.0\n'
@@ -117,7 +118,7 @@ class FakeEngine:
         self.bodies.append(body)
         self.seen_headers.append(dict(request.headers))
         doc = json.loads(body or b"{}")
-        cue = request.headers.get("x-cue", "stream")
+        cue = request.headers.get("x-cue", self.default_cue)
         tokens = int(request.headers.get("x-tokens", "5"))
         gap = float(request.headers.get("x-gap", "0.02"))
         pad = " " * int(request.headers.get("x-pad", "0"))  # bytes added to each token

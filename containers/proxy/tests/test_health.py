@@ -153,3 +153,29 @@ async def test_load_shows_the_units_last_failure_and_backoff(make_proxy: ProxyFa
         load = await resp.json()
     assert load["unit_last_failure"]["cause"] == "heartbeat_loss"
     assert load["unit_backoff"]["failures_in_a_row"] == 1
+
+
+async def test_idle_canary_passes_then_a_late_one_fails_health(make_proxy: ProxyFactory, engine: FakeEngine):
+    """Deep liveness: a one-token completion while idle; a late one fails /health (issue 13)."""
+    proxy = await make_proxy(canary_interval_seconds=0.3, canary_timeout_seconds=0.5)
+    await wait_until(lambda: proxy.state.health.canary_ok is True, what="a first canary", timeout=10)
+    body = engine.bodies[-1]
+    assert b'"max_tokens": 1' in body and b'"model": "m"' in body
+    assert (await get(f"{proxy.admin_url}/health"))[0] == 200
+    engine.default_cue = "stall"
+    await wait_until(lambda: proxy.state.health.canary_ok is False, what="a late canary", timeout=10)
+    status, text = await get(f"{proxy.admin_url}/health")
+    assert status == 503 and "canary" in text
+    engine.default_cue = "stream"
+    await wait_until(lambda: proxy.state.health.canary_ok is True, what="the canary passing again", timeout=10)
+
+
+async def test_no_canary_while_requests_are_in_flight(make_proxy: ProxyFactory, engine: FakeEngine):
+    proxy = await make_proxy(canary_interval_seconds=0.2, canary_timeout_seconds=5)
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{proxy.url}/v1/completions", json={"model": "m", "stream": True},
+                                headers={"x-tokens": "40", "x-gap": "0.05"}) as resp:
+            started = engine.started
+            await resp.read()  # two seconds of streaming: ten canary intervals
+            during = engine.started - started
+    assert during == 0, "a canary ran while a request was in flight"

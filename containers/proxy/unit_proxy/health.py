@@ -53,6 +53,9 @@ class HealthState:
     last: CheckResult = field(default_factory=CheckResult)
     draining: bool = False
     stale_after: float = 10.0
+    # The last deep-liveness canary (a one-token completion while idle): None until one ran.
+    canary_ok: bool | None = None
+    canary_detail: str = ""
 
     def reasons(self) -> list[str]:
         out: list[str] = []
@@ -69,6 +72,8 @@ class HealthState:
             out.append(f"engine: {last.engine_detail}")
         if not last.unit_ok:
             out.append(f"unit: {last.unit_detail}")
+        if self.canary_ok is False:
+            out.append(f"canary: {self.canary_detail}")
         return out
 
     @property
@@ -140,13 +145,18 @@ class HealthMonitor:
         state: HealthState,
         telemetry: Telemetry,
         on_check: Callable[[CheckResult], None] | None = None,
+        idle: Callable[[], bool] | None = None,
     ) -> None:
         """`on_check` is called with every completed round (the supervisor publishes the
-        unit verdict to its workers with it)."""
+        unit verdict to its workers with it); `idle` says whether no request is in flight
+        (the deep-liveness canary runs only then; None: no canary)."""
         self.settings = settings
         self.state = state
         self.telemetry = telemetry
         self.on_check = on_check
+        self.idle = idle
+        self._canary_due: float | None = None  # monotonic time of the next canary
+        self._canary_model: str | None = None
         self._session: aiohttp.ClientSession | None = None
         self._session_id: str | None = None
         state.stale_after = stale_limit(settings)
@@ -159,6 +169,7 @@ class HealthMonitor:
                 started = time.monotonic()
                 try:
                     await self.check_once()
+                    await self.maybe_canary()
                 except Exception:  # a bug in a check must not stop health reporting
                     log.exception("health check round failed")
                 elapsed = time.monotonic() - started
@@ -221,9 +232,58 @@ class HealthMonitor:
             if self._session_id is not None and session_id != self._session_id:
                 log.warning("launcher session changed %s -> %s: unit restarted", self._session_id, session_id)
                 self.telemetry.unit_restarted()
+                # A new session starts with a clean slate: its first canary one interval from now.
+                self.state.canary_ok, self._canary_due = None, None
             self._session_id = session_id
         ok, detail = judge_launcher_status(doc)
         return ok, detail, doc if isinstance(doc, dict) else None
+
+    async def maybe_canary(self) -> None:
+        """Deep liveness: while the unit is whole and idle, a one-token completion through
+        the engine every interval, so every rank takes part in a step. A failed or late
+        canary fails /health and is logged as evidence; it never delays user traffic (it
+        runs only when no request is in flight) and never runs for a unit already failing."""
+        s = self.settings
+        if not s.canary_interval_seconds or self.idle is None or s.frontend != "openai":
+            return
+        last = self.state.last
+        now = time.monotonic()
+        if self.state.draining or not (last.engine_ok and last.unit_ok):
+            self._canary_due = None
+            return
+        if self._canary_due is None:
+            self._canary_due = now + s.canary_interval_seconds  # a fresh unit warms up first
+            return
+        if now < self._canary_due or not self.idle():
+            return
+        self._canary_due = now + s.canary_interval_seconds
+        ok, detail, seconds = await self._canary()
+        self.state.canary_ok, self.state.canary_detail = ok, detail
+        if not ok:
+            log.error(json.dumps({"event": "canary_failed", "detail": detail, "seconds": round(seconds, 3),
+                                  "session_id": self._session_id}))
+
+    async def _canary(self) -> tuple[bool, str, float]:
+        base = self.settings.upstream_url
+        started = time.monotonic()
+        timeout = aiohttp.ClientTimeout(total=self.settings.canary_timeout_seconds)
+        assert self._session is not None
+        try:
+            if self._canary_model is None:
+                async with self._session.get(f"{base}/v1/models", timeout=timeout) as resp:
+                    self._canary_model = str((await resp.json(content_type=None))["data"][0]["id"])
+            body = {"model": self._canary_model, "prompt": "ping", "max_tokens": 1, "temperature": 0}
+            async with self._session.post(f"{base}/v1/completions", json=body, timeout=timeout) as resp:
+                await resp.read()
+                seconds = time.monotonic() - started
+                if resp.status != 200:
+                    return False, f"one-token completion answered {resp.status}", seconds
+        except TimeoutError:
+            return False, f"one-token completion took over {self.settings.canary_timeout_seconds:g} s", \
+                time.monotonic() - started
+        except (aiohttp.ClientError, ValueError, LookupError) as exc:
+            return False, f"one-token completion failed: {_describe(exc)}", time.monotonic() - started
+        return True, f"one-token completion in {seconds:.2f} s", seconds
 
     async def _load(self) -> EngineLoad:
         url = self.settings.engine_metrics_url

@@ -159,7 +159,7 @@ async def start(settings: Settings, link: WorkerLink | None = None) -> Running:
     )
     tasks: list[asyncio.Task[None]] = []
     if link is None:
-        monitor = HealthMonitor(settings, state.health, state.telemetry)
+        monitor = HealthMonitor(settings, state.health, state.telemetry, idle=lambda: state.reported_inflight() == 0)
         tasks.append(asyncio.create_task(monitor.run(), name="health"))
         if settings.emf_enabled:
             tasks.append(asyncio.create_task(emf_loop(state), name="emf"))

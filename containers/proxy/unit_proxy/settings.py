@@ -133,6 +133,10 @@ class Settings:
     # A write that finds the client's socket full waits at most this long for the client
     # to read; then the stream is dropped and its in-flight slot freed.
     write_timeout_seconds: float = 30.0
+    # Deep liveness: while no request is in flight, a one-token completion through the
+    # engine every interval (every rank of the unit takes part); 0 turns it off.
+    canary_interval_seconds: float = 60.0
+    canary_timeout_seconds: float = 60.0
     # /ready, /load, /metrics (and /health with detail): a listener the ALB does not reach.
     admin_host: str = "127.0.0.1"
     admin_port: int = 8081
@@ -220,6 +224,8 @@ class Settings:
                 env, "KEEPALIVE_TIMEOUT_SECONDS", cls.keepalive_timeout_seconds, 0.05, 86400
             ),
             retry_after_seconds=_int(env, "RETRY_AFTER_SECONDS", cls.retry_after_seconds, 0, 3600),
+            canary_interval_seconds=_float(env, "CANARY_INTERVAL_SECONDS", cls.canary_interval_seconds, 0, 86400),
+            canary_timeout_seconds=_float(env, "CANARY_TIMEOUT_SECONDS", cls.canary_timeout_seconds, 0.1, 3600),
             write_timeout_seconds=_float(env, "WRITE_TIMEOUT_SECONDS", cls.write_timeout_seconds, 0.05, 3600),
             workers=workers,
         )

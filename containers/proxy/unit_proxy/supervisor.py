@@ -150,6 +150,7 @@ class Supervisor:
             self.state.health,
             self.state.telemetry,
             on_check=lambda result: self.counters.publish_unit(result.unit_ok, result.checked_at),
+            idle=lambda: self.state.reported_inflight() == 0,
         )
         tasks = [asyncio.create_task(monitor.run(), name="health")]
         if self.settings.emf_enabled:
