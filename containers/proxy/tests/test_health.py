@@ -172,10 +172,10 @@ async def test_idle_canary_passes_then_a_late_one_fails_health(make_proxy: Proxy
 
 async def test_no_canary_while_requests_are_in_flight(make_proxy: ProxyFactory, engine: FakeEngine):
     proxy = await make_proxy(canary_interval_seconds=0.2, canary_timeout_seconds=5)
-    async with aiohttp.ClientSession() as session:
-        async with session.post(f"{proxy.url}/v1/completions", json={"model": "m", "stream": True},
-                                headers={"x-tokens": "40", "x-gap": "0.05"}) as resp:
-            started = engine.started
-            await resp.read()  # two seconds of streaming: ten canary intervals
-            during = engine.started - started
+    async with aiohttp.ClientSession() as session, session.post(
+        f"{proxy.url}/v1/completions", json={"model": "m", "stream": True}, headers={"x-tokens": "40", "x-gap": "0.05"}
+    ) as resp:
+        started = engine.started
+        await resp.read()  # two seconds of streaming: ten canary intervals
+        during = engine.started - started
     assert during == 0, "a canary ran while a request was in flight"
