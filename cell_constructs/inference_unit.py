@@ -25,7 +25,7 @@ from aws_cdk import aws_logs as logs
 from aws_cdk import aws_servicediscovery as servicediscovery
 from constructs import Construct
 
-from cell_constructs.nag import acknowledge
+from cell_constructs.nag import acknowledge, acknowledge_execution_role
 from inference_fleet.catalogue import InstanceType
 from inference_fleet.unit_spec import MODEL_CACHE_PATH
 
@@ -360,17 +360,5 @@ class MultiNodeInferenceUnit(Construct):
                 "(the proxy sidecar runs as uid 10001)",
             ),
         )
-        acknowledge(
-            task.obtain_execution_role(),
-            (
-                "AwsSolutions-IAM5[Resource::*]",
-                "ecr:GetAuthorizationToken has no resource-level scope; "
-                "image pull and log writes are scoped to this task's repository and log group",
-            ),
-            (
-                "NIST.800.53.R5-IAMNoInlinePolicy",
-                "CDK-generated execution policy scoped to this task's image "
-                "repository and log group, versioned with the stack",
-            ),
-        )
+        acknowledge_execution_role(task)
         return task

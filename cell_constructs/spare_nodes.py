@@ -18,7 +18,7 @@ from aws_cdk import aws_logs as logs
 from constructs import Construct
 
 from cell_constructs.inference_unit import MODEL_CACHE_CONTAINER_PATH, MODEL_CACHE_HOST_PATH, UNIT_ATTRIBUTE
-from cell_constructs.nag import acknowledge
+from cell_constructs.nag import acknowledge, acknowledge_execution_role
 
 SPARE_UNIT = "spare"
 # Enough for boto3's transfer manager; the engine never runs here.
@@ -107,17 +107,5 @@ class SpareNodes(Construct):
                 "image) do, so that they can read and complete it; it holds no device and no port",
             ),
         )
-        acknowledge(
-            task.obtain_execution_role(),
-            (
-                "AwsSolutions-IAM5[Resource::*]",
-                "ecr:GetAuthorizationToken has no resource-level scope; "
-                "image pull and log writes are scoped to this task's repository and log group",
-            ),
-            (
-                "NIST.800.53.R5-IAMNoInlinePolicy",
-                "CDK-generated execution policy scoped to this task's image "
-                "repository and log group, versioned with the stack",
-            ),
-        )
+        acknowledge_execution_role(task)
         return task

@@ -65,12 +65,12 @@ def test_a_different_step_changes_the_chain(tmp_path: Path) -> None:
 def test_step_in_flight_is_visible_and_overdue_after_the_bound(tmp_path: Path) -> None:
     recorder = records.StepRecorder(tmp_path / records.EXECUTOR_RECORD)
     recorder.step(records.scheduler_output_digest(_output(0)))
-    assert steps.overdue_step(tmp_path, bound=5.0) is None
     time.sleep(0.3)
-    overdue = steps.overdue_step(tmp_path, bound=0.2)
-    assert overdue is not None and overdue.steps == 1 and overdue.inflight_seconds() >= 0.3
+    state = steps.executor_state(tmp_path)
+    assert state is not None and state.steps == 1 and state.inflight_seconds() >= 0.3
     recorder.done()
-    assert steps.overdue_step(tmp_path, bound=0.2) is None
+    state = steps.executor_state(tmp_path)
+    assert state is not None and state.completed == 1 and state.inflight_seconds() == 0
 
 
 def test_laggards_and_lockstep_name_the_member_behind() -> None:

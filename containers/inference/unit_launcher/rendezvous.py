@@ -247,24 +247,24 @@ class LeaderSession:
         completed within the step bound."""
         if not self.released.is_set() or self.state == STOPPING or self.stop_requested:
             return
-        if self.serving_since is None:
-            executor = steps.local_states(self.step_dir).get(steps.EXECUTOR)
-            if executor is not None and int(executor.get("completed", 0)) > 0:
-                self.serving_since = time.time()
+        executor = steps.executor_state(self.step_dir)  # one read of the record per watchdog tick
+        if executor is None:
+            return
+        if self.serving_since is None and executor.completed > 0:
+            self.serving_since = time.time()
         bound = self.spec.rendezvous.step_timeout_seconds
-        overdue = steps.overdue_step(self.step_dir, bound)
-        if overdue is None:
+        if executor.inflight_seconds() <= bound:
             return
         records = self._member_steps()
-        behind = steps.laggards(overdue.steps, records)
+        behind = steps.laggards(executor.steps, records)
         culprit = next(
-            (m for m in self.followers if steps.laggards(overdue.steps, {m.describe(): records[m.describe()]})),
+            (m for m in self.followers if steps.laggards(executor.steps, {m.describe(): records[m.describe()]})),
             None,
         )
         self.step_timeout = True
         self.end(
-            f"step {overdue.steps} not completed within {bound:g} s "
-            f"(in flight {overdue.inflight_seconds():.1f} s); behind: {', '.join(behind) or 'none named'}",
+            f"step {executor.steps} not completed within {bound:g} s "
+            f"(in flight {executor.inflight_seconds():.1f} s); behind: {', '.join(behind) or 'none named'}",
             cause="step_timeout",
             ended_by=culprit,
         )

@@ -5,7 +5,7 @@ step directory; this module is the launcher's reading of them:
 
 - on every node, `local_states` gives what this node's workers executed (followers send it
   with each heartbeat);
-- on the leader, `overdue_step` finds a step broadcast but not completed within the
+- on the leader, `executor_state` shows a step broadcast but not completed within the
   step bound, and `laggards` names the members that had not executed it, so the session
   ends as "unit lost" with the culprit named instead of hanging in a collective;
 - `lockstep` says whether every worker of every node executed exactly the steps the
@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from unit_executor.steps import StepState, read_dir
+from unit_executor.steps import EXECUTOR_RECORD, StepState, read_dir, read_record
 
 EXECUTOR = "executor"
 
@@ -35,12 +35,9 @@ def local_states(directory: Path) -> dict[str, dict[str, Any]]:
     return {name: state.to_json() for name, state in read_dir(directory).items()}
 
 
-def overdue_step(directory: Path, bound: float) -> StepState | None:
-    """The leader executor's record when its oldest step in flight is older than `bound`."""
-    state = read_dir(directory).get(EXECUTOR)
-    if state is not None and state.inflight_seconds() > bound:
-        return state
-    return None
+def executor_state(directory: Path) -> StepState | None:
+    """The leader executor's record (None before the engine wrote one)."""
+    return read_record(directory / EXECUTOR_RECORD)
 
 
 def workers_of(states: Mapping[str, Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:

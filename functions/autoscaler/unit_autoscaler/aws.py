@@ -91,19 +91,21 @@ class ServiceView:
     running: int  # running + pending tasks
 
 
+def _all_arns(retry: Retry, method: Callable[..., dict[str, Any]], key: str, cluster: str) -> list[str]:
+    """Every ARN of an ECS list call, page by page (each page through the retry)."""
+    arns: list[str] = []
+    kwargs: dict[str, Any] = {"cluster": cluster, "maxResults": 100}
+    while True:
+        page = retry.call(method, **kwargs)
+        arns.extend(page.get(key, []))
+        if not page.get("nextToken"):
+            return arns
+        kwargs["nextToken"] = page["nextToken"]
+
+
 def unit_services(ecs: BaseClient, cluster: str, retry: Retry) -> dict[tuple[str, str], ServiceView]:
     """(unit, role) -> the service, from the `unit` and `unit-role` tags the stack puts on each."""
-    arns: list[str] = []
-    token: str | None = None
-    while True:
-        kwargs: dict[str, Any] = {"cluster": cluster, "maxResults": 100}
-        if token:
-            kwargs["nextToken"] = token
-        page = retry.call(ecs.list_services, **kwargs)
-        arns.extend(page.get("serviceArns", []))
-        token = page.get("nextToken")
-        if not token:
-            break
+    arns = _all_arns(retry, ecs.list_services, "serviceArns", cluster)
     found: dict[tuple[str, str], ServiceView] = {}
     for batch in _chunks(arns, DESCRIBE_SERVICES_PER_CALL):
         response = retry.call(ecs.describe_services, cluster=cluster, services=list(batch), include=["TAGS"])
@@ -120,17 +122,7 @@ def unit_services(ecs: BaseClient, cluster: str, retry: Retry) -> dict[tuple[str
 
 def unit_instances(ecs: BaseClient, cluster: str, retry: Retry) -> dict[str, list[str]]:
     """unit -> EC2 instance ids whose container instance carries that `unit` attribute."""
-    arns: list[str] = []
-    token: str | None = None
-    while True:
-        kwargs: dict[str, Any] = {"cluster": cluster, "maxResults": 100}
-        if token:
-            kwargs["nextToken"] = token
-        page = retry.call(ecs.list_container_instances, **kwargs)
-        arns.extend(page.get("containerInstanceArns", []))
-        token = page.get("nextToken")
-        if not token:
-            break
+    arns = _all_arns(retry, ecs.list_container_instances, "containerInstanceArns", cluster)
     units: dict[str, list[str]] = {}
     for batch in _chunks(arns, DESCRIBE_INSTANCES_PER_CALL):
         response = retry.call(ecs.describe_container_instances, cluster=cluster, containerInstances=list(batch))
