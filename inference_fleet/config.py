@@ -455,7 +455,8 @@ class ServingConfig(_Strict):
         ge=1,
         le=3600,
         description="Lockstep bound: a step the leader broadcast and a node has not completed in this "
-        "ends the unit (named in the evidence); covers the longest prefill step.",
+        "ends the unit (named in the evidence); must be at least 3 x the planner's estimate of the longest "
+        "step, the prefill of one max_seq_len prompt (checked on load).",
     )
     root_volume_gib: int = Field(
         default=200,

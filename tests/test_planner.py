@@ -230,6 +230,29 @@ def test_attention_dp_beside_cp_follows_nxd_inference(cp, dp, refused):
         assert "validate_attention_data_parallel" in found[0].problem and "allowed:" in found[0].problem
 
 
+@pytest.mark.parametrize(("seq_len", "batch", "bound", "refused"), [
+    (16384, 32, 30, False),  # the default fleet: longest step estimated 2.0 s
+    (131072, 4, 30, True),  # 405B at 128k context on two trn2: estimated 21.5 s
+    (131072, 4, 65, False),
+])
+def test_step_bound_outlasts_the_longest_prefill(seq_len, batch, bound, refused):
+    """A long prompt must not trip the lockstep bound: 3 x the roofline prefill of max_seq_len fits."""
+    data = default_data()
+    data["model"]["max_seq_len"] = seq_len
+    data["unit"]["max_concurrent_sequences"] = batch
+    data.setdefault("serving", {})["step_timeout_seconds"] = bound
+    try:
+        parse_fleet(data, "test")
+        found = []
+    except ConfigError as error:
+        found = [i for i in error.issues if i.path == "serving.step_timeout_seconds"]
+    assert bool(found) == refused
+    if refused:
+        assert found[0].value == bound
+        assert "prefill of one 131072-token prompt (21.5 s)" in found[0].problem
+        assert "set it to at least 65, or lower model.max_seq_len" in found[0].problem
+
+
 def test_parameter_count_inconsistent_with_the_shape():
     (issue,) = issues_of(fleet_data({"parameters_billion": 40}))
     assert issue.path == "model.parameters_billion" and issue.value == 40

@@ -25,6 +25,10 @@ from inference_fleet.planner.shape import (
     memory_plan,
     shape_of,
 )
+from inference_fleet.planner.roofline import estimate
+
+# The step bound's headroom over the roofline estimate of the longest step (step_bound_issues).
+STEP_BOUND_MARGIN = 3.0
 
 # A context-parallel rank encodes max_seq_len / cp tokens; NeuronCore tiles have 128 rows
 # (the SBUF partition dimension), so each rank needs a whole number of 128-token tiles.
@@ -186,7 +190,29 @@ def check_fit(fleet: FleetConfig) -> Iterable[ConfigIssue]:
     """The planner's fit checks on a fleet (run by inference_fleet.checks on every load)."""
     if not _base_layout_valid(fleet):
         return []
-    return layout_issues(shape_of(fleet.model), Layout.from_fleet(fleet))
+    shape, layout = shape_of(fleet.model), Layout.from_fleet(fleet)
+    return layout_issues(shape, layout) or step_bound_issues(shape, layout, fleet.serving.step_timeout_seconds)
+
+
+def step_bound_issues(shape: ModelShape, layout: Layout, bound_seconds: float) -> list[ConfigIssue]:
+    """The lockstep bound must outlast the longest step of a healthy unit, or a long prompt
+    would end the unit as lost (serving.step_timeout_seconds; the launcher's watchdog).
+
+    The longest step is the context encoding of one prompt of max_seq_len tokens: vllm-neuron
+    turns chunked prefill off and NxD Inference encodes one prompt per step (ctx_batch_size 1;
+    docs/neuron-sources.md). Its roofline estimate, times STEP_BOUND_MARGIN for the estimate's
+    error (it underestimates published prefill times by 25-36 %, docs/planner.md), must fit.
+    """
+    longest = estimate(shape, layout, layout.seq_len).prefill_s
+    need = math.ceil(longest * STEP_BOUND_MARGIN)
+    if need <= bound_seconds:
+        return []
+    return [ConfigIssue(
+        "serving.step_timeout_seconds", bound_seconds,
+        f"shorter than {STEP_BOUND_MARGIN:g} x the planner's estimate of this unit's longest step, the "
+        f"prefill of one {layout.seq_len}-token prompt ({longest:.1f} s): a healthy unit would be declared "
+        f"lost on a long prompt; set it to at least {need}, or lower model.max_seq_len",
+    )]
 
 
 
