@@ -195,8 +195,9 @@ class Harness:
         self.report.figure("model_build_s", time.monotonic() - started)
 
     def orphans(self) -> list[int]:
-        """Processes of this run that escaped the process table (their cmdline names the run's model dir)."""
-        marker = str(self.model_dir).encode()
+        """Processes of this run that escaped the process table (their cmdline names the run's
+        work directory: the model dir, or an instance's model cache under it)."""
+        marker = str(self.work).encode()
         found = []
         for entry in os.listdir("/proc"):
             if entry.isdigit() and int(entry) != os.getpid():

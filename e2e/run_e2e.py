@@ -11,9 +11,11 @@ Unit mode, steps: (1) the unit forms and the proxy's /health turns 200; (2) a co
 and a streaming chat completion through the proxy with the `openai` client, the same text
 twice at temperature 0; (3) the follower task is SIGKILLed: time until the proxy answers
 503 and until the leader exits, and no request is answered by the half unit; (4) the
-supervisor (playing ECS) restarts both tasks: the unit forms again with a new session
-and gives the same answer; (5) SIGTERM to the leader task while a stream is in flight:
-the stream completes, /health answers 503 during the drain, everything exits 0.
+supervisor (playing ECS) restarts both tasks, the follower on a new instance that fetches
+the model from S3 on loopback: the unit forms again with a new session and gives the same
+answer; (4a) the same follower is killed again and a warm spare's instance takes its place
+(nothing to fetch); (4b, 4c) partition and hung engine (unit_mode.py); (5) SIGTERM to the
+leader task while a stream is in flight: the stream completes, /health answers 503 during the drain, everything exits 0.
 
 Writes `e2e-report.json` at the repository root and prints a Markdown table. Exit code 0
 only if every check passed. Every process and wait is bounded; nothing is left running.
@@ -123,7 +125,13 @@ FIGURE_LABELS = {
     "warm_request_s": "warm request latency (s)",
     "failure_detection_s": "follower SIGKILL to proxy /health 503 (s)",
     "leader_exit_s": "follower SIGKILL to leader exit (s)",
-    "recovery_s": "follower SIGKILL to /health 200 again (s)",
+    "recovery_s": "follower SIGKILL to /health 200 again, no spare (s)",
+    "recovery_after_backoff_s": "... of which after the restart backoff ended (s)",
+    "replacement_fetch": "what the replacement node (a new instance) fetched from S3",
+    "spare_prefetch_s": "warm spare: model fetched into its cache in (s)",
+    "spare_recovery_s": "same follower SIGKILLed again, a warm spare takes its place: to /health 200 (s)",
+    "spare_recovery_after_backoff_s": "... of which after the restart backoff ended (s)",
+    "spare_replacement_fetch": "what the follower placed on the spare's instance fetched",
     "first_request_after_recovery_s": "first request after recovery (s)",
     "drain": "drain result",
     "lockstep_steps": "lockstep: steps broadcast by the leader = executed by every worker",
@@ -134,8 +142,9 @@ FIGURE_LABELS = {
     "hung_engine_detected_s": "follower engine SIGSTOP (launcher alive) to unit declared lost (s)",
     "hung_engine_recovery_s": "follower engine SIGSTOP to /health 200 again (s)",
     "backoff_4_s": "restart backoff before re-forming after the 1st failure (s)",
-    "backoff_4b_s": "restart backoff after the 2nd failure in a row (s)",
-    "backoff_4c_s": "restart backoff after the 3rd failure in a row (s)",
+    "backoff_4a_s": "restart backoff after the 2nd failure in a row (s)",
+    "backoff_4b_s": "restart backoff after the 3rd failure in a row (s)",
+    "backoff_4c_s": "restart backoff after the 4th failure in a row (s)",
     "drain_s": "leader task SIGTERM to all exited (s)",
     "drain_health_503_after_s": "leader task SIGTERM to proxy /health 503 (s)",
     "raw_leader_health_200_after_follower_kill_s": "bare vLLM: /health still 200 after follower kill (s)",

@@ -6,7 +6,10 @@ loopback needs is changed: two nodes, the generic vLLM multi-node plan (`engine.
 "cpu"`), the tiny local model, free ports on 127.0.0.1, vLLM run from `.e2e/venv`, a quick
 follower-loss limit. The launcher runs as the image runs it (`python -m unit_launcher run`,
 role and spec in the environment, identity overrides instead of ECS metadata and Cloud
-Map); the proxy as `python -m unit_proxy`. Both from the main venv.
+Map); the proxy as `python -m unit_proxy`. Both from the main venv. The model is fetched
+from S3 on loopback (moto's server, see e2e/s3_loopback.py) into a cache per simulated
+instance, so a lost node's replacement on a new instance fetches it and a warm spare's
+instance already has it.
 
 ECS is played by the harness: a supervisor per task restarts an exited launcher, and a
 task stop sends SIGTERM to every container of the task at once (ECS's order when no
@@ -17,12 +20,14 @@ depends on the inference container, which ECS stops first).
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +45,7 @@ from harness import (
     wait_until,
 )
 from procs import Proc, Supervisor
+from s3_loopback import Fetched, Hosts, LoopbackS3, Upload, fetched, spare_ready
 
 MAX_MODEL_LEN = 256
 DRAIN_TOKENS = 96
@@ -64,8 +70,11 @@ def _exit_unit_lost() -> int:
 EXIT_UNIT_LOST = _exit_unit_lost()
 
 
-def build_e2e_spec(h: Harness, ports: UnitPorts, follower_loss_seconds: float | None) -> dict[str, Any]:
-    """The fleet's unit spec for unit 0 of the first cell, adapted to two CPU nodes on loopback."""
+def build_e2e_spec(h: Harness, ports: UnitPorts, follower_loss_seconds: float | None,
+                   artifacts_uri: str) -> dict[str, Any]:
+    """The fleet's unit spec for unit 0 of the first cell, adapted to two CPU nodes on loopback.
+
+    `model.local_dir` is each task's own: the cache of the instance it is placed on (on_host)."""
     from unit_launcher.spec import parse_spec
 
     from inference_fleet.checks import load_fleet
@@ -74,7 +83,7 @@ def build_e2e_spec(h: Harness, ports: UnitPorts, follower_loss_seconds: float | 
     fleet = load_fleet(None)
     spec = build_unit_spec(fleet, fleet.cells[0], 0, revision="e2e")
     spec["size"] = 2
-    spec["model"].update(name=MODEL_NAME, artifacts_s3_uri=None, local_dir=str(h.model_dir), layout=None,
+    spec["model"].update(name=MODEL_NAME, artifacts_s3_uri=artifacts_uri, local_dir=str(h.model_dir), layout=None,
                          dtype="bfloat16", max_seq_len=MAX_MODEL_LEN)
     spec["neuron"]["rt_root_comm_port"] = ports.neuron_rt
     spec["engine"].update(
@@ -98,17 +107,11 @@ def build_e2e_spec(h: Harness, ports: UnitPorts, follower_loss_seconds: float | 
     return spec
 
 
-def task_starter(h: Harness, role: str, spec: dict[str, Any]) -> Any:
-    """Start one task of `role`; every start is a new task with a new instance identity, as on ECS."""
-    count = 0
-
-    def start() -> Proc:
-        nonlocal count
-        count += 1
-        env = launcher_env(spec, role, f"i-e2e-{role}-{count}")
-        return h.table.start(role, [sys.executable, "-m", "unit_launcher", "run"], env)
-
-    return start
+def on_host(spec: dict[str, Any], cache: str) -> dict[str, Any]:
+    """The spec of a task placed on an instance: the model is fetched into that instance's cache."""
+    placed = copy.deepcopy(spec)
+    placed["model"]["local_dir"] = cache
+    return placed
 
 
 def launcher_env(spec: dict[str, Any], role: str, instance_id: str) -> dict[str, str]:
@@ -149,16 +152,58 @@ def proxy_env(ports: UnitPorts) -> dict[str, str]:
 
 
 class Unit:
-    """The processes of one unit: proxy, supervised leader and follower launchers."""
+    """The processes of one unit: proxy, supervised leader and follower launchers, and the
+    placement of their tasks on instances (the harness plays ECS and the placement controller)."""
 
-    def __init__(self, h: Harness, ports: UnitPorts, spec: dict[str, Any]) -> None:
+    def __init__(self, h: Harness, ports: UnitPorts, spec: dict[str, Any], s3: LoopbackS3) -> None:
         self.h = h
         self.ports = ports
-        self.leader = Supervisor("leader", task_starter(h, "leader", spec))
-        self.follower = Supervisor("follower", task_starter(h, "follower", spec))
+        self.spec = spec
+        self.s3_env = s3.client_env()
+        self.hosts = Hosts(h.work / "hosts")
+        self.placed: dict[int, str] = {}
+        # A task that fails is started again on its instance; a lost node's replacement is
+        # another instance (the test sets follower_host before it kills the follower).
+        self.follower_host = "follower-1"
+        self.spares: dict[str, Proc] = {}
+        self.leader = Supervisor("leader", self._starter("leader", lambda: "leader-1"))
+        self.follower = Supervisor("follower", self._starter("follower", self._place_follower))
         self.proxy: Proc = h.table.start("proxy", [sys.executable, "-m", "unit_proxy"], proxy_env(ports))
         self.health_url = f"http://127.0.0.1:{ports.proxy}/health"
         self.status_url = f"http://127.0.0.1:{ports.rendezvous}/status"
+
+    def _starter(self, role: str, place: Callable[[], str]) -> Callable[[], Proc]:
+        """Start one task of `role` on the instance `place()` names; every start is a new task
+        with a new identity, as on ECS."""
+        count = 0
+
+        def start() -> Proc:
+            nonlocal count
+            count += 1
+            host = place()
+            proc = self._start_task(role, host, f"i-e2e-{role}-{count}")
+            self.placed[proc.pid] = host
+            return proc
+
+        return start
+
+    def _start_task(self, role: str, host: str, instance_id: str) -> Proc:
+        env = launcher_env(on_host(self.spec, self.hosts.cache(host)), role, instance_id)
+        env.update(self.s3_env)
+        return self.h.table.start(role, [sys.executable, "-m", "unit_launcher", "run"], env)
+
+    def _place_follower(self) -> str:
+        spare = self.spares.get(self.follower_host)
+        if spare is not None:
+            # The unit's task is placed on the spare's instance once the spare task has stopped.
+            spare.wait(60)
+        return self.follower_host
+
+    def start_spare(self, host: str) -> Proc:
+        """A warm spare task (UNIT_ROLE=spare) on its own instance: it fetches the model and idles."""
+        proc = self._start_task("spare", host, f"i-e2e-{host}")
+        self.spares[host] = proc
+        return proc
 
     def health(self) -> int | None:
         return http_get(self.health_url, timeout=2)[0]
@@ -340,11 +385,15 @@ def check_rendered_commands(h: Harness, spec: dict[str, Any]) -> None:
 def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order: str = "together") -> None:
     r = h.report
     ports = UnitPorts()
-    spec = build_e2e_spec(h, ports, follower_loss_seconds)
+    s3 = LoopbackS3(h.table, h.left(60))
+    upload = s3.upload(h.model_dir)
+    r.facts["model_artifacts"] = {"uri": upload.uri, "objects": upload.objects, "bytes": upload.bytes,
+                                  "s3": f"moto server on {s3.url}"}
+    spec = build_e2e_spec(h, ports, follower_loss_seconds, upload.uri)
     check_rendered_commands(h, spec)
     r.facts["unit_spec"] = {k: spec[k] for k in ("unit_id", "size", "engine", "rendezvous")}
     r.facts["stop_order"] = stop_order
-    unit = Unit(h, ports, spec)
+    unit = Unit(h, ports, spec, s3)
     base = f"http://127.0.0.1:{ports.proxy}/v1"
 
     # 1. The unit forms; /health through the proxy turns 200.
@@ -366,9 +415,11 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
     first, chat = answer_twice(driver, r, label="2. ")
     check_lockstep(unit, r, "2", h.left(60))
 
-    # 3. Node loss: SIGKILL the follower task (launcher and engine, all at once).
+    # 3. Node loss: SIGKILL the follower task (launcher and engine, all at once). The node is
+    # gone: its replacement is a new instance with an empty model cache (no spare yet).
     follower_proc = unit.follower.current
     assert follower_proc is not None
+    unit.follower_host = "follower-2"
     probes: list[Probe] = []
     stop_probes = threading.Event()
     leader_exits_before = len(unit.leader.exits)
@@ -398,7 +449,10 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
     except TimeoutError as error:
         r.check("4. unit forms again", False, f"{error}; {unit.describe()}")
         return
-    r.figure("recovery_s", time.monotonic() - killed_at)
+    record_serve_again(h, unit, killed_at, backoff, "")
+    got = replacement_fetch(unit)
+    r.check("4. without a spare, the replacement node (a new instance) fetched the model from S3",
+            got.objects == upload.objects, got.describe())
     report_evidence(h, spec, "4", backoff)
     session2 = unit.whole_session()
     r.check("4. unit forms again with a new session", session2 is not None and session2 != session1,
@@ -408,6 +462,12 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
     r.figure("first_request_after_recovery_s", time.monotonic() - t)
     r.check("4. same request, same answer after recovery", again == first, f"{again!r} vs {first!r}")
     r.check("4. same streamed chat after recovery", driver.stream_chat() == chat)
+
+    # 4a. The same follower is lost again, and this time a warm spare takes its place.
+    if not run_spare_case(h, unit, spec, upload):
+        return
+    again = driver.completion()
+    r.check("4a. same request, same answer on the spare", again == first, f"{again!r} vs {first!r}")
 
     # 4b. Partition: the follower task is stopped (SIGSTOP), not killed: its launcher and
     # engine are alive but silent. With the production bounds the unit is declared lost
@@ -495,6 +555,65 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
     r.check("5. everything exits 0 (proxy, leader, follower)", exits_ok, json.dumps(codes))
     r.figure("drain", f"stream {'completed' if ok_stream else 'BROKEN'}; exits proxy {proxy_code}, "
              f"leader {leader_code}, follower {follower_code}")
+
+
+def record_serve_again(h: Harness, unit: Unit, lost_at: float, backoff: dict[str, Any], key: str) -> None:
+    """Time to serve again after a node loss: in all, and from the end of the restart backoff
+    (the part a spare can shorten: the backoff grows with the failures in a row)."""
+    r = h.report
+    r.figure(f"{key}recovery_s", time.monotonic() - lost_at)
+    if backoff.get("until"):
+        r.figure(f"{key}recovery_after_backoff_s", time.time() - float(backoff["until"]))
+    r.figure(f"{key}replacement_fetch", replacement_fetch(unit).describe())
+
+
+def replacement_fetch(unit: Unit) -> Fetched:
+    """What the follower task now serving fetched from S3 (from its launcher's log)."""
+    proc = unit.follower.current
+    assert proc is not None
+    return fetched(proc.log_path)
+
+
+def run_spare_case(h: Harness, unit: Unit, spec: dict[str, Any], upload: Upload) -> bool:
+    """4a. A warm spare has the model in its cache; the follower is lost again (SIGKILL); the
+    placement controller gives the unit the spare's instance and ECS stops the spare task
+    there; the follower's task placed on it finds the model in the cache."""
+    r = h.report
+    spare = unit.start_spare("spare-1")
+    with contextlib.suppress(TimeoutError):  # judged below, with the spare's log named
+        wait_until("the spare reports ready", lambda: spare_ready(spare.log_path) is not None or not spare.alive(),
+                   h.left(300), 0.25)
+    event = spare_ready(spare.log_path)
+    r.check("4a. a warm spare fetched the model into its instance's cache and reported ready",
+            event is not None and spare.alive(), json.dumps(event) if event else f"log {spare.log_path}")
+    if event is None:
+        return False
+    r.figure("spare_prefetch_s", event["fetch_seconds"])
+    follower_proc = unit.follower.current
+    assert follower_proc is not None
+    lost_host = unit.placed.get(follower_proc.pid)
+    leader_exits_before = len(unit.leader.exits)
+    unit.follower_host = "spare-1"
+    follower_proc.kill_tree()
+    killed_at = time.monotonic()
+    spare.signal(signal.SIGTERM)
+    spare_code = spare.wait(h.left(60))
+    r.check("4a. the spare task stops when its instance is given to the unit (exit 0)", spare_code == 0,
+            f"exit code {spare_code}")
+    try:
+        unit.leader.wait_for_exit(leader_exits_before + 1, h.left(180))
+        backoff = wait_for_recovery(h, unit, "proxy /health 200 on the spare's instance")
+    except TimeoutError as error:
+        r.check("4a. unit forms again on the spare's instance", False, f"{error}; {unit.describe()}")
+        return False
+    record_serve_again(h, unit, killed_at, backoff, "spare_")
+    got = replacement_fetch(unit)
+    now_on = unit.placed.get(unit.follower.current.pid) if unit.follower.current else None
+    r.check("4a. the follower now runs on the spare's instance and fetched nothing (the model was there)",
+            now_on == "spare-1" and got.objects == 0 and got.skipped >= upload.objects,
+            f"lost {lost_host}, now on {now_on}: {got.describe()}")
+    report_evidence(h, spec, "4a", backoff)
+    return True
 
 
 @dataclass(frozen=True)

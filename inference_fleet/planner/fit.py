@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator
 
 from inference_fleet.catalogue import CATALOGUE, InstanceType
 from inference_fleet.config import ConfigIssue, FleetConfig
+from inference_fleet.planner.roofline import estimate
 from inference_fleet.planner.shape import (
     GIB,
     HBM_RESERVE_FRACTION,
@@ -25,7 +26,6 @@ from inference_fleet.planner.shape import (
     memory_plan,
     shape_of,
 )
-from inference_fleet.planner.roofline import estimate
 
 # The step bound's headroom over the roofline estimate of the longest step (step_bound_issues).
 STEP_BOUND_MARGIN = 3.0

@@ -1,0 +1,115 @@
+"""S3 and instances on loopback: where the e2e unit's nodes fetch the model from, and keep it.
+
+On AWS every node fetches the model from the cell's bucket into its instance's model
+cache (the NVMe RAID at /opt/models, `unit_launcher.artifacts.fetch`), and the cache
+outlives the tasks placed on the instance; a warm spare has fetched it before a unit
+needs it (`unit_launcher.spare`). Here moto's S3 server (`python -m moto.server`; moto and
+flask are pinned in requirements.txt) plays the bucket on 127.0.0.1, and every simulated
+instance is a directory with its own cache. So a lost node's replacement on a new instance
+fetches the model, and a task placed on the spare's instance finds it there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness import MODEL_NAME, free_port, http_get, wait_until
+
+BUCKET = "e2e-models"
+PREFIX = "tiny-llama"
+REGION = "us-east-1"
+
+
+class LoopbackS3:
+    """moto's S3 server on 127.0.0.1, started in the harness's process table."""
+
+    def __init__(self, table: Any, timeout: float) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        self.proc = table.start("s3", [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                                env)
+        wait_until("loopback S3 answers", lambda: http_get(self.url + "/")[0] is not None or not self.proc.alive(),
+                   timeout, 0.1)
+        if not self.proc.alive():
+            raise RuntimeError(f"moto's S3 server exited; log {self.proc.log_path}")
+
+    def client_env(self) -> dict[str, str]:
+        """What makes boto3 in a launcher use this server (botocore reads AWS_ENDPOINT_URL_S3)."""
+        return {"AWS_ENDPOINT_URL_S3": self.url, "AWS_ACCESS_KEY_ID": "e2e", "AWS_SECRET_ACCESS_KEY": "e2e"}
+
+    def client(self) -> Any:
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.url, region_name=REGION, aws_access_key_id="e2e",
+                            aws_secret_access_key="e2e")
+
+    def upload(self, model_dir: Path) -> Upload:
+        """Put every file of model_dir under s3://BUCKET/PREFIX/, as a model is staged for a cell."""
+        s3 = self.client()
+        s3.create_bucket(Bucket=BUCKET)
+        files = sorted(p for p in model_dir.rglob("*") if p.is_file())
+        for path in files:
+            s3.upload_file(str(path), BUCKET, f"{PREFIX}/{path.relative_to(model_dir).as_posix()}")
+        return Upload(f"s3://{BUCKET}/{PREFIX}/", len(files), sum(p.stat().st_size for p in files))
+
+
+@dataclass(frozen=True)
+class Upload:
+    uri: str
+    objects: int
+    bytes: int
+
+
+class Hosts:
+    """The simulated instances: each has a model cache that outlives the tasks placed on it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def cache(self, host: str) -> str:
+        return str(self.root / host / "models" / MODEL_NAME)
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """What one task's launcher fetched, summed over its fetches (a follower fetches before it
+    joins and again for its own ranks once released)."""
+
+    fetches: int
+    objects: int
+    mib: float
+    skipped: int
+    seconds: float
+
+    def describe(self) -> str:
+        return (f"{self.objects} objects fetched ({self.mib:.2f} MiB in {self.seconds:.2f} s), "
+                f"{self.skipped} already in the cache")
+
+
+# unit_launcher.artifacts.fetch's last log line.
+_READY = re.compile(r"artifacts ready in \S+: (\d+) fetched \(([\d.]+) MiB\), (\d+) skipped, ([\d.]+) s")
+
+
+def fetched(log_path: Path) -> Fetched:
+    """Sum the launcher's "artifacts ready" lines in a task's log."""
+    found = _READY.findall(log_path.read_text(errors="replace"))
+    return Fetched(len(found), sum(int(f[0]) for f in found), sum(float(f[1]) for f in found),
+                   sum(int(f[2]) for f in found), sum(float(f[3]) for f in found))
+
+
+def spare_ready(log_path: Path) -> dict[str, Any] | None:
+    """The spare's `spare_ready` event (unit_launcher.spare), once it has the model in its cache."""
+    for line in log_path.read_text(errors="replace").splitlines():
+        if line.startswith("{") and '"spare_ready"' in line:
+            try:
+                return dict(json.loads(line))
+            except ValueError:
+                continue
+    return None
