@@ -236,7 +236,8 @@ class LeaderSession:
 
     def _end_if_replaced(self, newcomer: str) -> None:
         """A new node asks to join while a follower is already late: ECS has replaced the
-        follower's task (a unit's services start a task only when one has stopped), so do
+        follower's task (a unit's services never run more than their desired count:
+        maximumPercent 100, cell_constructs/inference_unit.py), so do
         not wait out the loss bound; the newcomer joins the next session. A late follower
         is one silent for more than two heartbeats (the DEGRADED threshold); a stray joiner
         never ends a session whose members all answer."""
