@@ -182,3 +182,33 @@ def test_a_restarted_follower_cannot_rejoin_the_running_session(tmp_path, unit_n
     assert leader.wait(30) == EXIT_UNIT_LOST, leader.log
     assert "follower rank 1 127.0.0.1 (i-f1) restarted and asks to join again" in leader.log
     assert status["session_id"] in leader.log
+
+
+def test_a_replacement_node_ends_a_session_whose_follower_went_silent(tmp_path, unit_nodes, h):
+    # Loss limit far away (heartbeats every 5 s, late after 10 s): only the replacement may end it early.
+    spec = h.cpu_spec(2, record_dir=tmp_path, follower_loss_seconds=60)
+    leader = unit_nodes(spec, "leader", "i-leader")
+    first = unit_nodes(spec, "follower", "i-f1")
+    status = h.wait_for(lambda: _serving(h, spec["rendezvous"]["port"], 2), 20, "unit serving")
+    first.process.send_signal(signal.SIGSTOP)  # silent, not gone: only its replacement tells
+    try:
+        replacement = unit_nodes(spec, "follower", "i-f2")
+        assert leader.wait(40) == EXIT_UNIT_LOST, leader.log
+    finally:
+        first.process.send_signal(signal.SIGCONT)
+    assert "follower rank 1 127.0.0.1 (i-f1) lost: no heartbeat for" in leader.log
+    assert "a new node 127.0.0.1 (i-f2) asks to join in its place" in leader.log
+    assert status["session_id"] in leader.log
+    assert replacement.process.poll() is None or replacement.process.returncode != 0
+
+
+def test_a_stray_node_does_not_end_a_session_whose_members_answer(tmp_path, unit_nodes, h):
+    spec = h.cpu_spec(2, record_dir=tmp_path, follower_loss_seconds=60, join_timeout_seconds=5)
+    leader = unit_nodes(spec, "leader", "i-leader")
+    unit_nodes(spec, "follower", "i-f1")
+    status = h.wait_for(lambda: _serving(h, spec["rendezvous"]["port"], 2), 20, "unit serving")
+    stray = unit_nodes(spec, "follower", "i-stray")
+    h.wait_for(lambda: "cannot join" in stray.log, 15, "the stray refused")
+    assert leader.process.poll() is None
+    again = _serving(h, spec["rendezvous"]["port"], 2)
+    assert again is not None and again["session_id"] == status["session_id"]

@@ -234,6 +234,28 @@ class LeaderSession:
         else:
             self._set_state(SERVING)
 
+    def _end_if_replaced(self, newcomer: str) -> None:
+        """A new node asks to join while a follower is already late: ECS has replaced the
+        follower's task (a unit's services never run more than their desired count:
+        maximumPercent 100, cell_constructs/inference_unit.py), so do
+        not wait out the loss bound; the newcomer joins the next session. A late follower
+        is one silent for more than two heartbeats (the DEGRADED threshold); a stray joiner
+        never ends a session whose members all answer."""
+        if self.state == STOPPING:
+            return
+        late = 2 * self.spec.rendezvous.heartbeat_interval
+        now = time.monotonic()
+        silent = [m for m in self.followers if now - m.last_seen > late]
+        if not silent:
+            return
+        worst = min(silent, key=lambda m: m.last_seen)
+        self.end(
+            f"follower {worst.describe()} lost: no heartbeat for {now - worst.last_seen:.1f} s and a new "
+            f"node {newcomer} asks to join in its place",
+            cause="heartbeat_loss",
+            ended_by=worst,
+        )
+
     def _member_steps(self) -> dict[str, dict[str, Any]]:
         """Every member's step records: the leader's own read now, the followers' as last heard."""
         own = steps.local_states(self.step_dir)
@@ -383,6 +405,8 @@ class LeaderSession:
             if member is not None and self.state != STOPPING:
                 member.last_seen = time.monotonic()
                 return web.json_response(self.release_payload(member))
+            if member is None:
+                self._end_if_replaced(who)
             return self._refuse(
                 "session_formed",
                 f"{who} cannot join: session {self.session_id} of unit {spec.unit_id} "
