@@ -1,19 +1,22 @@
 """A cell's health alarms, its rollout gate and its dashboard.
 
 Each alarm watches one signal of the whole cell: healthy units (ALB targets) against
-the configured floor, the ALB's 5xx share, the ALB target response time p99, and the
-unit proxies' time-to-first-token p99, queue depth and unit restarts (their Embedded
-Metric Format metrics, see docs/contracts.md). The metric alarms but the units floor are
-the ECS services' deployment alarms (a bad unit update rolls back inside the cell); the
-composite alarm over all of them is the cell's "stop the rollout" signal that the
-pipeline's stage condition watches. Alarm names are derived from the stack name, so the
-pipeline stack can name them without a cross-stack reference.
+the configured floor, the ALB's 5xx share, the ALB target response time p99, the unit
+proxies' time-to-first-token p99 and queue depth (their Embedded Metric Format metrics,
+see docs/contracts.md), and the units' failed sessions (the launchers' EMF
+`UnitFailures`, containers/inference/unit_launcher/evidence.py). The metric alarms but
+the units floor and the response time are the ECS services' deployment alarms (a bad unit
+update rolls back inside the cell); the composite alarm over all of them is the cell's
+"stop the rollout" signal that the pipeline's stage condition watches. Alarm names are
+derived from the stack name, so the pipeline stack can name them without a cross-stack
+reference.
 
 The alarms are cell-wide on purpose (the proxy's `[Cell]` dimension set, with the
-Maximum statistic where one bad unit must trip it): per-unit alarms would grow the
-template by three resources a unit against CloudFormation's 500-resource limit, while
-a slow or stuck unit already dominates the cell's p99 and maximum. The dashboard, made
-with cdk-monitoring-constructs, shows every signal per unit (`[Cell, Unit]`).
+Maximum statistic where one bad unit must trip it; a Metrics Insights sum over the
+launchers' `[Cell, Unit]` series): per-unit alarms would grow the template by three
+resources a unit against CloudFormation's 500-resource limit, while a slow or stuck unit
+already dominates the cell's p99 and maximum. The dashboard, made with
+cdk-monitoring-constructs, shows every signal per unit (`[Cell, Unit]`).
 """
 
 from __future__ import annotations
@@ -78,10 +81,11 @@ class CellAlarms(Construct):
         metrics_namespace: str,
         load_balancer: elbv2.IApplicationLoadBalancer,
         target_group: elbv2.IApplicationTargetGroup,
+        unit_events_namespace: str,
         gate_reader_account: str | None = None,
         component_alarms: dict[str, cloudwatch.IAlarm] | None = None,
-        unit_events_namespace: str | None = None,
     ) -> None:
+        """`unit_events_namespace`: the launchers' EMF namespace (`<Fleet>/Unit`)."""
         super().__init__(scope, construct_id)
         if units < 1:
             raise ValueError(f"a cell has >= 1 unit, got {units}")
@@ -89,6 +93,10 @@ class CellAlarms(Construct):
             raise ValueError("thresholds.target_response_p99_seconds must be resolved (FleetConfig.resolved_alarms)")
         if not 0 <= min_units_available <= units:
             raise ValueError(f"min_units_available must be 0..{units} (the cell's units), got {min_units_available}")
+        # Both are quoted in a Metrics Insights query (double quotes, single quotes).
+        if '"' in unit_events_namespace or "'" in cell_name:
+            raise ValueError(f"unit_events_namespace {unit_events_namespace!r} and cell_name {cell_name!r} "
+                             "may not hold quotes")
         self.stack_name = stack_name
         self.cell_name = cell_name
         self.units = units
@@ -104,6 +112,7 @@ class CellAlarms(Construct):
         self.alarms: dict[str, cloudwatch.Alarm] = {}
         self._load_balancer_alarms(load_balancer, target_group)
         self._proxy_alarms()
+        self._unit_failure_alarm()
         self.deployment_alarms, self.rollout_gate = self._rollout_gate()
 
         self.gate_reader_role: iam.Role | None = None
@@ -159,9 +168,8 @@ class CellAlarms(Construct):
         )
 
     def _proxy_alarms(self) -> None:
-        """The proxies' view (EMF, dimension [Cell]): time to first token p99, queue depth, unit restarts."""
+        """The proxies' view (EMF, dimension [Cell]): time to first token p99, queue depth."""
         thresholds, cell_name, sustained = self.thresholds, self.cell_name, self.thresholds.evaluation_minutes
-        window = Duration.minutes(sustained)
         self._alarm(
             AlarmSpec(
                 key="ttft-p99",
@@ -187,17 +195,37 @@ class CellAlarms(Construct):
             # Maximum over the [Cell] dimension set is the worst unit's queue.
             self.proxy_metric("QueueDepth", "Maximum", ONE_MINUTE),
         )
+
+    def _unit_failure_alarm(self) -> None:
+        """Units that failed and re-form: the launchers' failed sessions in the cell over one window.
+
+        Counted from the launcher's own session-end events, not from the proxy's
+        `UnitRestarts`. The proxy counts a restart when it sees the launcher's session id
+        change, but it runs in the leader task beside the launcher, which is essential
+        (inference_unit.py): "If the essential parameter of a container is marked as true,
+        and that container fails or stops for any reason, all other containers that are part
+        of the task are stopped"
+        (https://docs.aws.amazon.com/AmazonECS/latest/developerguide/task_definition_parameters.html,
+        "essential"), and it has no container restart policy, so it is never restarted inside
+        its task. A launcher that exits ends its task, ECS starts a new task with a new proxy,
+        and a new proxy only ever sees one session: on ECS `UnitRestarts` stays 0.
+        The leader's launcher writes one event per session before it exits; the event counts
+        1 in `UnitFailures` unless the end was deliberate (`NEUTRAL` in evidence.py:
+        `deliberate_stop`, `member_stopped`), so a deployment or a scale-in does not trip
+        this deployment alarm. A leader killed outright writes none (docs/self-healing.md).
+        """
+        thresholds, sustained = self.thresholds, self.thresholds.evaluation_minutes
         self._alarm(
             AlarmSpec(
                 key="unit-restarts",
-                description=f"{thresholds.unit_restarts} or more unit re-formations in cell {cell_name} "
-                            f"within {sustained} min",
+                description=f"{thresholds.unit_restarts} or more failed unit sessions (the unit re-forms) in cell "
+                            f"{self.cell_name} within {sustained} min (launcher UnitFailures)",
                 threshold=thresholds.unit_restarts,
                 comparison=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
                 evaluation_periods=1,
                 missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
             ),
-            self.proxy_metric("UnitRestarts", "Sum", window),
+            self.unit_failures_in_cell(Duration.minutes(sustained)),
         )
 
     def _rollout_gate(self) -> tuple[list[cloudwatch.IAlarm], cloudwatch.CompositeAlarm]:
@@ -225,20 +253,48 @@ class CellAlarms(Construct):
 
     # -- metrics --------------------------------------------------------------------
 
+    def unit_failures_in_cell(self, period: Duration) -> cloudwatch.MathExpression:
+        """Failed unit sessions of the whole cell per period: the sum of every unit's `UnitFailures`.
+
+        The launcher's EMF has the one dimension set [Cell, Unit] (no cell-wide series), so
+        the cell's count is a sum over its units. A metric math SUM over per-unit metrics
+        would do for a few units, but an alarm's math may fetch at most 10 metrics
+        (https://docs.aws.amazon.com/AmazonCloudWatch/latest/APIReference/API_MetricDataQuery.html)
+        and a cell holds up to 39 units (`max_units_per_cell`, inference_fleet/cell_checks.py).
+        A Metrics Insights query sums every series of the cell whatever the count, and an
+        alarm may watch one that returns a single time series
+        (https://docs.aws.amazon.com/AmazonCloudWatch/latest/monitoring/cloudwatch-metrics-insights-alarms.html);
+        SUM adds up the observations of each period
+        (https://docs.aws.amazon.com/AmazonCloudWatch/latest/monitoring/cloudwatch-metrics-insights-querylanguage.html).
+        A period without any failure has no data point (missing, not breaching)."""
+        return cloudwatch.MathExpression(
+            expression=(f'SELECT SUM(UnitFailures) FROM SCHEMA("{self.unit_events_namespace}", Cell, Unit) '
+                        f"WHERE Cell = '{self.cell_name}'"),
+            using_metrics={},
+            label="Failed unit sessions in the cell",
+            period=period,
+        )
+
     def _unit_failure_groups(self, unit_ids: list[str]) -> list[CustomMetricGroup]:
-        """Unit failures and time served per session, from the launchers' evidence events
-        (the events themselves, with cause and member, are in the inference log group)."""
-        if self.unit_events_namespace is None:
-            return []
+        """Unit failures (the alarm's cell-wide count, then per unit) and time served per session,
+        from the launchers' evidence events (the events themselves, with cause and member, are in the
+        unit log group)."""
 
         def metric(name: str, statistic: str, unit_id: str) -> cloudwatch.Metric:
             return cloudwatch.Metric(
-                namespace=self.unit_events_namespace or "", metric_name=name,
+                namespace=self.unit_events_namespace, metric_name=name,
                 dimensions_map={"Cell": self.cell_name, "Unit": unit_id},
                 statistic=statistic, period=Duration.minutes(5), label=unit_id,
             )
 
+        t = self.thresholds
         return [
+            CustomMetricGroup(
+                title=f"Failed unit sessions in the cell per {t.evaluation_minutes} min (unit-restarts alarm)",
+                metrics=[self.unit_failures_in_cell(Duration.minutes(t.evaluation_minutes))],
+                horizontal_annotations=[cloudwatch.HorizontalAnnotation(
+                    value=t.unit_restarts, label="alarm", color=cloudwatch.Color.RED)],
+            ),
             CustomMetricGroup(title="Unit failures (launcher evidence, per 5 min)",
                               metrics=[metric("UnitFailures", "Sum", u) for u in unit_ids]),
             CustomMetricGroup(title="Served before a session ended (s, min)",
@@ -382,12 +438,7 @@ class CellAlarms(Construct):
                     title="Unit healthy (min)",
                     metrics=[self.proxy_metric("UnitHealthy", "Minimum", ONE_MINUTE, u) for u in unit_ids],
                 ),
-                CustomMetricGroup(
-                    title=f"Unit restarts per {t.evaluation_minutes} min",
-                    metrics=[self.proxy_metric("UnitRestarts", "Sum", Duration.minutes(t.evaluation_minutes), u)
-                             for u in unit_ids],
-                    horizontal_annotations=[limit(t.unit_restarts, "alarm")],
-                ),
+                # Not the proxy's UnitRestarts: always 0 on ECS (see _unit_failure_alarm).
                 *self._unit_failure_groups(unit_ids),
                 CustomMetricGroup(
                     title="In-flight requests (max)",
