@@ -16,7 +16,8 @@ Maximum statistic where one bad unit must trip it; a Metrics Insights sum over t
 launchers' `[Cell, Unit]` series): per-unit alarms would grow the template by three
 resources a unit against CloudFormation's 500-resource limit, while a slow or stuck unit
 already dominates the cell's p99 and maximum. The dashboard, made with
-cdk-monitoring-constructs, shows every signal per unit (`[Cell, Unit]`).
+cdk-monitoring-constructs, shows every signal per unit (`[Cell, Unit]`) and the latest
+failed sessions, cause and member, from the unit log group.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from aws_cdk import ArnFormat, Duration, Stack
 from aws_cdk import aws_cloudwatch as cloudwatch
 from aws_cdk import aws_elasticloadbalancingv2 as elbv2
 from aws_cdk import aws_iam as iam
+from aws_cdk import aws_logs as logs
 from cdk_monitoring_constructs import (
     CustomMetricGroup,
     DefaultDashboardFactory,
@@ -38,6 +40,12 @@ from cell_constructs.nag import acknowledge
 from inference_fleet.config import AlarmsConfig
 
 ONE_MINUTE = Duration.minutes(1)
+# Session ends that are no failure (unit_launcher/evidence.py, NEUTRAL): the launcher counts
+# them 0 in `UnitFailures`, and the dashboard's table of failures leaves them out, since a
+# deployment ends every unit's session deliberately and would push the failures off it.
+NEUTRAL_CAUSES = ("deliberate_stop", "member_stopped")
+# Rows of the dashboard's table of the latest failed sessions.
+LAST_FAILURES = 20
 
 
 def rollout_gate_name(stack_name: str) -> str:
@@ -82,10 +90,13 @@ class CellAlarms(Construct):
         load_balancer: elbv2.IApplicationLoadBalancer,
         target_group: elbv2.IApplicationTargetGroup,
         unit_events_namespace: str,
+        unit_log_group: logs.ILogGroup,
         gate_reader_account: str | None = None,
         component_alarms: dict[str, cloudwatch.IAlarm] | None = None,
     ) -> None:
-        """`unit_events_namespace`: the launchers' EMF namespace (`<Fleet>/Unit`)."""
+        """`unit_events_namespace`: the launchers' EMF namespace (`<Fleet>/Unit`);
+        `unit_log_group`: the log group of the units' tasks, where the launchers' session-end
+        events are (the dashboard lists the latest failures from it)."""
         super().__init__(scope, construct_id)
         if units < 1:
             raise ValueError(f"a cell has >= 1 unit, got {units}")
@@ -105,6 +116,7 @@ class CellAlarms(Construct):
         self.namespace = metrics_namespace
         # The launchers' session-end events (failure evidence, unit_launcher/evidence.py).
         self.unit_events_namespace = unit_events_namespace
+        self.unit_log_group = unit_log_group
 
         # Alarms of the cell's other components (the placement controller): in the gate and on
         # the dashboard, not deployment alarms (they are about the cell, not a unit update).
@@ -210,9 +222,8 @@ class CellAlarms(Construct):
         its task. A launcher that exits ends its task, ECS starts a new task with a new proxy,
         and a new proxy only ever sees one session: on ECS `UnitRestarts` stays 0.
         The leader's launcher writes one event per session before it exits; the event counts
-        1 in `UnitFailures` unless the end was deliberate (`NEUTRAL` in evidence.py:
-        `deliberate_stop`, `member_stopped`), so a deployment or a scale-in does not trip
-        this deployment alarm. A leader killed outright writes none (docs/self-healing.md).
+        1 in `UnitFailures` unless the end was deliberate (NEUTRAL_CAUSES), so a deployment
+        or a scale-in does not trip this deployment alarm. A leader killed outright writes none (docs/self-healing.md).
         """
         thresholds, sustained = self.thresholds, self.thresholds.evaluation_minutes
         self._alarm(
@@ -275,10 +286,34 @@ class CellAlarms(Construct):
             period=period,
         )
 
+    def _last_failures_widget(self) -> cloudwatch.LogQueryWidget:
+        """The latest failed unit sessions: the launchers' `unit_session_end` events
+        (evidence.py: one JSON line each, which the leader writes to its standard output, so
+        the awslogs driver puts it in the unit log group), newest first.
+
+        The log group holds only this cell's tasks: no filter on the cell is needed. Field
+        names are the event's own (`ended_by` is an object: Logs Insights names its keys
+        `ended_by.rank` and so on)."""
+        return cloudwatch.LogQueryWidget(
+            title=f"Last {LAST_FAILURES} unit failures (launcher session ends but deliberate stops; "
+                  "ended_by = the member at fault)",
+            log_group_names=[self.unit_log_group.log_group_name],
+            query_lines=[
+                "fields @timestamp, unit_id, cause, reason, ended_by.rank, ended_by.address, "
+                "ended_by.instance_id, exit_status, served_seconds",
+                'filter event = "unit_session_end" and '
+                + " and ".join(f'cause != "{cause}"' for cause in NEUTRAL_CAUSES),
+                "sort @timestamp desc",
+                f"limit {LAST_FAILURES}",
+            ],
+            view=cloudwatch.LogQueryVisualizationType.TABLE,
+            width=24,
+            height=8,
+        )
+
     def _unit_failure_groups(self, unit_ids: list[str]) -> list[CustomMetricGroup]:
         """Unit failures (the alarm's cell-wide count, then per unit) and time served per session,
-        from the launchers' evidence events (the events themselves, with cause and member, are in the
-        unit log group)."""
+        from the launchers' evidence events (the events themselves are in the table below)."""
 
         def metric(name: str, statistic: str, unit_id: str) -> cloudwatch.Metric:
             return cloudwatch.Metric(
@@ -450,6 +485,7 @@ class CellAlarms(Construct):
                 ),
             ],
         )
+        facade.add_widget(self._last_failures_widget())
         dashboard = factory.created_dashboard()
         if dashboard is None:
             raise RuntimeError("cdk-monitoring-constructs did not create the cell dashboard")

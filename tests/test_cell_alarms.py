@@ -13,10 +13,11 @@ import pytest
 from aws_cdk import App, Duration, Stack
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_elasticloadbalancingv2 as elbv2
+from aws_cdk import aws_logs as logs
 from aws_cdk.assertions import Template
 from unit_launcher import evidence
 
-from cell_constructs.cell_alarms import CellAlarms, rollout_gate_name
+from cell_constructs.cell_alarms import NEUTRAL_CAUSES, CellAlarms, rollout_gate_name
 from inference_fleet.config import AlarmsConfig
 
 LARGE_STACKS = ["Rufus-Cell-use2-a", "Rufus-Cell-use2-b", "Rufus-Cell-usw2-a"]
@@ -137,6 +138,54 @@ def test_dashboard_shows_every_unit(synth_large) -> None:
                 metric, unit)
 
 
+def _log_widget(template: Template) -> dict:
+    """The dashboard's Logs Insights widget, its log group's Ref written as <logical id>."""
+    (dashboard,) = template.find_resources("AWS::CloudWatch::Dashboard").values()
+    # The body is JSON joined around intrinsics: write a Ref as <logical id>, any other as <token>.
+    parts = dashboard["Properties"]["DashboardBody"]["Fn::Join"][1]
+    body = json.loads("".join(p if isinstance(p, str) else f"<{p.get('Ref', 'token')}>" for p in parts))
+    (widget,) = [w for w in body["widgets"] if w["type"] == "log"]
+    return widget
+
+
+def test_dashboard_lists_the_last_failures_from_the_unit_log_group(synth_large) -> None:
+    template = synth_large.templates["Rufus-Cell-use2-b"]
+    widget = _log_widget(template)
+    # The log group the units' tasks write to (the one the placement controller subscribes to).
+    (unit_logs,) = [i for i in template.find_resources("AWS::Logs::LogGroup") if i.startswith("UnitLogs")]
+    assert widget["properties"]["query"] == (
+        f"SOURCE '<{unit_logs}>' | fields @timestamp, unit_id, cause, reason, ended_by.rank, ended_by.address, "
+        "ended_by.instance_id, exit_status, served_seconds\n"
+        '| filter event = "unit_session_end" and cause != "deliberate_stop" and cause != "member_stopped"\n'
+        "| sort @timestamp desc\n"
+        "| limit 20"
+    )
+    assert (widget["properties"]["view"], widget["width"]) == ("table", 24)
+
+
+def test_the_failure_query_names_the_launchers_fields_and_leaves_out_what_it_counts_as_no_failure() -> None:
+    _, template = _cell_alarms()
+    query = _log_widget(template)["properties"]["query"]
+    fields = query.split("| fields ", 1)[1].split("\n", 1)[0].split(", ")
+    spec = type("Spec", (), {"cell": "test", "unit_id": "u0", "revision": "r"})()
+    event = evidence.session_event(
+        spec=spec, session_id="s", cause="heartbeat_loss", reason="r", released_at=None, members=[],
+        ended_by={"rank": 1, "address": "10.0.0.5", "instance_id": "arn:aws:ecs:task/x"}, exit_status=None,
+    )
+    for field in fields:
+        if field.startswith("@"):
+            continue
+        value = event
+        for key in field.split("."):
+            assert key in value, f"the launcher's event has no field {field}"
+            value = value[key]
+    assert event["event"] in query
+    # The same causes the launcher counts 0 in UnitFailures: the table lists what the alarm counts.
+    assert set(NEUTRAL_CAUSES) == set(evidence.NEUTRAL)
+    for cause in evidence.NEUTRAL:
+        assert f'cause != "{cause}"' in query
+
+
 def test_the_alarm_sums_the_series_the_launcher_writes() -> None:
     alarms, _ = _cell_alarms()
     expression = alarms.unit_failures_in_cell(Duration.minutes(5)).expression
@@ -172,6 +221,7 @@ def test_the_proxy_goes_down_with_its_launcher(synth_large, stack_name: str) -> 
 def _cell_alarms(**overrides: object) -> tuple[CellAlarms, Template]:
     stack = Stack(App(), "Rufus-Cell-test")
     vpc = ec2.Vpc(stack, "Vpc", max_azs=2, nat_gateways=0)
+    unit_logs = logs.LogGroup(stack, "UnitLogs")
     alb = elbv2.ApplicationLoadBalancer(stack, "Alb", vpc=vpc)
     group = elbv2.ApplicationTargetGroup(stack, "Units", vpc=vpc, port=8080, target_type=elbv2.TargetType.INSTANCE)
     alb.add_listener("Http", port=80, default_target_groups=[group], open=False)
@@ -179,7 +229,7 @@ def _cell_alarms(**overrides: object) -> tuple[CellAlarms, Template]:
         "stack_name": "Rufus-Cell-test", "cell_name": "test", "units": 4, "min_units_available": 3,
         "thresholds": AlarmsConfig(target_response_p99_seconds=900), "metrics_namespace": "Rufus/UnitProxy",
         "load_balancer": alb, "target_group": group,
-        "unit_events_namespace": "Rufus/Unit",
+        "unit_events_namespace": "Rufus/Unit", "unit_log_group": unit_logs,
     }
     args.update(overrides)
     alarms = CellAlarms(stack, "Alarms", **args)
