@@ -223,7 +223,8 @@ class CellAlarms(Construct):
         and a new proxy only ever sees one session: on ECS `UnitRestarts` stays 0.
         The leader's launcher writes one event per session before it exits; the event counts
         1 in `UnitFailures` unless the end was deliberate (NEUTRAL_CAUSES), so a deployment
-        or a scale-in does not trip this deployment alarm. A leader killed outright writes none (docs/self-healing.md).
+        or a scale-in does not trip this deployment alarm. A leader killed outright writes
+        none (docs/self-healing.md, known gaps).
         """
         thresholds, sustained = self.thresholds, self.thresholds.evaluation_minutes
         self._alarm(
