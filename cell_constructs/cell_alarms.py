@@ -1,19 +1,23 @@
 """A cell's health alarms, its rollout gate and its dashboard.
 
 Each alarm watches one signal of the whole cell: healthy units (ALB targets) against
-the configured floor, the ALB's 5xx share, the ALB target response time p99, and the
-unit proxies' time-to-first-token p99, queue depth and unit restarts (their Embedded
-Metric Format metrics, see docs/contracts.md). The metric alarms but the units floor are
-the ECS services' deployment alarms (a bad unit update rolls back inside the cell); the
-composite alarm over all of them is the cell's "stop the rollout" signal that the
-pipeline's stage condition watches. Alarm names are derived from the stack name, so the
-pipeline stack can name them without a cross-stack reference.
+the configured floor, the ALB's 5xx share, the ALB target response time p99, the unit
+proxies' time-to-first-token p99 and queue depth (their Embedded Metric Format metrics,
+see docs/contracts.md), and the units' failed sessions (the launchers' EMF
+`UnitFailures`, containers/inference/unit_launcher/evidence.py). The metric alarms but
+the units floor and the response time are the ECS services' deployment alarms (a bad unit
+update rolls back inside the cell); the composite alarm over all of them is the cell's
+"stop the rollout" signal that the pipeline's stage condition watches. Alarm names are
+derived from the stack name, so the pipeline stack can name them without a cross-stack
+reference.
 
 The alarms are cell-wide on purpose (the proxy's `[Cell]` dimension set, with the
-Maximum statistic where one bad unit must trip it): per-unit alarms would grow the
-template by three resources a unit against CloudFormation's 500-resource limit, while
-a slow or stuck unit already dominates the cell's p99 and maximum. The dashboard, made
-with cdk-monitoring-constructs, shows every signal per unit (`[Cell, Unit]`).
+Maximum statistic where one bad unit must trip it; a Metrics Insights sum over the
+launchers' `[Cell, Unit]` series): per-unit alarms would grow the template by three
+resources a unit against CloudFormation's 500-resource limit, while a slow or stuck unit
+already dominates the cell's p99 and maximum. The dashboard, made with
+cdk-monitoring-constructs, shows every signal per unit (`[Cell, Unit]`) and the latest
+failed sessions, cause and member, from the unit log group.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from aws_cdk import ArnFormat, Duration, Stack
 from aws_cdk import aws_cloudwatch as cloudwatch
 from aws_cdk import aws_elasticloadbalancingv2 as elbv2
 from aws_cdk import aws_iam as iam
+from aws_cdk import aws_logs as logs
 from cdk_monitoring_constructs import (
     CustomMetricGroup,
     DefaultDashboardFactory,
@@ -35,6 +40,12 @@ from cell_constructs.nag import acknowledge
 from inference_fleet.config import AlarmsConfig
 
 ONE_MINUTE = Duration.minutes(1)
+# Session ends that are no failure (unit_launcher/evidence.py, NEUTRAL): the launcher counts
+# them 0 in `UnitFailures`, and the dashboard's table of failures leaves them out, since a
+# deployment ends every unit's session deliberately and would push the failures off it.
+NEUTRAL_CAUSES = ("deliberate_stop", "member_stopped")
+# Rows of the dashboard's table of the latest failed sessions.
+LAST_FAILURES = 20
 
 
 def rollout_gate_name(stack_name: str) -> str:
@@ -78,10 +89,14 @@ class CellAlarms(Construct):
         metrics_namespace: str,
         load_balancer: elbv2.IApplicationLoadBalancer,
         target_group: elbv2.IApplicationTargetGroup,
+        unit_events_namespace: str,
+        unit_log_group: logs.ILogGroup,
         gate_reader_account: str | None = None,
         component_alarms: dict[str, cloudwatch.IAlarm] | None = None,
-        unit_events_namespace: str | None = None,
     ) -> None:
+        """`unit_events_namespace`: the launchers' EMF namespace (`<Fleet>/Unit`);
+        `unit_log_group`: the log group of the units' tasks, where the launchers' session-end
+        events are (the dashboard lists the latest failures from it)."""
         super().__init__(scope, construct_id)
         if units < 1:
             raise ValueError(f"a cell has >= 1 unit, got {units}")
@@ -89,6 +104,10 @@ class CellAlarms(Construct):
             raise ValueError("thresholds.target_response_p99_seconds must be resolved (FleetConfig.resolved_alarms)")
         if not 0 <= min_units_available <= units:
             raise ValueError(f"min_units_available must be 0..{units} (the cell's units), got {min_units_available}")
+        # Both are quoted in a Metrics Insights query (double quotes, single quotes).
+        if '"' in unit_events_namespace or "'" in cell_name:
+            raise ValueError(f"unit_events_namespace {unit_events_namespace!r} and cell_name {cell_name!r} "
+                             "may not hold quotes")
         self.stack_name = stack_name
         self.cell_name = cell_name
         self.units = units
@@ -97,6 +116,7 @@ class CellAlarms(Construct):
         self.namespace = metrics_namespace
         # The launchers' session-end events (failure evidence, unit_launcher/evidence.py).
         self.unit_events_namespace = unit_events_namespace
+        self.unit_log_group = unit_log_group
 
         # Alarms of the cell's other components (the placement controller): in the gate and on
         # the dashboard, not deployment alarms (they are about the cell, not a unit update).
@@ -104,6 +124,7 @@ class CellAlarms(Construct):
         self.alarms: dict[str, cloudwatch.Alarm] = {}
         self._load_balancer_alarms(load_balancer, target_group)
         self._proxy_alarms()
+        self._unit_failure_alarm()
         self.deployment_alarms, self.rollout_gate = self._rollout_gate()
 
         self.gate_reader_role: iam.Role | None = None
@@ -159,9 +180,8 @@ class CellAlarms(Construct):
         )
 
     def _proxy_alarms(self) -> None:
-        """The proxies' view (EMF, dimension [Cell]): time to first token p99, queue depth, unit restarts."""
+        """The proxies' view (EMF, dimension [Cell]): time to first token p99, queue depth."""
         thresholds, cell_name, sustained = self.thresholds, self.cell_name, self.thresholds.evaluation_minutes
-        window = Duration.minutes(sustained)
         self._alarm(
             AlarmSpec(
                 key="ttft-p99",
@@ -187,17 +207,37 @@ class CellAlarms(Construct):
             # Maximum over the [Cell] dimension set is the worst unit's queue.
             self.proxy_metric("QueueDepth", "Maximum", ONE_MINUTE),
         )
+
+    def _unit_failure_alarm(self) -> None:
+        """Units that failed and re-form: the launchers' failed sessions in the cell over one window.
+
+        Counted from the launcher's own session-end events, not from the proxy's
+        `UnitRestarts`. The proxy counts a restart when it sees the launcher's session id
+        change, but it runs in the leader task beside the launcher, which is essential
+        (inference_unit.py): "If the essential parameter of a container is marked as true,
+        and that container fails or stops for any reason, all other containers that are part
+        of the task are stopped"
+        (https://docs.aws.amazon.com/AmazonECS/latest/developerguide/task_definition_parameters.html,
+        "essential"), and it has no container restart policy, so it is never restarted inside
+        its task. A launcher that exits ends its task, ECS starts a new task with a new proxy,
+        and a new proxy only ever sees one session: on ECS `UnitRestarts` stays 0.
+        The leader's launcher writes one event per session before it exits; the event counts
+        1 in `UnitFailures` unless the end was deliberate (NEUTRAL_CAUSES), so a deployment
+        or a scale-in does not trip this deployment alarm. A leader killed outright writes
+        none (docs/self-healing.md, known gaps).
+        """
+        thresholds, sustained = self.thresholds, self.thresholds.evaluation_minutes
         self._alarm(
             AlarmSpec(
                 key="unit-restarts",
-                description=f"{thresholds.unit_restarts} or more unit re-formations in cell {cell_name} "
-                            f"within {sustained} min",
+                description=f"{thresholds.unit_restarts} or more failed unit sessions (the unit re-forms) in cell "
+                            f"{self.cell_name} within {sustained} min (launcher UnitFailures)",
                 threshold=thresholds.unit_restarts,
                 comparison=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
                 evaluation_periods=1,
                 missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
             ),
-            self.proxy_metric("UnitRestarts", "Sum", window),
+            self.unit_failures_in_cell(Duration.minutes(sustained)),
         )
 
     def _rollout_gate(self) -> tuple[list[cloudwatch.IAlarm], cloudwatch.CompositeAlarm]:
@@ -225,20 +265,72 @@ class CellAlarms(Construct):
 
     # -- metrics --------------------------------------------------------------------
 
+    def unit_failures_in_cell(self, period: Duration) -> cloudwatch.MathExpression:
+        """Failed unit sessions of the whole cell per period: the sum of every unit's `UnitFailures`.
+
+        The launcher's EMF has the one dimension set [Cell, Unit] (no cell-wide series), so
+        the cell's count is a sum over its units. A metric math SUM over per-unit metrics
+        would do for a few units, but an alarm's math may fetch at most 10 metrics
+        (https://docs.aws.amazon.com/AmazonCloudWatch/latest/APIReference/API_MetricDataQuery.html)
+        and a cell holds up to 39 units (`max_units_per_cell`, inference_fleet/cell_checks.py).
+        A Metrics Insights query sums every series of the cell whatever the count, and an
+        alarm may watch one that returns a single time series
+        (https://docs.aws.amazon.com/AmazonCloudWatch/latest/monitoring/cloudwatch-metrics-insights-alarms.html);
+        SUM adds up the observations of each period
+        (https://docs.aws.amazon.com/AmazonCloudWatch/latest/monitoring/cloudwatch-metrics-insights-querylanguage.html).
+        A period without any failure has no data point (missing, not breaching)."""
+        return cloudwatch.MathExpression(
+            expression=(f'SELECT SUM(UnitFailures) FROM SCHEMA("{self.unit_events_namespace}", Cell, Unit) '
+                        f"WHERE Cell = '{self.cell_name}'"),
+            using_metrics={},
+            label="Failed unit sessions in the cell",
+            period=period,
+        )
+
+    def _last_failures_widget(self) -> cloudwatch.LogQueryWidget:
+        """The latest failed unit sessions: the launchers' `unit_session_end` events
+        (evidence.py: one JSON line each, which the leader writes to its standard output, so
+        the awslogs driver puts it in the unit log group), newest first.
+
+        The log group holds only this cell's tasks: no filter on the cell is needed. Field
+        names are the event's own (`ended_by` is an object: Logs Insights names its keys
+        `ended_by.rank` and so on)."""
+        return cloudwatch.LogQueryWidget(
+            title=f"Last {LAST_FAILURES} unit failures (launcher session ends but deliberate stops; "
+                  "ended_by = the member at fault)",
+            log_group_names=[self.unit_log_group.log_group_name],
+            query_lines=[
+                "fields @timestamp, unit_id, cause, reason, ended_by.rank, ended_by.address, "
+                "ended_by.instance_id, exit_status, served_seconds",
+                'filter event = "unit_session_end" and '
+                + " and ".join(f'cause != "{cause}"' for cause in NEUTRAL_CAUSES),
+                "sort @timestamp desc",
+                f"limit {LAST_FAILURES}",
+            ],
+            view=cloudwatch.LogQueryVisualizationType.TABLE,
+            width=24,
+            height=8,
+        )
+
     def _unit_failure_groups(self, unit_ids: list[str]) -> list[CustomMetricGroup]:
-        """Unit failures and time served per session, from the launchers' evidence events
-        (the events themselves, with cause and member, are in the inference log group)."""
-        if self.unit_events_namespace is None:
-            return []
+        """Unit failures (the alarm's cell-wide count, then per unit) and time served per session,
+        from the launchers' evidence events (the events themselves are in the table below)."""
 
         def metric(name: str, statistic: str, unit_id: str) -> cloudwatch.Metric:
             return cloudwatch.Metric(
-                namespace=self.unit_events_namespace or "", metric_name=name,
+                namespace=self.unit_events_namespace, metric_name=name,
                 dimensions_map={"Cell": self.cell_name, "Unit": unit_id},
                 statistic=statistic, period=Duration.minutes(5), label=unit_id,
             )
 
+        t = self.thresholds
         return [
+            CustomMetricGroup(
+                title=f"Failed unit sessions in the cell per {t.evaluation_minutes} min (unit-restarts alarm)",
+                metrics=[self.unit_failures_in_cell(Duration.minutes(t.evaluation_minutes))],
+                horizontal_annotations=[cloudwatch.HorizontalAnnotation(
+                    value=t.unit_restarts, label="alarm", color=cloudwatch.Color.RED)],
+            ),
             CustomMetricGroup(title="Unit failures (launcher evidence, per 5 min)",
                               metrics=[metric("UnitFailures", "Sum", u) for u in unit_ids]),
             CustomMetricGroup(title="Served before a session ended (s, min)",
@@ -382,12 +474,7 @@ class CellAlarms(Construct):
                     title="Unit healthy (min)",
                     metrics=[self.proxy_metric("UnitHealthy", "Minimum", ONE_MINUTE, u) for u in unit_ids],
                 ),
-                CustomMetricGroup(
-                    title=f"Unit restarts per {t.evaluation_minutes} min",
-                    metrics=[self.proxy_metric("UnitRestarts", "Sum", Duration.minutes(t.evaluation_minutes), u)
-                             for u in unit_ids],
-                    horizontal_annotations=[limit(t.unit_restarts, "alarm")],
-                ),
+                # Not the proxy's UnitRestarts: always 0 on ECS (see _unit_failure_alarm).
                 *self._unit_failure_groups(unit_ids),
                 CustomMetricGroup(
                     title="In-flight requests (max)",
@@ -399,6 +486,7 @@ class CellAlarms(Construct):
                 ),
             ],
         )
+        facade.add_widget(self._last_failures_widget())
         dashboard = factory.created_dashboard()
         if dashboard is None:
             raise RuntimeError("cdk-monitoring-constructs did not create the cell dashboard")

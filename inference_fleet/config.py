@@ -481,7 +481,11 @@ class AlarmsConfig(_Strict):
     )
     alb_5xx_percent: float = Field(default=2.0, gt=0, le=100, description="ALB + target 5xx share of requests.")
     queue_depth: int = Field(default=64, ge=1, description="Engine waiting requests per unit.")
-    unit_restarts: int = Field(default=2, ge=1, description="Unit re-formations per evaluation window.")
+    unit_restarts: int = Field(
+        default=2, ge=1,
+        description="Failed unit sessions in the cell (launcher UnitFailures, each one a re-formation) per "
+        "evaluation window.",
+    )
     evaluation_minutes: int = Field(default=5, ge=1, le=60, description="Alarm evaluation window.")
 
 

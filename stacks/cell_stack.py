@@ -316,6 +316,8 @@ class CellStack(Stack):
             },
             metrics_namespace=proxy_metrics_namespace(fleet),
             unit_events_namespace=unit_metrics_namespace(fleet),
+            # The launchers' session-end events: the dashboard lists the latest failures.
+            unit_log_group=self.log_group,
             load_balancer=self.load_balancer.load_balancer,
             target_group=self.load_balancer.target_group,
             # A pipeline in another account reads the gate through a role in this one.

@@ -13,9 +13,11 @@ import pytest
 from aws_cdk import App, Duration, Stack
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_elasticloadbalancingv2 as elbv2
+from aws_cdk import aws_logs as logs
 from aws_cdk.assertions import Template
+from unit_launcher import evidence
 
-from cell_constructs.cell_alarms import CellAlarms, rollout_gate_name
+from cell_constructs.cell_alarms import NEUTRAL_CAUSES, CellAlarms, rollout_gate_name
 from inference_fleet.config import AlarmsConfig
 
 LARGE_STACKS = ["Rufus-Cell-use2-a", "Rufus-Cell-use2-b", "Rufus-Cell-usw2-a"]
@@ -64,8 +66,14 @@ def test_alarm_metrics_watch_the_right_signals(synth_large) -> None:
         "Rufus/UnitProxy", "TimeToFirstToken", cell, "p99", 60)
     queue = alarms["Rufus-Cell-use2-b-queue-depth"]
     assert (queue["MetricName"], queue["Statistic"], queue["Dimensions"]) == ("QueueDepth", "Maximum", cell)
+    # Failed sessions of every unit of the cell, from the launchers' events (not the proxy's
+    # UnitRestarts, which a proxy replaced with its task never counts).
     restarts = alarms["Rufus-Cell-use2-b-unit-restarts"]
-    assert (restarts["MetricName"], restarts["Statistic"], restarts["Period"]) == ("UnitRestarts", "Sum", 300)
+    assert "MetricName" not in restarts
+    (query,) = restarts["Metrics"]
+    assert query["Expression"] == (
+        "SELECT SUM(UnitFailures) FROM SCHEMA(\"Rufus/Unit\", Cell, Unit) WHERE Cell = 'use2-b'")
+    assert (query["Period"], query["ReturnData"]) == (300, True)
     units = alarms["Rufus-Cell-use2-b-units-available"]
     assert (units["Namespace"], units["MetricName"], units["Statistic"]) == (
         "AWS/ApplicationELB", "HealthyHostCount", "Minimum")
@@ -116,9 +124,12 @@ def test_dashboard_shows_every_unit(synth_large) -> None:
     (dashboard,) = template.find_resources("AWS::CloudWatch::Dashboard").values()
     assert dashboard["Properties"]["DashboardName"] == "Rufus-Cell-usw2-a"
     body = json.dumps(dashboard["Properties"]["DashboardBody"])
-    for metric in ("TimeToFirstToken", "QueueDepth", "UnitHealthy", "UnitRestarts", "InFlight", "KvCacheUsage"):
+    for metric in ("TimeToFirstToken", "QueueDepth", "UnitHealthy", "InFlight", "KvCacheUsage"):
         for unit in range(6):
             assert f'\\"{metric}\\",\\"Cell\\",\\"usw2-a\\",\\"Unit\\",\\"u{unit}\\"' in body, (metric, unit)
+    # The proxy's UnitRestarts is always 0 on ECS: the dashboard shows the alarm's own count instead.
+    assert '\\"UnitRestarts\\"' not in body  # as a metric name (the alarm's logical id stays)
+    assert "SELECT SUM(UnitFailures) FROM SCHEMA(" in body and "WHERE Cell = 'usw2-a'" in body
     assert "HealthyHostCount" in body and "Rollout gate and cell alarms" in body
     # The launchers' failure evidence, per unit (namespace <Fleet>/Unit).
     for metric in ("UnitFailures", "UnitServedSeconds"):
@@ -127,12 +138,90 @@ def test_dashboard_shows_every_unit(synth_large) -> None:
                 metric, unit)
 
 
+def _log_widget(template: Template) -> dict:
+    """The dashboard's Logs Insights widget, its log group's Ref written as <logical id>."""
+    (dashboard,) = template.find_resources("AWS::CloudWatch::Dashboard").values()
+    # The body is JSON joined around intrinsics: write a Ref as <logical id>, any other as <token>.
+    parts = dashboard["Properties"]["DashboardBody"]["Fn::Join"][1]
+    body = json.loads("".join(p if isinstance(p, str) else f"<{p.get('Ref', 'token')}>" for p in parts))
+    (widget,) = [w for w in body["widgets"] if w["type"] == "log"]
+    return widget
+
+
+def test_dashboard_lists_the_last_failures_from_the_unit_log_group(synth_large) -> None:
+    template = synth_large.templates["Rufus-Cell-use2-b"]
+    widget = _log_widget(template)
+    # The log group the units' tasks write to (the one the placement controller subscribes to).
+    (unit_logs,) = [i for i in template.find_resources("AWS::Logs::LogGroup") if i.startswith("UnitLogs")]
+    assert widget["properties"]["query"] == (
+        f"SOURCE '<{unit_logs}>' | fields @timestamp, unit_id, cause, reason, ended_by.rank, ended_by.address, "
+        "ended_by.instance_id, exit_status, served_seconds\n"
+        '| filter event = "unit_session_end" and cause != "deliberate_stop" and cause != "member_stopped"\n'
+        "| sort @timestamp desc\n"
+        "| limit 20"
+    )
+    assert (widget["properties"]["view"], widget["width"]) == ("table", 24)
+
+
+def test_the_failure_query_names_the_launchers_fields_and_leaves_out_what_it_counts_as_no_failure() -> None:
+    _, template = _cell_alarms()
+    query = _log_widget(template)["properties"]["query"]
+    fields = query.split("| fields ", 1)[1].split("\n", 1)[0].split(", ")
+    spec = type("Spec", (), {"cell": "test", "unit_id": "u0", "revision": "r"})()
+    event = evidence.session_event(
+        spec=spec, session_id="s", cause="heartbeat_loss", reason="r", released_at=None, members=[],
+        ended_by={"rank": 1, "address": "10.0.0.5", "instance_id": "arn:aws:ecs:task/x"}, exit_status=None,
+    )
+    for field in fields:
+        if field.startswith("@"):
+            continue
+        value = event
+        for key in field.split("."):
+            assert key in value, f"the launcher's event has no field {field}"
+            value = value[key]
+    assert event["event"] in query
+    # The same causes the launcher counts 0 in UnitFailures: the table lists what the alarm counts.
+    assert set(NEUTRAL_CAUSES) == set(evidence.NEUTRAL)
+    for cause in evidence.NEUTRAL:
+        assert f'cause != "{cause}"' in query
+
+
+def test_the_alarm_sums_the_series_the_launcher_writes() -> None:
+    alarms, _ = _cell_alarms()
+    expression = alarms.unit_failures_in_cell(Duration.minutes(5)).expression
+    spec = type("Spec", (), {"cell": "test", "unit_id": "u0", "revision": "r"})()
+    event = evidence.session_event(spec=spec, session_id="s", cause="engine_exit", reason="r", ended_by=None,
+                                   members=[], released_at=None)
+    (directive,) = json.loads(evidence.emf_line(event, "Rufus/Unit"))["_aws"]["CloudWatchMetrics"]
+    # SCHEMA matches only series with exactly these dimensions.
+    (dimensions,) = directive["Dimensions"]
+    assert f'SCHEMA("{directive["Namespace"]}", {", ".join(dimensions)})' in expression
+    assert "UnitFailures" in {m["Name"] for m in directive["Metrics"]}
+    assert expression.startswith("SELECT SUM(UnitFailures) ") and expression.endswith("WHERE Cell = 'test'")
+
+
+@pytest.mark.parametrize("stack_name", LARGE_STACKS)
+def test_the_proxy_goes_down_with_its_launcher(synth_large, stack_name: str) -> None:
+    """Why the alarm does not count the proxy's UnitRestarts: the launcher is an essential
+    container without a restart policy in the leader task, beside the proxy, so its exit
+    stops the proxy too and ECS starts a new task; a proxy never sees a second session."""
+    template = synth_large.templates[stack_name]
+    leaders = {i: t for i, t in template.find_resources("AWS::ECS::TaskDefinition").items() if "LeaderTask" in i}
+    assert len(leaders) == 6
+    for task in leaders.values():
+        containers = {c["Name"]: c for c in task["Properties"]["ContainerDefinitions"]}
+        assert set(containers) == {"inference", "proxy"}
+        assert containers["inference"]["Essential"] is True
+        assert "RestartPolicy" not in containers["inference"]
+
+
 # -- the construct on its own -----------------------------------------------------------
 
 
 def _cell_alarms(**overrides: object) -> tuple[CellAlarms, Template]:
     stack = Stack(App(), "Rufus-Cell-test")
     vpc = ec2.Vpc(stack, "Vpc", max_azs=2, nat_gateways=0)
+    unit_logs = logs.LogGroup(stack, "UnitLogs")
     alb = elbv2.ApplicationLoadBalancer(stack, "Alb", vpc=vpc)
     group = elbv2.ApplicationTargetGroup(stack, "Units", vpc=vpc, port=8080, target_type=elbv2.TargetType.INSTANCE)
     alb.add_listener("Http", port=80, default_target_groups=[group], open=False)
@@ -140,6 +229,7 @@ def _cell_alarms(**overrides: object) -> tuple[CellAlarms, Template]:
         "stack_name": "Rufus-Cell-test", "cell_name": "test", "units": 4, "min_units_available": 3,
         "thresholds": AlarmsConfig(target_response_p99_seconds=900), "metrics_namespace": "Rufus/UnitProxy",
         "load_balancer": alb, "target_group": group,
+        "unit_events_namespace": "Rufus/Unit", "unit_log_group": unit_logs,
     }
     args.update(overrides)
     alarms = CellAlarms(stack, "Alarms", **args)
@@ -155,7 +245,7 @@ def test_thresholds_follow_the_fleet_file() -> None:
         "units-available": 2, "alb-5xx-rate": 0.5, "target-response-p99": 7.5, "ttft-p99": 1234,
         "queue-depth": 9, "unit-restarts": 3}
     assert found["ttft-p99"]["EvaluationPeriods"] == 3
-    assert found["unit-restarts"]["Period"] == 180
+    assert found["unit-restarts"]["Metrics"][0]["Period"] == 180
     assert [a.node.id for a in alarms.deployment_alarms] == [
         "Alb5xxRate", "TtftP99", "QueueDepth", "UnitRestarts"]
     assert len(alarms.alarms) == 6
@@ -179,6 +269,11 @@ def test_a_zero_floor_has_no_units_alarm() -> None:
 def test_bad_sizes_are_refused(units: int, floor: int, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         _cell_alarms(units=units, min_units_available=floor)
+
+
+def test_names_that_would_break_the_metrics_insights_query_are_refused() -> None:
+    with pytest.raises(ValueError, match="may not hold quotes"):
+        _cell_alarms(cell_name="it's")
 
 
 def test_gate_reader_for_another_account() -> None:

@@ -25,12 +25,37 @@ FAILURES_ATTRIBUTE = "unit-failures"
 QUARANTINE_ATTRIBUTE = "quarantine"
 EVENT_SOURCE = "unit-launcher"
 EVENT_DETAIL_TYPE = "Unit Session End"
-# Causes that say the named member's node failed: it was silent, overran a step, its
-# engine died or restarted. `member_left` counts only with an engine exit status: a
-# follower that leaves on SIGTERM (a deployment, a scale-in) is not at fault.
+# Every `cause` the unit launcher writes (containers/inference/unit_launcher: runner.py,
+# rendezvous.py), in exactly one of the three groups below. The launcher is another
+# package in another image, so the list is kept here and
+# functions/placement/tests/test_failure_causes.py reads the launcher's source and fails
+# when it writes a cause that none of the groups names (or one of them names a cause it no
+# longer writes): a new cause is then decided on, not silently ignored.
+#
+# Causes that say the node of the member in `ended_by` failed: it was silent, overran a
+# step, its engine died, its launcher restarted. `member_engine_exit` is the common
+# follower crash: the follower's engine died, the leader's engine died of the broken
+# collective first, and `runner._settle_cause` names the follower.
 IMPLICATING_CAUSES = frozenset(
-    {"heartbeat_loss", "step_timeout", "engine_exit", "member_restarted", "member_lost"}
+    {"heartbeat_loss", "step_timeout", "engine_exit", "member_engine_exit", "member_restarted", "member_lost"}
 )
+# Implicates its member only with an engine exit status: a follower whose engine exited
+# leaves with its status; one that leaves without (a launcher of a version that sent none)
+# gives no evidence that its node failed.
+IMPLICATING_WITH_EXIT_STATUS = frozenset({"member_left"})
+# Causes that never implicate a host, and why.
+NOT_IMPLICATING_CAUSES: Mapping[str, str] = {
+    "deliberate_stop": "the leader was stopped on purpose (a deployment, a scale-in, a drained instance)",
+    "member_stopped": "a follower was stopped on purpose (its instance drained or replaced)",
+    "form_timeout": "ended_by is null: the members that did not join never named themselves, and the "
+                    "leader waiting for them is not at fault",
+    "artifacts": "ended_by is null: the model artifacts are missing or do not match the layout, a "
+                 "configuration or S3 problem that every host would have",
+    "unknown": "the launcher's fallback when no cause was set: nothing says which node failed",
+    "leader_unreachable": "a follower's own history record, never logged: the leader's host, if at "
+                          "fault, has no event to count (docs/self-healing.md, known gaps)",
+    "session_changed": "a follower's own history record when the leader refused its heartbeat, never logged",
+}
 # ECS attribute values: at most 128 characters of letters, digits, - _ . @ / \\ : and
 # spaces, neither first nor last a space
 # (https://docs.aws.amazon.com/AmazonECS/latest/APIReference/API_Attribute.html).
@@ -65,7 +90,9 @@ def failure_from_event(event: Mapping[str, Any]) -> Failure | None:
     ended_by = event.get("ended_by")
     if not isinstance(ended_by, Mapping) or not ended_by.get("instance_id"):
         return None
-    if cause not in IMPLICATING_CAUSES and not (cause == "member_left" and event.get("exit_status") is not None):
+    if cause not in IMPLICATING_CAUSES and not (
+        cause in IMPLICATING_WITH_EXIT_STATUS and event.get("exit_status") is not None
+    ):
         return None
     try:
         ended_at = int(float(event.get("ended_at")))
