@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from unit_launcher import evidence
+from unit_launcher import evidence, rendezvous, runner
+from unit_launcher.spec import parse_spec
 
 POLICY = evidence.BackoffPolicy(base_seconds=15, cap_seconds=300, reset_seconds=600)
 SPEC = SimpleNamespace(cell="dev", unit_id="u0", revision="r1")
@@ -112,3 +113,40 @@ def test_a_unit_that_loses_the_same_follower_twice_records_it_and_backs_off(tmp_
         assert '"event": "unit_session_end"' in leader.log
     # After two failures in a row the next leader would wait 2 x base (capped at 10).
     assert evidence.backoff_for(evidence.read_history(history), evidence.BackoffPolicy(base, 10, 600)).seconds == 10
+
+
+def _ended_session(tmp_path: Path, h, *, follower_left: dict | None = None):
+    """A released leader session of two whose engine exited with status 1; the follower then
+    either left with `follower_left` as its evidence or went silent."""
+    spec = parse_spec({**h.cpu_spec(2, record_dir=tmp_path), "metrics_namespace": "Rufus/Unit"})
+    session = rendezvous.LeaderSession(spec, "10.0.0.1", "i-leader")
+    follower = rendezvous.Member("10.0.0.2", "i-f1", joined_at=0.0, last_seen=0.0, rank=1)
+    follower.left_evidence = follower_left
+    follower.told_stop = follower_left is not None
+    session.members[follower.instance_id] = follower
+    session.released.set()
+    session.engine_status = 1
+    session.end("leader engine exited with status 1", cause="engine_exit")
+    runner._settle_cause(session)
+    runner._record_session_end(spec, session, None, 5)
+    return evidence.read_history(evidence.history_path(spec.history_dir, spec.cell, spec.unit_id))[-1]
+
+
+@pytest.mark.parametrize(
+    ("left", "cause", "exit_status"),
+    [(None, "member_lost", None), ({"exit_status": 7, "log_tail": ["boom"]}, "member_engine_exit", 7)],
+)
+def test_a_record_naming_a_follower_never_shows_the_leaders_exit_status_as_its_own(
+    tmp_path: Path, h, capsys, left, cause, exit_status
+):
+    record = _ended_session(tmp_path, h, follower_left=left)
+    assert (record["cause"], record["ended_by"]["instance_id"]) == (cause, "i-f1")
+    assert (record["exit_status"], record["leader_exit_status"]) == (exit_status, 1)
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (line["exit_status"], line["leader_exit_status"]) == (exit_status, 1)
+
+
+def test_a_leader_engine_exit_names_the_leader_with_its_status(tmp_path: Path, h):
+    record = _ended_session(tmp_path, h, follower_left={"deliberate": True})  # told to stop, not silent
+    assert (record["cause"], record["ended_by"]["rank"]) == ("engine_exit", 0)
+    assert record["exit_status"] == record["leader_exit_status"] == 1

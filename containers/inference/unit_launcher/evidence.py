@@ -135,10 +135,15 @@ def session_event(
     released_at: float | None,
     serving_since: float | None = None,
     exit_status: int | None = None,
+    leader_exit_status: int | None = None,
     log_tail: list[str] | None = None,
     steps: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One session's end as a JSON-able record."""
+    """One session's end as a JSON-able record.
+
+    `exit_status` is the engine exit status of the member named in `ended_by`, when known;
+    `leader_exit_status` the leader engine's own, when it exited on its own. Apart, so that
+    a record naming a follower never shows the leader's status as the follower's."""
     ended_at = time.time()
     return {
         "event": "unit_session_end",
@@ -150,6 +155,7 @@ def session_event(
         "reason": reason,
         "ended_by": ended_by,
         "exit_status": exit_status,
+        "leader_exit_status": leader_exit_status,
         "members": members,
         "released_at": released_at,
         "serving_since": serving_since,

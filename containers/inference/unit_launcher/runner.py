@@ -242,29 +242,46 @@ def _settle_cause(session: rendezvous.LeaderSession) -> None:
     session.end_reason = f"follower {session.ended_by.describe()} lost ({session.cause}): {session.end_reason}"
 
 
+# Causes that name the leader itself when no follower is named.
+LEADER_CAUSES = ("engine_exit",)
+
+
+def _culprit(session: rendezvous.LeaderSession) -> dict[str, Any] | None:
+    """The member the session's end names (rank, address, instance), or None."""
+    member = session.ended_by
+    if member is not None:
+        return {"rank": member.rank, "address": member.address, "instance_id": member.instance_id}
+    if session.cause in LEADER_CAUSES:
+        return {"rank": 0, "address": session.address, "instance_id": session.instance_id}
+    return None
+
+
+def _culprit_exit_status(session: rendezvous.LeaderSession) -> int | None:
+    """The named member's engine exit status, when known: what a follower said when it left,
+    or the leader engine's own when the leader is the one named. A follower that went
+    silent said nothing: None, never the leader's status in its place."""
+    if session.ended_by is not None:
+        return session.ended_by_evidence.get("exit_status")
+    return session.engine_status if session.cause in LEADER_CAUSES else None
+
+
 def _record_session_end(
     spec: UnitSpec, session: rendezvous.LeaderSession, engine: Engine | None, status: int
 ) -> None:
     """The session's failure evidence: one event to the log (EMF) and the unit's history."""
-    culprit = session.ended_by
-    ended_by = None
-    tail: list[str] = []
-    if culprit is not None:
-        ended_by = {"rank": culprit.rank, "address": culprit.address, "instance_id": culprit.instance_id}
-        tail = list(session.ended_by_evidence.get("log_tail") or [])
-    elif session.cause == "engine_exit":
-        ended_by = {"rank": 0, "address": session.address, "instance_id": session.instance_id}
+    tail = list(session.ended_by_evidence.get("log_tail") or []) if session.ended_by is not None else []
     leader_tail = engine.tail() if engine is not None and session.cause not in evidence.NEUTRAL else []
     event = evidence.session_event(
         spec=spec,
         session_id=session.session_id,
         cause=session.cause or "unknown",
         reason=session.end_reason or "",
-        ended_by=ended_by,
+        ended_by=_culprit(session),
         members=session.status()["members"],
         released_at=session.released_at,
         serving_since=session.serving_since,
-        exit_status=session.ended_by_evidence.get("exit_status", session.engine_status),
+        exit_status=_culprit_exit_status(session),
+        leader_exit_status=session.engine_status,
         log_tail=tail or leader_tail,
         steps=session.steps_status(),
     )
@@ -315,7 +332,8 @@ def _backoff_policy(spec: UnitSpec) -> evidence.BackoffPolicy:
 
 
 def _abridged(record: dict[str, Any]) -> dict[str, Any]:
-    keys = ("session_id", "cause", "reason", "ended_by", "exit_status", "ended_at", "served_seconds")
+    keys = ("session_id", "cause", "reason", "ended_by", "exit_status", "leader_exit_status", "ended_at",
+            "served_seconds")
     return {k: record.get(k) for k in keys}
 
 
