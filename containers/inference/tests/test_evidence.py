@@ -150,3 +150,22 @@ def test_a_leader_engine_exit_names_the_leader_with_its_status(tmp_path: Path, h
     record = _ended_session(tmp_path, h, follower_left={"deliberate": True})  # told to stop, not silent
     assert (record["cause"], record["ended_by"]["rank"]) == ("engine_exit", 0)
     assert record["exit_status"] == record["leader_exit_status"] == 1
+
+
+@pytest.mark.timeout(60)
+def test_the_backoff_leaves_the_status_once_waited_out_and_the_last_failure_stays(tmp_path, unit_nodes, h):
+    spec = h.cpu_spec(2, record_dir=tmp_path, backoff_base_seconds=4, backoff_cap_seconds=4)
+    port = spec["rendezvous"]["port"]
+    history = evidence.history_path(spec["state_dir"], spec["cell"], spec["unit_id"])
+    evidence.append_history(history, _record("s0", ended_at=time.time()))
+    unit_nodes(spec, "leader", "i-leader")
+
+    def in_state(state: str):
+        status = h.get_status(port)
+        return status if status and status["state"] == state else None
+
+    waiting = h.wait_for(lambda: in_state("backoff"), 20, "the leader backing off")
+    assert waiting["backoff"]["failures_in_a_row"] == 1 and waiting["last_failure"]["session_id"] == "s0"
+    forming = h.wait_for(lambda: in_state("forming"), 20, "the leader forming after its wait")
+    # No stale wait in /status (and so in the proxy's /load) once it is over; the failure stays.
+    assert forming["backoff"] is None and forming["last_failure"]["session_id"] == "s0"

@@ -140,6 +140,8 @@ async def _wait_out_backoff(spec: UnitSpec, session: rendezvous.LeaderSession, s
     )
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(signals.stop.wait(), remaining)
+    # Over: /status (and the proxy's /load) must not show a wait that no longer holds the unit.
+    session.backoff = None
     session._set_state(rendezvous.FORMING)
 
 
