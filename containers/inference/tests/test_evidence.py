@@ -115,10 +115,12 @@ def test_a_unit_that_loses_the_same_follower_twice_records_it_and_backs_off(tmp_
     assert evidence.backoff_for(evidence.read_history(history), evidence.BackoffPolicy(base, 10, 600)).seconds == 10
 
 
-def _ended_session(tmp_path: Path, h, *, follower_left: dict | None = None):
+def _ended_session(tmp_path: Path, h, *, follower_left: dict | None = None, history: tuple[dict, ...] = ()):
     """A released leader session of two whose engine exited with status 1; the follower then
-    either left with `follower_left` as its evidence or went silent."""
+    either left with `follower_left` as its evidence or went silent. `history`: earlier records."""
     spec = parse_spec({**h.cpu_spec(2, record_dir=tmp_path), "metrics_namespace": "Rufus/Unit"})
+    for record in history:
+        evidence.append_history(evidence.history_path(spec.history_dir, spec.cell, spec.unit_id), record)
     session = rendezvous.LeaderSession(spec, "10.0.0.1", "i-leader")
     follower = rendezvous.Member("10.0.0.2", "i-f1", joined_at=0.0, last_seen=0.0, rank=1)
     follower.left_evidence = follower_left
@@ -169,3 +171,13 @@ def test_the_backoff_leaves_the_status_once_waited_out_and_the_last_failure_stay
     forming = h.wait_for(lambda: in_state("forming"), 20, "the leader forming after its wait")
     # No stale wait in /status (and so in the proxy's /load) once it is over; the failure stays.
     assert forming["backoff"] is None and forming["last_failure"]["session_id"] == "s0"
+
+
+def test_the_session_end_carries_the_restart_backoff_it_leads_to_as_a_metric(tmp_path: Path, h, capsys):
+    """Second failure in a row (base 15 s): the next formation waits 30 s, and the metric says so."""
+    record = _ended_session(tmp_path, h, history=(_record("s0", ended_at=time.time() - 5),))
+    assert record["restart_backoff_seconds"] == 30
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    directive = line["_aws"]["CloudWatchMetrics"][0]
+    assert {"Name": "RestartBackoffSeconds", "Unit": "Seconds"} in directive["Metrics"]
+    assert directive["Dimensions"] == [["Cell", "Unit"]] and line["RestartBackoffSeconds"] == 30

@@ -289,8 +289,15 @@ def _record_session_end(
     )
     if tail and leader_tail:
         event["leader_log_tail"] = leader_tail
+    _publish(spec, event)
+
+
+def _publish(spec: UnitSpec, event: dict[str, Any]) -> None:
+    """One session end to the log (EMF, with the restart backoff it leads to) and the history."""
+    path = _history(spec)
+    event["restart_backoff_seconds"] = evidence.backoff_after(evidence.read_history(path), event, _backoff_policy(spec))
     evidence.emit(event, spec.metrics_namespace)
-    evidence.append_history(_history(spec), event)
+    evidence.append_history(path, event)
 
 
 async def run_leader(spec: UnitSpec, me: Identity, bind: str) -> int:
