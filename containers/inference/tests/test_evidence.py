@@ -181,3 +181,19 @@ def test_the_session_end_carries_the_restart_backoff_it_leads_to_as_a_metric(tmp
     directive = line["_aws"]["CloudWatchMetrics"][0]
     assert {"Name": "RestartBackoffSeconds", "Unit": "Seconds"} in directive["Metrics"]
     assert directive["Dimensions"] == [["Cell", "Unit"]] and line["RestartBackoffSeconds"] == 30
+
+
+@pytest.mark.timeout(60)
+def test_a_crashed_followers_own_record_says_how_long_it_served(tmp_path, unit_nodes, h):
+    """A next leader on the crashed follower's instance reads this record: a long good
+    session must reset its backoff there as it does on the leader's instance."""
+    spec = h.cpu_spec(2, record_dir=tmp_path, backoff_reset_seconds=1)
+    own = {**spec, "state_dir": str(tmp_path / "follower-state")}  # its instance's history, not the leader's
+    unit_nodes(spec, "leader", "i-leader", extra_env={"STANDIN_STEPS": "3"})
+    follower = unit_nodes(
+        own, "follower", "i-f1", extra_env={"STANDIN_STEPS": "3", "STANDIN_EXIT_AFTER": "3", "STANDIN_EXIT_CODE": "7"}
+    )
+    assert follower.wait(30) == 7, follower.log
+    [record] = evidence.read_history(evidence.history_path(own["state_dir"], own["cell"], own["unit_id"]))
+    assert record["cause"] == "member_engine_exit" and 1 < record["served_seconds"] < 10, record
+    assert evidence.failures_in_a_row([record], evidence.BackoffPolicy(15, 300, 1)) == 0

@@ -606,6 +606,19 @@ async def join(
             leaders = await rediscover()
 
 
+@dataclass
+class FirstStep:
+    """When this node's workers first completed a step, as its heartbeats saw it: a
+    follower's own view of when the unit began serving, for its history record when the
+    leader cannot say (gone, or the follower's own engine failed)."""
+
+    at: float | None = None
+
+    def observe(self, states: dict[str, dict[str, Any]]) -> None:
+        if self.at is None and any(int(w.get("completed", 0)) > 0 for w in steps.workers_of(states).values()):
+            self.at = time.time()
+
+
 @dataclass(frozen=True)
 class SessionEnd:
     """Why a follower's session ended; `deliberate` when the leader was stopped on purpose."""
@@ -622,16 +635,22 @@ async def heartbeat_loop(
     release: Release,
     instance_id: str,
     step_dir: Path | None = None,
+    first_step: FirstStep | None = None,
 ) -> SessionEnd:
-    """Heartbeat (with this node's step records) until the session ends; returns why."""
+    """Heartbeat (with this node's step records) until the session ends; returns why.
+
+    `first_step` is kept up to date from the step records; the leader's `serving_since`
+    wins when it tells one."""
     url = f"http://{release.leader_addr}:{spec.rendezvous.port}/heartbeat"
     body: dict[str, Any] = {"session_id": release.session_id, "instance_id": instance_id, "rank": release.rank}
     interval = spec.rendezvous.heartbeat_interval
     limit = spec.rendezvous.follower_loss_seconds
+    first_step = first_step or FirstStep()
     last_ok = time.monotonic()
     while True:
         if step_dir is not None:
             body["steps"] = steps.local_states(step_dir)
+            first_step.observe(body["steps"])
         try:
             timeout = aiohttp.ClientTimeout(total=max(interval, 1.0))
             async with http.post(url, json=body, timeout=timeout) as response:
@@ -645,14 +664,15 @@ async def heartbeat_loop(
                     f"leader {release.leader_addr} ended session {release.session_id}: {reason}",
                     deliberate=bool(doc.get("deliberate")),
                     cause=str(doc.get("cause") or "session_changed"),
-                    serving_since=doc.get("serving_since"),
+                    serving_since=doc.get("serving_since") or first_step.at,
                 )
         except (aiohttp.ClientError, TimeoutError, ValueError) as error:
             silence = time.monotonic() - last_ok
             if silence > limit:
                 return SessionEnd(
                     f"leader {release.leader_addr} unreachable for {silence:.1f} s (limit {limit:g} s): "
-                    f"{error or type(error).__name__}"
+                    f"{error or type(error).__name__}",
+                    serving_since=first_step.at,
                 )
         await asyncio.sleep(interval)
 

@@ -448,11 +448,14 @@ async def _follow(
         step_dir=str(step_dir),
     )
     engine = Engine(node_plan.argv, _engine_env(node_plan))
+    first_step = rendezvous.FirstStep()
     try:
         await engine.start()
         health.serve(release.session_id)
         engine_exit = asyncio.ensure_future(engine.wait())
-        beats = asyncio.ensure_future(rendezvous.heartbeat_loop(http, spec, release, me.instance_id, step_dir))
+        beats = asyncio.ensure_future(
+            rendezvous.heartbeat_loop(http, spec, release, me.instance_id, step_dir, first_step)
+        )
         await _first(asyncio.shield(engine_exit), asyncio.shield(beats), signals.stop.wait())
         if engine_exit.done():
             status = engine_exit.result()
@@ -461,7 +464,9 @@ async def _follow(
                 http, spec, release, me.instance_id, why, {"exit_status": status, "log_tail": engine.tail()}
             )
             log.error("%s: follower leaves the unit", why)
-            _follower_record(spec, release, "member_engine_exit", why, None)
+            # Served as long as its own steps say: a record of 0 s here would make a next leader
+            # on this instance back off after a long good session (the backoff reset counts it).
+            _follower_record(spec, release, "member_engine_exit", why, first_step.at)
             return status or EXIT_UNIT_LOST
         if signals.stop.is_set():
             await rendezvous.leave(
