@@ -197,3 +197,43 @@ def test_a_crashed_followers_own_record_says_how_long_it_served(tmp_path, unit_n
     [record] = evidence.read_history(evidence.history_path(own["state_dir"], own["cell"], own["unit_id"]))
     assert record["cause"] == "member_engine_exit" and 1 < record["served_seconds"] < 10, record
     assert evidence.failures_in_a_row([record], evidence.BackoffPolicy(15, 300, 1)) == 0
+
+
+def _emf_events(log: str) -> list[dict]:
+    """The session-end events a launcher wrote to its log in the embedded metric format."""
+    lines = [line for line in log.splitlines() if line.startswith("{") and '"unit_session_end"' in line]
+    return [doc for doc in map(json.loads, lines) if "_aws" in doc]
+
+
+@pytest.mark.timeout(90)
+def test_a_vanished_leader_is_reported_once_by_the_lowest_ranked_follower(tmp_path, unit_nodes, h, monkeypatch):
+    """A leader killed outright writes nothing: rank 1 writes the event naming it, rank 2 does not."""
+    failures = pytest.importorskip("placement_controller.failures")
+    spec = {**h.cpu_spec(3, record_dir=tmp_path), "metrics_namespace": "Rufus/Unit"}
+    leader = unit_nodes(spec, "leader", "i-leader")
+    # Each follower keeps the history of its own instance; addresses are equal, so ranks follow the ids.
+    followers = {
+        name: unit_nodes({**spec, "state_dir": str(tmp_path / name)}, "follower", name, extra_env={"STANDIN_STEPS": "2"})
+        for name in ("i-f1", "i-f2")
+    }
+    port = spec["rendezvous"]["port"]
+    h.wait_for(lambda: (s := h.get_status(port)) and s["state"] == "serving" and len(s["members"]) == 3, 30, "unit")
+    leader.process.kill()
+    for follower in followers.values():
+        assert follower.wait(20) == 5, follower.log
+    [event] = _emf_events(followers["i-f1"].log)
+    assert not _emf_events(followers["i-f2"].log), followers["i-f2"].log
+    assert (event["cause"], event["ended_by"]["rank"], event["ended_by"]["instance_id"]) == (
+        "leader_unreachable", 0, "i-leader")
+    assert (event["reported_by"]["rank"], event["reported_by"]["instance_id"]) == (1, "i-f1")
+    assert (event["UnitFailures"], event["Cell"], event["Unit"]) == (1, "test", "u0")
+    assert event["served_seconds"] > 0  # from the follower's own step records
+    [kept] = evidence.read_history(evidence.history_path(tmp_path / "i-f1", "test", "u0"))
+    assert kept["session_id"] == event["session_id"] and kept["ended_by"] == event["ended_by"]
+    [short] = evidence.read_history(evidence.history_path(tmp_path / "i-f2", "test", "u0"))
+    assert short["cause"] == "leader_unreachable" and "ended_by" not in short
+    # The placement controller counts it against the leader's instance once the cause implicates.
+    implicating = failures.IMPLICATING_CAUSES | {"leader_unreachable"}
+    monkeypatch.setattr(failures, "IMPLICATING_CAUSES", implicating)
+    counted = failures.failure_from_event(event)
+    assert counted is not None and (counted.suspect, counted.session_id) == ("i-leader", event["session_id"])

@@ -530,6 +530,8 @@ class Release:
     rank: int
     size: int
     members: list[dict[str, Any]]
+    # When this follower heard of the release (Unix time), for its evidence.
+    released_at: float = field(default_factory=time.time)
 
 
 async def join(
@@ -606,6 +608,10 @@ async def join(
             leaders = await rediscover()
 
 
+# A follower's cause when the leader stopped answering its heartbeats.
+LEADER_UNREACHABLE = "leader_unreachable"
+
+
 @dataclass
 class FirstStep:
     """When this node's workers first completed a step, as its heartbeats saw it: a
@@ -625,7 +631,7 @@ class SessionEnd:
 
     reason: str
     deliberate: bool = False
-    cause: str = "leader_unreachable"
+    cause: str = LEADER_UNREACHABLE
     serving_since: float | None = None
 
 

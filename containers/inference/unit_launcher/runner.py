@@ -403,6 +403,49 @@ async def run_follower(spec: UnitSpec, me: Identity, env: Mapping[str, str]) -> 
         return await _follow(http, spec, me, release, signals, health)
 
 
+def _reports_for_unit(release: rendezvous.Release) -> bool:
+    """Whether this follower writes the unit's session-end event when the leader is gone.
+
+    A leader that vanished (host lost, launcher killed) writes nothing, and every follower
+    loses it at about the same time. Each knows the members from the release, so exactly
+    one reports, the lowest-ranked follower: the failure is counted once, not per follower."""
+    followers = [int(m["rank"]) for m in release.members if m.get("rank") not in (None, 0)]
+    return release.rank == min(followers, default=release.rank)
+
+
+def _leader_lost_event(
+    spec: UnitSpec, me: Identity, release: rendezvous.Release, ended: rendezvous.SessionEnd, step_dir: Path
+) -> dict[str, Any]:
+    """The session-end event the leader would have written, naming it, as this follower saw it."""
+    leader = next((m for m in release.members if m.get("rank") == 0), {})
+    event = evidence.session_event(
+        spec=spec,
+        session_id=release.session_id,
+        cause=rendezvous.LEADER_UNREACHABLE,
+        reason=ended.reason,
+        ended_by={"rank": 0, "address": leader.get("address", release.leader_addr),
+                  "instance_id": leader.get("instance_id")},
+        members=[{k: m.get(k) for k in ("rank", "address", "instance_id")} for m in release.members],
+        released_at=release.released_at,
+        serving_since=ended.serving_since,
+        steps={"members": {str(release.rank): steps.local_states(step_dir)}},
+    )
+    event["reported_by"] = {"rank": release.rank, "address": me.host_ip, "instance_id": me.instance_id}
+    return event
+
+
+def _record_follower_end(
+    spec: UnitSpec, me: Identity, release: rendezvous.Release, ended: rendezvous.SessionEnd, step_dir: Path
+) -> None:
+    """This follower's record of the session's end; the unit's evidence too when it is the
+    one follower that reports a vanished leader."""
+    if ended.cause == rendezvous.LEADER_UNREACHABLE and not ended.deliberate and _reports_for_unit(release):
+        _publish(spec, _leader_lost_event(spec, me, release, ended, step_dir))
+        return
+    cause = "deliberate_stop" if ended.deliberate else ended.cause
+    _follower_record(spec, release, cause, ended.reason, ended.serving_since)
+
+
 def _follower_record(
     spec: UnitSpec, release: rendezvous.Release, cause: str, reason: str, serving_since: Any
 ) -> None:
@@ -476,8 +519,7 @@ async def _follow(
         ended = beats.result()
         grace = spec.engine.stop_timeout_seconds if ended.deliberate else LOST_STOP_SECONDS
         await engine.stop(min(grace, spec.engine.stop_timeout_seconds))
-        _follower_record(spec, release, "deliberate_stop" if ended.deliberate else ended.cause, ended.reason,
-                         ended.serving_since)
+        _record_follower_end(spec, me, release, ended, step_dir)
         if ended.deliberate:
             # The leader was stopped on purpose (a deployment, a scale-in): a clean stop.
             log.info("unit session over: %s; engine stopped", ended.reason)
