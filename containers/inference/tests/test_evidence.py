@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -213,7 +214,8 @@ def test_a_vanished_leader_is_reported_once_by_the_lowest_ranked_follower(tmp_pa
     leader = unit_nodes(spec, "leader", "i-leader")
     # Each follower keeps the history of its own instance; addresses are equal, so ranks follow the ids.
     followers = {
-        name: unit_nodes({**spec, "state_dir": str(tmp_path / name)}, "follower", name, extra_env={"STANDIN_STEPS": "2"})
+        name: unit_nodes({**spec, "state_dir": str(tmp_path / name)}, "follower", name,
+                         extra_env={"STANDIN_STEPS": "2"})
         for name in ("i-f1", "i-f2")
     }
     port = spec["rendezvous"]["port"]
@@ -237,3 +239,22 @@ def test_a_vanished_leader_is_reported_once_by_the_lowest_ranked_follower(tmp_pa
     monkeypatch.setattr(failures, "IMPLICATING_CAUSES", implicating)
     counted = failures.failure_from_event(event)
     assert counted is not None and (counted.suspect, counted.session_id) == ("i-leader", event["session_id"])
+
+
+@pytest.mark.timeout(60)
+def test_a_follower_engine_broken_by_the_vanished_leader_reports_the_leader(tmp_path, unit_nodes, h):
+    """The leader's loss breaks the follower's engine before the heartbeats find the leader gone:
+    the crash is not the follower's own, the evidence names the leader."""
+    spec = h.cpu_spec(2, record_dir=tmp_path)
+    leader = unit_nodes(spec, "leader", "i-leader")
+    follower = unit_nodes(spec, "follower", "i-f1")
+    port = spec["rendezvous"]["port"]
+    h.wait_for(lambda: (s := h.get_status(port)) and s["state"] == "serving", 30, "unit serving")
+    engine = h.wait_for(lambda: (tmp_path / "i-f1.json").exists() and json.loads((tmp_path / "i-f1.json").read_text()),
+                        15, "the follower's engine")
+    leader.process.kill()
+    os.kill(engine["pid"], signal.SIGKILL)
+    assert follower.wait(20) == 5, follower.log
+    [record] = evidence.read_history(evidence.history_path(spec["state_dir"], "test", "u0"))
+    assert (record["cause"], record["ended_by"]["instance_id"]) == ("leader_unreachable", "i-leader"), record
+    assert "engine exited meanwhile (engine exited with status 137)" in record["reason"]

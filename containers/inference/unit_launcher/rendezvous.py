@@ -690,9 +690,10 @@ async def leave(
     instance_id: str,
     reason: str,
     evidence: dict[str, Any] | None = None,
-) -> None:
+) -> bool:
     """Tell the leader this member is going (with its evidence: exit status, the engine's
-    last lines), so the session ends now rather than after the loss timeout."""
+    last lines), so the session ends now rather than after the loss timeout. True when
+    the leader answered."""
     url = f"http://{release.leader_addr}:{spec.rendezvous.port}/heartbeat"
     body = {
         "session_id": release.session_id,
@@ -705,4 +706,5 @@ async def leave(
         async with http.post(url, json=body, timeout=aiohttp.ClientTimeout(total=2)) as response:
             await response.read()
     except (aiohttp.ClientError, TimeoutError):
-        pass
+        return False
+    return True

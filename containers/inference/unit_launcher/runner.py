@@ -16,6 +16,7 @@ import shutil
 import signal
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -468,6 +469,57 @@ def _follower_record(
     )
 
 
+@dataclass(frozen=True)
+class _Crash:
+    """A follower's engine that exited on its own."""
+
+    status: int
+    tail: list[str]
+    first_step: rendezvous.FirstStep
+
+
+async def _leader_gone(
+    http: aiohttp.ClientSession, spec: UnitSpec, me: Identity, release: rendezvous.Release,
+    crash: _Crash, beats: asyncio.Future[rendezvous.SessionEnd],
+) -> rendezvous.SessionEnd | None:
+    """Tell the leader this engine exited; when the leader does not answer, find out
+    whether it is gone: how the session ended then, else None.
+
+    A leader that vanishes breaks its followers' collectives, so a follower's engine may
+    exit before the heartbeats have found the leader gone. Calling that crash the
+    follower's own would blame the wrong node and leave the leader's loss unreported."""
+    why = f"engine exited with status {crash.status}"
+    said = {"exit_status": crash.status, "log_tail": crash.tail}
+    if await rendezvous.leave(http, spec, release, me.instance_id, why, said):
+        return None
+    r = spec.rendezvous
+    with contextlib.suppress(TimeoutError):
+        ended = await asyncio.wait_for(asyncio.shield(beats), r.follower_loss_seconds + 2 * r.heartbeat_interval)
+        if ended.cause == rendezvous.LEADER_UNREACHABLE:
+            return replace(ended, reason=f"{ended.reason}; this follower's engine exited meanwhile ({why})")
+    # The leader answers again (the first try met a blip): its evidence keeps what this node says.
+    await rendezvous.leave(http, spec, release, me.instance_id, why, said)
+    return None
+
+
+async def _engine_exited(
+    http: aiohttp.ClientSession, spec: UnitSpec, me: Identity, release: rendezvous.Release, crash: _Crash,
+    beats: asyncio.Future[rendezvous.SessionEnd], step_dir: Path,
+) -> int:
+    """This follower's engine exited on its own: leave the unit, and record whose failure it was."""
+    gone = await _leader_gone(http, spec, me, release, crash, beats)
+    if gone is not None:
+        log.error("unit session over: %s", gone.reason)
+        _record_follower_end(spec, me, release, gone, step_dir)
+        return EXIT_UNIT_LOST
+    why = f"engine exited with status {crash.status}"
+    log.error("%s: follower leaves the unit", why)
+    # Served as long as its own steps say: a record of 0 s here would make a next leader
+    # on this instance back off after a long good session (the backoff reset counts it).
+    _follower_record(spec, release, "member_engine_exit", why, crash.first_step.at)
+    return crash.status or EXIT_UNIT_LOST
+
+
 async def _follow(
     http: aiohttp.ClientSession, spec: UnitSpec, me: Identity, release: rendezvous.Release, signals: _Signals,
     health: health_file.HealthFile,
@@ -501,16 +553,8 @@ async def _follow(
         )
         await _first(asyncio.shield(engine_exit), asyncio.shield(beats), signals.stop.wait())
         if engine_exit.done():
-            status = engine_exit.result()
-            why = f"engine exited with status {status}"
-            await rendezvous.leave(
-                http, spec, release, me.instance_id, why, {"exit_status": status, "log_tail": engine.tail()}
-            )
-            log.error("%s: follower leaves the unit", why)
-            # Served as long as its own steps say: a record of 0 s here would make a next leader
-            # on this instance back off after a long good session (the backoff reset counts it).
-            _follower_record(spec, release, "member_engine_exit", why, first_step.at)
-            return status or EXIT_UNIT_LOST
+            crash = _Crash(engine_exit.result(), engine.tail(), first_step)
+            return await _engine_exited(http, spec, me, release, crash, beats, step_dir)
         if signals.stop.is_set():
             await rendezvous.leave(
                 http, spec, release, me.instance_id, "follower received SIGTERM", {"deliberate": True}
