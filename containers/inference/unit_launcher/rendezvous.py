@@ -9,7 +9,8 @@ session: the leader stops its engine and exits non-zero, and answers every later
 heartbeat with "stopping" so the followers stop too. Heartbeats carry the follower's step
 records; a step the leader broadcast that is not completed within the step bound ends
 the session as well, naming the members behind (`unit_launcher.steps`). A unit runs
-whole or not at all.
+whole or not at all. The proxy beside the leader reports a failed deep-liveness canary
+with `POST /canary-failed`, answered on loopback only; it ends a whole, serving session.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ BACKOFF = "backoff"
 JOIN_POLL_SECONDS = 5.0
 # Identifies this launcher process in joins (a restarted process gets a new one).
 INCARNATION = uuid.uuid4().hex
+# Where the proxy beside the leader reports a failed deep-liveness canary (loopback only).
+CANARY_FAILED_PATH = "/canary-failed"
 
 
 class JoinError(RuntimeError):
@@ -68,6 +71,17 @@ class Member:
     def describe(self) -> str:
         rank = f"rank {self.rank} " if self.rank is not None else ""
         return f"{rank}{self.address} ({self.instance_id})"
+
+
+def from_loopback(remote: str | None) -> bool:
+    """Whether a request came from this host: the rendezvous port is open to the VPC (the
+    followers join through it), and only the proxy beside the leader may end a session."""
+    try:
+        address = ipaddress.ip_address(remote or "")
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
 
 
 def _sort_key(member: Member) -> tuple[Any, ...]:
@@ -257,15 +271,40 @@ class LeaderSession:
             return
         records = self._member_steps()
         behind = steps.laggards(executor.steps, records)
-        culprit = next(
-            (m for m in self.followers if steps.laggards(executor.steps, {m.describe(): records[m.describe()]})),
-            None,
-        )
         self.step_timeout = True
         self.end(
             f"step {executor.steps} not completed within {bound:g} s "
             f"(in flight {executor.inflight_seconds():.1f} s); behind: {', '.join(behind) or 'none named'}",
             cause="step_timeout",
+            ended_by=self._first_follower_behind(executor.steps, records),
+        )
+
+    def _first_follower_behind(self, broadcast: int, records: dict[str, dict[str, Any]]) -> Member | None:
+        """The lowest-ranked follower some worker of which completed fewer than `broadcast` steps."""
+        for member in sorted(self.followers, key=lambda m: (m.rank is None, m.rank or 0)):
+            if steps.laggards(broadcast, {member.describe(): records[member.describe()]}):
+                return member
+        return None
+
+    def canary_counts(self) -> bool:
+        """Whether a failed canary ends this session: only while it serves whole and is not
+        being stopped. Forming, backing off, degraded (the liveness check will name the late
+        member), stopping or draining on SIGTERM, a failed canary says nothing new."""
+        return self.released.is_set() and self.state == SERVING and not self.stop_requested
+
+    def end_for_canary(self, detail: str) -> None:
+        """The proxy's one-token canary through the engine failed or was late while the unit
+        was whole and idle: the unit does not serve, though every launcher is alive. Name
+        the first follower behind in the step records, else the leader's engine."""
+        executor = steps.executor_state(self.step_dir)
+        records = self._member_steps()
+        behind = steps.laggards(executor.steps, records) if executor is not None else []
+        culprit = self._first_follower_behind(executor.steps, records) if executor is not None else None
+        named = culprit.describe() if culprit else f"the leader's engine, rank 0 {self.address} ({self.instance_id})"
+        self.end(
+            f"canary through the engine failed: {detail}; named: {named}"
+            + (f"; behind: {', '.join(behind)}" if behind else ""),
+            cause="canary_failed",
             ended_by=culprit,
         )
 
@@ -330,6 +369,7 @@ class LeaderSession:
         app.router.add_post("/join", self._join)
         app.router.add_post("/heartbeat", self._heartbeat)
         app.router.add_get("/status", self._status)
+        app.router.add_post(CANARY_FAILED_PATH, self._canary_failed)
         return app
 
     async def _body(self, request: web.Request, required: tuple[str, ...]) -> dict[str, Any]:
@@ -477,6 +517,23 @@ class LeaderSession:
 
     async def _status(self, request: web.Request) -> web.Response:
         return web.json_response(self.status())
+
+    async def _canary_failed(self, request: web.Request) -> web.Response:
+        """POST {session_id, detail} from the proxy beside the leader: its canary failed."""
+        if not from_loopback(request.remote):
+            log.warning("refused %s from %s: only loopback may report a canary", CANARY_FAILED_PATH, request.remote)
+            return web.json_response(
+                {"reason": "forbidden", "error": f"{CANARY_FAILED_PATH} is answered on loopback only"}, status=403
+            )
+        body = await self._body(request, ("session_id", "detail"))
+        if body["session_id"] != self.session_id or not self.canary_counts():
+            return self._refuse(
+                "not_serving",
+                f"failed canary of session {body['session_id']} ignored: session {self.session_id} of unit "
+                f"{self.spec.unit_id} is {self.state}" + (" and stopping on request" if self.stop_requested else ""),
+            )
+        self.end_for_canary(str(body["detail"]))
+        return web.json_response({"ended": True, "cause": self.cause, "reason": self.end_reason})
 
     async def watchdog(self) -> None:
         step = min(0.5, self.spec.rendezvous.heartbeat_interval / 2)

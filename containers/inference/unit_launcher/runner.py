@@ -223,7 +223,7 @@ async def _serve(spec: UnitSpec, session: rendezvous.LeaderSession, engine: Engi
 
 # Session ends that mean a member was lost: the leader exits "unit lost" whatever its engine said.
 LOST_CAUSES = ("member_lost", "member_engine_exit", "heartbeat_loss", "step_timeout", "member_left",
-               "member_restarted")
+               "member_restarted", "canary_failed")
 
 
 def _settle_cause(session: rendezvous.LeaderSession) -> None:
@@ -246,7 +246,7 @@ def _settle_cause(session: rendezvous.LeaderSession) -> None:
 
 
 # Causes that name the leader itself when no follower is named.
-LEADER_CAUSES = ("engine_exit",)
+LEADER_CAUSES = ("engine_exit", "canary_failed")
 
 
 def _culprit(session: rendezvous.LeaderSession) -> dict[str, Any] | None:
