@@ -49,7 +49,9 @@ def test_a_failed_canary_ends_the_unit_as_lost_naming_the_engine_or_the_member_b
                             "the follower's records, one step behind, at the leader")
         assert behind["steps"]["members"]["1"]["worker-1"]["completed"] == 2
     detail = "one-token completion took over 60 s"
-    url = f"http://127.0.0.1:{port}{rendezvous.CANARY_FAILED_PATH}"
+    # Where the proxy beside the leader sends it (the same body as unit_proxy.health's report).
+    proxy_settings = pytest.importorskip("unit_proxy.settings")
+    url = proxy_settings.Settings(launcher_status_url=f"http://127.0.0.1:{port}/status").launcher_canary_url
     assert _post(url, {"session_id": status["session_id"], "detail": detail}) == 200
     assert leader.wait(20) == EXIT_UNIT_LOST, leader.log
     assert follower.wait(20) == EXIT_UNIT_LOST, follower.log
