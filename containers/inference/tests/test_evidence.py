@@ -258,3 +258,26 @@ def test_a_follower_engine_broken_by_the_vanished_leader_reports_the_leader(tmp_
     [record] = evidence.read_history(evidence.history_path(spec["state_dir"], "test", "u0"))
     assert (record["cause"], record["ended_by"]["instance_id"]) == ("leader_unreachable", "i-leader"), record
     assert "engine exited meanwhile (engine exited with status 137)" in record["reason"]
+
+
+@pytest.mark.timeout(60)
+def test_a_follower_that_was_itself_stalled_does_not_blame_the_leader(tmp_path, unit_nodes, h):
+    """Frozen past the loss limit (SIGSTOP), the follower was lost by the leader, which says
+    so; resumed, it finds the leader gone, and must not report the leader as vanished."""
+    spec = {**h.cpu_spec(2, record_dir=tmp_path), "metrics_namespace": "Rufus/Unit"}
+    leader = unit_nodes(spec, "leader", "i-leader")
+    own = {**spec, "state_dir": str(tmp_path / "follower-state")}
+    follower = unit_nodes(own, "follower", "i-f1")
+    port = spec["rendezvous"]["port"]
+    h.wait_for(lambda: (s := h.get_status(port)) and s["state"] == "serving", 30, "unit serving")
+    follower.signal(signal.SIGSTOP)
+    try:
+        assert leader.wait(20) == 5, leader.log
+    finally:
+        follower.signal(signal.SIGCONT)
+    assert follower.wait(20) == 5, follower.log
+    [blamed] = _emf_events(leader.log)
+    assert (blamed["cause"], blamed["ended_by"]["instance_id"]) == ("heartbeat_loss", "i-f1")
+    assert not _emf_events(follower.log), follower.log
+    [short] = evidence.read_history(evidence.history_path(own["state_dir"], "test", "u0"))
+    assert short["cause"] == "leader_unreachable" and "this node itself was stalled" in short["reason"], short

@@ -684,12 +684,48 @@ class FirstStep:
 
 @dataclass(frozen=True)
 class SessionEnd:
-    """Why a follower's session ended; `deliberate` when the leader was stopped on purpose."""
+    """Why a follower's session ended; `deliberate` when the leader was stopped on purpose;
+    `self_stalled` when this node was itself stalled long enough to be the one lost."""
 
     reason: str
     deliberate: bool = False
     cause: str = LEADER_UNREACHABLE
     serving_since: float | None = None
+    self_stalled: bool = False
+
+
+@dataclass
+class _Stalls:
+    """This node's own stalls since the leader last answered: how much longer than its bound
+    an await took (a SIGSTOPped or frozen launcher, a paused VM). The leader heard nothing
+    meanwhile, so such a node cannot tell a vanished leader from its own absence."""
+
+    longest: float = 0.0
+
+    def note(self, started: float, bound: float) -> None:
+        self.longest = max(self.longest, time.monotonic() - started - bound)
+
+
+def _ended_by_leader(release: Release, data: Any, first_step: FirstStep) -> SessionEnd:
+    doc = data if isinstance(data, dict) else {}
+    return SessionEnd(
+        f"leader {release.leader_addr} ended session {release.session_id}: {doc.get('error', data)}",
+        deliberate=bool(doc.get("deliberate")),
+        cause=str(doc.get("cause") or "session_changed"),
+        serving_since=doc.get("serving_since") or first_step.at,
+    )
+
+
+def _leader_unreachable(
+    release: Release, silence: float, limit: float, error: BaseException, first_step: FirstStep, stalled: float
+) -> SessionEnd:
+    reason = (f"leader {release.leader_addr} unreachable for {silence:.1f} s (limit {limit:g} s): "
+              f"{error or type(error).__name__}")
+    # Stalled for half the loss limit or more: the leader may well have lost this node first.
+    self_stalled = stalled >= limit / 2
+    if self_stalled:
+        reason += f"; this node itself was stalled for {stalled:.1f} s"
+    return SessionEnd(reason, serving_since=first_step.at, self_stalled=self_stalled)
 
 
 async def heartbeat_loop(
@@ -708,36 +744,29 @@ async def heartbeat_loop(
     body: dict[str, Any] = {"session_id": release.session_id, "instance_id": instance_id, "rank": release.rank}
     interval = spec.rendezvous.heartbeat_interval
     limit = spec.rendezvous.follower_loss_seconds
+    timeout = aiohttp.ClientTimeout(total=max(interval, 1.0))
     first_step = first_step or FirstStep()
+    stalls = _Stalls()
     last_ok = time.monotonic()
     while True:
         if step_dir is not None:
             body["steps"] = steps.local_states(step_dir)
             first_step.observe(body["steps"])
+        started = time.monotonic()
         try:
-            timeout = aiohttp.ClientTimeout(total=max(interval, 1.0))
             async with http.post(url, json=body, timeout=timeout) as response:
                 data = await response.json(content_type=None)
-            if response.status == 200:
-                last_ok = time.monotonic()
-            else:
-                reason = data.get("error", data)
-                doc = data if isinstance(data, dict) else {}
-                return SessionEnd(
-                    f"leader {release.leader_addr} ended session {release.session_id}: {reason}",
-                    deliberate=bool(doc.get("deliberate")),
-                    cause=str(doc.get("cause") or "session_changed"),
-                    serving_since=doc.get("serving_since") or first_step.at,
-                )
+            if response.status != 200:
+                return _ended_by_leader(release, data, first_step)
+            last_ok, stalls.longest = time.monotonic(), 0.0
         except (aiohttp.ClientError, TimeoutError, ValueError) as error:
+            stalls.note(started, max(interval, 1.0))
             silence = time.monotonic() - last_ok
             if silence > limit:
-                return SessionEnd(
-                    f"leader {release.leader_addr} unreachable for {silence:.1f} s (limit {limit:g} s): "
-                    f"{error or type(error).__name__}",
-                    serving_since=first_step.at,
-                )
+                return _leader_unreachable(release, silence, limit, error, first_step, stalls.longest)
+        started = time.monotonic()
         await asyncio.sleep(interval)
+        stalls.note(started, interval)
 
 
 async def leave(

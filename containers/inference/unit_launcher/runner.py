@@ -439,8 +439,11 @@ def _record_follower_end(
     spec: UnitSpec, me: Identity, release: rendezvous.Release, ended: rendezvous.SessionEnd, step_dir: Path
 ) -> None:
     """This follower's record of the session's end; the unit's evidence too when it is the
-    one follower that reports a vanished leader."""
-    if ended.cause == rendezvous.LEADER_UNREACHABLE and not ended.deliberate and _reports_for_unit(release):
+    one follower that reports a vanished leader. A follower that was itself stalled (a
+    frozen launcher, a paused host) was most likely lost by a leader that reported it:
+    blaming the leader then would count a failure against the wrong host."""
+    vanished = ended.cause == rendezvous.LEADER_UNREACHABLE and not (ended.deliberate or ended.self_stalled)
+    if vanished and _reports_for_unit(release):
         _publish(spec, _leader_lost_event(spec, me, release, ended, step_dir))
         return
     cause = "deliberate_stop" if ended.deliberate else ended.cause
