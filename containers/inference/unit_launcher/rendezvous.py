@@ -288,8 +288,8 @@ class LeaderSession:
 
     def canary_counts(self) -> bool:
         """Whether a failed canary ends this session: only while it serves whole and is not
-        being stopped. Forming, backing off, degraded (the liveness check will name the late
-        member), stopping or draining on SIGTERM, a failed canary says nothing new."""
+        being stopped. While it forms, backs off, is degraded (the liveness check is about to
+        name the late member), stops, or drains on SIGTERM, a failed canary says nothing new."""
         return self.released.is_set() and self.state == SERVING and not self.stop_requested
 
     def end_for_canary(self, detail: str) -> None:
