@@ -361,6 +361,7 @@ class LeaderSession:
             "size": self.spec.size,
             "leader_addr": self.address,
             "members": self.status()["members"],
+            "released_at": self.released_at,
         }
 
     # -- HTTP --------------------------------------------------------------------------------
@@ -587,7 +588,7 @@ class Release:
     rank: int
     size: int
     members: list[dict[str, Any]]
-    # When this follower heard of the release (Unix time), for its evidence.
+    # When the leader released the unit (Unix time, the leader's clock when it says).
     released_at: float = field(default_factory=time.time)
 
 
@@ -626,7 +627,8 @@ async def join(
                     data = await response.json(content_type=None)
                 if response.status == 200 and data.get("released"):
                     release = Release(
-                        leader, data["session_id"], int(data["rank"]), int(data["size"]), data["members"]
+                        leader, data["session_id"], int(data["rank"]), int(data["size"]), data["members"],
+                        float(data.get("released_at") or time.time()),
                     )
                     log.info(
                         "unit released: %s session %s, this node is rank %d of %d (leader %s)",
@@ -702,8 +704,11 @@ class _Stalls:
 
     longest: float = 0.0
 
-    def note(self, started: float, bound: float) -> None:
-        self.longest = max(self.longest, time.monotonic() - started - bound)
+    def note(self, started: float, bound: float) -> float:
+        """Record how much longer than `bound` the await begun at `started` took; returns it."""
+        over = time.monotonic() - started - bound
+        self.longest = max(self.longest, over)
+        return over
 
 
 def _ended_by_leader(release: Release, data: Any, first_step: FirstStep) -> SessionEnd:
@@ -747,6 +752,8 @@ async def heartbeat_loop(
     timeout = aiohttp.ClientTimeout(total=max(interval, 1.0))
     first_step = first_step or FirstStep()
     stalls = _Stalls()
+    # Silent towards the leader since it released the unit (whatever held this node up).
+    stalls.longest = max(0.0, time.time() - release.released_at)
     last_ok = time.monotonic()
     while True:
         if step_dir is not None:
@@ -758,7 +765,11 @@ async def heartbeat_loop(
                 data = await response.json(content_type=None)
             if response.status != 200:
                 return _ended_by_leader(release, data, first_step)
-            last_ok, stalls.longest = time.monotonic(), 0.0
+            if stalls.note(started, max(interval, 1.0)) < limit / 2:
+                last_ok, stalls.longest = time.monotonic(), 0.0
+            else:
+                # An answer this node read only after a stall is as old as the request.
+                last_ok = started
         except (aiohttp.ClientError, TimeoutError, ValueError) as error:
             stalls.note(started, max(interval, 1.0))
             silence = time.monotonic() - last_ok
