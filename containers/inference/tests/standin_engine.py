@@ -3,7 +3,9 @@
 The tests pass it as the spec's engine command (engine.command), exactly the way the real
 `vllm` is given, so the launcher takes no test-only path. It writes its argv, pid and the
 UNIT_*/NEURON_*/FI_* environment to $STANDIN_RECORD_DIR/<UNIT_INSTANCE_ID>.json; with
-STANDIN_EXIT_AFTER=<seconds> it exits on its own with STANDIN_EXIT_CODE (default 1).
+STANDIN_EXIT_AFTER=<seconds> it exits on its own with STANDIN_EXIT_CODE (default 1). With
+STANDIN_STEPS=<n> it writes step records into UNIT_STEP_DIR as the unit executor does: n
+steps completed by this rank's worker (and broadcast by the executor on rank 0).
 """
 
 from __future__ import annotations
@@ -14,6 +16,19 @@ import signal
 import sys
 import time
 from pathlib import Path
+
+from unit_executor.steps import EXECUTOR_RECORD, StepRecorder, worker_record_name
+
+
+def record_steps(count: int) -> None:
+    """The records a real engine of this rank would have written after `count` steps."""
+    step_dir, rank = Path(os.environ["UNIT_STEP_DIR"]), int(os.environ["UNIT_RANK"])
+    names = [worker_record_name(rank)] + ([EXECUTOR_RECORD] if rank == 0 else [])
+    recorders = [StepRecorder(step_dir / name) for name in names]
+    for recorder in recorders:
+        for step in range(count):
+            recorder.step(f"step {step}".encode())
+            recorder.done()
 
 
 def main() -> int:
@@ -27,6 +42,8 @@ def main() -> int:
     tmp = record_dir / f".{name}.tmp"
     tmp.write_text(json.dumps(record))
     os.replace(tmp, record_dir / f"{name}.json")
+    if os.environ.get("STANDIN_STEPS"):
+        record_steps(int(os.environ["STANDIN_STEPS"]))
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
     exit_after = float(os.environ.get("STANDIN_EXIT_AFTER", "0") or 0)

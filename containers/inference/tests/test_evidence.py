@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -11,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from unit_launcher import evidence
+from unit_launcher import evidence, rendezvous, runner
+from unit_launcher.spec import parse_spec
 
 POLICY = evidence.BackoffPolicy(base_seconds=15, cap_seconds=300, reset_seconds=600)
 SPEC = SimpleNamespace(cell="dev", unit_id="u0", revision="r1")
@@ -112,3 +114,168 @@ def test_a_unit_that_loses_the_same_follower_twice_records_it_and_backs_off(tmp_
         assert '"event": "unit_session_end"' in leader.log
     # After two failures in a row the next leader would wait 2 x base (capped at 10).
     assert evidence.backoff_for(evidence.read_history(history), evidence.BackoffPolicy(base, 10, 600)).seconds == 10
+
+
+def _ended_session(tmp_path: Path, h, *, follower_left: dict | None = None, history: tuple[dict, ...] = ()):
+    """A released leader session of two whose engine exited with status 1; the follower then
+    either left with `follower_left` as its evidence or went silent. `history`: earlier records."""
+    spec = parse_spec({**h.cpu_spec(2, record_dir=tmp_path), "metrics_namespace": "Rufus/Unit"})
+    for record in history:
+        evidence.append_history(evidence.history_path(spec.history_dir, spec.cell, spec.unit_id), record)
+    session = rendezvous.LeaderSession(spec, "10.0.0.1", "i-leader")
+    follower = rendezvous.Member("10.0.0.2", "i-f1", joined_at=0.0, last_seen=0.0, rank=1)
+    follower.left_evidence = follower_left
+    follower.told_stop = follower_left is not None
+    session.members[follower.instance_id] = follower
+    session.released.set()
+    session.engine_status = 1
+    session.end("leader engine exited with status 1", cause="engine_exit")
+    runner._settle_cause(session)
+    runner._record_session_end(spec, session, None, 5)
+    return evidence.read_history(evidence.history_path(spec.history_dir, spec.cell, spec.unit_id))[-1]
+
+
+@pytest.mark.parametrize(
+    ("left", "cause", "exit_status"),
+    [(None, "member_lost", None), ({"exit_status": 7, "log_tail": ["boom"]}, "member_engine_exit", 7)],
+)
+def test_a_record_naming_a_follower_never_shows_the_leaders_exit_status_as_its_own(
+    tmp_path: Path, h, capsys, left, cause, exit_status
+):
+    record = _ended_session(tmp_path, h, follower_left=left)
+    assert (record["cause"], record["ended_by"]["instance_id"]) == (cause, "i-f1")
+    assert (record["exit_status"], record["leader_exit_status"]) == (exit_status, 1)
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (line["exit_status"], line["leader_exit_status"]) == (exit_status, 1)
+
+
+def test_a_leader_engine_exit_names_the_leader_with_its_status(tmp_path: Path, h):
+    record = _ended_session(tmp_path, h, follower_left={"deliberate": True})  # told to stop, not silent
+    assert (record["cause"], record["ended_by"]["rank"]) == ("engine_exit", 0)
+    assert record["exit_status"] == record["leader_exit_status"] == 1
+
+
+@pytest.mark.timeout(60)
+def test_the_backoff_leaves_the_status_once_waited_out_and_the_last_failure_stays(tmp_path, unit_nodes, h):
+    spec = h.cpu_spec(2, record_dir=tmp_path, backoff_base_seconds=4, backoff_cap_seconds=4)
+    port = spec["rendezvous"]["port"]
+    history = evidence.history_path(spec["state_dir"], spec["cell"], spec["unit_id"])
+    evidence.append_history(history, _record("s0", ended_at=time.time()))
+    unit_nodes(spec, "leader", "i-leader")
+
+    def in_state(state: str):
+        status = h.get_status(port)
+        return status if status and status["state"] == state else None
+
+    waiting = h.wait_for(lambda: in_state("backoff"), 20, "the leader backing off")
+    assert waiting["backoff"]["failures_in_a_row"] == 1 and waiting["last_failure"]["session_id"] == "s0"
+    forming = h.wait_for(lambda: in_state("forming"), 20, "the leader forming after its wait")
+    # No stale wait in /status (and so in the proxy's /load) once it is over; the failure stays.
+    assert forming["backoff"] is None and forming["last_failure"]["session_id"] == "s0"
+
+
+def test_the_session_end_carries_the_restart_backoff_it_leads_to_as_a_metric(tmp_path: Path, h, capsys):
+    """Second failure in a row (base 15 s): the next formation waits 30 s, and the metric says so."""
+    record = _ended_session(tmp_path, h, history=(_record("s0", ended_at=time.time() - 5),))
+    assert record["restart_backoff_seconds"] == 30
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    directive = line["_aws"]["CloudWatchMetrics"][0]
+    assert {"Name": "RestartBackoffSeconds", "Unit": "Seconds"} in directive["Metrics"]
+    assert directive["Dimensions"] == [["Cell", "Unit"]] and line["RestartBackoffSeconds"] == 30
+
+
+@pytest.mark.timeout(60)
+def test_a_crashed_followers_own_record_says_how_long_it_served(tmp_path, unit_nodes, h):
+    """A next leader on the crashed follower's instance reads this record: a long good
+    session must reset its backoff there as it does on the leader's instance."""
+    spec = h.cpu_spec(2, record_dir=tmp_path, backoff_reset_seconds=1)
+    own = {**spec, "state_dir": str(tmp_path / "follower-state")}  # its instance's history, not the leader's
+    unit_nodes(spec, "leader", "i-leader", extra_env={"STANDIN_STEPS": "3"})
+    follower = unit_nodes(
+        own, "follower", "i-f1", extra_env={"STANDIN_STEPS": "3", "STANDIN_EXIT_AFTER": "3", "STANDIN_EXIT_CODE": "7"}
+    )
+    assert follower.wait(30) == 7, follower.log
+    [record] = evidence.read_history(evidence.history_path(own["state_dir"], own["cell"], own["unit_id"]))
+    assert record["cause"] == "member_engine_exit" and 1 < record["served_seconds"] < 10, record
+    assert evidence.failures_in_a_row([record], evidence.BackoffPolicy(15, 300, 1)) == 0
+
+
+def _emf_events(log: str) -> list[dict]:
+    """The session-end events a launcher wrote to its log in the embedded metric format."""
+    lines = [line for line in log.splitlines() if line.startswith("{") and '"unit_session_end"' in line]
+    return [doc for doc in map(json.loads, lines) if "_aws" in doc]
+
+
+@pytest.mark.timeout(90)
+def test_a_vanished_leader_is_reported_once_by_the_lowest_ranked_follower(tmp_path, unit_nodes, h):
+    """A leader killed outright writes nothing: rank 1 writes the event naming it, rank 2 does not."""
+    failures = pytest.importorskip("placement_controller.failures")
+    spec = {**h.cpu_spec(3, record_dir=tmp_path), "metrics_namespace": "Rufus/Unit"}
+    leader = unit_nodes(spec, "leader", "i-leader")
+    # Each follower keeps the history of its own instance; addresses are equal, so ranks follow the ids.
+    followers = {
+        name: unit_nodes({**spec, "state_dir": str(tmp_path / name)}, "follower", name,
+                         extra_env={"STANDIN_STEPS": "2"})
+        for name in ("i-f1", "i-f2")
+    }
+    port = spec["rendezvous"]["port"]
+    h.wait_for(lambda: (s := h.get_status(port)) and s["state"] == "serving" and len(s["members"]) == 3, 30, "unit")
+    leader.process.kill()
+    for follower in followers.values():
+        assert follower.wait(20) == 5, follower.log
+    [event] = _emf_events(followers["i-f1"].log)
+    assert not _emf_events(followers["i-f2"].log), followers["i-f2"].log
+    assert (event["cause"], event["ended_by"]["rank"], event["ended_by"]["instance_id"]) == (
+        "leader_unreachable", 0, "i-leader")
+    assert (event["reported_by"]["rank"], event["reported_by"]["instance_id"]) == (1, "i-f1")
+    assert (event["UnitFailures"], event["Cell"], event["Unit"]) == (1, "test", "u0")
+    assert event["served_seconds"] > 0  # from the follower's own step records
+    [kept] = evidence.read_history(evidence.history_path(tmp_path / "i-f1", "test", "u0"))
+    assert kept["session_id"] == event["session_id"] and kept["ended_by"] == event["ended_by"]
+    [short] = evidence.read_history(evidence.history_path(tmp_path / "i-f2", "test", "u0"))
+    assert short["cause"] == "leader_unreachable" and "ended_by" not in short
+    # The placement controller counts it against the leader's instance.
+    counted = failures.failure_from_event(event)
+    assert counted is not None and (counted.suspect, counted.session_id) == ("i-leader", event["session_id"])
+
+
+@pytest.mark.timeout(60)
+def test_a_follower_engine_broken_by_the_vanished_leader_reports_the_leader(tmp_path, unit_nodes, h):
+    """The leader's loss breaks the follower's engine before the heartbeats find the leader gone:
+    the crash is not the follower's own, the evidence names the leader."""
+    spec = h.cpu_spec(2, record_dir=tmp_path)
+    leader = unit_nodes(spec, "leader", "i-leader")
+    follower = unit_nodes(spec, "follower", "i-f1")
+    port = spec["rendezvous"]["port"]
+    h.wait_for(lambda: (s := h.get_status(port)) and s["state"] == "serving", 30, "unit serving")
+    engine = h.wait_for(lambda: (tmp_path / "i-f1.json").exists() and json.loads((tmp_path / "i-f1.json").read_text()),
+                        15, "the follower's engine")
+    leader.process.kill()
+    os.kill(engine["pid"], signal.SIGKILL)
+    assert follower.wait(20) == 5, follower.log
+    [record] = evidence.read_history(evidence.history_path(spec["state_dir"], "test", "u0"))
+    assert (record["cause"], record["ended_by"]["instance_id"]) == ("leader_unreachable", "i-leader"), record
+    assert "engine exited meanwhile (engine exited with status 137)" in record["reason"]
+
+
+@pytest.mark.timeout(60)
+def test_a_follower_that_was_itself_stalled_does_not_blame_the_leader(tmp_path, unit_nodes, h):
+    """Frozen past the loss limit (SIGSTOP), the follower was lost by the leader, which says
+    so; resumed, it finds the leader gone, and must not report the leader as vanished."""
+    spec = {**h.cpu_spec(2, record_dir=tmp_path), "metrics_namespace": "Rufus/Unit"}
+    leader = unit_nodes(spec, "leader", "i-leader")
+    own = {**spec, "state_dir": str(tmp_path / "follower-state")}
+    follower = unit_nodes(own, "follower", "i-f1")
+    port = spec["rendezvous"]["port"]
+    h.wait_for(lambda: (s := h.get_status(port)) and s["state"] == "serving", 30, "unit serving")
+    follower.signal(signal.SIGSTOP)
+    try:
+        assert leader.wait(20) == 5, leader.log
+    finally:
+        follower.signal(signal.SIGCONT)
+    assert follower.wait(20) == 5, follower.log
+    [blamed] = _emf_events(leader.log)
+    assert (blamed["cause"], blamed["ended_by"]["instance_id"]) == ("heartbeat_loss", "i-f1")
+    assert not _emf_events(follower.log), follower.log
+    [short] = evidence.read_history(evidence.history_path(own["state_dir"], "test", "u0"))
+    assert short["cause"] == "leader_unreachable" and "this node itself was stalled" in short["reason"], short

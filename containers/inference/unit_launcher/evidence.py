@@ -7,7 +7,7 @@ addresses, timings, and the last lines of the failing engine's log. It goes
 
 - to standard output as one CloudWatch embedded-metric-format line (the task's log
   stream, kept after ECS replaces the task, and the metrics `UnitSessionEnds`,
-  `UnitFailures`, `UnitServedSeconds` per cell and unit), and
+  `UnitFailures`, `UnitServedSeconds` and `RestartBackoffSeconds` per cell and unit), and
 - into the unit's history file on the instance's model cache volume, on every member, so
   that whichever of the unit's instances the next leader lands on knows the history.
 
@@ -124,6 +124,13 @@ def backoff_for(records: list[dict[str, Any]], policy: BackoffPolicy, now: float
     return Backoff(n, seconds, ended + seconds, last if n else None)
 
 
+def backoff_after(records: list[dict[str, Any]], event: dict[str, Any], policy: BackoffPolicy) -> float:
+    """The whole wait the unit's next formation observes after this session end (the history
+    as it will be once the event is in it), in seconds."""
+    history = [r for r in records if r.get("session_id") != event["session_id"]]
+    return backoff_for([*history, event], policy, now=float(event["ended_at"])).seconds
+
+
 def session_event(
     *,
     spec: Any,
@@ -135,10 +142,15 @@ def session_event(
     released_at: float | None,
     serving_since: float | None = None,
     exit_status: int | None = None,
+    leader_exit_status: int | None = None,
     log_tail: list[str] | None = None,
     steps: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One session's end as a JSON-able record."""
+    """One session's end as a JSON-able record.
+
+    `exit_status` is the engine exit status of the member named in `ended_by`, when known;
+    `leader_exit_status` the leader engine's own, when it exited on its own. Apart, so that
+    a record naming a follower never shows the leader's status as the follower's."""
     ended_at = time.time()
     return {
         "event": "unit_session_end",
@@ -150,6 +162,7 @@ def session_event(
         "reason": reason,
         "ended_by": ended_by,
         "exit_status": exit_status,
+        "leader_exit_status": leader_exit_status,
         "members": members,
         "released_at": released_at,
         "serving_since": serving_since,
@@ -167,6 +180,15 @@ def emf_line(event: dict[str, Any], namespace: str | None) -> str:
     (https://docs.aws.amazon.com/AmazonCloudWatch/latest/monitoring/CloudWatch_Embedded_Metric_Format_Specification.html)."""
     doc = dict(event)
     if namespace:
+        metrics: dict[str, tuple[float, str]] = {
+            "UnitSessionEnds": (1, "Count"),
+            "UnitFailures": (0 if event["cause"] in NEUTRAL else 1, "Count"),
+            "UnitServedSeconds": (event["served_seconds"], "Seconds"),
+        }
+        if event.get("restart_backoff_seconds") is not None:
+            # The wait before the next formation: the backoff as a metric, not only in /status.
+            metrics["RestartBackoffSeconds"] = (event["restart_backoff_seconds"], "Seconds")
+        doc.update({name: value for name, (value, _) in metrics.items()})
         doc.update(
             {
                 "_aws": {
@@ -175,19 +197,12 @@ def emf_line(event: dict[str, Any], namespace: str | None) -> str:
                         {
                             "Namespace": namespace,
                             "Dimensions": [["Cell", "Unit"]],
-                            "Metrics": [
-                                {"Name": "UnitSessionEnds", "Unit": "Count"},
-                                {"Name": "UnitFailures", "Unit": "Count"},
-                                {"Name": "UnitServedSeconds", "Unit": "Seconds"},
-                            ],
+                            "Metrics": [{"Name": name, "Unit": unit} for name, (_, unit) in metrics.items()],
                         }
                     ],
                 },
                 "Cell": event["cell"],
                 "Unit": event["unit_id"],
-                "UnitSessionEnds": 1,
-                "UnitFailures": 0 if event["cause"] in NEUTRAL else 1,
-                "UnitServedSeconds": event["served_seconds"],
             }
         )
     return json.dumps(doc, sort_keys=True, default=str)

@@ -9,7 +9,8 @@ session: the leader stops its engine and exits non-zero, and answers every later
 heartbeat with "stopping" so the followers stop too. Heartbeats carry the follower's step
 records; a step the leader broadcast that is not completed within the step bound ends
 the session as well, naming the members behind (`unit_launcher.steps`). A unit runs
-whole or not at all.
+whole or not at all. The proxy beside the leader reports a failed deep-liveness canary
+with `POST /canary-failed`, answered on loopback only; it ends a whole, serving session.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ BACKOFF = "backoff"
 JOIN_POLL_SECONDS = 5.0
 # Identifies this launcher process in joins (a restarted process gets a new one).
 INCARNATION = uuid.uuid4().hex
+# Where the proxy beside the leader reports a failed deep-liveness canary (loopback only).
+CANARY_FAILED_PATH = "/canary-failed"
 
 
 class JoinError(RuntimeError):
@@ -68,6 +71,17 @@ class Member:
     def describe(self) -> str:
         rank = f"rank {self.rank} " if self.rank is not None else ""
         return f"{rank}{self.address} ({self.instance_id})"
+
+
+def from_loopback(remote: str | None) -> bool:
+    """Whether a request came from this host: the rendezvous port is open to the VPC (the
+    followers join through it), and only the proxy beside the leader may end a session."""
+    try:
+        address = ipaddress.ip_address(remote or "")
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
 
 
 def _sort_key(member: Member) -> tuple[Any, ...]:
@@ -279,15 +293,40 @@ class LeaderSession:
             return
         records = self._member_steps()
         behind = steps.laggards(executor.steps, records)
-        culprit = next(
-            (m for m in self.followers if steps.laggards(executor.steps, {m.describe(): records[m.describe()]})),
-            None,
-        )
         self.step_timeout = True
         self.end(
             f"step {executor.steps} not completed within {bound:g} s "
             f"(in flight {executor.inflight_seconds():.1f} s); behind: {', '.join(behind) or 'none named'}",
             cause="step_timeout",
+            ended_by=self._first_follower_behind(executor.steps, records),
+        )
+
+    def _first_follower_behind(self, broadcast: int, records: dict[str, dict[str, Any]]) -> Member | None:
+        """The lowest-ranked follower some worker of which completed fewer than `broadcast` steps."""
+        for member in sorted(self.followers, key=lambda m: (m.rank is None, m.rank or 0)):
+            if steps.laggards(broadcast, {member.describe(): records[member.describe()]}):
+                return member
+        return None
+
+    def canary_counts(self) -> bool:
+        """Whether a failed canary ends this session: only while it serves whole and is not
+        being stopped. While it forms, backs off, is degraded (the liveness check is about to
+        name the late member), stops, or drains on SIGTERM, a failed canary says nothing new."""
+        return self.released.is_set() and self.state == SERVING and not self.stop_requested
+
+    def end_for_canary(self, detail: str) -> None:
+        """The proxy's one-token canary through the engine failed or was late while the unit
+        was whole and idle: the unit does not serve, though every launcher is alive. Name
+        the first follower behind in the step records, else the leader's engine."""
+        executor = steps.executor_state(self.step_dir)
+        records = self._member_steps()
+        behind = steps.laggards(executor.steps, records) if executor is not None else []
+        culprit = self._first_follower_behind(executor.steps, records) if executor is not None else None
+        named = culprit.describe() if culprit else f"the leader's engine, rank 0 {self.address} ({self.instance_id})"
+        self.end(
+            f"canary through the engine failed: {detail}; named: {named}"
+            + (f"; behind: {', '.join(behind)}" if behind else ""),
+            cause="canary_failed",
             ended_by=culprit,
         )
 
@@ -344,6 +383,7 @@ class LeaderSession:
             "size": self.spec.size,
             "leader_addr": self.address,
             "members": self.status()["members"],
+            "released_at": self.released_at,
         }
 
     # -- HTTP --------------------------------------------------------------------------------
@@ -352,6 +392,7 @@ class LeaderSession:
         app.router.add_post("/join", self._join)
         app.router.add_post("/heartbeat", self._heartbeat)
         app.router.add_get("/status", self._status)
+        app.router.add_post(CANARY_FAILED_PATH, self._canary_failed)
         return app
 
     async def _body(self, request: web.Request, required: tuple[str, ...]) -> dict[str, Any]:
@@ -502,6 +543,23 @@ class LeaderSession:
     async def _status(self, request: web.Request) -> web.Response:
         return web.json_response(self.status())
 
+    async def _canary_failed(self, request: web.Request) -> web.Response:
+        """POST {session_id, detail} from the proxy beside the leader: its canary failed."""
+        if not from_loopback(request.remote):
+            log.warning("refused %s from %s: only loopback may report a canary", CANARY_FAILED_PATH, request.remote)
+            return web.json_response(
+                {"reason": "forbidden", "error": f"{CANARY_FAILED_PATH} is answered on loopback only"}, status=403
+            )
+        body = await self._body(request, ("session_id", "detail"))
+        if body["session_id"] != self.session_id or not self.canary_counts():
+            return self._refuse(
+                "not_serving",
+                f"failed canary of session {body['session_id']} ignored: session {self.session_id} of unit "
+                f"{self.spec.unit_id} is {self.state}" + (" and stopping on request" if self.stop_requested else ""),
+            )
+        self.end_for_canary(str(body["detail"]))
+        return web.json_response({"ended": True, "cause": self.cause, "reason": self.end_reason})
+
     async def watchdog(self) -> None:
         step = min(0.5, self.spec.rendezvous.heartbeat_interval / 2)
         while not self.ended.is_set():
@@ -554,6 +612,8 @@ class Release:
     rank: int
     size: int
     members: list[dict[str, Any]]
+    # When the leader released the unit (Unix time, the leader's clock when it says).
+    released_at: float = field(default_factory=time.time)
 
 
 async def join(
@@ -591,7 +651,8 @@ async def join(
                     data = await response.json(content_type=None)
                 if response.status == 200 and data.get("released"):
                     release = Release(
-                        leader, data["session_id"], int(data["rank"]), int(data["size"]), data["members"]
+                        leader, data["session_id"], int(data["rank"]), int(data["size"]), data["members"],
+                        float(data.get("released_at") or time.time()),
                     )
                     log.info(
                         "unit released: %s session %s, this node is rank %d of %d (leader %s)",
@@ -630,14 +691,70 @@ async def join(
             leaders = await rediscover()
 
 
+# A follower's cause when the leader stopped answering its heartbeats.
+LEADER_UNREACHABLE = "leader_unreachable"
+
+
+@dataclass
+class FirstStep:
+    """When this node's workers first completed a step, as its heartbeats saw it: a
+    follower's own view of when the unit began serving, for its history record when the
+    leader cannot say (gone, or the follower's own engine failed)."""
+
+    at: float | None = None
+
+    def observe(self, states: dict[str, dict[str, Any]]) -> None:
+        if self.at is None and any(int(w.get("completed", 0)) > 0 for w in steps.workers_of(states).values()):
+            self.at = time.time()
+
+
 @dataclass(frozen=True)
 class SessionEnd:
-    """Why a follower's session ended; `deliberate` when the leader was stopped on purpose."""
+    """Why a follower's session ended; `deliberate` when the leader was stopped on purpose;
+    `self_stalled` when this node was itself stalled long enough to be the one lost."""
 
     reason: str
     deliberate: bool = False
-    cause: str = "leader_unreachable"
+    cause: str = LEADER_UNREACHABLE
     serving_since: float | None = None
+    self_stalled: bool = False
+
+
+@dataclass
+class _Stalls:
+    """This node's own stalls since the leader last answered: how much longer than its bound
+    an await took (a SIGSTOPped or frozen launcher, a paused VM). The leader heard nothing
+    meanwhile, so such a node cannot tell a vanished leader from its own absence."""
+
+    longest: float = 0.0
+
+    def note(self, started: float, bound: float) -> float:
+        """Record how much longer than `bound` the await begun at `started` took; returns it."""
+        over = time.monotonic() - started - bound
+        self.longest = max(self.longest, over)
+        return over
+
+
+def _ended_by_leader(release: Release, data: Any, first_step: FirstStep) -> SessionEnd:
+    doc = data if isinstance(data, dict) else {}
+    return SessionEnd(
+        f"leader {release.leader_addr} ended session {release.session_id}: {doc.get('error', data)}",
+        deliberate=bool(doc.get("deliberate")),
+        cause=str(doc.get("cause") or "session_changed"),
+        serving_since=doc.get("serving_since") or first_step.at,
+    )
+
+
+def _leader_unreachable(
+    release: Release, silence: float, limit: float, error: BaseException, first_step: FirstStep, stalled: float
+) -> SessionEnd:
+    reason = (f"leader {release.leader_addr} unreachable for {silence:.1f} s (limit {limit:g} s): "
+              f"{error or type(error).__name__}")
+    # Stalled for half the loss limit or more: the leader may well have lost this node first.
+    self_stalled = stalled >= limit / 2
+    if self_stalled:
+        reason += f"; this node itself was stalled for {stalled:.1f} s"
+    return SessionEnd(reason, serving_since=first_step.at, self_stalled=self_stalled)
 
 
 async def heartbeat_loop(
@@ -646,39 +763,45 @@ async def heartbeat_loop(
     release: Release,
     instance_id: str,
     step_dir: Path | None = None,
+    first_step: FirstStep | None = None,
 ) -> SessionEnd:
-    """Heartbeat (with this node's step records) until the session ends; returns why."""
+    """Heartbeat (with this node's step records) until the session ends; returns why.
+
+    `first_step` is kept up to date from the step records; the leader's `serving_since`
+    wins when it tells one."""
     url = f"http://{release.leader_addr}:{spec.rendezvous.port}/heartbeat"
     body: dict[str, Any] = {"session_id": release.session_id, "instance_id": instance_id, "rank": release.rank}
     interval = spec.rendezvous.heartbeat_interval
     limit = spec.rendezvous.follower_loss_seconds
+    timeout = aiohttp.ClientTimeout(total=max(interval, 1.0))
+    first_step = first_step or FirstStep()
+    stalls = _Stalls()
+    # Silent towards the leader since it released the unit (whatever held this node up).
+    stalls.longest = max(0.0, time.time() - release.released_at)
     last_ok = time.monotonic()
     while True:
         if step_dir is not None:
             body["steps"] = steps.local_states(step_dir)
+            first_step.observe(body["steps"])
+        started = time.monotonic()
         try:
-            timeout = aiohttp.ClientTimeout(total=max(interval, 1.0))
             async with http.post(url, json=body, timeout=timeout) as response:
                 data = await response.json(content_type=None)
-            if response.status == 200:
-                last_ok = time.monotonic()
+            if response.status != 200:
+                return _ended_by_leader(release, data, first_step)
+            if stalls.note(started, max(interval, 1.0)) < limit / 2:
+                last_ok, stalls.longest = time.monotonic(), 0.0
             else:
-                reason = data.get("error", data)
-                doc = data if isinstance(data, dict) else {}
-                return SessionEnd(
-                    f"leader {release.leader_addr} ended session {release.session_id}: {reason}",
-                    deliberate=bool(doc.get("deliberate")),
-                    cause=str(doc.get("cause") or "session_changed"),
-                    serving_since=doc.get("serving_since"),
-                )
+                # An answer this node read only after a stall is as old as the request.
+                last_ok = started
         except (aiohttp.ClientError, TimeoutError, ValueError) as error:
+            stalls.note(started, max(interval, 1.0))
             silence = time.monotonic() - last_ok
             if silence > limit:
-                return SessionEnd(
-                    f"leader {release.leader_addr} unreachable for {silence:.1f} s (limit {limit:g} s): "
-                    f"{error or type(error).__name__}"
-                )
+                return _leader_unreachable(release, silence, limit, error, first_step, stalls.longest)
+        started = time.monotonic()
         await asyncio.sleep(interval)
+        stalls.note(started, interval)
 
 
 async def leave(
@@ -688,9 +811,10 @@ async def leave(
     instance_id: str,
     reason: str,
     evidence: dict[str, Any] | None = None,
-) -> None:
+) -> bool:
     """Tell the leader this member is going (with its evidence: exit status, the engine's
-    last lines), so the session ends now rather than after the loss timeout."""
+    last lines), so the session ends now rather than after the loss timeout. True when
+    the leader answered."""
     url = f"http://{release.leader_addr}:{spec.rendezvous.port}/heartbeat"
     body = {
         "session_id": release.session_id,
@@ -703,4 +827,5 @@ async def leave(
         async with http.post(url, json=body, timeout=aiohttp.ClientTimeout(total=2)) as response:
             await response.read()
     except (aiohttp.ClientError, TimeoutError):
-        pass
+        return False
+    return True

@@ -16,6 +16,7 @@ import shutil
 import signal
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,8 @@ async def _wait_out_backoff(spec: UnitSpec, session: rendezvous.LeaderSession, s
     )
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(signals.stop.wait(), remaining)
+    # Over: /status (and the proxy's /load) must not show a wait that no longer holds the unit.
+    session.backoff = None
     session._set_state(rendezvous.FORMING)
 
 
@@ -220,7 +223,7 @@ async def _serve(spec: UnitSpec, session: rendezvous.LeaderSession, engine: Engi
 
 # Session ends that mean a member was lost: the leader exits "unit lost" whatever its engine said.
 LOST_CAUSES = ("member_lost", "member_engine_exit", "heartbeat_loss", "step_timeout", "member_left",
-               "member_restarted")
+               "member_restarted", "canary_failed")
 
 
 def _settle_cause(session: rendezvous.LeaderSession) -> None:
@@ -242,36 +245,60 @@ def _settle_cause(session: rendezvous.LeaderSession) -> None:
     session.end_reason = f"follower {session.ended_by.describe()} lost ({session.cause}): {session.end_reason}"
 
 
+# Causes that name the leader itself when no follower is named.
+LEADER_CAUSES = ("engine_exit", "canary_failed")
+
+
+def _culprit(session: rendezvous.LeaderSession) -> dict[str, Any] | None:
+    """The member the session's end names (rank, address, instance), or None."""
+    member = session.ended_by
+    if member is not None:
+        return {"rank": member.rank, "address": member.address, "instance_id": member.instance_id}
+    if session.cause in LEADER_CAUSES:
+        return {"rank": 0, "address": session.address, "instance_id": session.instance_id}
+    return None
+
+
+def _culprit_exit_status(session: rendezvous.LeaderSession) -> int | None:
+    """The named member's engine exit status, when known: what a follower said when it left,
+    or the leader engine's own when the leader is the one named. A follower that went
+    silent said nothing: None, never the leader's status in its place."""
+    if session.ended_by is not None:
+        return session.ended_by_evidence.get("exit_status")
+    return session.engine_status if session.cause in LEADER_CAUSES else None
+
+
 def _record_session_end(
     spec: UnitSpec, session: rendezvous.LeaderSession, engine: Engine | None, status: int
 ) -> None:
     """The session's failure evidence: one event to the log (EMF) and the unit's history."""
-    culprit = session.ended_by
-    ended_by = None
-    tail: list[str] = []
-    if culprit is not None:
-        ended_by = {"rank": culprit.rank, "address": culprit.address, "instance_id": culprit.instance_id}
-        tail = list(session.ended_by_evidence.get("log_tail") or [])
-    elif session.cause == "engine_exit":
-        ended_by = {"rank": 0, "address": session.address, "instance_id": session.instance_id}
+    tail = list(session.ended_by_evidence.get("log_tail") or []) if session.ended_by is not None else []
     leader_tail = engine.tail() if engine is not None and session.cause not in evidence.NEUTRAL else []
     event = evidence.session_event(
         spec=spec,
         session_id=session.session_id,
         cause=session.cause or "unknown",
         reason=session.end_reason or "",
-        ended_by=ended_by,
+        ended_by=_culprit(session),
         members=session.status()["members"],
         released_at=session.released_at,
         serving_since=session.serving_since,
-        exit_status=session.ended_by_evidence.get("exit_status", session.engine_status),
+        exit_status=_culprit_exit_status(session),
+        leader_exit_status=session.engine_status,
         log_tail=tail or leader_tail,
         steps=session.steps_status(),
     )
     if tail and leader_tail:
         event["leader_log_tail"] = leader_tail
+    _publish(spec, event)
+
+
+def _publish(spec: UnitSpec, event: dict[str, Any]) -> None:
+    """One session end to the log (EMF, with the restart backoff it leads to) and the history."""
+    path = _history(spec)
+    event["restart_backoff_seconds"] = evidence.backoff_after(evidence.read_history(path), event, _backoff_policy(spec))
     evidence.emit(event, spec.metrics_namespace)
-    evidence.append_history(_history(spec), event)
+    evidence.append_history(path, event)
 
 
 async def run_leader(spec: UnitSpec, me: Identity, bind: str) -> int:
@@ -315,7 +342,8 @@ def _backoff_policy(spec: UnitSpec) -> evidence.BackoffPolicy:
 
 
 def _abridged(record: dict[str, Any]) -> dict[str, Any]:
-    keys = ("session_id", "cause", "reason", "ended_by", "exit_status", "ended_at", "served_seconds")
+    keys = ("session_id", "cause", "reason", "ended_by", "exit_status", "leader_exit_status", "ended_at",
+            "served_seconds")
     return {k: record.get(k) for k in keys}
 
 
@@ -376,6 +404,52 @@ async def run_follower(spec: UnitSpec, me: Identity, env: Mapping[str, str]) -> 
         return await _follow(http, spec, me, release, signals, health)
 
 
+def _reports_for_unit(release: rendezvous.Release) -> bool:
+    """Whether this follower writes the unit's session-end event when the leader is gone.
+
+    A leader that vanished (host lost, launcher killed) writes nothing, and every follower
+    loses it at about the same time. Each knows the members from the release, so exactly
+    one reports, the lowest-ranked follower: the failure is counted once, not per follower."""
+    followers = [int(m["rank"]) for m in release.members if m.get("rank") not in (None, 0)]
+    return release.rank == min(followers, default=release.rank)
+
+
+def _leader_lost_event(
+    spec: UnitSpec, me: Identity, release: rendezvous.Release, ended: rendezvous.SessionEnd, step_dir: Path
+) -> dict[str, Any]:
+    """The session-end event the leader would have written, naming it, as this follower saw it."""
+    leader = next((m for m in release.members if m.get("rank") == 0), {})
+    event = evidence.session_event(
+        spec=spec,
+        session_id=release.session_id,
+        cause=rendezvous.LEADER_UNREACHABLE,
+        reason=ended.reason,
+        ended_by={"rank": 0, "address": leader.get("address", release.leader_addr),
+                  "instance_id": leader.get("instance_id")},
+        members=[{k: m.get(k) for k in ("rank", "address", "instance_id")} for m in release.members],
+        released_at=release.released_at,
+        serving_since=ended.serving_since,
+        steps={"members": {str(release.rank): steps.local_states(step_dir)}},
+    )
+    event["reported_by"] = {"rank": release.rank, "address": me.host_ip, "instance_id": me.instance_id}
+    return event
+
+
+def _record_follower_end(
+    spec: UnitSpec, me: Identity, release: rendezvous.Release, ended: rendezvous.SessionEnd, step_dir: Path
+) -> None:
+    """This follower's record of the session's end; the unit's evidence too when it is the
+    one follower that reports a vanished leader. A follower that was itself stalled (a
+    frozen launcher, a paused host) was most likely lost by a leader that reported it:
+    blaming the leader then would count a failure against the wrong host."""
+    vanished = ended.cause == rendezvous.LEADER_UNREACHABLE and not (ended.deliberate or ended.self_stalled)
+    if vanished and _reports_for_unit(release):
+        _publish(spec, _leader_lost_event(spec, me, release, ended, step_dir))
+        return
+    cause = "deliberate_stop" if ended.deliberate else ended.cause
+    _follower_record(spec, release, cause, ended.reason, ended.serving_since)
+
+
 def _follower_record(
     spec: UnitSpec, release: rendezvous.Release, cause: str, reason: str, serving_since: Any
 ) -> None:
@@ -396,6 +470,57 @@ def _follower_record(
             "recorded_by": f"rank {release.rank}",
         },
     )
+
+
+@dataclass(frozen=True)
+class _Crash:
+    """A follower's engine that exited on its own."""
+
+    status: int
+    tail: list[str]
+    first_step: rendezvous.FirstStep
+
+
+async def _leader_gone(
+    http: aiohttp.ClientSession, spec: UnitSpec, me: Identity, release: rendezvous.Release,
+    crash: _Crash, beats: asyncio.Future[rendezvous.SessionEnd],
+) -> rendezvous.SessionEnd | None:
+    """Tell the leader this engine exited; when the leader does not answer, find out
+    whether it is gone: how the session ended then, else None.
+
+    A leader that vanishes breaks its followers' collectives, so a follower's engine may
+    exit before the heartbeats have found the leader gone. Calling that crash the
+    follower's own would blame the wrong node and leave the leader's loss unreported."""
+    why = f"engine exited with status {crash.status}"
+    said = {"exit_status": crash.status, "log_tail": crash.tail}
+    if await rendezvous.leave(http, spec, release, me.instance_id, why, said):
+        return None
+    r = spec.rendezvous
+    with contextlib.suppress(TimeoutError):
+        ended = await asyncio.wait_for(asyncio.shield(beats), r.follower_loss_seconds + 2 * r.heartbeat_interval)
+        if ended.cause == rendezvous.LEADER_UNREACHABLE:
+            return replace(ended, reason=f"{ended.reason}; this follower's engine exited meanwhile ({why})")
+    # The leader answers again (the first try met a blip): its evidence keeps what this node says.
+    await rendezvous.leave(http, spec, release, me.instance_id, why, said)
+    return None
+
+
+async def _engine_exited(
+    http: aiohttp.ClientSession, spec: UnitSpec, me: Identity, release: rendezvous.Release, crash: _Crash,
+    beats: asyncio.Future[rendezvous.SessionEnd], step_dir: Path,
+) -> int:
+    """This follower's engine exited on its own: leave the unit, and record whose failure it was."""
+    gone = await _leader_gone(http, spec, me, release, crash, beats)
+    if gone is not None:
+        log.error("unit session over: %s", gone.reason)
+        _record_follower_end(spec, me, release, gone, step_dir)
+        return EXIT_UNIT_LOST
+    why = f"engine exited with status {crash.status}"
+    log.error("%s: follower leaves the unit", why)
+    # Served as long as its own steps say: a record of 0 s here would make a next leader
+    # on this instance back off after a long good session (the backoff reset counts it).
+    _follower_record(spec, release, "member_engine_exit", why, crash.first_step.at)
+    return crash.status or EXIT_UNIT_LOST
 
 
 async def _follow(
@@ -421,21 +546,18 @@ async def _follow(
         step_dir=str(step_dir),
     )
     engine = Engine(node_plan.argv, _engine_env(node_plan))
+    first_step = rendezvous.FirstStep()
     try:
         await engine.start()
         health.serve(release.session_id)
         engine_exit = asyncio.ensure_future(engine.wait())
-        beats = asyncio.ensure_future(rendezvous.heartbeat_loop(http, spec, release, me.instance_id, step_dir))
+        beats = asyncio.ensure_future(
+            rendezvous.heartbeat_loop(http, spec, release, me.instance_id, step_dir, first_step)
+        )
         await _first(asyncio.shield(engine_exit), asyncio.shield(beats), signals.stop.wait())
         if engine_exit.done():
-            status = engine_exit.result()
-            why = f"engine exited with status {status}"
-            await rendezvous.leave(
-                http, spec, release, me.instance_id, why, {"exit_status": status, "log_tail": engine.tail()}
-            )
-            log.error("%s: follower leaves the unit", why)
-            _follower_record(spec, release, "member_engine_exit", why, None)
-            return status or EXIT_UNIT_LOST
+            crash = _Crash(engine_exit.result(), engine.tail(), first_step)
+            return await _engine_exited(http, spec, me, release, crash, beats, step_dir)
         if signals.stop.is_set():
             await rendezvous.leave(
                 http, spec, release, me.instance_id, "follower received SIGTERM", {"deliberate": True}
@@ -444,8 +566,7 @@ async def _follow(
         ended = beats.result()
         grace = spec.engine.stop_timeout_seconds if ended.deliberate else LOST_STOP_SECONDS
         await engine.stop(min(grace, spec.engine.stop_timeout_seconds))
-        _follower_record(spec, release, "deliberate_stop" if ended.deliberate else ended.cause, ended.reason,
-                         ended.serving_since)
+        _record_follower_end(spec, me, release, ended, step_dir)
         if ended.deliberate:
             # The leader was stopped on purpose (a deployment, a scale-in): a clean stop.
             log.info("unit session over: %s; engine stopped", ended.reason)

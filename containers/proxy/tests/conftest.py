@@ -179,7 +179,9 @@ class FakeEngine:
 
 class FakeLauncher:
     """The launcher's /status endpoint, with a document the test can change; after
-    `hold_answers()` answers wait for `release_answers()` (a check that cannot complete yet)."""
+    `hold_answers()` answers wait for `release_answers()` (a check that cannot complete yet).
+    A failed canary's report (POST /canary-failed) is kept in `canary_reports` and, as the
+    real launcher does, ends the session: state `stopping`."""
 
     def __init__(self) -> None:
         self.status: dict[str, Any] = {
@@ -210,12 +212,14 @@ class FakeLauncher:
         }
         self._released = asyncio.Event()
         self._released.set()
+        self.canary_reports: list[dict[str, Any]] = []
         self.url = ""
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
         app = web.Application()
         app.router.add_get("/status", self._status)
+        app.router.add_post("/canary-failed", self._canary_failed)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, LOOPBACK, 0)
@@ -230,6 +234,11 @@ class FakeLauncher:
     async def _status(self, request: web.Request) -> web.Response:
         await self._released.wait()
         return web.json_response(self.status)
+
+    async def _canary_failed(self, request: web.Request) -> web.Response:
+        self.canary_reports.append(await request.json())
+        self.status["state"] = "stopping"
+        return web.json_response({"ended": True, "cause": "canary_failed"})
 
     def hold_answers(self) -> None:
         self._released.clear()

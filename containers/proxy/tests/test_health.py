@@ -155,7 +155,9 @@ async def test_load_shows_the_units_last_failure_and_backoff(make_proxy: ProxyFa
     assert load["unit_backoff"]["failures_in_a_row"] == 1
 
 
-async def test_idle_canary_passes_then_a_late_one_fails_health(make_proxy: ProxyFactory, engine: FakeEngine):
+async def test_idle_canary_passes_then_a_late_one_fails_health(
+    make_proxy: ProxyFactory, engine: FakeEngine, launcher: FakeLauncher
+):
     """Deep liveness: a one-token completion while idle; a late one fails /health (issue 13)."""
     proxy = await make_proxy(canary_interval_seconds=0.3, canary_timeout_seconds=0.5)
     await wait_until(lambda: proxy.state.health.canary_ok is True, what="a first canary", timeout=10)
@@ -166,7 +168,9 @@ async def test_idle_canary_passes_then_a_late_one_fails_health(make_proxy: Proxy
     await wait_until(lambda: proxy.state.health.canary_ok is False, what="a late canary", timeout=10)
     status, text = await get(f"{proxy.admin_url}/health")
     assert status == 503 and "canary" in text
+    # The report ended the session; the unit forms again as a new one, whose canaries pass.
     engine.default_cue = "stream"
+    launcher.status.update(state="serving", session_id="s-2")
     await wait_until(lambda: proxy.state.health.canary_ok is True, what="the canary passing again", timeout=10)
 
 
@@ -179,3 +183,28 @@ async def test_no_canary_while_requests_are_in_flight(make_proxy: ProxyFactory, 
         await resp.read()  # two seconds of streaming: ten canary intervals
         during = engine.started - started
     assert during == 0, "a canary ran while a request was in flight"
+
+
+async def test_a_failed_canary_is_reported_to_the_launcher_once(
+    make_proxy: ProxyFactory, engine: FakeEngine, launcher: FakeLauncher
+):
+    """The launcher ends the session on the report (evidence, backoff, quarantine), so the
+    unit is no longer whole and no second canary runs."""
+    proxy = await make_proxy(canary_interval_seconds=0.2, canary_timeout_seconds=0.3)
+    engine.default_cue = "stall"
+    await wait_until(lambda: launcher.canary_reports, what="a report of the failed canary", timeout=10)
+    await asyncio.sleep(1.0)  # five canary intervals
+    assert launcher.canary_reports == [{"session_id": "s-1", "detail": "one-token completion took over 0.3 s"}]
+    assert proxy.state.health.canary_ok is False
+
+
+async def test_a_canary_that_fails_while_the_proxy_drains_is_not_reported(
+    make_proxy: ProxyFactory, engine: FakeEngine, launcher: FakeLauncher
+):
+    proxy = await make_proxy(canary_interval_seconds=0.2, canary_timeout_seconds=1.0)
+    engine.default_cue = "stall"
+    await wait_until(lambda: engine.started >= 1, what="a canary in flight", timeout=10)
+    proxy.state.health.draining = True  # SIGTERM: the task stops on purpose, its engine with it
+    await wait_until(lambda: proxy.state.health.canary_ok is False, what="the canary failing", timeout=10)
+    await asyncio.sleep(0.3)
+    assert launcher.canary_reports == []

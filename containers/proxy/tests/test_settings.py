@@ -73,3 +73,10 @@ def test_process_exits_2_with_the_message_on_bad_settings():
     )
     assert proc.returncode == 2
     assert "PROXY_PORT='99999' is not allowed" in proc.stderr
+
+
+def test_a_failed_canary_is_reported_beside_the_launchers_status():
+    assert Settings.from_env({}).launcher_canary_url == "http://127.0.0.1:29400/canary-failed"
+    custom = Settings.from_env({"LAUNCHER_STATUS_URL": "http://127.0.0.1:29500/status"})
+    assert custom.launcher_canary_url == "http://127.0.0.1:29500/canary-failed"
+    assert Settings.from_env({"LAUNCHER_STATUS_URL": ""}).launcher_canary_url == ""

@@ -241,8 +241,9 @@ class HealthMonitor:
     async def maybe_canary(self) -> None:
         """Deep liveness: while the unit is whole and idle, a one-token completion through
         the engine every interval, so every rank takes part in a step. A failed or late
-        canary fails /health and is logged as evidence; it never delays user traffic (it
-        runs only when no request is in flight) and never runs for a unit already failing."""
+        canary fails /health, is logged, and is reported to the launcher, which ends the
+        session; it never delays user traffic (it runs only when no request is in flight)
+        and never runs for a unit already failing."""
         s = self.settings
         if not s.canary_interval_seconds or self.idle is None or s.frontend != "openai":
             return
@@ -262,6 +263,25 @@ class HealthMonitor:
         if not ok:
             log.error(json.dumps({"event": "canary_failed", "detail": detail, "seconds": round(seconds, 3),
                                   "session_id": self._session_id}))
+            await self._report_canary(detail)
+
+    async def _report_canary(self, detail: str) -> None:
+        """Tell the launcher, which ends the session as `canary_failed`: a failed /health
+        alone leaves no evidence, no backoff and nothing for the quarantine. Not while
+        draining (the engine stops on purpose); the launcher itself ignores a report when
+        its session is not the canary's or no longer serves whole."""
+        url = self.settings.launcher_canary_url
+        if not url or self._session_id is None or self.state.draining:
+            return
+        assert self._session is not None
+        body = {"session_id": self._session_id, "detail": detail}
+        try:
+            async with self._session.post(url, json=body) as resp:
+                answer = (await resp.read()).decode("utf-8", "replace")[:300]
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("failed canary not reported to %s: %s", url, _describe(exc))
+            return
+        log.warning("failed canary reported to %s: %d %s", url, resp.status, answer)
 
     async def _canary(self) -> tuple[bool, str, float]:
         base = self.settings.upstream_url

@@ -28,6 +28,8 @@ OPENAI_ROUTES: tuple[str, ...] = (
 )
 TRITON_ROUTES: tuple[str, ...] = ("/v2/",)
 MAX_WORKERS = 64
+# The launcher's endpoint for a failed canary, beside its /status (unit_launcher.rendezvous).
+CANARY_FAILED_PATH = "/canary-failed"
 
 
 class SettingsError(ValueError):
@@ -158,6 +160,15 @@ class Settings:
         parts = urlsplit(self.upstream_url)
         assert parts.hostname is not None
         return parts.hostname, parts.port or 80
+
+    @property
+    def launcher_canary_url(self) -> str:
+        """Where a failed canary is reported: the launcher's own host and port, which answer
+        it on loopback only; empty when the launcher check is off."""
+        if not self.launcher_status_url:
+            return ""
+        parts = urlsplit(self.launcher_status_url)
+        return f"{parts.scheme}://{parts.netloc}{CANARY_FAILED_PATH}"
 
     @property
     def emf_enabled(self) -> bool:

@@ -35,9 +35,13 @@ EVENT_DETAIL_TYPE = "Unit Session End"
 # Causes that say the node of the member in `ended_by` failed: it was silent, overran a
 # step, its engine died, its launcher restarted. `member_engine_exit` is the common
 # follower crash: the follower's engine died, the leader's engine died of the broken
-# collective first, and `runner._settle_cause` names the follower.
+# collective first, and `runner._settle_cause` names the follower. `leader_unreachable` is
+# the event a vanished leader's rank 1 follower writes, naming the leader (a follower that
+# was itself stalled does not write it). `canary_failed`: the proxy's canary through an idle,
+# whole unit failed; it names the first follower behind in the step records, else the leader.
 IMPLICATING_CAUSES = frozenset(
-    {"heartbeat_loss", "step_timeout", "engine_exit", "member_engine_exit", "member_restarted", "member_lost"}
+    {"heartbeat_loss", "step_timeout", "engine_exit", "member_engine_exit", "member_restarted", "member_lost",
+     "leader_unreachable", "canary_failed"}
 )
 # Implicates its member only with an engine exit status: a follower whose engine exited
 # leaves with its status; one that leaves without (a launcher of a version that sent none)
@@ -52,8 +56,6 @@ NOT_IMPLICATING_CAUSES: Mapping[str, str] = {
     "artifacts": "ended_by is null: the model artifacts are missing or do not match the layout, a "
                  "configuration or S3 problem that every host would have",
     "unknown": "the launcher's fallback when no cause was set: nothing says which node failed",
-    "leader_unreachable": "a follower's own history record, never logged: the leader's host, if at "
-                          "fault, has no event to count (docs/self-healing.md, known gaps)",
     "session_changed": "a follower's own history record when the leader refused its heartbeat, never logged",
 }
 # ECS attribute values: at most 128 characters of letters, digits, - _ . @ / \\ : and

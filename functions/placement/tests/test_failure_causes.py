@@ -25,11 +25,19 @@ LAUNCHER = Path(__file__).resolve().parents[3] / "containers" / "inference" / "u
 CLASSIFIED = IMPLICATING_CAUSES | IMPLICATING_WITH_EXIT_STATUS | set(NOT_IMPLICATING_CAUSES)
 
 
+# Module-level string constants of the launcher (e.g. LEADER_UNREACHABLE = "leader_unreachable"),
+# filled by launcher_causes before any expression is read.
+_CONSTANTS: dict[str, str] = {}
+
+
 def _values(node: ast.AST | None) -> set[str]:
-    """The string literals an expression can evaluate to; a lookup (`.get("cause")`) or a
-    variable adds nothing: it copies a cause written elsewhere."""
+    """The string literals an expression can evaluate to, a module constant's name included;
+    a lookup (`.get("cause")`) or another variable adds nothing: it copies a cause written
+    elsewhere."""
     if isinstance(node, ast.Constant):
         return {node.value} if isinstance(node.value, str) else set()
+    if isinstance(node, ast.Name) and node.id in _CONSTANTS:
+        return {_CONSTANTS[node.id]}
     if isinstance(node, ast.IfExp):
         return _values(node.body) | _values(node.orelse)
     if isinstance(node, ast.BoolOp):
@@ -63,6 +71,13 @@ def _cause_parameters(trees: list[ast.Module]) -> dict[str, int]:
 
 def launcher_causes() -> set[str]:
     trees = [ast.parse(path.read_text(), str(path)) for path in sorted(LAUNCHER.glob("*.py"))]
+    _CONSTANTS.clear()
+    for tree in trees:
+        for statement in tree.body:
+            if (isinstance(statement, ast.Assign) and len(statement.targets) == 1
+                    and isinstance(statement.targets[0], ast.Name) and statement.targets[0].id.isupper()
+                    and isinstance(statement.value, ast.Constant) and isinstance(statement.value.value, str)):
+                _CONSTANTS[statement.targets[0].id] = statement.value.value
     positions = _cause_parameters(trees)
     causes: set[str] = set()
     for tree in trees:
@@ -98,7 +113,7 @@ def test_the_reader_finds_the_launchers_causes():
     # conditional, default, positional argument, the `or` fallback.
     assert {"heartbeat_loss", "member_restarted", "member_engine_exit", "member_lost", "form_timeout",
             "deliberate_stop", "member_stopped", "member_left", "leader_unreachable", "session_changed",
-            "unknown"} <= launcher_causes()
+            "unknown", "canary_failed"} <= launcher_causes()
 
 
 def test_every_launcher_cause_is_decided_on():
