@@ -335,6 +335,9 @@ class CellAlarms(Construct):
                               metrics=[metric("UnitFailures", "Sum", u) for u in unit_ids]),
             CustomMetricGroup(title="Served before a session ended (s, min)",
                               metrics=[metric("UnitServedSeconds", "Minimum", u) for u in unit_ids]),
+            # The wait a failing unit observes before it forms again (0 after a good run).
+            CustomMetricGroup(title="Restart backoff before the next formation (s, max)",
+                              metrics=[metric("RestartBackoffSeconds", "Maximum", u) for u in unit_ids]),
         ]
 
     def proxy_metric(

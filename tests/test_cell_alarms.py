@@ -132,7 +132,7 @@ def test_dashboard_shows_every_unit(synth_large) -> None:
     assert "SELECT SUM(UnitFailures) FROM SCHEMA(" in body and "WHERE Cell = 'usw2-a'" in body
     assert "HealthyHostCount" in body and "Rollout gate and cell alarms" in body
     # The launchers' failure evidence, per unit (namespace <Fleet>/Unit).
-    for metric in ("UnitFailures", "UnitServedSeconds"):
+    for metric in ("UnitFailures", "UnitServedSeconds", "RestartBackoffSeconds"):
         for unit in range(6):
             assert f'\\"Rufus/Unit\\",\\"{metric}\\",\\"Cell\\",\\"usw2-a\\",\\"Unit\\",\\"u{unit}\\"' in body, (
                 metric, unit)
