@@ -41,7 +41,8 @@ class LoopbackS3:
             raise RuntimeError(f"moto's S3 server exited; log {self.proc.log_path}")
 
     def client_env(self) -> dict[str, str]:
-        """What makes boto3 in a launcher use this server (botocore reads AWS_ENDPOINT_URL_S3)."""
+        """What makes boto3 in a launcher use this server: botocore reads AWS_ENDPOINT_URL_S3
+        (service-specific endpoints, https://docs.aws.amazon.com/sdkref/latest/guide/feature-ss-endpoints.html)."""
         return {"AWS_ENDPOINT_URL_S3": self.url, "AWS_ACCESS_KEY_ID": "e2e", "AWS_SECRET_ACCESS_KEY": "e2e"}
 
     def client(self) -> Any:

@@ -449,8 +449,7 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
     except TimeoutError as error:
         r.check("4. unit forms again", False, f"{error}; {unit.describe()}")
         return
-    record_serve_again(h, unit, killed_at, backoff, "")
-    got = replacement_fetch(unit)
+    got = record_serve_again(h, unit, killed_at, backoff, "")
     r.check("4. without a spare, the replacement node (a new instance) fetched the model from S3",
             got.objects == upload.objects, got.describe())
     report_evidence(h, spec, "4", backoff)
@@ -557,14 +556,17 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
              f"leader {leader_code}, follower {follower_code}")
 
 
-def record_serve_again(h: Harness, unit: Unit, lost_at: float, backoff: dict[str, Any], key: str) -> None:
+def record_serve_again(h: Harness, unit: Unit, lost_at: float, backoff: dict[str, Any], key: str) -> Fetched:
     """Time to serve again after a node loss: in all, and from the end of the restart backoff
-    (the part a spare can shorten: the backoff grows with the failures in a row)."""
+    (the part a spare can shorten: the backoff grows with the failures in a row); returns
+    what the replacement fetched."""
     r = h.report
     r.figure(f"{key}recovery_s", time.monotonic() - lost_at)
     if backoff.get("until"):
         r.figure(f"{key}recovery_after_backoff_s", time.time() - float(backoff["until"]))
-    r.figure(f"{key}replacement_fetch", replacement_fetch(unit).describe())
+    got = replacement_fetch(unit)
+    r.figure(f"{key}replacement_fetch", got.describe())
+    return got
 
 
 def replacement_fetch(unit: Unit) -> Fetched:
@@ -606,8 +608,7 @@ def run_spare_case(h: Harness, unit: Unit, spec: dict[str, Any], upload: Upload)
     except TimeoutError as error:
         r.check("4a. unit forms again on the spare's instance", False, f"{error}; {unit.describe()}")
         return False
-    record_serve_again(h, unit, killed_at, backoff, "spare_")
-    got = replacement_fetch(unit)
+    got = record_serve_again(h, unit, killed_at, backoff, "spare_")
     now_on = unit.placed.get(unit.follower.current.pid) if unit.follower.current else None
     r.check("4a. the follower now runs on the spare's instance and fetched nothing (the model was there)",
             now_on == "spare-1" and got.objects == 0 and got.skipped >= upload.objects,

@@ -65,6 +65,15 @@ def issues_of(data: dict[str, Any]) -> list[Any]:
     return caught.value.issues
 
 
+def issues_at(data: dict[str, Any], path: str) -> list[Any]:
+    """The issues a fleet load reports at `path`; none when the fleet loads."""
+    try:
+        parse_fleet(data, "test")
+    except ConfigError as error:
+        return [i for i in error.issues if i.path == path]
+    return []
+
+
 def layout(model: dict[str, Any], max_seq_len: int, **unit: Any) -> tuple[planner.ModelShape, planner.Layout]:
     fleet = parse_fleet(fleet_data(model, max_seq_len, **unit), "test")
     return planner.ModelShape.from_config(fleet.model), planner.Layout.from_fleet(fleet)
@@ -220,11 +229,7 @@ def test_attention_dp_beside_cp_follows_nxd_inference(cp, dp, refused):
     """validate_attention_data_parallel: with cp > 1 and dp > 1, dp <= cp and cp % dp == 0."""
     data = yaml.safe_load(DEFAULT_CONFIG.read_text())
     data["unit"].update(context_parallel_degree=cp, data_parallel_degree=dp)
-    try:
-        parse_fleet(data, "test")
-        found = []
-    except ConfigError as error:
-        found = [i for i in error.issues if i.path == "unit.data_parallel_degree"]
+    found = issues_at(data, "unit.data_parallel_degree")
     assert bool(found) == refused
     if refused:
         assert "validate_attention_data_parallel" in found[0].problem and "allowed:" in found[0].problem
@@ -241,11 +246,7 @@ def test_step_bound_outlasts_the_longest_prefill(seq_len, batch, bound, refused)
     data["model"]["max_seq_len"] = seq_len
     data["unit"]["max_concurrent_sequences"] = batch
     data.setdefault("serving", {})["step_timeout_seconds"] = bound
-    try:
-        parse_fleet(data, "test")
-        found = []
-    except ConfigError as error:
-        found = [i for i in error.issues if i.path == "serving.step_timeout_seconds"]
+    found = issues_at(data, "serving.step_timeout_seconds")
     assert bool(found) == refused
     if refused:
         assert found[0].value == bound

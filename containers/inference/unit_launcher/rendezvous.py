@@ -229,7 +229,7 @@ class LeaderSession:
             return
         now = time.monotonic()
         limit = self.spec.rendezvous.follower_loss_seconds
-        late = 2 * self.spec.rendezvous.heartbeat_interval
+        late = self.spec.rendezvous.late_seconds
         worst: Member | None = None
         for member in self.followers:
             if worst is None or member.last_seen < worst.last_seen:
@@ -250,14 +250,15 @@ class LeaderSession:
 
     def _end_if_replaced(self, newcomer: str) -> None:
         """A new node asks to join while a follower is already late: ECS has replaced the
-        follower's task (a unit's services never run more than their desired count:
-        maximumPercent 100, cell_constructs/inference_unit.py), so do
-        not wait out the loss bound; the newcomer joins the next session. A late follower
-        is one silent for more than two heartbeats (the DEGRADED threshold); a stray joiner
-        never ends a session whose members all answer."""
+        follower's task: a unit's services run at most their desired count (maximumPercent
+        100, cell_constructs/inference_unit.py; "the upper limit on the number of your
+        service's tasks that are allowed in the RUNNING or PENDING state",
+        https://docs.aws.amazon.com/AmazonECS/latest/developerguide/service_definition_parameters.html).
+        So do not wait out the loss bound; the newcomer joins the next session. A stray
+        joiner never ends a session whose members all answer."""
         if self.state == STOPPING:
             return
-        late = 2 * self.spec.rendezvous.heartbeat_interval
+        late = self.spec.rendezvous.late_seconds
         now = time.monotonic()
         silent = [m for m in self.followers if now - m.last_seen > late]
         if not silent:
@@ -570,7 +571,7 @@ class LeaderSession:
 
     def silent_followers(self) -> list[Member]:
         """Followers that neither heard "stopping" nor sent a heartbeat in two intervals."""
-        late = 2 * self.spec.rendezvous.heartbeat_interval
+        late = self.spec.rendezvous.late_seconds
         now = time.monotonic()
         return [m for m in self.followers if not m.told_stop and now - m.last_seen > late]
 

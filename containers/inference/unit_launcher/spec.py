@@ -139,6 +139,11 @@ class RendezvousSpec(_Strict):
             return self.heartbeat_interval_seconds
         return min(5.0, max(0.2, self.follower_loss_seconds / 6))
 
+    @property
+    def late_seconds(self) -> float:
+        """A follower silent this long (two heartbeats) is late: the session is degraded."""
+        return 2 * self.heartbeat_interval
+
 
 class DiscoverySpec(_Strict):
     """Where followers find their leader (AWS Cloud Map)."""
