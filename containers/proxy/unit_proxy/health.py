@@ -160,7 +160,8 @@ class HealthMonitor:
     ) -> None:
         """`on_check` is called with every completed round (the supervisor publishes the
         unit verdict to its workers with it); `idle` says whether no request is in flight
-        (the deep-liveness canary runs only then, but for retries; None: no canary)."""
+        (the deep-liveness canary runs only then, retries of a failed one excepted; None: no
+        canary)."""
         self.settings = settings
         self.state = state
         self.telemetry = telemetry
