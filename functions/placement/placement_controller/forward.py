@@ -27,7 +27,8 @@ from placement_controller.failures import EVENT_DETAIL_TYPE, EVENT_SOURCE
 LOG = logging.getLogger(__name__)
 MESSAGE_GROUP = "cell"
 # What the controller reads of an event; the engine's log tail and step records stay in the log.
-KEPT_FIELDS = ("event", "cell", "unit_id", "revision", "session_id", "cause", "ended_by", "exit_status", "ended_at")
+KEPT_FIELDS = ("event", "cell", "unit_id", "revision", "session_id", "cause", "ended_by", "exit_status", "ended_at",
+               "reported_by")
 REASON_LIMIT = 500
 
 
@@ -52,6 +53,14 @@ def trigger_message(log_event: Mapping[str, Any]) -> dict[str, Any] | None:
     if not isinstance(document, Mapping) or document.get("event") != "unit_session_end":
         return None
     detail = {key: document.get(key) for key in KEPT_FIELDS}
+    # Who wrote it (the leader, rank 0, unless `reported_by` says): the quarantine reads both
+    # sides' reports of a session together (placement_controller/blame.py).
+    members = document.get("members")
+    detail["members"] = [
+        {"rank": m.get("rank"), "instance_id": m.get("instance_id")}
+        for m in (members if isinstance(members, list) else [])
+        if isinstance(m, Mapping)
+    ]
     detail["reason"] = str(document.get("reason") or "")[:REASON_LIMIT]
     return {
         "source": EVENT_SOURCE,

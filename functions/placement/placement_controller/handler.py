@@ -42,6 +42,7 @@ from placement_controller.assignment import (
     Plan,
     plan_cell,
 )
+from placement_controller.blame import ACCUSED_ATTRIBUTE
 from placement_controller.ecs_health import DISCONNECTED_ATTRIBUTE, EcsHealthObservation, EcsHealthPolicy
 from placement_controller.failures import (
     FAILURES_ATTRIBUTE,
@@ -213,6 +214,7 @@ def _quarantine_writes(
     step: QuarantineStep, by_instance: Mapping[str, aws.ContainerInstance]
 ) -> list[dict[str, str]]:
     puts = [_attribute(FAILURES_ATTRIBUTE, by_instance[i].arn, v) for i, v in sorted(step.failure_times.items())]
+    puts += [_attribute(ACCUSED_ATTRIBUTE, by_instance[i].arn, v) for i, v in sorted(step.accusations.items())]
     puts += [_attribute(QUARANTINE_ATTRIBUTE, by_instance[i].arn, v) for i, v in sorted(step.quarantined_now.items())]
     return puts
 
