@@ -20,6 +20,7 @@ within the same cap (`ecs_health`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -45,6 +46,7 @@ from placement_controller.assignment import (
 from placement_controller.blame import ACCUSED_ATTRIBUTE
 from placement_controller.ecs_health import DISCONNECTED_ATTRIBUTE, EcsHealthObservation, EcsHealthPolicy
 from placement_controller.failures import (
+    EVENT_SOURCE,
     FAILURES_ATTRIBUTE,
     QUARANTINE_ATTRIBUTE,
     QuarantinePolicy,
@@ -210,6 +212,64 @@ def _quarantine(
     )
 
 
+def _spare_readiness(
+    settings: Settings,
+    clients: Clients,
+    container_instances: list[aws.ContainerInstance],
+    event: Mapping[str, Any],
+    retry: aws.Retry,
+) -> dict[str, str]:
+    """EC2 instance id -> new `spare-ready` value, from the spare tasks' `spare_ready` lines in the triggers."""
+    ready: dict[str, float] = {}
+    for record in signals.records(event):
+        detail = record.get("detail")
+        if record.get("source") != EVENT_SOURCE or not isinstance(detail, Mapping):
+            continue
+        if detail.get("event") != "spare_ready" or not detail.get("task_id"):
+            continue
+        try:
+            ready[str(detail["task_id"])] = float(detail.get("time"))
+        except (TypeError, ValueError):
+            continue
+    if not ready:
+        return {}
+    hosts = aws.task_container_instances(clients.ecs, settings.cluster, sorted(ready), retry)
+    by_arn = {ci.arn: ci for ci in container_instances}
+    values: dict[str, str] = {}
+    for task_arn, host in hosts.items():
+        ci, at = by_arn.get(host), ready.get(task_arn.rsplit("/", 1)[-1], ready.get(task_arn))
+        if ci is not None and at is not None and ci.attributes.get(signals.SPARE_READY_ATTRIBUTE) != f"{at:.0f}":
+            values[ci.ec2_instance_id] = f"{at:.0f}"
+    return values
+
+
+def _signal(
+    settings: Settings,
+    clients: Clients,
+    plan: Plan,
+    by_instance: Mapping[str, aws.ContainerInstance],
+    ready_spares: Mapping[str, str],
+    retry: aws.Retry,
+) -> list[str] | None:
+    """Rolling-update signals for the new instances that serve again or are ready spares (None: not configured)."""
+    signal_settings = signals.SignalSettings.from_env(os.environ)
+    if signal_settings is None or clients.cloudformation is None or clients.elbv2 is None:
+        return None
+    known = {
+        i: dataclasses.replace(ci, attributes={**ci.attributes, signals.SPARE_READY_ATTRIBUTE: ready_spares[i]})
+        if i in ready_spares else ci
+        for i, ci in by_instance.items()
+    }
+    view = signals.CellView(
+        cluster=settings.cluster, units=plan.units, container_instances=known, missing=plan.missing,
+        spares=plan.spares, spare_task_family=settings.spare_task_family,
+    )
+    return signals.signal_ready_instances(
+        signal_settings, settings.auto_scaling_group, view,
+        clients.cloudformation, clients.autoscaling, clients.elbv2, clients.ecs, retry,
+    )
+
+
 def _quarantine_writes(
     step: QuarantineStep, by_instance: Mapping[str, aws.ContainerInstance]
 ) -> list[dict[str, str]]:
@@ -333,6 +393,8 @@ def reconcile(
     # ECS has no conditional PutAttributes: re-read the instances about to change and
     # leave alone any that took a (unit) task since the first read.
     puts = _quarantine_writes(step, by_instance)
+    ready_spares = _spare_readiness(settings, clients, container_instances, event, retry)
+    puts += [_attribute(signals.SPARE_READY_ATTRIBUTE, by_instance[i].arn, v) for i, v in sorted(ready_spares.items())]
     agent_puts, agent_deletes = _agent_attribute_writes(agents, by_instance)
     puts += agent_puts
     deletes += agent_deletes
@@ -372,14 +434,12 @@ def reconcile(
             "unresolved_failures": step.unresolved,
             "spares_assigned": dict(sorted(gifts.items())),
             "spare_tasks_stopped": stopped,
+            "spares_ready": sorted(ready_spares),
         }
     )
-    signal_settings = signals.SignalSettings.from_env(os.environ)
-    if signal_settings is not None and clients.cloudformation is not None and clients.elbv2 is not None:
-        summary["signalled"] = signals.signal_serving_units(
-            signal_settings, settings.auto_scaling_group, plan.units,
-            clients.cloudformation, clients.autoscaling, clients.elbv2, retry,
-        )
+    signalled = _signal(settings, clients, plan, by_instance, ready_spares, retry)
+    if signalled is not None:
+        summary["signalled"] = signalled
     _publish(settings, plan, summary, emit)
     return summary
 

@@ -1,30 +1,62 @@
-"""Rolling-update signals: a replaced instance counts as done when its unit serves again.
+"""Rolling-update signals: a replaced instance counts as done when it serves again, or is a warm spare.
 
 CloudFormation replaces the cell's Trainium instances one at a time (AutoScalingRollingUpdate,
 MaxBatchSize 1, WaitOnResourceSignals) and waits, up to its PauseTime, for a SUCCESS
 signal naming each new instance
 (https://docs.aws.amazon.com/AWSCloudFormation/latest/UserGuide/aws-attribute-updatepolicy.html).
-Only while the group resource is being updated, the controller signals each instance that
-runs the group's current launch template version (a new instance) and belongs to a unit
-whose leader is a healthy target of the cell's target group (the proxy's /health is 200
-only when the whole unit is up). So the next instance, possibly of another unit, is
-replaced only after this unit serves again: never more than one unit down.
+A signal lets CloudFormation take the next instance, possibly of another unit, so it is
+sent only on evidence that the new instance does its job again. Only while the group
+resource is being updated, for an instance launched from the group's current launch
+template version (DescribeAutoScalingGroups `Instances[].LaunchTemplate.Version`):
+
+- **In a unit**: the unit has all its nodes, its leader's instance is a healthy target
+  (DescribeTargetHealth `TargetHealthDescriptions[].Target.Id` and `TargetHealth.State ==
+  "healthy"`; ECS registers a host-network task's target by instance id, and the proxy's
+  `/health` is 200 only while the whole unit serves), and every member instance runs a
+  task of the unit (ListTasks `containerInstance`, `desiredStatus RUNNING`; DescribeTasks
+  `lastStatus RUNNING`, `healthStatus` not `UNHEALTHY`, any family but the spare's) that
+  started (`startedAt`) after the new instance registered with the cluster
+  (DescribeContainerInstances `registeredAt`, which comes after its launch). A unit runs
+  whole or not at all: when it lost a node every member's task ended and ECS started new
+  ones, so tasks all younger than the new instance mean the session running now formed
+  after it arrived, and with one unit task per labelled instance and the leader releasing
+  only a full unit, the new instance's task is a member of it. The old leader staying
+  healthy while its follower drains (the drain guard) no longer counts: its task is
+  older than the new instance.
+- **A warm spare** (`unit = spare`, the replacement when a spare took the lost node's
+  place, `assignment.plan_cell`): its spare task logged `spare_ready` (the model is in its
+  cache, `unit_launcher/spare.py`) after the instance registered. The controller learns it
+  from that log line, which the log subscription brings (`forward.py`; the task id is the
+  last part of the awslogs stream name `prefix/container/task-id`,
+  https://docs.aws.amazon.com/AmazonECS/latest/developerguide/using_awslogs.html), and
+  keeps it on the instance as the ECS attribute `spare-ready` (Unix seconds).
+
+API fields (botocore service models ecs 2014-11-13, elbv2 2015-12-01, autoscaling
+2011-01-01; https://docs.aws.amazon.com/AmazonECS/latest/APIReference/API_ContainerInstance.html,
+API_Task.html, API_ListTasks.html;
+https://docs.aws.amazon.com/elasticloadbalancing/latest/APIReference/API_TargetHealthDescription.html):
+`ContainerInstance.registeredAt`, `Task.startedAt` ("when the task transitioned from the
+PENDING state to the RUNNING state"), `Task.lastStatus`, `Task.healthStatus` (from the
+essential containers' health checks), `Task.taskDefinitionArn`, `TargetDescription.Id`,
+`TargetHealth.State`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from botocore.client import BaseClient
 from botocore.exceptions import ClientError
 
 from placement_controller import aws
+from placement_controller.assignment import SPARE_UNIT
 
 LOG = logging.getLogger(__name__)
 UPDATING = frozenset({"UPDATE_IN_PROGRESS", "CREATE_IN_PROGRESS"})
+SPARE_READY_ATTRIBUTE = "spare-ready"
 
 
 @dataclass(frozen=True)
@@ -37,6 +69,18 @@ class SignalSettings:
     def from_env(cls, env: Mapping[str, str]) -> SignalSettings | None:
         values = [env.get(name, "").strip() for name in ("SIGNAL_STACK", "SIGNAL_RESOURCE", "TARGET_GROUP_ARN")]
         return cls(*values) if all(values) else None
+
+
+@dataclass(frozen=True)
+class CellView:
+    """What this run knows of the cell: the plan's units and spares, and the container instances."""
+
+    cluster: str
+    units: Mapping[str, Iterable[str]]
+    container_instances: Mapping[str, aws.ContainerInstance]  # by EC2 instance id
+    missing: Mapping[str, int] = field(default_factory=dict)
+    spares: Sequence[str] = ()
+    spare_task_family: str = ""
 
 
 def current_version_instances(autoscaling: BaseClient, group: str, retry: aws.Retry) -> set[str]:
@@ -70,40 +114,93 @@ def group_updating(settings: SignalSettings, cloudformation: BaseClient, retry: 
     return detail.get("ResourceStatus") in UPDATING
 
 
-def signal_serving_units(
+def spare_ready(ci: aws.ContainerInstance) -> bool:
+    """A spare whose spare task reported the model cached after the instance registered."""
+    try:
+        ready_at = float(ci.attributes.get(SPARE_READY_ATTRIBUTE) or "")
+    except ValueError:
+        return False
+    return ci.attributes.get("unit") == SPARE_UNIT and ci.registered_at is not None and ready_at >= ci.registered_at
+
+
+def _formed_after(view: CellView, tasks: Mapping[str, list[aws.Task]], members: Sequence[str], since: float) -> bool:
+    """Every member instance runs a unit task, not unhealthy, that started at or after `since`."""
+    return all(
+        any(
+            t.family != view.spare_task_family
+            and t.last_status == "RUNNING"
+            and t.health != "UNHEALTHY"
+            and t.started_at is not None
+            and t.started_at >= since
+            for t in tasks.get(member, [])
+        )
+        for member in members
+    )
+
+
+def ready_instances(
+    settings: SignalSettings,
+    view: CellView,
+    new: set[str],
+    elbv2: BaseClient,
+    ecs: BaseClient,
+    retry: aws.Retry,
+) -> dict[str, str]:
+    """New instance id -> why it may be signalled (rules in the module doc)."""
+    ready: dict[str, str] = {}
+    for instance_id in sorted(new.intersection(view.spares)):
+        ci = view.container_instances.get(instance_id)
+        if ci is not None and spare_ready(ci):
+            ready[instance_id] = "a warm spare with the model cached"
+    waiting = {
+        unit: sorted(members)
+        for unit, members in view.units.items()
+        if new.intersection(members) and not view.missing.get(unit)
+    }
+    if not waiting:
+        return ready
+    healthy = healthy_targets(elbv2, settings.target_group_arn, retry)
+    for unit, members in sorted(waiting.items()):
+        if not healthy.intersection(members) or not all(m in view.container_instances for m in members):
+            continue
+        tasks = {m: aws.running_tasks(ecs, view.cluster, view.container_instances[m].arn, retry) for m in members}
+        for instance_id in sorted(new.intersection(members)):
+            registered = view.container_instances[instance_id].registered_at
+            if registered is not None and _formed_after(view, tasks, members, registered):
+                ready[instance_id] = f"unit {unit} formed again with it and serves"
+    return ready
+
+
+def signal_ready_instances(
     settings: SignalSettings,
     group: str,
-    units: Mapping[str, Iterable[str]],
+    view: CellView,
     cloudformation: BaseClient,
     autoscaling: BaseClient,
     elbv2: BaseClient,
+    ecs: BaseClient,
     retry: aws.Retry,
 ) -> list[str]:
-    """Signal SUCCESS for new instances of serving units while the group is updating; returns them."""
+    """Signal SUCCESS for the new instances that serve again (or are warm spares) while the group updates."""
     if not group_updating(settings, cloudformation, retry):
         return []
     new = current_version_instances(autoscaling, group, retry)
-    healthy = healthy_targets(elbv2, settings.target_group_arn, retry)
     signalled: list[str] = []
-    for unit, members in sorted(units.items()):
-        members = list(members)
-        if not healthy.intersection(members):
-            continue
-        for instance_id in sorted(new.intersection(members)):
-            try:
-                retry.call(
-                    cloudformation.signal_resource,
-                    StackName=settings.stack,
-                    LogicalResourceId=settings.resource,
-                    UniqueId=instance_id,
-                    Status="SUCCESS",
-                )
-                signalled.append(instance_id)
-                LOG.info("signalled %s: unit %s serves again", instance_id, unit)
-            except ClientError as error:
-                # Already signalled, or the update ended meanwhile: nothing to do.
-                if aws.error_code(error) != "ValidationError":
-                    raise
+    for instance_id, why in ready_instances(settings, view, new, elbv2, ecs, retry).items():
+        try:
+            retry.call(
+                cloudformation.signal_resource,
+                StackName=settings.stack,
+                LogicalResourceId=settings.resource,
+                UniqueId=instance_id,
+                Status="SUCCESS",
+            )
+            signalled.append(instance_id)
+            LOG.info("signalled %s: %s", instance_id, why)
+        except ClientError as error:
+            # Already signalled, or the update ended meanwhile: nothing to do.
+            if aws.error_code(error) != "ValidationError":
+                raise
     return signalled
 
 

@@ -1,65 +1,229 @@
-"""Rolling-update signals: only new instances of units that serve again, only while the group updates."""
+"""Rolling-update signals (issue 20, items 4 and 5): a new instance is signalled only when it
+serves again in a unit that formed after it arrived, or when it is a warm spare with the model
+cached. The handler runs whole against botocore's Stubber, so the same tests also run
+against the controller before the fix and fail there for the reason they name.
+"""
 
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
+from datetime import UTC, datetime
 
 import boto3
+import pytest
 from botocore import UNSIGNED
 from botocore.config import Config
 from botocore.stub import Stubber
 from placement_controller import aws, handler, signals
+from placement_controller.handler import Clients, Settings, reconcile
 
-CONFIG = Config(signature_version=UNSIGNED, region_name="us-east-2")
-SETTINGS = signals.SignalSettings(stack="Rufus-Cell-dev", resource="TrainiumNodesASG1", target_group_arn="arn:tg")
-
-
-def _clients():
-    return (boto3.client("cloudformation", config=CONFIG), boto3.client("autoscaling", config=CONFIG),
-            boto3.client("elbv2", config=CONFIG))
-
-
-def _group(version: str, instances: dict[str, str]) -> dict:
-    return {"AutoScalingGroups": [{
-        "AutoScalingGroupName": "g", "MinSize": 4, "MaxSize": 4, "DesiredCapacity": 4, "DefaultCooldown": 0,
-        "AvailabilityZones": ["us-east-2a"], "HealthCheckType": "EC2", "CreatedTime": "2025-01-01T00:00:00Z",
-        "LaunchTemplate": {"LaunchTemplateId": "lt-1", "Version": version},
-        "Instances": [{"InstanceId": i, "AvailabilityZone": "us-east-2a", "LifecycleState": "InService",
-                       "HealthStatus": "Healthy", "ProtectedFromScaleIn": False,
-                       "LaunchTemplate": {"LaunchTemplateId": "lt-1", "Version": v}} for i, v in instances.items()],
-    }]}
+REGION = "us-east-2"
+ACCOUNT = "123456789012"
+CLUSTER = f"arn:aws:ecs:{REGION}:{ACCOUNT}:cluster/rufus-dev"
+GROUP = "rufus-dev-trainium"
+STACK, RESOURCE, TARGET_GROUP = "Rufus-Cell-dev", "TrainiumNodesASG1", "arn:tg"
+NOW = 1_800_000_000
+CONFIG = Config(signature_version=UNSIGNED, region_name=REGION, retries={"total_max_attempts": 1, "mode": "standard"})
+ONE_UNIT = Settings(cluster=CLUSTER, auto_scaling_group=GROUP, units=1, nodes_per_unit=2, metrics_namespace="R/C")
+WITH_SPARE = Settings(cluster=CLUSTER, auto_scaling_group=GROUP, units=1, nodes_per_unit=2, metrics_namespace="R/C",
+                      spare_nodes=1, spare_task_family="rufus-dev-spare")
 
 
-def _resource(status: str) -> dict:
-    return {"StackResourceDetail": {"LogicalResourceId": "TrainiumNodesASG1", "ResourceType": "AWS::AutoScaling::"
-            "AutoScalingGroup", "LastUpdatedTimestamp": "2025-01-01T00:00:00Z", "ResourceStatus": status}}
+def at(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, UTC)
 
 
-def test_signals_new_instances_of_serving_units_only() -> None:
-    cfn, asg, elb = _clients()
-    units = {"u0": ["i-a", "i-b"], "u1": ["i-c", "i-d"]}
-    with Stubber(cfn) as c, Stubber(asg) as a, Stubber(elb) as e:
-        c.add_response("describe_stack_resource", _resource("UPDATE_IN_PROGRESS"))
-        # i-b (u0) and i-d (u1) are new; only u0's leader (i-a) is healthy.
-        a.add_response("describe_auto_scaling_groups", _group("3", {"i-a": "2", "i-b": "3", "i-c": "2", "i-d": "3"}))
-        e.add_response("describe_target_health", {"TargetHealthDescriptions": [
-            {"Target": {"Id": "i-a", "Port": 8080}, "TargetHealth": {"State": "healthy"}},
-            {"Target": {"Id": "i-c", "Port": 8080}, "TargetHealth": {"State": "initial"}}]})
-        c.add_response("signal_resource", {}, {"StackName": "Rufus-Cell-dev", "LogicalResourceId": "TrainiumNodesASG1",
-                                               "UniqueId": "i-b", "Status": "SUCCESS"})
-        assert signals.signal_serving_units(SETTINGS, "g", units, cfn, asg, elb, aws.Retry()) == ["i-b"]
-        c.assert_no_pending_responses()
+def arn(instance: str) -> str:
+    return f"arn:aws:ecs:{REGION}:{ACCOUNT}:container-instance/rufus-dev/{instance.removeprefix('i-')}"
 
 
-def test_nothing_is_signalled_outside_an_update() -> None:
-    cfn, asg, elb = _clients()
+def task_arn(name: str) -> str:
+    return f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/{name}"
+
+
+def container(instance: str, registered: float, **attrs: str) -> dict:
+    return {
+        "containerInstanceArn": arn(instance), "ec2InstanceId": instance, "status": "ACTIVE",
+        "agentConnected": True, "runningTasksCount": 1, "pendingTasksCount": 0, "registeredAt": at(registered),
+        "attributes": [{"name": name.replace("_", "-"), "value": value} for name, value in attrs.items()],
+    }
+
+
+class Cell:
+    """Stubbed clients of one run; queue the calls of each client in the order the run makes them."""
+
+    def __init__(self) -> None:
+        self.clients = Clients(**{name: boto3.client(service, config=CONFIG) for name, service in (
+            ("ec2", "ec2"), ("ecs", "ecs"), ("autoscaling", "autoscaling"), ("cloudformation", "cloudformation"),
+            ("elbv2", "elbv2"))})
+        self.stubs = {name: Stubber(getattr(self.clients, name))
+                      for name in ("ec2", "ecs", "autoscaling", "cloudformation", "elbv2")}
+
+    def group(self, version: str, instances: dict[str, str]) -> None:
+        """The group as DescribeAutoScalingGroups gives it (asked twice: membership, then versions)."""
+        response = {"AutoScalingGroups": [{
+            "AutoScalingGroupName": GROUP, "MinSize": 2, "MaxSize": 3, "DesiredCapacity": len(instances),
+            "DefaultCooldown": 0, "AvailabilityZones": [f"{REGION}a"], "HealthCheckType": "EC2",
+            "CreatedTime": at(NOW - 86400), "LaunchTemplate": {"LaunchTemplateId": "lt-1", "Version": version},
+            "Instances": [{"InstanceId": i, "AvailabilityZone": f"{REGION}a", "LifecycleState": "InService",
+                           "HealthStatus": "Healthy", "ProtectedFromScaleIn": False,
+                           "LaunchTemplate": {"LaunchTemplateId": "lt-1", "Version": v}} for i, v in instances.items()],
+        }]}
+        self.stubs["autoscaling"].add_response("describe_auto_scaling_groups", response,
+                                               {"AutoScalingGroupNames": [GROUP]})
+        self._version_read = response
+
+    def containers(self, cis: list[dict]) -> None:
+        self.stubs["ecs"].add_response("list_container_instances",
+                                       {"containerInstanceArns": [c["containerInstanceArn"] for c in cis]},
+                                       {"cluster": CLUSTER, "maxResults": 100})
+        arns = [c["containerInstanceArn"] for c in cis]
+        self.stubs["ecs"].add_response("describe_container_instances", {"containerInstances": cis, "failures": []},
+                                       {"cluster": CLUSTER, "containerInstances": arns})
+
+    def topology(self, ids: list[str]) -> None:
+        self.stubs["ec2"].add_response("describe_instance_topology", {"Instances": [
+            {"InstanceId": i, "InstanceType": "trn2.48xlarge", "NetworkNodes": ["t", "m", "b"]} for i in ids]},
+            {"InstanceIds": ids})
+
+    def updating(self) -> None:
+        self.stubs["cloudformation"].add_response("describe_stack_resource", {"StackResourceDetail": {
+            "LogicalResourceId": RESOURCE, "ResourceType": "AWS::AutoScaling::AutoScalingGroup",
+            "LastUpdatedTimestamp": at(NOW - 600), "ResourceStatus": "UPDATE_IN_PROGRESS"}},
+            {"StackName": STACK, "LogicalResourceId": RESOURCE})
+        self.stubs["autoscaling"].add_response("describe_auto_scaling_groups", self._version_read,
+                                               {"AutoScalingGroupNames": [GROUP]})
+
+    def healthy(self, *instances: str) -> None:
+        self.stubs["elbv2"].add_response("describe_target_health", {"TargetHealthDescriptions": [
+            {"Target": {"Id": i, "Port": 8080}, "TargetHealth": {"State": "healthy"}} for i in instances]},
+            {"TargetGroupArn": TARGET_GROUP})
+
+    def tasks_on(self, instance: str, *tasks: tuple[str, str, float]) -> None:
+        """ListTasks and DescribeTasks for one instance: (task name, family, started at)."""
+        arns = [task_arn(name) for name, _, _ in tasks]
+        self.stubs["ecs"].add_response("list_tasks", {"taskArns": arns}, {
+            "cluster": CLUSTER, "containerInstance": arn(instance), "desiredStatus": "RUNNING"})
+        self.stubs["ecs"].add_response("describe_tasks", {"failures": [], "tasks": [
+            {"taskArn": task_arn(name), "containerInstanceArn": arn(instance), "lastStatus": "RUNNING",
+             "healthStatus": "HEALTHY", "startedAt": at(started),
+             "taskDefinitionArn": f"arn:aws:ecs:{REGION}:{ACCOUNT}:task-definition/{family}:7"}
+            for name, family, started in tasks]}, {"cluster": CLUSTER, "tasks": arns})
+
+    def signal(self, instance: str) -> None:
+        self.stubs["cloudformation"].add_response("signal_resource", {}, {
+            "StackName": STACK, "LogicalResourceId": RESOURCE, "UniqueId": instance, "Status": "SUCCESS"})
+
+    def run(self, settings: Settings, event: dict | None = None) -> dict:
+        with ExitStack() as stack:
+            for stub in self.stubs.values():
+                stack.enter_context(stub)
+            return reconcile(settings, self.clients, event or {}, aws.Retry(), lambda line: None, now=NOW)
+
+    def done(self, unused: tuple[str, ...] = ()) -> None:
+        """Every call queued was made (checked after the test's own assertion, which says more)."""
+        for name, stub in self.stubs.items():
+            if name not in unused:
+                stub.assert_no_pending_responses()
+
+
+@pytest.fixture(autouse=True)
+def _signal_env(monkeypatch):
+    for name, value in (("SIGNAL_STACK", STACK), ("SIGNAL_RESOURCE", RESOURCE), ("TARGET_GROUP_ARN", TARGET_GROUP)):
+        monkeypatch.setenv(name, value)
+
+
+def _replaced_follower(leader_started: float) -> Cell:
+    """u0 = i-a (leader, old) + i-b (new, registered 20 min ago, its follower task running)."""
+    cell = Cell()
+    cell.group("3", {"i-a": "2", "i-b": "3"})
+    cell.containers([container("i-a", NOW - 86400, unit="u0", unit_placement="topology"),
+                     container("i-b", NOW - 1200, unit="u0", unit_placement="topology")])
+    cell.topology(["i-a", "i-b"])
+    cell.updating()
+    cell.healthy("i-a")
+    cell.tasks_on("i-a", ("leader", "rufus-dev-u0-leader", leader_started))
+    cell.tasks_on("i-b", ("follower", "rufus-dev-u0-follower", NOW - 900))
+    return cell
+
+
+def test_a_new_follower_is_not_signalled_while_the_old_session_still_serves():
+    # The leader is a healthy target, but its task is older than i-b: the session serving now
+    # is the old one (the old follower still draining), not one that formed with i-b.
+    cell = _replaced_follower(leader_started=NOW - 7200)
+    assert cell.run(ONE_UNIT)["signalled"] == []
+    cell.done()
+
+
+def test_a_new_follower_is_signalled_once_its_unit_formed_again_with_it_and_serves():
+    cell = _replaced_follower(leader_started=NOW - 800)
+    cell.signal("i-b")
+    assert cell.run(ONE_UNIT)["signalled"] == ["i-b"]
+    cell.done()
+
+
+def test_a_new_instance_that_became_the_spare_is_signalled_once_its_spare_task_has_the_model_cached():
+    # The spare i-s took the replaced node's place in u0; the new i-n is the spare now. Its
+    # spare task logged spare_ready; the log subscription brought the line as a trigger.
+    cell = Cell()
+    cell.group("3", {"i-a": "2", "i-s": "2", "i-n": "3"})
+    cell.containers([container("i-a", NOW - 86400, unit="u0", unit_placement="topology"),
+                     container("i-s", NOW - 86400, unit="u0", unit_placement="topology"),
+                     container("i-n", NOW - 1200, unit="spare")])
+    cell.topology(["i-a", "i-n", "i-s"])
+    cell.stubs["ecs"].add_response("describe_tasks", {"failures": [], "tasks": [
+        {"taskArn": task_arn("5pare"), "containerInstanceArn": arn("i-n")}]},
+        {"cluster": CLUSTER, "tasks": ["5pare"]})
+    ready = [{"name": "spare-ready", "value": str(NOW - 60), "targetType": "container-instance",
+              "targetId": arn("i-n")}]
+    cell.stubs["ecs"].add_response("put_attributes", {"attributes": ready}, {"cluster": CLUSTER, "attributes": ready})
+    cell.updating()
+    cell.healthy("i-a")  # asked by the controller before the fix, which looked at units only
+    cell.signal("i-n")
+    line = {"source": "unit-launcher", "detail-type": "Spare Ready", "id": "1",
+            "detail": {"event": "spare_ready", "cell": "dev", "time": NOW - 60.2, "task_id": "5pare"}}
+    summary = cell.run(WITH_SPARE, {"Records": [{"body": json.dumps(line)}]})
+    assert summary["signalled"] == ["i-n"]
+    cell.done(unused=("elbv2",))
+
+
+def test_a_spare_still_fetching_is_not_signalled():
+    view = signals.CellView(CLUSTER, {}, {"i-n": aws.ContainerInstance(arn("i-n"), "i-n", "ACTIVE", True, 1, 0,
+                                                                       {"unit": "spare"}, NOW - 100)},
+                            spares=("i-n",))
+    assert signals.ready_instances(signals.SignalSettings(STACK, RESOURCE, TARGET_GROUP), view, {"i-n"},
+                                   None, None, aws.Retry()) == {}
+    cached_before = aws.ContainerInstance(arn("i-n"), "i-n", "ACTIVE", True, 1, 0,
+                                          {"unit": "spare", "spare-ready": str(NOW - 200)}, NOW - 100)
+    assert not signals.spare_ready(cached_before)  # a record older than the instance is not its own
+
+
+def test_nothing_is_signalled_outside_an_update():
+    cfn = boto3.client("cloudformation", config=CONFIG)
+    settings = signals.SignalSettings(STACK, RESOURCE, TARGET_GROUP)
     with Stubber(cfn) as c:
-        c.add_response("describe_stack_resource", _resource("UPDATE_COMPLETE"))
-        assert signals.signal_serving_units(SETTINGS, "g", {"u0": ["i-a"]}, cfn, asg, elb, aws.Retry()) == []
+        c.add_response("describe_stack_resource", {"StackResourceDetail": {
+            "LogicalResourceId": RESOURCE, "ResourceType": "AWS::AutoScaling::AutoScalingGroup",
+            "LastUpdatedTimestamp": at(NOW), "ResourceStatus": "UPDATE_COMPLETE"}})
+        view = signals.CellView(CLUSTER, {"u0": ["i-a"]}, {})
+        assert signals.signal_ready_instances(settings, "g", view, cfn, None, None, None, aws.Retry()) == []
 
 
-def test_an_sqs_batch_is_unwrapped_into_its_events() -> None:
+def test_an_sqs_batch_is_unwrapped_into_its_events():
     gone = {"detail-type": "EC2 Instance Terminate Successful", "detail": {"EC2InstanceId": "i-x"}}
     batch = {"Records": [{"body": json.dumps(gone)}, {"body": json.dumps({"source": "aws.events"})}]}
     assert handler.gone_from_event(batch) == {"i-x"}
     assert [r.get("source") for r in signals.records(batch)] == [None, "aws.events"]
+
+
+def test_a_spare_ready_line_is_forwarded_with_its_task_from_the_stream_name():
+    from placement_controller import forward
+
+    line = {"event": "spare_ready", "cell": "dev", "revision": "r1", "model": "m", "local_dir": "/opt/models",
+            "fetch_seconds": 95.0, "time": NOW - 60.2}
+    message = forward.trigger_message({"id": "37", "message": json.dumps(line),
+                                       "logStream": "spare/spare/0123456789abcdef0123456789abcdef"})
+    assert message is not None and message["detail-type"] == "Spare Ready"
+    assert message["detail"]["task_id"] == "0123456789abcdef0123456789abcdef"
+    assert forward.trigger_message({"id": "38", "message": json.dumps({"event": "boot"})}) is None
