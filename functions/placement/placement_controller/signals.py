@@ -25,7 +25,7 @@ template version (DescribeAutoScalingGroups `Instances[].LaunchTemplate.Version`
   older than the new instance.
 - **A warm spare** (`unit = spare`, the replacement when a spare took the lost node's
   place, `assignment.plan_cell`): its spare task logged `spare_ready` (the model is in its
-  cache, `unit_launcher/spare.py`) after the instance registered. The controller learns it
+  cache, `unit_launcher/spare.py`). The controller learns it
   from that log line, which the log subscription brings (`forward.py`; the task id is the
   last part of the awslogs stream name `prefix/container/task-id`,
   https://docs.aws.amazon.com/AmazonECS/latest/developerguide/using_awslogs.html), and
@@ -115,12 +115,14 @@ def group_updating(settings: SignalSettings, cloudformation: BaseClient, retry: 
 
 
 def spare_ready(ci: aws.ContainerInstance) -> bool:
-    """A spare whose spare task reported the model cached after the instance registered."""
-    try:
-        ready_at = float(ci.attributes.get(SPARE_READY_ATTRIBUTE) or "")
-    except ValueError:
-        return False
-    return ci.attributes.get("unit") == SPARE_UNIT and ci.registered_at is not None and ready_at >= ci.registered_at
+    """A spare whose spare task reported the model cached.
+
+    The record is an attribute of this container instance, written only for a spare task
+    that ran on it (DescribeTasks `containerInstanceArn`), and a new instance is a new
+    container instance: the record is its own. Its time (the spare node's clock) is not
+    compared with ECS's `registeredAt`: two clocks, and nothing to gain."""
+    value = str(ci.attributes.get(SPARE_READY_ATTRIBUTE) or "")
+    return ci.attributes.get("unit") == SPARE_UNIT and value.isdigit()
 
 
 def _formed_after(view: CellView, tasks: Mapping[str, list[aws.Task]], members: Sequence[str], since: float) -> bool:

@@ -194,9 +194,9 @@ def test_a_spare_still_fetching_is_not_signalled():
                             spares=("i-n",))
     assert signals.ready_instances(signals.SignalSettings(STACK, RESOURCE, TARGET_GROUP), view, {"i-n"},
                                    None, None, aws.Retry()) == {}
-    cached_before = aws.ContainerInstance(arn("i-n"), "i-n", "ACTIVE", True, 1, 0,
-                                          {"unit": "spare", "spare-ready": str(NOW - 200)}, NOW - 100)
-    assert not signals.spare_ready(cached_before)  # a record older than the instance is not its own
+    given_to_a_unit = aws.ContainerInstance(arn("i-n"), "i-n", "ACTIVE", True, 1, 0,
+                                            {"unit": "u0", "spare-ready": str(NOW - 200)}, NOW - 100)
+    assert not signals.spare_ready(given_to_a_unit)  # judged by its unit's rule, not as a spare
 
 
 def test_nothing_is_signalled_outside_an_update():
