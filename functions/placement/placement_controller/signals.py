@@ -25,7 +25,9 @@ template version (DescribeAutoScalingGroups `Instances[].LaunchTemplate.Version`
   older than the new instance.
 - **A warm spare** (`unit = spare`, the replacement when a spare took the lost node's
   place, `assignment.plan_cell`): its spare task logged `spare_ready` (the model is in its
-  cache, `unit_launcher/spare.py`). The controller learns it
+  cache, `unit_launcher/spare.py`), and every unit with members is whole with its leader a
+  healthy target, so the unit that took the old spare serves again before the next
+  instance goes. The controller learns it
   from that log line, which the log subscription brings (`forward.py`; the task id is the
   last part of the awslogs stream name `prefix/container/task-id`,
   https://docs.aws.amazon.com/AmazonECS/latest/developerguide/using_awslogs.html), and
@@ -140,6 +142,13 @@ def _formed_after(view: CellView, tasks: Mapping[str, list[aws.Task]], members: 
     )
 
 
+def _every_unit_serves(view: CellView, healthy: set[str]) -> bool:
+    """Every unit with members is whole and has its leader healthy: the unit that took the old
+    spare in the new one's place serves again (which unit that was, no run remembers)."""
+    units = {unit: list(members) for unit, members in view.units.items()}
+    return all(not view.missing.get(u) and healthy.intersection(m) for u, m in units.items() if m)
+
+
 def ready_instances(
     settings: SignalSettings,
     view: CellView,
@@ -150,18 +159,18 @@ def ready_instances(
 ) -> dict[str, str]:
     """New instance id -> why it may be signalled (rules in the module doc)."""
     ready: dict[str, str] = {}
-    for instance_id in sorted(new.intersection(view.spares)):
-        ci = view.container_instances.get(instance_id)
-        if ci is not None and spare_ready(ci):
-            ready[instance_id] = "a warm spare with the model cached"
+    spares = [i for i in sorted(new.intersection(view.spares))
+              if i in view.container_instances and spare_ready(view.container_instances[i])]
     waiting = {
         unit: sorted(members)
         for unit, members in view.units.items()
         if new.intersection(members) and not view.missing.get(unit)
     }
-    if not waiting:
+    if not spares and not waiting:
         return ready
     healthy = healthy_targets(elbv2, settings.target_group_arn, retry)
+    if spares and _every_unit_serves(view, healthy):
+        ready.update(dict.fromkeys(spares, "a warm spare with the model cached, every unit serving"))
     for unit, members in sorted(waiting.items()):
         if not healthy.intersection(members) or not all(m in view.container_instances for m in members):
             continue

@@ -179,13 +179,30 @@ def test_a_new_instance_that_became_the_spare_is_signalled_once_its_spare_task_h
               "targetId": arn("i-n")}]
     cell.stubs["ecs"].add_response("put_attributes", {"attributes": ready}, {"cluster": CLUSTER, "attributes": ready})
     cell.updating()
-    cell.healthy("i-a")  # asked by the controller before the fix, which looked at units only
+    cell.healthy("i-a")  # u0, which took the old spare i-s, serves again
     cell.signal("i-n")
     line = {"source": "unit-launcher", "detail-type": "Spare Ready", "id": "1",
             "detail": {"event": "spare_ready", "cell": "dev", "time": NOW - 60.2, "task_id": "5pare"}}
     summary = cell.run(WITH_SPARE, {"Records": [{"body": json.dumps(line)}]})
     assert summary["signalled"] == ["i-n"]
-    cell.done(unused=("elbv2",))
+    cell.done()
+
+
+def test_a_cached_spare_waits_for_the_unit_that_took_the_old_spare_to_serve():
+    cis = {i: aws.ContainerInstance(arn(i), i, "ACTIVE", True, 1, 0, {"unit": "u0"}, NOW - 86400)
+           for i in ("i-a", "i-s")}
+    cis["i-n"] = aws.ContainerInstance(arn("i-n"), "i-n", "ACTIVE", True, 1, 0,
+                                       {"unit": "spare", "spare-ready": str(NOW - 60)}, NOW - 1200)
+    view = signals.CellView(CLUSTER, {"u0": ("i-a", "i-s")}, cis, spares=("i-n",))
+    settings = signals.SignalSettings(STACK, RESOURCE, TARGET_GROUP)
+    elb = boto3.client("elbv2", config=CONFIG)
+    with Stubber(elb) as e:
+        e.add_response("describe_target_health", {"TargetHealthDescriptions": [
+            {"Target": {"Id": "i-a", "Port": 8080}, "TargetHealth": {"State": "initial"}}]})
+        assert signals.ready_instances(settings, view, {"i-n"}, elb, None, aws.Retry()) == {}
+        e.add_response("describe_target_health", {"TargetHealthDescriptions": [
+            {"Target": {"Id": "i-a", "Port": 8080}, "TargetHealth": {"State": "healthy"}}]})
+        assert list(signals.ready_instances(settings, view, {"i-n"}, elb, None, aws.Retry())) == ["i-n"]
 
 
 def test_a_spare_still_fetching_is_not_signalled():
