@@ -15,7 +15,6 @@ import random
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
 from botocore.client import BaseClient
@@ -95,26 +94,10 @@ class ContainerInstance:
     running_tasks: int
     pending_tasks: int
     attributes: Mapping[str, str | None]
-    # When the instance registered with the cluster (`registeredAt`), Unix seconds; after its launch.
-    registered_at: float | None = None
 
     @property
     def busy(self) -> bool:
         return self.running_tasks > 0 or self.pending_tasks > 0
-
-
-def timestamp(value: object) -> float | None:
-    """A timestamp of an API response as Unix seconds (botocore gives datetimes), or None."""
-    if isinstance(value, datetime):
-        return value.timestamp()
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-        except ValueError:
-            return None
-    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +132,6 @@ def _parse_container_instance(raw: Mapping[str, Any]) -> ContainerInstance:
         running_tasks=int(raw.get("runningTasksCount", 0)),
         pending_tasks=int(raw.get("pendingTasksCount", 0)),
         attributes={a["name"]: a.get("value") for a in raw.get("attributes", [])},
-        registered_at=timestamp(raw.get("registeredAt")),
     )
 
 
@@ -294,39 +276,3 @@ def stop_spare_tasks(
         retry.call(ecs.stop_task, cluster=cluster, task=task, reason=reason[:255])
         stopped.append(task)
     return stopped
-
-
-@dataclass(frozen=True, slots=True)
-class Task:
-    """What the rolling-update signal needs of one ECS task (DescribeTasks `Task`)."""
-
-    arn: str
-    family: str
-    last_status: str
-    health: str
-    started_at: float | None
-
-
-def running_tasks(ecs: BaseClient, cluster: str, container_instance: str, retry: Retry) -> list[Task]:
-    """The tasks ECS wants running on one container instance (ListTasks, then DescribeTasks)."""
-    arns: list[str] = []
-    token: str | None = None
-    while True:
-        kwargs: dict[str, Any] = {"cluster": cluster, "containerInstance": container_instance,
-                                  "desiredStatus": "RUNNING"}
-        if token:
-            kwargs["nextToken"] = token
-        response = retry.call(ecs.list_tasks, **kwargs)
-        arns.extend(response.get("taskArns", []))
-        token = response.get("nextToken")
-        if not token:
-            break
-    tasks: list[Task] = []
-    for batch in chunks(arns, DESCRIBE_PER_CALL):
-        response = retry.call(ecs.describe_tasks, cluster=cluster, tasks=list(batch))
-        for raw in response.get("tasks", []):
-            # taskDefinitionArn: arn:aws:ecs:<region>:<account>:task-definition/<family>:<revision>
-            family = str(raw.get("taskDefinitionArn", "")).rsplit("/", 1)[-1].rsplit(":", 1)[0]
-            tasks.append(Task(raw.get("taskArn", ""), family, raw.get("lastStatus", ""),
-                              raw.get("healthStatus", "UNKNOWN"), timestamp(raw.get("startedAt"))))
-    return tasks

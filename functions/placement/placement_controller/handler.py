@@ -212,34 +212,43 @@ def _quarantine(
     )
 
 
-def _spare_readiness(
+def _launcher_records(
     settings: Settings,
     clients: Clients,
     container_instances: list[aws.ContainerInstance],
     event: Mapping[str, Any],
     retry: aws.Retry,
-) -> dict[str, str]:
-    """EC2 instance id -> new `spare-ready` value, from the spare tasks' `spare_ready` lines in the triggers."""
-    ready: dict[str, float] = {}
+) -> dict[tuple[str, str], str]:
+    """(EC2 instance id, attribute) -> new value, from the triggers' `spare_ready` and `unit_session_formed` lines.
+
+    A spare task's readiness goes to its instance (`spare-ready`: when); a released session
+    to each member's instance (`unit-session`: `<unit>@<released_at>`). Members are task
+    ARNs or ids on ECS (one DescribeTasks for all), EC2 instance ids in tests."""
+    wanted: list[tuple[str, str, str]] = []  # (member, attribute, value)
     for record in signals.records(event):
         detail = record.get("detail")
         if record.get("source") != EVENT_SOURCE or not isinstance(detail, Mapping):
             continue
-        if detail.get("event") != "spare_ready" or not detail.get("task_id"):
-            continue
         try:
-            ready[str(detail["task_id"])] = float(detail.get("time"))
-        except (TypeError, ValueError):
-            continue
-    if not ready:
-        return {}
-    hosts = aws.task_container_instances(clients.ecs, settings.cluster, sorted(ready), retry)
+            if detail.get("event") == "spare_ready" and detail.get("task_id"):
+                wanted.append((str(detail["task_id"]), signals.SPARE_READY_ATTRIBUTE, f"{float(detail['time']):.0f}"))
+            elif detail.get("event") == "unit_session_formed" and detail.get("unit_id"):
+                value = f"{detail['unit_id']}@{float(detail['released_at']):.0f}"
+                wanted += [(str(m["instance_id"]), signals.SESSION_ATTRIBUTE, value)
+                           for m in detail.get("members") or [] if isinstance(m, Mapping) and m.get("instance_id")]
+        except (KeyError, TypeError, ValueError):
+            LOG.warning("ignored a malformed %s record: %s", detail.get("event"), detail)
+    by_instance = {ci.ec2_instance_id: ci for ci in container_instances}
     by_arn = {ci.arn: ci for ci in container_instances}
-    values: dict[str, str] = {}
-    for task_arn, host in hosts.items():
-        ci, at = by_arn.get(host), ready.get(task_arn.rsplit("/", 1)[-1], ready.get(task_arn))
-        if ci is not None and at is not None and ci.attributes.get(signals.SPARE_READY_ATTRIBUTE) != f"{at:.0f}":
-            values[ci.ec2_instance_id] = f"{at:.0f}"
+    tasks = sorted({member for member, _, _ in wanted if member not in by_instance})
+    hosts = aws.task_container_instances(clients.ecs, settings.cluster, tasks, retry) if tasks else {}
+    # DescribeTasks answers with full ARNs; a member given by its task id is found by the ARN's last part.
+    hosts.update({arn.rsplit("/", 1)[-1]: host for arn, host in list(hosts.items())})
+    values: dict[tuple[str, str], str] = {}
+    for member, name, value in wanted:
+        ci = by_instance.get(member) or by_arn.get(hosts.get(member, ""))
+        if ci is not None and ci.attributes.get(name) != value:
+            values[(ci.ec2_instance_id, name)] = value
     return values
 
 
@@ -248,25 +257,21 @@ def _signal(
     clients: Clients,
     plan: Plan,
     by_instance: Mapping[str, aws.ContainerInstance],
-    ready_spares: Mapping[str, str],
+    records: Mapping[tuple[str, str], str],
     retry: aws.Retry,
 ) -> list[str] | None:
     """Rolling-update signals for the new instances that serve again or are ready spares (None: not configured)."""
     signal_settings = signals.SignalSettings.from_env(os.environ)
     if signal_settings is None or clients.cloudformation is None or clients.elbv2 is None:
         return None
-    known = {
-        i: dataclasses.replace(ci, attributes={**ci.attributes, signals.SPARE_READY_ATTRIBUTE: ready_spares[i]})
-        if i in ready_spares else ci
-        for i, ci in by_instance.items()
-    }
-    view = signals.CellView(
-        cluster=settings.cluster, units=plan.units, container_instances=known, missing=plan.missing,
-        spares=plan.spares, spare_task_family=settings.spare_task_family,
-    )
+    known = {}
+    for instance_id, ci in by_instance.items():
+        written = {name: value for (i, name), value in records.items() if i == instance_id}
+        known[instance_id] = dataclasses.replace(ci, attributes={**ci.attributes, **written}) if written else ci
+    view = signals.CellView(units=plan.units, container_instances=known, missing=plan.missing, spares=plan.spares)
     return signals.signal_ready_instances(
         signal_settings, settings.auto_scaling_group, view,
-        clients.cloudformation, clients.autoscaling, clients.elbv2, clients.ecs, retry,
+        clients.cloudformation, clients.autoscaling, clients.elbv2, retry,
     )
 
 
@@ -393,8 +398,8 @@ def reconcile(
     # ECS has no conditional PutAttributes: re-read the instances about to change and
     # leave alone any that took a (unit) task since the first read.
     puts = _quarantine_writes(step, by_instance)
-    ready_spares = _spare_readiness(settings, clients, container_instances, event, retry)
-    puts += [_attribute(signals.SPARE_READY_ATTRIBUTE, by_instance[i].arn, v) for i, v in sorted(ready_spares.items())]
+    records = _launcher_records(settings, clients, container_instances, event, retry)
+    puts += [_attribute(name, by_instance[i].arn, v) for (i, name), v in sorted(records.items())]
     agent_puts, agent_deletes = _agent_attribute_writes(agents, by_instance)
     puts += agent_puts
     deletes += agent_deletes
@@ -434,10 +439,11 @@ def reconcile(
             "unresolved_failures": step.unresolved,
             "spares_assigned": dict(sorted(gifts.items())),
             "spare_tasks_stopped": stopped,
-            "spares_ready": sorted(ready_spares),
+            "spares_ready": sorted(i for i, name in records if name == signals.SPARE_READY_ATTRIBUTE),
+            "sessions_recorded": sorted(i for i, name in records if name == signals.SESSION_ATTRIBUTE),
         }
     )
-    signalled = _signal(settings, clients, plan, by_instance, ready_spares, retry)
+    signalled = _signal(settings, clients, plan, by_instance, records, retry)
     if signalled is not None:
         summary["signalled"] = signalled
     _publish(settings, plan, summary, emit)

@@ -9,38 +9,40 @@ sent only on evidence that the new instance does its job again. Only while the g
 resource is being updated, for an instance launched from the group's current launch
 template version (DescribeAutoScalingGroups `Instances[].LaunchTemplate.Version`):
 
-- **In a unit**: the unit has all its nodes, its leader's instance is a healthy target
-  (DescribeTargetHealth `TargetHealthDescriptions[].Target.Id` and `TargetHealth.State ==
-  "healthy"`; ECS registers a host-network task's target by instance id, and the proxy's
-  `/health` is 200 only while the whole unit serves), and every member instance runs a
-  task of the unit (ListTasks `containerInstance`, `desiredStatus RUNNING`; DescribeTasks
-  `lastStatus RUNNING`, `healthStatus` not `UNHEALTHY`, any family but the spare's) that
-  started (`startedAt`) after the new instance registered with the cluster
-  (DescribeContainerInstances `registeredAt`, which comes after its launch). A unit runs
-  whole or not at all: when it lost a node every member's task ended and ECS started new
-  ones, so tasks all younger than the new instance mean the session running now formed
-  after it arrived, and with one unit task per labelled instance and the leader releasing
-  only a full unit, the new instance's task is a member of it. The old leader staying
-  healthy while its follower drains (the drain guard) no longer counts: its task is
-  older than the new instance.
+- **In a unit**: the instance was a member of a session of that unit, the unit has all
+  its nodes, and its leader's instance is a healthy target (DescribeTargetHealth
+  `TargetHealthDescriptions[].Target.Id` and `TargetHealth.State == "healthy"`; ECS
+  registers a host-network task's target by instance id, and the proxy's `/health` is 200
+  only while the whole unit serves). Membership is the launcher's own word: when it
+  releases a unit the leader logs `unit_session_formed` with the session and its members'
+  task ARNs (docs/contracts.md); the log subscription brings the line, and the controller
+  keeps it on each member's container instance as the ECS attribute `unit-session`
+  (`<unit>@<released_at>`). A new instance is a new container instance, so a record on it
+  names a session that formed after it arrived, with it. Sessions follow one another (one
+  leader per unit), so once the new instance has a record the old session (without it) is
+  over, and a healthy leader is one of a session with it. Before (issue 20, item 4), a
+  healthy leader was enough, and with the drain guard the old leader stays healthy while
+  its follower drains: the new instance was signalled before its unit formed again.
+  ECS alone cannot say this: the leader's task that forms the session often started
+  before the new instance registered (it waits up to `join_timeout_seconds`, 40 min by
+  default, for the members), so task ages do not date the session.
 - **A warm spare** (`unit = spare`, the replacement when a spare took the lost node's
   place, `assignment.plan_cell`): its spare task logged `spare_ready` (the model is in its
   cache, `unit_launcher/spare.py`), and every unit with members is whole with its leader a
   healthy target, so the unit that took the old spare serves again before the next
-  instance goes. The controller learns it
-  from that log line, which the log subscription brings (`forward.py`; the task id is the
-  last part of the awslogs stream name `prefix/container/task-id`,
+  instance goes. The controller learns it from that log line, which the log subscription
+  brings (`forward.py`; the task id is the last part of the awslogs stream name
+  `prefix/container/task-id`,
   https://docs.aws.amazon.com/AmazonECS/latest/developerguide/using_awslogs.html), and
   keeps it on the instance as the ECS attribute `spare-ready` (Unix seconds).
 
-API fields (botocore service models ecs 2014-11-13, elbv2 2015-12-01, autoscaling
-2011-01-01; https://docs.aws.amazon.com/AmazonECS/latest/APIReference/API_ContainerInstance.html,
-API_Task.html, API_ListTasks.html;
-https://docs.aws.amazon.com/elasticloadbalancing/latest/APIReference/API_TargetHealthDescription.html):
-`ContainerInstance.registeredAt`, `Task.startedAt` ("when the task transitioned from the
-PENDING state to the RUNNING state"), `Task.lastStatus`, `Task.healthStatus` (from the
-essential containers' health checks), `Task.taskDefinitionArn`, `TargetDescription.Id`,
-`TargetHealth.State`.
+API fields (botocore service models elbv2 2015-12-01, autoscaling 2011-01-01, ecs
+2014-11-13): `TargetDescription.Id` ("If the target type of the target group is instance,
+specify an instance ID"), `TargetHealth.State`
+(https://docs.aws.amazon.com/elasticloadbalancing/latest/APIReference/API_TargetHealthDescription.html);
+`Instance.LaunchTemplate.Version` of DescribeAutoScalingGroups; `Task.containerInstanceArn`
+of DescribeTasks, which takes task ids or ARNs
+(https://docs.aws.amazon.com/AmazonECS/latest/APIReference/API_DescribeTasks.html).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from placement_controller.assignment import SPARE_UNIT
 LOG = logging.getLogger(__name__)
 UPDATING = frozenset({"UPDATE_IN_PROGRESS", "CREATE_IN_PROGRESS"})
 SPARE_READY_ATTRIBUTE = "spare-ready"
+SESSION_ATTRIBUTE = "unit-session"
 
 
 @dataclass(frozen=True)
@@ -77,12 +80,10 @@ class SignalSettings:
 class CellView:
     """What this run knows of the cell: the plan's units and spares, and the container instances."""
 
-    cluster: str
     units: Mapping[str, Iterable[str]]
-    container_instances: Mapping[str, aws.ContainerInstance]  # by EC2 instance id
+    container_instances: Mapping[str, aws.ContainerInstance]  # by EC2 instance id, this run's writes included
     missing: Mapping[str, int] = field(default_factory=dict)
     spares: Sequence[str] = ()
-    spare_task_family: str = ""
 
 
 def current_version_instances(autoscaling: BaseClient, group: str, retry: aws.Retry) -> set[str]:
@@ -127,19 +128,10 @@ def spare_ready(ci: aws.ContainerInstance) -> bool:
     return ci.attributes.get("unit") == SPARE_UNIT and value.isdigit()
 
 
-def _formed_after(view: CellView, tasks: Mapping[str, list[aws.Task]], members: Sequence[str], since: float) -> bool:
-    """Every member instance runs a unit task, not unhealthy, that started at or after `since`."""
-    return all(
-        any(
-            t.family != view.spare_task_family
-            and t.last_status == "RUNNING"
-            and t.health != "UNHEALTHY"
-            and t.started_at is not None
-            and t.started_at >= since
-            for t in tasks.get(member, [])
-        )
-        for member in members
-    )
+def session_member(ci: aws.ContainerInstance, unit: str) -> bool:
+    """The instance was a member of a released session of `unit` (the launcher's record)."""
+    record = str(ci.attributes.get(SESSION_ATTRIBUTE) or "")
+    return record.rpartition("@")[0] == unit
 
 
 def _every_unit_serves(view: CellView, healthy: set[str]) -> bool:
@@ -150,12 +142,7 @@ def _every_unit_serves(view: CellView, healthy: set[str]) -> bool:
 
 
 def ready_instances(
-    settings: SignalSettings,
-    view: CellView,
-    new: set[str],
-    elbv2: BaseClient,
-    ecs: BaseClient,
-    retry: aws.Retry,
+    settings: SignalSettings, view: CellView, new: set[str], elbv2: BaseClient, retry: aws.Retry
 ) -> dict[str, str]:
     """New instance id -> why it may be signalled (rules in the module doc)."""
     ready: dict[str, str] = {}
@@ -172,12 +159,11 @@ def ready_instances(
     if spares and _every_unit_serves(view, healthy):
         ready.update(dict.fromkeys(spares, "a warm spare with the model cached, every unit serving"))
     for unit, members in sorted(waiting.items()):
-        if not healthy.intersection(members) or not all(m in view.container_instances for m in members):
+        if not healthy.intersection(members):
             continue
-        tasks = {m: aws.running_tasks(ecs, view.cluster, view.container_instances[m].arn, retry) for m in members}
         for instance_id in sorted(new.intersection(members)):
-            registered = view.container_instances[instance_id].registered_at
-            if registered is not None and _formed_after(view, tasks, members, registered):
+            ci = view.container_instances.get(instance_id)
+            if ci is not None and session_member(ci, unit):
                 ready[instance_id] = f"unit {unit} formed again with it and serves"
     return ready
 
@@ -189,7 +175,6 @@ def signal_ready_instances(
     cloudformation: BaseClient,
     autoscaling: BaseClient,
     elbv2: BaseClient,
-    ecs: BaseClient,
     retry: aws.Retry,
 ) -> list[str]:
     """Signal SUCCESS for the new instances that serve again (or are warm spares) while the group updates."""
@@ -197,7 +182,7 @@ def signal_ready_instances(
         return []
     new = current_version_instances(autoscaling, group, retry)
     signalled: list[str] = []
-    for instance_id, why in ready_instances(settings, view, new, elbv2, ecs, retry).items():
+    for instance_id, why in ready_instances(settings, view, new, elbv2, retry).items():
         try:
             retry.call(
                 cloudformation.signal_resource,

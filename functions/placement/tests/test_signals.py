@@ -1,7 +1,9 @@
-"""Rolling-update signals (issue 20, items 4 and 5): a new instance is signalled only when it
-serves again in a unit that formed after it arrived, or when it is a warm spare with the model
-cached. The handler runs whole against botocore's Stubber, so the same tests also run
-against the controller before the fix and fail there for the reason they name.
+"""Rolling-update signals (issue 20, items 4 and 5).
+
+A new instance is signalled only when it serves again in a unit whose session formed with it
+(the launcher's `unit_session_formed`), or when it is a warm spare with the model cached and
+every unit serves. The handler runs whole against botocore's Stubber, so the same tests also
+run against the controller before the fix and fail there for the reason they name.
 """
 
 from __future__ import annotations
@@ -100,16 +102,17 @@ class Cell:
             {"Target": {"Id": i, "Port": 8080}, "TargetHealth": {"State": "healthy"}} for i in instances]},
             {"TargetGroupArn": TARGET_GROUP})
 
-    def tasks_on(self, instance: str, *tasks: tuple[str, str, float]) -> None:
-        """ListTasks and DescribeTasks for one instance: (task name, family, started at)."""
-        arns = [task_arn(name) for name, _, _ in tasks]
-        self.stubs["ecs"].add_response("list_tasks", {"taskArns": arns}, {
-            "cluster": CLUSTER, "containerInstance": arn(instance), "desiredStatus": "RUNNING"})
+    def tasks(self, *placed: tuple[str, str], by_id: bool = False) -> None:
+        """DescribeTasks of the tasks named (by ARN, or by id for a spare's stream name): (task, instance)."""
         self.stubs["ecs"].add_response("describe_tasks", {"failures": [], "tasks": [
-            {"taskArn": task_arn(name), "containerInstanceArn": arn(instance), "lastStatus": "RUNNING",
-             "healthStatus": "HEALTHY", "startedAt": at(started),
-             "taskDefinitionArn": f"arn:aws:ecs:{REGION}:{ACCOUNT}:task-definition/{family}:7"}
-            for name, family, started in tasks]}, {"cluster": CLUSTER, "tasks": arns})
+            {"taskArn": task_arn(name), "containerInstanceArn": arn(instance)} for name, instance in placed]},
+            {"cluster": CLUSTER, "tasks": sorted(name if by_id else task_arn(name) for name, _ in placed)})
+
+    def put(self, *attributes: tuple[str, str, str]) -> None:
+        writes = [{"name": name, "value": value, "targetType": "container-instance", "targetId": arn(instance)}
+                  for instance, name, value in attributes]
+        self.stubs["ecs"].add_response("put_attributes", {"attributes": writes},
+                                       {"cluster": CLUSTER, "attributes": writes})
 
     def signal(self, instance: str) -> None:
         self.stubs["cloudformation"].add_response("signal_resource", {}, {
@@ -134,33 +137,63 @@ def _signal_env(monkeypatch):
         monkeypatch.setenv(name, value)
 
 
-def _replaced_follower(leader_started: float) -> Cell:
-    """u0 = i-a (leader, old) + i-b (new, registered 20 min ago, its follower task running)."""
+def _replaced_follower(**b_attributes: str) -> Cell:
+    """u0 = i-a (leader, old, a healthy target) + i-b (new, its follower task running)."""
     cell = Cell()
     cell.group("3", {"i-a": "2", "i-b": "3"})
     cell.containers([container("i-a", NOW - 86400, unit="u0", unit_placement="topology"),
-                     container("i-b", NOW - 1200, unit="u0", unit_placement="topology")])
+                     container("i-b", NOW - 1200, unit="u0", unit_placement="topology", **b_attributes)])
     cell.topology(["i-a", "i-b"])
-    cell.updating()
-    cell.healthy("i-a")
-    cell.tasks_on("i-a", ("leader", "rufus-dev-u0-leader", leader_started))
-    cell.tasks_on("i-b", ("follower", "rufus-dev-u0-follower", NOW - 900))
     return cell
 
 
+def formed(unit: str, released_at: float, *members: str) -> dict:
+    """The leader's `unit_session_formed` line as the forwarder enqueues it (members: task ARNs)."""
+    line = {"source": "unit-launcher", "detail-type": "Unit Session Formed", "id": "9",
+            "detail": {"event": "unit_session_formed", "cell": "dev", "unit_id": unit, "revision": "r1",
+                       "session_id": "5e55", "released_at": released_at,
+                       "members": [{"rank": rank, "instance_id": task_arn(m)} for rank, m in enumerate(members)]}}
+    return {"Records": [{"body": json.dumps(line)}]}
+
+
 def test_a_new_follower_is_not_signalled_while_the_old_session_still_serves():
-    # The leader is a healthy target, but its task is older than i-b: the session serving now
-    # is the old one (the old follower still draining), not one that formed with i-b.
-    cell = _replaced_follower(leader_started=NOW - 7200)
+    # The leader is a healthy target, but i-b was never a member of a session: what serves is
+    # the old session (its old follower still draining), not one that formed with i-b.
+    cell = _replaced_follower()
+    cell.updating()
+    cell.healthy("i-a")
     assert cell.run(ONE_UNIT)["signalled"] == []
     cell.done()
 
 
 def test_a_new_follower_is_signalled_once_its_unit_formed_again_with_it_and_serves():
-    cell = _replaced_follower(leader_started=NOW - 800)
+    # The leader's line reached the controller (this run's trigger); the unit serves again.
+    cell = _replaced_follower()
+    cell.tasks(("leader", "i-a"), ("follower", "i-b"))
+    cell.put(("i-a", "unit-session", f"u0@{NOW - 700}"), ("i-b", "unit-session", f"u0@{NOW - 700}"))
+    cell.updating()
+    cell.healthy("i-a")
+    cell.signal("i-b")
+    summary = cell.run(ONE_UNIT, formed("u0", NOW - 700.4, "leader", "follower"))
+    assert summary["signalled"] == ["i-b"] and summary["sessions_recorded"] == ["i-a", "i-b"]
+    cell.done()
+
+
+def test_a_session_record_signals_on_a_later_run_and_only_for_its_own_unit():
+    cell = _replaced_follower(unit_session=f"u0@{NOW - 700}")
+    cell.updating()
+    cell.healthy("i-a")
     cell.signal("i-b")
     assert cell.run(ONE_UNIT)["signalled"] == ["i-b"]
     cell.done()
+    other = signals.CellView({"u0": ("i-a", "i-b")}, {"i-b": aws.ContainerInstance(
+        arn("i-b"), "i-b", "ACTIVE", True, 1, 0, {"unit": "u0", "unit-session": f"u1@{NOW}"})})
+    elb = boto3.client("elbv2", config=CONFIG)
+    with Stubber(elb) as e:
+        e.add_response("describe_target_health", {"TargetHealthDescriptions": [
+            {"Target": {"Id": "i-a", "Port": 8080}, "TargetHealth": {"State": "healthy"}}]})
+        assert signals.ready_instances(signals.SignalSettings(STACK, RESOURCE, TARGET_GROUP), other, {"i-b"},
+                                       elb, aws.Retry()) == {}
 
 
 def test_a_new_instance_that_became_the_spare_is_signalled_once_its_spare_task_has_the_model_cached():
@@ -172,12 +205,8 @@ def test_a_new_instance_that_became_the_spare_is_signalled_once_its_spare_task_h
                      container("i-s", NOW - 86400, unit="u0", unit_placement="topology"),
                      container("i-n", NOW - 1200, unit="spare")])
     cell.topology(["i-a", "i-n", "i-s"])
-    cell.stubs["ecs"].add_response("describe_tasks", {"failures": [], "tasks": [
-        {"taskArn": task_arn("5pare"), "containerInstanceArn": arn("i-n")}]},
-        {"cluster": CLUSTER, "tasks": ["5pare"]})
-    ready = [{"name": "spare-ready", "value": str(NOW - 60), "targetType": "container-instance",
-              "targetId": arn("i-n")}]
-    cell.stubs["ecs"].add_response("put_attributes", {"attributes": ready}, {"cluster": CLUSTER, "attributes": ready})
+    cell.tasks(("5pare", "i-n"), by_id=True)
+    cell.put(("i-n", "spare-ready", str(NOW - 60)))
     cell.updating()
     cell.healthy("i-a")  # u0, which took the old spare i-s, serves again
     cell.signal("i-n")
@@ -189,30 +218,28 @@ def test_a_new_instance_that_became_the_spare_is_signalled_once_its_spare_task_h
 
 
 def test_a_cached_spare_waits_for_the_unit_that_took_the_old_spare_to_serve():
-    cis = {i: aws.ContainerInstance(arn(i), i, "ACTIVE", True, 1, 0, {"unit": "u0"}, NOW - 86400)
-           for i in ("i-a", "i-s")}
+    cis = {i: aws.ContainerInstance(arn(i), i, "ACTIVE", True, 1, 0, {"unit": "u0"}) for i in ("i-a", "i-s")}
     cis["i-n"] = aws.ContainerInstance(arn("i-n"), "i-n", "ACTIVE", True, 1, 0,
-                                       {"unit": "spare", "spare-ready": str(NOW - 60)}, NOW - 1200)
-    view = signals.CellView(CLUSTER, {"u0": ("i-a", "i-s")}, cis, spares=("i-n",))
+                                       {"unit": "spare", "spare-ready": str(NOW - 60)})
+    view = signals.CellView({"u0": ("i-a", "i-s")}, cis, spares=("i-n",))
     settings = signals.SignalSettings(STACK, RESOURCE, TARGET_GROUP)
     elb = boto3.client("elbv2", config=CONFIG)
     with Stubber(elb) as e:
         e.add_response("describe_target_health", {"TargetHealthDescriptions": [
             {"Target": {"Id": "i-a", "Port": 8080}, "TargetHealth": {"State": "initial"}}]})
-        assert signals.ready_instances(settings, view, {"i-n"}, elb, None, aws.Retry()) == {}
+        assert signals.ready_instances(settings, view, {"i-n"}, elb, aws.Retry()) == {}
         e.add_response("describe_target_health", {"TargetHealthDescriptions": [
             {"Target": {"Id": "i-a", "Port": 8080}, "TargetHealth": {"State": "healthy"}}]})
-        assert list(signals.ready_instances(settings, view, {"i-n"}, elb, None, aws.Retry())) == ["i-n"]
+        assert list(signals.ready_instances(settings, view, {"i-n"}, elb, aws.Retry())) == ["i-n"]
 
 
 def test_a_spare_still_fetching_is_not_signalled():
-    view = signals.CellView(CLUSTER, {}, {"i-n": aws.ContainerInstance(arn("i-n"), "i-n", "ACTIVE", True, 1, 0,
-                                                                       {"unit": "spare"}, NOW - 100)},
-                            spares=("i-n",))
+    view = signals.CellView({}, {"i-n": aws.ContainerInstance(arn("i-n"), "i-n", "ACTIVE", True, 1, 0,
+                                                              {"unit": "spare"})}, spares=("i-n",))
     assert signals.ready_instances(signals.SignalSettings(STACK, RESOURCE, TARGET_GROUP), view, {"i-n"},
-                                   None, None, aws.Retry()) == {}
+                                   None, aws.Retry()) == {}
     given_to_a_unit = aws.ContainerInstance(arn("i-n"), "i-n", "ACTIVE", True, 1, 0,
-                                            {"unit": "u0", "spare-ready": str(NOW - 200)}, NOW - 100)
+                                            {"unit": "u0", "spare-ready": str(NOW - 200)})
     assert not signals.spare_ready(given_to_a_unit)  # judged by its unit's rule, not as a spare
 
 
@@ -223,8 +250,8 @@ def test_nothing_is_signalled_outside_an_update():
         c.add_response("describe_stack_resource", {"StackResourceDetail": {
             "LogicalResourceId": RESOURCE, "ResourceType": "AWS::AutoScaling::AutoScalingGroup",
             "LastUpdatedTimestamp": at(NOW), "ResourceStatus": "UPDATE_COMPLETE"}})
-        view = signals.CellView(CLUSTER, {"u0": ["i-a"]}, {})
-        assert signals.signal_ready_instances(settings, "g", view, cfn, None, None, None, aws.Retry()) == []
+        view = signals.CellView({"u0": ["i-a"]}, {})
+        assert signals.signal_ready_instances(settings, "g", view, cfn, None, None, aws.Retry()) == []
 
 
 def test_an_sqs_batch_is_unwrapped_into_its_events():
@@ -244,3 +271,26 @@ def test_a_spare_ready_line_is_forwarded_with_its_task_from_the_stream_name():
     assert message is not None and message["detail-type"] == "Spare Ready"
     assert message["detail"]["task_id"] == "0123456789abcdef0123456789abcdef"
     assert forward.trigger_message({"id": "38", "message": json.dumps({"event": "boot"})}) is None
+
+
+def test_a_formed_line_is_forwarded_with_its_members():
+    from placement_controller import forward
+
+    line = {"event": "unit_session_formed", "cell": "dev", "unit_id": "u0", "revision": "r1", "session_id": "5e55",
+            "released_at": NOW - 700.4, "members": [
+                {"rank": 0, "address": "10.0.0.10", "instance_id": task_arn("leader"), "alive": True},
+                {"rank": 1, "address": "10.0.0.11", "instance_id": task_arn("follower"), "alive": True}]}
+    message = forward.trigger_message({"id": "39", "message": json.dumps(line), "logStream": "u0-leader/x/abc"})
+    assert message is not None and message["detail-type"] == "Unit Session Formed"
+    assert message["detail"]["members"] == [{"rank": 0, "instance_id": task_arn("leader")},
+                                            {"rank": 1, "instance_id": task_arn("follower")}]
+    assert message["detail"]["released_at"] == NOW - 700.4
+
+
+@pytest.mark.xfail(strict=True, reason="the leader's unit_session_formed line is the launcher branch's to add "
+                                        "(docs/contracts.md); remove this mark when it lands")
+def test_the_launcher_announces_each_released_session():
+    from pathlib import Path
+
+    sources = Path(__file__).resolve().parents[3] / "containers" / "inference" / "unit_launcher"
+    assert any('"unit_session_formed"' in p.read_text() for p in sources.glob("*.py"))
