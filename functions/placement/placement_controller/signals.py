@@ -37,12 +37,15 @@ template version (DescribeAutoScalingGroups `Instances[].LaunchTemplate.Version`
   keeps it on the instance as the ECS attribute `spare-ready` (Unix seconds).
 
 API fields (botocore service models elbv2 2015-12-01, autoscaling 2011-01-01, ecs
-2014-11-13): `TargetDescription.Id` ("If the target type of the target group is instance,
-specify an instance ID"), `TargetHealth.State`
+2014-11-13, cloudformation 2010-05-15): `TargetDescription.Id` ("If the target type of the
+target group is instance, specify an instance ID"), `TargetHealth.State`
 (https://docs.aws.amazon.com/elasticloadbalancing/latest/APIReference/API_TargetHealthDescription.html);
-`Instance.LaunchTemplate.Version` of DescribeAutoScalingGroups; `Task.containerInstanceArn`
-of DescribeTasks, which takes task ids or ARNs
-(https://docs.aws.amazon.com/AmazonECS/latest/APIReference/API_DescribeTasks.html).
+`AutoScalingGroup.LaunchTemplate.Version` and `Instance.LaunchTemplate.Version`
+(LaunchTemplateSpecification) of DescribeAutoScalingGroups; `Task.containerInstanceArn` of
+DescribeTasks, which takes task ids or ARNs
+(https://docs.aws.amazon.com/AmazonECS/latest/APIReference/API_DescribeTasks.html);
+`StackResourceDetail.ResourceStatus` of DescribeStackResource; SignalResource `UniqueId`,
+`Status`.
 """
 
 from __future__ import annotations
