@@ -268,7 +268,8 @@ def _signal(
     for instance_id, ci in by_instance.items():
         written = {name: value for (i, name), value in records.items() if i == instance_id}
         known[instance_id] = dataclasses.replace(ci, attributes={**ci.attributes, **written}) if written else ci
-    view = signals.CellView(units=plan.units, container_instances=known, missing=plan.missing, spares=plan.spares)
+    view = signals.CellView(units=plan.units, container_instances=known, missing=plan.missing, spares=plan.spares,
+                            spare_nodes=settings.spare_nodes)
     return signals.signal_ready_instances(
         signal_settings, settings.auto_scaling_group, view,
         clients.cloudformation, clients.autoscaling, clients.elbv2, retry,

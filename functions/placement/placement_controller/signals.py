@@ -26,12 +26,17 @@ template version (DescribeAutoScalingGroups `Instances[].LaunchTemplate.Version`
   ECS alone cannot say this: the leader's task that forms the session often started
   before the new instance registered (it waits up to `join_timeout_seconds`, 40 min by
   default, for the members), so task ages do not date the session.
-- **A warm spare** (`unit = spare`, the replacement when a spare took the lost node's
-  place, `assignment.plan_cell`): its spare task logged `spare_ready` (the model is in its
-  cache, `unit_launcher/spare.py`), and every unit with members is whole with its leader a
-  healthy target, so the unit that took the old spare serves again before the next
-  instance goes. The controller learns it from that log line, which the log subscription
-  brings (`forward.py`; the task id is the last part of the awslogs stream name
+- **Not in a unit** (`capacity_ready`): every unit with members is whole with its leader a
+  healthy target (so the unit that lost a node serves again before the next instance
+  goes; no run remembers which unit that was, so all are asked), the instance is ACTIVE
+  with its agent connected, and, when it is one of the warm spares the cell needs (the
+  replacement when a spare took the lost node's place, `assignment.plan_cell`), its spare
+  task logged `spare_ready` (the model is in its cache, `unit_launcher/spare.py`). An
+  instance beyond the spares the cell needs, or a free one in a cell without spares, is
+  the launch-first case (`rolling_update: launch-first`: the new instance arrives before
+  the old one leaves, so no unit needs it yet): it counts once usable. The controller
+  learns of `spare_ready` from that log line, which the log subscription brings
+  (`forward.py`; the task id is the last part of the awslogs stream name
   `prefix/container/task-id`,
   https://docs.aws.amazon.com/AmazonECS/latest/developerguide/using_awslogs.html), and
   keeps it on the instance as the ECS attribute `spare-ready` (Unix seconds).
@@ -86,7 +91,9 @@ class CellView:
     units: Mapping[str, Iterable[str]]
     container_instances: Mapping[str, aws.ContainerInstance]  # by EC2 instance id, this run's writes included
     missing: Mapping[str, int] = field(default_factory=dict)
+    # The plan's free instances no unit needs, labelled `spare` when the cell keeps spares.
     spares: Sequence[str] = ()
+    spare_nodes: int = 0
 
 
 def current_version_instances(autoscaling: BaseClient, group: str, retry: aws.Retry) -> set[str]:
@@ -144,23 +151,40 @@ def _every_unit_serves(view: CellView, healthy: set[str]) -> bool:
     return all(not view.missing.get(u) and healthy.intersection(m) for u, m in units.items() if m)
 
 
+def capacity_ready(view: CellView, instance_id: str) -> str | None:
+    """Why a new instance that no unit needs counts as ready capacity, or None.
+
+    Registered and usable (ACTIVE, agent connected). When it is one of the warm spares the
+    cell needs (no more instances labelled `spare` than `spare_nodes`: terminate-first, the
+    old spare went to the unit that lost a node), its model must be cached too; an instance
+    beyond them (launch-first: the new one arrives before the old one leaves) or a free
+    instance of a cell without spares is capacity as soon as it is usable."""
+    ci = view.container_instances.get(instance_id)
+    if ci is None or ci.status != "ACTIVE" or not ci.agent_connected:
+        return None
+    labelled = [i for i in view.spares
+                if i in view.container_instances and view.container_instances[i].attributes.get("unit") == SPARE_UNIT]
+    if ci.attributes.get("unit") == SPARE_UNIT and len(labelled) <= view.spare_nodes:
+        return "a warm spare with the model cached" if spare_ready(ci) else None
+    return "free capacity no unit needs"
+
+
 def ready_instances(
     settings: SignalSettings, view: CellView, new: set[str], elbv2: BaseClient, retry: aws.Retry
 ) -> dict[str, str]:
     """New instance id -> why it may be signalled (rules in the module doc)."""
     ready: dict[str, str] = {}
-    spares = [i for i in sorted(new.intersection(view.spares))
-              if i in view.container_instances and spare_ready(view.container_instances[i])]
+    capacity = {i: why for i in sorted(new.intersection(view.spares)) if (why := capacity_ready(view, i))}
     waiting = {
         unit: sorted(members)
         for unit, members in view.units.items()
         if new.intersection(members) and not view.missing.get(unit)
     }
-    if not spares and not waiting:
+    if not capacity and not waiting:
         return ready
     healthy = healthy_targets(elbv2, settings.target_group_arn, retry)
-    if spares and _every_unit_serves(view, healthy):
-        ready.update(dict.fromkeys(spares, "a warm spare with the model cached, every unit serving"))
+    if capacity and _every_unit_serves(view, healthy):
+        ready.update({i: f"{why}, every unit serving" for i, why in capacity.items()})
     for unit, members in sorted(waiting.items()):
         if not healthy.intersection(members):
             continue

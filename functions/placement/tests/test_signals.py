@@ -221,7 +221,7 @@ def test_a_cached_spare_waits_for_the_unit_that_took_the_old_spare_to_serve():
     cis = {i: aws.ContainerInstance(arn(i), i, "ACTIVE", True, 1, 0, {"unit": "u0"}) for i in ("i-a", "i-s")}
     cis["i-n"] = aws.ContainerInstance(arn("i-n"), "i-n", "ACTIVE", True, 1, 0,
                                        {"unit": "spare", "spare-ready": str(NOW - 60)})
-    view = signals.CellView({"u0": ("i-a", "i-s")}, cis, spares=("i-n",))
+    view = signals.CellView({"u0": ("i-a", "i-s")}, cis, spares=("i-n",), spare_nodes=1)
     settings = signals.SignalSettings(STACK, RESOURCE, TARGET_GROUP)
     elb = boto3.client("elbv2", config=CONFIG)
     with Stubber(elb) as e:
@@ -233,9 +233,38 @@ def test_a_cached_spare_waits_for_the_unit_that_took_the_old_spare_to_serve():
         assert list(signals.ready_instances(settings, view, {"i-n"}, elb, aws.Retry())) == ["i-n"]
 
 
+@pytest.mark.parametrize(
+    ("labels", "spare_nodes", "ready"),
+    [
+        ({"i-n": None}, 0, True),  # launch-first, no spares: the new instance is free capacity
+        ({"i-n": "spare", "i-s": "spare"}, 1, True),  # launch-first beside a cached spare: one beyond the spares
+        ({"i-n": "spare"}, 1, False),  # terminate-first: the new instance is the spare the cell needs, not cached
+    ],
+)
+def test_a_new_instance_no_unit_needs_counts_once_usable_and_every_unit_serves(labels, spare_nodes, ready):
+    cis = {i: aws.ContainerInstance(arn(i), i, "ACTIVE", True, 1, 0, {"unit": "u0"}) for i in ("i-a", "i-b")}
+    for instance, label in labels.items():
+        attributes = {"unit": label} if label else {}
+        if instance == "i-s":
+            attributes["spare-ready"] = str(NOW - 3600)
+        cis[instance] = aws.ContainerInstance(arn(instance), instance, "ACTIVE", True, int(bool(label)), 0, attributes)
+    view = signals.CellView({"u0": ("i-a", "i-b")}, cis, spares=tuple(sorted(labels)), spare_nodes=spare_nodes)
+    settings = signals.SignalSettings(STACK, RESOURCE, TARGET_GROUP)
+    elb = boto3.client("elbv2", config=CONFIG)
+    with Stubber(elb) as e:
+        for state in ("unhealthy", "healthy"):
+            e.add_response("describe_target_health", {"TargetHealthDescriptions": [
+                {"Target": {"Id": "i-a", "Port": 8080}, "TargetHealth": {"State": state}}]})
+        if ready:
+            assert signals.ready_instances(settings, view, {"i-n"}, elb, aws.Retry()) == {}  # u0 does not serve
+            assert list(signals.ready_instances(settings, view, {"i-n"}, elb, aws.Retry())) == ["i-n"]
+        else:
+            assert signals.ready_instances(settings, view, {"i-n"}, elb, aws.Retry()) == {}
+
+
 def test_a_spare_still_fetching_is_not_signalled():
     view = signals.CellView({}, {"i-n": aws.ContainerInstance(arn("i-n"), "i-n", "ACTIVE", True, 1, 0,
-                                                              {"unit": "spare"})}, spares=("i-n",))
+                                                              {"unit": "spare"})}, spares=("i-n",), spare_nodes=1)
     assert signals.ready_instances(signals.SignalSettings(STACK, RESOURCE, TARGET_GROUP), view, {"i-n"},
                                    None, aws.Retry()) == {}
     given_to_a_unit = aws.ContainerInstance(arn("i-n"), "i-n", "ACTIVE", True, 1, 0,
