@@ -15,7 +15,9 @@ and never planned again. A unit that lost a node gets the nearest warm spare
 (`unit = spare`) before any cold instance; free instances left over become spares. A
 CloudWatch Logs delivery (the failures themselves) is only enqueued (`forward`). An
 instance whose ECS agent stays disconnected past a grace period is also marked unhealthy,
-within the same cap (`ecs_health`).
+within the same cap (`ecs_health`). The leader's `unit_session_formed` line and a spare's
+`spare_ready` line, brought by the same log subscription, are recorded on their instances
+(`unit-session`, `spare-ready`): the evidence of the rolling-update signals (`signals`).
 """
 
 from __future__ import annotations
