@@ -157,7 +157,14 @@ class CellStack(Stack):
         self.autoscaler = self._autoscaler() if cell.elastic else None
         self.units = self._units()
         if self.autoscaler is not None:
-            self.autoscaler.watch_task_definitions([t for u in self.units for t in u.task_definitions])
+            # What the desired-counts fingerprint cannot read from CDK (UnitAutoscaler.watch_services).
+            deployment = {"DeploymentConfiguration": self._unit_deployment_configuration(),
+                          "ServiceConnectConfiguration": None}
+            grace = fleet.serving.health_check_grace_seconds
+            self.autoscaler.watch_services([
+                (s, {**deployment, "HealthCheckGracePeriodSeconds": grace if s is u.leader_service else None})
+                for u in self.units for s in u.services
+            ])
         self.spares = self._spares()
         Aspects.of(self).add(_ServicesAfterCapacityAssociation(self.cluster))
 
@@ -198,15 +205,35 @@ class CellStack(Stack):
             # One unit at a time: CloudFormation updates a unit's services only after the
             # previous unit's services are stable, so an update costs one unit of capacity.
             if units and self.autoscaler is not None:
-                # Elastic: services after services only. The counts resource reads every task
-                # definition, and every service reads the counts: a whole-unit chain would be a cycle.
+                # Elastic: service resources after service resources only. The counts resource
+                # refers to everything the services refer to (task definitions, Cloud Map
+                # services, ...), and every service reads the counts: a chain between whole
+                # units, or between the services' subtrees (which hold their Cloud Map
+                # services), would be a cycle.
                 for service in unit.services:
                     for earlier in units[-1].services:
-                        service.node.add_dependency(earlier)
+                        service.node.default_child.node.add_dependency(earlier.node.default_child)
             elif units:
                 unit.node.add_dependency(units[-1])
             units.append(unit)
         return units
+
+    def _unit_deployment_configuration(self) -> dict[str, object]:
+        """The unit services' DeploymentConfiguration as synthesized (MultiNodeInferenceUnit._service_settings).
+
+        Stated for the desired-counts fingerprint, which cannot read it from CDK; the tests
+        compare it with the synthesized template, so a change on either side fails them.
+        """
+        configuration: dict[str, object] = {
+            "DeploymentCircuitBreaker": {"Enable": True, "Rollback": True},
+            "MaximumPercent": 100,
+            "MinimumHealthyPercent": 0,
+        }
+        if self.alarms is not None and self.alarms.deployment_alarms:
+            configuration["Alarms"] = {
+                "AlarmNames": [a.alarm_name for a in self.alarms.deployment_alarms], "Enable": True, "Rollback": True,
+            }
+        return configuration
 
     def _spares(self) -> SpareNodes | None:
         """The warm spares' service: prefetch the model on every `unit = spare` instance."""
