@@ -234,7 +234,11 @@ class TrainiumCapacity(Construct):
             # CDK's cluster grants these on * (aws-ecs Cluster, for every instance of a capacity
             # provider; it has no option to scope them). The logs actions do accept log-group
             # ARNs: what makes the wildcard acceptable is that it is unused here, not that it
-            # cannot be scoped.
+            # cannot be scoped. Sources: amazon-ecs-agent agent/engine/docker_task_engine.go
+            # (createContainer applies Task.ApplyExecutionRoleLogsAuth when the container's logs
+            # auth strategy is the execution role) and awsdocs/amazon-ecs-developer-guide
+            # doc_source/using_awslogs.md ("The ecsTaskExecutionRole is used when it's assigned
+            # to the task"). Unverified on a node: that ECS sets that strategy for EC2 tasks.
             (
                 "AwsSolutions-IAM5[Resource::*]",
                 "ecr:GetAuthorizationToken and ecs:DiscoverPollEndpoint have no resource-level permissions. "
