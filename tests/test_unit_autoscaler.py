@@ -215,3 +215,17 @@ def test_the_placement_controller_labels_max_units(elastic) -> None:
 def test_the_alarm_floor_follows_min_units(synth_elastic) -> None:
     stack: CellStack = synth_elastic.stacks[STACK]
     assert stack.alarms.min_units_available == 1 and stack.alarms.units == 12
+
+
+def test_the_fingerprint_changes_with_any_literal_and_lists_each_reference_once() -> None:
+    service = {"Cluster": {"Ref": "Cluster"}, "TaskDefinition": {"Ref": "Task"},
+               "LoadBalancers": [{"TargetGroupArn": {"Ref": "Group"}, "ContainerPort": 8080}],
+               "ServiceRegistries": [{"RegistryArn": {"Fn::GetAtt": ["Map", "Arn"]}}],
+               "Tags": [{"Key": "unit", "Value": "u0"}]}
+    other = {**service, "TaskDefinition": {"Ref": "Task2"}}
+    fingerprint = unit_autoscaler.services_fingerprint([service, other])
+    assert fingerprint["References"] == [
+        {"Fn::GetAtt": ["Map", "Arn"]}, {"Ref": "Cluster"}, {"Ref": "Group"}, {"Ref": "Task"}, {"Ref": "Task2"}]
+    changed = {**service, "LoadBalancers": [{"TargetGroupArn": {"Ref": "Group"}, "ContainerPort": 8081}]}
+    assert unit_autoscaler.services_fingerprint([changed, other])["Digest"] != fingerprint["Digest"]
+    assert unit_autoscaler.services_fingerprint([dict(reversed(service.items())), other]) == fingerprint
