@@ -43,6 +43,19 @@ ENGINE_MEMORY_RESERVATION_FRACTION = 0.75
 ENGINE_STOP_TIMEOUT = Duration.seconds(120)
 
 
+# Why each unit task runs containers as root in host network mode, naming every container of
+# the task (tests/test_cell_stack.py checks each name and uid against the synthesized task).
+_ENGINE_AS_ROOT = (
+    "The inference container (the engine) runs as root as in the AWS Neuron vLLM image: the Neuron runtime and "
+    "EFA register pinned memory on /dev/neuron* and /dev/infiniband/*; the task holds a whole dedicated instance"
+)
+_ROOT_CONTAINERS_REASON = {
+    "leader": f"{_ENGINE_AS_ROOT}; its proxy container runs as uid 10001 with a read-only root filesystem",
+    "follower": f"{_ENGINE_AS_ROOT}; its drain-guard container (the same image, a shell that only waits for the "
+                "engine) runs as root too; the task has no other container",
+}
+
+
 @dataclass(frozen=True, kw_only=True)
 class UnitImages:
     inference: ecs.ContainerImage
@@ -353,12 +366,7 @@ class MultiNodeInferenceUnit(Construct):
                 "Environment holds only the non-secret unit spec (layout, ports, "
                 "discovery names); the task has no secrets",
             ),
-            (
-                "NIST.800.53.R5-ECSTaskDefinitionUserForHostMode",
-                "The engine runs as root as in the AWS Neuron vLLM image: the Neuron runtime and EFA register "
-                "pinned memory on /dev/neuron* and /dev/infiniband/*; the task holds a whole dedicated instance "
-                "(the proxy sidecar runs as uid 10001)",
-            ),
+            ("NIST.800.53.R5-ECSTaskDefinitionUserForHostMode", _ROOT_CONTAINERS_REASON[role]),
         )
         acknowledge_execution_role(task)
         return task

@@ -351,9 +351,10 @@ class TopologyPlacement(Construct):
                 function,
                 (
                     "NIST.800.53.R5-LambdaConcurrency",
-                    "Concurrency is bounded by the FIFO trigger queue's single message group (one invocation at a "
-                    "time); reserved concurrency is left to cells[].placement_reserved_concurrency because accounts "
-                    "with a low Lambda quota cannot reserve any",
+                    "The reconciling runs come one at a time from the FIFO trigger queue's single message group; "
+                    "invocations by the unit-failure log subscription can run beside them but only enqueue their "
+                    "event there; reserved concurrency is left to cells[].placement_reserved_concurrency because "
+                    "accounts with a low Lambda quota cannot reserve any",
                 ),
             )
         return function

@@ -231,10 +231,23 @@ class TrainiumCapacity(Construct):
                 "ECS container agent state reporting "
                 "(SubmitTaskStateChange and friends), added by CDK's ECS cluster for its instances",
             ),
+            # CDK's cluster grants these on * (aws-ecs Cluster, for every instance of a capacity
+            # provider; it has no option to scope them). The logs actions do accept log-group
+            # ARNs: what makes the wildcard acceptable is that it is unused here, not that it
+            # cannot be scoped. Sources: amazon-ecs-agent agent/engine/docker_task_engine.go
+            # (createContainer applies Task.ApplyExecutionRoleLogsAuth when the container's logs
+            # auth strategy is the execution role) and awsdocs/amazon-ecs-developer-guide
+            # doc_source/using_awslogs.md ("The ecsTaskExecutionRole is used when it's assigned
+            # to the task"). Unverified on a node: that ECS sets that strategy for EC2 tasks.
             (
                 "AwsSolutions-IAM5[Resource::*]",
-                "ecr:GetAuthorizationToken, ecs:DiscoverPollEndpoint and "
-                "logs actions of the ECS agent have no resource-level scope",
+                "ecr:GetAuthorizationToken and ecs:DiscoverPollEndpoint have no resource-level permissions. "
+                "logs:CreateLogStream and logs:PutLogEvents do (log groups) but are granted on * by CDK's ECS "
+                "cluster, with no option to scope them, for the awslogs driver of tasks without an execution "
+                "role; every task of this cell has an execution role holding them on the cell's log group, and "
+                "the ECS agent gives the awslogs driver that role's credentials when a task has one "
+                "(amazon-ecs-agent Task.ApplyExecutionRoleLogsAuth; ECS developer guide, 'Send Amazon ECS logs "
+                "to CloudWatch': the ecsTaskExecutionRole is used when it's assigned to the task)",
             ),
             (
                 "NIST.800.53.R5-IAMNoInlinePolicy",
