@@ -14,10 +14,17 @@ its unit number and hash), so a registry can name the test that executes it.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from cell_constructs.inference_unit import LAUNCHER_PYTHON
 
 _HASH = re.compile(r"[0-9A-F]{8}$")
 _SHELLS = {"sh": "dash", "/bin/sh": "dash", "bash": "bash", "/bin/bash": "bash"}
@@ -107,3 +114,59 @@ def one(scripts: list[ShippedScript], identity: str) -> ShippedScript:
     matching = [s for s in scripts if s.identity == identity]
     assert matching, f"no script {identity!r} in the template; found {sorted({s.identity for s in scripts})}"
     return matching[0]
+
+
+# -- running them -------------------------------------------------------------------------
+
+# Tests that need a PID namespace of their own, a private /opt and /tmp, and dash as /bin/sh.
+CAN_RUN_AS_IN_A_TASK = (
+    os.geteuid() == 0 and shutil.which("unshare") is not None and Path("/bin/sh").resolve().name == "dash"
+)
+WHY_NOT = "needs root, unshare and /bin/sh = dash (as in CI: CodeBuild privileged, Ubuntu image)"
+
+# Prepended to every task script: the image's launcher interpreter path exists (a symlink to
+# this Python on a private tmpfs over /opt) and /tmp is the task's own, as in a container.
+_TASK_PRELUDE = r"""
+mount -t tmpfs tmpfs /opt && mkdir -p /opt/python && cp -r "$LAUNCHER_PACKAGE" /opt/python/ || exit 90
+mkdir -p "${LAUNCHER_PYTHON%/*}" && ln -s "$REAL_PYTHON" "$LAUNCHER_PYTHON" || exit 91
+mount -t tmpfs tmpfs /tmp || exit 92
+export PYTHONPATH=/opt/python
+"""
+
+# A stand-in for the launcher package: `python -m unit_launcher run` lives LAUNCHER_SECONDS;
+# `python -m unit_launcher.health_file` (a decoy: the health check's command line) sleeps.
+_FAKE_LAUNCHER = {
+    "__init__.py": "",
+    "__main__.py": "import os, time\ntime.sleep(float(os.environ.get('LAUNCHER_SECONDS') or 600))\n",
+    "health_file.py": "import time\ntime.sleep(600)\n",
+}
+
+
+def fake_launcher_package(root: Path) -> Path:
+    """The stand-in `unit_launcher` package (a directory), under root."""
+    package = root / "unit_launcher"
+    package.mkdir(parents=True, exist_ok=True)
+    for name, text in _FAKE_LAUNCHER.items():
+        (package / name).write_text(text)
+    return package
+
+
+def run_as_in_a_task(
+    task_script: str, environment: dict[str, str], *, package: Path, timeout: float, args: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
+    """`task_script` as PID 1 (dash) of a fresh PID and mount namespace with its own /proc, /opt and /tmp.
+
+    `/opt/unit-launcher/bin/python` runs this interpreter with a copy of `package` (a
+    `unit_launcher` package directory, the real one or a stand-in) importable; `args` are
+    the script's positional parameters. Raises TimeoutExpired past `timeout`.
+    """
+    env = {
+        "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
+        **environment,
+        "LAUNCHER_PYTHON": LAUNCHER_PYTHON,
+        "REAL_PYTHON": os.path.realpath(sys.executable),
+        "LAUNCHER_PACKAGE": str(package),
+    }
+    command = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "/bin/sh", "-c",
+               _TASK_PRELUDE + task_script, "task", *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)

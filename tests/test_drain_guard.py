@@ -2,41 +2,43 @@
 
 Each run is a fresh PID namespace with its own /proc (`unshare --pid --fork --mount-proc`,
 root needed), like the follower task's shared namespace (pidMode task). PID 1 is a small
-dash script standing in for the task: it starts what the test asks for (a fake launcher
-whose command line is the image's, `/opt/unit-launcher/bin/python -m unit_launcher run`,
-through a private tmpfs on /opt; decoys that only mention the launcher), starts the guard
-as `/bin/sh -c <script>` with the container's environment, sends it SIGTERM as ECS does,
-and reports, from /proc/uptime, how long the guard took to exit.
+dash script standing in for the task: it starts what the test asks for (a stand-in
+launcher whose command line is the image's, `/opt/unit-launcher/bin/python -m unit_launcher
+run`; decoys that only mention the launcher), starts the guard as `/bin/sh -c <script>`
+with the container's environment, sends it SIGTERM as ECS does, and reports, from
+/proc/uptime, how long the guard took to exit.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from cell_constructs.inference_unit import ENGINE_STOP_TIMEOUT, LAUNCHER_PYTHON
-from tests.shipped_scripts import ShippedScript, one, shipped_scripts
+from cell_constructs.inference_unit import ENGINE_STOP_TIMEOUT
+from tests.shipped_scripts import (
+    CAN_RUN_AS_IN_A_TASK,
+    WHY_NOT,
+    ShippedScript,
+    fake_launcher_package,
+    one,
+    run_as_in_a_task,
+    shipped_scripts,
+)
 
 DEV = "Rufus-Cell-dev"
 GUARD = "UnitFollowerTask/drain-guard/Command"
 # Longest a test waits for a guard that should have exited: far below any real bound.
 PATIENCE_SECONDS = 20
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("unshare") is None or Path("/bin/sh").resolve().name != "dash",
-    reason="needs root, unshare and /bin/sh = dash (as in CI, CodeBuild privileged, Ubuntu image)",
-)
+pytestmark = pytest.mark.skipif(not CAN_RUN_AS_IN_A_TASK, reason=WHY_NOT)
 
-# PID 1 of the namespace: the task. Starts the launcher and decoys asked for, then the guard;
-# SIGTERM to the guard once it is idle; prints how long it took to exit.
+# The follower task: the launcher and decoys asked for, then the guard as ECS starts it
+# (`/bin/sh -c <script>`, the container's environment); SIGTERM once it is idle; how long
+# it took to exit, from /proc/uptime.
 _TASK = r"""
-mount -t tmpfs tmpfs /opt && mkdir -p "${LAUNCHER_PYTHON%/*}" && ln -s "$REAL_PYTHON" "$LAUNCHER_PYTHON"
 if [ -n "$LAUNCHER_SECONDS" ]; then "$LAUNCHER_PYTHON" -m unit_launcher run & fi
 if [ -n "$DECOYS" ]; then
   "$LAUNCHER_PYTHON" -m unit_launcher.health_file --joining-seconds 1800 &
@@ -53,10 +55,6 @@ read -r done _ < /proc/uptime
 echo "GUARD_EXIT status=$status sent=$sent done=$done"
 """
 
-# The fake launcher: lives LAUNCHER_SECONDS (the leader ends the session then), then exits.
-_FAKE_LAUNCHER = "import os, time\ntime.sleep(float(os.environ['LAUNCHER_SECONDS']))\n"
-_FAKE_HEALTH_CHECK = "import time\ntime.sleep(600)\n"
-
 
 @pytest.fixture(scope="module")
 def guard(synth_default) -> ShippedScript:
@@ -65,13 +63,7 @@ def guard(synth_default) -> ShippedScript:
 
 @pytest.fixture(scope="module")
 def fake_launcher_path(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("fake-launcher")
-    package = root / "unit_launcher"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "__main__.py").write_text(_FAKE_LAUNCHER)
-    (package / "health_file.py").write_text(_FAKE_HEALTH_CHECK)
-    return root
+    return fake_launcher_package(tmp_path_factory.mktemp("fake-launcher"))
 
 
 def run_guard(
@@ -80,19 +72,14 @@ def run_guard(
 ) -> float:
     """Seconds from SIGTERM to the guard's exit, in a fresh PID namespace; fails past PATIENCE_SECONDS."""
     env = {
-        "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
         **dict(guard.environment),
         **(environment or {}),
         "GUARD_SCRIPT": guard.text,
-        "LAUNCHER_PYTHON": LAUNCHER_PYTHON,
-        "REAL_PYTHON": os.path.realpath(sys.executable),
-        "PYTHONPATH": str(fake_launcher_path),
         "LAUNCHER_SECONDS": "" if launcher_seconds is None else str(launcher_seconds),
         "DECOYS": "1" if decoys else "",
     }
-    command = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "/bin/sh", "-c", _TASK]
     try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=PATIENCE_SECONDS + 5)
+        done = run_as_in_a_task(_TASK, env, package=fake_launcher_path, timeout=PATIENCE_SECONDS + 5)
     except subprocess.TimeoutExpired:
         pytest.fail(f"the guard was still running {PATIENCE_SECONDS} s after SIGTERM")
     line = next((x for x in done.stdout.splitlines() if x.startswith("GUARD_EXIT")), None)
