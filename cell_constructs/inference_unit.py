@@ -95,7 +95,7 @@ def drain_guard_script() -> str:
     Idle until SIGTERM; then it waits while the follower's launcher lives, at most
     `$DRAIN_GUARD_MAX_SECONDS` (the safety bound, `follower_release_bound`), and exits so
     that ECS sends SIGTERM to the engine container next. Time is read from /proc/uptime
-    (monotonic, no fork) so a slow poll does not stretch the bound.
+    (monotonic), so a slow poll does not stretch the bound.
     """
     return f"""\
 : "${{{DRAIN_GUARD_BOUND_ENV}:?the safety bound in seconds}}"
@@ -148,7 +148,7 @@ def follower_release_bound(
     container stopTimeout on the EC2 launch type (the 120 s cap is Fargate's:
     https://docs.aws.amazon.com/AmazonECS/latest/APIReference/API_ContainerDefinition.html,
     `stopTimeout`), and the agent uses the value as given (aws/amazon-ecs-agent
-    agent/api/container/container.go `GetStopTimeout`).
+    agent/api/container/container.go `GetStopTimeout` at 35cc4106e1438cb9cf2821f19f7aeaf95900a104).
     """
     seconds = (
         deregistration_delay.to_seconds() + leader_drain.to_seconds() + ENGINE_STOP_TIMEOUT.to_seconds()

@@ -11,13 +11,15 @@ with the container's environment, sends it SIGTERM as ECS does, and reports, fro
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from cell_constructs.inference_unit import ENGINE_STOP_TIMEOUT
+from cell_constructs.inference_unit import ENGINE_STOP_TIMEOUT, LAUNCHER_MODULE, LAUNCHER_PYTHON
+from tests.conftest import ROOT
 from tests.shipped_scripts import (
     CAN_RUN_AS_IN_A_TASK,
     WHY_NOT,
@@ -155,3 +157,15 @@ def test_bound_covers_deregistration_then_the_leaders_drain(fleet, request) -> N
             # ECS kills the guard only after its stop timeout: never before the bound.
             assert guard["StopTimeout"] > bound
             assert guard["DependsOn"] == [{"ContainerName": "inference", "Condition": "START"}]
+
+
+def test_the_guard_looks_for_the_command_line_the_image_runs(synth_default) -> None:
+    """The guard finds the launcher by an argument of the image's ENTRYPOINT, which the tasks keep."""
+    dockerfile = (ROOT / "containers" / "inference" / "Dockerfile").read_text()
+    entrypoint = json.loads(re.search(r"^ENTRYPOINT (\[.*\])$", dockerfile, re.MULTILINE).group(1))
+    assert entrypoint == [LAUNCHER_PYTHON, "-m", LAUNCHER_MODULE]
+    template = synth_default.template_json(DEV)
+    for logical_id, resource in template["Resources"].items():
+        if resource["Type"] == "AWS::ECS::TaskDefinition":
+            engine = resource["Properties"]["ContainerDefinitions"][0]
+            assert "EntryPoint" not in engine and "Command" not in engine, f"{logical_id} overrides the launcher"
