@@ -66,8 +66,11 @@ def _container_scripts(stack: str, logical_id: str, container: dict) -> Iterator
     where = f"{stack}/{logical_id}"
     environment = tuple((e["Name"], _render(e["Value"])) for e in container.get("Environment", []))
     argv = [_render(a) for a in container.get("EntryPoint", []) + container.get("Command", [])]
-    if len(argv) >= 3 and argv[0] in _SHELLS and argv[1] == "-c":
-        yield ShippedScript(f"{kind}/{name}/Command", _SHELLS[argv[0]], argv[2], where, environment)
+    if argv and argv[0].rsplit("/", 1)[-1] in ("sh", "bash", "dash"):
+        if len(argv) >= 3 and argv[0] in _SHELLS and re.fullmatch(r"-[a-z]*c[a-z]*", argv[1]):
+            yield ShippedScript(f"{kind}/{name}/Command", _SHELLS[argv[0]], argv[2], where, environment)
+        else:  # a shell started some other way: named so that no registry entry matches it
+            yield ShippedScript(f"{kind}/{name}/Command (not understood)", "dash", json.dumps(argv), where, environment)
     check = container.get("HealthCheck", {}).get("Command")
     if check:
         check = [_render(a) for a in check]

@@ -89,6 +89,32 @@ def test_every_script_has_an_execution_test(scripts) -> None:
         assert script.shell == expected, f"{script.where}: {script.identity} runs under {script.shell}, not {expected}"
 
 
+def test_the_walk_finds_each_kind_of_script() -> None:
+    """A template with one script of each kind, the shells named as ECS and EC2 are given them."""
+    container = {
+        "Name": "c", "EntryPoint": ["/bin/sh", "-ec"], "Command": ["echo one"],
+        "HealthCheck": {"Command": ["CMD-SHELL", "echo two"]}, "Environment": [{"Name": "A", "Value": "1"}],
+    }
+    odd = {"Name": "d", "Command": ["bash", "/x.sh"], "HealthCheck": {"Command": ["CMD", "/bin/true"]}}
+    template = {"Resources": {
+        "Unit7TaskAB12CD34": {"Type": "AWS::ECS::TaskDefinition", "Properties": {"ContainerDefinitions": [
+            container, odd]}},
+        "LtAB12CD34": {"Type": "AWS::EC2::LaunchTemplate", "Properties": {"LaunchTemplateData": {
+            "UserData": {"Fn::Base64": {"Fn::Join": ["", ["#!/bin/bash\necho ", {"Ref": "X"}, "\n"]]}}}}},
+        "BuildAB12CD34": {"Type": "AWS::CodeBuild::Project", "Properties": {"Source": {
+            "BuildSpec": json.dumps({"version": "0.2", "phases": {"build": {"commands": ["make a", "make b"]}}})}}},
+    }}
+    found = {(s.identity, s.shell, s.text) for s in shipped_scripts("S", template)}
+    assert found == {
+        ("UnitTask/c/Command", "dash", "echo one"),
+        ("UnitTask/c/HealthCheck", "dash", "echo two"),
+        ("UnitTask/d/Command (not understood)", "dash", '["bash", "/x.sh"]'),
+        ("UnitTask/d/HealthCheck", "exec", '["/bin/true"]'),
+        ("Lt/UserData", "bash", "#!/bin/bash\necho CFN_TOKEN\n"),
+        ("Build/BuildSpec/build", "dash", "make a\nmake b\n"),
+    }
+
+
 @pytest.mark.parametrize("identity", sorted(EXECUTED_BY))
 def test_the_named_execution_test_exists(identity) -> None:
     execution = EXECUTED_BY[identity]
