@@ -92,9 +92,11 @@ class SpareNodes(Construct):
             ),
             # Healthy while the launcher lives, fetching or idle: the fetch may outlast any start period.
             # The launcher is the container's first process, so this says little more than "running";
-            # it must at least not be true of itself (its own `sh -c` names the launcher).
+            # it must at least not be true of itself (its own `sh -c` names the launcher). grep says 2
+            # when a process vanished during its scan; Docker reserves 2 (ExitCode in
+            # https://docs.docker.com/reference/api/engine/version/v1.57/schemas/HealthcheckResult/), so a failure is 1.
             health_check=ecs.HealthCheck(
-                command=["CMD-SHELL", launcher_alive_test()],
+                command=["CMD-SHELL", f"{launcher_alive_test()} || exit 1"],
                 interval=Duration.seconds(30),
                 timeout=Duration.seconds(5),
                 retries=3,
