@@ -302,6 +302,8 @@ class CellStack(Stack):
             proxy_stop_timeout=Duration.seconds(
                 serving.deregistration_delay_seconds + serving.drain_timeout_seconds + 30
             ),
+            deregistration_delay=Duration.seconds(serving.deregistration_delay_seconds),
+            follower_loss=Duration.seconds(serving.follower_loss_seconds),
             deployment_alarms=self.alarms.deployment_alarms if self.alarms else None,
             desired_counts=(
                 (self.autoscaler.desired_count(unit_id, "leader"), self.autoscaler.desired_count(unit_id, "followers"))

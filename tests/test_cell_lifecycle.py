@@ -184,8 +184,9 @@ def test_followers_stop_only_after_the_leader_drained(synth_large) -> None:
     guard = next(c for c in follower["ContainerDefinitions"] if c["Name"] == "drain-guard")
     # The engine gets SIGTERM only once the guard has exited (reverse dependency order).
     assert guard["DependsOn"] == [{"ContainerName": "inference", "Condition": "START"}]
-    assert guard["Essential"] is False and guard["StopTimeout"] >= leader_drain
-    assert f"$i -lt {leader_drain}" in guard["Command"][0]
+    bound = int(next(e["Value"] for e in guard["Environment"] if e["Name"] == "DRAIN_GUARD_MAX_SECONDS"))
+    assert guard["Essential"] is False and guard["StopTimeout"] > bound > leader_drain
+    assert "$DRAIN_GUARD_MAX_SECONDS" in guard["Command"][0]
     assert follower["PidMode"] == "task"
 
 
