@@ -239,10 +239,13 @@ def test_missing_load_reports_never_scale_in_nor_out() -> None:
     assert decide(POLICY, Observation(now=1e5, units=thin)).action == "hold"  # one fits, but u0 reported twice
 
 
-def test_a_unit_without_reports_counts_at_the_mean_of_the_others() -> None:
+def test_a_unit_without_reports_adds_no_load() -> None:
+    """u1 has just joined: u0 still reports the load it carried alone; counting u1 too would launch u2."""
+    units = (serving(0, 12), Unit(1, "serving"), Unit(2, "dormant"), Unit(3, "dormant"))
+    assert decide(POLICY, Observation(now=1e5, units=units)).action == "hold"  # 0.375 at target 0.5: 1 unit
     units = (serving(0, 24), Unit(1, "serving"), Unit(2, "dormant"), Unit(3, "dormant"))
-    decision = decide(POLICY, Observation(now=1e5, units=units))  # 0.75 x 2 = 1.5 at target 0.5: 3 units
-    assert (decision.action, decision.units) == ("activate", (2,))
+    decision = decide(POLICY, Observation(now=1e5, units=units))  # 0.75 at target 0.5: 2 units, 2 active
+    assert decision.action == "hold"
 
 
 def test_a_missed_ttft_objective_scales_out_and_forbids_scale_in() -> None:

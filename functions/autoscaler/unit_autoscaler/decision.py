@@ -195,30 +195,50 @@ def _known(series: Series, minutes: int) -> list[float]:
 
 
 def out_load(policy: Policy, unit: Unit) -> float | None:
-    """A serving unit's load for scale-out: the median of its last minutes (None: no report in the window)."""
+    """A unit's own recent load: the median of its last minutes (None: no report in the window)."""
     known = _known(unit.load, policy.out_minutes)
     return quantile(known, 0.5) if known else None
 
 
-def cell_out_load(policy: Policy, serving: Sequence[Unit]) -> float | None:
-    """The cell's load for scale-out: a unit without reports is taken at the mean of those with reports.
+def minute_totals(units: Sequence[Unit], minutes: int) -> tuple[list[float], list[float]]:
+    """The cell's load minute by minute: (complete minutes, every minute with a report).
 
-    No report from any unit: None, and no scale-out by load (lacking data, the controller
-    holds: a metric outage must not launch units that take tens of minutes to start).
+    A minute's total sums the reports of every unit in that minute, whatever its phase now
+    (a unit drained since still carried its share then). A minute is complete when every
+    unit serving now reported in it: a unit that has just joined has no report in the
+    minutes before it served, when the others carried its share, so those minutes count
+    once and right; and a missing datapoint does not read as a unit with no load.
     """
-    loads = [out_load(policy, u) for u in serving]
-    known = [v for v in loads if v is not None]
-    if not known:
-        return None if serving else 0.0
-    return sum(known) * len(loads) / len(known)
+    serving = [u for u in units if u.phase == "serving"]
+    complete, partial = [], []
+    for k in range(minutes):
+        values = [u.load[k] for u in units if k < len(u.load) and u.load[k] is not None]
+        if not values:
+            continue
+        partial.append(sum(values))
+        if all(k < len(u.load) and u.load[k] is not None for u in serving):
+            complete.append(partial[-1])
+    return complete, partial
 
 
-def in_load(policy: Policy, unit: Unit) -> float:
-    """A serving unit's load for scale-in: the p90 of the longer window; thin data counts as fully loaded."""
-    known = _known(unit.load, policy.in_minutes)
-    if len(known) < SCALE_IN_MIN_COVERAGE * policy.in_minutes:
-        return 1.0
-    return quantile(known, SCALE_IN_QUANTILE)
+def cell_out_load(policy: Policy, units: Sequence[Unit]) -> float | None:
+    """The cell's load for scale-out: the median of the complete minutes of the short window
+    (of every reported minute when none is complete: a lower bound). No report at all: None,
+    and no scale-out by load (lacking data the controller holds: a metric outage must not
+    launch units that take tens of minutes to start)."""
+    complete, partial = minute_totals(units, policy.out_minutes)
+    if complete or partial:
+        return quantile(complete or partial, 0.5)
+    return None if any(u.phase == "serving" for u in units) else 0.0
+
+
+def cell_in_load(policy: Policy, units: Sequence[Unit]) -> float | None:
+    """The cell's load for scale-in: the p90 of the complete minutes of the long window; None
+    (no scale-in) when fewer than half its minutes are complete."""
+    complete, _ = minute_totals(units, policy.in_minutes)
+    if len(complete) < SCALE_IN_MIN_COVERAGE * policy.in_minutes:
+        return None
+    return quantile(complete, SCALE_IN_QUANTILE)
 
 
 def _cancellable(policy: Policy, obs: Observation, starting: Sequence[Unit], active: int) -> list[Unit]:
@@ -244,9 +264,9 @@ def decide(policy: Policy, obs: Observation) -> Decision:
     releasing = [u for u in units if u.phase == "releasing"]
     dormant = [u for u in units if u.phase == "dormant"]
     active = len(serving) + len(starting)
-    observed = cell_out_load(policy, serving)
+    observed = cell_out_load(policy, units)
     total = observed if observed is not None else 0.0
-    total_in = sum(in_load(policy, u) for u in serving)
+    total_in = cell_in_load(policy, units)
     cell_load = total / len(serving) if serving else 0.0
     need = min(max(needed_units(policy, total), policy.min_units), policy.max_units)
     metrics = {
@@ -309,7 +329,7 @@ def decide(policy: Policy, obs: Observation) -> Decision:
         policy.ttft_p90_ms is None or ttft_in is None or ttft_in <= policy.ttft_p90_ms * (1 - policy.scale_in_margin)
     )
     if active > policy.min_units and serving and not starting and not draining and ttft_comfortable:
-        fits = total_in <= (active - 1) * policy.target_load * (1 - policy.scale_in_margin)
+        fits = total_in is not None and total_in <= (active - 1) * policy.target_load * (1 - policy.scale_in_margin)
         if fits and (last_action is None or obs.now - last_action >= policy.scale_in_cooldown_s):
             return out("deactivate", f"load {total_in:.2f} (p90 of {policy.in_minutes} min) fits {active - 1} units",
                        [_least_loaded(policy, serving)])
