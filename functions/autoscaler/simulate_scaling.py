@@ -458,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="6 hours from 08:00, no timelines (CI)")
     parser.add_argument("--timeline", action="store_true", help="print the units hour by hour")
     parser.add_argument("--startup-minutes", type=float, help="unit start-up (default: node boot + the budget)")
+    parser.add_argument("--target-load", type=float, help="override the fleet's scaling.target_load")
     parser.add_argument("--trough", type=float, default=40.0, help="concurrent requests at 04:00")
     parser.add_argument("--peak-factor", type=float, default=4.0, help="the 16:00 peak as a multiple of the trough")
     parser.add_argument("--spike-factor", type=float, default=2.0, help="the sudden spike, x the curve")
@@ -478,6 +479,10 @@ def main(argv: list[str] | None = None) -> int:
     policy, capacity, startup, drain = policy_from_fleet(args.config, args.cell)
     if args.startup_minutes is not None:
         startup = args.startup_minutes * 60
+    if args.target_load is not None:
+        if not 0 < args.target_load <= 1:
+            parser.error(f"--target-load must be in (0, 1], got {args.target_load}")
+        policy = replace(policy, target_load=args.target_load)
     faults = NO_FAULTS if args.no_faults else Faults(
         metric_lag_min=args.metric_lag, gap=args.gap, formation_failure=args.formation_failure,
         reforms_per_day=args.reforms_per_day, refused=tuple(args.refused or Faults.refused))

@@ -20,11 +20,13 @@ load), the stack's state, the last scaling times and the recent capacity failure
 A unit that has served stays `serving` until the autoscaler drains it: a missing or failed
 health minute does not make it `starting` again (the handler keeps a "served" latch on the
 group, `served_latch`). Load of a serving unit: the larger of (in flight + waiting) /
-admission capacity and the KV cache usage, minute by minute. Scale-out reads the median of
-the last `scale_out_window_s` (a burst of a minute or two, or one noisy minute, moves no
-unit that takes tens of minutes to start); scale-in reads the 90th percentile of the last
-`scale_in_window_s` against a line `scale_in_margin` below one unit fewer, so noise
-inside the band between the two lines never flaps.
+admission capacity and the KV cache usage, minute by minute; the cell's load sums the units'
+reports minute by minute (`minute_totals`). Scale-out needs the load above its line in two
+minutes of the last `scale_out_window_s` (one minute of a burst, or one noisy minute, starts
+no unit that takes tens of minutes to start); scale-in needs the 90th percentile of the last
+`scale_in_window_s` below a line `scale_in_margin` under one unit fewer, so noise inside
+the band between the two lines never flaps; after any action, `scale_out_cooldown_s`
+holds scale-out and `scale_in_cooldown_s` holds scale-in.
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ HOLDS_INSTANCES: frozenset[str] = frozenset({"starting", "serving", "draining", 
 ACTIVE: frozenset[str] = frozenset({"starting", "serving"})
 BACKOFF_CAP_FACTOR = 8
 MINUTE_S = 60.0
+# Scale-out needs the load (or TTFT) above its line in this many minutes of its window: one
+# minute of a burst or of noise starts no unit, a second one does (units start in tens of
+# minutes: waiting for the median of the window cost objective minutes in the simulator).
+SCALE_OUT_MINUTES = 2
 # Scale-in looks at this quantile of its window: a few noisy minutes above the line (10 %)
 # do not keep a unit that the rest of the window says is not needed; more of them do.
 SCALE_IN_QUANTILE = 0.9
@@ -60,7 +66,7 @@ class Policy:
     scale_out_cooldown_s: float = 300.0
     scale_in_cooldown_s: float = 1800.0
     capacity_backoff_s: float = 600.0
-    # Smoothing: scale-out on the median of this window, scale-in on its p90 of the longer one.
+    # Smoothing: scale-out on two minutes of this window, scale-in on the p90 of the longer one.
     scale_out_window_s: float = 300.0
     scale_in_window_s: float = 1800.0
 
@@ -190,6 +196,13 @@ def quantile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))] if q < 1 else ordered[-1]
 
 
+def sustained(values: Sequence[float]) -> float:
+    """The level reached in at least SCALE_OUT_MINUTES of the window (all of them when fewer):
+    one minute of a burst, or one noisy minute, never reaches it alone."""
+    ordered = sorted(values, reverse=True)
+    return ordered[min(SCALE_OUT_MINUTES, len(ordered)) - 1]
+
+
 def _known(series: Series, minutes: int) -> list[float]:
     return [v for v in series[:minutes] if v is not None]
 
@@ -222,13 +235,13 @@ def minute_totals(units: Sequence[Unit], minutes: int) -> tuple[list[float], lis
 
 
 def cell_out_load(policy: Policy, units: Sequence[Unit]) -> float | None:
-    """The cell's load for scale-out: the median of the complete minutes of the short window
+    """The cell's load for scale-out: `sustained` over the complete minutes of the short window
     (of every reported minute when none is complete: a lower bound). No report at all: None,
     and no scale-out by load (lacking data the controller holds: a metric outage must not
     launch units that take tens of minutes to start)."""
     complete, partial = minute_totals(units, policy.out_minutes)
     if complete or partial:
-        return quantile(complete or partial, 0.5)
+        return sustained(complete or partial)
     return None if any(u.phase == "serving" for u in units) else 0.0
 
 
@@ -300,7 +313,8 @@ def decide(policy: Policy, obs: Observation) -> Decision:
         return out("deactivate", f"{active} active units above max_units {policy.max_units}",
                    [_least_loaded(policy, serving)])
 
-    ttft_out = _ttft(obs.ttft_p90_ms, policy.out_minutes, 0.5)
+    known_ttft = _known(obs.ttft_p90_ms, policy.out_minutes)
+    ttft_out = sustained(known_ttft) if known_ttft else None
     objective_missed = policy.ttft_p90_ms is not None and ttft_out is not None and ttft_out > policy.ttft_p90_ms
     want_out = ((observed is not None and need > active)
                 or (objective_missed and active < policy.max_units and not starting))
@@ -308,9 +322,10 @@ def decide(policy: Policy, obs: Observation) -> Decision:
     if want_out:
         target = max(need, active + 1) if objective_missed else need
         target = min(target, policy.max_units)
-        why = (f"TTFT p90 {ttft_out:.0f} ms (median of {policy.out_minutes} min) above {policy.ttft_p90_ms:.0f} ms"
+        over = f"in {SCALE_OUT_MINUTES} of {policy.out_minutes} min"
+        why = (f"TTFT p90 {ttft_out:.0f} ms {over} above {policy.ttft_p90_ms:.0f} ms"
                if objective_missed and need <= active
-               else f"load {total:.2f} (median of {policy.out_minutes} min) needs {need} units, {active} active")
+               else f"load {total:.2f} {over} needs {need} units, {active} active")
         if in_backoff:
             return out("hold", f"{why}; in capacity backoff until {backoff:.0f}")
         # The cool-down follows any action: a scale-out right after a drain would be a flap.
