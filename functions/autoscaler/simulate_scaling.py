@@ -409,29 +409,38 @@ def rules_policy(policy: Policy, rules: str) -> Policy:
     return policy
 
 
-def summary_line(result: Result) -> str:
-    saved = 1 - result.unit_hours / result.static_unit_hours
-    return (f"{result.name}: {result.scaling_actions} actions ({result.count('activate')} activations of "
-            f"{result.units_activated} units, {result.count('deactivate')} drains, {result.count('cancel')} "
-            f"cancelled), {result.violated_minutes} min over objective ({result.refused_minutes} refused for "
-            f"capacity; static {result.static_violated_minutes}), {result.unit_hours:.1f} unit-hours "
-            f"(static {result.static_unit_hours:.1f}, {saved:.0%} saved)")
+def summary_line(name: str, results: Sequence[Result]) -> str:
+    """The figures of a run, or their means over several seeds."""
+    n = len(results)
+
+    def mean(figure: Callable[[Result], float], digits: int = 0) -> str:
+        value = sum(figure(r) for r in results) / n
+        return f"{value:.{digits if n == 1 else max(digits, 1)}f}"
+
+    saved = 1 - sum(r.unit_hours for r in results) / sum(r.static_unit_hours for r in results)
+    return (f"{name}: {mean(lambda r: r.scaling_actions)} actions ({mean(lambda r: r.count('activate'))} "
+            f"activations of {mean(lambda r: r.units_activated)} units, {mean(lambda r: r.count('deactivate'))} "
+            f"drains, {mean(lambda r: r.count('cancel'))} cancelled), {mean(lambda r: r.violated_minutes)} min "
+            f"over objective ({mean(lambda r: r.refused_minutes)} refused for capacity; static "
+            f"{mean(lambda r: r.static_violated_minutes)}), {mean(lambda r: r.unit_hours, 1)} unit-hours (static "
+            f"{mean(lambda r: r.static_unit_hours, 1)}, {saved:.0%} saved)" + (f", mean of {n} seeds" if n > 1 else ""))
 
 
-def report(result: Result, out: Callable[[str], None] = print, timeline: bool = True) -> None:
-    out(f"== {summary_line(result)}")
+def report(results: Sequence[Result], out: Callable[[str], None] = print, timeline: bool = True) -> None:
+    out(f"== {summary_line(results[0].name, results)}")
     if timeline:
+        result = results[0]
         out("  hour  demand  healthy  holding")
         for hour, d, healthy, holding in result.timeline[::2]:
             out(f"  {hour:4.0f}  {d:6.0f}  {healthy:7d}  {holding:7d}  {'#' * holding}")
 
 
-def curves(args: argparse.Namespace, minutes: int) -> list[tuple[str, Demand]]:
+def curves(args: argparse.Namespace, minutes: int, seed: int) -> list[tuple[str, Demand]]:
     day = day_curve(args.trough, args.trough * args.peak_factor)
     return [
         ("smooth", day),
-        ("+-15 %", with_noise(day, 0.15, args.seed, minutes)),
-        ("+-30 %", with_noise(day, 0.30, args.seed, minutes)),
+        ("+-15 %", with_noise(day, 0.15, seed, minutes)),
+        ("+-30 %", with_noise(day, 0.30, seed, minutes)),
         ("burst 2x 1 min every 3 h", with_bursts(day, 3.0, 1.0, 2.0)),
         (f"spike {args.spike_factor:g}x at {args.spike_at:g}:00 for {args.spike_minutes:g} min",
          with_spike(day, args.spike_at, args.spike_minutes, args.spike_factor)),
@@ -455,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rules", choices=(*RULES, "both"), default="both",
                         help="smoothed (today's), newest-minute (before smoothing), or both side by side")
     parser.add_argument("--seed", type=int, default=1, help="seed of every random draw (noise, gaps, failures)")
+    parser.add_argument("--seeds", type=int, default=1, help="run seeds SEED.. SEED+N-1 and report the means")
     parser.add_argument("--quick", action="store_true", help="6 hours from 08:00, no timelines (CI)")
     parser.add_argument("--timeline", action="store_true", help="print the units hour by hour")
     parser.add_argument("--startup-minutes", type=float, help="unit start-up (default: node boot + the budget)")
@@ -474,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="hours FROM-TO in which launches are refused for capacity (repeatable; default 11-12)")
     parser.add_argument("--no-faults", action="store_true", help="no lag beyond a minute, gaps or failures")
     args = parser.parse_args(argv)
+    if args.seeds < 1:
+        parser.error(f"--seeds must be at least 1, got {args.seeds}")
     if not 0 <= args.gap < 1 or not 0 <= args.formation_failure < 1 or args.metric_lag < 1:
         parser.error("--gap and --formation-failure must be in [0, 1), --metric-lag at least 1 minute")
     policy, capacity, startup, drain = policy_from_fleet(args.config, args.cell)
@@ -489,14 +501,17 @@ def main(argv: list[str] | None = None) -> int:
     hours, offset = (6.0, 8.0) if args.quick else (24.0, 0.0)
     print(f"policy: {policy}")
     print(f"unit admission capacity {capacity:.0f} requests, start-up {startup / 60:.0f} min, "
-          f"drain {drain / 60:.0f} min; {faults}; seed {args.seed}; {hours:g} h from {offset:02.0f}:00")
+          f"drain {drain / 60:.0f} min; {faults}; seeds {args.seed}..{args.seed + args.seeds - 1}; "
+          f"{hours:g} h from {offset:02.0f}:00")
     rule_sets = RULES if args.rules == "both" else (args.rules,)
-    for name, curve in curves(args, int((hours + offset) * 60)):
+    seeds = range(args.seed, args.seed + args.seeds)
+    by_seed = {seed: curves(args, int((hours + offset) * 60), seed) for seed in seeds}
+    for index, (name, _) in enumerate(by_seed[args.seed]):
         for rules in rule_sets:
-            result = simulate(f"{name} [{rules}]", curve, rules_policy(policy, rules), capacity=capacity,
-                              startup_s=startup, drain_s=drain, hours=hours, start_h=offset, faults=faults,
-                              seed=args.seed, rules=rules)
-            report(result, timeline=args.timeline and not args.quick)
+            results = [simulate(f"{name} [{rules}]", by_seed[seed][index][1], rules_policy(policy, rules),
+                                capacity=capacity, startup_s=startup, drain_s=drain, hours=hours, start_h=offset,
+                                faults=faults, seed=seed, rules=rules) for seed in seeds]
+            report(results, timeline=args.timeline and not args.quick)
     return 0
 
 
