@@ -234,7 +234,9 @@ class World:
         gap_row = minute if minute < self.minutes else self.minutes - 1
         for unit, series in zip(self.units, self.history, strict=True):
             point: tuple[float | None, float | None] = {
-                "serving": (busy, 1.0), "reforming": (0.0, 0.0), "forming": (None, 0.0),
+                # The proxy reports from the leader task's start: InFlight 0 and UnitHealthy 0 until
+                # the engine serves (containers/proxy/unit_proxy/telemetry.py, emf_events).
+                "serving": (busy, 1.0), "reforming": (0.0, 0.0), "forming": (0.0, 0.0),
             }.get(unit.state, (None, None))
             series.append((None, None) if self.gaps[unit.index][gap_row] else point)
         ttft = self.ttft(demand)
@@ -242,10 +244,15 @@ class World:
 
     # -- what the autoscaler sees ----------------------------------------------------
 
-    def _visible(self, series: Sequence[object], minute: int) -> list:
-        newest = minute - self.faults.metric_lag_min
-        oldest = newest - self.policy.window_minutes + 1
-        return [series[m] if 0 <= m < len(series) else (None, None) for m in range(newest, oldest - 1, -1)]
+    def _visible(self, series: Sequence[object], minute: int, empty: object) -> list:
+        """The whole minutes before `minute`, newest first, as GetMetricData has them: a minute
+        whose data has not arrived yet (the lag) is empty, as in the Lambda's window. Under the
+        newest-minute rules the window starts at the newest minute that has data instead (the
+        old code read the newest datapoint of its window)."""
+        newest = minute - 1 if self.rules == "smoothed" else minute - self.faults.metric_lag_min
+        arrived = minute - self.faults.metric_lag_min
+        return [series[m] if 0 <= m < len(series) and m <= arrived else empty
+                for m in range(newest, newest - self.policy.window_minutes, -1)]
 
     def observe(self, now: float, demand: float | None = None) -> Observation:
         minute = int((now - self.t0) // TICK_S)
@@ -253,7 +260,7 @@ class World:
             self.record(minute, demand)
         units = []
         for unit, series in zip(self.units, self.history, strict=True):
-            seen = self._visible(series, minute)
+            seen = self._visible(series, minute, (None, None))
             health = [h for _, h in seen]
             if self.rules == "newest-minute":
                 served = health[0] == 1.0 if health else False
@@ -265,10 +272,8 @@ class World:
                              labelled_instances=nodes if unit.has_instances else 0, served=served)
             units.append(Unit(unit.index, phase, tuple(u for u, _ in seen),
                               running_tasks=nodes if unit.has_instances and unit.state != "releasing" else 0,
-                              instances=nodes if unit.has_instances else 0))
-        ttft = [None if m < 0 or m >= len(self.ttft_history) else self.ttft_history[m]
-                for m in range(minute - self.faults.metric_lag_min,
-                               minute - self.faults.metric_lag_min - self.policy.window_minutes, -1)]
+                              instances=nodes if unit.has_instances else 0, health=tuple(health)))
+        ttft = self._visible(self.ttft_history, minute, None)
         return Observation(now=now, units=tuple(units), last_scale_out=self.last_out, last_scale_in=self.last_in,
                            capacity_failures=tuple(self.failures), ttft_p90_ms=tuple(ttft))
 
@@ -405,7 +410,7 @@ def policy_from_fleet(path: Path, cell_name: str | None) -> tuple[Policy, float,
 def rules_policy(policy: Policy, rules: str) -> Policy:
     """The policy under a rule set: `newest-minute` reads windows of one minute (the rules of 87efc36)."""
     if rules == "newest-minute":
-        return replace(policy, scale_out_window_s=60.0, scale_in_window_s=60.0)
+        return replace(policy, scale_out_window_s=60.0, scale_in_window_s=60.0, scale_out_minutes=1)
     return policy
 
 

@@ -35,6 +35,7 @@ def policies(draw: st.DrawFn) -> Policy:
         ttft_p90_ms=draw(st.none() | st.floats(100, 5000)),
         scale_out_cooldown_s=draw(st.floats(60, 900)), scale_in_cooldown_s=draw(st.floats(60, 3600)),
         scale_out_window_s=out_window, scale_in_window_s=out_window * draw(st.sampled_from([1, 2, 6])),
+        scale_out_minutes=draw(st.integers(1, min(2, round(out_window / 60)))),
     )
 
 
@@ -130,7 +131,7 @@ def test_instances_are_released_only_after_the_drain(situation) -> None:
         assert list(decision.units) == dormant[: len(decision.units)]  # the placement controller's order
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(policies(), st.floats(1, 300), st.integers(0, 10), st.floats(0, 30), st.floats(0, 10))
 def test_no_oscillation_on_a_steady_load(policy, demand, start, startup_min, drain_min) -> None:
     """Under a constant demand the cell moves one way only and settles: never out then in, or in then out."""
@@ -256,6 +257,25 @@ def test_a_missed_ttft_objective_scales_out_and_forbids_scale_in() -> None:
     assert decide(policy, Observation(now=1e5, units=units, ttft_p90_ms=(2500.0, 900.0, 900.0))).action == "hold"
 
 
+def test_ttft_measured_before_a_unit_joined_calls_for_no_other() -> None:
+    """u1 turned healthy two minutes ago; the TTFT before was measured on u0 alone. Counting
+    those minutes would launch u2 at once (a closed-loop property found this chain)."""
+    policy = Policy(min_units=1, max_units=4, nodes=2, ttft_p90_ms=1000)
+    joined = Unit(1, "serving", minutes(*[1] * WINDOW), running_tasks=2, instances=2,
+                  health=(1.0, None, 0.0, 0.0, 0.0))
+    units = (serving(0, 1), joined, Unit(2, "dormant"), Unit(3, "dormant"))
+    ttft = (800.0, 800.0, 2500.0, 2500.0, 2500.0)
+    assert decide(policy, Observation(now=1e5, units=units, ttft_p90_ms=ttft)).action == "hold"
+    settled = (2500.0, 2500.0, 2500.0, 2500.0, 2500.0)
+    assert decide(policy, Observation(now=1e5, units=units, ttft_p90_ms=settled)).action == "hold"  # 1 minute
+    healthy = (serving(0, 1), Unit(1, "serving", minutes(*[1] * WINDOW), running_tasks=2, instances=2,
+                                   health=(1.0, None, 1.0, 1.0, 0.0)), Unit(2, "dormant"), Unit(3, "dormant"))
+    # Still missed in 2 minutes with both units healthy: one more.
+    assert decide(policy, Observation(now=1e5, units=healthy, ttft_p90_ms=settled)).action == "activate"
+    later = Observation(now=1e5, units=healthy, ttft_p90_ms=settled, last_scale_out=1e5 - 150)
+    assert decide(policy, later).action == "hold"  # one whole minute since the last action: too few to judge
+
+
 def test_a_capacity_failure_cancels_the_activation_and_backs_off() -> None:
     units = (serving(0, 32), Unit(1, "starting", running_tasks=0, instances=0), Unit(2, "dormant"))
     obs = Observation(now=1000, units=units, last_scale_out=900, capacity_failures=(950,))
@@ -346,6 +366,8 @@ def test_policy_bounds_are_checked() -> None:
         Policy(min_units=3, max_units=2, nodes=2)
     with pytest.raises(ValueError, match="scale_out_window_s"):
         Policy(min_units=1, max_units=2, nodes=2, scale_out_window_s=600, scale_in_window_s=300)
+    with pytest.raises(ValueError, match="scale_out_minutes"):
+        Policy(min_units=1, max_units=2, nodes=2, scale_out_window_s=60, scale_out_minutes=2)
     assert POLICY.out_minutes == 5 and POLICY.in_minutes == WINDOW == POLICY.window_minutes
     assert quantile([3, 1, 2], 0.5) == 2 and quantile([1, 2, 3, 4], 0.5) == 2 and quantile([5], 0.9) == 5
     assert math.isclose(quantile([float(i) for i in range(10)], 0.9), 8.0)

@@ -44,10 +44,6 @@ HOLDS_INSTANCES: frozenset[str] = frozenset({"starting", "serving", "draining", 
 ACTIVE: frozenset[str] = frozenset({"starting", "serving"})
 BACKOFF_CAP_FACTOR = 8
 MINUTE_S = 60.0
-# Scale-out needs the load (or TTFT) above its line in this many minutes of its window: one
-# minute of a burst or of noise starts no unit, a second one does (units start in tens of
-# minutes: waiting for the median of the window cost objective minutes in the simulator).
-SCALE_OUT_MINUTES = 2
 # Scale-in looks at this quantile of its window: a few noisy minutes above the line (10 %)
 # do not keep a unit that the rest of the window says is not needed; more of them do.
 SCALE_IN_QUANTILE = 0.9
@@ -66,9 +62,13 @@ class Policy:
     scale_out_cooldown_s: float = 300.0
     scale_in_cooldown_s: float = 1800.0
     capacity_backoff_s: float = 600.0
-    # Smoothing: scale-out on two minutes of this window, scale-in on the p90 of the longer one.
+    # Smoothing: scale-out when the load is above its line in `scale_out_minutes` of the first
+    # window (one minute of a burst or of noise starts no unit, a second one does: units start
+    # in tens of minutes, and waiting for the median of the window cost objective minutes in
+    # the simulator); scale-in on the p90 of the longer one.
     scale_out_window_s: float = 300.0
     scale_in_window_s: float = 1800.0
+    scale_out_minutes: int = 2
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_units <= self.max_units:
@@ -78,6 +78,9 @@ class Policy:
         if not MINUTE_S <= self.scale_out_window_s <= self.scale_in_window_s:
             raise ValueError(f"need 60 <= scale_out_window_s ({self.scale_out_window_s}) <= scale_in_window_s "
                              f"({self.scale_in_window_s})")
+        if not 1 <= self.scale_out_minutes <= self.out_minutes:
+            raise ValueError(f"need 1 <= scale_out_minutes ({self.scale_out_minutes}) <= the minutes of "
+                             f"scale_out_window_s ({self.out_minutes})")
 
     @property
     def out_minutes(self) -> int:
@@ -118,6 +121,7 @@ class Unit:
     load: Series = ()  # utilisation per minute, newest first
     running_tasks: int = 0
     instances: int | None = None  # instances labelled for the unit (None: not known)
+    health: Series = ()  # UnitHealthy minimum per minute, newest first
 
     @property
     def unit_id(self) -> str:
@@ -196,11 +200,33 @@ def quantile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))] if q < 1 else ordered[-1]
 
 
-def sustained(values: Sequence[float]) -> float:
-    """The level reached in at least SCALE_OUT_MINUTES of the window (all of them when fewer):
-    one minute of a burst, or one noisy minute, never reaches it alone."""
-    ordered = sorted(values, reverse=True)
-    return ordered[min(SCALE_OUT_MINUTES, len(ordered)) - 1]
+def sustained(values: Sequence[float], minutes: int) -> float | None:
+    """The level reached in at least `minutes` of the window (Policy.scale_out_minutes): with 2,
+    one minute of a burst, or one noisy minute, never reaches it alone. Fewer values: None."""
+    if len(values) < minutes:
+        return None
+    return sorted(values, reverse=True)[minutes - 1]
+
+
+def minutes_since(now: float, since: float | None) -> int:
+    """How many whole minutes of the metric window (minute k ends at the start of the current
+    minute - k minutes; the handler's window) began at or after `since`."""
+    if since is None:
+        return 1 << 30
+    return max(0, int((now // MINUTE_S * MINUTE_S - since) // MINUTE_S))
+
+
+def joined_minutes(serving: Sequence[Unit]) -> int:
+    """Minutes since the last serving unit turned healthy (a 1 after a 0, gaps skipped): the
+    cell had fewer healthy units before. Large when none did in the window."""
+    limit = 1 << 30
+    for unit in serving:
+        known = [(k, h) for k, h in enumerate(unit.health) if h is not None]
+        for (k, newer), (_, older) in itertools.pairwise(known):
+            if newer == 1.0 and older != 1.0:
+                limit = min(limit, k + 1)
+                break
+    return limit
 
 
 def _known(series: Series, minutes: int) -> list[float]:
@@ -236,13 +262,14 @@ def minute_totals(units: Sequence[Unit], minutes: int) -> tuple[list[float], lis
 
 def cell_out_load(policy: Policy, units: Sequence[Unit]) -> float | None:
     """The cell's load for scale-out: `sustained` over the complete minutes of the short window
-    (of every reported minute when none is complete: a lower bound). No report at all: None,
+    (of every reported minute when too few are complete: a lower bound). Too few reports: None,
     and no scale-out by load (lacking data the controller holds: a metric outage must not
     launch units that take tens of minutes to start)."""
+    if not any(u.phase == "serving" for u in units):
+        return 0.0
     complete, partial = minute_totals(units, policy.out_minutes)
-    if complete or partial:
-        return sustained(complete or partial)
-    return None if any(u.phase == "serving" for u in units) else 0.0
+    enough = len(complete) >= policy.scale_out_minutes
+    return sustained(complete if enough else partial, policy.scale_out_minutes)
 
 
 def cell_in_load(policy: Policy, units: Sequence[Unit]) -> float | None:
@@ -313,16 +340,18 @@ def decide(policy: Policy, obs: Observation) -> Decision:
         return out("deactivate", f"{active} active units above max_units {policy.max_units}",
                    [_least_loaded(policy, serving)])
 
-    known_ttft = _known(obs.ttft_p90_ms, policy.out_minutes)
-    ttft_out = sustained(known_ttft) if known_ttft else None
+    # The TTFT of minutes before the last action, or before a unit (re)joined, was measured on
+    # other units: only later ones count (or the unit just added would call for another).
+    last_action = max((t for t in (obs.last_scale_out, obs.last_scale_in) if t is not None), default=None)
+    settled = min(policy.out_minutes, minutes_since(obs.now, last_action), joined_minutes(serving))
+    ttft_out = sustained(_known(obs.ttft_p90_ms, settled), policy.scale_out_minutes)
     objective_missed = policy.ttft_p90_ms is not None and ttft_out is not None and ttft_out > policy.ttft_p90_ms
     want_out = ((observed is not None and need > active)
                 or (objective_missed and active < policy.max_units and not starting))
-    last_action = max((t for t in (obs.last_scale_out, obs.last_scale_in) if t is not None), default=None)
     if want_out:
         target = max(need, active + 1) if objective_missed else need
         target = min(target, policy.max_units)
-        over = f"in {SCALE_OUT_MINUTES} of {policy.out_minutes} min"
+        over = f"in {policy.scale_out_minutes} of {policy.out_minutes} min"
         why = (f"TTFT p90 {ttft_out:.0f} ms {over} above {policy.ttft_p90_ms:.0f} ms"
                if objective_missed and need <= active
                else f"load {total:.2f} {over} needs {need} units, {active} active")
@@ -337,18 +366,32 @@ def decide(policy: Policy, obs: Observation) -> Decision:
 
     # Scale in only with every unit settled, outside the cool-down, when one unit fewer still
     # carries the p90 load of the long window at target x (1 - margin), and with the TTFT p90
-    # below objective x (1 - margin): the same band on both signals, or a unit added for TTFT
-    # would be taken away again.
+    # expected on one unit fewer below objective x (1 - margin): the same band on both
+    # signals, or a unit added for TTFT would be taken away again.
+    fits = (active > 1 and total_in is not None
+            and total_in <= (active - 1) * policy.target_load * (1 - policy.scale_in_margin))
     ttft_in = _ttft(obs.ttft_p90_ms, policy.in_minutes, SCALE_IN_QUANTILE)
     ttft_comfortable = (
-        policy.ttft_p90_ms is None or ttft_in is None or ttft_in <= policy.ttft_p90_ms * (1 - policy.scale_in_margin)
+        policy.ttft_p90_ms is None or ttft_in is None or not fits
+        or ttft_after_scale_in(ttft_in, total_in or 0.0, active) <= policy.ttft_p90_ms * (1 - policy.scale_in_margin)
     )
-    if active > policy.min_units and serving and not starting and not draining and ttft_comfortable:
-        fits = total_in is not None and total_in <= (active - 1) * policy.target_load * (1 - policy.scale_in_margin)
-        if fits and (last_action is None or obs.now - last_action >= policy.scale_in_cooldown_s):
-            return out("deactivate", f"load {total_in:.2f} (p90 of {policy.in_minutes} min) fits {active - 1} units",
-                       [_least_loaded(policy, serving)])
+    settled_in = active > policy.min_units and serving and not starting and not draining
+    cooled = last_action is None or obs.now - last_action >= policy.scale_in_cooldown_s
+    if settled_in and fits and ttft_comfortable and cooled:
+        return out("deactivate", f"load {total_in:.2f} (p90 of {policy.in_minutes} min) fits {active - 1} units",
+                   [_least_loaded(policy, serving)])
     return out("hold", f"load {total:.2f} on {active} active units (need {need})")
+
+
+def ttft_after_scale_in(ttft: float, load: float, active: int) -> float:
+    """The TTFT expected on one unit fewer carrying the same load: TTFT x (1 - u) / (1 - u'),
+    u and u' the load per unit before and after (a single-queue approximation, the
+    simulator's model; not a measured law). Near a TTFT objective a few percent of margin
+    is less than what removing a unit adds: without this the closed-loop property found a
+    cell adding a unit for TTFT and draining it again every other minute (87efc36 too)."""
+    before = min(load / active, 0.99)
+    after = min(load / (active - 1), 0.99)
+    return ttft * (1 - before) / (1 - after)
 
 
 def _ttft(series: Series, minutes: int, q: float) -> float | None:

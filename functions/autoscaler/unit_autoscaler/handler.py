@@ -115,7 +115,7 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
         phase = phase_of(desired_tasks=desired, running_tasks=running, labelled_instances=instances,
                          served=index in latched or m.healthy_seen)
         units.append(Unit(index, phase, utilisation(m, settings.capacity), running_tasks=running,
-                          instances=instances))
+                          instances=instances, health=m.healthy))
     # A deploy restarts units: count its end as a scaling event for the scale-in cool-down.
     last_in = max((t for t in (_tag_time(group.tags, aws.TAG_LAST_IN), last_update) if t is not None), default=None)
     obs = Observation(
