@@ -87,6 +87,12 @@ class Policy:
         return max(1, round(self.scale_out_window_s / MINUTE_S))
 
     @property
+    def out_span(self) -> int:
+        """How far back scale-out looks for its minutes: twice the window, so that the newest
+        minutes, still on their way through CloudWatch, do not shorten it."""
+        return min(2 * self.out_minutes, self.in_minutes)
+
+    @property
     def in_minutes(self) -> int:
         return max(1, round(self.scale_in_window_s / MINUTE_S))
 
@@ -239,8 +245,10 @@ def out_load(policy: Policy, unit: Unit) -> float | None:
     return quantile(known, 0.5) if known else None
 
 
-def minute_totals(units: Sequence[Unit], minutes: int) -> tuple[list[float], list[float]]:
-    """The cell's load minute by minute: (complete minutes, every minute with a report).
+def minute_totals(units: Sequence[Unit], minutes: int, span: int | None = None) -> tuple[list[float], list[float]]:
+    """The cell's load minute by minute: (complete minutes, every minute with a report), over
+    the newest `minutes` minutes that have a report among the first `span` (default: exactly
+    the first `minutes`; a longer span steps over the newest minutes still in flight).
 
     A minute's total sums the reports of every unit in that minute, whatever its phase now
     (a unit drained since still carried its share then). A minute is complete when every
@@ -249,11 +257,14 @@ def minute_totals(units: Sequence[Unit], minutes: int) -> tuple[list[float], lis
     once and right; and a missing datapoint does not read as a unit with no load.
     """
     serving = [u for u in units if u.phase == "serving"]
-    complete, partial = [], []
-    for k in range(minutes):
+    complete: list[float] = []
+    partial: list[float] = []
+    for k in range(minutes if span is None else span):
         values = [u.load[k] for u in units if k < len(u.load) and u.load[k] is not None]
         if not values:
             continue
+        if len(partial) == minutes:
+            break
         partial.append(sum(values))
         if all(k < len(u.load) and u.load[k] is not None for u in serving):
             complete.append(partial[-1])
@@ -267,7 +278,7 @@ def cell_out_load(policy: Policy, units: Sequence[Unit]) -> float | None:
     launch units that take tens of minutes to start)."""
     if not any(u.phase == "serving" for u in units):
         return 0.0
-    complete, partial = minute_totals(units, policy.out_minutes)
+    complete, partial = minute_totals(units, policy.out_minutes, span=policy.out_span)
     enough = len(complete) >= policy.scale_out_minutes
     return sustained(complete if enough else partial, policy.scale_out_minutes)
 
@@ -343,8 +354,8 @@ def decide(policy: Policy, obs: Observation) -> Decision:
     # The TTFT of minutes before the last action, or before a unit (re)joined, was measured on
     # other units: only later ones count (or the unit just added would call for another).
     last_action = max((t for t in (obs.last_scale_out, obs.last_scale_in) if t is not None), default=None)
-    settled = min(policy.out_minutes, minutes_since(obs.now, last_action), joined_minutes(serving))
-    ttft_out = sustained(_known(obs.ttft_p90_ms, settled), policy.scale_out_minutes)
+    settled = min(policy.out_span, minutes_since(obs.now, last_action), joined_minutes(serving))
+    ttft_out = sustained(_known(obs.ttft_p90_ms, settled)[: policy.out_minutes], policy.scale_out_minutes)
     objective_missed = policy.ttft_p90_ms is not None and ttft_out is not None and ttft_out > policy.ttft_p90_ms
     want_out = ((observed is not None and need > active)
                 or (objective_missed and active < policy.max_units and not starting))
