@@ -34,7 +34,8 @@ last minutes of each unit's load, refusals as failed scaling activities. Every r
 comes from generators seeded by `--seed`, so a run is repeatable, and demand noise and
 metric gaps are drawn up front, so two rule sets are compared on the same minutes.
 `--rules newest-minute` replays the rules before smoothing (87efc36): act on the newest
-minute, and take a unit as serving only while its newest health minute is 1.
+minute, and take a unit as serving only while its newest health minute is 1 (today's
+cancel guard and TTFT band still apply, so it under-states what 87efc36 did).
 """
 
 from __future__ import annotations
@@ -255,6 +256,8 @@ class World:
                 for m in range(newest, newest - self.policy.window_minutes, -1)]
 
     def observe(self, now: float, demand: float | None = None) -> Observation:
+        """What the Lambda would observe at `now`; with `demand`, this minute's metrics are
+        recorded first (they reach the window only after the lag)."""
         minute = int((now - self.t0) // TICK_S)
         if demand is not None and len(self.ttft_history) <= minute:
             self.record(minute, demand)
