@@ -210,7 +210,7 @@ class ScalingConfig(_Strict):
         "(and forbids scale-in) even below the target load.",
     )
     scale_out_cooldown_seconds: int = Field(
-        default=300, ge=60, le=7200, description="Least time between two scale-outs."
+        default=300, ge=60, le=7200, description="Least time from any scaling action (out or in) to the next scale-out."
     )
     scale_in_cooldown_seconds: int = Field(
         default=1800, ge=60, le=86400,
