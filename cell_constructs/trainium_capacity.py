@@ -389,9 +389,9 @@ class TrainiumCapacity(Construct):
 
         Rolling updates (cells[].capacity.rolling_update): launch-first gives the group one
         instance of headroom (MaxSize + 1) and keeps MinInstancesInService at the group's
-        minimum, so CloudFormation launches the replacement before it terminates an old
-        instance; terminate-first keeps MaxSize and MinInstancesInService = minimum - 1.
-        MinInstancesInService must be less than MaxSize
+        minimum, so CloudFormation has to launch the replacement before it terminates an old
+        instance (unverified on AWS, docs/cell-lifecycle.md); terminate-first keeps MaxSize and
+        MinInstancesInService = minimum - 1. MinInstancesInService must be less than MaxSize
         (https://docs.aws.amazon.com/AWSCloudFormation/latest/TemplateReference/aws-attribute-updatepolicy.html).
         """
         elastic = max_instance_count is not None and max_instance_count > instance_count
