@@ -25,8 +25,15 @@ READY_DIR=/run/node-setup
 READY="$READY_DIR/ready"
 IMDS=http://169.254.169.254/latest
 
+# To the serial console (EC2 GetConsoleOutput) and the journal; never fails the setup itself.
 log() {
-  echo "node-setup: $*" | tee -a /dev/console | logger -t node-setup
+  echo "node-setup: $*" | tee -a /dev/console | systemd-cat -t node-setup
+  return 0
+}
+
+# /proc/self/mounts rather than util-linux's mountpoint, one dependency fewer.
+cache_mounted() {
+  awk -v mp="$MODEL_CACHE" '$2 == mp {found = 1} END {exit !found}' /proc/self/mounts
 }
 
 fail() {
@@ -76,7 +83,7 @@ ensure_efa() {
 # a reboot brings it back; node-setup assembles and mounts it again itself when udev did not.
 # After a stop and start the disks are blank: the cache is made anew (it is only a cache).
 model_cache() {
-  if ! mountpoint -q "$MODEL_CACHE"; then
+  if ! cache_mounted; then
     [ -e /etc/mdadm.conf ] && mdadm --assemble --scan >/dev/null 2>&1
     if ! { grep -q "^LABEL=$CACHE_LABEL " /etc/fstab 2>/dev/null && mount "$MODEL_CACHE" 2>/dev/null; }; then
       build_cache
@@ -88,7 +95,7 @@ model_cache() {
 
 build_cache() {
   local disks count cache_dev
-  mountpoint -q "$MODEL_CACHE" && { umount "$MODEL_CACHE" || fail "cannot unmount $MODEL_CACHE"; }
+  cache_mounted && { umount "$MODEL_CACHE" || fail "cannot unmount $MODEL_CACHE"; }
   disks=$(lsblk -dnpo NAME,MODEL | awk '/Amazon EC2 NVMe Instance Storage/ {print $1}')
   count=$(echo "$disks" | wc -w)
   [ "$count" -ge 1 ] || fail 'no NVMe instance-store disk for the model cache'

@@ -6,9 +6,9 @@ Amazon Linux 2023. Each run is one boot of a fake node, in its own mount namespa
 overlays over /etc, /usr/local, /var/lib and /opt play the root volume (they persist from one
 boot to the next), a fresh tmpfs is /run, a file stands in for /dev/console, and the commands
 that touch hardware or the system are fakes on PATH (lsblk, mdadm, mkfs.xfs, mount, umount,
-iptables, systemctl, dnf, curl, logger). The file system "made" by the fake mkfs.xfs is a
-directory that the fake mount binds onto /opt/models, so `mountpoint`, the cache marker and the
-fstab lines are real. A reboot is a second run of what the installed node-setup.service
+iptables, systemctl, systemd-cat, dnf, curl). The file system "made" by the fake mkfs.xfs is a
+directory that the fake mount binds onto /opt/models, so /proc/self/mounts, the cache marker and
+the fstab lines are real. A reboot is a second run of what the installed node-setup.service
 executes, with /run emptied, no mounts and no firewall rules; a stop and start also blanks the
 instance-store disks. shellcheck runs on the user data and on the script it installs.
 """
@@ -64,7 +64,7 @@ def user_data_of(template: dict) -> str:
 # -- the fakes --------------------------------------------------------------------------
 
 _FAKES = {
-    "logger": 'cat >> "$FAKE_STATE/journal"\n',
+    "systemd-cat": 'cat >> "$FAKE_STATE/journal"\n',
     "systemctl": 'echo "systemctl $*" >> "$FAKE_STATE/calls"\n'
     '[ "$1" = start ] && [ -e "$FAKE_STATE/fail-start-$2" ] && exit 1\nexit 0\n',
     "iptables": 'echo "iptables $*" >> "$FAKE_STATE/calls"\nrules="$FAKE_STATE/boot/iptables"\n'
@@ -424,6 +424,14 @@ def test_stop_and_start_makes_the_cache_anew_on_the_blank_instance_store(default
     assert "mkfs.xfs -f -L models /dev/md/models" in node.calls
     assert node.file("/etc/fstab").count("LABEL=models ") == 1
     assert (node.state / "fs/models/.instance-store").is_file()
+
+
+def test_a_journal_that_cannot_be_written_does_not_fail_the_setup(default_user_data, tmp_path) -> None:
+    node = Node(tmp_path)
+    (node.bin / "systemd-cat").write_text("#!/bin/bash\ncat > /dev/null\nexit 1\n")
+    result = run_user_data(node, default_user_data)
+    assert node.ready(result), node.console + result.stderr
+    assert "node-setup: done" in node.console
 
 
 def test_single_disk_cache_needs_no_raid(default_user_data, tmp_path) -> None:
