@@ -24,6 +24,9 @@ import re
 import shutil
 import subprocess
 import tarfile
+import threading
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
@@ -97,7 +100,7 @@ _FAKES = {
     "dnf": 'echo "dnf $*" >> "$FAKE_STATE/calls"\n[ -e "$FAKE_STATE/dnf-fails" ] && exit 1\n'
     'cp "$FAKE_STATE/mdadm.package" "$FAKE_BIN/mdadm"\n',
     # The EFA installer download, and IMDS and CloudWatch for the failure report.
-    "curl": 'echo "curl $*" >> "$FAKE_STATE/calls"\nout=; url=\n'
+    "curl": 'echo "curl $*" >> "$FAKE_STATE/calls"\nargs=("$@"); out=; url=\n'
     'while [ $# -gt 0 ]; do case $1 in -o) out=$2; shift ;; http*) url=$1 ;; esac; shift; done\n'
     'case $url in\n'
     '  https://efa-installer.amazonaws.com/*) [ -e "$FAKE_STATE/efa-tarball" ] || exit 22\n'
@@ -106,7 +109,11 @@ _FAKES = {
     '  */services/domain) echo amazonaws.com ;;\n  */iam/security-credentials/) echo node-role ;;\n'
     '  */iam/security-credentials/node-role) printf \'{\\n  "Code" : "Success",\\n  "AccessKeyId" : "ASIAKEY",'
     '\\n  "SecretAccessKey" : "SECRET",\\n  "Token" : "SESSION"\\n}\\n\' ;;\n'
-    '  https://monitoring.*) grep "^curl " "$FAKE_STATE/calls" | tail -n 1 > "$FAKE_STATE/putmetric" ;;\n'
+    '  https://monitoring.*) grep "^curl " "$FAKE_STATE/calls" | tail -n 1 > "$FAKE_STATE/putmetric"\n'
+    # With an endpoint on loopback, the real curl sends the signed request there instead.
+    '    if [ -e "$FAKE_STATE/monitoring-endpoint" ]; then\n'
+    '      exec /usr/bin/curl "${args[@]/$url/$(cat "$FAKE_STATE/monitoring-endpoint")}"; fi\n'
+    '    ;;\n'
     '  *) exit 6 ;;\nesac\n',
 }
 
@@ -355,6 +362,54 @@ def test_a_failed_node_reports_to_cloudwatch_with_the_instance_role(default_user
                  "Dimensions.member.1.Name=Cell", "Dimensions.member.1.Value=dev",
                  "https://monitoring.us-east-2.amazonaws.com/"):
         assert part in put, (part, put)
+
+
+def test_the_failure_report_is_a_sigv4_request_cloudwatch_would_accept(default_user_data, tmp_path) -> None:
+    """The real curl signs the report; botocore's SigV4 signer, given what arrived, computes the same signature."""
+    from botocore.auth import SigV4Auth
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
+    received: dict = {}
+
+    class Monitoring(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            received.update(headers=dict(self.headers.items()), path=self.path,
+                            body=self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Monitoring)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        node = Node(tmp_path, disks=0)
+        run_user_data(node, default_user_data)
+        (node.state / "monitoring-endpoint").write_text(f"http://127.0.0.1:{server.server_port}/")
+        result = node.boot("/usr/local/sbin/node-setup", "report")
+    finally:
+        server.shutdown()
+    assert result.returncode == 0 and received, result.stderr
+    form = dict(urllib.parse.parse_qsl(received["body"].decode()))
+    assert form == {"Action": "PutMetricData", "Version": "2010-08-01", "Namespace": "Rufus/Node",
+                    "MetricData.member.1.MetricName": "NodeSetupFailed", "MetricData.member.1.Value": "1",
+                    "MetricData.member.1.Dimensions.member.1.Name": "Cell",
+                    "MetricData.member.1.Dimensions.member.1.Value": "dev"}
+    headers = {k.lower(): v for k, v in received["headers"].items()}
+    assert headers["x-amz-security-token"] == "SESSION"
+    match = re.fullmatch(r"AWS4-HMAC-SHA256 Credential=ASIAKEY/(\d{8})/us-east-2/monitoring/aws4_request, "
+                         r"SignedHeaders=([a-z0-9;-]+), Signature=([0-9a-f]{64})", headers["authorization"])
+    assert match, headers["authorization"]
+    _, signed, signature = match.groups()
+    request = AWSRequest(method="POST", url=f"http://{headers['host']}{received['path']}", data=received["body"],
+                         headers={name: headers[name] for name in signed.split(";")})
+    request.context["timestamp"] = headers["x-amz-date"]
+    signer = SigV4Auth(Credentials("ASIAKEY", "SECRET", "SESSION"), "monitoring", "us-east-2")
+    canonical = signer.canonical_request(request)
+    assert signer.signature(signer.string_to_sign(request, canonical), request) == signature, canonical
 
 
 def test_a_healthy_node_reports_nothing(default_user_data, tmp_path) -> None:
