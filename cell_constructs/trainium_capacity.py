@@ -5,6 +5,11 @@ device 1, as in the AWS Neuron samples) and all of them share one security group
 allows all traffic to and from itself, which EFA requires. The group of instances lives
 in one subnet and one cluster placement group, so a unit's nodes are a few network hops
 apart at most; the placement controller then groups them into units by topology.
+
+Each node sets itself up with node_setup.sh (IMDS rule, EFA, instance-store cache) on its
+first boot and every boot after; a node whose setup fails stays out of service and reports
+NodeSetupFailed, which this construct alarms on. Rolling updates replace one instance at a
+time, launch-first or terminate-first (docs/cell-lifecycle.md).
 """
 
 from __future__ import annotations
