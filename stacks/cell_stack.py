@@ -31,7 +31,7 @@ from cell_constructs.nag import acknowledge
 from cell_constructs.network import CellNetwork
 from cell_constructs.spare_nodes import SpareNodes
 from cell_constructs.topology_placement import FailureHandling, TopologyPlacement
-from cell_constructs.trainium_capacity import CapacitySource, EfaSetup, TrainiumCapacity
+from cell_constructs.trainium_capacity import CapacitySource, EfaSetup, NodeSetupReport, TrainiumCapacity
 from cell_constructs.unit_autoscaler import UnitAutoscaler
 from cell_constructs.unit_load_balancer import UnitLoadBalancer
 from inference_fleet.cell_checks import SIGNAL_WAIT_LIMIT_SECONDS
@@ -64,6 +64,11 @@ def _unit_count(cell: CellConfig) -> str:
 
 def proxy_metrics_namespace(fleet: FleetConfig) -> str:
     return f"{fleet.name}/UnitProxy"
+
+
+def node_metrics_namespace(fleet: FleetConfig) -> str:
+    """Where a node whose setup failed reports NodeSetupFailed (cell_constructs/node_setup.sh)."""
+    return f"{fleet.name}/Node"
 
 
 class CellStack(Stack):
@@ -113,8 +118,10 @@ class CellStack(Stack):
             efa=EfaSetup(
                 installer_version=fleet.node.efa_installer_version, installer_sha256=fleet.node.efa_installer_sha256,
             ),
+            setup_report=NodeSetupReport(namespace=node_metrics_namespace(fleet), cell=cell.name),
             ami_id=cell.node_ami_id,
             replacement_wait=Duration.seconds(SIGNAL_WAIT_LIMIT_SECONDS),
+            rolling_update=cell.capacity.resolved_rolling_update,
         )
         # Writes each instance's `unit` attribute, grouping a unit's nodes by network topology.
         self.placement = TopologyPlacement(
@@ -351,6 +358,8 @@ class CellStack(Stack):
                 "placement-dead-letters": self.placement.dead_letter_alarm,
                 "placement-stuck": self.placement.backlog_alarm,
                 "placement-quarantine": self.placement.quarantine_alarm,
+                # A node whose setup failed stays out of service: the gate holds the rollout.
+                "node-setup-failed": self.capacity.setup_failure_alarm,
                 # An autoscaler that keeps failing (new code, say) stops the rollout.
                 **({"autoscaler-errors": self.autoscaler.errors_alarm} if self.autoscaler else {}),
             },

@@ -130,9 +130,10 @@ def test_the_group_has_no_desired_capacity_and_protects_new_instances(elastic) -
     (group,) = resources(raw, "AWS::AutoScaling::AutoScalingGroup").values()
     props = group["Properties"]
     assert "DesiredCapacity" not in props
-    assert (props["MinSize"], props["MaxSize"], props["NewInstancesProtectedFromScaleIn"]) == ("4", "24", True)
-    # Replaced one at a time with the floor of the smallest cell in service.
-    assert group["UpdatePolicy"]["AutoScalingRollingUpdate"]["MinInstancesInService"] == 3
+    # MaxSize: the largest cell plus one instance of headroom for a launch-first rolling update (on-demand).
+    assert (props["MinSize"], props["MaxSize"], props["NewInstancesProtectedFromScaleIn"]) == ("4", "25", True)
+    # Replaced one at a time, the replacement launched before an instance of the smallest cell goes.
+    assert group["UpdatePolicy"]["AutoScalingRollingUpdate"]["MinInstancesInService"] == 4
 
 
 def test_a_fixed_cell_keeps_cloudformation_owned_counts_and_no_autoscaler(synth_default) -> None:
@@ -141,7 +142,7 @@ def test_a_fixed_cell_keeps_cloudformation_owned_counts_and_no_autoscaler(synth_
     template.has_resource_properties("AWS::ECS::Service", {"DesiredCount": 1})
     template.has_resource_properties(
         "AWS::AutoScaling::AutoScalingGroup",
-        {"MinSize": "2", "MaxSize": "2", "NewInstancesProtectedFromScaleIn": Match.absent()},
+        {"MinSize": "2", "MaxSize": "3", "NewInstancesProtectedFromScaleIn": Match.absent()},  # launch-first
     )
 
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from unit_launcher import cache_check
+
 log = logging.getLogger("unit_launcher.artifacts")
 
 MANIFEST = ".unit_launcher_manifest.json"
@@ -240,13 +242,22 @@ def fetch(
     concurrency: int = 8,
     progress_seconds: float = 10.0,
     on_progress: Callable[[int, int], None] | None = None,
+    cache_marker: str | Path | None = None,
 ) -> FetchResult:
-    """Make `local_dir` a verified copy of the unit's artifacts under `uri`."""
+    """Make `local_dir` a verified copy of the unit's artifacts under `uri`.
+
+    `cache_marker`: the node's instance-store marker (unit spec `model.cache_marker`); set, nothing is
+    fetched unless it exists and the cache has room for what is missing (cache_check)."""
     # Imported on use: boto3 costs seconds of start-up, and nodes with local artifacts skip it.
     from boto3.s3.transfer import TransferConfig
     from botocore.exceptions import BotoCoreError, ClientError
 
     started = time.monotonic()
+    if cache_marker is not None:
+        try:
+            cache_check.require_instance_store(cache_marker)
+        except cache_check.CacheError as error:
+            raise ArtifactError(str(error)) from None
     bucket, prefix = split_uri(uri)
     objects = list_objects(client, bucket, prefix)
     if not objects:
@@ -278,6 +289,11 @@ def fetch(
         else:
             todo.append(obj)
     total = sum(o.size for o in todo)
+    if cache_marker is not None:
+        try:
+            cache_check.require_room(root, total)
+        except cache_check.CacheError as error:
+            raise ArtifactError(str(error)) from None
     log.info(
         "artifacts %s: %d objects, %d already present and verified, %d to fetch (%.1f MiB)",
         uri,

@@ -67,6 +67,7 @@ def fetch_artifacts(spec: UnitSpec, rank: int | None = None) -> None:
             spec.model.local_dir,
             layout=spec.model.layout if spec.engine.device == "neuron" else None,
             ranks=None if rank is None else range(max(rank, 0) * local, (rank + 1) * local),
+            cache_marker=spec.model.cache_marker,
         )
     layout_dir = plan.layout_dir(spec)
     if layout_dir:
