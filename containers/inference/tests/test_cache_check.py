@@ -19,8 +19,6 @@ from moto import mock_aws
 from unit_launcher import artifacts, cache_check, runner
 from unit_launcher.spec import parse_spec
 
-from tests.conftest import cpu_spec
-
 BUCKET = "rufus-model-artifacts-111111111111"
 OBJECTS = {"tiny/config.json": b"{}", "tiny/model.safetensors": bytes(range(256)) * 4096}  # 1 MiB + 2 B
 
@@ -38,25 +36,25 @@ def s3(monkeypatch):
         yield client
 
 
-def spec_for(cache: Path) -> object:
-    data = cpu_spec(2, record_dir=cache / "tiny")
+def spec_for(h, cache: Path) -> object:
+    data = h.cpu_spec(2, record_dir=cache / "tiny")
     data["model"].update(artifacts_s3_uri=f"s3://{BUCKET}/tiny/", cache_marker=str(cache / ".instance-store"))
     data["region"] = "us-east-1"
     return parse_spec(data)
 
 
-def test_fetch_refuses_a_cache_that_is_not_the_instance_store(s3, tmp_path) -> None:
+def test_fetch_refuses_a_cache_that_is_not_the_instance_store(h, s3, tmp_path) -> None:
     """/opt/models not mounted (a reboot that did not bring the RAID back): no marker, nothing written."""
     with pytest.raises(artifacts.ArtifactError, match=r"model cache not on the instance store: .*\.instance-store "
                        r"is missing") as caught:
-        runner.fetch_artifacts(spec_for(tmp_path))
+        runner.fetch_artifacts(spec_for(h, tmp_path))
     assert "Refusing to fetch onto the root volume" in str(caught.value)
     assert list(tmp_path.iterdir()) == []
 
 
-def test_fetch_into_the_marked_cache(s3, tmp_path) -> None:
+def test_fetch_into_the_marked_cache(h, s3, tmp_path) -> None:
     (tmp_path / ".instance-store").write_text("instance store, 4 NVMe disk(s) on /dev/md/models\n")
-    runner.fetch_artifacts(spec_for(tmp_path))
+    runner.fetch_artifacts(spec_for(h, tmp_path))
     assert (tmp_path / "tiny" / "model.safetensors").read_bytes() == OBJECTS["tiny/model.safetensors"]
 
 
