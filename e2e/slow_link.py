@@ -8,7 +8,9 @@ in milliseconds, so this proxy sits between the launchers and moto's server and 
 body of every GET whose path matches `--match` at `--rate` bytes per second, in small
 chunks, as a slow link would; everything else passes at full speed. boto3 finds it through
 AWS_ENDPOINT_URL_S3, as it finds moto's server. A client that hangs up (a cancelled fetch)
-ends its transfer at once. Used by `make e2e` (e2e/unit_mode.py) and the launcher's tests.
+ends its transfer at once. `--cut N` plays a faulty link instead: a matching body stops
+after N bytes and the connection closes. Used by `make e2e` (e2e/unit_mode.py) and the
+launcher's tests.
 """
 
 from __future__ import annotations
@@ -30,10 +32,10 @@ HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length",
 class SlowLink(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, port: int, upstream: str, rate: float, match: str) -> None:
+    def __init__(self, port: int, upstream: str, rate: float, match: str, cut: int | None = None) -> None:
         target = urlsplit(upstream)
         self.upstream = (target.hostname or "127.0.0.1", target.port or 80)
-        self.rate, self.match = rate, re.compile(match)
+        self.rate, self.match, self.cut = rate, re.compile(match), cut
         super().__init__(("127.0.0.1", port), _Handler)
 
 
@@ -64,6 +66,8 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command == "HEAD":
             return
         slow = self.command == "GET" and bool(self.server.match.search(self.path))
+        if slow and self.server.cut is not None:
+            payload, self.close_connection = payload[: self.server.cut], True
         self._send(payload, self.server.rate if slow else 0.0)
 
     def _send(self, payload: bytes, rate: float) -> None:
@@ -89,10 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--rate", type=float, required=True, help="bytes per second of a throttled body")
     parser.add_argument("--match", default=r"_sharded_checkpoint", help="regex on the request path to throttle")
+    parser.add_argument("--cut", type=int, default=None, help="send only this many bytes of a matching body")
     args = parser.parse_args(argv)
     if args.rate <= 0:
         parser.error(f"--rate must be above 0 bytes per second, got {args.rate:g}")
-    server = SlowLink(args.port, args.upstream, args.rate, args.match)
+    server = SlowLink(args.port, args.upstream, args.rate, args.match, args.cut)
     print(f"slow link on 127.0.0.1:{args.port} -> {args.upstream}, {args.rate:g} B/s for {args.match!r}", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
         server.serve_forever()

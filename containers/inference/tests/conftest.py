@@ -190,7 +190,7 @@ class LoopbackS3:
 
     BUCKET = "models"
 
-    def __init__(self, log_dir: Path, rate: float, match: str) -> None:
+    def __init__(self, log_dir: Path, rate: float, match: str, cut: int | None = None) -> None:
         import boto3
 
         moto_port, link_port = free_ports(2)
@@ -199,7 +199,8 @@ class LoopbackS3:
             subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(moto_port)], env=env,
                              stdout=(log_dir / "moto.log").open("wb"), stderr=subprocess.STDOUT),
             subprocess.Popen([sys.executable, str(SLOW_LINK), "--upstream", f"http://127.0.0.1:{moto_port}",
-                              "--port", str(link_port), "--rate", str(rate), "--match", match], env=env,
+                              "--port", str(link_port), "--rate", str(rate), "--match", match,
+                              *(["--cut", str(cut)] if cut is not None else [])], env=env,
                              stdout=(log_dir / "slow-link.log").open("wb"), stderr=subprocess.STDOUT),
         ]
         self.url = f"http://127.0.0.1:{link_port}"
@@ -238,8 +239,8 @@ def slow_s3(tmp_path: Path) -> Iterator[Callable[..., LoopbackS3]]:
     """Start a loopback S3 whose matching objects come through a slowed link."""
     started: list[LoopbackS3] = []
 
-    def start(rate: float, match: str = r"_sharded_checkpoint") -> LoopbackS3:
-        s3 = LoopbackS3(tmp_path, rate, match)
+    def start(rate: float, match: str = r"_sharded_checkpoint", cut: int | None = None) -> LoopbackS3:
+        s3 = LoopbackS3(tmp_path, rate, match, cut)
         started.append(s3)
         return s3
 

@@ -30,6 +30,8 @@ def _presharded(size: int, slow_rank: int, slow_seconds: float) -> dict[str, byt
 def _on_s3(h, spec: dict, uri: str, cache: Path) -> dict:
     placed = json.loads(json.dumps(spec))
     placed["model"].update(artifacts_s3_uri=uri, local_dir=str(cache))
+    # Each instance keeps its own copy of the unit's history, beside its model cache (as on AWS).
+    placed["state_dir"] = str(cache.parent / f"{cache.name}-state")
     return placed
 
 
@@ -43,8 +45,9 @@ def test_a_follower_fetching_its_shards_longer_than_the_loss_limit_is_not_lost(t
     spec = h.cpu_spec(2, record_dir=tmp_path, follower_loss_seconds=loss, join_timeout_seconds=60)
     s3 = slow_s3(RATE)
     uri = s3.put(_presharded(2, slow_rank=1, slow_seconds=3 * loss))
-    leader = unit_nodes(_on_s3(h, spec, uri, tmp_path / "leader-cache"), "leader", "i-leader", extra_env=s3.env())
-    follower = unit_nodes(_on_s3(h, spec, uri, tmp_path / "f1-cache"), "follower", "i-f1", extra_env=s3.env())
+    lead, follow = _on_s3(h, spec, uri, tmp_path / "leader-cache"), _on_s3(h, spec, uri, tmp_path / "f1-cache")
+    leader = unit_nodes(lead, "leader", "i-leader", extra_env=s3.env())
+    follower = unit_nodes(follow, "follower", "i-f1", extra_env=s3.env())
     port = spec["rendezvous"]["port"]
     h.wait_for(lambda: (tmp_path / "i-leader.json").exists() and (tmp_path / "i-f1.json").exists(), 60, "engines")
     # Not lost meanwhile: the leader blames nobody, and the unit serves whole.
@@ -56,7 +59,7 @@ def test_a_follower_fetching_its_shards_longer_than_the_loss_limit_is_not_lost(t
     assert not (tmp_path / "f1-cache" / "weights" / "tp0_sharded_checkpoint.safetensors").exists()
     released = follower.log.index("unit released")
     assert "ready: this node's artifacts are in place" in follower.log[released:]
-    assert _history(spec) == []  # nothing ended, nobody blamed
+    assert _history(lead) == _history(follow) == []  # nothing ended, nobody blamed
     leader.signal(signal.SIGTERM)
     assert leader.wait(20) == 0, leader.log
     assert follower.wait(20) == 0, follower.log
@@ -68,14 +71,15 @@ def test_followers_not_ready_within_the_join_deadline_end_as_form_timeout_naming
     spec = h.cpu_spec(2, record_dir=tmp_path, follower_loss_seconds=3.0, join_timeout_seconds=6)
     s3 = slow_s3(RATE)
     uri = s3.put(_presharded(2, slow_rank=1, slow_seconds=60))
-    leader = unit_nodes(_on_s3(h, spec, uri, tmp_path / "leader-cache"), "leader", "i-leader", extra_env=s3.env())
+    lead = _on_s3(h, spec, uri, tmp_path / "leader-cache")
+    leader = unit_nodes(lead, "leader", "i-leader", extra_env=s3.env())
     follower = unit_nodes(_on_s3(h, spec, uri, tmp_path / "f1-cache"), "follower", "i-f1", extra_env=s3.env())
     assert leader.wait(30) == EXIT_FORM_TIMEOUT, leader.log
     assert "did not start within 6 s: followers not ready: rank 1 127.0.0.1 (i-f1), fetched" in leader.log
     # The follower hears "stopping", cancels its fetch (a minute's worth) and exits at once.
     assert follower.wait(15) == EXIT_FORM_TIMEOUT, follower.log
     assert "artifact fetch cancelled" in follower.log
-    [record] = [r for r in _history(spec) if r.get("recorded_by") is None]
+    [record] = _history(lead)
     assert record["cause"] == "form_timeout" and record["ended_by"] is None  # named, not blamed
     assert [(m["rank"], m["ready"]) for m in record["members"]] == [(0, True), (1, False)]
     assert not (tmp_path / "i-leader.json").exists() and not (tmp_path / "i-f1.json").exists()  # no engine started
@@ -85,13 +89,14 @@ def test_sigterm_stops_a_leader_in_the_middle_of_its_fetch_promptly_with_a_recor
     spec = h.cpu_spec(2, record_dir=tmp_path)
     s3 = slow_s3(RATE)
     uri = s3.put(_presharded(2, slow_rank=0, slow_seconds=60))
-    leader = unit_nodes(_on_s3(h, spec, uri, tmp_path / "leader-cache"), "leader", "i-leader", extra_env=s3.env())
+    lead = _on_s3(h, spec, uri, tmp_path / "leader-cache")
+    leader = unit_nodes(lead, "leader", "i-leader", extra_env=s3.env())
     h.wait_for(lambda: (tmp_path / "leader-cache" / "weights").exists(), 30, "the leader's shard download begun")
     leader.signal(signal.SIGTERM)
     stopped = time.monotonic()
     assert leader.wait(20) == 0, leader.log
     assert time.monotonic() - stopped < 5, leader.log
-    [record] = _history(spec)
+    [record] = _history(lead)
     assert record["cause"] == "deliberate_stop"
     assert "SIGTERM while it fetched its artifacts" in record["reason"]
     assert not (tmp_path / "leader-cache" / "weights" / "tp0_sharded_checkpoint.safetensors").exists()
