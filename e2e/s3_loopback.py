@@ -7,6 +7,13 @@ needs it (`unit_launcher.spare`). Here moto's S3 server (`python -m moto.server`
 flask are pinned in requirements.txt) plays the bucket on 127.0.0.1, and every simulated
 instance is a directory with its own cache. So a lost node's replacement on a new instance
 fetches the model, and a task placed on the spare's instance finds it there.
+
+Presharded weights: the staged model also carries one shard per node
+(`weights/tp<first rank of the node>_sharded_checkpoint.safetensors`, NxD Inference's
+`save_sharded_checkpoint` names, unit_launcher.artifacts), and the launchers reach S3
+through a slowed link (e2e/slow_link.py) that sends shards at a set rate: a follower on an
+instance without its shards fetches them after the release for longer than the loss
+limit, as on AWS. vLLM on CPU loads the full checkpoint and ignores them.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from typing import Any
 
 from harness import MODEL_NAME, free_port, http_get, wait_until
 
+SLOW_LINK = Path(__file__).resolve().with_name("slow_link.py")
+
 BUCKET = "e2e-models"
 PREFIX = "tiny-llama"
 REGION = "us-east-1"
@@ -29,14 +38,23 @@ REGION = "us-east-1"
 class LoopbackS3:
     """moto's S3 server on 127.0.0.1, started in the harness's process table."""
 
-    def __init__(self, table: Any, timeout: float) -> None:
+    def __init__(self, table: Any, timeout: float, shard_rate: float | None = None) -> None:
+        """`shard_rate`: bytes per second of a shard through the slowed link the launchers use
+        (None: the launchers reach moto directly)."""
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.moto_url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
         self.proc = table.start("s3", [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
                                 env)
-        wait_until("loopback S3 answers", lambda: http_get(self.url + "/")[0] is not None or not self.proc.alive(),
-                   timeout, 0.1)
+        self.url, self.shard_rate = self.moto_url, shard_rate
+        if shard_rate is not None:
+            link = free_port()
+            self.url = f"http://127.0.0.1:{link}"
+            self.link = table.start("slow-link", [sys.executable, str(SLOW_LINK), "--upstream", self.moto_url,
+                                                  "--port", str(link), "--rate", str(shard_rate)], env)
+        for url in {self.moto_url, self.url}:
+            wait_until("loopback S3 answers", lambda u=url: http_get(u + "/")[0] is not None or not self.proc.alive(),
+                       timeout, 0.1)
         if not self.proc.alive():
             raise RuntimeError(f"moto's S3 server exited; log {self.proc.log_path}")
 
@@ -48,17 +66,23 @@ class LoopbackS3:
     def client(self) -> Any:
         import boto3
 
-        return boto3.client("s3", endpoint_url=self.url, region_name=REGION, aws_access_key_id="e2e",
+        return boto3.client("s3", endpoint_url=self.moto_url, region_name=REGION, aws_access_key_id="e2e",
                             aws_secret_access_key="e2e")
 
-    def upload(self, model_dir: Path) -> Upload:
-        """Put every file of model_dir under s3://BUCKET/PREFIX/, as a model is staged for a cell."""
+    def upload(self, model_dir: Path, shards: dict[int, int] | None = None) -> Upload:
+        """Put every file of model_dir under s3://BUCKET/PREFIX/, as a model is staged for a cell,
+        and `shards` ({rank: bytes}) as presharded weights."""
         s3 = self.client()
         s3.create_bucket(Bucket=BUCKET)
         files = sorted(p for p in model_dir.rglob("*") if p.is_file())
         for path in files:
             s3.upload_file(str(path), BUCKET, f"{PREFIX}/{path.relative_to(model_dir).as_posix()}")
-        return Upload(f"s3://{BUCKET}/{PREFIX}/", len(files), sum(p.stat().st_size for p in files))
+        for rank, size in (shards or {}).items():
+            s3.put_object(Bucket=BUCKET, Key=f"{PREFIX}/weights/tp{rank}_sharded_checkpoint.safetensors",
+                          Body=os.urandom(size))
+        shards = shards or {}
+        return Upload(f"s3://{BUCKET}/{PREFIX}/", len(files) + len(shards),
+                      sum(p.stat().st_size for p in files) + sum(shards.values()), len(shards))
 
 
 @dataclass(frozen=True)
@@ -66,6 +90,7 @@ class Upload:
     uri: str
     objects: int
     bytes: int
+    shards: int = 0  # one per node: a node fetches its own, not the others'
 
 
 class Hosts:
@@ -101,6 +126,15 @@ _READY = re.compile(r"artifacts ready in \S+: (\d+) fetched \(([\d.]+) MiB\), (\
 def fetched(log_path: Path) -> Fetched:
     """Sum the launcher's "artifacts ready" lines in a task's log."""
     found = _READY.findall(log_path.read_text(errors="replace"))
+    return Fetched(len(found), sum(int(f[0]) for f in found), sum(float(f[1]) for f in found),
+                   sum(int(f[2]) for f in found), sum(float(f[3]) for f in found))
+
+
+def fetched_after_release(log_path: Path) -> Fetched:
+    """What a follower fetched once released: its own ranks' shards (the ready phase)."""
+    text = log_path.read_text(errors="replace")
+    at = text.find("unit released")
+    found = _READY.findall(text[at:]) if at >= 0 else []
     return Fetched(len(found), sum(int(f[0]) for f in found), sum(float(f[1]) for f in found),
                    sum(int(f[2]) for f in found), sum(float(f[3]) for f in found))
 

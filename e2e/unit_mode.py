@@ -45,10 +45,16 @@ from harness import (
     wait_until,
 )
 from procs import Proc, Supervisor
-from s3_loopback import Fetched, Hosts, LoopbackS3, Upload, fetched, spare_ready
+from s3_loopback import Fetched, Hosts, LoopbackS3, Upload, fetched, fetched_after_release, spare_ready
 
 MAX_MODEL_LEN = 256
 DRAIN_TOKENS = 96
+# The slowed link's rate for shards, and how much longer than the follower-loss limit the
+# follower's own shard takes through it (the ready phase must carry it; issue 21 item 1).
+# The leader's shard is small: it fetches before the release, and the run stays short.
+SHARD_RATE = 512 << 10
+SHARD_OVER_LOSS = 1.3
+LEADER_SHARD_BYTES = 256 << 10
 
 
 @dataclass
@@ -289,6 +295,25 @@ def wait_for_recovery(h: Harness, unit: Unit, what: str) -> dict[str, Any]:
     return seen
 
 
+def check_ready_phase(h: Harness, unit: Unit, spec: dict[str, Any], loss: float) -> None:
+    """1. The follower fetched its own shard after the release, for longer than the loss limit,
+    heartbeating meanwhile: the unit formed at the first try and no member was blamed."""
+    from unit_launcher import evidence
+
+    r = h.report
+    proc = unit.follower.current
+    assert proc is not None
+    after = fetched_after_release(proc.log_path)
+    r.figure("follower_shard_fetch_after_release_s", after.seconds)
+    records = evidence.read_history(evidence.history_path(spec["state_dir"], spec["cell"], spec["unit_id"]))
+    r.facts["history_after_formation"] = records
+    r.figure("members_blamed_at_formation", len(records))
+    r.check(f"1. the follower fetched its presharded shard after the release for longer than the loss limit "
+            f"({loss:g} s), and the unit formed with no member blamed",
+            after.objects == 1 and after.seconds > loss and not records and not unit.leader.exits
+            and not unit.follower.exits, f"{after.describe()}; history {records}")
+
+
 def report_evidence(h: Harness, spec: dict[str, Any], label: str, backoff: dict[str, Any]) -> None:
     """The failure evidence the unit kept (who, why) and the backoff before it formed again."""
     from unit_launcher import evidence
@@ -392,11 +417,17 @@ def check_rendered_commands(h: Harness, spec: dict[str, Any]) -> None:
 def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order: str = "together") -> None:
     r = h.report
     ports = UnitPorts()
-    s3 = LoopbackS3(h.table, h.left(60))
-    upload = s3.upload(h.model_dir)
+    s3 = LoopbackS3(h.table, h.left(60), shard_rate=SHARD_RATE)
+    spec = build_e2e_spec(h, ports, follower_loss_seconds, "s3://placeholder/")
+    loss = float(spec["rendezvous"]["follower_loss_seconds"])
+    per_node = int(spec["instance"]["cores_per_node"])
+    shards = {0: LEADER_SHARD_BYTES, per_node: int(SHARD_RATE * loss * SHARD_OVER_LOSS)}
+    upload = s3.upload(h.model_dir, shards)
+    spec["model"]["artifacts_s3_uri"] = upload.uri
     r.facts["model_artifacts"] = {"uri": upload.uri, "objects": upload.objects, "bytes": upload.bytes,
-                                  "s3": f"moto server on {s3.url}"}
-    spec = build_e2e_spec(h, ports, follower_loss_seconds, upload.uri)
+                                  "shards": {f"tp{rank}": size for rank, size in shards.items()},
+                                  "s3": f"moto server on {s3.moto_url}, launchers through the slowed link {s3.url} "
+                                        f"(shards at {SHARD_RATE / 2**10:.0f} KiB/s)"}
     check_rendered_commands(h, spec)
     r.facts["unit_spec"] = {k: spec[k] for k in ("unit_id", "size", "engine", "rendezvous")}
     r.facts["stop_order"] = stop_order
@@ -416,6 +447,7 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
     session1 = unit.whole_session()
     r.check("1. unit forms, proxy /health 200", session1 is not None and not unit.leader.exits
             and not unit.follower.exits, unit.describe())
+    check_ready_phase(h, unit, spec, loss)
 
     # 2. Completion and streamed chat completion through the proxy; the same text twice.
     driver = OpenAIDriver(base, timeout=h.left(300))
@@ -457,8 +489,9 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
         r.check("4. unit forms again", False, f"{error}; {unit.describe()}")
         return
     got = record_serve_again(h, unit, killed_at, backoff, "")
+    # All of it but the other node's shard.
     r.check("4. without a spare, the replacement node (a new instance) fetched the model from S3",
-            got.objects == upload.objects, got.describe())
+            got.objects == upload.objects - (upload.shards - 1), got.describe())
     report_evidence(h, spec, "4", backoff)
     session2 = unit.whole_session()
     r.check("4. unit forms again with a new session", session2 is not None and session2 != session1,

@@ -1,6 +1,7 @@
 """Benchmark of unit formation and whole-unit failure on loopback; prints figures, asserts nothing.
 
     .venv/bin/python containers/inference/bench_unit.py [--sizes 2 4] [--runs 3] [--loss 3] [--heartbeat 0.5]
+    .venv/bin/python containers/inference/bench_unit.py --quick   # one run of size 2 (CI, tests/test_bench_unit.py)
 
 For each unit size it starts a leader and its followers as separate `python -m
 unit_launcher run` processes on 127.0.0.1 (engine: the tests' stand-in) and measures
@@ -48,6 +49,11 @@ def _spec(size: int, record_dir: Path, loss: float, heartbeat: float) -> dict:
     return {
         "cell": "bench", "unit_id": "u0", "size": size, "revision": "bench",
         "model": {"name": "tiny", "local_dir": str(record_dir), "max_seq_len": 256},
+        # Each run keeps its own unit history. By default it sits beside model.local_dir (here
+        # the system's temporary directory, shared by every run), and each run ends with a
+        # follower killed: the next run's leader would wait out a restart backoff of 15 s,
+        # then 30 s, 60 s... before releasing, and the run times out waiting for the release.
+        "state_dir": str(record_dir / ".unit-state"),
         "instance": {"type": "cpu", "cores_per_node": 1, "lnc": 1, "lnc_configurable": False,
                      "neuron_devices": 1, "efa_interfaces": 0},
         "neuron": {"tp_degree": size, "world_size": size, "rt_root_comm_port": rt},
@@ -75,13 +81,13 @@ def _start(spec: dict, role: str, name: str, log_dir: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "unit_launcher", "run"], env=env, stdout=log, stderr=log)
 
 
-def _wait(predicate: Callable[[], object], timeout: float) -> float:
+def _wait(predicate: Callable[[], object], timeout: float, what: str) -> float:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return time.monotonic()
         time.sleep(0.005)
-    raise TimeoutError("benchmark step timed out")
+    raise TimeoutError(f"benchmark step timed out after {timeout:g} s: {what}")
 
 
 def _log_time(path: Path, needle: str) -> float:
@@ -108,8 +114,8 @@ def one_run(size: int, loss: float, heartbeat: float) -> dict[str, float]:
                 s = _status(port)
                 return bool(s and s["state"] == "serving" and len(s["members"]) == size)
 
-            t_release = _wait(released, 60)
-            t_engines = _wait(lambda: all((work / f"{n}.json").exists() for n in names), 60)
+            t_release = _wait(released, 60, "the unit released")
+            t_engines = _wait(lambda: all((work / f"{n}.json").exists() for n in names), 60, "every engine started")
             # Python start-up (imports) of each launcher is not rendezvous time: also measure
             # from the moment the last node logged its first line to the leader's release line.
             last_up = max(_log_time(work / f"{n}.log", f"role {'leader' if n == 'leader' else 'follower'}")
@@ -119,8 +125,8 @@ def one_run(size: int, loss: float, heartbeat: float) -> dict[str, float]:
             victim = names[-1]
             procs[victim].send_signal(signal.SIGKILL)
             killed = time.monotonic()
-            t_leader = _wait(lambda: procs["leader"].poll() is not None, loss + 30)
-            t_all = _wait(lambda: all(procs[n].poll() is not None for n in names), loss + 30)
+            t_leader = _wait(lambda: procs["leader"].poll() is not None, loss + 30, "the leader exited")
+            t_all = _wait(lambda: all(procs[n].poll() is not None for n in names), loss + 30, "every node exited")
             return {"release_s": t_release - started, "release_after_last_node_up_s": released_at - last_up,
                     "engines_started_s": t_engines - started, "leader_exit_after_kill_s": t_leader - killed,
                     "all_exit_after_kill_s": t_all - killed,
@@ -138,11 +144,18 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--loss", type=float, default=3.0, help="follower_loss_seconds")
     parser.add_argument("--heartbeat", type=float, default=0.5, help="heartbeat_interval_seconds")
+    parser.add_argument("--quick", action="store_true", help="one run of a unit of 2 (CI: it must not rot unseen)")
     args = parser.parse_args()
+    if args.quick:
+        args.sizes, args.runs = [2], min(args.runs, 2)
     print(f"loopback, {os.cpu_count()} CPUs, follower_loss_seconds={args.loss:g}, heartbeat={args.heartbeat:g} s, "
           f"{args.runs} runs per size (median [min-max])")
     for size in args.sizes:
-        results = [one_run(size, args.loss, args.heartbeat) for _ in range(args.runs)]
+        try:
+            results = [one_run(size, args.loss, args.heartbeat) for _ in range(args.runs)]
+        except TimeoutError as error:
+            print(f"  size {size}: {error}", file=sys.stderr)
+            return 1
         keys = ("release_s", "release_after_last_node_up_s", "engines_started_s", "leader_exit_after_kill_s",
                 "all_exit_after_kill_s")
         for key in keys:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import types
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -178,3 +179,71 @@ def h() -> types.SimpleNamespace:
     return types.SimpleNamespace(
         cpu_spec=cpu_spec, free_ports=free_ports, get_status=get_status, wait_for=wait_for, standin=STANDIN
     )
+
+
+SLOW_LINK = Path(__file__).resolve().parents[3] / "e2e" / "slow_link.py"
+
+
+class LoopbackS3:
+    """moto's S3 server on 127.0.0.1 behind a slowed link (e2e/slow_link.py): both real
+    processes; the launchers reach it through AWS_ENDPOINT_URL_S3, as boto3 does."""
+
+    BUCKET = "models"
+
+    def __init__(self, log_dir: Path, rate: float, match: str, cut: int | None = None) -> None:
+        import boto3
+
+        moto_port, link_port = free_ports(2)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        self.procs = [
+            subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(moto_port)], env=env,
+                             stdout=(log_dir / "moto.log").open("wb"), stderr=subprocess.STDOUT),
+            subprocess.Popen([sys.executable, str(SLOW_LINK), "--upstream", f"http://127.0.0.1:{moto_port}",
+                              "--port", str(link_port), "--rate", str(rate), "--match", match,
+                              *(["--cut", str(cut)] if cut is not None else [])], env=env,
+                             stdout=(log_dir / "slow-link.log").open("wb"), stderr=subprocess.STDOUT),
+        ]
+        self.url = f"http://127.0.0.1:{link_port}"
+        self.client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{moto_port}", region_name="us-east-1",
+                                   aws_access_key_id="test", aws_secret_access_key="test")
+        wait_for(lambda: _answers(f"http://127.0.0.1:{moto_port}/") and _answers(self.url + "/"), 30, "loopback S3")
+        self.client.create_bucket(Bucket=self.BUCKET)
+
+    def put(self, objects: dict[str, bytes], prefix: str = "m") -> str:
+        for key, body in objects.items():
+            self.client.put_object(Bucket=self.BUCKET, Key=f"{prefix}/{key}", Body=body)
+        return f"s3://{self.BUCKET}/{prefix}/"
+
+    def env(self) -> dict[str, str]:
+        return {"AWS_ENDPOINT_URL_S3": self.url, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+                "AWS_REGION": "us-east-1"}
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait(10)
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def slow_s3(tmp_path: Path) -> Iterator[Callable[..., LoopbackS3]]:
+    """Start a loopback S3 whose matching objects come through a slowed link."""
+    started: list[LoopbackS3] = []
+
+    def start(rate: float, match: str = r"_sharded_checkpoint", cut: int | None = None) -> LoopbackS3:
+        s3 = LoopbackS3(tmp_path, rate, match, cut)
+        started.append(s3)
+        return s3
+
+    yield start
+    for s3 in started:
+        s3.stop()

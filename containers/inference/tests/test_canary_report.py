@@ -75,9 +75,9 @@ def _non_loopback_address() -> str | None:
 
 
 async def _serving_session(tmp_path: Path, h) -> rendezvous.LeaderSession:
-    """An in-process leader session of two, released and serving."""
+    """An in-process leader session of two, released and serving (its follower ready: the ready phase is over)."""
     session = rendezvous.LeaderSession(parse_spec(h.cpu_spec(2, record_dir=tmp_path)), "127.0.0.1", "i-leader")
-    session.members["i-f1"] = rendezvous.Member("127.0.0.2", "i-f1", 0.0, 1e12)
+    session.members["i-f1"] = rendezvous.Member("127.0.0.2", "i-f1", 0.0, 1e12, ready=True)
     session.mark_ready()
     assert session.state == rendezvous.SERVING
     return session

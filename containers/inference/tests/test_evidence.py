@@ -220,6 +220,8 @@ def test_a_vanished_leader_is_reported_once_by_the_lowest_ranked_follower(tmp_pa
     }
     port = spec["rendezvous"]["port"]
     h.wait_for(lambda: (s := h.get_status(port)) and s["state"] == "serving" and len(s["members"]) == 3, 30, "unit")
+    # The followers start their engines on the heartbeat that tells them every member is ready.
+    h.wait_for(lambda: all((tmp_path / f"{name}.json").exists() for name in followers), 15, "followers' engines")
     leader.process.kill()
     for follower in followers.values():
         assert follower.wait(20) == 5, follower.log

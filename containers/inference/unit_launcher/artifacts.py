@@ -8,7 +8,10 @@ it fetches only its own ranks' shards and not the full checkpoint's weight files
 Objects already present with the size and ETag recorded by an earlier fetch are
 skipped; single-part objects are checked against their MD5 ETag after download.
 Transfers run concurrently (boto3's transfer manager splits large objects into ranged
-parts) and progress is logged.
+parts) and progress is logged. A fetch is cancellable (`cancel`): the transfer stops at its
+next chunk, so a node told to stop (SIGTERM) does not first finish a download of minutes.
+Every way a fetch can fail ends as an `ArtifactError` naming the object and the error, which
+the launcher records as the session's cause (`artifacts`); nothing escapes as a traceback.
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ class ArtifactError(RuntimeError):
     """The artifacts are missing, do not match the unit's layout, or could not be fetched."""
 
 
+class FetchCancelled(RuntimeError):
+    """The fetch was cancelled (the node is stopping or its session ended): not a failure."""
+
+
 @dataclass(frozen=True)
 class S3Object:
     key: str
@@ -67,7 +74,7 @@ def split_uri(uri: str) -> tuple[str, str]:
 
 
 def list_objects(client: Any, bucket: str, prefix: str) -> list[S3Object]:
-    from botocore.exceptions import ClientError
+    from botocore.exceptions import BotoCoreError, ClientError
 
     objects: list[S3Object] = []
     try:
@@ -78,6 +85,10 @@ def list_objects(client: Any, bucket: str, prefix: str) -> list[S3Object]:
     except ClientError as error:
         code = error.response.get("Error", {}).get("Code", "?")
         raise ArtifactError(f"cannot list s3://{bucket}/{prefix}: {code}: {error}") from None
+    except BotoCoreError as error:
+        # EndpointConnectionError, ReadTimeoutError, NoCredentialsError...: botocore's own
+        # errors are not ClientErrors (botocore/exceptions.py).
+        raise ArtifactError(f"cannot list s3://{bucket}/{prefix}: {type(error).__name__}: {error}") from None
     return objects
 
 
@@ -109,11 +120,14 @@ _SHARD = re.compile(r"/weights/tp(\d+)_sharded_checkpoint\.safetensors$")
 _CHECKPOINT_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth")
 
 
-def select_ranks(objects: list[S3Object], prefix: str, ranks: range | None) -> list[S3Object]:
+def select_ranks(
+    objects: list[S3Object], prefix: str, ranks: range | None, keep_checkpoint: bool = False
+) -> list[S3Object]:
     """Keep only this node's ranks of a presharded layout (and drop the full checkpoint's weights).
 
     Without presharded weights every node needs the full checkpoint (NxD Inference shards
-    it at load, reading `_name_or_path`), so nothing is dropped.
+    it at load, reading `_name_or_path`), so nothing is dropped. `keep_checkpoint`: the
+    engine loads the full checkpoint whatever the shards (vLLM on CPU, the e2e).
     """
     shards = {obj.key: int(m.group(1)) for obj in objects if (m := _SHARD.search(obj.key))}
     if ranks is None or not shards:
@@ -124,7 +138,7 @@ def select_ranks(objects: list[S3Object], prefix: str, ranks: range | None) -> l
         if obj.key in shards:
             if shards[obj.key] in ranks:
                 kept.append(obj)
-        elif "/" not in relative and relative.endswith(_CHECKPOINT_WEIGHTS):
+        elif not keep_checkpoint and "/" not in relative and relative.endswith(_CHECKPOINT_WEIGHTS):
             continue
         else:
             kept.append(obj)
@@ -239,18 +253,47 @@ def fetch(
     *,
     layout: str | None = None,
     ranks: range | None = None,
+    keep_checkpoint: bool = False,
     concurrency: int = 8,
     progress_seconds: float = 10.0,
     on_progress: Callable[[int, int], None] | None = None,
+    cancel: threading.Event | None = None,
     cache_marker: str | Path | None = None,
 ) -> FetchResult:
     """Make `local_dir` a verified copy of the unit's artifacts under `uri`.
 
     `cache_marker`: the node's instance-store marker (unit spec `model.cache_marker`); set, nothing is
-    fetched unless it exists and the cache has room for what is missing (cache_check)."""
+    fetched unless it exists and the cache has room for what is missing (cache_check).
+    Raises ArtifactError on any failure, FetchCancelled once `cancel` is set."""
+    try:
+        return _fetch(client, uri, Path(local_dir), layout, ranks, keep_checkpoint, concurrency, progress_seconds,
+                      on_progress, cancel or threading.Event(), cache_marker)
+    except OSError as error:  # the local disk: full, read-only, not writable
+        raise ArtifactError(f"cannot write the artifacts of {uri} to {local_dir}: {error}") from None
+
+
+def _fetch(
+    client: Any,
+    uri: str,
+    root: Path,
+    layout: str | None,
+    ranks: range | None,
+    keep_checkpoint: bool,
+    concurrency: int,
+    progress_seconds: float,
+    on_progress: Callable[[int, int], None] | None,
+    cancel: threading.Event,
+    cache_marker: str | Path | None,
+) -> FetchResult:
     # Imported on use: boto3 costs seconds of start-up, and nodes with local artifacts skip it.
+    from boto3.exceptions import RetriesExceededError, S3TransferFailedError
     from boto3.s3.transfer import TransferConfig
     from botocore.exceptions import BotoCoreError, ClientError
+
+    # boto3's transfer errors are not botocore's: RetriesExceededError (the retries of a
+    # download's reads are exhausted) and S3TransferFailedError derive from Boto3Error
+    # (boto3/exceptions.py), and a local disk error is an OSError.
+    failures = (ClientError, BotoCoreError, RetriesExceededError, S3TransferFailedError, OSError)
 
     started = time.monotonic()
     if cache_marker is not None:
@@ -259,13 +302,14 @@ def fetch(
         except cache_check.CacheError as error:
             raise ArtifactError(str(error)) from None
     bucket, prefix = split_uri(uri)
+    if cancel.is_set():
+        raise FetchCancelled(f"fetch of {uri} cancelled")
     objects = list_objects(client, bucket, prefix)
     if not objects:
         raise ArtifactError(
             f"no objects under {uri}: check model.artifacts_s3_uri and that the artifacts were uploaded"
         )
-    objects = select_ranks(select(objects, prefix, layout), prefix, ranks)
-    root = Path(local_dir)
+    objects = select_ranks(select(objects, prefix, layout), prefix, ranks, keep_checkpoint)
     root.mkdir(parents=True, exist_ok=True)
     manifest_path = root / MANIFEST
     try:
@@ -309,6 +353,9 @@ def fetch(
 
     def progress(amount: int) -> None:
         nonlocal done
+        if cancel.is_set():
+            # Raised in the transfer's own thread: s3transfer fails the transfer with it.
+            raise FetchCancelled(f"fetch of {uri} cancelled")
         with lock:
             done += amount
             now = time.monotonic()
@@ -331,11 +378,18 @@ def fetch(
         target = root / obj.key[len(prefix) :]
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(target.name + ".part")
+        if cancel.is_set():
+            raise FetchCancelled(f"fetch of {uri} cancelled")
         try:
             client.download_file(bucket, obj.key, str(partial), Config=config, Callback=progress)
-        except (ClientError, BotoCoreError) as error:
+        except FetchCancelled:
             partial.unlink(missing_ok=True)
-            raise ArtifactError(f"download of s3://{bucket}/{obj.key} failed: {error}") from None
+            raise
+        except failures as error:
+            partial.unlink(missing_ok=True)
+            raise ArtifactError(
+                f"download of s3://{bucket}/{obj.key} failed: {type(error).__name__}: {error}"
+            ) from None
         size = partial.stat().st_size
         if size != obj.size:
             partial.unlink(missing_ok=True)

@@ -4,18 +4,24 @@ The leader serves `/join`, `/heartbeat` and `/status` on the spec's rendezvous p
 follower joins with its unit id, revision, address and instance id; the leader refuses
 members of another unit or revision, gives ranks deterministically (followers sorted by
 address, then instance id) and releases everyone only when all `size` members are in.
-After release, followers heartbeat; a member silent for `follower_loss_seconds` ends the
-session: the leader stops its engine and exits non-zero, and answers every later
-heartbeat with "stopping" so the followers stop too. Heartbeats carry the follower's step
-records; a step the leader broadcast that is not completed within the step bound ends
-the session as well, naming the members behind (`unit_launcher.steps`). A unit runs
-whole or not at all. The proxy beside the leader reports a failed deep-liveness canary
-with `POST /canary-failed`, answered on loopback only; it ends a whole, serving session.
+After release, followers heartbeat at once, also while they fetch their own ranks'
+presharded weights (the ready phase): each says `ready` when its engine may start, and
+the leader starts its engine, and tells the followers to start theirs, when every
+follower is ready; not all ready within the join deadline ends the session as
+`form_timeout`, naming the followers not ready. A member silent for
+`follower_loss_seconds` ends the session: the leader stops its engine and exits
+non-zero, and answers every later heartbeat with "stopping" so the followers stop too.
+Heartbeats carry the follower's step records; a step the leader broadcast that is not
+completed within the step bound ends the session as well, naming the members behind
+(`unit_launcher.steps`). A unit runs whole or not at all. The proxy beside the leader
+reports a failed deep-liveness canary with `POST /canary-failed`, answered on loopback
+only; it ends a whole, serving session.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import time
@@ -67,10 +73,20 @@ class Member:
     steps: dict[str, Any] = field(default_factory=dict)
     # What the member said when it left (exit status, its engine's last lines, deliberate).
     left_evidence: dict[str, Any] | None = None
+    # Ready phase: whether its engine may start (its artifacts are in place), and how far its
+    # fetch has come ({"done_mib", "total_mib"}), as of its last heartbeat.
+    ready: bool = False
+    fetch: dict[str, Any] | None = None
 
     def describe(self) -> str:
         rank = f"rank {self.rank} " if self.rank is not None else ""
         return f"{rank}{self.address} ({self.instance_id})"
+
+    def describe_fetch(self) -> str:
+        fetch = self.fetch or {}
+        if "done_mib" not in fetch:
+            return self.describe()
+        return f"{self.describe()}, fetched {fetch['done_mib']:.1f} of {fetch.get('total_mib', 0):.1f} MiB"
 
 
 def from_loopback(remote: str | None) -> bool:
@@ -107,6 +123,8 @@ class LeaderSession:
     end_reason: str | None = None
     deliberate_end: bool = False
     released: asyncio.Event = field(default_factory=asyncio.Event)
+    # Every follower reported ready after the release: the engines may start.
+    all_ready: asyncio.Event = field(default_factory=asyncio.Event)
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     # Set when the session ended because a step overran the lockstep bound.
     step_timeout: bool = False
@@ -126,7 +144,8 @@ class LeaderSession:
 
     def __post_init__(self) -> None:
         now = time.monotonic()
-        self.members[self.instance_id] = Member(self.address, self.instance_id, now, now, rank=0)
+        # The leader fetched its own artifacts before it let the unit form (mark_ready).
+        self.members[self.instance_id] = Member(self.address, self.instance_id, now, now, rank=0, ready=True)
 
     @property
     def step_dir(self) -> Path:
@@ -174,9 +193,23 @@ class LeaderSession:
             self.session_id,
             self.describe_members(),
         )
-        self._set_state(SERVING)
+        # Still forming until every follower is ready (the ready phase); heartbeats count from now.
         self.released_at = time.time()
         self.released.set()
+        self._check_ready()
+
+    def not_ready(self) -> list[Member]:
+        return sorted((m for m in self.followers if not m.ready), key=lambda m: (m.rank or 0))
+
+    def _check_ready(self) -> None:
+        if self.all_ready.is_set() or not self.released.is_set() or self.state == STOPPING or self.not_ready():
+            return
+        log.info("unit %s session %s: every member ready", self.spec.unit_id, self.session_id)
+        self._set_state(SERVING)
+        self.all_ready.set()
+
+    def not_ready_message(self) -> str:
+        return "followers not ready: " + ", ".join(m.describe_fetch() for m in self.not_ready())
 
     def end(
         self,
@@ -243,6 +276,8 @@ class LeaderSession:
                 cause="heartbeat_loss",
                 ended_by=worst,
             )
+        elif not self.all_ready.is_set():
+            return  # the ready phase: forming until every follower is ready
         elif silence > late:
             self._set_state(DEGRADED)
         else:
@@ -359,6 +394,7 @@ class LeaderSession:
                     "instance_id": m.instance_id,
                     "last_heartbeat_age_s": round(age, 3),
                     "alive": alive,
+                    "ready": m.ready,
                 }
             )
         return {
@@ -516,6 +552,12 @@ class LeaderSession:
         member.last_seen = time.monotonic()
         if isinstance(body.get("steps"), dict):
             member.steps = body["steps"]
+        if isinstance(body.get("fetch"), dict):
+            member.fetch = body["fetch"]
+        if body.get("ready") is True and not member.ready:
+            member.ready = True
+            log.info("ready: %s", member.describe())
+            self._check_ready()
         if body.get("leaving"):
             # Kept even when the session already ended: a follower whose engine crashed often
             # breaks the leader's collective first, and its evidence names the real cause.
@@ -527,11 +569,14 @@ class LeaderSession:
             )
         if body.get("leaving"):
             member.told_stop = True
-            stopped = bool((member.left_evidence or {}).get("deliberate"))
+            said = member.left_evidence or {}
+            stopped = bool(said.get("deliberate"))
+            left = "artifacts" if said.get("cause") == "artifacts" else "member_left"
             self.end(
                 f"follower {member.describe()} left: {body['leaving']}",
-                # A follower stopped on purpose (its instance drained or replaced) is not a failure.
-                cause="member_stopped" if stopped else "member_left",
+                # A follower stopped on purpose (its instance drained or replaced) is not a
+                # failure; one that could not fetch its artifacts says so (cause "artifacts").
+                cause="member_stopped" if stopped else left,
                 ended_by=member,
                 evidence=member.left_evidence,
             )
@@ -539,7 +584,10 @@ class LeaderSession:
                 self._stopping_reply(), status=410
             )
         self.check_liveness()
-        return web.json_response({"state": self.state, "session_id": self.session_id})
+        # "start": every member is ready, the engines may start (the ready phase is over).
+        return web.json_response(
+            {"state": self.state, "session_id": self.session_id, "start": self.all_ready.is_set()}
+        )
 
     async def _status(self, request: web.Request) -> web.Response:
         return web.json_response(self.status())
@@ -613,8 +661,33 @@ class Release:
     rank: int
     size: int
     members: list[dict[str, Any]]
-    # When the leader released the unit (Unix time, the leader's clock when it says).
+    # When the leader released the unit (Unix time, the leader's clock when it says): for
+    # the records only; never compared with this node's clock.
     released_at: float = field(default_factory=time.time)
+    # When this node received the release, on its own monotonic clock: durations since the
+    # release are measured here, by this node alone.
+    received_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Readiness:
+    """A follower's ready phase, shared with its heartbeats: `ready` once its artifacts are
+    in place (its engine may start), its fetch's progress, and `go`, set when the leader
+    says every member is ready."""
+
+    ready: bool = False
+    fetch: dict[str, Any] | None = None
+    go: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set to send a heartbeat now rather than at the next interval (ready, or a fetch failed).
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def set_ready(self) -> None:
+        self.ready = True
+        self.wake.set()
+
+    def progress(self, done: int, total: int) -> None:
+        """The fetch's progress callback (called from the fetch's threads: a plain assignment)."""
+        self.fetch = {"done_mib": round(done / 2**20, 1), "total_mib": round(total / 2**20, 1)}
 
 
 async def join(
@@ -694,6 +767,10 @@ async def join(
 
 # A follower's cause when the leader stopped answering its heartbeats.
 LEADER_UNREACHABLE = "leader_unreachable"
+# ... when the leader's address answers for another session: the leader died and restarted.
+LEADER_RESTARTED = "leader_restarted"
+# Causes by which a follower finds its leader gone (it reports the leader, rank 0).
+LEADER_GONE = (LEADER_UNREACHABLE, LEADER_RESTARTED)
 
 
 @dataclass
@@ -738,6 +815,15 @@ class _Stalls:
 
 def _ended_by_leader(release: Release, data: Any, first_step: FirstStep) -> SessionEnd:
     doc = data if isinstance(data, dict) else {}
+    if doc.get("reason") == "session_changed":
+        # The leader's address answers, but not for this session: a leader process runs one
+        # session, so the leader died and a new launcher took its place before the loss
+        # limit. The old one wrote nothing; this follower's record is the only trace.
+        return SessionEnd(
+            f"leader {release.leader_addr} restarted: session {release.session_id} is gone ({doc.get('error')})",
+            cause=LEADER_RESTARTED,
+            serving_since=first_step.at,
+        )
     return SessionEnd(
         f"leader {release.leader_addr} ended session {release.session_id}: {doc.get('error', data)}",
         deliberate=bool(doc.get("deliberate")),
@@ -765,31 +851,38 @@ async def heartbeat_loop(
     instance_id: str,
     step_dir: Path | None = None,
     first_step: FirstStep | None = None,
+    readiness: Readiness | None = None,
 ) -> SessionEnd:
     """Heartbeat (with this node's step records) until the session ends; returns why.
 
     `first_step` is kept up to date from the step records; the leader's `serving_since`
-    wins when it tells one."""
+    wins when it tells one. `readiness`: the ready phase (None: this node is ready)."""
     url = f"http://{release.leader_addr}:{spec.rendezvous.port}/heartbeat"
     body: dict[str, Any] = {"session_id": release.session_id, "instance_id": instance_id, "rank": release.rank}
     interval = spec.rendezvous.heartbeat_interval
     limit = spec.rendezvous.follower_loss_seconds
     timeout = aiohttp.ClientTimeout(total=max(interval, 1.0))
     first_step = first_step or FirstStep()
+    readiness = readiness or Readiness(ready=True)
     stalls = _Stalls()
-    # Silent towards the leader since it released the unit (whatever held this node up).
-    stalls.longest = max(0.0, time.time() - release.released_at)
+    # Silent towards the leader since this node received the release (whatever held it up),
+    # measured on this node's own monotonic clock: the leader's released_at is another
+    # node's wall clock, and a skew between the two is not a stall.
+    stalls.longest = max(0.0, time.monotonic() - release.received_at)
     last_ok = time.monotonic()
     while True:
         if step_dir is not None:
             body["steps"] = steps.local_states(step_dir)
             first_step.observe(body["steps"])
+        body["ready"], body["fetch"] = readiness.ready, readiness.fetch
         started = time.monotonic()
         try:
             async with http.post(url, json=body, timeout=timeout) as response:
                 data = await response.json(content_type=None)
             if response.status != 200:
                 return _ended_by_leader(release, data, first_step)
+            if isinstance(data, dict) and data.get("start"):
+                readiness.go.set()
             if stalls.note(started, max(interval, 1.0)) < limit / 2:
                 last_ok, stalls.longest = time.monotonic(), 0.0
             else:
@@ -801,7 +894,9 @@ async def heartbeat_loop(
             if silence > limit:
                 return _leader_unreachable(release, silence, limit, error, first_step, stalls.longest)
         started = time.monotonic()
-        await asyncio.sleep(interval)
+        readiness.wake.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(readiness.wake.wait(), interval)
         stalls.note(started, interval)
 
 
@@ -815,7 +910,7 @@ async def leave(
 ) -> bool:
     """Tell the leader this member is going (with its evidence: exit status, the engine's
     last lines), so the session ends now rather than after the loss timeout. True when
-    the leader answered."""
+    this session's leader answered."""
     url = f"http://{release.leader_addr}:{spec.rendezvous.port}/heartbeat"
     body = {
         "session_id": release.session_id,
@@ -829,4 +924,5 @@ async def leave(
             await response.read()
     except (aiohttp.ClientError, TimeoutError):
         return False
-    return True
+    # 409: a leader answers, but not this session's (it restarted): nobody heard this node.
+    return response.status != 409

@@ -14,8 +14,10 @@ import logging
 import os
 import shutil
 import signal
+import threading
 import time
-from collections.abc import Mapping
+import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,8 @@ EXIT_ARTIFACTS = 4  # artifacts missing or not matching the layout
 EXIT_UNIT_LOST = 5  # the session ended because another member was lost or left, or a step overran
 # A unit that lost a member cannot drain: its collectives are stuck. Stop the engine fast.
 LOST_STOP_SECONDS = 3.0
+# Longest wait for a cancelled fetch's threads to stop (they stop at the transfer's next chunk).
+FETCH_CANCEL_SECONDS = 10.0
 
 
 def _boto3_client(service: str, spec: UnitSpec) -> Any:
@@ -47,12 +51,18 @@ def _boto3_client(service: str, spec: UnitSpec) -> Any:
     )
 
 
-def fetch_artifacts(spec: UnitSpec, rank: int | None = None) -> None:
+def fetch_artifacts(
+    spec: UnitSpec,
+    rank: int | None = None,
+    cancel: threading.Event | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> None:
     """Fetch what this node needs, then check the compiled layout.
 
     `rank`: this node's ranks of a presharded layout; -1 before the node knows its rank (a
     follower before the release): everything but the shards, which it fetches once released;
-    None: every rank. Without presharded weights every node needs the whole checkpoint."""
+    None: every rank. Without presharded weights every node needs the whole checkpoint.
+    `cancel` stops the fetch (artifacts.FetchCancelled)."""
     if spec.model.artifacts_s3_uri is None:
         if not os.path.exists(spec.model.local_dir):
             raise artifacts.ArtifactError(
@@ -67,6 +77,10 @@ def fetch_artifacts(spec: UnitSpec, rank: int | None = None) -> None:
             spec.model.local_dir,
             layout=spec.model.layout if spec.engine.device == "neuron" else None,
             ranks=None if rank is None else range(max(rank, 0) * local, (rank + 1) * local),
+            # vLLM on CPU (the e2e) loads the full checkpoint even beside presharded shards.
+            keep_checkpoint=spec.engine.device != "neuron",
+            cancel=cancel,
+            on_progress=progress,
             cache_marker=spec.model.cache_marker,
         )
     layout_dir = plan.layout_dir(spec)
@@ -80,6 +94,36 @@ def prepare_node(spec: UnitSpec, rank: int) -> None:
     if layout_dir and node_dir:
         local = spec.instance.cores_per_node
         artifacts.prepare_node_layout(Path(layout_dir), Path(node_dir), rank * local, local)
+
+
+class _Fetch:
+    """This node's fetch (and its view of the layout) in a thread, cancellable: a node told to
+    stop, or whose session ended, does not first finish a download of minutes."""
+
+    def __init__(self, spec: UnitSpec, rank: int, progress: Callable[[int, int], None] | None = None) -> None:
+        self.cancel = threading.Event()
+        self.task = asyncio.ensure_future(asyncio.to_thread(self._run, spec, rank, progress))
+
+    def _run(self, spec: UnitSpec, rank: int, progress: Callable[[int, int], None] | None) -> None:
+        fetch_artifacts(spec, rank, self.cancel, progress)
+        if rank >= 0:
+            prepare_node(spec, rank)
+
+    def error(self) -> BaseException | None:
+        """The finished fetch's error; anything but an ArtifactError is a launcher bug and raised."""
+        error = self.task.exception()
+        if error is None or isinstance(error, artifacts.ArtifactError):
+            return error
+        raise error
+
+    async def stop(self) -> None:
+        if self.task.done():
+            return
+        self.cancel.set()
+        started = time.monotonic()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(self.task), FETCH_CANCEL_SECONDS)
+        log.info("artifact fetch cancelled (stopped in %.1f s)", time.monotonic() - started)
 
 
 class _Signals:
@@ -147,31 +191,78 @@ async def _wait_out_backoff(spec: UnitSpec, session: rendezvous.LeaderSession, s
     session._set_state(rendezvous.FORMING)
 
 
-async def _form(spec: UnitSpec, session: rendezvous.LeaderSession, signals: _Signals) -> int | None:
-    """Fetch, back off if the unit keeps failing, wait for the members: an exit status, or None when formed."""
-    try:
-        await asyncio.to_thread(fetch_artifacts, spec, 0)
-        await asyncio.to_thread(prepare_node, spec, 0)
-    except artifacts.ArtifactError as error:
+def _artifacts_failed_last(spec: UnitSpec) -> bool:
+    """Whether this node's newest failure in the unit's history is a failed fetch."""
+    failures = [r for r in evidence.read_history(_history(spec)) if r.get("cause") not in evidence.NEUTRAL]
+    return bool(failures) and failures[-1].get("cause") == "artifacts"
+
+
+async def _fetch_own(spec: UnitSpec, session: rendezvous.LeaderSession, signals: _Signals) -> int | None:
+    """The leader's own artifacts, cancellable by SIGTERM: an exit status, or None when fetched."""
+    if _artifacts_failed_last(spec):
+        # The backoff comes before the fetch that failed, or a failing S3 is a crash loop.
+        await _wait_out_backoff(spec, session, signals)
+    fetch = _Fetch(spec, 0) if not signals.stop.is_set() else None
+    if fetch is not None:
+        await _first(asyncio.shield(fetch.task), signals.stop.wait())
+    if fetch is None or not fetch.task.done():
+        if fetch is not None:
+            await fetch.stop()
+        session.end("leader received SIGTERM while it fetched its artifacts", deliberate=True)
+        return 0
+    error = fetch.error()
+    if error is not None:
         session.end(f"artifacts: {error}", cause="artifacts")
         log.error("%s", error)
         return EXIT_ARTIFACTS
+    return None
+
+
+async def _form(spec: UnitSpec, session: rendezvous.LeaderSession, signals: _Signals) -> int | None:
+    """Fetch, back off if the unit keeps failing, wait for the members and for every one to be
+    ready (the ready phase): an exit status, or None when the engines may start."""
+    fetched = await _fetch_own(spec, session, signals)
+    if fetched is not None:
+        return fetched
     await _wait_out_backoff(spec, session, signals)
     if signals.stop.is_set():
         session.end("leader stopped before the unit formed", deliberate=True)
         return 0
     session.mark_ready()
+    join = spec.rendezvous.join_timeout_seconds
+    deadline = time.monotonic() + join
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(
-            _first(session.released.wait(), signals.stop.wait()), spec.rendezvous.join_timeout_seconds
-        )
+        await asyncio.wait_for(_first(session.released.wait(), signals.stop.wait()), join)
     if signals.stop.is_set():
         session.end("leader stopped before the unit formed", deliberate=True)
         return 0
     if not session.released.is_set():
+        message = f"unit {spec.unit_id} did not form within {join:g} s: {session.missing_message()}"
+        session.end(message, cause="form_timeout")
+        log.error("%s", message)
+        return EXIT_FORM_TIMEOUT
+    return await _await_ready(spec, session, signals, deadline)
+
+
+async def _await_ready(
+    spec: UnitSpec, session: rendezvous.LeaderSession, signals: _Signals, deadline: float
+) -> int | None:
+    """The ready phase: released, the followers fetch their own ranks' shards and heartbeat
+    meanwhile; the engines start when every one is ready, within the join deadline."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(
+            _first(session.all_ready.wait(), session.ended.wait(), signals.stop.wait()),
+            max(0.0, deadline - time.monotonic()),
+        )
+    if signals.stop.is_set():
+        session.end("leader stopped before the unit formed", deliberate=True)
+        return 0
+    if session.ended.is_set():  # a follower lost, left or failed its fetch before the engines started
+        return EXIT_ARTIFACTS if session.cause == "artifacts" else EXIT_FORM_TIMEOUT
+    if not session.all_ready.is_set():
         message = (
-            f"unit {spec.unit_id} did not form within {spec.rendezvous.join_timeout_seconds:g} s: "
-            f"{session.missing_message()}"
+            f"unit {spec.unit_id} did not start within {spec.rendezvous.join_timeout_seconds:g} s: "
+            f"{session.not_ready_message()}"
         )
         session.end(message, cause="form_timeout")
         log.error("%s", message)
@@ -313,6 +404,9 @@ async def run_leader(spec: UnitSpec, me: Identity, bind: str) -> int:
         formed = await _form(spec, session, signals)
         if formed is not None:
             status = formed
+            if session.released.is_set():
+                # Followers in the ready phase heartbeat: they hear "stopping", not silence.
+                await session.tell_followers(2 * spec.rendezvous.heartbeat_interval + 1)
             return status
         node_plan = _leader_plan(spec, me, session)
         engine = Engine(node_plan.argv, _engine_env(node_plan))
@@ -352,11 +446,9 @@ async def run_follower(spec: UnitSpec, me: Identity, env: Mapping[str, str]) -> 
     signals = _Signals()
     health = health_file.HealthFile(health_file.path_from(env), "follower")
     health.write()  # joining: the container health check allows the start-up budget
-    try:
-        await asyncio.to_thread(fetch_artifacts, spec, -1)
-    except artifacts.ArtifactError as error:
-        log.error("%s", error)
-        return EXIT_ARTIFACTS
+    fetched = await _fetch_before_joining(spec, me, signals)
+    if fetched is not None:
+        return fetched
 
     explicit = env.get("UNIT_LEADER_ADDR")
 
@@ -405,6 +497,49 @@ async def run_follower(spec: UnitSpec, me: Identity, env: Mapping[str, str]) -> 
         return await _follow(http, spec, me, release, signals, health)
 
 
+async def _fetch_before_joining(spec: UnitSpec, me: Identity, signals: _Signals) -> int | None:
+    """What a follower needs before it knows its rank (all but the shards), cancellable by
+    SIGTERM; a failure is recorded and backed off like the leader's: an exit status, or None."""
+    if _artifacts_failed_last(spec):
+        remaining = evidence.backoff_for(evidence.read_history(_history(spec)), _backoff_policy(spec)).remaining()
+        log.warning("this node's last fetch failed: waiting %.0f s before it fetches again", remaining)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(signals.stop.wait(), remaining)
+    fetch = _Fetch(spec, -1) if not signals.stop.is_set() else None
+    if fetch is not None:
+        await _first(asyncio.shield(fetch.task), signals.stop.wait())
+    if fetch is None or not fetch.task.done():
+        if fetch is not None:
+            await fetch.stop()
+        _local_record(spec, me, "deliberate_stop", "follower received SIGTERM before it joined (fetching artifacts)")
+        return 0
+    error = fetch.error()
+    if error is None:
+        return None
+    log.error("%s", error)
+    _publish(spec, _own_failure_event(spec, me, f"pre-join-{uuid.uuid4().hex}", "artifacts", f"artifacts: {error}"))
+    return EXIT_ARTIFACTS
+
+
+def _own_failure_event(spec: UnitSpec, me: Identity, session_id: str, cause: str, reason: str) -> dict[str, Any]:
+    """A failure of this follower outside any session the leader records (before it joined)."""
+    me_as_member = {"rank": None, "address": me.host_ip, "instance_id": me.instance_id}
+    event = evidence.session_event(spec=spec, session_id=session_id, cause=cause, reason=reason,
+                                   ended_by=me_as_member, members=[me_as_member], released_at=None)
+    event["reported_by"] = me_as_member
+    return event
+
+
+def _local_record(spec: UnitSpec, me: Identity, cause: str, reason: str) -> None:
+    """A note in this node's copy of the unit's history, outside any session (why it exited)."""
+    log.info("%s", reason)
+    evidence.append_history(_history(spec), {
+        "event": "unit_session_end", "cell": spec.cell, "unit_id": spec.unit_id,
+        "session_id": f"local-{uuid.uuid4().hex}", "cause": cause, "reason": reason, "ended_at": time.time(),
+        "served_seconds": 0.0, "recorded_by": me.instance_id,
+    })
+
+
 def _reports_for_unit(release: rendezvous.Release) -> bool:
     """Whether this follower writes the unit's session-end event when the leader is gone.
 
@@ -423,7 +558,7 @@ def _leader_lost_event(
     event = evidence.session_event(
         spec=spec,
         session_id=release.session_id,
-        cause=rendezvous.LEADER_UNREACHABLE,
+        cause=ended.cause if ended.cause in rendezvous.LEADER_GONE else rendezvous.LEADER_UNREACHABLE,
         reason=ended.reason,
         ended_by={"rank": 0, "address": leader.get("address", release.leader_addr),
                   "instance_id": leader.get("instance_id")},
@@ -443,7 +578,9 @@ def _record_follower_end(
     one follower that reports a vanished leader. A follower that was itself stalled (a
     frozen launcher, a paused host) was most likely lost by a leader that reported it:
     blaming the leader then would count a failure against the wrong host."""
-    vanished = ended.cause == rendezvous.LEADER_UNREACHABLE and not (ended.deliberate or ended.self_stalled)
+    # A leader that restarted within the loss limit answers for another session: it vanished
+    # as well (its old process wrote nothing), and is reported the same way.
+    vanished = ended.cause in rendezvous.LEADER_GONE and not (ended.deliberate or ended.self_stalled)
     if vanished and _reports_for_unit(release):
         _publish(spec, _leader_lost_event(spec, me, release, ended, step_dir))
         return
@@ -499,7 +636,7 @@ async def _leader_gone(
     r = spec.rendezvous
     with contextlib.suppress(TimeoutError):
         ended = await asyncio.wait_for(asyncio.shield(beats), r.follower_loss_seconds + 2 * r.heartbeat_interval)
-        if ended.cause == rendezvous.LEADER_UNREACHABLE:
+        if ended.cause in rendezvous.LEADER_GONE:
             return replace(ended, reason=f"{ended.reason}; this follower's engine exited meanwhile ({why})")
     # The leader answers again (the first try met a blip): its evidence keeps what this node says.
     await rendezvous.leave(http, spec, release, me.instance_id, why, said)
@@ -528,14 +665,70 @@ async def _follow(
     http: aiohttp.ClientSession, spec: UnitSpec, me: Identity, release: rendezvous.Release, signals: _Signals,
     health: health_file.HealthFile,
 ) -> int:
-    """Run this node's engine in the released session until the session or the engine ends."""
+    """Run this node's engine in the released session until the session or the engine ends.
+
+    Heartbeats start at the release, before this node fetches its own ranks' presharded
+    weights: a fetch of minutes is not silence (the ready phase, unit_launcher.rendezvous)."""
+    step_dir = steps.step_dir(spec.unit_id, release.session_id, release.rank)
+    readiness = rendezvous.Readiness()
+    first_step = rendezvous.FirstStep()
+    beats = asyncio.ensure_future(
+        rendezvous.heartbeat_loop(http, spec, release, me.instance_id, step_dir, first_step, readiness)
+    )
     try:
-        # Its own ranks' presharded weights, now that the rank is known (nothing when not presharded).
-        await asyncio.to_thread(fetch_artifacts, spec, release.rank)
-        await asyncio.to_thread(prepare_node, spec, release.rank)
-    except artifacts.ArtifactError as error:
+        status = await _get_ready(http, spec, me, release, signals, beats, readiness)
+        if status is not None:
+            return status
+        return await _run_engine(http, spec, me, release, signals, health, beats, first_step)
+    finally:
+        beats.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await beats
+        shutil.rmtree(step_dir, ignore_errors=True)
+
+
+async def _get_ready(
+    http: aiohttp.ClientSession, spec: UnitSpec, me: Identity, release: rendezvous.Release, signals: _Signals,
+    beats: asyncio.Future[rendezvous.SessionEnd], readiness: rendezvous.Readiness,
+) -> int | None:
+    """Fetch this node's ranks, say ready, wait for the leader's go: None when the engine may start,
+    else the exit status (fetch failed, SIGTERM, or the session ended meanwhile)."""
+    fetch = _Fetch(spec, release.rank, readiness.progress)
+    await _first(asyncio.shield(fetch.task), asyncio.shield(beats), signals.stop.wait())
+    if not fetch.task.done():
+        await fetch.stop()
+    elif (error := fetch.error()) is not None:
         log.error("%s", error)
+        said = {"cause": "artifacts", "error": str(error)}
+        await rendezvous.leave(http, spec, release, me.instance_id, f"artifacts: {error}", said)
+        _follower_record(spec, release, "artifacts", f"artifacts: {error}", None)
         return EXIT_ARTIFACTS
+    else:
+        readiness.set_ready()
+        log.info("ready: this node's artifacts are in place; waiting for every member of the unit")
+        await _first(readiness.go.wait(), asyncio.shield(beats), signals.stop.wait())
+        if readiness.go.is_set() and not signals.stop.is_set() and not beats.done():
+            return None
+    if signals.stop.is_set():
+        why = "follower received SIGTERM before its engine started"
+        await rendezvous.leave(http, spec, release, me.instance_id, why, {"deliberate": True})
+        _follower_record(spec, release, "deliberate_stop", why, None)
+        log.info("%s", why)
+        return 0
+    ended = beats.result()
+    _record_follower_end(spec, me, release, ended, steps.step_dir(spec.unit_id, release.session_id, release.rank))
+    log.log(logging.INFO if ended.deliberate else logging.ERROR, "unit session over before the engines started: %s",
+            ended.reason)
+    if ended.deliberate:
+        return 0
+    return EXIT_FORM_TIMEOUT if ended.cause == "form_timeout" else EXIT_UNIT_LOST
+
+
+async def _run_engine(
+    http: aiohttp.ClientSession, spec: UnitSpec, me: Identity, release: rendezvous.Release, signals: _Signals,
+    health: health_file.HealthFile, beats: asyncio.Future[rendezvous.SessionEnd], first_step: rendezvous.FirstStep,
+) -> int:
+    """Every member is ready: run this node's engine until the session or the engine ends."""
     step_dir = steps.step_dir(spec.unit_id, release.session_id, release.rank)
     node_plan = plan.build_plan(
         spec,
@@ -547,14 +740,10 @@ async def _follow(
         step_dir=str(step_dir),
     )
     engine = Engine(node_plan.argv, _engine_env(node_plan))
-    first_step = rendezvous.FirstStep()
     try:
         await engine.start()
         health.serve(release.session_id)
         engine_exit = asyncio.ensure_future(engine.wait())
-        beats = asyncio.ensure_future(
-            rendezvous.heartbeat_loop(http, spec, release, me.instance_id, step_dir, first_step)
-        )
         await _first(asyncio.shield(engine_exit), asyncio.shield(beats), signals.stop.wait())
         if engine_exit.done():
             crash = _Crash(engine_exit.result(), engine.tail(), first_step)
@@ -578,7 +767,6 @@ async def _follow(
         health.stop()
         if engine.running:
             await engine.stop(spec.engine.stop_timeout_seconds)
-        shutil.rmtree(step_dir, ignore_errors=True)
 
 
 def run(role: str, spec: UnitSpec, env: Mapping[str, str]) -> int:

@@ -41,9 +41,11 @@ EVENT_DETAIL_TYPE = "Unit Session End"
 # the event a vanished leader's rank 1 follower writes, naming the leader (a follower that
 # was itself stalled does not write it). `canary_failed`: the proxy's canary through an idle,
 # whole unit failed; it names the first follower behind in the step records, else the leader.
+# `leader_restarted`: the same follower's event when the leader died and a new launcher
+# answered at its address within the loss limit (the old one wrote nothing).
 IMPLICATING_CAUSES = frozenset(
     {"heartbeat_loss", "step_timeout", "engine_exit", "member_engine_exit", "member_restarted", "member_lost",
-     "leader_unreachable", "canary_failed"}
+     "leader_unreachable", "leader_restarted", "canary_failed"}
 )
 # Implicates its member only with an engine exit status: a follower whose engine exited
 # leaves with its status; one that leaves without (a launcher of a version that sent none)

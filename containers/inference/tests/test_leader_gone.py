@@ -1,0 +1,60 @@
+"""A follower finds its leader gone: every lost session leaves one event with a cause, and a
+follower judges its own stalls by its own clock only. Real launchers on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import pytest
+from unit_launcher import evidence, rendezvous
+from unit_launcher.spec import parse_spec
+
+EXIT_UNIT_LOST = 5
+
+
+@pytest.mark.timeout(90)
+def test_a_leader_that_dies_and_restarts_within_the_loss_limit_is_reported_with_a_cause(tmp_path, unit_nodes, h):
+    spec = {**h.cpu_spec(2, record_dir=tmp_path, follower_loss_seconds=8.0), "metrics_namespace": "Rufus/Unit"}
+    leader = unit_nodes(spec, "leader", "i-leader")
+    follower = unit_nodes({**spec, "state_dir": str(tmp_path / "f1-state")}, "follower", "i-f1")
+    port = spec["rendezvous"]["port"]
+    first = h.wait_for(lambda: (s := h.get_status(port)) and s["state"] == "serving" and s, 30, "unit serving")
+    leader.process.kill()  # no record: killed outright (OOM, a host crash)
+    leader.wait(10)
+    unit_nodes(spec, "leader", "i-leader")  # ECS restarts it at once, well within the loss limit
+    assert follower.wait(30) == EXIT_UNIT_LOST, follower.log
+    assert "restarted" in follower.log
+    events = [json.loads(line) for line in follower.log.splitlines() if line.startswith('{"') and "_aws" in line]
+    [event] = events
+    assert (event["cause"], event["session_id"], event["ended_by"]["instance_id"]) == (
+        "leader_restarted", first["session_id"], "i-leader"), event
+    assert event["UnitFailures"] == 1
+    [kept] = evidence.read_history(evidence.history_path(tmp_path / "f1-state", "test", "u0"))
+    assert kept["cause"] == "leader_restarted" and kept["ended_by"]["rank"] == 0
+
+
+async def test_a_skewed_clock_between_the_nodes_is_not_a_stall_of_the_follower(tmp_path, h):
+    """The leader's released_at is the leader's wall clock; the follower's is 30 s ahead. The
+    leader then vanishes: the follower was not stalled, and says the leader is gone."""
+    spec = parse_spec(h.cpu_spec(2, record_dir=tmp_path, follower_loss_seconds=2.0, heartbeat_interval_seconds=0.2))
+    # Nothing listens on the rendezvous port: the leader is gone from the first heartbeat on.
+    release = rendezvous.Release("127.0.0.1", "s1", 1, 2, [], released_at=time.time() - 30)
+    async with aiohttp.ClientSession() as http:
+        ended = await asyncio.wait_for(rendezvous.heartbeat_loop(http, spec, release, "i-f1"), 20)
+    assert ended.cause == rendezvous.LEADER_UNREACHABLE
+    assert not ended.self_stalled, ended.reason
+    assert "itself was stalled" not in ended.reason
+
+
+async def test_a_follower_stalled_after_the_release_knows_it_by_its_own_clock(tmp_path, h):
+    """Stalled 8 s between the release and its first heartbeat, with its clock 30 s behind the
+    leader's: the stall is measured on this node's monotonic clock, so it is still seen."""
+    spec = parse_spec(h.cpu_spec(2, record_dir=tmp_path, follower_loss_seconds=2.0, heartbeat_interval_seconds=0.2))
+    release = rendezvous.Release("127.0.0.1", "s1", 1, 2, [], released_at=time.time() + 30)
+    object.__setattr__(release, "received_at", time.monotonic() - 8)
+    async with aiohttp.ClientSession() as http:
+        ended = await asyncio.wait_for(rendezvous.heartbeat_loop(http, spec, release, "i-f1"), 20)
+    assert ended.self_stalled and "itself was stalled for 8" in ended.reason, ended.reason

@@ -1,0 +1,102 @@
+"""The ready phase: followers fetch their presharded shards after the release, heartbeating,
+and the unit starts when every member is ready. Real launchers, moto's S3 behind a slowed link."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+EXIT_FORM_TIMEOUT = 3
+# Bytes per second of the slowed link, for shard objects only.
+RATE = 256 << 10
+
+
+def _presharded(size: int, slow_rank: int, slow_seconds: float) -> dict[str, bytes]:
+    """A checkpoint with presharded weights (one shard per rank, cores_per_node 1): the
+    shard of `slow_rank` takes `slow_seconds` through the link, the others a fraction of one."""
+    objects = {"config.json": b'{"model_type": "llama"}', "model.safetensors": b"w" * 4096}
+    for rank in range(size):
+        length = int(RATE * slow_seconds) if rank == slow_rank else 4096
+        objects[f"weights/tp{rank}_sharded_checkpoint.safetensors"] = bytes([rank]) * length
+    return objects
+
+
+def _on_s3(h, spec: dict, uri: str, cache: Path) -> dict:
+    placed = json.loads(json.dumps(spec))
+    placed["model"].update(artifacts_s3_uri=uri, local_dir=str(cache))
+    # Each instance keeps its own copy of the unit's history, beside its model cache (as on AWS).
+    placed["state_dir"] = str(cache.parent / f"{cache.name}-state")
+    return placed
+
+
+def _history(spec: dict) -> list[dict]:
+    path = Path(spec["state_dir"]) / f"{spec['cell']}-{spec['unit_id']}.failures.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_a_follower_fetching_its_shards_longer_than_the_loss_limit_is_not_lost(tmp_path, unit_nodes, h, slow_s3):
+    loss = 3.0
+    spec = h.cpu_spec(2, record_dir=tmp_path, follower_loss_seconds=loss, join_timeout_seconds=60)
+    s3 = slow_s3(RATE)
+    uri = s3.put(_presharded(2, slow_rank=1, slow_seconds=3 * loss))
+    lead, follow = _on_s3(h, spec, uri, tmp_path / "leader-cache"), _on_s3(h, spec, uri, tmp_path / "f1-cache")
+    leader = unit_nodes(lead, "leader", "i-leader", extra_env=s3.env())
+    follower = unit_nodes(follow, "follower", "i-f1", extra_env=s3.env())
+    port = spec["rendezvous"]["port"]
+    h.wait_for(lambda: (tmp_path / "i-leader.json").exists() and (tmp_path / "i-f1.json").exists(), 60, "engines")
+    # Not lost meanwhile: the leader blames nobody, and the unit serves whole.
+    assert "lost" not in leader.log and leader.process.poll() is None, leader.log
+    status = h.wait_for(lambda: (s := h.get_status(port)) and s["state"] == "serving" and s, 10, "unit serving")
+    assert [(m["rank"], m["ready"], m["alive"]) for m in status["members"]] == [(0, True, True), (1, True, True)]
+    # The follower fetched its own shard (only its own) after the release, for longer than the loss limit.
+    assert (tmp_path / "f1-cache" / "weights" / "tp1_sharded_checkpoint.safetensors").stat().st_size == 9 * RATE
+    assert not (tmp_path / "f1-cache" / "weights" / "tp0_sharded_checkpoint.safetensors").exists()
+    released = follower.log.index("unit released")
+    assert "ready: this node's artifacts are in place" in follower.log[released:]
+    assert _history(lead) == _history(follow) == []  # nothing ended, nobody blamed
+    leader.signal(signal.SIGTERM)
+    assert leader.wait(20) == 0, leader.log
+    assert follower.wait(20) == 0, follower.log
+
+
+def test_followers_not_ready_within_the_join_deadline_end_as_form_timeout_naming_them(
+    tmp_path, unit_nodes, h, slow_s3
+):
+    spec = h.cpu_spec(2, record_dir=tmp_path, follower_loss_seconds=3.0, join_timeout_seconds=6)
+    s3 = slow_s3(RATE)
+    uri = s3.put(_presharded(2, slow_rank=1, slow_seconds=60))
+    lead = _on_s3(h, spec, uri, tmp_path / "leader-cache")
+    leader = unit_nodes(lead, "leader", "i-leader", extra_env=s3.env())
+    follower = unit_nodes(_on_s3(h, spec, uri, tmp_path / "f1-cache"), "follower", "i-f1", extra_env=s3.env())
+    assert leader.wait(30) == EXIT_FORM_TIMEOUT, leader.log
+    assert "did not start within 6 s: followers not ready: rank 1 127.0.0.1 (i-f1), fetched" in leader.log
+    # The follower hears "stopping", cancels its fetch (a minute's worth) and exits at once.
+    assert follower.wait(15) == EXIT_FORM_TIMEOUT, follower.log
+    assert "artifact fetch cancelled" in follower.log
+    [record] = _history(lead)
+    assert record["cause"] == "form_timeout" and record["ended_by"] is None  # named, not blamed
+    assert [(m["rank"], m["ready"]) for m in record["members"]] == [(0, True), (1, False)]
+    assert not (tmp_path / "i-leader.json").exists() and not (tmp_path / "i-f1.json").exists()  # no engine started
+
+
+def test_sigterm_stops_a_leader_in_the_middle_of_its_fetch_promptly_with_a_record(tmp_path, unit_nodes, h, slow_s3):
+    spec = h.cpu_spec(2, record_dir=tmp_path)
+    s3 = slow_s3(RATE)
+    uri = s3.put(_presharded(2, slow_rank=0, slow_seconds=60))
+    lead = _on_s3(h, spec, uri, tmp_path / "leader-cache")
+    leader = unit_nodes(lead, "leader", "i-leader", extra_env=s3.env())
+    h.wait_for(lambda: (tmp_path / "leader-cache" / "weights").exists(), 30, "the leader's shard download begun")
+    leader.signal(signal.SIGTERM)
+    stopped = time.monotonic()
+    assert leader.wait(20) == 0, leader.log
+    assert time.monotonic() - stopped < 5, leader.log
+    [record] = _history(lead)
+    assert record["cause"] == "deliberate_stop"
+    assert "SIGTERM while it fetched its artifacts" in record["reason"]
+    assert not (tmp_path / "leader-cache" / "weights" / "tp0_sharded_checkpoint.safetensors").exists()
