@@ -281,3 +281,29 @@ def test_a_follower_that_was_itself_stalled_does_not_blame_the_leader(tmp_path, 
     assert not _emf_events(follower.log), follower.log
     [short] = evidence.read_history(evidence.history_path(own["state_dir"], "test", "u0"))
     assert short["cause"] == "leader_unreachable" and "this node itself was stalled" in short["reason"], short
+
+
+@pytest.mark.timeout(90)
+def test_the_leader_announces_a_formed_session_once_in_the_form_the_placement_controller_reads(
+    tmp_path, unit_nodes, h
+):
+    """Issue 20 item 4: a rolling update's new instance is signalled only once it was a member of a
+    formed session, which the controller learns from this line (docs/contracts.md)."""
+    forward = pytest.importorskip("placement_controller.forward")
+    spec = h.cpu_spec(3, record_dir=tmp_path)
+    port = spec["rendezvous"]["port"]
+    leader = unit_nodes(spec, "leader", "i-leader")
+    for name in ("i-f1", "i-f2"):
+        unit_nodes(spec, "follower", name)
+    status = h.wait_for(lambda: (s := h.get_status(port)) and s["state"] == "serving" and s, 60, "unit serving")
+    lines = [json.loads(line) for line in leader.log.splitlines()
+             if line.startswith("{") and '"unit_session_formed"' in line]
+    assert len(lines) == 1, leader.log
+    [formed] = lines
+    assert formed["session_id"] == status["session_id"] and formed["unit_id"] == spec["unit_id"]
+    assert sorted((m["rank"], m["instance_id"]) for m in formed["members"]) == [
+        (0, "i-leader"), (1, "i-f1"), (2, "i-f2")
+    ]
+    message = forward.trigger_message({"id": "1", "message": json.dumps(formed), "logStream": "leader/x/t"})
+    assert message is not None and message["detail"]["members"] == formed["members"]
+    assert message["detail"]["released_at"] == formed["released_at"]

@@ -208,6 +208,31 @@ def emf_line(event: dict[str, Any], namespace: str | None) -> str:
     return json.dumps(doc, sort_keys=True, default=str)
 
 
+def session_formed_event(
+    cell: str, unit_id: str, revision: str, session_id: str, released_at: float, members: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The leader's `unit_session_formed` line (docs/contracts.md): every member joined and is
+    ready, the engines start. The placement controller records it on each member's instance;
+    a rolling update's new instance is signalled only once it was a member of such a session
+    (placement_controller/signals.py)."""
+    return {
+        "event": "unit_session_formed",
+        "cell": cell,
+        "unit_id": unit_id,
+        "revision": revision,
+        "session_id": session_id,
+        "released_at": released_at,
+        "members": [{"rank": m["rank"], "instance_id": m["instance_id"]} for m in members],
+    }
+
+
+def emit_line(document: dict[str, Any], stream: TextIO | None = None) -> None:
+    """A JSON document as a log line of its own (no metrics)."""
+    out = stream or sys.stdout
+    out.write("\n" + json.dumps(document, sort_keys=True) + "\n")
+    out.flush()
+
+
 def emit(event: dict[str, Any], namespace: str | None, stream: TextIO | None = None) -> None:
     out = stream or sys.stdout
     # A line of its own even if the engine's output ended mid-line: CloudWatch reads EMF

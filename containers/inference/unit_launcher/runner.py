@@ -408,6 +408,7 @@ async def run_leader(spec: UnitSpec, me: Identity, bind: str) -> int:
                 # Followers in the ready phase heartbeat: they hear "stopping", not silence.
                 await session.tell_followers(2 * spec.rendezvous.heartbeat_interval + 1)
             return status
+        _announce_formed(spec, session)
         node_plan = _leader_plan(spec, me, session)
         engine = Engine(node_plan.argv, _engine_env(node_plan))
         status = await _serve(spec, session, engine, signals)
@@ -425,6 +426,15 @@ async def run_leader(spec: UnitSpec, me: Identity, bind: str) -> int:
             _record_session_end(spec, session, engine, status)
         await runner.cleanup()
         shutil.rmtree(session.step_dir, ignore_errors=True)
+
+
+def _announce_formed(spec: UnitSpec, session: rendezvous.LeaderSession) -> None:
+    """Every member joined and is ready: say so in the log, for the rolling-update signal."""
+    status = session.status()
+    evidence.emit_line(evidence.session_formed_event(
+        spec.cell, spec.unit_id, spec.revision, session.session_id, float(session.released_at or time.time()),
+        status["members"],
+    ))
 
 
 def _history(spec: UnitSpec) -> Path:
