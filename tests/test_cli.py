@@ -82,15 +82,16 @@ def test_a_closed_pipe_ends_quietly(args: tuple[str, ...]) -> None:
 
 
 def test_help_into_a_closed_pipe_is_quiet() -> None:
-    # argparse itself drops the OSError of printing help (Lib/argparse.py, _print_message).
+    # Either argparse's own write fails (it drops the OSError: Lib/argparse.py, _print_message) or
+    # the help sits in stdout's buffer when argparse exits and main's flush meets the closed pipe.
     done = closed_pipe_run([sys.executable, "-m", "inference_fleet", "--help"], ROOT)
-    assert done.stderr == "" and done.returncode == 0
+    assert done.stderr == "" and done.returncode in (exit_codes.OK, exit_codes.CLOSED_PIPE)
 
 
 def test_head_of_a_pipe_shows_no_traceback() -> None:
     """The user's own words: `plan-rollout --json | head -1` (reference is long enough to fill the pipe)."""
     for command in ("plan-rollout --json", "reference"):
-        done = subprocess.run(["bash", "-c", f"set -o pipefail; {sys.executable} -m inference_fleet {command} | head -1"],
-                              cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+        pipeline = f"{sys.executable} -m inference_fleet {command} | head -1"
+        done = subprocess.run(["bash", "-c", pipeline], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert "Error" not in done.stderr and "Traceback" not in done.stderr, done.stderr
         assert done.stdout.count("\n") == 1
