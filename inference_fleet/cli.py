@@ -111,16 +111,21 @@ def _closed_pipe() -> int:
     return exit_codes.CLOSED_PIPE
 
 
+def _run(argv: list[str] | None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return exit_codes.CONFIG
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
-        args = _parser().parse_args(argv)
         try:
-            status = args.run(args)
-        except ConfigError as error:
-            print(f"error: {error}", file=sys.stderr)
-            return exit_codes.CONFIG
-        sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at exit
-        return status
+            return _run(argv)
+        finally:
+            sys.stdout.flush()  # after --help too (SystemExit): a closed pipe shows here, not at exit
     except BrokenPipeError:
         return _closed_pipe()
 
