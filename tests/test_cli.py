@@ -95,3 +95,11 @@ def test_head_of_a_pipe_shows_no_traceback() -> None:
         done = subprocess.run(["bash", "-c", pipeline], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert "Error" not in done.stderr and "Traceback" not in done.stderr, done.stderr
         assert done.stdout.count("\n") == 1
+
+
+def test_suggest_for_an_unknown_instance_type_is_a_refused_fleet(tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text((ROOT / "config" / "default.yaml").read_text().replace("trn2.48xlarge", "trn9.huge"))
+    done = fleet_cli("plan", "--suggest", "--config", str(fleet))
+    assert done.returncode == exit_codes.CONFIG, done.stderr
+    assert "unit.instance_type = 'trn9.huge' is not a known instance type; allowed:" in done.stderr
