@@ -12,21 +12,29 @@ export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 export JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION := 1
 # No AWS call is ever needed to synthesize or test: make sure none is attempted.
 export AWS_EC2_METADATA_DISABLED := true
+# The fleet file reaches the commands through the environment and is quoted there
+# ("$$CONFIG"), so a path with spaces or shell characters works: make plan CONFIG="my/fleet two.yaml".
+export CONFIG
 
-.PHONY: setup venv cli tools synth test snapshot-update plan plan-rollout bench bench-proxy bench-unit bench-placement simulate-scaling e2e clean-e2e clean
+.PHONY: help setup venv cli tools synth test snapshot-update validate plan plan-rollout bench bench-proxy bench-unit bench-placement simulate-scaling e2e clean-e2e clean
 
-setup: venv cli
+# `make help` lists every target with the `## ` comment on its line (tests/test_makefile.py
+# checks that each .PHONY target has one).
+help: ## list the targets and what each does
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  %-18s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+setup: venv cli ## the venv (.venv) and the pinned CDK CLI (node_modules)
 
 # Debian packages the tests use, installed when missing: shellcheck checks every script the
 # templates ship (tests/test_template_scripts.py).
-tools:
+tools: ## the Debian packages the tests use (shellcheck), when missing
 	@command -v shellcheck > /dev/null || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get > /dev/null; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq shellcheck; \
 	  else echo "shellcheck is missing: install it (apt-get install shellcheck, as root)" >&2; exit 1; fi; }
 
 # The venv is rebuilt when a pin changes.
-venv: $(VENV)/.installed
+venv: $(VENV)/.installed ## the Python venv with the pinned packages, rebuilt when a pin changes
 $(VENV)/.installed: requirements.txt $(foreach p,$(CONTAINER_PACKAGES),$(p)/pyproject.toml) pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check uv==0.13.8
@@ -34,56 +42,60 @@ $(VENV)/.installed: requirements.txt $(foreach p,$(CONTAINER_PACKAGES),$(p)/pypr
 	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps -e . $(foreach p,$(CONTAINER_PACKAGES),-e $(p))
 	touch $@
 
-cli: node_modules/.installed
+cli: node_modules/.installed ## the CDK CLI pinned in package-lock.json
 node_modules/.installed: package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
 # Synthesizes every stack of the fleet offline with every policy check on.
-synth: setup
+synth: setup ## synthesize every stack of the fleet offline, policy checks on [CONFIG=fleet.yaml]
 	rm -rf $(CDK_OUT)
-	$(CDK) synth --no-lookups --quiet --output $(CDK_OUT) $(if $(CONFIG),-c config=$(CONFIG))
+	$(CDK) synth --no-lookups --quiet --output $(CDK_OUT) $${CONFIG:+-c "config=$$CONFIG"}
 	@echo "templates in $(CDK_OUT):"; ls -1 $(CDK_OUT)/*.template.json
 
-test: setup tools
+test: setup tools ## ruff, hadolint and the whole test suite
 	$(BIN)/ruff check .
 	$(BIN)/hadolint --failure-threshold error containers/inference/Dockerfile containers/proxy/Dockerfile
 	$(BIN)/python -m pytest
 
-snapshot-update: setup
+snapshot-update: setup ## rewrite the snapshot tests' expectations (on purpose only)
 	$(BIN)/python -m pytest tests --snapshot-update
 
-PLAN_ARGS ?=
-plan: venv
-	$(BIN)/python -m inference_fleet plan $(if $(CONFIG),--config $(CONFIG)) $(PLAN_ARGS)
+# Checks a fleet file as synth would, without CDK: every issue with its field path.
+validate: venv ## check a fleet file and list its cells and stacks [CONFIG=fleet.yaml]
+	$(BIN)/python -m inference_fleet validate $${CONFIG:+--config "$$CONFIG"}
 
-plan-rollout: venv
-	$(BIN)/python -m inference_fleet plan-rollout $(if $(CONFIG),--config $(CONFIG))
+PLAN_ARGS ?=
+plan: venv ## the unit's memory budget and parallel layout [CONFIG=fleet.yaml] [PLAN_ARGS=--suggest]
+	$(BIN)/python -m inference_fleet plan $${CONFIG:+--config "$$CONFIG"} $(PLAN_ARGS)
+
+plan-rollout: venv ## waves, bake times and capacity floor of a rollout [CONFIG=fleet.yaml]
+	$(BIN)/python -m inference_fleet plan-rollout $${CONFIG:+--config "$$CONFIG"}
 
 # Benchmarks print their figures (ratios against a baseline measured in the same run).
 # The proxy benchmark installs nginx and wrk with apt-get when they are missing.
 BENCH_ARGS ?=
-bench: bench-proxy bench-unit bench-placement
-bench-proxy: venv
+bench: bench-proxy bench-unit bench-placement ## the proxy, unit and placement benchmarks
+bench-proxy: venv ## proxy benchmark against nginx [BENCH_ARGS=...]
 	$(BIN)/python -m bench.proxy_bench $(BENCH_ARGS)
-bench-unit: venv
+bench-unit: venv ## unit formation benchmark, 2 and 4 nodes
 	$(BIN)/python containers/inference/bench_unit.py --sizes 2 4 --runs 3
-bench-placement: venv
+bench-placement: venv ## placement controller benchmark
 	$(BIN)/python functions/placement/bench_placement.py
 
 # Replays a day's traffic (and a spike) through the unit autoscaler's decision code
 # (docs/autoscaling.md). SIM_ARGS=--help lists the knobs.
 SIM_ARGS ?=
-simulate-scaling: venv
+simulate-scaling: venv ## replay a day of traffic through the autoscaler [SIM_ARGS=--help]
 	$(BIN)/python functions/autoscaler/simulate_scaling.py $(SIM_ARGS)
 
 # End to end with a real vLLM engine on CPU (its own environment under .e2e/, cached).
 E2E_ARGS ?=
-e2e: venv
+e2e: venv ## end to end with a real vLLM engine on CPU [E2E_ARGS=...]
 	$(BIN)/python e2e/run_e2e.py $(E2E_ARGS)
 
-clean-e2e:
+clean-e2e: ## remove the e2e environment and report
 	rm -rf .e2e e2e-report.json
 
-clean:
+clean: ## remove the venv, node_modules and cdk.out
 	rm -rf $(VENV) node_modules cdk.out .pytest_cache

@@ -6,3 +6,6 @@ holds the instance facts; `planner` sizes units and chooses the hybrid parallel 
 `rollout` estimates a cell-by-cell rollout. The CDK constructs live in
 `cell_constructs`, the stacks in `stacks`.
 """
+
+# The package version (pyproject.toml's, checked by tests/test_cli.py); `--version` prints it.
+__version__ = "0.1.0"

@@ -7,17 +7,19 @@ Commands:
   reference      the fleet file reference (Markdown), generated from the config models
 
 Every command that reads a fleet reads it with `inference_fleet.checks.load_fleet`; a
-mistake in the file prints every issue with its field path and exits 2.
+mistake in the file prints every issue with its field path and exits 3 (exit_codes.py:
+usage errors exit 2, as argparse does, so scripts tell the two apart).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import asdict
 
-from inference_fleet import rollout
+from inference_fleet import __version__, exit_codes, rollout
 from inference_fleet.checks import load_fleet
 from inference_fleet.config import ConfigError
 from inference_fleet.planner import cli as planner_cli
@@ -70,15 +72,28 @@ def _plan_rollout(args: argparse.Namespace) -> int:
     return 0
 
 
+# What the user reads first (`--help`): what the tool does for them, not how it is built.
+DESCRIPTION = """\
+Check and plan a fleet file (the YAML that describes your Trainium inference cells)
+before you synthesize or deploy it: validate it, see the model's memory and parallel
+layout on one unit, see how a rollout proceeds cell by cell, or print the reference
+of every field. Without --config, the default fleet (config/default.yaml) is used."""
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="inference-fleet", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="inference-fleet", description=DESCRIPTION, epilog=exit_codes.EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, help_text, add_arguments, run in (
         ("validate", "check a fleet file", None, _validate),
         ("plan", "print the unit's memory budget and parallel layout", planner_cli.add_arguments, planner_cli.run),
         ("plan-rollout", "print the cell-by-cell rollout plan", _rollout_arguments, _plan_rollout),
     ):
-        sub = commands.add_parser(name, help=help_text)
+        sub = commands.add_parser(name, help=help_text, description=help_text, epilog=exit_codes.EPILOG,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
         sub.add_argument("--config", help="fleet YAML file (default: config/default.yaml)")
         if add_arguments is not None:
             add_arguments(sub)
@@ -87,13 +102,32 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def _closed_pipe() -> int:
+    """The reader went away (`... | head -1`): end quietly. Python ignores SIGPIPE, so a write
+    raises BrokenPipeError; stdout is pointed at /dev/null so that the flush at exit does not
+    raise it again (https://docs.python.org/3/library/signal.html#note-on-sigpipe)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return exit_codes.CLOSED_PIPE
+
+
+def _run(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.run(args)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
-        return 2
+        return exit_codes.CONFIG
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        try:
+            return _run(argv)
+        finally:
+            sys.stdout.flush()  # after --help too (SystemExit): a closed pipe shows here, not at exit
+    except BrokenPipeError:
+        return _closed_pipe()
 
 
 if __name__ == "__main__":

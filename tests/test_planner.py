@@ -409,7 +409,7 @@ def test_cli_prints_the_default_plan():
 
 def test_cli_refuses_an_impossible_fleet_with_the_reason():
     proc = run_cli("--config", str(FLEETS / "planner_too_small.yaml"))
-    assert proc.returncode == 2
+    assert proc.returncode == 3  # a refused fleet file (inference_fleet/exit_codes.py)
     assert "unit.nodes = 1" in proc.stderr and "has 4 node(s)" in proc.stderr
 
 
@@ -433,7 +433,7 @@ def test_cli_json_plan_and_comparison():
 
 def test_cli_rejects_a_non_positive_option():
     proc = run_cli("--suggest", "--concurrency", "0")
-    assert proc.returncode != 0 and "--concurrency must be a positive integer, got 0" in proc.stderr
+    assert proc.returncode == 2 and "argument --concurrency: must be a positive integer, got 0" in proc.stderr
 
 
 def test_synth_refuses_a_fleet_that_does_not_fit(tmp_path):

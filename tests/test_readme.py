@@ -7,8 +7,13 @@ relative link of the README and docs/ points at a file (and heading) that exists
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
+
+import pytest
 
 from inference_fleet.reference import BEGIN, END, markdown
 
@@ -48,19 +53,155 @@ def _anchor(heading: str) -> str:
 
 
 def _anchors(page: Path) -> set[str]:
-    return {_anchor(line.lstrip("#")) for line in page.read_text().splitlines() if line.startswith("#")}
+    """The heading ids of a page as GitHub makes them: headings inside fenced code are not
+    headings, and a repeated heading gets -1, -2 ... appended."""
+    anchors: set[str] = set()
+    fenced = False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and re.match(r"^#{1,6} ", line):
+            base = _anchor(line.lstrip("#").replace("`", ""))
+            anchor, n = base, 0
+            while anchor in anchors:
+                n += 1
+                anchor = f"{base}-{n}"
+            anchors.add(anchor)
+    return anchors
+
+
+def _pages() -> list[Path]:
+    packages = sorted(ROOT.glob("containers/*/README.md"))
+    return [README, *sorted(DOCS.glob("*.md")), *packages, ROOT / "e2e" / "README.md"]
+
+
+# A path in backquotes that climbs out of its folder and names a Markdown file (`../x/y.md`).
+_CLIMBING_PATH = re.compile(r"`(\.\./[\w./-]+\.md)`")
 
 
 def test_every_relative_link_resolves() -> None:
     broken = []
-    for page in [README, *sorted(DOCS.glob("*.md"))]:
-        for target in _LINK.findall(page.read_text()):
+    for page in _pages():
+        text = page.read_text()
+        for target in _LINK.findall(text):
             if re.match(r"^[a-z]+:", target):
                 continue  # https:, mailto: ...
             path, _, anchor = target.partition("#")
             resolved = (page.parent / path).resolve() if path else page
-            if not resolved.exists():
+            if not resolved.is_relative_to(ROOT):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (outside the repository)")
+            elif not resolved.exists():
                 broken.append(f"{page.relative_to(ROOT)}: {target}")
             elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
                 broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+        for path in _CLIMBING_PATH.findall(text):
+            resolved = (page.parent / path).resolve()
+            if not resolved.is_relative_to(ROOT) or not resolved.exists():
+                broken.append(f"{page.relative_to(ROOT)}: `{path}` (not a file of the repository)")
     assert not broken, broken
+
+
+def test_the_anchor_rules_are_githubs() -> None:
+    page = DOCS / "rollout-pipeline.md"
+    assert "what-the-accounts-need-bootstrap-trust" in _anchors(page)
+    assert "why-aws_codepipelinepipeline-v2-and-not-cdk-pipelines" in _anchors(page)
+
+
+# -- the README's commands run as written ---------------------------------------------------------
+
+# Commands of the README's ```bash blocks that this test runs (fast, offline, after `make setup`).
+RUN = (r"make help", r"make validate( CONFIG=\S+)?", r"make plan(-rollout)?( CONFIG=\S+)?",
+       r"\.venv/bin/python -m inference_fleet .*")
+# Commands it does not run, and why.
+SKIP = {
+    r"make synth.*": "several minutes of synth and cfn-lint; tests/test_snapshots.py and test_cfn_lint.py "
+                     "synthesize the same app",
+    r"make test": "the whole suite, of which this test is part",
+    r"make e2e.*": "12-13 minutes and the local torch wheel; CI runs it",
+    r"make bench.*": "benchmarks take minutes and install nginx and wrk",
+    r"npx cdk (deploy|bootstrap) .*": "calls AWS",
+}
+
+
+def _bash_blocks(text: str) -> list[str]:
+    return re.findall(r"^```bash\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
+
+
+def readme_commands() -> list[str]:
+    commands = []
+    for block in _bash_blocks(README.read_text()):
+        for line in block.splitlines():
+            command = re.sub(r"\s+#.*$", "", line).strip()
+            if command and not command.startswith("#"):
+                commands.append(command)
+    return commands
+
+
+def test_every_readme_command_is_run_or_skipped_with_a_reason() -> None:
+    unknown = [c for c in readme_commands()
+               if not any(re.fullmatch(p, c) for p in (*RUN, *SKIP))]
+    assert not unknown, f"add these README commands to RUN or SKIP in {Path(__file__).name}: {unknown}"
+    assert any(re.fullmatch(RUN[0], c) for c in readme_commands()), "the README shows `make help`"
+
+
+@pytest.mark.parametrize("command", readme_commands())
+def test_readme_command_runs(command: str) -> None:
+    reason = next((why for pattern, why in SKIP.items() if re.fullmatch(pattern, command)), None)
+    if reason is not None:
+        pytest.skip(f"not run here: {reason}")
+    if not any(re.fullmatch(p, command) for p in RUN):
+        pytest.fail(f"{command!r} is neither in RUN nor in SKIP: classify it before it runs")
+    done = subprocess.run(["bash", "-c", command], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PATH": _path_outside_the_venv()}, check=False)
+    assert done.returncode == 0, f"{command}: {done.stderr[-2000:]}"
+    assert "Traceback" not in done.stderr and done.stdout.strip()
+
+
+def _path_outside_the_venv() -> str:
+    """PATH as on a fresh shell: nothing of the repository (no activated .venv)."""
+    return os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
+                           if p and not Path(p).resolve().is_relative_to(ROOT))
+
+
+# Commands named in running text: `make X`, `npx cdk ...`, `cdk ...`, `python -m M`, `.venv/bin/python -m M`.
+_INLINE = re.compile(r"`((?:make|npx|cdk|python3?|\.venv/bin/python) [^`]*)`")
+
+
+def _inline_problem(command: str) -> str | None:
+    """Why `command` would not start as written in a fresh shell, or None."""
+    words = command.split()
+    env = {**os.environ, "PATH": _path_outside_the_venv()}
+    if words[0] == "make":
+        target = next((w for w in words[1:] if not w.startswith(("-", "[")) and "=" not in w), "")
+        targets = set(re.findall(r"^([a-zA-Z0-9_-]+):", (ROOT / "Makefile").read_text(), re.MULTILINE))
+        return None if not target or target in targets else f"no make target {target!r}"
+    if words[0] == "npx":
+        return None if words[1] != "cdk" or (ROOT / "node_modules" / ".bin" / "cdk").exists() else "no pinned cdk"
+    if words[0] == "cdk":
+        return None if shutil.which("cdk", path=env["PATH"]) else "cdk is not on PATH (write `npx cdk`)"
+    if len(words) > 2 and words[1] == "-m":
+        module = words[2]
+        if not words[0].startswith(".venv/") and _is_the_repositorys(module):
+            # A fresh clone installs the repository's packages into .venv only (make setup).
+            return f"{module} is installed in .venv only: write `.venv/bin/python -m {module}` or a make target"
+        python = str(ROOT / words[0]) if words[0].startswith(".venv/") else shutil.which(words[0], path=env["PATH"])
+        if python is None:
+            return f"{words[0]} is not on PATH"
+        done = subprocess.run([python, "-m", module, "--help"], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=60, check=False)
+        return None if done.returncode == 0 else f"`{words[0]} -m {module} --help` fails: {done.stderr.strip()[-200:]}"
+    return None
+
+
+def _is_the_repositorys(module: str) -> bool:
+    top = module.split(".")[0]
+    return any((folder / top).is_dir() for folder in (ROOT, *ROOT.glob("containers/*")))
+
+
+def test_commands_in_the_readmes_text_start_as_written() -> None:
+    problems = []
+    for command in sorted(set(_INLINE.findall(README.read_text()))):
+        problem = _inline_problem(command)
+        if problem:
+            problems.append(f"`{command}`: {problem}")
+    assert not problems, problems

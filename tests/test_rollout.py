@@ -104,7 +104,7 @@ def test_cli_rejects_bad_restart_times(value: str, message: str) -> None:
 def test_cli_reports_a_bad_fleet_file(tmp_path, capsys) -> None:
     bad = tmp_path / "fleet.yaml"
     bad.write_text(LARGE.read_text().replace("bake_minutes: 90", "bake_minutes: -5"))
-    assert main(["plan-rollout", "--config", str(bad)]) == 2
+    assert main(["plan-rollout", "--config", str(bad)]) == 3  # a refused fleet file (exit_codes.CONFIG)
     assert "waves[0].bake_minutes" in capsys.readouterr().err
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from inference_fleet import config
+from inference_fleet import config, exit_codes
 from inference_fleet.catalogue import CATALOGUE, instance_type
 from inference_fleet.checks import load_fleet
 from inference_fleet.config import ConfigError, ModelConfig
@@ -25,33 +25,37 @@ from inference_fleet.planner.shape import shape_of
 from inference_fleet.planner.suggestion import format_suggestion, suggest, suggestion_data
 
 
+def _positive_int(text: str) -> int:
+    """An option's value: a bad one is a usage error (exit 2, argparse's message)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `inference-fleet plan`."""
     parser.add_argument("--suggest", action="store_true",
                         help="find the smallest unit for the model and rank its layouts")
-    parser.add_argument("--concurrency", type=int, help="concurrent sequences (default: the fleet's)")
-    parser.add_argument("--seq-len", type=int, help="max sequence length (default: the model's)")
-    parser.add_argument("--prompt-tokens", type=int,
+    parser.add_argument("--concurrency", type=_positive_int, help="concurrent sequences (default: the fleet's)")
+    parser.add_argument("--seq-len", type=_positive_int, help="max sequence length (default: the model's)")
+    parser.add_argument("--prompt-tokens", type=_positive_int,
                         help=f"prompt length of the prefill estimate (default {DEFAULT_PROMPT_TOKENS})")
     parser.add_argument("--instance-type", choices=sorted(CATALOGUE),
                         help="for --suggest (default: the fleet's)")
-    parser.add_argument("--max-nodes", type=int, default=DEFAULT_MAX_NODES,
+    parser.add_argument("--max-nodes", type=_positive_int, default=DEFAULT_MAX_NODES,
                         help="largest unit --suggest tries")
-    parser.add_argument("--top", type=int, default=10, help="layouts --suggest prints")
+    parser.add_argument("--top", type=_positive_int, default=10, help="layouts --suggest prints")
     parser.add_argument("--compare", action="store_true",
                         help="print the estimate next to published Neuron figures")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
-def _positive(name: str, value: int | None) -> None:
-    if value is not None and value < 1:
-        raise SystemExit(f"error: --{name} must be a positive integer, got {value}")
-
-
 def run(args: argparse.Namespace) -> int:
     """`inference-fleet plan`: print the plan (or suggestions, or the comparison)."""
-    for name in ("concurrency", "seq_len", "prompt_tokens", "max_nodes", "top"):
-        _positive(name.replace("_", "-"), getattr(args, name, None))
     if args.compare:
         return _print_comparison(args.json)
     if args.suggest:
@@ -90,7 +94,9 @@ def _run_suggest(args: argparse.Namespace) -> int:
         print(f"note: {error}\n", file=sys.stderr)
     if (args.instance_type or inst_name) not in CATALOGUE:
         allowed = ", ".join(sorted(CATALOGUE))
-        raise SystemExit(f"error: unknown instance type {inst_name!r}; allowed: {allowed}")
+        print(f"error: unit.instance_type = {inst_name!r} is not a known instance type; allowed: {allowed}",
+              file=sys.stderr)
+        return exit_codes.CONFIG
     inst = instance_type(args.instance_type or inst_name)
     batch = args.concurrency or batch or 1
     seq_len = args.seq_len or model.max_seq_len
@@ -101,7 +107,7 @@ def _run_suggest(args: argparse.Namespace) -> int:
         print(json.dumps(suggestion_data(result, args.top), indent=2))
     else:
         print(format_suggestion(shape, result, args.top))
-    return 0 if result.nodes is not None else 1
+    return exit_codes.OK if result.nodes is not None else exit_codes.NO_FIT
 
 
 

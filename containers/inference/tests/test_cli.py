@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
-from unit_launcher.cli import main
+import pytest
+import unit_launcher
+from unit_launcher.cli import EXIT_CLOSED_PIPE, RUN_ENVIRONMENT, main
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -99,3 +103,59 @@ def test_bad_spec_messages(capsys, monkeypatch):
     monkeypatch.delenv("UNIT_SPEC")
     assert main(["run"]) == 2
     assert "no unit spec: set UNIT_SPEC" in capsys.readouterr().err
+
+
+# -- the command line's conventions: --version, run --help, usage errors, a closed pipe ------------
+
+PACKAGE = REPO / "containers" / "inference"
+# How the launcher's modules read a variable: env.get("X"), os.environ.get("X"), env["X"], or a
+# module constant named *_ENV (health_file.PATH_ENV).
+_READS = re.compile(r"""(?:environ|env)(?:\.get)?[\[(]\s*"([A-Z][A-Z0-9_]+)"|^[A-Z_]*_ENV = "([A-Z][A-Z0-9_]+)\"""",
+                    re.MULTILINE)
+
+
+def test_run_help_lists_every_variable_the_launcher_reads():
+    read = set()
+    for source in (PACKAGE / "unit_launcher").glob("*.py"):
+        read |= {a or b for a, b in _READS.findall(source.read_text())}
+    assert read == {name for name, _ in RUN_ENVIRONMENT}, "update RUN_ENVIRONMENT in unit_launcher/cli.py"
+    done = launcher("run", "--help")
+    assert done.returncode == 0, done.stderr
+    missing = [name for name in sorted(read) if name not in done.stdout]
+    assert not missing, f"run --help does not name {missing}"
+
+
+def test_version_is_the_package_version():
+    version = tomllib.loads((PACKAGE / "pyproject.toml").read_text())["project"]["version"]
+    assert unit_launcher.__version__ == version
+    done = launcher("--version")
+    assert done.returncode == 0 and done.stdout.strip() == f"unit_launcher {version}"
+
+
+@pytest.mark.parametrize("args", [("start",), ("run", "--now"), ("plan", "--role", "boss"), ()])
+def test_usage_errors_exit_2(args):
+    done = launcher(*args)
+    assert done.returncode == 2 and "usage: unit_launcher" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_plan_into_a_closed_pipe_ends_quietly(tmp_path, h):
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(h.cpu_spec(2, record_dir=tmp_path)))
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([sys.executable, "-m", "unit_launcher", "plan", "--spec", str(path), "--role", "leader",
+                               "--json"], cwd=REPO, stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write_end)
+    assert done.stderr == "" and done.returncode == EXIT_CLOSED_PIPE
+
+
+def test_the_containers_command_reaches_run():
+    """The image runs ENTRYPOINT + CMD (`python -m unit_launcher run`): accepted, and `run` reads its role."""
+    text = (PACKAGE / "Dockerfile").read_text()
+    entrypoint = json.loads(re.search(r"^ENTRYPOINT (\[.*\])$", text, re.MULTILINE).group(1))
+    cmd = json.loads(re.search(r"^CMD (\[.*\])$", text, re.MULTILINE).group(1))
+    assert entrypoint[1:] == ["-m", "unit_launcher"] and cmd == ["run"]
+    done = launcher(*cmd, env={"UNIT_ROLE": "worker"})
+    assert done.returncode == 2 and "UNIT_ROLE='worker' not allowed" in done.stderr

@@ -7,6 +7,9 @@ python -m unit_launcher plan --spec FILE --role leader|follower --rank R [--lead
 python -m unit_launcher plan --config fleet.yaml --cell NAME --unit I --role ... --rank R
     Print the engine's argv, environment and files for one node; starts nothing.
     --config needs the inference_fleet package (the repository's venv).
+
+`--version` prints the package version; `run --help` lists the environment `run` reads.
+Usage errors exit 2 (argparse); `run`'s other statuses are runner.EXIT_*.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import logging
 import os
 import sys
 
+from unit_launcher import __version__
 from unit_launcher import plan as plans
 from unit_launcher.spec import SpecError, UnitSpec, load_spec_file, load_spec_from_env, parse_spec
 
@@ -63,10 +67,55 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+# What `run` reads from the environment (docs/contracts.md, "Inference container environment");
+# the cell stack sets the first ones. tests/test_cli.py checks this names every variable read.
+RUN_ENVIRONMENT: tuple[tuple[str, str], ...] = (
+    ("UNIT_ROLE", "required: leader, follower or spare"),
+    ("UNIT_SPEC", "required (or UNIT_SPEC_FILE): the unit spec, JSON"),
+    ("UNIT_SPEC_FILE", "path of a JSON unit spec, read when UNIT_SPEC is unset (local runs)"),
+    ("AWS_REGION", "region of the Cloud Map and S3 calls when the spec has none"),
+    ("AWS_DEFAULT_REGION", "read when AWS_REGION is unset"),
+    ("ECS_CONTAINER_METADATA_URI_V4", "set by ECS: this node's address and task ARN come from it"),
+    ("UNIT_HOST_IP", "this node's address (local runs; default from ECS task metadata)"),
+    ("UNIT_INSTANCE_ID", "this node's id (local runs; default from ECS task metadata)"),
+    ("UNIT_LEADER_ADDR", "the leader's address (local runs; default: Cloud Map discovery)"),
+    ("UNIT_BIND_ADDR", "leader's rendezvous listen address (default 0.0.0.0)"),
+    ("UNIT_HEALTH_FILE", "where the node's state file is written (default /tmp/unit-launcher.state)"),
+    ("UNIT_LOG_LEVEL", "log level (default INFO)"),
+)
+RUN_EPILOG = (
+    "environment:\n"
+    + "\n".join(f"  {name}\n      {meaning}" for name, meaning in RUN_ENVIRONMENT)
+    + "\n\nexit status: 2 bad spec, role or environment (or usage error); 3 the unit did not form;\n"
+    "4 artifacts missing or not matching the layout; 5 the unit was lost (a member, a step overran);\n"
+    "otherwise the engine's own exit status."
+)
+# 128 + SIGPIPE: what a shell reports for a process ended by a closed pipe.
+EXIT_CLOSED_PIPE = 141
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # after --help too (SystemExit): a closed pipe shows here, not at exit
+    except BrokenPipeError:
+        # `plan --json | head -1`: end quietly (https://docs.python.org/3/library/signal.html#note-on-sigpipe).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_CLOSED_PIPE
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="unit_launcher", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("run", help="form the unit and run the engine (role and spec from the environment)")
+    commands.add_parser(
+        "run", help="form the unit and run the engine (role and spec from the environment)",
+        description="Form the unit and run the engine on this node: the container's command.\n"
+        "Everything comes from the environment.",
+        epilog=RUN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p = commands.add_parser("plan", help="print one node's launch plan; starts nothing")
     p.add_argument("--spec", help="unit spec JSON file")
     p.add_argument(

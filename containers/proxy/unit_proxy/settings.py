@@ -244,3 +244,40 @@ class Settings:
             write_timeout_seconds=_float(env, "WRITE_TIMEOUT_SECONDS", cls.write_timeout_seconds, 0.05, 3600),
             workers=workers,
         )
+
+
+# Every variable `Settings.from_env` reads, with its default and meaning: `--help` prints
+# this table, and tests/test_cli.py checks it names exactly the variables from_env reads.
+# docs/contracts.md ("Proxy container environment") has the long form.
+_D = Settings()
+ENVIRONMENT: tuple[tuple[str, str, str], ...] = (
+    ("PROXY_HOST", _D.host, "listen address (an IP address); the ALB's target"),
+    ("PROXY_PORT", str(_D.port), "listen port: the engine routes and GET /health"),
+    ("PROXY_ADMIN_HOST", _D.admin_host, "admin listener address (/ready, /load, /metrics)"),
+    ("PROXY_ADMIN_PORT", str(_D.admin_port), "admin listener port; not PROXY_PORT"),
+    ("PROXY_WORKERS", str(_D.workers), f"worker processes sharing PROXY_PORT, 1-{MAX_WORKERS}"),
+    ("UPSTREAM_URL", _D.upstream_url, "the engine's HTTP front end: http://host:port, no path"),
+    ("LAUNCHER_STATUS_URL", _D.launcher_status_url, "the launcher's status endpoint; empty: no unit check"),
+    ("ENGINE_METRICS_URL", "<UPSTREAM_URL>/metrics", "Prometheus page scraped for load; empty: off"),
+    ("FRONTEND", _D.frontend, "openai or triton"),
+    ("MAX_INFLIGHT", str(_D.max_inflight), "admission limit; 429 beyond"),
+    ("DRAIN_SECONDS", f"{_D.drain_seconds:g}", "keep serving new requests this long after SIGTERM"),
+    ("DRAIN_TIMEOUT_SECONDS", f"{_D.drain_timeout_seconds:g}", "longest wait for in-flight streams after that"),
+    ("METRICS_NAMESPACE", "(unset)", "EMF namespace; with CELL and UNIT_ID, all three or none"),
+    ("CELL", "(unset)", "EMF dimension Cell"),
+    ("UNIT_ID", "(unset)", "EMF dimension Unit"),
+    ("HEALTH_INTERVAL_SECONDS", f"{_D.health_interval_seconds:g}", "period of the engine and launcher checks"),
+    ("HEALTH_TIMEOUT_SECONDS", f"{_D.health_timeout_seconds:g}", "timeout of each check"),
+    ("EMF_INTERVAL_SECONDS", f"{_D.emf_interval_seconds:g}", "period of the EMF lines"),
+    ("MAX_BODY_BYTES", str(_D.max_body_bytes), "request body limit (413)"),
+    ("BODY_READ_TIMEOUT_SECONDS", f"{_D.body_read_timeout_seconds:g}", "request body read limit (408)"),
+    ("UPSTREAM_CONNECT_TIMEOUT_SECONDS", f"{_D.upstream_connect_timeout_seconds:g}", "engine connect timeout (502)"),
+    ("UPSTREAM_READ_TIMEOUT_SECONDS", f"{_D.upstream_read_timeout_seconds:g}", "longest engine silence (504)"),
+    ("KEEPALIVE_TIMEOUT_SECONDS", f"{_D.keepalive_timeout_seconds:g}", "idle client connection limit"),
+    ("RETRY_AFTER_SECONDS", str(_D.retry_after_seconds), "Retry-After of a 429 and a 503"),
+    ("WRITE_TIMEOUT_SECONDS", f"{_D.write_timeout_seconds:g}", "longest wait for a client that reads nothing"),
+    ("CANARY_INTERVAL_SECONDS", f"{_D.canary_interval_seconds:g}", "one-token canary while idle; 0: off"),
+    ("CANARY_TIMEOUT_SECONDS", f"{_D.canary_timeout_seconds:g}", "a slower canary fails"),
+    ("CANARY_RETRY_SECONDS", f"{_D.canary_retry_seconds:g}", "first retry after a failed canary (doubling)"),
+)
+del _D

@@ -1,0 +1,22 @@
+"""Exit statuses of `python -m inference_fleet` (listed in its --help and in the README).
+
+Scripts tell the cases apart: a mistake on the command line (2, argparse's own status), a
+fleet file that is refused (3), the output closed early by the reader (141).
+"""
+
+OK = 0
+# `plan --suggest` found no unit size that fits the model (the output says why); an
+# unexpected crash also ends with 1, as any Python program does.
+NO_FIT = 1
+USAGE = 2  # argparse exits 2 on a usage error: unknown command or option, bad value
+CONFIG = 3  # the fleet file is refused; every issue is printed with its field path
+# The reader closed the pipe (`... | head -1`): the status a shell reports for a process
+# ended by SIGPIPE (128 + 13), as `cat` or `grep` would give; nothing is printed.
+CLOSED_PIPE = 141
+
+EPILOG = f"""exit status:
+  {OK}    done
+  {NO_FIT}    plan --suggest found no unit that fits
+  {USAGE}    usage error (unknown command or option, bad option value)
+  {CONFIG}    the fleet file is refused: each issue is printed with its field path
+  {CLOSED_PIPE}  the output was closed early (e.g. piped into head); nothing else is printed"""
