@@ -13,9 +13,17 @@ export JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION := 1
 # No AWS call is ever needed to synthesize or test: make sure none is attempted.
 export AWS_EC2_METADATA_DISABLED := true
 
-.PHONY: setup venv cli synth test snapshot-update plan plan-rollout bench bench-proxy bench-unit bench-placement simulate-scaling e2e clean-e2e clean
+.PHONY: setup venv cli tools synth test snapshot-update plan plan-rollout bench bench-proxy bench-unit bench-placement simulate-scaling e2e clean-e2e clean
 
 setup: venv cli
+
+# Debian packages the tests use, installed when missing: shellcheck checks every script the
+# templates ship (tests/test_template_scripts.py).
+tools:
+	@command -v shellcheck > /dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get > /dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq shellcheck; \
+	  else echo "shellcheck is missing: install it (apt-get install shellcheck, as root)" >&2; exit 1; fi; }
 
 # The venv is rebuilt when a pin changes.
 venv: $(VENV)/.installed
@@ -37,7 +45,7 @@ synth: setup
 	$(CDK) synth --no-lookups --quiet --output $(CDK_OUT) $(if $(CONFIG),-c config=$(CONFIG))
 	@echo "templates in $(CDK_OUT):"; ls -1 $(CDK_OUT)/*.template.json
 
-test: setup
+test: setup tools
 	$(BIN)/ruff check .
 	$(BIN)/hadolint --failure-threshold error containers/inference/Dockerfile containers/proxy/Dockerfile
 	$(BIN)/python -m pytest

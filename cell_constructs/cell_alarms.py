@@ -93,10 +93,15 @@ class CellAlarms(Construct):
         unit_log_group: logs.ILogGroup,
         gate_reader_account: str | None = None,
         component_alarms: dict[str, cloudwatch.IAlarm] | None = None,
+        watched_alarms: dict[str, cloudwatch.IAlarm] | None = None,
+        min_units: int | None = None,
     ) -> None:
         """`unit_events_namespace`: the launchers' EMF namespace (`<Fleet>/Unit`);
         `unit_log_group`: the log group of the units' tasks, where the launchers' session-end
-        events are (the dashboard lists the latest failures from it)."""
+        events are (the dashboard lists the latest failures from it).
+        `component_alarms`: in the gate and on the dashboard; `watched_alarms`: on the dashboard only.
+        `min_units` (default `units`): the fewest units the cell serves with (an elastic cell's
+        min_units); at 1, an update of the unit is a planned outage (see `_alb_5xx_percent`)."""
         super().__init__(scope, construct_id)
         if units < 1:
             raise ValueError(f"a cell has >= 1 unit, got {units}")
@@ -111,6 +116,9 @@ class CellAlarms(Construct):
         self.stack_name = stack_name
         self.cell_name = cell_name
         self.units = units
+        self.min_units = units if min_units is None else min_units
+        if not 1 <= self.min_units <= units:
+            raise ValueError(f"min_units must be 1..{units} (the cell's units), got {min_units}")
         self.min_units_available = min_units_available
         self.thresholds = thresholds
         self.namespace = metrics_namespace
@@ -121,6 +129,7 @@ class CellAlarms(Construct):
         # Alarms of the cell's other components (the placement controller): in the gate and on
         # the dashboard, not deployment alarms (they are about the cell, not a unit update).
         self.component_alarms: dict[str, cloudwatch.IAlarm] = dict(component_alarms or {})
+        self.watched_alarms: dict[str, cloudwatch.IAlarm] = dict(watched_alarms or {})
         self.alarms: dict[str, cloudwatch.Alarm] = {}
         self._load_balancer_alarms(load_balancer, target_group)
         self._proxy_alarms()
@@ -154,17 +163,20 @@ class CellAlarms(Construct):
                 ),
                 target_group.metrics.healthy_host_count(statistic="Minimum", period=ONE_MINUTE),
             )
+        planned_outage = self.min_units == 1
         self._alarm(
             AlarmSpec(
                 key="alb-5xx-rate",
                 description=f"5xx (load balancer + units) above {thresholds.alb_5xx_percent} % of requests "
-                            f"in cell {cell_name} for {sustained} min",
+                            f"in cell {cell_name} for {sustained} min"
+                            + (" (minutes without a healthy unit, an update's planned outage, not counted)"
+                               if planned_outage else ""),
                 threshold=thresholds.alb_5xx_percent,
                 comparison=cloudwatch.ComparisonOperator.GREATER_THAN_THRESHOLD,
                 evaluation_periods=sustained,
                 missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
             ),
-            self._alb_5xx_percent(load_balancer),
+            self._alb_5xx_percent(load_balancer, target_group if planned_outage else None),
         )
         self._alarm(
             AlarmSpec(
@@ -257,10 +269,16 @@ class CellAlarms(Construct):
             alarm_description=f"Cell {self.cell_name} is unhealthy: stop the rollout and roll the wave back",
             alarm_rule=cloudwatch.AlarmRule.any_of(*self.alarms.values(), *self.component_alarms.values()),
         )
-        no_action = ("This alarm is read, not notified: the pipeline's CloudWatchAlarm stage condition and the "
-                     "ECS deployment alarms act on its state; notification routing is left to the operator")
-        for alarm in [*self.alarms.values(), gate]:
-            acknowledge(alarm, ("NIST.800.53.R5-CloudWatchAlarmAction", no_action))
+        # Each alarm's acknowledgement says who reads it, which differs between them.
+        shown = "shown on the cell dashboard; notification routing is left to the operator"
+        in_gate = "part of the cell's rollout gate, the composite alarm the rollout pipeline's stage condition reads"
+        for alarm in self.alarms.values():
+            readers = (f"ECS rolls a unit's deployment back when it goes to ALARM (a deployment alarm of every unit "
+                       f"service); {in_gate}" if alarm in deployment_alarms else in_gate[0].upper() + in_gate[1:])
+            acknowledge(alarm, ("NIST.800.53.R5-CloudWatchAlarmAction", f"Read, not notified: {readers}; {shown}"))
+        acknowledge(gate, ("NIST.800.53.R5-CloudWatchAlarmAction",
+                           "Read, not notified: the rollout pipeline's CloudWatchAlarm stage condition reads this "
+                           f"rollout gate's state; {shown}"))
         return deployment_alarms, gate
 
     # -- metrics --------------------------------------------------------------------
@@ -355,18 +373,42 @@ class CellAlarms(Construct):
         )
 
     @staticmethod
-    def _alb_5xx_percent(load_balancer: elbv2.IApplicationLoadBalancer) -> cloudwatch.MathExpression:
+    def _alb_5xx_percent(
+        load_balancer: elbv2.IApplicationLoadBalancer, serving: elbv2.IApplicationTargetGroup | None = None,
+    ) -> cloudwatch.MathExpression:
+        """The 5xx share of requests per minute; with `serving`, only of minutes in which that
+        target group had a healthy unit all the time (0 otherwise).
+
+        A cell that can be at one unit (min healthy 0 %, max 100 %: ECS stops the unit's
+        tasks before it starts the new ones) has no target while that unit updates: the load
+        balancer answers 503, then the new proxy answers 503 unit_unavailable until the unit
+        has formed and loaded. Counted, that planned outage would put this alarm in ALARM in
+        every update under traffic, and ECS, which fails and (with rollback) rolls back a
+        deployment when one of its alarms goes to ALARM
+        (https://docs.aws.amazon.com/AmazonECS/latest/developerguide/deployment-alarm-failure.html),
+        would undo every update; the pipeline, which reads the same alarm through the rollout
+        gate, would roll the wave back. So such a cell counts only minutes in which a unit was
+        healthy (HealthyHostCount Minimum >= 1; no data, as with no registered target, counts
+        as none): a bad update whose unit serves and answers 5xx still rolls back, and the
+        circuit breaker and `unit-restarts` still catch a unit that never serves. The outage
+        itself is announced at synth (stacks/cell_stack.py) and documented
+        (docs/cell-lifecycle.md, "One-unit cells").
+        """
         metrics = load_balancer.metrics
+        using = {
+            "requests": metrics.request_count(statistic="Sum", period=ONE_MINUTE),
+            "elb5xx": metrics.http_code_elb(elbv2.HttpCodeElb.ELB_5XX_COUNT, statistic="Sum", period=ONE_MINUTE),
+            "target5xx": metrics.http_code_target(elbv2.HttpCodeTarget.TARGET_5XX_COUNT, statistic="Sum",
+                                                  period=ONE_MINUTE),
+        }
+        # No requests means no errors: 0, not a division by zero.
+        share = "IF(requests > 0, 100 * (FILL(elb5xx, 0) + FILL(target5xx, 0)) / requests, 0)"
+        if serving is not None:
+            using["healthy"] = serving.metrics.healthy_host_count(statistic="Minimum", period=ONE_MINUTE)
+            share = f"IF(FILL(healthy, 0) >= 1, {share}, 0)"
         return cloudwatch.MathExpression(
-            # No requests means no errors: 0, not a division by zero.
-            expression="IF(requests > 0, 100 * (FILL(elb5xx, 0) + FILL(target5xx, 0)) / requests, 0)",
-            using_metrics={
-                "requests": metrics.request_count(statistic="Sum", period=ONE_MINUTE),
-                "elb5xx": metrics.http_code_elb(elbv2.HttpCodeElb.ELB_5XX_COUNT, statistic="Sum", period=ONE_MINUTE),
-                "target5xx": metrics.http_code_target(elbv2.HttpCodeTarget.TARGET_5XX_COUNT, statistic="Sum",
-                                                      period=ONE_MINUTE),
-            },
-            label="5xx % of requests",
+            expression=share, using_metrics=using,
+            label="5xx % of requests" + (" (minutes with a healthy unit)" if serving is not None else ""),
             period=ONE_MINUTE,
         )
 
@@ -433,7 +475,8 @@ class CellAlarms(Construct):
         facade.add_large_header(f"Cell {self.cell_name}: {self.units} unit(s), floor {self.min_units_available}")
         facade.add_widget(cloudwatch.AlarmStatusWidget(
             title="Rollout gate and cell alarms",
-            alarms=[self.rollout_gate, *self.alarms.values(), *self.component_alarms.values()], width=24,
+            alarms=[self.rollout_gate, *self.alarms.values(), *self.component_alarms.values(),
+                    *self.watched_alarms.values()], width=24,
         ))
         unit_ids = [f"u{i}" for i in range(self.units)]
 

@@ -43,6 +43,19 @@ ENGINE_MEMORY_RESERVATION_FRACTION = 0.75
 ENGINE_STOP_TIMEOUT = Duration.seconds(120)
 
 
+# Why each unit task runs containers as root in host network mode, naming every container of
+# the task (tests/test_cell_stack.py checks each name and uid against the synthesized task).
+_ENGINE_AS_ROOT = (
+    "The inference container (the engine) runs as root as in the AWS Neuron vLLM image: the Neuron runtime and "
+    "EFA register pinned memory on /dev/neuron* and /dev/infiniband/*; the task holds a whole dedicated instance"
+)
+_ROOT_CONTAINERS_REASON = {
+    "leader": f"{_ENGINE_AS_ROOT}; its proxy container runs as uid 10001 with a read-only root filesystem",
+    "follower": f"{_ENGINE_AS_ROOT}; its drain-guard container (the same image, a shell that only waits for the "
+                "engine) runs as root too; the task has no other container",
+}
+
+
 @dataclass(frozen=True, kw_only=True)
 class UnitImages:
     inference: ecs.ContainerImage
@@ -58,9 +71,103 @@ class UnitPorts:
 
 # The launcher's own interpreter in the inference image (containers/inference/Dockerfile ENTRYPOINT).
 LAUNCHER_PYTHON = "/opt/unit-launcher/bin/python"
+# The launcher's module: the image runs `LAUNCHER_PYTHON -m unit_launcher run`, so one argument of
+# its command line is exactly this word.
+LAUNCHER_MODULE = "unit_launcher"
 # ECS accepts a health check start period of 0 to 300 s
 # (https://docs.aws.amazon.com/AmazonECS/latest/APIReference/API_HealthCheck.html).
 MAX_HEALTH_START_PERIOD_SECONDS = 300
+
+
+# How long the follower's drain guard may hold the engine, read by the guard script at run time.
+DRAIN_GUARD_BOUND_ENV = "DRAIN_GUARD_MAX_SECONDS"
+# Skew between the starts of the leader's and the follower's stops (the two services deploy
+# at once, ECS starts their task stops independently), and the guard's own polling.
+FOLLOWER_RELEASE_MARGIN = Duration.seconds(30)
+
+
+def launcher_alive_test() -> str:
+    """A shell test, true while the launcher runs in the task's PID namespace.
+
+    The image runs `python -m unit_launcher run`, so one argument of the launcher's
+    /proc/<pid>/cmdline is exactly `unit_launcher`. `grep -z` reads the NUL-separated
+    arguments one by one and `-x` wants a whole argument: a script that only mentions the
+    name (the guard's own `/bin/sh -c`, a `CMD-SHELL` health check) has it inside a longer
+    argument, and the follower's health check (`python -m unit_launcher.health_file`) has a
+    longer one, so none of them match; the bracket keeps grep's own pattern argument from
+    being the word. `comm` and `exe` cannot tell the launcher from the engine (both are
+    Python), and a pid file would need a volume shared with the launcher and a launcher change.
+    """
+    word = LAUNCHER_MODULE
+    return f"grep -qsaxz '{word[:-1]}[{word[-1]}]' /proc/[0-9]*/cmdline"
+
+
+def drain_guard_script() -> str:
+    """The follower's drain guard (`/bin/sh -c`, dash in the Ubuntu-based image).
+
+    Idle until SIGTERM; then it waits while the follower's launcher lives, at most
+    `$DRAIN_GUARD_MAX_SECONDS` (the safety bound, `follower_release_bound`), and exits so
+    that ECS sends SIGTERM to the engine container next. Time is read from /proc/uptime
+    (monotonic), so a slow poll does not stretch the bound.
+    """
+    return f"""\
+: "${{{DRAIN_GUARD_BOUND_ENV}:?the safety bound in seconds}}"
+launcher_alive() {{ {launcher_alive_test()}; }}
+uptime_s() {{ read -r up _ < /proc/uptime; echo "${{up%.*}}"; }}
+on_term() {{
+  kill "$sleeper" 2>/dev/null
+  start=$(uptime_s)
+  while launcher_alive; do
+    if [ $(( $(uptime_s) - start )) -ge "${DRAIN_GUARD_BOUND_ENV}" ]; then
+      echo "drain-guard: the launcher still runs after ${DRAIN_GUARD_BOUND_ENV} s: releasing the engine (safety bound)"
+      exit 0
+    fi
+    sleep 1
+  done
+  echo "drain-guard: the launcher exited after $(( $(uptime_s) - start )) s: releasing the engine"
+  exit 0
+}}
+trap on_term TERM
+echo "drain-guard: on SIGTERM the engine waits for its launcher to exit, at most ${DRAIN_GUARD_BOUND_ENV} s"
+while true; do sleep 3600 & sleeper=$!; wait "$sleeper"; done
+"""
+
+
+def follower_release_bound(
+    *, deregistration_delay: Duration, leader_drain: Duration, follower_loss: Duration
+) -> Duration:
+    """The longest a stopping follower holds its engine for its leader: a safety bound only.
+
+    The guard releases the engine as soon as the follower's launcher exits, which it does
+    when the leader ends the unit's session (runner.py `_serve`: on SIGTERM the leader stops
+    its engine, then `session.end(..., deliberate=True)`; the followers hear "stopping" on
+    their next heartbeat, rendezvous.py `_heartbeat`, 410) or when the leader is gone for
+    `follower_loss_seconds` (`heartbeat_loop`). From the moment both tasks are told to stop:
+
+      1. ECS deregisters the leader's target and waits for the target group's deregistration
+         delay before it sends SIGTERM to the leader's containers
+         (https://docs.aws.amazon.com/AmazonECS/latest/developerguide/load-balancer-connection-draining.html;
+         draining -> unused after the delay:
+         https://docs.aws.amazon.com/elasticloadbalancing/latest/application/edit-target-group-attributes.html#deregistration-delay);
+      2. the proxy drains, at most its stop timeout (`leader_drain`), before the leader's engine
+         container gets SIGTERM (reverse dependency order);
+      3. the leader's launcher stops its engine and ends the session, at most the engine
+         container's stop timeout (ENGINE_STOP_TIMEOUT; killed then, the followers find the
+         leader gone within `follower_loss`);
+      4. the follower hears it within a heartbeat interval, at most `follower_loss`;
+      5. FOLLOWER_RELEASE_MARGIN for the skew between the two stops' starts.
+
+    Defaults: 120 + (120 + 600 + 30) + 120 + 30 + 30 = 1050 s. ECS documents no maximum
+    container stopTimeout on the EC2 launch type (the 120 s cap is Fargate's:
+    https://docs.aws.amazon.com/AmazonECS/latest/APIReference/API_ContainerDefinition.html,
+    `stopTimeout`), and the agent uses the value as given (aws/amazon-ecs-agent
+    agent/api/container/container.go `GetStopTimeout` at 35cc4106e1438cb9cf2821f19f7aeaf95900a104).
+    """
+    seconds = (
+        deregistration_delay.to_seconds() + leader_drain.to_seconds() + ENGINE_STOP_TIMEOUT.to_seconds()
+        + follower_loss.to_seconds() + FOLLOWER_RELEASE_MARGIN.to_seconds()
+    )
+    return Duration.seconds(int(seconds))
 
 
 def follower_health_command(startup_budget: Duration) -> list[str]:
@@ -94,6 +201,8 @@ class MultiNodeInferenceUnit(Construct):
         target_group: elbv2.IApplicationTargetGroup,
         health_check_grace: Duration,
         proxy_stop_timeout: Duration,
+        deregistration_delay: Duration,
+        follower_loss: Duration,
         deployment_alarms: list[cloudwatch.IAlarm] | None = None,
         desired_counts: tuple[int | float, int | float] | None = None,
         startup_budget: Duration | None = None,
@@ -102,7 +211,9 @@ class MultiNodeInferenceUnit(Construct):
         CloudFormation); an elastic cell passes the autoscaler's custom-resource attributes and
         tags each service with `unit` and `unit-role`, by which the autoscaler finds it.
         `startup_budget` (default: `health_check_grace`) is how long a follower may be joining
-        (fetch, join) before its health check fails."""
+        (fetch, join) before its health check fails. `deregistration_delay` (the target group's)
+        and `follower_loss` (the launcher's) bound how long a stopping follower waits for its
+        leader (`follower_release_bound`)."""
         super().__init__(scope, construct_id)
         if nodes < 1:
             raise ValueError(f"a unit needs >= 1 node, got {nodes}")
@@ -125,8 +236,11 @@ class MultiNodeInferenceUnit(Construct):
         self.follower_service: ecs.Ec2Service | None = None
         if nodes > 1:
             follower_task = self._task_definition("FollowerTask", role="follower", environment=follower_environment)
+            release_bound = follower_release_bound(
+                deregistration_delay=deregistration_delay, leader_drain=proxy_stop_timeout, follower_loss=follower_loss
+            )
             self._follower_health_and_drain_guard(
-                follower_task, leader_drain=proxy_stop_timeout, startup_budget=startup_budget or health_check_grace
+                follower_task, release_bound=release_bound, startup_budget=startup_budget or health_check_grace
             )
             self.follower_service = ecs.Ec2Service(
                 self, "Followers", task_definition=follower_task, desired_count=follower_count, **service_settings
@@ -245,19 +359,20 @@ class MultiNodeInferenceUnit(Construct):
         return service
 
     def _follower_health_and_drain_guard(
-        self, task: ecs.Ec2TaskDefinition, *, leader_drain: Duration, startup_budget: Duration
+        self, task: ecs.Ec2TaskDefinition, *, release_bound: Duration, startup_budget: Duration
     ) -> None:
         """A follower stops only after its unit's leader has drained, and reports its health.
 
         Leader and follower services of a unit update together (min 0 %, max 100 %), so ECS
-        sends SIGTERM to the leader and the followers at once. ECS stops a task's containers in
+        tells the leader and the followers to stop at once. ECS stops a task's containers in
         reverse dependency order and waits for each container's stop timeout
         (https://docs.aws.amazon.com/AmazonECS/latest/developerguide/task_definition_parameters.html#container_definition_dependson):
         the guard container depends on the engine, so the engine gets SIGTERM only after the
-        guard exits. On SIGTERM the guard waits while the engine lives (the follower's launcher
-        exits when the leader ends the unit's session after its proxy drained), at most the
-        leader's drain time, then exits; the follower's engine then stops. The task shares its
-        PID namespace (pidMode task) so the guard can see the engine.
+        guard exits. On SIGTERM the guard waits while the follower's launcher lives (it exits
+        when the leader ends the unit's session after its proxy drained, or when the leader is
+        gone), at most `release_bound` (a safety bound: `follower_release_bound`), then exits;
+        the follower's engine then stops. The task shares its PID namespace (pidMode task) so
+        the guard can see the launcher.
         """
         engine = task.default_container
         # Unit membership as the follower's launcher records it (unit_launcher/health_file.py):
@@ -277,20 +392,17 @@ class MultiNodeInferenceUnit(Construct):
                 "StartPeriod": MAX_HEALTH_START_PERIOD_SECONDS,
             },
         )
-        wait = int(leader_drain.to_seconds())
-        guard_script = (
-            "engine_alive() { grep -qsa unit_launcher /proc/[0-9]*/cmdline; }; "
-            f"on_term() {{ i=0; while engine_alive && [ $i -lt {wait} ]; do sleep 1; i=$((i+1)); done; exit 0; }}; "
-            "trap on_term TERM; while true; do sleep 3600 & wait $!; done"
-        )
+        bound = int(release_bound.to_seconds())
         guard = task.add_container(
             "drain-guard",
             image=self._images.inference,
             essential=False,
             entry_point=["/bin/sh", "-c"],
-            command=[guard_script],
+            command=[drain_guard_script()],
+            environment={DRAIN_GUARD_BOUND_ENV: str(bound)},
             memory_reservation_mib=32,
-            stop_timeout=Duration.seconds(wait + 10),
+            # The guard exits by itself at the bound; ECS kills it only if it hangs.
+            stop_timeout=Duration.seconds(bound + 10),
             logging=ecs.LogDrivers.aws_logs(
                 stream_prefix=f"{self.unit_id}-drain-guard", log_group=self._log_group,
                 mode=ecs.AwsLogDriverMode.NON_BLOCKING,
@@ -353,12 +465,7 @@ class MultiNodeInferenceUnit(Construct):
                 "Environment holds only the non-secret unit spec (layout, ports, "
                 "discovery names); the task has no secrets",
             ),
-            (
-                "NIST.800.53.R5-ECSTaskDefinitionUserForHostMode",
-                "The engine runs as root as in the AWS Neuron vLLM image: the Neuron runtime and EFA register "
-                "pinned memory on /dev/neuron* and /dev/infiniband/*; the task holds a whole dedicated instance "
-                "(the proxy sidecar runs as uid 10001)",
-            ),
+            ("NIST.800.53.R5-ECSTaskDefinitionUserForHostMode", _ROOT_CONTAINERS_REASON[role]),
         )
         acknowledge_execution_role(task)
         return task

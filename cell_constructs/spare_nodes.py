@@ -17,7 +17,12 @@ from aws_cdk import aws_iam as iam
 from aws_cdk import aws_logs as logs
 from constructs import Construct
 
-from cell_constructs.inference_unit import MODEL_CACHE_CONTAINER_PATH, MODEL_CACHE_HOST_PATH, UNIT_ATTRIBUTE
+from cell_constructs.inference_unit import (
+    MODEL_CACHE_CONTAINER_PATH,
+    MODEL_CACHE_HOST_PATH,
+    UNIT_ATTRIBUTE,
+    launcher_alive_test,
+)
 from cell_constructs.nag import acknowledge, acknowledge_execution_role
 
 SPARE_UNIT = "spare"
@@ -86,8 +91,12 @@ class SpareNodes(Construct):
                 stream_prefix="spare", log_group=log_group, mode=ecs.AwsLogDriverMode.NON_BLOCKING
             ),
             # Healthy while the launcher lives, fetching or idle: the fetch may outlast any start period.
+            # The launcher is the container's first process, so this says little more than "running";
+            # it must at least not be true of itself (its own `sh -c` names the launcher). grep says 2
+            # when a process vanished during its scan; Docker reserves 2 (ExitCode in
+            # https://docs.docker.com/reference/api/engine/version/v1.57/schemas/HealthcheckResult/), so a failure is 1.
             health_check=ecs.HealthCheck(
-                command=["CMD-SHELL", "grep -qsa unit_launcher /proc/1/cmdline /proc/[0-9]*/cmdline || exit 1"],
+                command=["CMD-SHELL", f"{launcher_alive_test()} || exit 1"],
                 interval=Duration.seconds(30),
                 timeout=Duration.seconds(5),
                 retries=3,

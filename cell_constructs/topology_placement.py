@@ -50,9 +50,17 @@ ASSET_EXCLUDE = ["tests", "bench_placement.py", "**/__pycache__", "**/*.pyc", ".
 MAX_UNITS = 1024
 MAX_NODES_PER_UNIT = 64
 _NAMESPACE = re.compile(r"^[A-Za-z0-9._/#:-]{1,255}$")
-# The launcher's session ends that are not deliberate (unit_launcher/evidence.py): what the
-# subscription sends to the controller. The controller decides which of them implicate a host.
-UNIT_FAILURE_PATTERN = '{ ($.event = "unit_session_end") && ($.cause != "deliberate_stop") }'
+# What the subscription sends to the controller: the launcher's session ends that are not
+# deliberate (unit_launcher/evidence.py), the leader's "unit released" line
+# (`unit_session_formed`, docs/contracts.md) and the spare role's "model cached" line
+# (unit_launcher/spare.py). The controller decides which failures implicate a host
+# (blame.py) and which new instances a rolling update may count as done (signals.py). JSON
+# filter patterns combine conditions with && and || and group them with parentheses
+# (https://docs.aws.amazon.com/AmazonCloudWatch/latest/logs/FilterAndPatternSyntax.html).
+UNIT_FAILURE_PATTERN = (
+    '{ (($.event = "unit_session_end") && ($.cause != "deliberate_stop")) || ($.event = "unit_session_formed")'
+    ' || ($.event = "spare_ready") }'
+)
 
 
 @dataclass(frozen=True)
@@ -343,9 +351,10 @@ class TopologyPlacement(Construct):
                 function,
                 (
                     "NIST.800.53.R5-LambdaConcurrency",
-                    "Concurrency is bounded by the FIFO trigger queue's single message group (one invocation at a "
-                    "time); reserved concurrency is left to cells[].placement_reserved_concurrency because accounts "
-                    "with a low Lambda quota cannot reserve any",
+                    "The reconciling runs come one at a time from the FIFO trigger queue's single message group; "
+                    "invocations by the unit-failure log subscription can run beside them but only enqueue their "
+                    "event there; reserved concurrency is left to cells[].placement_reserved_concurrency because "
+                    "accounts with a low Lambda quota cannot reserve any",
                 ),
             )
         return function
@@ -523,8 +532,10 @@ class TopologyPlacement(Construct):
 
         During an update of the group (AMI or launch template change) CloudFormation waits
         for one SUCCESS signal per replaced instance; the controller sends it for a new
-        instance once the unit that instance joined has its leader healthy in the target
-        group (placement_controller/signals.py).
+        instance once it is a member of a session of its unit (the launcher's
+        `unit_session_formed` line) and the unit's leader is healthy in the target group, or
+        once it is a warm spare with the model cached and every unit serves
+        (placement_controller/signals.py).
         """
         stack = Stack.of(self)
         self.function.add_environment("SIGNAL_STACK", stack.stack_name)

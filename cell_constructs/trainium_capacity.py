@@ -5,14 +5,22 @@ device 1, as in the AWS Neuron samples) and all of them share one security group
 allows all traffic to and from itself, which EFA requires. The group of instances lives
 in one subnet and one cluster placement group, so a unit's nodes are a few network hops
 apart at most; the placement controller then groups them into units by topology.
+
+Each node sets itself up with node_setup.sh (IMDS rule, EFA, instance-store cache) on its
+first boot and every boot after; a node whose setup fails stays out of service and reports
+NodeSetupFailed, which this construct alarms on. Rolling updates replace one instance at a
+time, launch-first or terminate-first (docs/cell-lifecycle.md).
 """
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
+from pathlib import Path
 
 from aws_cdk import Duration, Stack
 from aws_cdk import aws_autoscaling as autoscaling
+from aws_cdk import aws_cloudwatch as cloudwatch
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_ecs as ecs
 from aws_cdk import aws_iam as iam
@@ -21,14 +29,23 @@ from constructs import Construct
 
 from cell_constructs.nag import acknowledge
 from inference_fleet.catalogue import InstanceType
+from inference_fleet.config import EFA_INSTALLER_SHA256, EFA_INSTALLER_VERSION
+from inference_fleet.unit_spec import MODEL_CACHE_MARKER, MODEL_CACHE_PATH
 
-# The model cache: every NVMe instance-store disk, as one RAID0 when there are several.
-MODEL_CACHE_PATH = "/opt/models"
-# Instance metadata (IMDS) address; containers of ECS tasks are refused it (see _node_user_data).
+# The node's boot script; user data installs it and runs it, node-setup.service runs it on every boot.
+NODE_SETUP_SCRIPT = Path(__file__).with_name("node_setup.sh")
+# Label of the model cache's XFS file system and name of its RAID0 (/dev/md/<label>).
+MODEL_CACHE_LABEL = "models"
+# Instance metadata (IMDS) address; containers of ECS tasks are refused it (see node_setup.sh).
 IMDS_ADDRESS = "169.254.169.254"
-# cgroup (v2) under which the ECS agent places task containers on Amazon Linux 2023
-# (unverified: check `cat /proc/<engine pid>/cgroup` on a node; docs/cell-lifecycle.md).
+# cgroup (v2) slice under which the ECS agent places task containers on Amazon Linux 2023: each task
+# is ecstasks-<task id>.slice inside it (amazon-ecs-agent agent/config DefaultTaskCgroupV2Prefix).
 ECS_TASKS_CGROUP = "ecstasks.slice"
+# What a failed node reports (node_setup.sh `report`), read by the cell's node-setup alarm.
+NODE_SETUP_FAILED_METRIC = "NodeSetupFailed"
+# EC2 refuses user data larger than 16 KB before base64
+# (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/user-data.html).
+USER_DATA_LIMIT_BYTES = 16 * 1024
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,10 +59,18 @@ class CapacitySource:
 
 @dataclass(frozen=True, kw_only=True)
 class EfaSetup:
-    """EFA at boot: the AMI's own, or the installer of a pinned version verified by SHA-256."""
+    """EFA at boot: the AMI's own, or the installer of a pinned version verified by SHA-256 (None: AMI only)."""
 
-    installer_version: str = "1.43.2"
-    installer_sha256: str | None = None
+    installer_version: str = EFA_INSTALLER_VERSION
+    installer_sha256: str | None = EFA_INSTALLER_SHA256
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeSetupReport:
+    """Where a node whose setup failed reports it: metric namespace and the cell (dimension Cell)."""
+
+    namespace: str
+    cell: str
 
 
 def capacity_overrides(source: CapacitySource) -> dict[str, object]:
@@ -84,69 +109,102 @@ def efa_network_interfaces(instance: InstanceType, security_group_id: str) -> li
     ]
 
 
-def _node_user_data(efa: EfaSetup) -> list[str]:
-    """Instance bootstrap; any failure is logged to the console and the node leaves the group.
+def _heredoc(path: str, body: str, *, mode: str = "0644") -> list[str]:
+    """Commands that write `body` to `path` verbatim (quoted here-document: nothing is expanded)."""
+    marker = "NODE_SETUP_EOF"
+    if marker in body:
+        raise ValueError(f"{path}: the body contains the here-document marker {marker}")
+    return [f"cat > {path} <<'{marker}'", *body.rstrip("\n").split("\n"), marker, f"chmod {mode} {path}"]
 
-    A failed step runs `fail`: it writes the reason to the serial console (EC2
-    GetConsoleOutput) and the journal, then powers the instance off. Auto Scaling counts an
-    instance in any state other than running as unhealthy and replaces it
-    (https://docs.aws.amazon.com/autoscaling/ec2/userguide/ec2-auto-scaling-health-checks.html).
+
+def node_setup_config(efa: EfaSetup, report: NodeSetupReport) -> str:
+    """/etc/node-setup/node-setup.conf: the values node_setup.sh reads, shell-quoted."""
+    values = {
+        "MODEL_CACHE": MODEL_CACHE_PATH,
+        "CACHE_LABEL": MODEL_CACHE_LABEL,
+        "CACHE_MARKER": MODEL_CACHE_MARKER,
+        "IMDS_ADDRESS": IMDS_ADDRESS,
+        "TASKS_SLICE": ECS_TASKS_CGROUP,
+        "EFA_INSTALLER_VERSION": efa.installer_version,
+        "EFA_INSTALLER_SHA256": efa.installer_sha256 or "",
+        "METRIC_NAMESPACE": report.namespace,
+        "CELL": report.cell,
+    }
+    return "".join(f"{name}={shlex.quote(value)}\n" for name, value in values.items())
+
+
+# systemd units written by user data. node-setup.service runs the setup on every boot before the ECS
+# agent; the drop-in makes ecs.service need it (Requires + After: a failed node-setup keeps the agent
+# from starting, systemd.unit(5)) and its ready file, which only a successful run of this boot writes
+# (/run is emptied at each boot). The first boot runs node-setup from user data instead: ecs.service
+# starts after cloud-final (amazon-ecs-agent packaging/amazon-linux-ami-integrated/ecs.service), and the
+# drop-in's condition is read when its start job runs.
+_UNITS = {
+    "/etc/systemd/system/node-setup.service": """[Unit]
+Description=Trainium node setup (IMDS rule, EFA, model cache) before the ECS agent
+After=local-fs.target network-online.target
+Wants=network-online.target
+Before=ecs.service
+
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+ExecStart=/usr/local/sbin/node-setup
+
+[Install]
+WantedBy=multi-user.target
+""",
+    "/etc/systemd/system/ecs.service.d/50-node-setup.conf": """[Unit]
+Requires=node-setup.service
+After=node-setup.service
+ConditionPathExists=/run/node-setup/ready
+""",
+    f"/etc/systemd/system/{ECS_TASKS_CGROUP}": """[Unit]
+Description=ECS task containers; started at boot and never stopped, so the IMDS rule keeps matching it
+Before=slices.target
+""",
+    "/etc/systemd/system/node-setup-report.service": """[Unit]
+Description=Report a failed node setup to CloudWatch (NodeSetupFailed)
+
+[Service]
+Type=oneshot
+ExecStart=/usr/local/sbin/node-setup report
+""",
+    "/etc/systemd/system/node-setup-report.timer": """[Unit]
+Description=Report a failed node setup every 3 minutes while it stays failed
+
+[Timer]
+OnActiveSec=10s
+OnUnitActiveSec=180s
+
+[Install]
+WantedBy=timers.target
+""",
+}
+
+
+def _node_user_data(efa: EfaSetup, report: NodeSetupReport) -> list[str]:
+    """Instance bootstrap: install node_setup.sh, its configuration and units, then run it once.
+
+    The setup itself (IMDS rule, EFA, model cache, ecs.config) lives in node_setup.sh, so that a
+    reboot runs exactly what the first boot ran. A node whose setup fails stays running but out of
+    service (no ECS agent) and reports NodeSetupFailed; it is not powered off, which would make
+    Auto Scaling replace it over and over (docs/cell-lifecycle.md, "Failed node setup").
     """
-    if efa.installer_sha256:
-        tarball = f"aws-efa-installer-{efa.installer_version}.tar.gz"
-        efa_steps = [
-            "  cd /tmp",
-            f"  curl -fsSLO https://efa-installer.amazonaws.com/{tarball} || fail 'EFA installer download failed'",
-            f"  echo '{efa.installer_sha256}  {tarball}' | sha256sum -c - || fail 'EFA installer checksum mismatch'",
-            f"  tar -xf {tarball} && cd aws-efa-installer || fail 'EFA installer unpack failed'",
-            "  ./efa_installer.sh -y --skip-kmod-check || ./efa_installer.sh -y || fail 'EFA install failed'",
-        ]
-    else:
-        efa_steps = ["  fail 'the AMI has no EFA and node.efa_installer_sha256 is not set'"]
-    return [
+    commands = [
         "set -uo pipefail",
-        "fail() {",
-        "  echo \"node-setup FAILED: $*; leaving the Auto Scaling group\" | tee /dev/console | logger -t node-setup",
-        "  sync; systemctl poweroff --force",
-        "  exit 1",
-        "}",
-        # Containers share the host network (EFA), so the hop limit cannot keep them from
-        # IMDS and the instance role: refuse IMDS to every socket of an ECS task's cgroup;
-        # the ECS agent and SSM agent (outside it) keep it. ECS_AWSVPC_BLOCK_IMDS applies to
-        # awsvpc tasks only (https://docs.aws.amazon.com/AmazonECS/latest/developerguide/ecs-agent-config.html).
-        f"mkdir -p /sys/fs/cgroup/{ECS_TASKS_CGROUP} || fail 'cannot create the task cgroup'",
-        f"iptables -I OUTPUT -d {IMDS_ADDRESS}/32 -m cgroup --path {ECS_TASKS_CGROUP} -j REJECT "
-        "|| fail 'cannot block IMDS for task containers'",
-        # EFA: the AMI's own, or the pinned installer verified by its checksum.
-        "if ! /opt/amazon/efa/bin/fi_info -p efa >/dev/null 2>&1; then",
-        *efa_steps,
-        "fi",
-        # Model cache: the NVMe instance-store disks (attached automatically on Nitro
-        # instances, https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/ssd-instance-store.html)
-        # as one RAID0 with XFS, mounted where the unit's containers mount it.
-        "disks=$(lsblk -dnpo NAME,MODEL | awk '/Amazon EC2 NVMe Instance Storage/ {print $1}')",
-        "count=$(echo $disks | wc -w)",
-        "[ \"$count\" -ge 1 ] || fail 'no NVMe instance-store disk for the model cache'",
-        "if [ \"$count\" -gt 1 ]; then",
-        "  command -v mdadm >/dev/null || dnf install -y mdadm || fail 'mdadm install failed'",
-        "  mdadm --create /dev/md0 --run --level=0 --raid-devices=$count $disks || fail 'RAID0 assembly failed'",
-        "  cache_dev=/dev/md0",
-        "else",
-        "  cache_dev=$disks",
-        "fi",
-        "mkfs.xfs -f $cache_dev || fail 'mkfs of the model cache failed'",
-        f"mkdir -p {MODEL_CACHE_PATH} && mount -o noatime $cache_dev {MODEL_CACHE_PATH} "
-        "|| fail 'mounting the model cache failed'",
-        f"chmod 0775 {MODEL_CACHE_PATH}",
-        # Host network mode: give tasks their task role, not the instance role. The
-        # capacity provider appends ECS_CLUSTER.
-        "cat >> /etc/ecs/ecs.config <<'EOF'",
-        "ECS_ENABLE_TASK_IAM_ROLE=true",
-        "ECS_ENABLE_TASK_IAM_ROLE_NETWORK_HOST=true",
-        "ECS_IMAGE_PULL_BEHAVIOR=prefer-cached",
-        "EOF",
-        "echo 'node-setup done' | tee /dev/console | logger -t node-setup",
+        "mkdir -p /etc/node-setup /usr/local/sbin /etc/systemd/system/ecs.service.d",
+        *_heredoc("/etc/node-setup/node-setup.conf", node_setup_config(efa, report)),
+        *_heredoc("/usr/local/sbin/node-setup", NODE_SETUP_SCRIPT.read_text(), mode="0755"),
     ]
+    for path, body in _UNITS.items():
+        commands += _heredoc(path, body)
+    commands += [
+        "systemctl daemon-reload",
+        "systemctl enable node-setup.service",
+        "/usr/local/sbin/node-setup",
+    ]
+    return commands
 
 
 class TrainiumCapacity(Construct):
@@ -165,27 +223,35 @@ class TrainiumCapacity(Construct):
         root_volume_gib: int,
         encryption_key: kms.IKey,
         capacity_source: CapacitySource = CapacitySource(),
+        setup_report: NodeSetupReport,
         efa: EfaSetup = EfaSetup(),
         ami_id: str | None = None,
         replacement_wait: Duration = Duration.hours(1),  # noqa: B008 - Duration is immutable
         max_instance_count: int | None = None,
+        rolling_update: str = "terminate-first",
     ) -> None:
         super().__init__(scope, construct_id)
         if instance_count < 1:
             raise ValueError(f"instance_count must be >= 1, got {instance_count}")
         if max_instance_count is not None and max_instance_count < instance_count:
             raise ValueError(f"max_instance_count {max_instance_count} below instance_count {instance_count}")
+        if rolling_update not in ("launch-first", "terminate-first"):
+            raise ValueError(f"rolling_update {rolling_update!r}: use launch-first or terminate-first")
 
         self.security_group = self._efa_security_group(vpc)
         self.placement_group = ec2.PlacementGroup(self, "ClusterPlacement", strategy=ec2.PlacementGroupStrategy.CLUSTER)
 
         role = self._instance_role()
+        self._allow_setup_report(role, setup_report)
         self.launch_template = self._launch_template(
-            instance, role, root_volume_gib, encryption_key, capacity_source=capacity_source, efa=efa, ami_id=ami_id
+            instance, role, root_volume_gib, encryption_key,
+            capacity_source=capacity_source, efa=efa, report=setup_report, ami_id=ami_id,
         )
         self.auto_scaling_group, self.capacity_provider = self._nodes(
-            vpc, subnets, cluster, instance_count, replacement_wait, max_instance_count
+            vpc, subnets, cluster, instance_count, replacement_wait, max_instance_count,
+            launch_first=rolling_update == "launch-first",
         )
+        self.setup_failure_alarm = self._setup_failure_alarm(setup_report)
 
     def _efa_security_group(self, vpc: ec2.IVpc) -> ec2.SecurityGroup:
         """One group for every EFA interface of every node, open to itself (EFA needs it) and HTTPS out."""
@@ -231,10 +297,23 @@ class TrainiumCapacity(Construct):
                 "ECS container agent state reporting "
                 "(SubmitTaskStateChange and friends), added by CDK's ECS cluster for its instances",
             ),
+            # CDK's cluster grants these on * (aws-ecs Cluster, for every instance of a capacity
+            # provider; it has no option to scope them). The logs actions do accept log-group
+            # ARNs: what makes the wildcard acceptable is that it is unused here, not that it
+            # cannot be scoped. Sources: amazon-ecs-agent agent/engine/docker_task_engine.go
+            # (createContainer applies Task.ApplyExecutionRoleLogsAuth when the container's logs
+            # auth strategy is the execution role) and awsdocs/amazon-ecs-developer-guide
+            # doc_source/using_awslogs.md ("The ecsTaskExecutionRole is used when it's assigned
+            # to the task"). Unverified on a node: that ECS sets that strategy for EC2 tasks.
             (
                 "AwsSolutions-IAM5[Resource::*]",
-                "ecr:GetAuthorizationToken, ecs:DiscoverPollEndpoint and "
-                "logs actions of the ECS agent have no resource-level scope",
+                "ecr:GetAuthorizationToken and ecs:DiscoverPollEndpoint have no resource-level permissions. "
+                "logs:CreateLogStream and logs:PutLogEvents do (log groups) but are granted on * by CDK's ECS "
+                "cluster, with no option to scope them, for the awslogs driver of tasks without an execution "
+                "role; every task of this cell has an execution role holding them on the cell's log group, and "
+                "the ECS agent gives the awslogs driver that role's credentials when a task has one "
+                "(amazon-ecs-agent Task.ApplyExecutionRoleLogsAuth; ECS developer guide, 'Send Amazon ECS logs "
+                "to CloudWatch': the ecsTaskExecutionRole is used when it's assigned to the task)",
             ),
             (
                 "NIST.800.53.R5-IAMNoInlinePolicy",
@@ -253,12 +332,13 @@ class TrainiumCapacity(Construct):
         *,
         capacity_source: CapacitySource,
         efa: EfaSetup,
+        report: NodeSetupReport,
         ami_id: str | None,
     ) -> ec2.LaunchTemplate:
         """Neuron ECS AMI (or a pinned one), IMDSv2, encrypted root volume, placement group, every EFA
         interface, the node's boot script, and the capacity reservation or block launches are aimed at."""
         user_data = ec2.UserData.for_linux()
-        user_data.add_commands(*_node_user_data(efa))
+        user_data.add_commands(*_node_user_data(efa, report))
         # A pinned AMI changes only when the fleet file does (the pipeline advances it);
         # unpinned, the recommended AMI's SSM parameter is re-read on every deploy.
         machine_image = (
@@ -311,6 +391,8 @@ class TrainiumCapacity(Construct):
         instance_count: int,
         replacement_wait: Duration,
         max_instance_count: int | None,
+        *,
+        launch_first: bool,
     ) -> tuple[autoscaling.AutoScalingGroup, ecs.AsgCapacityProvider]:
         """The group of nodes (replaced one at a time on signal) and its capacity provider.
 
@@ -322,8 +404,16 @@ class TrainiumCapacity(Construct):
         https://docs.aws.amazon.com/AWSCloudFormation/latest/TemplateReference/aws-resource-autoscaling-autoscalinggroup.html).
         Elastic groups protect every new instance from scale-in: only the autoscaler releases
         instances, the ones of a unit it drained.
+
+        Rolling updates (cells[].capacity.rolling_update): launch-first gives the group one
+        instance of headroom (MaxSize + 1) and keeps MinInstancesInService at the group's
+        minimum, so CloudFormation has to launch the replacement before it terminates an old
+        instance (unverified on AWS, docs/cell-lifecycle.md); terminate-first keeps MaxSize and
+        MinInstancesInService = minimum - 1. MinInstancesInService must be less than MaxSize
+        (https://docs.aws.amazon.com/AWSCloudFormation/latest/TemplateReference/aws-attribute-updatepolicy.html).
         """
         elastic = max_instance_count is not None and max_instance_count > instance_count
+        max_size = max_instance_count if elastic and max_instance_count is not None else instance_count
         group = autoscaling.AutoScalingGroup(
             self,
             "Nodes",
@@ -331,17 +421,17 @@ class TrainiumCapacity(Construct):
             vpc_subnets=subnets,
             launch_template=self.launch_template,
             min_capacity=instance_count,
-            max_capacity=max_instance_count if elastic else instance_count,
+            max_capacity=max_size + 1 if launch_first else max_size,
             new_instances_protected_from_scale_in=True if elastic else None,
             health_checks=autoscaling.HealthChecks.ec2(grace_period=Duration.minutes(15)),
             # Unit-aware replacement of instances (AMI or launch template change): one
-            # instance at a time, every other instance stays in service, and the next one
-            # is replaced only when the placement controller signals that the unit the new
-            # instance joined serves again (its leader is a healthy ALB target), within
-            # the 1 h CloudFormation allows per batch. See docs/cell-lifecycle.md.
+            # instance at a time; launch-first keeps every old instance in service until its
+            # replacement runs, terminate-first all but one. The next one is replaced only when
+            # the placement controller signals that the unit the new instance joined serves
+            # again, within the 1 h CloudFormation allows per batch. See docs/cell-lifecycle.md.
             update_policy=autoscaling.UpdatePolicy.rolling_update(
                 max_batch_size=1,
-                min_instances_in_service=instance_count - 1,
+                min_instances_in_service=instance_count if launch_first else instance_count - 1,
                 wait_on_resource_signals=True,
                 pause_time=replacement_wait,
                 min_success_percentage=100,
@@ -369,3 +459,62 @@ class TrainiumCapacity(Construct):
         )
         cluster.add_asg_capacity_provider(provider)
         return group, provider
+
+    def _allow_setup_report(self, role: iam.Role, report: NodeSetupReport) -> None:
+        """The node may put its NodeSetupFailed metric, in its own namespace only."""
+        policy = iam.ManagedPolicy(
+            self,
+            "SetupReportPolicy",
+            description="Trainium node: report a failed node setup (NodeSetupFailed) to CloudWatch",
+            statements=[
+                iam.PolicyStatement(
+                    actions=["cloudwatch:PutMetricData"],
+                    resources=["*"],
+                    conditions={"StringEquals": {"cloudwatch:namespace": report.namespace}},
+                )
+            ],
+            roles=[role],
+        )
+        acknowledge(
+            policy,
+            (
+                "AwsSolutions-IAM5[Resource::*]",
+                "cloudwatch:PutMetricData has no resource-level scope; the cloudwatch:namespace condition "
+                "limits it to the node namespace",
+            ),
+        )
+
+    def _setup_failure_alarm(self, report: NodeSetupReport) -> cloudwatch.Alarm:
+        """A node's setup failed: it stays out of service until an operator acts (part of the rollout gate).
+
+        A failed node reports every 3 minutes (node-setup-report.timer), so every 5-minute period
+        holds a data point while it stays failed; terminated or repaired, the data stop and the alarm
+        returns to OK.
+        """
+        alarm = cloudwatch.Alarm(
+            self,
+            "NodeSetupFailedAlarm",
+            alarm_description="A Trainium node's setup failed: it runs without the ECS agent and serves nothing. "
+            "Reason: `aws ec2 get-console-output` (node-setup FAILED) or /var/lib/node-setup/failed; "
+            "terminate the instance (the group launches another) or repair it (docs/cell-lifecycle.md)",
+            metric=cloudwatch.Metric(
+                namespace=report.namespace,
+                metric_name=NODE_SETUP_FAILED_METRIC,
+                dimensions_map={"Cell": report.cell},
+                statistic="Maximum",
+                period=Duration.minutes(5),
+            ),
+            threshold=1,
+            evaluation_periods=1,
+            comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
+            treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+        )
+        acknowledge(
+            alarm,
+            (
+                "NIST.800.53.R5-CloudWatchAlarmAction",
+                "Watched by the rollout pipeline's alarm conditions (the cell's rollout gate) and the cell "
+                "dashboard; no action",
+            ),
+        )
+        return alarm

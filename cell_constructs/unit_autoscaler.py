@@ -4,7 +4,13 @@ The function (functions/autoscaler) runs every minute from an EventBridge schedu
 the proxies' EMF metrics and the cell's state, and activates, drains and releases whole
 units (docs/autoscaling.md). The same function answers the `UnitCounts` custom resource
 whose attributes are the unit services' DesiredCount: the initial counts on creation, the
-counts the autoscaler set on every later deploy, so CloudFormation never resets them.
+counts the autoscaler set on every later deploy, so CloudFormation never resets them. The
+resource carries a fingerprint of every unit service's other properties (`watch_services`),
+so any change that makes CloudFormation update a service first makes it re-read the counts.
+
+Runs never overlap: reserved concurrency 1, asynchronous retries off (a failed tick is
+superseded by the next one, which re-reads the cell), and the custom resource times out
+after SERVICE_TIMEOUT_SECONDS instead of CloudFormation's default hour.
 
 IAM: UpdateService on this cluster's services only (the drain is reachable by this role and
 by the deployment, not by the load balancer or clients), the group's scaling writes on
@@ -14,10 +20,13 @@ permissions (GetMetricData, DescribeAutoScalingGroups, DescribeScalingActivities
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from pathlib import Path
 
-from aws_cdk import CfnResource, Duration, Stack, Token
+import jsii
+from aws_cdk import CfnResource, Duration, IStableAnyProducer, Lazy, Stack, Token
 from aws_cdk import aws_autoscaling as autoscaling
 from aws_cdk import aws_cloudwatch as cloudwatch
 from aws_cdk import aws_ecs as ecs
@@ -37,8 +46,26 @@ FUNCTION_SOURCE = Path(__file__).resolve().parents[1] / "functions" / "autoscale
 HANDLER = "unit_autoscaler.handler.handler"
 ASSET_EXCLUDE = ["tests", "simulate_scaling.py", "**/__pycache__", "**/*.pyc", ".hypothesis", ".pytest_cache"]
 TICK = Duration.minutes(1)
-# Shorter than the schedule: one tick ends before the next starts.
+# Shorter than the schedule: one tick ends before the next is due.
 TIMEOUT = Duration.seconds(50)
+# EventBridge and CloudFormation both invoke the function asynchronously ("CloudWatch Events
+# invokes your function asynchronously", awsdocs/aws-lambda-developer-guide
+# doc_source/services-cloudwatchevents.md; "CloudFormation invokes your Lambda function
+# asynchronously", https://docs.aws.amazon.com/lambda/latest/dg/services-cloudformation.html),
+# so Lambda's own retries apply: two by default
+# (https://docs.aws.amazon.com/lambda/latest/dg/invocation-async-error-handling.html). None here:
+# a failed tick is superseded by the next one. An event throttled by the reserved concurrency
+# of 1 (while another run is under way, at most TIMEOUT) waits in Lambda's queue; one older
+# than MAX_EVENT_AGE is dropped: for a tick, the next tick replaces it; for a counts request,
+# CloudFormation fails the resource after its ServiceTimeout.
+MAX_EVENT_AGE = Duration.minutes(2)
+# The counts resource's ServiceTimeout ("The maximum time, in seconds, that can elapse before
+# a custom resource operation times out. [...] The default value is 3600 seconds",
+# https://docs.aws.amazon.com/AWSCloudFormation/latest/TemplateReference/aws-resource-cloudformation-customresource.html):
+# longer than the oldest event Lambda still runs plus one run, so a request that Lambda does
+# run is always answered in time, and a crash before the answer fails the stack operation
+# in 5 minutes instead of an hour.
+SERVICE_TIMEOUT_SECONDS = 300
 ROLES = ("leader", "followers")
 
 
@@ -98,6 +125,10 @@ class UnitAutoscaler(Construct):
             role=role.without_policy_updates(),
             memory_size=256,
             timeout=TIMEOUT,
+            # One run at a time: two ticks, or a tick and a counts request, never act on the cell at once.
+            reserved_concurrent_executions=1,
+            retry_attempts=0,
+            max_event_age=MAX_EVENT_AGE,
             log_group=self.log_group,
             environment={
                 "CLUSTER": cluster.cluster_arn,
@@ -117,11 +148,10 @@ class UnitAutoscaler(Construct):
              "Calls only the ECS, Auto Scaling, CloudWatch and CloudFormation control-plane APIs and reaches "
              "nothing inside the VPC"),
             ("NIST.800.53.R5-LambdaDLQ",
-             "Invoked by a one-minute schedule (a lost tick is replaced by the next one, retries are off) and "
-             "synchronously by CloudFormation for the desired-counts resource; a DLQ would hold nothing to replay"),
-            ("NIST.800.53.R5-LambdaConcurrency",
-             "One schedule tick a minute with a 50 s timeout, so runs do not overlap; reserved concurrency is "
-             "left out because accounts with a low Lambda quota cannot reserve any"),
+             "Invoked asynchronously by the one-minute schedule and by CloudFormation for the desired-counts "
+             "resource, with retries off (EventInvokeConfig): a failed or expired tick holds nothing to replay, "
+             "the next tick re-reads the cell; a failed or expired counts request fails the stack operation "
+             "within the resource's ServiceTimeout; function errors raise the autoscaler's errors alarm"),
         )
         self.rule = events.Rule(
             self, "Schedule", description=f"Unit autoscaler tick of cell {cell_name}",
@@ -131,7 +161,8 @@ class UnitAutoscaler(Construct):
         # The services' DesiredCount: created with the initial counts, then what the autoscaler set.
         self.counts = CfnResource(
             self, "UnitCounts", type="Custom::UnitDesiredCounts",
-            properties={"ServiceToken": self.function.function_arn, "Config": config_digest},
+            properties={"ServiceToken": self.function.function_arn, "ServiceTimeout": SERVICE_TIMEOUT_SECONDS,
+                        "Config": config_digest},
         )
         self.counts.node.add_dependency(self.function)
         self.errors_alarm, self.capacity_alarm = self._alarms()
@@ -142,9 +173,32 @@ class UnitAutoscaler(Construct):
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         return Token.as_number(self.counts.get_att(f"{unit_id}{role.capitalize()}"))
 
-    def watch_task_definitions(self, task_definitions: list[ecs.TaskDefinition]) -> None:
-        """Re-read the counts whenever a unit's task definition changes (that updates its services)."""
-        self.counts.add_property_override("TaskDefinitions", [t.task_definition_arn for t in task_definitions])
+    def watch_services(self, services: list[tuple[ecs.Ec2Service, dict[str, object]]]) -> None:
+        """Re-read the counts whenever CloudFormation is about to update any unit service.
+
+        A service's DesiredCount is this resource's attribute, and CloudFormation sends it on
+        every update of the service: "For existing services, if a desired count is not
+        specified, it is omitted from the operation"
+        (https://docs.aws.amazon.com/AWSCloudFormation/latest/TemplateReference/aws-resource-ecs-service.html,
+        DesiredCount) holds only while the property is absent, and a dormant unit must be
+        created at 0, not the default 1, so the property stays. The counts must therefore be
+        fresh whenever a service is updated for any reason. CloudFormation updates a resource
+        when its properties change, their references' values included; so this resource
+        carries a fingerprint of every service's properties but DesiredCount (`Services`:
+        a digest of the synthesized properties and every reference in them, which
+        CloudFormation resolves at deploy time). Any change that updates a service changes
+        the fingerprint, and the counts are re-read first (the services depend on this
+        resource through DesiredCount).
+
+        Each service comes with its known properties (by CloudFormation name, in template
+        form): those the caller states because the L1 resource cannot hand them over through
+        jsii (DeploymentConfiguration and HealthCheckGracePeriodSeconds, which CDK computes
+        from internal objects). The tests check every property against the synthesized template.
+        """
+        stack = Stack.of(self)
+        # Kept for the tests, which compare each service's properties with the template.
+        self.watched = [(service.node.default_child, dict(known)) for service, known in services]
+        self.counts.add_property_override("Services", Lazy.any(_ServicesFingerprint(stack, self.watched)))
 
     def _policy(
         self, stack: Stack, cluster: ecs.ICluster, group: autoscaling.AutoScalingGroup
@@ -215,9 +269,7 @@ class UnitAutoscaler(Construct):
             comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
             treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
         )
-        for alarm in (errors, capacity):
-            acknowledge(alarm, ("NIST.800.53.R5-CloudWatchAlarmAction",
-                                "Shown on the cell's alarms; notification routing is left to the operator"))
+        # Their NIST CloudWatchAlarmAction acknowledgements are where they are wired (stacks/cell_stack.py).
         return errors, capacity
 
     def capacity_failures_metric(self) -> cloudwatch.Metric:
@@ -225,3 +277,77 @@ class UnitAutoscaler(Construct):
                                  dimensions_map={"Cell": self.cell_name}, statistic="Sum",
                                  period=Duration.minutes(5))
 
+
+
+def services_fingerprint(properties: list[dict[str, object]]) -> dict[str, object]:
+    """What identifies a set of (synthesized, resolved) resource properties for CloudFormation.
+
+    `Digest`: a hash of the literal template text; `References`: every `Ref` and
+    `Fn::GetAtt` in it, once each, in a stable order, left for CloudFormation to resolve, so
+    that a referenced resource replaced at deploy time (a new task definition revision, say)
+    changes the resolved value even though the template text does not.
+    """
+    references: dict[str, object] = {}
+
+    def visit(node: object) -> None:
+        if isinstance(node, dict):
+            if len(node) == 1 and next(iter(node)) in ("Ref", "Fn::GetAtt"):
+                references[json.dumps(node, sort_keys=True)] = node
+                return
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, list):
+            for value in node:
+                visit(value)
+
+    visit(properties)
+    digest = hashlib.sha256(json.dumps(properties, sort_keys=True).encode()).hexdigest()[:16]
+    return {"Digest": digest, "References": [references[key] for key in sorted(references)]}
+
+
+@jsii.implements(IStableAnyProducer)
+class _ServicesFingerprint:
+    """The services' properties but DesiredCount, read at synthesis (after tags and other aspects)."""
+
+    def __init__(self, stack: Stack, services: list[tuple[ecs.CfnService, dict[str, object]]]) -> None:
+        self._stack = stack
+        self._services = services
+
+    def produce(self) -> object:
+        return services_fingerprint([resolved_service_properties(self._stack, s, known) for s, known in self._services])
+
+
+def resolved_service_properties(stack: Stack, service: ecs.CfnService, known: dict[str, object]) -> dict[str, object]:
+    """`service_properties` resolved as the template holds them (CDK leaves empty objects out)."""
+    resolved = stack.resolve(service_properties(service, known))
+    return {k: v for k, v in resolved.items() if v not in (None, {})}
+
+
+def service_properties(service: ecs.CfnService, known: dict[str, object]) -> dict[str, object]:
+    """An ECS service's CloudFormation properties but DesiredCount, by CloudFormation name (unresolved).
+
+    Read through the L1 resource's typed getters, which keep CDK's lazy values as references
+    (its untyped property map does not survive jsii); nested keys stay in CDK's camelCase,
+    which does not matter to a fingerprint. Raw property overrides are not seen: the tests
+    compare every property with the synthesized template.
+    """
+    properties: dict[str, object] = {}
+    for name, cfn_name in sorted(service._cfn_property_names.items()):  # jsii: the L1's own name map
+        if cfn_name == "DesiredCount":
+            continue
+        if cfn_name in known:  # None: stated absent from the template
+            if known[cfn_name] is not None:
+                properties[cfn_name] = known[cfn_name]
+            continue
+        try:
+            value = service.tags.render_tags() if name == "tags" else getattr(service, _snake_case(name))
+        except RuntimeError as error:
+            raise ValueError(f"{service.node.path}: property {cfn_name} cannot be read for the desired-counts "
+                             f"fingerprint ({error}); state it as a known property") from None
+        if value is not None:
+            properties[cfn_name] = value
+    return properties
+
+
+def _snake_case(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()

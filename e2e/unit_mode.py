@@ -114,9 +114,16 @@ def build_e2e_spec(h: Harness, ports: UnitPorts, follower_loss_seconds: float | 
 
 
 def on_host(spec: dict[str, Any], cache: str) -> dict[str, Any]:
-    """The spec of a task placed on an instance: the model is fetched into that instance's cache."""
+    """The spec of a task placed on an instance: the model is fetched into that instance's cache.
+
+    The instance's cache root (the host's /opt/models) carries the marker its node setup writes on
+    the instance store (cell_constructs/node_setup.sh); the launcher fetches only where it finds it."""
     placed = copy.deepcopy(spec)
     placed["model"]["local_dir"] = cache
+    marker = Path(cache).parent / Path(spec["model"]["cache_marker"]).name
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text("instance store (e2e host)\n")
+    placed["model"]["cache_marker"] = str(marker)
     return placed
 
 

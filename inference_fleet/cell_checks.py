@@ -116,6 +116,10 @@ def _capacity_issues(i: int, cell: CellConfig) -> Iterable[ConfigIssue]:
         if capacity.resource_group_arn:
             yield ConfigIssue(f"{path}.resource_group_arn", capacity.resource_group_arn,
                               "a capacity block is named by its reservation_id only")
+        if capacity.rolling_update == "launch-first":
+            # A block holds exactly its instance count: the N+1st launch has no capacity to land on.
+            yield ConfigIssue(f"{path}.rolling_update", capacity.rolling_update,
+                              "a capacity block has no instance to spare for launch-first; use terminate-first")
 
 
 def check_startup_budget(fleet: FleetConfig) -> Iterable[ConfigIssue]:

@@ -176,18 +176,44 @@ class CapacityConfig(_Strict):
         Annotated[str, StringConstraints(pattern=r"^arn:aws[a-z-]*:resource-groups:[a-z0-9-]+:[0-9]{12}:group/.+$")]
         | None
     ) = Field(default=None, description="Resource group of capacity reservations (capacity-reservation only).")
+    rolling_update: Literal["launch-first", "terminate-first"] | None = Field(
+        default=None,
+        description="How an instance replacement (AMI or launch template change) gets its capacity. "
+        "launch-first: the group may hold one instance more during the roll (MaxSize N+1, "
+        "MinInstancesInService N), so no unit loses a node before its replacement runs; needs one free "
+        "instance of capacity (quota, reservation, placement group). terminate-first: MaxSize N, "
+        "MinInstancesInService N-1, the replaced node's unit is down from the termination until the new "
+        "instance joins; for exact reservations and capacity blocks. Default: launch-first on-demand, "
+        "terminate-first for capacity-reservation and capacity-block (docs/cell-lifecycle.md).",
+    )
+
+    @property
+    def resolved_rolling_update(self) -> str:
+        """launch-first or terminate-first: the fleet file's choice, or the capacity kind's default."""
+        if self.rolling_update is not None:
+            return self.rolling_update
+        return "launch-first" if self.source == "on-demand" else "terminate-first"
+
+
+# The EFA installer pinned by default, with its SHA-256, from AWS ParallelCluster's cookbook:
+# aws/aws-parallelcluster-cookbook, cookbooks/aws-parallelcluster-environment/attributes/environment.rb
+# at commit e9e449c827020d5c6dd4d85bc80649d60f0d3b2b (PR #2953, "Upgrade EFA installer to version 1.41.0").
+EFA_INSTALLER_VERSION = "1.41.0"
+EFA_INSTALLER_SHA256 = "3506354cdfbe31ff552fe75f5d0d9bb7efd29cf79bd99457347d29c751c38f9f"
 
 
 class NodeConfig(_Strict):
     """Boot-time setup of every Trainium node (user data)."""
 
     efa_installer_version: Annotated[str, StringConstraints(pattern=r"^[0-9]+\.[0-9]+\.[0-9]+$")] = Field(
-        default="1.43.2", description="aws-efa-installer version, used only when efa_installer_sha256 is set."
+        default=EFA_INSTALLER_VERSION,
+        description="aws-efa-installer version, installed at boot when the AMI has no EFA (the Neuron ECS AMI "
+        "has none). Default pinned with its checksum from aws/aws-parallelcluster-cookbook.",
     )
     efa_installer_sha256: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")] | None = Field(
-        default=None,
-        description="SHA-256 of aws-efa-installer-<version>.tar.gz: install EFA when the AMI lacks it, verified. "
-        "Unset: the AMI's own EFA is required and a node without it leaves the group.",
+        default=EFA_INSTALLER_SHA256,
+        description="SHA-256 of aws-efa-installer-<version>.tar.gz, checked before it runs; set it with the "
+        "version. null: the AMI's own EFA is required and a node without it stays out of service.",
     )
 
 
@@ -210,7 +236,7 @@ class ScalingConfig(_Strict):
         "(and forbids scale-in) even below the target load.",
     )
     scale_out_cooldown_seconds: int = Field(
-        default=300, ge=60, le=7200, description="Least time between two scale-outs."
+        default=300, ge=60, le=7200, description="Least time from any scaling action (out or in) to the next scale-out."
     )
     scale_in_cooldown_seconds: int = Field(
         default=1800, ge=60, le=86400,

@@ -24,9 +24,11 @@ _SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("serving", config.ServingConfig),
     ("alarms", config.AlarmsConfig),
     ("base_images", config.BaseImagesConfig),
+    ("node", config.NodeConfig),
     ("waves[]", config.WaveConfig),
     ("cells[]", config.CellConfig),
     ("cells[].images", config.ImagesConfig),
+    ("cells[].capacity", config.CapacityConfig),
     ("cells[].scaling", config.ScalingConfig),
     ("pipeline", config.PipelineConfig),
 ]

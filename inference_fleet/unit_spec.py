@@ -19,6 +19,9 @@ ROLES = ("leader", "follower", "spare")
 # The model cache: the instance-store RAID0 mounted here on the host (user data) and the
 # same path inside the unit's containers, so the cache survives task restarts.
 MODEL_CACHE_PATH = "/opt/models"
+# Written by the node's setup at the root of the instance-store file system (not on the root
+# volume): the launcher fetches only into a cache where it finds this file.
+MODEL_CACHE_MARKER = ".instance-store"
 
 
 def unit_metrics_namespace(fleet: FleetConfig) -> str:
@@ -72,6 +75,7 @@ def build_unit_spec(
             "name": model.name,
             "artifacts_s3_uri": model.artifacts_s3_uri,
             "local_dir": f"{MODEL_CACHE_PATH}/{safe_name}",
+            "cache_marker": f"{MODEL_CACHE_PATH}/{MODEL_CACHE_MARKER}",
             "layout": layout_key(fleet),
             "dtype": model.dtype,
             "max_seq_len": model.max_seq_len,

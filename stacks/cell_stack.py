@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 import jsii
-from aws_cdk import Aspects, Duration, Environment, IAspect, RemovalPolicy, Stack, Tags
+from aws_cdk import Annotations, Aspects, Duration, Environment, IAspect, RemovalPolicy, Stack, Tags
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_ecr as ecr
 from aws_cdk import aws_ecr_assets as ecr_assets
@@ -31,7 +31,7 @@ from cell_constructs.nag import acknowledge
 from cell_constructs.network import CellNetwork
 from cell_constructs.spare_nodes import SpareNodes
 from cell_constructs.topology_placement import FailureHandling, TopologyPlacement
-from cell_constructs.trainium_capacity import CapacitySource, EfaSetup, TrainiumCapacity
+from cell_constructs.trainium_capacity import CapacitySource, EfaSetup, NodeSetupReport, TrainiumCapacity
 from cell_constructs.unit_autoscaler import UnitAutoscaler
 from cell_constructs.unit_load_balancer import UnitLoadBalancer
 from inference_fleet.cell_checks import SIGNAL_WAIT_LIMIT_SECONDS
@@ -64,6 +64,11 @@ def _unit_count(cell: CellConfig) -> str:
 
 def proxy_metrics_namespace(fleet: FleetConfig) -> str:
     return f"{fleet.name}/UnitProxy"
+
+
+def node_metrics_namespace(fleet: FleetConfig) -> str:
+    """Where a node whose setup failed reports NodeSetupFailed (cell_constructs/node_setup.sh)."""
+    return f"{fleet.name}/Node"
 
 
 class CellStack(Stack):
@@ -113,8 +118,10 @@ class CellStack(Stack):
             efa=EfaSetup(
                 installer_version=fleet.node.efa_installer_version, installer_sha256=fleet.node.efa_installer_sha256,
             ),
+            setup_report=NodeSetupReport(namespace=node_metrics_namespace(fleet), cell=cell.name),
             ami_id=cell.node_ami_id,
             replacement_wait=Duration.seconds(SIGNAL_WAIT_LIMIT_SECONDS),
+            rolling_update=cell.capacity.resolved_rolling_update,
         )
         # Writes each instance's `unit` attribute, grouping a unit's nodes by network topology.
         self.placement = TopologyPlacement(
@@ -152,12 +159,20 @@ class CellStack(Stack):
             group_logical_id=self.get_logical_id(self.capacity.auto_scaling_group.node.default_child),
             target_group_arn=self.load_balancer.target_group.target_group_arn,
         )
-        self.alarms = self._alarms()
-
         self.autoscaler = self._autoscaler() if cell.elastic else None
+        self.alarms = self._alarms()
+        self._warn_if_updates_are_outages()
+
         self.units = self._units()
         if self.autoscaler is not None:
-            self.autoscaler.watch_task_definitions([t for u in self.units for t in u.task_definitions])
+            # What the desired-counts fingerprint cannot read from CDK (UnitAutoscaler.watch_services).
+            deployment = {"DeploymentConfiguration": self._unit_deployment_configuration(),
+                          "ServiceConnectConfiguration": None}
+            grace = fleet.serving.health_check_grace_seconds
+            self.autoscaler.watch_services([
+                (s, {**deployment, "HealthCheckGracePeriodSeconds": grace if s is u.leader_service else None})
+                for u in self.units for s in u.services
+            ])
         self.spares = self._spares()
         Aspects.of(self).add(_ServicesAfterCapacityAssociation(self.cluster))
 
@@ -198,15 +213,35 @@ class CellStack(Stack):
             # One unit at a time: CloudFormation updates a unit's services only after the
             # previous unit's services are stable, so an update costs one unit of capacity.
             if units and self.autoscaler is not None:
-                # Elastic: services after services only. The counts resource reads every task
-                # definition, and every service reads the counts: a whole-unit chain would be a cycle.
+                # Elastic: service resources after service resources only. The counts resource
+                # refers to everything the services refer to (task definitions, Cloud Map
+                # services, ...), and every service reads the counts: a chain between whole
+                # units, or between the services' subtrees (which hold their Cloud Map
+                # services), would be a cycle.
                 for service in unit.services:
                     for earlier in units[-1].services:
-                        service.node.add_dependency(earlier)
+                        service.node.default_child.node.add_dependency(earlier.node.default_child)
             elif units:
                 unit.node.add_dependency(units[-1])
             units.append(unit)
         return units
+
+    def _unit_deployment_configuration(self) -> dict[str, object]:
+        """The unit services' DeploymentConfiguration as synthesized (MultiNodeInferenceUnit._service_settings).
+
+        Stated for the desired-counts fingerprint, which cannot read it from CDK; the tests
+        compare it with the synthesized template, so a change on either side fails them.
+        """
+        configuration: dict[str, object] = {
+            "DeploymentCircuitBreaker": {"Enable": True, "Rollback": True},
+            "MaximumPercent": 100,
+            "MinimumHealthyPercent": 0,
+        }
+        if self.alarms is not None and self.alarms.deployment_alarms:
+            configuration["Alarms"] = {
+                "AlarmNames": [a.alarm_name for a in self.alarms.deployment_alarms], "Enable": True, "Rollback": True,
+            }
+        return configuration
 
     def _spares(self) -> SpareNodes | None:
         """The warm spares' service: prefetch the model on every `unit = spare` instance."""
@@ -274,6 +309,8 @@ class CellStack(Stack):
             proxy_stop_timeout=Duration.seconds(
                 serving.deregistration_delay_seconds + serving.drain_timeout_seconds + 30
             ),
+            deregistration_delay=Duration.seconds(serving.deregistration_delay_seconds),
+            follower_loss=Duration.seconds(serving.follower_loss_seconds),
             deployment_alarms=self.alarms.deployment_alarms if self.alarms else None,
             desired_counts=(
                 (self.autoscaler.desired_count(unit_id, "leader"), self.autoscaler.desired_count(unit_id, "followers"))
@@ -301,6 +338,13 @@ class CellStack(Stack):
         """The cell's health alarms: metric alarms for ECS rollback, the composite gate for the rollout."""
         fleet, cell = self.fleet, self.cell
         pipeline = fleet.pipeline
+        if self.autoscaler is not None:
+            shown = "shown on the cell dashboard; notification routing is left to the operator"
+            acknowledge(self.autoscaler.errors_alarm, (
+                "NIST.800.53.R5-CloudWatchAlarmAction",
+                f"Read, not notified: part of the cell's rollout gate (the pipeline's stage condition); {shown}"))
+            acknowledge(self.autoscaler.capacity_alarm, (
+                "NIST.800.53.R5-CloudWatchAlarmAction", f"Read, not notified: {shown}"))
         return CellAlarms(
             self, "Alarms",
             stack_name=self.stack_name,
@@ -308,12 +352,19 @@ class CellStack(Stack):
             units=cell.resolved_max_units,
             min_units_available=cell.resolved_min_units_available,
             thresholds=fleet.resolved_alarms,
+            min_units=cell.resolved_min_units,
             component_alarms={
                 "placement-errors": self.placement.errors_alarm,
                 "placement-dead-letters": self.placement.dead_letter_alarm,
                 "placement-stuck": self.placement.backlog_alarm,
                 "placement-quarantine": self.placement.quarantine_alarm,
+                # A node whose setup failed stays out of service: the gate holds the rollout.
+                "node-setup-failed": self.capacity.setup_failure_alarm,
+                # An autoscaler that keeps failing (new code, say) stops the rollout.
+                **({"autoscaler-errors": self.autoscaler.errors_alarm} if self.autoscaler else {}),
             },
+            # Running out of Trainium capacity is no fault of the deployment: on the dashboard only.
+            watched_alarms={"autoscaler-capacity": self.autoscaler.capacity_alarm} if self.autoscaler else None,
             metrics_namespace=proxy_metrics_namespace(fleet),
             unit_events_namespace=unit_metrics_namespace(fleet),
             # The launchers' session-end events: the dashboard lists the latest failures.
@@ -322,6 +373,28 @@ class CellStack(Stack):
             target_group=self.load_balancer.target_group,
             # A pipeline in another account reads the gate through a role in this one.
             gate_reader_account=pipeline.account if pipeline and pipeline.account != cell.account else None,
+        )
+
+    def _warn_if_updates_are_outages(self) -> None:
+        """A cell that can be at one unit has no unit to spare during that unit's update: say so at synth.
+
+        Units update in place (min healthy 0 %, max 100 %: inference_unit.py), so the unit's
+        tasks stop before its new ones start and the cell serves nothing until the new unit
+        has formed and loaded. That is the semantics of updating such a cell: a planned
+        outage, which the cell's alarms do not count (cell_alarms.py `_alb_5xx_percent`).
+        """
+        cell, serving = self.cell, self.fleet.serving
+        if cell.resolved_min_units != 1:
+            return
+        at_one = "has one unit" if not cell.elastic else "can be at one unit (min_units: 1)"
+        Annotations.of(self).add_warning_v2(
+            "inference-fleet:one-unit-cell-update-outage",
+            f"Cell {cell.name} {at_one}: every update of its unit's tasks (a new image, model, layout or "
+            f"environment) stops the unit before its new tasks start, so clients get 503 for up to the "
+            f"deregistration delay plus the start-up budget ({serving.deregistration_delay_seconds} s + "
+            f"{serving.startup_budget_seconds} s). This planned outage is not rolled back: the cell's 5xx alarm "
+            "counts only minutes with a healthy unit. For updates without an outage give the cell 2 units or "
+            "more (units, or min_units when elastic); see docs/cell-lifecycle.md, \"One-unit cells\".",
         )
 
     def _images(self) -> tuple[UnitImages, str]:

@@ -7,6 +7,7 @@ bad input is refused) are checked on a small stack of their own.
 
 from __future__ import annotations
 
+import ast
 import json
 
 import pytest
@@ -14,7 +15,7 @@ from aws_cdk import App, Duration, Stack
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_elasticloadbalancingv2 as elbv2
 from aws_cdk import aws_logs as logs
-from aws_cdk.assertions import Template
+from aws_cdk.assertions import Annotations, Match, Template
 from unit_launcher import evidence
 
 from cell_constructs.cell_alarms import NEUTRAL_CAUSES, CellAlarms, rollout_gate_name
@@ -94,10 +95,10 @@ def test_composite_gate_fires_on_any_cell_alarm(synth_large, stack_name: str) ->
     rule = json.dumps(gate["Properties"]["AlarmRule"])
     for logical_id in _logical_ids(template).values():
         assert f'"{logical_id}", "Arn"' in rule
-    # ... and on the placement controller's four alarms.
-    assert rule.count(" OR ") == len(DOCUMENTED) + 4 - 1 and " AND " not in rule
+    # ... and on the placement controller's four alarms and the failed node setup alarm.
+    assert rule.count(" OR ") == len(DOCUMENTED) + 5 - 1 and " AND " not in rule
     for placement in ("PlacementErrorsAlarm", "PlacementDeadLettersAlarm", "PlacementBacklogAlarm",
-                      "PlacementQuarantineAlarm"):
+                      "PlacementQuarantineAlarm", "TrainiumNodeSetupFailedAlarm"):
         assert f'"{placement}' in rule
 
 
@@ -282,3 +283,85 @@ def test_gate_reader_for_another_account() -> None:
     (role,) = template.find_resources("AWS::IAM::Role").values()
     assert role["Properties"]["RoleName"] == "Rufus-Cell-test-gate-reader"
     assert role["Properties"]["MaxSessionDuration"] == int(Duration.hours(1).to_seconds())
+
+
+# -- one-unit cells: an update is a planned outage (docs/cell-lifecycle.md, "One-unit cells") --------
+
+
+class _MetricMath(ast.NodeTransformer):
+    """CloudWatch metric math's IF and FILL as Python expressions (lazy IF, as CloudWatch's)."""
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        self.generic_visit(node)
+        name = node.func.id if isinstance(node.func, ast.Name) else ""
+        if name == "IF":
+            condition, then, otherwise = node.args
+            return ast.IfExp(test=condition, body=then, orelse=otherwise)
+        if name == "FILL":
+            series, value = node.args
+            missing = ast.Compare(left=series, ops=[ast.Is()], comparators=[ast.Constant(None)])
+            return ast.IfExp(test=missing, body=value, orelse=series)
+        raise AssertionError(f"metric math function {name} not modelled")
+
+
+def _evaluate(alarm: dict, minute: dict[str, float | None]) -> float:
+    """The alarm's math expression, as synthesized, for one minute of its metrics (None: no data)."""
+    (math,) = [m for m in alarm["Metrics"] if "Expression" in m]
+    ids = {m["Id"] for m in alarm["Metrics"] if "MetricStat" in m}
+    assert ids <= set(minute), f"the minute gives no value for {ids - set(minute)}"
+    tree = ast.fix_missing_locations(_MetricMath().visit(ast.parse(math["Expression"], mode="eval")))
+    return eval(compile(tree, "<metric math>", "eval"), {"__builtins__": {}}, {i: minute[i] for i in ids})
+
+
+# One minute of a one-unit cell's update under traffic: the leader's target is draining or
+# gone (the load balancer answers 503), then the new proxy answers 503 unit_unavailable.
+OUTAGE_MINUTE = {"requests": 120.0, "elb5xx": 70.0, "target5xx": 50.0, "healthy": None}
+# The unit serves again but the new revision answers 5xx to one request in ten.
+BAD_REVISION_MINUTE = {"requests": 100.0, "elb5xx": None, "target5xx": 10.0, "healthy": 1.0}
+
+
+def test_a_one_unit_update_under_traffic_does_not_roll_back(synth_default) -> None:
+    """Regression: the default cell (one unit) counted its own update's 503s, so the 5xx
+    deployment alarm went to ALARM in every update under traffic and ECS rolled it back."""
+    template = synth_default.templates["Rufus-Cell-dev"]
+    alarm = _alarms_by_name(template)["Rufus-Cell-dev-alb-5xx-rate"]
+    threshold = alarm["Threshold"]
+    # Still a deployment alarm with rollback of every unit service ...
+    for service in template.find_resources("AWS::ECS::Service").values():
+        names = service["Properties"]["DeploymentConfiguration"]["Alarms"]["AlarmNames"]
+        assert {"Ref": _logical_ids(template)["Rufus-Cell-dev-alb-5xx-rate"]} in names
+    # ... that does not count the planned outage, with no target or an unhealthy one ...
+    assert _evaluate(alarm, OUTAGE_MINUTE) <= threshold
+    assert _evaluate(alarm, {**OUTAGE_MINUTE, "healthy": 0.0}) <= threshold
+    # ... and still rolls back a revision that serves errors.
+    assert _evaluate(alarm, BAD_REVISION_MINUTE) > threshold
+
+
+@pytest.mark.parametrize("stack_name", LARGE_STACKS)
+def test_cells_of_several_units_count_every_minute(synth_large, stack_name: str) -> None:
+    """With units to spare an update never empties the cell: a minute without a healthy unit is a real outage."""
+    alarm = _alarms_by_name(synth_large.templates[stack_name])[f"{stack_name}-alb-5xx-rate"]
+    assert _evaluate(alarm, {k: v for k, v in OUTAGE_MINUTE.items() if k != "healthy"}) > alarm["Threshold"]
+    assert not [m for m in alarm["Metrics"] if m.get("Id") == "healthy"]
+
+
+def test_an_elastic_cell_that_can_be_at_one_unit_counts_only_serving_minutes() -> None:
+    alarms, template = _cell_alarms(units=4, min_units_available=0, min_units=1)
+    alarm = _alarms_by_name(template)["Rufus-Cell-test-alb-5xx-rate"]
+    assert _evaluate(alarm, OUTAGE_MINUTE) == 0
+    assert _evaluate(alarm, BAD_REVISION_MINUTE) == 10
+    assert alarm["Metrics"][0]["Expression"].startswith("IF(FILL(healthy, 0) >= 1,")
+    assert alarms.alarms["alb-5xx-rate"] in alarms.deployment_alarms
+    with pytest.raises(ValueError, match=r"min_units must be 1\.\.4 \(the cell's units\), got 5"):
+        _cell_alarms(units=4, min_units_available=0, min_units=5)
+
+
+def test_a_one_unit_cell_says_at_synth_that_its_updates_are_outages(synth_default, synth_large) -> None:
+    warnings = Annotations.from_stack(synth_default.stacks["Rufus-Cell-dev"]).find_warning(
+        "*", Match.string_like_regexp("Cell dev has one unit: every update"))
+    assert len(warnings) == 1
+    text = warnings[0].entry.data
+    assert "503" in text and "not rolled back" in text and "docs/cell-lifecycle.md" in text
+    for name in LARGE_STACKS:
+        assert not Annotations.from_stack(synth_large.stacks[name]).find_warning(
+            "*", Match.string_like_regexp("one unit"))

@@ -152,7 +152,8 @@ def test_instances_are_replaced_one_at_a_time_after_their_unit_serves(synth_larg
     (group_id, group), = resources(template, "AWS::AutoScaling::AutoScalingGroup").items()
     rolling = group["UpdatePolicy"]["AutoScalingRollingUpdate"]
     assert rolling["MaxBatchSize"] == 1
-    assert rolling["MinInstancesInService"] == 25  # 6 units x 4 nodes + 2 spares, all but the one being replaced
+    # On-demand: launch-first, every instance (6 units x 4 nodes + 2 spares) stays until its replacement runs.
+    assert rolling["MinInstancesInService"] == 26 and group["Properties"]["MaxSize"] == "27"
     assert rolling["WaitOnResourceSignals"] is True and rolling["PauseTime"] == "PT1H"
     # The placement controller sends the signals, for this group, once the unit serves.
     (function,) = [f for k, f in resources(template, "AWS::Lambda::Function").items() if k.startswith("Placement")]
@@ -184,8 +185,9 @@ def test_followers_stop_only_after_the_leader_drained(synth_large) -> None:
     guard = next(c for c in follower["ContainerDefinitions"] if c["Name"] == "drain-guard")
     # The engine gets SIGTERM only once the guard has exited (reverse dependency order).
     assert guard["DependsOn"] == [{"ContainerName": "inference", "Condition": "START"}]
-    assert guard["Essential"] is False and guard["StopTimeout"] >= leader_drain
-    assert f"$i -lt {leader_drain}" in guard["Command"][0]
+    bound = int(next(e["Value"] for e in guard["Environment"] if e["Name"] == "DRAIN_GUARD_MAX_SECONDS"))
+    assert guard["Essential"] is False and guard["StopTimeout"] > bound > leader_drain
+    assert "$DRAIN_GUARD_MAX_SECONDS" in guard["Command"][0]
     assert follower["PidMode"] == "task"
 
 
@@ -195,8 +197,8 @@ def test_followers_stop_only_after_the_leader_drained(synth_large) -> None:
 def test_model_cache_is_instance_store_and_host_and_container_agree(synth_default) -> None:
     template = synth_default.template_json(DEV)
     script = user_data(template)
-    assert "mdadm --create /dev/md0" in script and "Amazon EC2 NVMe Instance Storage" in script
-    assert f"mount -o noatime $cache_dev {MODEL_CACHE_PATH}" in script
+    # The setup itself runs in tests/test_node_user_data.py; here the path it mounts.
+    assert f"MODEL_CACHE={MODEL_CACHE_PATH}" in script and "Amazon EC2 NVMe Instance Storage" in script
     for task in resources(template, "AWS::ECS::TaskDefinition").values():
         props = task["Properties"]
         (volume,) = props["Volumes"]
@@ -267,8 +269,10 @@ def test_pipeline_fleet_file_outside_the_repository_is_a_config_error(tmp_path: 
 
 
 def test_task_containers_cannot_reach_imds(synth_default) -> None:
+    # Executed in tests/test_node_user_data.py (first boot and every reboot).
     script = user_data(synth_default.template_json(DEV))
-    assert "iptables -I OUTPUT -d 169.254.169.254/32 -m cgroup --path ecstasks.slice -j REJECT" in script
+    assert "IMDS_ADDRESS=169.254.169.254" in script and "TASKS_SLICE=ecstasks.slice" in script
+    assert "-m cgroup --path" in script
 
 
 def test_tls_unless_the_fleet_file_says_plain_http(raw: dict) -> None:
@@ -323,13 +327,14 @@ def test_the_follower_health_check_runs_against_the_launcher_record(synth_defaul
     assert healthy()
 
 
-def test_efa_is_verified_and_a_failed_setup_leaves_the_group(synth_default, variants) -> None:
+def test_efa_is_verified_and_a_failed_setup_stays_out_of_service(synth_default, variants) -> None:
+    # Executed in tests/test_node_user_data.py; here what each template pins.
     default = user_data(synth_default.template_json(DEV))
-    assert "curl" not in default  # no unverified download: the AMI's own EFA, or the node fails
-    assert "the AMI has no EFA and node.efa_installer_sha256 is not set" in default
-    assert "systemctl poweroff --force" in default and "tee /dev/console" in default
+    assert "EFA_INSTALLER_VERSION=1.41.0" in default
+    assert "EFA_INSTALLER_SHA256=3506354cdfbe31ff552fe75f5d0d9bb7efd29cf79bd99457347d29c751c38f9f" in default
+    assert "poweroff" not in default and "tee -a /dev/console" in default
     pinned = user_data(variants.template_json("Rufus-Cell-use2-a"))
-    assert f"echo '{'a' * 64}  aws-efa-installer-1.43.2.tar.gz' | sha256sum -c -" in pinned
+    assert f"EFA_INSTALLER_SHA256={'a' * 64}" in pinned
 
 
 # -- 7. AZ IDs ------------------------------------------------------------------------

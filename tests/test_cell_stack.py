@@ -70,7 +70,8 @@ def test_capacity_is_one_subnet_one_cluster_placement_group(synth_large) -> None
     template.has_resource_properties("AWS::EC2::PlacementGroup", {"Strategy": "cluster"})
     asg = only(template, "AWS::AutoScaling::AutoScalingGroup")["Properties"]
     assert len(asg["VPCZoneIdentifier"]) == 1
-    assert asg["MinSize"] == asg["MaxSize"] == "26"  # 6 units x 4 nodes + 2 warm spares
+    # 6 units x 4 nodes + 2 warm spares, and one instance of headroom for launch-first rolling updates.
+    assert (asg["MinSize"], asg["MaxSize"]) == ("26", "27")
 
 
 def test_efa_security_group_allows_all_traffic_to_and_from_itself(synth_large) -> None:
@@ -280,7 +281,7 @@ def test_cell_runs_the_topology_placement_controller(synth_large) -> None:
 def test_warm_spares_join_the_group_and_prefetch_on_spare_instances(synth_large) -> None:
     template = synth_large.templates["Rufus-Cell-use2-a"]  # 6 units x 4 nodes + 2 spare nodes
     [group] = resources(template, "AWS::AutoScaling::AutoScalingGroup").values()
-    assert group["Properties"]["MinSize"] == group["Properties"]["MaxSize"] == "26"
+    assert (group["Properties"]["MinSize"], group["Properties"]["MaxSize"]) == ("26", "27")  # + launch-first headroom
     spare = next(v for k, v in resources(template, "AWS::ECS::Service").items() if k.startswith("Spares"))
     assert spare["Properties"]["DesiredCount"] == 2
     assert {"Type": "memberOf", "Expression": "attribute:unit == spare"} in spare["Properties"]["PlacementConstraints"]

@@ -242,6 +242,7 @@ def test_deployment_package_holds_only_the_runtime_code(synthesized):
         "placement_controller/__init__.py",
         "placement_controller/assignment.py",
         "placement_controller/aws.py",
+        "placement_controller/blame.py",
         "placement_controller/ecs_health.py",
         "placement_controller/failures.py",
         "placement_controller/forward.py",
@@ -369,7 +370,10 @@ def test_unit_failures_reach_the_function_from_the_unit_log_group_only(with_fail
     template.has_resource_properties(
         "AWS::Logs::SubscriptionFilter",
         {
-            "FilterPattern": '{ ($.event = "unit_session_end") && ($.cause != "deliberate_stop") }',
+            "FilterPattern": (
+                '{ (($.event = "unit_session_end") && ($.cause != "deliberate_stop")) || '
+                '($.event = "unit_session_formed") || ($.event = "spare_ready") }'
+            ),
             "LogGroupName": {"Ref": Match.string_like_regexp("UnitLogs")},
             "DestinationArn": {"Fn::GetAtt": [Match.string_like_regexp("PlacementFunction"), "Arn"]},
         },

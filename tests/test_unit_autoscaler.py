@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
+from aws_cdk import App, Tags
 from aws_cdk.assertions import Match
 
+from cell_constructs import unit_autoscaler
 from stacks.cell_stack import CellStack
+from stacks.fleet import build_fleet
+from tests.conftest import CDK_CONTEXT, pin_images
 
 STACK = "Rufus-Cell-dev"
 
@@ -36,15 +41,88 @@ def test_every_unit_service_takes_its_desired_count_from_the_counts_resource(ela
     assert len(seen) == 24
 
 
-def test_the_counts_resource_rereads_on_any_task_definition_or_fleet_change(elastic) -> None:
-    _, raw = elastic
+def _lower_keys(node: object) -> object:
+    if isinstance(node, dict):
+        return {k.lower(): _lower_keys(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_lower_keys(v) for v in node]
+    return node
+
+
+def test_the_counts_fingerprint_is_every_service_property_but_desired_count(synth_elastic) -> None:
+    """The counts resource re-reads whenever CloudFormation updates a service: its `Services`
+    fingerprint is made of exactly what the template gives each service, DesiredCount aside."""
+    raw = synth_elastic.template_json(STACK)
+    stack: CellStack = synth_elastic.stacks[STACK]
     (counts,) = resources(raw, "Custom::UnitDesiredCounts").values()
-    task_definitions = set(resources(raw, "AWS::ECS::TaskDefinition"))
-    assert {ref["Ref"] for ref in counts["Properties"]["TaskDefinitions"]} == task_definitions
+    services = resources(raw, "AWS::ECS::Service")
+    unit_services = {k: v for k, v in services.items() if k.startswith("Unit")}
+    assert len(stack.autoscaler.watched) == len(unit_services) == 24
+    read = []
+    for service, known in stack.autoscaler.watched:
+        synthesized = dict(unit_services[stack.get_logical_id(service)]["Properties"])
+        synthesized.pop("DesiredCount")
+        resolved = unit_autoscaler.resolved_service_properties(stack, service, known)
+        # Value for value (CDK's nested keys are camelCase, the template's PascalCase).
+        assert _lower_keys(resolved) == _lower_keys(synthesized), service.node.path
+        read.append(resolved)
+    assert counts["Properties"]["Services"] == unit_autoscaler.services_fingerprint(read)
+    # Every reference of every service, resolved by CloudFormation at deploy time: a replaced
+    # task definition, Cloud Map service or target group changes the resource's properties.
+    references = {json.dumps(r, sort_keys=True) for r in counts["Properties"]["Services"]["References"]}
+    expected = set()
+    for service in unit_services.values():
+        text = json.dumps({k: v for k, v in service["Properties"].items() if k != "DesiredCount"})
+        expected |= {json.dumps({"Ref": m}, sort_keys=True) for m in re.findall(r'\{"Ref": "([^"]+)"\}', text)}
+        expected |= {json.dumps({"Fn::GetAtt": [a, b]}, sort_keys=True)
+                     for a, b in re.findall(r'\{"Fn::GetAtt": \["([^"]+)", "([^"]+)"\]\}', text)}
+    assert references == expected
+    assert {ref["Ref"] for ref in counts["Properties"]["Services"]["References"] if "Ref" in ref} >= set(
+        resources(raw, "AWS::ECS::TaskDefinition")) - {k for k in resources(raw, "AWS::ECS::TaskDefinition")
+                                                       if k.startswith("Spares")}
     assert len(counts["Properties"]["Config"]) == 16
     functions = resources(raw, "AWS::Lambda::Function")
     token = counts["Properties"]["ServiceToken"]["Fn::GetAtt"][0]
     assert functions[token]["Properties"]["Handler"] == "unit_autoscaler.handler.handler"
+
+
+def _counts_properties(fleet, tmp_path, change=None) -> dict:
+    """The counts resource's properties of the elastic cell, with `change(stack)` applied before synth."""
+    app = App(context=CDK_CONTEXT, outdir=str(tmp_path), builtin_cloud_formation_validation=False)
+    stack = build_fleet(app, pin_images(fleet))[STACK]
+    if change is not None:
+        change(stack)
+    template = app.synth().get_stack_by_name(STACK).template
+    (counts,) = resources(template, "Custom::UnitDesiredCounts").values()
+    return counts["Properties"]
+
+
+def test_a_service_change_without_a_new_task_definition_rereads_the_counts(elastic_fleet, tmp_path) -> None:
+    """Regression: only the fleet digest and the task definitions used to trigger a re-read, so a
+    stack update that changed anything else of a unit service (here one tag; likewise a new
+    health-check grace, deployment alarm list or placement rule from new code) made
+    CloudFormation send the counts of the previous deploy, draining active units."""
+    before = _counts_properties(elastic_fleet, tmp_path / "a")
+    after = _counts_properties(
+        elastic_fleet, tmp_path / "b", lambda stack: Tags.of(stack.units[3].follower_service).add("owner", "x"))
+    assert before["Config"] == after["Config"]
+    assert before != after
+
+
+def test_the_counts_request_times_out_and_runs_never_overlap(elastic) -> None:
+    """Regression: no ServiceTimeout (a crash before the answer held the stack an hour), Lambda's
+    two default asynchronous retries and no concurrency bound (a failed tick ran beside the next)."""
+    template, raw = elastic
+    (counts,) = resources(raw, "Custom::UnitDesiredCounts").values()
+    assert counts["Properties"].get("ServiceTimeout") == 300
+    function = counts["Properties"]["ServiceToken"]["Fn::GetAtt"][0]
+    assert resources(raw, "AWS::Lambda::Function")[function]["Properties"]["ReservedConcurrentExecutions"] == 1
+    template.has_resource_properties("AWS::Lambda::EventInvokeConfig", {
+        "FunctionName": {"Ref": function}, "MaximumRetryAttempts": 0, "MaximumEventAgeInSeconds": 120,
+    })
+    # A throttled counts request still runs before CloudFormation gives up on it.
+    assert (unit_autoscaler.MAX_EVENT_AGE.to_seconds() + unit_autoscaler.TIMEOUT.to_seconds()
+            < unit_autoscaler.SERVICE_TIMEOUT_SECONDS == 300)
 
 
 def test_the_group_has_no_desired_capacity_and_protects_new_instances(elastic) -> None:
@@ -52,9 +130,10 @@ def test_the_group_has_no_desired_capacity_and_protects_new_instances(elastic) -
     (group,) = resources(raw, "AWS::AutoScaling::AutoScalingGroup").values()
     props = group["Properties"]
     assert "DesiredCapacity" not in props
-    assert (props["MinSize"], props["MaxSize"], props["NewInstancesProtectedFromScaleIn"]) == ("4", "24", True)
-    # Replaced one at a time with the floor of the smallest cell in service.
-    assert group["UpdatePolicy"]["AutoScalingRollingUpdate"]["MinInstancesInService"] == 3
+    # MaxSize: the largest cell plus one instance of headroom for a launch-first rolling update (on-demand).
+    assert (props["MinSize"], props["MaxSize"], props["NewInstancesProtectedFromScaleIn"]) == ("4", "25", True)
+    # Replaced one at a time, the replacement launched before an instance of the smallest cell goes.
+    assert group["UpdatePolicy"]["AutoScalingRollingUpdate"]["MinInstancesInService"] == 4
 
 
 def test_a_fixed_cell_keeps_cloudformation_owned_counts_and_no_autoscaler(synth_default) -> None:
@@ -63,7 +142,7 @@ def test_a_fixed_cell_keeps_cloudformation_owned_counts_and_no_autoscaler(synth_
     template.has_resource_properties("AWS::ECS::Service", {"DesiredCount": 1})
     template.has_resource_properties(
         "AWS::AutoScaling::AutoScalingGroup",
-        {"MinSize": "2", "MaxSize": "2", "NewInstancesProtectedFromScaleIn": Match.absent()},
+        {"MinSize": "2", "MaxSize": "3", "NewInstancesProtectedFromScaleIn": Match.absent()},  # launch-first
     )
 
 
@@ -137,3 +216,17 @@ def test_the_placement_controller_labels_max_units(elastic) -> None:
 def test_the_alarm_floor_follows_min_units(synth_elastic) -> None:
     stack: CellStack = synth_elastic.stacks[STACK]
     assert stack.alarms.min_units_available == 1 and stack.alarms.units == 12
+
+
+def test_the_fingerprint_changes_with_any_literal_and_lists_each_reference_once() -> None:
+    service = {"Cluster": {"Ref": "Cluster"}, "TaskDefinition": {"Ref": "Task"},
+               "LoadBalancers": [{"TargetGroupArn": {"Ref": "Group"}, "ContainerPort": 8080}],
+               "ServiceRegistries": [{"RegistryArn": {"Fn::GetAtt": ["Map", "Arn"]}}],
+               "Tags": [{"Key": "unit", "Value": "u0"}]}
+    other = {**service, "TaskDefinition": {"Ref": "Task2"}}
+    fingerprint = unit_autoscaler.services_fingerprint([service, other])
+    assert fingerprint["References"] == [
+        {"Fn::GetAtt": ["Map", "Arn"]}, {"Ref": "Cluster"}, {"Ref": "Group"}, {"Ref": "Task"}, {"Ref": "Task2"}]
+    changed = {**service, "LoadBalancers": [{"TargetGroupArn": {"Ref": "Group"}, "ContainerPort": 8081}]}
+    assert unit_autoscaler.services_fingerprint([changed, other])["Digest"] != fingerprint["Digest"]
+    assert unit_autoscaler.services_fingerprint([dict(reversed(service.items())), other]) == fingerprint

@@ -40,7 +40,11 @@ def _spare_env(s3: s3_loopback.LoopbackS3, uri: str, cache: str) -> dict[str, st
 
     fleet = load_fleet(None)
     spec = build_unit_spec(fleet, fleet.cells[0], 0, revision="t")
-    spec["model"].update(artifacts_s3_uri=uri, local_dir=cache, layout=None)
+    # The instance's cache root carries the marker its node setup writes on the instance store.
+    marker = Path(cache).parent / ".instance-store"
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text("instance store (test host)\n")
+    spec["model"].update(artifacts_s3_uri=uri, local_dir=cache, layout=None, cache_marker=str(marker))
     spec["engine"]["device"] = "cpu"
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update(s3.client_env(), UNIT_ROLE="spare", UNIT_SPEC=json.dumps(spec), AWS_REGION="us-east-1",

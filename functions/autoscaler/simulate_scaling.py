@@ -1,56 +1,80 @@
-"""`make simulate-scaling`: replay a traffic curve through the autoscaler's own decision code.
+"""`make simulate-scaling`: replay traffic curves through the autoscaler's own decision code.
 
 The world is a model, stated here so the figures can be judged:
 
 - a tick is one minute (the autoscaler's schedule);
-- demand is a number of concurrent requests; the load balancer spreads it evenly over the
-  serving units (least outstanding requests); a unit admits up to its admission capacity
-  (`serving.max_inflight_requests`, default the unit's max_concurrent_sequences) and the
-  proxy answers 429 beyond it;
-- a unit activated at t serves from t + start-up: node boot and placement
-  (`NODE_BOOT_SECONDS` of the fleet checks) + the fleet's `serving.startup_budget_seconds`
-  by default (the budget, not a measured time: pessimistic), or `--startup-minutes`;
+- demand is a number of concurrent requests: a day (trough at 04:00, peak at 16:00),
+  optionally with per-minute noise (uniform +-15 % or +-30 %), a one-minute 2x burst every
+  3 h, or a 60-minute 2x spike; the load balancer spreads it evenly over the healthy serving
+  units (least outstanding requests); a unit admits up to its admission capacity
+  (`serving.max_inflight_requests`) and the proxy answers 429 beyond it;
+- metrics: each unit's minute of utilisation and UnitHealthy, and the cell's TTFT p90,
+  reach the autoscaler `--metric-lag` minutes late (EMF through CloudWatch Logs), and each
+  unit's minute is missing with probability `--gap` (the cell's TTFT too);
+- an activation launches the unit's instances; while capacity is refused (`--refused`
+  hours) the launch fails, the group records the failed scaling activity and retries the
+  launch itself every `ASG_RETRY_S` (an assumption: the group's retry interval is not
+  documented); once instances arrive the unit serves after start-up: node boot and
+  placement (`NODE_BOOT_SECONDS` of the fleet checks) + the fleet's
+  `serving.startup_budget_seconds` (the budget, not a measured time: pessimistic), or
+  `--startup-minutes`;
+- a formation fails with probability `--formation-failure` and is retried after
+  `FORMATION_RETRY_S`; a serving unit loses its formation at `--reforms-per-day` (a member
+  lost) and is unhealthy (UnitHealthy 0, no traffic) for `FORMATION_RETRY_S`;
 - a unit deactivated drains for the ALB deregistration delay + one minute of streams,
   then its instances are released;
 - time to first token p90: a base of 400 ms inflated as 1 / (1 - utilisation) (a
-  single-queue approximation), reported against the policy's `ttft_p90_ms` when set,
-  else 2000 ms;
-- an objective minute is violated when requests are refused for capacity (demand above
-  the serving units' admission capacity) or the modelled TTFT p90 is above the objective.
+  single-queue approximation), against the policy's `ttft_p90_ms` when set, else 2000 ms;
+- a minute violates the objective when requests are refused for capacity (demand above the
+  healthy units' admission capacity) or the modelled TTFT p90 is above the objective.
 
-The figures compare unit-hours with a static fleet provisioned for the curve's peak at the
-target load (what a fixed `units` cell would need).
+The autoscaler sees the world as the Lambda does: phases from desired and running tasks,
+labelled instances and the served latch (`decision.phase_of`, `decision.served_latch`), the
+last minutes of each unit's load, refusals as failed scaling activities. Every random draw
+comes from generators seeded by `--seed`, so a run is repeatable, and demand noise and
+metric gaps are drawn up front, so two rule sets are compared on the same minutes.
+`--rules newest-minute` replays the rules before smoothing (87efc36): act on the newest
+minute, and take a unit as serving only while its newest health minute is 1 (today's
+cancel guard and TTFT band still apply, so it under-states what 87efc36 did).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import random
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT)]
 
 from unit_autoscaler.decision import (  # noqa: E402
-    HOLDS_INSTANCES,
     Decision,
     Load,
     Observation,
     Policy,
     Unit,
     decide,
+    phase_of,
+    served_latch,
 )
 
 TICK_S = 60.0
 BASE_TTFT_MS = 400.0
 DEFAULT_OBJECTIVE_MS = 2000.0
+ASG_RETRY_S = 300.0
+FORMATION_RETRY_S = 600.0
+CAPACITY_LOOKBACK_S = 86400.0
 ELASTIC_FLEET = ROOT / "tests" / "fleets" / "elastic.yaml"
+RULES = ("smoothed", "newest-minute")
+
+Demand = Callable[[float], float]
 
 
-def day_curve(trough: float, peak: float) -> Callable[[float], float]:
+def day_curve(trough: float, peak: float) -> Demand:
     """Concurrent requests over a day: trough at 04:00, peak at 16:00 (a smooth cosine)."""
 
     def demand(t: float) -> float:
@@ -60,7 +84,7 @@ def day_curve(trough: float, peak: float) -> Callable[[float], float]:
     return demand
 
 
-def with_spike(base: Callable[[float], float], at_h: float, minutes: float, factor: float) -> Callable[[float], float]:
+def with_spike(base: Demand, at_h: float, minutes: float, factor: float) -> Demand:
     """A sudden step of `factor` x the curve at `at_h` for `minutes`."""
 
     def demand(t: float) -> float:
@@ -70,11 +94,63 @@ def with_spike(base: Callable[[float], float], at_h: float, minutes: float, fact
     return demand
 
 
+def with_bursts(base: Demand, every_h: float, minutes: float, factor: float) -> Demand:
+    """A burst of `factor` x the curve for `minutes` at the start of every `every_h` hours (from 01:00)."""
+
+    def demand(t: float) -> float:
+        into = (t - 3600.0) % (every_h * 3600)
+        return base(t) * (factor if t >= 3600.0 and into < minutes * 60 else 1.0)
+
+    return demand
+
+
+def with_noise(base: Demand, amplitude: float, seed: int, minutes: int) -> Demand:
+    """The curve x (1 + U(-a, a)), one independent draw per minute, drawn up front from the seed."""
+    rng = random.Random(f"{seed}/noise")
+    factors = [1 + rng.uniform(-amplitude, amplitude) for _ in range(minutes)]
+
+    def demand(t: float) -> float:
+        minute = int(t // TICK_S)
+        return base(t) * (factors[minute] if 0 <= minute < minutes else 1.0)
+
+    return demand
+
+
+@dataclass(frozen=True)
+class Faults:
+    """What goes wrong in the world (module doc)."""
+
+    metric_lag_min: int = 2
+    gap: float = 0.02
+    formation_failure: float = 0.1
+    reforms_per_day: float = 0.5  # per serving unit
+    refused: tuple[tuple[float, float], ...] = ((11.0, 12.0),)  # hours [from, to) when launches are refused
+
+    def refuses(self, t: float) -> bool:
+        hour = t / 3600.0
+        return any(start <= hour < end for start, end in self.refused)
+
+
+NO_FAULTS = Faults(metric_lag_min=1, gap=0.0, formation_failure=0.0, reforms_per_day=0.0, refused=())
+
+
 @dataclass
 class SimUnit:
+    """A unit's true state. `state`: dormant, launching (no instances yet), forming, serving,
+    reforming (served, lost its formation), draining, releasing."""
+
     index: int
-    phase: str = "dormant"
+    state: str = "dormant"
     until: float = 0.0
+    served: bool = False  # served in its current life (truth, for the invariants)
+
+    @property
+    def desired(self) -> bool:
+        return self.state in ("launching", "forming", "serving", "reforming")
+
+    @property
+    def has_instances(self) -> bool:
+        return self.state in ("forming", "serving", "reforming", "draining", "releasing")
 
 
 @dataclass
@@ -83,65 +159,161 @@ class World:
     capacity: float
     startup_s: float
     drain_s: float
+    faults: Faults = NO_FAULTS
+    seed: int = 0
+    minutes: int = 24 * 60
+    rules: str = "smoothed"
+    t0: float = 0.0  # the clock at the first minute
     units: list[SimUnit] = field(default_factory=list)
     last_out: float | None = None
     last_in: float | None = None
     failures: list[float] = field(default_factory=list)
-    refuse_launches: Callable[[float], bool] = lambda t: False
+    latch: frozenset[int] = frozenset()
+    # Per unit, per minute: (utilisation or None, UnitHealthy or None), as CloudWatch will have it.
+    history: list[list[tuple[float | None, float | None]]] = field(default_factory=list)
+    ttft_history: list[float | None] = field(default_factory=list)
+    gaps: list[list[bool]] = field(default_factory=list)
+    rng: random.Random = field(default_factory=random.Random)
 
     @classmethod
-    def start(cls, policy: Policy, capacity: float, startup_s: float, drain_s: float, active: int) -> World:
-        world = cls(policy, capacity, startup_s, drain_s, [SimUnit(i) for i in range(policy.max_units)])
+    def start(cls, policy: Policy, capacity: float, startup_s: float, drain_s: float, active: int,
+              faults: Faults = NO_FAULTS, seed: int = 0, minutes: int = 24 * 60, rules: str = "smoothed",
+              t0: float = 0.0) -> World:
+        if rules not in RULES:
+            raise ValueError(f"rules must be one of {RULES}, got {rules!r}")
+        world = cls(policy, capacity, startup_s, drain_s, faults, seed, minutes, rules, t0,
+                    [SimUnit(i) for i in range(policy.max_units)])
+        gap_rng = random.Random(f"{seed}/gaps")
+        world.gaps = [[gap_rng.random() < faults.gap for _ in range(minutes)] for _ in range(policy.max_units + 1)]
+        world.rng = random.Random(f"{seed}/world")
+        world.history = [[] for _ in world.units]
         for unit in world.units[:active]:
-            unit.phase = "serving"
+            unit.state, unit.served = "serving", True
+        world.latch = frozenset(range(active))
         return world
 
-    def advance(self, now: float) -> None:
-        for unit in self.units:
-            if unit.phase == "starting" and now >= unit.until:
-                unit.phase = "serving"
-            elif unit.phase == "draining" and now >= unit.until:
-                unit.phase = "releasing"
+    # -- the world's own clock -------------------------------------------------------
 
-    def observe(self, now: float, demand: float) -> Observation:
-        serving = [u for u in self.units if u.phase == "serving"]
-        share = demand / len(serving) if serving else 0.0
-        inflight = min(share, self.capacity)
-        load = Load(inflight=inflight, capacity=self.capacity, waiting=0.0, kv_usage=0.9 * inflight / self.capacity)
-        units = tuple(
-            Unit(u.index, u.phase, load if u.phase == "serving" else None,  # type: ignore[arg-type]
-                 running_tasks=self.policy.nodes if u.phase in ("serving", "starting", "draining") else 0)
-            for u in self.units
-        )
-        return Observation(now=now, units=units, last_scale_out=self.last_out, last_scale_in=self.last_in,
-                           capacity_failures=tuple(self.failures), ttft_p90_ms=self.ttft(demand))
+    def advance(self, now: float) -> None:
+        """Move every unit along its life up to `now`."""
+        reform = self.faults.reforms_per_day / 24 / 60  # per serving unit and minute
+        for unit in self.units:
+            if unit.state == "launching" and now >= unit.until:
+                if self.faults.refuses(now):
+                    self.failures.append(now)
+                    unit.until = now + ASG_RETRY_S
+                else:
+                    unit.state, unit.until = "forming", now + self.startup_s
+            elif unit.state in ("forming", "reforming") and now >= unit.until:
+                if self.rng.random() < self.faults.formation_failure:
+                    unit.until = now + FORMATION_RETRY_S
+                else:
+                    unit.state, unit.served = "serving", True
+            elif unit.state == "serving" and self.rng.random() < reform:
+                unit.state, unit.until = "reforming", now + FORMATION_RETRY_S
+            elif unit.state == "draining" and now >= unit.until:
+                unit.state = "releasing"
+        self.failures = [t for t in self.failures if t >= now - CAPACITY_LOOKBACK_S]
+
+    def healthy_units(self) -> int:
+        return sum(u.state == "serving" for u in self.units)
 
     def ttft(self, demand: float) -> float:
-        serving = sum(u.phase == "serving" for u in self.units)
-        if not serving:
+        healthy = self.healthy_units()
+        if not healthy:
             return math.inf
-        utilisation = min(demand / (serving * self.capacity), 0.99)
+        utilisation = min(demand / (healthy * self.capacity), 0.99)
         return BASE_TTFT_MS / (1 - utilisation)
 
-    def apply(self, now: float, decision: Decision) -> None:
+    def record(self, minute: int, demand: float) -> None:
+        """This minute's metrics as the proxies report them (missing where the gap mask says so)."""
+        healthy = self.healthy_units()
+        share = demand / healthy if healthy else 0.0
+        inflight = min(share, self.capacity)
+        busy = Load(inflight=inflight, capacity=self.capacity, waiting=0.0,
+                    kv_usage=0.9 * inflight / self.capacity).utilisation
+        gap_row = minute if minute < self.minutes else self.minutes - 1
+        for unit, series in zip(self.units, self.history, strict=True):
+            point: tuple[float | None, float | None] = {
+                # The proxy reports from the leader task's start: InFlight 0 and UnitHealthy 0 until
+                # the engine serves (containers/proxy/unit_proxy/telemetry.py, emf_events).
+                "serving": (busy, 1.0), "reforming": (0.0, 0.0), "forming": (0.0, 0.0),
+            }.get(unit.state, (None, None))
+            series.append((None, None) if self.gaps[unit.index][gap_row] else point)
+        ttft = self.ttft(demand)
+        self.ttft_history.append(None if self.gaps[-1][gap_row] or math.isinf(ttft) else ttft)
+
+    # -- what the autoscaler sees ----------------------------------------------------
+
+    def _visible(self, series: Sequence[object], minute: int, empty: object) -> list:
+        """The whole minutes before `minute`, newest first, as GetMetricData has them: a minute
+        whose data has not arrived yet (the lag) is empty, as in the Lambda's window. Under the
+        newest-minute rules the window starts at the newest minute that has data instead (the
+        old code read the newest datapoint of its window)."""
+        newest = minute - 1 if self.rules == "smoothed" else minute - self.faults.metric_lag_min
+        arrived = minute - self.faults.metric_lag_min
+        return [series[m] if 0 <= m < len(series) and m <= arrived else empty
+                for m in range(newest, newest - self.policy.window_minutes, -1)]
+
+    def observe(self, now: float, demand: float | None = None) -> Observation:
+        """What the Lambda would observe at `now`; with `demand`, this minute's metrics are
+        recorded first (they reach the window only after the lag)."""
+        minute = int((now - self.t0) // TICK_S)
+        if demand is not None and len(self.ttft_history) <= minute:
+            self.record(minute, demand)
+        units = []
+        for unit, series in zip(self.units, self.history, strict=True):
+            seen = self._visible(series, minute, (None, None))
+            health = [h for _, h in seen]
+            if self.rules == "newest-minute":
+                served = health[0] == 1.0 if health else False
+            else:
+                served = unit.index in self.latch or any(h == 1.0 for h in health)
+            nodes = self.policy.nodes
+            phase = phase_of(desired_tasks=nodes if unit.desired else 0,
+                             running_tasks=nodes if unit.has_instances and unit.state != "releasing" else 0,
+                             labelled_instances=nodes if unit.has_instances else 0, served=served)
+            units.append(Unit(unit.index, phase, tuple(u for u, _ in seen),
+                              running_tasks=nodes if unit.has_instances and unit.state != "releasing" else 0,
+                              instances=nodes if unit.has_instances else 0, health=tuple(health)))
+        ttft = self._visible(self.ttft_history, minute, None)
+        return Observation(now=now, units=tuple(units), last_scale_out=self.last_out, last_scale_in=self.last_in,
+                           capacity_failures=tuple(self.failures), ttft_p90_ms=tuple(ttft))
+
+    # -- what the autoscaler does ----------------------------------------------------
+
+    def apply(self, now: float, decision: Decision, obs: Observation | None = None) -> None:
         chosen = [self.units[i] for i in decision.units]
         if decision.action == "activate":
-            if self.refuse_launches(now):
-                self.last_out = now
-                self.failures.append(now + 1)
-                for unit in chosen:
-                    unit.phase, unit.until = "starting", math.inf
-                return
             for unit in chosen:
-                unit.phase, unit.until = "starting", now + self.startup_s
+                unit.state, unit.served, unit.until = "launching", False, now
             self.last_out = now
+            self.advance_launches(now)
         elif decision.action == "deactivate":
             for unit in chosen:
-                unit.phase, unit.until = "draining", now + self.drain_s
+                unit.state, unit.until = "draining", now + self.drain_s
             self.last_in = now
-        elif decision.action in ("release", "cancel"):
+        elif decision.action == "cancel":
             for unit in chosen:
-                unit.phase = "dormant"
+                unit.state = "releasing" if unit.has_instances else "dormant"
+        elif decision.action == "release":
+            for unit in chosen:
+                unit.state, unit.served = "dormant", False
+        if obs is not None:
+            self.latch = served_latch(obs, decision)
+
+    def advance_launches(self, now: float) -> None:
+        """A launch asked for now: refused (a failed activity a minute later) or the instances come."""
+        for unit in self.units:
+            if unit.state == "launching" and unit.until <= now:
+                if self.faults.refuses(now):
+                    self.failures.append(now + 60)
+                    unit.until = now + ASG_RETRY_S
+                else:
+                    unit.state, unit.until = "forming", now + self.startup_s
+
+    def active(self) -> int:
+        return sum(u.desired for u in self.units)
 
 
 @dataclass
@@ -160,40 +332,60 @@ class Result:
     def static_unit_hours(self) -> float:
         return self.static_units * self.minutes / 60.0
 
+    def count(self, action: str) -> int:
+        return sum(a == action for _, a, _ in self.actions)
+
+    @property
+    def scaling_actions(self) -> int:
+        return self.count("activate") + self.count("deactivate") + self.count("cancel")
+
+    @property
+    def units_activated(self) -> int:
+        return sum(len(units) for _, a, units in self.actions if a == "activate")
+
 
 def simulate(
-    name: str, demand: Callable[[float], float], policy: Policy, *, capacity: float, startup_s: float,
-    drain_s: float, hours: float = 24.0, objective_ms: float | None = None,
-    refuse_launches: Callable[[float], bool] = lambda t: False,
+    name: str, demand: Demand, policy: Policy, *, capacity: float, startup_s: float, drain_s: float,
+    hours: float = 24.0, start_h: float = 0.0, objective_ms: float | None = None, faults: Faults = NO_FAULTS,
+    seed: int = 0, rules: str = "smoothed", check: Callable[[World, Observation, Decision], None] | None = None,
 ) -> Result:
+    """Run the closed loop; `check` (tests) sees the world, the observation and the decision of every tick."""
     objective = objective_ms or policy.ttft_p90_ms or DEFAULT_OBJECTIVE_MS
     minutes = int(hours * 60)
-    peak = max(demand(m * TICK_S) for m in range(minutes))
-    static_units = min(max(math.ceil(peak / (capacity * policy.target_load)), policy.min_units), 10**6)
-    initial = min(max(math.ceil(demand(0) / (capacity * policy.target_load)), policy.min_units), policy.max_units)
-    world = World.start(policy, capacity, startup_s, drain_s, initial)
-    world.refuse_launches = refuse_launches
+    t0 = start_h * 3600
+    peak = max(demand(t0 + m * TICK_S) for m in range(minutes))
+    static_units = max(math.ceil(peak / (capacity * policy.target_load)), policy.min_units)
+    initial = min(max(math.ceil(demand(t0) / (capacity * policy.target_load)), policy.min_units), policy.max_units)
+    # The initial units have served for a while: their metrics go back the lag and the window.
+    warm = policy.window_minutes + faults.metric_lag_min
+    world = World.start(policy, capacity, startup_s, drain_s, initial, faults, seed, minutes + warm, rules,
+                        t0 - warm * TICK_S)
+    for minute in range(warm):
+        world.record(minute, demand(t0 + (minute - warm) * TICK_S))
     unit_minutes = violated = static_violated = refused = 0
     timeline: list[tuple[float, float, int, int]] = []
     actions: list[tuple[float, str, tuple[int, ...]]] = []
     for minute in range(minutes):
-        now = minute * TICK_S
+        now = t0 + minute * TICK_S
         world.advance(now)
         d = demand(now)
-        decision = decide(policy, world.observe(now, d))
+        obs = world.observe(now, d)
+        decision = decide(policy, obs)
+        if check is not None:
+            check(world, obs, decision)
         if decision.action != "hold":
             actions.append((now / 3600, decision.action, decision.units))
-        world.apply(now, decision)
-        serving = sum(u.phase == "serving" for u in world.units)
-        holding = sum(u.phase in HOLDS_INSTANCES for u in world.units)
+        world.apply(now, decision, obs)
+        healthy = world.healthy_units()
+        holding = sum(u.has_instances for u in world.units)
         unit_minutes += holding
-        over = d > serving * capacity
+        over = d > healthy * capacity
         refused += over
         violated += over or world.ttft(d) > objective
         static_util = min(d / (static_units * capacity), 0.99)
         static_violated += d > static_units * capacity or BASE_TTFT_MS / (1 - static_util) > objective
         if minute % 60 == 0:
-            timeline.append((now / 3600, d, serving, holding))
+            timeline.append((now / 3600, d, healthy, holding))
     return Result(name, minutes, unit_minutes / 60.0, static_units, violated, static_violated, refused,
                   timeline, actions)
 
@@ -218,46 +410,116 @@ def policy_from_fleet(path: Path, cell_name: str | None) -> tuple[Policy, float,
     return policy, float(fleet.max_inflight_requests), float(startup), drain
 
 
-def report(result: Result, out: Callable[[str], None] = print) -> None:
-    out(f"== {result.name}")
-    out(" hour  demand  serving  holding  " + "units holding instances")
-    for hour, d, serving, holding in result.timeline:
-        out(f" {hour:4.0f}  {d:6.0f}  {serving:7d}  {holding:7d}  {'#' * holding}")
-    out(f" scaling actions: {len(result.actions)} "
-        f"({sum(a == 'activate' for _, a, _ in result.actions)} activations, "
-        f"{sum(a == 'deactivate' for _, a, _ in result.actions)} drains, "
-        f"{sum(a == 'cancel' for _, a, _ in result.actions)} cancelled)")
-    out(f" objective violated: {result.violated_minutes} min elastic "
-        f"({result.refused_minutes} min with requests refused for capacity), "
-        f"{result.static_violated_minutes} min static")
-    saved = 1 - result.unit_hours / result.static_unit_hours
-    out(f" unit-hours: {result.unit_hours:.1f} elastic vs {result.static_unit_hours:.1f} static "
-        f"({result.static_units} units for the peak): {saved:.0%} fewer")
+def rules_policy(policy: Policy, rules: str) -> Policy:
+    """The policy under a rule set: `newest-minute` reads windows of one minute (the rules of 87efc36)."""
+    if rules == "newest-minute":
+        return replace(policy, scale_out_window_s=60.0, scale_in_window_s=60.0, scale_out_minutes=1)
+    return policy
+
+
+def summary_line(name: str, results: Sequence[Result]) -> str:
+    """The figures of a run, or their means over several seeds."""
+    n = len(results)
+
+    def mean(figure: Callable[[Result], float], digits: int = 0) -> str:
+        value = sum(figure(r) for r in results) / n
+        return f"{value:.{digits if n == 1 else max(digits, 1)}f}"
+
+    saved = 1 - sum(r.unit_hours for r in results) / sum(r.static_unit_hours for r in results)
+    return (f"{name}: {mean(lambda r: r.scaling_actions)} actions ({mean(lambda r: r.count('activate'))} "
+            f"activations of {mean(lambda r: r.units_activated)} units, {mean(lambda r: r.count('deactivate'))} "
+            f"drains, {mean(lambda r: r.count('cancel'))} cancelled), {mean(lambda r: r.violated_minutes)} min "
+            f"over objective ({mean(lambda r: r.refused_minutes)} refused for capacity; static "
+            f"{mean(lambda r: r.static_violated_minutes)}), {mean(lambda r: r.unit_hours, 1)} unit-hours (static "
+            f"{mean(lambda r: r.static_unit_hours, 1)}, {saved:.0%} saved)" + (f", mean of {n} seeds" if n > 1 else ""))
+
+
+def report(results: Sequence[Result], out: Callable[[str], None] = print, timeline: bool = True) -> None:
+    out(f"== {summary_line(results[0].name, results)}")
+    if timeline:
+        result = results[0]
+        out("  hour  demand  healthy  holding")
+        for hour, d, healthy, holding in result.timeline[::2]:
+            out(f"  {hour:4.0f}  {d:6.0f}  {healthy:7d}  {holding:7d}  {'#' * holding}")
+
+
+def curves(args: argparse.Namespace, minutes: int, seed: int) -> list[tuple[str, Demand]]:
+    day = day_curve(args.trough, args.trough * args.peak_factor)
+    return [
+        ("smooth", day),
+        ("+-15 %", with_noise(day, 0.15, seed, minutes)),
+        ("+-30 %", with_noise(day, 0.30, seed, minutes)),
+        ("burst 2x 1 min every 3 h", with_bursts(day, 3.0, 1.0, 2.0)),
+        (f"spike {args.spike_factor:g}x at {args.spike_at:g}:00 for {args.spike_minutes:g} min",
+         with_spike(day, args.spike_at, args.spike_minutes, args.spike_factor)),
+    ]
+
+
+def _hours_window(text: str) -> tuple[float, float]:
+    try:
+        start, end = (float(x) for x in text.split("-"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected FROM-TO in hours, e.g. 11-12, got {text!r}") from None
+    if not 0 <= start < end:
+        raise argparse.ArgumentTypeError(f"need 0 <= FROM < TO, got {text!r}")
+    return start, end
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=ELASTIC_FLEET, help="fleet file with an elastic cell")
     parser.add_argument("--cell", help="the elastic cell (default: the first)")
+    parser.add_argument("--rules", choices=(*RULES, "both"), default="both",
+                        help="smoothed (today's), newest-minute (before smoothing), or both side by side")
+    parser.add_argument("--seed", type=int, default=1, help="seed of every random draw (noise, gaps, failures)")
+    parser.add_argument("--seeds", type=int, default=1, help="run seeds SEED.. SEED+N-1 and report the means")
+    parser.add_argument("--quick", action="store_true", help="6 hours from 08:00, no timelines (CI)")
+    parser.add_argument("--timeline", action="store_true", help="print the units hour by hour")
     parser.add_argument("--startup-minutes", type=float, help="unit start-up (default: node boot + the budget)")
+    parser.add_argument("--target-load", type=float, help="override the fleet's scaling.target_load")
     parser.add_argument("--trough", type=float, default=40.0, help="concurrent requests at 04:00")
     parser.add_argument("--peak-factor", type=float, default=4.0, help="the 16:00 peak as a multiple of the trough")
     parser.add_argument("--spike-factor", type=float, default=2.0, help="the sudden spike, x the curve")
     parser.add_argument("--spike-at", type=float, default=10.0, help="hour of the spike")
     parser.add_argument("--spike-minutes", type=float, default=60.0)
+    parser.add_argument("--metric-lag", type=int, default=Faults.metric_lag_min, help="minutes")
+    parser.add_argument("--gap", type=float, default=Faults.gap, help="probability that a unit's minute is missing")
+    parser.add_argument("--formation-failure", type=float, default=Faults.formation_failure,
+                        help="probability that a formation fails (retried after 10 min)")
+    parser.add_argument("--reforms-per-day", type=float, default=Faults.reforms_per_day,
+                        help="formations lost per serving unit and day")
+    parser.add_argument("--refused", type=_hours_window, action="append",
+                        help="hours FROM-TO in which launches are refused for capacity (repeatable; default 11-12)")
+    parser.add_argument("--no-faults", action="store_true", help="no lag beyond a minute, gaps or failures")
     args = parser.parse_args(argv)
+    if args.seeds < 1:
+        parser.error(f"--seeds must be at least 1, got {args.seeds}")
+    if not 0 <= args.gap < 1 or not 0 <= args.formation_failure < 1 or args.metric_lag < 1:
+        parser.error("--gap and --formation-failure must be in [0, 1), --metric-lag at least 1 minute")
     policy, capacity, startup, drain = policy_from_fleet(args.config, args.cell)
     if args.startup_minutes is not None:
         startup = args.startup_minutes * 60
+    if args.target_load is not None:
+        if not 0 < args.target_load <= 1:
+            parser.error(f"--target-load must be in (0, 1], got {args.target_load}")
+        policy = replace(policy, target_load=args.target_load)
+    faults = NO_FAULTS if args.no_faults else Faults(
+        metric_lag_min=args.metric_lag, gap=args.gap, formation_failure=args.formation_failure,
+        reforms_per_day=args.reforms_per_day, refused=tuple(args.refused or Faults.refused))
+    hours, offset = (6.0, 8.0) if args.quick else (24.0, 0.0)
     print(f"policy: {policy}")
     print(f"unit admission capacity {capacity:.0f} requests, start-up {startup / 60:.0f} min, "
-          f"drain {drain / 60:.0f} min")
-    day = day_curve(args.trough, args.trough * args.peak_factor)
-    spike = with_spike(day, args.spike_at, args.spike_minutes, args.spike_factor)
-    for name, curve in ((f"day, {args.peak_factor:g}x peak", day),
-                        (f"day + {args.spike_factor:g}x spike at {args.spike_at:g}:00 for "
-                         f"{args.spike_minutes:g} min", spike)):
-        report(simulate(name, curve, policy, capacity=capacity, startup_s=startup, drain_s=drain))
+          f"drain {drain / 60:.0f} min; {faults}; seeds {args.seed}..{args.seed + args.seeds - 1}; "
+          f"{hours:g} h from {offset:02.0f}:00")
+    rule_sets = RULES if args.rules == "both" else (args.rules,)
+    seeds = range(args.seed, args.seed + args.seeds)
+    by_seed = {seed: curves(args, int((hours + offset) * 60), seed) for seed in seeds}
+    for index, (name, _) in enumerate(by_seed[args.seed]):
+        for rules in rule_sets:
+            results = [simulate(f"{name} [{rules}]", by_seed[seed][index][1], rules_policy(policy, rules),
+                                capacity=capacity, startup_s=startup, drain_s=drain, hours=hours, start_h=offset,
+                                faults=faults, seed=seed, rules=rules) for seed in seeds]
+            report(results, timeline=args.timeline and not args.quick)
     return 0
 
 

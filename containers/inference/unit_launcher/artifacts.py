@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from unit_launcher import cache_check
+
 log = logging.getLogger("unit_launcher.artifacts")
 
 MANIFEST = ".unit_launcher_manifest.json"
@@ -256,13 +258,16 @@ def fetch(
     progress_seconds: float = 10.0,
     on_progress: Callable[[int, int], None] | None = None,
     cancel: threading.Event | None = None,
+    cache_marker: str | Path | None = None,
 ) -> FetchResult:
     """Make `local_dir` a verified copy of the unit's artifacts under `uri`.
 
+    `cache_marker`: the node's instance-store marker (unit spec `model.cache_marker`); set, nothing is
+    fetched unless it exists and the cache has room for what is missing (cache_check).
     Raises ArtifactError on any failure, FetchCancelled once `cancel` is set."""
     try:
         return _fetch(client, uri, Path(local_dir), layout, ranks, keep_checkpoint, concurrency, progress_seconds,
-                      on_progress, cancel or threading.Event())
+                      on_progress, cancel or threading.Event(), cache_marker)
     except OSError as error:  # the local disk: full, read-only, not writable
         raise ArtifactError(f"cannot write the artifacts of {uri} to {local_dir}: {error}") from None
 
@@ -278,6 +283,7 @@ def _fetch(
     progress_seconds: float,
     on_progress: Callable[[int, int], None] | None,
     cancel: threading.Event,
+    cache_marker: str | Path | None,
 ) -> FetchResult:
     # Imported on use: boto3 costs seconds of start-up, and nodes with local artifacts skip it.
     from boto3.exceptions import RetriesExceededError, S3TransferFailedError
@@ -290,6 +296,11 @@ def _fetch(
     failures = (ClientError, BotoCoreError, RetriesExceededError, S3TransferFailedError, OSError)
 
     started = time.monotonic()
+    if cache_marker is not None:
+        try:
+            cache_check.require_instance_store(cache_marker)
+        except cache_check.CacheError as error:
+            raise ArtifactError(str(error)) from None
     bucket, prefix = split_uri(uri)
     if cancel.is_set():
         raise FetchCancelled(f"fetch of {uri} cancelled")
@@ -322,6 +333,11 @@ def _fetch(
         else:
             todo.append(obj)
     total = sum(o.size for o in todo)
+    if cache_marker is not None:
+        try:
+            cache_check.require_room(root, total)
+        except cache_check.CacheError as error:
+            raise ArtifactError(str(error)) from None
     log.info(
         "artifacts %s: %d objects, %d already present and verified, %d to fetch (%.1f MiB)",
         uri,

@@ -81,6 +81,7 @@ def fetch_artifacts(
             keep_checkpoint=spec.engine.device != "neuron",
             cancel=cancel,
             on_progress=progress,
+            cache_marker=spec.model.cache_marker,
         )
     layout_dir = plan.layout_dir(spec)
     if layout_dir:

@@ -46,6 +46,11 @@ class ModelSpec(_Strict):
         default=None,
         description="Key of the compiled layout under <artifacts>/neuron/<layout>/ (Neuron only).",
     )
+    cache_marker: Annotated[str, StringConstraints(min_length=1)] | None = Field(
+        default=None,
+        description="File the node's setup writes at the root of the instance-store cache; set, the launcher "
+        "fetches only when it exists and the file system has room (unit_launcher/cache_check.py).",
+    )
     dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3"] = "bfloat16"
     max_seq_len: int = Field(ge=16)
 

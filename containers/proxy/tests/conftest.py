@@ -46,13 +46,17 @@ class FakeEngine:
     """An OpenAI-style engine that streams, fails, stalls and crashes on cue.
 
     The cue is the `x-cue` request header: stream (default), error500, stall, stall_mid,
-    crash, reset. `x-tokens` and `x-gap` set the stream's length and pace, `x-pad` adds
-    that many bytes to each token.
+    crash, reset, slow (waits `slow_seconds`, then answers as stream does; `slow_in_flight`
+    counts those waiting). `x-tokens` and `x-gap` set the stream's length and pace, `x-pad`
+    adds that many bytes to each token.
     """
 
     def __init__(self) -> None:
         self.healthy = True
         self.default_cue = "stream"  # what a request without an x-cue header plays
+        self.slow_seconds = 0.0  # how long the `slow` cue waits before answering
+        self.slow_in_flight = 0
+        self.slow_answered = 0
         self.metrics_text = (
             "# HELP vllm:num_requests_waiting waiting\n# TYPE vllm:num_requests_waiting gauge\n"
             'vllm:num_requests_waiting{model_name="m"} 3.0\n'
@@ -132,6 +136,13 @@ class FakeEngine:
             await asyncio.sleep(3600)
         if cue == "stall":
             await asyncio.sleep(3600)
+        if cue == "slow":
+            self.slow_in_flight += 1
+            try:
+                await asyncio.sleep(self.slow_seconds)
+            finally:
+                self.slow_in_flight -= 1
+            self.slow_answered += 1
         if not doc.get("stream"):
             text = "".join(f"tok{i} " for i in range(tokens))
             return web.json_response(
@@ -180,8 +191,10 @@ class FakeEngine:
 class FakeLauncher:
     """The launcher's /status endpoint, with a document the test can change; after
     `hold_answers()` answers wait for `release_answers()` (a check that cannot complete yet).
-    A failed canary's report (POST /canary-failed) is kept in `canary_reports` and, as the
-    real launcher does, ends the session: state `stopping`."""
+    A failed canary's report (POST /canary-failed) is kept in `canary_reports`; as the real
+    launcher does (`unit_launcher.rendezvous.LeaderSession._canary_failed`), it ends the
+    session (state `stopping`, 200) only when it names the current session and that one is
+    `serving`; else 409 `not_serving` and nothing changes. Answer codes: `canary_answers`."""
 
     def __init__(self) -> None:
         self.status: dict[str, Any] = {
@@ -213,6 +226,7 @@ class FakeLauncher:
         self._released = asyncio.Event()
         self._released.set()
         self.canary_reports: list[dict[str, Any]] = []
+        self.canary_answers: list[int] = []
         self.url = ""
         self._runner: web.AppRunner | None = None
 
@@ -236,7 +250,12 @@ class FakeLauncher:
         return web.json_response(self.status)
 
     async def _canary_failed(self, request: web.Request) -> web.Response:
-        self.canary_reports.append(await request.json())
+        report = await request.json()
+        self.canary_reports.append(report)
+        if report.get("session_id") != self.status["session_id"] or self.status["state"] != "serving":
+            self.canary_answers.append(409)
+            return web.json_response({"reason": "not_serving", "error": "failed canary ignored"}, status=409)
+        self.canary_answers.append(200)
         self.status["state"] = "stopping"
         return web.json_response({"ended": True, "cause": "canary_failed"})
 

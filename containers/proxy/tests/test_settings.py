@@ -18,6 +18,7 @@ def test_defaults_follow_the_contract():
     assert s.drain_timeout_seconds == 600 and s.frontend == "openai" and not s.emf_enabled
     assert s.workers == 4 and Settings.from_env({"PROXY_WORKERS": "1"}).workers == 1
     assert (s.admin_host, s.admin_port, s.write_timeout_seconds) == ("127.0.0.1", 8081, 30.0)
+    assert (s.canary_interval_seconds, s.canary_timeout_seconds, s.canary_retry_seconds) == (60, 60, 5)
 
 
 def test_triton_frontend_and_overrides():
@@ -52,6 +53,7 @@ def test_triton_frontend_and_overrides():
         ({"PROXY_ADMIN_PORT": "8080"}, "a port other than PROXY_PORT (8080)"),
         ({"PROXY_ADMIN_HOST": "localhost"}, "an IPv4 or IPv6 address"),
         ({"WRITE_TIMEOUT_SECONDS": "0"}, "WRITE_TIMEOUT_SECONDS='0'"),
+        ({"CANARY_RETRY_SECONDS": "0"}, "CANARY_RETRY_SECONDS='0' is not allowed: a number of seconds from 0.05"),
         ({"UPSTREAM_URL": "https://127.0.0.1:8000"}, "an http:// URL"),
         ({"UPSTREAM_URL": "http://127.0.0.1:8000/v1"}, "no path such as /v1"),
         ({"UPSTREAM_URL": "http://127.0.0.1:0"}, "port is from 1 to 65535"),

@@ -1,12 +1,15 @@
 """Background checks of the unit: engine health, launcher status and engine load.
 
 The checks run on a short interval; `/health` and `/ready` answer from the last result,
-so the load balancer's probe never waits on the engine or the launcher.
+so the load balancer's probe never waits on the engine or the launcher. The deep-liveness
+canary runs beside them as its own task (schedule and verdict: `canary.py`), so a slow
+canary never holds up a check round.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -17,6 +20,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from unit_proxy.canary import CanaryGate
 from unit_proxy.settings import Settings
 from unit_proxy.telemetry import EngineLoad, Telemetry
 
@@ -53,9 +57,14 @@ class HealthState:
     last: CheckResult = field(default_factory=CheckResult)
     draining: bool = False
     stale_after: float = 10.0
-    # The last deep-liveness canary (a one-token completion while idle): None until one ran.
-    canary_ok: bool | None = None
-    canary_detail: str = ""
+    # The deep-liveness canary's schedule and last verdict; None: no canary runs.
+    canary: CanaryGate | None = None
+
+    @property
+    def canary_ok(self) -> bool | None:
+        """The last canary's verdict: None until one finished in this session."""
+        verdict = self.canary.verdict if self.canary is not None else None
+        return None if verdict is None else verdict.ok
 
     def reasons(self) -> list[str]:
         out: list[str] = []
@@ -72,8 +81,9 @@ class HealthState:
             out.append(f"engine: {last.engine_detail}")
         if not last.unit_ok:
             out.append(f"unit: {last.unit_detail}")
-        if self.canary_ok is False:
-            out.append(f"canary: {self.canary_detail}")
+        canary = self.canary.reason(time.monotonic()) if self.canary is not None else None
+        if canary is not None:
+            out.append(canary)
         return out
 
     @property
@@ -137,7 +147,8 @@ def parse_engine_load(text: str) -> EngineLoad:
 
 
 class HealthMonitor:
-    """Runs the checks forever; one round at a time, each check bounded by a timeout."""
+    """Runs the checks forever, one round at a time, each check bounded by a timeout; the
+    canary runs beside them as its own task, never inside a round."""
 
     def __init__(
         self,
@@ -149,31 +160,43 @@ class HealthMonitor:
     ) -> None:
         """`on_check` is called with every completed round (the supervisor publishes the
         unit verdict to its workers with it); `idle` says whether no request is in flight
-        (the deep-liveness canary runs only then; None: no canary)."""
+        (the deep-liveness canary runs only then, retries of a failed one excepted; None: no
+        canary)."""
         self.settings = settings
         self.state = state
         self.telemetry = telemetry
         self.on_check = on_check
         self.idle = idle
-        self._canary_due: float | None = None  # monotonic time of the next canary
         self._canary_model: str | None = None
+        self._canary_task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         self._session_id: str | None = None
         state.stale_after = stale_limit(settings)
+        if settings.canary_interval_seconds and idle is not None and settings.frontend == "openai":
+            state.canary = CanaryGate(
+                settings.canary_interval_seconds, settings.canary_timeout_seconds, settings.canary_retry_seconds
+            )
 
     async def run(self) -> None:
         timeout = aiohttp.ClientTimeout(total=self.settings.health_timeout_seconds)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             self._session = session
-            while True:
-                started = time.monotonic()
-                try:
-                    await self.check_once()
-                    await self.maybe_canary()
-                except Exception:  # a bug in a check must not stop health reporting
-                    log.exception("health check round failed")
-                elapsed = time.monotonic() - started
-                await asyncio.sleep(max(0.0, self.settings.health_interval_seconds - elapsed))
+            try:
+                while True:
+                    started = time.monotonic()
+                    try:
+                        await self.check_once()
+                        self.maybe_canary()
+                    except Exception:  # a bug in a check must not stop health reporting
+                        log.exception("health check round failed")
+                    elapsed = time.monotonic() - started
+                    await asyncio.sleep(max(0.0, self.settings.health_interval_seconds - elapsed))
+            finally:
+                task = self._canary_task
+                if task is not None and not task.done():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
 
     async def check_once(self) -> CheckResult:
         engine, unit, load = await asyncio.gather(self._engine(), self._launcher(), self._load())
@@ -232,77 +255,102 @@ class HealthMonitor:
             if self._session_id is not None and session_id != self._session_id:
                 log.warning("launcher session changed %s -> %s: unit restarted", self._session_id, session_id)
                 self.telemetry.unit_restarted()
-                # A new session starts with a clean slate: its first canary one interval from now.
-                self.state.canary_ok, self._canary_due = None, None
+                # A new session starts with a clean slate: its first canary one interval
+                # after it is whole; an attempt in flight for the old one is dropped.
+                if self.state.canary is not None:
+                    self.state.canary.new_session()
             self._session_id = session_id
         ok, detail = judge_launcher_status(doc)
         return ok, detail, doc if isinstance(doc, dict) else None
 
-    async def maybe_canary(self) -> None:
-        """Deep liveness: while the unit is whole and idle, a one-token completion through
-        the engine every interval, so every rank takes part in a step. A failed or late
-        canary fails /health, is logged, and is reported to the launcher, which ends the
-        session; it never delays user traffic (it runs only when no request is in flight)
-        and never runs for a unit already failing."""
-        s = self.settings
-        if not s.canary_interval_seconds or self.idle is None or s.frontend != "openai":
+    def maybe_canary(self) -> None:
+        """Deep liveness: after a check round, start a canary attempt when one is due (see
+        `CanaryGate`): a one-token completion through the engine, so every rank takes part
+        in a step. It runs as its own task: the next rounds go on meanwhile, so a slow
+        canary never leaves the checks stale. Never for a unit already failing its checks
+        or a draining proxy."""
+        gate, last = self.state.canary, self.state.last
+        if gate is None or self.idle is None or (self._canary_task is not None and not self._canary_task.done()):
             return
-        last = self.state.last
-        now = time.monotonic()
-        if self.state.draining or not (last.engine_ok and last.unit_ok):
-            self._canary_due = None
-            return
-        if self._canary_due is None:
-            self._canary_due = now + s.canary_interval_seconds  # a fresh unit warms up first
-            return
-        if now < self._canary_due or not self.idle():
-            return
-        self._canary_due = now + s.canary_interval_seconds
-        ok, detail, seconds = await self._canary()
-        self.state.canary_ok, self.state.canary_detail = ok, detail
-        if not ok:
-            log.error(json.dumps({"event": "canary_failed", "detail": detail, "seconds": round(seconds, 3),
-                                  "session_id": self._session_id}))
-            await self._report_canary(detail)
+        whole = last.engine_ok and last.unit_ok and not self.state.draining
+        if gate.should_start(time.monotonic(), whole, whole and self.idle()):
+            self._canary_task = asyncio.create_task(self._canary_attempt(gate, self._session_id), name="canary")
 
-    async def _report_canary(self, detail: str) -> None:
+    async def _canary_attempt(self, gate: CanaryGate, session_id: str | None) -> None:
+        """One attempt: the probe under the canary's own timeout, its verdict recorded, a
+        failure logged and reported to the launcher."""
+        try:
+            ok, detail, seconds = await self._canary()
+        except Exception:  # a bug in the probe is not the engine's failure
+            log.exception("canary attempt failed")
+            gate.abandon(time.monotonic())
+            return
+        if session_id != self._session_id or gate is not self.state.canary:
+            log.info("canary of session %s dropped: the session is now %s", session_id, self._session_id)
+            gate.abandon(time.monotonic())
+            return
+        was_failing = gate.failing
+        gate.finish(ok, detail, seconds, time.monotonic(), time.time())
+        if ok:
+            if was_failing:
+                log.info("canary passes again: %s", detail)
+            return
+        log.error(json.dumps({"event": "canary_failed", "detail": detail, "seconds": round(seconds, 3),
+                              "failures_in_a_row": gate.failures_in_a_row, "session_id": session_id}))
+        report = await self._report_canary(session_id, detail)
+        if report is not None:
+            gate.reported(*report)
+
+    async def _report_canary(self, session_id: str | None, detail: str) -> tuple[bool, str] | None:
         """Tell the launcher, which ends the session as `canary_failed`: a failed /health
         alone leaves no evidence, no backoff and nothing for the quarantine. Not while
-        draining (the engine stops on purpose); the launcher itself ignores a report when
-        its session is not the canary's or no longer serves whole."""
+        draining (the engine stops on purpose). The launcher ignores a report (409
+        `not_serving`) when its session is not the canary's or no longer serves whole
+        (e.g. degraded); then the canary's retry decides. Returns whether the launcher
+        ended the session and its answer, or None if not reported."""
         url = self.settings.launcher_canary_url
-        if not url or self._session_id is None or self.state.draining:
-            return
+        if not url or session_id is None or self.state.draining:
+            return None
         assert self._session is not None
-        body = {"session_id": self._session_id, "detail": detail}
+        body = {"session_id": session_id, "detail": detail}
         try:
             async with self._session.post(url, json=body) as resp:
                 answer = (await resp.read()).decode("utf-8", "replace")[:300]
         except (aiohttp.ClientError, TimeoutError) as exc:
-            log.warning("failed canary not reported to %s: %s", url, _describe(exc))
-            return
-        log.warning("failed canary reported to %s: %d %s", url, resp.status, answer)
+            log.warning("failed canary not reported to %s: %s; the canary is retried", url, _describe(exc))
+            return False, f"not reported: {_describe(exc)}"
+        accepted = resp.status == 200 and _ended(answer)
+        log.warning("failed canary reported to %s: %d %s%s", url, resp.status, answer,
+                    "" if accepted else "; not accepted, the canary is retried")
+        return accepted, f"{resp.status} {answer}"
 
     async def _canary(self) -> tuple[bool, str, float]:
+        """The probe: the first model of /v1/models (once), then a one-token completion;
+        the whole attempt bounded by CANARY_TIMEOUT_SECONDS (not by the checks' timeout)."""
         base = self.settings.upstream_url
         started = time.monotonic()
-        timeout = aiohttp.ClientTimeout(total=self.settings.canary_timeout_seconds)
+        limit = self.settings.canary_timeout_seconds
+        timeout = aiohttp.ClientTimeout(total=limit)
         assert self._session is not None
         try:
-            if self._canary_model is None:
-                async with self._session.get(f"{base}/v1/models", timeout=timeout) as resp:
-                    self._canary_model = str((await resp.json(content_type=None))["data"][0]["id"])
-            body = {"model": self._canary_model, "prompt": "ping", "max_tokens": 1, "temperature": 0}
-            async with self._session.post(f"{base}/v1/completions", json=body, timeout=timeout) as resp:
-                await resp.read()
-                seconds = time.monotonic() - started
-                if resp.status != 200:
-                    return False, f"one-token completion answered {resp.status}", seconds
+            async with asyncio.timeout(limit):
+                return await self._one_token(base, timeout, started)
         except TimeoutError:
-            return False, f"one-token completion took over {self.settings.canary_timeout_seconds:g} s", \
-                time.monotonic() - started
+            return False, f"one-token completion took over {limit:g} s", time.monotonic() - started
         except (aiohttp.ClientError, ValueError, LookupError) as exc:
             return False, f"one-token completion failed: {_describe(exc)}", time.monotonic() - started
+
+    async def _one_token(self, base: str, timeout: aiohttp.ClientTimeout, started: float) -> tuple[bool, str, float]:
+        assert self._session is not None
+        if self._canary_model is None:
+            async with self._session.get(f"{base}/v1/models", timeout=timeout) as resp:
+                self._canary_model = str((await resp.json(content_type=None))["data"][0]["id"])
+        body = {"model": self._canary_model, "prompt": "ping", "max_tokens": 1, "temperature": 0}
+        async with self._session.post(f"{base}/v1/completions", json=body, timeout=timeout) as resp:
+            await resp.read()
+        seconds = time.monotonic() - started
+        if resp.status != 200:
+            return False, f"one-token completion answered {resp.status}", seconds
         return True, f"one-token completion in {seconds:.2f} s", seconds
 
     async def _load(self) -> EngineLoad:
@@ -321,6 +369,15 @@ class HealthMonitor:
 
 def _json(body: bytes) -> Any:
     return json.loads(body)
+
+
+def _ended(answer: str) -> bool:
+    """Whether the launcher's answer to a canary report says it ended the session."""
+    try:
+        doc = json.loads(answer)
+    except ValueError:
+        return False
+    return isinstance(doc, dict) and doc.get("ended") is True
 
 
 def _describe(exc: BaseException) -> str:

@@ -588,6 +588,8 @@ def ready_doc(state: ProxyState) -> tuple[int, dict[str, Any]]:
         "check_age_s": round(time.monotonic() - last.checked_at, 3) if last.checked_at else None,
         "inflight": state.reported_inflight(),
         "max_inflight": state.settings.max_inflight,
+        # The deep-liveness canary: last verdict with its time, attempt in flight, next one; null: off.
+        "canary": health.canary.doc(time.monotonic()) if health.canary is not None else None,
     }
     if state.workers_info is not None:
         doc["workers"] = state.workers_info()

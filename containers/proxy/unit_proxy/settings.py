@@ -139,6 +139,9 @@ class Settings:
     # engine every interval (every rank of the unit takes part); 0 turns it off.
     canary_interval_seconds: float = 60.0
     canary_timeout_seconds: float = 60.0
+    # After a failed canary: the first retry this long after, doubling per failure in a
+    # row up to canary_interval_seconds; retries run even while requests are in flight.
+    canary_retry_seconds: float = 5.0
     # /ready, /load, /metrics (and /health with detail): a listener the ALB does not reach.
     admin_host: str = "127.0.0.1"
     admin_port: int = 8081
@@ -237,6 +240,7 @@ class Settings:
             retry_after_seconds=_int(env, "RETRY_AFTER_SECONDS", cls.retry_after_seconds, 0, 3600),
             canary_interval_seconds=_float(env, "CANARY_INTERVAL_SECONDS", cls.canary_interval_seconds, 0, 86400),
             canary_timeout_seconds=_float(env, "CANARY_TIMEOUT_SECONDS", cls.canary_timeout_seconds, 0.1, 3600),
+            canary_retry_seconds=_float(env, "CANARY_RETRY_SECONDS", cls.canary_retry_seconds, 0.05, 3600),
             write_timeout_seconds=_float(env, "WRITE_TIMEOUT_SECONDS", cls.write_timeout_seconds, 0.05, 3600),
             workers=workers,
         )

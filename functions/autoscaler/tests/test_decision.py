@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from simulate_scaling import World
+from simulate_scaling import Faults, World, day_curve, simulate, with_noise
 from unit_autoscaler.decision import (
     ACTIVE,
+    Decision,
     Load,
     Observation,
     Policy,
@@ -17,6 +18,8 @@ from unit_autoscaler.decision import (
     backoff_until,
     decide,
     phase_of,
+    quantile,
+    served_latch,
 )
 
 PHASES = ("dormant", "starting", "serving", "draining", "releasing")
@@ -25,27 +28,33 @@ PHASES = ("dormant", "starting", "serving", "draining", "releasing")
 @st.composite
 def policies(draw: st.DrawFn) -> Policy:
     low = draw(st.integers(1, 6))
+    out_window = draw(st.sampled_from([60.0, 180.0, 300.0, 600.0]))
     return Policy(
         min_units=low, max_units=draw(st.integers(low, 10)), nodes=draw(st.integers(1, 4)),
         target_load=draw(st.floats(0.3, 0.95)), scale_in_margin=draw(st.floats(0.05, 0.5)),
         ttft_p90_ms=draw(st.none() | st.floats(100, 5000)),
         scale_out_cooldown_s=draw(st.floats(60, 900)), scale_in_cooldown_s=draw(st.floats(60, 3600)),
+        scale_out_window_s=out_window, scale_in_window_s=out_window * draw(st.sampled_from([1, 2, 6])),
+        scale_out_minutes=draw(st.integers(1, min(2, round(out_window / 60)))),
     )
 
 
+def histories(minutes: int, low: float = 0.0, high: float = 2.0) -> st.SearchStrategy[tuple[float | None, ...]]:
+    """A metric series newest first, with gaps."""
+    return st.lists(st.none() | st.floats(low, high), max_size=minutes).map(tuple)
+
+
 @st.composite
-def units(draw: st.DrawFn, count: int) -> tuple[Unit, ...]:
+def units(draw: st.DrawFn, policy: Policy) -> tuple[Unit, ...]:
     made = []
-    for index in range(count):
+    for index in range(policy.max_units):
         desired = draw(st.integers(0, 3))
         running = draw(st.integers(0, 3))
-        phase = phase_of(desired_tasks=desired, running_tasks=running,
-                         labelled_instances=draw(st.integers(0, 2)), healthy=draw(st.booleans()))
-        load = None
-        if phase in ("serving", "draining") and draw(st.booleans()):
-            load = Load(inflight=draw(st.floats(0, 64)), capacity=32, waiting=draw(st.none() | st.floats(0, 50)),
-                        kv_usage=draw(st.none() | st.floats(0, 1)))
-        made.append(Unit(index, phase, load, running_tasks=running))
+        instances = draw(st.integers(0, policy.nodes))
+        phase = phase_of(desired_tasks=desired, running_tasks=running, labelled_instances=instances,
+                         served=draw(st.booleans()))
+        load = draw(histories(policy.window_minutes)) if phase in ("serving", "draining") else ()
+        made.append(Unit(index, phase, load, running_tasks=running, instances=instances))
     return tuple(made)
 
 
@@ -55,9 +64,9 @@ def situations(draw: st.DrawFn) -> tuple[Policy, Observation]:
     now = draw(st.floats(0, 1e6))
     past = st.none() | st.floats(0, now)
     obs = Observation(
-        now=now, units=draw(units(policy.max_units)), last_scale_out=draw(past), last_scale_in=draw(past),
+        now=now, units=draw(units(policy)), last_scale_out=draw(past), last_scale_in=draw(past),
         capacity_failures=tuple(draw(st.lists(st.floats(0, now), max_size=3))),
-        ttft_p90_ms=draw(st.none() | st.floats(0, 10000)),
+        ttft_p90_ms=draw(histories(policy.window_minutes, 0, 10000)),
     )
     return policy, obs
 
@@ -80,10 +89,27 @@ def test_never_below_min_or_above_max(situation) -> None:
     after = active_after(obs, decision)
     if decision.action == "activate":
         assert after <= policy.max_units
-    if decision.action == "deactivate":
-        assert after >= policy.min_units
-    if policy.min_units <= active <= policy.max_units and decision.action != "cancel":
+    if decision.action in ("deactivate", "cancel"):
+        assert after >= policy.min_units, decision
+    if policy.min_units <= active <= policy.max_units:
         assert policy.min_units <= after <= policy.max_units
+
+
+@settings(max_examples=400, deadline=None)
+@given(situations())
+def test_only_a_unit_that_never_served_and_lacks_instances_is_cancelled(situation) -> None:
+    policy, obs = situation
+    decision = decide(policy, obs)
+    by_index = {u.index: u for u in obs.units}
+    if decision.action == "cancel":
+        assert obs.capacity_failures and obs.last_scale_out is not None
+        assert max(obs.capacity_failures) >= obs.last_scale_out
+        for index in decision.units:
+            assert by_index[index].phase == "starting"
+            assert by_index[index].instances is not None and by_index[index].instances < policy.nodes
+    if decision.action == "deactivate":
+        # A drain is deliberate: only above min_units, and only by the load rules or max_units.
+        assert sum(u.phase in ACTIVE for u in obs.units) > policy.min_units
 
 
 @settings(max_examples=400, deadline=None)
@@ -105,27 +131,84 @@ def test_instances_are_released_only_after_the_drain(situation) -> None:
         assert list(decision.units) == dormant[: len(decision.units)]  # the placement controller's order
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(policies(), st.floats(1, 300), st.integers(0, 10), st.floats(0, 30), st.floats(0, 10))
+@example(Policy(min_units=1, max_units=2, nodes=1, target_load=0.5, scale_in_margin=0.0625, ttft_p90_ms=463.0,
+                scale_out_cooldown_s=60, scale_in_cooldown_s=60, scale_out_window_s=180, scale_in_window_s=180),
+         5.0, 0, 0.0, 0.0)  # TTFT 474 ms on one unit, 434 ms on two: flapped every other minute on 87efc36 too
 def test_no_oscillation_on_a_steady_load(policy, demand, start, startup_min, drain_min) -> None:
     """Under a constant demand the cell moves one way only and settles: never out then in, or in then out."""
     start = min(max(start, policy.min_units), policy.max_units)
-    world = World.start(policy, 32.0, startup_min * 60, drain_min * 60 + 60, start)
+    warm = policy.window_minutes + 1  # the start units' metrics go back a window
+    world = World.start(policy, 32.0, startup_min * 60, drain_min * 60 + 60, start, minutes=4 * 60 + warm,
+                        t0=-warm * 60.0)
+    for minute in range(warm):
+        world.record(minute, demand)
     directions = []
     for minute in range(4 * 60):
         now = minute * 60.0
         world.advance(now)
-        decision = decide(policy, world.observe(now, demand))
+        obs = world.observe(now, demand)
+        decision = decide(policy, obs)
         if decision.action in ("activate", "deactivate"):
             directions.append(decision.action)
-        world.apply(now, decision)
+        world.apply(now, decision, obs)
     assert len(set(directions)) <= 1, directions
-    settled = sum(u.phase in ACTIVE for u in world.units)
+    settled = sum(u.phase in ACTIVE for u in world.observe(4 * 60 * 60.0).units)
     assert policy.min_units <= settled <= policy.max_units
 
 
+# -- the closed loop under faults: lag, gaps, refusals, failed formations, noise ------
+
+
+@st.composite
+def faults(draw: st.DrawFn) -> Faults:
+    windows = draw(st.lists(st.tuples(st.floats(8, 13), st.floats(0.1, 3)), max_size=3))  # the run: 08:00-14:00
+    return Faults(
+        metric_lag_min=draw(st.integers(1, 4)), gap=draw(st.sampled_from([0.0, 0.05, 0.3, 0.3, 0.6, 0.95])),
+        formation_failure=draw(st.floats(0, 0.6)), reforms_per_day=draw(st.sampled_from([0.0, 2.0, 48.0])),
+        refused=tuple((start, start + length) for start, length in windows),
+    )
+
+
+@settings(max_examples=100, deadline=None)
+@given(policies(), faults(), st.integers(0, 2**16), st.floats(5, 300), st.sampled_from([0.0, 0.15, 0.3]),
+       st.floats(5, 45))
+@example(Policy(min_units=1, max_units=6, nodes=2), Faults(gap=0.3, reforms_per_day=2.0, refused=((9.0, 11.0),)),
+         3, 160.0, 0.0, 30.0)  # launches refused while the cell grows: the case that cancelled serving units
+def test_under_faults_no_serving_unit_is_stopped_and_min_units_holds(
+    policy, world_faults, seed, peak, noise, startup_min,
+) -> None:
+    """Random metric histories (gaps up to 95 % of minutes, lag), refusals, failed and lost formations,
+    noisy demand: the cell never goes below min_units, and a unit that served leaves only by a
+    deliberate drain above min_units."""
+    hours = 6.0
+    demand = with_noise(day_curve(peak / 4, peak), noise, seed, int(hours * 60) + 1)
+
+    def check(world: World, obs: Observation, decision) -> None:
+        active = world.active()
+        assert active >= policy.min_units, (obs.now, [u.state for u in world.units])
+        for index in decision.units:
+            unit = world.units[index]
+            if decision.action == "cancel":
+                assert not unit.served, (obs.now, decision)
+            if decision.action == "deactivate":
+                assert unit.state in ("serving", "reforming") and active > policy.min_units, (obs.now, decision)
+
+    simulate("faults", demand, policy, capacity=32.0, startup_s=startup_min * 60, drain_s=180.0, hours=hours,
+             start_h=8.0, faults=world_faults, seed=seed, check=check)
+
+
+WINDOW = 30
+
+
+def minutes(*inflight: float | None, capacity: float = 32) -> tuple[float | None, ...]:
+    """A utilisation series (newest first) from in-flight counts."""
+    return tuple(None if i is None else Load(inflight=i, capacity=capacity).utilisation for i in inflight)
+
+
 def serving(index: int, inflight: float) -> Unit:
-    return Unit(index, "serving", Load(inflight=inflight, capacity=32), running_tasks=2)
+    return Unit(index, "serving", minutes(*[inflight] * WINDOW), running_tasks=2, instances=2)
 
 
 POLICY = Policy(min_units=1, max_units=4, nodes=2, target_load=0.5, scale_in_margin=0.2,
@@ -139,7 +222,7 @@ def test_a_deploy_is_never_fought() -> None:
 
 
 def test_scale_out_takes_the_lowest_dormant_units_at_once() -> None:
-    saturated = Unit(1, "serving", Load(inflight=32, capacity=32, waiting=16), running_tasks=2)
+    saturated = Unit(1, "serving", (Load(inflight=32, capacity=32, waiting=16).utilisation,) * 5, running_tasks=2)
     obs = Observation(now=1e5, units=(Unit(0, "dormant"), saturated, Unit(2, "dormant"), Unit(3, "dormant")))
     decision = decide(POLICY, obs)  # load 1.5 at target 0.5: 3 units
     assert (decision.action, decision.units, decision.desired_units) == ("activate", (0, 2), 3)
@@ -152,20 +235,52 @@ def test_scale_in_drains_the_least_loaded_unit_after_the_cooldown() -> None:
     assert (decision.action, decision.units) == ("deactivate", (1,))
 
 
-def test_missing_load_reports_never_scale_in() -> None:
-    units = (Unit(0, "serving", None), Unit(1, "serving", None))
-    assert decide(POLICY, Observation(now=1e5, units=units)).action != "deactivate"
+def test_missing_load_reports_never_scale_in_nor_out() -> None:
+    """No report from any unit: the controller lacks data and holds (no units launched on an outage)."""
+    units = (Unit(0, "serving"), Unit(1, "serving"), Unit(2, "dormant"))
+    assert decide(POLICY, Observation(now=1e5, units=units)).action == "hold"
+    thin = (Unit(0, "serving", minutes(1, *[None] * 20, 1)), Unit(1, "serving", minutes(*[1] * WINDOW)))
+    assert decide(POLICY, Observation(now=1e5, units=thin)).action == "hold"  # one fits, but u0 reported twice
+
+
+def test_a_unit_without_reports_adds_no_load() -> None:
+    """u1 has just joined: u0 still reports the load it carried alone; counting u1 too would launch u2."""
+    units = (serving(0, 12), Unit(1, "serving"), Unit(2, "dormant"), Unit(3, "dormant"))
+    assert decide(POLICY, Observation(now=1e5, units=units)).action == "hold"  # 0.375 at target 0.5: 1 unit
+    units = (serving(0, 24), Unit(1, "serving"), Unit(2, "dormant"), Unit(3, "dormant"))
+    decision = decide(POLICY, Observation(now=1e5, units=units))  # 0.75 at target 0.5: 2 units, 2 active
+    assert decision.action == "hold"
 
 
 def test_a_missed_ttft_objective_scales_out_and_forbids_scale_in() -> None:
     policy = Policy(min_units=1, max_units=4, nodes=2, ttft_p90_ms=1000)
     units = (serving(0, 1), serving(1, 1), Unit(2, "dormant"))
-    decision = decide(policy, Observation(now=1e5, units=units, ttft_p90_ms=2500))
+    decision = decide(policy, Observation(now=1e5, units=units, ttft_p90_ms=(2500.0,) * 5))
     assert decision.action == "activate" and decision.units == (2,)
+    assert decide(policy, Observation(now=1e5, units=units, ttft_p90_ms=(2500.0, 900.0, 900.0))).action == "hold"
+
+
+def test_ttft_measured_before_a_unit_joined_calls_for_no_other() -> None:
+    """u1 turned healthy two minutes ago; the TTFT before was measured on u0 alone. Counting
+    those minutes would launch u2 at once (a closed-loop property found this chain)."""
+    policy = Policy(min_units=1, max_units=4, nodes=2, ttft_p90_ms=1000)
+    joined = Unit(1, "serving", minutes(*[1] * WINDOW), running_tasks=2, instances=2,
+                  health=(1.0, None, 0.0, 0.0, 0.0))
+    units = (serving(0, 1), joined, Unit(2, "dormant"), Unit(3, "dormant"))
+    ttft = (800.0, 800.0, 2500.0, 2500.0, 2500.0)
+    assert decide(policy, Observation(now=1e5, units=units, ttft_p90_ms=ttft)).action == "hold"
+    settled = (2500.0, 2500.0, 2500.0, 2500.0, 2500.0)
+    assert decide(policy, Observation(now=1e5, units=units, ttft_p90_ms=settled)).action == "hold"  # 1 minute
+    healthy = (serving(0, 1), Unit(1, "serving", minutes(*[1] * WINDOW), running_tasks=2, instances=2,
+                                   health=(1.0, None, 1.0, 1.0, 0.0)), Unit(2, "dormant"), Unit(3, "dormant"))
+    # Still missed in 2 minutes with both units healthy: one more.
+    assert decide(policy, Observation(now=1e5, units=healthy, ttft_p90_ms=settled)).action == "activate"
+    later = Observation(now=1e5, units=healthy, ttft_p90_ms=settled, last_scale_out=1e5 - 150)
+    assert decide(policy, later).action == "hold"  # one whole minute since the last action: too few to judge
 
 
 def test_a_capacity_failure_cancels_the_activation_and_backs_off() -> None:
-    units = (serving(0, 32), Unit(1, "starting", running_tasks=0), Unit(2, "dormant"))
+    units = (serving(0, 32), Unit(1, "starting", running_tasks=0, instances=0), Unit(2, "dormant"))
     obs = Observation(now=1000, units=units, last_scale_out=900, capacity_failures=(950,))
     decision = decide(POLICY, obs)
     assert (decision.action, decision.units) == ("cancel", (1,))
@@ -175,6 +290,55 @@ def test_a_capacity_failure_cancels_the_activation_and_backs_off() -> None:
     assert held.action == "hold" and "backoff" in held.reason
     assert decide(POLICY, Observation(now=950 + 601, units=later.units, last_scale_out=900,
                                       capacity_failures=(950,))).action == "activate"
+
+
+def test_a_unit_that_got_its_instances_is_not_cancelled() -> None:
+    """The refusal was for another launch (or an earlier one): this unit has all its nodes and is forming."""
+    units = (serving(0, 32), Unit(1, "starting", running_tasks=2, instances=2), Unit(2, "dormant"))
+    obs = Observation(now=1000, units=units, last_scale_out=900, capacity_failures=(950,))
+    assert decide(POLICY, obs).action == "hold"
+
+
+def test_a_metric_gap_never_cancels_serving_units() -> None:
+    """Issue 21 item 2: three units that served, no datapoint in the window, a refusal after the
+    last scale-out. The latch keeps them serving; the decision holds."""
+    units = tuple(Unit(i, phase_of(desired_tasks=2, running_tasks=2, labelled_instances=2, served=True),
+                       (None,) * WINDOW, running_tasks=2, instances=2) for i in range(3))
+    obs = Observation(now=1e5, units=(*units, Unit(3, "dormant")), last_scale_out=1e5 - 3600,
+                      capacity_failures=(1e5 - 600,))
+    decision = decide(Policy(min_units=1, max_units=4, nodes=2), obs)
+    assert decision.action == "hold", decision
+
+
+def test_one_busy_minute_does_not_scale_out_two_do() -> None:
+    base = [8.0] * WINDOW
+    for busy, action in (([32], "hold"), ([32, 8, 8, 8, 8, 32], "hold"), ([8, 32, 8, 8, 32], "activate")):
+        unit = Unit(0, "serving", minutes(*busy, *base[len(busy):]), running_tasks=2, instances=2)
+        assert decide(POLICY, Observation(now=1e5, units=(unit, Unit(1, "dormant")))).action == action, busy
+
+
+def test_scale_in_waits_for_the_long_window_below_the_lower_line() -> None:
+    """Two units, 29 quiet minutes: 4 busy minutes among them (over 10 %) keep both; 3 do not."""
+    def cell(busy: int) -> Observation:
+        series = minutes(*[1.0] * (WINDOW - busy), *[14.0] * busy)
+        units = tuple(Unit(i, "serving", series, running_tasks=2, instances=2) for i in range(2))
+        return Observation(now=1e5, units=units)
+
+    assert decide(POLICY, cell(4)).action == "hold"
+    assert decide(POLICY, cell(3)).action == "deactivate"
+
+
+def test_no_scale_out_in_the_cooldown_after_a_drain() -> None:
+    units = (serving(0, 30), serving(1, 30), Unit(2, "dormant"))
+    assert decide(POLICY, Observation(now=1e5, units=units, last_scale_in=1e5 - 120)).action == "hold"
+    assert decide(POLICY, Observation(now=1e5, units=units, last_scale_in=1e5 - 300)).action == "activate"
+
+
+def test_the_served_latch_keeps_serving_units_and_forgets_a_drained_one() -> None:
+    units = (serving(0, 1), serving(1, 1), Unit(2, "dormant"))
+    obs = Observation(now=1e5, units=units)
+    assert served_latch(obs, decide(POLICY, obs)) == {0}  # u1 drained (least loaded, highest index)
+    assert served_latch(obs, Decision("hold", "")) == {0, 1}
 
 
 def test_backoff_doubles_on_consecutive_failures_and_is_capped() -> None:
@@ -191,16 +355,22 @@ def test_releasing_goes_before_anything_else() -> None:
 
 
 @pytest.mark.parametrize(
-    ("desired", "running", "labelled", "healthy", "phase"),
-    [(2, 2, 2, True, "serving"), (2, 0, 0, False, "starting"), (0, 1, 2, True, "draining"),
-     (0, 0, 2, False, "releasing"), (0, 0, 0, False, "dormant")],
+    ("desired", "running", "labelled", "served", "phase"),
+    [(2, 2, 2, True, "serving"), (2, 0, 0, False, "starting"), (2, 2, 2, False, "starting"),
+     (0, 1, 2, True, "draining"), (0, 0, 2, False, "releasing"), (0, 0, 0, False, "dormant")],
 )
-def test_phase_of(desired, running, labelled, healthy, phase) -> None:
+def test_phase_of(desired, running, labelled, served, phase) -> None:
     assert phase_of(desired_tasks=desired, running_tasks=running, labelled_instances=labelled,
-                    healthy=healthy) == phase
+                    served=served) == phase
 
 
 def test_policy_bounds_are_checked() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="min_units"):
         Policy(min_units=3, max_units=2, nodes=2)
-    assert math.isfinite(POLICY.target_load)
+    with pytest.raises(ValueError, match="scale_out_window_s"):
+        Policy(min_units=1, max_units=2, nodes=2, scale_out_window_s=600, scale_in_window_s=300)
+    with pytest.raises(ValueError, match="scale_out_minutes"):
+        Policy(min_units=1, max_units=2, nodes=2, scale_out_window_s=60, scale_out_minutes=2)
+    assert POLICY.out_minutes == 5 and POLICY.in_minutes == WINDOW == POLICY.window_minutes
+    assert quantile([3, 1, 2], 0.5) == 2 and quantile([1, 2, 3, 4], 0.5) == 2 and quantile([5], 0.9) == 5
+    assert math.isclose(quantile([float(i) for i in range(10)], 0.9), 8.0)

@@ -29,6 +29,17 @@ POLICY = Policy(min_units=1, max_units=3, nodes=2, target_load=0.5, scale_in_mar
 SETTINGS = Settings(CLUSTER, GROUP, STACK, "dev", "Rufus/UnitProxy", "Rufus/UnitAutoscaler", 32, POLICY)
 
 
+Minutes = tuple[float | None, float | None] | list[tuple[float | None, float | None] | None]
+MINUTE_END = NOW // 60 * 60  # the window ends at the start of the current minute
+
+
+def series(qid: str, values: list[float | None]) -> dict:
+    """A MetricDataResult: the minutes that have a value, newest first, with their timestamps."""
+    kept = [(MINUTE_END - 60 * (k + 1), v) for k, v in enumerate(values) if v is not None]
+    return {"Id": qid, "Timestamps": [datetime.fromtimestamp(t, UTC) for t, _ in kept],
+            "Values": [v for _, v in kept], "StatusCode": "Complete"}
+
+
 def service_arn(unit: str, role: str) -> str:
     return f"arn:aws:ecs:{REGION}:{ACCOUNT}:service/rufus-dev/{unit}-{role}"
 
@@ -66,15 +77,20 @@ class Cell:
             "CreationTime": datetime.fromtimestamp(NOW - 10 * 86400, UTC),
             "LastUpdatedTime": datetime.fromtimestamp(updated, UTC)}]}, {"StackName": STACK})
 
-    def group(self, desired: int, instances: list[str], **tags: float) -> None:
+    def group(self, desired: int, instances: list[str], served: str | None = None, **tags: float) -> None:
+        """The group; `served`: the served latch tag's value (None: no such tag)."""
+        listed = [{"ResourceId": GROUP, "ResourceType": "auto-scaling-group", "Key": k, "Value": str(int(v)),
+                   "PropagateAtLaunch": False} for k, v in tags.items()]
+        if served is not None:
+            listed.append({"ResourceId": GROUP, "ResourceType": "auto-scaling-group", "Key": aws.TAG_SERVED,
+                           "Value": served, "PropagateAtLaunch": False})
         self.autoscaling.add_response("describe_auto_scaling_groups", {"AutoScalingGroups": [{
             "AutoScalingGroupName": GROUP, "MinSize": 2, "MaxSize": 6, "DesiredCapacity": desired,
             "DefaultCooldown": 300, "AvailabilityZones": [f"{REGION}a"], "HealthCheckType": "EC2",
             "CreatedTime": datetime(2026, 1, 1, tzinfo=UTC),
             "Instances": [{"InstanceId": i, "AvailabilityZone": f"{REGION}a", "LifecycleState": "InService",
                            "HealthStatus": "Healthy", "ProtectedFromScaleIn": True} for i in instances],
-            "Tags": [{"ResourceId": GROUP, "ResourceType": "auto-scaling-group", "Key": k, "Value": str(int(v)),
-                      "PropagateAtLaunch": False} for k, v in tags.items()],
+            "Tags": listed,
         }]}, {"AutoScalingGroupNames": [GROUP]})
 
     def services(self, counts_by_unit: dict[str, tuple[int, int]]) -> None:
@@ -94,6 +110,8 @@ class Cell:
         arns = [f"arn:aws:ecs:{REGION}:{ACCOUNT}:container-instance/rufus-dev/{i}" for i in by_instance]
         self.ecs.add_response("list_container_instances", {"containerInstanceArns": arns},
                               {"cluster": CLUSTER, "maxResults": 100})
+        if not arns:
+            return
         self.ecs.add_response("describe_container_instances", {"containerInstances": [
             {"containerInstanceArn": a, "ec2InstanceId": i, "status": "ACTIVE",
              "attributes": [{"name": "unit", "value": u}]} for a, (i, u) in zip(arns, by_instance.items(), strict=True)
@@ -107,15 +125,21 @@ class Cell:
             for n, (t, message) in enumerate(failures)
         ]}, {"AutoScalingGroupName": GROUP, "MaxRecords": 50})
 
-    def metrics(self, loads: dict[str, tuple[float, float]], ttft: float | None = None) -> None:
-        """unit -> (inflight, healthy)."""
-        results = [{"Id": "ttft", "Values": [ttft] if ttft is not None else [], "StatusCode": "Complete"}]
+    def metrics(self, loads: dict[str, Minutes], ttft: float | None = None) -> None:
+        """unit -> (inflight, healthy) in every minute of the window, or a list of them newest first
+        (None, or None in a pair: no datapoint that minute). As CloudWatch answers: newest first,
+        each value with its minute's timestamp, minutes without data left out."""
+        window = POLICY.window_minutes
+        results = [series("ttft", [ttft] * window)]
         for index in range(POLICY.max_units):
-            inflight, healthy = loads.get(f"u{index}", (None, None))
-            for key, value in (("inflight", inflight), ("waiting", 0.0 if inflight is not None else None),
-                               ("kv", 0.1 if inflight is not None else None), ("healthy", healthy)):
-                results.append({"Id": f"{key}{index}", "Values": [] if value is None else [value],
-                                "StatusCode": "Complete"})
+            minutes = loads.get(f"u{index}", (None, None))
+            per_minute = minutes if isinstance(minutes, list) else [minutes] * window
+            pairs = [m if m is not None else (None, None) for m in per_minute]
+            inflight = [i for i, _ in pairs]
+            results += [series(f"inflight{index}", inflight),
+                        series(f"waiting{index}", [None if i is None else 0.0 for i in inflight]),
+                        series(f"kv{index}", [None if i is None else 0.1 for i in inflight]),
+                        series(f"healthy{index}", [h for _, h in pairs])]
         self.cloudwatch.add_response("get_metric_data", {"MetricDataResults": results},
                                      {"MetricDataQueries": ANY, "StartTime": ANY, "EndTime": ANY,
                                       "ScanBy": "TimestampDescending"})
@@ -130,6 +154,11 @@ class Cell:
         self.ecs.add_response("update_service", {"service": {"serviceArn": service_arn(unit, role)}}, {
             "cluster": CLUSTER, "service": service_arn(unit, role), "desiredCount": count})
 
+    def expect_served(self, value: str) -> None:
+        self.autoscaling.add_response("create_or_update_tags", {}, {"Tags": [{
+            "ResourceId": GROUP, "ResourceType": "auto-scaling-group", "Key": aws.TAG_SERVED, "Value": value,
+            "PropagateAtLaunch": False}]})
+
     def expect_tag(self, key: str) -> None:
         self.autoscaling.add_response("create_or_update_tags", {}, {"Tags": [{
             "ResourceId": GROUP, "ResourceType": "auto-scaling-group", "Key": key, "Value": str(int(NOW)),
@@ -139,7 +168,7 @@ class Cell:
 def test_a_loaded_cell_activates_the_lowest_dormant_unit_instances_first() -> None:
     cell = Cell()
     cell.stack()
-    cell.group(2, ["i-a", "i-b"], **{aws.TAG_LAST_OUT: NOW - 3600})
+    cell.group(2, ["i-a", "i-b"], served="1", **{aws.TAG_LAST_OUT: NOW - 3600})
     cell.services({"u0": (0, 0), "u1": (2, 2), "u2": (0, 0)})
     cell.labels({"i-a": "u1", "i-b": "u1"})
     cell.activities()
@@ -157,7 +186,8 @@ def test_a_loaded_cell_activates_the_lowest_dormant_unit_instances_first() -> No
 def test_an_idle_cell_drains_its_least_loaded_unit_leader_first() -> None:
     cell = Cell()
     cell.stack()
-    cell.group(4, ["i-a", "i-b", "i-c", "i-d"], **{aws.TAG_LAST_OUT: NOW - 7200, aws.TAG_LAST_IN: NOW - 7200})
+    cell.group(4, ["i-a", "i-b", "i-c", "i-d"], served="0,1",
+               **{aws.TAG_LAST_OUT: NOW - 7200, aws.TAG_LAST_IN: NOW - 7200})
     cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (0, 0)})
     cell.labels({"i-a": "u0", "i-b": "u0", "i-c": "u1", "i-d": "u1"})
     cell.activities()
@@ -165,13 +195,14 @@ def test_an_idle_cell_drains_its_least_loaded_unit_leader_first() -> None:
     cell.expect_count("u1", "leader", 0)
     cell.expect_count("u1", "followers", 0)
     cell.expect_tag(aws.TAG_LAST_IN)
+    cell.expect_served("0")  # u1 drains: its next life starts unserved
     assert cell.run()["units"] == ["u1"]
 
 
 def test_instances_go_only_after_the_tasks_stopped_unprotected_then_terminated() -> None:
     cell = Cell()
     cell.stack()
-    cell.group(4, ["i-a", "i-b", "i-c", "i-d"])
+    cell.group(4, ["i-a", "i-b", "i-c", "i-d"], served="0")
     cell.services({"u0": (2, 2), "u1": (0, 0), "u2": (0, 0)})
     cell.labels({"i-a": "u0", "i-b": "u0", "i-c": "u1", "i-d": "u1"})
     cell.activities()
@@ -188,7 +219,7 @@ def test_instances_go_only_after_the_tasks_stopped_unprotected_then_terminated()
 def test_a_draining_unit_keeps_its_instances() -> None:
     cell = Cell()
     cell.stack()
-    cell.group(4, ["i-a", "i-b", "i-c", "i-d"], **{aws.TAG_LAST_IN: NOW - 60})
+    cell.group(4, ["i-a", "i-b", "i-c", "i-d"], served="0", **{aws.TAG_LAST_IN: NOW - 60})
     cell.services({"u0": (2, 2), "u1": (0, 1), "u2": (0, 0)})
     cell.labels({"i-a": "u0", "i-b": "u0", "i-c": "u1", "i-d": "u1"})
     cell.activities()
@@ -200,7 +231,7 @@ def test_a_draining_unit_keeps_its_instances() -> None:
 def test_refused_capacity_is_recorded_and_the_activation_cancelled() -> None:
     cell = Cell()
     cell.stack()
-    cell.group(4, ["i-a", "i-b"], **{aws.TAG_LAST_OUT: NOW - 240})
+    cell.group(4, ["i-a", "i-b"], served="1", **{aws.TAG_LAST_OUT: NOW - 240})
     cell.services({"u0": (2, 0), "u1": (2, 2), "u2": (0, 0)})
     cell.labels({"i-a": "u1", "i-b": "u1"})
     message = ("We currently do not have sufficient trn2.48xlarge capacity in the Availability Zone you "
@@ -213,6 +244,128 @@ def test_refused_capacity_is_recorded_and_the_activation_cancelled() -> None:
     summary = cell.run()
     assert summary["action"] == "cancel" and summary["capacity_failures"] == [message]
     assert cell.emf["CapacityFailures"] == 1.0 and cell.emf["Cancelled"] == 1.0
+
+
+# -- serving units are never cancelled (issue 21, item 2) ----------------------------
+
+REFUSAL = ("We currently do not have sufficient trn2.48xlarge capacity in the Availability Zone you "
+           "requested (us-east-2a). InsufficientInstanceCapacity")
+
+
+def test_one_unhealthy_minute_after_a_refusal_keeps_the_only_unit() -> None:
+    """min_units 1, the only unit serving for hours; a refusal newer than the last scale-out
+    (a replacement launch refused), then one minute with UnitHealthy minimum 0. Before: the
+    unit counted as starting and was cancelled, leader and followers to 0."""
+    cell = Cell()
+    cell.stack()
+    cell.group(2, ["i-a", "i-b"], served="0", **{aws.TAG_LAST_OUT: NOW - 5 * 3600, aws.TAG_LAST_IN: NOW - 7200})
+    cell.services({"u0": (2, 2), "u1": (0, 0), "u2": (0, 0)})
+    cell.labels({"i-a": "u0", "i-b": "u0"})
+    cell.activities((NOW - 600, REFUSAL))
+    cell.metrics({"u0": [(8.0, 0.0)] + [(8.0, 1.0)] * (POLICY.window_minutes - 1)})
+    summary = cell.run()  # the Stubber would refuse any UpdateService or SetDesiredCapacity
+    assert summary["action"] == "hold" and summary["phases"]["u0"] == "serving"
+
+
+def test_a_metric_gap_after_a_refusal_keeps_every_serving_unit() -> None:
+    """Three serving units, a refusal newer than the last scale-out, and no datapoint at all in
+    the window (a CloudWatch or EMF gap). Before: all three counted as starting and were cancelled."""
+    cell = Cell()
+    cell.stack()
+    cell.group(6, [f"i-{n}" for n in range(6)], served="0,1,2",
+               **{aws.TAG_LAST_OUT: NOW - 5 * 3600, aws.TAG_LAST_IN: NOW - 7200})
+    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (2, 2)})
+    cell.labels({f"i-{n}": f"u{n // 2}" for n in range(6)})
+    cell.activities((NOW - 600, REFUSAL))
+    cell.metrics({})
+    summary = cell.run()
+    assert summary["action"] == "hold"
+    assert summary["phases"] == {"u0": "serving", "u1": "serving", "u2": "serving"}
+
+
+def test_a_unit_seen_serving_is_latched_on_the_group() -> None:
+    """The first tick that sees u1 healthy writes the latch; u0 stays in it through a gap."""
+    cell = Cell()
+    cell.stack()
+    cell.group(4, ["i-a", "i-b", "i-c", "i-d"], served="0", **{aws.TAG_LAST_OUT: NOW - 3600})
+    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (0, 0)})
+    cell.labels({"i-a": "u0", "i-b": "u0", "i-c": "u1", "i-d": "u1"})
+    cell.activities()
+    cell.metrics({"u0": (None, None), "u1": [(1.0, 1.0), (0.0, 0.0), None]})
+    cell.expect_served("0,1")
+    summary = cell.run()
+    assert summary["done"] == {"served": [0, 1]} and summary["action"] == "hold"
+
+
+def test_a_refused_activation_is_cancelled_but_never_below_min_units() -> None:
+    """Two units starting, neither has instances, launches refused: min_units 1 keeps the lower
+    (the group retries its launch); the other is cancelled and only its nodes given back."""
+    cell = Cell()
+    cell.stack()
+    cell.group(4, [], **{aws.TAG_LAST_OUT: NOW - 300})
+    cell.services({"u0": (2, 0), "u1": (2, 0), "u2": (0, 0)})
+    cell.labels({})
+    cell.activities((NOW - 200, REFUSAL))
+    cell.metrics({})
+    cell.expect_count("u1", "leader", 0)
+    cell.expect_count("u1", "followers", 0)
+    cell.expect_desired(2)
+    summary = cell.run()
+    assert (summary["action"], summary["units"]) == ("cancel", ["u1"])
+    assert summary["phases"] == {"u0": "starting", "u1": "starting", "u2": "dormant"}
+
+
+# -- smoothing (issue 21, item 3) ----------------------------------------------------
+
+
+def test_one_busy_minute_launches_no_unit() -> None:
+    """Two serving units at 10 in flight each for 29 minutes and 30 in the newest one. Before:
+    the newest minute alone asked for a third unit (45 minutes of start-up for one minute)."""
+    cell = Cell()
+    cell.stack()
+    cell.group(4, ["i-a", "i-b", "i-c", "i-d"], served="0,1",
+               **{aws.TAG_LAST_OUT: NOW - 7200, aws.TAG_LAST_IN: NOW - 7200})
+    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (0, 0)})
+    cell.labels({"i-a": "u0", "i-b": "u0", "i-c": "u1", "i-d": "u1"})
+    cell.activities()
+    busy = [(30.0, 1.0)] + [(10.0, 1.0)] * (POLICY.window_minutes - 1)
+    cell.metrics({"u0": busy, "u1": busy})
+    summary = cell.run()
+    assert summary["action"] == "hold"
+
+
+def test_one_quiet_minute_drains_no_unit() -> None:
+    """Two serving units at 14 in flight for 29 minutes and 1 in the newest. Before: the quiet
+    minute fitted one unit and drained the other."""
+    cell = Cell()
+    cell.stack()
+    cell.group(4, ["i-a", "i-b", "i-c", "i-d"], served="0,1",
+               **{aws.TAG_LAST_OUT: NOW - 7200, aws.TAG_LAST_IN: NOW - 7200})
+    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (0, 0)})
+    cell.labels({"i-a": "u0", "i-b": "u0", "i-c": "u1", "i-d": "u1"})
+    cell.activities()
+    quiet = [(1.0, 1.0)] + [(14.0, 1.0)] * (POLICY.window_minutes - 1)
+    cell.metrics({"u0": quiet, "u1": quiet})
+    summary = cell.run()
+    assert summary["action"] == "hold"
+
+
+def test_metrics_are_read_minute_by_minute_with_gaps_in_place() -> None:
+    cell = Cell()
+    results = [series("ttft", [900.0, None, 1100.0]), series("inflight0", [None, 3.0, 5.0]),
+               series("healthy0", [1.0, None, 0.0])]
+    results[1]["Timestamps"].reverse()  # any order: the timestamp says which minute
+    results[1]["Values"].reverse()
+    cell.cloudwatch.add_response("get_metric_data", {"MetricDataResults": results}, {
+        "MetricDataQueries": ANY, "ScanBy": "TimestampDescending",
+        "StartTime": datetime.fromtimestamp(MINUTE_END - 3 * 60, UTC),
+        "EndTime": datetime.fromtimestamp(MINUTE_END, UTC)})
+    with cell.cloudwatch:
+        per_unit, ttft = aws.proxy_metrics(cell.clients.cloudwatch, "Rufus/UnitProxy", "dev", ["u0"], NOW + 42,
+                                           aws.Retry(), minutes=3)
+    assert ttft == (900.0, None, 1100.0)
+    assert per_unit["u0"].inflight == (None, 3.0, 5.0) and per_unit["u0"].healthy == (1.0, None, 0.0)
+    assert per_unit["u0"].waiting == (None, None, None) and per_unit["u0"].healthy_seen
 
 
 def test_nothing_is_read_or_written_while_the_stack_updates() -> None:

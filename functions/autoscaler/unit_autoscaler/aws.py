@@ -13,7 +13,7 @@ import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from botocore.client import BaseClient
@@ -36,6 +36,11 @@ CAPACITY_MESSAGE = re.compile(
 LIVE_STATES = frozenset({"InService", "Pending", "Pending:Wait", "Pending:Proceed"})
 TAG_LAST_OUT = "unit-autoscaler:last-scale-out"
 TAG_LAST_IN = "unit-autoscaler:last-scale-in"
+# Units that have served in their current life ("0,2,3"): a serving unit stays serving through
+# missing or failed health minutes, and is never cancelled. One tag for all units (a group's
+# tags are limited in number); a value holds 0 to 256 characters
+# (https://docs.aws.amazon.com/autoscaling/ec2/APIReference/API_Tag.html): room for 85 indices.
+TAG_SERVED = "unit-autoscaler:served"
 DESCRIBE_SERVICES_PER_CALL = 10
 DESCRIBE_INSTANCES_PER_CALL = 100
 
@@ -167,20 +172,43 @@ def capacity_failures(autoscaling: BaseClient, group: str, retry: Retry, since: 
     return failures
 
 
+Series = tuple[float | None, ...]  # one value per minute, newest first; None: no datapoint
+
+
 @dataclass(frozen=True)
 class UnitMetrics:
-    inflight: float | None = None
-    waiting: float | None = None
-    kv_usage: float | None = None
-    healthy: bool = False
+    """One unit's minutes (newest first) of InFlight, QueueDepth, KvCacheUsage (averages), UnitHealthy (minimum)."""
+
+    inflight: Series = ()
+    waiting: Series = ()
+    kv_usage: Series = ()
+    healthy: Series = ()
+
+    @property
+    def healthy_seen(self) -> bool:
+        """A minute of the window in which every health report of the unit said 1 (it served)."""
+        return any(v == 1.0 for v in self.healthy)
+
+
+def _minute_index(end: float, timestamp: Any) -> int:
+    """Datapoint of the minute [end - 60 (k + 1), end - 60 k) -> k."""
+    return round((end - _epoch(timestamp)) / 60.0) - 1
 
 
 def proxy_metrics(
     cloudwatch: BaseClient, namespace: str, cell: str, unit_ids: Sequence[str], now: float, retry: Retry,
-    window_s: int = 300,
-) -> tuple[dict[str, UnitMetrics], float | None]:
-    """Each unit's newest minute of InFlight, QueueDepth, KvCacheUsage (averages) and UnitHealthy (minimum),
-    and the cell's TimeToFirstToken p90, from the proxies' EMF metrics (one GetMetricData call)."""
+    minutes: int = 30,
+) -> tuple[dict[str, UnitMetrics], Series]:
+    """Each unit's last `minutes` whole minutes of its proxy's EMF metrics, and the cell's TimeToFirstToken p90,
+    minute by minute, newest first (one GetMetricData call, paginated).
+
+    The window ends at the start of the current minute: a minute still being written would
+    report a partial average and a partial health minimum. GetMetricData rounds a start time
+    under 15 days old down to the whole minute and returns each period's datapoint with its
+    timestamp (the period's start), the end time exclusive
+    (https://docs.aws.amazon.com/AmazonCloudWatch/latest/APIReference/API_GetMetricData.html):
+    a minute without a datapoint stays None (no report is not a report of 0).
+    """
     def query(qid: str, name: str, stat: str, dims: dict[str, str]) -> dict[str, Any]:
         return {
             "Id": qid, "ReturnData": True,
@@ -197,30 +225,45 @@ def proxy_metrics(
     for index, unit in enumerate(unit_ids):
         for key, (name, stat) in series.items():
             queries.append(query(f"{key}{index}", name, stat, {"Cell": cell, "Unit": unit}))
-    newest: dict[str, float] = {}
+    end = float(int(now // 60) * 60)
+    minute: dict[str, list[float | None]] = {q["Id"]: [None] * minutes for q in queries}
     token: str | None = None
     while True:
         kwargs: dict[str, Any] = {
-            "MetricDataQueries": queries, "StartTime": datetime.fromtimestamp(now - window_s),
-            "EndTime": datetime.fromtimestamp(now), "ScanBy": "TimestampDescending",
+            "MetricDataQueries": queries, "StartTime": datetime.fromtimestamp(end - 60 * minutes, UTC),
+            "EndTime": datetime.fromtimestamp(end, UTC), "ScanBy": "TimestampDescending",
         }
         if token:
             kwargs["NextToken"] = token
         response = retry.call(cloudwatch.get_metric_data, **kwargs)
         for result in response.get("MetricDataResults", []):
-            if result.get("Values") and result["Id"] not in newest:
-                newest[result["Id"]] = float(result["Values"][0])
+            values = minute.get(str(result.get("Id")))
+            if values is None:
+                continue
+            for stamp, value in zip(result.get("Timestamps", []), result.get("Values", []), strict=False):
+                k = _minute_index(end, stamp)
+                if 0 <= k < minutes and values[k] is None:
+                    values[k] = float(value)
         token = response.get("NextToken")
         if not token:
             break
     per_unit = {
         unit: UnitMetrics(
-            inflight=newest.get(f"inflight{index}"), waiting=newest.get(f"waiting{index}"),
-            kv_usage=newest.get(f"kv{index}"), healthy=newest.get(f"healthy{index}") == 1.0,
+            inflight=tuple(minute[f"inflight{index}"]), waiting=tuple(minute[f"waiting{index}"]),
+            kv_usage=tuple(minute[f"kv{index}"]), healthy=tuple(minute[f"healthy{index}"]),
         )
         for index, unit in enumerate(unit_ids)
     }
-    return per_unit, newest.get("ttft")
+    return per_unit, tuple(minute["ttft"])
+
+
+def served_units(tags: Mapping[str, str]) -> frozenset[int]:
+    """The served latch: units seen serving since their activation, as the group's tag lists them."""
+    found = set()
+    for part in tags.get(TAG_SERVED, "").split(","):
+        if part.strip().isdigit():
+            found.add(int(part))
+    return frozenset(found)
 
 
 # -- writes ------------------------------------------------------------------------
@@ -261,4 +304,12 @@ def record_time(autoscaling: BaseClient, group: str, key: str, now: float, retry
     retry.call(autoscaling.create_or_update_tags, Tags=[{
         "ResourceId": group, "ResourceType": "auto-scaling-group", "Key": key, "Value": str(int(now)),
         "PropagateAtLaunch": False,
+    }])
+
+
+def record_served(autoscaling: BaseClient, group: str, served: frozenset[int], retry: Retry) -> None:
+    """Write the served latch (see TAG_SERVED)."""
+    retry.call(autoscaling.create_or_update_tags, Tags=[{
+        "ResourceId": group, "ResourceType": "auto-scaling-group", "Key": TAG_SERVED,
+        "Value": ",".join(str(i) for i in sorted(served)), "PropagateAtLaunch": False,
     }])

@@ -8,13 +8,15 @@ creation would never stabilise), and an update must not reset what the autoscale
 So each unit service's DesiredCount is `Fn::GetAtt` of this resource:
 
 - Create: the initial counts (units below min_units active, the others 0);
-- Update (on every deploy that changes a unit's task definition or the fleet file, see
-  the construct): each service's current desired count, read from ECS; a service not
-  created yet gets its initial count;
+- Update (on every deploy that changes the fleet file or anything CloudFormation would
+  update a unit service for: the resource carries a fingerprint of every service's other
+  properties, cell_constructs/unit_autoscaler.py `watch_services`): each service's current
+  desired count, read from ECS; a service not created yet gets its initial count;
 - Delete: nothing.
 
 CloudFormation then writes back the value each service already has. The autoscaler does
-not act while the stack is updating, so nothing moves between the read and the write.
+not act while the stack is updating, and the function runs one invocation at a time
+(reserved concurrency 1), so no tick moves a count between the read and the write.
 """
 
 from __future__ import annotations

@@ -10,8 +10,12 @@ asks `decision.decide` for at most one action and carries it out:
 - deactivate: leader 0, then followers 0 (ECS sends SIGTERM; the proxy drains);
 - release: once the unit's tasks have all stopped, lift the protection of its instances
   and terminate them, decrementing the desired capacity;
-- cancel: instances could not be obtained: the starting unit's services to 0 and the
-  desired capacity back to the live instances (no launch retried in a loop).
+- cancel: instances could not be obtained for units that never served: their services to 0
+  and the desired capacity down by the instances they lack (no launch retried in a loop).
+
+The tick also keeps the served latch (`aws.TAG_SERVED`): every unit seen serving since its
+activation, so that a missing or failed health minute never turns a serving unit back into
+a starting one that a capacity refusal could cancel.
 
 Every tick writes one EMF line (namespace AUTOSCALER_NAMESPACE, dimension Cell) with the
 decision's figures, the capacity failures seen and the action, plus a log line with why.
@@ -32,10 +36,13 @@ from typing import Any
 from botocore.client import BaseClient
 
 from unit_autoscaler import aws, counts
-from unit_autoscaler.decision import Decision, Load, Observation, Policy, Unit, decide, phase_of
+from unit_autoscaler.decision import Decision, Load, Observation, Policy, Unit, decide, phase_of, served_latch
 
 LOG = logging.getLogger(__name__)
 LOG.setLevel(logging.INFO)
+# Refusals this old still count for the backoff streak (decision.backoff_until). Whether one
+# cancels a unit depends on the unit (never served, lacks instances) and on the refusal being
+# newer than the last scale-out, not on this lookback.
 CAPACITY_LOOKBACK_S = 86400.0
 CAPACITY_METRIC_WINDOW_S = 120.0
 
@@ -96,27 +103,36 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
     labelled = aws.unit_instances(clients.ecs, settings.cluster, retry)
     failures = aws.capacity_failures(clients.autoscaling, settings.group, retry, now - CAPACITY_LOOKBACK_S)
     metrics, ttft = aws.proxy_metrics(clients.cloudwatch, settings.proxy_namespace, settings.cell,
-                                      settings.unit_ids, now, retry)
+                                      settings.unit_ids, now, retry, minutes=settings.policy.window_minutes)
+    latched = aws.served_units(group.tags)
     units = []
     for index, unit_id in enumerate(settings.unit_ids):
         roles = [services.get((unit_id, role)) for role in ("leader", "followers")]
         desired = sum(s.desired for s in roles if s)
         running = sum(s.running for s in roles if s)
         m = metrics[unit_id]
-        phase = phase_of(desired_tasks=desired, running_tasks=running,
-                         labelled_instances=len(labelled.get(unit_id, [])), healthy=m.healthy)
-        load = None
-        if m.inflight is not None:
-            load = Load(inflight=m.inflight, capacity=settings.capacity, waiting=m.waiting, kv_usage=m.kv_usage)
-        units.append(Unit(index, phase, load, running_tasks=running))
+        instances = len(labelled.get(unit_id, []))
+        phase = phase_of(desired_tasks=desired, running_tasks=running, labelled_instances=instances,
+                         served=index in latched or m.healthy_seen)
+        units.append(Unit(index, phase, utilisation(m, settings.capacity), running_tasks=running,
+                          instances=instances, health=m.healthy))
     # A deploy restarts units: count its end as a scaling event for the scale-in cool-down.
     last_in = max((t for t in (_tag_time(group.tags, aws.TAG_LAST_IN), last_update) if t is not None), default=None)
     obs = Observation(
         now=now, units=tuple(units), last_scale_out=_tag_time(group.tags, aws.TAG_LAST_OUT), last_scale_in=last_in,
         capacity_failures=tuple(t for t, _ in failures), ttft_p90_ms=ttft,
     )
-    context.update(services=services, labelled=labelled, failures=failures)
+    context.update(services=services, labelled=labelled, failures=failures, served=latched)
     return obs, context
+
+
+def utilisation(metrics: aws.UnitMetrics, capacity: int) -> tuple[float | None, ...]:
+    """A unit's load minute by minute (decision.Load); a minute without InFlight has no load report."""
+    return tuple(
+        None if inflight is None
+        else Load(inflight=inflight, capacity=capacity, waiting=waiting, kv_usage=kv).utilisation
+        for inflight, waiting, kv in zip(metrics.inflight, metrics.waiting, metrics.kv_usage, strict=True)
+    )
 
 
 def act(settings: Settings, clients: Clients, decision: Decision, context: Mapping[str, Any], now: float,
@@ -154,10 +170,14 @@ def act(settings: Settings, clients: Clients, decision: Decision, context: Mappi
         for unit_id in unit_ids:
             set_role(unit_id, "leader", 0)
             set_role(unit_id, "followers", 0)
-        live = len(group.live_instances)
-        if group.desired > live:
-            aws.set_desired_capacity(clients.autoscaling, settings.group, live, retry)
-            done["desired_capacity"] = live
+        # Give back the instances the cancelled units lack, not those of units kept for min_units
+        # (the group keeps retrying their launch); the ones they got are released next tick.
+        labelled = context.get("labelled", {})
+        lacking = sum(max(0, nodes - len(labelled.get(unit_id, []))) for unit_id in unit_ids)
+        desired = max(len(group.live_instances), group.desired - lacking)
+        if desired < group.desired:
+            aws.set_desired_capacity(clients.autoscaling, settings.group, desired, retry)
+            done["desired_capacity"] = desired
     return done
 
 
@@ -178,6 +198,11 @@ def tick(settings: Settings, clients: Clients, now: float, retry: aws.Retry,
     obs, context = observe(settings, clients, now, retry)
     decision = decide(settings.policy, obs)
     done = act(settings, clients, decision, context, now, retry) if decision.action != "hold" else {}
+    if not obs.stack_busy:
+        served = served_latch(obs, decision)
+        if served != context["served"]:
+            aws.record_served(clients.autoscaling, settings.group, served, retry)
+            done["served"] = sorted(served)
     recent = [(t, m) for t, m in context.get("failures", []) if t >= now - CAPACITY_METRIC_WINDOW_S]
     summary = {
         "action": decision.action, "units": [f"u{i}" for i in decision.units], "reason": decision.reason,

@@ -1,10 +1,12 @@
 """Host quarantine: which instance a unit failure implicates, and when an instance is out.
 
 A pure module, no AWS in here. The unit launcher logs one `unit_session_end` event per
-session (containers/inference/unit_launcher/evidence.py); a CloudWatch Logs subscription
-brings the failures to the controller through its FIFO trigger queue. Each failure that
-names a member (`ended_by`) counts against that member's instance. An instance named in
-`failures` unit failures within `window_seconds` is quarantined.
+session (containers/inference/unit_launcher/evidence.py), and when a leader vanished its
+rank 1 follower logs one too; a CloudWatch Logs subscription brings them to the controller
+through its FIFO trigger queue. Each failure names a member (`ended_by`) and, for the
+causes in ACCUSING_CAUSES, an accuser (who said the member went silent). Whether it counts
+against the member is decided with every report of the same session (`blame`). An
+instance with `failures` counted unit failures within `window_seconds` is quarantined.
 
 The failure times of an instance are kept on the instance itself, in the ECS attribute
 `unit-failures` (Unix seconds separated by spaces): the controller already reads and
@@ -49,6 +51,12 @@ IMPLICATING_CAUSES = frozenset(
 # leaves with its status; one that leaves without (a launcher of a version that sent none)
 # gives no evidence that its node failed.
 IMPLICATING_WITH_EXIT_STATUS = frozenset({"member_left"})
+# Silence seen from one side: "I stopped hearing from X". A cut link between two live hosts
+# looks the same from both ends, so these count only as `blame` allows (the accuser's own
+# standing in the same session, repeated sessions with different partners). The accuser is
+# the leader (rank 0 of `members`) for the leader's causes, `reported_by` for a follower's
+# `leader_unreachable`.
+ACCUSING_CAUSES = frozenset({"heartbeat_loss", "member_lost", "leader_unreachable"})
 # Causes that never implicate a host, and why.
 NOT_IMPLICATING_CAUSES: Mapping[str, str] = {
     "deliberate_stop": "the leader was stopped on purpose (a deployment, a scale-in, a drained instance)",
@@ -64,6 +72,14 @@ NOT_IMPLICATING_CAUSES: Mapping[str, str] = {
 # spaces, neither first nor last a space
 # (https://docs.aws.amazon.com/AmazonECS/latest/APIReference/API_Attribute.html).
 ATTRIBUTE_VALUE_LIMIT = 128
+# The reports of one session (the leader's, its rank 1 follower's) reach the controller within
+# seconds of each other: both are log lines of the same moment, delivered by the same
+# subscription and queue. An accusation waits this long for the other side's report before
+# it may count on its own (a silent member that wrote nothing: a host gone or frozen). Ten
+# minutes covers the forwarder's asynchronous retries (two, over about three minutes:
+# https://docs.aws.amazon.com/lambda/latest/dg/invocation-async-error-handling.html) and a
+# sweep period (5 min).
+SETTLE_SECONDS = 600
 _NOT_IN_VALUE = re.compile(r"[^A-Za-z0-9_.@/\\: -]+")
 
 
@@ -77,6 +93,12 @@ class Failure:
     ended_at: int
     suspect: str
     address: str = ""
+    # The member whose report this is, when the cause is an accusation of silence (ACCUSING_CAUSES).
+    accuser: str = ""
+
+    @property
+    def accusation(self) -> bool:
+        return self.cause in ACCUSING_CAUSES
 
 
 @dataclass(frozen=True)
@@ -109,19 +131,36 @@ def failure_from_event(event: Mapping[str, Any]) -> Failure | None:
         ended_at=ended_at,
         suspect=str(ended_by["instance_id"]),
         address=str(ended_by.get("address") or ""),
+        accuser=reporter(event),
     )
 
 
+def reporter(event: Mapping[str, Any]) -> str:
+    """The member who wrote the event: `reported_by` (a follower's report), else the leader (rank 0)."""
+    reported_by = event.get("reported_by")
+    if isinstance(reported_by, Mapping) and reported_by.get("instance_id"):
+        return str(reported_by["instance_id"])
+    members = event.get("members")
+    for member in members if isinstance(members, list) else []:
+        if isinstance(member, Mapping) and member.get("rank") == 0 and member.get("instance_id"):
+            return str(member["instance_id"])
+    return ""
+
+
 def failures_from_records(records: Iterable[Mapping[str, Any]]) -> list[Failure]:
-    """The failures among the trigger records (other records are EventBridge events); one per session."""
-    found: dict[tuple[str, str], Failure] = {}
+    """The failures among the trigger records (other records are EventBridge events).
+
+    One per report: both sides' reports of one session are kept (the leader's and its rank 1
+    follower's), since `blame` reads them together; a report delivered twice counts once."""
+    found: dict[tuple[str, str, str, str], Failure] = {}
     for record in records:
         if record.get("source") != EVENT_SOURCE or not isinstance(record.get("detail"), Mapping):
             continue
         failure = failure_from_event(record["detail"])
         if failure is not None:
-            found.setdefault((failure.unit, failure.session_id or str(failure.ended_at)), failure)
-    return sorted(found.values(), key=lambda f: (f.ended_at, f.unit, f.session_id))
+            key = (failure.unit, failure.session_id or str(failure.ended_at), failure.suspect, failure.accuser)
+            found.setdefault(key, failure)
+    return sorted(found.values(), key=lambda f: (f.ended_at, f.unit, f.session_id, f.suspect))
 
 
 def parse_times(value: str | None) -> set[int]:
@@ -141,13 +180,19 @@ def format_times(times: Iterable[int]) -> str:
 
 
 def recent(times: Iterable[int], now: float, policy: QuarantinePolicy) -> list[int]:
-    """The failure times inside the window ending now, newest first, at most `failures` of them."""
-    inside = sorted((t for t in set(times) if now - t < policy.window_seconds), reverse=True)
-    return inside[: policy.failures]
+    """The failure times still looked at, newest first: within the window plus the settling time.
+
+    An accusation counts only once settled (SETTLE_SECONDS after its session ended),
+    so the times are kept that much longer than the window; whether K of them fall in one
+    window is `reaches_quarantine`'s question, measured between the failures themselves."""
+    return sorted((t for t in set(times) if now - t < policy.window_seconds + SETTLE_SECONDS), reverse=True)
 
 
 def reaches_quarantine(times: Iterable[int], now: float, policy: QuarantinePolicy) -> bool:
-    return len(recent(times, now, policy)) >= policy.failures
+    """Whether `failures` of the times still looked at lie within one window (newest minus oldest < window)."""
+    kept = sorted(recent(times, now, policy))
+    span = policy.failures - 1
+    return any(kept[i + span] - kept[i] < policy.window_seconds for i in range(len(kept) - span))
 
 
 def attribute_value(text: str) -> str:

@@ -1,8 +1,8 @@
-"""Unit failure events from CloudWatch Logs into the controller's FIFO trigger queue.
+"""The launcher's events from CloudWatch Logs into the controller's FIFO trigger queue.
 
 A subscription filter on the cell's task log group invokes the function with the
-launcher's `unit_session_end` lines (CloudWatch Logs sends them base64-encoded and
-gzipped, https://docs.aws.amazon.com/AmazonCloudWatch/latest/logs/SubscriptionFilters.html#LambdaFunctionExample).
+launcher's `unit_session_end` and `unit_session_formed` lines and the spare role's
+`spare_ready` lines (CloudWatch Logs sends them base64-encoded and gzipped, https://docs.aws.amazon.com/AmazonCloudWatch/latest/logs/SubscriptionFilters.html#LambdaFunctionExample).
 This path only enqueues: each event becomes one message of the trigger queue's single
 message group, so the quarantine is decided by a normal, serialised run and never
 overlaps with another. The log event id is the deduplication id: a subscription that
@@ -24,10 +24,14 @@ from botocore.client import BaseClient
 from placement_controller import aws
 from placement_controller.failures import EVENT_DETAIL_TYPE, EVENT_SOURCE
 
+SPARE_DETAIL_TYPE = "Spare Ready"
+FORMED_DETAIL_TYPE = "Unit Session Formed"
+
 LOG = logging.getLogger(__name__)
 MESSAGE_GROUP = "cell"
 # What the controller reads of an event; the engine's log tail and step records stay in the log.
-KEPT_FIELDS = ("event", "cell", "unit_id", "revision", "session_id", "cause", "ended_by", "exit_status", "ended_at")
+KEPT_FIELDS = ("event", "cell", "unit_id", "revision", "session_id", "cause", "ended_by", "exit_status", "ended_at",
+               "reported_by")
 REASON_LIMIT = 500
 
 
@@ -36,22 +40,59 @@ def is_log_delivery(event: Mapping[str, Any]) -> bool:
 
 
 def log_events(event: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-    """The log events of one subscription delivery (none for CloudWatch's control message)."""
+    """The log events of one subscription delivery (none for CloudWatch's control message).
+
+    Each carries its delivery's `logStream` (the payload names it once for all its events)."""
     payload = json.loads(gzip.decompress(base64.b64decode(event["awslogs"]["data"])))
     if payload.get("messageType") != "DATA_MESSAGE":
         return []
-    return [e for e in payload.get("logEvents", []) if isinstance(e, Mapping)]
+    stream = str(payload.get("logStream") or "")
+    return [{**e, "logStream": stream} for e in payload.get("logEvents", []) if isinstance(e, Mapping)]
+
+
+def _spare_ready(document: Mapping[str, Any], log_event: Mapping[str, Any]) -> dict[str, Any]:
+    """A spare task's `spare_ready` line: the task is the last part of its awslogs stream name
+    (`prefix/container/task-id`, https://docs.aws.amazon.com/AmazonECS/latest/developerguide/using_awslogs.html)."""
+    return {
+        "event": "spare_ready",
+        "cell": document.get("cell"),
+        "revision": document.get("revision"),
+        "time": document.get("time"),
+        "task_id": str(log_event.get("logStream") or "").rsplit("/", 1)[-1],
+    }
+
+
+def _members(document: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The members' ranks and ids (task ARNs on ECS), nothing else."""
+    members = document.get("members")
+    return [
+        {"rank": m.get("rank"), "instance_id": m.get("instance_id")}
+        for m in (members if isinstance(members, list) else [])
+        if isinstance(m, Mapping)
+    ]
 
 
 def trigger_message(log_event: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The trigger-queue message of one log line, or None when it is no session end."""
+    """The trigger-queue message of one log line, or None when it is none of the launcher's events."""
     try:
         document = json.loads(str(log_event.get("message", "")))
     except ValueError:
         return None
+    event_id = str(log_event.get("id", ""))
+    if isinstance(document, Mapping) and document.get("event") == "spare_ready":
+        return {"source": EVENT_SOURCE, "detail-type": SPARE_DETAIL_TYPE, "id": event_id,
+                "detail": _spare_ready(document, log_event)}
+    if isinstance(document, Mapping) and document.get("event") == "unit_session_formed":
+        detail = {key: document.get(key) for key in ("event", "cell", "unit_id", "revision", "session_id",
+                                                      "released_at")}
+        return {"source": EVENT_SOURCE, "detail-type": FORMED_DETAIL_TYPE, "id": event_id,
+                "detail": {**detail, "members": _members(document)}}
     if not isinstance(document, Mapping) or document.get("event") != "unit_session_end":
         return None
     detail = {key: document.get(key) for key in KEPT_FIELDS}
+    # Who wrote it (the leader, rank 0, unless `reported_by` says): the quarantine reads both
+    # sides' reports of a session together (placement_controller/blame.py).
+    detail["members"] = _members(document)
     detail["reason"] = str(document.get("reason") or "")[:REASON_LIMIT]
     return {
         "source": EVENT_SOURCE,
@@ -78,5 +119,5 @@ def forward(event: Mapping[str, Any], sqs: BaseClient, queue_url: str, retry: aw
             MessageDeduplicationId=(message["id"] or hashlib.sha256(body.encode()).hexdigest())[:128],
         )
         sent += 1
-    LOG.info("forwarded %d unit session ends to the trigger queue", sent)
+    LOG.info("forwarded %d unit session ends and spare reports to the trigger queue", sent)
     return {"forwarded": sent}

@@ -15,11 +15,14 @@ and never planned again. A unit that lost a node gets the nearest warm spare
 (`unit = spare`) before any cold instance; free instances left over become spares. A
 CloudWatch Logs delivery (the failures themselves) is only enqueued (`forward`). An
 instance whose ECS agent stays disconnected past a grace period is also marked unhealthy,
-within the same cap (`ecs_health`).
+within the same cap (`ecs_health`). The leader's `unit_session_formed` line and a spare's
+`spare_ready` line, brought by the same log subscription, are recorded on their instances
+(`unit-session`, `spare-ready`): the evidence of the rolling-update signals (`signals`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -42,8 +45,10 @@ from placement_controller.assignment import (
     Plan,
     plan_cell,
 )
+from placement_controller.blame import ACCUSED_ATTRIBUTE
 from placement_controller.ecs_health import DISCONNECTED_ATTRIBUTE, EcsHealthObservation, EcsHealthPolicy
 from placement_controller.failures import (
+    EVENT_SOURCE,
     FAILURES_ATTRIBUTE,
     QUARANTINE_ATTRIBUTE,
     QuarantinePolicy,
@@ -209,10 +214,75 @@ def _quarantine(
     )
 
 
+def _launcher_records(
+    settings: Settings,
+    clients: Clients,
+    container_instances: list[aws.ContainerInstance],
+    event: Mapping[str, Any],
+    retry: aws.Retry,
+) -> dict[tuple[str, str], str]:
+    """(EC2 instance id, attribute) -> new value, from the triggers' `spare_ready` and `unit_session_formed` lines.
+
+    A spare task's readiness goes to its instance (`spare-ready`: when); a released session
+    to each member's instance (`unit-session`: `<unit>@<released_at>`). Members are task
+    ARNs or ids on ECS (one DescribeTasks for all), EC2 instance ids in tests."""
+    wanted: list[tuple[str, str, str]] = []  # (member, attribute, value)
+    for record in signals.records(event):
+        detail = record.get("detail")
+        if record.get("source") != EVENT_SOURCE or not isinstance(detail, Mapping):
+            continue
+        try:
+            if detail.get("event") == "spare_ready" and detail.get("task_id"):
+                wanted.append((str(detail["task_id"]), signals.SPARE_READY_ATTRIBUTE, f"{float(detail['time']):.0f}"))
+            elif detail.get("event") == "unit_session_formed" and detail.get("unit_id"):
+                value = f"{detail['unit_id']}@{float(detail['released_at']):.0f}"
+                wanted += [(str(m["instance_id"]), signals.SESSION_ATTRIBUTE, value)
+                           for m in detail.get("members") or [] if isinstance(m, Mapping) and m.get("instance_id")]
+        except (KeyError, TypeError, ValueError):
+            LOG.warning("ignored a malformed %s record: %s", detail.get("event"), detail)
+    by_instance = {ci.ec2_instance_id: ci for ci in container_instances}
+    by_arn = {ci.arn: ci for ci in container_instances}
+    tasks = sorted({member for member, _, _ in wanted if member not in by_instance})
+    hosts = aws.task_container_instances(clients.ecs, settings.cluster, tasks, retry) if tasks else {}
+    # DescribeTasks answers with full ARNs; a member given by its task id is found by the ARN's last part.
+    hosts.update({arn.rsplit("/", 1)[-1]: host for arn, host in list(hosts.items())})
+    values: dict[tuple[str, str], str] = {}
+    for member, name, value in wanted:
+        ci = by_instance.get(member) or by_arn.get(hosts.get(member, ""))
+        if ci is not None and ci.attributes.get(name) != value:
+            values[(ci.ec2_instance_id, name)] = value
+    return values
+
+
+def _signal(
+    settings: Settings,
+    clients: Clients,
+    plan: Plan,
+    by_instance: Mapping[str, aws.ContainerInstance],
+    records: Mapping[tuple[str, str], str],
+    retry: aws.Retry,
+) -> list[str] | None:
+    """Rolling-update signals for the new instances that serve again or are ready spares (None: not configured)."""
+    signal_settings = signals.SignalSettings.from_env(os.environ)
+    if signal_settings is None or clients.cloudformation is None or clients.elbv2 is None:
+        return None
+    known = {}
+    for instance_id, ci in by_instance.items():
+        written = {name: value for (i, name), value in records.items() if i == instance_id}
+        known[instance_id] = dataclasses.replace(ci, attributes={**ci.attributes, **written}) if written else ci
+    view = signals.CellView(units=plan.units, container_instances=known, missing=plan.missing, spares=plan.spares,
+                            spare_nodes=settings.spare_nodes)
+    return signals.signal_ready_instances(
+        signal_settings, settings.auto_scaling_group, view,
+        clients.cloudformation, clients.autoscaling, clients.elbv2, retry,
+    )
+
+
 def _quarantine_writes(
     step: QuarantineStep, by_instance: Mapping[str, aws.ContainerInstance]
 ) -> list[dict[str, str]]:
     puts = [_attribute(FAILURES_ATTRIBUTE, by_instance[i].arn, v) for i, v in sorted(step.failure_times.items())]
+    puts += [_attribute(ACCUSED_ATTRIBUTE, by_instance[i].arn, v) for i, v in sorted(step.accusations.items())]
     puts += [_attribute(QUARANTINE_ATTRIBUTE, by_instance[i].arn, v) for i, v in sorted(step.quarantined_now.items())]
     return puts
 
@@ -331,6 +401,8 @@ def reconcile(
     # ECS has no conditional PutAttributes: re-read the instances about to change and
     # leave alone any that took a (unit) task since the first read.
     puts = _quarantine_writes(step, by_instance)
+    records = _launcher_records(settings, clients, container_instances, event, retry)
+    puts += [_attribute(name, by_instance[i].arn, v) for (i, name), v in sorted(records.items())]
     agent_puts, agent_deletes = _agent_attribute_writes(agents, by_instance)
     puts += agent_puts
     deletes += agent_deletes
@@ -370,14 +442,13 @@ def reconcile(
             "unresolved_failures": step.unresolved,
             "spares_assigned": dict(sorted(gifts.items())),
             "spare_tasks_stopped": stopped,
+            "spares_ready": sorted(i for i, name in records if name == signals.SPARE_READY_ATTRIBUTE),
+            "sessions_recorded": sorted(i for i, name in records if name == signals.SESSION_ATTRIBUTE),
         }
     )
-    signal_settings = signals.SignalSettings.from_env(os.environ)
-    if signal_settings is not None and clients.cloudformation is not None and clients.elbv2 is not None:
-        summary["signalled"] = signals.signal_serving_units(
-            signal_settings, settings.auto_scaling_group, plan.units,
-            clients.cloudformation, clients.autoscaling, clients.elbv2, retry,
-        )
+    signalled = _signal(settings, clients, plan, by_instance, records, retry)
+    if signalled is not None:
+        summary["signalled"] = signalled
     _publish(settings, plan, summary, emit)
     return summary
 

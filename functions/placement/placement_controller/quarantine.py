@@ -1,10 +1,16 @@
-"""One run's quarantine step: count the new failures against their instances, quarantine the worst.
+"""One run's quarantine step: record the new failures on their instances, then judge every instance.
 
 The launcher names a member by its ECS task ARN (on AWS the only id its task metadata
 gives, unit_launcher/identity.py) or, in tests and local runs, by an EC2 instance id.
 A task ARN is mapped to its container instance with ecs:DescribeTasks, which still
 answers for a task that stopped within the last hour or so; a failure whose member
 cannot be found any more (its instance already left) is reported and dropped.
+
+A member's own failures are kept in its `unit-failures` attribute, accusations of silence
+in its `unit-accused` attribute (`blame`). Every run judges every instance from what the
+attributes hold, not only those the run's failures name: a host held back by the cap is
+taken as soon as the cap allows, and an accusation counts once it has settled, without
+waiting for another failure.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from placement_controller import aws
+from placement_controller import aws, blame
 from placement_controller.failures import (
     FAILURES_ATTRIBUTE,
     QUARANTINE_ATTRIBUTE,
@@ -34,8 +40,9 @@ TaskLookup = Callable[[Sequence[str]], Mapping[str, str]]
 class QuarantineStep:
     """What the run writes for the failures, and which instances are out."""
 
-    # EC2 instance id -> new value of its `unit-failures` / `quarantine` attribute.
+    # EC2 instance id -> new value of its `unit-failures` / `unit-accused` / `quarantine` attribute.
     failure_times: dict[str, str] = field(default_factory=dict)
+    accusations: dict[str, str] = field(default_factory=dict)
     quarantined_now: dict[str, str] = field(default_factory=dict)
     # Every instance marked, before this run or by it.
     in_quarantine: set[str] = field(default_factory=set)
@@ -46,23 +53,47 @@ class QuarantineStep:
 
 def resolve(
     failures: Sequence[Failure], by_arn: Mapping[str, aws.ContainerInstance], lookup_tasks: TaskLookup
-) -> tuple[dict[str, list[Failure]], list[str]]:
-    """EC2 instance id -> the failures that name it; and the suspects that could not be found."""
+) -> dict[str, str]:
+    """Member id (task ARN or EC2 instance id) -> EC2 instance id, for every suspect and accuser found."""
     by_instance = {ci.ec2_instance_id: ci for ci in by_arn.values()}
-    tasks = [f.suspect for f in failures if ":task/" in f.suspect]
+    members = {m for f in failures for m in (f.suspect, f.accuser) if m}
+    tasks = sorted(m for m in members if ":task/" in m)
     task_hosts = lookup_tasks(tasks) if tasks else {}
-    implicated: dict[str, list[Failure]] = {}
-    unresolved: list[str] = []
+    found: dict[str, str] = {}
+    for member in members:
+        if member in by_instance:
+            found[member] = member
+        elif task_hosts.get(member) in by_arn:
+            found[member] = by_arn[task_hosts[member]].ec2_instance_id
+    return found
+
+
+def _record(
+    failures: Sequence[Failure],
+    ids: Mapping[str, str],
+    own: dict[str, set[int]],
+    marks: dict[str, set[blame.Mark]],
+    step: QuarantineStep,
+) -> dict[str, Failure]:
+    """Add each failure to its instance's own times or marks; returns the newest failure per instance."""
+    newest: dict[str, Failure] = {}
     for failure in failures:
-        if failure.suspect in by_instance:
-            instance_id = failure.suspect
-        elif task_hosts.get(failure.suspect) in by_arn:
-            instance_id = by_arn[task_hosts[failure.suspect]].ec2_instance_id
-        else:
-            unresolved.append(failure.suspect)
+        instance_id = ids.get(failure.suspect)
+        if instance_id is None:
+            step.unresolved.append(failure.suspect)
             continue
-        implicated.setdefault(instance_id, []).append(failure)
-    return implicated, unresolved
+        if instance_id in step.in_quarantine:
+            continue
+        if failure.accusation:
+            # An accuser not found (its instance left) keeps its own id as partner: never accused here.
+            accuser = ids.get(failure.accuser, failure.accuser)
+            mark = blame.Mark(failure.ended_at, blame.session_tag(failure.unit, failure.session_id or
+                                                                   str(failure.ended_at)), blame.tag(accuser))
+            marks.setdefault(instance_id, set()).add(mark)
+        else:
+            own.setdefault(instance_id, set()).add(failure.ended_at)
+        newest[instance_id] = failure
+    return newest
 
 
 def quarantine_step(
@@ -72,36 +103,51 @@ def quarantine_step(
     lookup_tasks: TaskLookup,
     now: float,
 ) -> QuarantineStep:
-    """Count each new failure against its instance; quarantine an instance that reaches the limit.
+    """Record each new failure on its instance; quarantine the instances whose counted failures reach the limit.
 
     At most `policy.max_instances` instances are in quarantine at once: failures spread
     over many hosts point at the software (a bad revision), which the deployment's own
-    rollback handles; replacing every host would not help.
+    rollback handles; replacing every host would not help. Among the instances over the
+    limit, the most failures first (then the instance id).
     """
     step = QuarantineStep()
     by_arn = {ci.arn: ci for ci in container_instances}
-    by_instance = {ci.ec2_instance_id: ci for ci in container_instances}
     step.in_quarantine = {ci.ec2_instance_id for ci in container_instances if QUARANTINE_ATTRIBUTE in ci.attributes}
-    implicated, step.unresolved = resolve(failures, by_arn, lookup_tasks)
-    for instance_id in sorted(implicated):
-        ci = by_instance[instance_id]
-        if instance_id in step.in_quarantine:
+    own = {ci.ec2_instance_id: parse_times(ci.attributes.get(FAILURES_ATTRIBUTE)) for ci in container_instances}
+    marks = {ci.ec2_instance_id: blame.parse_marks(ci.attributes.get(blame.ACCUSED_ATTRIBUTE))
+             for ci in container_instances}
+    before = {i: (set(own[i]), set(marks[i])) for i in own}
+    newest = _record(failures, resolve(failures, by_arn, lookup_tasks), own, marks, step)
+    horizon = policy.window_seconds + blame.SETTLE_SECONDS
+    for ci in container_instances:
+        instance_id = ci.ec2_instance_id
+        if instance_id not in newest:
             continue
-        before = parse_times(ci.attributes.get(FAILURES_ATTRIBUTE))
-        new = {f.ended_at for f in implicated[instance_id]} - before
-        times = before | new
-        step.counted += len([t for t in new if now - t < policy.window_seconds])
-        value = format_times(recent(times, now, policy))
-        if value and value != ci.attributes.get(FAILURES_ATTRIBUTE):
-            step.failure_times[instance_id] = value
-        if not reaches_quarantine(times, now, policy):
-            continue
+        new_times = own[instance_id] - before[instance_id][0]
+        new_marks = marks[instance_id] - before[instance_id][1]
+        step.counted += len([t for t in new_times if now - t < horizon])
+        step.counted += len([m for m in new_marks if now - m.at < horizon])
+        times = format_times(recent(own[instance_id], now, policy))
+        if new_times and times and times != ci.attributes.get(FAILURES_ATTRIBUTE):
+            step.failure_times[instance_id] = times
+        accused = blame.format_marks(m for m in marks[instance_id] if now - m.at < horizon)
+        if new_marks and accused and accused != ci.attributes.get(blame.ACCUSED_ATTRIBUTE):
+            step.accusations[instance_id] = accused
+    kept_own = {i: recent(times, now, policy) for i, times in own.items()}
+    kept_marks = {i: {m for m in held if now - m.at < horizon} for i, held in marks.items()}
+    tallies = blame.tally(kept_own, kept_marks, now)
+    over = sorted(
+        (i for i, t in tallies.items() if i not in step.in_quarantine and reaches_quarantine(t.counted, now, policy)),
+        key=lambda i: (-len(tallies[i].counted), i),
+    )
+    for instance_id in over:
         if len(step.in_quarantine) >= policy.max_instances:
             LOG.warning("%s reached the quarantine limit, but %d instances are in quarantine already",
                         instance_id, len(step.in_quarantine))
             step.deferred.append(instance_id)
             continue
-        reason = quarantine_reason(implicated[instance_id], len(recent(times, now, policy)), policy)
+        last = [newest[instance_id]] if instance_id in newest else []
+        reason = quarantine_reason(last, len(tallies[instance_id].counted), policy)
         step.quarantined_now[instance_id] = reason
         step.in_quarantine.add(instance_id)
         LOG.warning("quarantine %s: %s", instance_id, reason)

@@ -1,30 +1,75 @@
-"""Rolling-update signals: a replaced instance counts as done when its unit serves again.
+"""Rolling-update signals: a replaced instance counts as done when it serves again, or is a warm spare.
 
 CloudFormation replaces the cell's Trainium instances one at a time (AutoScalingRollingUpdate,
 MaxBatchSize 1, WaitOnResourceSignals) and waits, up to its PauseTime, for a SUCCESS
 signal naming each new instance
 (https://docs.aws.amazon.com/AWSCloudFormation/latest/UserGuide/aws-attribute-updatepolicy.html).
-Only while the group resource is being updated, the controller signals each instance that
-runs the group's current launch template version (a new instance) and belongs to a unit
-whose leader is a healthy target of the cell's target group (the proxy's /health is 200
-only when the whole unit is up). So the next instance, possibly of another unit, is
-replaced only after this unit serves again: never more than one unit down.
+A signal lets CloudFormation take the next instance, possibly of another unit, so it is
+sent only on evidence that the new instance does its job again. Only while the group
+resource is being updated, for an instance launched from the group's current launch
+template version (DescribeAutoScalingGroups `Instances[].LaunchTemplate.Version`):
+
+- **In a unit**: the instance was a member of a session of that unit, the unit has all
+  its nodes, and its leader's instance is a healthy target (DescribeTargetHealth
+  `TargetHealthDescriptions[].Target.Id` and `TargetHealth.State == "healthy"`; ECS
+  registers a host-network task's target by instance id, and the proxy's `/health` is 200
+  only while the whole unit serves). Membership is the launcher's own word: when it
+  releases a unit the leader logs `unit_session_formed` with the session and its members'
+  task ARNs (docs/contracts.md); the log subscription brings the line, and the controller
+  keeps it on each member's container instance as the ECS attribute `unit-session`
+  (`<unit>@<released_at>`). A new instance is a new container instance, so a record on it
+  names a session that formed after it arrived, with it. Sessions follow one another (one
+  leader per unit), so once the new instance has a record the old session (without it) is
+  over, and a healthy leader is one of a session with it. Before (issue 20, item 4), a
+  healthy leader was enough, and with the drain guard the old leader stays healthy while
+  its follower drains: the new instance was signalled before its unit formed again.
+  ECS alone cannot say this: the leader's task that forms the session often started
+  before the new instance registered (it waits up to `join_timeout_seconds`, 40 min by
+  default, for the members), so task ages do not date the session.
+- **Not in a unit** (`capacity_ready`): every unit with members is whole with its leader a
+  healthy target (so the unit that lost a node serves again before the next instance
+  goes; no run remembers which unit that was, so all are asked), the instance is ACTIVE
+  with its agent connected, and, when it is one of the warm spares the cell needs (the
+  replacement when a spare took the lost node's place, `assignment.plan_cell`), its spare
+  task logged `spare_ready` (the model is in its cache, `unit_launcher/spare.py`). An
+  instance beyond the spares the cell needs, or a free one in a cell without spares, is
+  the launch-first case (`rolling_update: launch-first`: the new instance arrives before
+  the old one leaves, so no unit needs it yet): it counts once usable. The controller
+  learns of `spare_ready` from that log line, which the log subscription brings
+  (`forward.py`; the task id is the last part of the awslogs stream name
+  `prefix/container/task-id`,
+  https://docs.aws.amazon.com/AmazonECS/latest/developerguide/using_awslogs.html), and
+  keeps it on the instance as the ECS attribute `spare-ready` (Unix seconds).
+
+API fields (botocore service models elbv2 2015-12-01, autoscaling 2011-01-01, ecs
+2014-11-13, cloudformation 2010-05-15): `TargetDescription.Id` ("If the target type of the
+target group is instance, specify an instance ID"), `TargetHealth.State`
+(https://docs.aws.amazon.com/elasticloadbalancing/latest/APIReference/API_TargetHealthDescription.html);
+`AutoScalingGroup.LaunchTemplate.Version` and `Instance.LaunchTemplate.Version`
+(LaunchTemplateSpecification) of DescribeAutoScalingGroups; `Task.containerInstanceArn` of
+DescribeTasks, which takes task ids or ARNs
+(https://docs.aws.amazon.com/AmazonECS/latest/APIReference/API_DescribeTasks.html);
+`StackResourceDetail.ResourceStatus` of DescribeStackResource; SignalResource `UniqueId`,
+`Status`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from botocore.client import BaseClient
 from botocore.exceptions import ClientError
 
 from placement_controller import aws
+from placement_controller.assignment import SPARE_UNIT
 
 LOG = logging.getLogger(__name__)
 UPDATING = frozenset({"UPDATE_IN_PROGRESS", "CREATE_IN_PROGRESS"})
+SPARE_READY_ATTRIBUTE = "spare-ready"
+SESSION_ATTRIBUTE = "unit-session"
 
 
 @dataclass(frozen=True)
@@ -37,6 +82,18 @@ class SignalSettings:
     def from_env(cls, env: Mapping[str, str]) -> SignalSettings | None:
         values = [env.get(name, "").strip() for name in ("SIGNAL_STACK", "SIGNAL_RESOURCE", "TARGET_GROUP_ARN")]
         return cls(*values) if all(values) else None
+
+
+@dataclass(frozen=True)
+class CellView:
+    """What this run knows of the cell: the plan's units and spares, and the container instances."""
+
+    units: Mapping[str, Iterable[str]]
+    container_instances: Mapping[str, aws.ContainerInstance]  # by EC2 instance id, this run's writes included
+    missing: Mapping[str, int] = field(default_factory=dict)
+    # The plan's free instances no unit needs, labelled `spare` when the cell keeps spares.
+    spares: Sequence[str] = ()
+    spare_nodes: int = 0
 
 
 def current_version_instances(autoscaling: BaseClient, group: str, retry: aws.Retry) -> set[str]:
@@ -70,40 +127,103 @@ def group_updating(settings: SignalSettings, cloudformation: BaseClient, retry: 
     return detail.get("ResourceStatus") in UPDATING
 
 
-def signal_serving_units(
+def spare_ready(ci: aws.ContainerInstance) -> bool:
+    """A spare whose spare task reported the model cached.
+
+    The record is an attribute of this container instance, written only for a spare task
+    that ran on it (DescribeTasks `containerInstanceArn`), and a new instance is a new
+    container instance: the record is its own. Its time (the spare node's clock) is not
+    compared with ECS's `registeredAt`: two clocks, and nothing to gain."""
+    value = str(ci.attributes.get(SPARE_READY_ATTRIBUTE) or "")
+    return ci.attributes.get("unit") == SPARE_UNIT and value.isdigit()
+
+
+def session_member(ci: aws.ContainerInstance, unit: str) -> bool:
+    """The instance was a member of a released session of `unit` (the launcher's record)."""
+    record = str(ci.attributes.get(SESSION_ATTRIBUTE) or "")
+    return record.rpartition("@")[0] == unit
+
+
+def _every_unit_serves(view: CellView, healthy: set[str]) -> bool:
+    """Every unit with members is whole and has its leader healthy: the unit that took the old
+    spare in the new one's place serves again (which unit that was, no run remembers)."""
+    units = {unit: list(members) for unit, members in view.units.items()}
+    return all(not view.missing.get(u) and healthy.intersection(m) for u, m in units.items() if m)
+
+
+def capacity_ready(view: CellView, instance_id: str) -> str | None:
+    """Why a new instance that no unit needs counts as ready capacity, or None.
+
+    Registered and usable (ACTIVE, agent connected). When it is one of the warm spares the
+    cell needs (no more instances labelled `spare` than `spare_nodes`: terminate-first, the
+    old spare went to the unit that lost a node), its model must be cached too; an instance
+    beyond them (launch-first: the new one arrives before the old one leaves) or a free
+    instance of a cell without spares is capacity as soon as it is usable."""
+    ci = view.container_instances.get(instance_id)
+    if ci is None or ci.status != "ACTIVE" or not ci.agent_connected:
+        return None
+    labelled = [i for i in view.spares
+                if i in view.container_instances and view.container_instances[i].attributes.get("unit") == SPARE_UNIT]
+    if ci.attributes.get("unit") == SPARE_UNIT and len(labelled) <= view.spare_nodes:
+        return "a warm spare with the model cached" if spare_ready(ci) else None
+    return "free capacity no unit needs"
+
+
+def ready_instances(
+    settings: SignalSettings, view: CellView, new: set[str], elbv2: BaseClient, retry: aws.Retry
+) -> dict[str, str]:
+    """New instance id -> why it may be signalled (rules in the module doc)."""
+    ready: dict[str, str] = {}
+    capacity = {i: why for i in sorted(new.intersection(view.spares)) if (why := capacity_ready(view, i))}
+    waiting = {
+        unit: sorted(members)
+        for unit, members in view.units.items()
+        if new.intersection(members) and not view.missing.get(unit)
+    }
+    if not capacity and not waiting:
+        return ready
+    healthy = healthy_targets(elbv2, settings.target_group_arn, retry)
+    if capacity and _every_unit_serves(view, healthy):
+        ready.update({i: f"{why}, every unit serving" for i, why in capacity.items()})
+    for unit, members in sorted(waiting.items()):
+        if not healthy.intersection(members):
+            continue
+        for instance_id in sorted(new.intersection(members)):
+            ci = view.container_instances.get(instance_id)
+            if ci is not None and session_member(ci, unit):
+                ready[instance_id] = f"unit {unit} formed again with it and serves"
+    return ready
+
+
+def signal_ready_instances(
     settings: SignalSettings,
     group: str,
-    units: Mapping[str, Iterable[str]],
+    view: CellView,
     cloudformation: BaseClient,
     autoscaling: BaseClient,
     elbv2: BaseClient,
     retry: aws.Retry,
 ) -> list[str]:
-    """Signal SUCCESS for new instances of serving units while the group is updating; returns them."""
+    """Signal SUCCESS for the new instances that serve again (or are warm spares) while the group updates."""
     if not group_updating(settings, cloudformation, retry):
         return []
     new = current_version_instances(autoscaling, group, retry)
-    healthy = healthy_targets(elbv2, settings.target_group_arn, retry)
     signalled: list[str] = []
-    for unit, members in sorted(units.items()):
-        members = list(members)
-        if not healthy.intersection(members):
-            continue
-        for instance_id in sorted(new.intersection(members)):
-            try:
-                retry.call(
-                    cloudformation.signal_resource,
-                    StackName=settings.stack,
-                    LogicalResourceId=settings.resource,
-                    UniqueId=instance_id,
-                    Status="SUCCESS",
-                )
-                signalled.append(instance_id)
-                LOG.info("signalled %s: unit %s serves again", instance_id, unit)
-            except ClientError as error:
-                # Already signalled, or the update ended meanwhile: nothing to do.
-                if aws.error_code(error) != "ValidationError":
-                    raise
+    for instance_id, why in ready_instances(settings, view, new, elbv2, retry).items():
+        try:
+            retry.call(
+                cloudformation.signal_resource,
+                StackName=settings.stack,
+                LogicalResourceId=settings.resource,
+                UniqueId=instance_id,
+                Status="SUCCESS",
+            )
+            signalled.append(instance_id)
+            LOG.info("signalled %s: %s", instance_id, why)
+        except ClientError as error:
+            # Already signalled, or the update ended meanwhile: nothing to do.
+            if aws.error_code(error) != "ValidationError":
+                raise
     return signalled
 
 

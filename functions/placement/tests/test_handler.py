@@ -491,11 +491,15 @@ SPARE_SETTINGS = Settings(
     CLUSTER, GROUP, units=1, nodes_per_unit=2, metrics_namespace="Rufus/Cell",
     spare_nodes=1, spare_task_family="rufus-dev-spare",
 )
+TASK_A = f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/1eader"
 TASK_B = f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/0123456789abcdef"
 
 
-def failure_record(suspect: str, ended_at: float, cause: str = "heartbeat_loss") -> dict:
-    """An SQS record as the forwarder enqueues it (placement_controller.forward)."""
+def failure_record(suspect: str, ended_at: float, cause: str = "member_engine_exit") -> dict:
+    """An SQS record as the forwarder enqueues it (placement_controller.forward).
+
+    The member's own failure (its engine crashed), counted at once; accusations of silence
+    wait for the other side's report (test_blame.py)."""
     body = {
         "source": "unit-launcher",
         "detail-type": "Unit Session End",
@@ -503,7 +507,7 @@ def failure_record(suspect: str, ended_at: float, cause: str = "heartbeat_loss")
         "detail": {
             "event": "unit_session_end", "cell": "dev", "unit_id": "u0", "session_id": f"s-{ended_at}",
             "cause": cause, "ended_by": {"rank": 1, "address": "10.0.0.11", "instance_id": suspect},
-            "exit_status": None, "ended_at": ended_at, "reason": "follower rank 1 silent for 30 s",
+            "exit_status": 139, "ended_at": ended_at, "reason": "follower rank 1 engine exited with 139",
         },
     }
     return {"messageId": "m1", "body": json.dumps(body)}
@@ -532,7 +536,7 @@ def test_a_host_failing_a_third_time_is_quarantined_and_its_unit_gets_the_neares
         "delete_attributes", {"attributes": []},
         {"cluster": CLUSTER, "attributes": delete("i-0b", "unit", "unit-placement")},
     )
-    reason = f"3 unit failures in 60 min: last heartbeat_loss of u0 at {NOW - 5}"
+    reason = f"3 unit failures in 60 min: last member_engine_exit of u0 at {NOW - 5}"
     writes = [
         {"name": "unit-failures", "value": f"{NOW - 5} {NOW - 100} {NOW - 900}",
          "targetType": "container-instance", "targetId": arn("i-0b")},
@@ -624,7 +628,9 @@ def test_a_log_delivery_is_only_enqueued(monkeypatch):
 
     line = {"event": "unit_session_end", "unit_id": "u0", "session_id": "s9", "cause": "step_timeout",
             "ended_by": {"rank": 2, "address": "10.0.0.12", "instance_id": TASK_B}, "ended_at": NOW,
-            "log_tail": ["x" * 1000] * 50, "_aws": {"CloudWatchMetrics": []}, "reason": "r" * 2000}
+            "log_tail": ["x" * 1000] * 50, "_aws": {"CloudWatchMetrics": []}, "reason": "r" * 2000,
+            "members": [{"rank": 0, "address": "10.0.0.10", "instance_id": TASK_A, "heartbeat_age": 0.0},
+                        {"rank": 2, "address": "10.0.0.12", "instance_id": TASK_B, "heartbeat_age": 31.0}]}
     payload = {
         "messageType": "DATA_MESSAGE", "logGroup": "unit-logs", "logStream": "u0-leader/inference/abc",
         "logEvents": [
@@ -655,6 +661,8 @@ def test_a_log_delivery_is_only_enqueued(monkeypatch):
     # What the next run reads back from the queue.
     [failure] = failures.failures_from_records(handler.signals.records({"Records": [{"body": sent[0]}]}))
     assert (failure.suspect, failure.cause, failure.unit) == (TASK_B, "step_timeout", "u0")
+    # Who wrote it goes along (the leader, rank 0): the quarantine reads both sides of a session.
+    assert body["detail"]["members"][0] == {"rank": 0, "instance_id": TASK_A} and failure.accuser == TASK_A
 
 
 def test_settings_read_quarantine_and_spares_with_defaults():

@@ -1,0 +1,177 @@
+#!/bin/bash
+# node-setup: makes a Trainium node fit for ECS tasks, on its first boot (from user data) and on
+# every later boot (node-setup.service, ordered before ecs.service). Each step is idempotent.
+#
+#   node-setup          the IMDS block rule, EFA, the model cache on the instance store, ecs.config
+#   node-setup report   while the node's setup has failed: put NodeSetupFailed=1 to CloudWatch
+#
+# A failed step keeps the node out of service instead of powering it off: the ECS agent is not
+# started (ecs.service requires node-setup.service and /run/node-setup/ready), the reason goes to
+# the serial console and the journal and stays in /var/lib/node-setup/failed, and a timer reports
+# NodeSetupFailed every 3 minutes (the cell's node-setup alarm, part of the rollout gate). The
+# instance keeps running with passing EC2 status checks, so Auto Scaling does not replace it
+# (https://docs.aws.amazon.com/autoscaling/ec2/userguide/ec2-auto-scaling-health-checks.html):
+# no launch-and-kill loop; an operator reads the reason and terminates or repairs it
+# (docs/cell-lifecycle.md, "Failed node setup").
+set -uo pipefail
+
+CONF=/etc/node-setup/node-setup.conf
+# shellcheck source=/dev/null
+. "$CONF" || { echo "node-setup: cannot read $CONF" >&2; exit 1; }
+
+STATE_DIR=/var/lib/node-setup
+FAILED="$STATE_DIR/failed"
+READY_DIR=/run/node-setup
+READY="$READY_DIR/ready"
+IMDS=http://169.254.169.254/latest
+
+# To the serial console (EC2 GetConsoleOutput) and the journal; never fails the setup itself.
+log() {
+  echo "node-setup: $*" | tee -a /dev/console | systemd-cat -t node-setup
+  return 0
+}
+
+# /proc/self/mounts rather than util-linux's mountpoint, one dependency fewer.
+cache_mounted() {
+  awk -v mp="$MODEL_CACHE" '$2 == mp {found = 1} END {exit !found}' /proc/self/mounts
+}
+
+fail() {
+  mkdir -p "$STATE_DIR"
+  printf '%s %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$*" >"$FAILED"
+  rm -f "$READY"
+  log "FAILED: $*; the node stays out of service (ECS agent not started) until an operator acts"
+  # A later boot: the agent may run already (not on the first boot: ecs.service starts after cloud-final).
+  systemctl stop ecs.service >/dev/null 2>&1
+  systemctl enable --now node-setup-report.timer >/dev/null 2>&1 || log "cannot start node-setup-report.timer"
+  exit 1
+}
+
+# Containers share the host network (EFA), so the hop limit cannot keep them from IMDS and the
+# instance role: refuse IMDS to every socket of an ECS task's cgroup. The slice is a unit of its
+# own, started here and never stopped: the cgroup match binds the cgroup object when the rule is
+# inserted (xt_cgroup), so a slice removed and made again would escape the rule.
+block_imds() {
+  systemctl start "$TASKS_SLICE" || fail "cannot start $TASKS_SLICE (the task cgroup)"
+  local rule=(OUTPUT -d "$IMDS_ADDRESS/32" -m cgroup --path "$TASKS_SLICE" -j REJECT)
+  iptables -C "${rule[@]}" 2>/dev/null || iptables -I "${rule[@]}" || fail 'cannot block IMDS for task containers'
+}
+
+efa_ok() {
+  /opt/amazon/efa/bin/fi_info -p efa >/dev/null 2>&1
+}
+
+# EFA: the AMI's own, or the pinned installer verified by its SHA-256 before it runs.
+ensure_efa() {
+  efa_ok && return 0
+  [ -n "$EFA_INSTALLER_SHA256" ] || fail 'the AMI has no EFA and node.efa_installer_sha256 is null'
+  local tarball="aws-efa-installer-$EFA_INSTALLER_VERSION.tar.gz" work
+  work=$(mktemp -d) || fail 'no temporary directory for the EFA installer'
+  cd "$work" || fail "cannot enter $work"
+  curl -fsSL --retry 3 -o "$tarball" "https://efa-installer.amazonaws.com/$tarball" \
+    || fail "EFA installer download failed ($tarball)"
+  echo "$EFA_INSTALLER_SHA256  $tarball" | sha256sum -c - >/dev/null 2>&1 \
+    || fail "EFA installer checksum mismatch ($tarball is not node.efa_installer_sha256)"
+  tar -xf "$tarball" || fail 'EFA installer unpack failed'
+  (cd aws-efa-installer && ./efa_installer.sh -y) || fail 'EFA install failed'
+  cd / && rm -rf "$work"
+  efa_ok || fail 'EFA installed but fi_info finds no efa provider'
+}
+
+# The model cache: every NVMe instance-store disk (attached automatically on Nitro instances), as
+# one RAID0 when there are several, XFS labelled $CACHE_LABEL, in fstab (nofail) and mdadm.conf so
+# a reboot brings it back; node-setup assembles and mounts it again itself when udev did not.
+# After a stop and start the disks are blank: the cache is made anew (it is only a cache).
+model_cache() {
+  if ! cache_mounted; then
+    [ -e /etc/mdadm.conf ] && mdadm --assemble --scan >/dev/null 2>&1
+    if ! { grep -q "^LABEL=$CACHE_LABEL " /etc/fstab 2>/dev/null && mount "$MODEL_CACHE" 2>/dev/null; }; then
+      build_cache
+    fi
+  fi
+  [ -e "$MODEL_CACHE/$CACHE_MARKER" ] || build_cache
+  log "model cache $MODEL_CACHE: $(cat "$MODEL_CACHE/$CACHE_MARKER")"
+}
+
+build_cache() {
+  local disks count cache_dev
+  cache_mounted && { umount "$MODEL_CACHE" || fail "cannot unmount $MODEL_CACHE"; }
+  disks=$(lsblk -dnpo NAME,MODEL | awk '/Amazon EC2 NVMe Instance Storage/ {print $1}')
+  count=$(echo "$disks" | wc -w)
+  [ "$count" -ge 1 ] || fail 'no NVMe instance-store disk for the model cache'
+  if [ "$count" -gt 1 ]; then
+    # mdadm is not in the Neuron ECS AMI: installed from the AMI's release-locked repository.
+    command -v mdadm >/dev/null || dnf install -y mdadm >/dev/null 2>&1 || fail 'mdadm install failed'
+    mdadm --stop "/dev/md/$CACHE_LABEL" >/dev/null 2>&1
+    # shellcheck disable=SC2086 # one word per disk
+    mdadm --create "/dev/md/$CACHE_LABEL" --name="$CACHE_LABEL" --run --level=0 --raid-devices="$count" $disks \
+      || fail 'RAID0 assembly failed'
+    mdadm --detail --brief "/dev/md/$CACHE_LABEL" >/etc/mdadm.conf || fail 'cannot write /etc/mdadm.conf'
+    cache_dev="/dev/md/$CACHE_LABEL"
+  else
+    cache_dev=$disks
+  fi
+  mkfs.xfs -f -L "$CACHE_LABEL" "$cache_dev" >/dev/null || fail 'mkfs of the model cache failed'
+  sed -i "\\|^LABEL=$CACHE_LABEL |d" /etc/fstab || fail 'cannot edit /etc/fstab'
+  echo "LABEL=$CACHE_LABEL $MODEL_CACHE xfs noatime,nofail 0 2" >>/etc/fstab || fail 'cannot edit /etc/fstab'
+  { mkdir -p "$MODEL_CACHE" && mount "$MODEL_CACHE"; } || fail 'mounting the model cache failed'
+  chmod 0775 "$MODEL_CACHE"
+  # The launcher fetches only into a cache that has this file (unit_launcher/cache_check.py).
+  echo "instance store, $count NVMe disk(s) on $cache_dev" >"$MODEL_CACHE/$CACHE_MARKER" \
+    || fail 'cannot write the model cache marker'
+}
+
+# Host network mode: give tasks their task role, not the instance role. The capacity provider's
+# own user data appends ECS_CLUSTER.
+ecs_config() {
+  local line
+  mkdir -p /etc/ecs || fail 'cannot create /etc/ecs'
+  for line in ECS_ENABLE_TASK_IAM_ROLE=true ECS_ENABLE_TASK_IAM_ROLE_NETWORK_HOST=true \
+    ECS_IMAGE_PULL_BEHAVIOR=prefer-cached; do
+    grep -qxF "$line" /etc/ecs/ecs.config 2>/dev/null || echo "$line" >>/etc/ecs/ecs.config \
+      || fail 'cannot write /etc/ecs/ecs.config'
+  done
+}
+
+setup() {
+  rm -f "$READY"
+  if [ -e "$FAILED" ]; then
+    # Stay out of service across reboots: an operator clears the record to try again.
+    log "an earlier setup failed ($(cat "$FAILED")); remove $FAILED and start node-setup.service to retry"
+    systemctl enable --now node-setup-report.timer >/dev/null 2>&1
+    exit 1
+  fi
+  block_imds
+  ensure_efa
+  model_cache
+  ecs_config
+  { mkdir -p "$READY_DIR" && touch "$READY"; } || fail "cannot write $READY"
+  log "done"
+}
+
+# CloudWatch PutMetricData (query API) signed by curl with the instance role's credentials.
+report() {
+  [ -e "$FAILED" ] || return 0
+  local token region domain role creds key secret session
+  token=$(curl -fsS -X PUT -H 'X-aws-ec2-metadata-token-ttl-seconds: 300' "$IMDS/api/token") || return 1
+  imds() { curl -fsS -H "X-aws-ec2-metadata-token: $token" "$IMDS/meta-data/$1"; }
+  region=$(imds placement/region) && domain=$(imds services/domain) \
+    && role=$(imds iam/security-credentials/) && creds=$(imds "iam/security-credentials/$role") || return 1
+  field() { echo "$creds" | sed -n "s/.*\"$1\" *: *\"\\([^\"]*\\)\".*/\\1/p"; }
+  key=$(field AccessKeyId) && secret=$(field SecretAccessKey) && session=$(field Token)
+  curl -fsS --aws-sigv4 "aws:amz:$region:monitoring" --user "$key:$secret" \
+    -H "x-amz-security-token: $session" \
+    --data-urlencode Action=PutMetricData --data-urlencode Version=2010-08-01 \
+    --data-urlencode "Namespace=$METRIC_NAMESPACE" \
+    --data-urlencode MetricData.member.1.MetricName=NodeSetupFailed \
+    --data-urlencode MetricData.member.1.Value=1 \
+    --data-urlencode MetricData.member.1.Dimensions.member.1.Name=Cell \
+    --data-urlencode "MetricData.member.1.Dimensions.member.1.Value=$CELL" \
+    "https://monitoring.$region.$domain/" >/dev/null
+}
+
+case "${1:-setup}" in
+  setup) setup ;;
+  report) report ;;
+  *) echo "usage: node-setup [setup|report]" >&2; exit 2 ;;
+esac

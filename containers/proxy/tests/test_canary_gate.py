@@ -1,0 +1,59 @@
+"""The canary's schedule and verdict (`unit_proxy.canary.CanaryGate`) with a clock passed in:
+warm-up, idle-only passes, retries with backoff whether busy or not, refused and accepted
+reports, sessions."""
+
+from __future__ import annotations
+
+from unit_proxy.canary import CanaryGate
+
+
+def test_schedule_warm_up_idle_only_and_backoff_up_to_the_interval():
+    gate = CanaryGate(interval=60, timeout=60, retry=5)
+    assert not gate.should_start(0, whole=True, idle=True)  # first seen whole: warm up
+    assert not gate.should_start(59, whole=True, idle=True)
+    assert not gate.should_start(60, whole=True, idle=False)  # due, but busy: a pass only while idle
+    assert gate.should_start(61, whole=True, idle=True)
+    assert not gate.should_start(62, whole=True, idle=True)  # one at a time
+    gate.finish(True, "ok", 1.0, now=62, wall=0)
+    assert gate.reason(62) is None and not gate.should_start(121, whole=True, idle=True)
+    assert gate.should_start(122, whole=True, idle=True)
+    now, starts = 122.0, []
+    for _ in range(6):  # failures in a row: retries 5, 10, 20, 40, 60, 60 s later, busy or not
+        gate.finish(False, "late", 60.0, now=now, wall=0)
+        assert gate.reason(now) is not None and gate.reason(now).startswith("canary: late")
+        wait = gate.backoff()
+        assert not gate.should_start(now + wait - 0.01, whole=True, idle=False)
+        now += wait
+        assert gate.should_start(now, whole=True, idle=False)
+        starts.append(wait)
+    assert starts == [5, 10, 20, 40, 60, 60]
+    gate.finish(True, "ok", 0.5, now=now, wall=0)
+    assert gate.reason(now) is None and gate.failures_in_a_row == 0
+
+
+def test_a_pending_retry_survives_a_degraded_spell_and_a_new_session_starts_afresh():
+    gate = CanaryGate(interval=60, timeout=60, retry=5)
+    gate.should_start(0, whole=True, idle=True)
+    assert gate.should_start(60, whole=True, idle=True)
+    gate.finish(False, "late", 60, now=120, wall=0)
+    gate.reported(False, "409 not_serving")
+    assert not gate.should_start(125, whole=False, idle=False)  # degraded: no attempt...
+    assert gate.should_start(126, whole=True, idle=False)  # ...but the retry keeps its time
+    gate.finish(False, "late", 1, now=127, wall=0)
+    gate.reported(True, '200 {"ended": true}')
+    assert "the launcher ends the session" in (gate.reason(200) or "")
+    assert not gate.should_start(10_000, whole=True, idle=True)  # the session is ending
+    gate.new_session()
+    assert gate.reason(10_000) is None and gate.verdict is None
+    assert not gate.should_start(10_000, whole=True, idle=True)  # warm-up of the new session
+    assert gate.should_start(10_060, whole=True, idle=True)
+
+
+def test_a_passing_unit_that_stops_being_whole_warms_up_again():
+    gate = CanaryGate(interval=10, timeout=10, retry=1)
+    gate.should_start(0, whole=True, idle=True)
+    assert gate.should_start(10, whole=True, idle=True)
+    gate.finish(True, "ok", 0.1, now=10, wall=0)
+    assert not gate.should_start(15, whole=False, idle=True)
+    assert not gate.should_start(20, whole=True, idle=True)  # whole again: one interval first
+    assert gate.should_start(30, whole=True, idle=True)

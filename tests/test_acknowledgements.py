@@ -1,0 +1,158 @@
+"""Policy-check acknowledgements say what is true of the resource they excuse.
+
+Each cdk-nag acknowledgement is written into the cloud assembly as construct metadata
+(`aws:cdk:acknowledged-rules` in `<stack>.metadata.json`); these tests read the reasons
+from there and check their claims against the synthesized template: who reads an alarm,
+which containers run as root, how a function is invoked and retried, which wildcard
+actions could have been scoped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+DEFAULT = "Rufus-Cell-dev"
+
+
+def acknowledgements(synth, stack_name: str) -> dict[str, dict[str, str]]:
+    """Construct path -> {rule id: reason} for one stack of a synthesized fleet."""
+    metadata = json.loads((synth.outdir / f"{synth.stacks[stack_name].artifact_id}.metadata.json").read_text())
+    found: dict[str, dict[str, str]] = {}
+    for path, entries in metadata.items():
+        for entry in entries:
+            if entry["type"] == "aws:cdk:acknowledged-rules":
+                for rule, reason in entry["data"].items():
+                    found.setdefault(path, {})[rule.removeprefix("Annotation::")] = reason
+    return found
+
+
+def logical_ids(synth, stack_name: str) -> dict[str, str]:
+    """Construct path of an L1 resource's parent (the L2) -> logical id."""
+    metadata = json.loads((synth.outdir / f"{synth.stacks[stack_name].artifact_id}.metadata.json").read_text())
+    ids = {}
+    for path, entries in metadata.items():
+        for entry in entries:
+            if entry["type"] == "aws:cdk:logicalId":
+                ids[path] = entry["data"]
+                ids[path.removesuffix("/Resource")] = entry["data"]
+    return ids
+
+
+def reason_of(acks: dict[str, dict[str, str]], path: str, rule: str) -> str:
+    assert rule in acks.get(path, {}), f"{path} acknowledges no {rule}"
+    return acks[path][rule]
+
+
+@pytest.mark.parametrize("role", ["Leader", "Follower"])
+def test_the_root_containers_reason_names_each_container_as_it_runs(synth_default, role: str) -> None:
+    """Regression: the follower task's reason cited the proxy's uid 10001, a container the follower does not have."""
+    raw = synth_default.template_json(DEFAULT)
+    acks = acknowledgements(synth_default, DEFAULT)
+    path = f"/{DEFAULT}/Unit0/{role}Task"
+    reason = reason_of(acks, path, "NIST.800.53.R5-ECSTaskDefinitionUserForHostMode")
+    task = raw["Resources"][logical_ids(synth_default, DEFAULT)[path]]["Properties"]
+    assert task["NetworkMode"] == "host"
+    users = {c["Name"]: c.get("User") for c in task["ContainerDefinitions"]}
+    for uid in re.findall(r"uid (\d+)", reason):
+        assert uid in users.values(), f"the reason cites uid {uid}; the task's users are {users}"
+    for name, user in users.items():
+        if user in (None, "0", "root"):
+            assert re.search(rf"\b{re.escape(name)} container[^;]* runs as root", reason), (name, reason)
+        else:
+            assert f"{name} container runs as uid {user}" in reason, (name, reason)
+    if "no other container" in reason:
+        named = set(re.findall(r"\b([a-z-]+) container", reason)) - {"other"}
+        assert named == set(users), (named, users)
+
+
+def test_the_instance_role_leaves_unscoped_only_what_it_says(synth_default) -> None:
+    """Regression: the reason said the logs actions have no resource-level scope; they accept log-group ARNs."""
+    raw = synth_default.template_json(DEFAULT)
+    acks = acknowledgements(synth_default, DEFAULT)
+    reason = reason_of(acks, f"/{DEFAULT}/Trainium/InstanceRole", "AwsSolutions-IAM5[Resource::*]")
+    role = logical_ids(synth_default, DEFAULT)[f"/{DEFAULT}/Trainium/InstanceRole"]
+    on_any = set()
+    for resource in raw["Resources"].values():
+        if resource["Type"] == "AWS::IAM::Policy" and {"Ref": role} in resource["Properties"]["Roles"]:
+            for statement in resource["Properties"]["PolicyDocument"]["Statement"]:
+                if statement["Resource"] == "*" and "Condition" not in statement:
+                    actions = statement["Action"]
+                    on_any |= set(actions if isinstance(actions, list) else [actions])
+    assert on_any >= {"logs:CreateLogStream", "logs:PutLogEvents", "ecr:GetAuthorizationToken"}
+    # Every action left on * is named, and those that take log-group ARNs are not said to lack one.
+    for action in on_any:
+        assert action in reason, action
+    for sentence in re.split(r"(?<=\.) ", reason):
+        if "no resource-level" in sentence:
+            assert "logs" not in sentence, sentence
+
+
+def test_the_autoscaler_function_is_invoked_and_retried_as_its_reasons_say(synth_elastic) -> None:
+    """Regression: the LambdaDLQ reason said 'synchronously' and 'retries are off' (both false), the
+    LambdaConcurrency reason that runs do not overlap (nothing bounded them)."""
+    raw = synth_elastic.template_json(DEFAULT)
+    acks = acknowledgements(synth_elastic, DEFAULT)
+    path = f"/{DEFAULT}/Autoscaler/Function"
+    function_id = logical_ids(synth_elastic, DEFAULT)[path]
+    function = raw["Resources"][function_id]["Properties"]
+    reasons = acks.get(path, {})
+    # Runs never overlap because the function is bounded to one, not because a reason says so.
+    assert "NIST.800.53.R5-LambdaConcurrency" not in reasons
+    assert function["ReservedConcurrentExecutions"] == 1
+    dlq = reasons["NIST.800.53.R5-LambdaDLQ"]
+    assert "synchronous" not in dlq.replace("asynchronous", "")
+    assert "asynchronously" in dlq and "retries off" in dlq
+    (invoke,) = [r["Properties"] for r in raw["Resources"].values()
+                 if r["Type"] == "AWS::Lambda::EventInvokeConfig" and r["Properties"]["FunctionName"] == {
+                     "Ref": function_id}]
+    assert invoke["MaximumRetryAttempts"] == 0
+    # Both invokers named in the reason are asynchronous ones: the schedule and the custom resource.
+    rules = [r for r in raw["Resources"].values() if r["Type"] == "AWS::Events::Rule"
+             and any(t["Arn"] == {"Fn::GetAtt": [function_id, "Arn"]} for t in r["Properties"].get("Targets", []))]
+    assert [r["Properties"]["ScheduleExpression"] for r in rules] == ["rate(1 minute)"]
+    assert any(r["Type"] == "Custom::UnitDesiredCounts" for r in raw["Resources"].values())
+
+
+def test_the_placement_concurrency_reason_counts_the_log_subscription(synth_default) -> None:
+    """Regression: 'one invocation at a time' while a log subscription also invokes the function directly."""
+    raw = synth_default.template_json(DEFAULT)
+    acks = acknowledgements(synth_default, DEFAULT)
+    path = f"/{DEFAULT}/Placement/Function"
+    function_id = logical_ids(synth_default, DEFAULT)[path]
+    reason = reason_of(acks, path, "NIST.800.53.R5-LambdaConcurrency")
+    subscriptions = [r for r in raw["Resources"].values() if r["Type"] == "AWS::Logs::SubscriptionFilter"
+                     and r["Properties"]["DestinationArn"] == {"Fn::GetAtt": [function_id, "Arn"]}]
+    assert subscriptions, "the unit-failure subscription invokes the placement function"
+    assert "one invocation at a time" not in reason
+    assert "subscription" in reason
+
+
+@pytest.mark.parametrize("fleet", ["synth_default", "synth_elastic"])
+def test_each_alarm_reason_names_who_reads_the_alarm(fleet: str, request) -> None:
+    """Regression: every cell alarm claimed that ECS deployments act on it (the units floor and the
+    response time are no deployment alarms); the autoscaler's claimed to be 'shown on the cell's
+    alarms' (they were nowhere)."""
+    synth = request.getfixturevalue(fleet)
+    raw = synth.template_json(DEFAULT)
+    acks = acknowledgements(synth, DEFAULT)
+    ids = logical_ids(synth, DEFAULT)
+    resources = raw["Resources"]
+    gate = json.dumps([r for r in resources.values() if r["Type"] == "AWS::CloudWatch::CompositeAlarm"])
+    dashboard = json.dumps([r for r in resources.values() if r["Type"] == "AWS::CloudWatch::Dashboard"])
+    deployment = json.dumps([r["Properties"]["DeploymentConfiguration"].get("Alarms")
+                             for r in resources.values() if r["Type"] == "AWS::ECS::Service"])
+    alarms = {}
+    for path, reasons in acks.items():
+        reason = reasons.get("NIST.800.53.R5-CloudWatchAlarmAction")
+        owned = path.startswith((f"/{DEFAULT}/Alarms/", f"/{DEFAULT}/Autoscaler/"))
+        if reason is not None and owned and resources[ids[path]]["Type"] == "AWS::CloudWatch::Alarm":
+            alarms[ids[path]] = (path, reason)
+    assert len(alarms) >= (5 if fleet == "synth_default" else 7)
+    for alarm, (path, reason) in alarms.items():
+        assert ("deployment" in reason) == (json.dumps({"Ref": alarm}) in deployment), (path, reason)
+    for alarm, (path, reason) in alarms.items():
+        assert ("rollout gate" in reason) == (f'"{alarm}' in gate), (path, reason)
+        assert ("dashboard" in reason) == (f'"{alarm}"' in dashboard), (path, reason)

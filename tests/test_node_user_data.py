@@ -1,0 +1,549 @@
+"""Issue 20 items 1 and 7: the Trainium node's user data, as synthesized, run under bash on a fake node.
+
+The script is read from the cell template's launch template (`Fn::Base64` of `Fn::Join`, the
+cluster `Ref` filled in), written to a file and run with `bash`, as cloud-init runs user data on
+Amazon Linux 2023. Each run is one boot of a fake node, in its own mount namespace (`unshare -m`):
+overlays over /etc, /usr/local, /var/lib and /opt play the root volume (they persist from one
+boot to the next), a fresh tmpfs is /run, a file stands in for /dev/console, and the commands
+that touch hardware or the system are fakes on PATH (lsblk, mdadm, mkfs.xfs, mount, umount,
+iptables, systemctl, systemd-cat, dnf, curl). The file system "made" by the fake mkfs.xfs is a
+directory that the fake mount binds onto /opt/models, so /proc/self/mounts, the cache marker and
+the fstab lines are real. A reboot is a second run of what the installed node-setup.service
+executes, with /run emptied, no mounts and no firewall rules; a stop and start also blanks the
+instance-store disks. shellcheck runs on the user data and on the script it installs.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import tarfile
+import threading
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+import yaml
+
+from inference_fleet.checks import parse_fleet
+from inference_fleet.config import DEFAULT_CONFIG
+from tests.conftest import synth_fleet
+
+DEV = "Rufus-Cell-dev"
+CLUSTER = "Rufus-Cell-dev-Cluster"
+# The pinned installer of the default fleet (config/default.yaml, cited there).
+PINNED_VERSION = "1.41.0"
+PINNED_SHA256 = "3506354cdfbe31ff552fe75f5d0d9bb7efd29cf79bd99457347d29c751c38f9f"
+INSTANCE_STORE = "Amazon EC2 NVMe Instance Storage"
+ROOT_DISK = "/dev/nvme0n1 Amazon Elastic Block Store"
+CACHE = "/opt/models"
+MARKER = f"{CACHE}/.instance-store"
+
+
+def resolve(value: object) -> str:
+    """A CloudFormation string expression as the instance sees it: Refs become fixed names."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and "Fn::Join" in value:
+        separator, parts = value["Fn::Join"]
+        return separator.join(resolve(part) for part in parts)
+    if isinstance(value, dict) and "Ref" in value:
+        return CLUSTER if value["Ref"].startswith("Cluster") else f"ref-{value['Ref']}"
+    raise AssertionError(f"unexpected expression in user data: {value!r}")
+
+
+def user_data_of(template: dict) -> str:
+    (template_resource,) = [r for r in template["Resources"].values() if r["Type"] == "AWS::EC2::LaunchTemplate"]
+    return resolve(template_resource["Properties"]["LaunchTemplateData"]["UserData"]["Fn::Base64"])
+
+
+# -- the fakes --------------------------------------------------------------------------
+
+_FAKES = {
+    "systemd-cat": 'cat >> "$FAKE_STATE/journal"\n',
+    "systemctl": 'echo "systemctl $*" >> "$FAKE_STATE/calls"\n'
+    '[ "$1" = start ] && [ -e "$FAKE_STATE/fail-start-$2" ] && exit 1\nexit 0\n',
+    "iptables": 'echo "iptables $*" >> "$FAKE_STATE/calls"\nrules="$FAKE_STATE/boot/iptables"\n'
+    'op=$1; shift\ncase $op in\n  -C) grep -qxF -- "$*" "$rules" 2>/dev/null ;;\n'
+    '  -I) [ -e "$FAKE_STATE/iptables-broken" ] && exit 1; echo "$*" >> "$rules" ;;\n  *) exit 2 ;;\nesac\n',
+    "lsblk": 'echo "lsblk $*" >> "$FAKE_STATE/calls"\ncat "$FAKE_STATE/lsblk"\n',
+    "mdadm": 'echo "mdadm $*" >> "$FAKE_STATE/calls"\ncase $1 in\n'
+    '  --create) touch "$FAKE_STATE/md-superblock" "$FAKE_STATE/boot/md-active" ;;\n'
+    '  --detail) echo "ARRAY /dev/md/models metadata=1.2 name=models UUID=00000000:00000000:00000000:00000001" ;;\n'
+    '  --assemble) [ -e "$FAKE_STATE/md-superblock" ] && grep -q "^ARRAY /dev/md/models" /etc/mdadm.conf '
+    '&& touch "$FAKE_STATE/boot/md-active" ;;\n'
+    '  --stop) rm -f "$FAKE_STATE/boot/md-active" ;;\n  *) exit 2 ;;\nesac\n',
+    # mkfs.xfs [-f] [-L label] device: a fresh directory is the device's file system.
+    "mkfs.xfs": 'echo "mkfs.xfs $*" >> "$FAKE_STATE/calls"\nlabel=\n'
+    'while [ $# -gt 1 ]; do case $1 in -L) label=$2; shift ;; esac; shift; done\n'
+    'dev=$1; label=${label:-$(basename "$dev")}\n'
+    'rm -rf "$FAKE_STATE/fs/$label"; mkdir -p "$FAKE_STATE/fs/$label"\necho "$dev $label" > "$FAKE_STATE/fs-device"\n',
+    # mount <mount point> (its fstab entry) or mount [-o options] <device> <mount point>: the device's
+    # file system bound onto the mount point, when the device is there (a RAID must be assembled).
+    "mount": 'echo "mount $*" >> "$FAKE_STATE/calls"\n'
+    'read -r dev label < "$FAKE_STATE/fs-device" || exit 32\n'
+    'if [ $# -eq 1 ]; then mp=$1\n'
+    '  spec=$(awk -v mp="$mp" \'$2 == mp {print $1}\' /etc/fstab | tail -n 1)\n'
+    '  [ "$spec" = "LABEL=$label" ] || exit 32\n'
+    'else\n  mp=${*: -1}; [ "${*: -2:1}" = "$dev" ] || exit 32\nfi\n'
+    '[ -d "$FAKE_STATE/fs/$label" ] || exit 32\n'
+    'case $dev in /dev/md*) [ -e "$FAKE_STATE/boot/md-active" ] || exit 32 ;; esac\n'
+    'exec /usr/bin/mount --bind "$FAKE_STATE/fs/$label" "$mp"\n',
+    "umount": 'echo "umount $*" >> "$FAKE_STATE/calls"\nexec /usr/bin/umount "$@"\n',
+    "dnf": 'echo "dnf $*" >> "$FAKE_STATE/calls"\n[ -e "$FAKE_STATE/dnf-fails" ] && exit 1\n'
+    'cp "$FAKE_STATE/mdadm.package" "$FAKE_BIN/mdadm"\n',
+    # The EFA installer download, and IMDS and CloudWatch for the failure report.
+    "curl": 'echo "curl $*" >> "$FAKE_STATE/calls"\nargs=("$@"); out=; url=\n'
+    'while [ $# -gt 0 ]; do case $1 in -o) out=$2; shift ;; http*) url=$1 ;; esac; shift; done\n'
+    'case $url in\n'
+    '  https://efa-installer.amazonaws.com/*) [ -e "$FAKE_STATE/efa-tarball" ] || exit 22\n'
+    '    cp "$FAKE_STATE/efa-tarball" "$out" ;;\n'
+    '  */api/token) echo TOKEN ;;\n  */placement/region) echo us-east-2 ;;\n'
+    '  */services/domain) echo amazonaws.com ;;\n  */iam/security-credentials/) echo node-role ;;\n'
+    '  */iam/security-credentials/node-role) printf \'{\\n  "Code" : "Success",\\n  "AccessKeyId" : "ASIAKEY",'
+    '\\n  "SecretAccessKey" : "SECRET",\\n  "Token" : "SESSION"\\n}\\n\' ;;\n'
+    '  https://monitoring.*) grep "^curl " "$FAKE_STATE/calls" | tail -n 1 > "$FAKE_STATE/putmetric"\n'
+    # With an endpoint on loopback, the real curl sends the signed request there instead.
+    '    if [ -e "$FAKE_STATE/monitoring-endpoint" ]; then\n'
+    '      exec /usr/bin/curl "${args[@]/$url/$(cat "$FAKE_STATE/monitoring-endpoint")}"; fi\n'
+    '    ;;\n'
+    '  *) exit 6 ;;\nesac\n',
+}
+
+_BOOT = """set -e
+for d in etc usr/local var/lib opt; do
+  mkdir -p "$NODE_ROOT/upper/$d" "$NODE_ROOT/work/$d"
+  /usr/bin/mount -t overlay overlay -o "lowerdir=/$d,upperdir=$NODE_ROOT/upper/$d,workdir=$NODE_ROOT/work/$d" "/$d"
+done
+/usr/bin/mount -t tmpfs tmpfs /run
+/usr/bin/mount -t tmpfs tmpfs /sys/fs/cgroup
+: > "$FAKE_STATE/console"
+/usr/bin/mount --bind "$FAKE_STATE/console" /dev/console
+set +e
+"$@"
+"""
+
+
+def efa_installer_tarball() -> bytes:
+    """A stand-in aws-efa-installer tarball whose efa_installer.sh makes fi_info find an efa provider."""
+    installer = b"#!/bin/bash\nmkdir -p /opt/amazon/efa/bin\nprintf '#!/bin/sh\\nexit 0\\n' > " \
+                b"/opt/amazon/efa/bin/fi_info\nchmod 0755 /opt/amazon/efa/bin/fi_info\n"
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        info = tarfile.TarInfo("aws-efa-installer/efa_installer.sh")
+        info.size, info.mode, info.mtime = len(installer), 0o755, 0
+        tar.addfile(info, io.BytesIO(installer))
+    return gzip.compress(raw.getvalue(), mtime=0)
+
+
+class Node:
+    """A fake Trainium node: a root volume that survives reboots, instance-store disks, fakes on PATH."""
+
+    def __init__(self, base: Path, *, disks: int = 4, ami_has_efa: bool = True, mdadm_in_ami: bool = True) -> None:
+        self.root, self.state, self.bin = base / "root", base / "state", base / "bin"
+        for path in (self.root, self.state / "boot", self.bin):
+            path.mkdir(parents=True, exist_ok=True)
+        for name, body in _FAKES.items():
+            if name == "mdadm" and not mdadm_in_ami:
+                (self.state / "mdadm.package").write_text("#!/bin/bash\n" + body)
+                (self.state / "mdadm.package").chmod(0o755)
+                continue
+            (self.bin / name).write_text("#!/bin/bash\n" + body)
+            (self.bin / name).chmod(0o755)
+        lines = [ROOT_DISK] + [f"/dev/nvme{i + 1}n1 {INSTANCE_STORE}" for i in range(disks)]
+        (self.state / "lsblk").write_text("\n".join(lines) + "\n")
+        if ami_has_efa:
+            fi_info = self.root / "upper/opt/amazon/efa/bin/fi_info"
+            fi_info.parent.mkdir(parents=True)
+            fi_info.write_text("#!/bin/sh\nexit 0\n")
+            fi_info.chmod(0o755)
+        (self.root / "user-data").parent.mkdir(parents=True, exist_ok=True)
+
+    def boot(self, *command: str) -> subprocess.CompletedProcess:
+        """One boot: fresh /run, no mounts, no firewall rules; `command` runs as root on the node."""
+        shutil.rmtree(self.state / "boot")
+        (self.state / "boot").mkdir()
+        for name in ("calls", "journal"):
+            (self.state / name).unlink(missing_ok=True)
+        env = {"PATH": f"{self.bin}:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root", "LANG": "C.UTF-8",
+               "NODE_ROOT": str(self.root), "FAKE_STATE": str(self.state), "FAKE_BIN": str(self.bin)}
+        return subprocess.run(["unshare", "--mount", "--propagation", "private", "bash", "-c", _BOOT, "boot",
+                               *command], env=env, capture_output=True, text=True, timeout=120, check=False)
+
+    def exec_start(self) -> list[str]:
+        """The command of the installed node-setup.service: what systemd runs at boot before the ECS agent."""
+        unit = self.file("/etc/systemd/system/node-setup.service")
+        assert unit is not None, "no node-setup.service installed: nothing sets the node up again after a reboot"
+        (command,) = re.findall(r"^ExecStart=(.+)$", unit, flags=re.M)
+        return command.split()
+
+    def reboot(self) -> subprocess.CompletedProcess:
+        return self.boot(*ready_probe(*self.exec_start()))
+
+    def stop_and_start(self) -> subprocess.CompletedProcess:
+        """A stop and start: the instance store comes back blank."""
+        for name in ("fs", "md-superblock", "fs-device"):
+            path = self.state / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        return self.reboot()
+
+    def file(self, path: str) -> str | None:
+        """A file of the root volume as the node left it (None: absent)."""
+        top = path.strip("/").split("/")
+        for depth in (2, 1):
+            upper = "/".join(top[:depth])
+            if upper in ("etc", "usr/local", "var/lib", "opt"):
+                candidate = self.root / "upper" / upper / "/".join(top[depth:])
+                return candidate.read_text() if candidate.is_file() else None
+        raise AssertionError(f"{path} is not on the fake root volume")
+
+    def text(self, name: str) -> str:
+        path = self.state / name
+        return path.read_text() if path.exists() else ""
+
+    @property
+    def calls(self) -> str:
+        return self.text("calls")
+
+    @property
+    def console(self) -> str:
+        return self.text("console")
+
+    def ready(self, result: subprocess.CompletedProcess) -> bool:
+        """Whether ecs.service may start after this boot: its drop-in's ConditionPathExists file exists."""
+        return "READY=yes" in result.stdout
+
+
+def ready_probe(*command: str) -> tuple[str, ...]:
+    """`command`, then a line saying whether /run/node-setup/ready exists (the ECS agent's condition)."""
+    return ("bash", "-c", '"$@"; rc=$?; [ -e /run/node-setup/ready ] && echo READY=yes; '
+            'mountpoint -q /opt/models && [ -e /opt/models/.instance-store ] && echo CACHE=mounted; exit $rc',
+            "probe", *command)
+
+
+# -- fixtures ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def default_user_data(synth_default) -> str:
+    return user_data_of(synth_default.template_json(DEV))
+
+
+def _fleet_user_data(tmp_path_factory: pytest.TempPathFactory, node: dict) -> str:
+    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    data["node"] = node
+    result = synth_fleet(parse_fleet(data, "node"), tmp_path_factory.mktemp("cdk-node"))
+    return user_data_of(result.template_json(DEV))
+
+
+@pytest.fixture(scope="module")
+def installer_user_data(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The default fleet with the stand-in installer's checksum pinned instead."""
+    sha = hashlib.sha256(efa_installer_tarball()).hexdigest()
+    return _fleet_user_data(tmp_path_factory, {"efa_installer_version": "9.9.9", "efa_installer_sha256": sha})
+
+
+@pytest.fixture(scope="module")
+def ami_efa_only_user_data(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return _fleet_user_data(tmp_path_factory, {"efa_installer_sha256": None})
+
+
+def run_user_data(node: Node, user_data: str) -> subprocess.CompletedProcess:
+    script = node.root / "user-data"
+    script.write_text(user_data)
+    return node.boot(*ready_probe("bash", str(script)))
+
+
+def assert_out_of_service(node: Node, result: subprocess.CompletedProcess, reason: str) -> None:
+    """A failed setup: reason on the console and recorded, no power-off, ECS agent kept off, report timer on."""
+    assert "poweroff" not in node.calls, f"the node powered itself off, so Auto Scaling replaces it: {node.console}"
+    assert f"node-setup: FAILED: {reason}" in node.console, node.console + result.stderr
+    assert reason in (node.file("/var/lib/node-setup/failed") or "")
+    assert not node.ready(result)
+    assert "systemctl enable --now node-setup-report.timer" in node.calls
+
+
+# -- item 1: the default fleet gets EFA; a failed node stays out of service ---------------
+
+
+def test_default_node_with_efa_in_the_ami_sets_up_and_lets_the_ecs_agent_start(default_user_data, tmp_path) -> None:
+    node = Node(tmp_path)
+    result = run_user_data(node, default_user_data)
+    assert node.ready(result) and "CACHE=mounted" in result.stdout, node.console + result.stderr
+    assert "node-setup: done" in node.console
+    assert "mdadm --create /dev/md/models --name=models --run --level=0 --raid-devices=4 " \
+           "/dev/nvme1n1 /dev/nvme2n1 /dev/nvme3n1 /dev/nvme4n1" in node.calls
+    assert "curl" not in node.calls  # the AMI's EFA: nothing downloaded
+    assert "ECS_ENABLE_TASK_IAM_ROLE_NETWORK_HOST=true" in node.file("/etc/ecs/ecs.config")
+    assert f"ECS_CLUSTER={CLUSTER}" in node.file("/etc/ecs/ecs.config")
+    assert node.text("boot/iptables").splitlines() == [
+        "OUTPUT -d 169.254.169.254/32 -m cgroup --path ecstasks.slice -j REJECT"]
+    assert "systemctl start ecstasks.slice" in node.calls
+
+
+def test_default_fleet_installs_the_pinned_efa_installer_when_the_ami_has_none(default_user_data, tmp_path) -> None:
+    """Old code: `the AMI has no EFA and node.efa_installer_sha256 is not set`, then power-off."""
+    node = Node(tmp_path, ami_has_efa=False)
+    (node.state / "efa-tarball").write_bytes(efa_installer_tarball())  # not the real installer
+    result = run_user_data(node, default_user_data)
+    assert f"https://efa-installer.amazonaws.com/aws-efa-installer-{PINNED_VERSION}.tar.gz" in node.calls, \
+        node.console
+    # The download is checked against the pinned checksum before anything runs: this stand-in fails it.
+    assert_out_of_service(node, result, f"EFA installer checksum mismatch (aws-efa-installer-{PINNED_VERSION}.tar.gz")
+    assert PINNED_SHA256 in node.file("/etc/node-setup/node-setup.conf")
+
+
+def test_installer_with_a_matching_checksum_gives_the_node_efa(installer_user_data, tmp_path) -> None:
+    node = Node(tmp_path, ami_has_efa=False)
+    (node.state / "efa-tarball").write_bytes(efa_installer_tarball())
+    result = run_user_data(node, installer_user_data)
+    assert node.ready(result), node.console + result.stderr
+    assert node.file("/opt/amazon/efa/bin/fi_info") is not None  # made by the (stand-in) installer
+
+
+def test_efa_download_failure_keeps_the_node_out_of_service(installer_user_data, tmp_path) -> None:
+    node = Node(tmp_path, ami_has_efa=False)  # no tarball: the download fails
+    result = run_user_data(node, installer_user_data)
+    assert_out_of_service(node, result, "EFA installer download failed")
+
+
+def test_no_efa_and_no_installer_keeps_the_node_out_of_service(ami_efa_only_user_data, tmp_path) -> None:
+    node = Node(tmp_path, ami_has_efa=False)
+    result = run_user_data(node, ami_efa_only_user_data)
+    assert_out_of_service(node, result, "the AMI has no EFA and node.efa_installer_sha256 is null")
+    assert "curl" not in node.calls
+
+
+def test_no_instance_store_disk_keeps_the_node_out_of_service(default_user_data, tmp_path) -> None:
+    """Old code: `systemctl poweroff --force`; Auto Scaling then launches another node, again and again."""
+    node = Node(tmp_path, disks=0)
+    result = run_user_data(node, default_user_data)
+    assert_out_of_service(node, result, "no NVMe instance-store disk for the model cache")
+    # It stays out across a reboot: an operator clears the record to try again.
+    rebooted = node.reboot()
+    assert rebooted.returncode == 1 and not node.ready(rebooted)
+    assert "an earlier setup failed" in node.console
+
+
+def test_imds_rule_failure_keeps_the_node_out_of_service(default_user_data, tmp_path) -> None:
+    node = Node(tmp_path)
+    (node.state / "iptables-broken").touch()
+    result = run_user_data(node, default_user_data)
+    assert_out_of_service(node, result, "cannot block IMDS for task containers")
+
+
+def test_mdadm_comes_from_the_repository_and_its_failure_is_a_failed_setup(default_user_data, tmp_path) -> None:
+    node = Node(tmp_path / "a", mdadm_in_ami=False)
+    assert node.ready(run_user_data(node, default_user_data)), node.console
+    assert "dnf install -y mdadm" in node.calls
+    broken = Node(tmp_path / "b", mdadm_in_ami=False)
+    (broken.state / "dnf-fails").touch()
+    assert_out_of_service(broken, run_user_data(broken, default_user_data), "mdadm install failed")
+
+
+def test_a_failed_node_reports_to_cloudwatch_with_the_instance_role(default_user_data, tmp_path) -> None:
+    node = Node(tmp_path, disks=0)
+    run_user_data(node, default_user_data)
+    timer = node.file("/etc/systemd/system/node-setup-report.timer")
+    assert "OnUnitActiveSec=180s" in timer  # every 5-minute alarm period holds a data point
+    (command,) = re.findall(r"^ExecStart=(.+)$", node.file("/etc/systemd/system/node-setup-report.service"), re.M)
+    result = node.boot(*command.split())
+    assert result.returncode == 0, result.stderr
+    put = node.text("putmetric")
+    for part in ("--aws-sigv4 aws:amz:us-east-2:monitoring", "--user ASIAKEY:SECRET", "x-amz-security-token: SESSION",
+                 "Action=PutMetricData", "Namespace=Rufus/Node", "MetricName=NodeSetupFailed",
+                 "Dimensions.member.1.Name=Cell", "Dimensions.member.1.Value=dev",
+                 "https://monitoring.us-east-2.amazonaws.com/"):
+        assert part in put, (part, put)
+
+
+def test_the_failure_report_is_a_sigv4_request_cloudwatch_would_accept(default_user_data, tmp_path) -> None:
+    """The real curl signs the report; botocore's SigV4 signer, given what arrived, computes the same signature."""
+    from botocore.auth import SigV4Auth
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
+    received: dict = {}
+
+    class Monitoring(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            received.update(headers=dict(self.headers.items()), path=self.path,
+                            body=self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Monitoring)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        node = Node(tmp_path, disks=0)
+        run_user_data(node, default_user_data)
+        (node.state / "monitoring-endpoint").write_text(f"http://127.0.0.1:{server.server_port}/")
+        result = node.boot("/usr/local/sbin/node-setup", "report")
+    finally:
+        server.shutdown()
+    assert result.returncode == 0 and received, result.stderr
+    form = dict(urllib.parse.parse_qsl(received["body"].decode()))
+    assert form == {"Action": "PutMetricData", "Version": "2010-08-01", "Namespace": "Rufus/Node",
+                    "MetricData.member.1.MetricName": "NodeSetupFailed", "MetricData.member.1.Value": "1",
+                    "MetricData.member.1.Dimensions.member.1.Name": "Cell",
+                    "MetricData.member.1.Dimensions.member.1.Value": "dev"}
+    headers = {k.lower(): v for k, v in received["headers"].items()}
+    assert headers["x-amz-security-token"] == "SESSION"
+    match = re.fullmatch(r"AWS4-HMAC-SHA256 Credential=ASIAKEY/(\d{8})/us-east-2/monitoring/aws4_request, "
+                         r"SignedHeaders=([a-z0-9;-]+), Signature=([0-9a-f]{64})", headers["authorization"])
+    assert match, headers["authorization"]
+    _, signed, signature = match.groups()
+    request = AWSRequest(method="POST", url=f"http://{headers['host']}{received['path']}", data=received["body"],
+                         headers={name: headers[name] for name in signed.split(";")})
+    request.context["timestamp"] = headers["x-amz-date"]
+    signer = SigV4Auth(Credentials("ASIAKEY", "SECRET", "SESSION"), "monitoring", "us-east-2")
+    canonical = signer.canonical_request(request)
+    assert signer.signature(signer.string_to_sign(request, canonical), request) == signature, canonical
+
+
+def test_a_healthy_node_reports_nothing(default_user_data, tmp_path) -> None:
+    node = Node(tmp_path)
+    run_user_data(node, default_user_data)
+    node.boot("/usr/local/sbin/node-setup", "report")
+    assert "monitoring" not in node.calls
+
+
+# -- item 7: a reboot keeps the cache mount, the RAID and the IMDS rule ------------------------
+
+
+def test_reboot_brings_back_the_cache_mount_raid_and_imds_rule(default_user_data, tmp_path) -> None:
+    """Old code: nothing runs at boot; /opt/models is a root-volume directory and IMDS is open to tasks."""
+    node = Node(tmp_path)
+    run_user_data(node, default_user_data)
+    assert "node-setup" in node.console and "done" in node.console, node.console
+    _, label = node.text("fs-device").split()
+    (node.state / "fs" / label / "some-model.bin").write_text("cached")
+
+    result = node.reboot()
+    assert node.ready(result) and "CACHE=mounted" in result.stdout, node.console + result.stderr
+    assert "mdadm --assemble --scan" in node.calls and "mkfs.xfs" not in node.calls  # the cache survived
+    assert (node.state / "fs" / label / "some-model.bin").read_text() == "cached"
+    assert node.text("boot/iptables").splitlines() == [
+        "OUTPUT -d 169.254.169.254/32 -m cgroup --path ecstasks.slice -j REJECT"]
+    # What systemd itself reads at boot: the fstab line (nofail: a missing RAID does not stop the
+    # boot) and the array in mdadm.conf.
+    assert "LABEL=models /opt/models xfs noatime,nofail 0 2" in node.file("/etc/fstab")
+    assert node.file("/etc/mdadm.conf").startswith("ARRAY /dev/md/models ")
+    # The ECS agent starts only after this, and only when it succeeded.
+    drop_in = node.file("/etc/systemd/system/ecs.service.d/50-node-setup.conf")
+    assert drop_in is not None, "ecs.service does not wait for the node's setup"
+    for line in ("Requires=node-setup.service", "After=node-setup.service",
+                 "ConditionPathExists=/run/node-setup/ready"):
+        assert line in drop_in.splitlines()
+    assert "Before=ecs.service" in node.file("/etc/systemd/system/node-setup.service")
+
+
+def test_reboot_without_the_raid_keeps_the_ecs_agent_off(default_user_data, tmp_path) -> None:
+    """The array cannot be assembled and no disk is left to make a new one: no agent, and the reason."""
+    node = Node(tmp_path)
+    run_user_data(node, default_user_data)
+    (node.state / "md-superblock").unlink()
+    (node.state / "lsblk").write_text(ROOT_DISK + "\n")
+    result = node.reboot()
+    assert result.returncode == 1 and not node.ready(result)
+    assert "node-setup: FAILED: no NVMe instance-store disk for the model cache" in node.console
+
+
+def test_a_second_run_changes_nothing(default_user_data, tmp_path) -> None:
+    node = Node(tmp_path)
+    run_user_data(node, default_user_data)
+    setup = " ".join(node.exec_start())
+    result = node.boot(*ready_probe("bash", "-c", f"{setup} && {setup}"))
+    assert node.ready(result)
+    assert node.text("boot/iptables").count("REJECT") == 1
+    assert node.file("/etc/fstab").count("LABEL=models ") == 1
+    assert node.file("/etc/ecs/ecs.config").count("ECS_ENABLE_TASK_IAM_ROLE=true") == 1
+
+
+def test_stop_and_start_makes_the_cache_anew_on_the_blank_instance_store(default_user_data, tmp_path) -> None:
+    node = Node(tmp_path)
+    run_user_data(node, default_user_data)
+    result = node.stop_and_start()
+    assert result.returncode == 0, node.console + result.stderr
+    assert "mkfs.xfs -f -L models /dev/md/models" in node.calls
+    assert node.file("/etc/fstab").count("LABEL=models ") == 1
+    assert (node.state / "fs/models/.instance-store").is_file()
+
+
+def test_a_journal_that_cannot_be_written_does_not_fail_the_setup(default_user_data, tmp_path) -> None:
+    node = Node(tmp_path)
+    (node.bin / "systemd-cat").write_text("#!/bin/bash\ncat > /dev/null\nexit 1\n")
+    result = run_user_data(node, default_user_data)
+    assert node.ready(result), node.console + result.stderr
+    assert "node-setup: done" in node.console
+
+
+def test_single_disk_cache_needs_no_raid(default_user_data, tmp_path) -> None:
+    node = Node(tmp_path, disks=1)
+    result = run_user_data(node, default_user_data)
+    assert node.ready(result), node.console
+    assert "mdadm" not in node.calls and "mkfs.xfs -f -L models /dev/nvme1n1" in node.calls
+
+
+# -- the script itself ----------------------------------------------------------------------
+
+
+def test_user_data_fits_ec2s_limit(default_user_data) -> None:
+    # EC2 refuses user data over 16 KB before base64 (AWS EC2 user guide, "Run commands at launch").
+    assert len(default_user_data.encode()) <= 16 * 1024
+
+
+def test_shellcheck_is_clean_on_the_user_data_and_the_installed_script(default_user_data, tmp_path) -> None:
+    shellcheck = shutil.which("shellcheck")
+    assert shellcheck, "shellcheck is not installed (apt-get install -y shellcheck; see the Makefile's setup)"
+    node = Node(tmp_path)
+    run_user_data(node, default_user_data)
+    installed = tmp_path / "node-setup"
+    installed.write_text(node.file("/usr/local/sbin/node-setup"))
+    for script in (node.root / "user-data", installed):
+        result = subprocess.run([shellcheck, "--shell=bash", "--severity=style", str(script)],
+                                capture_output=True, text=True, check=False)
+        assert result.returncode == 0, result.stdout
+
+
+def test_the_node_setup_alarm_is_in_the_rollout_gate(synth_default) -> None:
+    template = synth_default.template_json(DEV)
+    alarms = {k: v for k, v in template["Resources"].items() if v["Type"] == "AWS::CloudWatch::Alarm"}
+    (alarm_id,) = [k for k, v in alarms.items() if v["Properties"].get("MetricName") == "NodeSetupFailed"]
+    props = alarms[alarm_id]["Properties"]
+    assert props["Namespace"] == "Rufus/Node" and props["Dimensions"] == [{"Name": "Cell", "Value": "dev"}]
+    assert props["Period"] == 300 and props["Statistic"] == "Maximum" and props["Threshold"] == 1
+    (gate,) = [v for v in template["Resources"].values() if v["Type"] == "AWS::CloudWatch::CompositeAlarm"]
+    assert alarm_id in json.dumps(gate["Properties"]["AlarmRule"])
+    # The node may put that metric, in that namespace only.
+    policies = [v for v in template["Resources"].values() if v["Type"] == "AWS::IAM::ManagedPolicy"]
+    assert any('"cloudwatch:namespace": "Rufus/Node"' in json.dumps(p) for p in policies)
+
+
+def test_fakes_are_not_left_on_the_build_machine() -> None:
+    # The runs above write only below their temporary directories: /etc stays as it was.
+    assert not os.path.exists("/etc/node-setup") and not os.path.exists("/usr/local/sbin/node-setup")
+
+
+def test_the_launcher_checks_the_marker_the_node_writes(synth_default, default_user_data, tmp_path) -> None:
+    """Item 7: every unit container's spec names the file node-setup writes on the instance-store mount."""
+    node = Node(tmp_path)
+    run_user_data(node, default_user_data)
+    _, label = node.text("fs-device").split()
+    assert (node.state / "fs" / label / ".instance-store").is_file()  # on the instance store, not the root volume
+    template = synth_default.template_json(DEV)
+    tasks = [r for r in template["Resources"].values() if r["Type"] == "AWS::ECS::TaskDefinition"]
+    specs = [json.loads(e["Value"]) for t in tasks for c in t["Properties"]["ContainerDefinitions"]
+             for e in c.get("Environment", []) if e["Name"] == "UNIT_SPEC"]
+    assert specs and all(spec["model"]["cache_marker"] == MARKER for spec in specs)

@@ -1,0 +1,263 @@
+"""Every script the templates ship is shellcheck clean and executed by a named test (issue 20).
+
+The default fleet, tests/fleets/elastic.yaml and tests/fleets/large.yaml are synthesized
+and walked for scripts (tests/shipped_scripts.py: user data, `sh -c` entry points and
+commands, container health checks, buildspec commands). `EXECUTED_BY` names, for each
+script identity, the shell that runs it in production and the test that executes it as
+extracted from the template; a script found with no entry, or an entry whose test is
+gone, fails here. The executions not done elsewhere are below: the follower's and the
+spare's health checks, and the pipeline's build commands.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from unit_launcher import health_file
+
+from tests.conftest import ROOT
+from tests.shipped_scripts import (
+    CAN_RUN_AS_IN_A_TASK,
+    WHY_NOT,
+    ShippedScript,
+    fake_launcher_package,
+    one,
+    run_as_in_a_task,
+    shipped_scripts,
+)
+
+DEV = "Rufus-Cell-dev"
+FOLLOWER_HEALTH = "UnitFollowerTask/inference/HealthCheck"
+SPARE_HEALTH = "SparesTask/spare/HealthCheck"
+BUILD_COMMANDS = "Build/BuildSpec/build"
+
+
+@dataclass(frozen=True)
+class Execution:
+    shell: str  # the shell that runs it in production: "dash" (/bin/sh), "bash", "exec" (argv, no shell)
+    test_file: str  # relative to the repository
+    test: str  # a test function defined in test_file, or a word the file must contain
+
+
+EXECUTED_BY: dict[str, Execution] = {
+    "UnitFollowerTask/drain-guard/Command": Execution(
+        "dash", "tests/test_drain_guard.py", "test_guard_releases_at_once_without_a_launcher"),
+    FOLLOWER_HEALTH: Execution(
+        "exec", "tests/test_template_scripts.py", "test_follower_health_check_judges_the_launchers_record"),
+    SPARE_HEALTH: Execution(
+        "dash", "tests/test_template_scripts.py", "test_spare_health_check_fails_without_a_launcher"),
+    BUILD_COMMANDS: Execution(
+        "dash", "tests/test_template_scripts.py", "test_pipeline_build_commands_name_what_exists"),
+    # Executed under bash with fake mdadm/iptables by another change of issue 20.
+    "TrainiumLaunchTemplate/UserData": Execution("bash", "tests/test_node_user_data.py", "UserData"),
+}
+
+
+@pytest.fixture(scope="module")
+def scripts(synth_default, synth_elastic, synth_large) -> list[ShippedScript]:
+    found: list[ShippedScript] = []
+    for label, synthesized in (("default", synth_default), ("elastic", synth_elastic), ("large", synth_large)):
+        for stack in synthesized.templates:
+            found.extend(shipped_scripts(f"{label}:{stack}", synthesized.template_json(stack)))
+    return found
+
+
+def _distinct(scripts: list[ShippedScript], identity: str) -> list[ShippedScript]:
+    seen: dict[str, ShippedScript] = {}
+    for script in scripts:
+        if script.identity == identity:
+            seen.setdefault(script.text, script)
+    return list(seen.values())
+
+
+def test_every_script_has_an_execution_test(scripts) -> None:
+    found = {s.identity for s in scripts}
+    unregistered = sorted(found - set(EXECUTED_BY))
+    assert not unregistered, f"scripts no test executes (add one, and an entry to EXECUTED_BY): {unregistered}"
+    stale = sorted(set(EXECUTED_BY) - found)
+    assert not stale, f"EXECUTED_BY names scripts the templates no longer ship: {stale}"
+    for script in scripts:
+        expected = EXECUTED_BY[script.identity].shell
+        assert script.shell == expected, f"{script.where}: {script.identity} runs under {script.shell}, not {expected}"
+
+
+def test_the_walk_finds_each_kind_of_script() -> None:
+    """A template with one script of each kind, the shells named as ECS and EC2 are given them."""
+    container = {
+        "Name": "c", "EntryPoint": ["/bin/sh", "-ec"], "Command": ["echo one"],
+        "HealthCheck": {"Command": ["CMD-SHELL", "echo two"]}, "Environment": [{"Name": "A", "Value": "1"}],
+    }
+    odd = {"Name": "d", "Command": ["bash", "/x.sh"], "HealthCheck": {"Command": ["CMD", "/bin/true"]}}
+    template = {"Resources": {
+        "Unit7TaskAB12CD34": {"Type": "AWS::ECS::TaskDefinition", "Properties": {"ContainerDefinitions": [
+            container, odd]}},
+        "LtAB12CD34": {"Type": "AWS::EC2::LaunchTemplate", "Properties": {"LaunchTemplateData": {
+            "UserData": {"Fn::Base64": {"Fn::Join": ["", ["#!/bin/bash\necho ", {"Ref": "X"}, "\n"]]}}}}},
+        "BuildAB12CD34": {"Type": "AWS::CodeBuild::Project", "Properties": {"Source": {
+            "BuildSpec": json.dumps({"version": "0.2", "phases": {"build": {"commands": ["make a", "make b"]}}})}}},
+    }}
+    found = {(s.identity, s.shell, s.text) for s in shipped_scripts("S", template)}
+    assert found == {
+        ("UnitTask/c/Command", "dash", "echo one"),
+        ("UnitTask/c/HealthCheck", "dash", "echo two"),
+        ("UnitTask/d/Command (not understood)", "dash", '["bash", "/x.sh"]'),
+        ("UnitTask/d/HealthCheck", "exec", '["/bin/true"]'),
+        ("Lt/UserData", "bash", "#!/bin/bash\necho CFN_TOKEN\n"),
+        ("Build/BuildSpec/build", "dash", "make a\nmake b\n"),
+    }
+
+
+@pytest.mark.parametrize("identity", sorted(EXECUTED_BY))
+def test_the_named_execution_test_exists(identity) -> None:
+    execution = EXECUTED_BY[identity]
+    path = ROOT / execution.test_file
+    assert path.is_file(), f"{identity}: {execution.test_file} is missing (it executes this script)"
+    text = path.read_text()
+    functions = {n.name for n in ast.walk(ast.parse(text)) if isinstance(n, ast.FunctionDef)}
+    assert execution.test in functions or (
+        not execution.test.startswith("test_") and execution.test in text
+    ), f"{identity}: {execution.test_file} has no {execution.test}"
+
+
+def test_units_and_fleets_ship_one_script_per_identity(scripts) -> None:
+    """Variants differ in numbers only (a budget, a count): executing one covers the others' logic."""
+    for identity in EXECUTED_BY:
+        shapes = {re.sub(r"\d+", "N", s.text) for s in _distinct(scripts, identity)}
+        assert len(shapes) <= 1, f"{identity} has {len(shapes)} different scripts: give each its execution test"
+
+
+_SHELLCHECK_DIALECT = {"dash": "dash", "bash": "bash"}
+
+
+@pytest.mark.parametrize("identity", sorted(i for i, e in EXECUTED_BY.items() if e.shell != "exec"))
+def test_shellcheck_is_clean(scripts, identity) -> None:
+    assert shutil.which("shellcheck"), "shellcheck is missing: `make setup` installs it"
+    findings = []
+    for script in _distinct(scripts, identity):
+        checked = subprocess.run(
+            ["shellcheck", "--shell", _SHELLCHECK_DIALECT[script.shell], "--format", "gcc", "-"],
+            input=script.text, capture_output=True, text=True, timeout=60,
+        )
+        if checked.returncode != 0:
+            findings.append(f"{script.where}:\n{checked.stdout}{checked.stderr}")
+    assert not findings, "\n".join(findings)
+
+
+# -- the follower's health check ------------------------------------------------------------
+
+# Runs the check's argv exactly as the template has it, in a task-like namespace (the
+# launcher's interpreter at its image path, the container's own /tmp) holding the record.
+_HEALTH_TASK = r"""
+if [ -n "$RECORD" ]; then printf '%s' "$RECORD" > /tmp/unit-launcher.state; fi
+"$@"
+"""
+
+
+def _run_health_check(argv: list[str], record: str | None) -> tuple[int, str, float]:
+    package = ROOT / "containers" / "inference" / "unit_launcher"
+    started = time.monotonic()
+    done = run_as_in_a_task(_HEALTH_TASK, {"RECORD": record or ""}, package=package, timeout=60, args=tuple(argv))
+    return done.returncode, done.stderr, time.monotonic() - started
+
+
+def _record(tmp_path: Path, state: str, *, since_ago: float, updated_ago: float) -> str:
+    """A record as the launcher writes it (health_file.HealthFile), its times set in the past."""
+    now = time.time()
+    times = iter([now, now - since_ago, now - updated_ago])  # created, state entered, written
+    writer = health_file.HealthFile(tmp_path / "state", role="follower", clock=lambda: next(times))
+    writer.set(state, session_id="s-1")
+    return (tmp_path / "state").read_text()
+
+
+@pytest.mark.skipif(not CAN_RUN_AS_IN_A_TASK, reason=WHY_NOT)
+def test_follower_health_check_judges_the_launchers_record(synth_default, tmp_path) -> None:
+    template = synth_default.template_json(DEV)
+    check = one(shipped_scripts(DEV, template), FOLLOWER_HEALTH)
+    argv = json.loads(check.text)
+    budget = synth_default.fleet.serving.startup_budget_seconds
+    follower = next(v for k, v in template["Resources"].items() if k.startswith("Unit0FollowerTask"))
+    timeout = follower["Properties"]["ContainerDefinitions"][0]["HealthCheck"]["Timeout"]
+    cases = {
+        "joining within the budget": (_record(tmp_path, "joining", since_ago=budget - 60, updated_ago=1), 0, ""),
+        "joining past the budget": (
+            _record(tmp_path, "joining", since_ago=budget + 60, updated_ago=1), 1,
+            f"longer than the start-up budget of {budget} s"),
+        "serving, fresh": (_record(tmp_path, "serving", since_ago=3600, updated_ago=10), 0, ""),
+        "serving, stale": (_record(tmp_path, "serving", since_ago=3600, updated_ago=600), 1, "last written"),
+        "stopping, however old": (_record(tmp_path, "stopping", since_ago=9999, updated_ago=9999), 0, ""),
+        "no record": (None, 1, "no launcher state recorded"),
+    }
+    for case, (record, status, says) in cases.items():
+        returned, stderr, seconds = _run_health_check(argv, record)
+        assert (returned, says in stderr) == (status, True), f"{case}: exit {returned}, {stderr!r}"
+        assert seconds < timeout, f"{case}: the check took {seconds:.1f} s, its timeout is {timeout} s"
+
+
+# -- the spare's health check ---------------------------------------------------------------
+
+# The check as Docker runs CMD-SHELL (`/bin/sh -c`), with or without a launcher beside it.
+_SPARE_TASK = r"""
+if [ -n "$WITH_LAUNCHER" ]; then "$LAUNCHER_PYTHON" -m unit_launcher run & sleep 1; fi
+/bin/sh -c "$CHECK"
+"""
+
+
+@pytest.mark.skipif(not CAN_RUN_AS_IN_A_TASK, reason=WHY_NOT)
+def test_spare_health_check_fails_without_a_launcher(synth_large, tmp_path) -> None:
+    stack = "Rufus-Cell-use2-a"
+    check = one(shipped_scripts(stack, synth_large.template_json(stack)), SPARE_HEALTH)
+    package = fake_launcher_package(tmp_path)
+    for with_launcher, status in ((True, 0), (False, 1)):
+        done = run_as_in_a_task(
+            _SPARE_TASK, {"CHECK": check.text, "WITH_LAUNCHER": "1" if with_launcher else ""}, package=package,
+            timeout=30,
+        )
+        assert done.returncode == status, f"launcher running: {with_launcher}, check exit {done.returncode}"
+
+
+# -- the pipeline's build commands ------------------------------------------------------------
+
+# CodeBuild runs a phase's commands in one sh (buildspec 0.2). `make` and the CDK CLI are
+# faked on PATH and in the source directory: each records its arguments, and the test
+# checks them against the Makefile and the CLI (nothing is built, nothing reaches AWS).
+_RECORDER = """#!/bin/sh
+printf '%s\\n' "$*" >> "$RECORD"
+"""
+
+
+def test_pipeline_build_commands_name_what_exists(synth_default, tmp_path) -> None:
+    build = one(shipped_scripts("Rufus-Pipeline", synth_default.template_json("Rufus-Pipeline")), BUILD_COMMANDS)
+    fakes = tmp_path / "bin"
+    (tmp_path / "node_modules" / ".bin").mkdir(parents=True)
+    fakes.mkdir()
+    for path in (fakes / "make", tmp_path / "node_modules" / ".bin" / "cdk"):
+        path.write_text(_RECORDER)
+        path.chmod(0o755)
+    record = tmp_path / "calls"
+    done = subprocess.run(
+        ["/bin/sh", "-c", build.text], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+        env={"PATH": f"{fakes}:/usr/bin:/bin", "RECORD": str(record)},
+    )
+    assert done.returncode == 0, done.stderr
+    calls = record.read_text().splitlines()
+    make_calls = [c.split() for c in calls if not c.startswith("publish-assets")]
+    assert make_calls, f"no make call recorded: {calls}"
+    for arguments in make_calls:
+        dry_run = subprocess.run(
+            ["make", "-n", "-C", str(ROOT), *arguments], capture_output=True, text=True, timeout=60
+        )
+        assert dry_run.returncode == 0, f"make {' '.join(arguments)}: {dry_run.stderr}"
+    (publish,) = [c.split() for c in calls if c.startswith("publish-assets")]
+    stack = publish[publish.index("--exclusively") + 1]
+    assert stack in synth_default.templates, f"publish-assets names {stack}, not a stack of the default fleet"
+    cli = ROOT / "node_modules" / ".bin" / "cdk"
+    known = subprocess.run([str(cli), "publish-assets", "--help"], capture_output=True, text=True, timeout=120)
+    assert known.returncode == 0 and "publish-assets" in known.stdout, known.stderr
