@@ -131,3 +131,14 @@ def test_without_a_drained_report_the_bound_ends_the_session(tmp_path, h):
     session.check_drain()
     assert session.deliberate_end and session.cause == rendezvous.MEMBER_STOPPING
     assert "no drained report from the proxy within 0.2 s" in session.end_reason
+
+
+def test_sigusr1_during_start_up_is_remembered_never_fatal(tmp_path, unit_nodes, h):
+    """The guard may signal a launcher that is still importing: SIGUSR1's default action would
+    end it (exit -10); the handler installed first thing in its main keeps it, and the launcher
+    acts on the signal once its loop runs."""
+    spec = h.cpu_spec(2, record_dir=tmp_path, join_timeout_seconds=30)
+    follower = unit_nodes(spec, "follower", "i-f1")
+    time.sleep(0.3)
+    follower.signal(signal.SIGUSR1)
+    assert follower.wait(10) == 0, follower.log
