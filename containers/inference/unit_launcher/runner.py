@@ -1,7 +1,8 @@
 """`run`: one node's whole life: identity, artifacts, rendezvous, engine, watchdog, exit.
 
 Exit status: 0 only after a deliberate stop (SIGTERM to the leader, or a follower told
-the leader was stopped on purpose); the engine's own status when it failed on its own;
+the leader was stopped on purpose; every member of a session ended for a follower whose
+task was stopping, `member_stopping`); the engine's own status when it failed on its own;
 otherwise one of the codes below, so ECS restarts the task and the unit forms again as a
 new session. A unit lost is never 0.
 """
@@ -550,7 +551,8 @@ async def _fetch_before_joining(spec: UnitSpec, me: Identity, signals: _Signals)
     if fetch is None or not fetch.task.done():
         if fetch is not None:
             await fetch.stop()
-        _local_record(spec, me, "deliberate_stop", "follower received SIGTERM before it joined (fetching artifacts)")
+        why = "SIGTERM" if signals.stop.is_set() else "SIGUSR1 (its task is stopping)"
+        _local_record(spec, me, "deliberate_stop", f"follower received {why} before it joined (fetching artifacts)")
         return 0
     error = fetch.error()
     if error is None:
