@@ -43,7 +43,7 @@ ONE_MINUTE = Duration.minutes(1)
 # Session ends that are no failure (unit_launcher/evidence.py, NEUTRAL): the launcher counts
 # them 0 in `UnitFailures`, and the dashboard's table of failures leaves them out, since a
 # deployment ends every unit's session deliberately and would push the failures off it.
-NEUTRAL_CAUSES = ("deliberate_stop", "member_stopped")
+NEUTRAL_CAUSES = ("deliberate_stop", "member_stopped", "member_stopping")
 # Rows of the dashboard's table of the latest failed sessions.
 LAST_FAILURES = 20
 

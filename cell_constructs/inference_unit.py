@@ -98,25 +98,50 @@ def launcher_alive_test() -> str:
     being the word. `comm` and `exe` cannot tell the launcher from the engine (both are
     Python), and a pid file would need a volume shared with the launcher and a launcher change.
     """
+    return f"grep -qsaxz {_launcher_pattern()} /proc/[0-9]*/cmdline"
+
+
+def _launcher_pattern() -> str:
+    """grep's pattern for the launcher's argument, bracketed so that grep's own argument is not it."""
     word = LAUNCHER_MODULE
-    return f"grep -qsaxz '{word[:-1]}[{word[-1]}]' /proc/[0-9]*/cmdline"
+    return f"'{word[:-1]}[{word[-1]}]'"
+
+
+def signal_launcher_function() -> str:
+    """A shell function that sends SIGUSR1 ("your task is stopping") to each process that
+    `launcher_alive_test` matches, and only to those: the launcher handles SIGUSR1 first
+    thing in its main (unit_launcher/task_stop.py), and no other process of the task (the
+    engine, the health check, the guard itself) is signalled, so none can be ended by it."""
+    return f"""\
+signal_launcher() {{
+  for cmdline in /proc/[0-9]*/cmdline; do
+    if grep -qsaxz {_launcher_pattern()} "$cmdline"; then
+      pid=${{cmdline#/proc/}}; pid=${{pid%/cmdline}}
+      kill -USR1 "$pid" 2>/dev/null && echo "drain-guard: told the launcher (pid $pid) that its task is stopping"
+    fi
+  done
+}}
+"""
 
 
 def drain_guard_script() -> str:
     """The follower's drain guard (`/bin/sh -c`, dash in the Ubuntu-based image).
 
-    Idle until SIGTERM; then it waits while the follower's launcher lives, at most
-    `$DRAIN_GUARD_MAX_SECONDS` (the safety bound, `follower_release_bound`), and exits so
-    that ECS sends SIGTERM to the engine container next. Time is read from /proc/uptime
-    (monotonic), so a slow poll does not stretch the bound.
+    Idle until SIGTERM; then it tells the follower's launcher that its task is stopping
+    (SIGUSR1: the launcher asks its leader to drain the unit and exits when the leader ended
+    the session), waits while the launcher lives, at most `$DRAIN_GUARD_MAX_SECONDS` (the
+    safety bound, `follower_release_bound`), and exits so that ECS sends SIGTERM to the
+    engine container next. Time is read from /proc/uptime (monotonic), so a slow poll does
+    not stretch the bound.
     """
     return f"""\
 : "${{{DRAIN_GUARD_BOUND_ENV}:?the safety bound in seconds}}"
 launcher_alive() {{ {launcher_alive_test()}; }}
-uptime_s() {{ read -r up _ < /proc/uptime; echo "${{up%.*}}"; }}
+{signal_launcher_function()}uptime_s() {{ read -r up _ < /proc/uptime; echo "${{up%.*}}"; }}
 on_term() {{
   kill "$sleeper" 2>/dev/null
   start=$(uptime_s)
+  signal_launcher
   while launcher_alive; do
     if [ $(( $(uptime_s) - start )) -ge "${DRAIN_GUARD_BOUND_ENV}" ]; then
       echo "drain-guard: the launcher still runs after ${DRAIN_GUARD_BOUND_ENV} s: releasing the engine (safety bound)"
@@ -368,9 +393,11 @@ class MultiNodeInferenceUnit(Construct):
         reverse dependency order and waits for each container's stop timeout
         (https://docs.aws.amazon.com/AmazonECS/latest/developerguide/task_definition_parameters.html#container_definition_dependson):
         the guard container depends on the engine, so the engine gets SIGTERM only after the
-        guard exits. On SIGTERM the guard waits while the follower's launcher lives (it exits
-        when the leader ends the unit's session after its proxy drained, or when the leader is
-        gone), at most `release_bound` (a safety bound: `follower_release_bound`), then exits;
+        guard exits. On SIGTERM the guard sends SIGUSR1 to the follower's launcher (its task is
+        stopping: the launcher asks the leader to drain the unit, which matters when the
+        follower stops alone, e.g. its instance drained) and waits while the launcher lives (it
+        exits when the leader ends the unit's session after its proxy drained, or when the
+        leader is gone), at most `release_bound` (a safety bound: `follower_release_bound`), then exits;
         the follower's engine then stops. The task shares its PID namespace (pidMode task) so
         the guard can see the launcher.
         """

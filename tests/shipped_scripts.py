@@ -136,13 +136,37 @@ mount -t tmpfs tmpfs /tmp || exit 92
 export PYTHONPATH=/opt/python
 """
 
-# A stand-in for the launcher package: `python -m unit_launcher run` lives LAUNCHER_SECONDS;
-# `python -m unit_launcher.health_file` (a decoy: the health check's command line) sleeps.
-_FAKE_LAUNCHER = {
-    "__init__.py": "",
-    "__main__.py": "import os, time\ntime.sleep(float(os.environ.get('LAUNCHER_SECONDS') or 600))\n",
-    "health_file.py": "import time\ntime.sleep(600)\n",
-}
+# A stand-in for the launcher package: `python -m unit_launcher run` lives LAUNCHER_SECONDS,
+# prints `LAUNCHER_GOT_USR1 pid=<pid> uptime=<s>` on each SIGUSR1 and then exits after
+# LAUNCHER_EXIT_AFTER_USR1 seconds when that is set (as the real one does once its leader
+# ended the session); `python -m unit_launcher.health_file` (a decoy: the health check's
+# command line) sleeps and prints `DECOY_GOT_USR1` on a SIGUSR1 it must never get.
+_FAKE_LAUNCHER_MAIN = """\
+import os, signal, time
+
+deadline = time.monotonic() + float(os.environ.get("LAUNCHER_SECONDS") or 600)
+
+
+def on_usr1(signum, frame):
+    global deadline
+    with open("/proc/uptime") as uptime:
+        print(f"LAUNCHER_GOT_USR1 pid={os.getpid()} uptime={uptime.read().split()[0]}", flush=True)
+    after = os.environ.get("LAUNCHER_EXIT_AFTER_USR1")
+    if after:
+        deadline = min(deadline, time.monotonic() + float(after))
+
+
+signal.signal(signal.SIGUSR1, on_usr1)
+while time.monotonic() < deadline:
+    time.sleep(0.05)
+"""
+_FAKE_DECOY = """\
+import signal, time
+
+signal.signal(signal.SIGUSR1, lambda signum, frame: print("DECOY_GOT_USR1", flush=True))
+time.sleep(600)
+"""
+_FAKE_LAUNCHER = {"__init__.py": "", "__main__.py": _FAKE_LAUNCHER_MAIN, "health_file.py": _FAKE_DECOY}
 
 
 def fake_launcher_package(root: Path) -> Path:

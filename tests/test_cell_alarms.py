@@ -157,7 +157,8 @@ def test_dashboard_lists_the_last_failures_from_the_unit_log_group(synth_large) 
     assert widget["properties"]["query"] == (
         f"SOURCE '<{unit_logs}>' | fields @timestamp, unit_id, cause, reason, ended_by.rank, ended_by.address, "
         "ended_by.instance_id, exit_status, served_seconds\n"
-        '| filter event = "unit_session_end" and cause != "deliberate_stop" and cause != "member_stopped"\n'
+        '| filter event = "unit_session_end" and cause != "deliberate_stop" and cause != "member_stopped" '
+        'and cause != "member_stopping"\n'
         "| sort @timestamp desc\n"
         "| limit 20"
     )

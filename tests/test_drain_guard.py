@@ -4,9 +4,9 @@ Each run is a fresh PID namespace with its own /proc (`unshare --pid --fork --mo
 root needed), like the follower task's shared namespace (pidMode task). PID 1 is a small
 dash script standing in for the task: it starts what the test asks for (a stand-in
 launcher whose command line is the image's, `/opt/unit-launcher/bin/python -m unit_launcher
-run`; decoys that only mention the launcher), starts the guard as `/bin/sh -c <script>`
-with the container's environment, sends it SIGTERM as ECS does, and reports, from
-/proc/uptime, how long the guard took to exit.
+run`, which reports each SIGUSR1 it gets; decoys that only mention the launcher), starts
+the guard as `/bin/sh -c <script>` with the container's environment, sends it SIGTERM as
+ECS does, and reports, from /proc/uptime, how long the guard took to exit.
 """
 
 from __future__ import annotations
@@ -73,6 +73,15 @@ def run_guard(
     environment: dict[str, str] | None = None,
 ) -> float:
     """Seconds from SIGTERM to the guard's exit, in a fresh PID namespace; fails past PATIENCE_SECONDS."""
+    return run_guard_output(guard, fake_launcher_path, launcher_seconds=launcher_seconds, decoys=decoys,
+                            environment=environment)[0]
+
+
+def run_guard_output(
+    guard: ShippedScript, fake_launcher_path: Path, *, launcher_seconds: float | None = None, decoys: bool = False,
+    environment: dict[str, str] | None = None,
+) -> tuple[float, dict[str, str], str]:
+    """As `run_guard`, with the task's exit fields (sent, done: /proc/uptime) and its whole output."""
     env = {
         **dict(guard.environment),
         **(environment or {}),
@@ -88,7 +97,23 @@ def run_guard(
     assert line, f"no exit reported: {done.stdout!r} {done.stderr!r}"
     fields = dict(f.split("=") for f in line.split()[1:])
     assert fields["status"] == "0", done.stdout + done.stderr
-    return float(fields["done"]) - float(fields["sent"])
+    return float(fields["done"]) - float(fields["sent"]), fields, done.stdout + done.stderr
+
+
+def test_guard_tells_the_launcher_its_task_is_stopping_and_only_the_launcher(guard, fake_launcher_path) -> None:
+    """On SIGTERM the guard sends SIGUSR1 to the launcher it matched (which then asks its leader to
+    drain and exits once the session ended: here 2 s later); the decoys get nothing."""
+    waited, fields, output = run_guard_output(
+        guard, fake_launcher_path, launcher_seconds=600, decoys=True, environment={"LAUNCHER_EXIT_AFTER_USR1": "2"}
+    )
+    got = [line for line in output.splitlines() if line.startswith("LAUNCHER_GOT_USR1")]
+    assert len(got) == 1, output
+    received = float(dict(f.split("=") for f in got[0].split()[1:])["uptime"])
+    assert 0 <= received - float(fields["sent"]) < 1.5, output
+    assert "DECOY_GOT_USR1" not in output
+    assert "told the launcher" in output
+    # The guard then waits for the launcher, which exits 2 s after the signal.
+    assert 1.5 <= waited < 4.5, f"the guard released the engine {waited:.1f} s after SIGTERM; the launcher lived 2 s"
 
 
 def test_guard_releases_at_once_without_a_launcher(guard, fake_launcher_path) -> None:

@@ -32,7 +32,9 @@ log = logging.getLogger("unit_launcher.evidence")
 
 DELIBERATE = "deliberate_stop"
 # Session ends that say nothing about the unit's health: they neither count nor reset.
-NEUTRAL = (DELIBERATE, "member_stopped")
+# `member_stopping`: a follower's task was stopping (its instance drained, a StopTask); the
+# unit drained and the leader ended the session for it (unit_launcher.rendezvous).
+NEUTRAL = (DELIBERATE, "member_stopped", "member_stopping")
 # How many history records a node keeps (the newest).
 HISTORY_LIMIT = 100
 

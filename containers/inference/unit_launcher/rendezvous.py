@@ -16,6 +16,15 @@ completed within the step bound ends the session as well, naming the members beh
 (`unit_launcher.steps`). A unit runs whole or not at all. The proxy beside the leader
 reports a failed deep-liveness canary with `POST /canary-failed`, answered on loopback
 only; it ends a whole, serving session.
+
+A follower whose own task is stopping (its drain guard sent its launcher SIGUSR1: its
+instance drained for an AMI roll or a scale-in, a StopTask) says `stopping: true` in its
+heartbeats. The leader records the request (`/status` `drain_requested`), its proxy stops
+taking requests and finishes its streams, then reports `POST /drained` (loopback only);
+the leader ends the session as deliberate with cause `member_stopping`, naming the
+follower, when the report comes or at the latest after `member_drain_seconds`. The
+followers hear "stopping" and exit 0, and the stopping follower's guard releases its
+engine. A session whose engines have not started yet (the ready phase) ends at once.
 """
 
 from __future__ import annotations
@@ -47,6 +56,10 @@ JOIN_POLL_SECONDS = 5.0
 INCARNATION = uuid.uuid4().hex
 # Where the proxy beside the leader reports a failed deep-liveness canary (loopback only).
 CANARY_FAILED_PATH = "/canary-failed"
+# Where the proxy beside the leader reports that it drained for a stopping follower (loopback only).
+DRAINED_PATH = "/drained"
+# A follower whose task is stopping asked the leader to drain; the session ended deliberately for it.
+MEMBER_STOPPING = "member_stopping"
 
 
 class JoinError(RuntimeError):
@@ -141,6 +154,11 @@ class LeaderSession:
     engine_status: int | None = None
     backoff: dict[str, Any] | None = None
     last_failure: dict[str, Any] | None = None
+    # A follower whose task is stopping asked the unit to drain ({"by", "since"}, for /status);
+    # the member, and when (monotonic) the bound started.
+    drain_requested: dict[str, Any] | None = None
+    drain_member: Member | None = None
+    drain_started: float | None = None
 
     def __post_init__(self) -> None:
         now = time.monotonic()
@@ -227,7 +245,8 @@ class LeaderSession:
         if self.end_reason is None:
             self.end_reason = reason
             self.deliberate_end = deliberate
-            self.cause = "deliberate_stop" if deliberate else cause
+            # A deliberate end says why only when a cause is given (member_stopping).
+            self.cause = "deliberate_stop" if deliberate and cause == "unknown" else cause
             self.ended_by = ended_by
             self.ended_by_evidence = evidence or {}
             log.log(
@@ -410,6 +429,9 @@ class LeaderSession:
             "steps": self.steps_status(),
             "backoff": self.backoff,
             "last_failure": self.last_failure,
+            # A stopping follower asked the unit to drain: {"by": {rank, address, instance_id},
+            # "since": Unix time}; null otherwise. The proxy drains when it sees it.
+            "drain_requested": self.drain_requested,
         }
 
     def release_payload(self, member: Member) -> dict[str, Any]:
@@ -430,6 +452,7 @@ class LeaderSession:
         app.router.add_post("/heartbeat", self._heartbeat)
         app.router.add_get("/status", self._status)
         app.router.add_post(CANARY_FAILED_PATH, self._canary_failed)
+        app.router.add_post(DRAINED_PATH, self._drained)
         return app
 
     async def _body(self, request: web.Request, required: tuple[str, ...]) -> dict[str, Any]:
@@ -558,6 +581,8 @@ class LeaderSession:
             member.ready = True
             log.info("ready: %s", member.describe())
             self._check_ready()
+        if body.get("stopping") is True and not body.get("leaving"):
+            self.request_drain(member)
         if body.get("leaving"):
             # Kept even when the session already ended: a follower whose engine crashed often
             # breaks the leader's collective first, and its evidence names the real cause.
@@ -609,12 +634,67 @@ class LeaderSession:
         self.end_for_canary(str(body["detail"]))
         return web.json_response({"ended": True, "cause": self.cause, "reason": self.end_reason})
 
+    async def _drained(self, request: web.Request) -> web.Response:
+        """POST {session_id} from the proxy beside the leader: it drained for a stopping follower."""
+        if not from_loopback(request.remote):
+            log.warning("refused %s from %s: only loopback may report a drain", DRAINED_PATH, request.remote)
+            return web.json_response(
+                {"reason": "forbidden", "error": f"{DRAINED_PATH} is answered on loopback only"}, status=403
+            )
+        body = await self._body(request, ("session_id",))
+        if body["session_id"] != self.session_id or self.drain_member is None:
+            return self._refuse(
+                "no_drain_requested",
+                f"drained report for session {body['session_id']} ignored: session {self.session_id} of unit "
+                f"{self.spec.unit_id} is {self.state}"
+                + (", and no follower asked it to drain" if self.drain_member is None else ""),
+            )
+        self.end_for_stopping_member("the proxy drained")
+        return web.json_response({"ended": True, "cause": self.cause, "reason": self.end_reason})
+
+    # -- a follower whose task is stopping -----------------------------------------------------
+    def request_drain(self, member: Member) -> None:
+        """A follower's task is stopping: drain the unit, then end the session for it (the first asks)."""
+        if self.state == STOPPING or self.drain_member is not None:
+            return
+        self.drain_member, self.drain_started = member, time.monotonic()
+        who = {"rank": member.rank, "address": member.address, "instance_id": member.instance_id}
+        self.drain_requested = {"by": who, "since": time.time()}
+        if not self.all_ready.is_set():
+            # The engines have not started: nothing is served, nothing to drain.
+            self.end_for_stopping_member("before the engines started")
+            return
+        log.warning(
+            "unit %s session %s: follower %s is stopping: draining (the proxy reports %s, at most %g s)",
+            self.spec.unit_id, self.session_id, member.describe(), DRAINED_PATH,
+            self.spec.rendezvous.member_drain_seconds,
+        )
+
+    def check_drain(self) -> None:
+        """Watchdog step: a drain request that the proxy did not report drained within the bound ends anyway."""
+        if self.drain_started is None or self.state == STOPPING:
+            return
+        bound = self.spec.rendezvous.member_drain_seconds
+        if time.monotonic() - self.drain_started > bound:
+            self.end_for_stopping_member(f"no drained report from the proxy within {bound:g} s")
+
+    def end_for_stopping_member(self, how: str) -> None:
+        member = self.drain_member
+        assert member is not None
+        self.end(
+            f"follower {member.describe()} is stopping (its task was told to stop); session ended {how}",
+            deliberate=True,
+            cause=MEMBER_STOPPING,
+            ended_by=member,
+        )
+
     async def watchdog(self) -> None:
         step = min(0.5, self.spec.rendezvous.heartbeat_interval / 2)
         while not self.ended.is_set():
             self.prune_forming()
             self.check_liveness()
             self.check_steps()
+            self.check_drain()
             await asyncio.sleep(step)
 
     def silent_followers(self) -> list[Member]:
@@ -677,12 +757,18 @@ class Readiness:
 
     ready: bool = False
     fetch: dict[str, Any] | None = None
+    # This node's task is stopping (SIGUSR1 from its drain guard): ask the leader to drain.
+    stopping: bool = False
     go: asyncio.Event = field(default_factory=asyncio.Event)
     # Set to send a heartbeat now rather than at the next interval (ready, or a fetch failed).
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     def set_ready(self) -> None:
         self.ready = True
+        self.wake.set()
+
+    def set_stopping(self) -> None:
+        self.stopping = True
         self.wake.set()
 
     def progress(self, done: int, total: int) -> None:
@@ -875,6 +961,8 @@ async def heartbeat_loop(
             body["steps"] = steps.local_states(step_dir)
             first_step.observe(body["steps"])
         body["ready"], body["fetch"] = readiness.ready, readiness.fetch
+        if readiness.stopping:
+            body["stopping"] = True  # this node's task is stopping: drain the unit, then end it
         started = time.monotonic()
         try:
             async with http.post(url, json=body, timeout=timeout) as response:

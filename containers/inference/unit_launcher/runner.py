@@ -1,7 +1,8 @@
 """`run`: one node's whole life: identity, artifacts, rendezvous, engine, watchdog, exit.
 
 Exit status: 0 only after a deliberate stop (SIGTERM to the leader, or a follower told
-the leader was stopped on purpose); the engine's own status when it failed on its own;
+the leader was stopped on purpose; every member of a session ended for a follower whose
+task was stopping, `member_stopping`); the engine's own status when it failed on its own;
 otherwise one of the codes below, so ECS restarts the task and the unit forms again as a
 new session. A unit lost is never 0.
 """
@@ -24,7 +25,7 @@ from typing import Any
 
 import aiohttp
 
-from unit_launcher import artifacts, evidence, health_file, plan, rendezvous, steps
+from unit_launcher import artifacts, evidence, health_file, plan, rendezvous, steps, task_stop
 from unit_launcher.engine import Engine
 from unit_launcher.identity import DiscoveryError, Identity, IdentityError, discover_leader, resolve_identity
 from unit_launcher.spec import SpecError, UnitSpec
@@ -127,17 +128,36 @@ class _Fetch:
 
 
 class _Signals:
-    """SIGTERM/SIGINT as an event the node's loop can wait on."""
+    """SIGTERM/SIGINT as an event the node's loop can wait on; SIGUSR1 ("this node's task is
+    stopping", from the follower's drain guard: unit_launcher.task_stop) as another."""
 
     def __init__(self) -> None:
         self.stop = asyncio.Event()
+        self.task_stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        task_stop.install()  # already done by __main__; here for a launcher run from Python
+        self._unsubscribe = task_stop.subscribe(lambda: loop.call_soon_threadsafe(self._on_task_stopping))
 
     def _on_signal(self, sig: int) -> None:
         log.info("received %s: stopping", signal.Signals(sig).name)
         self.stop.set()
+
+    def _on_task_stopping(self) -> None:
+        if not self.task_stopping.is_set():
+            log.info("received SIGUSR1: this node's task is stopping")
+        self.task_stopping.set()
+
+    async def stop_or_task_stopping(self) -> None:
+        """Before a follower is in a session, its task stopping is a stop: nothing to drain."""
+        await _first(self.stop.wait(), self.task_stopping.wait())
+
+    def any_stop(self) -> bool:
+        return self.stop.is_set() or self.task_stopping.is_set()
+
+    def close(self) -> None:
+        self._unsubscribe()
 
 
 async def _first(*aws: Any) -> None:
@@ -258,6 +278,8 @@ async def _await_ready(
         session.end("leader stopped before the unit formed", deliberate=True)
         return 0
     if session.ended.is_set():  # a follower lost, left or failed its fetch before the engines started
+        if session.deliberate_end:  # a follower's task is stopping (member_stopping): no failure
+            return 0
         return EXIT_ARTIFACTS if session.cause == "artifacts" else EXIT_FORM_TIMEOUT
     if not session.all_ready.is_set():
         message = (
@@ -309,6 +331,12 @@ async def _serve(spec: UnitSpec, session: rendezvous.LeaderSession, engine: Engi
         status = await engine.stop(spec.engine.stop_timeout_seconds) or 0
         session.end("leader received SIGTERM", deliberate=True)
         return status
+    if session.deliberate_end:
+        # A stopping follower asked the unit to drain, and it has (member_stopping): the
+        # engine stops as on SIGTERM and the leader exits 0, no failure.
+        session.stop_requested = True
+        await engine.stop(spec.engine.stop_timeout_seconds)
+        return 0
     await engine.stop(min(LOST_STOP_SECONDS, spec.engine.stop_timeout_seconds))
     return EXIT_UNIT_LOST
 
@@ -419,6 +447,7 @@ async def run_leader(spec: UnitSpec, me: Identity, bind: str) -> int:
         log.info("leader exits with status %d (%s)", status, session.end_reason)
         return status
     finally:
+        signals.close()
         watchdog.cancel()
         if engine is not None and engine.running:
             await engine.stop(spec.engine.stop_timeout_seconds)
@@ -454,6 +483,13 @@ def _abridged(record: dict[str, Any]) -> dict[str, Any]:
 
 async def run_follower(spec: UnitSpec, me: Identity, env: Mapping[str, str]) -> int:
     signals = _Signals()
+    try:
+        return await _run_follower(spec, me, env, signals)
+    finally:
+        signals.close()
+
+
+async def _run_follower(spec: UnitSpec, me: Identity, env: Mapping[str, str], signals: _Signals) -> int:
     health = health_file.HealthFile(health_file.path_from(env), "follower")
     health.write()  # joining: the container health check allows the start-up budget
     fetched = await _fetch_before_joining(spec, me, signals)
@@ -495,9 +531,12 @@ async def run_follower(spec: UnitSpec, me: Identity, env: Mapping[str, str]) -> 
                 rediscover=None if explicit else find_leader,
             )
         )
-        await _first(asyncio.shield(joining), signals.stop.wait())
+        # Its task stopping before it is in a session: nothing to drain, it stops.
+        await _first(asyncio.shield(joining), signals.stop_or_task_stopping())
         if not joining.done():
             joining.cancel()
+            why = "SIGTERM" if signals.stop.is_set() else "SIGUSR1 (its task is stopping)"
+            _local_record(spec, me, "deliberate_stop", f"follower received {why} before it joined")
             return 0
         try:
             release = joining.result()
@@ -514,14 +553,16 @@ async def _fetch_before_joining(spec: UnitSpec, me: Identity, signals: _Signals)
         remaining = evidence.backoff_for(evidence.read_history(_history(spec)), _backoff_policy(spec)).remaining()
         log.warning("this node's last fetch failed: waiting %.0f s before it fetches again", remaining)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(signals.stop.wait(), remaining)
-    fetch = _Fetch(spec, -1) if not signals.stop.is_set() else None
+            await asyncio.wait_for(signals.stop_or_task_stopping(), remaining)
+    # Its task stopping (SIGUSR1) before it joined is a stop: there is no session to drain.
+    fetch = _Fetch(spec, -1) if not signals.any_stop() else None
     if fetch is not None:
-        await _first(asyncio.shield(fetch.task), signals.stop.wait())
+        await _first(asyncio.shield(fetch.task), signals.stop_or_task_stopping())
     if fetch is None or not fetch.task.done():
         if fetch is not None:
             await fetch.stop()
-        _local_record(spec, me, "deliberate_stop", "follower received SIGTERM before it joined (fetching artifacts)")
+        why = "SIGTERM" if signals.stop.is_set() else "SIGUSR1 (its task is stopping)"
+        _local_record(spec, me, "deliberate_stop", f"follower received {why} before it joined (fetching artifacts)")
         return 0
     error = fetch.error()
     if error is None:
@@ -594,7 +635,8 @@ def _record_follower_end(
     if vanished and _reports_for_unit(release):
         _publish(spec, _leader_lost_event(spec, me, release, ended, step_dir))
         return
-    cause = "deliberate_stop" if ended.deliberate else ended.cause
+    # A deliberate end keeps its own neutral cause (member_stopping), else deliberate_stop.
+    cause = (ended.cause if ended.cause in evidence.NEUTRAL else "deliberate_stop") if ended.deliberate else ended.cause
     _follower_record(spec, release, cause, ended.reason, ended.serving_since)
 
 
@@ -685,16 +727,26 @@ async def _follow(
     beats = asyncio.ensure_future(
         rendezvous.heartbeat_loop(http, spec, release, me.instance_id, step_dir, first_step, readiness)
     )
+    asking = asyncio.ensure_future(_ask_to_drain(signals, readiness))
     try:
         status = await _get_ready(http, spec, me, release, signals, beats, readiness)
         if status is not None:
             return status
         return await _run_engine(http, spec, me, release, signals, health, beats, first_step)
     finally:
+        asking.cancel()
         beats.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await beats
         shutil.rmtree(step_dir, ignore_errors=True)
+
+
+async def _ask_to_drain(signals: _Signals, readiness: rendezvous.Readiness) -> None:
+    """This node's task is stopping (SIGUSR1 from its drain guard): from the next heartbeat on,
+    ask the leader to drain the unit and end the session, which ends this node's wait too."""
+    await signals.task_stopping.wait()
+    log.warning("this node's task is stopping: asking the leader to drain the unit")
+    readiness.set_stopping()
 
 
 async def _get_ready(

@@ -137,6 +137,14 @@ class RendezvousSpec(_Strict):
     backoff_reset_seconds: float = Field(
         default=600.0, gt=0, description="A session that served this long resets the backoff."
     )
+    member_drain_seconds: float = Field(
+        default=750.0,
+        gt=0,
+        le=7300,
+        description="Longest the leader waits for its proxy's drained report after a stopping follower asked "
+        "the unit to drain; then it ends the session anyway (the proxy's DRAIN_SECONDS + DRAIN_TIMEOUT_SECONDS "
+        "+ 30 s).",
+    )
 
     @property
     def heartbeat_interval(self) -> float:

@@ -194,7 +194,10 @@ class FakeLauncher:
     A failed canary's report (POST /canary-failed) is kept in `canary_reports`; as the real
     launcher does (`unit_launcher.rendezvous.LeaderSession._canary_failed`), it ends the
     session (state `stopping`, 200) only when it names the current session and that one is
-    `serving`; else 409 `not_serving` and nothing changes. Answer codes: `canary_answers`."""
+    `serving`; else 409 `not_serving` and nothing changes. Answer codes: `canary_answers`.
+    A drained report (POST /drained) is kept in `drained_reports` with its time (monotonic);
+    as the real launcher, it ends the session (200) only when it names the current session
+    and that one has `drain_requested`; else 409 `no_drain_requested`."""
 
     def __init__(self) -> None:
         self.status: dict[str, Any] = {
@@ -227,6 +230,7 @@ class FakeLauncher:
         self._released.set()
         self.canary_reports: list[dict[str, Any]] = []
         self.canary_answers: list[int] = []
+        self.drained_reports: list[tuple[float, dict[str, Any]]] = []
         self.url = ""
         self._runner: web.AppRunner | None = None
 
@@ -234,6 +238,7 @@ class FakeLauncher:
         app = web.Application()
         app.router.add_get("/status", self._status)
         app.router.add_post("/canary-failed", self._canary_failed)
+        app.router.add_post("/drained", self._drained)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, LOOPBACK, 0)
@@ -258,6 +263,14 @@ class FakeLauncher:
         self.canary_answers.append(200)
         self.status["state"] = "stopping"
         return web.json_response({"ended": True, "cause": "canary_failed"})
+
+    async def _drained(self, request: web.Request) -> web.Response:
+        report = await request.json()
+        self.drained_reports.append((time.monotonic(), report))
+        if report.get("session_id") != self.status["session_id"] or not self.status.get("drain_requested"):
+            return web.json_response({"reason": "no_drain_requested", "error": "drained report ignored"}, status=409)
+        self.status["state"] = "stopping"
+        return web.json_response({"ended": True, "cause": "member_stopping"})
 
     def hold_answers(self) -> None:
         self._released.clear()

@@ -3,7 +3,9 @@
 The checks run on a short interval; `/health` and `/ready` answer from the last result,
 so the load balancer's probe never waits on the engine or the launcher. The deep-liveness
 canary runs beside them as its own task (schedule and verdict: `canary.py`), so a slow
-canary never holds up a check round.
+canary never holds up a check round. A round that finds a drain request in the launcher's
+status (a follower whose task is stopping) drains the unit (decisions: `member_drain.py`)
+and reports drained to the launcher.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from unit_proxy.canary import CanaryGate
+from unit_proxy.member_drain import MemberDrain
 from unit_proxy.settings import Settings
 from unit_proxy.telemetry import EngineLoad, Telemetry
 
@@ -59,6 +62,12 @@ class HealthState:
     stale_after: float = 10.0
     # The deep-liveness canary's schedule and last verdict; None: no canary runs.
     canary: CanaryGate | None = None
+    # The drain for a stopping follower (the launcher's drain_requested); None: no launcher check.
+    member_drain: MemberDrain | None = None
+
+    @property
+    def member_draining(self) -> bool:
+        return self.member_drain is not None and self.member_drain.active
 
     @property
     def canary_ok(self) -> bool | None:
@@ -70,6 +79,9 @@ class HealthState:
         out: list[str] = []
         if self.draining:
             out.append("draining (SIGTERM received)")
+        if self.member_draining:
+            assert self.member_drain is not None
+            out.append(f"draining: {self.member_drain.describe()} is stopping")
         last = self.last
         if last.checked_at == 0.0:
             out.append("no check has completed yet")
@@ -172,6 +184,8 @@ class HealthMonitor:
         self._session: aiohttp.ClientSession | None = None
         self._session_id: str | None = None
         state.stale_after = stale_limit(settings)
+        if settings.launcher_status_url:
+            state.member_drain = MemberDrain(settings.drain_seconds, settings.drain_timeout_seconds)
         if settings.canary_interval_seconds and idle is not None and settings.frontend == "openai":
             state.canary = CanaryGate(
                 settings.canary_interval_seconds, settings.canary_timeout_seconds, settings.canary_retry_seconds
@@ -200,6 +214,7 @@ class HealthMonitor:
 
     async def check_once(self) -> CheckResult:
         engine, unit, load = await asyncio.gather(self._engine(), self._launcher(), self._load())
+        unit = await self._member_drain(unit)
         result = CheckResult(
             engine_ok=engine[0],
             engine_detail=engine[1],
@@ -263,6 +278,46 @@ class HealthMonitor:
         ok, detail = judge_launcher_status(doc)
         return ok, detail, doc if isinstance(doc, dict) else None
 
+    async def _member_drain(self, unit: tuple[bool, str, dict[str, Any] | None]) -> tuple[
+        bool, str, dict[str, Any] | None
+    ]:
+        """A follower's task is stopping (the launcher's drain_requested): drain, then report
+        drained. The unit's verdict turns not whole once new requests are no longer admitted,
+        so the data path refuses them (503 unit_unavailable) in every worker."""
+        drain = self.state.member_drain
+        if drain is None:
+            return unit
+        now = time.monotonic()
+        if drain.observe(unit[2], now):
+            log.warning(
+                "draining: %s is stopping; /health is 503, new requests admitted %g s more, then in-flight "
+                "requests get up to %g s before the launcher is told the unit drained",
+                drain.describe(), drain.admit_seconds, drain.timeout_seconds,
+            )
+            self.telemetry.set_draining()
+        if not drain.active:
+            return unit
+        if drain.report_due(now, self.idle() if self.idle is not None else True):
+            await self._report_drained(drain, now)
+        if drain.admitting(now):
+            return unit
+        return False, f"draining: {drain.describe()} is stopping; new requests are refused", unit[2]
+
+    async def _report_drained(self, drain: MemberDrain, now: float) -> None:
+        """POST {session_id} to the launcher's /drained; retried next round if it cannot be sent."""
+        url = self.settings.launcher_drained_url
+        assert self._session is not None
+        late = drain.timed_out(now) and not (self.idle() if self.idle is not None else True)
+        try:
+            async with self._session.post(url, json={"session_id": drain.session_id}) as resp:
+                answer = (await resp.read()).decode("utf-8", "replace")[:300]
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("drained report to %s failed: %s; retried next round", url, _describe(exc))
+            return
+        drain.reported = True  # answered: ended (200), or refused for a session that is no longer draining
+        log.warning("drained for %s%s; reported to %s: %d %s", drain.describe(),
+                    " (drain timeout: requests still in flight)" if late else "", url, resp.status, answer)
+
     def maybe_canary(self) -> None:
         """Deep liveness: after a check round, start a canary attempt when one is due (see
         `CanaryGate`): a one-token completion through the engine, so every rank takes part
@@ -272,7 +327,7 @@ class HealthMonitor:
         gate, last = self.state.canary, self.state.last
         if gate is None or self.idle is None or (self._canary_task is not None and not self._canary_task.done()):
             return
-        whole = last.engine_ok and last.unit_ok and not self.state.draining
+        whole = last.engine_ok and last.unit_ok and not self.state.draining and not self.state.member_draining
         if gate.should_start(time.monotonic(), whole, whole and self.idle()):
             self._canary_task = asyncio.create_task(self._canary_attempt(gate, self._session_id), name="canary")
 
@@ -309,7 +364,7 @@ class HealthMonitor:
         (e.g. degraded); then the canary's retry decides. Returns whether the launcher
         ended the session and its answer, or None if not reported."""
         url = self.settings.launcher_canary_url
-        if not url or session_id is None or self.state.draining:
+        if not url or session_id is None or self.state.draining or self.state.member_draining:
             return None
         assert self._session is not None
         body = {"session_id": session_id, "detail": detail}

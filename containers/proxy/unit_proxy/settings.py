@@ -30,6 +30,9 @@ TRITON_ROUTES: tuple[str, ...] = ("/v2/",)
 MAX_WORKERS = 64
 # The launcher's endpoint for a failed canary, beside its /status (unit_launcher.rendezvous).
 CANARY_FAILED_PATH = "/canary-failed"
+# Where the proxy reports that it drained for a follower whose task is stopping (the launcher's
+# unit_launcher.rendezvous DRAINED_PATH, answered on loopback only).
+DRAINED_PATH = "/drained"
 
 
 class SettingsError(ValueError):
@@ -172,6 +175,15 @@ class Settings:
             return ""
         parts = urlsplit(self.launcher_status_url)
         return f"{parts.scheme}://{parts.netloc}{CANARY_FAILED_PATH}"
+
+    @property
+    def launcher_drained_url(self) -> str:
+        """Where the proxy reports that it drained for a stopping follower: the launcher's own
+        host and port (loopback only); empty when the launcher check is off."""
+        if not self.launcher_status_url:
+            return ""
+        parts = urlsplit(self.launcher_status_url)
+        return f"{parts.scheme}://{parts.netloc}{DRAINED_PATH}"
 
     @property
     def emf_enabled(self) -> bool:

@@ -61,6 +61,8 @@ ACCUSING_CAUSES = frozenset({"heartbeat_loss", "member_lost", "leader_unreachabl
 NOT_IMPLICATING_CAUSES: Mapping[str, str] = {
     "deliberate_stop": "the leader was stopped on purpose (a deployment, a scale-in, a drained instance)",
     "member_stopped": "a follower was stopped on purpose (its instance drained or replaced)",
+    "member_stopping": "a follower's task was stopping (its instance drained, a StopTask): the unit drained and "
+                       "the leader ended the session for it; ended_by names that follower, which did not fail",
     "form_timeout": "ended_by is null: the members that did not join never named themselves, and the "
                     "leader waiting for them is not at fault",
     "artifacts": "ended_by is null: the model artifacts are missing or do not match the layout, a "

@@ -1,0 +1,123 @@
+"""A follower whose task is stopping asks the leader to drain: when the launcher's /status
+says so, the proxy turns /health 503, admits new requests only through DRAIN_SECONDS,
+lets its in-flight streams finish (bounded by DRAIN_TIMEOUT_SECONDS) and then POSTs
+/drained to the launcher, without exiting. In-process and as a multi-worker process."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import pytest
+from unit_proxy.member_drain import MemberDrain
+
+from .conftest import FakeEngine, FakeLauncher, ProxyFactory, wait_until
+from .test_drain import health, proxy_process
+
+REQUEST = {"by": {"rank": 1, "address": "10.0.1.6", "instance_id": "i-1"}, "since": 1764427300.0}
+
+
+def _is(awaitable, value):
+    async def check():
+        return await awaitable() == value
+
+    return check
+
+
+async def _start_stream(session: aiohttp.ClientSession, url: str, tokens: int, gap: float):
+    stream = await session.post(
+        f"{url}/v1/completions",
+        json={"model": "m", "prompt": "x", "stream": True},
+        headers={"x-tokens": str(tokens), "x-gap": str(gap)},
+    )
+    assert stream.status == 200
+    assert b"tok0" in await stream.content.readany()
+    return stream
+
+
+async def test_a_drain_request_turns_health_503_lets_the_stream_finish_then_reports_drained(
+    engine: FakeEngine, launcher: FakeLauncher, make_proxy: ProxyFactory
+):
+    proxy = await make_proxy(drain_seconds=0.3, drain_timeout_seconds=20)
+    async with aiohttp.ClientSession() as session:
+        assert await health(session, proxy.url) == 200
+        stream = await _start_stream(session, proxy.url, tokens=20, gap=0.1)
+
+        launcher.status["drain_requested"] = REQUEST
+        await wait_until(_is(lambda: health(session, proxy.url), 503), timeout=2, what="/health 503")
+        async with session.get(f"{proxy.admin_url}/health") as resp:
+            assert "draining: follower rank 1 (10.0.1.6, i-1) is stopping" in await resp.text()
+        assert launcher.drained_reports == []  # a stream is in flight
+
+        # Past DRAIN_SECONDS a new request is refused; the stream goes on.
+        await asyncio.sleep(0.5)
+        async with session.post(f"{proxy.url}/v1/completions", json={"model": "m", "prompt": "y"}) as resp:
+            assert resp.status == 503 and (await resp.json())["error"]["type"] == "unit_unavailable"
+        rest = await asyncio.wait_for(stream.read(), 10)
+        finished = time.monotonic()
+        assert rest.rstrip().endswith(b"data: [DONE]") and b"tok19" in rest  # the stream finished whole
+
+        await wait_until(lambda: launcher.drained_reports, timeout=3, what="the drained report")
+        reported_at, report = launcher.drained_reports[0]
+        assert report == {"session_id": "s-1"} and reported_at >= finished
+        assert len(launcher.drained_reports) == 1
+        assert engine.cancelled == 0
+        # The proxy did not exit: its listeners answer.
+        assert await health(session, proxy.url) == 503
+
+
+async def test_the_drain_timeout_bounds_the_wait_for_the_streams(
+    engine: FakeEngine, launcher: FakeLauncher, make_proxy: ProxyFactory
+):
+    proxy = await make_proxy(drain_seconds=0, drain_timeout_seconds=0.5)
+    async with aiohttp.ClientSession() as session:
+        stream = await _start_stream(session, proxy.url, tokens=1000, gap=0.05)
+        asked = time.monotonic()
+        launcher.status["drain_requested"] = REQUEST
+        await wait_until(lambda: launcher.drained_reports, timeout=3, what="the drained report at the timeout")
+        assert launcher.drained_reports[0][0] - asked >= 0.5
+        stream.close()
+
+
+@pytest.mark.timeout(60)
+async def test_a_multi_worker_proxy_drains_for_a_stopping_follower_without_exiting(
+    engine: FakeEngine, launcher: FakeLauncher
+):
+    async with (
+        proxy_process(engine, launcher, DRAIN_SECONDS="0.5", DRAIN_TIMEOUT_SECONDS="20", PROXY_WORKERS="3") as (
+            url, proc,
+        ),
+        aiohttp.ClientSession() as session,
+    ):
+        await wait_until(_is(lambda: health(session, url), 200), timeout=15, what="the proxy to be healthy")
+        stream = await _start_stream(session, url, tokens=20, gap=0.1)
+        launcher.status["drain_requested"] = REQUEST
+        await wait_until(_is(lambda: health(session, url), 503), timeout=2, what="/health 503")
+        await asyncio.sleep(1.0)
+        statuses = []
+        for _ in range(6):  # whichever worker takes it
+            async with session.post(f"{url}/v1/completions", json={"model": "m", "prompt": "y"}) as resp:
+                statuses.append(resp.status)
+        assert statuses == [503] * 6
+        rest = await asyncio.wait_for(stream.read(), 10)
+        finished = time.monotonic()
+        assert rest.rstrip().endswith(b"data: [DONE]")
+        await wait_until(lambda: launcher.drained_reports, timeout=3, what="the drained report")
+        assert launcher.drained_reports[0][0] >= finished
+        assert proc.returncode is None  # it keeps running: the leader's stop ends it
+
+
+def test_the_decisions_without_http():
+    drain = MemberDrain(admit_seconds=10, timeout_seconds=100)
+    assert not drain.observe({"session_id": "s1", "drain_requested": None}, 0.0) and not drain.active
+    assert drain.observe({"session_id": "s1", "drain_requested": REQUEST}, 5.0)
+    assert not drain.observe({"session_id": "s1", "drain_requested": REQUEST}, 6.0)  # started once
+    assert drain.admitting(14.9) and not drain.admitting(15.0)
+    assert not drain.report_due(14.9, idle=True)  # the load balancer may still route here
+    assert drain.report_due(15.0, idle=True) and not drain.report_due(15.0, idle=False)
+    assert drain.report_due(115.0, idle=False)  # the timeout
+    drain.reported = True
+    assert not drain.report_due(200.0, idle=True)
+    # A new session forgets the old drain.
+    assert not drain.observe({"session_id": "s2"}, 300.0) and not drain.active and drain.admitting(300.0)
