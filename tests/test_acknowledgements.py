@@ -147,14 +147,15 @@ def test_each_alarm_reason_names_who_reads_the_alarm(fleet: str, request) -> Non
     alarms = {}
     for path, reasons in acks.items():
         reason = reasons.get("NIST.800.53.R5-CloudWatchAlarmAction")
-        owned = path.startswith((f"/{DEFAULT}/Alarms/", f"/{DEFAULT}/Autoscaler/"))
-        if reason is not None and owned and resources[ids[path]]["Type"] == "AWS::CloudWatch::Alarm":
+        # Every alarm of the cell: its own, the autoscaler's, the placement controller's, the nodes'.
+        if reason is not None and resources[ids[path]]["Type"] == "AWS::CloudWatch::Alarm":
             alarms[ids[path]] = (path, reason)
-    assert len(alarms) >= (5 if fleet == "synth_default" else 7)
+    assert len(alarms) >= (10 if fleet == "synth_default" else 13)
     for alarm, (path, reason) in alarms.items():
         assert ("deployment" in reason) == (json.dumps({"Ref": alarm}) in deployment), (path, reason)
     for alarm, (path, reason) in alarms.items():
-        assert ("rollout gate" in reason) == (f'"{alarm}' in gate), (path, reason)
+        says_gate = "rollout gate" in reason or "rollout pipeline's alarm conditions" in reason
+        assert says_gate == (f'"{alarm}' in gate), (path, reason)
         assert ("dashboard" in reason) == (f'"{alarm}"' in dashboard), (path, reason)
 
 
