@@ -51,8 +51,8 @@ _ENGINE_AS_ROOT = (
 )
 _ROOT_CONTAINERS_REASON = {
     "leader": f"{_ENGINE_AS_ROOT}; its proxy container runs as uid 10001 with a read-only root filesystem",
-    "follower": f"{_ENGINE_AS_ROOT}; its drain-guard container (the same image, a shell that only waits for the "
-                "engine) runs as root too; the task has no other container",
+    "follower": f"{_ENGINE_AS_ROOT}; its drain-guard container (the same image, a shell that only waits for its "
+                "launcher to exit) runs as root too; the task has no other container",
 }
 
 

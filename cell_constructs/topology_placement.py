@@ -342,8 +342,9 @@ class TopologyPlacement(Construct):
             function,
             (
                 "NIST.800.53.R5-LambdaInsideVPC",
-                "Calls only the EC2, ECS and Auto Scaling control-plane APIs and reaches nothing inside "
-                "the VPC; in-VPC it would need three interface endpoints or NAT for no gain",
+                "Calls only AWS APIs (EC2, ECS, Auto Scaling, CloudFormation, Elastic Load Balancing, and SQS "
+                "with KMS for its encrypted queues) and reaches nothing inside the VPC; in-VPC it would need an "
+                "interface endpoint for each or NAT, for no gain",
             ),
         )
         if reserved_concurrency is None:

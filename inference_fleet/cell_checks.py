@@ -210,3 +210,22 @@ def check_spares_in_fixed_cells(fleet: FleetConfig) -> Iterable[ConfigIssue]:
                 f"warm spares are not supported in an elastic cell (min_units {cell.resolved_min_units} < "
                 f"max_units {cell.resolved_max_units}) yet; allowed: 0, or a fixed cell (units)",
             )
+
+
+def check_efa_installer_pin(fleet: FleetConfig) -> Iterable[ConfigIssue]:
+    """A pinned EFA installer version comes with its own checksum, never the default version's.
+
+    The node checks the downloaded tarball against `node.efa_installer_sha256` and fails its setup
+    on a mismatch (cell_constructs/node_setup.sh `ensure_efa`): a new version with the default
+    checksum would keep every node of every cell out of service."""
+    node = fleet.node
+    if node.efa_installer_version != config.EFA_INSTALLER_VERSION and (
+        node.efa_installer_sha256 == config.EFA_INSTALLER_SHA256
+    ):
+        yield ConfigIssue(
+            "node.efa_installer_sha256",
+            node.efa_installer_sha256,
+            f"this is the checksum of the default aws-efa-installer-{config.EFA_INSTALLER_VERSION}.tar.gz, not of "
+            f"aws-efa-installer-{node.efa_installer_version}.tar.gz (node.efa_installer_version): every node "
+            "would fail its setup; set the SHA-256 of the version you pin, or null to require the AMI's own EFA",
+        )

@@ -21,6 +21,7 @@ from inference_fleet.catalogue import CATALOGUE
 from inference_fleet.cell_checks import (
     check_alarm_defaults,
     check_cells_deployable,
+    check_efa_installer_pin,
     check_quarantine,
     check_spares_in_fixed_cells,
     check_startup_budget,
@@ -236,5 +237,5 @@ def _check_frontend(fleet: FleetConfig) -> Iterable[ConfigIssue]:
 CHECKS: tuple[FleetCheck, ...] = (
     _check_unit, _check_cells, _check_waves, _check_serving, _check_frontend, check_fit, check_wave_sizes,
     check_cells_deployable, check_startup_budget, check_alarm_defaults, check_quarantine,
-    check_spares_in_fixed_cells,
+    check_spares_in_fixed_cells, check_efa_installer_pin,
 )

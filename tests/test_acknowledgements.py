@@ -147,12 +147,56 @@ def test_each_alarm_reason_names_who_reads_the_alarm(fleet: str, request) -> Non
     alarms = {}
     for path, reasons in acks.items():
         reason = reasons.get("NIST.800.53.R5-CloudWatchAlarmAction")
-        owned = path.startswith((f"/{DEFAULT}/Alarms/", f"/{DEFAULT}/Autoscaler/"))
-        if reason is not None and owned and resources[ids[path]]["Type"] == "AWS::CloudWatch::Alarm":
+        # Every alarm of the cell: its own, the autoscaler's, the placement controller's, the nodes'.
+        if reason is not None and resources[ids[path]]["Type"] == "AWS::CloudWatch::Alarm":
             alarms[ids[path]] = (path, reason)
-    assert len(alarms) >= (5 if fleet == "synth_default" else 7)
+    assert len(alarms) >= (10 if fleet == "synth_default" else 13)
     for alarm, (path, reason) in alarms.items():
         assert ("deployment" in reason) == (json.dumps({"Ref": alarm}) in deployment), (path, reason)
     for alarm, (path, reason) in alarms.items():
-        assert ("rollout gate" in reason) == (f'"{alarm}' in gate), (path, reason)
+        says_gate = "rollout gate" in reason or "rollout pipeline's alarm conditions" in reason
+        assert says_gate == (f'"{alarm}' in gate), (path, reason)
         assert ("dashboard" in reason) == (f'"{alarm}"' in dashboard), (path, reason)
+
+
+# IAM service prefix -> how a reason names the service. `logs` is left out: the Lambda service
+# writes the function's own logs with it; the function's code calls no Logs API.
+_SERVICE_NAMES = {
+    "autoscaling": "Auto Scaling", "cloudformation": "CloudFormation", "cloudwatch": "CloudWatch", "ec2": "EC2",
+    "ecs": "ECS", "elasticloadbalancing": "Elastic Load Balancing", "kms": "KMS", "sqs": "SQS",
+}
+
+
+@pytest.mark.parametrize("fleet", ["synth_default", "synth_elastic"])
+def test_each_function_outside_the_vpc_names_every_service_its_role_may_call(fleet: str, request) -> None:
+    """Regression: the placement function's reason said it calls only EC2, ECS and Auto Scaling; it also
+    signals CloudFormation, reads target health and enqueues to SQS."""
+    synth = request.getfixturevalue(fleet)
+    raw = synth.template_json(DEFAULT)
+    acks = acknowledgements(synth, DEFAULT)
+    ids = logical_ids(synth, DEFAULT)
+    resources = raw["Resources"]
+    actions_of_role: dict[str, set[str]] = {}
+    for resource in resources.values():
+        if resource["Type"] in ("AWS::IAM::Policy", "AWS::IAM::ManagedPolicy"):
+            actions = set()
+            for statement in resource["Properties"]["PolicyDocument"]["Statement"]:
+                action = statement["Action"]
+                actions |= set(action if isinstance(action, list) else [action])
+            for role in resource["Properties"].get("Roles", []):
+                actions_of_role.setdefault(role["Ref"], set()).update(actions)
+    checked = 0
+    for path, reasons in acks.items():
+        reason = reasons.get("NIST.800.53.R5-LambdaInsideVPC")
+        if reason is None or not path.startswith(f"/{DEFAULT}/"):
+            continue
+        function = resources[ids[path]]
+        assert function["Type"] == "AWS::Lambda::Function", path
+        role = function["Properties"]["Role"]["Fn::GetAtt"][0]
+        services = {action.split(":")[0] for action in actions_of_role.get(role, set())} - {"logs"}
+        assert services, f"{path}: its role grants no action"
+        for service in sorted(services):
+            assert service in _SERVICE_NAMES, f"{path}: name the service {service} in _SERVICE_NAMES"
+            assert _SERVICE_NAMES[service] in reason, f"{path}: may call {service}, the reason does not say so"
+        checked += 1
+    assert checked >= (1 if fleet == "synth_default" else 2)

@@ -177,3 +177,18 @@ def test_triton_front_end_needs_an_image_with_tritonserver():
         parse_fleet(data, "test")
     data["cells"][0]["images"]["inference_has_tritonserver"] = True
     assert parse_fleet(data, "test").serving.frontend == "triton"
+
+
+def test_a_new_efa_installer_version_needs_its_own_checksum() -> None:
+    """Pinning another installer version while keeping the default's SHA-256 would fail every node's setup
+    (checksum mismatch at boot); refused at load, naming node.efa_installer_sha256."""
+    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    data["node"] = {"efa_installer_version": "1.43.2"}
+    with pytest.raises(ConfigError) as caught:
+        parse_fleet(data, "test")
+    (issue,) = [i for i in caught.value.issues if i.path == "node.efa_installer_sha256"]
+    assert "aws-efa-installer-1.43.2.tar.gz" in issue.problem and "null" in issue.problem
+    data["node"]["efa_installer_sha256"] = "b" * 64
+    assert parse_fleet(data, "test").node.efa_installer_sha256 == "b" * 64
+    data["node"]["efa_installer_sha256"] = None
+    assert parse_fleet(data, "test").node.efa_installer_sha256 is None

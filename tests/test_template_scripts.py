@@ -44,7 +44,7 @@ BUILD_COMMANDS = "Build/BuildSpec/build"
 class Execution:
     shell: str  # the shell that runs it in production: "dash" (/bin/sh), "bash", "exec" (argv, no shell)
     test_file: str  # relative to the repository
-    test: str  # a test function defined in test_file, or a word the file must contain
+    test: str  # a test function defined in test_file
 
 
 EXECUTED_BY: dict[str, Execution] = {
@@ -56,8 +56,10 @@ EXECUTED_BY: dict[str, Execution] = {
         "dash", "tests/test_template_scripts.py", "test_spare_health_check_fails_without_a_launcher"),
     BUILD_COMMANDS: Execution(
         "dash", "tests/test_template_scripts.py", "test_pipeline_build_commands_name_what_exists"),
-    # Executed under bash with fake mdadm/iptables by another change of issue 20.
-    "TrainiumLaunchTemplate/UserData": Execution("bash", "tests/test_node_user_data.py", "UserData"),
+    # Run under bash on a fake node (fake mdadm, iptables, lsblk on PATH), first boot and reboots.
+    "TrainiumLaunchTemplate/UserData": Execution(
+        "bash", "tests/test_node_user_data.py",
+        "test_default_fleet_installs_the_pinned_efa_installer_when_the_ami_has_none"),
 }
 
 
@@ -122,9 +124,9 @@ def test_the_named_execution_test_exists(identity) -> None:
     assert path.is_file(), f"{identity}: {execution.test_file} is missing (it executes this script)"
     text = path.read_text()
     functions = {n.name for n in ast.walk(ast.parse(text)) if isinstance(n, ast.FunctionDef)}
-    assert execution.test in functions or (
-        not execution.test.startswith("test_") and execution.test in text
-    ), f"{identity}: {execution.test_file} has no {execution.test}"
+    assert execution.test.startswith("test_") and execution.test in functions, (
+        f"{identity}: {execution.test_file} has no test function {execution.test}"
+    )
 
 
 def _shape(text: str) -> str:

@@ -27,8 +27,11 @@ template version (DescribeAutoScalingGroups `Instances[].LaunchTemplate.Version`
   before the new instance registered (it waits up to `join_timeout_seconds`, 40 min by
   default, for the members), so task ages do not date the session.
 - **Not in a unit** (`capacity_ready`): every unit with members is whole with its leader a
-  healthy target (so the unit that lost a node serves again before the next instance
-  goes; no run remembers which unit that was, so all are asked), the instance is ACTIVE
+  healthy target and formed again with each member it gained in the roll (a new instance,
+  or a spare given to it, which keeps its `spare-ready` record, has a `unit-session` record
+  of that unit: a healthy leader alone may still serve the old session while the replaced
+  follower drains), so the unit that lost a node serves again before the next instance
+  goes (no run remembers which unit that was, so all are asked); the instance is ACTIVE
   with its agent connected, and, when it is one of the warm spares the cell needs (the
   replacement when a spare took the lost node's place, `assignment.plan_cell`), its spare
   task logged `spare_ready` (the model is in its cache, `unit_launcher/spare.py`). An
@@ -144,11 +147,27 @@ def session_member(ci: aws.ContainerInstance, unit: str) -> bool:
     return record.rpartition("@")[0] == unit
 
 
-def _every_unit_serves(view: CellView, healthy: set[str]) -> bool:
-    """Every unit with members is whole and has its leader healthy: the unit that took the old
-    spare in the new one's place serves again (which unit that was, no run remembers)."""
+def _formed_with(view: CellView, unit: str, instance_id: str, new: set[str]) -> bool:
+    """A member that joined its unit during the roll (a new instance, or a spare given to the unit:
+    it keeps its `spare-ready` record) was a member of a session of that unit. Until then the
+    unit's healthy leader may still serve the old session, whose replaced member is draining
+    (a follower's drain guard holds it up to its whole bound): that unit has not formed again."""
+    ci = view.container_instances.get(instance_id)
+    if ci is None:
+        return False
+    joined = instance_id in new or bool(ci.attributes.get(SPARE_READY_ATTRIBUTE))
+    return not joined or session_member(ci, unit)
+
+
+def _every_unit_serves(view: CellView, healthy: set[str], new: set[str]) -> bool:
+    """Every unit with members is whole, has its leader healthy and formed again with the members
+    it gained in the roll: the unit that took the old spare (or the launch-first replacement) in
+    the old instance's place serves again (which unit that was, no run remembers)."""
     units = {unit: list(members) for unit, members in view.units.items()}
-    return all(not view.missing.get(u) and healthy.intersection(m) for u, m in units.items() if m)
+    return all(
+        not view.missing.get(u) and healthy.intersection(m) and all(_formed_with(view, u, i, new) for i in m)
+        for u, m in units.items() if m
+    )
 
 
 def capacity_ready(view: CellView, instance_id: str) -> str | None:
@@ -183,7 +202,7 @@ def ready_instances(
     if not capacity and not waiting:
         return ready
     healthy = healthy_targets(elbv2, settings.target_group_arn, retry)
-    if capacity and _every_unit_serves(view, healthy):
+    if capacity and _every_unit_serves(view, healthy, new):
         ready.update({i: f"{why}, every unit serving" for i, why in capacity.items()})
     for unit, members in sorted(waiting.items()):
         if not healthy.intersection(members):

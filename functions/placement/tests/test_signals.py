@@ -8,6 +8,7 @@ run against the controller before the fix and fail there for the reason they nam
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from contextlib import ExitStack
 from datetime import UTC, datetime
@@ -231,6 +232,46 @@ def test_a_cached_spare_waits_for_the_unit_that_took_the_old_spare_to_serve():
         e.add_response("describe_target_health", {"TargetHealthDescriptions": [
             {"Target": {"Id": "i-a", "Port": 8080}, "TargetHealth": {"State": "healthy"}}]})
         assert list(signals.ready_instances(settings, view, {"i-n"}, elb, aws.Retry())) == ["i-n"]
+
+
+def _serving_leader(view: signals.CellView, new: set[str]) -> dict[str, str]:
+    """ready_instances with u0's leader i-a a healthy target."""
+    elb = boto3.client("elbv2", config=CONFIG)
+    with Stubber(elb) as e:
+        e.add_response("describe_target_health", {"TargetHealthDescriptions": [
+            {"Target": {"Id": "i-a", "Port": 8080}, "TargetHealth": {"State": "healthy"}}]})
+        return signals.ready_instances(signals.SignalSettings(STACK, RESOURCE, TARGET_GROUP), view, new, elb,
+                                       aws.Retry())
+
+
+def test_a_spare_given_to_a_unit_must_have_formed_with_it_before_the_new_spare_counts():
+    """Regression (item 4's defect on the spare path): u0's leader stays healthy while the replaced
+    follower's guard holds the old session (up to its whole bound), so a healthy leader does not say
+    that u0 formed again with the spare i-s it was given; the new spare i-n waits for i-s's session."""
+    cis = {"i-a": aws.ContainerInstance(arn("i-a"), "i-a", "ACTIVE", True, 1, 0, {"unit": "u0"}),
+           "i-s": aws.ContainerInstance(arn("i-s"), "i-s", "ACTIVE", True, 1, 0,
+                                        {"unit": "u0", "spare-ready": str(NOW - 7200)}),
+           "i-n": aws.ContainerInstance(arn("i-n"), "i-n", "ACTIVE", True, 1, 0,
+                                        {"unit": "spare", "spare-ready": str(NOW - 60)})}
+    view = signals.CellView({"u0": ("i-a", "i-s")}, cis, spares=("i-n",), spare_nodes=1)
+    assert _serving_leader(view, {"i-n"}) == {}
+    formed_again = dataclasses.replace(cis["i-s"], attributes={**cis["i-s"].attributes, "unit-session": f"u0@{NOW}"})
+    view = signals.CellView({"u0": ("i-a", "i-s")}, {**cis, "i-s": formed_again}, spares=("i-n",), spare_nodes=1)
+    assert list(_serving_leader(view, {"i-n"})) == ["i-n"]
+
+
+def test_launch_first_waits_for_the_previous_replacement_to_form_with_its_unit():
+    """Regression: launch-first, the previous replacement i-k took the terminated node's place in u0,
+    whose healthy leader may still serve the old session (the old follower draining); the next
+    replacement i-n, free capacity, is signalled only once u0 formed again with i-k."""
+    cis = {"i-a": aws.ContainerInstance(arn("i-a"), "i-a", "ACTIVE", True, 1, 0, {"unit": "u0"}),
+           "i-k": aws.ContainerInstance(arn("i-k"), "i-k", "ACTIVE", True, 1, 0, {"unit": "u0"}),
+           "i-n": aws.ContainerInstance(arn("i-n"), "i-n", "ACTIVE", True, 0, 0, {})}
+    view = signals.CellView({"u0": ("i-a", "i-k")}, cis, spares=("i-n",))
+    assert _serving_leader(view, {"i-k", "i-n"}) == {}
+    formed_again = dataclasses.replace(cis["i-k"], attributes={"unit": "u0", "unit-session": f"u0@{NOW}"})
+    view = signals.CellView({"u0": ("i-a", "i-k")}, {**cis, "i-k": formed_again}, spares=("i-n",))
+    assert sorted(_serving_leader(view, {"i-k", "i-n"})) == ["i-k", "i-n"]
 
 
 @pytest.mark.parametrize(
