@@ -61,10 +61,11 @@ ACCUSING_CAUSES = frozenset({"heartbeat_loss", "member_lost", "leader_unreachabl
 NOT_IMPLICATING_CAUSES: Mapping[str, str] = {
     "deliberate_stop": "the leader was stopped on purpose (a deployment, a scale-in, a drained instance)",
     "member_stopped": "a follower was stopped on purpose (its instance drained or replaced)",
-    "form_timeout": "ended_by is null: the members that did not join never named themselves, and the "
-                    "leader waiting for them is not at fault",
-    "artifacts": "ended_by is null: the model artifacts are missing or do not match the layout, a "
-                 "configuration or S3 problem that every host would have",
+    "form_timeout": "ended_by is null: the members that did not join never named themselves, and those "
+                    "not ready in time (named in the reason) were fetching: a slow link, not a failed host",
+    "artifacts": "a fetch failed (S3 error or refusal, retries exhausted, missing objects, a layout that "
+                 "does not match, no room in the cache): ended_by is null for the leader's own fetch and "
+                 "names a follower whose fetch failed, but S3 or the configuration fails every host alike",
     "unknown": "the launcher's fallback when no cause was set: nothing says which node failed",
     "session_changed": "a follower's own history record when the leader refused its heartbeat, never logged",
 }
