@@ -82,6 +82,9 @@ def test_followers_not_ready_within_the_join_deadline_end_as_form_timeout_naming
     [record] = _history(lead)
     assert record["cause"] == "form_timeout" and record["ended_by"] is None  # named, not blamed
     assert [(m["rank"], m["ready"]) for m in record["members"]] == [(0, True), (1, False)]
+    # How far the follower got, as its heartbeats said (also in /status while it fetches).
+    fetch = record["members"][1]["fetch"]
+    assert 0 < fetch["done_mib"] < fetch["total_mib"] == round(60 * RATE / 2**20, 1), record["members"]
     assert not (tmp_path / "i-leader.json").exists() and not (tmp_path / "i-f1.json").exists()  # no engine started
 
 
