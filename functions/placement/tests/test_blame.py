@@ -208,3 +208,26 @@ def test_fetch_failures_and_ready_phase_timeouts_never_count_against_a_host():
     cell.run([alone, timeout], START + 2505)
     cell.run([], START + 2500 + SETTLE_SECONDS + 1)  # a sweep once everything settled
     assert cell.quarantined == [] and not cell.attributes, cell.attributes
+
+
+def test_a_follower_blamed_by_a_cut_off_leader_is_not_quarantined_once_that_leader_was_replaced():
+    """A leader cut off from its three-node unit, three times in an hour: it blames follower
+    F2 (silent longest) each time, its rank 1 follower F1 blames it. The leader is
+    quarantined once the reports settled, and its instance replaced. What said the leader's
+    word was worthless (F1's accusations) was kept on the leader's instance and left with
+    it: F2's marks then read as "accused, accuser never accused" and F2, healthy, was
+    quarantined next (seen on the controller of commit 415c3fe)."""
+    leader, f1, f2 = "i-0l", "i-0f1", "i-0f2"
+    cell = Controller([leader, f1, f2])
+    members = [leader, f1, f2]
+    for k in range(3):
+        end = START + 600 * k
+        cell.run([report("u0", f"s{k}", "heartbeat_loss", end, f2, members),
+                  report("u0", f"s{k}", "leader_unreachable", end, leader, members, reported_by=f1)], end + 5)
+    settled = START + 1200 + SETTLE_SECONDS + 1
+    cell.run([], settled)
+    assert cell.quarantined == [(settled, leader)]
+    cell.instances.remove(leader)  # the Auto Scaling group replaced it: its container instance is gone
+    cell.run([], settled + 300)
+    cell.run([], settled + 3000)
+    assert cell.quarantined == [(settled, leader)], cell.attributes
