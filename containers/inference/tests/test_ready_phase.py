@@ -82,6 +82,9 @@ def test_followers_not_ready_within_the_join_deadline_end_as_form_timeout_naming
     [record] = _history(lead)
     assert record["cause"] == "form_timeout" and record["ended_by"] is None  # named, not blamed
     assert [(m["rank"], m["ready"]) for m in record["members"]] == [(0, True), (1, False)]
+    # How far the follower got, as its heartbeats said (also in /status while it fetches).
+    fetch = record["members"][1]["fetch"]
+    assert 0 < fetch["done_mib"] < fetch["total_mib"] == round(60 * RATE / 2**20, 1), record["members"]
     assert not (tmp_path / "i-leader.json").exists() and not (tmp_path / "i-f1.json").exists()  # no engine started
 
 
@@ -100,3 +103,56 @@ def test_sigterm_stops_a_leader_in_the_middle_of_its_fetch_promptly_with_a_recor
     assert record["cause"] == "deliberate_stop"
     assert "SIGTERM while it fetched its artifacts" in record["reason"]
     assert not (tmp_path / "leader-cache" / "weights" / "tp0_sharded_checkpoint.safetensors").exists()
+
+
+def _in_ready_phase(h, tmp_path: Path, follower) -> None:
+    """Released, and the follower's shard transfer is mid-GET (bytes in s3transfer's temporary file)."""
+    weights = tmp_path / "f1-cache" / "weights"
+    h.wait_for(lambda: "unit released" in follower.log and weights.exists()
+               and any(f.stat().st_size > 0 for f in weights.glob("*.part*")), 30, "the follower's shard fetch")
+
+
+def test_sigterm_to_a_follower_fetching_in_the_ready_phase_stops_it_promptly_as_a_stop_not_a_failure(
+    tmp_path, unit_nodes, h, slow_s3
+):
+    spec = h.cpu_spec(2, record_dir=tmp_path, join_timeout_seconds=60)
+    s3 = slow_s3(RATE)
+    uri = s3.put(_presharded(2, slow_rank=1, slow_seconds=60))
+    lead, follow = _on_s3(h, spec, uri, tmp_path / "leader-cache"), _on_s3(h, spec, uri, tmp_path / "f1-cache")
+    leader = unit_nodes(lead, "leader", "i-leader", extra_env=s3.env())
+    follower = unit_nodes(follow, "follower", "i-f1", extra_env=s3.env())
+    _in_ready_phase(h, tmp_path, follower)
+    follower.signal(signal.SIGTERM)
+    stopped = time.monotonic()
+    assert follower.wait(20) == 0, follower.log
+    assert time.monotonic() - stopped < 5, follower.log
+    assert "artifact fetch cancelled" in follower.log
+    [own] = _history(follow)
+    assert own["cause"] == "deliberate_stop" and "SIGTERM before its engine started" in own["reason"], own
+    # The leader hears it leave on purpose: the session ends as a stop, nobody blamed, no engine started.
+    assert leader.wait(20) == EXIT_FORM_TIMEOUT, leader.log
+    [record] = _history(lead)
+    assert record["cause"] == "member_stopped" and record["ended_by"]["instance_id"] == "i-f1", record
+    assert not (tmp_path / "i-leader.json").exists() and not (tmp_path / "i-f1.json").exists()
+
+
+def test_sigterm_to_the_leader_in_the_ready_phase_stops_the_fetching_follower_too(tmp_path, unit_nodes, h, slow_s3):
+    spec = h.cpu_spec(2, record_dir=tmp_path, join_timeout_seconds=60)
+    s3 = slow_s3(RATE)
+    uri = s3.put(_presharded(2, slow_rank=1, slow_seconds=60))
+    lead, follow = _on_s3(h, spec, uri, tmp_path / "leader-cache"), _on_s3(h, spec, uri, tmp_path / "f1-cache")
+    leader = unit_nodes(lead, "leader", "i-leader", extra_env=s3.env())
+    follower = unit_nodes(follow, "follower", "i-f1", extra_env=s3.env())
+    _in_ready_phase(h, tmp_path, follower)
+    leader.signal(signal.SIGTERM)
+    stopped = time.monotonic()
+    assert leader.wait(20) == 0, leader.log
+    # The follower hears a deliberate "stopping" on its next heartbeat and cancels its fetch.
+    assert follower.wait(20) == 0, follower.log
+    assert time.monotonic() - stopped < 8, leader.log + follower.log
+    assert "artifact fetch cancelled" in follower.log
+    [record] = _history(lead)
+    assert record["cause"] == "deliberate_stop", record
+    [own] = _history(follow)
+    assert own["cause"] == "deliberate_stop", own
+    assert not (tmp_path / "i-leader.json").exists() and not (tmp_path / "i-f1.json").exists()

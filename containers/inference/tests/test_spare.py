@@ -43,7 +43,7 @@ def test_a_spare_process_fetches_then_idles_until_sigterm(tmp_path, h):
 def test_a_failed_fetch_exits_for_a_restart_and_sigterm_mid_fetch_stops_at_once(tmp_path, h):
     spec = parse_spec(h.cpu_spec(2, record_dir=tmp_path), "test")
 
-    def broken(_spec):
+    def broken(_spec, _cancel):
         raise ArtifactError("s3://bucket/model/ is empty")
 
     assert run_spare(spec, stop=threading.Event(), fetch=broken, out=io.StringIO()) == EXIT_ARTIFACTS
@@ -51,12 +51,34 @@ def test_a_failed_fetch_exits_for_a_restart_and_sigterm_mid_fetch_stops_at_once(
     stop = threading.Event()
     slow_started = threading.Event()
 
-    def slow(_spec):
+    def slow(_spec, cancel):
         slow_started.set()
-        time.sleep(30)
+        cancel.wait(30)
 
     threading.Timer(0.2, stop.set).start()
     started = time.monotonic()
     out = io.StringIO()
     assert run_spare(spec, stop=stop, fetch=slow, out=out) == 0
     assert slow_started.is_set() and time.monotonic() - started < 5 and out.getvalue() == ""
+
+
+def test_sigterm_stops_a_spare_process_in_the_middle_of_its_s3_fetch_at_once(tmp_path, unit_nodes, h, slow_s3):
+    """A real spare fetching from S3 through a slowed link (a minute's download): SIGTERM ends
+    the process within seconds. Before, run_spare returned but the transfer's thread pools
+    were joined at interpreter exit, so the process downloaded on until the fetch was done."""
+    spec = h.cpu_spec(2, record_dir=tmp_path)
+    s3 = slow_s3(256 << 10)
+    uri = s3.put({"config.json": b"{}", "model.safetensors": b"w" * 4096,
+                  "weights/tp0_sharded_checkpoint.safetensors": b"0" * (60 * (256 << 10))})
+    spec["model"].update(artifacts_s3_uri=uri, local_dir=str(tmp_path / "spare-cache"))
+    spare = unit_nodes(spec, "spare", "i-spare", extra_env=s3.env())
+    weights = tmp_path / "spare-cache" / "weights"
+    # Bytes of the shard on disk: its transfer's threads are mid-GET (s3transfer's temporary file).
+    h.wait_for(lambda: weights.exists() and any(f.stat().st_size > 0 for f in weights.glob("*.part*")), 30,
+               "the spare's shard download begun")
+    spare.signal(signal.SIGTERM)
+    stopped = time.monotonic()
+    assert spare.wait(30) == 0, spare.log
+    assert time.monotonic() - stopped < 10, spare.log
+    assert "spare_ready" not in spare.log and "Traceback" not in spare.log, spare.log
+    assert not (tmp_path / "spare-cache" / "weights" / "tp0_sharded_checkpoint.safetensors").exists()

@@ -414,6 +414,8 @@ class LeaderSession:
                     "last_heartbeat_age_s": round(age, 3),
                     "alive": alive,
                     "ready": m.ready,
+                    # A follower's fetch progress in the ready phase, as its last heartbeat said.
+                    "fetch": m.fetch,
                 }
             )
         return {

@@ -9,6 +9,12 @@ node, the controller gives the unit this instance and stops this task; the unit'
 that ECS then places here finds the artifacts already in the cache (the fetch skips
 objects whose size and ETag match), so the unit serves again in its load time.
 
+SIGTERM during the fetch cancels it (`artifacts.fetch(cancel=...)`: the transfer stops at
+its next chunk) and the spare exits 0 within seconds. Returning without the cancel was not
+enough: the transfer's thread pools are joined when the interpreter exits, so the process
+went on downloading until the fetch finished (minutes), and ECS SIGKILLed it at the stop
+timeout.
+
 Exit status: 0 after SIGTERM; EXIT_ARTIFACTS when the fetch fails (ECS starts it again).
 """
 
@@ -29,6 +35,8 @@ log = logging.getLogger("unit_launcher.spare")
 
 EXIT_ARTIFACTS = 4  # as unit_launcher.runner.EXIT_ARTIFACTS
 POLL_SECONDS = 1.0
+# How long a cancelled fetch may take to stop (as unit_launcher.runner.FETCH_CANCEL_SECONDS).
+FETCH_CANCEL_SECONDS = 10.0
 
 
 def stop_on_sigterm() -> threading.Event:
@@ -44,19 +52,19 @@ def stop_on_sigterm() -> threading.Event:
     return stop
 
 
-def _fetch_all_ranks(spec: UnitSpec) -> None:
+def _fetch_all_ranks(spec: UnitSpec, cancel: threading.Event) -> None:
     # Imported here: the runner pulls in aiohttp and the engine plan, which the tests of
     # this module replace.
     from unit_launcher.runner import fetch_artifacts
 
-    fetch_artifacts(spec, rank=None)
+    fetch_artifacts(spec, rank=None, cancel=cancel)
 
 
 def run_spare(
     spec: UnitSpec,
     *,
     stop: threading.Event | None = None,
-    fetch: Callable[[UnitSpec], None] = _fetch_all_ranks,
+    fetch: Callable[[UnitSpec, threading.Event], None] = _fetch_all_ranks,
     out: TextIO | None = None,
 ) -> int:
     """Prefetch, report ready, idle until stopped."""
@@ -66,7 +74,7 @@ def run_spare(
 
     def work() -> None:
         try:
-            fetch(spec)
+            fetch(spec, stop)
         except Exception as error:  # any failure is reported and ECS starts the task again
             outcome["error"] = error
 
@@ -76,7 +84,10 @@ def run_spare(
     worker.start()
     while worker.is_alive():
         if stop.wait(POLL_SECONDS):
-            log.info("stopped while fetching the model")
+            # `stop` is the fetch's cancel too: wait (bounded) for the transfer to stop.
+            worker.join(FETCH_CANCEL_SECONDS)
+            how = "still running" if worker.is_alive() else "cancelled"
+            log.info("stopped while fetching the model (fetch %s)", how)
             return 0
     if "error" in outcome:
         log.error("the spare could not fetch the model: %s", outcome["error"])

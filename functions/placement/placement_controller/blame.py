@@ -18,6 +18,10 @@ Evidence seen, one session at a time -> counted against (docs/placement.md has t
 - C accuses A and A accuses B (a leader cut off from all: it blames one follower, its rank 1
   follower blames it) -> A once settled; a suspect mark on B;
 - A accuses B, not settled yet -> a suspect mark on B;
+- A accuses B, and A's instance is no longer in the cluster (replaced, quarantined and
+  terminated) -> a suspect mark on B: whether anyone accused A in that session was kept
+  on A's instance and is gone with it. Counting it firm quarantined the healthy follower
+  that a cut-off leader kept blaming, once that leader had been quarantined and replaced;
 - a host's marks (firm or suspect) name two or more different accusers in the window
   -> its suspect marks count too.
 
@@ -117,18 +121,22 @@ class Tally:
 def tally(
     own: Mapping[str, Iterable[int]], marks: Mapping[str, Iterable[Mark]], now: float
 ) -> dict[str, Tally]:
-    """Per EC2 instance id: its own failures (firm) and its marks judged with every report of their session."""
+    """Per EC2 instance id: its own failures (firm) and its marks judged with every report of their session.
+
+    `own` and `marks` name every instance of the cluster (with no failures or marks, empty):
+    an accuser among none of them has left, and with it what was said against it."""
     accused_in: dict[str, set[str]] = {}
     for instance_id, held in marks.items():
         for mark in held:
             accused_in.setdefault(mark.session, set()).add(tag(instance_id))
+    present = {tag(instance_id) for instance_id in set(own) | set(marks)}
     result: dict[str, Tally] = {}
     for instance_id in sorted(set(own) | set(marks)):
         counts = Tally(firm=sorted(set(own.get(instance_id, ()))))
         for mark in sorted(set(marks.get(instance_id, ()))):
             settled = now - mark.at >= SETTLE_SECONDS
             accuser_accused = mark.accuser in accused_in.get(mark.session, set())
-            if settled and not accuser_accused:
+            if settled and mark.accuser in present and not accuser_accused:
                 counts.firm.append(mark.at)
             else:
                 counts.suspect.append(mark.at)

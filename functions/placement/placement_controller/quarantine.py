@@ -85,7 +85,8 @@ def _record(
         if instance_id in step.in_quarantine:
             continue
         if failure.accusation:
-            # An accuser not found (its instance left) keeps its own id as partner: never accused here.
+            # An accuser not found (its instance left) keeps its own id as partner: never accused
+            # here, and not in the cluster, so its accusation stays a suspect mark (blame.tally).
             accuser = ids.get(failure.accuser, failure.accuser)
             mark = blame.Mark(failure.ended_at, blame.session_tag(failure.unit, failure.session_id or
                                                                    str(failure.ended_at)), blame.tag(accuser))

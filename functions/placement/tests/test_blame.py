@@ -186,3 +186,48 @@ def test_the_marks_fit_an_attribute_and_read_back():
     assert len(value) <= 128 and value.isalnum()
     assert blame.parse_marks(value) == set(sorted(marks, reverse=True)[: blame.MAX_MARKS])
     assert blame.parse_marks("garbage!") == set() and blame.parse_marks(None) == set()
+
+
+def test_fetch_failures_and_ready_phase_timeouts_never_count_against_a_host():
+    """The launcher's causes of the ready phase (issue 21 items 1, 6), as it writes them: a
+    follower whose shard fetch failed after the release (`artifacts`, ended_by naming it), the
+    same follower's own event when its fetch failed before it joined (`artifacts`, ended_by
+    and reported_by itself), and a `form_timeout` whose reason names the followers not ready
+    (ended_by null). Five in an hour on one host, with different leaders: an S3 outage or a
+    slow link every host would have, not evidence against that host."""
+    slow, leaders = "i-0s", ["i-0l1", "i-0l2", "i-0l3"]
+    cell = Controller([slow, *leaders])
+    for k, leader in enumerate(leaders):
+        end = START + 600 * k
+        cell.run([report("u0", f"s{k}", "artifacts", end, slow, [leader, slow])], end + 5)
+    alone = report("u0", "pre-join-1", "artifacts", START + 2000, slow, [slow], reported_by=slow)
+    alone["detail"]["ended_by"]["rank"] = alone["detail"]["members"][0]["rank"] = None
+    timeout = report("u0", "s9", "form_timeout", START + 2500, slow, [leaders[0], slow])
+    timeout["detail"]["ended_by"] = None
+    timeout["detail"]["reason"] = "unit u0 did not start within 900 s: followers not ready: rank 1 10.0.0.2 (i-0s)"
+    cell.run([alone, timeout], START + 2505)
+    cell.run([], START + 2500 + SETTLE_SECONDS + 1)  # a sweep once everything settled
+    assert cell.quarantined == [] and not cell.attributes, cell.attributes
+
+
+def test_a_follower_blamed_by_a_cut_off_leader_is_not_quarantined_once_that_leader_was_replaced():
+    """A leader cut off from its three-node unit, three times in an hour: it blames follower
+    F2 (silent longest) each time, its rank 1 follower F1 blames it. The leader is
+    quarantined once the reports settled, and its instance replaced. What said the leader's
+    word was worthless (F1's accusations) was kept on the leader's instance and left with
+    it: F2's marks then read as "accused, accuser never accused" and F2, healthy, was
+    quarantined next (seen on the controller of commit 415c3fe)."""
+    leader, f1, f2 = "i-0l", "i-0f1", "i-0f2"
+    cell = Controller([leader, f1, f2])
+    members = [leader, f1, f2]
+    for k in range(3):
+        end = START + 600 * k
+        cell.run([report("u0", f"s{k}", "heartbeat_loss", end, f2, members),
+                  report("u0", f"s{k}", "leader_unreachable", end, leader, members, reported_by=f1)], end + 5)
+    settled = START + 1200 + SETTLE_SECONDS + 1
+    cell.run([], settled)
+    assert cell.quarantined == [(settled, leader)]
+    cell.instances.remove(leader)  # the Auto Scaling group replaced it: its container instance is gone
+    cell.run([], settled + 300)
+    cell.run([], settled + 3000)
+    assert cell.quarantined == [(settled, leader)], cell.attributes
