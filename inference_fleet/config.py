@@ -386,7 +386,12 @@ class CellConfig(_Strict):
         default=False,
         description="Serve plain HTTP on port 80 without a certificate (prompts cross the VPC in clear text).",
     )
-    internet_facing: bool = Field(default=False, description="Public ALB; off by default (internal application tier).")
+    internet_facing: bool = Field(
+        default=False,
+        description="Public ALB behind an AWS WAF web ACL (AWS managed known-bad-inputs and IP-reputation "
+        "rules) whose requests are logged to the KMS-encrypted log group aws-waf-logs-<stack>. "
+        "Off by default (internal application tier).",
+    )
     client_cidrs: tuple[ipaddress.IPv4Network, ...] | None = Field(
         default=None, description="Who may reach the load balancer; default the cell's VPC CIDR."
     )
