@@ -84,6 +84,9 @@ def _check_model(fleet: FleetConfig) -> Iterable[ConfigIssue]:
             f"more than model.num_attention_heads ({model.num_attention_heads}); grouped-query attention has "
             "at most one KV head per query head",
         )
+    # vLLM's Attention layer asserts num_heads % num_kv_heads == 0: vllm-project/vllm
+    # tests/kernels/attention/test_attention.py::test_num_heads_not_divisble_by_num_kv_heads
+    # at cdfaee716fe64fb97a005fe8dba3e4cbdea31e88 (16 heads, 5 KV heads: AssertionError).
     elif model.num_attention_heads % model.num_kv_heads:
         yield ConfigIssue(
             "model.num_kv_heads", model.num_kv_heads,

@@ -737,6 +737,11 @@ def _pydantic_issues(error: ValidationError) -> list[ConfigIssue]:
             message = f"does not match the allowed pattern {e['ctx']['pattern']}"
         elif e["type"] == "extra_forbidden":
             message = "unknown field (check the spelling; see docs/fleet-reference.md)"
+        elif e["type"] in ("int_parsing", "int_type"):
+            # YAML reads 1e30 as text: say what is wanted, not how parsing failed.
+            message = "a whole number is needed"
+        elif e["type"] == "int_parsing_size":
+            message = "far too large for this field (see its bounds in docs/fleet-reference.md)"
         elif e["type"] == "literal_error":
             message = f"allowed: {e['ctx']['expected']}"
         issues.append(ConfigIssue(_location(loc), e.get("input") if e["type"] != "missing" else None, message))
