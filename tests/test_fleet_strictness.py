@@ -124,3 +124,23 @@ def test_launcher_plan_takes_a_unit_of_an_elastic_cell() -> None:
     beyond = _launcher("plan", "--config", config, "--cell", "dev", "--unit", "12", "--role", "leader")
     assert beyond.returncode == 2 and "Traceback" not in beyond.stderr
     assert "--unit 12 out of range: cell dev has units 0..11" in beyond.stderr
+
+
+def _fleet_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "inference_fleet", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_plan_suggest_refuses_a_file_that_does_not_read() -> None:
+    """--suggest re-read the file with plain yaml.safe_load: a UnicodeDecodeError traceback."""
+    result = _fleet_cli("plan", "--suggest", "--config", str(FLEETS / "bad" / "not-utf8.yaml"))
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    assert "not UTF-8 text" in result.stderr
+
+
+def test_plan_suggest_offers_no_layout_for_a_wrong_model() -> None:
+    """It printed layouts of 0 KV bytes for a model with fewer dimensions than heads."""
+    result = _fleet_cli("plan", "--suggest", "--config", str(FLEETS / "bad" / "hidden-below-heads.yaml"))
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "model.hidden_size = 64: smaller than model.num_attention_heads (128)" in result.stderr
+    assert "valid layout" not in result.stdout
