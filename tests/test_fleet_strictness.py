@@ -144,3 +144,14 @@ def test_plan_suggest_offers_no_layout_for_a_wrong_model() -> None:
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert "model.hidden_size = 64: smaller than model.num_attention_heads (128)" in result.stderr
     assert "valid layout" not in result.stdout
+
+
+def test_yaml_merge_keys_may_be_overridden_but_a_key_twice_is_refused() -> None:
+    from inference_fleet.config import ConfigError, parse_yaml
+
+    merged = parse_yaml("base: &b {x: 1, y: 2}\nother:\n  <<: *b\n  x: 3\n", "merge.yaml")
+    assert merged["other"] == {"x": 3, "y": 2}
+    with pytest.raises(ConfigError) as caught:
+        parse_yaml("a: 1\nb:\n  c: 2\n  c: 3\n", "twice.yaml")
+    assert str(caught.value.issues[0]) == (
+        "<yaml> = 'line 4, column 3': not valid YAML: duplicate key 'c' (first at line 3): each key once per mapping")
