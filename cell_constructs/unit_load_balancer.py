@@ -53,7 +53,7 @@ class UnitLoadBalancer(Construct):
         self.load_balancer = self._load_balancer(vpc, subnets, internet_facing, idle_timeout, deletion_protection)
         self.target_group = self._target_group(vpc, target_port, deregistration_delay)
         self.listener = self._listener(certificate_arn)
-        self._guard(internet_facing)
+        self._guard(internet_facing, client_cidrs)
 
     def _access_logs_bucket(self) -> s3.Bucket:
         """The ALB's access logs: SSE-S3 (the only encryption ALB logging takes), SSL only, kept 90 days."""
@@ -184,7 +184,7 @@ class UnitLoadBalancer(Construct):
             acknowledge(listener, ("NIST.800.53.R5-ELBv2ACMCertificateRequired", no_tls))
         return listener
 
-    def _guard(self, internet_facing: bool) -> None:
+    def _guard(self, internet_facing: bool, client_cidrs: list[str]) -> None:
         """Internet-facing: a web ACL of AWS managed rules; internal: reachable from the client CIDRs only."""
         if internet_facing:
             acknowledge(
@@ -192,6 +192,13 @@ class UnitLoadBalancer(Construct):
             )
             self._attach_web_acl()
         else:
+            if any(cidr.endswith("/0") for cidr in client_cidrs):
+                # An internal ALB open to 0.0.0.0/0 is still reachable only over routes into the VPC.
+                acknowledge(self.security_group, (
+                    "AwsSolutions-EC23",
+                    "cells[].client_cidrs includes 0.0.0.0/0 in the fleet file: an internal ALB, reachable from "
+                    "whatever routes into the VPC (peering, VPN, Transit Gateway)",
+                ))
             acknowledge(
                 self.load_balancer,
                 (

@@ -1,6 +1,7 @@
-"""Property: any one mutation of the default fleet is refused with a named field, or it synthesizes.
+"""Property: any one mutation of a valid fleet is refused with a named field, or it synthesizes.
 
-Hypothesis changes one thing of config/default.yaml: a value's type, a deleted key, an
+Hypothesis changes one thing of config/default.yaml, tests/fleets/internet_facing.yaml or
+tests/fleets/elastic.yaml: a value's type, a deleted key, an
 unknown key, a number set to an extreme. The mutant goes through YAML text (so `.inf`,
 `.nan` and booleans arrive as a user would write them) and `parse_fleet`. Either it is
 refused with a ConfigError whose every issue names a field path of the fleet file, or
@@ -27,7 +28,12 @@ from inference_fleet.checks import parse_fleet
 from inference_fleet.config import DEFAULT_CONFIG, ConfigError, FleetConfig, parse_yaml
 from tests.conftest import synth_fleet
 
-DEFAULT: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG.read_text())
+FLEETS = Path(__file__).resolve().parent / "fleets"
+# The default fleet, an internet-facing one (WAF and its logs) and an elastic one (the autoscaler).
+BASES: dict[str, dict[str, Any]] = {
+    path.stem: yaml.safe_load(path.read_text())
+    for path in (DEFAULT_CONFIG, FLEETS / "internet_facing.yaml", FLEETS / "elastic.yaml")
+}
 TOP_LEVEL = set(FleetConfig.model_fields)
 
 Path_ = tuple[str | int, ...]
@@ -45,7 +51,7 @@ def _paths(node: Any, prefix: Path_ = ()) -> list[Path_]:
     return found
 
 
-PATHS = _paths(DEFAULT)
+PATHS = {name: _paths(base) for name, base in BASES.items()}
 
 EXTREMES = [0, -1, 1, 2**31, 2**63, 10**30, 1e-9, 1e308, -1e308, math.inf, -math.inf, math.nan]
 OTHER_TYPES = [True, False, "x", "", 7, 2.5, [], [1], {}, {"a": 1}, None, "2024-01-01"]
@@ -57,30 +63,31 @@ def _lookup(data: Any, path: Path_) -> Any:
     return data
 
 
-def _mappings() -> list[Path_]:
-    return [p for p in [(), *PATHS] if isinstance(_lookup(DEFAULT, p), dict)]
+def _mappings(base: str) -> list[Path_]:
+    return [p for p in [(), *PATHS[base]] if isinstance(_lookup(BASES[base], p), dict)]
 
 
 @st.composite
 def mutants(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
-    data = copy.deepcopy(DEFAULT)
+    base = draw(st.sampled_from(sorted(BASES)))
+    data = copy.deepcopy(BASES[base])
     kind = draw(st.sampled_from(["type", "delete", "unknown", "extreme"]))
     if kind == "unknown":
-        where = draw(st.sampled_from(_mappings()))
+        where = draw(st.sampled_from(_mappings(base)))
         _lookup(data, where)[draw(st.sampled_from(["colour", "nodez", "unit_count"]))] = 1
-        return f"unknown key under {where}", data
-    path = draw(st.sampled_from(PATHS if kind != "extreme" else [
-        p for p in PATHS if isinstance(_lookup(DEFAULT, p), int | float) and not isinstance(_lookup(DEFAULT, p), bool)
-    ]))
+        return f"{base}: unknown key under {where}", data
+    numbers = [p for p in PATHS[base]
+               if isinstance(_lookup(data, p), int | float) and not isinstance(_lookup(data, p), bool)]
+    path = draw(st.sampled_from(PATHS[base] if kind != "extreme" else numbers))
     parent, last = _lookup(data, path[:-1]), path[-1]
     if kind == "delete":
         del parent[last]
     else:
         parent[last] = draw(st.sampled_from(EXTREMES if kind == "extreme" else OTHER_TYPES))
-    return f"{kind} {path} -> {parent[last] if kind != 'delete' else '(deleted)'}", data
+    return f"{base}: {kind} {path} -> {parent[last] if kind != 'delete' else '(deleted)'}", data
 
 
-@settings(max_examples=80, deadline=None, derandomize=True, database=None,
+@settings(max_examples=100, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(mutants())
 def test_a_mutated_fleet_is_refused_with_a_named_field_or_synthesizes(mutant: tuple[str, dict[str, Any]]) -> None:

@@ -14,10 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from aws_cdk import region_info
 
 from inference_fleet import cell_checks
-from inference_fleet.checks import load_fleet
+from inference_fleet.checks import load_fleet, parse_fleet
 from inference_fleet.regions import AWS_REGIONS, nearest, region_problem
 from inference_fleet.schedule import cron_problem
 
@@ -155,3 +156,18 @@ def test_yaml_merge_keys_may_be_overridden_but_a_key_twice_is_refused() -> None:
         parse_yaml("a: 1\nb:\n  c: 2\n  c: 3\n", "twice.yaml")
     assert str(caught.value.issues[0]) == (
         "<yaml> = 'line 4, column 3': not valid YAML: duplicate key 'c' (first at line 3): each key once per mapping")
+
+
+def test_an_internal_cell_open_to_every_address_synthesizes(synth) -> None:
+    """Found by the mutation test: client_cidrs [0.0.0.0/0] on an internal ALB failed synth on cdk-nag EC23."""
+    data = yaml.safe_load((FLEETS / "internet_facing.yaml").read_text())
+    del data["cells"][0]["internet_facing"]
+    result = synth(parse_fleet(data, "internal-open"))
+    resources = result.template_json("Rufus-Cell-dev")["Resources"]
+    alb = next(r for r in resources.values() if r["Type"] == "AWS::ElasticLoadBalancingV2::LoadBalancer")
+    assert alb["Properties"]["Scheme"] == "internal"
+    assert not any(r["Type"] == "AWS::WAFv2::WebACL" for r in resources.values())
+    ingress = [r for r in resources.values() if r["Type"] == "AWS::EC2::SecurityGroup"
+               and any(rule.get("CidrIp") == "0.0.0.0/0" and rule.get("FromPort") == 443
+                       for rule in r["Properties"].get("SecurityGroupIngress", []))]
+    assert len(ingress) == 1
