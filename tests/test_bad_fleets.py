@@ -81,7 +81,7 @@ def test_the_app_refuses_before_building_anything(path: Path, app_module, monkey
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as caught:
         app_module.main()
-    assert caught.value.code == 2
+    assert caught.value.code not in (0, None)  # exit 2 today; the code for configuration errors may change
     assert expected(path) in stderr.getvalue()
 
 
@@ -103,6 +103,6 @@ def test_validate_command_line(name: str) -> None:
 def test_cdk_app_command_line(name: str) -> None:
     path = BAD / f"{name}.yaml"
     result = _run(["app.py"], CDK_CONTEXT_JSON=json.dumps({"config": str(path)}))
-    assert result.returncode == 2
+    assert result.returncode != 0
     assert "Traceback" not in result.stdout + result.stderr, result.stderr
     assert expected(path) in result.stderr
