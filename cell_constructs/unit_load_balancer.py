@@ -8,10 +8,12 @@ each proxy's /health, which is 200 only while the whole unit is up.
 
 from __future__ import annotations
 
-from aws_cdk import Duration, RemovalPolicy
+from aws_cdk import ArnFormat, Duration, RemovalPolicy, Stack
 from aws_cdk import aws_certificatemanager as acm
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_elasticloadbalancingv2 as elbv2
+from aws_cdk import aws_kms as kms
+from aws_cdk import aws_logs as logs
 from aws_cdk import aws_s3 as s3
 from aws_cdk import aws_wafv2 as wafv2
 from constructs import Construct
@@ -38,15 +40,20 @@ class UnitLoadBalancer(Construct):
         idle_timeout: Duration,
         deregistration_delay: Duration,
         deletion_protection: bool,
+        encryption_key: kms.IKey,
+        log_retention: logs.RetentionDays,
     ) -> None:
         super().__init__(scope, construct_id)
+        self._encryption_key, self._log_retention = encryption_key, log_retention
+        self.web_acl: wafv2.CfnWebACL | None = None
+        self.waf_logs: logs.LogGroup | None = None
         self.access_logs = self._access_logs_bucket()
         listener_port = 443 if certificate_arn else 80
         self.security_group = self._security_group(vpc, client_cidrs, listener_port)
         self.load_balancer = self._load_balancer(vpc, subnets, internet_facing, idle_timeout, deletion_protection)
         self.target_group = self._target_group(vpc, target_port, deregistration_delay)
         self.listener = self._listener(certificate_arn)
-        self._guard(internet_facing)
+        self._guard(internet_facing, client_cidrs)
 
     def _access_logs_bucket(self) -> s3.Bucket:
         """The ALB's access logs: SSE-S3 (the only encryption ALB logging takes), SSL only, kept 90 days."""
@@ -177,7 +184,7 @@ class UnitLoadBalancer(Construct):
             acknowledge(listener, ("NIST.800.53.R5-ELBv2ACMCertificateRequired", no_tls))
         return listener
 
-    def _guard(self, internet_facing: bool) -> None:
+    def _guard(self, internet_facing: bool, client_cidrs: list[str]) -> None:
         """Internet-facing: a web ACL of AWS managed rules; internal: reachable from the client CIDRs only."""
         if internet_facing:
             acknowledge(
@@ -185,6 +192,13 @@ class UnitLoadBalancer(Construct):
             )
             self._attach_web_acl()
         else:
+            if any(cidr.endswith("/0") for cidr in client_cidrs):
+                # An internal ALB open to 0.0.0.0/0 is still reachable only over routes into the VPC.
+                acknowledge(self.security_group, (
+                    "AwsSolutions-EC23",
+                    "cells[].client_cidrs includes 0.0.0.0/0 in the fleet file: an internal ALB, reachable from "
+                    "whatever routes into the VPC (peering, VPN, Transit Gateway)",
+                ))
             acknowledge(
                 self.load_balancer,
                 (
@@ -195,7 +209,7 @@ class UnitLoadBalancer(Construct):
             )
 
     def _attach_web_acl(self) -> None:
-        """Internet-facing cells: AWS managed rules for known bad inputs and IP reputation.
+        """Internet-facing cells: AWS managed rules for known bad inputs and IP reputation, with logging.
 
         The common rule set is left out on purpose: its SizeRestrictions_BODY rule blocks
         request bodies over 8 KB, and prompts are often longer.
@@ -234,3 +248,39 @@ class UnitLoadBalancer(Construct):
             resource_arn=self.load_balancer.load_balancer_arn,
             web_acl_arn=web_acl.attr_arn,
         )
+        self.web_acl = web_acl
+        self._log_web_acl(web_acl)
+
+    def _log_web_acl(self, web_acl: wafv2.CfnWebACL) -> None:
+        """The web ACL's request log, in a KMS-encrypted log group of the cell.
+
+        AWS WAF logs to CloudWatch Logs only into a log group whose name starts with
+        aws-waf-logs-, in the web ACL's account and region, named by its ARN without the
+        trailing `:*`; when logging is enabled AWS WAF adds the log group's resource policy
+        itself (https://docs.aws.amazon.com/waf/latest/developerguide/logging-cw-logs.html,
+        https://docs.aws.amazon.com/waf/latest/APIReference/API_LoggingConfiguration.html).
+        The cell's key already lets CloudWatch Logs encrypt the account's log groups
+        (cell_constructs/encryption.py). Logs hold request headers, not bodies; the
+        Authorization header is redacted.
+        """
+        stack = Stack.of(self)
+        name = f"aws-waf-logs-{stack.stack_name}"
+        self.waf_logs = logs.LogGroup(
+            self, "WafLogs",
+            log_group_name=name,
+            encryption_key=self._encryption_key,
+            retention=self._log_retention,
+            removal_policy=RemovalPolicy.RETAIN,
+        )
+        arn = stack.format_arn(
+            service="logs", resource="log-group", resource_name=name, arn_format=ArnFormat.COLON_RESOURCE_NAME
+        )
+        logging = wafv2.CfnLoggingConfiguration(
+            self, "WafLogging",
+            resource_arn=web_acl.attr_arn,
+            log_destination_configs=[arn],
+            redacted_fields=[wafv2.CfnLoggingConfiguration.FieldToMatchProperty(
+                single_header={"Name": "authorization"}
+            )],
+        )
+        logging.node.add_dependency(self.waf_logs)

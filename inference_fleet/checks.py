@@ -56,11 +56,44 @@ def parse_fleet(data: Any, source: str = "<dict>") -> FleetConfig:
 
 
 def validate_fleet(fleet: FleetConfig, source: str = "<dict>") -> FleetConfig:
-    """Run every rule on a fleet model; returns it unchanged or raises ConfigError."""
+    """Run every rule on a fleet model; returns it unchanged or raises ConfigError.
+
+    The planner's fit builds on the model's shape and the unit's layout, so when either is
+    wrong it is not run: a wrong num_kv_heads is blamed on num_kv_heads, not on a memory plan
+    computed from it.
+    """
     issues = [issue for check in CHECKS for issue in check(fleet)]
+    if not any(issue.path.startswith(("model.", "unit.")) for issue in issues):
+        issues += [issue for check in DERIVED_CHECKS for issue in check(fleet)]
     if issues:
         raise ConfigError(source, issues)
     return fleet
+
+
+def _check_model(fleet: FleetConfig) -> Iterable[ConfigIssue]:
+    """The model's shape fits together: every head gets at least one dimension, KV heads group the query heads."""
+    model = fleet.model
+    if model.hidden_size < model.num_attention_heads:
+        yield ConfigIssue(
+            "model.hidden_size", model.hidden_size,
+            f"smaller than model.num_attention_heads ({model.num_attention_heads}): each head gets "
+            "hidden_size / num_attention_heads dimensions; check both against the model's config.json",
+        )
+    if model.num_kv_heads > model.num_attention_heads:
+        yield ConfigIssue(
+            "model.num_kv_heads", model.num_kv_heads,
+            f"more than model.num_attention_heads ({model.num_attention_heads}); grouped-query attention has "
+            "at most one KV head per query head",
+        )
+    # vLLM's Attention layer asserts num_heads % num_kv_heads == 0: vllm-project/vllm
+    # tests/kernels/attention/test_attention.py::test_num_heads_not_divisble_by_num_kv_heads
+    # at cdfaee716fe64fb97a005fe8dba3e4cbdea31e88 (16 heads, 5 KV heads: AssertionError).
+    elif model.num_attention_heads % model.num_kv_heads:
+        yield ConfigIssue(
+            "model.num_kv_heads", model.num_kv_heads,
+            f"must divide model.num_attention_heads ({model.num_attention_heads}): each KV head serves an equal "
+            "group of query heads",
+        )
 
 
 def _check_unit(fleet: FleetConfig) -> Iterable[ConfigIssue]:
@@ -109,14 +142,16 @@ def _check_cells(fleet: FleetConfig) -> Iterable[ConfigIssue]:
         seen.setdefault(cell.name, i)
         if cell.wave not in waves:
             yield ConfigIssue(f"cells[{i}].wave", cell.wave, f"no such wave; waves: {waves}")
-        if not cell.in_region(cell.trainium_az):
+        trainium_az_ok = cell.in_region(cell.trainium_az)
+        if not trainium_az_ok:
             yield ConfigIssue(
                 f"cells[{i}].trainium_az", cell.trainium_az,
                 f"must be an AZ of region {cell.region} (a name such as {cell.region}a or an AZ ID such as "
                 f"{az_id_prefix(cell.region)}-az1)",
             )
         azs = cell.resolved_alb_azs
-        if len(set(azs)) < 2 or any(not cell.in_region(az) for az in azs):
+        # Default ALB AZs derive from the Trainium AZ: a wrong one is reported once, above.
+        if (cell.alb_azs or trainium_az_ok) and (len(set(azs)) < 2 or any(not cell.in_region(az) for az in azs)):
             yield ConfigIssue(f"cells[{i}].alb_azs", list(azs), f"need >= 2 distinct AZs of region {cell.region}")
         if cell.certificate_arn and f":acm:{cell.region}:" not in cell.certificate_arn:
             yield ConfigIssue(
@@ -174,12 +209,14 @@ def _unit_count_issues(i: int, cell: CellConfig) -> Iterable[ConfigIssue]:
 
 def _check_waves(fleet: FleetConfig) -> Iterable[ConfigIssue]:
     seen: set[str] = set()
+    wave_names = {w.name for w in fleet.waves}
     for i, wave in enumerate(fleet.waves):
         if wave.name in seen:
             yield ConfigIssue(f"waves[{i}].name", wave.name, "duplicate wave name")
         seen.add(wave.name)
         cells = fleet.cells_of_wave(wave.name)
-        if not cells:
+        # A cell naming an unknown wave is reported on the cell (_check_cells): its wave being empty is the echo.
+        if not cells and all(c.wave in wave_names for c in fleet.cells):
             yield ConfigIssue(f"waves[{i}]", wave.name, "wave has no cells; every wave needs at least one")
         if i == 0 and len(cells) > 1:
             yield ConfigIssue(
@@ -187,8 +224,6 @@ def _check_waves(fleet: FleetConfig) -> Iterable[ConfigIssue]:
                 wave.name,
                 f"the first wave is the canary and holds exactly one cell, not {len(cells)}: {[c.name for c in cells]}",
             )
-        if wave.deployment_window and len(wave.deployment_window.split()) != 6:
-            yield ConfigIssue(f"waves[{i}].deployment_window", wave.deployment_window, "cron needs 6 fields")
 
 
 def _check_serving(fleet: FleetConfig) -> Iterable[ConfigIssue]:
@@ -207,6 +242,12 @@ def _check_serving(fleet: FleetConfig) -> Iterable[ConfigIssue]:
                 f"serving.{name}", port, f"same as serving.{owner[port]}; host networking needs distinct ports"
             )
         owner.setdefault(port, name)
+    if s.restart_backoff_cap_seconds < s.restart_backoff_base_seconds:
+        yield ConfigIssue(
+            "serving.restart_backoff_cap_seconds", s.restart_backoff_cap_seconds,
+            f"below serving.restart_backoff_base_seconds ({s.restart_backoff_base_seconds}): the cap is the "
+            "longest wait, at least the first one",
+        )
 
 
 def _check_frontend(fleet: FleetConfig) -> Iterable[ConfigIssue]:
@@ -235,7 +276,9 @@ def _check_frontend(fleet: FleetConfig) -> Iterable[ConfigIssue]:
 # The order is the order of the messages: the fleet's own rules, then the planner's, then the pipeline's,
 # then whether each cell can be deployed and run on AWS (inference_fleet.cell_checks).
 CHECKS: tuple[FleetCheck, ...] = (
-    _check_unit, _check_cells, _check_waves, _check_serving, _check_frontend, check_fit, check_wave_sizes,
+    _check_model, _check_unit, _check_cells, _check_waves, _check_serving, _check_frontend, check_wave_sizes,
     check_cells_deployable, check_startup_budget, check_alarm_defaults, check_quarantine,
     check_spares_in_fixed_cells, check_efa_installer_pin,
 )
+# Run only when the model and the unit passed (validate_fleet): the planner computes its plan from both.
+DERIVED_CHECKS: tuple[FleetCheck, ...] = (check_fit,)

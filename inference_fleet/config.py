@@ -12,17 +12,30 @@ Defaults live in this module and nowhere else; constructs receive resolved value
 
 from __future__ import annotations
 
+import datetime
 import ipaddress
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from inference_fleet.catalogue import CATALOGUE, InstanceType
+from inference_fleet.regions import region_problem
+from inference_fleet.schedule import cron_problem
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "config" / "default.yaml"
 
@@ -47,15 +60,69 @@ def az_id_prefix(region: str) -> str:
     return f"{head}{middle}{number}"
 
 
+# A git branch name: not empty, no white space, control characters or ~^:?*[\\
+# (a subset of the rules of `git check-ref-format`, https://git-scm.com/docs/git-check-ref-format).
+_BRANCH = r"^[^\s~^:?*\[\\\x00-\x1f\x7f]+$"
+
 DTYPE_BYTES: dict[str, float] = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3": 1}
 
 _IMAGE_DIGEST = r"^[a-z0-9][a-z0-9._/-]*(:[0-9]+)?[a-z0-9._/-]*@sha256:[0-9a-f]{64}$"
 ImageRef = Annotated[str, StringConstraints(pattern=_IMAGE_DIGEST)]
 
 
+def _aws_region(value: str) -> str:
+    problem = region_problem(value)
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
+# A region of the AWS regions list (inference_fleet.regions), not only of the right shape.
+Region = Annotated[str, StringConstraints(min_length=1, max_length=30), AfterValidator(_aws_region)]
+
+
+def _cron(value: str | None) -> str | None:
+    problem = cron_problem(value) if value is not None else None
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
+_KIND_NAMES = {bool: "boolean", int: "number", float: "number"}
+
+
+def _kinds(annotation: Any) -> set[type]:
+    """The plain types a field takes: int | None -> {int, NoneType}; Annotated[str, ...] -> {str}."""
+    if get_origin(annotation) is Annotated:
+        return _kinds(get_args(annotation)[0])
+    if get_origin(annotation) in (Union, UnionType):
+        return {kind for arg in get_args(annotation) for kind in _kinds(arg)}
+    return {annotation} if isinstance(annotation, type) else set()
+
+
 class _Strict(BaseModel):
-    # Unknown keys are typos more often than not: refuse them.
-    model_config = ConfigDict(extra="forbid", frozen=True, str_strip_whitespace=True)
+    # Unknown keys are typos more often than not: refuse them. Every float is finite
+    # (`.inf` in YAML would reach CloudFormation as JSON `Infinity`).
+    model_config = ConfigDict(extra="forbid", frozen=True, str_strip_whitespace=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _yaml_scalar_kinds(cls, value: Any, info: ValidationInfo) -> Any:
+        """Refuse what YAML's implicit typing made of a value, with the fix, before pydantic coerces it."""
+        kinds = _kinds(cls.model_fields[info.field_name].annotation) if info.field_name else set()
+        # YAML reads yes/no/on/off/true/false as booleans and pydantic would take them as 1 and 0:
+        # `nodes: yes` is a mistake, not one node.
+        if isinstance(value, bool) and kinds & {int, float} and bool not in kinds:
+            raise ValueError(f"a number is needed, not the boolean {str(value).lower()} (YAML reads yes/no/on/off "
+                             "as booleans)")
+        # An unquoted account 011111111111 is the octal number 1227133513 to YAML; 2024-01-01 is a date.
+        kinds.discard(type(None))
+        if kinds == {str} and isinstance(value, bool | int | float | datetime.date):
+            raise ValueError(f"text is needed: YAML read this value as a {_KIND_NAMES.get(type(value), 'date')}; "
+                             "put it in quotes")
+        if kinds == {bool} and isinstance(value, int | float) and not isinstance(value, bool):
+            raise ValueError("true or false is needed, not a number")
+        return value
 
 
 class ModelConfig(_Strict):
@@ -72,13 +139,25 @@ class ModelConfig(_Strict):
         default="bfloat16", description="Weight and KV cache data type."
     )
     max_seq_len: int = Field(ge=128, le=1_048_576, description="Longest prompt plus completion, in tokens.")
-    num_layers: int = Field(ge=1, description="Transformer layers.")
-    hidden_size: int = Field(ge=64, description="Model width.")
-    num_attention_heads: int = Field(ge=1, description="Query heads; must split over the attention tp groups.")
-    num_kv_heads: int = Field(ge=1, description="Key/value heads (GQA); replicated when tp exceeds them.")
-    head_dim: int | None = Field(default=None, ge=8, description="Defaults to hidden_size / num_attention_heads.")
-    intermediate_size: int | None = Field(default=None, ge=64, description="MLP width; defaults to 3.5 x hidden.")
-    vocab_size: int = Field(default=128_256, ge=256, description="Vocabulary size (embedding memory).")
+    num_layers: int = Field(ge=1, le=1024, description="Transformer layers.")
+    hidden_size: int = Field(ge=64, le=262_144, description="Model width; at least num_attention_heads.")
+    num_attention_heads: int = Field(
+        ge=1, le=1024, description="Query heads; must split over the attention tp groups."
+    )
+    num_kv_heads: int = Field(
+        ge=1, le=1024,
+        description="Key/value heads (GQA): at most num_attention_heads and a divisor of it; replicated when "
+        "tp exceeds them.",
+    )
+    head_dim: int | None = Field(
+        default=None, ge=8, le=1024, description="Defaults to hidden_size / num_attention_heads."
+    )
+    intermediate_size: int | None = Field(
+        default=None, ge=64, le=4_194_304, description="MLP width; defaults to 3.5 x hidden."
+    )
+    vocab_size: int = Field(
+        default=128_256, ge=256, le=16_777_216, description="Vocabulary size (embedding memory)."
+    )
 
     @property
     def bucket(self) -> str:
@@ -153,6 +232,7 @@ class BaseImagesConfig(_Strict):
 
     neuron_vllm_tag: str = Field(
         default="0.16.0-neuronx-py312-sdk2.31.1-ubuntu24.04",
+        pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$",
         description="Tag of public.ecr.aws/neuron/pytorch-inference-vllm-neuronx.",
     )
     neuron_vllm_digest: Annotated[str, StringConstraints(pattern=r"^sha256:[0-9a-f]{64}$")] | None = Field(
@@ -256,9 +336,7 @@ class CellConfig(_Strict):
         description="Cell name: stack <Fleet>-Cell-<name>."
     )
     account: Annotated[str, StringConstraints(pattern=r"^[0-9]{12}$")] = Field(description="AWS account of the cell.")
-    region: Annotated[str, StringConstraints(pattern=r"^[a-z]{2}(-gov)?-[a-z]+-[0-9]$")] = Field(
-        description="AWS region of the cell."
-    )
+    region: Region = Field(description="AWS region of the cell (one of the AWS regions, inference_fleet/regions.py).")
     trainium_az: Annotated[str, StringConstraints(pattern=AZ_PATTERN)] = Field(
         description="The one AZ of the Trainium subnet and its cluster placement group: a name (us-east-2a) "
         "or an AZ ID (use2-az1), the form Trainium offerings are listed in."
@@ -292,7 +370,7 @@ class CellConfig(_Strict):
     )
     wave: str = Field(description="Name of the deployment wave this cell belongs to.")
     min_units_available: int | None = Field(
-        default=None, ge=0, description="Alarm floor of healthy units; default units - 1 (one unit updating)."
+        default=None, ge=0, le=64, description="Alarm floor of healthy units; default units - 1 (one unit updating)."
     )
     certificate_arn: (
         Annotated[
@@ -308,7 +386,12 @@ class CellConfig(_Strict):
         default=False,
         description="Serve plain HTTP on port 80 without a certificate (prompts cross the VPC in clear text).",
     )
-    internet_facing: bool = Field(default=False, description="Public ALB; off by default (internal application tier).")
+    internet_facing: bool = Field(
+        default=False,
+        description="Public ALB behind an AWS WAF web ACL (AWS managed known-bad-inputs and IP-reputation "
+        "rules) whose requests are logged to the KMS-encrypted log group aws-waf-logs-<stack>. "
+        "Off by default (internal application tier).",
+    )
     client_cidrs: tuple[ipaddress.IPv4Network, ...] | None = Field(
         default=None, description="Who may reach the load balancer; default the cell's VPC CIDR."
     )
@@ -395,8 +478,11 @@ class WaveConfig(_Strict):
         default=60, ge=0, le=1440, description="After deploying, the wave's alarms must stay OK this long."
     )
     manual_approval: bool = Field(default=False, description="A manual approval before the wave starts.")
-    deployment_window: str | None = Field(
-        default=None, description="Cron (6 fields, CodePipeline DeploymentWindow rule) when the wave may start."
+    deployment_window: Annotated[str | None, AfterValidator(_cron)] = Field(
+        default=None,
+        description="When the wave may start: a cron expression of the CodePipeline DeploymentWindow rule, "
+        "6 fields and an optional year (seconds minutes hours day-of-month month day-of-week [year]; seconds "
+        "is `*`), UTC, e.g. `* 0-59 9-16 ? * MON-THU`.",
     )
 
 
@@ -446,7 +532,9 @@ class ServingConfig(_Strict):
     drain_timeout_seconds: int = Field(
         default=600, ge=0, le=3600, description="Longest wait for in-flight streams after the deregistration delay."
     )
-    max_inflight_requests: int | None = Field(default=None, ge=1, description="Default: max_concurrent_sequences.")
+    max_inflight_requests: int | None = Field(
+        default=None, ge=1, le=65_536, description="Default: max_concurrent_sequences."
+    )
     follower_loss_seconds: int = Field(
         default=30, ge=3, le=600, description="A member silent this long ends the unit; ECS restarts it whole."
     )
@@ -454,7 +542,9 @@ class ServingConfig(_Strict):
         default=15, ge=0, le=3600,
         description="A unit that failed n times in a row waits base x 2^(n-1) s before it forms again.",
     )
-    restart_backoff_cap_seconds: int = Field(default=300, ge=0, le=3600, description="Longest restart backoff.")
+    restart_backoff_cap_seconds: int = Field(
+        default=300, ge=0, le=3600, description="Longest restart backoff; at least restart_backoff_base_seconds."
+    )
     restart_backoff_reset_seconds: int = Field(
         default=600, ge=1, le=86400, description="A session that served this long resets the backoff."
     )
@@ -498,17 +588,18 @@ class ServingConfig(_Strict):
 class AlarmsConfig(_Strict):
     """Thresholds of each cell's health alarms; the cell's composite alarm gates the rollout."""
 
-    ttft_p99_ms: int = Field(default=5000, ge=50, description="Proxy time-to-first-token p99, per unit.")
+    ttft_p99_ms: int = Field(default=5000, ge=50, le=3_600_000, description="Proxy time-to-first-token p99, per unit.")
     target_response_p99_seconds: float | None = Field(
         default=None,
         gt=0,
+        le=86_400,
         description="ALB TargetResponseTime p99 (rollout gate only); at least serving.alb_idle_timeout_seconds, "
         "the longest a normal non-streamed completion may take. Default: that idle timeout.",
     )
     alb_5xx_percent: float = Field(default=2.0, gt=0, le=100, description="ALB + target 5xx share of requests.")
-    queue_depth: int = Field(default=64, ge=1, description="Engine waiting requests per unit.")
+    queue_depth: int = Field(default=64, ge=1, le=1_000_000, description="Engine waiting requests per unit.")
     unit_restarts: int = Field(
-        default=2, ge=1,
+        default=2, ge=1, le=10_000,
         description="Failed unit sessions in the cell (launcher UnitFailures, each one a re-formation) per "
         "evaluation window.",
     )
@@ -519,9 +610,7 @@ class PipelineConfig(_Strict):
     """Where the rollout pipeline lives and what it watches."""
 
     account: Annotated[str, StringConstraints(pattern=r"^[0-9]{12}$")] = Field(description="Pipeline account.")
-    region: Annotated[str, StringConstraints(pattern=r"^[a-z]{2}(-gov)?-[a-z]+-[0-9]$")] = Field(
-        description="Pipeline region."
-    )
+    region: Region = Field(description="Pipeline region (one of the AWS regions, inference_fleet/regions.py).")
     connection_arn: Annotated[
         str,
         StringConstraints(
@@ -531,7 +620,9 @@ class PipelineConfig(_Strict):
     repository: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+$")] = Field(
         description="Source repository, owner/name."
     )
-    branch: str = Field(default="main", description="Branch that triggers the pipeline.")
+    branch: Annotated[str, StringConstraints(min_length=1, max_length=255, pattern=_BRANCH)] = Field(
+        default="main", description="Branch that triggers the pipeline (a git branch name, not empty)."
+    )
 
 
 class FleetConfig(_Strict):
@@ -602,7 +693,13 @@ class ConfigIssue:
     problem: str
 
     def __str__(self) -> str:
-        return f"{self.path} = {self.value!r}: {self.problem}"
+        return f"{self.path} = {_short(self.value)}: {self.problem}"
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """The value as it is printed in a message: a whole cell or a 54-digit number is cut, not dumped."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 15]}... ({len(text)} chars)"
 
 
 class ConfigError(ValueError):
@@ -622,16 +719,29 @@ def _location(loc: tuple[int | str, ...]) -> str:
     return path
 
 
+def _clean_loc(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
+    """The field path without pydantic's internal union/constraint tags."""
+    return tuple(p for p in loc if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
+
+
 def _pydantic_issues(error: ValidationError) -> list[ConfigIssue]:
+    errors = error.errors(include_url=False)
+    locs = [_clean_loc(e["loc"]) for e in errors]
     issues = []
-    for e in error.errors(include_url=False):
-        # Drop pydantic's internal union/constraint tags from the path.
-        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
-        message = e["msg"]
+    for e, loc in zip(errors, locs, strict=True):
+        # A list whose items failed is also "too short" (0 valid items): the items' own errors say it all.
+        if e["type"] == "too_short" and any(other[: len(loc)] == loc and other != loc for other in locs):
+            continue
+        message = e["msg"].removeprefix("Value error, ")
         if e["type"] == "string_pattern_mismatch":
             message = f"does not match the allowed pattern {e['ctx']['pattern']}"
         elif e["type"] == "extra_forbidden":
             message = "unknown field (check the spelling; see docs/fleet-reference.md)"
+        elif e["type"] in ("int_parsing", "int_type"):
+            # YAML reads 1e30 as text: say what is wanted, not how parsing failed.
+            message = "a whole number is needed"
+        elif e["type"] == "int_parsing_size":
+            message = "far too large for this field (see its bounds in docs/fleet-reference.md)"
         elif e["type"] == "literal_error":
             message = f"allowed: {e['ctx']['expected']}"
         issues.append(ConfigIssue(_location(loc), e.get("input") if e["type"] != "missing" else None, message))
@@ -651,18 +761,65 @@ def parse_model(data: Any, source: str = "<dict>") -> FleetConfig:
         raise ConfigError(source, _pydantic_issues(error)) from None
 
 
-def read_fleet_file(path: str | Path | None = None) -> tuple[dict[str, Any], str]:
-    """The parsed YAML mapping of a fleet file (None: the embedded default) and its name for messages."""
-    path = DEFAULT_CONFIG if path is None else Path(path)
-    if not path.is_file():
-        raise ConfigError(str(path), [ConfigIssue("<file>", str(path), "no such file")])
-    text, source = path.read_text(), str(path)
+class _StrictLoader(yaml.SafeLoader):
+    """A safe YAML loader that refuses a key given twice in one mapping (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: merged keys may be overridden
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                first = seen.setdefault(key, line)
+            except TypeError:  # an unhashable key (a list or mapping): let PyYAML report it
+                continue
+            if first != line:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {first}): each key once per mapping",
+                    key_node.start_mark,
+                )
+        return super().construct_mapping(node, deep=deep)
+
+
+def _decode(raw: bytes, source: str) -> str:
+    """The file's text: UTF-8 (a BOM allowed), else a one-line error naming the first bad byte."""
     try:
-        data = yaml.safe_load(text)
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = raw[: error.start].count(b"\n") + 1
+        where = f"line {line}, byte {error.start}: 0x{raw[error.start]:02x}"
+        raise ConfigError(source, [ConfigIssue("<file>", where, "not UTF-8 text: a fleet file is a YAML text file")]) \
+            from None
+
+
+def parse_yaml(text: str, source: str) -> dict[str, Any]:
+    """The mapping of a fleet file's YAML text, read strictly (duplicate keys refused), or ConfigError."""
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "?"
-        raise ConfigError(source, [ConfigIssue("<yaml>", where, f"not valid YAML: {error}")]) from None
+        problem = getattr(error, "problem", None) or str(error)
+        raise ConfigError(source, [ConfigIssue("<yaml>", where, f"not valid YAML: {problem}")]) from None
+    except RecursionError:
+        raise ConfigError(source, [ConfigIssue("<yaml>", "?", "not valid YAML: nested too deeply")]) from None
     if not isinstance(data, dict):
-        raise ConfigError(source, [ConfigIssue("<root>", type(data).__name__, "the fleet file is a mapping")])
-    return data, source
+        found = "an empty file" if data is None else f"a {type(data).__name__}"
+        raise ConfigError(source, [ConfigIssue("<root>", found, "the fleet file is a YAML mapping (name:, model:, "
+                                                               "unit:, waves:, cells:, ...)")])
+    return data
+
+
+def read_fleet_file(path: str | Path | None = None) -> tuple[dict[str, Any], str]:
+    """The parsed YAML mapping of a fleet file (None: the embedded default) and its name for messages."""
+    path = DEFAULT_CONFIG if path is None else Path(path)
+    source = str(path)
+    if not path.is_file():
+        raise ConfigError(source, [ConfigIssue("<file>", source, "no such file")])
+    try:
+        raw = path.read_bytes()
+    except OSError as error:
+        raise ConfigError(source, [ConfigIssue("<file>", source, f"cannot be read: {error.strerror}")]) from None
+    return parse_yaml(_decode(raw, source), source), source

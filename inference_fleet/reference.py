@@ -60,6 +60,17 @@ def _default(field: typing.Any) -> str:
     return f"`{field.default}`"
 
 
+def _bounds(field: typing.Any) -> str:
+    """The numeric bounds of a field, as validation applies them: ' >= 1, <= 64'."""
+    parts = []
+    for item in field.metadata:
+        for attr, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+            value = getattr(item, attr, None)
+            if value is not None:
+                parts.append(f"{sign} {value:_}" if abs(value) >= 10_000 else f"{sign} {value}")
+    return f", {', '.join(parts)}" if parts else ""
+
+
 def markdown() -> str:
     lines = [BEGIN]
     for section, model in _SECTIONS:
@@ -67,6 +78,7 @@ def markdown() -> str:
         lines += ["| field | type | default | meaning |", "|---|---|---|---|"]
         for name, field in model.model_fields.items():
             meaning = (field.description or "").replace("|", "\\|")
-            lines.append(f"| `{name}` | {_type_name(field.annotation)} | {_default(field)} | {meaning} |")
+            kind = _type_name(field.annotation) + _bounds(field)
+            lines.append(f"| `{name}` | {kind} | {_default(field)} | {meaning} |")
     lines.append(END)
     return "\n".join(lines)

@@ -191,12 +191,14 @@ class CellStack(Stack):
             vpc=self.network.vpc,
             subnets=self.network.public_alb_subnets if cell.internet_facing else self.network.internal_alb_subnets,
             internet_facing=cell.internet_facing,
-            client_cidrs=list(cell.client_cidrs) if cell.client_cidrs else [str(cell.vpc_cidr)],
+            client_cidrs=[str(c) for c in cell.client_cidrs] if cell.client_cidrs else [str(cell.vpc_cidr)],
             certificate_arn=cell.certificate_arn,
             target_port=serving.proxy_port,
             idle_timeout=Duration.seconds(serving.alb_idle_timeout_seconds),
             deregistration_delay=Duration.seconds(serving.deregistration_delay_seconds),
             deletion_protection=cell.deletion_protection,
+            encryption_key=self.key,
+            log_retention=_RETENTION[serving.log_retention_days],
         )
         load_balancer.load_balancer.connections.allow_to(
             self.capacity.security_group, ec2.Port.tcp(serving.proxy_port), "ALB to unit proxies"

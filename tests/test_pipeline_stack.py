@@ -206,7 +206,7 @@ def test_manual_approval_comes_first_and_the_window_gates_entry(large_synth, def
     assert condition["Result"] == "FAIL"
     (rule,) = condition["Rules"]
     assert rule["RuleTypeId"]["Provider"] == "DeploymentWindow"
-    assert rule["Configuration"] == {"Cron": "0 14-20 ? * MON-THU *", "TimeZone": "UTC"}
+    assert rule["Configuration"] == {"Cron": "* * 14-20 ? * MON-THU", "TimeZone": "UTC"}
     # Waves without approval or window have neither.
     for stage in (large_synth.stage("Wave-canary"), default_synth.stage("Wave-canary")):
         assert "BeforeEntry" not in stage

@@ -197,7 +197,8 @@ def test_attention_heads_not_divisible_by_the_phase_tp():
 
 
 def test_kv_heads_neither_dividing_nor_divisible():
-    issues = issues_of(fleet_data({"num_kv_heads": 12}))
+    # 96 query heads in 8 groups of 12 KV heads; 12 neither divides nor is divisible by tp/cp = 32.
+    issues = issues_of(fleet_data({"num_attention_heads": 96, "num_kv_heads": 12}))
     assert {i.path for i in issues} == {"unit.context_parallel_degree", "unit.data_parallel_degree"}
     assert all("model.num_kv_heads (12) must divide or be divisible by it" in i.problem for i in issues)
 

@@ -32,7 +32,7 @@ def test_large_fleet_plan(large_fleet) -> None:
     assert [(w.deploy_minutes, w.bake_minutes, w.wave_minutes, w.cumulative_minutes) for w in plan.waves] == [
         (180, 90, 270, 270), (180, 120, 300, 570)]
     assert [w.units_serving_floor for w in plan.waves] == [17, 16]
-    assert [w.gates for w in plan.waves] == ["-", "approval, window 0 14-20 ? * MON-THU *"]
+    assert [w.gates for w in plan.waves] == ["-", "approval, window * * 14-20 ? * MON-THU"]
     assert plan.total_minutes == 570
     assert plan.lowest.name == "main"
 
@@ -63,7 +63,7 @@ def test_rendered_table(large_fleet) -> None:
     lines = text.splitlines()
     assert lines[0] == "Rollout plan for fleet Rufus: 2 wave(s), 18 unit(s), unit restart 30 min"
     assert lines[3].split() == ["canary", "use2-a", "6", "3h00", "1h30", "-", "4h30", "4h30", "17/18", "(94.4%)"]
-    assert lines[4].split()[:9] == ["main", "use2-b,", "usw2-a", "12", "3h00", "2h00", "approval,", "window", "0"]
+    assert lines[4].split()[:9] == ["main", "use2-b,", "usw2-a", "12", "3h00", "2h00", "approval,", "window", "*"]
     assert lines[4].split()[-4:] == ["5h00", "9h30", "16/18", "(88.9%)"]
     assert "total: 9h30 plus waits for approvals and deployment windows" in lines
     assert "lowest capacity: 16/18 units (88.9%) during wave main" in lines

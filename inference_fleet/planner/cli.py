@@ -9,9 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-import yaml
 from pydantic import ValidationError
 
 from inference_fleet import config, exit_codes
@@ -73,8 +71,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _model_section(path: str | None) -> tuple[ModelConfig, str, int | None]:
     """The model section (and unit hints) of a fleet file, validated on its own."""
-    file = config.DEFAULT_CONFIG if path is None else Path(path)
-    data = yaml.safe_load(file.read_text())
+    data, _ = config.read_fleet_file(path)
     unit = data.get("unit") or {}
     return ModelConfig.model_validate(data["model"]), unit.get("instance_type", ""), unit.get(
         "max_concurrent_sequences")
@@ -86,10 +83,13 @@ def _run_suggest(args: argparse.Namespace) -> int:
         model, inst_name, batch = fleet.model, fleet.unit.instance_type, fleet.unit.max_concurrent_sequences
     except ConfigError as error:
         # The configured layout may be the very thing that does not fit: suggest anyway
-        # when the model section alone is valid, after saying what is wrong.
+        # when the file reads and the model section alone is valid, after saying what is
+        # wrong. A wrong model (or file) has no layout to suggest.
+        if any(issue.path.startswith(("<", "model")) for issue in error.issues):
+            raise
         try:
             model, inst_name, batch = _model_section(args.config)
-        except (OSError, AttributeError, KeyError, TypeError, yaml.YAMLError, ValidationError):
+        except (ConfigError, AttributeError, KeyError, TypeError, ValidationError):
             raise error from None
         print(f"note: {error}\n", file=sys.stderr)
     if (args.instance_type or inst_name) not in CATALOGUE:

@@ -40,8 +40,10 @@ def _spec_from_config(path: str | None, cell: str, unit: int) -> UnitSpec:
         cell_config = fleet.cell(cell)
     except (ConfigError, KeyError) as error:
         raise SpecError(str(error).strip('"')) from None
-    if not 0 <= unit < cell_config.units:
-        raise SpecError(f"--unit {unit} out of range: cell {cell} has units 0..{cell_config.units - 1}")
+    # An elastic cell has no `units`: its template holds max_units units (resolved_max_units).
+    units = cell_config.resolved_max_units
+    if not 0 <= unit < units:
+        raise SpecError(f"--unit {unit} out of range: cell {cell} has units 0..{units - 1}")
     return parse_spec(
         build_unit_spec(fleet, cell_config, unit, revision="plan"), f"{path or 'default config'}"
     )
