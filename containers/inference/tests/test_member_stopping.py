@@ -108,6 +108,28 @@ async def test_the_drained_report_is_answered_on_loopback_only_and_for_a_drain_r
         await runner.cleanup()
 
 
+async def test_a_heartbeat_that_is_ready_and_stopping_at_once_starts_no_engine(tmp_path, h):
+    """A follower that became ready and got SIGUSR1 before that heartbeat was answered: the
+    session ends for it, and the engines are never started (they would load for nothing)."""
+    session = rendezvous.LeaderSession(parse_spec(h.cpu_spec(2, record_dir=tmp_path)), "127.0.0.1", "i-leader")
+    session.members["i-f1"] = rendezvous.Member("127.0.0.2", "i-f1", 0.0, 1e12, ready=False)
+    session.mark_ready()
+    runner = await rendezvous.start_server(session, "127.0.0.1")
+    url = f"http://127.0.0.1:{session.spec.rendezvous.port}/heartbeat"
+    try:
+        import aiohttp
+
+        async with aiohttp.ClientSession() as http:
+            body = {"session_id": session.session_id, "instance_id": "i-f1", "ready": True, "stopping": True}
+            async with http.post(url, json=body) as resp:
+                answer = await resp.json()
+        assert not answer.get("start"), answer
+        assert not session.all_ready.is_set()
+        assert session.deliberate_end and session.cause == rendezvous.MEMBER_STOPPING
+    finally:
+        await runner.cleanup()
+
+
 def test_a_drain_request_in_the_ready_phase_ends_the_session_at_once(tmp_path, h):
     session = rendezvous.LeaderSession(parse_spec(h.cpu_spec(2, record_dir=tmp_path)), "127.0.0.1", "i-leader")
     member = rendezvous.Member("127.0.0.2", "i-f1", 0.0, 1e12, ready=False)

@@ -579,12 +579,14 @@ class LeaderSession:
             member.steps = body["steps"]
         if isinstance(body.get("fetch"), dict):
             member.fetch = body["fetch"]
-        if body.get("ready") is True and not member.ready:
+        # A stopping member is read before its readiness: ready and stopping in one heartbeat
+        # (SIGUSR1 came before the ready heartbeat was answered) must not start the engines.
+        if body.get("stopping") is True and not body.get("leaving"):
+            self.request_drain(member)
+        elif body.get("ready") is True and not member.ready:
             member.ready = True
             log.info("ready: %s", member.describe())
             self._check_ready()
-        if body.get("stopping") is True and not body.get("leaving"):
-            self.request_drain(member)
         if body.get("leaving"):
             # Kept even when the session already ended: a follower whose engine crashed often
             # breaks the leader's collective first, and its evidence names the real cause.

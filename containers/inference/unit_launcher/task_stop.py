@@ -1,6 +1,7 @@
 """SIGUSR1, "this node's task is stopping": sent by the follower task's drain guard on SIGTERM.
 
-ECS stops a follower task's drain guard first (the engine container depends on it), so
+ECS stops a follower task's drain guard first (the guard depends on the engine container, and
+ECS stops dependents first), so
 the follower's launcher hears of its task's stop only through the guard. The launcher
 then asks its leader to drain the unit (`unit_launcher.rendezvous`: `stopping` in its
 heartbeats) and exits once the leader ended the session, which releases the guard.

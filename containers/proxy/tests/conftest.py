@@ -231,6 +231,7 @@ class FakeLauncher:
         self.canary_reports: list[dict[str, Any]] = []
         self.canary_answers: list[int] = []
         self.drained_reports: list[tuple[float, dict[str, Any]]] = []
+        self.drained_errors = 0  # the next N drained reports are answered 500, as a launcher that failed
         self.url = ""
         self._runner: web.AppRunner | None = None
 
@@ -267,6 +268,9 @@ class FakeLauncher:
     async def _drained(self, request: web.Request) -> web.Response:
         report = await request.json()
         self.drained_reports.append((time.monotonic(), report))
+        if self.drained_errors > 0:
+            self.drained_errors -= 1
+            return web.json_response({"error": "internal"}, status=500)
         if report.get("session_id") != self.status["session_id"] or not self.status.get("drain_requested"):
             return web.json_response({"reason": "no_drain_requested", "error": "drained report ignored"}, status=409)
         self.status["state"] = "stopping"

@@ -80,6 +80,19 @@ async def test_the_drain_timeout_bounds_the_wait_for_the_streams(
         stream.close()
 
 
+async def test_a_drained_report_the_launcher_failed_to_take_is_sent_again(
+    engine: FakeEngine, launcher: FakeLauncher, make_proxy: ProxyFactory
+):
+    """A 5xx answer is no answer: without a retry the leader would wait out its whole bound."""
+    proxy = await make_proxy(drain_seconds=0, drain_timeout_seconds=5)
+    launcher.drained_errors = 1
+    async with aiohttp.ClientSession() as session:
+        assert await health(session, proxy.url) == 200
+        launcher.status["drain_requested"] = REQUEST
+        await wait_until(lambda: len(launcher.drained_reports) >= 2, timeout=5, what="the drained report sent again")
+        assert launcher.status["state"] == "stopping"
+
+
 @pytest.mark.timeout(60)
 async def test_a_multi_worker_proxy_drains_for_a_stopping_follower_without_exiting(
     engine: FakeEngine, launcher: FakeLauncher

@@ -314,6 +314,10 @@ class HealthMonitor:
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("drained report to %s failed: %s; retried next round", url, _describe(exc))
             return
+        if resp.status >= 500:
+            # The launcher failed to take it: without a retry the leader waits out its whole bound.
+            log.warning("drained report to %s answered %d %s; retried next round", url, resp.status, answer)
+            return
         drain.reported = True  # answered: ended (200), or refused for a session that is no longer draining
         log.warning("drained for %s%s; reported to %s: %d %s", drain.describe(),
                     " (drain timeout: requests still in flight)" if late else "", url, resp.status, answer)
