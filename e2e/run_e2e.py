@@ -9,7 +9,9 @@ command of the launcher. Everything listens on 127.0.0.1 only.
 
 Unit mode, steps: (1) the unit forms and the proxy's /health turns 200; (2) a completion
 and a streaming chat completion through the proxy with the `openai` client, the same text
-twice at temperature 0; (3) the follower task is SIGKILLed: time until the proxy answers
+twice at temperature 0; (2a) a follower stopped alone (SIGUSR1 to its launcher, as its drain
+guard does) drains the unit with a stream in flight, which completes, and the unit ends as
+`member_stopping` and forms again with no backoff; (3) the follower task is SIGKILLed: time until the proxy answers
 503 and until the leader exits, and no request is answered by the half unit; (4) the
 supervisor (playing ECS) restarts both tasks, the follower on a new instance that fetches
 the model from S3 on loopback: the unit forms again with a new session and gives the same

@@ -49,6 +49,9 @@ from s3_loopback import Fetched, Hosts, LoopbackS3, Upload, fetched, fetched_aft
 
 MAX_MODEL_LEN = 256
 DRAIN_TOKENS = 96
+# Step 2a's stream: as long as the context allows (a 15-token prompt), so that it outlasts the
+# proxy's admission window (DRAIN_SECONDS) and the proxy has a stream to wait for.
+MEMBER_STOP_TOKENS = MAX_MODEL_LEN - 16
 # The slowed link's rate for shards, and how much longer than the follower-loss limit the
 # follower's own shard takes through it (the ready phase must carry it; issue 21 item 1).
 # The leader's shard is small: it fetches before the release, and the run stays short.
@@ -333,8 +336,10 @@ def report_evidence(h: Harness, spec: dict[str, Any], label: str, backoff: dict[
     policy = evidence.BackoffPolicy(
         rdzv["backoff_base_seconds"], rdzv["backoff_cap_seconds"], rdzv["backoff_reset_seconds"]
     )
-    expected = policy.wait(evidence.failures_in_a_row(records, policy))
-    r.check(f"{label}. the unit backed off before forming again ({len(records)} failures in a row)",
+    # Neutral ends (step 2a's member_stopping) are in the history but are no failures.
+    in_a_row = evidence.failures_in_a_row(records, policy)
+    expected = policy.wait(in_a_row)
+    r.check(f"{label}. the unit backed off before forming again ({in_a_row} failures in a row)",
             backoff.get("seconds") == expected and expected > 0, f"backoff {backoff} (expected {expected} s)")
 
 
@@ -453,6 +458,11 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
     driver = OpenAIDriver(base, timeout=h.left(300))
     first, chat = answer_twice(driver, r, label="2. ")
     check_lockstep(unit, r, "2", h.left(60))
+
+    # 2a. A follower stopped alone (its instance drained, a StopTask): its drain guard sends
+    # SIGUSR1 to its launcher; the unit drains, then ends as member_stopping (neutral).
+    if not run_follower_stopping(h, unit, driver, first):
+        return
 
     # 3. Node loss: SIGKILL the follower task (launcher and engine, all at once). The node is
     # gone: its replacement is a new instance with an empty model cache (no spare yet).
@@ -758,14 +768,193 @@ def run_partition(h: Harness, unit: Unit, base: str, spec: dict[str, Any], case:
     return True
 
 
-def drain_stream(driver: OpenAIDriver, first_chunk: threading.Event) -> tuple[str, str | None, int]:
-    """A long streamed chat completion; sets first_chunk when the first token arrives."""
+def session_end_event(log_path: Path, session_id: str | None) -> dict[str, Any] | None:
+    """The leader's session-end event for `session_id`: its log line (EMF), read from the leader's log."""
+    for line in log_path.read_text(errors="replace").splitlines():
+        line = line.strip()
+        if not (line.startswith("{") and "unit_session_end" in line):
+            continue
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue
+        if doc.get("event") == "unit_session_end" and doc.get("session_id") == session_id:
+            return dict(doc)
+    return None
+
+
+@dataclass
+class StoppingWatch:
+    """What the harness saw after it played the follower's drain guard (SIGUSR1)."""
+
+    drain_requested: dict[str, Any] | None = None
+    drain_requested_s: float | None = None
+    health: list[tuple[float, int | None]] = field(default_factory=list)
+
+    @property
+    def first_503(self) -> float | None:
+        return next((t for t, c in self.health if c == 503), None)
+
+
+def watch_member_drain(h: Harness, unit: Unit, session: str | None, signalled: float, done: Callable[[], bool],
+                       limit: float) -> StoppingWatch:
+    """Poll the leader's /status and the proxy's /health until `done()` (both launchers exited,
+    the stream over) or `limit` seconds after the signal."""
+    seen = StoppingWatch()
+    while time.monotonic() - signalled < h.left(limit) and not done():
+        if seen.drain_requested is None:
+            status = unit.status() or {}
+            if status.get("session_id") == session and status.get("drain_requested"):
+                seen.drain_requested = status["drain_requested"]
+                seen.drain_requested_s = time.monotonic() - signalled
+        seen.health.append((time.monotonic() - signalled, unit.health()))
+        time.sleep(0.1)
+    return seen
+
+
+def run_follower_stopping(h: Harness, unit: Unit, driver: OpenAIDriver, first: str) -> bool:
+    """2a. A follower stopped alone drains its unit first (docs/cell-lifecycle.md): with a stream
+    in flight, the harness plays the follower task's drain guard on ECS's SIGTERM (SIGUSR1 to the
+    follower's launcher, and only to it). The leader shows `drain_requested`, the proxy turns
+    /health 503, lets the stream finish, reports /drained; the leader ends the session as
+    `member_stopping` (neutral: no backoff), both launchers exit 0, and the unit forms again.
+
+    On ECS the proxy goes down with the leader's task; here, as after every leader exit of
+    this harness, the one proxy process stays and must serve the unit's next session."""
+    r = h.report
+    session = unit.whole_session()
+    rank1 = next((m for m in (unit.status() or {}).get("members", []) if m.get("rank") == 1), {})
+    leader_proc, follower_proc = unit.leader.current, unit.follower.current
+    assert leader_proc is not None and follower_proc is not None
+    leader_exits, follower_exits = len(unit.leader.exits), len(unit.follower.exits)
+    result: dict[str, Any] = {}
+    usage: dict[str, Any] = {}
+    first_chunk = threading.Event()
+
+    def stream() -> None:
+        try:
+            result["text"], result["finish"], result["chunks"] = drain_stream(driver, first_chunk, usage,
+                                                                              MEMBER_STOP_TOKENS)
+        except Exception as error:  # the check below reports it
+            result["error"] = f"{type(error).__name__}: {error}"
+        result["done_at"], result["done_wall"] = time.monotonic(), time.time()
+        first_chunk.set()
+
+    streamer = threading.Thread(target=stream, daemon=True)
+    streamer.start()
+    if not first_chunk.wait(h.left(120)) or "error" in result:
+        r.check("2a. stream in flight before SIGUSR1", False, str(result))
+        return False
+    follower_proc.signal(signal.SIGUSR1)  # the drain guard's signal, to the launcher only
+    signalled, signalled_wall = time.monotonic(), time.time()
+
+    def done() -> bool:
+        return (len(unit.leader.exits) > leader_exits and len(unit.follower.exits) > follower_exits
+                and not streamer.is_alive())
+
+    seen = watch_member_drain(h, unit, session, signalled, done, 120)
+    streamer.join(5)
+    try:
+        leader_exit = unit.leader.wait_for_exit(leader_exits + 1, h.left(30))
+        follower_exit = unit.follower.wait_for_exit(follower_exits + 1, h.left(30))
+    except TimeoutError as error:
+        r.check("2a. leader and follower exit after the drain", False, f"{error}; {unit.describe()}")
+        return False
+    by = (seen.drain_requested or {}).get("by") or {}
+    r.facts["member_stop_drain_requested"] = seen.drain_requested
+    if seen.drain_requested_s is not None:
+        r.figure("member_stop_drain_requested_s", seen.drain_requested_s)
+    r.check("2a. /status shows drain_requested naming the follower",
+            by.get("rank") == 1 and by.get("instance_id") == rank1.get("instance_id"),
+            f"{seen.drain_requested} (rank 1 was {rank1.get('instance_id')})")
+    first_503 = seen.first_503
+    after = [c for t, c in seen.health if first_503 is not None and t >= first_503]
+    if first_503 is not None:
+        r.figure("member_stop_health_503_s", first_503)
+    r.facts["member_stop_health_codes"] = sorted({str(c) for _, c in seen.health})
+    r.check("2a. proxy /health turns 503 within a few seconds and stays 503 (the proxy keeps running)",
+            first_503 is not None and first_503 < 5 and all(c == 503 for c in after),
+            f"first 503 after {first_503} s; codes from then on: {sorted({str(c) for c in after})}")
+    done_s = result.get("done_at", time.monotonic()) - signalled
+    r.figure("member_stop_stream_done_s", done_s)
+    ok_stream = ("error" not in result and result.get("finish") == "length"
+                 and usage.get("completion_tokens") == MEMBER_STOP_TOKENS)
+    r.check(f"2a. the in-flight stream completes: {MEMBER_STOP_TOKENS} tokens, finish_reason length",
+            ok_stream, json.dumps({**{k: v for k, v in result.items() if k in ("finish", "chunks", "error")},
+                                   **usage}))
+    admit = float(proxy_env(unit.ports)["DRAIN_SECONDS"])
+    r.check(f"2a. the stream was in flight when /health turned 503 and outlasted the admission window ({admit:g} s)",
+            first_503 is not None and done_s > max(first_503, admit),
+            f"503 at {first_503} s, stream done at {done_s:.2f} s")
+    r.check("2a. leader and follower launchers exit 0", leader_exit.code == 0 and follower_exit.code == 0,
+            f"leader {leader_exit.code}, follower {follower_exit.code}")
+    return check_member_stopping_end(h, unit, leader_proc, session, rank1, signalled_wall, result, driver, first)
+
+
+def check_member_stopping_end(h: Harness, unit: Unit, leader_proc: Proc, session: str | None,
+                              rank1: dict[str, Any], signalled_wall: float, result: dict[str, Any],
+                              driver: OpenAIDriver, first: str) -> bool:
+    """2a, after the exits: the session-end event and history say member_stopping naming the
+    follower, after the stream ended; the proxy reported /drained and stays; the unit forms
+    again with no backoff and the same answer."""
+    from unit_launcher import evidence
+
+    r = h.report
+    spec = unit.spec
+    event = session_end_event(leader_proc.log_path, session) or {}
+    who = event.get("ended_by") or {}
+    ended_at = float(event.get("ended_at") or 0)
+    if ended_at:
+        r.figure("member_stop_session_end_s", ended_at - signalled_wall)
+    r.facts["member_stop_event"] = {k: event.get(k) for k in ("cause", "reason", "ended_by", "served_seconds",
+                                                               "restart_backoff_seconds")}
+    r.check("2a. session-end event: cause member_stopping naming the follower, restart backoff 0",
+            event.get("cause") == "member_stopping" and who.get("rank") == 1
+            and who.get("instance_id") == rank1.get("instance_id") and event.get("restart_backoff_seconds") == 0,
+            json.dumps(r.facts["member_stop_event"]))
+    r.check("2a. the session ended after the in-flight stream did (the unit drained first)",
+            bool(ended_at) and ended_at >= float(result.get("done_wall", float("inf"))),
+            f"ended {ended_at - signalled_wall:.2f} s, stream done {result.get('done_wall', 0) - signalled_wall:.2f} s "
+            "after SIGUSR1")
+    records = evidence.read_history(evidence.history_path(spec["state_dir"], spec["cell"], spec["unit_id"]))
+    mine = [rec for rec in records if rec.get("session_id") == session]
+    r.facts["member_stop_history"] = [{k: rec.get(k) for k in ("cause", "ended_by", "recorded_by")} for rec in mine]
+    r.check("2a. the unit's history records the end as member_stopping (neutral), naming the follower",
+            bool(mine) and all(rec.get("cause") == "member_stopping" for rec in mine)
+            and any((rec.get("ended_by") or {}).get("rank") == 1 for rec in mine),
+            json.dumps(r.facts["member_stop_history"]))
+    drained = [line for line in unit.proxy.log_path.read_text(errors="replace").splitlines()
+               if "drained for follower rank 1" in line]
+    r.check("2a. the proxy reported /drained (200) and did not exit",
+            unit.proxy.alive() and any("reported to" in line and ": 200 " in line for line in drained),
+            (drained[-1].strip() if drained else f"no 'drained for' line in {unit.proxy.log_path}"))
+    t = time.monotonic()
+    try:
+        backoff = wait_for_recovery(h, unit, "proxy /health 200 after the follower stopped alone")
+    except TimeoutError as error:
+        r.check("2a. unit forms again", False, f"{error}; {unit.describe()}")
+        return False
+    r.figure("member_stop_serve_again_s", time.monotonic() - t)
+    again = unit.whole_session()
+    r.check("2a. the unit forms again with no restart backoff, a new session, through the same proxy",
+            not backoff and again not in (None, session) and unit.proxy.alive(),
+            f"backoff seen {backoff or 'none'}; session {session} -> {again}")
+    answer = driver.completion()
+    r.check("2a. same request, same answer after", answer == first, f"{answer!r} vs {first!r}")
+    return True
+
+
+def drain_stream(driver: OpenAIDriver, first_chunk: threading.Event,
+                 usage: dict[str, Any] | None = None, max_tokens: int = DRAIN_TOKENS) -> tuple[str, str | None, int]:
+    """A long streamed chat completion; sets first_chunk when the first token arrives. With
+    `usage`, the stream's final usage chunk is asked for and its token counts put there."""
     parts: list[str] = []
     finish: str | None = None
     chunks = 0
+    extra: dict[str, Any] = {} if usage is None else {"stream_options": {"include_usage": True}}
     stream = driver.client.chat.completions.create(
         model=MODEL_NAME, messages=[{"role": "user", "content": "Tell a long story."}],
-        max_tokens=DRAIN_TOKENS, temperature=0, stream=True, extra_body={"ignore_eos": True})
+        max_tokens=max_tokens, temperature=0, stream=True, extra_body={"ignore_eos": True}, **extra)
     for chunk in stream:
         if chunk.choices:
             choice = chunk.choices[0]
@@ -774,5 +963,7 @@ def drain_stream(driver: OpenAIDriver, first_chunk: threading.Event) -> tuple[st
                 chunks += 1
                 first_chunk.set()
             finish = choice.finish_reason or finish
+        if usage is not None and chunk.usage is not None:
+            usage.update(completion_tokens=chunk.usage.completion_tokens, prompt_tokens=chunk.usage.prompt_tokens)
     return "".join(parts), finish, chunks
 

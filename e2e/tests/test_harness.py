@@ -112,3 +112,27 @@ def test_report_without_checks_or_with_an_error_does_not_pass():
 def test_wait_until_reports_what_did_not_happen():
     with pytest.raises(TimeoutError, match="the thing"):
         run_e2e.wait_until("the thing", lambda: False, timeout=0.2, interval=0.05)
+
+
+def test_session_end_event_is_read_from_the_leaders_log_as_the_launcher_writes_it(tmp_path):
+    """Step 2a reads the leader's session-end event from its log: the launcher's own EMF line,
+    among engine output (a line cut short included) and other sessions' ends."""
+    import io
+
+    import unit_mode
+    from unit_launcher import evidence
+
+    out = io.StringIO()
+    out.write("INFO engine output cut mid-line")
+    for session, cause in (("s-old", "heartbeat_loss"), ("s-1", "member_stopping")):
+        event = {"event": "unit_session_end", "cell": "dev", "unit_id": "u0", "session_id": session,
+                 "cause": cause, "served_seconds": 1.0, "ended_at": 1.0, "ended_by": {"rank": 1},
+                 "restart_backoff_seconds": 0.0}
+        evidence.emit(event, "Fleet/Units", out)
+        out.write("{not json unit_session_end\n")
+    log = tmp_path / "leader.1.log"
+    log.write_text(out.getvalue())
+    got = unit_mode.session_end_event(log, "s-1")
+    assert got is not None and got["cause"] == "member_stopping" and got["ended_by"] == {"rank": 1}
+    assert got["restart_backoff_seconds"] == 0
+    assert unit_mode.session_end_event(log, "s-none") is None
