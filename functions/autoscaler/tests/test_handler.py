@@ -318,9 +318,17 @@ def test_a_refused_activation_is_cancelled_but_never_below_min_units() -> None:
 # -- smoothing (issue 21, item 3) ----------------------------------------------------
 
 
-def test_one_busy_minute_launches_no_unit() -> None:
-    """Two serving units at 10 in flight each for 29 minutes and 30 in the newest one. Before:
-    the newest minute alone asked for a third unit (45 minutes of start-up for one minute)."""
+@pytest.mark.parametrize(
+    ("newest", "before"),
+    [
+        # Before: the newest minute alone asked for a third unit (45 minutes of start-up for one minute).
+        pytest.param(30.0, 10.0, id="one busy minute launches no unit"),
+        # Before: the quiet minute fitted one unit and drained the other.
+        pytest.param(1.0, 14.0, id="one quiet minute drains no unit"),
+    ],
+)
+def test_one_odd_minute_changes_nothing(newest: float, before: float) -> None:
+    """Two serving units at `before` in flight each for 29 minutes and `newest` in the newest one."""
     cell = Cell()
     cell.stack()
     cell.group(4, ["i-a", "i-b", "i-c", "i-d"], served="0,1",
@@ -328,24 +336,8 @@ def test_one_busy_minute_launches_no_unit() -> None:
     cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (0, 0)})
     cell.labels({"i-a": "u0", "i-b": "u0", "i-c": "u1", "i-d": "u1"})
     cell.activities()
-    busy = [(30.0, 1.0)] + [(10.0, 1.0)] * (POLICY.window_minutes - 1)
-    cell.metrics({"u0": busy, "u1": busy})
-    summary = cell.run()
-    assert summary["action"] == "hold"
-
-
-def test_one_quiet_minute_drains_no_unit() -> None:
-    """Two serving units at 14 in flight for 29 minutes and 1 in the newest. Before: the quiet
-    minute fitted one unit and drained the other."""
-    cell = Cell()
-    cell.stack()
-    cell.group(4, ["i-a", "i-b", "i-c", "i-d"], served="0,1",
-               **{aws.TAG_LAST_OUT: NOW - 7200, aws.TAG_LAST_IN: NOW - 7200})
-    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (0, 0)})
-    cell.labels({"i-a": "u0", "i-b": "u0", "i-c": "u1", "i-d": "u1"})
-    cell.activities()
-    quiet = [(1.0, 1.0)] + [(14.0, 1.0)] * (POLICY.window_minutes - 1)
-    cell.metrics({"u0": quiet, "u1": quiet})
+    minutes = [(newest, 1.0)] + [(before, 1.0)] * (POLICY.window_minutes - 1)
+    cell.metrics({"u0": minutes, "u1": minutes})
     summary = cell.run()
     assert summary["action"] == "hold"
 
