@@ -131,25 +131,29 @@ def drain_guard_script() -> str:
     (SIGUSR1: the launcher asks its leader to drain the unit and exits when the leader ended
     the session), waits while the launcher lives, at most `$DRAIN_GUARD_MAX_SECONDS` (the
     safety bound, `follower_release_bound`), and exits so that ECS sends SIGTERM to the
-    engine container next. Time is read from /proc/uptime (monotonic), so a slow poll does
-    not stretch the bound.
+    engine container next. Time is read from /proc/uptime (monotonic, in hundredths of a
+    second: the kernel prints two decimals), so a slow poll does not stretch the bound and
+    whole seconds do not shorten it (truncating both ends to seconds let a 3 s bound end
+    after 2.02 s in CI).
     """
     return f"""\
 : "${{{DRAIN_GUARD_BOUND_ENV}:?the safety bound in seconds}}"
 launcher_alive() {{ {launcher_alive_test()}; }}
-{signal_launcher_function()}uptime_s() {{ read -r up _ < /proc/uptime; echo "${{up%.*}}"; }}
+{signal_launcher_function()}uptime_cs() {{
+  read -r up _ < /proc/uptime; f=${{up#*.}}; echo $(( ${{up%.*}} * 100 + ${{f#0}} ))
+}}
 on_term() {{
   kill "$sleeper" 2>/dev/null
-  start=$(uptime_s)
+  start=$(uptime_cs)
   signal_launcher
   while launcher_alive; do
-    if [ $(( $(uptime_s) - start )) -ge "${DRAIN_GUARD_BOUND_ENV}" ]; then
+    if [ $(( $(uptime_cs) - start )) -ge $(( {DRAIN_GUARD_BOUND_ENV} * 100 )) ]; then
       echo "drain-guard: the launcher still runs after ${DRAIN_GUARD_BOUND_ENV} s: releasing the engine (safety bound)"
       exit 0
     fi
     sleep 1
   done
-  echo "drain-guard: the launcher exited after $(( $(uptime_s) - start )) s: releasing the engine"
+  echo "drain-guard: the launcher exited after $(( ($(uptime_cs) - start) / 100 )) s: releasing the engine"
   exit 0
 }}
 trap on_term TERM

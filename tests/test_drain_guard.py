@@ -141,6 +141,38 @@ def test_guard_gives_up_at_its_bound(guard, fake_launcher_path) -> None:
     assert 3 <= waited < 5, f"bound 3 s, the guard waited {waited:.1f} s"
 
 
+# The same task on a fake clock: /proc/uptime is a file the test owns (bind-mounted over the
+# kernel's), set so that SIGTERM comes late in a second (101.99, after the task's own
+# `sleep 1`); each `sleep 1` sleeps 1 s and moves the clock 1.01 s, as a real sleep overruns a
+# little. Whole-second arithmetic released a 3 s bound after 2.02 s here, as it did once in CI
+# (seen failing on the old script); the fields are read from the fake clock.
+_TASK_ON_A_FAKE_CLOCK = r"""
+printf '100.98 0.00\n' > /tmp/uptime && mount --bind /tmp/uptime /proc/uptime || exit 93
+mkdir -p /tmp/bin && cat > /tmp/bin/sleep <<'SLEEP'
+#!/bin/sh
+if [ "$1" = 1 ]; then
+  read -r up _ < /proc/uptime; f=${up#*.}; cs=$(( ${up%.*} * 100 + ${f#0} + 101 ))
+  printf '%d.%02d 0.00\n' $(( cs / 100 )) $(( cs % 100 )) > /tmp/uptime
+  exec /bin/sleep 1
+fi
+exec /bin/sleep "$@"
+SLEEP
+chmod +x /tmp/bin/sleep && export PATH="/tmp/bin:$PATH"
+""" + _TASK
+
+
+def test_guard_bound_is_not_shortened_by_whole_seconds(guard, fake_launcher_path) -> None:
+    """A SIGTERM late in a second: the bound still counts whole seconds from it (CI once saw 2.02 s of 3)."""
+    (name,) = [k for k, _ in guard.environment]
+    env = {**dict(guard.environment), name: "3", "GUARD_SCRIPT": guard.text, "LAUNCHER_SECONDS": "600", "DECOYS": ""}
+    done = run_as_in_a_task(_TASK_ON_A_FAKE_CLOCK, env, package=fake_launcher_path, timeout=PATIENCE_SECONDS)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("GUARD_EXIT")), None)
+    assert line, f"no exit reported: {done.returncode} {done.stdout!r} {done.stderr!r}"
+    fields = dict(f.split("=") for f in line.split()[1:])
+    waited = float(fields["done"]) - float(fields["sent"])
+    assert 3 <= waited < 4.5, f"bound 3 s, released after {waited:.2f} s (fake clock): {done.stdout}{done.stderr}"
+
+
 def _bound(guard: dict) -> int:
     """The guard's bound: its environment's, or (before issue 20) the number inlined in its script."""
     environment = {e["Name"]: e["Value"] for e in guard.get("Environment", [])}
