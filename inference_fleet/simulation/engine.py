@@ -50,7 +50,7 @@ from unit_proxy.canary import CanaryGate  # noqa: E402
 
 from inference_fleet.config import CellConfig, FleetConfig  # noqa: E402
 from inference_fleet.simulation import aws_api  # noqa: E402
-from inference_fleet.simulation.model import AwsModel  # noqa: E402
+from inference_fleet.simulation.model import JITTER, JITTERED, AwsModel  # noqa: E402
 from inference_fleet.simulation.scenario import Event, Scenario, Target  # noqa: E402
 
 NEUTRAL = set(evidence.NEUTRAL)
@@ -296,6 +296,11 @@ class Cell:
         self._seq += 1
         heapq.heappush(self._queue, (max(when, self.now), self._seq, action, args))
 
+    def vary(self, name: str) -> float:
+        """A modelled duration, drawn within +-JITTER of its value (model.JITTERED) or as it is."""
+        value = self.model.v(name)
+        return value * self.rng.uniform(1 - JITTER, 1 + JITTER) if name in JITTERED else value
+
     def after(self, delay: float, action: Callable[..., None], *args: Any) -> None:
         self.at(self.now + delay, action, *args)
 
@@ -373,7 +378,7 @@ class Cell:
         inst = self._new_instance()
         self.note(f"launch {inst.iid} (launch template v{inst.version})")
         self.after(self.model.v("asg_in_service"), self._in_service, inst)
-        self.after(self.model.v("instance_boot"), self._register, inst)
+        self.after(self.vary("instance_boot"), self._register, inst)
         roll = self.roll
         if roll.active and roll.awaiting_launch:
             roll.batch, roll.batch_started, roll.awaiting_launch = inst.iid, self.now, False
@@ -483,7 +488,7 @@ class Cell:
             task = Task(f"arn:aws:ecs:us-east-2:111111111111:task/sim/{self._id('t')}", role, unit, inst, family)
             self.tasks[task.arn] = task
             inst.task = task
-            delay = self.model.v("task_restart") if inst.image else self.model.v("image_pull")
+            delay = self.model.v("task_restart") if inst.image else self.vary("image_pull")
             inst.image = True
             self.after(delay, self._task_running, task)
 
@@ -492,7 +497,7 @@ class Cell:
             return
         task.state = "RUNNING"
         if task.role == "spare":
-            fetch = 0.0 if task.inst.cached else self.model.v("fetch_per_node")
+            fetch = 0.0 if task.inst.cached else self.vary("fetch_per_node")
             self.after(fetch, self._spare_ready, task)
         elif task.role == "leader":
             self._new_session(self.units[task.unit or ""], task)
@@ -624,7 +629,7 @@ class Cell:
             session.state, session.followers = "waiting", []
             return
         session.state, session.released_at = "fetching", self.now
-        fetch = max((0.0 if t.inst.cached else self.model.v("fetch_per_node")) for t in session.members)
+        fetch = max((0.0 if t.inst.cached else self.vary("fetch_per_node")) for t in session.members)
         self.after(fetch, self._ready, unit, session)
 
     def _ready(self, unit: Unit, session: Session) -> None:
@@ -636,7 +641,7 @@ class Cell:
         self.log_line({"event": "unit_session_formed", "unit_id": unit.uid, "session_id": session.sid,
                        "released_at": (session.released_at or self.now) + session.leader.inst.skew,
                        "members": self._members(session)})
-        self.after(self.model.v("load_and_warmup"), self._serving, unit, session)
+        self.after(self.vary("load_and_warmup"), self._serving, unit, session)
 
     def _serving(self, unit: Unit, session: Session) -> None:
         if unit.session is not session or session.state != "loading":
@@ -786,7 +791,7 @@ class Cell:
     def log_line(self, detail: dict[str, Any]) -> None:
         """A launcher log line the subscription brings to the controller (as forward.py enqueues it)."""
         record = {"source": "unit-launcher", "detail-type": str(detail.get("event")), "detail": detail}
-        self.at(self.now + self.model.v("log_delivery"), self.trigger_controller, record)
+        self.at(self.now + self.vary("log_delivery"), self.trigger_controller, record)
 
     def trigger_controller(self, record: dict[str, Any]) -> None:
         self.pending_records.append(record)
@@ -920,7 +925,7 @@ class Cell:
             return
         inst, task = self.resolve(event.target)
         assert inst is not None
-        if event.target and event.target.instance is not None:
+        if event.target and (event.target.instance is not None or event.scope == "instance"):
             self._instance_dies(inst)
             return
         if task is not None:
@@ -948,7 +953,7 @@ class Cell:
         if inst.task is not None:
             self._task_dies(inst.task)
         inst.up, inst.agent = False, False
-        self.after(self.model.v("reboot"), self._rebooted, inst)
+        self.after(self.vary("reboot"), self._rebooted, inst)
 
     def _rebooted(self, inst: Instance) -> None:
         if inst.lifecycle == "Terminated":
@@ -1129,7 +1134,7 @@ class Cell:
         held = sum(1 for u in self.units.values()
                    if any(t.unit == u.uid and t.state != "STOPPED" for t in self.tasks.values()))
         self.figures["unit_hours"] += held * self.nodes / 60 / self.nodes
-        down = len(active) - len(serving)
+        down = len(active) - len(serving) if self._first_whole is not None else 0
         self.figures["max_units_down"] = max(self.figures["max_units_down"], down)
         self.figures["unit_minutes_down"] += down
         share = rps / len(serving) if serving else 0.0

@@ -93,6 +93,11 @@ class AwsModel:
         return float(getattr(self, name).value)
 
 
+# Durations that vary from draw to draw, uniformly within +-JITTER of their value (an assumption:
+# no distribution is documented); the others are fixed. Each draw comes from the run's seeded generator.
+JITTER = 0.1
+JITTERED = frozenset({"instance_boot", "image_pull", "fetch_per_node", "load_and_warmup", "log_delivery", "reboot"})
+
 # Unverified behaviours the model takes as stated (docs/simulation.md lists them):
 UNVERIFIED = (
     "CloudFormation rolling update, launch-first: the group's desired capacity rises by one, the batch's new "

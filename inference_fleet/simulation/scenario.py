@@ -25,7 +25,8 @@ TARGET_FORMS = "u<N>.leader, u<N>.follower<K> (K from 1), spare<K> (K from 1), i
 # Each kind: its required and optional arguments besides `at` and `do`.
 KINDS: Mapping[str, tuple[frozenset[str], frozenset[str]]] = {
     "load": (frozenset({"curve"}), frozenset({"peak_rps", "level", "noise_pct"})),
-    "kill": (frozenset({"target"}), frozenset()),
+    # scope: `task` (default: SIGKILL of the member's task) or `instance` (its instance is terminated).
+    "kill": (frozenset({"target"}), frozenset({"scope"})),
     "hang": (frozenset({"target", "for"}), frozenset()),
     "partition": (frozenset({"target", "for"}), frozenset()),
     "reboot": (frozenset({"target"}), frozenset()),
@@ -66,6 +67,7 @@ class Event:
     peak_rps: float = 0.0
     noise_pct: float = 0.0
     metric: str = "all"
+    scope: str = "task"
     line: int = 0  # position in the events list, for messages
 
 
@@ -157,6 +159,10 @@ def _event(raw: Any, index: int, duration: float, problems: list[str]) -> Event 
         fields["times"] = int(_number(raw["times"], f"{where}.times", problems, 1, 100))
     if kind == "load":
         _load_fields(raw, where, fields, problems)
+    if "scope" in raw:
+        if raw["scope"] not in ("task", "instance"):
+            problems.append(f"{where}.scope: {raw['scope']!r}; allowed: task, instance")
+        fields["scope"] = raw["scope"]
     if kind == "metric_gap":
         metric = raw.get("metric", "all")
         if metric not in METRICS:
