@@ -248,3 +248,12 @@ def test_a_missing_scenario_file_exits_3(tmp_path):
     done = subprocess.run([sys.executable, "-m", "inference_fleet", "simulate", "--scenario",
                            str(tmp_path / "none.yaml")], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert done.returncode == 3 and "cannot read the scenario file" in done.stderr
+
+
+def test_the_docs_table_holds_every_modelled_behaviour():
+    from inference_fleet.simulation.model import AwsModel
+
+    text = (ROOT / "docs" / "simulation.md").read_text()
+    for name, value, _meaning, source in AwsModel().table():
+        assert f"| `{name}` | {value:g}" in text, f"docs/simulation.md lacks {name} = {value:g}"
+        assert source.startswith("assumption") or source.split(" ; ")[0] in text

@@ -8,12 +8,9 @@ Pagination is not modelled (one page holds everything), nor throttling.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from botocore.exceptions import ClientError
-
-if TYPE_CHECKING:
-    from inference_fleet.simulation.engine import Cell
 
 
 def _validation(message: str, operation: str) -> ClientError:
@@ -21,7 +18,8 @@ def _validation(message: str, operation: str) -> ClientError:
 
 
 class _Api:
-    def __init__(self, cell: Cell) -> None:
+    def __init__(self, cell: Any) -> None:
+        # The simulated cell (engine.Cell; not imported: imports run one way, engine -> aws_api).
         self.cell = cell
 
 

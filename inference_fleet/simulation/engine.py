@@ -567,8 +567,10 @@ class Cell:
         session = unit.session
         if session is not None and session.leader is task and session.state != "ended":
             if session.state == "serving":
+                # The proxy keeps admitting for DRAIN_SECONDS (= the deregistration delay) after SIGTERM,
+                # then waits for the streams in flight (docs/cell-lifecycle.md, D_L).
                 session.state = "draining"
-                self.after(self._stream_tail(), self._leader_drained, unit, session)
+                self.after(self.dereg + self._stream_tail(), self._leader_drained, unit, session)
             else:
                 self.end_session(unit, "deliberate_stop", None, None, deliberate=True)
         else:
@@ -1129,8 +1131,9 @@ class Cell:
         active = [u for u in self.units.values() if u.leader_desired]
         serving = [u for u in active if self.in_service(u)]
         capacity = len(serving) * self.unit_rps
-        self.figures["requests_offered"] += rps * 60
-        self.figures["requests_refused"] += max(0.0, rps - capacity) * 60
+        if self._first_whole is not None:  # from the first minute the cell served whole (min_units)
+            self.figures["requests_offered"] += rps * 60
+            self.figures["requests_refused"] += max(0.0, rps - capacity) * 60
         held = sum(1 for u in self.units.values()
                    if any(t.unit == u.uid and t.state != "STOPPED" for t in self.tasks.values()))
         self.figures["unit_hours"] += held * self.nodes / 60 / self.nodes

@@ -23,8 +23,8 @@ DEREG = ("https://docs.aws.amazon.com/elasticloadbalancing/latest/application/ed
 ECS_DRAIN = "https://docs.aws.amazon.com/AmazonECS/latest/developerguide/load-balancer-connection-draining.html"
 MANAGED_DRAINING = "https://docs.aws.amazon.com/AmazonECS/latest/developerguide/managed-instance-draining.html"
 UPDATE_POLICY = "https://docs.aws.amazon.com/AWSCloudFormation/latest/UserGuide/aws-attribute-updatepolicy.html"
-ASG_HEALTH = "https://docs.aws.amazon.com/autoscaling/ec2/userguide/ec2-auto-scaling-health-checks.html"
-SCHEDULE = "https://docs.aws.amazon.com/scheduler/latest/UserGuide/schedule-types.html"
+ASG_HEALTH = "https://docs.aws.amazon.com/autoscaling/ec2/userguide/replace-unhealthy-instance.html"
+SCHEDULE = "https://docs.aws.amazon.com/eventbridge/latest/userguide/eb-scheduled-rule-pattern.html"
 DESCRIBE_TASKS = "https://docs.aws.amazon.com/AmazonECS/latest/APIReference/API_DescribeTasks.html"
 
 
@@ -65,13 +65,17 @@ class AwsModel:
         "assumption: seconds; the Lambda async retries are not modelled")
     event_delivery: Behaviour = Behaviour(5, "an ECS or Auto Scaling state change reaches the controller",
                                           "assumption: EventBridge delivery within seconds")
-    controller_sweep: Behaviour = Behaviour(300, "the placement controller's schedule (rate 5 minutes)", SCHEDULE)
-    autoscaler_tick: Behaviour = Behaviour(60, "the autoscaler's schedule (rate 1 minute)", SCHEDULE)
+    controller_sweep: Behaviour = Behaviour(
+        300, "the placement controller's sweep (an EventBridge rule, rate 5 minutes)", SCHEDULE)
+    autoscaler_tick: Behaviour = Behaviour(60, "the autoscaler's tick (an EventBridge rule, rate 1 minute)",
+                                           SCHEDULE)
     metric_lag_minutes: Behaviour = Behaviour(
         2, "minutes before a proxy's EMF minute is readable by GetMetricData",
         "assumption: EMF through CloudWatch Logs; not documented as a bound")
     asg_replace_delay: Behaviour = Behaviour(
-        30, "an instance marked Unhealthy or terminated is replaced: terminate, then launch", ASG_HEALTH)
+        30, "an instance marked Unhealthy (or gone) is terminated, and while it terminates another activity "
+        "launches its replacement (the default, without an instance maintenance policy); the 30 s is assumed",
+        ASG_HEALTH)
     asg_launch_retry: Behaviour = Behaviour(300, "a launch refused for capacity is retried by the group",
                                             "assumption: the group's retry interval is not documented")
     pause_time: Behaviour = Behaviour(3600, "rolling update PauseTime (the cell sets PT1H)", UPDATE_POLICY)
@@ -105,5 +109,4 @@ UNVERIFIED = (
     "old instance terminates (its tasks drained by ECS managed draining, " + MANAGED_DRAINING + ") and the new "
     "one launches; PauseTime counts from the batch's launch (whether it includes the drain is unverified)",
     "A SUCCESS signal counts by UniqueId; a signal for an instance that is not the batch's is ignored",
-    "Auto Scaling replaces an Unhealthy instance by terminating it first (with managed draining), then launching",
 )
