@@ -204,6 +204,13 @@ class Hooks:
     """Decision functions the simulation calls; tests plug older versions in to show what they did."""
 
     decide: Callable[[asd.Policy, asd.Observation], asd.Decision] = asd.decide
+    # How a follower stopped alone leaves its unit: "member_stopping" (today: the unit drains first, then the
+    # leader ends the session) or "guard_bound" (87efc36, issue 20 items 2-3: the drain guard holds the
+    # follower for its whole bound, GUARD_BOUND_87EFC36, while the unit keeps serving; then the unit breaks).
+    follower_drain: str = "member_stopping"
+
+
+GUARD_BOUND_87EFC36 = 750.0  # the guard's bound at 87efc36: the proxy's stop timeout (docs/cell-lifecycle.md)
 
 
 @dataclass
@@ -363,7 +370,8 @@ class Cell:
         """The group launches up to its desired capacity. A terminating instance does not count, except the
         old instance of a terminate-first batch until it is gone (model.UNVERIFIED)."""
         roll = self.roll
-        held = 1 if (roll.active and roll.mode == "terminate-first" and roll.terminating) else 0
+        held = 1 if (roll.active and roll.mode == "terminate-first" and roll.terminating
+                     and not self.model.v("terminate_first_launch_at_start")) else 0
         missing = self.desired - len(self.live_instances()) - held
         for _ in range(max(0, missing)):
             if self.launch() is None:
@@ -435,11 +443,11 @@ class Cell:
         roll = self.roll
         if roll.active and inst.iid == roll.terminating:
             roll.terminating = None
-            if roll.mode == "terminate-first":
+            if roll.mode == "terminate-first" and roll.batch is None:
                 roll.awaiting_launch = True
                 self.asg_converge()
-            else:
-                self._next_batch()
+            elif roll.mode == "launch-first":
+                self._next_batch()  # the batch's old instance is gone after its signal
 
     def set_attribute(self, ci_arn: str, name: str, value: str | None) -> None:
         for inst in self.instances.values():
@@ -534,6 +542,10 @@ class Cell:
             return
         unit = self.units[task.unit]
         session = unit.session
+        if (task.role == "follower" and self.hooks.follower_drain == "guard_bound" and session is not None
+                and task in session.members and session.state == "serving"):
+            self.after(GUARD_BOUND_87EFC36, self._guard_released, unit, session, task)
+            return
         if unit.down_since is None and unit.leader_desired:
             # Out of service from the drain's first second (the proxy's /health turns 503).
             unit.down_since, unit.down_cause = self.now, "planned"
@@ -555,6 +567,15 @@ class Cell:
         self._update_target(unit)
         drain = 2 + self.dereg + self._stream_tail()
         self.after(drain, self._member_drained, unit, session, task)
+
+    def _guard_released(self, unit: Unit, session: Session, task: Task) -> None:
+        """87efc36: the guard's bound is over, the follower's engine stops, the unit breaks."""
+        if unit.session is session and session.state != "ended":
+            if unit.down_since is None:
+                unit.down_since, unit.down_cause = self.now, "planned"
+            self.end_session(unit, "member_stopped", task, None, deliberate=True)
+        elif task.state != "STOPPED":
+            self.after(self.model.v("engine_stop"), self._task_stopped, task)
 
     def _stream_tail(self) -> float:
         return self.model.v("stream_tail") if self.offered_rps(self.now) > 0 else 2.0
@@ -850,6 +871,9 @@ class Cell:
         else:
             roll.terminating = old[0].iid
             self.terminate(old[0], replace=False)
+            if self.model.v("terminate_first_launch_at_start"):
+                roll.awaiting_launch = True
+                self.asg_converge()
 
     def signal(self, iid: str) -> None:
         roll = self.roll
@@ -1252,11 +1276,17 @@ class Cell:
         serves (a cached spare, or a free instance)."""
         inst = self.instances[iid]
         active = [u for u in self.units.values() if u.leader_desired]
-        unit = next((u for u in active if u.session is not None and inst.task in u.session.members), None)
-        ok = self.in_service(unit) if unit is not None else all(self.in_service(u) for u in active)
+        unit = self.units.get(inst.attributes.get("unit") or "")
+        if unit is not None:
+            # Labelled for a unit: that unit serves, in a session with this instance in it.
+            session = unit.session
+            ok = self.in_service(unit) and session is not None and inst.task in session.members
+        else:
+            ok = all(self.in_service(u) for u in active)
         if not ok:
             down = [u.uid for u in active if not self.in_service(u)]
-            self.violate("I5 rolling update", f"signal for {iid} while its unit is not whole "
+            where = f"unit {unit.uid} has not formed with it" if unit is not None else "not every unit serves"
+            self.violate("I5 rolling update", f"signal for {iid} while its unit is not whole: {where} "
                          f"(units not serving: {', '.join(down) or 'none'})")
 
     def finish(self) -> None:

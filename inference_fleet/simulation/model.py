@@ -85,6 +85,9 @@ class AwsModel:
                                   "assumption: a Trainium node's firmware and boot, user data not run again")
     bad_host_fail_after: Behaviour = Behaviour(180, "a member on a bad host fails this long after it serves",
                                                "assumption: the scenario's 'within minutes'")
+    terminate_first_launch_at_start: Behaviour = Behaviour(
+        0, "terminate-first: 1 launches the batch's new instance when the old one starts terminating (its tasks "
+        "still draining), 0 once it is gone", "assumption: unverified either way (docs/cell-lifecycle.md)")
     request_seconds: Behaviour = Behaviour(20, "mean request (stream) duration for the load model",
                                            "assumption: long token streams")
 

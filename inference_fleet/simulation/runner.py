@@ -156,11 +156,11 @@ def render(doc: Mapping[str, Any]) -> list[str]:
 
 
 def simulate(scenario: Scenario, config: str | None, seeds: int, out: Path | None,
-             hooks: Hooks | None = None) -> dict[str, Any]:
+             hooks: Hooks | None = None, model: AwsModel | None = None) -> dict[str, Any]:
     """Run every seed and return the report (written to `out` when given)."""
     fleet, cell = fleet_for(scenario, config)
     base = scenario.seed if scenario.seed is not None else 1
-    results = [run_seed(scenario, fleet, cell, base + k, hooks=hooks) for k in range(seeds)]
+    results = [run_seed(scenario, fleet, cell, base + k, hooks=hooks, model=model) for k in range(seeds)]
     doc = report(scenario, fleet, cell, results)
     if out is not None:
         out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
