@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -173,6 +174,20 @@ def test_the_same_seed_gives_the_same_report(tmp_path):
     assert other["per_seed"][0]["seed"] == 1
     shifted = parse_scenario({**yaml.safe_load((SIMULATIONS / "bad-host.yaml").read_text()), "seed": 7})
     assert _without_wall(simulate(shifted, None, 1, None))["per_seed"][0] != first["per_seed"][0]
+
+
+def test_the_report_does_not_depend_on_the_interpreters_hash_seed(tmp_path):
+    """Set and dict orders of strings change with PYTHONHASHSEED: two processes, two hash seeds, one report."""
+    reports = []
+    for hash_seed in ("1", "2"):
+        report = tmp_path / f"report-{hash_seed}.json"
+        done = subprocess.run([sys.executable, "-m", "inference_fleet", "simulate", "--scenario",
+                               str(SIMULATIONS / "leader-partition.yaml"), "--seeds", "2", "--report", str(report)],
+                              capture_output=True, text=True, cwd=ROOT, timeout=120,
+                              env={**os.environ, "PYTHONHASHSEED": hash_seed})
+        assert done.returncode == 0, done.stderr
+        reports.append(_without_wall(json.loads(report.read_text())))
+    assert reports[0] == reports[1]
 
 
 def test_the_cli_writes_the_report_and_prints_one_line_per_invariant(tmp_path):

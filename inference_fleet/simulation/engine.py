@@ -275,7 +275,8 @@ class Cell:
         self.last_scale_in: float | None = None
         self.deploy_queue: list[str] = []
         self.figures: dict[str, float] = {"requests_offered": 0.0, "requests_refused": 0.0, "unit_hours": 0.0,
-                                          "max_units_down": 0.0, "unit_minutes_down": 0.0}
+                                          "max_units_down": 0.0, "unit_minutes_down": 0.0,
+                                          "requests_to_broken_units": 0.0}
         self._seq_ids = 0
         self._first_whole: float | None = None
         self.settings = pc_handler.Settings(
@@ -727,6 +728,13 @@ class Cell:
             if task.inst.up:
                 task.inst.history.setdefault(unit.uid, []).append(event)
         planned = cause in NEUTRAL
+        target = self.targets.get(session.leader.inst.iid)
+        if target is not None and target.healthy(self.now):
+            # The ALB keeps routing here until its checks fail; the proxy's gate answers each 503
+            # unit_unavailable meanwhile (what it answers is the proxy's code, not modelled).
+            serving = [u for u in self.units.values() if self.in_service(u)] or [unit]
+            window = self.model.v("alb_unhealthy_threshold") * self.model.v("alb_interval")
+            self.figures["requests_to_broken_units"] += self.offered_rps(self.now) / len(serving) * window
         if unit.down_since is None or not planned:
             unit.down_since = self.now if unit.down_since is None else unit.down_since
             unit.down_cause = "planned" if planned else "unplanned"

@@ -128,6 +128,8 @@ def report(scenario: Scenario, fleet: FleetConfig, cell: CellConfig, results: Se
                                       "count": len(recoveries)},
             "unit_hours_mean": round(statistics.fmean(r["figures"]["unit_hours"] for r in seeds), 2),
             "requests_refused_mean": round(statistics.fmean(r["figures"]["requests_refused"] for r in seeds), 1),
+            "requests_to_broken_units_mean": round(
+                statistics.fmean(r["figures"]["requests_to_broken_units"] for r in seeds), 1),
             "max_units_down": max(r["figures"]["max_units_down"] for r in seeds),
             "wall_seconds_max": max(r["wall_seconds"] for r in seeds),
         },
@@ -150,7 +152,8 @@ def render(doc: Mapping[str, Any]) -> list[str]:
     ttr = figures["time_to_serve_again_s"]
     lines.append(f"figures: time to serve again p50 {ttr['p50']} s, p95 {ttr['p95']} s over {ttr['count']} "
                  f"failures; unit-hours {figures['unit_hours_mean']}; requests refused "
-                 f"{figures['requests_refused_mean']}; most units down at once {figures['max_units_down']}; "
+                 f"{figures['requests_refused_mean']}, routed to a unit no longer whole (the gate's 503) "
+                 f"{figures['requests_to_broken_units_mean']}; most units down at once {figures['max_units_down']}; "
                  f"slowest seed {figures['wall_seconds_max']} s")
     return lines
 
