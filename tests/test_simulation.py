@@ -298,3 +298,14 @@ def test_old_signals_with_the_old_drain_signal_before_the_unit_formed_again(monk
 def test_todays_signals_hold_the_roll_even_with_the_old_drain():
     doc = run("ami-change-terminate-first.yaml", seeds=2, hooks=OLD_DRAIN, model=LAUNCH_AT_START)
     assert all(v["held"] for v in doc["invariants"].values()), "\n".join(render(doc))
+
+
+def test_fleet_overrides_merge_into_the_fleet_file_item_by_item():
+    from inference_fleet.simulation.runner import fleet_for
+
+    scenario = parse_scenario({"name": "x", "duration": "1h", "cell": "use2-b",
+                               "fleet": {"cells": [{"spare_nodes": 1}], "serving": {"follower_loss_seconds": 45}}})
+    fleet, cell = fleet_for(scenario, LARGE)
+    assert [c.name for c in fleet.cells] == ["use2-a", "use2-b", "usw2-a"]
+    assert fleet.cells[0].spare_nodes == 1 and cell.name == "use2-b" and cell.resolved_max_units == 6
+    assert fleet.serving.follower_loss_seconds == 45

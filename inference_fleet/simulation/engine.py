@@ -1168,7 +1168,7 @@ class Cell:
             self.figures["requests_refused"] += max(0.0, rps - capacity) * 60
         held = sum(1 for u in self.units.values()
                    if any(t.unit == u.uid and t.state != "STOPPED" for t in self.tasks.values()))
-        self.figures["unit_hours"] += held * self.nodes / 60 / self.nodes
+        self.figures["unit_hours"] += held / 60  # units holding tasks, minute by minute
         down = len(active) - len(serving) if self._first_whole is not None else 0
         self.figures["max_units_down"] = max(self.figures["max_units_down"], down)
         self.figures["unit_minutes_down"] += down

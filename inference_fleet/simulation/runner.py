@@ -41,7 +41,8 @@ def _merge(base: Any, override: Any) -> Any:
             merged[key] = _merge(base.get(key), value) if key in base else value
         return merged
     if isinstance(base, list) and isinstance(override, list) and all(isinstance(x, Mapping) for x in override):
-        return [_merge(base[i], item) if i < len(base) else item for i, item in enumerate(override)]
+        merged_items = [_merge(base[i], item) if i < len(base) else item for i, item in enumerate(override)]
+        return merged_items + copy.deepcopy(base[len(override):])
     return copy.deepcopy(override)
 
 
