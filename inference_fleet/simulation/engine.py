@@ -572,6 +572,9 @@ class Cell:
     def _guard_released(self, unit: Unit, session: Session, task: Task) -> None:
         """87efc36: the guard's bound is over, the follower's engine stops, the unit breaks."""
         if unit.session is session and session.state != "ended":
+            if session.state == "serving" and self.offered_rps(self.now) > 0:
+                self.violate("I1 planned operations", f"the follower on {task.inst.iid} stops after the drain guard's "
+                             f"bound while {unit.uid} still serves: its in-flight streams are cut")
             if unit.down_since is None:
                 unit.down_since, unit.down_cause = self.now, "planned"
             self.end_session(unit, "member_stopped", task, None, deliberate=True)
