@@ -58,6 +58,10 @@ CLUSTER = "arn:aws:ecs:us-east-2:111111111111:cluster/sim"
 SPARE_FAMILY = "sim-spare"
 SIGNAL_ENV = {"SIGNAL_STACK": "Sim-Cell", "SIGNAL_RESOURCE": "TrainiumGroup", "TARGET_GROUP_ARN": "arn:sim:tg"}
 CAPACITY_LOOKBACK_S = 86400.0  # unit_autoscaler.handler: capacity failures looked at
+# Scenario time 0 as Unix time (2027-01-01T00:00:00Z): the real code reads Unix seconds (a failure time
+# is an ECS attribute of digits; a time before 1970 would not parse), so every time it is given is this
+# plus scenario time, plus the skew of the instance whose clock wrote it.
+EPOCH = 1_798_761_600.0
 
 
 def clock(t: float) -> str:
@@ -309,6 +313,14 @@ class Cell:
         value = self.model.v(name)
         return value * self.rng.uniform(1 - JITTER, 1 + JITTER) if name in JITTERED else value
 
+    def wall(self, inst: Instance | None = None) -> float:
+        """Unix time now, on `inst`'s clock (None: a correct clock, the AWS services' and the Lambdas')."""
+        return EPOCH + self.now + (inst.skew if inst is not None else 0.0)
+
+    def _on(self, inst: Instance, t: float | None) -> float | None:
+        """Scenario time `t` as `inst`'s clock reads it (Unix seconds), None kept."""
+        return None if t is None else EPOCH + t + inst.skew
+
     def after(self, delay: float, action: Callable[..., None], *args: Any) -> None:
         self.at(self.now + delay, action, *args)
 
@@ -518,7 +530,7 @@ class Cell:
             return
         task.inst.cached = True
         self.log_line({"event": "spare_ready", "task_id": task.arn.rsplit("/", 1)[-1],
-                       "time": self.now + task.inst.skew})
+                       "time": self.wall(task.inst)})
 
     def _task_stopped(self, task: Task) -> None:
         if task.state == "STOPPED":
@@ -641,8 +653,8 @@ class Cell:
         session.followers = followers[: self.nodes - 1]
         leader_inst = session.leader.inst
         records = leader_inst.history.get(unit.uid, [])
-        backoff = evidence.backoff_for(records, self.backoff_policy, now=self.now + leader_inst.skew)
-        wait = backoff.remaining(self.now + leader_inst.skew)
+        backoff = evidence.backoff_for(records, self.backoff_policy, now=self.wall(leader_inst))
+        wait = backoff.remaining(self.wall(leader_inst))
         session.state = "backoff"
         if wait > 0:
             self.note(f"{unit.uid}: backoff {wait:.0f} s after {backoff.failures_in_a_row} failure(s) in a row")
@@ -666,7 +678,7 @@ class Cell:
             task.inst.cached = True
         session.state = "loading"
         self.log_line({"event": "unit_session_formed", "unit_id": unit.uid, "session_id": session.sid,
-                       "released_at": (session.released_at or self.now) + session.leader.inst.skew,
+                       "released_at": EPOCH + (session.released_at or self.now) + session.leader.inst.skew,
                        "members": self._members(session)})
         self.after(self.vary("load_and_warmup"), self._serving, unit, session)
 
@@ -718,10 +730,10 @@ class Cell:
         event = evidence.session_event(
             spec=spec, session_id=session.sid, cause=cause, reason=cause,
             ended_by=({"instance_id": ended_by.arn, "address": ended_by.inst.iid} if ended_by else None),
-            members=self._members(session), released_at=session.released_at,
-            serving_since=session.serving_since)
+            members=self._members(session), released_at=self._on(writer.inst, session.released_at),
+            serving_since=self._on(writer.inst, session.serving_since))
         # session_event stamps the wall clock: the writer's clock in the simulation instead.
-        event["ended_at"] = self.now + writer.inst.skew
+        event["ended_at"] = self.wall(writer.inst)
         event["served_seconds"] = round(self.now - session.serving_since, 3) if session.serving_since else 0.0
         if reporter is not None:
             event["reported_by"] = {"instance_id": reporter.arn, "address": reporter.inst.iid}
@@ -801,8 +813,9 @@ class Cell:
         event = evidence.session_event(
             spec=spec, session_id=session.sid, cause="leader_unreachable", reason="leader unreachable",
             ended_by={"instance_id": session.leader.arn, "address": session.leader.inst.iid},
-            members=self._members(session), released_at=session.released_at, serving_since=session.serving_since)
-        event["ended_at"] = self.now + rank1.inst.skew
+            members=self._members(session), released_at=self._on(rank1.inst, session.released_at),
+            serving_since=self._on(rank1.inst, session.serving_since))
+        event["ended_at"] = self.wall(rank1.inst)
         event["reported_by"] = {"instance_id": rank1.arn, "address": rank1.inst.iid}
         self.note(f"{unit.uid} session {session.sid}: rank 1 follower {rank1.inst.iid} reports leader_unreachable "
                   f"naming {session.leader.inst.iid}")
@@ -845,7 +858,7 @@ class Cell:
         retry = pc_aws.Retry(sleep=lambda _s: None, rng=random.Random(0))
         self.controller_runs += 1
         with _quiet(), _env(SIGNAL_ENV):
-            pc_handler.reconcile(self.settings, self.clients, event, retry, lambda _line: None, now=self.now)
+            pc_handler.reconcile(self.settings, self.clients, event, retry, lambda _line: None, now=self.wall())
 
     # ---- CloudFormation rolling update -------------------------------------------------------------
 
@@ -1206,10 +1219,14 @@ class Cell:
             phase = asd.phase_of(desired_tasks=unit.leader_desired + unit.follower_desired, running_tasks=running,
                                  labelled_instances=labelled, served=served)
             units.append(asd.Unit(unit.index, phase, load, running_tasks=running, instances=labelled, health=health))
-        failures = tuple(t for t in self.capacity_failures if self.now - t <= CAPACITY_LOOKBACK_S)
+        failures = tuple(EPOCH + t for t in self.capacity_failures if self.now - t <= CAPACITY_LOOKBACK_S)
         busy = "UPDATE_IN_PROGRESS" if self.roll.active or self.deploy_queue else None
-        return asd.Observation(now=self.now, units=tuple(units), stack_busy=busy, last_scale_out=self.last_scale_out,
-                               last_scale_in=self.last_scale_in, capacity_failures=failures)
+        def unix(t: float | None) -> float | None:
+            return None if t is None else EPOCH + t
+
+        return asd.Observation(now=self.wall(), units=tuple(units), stack_busy=busy,
+                               last_scale_out=unix(self.last_scale_out), last_scale_in=unix(self.last_scale_in),
+                               capacity_failures=failures)
 
     def autoscale(self) -> None:
         obs = self.observation()
