@@ -282,6 +282,7 @@ class Cell:
                                           "max_units_down": 0.0, "unit_minutes_down": 0.0,
                                           "requests_to_broken_units": 0.0}
         self._seq_ids = 0
+        self.down_by_hour: list[int] = []  # most units down in each hour of the scenario
         self._first_whole: float | None = None
         self.settings = pc_handler.Settings(
             cluster=CLUSTER, auto_scaling_group=self.group_name, units=self.max_units, nodes_per_unit=self.nodes,
@@ -1188,6 +1189,10 @@ class Cell:
         down = len(active) - len(serving) if self._first_whole is not None else 0
         self.figures["max_units_down"] = max(self.figures["max_units_down"], down)
         self.figures["unit_minutes_down"] += down
+        hour = int(self.now // 3600)
+        while len(self.down_by_hour) <= hour:
+            self.down_by_hour.append(0)
+        self.down_by_hour[hour] = max(self.down_by_hour[hour], down)
         share = rps / len(serving) if serving else 0.0
         for unit in self.units.values():
             reporting = unit.session is not None and unit.session.leader.state == "RUNNING"

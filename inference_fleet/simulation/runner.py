@@ -95,6 +95,7 @@ def seed_report(result: SeedResult) -> dict[str, Any]:
                                  "minutes": round((sim.roll.finished - sim.roll.started) / 60, 1)
                                  if sim.roll.finished is not None and sim.roll.started is not None else None}
     figures["time_to_serve_again_s"] = [round(r["seconds"], 1) for r in sim.recoveries]
+    figures["units_down_by_hour"] = sim.down_by_hour
     return {
         "seed": result.seed,
         "wall_seconds": round(result.wall_seconds, 3),
