@@ -201,6 +201,17 @@ def test_the_cli_writes_the_report_and_prints_one_line_per_invariant(tmp_path):
         assert f"{name}: held" in lines
     doc = json.loads(report.read_text())
     assert doc["seeds"] == [1, 2] and set(doc["invariants"]) >= {"I1 planned operations", "I3 quarantine"}
+    assert "time line of seed" not in done.stdout
+
+
+def test_the_timeline_option_prints_what_happened(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "inference_fleet", "simulate", "--scenario",
+                           str(SIMULATIONS / "follower-killed.yaml"), "--timeline",
+                           "--report", str(tmp_path / "r.json")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "time line of seed 1:" in done.stdout
+    assert "scenario: kill u0.follower1" in done.stdout and "ends: heartbeat_loss naming" in done.stdout
 
 
 # ---- scenario files that cannot run are refused clearly ------------------------------------------------------

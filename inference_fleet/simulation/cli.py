@@ -26,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenario", required=True, help="scenario YAML file (simulations/*.yaml)")
     parser.add_argument("--seeds", type=_seeds, default=1,
                         help="run the scenario with this many seeds, from the scenario's seed (default 1 seed)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="print each seed's whole time line (and keep it in the report)")
     parser.add_argument("--report", default=DEFAULT_REPORT,
                         help=f"where to write the report (default {DEFAULT_REPORT})")
 
@@ -36,9 +38,13 @@ def run(args: argparse.Namespace) -> int:
     from inference_fleet.simulation.scenario import load_scenario
 
     scenario = load_scenario(args.scenario)
-    doc = simulate(scenario, args.config, args.seeds, Path(args.report))
+    doc = simulate(scenario, args.config, args.seeds, Path(args.report), timeline=args.timeline)
     for line in render(doc):
         print(line)
+    for seed in doc["per_seed"] if args.timeline else ():
+        print(f"time line of seed {seed['seed']}:")
+        for line in seed["timeline"]:
+            print(f"  {line}")
     print(f"report: {args.report}", file=sys.stderr)
     violated = any(not v["held"] for v in doc["invariants"].values())
     return exit_codes.VIOLATED if violated else exit_codes.OK

@@ -84,7 +84,7 @@ def _percentile(values: Sequence[float], q: float) -> float | None:
     return round(ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))], 1)
 
 
-def seed_report(result: SeedResult) -> dict[str, Any]:
+def seed_report(result: SeedResult, timeline: bool = False) -> dict[str, Any]:
     sim = result.cell
     figures = {k: round(v, 2) for k, v in sim.figures.items()}
     figures["controller_runs"] = sim.controller_runs
@@ -96,12 +96,15 @@ def seed_report(result: SeedResult) -> dict[str, Any]:
                                  if sim.roll.finished is not None and sim.roll.started is not None else None}
     figures["time_to_serve_again_s"] = [round(r["seconds"], 1) for r in sim.recoveries]
     figures["units_down_by_hour"] = sim.down_by_hour
-    return {
+    doc = {
         "seed": result.seed,
         "wall_seconds": round(result.wall_seconds, 3),
         "invariants": {name: _verdict(sim, name) for name in INVARIANTS},
         "figures": figures,
     }
+    if timeline:
+        doc["timeline"] = [f"{clock(t)} {text}" for t, text in sim.timeline]
+    return doc
 
 
 def _verdict(sim: Cell, name: str) -> dict[str, Any]:
@@ -111,8 +114,9 @@ def _verdict(sim: Cell, name: str) -> dict[str, Any]:
     return {"held": False, "violations": len(found), "first": found[0].what, "timeline": found[0].timeline}
 
 
-def report(scenario: Scenario, fleet: FleetConfig, cell: CellConfig, results: Sequence[SeedResult]) -> dict[str, Any]:
-    seeds = [seed_report(r) for r in results]
+def report(scenario: Scenario, fleet: FleetConfig, cell: CellConfig, results: Sequence[SeedResult],
+           timeline: bool = False) -> dict[str, Any]:
+    seeds = [seed_report(r, timeline) for r in results]
     recoveries = [s for r in seeds for s in r["figures"]["time_to_serve_again_s"]]
     summary = {}
     for name, text in INVARIANTS.items():
@@ -161,12 +165,12 @@ def render(doc: Mapping[str, Any]) -> list[str]:
 
 
 def simulate(scenario: Scenario, config: str | None, seeds: int, out: Path | None,
-             hooks: Hooks | None = None, model: AwsModel | None = None) -> dict[str, Any]:
+             hooks: Hooks | None = None, model: AwsModel | None = None, timeline: bool = False) -> dict[str, Any]:
     """Run every seed and return the report (written to `out` when given)."""
     fleet, cell = fleet_for(scenario, config)
     base = scenario.seed if scenario.seed is not None else 1
     results = [run_seed(scenario, fleet, cell, base + k, hooks=hooks, model=model) for k in range(seeds)]
-    doc = report(scenario, fleet, cell, results)
+    doc = report(scenario, fleet, cell, results, timeline)
     if out is not None:
         out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     return doc
