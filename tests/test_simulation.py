@@ -330,3 +330,17 @@ def test_fleet_overrides_merge_into_the_fleet_file_item_by_item():
 def test_a_bad_host_whose_unit_clocks_are_behind_is_still_quarantined():
     doc = simulate(load_scenario(SIMULATIONS / "known" / "clock-behind-bad-host.yaml"), None, 3, None)
     assert held(doc, "I3 quarantine"), "\n".join(render(doc))
+
+
+def test_make_simulate_cell_takes_a_spaced_config_and_defaults_to_one_seed(tmp_path):
+    fleet = tmp_path / "my fleets" / "fleet two.yaml"
+    fleet.parent.mkdir()
+    fleet.write_text((ROOT / "tests" / "fleets" / "elastic.yaml").read_text())
+    scenario = tmp_path / "scenario.yaml"
+    scenario.write_text("name: quiet\nduration: 30m\nevents:\n  - {at: 0s, do: load, curve: constant, level: 0.1}\n")
+    report = tmp_path / "report.json"
+    done = subprocess.run(["make", "--no-print-directory", "-C", str(ROOT), "simulate-cell", f"CONFIG={fleet}",
+                           f"SCENARIO={scenario}", f"REPORT={report}"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "cell dev (12 x 2 nodes" in done.stdout and "seeds [1]" in done.stdout
+    assert json.loads(report.read_text())["seeds"] == [1]
