@@ -211,7 +211,7 @@ def test_the_timeline_option_prints_what_happened(tmp_path):
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "time line of seed 1:" in done.stdout
-    assert "scenario: kill u0.follower1" in done.stdout and "ends: heartbeat_loss naming" in done.stdout
+    assert "scenario: kill u0.follower1" in done.stdout and "ends: member_lost naming" in done.stdout
 
 
 # ---- scenario files that cannot run are refused clearly ------------------------------------------------------

@@ -847,9 +847,20 @@ class Cell:
     def _task_dies(self, task: Task) -> None:
         task.alive = False
         unit = self.units.get(task.unit or "")
-        if unit is not None:
+        session = unit.session if unit is not None else None
+        if (unit is not None and session is not None and task in session.followers
+                and session.state in ("loading", "serving", "draining") and session.leader.alive):
+            # The engines run: the leader's engine fails at once on the broken collective (`make e2e`:
+            # /health 503 0.22 s after a follower's SIGKILL) and runner._settle_cause names the silent
+            # follower, `member_lost`.
+            self.after(1.0, self._collective_broken, unit, session, task)
+        elif unit is not None:
             self.member_silent(unit, task, self.now)
         self.after(1, self._task_stopped, task)
+
+    def _collective_broken(self, unit: Unit, session: Session, task: Task) -> None:
+        if unit.session is session and session.state != "ended":
+            self.end_session(unit, "member_lost", task, None)
 
     def _instance_dies(self, inst: Instance) -> None:
         if inst.task is not None:
