@@ -14,9 +14,9 @@ export JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION := 1
 export AWS_EC2_METADATA_DISABLED := true
 # The fleet file reaches the commands through the environment and is quoted there
 # ("$$CONFIG"), so a path with spaces or shell characters works: make plan CONFIG="my/fleet two.yaml".
-export CONFIG
+export CONFIG SCENARIO SEEDS REPORT
 
-.PHONY: help setup venv cli tools synth test snapshot-update validate plan plan-rollout bench bench-proxy bench-unit bench-placement simulate-scaling e2e clean-e2e clean
+.PHONY: help setup venv cli tools synth test snapshot-update validate plan plan-rollout bench bench-proxy bench-unit bench-placement simulate-scaling simulate-cell e2e clean-e2e clean
 
 # `make help` lists every target with the `## ` comment on its line (tests/test_makefile.py
 # checks that each .PHONY target has one).
@@ -88,6 +88,14 @@ bench-placement: venv ## placement controller benchmark
 SIM_ARGS ?=
 simulate-scaling: venv ## replay a day of traffic through the autoscaler [SIM_ARGS=--help]
 	$(BIN)/python functions/autoscaler/simulate_scaling.py $(SIM_ARGS)
+
+# One cell through a scenario file, the package's own controllers deciding (docs/simulation.md).
+# Writes simulate-cell-report.json; exits 4 when an invariant is violated, 3 on a refused file.
+SCENARIO ?=
+simulate-cell: venv ## simulate one cell through a scenario SCENARIO=simulations/x.yaml [CONFIG=...] [SEEDS=N] [REPORT=...]
+	@test -n "$$SCENARIO" || { echo "SCENARIO is not set: make simulate-cell SCENARIO=simulations/follower-killed.yaml" >&2; exit 2; }
+	$(BIN)/python -m inference_fleet simulate --scenario "$$SCENARIO" --seeds "$${SEEDS:-1}" \
+	  --report "$${REPORT:-simulate-cell-report.json}" $${CONFIG:+--config "$$CONFIG"}
 
 # End to end with a real vLLM engine on CPU (its own environment under .e2e/, cached).
 E2E_ARGS ?=

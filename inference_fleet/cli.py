@@ -5,6 +5,7 @@ Commands:
   plan           memory and parallel layout of the fleet's unit (see planner/)
   plan-rollout   waves, bake times and capacity floor of a cell-by-cell rollout (see rollout.py)
   reference      the fleet file reference (Markdown), generated from the config models
+  simulate       run one cell through a scenario file (see simulation/, docs/simulation.md)
 
 Every command that reads a fleet reads it with `inference_fleet.checks.load_fleet`; a
 mistake in the file prints every issue with its field path and exits 3 (exit_codes.py:
@@ -24,6 +25,8 @@ from inference_fleet.checks import load_fleet
 from inference_fleet.config import ConfigError
 from inference_fleet.planner import cli as planner_cli
 from inference_fleet.reference import markdown
+from inference_fleet.simulation import cli as simulation_cli
+from inference_fleet.simulation.scenario import ScenarioError
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -91,6 +94,7 @@ def _parser() -> argparse.ArgumentParser:
         ("validate", "check a fleet file", None, _validate),
         ("plan", "print the unit's memory budget and parallel layout", planner_cli.add_arguments, planner_cli.run),
         ("plan-rollout", "print the cell-by-cell rollout plan", _rollout_arguments, _plan_rollout),
+        ("simulate", simulation_cli.HELP, simulation_cli.add_arguments, simulation_cli.run),
     ):
         sub = commands.add_parser(name, help=help_text, description=help_text, epilog=exit_codes.EPILOG,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -115,7 +119,7 @@ def _run(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.run(args)
-    except ConfigError as error:
+    except (ConfigError, ScenarioError) as error:
         print(f"error: {error}", file=sys.stderr)
         return exit_codes.CONFIG
 

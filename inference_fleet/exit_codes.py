@@ -8,6 +8,8 @@ OK = 0
 # `plan --suggest` found no unit size that fits the model (the output says why); an
 # unexpected crash also ends with 1, as any Python program does.
 NO_FIT = 1
+# `simulate`: an invariant was violated in at least one seed (each is printed with its time line).
+VIOLATED = 4
 USAGE = 2  # argparse exits 2 on a usage error: unknown command or option, bad value
 CONFIG = 3  # the fleet file is refused; every issue is printed with its field path
 # The reader closed the pipe (`... | head -1`): the status a shell reports for a process
@@ -18,5 +20,6 @@ EPILOG = f"""exit status:
   {OK}    done
   {NO_FIT}    plan --suggest found no unit that fits
   {USAGE}    usage error (unknown command or option, bad option value)
-  {CONFIG}    the fleet file is refused: each issue is printed with its field path
+  {CONFIG}    the fleet file (or simulate's scenario file) is refused: each issue is printed
+  {VIOLATED}    simulate: an invariant was violated (printed with its first counterexample)
   {CLOSED_PIPE}  the output was closed early (e.g. piped into head); nothing else is printed"""

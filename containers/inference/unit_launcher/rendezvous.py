@@ -35,6 +35,7 @@ import ipaddress
 import logging
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,18 @@ def from_loopback(remote: str | None) -> bool:
         return False
     mapped = getattr(address, "ipv4_mapped", None)
     return (mapped or address).is_loopback
+
+
+def longest_silent(last_seen: Mapping[str, float], now: float) -> tuple[str, float] | None:
+    """The follower silent longest and for how long (None: no follower): the member a lost
+    session names. Its own clock only (`now` and `last_seen` from one monotonic clock); on a
+    tie the first in `last_seen`'s order (join order). A pure function, so that the cell
+    simulation (inference_fleet/simulation) decides with this very rule."""
+    worst: tuple[str, float] | None = None
+    for member, seen in last_seen.items():
+        if worst is None or seen < worst[1]:
+            worst = (member, seen)
+    return None if worst is None else (worst[0], now - worst[1])
 
 
 def _sort_key(member: Member) -> tuple[Any, ...]:
@@ -282,13 +295,10 @@ class LeaderSession:
         now = time.monotonic()
         limit = self.spec.rendezvous.follower_loss_seconds
         late = self.spec.rendezvous.late_seconds
-        worst: Member | None = None
-        for member in self.followers:
-            if worst is None or member.last_seen < worst.last_seen:
-                worst = member
-        if worst is None:
+        found = longest_silent({m.instance_id: m.last_seen for m in self.followers}, now)
+        if found is None:
             return
-        silence = now - worst.last_seen
+        worst, silence = self.members[found[0]], found[1]
         if silence > limit:
             self.end(
                 f"follower {worst.describe()} lost: no heartbeat for {silence:.1f} s (limit {limit:g} s)",

@@ -1,0 +1,106 @@
+"""The AWS API calls the placement controller makes, answered from the simulated cell.
+
+The controller's own `handler.reconcile` runs unchanged against these objects in place of
+boto3 clients: each method takes the keyword arguments botocore takes and answers with the
+fields the controller reads (their service models are cited in the controller's modules).
+Pagination is not modelled (one page holds everything), nor throttling.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from botocore.exceptions import ClientError
+
+
+def _validation(message: str, operation: str) -> ClientError:
+    return ClientError({"Error": {"Code": "ValidationError", "Message": message}}, operation)
+
+
+class _Api:
+    def __init__(self, cell: Any) -> None:
+        # The simulated cell (engine.Cell; not imported: imports run one way, engine -> aws_api).
+        self.cell = cell
+
+
+class AutoScaling(_Api):
+    def describe_auto_scaling_groups(self, AutoScalingGroupNames: list[str]) -> dict[str, Any]:
+        cell = self.cell
+        return {"AutoScalingGroups": [{
+            "AutoScalingGroupName": cell.group_name,
+            "LaunchTemplate": {"Version": str(cell.lt_version)},
+            "Instances": [
+                {"InstanceId": i.iid, "LifecycleState": i.lifecycle, "HealthStatus": i.health,
+                 "LaunchTemplate": {"Version": str(i.version)}}
+                for i in cell.instances.values() if i.lifecycle != "Terminated"
+            ],
+        }]}
+
+    def set_instance_health(self, InstanceId: str, HealthStatus: str, ShouldRespectGracePeriod: bool) -> dict:
+        inst = self.cell.instances.get(InstanceId)
+        if inst is None or inst.lifecycle == "Terminated":
+            raise _validation(f"instance {InstanceId} is not in the group", "SetInstanceHealth")
+        self.cell.mark_unhealthy(inst)
+        return {}
+
+
+class Ecs(_Api):
+    def list_container_instances(self, cluster: str, maxResults: int = 100, nextToken: str = "") -> dict:
+        return {"containerInstanceArns": [i.ci_arn for i in self.cell.instances.values()
+                                          if i.registered and i.ecs_status != "INACTIVE"]}
+
+    def describe_container_instances(self, cluster: str, containerInstances: list[str]) -> dict:
+        wanted = set(containerInstances)
+        return {"containerInstances": [self.cell.container_instance_doc(i) for i in self.cell.instances.values()
+                                       if i.ci_arn in wanted and i.registered], "failures": []}
+
+    def put_attributes(self, cluster: str, attributes: list[dict[str, str]]) -> dict:
+        for attribute in attributes:
+            self.cell.set_attribute(attribute["targetId"], attribute["name"], attribute.get("value"))
+        return {}
+
+    def delete_attributes(self, cluster: str, attributes: list[dict[str, str]]) -> dict:
+        for attribute in attributes:
+            self.cell.set_attribute(attribute["targetId"], attribute["name"], None)
+        return {}
+
+    def describe_tasks(self, cluster: str, tasks: list[str]) -> dict:
+        found = [self.cell.tasks[arn] for arn in tasks if arn in self.cell.tasks]
+        visible = [t for t in found if t.visible(self.cell.now, self.cell.model.v("stopped_task_visible"))]
+        return {"tasks": [{"taskArn": t.arn, "containerInstanceArn": t.inst.ci_arn} for t in visible],
+                "failures": [{"arn": a, "reason": "MISSING"} for a in tasks if a not in {t.arn for t in visible}]}
+
+    def list_tasks(self, cluster: str, containerInstance: str, family: str, desiredStatus: str) -> dict:
+        return {"taskArns": [t.arn for t in self.cell.tasks.values()
+                             if t.inst.ci_arn == containerInstance and t.family == family and t.state != "STOPPED"
+                             and not t.stopping]}
+
+    def stop_task(self, cluster: str, task: str, reason: str) -> dict:
+        self.cell.stop_task_planned(self.cell.tasks[task], f"StopTask: {reason}")
+        return {}
+
+
+class Ec2(_Api):
+    def describe_instance_topology(self, InstanceIds: list[str], NextToken: str = "") -> dict:
+        return {"Instances": [{"InstanceId": iid, "NetworkNodes": list(self.cell.instances[iid].path)}
+                              for iid in InstanceIds if iid in self.cell.instances]}
+
+
+class CloudFormation(_Api):
+    def describe_stack_resource(self, StackName: str, LogicalResourceId: str) -> dict:
+        return {"StackResourceDetail": {"ResourceStatus": self.cell.roll.resource_status}}
+
+    def signal_resource(self, StackName: str, LogicalResourceId: str, UniqueId: str, Status: str) -> dict:
+        if not self.cell.roll.active:
+            raise _validation("the resource is not awaiting signals", "SignalResource")
+        self.cell.signal(UniqueId)
+        return {}
+
+
+class Elbv2(_Api):
+    def describe_target_health(self, TargetGroupArn: str) -> dict:
+        now = self.cell.now
+        return {"TargetHealthDescriptions": [
+            {"Target": {"Id": target.iid}, "TargetHealth": {"State": target.state(now)}}
+            for target in self.cell.targets.values()
+        ]}

@@ -1,0 +1,50 @@
+"""`python -m inference_fleet simulate`: its options, and the run (exit statuses of exit_codes.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from inference_fleet import exit_codes
+
+HELP = "simulate one cell through a scenario file, this package's own controllers deciding"
+DEFAULT_REPORT = "simulate-cell-report.json"
+
+
+def _seeds(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of seeds") from None
+    if not 1 <= value <= 1000:
+        raise argparse.ArgumentTypeError(f"{value} seeds is out of range; allowed: 1 to 1000")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--scenario", required=True, help="scenario YAML file (simulations/*.yaml)")
+    parser.add_argument("--seeds", type=_seeds, default=1,
+                        help="run the scenario with this many seeds, from the scenario's seed (default 1 seed)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="print each seed's whole time line (and keep it in the report)")
+    parser.add_argument("--report", default=DEFAULT_REPORT,
+                        help=f"where to write the report (default {DEFAULT_REPORT})")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the scenario; a refused scenario or fleet raises ConfigError (exit 3 in cli._run)."""
+    from inference_fleet.simulation.runner import render, simulate
+    from inference_fleet.simulation.scenario import load_scenario
+
+    scenario = load_scenario(args.scenario)
+    doc = simulate(scenario, args.config, args.seeds, Path(args.report), timeline=args.timeline)
+    for line in render(doc):
+        print(line)
+    for seed in doc["per_seed"] if args.timeline else ():
+        print(f"time line of seed {seed['seed']}:")
+        for line in seed["timeline"]:
+            print(f"  {line}")
+    print(f"report: {args.report}", file=sys.stderr)
+    violated = any(not v["held"] for v in doc["invariants"].values())
+    return exit_codes.VIOLATED if violated else exit_codes.OK

@@ -1,0 +1,1230 @@
+"""A deterministic discrete-event simulation of one cell, in which this package's own code decides.
+
+Who decides what (the real functions, called as they are):
+
+- placement controller: `placement_controller.handler.reconcile` as a whole (assignment,
+  warm spares, quarantine and blame, ECS health, rolling-update signals), against the
+  modelled AWS API of `aws_api.py`, on the same triggers as on AWS (ECS and Auto Scaling
+  state changes, launcher log lines, its 5-minute sweep);
+- autoscaler (elastic cells): `unit_autoscaler.decision.decide`, `phase_of`, `served_latch`,
+  every minute, on the metrics the proxies would have published (with their lag and gaps);
+- launcher: the restart backoff (`unit_launcher.evidence.backoff_for`, from the history on
+  the next leader's own instance, on its own clock), the member a lost session names
+  (`unit_launcher.rendezvous.longest_silent`), and the session-end events
+  (`unit_launcher.evidence.session_event`, with the fields the controller reads);
+- proxy: the canary schedule that finds a hung idle unit (`unit_proxy.canary.CanaryGate`).
+
+Only AWS and time are modelled (`model.py`, each behaviour cited or marked as an
+assumption), plus the launcher's and proxy's timing that is a process's (drain windows,
+the loss limit's wall time). Everything random comes from one `random.Random(seed)`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import logging
+import math
+import os
+import random
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+for _extra in (ROOT / "functions" / "placement", ROOT / "functions" / "autoscaler"):
+    if str(_extra) not in sys.path:
+        sys.path.append(str(_extra))
+
+from placement_controller import aws as pc_aws  # noqa: E402
+from placement_controller import handler as pc_handler  # noqa: E402
+from placement_controller.failures import QUARANTINE_ATTRIBUTE, QuarantinePolicy  # noqa: E402
+from unit_autoscaler import decision as asd  # noqa: E402
+from unit_launcher import evidence  # noqa: E402
+from unit_launcher.rendezvous import longest_silent  # noqa: E402
+from unit_proxy.canary import CanaryGate  # noqa: E402
+
+from inference_fleet.config import CellConfig, FleetConfig  # noqa: E402
+from inference_fleet.simulation import aws_api  # noqa: E402
+from inference_fleet.simulation.model import JITTER, JITTERED, AwsModel  # noqa: E402
+from inference_fleet.simulation.scenario import Event, Scenario, Target  # noqa: E402
+from inference_fleet.simulation.world import AlbTarget, Instance, Roll, Session, Task, Unit, clock  # noqa: E402
+
+NEUTRAL = set(evidence.NEUTRAL)
+CLUSTER = "arn:aws:ecs:us-east-2:111111111111:cluster/sim"
+SPARE_FAMILY = "sim-spare"
+SIGNAL_ENV = {"SIGNAL_STACK": "Sim-Cell", "SIGNAL_RESOURCE": "TrainiumGroup", "TARGET_GROUP_ARN": "arn:sim:tg"}
+CAPACITY_LOOKBACK_S = 86400.0  # unit_autoscaler.handler: capacity failures looked at
+# Scenario time 0 as Unix time (2027-01-01T00:00:00Z): the real code reads Unix seconds (a failure time
+# is an ECS attribute of digits; a time before 1970 would not parse), so every time it is given is this
+# plus scenario time, plus the skew of the instance whose clock wrote it.
+EPOCH = 1_798_761_600.0
+
+
+@dataclass
+class Hooks:
+    """Decision functions the simulation calls; tests plug older versions in to show what they did."""
+
+    decide: Callable[[asd.Policy, asd.Observation], asd.Decision] = asd.decide
+    # How a follower stopped alone leaves its unit: "member_stopping" (today: the unit drains first, then the
+    # leader ends the session) or "guard_bound" (87efc36, issue 20 items 2-3: the drain guard holds the
+    # follower for its whole bound, GUARD_BOUND_87EFC36, while the unit keeps serving; then the unit breaks).
+    follower_drain: str = "member_stopping"
+
+
+GUARD_BOUND_87EFC36 = 750.0  # the guard's bound at 87efc36: the proxy's stop timeout (docs/cell-lifecycle.md)
+
+
+@dataclass
+class Violation:
+    invariant: str
+    at: float
+    what: str
+    timeline: list[str]
+
+
+class Cell:
+    """The simulated cell: its instances, tasks, units and the AWS services around them."""
+
+    def __init__(self, fleet: FleetConfig, cell: CellConfig, scenario: Scenario, seed: int,
+                 model: AwsModel | None = None, hooks: Hooks | None = None) -> None:
+        self.fleet, self.cfg, self.scenario, self.seed = fleet, cell, scenario, seed
+        self.model = model or AwsModel()
+        self.hooks = hooks or Hooks()
+        self.rng = random.Random(seed)
+        self.now = 0.0
+        self._queue: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
+        self._seq = 0
+        serving = fleet.serving
+        self.nodes = fleet.unit.nodes
+        self.loss_limit = float(serving.follower_loss_seconds)
+        self.dereg = float(serving.deregistration_delay_seconds)
+        self.join_timeout = 2400.0
+        self.step_timeout = float(serving.step_timeout_seconds)
+        self.backoff_policy = evidence.BackoffPolicy(serving.restart_backoff_base_seconds,
+                                                     serving.restart_backoff_cap_seconds,
+                                                     serving.restart_backoff_reset_seconds)
+        self.elastic = cell.elastic
+        self.max_units = cell.resolved_max_units
+        self.min_units = cell.resolved_min_units
+        self.spare_nodes = cell.spare_nodes
+        self.group_name = f"sim-{cell.name}"
+        self.lt_version = 1
+        self.instances: dict[str, Instance] = {}
+        self.tasks: dict[str, Task] = {}
+        self.targets: dict[str, AlbTarget] = {}
+        self.units = {f"u{i}": Unit(f"u{i}", i, 0, 0) for i in range(self.max_units)}
+        self.roll = Roll(mode=cell.capacity.resolved_rolling_update)
+        self.desired = 0
+        self.refused_until = -1.0
+        self.capacity_failures: list[float] = []
+        self.timeline: list[tuple[float, str]] = []
+        self.violations: list[Violation] = []
+        self.pending_records: list[dict[str, Any]] = []
+        self.controller_scheduled = False
+        self.controller_runs = 0
+        self.signals: list[tuple[float, str]] = []
+        self.quarantined: dict[str, float] = {}
+        self.named: set[str] = set()  # instances a fault event acted on (not "healthy")
+        self.bad_hosts: dict[str, int] = {}  # iid -> times
+        self.recoveries: list[dict[str, Any]] = []
+        self._open_failures: dict[str, list[tuple[float, str]]] = {}
+        self.metric_gaps: list[tuple[float, float, str]] = []
+        self.load_events: list[Event] = []
+        self.minute_series: dict[str, list[tuple[float | None, float | None]]] = {u: [] for u in self.units}
+        self.latched: frozenset[int] = frozenset()
+        self.last_scale_out: float | None = None
+        self.last_scale_in: float | None = None
+        self.deploy_queue: list[str] = []
+        self.figures: dict[str, float] = {"requests_offered": 0.0, "requests_refused": 0.0, "unit_hours": 0.0,
+                                          "max_units_down": 0.0, "unit_minutes_down": 0.0,
+                                          "requests_to_broken_units": 0.0}
+        self._seq_ids = 0
+        self.down_by_hour: list[int] = []  # most units down in each hour of the scenario
+        self._first_whole: float | None = None
+        self.settings = pc_handler.Settings(
+            cluster=CLUSTER, auto_scaling_group=self.group_name, units=self.max_units, nodes_per_unit=self.nodes,
+            metrics_namespace="Sim", spare_nodes=self.spare_nodes, spare_task_family=SPARE_FAMILY,
+            quarantine=QuarantinePolicy(serving.quarantine_failures, serving.quarantine_window_minutes * 60,
+                                        serving.quarantine_max_instances),
+        )
+        self.clients = pc_handler.Clients(ec2=aws_api.Ec2(self), ecs=aws_api.Ecs(self),
+                                          autoscaling=aws_api.AutoScaling(self),
+                                          cloudformation=aws_api.CloudFormation(self), elbv2=aws_api.Elbv2(self))
+        if self.elastic:
+            scaling = cell.resolved_scaling
+            self.policy = asd.Policy(
+                min_units=self.min_units, max_units=self.max_units, nodes=self.nodes,
+                target_load=scaling.target_load, scale_in_margin=scaling.scale_in_margin,
+                ttft_p90_ms=None, scale_out_cooldown_s=scaling.scale_out_cooldown_seconds,
+                scale_in_cooldown_s=scaling.scale_in_cooldown_seconds,
+                capacity_backoff_s=scaling.capacity_backoff_seconds)
+        self.unit_rps = fleet.max_inflight_requests / self.model.v("request_seconds")
+
+    # ---- the event loop -------------------------------------------------------------------
+
+    def at(self, when: float, action: Callable[..., None], *args: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._queue, (max(when, self.now), self._seq, action, args))
+
+    def vary(self, name: str) -> float:
+        """A modelled duration, drawn within +-JITTER of its value (model.JITTERED) or as it is."""
+        value = self.model.v(name)
+        return value * self.rng.uniform(1 - JITTER, 1 + JITTER) if name in JITTERED else value
+
+    def wall(self, inst: Instance | None = None) -> float:
+        """Unix time now, on `inst`'s clock (None: a correct clock, the AWS services' and the Lambdas')."""
+        return EPOCH + self.now + (inst.skew if inst is not None else 0.0)
+
+    def _on(self, inst: Instance, t: float | None) -> float | None:
+        """Scenario time `t` as `inst`'s clock reads it (Unix seconds), None kept."""
+        return None if t is None else EPOCH + t + inst.skew
+
+    def after(self, delay: float, action: Callable[..., None], *args: Any) -> None:
+        self.at(self.now + delay, action, *args)
+
+    def note(self, text: str) -> None:
+        self.timeline.append((self.now, text))
+
+    def violate(self, invariant: str, what: str) -> None:
+        lines = [f"{clock(t)} {text}" for t, text in self.timeline[-14:]]
+        self.violations.append(Violation(invariant, self.now, what, [*lines, f"{clock(self.now)} VIOLATED: {what}"]))
+
+    def run(self) -> None:
+        self.start()
+        end = self.scenario.duration
+        while self._queue and self._queue[0][0] <= end:
+            when, _, action, args = heapq.heappop(self._queue)
+            self.now = when
+            action(*args)
+        self.now = end
+        self.finish()
+
+    def _id(self, prefix: str) -> str:
+        self._seq_ids += 1
+        return f"{prefix}{self._seq_ids:05d}"
+
+    # ---- start ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        initial_units = self.min_units if self.elastic else self.max_units
+        for unit in list(self.units.values())[:initial_units]:
+            unit.leader_desired, unit.follower_desired = 1, self.nodes - 1
+        self.desired = initial_units * self.nodes + self.spare_nodes
+        self.note(f"cell {self.cfg.name}: {initial_units} unit(s) of {self.nodes} nodes, "
+                  f"{self.spare_nodes} spare(s), rolling update {self.roll.mode}, seed {self.seed}")
+        # The cell exists already: its instances are in service with the model cached, as after a deploy.
+        for _ in range(self.desired):
+            inst = self._new_instance()
+            inst.lifecycle, inst.registered, inst.image, inst.cached = "InService", True, True, True
+        for event in self.scenario.events:
+            self.at(event.at, self.apply_event, event)
+        self.after(0, self.ecs_schedule)
+        self.after(0, self.trigger_controller, {"source": "aws.events", "detail-type": "Scheduled Event"})
+        self.at(self.model.v("controller_sweep"), self.sweep)
+        self.at(60.0, self.minute)
+
+    def _new_instance(self) -> Instance:
+        n = len(self.instances)
+        iid = f"i-{n:04d}{self.rng.randrange(16 ** 6):06x}"
+        # Topology: one cluster placement group; 4 instances per bottom node, 16 per middle (assumption).
+        path = ("nn-top-0", f"nn-mid-{n // 16}", f"nn-bot-{n // 4}")
+        inst = Instance(n, iid, self.lt_version, self.now, path)
+        self.instances[iid] = inst
+        return inst
+
+    # ---- Auto Scaling ---------------------------------------------------------------------
+
+    def live_instances(self) -> list[Instance]:
+        return [i for i in self.instances.values() if i.lifecycle not in ("Terminated",) and not i.leaving]
+
+    def asg_converge(self) -> None:
+        """The group launches up to its desired capacity. A terminating instance does not count, except the
+        old instance of a terminate-first batch until it is gone (model.UNVERIFIED)."""
+        roll = self.roll
+        held = 1 if (roll.active and roll.mode == "terminate-first" and roll.terminating
+                     and not self.model.v("terminate_first_launch_at_start")) else 0
+        missing = self.desired - len(self.live_instances()) - held
+        for _ in range(max(0, missing)):
+            if self.launch() is None:
+                return
+
+    def launch(self) -> Instance | None:
+        if self.now < self.refused_until:
+            self.capacity_failures.append(self.now)
+            self.note("launch refused: InsufficientInstanceCapacity; the group retries")
+            self.after(self.model.v("asg_launch_retry"), self.asg_converge)
+            return None
+        inst = self._new_instance()
+        self.note(f"launch {inst.iid} (launch template v{inst.version})")
+        self.after(self.model.v("asg_in_service"), self._in_service, inst)
+        self.after(self.vary("instance_boot"), self._register, inst)
+        roll = self.roll
+        if roll.active and roll.awaiting_launch:
+            roll.batch, roll.batch_started, roll.awaiting_launch = inst.iid, self.now, False
+        return inst
+
+    def _in_service(self, inst: Instance) -> None:
+        if inst.lifecycle == "Pending":
+            inst.lifecycle = "InService"
+
+    def _register(self, inst: Instance) -> None:
+        if inst.lifecycle == "Terminated":
+            return
+        inst.registered = True
+        self.note(f"{inst.iid} registered with ECS")
+        self.trigger_controller(self._ci_event(inst, "ACTIVE"))
+        self.after(self.model.v("ecs_scheduler_delay"), self.ecs_schedule)
+
+    def _ci_event(self, inst: Instance, status: str) -> dict[str, Any]:
+        return {"source": "aws.ecs", "detail-type": "ECS Container Instance State Change",
+                "detail": {"ec2InstanceId": inst.iid, "status": status}}
+
+    def mark_unhealthy(self, inst: Instance) -> None:
+        if inst.health == "Unhealthy":
+            return
+        inst.health = "Unhealthy"
+        self.note(f"{inst.iid} marked Unhealthy: the group replaces it")
+        self.after(self.model.v("asg_replace_delay"), self.terminate, inst, True)
+
+    def terminate(self, inst: Instance, replace: bool) -> None:
+        """Termination with ECS managed draining: tasks are stopped first, then the instance goes."""
+        if inst.leaving or inst.lifecycle == "Terminated":
+            return
+        inst.leaving, inst.lifecycle = True, "Terminating:Wait"
+        inst.ecs_status = "DRAINING"
+        self.note(f"terminate {inst.iid} (draining its tasks first)")
+        self.trigger_controller(self._ci_event(inst, "DRAINING"))
+        if replace:
+            self.after(0, self.asg_converge)
+        if inst.task is not None and inst.task.state != "STOPPED" and inst.up:
+            self.stop_task_planned(inst.task, "instance draining")
+        self._finish_termination(inst)
+
+    def _finish_termination(self, inst: Instance) -> None:
+        if inst.task is not None and inst.task.state != "STOPPED":
+            self.after(5, self._finish_termination, inst)
+            return
+        self._gone(inst)
+
+    def _gone(self, inst: Instance) -> None:
+        inst.lifecycle, inst.ecs_status, inst.up, inst.leaving = "Terminated", "INACTIVE", False, False
+        self.note(f"{inst.iid} terminated")
+        self.trigger_controller({"source": "aws.autoscaling", "detail-type": "EC2 Instance Terminate Successful",
+                                 "detail": {"EC2InstanceId": inst.iid}})
+        roll = self.roll
+        if roll.active and inst.iid == roll.terminating:
+            roll.terminating = None
+            if roll.mode == "terminate-first" and roll.batch is None:
+                roll.awaiting_launch = True
+                self.asg_converge()
+            elif roll.mode == "launch-first":
+                self._next_batch()  # the batch's old instance is gone after its signal
+
+    def set_attribute(self, ci_arn: str, name: str, value: str | None) -> None:
+        for inst in self.instances.values():
+            if inst.ci_arn == ci_arn:
+                if value is None:
+                    inst.attributes.pop(name, None)
+                else:
+                    inst.attributes[name] = value
+                if name == QUARANTINE_ATTRIBUTE and value is not None and inst.iid not in self.quarantined:
+                    self.quarantined[inst.iid] = self.now
+                    self.note(f"controller quarantines {inst.iid}: {value}")
+                    self._check_quarantine(inst)
+                if name == "unit":
+                    self.after(self.model.v("ecs_scheduler_delay"), self.ecs_schedule)
+                return
+
+    def container_instance_doc(self, inst: Instance) -> dict[str, Any]:
+        busy = inst.task is not None and inst.task.state != "STOPPED"
+        running = busy and inst.task is not None and inst.task.state in ("RUNNING",)
+        return {"containerInstanceArn": inst.ci_arn, "ec2InstanceId": inst.iid, "status": inst.ecs_status,
+                "agentConnected": inst.agent and inst.up, "runningTasksCount": 1 if running else 0,
+                "pendingTasksCount": 1 if busy and not running else 0,
+                "attributes": [{"name": k, "value": v} for k, v in sorted(inst.attributes.items())]}
+
+    # ---- ECS services -------------------------------------------------------------------------
+
+    def ecs_schedule(self) -> None:
+        """The service scheduler: start each service's missing tasks on instances its constraint allows
+        (`memberOf(attribute:unit == uN)`, one task per instance: each takes the whole instance)."""
+        for unit in self.units.values():
+            for role, desired in (("leader", unit.leader_desired), ("follower", unit.follower_desired)):
+                self._place(unit.uid, role, desired, f"{unit.uid}-{role}-r{unit.revision}")
+        self._place("spare", "spare", self.spare_nodes, SPARE_FAMILY)
+
+    def _place(self, label: str, role: str, desired: int, family: str) -> None:
+        unit = None if role == "spare" else label
+        have = [t for t in self.tasks.values() if t.unit == unit and t.role == role and t.state != "STOPPED"]
+        for _ in range(desired - len(have)):
+            free = sorted((i for i in self.instances.values()
+                           if i.registered and i.ecs_status == "ACTIVE" and i.agent and i.up and not i.leaving
+                           and i.attributes.get("unit") == label
+                           and (i.task is None or i.task.state == "STOPPED")), key=lambda i: i.iid)
+            if not free:
+                return
+            inst = self.rng.choice(free)
+            task = Task(f"arn:aws:ecs:us-east-2:111111111111:task/sim/{self._id('t')}", role, unit, inst, family)
+            self.tasks[task.arn] = task
+            inst.task = task
+            delay = self.model.v("task_restart") if inst.image else self.vary("image_pull")
+            inst.image = True
+            self.after(delay, self._task_running, task)
+
+    def _task_running(self, task: Task) -> None:
+        if task.state != "PENDING" or not task.alive:
+            return
+        task.state = "RUNNING"
+        if task.role == "spare":
+            fetch = 0.0 if task.inst.cached else self.vary("fetch_per_node")
+            self.after(fetch, self._spare_ready, task)
+        elif task.role == "leader":
+            self._new_session(self.units[task.unit or ""], task)
+        else:
+            self._try_form(self.units[task.unit or ""])
+
+    def _spare_ready(self, task: Task) -> None:
+        if task.state != "RUNNING" or task.stopping or not task.alive:
+            return
+        task.inst.cached = True
+        self.log_line({"event": "spare_ready", "task_id": task.arn.rsplit("/", 1)[-1],
+                       "time": self.wall(task.inst)})
+
+    def _task_stopped(self, task: Task) -> None:
+        if task.state == "STOPPED":
+            return
+        task.state, task.stopped_at = "STOPPED", self.now
+        if task.inst.task is task:
+            task.inst.task = None
+        if task.role == "leader":
+            self.targets.pop(task.inst.iid, None)
+        self.after(self.model.v("ecs_scheduler_delay"), self.ecs_schedule)
+        self.trigger_controller(self._ci_event(task.inst, task.inst.ecs_status))
+
+    def stop_task_planned(self, task: Task, why: str) -> None:
+        """ECS stops a task on purpose: a leader's target is deregistered first (the deregistration
+        delay) and its proxy drains; a follower stopped alone drains its unit first (member_stopping)."""
+        if task.stopping or task.state == "STOPPED":
+            return
+        task.stopping = True
+        self.note(f"stop {task.role} task of {task.unit or 'spare'} on {task.inst.iid}: {why}")
+        if task.role == "spare" or task.unit is None:
+            self.after(self.model.v("engine_stop"), self._task_stopped, task)
+            return
+        unit = self.units[task.unit]
+        session = unit.session
+        if (task.role == "follower" and self.hooks.follower_drain == "guard_bound" and session is not None
+                and task in session.members and session.state == "serving"):
+            self.after(GUARD_BOUND_87EFC36, self._guard_released, unit, session, task)
+            return
+        if unit.down_since is None and unit.leader_desired:
+            # Out of service from the drain's first second (the proxy's /health turns 503).
+            unit.down_since, unit.down_cause = self.now, "planned"
+            self._check_planned()
+        if task.role == "leader":
+            target = self.targets.get(task.inst.iid)
+            if target is not None:
+                target.draining = True
+            self._update_target(unit)
+            self.after(self.dereg, self._leader_sigterm, unit, task)
+            return
+        if session is None or task not in session.members or session.state == "ended":
+            self.after(self.model.v("engine_stop"), self._task_stopped, task)
+            return
+        if session.state != "serving":
+            self.end_session(unit, "member_stopping", task, None, deliberate=True)
+            return
+        session.state = "draining"
+        self._update_target(unit)
+        drain = 2 + self.dereg + self._stream_tail()
+        self.after(drain, self._member_drained, unit, session, task)
+
+    def _guard_released(self, unit: Unit, session: Session, task: Task) -> None:
+        """87efc36: the guard's bound is over, the follower's engine stops, the unit breaks."""
+        if unit.session is session and session.state != "ended":
+            if session.state == "serving" and self.offered_rps(self.now) > 0:
+                self.violate("I1 planned operations", f"the follower on {task.inst.iid} stops after the drain guard's "
+                             f"bound while {unit.uid} still serves: its in-flight streams are cut")
+            if unit.down_since is None:
+                unit.down_since, unit.down_cause = self.now, "planned"
+            self.end_session(unit, "member_stopped", task, None, deliberate=True)
+        elif task.state != "STOPPED":
+            self.after(self.model.v("engine_stop"), self._task_stopped, task)
+
+    def _stream_tail(self) -> float:
+        return self.model.v("stream_tail") if self.offered_rps(self.now) > 0 else 2.0
+
+    def _member_drained(self, unit: Unit, session: Session, task: Task) -> None:
+        if unit.session is session and session.state != "ended":
+            self.end_session(unit, "member_stopping", task, None, deliberate=True)
+
+    def _leader_sigterm(self, unit: Unit, task: Task) -> None:
+        session = unit.session
+        if session is not None and session.leader is task and session.state != "ended":
+            if session.state == "serving":
+                # The proxy keeps admitting for DRAIN_SECONDS (= the deregistration delay) after SIGTERM,
+                # then waits for the streams in flight (docs/cell-lifecycle.md, D_L).
+                session.state = "draining"
+                self.after(self.dereg + self._stream_tail(), self._leader_drained, unit, session)
+            else:
+                self.end_session(unit, "deliberate_stop", None, None, deliberate=True)
+        else:
+            self.after(self.model.v("engine_stop"), self._task_stopped, task)
+
+    def _leader_drained(self, unit: Unit, session: Session) -> None:
+        if unit.session is session and session.state != "ended":
+            self.end_session(unit, "deliberate_stop", None, None, deliberate=True)
+
+    # ---- the launcher: sessions ---------------------------------------------------------------
+
+    def _new_session(self, unit: Unit, leader: Task) -> None:
+        old = unit.session
+        if old is not None and old.state != "ended":
+            # A new leader launcher answers at the old address: the followers' next heartbeat gets 409,
+            # and the rank 1 follower reports the restart (issue 21 item 7); before the release, nothing.
+            rank1 = self._rank1(old)
+            if old.released_at is not None and rank1 is not None and rank1.alive:
+                self.end_session(unit, "leader_restarted", old.leader, rank1)
+            else:
+                old.state = "ended"
+        session = Session(self._id("s"), unit.uid, leader)
+        unit.session = session
+        self.targets[leader.inst.iid] = AlbTarget(
+            leader.inst.iid, self.model.v("alb_healthy_threshold") * self.model.v("alb_interval"),
+            self.model.v("alb_unhealthy_threshold") * self.model.v("alb_interval"))
+        self.after(self.join_timeout, self._join_deadline, unit, session)
+        self._try_form(unit)
+
+    def _reachable(self, a: Instance, b: Instance) -> bool:
+        return a.up and b.up and not a.partitioned(self.now) and not b.partitioned(self.now)
+
+    def _try_form(self, unit: Unit) -> None:
+        session = unit.session
+        if session is None or session.state != "waiting" or session.leader.state != "RUNNING":
+            return
+        followers = sorted((t for t in self.tasks.values()
+                            if t.unit == unit.uid and t.role == "follower" and t.state == "RUNNING" and t.alive
+                            and not t.stopping and self._reachable(t.inst, session.leader.inst)),
+                           key=lambda t: t.inst.iid)
+        if len(followers) < self.nodes - 1:
+            return
+        session.followers = followers[: self.nodes - 1]
+        leader_inst = session.leader.inst
+        records = leader_inst.history.get(unit.uid, [])
+        backoff = evidence.backoff_for(records, self.backoff_policy, now=self.wall(leader_inst))
+        wait = backoff.remaining(self.wall(leader_inst))
+        session.state = "backoff"
+        if wait > 0:
+            self.note(f"{unit.uid}: backoff {wait:.0f} s after {backoff.failures_in_a_row} failure(s) in a row")
+        self.after(wait + self.model.v("join"), self._release, unit, session)
+
+    def _release(self, unit: Unit, session: Session) -> None:
+        if unit.session is not session or session.state != "backoff":
+            return
+        if not all(t.alive and t.state == "RUNNING" and not t.stopping for t in session.members) or not all(
+                self._reachable(t.inst, session.leader.inst) for t in session.followers):
+            session.state, session.followers = "waiting", []
+            return
+        session.state, session.released_at = "fetching", self.now
+        fetch = max((0.0 if t.inst.cached else self.vary("fetch_per_node")) for t in session.members)
+        self.after(fetch, self._ready, unit, session)
+
+    def _ready(self, unit: Unit, session: Session) -> None:
+        if unit.session is not session or session.state != "fetching":
+            return
+        for task in session.members:
+            task.inst.cached = True
+        session.state = "loading"
+        self.log_line({"event": "unit_session_formed", "unit_id": unit.uid, "session_id": session.sid,
+                       "released_at": EPOCH + (session.released_at or self.now) + session.leader.inst.skew,
+                       "members": self._members(session)})
+        self.after(self.vary("load_and_warmup"), self._serving, unit, session)
+
+    def _serving(self, unit: Unit, session: Session) -> None:
+        if unit.session is not session or session.state != "loading":
+            return
+        session.state, session.serving_since = "serving", self.now
+        session.gate = CanaryGate(60.0, 60.0, 5.0)
+        session.gate.should_start(self.now, True, True)  # first sighting: due one interval later
+        self.note(f"{unit.uid} serves (session {session.sid}, members "
+                  f"{', '.join(t.inst.iid for t in session.members)})")
+        self._update_target(unit)
+        for task in session.members:
+            if task.inst.bad_left > 0:
+                self.after(self.model.v("bad_host_fail_after"), self._bad_host_failure, unit, session, task)
+
+    def _members(self, session: Session) -> list[dict[str, Any]]:
+        return [{"instance_id": t.arn, "rank": rank, "address": t.inst.iid}
+                for rank, t in enumerate(session.members)]
+
+    def _update_target(self, unit: Unit) -> None:
+        session = unit.session
+        if session is None:
+            return
+        target = self.targets.get(session.leader.inst.iid)
+        if target is not None:
+            target.set_ok(self.now, session.state == "serving")
+        # A change of target health brings no event: the controller sees it on its next run.
+        self.after(self.model.v("alb_healthy_threshold") * self.model.v("alb_interval"), self._in_service_check, unit)
+
+    def _join_deadline(self, unit: Unit, session: Session) -> None:
+        if unit.session is session and session.state == "waiting":
+            self.end_session(unit, "form_timeout", None, None)
+
+    def end_session(self, unit: Unit, cause: str, ended_by: Task | None, reporter: Task | None,
+                    deliberate: bool = False) -> None:
+        """The session ends: its event(s) logged, the history written on the members' instances,
+        every member's launcher exits (ECS starts the tasks again)."""
+        session = unit.session
+        if session is None or session.state == "ended":
+            return
+        served = session.state in ("serving", "draining")
+        session.state = "ended"
+        self.note(f"{unit.uid} session {session.sid} ends: {cause}"
+                  + (f" naming {ended_by.inst.iid}" if ended_by else "")
+                  + (f" (reported by {reporter.inst.iid})" if reporter else ""))
+        writer = reporter or session.leader
+        spec = SimpleNamespace(cell=self.cfg.name, unit_id=unit.uid, revision=str(unit.revision))
+        event = evidence.session_event(
+            spec=spec, session_id=session.sid, cause=cause, reason=cause,
+            ended_by=({"instance_id": ended_by.arn, "address": ended_by.inst.iid} if ended_by else None),
+            members=self._members(session), released_at=self._on(writer.inst, session.released_at),
+            serving_since=self._on(writer.inst, session.serving_since))
+        # session_event stamps the wall clock: the writer's clock in the simulation instead.
+        event["ended_at"] = self.wall(writer.inst)
+        event["served_seconds"] = round(self.now - session.serving_since, 3) if session.serving_since else 0.0
+        if reporter is not None:
+            event["reported_by"] = {"instance_id": reporter.arn, "address": reporter.inst.iid}
+        if writer.alive and writer.inst.up:
+            self.log_line(event)
+        for task in session.members:
+            if task.inst.up:
+                task.inst.history.setdefault(unit.uid, []).append(event)
+        planned = cause in NEUTRAL
+        target = self.targets.get(session.leader.inst.iid)
+        if target is not None and target.healthy(self.now):
+            # The ALB keeps routing here until its checks fail; the proxy's gate answers each 503
+            # unit_unavailable meanwhile (what it answers is the proxy's code, not modelled).
+            serving = [u for u in self.units.values() if self.in_service(u)] or [unit]
+            window = self.model.v("alb_unhealthy_threshold") * self.model.v("alb_interval")
+            self.figures["requests_to_broken_units"] += self.offered_rps(self.now) / len(serving) * window
+        if unit.down_since is None or not planned:
+            unit.down_since = self.now if unit.down_since is None else unit.down_since
+            unit.down_cause = "planned" if planned else "unplanned"
+        if served and not planned:
+            self._open_failures.setdefault(unit.uid, []).append((self.now, cause))
+        self._update_target(unit)
+        for task in session.members:
+            if task.state != "STOPPED":
+                self.after(self.model.v("engine_stop"), self._task_stopped, task)
+        unit.session = None
+        self._check_planned()
+
+    # ---- the launcher: loss detection -----------------------------------------------------------
+
+    def member_silent(self, unit: Unit, task: Task, since: float) -> None:
+        """`task` stops answering at `since`: the other side notices after the loss limit."""
+        session = unit.session
+        if session is None or task not in session.members or session.state == "ended":
+            return
+        if session.released_at is None:
+            # Before the release the leader forgets a silent joiner (prune_forming): no failure.
+            session.state, session.followers = "waiting", []
+            return
+        if task is session.leader:
+            session.leader_silent_since = since
+            for follower in session.followers:
+                session.silent_since.setdefault(follower.arn, since)
+        else:
+            session.silent_since.setdefault(task.arn, since)
+            if self._rank1(session) is task:
+                session.leader_silent_since = since
+        self.at(since + self.loss_limit + 0.5, self._detect, unit, session)
+
+    def _rank1(self, session: Session) -> Task | None:
+        return session.followers[0] if session.followers else None
+
+    def _detect(self, unit: Unit, session: Session) -> None:
+        if unit.session is not session or session.state == "ended":
+            return
+        leader, rank1 = session.leader, self._rank1(session)
+        leader_live = leader.alive and leader.inst.up
+        last_seen = {t.arn: session.silent_since.get(t.arn, self.now) for t in session.followers}
+        found = longest_silent(last_seen, self.now)
+        leader_sees_loss = leader_live and found is not None and found[1] > self.loss_limit
+        rank1_live = rank1 is not None and rank1.alive and rank1.inst.up
+        rank1_sees_loss = (rank1_live and session.leader_silent_since is not None
+                           and self.now - session.leader_silent_since > self.loss_limit)
+        if not (leader_sees_loss or rank1_sees_loss):
+            return
+        if leader_sees_loss and found is not None:
+            suspect = self.tasks[found[0]]
+            self.end_session(unit, "heartbeat_loss", suspect, None)
+            if rank1_sees_loss and rank1 is not None:
+                # The rank 1 follower writes its own report of the same session (runner._leader_lost_event).
+                self._follower_report(unit, session, rank1)
+        elif rank1 is not None:
+            self.end_session(unit, "leader_unreachable", leader, rank1)
+
+    def _follower_report(self, unit: Unit, session: Session, rank1: Task) -> None:
+        spec = SimpleNamespace(cell=self.cfg.name, unit_id=unit.uid, revision=str(unit.revision))
+        event = evidence.session_event(
+            spec=spec, session_id=session.sid, cause="leader_unreachable", reason="leader unreachable",
+            ended_by={"instance_id": session.leader.arn, "address": session.leader.inst.iid},
+            members=self._members(session), released_at=self._on(rank1.inst, session.released_at),
+            serving_since=self._on(rank1.inst, session.serving_since))
+        event["ended_at"] = self.wall(rank1.inst)
+        event["reported_by"] = {"instance_id": rank1.arn, "address": rank1.inst.iid}
+        self.note(f"{unit.uid} session {session.sid}: rank 1 follower {rank1.inst.iid} reports leader_unreachable "
+                  f"naming {session.leader.inst.iid}")
+        self.log_line(event)
+
+    def member_back(self, unit: Unit, task: Task) -> None:
+        """Heartbeats flow again (a partition healed before the loss limit)."""
+        session = unit.session
+        if session is None:
+            return
+        session.silent_since.pop(task.arn, None)
+        if task is session.leader:
+            session.silent_since.clear()
+            session.leader_silent_since = None
+        elif self._rank1(session) is task:
+            session.leader_silent_since = None
+
+    # ---- the controller --------------------------------------------------------------------------
+
+    def log_line(self, detail: dict[str, Any]) -> None:
+        """A launcher log line the subscription brings to the controller (as forward.py enqueues it)."""
+        record = {"source": "unit-launcher", "detail-type": str(detail.get("event")), "detail": detail}
+        self.at(self.now + self.vary("log_delivery"), self.trigger_controller, record)
+
+    def trigger_controller(self, record: dict[str, Any]) -> None:
+        self.pending_records.append(record)
+        if not self.controller_scheduled:
+            self.controller_scheduled = True
+            self.after(self.model.v("event_delivery"), self.run_controller)
+
+    def sweep(self) -> None:
+        self.trigger_controller({"source": "aws.events", "detail-type": "Scheduled Event"})
+        self.after(self.model.v("controller_sweep"), self.sweep)
+
+    def run_controller(self) -> None:
+        """One run of the real placement controller on the pending triggers (FIFO: runs never overlap)."""
+        self.controller_scheduled = False
+        records, self.pending_records = self.pending_records, []
+        event = {"Records": [{"body": json.dumps(r)} for r in records]}
+        retry = pc_aws.Retry(sleep=lambda _s: None, rng=random.Random(0))
+        self.controller_runs += 1
+        with _quiet(), _env(SIGNAL_ENV):
+            pc_handler.reconcile(self.settings, self.clients, event, retry, lambda _line: None, now=self.wall())
+
+    # ---- CloudFormation rolling update -------------------------------------------------------------
+
+    def start_roll(self) -> None:
+        self.lt_version += 1
+        roll = self.roll
+        roll.active, roll.resource_status, roll.started = True, "UPDATE_IN_PROGRESS", self.now
+        self.note(f"launch template v{self.lt_version}: rolling update ({roll.mode}, MaxBatchSize 1)")
+        self._next_batch()
+
+    def _old(self) -> list[Instance]:
+        return sorted((i for i in self.live_instances() if i.version < self.lt_version),
+                      key=lambda i: (i.launched, i.n))
+
+    def _next_batch(self) -> None:
+        roll = self.roll
+        if not roll.active:
+            return
+        old = self._old()
+        if not old:
+            roll.active, roll.resource_status, roll.finished = False, "UPDATE_COMPLETE", self.now
+            self.note("rolling update complete")
+            return
+        roll.batches += 1
+        roll.generation += 1
+        roll.batch, roll.signalled, roll.terminating, roll.awaiting_launch = None, False, None, False
+        roll.batch_started = self.now
+        roll.deadline = self.now + self.model.v("pause_time")
+        self.at(roll.deadline, self._pause_expired, roll.generation)
+        if roll.mode == "launch-first":
+            self.desired += 1
+            roll.awaiting_launch = True
+            self.asg_converge()
+        else:
+            roll.terminating = old[0].iid
+            self.terminate(old[0], replace=False)
+            if self.model.v("terminate_first_launch_at_start"):
+                roll.awaiting_launch = True
+                self.asg_converge()
+
+    def signal(self, iid: str) -> None:
+        roll = self.roll
+        self.signals.append((self.now, iid))
+        if iid != roll.batch or roll.signalled:
+            return
+        self.note(f"SUCCESS signal for {iid}")
+        self._check_signal(iid)
+        roll.signalled = True
+        if roll.mode == "launch-first":
+            self.desired -= 1
+            old = self._old()
+            if old:
+                roll.terminating = old[0].iid
+                self.terminate(old[0], replace=False)
+                return
+        self._next_batch()
+
+    def _pause_expired(self, generation: int) -> None:
+        roll = self.roll
+        if roll.active and roll.generation == generation and not roll.signalled:
+            roll.active, roll.resource_status, roll.failed = False, "UPDATE_ROLLBACK_IN_PROGRESS", clock(self.now)
+            refused = any(roll.batch_started - 1 <= t <= self.now for t in self.capacity_failures)
+            what = (f"no SUCCESS signal for {roll.batch or 'the batch'} within PauseTime "
+                    f"({self.model.v('pause_time'):.0f} s): CloudFormation fails the update and rolls back")
+            self.note(what)
+            if not refused:
+                self.violate("I5 rolling update", what)
+
+    # ---- scenario events --------------------------------------------------------------------------
+
+    def apply_event(self, event: Event) -> None:
+        self.note(f"scenario: {event.do}" + (f" {event.target.text}" if event.target else "")
+                  + (f" for {event.seconds:g} s" if event.seconds and event.do != "clock_skew" else ""))
+        getattr(self, f"_do_{event.do}")(event)
+
+    def resolve(self, target: Target | None) -> tuple[Instance | None, Task | None]:
+        if target is None:
+            return None, None
+        if target.instance is not None:
+            ordered = sorted(self.instances.values(), key=lambda i: i.n)
+            inst = ordered[target.instance] if target.instance < len(ordered) else None
+            return inst, inst.task if inst else None
+        if target.spare is not None:
+            spares = sorted((i for i in self.live_instances() if i.attributes.get("unit") == "spare"),
+                            key=lambda i: i.iid)
+            inst = spares[target.spare - 1] if target.spare <= len(spares) else None
+            return inst, inst.task if inst else None
+        unit = self.units.get(f"u{target.unit}")
+        if unit is None:
+            return None, None
+        role = "leader" if target.rank == 0 else "follower"
+        tasks = sorted((t for t in self.tasks.values()
+                        if t.unit == unit.uid and t.role == role and t.state != "STOPPED"), key=lambda t: t.inst.iid)
+        if unit.session is not None and unit.session.followers and role == "follower":
+            tasks = unit.session.followers
+        index = 0 if role == "leader" else (target.rank or 1) - 1
+        task = tasks[index] if index < len(tasks) else None
+        return (task.inst if task else None), task
+
+    def _missing(self, event: Event) -> bool:
+        inst, _ = self.resolve(event.target)
+        if inst is None:
+            self.note(f"scenario: {event.target.text if event.target else '?'} names nothing at this time: skipped")
+            return True
+        self.named.add(inst.iid)
+        return False
+
+    def _unit_of(self, inst: Instance) -> Unit | None:
+        task = inst.task
+        return self.units.get(task.unit) if task and task.unit else None
+
+    def _do_kill(self, event: Event) -> None:
+        if self._missing(event):
+            return
+        inst, task = self.resolve(event.target)
+        assert inst is not None
+        if event.target and (event.target.instance is not None or event.scope == "instance"):
+            self._instance_dies(inst)
+            return
+        if task is not None:
+            self._task_dies(task)
+
+    def _task_dies(self, task: Task) -> None:
+        task.alive = False
+        unit = self.units.get(task.unit or "")
+        session = unit.session if unit is not None else None
+        if (unit is not None and session is not None and task in session.followers
+                and session.state in ("loading", "serving", "draining") and session.leader.alive):
+            # The engines run: the leader's engine fails at once on the broken collective (`make e2e`:
+            # /health 503 0.22 s after a follower's SIGKILL) and runner._settle_cause names the silent
+            # follower, `member_lost`.
+            self.after(1.0, self._collective_broken, unit, session, task)
+        elif unit is not None:
+            self.member_silent(unit, task, self.now)
+        self.after(1, self._task_stopped, task)
+
+    def _collective_broken(self, unit: Unit, session: Session, task: Task) -> None:
+        if unit.session is session and session.state != "ended":
+            self.end_session(unit, "member_lost", task, None)
+
+    def _instance_dies(self, inst: Instance) -> None:
+        if inst.task is not None:
+            self._task_dies(inst.task)
+        inst.up = False
+        self.after(2, self._gone, inst)
+        self.after(self.model.v("asg_replace_delay"), self.asg_converge)
+
+    def _do_reboot(self, event: Event) -> None:
+        if self._missing(event):
+            return
+        inst, _ = self.resolve(event.target)
+        assert inst is not None
+        if inst.task is not None:
+            self._task_dies(inst.task)
+        inst.up, inst.agent = False, False
+        self.after(self.vary("reboot"), self._rebooted, inst)
+
+    def _rebooted(self, inst: Instance) -> None:
+        if inst.lifecycle == "Terminated":
+            return
+        inst.up, inst.agent = True, True
+        self.note(f"{inst.iid} back from reboot (cache kept on the instance store: issue 20 item 7)")
+        self.trigger_controller(self._ci_event(inst, inst.ecs_status))
+        self.after(self.model.v("ecs_scheduler_delay"), self.ecs_schedule)
+
+    def _do_partition(self, event: Event) -> None:
+        if self._missing(event):
+            return
+        inst, _ = self.resolve(event.target)
+        assert inst is not None
+        inst.partitioned_until = self.now + event.seconds
+        unit = self._unit_of(inst)
+        if unit is not None and inst.task is not None:
+            self.member_silent(unit, inst.task, self.now)
+        self.after(event.seconds, self._healed, inst)
+
+    def _healed(self, inst: Instance) -> None:
+        unit = self._unit_of(inst)
+        if unit is not None and inst.task is not None:
+            self.member_back(unit, inst.task)
+            self._try_form(unit)
+        for other in self.units.values():
+            self._try_form(other)
+
+    def _do_hang(self, event: Event) -> None:
+        if self._missing(event):
+            return
+        inst, task = self.resolve(event.target)
+        assert inst is not None
+        inst.hung_until = self.now + event.seconds
+        unit = self._unit_of(inst)
+        if unit is None or unit.session is None or unit.session.state != "serving":
+            return
+        session = unit.session
+        if self.offered_rps(self.now) > 0:
+            # Under load the broadcast step is not done within the step bound (cause step_timeout).
+            self.after(self.step_timeout, self._hang_found, unit, session, task, "step_timeout")
+            return
+        # Idle: the proxy's canary finds it (CanaryGate decides when an attempt starts).
+        gate = session.gate or CanaryGate(60.0, 60.0, 5.0)
+        t = self.now
+        while not gate.should_start(t, True, True):
+            t += 2.0  # the health monitor's check round
+            if t > self.now + 3600:
+                return
+        gate.finish(False, "timeout", gate.timeout, t + gate.timeout, t + gate.timeout)
+        self.at(t + gate.timeout, self._hang_found, unit, session, task, "canary_failed")
+
+    def _hang_found(self, unit: Unit, session: Session, task: Task | None, cause: str) -> None:
+        if unit.session is session and session.state == "serving":
+            self.end_session(unit, cause, task, None)
+
+    def _do_bad_host(self, event: Event) -> None:
+        if self._missing(event):
+            return
+        inst, task = self.resolve(event.target)
+        assert inst is not None
+        inst.bad_left = event.times
+        self.bad_hosts[inst.iid] = event.times
+        unit = self._unit_of(inst)
+        if unit is not None and unit.session is not None and unit.session.state == "serving" and task is not None:
+            self.after(self.model.v("bad_host_fail_after"), self._bad_host_failure, unit, unit.session, task)
+
+    def _bad_host_failure(self, unit: Unit, session: Session, task: Task) -> None:
+        inst = task.inst
+        if unit.session is not session or session.state != "serving" or inst.bad_left <= 0:
+            return
+        inst.bad_left -= 1
+        inst.bad_failures += 1
+        cause = "engine_exit" if task is session.leader else "member_engine_exit"
+        self.end_session(unit, cause, task, None)
+        self._check_quarantine(inst)
+
+    def _do_ami_change(self, event: Event) -> None:
+        if self.roll.active:
+            self.note("rolling update already in progress: the new change waits (not modelled)")
+            return
+        self.start_roll()
+
+    def _do_deploy(self, event: Event) -> None:
+        self.deploy_queue = [u.uid for u in self.units.values() if u.leader_desired]
+        self._deploy_next()
+
+    def _deploy_next(self) -> None:
+        if not self.deploy_queue:
+            self.note("deployment complete")
+            return
+        unit = self.units[self.deploy_queue.pop(0)]
+        unit.revision += 1
+        self.note(f"deploy {unit.uid}: task definition revision {unit.revision} (min 0 %, max 100 %)")
+        for task in [t for t in self.tasks.values() if t.unit == unit.uid and t.state != "STOPPED"]:
+            if task.role == "leader":
+                self.stop_task_planned(task, "new task definition revision")
+        self._await_deployed(unit, unit.revision)
+
+    def _await_deployed(self, unit: Unit, revision: int) -> None:
+        session = unit.session
+        for task in [t for t in self.tasks.values() if t.unit == unit.uid and t.state != "STOPPED"
+                     and t.family != f"{unit.uid}-{t.role}-r{revision}" and not t.stopping]:
+            if session is None or task not in session.members:
+                self.stop_task_planned(task, "new task definition revision")
+        target = self.targets.get(session.leader.inst.iid) if session else None
+        if (session is not None and session.leader.family.endswith(f"-r{revision}") and target is not None
+                and target.healthy(self.now)):
+            self._deploy_next()
+            return
+        self.after(30, self._await_deployed, unit, revision)
+
+    def _do_capacity_refusal(self, event: Event) -> None:
+        self.refused_until = self.now + event.seconds
+
+    def _do_metric_gap(self, event: Event) -> None:
+        self.metric_gaps.append((self.now, self.now + event.seconds, event.metric))
+
+    def _do_clock_skew(self, event: Event) -> None:
+        if self._missing(event):
+            return
+        inst, _ = self.resolve(event.target)
+        assert inst is not None
+        inst.skew = event.seconds
+
+    def _do_load(self, event: Event) -> None:
+        self.load_events.append(event)
+
+    # ---- load, metrics, autoscaler --------------------------------------------------------------
+
+    def offered_rps(self, t: float) -> float:
+        active = [e for e in self.load_events if e.at <= t]
+        if not active:
+            return 0.0
+        e = active[-1]
+        peak = e.peak_rps if e.peak_rps >= 0 else -e.peak_rps * self.max_units * self.unit_rps
+        hours = t / 3600.0
+        if e.curve == "day":
+            level = peak * (0.55 - 0.45 * math.cos(2 * math.pi * (hours - 4.0) / 24.0))
+        elif e.curve == "spike":
+            level = peak if t - e.at < 1800 else 0.3 * peak
+        else:
+            level = peak
+        return level
+
+    def in_service(self, unit: Unit) -> bool:
+        session = unit.session
+        if session is None or session.state != "serving":
+            return False
+        target = self.targets.get(session.leader.inst.iid)
+        return target is not None and target.healthy(self.now)
+
+    def _in_service_check(self, unit: Unit) -> None:
+        if self.in_service(unit):
+            if unit.down_since is not None:
+                for started, cause in self._open_failures.pop(unit.uid, []):
+                    self.recoveries.append({"unit": unit.uid, "cause": cause, "seconds": self.now - started})
+                unit.down_since, unit.down_cause = None, ""
+            unit.served_ever = True
+            active = [u for u in self.units.values() if u.leader_desired]
+            if self._first_whole is None and sum(self.in_service(u) for u in active) >= self.min_units:
+                self._first_whole = self.now
+        self._check_planned()
+
+    def _gap(self, t: float, metric: str) -> bool:
+        return any(start <= t < end and kind in ("all", metric) for start, end, kind in self.metric_gaps)
+
+    def minute(self) -> None:
+        """Once a minute: traffic, the proxies' metrics, the figures, the autoscaler's tick."""
+        rps = self.offered_rps(self.now)
+        if rps and self.load_events and self.load_events[-1].noise_pct:
+            rps *= 1 + self.rng.uniform(-1, 1) * self.load_events[-1].noise_pct / 100
+        active = [u for u in self.units.values() if u.leader_desired]
+        serving = [u for u in active if self.in_service(u)]
+        capacity = len(serving) * self.unit_rps
+        if self._first_whole is not None:  # from the first minute the cell served whole (min_units)
+            self.figures["requests_offered"] += rps * 60
+            self.figures["requests_refused"] += max(0.0, rps - capacity) * 60
+        held = sum(1 for u in self.units.values()
+                   if any(t.unit == u.uid and t.state != "STOPPED" for t in self.tasks.values()))
+        self.figures["unit_hours"] += held / 60  # units holding tasks, minute by minute
+        down = len(active) - len(serving) if self._first_whole is not None else 0
+        self.figures["max_units_down"] = max(self.figures["max_units_down"], down)
+        self.figures["unit_minutes_down"] += down
+        hour = int(self.now // 3600)
+        while len(self.down_by_hour) <= hour:
+            self.down_by_hour.append(0)
+        self.down_by_hour[hour] = max(self.down_by_hour[hour], down)
+        share = rps / len(serving) if serving else 0.0
+        for unit in self.units.values():
+            reporting = unit.session is not None and unit.session.leader.state == "RUNNING"
+            load = min(1.0, share / self.unit_rps) if unit in serving else (0.0 if reporting else None)
+            health = (1.0 if unit in serving else 0.0) if reporting else None
+            if self._gap(self.now, "load"):
+                load = None
+            if self._gap(self.now, "health"):
+                health = None
+            self.minute_series[unit.uid].append((load, health))
+        self._check_min_units(active, serving)
+        if self.elastic:
+            self.autoscale()
+        self.after(60, self.minute)
+
+    def observation(self) -> asd.Observation:
+        """What the autoscaler's handler would observe (unit_autoscaler.handler.observe)."""
+        lag = int(self.model.v("metric_lag_minutes"))
+        window = self.policy.window_minutes
+        units = []
+        for unit in self.units.values():
+            series = self.minute_series[unit.uid][: max(0, len(self.minute_series[unit.uid]) - lag)]
+            recent = list(reversed(series[-window:]))
+            load = tuple(v for v, _ in recent)
+            health = tuple(h for _, h in recent)
+            running = sum(1 for t in self.tasks.values() if t.unit == unit.uid and t.state != "STOPPED")
+            labelled = sum(1 for i in self.live_instances() if i.attributes.get("unit") == unit.uid)
+            served = unit.index in self.latched or any(h == 1.0 for h in health)
+            phase = asd.phase_of(desired_tasks=unit.leader_desired + unit.follower_desired, running_tasks=running,
+                                 labelled_instances=labelled, served=served)
+            units.append(asd.Unit(unit.index, phase, load, running_tasks=running, instances=labelled, health=health))
+        failures = tuple(EPOCH + t for t in self.capacity_failures if self.now - t <= CAPACITY_LOOKBACK_S)
+        busy = "UPDATE_IN_PROGRESS" if self.roll.active or self.deploy_queue else None
+        def unix(t: float | None) -> float | None:
+            return None if t is None else EPOCH + t
+
+        return asd.Observation(now=self.wall(), units=tuple(units), stack_busy=busy,
+                               last_scale_out=unix(self.last_scale_out), last_scale_in=unix(self.last_scale_in),
+                               capacity_failures=failures)
+
+    def autoscale(self) -> None:
+        obs = self.observation()
+        decision = self.hooks.decide(self.policy, obs)
+        self.latched = asd.served_latch(obs, decision)
+        if decision.action == "hold":
+            return
+        self.note(f"autoscaler {decision.action} {[f'u{i}' for i in decision.units]}: {decision.reason}")
+        chosen = [self.units[f"u{i}"] for i in decision.units]
+        if decision.action in ("cancel", "deactivate"):
+            for unit in chosen:
+                if unit.session is not None and unit.session.state == "serving" and decision.action == "cancel":
+                    self.violate("I2 serving units", f"the autoscaler cancels {unit.uid}, a unit that serves")
+            serving_after = sum(1 for u in self.units.values() if self.in_service(u) and u not in chosen)
+            if decision.action == "deactivate" and serving_after < self.min_units:
+                self.violate("I2 serving units", f"the autoscaler drains {chosen[0].uid}: {serving_after} serving "
+                             f"units left, below min_units {self.min_units}")
+        if decision.action == "activate":
+            for unit in chosen:
+                unit.leader_desired, unit.follower_desired = 1, self.nodes - 1
+                unit.down_since, unit.down_cause = self.now, "forming"
+            self.desired += len(chosen) * self.nodes
+            self.last_scale_out = self.now
+            self.asg_converge()
+        elif decision.action in ("deactivate", "cancel"):
+            for unit in chosen:
+                lacking = self.nodes - sum(1 for i in self.live_instances() if i.attributes.get("unit") == unit.uid)
+                unit.leader_desired = unit.follower_desired = 0
+                unit.down_since, unit.down_cause = None, ""
+                for task in [t for t in self.tasks.values() if t.unit == unit.uid and t.state != "STOPPED"]:
+                    self.stop_task_planned(task, f"autoscaler {decision.action}")
+                if decision.action == "cancel":
+                    self.desired -= max(0, lacking)
+            self.last_scale_in = self.now
+        elif decision.action == "release":
+            for unit in chosen:
+                for inst in [i for i in self.live_instances() if i.attributes.get("unit") == unit.uid]:
+                    self.desired -= 1
+                    self.terminate(inst, replace=False)
+
+    # ---- invariants checked as the run goes ---------------------------------------------------------
+
+    def _check_planned(self) -> None:
+        """I1: a planned operation has at most one unit of a cell of two or more units out of service."""
+        active = [u for u in self.units.values() if u.leader_desired]
+        planned = [u for u in active if u.down_since is not None and u.down_cause == "planned"]
+        if len(active) >= 2 and len(planned) > 1:
+            self.violate("I1 planned operations", f"{len(planned)} units out of service for planned operations "
+                         f"at once: {', '.join(u.uid for u in planned)}")
+
+    def _check_min_units(self, active: list[Unit], serving: list[Unit]) -> None:
+        """I2: never fewer than min_units serving, except while unplanned failures are repaired (and a
+        one-unit cell's planned outage, documented as such)."""
+        planned = min(1, sum(1 for u in active if u.down_since is not None and u.down_cause == "planned"))
+        floor = self.min_units - planned  # one unit out for a planned operation is I1's allowance
+        if self._first_whole is None or len(serving) >= floor:
+            return
+        if any(u.down_since is not None and u.down_cause in ("unplanned", "forming") for u in active):
+            return
+        self.violate("I2 serving units", f"{len(serving)} serving units, below min_units {self.min_units}"
+                     f"{' less the one unit a planned operation may hold' if planned else ''}, "
+                     "with no unplanned failure being repaired")
+
+    def _check_quarantine(self, inst: Instance) -> None:
+        """I3: a quarantined host was named by a fault; a bad host is out within the configured failures."""
+        limit = self.settings.quarantine.failures
+        if inst.iid in self.quarantined and inst.iid not in self.named:
+            self.violate("I3 quarantine", f"healthy instance {inst.iid} quarantined")
+        if inst.iid in self.bad_hosts and inst.iid not in self.quarantined and inst.bad_failures > limit:
+            self.violate("I3 quarantine", f"bad host {inst.iid} failed {inst.bad_failures} times, not quarantined "
+                         f"(limit {limit})")
+
+    def _check_signal(self, iid: str) -> None:
+        """I5: a signal only when the new instance serves in a whole unit, or is ready capacity while every unit
+        serves (a cached spare, or a free instance)."""
+        inst = self.instances[iid]
+        active = [u for u in self.units.values() if u.leader_desired]
+        unit = self.units.get(inst.attributes.get("unit") or "")
+        if unit is not None:
+            # Labelled for a unit: that unit serves, in a session with this instance in it.
+            session = unit.session
+            ok = self.in_service(unit) and session is not None and inst.task in session.members
+        else:
+            ok = all(self.in_service(u) for u in active)
+        if not ok:
+            down = [u.uid for u in active if not self.in_service(u)]
+            where = f"unit {unit.uid} has not formed with it" if unit is not None else "not every unit serves"
+            self.violate("I5 rolling update", f"signal for {iid} while its unit is not whole: {where} "
+                         f"(units not serving: {', '.join(down) or 'none'})")
+
+    def finish(self) -> None:
+        limit = self.settings.quarantine.failures
+        for iid, _times in self.bad_hosts.items():
+            inst = self.instances[iid]
+            if iid not in self.quarantined and inst.bad_failures >= limit:
+                self.violate("I3 quarantine", f"bad host {iid} failed {inst.bad_failures} times and was never "
+                             f"quarantined (limit {limit})")
+        if self.roll.active:
+            self.note("rolling update still in progress at the end of the scenario")
+
+
+@contextmanager
+def _env(values: dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """The controller logs each decision; the simulation keeps its own time line instead."""
+    logging.disable(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logging.disable(logging.NOTSET)

@@ -1,0 +1,346 @@
+"""The cell simulation: it runs the real decision code, finds past defects when the old rules are
+plugged in, is deterministic per seed, and refuses bad scenario files clearly."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from inference_fleet.simulation import engine
+from inference_fleet.simulation.model import AwsModel, Behaviour
+from inference_fleet.simulation.runner import render, simulate
+from inference_fleet.simulation.scenario import ScenarioError, load_scenario, parse_scenario
+
+ROOT = Path(__file__).resolve().parents[1]
+SIMULATIONS = ROOT / "simulations"
+LARGE = str(ROOT / "tests" / "fleets" / "large.yaml")
+ELASTIC = str(ROOT / "tests" / "fleets" / "elastic.yaml")
+
+
+def run(name: str, config: str | None = None, seeds: int = 1, hooks: engine.Hooks | None = None,
+        model: AwsModel | None = None) -> dict:
+    return simulate(load_scenario(SIMULATIONS / name), config, seeds, None, hooks=hooks, model=model)
+
+
+def held(doc: dict, invariant: str) -> bool:
+    return doc["invariants"][invariant]["held"]
+
+
+# ---- the known past defects, found again with the old rules plugged in ---------------------------
+
+def old_tally(own, marks, now):
+    """87efc36 (issue 21 item 4): an accusation of silence counted against the host it named, whatever
+    the other side of the same session reported."""
+    from placement_controller import blame
+
+    result = {}
+    for instance_id in sorted(set(own) | set(marks)):
+        firm = sorted(set(own.get(instance_id, ())) | {m.at for m in marks.get(instance_id, ())})
+        result[instance_id] = blame.Tally(firm=firm)
+    return result
+
+
+def test_a_leader_partition_quarantines_no_healthy_host():
+    doc = run("leader-partition.yaml", seeds=6)
+    assert held(doc, "I3 quarantine"), render(doc)
+    assert all(not s["figures"]["quarantined"] for s in doc["per_seed"])
+
+
+def test_old_blame_quarantines_the_healthy_follower_of_a_partitioned_leader(monkeypatch):
+    from placement_controller import blame
+
+    monkeypatch.setattr(blame, "tally", old_tally)
+    # ECS places the leader's task on either instance of the unit at each restart, so the partitioned
+    # leader is not always on the same host: the healthy one is quarantined in some seeds, as the
+    # issue found it in two of three delivery orders.
+    doc = run("leader-partition.yaml", seeds=6)
+    verdict = doc["invariants"]["I3 quarantine"]
+    assert not verdict["held"], render(doc)
+    assert "healthy instance" in verdict["first"]["first"]
+
+
+def old_decide(policy, obs):
+    """87efc36 (issue 21 item 2): a serving unit whose newest health minute is not exactly 1 (a missing
+    datapoint included) is `starting`, and every starting unit is cancelled after a capacity refusal
+    since the last scale-out (decision.py:112-122, 174-178 at 87efc36)."""
+    import dataclasses
+    import math
+
+    from unit_autoscaler import decision
+
+    units = tuple(dataclasses.replace(u, phase="starting")
+                  if u.phase == "serving" and (not u.health or u.health[0] != 1.0) else u for u in obs.units)
+    starting = tuple(u.index for u in units if u.phase == "starting")
+    recent = bool(obs.capacity_failures) and max(obs.capacity_failures) >= (obs.last_scale_out or -math.inf)
+    if starting and recent and obs.last_scale_out is not None and not obs.stack_busy:
+        return decision.Decision("cancel", "87efc36: instances could not be obtained for the starting units",
+                                 starting)
+    return decision.decide(policy, dataclasses.replace(obs, units=units))
+
+
+def test_a_metric_gap_after_a_refused_scale_out_stops_no_serving_unit():
+    doc = run("metric-gap.yaml", ELASTIC, seeds=3)
+    assert held(doc, "I2 serving units"), render(doc)
+
+
+def test_old_autoscaler_cancels_serving_units_in_a_metric_gap():
+    doc = run("metric-gap.yaml", ELASTIC, hooks=engine.Hooks(decide=old_decide))
+    verdict = doc["invariants"]["I2 serving units"]
+    assert not verdict["held"], render(doc)
+    assert "cancels" in verdict["first"]["first"] and "a unit that serves" in verdict["first"]["first"]
+
+
+def old_ready_instances(settings, view, new, elbv2, retry):
+    """87efc36 (issue 20 items 4, 5): a new instance is signalled when it is a member of a unit whose
+    leader is a healthy target; an instance no unit needs (launch-first, a new spare) never is."""
+    from placement_controller import signals
+
+    healthy = signals.healthy_targets(elbv2, settings.target_group_arn, retry)
+    return {i: "87efc36" for unit, members in sorted(view.units.items()) if healthy.intersection(members)
+            for i in sorted(new.intersection(members))}
+
+
+@pytest.mark.parametrize(("scenario", "config"), [("ami-change.yaml", None), ("ami-change-large.yaml", LARGE)])
+def test_an_ami_change_is_signalled_batch_by_batch(scenario, config):
+    doc = run(scenario, config)
+    assert held(doc, "I5 rolling update") and held(doc, "I1 planned operations"), render(doc)
+    assert doc["per_seed"][0]["figures"]["rolling_update"]["finished_at"] is not None
+
+
+@pytest.mark.parametrize(("scenario", "config"), [("ami-change.yaml", None), ("ami-change-large.yaml", LARGE)])
+def test_old_signals_never_signal_the_launch_first_or_spare_replacement(monkeypatch, scenario, config):
+    from placement_controller import signals
+
+    monkeypatch.setattr(signals, "ready_instances", old_ready_instances)
+    doc = run(scenario, config)
+    verdict = doc["invariants"]["I5 rolling update"]
+    assert not verdict["held"], render(doc)
+    assert "no SUCCESS signal" in verdict["first"]["first"] and "within PauseTime" in verdict["first"]["first"]
+
+
+# ---- every scenario of simulations/ holds every invariant on today's code, 3 seeds each ----------------
+
+CONFIGS = {"ami-change-large.yaml": LARGE, "metric-gap.yaml": ELASTIC, "capacity-refusal.yaml": ELASTIC}
+SLOW = {"day-39-units.yaml"}  # run once below, timed
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in SIMULATIONS.glob("*.yaml") if p.name not in SLOW))
+def test_every_scenario_holds_every_invariant(name):
+    doc = run(name, CONFIGS.get(name), seeds=3)
+    assert all(v["held"] for v in doc["invariants"].values()), "\n".join(render(doc))
+
+
+def test_the_faults_do_what_the_scenarios_say():
+    """The scenarios reach the code they are about: a session lost and served again, a quarantine, a roll."""
+    killed = run("follower-killed.yaml")["per_seed"][0]["figures"]
+    assert len(killed["time_to_serve_again_s"]) == 1
+    bad = run("bad-host.yaml")["per_seed"][0]["figures"]
+    assert len(bad["quarantined"]) == 1 and len(bad["time_to_serve_again_s"]) == 3
+    spare = run("follower-instance-lost-spare.yaml")["per_seed"][0]["figures"]["time_to_serve_again_s"]
+    cold = run("follower-instance-lost.yaml")["per_seed"][0]["figures"]["time_to_serve_again_s"]
+    assert spare[0] < cold[0] - 600  # the spare skips the new instance's boot and fetch
+
+
+def test_a_day_of_a_39_unit_cell_runs_within_the_bound():
+    doc = run("day-39-units.yaml")
+    assert all(v["held"] for v in doc["invariants"].values()), "\n".join(render(doc))
+    assert doc["units"] == 39
+    # The target is 10 s on one core (docs/simulation.md measures about 1.2 s); a loaded CI machine gets 3x.
+    assert doc["figures"]["wall_seconds_max"] < 30
+
+
+# ---- determinism ------------------------------------------------------------------------------------------
+
+def _without_wall(doc: dict) -> dict:
+    doc = json.loads(json.dumps(doc))
+    doc["figures"].pop("wall_seconds_max")
+    for seed in doc["per_seed"]:
+        seed.pop("wall_seconds")
+    return doc
+
+
+def test_the_same_seed_gives_the_same_report(tmp_path):
+    first = _without_wall(run("bad-host.yaml", seeds=2))
+    again = _without_wall(run("bad-host.yaml", seeds=2))
+    assert first == again
+    other = simulate(load_scenario(SIMULATIONS / "bad-host.yaml"), None, 1, None)
+    assert other["per_seed"][0]["seed"] == 1
+    shifted = parse_scenario({**yaml.safe_load((SIMULATIONS / "bad-host.yaml").read_text()), "seed": 7})
+    assert _without_wall(simulate(shifted, None, 1, None))["per_seed"][0] != first["per_seed"][0]
+
+
+def test_the_report_does_not_depend_on_the_interpreters_hash_seed(tmp_path):
+    """Set and dict orders of strings change with PYTHONHASHSEED: two processes, two hash seeds, one report."""
+    reports = []
+    for hash_seed in ("1", "2"):
+        report = tmp_path / f"report-{hash_seed}.json"
+        done = subprocess.run([sys.executable, "-m", "inference_fleet", "simulate", "--scenario",
+                               str(SIMULATIONS / "leader-partition.yaml"), "--seeds", "2", "--report", str(report)],
+                              capture_output=True, text=True, cwd=ROOT, timeout=120,
+                              env={**os.environ, "PYTHONHASHSEED": hash_seed})
+        assert done.returncode == 0, done.stderr
+        reports.append(_without_wall(json.loads(report.read_text())))
+    assert reports[0] == reports[1]
+
+
+def test_the_cli_writes_the_report_and_prints_one_line_per_invariant(tmp_path):
+    report = tmp_path / "simulate-cell-report.json"
+    done = subprocess.run([sys.executable, "-m", "inference_fleet", "simulate", "--scenario",
+                           str(SIMULATIONS / "follower-killed.yaml"), "--seeds", "2", "--report", str(report)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    for name in ("I1 planned operations", "I2 serving units", "I3 quarantine", "I5 rolling update"):
+        assert f"{name}: held" in lines
+    doc = json.loads(report.read_text())
+    assert doc["seeds"] == [1, 2] and set(doc["invariants"]) >= {"I1 planned operations", "I3 quarantine"}
+    assert "time line of seed" not in done.stdout
+
+
+def test_the_timeline_option_prints_what_happened(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "inference_fleet", "simulate", "--scenario",
+                           str(SIMULATIONS / "follower-killed.yaml"), "--timeline",
+                           "--report", str(tmp_path / "r.json")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "time line of seed 1:" in done.stdout
+    assert "scenario: kill u0.follower1" in done.stdout and "ends: member_lost naming" in done.stdout
+
+
+# ---- scenario files that cannot run are refused clearly ------------------------------------------------------
+
+def test_every_problem_of_a_scenario_is_named_with_its_place():
+    with pytest.raises(ScenarioError) as caught:
+        parse_scenario({
+            "name": "bad", "duration": "90 minutes", "colour": "red",
+            "events": [
+                {"at": "10m", "do": "explode"},
+                {"at": "5m", "do": "kill"},
+                {"at": "5m", "do": "partition", "target": "u0.follower0", "for": "2m"},
+                {"at": "5m", "do": "hang", "target": "node7", "for": "-3s"},
+                {"at": "5m", "do": "load", "curve": "sawtooth", "peak_rps": 3, "level": 0.5},
+                {"do": "deploy", "bogus": 1},
+            ],
+        }, "x.yaml")
+    text = str(caught.value)
+    for expected in (
+        "duration: '90 minutes' is not a duration; write a number with a unit: 45s, 10m, 1.5h, 2d",
+        "'colour' is not a scenario field",
+        "events[0].do: 'explode' is not a kind of event; allowed: load, kill,",
+        "events[1]: `kill` needs `target`",
+        "events[2].target: 'u0.follower0': followers count from 1",
+        "events[3].target: 'node7' is not a target; allowed: u<N>.leader, u<N>.follower<K>",
+        "events[3].for: '-3s' is not a duration",
+        "events[4].curve: 'sawtooth'; allowed: constant, day, spike, noise",
+        "events[4]: give `peak_rps` or `level`, not both",
+        "events[5]: `deploy` takes no `bogus`",
+        "events[5]: needs `at`",
+    ):
+        assert expected in text, text
+
+
+def test_an_event_after_the_end_is_refused():
+    with pytest.raises(ScenarioError, match=r"events\[0\].at: '2h' is after the scenario's end"):
+        parse_scenario({"name": "x", "duration": "1h", "events": [{"at": "2h", "do": "deploy"}]})
+
+
+@pytest.mark.parametrize(("text", "status", "message"), [
+    ("name: x\nduration: 1h\nevents:\n  - {at: 5m, do: explode}\n", 3, "'explode' is not a kind of event"),
+    ("name: [unclosed\n", 3, "not valid YAML"),
+    ("name: x\nduration: 1h\ncell: nowhere\n", 3, "cell 'nowhere' is not in the fleet; its cells: dev"),
+    ("name: x\nduration: 1h\nfleet:\n  cells:\n    - units: 0\n", 3, "units"),
+])
+def test_the_cli_refuses_a_bad_scenario_with_status_3_and_no_traceback(tmp_path, text, status, message):
+    path = tmp_path / "scenario.yaml"
+    path.write_text(text)
+    done = subprocess.run([sys.executable, "-m", "inference_fleet", "simulate", "--scenario", str(path),
+                           "--report", str(tmp_path / "r.json")], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == status, done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("args", [("simulate",), ("simulate", "--scenario", "x.yaml", "--seeds", "0")])
+def test_usage_errors_of_simulate_exit_2(args):
+    done = subprocess.run([sys.executable, "-m", "inference_fleet", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+
+
+def test_a_missing_scenario_file_exits_3(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "inference_fleet", "simulate", "--scenario",
+                           str(tmp_path / "none.yaml")], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 3 and "cannot read the scenario file" in done.stderr
+
+
+def test_the_docs_table_holds_every_modelled_behaviour():
+    from inference_fleet.simulation.model import AwsModel
+
+    text = (ROOT / "docs" / "simulation.md").read_text()
+    for name, value, _meaning, source in AwsModel().table():
+        assert f"| `{name}` | {value:g}" in text, f"docs/simulation.md lacks {name} = {value:g}"
+        assert source.startswith("assumption") or source.split(" ; ")[0] in text
+
+
+# The early signal (issue 20 item 4) needs the follower drain of 87efc36 too: the guard held a follower
+# stopped alone for its whole bound while its unit kept serving, so the old leader stayed healthy. And it
+# needs the batch's new instance to boot while the old one drains (terminate-first, launched when the
+# termination starts: unverified, so a model variant here).
+LAUNCH_AT_START = dataclasses.replace(AwsModel(), terminate_first_launch_at_start=Behaviour(1, "", "assumption"))
+OLD_DRAIN = engine.Hooks(follower_drain="guard_bound")
+
+
+def test_old_signals_with_the_old_drain_signal_before_the_unit_formed_again(monkeypatch):
+    from placement_controller import signals
+
+    monkeypatch.setattr(signals, "ready_instances", old_ready_instances)
+    doc = run("ami-change-terminate-first.yaml", hooks=OLD_DRAIN, model=LAUNCH_AT_START)
+    early = doc["invariants"]["I5 rolling update"]
+    assert not early["held"], render(doc)
+    assert "while its unit is not whole: unit u1 has not formed with it" in early["first"]["first"]
+
+
+def test_todays_signals_hold_the_roll_even_with_the_old_drain_whose_own_defect_is_caught():
+    doc = run("ami-change-terminate-first.yaml", seeds=2, hooks=OLD_DRAIN, model=LAUNCH_AT_START)
+    assert held(doc, "I5 rolling update") and held(doc, "I2 serving units"), "\n".join(render(doc))
+    # The old drain itself (issue 20 item 3): the follower's engine stops while its unit still serves.
+    cut = doc["invariants"]["I1 planned operations"]
+    assert not cut["held"] and "in-flight streams are cut" in cut["first"]["first"], "\n".join(render(doc))
+
+
+def test_fleet_overrides_merge_into_the_fleet_file_item_by_item():
+    from inference_fleet.simulation.runner import fleet_for
+
+    scenario = parse_scenario({"name": "x", "duration": "1h", "cell": "use2-b",
+                               "fleet": {"cells": [{"spare_nodes": 1}], "serving": {"follower_loss_seconds": 45}}})
+    fleet, cell = fleet_for(scenario, LARGE)
+    assert [c.name for c in fleet.cells] == ["use2-a", "use2-b", "usw2-a"]
+    assert fleet.cells[0].spare_nodes == 1 and cell.name == "use2-b" and cell.resolved_max_units == 6
+    assert fleet.serving.follower_loss_seconds == 45
+
+
+@pytest.mark.xfail(strict=True, reason="known gap (docs/simulation.md): the quarantine reads the launcher's "
+                   "ended_at, on the reporting instance's clock; 50 min behind, the bad host escapes")
+def test_a_bad_host_whose_unit_clocks_are_behind_is_still_quarantined():
+    doc = simulate(load_scenario(SIMULATIONS / "known" / "clock-behind-bad-host.yaml"), None, 3, None)
+    assert held(doc, "I3 quarantine"), "\n".join(render(doc))
+
+
+def test_make_simulate_cell_takes_a_spaced_config_and_defaults_to_one_seed(tmp_path):
+    fleet = tmp_path / "my fleets" / "fleet two.yaml"
+    fleet.parent.mkdir()
+    fleet.write_text((ROOT / "tests" / "fleets" / "elastic.yaml").read_text())
+    scenario = tmp_path / "scenario.yaml"
+    scenario.write_text("name: quiet\nduration: 30m\nevents:\n  - {at: 0s, do: load, curve: constant, level: 0.1}\n")
+    report = tmp_path / "report.json"
+    done = subprocess.run(["make", "--no-print-directory", "-C", str(ROOT), "simulate-cell", f"CONFIG={fleet}",
+                           f"SCENARIO={scenario}", f"REPORT={report}"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "cell dev (12 x 2 nodes" in done.stdout and "seeds [1]" in done.stdout
+    assert json.loads(report.read_text())["seeds"] == [1]
