@@ -600,11 +600,12 @@ class LeaderSession:
             member.told_stop = True
             said = member.left_evidence or {}
             stopped = bool(said.get("deliberate"))
-            left = "artifacts" if said.get("cause") == "artifacts" else "member_left"
+            left = said["cause"] if said.get("cause") in ("artifacts", "artifacts_mismatch") else "member_left"
             self.end(
                 f"follower {member.describe()} left: {body['leaving']}",
                 # A follower stopped on purpose (its instance drained or replaced) is not a
-                # failure; one that could not fetch its artifacts says so (cause "artifacts").
+                # failure; one that could not fetch its artifacts says so (cause "artifacts"), or
+                # refused them (cause "artifacts_mismatch", unit_launcher.artifact_manifest).
                 cause="member_stopped" if stopped else left,
                 ended_by=member,
                 evidence=member.left_evidence,
