@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,8 @@ LAYOUT = {
     "sequence_parallel_enabled": True, "is_continuous_batching": True,
 }
 INPUTS = {
-    "checkpoint": {"config.json": {"size": 2, "sha256": "a" * 64}, "model.safetensors": {"size": 9, "sha256": "b" * 64}},
+    "checkpoint": {"config.json": {"size": 2, "sha256": "a" * 64},
+                   "model.safetensors": {"size": 9, "sha256": "b" * 64}},
     "layout": LAYOUT,
     "versions": {"image_digest": "sha256:" + "c" * 64, "neuron_sdk": "2.31.1", "nxdi": "0.10.18399",
                  "vllm_neuron": "0.5.3", "vllm": "0.16.0"},
@@ -52,6 +54,21 @@ def _leaves(value: dict, path: tuple = ()) -> list[tuple]:
     return out
 
 
+def _changed(name: str, old):
+    """Another valid value of the same field."""
+    if isinstance(old, bool):
+        return not old
+    if name == "logical_nc_config":
+        return 3 - old
+    if isinstance(old, int):
+        return old + 1
+    if isinstance(old, list):
+        return [*old[::-1], "--x"]
+    if len(old) == 64:
+        return "d" * 64
+    return "sha256:" + "e" * 64 if old.startswith("sha256:") else old + "x"
+
+
 @pytest.mark.parametrize("path", _leaves(INPUTS), ids=lambda p: ".".join(p))
 def test_any_input_changed_gives_a_new_key(path):
     changed = json.loads(json.dumps(INPUTS))
@@ -59,12 +76,7 @@ def test_any_input_changed_gives_a_new_key(path):
     for part in path[:-1]:
         where = where[part]
     old = where[path[-1]]
-    where[path[-1]] = (
-        not old if isinstance(old, bool) else 3 - old if path[-1] == "logical_nc_config" else old + 1 if isinstance(old, int)
-        else old[::-1] + ["--x"] if isinstance(old, list) else ("d" * 64 if len(old) == 64 else
-                                                                 "sha256:" + "e" * 64 if old.startswith("sha256:")
-                                                                 else old + "x")
-    )
+    where[path[-1]] = _changed(path[-1], old)
     assert _key(changed) != _key(INPUTS)
 
 
@@ -112,7 +124,8 @@ def test_build_puts_each_shard_in_its_nodes_slice(tmp_path):
         (lambda m: m.update(key="f" * 64), "is not the SHA-256 of its inputs"),
         (lambda m: m["nodes"][1].update(start_rank_id=3), "nodes[1]: start_rank_id 3"),
         (lambda m: m["nodes"].pop(), "nodes must list node_rank 0..1"),
-        (lambda m: m["shared"].update({"../etc/passwd": {"size": 1, "sha256": "0" * 64}}), "'../etc/passwd' not allowed"),
+        (lambda m: m["shared"].update({"../etc/passwd": {"size": 1, "sha256": "0" * 64}}),
+         "'../etc/passwd' not allowed"),
         (lambda m: m["inputs"]["layout"].pop("tp_degree"), "inputs.layout.tp_degree: Field required"),
         (lambda m: m.update(extra=1), "extra: Extra inputs are not permitted"),
     ],
@@ -159,7 +172,8 @@ def test_another_key_or_layout_is_refused_before_any_file_is_read(tmp_path):
     with pytest.raises(am.ArtifactMismatch, match=f"manifest key {manifest.key} is not the key this unit was"):
         am.check_node(manifest, tmp_path / "nowhere", 0, planned=_planned(manifest), expected_key="0" * 64)
     planned = {**_planned(manifest), "logical_nc_config": 1, "seq_len": 8192}
-    with pytest.raises(am.ArtifactMismatch, match="layout.logical_nc_config: compiled 2, unit 1; layout.seq_len"):
+    expected = re.escape("layout.logical_nc_config: compiled 2, unit 1; layout.seq_len")
+    with pytest.raises(am.ArtifactMismatch, match=expected):
         am.check_node(manifest, tmp_path / "nowhere", 0, planned=planned, expected_key=None)
 
 
@@ -243,4 +257,4 @@ def test_a_unit_whose_artifacts_match_their_manifest_starts_its_engines(tmp_path
     unit_nodes(follow, "follower", "i-f1", extra_env=s3.env())
     h.wait_for(lambda: (h.get_status(spec["rendezvous"]["port"]) or {}).get("state") == "serving", 60,
                "the unit serving")
-    assert f"artifacts match manifest" in leader.log and key in leader.log
+    assert "artifacts match manifest" in leader.log and key in leader.log
