@@ -121,7 +121,8 @@ def prepare_node(spec: UnitSpec, rank: int) -> None:
     layout_dir, node_dir = plan.layout_dir(spec), plan.compiled_dir(spec, rank)
     if layout_dir and node_dir:
         local = spec.instance.cores_per_node
-        artifacts.prepare_node_layout(Path(layout_dir), Path(node_dir), rank * local, local)
+        artifacts.prepare_node_layout(Path(layout_dir), Path(node_dir), rank * local, local,
+                                      Path(spec.model.local_dir))
 
 
 class _Fetch:
