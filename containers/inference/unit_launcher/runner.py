@@ -375,7 +375,7 @@ async def _serve(spec: UnitSpec, session: rendezvous.LeaderSession, engine: Engi
 
 # Session ends that mean a member was lost: the leader exits "unit lost" whatever its engine said.
 LOST_CAUSES = ("member_lost", "member_engine_exit", "heartbeat_loss", "step_timeout", "member_left",
-               "member_restarted", "canary_failed")
+               "member_restarted", "canary_failed", "divergence")
 
 
 def _settle_cause(session: rendezvous.LeaderSession) -> None:

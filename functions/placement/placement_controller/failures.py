@@ -71,6 +71,8 @@ NOT_IMPLICATING_CAUSES: Mapping[str, str] = {
     "artifacts_mismatch": "the artifacts on a node are not the ones its manifest vouches for (another key, "
                           "another layout, a file whose size or SHA-256 differs): what was uploaded is wrong for "
                           "every host alike; a disk that corrupts files shows again as engine failures",
+    "divergence": "a follower sampled other tokens than the leader's node: with two nodes nothing says which one "
+                  "is wrong, and random on-device sampling per node (a configuration) diverges on every host alike",
     "unknown": "the launcher's fallback when no cause was set: nothing says which node failed",
     "session_changed": "a follower's own history record when the leader refused its heartbeat, never logged",
 }
