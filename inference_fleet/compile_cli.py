@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replace", action="store_true",
                         help="upload over artifacts of another key under the same layout (cells serving them break)")
     parser.add_argument("--json", action="store_true", help="print the job as JSON")
+    parser.add_argument("--check", action="store_true",
+                        help="compile nothing: exit 4 unless the uploaded manifest is the fleet's (model.artifacts_key, "
+                             "layout); the pipeline runs this before any cell deploys")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,6 +53,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.unit_layout and args.unit_layout != layout_key(fleet):
         raise compile_job.CompileError(
             f"--unit-layout {args.unit_layout!r} is not the fleet's layout {layout_key(fleet)!r}")
+    if args.check:
+        return _check(fleet)
     work = Path(args.work_dir).resolve()
     checkpoint = Path(args.checkpoint).resolve() if args.checkpoint else None
     job = compile_job.render(fleet, checkpoint=str(checkpoint or "<checkpoint>"), work_dir=str(work),
@@ -85,6 +90,26 @@ def _run(args: argparse.Namespace) -> int:
     if client is not None:
         count = compile_job.upload(client, out_root, fleet.model.artifacts_s3_uri, manifest, job.layout_name)
         print(f"uploaded {count} objects to {fleet.model.artifacts_s3_uri} (the manifest last)")
+    return exit_codes.OK
+
+
+def _check(fleet: FleetConfig) -> int:
+    """The artifacts the fleet's units would fetch: their manifest's key and layout against the fleet."""
+    import boto3
+
+    spec = compile_job.unit_spec(fleet)
+    destination = f"{fleet.model.artifacts_s3_uri.rstrip('/')}/neuron/{layout_key(fleet)}/"
+    manifest = compile_job.existing_manifest(boto3.client("s3"), destination)
+    if manifest is None:
+        raise compile_job.CompileError(f"{destination}{am.MANIFEST_NAME} does not exist: compile this layout first "
+                                       "(python -m inference_fleet compile); every unit would refuse to start")
+    if fleet.model.artifacts_key and manifest.key != fleet.model.artifacts_key:
+        raise compile_job.CompileError(f"{destination}: manifest key {manifest.key}, fleet model.artifacts_key "
+                                       f"{fleet.model.artifacts_key}: every unit would refuse to start")
+    if diffs := am.layout_differences(manifest, am.planned_layout(spec)):
+        raise compile_job.CompileError(f"{destination}: compiled for another layout: {'; '.join(diffs)}")
+    print(f"{destination}: manifest key {manifest.key} matches the fleet's layout"
+          + (" and model.artifacts_key" if fleet.model.artifacts_key else " (model.artifacts_key not set)"))
     return exit_codes.OK
 
 

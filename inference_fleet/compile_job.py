@@ -198,7 +198,7 @@ def shared_checkpoint_files(out_root: Path) -> tuple[str, ...]:
 
 
 def existing_manifest(client: Any, destination: str) -> am.Manifest | None:
-    from botocore.exceptions import ClientError
+    from botocore.exceptions import BotoCoreError, ClientError
 
     bucket, prefix = split_uri(destination)
     try:
@@ -207,6 +207,8 @@ def existing_manifest(client: Any, destination: str) -> am.Manifest | None:
         if error.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
             return None
         raise CompileError(f"cannot read {destination}{am.MANIFEST_NAME}: {error}") from None
+    except BotoCoreError as error:  # no credentials, no endpoint: botocore's own errors are not ClientErrors
+        raise CompileError(f"cannot read {destination}{am.MANIFEST_NAME}: {type(error).__name__}: {error}") from None
     return am.parse(json.loads(body), f"{destination}{am.MANIFEST_NAME}")
 
 

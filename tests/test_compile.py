@@ -147,3 +147,47 @@ def test_the_job_builds_uploads_once_and_the_launcher_accepts_each_nodes_slice(t
     (checkpoint / "tokenizer.json").write_text('{"changed": true}')
     assert main(command) == 4
     assert f"holds artifacts of key {key}" in capsys.readouterr().err
+
+
+def test_check_passes_only_for_the_fleets_own_manifest(tmp_path, checkpoint, s3, capsys):
+    """What the pipeline runs before any cell deploys (`compile --check`)."""
+    assert main(["compile", "--config", str(DEFAULT), "--check"]) == 4
+    assert "artifacts-manifest.json does not exist: compile this layout first" in capsys.readouterr().err
+    command = ["compile", "--config", str(DEFAULT), "--checkpoint", str(checkpoint), "--work-dir",
+               str(tmp_path / "work"), "--nxdi-command", str(FAKE)]
+    assert main(command) == 0
+    key = capsys.readouterr().out.split("manifest key ")[1].split(",")[0]
+    assert main(["compile", "--config", str(DEFAULT), "--check"]) == 0
+    assert "(model.artifacts_key not set)" in capsys.readouterr().out
+    text = DEFAULT.read_text()
+    for value, status in ((key, 0), ("0" * 64, 4)):
+        fleet_file = tmp_path / f"fleet-{status}.yaml"
+        fleet_file.write_text(text.replace("  parameters_billion:", f"  artifacts_key: '{value}'\n  parameters_billion:"))
+        assert main(["compile", "--config", str(fleet_file), "--check"]) == status
+    assert f"manifest key {key}, fleet model.artifacts_key {'0' * 64}" in capsys.readouterr().err
+
+
+def test_a_fleet_key_reaches_every_units_spec(tmp_path):
+    from inference_fleet.unit_spec import build_unit_spec
+
+    fleet_file = tmp_path / "fleet.yaml"
+    fleet_file.write_text(DEFAULT.read_text().replace("  parameters_billion:", f"  artifacts_key: '{'a' * 64}'\n"
+                                                                                "  parameters_billion:"))
+    fleet = load_fleet(str(fleet_file))
+    spec = parse_spec(build_unit_spec(fleet, fleet.cells[0], 0, revision="r"))
+    assert spec.model.artifacts_key == "a" * 64
+    default = load_fleet(str(DEFAULT))
+    assert "artifacts_key" not in build_unit_spec(default, default.cells[0], 0, revision="r")["model"]
+
+
+def test_check_without_credentials_is_a_clear_error_not_a_traceback(tmp_path):
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_EC2_METADATA_DISABLED="true", AWS_DEFAULT_REGION="us-east-1", AWS_CONFIG_FILE=str(tmp_path / "c"),
+               AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "c"))
+    done = subprocess.run([sys.executable, "-m", "inference_fleet", "compile", "--config", str(DEFAULT), "--check"],
+                          env=env, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 4, done.stderr
+    assert "NoCredentialsError" in done.stderr and "Traceback" not in done.stderr
