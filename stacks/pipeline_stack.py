@@ -37,6 +37,8 @@ from aws_cdk import aws_kms as kms
 from aws_cdk import aws_logs as logs
 from aws_cdk import aws_s3 as s3
 from constructs import Construct
+from unit_launcher.artifact_manifest import MANIFEST_NAME
+from unit_launcher.artifacts import split_uri
 
 from cell_constructs.cell_alarms import gate_reader_role_name, rollout_gate_name
 from cell_constructs.encryption import allow_cloudwatch_logs
@@ -44,8 +46,6 @@ from cell_constructs.nag import acknowledge
 from inference_fleet.config import CellConfig, FleetConfig, PipelineConfig, WaveConfig
 from inference_fleet.rollout import MAX_CELLS_PER_WAVE
 from inference_fleet.unit_spec import layout_key
-from unit_launcher.artifact_manifest import MANIFEST_NAME
-from unit_launcher.artifacts import split_uri
 
 REPOSITORY_ROOT = Path(__file__).resolve().parents[1]
 CDK_QUALIFIER = DefaultStackSynthesizer.DEFAULT_QUALIFIER
