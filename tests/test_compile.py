@@ -162,7 +162,8 @@ def test_check_passes_only_for_the_fleets_own_manifest(tmp_path, checkpoint, s3,
     text = DEFAULT.read_text()
     for value, status in ((key, 0), ("0" * 64, 4)):
         fleet_file = tmp_path / f"fleet-{status}.yaml"
-        fleet_file.write_text(text.replace("  parameters_billion:", f"  artifacts_key: '{value}'\n  parameters_billion:"))
+        keyed = f"  artifacts_key: '{value}'\n  parameters_billion:"
+        fleet_file.write_text(text.replace("  parameters_billion:", keyed))
         assert main(["compile", "--config", str(fleet_file), "--check"]) == status
     assert f"manifest key {key}, fleet model.artifacts_key {'0' * 64}" in capsys.readouterr().err
 
