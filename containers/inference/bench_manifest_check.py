@@ -1,8 +1,9 @@
 """How fast a node checks its artifacts against their manifest (unit_launcher.artifact_manifest.check_node).
 
 Writes `--files` random files of `--mib` MiB each as one node's shards, builds their manifest, and
-times the check (size and SHA-256 of every file, HASH_THREADS at once). The second run of the check
-reads from the page cache; on a node the first read after a fetch is disk-bound.
+times the check (size and SHA-256 of every file, HASH_THREADS at once). Run 1 hashes every file (from
+the page cache here; on a node the first check after a fetch is disk-bound); run 2 is a restart's
+check, which hashes nothing that was not written since it last matched.
 
     .venv/bin/python containers/inference/bench_manifest_check.py --files 4 --mib 256
 """

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -165,6 +166,23 @@ def test_a_node_whose_files_match_passes_and_any_change_is_refused_naming_it(tmp
     shard.unlink()
     with pytest.raises(am.ArtifactMismatch, match="listed in the manifest, missing on this node"):
         am.check_node(manifest, tmp_path, 1, planned=_planned(manifest), expected_key=None)
+
+
+def test_a_file_matched_once_is_not_hashed_again_until_it_is_written(tmp_path, monkeypatch):
+    manifest = _compiled(tmp_path)
+    am.check_node(manifest, tmp_path, 1, planned=_planned(manifest), expected_key=None)
+    hashed: list[str] = []
+    real = am.sha256_file
+    monkeypatch.setattr(am, "sha256_file", lambda path: hashed.append(path.name) or real(path))
+    am.check_node(manifest, tmp_path, 1, planned=_planned(manifest), expected_key=None)
+    assert hashed == []  # a restart does not read 400 GB again
+    shard = tmp_path / "neuron/L/weights/tp3_sharded_checkpoint.safetensors"
+    body = shard.read_bytes()
+    time.sleep(0.05)  # file times tick with the kernel's coarse clock (a few ms): a later tick
+    shard.write_bytes(body[:-1] + b"X")  # same size, written in place: new mtime and ctime
+    with pytest.raises(am.ArtifactMismatch, match=r"tp3_sharded_checkpoint\.safetensors: SHA-256"):
+        am.check_node(manifest, tmp_path, 1, planned=_planned(manifest), expected_key=None)
+    assert hashed == ["tp3_sharded_checkpoint.safetensors"]
 
 
 def test_another_key_or_layout_is_refused_before_any_file_is_read(tmp_path):

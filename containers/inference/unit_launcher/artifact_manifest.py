@@ -16,9 +16,12 @@ the field or file. Format and fields: docs/contracts.md "Compiled artifacts mani
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any
@@ -258,25 +261,73 @@ def check_node(
         if not 0 <= node_rank < len(manifest.nodes):
             raise ArtifactMismatch(f"node rank {node_rank} has no slice in the manifest ({len(manifest.nodes)} nodes)")
         files.update(manifest.nodes[node_rank].files)
+    verified = _Verified(root)
     # Side by side: hashlib releases the GIL on large updates, so threads hash at disk speed.
     with ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
-        futures = {rel: pool.submit(_check_file, root / rel, rel, entry) for rel, entry in sorted(files.items())}
-        for rel in sorted(futures):
-            futures[rel].result()  # the first mismatch in path order, whatever finished first
+        futures = {rel: pool.submit(_check_file, root / rel, rel, entry, verified)
+                   for rel, entry in sorted(files.items())}
+        try:
+            for rel in sorted(futures):
+                futures[rel].result()  # the first mismatch in path order, whatever finished first
+        finally:
+            for future in futures.values():
+                future.cancel()
+            verified.save()
 
 
-def _check_file(path: Path, rel: str, entry: FileEntry) -> None:
+class _Verified:
+    """Files this node already hashed and found matching, by their stat (`.unit_launcher_verified.json`).
+
+    A restart after a failure checks its artifacts again; a file whose inode, size, mtime and ctime
+    are those recorded when it last matched has not been written since (a fetch replaces files,
+    which gives a new inode and ctime; ctime cannot be set back from user space), so it is not
+    hashed again. Anything else is hashed."""
+
+    NAME = ".unit_launcher_verified.json"
+
+    def __init__(self, root: Path) -> None:
+        self.path = root / self.NAME
+        try:
+            loaded = json.loads(self.path.read_text())
+            self.entries: dict[str, list[Any]] = loaded if isinstance(loaded, dict) else {}
+        except (OSError, ValueError):
+            self.entries = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _stamp(stat: os.stat_result, sha256: str) -> list[Any]:
+        return [stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, sha256]
+
+    def known(self, rel: str, stat: os.stat_result, sha256: str) -> bool:
+        with self._lock:
+            return self.entries.get(rel) == self._stamp(stat, sha256)
+
+    def record(self, rel: str, stat: os.stat_result, sha256: str) -> None:
+        with self._lock:
+            self.entries[rel] = self._stamp(stat, sha256)
+
+    def save(self) -> None:
+        with contextlib.suppress(OSError):
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.entries, sort_keys=True))
+            os.replace(tmp, self.path)
+
+
+def _check_file(path: Path, rel: str, entry: FileEntry, verified: _Verified) -> None:
     try:
-        size = path.stat().st_size
+        stat = path.stat()
     except FileNotFoundError:
         raise ArtifactMismatch(f"{rel}: listed in the manifest, missing on this node ({path})") from None
     except OSError as error:
         raise ArtifactMismatch(f"{rel}: cannot read {path}: {error}") from None
-    if size != entry.size:
-        raise ArtifactMismatch(f"{rel}: {size} bytes on this node, {entry.size} in the manifest")
+    if stat.st_size != entry.size:
+        raise ArtifactMismatch(f"{rel}: {stat.st_size} bytes on this node, {entry.size} in the manifest")
+    if verified.known(rel, stat, entry.sha256):
+        return
     try:
         digest = sha256_file(path)
     except OSError as error:
         raise ArtifactMismatch(f"{rel}: cannot read {path}: {error}") from None
     if digest != entry.sha256:
         raise ArtifactMismatch(f"{rel}: SHA-256 {digest} on this node, {entry.sha256} in the manifest")
+    verified.record(rel, stat, digest)
