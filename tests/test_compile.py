@@ -138,6 +138,14 @@ def test_the_job_builds_uploads_once_and_the_launcher_accepts_each_nodes_slice(t
     with pytest.raises(am.ArtifactMismatch, match="is not the key this unit was deployed with"):
         runner.fetch_artifacts(parse_spec(data), 1)
 
+    # Artifacts whose manifest is gone (an interrupted upload) are refused on Neuron, not loaded.
+    s3.delete_object(Bucket="rufus-model-artifacts-111111111111", Key=prefix + am.MANIFEST_NAME)
+    data["model"].update(local_dir=str(tmp_path / "node1-again"), artifacts_key=key)
+    with pytest.raises(am.ArtifactMismatch, match="these artifacts have no manifest"):
+        runner.fetch_artifacts(parse_spec(data), 1)
+    s3.put_object(Bucket="rufus-model-artifacts-111111111111", Key=prefix + am.MANIFEST_NAME,
+                  Body=am.dumps(manifest).encode())
+
     # The same inputs again: nothing is compiled.
     log.write_text("")
     assert main(command) == 0
