@@ -17,8 +17,7 @@ sample on their own (vllm-neuron's default on-device sampling is random,
 `OnDeviceSamplingConfig(dynamic=True, deterministic=False)`, whn09/vllm-neuron@3afb0a92
 `neuronx_distributed_model_loader.py:1071-1073`, and each node's host reads its own device's
 output): two nodes whose chains differ at the same count appended different tokens, which the
-step-input chain alone never shows (docs/compiled-artifacts.md is not about this; see
-docs/neuron-multi-node.md "Nodes agree on every output").
+step-input chain alone never shows (docs/neuron-multi-node.md, "Nodes agree on every output").
 """
 
 from __future__ import annotations
