@@ -16,7 +16,7 @@ export AWS_EC2_METADATA_DISABLED := true
 # ("$$CONFIG"), so a path with spaces or shell characters works: make plan CONFIG="my/fleet two.yaml".
 export CONFIG SCENARIO SEEDS REPORT
 
-.PHONY: help setup venv cli tools synth test snapshot-update validate plan plan-rollout bench bench-proxy bench-unit bench-placement simulate-scaling simulate-cell e2e clean-e2e clean
+.PHONY: help setup venv cli tools synth test snapshot-update validate plan plan-rollout compile bench bench-proxy bench-unit bench-placement simulate-scaling simulate-cell e2e clean-e2e clean
 
 # `make help` lists every target with the `## ` comment on its line (tests/test_makefile.py
 # checks that each .PHONY target has one).
@@ -71,6 +71,10 @@ plan: venv ## the unit's memory budget and parallel layout [CONFIG=fleet.yaml] [
 
 plan-rollout: venv ## waves, bake times and capacity floor of a rollout [CONFIG=fleet.yaml]
 	$(BIN)/python -m inference_fleet plan-rollout $${CONFIG:+--config "$$CONFIG"}
+
+COMPILE_ARGS ?= --dry-run
+compile: venv ## compile the unit layout with NxD Inference, write and upload its manifest [CONFIG=fleet.yaml] [COMPILE_ARGS=--checkpoint DIR]
+	$(BIN)/python -m inference_fleet compile $${CONFIG:+--config "$$CONFIG"} $(COMPILE_ARGS)
 
 # Benchmarks print their figures (ratios against a baseline measured in the same run).
 # The proxy benchmark installs nginx and wrk with apt-get when they are missing.

@@ -4,6 +4,7 @@ Commands:
   validate       check a fleet file and print its cells and stacks
   plan           memory and parallel layout of the fleet's unit (see planner/)
   plan-rollout   waves, bake times and capacity floor of a cell-by-cell rollout (see rollout.py)
+  compile        build and upload the unit layout's compiled Neuron artifacts and manifest (compile_job.py)
   reference      the fleet file reference (Markdown), generated from the config models
   simulate       run one cell through a scenario file (see simulation/, docs/simulation.md)
 
@@ -20,7 +21,7 @@ import os
 import sys
 from dataclasses import asdict
 
-from inference_fleet import __version__, exit_codes, rollout
+from inference_fleet import __version__, compile_cli, exit_codes, rollout
 from inference_fleet.checks import load_fleet
 from inference_fleet.config import ConfigError
 from inference_fleet.planner import cli as planner_cli
@@ -94,6 +95,8 @@ def _parser() -> argparse.ArgumentParser:
         ("validate", "check a fleet file", None, _validate),
         ("plan", "print the unit's memory budget and parallel layout", planner_cli.add_arguments, planner_cli.run),
         ("plan-rollout", "print the cell-by-cell rollout plan", _rollout_arguments, _plan_rollout),
+        ("compile", "compile the unit layout with NxD Inference, write and upload its manifest",
+         compile_cli.add_arguments, compile_cli.run),
         ("simulate", simulation_cli.HELP, simulation_cli.add_arguments, simulation_cli.run),
     ):
         sub = commands.add_parser(name, help=help_text, description=help_text, epilog=exit_codes.EPILOG,

@@ -134,6 +134,12 @@ class ModelConfig(_Strict):
     artifacts_s3_uri: Annotated[str, StringConstraints(pattern=r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$")] = (
         Field(description="S3 prefix holding weights and Neuron-compiled artifacts, s3://bucket/prefix/.")
     )
+    artifacts_key: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")] | None = Field(
+        default=None,
+        description="Key of the compiled artifacts the units must run (printed by `python -m inference_fleet "
+        "compile`; docs/compiled-artifacts.md). Set, a node whose manifest has another key refuses to start "
+        "(`artifacts_mismatch`); unset, any manifest that matches the unit's layout and files is accepted.",
+    )
     parameters_billion: float = Field(gt=0, le=10_000, description="Parameter count in billions (weights memory).")
     dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3"] = Field(
         default="bfloat16", description="Weight and KV cache data type."

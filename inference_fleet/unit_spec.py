@@ -77,6 +77,8 @@ def build_unit_spec(
             "local_dir": f"{MODEL_CACHE_PATH}/{safe_name}",
             "cache_marker": f"{MODEL_CACHE_PATH}/{MODEL_CACHE_MARKER}",
             "layout": layout_key(fleet),
+            # Only when set: a fleet without it renders the same unit spec (and templates) as before.
+            **({"artifacts_key": model.artifacts_key} if model.artifacts_key else {}),
             "dtype": model.dtype,
             "max_seq_len": model.max_seq_len,
         },

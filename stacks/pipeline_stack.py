@@ -37,12 +37,15 @@ from aws_cdk import aws_kms as kms
 from aws_cdk import aws_logs as logs
 from aws_cdk import aws_s3 as s3
 from constructs import Construct
+from unit_launcher.artifact_manifest import MANIFEST_NAME
+from unit_launcher.artifacts import split_uri
 
 from cell_constructs.cell_alarms import gate_reader_role_name, rollout_gate_name
 from cell_constructs.encryption import allow_cloudwatch_logs
 from cell_constructs.nag import acknowledge
 from inference_fleet.config import CellConfig, FleetConfig, PipelineConfig, WaveConfig
 from inference_fleet.rollout import MAX_CELLS_PER_WAVE
+from inference_fleet.unit_spec import layout_key
 
 REPOSITORY_ROOT = Path(__file__).resolve().parents[1]
 CDK_QUALIFIER = DefaultStackSynthesizer.DEFAULT_QUALIFIER
@@ -206,6 +209,9 @@ class PipelineStack(Stack):
                     "build": {"commands": [
                         "make test",
                         f"make synth{config_arg} CDK_OUT={CLOUD_ASSEMBLY_DIR}",
+                        # The compiled artifacts the units will fetch are the fleet's (manifest key and
+                        # layout), or no cell deploys: a unit would refuse them after its old one stopped.
+                        f"make compile{config_arg} COMPILE_ARGS=--check",
                         # Pinned CLI; publish-assets is flagged unstable in CDK CLI 2.1148.
                         f"node_modules/.bin/cdk publish-assets --unstable=publish-assets --app {CLOUD_ASSEMBLY_DIR}"
                         f" --exclusively {cell_stacks}",
@@ -223,6 +229,13 @@ class PipelineStack(Stack):
             resources=[bootstrap_role_arn(self.partition, account, region, kind)
                        for account, region in environments
                        for kind in ("file-publishing-role", "image-publishing-role")],
+        ))
+        # `compile --check` reads the one manifest object of the fleet's layout (a bucket in another
+        # account must also allow this role in its bucket policy: docs/compiled-artifacts.md).
+        bucket, prefix = split_uri(fleet.model.artifacts_s3_uri)
+        project.add_to_role_policy(iam.PolicyStatement(
+            actions=["s3:GetObject"],
+            resources=[f"arn:{self.partition}:s3:::{bucket}/{prefix}neuron/{layout_key(fleet)}/{MANIFEST_NAME}"],
         ))
         return project
 

@@ -233,6 +233,7 @@ def test_source_and_build(large_synth, default_synth) -> None:
         assert commands == [
             "make test",
             f"make synth CONFIG={synth.file} CDK_OUT=cdk.out",
+            f"make compile CONFIG={synth.file} COMPILE_ARGS=--check",
             f"node_modules/.bin/cdk publish-assets --unstable=publish-assets --app cdk.out --exclusively {stacks}",
         ]
         assert spec["artifacts"] == {"base-directory": "cdk.out", "files": ["**/*"]}
@@ -335,3 +336,14 @@ def test_pipeline_stack_snapshot_default(default_synth, snapshot_json) -> None:
 def test_pipeline_stack_snapshot_large(large_synth, snapshot_json) -> None:
     for name in ("Rufus-Pipeline", "Rufus-Pipeline-support-us-west-2"):
         assert _normalised(large_synth.template_json(name)) == snapshot_json(name=name)
+
+
+def test_the_build_reads_only_the_fleets_manifest(large_synth) -> None:
+    """`make compile ... --check` in the build reads one object: the manifest of the fleet's layout."""
+    template = large_synth.templates[large_synth.fleet.pipeline_stack_name]
+    reads = [s for p in template.find_resources("AWS::IAM::Policy").values()
+             for s in p["Properties"]["PolicyDocument"]["Statement"] if s["Action"] == "s3:GetObject"]
+    assert [s["Resource"] for s in reads] == [
+        "arn:aws:s3:::rufus-model-artifacts-222222222222/llama-3.1-405b-instruct/trn1-tp128/neuron/"
+        "trn1.32xlarge-n4-lnc1-tp128-cp4-adp2-seq8192-bs4/artifacts-manifest.json"
+    ]

@@ -5,7 +5,8 @@ The tests pass it as the spec's engine command (engine.command), exactly the way
 UNIT_*/NEURON_*/FI_* environment to $STANDIN_RECORD_DIR/<UNIT_INSTANCE_ID>.json; with
 STANDIN_EXIT_AFTER=<seconds> it exits on its own with STANDIN_EXIT_CODE (default 1). With
 STANDIN_STEPS=<n> it writes step records into UNIT_STEP_DIR as the unit executor does: n
-steps completed by this rank's worker (and broadcast by the executor on rank 0).
+steps completed by this rank's worker (and broadcast by the executor on rank 0), each with
+sampled tokens named by STANDIN_TOKENS (default the same on every node).
 """
 
 from __future__ import annotations
@@ -25,10 +26,14 @@ def record_steps(count: int) -> None:
     step_dir, rank = Path(os.environ["UNIT_STEP_DIR"]), int(os.environ["UNIT_RANK"])
     names = [worker_record_name(rank)] + ([EXECUTOR_RECORD] if rank == 0 else [])
     recorders = [StepRecorder(step_dir / name) for name in names]
+    # STANDIN_TOKENS: what this node "samples" each step (the same on every node unless told otherwise).
+    tokens = os.environ.get("STANDIN_TOKENS", "same")
     for recorder in recorders:
         for step in range(count):
             recorder.step(f"step {step}".encode())
             recorder.done()
+            if recorder.path.name.startswith("worker-"):
+                recorder.sampled_output(f"{tokens} {step}".encode())
 
 
 def main() -> int:

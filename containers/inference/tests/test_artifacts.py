@@ -125,6 +125,15 @@ def test_a_flat_or_missing_config_is_not_a_compiled_layout(tmp_path):
         artifacts.check_layout(tmp_path, UNIT)
 
 
+def test_node_layout_names_this_nodes_checkpoint_not_the_compile_hosts(tmp_path):
+    layout = tmp_path / "neuron" / LAYOUT
+    layout.mkdir(parents=True)
+    (layout / "neuron_config.json").write_bytes(FIXTURE.read_bytes())
+    assert json.loads(FIXTURE.read_text())["_name_or_path"] != str(tmp_path)
+    node = artifacts.prepare_node_layout(layout, tmp_path / "neuron" / f"{LAYOUT}.node1", 64, 64, tmp_path)
+    assert json.loads((node / "neuron_config.json").read_text())["_name_or_path"] == str(tmp_path)
+
+
 def test_node_layout_carries_the_nodes_rank_slice(tmp_path):
     layout = tmp_path / "neuron" / LAYOUT
     layout.mkdir(parents=True)

@@ -68,6 +68,8 @@ def test_neuron_follower_plan_runs_the_unit_executor_with_its_rank_slice():
         "NEURON_LOGICAL_NC_CONFIG": "2",
         "NEURON_RT_VIRTUAL_CORE_SIZE": "2",
         "NEURON_COMPILED_ARTIFACTS": "/opt/models/llama/neuron/L1.node1",
+        # vllm-neuron's compile fallback off (unit_executor/no_compile.py): compiled artifacts or nothing.
+        "UNIT_REQUIRE_COMPILED": "1",
         "FI_PROVIDER": "efa",
         "FI_EFA_USE_DEVICE_RDMA": "1",
         "FI_EFA_FORK_SAFE": "1",

@@ -205,7 +205,9 @@ def check_layout(local_layout_dir: Path, expected: dict[str, Any]) -> None:
         )
 
 
-def prepare_node_layout(layout_dir: Path, node_dir: Path, start_rank_id: int, local_ranks_size: int) -> Path:
+def prepare_node_layout(
+    layout_dir: Path, node_dir: Path, start_rank_id: int, local_ranks_size: int, model_dir: Path | None = None
+) -> Path:
     """This node's view of the compiled layout: the same files, its own rank slice.
 
     NxD Inference loads ranks [start_rank_id, start_rank_id + local_ranks_size) of the
@@ -219,6 +221,10 @@ def prepare_node_layout(layout_dir: Path, node_dir: Path, start_rank_id: int, lo
     compiled-model path). Rebuilt each start; the launcher never modifies the fetched files
     (vllm-neuron compiles into this directory when loading fails, and through a linked
     directory its writes would reach the fetched layout: the next fetch verifies it again).
+    `model_dir`: this node's checkpoint directory, written as `_name_or_path` in place of the
+    compile host's path, which NxD Inference reads when it shards at load
+    (neuronx-distributed-inference@c63afe02 models/application_base.py:629-634 `checkpoint_loader_fn`:
+    `_name_or_path` if it exists on this host, else the model path).
     """
     whole, nested = read_neuron_config(layout_dir / LAYOUT_FILE)
     try:
@@ -231,6 +237,8 @@ def prepare_node_layout(layout_dir: Path, node_dir: Path, start_rank_id: int, lo
             if entry.name != LAYOUT_FILE:
                 (node_dir / entry.name).symlink_to(entry.resolve())
         nested = {**nested, "start_rank_id": start_rank_id, "local_ranks_size": local_ranks_size}
+        if model_dir is not None:
+            whole = {**whole, "_name_or_path": str(model_dir)}
         text = json.dumps({**whole, "neuron_config": nested}, indent=2, sort_keys=True)
         (node_dir / LAYOUT_FILE).write_text(text)
     except OSError as error:

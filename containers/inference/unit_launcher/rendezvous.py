@@ -353,6 +353,8 @@ class LeaderSession:
             return
         if self.serving_since is None and executor.completed > 0:
             self.serving_since = time.time()
+        if self._check_divergence():
+            return
         bound = self.spec.rendezvous.step_timeout_seconds
         if executor.inflight_seconds() <= bound:
             return
@@ -365,6 +367,17 @@ class LeaderSession:
             cause="step_timeout",
             ended_by=self._first_follower_behind(executor.steps, records),
         )
+
+    def _check_divergence(self) -> bool:
+        """End the session when a follower's sampled tokens differ from the leader node's
+        (unit_launcher.steps.divergence): its requests would continue from other tokens."""
+        own = steps.local_states(self.step_dir)
+        for member in sorted(self.followers, key=lambda m: (m.rank is None, m.rank or 0)):
+            differs = steps.divergence(own, member.steps or {})
+            if differs:
+                self.end(f"follower {member.describe()} diverged: {differs}", cause="divergence", ended_by=member)
+                return True
+        return False
 
     def _first_follower_behind(self, broadcast: int, records: dict[str, dict[str, Any]]) -> Member | None:
         """The lowest-ranked follower some worker of which completed fewer than `broadcast` steps."""
@@ -610,11 +623,12 @@ class LeaderSession:
             member.told_stop = True
             said = member.left_evidence or {}
             stopped = bool(said.get("deliberate"))
-            left = "artifacts" if said.get("cause") == "artifacts" else "member_left"
+            left = said["cause"] if said.get("cause") in ("artifacts", "artifacts_mismatch") else "member_left"
             self.end(
                 f"follower {member.describe()} left: {body['leaving']}",
                 # A follower stopped on purpose (its instance drained or replaced) is not a
-                # failure; one that could not fetch its artifacts says so (cause "artifacts").
+                # failure; one that could not fetch its artifacts says so (cause "artifacts"), or
+                # refused them (cause "artifacts_mismatch", unit_launcher.artifact_manifest).
                 cause="member_stopped" if stopped else left,
                 ended_by=member,
                 evidence=member.left_evidence,

@@ -25,7 +25,7 @@ from typing import Any
 
 import aiohttp
 
-from unit_launcher import artifacts, evidence, health_file, plan, rendezvous, steps, task_stop
+from unit_launcher import artifact_manifest, artifacts, evidence, health_file, plan, rendezvous, steps, task_stop
 from unit_launcher.engine import Engine
 from unit_launcher.identity import DiscoveryError, Identity, IdentityError, discover_leader, resolve_identity
 from unit_launcher.spec import SpecError, UnitSpec
@@ -87,6 +87,33 @@ def fetch_artifacts(
     layout_dir = plan.layout_dir(spec)
     if layout_dir:
         artifacts.check_layout(Path(layout_dir), plan.neuron_config(spec, 0))
+    check_manifest(spec, rank)
+
+
+def check_manifest(spec: UnitSpec, rank: int | None) -> None:
+    """This node's artifacts against their manifest: the planned key and layout, every file's size
+    and SHA-256 (artifact_manifest.ArtifactMismatch, cause `artifacts_mismatch`). `rank` -1: the
+    shared files only; None: every node's. Before any engine starts, so nothing is ever compiled."""
+    path = artifact_manifest.manifest_path(spec)
+    required = spec.engine.device == "neuron" or spec.model.require_manifest or spec.model.artifacts_key is not None
+    if not required and not path.is_file():
+        log.warning("no %s: the artifacts are not checked against a manifest (model.require_manifest false)", path)
+        return
+    manifest = artifact_manifest.load(path)
+    started = time.monotonic()
+    ranks = range(len(manifest.nodes)) if rank is None else [] if rank < 0 else [rank]
+    planned = artifact_manifest.planned_layout(spec)
+    for node_rank in ranks or [None]:
+        artifact_manifest.check_node(
+            manifest, Path(spec.model.local_dir), node_rank, planned=planned, expected_key=spec.model.artifacts_key
+        )
+    log.info("artifacts match manifest %s (key %s) for rank %s: %.1f s", path, manifest.key, rank,
+             time.monotonic() - started)
+
+
+def artifacts_cause(error: BaseException) -> str:
+    """The session's cause for a failed fetch or check."""
+    return "artifacts_mismatch" if isinstance(error, artifact_manifest.ArtifactMismatch) else "artifacts"
 
 
 def prepare_node(spec: UnitSpec, rank: int) -> None:
@@ -94,7 +121,8 @@ def prepare_node(spec: UnitSpec, rank: int) -> None:
     layout_dir, node_dir = plan.layout_dir(spec), plan.compiled_dir(spec, rank)
     if layout_dir and node_dir:
         local = spec.instance.cores_per_node
-        artifacts.prepare_node_layout(Path(layout_dir), Path(node_dir), rank * local, local)
+        artifacts.prepare_node_layout(Path(layout_dir), Path(node_dir), rank * local, local,
+                                      Path(spec.model.local_dir))
 
 
 class _Fetch:
@@ -211,10 +239,14 @@ async def _wait_out_backoff(spec: UnitSpec, session: rendezvous.LeaderSession, s
     session._set_state(rendezvous.FORMING)
 
 
+# A fetch that failed and artifacts refused: both back off before the next fetch.
+ARTIFACT_CAUSES = ("artifacts", "artifacts_mismatch")
+
+
 def _artifacts_failed_last(spec: UnitSpec) -> bool:
     """Whether this node's newest failure in the unit's history is a failed fetch."""
     failures = [r for r in evidence.read_history(_history(spec)) if r.get("cause") not in evidence.NEUTRAL]
-    return bool(failures) and failures[-1].get("cause") == "artifacts"
+    return bool(failures) and failures[-1].get("cause") in ARTIFACT_CAUSES
 
 
 async def _fetch_own(spec: UnitSpec, session: rendezvous.LeaderSession, signals: _Signals) -> int | None:
@@ -232,7 +264,7 @@ async def _fetch_own(spec: UnitSpec, session: rendezvous.LeaderSession, signals:
         return 0
     error = fetch.error()
     if error is not None:
-        session.end(f"artifacts: {error}", cause="artifacts")
+        session.end(f"artifacts: {error}", cause=artifacts_cause(error))
         log.error("%s", error)
         return EXIT_ARTIFACTS
     return None
@@ -280,7 +312,7 @@ async def _await_ready(
     if session.ended.is_set():  # a follower lost, left or failed its fetch before the engines started
         if session.deliberate_end:  # a follower's task is stopping (member_stopping): no failure
             return 0
-        return EXIT_ARTIFACTS if session.cause == "artifacts" else EXIT_FORM_TIMEOUT
+        return EXIT_ARTIFACTS if session.cause in ARTIFACT_CAUSES else EXIT_FORM_TIMEOUT
     if not session.all_ready.is_set():
         message = (
             f"unit {spec.unit_id} did not start within {spec.rendezvous.join_timeout_seconds:g} s: "
@@ -343,7 +375,7 @@ async def _serve(spec: UnitSpec, session: rendezvous.LeaderSession, engine: Engi
 
 # Session ends that mean a member was lost: the leader exits "unit lost" whatever its engine said.
 LOST_CAUSES = ("member_lost", "member_engine_exit", "heartbeat_loss", "step_timeout", "member_left",
-               "member_restarted", "canary_failed")
+               "member_restarted", "canary_failed", "divergence")
 
 
 def _settle_cause(session: rendezvous.LeaderSession) -> None:
@@ -568,7 +600,8 @@ async def _fetch_before_joining(spec: UnitSpec, me: Identity, signals: _Signals)
     if error is None:
         return None
     log.error("%s", error)
-    _publish(spec, _own_failure_event(spec, me, f"pre-join-{uuid.uuid4().hex}", "artifacts", f"artifacts: {error}"))
+    _publish(spec, _own_failure_event(spec, me, f"pre-join-{uuid.uuid4().hex}", artifacts_cause(error),
+                                             f"artifacts: {error}"))
     return EXIT_ARTIFACTS
 
 
@@ -761,9 +794,9 @@ async def _get_ready(
         await fetch.stop()
     elif (error := fetch.error()) is not None:
         log.error("%s", error)
-        said = {"cause": "artifacts", "error": str(error)}
+        said = {"cause": artifacts_cause(error), "error": str(error)}
         await rendezvous.leave(http, spec, release, me.instance_id, f"artifacts: {error}", said)
-        _follower_record(spec, release, "artifacts", f"artifacts: {error}", None)
+        _follower_record(spec, release, artifacts_cause(error), f"artifacts: {error}", None)
         return EXIT_ARTIFACTS
     else:
         readiness.set_ready()

@@ -46,6 +46,16 @@ class ModelSpec(_Strict):
         default=None,
         description="Key of the compiled layout under <artifacts>/neuron/<layout>/ (Neuron only).",
     )
+    artifacts_key: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")] | None = Field(
+        default=None,
+        description="Key of the compiled artifacts this unit was deployed with (the manifest's `key`, "
+        "unit_launcher/artifact_manifest.py); set, a manifest with another key is refused (artifacts_mismatch).",
+    )
+    require_manifest: bool = Field(
+        default=False,
+        description="CPU units: refuse to start without a compiled-artifacts manifest beside the artifacts. "
+        "On Neuron a manifest is always required, whatever this says.",
+    )
     cache_marker: Annotated[str, StringConstraints(min_length=1)] | None = Field(
         default=None,
         description="File the node's setup writes at the root of the instance-store cache; set, the launcher "

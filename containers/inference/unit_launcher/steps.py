@@ -9,7 +9,9 @@ step directory; this module is the launcher's reading of them:
   step bound, and `laggards` names the members that had not executed it, so the session
   ends as "unit lost" with the culprit named instead of hanging in a collective;
 - `lockstep` says whether every worker of every node executed exactly the steps the
-  leader broadcast (same count, same digest chain).
+  leader broadcast (same count, same digest chain);
+- `divergence` says whether a node sampled other tokens than the leader's node: its output
+  chain differs from the leader's at a count both have (a checkpoint or the current count).
 """
 
 from __future__ import annotations
@@ -75,3 +77,24 @@ def lockstep(executor: Mapping[str, Any] | None, members: Mapping[str, Mapping[s
             if (worker["steps"], worker["chain"]) != (executor["steps"], executor["chain"]):
                 return False
     return True
+
+
+def _outputs(worker: Mapping[str, Any]) -> dict[int, str]:
+    """A worker's output chain by sample count: its checkpoints and its current value."""
+    known = {int(count): chain for count, chain in (worker.get("out_checkpoints") or {}).items()}
+    if "sampled" in worker and "out_chain" in worker and int(worker["sampled"]) > 0:
+        known[int(worker["sampled"])] = worker["out_chain"]
+    return known
+
+
+def divergence(leader: Mapping[str, Mapping[str, Any]], member: Mapping[str, Mapping[str, Any]]) -> str | None:
+    """How `member`'s sampled tokens differ from the leader's node's, or None when they agree as far
+    as both records go. Compared at the highest sample count both have."""
+    reference = {}
+    for worker in workers_of(leader).values():
+        reference.update(_outputs(worker))
+    for name, worker in sorted(workers_of(member).items()):
+        common = set(reference) & set(own := _outputs(worker))
+        if common and own[(at := max(common))] != reference[at]:
+            return f"{name} sampled other tokens than the leader's node by sample {at}"
+    return None

@@ -68,6 +68,11 @@ NOT_IMPLICATING_CAUSES: Mapping[str, str] = {
     "artifacts": "a fetch failed (S3 error or refusal, retries exhausted, missing objects, a layout that "
                  "does not match, no room in the cache): ended_by is null for the leader's own fetch and "
                  "names a follower whose fetch failed, but S3 or the configuration fails every host alike",
+    "artifacts_mismatch": "the artifacts on a node are not the ones its manifest vouches for (another key, "
+                          "another layout, a file whose size or SHA-256 differs): what was uploaded is wrong for "
+                          "every host alike; a disk that corrupts files shows again as engine failures",
+    "divergence": "a follower sampled other tokens than the leader's node: with two nodes nothing says which one "
+                  "is wrong, and random on-device sampling per node (a configuration) diverges on every host alike",
     "unknown": "the launcher's fallback when no cause was set: nothing says which node failed",
     "session_changed": "a follower's own history record when the leader refused its heartbeat, never logged",
 }

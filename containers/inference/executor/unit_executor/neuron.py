@@ -46,3 +46,11 @@ class UnitNeuronWorker(UnitWorker):  # type: ignore[misc, valid-type]
             backend="gloo",
         )
         ensure_model_parallel_initialized(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+
+    def load_model(self, *args: Any, **kwargs: Any) -> Any:
+        # The model loads here (vllm-neuron neuron_worker.py `load_model`): its compile fallback
+        # is turned off first when the launcher asks for compiled artifacts only (no_compile).
+        from unit_executor import no_compile
+
+        no_compile.install_from_env()
+        return super().load_model(*args, **kwargs)

@@ -9,6 +9,15 @@ processes that executed the same steps in the same order have the same count and
 which is the lockstep check; a step in flight for longer than the bound is the liveness
 check. Writes are a seqlock (odd sequence while writing) so a reader never sees half a
 record. Standard library only: the launcher (its own venv) reads what the engine writes.
+
+A worker's record also covers its outputs: `sampled` counts the steps whose sampled tokens it
+chained, `out_chain` = BLAKE2b-256(previous || digest of the step's request ids and sampled token
+ids), and the last CHECKPOINTS values of that chain at every CHECKPOINT_EVERY-th sample. Nodes
+sample on their own (vllm-neuron's default on-device sampling is random,
+`OnDeviceSamplingConfig(dynamic=True, deterministic=False)`, whn09/vllm-neuron@3afb0a92
+`neuronx_distributed_model_loader.py:1071-1073`, and each node's host reads its own device's
+output): two nodes whose chains differ at the same count appended different tokens, which the
+step-input chain alone never shows (docs/neuron-multi-node.md, "Nodes agree on every output").
 """
 
 from __future__ import annotations
@@ -24,8 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# seq, steps (started), completed, inflight_since_ns, last_done_ns, pid, chain (32 bytes)
-_FORMAT = "<QQQQQQ32s"
+# Output checkpoints kept in a record, and how many samples apart (within CHECKPOINTS x
+# CHECKPOINT_EVERY samples of each other, two records always share a checkpoint to compare).
+CHECKPOINTS = 8
+CHECKPOINT_EVERY = 8
+# seq, steps (started), completed, inflight_since_ns, last_done_ns, pid, chain (32 bytes),
+# sampled, out_chain (32 bytes), then CHECKPOINTS x (count, out_chain at that count)
+_FORMAT = "<QQQQQQ32sQ32s" + "Q32s" * CHECKPOINTS
 _SIZE = struct.calcsize(_FORMAT)
 EXECUTOR_RECORD = "executor.rec"
 ZERO_CHAIN = bytes(32)
@@ -50,6 +64,10 @@ class StepState:
     last_done_ns: int
     pid: int
     chain: str
+    sampled: int = 0
+    out_chain: str = ZERO_CHAIN.hex()
+    # count -> out_chain at that count (the newest CHECKPOINTS multiples of CHECKPOINT_EVERY)
+    out_checkpoints: tuple[tuple[int, str], ...] = ()
 
     def inflight_seconds(self, at_ns: int | None = None) -> float:
         if not self.inflight_since_ns:
@@ -63,6 +81,9 @@ class StepState:
             "chain": self.chain,
             "inflight_seconds": round(self.inflight_seconds(), 3),
             "pid": self.pid,
+            "sampled": self.sampled,
+            "out_chain": self.out_chain,
+            "out_checkpoints": {str(count): chain for count, chain in self.out_checkpoints},
         }
 
 
@@ -82,6 +103,9 @@ class StepRecorder:
         self.steps = 0
         self.completed = 0
         self.chain = ZERO_CHAIN
+        self.sampled = 0
+        self.out_chain = ZERO_CHAIN
+        self._checkpoints: list[tuple[int, bytes]] = [(0, ZERO_CHAIN)] * CHECKPOINTS
         # Calls not yet completed, oldest first: (start time, whether it is a step's first call).
         self._inflight: list[tuple[int, bool]] = []
         self._last_done = 0
@@ -93,9 +117,10 @@ class StepRecorder:
     def _write(self) -> None:
         self._seq += 1  # odd: a write is under way (the whole record is packed with it)
         since = self._inflight[0][0] if self._inflight else 0
+        ring = [v for pair in self._checkpoints for v in pair]
         struct.pack_into(
             _FORMAT, self._map, 0, self._seq, self.steps, self.completed, since, self._last_done, self._pid,
-            self.chain,
+            self.chain, self.sampled, self.out_chain, *ring,
         )
         self._seq += 1
         struct.pack_into("<Q", self._map, 0, self._seq)
@@ -106,6 +131,15 @@ class StepRecorder:
             self.steps += 1
             self.chain = hashlib.blake2b(self.chain + digest, digest_size=32).digest()
             self._inflight.append((now_ns(), True))
+            self._write()
+
+    def sampled_output(self, digest: bytes) -> None:
+        """A step's sampled tokens: chain their digest (and keep a checkpoint every CHECKPOINT_EVERY)."""
+        with self._lock:
+            self.sampled += 1
+            self.out_chain = hashlib.blake2b(self.out_chain + digest, digest_size=32).digest()
+            if self.sampled % CHECKPOINT_EVERY == 0:
+                self._checkpoints = [*self._checkpoints[1:], (self.sampled, self.out_chain)]
             self._write()
 
     def begin(self) -> None:
@@ -131,12 +165,15 @@ def read_record(path: str | os.PathLike[str]) -> StepState | None:
                 data = handle.read(_SIZE)
                 if len(data) != _SIZE:
                     return None
-                seq, steps, completed, since, last, pid, chain = struct.unpack(_FORMAT, data)
+                seq, steps, completed, since, last, pid, chain, sampled, out_chain, *ring = struct.unpack(
+                    _FORMAT, data)
                 handle.seek(0)
                 again = struct.unpack_from("<Q", handle.read(8))[0]
                 handle.seek(0)
                 if seq % 2 == 0 and seq == again:
-                    return StepState(steps, completed, since, last, pid, chain.hex())
+                    checkpoints = tuple((ring[i], ring[i + 1].hex()) for i in range(0, len(ring), 2) if ring[i])
+                    return StepState(steps, completed, since, last, pid, chain.hex(), sampled, out_chain.hex(),
+                                     checkpoints)
     except OSError:
         return None
     return None
@@ -186,4 +223,20 @@ def scheduler_output_digest(output: Any) -> bytes:
             h.update(b"C" + _text(req_id) + _ints([computed]))
     for req_id in sorted(getattr(output, "finished_req_ids", ()) or ()):
         h.update(b"F" + _text(req_id))
+    return h.digest()
+
+
+def sampled_output_digest(output: Any) -> bytes | None:
+    """A digest of one step's outputs (a vLLM `ModelRunnerOutput`): each request id with the token
+    ids sampled for it, in the output's order. None when the value carries no sampled tokens (no
+    output on this call, a pooling model, or an asynchronous output not resolved here)."""
+    req_ids = getattr(output, "req_ids", None)
+    sampled = getattr(output, "sampled_token_ids", None)
+    if req_ids is None or sampled is None:
+        return None
+    if hasattr(sampled, "tolist"):  # a tensor
+        sampled = sampled.tolist()
+    h = hashlib.blake2b(digest_size=16)
+    for req_id, tokens in zip(req_ids, sampled, strict=False):
+        h.update(_text(req_id) + _ints(tokens if isinstance(tokens, list | tuple) else [tokens]))
     return h.digest()

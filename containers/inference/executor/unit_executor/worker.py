@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from unit_executor.platform import resolve
-from unit_executor.steps import StepRecorder, scheduler_output_digest, worker_record_name
+from unit_executor.steps import StepRecorder, sampled_output_digest, scheduler_output_digest, worker_record_name
 
 _Base: Any = resolve(os.environ.get("UNIT_BASE_WORKER_CLS", "vllm.v1.worker.cpu_worker.CPUWorker"))
 
@@ -35,9 +35,13 @@ class UnitWorker(_Base):  # type: ignore[misc, valid-type]
             return super().execute_model(scheduler_output, *args, **kwargs)
         recorder.step(scheduler_output_digest(scheduler_output))
         try:
-            return super().execute_model(scheduler_output, *args, **kwargs)
+            output = super().execute_model(scheduler_output, *args, **kwargs)
         finally:
             recorder.done()
+        # Runners that sample inside execute_model (vllm-neuron 0.5's NeuronWorker.execute_model
+        # returns the ModelRunnerOutput) return the tokens here; vLLM's split path returns None.
+        _record_output(recorder, output)
+        return output
 
     def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
         recorder = self._unit_recorder()
@@ -45,6 +49,16 @@ class UnitWorker(_Base):  # type: ignore[misc, valid-type]
             return super().sample_tokens(*args, **kwargs)
         recorder.begin()
         try:
-            return super().sample_tokens(*args, **kwargs)
+            output = super().sample_tokens(*args, **kwargs)
         finally:
             recorder.done()
+        _record_output(recorder, output)
+        return output
+
+
+def _record_output(recorder: StepRecorder, output: Any) -> None:
+    """Chain the tokens this node sampled (every node's worker samples; only rank 0's output is
+    returned to the scheduler, so the others' would otherwise go unseen)."""
+    digest = sampled_output_digest(output)
+    if digest is not None:
+        recorder.sampled_output(digest)

@@ -1,0 +1,135 @@
+"""`python -m inference_fleet compile`: render, run and upload the compile job of the fleet's unit layout.
+
+`--dry-run` prints the job (one NxD Inference pass per node slice), the compile host it needs and,
+with `--checkpoint`, the content key, without touching AWS. Without it, the job finds the key
+already built (nothing to do), or runs the passes, assembles the layout, writes the manifest and
+uploads it to `model.artifacts_s3_uri` (the manifest last). Recipe and sources: compile_job.py and
+docs/compiled-artifacts.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from unit_launcher import artifact_manifest as am
+from unit_launcher.artifacts import ArtifactError
+
+from inference_fleet import compile_job, exit_codes
+from inference_fleet.checks import load_fleet
+from inference_fleet.config import FleetConfig
+from inference_fleet.unit_spec import layout_key
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dry-run", action="store_true", help="print the job, host and key; run and upload nothing")
+    parser.add_argument("--checkpoint", help="local Hugging Face checkpoint directory (its files are in the key)")
+    parser.add_argument("--work-dir", default="compile-work", help="where the passes and the layout are written")
+    parser.add_argument("--unit-layout", help="refuse unless the fleet's layout is this one (a guard for scripts)")
+    parser.add_argument("--model-type", default="llama", help="NxD Inference model type (inference_demo --model-type)")
+    parser.add_argument("--image-digest", help="digest of the inference image the job runs in (default: the fleet's)")
+    parser.add_argument("--nxdi-command", default=compile_job.NXDI_COMMAND, help="NxD Inference's inference_demo")
+    parser.add_argument("--no-upload", action="store_true", help="build and write the manifest, upload nothing")
+    parser.add_argument("--replace", action="store_true",
+                        help="upload over artifacts of another key under the same layout (cells serving them break)")
+    parser.add_argument("--json", action="store_true", help="print the job as JSON")
+    parser.add_argument("--check", action="store_true",
+                        help="compile nothing: exit 4 unless the uploaded manifest is the fleet's "
+                             "(model.artifacts_key, layout); the pipeline runs this before any cell deploys")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except (compile_job.CompileError, ArtifactError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return exit_codes.COMPILE
+
+
+def _run(args: argparse.Namespace) -> int:
+    fleet = load_fleet(args.config)
+    if args.unit_layout and args.unit_layout != layout_key(fleet):
+        raise compile_job.CompileError(
+            f"--unit-layout {args.unit_layout!r} is not the fleet's layout {layout_key(fleet)!r}")
+    if args.check:
+        return _check(fleet)
+    work = Path(args.work_dir).resolve()
+    checkpoint = Path(args.checkpoint).resolve() if args.checkpoint else None
+    job = compile_job.render(fleet, checkpoint=str(checkpoint or "<checkpoint>"), work_dir=str(work),
+                             model_type=args.model_type, image_digest=args.image_digest, command=args.nxdi_command)
+    if checkpoint is not None and not checkpoint.is_dir():
+        raise compile_job.CompileError(f"--checkpoint {checkpoint} is not a directory")
+    key = am.compute_key(compile_job.key_inputs(job, checkpoint)) if checkpoint else None
+    if args.dry_run:
+        _print_job(fleet, job, key, args.json)
+        return exit_codes.OK
+    if checkpoint is None:
+        raise compile_job.CompileError("--checkpoint is required to compile (its files are part of the key)")
+    client = None
+    if not args.no_upload:
+        import boto3
+
+        client = boto3.client("s3")
+        existing = compile_job.existing_manifest(client, job.destination)
+        if existing is not None and existing.key == key:
+            print(f"{job.destination}: already built with key {key}; nothing to compile")
+            return exit_codes.OK
+        if existing is not None and not args.replace:
+            raise compile_job.CompileError(
+                f"{job.destination} holds artifacts of key {existing.key}, not {key}; units deployed with it would "
+                "refuse to start on new ones: pass --replace to upload anyway")
+    compile_job.run_passes(job)
+    out_root = work / "artifacts"
+    compile_job.assemble(job, out_root, checkpoint)
+    manifest = am.build(out_root, f"neuron/{job.layout_name}", compile_job.key_inputs(job, checkpoint),
+                        shared_outside=compile_job.shared_checkpoint_files(out_root))
+    (out_root / "neuron" / job.layout_name / am.MANIFEST_NAME).write_text(am.dumps(manifest))
+    print(f"layout {job.layout_name}: manifest key {manifest.key}, written under {out_root}")
+    if client is not None:
+        count = compile_job.upload(client, out_root, fleet.model.artifacts_s3_uri, manifest, job.layout_name)
+        print(f"uploaded {count} objects to {fleet.model.artifacts_s3_uri} (the manifest last)")
+    return exit_codes.OK
+
+
+def _check(fleet: FleetConfig) -> int:
+    """The artifacts the fleet's units would fetch: their manifest's key and layout against the fleet."""
+    import boto3
+
+    spec = compile_job.unit_spec(fleet)
+    destination = f"{fleet.model.artifacts_s3_uri.rstrip('/')}/neuron/{layout_key(fleet)}/"
+    manifest = compile_job.existing_manifest(boto3.client("s3"), destination)
+    if manifest is None:
+        raise compile_job.CompileError(f"{destination}{am.MANIFEST_NAME} does not exist: compile this layout first "
+                                       "(python -m inference_fleet compile); every unit would refuse to start")
+    if fleet.model.artifacts_key and manifest.key != fleet.model.artifacts_key:
+        raise compile_job.CompileError(f"{destination}: manifest key {manifest.key}, fleet model.artifacts_key "
+                                       f"{fleet.model.artifacts_key}: every unit would refuse to start")
+    if diffs := am.layout_differences(manifest, am.planned_layout(spec)):
+        raise compile_job.CompileError(f"{destination}: compiled for another layout: {'; '.join(diffs)}")
+    print(f"{destination}: manifest key {manifest.key} matches the fleet's layout"
+          + (" and model.artifacts_key" if fleet.model.artifacts_key else " (model.artifacts_key not set)"))
+    return exit_codes.OK
+
+
+def _print_job(fleet: FleetConfig, job: compile_job.Job, key: str | None, as_json: bool) -> None:
+    needs = compile_job.host_needs(fleet)
+    if as_json:
+        print(json.dumps({
+            "layout": job.layout_name, "layout_fields": job.layout, "versions": job.versions, "key": key,
+            "destination": job.destination, "passes": [{"node_rank": p.node_rank, "argv": p.argv, "env": p.env}
+                                                       for p in job.passes],
+            "host": {"weights_gb": needs.weights_gb, "memory_gb": needs.memory_gb, "disk_gb": needs.disk_gb},
+        }, indent=2))
+        return
+    print(f"# compile job for layout {job.layout_name}")
+    print(f"# destination: {job.destination}")
+    print(f"# key: {key or '(pass --checkpoint to compute it)'}")
+    print("# versions: " + ", ".join(f"{k}={v}" for k, v in job.versions.items()))
+    for line in needs.lines:
+        print(f"# {line}")
+    for one in job.passes:
+        print(f"# node {one.node_rank}: ranks {one.node_rank * job.layout['local_ranks_size']}.."
+              f"{(one.node_rank + 1) * job.layout['local_ranks_size'] - 1}")
+        print(one.shell())

@@ -1,0 +1,202 @@
+"""`python -m inference_fleet compile`: the rendered NxD Inference passes against NxD Inference's own
+argument parser, and the whole job (passes by a stand-in, assembly, manifest, upload to moto's S3)
+accepted by the launcher's own artifact check."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import boto3
+import pytest
+from moto import mock_aws
+from unit_launcher import artifact_manifest as am
+from unit_launcher import runner
+from unit_launcher.spec import parse_spec
+
+from inference_fleet import compile_job, exit_codes
+from inference_fleet.checks import load_fleet
+from inference_fleet.cli import main
+from inference_fleet.unit_spec import layout_key
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures" / "nxdi"
+FAKE = FIXTURES / "fake_inference_demo.py"
+DEFAULT, TRN1 = ROOT / "config" / "default.yaml", ROOT / "tests" / "fleets" / "large.yaml"
+
+
+def _nxdi_parser():
+    spec = importlib.util.spec_from_file_location("nxdi_inference_demo_parser", FIXTURES / "inference_demo_parser.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("config", [DEFAULT, TRN1], ids=["trn2-default", "trn1-large"])
+def test_every_pass_parses_with_nxdis_own_parser_into_the_units_layout(config, monkeypatch):
+    fleet = load_fleet(str(config))
+    job = compile_job.render(fleet, checkpoint="/ckpt", work_dir="/work")
+    parser = _nxdi_parser()
+    layout = job.layout
+    assert len(job.passes) == fleet.unit.nodes
+    for one in job.passes:
+        monkeypatch.setattr(sys, "argv", one.argv)
+        args = parser.parse_args()
+        # NxDI's multi-node recipe: the world's tp_degree, this node's slice (examples/multi_node.md:45-151).
+        assert (args.tp_degree, args.world_size, args.local_ranks_size) == (
+            layout["tp_degree"], layout["world_size"], layout["local_ranks_size"])
+        assert args.start_rank_id == one.node_rank * layout["local_ranks_size"]
+        assert args.start_rank_id % args.local_ranks_size == 0  # "multiple of --local_ranks_size"
+        assert (args.cp_degree, args.attention_dp_degree, args.logical_nc_config) == (
+            layout["cp_degree"], layout["attention_dp_degree"], layout["logical_nc_config"])
+        assert (args.batch_size, args.seq_len, args.max_context_length) == (
+            layout["batch_size"], layout["seq_len"], layout["max_context_length"])
+        assert args.sequence_parallel_enabled is layout["sequence_parallel_enabled"]
+        assert args.is_continuous_batching is layout["is_continuous_batching"]
+        assert args.compile_only and args.save_sharded_checkpoint and not args.enable_torch_dist
+        assert args.compiled_model_path == f"/work/node{one.node_rank}/"
+        assert one.env["BASE_COMPILE_WORK_DIR"] == f"/work/nxd-workdir-node{one.node_rank}/"
+    # The compiler arguments in the key carry no path and no rank: one key for every node.
+    assert "/ckpt" not in job.compiler_args and "--start_rank_id" in job.compiler_args
+
+
+def test_a_flag_nxdi_does_not_know_is_refused_by_its_parser(monkeypatch, capsys):
+    fleet = load_fleet(str(DEFAULT))
+    argv = compile_job.render(fleet, checkpoint="/ckpt", work_dir="/w").passes[0].argv
+    monkeypatch.setattr(sys, "argv", [*argv, "--local-ranks-size", "64"])  # the dashed spelling is not NxDI's
+    with pytest.raises(SystemExit):
+        _nxdi_parser().parse_args()
+    assert "unrecognized arguments: --local-ranks-size" in capsys.readouterr().err
+
+
+def test_dry_run_prints_the_job_and_host_without_aws(capsys, monkeypatch):
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    assert main(["compile", "--config", str(DEFAULT), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "weights: 405.85 B parameters x 2 bytes (bfloat16) = 812 GB" in out
+    assert "--start_rank_id 64 --local_ranks_size 64" in out and "--tp-degree 128" in out
+    assert "# key: (pass --checkpoint to compute it)" in out
+
+
+def test_a_wrong_unit_layout_is_refused_naming_the_fleets(capsys):
+    assert main(["compile", "--config", str(DEFAULT), "--dry-run", "--unit-layout", "trn2-n4"]) == exit_codes.COMPILE
+    assert "--unit-layout 'trn2-n4' is not the fleet's layout 'trn2.48xlarge-n2-" in capsys.readouterr().err
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text('{"model_type": "llama"}')
+    (ckpt / "tokenizer.json").write_text("{}")
+    (ckpt / "model-00001-of-00001.safetensors").write_bytes(b"w" * 5000)
+    return ckpt
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.setenv(name, "test")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    with mock_aws():
+        client = boto3.client("s3", region_name="us-east-1")
+        client.create_bucket(Bucket="rufus-model-artifacts-111111111111")
+        yield client
+
+
+def test_the_job_builds_uploads_once_and_the_launcher_accepts_each_nodes_slice(tmp_path, checkpoint, s3, capsys,
+                                                                                monkeypatch):
+    log = tmp_path / "passes.log"
+    monkeypatch.setenv("FAKE_NXDI_LOG", str(log))
+    command = ["compile", "--config", str(DEFAULT), "--checkpoint", str(checkpoint), "--work-dir",
+               str(tmp_path / "work"), "--nxdi-command", str(FAKE), "--image-digest", "sha256:" + "1" * 64]
+    assert main(command) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    key = out.split("manifest key ")[1].split(",")[0]
+    assert log.read_text().splitlines() == [
+        f"start_rank_id=0 workdir={tmp_path}/work/nxd-workdir-node0/",
+        f"start_rank_id=64 workdir={tmp_path}/work/nxd-workdir-node1/",
+    ]
+    fleet = load_fleet(str(DEFAULT))
+    prefix = "llama-3.1-405b-instruct/neuron/" + layout_key(fleet) + "/"
+    head = s3.head_object(Bucket="rufus-model-artifacts-111111111111", Key=prefix + "model.pt", ChecksumMode="ENABLED")
+    assert "ChecksumSHA256" in head
+    manifest = am.parse(json.loads(s3.get_object(Bucket="rufus-model-artifacts-111111111111",
+                                                 Key=prefix + am.MANIFEST_NAME)["Body"].read()))
+    assert manifest.key == key and len(manifest.nodes) == 2
+    assert len(manifest.nodes[1].files) == 64 and "config.json" in manifest.shared
+    assert "model-00001-of-00001.safetensors" in manifest.inputs.checkpoint  # in the key, not fetched by nodes
+
+    # The launcher's own fetch and check, node 1, against what was uploaded.
+    data = json.loads(parse_spec(compile_job.unit_spec(fleet).model_dump()).model_dump_json())
+    data["model"].update(local_dir=str(tmp_path / "node1"), cache_marker=None, artifacts_key=key)
+    data["region"] = "us-east-1"
+    runner.fetch_artifacts(parse_spec(data), 1)
+    data["model"]["artifacts_key"] = "0" * 64
+    with pytest.raises(am.ArtifactMismatch, match="is not the key this unit was deployed with"):
+        runner.fetch_artifacts(parse_spec(data), 1)
+
+    # Artifacts whose manifest is gone (an interrupted upload) are refused on Neuron, not loaded.
+    s3.delete_object(Bucket="rufus-model-artifacts-111111111111", Key=prefix + am.MANIFEST_NAME)
+    data["model"].update(local_dir=str(tmp_path / "node1-again"), artifacts_key=key)
+    with pytest.raises(am.ArtifactMismatch, match="these artifacts have no manifest"):
+        runner.fetch_artifacts(parse_spec(data), 1)
+    s3.put_object(Bucket="rufus-model-artifacts-111111111111", Key=prefix + am.MANIFEST_NAME,
+                  Body=am.dumps(manifest).encode())
+
+    # The same inputs again: nothing is compiled.
+    log.write_text("")
+    assert main(command) == 0
+    assert "already built with key " + key in capsys.readouterr().out
+    assert log.read_text() == ""
+    # Another checkpoint: another key, refused over the one that is deployed unless --replace.
+    (checkpoint / "tokenizer.json").write_text('{"changed": true}')
+    assert main(command) == exit_codes.COMPILE
+    assert f"holds artifacts of key {key}" in capsys.readouterr().err
+
+
+def test_check_passes_only_for_the_fleets_own_manifest(tmp_path, checkpoint, s3, capsys):
+    """What the pipeline runs before any cell deploys (`compile --check`)."""
+    assert main(["compile", "--config", str(DEFAULT), "--check"]) == exit_codes.COMPILE
+    assert "artifacts-manifest.json does not exist: compile this layout first" in capsys.readouterr().err
+    command = ["compile", "--config", str(DEFAULT), "--checkpoint", str(checkpoint), "--work-dir",
+               str(tmp_path / "work"), "--nxdi-command", str(FAKE)]
+    assert main(command) == 0
+    key = capsys.readouterr().out.split("manifest key ")[1].split(",")[0]
+    assert main(["compile", "--config", str(DEFAULT), "--check"]) == 0
+    assert "(model.artifacts_key not set)" in capsys.readouterr().out
+    text = DEFAULT.read_text()
+    for value, status in ((key, 0), ("0" * 64, 4)):
+        fleet_file = tmp_path / f"fleet-{status}.yaml"
+        keyed = f"  artifacts_key: '{value}'\n  parameters_billion:"
+        fleet_file.write_text(text.replace("  parameters_billion:", keyed))
+        assert main(["compile", "--config", str(fleet_file), "--check"]) == status
+    assert f"manifest key {key}, fleet model.artifacts_key {'0' * 64}" in capsys.readouterr().err
+
+
+def test_a_fleet_key_reaches_every_units_spec(tmp_path):
+    from inference_fleet.unit_spec import build_unit_spec
+
+    fleet_file = tmp_path / "fleet.yaml"
+    fleet_file.write_text(DEFAULT.read_text().replace("  parameters_billion:", f"  artifacts_key: '{'a' * 64}'\n"
+                                                                                "  parameters_billion:"))
+    fleet = load_fleet(str(fleet_file))
+    spec = parse_spec(build_unit_spec(fleet, fleet.cells[0], 0, revision="r"))
+    assert spec.model.artifacts_key == "a" * 64
+    default = load_fleet(str(DEFAULT))
+    assert "artifacts_key" not in build_unit_spec(default, default.cells[0], 0, revision="r")["model"]
+
+
+def test_check_without_credentials_is_a_clear_error_not_a_traceback(tmp_path):
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_EC2_METADATA_DISABLED="true", AWS_DEFAULT_REGION="us-east-1", AWS_CONFIG_FILE=str(tmp_path / "c"),
+               AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "c"))
+    done = subprocess.run([sys.executable, "-m", "inference_fleet", "compile", "--config", str(DEFAULT), "--check"],
+                          env=env, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == exit_codes.COMPILE, done.stderr
+    assert "NoCredentialsError" in done.stderr and "Traceback" not in done.stderr
