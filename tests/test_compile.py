@@ -168,7 +168,7 @@ def test_check_passes_only_for_the_fleets_own_manifest(tmp_path, checkpoint, s3,
     assert main(["compile", "--config", str(DEFAULT), "--check"]) == 0
     assert "(model.artifacts_key not set)" in capsys.readouterr().out
     text = DEFAULT.read_text()
-    for value, status in ((key, 0), ("0" * 64, 4)):
+    for value, status in ((key, 0), ("0" * 64, exit_codes.COMPILE)):
         fleet_file = tmp_path / f"fleet-{status}.yaml"
         keyed = f"  artifacts_key: '{value}'\n  parameters_billion:"
         fleet_file.write_text(text.replace("  parameters_billion:", keyed))
