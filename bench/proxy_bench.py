@@ -169,7 +169,11 @@ def unit_proxy_source() -> dict[str, str]:
     done = subprocess.run(
         ["git", "-C", str(package), "log", "-1", "--format=%h %s"], capture_output=True, text=True, timeout=30
     )
-    return {"path": str(package), "commit": done.stdout.strip()[:120] or "unknown"}
+    dirty = subprocess.run(
+        ["git", "-C", str(package), "status", "--porcelain", "--", "."], capture_output=True, text=True, timeout=30
+    ).stdout.strip()
+    commit = done.stdout.strip()[:120] or "unknown"
+    return {"path": str(package), "commit": commit + (" (with uncommitted changes)" if dirty else "")}
 
 
 async def wait_http(
@@ -439,8 +443,19 @@ def cpu_sample(roots: dict[str, int]) -> dict[str, proctree.TreeCpu]:
     return {name: proctree.sample(pid) for name, pid in roots.items()}
 
 
-async def measure_run(args: argparse.Namespace, tools: dict[str, str], cpus: tuple[set[int], set[int]]) -> dict:
+def turn_order(run: int) -> tuple[str, ...]:
+    """Direct first (each proxy's added latency is counted from the direct point just before),
+    then the proxies in an order rotated by one per run, so that no proxy always comes right
+    after the direct point or always last (warm caches, the load of the point before)."""
+    shift = run % len(PROXIES)
+    return ("direct", *PROXIES[shift:], *PROXIES[:shift])
+
+
+async def measure_run(
+    args: argparse.Namespace, tools: dict[str, str], cpus: tuple[set[int], set[int]], run: int = 0
+) -> dict:
     """One whole comparison with fresh processes: every stream count through every target, then wrk."""
+    order = turn_order(run)
     workdir = Path(tempfile.mkdtemp(prefix="proxy-bench-"))
     procs = Processes(workdir)
     streams: list[StreamResult] = []
@@ -453,7 +468,7 @@ async def measure_run(args: argparse.Namespace, tools: dict[str, str], cpus: tup
         processes = {name: len(proctree.sample(pid).pids) for name, pid in roots.items()}
         print(f"  processes per target: {processes}", flush=True)
         for n in args.streams:
-            for target in TARGETS:
+            for target in order:
                 before = cpu_sample(roots)
                 result = await run_streams(target, bases[target], n, args.duration, args.tokens, args.interval)
                 after = cpu_sample(roots)
@@ -473,7 +488,7 @@ async def measure_run(args: argparse.Namespace, tools: dict[str, str], cpus: tup
                     flush=True,
                 )
             procs.check_alive()
-        for target in TARGETS:
+        for target in order:
             before = cpu_sample(roots)
             small[target] = run_wrk(
                 tools["wrk"], bases[target] + "/v1/models", args.rps_connections, args.rps_seconds, cpus[0]
@@ -497,6 +512,7 @@ async def measure_run(args: argparse.Namespace, tools: dict[str, str], cpus: tup
         procs.stop_all()
         shutil.rmtree(workdir, ignore_errors=True)
     return {
+        "order": list(order),
         "processes": processes,
         "streams": [asdict(r) for r in streams],
         "small_requests": small,
@@ -629,6 +645,17 @@ def report(
     }
 
 
+def strict_json(value: Any) -> Any:
+    """The report with NaN (a figure that could not be measured) as null: strict JSON, as jq reads it."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [strict_json(v) for v in value]
+    return value
+
+
 def fmt(value: object, width: int) -> str:
     if isinstance(value, float):
         return f"{value:>{width}.3f}" if math.isfinite(value) else f"{'nan':>{width}}"
@@ -693,7 +720,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     runs = []
     for i in range(args.runs):
         print(f"run {i + 1} of {args.runs}", flush=True)
-        runs.append(await measure_run(args, tools, cpus))
+        runs.append(await measure_run(args, tools, cpus, i))
     doc = report(args, runs, tools, cpus)
     doc["host"]["loadavg_1m_before_after"] = [round(load_before[0], 2), round(os.getloadavg()[0], 2)]
     return doc
@@ -803,7 +830,7 @@ def main(argv: list[str] | None = None) -> None:
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         # A target that would not start or died under load: say which and why, no traceback.
         raise SystemExit(f"proxy benchmark failed: {exc}") from None
-    args.report.write_text(json.dumps(doc, indent=2) + "\n")
+    args.report.write_text(json.dumps(strict_json(doc), indent=2, allow_nan=False) + "\n")
     print_table(doc, args.report)
 
 

@@ -18,7 +18,16 @@ from pathlib import Path
 import pytest
 
 from bench import proctree
-from bench.proxy_bench import PROXIES, TARGET_RULES, TARGETS, judge, parse_args, targets_block
+from bench.proxy_bench import (
+    PROXIES,
+    TARGET_RULES,
+    TARGETS,
+    judge,
+    parse_args,
+    strict_json,
+    targets_block,
+    turn_order,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -112,6 +121,19 @@ def test_a_bad_stream_count_is_refused_with_what_is_allowed(capsys):
     assert "comma-separated whole numbers" in capsys.readouterr().err
 
 
+def test_three_runs_put_each_proxy_once_in_each_turn_after_direct():
+    orders = [turn_order(run) for run in range(3)]
+    assert {order[0] for order in orders} == {"direct"}
+    assert all(sorted(order) == sorted(TARGETS) for order in orders)
+    for turn in (1, 2, 3):
+        assert {order[turn] for order in orders} == set(PROXIES)
+
+
+def test_the_report_is_strict_json_with_null_for_what_could_not_be_measured():
+    doc = strict_json({"a": [1.0, float("nan")], "b": {"c": float("inf"), "d": "x"}})
+    assert json.loads(json.dumps(doc, allow_nan=False)) == {"a": [1.0, None], "b": {"c": None, "d": "x"}}
+
+
 def finite(value: object) -> bool:
     return isinstance(value, int | float) and math.isfinite(value)
 
@@ -127,7 +149,7 @@ def test_quick_bench_runs_end_to_end_and_reports_every_figure(tmp_path):
         timeout=400,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    doc = json.loads(report.read_text())
+    doc = json.loads(report.read_text(), parse_constant=lambda name: pytest.fail(f"{name} in the report"))
     assert doc["quick"] is True and len(doc["runs"]) == 1
     run = doc["runs"][0]
     streams = doc["workload"]["streams"]
