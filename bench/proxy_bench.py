@@ -227,6 +227,7 @@ class StreamResult:
     cpu_us_per_token: float | None = None
     # The unit proxy's agent alone (the root of its tree), per second of the point.
     agent_cpu_per_second: float | None = None
+    agent_cpu_seconds: float | None = None
 
 
 def summary(values: list[float]) -> dict[str, float]:
@@ -478,6 +479,7 @@ async def measure_run(
                     result.cpu_us_per_token = round(used * 1e6 / result.tokens, 2) if result.tokens else float("nan")
                 if target == "proxy":
                     agent = after["proxy"].root - before["proxy"].root
+                    result.agent_cpu_seconds = round(agent, 3)
                     result.agent_cpu_per_second = round(agent / result.wall_seconds, 4)
                 streams.append(result)
                 print(
@@ -501,6 +503,7 @@ async def measure_run(
                 small[target]["requests_per_cpu_second"] = round(per_cpu, 1)
             if target == "proxy":
                 agent = after["proxy"].root - before["proxy"].root
+                small[target]["agent_cpu_seconds"] = round(agent, 3)
                 small[target]["agent_cpu_per_second"] = round(agent / small[target]["wall_seconds"], 4)
             print(
                 f"  {target:7} small requests: {small[target]['requests_per_s']:.0f} req/s, "
@@ -540,7 +543,16 @@ def figures(streams: list[StreamResult], small: dict[str, dict[str, float]]) -> 
         f"streams_{top}": at_top["proxy"].agent_cpu_per_second,
         "small_requests": small["proxy"]["agent_cpu_per_second"],
     }
+    # The agent's part of the unit proxy's CPU: where a gap to nginx comes from (agent or HAProxy).
+    out["proxy"]["agent_share_of_cpu"] = {
+        f"streams_{top}": share(at_top["proxy"].agent_cpu_seconds, at_top["proxy"].cpu_seconds),
+        "small_requests": share(small["proxy"]["agent_cpu_seconds"], small["proxy"]["cpu_seconds"]),
+    }
     return out
+
+
+def share(part: float | None, whole: float | None) -> float:
+    return round(part / whole, 3) if part is not None and whole else float("nan")
 
 
 def judge(value: float, nginx: float, kind: str) -> dict[str, Any]:
@@ -572,8 +584,9 @@ def median_figures(runs: list[dict]) -> dict[str, dict[str, Any]]:
         out[target] = {
             name: round(median([run["figures"][target][name] for run in runs]), 3) for name in (*TARGET_RULES, "errors")
         }
-    agent = [run["figures"]["proxy"]["agent_cpu_per_load_second"] for run in runs]
-    out["proxy"]["agent_cpu_per_load_second"] = {key: round(median([a[key] for a in agent]), 4) for key in agent[0]}
+    for figure in ("agent_cpu_per_load_second", "agent_share_of_cpu"):
+        agent = [run["figures"]["proxy"][figure] for run in runs]
+        out["proxy"][figure] = {key: round(median([a[key] for a in agent]), 4) for key in agent[0]}
     return out
 
 
@@ -689,6 +702,7 @@ def print_table(doc: dict[str, Any], path: Path) -> None:
             f"{fmt(f['requests_per_cpu_second'], 10)} {fmt(f['cpu_us_per_token'], 10)} {fmt(f['errors'], 7)}"
         )
     print(f"agent's own CPU per second of load (median): {doc['median']['proxy']['agent_cpu_per_load_second']}")
+    print(f"agent's share of the unit proxy's CPU (median): {doc['median']['proxy']['agent_share_of_cpu']}")
     for title, key in (("unit proxy", "targets"), ("raw HAProxy", "raw_haproxy_against_the_same_targets")):
         block = doc[key]
         print(f"\n{title} against raw nginx (evaluated: {block['evaluated']}):")

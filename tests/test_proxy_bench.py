@@ -166,8 +166,9 @@ def test_quick_bench_runs_end_to_end_and_reports_every_figure(tmp_path):
                 assert finite(figures[name]), (target, name, figures)
             assert figures["requests_per_cpu_second"] > 0 and figures["cpu_us_per_token"] > 0, figures
             assert figures["errors"] == 0, figures
-    agent = doc["median"]["proxy"]["agent_cpu_per_load_second"]
-    assert agent and all(finite(v) and v >= 0 for v in agent.values()), agent
+    for figure in ("agent_cpu_per_load_second", "agent_share_of_cpu"):
+        agent = doc["median"]["proxy"][figure]
+        assert agent and all(finite(v) and 0 <= v <= 1.5 for v in agent.values()), (figure, agent)
     for block in (doc["targets"], doc["raw_haproxy_against_the_same_targets"]):
         assert block["evaluated"] is False  # quick mode proves the bench runs, not the targets
         for name in TARGET_RULES:
