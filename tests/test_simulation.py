@@ -246,6 +246,28 @@ def test_every_problem_of_a_scenario_is_named_with_its_place():
         assert expected in text, text
 
 
+@pytest.mark.parametrize(("scenario", "message"), [
+    # A list or mapping as `do` was looked up in a dict: TypeError, a traceback to the user.
+    ({"name": "x", "duration": "1h", "events": [{"at": "5m", "do": ["kill"], "target": "u0.leader"}]},
+     "events[0].do: ['kill'] is not a kind of event; allowed: load, kill,"),
+    ({"name": "x", "duration": "1h", "events": [{"at": "5m", "do": {"kill": 1}}]},
+     "events[0].do: {'kill': 1} is not a kind of event"),
+    # YAML's .nan was a duration: the run did nothing and every invariant "held".
+    ({"name": "x", "duration": float("nan"), "events": []}, "duration: nan is not a duration"),
+    ({"name": "x", "duration": "1h", "events": [{"at": float("nan"), "do": "deploy"}]},
+     "events[0].at: nan is not a duration"),
+    ({"name": "x", "duration": "1h", "events": [{"at": float("inf"), "do": "deploy"}]},
+     "events[0].at: inf is not a duration"),
+    # 2.7 failures were run as 2.
+    ({"name": "x", "duration": "1h", "events": [{"at": "5m", "do": "bad_host", "target": "u0.leader", "times": 2.7}]},
+     "events[0].times: 2.7 must be a whole number from 1 to 100"),
+])
+def test_values_of_the_wrong_kind_are_refused_not_crashed_on_or_run(scenario, message):
+    with pytest.raises(ScenarioError) as caught:
+        parse_scenario(scenario, "x.yaml")
+    assert message in str(caught.value), str(caught.value)
+
+
 def test_an_event_after_the_end_is_refused():
     with pytest.raises(ScenarioError, match=r"events\[0\].at: '2h' is after the scenario's end"):
         parse_scenario({"name": "x", "duration": "1h", "events": [{"at": "2h", "do": "deploy"}]})
