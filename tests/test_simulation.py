@@ -268,6 +268,24 @@ def test_values_of_the_wrong_kind_are_refused_not_crashed_on_or_run(scenario, me
     assert message in str(caught.value), str(caught.value)
 
 
+def test_a_target_the_cell_can_never_have_is_refused():
+    """Such an event used to be skipped at run time ("names nothing at this time"), and the scenario held
+    every invariant without its fault: a bad host on u5 of a one-unit cell tested nothing."""
+    scenario = parse_scenario({"name": "x", "duration": "2h", "events": [
+        {"at": "10m", "do": "bad_host", "target": "u5.leader", "times": 3},
+        {"at": "10m", "do": "kill", "target": "u0.follower3"},
+        {"at": "10m", "do": "kill", "target": "spare2"},
+        {"at": "10m", "do": "kill", "target": "u0.follower1"},
+    ]}, "x.yaml")
+    with pytest.raises(ScenarioError) as caught:
+        simulate(scenario, None, 1, None)
+    text = str(caught.value)
+    assert "3 problem(s)" in text, text
+    assert "events[0].target: 'u5.leader': cell dev has 1 unit(s), u0 to u0" in text
+    assert "events[1].target: 'u0.follower3': a unit has 1 follower(s) (2 nodes)" in text
+    assert "events[2].target: 'spare2': cell dev has 0 spare(s)" in text
+
+
 def test_an_event_after_the_end_is_refused():
     with pytest.raises(ScenarioError, match=r"events\[0\].at: '2h' is after the scenario's end"):
         parse_scenario({"name": "x", "duration": "1h", "events": [{"at": "2h", "do": "deploy"}]})
