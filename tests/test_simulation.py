@@ -125,6 +125,26 @@ def test_old_signals_never_signal_the_launch_first_or_spare_replacement(monkeypa
     assert "no SUCCESS signal" in verdict["first"]["first"] and "within PauseTime" in verdict["first"]["first"]
 
 
+def test_the_placement_controller_stopping_a_serving_unit_violates_i2(monkeypatch):
+    """I2's "no controller stops a unit that serves" was checked for the autoscaler only: a placement
+    controller rule that replaced a serving unit's host (SetInstanceHealth) held every invariant."""
+    from placement_controller import aws as pc_aws
+    from placement_controller import handler
+
+    def broken_mark_unhealthy(settings, clients, step, group, retry):
+        """A broken rule, its condition inverted: the host of a healthy leader target is reported unhealthy."""
+        targets = clients.elbv2.describe_target_health(TargetGroupArn="arn:sim:tg")["TargetHealthDescriptions"]
+        healthy = sorted(t["Target"]["Id"] for t in targets if t["TargetHealth"]["State"] == "healthy")
+        return [i for i in healthy[:1] if pc_aws.mark_unhealthy(clients.autoscaling, i, retry)]
+
+    monkeypatch.setattr(handler, "_mark_unhealthy", broken_mark_unhealthy)
+    doc = run("deploy-four-units.yaml")
+    verdict = doc["invariants"]["I2 serving units"]
+    assert not verdict["held"], "\n".join(render(doc))
+    assert "the placement controller stops u" in verdict["first"]["first"]
+    assert "a unit that serves: SetInstanceHealth Unhealthy" in verdict["first"]["first"]
+
+
 # ---- every scenario of simulations/ holds every invariant on today's code, 3 seeds each ----------------
 
 CONFIGS = {"ami-change-large.yaml": LARGE, "metric-gap.yaml": ELASTIC, "capacity-refusal.yaml": ELASTIC}

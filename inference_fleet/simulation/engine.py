@@ -1168,6 +1168,15 @@ class Cell:
                      f"{' less the one unit a planned operation may hold' if planned else ''}, "
                      "with no unplanned failure being repaired")
 
+    def controller_stops(self, inst: Instance, call: str) -> None:
+        """I2: the placement controller stops or replaces no member of a unit that serves (its calls
+        StopTask and SetInstanceHealth land here before they act)."""
+        unit = self._unit_of(inst)
+        if unit is not None and unit.session is not None and inst.task in unit.session.members \
+                and self.in_service(unit):
+            self.violate("I2 serving units", f"the placement controller stops {unit.uid}, a unit that serves: "
+                         f"{call} for its member on {inst.iid}")
+
     def _check_quarantine(self, inst: Instance) -> None:
         """I3: a quarantined host was named by a fault; a bad host is out within the configured failures."""
         limit = self.settings.quarantine.failures
