@@ -145,6 +145,20 @@ def test_the_placement_controller_stopping_a_serving_unit_violates_i2(monkeypatc
     assert "a unit that serves: SetInstanceHealth Unhealthy" in verdict["first"]["first"]
 
 
+def test_a_signal_rule_that_signals_every_new_instance_at_once_has_two_units_out(monkeypatch):
+    """I1's count (two units out for planned operations at once) can fail: with every new instance
+    signalled on sight, CloudFormation terminates the next unit's instance while the last one re-forms."""
+    from placement_controller import signals
+
+    monkeypatch.setattr(signals, "ready_instances",
+                        lambda settings, view, new, elbv2, retry: {i: "on sight" for i in sorted(new)})
+    doc = run("ami-change-terminate-first.yaml")
+    verdict = doc["invariants"]["I1 planned operations"]
+    assert not verdict["held"], "\n".join(render(doc))
+    assert "2 units out of service for planned operations at once" in verdict["first"]["first"]
+    assert not held(doc, "I5 rolling update")
+
+
 # ---- every scenario of simulations/ holds every invariant on today's code, 3 seeds each ----------------
 
 CONFIGS = {"ami-change-large.yaml": LARGE, "metric-gap.yaml": ELASTIC, "capacity-refusal.yaml": ELASTIC}
