@@ -399,6 +399,17 @@ def test_fleet_overrides_merge_into_the_fleet_file_item_by_item():
     assert fleet.serving.follower_loss_seconds == 45
 
 
+def test_the_join_deadline_is_the_launchers_from_the_fleet():
+    """The launcher waits `join_timeout_seconds` of its unit spec (the fleet's health_check_grace_seconds);
+    the simulation had 2400 s written in, whatever the fleet said."""
+    from inference_fleet.simulation.runner import fleet_for
+
+    scenario = parse_scenario({"name": "x", "duration": "1h",
+                               "fleet": {"serving": {"health_check_grace_seconds": 3000}}})
+    fleet, cell = fleet_for(scenario, None)
+    assert engine.Cell(fleet, cell, scenario, 1).join_timeout == 3000.0
+
+
 @pytest.mark.xfail(strict=True, reason="known gap (docs/simulation.md): the quarantine reads the launcher's "
                    "ended_at, on the reporting instance's clock; 50 min behind, the bad host escapes")
 def test_a_bad_host_whose_unit_clocks_are_behind_is_still_quarantined():

@@ -53,6 +53,7 @@ from inference_fleet.simulation import aws_api  # noqa: E402
 from inference_fleet.simulation.model import JITTER, JITTERED, AwsModel  # noqa: E402
 from inference_fleet.simulation.scenario import Event, Scenario, Target  # noqa: E402
 from inference_fleet.simulation.world import AlbTarget, Instance, Roll, Session, Task, Unit, clock  # noqa: E402
+from inference_fleet.unit_spec import build_unit_spec  # noqa: E402
 
 NEUTRAL = set(evidence.NEUTRAL)
 CLUSTER = "arn:aws:ecs:us-east-2:111111111111:cluster/sim"
@@ -103,7 +104,8 @@ class Cell:
         self.nodes = fleet.unit.nodes
         self.loss_limit = float(serving.follower_loss_seconds)
         self.dereg = float(serving.deregistration_delay_seconds)
-        self.join_timeout = 2400.0
+        # The launcher's join deadline, from the unit spec it is given (the fleet's health check grace).
+        self.join_timeout = float(build_unit_spec(fleet, cell, 0, revision="sim")["rendezvous"]["join_timeout_seconds"])
         self.step_timeout = float(serving.step_timeout_seconds)
         self.backoff_policy = evidence.BackoffPolicy(serving.restart_backoff_base_seconds,
                                                      serving.restart_backoff_cap_seconds,
