@@ -410,6 +410,22 @@ def test_the_join_deadline_is_the_launchers_from_the_fleet():
     assert engine.Cell(fleet, cell, scenario, 1).join_timeout == 3000.0
 
 
+def test_the_served_latch_is_kept_while_the_stack_is_busy_as_the_autoscaler_keeps_it():
+    """unit_autoscaler.handler records no latch while the stack is busy (a deploy, a roll); the simulation
+    recomputed it every tick, so a unit restarting in a deploy lost it and could be cancelled as `starting`."""
+    from inference_fleet.simulation.runner import fleet_for
+
+    scenario = parse_scenario({"name": "x", "duration": "1h"})
+    fleet, cell = fleet_for(scenario, ELASTIC)
+    sim = engine.Cell(fleet, cell, scenario, 1)
+    sim.latched, sim.deploy_queue = frozenset({0}), ["u1"]  # u0 served before; a deploy is under way
+    sim.autoscale()  # u0 is not serving at this tick (no session yet)
+    assert sim.latched == frozenset({0})
+    sim.deploy_queue = []
+    sim.autoscale()  # the stack is idle again: the latch follows the units
+    assert sim.latched == frozenset()
+
+
 @pytest.mark.xfail(strict=True, reason="known gap (docs/simulation.md): the quarantine reads the launcher's "
                    "ended_at, on the reporting instance's clock; 50 min behind, the bad host escapes")
 def test_a_bad_host_whose_unit_clocks_are_behind_is_still_quarantined():

@@ -1111,7 +1111,7 @@ class Cell:
     def autoscale(self) -> None:
         obs = self.observation()
         decision = self.hooks.decide(self.policy, obs)
-        self.latched = asd.served_latch(obs, decision)
+        self.latched = asd.latch_after(obs, decision, self.latched)  # kept while the stack is busy, as the handler
         if decision.action == "hold":
             return
         self.note(f"autoscaler {decision.action} {[f'u{i}' for i in decision.units]}: {decision.reason}")
