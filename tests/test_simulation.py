@@ -125,6 +125,40 @@ def test_old_signals_never_signal_the_launch_first_or_spare_replacement(monkeypa
     assert "no SUCCESS signal" in verdict["first"]["first"] and "within PauseTime" in verdict["first"]["first"]
 
 
+def test_the_placement_controller_stopping_a_serving_unit_violates_i2(monkeypatch):
+    """I2's "no controller stops a unit that serves" was checked for the autoscaler only: a placement
+    controller rule that replaced a serving unit's host (SetInstanceHealth) held every invariant."""
+    from placement_controller import aws as pc_aws
+    from placement_controller import handler
+
+    def broken_mark_unhealthy(settings, clients, step, group, retry):
+        """A broken rule, its condition inverted: the host of a healthy leader target is reported unhealthy."""
+        targets = clients.elbv2.describe_target_health(TargetGroupArn="arn:sim:tg")["TargetHealthDescriptions"]
+        healthy = sorted(t["Target"]["Id"] for t in targets if t["TargetHealth"]["State"] == "healthy")
+        return [i for i in healthy[:1] if pc_aws.mark_unhealthy(clients.autoscaling, i, retry)]
+
+    monkeypatch.setattr(handler, "_mark_unhealthy", broken_mark_unhealthy)
+    doc = run("deploy-four-units.yaml")
+    verdict = doc["invariants"]["I2 serving units"]
+    assert not verdict["held"], "\n".join(render(doc))
+    assert "the placement controller stops u" in verdict["first"]["first"]
+    assert "a unit that serves: SetInstanceHealth Unhealthy" in verdict["first"]["first"]
+
+
+def test_a_signal_rule_that_signals_every_new_instance_at_once_has_two_units_out(monkeypatch):
+    """I1's count (two units out for planned operations at once) can fail: with every new instance
+    signalled on sight, CloudFormation terminates the next unit's instance while the last one re-forms."""
+    from placement_controller import signals
+
+    monkeypatch.setattr(signals, "ready_instances",
+                        lambda settings, view, new, elbv2, retry: {i: "on sight" for i in sorted(new)})
+    doc = run("ami-change-terminate-first.yaml")
+    verdict = doc["invariants"]["I1 planned operations"]
+    assert not verdict["held"], "\n".join(render(doc))
+    assert "2 units out of service for planned operations at once" in verdict["first"]["first"]
+    assert not held(doc, "I5 rolling update")
+
+
 # ---- every scenario of simulations/ holds every invariant on today's code, 3 seeds each ----------------
 
 CONFIGS = {"ami-change-large.yaml": LARGE, "metric-gap.yaml": ELASTIC, "capacity-refusal.yaml": ELASTIC}
@@ -246,6 +280,46 @@ def test_every_problem_of_a_scenario_is_named_with_its_place():
         assert expected in text, text
 
 
+@pytest.mark.parametrize(("scenario", "message"), [
+    # A list or mapping as `do` was looked up in a dict: TypeError, a traceback to the user.
+    ({"name": "x", "duration": "1h", "events": [{"at": "5m", "do": ["kill"], "target": "u0.leader"}]},
+     "events[0].do: ['kill'] is not a kind of event; allowed: load, kill,"),
+    ({"name": "x", "duration": "1h", "events": [{"at": "5m", "do": {"kill": 1}}]},
+     "events[0].do: {'kill': 1} is not a kind of event"),
+    # YAML's .nan was a duration: the run did nothing and every invariant "held".
+    ({"name": "x", "duration": float("nan"), "events": []}, "duration: nan is not a duration"),
+    ({"name": "x", "duration": "1h", "events": [{"at": float("nan"), "do": "deploy"}]},
+     "events[0].at: nan is not a duration"),
+    ({"name": "x", "duration": "1h", "events": [{"at": float("inf"), "do": "deploy"}]},
+     "events[0].at: inf is not a duration"),
+    # 2.7 failures were run as 2.
+    ({"name": "x", "duration": "1h", "events": [{"at": "5m", "do": "bad_host", "target": "u0.leader", "times": 2.7}]},
+     "events[0].times: 2.7 must be a whole number from 1 to 100"),
+])
+def test_values_of_the_wrong_kind_are_refused_not_crashed_on_or_run(scenario, message):
+    with pytest.raises(ScenarioError) as caught:
+        parse_scenario(scenario, "x.yaml")
+    assert message in str(caught.value), str(caught.value)
+
+
+def test_a_target_the_cell_can_never_have_is_refused():
+    """Such an event used to be skipped at run time ("names nothing at this time"), and the scenario held
+    every invariant without its fault: a bad host on u5 of a one-unit cell tested nothing."""
+    scenario = parse_scenario({"name": "x", "duration": "2h", "events": [
+        {"at": "10m", "do": "bad_host", "target": "u5.leader", "times": 3},
+        {"at": "10m", "do": "kill", "target": "u0.follower3"},
+        {"at": "10m", "do": "kill", "target": "spare2"},
+        {"at": "10m", "do": "kill", "target": "u0.follower1"},
+    ]}, "x.yaml")
+    with pytest.raises(ScenarioError) as caught:
+        simulate(scenario, None, 1, None)
+    text = str(caught.value)
+    assert "3 problem(s)" in text, text
+    assert "events[0].target: 'u5.leader': cell dev has 1 unit(s), u0 to u0" in text
+    assert "events[1].target: 'u0.follower3': a unit has 1 follower(s) (2 nodes)" in text
+    assert "events[2].target: 'spare2': cell dev has 0 spare(s)" in text
+
+
 def test_an_event_after_the_end_is_refused():
     with pytest.raises(ScenarioError, match=r"events\[0\].at: '2h' is after the scenario's end"):
         parse_scenario({"name": "x", "duration": "1h", "events": [{"at": "2h", "do": "deploy"}]})
@@ -323,6 +397,33 @@ def test_fleet_overrides_merge_into_the_fleet_file_item_by_item():
     assert [c.name for c in fleet.cells] == ["use2-a", "use2-b", "usw2-a"]
     assert fleet.cells[0].spare_nodes == 1 and cell.name == "use2-b" and cell.resolved_max_units == 6
     assert fleet.serving.follower_loss_seconds == 45
+
+
+def test_the_join_deadline_is_the_launchers_from_the_fleet():
+    """The launcher waits `join_timeout_seconds` of its unit spec (the fleet's health_check_grace_seconds);
+    the simulation had 2400 s written in, whatever the fleet said."""
+    from inference_fleet.simulation.runner import fleet_for
+
+    scenario = parse_scenario({"name": "x", "duration": "1h",
+                               "fleet": {"serving": {"health_check_grace_seconds": 3000}}})
+    fleet, cell = fleet_for(scenario, None)
+    assert engine.Cell(fleet, cell, scenario, 1).join_timeout == 3000.0
+
+
+def test_the_served_latch_is_kept_while_the_stack_is_busy_as_the_autoscaler_keeps_it():
+    """unit_autoscaler.handler records no latch while the stack is busy (a deploy, a roll); the simulation
+    recomputed it every tick, so a unit restarting in a deploy lost it and could be cancelled as `starting`."""
+    from inference_fleet.simulation.runner import fleet_for
+
+    scenario = parse_scenario({"name": "x", "duration": "1h"})
+    fleet, cell = fleet_for(scenario, ELASTIC)
+    sim = engine.Cell(fleet, cell, scenario, 1)
+    sim.latched, sim.deploy_queue = frozenset({0}), ["u1"]  # u0 served before; a deploy is under way
+    sim.autoscale()  # u0 is not serving at this tick (no session yet)
+    assert sim.latched == frozenset({0})
+    sim.deploy_queue = []
+    sim.autoscale()  # the stack is idle again: the latch follows the units
+    assert sim.latched == frozenset()
 
 
 @pytest.mark.xfail(strict=True, reason="known gap (docs/simulation.md): the quarantine reads the launcher's "

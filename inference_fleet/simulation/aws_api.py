@@ -40,6 +40,7 @@ class AutoScaling(_Api):
         inst = self.cell.instances.get(InstanceId)
         if inst is None or inst.lifecycle == "Terminated":
             raise _validation(f"instance {InstanceId} is not in the group", "SetInstanceHealth")
+        self.cell.controller_stops(inst, f"SetInstanceHealth {HealthStatus}")
         self.cell.mark_unhealthy(inst)
         return {}
 
@@ -76,6 +77,7 @@ class Ecs(_Api):
                              and not t.stopping]}
 
     def stop_task(self, cluster: str, task: str, reason: str) -> dict:
+        self.cell.controller_stops(self.cell.tasks[task].inst, "StopTask")
         self.cell.stop_task_planned(self.cell.tasks[task], f"StopTask: {reason}")
         return {}
 

@@ -53,6 +53,7 @@ from inference_fleet.simulation import aws_api  # noqa: E402
 from inference_fleet.simulation.model import JITTER, JITTERED, AwsModel  # noqa: E402
 from inference_fleet.simulation.scenario import Event, Scenario, Target  # noqa: E402
 from inference_fleet.simulation.world import AlbTarget, Instance, Roll, Session, Task, Unit, clock  # noqa: E402
+from inference_fleet.unit_spec import build_unit_spec  # noqa: E402
 
 NEUTRAL = set(evidence.NEUTRAL)
 CLUSTER = "arn:aws:ecs:us-east-2:111111111111:cluster/sim"
@@ -103,7 +104,8 @@ class Cell:
         self.nodes = fleet.unit.nodes
         self.loss_limit = float(serving.follower_loss_seconds)
         self.dereg = float(serving.deregistration_delay_seconds)
-        self.join_timeout = 2400.0
+        # The launcher's join deadline, from the unit spec it is given (the fleet's health check grace).
+        self.join_timeout = float(build_unit_spec(fleet, cell, 0, revision="sim")["rendezvous"]["join_timeout_seconds"])
         self.step_timeout = float(serving.step_timeout_seconds)
         self.backoff_policy = evidence.BackoffPolicy(serving.restart_backoff_base_seconds,
                                                      serving.restart_backoff_cap_seconds,
@@ -1109,7 +1111,7 @@ class Cell:
     def autoscale(self) -> None:
         obs = self.observation()
         decision = self.hooks.decide(self.policy, obs)
-        self.latched = asd.served_latch(obs, decision)
+        self.latched = asd.latch_after(obs, decision, self.latched)  # kept while the stack is busy, as the handler
         if decision.action == "hold":
             return
         self.note(f"autoscaler {decision.action} {[f'u{i}' for i in decision.units]}: {decision.reason}")
@@ -1167,6 +1169,15 @@ class Cell:
         self.violate("I2 serving units", f"{len(serving)} serving units, below min_units {self.min_units}"
                      f"{' less the one unit a planned operation may hold' if planned else ''}, "
                      "with no unplanned failure being repaired")
+
+    def controller_stops(self, inst: Instance, call: str) -> None:
+        """I2: the placement controller stops or replaces no member of a unit that serves (its calls
+        StopTask and SetInstanceHealth land here before they act)."""
+        unit = self._unit_of(inst)
+        if unit is not None and unit.session is not None and inst.task in unit.session.members \
+                and self.in_service(unit):
+            self.violate("I2 serving units", f"the placement controller stops {unit.uid}, a unit that serves: "
+                         f"{call} for its member on {inst.iid}")
 
     def _check_quarantine(self, inst: Instance) -> None:
         """I3: a quarantined host was named by a fault; a bad host is out within the configured failures."""

@@ -21,6 +21,9 @@ ALB_HEALTH = "https://docs.aws.amazon.com/elasticloadbalancing/latest/applicatio
 DEREG = ("https://docs.aws.amazon.com/elasticloadbalancing/latest/application/edit-target-group-attributes.html"
          "#deregistration-delay")
 ECS_DRAIN = "https://docs.aws.amazon.com/AmazonECS/latest/developerguide/load-balancer-connection-draining.html"
+# DEACTIVATING (a service task's target group deregistration) comes before STOPPING (the stop signal, then
+# SIGKILL after the stop timeout): the order the model runs a stop in.
+ECS_LIFECYCLE = "https://docs.aws.amazon.com/AmazonECS/latest/developerguide/task-lifecycle-explanation.html"
 MANAGED_DRAINING = "https://docs.aws.amazon.com/AmazonECS/latest/developerguide/managed-instance-draining.html"
 UPDATE_POLICY = "https://docs.aws.amazon.com/AWSCloudFormation/latest/UserGuide/aws-attribute-updatepolicy.html"
 ASG_HEALTH = "https://docs.aws.amazon.com/autoscaling/ec2/userguide/replace-unhealthy-instance.html"
@@ -39,7 +42,7 @@ class AwsModel:
         2, "consecutive failures before a target is unhealthy (the cell sets 2)", ALB_HEALTH)
     task_stop_dereg_first: Behaviour = Behaviour(
         1, "ECS deregisters a stopping task's target and waits the deregistration delay before SIGTERM; the "
-        "target is `draining` (not healthy) meanwhile", f"{ECS_DRAIN} ; {DEREG}")
+        "target is `draining` (not healthy) meanwhile", f"{ECS_LIFECYCLE} ; {ECS_DRAIN} ; {DEREG}")
     instance_boot: Behaviour = Behaviour(
         660, "EC2 launch to ECS registration: launch, node setup (EFA installer, RAID), agent registration",
         "assumption: docs/cell-lifecycle.md T_boot (B1 5 min + B2 5 min + B3 1 min), not measured")

@@ -54,12 +54,35 @@ def fleet_for(scenario: Scenario, config: str | None) -> tuple[FleetConfig, Cell
         source = f"{source} with the overrides of {scenario.source}"
     fleet = parse_fleet(data, source)
     if scenario.cell is None:
-        return fleet, fleet.cells[0]
+        return fleet, _with_targets(scenario, fleet, fleet.cells[0])
     for cell in fleet.cells:
         if cell.name == scenario.cell:
-            return fleet, cell
+            return fleet, _with_targets(scenario, fleet, cell)
     names = ", ".join(c.name for c in fleet.cells)
     raise ScenarioError(f"{scenario.source}: cell {scenario.cell!r} is not in the fleet; its cells: {names}")
+
+
+def _with_targets(scenario: Scenario, fleet: FleetConfig, cell: CellConfig) -> CellConfig:
+    """The cell, once every target can name something in it. A unit, follower or spare beyond the cell's
+    never exists: the event would be skipped at run time and the scenario hold without its fault."""
+    units, followers, spares = cell.resolved_max_units, fleet.unit.nodes - 1, cell.spare_nodes
+    problems = []
+    for event in scenario.events:
+        target, where = event.target, f"events[{event.line}].target: {event.target.text!r}" if event.target else ""
+        if target is None:
+            continue
+        if target.unit is not None and target.unit >= units:
+            problems.append(f"{where}: cell {cell.name} has {units} unit(s), u0 to u{units - 1}")
+        elif target.unit is not None and (target.rank or 0) > followers:
+            problems.append(f"{where}: a unit has {followers} follower(s) ({fleet.unit.nodes} nodes)"
+                            + (f", follower1 to follower{followers}" if followers else ""))
+        elif target.spare is not None and target.spare > spares:
+            problems.append(f"{where}: cell {cell.name} has {spares} spare(s)"
+                            + (f", spare1 to spare{spares}" if spares else " (fleet: cells: [spare_nodes: N])"))
+    if problems:
+        listed = "\n".join(f"  - {p}" for p in problems)
+        raise ScenarioError(f"{scenario.source}: {len(problems)} problem(s):\n{listed}")
+    return cell
 
 
 @dataclass

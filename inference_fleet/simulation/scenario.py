@@ -8,6 +8,7 @@ file and what is allowed, all at once, as a ScenarioError (the CLI exits 3 on it
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -88,7 +89,7 @@ def parse_duration(value: Any, where: str, problems: list[str], *, allow_zero: b
         match = None
     elif isinstance(value, int | float):
         seconds = float(value)
-        match = True
+        match = math.isfinite(seconds)  # YAML's .nan and .inf are floats too
     else:
         match = _DURATION.match(str(value)) if isinstance(value, str) else None
         seconds = float(match.group(1)) * _UNIT_SECONDS[match.group(2)] if match else 0.0
@@ -133,7 +134,7 @@ def _event(raw: Any, index: int, duration: float, problems: list[str]) -> Event 
         problems.append(f"{where}: must be a mapping with `at`, `do` and the kind's arguments")
         return None
     kind = raw.get("do")
-    if kind not in KINDS:
+    if not isinstance(kind, str) or kind not in KINDS:  # a list or mapping here is not hashable
         problems.append(f"{where}.do: {kind!r} is not a kind of event; allowed: {', '.join(KINDS)}")
         return None
     required, optional = KINDS[kind]
@@ -156,7 +157,10 @@ def _event(raw: Any, index: int, duration: float, problems: list[str]) -> Event 
     if kind == "clock_skew" and "seconds" in raw:
         fields["seconds"] = _number(raw["seconds"], f"{where}.seconds", problems, -86400, 86400)
     if "times" in raw:
-        fields["times"] = int(_number(raw["times"], f"{where}.times", problems, 1, 100))
+        times = _number(raw["times"], f"{where}.times", problems, 1, 100)
+        if times != int(times):
+            problems.append(f"{where}.times: {raw['times']!r} must be a whole number from 1 to 100")
+        fields["times"] = int(times)
     if kind == "load":
         _load_fields(raw, where, fields, problems)
     if "scope" in raw:

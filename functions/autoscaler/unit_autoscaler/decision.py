@@ -178,6 +178,12 @@ def served_latch(obs: Observation, decision: Decision) -> frozenset[int]:
     return frozenset(u.index for u in obs.units if u.phase == "serving" and u.index not in leaving)
 
 
+def latch_after(obs: Observation, decision: Decision, previous: frozenset[int]) -> frozenset[int]:
+    """The served latch to keep after this tick: `previous` while the stack is busy (the handler then
+    observes no units and records nothing), else `served_latch`. The cell simulation keeps it so too."""
+    return previous if obs.stack_busy else served_latch(obs, decision)
+
+
 def backoff_until(policy: Policy, failures: Sequence[float]) -> float | None:
     """End of the capacity backoff: base x 2^(n-1), capped at 8x, after the last of n recent failures.
 

@@ -36,7 +36,7 @@ from typing import Any
 from botocore.client import BaseClient
 
 from unit_autoscaler import aws, counts
-from unit_autoscaler.decision import Decision, Load, Observation, Policy, Unit, decide, phase_of, served_latch
+from unit_autoscaler.decision import Decision, Load, Observation, Policy, Unit, decide, latch_after, phase_of
 
 LOG = logging.getLogger(__name__)
 LOG.setLevel(logging.INFO)
@@ -199,7 +199,7 @@ def tick(settings: Settings, clients: Clients, now: float, retry: aws.Retry,
     decision = decide(settings.policy, obs)
     done = act(settings, clients, decision, context, now, retry) if decision.action != "hold" else {}
     if not obs.stack_busy:
-        served = served_latch(obs, decision)
+        served = latch_after(obs, decision, context["served"])
         if served != context["served"]:
             aws.record_served(clients.autoscaling, settings.group, served, retry)
             done["served"] = sorted(served)
