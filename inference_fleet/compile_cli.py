@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="upload over artifacts of another key under the same layout (cells serving them break)")
     parser.add_argument("--json", action="store_true", help="print the job as JSON")
     parser.add_argument("--check", action="store_true",
-                        help="compile nothing: exit 4 unless the uploaded manifest is the fleet's "
+                        help=f"compile nothing: exit {exit_codes.COMPILE} unless the uploaded manifest is the fleet's "
                              "(model.artifacts_key, layout); the pipeline runs this before any cell deploys")
 
 
