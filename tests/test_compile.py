@@ -250,3 +250,9 @@ def test_check_help_names_the_status_it_exits_with(capsys):
         main(["compile", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert f"exit {exit_codes.COMPILE} unless the uploaded manifest" in out, out
+
+
+def test_the_docs_give_compiles_exit_status():
+    """compile exits exit_codes.COMPILE (5; 4 is simulate's): the page a user reads says the same."""
+    text = " ".join((ROOT / "docs" / "compiled-artifacts.md").read_text().split())
+    assert f"Exit {exit_codes.COMPILE} when the job cannot be rendered or run" in text
