@@ -256,3 +256,26 @@ def test_the_docs_give_compiles_exit_status():
     """compile exits exit_codes.COMPILE (5; 4 is simulate's): the page a user reads says the same."""
     text = " ".join((ROOT / "docs" / "compiled-artifacts.md").read_text().split())
     assert f"Exit {exit_codes.COMPILE} when the job cannot be rendered or run" in text
+
+
+def test_check_refuses_artifacts_compiled_in_another_image(tmp_path, checkpoint, s3, capsys):
+    """The pipeline must not deploy a new inference image (another SDK, vLLM or digest) onto
+    artifacts compiled in the old one: the layout is the same, the manifest's versions are not."""
+    command = ["compile", "--config", str(DEFAULT), "--checkpoint", str(checkpoint), "--work-dir",
+               str(tmp_path / "work"), "--nxdi-command", str(FAKE), "--image-digest", "sha256:" + "1" * 64]
+    assert main(command) == 0
+    capsys.readouterr()
+    text = DEFAULT.read_text()
+    cases = {
+        "same": ("0.16.0-neuronx-py312-sdk2.31.1-ubuntu24.04", "1" * 64, 0),
+        "vllm": ("0.17.0-neuronx-py312-sdk2.31.1-ubuntu24.04", "1" * 64, exit_codes.COMPILE),
+        "digest": ("0.16.0-neuronx-py312-sdk2.31.1-ubuntu24.04", "2" * 64, exit_codes.COMPILE),
+    }
+    for name, (tag, digest, status) in cases.items():
+        fleet_file = tmp_path / f"fleet-{name}.yaml"
+        fleet_file.write_text(f"{text.rstrip()}\nbase_images:\n  neuron_vllm_tag: '{tag}'\n"
+                              f"  neuron_vllm_digest: 'sha256:{digest}'\n")
+        assert main(["compile", "--config", str(fleet_file), "--check"]) == status, name
+        err = capsys.readouterr().err
+        if status:
+            assert "compiled in another image" in err and ("vllm" if name == "vllm" else "image_digest") in err, err
