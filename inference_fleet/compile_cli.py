@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="upload over artifacts of another key under the same layout (cells serving them break)")
     parser.add_argument("--json", action="store_true", help="print the job as JSON")
     parser.add_argument("--check", action="store_true",
-                        help="compile nothing: exit 4 unless the uploaded manifest is the fleet's "
+                        help=f"compile nothing: exit {exit_codes.COMPILE} unless the uploaded manifest is the fleet's "
                              "(model.artifacts_key, layout); the pipeline runs this before any cell deploys")
 
 
@@ -108,9 +108,22 @@ def _check(fleet: FleetConfig) -> int:
                                        f"{fleet.model.artifacts_key}: every unit would refuse to start")
     if diffs := am.layout_differences(manifest, am.planned_layout(spec)):
         raise compile_job.CompileError(f"{destination}: compiled for another layout: {'; '.join(diffs)}")
+    if diffs := _version_differences(manifest, compile_job.versions(fleet, None)):
+        raise compile_job.CompileError(
+            f"{destination}: compiled in another image than the fleet's base_images: {'; '.join(diffs)}; compile "
+            "again in the fleet's image (same SDK compiles as serves), then set model.artifacts_key to the new key")
     print(f"{destination}: manifest key {manifest.key} matches the fleet's layout"
           + (" and model.artifacts_key" if fleet.model.artifacts_key else " (model.artifacts_key not set)"))
     return exit_codes.OK
+
+
+def _version_differences(manifest: am.Manifest, fleet_versions: dict[str, str]) -> list[str]:
+    """The engine stack the artifacts were compiled with against the fleet's image. The digest is
+    compared only when both are known (a fleet without neuron_vllm_digest, or a compile without
+    --image-digest, records "none")."""
+    compiled = manifest.inputs.versions.model_dump()
+    return [f"{name}: compiled {compiled[name]!r}, fleet {value!r}" for name, value in sorted(fleet_versions.items())
+            if compiled.get(name) != value and not (name == "image_digest" and "none" in (value, compiled[name]))]
 
 
 def _print_job(fleet: FleetConfig, job: compile_job.Job, key: str | None, as_json: bool) -> None:

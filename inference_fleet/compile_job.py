@@ -201,15 +201,38 @@ def existing_manifest(client: Any, destination: str) -> am.Manifest | None:
     from botocore.exceptions import BotoCoreError, ClientError
 
     bucket, prefix = split_uri(destination)
+    where = f"{destination}{am.MANIFEST_NAME}"
     try:
         body = client.get_object(Bucket=bucket, Key=prefix + am.MANIFEST_NAME)["Body"].read()
     except ClientError as error:
-        if error.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+        code = error.response.get("Error", {}).get("Code")
+        if code in ("NoSuchKey", "404"):
             return None
-        raise CompileError(f"cannot read {destination}{am.MANIFEST_NAME}: {error}") from None
+        raise CompileError(f"cannot read {where}: {error}{_READ_HINTS.get(str(code), '')}") from None
     except BotoCoreError as error:  # no credentials, no endpoint: botocore's own errors are not ClientErrors
-        raise CompileError(f"cannot read {destination}{am.MANIFEST_NAME}: {type(error).__name__}: {error}") from None
-    return am.parse(json.loads(body), f"{destination}{am.MANIFEST_NAME}")
+        raise CompileError(f"cannot read {where}: {type(error).__name__}: {error}") from None
+    try:
+        data = json.loads(body)
+    except ValueError as error:
+        raise CompileError(f"{where} is not readable JSON ({error}): not a manifest this package wrote; "
+                           f"remove it (aws s3 rm {where}) and compile the layout again") from None
+    return am.parse(data, where)
+
+
+# What a failed read of the manifest most likely means, said with the error.
+_READ_HINTS = {
+    # Without s3:ListBucket (the pipeline's build role has GetObject on the manifest only), S3
+    # answers a missing object with 403, not 404 (https://docs.aws.amazon.com/AmazonS3/latest/API/
+    # API_GetObject.html, "Permissions"): on a fresh account this is the usual case.
+    "AccessDenied": (
+        ". Either the manifest does not exist yet (S3 says 403, not 404, to a reader without s3:ListBucket): "
+        "compile the layout first with `make compile CONFIG=<fleet.yaml> COMPILE_ARGS=--checkpoint=<dir>` "
+        "in the pinned inference image (docs/compiled-artifacts.md); or this role may not read it: a bucket "
+        "in another account must grant s3:GetObject on this object in its bucket policy"),
+    "NoSuchBucket": (
+        ". The bucket of the fleet's model.artifacts_s3_uri does not exist: create it (or fix the URI), then "
+        "compile the layout (`make compile CONFIG=<fleet.yaml> COMPILE_ARGS=--checkpoint=<dir>`)"),
+}
 
 
 def upload(client: Any, out_root: Path, uri: str, manifest: am.Manifest, layout_name: str) -> int:

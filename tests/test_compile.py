@@ -200,3 +200,82 @@ def test_check_without_credentials_is_a_clear_error_not_a_traceback(tmp_path):
                           env=env, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == exit_codes.COMPILE, done.stderr
     assert "NoCredentialsError" in done.stderr and "Traceback" not in done.stderr
+
+
+def _stubbed_s3(monkeypatch, code: str, status: int, body: bytes | None = None):
+    """boto3.client('s3') as the pipeline's build role sees it (botocore Stubber, no AWS)."""
+    import botocore.session
+    from botocore.stub import Stubber
+
+    client = botocore.session.get_session().create_client(
+        "s3", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
+    stubber = Stubber(client)
+    if body is None:
+        stubber.add_client_error("get_object", service_error_code=code, http_status_code=status)
+    else:
+        from io import BytesIO
+
+        from botocore.response import StreamingBody
+        stubber.add_response("get_object", {"Body": StreamingBody(BytesIO(body), len(body))})
+    stubber.activate()
+    monkeypatch.setattr(boto3, "client", lambda *a, **k: client)
+
+
+def test_check_on_a_fresh_account_says_to_compile_not_only_access_denied(monkeypatch, capsys):
+    """The build role may only GetObject the manifest (no s3:ListBucket), and S3 answers a missing
+    object with 403 AccessDenied then, not 404 (https://docs.aws.amazon.com/AmazonS3/latest/API/
+    API_GetObject.html, "Permissions"): on a fresh account the check must still say to compile."""
+    _stubbed_s3(monkeypatch, "AccessDenied", 403)
+    assert main(["compile", "--config", str(DEFAULT), "--check"]) == exit_codes.COMPILE
+    err = capsys.readouterr().err
+    assert "AccessDenied" in err and "does not exist yet" in err, err
+    assert "make compile" in err and "COMPILE_ARGS=--checkpoint" in err, err
+
+
+def test_check_on_a_bucket_that_does_not_exist_names_the_fleet_field(monkeypatch, capsys):
+    _stubbed_s3(monkeypatch, "NoSuchBucket", 404)
+    assert main(["compile", "--config", str(DEFAULT), "--check"]) == exit_codes.COMPILE
+    err = capsys.readouterr().err
+    assert "model.artifacts_s3_uri" in err and "bucket" in err, err
+
+
+def test_a_manifest_object_that_is_not_json_is_a_clear_error_not_a_traceback(monkeypatch, capsys):
+    _stubbed_s3(monkeypatch, "", 200, body=b"<html>not json")
+    assert main(["compile", "--config", str(DEFAULT), "--check"]) == exit_codes.COMPILE
+    assert "is not readable JSON" in capsys.readouterr().err
+
+
+def test_check_help_names_the_status_it_exits_with(capsys):
+    with pytest.raises(SystemExit):
+        main(["compile", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"exit {exit_codes.COMPILE} unless the uploaded manifest" in out, out
+
+
+def test_the_docs_give_compiles_exit_status():
+    """compile exits exit_codes.COMPILE (5; 4 is simulate's): the page a user reads says the same."""
+    text = " ".join((ROOT / "docs" / "compiled-artifacts.md").read_text().split())
+    assert f"Exit {exit_codes.COMPILE} when the job cannot be rendered or run" in text
+
+
+def test_check_refuses_artifacts_compiled_in_another_image(tmp_path, checkpoint, s3, capsys):
+    """The pipeline must not deploy a new inference image (another SDK, vLLM or digest) onto
+    artifacts compiled in the old one: the layout is the same, the manifest's versions are not."""
+    command = ["compile", "--config", str(DEFAULT), "--checkpoint", str(checkpoint), "--work-dir",
+               str(tmp_path / "work"), "--nxdi-command", str(FAKE), "--image-digest", "sha256:" + "1" * 64]
+    assert main(command) == 0
+    capsys.readouterr()
+    text = DEFAULT.read_text()
+    cases = {
+        "same": ("0.16.0-neuronx-py312-sdk2.31.1-ubuntu24.04", "1" * 64, 0),
+        "vllm": ("0.17.0-neuronx-py312-sdk2.31.1-ubuntu24.04", "1" * 64, exit_codes.COMPILE),
+        "digest": ("0.16.0-neuronx-py312-sdk2.31.1-ubuntu24.04", "2" * 64, exit_codes.COMPILE),
+    }
+    for name, (tag, digest, status) in cases.items():
+        fleet_file = tmp_path / f"fleet-{name}.yaml"
+        fleet_file.write_text(f"{text.rstrip()}\nbase_images:\n  neuron_vllm_tag: '{tag}'\n"
+                              f"  neuron_vllm_digest: 'sha256:{digest}'\n")
+        assert main(["compile", "--config", str(fleet_file), "--check"]) == status, name
+        err = capsys.readouterr().err
+        if status:
+            assert "compiled in another image" in err and ("vllm" if name == "vllm" else "image_digest") in err, err

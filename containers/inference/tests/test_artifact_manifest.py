@@ -276,3 +276,50 @@ def test_a_unit_whose_artifacts_match_their_manifest_starts_its_engines(tmp_path
     h.wait_for(lambda: (h.get_status(spec["rendezvous"]["port"]) or {}).get("state") == "serving", 60,
                "the unit serving")
     assert "artifacts match manifest" in leader.log and key in leader.log
+
+
+def test_a_local_copy_corrupted_in_place_is_fetched_again_at_the_next_start(tmp_path, h, monkeypatch):
+    """The artifacts in S3 are good and this node's copy of one shard went bad with its size kept
+    (a disk, a stray write): the check refuses it, and the next start must fetch it again. The fetch
+    skips a file whose size and ETag it recorded, so without dropping the bad copy the node would
+    refuse the same file at every start, and no cause would ever replace it
+    (`artifacts_mismatch` does not implicate the host)."""
+    import boto3
+    from moto import mock_aws
+    from unit_launcher import runner
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.setenv(name, "x")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    spec = h.cpu_spec(2, record_dir=tmp_path)
+    objects, key = _with_manifest(spec, tmp_path, SHARDS)
+    with mock_aws():
+        client = boto3.client("s3", region_name="us-east-1")
+        client.create_bucket(Bucket="artifacts")
+        for rel, body in objects.items():
+            client.put_object(Bucket="artifacts", Key=f"tiny/{rel}", Body=body)
+        placed = parse_spec(_placed(spec, "s3://artifacts/tiny/", tmp_path / "cache", key))
+        runner.fetch_artifacts(placed, 1)
+        shard = tmp_path / "cache" / "weights" / "tp1_sharded_checkpoint.safetensors"
+        shard.write_bytes(b"1" * 19_999 + b"X")  # same size, other bytes
+        with pytest.raises(am.ArtifactMismatch, match=re.escape("tp1_sharded_checkpoint.safetensors: SHA-256")):
+            runner.fetch_artifacts(placed, 1)
+        runner.fetch_artifacts(placed, 1)  # the next start: fetched again, and it matches
+        assert shard.read_bytes() == SHARDS["weights/tp1_sharded_checkpoint.safetensors"]
+
+
+def test_a_local_directory_given_as_is_is_never_deleted_on_a_mismatch(tmp_path, h):
+    """Without model.artifacts_s3_uri the files are the operator's own, not a fetched copy: refused, kept."""
+    from unit_launcher import runner
+
+    spec = h.cpu_spec(2, record_dir=tmp_path / "model")
+    objects, key = _with_manifest(spec, tmp_path, SHARDS)
+    for rel, body in objects.items():
+        (tmp_path / "model" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "model" / rel).write_bytes(body)
+    shard = tmp_path / "model" / "weights" / "tp1_sharded_checkpoint.safetensors"
+    shard.write_bytes(b"1" * 19_999 + b"X")
+    spec["model"].update(require_manifest=True, artifacts_key=key)
+    with pytest.raises(am.ArtifactMismatch, match="SHA-256"):
+        runner.fetch_artifacts(parse_spec(spec), 1)
+    assert shard.read_bytes() == b"1" * 19_999 + b"X"

@@ -3,6 +3,10 @@ ends the session as `divergence` when a follower's chain differs from its own at
 
 from __future__ import annotations
 
+import importlib
+import sys
+import types
+
 import pytest
 from unit_executor import steps as records
 from unit_launcher import evidence, steps
@@ -73,3 +77,50 @@ def test_nodes_that_sampled_the_same_tokens_keep_serving(tmp_path, unit_nodes, h
     status = h.get_status(port)
     assert status["steps"]["members"]["1"]["worker-1"]["sampled"] == 20
     assert _serving(h, port), status
+
+
+class _NeuronLikeWorker:
+    """vllm-neuron's NeuronWorker control flow (whn09/vllm-neuron@3afb0a92 `neuron_worker.py:133-138`,
+    `neuronx_distributed_model_runner.py:697-778, 815-821`): `execute_model` defers sampling (None)
+    or, when the step schedules no token (an aborted request freed while nothing else runs), returns
+    EMPTY_MODEL_RUNNER_OUTPUT, and only the driver worker (rank 0) passes it on; `sample_tokens`
+    returns the sampled tokens on every rank."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.is_driver_worker = rank, rank == 0
+
+    def execute_model(self, scheduler_output):
+        output = None
+        if not scheduler_output.total_num_scheduled_tokens:
+            output = types.SimpleNamespace(req_ids=[], sampled_token_ids=[])  # EMPTY_MODEL_RUNNER_OUTPUT
+        return output if self.is_driver_worker else None
+
+    def sample_tokens(self, grammar_output):
+        return types.SimpleNamespace(req_ids=["r1"], sampled_token_ids=[[7]])
+
+
+def test_a_step_that_scheduled_no_token_is_no_divergence_on_neuron(tmp_path, monkeypatch):
+    """vLLM's engine core calls sample_tokens only when execute_model returned None, so on a step
+    without tokens the leader's worker holds an empty output and a follower's holds nothing: that
+    is no sampled token on either node, and must not shift one node's sample count."""
+    fake = types.SimpleNamespace(NeuronWorker=_NeuronLikeWorker, NeuronPlatform=object)
+    monkeypatch.setitem(sys.modules, "fake_neuron_worker", fake)
+    monkeypatch.setenv("UNIT_BASE_WORKER_CLS", "fake_neuron_worker.NeuronWorker")
+    monkeypatch.setenv("UNIT_BASE_PLATFORM", "fake_neuron_worker.NeuronPlatform")
+    for name in ("unit_executor.worker", "unit_executor.platform"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    worker_module = importlib.import_module("unit_executor.worker")
+    for name in ("unit_executor.worker", "unit_executor.platform"):
+        monkeypatch.delitem(sys.modules, name)
+    nodes = {}
+    for rank in (0, 1):
+        monkeypatch.setenv("UNIT_STEP_DIR", str(tmp_path / f"node{rank}"))
+        worker = worker_module.UnitWorker(rank)
+        for step in range(24):
+            scheduled = 0 if step == 5 else 1
+            out = worker.execute_model(types.SimpleNamespace(total_num_scheduled_tokens=scheduled))
+            if out is None:  # vLLM EngineCore.step: sample only when execute_model returned nothing
+                worker.sample_tokens(None)
+        nodes[rank] = steps.local_states(tmp_path / f"node{rank}")
+    assert nodes[0]["worker-0"]["steps"] == nodes[1]["worker-1"]["steps"] == 24
+    assert steps.divergence(nodes[0], nodes[1]) is None, (nodes[0], nodes[1])

@@ -47,6 +47,14 @@ class ArtifactMismatch(ArtifactError):
     """The artifacts on this node are not the ones the unit was planned for (cause `artifacts_mismatch`)."""
 
 
+class FileMismatch(ArtifactMismatch):
+    """A local file whose size or SHA-256 is not the manifest's (`path`: the file on this node)."""
+
+    def __init__(self, message: str, path: Path) -> None:
+        super().__init__(message)
+        self.path = path
+
+
 class ManifestError(ArtifactMismatch):
     """A manifest that is not one: unreadable, not of this format, or inconsistent with itself."""
 
@@ -321,7 +329,7 @@ def _check_file(path: Path, rel: str, entry: FileEntry, verified: _Verified) -> 
     except OSError as error:
         raise ArtifactMismatch(f"{rel}: cannot read {path}: {error}") from None
     if stat.st_size != entry.size:
-        raise ArtifactMismatch(f"{rel}: {stat.st_size} bytes on this node, {entry.size} in the manifest")
+        raise FileMismatch(f"{rel}: {stat.st_size} bytes on this node, {entry.size} in the manifest", path)
     if verified.known(rel, stat, entry.sha256):
         return
     try:
@@ -329,5 +337,5 @@ def _check_file(path: Path, rel: str, entry: FileEntry, verified: _Verified) -> 
     except OSError as error:
         raise ArtifactMismatch(f"{rel}: cannot read {path}: {error}") from None
     if digest != entry.sha256:
-        raise ArtifactMismatch(f"{rel}: SHA-256 {digest} on this node, {entry.sha256} in the manifest")
+        raise FileMismatch(f"{rel}: SHA-256 {digest} on this node, {entry.sha256} in the manifest", path)
     verified.record(rel, stat, digest)

@@ -104,9 +104,18 @@ def check_manifest(spec: UnitSpec, rank: int | None) -> None:
     ranks = range(len(manifest.nodes)) if rank is None else [] if rank < 0 else [rank]
     planned = artifact_manifest.planned_layout(spec)
     for node_rank in ranks or [None]:
-        artifact_manifest.check_node(
-            manifest, Path(spec.model.local_dir), node_rank, planned=planned, expected_key=spec.model.artifacts_key
-        )
+        try:
+            artifact_manifest.check_node(
+                manifest, Path(spec.model.local_dir), node_rank, planned=planned, expected_key=spec.model.artifacts_key
+            )
+        except artifact_manifest.FileMismatch as error:
+            if spec.model.artifacts_s3_uri is None:  # the operator's own files, not a fetched copy: kept
+                raise
+            # A fetched copy that went bad (the fetch skips a file whose size and ETag it recorded):
+            # dropped, so the next start fetches it again instead of refusing it forever.
+            error.path.unlink(missing_ok=True)
+            raise artifact_manifest.FileMismatch(f"{error} (this copy is removed: the next start fetches it again)",
+                                                 error.path) from None
     log.info("artifacts match manifest %s (key %s) for rank %s: %.1f s", path, manifest.key, rank,
              time.monotonic() - started)
 

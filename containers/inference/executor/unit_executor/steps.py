@@ -229,10 +229,15 @@ def scheduler_output_digest(output: Any) -> bytes:
 def sampled_output_digest(output: Any) -> bytes | None:
     """A digest of one step's outputs (a vLLM `ModelRunnerOutput`): each request id with the token
     ids sampled for it, in the output's order. None when the value carries no sampled tokens (no
-    output on this call, a pooling model, or an asynchronous output not resolved here)."""
+    output on this call, a pooling model, or an asynchronous output not resolved here), and when it
+    names no request: vllm-neuron's worker passes a step's EMPTY_MODEL_RUNNER_OUTPUT (a step that
+    scheduled no token, e.g. one that only frees an aborted request) on the driver worker only and
+    None on the others (whn09/vllm-neuron@3afb0a92 `vllm_neuron/worker/neuron_worker.py:133-138`,
+    `neuronx_distributed_model_runner.py:731-732`); chaining it would put the leader's node one
+    sample ahead of every follower's, read as a divergence from then on."""
     req_ids = getattr(output, "req_ids", None)
     sampled = getattr(output, "sampled_token_ids", None)
-    if req_ids is None or sampled is None:
+    if not req_ids or sampled is None:
         return None
     if hasattr(sampled, "tolist"):  # a tensor
         sampled = sampled.tolist()

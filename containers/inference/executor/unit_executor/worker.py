@@ -38,8 +38,9 @@ class UnitWorker(_Base):  # type: ignore[misc, valid-type]
             output = super().execute_model(scheduler_output, *args, **kwargs)
         finally:
             recorder.done()
-        # Runners that sample inside execute_model (vllm-neuron 0.5's NeuronWorker.execute_model
-        # returns the ModelRunnerOutput) return the tokens here; vLLM's split path returns None.
+        # Runners that sample inside execute_model return the tokens here; vLLM's split path and
+        # vllm-neuron 3afb0a92 (`neuronx_distributed_model_runner.py:697-778`) return None and
+        # sample in sample_tokens. An output naming no request is not chained (sampled_output_digest).
         _record_output(recorder, output)
         return output
 
