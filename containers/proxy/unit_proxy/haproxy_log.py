@@ -1,0 +1,103 @@
+"""HAProxy's per-request log lines, read by the agent from a Unix datagram socket and turned
+into the proxy's request metrics (counts by code, TTFT and latency, refusals, engine errors).
+
+The line format is `haproxy_config.LOG_FORMAT` (HAProxy 2.6 configuration manual, 8.2.4
+"Custom log format"; timers 8.4 "Timing events"; termination state 8.5 "Session state at
+disconnection"): `%ST %Ta %Td %Tr %B %tsc %b %[var(txn.outcome)]`. HAProxy sends each line
+as one datagram and never waits for the reader (a full socket drops lines, not requests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+from unit_proxy.telemetry import Telemetry
+
+log = logging.getLogger("unit_proxy.log")
+
+ENGINE_BACKEND = "engine"
+# 499: the client went away (nginx's convention, kept from the Python data path).
+CLIENT_GONE = 499
+
+
+@dataclass(frozen=True)
+class LogRecord:
+    status: int
+    active_ms: int  # %Ta: first request byte to last response byte (-1: unknown)
+    data_ms: int  # %Td: response data transmission
+    response_ms: int  # %Tr: engine's response headers after the request was sent (-1: none)
+    bytes_out: int
+    termination: str  # %tsc, e.g. "----", "CD--", "SH--"
+    backend: str
+    outcome: str  # "-" or the txn.outcome variable: rejected, unit_unavailable
+
+
+def parse(line: str) -> LogRecord | None:
+    parts = line.split()
+    if len(parts) != 8:
+        return None
+    try:
+        return LogRecord(
+            int(parts[0]), int(parts[1]), int(parts[2]), int(parts[3]), int(parts[4]), parts[5], parts[6], parts[7]
+        )
+    except ValueError:
+        return None
+
+
+def record(telemetry: Telemetry, rec: LogRecord) -> None:
+    """Count one request as the Python data path did: refusals apart, proxied requests by code."""
+    if rec.outcome == "rejected":
+        telemetry.request_rejected()
+        return
+    if rec.outcome == "unit_unavailable":
+        telemetry.unit_unavailable()
+        if rec.backend != ENGINE_BACKEND:  # refused at the gate: not a proxied request
+            return
+    if rec.backend != ENGINE_BACKEND:
+        return  # /health, and answers of the frontend's own rules (400, 404, 405, 413)
+    status = rec.status
+    first, second = (rec.termination + "--")[:2]
+    if first in "Cc":
+        status = CLIENT_GONE
+        if first == "c" and second == "D":
+            telemetry.write_timeout()
+    elif first in "sS":
+        kind = "connect" if second == "C" else ("timeout" if first == "s" else ("reset" if second == "H" else "cut"))
+        telemetry.upstream_error(kind)
+    ttft = (rec.active_ms - rec.data_ms) / 1000.0 if rec.response_ms >= 0 and rec.active_ms >= 0 else None
+    latency = max(rec.active_ms, 0) / 1000.0
+    telemetry.request_done(status, ttft, latency)
+
+
+class _Reader(asyncio.DatagramProtocol):
+    def __init__(self, telemetry: Telemetry) -> None:
+        self.telemetry = telemetry
+
+    def datagram_received(self, data: bytes, addr: object) -> None:
+        for line in data.decode("utf-8", "replace").splitlines():
+            rec = parse(line)
+            if rec is None:
+                log.debug("unparsed HAProxy log line: %r", line[:200])
+                continue
+            record(self.telemetry, rec)
+
+
+async def listen(path: str, telemetry: Telemetry) -> asyncio.DatagramTransport:
+    """Bind the log socket HAProxy sends to (before HAProxy starts)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        if os.path.exists(path):
+            os.unlink(path)
+        sock.bind(path)
+        # Room for bursts: HAProxy drops lines, never waits, when the socket is full.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * 1024 * 1024)
+    except OSError:
+        sock.close()
+        raise
+    loop = asyncio.get_running_loop()
+    transport, _ = await loop.create_datagram_endpoint(lambda: _Reader(telemetry), sock=sock)
+    return transport
