@@ -349,6 +349,12 @@ async def make_proxy(engine: FakeEngine, launcher: FakeLauncher) -> AsyncIterato
         await running.close()
 
 
+async def gate_pushed(proxy: RunningProxy, what: str = "the gate pushed into HAProxy") -> None:
+    """Wait until HAProxy's gate map holds what the agent's state says (the agent pushes it
+    right after each check round)."""
+    await wait_until(lambda: proxy.state.pushed == proxy.state.gate_map(), what=what)
+
+
 async def wait_until(predicate: Callable[[], Any], timeout: float = 5.0, what: str = "condition") -> None:
     """Poll `predicate` (sync or async) until true; fail the test after `timeout` seconds."""
     deadline = time.monotonic() + timeout

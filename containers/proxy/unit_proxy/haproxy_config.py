@@ -267,11 +267,29 @@ def _defaults(settings: Settings) -> list[str]:
     ]
 
 
+def _OWN_ERRORS(settings: Settings) -> list[tuple[int, str, str]]:  # noqa: N802
+    return [
+        (400, "malformed request: HTTP/1.1 framing, header syntax, or headers over the buffer or the count limit",
+         "bad_request"),
+        (408, f"request not received within {settings.body_read_timeout_seconds:g} s", "timeout"),
+        (500, "internal proxy error", "internal_error"),
+        (501, "not implemented", "bad_request"),
+        (502, "engine connection failed before the answer", "upstream_error"),
+        (503, "service unavailable", "unavailable"),
+        (504, "engine did not answer in time (before the answer)", "upstream_timeout"),
+    ]
+
+
 def _frontend(settings: Settings, paths: Paths, table: RouteTable) -> list[str]:
     gate = paths.gate_map
     retry = str(settings.retry_after_seconds)
     api = "GET, HEAD, POST"
     rules = [
+        # 4.2 "http-error": HAProxy's own answers in the contract's JSON shape, not its HTML.
+        *[
+            f"    http-error status {status} content-type application/json string {_q(error_body(status, message, kind))}"
+            for status, message, kind in _OWN_ERRORS(settings)
+        ],
         # 5.1 "bind" with the address 'fd@<n>' (11. "Address formats"): the socket the agent
         # bound (a clear error if the port is taken) and HAProxy inherits.
         f"    bind fd@{paths.listen_fd}",
