@@ -150,6 +150,7 @@ class ProxyState:
         self.changed = asyncio.Event()  # a check round or the drain: push the gate now
         self.haproxy_pid: int | None = None
         self.pushed: dict[str, str] = {}
+        self.stopping = False  # HAProxy is stopping: its runtime API is closed
 
     def reported_inflight(self) -> int:
         return self.inflight
@@ -315,7 +316,8 @@ async def push_gate(state: ProxyState, api: RuntimeApi, paths: Paths) -> None:
         try:
             await api.set_map(paths.gate_map, key, value)
         except RuntimeApiError as exc:
-            log.warning("gate not pushed to HAProxy: %s", exc)
+            if not state.stopping:  # a stopping HAProxy has closed its runtime API
+                log.warning("gate not pushed to HAProxy: %s", exc)
             return
         if key == GateMap.UNIT:
             log.info("unit gate: %s", value)
@@ -329,6 +331,8 @@ async def gate_loop(state: ProxyState, api: RuntimeApi, paths: Paths) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(state.changed.wait(), interval)
         state.changed.clear()
+        if state.stopping:
+            continue
         try:
             await push_gate(state, api, paths)
             await refresh_stats(state, api)
@@ -371,19 +375,41 @@ class Running:
     stopping: bool = False
 
     async def stop_haproxy(self, soft: bool, timeout: float) -> int | None:
-        """Soft stop (SIGUSR1: listeners close, streams finish) or hard stop (SIGTERM); wait."""
+        """Soft stop (SIGUSR1: the listener closes, requests in flight go on) until the engine
+        backend has no stream left, then a hard stop (SIGTERM), which also closes the client
+        connections left idle: HAProxy 2.6 keeps a connection whose response ended after the
+        soft stop open until its keep-alive timeout (measured, docs/proxy.md). Waits for exit."""
         self.stopping = True
+        self.state.stopping = True
         proc = self.process
         if proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGUSR1 if soft else signal.SIGTERM)
             try:
-                await asyncio.wait_for(proc.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    if soft:
+                        await self._streams_done(proc)
+                        with contextlib.suppress(ProcessLookupError):
+                            proc.send_signal(signal.SIGTERM)
+                    await proc.wait()
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 await proc.wait()
         return proc.returncode
+
+    async def _streams_done(self, proc: asyncio.subprocess.Process) -> None:
+        """Wait until the stopping worker's engine backend has no stream (master CLI)."""
+        master = RuntimeApi(self.paths.master_socket, prefix="@1 ")
+        while proc.returncode is None:
+            try:
+                rows = await master.show_stat()
+            except RuntimeApiError:
+                return  # the worker is gone
+            backend = next((r for r in rows if r.get("pxname") == "engine" and r.get("svname") == "BACKEND"), None)
+            if backend is None or backend.get("scur") == "0":
+                return
+            await asyncio.sleep(0.1)
 
     async def close(self) -> None:
         """Stop everything now (tests, and the end of `serve`)."""
@@ -411,7 +437,7 @@ async def _start_haproxy(paths: Paths, api: RuntimeApi) -> asyncio.subprocess.Pr
     HAProxy"), its output on the agent's stderr; waits until its runtime API answers."""
     try:
         proc = await asyncio.create_subprocess_exec(
-            HAPROXY, "-W", "-db", "-f", paths.config,
+            HAPROXY, "-W", "-db", "-S", f"{paths.master_socket},mode,600", "-f", paths.config,
             pass_fds=(paths.listen_fd,), preexec_fn=_die_with_parent,  # noqa: PLW1509 (prctl only)
             stdin=asyncio.subprocess.DEVNULL, stdout=sys.stderr.fileno(), stderr=sys.stderr.fileno(),
         )
@@ -452,11 +478,11 @@ async def start(settings: Settings) -> Running:
     transport: asyncio.DatagramTransport | None = None
     try:
         admin = web.AppRunner(admin_app(state, api), access_log=None, handle_signals=False)
-        await _site(admin, lambda: web.TCPSite(admin, settings.admin_host, settings.admin_port, reuse_address=True),
+        await _site(admin, lambda: web.TCPSite(admin, settings.admin_host, settings.admin_port, reuse_address=True, shutdown_timeout=0.5),
                     f"{settings.admin_host}:{settings.admin_port}")
         runners.append(admin)
         internal = web.AppRunner(internal_app(state), access_log=None, handle_signals=False)
-        await _site(internal, lambda: web.UnixSite(internal, paths.agent_socket), paths.agent_socket)
+        await _site(internal, lambda: web.UnixSite(internal, paths.agent_socket, shutdown_timeout=0.5), paths.agent_socket)
         runners.append(internal)
         transport = await haproxy_log.listen(paths.log_socket, state.telemetry)
         initial = initial_map(state.gate_unit)

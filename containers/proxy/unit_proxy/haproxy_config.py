@@ -77,6 +77,10 @@ class Paths:
         return self._file("admin.sock")
 
     @property
+    def master_socket(self) -> str:
+        return self._file("master.sock")
+
+    @property
     def log_socket(self) -> str:
         return self._file("log.sock")
 

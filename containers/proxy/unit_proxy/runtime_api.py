@@ -34,8 +34,13 @@ def escape(arg: str) -> str:
 
 
 class RuntimeApi:
-    def __init__(self, socket_path: str) -> None:
+    """`prefix` routes commands through the master CLI (`-S`; management guide 9.4 "Master
+    CLI"): `@1 ` is the current worker, reachable there even while it soft-stops, when its
+    own stats socket is already closed."""
+
+    def __init__(self, socket_path: str, prefix: str = "") -> None:
         self.socket_path = socket_path
+        self.prefix = prefix
 
     async def command(self, line: str) -> str:
         """Send one command line; returns HAProxy's answer."""
@@ -43,7 +48,8 @@ class RuntimeApi:
             async with asyncio.timeout(_TIMEOUT):
                 reader, writer = await asyncio.open_unix_connection(self.socket_path)
                 try:
-                    writer.write(line.encode() + b"\n")
+                    writer.write(self.prefix.encode() + line.encode() + b"\n")
+                    writer.write_eof()  # the master CLI answers once the input ends
                     await writer.drain()
                     data = await reader.read()
                 finally:
