@@ -241,9 +241,9 @@ def _defaults(settings: Settings) -> list[str]:
         "    log global",
         # 8.2.4 "Custom log format".
         f"    log-format {_q(LOG_FORMAT)}",
-        # 4.2 "option http-buffer-request": wait for the body (up to the buffer) before
-        # connecting to the engine (also done explicitly below with wait-for-body).
-        "    option http-buffer-request",
+        # No "option http-buffer-request" (4.2): it would read the body (and send 100 Continue)
+        # before the frontend's rules; "http-request wait-for-body" (4.2) does the same at the
+        # chosen point, after the gate and the Content-Length limit.
         # 4.2 "option abortonclose": a client that leaves while its request waits for a
         # connection or in the queue is dropped, not sent to the engine.
         "    option abortonclose",
@@ -304,6 +304,13 @@ def _frontend(settings: Settings, paths: Paths, table: RouteTable) -> list[str]:
         # An absolute-form target (`GET http://x/v1/models`) is refused, as an origin-form
         # one is all a reverse proxy behind the ALB gets (7.3.6 "url_beg").
         f"    http-request {_json_return(400, 'bad_request', 'request target must be a path')} if !{{ url_beg / }}",
+        # RFC 9112 2.3: HTTP/1.x only (7.3.6 "req.ver"); HAProxy reads `HTTP/2.0` on an
+        # HTTP/1 connection as a version it forwards.
+        f"    http-request {_json_return(505, 'bad_request', 'HTTP version not supported: HTTP/1.0 and HTTP/1.1 only')}"
+        " if !{ req.ver -m reg " + _q(r"^1\.[0-9]$") + " }",
+        # RFC 9110 10.1.1: 100-continue is the only expectation; others get 417.
+        f"    http-request {_json_return(417, 'expectation_failed', 'only Expect: 100-continue is supported')}"
+        " if { req.hdr_cnt(expect) gt 0 } !{ req.fhdr(expect) -m str -i 100-continue }",
         # RFC 9112 6.1: only `chunked` alone is a transfer coding we take (7.3.6 "req.fhdr",
         # "req.hdr_cnt"): `gzip, chunked` and the like are refused, not forwarded.
         "    acl te_present req.hdr_cnt(transfer-encoding) gt 0",
@@ -419,6 +426,7 @@ def _agent_backends(settings: Settings, paths: Paths) -> list[str]:
         "    http-error status 503 content-type text/plain string 'unhealthy: proxy agent not answering'",
         "    http-error status 502 content-type text/plain string 'unhealthy: proxy agent not answering'",
         "    http-error status 504 content-type text/plain string 'unhealthy: proxy agent not answering'",
+        "    http-response del-header Server",
         f"    server agent {paths.agent_socket}",
         # The agent's liveness (4.2 "option httpchk", 5.2 "check", "inter", "fall", "rise";
         # 4.2 "timeout check"): its /gate answers 200 while its check rounds are fresh. A dead
