@@ -506,7 +506,7 @@ async def start(settings: Settings) -> Running:
     running = Running(state, paths, api, port, admin_port, process, runners, transport, owns_dir=owns)
     monitor = HealthMonitor(
         settings, state.health, state.telemetry, on_check=lambda _result: state.changed.set(),
-        idle=lambda: state.reported_inflight() == 0,
+        idle=lambda: state.reported_inflight() == 0, refresh=lambda: refresh_stats(state, api),
     )
     running.tasks.append(asyncio.create_task(monitor.run(), name="health"))
     running.tasks.append(asyncio.create_task(gate_loop(state, api, paths), name="gate"))
