@@ -17,7 +17,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from typing import Any
 
 import aiohttp

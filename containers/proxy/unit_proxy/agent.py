@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import ctypes
 import errno
-import json
 import logging
 import os
 import shutil
@@ -63,6 +62,7 @@ _START_SECONDS = 10.0
 # After hard-stop-after, how long HAProxy gets to exit before it is killed.
 _STOP_GRACE = 5.0
 _PR_SET_PDEATHSIG = 1
+_PROMETHEUS = "text/plain; version=0.0.4"
 
 
 class BindError(Exception):
@@ -266,7 +266,7 @@ def admin_app(state: ProxyState, api: RuntimeApi) -> web.Application:
         await refresh_stats(state, api)
         if path == "/load":
             return web.json_response(load_doc(state))
-        return web.Response(body=state.telemetry.prometheus_text(), headers={"Content-Type": "text/plain; version=0.0.4"})
+        return web.Response(body=state.telemetry.prometheus_text(), headers={"Content-Type": _PROMETHEUS})
 
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", handle)
@@ -438,7 +438,7 @@ async def _start_haproxy(paths: Paths, api: RuntimeApi) -> asyncio.subprocess.Pr
     try:
         proc = await asyncio.create_subprocess_exec(
             HAPROXY, "-W", "-db", "-S", f"{paths.master_socket},mode,600", "-f", paths.config,
-            pass_fds=(paths.listen_fd,), preexec_fn=_die_with_parent,  # noqa: PLW1509 (prctl only)
+            pass_fds=(paths.listen_fd,), preexec_fn=_die_with_parent,
             stdin=asyncio.subprocess.DEVNULL, stdout=sys.stderr.fileno(), stderr=sys.stderr.fileno(),
         )
     except OSError as exc:
@@ -477,12 +477,12 @@ async def start(settings: Settings) -> Running:
     runners: list[web.AppRunner] = []
     transport: asyncio.DatagramTransport | None = None
     try:
-        admin = web.AppRunner(admin_app(state, api), access_log=None, handle_signals=False)
-        await _site(admin, lambda: web.TCPSite(admin, settings.admin_host, settings.admin_port, reuse_address=True, shutdown_timeout=0.5),
+        admin = web.AppRunner(admin_app(state, api), access_log=None, handle_signals=False, shutdown_timeout=0.5)
+        await _site(admin, lambda: web.TCPSite(admin, settings.admin_host, settings.admin_port, reuse_address=True),
                     f"{settings.admin_host}:{settings.admin_port}")
         runners.append(admin)
-        internal = web.AppRunner(internal_app(state), access_log=None, handle_signals=False)
-        await _site(internal, lambda: web.UnixSite(internal, paths.agent_socket, shutdown_timeout=0.5), paths.agent_socket)
+        internal = web.AppRunner(internal_app(state), access_log=None, handle_signals=False, shutdown_timeout=0.5)
+        await _site(internal, lambda: web.UnixSite(internal, paths.agent_socket), paths.agent_socket)
         runners.append(internal)
         transport = await haproxy_log.listen(paths.log_socket, state.telemetry)
         initial = initial_map(state.gate_unit)
@@ -581,7 +581,3 @@ def configure_logging() -> None:
         format="%(asctime)s %(levelname)s %(name)s [agent]: %(message)s",
         force=True,
     )
-
-
-def describe_ready(state: ProxyState) -> str:
-    return json.dumps(ready_doc(state)[1])

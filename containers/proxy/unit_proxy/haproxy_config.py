@@ -271,7 +271,7 @@ def _defaults(settings: Settings) -> list[str]:
     ]
 
 
-def _OWN_ERRORS(settings: Settings) -> list[tuple[int, str, str]]:  # noqa: N802
+def _own_errors(settings: Settings) -> list[tuple[int, str, str]]:
     return [
         (400, "malformed request: HTTP/1.1 framing, header syntax, or headers over the buffer or the count limit",
          "bad_request"),
@@ -291,8 +291,9 @@ def _frontend(settings: Settings, paths: Paths, table: RouteTable) -> list[str]:
     rules = [
         # 4.2 "http-error": HAProxy's own answers in the contract's JSON shape, not its HTML.
         *[
-            f"    http-error status {status} content-type application/json string {_q(error_body(status, message, kind))}"
-            for status, message, kind in _OWN_ERRORS(settings)
+            f"    http-error status {status} content-type application/json"
+            f" string {_q(error_body(status, message, kind))}"
+            for status, message, kind in _own_errors(settings)
         ],
         # 5.1 "bind" with the address 'fd@<n>' (11. "Address formats"): the socket the agent
         # bound (a clear error if the port is taken) and HAProxy inherits.
