@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from unit_proxy.haproxy_config import GateMap, Paths, initial_map, map_file, render
+from unit_proxy.haproxy_config import ENGINE_HEALTH_LUA, GateMap, Paths, initial_map, map_file, render
 from unit_proxy.settings import Settings
 
 HAPROXY = shutil.which("haproxy")
@@ -25,6 +25,7 @@ def _check(settings: Settings, tmp_path: Path) -> subprocess.CompletedProcess[st
         paths = Paths(str(tmp_path), sock.fileno())
         Path(paths.config).write_text(render(settings, paths))
         Path(paths.gate_map).write_text(map_file(initial_map(bool(settings.launcher_status_url))))
+        Path(paths.lua).write_text(ENGINE_HEALTH_LUA)
         assert HAPROXY is not None
         return subprocess.run(
             [HAPROXY, "-c", "-f", paths.config], pass_fds=[sock.fileno()], capture_output=True, text=True, timeout=30

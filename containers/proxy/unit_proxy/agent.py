@@ -41,6 +41,7 @@ from aiohttp import web
 
 from unit_proxy import haproxy_log
 from unit_proxy.haproxy_config import (
+    ENGINE_HEALTH_LUA,
     GateMap,
     Paths,
     engine_error_bodies,
@@ -488,6 +489,7 @@ async def start(settings: Settings) -> Running:
         initial = initial_map(state.gate_unit)
         Path(paths.gate_map).write_text(map_file(initial))
         state.pushed = dict(initial)
+        Path(paths.lua).write_text(ENGINE_HEALTH_LUA)
         Path(paths.config).write_text(render(settings, paths))
         process = await _start_haproxy(paths, api)
     except BaseException:

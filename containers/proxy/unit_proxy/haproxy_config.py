@@ -89,6 +89,10 @@ class Paths:
         return self._file("agent.sock")
 
     @property
+    def lua(self) -> str:
+        return self._file("engine_health.lua")
+
+    @property
     def gate_map(self) -> str:
         return self._file("gate.map")
 
@@ -142,6 +146,20 @@ def initial_map(gated: bool) -> dict[str, str]:
     doc = {GateMap.UNIT: reason or "open", GateMap.DOWN: "yes" if gated else "no"}
     doc.update(engine_error_bodies(reason))
     return doc
+
+
+# A Lua action (HAProxy 2.6 is built with Lua 5.3, `haproxy -vv`; configuration manual 3.1
+# "lua-load", 4.2 "http-response lua.<name>"; Lua API `core.register_action`,
+# `core.httpclient`, https://docs.haproxy.org/2.6/lua-api/index.html): after an engine
+# answer of 5xx, ask the engine's own health endpoint now (vLLM answers 503 once its engine
+# died), so a dying unit's 500 becomes 503 unit_unavailable before the next check round.
+ENGINE_HEALTH_LUA = """\
+-- unit_proxy: the engine's health, asked after one of its 5xx answers (txn.engine_ok).
+core.register_action("engine_health", {"http-res"}, function(txn, url)
+    local ok, res = pcall(function() return core.httpclient():get{url=url, timeout=1000} end)
+    txn:set_var("txn.engine_ok", ok and res ~= nil and res.status == 200)
+end, 1)
+"""
 
 
 def map_file(entries: dict[str, str]) -> str:
@@ -215,6 +233,8 @@ def _method_rules(table: RouteTable) -> list[str]:
 def _global(settings: Settings, paths: Paths) -> list[str]:
     return [
         "global",
+        # 3.1 "lua-load": the engine health action (ENGINE_HEALTH_LUA).
+        f"    lua-load {paths.lua}",
         # 3.2 "nbthread": the data path's threads (PROXY_WORKERS).
         f"    nbthread {settings.workers}",
         # 3.1 "stats socket" with "level admin" (5.1 bind options "level", "mode"): the
@@ -402,9 +422,20 @@ def _engine_backend(settings: Settings, paths: Paths) -> list[str]:
     # is going down such answers are the half unit's, not the model's (4.2 "http-response return").
     lines += [
         f"    acl going_down str({GateMap.DOWN}),map({gate},yes) -m str yes",
-        "    http-response set-var(txn.outcome) str(unit_unavailable) if { status ge 500 } going_down",
+        "    acl engine_5xx status ge 500",
+    ]
+    down = "engine_5xx going_down"
+    if settings.launcher_status_url:
+        # The unit is whole as of the last round: ask the engine now (ENGINE_HEALTH_LUA).
+        lines += [
+            f"    http-response lua.engine_health {settings.engine_health_url} if engine_5xx !going_down",
+            "    acl engine_ok var(txn.engine_ok) -m bool",
+        ]
+        down += " or engine_5xx !engine_ok"
+    lines += [
+        f"    http-response set-var(txn.outcome) str(unit_unavailable) if {down}",
         f"    http-response {_json_return(503, 'unit_unavailable', _lf(UNIT_UNAVAILABLE_PREFIX) + 'the unit is going down; retry', {'Retry-After': retry})}"  # noqa: E501
-        " if { status ge 500 } going_down",
+        f" if {down}",
     ]
     # 4.2 "http-error": HAProxy's own answers to engine failures, bodies from the gate map.
     for status in (502, 503, 504):
