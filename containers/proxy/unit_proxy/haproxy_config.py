@@ -38,6 +38,9 @@ MAX_HEADER_BYTES = 64 * 1024
 MAX_TARGET_BYTES = 8190
 # Header lines per request (4.2 global "tune.http.maxhdr"; HAProxy answers 400 beyond).
 MAX_HEADERS = 128
+# Buffer bytes kept out of a chunked body's allowance: tune.maxrewrite (1024) and HTX block
+# overhead for up to MAX_HEADERS headers.
+CHUNKED_SLACK = 1024 + 4096
 # Headers never forwarded in either direction: RFC 9110 7.6.1 hop-by-hop headers, and
 # HTTP/2-over-cleartext upgrade ones (RFC 9113 3.1 removed h2c; an engine must not see it).
 HOP_BY_HOP = (
@@ -373,6 +376,7 @@ def _frontend(settings: Settings, paths: Paths, table: RouteTable) -> list[str]:
             " if !is_health !gate_open",
         ]
     limit = settings.max_body_bytes
+    chunk_limit = min(limit, settings.request_buffer_bytes - CHUNKED_SLACK)
     rules += [
         # 413 by Content-Length before the body is read (7.3.6 "req.body_size": the announced
         # length, or what arrived of a chunked body).
@@ -383,6 +387,14 @@ def _frontend(settings: Settings, paths: Paths, table: RouteTable) -> list[str]:
         f"    http-request wait-for-body time {_seconds(settings.body_read_timeout_seconds)} if !is_health",
         f"    http-request {_json_return(413, 'too_large', f'request body exceeds the limit of {limit} bytes')}"
         f" if !is_health {{ req.body_size gt {limit} }}",
+        # A chunked body that filled the buffer may go on beyond it, where no limit is checked
+        # and the rest would stream to the engine: refused, so every body is whole and within
+        # the limit before the engine is asked (Content-Length bodies over the buffer stream
+        # on: docs/proxy.md). The fill: body + header bytes against the buffer less
+        # tune.maxrewrite (3.2: 1024 by default here) and HTX overhead.
+        "    http-request set-var(txn.header_bytes) req.hdrs,length if !is_health te_present",
+        f"    http-request {_json_return(413, 'too_large', f'a chunked request body must fit in {chunk_limit} bytes; send Content-Length for a larger one')}"  # noqa: E501
+        f" if !is_health te_present {{ req.body_size,add(txn.header_bytes) ge {chunk_limit} }}",
         # Admission (7.3.2 "be_conn": streams now in the engine backend): 429 beyond MAX_INFLIGHT.
         f"    acl unit_full be_conn(engine) ge {settings.max_inflight}",
         "    http-request set-var(txn.outcome) str(rejected) if !is_health unit_full",
