@@ -257,6 +257,11 @@ def _global(settings: Settings, paths: Paths) -> list[str]:
     ]
 
 
+def client_timeout(settings: Settings) -> float:
+    """HAProxy's `timeout client`: see _defaults."""
+    return max(settings.write_timeout_seconds, settings.keepalive_timeout_seconds)
+
+
 def _defaults(settings: Settings) -> list[str]:
     return [
         "defaults",
@@ -277,9 +282,13 @@ def _defaults(settings: Settings) -> list[str]:
         f"    timeout connect {_seconds(settings.upstream_connect_timeout_seconds)}",
         # 4.2 "timeout server": longest engine silence (UPSTREAM_READ_TIMEOUT_SECONDS) -> 504.
         f"    timeout server {_seconds(settings.upstream_read_timeout_seconds)}",
-        # 4.2 "timeout client": the client side's inactivity while it must send or read
-        # (WRITE_TIMEOUT_SECONDS: a client that reads nothing loses its stream).
-        f"    timeout client {_seconds(settings.write_timeout_seconds)}",
+        # 4.2 "timeout client": the client side's inactivity while it must send or read: a
+        # client that reads nothing loses its stream after it. HAProxy 2.6 also closes idle
+        # keep-alive connections after it whatever "timeout http-keep-alive" says (measured,
+        # docs/proxy.md; https://github.com/haproxy/haproxy/issues/2334), and the proxy's
+        # keep-alive must outlast the ALB's idle timeout, so it is the larger of
+        # WRITE_TIMEOUT_SECONDS and KEEPALIVE_TIMEOUT_SECONDS (docs/contracts.md).
+        f"    timeout client {_seconds(client_timeout(settings))}",
         # 4.2 "timeout http-request": the whole request (headers, and the body with
         # http-buffer-request) must arrive within this (BODY_READ_TIMEOUT_SECONDS) -> 408.
         f"    timeout http-request {_seconds(settings.body_read_timeout_seconds)}",
