@@ -143,9 +143,8 @@ async def test_each_route_answers_only_its_methods(engine: FakeEngine, launcher:
 async def test_client_that_reads_nothing_loses_its_stream_and_slot(engine: FakeEngine, launcher: FakeLauncher):
     # Issue 25: HAProxy's `timeout client` is the larger of WRITE_TIMEOUT_SECONDS and
     # KEEPALIVE_TIMEOUT_SECONDS (its keep-alive cannot outlast it), so both are short here.
-    async with proxy_process(
-        engine, launcher, PROXY_WORKERS="1", MAX_INFLIGHT="2", WRITE_TIMEOUT_SECONDS="0.5", KEEPALIVE_TIMEOUT_SECONDS="0.5"
-    ) as (url, _proc):
+    short = {"WRITE_TIMEOUT_SECONDS": "0.5", "KEEPALIVE_TIMEOUT_SECONDS": "0.5"}
+    async with proxy_process(engine, launcher, PROXY_WORKERS="1", MAX_INFLIGHT="2", **short) as (url, _proc):
         await wait_healthy(url)
         port = port_of(url)
         body = b'{"model": "m", "prompt": "x", "stream": true}'
