@@ -134,3 +134,45 @@ async def test_http_1_0_with_chunked_closes(make_proxy: ProxyFactory):
         answer = await reader.read()  # returns only when the proxy closes the connection
     writer.close()
     assert status_of(answer) in (200, 400), answer[:200]
+
+
+async def test_idle_keep_alive_outlasts_the_write_timeout(make_proxy: ProxyFactory):
+    """HAProxy 2.6 closes idle keep-alive connections after `timeout client`, whatever
+    `timeout http-keep-alive` says (measured: 1.0 s with client 1 s, keep-alive 4 s): the
+    config makes `timeout client` the larger of the two, so KEEPALIVE_TIMEOUT_SECONDS holds."""
+    proxy = await make_proxy(write_timeout_seconds=0.3, keepalive_timeout_seconds=1.5)
+    reader, writer = await asyncio.open_connection(LOOPBACK, port_of(proxy.url))
+    writer.write(b"GET /v1/models HTTP/1.1\r\nHost: unit\r\n\r\n")
+    await writer.drain()
+    async with asyncio.timeout(5):
+        await reader.readuntil(b'"owned_by": "test"}]}')
+    idle_from = time.monotonic()
+    async with asyncio.timeout(5):
+        assert await reader.read() == b""
+    writer.close()
+    assert 1.2 < time.monotonic() - idle_from < 3.0
+
+
+async def test_bodies_and_the_buffer(make_proxy: ProxyFactory, engine: FakeEngine):
+    """REQUEST_BUFFER_BYTES: a chunked body must fit (413, the engine sees nothing); a
+    Content-Length body larger than the buffer streams on to the engine once it is full."""
+    proxy = await make_proxy(request_buffer_bytes=16384, max_body_bytes=200_000)
+    port = port_of(proxy.url)
+    chunk = b"%x\r\n%s\r\n" % (20_000, b" " * 20_000)
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: unit\r\nConnection: close\r\nContent-Type: application/json\r\n"
+    answer = await raw_exchange(port, head + b"Transfer-Encoding: chunked\r\n\r\n" + chunk)
+    assert status_of(answer) == 413 and b"must fit in" in answer
+    assert engine.data_requests == 0
+    body = b'{"model": "m", "prompt": "x"' + b" " * 100_000 + b"}"
+    reader, writer = await asyncio.open_connection(LOOPBACK, port)
+    writer.write(head + b"Content-Length: %d\r\n\r\n" % len(body) + body[:40_000])
+    await writer.drain()
+    deadline = time.monotonic() + 3
+    while engine.data_requests == 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert engine.data_requests == 1 and engine.bodies == []  # at the engine, its body not whole yet
+    writer.write(body[40_000:])
+    async with asyncio.timeout(5):
+        answer = await reader.read()
+    writer.close()
+    assert status_of(answer) == 200 and engine.bodies == [body]
