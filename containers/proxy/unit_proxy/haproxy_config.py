@@ -56,7 +56,7 @@ HOP_BY_HOP = (
 )
 # The header HAProxy's own engine-error answers carry until `http-after-response` reads it.
 ERROR_MARK = "X-Unit-Proxy-Error"
-# Log line fields, space separated (8.2.4 "Custom log format"; parsed by unit_proxy.haproxy_log).
+# Log line fields, space separated (8.2.6 "Custom log format"; parsed by unit_proxy.haproxy_log).
 LOG_FORMAT = "%ST %Ta %Td %Tr %B %tsc %b %[var(txn.outcome)]"
 
 
@@ -182,7 +182,7 @@ def _q(text: str) -> str:
 
 
 def _lf(text: str) -> str:
-    """Literal text inside a log-format string: '%' is written '%%' (8.2.4)."""
+    """Literal text inside a log-format string: '%' is written '%%' (8.2.6)."""
     return text.replace("%", "%%")
 
 
@@ -267,7 +267,7 @@ def _defaults(settings: Settings) -> list[str]:
         "defaults",
         "    mode http",
         "    log global",
-        # 8.2.4 "Custom log format".
+        # 8.2.6 "Custom log format".
         f"    log-format {_q(LOG_FORMAT)}",
         # No "option http-buffer-request" (4.2): it would read the body (and send 100 Continue)
         # before the frontend's rules; "http-request wait-for-body" (4.2) does the same at the
@@ -327,7 +327,7 @@ def _frontend(settings: Settings, paths: Paths, table: RouteTable) -> list[str]:
             f" string {_q(error_body(status, message, kind))}"
             for status, message, kind in _own_errors(settings)
         ],
-        # 5.1 "bind" with the address 'fd@<n>' (11. "Address formats"): the socket the agent
+        # 4.2 "bind" with the address 'fd@<n>' (11.1 "Address family prefixes"): the socket the agent
         # bound (a clear error if the port is taken) and HAProxy inherits.
         f"    bind fd@{paths.listen_fd}",
         # 7.4 "Pre-defined ACLs": METH_CONNECT, METH_OPTIONS, METH_GET (GET and HEAD).

@@ -1,7 +1,7 @@
 """HAProxy's per-request log lines, read by the agent from a Unix datagram socket and turned
 into the proxy's request metrics (counts by code, TTFT and latency, refusals, engine errors).
 
-The line format is `haproxy_config.LOG_FORMAT` (HAProxy 2.6 configuration manual, 8.2.4
+The line format is `haproxy_config.LOG_FORMAT` (HAProxy 2.6 configuration manual, 8.2.6
 "Custom log format"; timers 8.4 "Timing events"; termination state 8.5 "Session state at
 disconnection"): `%ST %Ta %Td %Tr %B %tsc %b %[var(txn.outcome)]`. HAProxy sends each line
 as one datagram and never waits for the reader (a full socket drops lines, not requests).
