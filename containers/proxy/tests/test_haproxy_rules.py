@@ -176,3 +176,24 @@ async def test_bodies_and_the_buffer(make_proxy: ProxyFactory, engine: FakeEngin
         answer = await reader.read()
     writer.close()
     assert status_of(answer) == 200 and engine.bodies == [body]
+
+
+async def test_every_request_of_a_burst_is_counted(make_proxy: ProxyFactory):
+    """HAProxy's log lines feed the request metrics: through a Unix datagram socket the
+    kernel queued at most 10 (net.unix.max_dgram_qlen) and HAProxy dropped lines under a
+    burst (23 of 4,000 at 2,900 requests/s); through its log ring none is lost."""
+    proxy = await make_proxy()
+    n, clients = 2000, 16
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        for _ in range(n // clients):
+            async with session.get(f"{proxy.url}/v1/models") as resp:
+                assert resp.status == 200
+                await resp.read()
+
+    async with aiohttp.ClientSession() as session:
+        await asyncio.gather(*(client(session) for _ in range(clients)))
+    deadline = time.monotonic() + 5
+    while proxy.state.telemetry.requests_total < n and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert proxy.state.telemetry.requests_total == n

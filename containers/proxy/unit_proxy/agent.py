@@ -42,6 +42,7 @@ from aiohttp import web
 from unit_proxy import haproxy_log
 from unit_proxy.haproxy_config import (
     ENGINE_HEALTH_LUA,
+    LOG_RING,
     GateMap,
     Paths,
     engine_error_bodies,
@@ -374,7 +375,6 @@ class Running:
     admin_port: int
     process: asyncio.subprocess.Process
     runners: list[web.AppRunner]
-    log_transport: asyncio.DatagramTransport
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     owns_dir: bool = True
     stopping: bool = False
@@ -424,7 +424,6 @@ class Running:
         await asyncio.gather(*self.tasks, return_exceptions=True)
         for runner in self.runners:
             await runner.cleanup()
-        self.log_transport.close()
         flush_emf(self.state)
         if self.owns_dir:
             shutil.rmtree(self.paths.runtime_dir, ignore_errors=True)
@@ -480,7 +479,6 @@ async def start(settings: Settings) -> Running:
     paths = Paths(runtime_dir, listener.fileno())
     api = RuntimeApi(paths.admin_socket)
     runners: list[web.AppRunner] = []
-    transport: asyncio.DatagramTransport | None = None
     try:
         admin = web.AppRunner(admin_app(state, api), access_log=None, handle_signals=False, shutdown_timeout=0.5)
         await _site(admin, lambda: web.TCPSite(admin, settings.admin_host, settings.admin_port, reuse_address=True),
@@ -489,7 +487,6 @@ async def start(settings: Settings) -> Running:
         internal = web.AppRunner(internal_app(state), access_log=None, handle_signals=False, shutdown_timeout=0.5)
         await _site(internal, lambda: web.UnixSite(internal, paths.agent_socket), paths.agent_socket)
         runners.append(internal)
-        transport = await haproxy_log.listen(paths.log_socket, state.telemetry)
         initial = initial_map(state.gate_unit)
         Path(paths.gate_map).write_text(map_file(initial))
         state.pushed = dict(initial)
@@ -499,8 +496,6 @@ async def start(settings: Settings) -> Running:
     except BaseException:
         for runner in runners:
             await runner.cleanup()
-        if transport is not None:
-            transport.close()
         listener.close()
         if owns:
             shutil.rmtree(runtime_dir, ignore_errors=True)
@@ -509,7 +504,13 @@ async def start(settings: Settings) -> Running:
     listener.close()  # HAProxy holds it now; our copy would keep it open after a soft stop
     state.haproxy_pid = process.pid
     admin_port = admin.addresses[0][1]
-    running = Running(state, paths, api, port, admin_port, process, runners, transport, owns_dir=owns)
+    running = Running(state, paths, api, port, admin_port, process, runners, owns_dir=owns)
+    following = asyncio.Event()
+    log_follower = haproxy_log.follow(paths.admin_socket, LOG_RING, state.telemetry, lambda: state.stopping, following)
+    running.tasks.append(asyncio.create_task(log_follower, name="log"))
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(following.wait(), _START_SECONDS)
+    await asyncio.sleep(0.01)  # HAProxy takes the command in its next loop turn
     monitor = HealthMonitor(
         settings, state.health, state.telemetry, on_check=lambda _result: state.changed.set(),
         idle=lambda: state.reported_inflight() == 0, refresh=lambda: refresh_stats(state, api),

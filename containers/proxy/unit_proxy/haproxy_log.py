@@ -1,18 +1,19 @@
-"""HAProxy's per-request log lines, read by the agent from a Unix datagram socket and turned
+"""HAProxy's per-request log lines, followed by the agent on HAProxy's log ring and turned
 into the proxy's request metrics (counts by code, TTFT and latency, refusals, engine errors).
 
 The line format is `haproxy_config.LOG_FORMAT` (HAProxy 2.6 configuration manual, 8.2.6
 "Custom log format"; timers 8.4 "Timing events"; termination state 8.5 "Session state at
-disconnection"): `%ST %Ta %Td %Tr %B %tsc %b %[var(txn.outcome)]`. HAProxy sends each line
-as one datagram and never waits for the reader (a full socket drops lines, not requests).
+disconnection"): `%ST %Ta %Td %Tr %B %tsc %b %[var(txn.outcome)]`. HAProxy writes each line
+into a ring buffer and never waits for its reader; the agent follows the ring with the
+runtime API's `show events <ring> -w -n` (management guide 9.3), which streams new lines on
+one connection (a reader more than the ring behind loses the oldest lines, never requests).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from unit_proxy.telemetry import Telemetry
@@ -73,31 +74,45 @@ def record(telemetry: Telemetry, rec: LogRecord) -> None:
     telemetry.request_done(status, ttft, latency)
 
 
-class _Reader(asyncio.DatagramProtocol):
-    def __init__(self, telemetry: Telemetry) -> None:
-        self.telemetry = telemetry
-
-    def datagram_received(self, data: bytes, addr: object) -> None:
-        for line in data.decode("utf-8", "replace").splitlines():
-            rec = parse(line)
-            if rec is None:
-                log.debug("unparsed HAProxy log line: %r", line[:200])
-                continue
-            record(self.telemetry, rec)
+def feed(telemetry: Telemetry, data: bytes) -> None:
+    for line in data.decode("utf-8", "replace").splitlines():
+        if not line:
+            continue
+        rec = parse(line)
+        if rec is None:
+            log.debug("unparsed HAProxy log line: %r", line[:200])
+            continue
+        record(telemetry, rec)
 
 
-async def listen(path: str, telemetry: Telemetry) -> asyncio.DatagramTransport:
-    """Bind the log socket HAProxy sends to (before HAProxy starts)."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    try:
-        if os.path.exists(path):
-            os.unlink(path)
-        sock.bind(path)
-        # Room for bursts: HAProxy drops lines, never waits, when the socket is full.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * 1024 * 1024)
-    except OSError:
-        sock.close()
-        raise
-    loop = asyncio.get_running_loop()
-    transport, _ = await loop.create_datagram_endpoint(lambda: _Reader(telemetry), sock=sock)
-    return transport
+async def follow(
+    admin_socket: str, ring: str, telemetry: Telemetry, stopping: Callable[[], bool], following: asyncio.Event
+) -> None:
+    """Stream the ring's new lines into the metrics until cancelled; reconnect if HAProxy
+    closes the stream (not once it is stopping). `following` is set once the stream is asked for."""
+    while True:
+        try:
+            reader, writer = await asyncio.open_unix_connection(admin_socket)
+        except OSError as exc:
+            if stopping():
+                return
+            log.warning("cannot follow HAProxy's log ring: %s; retrying", exc)
+            await asyncio.sleep(0.5)
+            continue
+        try:
+            writer.write(f"show events {ring} -w -n\n".encode())
+            await writer.drain()
+            following.set()
+            pending = b""
+            while data := await reader.read(65536):
+                data = pending + data
+                cut = data.rfind(b"\n") + 1
+                pending = data[cut:]
+                feed(telemetry, data[:cut])
+        except OSError as exc:
+            log.warning("HAProxy's log ring stream failed: %s", exc)
+        finally:
+            writer.close()
+        if stopping():
+            return
+        await asyncio.sleep(0.1)
