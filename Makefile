@@ -26,12 +26,20 @@ help: ## list the targets and what each does
 setup: venv cli ## the venv (.venv) and the pinned CDK CLI (node_modules)
 
 # Debian packages the tests use, installed when missing: shellcheck checks every script the
-# templates ship (tests/test_template_scripts.py).
-tools: ## the Debian packages the tests use (shellcheck), when missing
+# templates ship (tests/test_template_scripts.py); haproxy is the proxy's data path
+# (containers/proxy), the same Debian version as its image (the Dockerfile's HAPROXY_VERSION).
+HAPROXY_VERSION := $(shell sed -n 's/^ARG HAPROXY_VERSION=//p' containers/proxy/Dockerfile)
+tools: ## the Debian packages the tests use (shellcheck, haproxy), when missing
 	@command -v shellcheck > /dev/null || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get > /dev/null; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq shellcheck; \
 	  else echo "shellcheck is missing: install it (apt-get install shellcheck, as root)" >&2; exit 1; fi; }
+	@command -v haproxy > /dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get > /dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "haproxy=$(HAPROXY_VERSION)"; \
+	  else echo "haproxy is missing: install it (apt-get install haproxy=$(HAPROXY_VERSION), as root)" >&2; exit 1; fi; }
+	@haproxy -v | grep -q "version 2\.6\." || { \
+	  echo "haproxy 2.6 is needed (the image's $(HAPROXY_VERSION)); found: $$(haproxy -v | head -1)" >&2; exit 1; }
 
 # The venv is rebuilt when a pin changes.
 venv: $(VENV)/.installed ## the Python venv with the pinned packages, rebuilt when a pin changes

@@ -289,8 +289,9 @@ class MultiNodeInferenceUnit(Construct):
         self, leader_task: ecs.Ec2TaskDefinition, environment: dict[str, str], stop_timeout: Duration
     ) -> None:
         """The proxy sidecar of the leader task: the load balancer's target; stops before the engine."""
-        # The proxy's workers share metrics and a control socket through files: a small
-        # tmpfs /tmp, the only writable path of its read-only root filesystem.
+        # The proxy's agent keeps HAProxy's config, map and Unix sockets (runtime API, log,
+        # its own listener) in a runtime directory under /tmp: a small tmpfs, the only writable
+        # path of its read-only root filesystem.
         proxy_linux = ecs.LinuxParameters(self, "ProxyLinux")
         proxy_linux.add_tmpfs(
             ecs.Tmpfs(

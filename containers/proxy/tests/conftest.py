@@ -1,5 +1,5 @@
-"""Fixtures of the proxy tests: a scriptable engine, a fake launcher and an in-process proxy,
-all real HTTP servers on 127.0.0.1."""
+"""Fixtures of the proxy tests: a scriptable engine, a fake launcher and a proxy (the agent in
+the test's event loop, HAProxy as its child process), all real HTTP servers on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from unit_proxy.proxy import ProxyState
-from unit_proxy.server import Running, start
+from unit_proxy.agent import ProxyState, Running, start
 from unit_proxy.settings import Settings
 
 LOOPBACK = "127.0.0.1"
@@ -313,10 +312,11 @@ ProxyFactory = Callable[..., Awaitable[RunningProxy]]
 
 @pytest.fixture
 async def make_proxy(engine: FakeEngine, launcher: FakeLauncher) -> AsyncIterator[ProxyFactory]:
-    """Start an in-process proxy in front of the fake engine; keyword arguments override settings.
+    """Start a proxy (agent in process, HAProxy as its child) in front of the fake engine;
+    keyword arguments override settings.
 
-    The proxy refuses data requests until its first launcher check has completed, so the
-    factory waits for that unless `wait_checked=False`."""
+    The proxy refuses data requests until its first launcher check has completed and the
+    gate is pushed into HAProxy, so the factory waits for that unless `wait_checked=False`."""
     started: list[Running] = []
 
     async def factory(wait_checked: bool = True, **overrides: Any) -> RunningProxy:
@@ -333,6 +333,7 @@ async def make_proxy(engine: FakeEngine, launcher: FakeLauncher) -> AsyncIterato
             health_timeout_seconds=0.5,
             upstream_connect_timeout_seconds=2.0,
             upstream_read_timeout_seconds=10.0,
+            workers=1,
         )
         settings = replace(base, **overrides)
         running = await start(settings)
@@ -340,11 +341,18 @@ async def make_proxy(engine: FakeEngine, launcher: FakeLauncher) -> AsyncIterato
         state = running.state
         if wait_checked and settings.launcher_status_url:
             await wait_until(lambda: state.health.last.checked_at > 0, what="the first launcher check")
+            await wait_until(lambda: state.pushed == state.gate_map(), what="the gate pushed into HAProxy")
         return RunningProxy(f"http://{LOOPBACK}:{running.port}", f"http://{LOOPBACK}:{running.admin_port}", state)
 
     yield factory
     for running in started:
         await running.close()
+
+
+async def gate_pushed(proxy: RunningProxy, what: str = "the gate pushed into HAProxy") -> None:
+    """Wait until HAProxy's gate map holds what the agent's state says (the agent pushes it
+    right after each check round)."""
+    await wait_until(lambda: proxy.state.pushed == proxy.state.gate_map(), what=what)
 
 
 async def wait_until(predicate: Callable[[], Any], timeout: float = 5.0, what: str = "condition") -> None:

@@ -8,7 +8,7 @@ import socket
 import aiohttp
 import pytest
 
-from .conftest import LOOPBACK, FakeEngine, ProxyFactory, wait_until
+from .conftest import LOOPBACK, FakeEngine, ProxyFactory, gate_pushed, wait_until
 
 
 def free_port() -> int:
@@ -45,7 +45,7 @@ async def test_a_dying_engines_500_is_503_unit_unavailable(make_proxy: ProxyFact
     proxy = await make_proxy()
     status, doc, _ = await post(proxy.url, "error500")
     assert status == 500  # a healthy engine's own error goes through
-    engine.healthy = False
+    engine.healthy = False  # asked at once after the 500 (HAProxy's Lua action), not at the next round
     status, doc, _ = await post(proxy.url, "error500")
     assert status == 503 and doc["error"]["type"] == "unit_unavailable"
 
@@ -142,12 +142,15 @@ async def test_malformed_and_oversized_requests_get_4xx_and_proxy_survives(make_
 async def test_slow_client_headers_and_body_are_cut(make_proxy: ProxyFactory, engine: FakeEngine):
     proxy = await make_proxy(keepalive_timeout_seconds=0.3, body_read_timeout_seconds=0.3)
     port = port_of(proxy.url)
-    # Headers trickled in and never finished: the connection is closed.
+    # Headers trickled in and never finished: 408 (HAProxy's `timeout http-request`, issue 25;
+    # the Python path closed silently) in HAProxy's own HTML (errors found while parsing, before
+    # a request exists, are not replaced by http-error: docs/contracts.md), and the connection closes.
     reader, writer = await asyncio.open_connection(LOOPBACK, port)
     writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")
     await writer.drain()
     async with asyncio.timeout(3):
-        assert await reader.read() == b""
+        answer = await reader.read()
+    assert status_of(answer) == 408 and b"Connection: close" in answer
     writer.close()
     # A body announced but never sent: 408, and the engine never sees the request.
     answer = await raw_exchange(
@@ -161,5 +164,6 @@ async def test_an_engine_error_while_draining_is_503_unit_unavailable(make_proxy
     """Stopping the task stops the engine too: its errors for new requests mean "go elsewhere"."""
     proxy = await make_proxy()
     proxy.state.start_draining()
+    await gate_pushed(proxy)
     status, doc, resp = await post(proxy.url, "error500")
     assert status == 503 and doc["error"]["type"] == "unit_unavailable" and resp.headers["Retry-After"]

@@ -82,3 +82,15 @@ def test_a_failed_canary_is_reported_beside_the_launchers_status():
     custom = Settings.from_env({"LAUNCHER_STATUS_URL": "http://127.0.0.1:29500/status"})
     assert custom.launcher_canary_url == "http://127.0.0.1:29500/canary-failed"
     assert Settings.from_env({"LAUNCHER_STATUS_URL": ""}).launcher_canary_url == ""
+
+
+def test_haproxy_buffer_and_runtime_dir():
+    s = Settings.from_env({})
+    assert s.request_buffer_bytes == 256 * 1024 and s.runtime_dir == ""
+    assert Settings.from_env({"REQUEST_BUFFER_BYTES": "16384"}).request_buffer_bytes == 16384
+    with pytest.raises(SettingsError, match="REQUEST_BUFFER_BYTES"):
+        Settings.from_env({"REQUEST_BUFFER_BYTES": "1000"})  # below HAProxy's default buffer
+    assert Settings.from_env({"RUNTIME_DIR": "/run/unit-proxy"}).runtime_dir == "/run/unit-proxy"
+    for bad in ("relative/dir", "/with space", "/q'uote", "/" + "x" * 90):
+        with pytest.raises(SettingsError, match="RUNTIME_DIR"):
+            Settings.from_env({"RUNTIME_DIR": bad})

@@ -1,7 +1,7 @@
 """The unit gate: while the launcher does not say the unit is whole (a member lost, no
 check completed yet, a stale result), data requests get 503 `unit_unavailable` at once and
-never reach the engine; with no launcher configured nothing is gated. Single-process and
-multi-worker proxies, real HTTP on 127.0.0.1."""
+never reach the engine; with no launcher configured nothing is gated. The gate lives in
+HAProxy (a map the agent sets through the runtime API); real HTTP on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ from typing import Any
 
 import aiohttp
 from unit_proxy.health import CheckResult, HealthState
-from unit_proxy.shared import SharedCounters
 
-from .conftest import FakeEngine, FakeLauncher, ProxyFactory, wait_until
+from .conftest import FakeEngine, FakeLauncher, ProxyFactory, gate_pushed, wait_until
 from .test_drain import ProxyURL, _is, health, proxy_process
 from .test_workers import _alive, _sample, fresh, ready
 
@@ -53,7 +52,7 @@ def assert_unit_unavailable(status: int, doc: Any, retry_after: str, expected_re
 
 
 async def listening(url: ProxyURL, n: int) -> bool:
-    """True once n workers listen; False while the port is not open yet."""
+    """True once HAProxy runs with n threads; False while the admin port is not open yet."""
     try:
         return await _alive(url, n)
     except aiohttp.ClientConnectionError:
@@ -72,6 +71,7 @@ async def test_lost_member_refuses_data_requests_without_reaching_the_engine(
 
         lose_member(launcher)
         await wait_until(lambda: not proxy.state.health.last.unit_ok, what="the launcher check to see the loss")
+        await gate_pushed(proxy)
         for route in ("/v1/models", "/v1/completions", "/v1/chat/completions"):
             status, doc, retry_after = await call(session, proxy.url, route)
             assert_unit_unavailable(status, doc, retry_after, "3")
@@ -80,6 +80,7 @@ async def test_lost_member_refuses_data_requests_without_reaching_the_engine(
 
         async with session.get(f"{proxy.admin_url}/ready") as resp:
             assert "member rank 1" in (await resp.json())["unit_unavailable"]
+        await wait_until(lambda: proxy.state.telemetry.unavailable_total == 3, what="the refusals logged")
         async with session.get(f"{proxy.admin_url}/load") as resp:
             load = await resp.json()
         async with session.get(f"{proxy.admin_url}/metrics") as resp:
@@ -90,6 +91,7 @@ async def test_lost_member_refuses_data_requests_without_reaching_the_engine(
 
         restore_member(launcher)
         await wait_until(lambda: proxy.state.health.last.unit_ok, what="the launcher check to see the unit whole")
+        await gate_pushed(proxy)
         assert (await call(session, proxy.url, "/v1/models"))[0] == 200
         assert (await call(session, proxy.url))[0] == 200
         assert engine.data_requests == seen + 2
@@ -105,6 +107,7 @@ async def test_engine_failure_and_drain_are_not_gated(
         assert await health(session, proxy.url) == 503
         assert (await call(session, proxy.url))[0] == 200  # forwarded: the engine decides
         proxy.state.start_draining()
+        await gate_pushed(proxy)
         assert (await call(session, proxy.url))[0] == 200
     assert engine.data_requests == 2
 
@@ -123,6 +126,7 @@ async def test_refused_until_the_first_launcher_check_completes(
         assert engine.data_requests == 0
         launcher.release_answers()
         await wait_until(lambda: proxy.state.health.last.unit_ok, what="the first launcher check")
+        await gate_pushed(proxy)
         assert (await call(session, proxy.url))[0] == 200
     assert engine.data_requests == 1
 
@@ -147,17 +151,8 @@ def test_stale_or_failed_results_count_as_not_whole():
     state.last = CheckResult(unit_ok=False, unit_detail="1 of 2 members present", checked_at=time.monotonic())
     assert state.unit_unavailable() == "1 of 2 members present"
 
-    counters = SharedCounters(1)
-    assert not counters.unit_whole(5.0)  # nothing published yet
-    counters.publish_unit(True, time.monotonic())
-    assert counters.unit_whole(5.0)
-    counters.publish_unit(True, time.monotonic() - 60)  # the supervisor's checks stopped
-    assert not counters.unit_whole(5.0)
-    counters.publish_unit(False, time.monotonic())
-    assert not counters.unit_whole(5.0)
 
-
-async def test_multi_worker_gate_follows_the_supervisors_check(engine: FakeEngine, launcher: FakeLauncher):
+async def test_the_gate_in_haproxy_follows_the_agents_check(engine: FakeEngine, launcher: FakeLauncher):
     launcher.hold_answers()
     async with (
         proxy_process(engine, launcher, PROXY_WORKERS="2", HEALTH_TIMEOUT_SECONDS="10", RETRY_AFTER_SECONDS="2") as (
@@ -167,9 +162,9 @@ async def test_multi_worker_gate_follows_the_supervisors_check(engine: FakeEngin
         fresh() as session,
     ):
         try:
-            await wait_until(lambda: listening(url, 2), timeout=20, what="both workers to listen")
+            await wait_until(lambda: listening(url, 2), timeout=20, what="HAProxy with two threads")
             assert (await ready(url))["check_age_s"] is None  # the first check is held
-            for _ in range(6):  # new connections: both workers answer some
+            for _ in range(6):  # new connections: both threads answer some
                 assert_unit_unavailable(*(await call(session, url)), "2")
             assert engine.data_requests == 0
         finally:
@@ -180,12 +175,15 @@ async def test_multi_worker_gate_follows_the_supervisors_check(engine: FakeEngin
         assert engine.data_requests == 6
 
         lose_member(launcher)
-        # The supervisor publishes before /health can show the loss.
         await wait_until(lambda: _is(health(session, url), 503), timeout=5, what="/health 503 on member loss")
+        # The agent pushes the gate right after the round that found the loss (a few ms later).
+        await wait_until(lambda: _gate_closed(url), timeout=5, what="the gate pushed into HAProxy")
         for route in ("/v1/models", "/v1/completions") * 3:
             status, doc, retry_after = await call(session, url, route)
             assert_unit_unavailable(status, doc, retry_after, "2")
         assert engine.data_requests == 6
+        # Counted from HAProxy's log lines, which arrive just after the answers.
+        await wait_until(lambda: _unavailable_logged(session, url, 12), timeout=5, what="the refusals logged")
         async with session.get(f"{url.admin}/load") as resp:
             load = await resp.json()
         async with session.get(f"{url.admin}/metrics") as resp:
@@ -195,12 +193,13 @@ async def test_multi_worker_gate_follows_the_supervisors_check(engine: FakeEngin
 
         restore_member(launcher)
         await wait_until(lambda: _is(health(session, url), 200), timeout=5, what="/health 200 after recovery")
+        await wait_until(lambda: _gate_open(url), timeout=5, what="the gate reopened in HAProxy")
         for _ in range(4):
             assert (await call(session, url, "/v1/models"))[0] == 200
         assert engine.data_requests == 10
 
 
-async def test_multi_worker_without_launcher_gates_nothing(engine: FakeEngine, launcher: FakeLauncher):
+async def test_threads_without_launcher_gate_nothing(engine: FakeEngine, launcher: FakeLauncher):
     engine.hold_health()  # no check round completes: only the missing URL lets requests through
     async with (
         proxy_process(engine, launcher, PROXY_WORKERS="2", LAUNCHER_STATUS_URL="", HEALTH_TIMEOUT_SECONDS="10") as (
@@ -209,8 +208,21 @@ async def test_multi_worker_without_launcher_gates_nothing(engine: FakeEngine, l
         ),
         fresh() as session,
     ):
-        await wait_until(lambda: listening(url, 2), timeout=20, what="both workers to listen")
+        await wait_until(lambda: listening(url, 2), timeout=20, what="HAProxy with two threads")
         assert (await ready(url))["check_age_s"] is None
         for _ in range(6):
             assert (await call(session, url))[0] == 200
     assert engine.data_requests == 6
+
+
+async def _gate_closed(url: ProxyURL) -> bool:
+    return (await ready(url))["haproxy"]["gate"] not in (None, "open")
+
+
+async def _gate_open(url: ProxyURL) -> bool:
+    return (await ready(url))["haproxy"]["gate"] == "open"
+
+
+async def _unavailable_logged(session: aiohttp.ClientSession, url: ProxyURL, n: int) -> bool:
+    async with session.get(f"{url.admin}/load") as resp:
+        return (await resp.json())["unit_unavailable_total"] == n

@@ -1,7 +1,6 @@
-"""Multi-worker mode (PROXY_WORKERS > 1) with real processes: the admission limit holds for
-the whole proxy, /health, /load and /metrics answer for the whole proxy whichever worker
-gets the connection, EMF is written once per interval, a killed worker is replaced, and
-workers stop when their supervisor dies."""
+"""The agent and its HAProxy as processes (`python -m unit_proxy`): PROXY_WORKERS threads share
+one admission limit, the whole proxy answers /health, HAProxy dies with the agent, the agent
+exits 1 when HAProxy dies, a hung agent closes the unit gate, EMF once per interval."""
 
 from __future__ import annotations
 
@@ -12,6 +11,7 @@ import json
 import os
 import re
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from .test_emf import check_emf
 
 
 def fresh() -> aiohttp.ClientSession:
-    """A session that opens a new connection per request: SO_REUSEPORT spreads them over workers."""
+    """A session that opens a new connection per request (HAProxy's threads share them)."""
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
 
 
@@ -47,43 +47,36 @@ def _kill_all(pids: list[int]) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
-async def test_admission_limit_is_global_across_workers(engine: FakeEngine, launcher: FakeLauncher):
+async def test_admission_limit_is_global_across_threads(engine: FakeEngine, launcher: FakeLauncher):
     limit = 6
     async with (
         proxy_process(engine, launcher, PROXY_WORKERS="2", MAX_INFLIGHT=str(limit)) as (url, _proc),
         fresh() as session,
     ):
         await wait_until(lambda: _is(health(session, url), 200), timeout=20, what="the proxy to be healthy")
-        await wait_until(lambda: _alive(url, 2), timeout=20, what="both workers to listen")
+        await wait_until(lambda: _alive(url, 2), timeout=20, what="HAProxy with two threads")
         streams: list[aiohttp.ClientResponse] = []
-        # The streams must sit on both workers, else a per-worker limit would pass too.
-        for _attempt in range(6):
-            for _ in range(limit):
-                resp = await session.post(
-                    f"{url}/v1/completions",
-                    json={"model": "m", "prompt": "x", "stream": True},
-                    headers={"x-tokens": "200", "x-gap": "0.05"},
-                )
-                assert resp.status == 200
-                await resp.content.readany()
-                streams.append(resp)
-            by_worker = (await ready(url))["workers"]["inflight_by_worker"]
-            if all(n > 0 for n in by_worker):
-                break
-            for resp in streams:
-                resp.close()
-            streams.clear()
-            await wait_until(lambda: _inflight(url, 0), timeout=5, what="in-flight back to 0")
-        assert sum(by_worker) == limit and all(n > 0 for n in by_worker), by_worker
+        for _ in range(limit):  # new connections: HAProxy spreads them over its threads
+            resp = await session.post(
+                f"{url}/v1/completions",
+                json={"model": "m", "prompt": "x", "stream": True},
+                headers={"x-tokens": "200", "x-gap": "0.05"},
+            )
+            assert resp.status == 200
+            await resp.content.readany()
+            streams.append(resp)
+        await wait_until(lambda: _inflight(url, limit), timeout=5, what=f"{limit} in flight")
         codes = []
-        for _ in range(10):  # new connections: both workers get some of them
+        for _ in range(10):
             async with session.post(f"{url}/v1/completions", json={"model": "m", "prompt": "y"}) as resp:
                 codes.append(resp.status)
                 if resp.status == 429:
                     assert resp.headers["Retry-After"] == "1"
+                    assert (await resp.json())["error"]["type"] == "overloaded"
         assert codes == [429] * 10
+        await wait_until(lambda: _load(url, "rejected_total", 10), timeout=5, what="the refusals logged")
         load = await (await session.get(f"{url.admin}/load")).json()
-        assert load["inflight"] == limit and load["rejected_total"] == 10
+        assert load["inflight"] == limit
         for resp in streams:
             resp.close()
         await wait_until(lambda: _inflight(url, 0), timeout=5, what="in-flight back to 0")
@@ -91,75 +84,112 @@ async def test_admission_limit_is_global_across_workers(engine: FakeEngine, laun
             assert resp.status == 200
 
 
-async def test_whole_proxy_answers_from_every_worker(engine: FakeEngine, launcher: FakeLauncher):
+async def test_whole_proxy_answers_health_and_metrics(engine: FakeEngine, launcher: FakeLauncher):
     async with proxy_process(engine, launcher, PROXY_WORKERS="3") as (url, _proc), fresh() as session:
         await wait_until(lambda: _is(health(session, url), 200), timeout=20, what="the proxy to be healthy")
-        await wait_until(lambda: _alive(url, 3), timeout=20, what="three workers to listen")
+        await wait_until(lambda: _alive(url, 3), timeout=20, what="HAProxy with three threads")
         for _ in range(12):
             async with session.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x"}) as resp:
                 assert resp.status == 200
-        doc = await ready(url)
-        assert sum(1 for n in doc["workers"]["inflight_by_worker"] if n == 0) == 3
-        for _ in range(9):  # each on a new connection, so on any of the workers
-            async with session.get(f"{url.admin}/load") as resp:
-                load = await resp.json()
-            assert load["requests_total"] == 12 and load["inflight"] == 0 and load["queue_depth"] == 3.0
-            async with session.get(f"{url.admin}/metrics") as resp:
-                text = await resp.text()
-            assert _sample(text, 'unit_proxy_requests_total{code="200"}') == 12.0
-            assert _sample(text, "unit_proxy_request_latency_seconds_count") == 12.0
-            assert _sample(text, "unit_proxy_unit_healthy") == 1.0
-            assert _sample(text, "unit_proxy_inflight_requests") == 0.0
+        await wait_until(lambda: _load(url, "requests_total", 12), timeout=5, what="12 requests logged")
+        async with session.get(f"{url.admin}/load") as resp:
+            load = await resp.json()
+        assert load["inflight"] == 0 and load["queue_depth"] == 3.0
+        async with session.get(f"{url.admin}/metrics") as resp:
+            text = await resp.text()
+        assert _sample(text, 'unit_proxy_requests_total{code="200"}') == 12.0
+        assert _sample(text, "unit_proxy_request_latency_seconds_count") == 12.0
+        assert _sample(text, "unit_proxy_time_to_first_token_seconds_count") == 12.0
+        assert _sample(text, "unit_proxy_unit_healthy") == 1.0
+        assert _sample(text, "unit_proxy_inflight_requests") == 0.0
         launcher.status["members"][1]["alive"] = False
         await wait_until(lambda: _is(health(session, url), 503), timeout=5, what="/health 503 on member loss")
-        for _ in range(9):
+        for _ in range(5):
             async with session.get(f"{url}/health") as resp:
                 assert resp.status == 503 and await resp.text() == "unhealthy: unit not whole\n"
         async with session.get(f"{url.admin}/health") as resp:
             assert resp.status == 503 and "member rank 1" in await resp.text()
 
 
-async def test_dead_worker_is_replaced_and_its_inflight_forgotten(engine: FakeEngine, launcher: FakeLauncher):
-    async with proxy_process(engine, launcher, PROXY_WORKERS="2") as (url, proc), fresh() as session:
+def _children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+async def test_haproxy_dies_with_the_agent(engine: FakeEngine, launcher: FakeLauncher):
+    """SIGKILL to the agent: no drain, but HAProxy (master and worker) must not serve on
+    without the unit logic: PR_SET_PDEATHSIG stops it, the port refuses."""
+    async with proxy_process(engine, launcher) as (url, proc), fresh() as session:
         pids: list[int] = []
         try:
             await wait_until(lambda: _is(health(session, url), 200), timeout=20, what="the proxy to be healthy")
-            await wait_until(lambda: _alive(url, 2), timeout=20, what="both workers to listen")
-            stream = await session.post(
-                f"{url}/v1/completions",
-                json={"model": "m", "prompt": "x", "stream": True},
-                headers={"x-tokens": "400", "x-gap": "0.05"},
-            )
-            await stream.content.readany()
-            doc = await ready(url)
-            pids = list(doc["workers"]["pids"])
-            victim = pids[doc["workers"]["inflight_by_worker"].index(1)]
-            os.kill(victim, signal.SIGKILL)
-            await wait_until(lambda: _restarted(url), timeout=20, what="the worker to be replaced")
-            doc = await ready(url)
-            assert doc["workers"]["restarts"] == 1 and victim not in doc["workers"]["pids"]
-            assert doc["inflight"] == 0  # the dead worker's stream is no longer counted
-            pids = list(doc["workers"]["pids"])
-            stream.close()
-            async with session.post(f"{url}/v1/completions", json={"model": "m", "prompt": "y"}) as resp:
-                assert resp.status == 200
-            assert proc.returncode is None
-            # The supervisor dies: its workers must not keep serving without it.
+            master = (await ready(url))["haproxy"]["pid"]
+            pids = [master, *_children(master)]
+            assert len(pids) == 2, pids
             proc.kill()
             await asyncio.wait_for(proc.wait(), 5)
-            await wait_until(lambda: all(_gone(p) for p in pids), timeout=10, what="orphaned workers to stop")
+            await wait_until(lambda: all(_gone(p) for p in pids), timeout=5, what="HAProxy to stop")
+            assert await health(session, url) is None  # nothing listens any more
         finally:
             _kill_all(pids)
 
 
-async def test_emf_is_written_once_per_interval_for_the_whole_proxy(engine: FakeEngine, launcher: FakeLauncher):
+async def test_the_agent_exits_1_when_haproxy_dies(engine: FakeEngine, launcher: FakeLauncher):
+    async with proxy_process(engine, launcher) as (url, proc), fresh() as session:
+        await wait_until(lambda: _is(health(session, url), 200), timeout=20, what="the proxy to be healthy")
+        master = (await ready(url))["haproxy"]["pid"]
+        os.kill(master, signal.SIGKILL)
+        assert await asyncio.wait_for(proc.wait(), 10) == 1
+        _, stderr = await asyncio.wait_for(proc.communicate(), 5)
+    assert "the data path is gone; exiting 1" in stderr.decode()
+
+
+async def test_a_hung_agent_closes_the_gate(engine: FakeEngine, launcher: FakeLauncher):
+    """SIGSTOP to the agent (a hung event loop): HAProxy's check of the agent fails and data
+    requests get 503 unit_unavailable, without reaching the engine; SIGCONT reopens."""
+    async with proxy_process(engine, launcher, HEALTH_INTERVAL_SECONDS="0.1", HEALTH_TIMEOUT_SECONDS="0.2") as (
+        url,
+        proc,
+    ), fresh() as session:
+        await wait_until(lambda: _is(health(session, url), 200), timeout=20, what="the proxy to be healthy")
+        async with session.get(f"{url}/v1/models") as resp:
+            assert resp.status == 200
+        before = engine.data_requests
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            status = 200
+            while status == 200 and time.monotonic() - started < 5:
+                async with session.get(f"{url}/v1/models") as resp:
+                    status = resp.status
+                    doc = await resp.json()
+                await asyncio.sleep(0.05)
+            closed_after = time.monotonic() - started
+            assert status == 503 and doc["error"]["type"] == "unit_unavailable", doc
+            assert "agent is not answering" in doc["error"]["message"]
+            assert closed_after < 2.0, closed_after  # 3 failed checks of 0.1 s + 0.2 s timeout
+            engine_seen = engine.data_requests
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        assert engine_seen - before <= int(closed_after / 0.05) + 1
+        await wait_until(lambda: _is(_models(session, url), 200), timeout=10, what="the gate to reopen")
+
+
+async def _models(session: aiohttp.ClientSession, url: str) -> int:
+    async with session.get(f"{url}/v1/models") as resp:
+        return resp.status
+
+
+async def test_emf_is_written_once_per_interval(engine: FakeEngine, launcher: FakeLauncher):
     async with proxy_process(engine, launcher, PROXY_WORKERS="3", EMF_INTERVAL_SECONDS="0.3", DRAIN_SECONDS="0") as (
         url,
         proc,
     ):
         async with fresh() as session:
             await wait_until(lambda: _is(health(session, url), 200), timeout=20, what="the proxy to be healthy")
-            await wait_until(lambda: _alive(url, 3), timeout=20, what="three workers to listen")
             for _ in range(9):
                 async with session.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x"}) as resp:
                     assert resp.status == 200
@@ -172,50 +202,26 @@ async def test_emf_is_written_once_per_interval_for_the_whole_proxy(engine: Fake
     assert sum(v.get("Requests", 0) for v in values) == 9
     stamps = [e["_aws"]["Timestamp"] for e, v in zip(events, values, strict=True) if "InFlight" in v]
     gaps = [b - a for a, b in itertools.pairwise(stamps)]
-    # One writer: interval-spaced lines (one per worker would come in bursts, ms apart),
-    # except the final flush at exit, which may follow the last interval closely.
     assert len(stamps) >= 3 and all(g >= 150 for g in gaps[:-1]), stamps
 
 
-async def _alive(url: ProxyURL, n: int) -> bool:
-    """True once n workers have reported that they listen."""
-    workers = (await ready(url))["workers"]
-    return workers["alive"] == n and workers["listening"] == n
+async def _alive(url: ProxyURL, threads: int) -> bool:
+    """True once HAProxy runs with this many threads."""
+    doc = (await ready(url))["haproxy"]
+    return doc["pid"] is not None and doc["threads"] == threads
 
 
 async def _inflight(url: ProxyURL, n: int) -> bool:
-    return (await ready(url))["inflight"] == n
+    async with fresh() as s, s.get(f"{url.admin}/load") as resp:
+        return (await resp.json())["inflight"] == n
 
 
-async def _restarted(url: ProxyURL) -> bool:
-    doc = await ready(url)
-    return doc["workers"]["restarts"] == 1 and doc["workers"]["listening"] == 2
+async def _load(url: ProxyURL, key: str, n: int) -> bool:
+    async with fresh() as s, s.get(f"{url.admin}/load") as resp:
+        return (await resp.json())[key] == n
 
 
 def _sample(text: str, name: str) -> float:
     match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
     assert match, f"{name} not in /metrics"
     return float(match.group(1))
-
-
-async def test_workers_that_keep_dying_stop_the_proxy_with_exit_1(engine: FakeEngine, launcher: FakeLauncher):
-    # (A port that is taken is found before any worker starts: one line, exit 2, see
-    # test_adversarial.) Here the workers are killed as fast as they come back.
-    async with proxy_process(engine, launcher, PROXY_WORKERS="2") as (url, proc), fresh() as session:
-        await wait_until(lambda: _is(health(session, url), 200), timeout=20, what="the proxy to be healthy")
-        killed: set[int] = set()
-        deadline = asyncio.get_running_loop().time() + 40
-        while proc.returncode is None and asyncio.get_running_loop().time() < deadline:
-            try:
-                pids = (await ready(url))["workers"]["pids"]
-            except aiohttp.ClientError:
-                break  # the supervisor is stopping
-            for pid in pids:
-                if pid is not None and pid not in killed:
-                    killed.add(pid)
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-            await asyncio.sleep(0.05)
-        assert await asyncio.wait_for(proc.wait(), 40) == 1
-        _, stderr = await asyncio.wait_for(proc.communicate(), 5)
-    assert "worker deaths within 60 s: stopping the proxy (exit 1)" in stderr.decode()

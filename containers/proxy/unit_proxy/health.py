@@ -15,7 +15,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,12 +169,15 @@ class HealthMonitor:
         telemetry: Telemetry,
         on_check: Callable[[CheckResult], None] | None = None,
         idle: Callable[[], bool] | None = None,
+        refresh: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """`on_check` is called with every completed round (the supervisor publishes the
         unit verdict to its workers with it); `idle` says whether no request is in flight
         (the deep-liveness canary runs only then, retries of a failed one excepted; None: no
-        canary)."""
+        canary); `refresh` runs with every round's checks (the agent reads HAProxy's in-flight
+        count with it, so `idle` is as fresh as the round)."""
         self.settings = settings
+        self.refresh = refresh
         self.state = state
         self.telemetry = telemetry
         self.on_check = on_check
@@ -213,7 +216,7 @@ class HealthMonitor:
                         await task
 
     async def check_once(self) -> CheckResult:
-        engine, unit, load = await asyncio.gather(self._engine(), self._launcher(), self._load())
+        engine, unit, load, _ = await asyncio.gather(self._engine(), self._launcher(), self._load(), self._refresh())
         unit = await self._member_drain(unit)
         result = CheckResult(
             engine_ok=engine[0],
@@ -238,6 +241,10 @@ class HealthMonitor:
                 "; ".join(self.state.reasons()) or result.unit_detail,
             )
         return result
+
+    async def _refresh(self) -> None:
+        if self.refresh is not None:
+            await self.refresh()
 
     async def _get(self, url: str) -> tuple[int, bytes]:
         assert self._session is not None

@@ -1,5 +1,5 @@
-"""`unit-proxy` / `python -m unit_proxy`: settings from the environment, then one serving
-process (PROXY_WORKERS=1) or the supervisor and its workers.
+"""`unit-proxy` / `python -m unit_proxy`: settings from the environment, then the agent
+(`unit_proxy.agent`) with HAProxy as its child.
 
 Settings come from the environment only (the container sets them); the command line takes
 `--help` (the variables and their defaults) and `--version`, and refuses anything else with
@@ -7,7 +7,7 @@ a usage error (exit 2) before it listens, so a stray argument never starts a pro
 
 Every failure an operator can fix ends in one line on stderr and exit code 2, never a
 traceback: a bad setting, a listen address that cannot be bound, a port in use, or
-another unit proxy already serving the port.
+another unit proxy already serving the port. HAProxy failing to start or dying: exit 1.
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ from collections.abc import Sequence
 import uvloop
 
 from unit_proxy import __version__
-from unit_proxy.server import BindError, claim_port, configure_logging, serve
+from unit_proxy.agent import BindError, claim_port, configure_logging, serve
 from unit_proxy.settings import ENVIRONMENT, Settings, SettingsError
-from unit_proxy.supervisor import supervise
 
 # 128 + SIGPIPE: what a shell reports for a process ended by a closed pipe.
 EXIT_CLOSED_PIPE = 141
@@ -32,11 +31,13 @@ def _parser() -> argparse.ArgumentParser:
     rows = "\n".join(f"  {name}={default}\n      {meaning}" for name, default, meaning in ENVIRONMENT)
     return argparse.ArgumentParser(
         prog="unit_proxy",
-        description="Streaming reverse proxy beside a unit's leader: health, load, admission, drain.\n"
+        description="Streaming reverse proxy beside a unit's leader: HAProxy for the data path, this agent\n"
+        "for health, load, the unit gate, admission settings and drain.\n"
         "With no arguments it starts serving; every setting comes from the environment.",
         epilog=f"environment (variable=default, then meaning; docs/contracts.md has each in full):\n{rows}\n\n"
-        "exit status: 0 after SIGTERM and the drain; 2 for a usage error, a bad setting, or a\n"
-        "listen address that cannot be bound; 141 when the output is closed early (--help | head).",
+        "exit status: 0 after SIGTERM and the drain; 1 if HAProxy cannot start or dies; 2 for a usage\n"
+        "error, a bad setting, or a listen address that cannot be bound; 141 when the output is closed\n"
+        "early (--help | head).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
 
@@ -66,10 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         claim = claim_port(settings)
         try:
-            if settings.workers > 1:
-                configure_logging("supervisor")
-                return supervise(settings)
-            configure_logging("single")
+            configure_logging()
             return uvloop.run(serve(settings))
         finally:
             claim.close()

@@ -28,6 +28,9 @@ OPENAI_ROUTES: tuple[str, ...] = (
 )
 TRITON_ROUTES: tuple[str, ...] = ("/v2/",)
 MAX_WORKERS = 64
+# HAProxy's buffer bounds: its default (16 KiB) up to 16 MiB (memory: two buffers per stream).
+MIN_BUFFER_BYTES = 16 * 1024
+MAX_BUFFER_BYTES = 16 * 1024 * 1024
 # The launcher's endpoint for a failed canary, beside its /status (unit_launcher.rendezvous).
 CANARY_FAILED_PATH = "/canary-failed"
 # Where the proxy reports that it drained for a follower whose task is stopping (the launcher's
@@ -110,6 +113,14 @@ def _host(env: Mapping[str, str], name: str, default: str) -> str:
     return raw
 
 
+def _runtime_dir(env: Mapping[str, str]) -> str:
+    raw = env.get("RUNTIME_DIR", "").strip()
+    if raw and (not raw.startswith("/") or any(c.isspace() or c in "\"'#$\\" for c in raw) or len(raw) > 80):
+        # Unix socket paths are at most 107 bytes; the config quotes nothing.
+        raise SettingsError("RUNTIME_DIR", raw, "an absolute path of at most 80 characters without spaces or quotes")
+    return raw
+
+
 @dataclass(frozen=True)
 class Settings:
     """Resolved settings of one proxy process."""
@@ -148,9 +159,14 @@ class Settings:
     # /ready, /load, /metrics (and /health with detail): a listener the ALB does not reach.
     admin_host: str = "127.0.0.1"
     admin_port: int = 8081
-    # Worker processes sharing the listen port (SO_REUSEPORT); 1 = one process, no
-    # supervisor. One aiohttp process carries about one core of proxying (README).
+    # HAProxy's threads (`nbthread`): the data path's cores. The name is kept from the
+    # Python data path's worker processes (docs/contracts.md).
     workers: int = 4
+    # HAProxy's buffer (`tune.bufsize`): a request body up to about this size is read whole
+    # before the engine is contacted; a larger one streams on once the buffer is full.
+    request_buffer_bytes: int = 256 * 1024
+    # Where the agent keeps HAProxy's config, sockets and map; empty: /tmp/unit-proxy-<pid>.
+    runtime_dir: str = ""
 
     @property
     def routes(self) -> tuple[str, ...]:
@@ -255,6 +271,10 @@ class Settings:
             canary_retry_seconds=_float(env, "CANARY_RETRY_SECONDS", cls.canary_retry_seconds, 0.05, 3600),
             write_timeout_seconds=_float(env, "WRITE_TIMEOUT_SECONDS", cls.write_timeout_seconds, 0.05, 3600),
             workers=workers,
+            request_buffer_bytes=_int(
+                env, "REQUEST_BUFFER_BYTES", cls.request_buffer_bytes, MIN_BUFFER_BYTES, MAX_BUFFER_BYTES
+            ),
+            runtime_dir=_runtime_dir(env),
         )
 
 
@@ -267,7 +287,7 @@ ENVIRONMENT: tuple[tuple[str, str, str], ...] = (
     ("PROXY_PORT", str(_D.port), "listen port: the engine routes and GET /health"),
     ("PROXY_ADMIN_HOST", _D.admin_host, "admin listener address (/ready, /load, /metrics)"),
     ("PROXY_ADMIN_PORT", str(_D.admin_port), "admin listener port; not PROXY_PORT"),
-    ("PROXY_WORKERS", str(_D.workers), f"worker processes sharing PROXY_PORT, 1-{MAX_WORKERS}"),
+    ("PROXY_WORKERS", str(_D.workers), f"HAProxy threads (nbthread) of the data path, 1-{MAX_WORKERS}"),
     ("UPSTREAM_URL", _D.upstream_url, "the engine's HTTP front end: http://host:port, no path"),
     ("LAUNCHER_STATUS_URL", _D.launcher_status_url, "the launcher's status endpoint; empty: no unit check"),
     ("ENGINE_METRICS_URL", "<UPSTREAM_URL>/metrics", "Prometheus page scraped for load; empty: off"),
@@ -290,6 +310,8 @@ ENVIRONMENT: tuple[tuple[str, str, str], ...] = (
     ("WRITE_TIMEOUT_SECONDS", f"{_D.write_timeout_seconds:g}", "longest wait for a client that reads nothing"),
     ("CANARY_INTERVAL_SECONDS", f"{_D.canary_interval_seconds:g}", "one-token canary while idle; 0: off"),
     ("CANARY_TIMEOUT_SECONDS", f"{_D.canary_timeout_seconds:g}", "a slower canary fails"),
+    ("REQUEST_BUFFER_BYTES", str(_D.request_buffer_bytes), "HAProxy tune.bufsize: bodies read whole up to it"),
+    ("RUNTIME_DIR", "/tmp/unit-proxy-<pid>", "HAProxy's config, sockets and map (created, removed at exit)"),
     ("CANARY_RETRY_SECONDS", f"{_D.canary_retry_seconds:g}", "first retry after a failed canary (doubling)"),
 )
 del _D

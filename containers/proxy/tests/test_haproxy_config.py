@@ -1,0 +1,78 @@
+"""The rendered HAProxy configuration: accepted by the HAProxy 2.6 that ships in the image
+(`haproxy -c`), for each front end and with the gate on and off, and the map it starts with."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import socket
+import subprocess
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from unit_proxy.haproxy_config import ENGINE_HEALTH_LUA, GateMap, Paths, initial_map, map_file, render
+from unit_proxy.settings import Settings
+
+HAPROXY = shutil.which("haproxy")
+needs_haproxy = pytest.mark.skipif(HAPROXY is None, reason="haproxy is not installed (make tools)")
+
+
+def _check(settings: Settings, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(1)
+        paths = Paths(str(tmp_path), sock.fileno())
+        Path(paths.config).write_text(render(settings, paths))
+        Path(paths.gate_map).write_text(map_file(initial_map(bool(settings.launcher_status_url))))
+        Path(paths.lua).write_text(ENGINE_HEALTH_LUA)
+        assert HAPROXY is not None
+        return subprocess.run(
+            [HAPROXY, "-c", "-f", paths.config], pass_fds=[sock.fileno()], capture_output=True, text=True, timeout=30
+        )
+
+
+@needs_haproxy
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"frontend": "triton"},
+        {"launcher_status_url": ""},
+        {"workers": 1, "request_buffer_bytes": 16384, "max_inflight": 1},
+    ],
+    ids=["openai", "triton", "no-gate", "small"],
+)
+def test_haproxy_accepts_the_config(tmp_path: Path, overrides: dict[str, object]) -> None:
+    result = _check(replace(Settings(), **overrides), tmp_path)  # type: ignore[arg-type]
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Configuration file is valid" in result.stdout
+    assert "WARNING" not in result.stdout + result.stderr, result.stdout + result.stderr
+
+
+def test_settings_reach_the_config() -> None:
+    s = replace(Settings(), workers=3, request_buffer_bytes=65536, max_inflight=7, retry_after_seconds=4)
+    text = render(s, Paths("/run/up", 5))
+    assert "nbthread 3" in text and "tune.bufsize 65536" in text and "bind fd@5" in text
+    assert "be_conn(engine) ge 7" in text and "maxconn 7" in text
+    assert "Retry-After '4'" in text
+    assert "stats socket /run/up/admin.sock mode 600 level admin" in text
+
+
+def test_routes_are_checked_on_the_decoded_path() -> None:
+    text = render(Settings(), Paths("/r", 3))
+    assert "acl route_ok path,url_dec -m beg /v1/" in text
+    assert "acl route_ok path,url_dec -m str /tokenize" in text
+    assert "acl route_denied path,url_dec -m str /v1/load_lora_adapter" in text
+    triton = render(replace(Settings(), frontend="triton"), Paths("/r", 3))
+    assert "acl route_denied path,url_dec -m beg /v2/repository/" in triton
+    assert "/v1/" not in re.sub(r"(?m)^.*load_lora.*$", "", triton.split("frontend data")[1].split("backend")[0])
+
+
+def test_no_gate_without_a_launcher() -> None:
+    text = render(replace(Settings(), launcher_status_url=""), Paths("/r", 3))
+    assert "gate_open" not in text
+    assert initial_map(False)[GateMap.UNIT] == "open" and initial_map(False)[GateMap.DOWN] == "no"
+    closed = initial_map(True)
+    assert closed[GateMap.UNIT] != "open" and closed[GateMap.DOWN] == "yes"
+    assert "unit_unavailable" in closed["err502"]

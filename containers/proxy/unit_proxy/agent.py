@@ -1,0 +1,590 @@
+"""The unit proxy's agent: HAProxy as its child for the data path, Python for the unit logic.
+
+The agent binds the data port itself (a clear error if it is taken) and hands the socket
+to `haproxy -W -db -f <cfg>` (`bind fd@<n>`), which dies with it (PR_SET_PDEATHSIG); if
+HAProxy exits on its own the agent exits 1. Beside it the agent runs the health monitor
+(engine, launcher, engine load), the canary and the member drain (`health.py`), pushes the
+unit gate into HAProxy through the runtime API after every round (`set map`, see
+`haproxy_config.GateMap`), reads HAProxy's log lines for the request metrics, writes EMF,
+and serves:
+- the admin listener (`PROXY_ADMIN_HOST:PROXY_ADMIN_PORT`): `/health` with the detail,
+  `/ready`, `/load`, `/metrics`;
+- an internal listener on a Unix socket in the runtime directory, which HAProxy sends the
+  data port's `GET /health` to, and whose `/gate` HAProxy checks: a dead or hung agent
+  fails that check and closes the gate (`haproxy_config._agent_backends`).
+
+Drain on SIGTERM: `/health` 503 at once and engine errors become 503 unit_unavailable;
+new requests are served for DRAIN_SECONDS; then HAProxy soft-stops (SIGUSR1 to its
+master: listeners close, in-flight streams go on) for up to DRAIN_TIMEOUT_SECONDS
+(`hard-stop-after`), and the agent exits 0. A second SIGTERM/SIGINT skips the waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import errno
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from unit_proxy import haproxy_log
+from unit_proxy.haproxy_config import (
+    ENGINE_HEALTH_LUA,
+    LOG_RING,
+    GateMap,
+    Paths,
+    engine_error_bodies,
+    error_body,
+    initial_map,
+    map_file,
+    render,
+)
+from unit_proxy.health import HealthMonitor, HealthState, stale_limit
+from unit_proxy.runtime_api import RuntimeApi, RuntimeApiError
+from unit_proxy.settings import Settings
+from unit_proxy.telemetry import Telemetry, write_emf
+
+log = logging.getLogger("unit_proxy")
+
+HAPROXY = os.environ.get("UNIT_PROXY_HAPROXY", "haproxy")
+# How long HAProxy may take to start answering its runtime API.
+_START_SECONDS = 10.0
+# After hard-stop-after, how long HAProxy gets to exit before it is killed.
+_STOP_GRACE = 5.0
+_PR_SET_PDEATHSIG = 1
+_PROMETHEUS = "text/plain; version=0.0.4"
+
+
+class BindError(Exception):
+    """A listener could not be opened; the message is one line for the operator."""
+
+
+class StartError(Exception):
+    """HAProxy could not be started; the message is one line for the operator."""
+
+
+def claim_port(settings: Settings) -> socket.socket:
+    """Make sure this is the only unit proxy on PROXY_PORT: an abstract Unix socket named
+    after the port (one per network namespace, which the containers of a host-network task
+    share; released when the process dies). Must stay open for the life of the proxy."""
+    lock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        lock.bind(f"\0unit-proxy-port-{settings.port}")
+    except OSError:
+        lock.close()
+        raise BindError(f"another unit proxy already serves port {settings.port} on this host") from None
+    return lock
+
+
+def bind_data_port(host: str, port: int) -> socket.socket:
+    """The data port's listening socket (no SO_REUSEPORT: a port in use is an error), which
+    HAProxy inherits; raises BindError with a one-line reason."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(4096)
+    except OSError as exc:
+        sock.close()
+        reason = "address already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+        raise BindError(f"cannot listen on {host}:{port}: {reason}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the agent dies (prctl(2) PR_SET_PDEATHSIG).
+    The master then stops its worker (HAProxy's master-worker mode)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+# -- state -------------------------------------------------------------------------------------
+
+
+_COARSE = (
+    ("draining", "draining"),
+    ("no check", "no check has completed yet"),
+    ("no launcher check", "no check has completed yet"),
+    ("last check", "health checks are stale"),
+    ("last launcher check", "health checks are stale"),
+    ("engine:", "engine not healthy"),
+    ("unit:", "unit not whole"),
+    ("canary", "canary failed"),
+)
+
+
+def coarse(reason: str) -> str:
+    """A reason in general terms: the detail (addresses, errors) is for the admin port."""
+    return next((text for prefix, text in _COARSE if reason.startswith(prefix)), "unhealthy")
+
+
+def unit_reason(why: str) -> str:
+    """Why the gate is closed, in the data port's general terms (no addresses)."""
+    if why.startswith("draining"):
+        return "a unit member is stopping"
+    return coarse(why if why.startswith(("no ", "last ")) else "unit:")
+
+
+class ProxyState:
+    """What the agent's tasks and handlers share."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.health = HealthState(stale_after=stale_limit(settings))
+        self.gate_unit = bool(settings.launcher_status_url)  # no launcher: nothing to gate on
+        self.telemetry = Telemetry(self.reported_inflight)
+        self.inflight = 0  # the engine backend's current streams, from `show stat`
+        self.stats: dict[str, dict[str, str]] = {}
+        self.changed = asyncio.Event()  # a check round or the drain: push the gate now
+        self.haproxy_pid: int | None = None
+        self.pushed: dict[str, str] = {}
+        self.stopping = False  # HAProxy is stopping: its runtime API is closed
+
+    def reported_inflight(self) -> int:
+        return self.inflight
+
+    def unit_unavailable(self) -> str | None:
+        """Why data requests are refused now (detail), or None when they are served."""
+        return self.health.unit_unavailable() if self.gate_unit else None
+
+    def health_reasons(self) -> list[str]:
+        return self.health.reasons()
+
+    def start_draining(self) -> None:
+        self.health.draining = True
+        self.telemetry.set_draining()
+        self.telemetry.set_healthy(False)
+        self.changed.set()
+
+    def gate_map(self) -> dict[str, str]:
+        """The gate map HAProxy should hold now (haproxy_config.GateMap)."""
+        why = self.unit_unavailable()
+        down: str | None = None
+        if self.health.draining:
+            down = "the unit is draining"
+        elif self.gate_unit:
+            if why is not None:
+                down = unit_reason(why)
+            elif not self.health.last.engine_ok:
+                down = "the engine's own health check fails"
+        doc = {
+            GateMap.UNIT: "open" if why is None else unit_reason(why),
+            GateMap.DOWN: "yes" if down is not None else "no",
+        }
+        doc.update(engine_error_bodies(down))
+        return doc
+
+
+# -- HTTP answers of the agent -------------------------------------------------------------------
+
+
+def health_answer(state: ProxyState, detail: bool) -> tuple[int, str]:
+    """/health: 200 `ok`, or 503 with the reasons (in general terms unless `detail`)."""
+    reasons = state.health_reasons()
+    if not reasons:
+        return 200, "ok\n"
+    if not detail:
+        reasons = sorted({coarse(r) for r in reasons})
+    return 503, "unhealthy: " + "; ".join(reasons) + "\n"
+
+
+def ready_doc(state: ProxyState) -> tuple[int, dict[str, Any]]:
+    health = state.health
+    last = health.last
+    reasons = state.health_reasons()
+    doc: dict[str, Any] = {
+        "healthy": not reasons,
+        "reasons": reasons,
+        "draining": health.draining,
+        "engine": {"ok": last.engine_ok, "detail": last.engine_detail},
+        "unit": {"ok": last.unit_ok, "detail": last.unit_detail, "launcher_status": last.launcher},
+        # Why data requests are refused with 503 unit_unavailable now; null: they are served.
+        "unit_unavailable": state.unit_unavailable(),
+        "checked_at": last.checked_wall or None,
+        "check_age_s": round(time.monotonic() - last.checked_at, 3) if last.checked_at else None,
+        "inflight": state.reported_inflight(),
+        "max_inflight": state.settings.max_inflight,
+        "canary": health.canary.doc(time.monotonic()) if health.canary is not None else None,
+        # The data path: HAProxy's master pid, threads, and the gate as last pushed.
+        "haproxy": {
+            "pid": state.haproxy_pid,
+            "threads": state.settings.workers,
+            "gate": state.pushed.get(GateMap.UNIT),
+            "going_down": state.pushed.get(GateMap.DOWN) == "yes",
+        },
+    }
+    return (200 if not reasons else 503), doc
+
+
+def load_doc(state: ProxyState) -> dict[str, Any]:
+    doc = state.telemetry.load_json()
+    doc["max_inflight"] = state.settings.max_inflight
+    doc["draining"] = state.health.draining
+    launcher = state.health.last.launcher or {}
+    doc["unit_last_failure"] = launcher.get("last_failure")
+    doc["unit_backoff"] = launcher.get("backoff")
+    return doc
+
+
+def _json_error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(
+        status=status, body=error_body(status, message, kind).encode(), content_type="application/json",
+        headers=headers,
+    )
+
+
+def admin_app(state: ProxyState, api: RuntimeApi) -> web.Application:
+    """The admin listener: /health (detail), /ready, /load, /metrics; GET and HEAD only."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        path = request.path
+        if path not in ("/health", "/ready", "/load", "/metrics"):
+            return _json_error(404, "no such endpoint", "not_found")
+        if request.method not in ("GET", "HEAD"):
+            return _json_error(
+                405, f"method {request.method} is not allowed here; allowed: GET, HEAD", "method_not_allowed",
+                {"Allow": "GET, HEAD"},
+            )
+        if path == "/health":
+            status, text = health_answer(state, detail=True)
+            return web.Response(status=status, text=text)
+        if path == "/ready":
+            status, doc = ready_doc(state)
+            return web.json_response(doc, status=status)
+        await refresh_stats(state, api)
+        if path == "/load":
+            return web.json_response(load_doc(state))
+        return web.Response(body=state.telemetry.prometheus_text(), headers={"Content-Type": _PROMETHEUS})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    return app
+
+
+def internal_app(state: ProxyState) -> web.Application:
+    """HAProxy's view of the agent: the data port's /health, and /gate (the agent's liveness:
+    200 while its check rounds are fresh)."""
+
+    async def health(request: web.Request) -> web.Response:
+        status, text = health_answer(state, detail=False)
+        if status == 200 and state.gate_unit and state.pushed.get(GateMap.UNIT) != "open":
+            # The round found the unit whole but the gate push is a moment behind: the load
+            # balancer is told 200 only once HAProxy serves.
+            status, text = 503, "unhealthy: unit gate not open yet\n"
+        return web.Response(status=status, text=text)
+
+    async def gate(request: web.Request) -> web.Response:
+        last = state.health.last
+        stale = last.checked_at and time.monotonic() - last.checked_at > state.health.stale_after
+        return web.Response(status=503 if stale else 200, text="stale\n" if stale else "ok\n")
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/gate", gate)
+    return app
+
+
+# -- tasks ---------------------------------------------------------------------------------------
+
+
+async def refresh_stats(state: ProxyState, api: RuntimeApi) -> None:
+    """In-flight requests: the engine backend's current streams (`show stat` scur)."""
+    try:
+        rows = await api.show_stat()
+    except RuntimeApiError as exc:
+        log.debug("show stat failed: %s", exc)
+        return
+    state.stats = {f"{r.get('pxname')}/{r.get('svname')}": r for r in rows}
+    backend = state.stats.get("engine/BACKEND")
+    if backend is not None and backend.get("scur", "").isdigit():
+        state.inflight = int(backend["scur"])
+
+
+async def push_gate(state: ProxyState, api: RuntimeApi, paths: Paths) -> None:
+    """Set the gate map keys that changed."""
+    for key, value in state.gate_map().items():
+        if state.pushed.get(key) == value:
+            continue
+        try:
+            await api.set_map(paths.gate_map, key, value)
+        except RuntimeApiError as exc:
+            if not state.stopping:  # a stopping HAProxy has closed its runtime API
+                log.warning("gate not pushed to HAProxy: %s", exc)
+            return
+        if key == GateMap.UNIT:
+            log.info("unit gate: %s", value)
+        state.pushed[key] = value
+
+
+async def gate_loop(state: ProxyState, api: RuntimeApi, paths: Paths) -> None:
+    """After every check round (and at least every interval): push the gate, read the stats."""
+    interval = state.settings.health_interval_seconds
+    while True:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(state.changed.wait(), interval)
+        state.changed.clear()
+        if state.stopping:
+            continue
+        try:
+            await push_gate(state, api, paths)
+            await refresh_stats(state, api)
+        except Exception:  # a bug here must not stop the gate's updates
+            log.exception("gate update failed")
+
+
+async def emf_loop(state: ProxyState) -> None:
+    s = state.settings
+    while True:
+        await asyncio.sleep(s.emf_interval_seconds)
+        events = state.telemetry.emf_events(s.metrics_namespace, s.cell, s.unit_id)
+        # Docker's log drivers block a full stdout pipe: write from a thread.
+        await asyncio.to_thread(write_emf, events)
+
+
+def flush_emf(state: ProxyState) -> None:
+    s = state.settings
+    if s.emf_enabled:
+        write_emf(state.telemetry.emf_events(s.metrics_namespace, s.cell, s.unit_id))
+
+
+# -- start and stop ------------------------------------------------------------------------------
+
+
+@dataclass
+class Running:
+    """A started agent with its HAProxy (port 0 picks a free port)."""
+
+    state: ProxyState
+    paths: Paths
+    api: RuntimeApi
+    port: int
+    admin_port: int
+    process: asyncio.subprocess.Process
+    runners: list[web.AppRunner]
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    owns_dir: bool = True
+    stopping: bool = False
+
+    async def stop_haproxy(self, soft: bool, timeout: float) -> int | None:
+        """Soft stop (SIGUSR1: the listener closes, requests in flight go on) until the engine
+        backend has no stream left, then a hard stop (SIGTERM), which also closes the client
+        connections left idle: HAProxy 2.6 keeps a connection whose response ended after the
+        soft stop open until its keep-alive timeout (measured, docs/proxy.md). Waits for exit."""
+        self.stopping = True
+        self.state.stopping = True
+        proc = self.process
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGUSR1 if soft else signal.SIGTERM)
+            try:
+                async with asyncio.timeout(timeout):
+                    if soft:
+                        await self._streams_done(proc)
+                        with contextlib.suppress(ProcessLookupError):
+                            proc.send_signal(signal.SIGTERM)
+                    await proc.wait()
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+        return proc.returncode
+
+    async def _streams_done(self, proc: asyncio.subprocess.Process) -> None:
+        """Wait until the stopping worker's engine backend has no stream (master CLI)."""
+        master = RuntimeApi(self.paths.master_socket, prefix="@1 ")
+        while proc.returncode is None:
+            try:
+                rows = await master.show_stat()
+            except RuntimeApiError:
+                return  # the worker is gone
+            backend = next((r for r in rows if r.get("pxname") == "engine" and r.get("svname") == "BACKEND"), None)
+            if backend is None or backend.get("scur") == "0":
+                return
+            await asyncio.sleep(0.1)
+
+    async def close(self) -> None:
+        """Stop everything now (tests, and the end of `serve`)."""
+        await self.stop_haproxy(soft=False, timeout=_STOP_GRACE)
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for runner in self.runners:
+            await runner.cleanup()
+        flush_emf(self.state)
+        if self.owns_dir:
+            shutil.rmtree(self.paths.runtime_dir, ignore_errors=True)
+
+
+def _runtime_dir(settings: Settings) -> tuple[str, bool]:
+    if settings.runtime_dir:
+        Path(settings.runtime_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+        return settings.runtime_dir, False
+    return tempfile.mkdtemp(prefix=f"unit-proxy-{os.getpid()}-"), True
+
+
+async def _start_haproxy(paths: Paths, api: RuntimeApi) -> asyncio.subprocess.Process:
+    """`haproxy -W -db -f <cfg>` (master-worker, foreground; management guide 3 "Starting
+    HAProxy"), its output on the agent's stderr; waits until its runtime API answers."""
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            HAPROXY, "-W", "-db", "-S", f"{paths.master_socket},mode,600", "-f", paths.config,
+            pass_fds=(paths.listen_fd,), preexec_fn=_die_with_parent,
+            stdin=asyncio.subprocess.DEVNULL, stdout=sys.stderr.fileno(), stderr=sys.stderr.fileno(),
+        )
+    except OSError as exc:
+        raise StartError(f"cannot run {HAPROXY}: {exc.strerror or exc}") from None
+    deadline = time.monotonic() + _START_SECONDS
+    while True:
+        if proc.returncode is not None:
+            raise StartError(f"haproxy exited with code {proc.returncode} at start (its messages are above)")
+        with contextlib.suppress(RuntimeApiError):
+            if "Name: HAProxy" in await api.command("show info"):
+                return proc
+        if time.monotonic() > deadline:
+            proc.kill()
+            await proc.wait()
+            raise StartError(f"haproxy did not answer its runtime API within {_START_SECONDS:g} s")
+        await asyncio.sleep(0.02)
+
+
+async def _site(runner: web.AppRunner, make_site: Any, what: str) -> None:
+    await runner.setup()
+    try:
+        await make_site().start()
+    except OSError as exc:
+        await runner.cleanup()
+        reason = "address already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+        raise BindError(f"cannot listen on {what}: {reason}") from None
+
+
+async def start(settings: Settings) -> Running:
+    """Bind, start HAProxy and the agent's tasks and listeners; raises BindError or StartError."""
+    state = ProxyState(settings)
+    listener = bind_data_port(settings.host, settings.port)
+    runtime_dir, owns = _runtime_dir(settings)
+    paths = Paths(runtime_dir, listener.fileno())
+    api = RuntimeApi(paths.admin_socket)
+    runners: list[web.AppRunner] = []
+    try:
+        admin = web.AppRunner(admin_app(state, api), access_log=None, handle_signals=False, shutdown_timeout=0.5)
+        await _site(admin, lambda: web.TCPSite(admin, settings.admin_host, settings.admin_port, reuse_address=True),
+                    f"{settings.admin_host}:{settings.admin_port}")
+        runners.append(admin)
+        internal = web.AppRunner(internal_app(state), access_log=None, handle_signals=False, shutdown_timeout=0.5)
+        await _site(internal, lambda: web.UnixSite(internal, paths.agent_socket), paths.agent_socket)
+        runners.append(internal)
+        initial = initial_map(state.gate_unit)
+        Path(paths.gate_map).write_text(map_file(initial))
+        state.pushed = dict(initial)
+        Path(paths.lua).write_text(ENGINE_HEALTH_LUA)
+        Path(paths.config).write_text(render(settings, paths))
+        process = await _start_haproxy(paths, api)
+    except BaseException:
+        for runner in runners:
+            await runner.cleanup()
+        listener.close()
+        if owns:
+            shutil.rmtree(runtime_dir, ignore_errors=True)
+        raise
+    port = listener.getsockname()[1]
+    listener.close()  # HAProxy holds it now; our copy would keep it open after a soft stop
+    state.haproxy_pid = process.pid
+    admin_port = admin.addresses[0][1]
+    running = Running(state, paths, api, port, admin_port, process, runners, owns_dir=owns)
+    following = asyncio.Event()
+    log_follower = haproxy_log.follow(paths.admin_socket, LOG_RING, state.telemetry, lambda: state.stopping, following)
+    running.tasks.append(asyncio.create_task(log_follower, name="log"))
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(following.wait(), _START_SECONDS)
+    await asyncio.sleep(0.01)  # HAProxy takes the command in its next loop turn
+    monitor = HealthMonitor(
+        settings, state.health, state.telemetry, on_check=lambda _result: state.changed.set(),
+        idle=lambda: state.reported_inflight() == 0, refresh=lambda: refresh_stats(state, api),
+    )
+    running.tasks.append(asyncio.create_task(monitor.run(), name="health"))
+    running.tasks.append(asyncio.create_task(gate_loop(state, api, paths), name="gate"))
+    if settings.emf_enabled:
+        running.tasks.append(asyncio.create_task(emf_loop(state), name="emf"))
+    log.info(
+        "listening on %s:%d (HAProxy pid %d, admin %s:%d) -> %s (frontend %s, max in-flight %d)",
+        settings.host, port, process.pid, settings.admin_host, admin_port, settings.upstream_url,
+        settings.frontend, settings.max_inflight,
+    )
+    return running
+
+
+async def serve(settings: Settings) -> int:
+    """Serve until SIGTERM/SIGINT and a complete drain (0), or until HAProxy dies (1)."""
+    loop = asyncio.get_running_loop()
+    try:
+        running = await start(settings)
+    except StartError as exc:
+        log.error("%s", exc)
+        return 1
+    state = running.state
+    signals = 0
+    first = asyncio.Event()
+    again = asyncio.Event()
+
+    def on_signal(signum: int) -> None:
+        nonlocal signals
+        signals += 1
+        log.warning("received %s (%d)", signal.Signals(signum).name, signals)
+        (first if signals == 1 else again).set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    died = asyncio.create_task(running.process.wait())
+    signalled = asyncio.create_task(first.wait())
+    await asyncio.wait({died, signalled}, return_when=asyncio.FIRST_COMPLETED)
+    if died.done() and not signalled.done():
+        signalled.cancel()
+        log.error("haproxy exited with code %s: the data path is gone; exiting 1", running.process.returncode)
+        await running.close()
+        return 1
+    state.start_draining()
+    log.warning("draining: /health is 503; serving new requests for %.0f s", settings.drain_seconds)
+    await _wait_or(again, settings.drain_seconds)
+    log.warning("HAProxy soft stop: listener closed, in-flight requests get up to %.0f s",
+                settings.drain_timeout_seconds)
+    soft = asyncio.create_task(running.stop_haproxy(soft=True, timeout=settings.drain_timeout_seconds + _STOP_GRACE))
+    interrupted = asyncio.create_task(again.wait())
+    await asyncio.wait({soft, interrupted}, return_when=asyncio.FIRST_COMPLETED)
+    if not soft.done():
+        log.warning("second signal: stopping HAProxy now")
+        with contextlib.suppress(ProcessLookupError):
+            running.process.send_signal(signal.SIGTERM)
+        await soft
+    interrupted.cancel()
+    died.cancel()
+    await running.close()
+    log.warning("drained; exiting")
+    return 0
+
+
+async def _wait_or(event: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(event.wait(), seconds)
+
+
+def configure_logging() -> None:
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s [agent]: %(message)s",
+        force=True,
+    )

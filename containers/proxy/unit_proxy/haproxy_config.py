@@ -1,0 +1,511 @@
+"""The HAProxy 2.6 configuration of the data path: a pure function of the settings.
+
+`render(settings, paths)` returns the text of `haproxy.cfg`; the agent (`unit_proxy.agent`)
+writes it into its runtime directory and starts `haproxy -W -db -f <cfg>`. Everything the
+data path decides per request is here, in HAProxy's own terms; the agent only feeds it the
+unit's state through the runtime API (`set map` on the gate map, see `GateMap`).
+
+Sections cited below are of the HAProxy 2.6 configuration manual,
+https://docs.haproxy.org/2.6/configuration.html (the same text ships as
+/usr/share/doc/haproxy/configuration.txt.gz in Debian's haproxy 2.6.12-1+deb12u3), and of
+the management guide https://docs.haproxy.org/2.6/management.html ("9.3. Unix Socket
+commands").
+
+Request order in the `data` frontend (HAProxy evaluates `http-request` rules in declaration
+order, 4.2 "http-request"; `use_backend` after all of them):
+  framing and target checks (400, 405 CONNECT, OPTIONS *) -> header size (431) -> path
+  checks (400) -> /health to the agent -> allowlist on the decoded path (404) -> methods
+  (405 with Allow) -> unit gate (503 unit_unavailable) -> Content-Length over the limit
+  (413) -> body read (wait-for-body) -> chunked body over the limit (413) -> admission
+  (429) -> the engine.
+The gate is checked before the body is read and admission after it, so neither a refused
+request nor a slow body ever holds an engine slot.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from unit_proxy.routes import RouteTable, route_table
+from unit_proxy.settings import Settings
+
+# The largest request header block (all header lines) admitted; a larger one that still
+# fits HAProxy's buffer gets 431, one that does not gets HAProxy's own 400 (docs/contracts.md).
+MAX_HEADER_BYTES = 64 * 1024
+# The largest request target (old proxy: 8190, nginx's large_client_header_buffers default).
+MAX_TARGET_BYTES = 8190
+# Header lines per request (4.2 global "tune.http.maxhdr"; HAProxy answers 400 beyond).
+MAX_HEADERS = 128
+# Buffer bytes kept out of a chunked body's allowance: tune.maxrewrite (1024) and HTX block
+# overhead for up to MAX_HEADERS headers.
+CHUNKED_SLACK = 1024 + 4096
+# Headers never forwarded in either direction: RFC 9110 7.6.1 hop-by-hop headers, and
+# HTTP/2-over-cleartext upgrade ones (RFC 9113 3.1 removed h2c; an engine must not see it).
+HOP_BY_HOP = (
+    "Connection",
+    "Keep-Alive",
+    "Proxy-Connection",
+    "Proxy-Authenticate",
+    "Proxy-Authorization",
+    "TE",
+    "Trailer",
+    "Upgrade",
+    "HTTP2-Settings",
+)
+# The header HAProxy's own engine-error answers carry until `http-after-response` reads it.
+ERROR_MARK = "X-Unit-Proxy-Error"
+# The ring HAProxy logs each request to (3.9 "Rings"): 4 MiB, about 80,000 lines of lag.
+LOG_RING = "agentlog"
+LOG_RING_BYTES = 4 * 1024 * 1024
+# Log line fields, space separated (8.2.6 "Custom log format"; parsed by unit_proxy.haproxy_log).
+LOG_FORMAT = "%ST %Ta %Td %Tr %B %tsc %b %[var(txn.outcome)]"
+
+
+@dataclass(frozen=True)
+class Paths:
+    """Where the agent and HAProxy meet: files and Unix sockets in one runtime directory,
+    and the listening socket the agent bound and HAProxy inherits."""
+
+    runtime_dir: str
+    listen_fd: int
+
+    def _file(self, name: str) -> str:
+        return str(Path(self.runtime_dir) / name)
+
+    @property
+    def config(self) -> str:
+        return self._file("haproxy.cfg")
+
+    @property
+    def admin_socket(self) -> str:
+        return self._file("admin.sock")
+
+    @property
+    def master_socket(self) -> str:
+        return self._file("master.sock")
+
+    @property
+    def agent_socket(self) -> str:
+        return self._file("agent.sock")
+
+    @property
+    def lua(self) -> str:
+        return self._file("engine_health.lua")
+
+    @property
+    def gate_map(self) -> str:
+        return self._file("gate.map")
+
+
+class GateMap:
+    """The keys of the gate map, which the agent sets with `set map` after every check round
+    (management guide 9.3 "set map"; read per request with the `map` converter, 7.3.1):
+
+    - `unit`: `open` while the launcher's latest check says the unit is whole; else the
+      reason in general terms (the data port's 503 body names it, so no addresses).
+    - `down`: `yes` while the unit is going down (gate closed, engine unhealthy, draining):
+      engine errors are then answered 503 unit_unavailable instead of 502/504.
+    - `err502`, `err503`, `err504`: the JSON body of HAProxy's own answer to an engine
+      failure (its 503 is a refused connection, re-statused 502); unit_unavailable bodies
+      while `down` is yes.
+    """
+
+    UNIT = "unit"
+    DOWN = "down"
+    ERRORS = ("err502", "err503", "err504")
+
+
+def error_body(status: int, message: str, kind: str) -> str:
+    """An OpenAI-style JSON error body (the proxy's contract, docs/contracts.md)."""
+    return json.dumps({"error": {"message": message, "type": kind, "code": status}})
+
+
+UNIT_UNAVAILABLE_PREFIX = "inference unit is not whole, not serving: "
+
+
+def unit_unavailable_body(reason: str) -> str:
+    return error_body(503, f"{UNIT_UNAVAILABLE_PREFIX}{reason}; retry", "unit_unavailable")
+
+
+def engine_error_bodies(down_reason: str | None) -> dict[str, str]:
+    """The bodies of HAProxy's own answers to engine failures (GateMap.ERRORS)."""
+    if down_reason is not None:
+        body = unit_unavailable_body(down_reason)
+        return dict.fromkeys(GateMap.ERRORS, body)
+    return {
+        "err502": error_body(502, "engine connection failed before the answer", "upstream_error"),
+        "err503": error_body(502, "engine refused the connection or is unreachable", "upstream_unavailable"),
+        "err504": error_body(504, "engine did not answer in time (before the answer)", "upstream_timeout"),
+    }
+
+
+def initial_map(gated: bool) -> dict[str, str]:
+    """The gate map HAProxy starts with: closed until the agent's first check round when the
+    unit is gated (LAUNCHER_STATUS_URL set), else open."""
+    reason = "no launcher check has completed yet" if gated else None
+    doc = {GateMap.UNIT: reason or "open", GateMap.DOWN: "yes" if gated else "no"}
+    doc.update(engine_error_bodies(reason))
+    return doc
+
+
+# A Lua action (HAProxy 2.6 is built with Lua 5.3, `haproxy -vv`; configuration manual 3.1
+# "lua-load", 4.2 "http-response lua.<name>"; Lua API `core.register_action`,
+# `core.httpclient`, https://docs.haproxy.org/2.6/lua-api/index.html): after an engine
+# answer of 5xx, ask the engine's own health endpoint now (vLLM answers 503 once its engine
+# died), so a dying unit's 500 becomes 503 unit_unavailable before the next check round.
+ENGINE_HEALTH_LUA = """\
+-- unit_proxy: the engine's health, asked after one of its 5xx answers (txn.engine_ok).
+core.register_action("engine_health", {"http-res"}, function(txn, url)
+    local ok, res = pcall(function() return core.httpclient():get{url=url, timeout=1000} end)
+    txn:set_var("txn.engine_ok", ok and res ~= nil and res.status == 200)
+end, 1)
+"""
+
+
+def map_file(entries: dict[str, str]) -> str:
+    """A map file: one `key value` per line, the value being the rest of the line (7.3.1 "map")."""
+    return "".join(f"{key} {value}\n" for key, value in entries.items())
+
+
+# -- the rendering ---------------------------------------------------------------------------
+
+
+def _q(text: str) -> str:
+    """A single-quoted config word: no escape, variable or comment processing inside
+    (2.2 "Quoting and escaping"); a single quote itself cannot appear."""
+    if "'" in text or "\n" in text:
+        raise ValueError(f"cannot single-quote {text!r}")
+    return f"'{text}'"
+
+
+def _lf(text: str) -> str:
+    """Literal text inside a log-format string: '%' is written '%%' (8.2.6)."""
+    return text.replace("%", "%%")
+
+
+def _seconds(value: float) -> str:
+    """A timeout in milliseconds (2.5 "Time format"), at least 1 ms."""
+    return f"{max(1, round(value * 1000))}ms"
+
+
+def _json_return(status: int, kind: str, message_lf: str, headers: dict[str, str] | None = None) -> str:
+    """An `http-request return` of a JSON error whose message is a log-format string
+    (4.2 "http-request return": `content-type`, `lf-string`, `hdr`)."""
+    body = '{"error": {"message": "' + message_lf + '", "type": "' + kind + '", "code": ' + str(status) + "}}"
+    extra = "".join(f" hdr {name} {_q(value)}" for name, value in (headers or {}).items())
+    return f"return status {status} content-type application/json lf-string {_q(body)}{extra}"
+
+
+def _route_acls(table: RouteTable) -> list[str]:
+    """ACLs on the decoded path (7.3.1 "url_dec"; 7.1.3 matching methods `-m str`, `-m beg`):
+    `route_ok` for an allowed route, `route_denied` for a management route, and one ACL per
+    method set (`methods_<n>`) naming the routes that take it."""
+    lines: list[str] = []
+    for route in table.routes:
+        match = "-m beg" if route.is_prefix else "-m str"
+        lines.append(f"acl route_ok path,url_dec {match} {route.prefix}")
+    for denied in table.denied:
+        lines.append(f"acl route_denied path,url_dec -m str {denied}")
+        lines.append(f"acl route_denied path,url_dec -m beg {denied}/")
+    return lines
+
+
+def _method_rules(table: RouteTable) -> list[str]:
+    """405 with Allow for a method the matched route does not take."""
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for route in table.routes:
+        groups.setdefault(route.methods, []).append(route.prefix)
+    lines: list[str] = []
+    for index, (methods, prefixes) in enumerate(groups.items()):
+        name = f"routes_{index}"
+        for prefix in prefixes:
+            match = "-m beg" if prefix.endswith("/") else "-m str"
+            lines.append(f"acl {name} path,url_dec {match} {prefix}")
+        allow = ", ".join(methods)
+        message = "method %[method] is not allowed here; allowed: " + allow
+        lines.append(
+            f"http-request {_json_return(405, 'method_not_allowed', message, {'Allow': allow})}"
+            f" if {name} !{{ method {' '.join(methods)} }}"
+        )
+    return lines
+
+
+def _global(settings: Settings, paths: Paths) -> list[str]:
+    return [
+        "global",
+        # 3.1 "lua-load": the engine health action (ENGINE_HEALTH_LUA).
+        f"    lua-load {paths.lua}",
+        # 3.2 "nbthread": the data path's threads (PROXY_WORKERS).
+        f"    nbthread {settings.workers}",
+        # 3.1 "stats socket" with "level admin" (5.1 bind options "level", "mode"): the
+        # runtime API the agent uses for `set map` and `show stat`; only its user may connect.
+        f"    stats socket {paths.admin_socket} mode 600 level admin",
+        # 3.1 "log" to a ring buffer (3.9 "Rings"), without the syslog header ("format raw"):
+        # the agent follows it on the runtime API (`show events <ring> -w -n`) for the request
+        # metrics. Not a Unix datagram socket: the kernel queues at most
+        # net.unix.max_dgram_qlen (10) datagrams there, and HAProxy dropped lines under load
+        # (measured: 23 of 4,000 at 2,900 requests/s).
+        f"    log ring@{LOG_RING} len 1024 format raw local0 info",
+        # 3.2 "tune.bufsize": the request body read before the engine is contacted is at most
+        # this (wait-for-body stops when the buffer is full); headers must fit in it too.
+        f"    tune.bufsize {settings.request_buffer_bytes}",
+        # 3.2 "tune.http.maxhdr": more header lines than this is 400.
+        f"    tune.http.maxhdr {MAX_HEADERS}",
+        # 3.1 "hard-stop-after": after the soft stop (SIGUSR1, the drain), streams still open
+        # this long are closed.
+        f"    hard-stop-after {_seconds(settings.drain_timeout_seconds)}",
+    ]
+
+
+def client_timeout(settings: Settings) -> float:
+    """HAProxy's `timeout client`: see _defaults."""
+    return max(settings.write_timeout_seconds, settings.keepalive_timeout_seconds)
+
+
+def _ring() -> list[str]:
+    return [f"ring {LOG_RING}", "    format raw", "    maxlen 1024", f"    size {LOG_RING_BYTES}"]
+
+
+def _defaults(settings: Settings) -> list[str]:
+    return [
+        "defaults",
+        "    mode http",
+        "    log global",
+        # 8.2.6 "Custom log format".
+        f"    log-format {_q(LOG_FORMAT)}",
+        # No "option http-buffer-request" (4.2): it would read the body (and send 100 Continue)
+        # before the frontend's rules; "http-request wait-for-body" (4.2) does the same at the
+        # chosen point, after the gate and the Content-Length limit.
+        # 4.2 "option abortonclose": a client that leaves while its request waits for a
+        # connection or in the queue is dropped, not sent to the engine.
+        "    option abortonclose",
+        # 4.2 "option http-no-delay": no Nagle/MSG_MORE coalescing: every SSE token goes
+        # out as it arrives.
+        "    option http-no-delay",
+        # 4.2 "timeout connect": engine connect timeout (UPSTREAM_CONNECT_TIMEOUT_SECONDS).
+        f"    timeout connect {_seconds(settings.upstream_connect_timeout_seconds)}",
+        # 4.2 "timeout server": longest engine silence (UPSTREAM_READ_TIMEOUT_SECONDS) -> 504.
+        f"    timeout server {_seconds(settings.upstream_read_timeout_seconds)}",
+        # 4.2 "timeout client": the client side's inactivity while it must send or read: a
+        # client that reads nothing loses its stream after it. HAProxy 2.6 also closes idle
+        # keep-alive connections after it whatever "timeout http-keep-alive" says (measured,
+        # docs/proxy.md; https://github.com/haproxy/haproxy/issues/2334), and the proxy's
+        # keep-alive must outlast the ALB's idle timeout, so it is the larger of
+        # WRITE_TIMEOUT_SECONDS and KEEPALIVE_TIMEOUT_SECONDS (docs/contracts.md).
+        f"    timeout client {_seconds(client_timeout(settings))}",
+        # 4.2 "timeout http-request": the whole request (headers, and the body with
+        # http-buffer-request) must arrive within this (BODY_READ_TIMEOUT_SECONDS) -> 408.
+        f"    timeout http-request {_seconds(settings.body_read_timeout_seconds)}",
+        # 4.2 "timeout http-keep-alive": idle time between requests (KEEPALIVE_TIMEOUT_SECONDS;
+        # "timeout client" still applies at the lower level, see docs/proxy.md).
+        f"    timeout http-keep-alive {_seconds(settings.keepalive_timeout_seconds)}",
+        # 4.2 "timeout queue": a request over the engine server's maxconn waits at most this.
+        f"    timeout queue {_seconds(settings.upstream_connect_timeout_seconds)}",
+        # 4.2 "timeout client-fin" / "timeout server-fin": half-closed connections.
+        "    timeout client-fin 5s",
+        "    timeout server-fin 5s",
+    ]
+
+
+def _own_errors(settings: Settings) -> list[tuple[int, str, str]]:
+    return [
+        (400, "malformed request: HTTP/1.1 framing, header syntax, or headers over the buffer or the count limit",
+         "bad_request"),
+        (408, f"request not received within {settings.body_read_timeout_seconds:g} s", "timeout"),
+        (500, "internal proxy error", "internal_error"),
+        (501, "not implemented", "bad_request"),
+        (502, "engine connection failed before the answer", "upstream_error"),
+        (503, "service unavailable", "unavailable"),
+        (504, "engine did not answer in time (before the answer)", "upstream_timeout"),
+    ]
+
+
+def _frontend(settings: Settings, paths: Paths, table: RouteTable) -> list[str]:
+    gate = paths.gate_map
+    retry = str(settings.retry_after_seconds)
+    api = "GET, HEAD, POST"
+    rules = [
+        # 4.2 "http-error": HAProxy's own answers in the contract's JSON shape, not its HTML.
+        *[
+            f"    http-error status {status} content-type application/json"
+            f" string {_q(error_body(status, message, kind))}"
+            for status, message, kind in _own_errors(settings)
+        ],
+        # 4.2 "bind" with the address 'fd@<n>' (11.1 "Address family prefixes"): the socket the agent
+        # bound (a clear error if the port is taken) and HAProxy inherits.
+        f"    bind fd@{paths.listen_fd}",
+        # 7.4 "Pre-defined ACLs": METH_CONNECT, METH_OPTIONS, METH_GET (GET and HEAD).
+        f"    http-request {_json_return(405, 'method_not_allowed', _lf('CONNECT is not served: this is not a forward proxy'), {'Allow': api})} if METH_CONNECT",  # noqa: E501
+        "    http-request return status 200 content-type application/json"
+        f" string {_q(json.dumps({'allow': ['GET', 'HEAD', 'POST']}))} hdr Allow {_q(api)} if METH_OPTIONS {{ url * }}",
+        # An absolute-form target (`GET http://x/v1/models`) is refused, as an origin-form
+        # one is all a reverse proxy behind the ALB gets (7.3.6 "url_beg").
+        f"    http-request {_json_return(400, 'bad_request', 'request target must be a path')} if !{{ url_beg / }}",
+        # RFC 9112 2.3: HTTP/1.x only (7.3.6 "req.ver"); HAProxy reads `HTTP/2.0` on an
+        # HTTP/1 connection as a version it forwards.
+        f"    http-request {_json_return(505, 'bad_request', 'HTTP version not supported: HTTP/1.0 and HTTP/1.1 only')}"
+        " if !{ req.ver -m reg " + _q(r"^1\.[0-9]$") + " }",
+        # RFC 9110 10.1.1: 100-continue is the only expectation; others get 417.
+        f"    http-request {_json_return(417, 'expectation_failed', 'only Expect: 100-continue is supported')}"
+        " if { req.hdr_cnt(expect) gt 0 } !{ req.fhdr(expect) -m str -i 100-continue }",
+        # RFC 9112 6.1: only `chunked` alone is a transfer coding we take (7.3.6 "req.fhdr",
+        # "req.hdr_cnt"): `gzip, chunked` and the like are refused, not forwarded.
+        "    acl te_present req.hdr_cnt(transfer-encoding) gt 0",
+        "    acl te_chunked req.hdr_cnt(transfer-encoding) eq 1",
+        "    acl te_chunked_only req.fhdr(transfer-encoding) -m str -i chunked",
+        f"    http-request {_json_return(400, 'bad_request', 'Transfer-Encoding other than chunked is not accepted')}"
+        " if te_present !te_chunked or te_present !te_chunked_only",
+        # The header block's size (7.3.6 "req.hdrs", 7.3.1 "length").
+        f"    http-request {_json_return(431, 'bad_request', f'request headers exceed {MAX_HEADER_BYTES} bytes')}"
+        f" if {{ req.hdrs,length gt {MAX_HEADER_BYTES} }}",
+        f"    http-request {_json_return(414, 'bad_request', f'request target exceeds {MAX_TARGET_BYTES} bytes')}"
+        f" if {{ url,length gt {MAX_TARGET_BYTES} }}",
+        # Paths an engine could read as another path than the one checked: encoded dots,
+        # slashes, backslashes or NUL, bad escapes, backslashes, empty segments (raw path),
+        # dot-segments (decoded path). PCRE2 regexes (7.1.3 "-m reg").
+        "    acl path_bad_raw path -m reg -i " + _q(r"%(2e|2f|5c|00)|%(?![0-9a-f]{2})|\\|//"),
+        "    acl path_dot_segment path,url_dec -m reg " + _q(r"(^|/)\.\.?(/|$)"),
+        f"    http-request {_json_return(400, 'bad_request', _lf('request path must not contain dot-segments, empty segments, backslashes, encoded dots or separators, or bad escapes'))}"  # noqa: E501
+        " if path_bad_raw or path_dot_segment",
+        # GET /health: the agent's answer (its internal listener), GET and HEAD only.
+        "    acl is_health path /health",
+        f"    http-request {_json_return(405, 'method_not_allowed', 'method %[method] is not allowed here; allowed: GET, HEAD', {'Allow': 'GET, HEAD'})} if is_health !METH_GET",  # noqa: E501
+        *[f"    {line}" for line in _route_acls(table)],
+        f"    http-request {_json_return(404, 'not_found', 'no route %[path,bytes(0,200),json(ascii)] on this ' + settings.frontend + ' front end')}"  # noqa: E501
+        " if !is_health !route_ok or !is_health route_denied",
+        *[f"    {line}" for line in _method_rules(table)],
+    ]
+    if settings.launcher_status_url:
+        # The unit gate (7.3.1 "map"): the agent's verdict, and the agent itself answering
+        # its checks (7.3.2 "nbsrv"): a hung agent closes the gate too.
+        unit = f"str({GateMap.UNIT}),map({gate},closed)"
+        rules += [
+            f"    acl gate_open {unit} -m str open",
+            "    acl agent_alive nbsrv(agent_gate) gt 0",
+            "    http-request set-var(txn.outcome) str(unit_unavailable) if !is_health !agent_alive or !is_health !gate_open",  # noqa: E501
+            f"    http-request {_json_return(503, 'unit_unavailable', _lf(unit_unavailable_prefix()) + 'the unit proxy agent is not answering; retry', {'Retry-After': retry})}"  # noqa: E501
+            " if !is_health !agent_alive",
+            f"    http-request {_json_return(503, 'unit_unavailable', _lf(unit_unavailable_prefix()) + '%[' + unit + ']; retry', {'Retry-After': retry})}"  # noqa: E501
+            " if !is_health !gate_open",
+        ]
+    limit = settings.max_body_bytes
+    chunk_limit = min(limit, settings.request_buffer_bytes - CHUNKED_SLACK)
+    rules += [
+        # 413 by Content-Length before the body is read (7.3.6 "req.body_size": the announced
+        # length, or what arrived of a chunked body).
+        f"    http-request {_json_return(413, 'too_large', f'request body exceeds the limit of {limit} bytes')}"
+        f" if !is_health {{ req.body_size gt {limit} }}",
+        # 4.2 "http-request wait-for-body": the body is read (up to the buffer) before the
+        # admission check, so a slow body holds no engine slot.
+        f"    http-request wait-for-body time {_seconds(settings.body_read_timeout_seconds)} if !is_health",
+        f"    http-request {_json_return(413, 'too_large', f'request body exceeds the limit of {limit} bytes')}"
+        f" if !is_health {{ req.body_size gt {limit} }}",
+        # A chunked body that filled the buffer may go on beyond it, where no limit is checked
+        # and the rest would stream to the engine: refused, so every body is whole and within
+        # the limit before the engine is asked (Content-Length bodies over the buffer stream
+        # on: docs/proxy.md). The fill: body + header bytes against the buffer less
+        # tune.maxrewrite (3.2: 1024 by default here) and HTX overhead.
+        "    http-request set-var(txn.header_bytes) req.hdrs,length if !is_health te_present",
+        f"    http-request {_json_return(413, 'too_large', f'a chunked request body must fit in {chunk_limit} bytes; send Content-Length for a larger one')}"  # noqa: E501
+        f" if !is_health te_present {{ req.body_size,add(txn.header_bytes) ge {chunk_limit} }}",
+        # Admission (7.3.2 "be_conn": streams now in the engine backend): 429 beyond MAX_INFLIGHT.
+        f"    acl unit_full be_conn(engine) ge {settings.max_inflight}",
+        "    http-request set-var(txn.outcome) str(rejected) if !is_health unit_full",
+        f"    http-request {_json_return(429, 'overloaded', f'unit at its in-flight limit ({settings.max_inflight}); retry', {'Retry-After': retry})}"  # noqa: E501
+        " if !is_health unit_full",
+        # Engine failures answered by HAProxy itself carry ERROR_MARK (backend engine): while
+        # the unit goes down they become 503 unit_unavailable (the body already says so, see
+        # GateMap), else HAProxy's 503 (connection refused) is the contract's 502
+        # (4.2 "http-after-response": runs on HAProxy's own answers too).
+        f"    acl going_down str({GateMap.DOWN}),map({gate},yes) -m str yes",
+        f"    acl engine_error res.hdr({ERROR_MARK}) -m found",
+        "    http-after-response set-var(txn.outcome) str(unit_unavailable) if engine_error going_down",
+        "    http-after-response set-status 503 if engine_error going_down",
+        f"    http-after-response set-header Retry-After {retry} if engine_error going_down",
+        f"    http-after-response set-status 502 if {{ res.hdr({ERROR_MARK}) 503 }} !going_down",
+        f"    http-after-response del-header {ERROR_MARK}",
+        "    use_backend agent_health if is_health",
+        "    default_backend engine",
+    ]
+    return ["frontend data", *rules]
+
+
+def unit_unavailable_prefix() -> str:
+    return UNIT_UNAVAILABLE_PREFIX
+
+
+def _engine_backend(settings: Settings, paths: Paths) -> list[str]:
+    host, port = settings.upstream_address
+    gate = paths.gate_map
+    retry = str(settings.retry_after_seconds)
+    lines = ["backend engine"]
+    # 4.2 "http-request del-header" / "http-response del-header": hop-by-hop headers never
+    # travel (HAProxy manages the connection itself), nor `Expect` (HAProxy answers it).
+    lines += [f"    http-request del-header {name}" for name in (*HOP_BY_HOP, "Expect")]
+    lines += [f"    http-response del-header {name}" for name in HOP_BY_HOP]
+    # A dying unit's engine answers 5xx (vLLM 0.32 on CPU, make e2e step 3): while the unit
+    # is going down such answers are the half unit's, not the model's (4.2 "http-response return").
+    lines += [
+        f"    acl going_down str({GateMap.DOWN}),map({gate},yes) -m str yes",
+        "    acl engine_5xx status ge 500",
+    ]
+    down = "engine_5xx going_down"
+    if settings.launcher_status_url:
+        # The unit is whole as of the last round: ask the engine now (ENGINE_HEALTH_LUA).
+        lines += [
+            f"    http-response lua.engine_health {settings.engine_health_url} if engine_5xx !going_down",
+            "    acl engine_ok var(txn.engine_ok) -m bool",
+        ]
+        down += " or engine_5xx !engine_ok"
+    lines += [
+        f"    http-response set-var(txn.outcome) str(unit_unavailable) if {down}",
+        f"    http-response {_json_return(503, 'unit_unavailable', _lf(UNIT_UNAVAILABLE_PREFIX) + 'the unit is going down; retry', {'Retry-After': retry})}"  # noqa: E501
+        f" if {down}",
+    ]
+    # 4.2 "http-error": HAProxy's own answers to engine failures, bodies from the gate map.
+    for status in (502, 503, 504):
+        lines.append(
+            f"    http-error status {status} content-type application/json"
+            f" lf-string {_q(f'%[str(err{status}),map({gate})]')} hdr {ERROR_MARK} {status}"
+        )
+    # 5.2 "maxconn": the hard bound behind the be_conn admission check (a race between
+    # threads queues, never exceeds).
+    lines.append(f"    server vllm {host}:{port} maxconn {settings.max_inflight}")
+    return lines
+
+
+def _agent_backends(settings: Settings, paths: Paths) -> list[str]:
+    interval = _seconds(settings.health_interval_seconds)
+    return [
+        # The data port's GET /health, answered by the agent on its internal listener.
+        "backend agent_health",
+        f"    timeout server {_seconds(settings.health_timeout_seconds + 1)}",
+        "    http-error status 503 content-type text/plain string 'unhealthy: proxy agent not answering'",
+        "    http-error status 502 content-type text/plain string 'unhealthy: proxy agent not answering'",
+        "    http-error status 504 content-type text/plain string 'unhealthy: proxy agent not answering'",
+        "    http-response del-header Server",
+        f"    server agent {paths.agent_socket}",
+        # The agent's liveness (4.2 "option httpchk", 5.2 "check", "inter", "fall", "rise";
+        # 4.2 "timeout check"): its /gate answers 200 while its check rounds are fresh. A dead
+        # or hung agent fails the check, nbsrv(agent_gate) drops to 0 and the gate closes.
+        "backend agent_gate",
+        "    option httpchk GET /gate",
+        f"    timeout check {_seconds(settings.health_timeout_seconds)}",
+        f"    server agent {paths.agent_socket} check inter {interval} fall 3 rise 1",
+    ]
+
+
+def render(settings: Settings, paths: Paths) -> str:
+    """The whole haproxy.cfg for these settings."""
+    table = route_table(settings.frontend)
+    sections = [
+        _global(settings, paths),
+        _ring(),
+        _defaults(settings),
+        _frontend(settings, paths, table),
+        _engine_backend(settings, paths),
+        _agent_backends(settings, paths),
+    ]
+    return "\n\n".join("\n".join(section) for section in sections) + "\n"

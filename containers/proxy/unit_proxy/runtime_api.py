@@ -1,0 +1,71 @@
+"""An async client of HAProxy's runtime API: the admin-level stats socket (a Unix socket).
+
+One command per connection, as HAProxy's non-interactive mode expects: the command line is
+sent, HAProxy answers and closes (management guide 9.3 "Unix Socket commands",
+https://docs.haproxy.org/2.6/management.html). Arguments are separated by spaces; a space,
+a backslash or a semicolon inside an argument is escaped with a backslash (9.3: ';'
+separates commands).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import io
+
+# Longest wait for one answer: the runtime API answers from HAProxy's event loop at once.
+_TIMEOUT = 2.0
+
+
+class RuntimeApiError(Exception):
+    """The runtime API could not be reached or refused a command."""
+
+
+def escape(arg: str) -> str:
+    """One CLI argument, spaces and separators escaped."""
+    out = []
+    for ch in arg:
+        if ch in " \\;\t":
+            out.append("\\")
+        if ch in "\r\n":
+            raise ValueError("a runtime API argument cannot contain a line break")
+        out.append(ch)
+    return "".join(out)
+
+
+class RuntimeApi:
+    """`prefix` routes commands through the master CLI (`-S`; management guide 9.4 "Master
+    CLI"): `@1 ` is the current worker, reachable there even while it soft-stops, when its
+    own stats socket is already closed."""
+
+    def __init__(self, socket_path: str, prefix: str = "") -> None:
+        self.socket_path = socket_path
+        self.prefix = prefix
+
+    async def command(self, line: str) -> str:
+        """Send one command line; returns HAProxy's answer."""
+        try:
+            async with asyncio.timeout(_TIMEOUT):
+                reader, writer = await asyncio.open_unix_connection(self.socket_path)
+                try:
+                    writer.write(self.prefix.encode() + line.encode() + b"\n")
+                    writer.write_eof()  # the master CLI answers once the input ends
+                    await writer.drain()
+                    data = await reader.read()
+                finally:
+                    writer.close()
+        except (OSError, TimeoutError) as exc:
+            raise RuntimeApiError(f"runtime API {self.socket_path}: {exc or type(exc).__name__}") from None
+        return data.decode("utf-8", "replace")
+
+    async def set_map(self, map_path: str, key: str, value: str) -> None:
+        answer = await self.command(f"set map {escape(map_path)} {escape(key)} {escape(value)}")
+        if answer.strip():  # success is an empty answer
+            raise RuntimeApiError(f"set map {key}: {answer.strip()}")
+
+    async def show_stat(self) -> list[dict[str, str]]:
+        """`show stat` as rows (pxname, svname, scur, stot, hrsp_5xx, ...; 9.1 "CSV format")."""
+        text = await self.command("show stat")
+        if not text.startswith("# "):
+            raise RuntimeApiError(f"show stat: {text.strip()[:200]}")
+        return list(csv.DictReader(io.StringIO(text[2:])))
