@@ -473,10 +473,13 @@ class ProxyProcess:
     def __init__(self, engine_url: str, launcher_url: str, **env: str) -> None:
         self.port = free_port()
         self.admin_port = free_port()
+        # The package under test: this checkout's, or DATA_PATH_PROXY_DIR's. It is also the
+        # working directory, which `python -m` puts first on sys.path.
+        source = os.environ.get("DATA_PATH_PROXY_DIR") or PROXY_DIR
         self._out = tempfile.NamedTemporaryFile(prefix="unit-proxy-", suffix=".log", delete=False)  # noqa: SIM115
         full = {
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-            "PYTHONPATH": os.environ.get("DATA_PATH_PROXY_DIR", PROXY_DIR),
+            "PYTHONPATH": source,
             "PROXY_HOST": LOOPBACK,
             "PROXY_PORT": str(self.port),
             "PROXY_ADMIN_HOST": LOOPBACK,
@@ -494,6 +497,7 @@ class ProxyProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "unit_proxy"],
             env=full,
+            cwd=source,
             stdout=self._out,
             stderr=subprocess.STDOUT,
             start_new_session=True,

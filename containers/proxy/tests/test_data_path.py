@@ -56,7 +56,7 @@ SHARED_ENV = {
 }
 HEADER_TIMEOUT = 3.0
 # One engine slot: a request that holds it wrongly shows as a 429 for the next client.
-SINGLE_ENV = {**SHARED_ENV, "MAX_INFLIGHT": "1", "BODY_READ_TIMEOUT_SECONDS": "3"}
+SINGLE_ENV = {**SHARED_ENV, "MAX_INFLIGHT": "1", "BODY_READ_TIMEOUT_SECONDS": "3", "MAX_BODY_BYTES": str(1 << 20)}
 
 DENIED = "/v1/load_lora_adapter"
 SMUGGLED = (
@@ -275,6 +275,27 @@ async def test_d3_dribbled_bodies_hold_no_engine_slot(single: ProxyProcess, engi
             conn.close()
 
 
+async def test_d3_a_large_dribbled_body_holds_no_engine_slot(single: ProxyProcess, engine: RawEngine):
+    """Defect 3 for a long prompt: a 600 KB body (under the 1 MiB MAX_BODY_BYTES here; the
+    default is 16 MiB, and a 100k-token prompt is about 400 KB of JSON) whose last bytes
+    dribble must hold no engine slot either: with one slot, another client is served and
+    the engine has not seen the dribbler. A data path that reads only a buffer's worth
+    (HAProxy's tune.bufsize) before contacting the engine fails this."""
+    port = await settled(single, engine)
+    body = b'{"model": "m", "prompt": "' + b"x" * 600_000 + b'"}'
+    async with await Conn.open(port) as dribbler:
+        await dribbler.send(completion("X-Case: large\r\n", body, close=True)[:-10])
+        await asyncio.sleep(0.3)
+        other = await exchange(port, completion(close=True))
+        assert other.status == 200, (other.status, other.body[:200])
+        assert not any(r.header("x-case") == "large" for r in engine.requests), "a partial body reached the engine"
+        await dribbler.send(body[-10:])
+        finished = await dribbler.response()
+    assert finished.status == 200, finished.raw_head
+    (seen,) = [r for r in engine.requests if r.header("x-case") == "large"]
+    assert seen.body == body
+
+
 BAD_FRAMING = {
     "zz": b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
     "minus-2": b"Transfer-Encoding: chunked\r\n\r\n-2\r\n{}\r\n0\r\n\r\n",
@@ -359,12 +380,14 @@ async def test_d6_chunked_trailers_never_become_request_headers(px: int, engine:
 
 async def test_d6_chunked_trailers_are_not_forwarded_at_all(px: int, engine: RawEngine):
     """Defect 6 (the engine's side): the issue's "no trailers ... forwarded". Passed on as
-    trailers they still become headers in vLLM: uvicorn with httptools (vLLM's
-    uvicorn[standard]) appends every field llhttp reports to the list that is the ASGI
-    scope's `headers` (encode/uvicorn uvicorn/protocols/http/httptools_impl.py `on_header`,
-    at 007fdaf), and llhttp reports trailer fields through the same callback after the
-    headers (httptools 0.9.0, checked here). So the engine's trailer section must not carry
-    them either."""
+    trailers they still become headers in vLLM: vLLM requires fastapi[standard]
+    (vllm-project/vllm requirements/common.txt at 0073e44), which brings uvicorn[standard]
+    and so httptools; uvicorn's httptools protocol appends every field llhttp reports to the
+    list that is the ASGI scope's `headers` (encode/uvicorn
+    uvicorn/protocols/http/httptools_impl.py `on_message_begin`, `on_header`, at 007fdaf),
+    and llhttp reports trailer fields through that callback after the headers (httptools
+    0.9.0, checked on this machine). So the engine's trailer section must not carry them
+    either."""
     answer = await exchange(px, TRAILERS)
     assert answer.status in (200, 400), answer.raw_head
     for seen in engine.requests:
@@ -426,14 +449,15 @@ async def test_d7_http10_with_transfer_encoding_is_not_kept_alive(px: int, engin
 async def test_d7_gzip_chunked_transfer_coding_is_refused(px: int, engine: RawEngine):
     """Defect 7d: `Transfer-Encoding: gzip, chunked` was accepted and forwarded: the engine
     gets a gzip body it does not decode. RFC 9112 6.1: a coding the server does not
-    understand: 501; 400 is also safe. The engine sees nothing."""
+    understand: 501 (SHOULD); 400 is also safe, and so is the 422 HAProxy 2.6's HTTP/1 parser
+    answers itself before any rule runs (seen on this machine). The engine sees nothing."""
     data = (
         b"POST /v1/completions HTTP/1.1\r\nHost: unit\r\nContent-Type: application/json\r\nX-Case: gzip\r\n"
         b"Transfer-Encoding: gzip, chunked\r\nConnection: close\r\n\r\n" + chunked(COMPLETION)
     )
     answer, _ = await answer_or_close(px, data)
     assert not any(r.header("x-case") == "gzip" for r in engine.requests), "forwarded to the engine"
-    assert answer is not None and answer.status in (400, 501), answer and answer.raw_head
+    assert answer is not None and answer.status in (400, 422, 501), answer and answer.raw_head
 
 
 async def test_d7_http_1_2_is_served_as_1_1(px: int, engine: RawEngine):
@@ -598,8 +622,10 @@ async def test_a10_too_many_headers_are_refused(px: int, engine: RawEngine):
 
 async def test_a11_slowloris_headers_are_cut_within_the_header_timeout(px: int, engine: RawEngine):
     """Slowloris: a client that sends its headers one byte every 0.2 s (each byte resetting a
-    naive idle timer) must lose its connection within the header timeout (here 3 s) plus
-    slack, with 408 or without an answer; the engine never sees it."""
+    naive idle timer) must lose its connection within the header timeout plus slack, with 408
+    or without an answer; the engine never sees it. The header timeout is
+    KEEPALIVE_TIMEOUT_SECONDS on the Python HTTP layer and BODY_READ_TIMEOUT_SECONDS (HAProxy's
+    `timeout http-request`) on HAProxy: 3 s and 2 s here, so 3 s bounds both."""
     data = completion("X-Case: slowloris\r\n" + "".join(f"X-S-{i}: v\r\n" for i in range(40)))
     started = time.monotonic()
     cut_after = None
