@@ -494,14 +494,19 @@ class ProxyProcess:
             "DRAIN_TIMEOUT_SECONDS": "1",
             **env,
         }
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "unit_proxy"],
-            env=full,
-            cwd=source,
-            stdout=self._out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "unit_proxy"],
+                env=full,
+                cwd=source,
+                stdout=self._out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        except OSError:
+            self._out.close()
+            os.unlink(self._out.name)
+            raise
 
     def log(self) -> str:
         with open(self._out.name, errors="replace") as f:
