@@ -27,9 +27,10 @@ setup: venv cli ## the venv (.venv) and the pinned CDK CLI (node_modules)
 
 # Debian packages the tests use, installed when missing: shellcheck checks every script the
 # templates ship (tests/test_template_scripts.py); haproxy is the proxy's data path
-# (containers/proxy), the same Debian version as its image (the Dockerfile's HAPROXY_VERSION).
+# (containers/proxy), the same Debian version as its image (the Dockerfile's HAPROXY_VERSION);
+# nginx and wrk: the proxy benchmark's baseline and load, run in quick mode by the tests.
 HAPROXY_VERSION := $(shell sed -n 's/^ARG HAPROXY_VERSION=//p' containers/proxy/Dockerfile)
-tools: ## the Debian packages the tests use (shellcheck, haproxy), when missing
+tools: ## the Debian packages the tests use (shellcheck, haproxy, nginx and wrk for the quick proxy bench), when missing
 	@command -v shellcheck > /dev/null || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get > /dev/null; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq shellcheck; \
@@ -38,6 +39,10 @@ tools: ## the Debian packages the tests use (shellcheck, haproxy), when missing
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get > /dev/null; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "haproxy=$(HAPROXY_VERSION)"; \
 	  else echo "haproxy is missing: install it (apt-get install haproxy=$(HAPROXY_VERSION), as root)" >&2; exit 1; fi; }
+	@{ command -v nginx || test -x /usr/sbin/nginx; } > /dev/null && command -v wrk > /dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get > /dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nginx-light wrk; \
+	  else echo "nginx and wrk are missing: install them (apt-get install nginx-light wrk, as root)" >&2; exit 1; fi; }
 	@haproxy -v | grep -q "version 2\.6\." || { \
 	  echo "haproxy 2.6 is needed (the image's $(HAPROXY_VERSION)); found: $$(haproxy -v | head -1)" >&2; exit 1; }
 
