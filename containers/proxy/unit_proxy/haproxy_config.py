@@ -38,9 +38,6 @@ MAX_HEADER_BYTES = 64 * 1024
 MAX_TARGET_BYTES = 8190
 # Header lines per request (4.2 global "tune.http.maxhdr"; HAProxy answers 400 beyond).
 MAX_HEADERS = 128
-# Buffer bytes kept out of a chunked body's allowance: tune.maxrewrite (1024) and HTX block
-# overhead for up to MAX_HEADERS headers.
-CHUNKED_SLACK = 1024 + 4096
 # Headers never forwarded in either direction: RFC 9110 7.6.1 hop-by-hop headers, and
 # HTTP/2-over-cleartext upgrade ones (RFC 9113 3.1 removed h2c; an engine must not see it).
 HOP_BY_HOP = (
@@ -357,6 +354,30 @@ def _frontend(settings: Settings, paths: Paths, table: RouteTable) -> list[str]:
         "    acl te_chunked_only req.fhdr(transfer-encoding) -m str -i chunked",
         f"    http-request {_json_return(400, 'bad_request', 'Transfer-Encoding other than chunked is not accepted')}"
         " if te_present !te_chunked or te_present !te_chunked_only",
+        # A chunked request body is refused (RFC 9112 6.3: a server MAY refuse a request without
+        # Content-Length with 411; OpenAI clients send Content-Length): HAProxy 2.6 forwards a
+        # chunked body's trailer fields as trailers (no rule drops them), and vLLM's
+        # uvicorn+httptools merges trailers into the request's headers (docs/contracts.md).
+        f"    http-request {_json_return(411, 'length_required', 'a request body must be sent with Content-Length, not chunked')}"  # noqa: E501
+        " if te_present",
+        # RFC 9112 3.2: an HTTP/1.1 request without exactly one Host is 400 (HAProxy's parser
+        # refuses two; 7.3.6 "req.hdr_cnt", "req.ver").
+        f"    http-request {_json_return(400, 'bad_request', 'an HTTP/1.1 request must carry one Host header')}"
+        " if !{ req.hdr_cnt(host) eq 1 } !{ req.ver 1.0 }",
+        # RFC 9110 5.5: a NUL in a field value is refused (HAProxy 2.6's parser lets it through).
+        # The header block in hex (7.3.1 "hex"), a 00 byte at an even offset; the regex is
+        # anchored, so one linear pass.
+        f"    http-request {_json_return(400, 'bad_request', 'a request header contains a NUL byte')}"
+        " if { req.hdrs,hex -m reg " + _q(r"^([0-9A-F]{2})*00") + " }",
+        # RFC 9110 7.6.1: a proxy removes the fields that Connection names; `del-header` takes
+        # only fixed names (4.2), so a request naming any field other than the hop-by-hop ones
+        # deleted in the engine backend (HOP_BY_HOP) or `close` is refused (req.hdr splits
+        # Connection at commas, 7.3.6).
+        "    acl conn_present req.hdr_cnt(connection) gt 0",
+        "    acl conn_named_other req.hdr(connection) -m reg -i "
+        + _q("^(?!(" + "|".join(name.lower() for name in (*HOP_BY_HOP, "close")) + ")$)"),
+        f"    http-request {_json_return(400, 'bad_request', 'Connection may name only close, keep-alive, te, trailer, upgrade, http2-settings')}"  # noqa: E501
+        " if conn_present conn_named_other",
         # The header block's size (7.3.6 "req.hdrs", 7.3.1 "length").
         f"    http-request {_json_return(431, 'bad_request', f'request headers exceed {MAX_HEADER_BYTES} bytes')}"
         f" if {{ req.hdrs,length gt {MAX_HEADER_BYTES} }}",
@@ -391,25 +412,18 @@ def _frontend(settings: Settings, paths: Paths, table: RouteTable) -> list[str]:
             " if !is_health !gate_open",
         ]
     limit = settings.max_body_bytes
-    chunk_limit = min(limit, settings.request_buffer_bytes - CHUNKED_SLACK)
     rules += [
         # 413 by Content-Length before the body is read (7.3.6 "req.body_size": the announced
         # length, or what arrived of a chunked body).
         f"    http-request {_json_return(413, 'too_large', f'request body exceeds the limit of {limit} bytes')}"
         f" if !is_health {{ req.body_size gt {limit} }}",
         # 4.2 "http-request wait-for-body": the body is read (up to the buffer) before the
-        # admission check, so a slow body holds no engine slot.
+        # admission check, so a slow body holds no engine slot. The settings keep
+        # MAX_BODY_BYTES + the header reserve within the buffer (settings.BUFFER_RESERVE_BYTES),
+        # so every admitted body is read whole here, never streamed on while it arrives.
         f"    http-request wait-for-body time {_seconds(settings.body_read_timeout_seconds)} if !is_health",
         f"    http-request {_json_return(413, 'too_large', f'request body exceeds the limit of {limit} bytes')}"
         f" if !is_health {{ req.body_size gt {limit} }}",
-        # A chunked body that filled the buffer may go on beyond it, where no limit is checked
-        # and the rest would stream to the engine: refused, so every body is whole and within
-        # the limit before the engine is asked (Content-Length bodies over the buffer stream
-        # on: docs/proxy.md). The fill: body + header bytes against the buffer less
-        # tune.maxrewrite (3.2: 1024 by default here) and HTX overhead.
-        "    http-request set-var(txn.header_bytes) req.hdrs,length if !is_health te_present",
-        f"    http-request {_json_return(413, 'too_large', f'a chunked request body must fit in {chunk_limit} bytes; send Content-Length for a larger one')}"  # noqa: E501
-        f" if !is_health te_present {{ req.body_size,add(txn.header_bytes) ge {chunk_limit} }}",
         # Admission (7.3.2 "be_conn": streams now in the engine backend): 429 beyond MAX_INFLIGHT.
         f"    acl unit_full be_conn(engine) ge {settings.max_inflight}",
         "    http-request set-var(txn.outcome) str(rejected) if !is_health unit_full",
