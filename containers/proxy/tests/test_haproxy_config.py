@@ -63,11 +63,14 @@ def test_settings_reach_the_config() -> None:
 
 def test_routes_are_checked_on_the_decoded_path() -> None:
     text = render(Settings(), Paths("/r", 3))
-    assert "acl route_ok path,url_dec -m beg /v1/" in text
-    assert "acl route_ok path,url_dec -m str /tokenize" in text
-    assert "acl route_denied path,url_dec -m str /v1/load_lora_adapter" in text
+    # The path is decoded once (set-var) and every route ACL reads the variable.
+    assert "http-request set-var(txn.path) path,url_dec" in text
+    assert "acl routes_0 var(txn.path) -m beg /v1/" in text
+    assert re.search(r"acl routes_\d var\(txn.path\) -m str /tokenize /detokenize", text)
+    assert "acl route_denied var(txn.path) -m beg /v1/load_lora_adapter /v1/unload_lora_adapter" in text
+    assert "path,url_dec" not in text.replace("set-var(txn.path) path,url_dec", "")
     triton = render(replace(Settings(), frontend="triton"), Paths("/r", 3))
-    assert "acl route_denied path,url_dec -m beg /v2/repository/" in triton
+    assert "acl route_denied var(txn.path) -m beg /v2/repository " in triton
     assert "/v1/" not in re.sub(r"(?m)^.*load_lora.*$", "", triton.split("frontend data")[1].split("backend")[0])
 
 

@@ -195,36 +195,51 @@ def _json_return(status: int, kind: str, message_lf: str, headers: dict[str, str
     return f"return status {status} content-type application/json lf-string {_q(body)}{extra}"
 
 
+def _method_acl(methods: tuple[str, ...]) -> str:
+    """An inline ACL on the method (7.3.6 "method": a list of names, matched by its enum)."""
+    return "{ method " + " ".join(methods) + " }"
+
+
 def _route_acls(table: RouteTable) -> list[str]:
-    """ACLs on the decoded path (7.3.1 "url_dec"; 7.1.3 matching methods `-m str`, `-m beg`):
-    `route_ok` for an allowed route, `route_denied` for a management route, and one ACL per
-    method set (`methods_<n>`) naming the routes that take it."""
-    lines: list[str] = []
-    for route in table.routes:
-        match = "-m beg" if route.is_prefix else "-m str"
-        lines.append(f"acl route_ok path,url_dec {match} {route.prefix}")
-    for denied in table.denied:
-        lines.append(f"acl route_denied path,url_dec -m str {denied}")
-        lines.append(f"acl route_denied path,url_dec -m beg {denied}/")
-    return lines
-
-
-def _method_rules(table: RouteTable) -> list[str]:
-    """405 with Allow for a method the matched route does not take."""
+    """ACLs on the path decoded once into txn.path (7.3.1 "url_dec"; 7.1.3 `-m str`, `-m beg`):
+    one per method set (`routes_<n>`: its exact paths in one `-m str` list, an indexed lookup,
+    and its prefixes in one `-m beg` list), `route_denied` for the management routes (as
+    prefixes: everything under them, and longer names, is refused too). Per request each is a
+    variable read and one lookup, not a decode."""
     groups: dict[tuple[str, ...], list[str]] = {}
     for route in table.routes:
         groups.setdefault(route.methods, []).append(route.prefix)
     lines: list[str] = []
-    for index, (methods, prefixes) in enumerate(groups.items()):
-        name = f"routes_{index}"
-        for prefix in prefixes:
-            match = "-m beg" if prefix.endswith("/") else "-m str"
-            lines.append(f"acl {name} path,url_dec {match} {prefix}")
+    for index, prefixes in enumerate(groups.values()):
+        exact = [p for p in prefixes if not p.endswith("/")]
+        begins = [p for p in prefixes if p.endswith("/")]
+        if begins:
+            lines.append(f"acl routes_{index} var(txn.path) -m beg {' '.join(begins)}")
+        if exact:
+            lines.append(f"acl routes_{index} var(txn.path) -m str {' '.join(exact)}")
+    lines.append(f"acl route_denied var(txn.path) -m beg {' '.join(table.denied)}")
+    return lines
+
+
+def _route_rules(table: RouteTable, frontend: str) -> list[str]:
+    """404 for a path no route takes or a denied one, 405 with Allow for a method the route
+    does not take. The most used method set (the API prefix) comes first, so the common
+    allowed request stops each rule's condition at its first term."""
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for route in table.routes:
+        groups.setdefault(route.methods, []).append(route.prefix)
+    names = [f"routes_{index}" for index in range(len(groups))]
+    unknown = " ".join(f"!{name}" for name in names)
+    message = "no route %[path,bytes(0,200),json(ascii)] on this " + frontend + " front end"
+    lines = [
+        f"http-request {_json_return(404, 'not_found', message)} if !is_health {unknown} or route_denied",
+    ]
+    for name, methods in zip(names, groups, strict=True):
         allow = ", ".join(methods)
-        message = "method %[method] is not allowed here; allowed: " + allow
+        text = "method %[method] is not allowed here; allowed: " + allow
         lines.append(
-            f"http-request {_json_return(405, 'method_not_allowed', message, {'Allow': allow})}"
-            f" if {name} !{{ method {' '.join(methods)} }}"
+            f"http-request {_json_return(405, 'method_not_allowed', text, {'Allow': allow})}"
+            f" if {name} !{_method_acl(methods)}"
         )
     return lines
 
@@ -343,7 +358,7 @@ def _frontend(settings: Settings, paths: Paths, table: RouteTable) -> list[str]:
         # RFC 9112 2.3: HTTP/1.x only (7.3.6 "req.ver"); HAProxy reads `HTTP/2.0` on an
         # HTTP/1 connection as a version it forwards.
         f"    http-request {_json_return(505, 'bad_request', 'HTTP version not supported: HTTP/1.0 and HTTP/1.1 only')}"
-        " if !{ req.ver -m reg " + _q(r"^1\.[0-9]$") + " }",
+        " if !{ req.ver -m beg 1. }",
         # RFC 9110 10.1.1: 100-continue is the only expectation; others get 417.
         f"    http-request {_json_return(417, 'expectation_failed', 'only Expect: 100-continue is supported')}"
         " if { req.hdr_cnt(expect) gt 0 } !{ req.fhdr(expect) -m str -i 100-continue }",
@@ -365,19 +380,21 @@ def _frontend(settings: Settings, paths: Paths, table: RouteTable) -> list[str]:
         f"    http-request {_json_return(400, 'bad_request', 'an HTTP/1.1 request must carry one Host header')}"
         " if !{ req.hdr_cnt(host) eq 1 } !{ req.ver 1.0 }",
         # RFC 9110 5.5: a NUL in a field value is refused (HAProxy 2.6's parser lets it through).
-        # The header block in hex (7.3.1 "hex"), a 00 byte at an even offset; the regex is
-        # anchored, so one linear pass.
+        # The header block URL-encoded (7.3.1 "url_enc": a NUL becomes %00, a literal '%'
+        # becomes %25), then one substring search: no regex on the hot path.
         f"    http-request {_json_return(400, 'bad_request', 'a request header contains a NUL byte')}"
-        " if { req.hdrs,hex -m reg " + _q(r"^([0-9A-F]{2})*00") + " }",
+        " if { req.hdrs,url_enc -m sub %00 }",
         # RFC 9110 7.6.1: a proxy removes the fields that Connection names; `del-header` takes
         # only fixed names (4.2), so a request naming any field other than the hop-by-hop ones
         # deleted in the engine backend (HOP_BY_HOP) or `close` is refused (req.hdr splits
-        # Connection at commas, 7.3.6).
+        # Connection at commas, 7.3.6). The usual single `keep-alive` or `close` needs no regex.
         "    acl conn_present req.hdr_cnt(connection) gt 0",
+        "    acl conn_one req.hdr_cnt(connection) eq 1",
+        "    acl conn_usual req.hdr(connection) -m str -i keep-alive close",
         "    acl conn_named_other req.hdr(connection) -m reg -i "
         + _q("^(?!(" + "|".join(name.lower() for name in (*HOP_BY_HOP, "close")) + ")$)"),
         f"    http-request {_json_return(400, 'bad_request', 'Connection may name only close, keep-alive, te, trailer, upgrade, http2-settings')}"  # noqa: E501
-        " if conn_present conn_named_other",
+        " if conn_present !conn_one conn_named_other or conn_present !conn_usual conn_named_other",
         # The header block's size (7.3.6 "req.hdrs", 7.3.1 "length").
         f"    http-request {_json_return(431, 'bad_request', f'request headers exceed {MAX_HEADER_BYTES} bytes')}"
         f" if {{ req.hdrs,length gt {MAX_HEADER_BYTES} }}",
@@ -385,18 +402,22 @@ def _frontend(settings: Settings, paths: Paths, table: RouteTable) -> list[str]:
         f" if {{ url,length gt {MAX_TARGET_BYTES} }}",
         # Paths an engine could read as another path than the one checked: encoded dots,
         # slashes, backslashes or NUL, bad escapes, backslashes, empty segments (raw path),
-        # dot-segments (decoded path). PCRE2 regexes (7.1.3 "-m reg").
-        "    acl path_bad_raw path -m reg -i " + _q(r"%(2e|2f|5c|00)|%(?![0-9a-f]{2})|\\|//"),
-        "    acl path_dot_segment path,url_dec -m reg " + _q(r"(^|/)\.\.?(/|$)"),
+        # dot-segments (decoded path). Substring matches first (7.1.3 "-m sub"); the PCRE2
+        # regexes (7.1.3 "-m reg") only run for a path with a '%' or a '/.' in it.
+        "    acl path_has_escape path -m sub %",
+        "    acl path_bad_escape path -m reg -i " + _q(r"%(2e|2f|5c|00)|%(?![0-9a-f]{2})"),
+        "    acl path_bad_plain path -m sub " + _q("\\") + " //",
+        "    acl path_has_dot var(txn.path) -m sub /.",
+        "    acl path_dot_segment var(txn.path) -m reg " + _q(r"/\.\.?(/|$)"),
+        # The decoded path, once (7.3.1 "url_dec", 4.2 "http-request set-var").
+        "    http-request set-var(txn.path) path,url_dec",
         f"    http-request {_json_return(400, 'bad_request', _lf('request path must not contain dot-segments, empty segments, backslashes, encoded dots or separators, or bad escapes'))}"  # noqa: E501
-        " if path_bad_raw or path_dot_segment",
+        " if path_bad_plain or path_has_escape path_bad_escape or path_has_dot path_dot_segment",
         # GET /health: the agent's answer (its internal listener), GET and HEAD only.
-        "    acl is_health path /health",
+        "    acl is_health var(txn.path) -m str /health",
         f"    http-request {_json_return(405, 'method_not_allowed', 'method %[method] is not allowed here; allowed: GET, HEAD', {'Allow': 'GET, HEAD'})} if is_health !METH_GET",  # noqa: E501
         *[f"    {line}" for line in _route_acls(table)],
-        f"    http-request {_json_return(404, 'not_found', 'no route %[path,bytes(0,200),json(ascii)] on this ' + settings.frontend + ' front end')}"  # noqa: E501
-        " if !is_health !route_ok or !is_health route_denied",
-        *[f"    {line}" for line in _method_rules(table)],
+        *[f"    {line}" for line in _route_rules(table, settings.frontend)],
     ]
     if settings.launcher_status_url:
         # The unit gate (7.3.1 "map"): the agent's verdict, and the agent itself answering
@@ -422,8 +443,6 @@ def _frontend(settings: Settings, paths: Paths, table: RouteTable) -> list[str]:
         # MAX_BODY_BYTES + the header reserve within the buffer (settings.BUFFER_RESERVE_BYTES),
         # so every admitted body is read whole here, never streamed on while it arrives.
         f"    http-request wait-for-body time {_seconds(settings.body_read_timeout_seconds)} if !is_health",
-        f"    http-request {_json_return(413, 'too_large', f'request body exceeds the limit of {limit} bytes')}"
-        f" if !is_health {{ req.body_size gt {limit} }}",
         # Admission (7.3.2 "be_conn": streams now in the engine backend): 429 beyond MAX_INFLIGHT.
         f"    acl unit_full be_conn(engine) ge {settings.max_inflight}",
         "    http-request set-var(txn.outcome) str(rejected) if !is_health unit_full",
