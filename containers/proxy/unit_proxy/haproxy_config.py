@@ -13,11 +13,11 @@ commands").
 
 Request order in the `data` frontend (HAProxy evaluates `http-request` rules in declaration
 order, 4.2 "http-request"; `use_backend` after all of them):
-  framing and target checks (400, 405 CONNECT, OPTIONS *) -> header size (431) -> path
-  checks (400) -> /health to the agent -> allowlist on the decoded path (404) -> methods
-  (405 with Allow) -> unit gate (503 unit_unavailable) -> Content-Length over the limit
-  (413) -> body read (wait-for-body) -> chunked body over the limit (413) -> admission
-  (429) -> the engine.
+  framing and target checks (400, 405 CONNECT, OPTIONS *, 411 chunked, 400 no Host, NUL,
+  Connection) -> header size (431) -> path checks (400) -> /health to the agent ->
+  allowlist on the path decoded once into txn.path (404) -> methods (405 with Allow) ->
+  unit gate (503 unit_unavailable) -> Content-Length over the limit (413) -> body read
+  (wait-for-body: the whole body, as it fits the buffer) -> admission (429) -> the engine.
 The gate is checked before the body is read and admission after it, so neither a refused
 request nor a slow body ever holds an engine slot.
 """
