@@ -39,7 +39,7 @@ def _check(settings: Settings, tmp_path: Path) -> subprocess.CompletedProcess[st
         {},
         {"frontend": "triton"},
         {"launcher_status_url": ""},
-        {"workers": 1, "request_buffer_bytes": 16384, "max_inflight": 1},
+        {"workers": 1, "request_buffer_bytes": 98304, "max_body_bytes": 16384, "max_inflight": 1},
     ],
     ids=["openai", "triton", "no-gate", "small"],
 )
@@ -51,9 +51,11 @@ def test_haproxy_accepts_the_config(tmp_path: Path, overrides: dict[str, object]
 
 
 def test_settings_reach_the_config() -> None:
-    s = replace(Settings(), workers=3, request_buffer_bytes=65536, max_inflight=7, retry_after_seconds=4)
+    s = replace(
+        Settings(), workers=3, request_buffer_bytes=131072, max_body_bytes=4096, max_inflight=7, retry_after_seconds=4
+    )
     text = render(s, Paths("/run/up", 5))
-    assert "nbthread 3" in text and "tune.bufsize 65536" in text and "bind fd@5" in text
+    assert "nbthread 3" in text and "tune.bufsize 131072" in text and "bind fd@5" in text
     assert "be_conn(engine) ge 7" in text and "maxconn 7" in text
     assert "Retry-After '4'" in text
     assert "stats socket /run/up/admin.sock mode 600 level admin" in text
@@ -61,11 +63,14 @@ def test_settings_reach_the_config() -> None:
 
 def test_routes_are_checked_on_the_decoded_path() -> None:
     text = render(Settings(), Paths("/r", 3))
-    assert "acl route_ok path,url_dec -m beg /v1/" in text
-    assert "acl route_ok path,url_dec -m str /tokenize" in text
-    assert "acl route_denied path,url_dec -m str /v1/load_lora_adapter" in text
+    # The path is decoded once (set-var) and every route ACL reads the variable.
+    assert "http-request set-var(txn.path) path,url_dec" in text
+    assert "acl routes_0 var(txn.path) -m beg /v1/" in text
+    assert re.search(r"acl routes_\d var\(txn.path\) -m str /tokenize /detokenize", text)
+    assert "acl route_denied var(txn.path) -m beg /v1/load_lora_adapter /v1/unload_lora_adapter" in text
+    assert "path,url_dec" not in text.replace("set-var(txn.path) path,url_dec", "")
     triton = render(replace(Settings(), frontend="triton"), Paths("/r", 3))
-    assert "acl route_denied path,url_dec -m beg /v2/repository/" in triton
+    assert "acl route_denied var(txn.path) -m beg /v2/repository " in triton
     assert "/v1/" not in re.sub(r"(?m)^.*load_lora.*$", "", triton.split("frontend data")[1].split("backend")[0])
 
 

@@ -86,10 +86,26 @@ def test_a_failed_canary_is_reported_beside_the_launchers_status():
 
 def test_haproxy_buffer_and_runtime_dir():
     s = Settings.from_env({})
-    assert s.request_buffer_bytes == 256 * 1024 and s.runtime_dir == ""
-    assert Settings.from_env({"REQUEST_BUFFER_BYTES": "16384"}).request_buffer_bytes == 16384
+    assert s.request_buffer_bytes == 1024 * 1024 + 80 * 1024 and s.max_body_bytes == 1024 * 1024
+    assert s.runtime_dir == ""
+    small = Settings.from_env({"REQUEST_BUFFER_BYTES": "98304", "MAX_BODY_BYTES": "16384"})
+    assert small.request_buffer_bytes == 98304
     with pytest.raises(SettingsError, match="REQUEST_BUFFER_BYTES"):
         Settings.from_env({"REQUEST_BUFFER_BYTES": "1000"})  # below HAProxy's default buffer
+
+
+def test_the_body_limit_must_fit_the_buffer():
+    """A body larger than HAProxy's buffer would stream to the engine while it arrives and
+    hold an engine slot (test_data_path.py::test_d3_a_large_dribbled_body_holds_no_engine_slot):
+    the settings refuse such a pair, naming both variables."""
+    with pytest.raises(SettingsError, match=r"MAX_BODY_BYTES.*REQUEST_BUFFER_BYTES"):
+        Settings.from_env({"MAX_BODY_BYTES": str(2 * 1024 * 1024)})
+    with pytest.raises(SettingsError, match=r"MAX_BODY_BYTES.*REQUEST_BUFFER_BYTES"):
+        Settings.from_env({"REQUEST_BUFFER_BYTES": str(512 * 1024)})
+    fits = Settings.from_env(
+        {"MAX_BODY_BYTES": str(2 * 1024 * 1024), "REQUEST_BUFFER_BYTES": str(2 * 1024 * 1024 + 81920)}
+    )
+    assert fits.max_body_bytes == 2 * 1024 * 1024
     assert Settings.from_env({"RUNTIME_DIR": "/run/unit-proxy"}).runtime_dir == "/run/unit-proxy"
     for bad in ("relative/dir", "/with space", "/q'uote", "/" + "x" * 90):
         with pytest.raises(SettingsError, match="RUNTIME_DIR"):

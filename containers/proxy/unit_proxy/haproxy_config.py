@@ -13,11 +13,11 @@ commands").
 
 Request order in the `data` frontend (HAProxy evaluates `http-request` rules in declaration
 order, 4.2 "http-request"; `use_backend` after all of them):
-  framing and target checks (400, 405 CONNECT, OPTIONS *) -> header size (431) -> path
-  checks (400) -> /health to the agent -> allowlist on the decoded path (404) -> methods
-  (405 with Allow) -> unit gate (503 unit_unavailable) -> Content-Length over the limit
-  (413) -> body read (wait-for-body) -> chunked body over the limit (413) -> admission
-  (429) -> the engine.
+  framing and target checks (400, 405 CONNECT, OPTIONS *, 411 chunked, 400 no Host, NUL,
+  Connection) -> header size (431) -> path checks (400) -> /health to the agent ->
+  allowlist on the path decoded once into txn.path (404) -> methods (405 with Allow) ->
+  unit gate (503 unit_unavailable) -> Content-Length over the limit (413) -> body read
+  (wait-for-body: the whole body, as it fits the buffer) -> admission (429) -> the engine.
 The gate is checked before the body is read and admission after it, so neither a refused
 request nor a slow body ever holds an engine slot.
 """
@@ -38,9 +38,6 @@ MAX_HEADER_BYTES = 64 * 1024
 MAX_TARGET_BYTES = 8190
 # Header lines per request (4.2 global "tune.http.maxhdr"; HAProxy answers 400 beyond).
 MAX_HEADERS = 128
-# Buffer bytes kept out of a chunked body's allowance: tune.maxrewrite (1024) and HTX block
-# overhead for up to MAX_HEADERS headers.
-CHUNKED_SLACK = 1024 + 4096
 # Headers never forwarded in either direction: RFC 9110 7.6.1 hop-by-hop headers, and
 # HTTP/2-over-cleartext upgrade ones (RFC 9113 3.1 removed h2c; an engine must not see it).
 HOP_BY_HOP = (
@@ -198,36 +195,51 @@ def _json_return(status: int, kind: str, message_lf: str, headers: dict[str, str
     return f"return status {status} content-type application/json lf-string {_q(body)}{extra}"
 
 
+def _method_acl(methods: tuple[str, ...]) -> str:
+    """An inline ACL on the method (7.3.6 "method": a list of names, matched by its enum)."""
+    return "{ method " + " ".join(methods) + " }"
+
+
 def _route_acls(table: RouteTable) -> list[str]:
-    """ACLs on the decoded path (7.3.1 "url_dec"; 7.1.3 matching methods `-m str`, `-m beg`):
-    `route_ok` for an allowed route, `route_denied` for a management route, and one ACL per
-    method set (`methods_<n>`) naming the routes that take it."""
-    lines: list[str] = []
-    for route in table.routes:
-        match = "-m beg" if route.is_prefix else "-m str"
-        lines.append(f"acl route_ok path,url_dec {match} {route.prefix}")
-    for denied in table.denied:
-        lines.append(f"acl route_denied path,url_dec -m str {denied}")
-        lines.append(f"acl route_denied path,url_dec -m beg {denied}/")
-    return lines
-
-
-def _method_rules(table: RouteTable) -> list[str]:
-    """405 with Allow for a method the matched route does not take."""
+    """ACLs on the path decoded once into txn.path (7.3.1 "url_dec"; 7.1.3 `-m str`, `-m beg`):
+    one per method set (`routes_<n>`: its exact paths in one `-m str` list, an indexed lookup,
+    and its prefixes in one `-m beg` list), `route_denied` for the management routes (as
+    prefixes: everything under them, and longer names, is refused too). Per request each is a
+    variable read and one lookup, not a decode."""
     groups: dict[tuple[str, ...], list[str]] = {}
     for route in table.routes:
         groups.setdefault(route.methods, []).append(route.prefix)
     lines: list[str] = []
-    for index, (methods, prefixes) in enumerate(groups.items()):
-        name = f"routes_{index}"
-        for prefix in prefixes:
-            match = "-m beg" if prefix.endswith("/") else "-m str"
-            lines.append(f"acl {name} path,url_dec {match} {prefix}")
+    for index, prefixes in enumerate(groups.values()):
+        exact = [p for p in prefixes if not p.endswith("/")]
+        begins = [p for p in prefixes if p.endswith("/")]
+        if begins:
+            lines.append(f"acl routes_{index} var(txn.path) -m beg {' '.join(begins)}")
+        if exact:
+            lines.append(f"acl routes_{index} var(txn.path) -m str {' '.join(exact)}")
+    lines.append(f"acl route_denied var(txn.path) -m beg {' '.join(table.denied)}")
+    return lines
+
+
+def _route_rules(table: RouteTable, frontend: str) -> list[str]:
+    """404 for a path no route takes or a denied one, 405 with Allow for a method the route
+    does not take. The most used method set (the API prefix) comes first, so the common
+    allowed request stops each rule's condition at its first term."""
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for route in table.routes:
+        groups.setdefault(route.methods, []).append(route.prefix)
+    names = [f"routes_{index}" for index in range(len(groups))]
+    unknown = " ".join(f"!{name}" for name in names)
+    message = "no route %[path,bytes(0,200),json(ascii)] on this " + frontend + " front end"
+    lines = [
+        f"http-request {_json_return(404, 'not_found', message)} if !is_health {unknown} or route_denied",
+    ]
+    for name, methods in zip(names, groups, strict=True):
         allow = ", ".join(methods)
-        message = "method %[method] is not allowed here; allowed: " + allow
+        text = "method %[method] is not allowed here; allowed: " + allow
         lines.append(
-            f"http-request {_json_return(405, 'method_not_allowed', message, {'Allow': allow})}"
-            f" if {name} !{{ method {' '.join(methods)} }}"
+            f"http-request {_json_return(405, 'method_not_allowed', text, {'Allow': allow})}"
+            f" if {name} !{_method_acl(methods)}"
         )
     return lines
 
@@ -346,7 +358,7 @@ def _frontend(settings: Settings, paths: Paths, table: RouteTable) -> list[str]:
         # RFC 9112 2.3: HTTP/1.x only (7.3.6 "req.ver"); HAProxy reads `HTTP/2.0` on an
         # HTTP/1 connection as a version it forwards.
         f"    http-request {_json_return(505, 'bad_request', 'HTTP version not supported: HTTP/1.0 and HTTP/1.1 only')}"
-        " if !{ req.ver -m reg " + _q(r"^1\.[0-9]$") + " }",
+        " if !{ req.ver -m beg 1. }",
         # RFC 9110 10.1.1: 100-continue is the only expectation; others get 417.
         f"    http-request {_json_return(417, 'expectation_failed', 'only Expect: 100-continue is supported')}"
         " if { req.hdr_cnt(expect) gt 0 } !{ req.fhdr(expect) -m str -i 100-continue }",
@@ -357,6 +369,32 @@ def _frontend(settings: Settings, paths: Paths, table: RouteTable) -> list[str]:
         "    acl te_chunked_only req.fhdr(transfer-encoding) -m str -i chunked",
         f"    http-request {_json_return(400, 'bad_request', 'Transfer-Encoding other than chunked is not accepted')}"
         " if te_present !te_chunked or te_present !te_chunked_only",
+        # A chunked request body is refused (RFC 9112 6.3: a server MAY refuse a request without
+        # Content-Length with 411; OpenAI clients send Content-Length): HAProxy 2.6 forwards a
+        # chunked body's trailer fields as trailers (no rule drops them), and vLLM's
+        # uvicorn+httptools merges trailers into the request's headers (docs/contracts.md).
+        f"    http-request {_json_return(411, 'length_required', 'a request body must be sent with Content-Length, not chunked')}"  # noqa: E501
+        " if te_present",
+        # RFC 9112 3.2: an HTTP/1.1 request without exactly one Host is 400 (HAProxy's parser
+        # refuses two; 7.3.6 "req.hdr_cnt", "req.ver").
+        f"    http-request {_json_return(400, 'bad_request', 'an HTTP/1.1 request must carry one Host header')}"
+        " if !{ req.hdr_cnt(host) eq 1 } !{ req.ver 1.0 }",
+        # RFC 9110 5.5: a NUL in a field value is refused (HAProxy 2.6's parser lets it through).
+        # The header block URL-encoded (7.3.1 "url_enc": a NUL becomes %00, a literal '%'
+        # becomes %25), then one substring search: no regex on the hot path.
+        f"    http-request {_json_return(400, 'bad_request', 'a request header contains a NUL byte')}"
+        " if { req.hdrs,url_enc -m sub %00 }",
+        # RFC 9110 7.6.1: a proxy removes the fields that Connection names; `del-header` takes
+        # only fixed names (4.2), so a request naming any field other than the hop-by-hop ones
+        # deleted in the engine backend (HOP_BY_HOP) or `close` is refused (req.hdr splits
+        # Connection at commas, 7.3.6). The usual single `keep-alive` or `close` needs no regex.
+        "    acl conn_present req.hdr_cnt(connection) gt 0",
+        "    acl conn_one req.hdr_cnt(connection) eq 1",
+        "    acl conn_usual req.hdr(connection) -m str -i keep-alive close",
+        "    acl conn_named_other req.hdr(connection) -m reg -i "
+        + _q("^(?!(" + "|".join(name.lower() for name in (*HOP_BY_HOP, "close")) + ")$)"),
+        f"    http-request {_json_return(400, 'bad_request', 'Connection may name only close, keep-alive, te, trailer, upgrade, http2-settings')}"  # noqa: E501
+        " if conn_present !conn_one conn_named_other or conn_present !conn_usual conn_named_other",
         # The header block's size (7.3.6 "req.hdrs", 7.3.1 "length").
         f"    http-request {_json_return(431, 'bad_request', f'request headers exceed {MAX_HEADER_BYTES} bytes')}"
         f" if {{ req.hdrs,length gt {MAX_HEADER_BYTES} }}",
@@ -364,18 +402,22 @@ def _frontend(settings: Settings, paths: Paths, table: RouteTable) -> list[str]:
         f" if {{ url,length gt {MAX_TARGET_BYTES} }}",
         # Paths an engine could read as another path than the one checked: encoded dots,
         # slashes, backslashes or NUL, bad escapes, backslashes, empty segments (raw path),
-        # dot-segments (decoded path). PCRE2 regexes (7.1.3 "-m reg").
-        "    acl path_bad_raw path -m reg -i " + _q(r"%(2e|2f|5c|00)|%(?![0-9a-f]{2})|\\|//"),
-        "    acl path_dot_segment path,url_dec -m reg " + _q(r"(^|/)\.\.?(/|$)"),
+        # dot-segments (decoded path). Substring matches first (7.1.3 "-m sub"); the PCRE2
+        # regexes (7.1.3 "-m reg") only run for a path with a '%' or a '/.' in it.
+        "    acl path_has_escape path -m sub %",
+        "    acl path_bad_escape path -m reg -i " + _q(r"%(2e|2f|5c|00)|%(?![0-9a-f]{2})"),
+        "    acl path_bad_plain path -m sub " + _q("\\") + " //",
+        "    acl path_has_dot var(txn.path) -m sub /.",
+        "    acl path_dot_segment var(txn.path) -m reg " + _q(r"/\.\.?(/|$)"),
+        # The decoded path, once (7.3.1 "url_dec", 4.2 "http-request set-var").
+        "    http-request set-var(txn.path) path,url_dec",
         f"    http-request {_json_return(400, 'bad_request', _lf('request path must not contain dot-segments, empty segments, backslashes, encoded dots or separators, or bad escapes'))}"  # noqa: E501
-        " if path_bad_raw or path_dot_segment",
+        " if path_bad_plain or path_has_escape path_bad_escape or path_has_dot path_dot_segment",
         # GET /health: the agent's answer (its internal listener), GET and HEAD only.
-        "    acl is_health path /health",
+        "    acl is_health var(txn.path) -m str /health",
         f"    http-request {_json_return(405, 'method_not_allowed', 'method %[method] is not allowed here; allowed: GET, HEAD', {'Allow': 'GET, HEAD'})} if is_health !METH_GET",  # noqa: E501
         *[f"    {line}" for line in _route_acls(table)],
-        f"    http-request {_json_return(404, 'not_found', 'no route %[path,bytes(0,200),json(ascii)] on this ' + settings.frontend + ' front end')}"  # noqa: E501
-        " if !is_health !route_ok or !is_health route_denied",
-        *[f"    {line}" for line in _method_rules(table)],
+        *[f"    {line}" for line in _route_rules(table, settings.frontend)],
     ]
     if settings.launcher_status_url:
         # The unit gate (7.3.1 "map"): the agent's verdict, and the agent itself answering
@@ -391,25 +433,16 @@ def _frontend(settings: Settings, paths: Paths, table: RouteTable) -> list[str]:
             " if !is_health !gate_open",
         ]
     limit = settings.max_body_bytes
-    chunk_limit = min(limit, settings.request_buffer_bytes - CHUNKED_SLACK)
     rules += [
         # 413 by Content-Length before the body is read (7.3.6 "req.body_size": the announced
         # length, or what arrived of a chunked body).
         f"    http-request {_json_return(413, 'too_large', f'request body exceeds the limit of {limit} bytes')}"
         f" if !is_health {{ req.body_size gt {limit} }}",
         # 4.2 "http-request wait-for-body": the body is read (up to the buffer) before the
-        # admission check, so a slow body holds no engine slot.
+        # admission check, so a slow body holds no engine slot. The settings keep
+        # MAX_BODY_BYTES + the header reserve within the buffer (settings.BUFFER_RESERVE_BYTES),
+        # so every admitted body is read whole here, never streamed on while it arrives.
         f"    http-request wait-for-body time {_seconds(settings.body_read_timeout_seconds)} if !is_health",
-        f"    http-request {_json_return(413, 'too_large', f'request body exceeds the limit of {limit} bytes')}"
-        f" if !is_health {{ req.body_size gt {limit} }}",
-        # A chunked body that filled the buffer may go on beyond it, where no limit is checked
-        # and the rest would stream to the engine: refused, so every body is whole and within
-        # the limit before the engine is asked (Content-Length bodies over the buffer stream
-        # on: docs/proxy.md). The fill: body + header bytes against the buffer less
-        # tune.maxrewrite (3.2: 1024 by default here) and HTX overhead.
-        "    http-request set-var(txn.header_bytes) req.hdrs,length if !is_health te_present",
-        f"    http-request {_json_return(413, 'too_large', f'a chunked request body must fit in {chunk_limit} bytes; send Content-Length for a larger one')}"  # noqa: E501
-        f" if !is_health te_present {{ req.body_size,add(txn.header_bytes) ge {chunk_limit} }}",
         # Admission (7.3.2 "be_conn": streams now in the engine backend): 429 beyond MAX_INFLIGHT.
         f"    acl unit_full be_conn(engine) ge {settings.max_inflight}",
         "    http-request set-var(txn.outcome) str(rejected) if !is_health unit_full",

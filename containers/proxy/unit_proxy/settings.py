@@ -31,6 +31,11 @@ MAX_WORKERS = 64
 # HAProxy's buffer bounds: its default (16 KiB) up to 16 MiB (memory: two buffers per stream).
 MIN_BUFFER_BYTES = 16 * 1024
 MAX_BUFFER_BYTES = 16 * 1024 * 1024
+# Buffer bytes a request's body may not use: the header block (up to 64 KiB, the 431 limit of
+# unit_proxy.haproxy_config), tune.maxrewrite (1024) and HTX block overhead. A body limit
+# this far under the buffer means every admitted body is read whole before the engine is
+# contacted (haproxy_config: a body that did not fit is 413, never streamed on).
+BUFFER_RESERVE_BYTES = 64 * 1024 + 16 * 1024
 # The launcher's endpoint for a failed canary, beside its /status (unit_launcher.rendezvous).
 CANARY_FAILED_PATH = "/canary-failed"
 # Where the proxy reports that it drained for a follower whose task is stopping (the launcher's
@@ -140,7 +145,8 @@ class Settings:
     health_interval_seconds: float = 2.0
     health_timeout_seconds: float = 2.0
     emf_interval_seconds: float = 5.0
-    max_body_bytes: int = 16 * 1024 * 1024
+    # 1 MiB: a 128k-token prompt is about 512 KB of JSON (4 bytes a token).
+    max_body_bytes: int = 1024 * 1024
     body_read_timeout_seconds: float = 30.0
     upstream_connect_timeout_seconds: float = 5.0
     upstream_read_timeout_seconds: float = 600.0
@@ -162,11 +168,22 @@ class Settings:
     # HAProxy's threads (`nbthread`): the data path's cores. The name is kept from the
     # Python data path's worker processes (docs/contracts.md).
     workers: int = 4
-    # HAProxy's buffer (`tune.bufsize`): a request body up to about this size is read whole
-    # before the engine is contacted; a larger one streams on once the buffer is full.
-    request_buffer_bytes: int = 256 * 1024
+    # HAProxy's buffer (`tune.bufsize`): headers and the whole body are read into it before
+    # the engine is contacted, so it is at least max_body_bytes + BUFFER_RESERVE_BYTES.
+    request_buffer_bytes: int = 1024 * 1024 + BUFFER_RESERVE_BYTES
     # Where the agent keeps HAProxy's config, sockets and map; empty: /tmp/unit-proxy-<pid>.
     runtime_dir: str = ""
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes + BUFFER_RESERVE_BYTES > self.request_buffer_bytes:
+            raise SettingsError(
+                "MAX_BODY_BYTES",
+                str(self.max_body_bytes),
+                f"at most REQUEST_BUFFER_BYTES ({self.request_buffer_bytes}) less {BUFFER_RESERVE_BYTES} bytes for"
+                f" headers, i.e. {self.request_buffer_bytes - BUFFER_RESERVE_BYTES}: the whole body must fit"
+                " HAProxy's buffer, so that no body streams to the engine while it arrives; raise"
+                f" REQUEST_BUFFER_BYTES to at least MAX_BODY_BYTES + {BUFFER_RESERVE_BYTES}",
+            )
 
     @property
     def routes(self) -> tuple[str, ...]:
