@@ -16,6 +16,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from unit_proxy.telemetry import Telemetry
 
@@ -149,7 +150,9 @@ class LogFollower:
             self._release()
             return None
 
-    async def _stream(self, reader: asyncio.StreamReader) -> None:
+    async def _stream(self, reader: asyncio.StreamReader, transport: Any) -> None:
+        """Between reads the transport is paused: asyncio would otherwise read the socket each
+        time HAProxy writes a line (a wake-up and a read(2) per request, measured with strace)."""
         pending = b""
         while True:
             data = await self._read(reader)
@@ -162,8 +165,10 @@ class LogFollower:
             pending = data[cut:]
             feed(self.telemetry, data[:cut])
             if not self._waiters:
+                transport.pause_reading()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), READ_PAUSE_SECONDS)
+                transport.resume_reading()
             self._wake.clear()
 
     async def run(self) -> None:
@@ -182,7 +187,8 @@ class LogFollower:
                     writer.write(f"show events {self.ring} -w -n\n".encode())
                     await writer.drain()
                     self.following.set()
-                    await self._stream(reader)
+                    # uvloop's transports are not asyncio.ReadTransport subclasses: duck-typed.
+                    await self._stream(reader, writer.transport)
                 except OSError as exc:
                     log.warning("HAProxy's log ring stream failed: %s", exc)
                 finally:
