@@ -87,3 +87,20 @@ async def test_a_burst_is_counted_exactly_at_a_small_agent_cost_per_request(engi
         per_request_us = spent / BURST * 1e6
         print(f"agent CPU: {per_request_us:.2f} us per request ({spent * 1000:.0f} ms for {BURST})")
         assert per_request_us < BOUND_US, f"the agent spent {per_request_us:.1f} us of CPU per request"
+
+
+def test_the_skipping_reservoir_keeps_a_uniform_sample():
+    """The per-interval sample (EMF percentiles) skips values geometrically (algorithm L): it
+    must still keep every part of the interval alike. 100,000 values, 1,000 kept, 20 times:
+    each tenth of the interval holds 100 kept values on average."""
+    from unit_proxy.telemetry import SAMPLE_CAP, _Reservoir
+
+    tenths = [0] * 10
+    for _ in range(20):
+        reservoir = _Reservoir()
+        for i in range(100_000):
+            reservoir.add(float(i))
+        assert len(reservoir.values) == SAMPLE_CAP
+        for value in reservoir.values:
+            tenths[int(value) // 10_000] += 1
+    assert all(1700 < count < 2300 for count in tenths), tenths  # 2,000 expected each, sd about 42
