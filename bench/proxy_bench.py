@@ -195,19 +195,41 @@ async def wait_http(
             await asyncio.sleep(0.1)
 
 
+def haproxy_threads(master: int, proc: Path = proctree.PROC) -> int:
+    """Threads of the HAProxy worker(s) under its master pid (/proc/<pid>/task, proc(5))."""
+    stats = proctree.all_stats(proc)
+    return sum(len(list((proc / str(pid) / "task").iterdir())) for pid in proctree.tree(master, stats)[1:])
+
+
+def workers_up(doc: object, workers: int, proc: Path = proctree.PROC) -> tuple[bool, str]:
+    """Whether the proxy's data path runs `workers` threads, from /ready: the HAProxy data
+    path (issue 25) reports `haproxy` {pid, threads}, whose worker's threads are counted in
+    /proc; the proxy before issue 25 reported `workers.listening`. Returns (done, what was seen)."""
+    if not isinstance(doc, dict):
+        return False, f"/ready answered {doc!r}"
+    haproxy = doc.get("haproxy")
+    if isinstance(haproxy, dict):
+        if haproxy.get("threads") != workers:
+            raise RuntimeError(f"the proxy runs HAProxy with {haproxy.get('threads')} threads, not {workers}")
+        pid = haproxy.get("pid")
+        running = haproxy_threads(pid, proc) if isinstance(pid, int) else 0
+        return running >= workers, f"HAProxy master {pid}: {running} worker threads of {workers}"
+    listening = doc.get("workers", {}).get("listening") if isinstance(doc.get("workers"), dict) else None
+    return listening == workers, f"workers listening: {listening} of {workers}"
+
+
 async def wait_workers(admin: str, workers: int, timeout: float = 60.0) -> None:
-    """Wait until the supervisor's workers all listen, where /ready tells (the proxy before
-    issue 25); a /ready without a `workers` field has nothing more to wait for."""
+    """Wait until the proxy's data path runs all its workers (see `workers_up`)."""
     deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession() as session:
         while True:
             async with session.get(admin + "/ready") as resp:
                 doc = await resp.json(content_type=None)
-            listening = doc.get("workers", {}).get("listening") if isinstance(doc, dict) else None
-            if listening is None or listening == workers:
+            done, seen = workers_up(doc, workers)
+            if done:
                 return
             if time.monotonic() > deadline:
-                raise RuntimeError(f"proxy workers not all listening after {timeout} s: {doc.get('workers')}")
+                raise RuntimeError(f"proxy workers not all running after {timeout} s: {seen}")
             await asyncio.sleep(0.2)
 
 

@@ -176,3 +176,69 @@ def test_quick_bench_runs_end_to_end_and_reports_every_figure(tmp_path):
             assert block[name]["met_every_run"] is None
     assert doc["host"]["tools"]["haproxy"].startswith("HAProxy version 2.6"), doc["host"]["tools"]
     assert "issue 25 figures" in done.stdout
+
+
+def _serve_ready(doc: dict) -> tuple[object, str]:
+    """A loopback /ready answering `doc` (what the unit proxy's admin listener answers)."""
+    from aiohttp import web
+
+    async def ready(_request: web.Request) -> web.Response:
+        return web.json_response(doc)
+
+    app = web.Application()
+    app.router.add_get("/ready", ready)
+    return app, "/ready"
+
+
+async def _wait_against(doc: dict, workers: int, timeout: float) -> None:
+    from aiohttp import web
+
+    from bench.proxy_bench import wait_workers
+
+    app, _ = _serve_ready(doc)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        await wait_workers(f"http://127.0.0.1:{port}", workers, timeout=timeout)
+    finally:
+        await runner.cleanup()
+
+
+def test_wait_workers_waits_for_haproxys_worker_threads_not_the_old_workers_field(tmp_path):
+    """Issue 25's proxy reports `haproxy` {pid, threads} in /ready, no `workers.listening`: the
+    bench must wait until HAProxy's worker runs its threads, and fail when it never does (it
+    used to return at once whatever the proxy ran)."""
+    import asyncio
+    import shutil
+
+    haproxy = shutil.which("haproxy")
+    if haproxy is None:
+        pytest.skip("haproxy is not installed (make setup installs it)")
+    from bench.proxy_bench import free_port
+
+    cfg = tmp_path / "h.cfg"
+    cfg.write_text("global\n    nbthread 2\ndefaults\n    mode http\n    timeout client 1s\n    timeout server 1s\n"
+                   f"    timeout connect 1s\nfrontend f\n    bind 127.0.0.1:{free_port()}\n"
+                   "    http-request return status 200\n")
+    master = subprocess.Popen([haproxy, "-W", "-db", "-f", str(cfg)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        asyncio.run(_wait_against({"haproxy": {"pid": master.pid, "threads": 2}}, 2, timeout=10))
+        # A master whose worker does not run (here: a process with no children) is never ready.
+        lonely = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        try:
+            with pytest.raises(RuntimeError, match="not all running"):
+                asyncio.run(_wait_against({"haproxy": {"pid": lonely.pid, "threads": 2}}, 2, 1.0))
+        finally:
+            lonely.kill()
+            lonely.wait()
+        # A proxy configured with other threads than the bench asked for is an error at once.
+        with pytest.raises(RuntimeError, match="with 1 threads, not 2"):
+            asyncio.run(_wait_against({"haproxy": {"pid": master.pid, "threads": 1}}, 2, 10))
+    finally:
+        master.terminate()
+        master.wait(10)
+

@@ -42,7 +42,6 @@ def test_lock_pins_every_declared_dependency_and_every_import():
         assert locked.get(name.lower()) == version, requirement
     import_names = {
         "aiohttp": "aiohttp",
-        "httptools": "httptools",
         "multidict": "multidict",
         "prometheus_client": "prometheus-client",
         "uvloop": "uvloop",

@@ -153,6 +153,7 @@ class ProxyState:
         self.haproxy_pid: int | None = None
         self.pushed: dict[str, str] = {}
         self.stopping = False  # HAProxy is stopping: its runtime API is closed
+        self.log_follower: haproxy_log.LogFollower | None = None  # HAProxy's log lines -> request metrics
 
     def reported_inflight(self) -> int:
         return self.inflight
@@ -266,6 +267,8 @@ def admin_app(state: ProxyState, api: RuntimeApi) -> web.Application:
             status, doc = ready_doc(state)
             return web.json_response(doc, status=status)
         await refresh_stats(state, api)
+        if state.log_follower is not None:  # the request counts up to now, not up to the last read
+            await state.log_follower.catch_up()
         if path == "/load":
             return web.json_response(load_doc(state))
         return web.Response(body=state.telemetry.prometheus_text(), headers={"Content-Type": _PROMETHEUS})
@@ -505,11 +508,12 @@ async def start(settings: Settings) -> Running:
     state.haproxy_pid = process.pid
     admin_port = admin.addresses[0][1]
     running = Running(state, paths, api, port, admin_port, process, runners, owns_dir=owns)
-    following = asyncio.Event()
-    log_follower = haproxy_log.follow(paths.admin_socket, LOG_RING, state.telemetry, lambda: state.stopping, following)
-    running.tasks.append(asyncio.create_task(log_follower, name="log"))
+    follower = state.log_follower = haproxy_log.LogFollower(
+        paths.admin_socket, LOG_RING, state.telemetry, lambda: state.stopping
+    )
+    running.tasks.append(asyncio.create_task(follower.run(), name="log"))
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(following.wait(), _START_SECONDS)
+        await asyncio.wait_for(follower.following.wait(), _START_SECONDS)
     await asyncio.sleep(0.01)  # HAProxy takes the command in its next loop turn
     monitor = HealthMonitor(
         settings, state.health, state.telemetry, on_check=lambda _result: state.changed.set(),

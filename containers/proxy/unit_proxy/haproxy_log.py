@@ -12,15 +12,25 @@ one connection (a reader more than the ring behind loses the oldest lines, never
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from unit_proxy.telemetry import Telemetry
 
 log = logging.getLogger("unit_proxy.log")
 
 ENGINE_BACKEND = "engine"
+# The follower reads the stream at most this often: a read per wake-up of the event loop cost
+# more than the line's parsing when lines came one by one (about 10 us each under wrk,
+# docs/benchmarks.md); between reads HAProxy keeps the lines in the ring (4 MiB, about
+# 80,000 lines: 1.6 s at 50,000 requests/s, far more than this pause), so none is lost; a scrape of
+# /metrics or /load reads what is there first (LogFollower.catch_up).
+READ_PAUSE_SECONDS = 0.05
+# One read takes up to this much: a pause's worth of lines at any rate the ring can hold.
+_READ_BYTES = 1 << 20
 # 499: the client went away (nginx's convention, kept from the Python data path).
 CLIENT_GONE = 499
 
@@ -75,44 +85,116 @@ def record(telemetry: Telemetry, rec: LogRecord) -> None:
 
 
 def feed(telemetry: Telemetry, data: bytes) -> None:
-    for line in data.decode("utf-8", "replace").splitlines():
+    """Count the complete lines in `data`. Runs once per request: the common line (an engine
+    answer that ended normally, no outcome) is counted without building a LogRecord."""
+    done = telemetry.request_done
+    for line in data.split(b"\n"):
+        parts = line.split()
+        if len(parts) == 8 and parts[7] == b"-" and parts[6] == b"engine" and parts[5][:1] not in b"CcsS":
+            try:
+                status, active, data_ms, response = int(parts[0]), int(parts[1]), int(parts[2]), int(parts[3])
+            except ValueError:
+                pass
+            else:
+                ttft = (active - data_ms) / 1000.0 if response >= 0 and active >= 0 else None
+                done(status, ttft, max(active, 0) / 1000.0)
+                continue
         if not line:
             continue
-        rec = parse(line)
+        text = line.decode("utf-8", "replace")
+        rec = parse(text)
         if rec is None:
-            log.debug("unparsed HAProxy log line: %r", line[:200])
+            log.debug("unparsed HAProxy log line: %r", text[:200])
             continue
         record(telemetry, rec)
 
 
-async def follow(
-    admin_socket: str, ring: str, telemetry: Telemetry, stopping: Callable[[], bool], following: asyncio.Event
-) -> None:
-    """Stream the ring's new lines into the metrics until cancelled; reconnect if HAProxy
-    closes the stream (not once it is stopping). `following` is set once the stream is asked for."""
-    while True:
+# How long a catch-up waits for more lines before it calls the stream drained.
+_DRAINED_SECONDS = 0.01
+
+
+class LogFollower:
+    """Follows the ring's new lines into the metrics, one read per READ_PAUSE_SECONDS at most;
+    `catch_up` (a /metrics or /load scrape) reads what is there now without waiting for it."""
+
+    def __init__(self, admin_socket: str, ring: str, telemetry: Telemetry, stopping: Callable[[], bool]) -> None:
+        self.admin_socket = admin_socket
+        self.ring = ring
+        self.telemetry = telemetry
+        self.stopping = stopping
+        self.following = asyncio.Event()  # set once the stream is asked for
+        self._wake = asyncio.Event()
+        self._waiters: list[asyncio.Future[None]] = []
+
+    async def catch_up(self, timeout: float = 0.5) -> None:
+        """Return once the lines HAProxy has written so far are counted (or after `timeout`)."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        self._wake.set()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(waiter), timeout)
+
+    def _release(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _read(self, reader: asyncio.StreamReader) -> bytes | None:
+        """The next bytes; None when a catch-up found nothing more within _DRAINED_SECONDS."""
+        if not self._waiters:
+            return await reader.read(_READ_BYTES)
         try:
-            reader, writer = await asyncio.open_unix_connection(admin_socket)
-        except OSError as exc:
-            if stopping():
+            return await asyncio.wait_for(reader.read(_READ_BYTES), _DRAINED_SECONDS)
+        except TimeoutError:
+            self._release()
+            return None
+
+    async def _stream(self, reader: asyncio.StreamReader, transport: Any) -> None:
+        """Between reads the transport is paused: asyncio would otherwise read the socket each
+        time HAProxy writes a line (a wake-up and a read(2) per request, measured with strace)."""
+        pending = b""
+        while True:
+            data = await self._read(reader)
+            if data is None:
+                continue
+            if not data:
                 return
-            log.warning("cannot follow HAProxy's log ring: %s; retrying", exc)
-            await asyncio.sleep(0.5)
-            continue
+            data = pending + data
+            cut = data.rfind(b"\n") + 1
+            pending = data[cut:]
+            feed(self.telemetry, data[:cut])
+            if not self._waiters:
+                transport.pause_reading()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), READ_PAUSE_SECONDS)
+                transport.resume_reading()
+            self._wake.clear()
+
+    async def run(self) -> None:
+        """Until cancelled; reconnects if HAProxy closes the stream (not once it is stopping)."""
         try:
-            writer.write(f"show events {ring} -w -n\n".encode())
-            await writer.drain()
-            following.set()
-            pending = b""
-            while data := await reader.read(65536):
-                data = pending + data
-                cut = data.rfind(b"\n") + 1
-                pending = data[cut:]
-                feed(telemetry, data[:cut])
-        except OSError as exc:
-            log.warning("HAProxy's log ring stream failed: %s", exc)
+            while True:
+                try:
+                    reader, writer = await asyncio.open_unix_connection(self.admin_socket, limit=_READ_BYTES)
+                except OSError as exc:
+                    if self.stopping():
+                        return
+                    log.warning("cannot follow HAProxy's log ring: %s; retrying", exc)
+                    await asyncio.sleep(0.5)
+                    continue
+                try:
+                    writer.write(f"show events {self.ring} -w -n\n".encode())
+                    await writer.drain()
+                    self.following.set()
+                    # uvloop's transports are not asyncio.ReadTransport subclasses: duck-typed.
+                    await self._stream(reader, writer.transport)
+                except OSError as exc:
+                    log.warning("HAProxy's log ring stream failed: %s", exc)
+                finally:
+                    writer.close()
+                if self.stopping():
+                    return
+                await asyncio.sleep(0.1)
         finally:
-            writer.close()
-        if stopping():
-            return
-        await asyncio.sleep(0.1)
+            self._release()

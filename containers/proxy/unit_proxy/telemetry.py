@@ -12,7 +12,9 @@ interval is all this needs).
 
 from __future__ import annotations
 
+import bisect
 import json
+import math
 import random
 import sys
 import time
@@ -20,7 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 # CloudWatch accepts at most 100 values per metric in one EMF event.
 EMF_MAX_VALUES = 100
@@ -42,22 +47,76 @@ class EngineLoad:
 
 
 class _Reservoir:
-    """Up to SAMPLE_CAP samples of one interval (reservoir sampling beyond that)."""
+    """Up to SAMPLE_CAP samples of one interval, a uniform sample beyond that: reservoir
+    sampling with geometric skips (Li 1994, "Reservoir-sampling algorithms of time complexity
+    O(n(1 + log(N/n)))", algorithm L), so a value that is not kept costs one decrement,
+    not a random draw: this runs once per request."""
 
-    __slots__ = ("seen", "values")
+    __slots__ = ("seen", "skip", "values", "weight")
 
     def __init__(self) -> None:
         self.values: list[float] = []
         self.seen = 0
+        self.skip = 0
+        self.weight = 1.0
 
     def add(self, value: float) -> None:
         self.seen += 1
         if len(self.values) < SAMPLE_CAP:
             self.values.append(value)
+            if len(self.values) == SAMPLE_CAP:
+                self._next_skip()
+        elif self.skip > 0:
+            self.skip -= 1
         else:
-            slot = random.randrange(self.seen)
-            if slot < SAMPLE_CAP:
-                self.values[slot] = value
+            self.values[random.randrange(SAMPLE_CAP)] = value
+            self._next_skip()
+
+    def _next_skip(self) -> None:
+        self.weight *= math.exp(math.log(1.0 - random.random()) / SAMPLE_CAP)
+        self.skip = int(math.log(1.0 - random.random()) / math.log1p(-self.weight)) if self.weight < 1.0 else 0
+
+
+class _Histogram:
+    """A Prometheus histogram kept as plain numbers (prometheus_client's Histogram takes a
+    lock and walks its buckets per observation: most of the agent's per-request cost)."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last: above every bound (+Inf)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def family(self, name: str, doc: str) -> HistogramMetricFamily:
+        cumulative, buckets = 0, []
+        for bound, count in zip((*self.bounds, math.inf), self.counts, strict=True):
+            cumulative += count
+            buckets.append((floatToGoString(bound), cumulative))
+        return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=self.total)
+
+
+class _RequestCollector(Collector):
+    """Exposes the per-request figures Telemetry keeps as plain numbers, under the names the
+    Counter and Histograms had (docs/contracts.md)."""
+
+    def __init__(self, telemetry: Telemetry) -> None:
+        self.telemetry = telemetry
+
+    def collect(self) -> list[Metric]:
+        t = self.telemetry
+        requests = CounterMetricFamily("unit_proxy_requests", "Proxied requests by status code", labels=["code"])
+        for code, count in sorted(t.codes.items()):
+            requests.add_metric([str(code)], count, created=t.created)
+        return [
+            requests,
+            t.ttft.family("unit_proxy_time_to_first_token_seconds", "Request start to first body byte sent"),
+            t.latency.family("unit_proxy_request_latency_seconds", "Request start to last body byte sent"),
+        ]
 
 
 @dataclass
@@ -91,8 +150,12 @@ class Telemetry:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.unit_metrics = unit_metrics
+        self.codes: dict[int, int] = {}
+        self.created = time.time()
+        self.ttft = _Histogram(TTFT_BUCKETS)
+        self.latency = _Histogram(LATENCY_BUCKETS)
         if request_metrics:
-            self.requests = Counter("unit_proxy_requests", "Proxied requests by status code", ["code"], registry=r)
+            r.register(_RequestCollector(self))
             self.rejected = Counter("unit_proxy_rejected", "Requests refused with 429 (admission)", registry=r)
             self.unavailable = Counter(
                 "unit_proxy_unit_unavailable",
@@ -105,18 +168,6 @@ class Telemetry:
             self.write_timeouts = Counter(
                 "unit_proxy_client_write_timeouts",
                 "Streams dropped because the client read nothing for WRITE_TIMEOUT_SECONDS",
-                registry=r,
-            )
-            self.ttft = Histogram(
-                "unit_proxy_time_to_first_token_seconds",
-                "Request start to first body byte sent",
-                buckets=TTFT_BUCKETS,
-                registry=r,
-            )
-            self.latency = Histogram(
-                "unit_proxy_request_latency_seconds",
-                "Request start to last body byte sent",
-                buckets=LATENCY_BUCKETS,
                 registry=r,
             )
         if unit_metrics:
@@ -137,16 +188,13 @@ class Telemetry:
         self.rejected_total = 0
         self.unavailable_total = 0
         self._restarts_reported = 0
-        self._counts: dict[int, Any] = {}
         self._interval = _Interval()
 
     # -- data path (called once per request: keep cheap) --------------------------------
 
     def request_done(self, status: int, ttft_s: float | None, latency_s: float) -> None:
-        child = self._counts.get(status)
-        if child is None:
-            child = self._counts[status] = self.requests.labels(code=str(status))
-        child.inc()
+        codes = self.codes
+        codes[status] = codes.get(status, 0) + 1
         self.requests_total += 1
         self.latency.observe(latency_s)
         iv = self._interval
