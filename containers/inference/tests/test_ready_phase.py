@@ -105,6 +105,19 @@ def test_sigterm_stops_a_leader_in_the_middle_of_its_fetch_promptly_with_a_recor
     assert not (tmp_path / "leader-cache" / "weights" / "tp0_sharded_checkpoint.safetensors").exists()
 
 
+def _unit_in_ready_phase(tmp_path: Path, unit_nodes, h, slow_s3):
+    """A two-node unit whose follower is fetching its slow shard after the release: the
+    leader's and follower's specs, then their processes."""
+    spec = h.cpu_spec(2, record_dir=tmp_path, join_timeout_seconds=60)
+    s3 = slow_s3(RATE)
+    uri = s3.put(_presharded(2, slow_rank=1, slow_seconds=60))
+    lead, follow = _on_s3(h, spec, uri, tmp_path / "leader-cache"), _on_s3(h, spec, uri, tmp_path / "f1-cache")
+    leader = unit_nodes(lead, "leader", "i-leader", extra_env=s3.env())
+    follower = unit_nodes(follow, "follower", "i-f1", extra_env=s3.env())
+    _in_ready_phase(h, tmp_path, follower)
+    return lead, follow, leader, follower
+
+
 def _in_ready_phase(h, tmp_path: Path, follower) -> None:
     """Released, and the follower's shard transfer is mid-GET (bytes in s3transfer's temporary file)."""
     weights = tmp_path / "f1-cache" / "weights"
@@ -115,13 +128,7 @@ def _in_ready_phase(h, tmp_path: Path, follower) -> None:
 def test_sigterm_to_a_follower_fetching_in_the_ready_phase_stops_it_promptly_as_a_stop_not_a_failure(
     tmp_path, unit_nodes, h, slow_s3
 ):
-    spec = h.cpu_spec(2, record_dir=tmp_path, join_timeout_seconds=60)
-    s3 = slow_s3(RATE)
-    uri = s3.put(_presharded(2, slow_rank=1, slow_seconds=60))
-    lead, follow = _on_s3(h, spec, uri, tmp_path / "leader-cache"), _on_s3(h, spec, uri, tmp_path / "f1-cache")
-    leader = unit_nodes(lead, "leader", "i-leader", extra_env=s3.env())
-    follower = unit_nodes(follow, "follower", "i-f1", extra_env=s3.env())
-    _in_ready_phase(h, tmp_path, follower)
+    lead, follow, leader, follower = _unit_in_ready_phase(tmp_path, unit_nodes, h, slow_s3)
     follower.signal(signal.SIGTERM)
     stopped = time.monotonic()
     assert follower.wait(20) == 0, follower.log
@@ -137,13 +144,7 @@ def test_sigterm_to_a_follower_fetching_in_the_ready_phase_stops_it_promptly_as_
 
 
 def test_sigterm_to_the_leader_in_the_ready_phase_stops_the_fetching_follower_too(tmp_path, unit_nodes, h, slow_s3):
-    spec = h.cpu_spec(2, record_dir=tmp_path, join_timeout_seconds=60)
-    s3 = slow_s3(RATE)
-    uri = s3.put(_presharded(2, slow_rank=1, slow_seconds=60))
-    lead, follow = _on_s3(h, spec, uri, tmp_path / "leader-cache"), _on_s3(h, spec, uri, tmp_path / "f1-cache")
-    leader = unit_nodes(lead, "leader", "i-leader", extra_env=s3.env())
-    follower = unit_nodes(follow, "follower", "i-f1", extra_env=s3.env())
-    _in_ready_phase(h, tmp_path, follower)
+    lead, follow, leader, follower = _unit_in_ready_phase(tmp_path, unit_nodes, h, slow_s3)
     leader.signal(signal.SIGTERM)
     stopped = time.monotonic()
     assert leader.wait(20) == 0, leader.log
