@@ -61,11 +61,13 @@ def _run(args: argparse.Namespace) -> int:
                              model_type=args.model_type, image_digest=args.image_digest, command=args.nxdi_command)
     if checkpoint is not None and not checkpoint.is_dir():
         raise compile_job.CompileError(f"--checkpoint {checkpoint} is not a directory")
-    key = am.compute_key(compile_job.key_inputs(job, checkpoint)) if checkpoint else None
+    # The key's inputs hash every checkpoint file (hundreds of GB for a large model): once.
+    inputs = compile_job.key_inputs(job, checkpoint) if checkpoint else None
+    key = am.compute_key(inputs) if inputs is not None else None
     if args.dry_run:
         _print_job(fleet, job, key, args.json)
         return exit_codes.OK
-    if checkpoint is None:
+    if checkpoint is None or inputs is None:
         raise compile_job.CompileError("--checkpoint is required to compile (its files are part of the key)")
     client = None
     if not args.no_upload:
@@ -83,7 +85,7 @@ def _run(args: argparse.Namespace) -> int:
     compile_job.run_passes(job)
     out_root = work / "artifacts"
     compile_job.assemble(job, out_root, checkpoint)
-    manifest = am.build(out_root, f"neuron/{job.layout_name}", compile_job.key_inputs(job, checkpoint),
+    manifest = am.build(out_root, f"neuron/{job.layout_name}", inputs,
                         shared_outside=compile_job.shared_checkpoint_files(out_root))
     (out_root / "neuron" / job.layout_name / am.MANIFEST_NAME).write_text(am.dumps(manifest))
     print(f"layout {job.layout_name}: manifest key {manifest.key}, written under {out_root}")

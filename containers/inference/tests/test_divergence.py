@@ -31,9 +31,22 @@ def test_a_node_a_few_steps_behind_is_compared_at_a_common_checkpoint(tmp_path):
     other = [*same[:30], b"different", *same[31:41]]
     found = steps.divergence(leader, _worker(tmp_path / "b", "worker-1", other))
     assert found == "worker-1 sampled other tokens than the leader's node by sample 40"
-    # Too far behind to share a checkpoint (more than 8 x 8 samples): nothing is claimed.
-    assert steps.divergence(_worker(tmp_path / "c", "worker-0", same * 3), _worker(tmp_path / "d", "worker-1",
-                                                                                   other)) is None
+    # Too far behind to share a checkpoint (more than CHECKPOINTS x CHECKPOINT_EVERY samples):
+    # nothing is claimed.
+    window = records.CHECKPOINTS * records.CHECKPOINT_EVERY
+    far = [f"t{i}".encode() for i in range(window + 60)]
+    assert steps.divergence(_worker(tmp_path / "c", "worker-0", far), _worker(tmp_path / "d", "worker-1",
+                                                                              other)) is None
+
+
+def test_a_follower_a_heartbeat_behind_is_still_compared(tmp_path):
+    """The leader compares its own node's record with the follower's as of the follower's last
+    heartbeat (5 s): at 28 steps a second the follower's copy is 140 samples behind. With 8
+    checkpoints (64 samples) the records shared none and a diverged unit kept serving."""
+    same = [f"t{i}".encode() for i in range(180)]
+    other = [*same[:30], b"different", *same[31:41]]
+    found = steps.divergence(_worker(tmp_path / "l", "worker-0", same), _worker(tmp_path / "f", "worker-1", other))
+    assert found == "worker-1 sampled other tokens than the leader's node by sample 40"
 
 
 def test_the_digest_covers_request_ids_and_tokens():

@@ -153,8 +153,8 @@ def test_the_step_record_format_is_what_the_contract_says(tmp_path: Path) -> Non
     recorder.step(b"\x01" * 16)
     state = records.read_record(tmp_path / "worker-3.rec")
     assert state is not None
-    # 80 bytes of step counts and the input chain, then the output chain and its 8 checkpoints.
-    assert (tmp_path / "worker-3.rec").stat().st_size == 80 + 8 + 32 + 8 * 40
+    # 80 bytes of step counts and the input chain, then the output chain and its CHECKPOINTS checkpoints.
+    assert (tmp_path / "worker-3.rec").stat().st_size == 80 + 8 + 32 + records.CHECKPOINTS * 40
     assert json.dumps(state.to_json())  # JSON-able, as heartbeats carry it
     assert state.steps == 1 and state.completed == 0 and state.inflight_since_ns > 0 and len(state.chain) == 64
     recorder.begin()  # sampling, part of the same step

@@ -348,7 +348,7 @@ class LeaderSession:
         completed within the step bound."""
         if not self.released.is_set() or self.state == STOPPING or self.stop_requested:
             return
-        executor = steps.executor_state(self.step_dir)  # one read of the record per watchdog tick
+        executor = steps.executor_state(self.step_dir)  # the executor record; the divergence check reads the workers'
         if executor is None:
             return
         if self.serving_since is None and executor.completed > 0:

@@ -52,7 +52,7 @@ from unit_proxy.haproxy_config import (
     render,
 )
 from unit_proxy.health import HealthMonitor, HealthState, stale_limit
-from unit_proxy.runtime_api import RuntimeApi, RuntimeApiError
+from unit_proxy.runtime_api import RuntimeApi, RuntimeApiError, engine_streams
 from unit_proxy.settings import Settings
 from unit_proxy.telemetry import Telemetry, write_emf
 
@@ -148,7 +148,6 @@ class ProxyState:
         self.gate_unit = bool(settings.launcher_status_url)  # no launcher: nothing to gate on
         self.telemetry = Telemetry(self.reported_inflight)
         self.inflight = 0  # the engine backend's current streams, from `show stat`
-        self.stats: dict[str, dict[str, str]] = {}
         self.changed = asyncio.Event()  # a check round or the drain: push the gate now
         self.haproxy_pid: int | None = None
         self.pushed: dict[str, str] = {}
@@ -311,10 +310,9 @@ async def refresh_stats(state: ProxyState, api: RuntimeApi) -> None:
     except RuntimeApiError as exc:
         log.debug("show stat failed: %s", exc)
         return
-    state.stats = {f"{r.get('pxname')}/{r.get('svname')}": r for r in rows}
-    backend = state.stats.get("engine/BACKEND")
-    if backend is not None and backend.get("scur", "").isdigit():
-        state.inflight = int(backend["scur"])
+    streams = engine_streams(rows)
+    if streams is not None:
+        state.inflight = streams
 
 
 async def push_gate(state: ProxyState, api: RuntimeApi, paths: Paths) -> None:
@@ -414,8 +412,7 @@ class Running:
                 rows = await master.show_stat()
             except RuntimeApiError:
                 return  # the worker is gone
-            backend = next((r for r in rows if r.get("pxname") == "engine" and r.get("svname") == "BACKEND"), None)
-            if backend is None or backend.get("scur") == "0":
+            if engine_streams(rows) in (None, 0):
                 return
             await asyncio.sleep(0.1)
 

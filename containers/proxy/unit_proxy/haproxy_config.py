@@ -120,6 +120,8 @@ def error_body(status: int, message: str, kind: str) -> str:
 
 
 UNIT_UNAVAILABLE_PREFIX = "inference unit is not whole, not serving: "
+ENGINE_FAILED = "engine connection failed before the answer"
+ENGINE_TIMED_OUT = "engine did not answer in time (before the answer)"
 
 
 def unit_unavailable_body(reason: str) -> str:
@@ -132,9 +134,9 @@ def engine_error_bodies(down_reason: str | None) -> dict[str, str]:
         body = unit_unavailable_body(down_reason)
         return dict.fromkeys(GateMap.ERRORS, body)
     return {
-        "err502": error_body(502, "engine connection failed before the answer", "upstream_error"),
+        "err502": error_body(502, ENGINE_FAILED, "upstream_error"),
         "err503": error_body(502, "engine refused the connection or is unreachable", "upstream_unavailable"),
-        "err504": error_body(504, "engine did not answer in time (before the answer)", "upstream_timeout"),
+        "err504": error_body(504, ENGINE_TIMED_OUT, "upstream_timeout"),
     }
 
 
@@ -200,15 +202,22 @@ def _method_acl(methods: tuple[str, ...]) -> str:
     return "{ method " + " ".join(methods) + " }"
 
 
+def _route_groups(table: RouteTable) -> dict[tuple[str, ...], list[str]]:
+    """The route prefixes by method set, in the table's order (`routes_<n>` is the n-th)."""
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for route in table.routes:
+        groups.setdefault(route.methods, []).append(route.prefix)
+    return groups
+
+
 def _route_acls(table: RouteTable) -> list[str]:
     """ACLs on the path decoded once into txn.path (7.3.1 "url_dec"; 7.1.3 `-m str`, `-m beg`):
     one per method set (`routes_<n>`: its exact paths in one `-m str` list, an indexed lookup,
     and its prefixes in one `-m beg` list), `route_denied` for the management routes (as
-    prefixes: everything under them, and longer names, is refused too). Per request each is a
-    variable read and one lookup, not a decode."""
-    groups: dict[tuple[str, ...], list[str]] = {}
-    for route in table.routes:
-        groups.setdefault(route.methods, []).append(route.prefix)
+    prefixes: everything under them, and longer names, is refused too). Declarations of one
+    ACL name are ORed (7.1 "Using ACLs and fetching samples"). Per request each is a variable
+    read and one lookup, not a decode."""
+    groups = _route_groups(table)
     lines: list[str] = []
     for index, prefixes in enumerate(groups.values()):
         exact = [p for p in prefixes if not p.endswith("/")]
@@ -225,9 +234,7 @@ def _route_rules(table: RouteTable, frontend: str) -> list[str]:
     """404 for a path no route takes or a denied one, 405 with Allow for a method the route
     does not take. The most used method set (the API prefix) comes first, so the common
     allowed request stops each rule's condition at its first term."""
-    groups: dict[tuple[str, ...], list[str]] = {}
-    for route in table.routes:
-        groups.setdefault(route.methods, []).append(route.prefix)
+    groups = _route_groups(table)
     names = [f"routes_{index}" for index in range(len(groups))]
     unknown = " ".join(f"!{name}" for name in names)
     message = "no route %[path,bytes(0,200),json(ascii)] on this " + frontend + " front end"
@@ -307,8 +314,9 @@ def _defaults(settings: Settings) -> list[str]:
         # keep-alive must outlast the ALB's idle timeout, so it is the larger of
         # WRITE_TIMEOUT_SECONDS and KEEPALIVE_TIMEOUT_SECONDS (docs/contracts.md).
         f"    timeout client {_seconds(client_timeout(settings))}",
-        # 4.2 "timeout http-request": the whole request (headers, and the body with
-        # http-buffer-request) must arrive within this (BODY_READ_TIMEOUT_SECONDS) -> 408.
+        # 4.2 "timeout http-request": the request's headers must arrive within this
+        # (BODY_READ_TIMEOUT_SECONDS) -> 408; the body's wait is wait-for-body's own `time`
+        # (4.2 "http-request wait-for-body"), set to the same value below.
         f"    timeout http-request {_seconds(settings.body_read_timeout_seconds)}",
         # 4.2 "timeout http-keep-alive": idle time between requests (KEEPALIVE_TIMEOUT_SECONDS;
         # "timeout client" still applies at the lower level, see docs/proxy.md).
@@ -328,9 +336,9 @@ def _own_errors(settings: Settings) -> list[tuple[int, str, str]]:
         (408, f"request not received within {settings.body_read_timeout_seconds:g} s", "timeout"),
         (500, "internal proxy error", "internal_error"),
         (501, "not implemented", "bad_request"),
-        (502, "engine connection failed before the answer", "upstream_error"),
+        (502, ENGINE_FAILED, "upstream_error"),
         (503, "service unavailable", "unavailable"),
-        (504, "engine did not answer in time (before the answer)", "upstream_timeout"),
+        (504, ENGINE_TIMED_OUT, "upstream_timeout"),
     ]
 
 
@@ -356,7 +364,8 @@ def _frontend(settings: Settings, paths: Paths, table: RouteTable) -> list[str]:
         # one is all a reverse proxy behind the ALB gets (7.3.6 "url_beg").
         f"    http-request {_json_return(400, 'bad_request', 'request target must be a path')} if !{{ url_beg / }}",
         # RFC 9112 2.3: HTTP/1.x only (7.3.6 "req.ver"); HAProxy reads `HTTP/2.0` on an
-        # HTTP/1 connection as a version it forwards.
+        # HTTP/1 connection as a version it forwards (measured:
+        # test_adversarial.py's HTTP/2.0 request line gets this 505).
         f"    http-request {_json_return(505, 'bad_request', 'HTTP version not supported: HTTP/1.0 and HTTP/1.1 only')}"
         " if !{ req.ver -m beg 1. }",
         # RFC 9110 10.1.1: 100-continue is the only expectation; others get 417.
@@ -379,7 +388,8 @@ def _frontend(settings: Settings, paths: Paths, table: RouteTable) -> list[str]:
         # refuses two; 7.3.6 "req.hdr_cnt", "req.ver").
         f"    http-request {_json_return(400, 'bad_request', 'an HTTP/1.1 request must carry one Host header')}"
         " if !{ req.hdr_cnt(host) eq 1 } !{ req.ver 1.0 }",
-        # RFC 9110 5.5: a NUL in a field value is refused (HAProxy 2.6's parser lets it through).
+        # RFC 9110 5.5: a NUL in a field value is refused (HAProxy 2.6's parser lets it through:
+        # measured, test_data_path.py::test_a06_nul_or_bare_cr_in_a_header_never_reaches_the_engine).
         # The header block URL-encoded (7.3.1 "url_enc": a NUL becomes %00, a literal '%'
         # becomes %25), then one substring search: no regex on the hot path.
         f"    http-request {_json_return(400, 'bad_request', 'a request header contains a NUL byte')}"
@@ -427,9 +437,9 @@ def _frontend(settings: Settings, paths: Paths, table: RouteTable) -> list[str]:
             f"    acl gate_open {unit} -m str open",
             "    acl agent_alive nbsrv(agent_gate) gt 0",
             "    http-request set-var(txn.outcome) str(unit_unavailable) if !is_health !agent_alive or !is_health !gate_open",  # noqa: E501
-            f"    http-request {_json_return(503, 'unit_unavailable', _lf(unit_unavailable_prefix()) + 'the unit proxy agent is not answering; retry', {'Retry-After': retry})}"  # noqa: E501
+            f"    http-request {_json_return(503, 'unit_unavailable', _lf(UNIT_UNAVAILABLE_PREFIX) + 'the unit proxy agent is not answering; retry', {'Retry-After': retry})}"  # noqa: E501
             " if !is_health !agent_alive",
-            f"    http-request {_json_return(503, 'unit_unavailable', _lf(unit_unavailable_prefix()) + '%[' + unit + ']; retry', {'Retry-After': retry})}"  # noqa: E501
+            f"    http-request {_json_return(503, 'unit_unavailable', _lf(UNIT_UNAVAILABLE_PREFIX) + '%[' + unit + ']; retry', {'Retry-After': retry})}"  # noqa: E501
             " if !is_health !gate_open",
         ]
     limit = settings.max_body_bytes
@@ -463,10 +473,6 @@ def _frontend(settings: Settings, paths: Paths, table: RouteTable) -> list[str]:
         "    default_backend engine",
     ]
     return ["frontend data", *rules]
-
-
-def unit_unavailable_prefix() -> str:
-    return UNIT_UNAVAILABLE_PREFIX
 
 
 def _engine_backend(settings: Settings, paths: Paths) -> list[str]:

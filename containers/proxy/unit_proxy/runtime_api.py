@@ -49,7 +49,9 @@ class RuntimeApi:
                 reader, writer = await asyncio.open_unix_connection(self.socket_path)
                 try:
                     writer.write(self.prefix.encode() + line.encode() + b"\n")
-                    writer.write_eof()  # the master CLI answers once the input ends
+                    # The master CLI answers once the input ends (measured: the drain tests use
+                    # the master socket; not found in the 2.6 manual, so unverified there).
+                    writer.write_eof()
                     await writer.drain()
                     data = await reader.read()
                 finally:
@@ -69,3 +71,10 @@ class RuntimeApi:
         if not text.startswith("# "):
             raise RuntimeApiError(f"show stat: {text.strip()[:200]}")
         return list(csv.DictReader(io.StringIO(text[2:])))
+
+
+def engine_streams(rows: list[dict[str, str]]) -> int | None:
+    """The engine backend's current streams (`scur` of its BACKEND row), or None without one."""
+    backend = next((r for r in rows if r.get("pxname") == "engine" and r.get("svname") == "BACKEND"), None)
+    scur = "" if backend is None else backend.get("scur", "")
+    return int(scur) if scur.isdigit() else None

@@ -132,55 +132,40 @@ class _Interval:
 class Telemetry:
     """Counters and histograms of the proxy; owns its Prometheus registry."""
 
-    def __init__(
-        self,
-        inflight: Callable[[], int],
-        *,
-        request_metrics: bool = True,
-        unit_metrics: bool = True,
-        totals: Callable[[], tuple[int, int, int]] | None = None,
-    ) -> None:
-        """`request_metrics`: counters and histograms of the requests this process proxies;
-        `unit_metrics`: gauges of the unit and the engine (health, load, drain). One process
-        keeps both; with several workers each worker keeps the first (in Prometheus
-        multiprocess mode) and the supervisor the second. `totals` overrides the request
-        and refusal (429, unit unavailable) totals reported in /load (the supervisor reads them from the workers)."""
+    def __init__(self, inflight: Callable[[], int]) -> None:
+        """`inflight`: the engine backend's current streams (the agent reads HAProxy's stats)."""
         self._inflight = inflight
-        self._totals = totals
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.unit_metrics = unit_metrics
         self.codes: dict[int, int] = {}
         self.created = time.time()
         self.ttft = _Histogram(TTFT_BUCKETS)
         self.latency = _Histogram(LATENCY_BUCKETS)
-        if request_metrics:
-            r.register(_RequestCollector(self))
-            self.rejected = Counter("unit_proxy_rejected", "Requests refused with 429 (admission)", registry=r)
-            self.unavailable = Counter(
-                "unit_proxy_unit_unavailable",
-                "Requests refused with 503 unit_unavailable (the unit is not whole)",
-                registry=r,
-            )
-            self.upstream_errors = Counter(
-                "unit_proxy_upstream_errors", "Errors the proxy made of upstream failures", ["kind"], registry=r
-            )
-            self.write_timeouts = Counter(
-                "unit_proxy_client_write_timeouts",
-                "Streams dropped because the client read nothing for WRITE_TIMEOUT_SECONDS",
-                registry=r,
-            )
-        if unit_metrics:
-            self.inflight_gauge = Gauge("unit_proxy_inflight_requests", "Requests being proxied now", registry=r)
-            self.inflight_gauge.set_function(lambda: float(self._inflight()))
-            self.queue_depth = Gauge("unit_proxy_engine_queue_depth", "vllm:num_requests_waiting", registry=r)
-            self.running = Gauge("unit_proxy_engine_running_requests", "vllm:num_requests_running", registry=r)
-            self.kv_usage = Gauge("unit_proxy_engine_kv_cache_usage", "vllm:kv_cache_usage_perc (0-1)", registry=r)
-            self.unit_healthy = Gauge("unit_proxy_unit_healthy", "1 when /health answers 200", registry=r)
-            self.unit_restarts = Counter(
-                "unit_proxy_unit_restarts", "Changes of the launcher session id (unit re-formed)", registry=r
-            )
-            self.draining = Gauge("unit_proxy_draining", "1 after SIGTERM", registry=r)
+        r.register(_RequestCollector(self))
+        self.rejected = Counter("unit_proxy_rejected", "Requests refused with 429 (admission)", registry=r)
+        self.unavailable = Counter(
+            "unit_proxy_unit_unavailable",
+            "Requests refused with 503 unit_unavailable (the unit is not whole)",
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "unit_proxy_upstream_errors", "Errors the proxy made of upstream failures", ["kind"], registry=r
+        )
+        self.write_timeouts = Counter(
+            "unit_proxy_client_write_timeouts",
+            "Streams dropped because the client read nothing for WRITE_TIMEOUT_SECONDS",
+            registry=r,
+        )
+        self.inflight_gauge = Gauge("unit_proxy_inflight_requests", "Requests being proxied now", registry=r)
+        self.inflight_gauge.set_function(lambda: float(self._inflight()))
+        self.queue_depth = Gauge("unit_proxy_engine_queue_depth", "vllm:num_requests_waiting", registry=r)
+        self.running = Gauge("unit_proxy_engine_running_requests", "vllm:num_requests_running", registry=r)
+        self.kv_usage = Gauge("unit_proxy_engine_kv_cache_usage", "vllm:kv_cache_usage_perc (0-1)", registry=r)
+        self.unit_healthy = Gauge("unit_proxy_unit_healthy", "1 when /health answers 200", registry=r)
+        self.unit_restarts = Counter(
+            "unit_proxy_unit_restarts", "Changes of the launcher session id (unit re-formed)", registry=r
+        )
+        self.draining = Gauge("unit_proxy_draining", "1 after SIGTERM", registry=r)
         self.engine = EngineLoad()
         self.healthy = False
         self.restarts_total = 0
@@ -223,38 +208,11 @@ class Telemetry:
 
     # -- background checks ---------------------------------------------------------------
 
-    def merge_interval(self, doc: dict[str, Any]) -> None:
-        """Add a worker's interval (see `take_interval`) to this process's interval."""
-        iv = self._interval
-        iv.requests += int(doc.get("requests", 0))
-        iv.rejected += int(doc.get("rejected", 0))
-        iv.unit_unavailable += int(doc.get("unit_unavailable", 0))
-        iv.upstream_errors += int(doc.get("upstream_errors", 0))
-        for value in doc.get("ttft_ms", ()):
-            iv.ttft_ms.add(float(value))
-        for value in doc.get("latency_ms", ()):
-            iv.latency_ms.add(float(value))
-
-    def take_interval(self) -> dict[str, Any]:
-        """This process's interval so far as JSON-able data; starts the next interval."""
-        iv, self._interval = self._interval, _Interval()
-        return {
-            "requests": iv.requests,
-            "rejected": iv.rejected,
-            "unit_unavailable": iv.unit_unavailable,
-            "upstream_errors": iv.upstream_errors,
-            "ttft_ms": iv.ttft_ms.values,
-            "latency_ms": iv.latency_ms.values,
-        }
-
     def set_draining(self) -> None:
-        if self.unit_metrics:
-            self.draining.set(1)
+        self.draining.set(1)
 
     def set_engine_load(self, load: EngineLoad) -> None:
         self.engine = load
-        if not self.unit_metrics:
-            return
         for gauge, value in (
             (self.queue_depth, load.queue_depth),
             (self.running, load.running),
@@ -264,13 +222,11 @@ class Telemetry:
 
     def set_healthy(self, healthy: bool) -> None:
         self.healthy = healthy
-        if self.unit_metrics:
-            self.unit_healthy.set(1 if healthy else 0)
+        self.unit_healthy.set(1 if healthy else 0)
 
     def unit_restarted(self) -> None:
         self.restarts_total += 1
-        if self.unit_metrics:
-            self.unit_restarts.inc()
+        self.unit_restarts.inc()
 
     # -- reports ---------------------------------------------------------------------------
 
@@ -278,11 +234,6 @@ class Telemetry:
         return generate_latest(self.registry)
 
     def load_json(self) -> dict[str, Any]:
-        requests_total, rejected_total, unavailable_total = (
-            self._totals()
-            if self._totals is not None
-            else (self.requests_total, self.rejected_total, self.unavailable_total)
-        )
         return {
             "inflight": self._inflight(),
             "queue_depth": self.engine.queue_depth,
@@ -290,9 +241,9 @@ class Telemetry:
             "kv_cache_usage": self.engine.kv_cache_usage,
             "healthy": self.healthy,
             "unit_restarts": self.restarts_total,
-            "requests_total": requests_total,
-            "rejected_total": rejected_total,
-            "unit_unavailable_total": unavailable_total,
+            "requests_total": self.requests_total,
+            "rejected_total": self.rejected_total,
+            "unit_unavailable_total": self.unavailable_total,
         }
 
     def emf_events(self, namespace: str, cell: str, unit: str, now: float | None = None) -> list[dict[str, Any]]:

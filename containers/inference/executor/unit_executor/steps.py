@@ -35,7 +35,12 @@ from typing import Any
 
 # Output checkpoints kept in a record, and how many samples apart (within CHECKPOINTS x
 # CHECKPOINT_EVERY samples of each other, two records always share a checkpoint to compare).
-CHECKPOINTS = 8
+# The leader compares its own node's record with a follower's as of that follower's last
+# heartbeat (every 5 s by default), so the window must cover a heartbeat's worth of steps:
+# 1,024 samples (one per step) cover 5 s up to about 200 steps a second, four times the
+# 20-50 decode steps a second assumed for a large model (unverified: not measured on Neuron).
+# (It was 8 checkpoints, 64 samples: a busy unit's records would not overlap.)
+CHECKPOINTS = 128
 CHECKPOINT_EVERY = 8
 # seq, steps (started), completed, inflight_since_ns, last_done_ns, pid, chain (32 bytes),
 # sampled, out_chain (32 bytes), then CHECKPOINTS x (count, out_chain at that count)
