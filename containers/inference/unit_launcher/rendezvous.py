@@ -30,7 +30,6 @@ engine. A session whose engines have not started yet (the ready phase) ends at o
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import logging
 import time
@@ -43,7 +42,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from unit_launcher import steps
+from unit_launcher import steps, waits
 from unit_launcher.spec import UnitSpec
 
 log = logging.getLogger("unit_launcher.rendezvous")
@@ -1011,8 +1010,7 @@ async def heartbeat_loop(
                 return _leader_unreachable(release, silence, limit, error, first_step, stalls.longest)
         started = time.monotonic()
         readiness.wake.clear()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(readiness.wake.wait(), interval)
+        await waits.wait_set(readiness.wake, interval)  # not wait_for: unit_launcher.waits
         stalls.note(started, interval)
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import aiohttp
 
-from unit_launcher import artifact_manifest, artifacts, evidence, health_file, plan, rendezvous, steps, task_stop
+from unit_launcher import artifact_manifest, artifacts, evidence, health_file, plan, rendezvous, steps, task_stop, waits
 from unit_launcher.engine import Engine
 from unit_launcher.identity import DiscoveryError, Identity, IdentityError, discover_leader, resolve_identity
 from unit_launcher.spec import SpecError, UnitSpec
@@ -241,8 +241,7 @@ async def _wait_out_backoff(spec: UnitSpec, session: rendezvous.LeaderSession, s
         "unit %s failed %d time(s) in a row (last: %s): waiting %.0f s more before it forms again",
         spec.unit_id, backoff.failures_in_a_row, session.last_failure, remaining,
     )
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(signals.stop.wait(), remaining)
+    await waits.wait_set(signals.stop, remaining)
     # Over: /status (and the proxy's /load) must not show a wait that no longer holds the unit.
     session.backoff = None
     session._set_state(rendezvous.FORMING)

@@ -55,6 +55,7 @@ from unit_proxy.health import HealthMonitor, HealthState, stale_limit
 from unit_proxy.runtime_api import RuntimeApi, RuntimeApiError, engine_streams
 from unit_proxy.settings import Settings
 from unit_proxy.telemetry import Telemetry, write_emf
+from unit_proxy.waits import wait_set
 
 log = logging.getLogger("unit_proxy")
 
@@ -335,8 +336,7 @@ async def gate_loop(state: ProxyState, api: RuntimeApi, paths: Paths) -> None:
     """After every check round (and at least every interval): push the gate, read the stats."""
     interval = state.settings.health_interval_seconds
     while True:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(state.changed.wait(), interval)
+        await wait_set(state.changed, interval)
         state.changed.clear()
         if state.stopping:
             continue
@@ -509,8 +509,7 @@ async def start(settings: Settings) -> Running:
         paths.admin_socket, LOG_RING, state.telemetry, lambda: state.stopping
     )
     running.tasks.append(asyncio.create_task(follower.run(), name="log"))
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(follower.following.wait(), _START_SECONDS)
+    await wait_set(follower.following, _START_SECONDS)
     await asyncio.sleep(0.01)  # HAProxy takes the command in its next loop turn
     monitor = HealthMonitor(
         settings, state.health, state.telemetry, on_check=lambda _result: state.changed.set(),
@@ -578,8 +577,7 @@ async def serve(settings: Settings) -> int:
 
 
 async def _wait_or(event: asyncio.Event, seconds: float) -> None:
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(event.wait(), seconds)
+    await wait_set(event, seconds)
 
 
 def configure_logging() -> None:

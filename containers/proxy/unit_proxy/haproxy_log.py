@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from unit_proxy.telemetry import Telemetry
+from unit_proxy.waits import wait_set
 
 log = logging.getLogger("unit_proxy.log")
 
@@ -132,7 +133,8 @@ class LogFollower:
         self._waiters.append(waiter)
         self._wake.set()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(waiter), timeout)
+            async with asyncio.timeout(timeout):  # not wait_for (unit_proxy.waits)
+                await asyncio.shield(waiter)
 
     def _release(self) -> None:
         waiters, self._waiters = self._waiters, []
@@ -145,7 +147,8 @@ class LogFollower:
         if not self._waiters:
             return await reader.read(_READ_BYTES)
         try:
-            return await asyncio.wait_for(reader.read(_READ_BYTES), _DRAINED_SECONDS)
+            async with asyncio.timeout(_DRAINED_SECONDS):  # not wait_for (unit_proxy.waits)
+                return await reader.read(_READ_BYTES)
         except TimeoutError:
             self._release()
             return None
@@ -166,8 +169,7 @@ class LogFollower:
             feed(self.telemetry, data[:cut])
             if not self._waiters:
                 transport.pause_reading()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), READ_PAUSE_SECONDS)
+                await wait_set(self._wake, READ_PAUSE_SECONDS)
                 transport.resume_reading()
             self._wake.clear()
 
