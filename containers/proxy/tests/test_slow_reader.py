@@ -16,7 +16,6 @@ import socket
 import time
 
 import aiohttp
-from unit_proxy.slow_readers import SlowReaderWatchdog, human_seconds, waiting_streams
 
 from .conftest import LOOPBACK, FakeEngine, FakeLauncher, wait_until
 from .test_adversarial import admin_text, wait_healthy
@@ -90,6 +89,94 @@ async def test_a_client_that_stops_reading_loses_its_slot_within_the_write_timeo
             sock.close()
 
 
+class UvicornLikeEngine(asyncio.Protocol):
+    """An engine served the way vLLM's uvicorn serves (an asyncio Protocol; uvicorn's
+    httptools_impl.py returns None from `eof_received`, so asyncio closes the transport):
+    GET answers 200 (the proxy's probes), a POST gets an endless chunked stream, written
+    whenever the transport has room. Records when the proxy's FIN arrives (`eof_at`) and
+    when the connection is gone (`lost_at`: what makes uvicorn mark a request disconnected)."""
+
+    streams: list[UvicornLikeEngine] = []
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buffer = b""
+        self.streaming = False
+        self.eof_at: float | None = None
+        self.lost_at: float | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while b"\r\n\r\n" in self.buffer and not self.streaming:
+            head, _, rest = self.buffer.partition(b"\r\n\r\n")
+            lines = head.split(b"\r\n")
+            lengths = [int(line.split(b":")[1]) for line in lines if line.lower().startswith(b"content-length:")]
+            if len(rest) < sum(lengths):
+                return
+            self.buffer = rest[sum(lengths):]
+            assert self.transport is not None
+            if not head.startswith(b"POST"):
+                self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                continue
+            self.streaming = True
+            UvicornLikeEngine.streams.append(self)
+            self.transport.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            )
+            self.resume_writing()
+
+    def resume_writing(self) -> None:
+        chunk = b"data: " + b"x" * 60000 + b"\n\n"
+        while self.streaming and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+            if self.transport.get_write_buffer_size() > 1 << 20:
+                return  # asyncio calls pause_writing, then this again once there is room
+
+    def eof_received(self) -> None:
+        self.eof_at = time.monotonic()
+        return None  # as uvicorn: the transport closes (once its write buffer is flushed)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost_at = time.monotonic()
+        self.streaming = False
+
+
+async def test_the_engine_connection_is_closed_at_the_cut(launcher: FakeLauncher):
+    """The cut closes the engine side (a FIN) within the bound. HAProxy 2.6 keeps its own
+    socket until the client side ends too, so an engine whose writes are paused by the stall
+    and which waits for its buffer to flush before it drops the request (asyncio's close(),
+    hence uvicorn) keeps generating to the request's own end: docs/proxy.md "Not done"."""
+    UvicornLikeEngine.streams = []
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(UvicornLikeEngine, LOOPBACK, 0)
+    engine = FakeEngine()
+    engine.url = f"http://{LOOPBACK}:{server.sockets[0].getsockname()[1]}"
+    try:
+        async with proxy_process(engine, launcher, **ENV) as (url, _proc):
+            await wait_healthy(url)
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect((LOOPBACK, port_of(url)))
+            sock.sendall(streaming_request(b""))
+            sent = time.monotonic()
+            try:
+                await wait_until(lambda: UvicornLikeEngine.streams, what="the stream to start")
+                [stream] = UvicornLikeEngine.streams
+                await wait_until(
+                    lambda: stream.eof_at is not None, timeout=WRITE_TIMEOUT + 3.0,
+                    what="the engine connection closed by the proxy",
+                )
+                assert stream.eof_at is not None
+                assert WRITE_TIMEOUT <= stream.eof_at - sent <= WRITE_TIMEOUT + 3.0, stream.eof_at - sent
+            finally:
+                sock.close()
+    finally:
+        server.close()
+
+
 async def test_idle_keep_alive_outlives_the_write_timeout(engine: FakeEngine, launcher: FakeLauncher):
     async with proxy_process(engine, launcher, **ENV) as (url, _proc):
         await wait_healthy(url)
@@ -159,6 +246,8 @@ CLI = (
 
 
 def test_human_time_is_read_as_haproxy_prints_it() -> None:
+    from unit_proxy.slow_readers import human_seconds  # here: the black-box tests above also run on old code
+
     assert human_seconds("15m4s") == (904, 1)
     assert human_seconds("0s") == (0, 1)
     assert human_seconds("1h2m") == (3720, 60)  # two units only: minutes beyond an hour
@@ -167,6 +256,8 @@ def test_human_time_is_read_as_haproxy_prints_it() -> None:
 
 
 def test_only_engine_streams_with_waiting_bytes_and_a_live_engine_side_count() -> None:
+    from unit_proxy.slow_readers import waiting_streams
+
     text = "\n".join(
         [
             CLI,
@@ -184,6 +275,8 @@ def test_only_engine_streams_with_waiting_bytes_and_a_live_engine_side_count() -
 
 
 async def test_the_watchdog_cuts_once_at_the_bound_and_says_when_to_look_again() -> None:
+    from unit_proxy.slow_readers import SlowReaderWatchdog
+
     class Api:
         def __init__(self, text: str) -> None:
             self.text = text
