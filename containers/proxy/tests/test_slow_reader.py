@@ -90,20 +90,27 @@ async def test_a_client_that_stops_reading_loses_its_slot_within_the_write_timeo
 
 
 class UvicornLikeEngine(asyncio.Protocol):
-    """An engine served the way vLLM's uvicorn serves (an asyncio Protocol; uvicorn's
-    httptools_impl.py returns None from `eof_received`, so asyncio closes the transport):
-    GET answers 200 (the proxy's probes), a POST gets an endless chunked stream, written
-    whenever the transport has room. Records when the proxy's FIN arrives (`eof_at`) and
-    when the connection is gone (`lost_at`: what makes uvicorn mark a request disconnected)."""
+    """An engine served the way vLLM's uvicorn serves: an asyncio Protocol whose
+    `eof_received` returns None, so asyncio closes the transport (uvicorn
+    protocols/http/httptools_impl.py), and whose stream waits while the transport is paused
+    (uvicorn's flow control). GET answers 200 (the proxy's probes); a POST gets an endless
+    chunked stream of `chunk` bytes every `gap` seconds. Records when the proxy's FIN arrives
+    (`eof_at`) and when the connection is gone (`lost_at`: what marks a uvicorn request
+    disconnected, and vLLM then aborts it)."""
 
     streams: list[UvicornLikeEngine] = []
+    chunk = 60000
+    gap = 0.0
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.buffer = b""
         self.streaming = False
+        self.room = asyncio.Event()
+        self.room.set()
         self.eof_at: float | None = None
         self.lost_at: float | None = None
+        self.task: asyncio.Task[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -122,18 +129,25 @@ class UvicornLikeEngine(asyncio.Protocol):
                 self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
                 continue
             self.streaming = True
-            UvicornLikeEngine.streams.append(self)
-            self.transport.write(
-                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-            )
-            self.resume_writing()
+            type(self).streams.append(self)
+            self.task = asyncio.get_running_loop().create_task(self.stream())
+
+    async def stream(self) -> None:
+        assert self.transport is not None
+        self.transport.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        )
+        data = b"data: " + b"x" * (self.chunk - 8) + b"\n\n"
+        while self.streaming and not self.transport.is_closing():
+            await self.room.wait()
+            self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+            await asyncio.sleep(self.gap)
+
+    def pause_writing(self) -> None:
+        self.room.clear()
 
     def resume_writing(self) -> None:
-        chunk = b"data: " + b"x" * 60000 + b"\n\n"
-        while self.streaming and self.transport is not None and not self.transport.is_closing():
-            self.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
-            if self.transport.get_write_buffer_size() > 1 << 20:
-                return  # asyncio calls pause_writing, then this again once there is room
+        self.room.set()
 
     def eof_received(self) -> None:
         self.eof_at = time.monotonic()
@@ -142,20 +156,22 @@ class UvicornLikeEngine(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost_at = time.monotonic()
         self.streaming = False
+        self.room.set()
 
 
-async def test_the_engine_connection_is_closed_at_the_cut(launcher: FakeLauncher):
-    """The cut closes the engine side (a FIN) within the bound. HAProxy 2.6 keeps its own
-    socket until the client side ends too, so an engine whose writes are paused by the stall
-    and which waits for its buffer to flush before it drops the request (asyncio's close(),
-    hence uvicorn) keeps generating to the request's own end: docs/proxy.md "Not done"."""
-    UvicornLikeEngine.streams = []
+async def stalled_stream_on(
+    engine_class: type[UvicornLikeEngine], launcher: FakeLauncher, **env: str
+) -> tuple[UvicornLikeEngine, float]:
+    """A never-reading client's stream through the proxy to `engine_class`: (the engine's
+    protocol once it saw the FIN or the bound passed, when the request was sent)."""
+    bound = float(env.pop("BOUND", WRITE_TIMEOUT + 3.0))  # seconds from the request to the FIN
+    engine_class.streams = []
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(UvicornLikeEngine, LOOPBACK, 0)
+    server = await loop.create_server(engine_class, LOOPBACK, 0)
     engine = FakeEngine()
     engine.url = f"http://{LOOPBACK}:{server.sockets[0].getsockname()[1]}"
     try:
-        async with proxy_process(engine, launcher, **ENV) as (url, _proc):
+        async with proxy_process(engine, launcher, **{**ENV, **env}) as (url, _proc):
             await wait_healthy(url)
             sock = socket.socket()
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -163,18 +179,45 @@ async def test_the_engine_connection_is_closed_at_the_cut(launcher: FakeLauncher
             sock.sendall(streaming_request(b""))
             sent = time.monotonic()
             try:
-                await wait_until(lambda: UvicornLikeEngine.streams, what="the stream to start")
-                [stream] = UvicornLikeEngine.streams
+                await wait_until(lambda: engine_class.streams, what="the stream to start")
+                [stream] = engine_class.streams
                 await wait_until(
-                    lambda: stream.eof_at is not None, timeout=WRITE_TIMEOUT + 3.0,
+                    lambda: stream.eof_at is not None, timeout=bound,
                     what="the engine connection closed by the proxy",
                 )
-                assert stream.eof_at is not None
-                assert WRITE_TIMEOUT <= stream.eof_at - sent <= WRITE_TIMEOUT + 3.0, stream.eof_at - sent
+                await asyncio.sleep(0.5)
+                return stream, sent
             finally:
                 sock.close()
     finally:
         server.close()
+
+
+async def test_the_engine_connection_is_closed_at_the_cut(launcher: FakeLauncher):
+    """A fast engine (60 KB chunks, no pause): the FIN comes within the bound, but its
+    writes are paused by then, and asyncio (hence uvicorn) drops the request only once its
+    buffer is flushed, which HAProxy 2.6 allows only when the client side ends too."""
+    stream, sent = await stalled_stream_on(UvicornLikeEngine, launcher)
+    assert stream.eof_at is not None
+    assert WRITE_TIMEOUT <= stream.eof_at - sent <= WRITE_TIMEOUT + 3.0, stream.eof_at - sent
+
+
+class TokenRateEngine(UvicornLikeEngine):
+    chunk = 5000
+    gap = 0.01
+
+
+async def test_an_engine_at_token_rates_drops_the_request_at_the_cut(launcher: FakeLauncher):
+    """Slower than the proxy's buffers fill (here up to 0.5 MB/s, 128 KiB HAProxy buffers; a
+    token stream is some 10 KB/s), the engine's own buffers are not full when the cut comes,
+    so the FIN ends the request at once, as it would in uvicorn (measured: 0.1 ms after the
+    FIN, which came 8.5 s after the request: the client-side buffers filled first)."""
+    stream, sent = await stalled_stream_on(
+        TokenRateEngine, launcher, REQUEST_BUFFER_BYTES="131072", MAX_BODY_BYTES="32768", BOUND="30"
+    )
+    assert stream.eof_at is not None and stream.lost_at is not None
+    assert stream.eof_at - sent >= WRITE_TIMEOUT
+    assert stream.lost_at - stream.eof_at < 0.5
 
 
 async def test_idle_keep_alive_outlives_the_write_timeout(engine: FakeEngine, launcher: FakeLauncher):
