@@ -53,7 +53,7 @@ from unit_proxy.haproxy_config import (
     render,
 )
 from unit_proxy.health import HealthMonitor, HealthState, stale_limit
-from unit_proxy.runtime_api import RuntimeApi, RuntimeApiError, engine_streams
+from unit_proxy.runtime_api import RuntimeApi, RuntimeApiError, backend_streams, engine_streams
 from unit_proxy.settings import Settings
 from unit_proxy.slow_readers import SlowReaderWatchdog
 from unit_proxy.telemetry import Telemetry, write_emf
@@ -423,14 +423,15 @@ class Running:
         return proc.returncode
 
     async def _streams_done(self, proc: asyncio.subprocess.Process) -> None:
-        """Wait until the stopping worker's engine backend has no stream (master CLI)."""
+        """Wait until the stopping worker's engine backend has no stream (master CLI): the
+        answers still being written to their clients are waited for too."""
         master = RuntimeApi(self.paths.master_socket, prefix="@1 ")
         while proc.returncode is None:
             try:
                 rows = await master.show_stat()
             except RuntimeApiError:
                 return  # the worker is gone
-            if engine_streams(rows) in (None, 0):
+            if backend_streams(rows) in (None, 0):
                 return
             await asyncio.sleep(0.1)
 

@@ -81,6 +81,14 @@ class RuntimeApi:
         return list(csv.DictReader(io.StringIO(text[2:])))
 
 
+def backend_streams(rows: list[dict[str, str]]) -> int | None:
+    """Every stream in the engine backend (`scur` of its BACKEND row), with those whose engine
+    side has ended but whose client still takes the buffered answer; None without one."""
+    backend = next((r for r in rows if r.get("pxname") == "engine" and r.get("svname") == "BACKEND"), None)
+    scur = "" if backend is None else backend.get("scur", "")
+    return int(scur) if scur.isdigit() else None
+
+
 def engine_streams(rows: list[dict[str, str]]) -> int | None:
     """Requests holding or waiting for an engine slot: the engine server's current sessions and
     queue (`scur` + `qcur` of its `vllm` row, what the admission rule counts), or None without
