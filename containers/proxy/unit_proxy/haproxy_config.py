@@ -312,7 +312,8 @@ def _defaults(settings: Settings) -> list[str]:
         # keep-alive connections after it whatever "timeout http-keep-alive" says (measured,
         # docs/proxy.md; https://github.com/haproxy/haproxy/issues/2334), and the proxy's
         # keep-alive must outlast the ALB's idle timeout, so it is the larger of
-        # WRITE_TIMEOUT_SECONDS and KEEPALIVE_TIMEOUT_SECONDS (docs/contracts.md).
+        # WRITE_TIMEOUT_SECONDS and KEEPALIVE_TIMEOUT_SECONDS (docs/contracts.md); the agent
+        # cuts a client that reads nothing after WRITE_TIMEOUT_SECONDS (slow_readers.py).
         f"    timeout client {_seconds(client_timeout(settings))}",
         # 4.2 "timeout http-request": the request's headers must arrive within this
         # (BODY_READ_TIMEOUT_SECONDS) -> 408; the body's wait is wait-for-body's own `time`
