@@ -56,7 +56,7 @@ def test_settings_reach_the_config() -> None:
     )
     text = render(s, Paths("/run/up", 5))
     assert "nbthread 3" in text and "tune.bufsize 131072" in text and "bind fd@5" in text
-    assert "be_conn(engine) ge 7" in text and "maxconn 7" in text
+    assert "srv_conn(engine/vllm) ge 7" in text and "maxconn 7" in text
     assert "Retry-After '4'" in text
     assert "stats socket /run/up/admin.sock mode 600 level admin" in text
 

@@ -6,7 +6,7 @@ HAProxy exits on its own the agent exits 1. Beside it the agent runs the health 
 (engine, launcher, engine load), the canary and the member drain (`health.py`), pushes the
 unit gate into HAProxy through the runtime API after every round (`set map`, see
 `haproxy_config.GateMap`), reads HAProxy's log lines for the request metrics, writes EMF,
-and serves:
+cuts the engine side of streams whose client stopped reading (`slow_readers.py`), and serves:
 - the admin listener (`PROXY_ADMIN_HOST:PROXY_ADMIN_PORT`): `/health` with the detail,
   `/ready`, `/load`, `/metrics`;
 - an internal listener on a Unix socket in the runtime directory, which HAProxy sends the
@@ -45,6 +45,7 @@ from unit_proxy.haproxy_config import (
     LOG_RING,
     GateMap,
     Paths,
+    client_timeout,
     engine_error_bodies,
     error_body,
     initial_map,
@@ -52,8 +53,9 @@ from unit_proxy.haproxy_config import (
     render,
 )
 from unit_proxy.health import HealthMonitor, HealthState, stale_limit
-from unit_proxy.runtime_api import RuntimeApi, RuntimeApiError, engine_streams
+from unit_proxy.runtime_api import RuntimeApi, RuntimeApiError, backend_streams, engine_streams
 from unit_proxy.settings import Settings
+from unit_proxy.slow_readers import SlowReaderWatchdog
 from unit_proxy.telemetry import Telemetry, write_emf
 from unit_proxy.waits import wait_set
 
@@ -347,6 +349,22 @@ async def gate_loop(state: ProxyState, api: RuntimeApi, paths: Paths) -> None:
             log.exception("gate update failed")
 
 
+def slow_reader_watchdog(state: ProxyState, api: RuntimeApi, paths: Paths) -> SlowReaderWatchdog | None:
+    """The bound on a client that reads nothing (slow_readers.py), needed when HAProxy's own
+    `timeout client` is longer than WRITE_TIMEOUT_SECONDS (it is the keep-alive bound too).
+    While HAProxy soft-stops (the drain) its stats socket is closed: the looks go through
+    the master CLI to the stopping worker, so a slow reader does not hold the drain up."""
+    settings = state.settings
+    timeout = client_timeout(settings)
+    if settings.write_timeout_seconds >= timeout:
+        return None
+    master = RuntimeApi(paths.master_socket, prefix="@1 ")
+    return SlowReaderWatchdog(
+        lambda: master if state.stopping else api, settings.write_timeout_seconds, timeout,
+        state.telemetry.write_timeout,
+    )
+
+
 async def emf_loop(state: ProxyState) -> None:
     s = state.settings
     while True:
@@ -405,14 +423,15 @@ class Running:
         return proc.returncode
 
     async def _streams_done(self, proc: asyncio.subprocess.Process) -> None:
-        """Wait until the stopping worker's engine backend has no stream (master CLI)."""
+        """Wait until the stopping worker's engine backend has no stream (master CLI): the
+        answers still being written to their clients are waited for too."""
         master = RuntimeApi(self.paths.master_socket, prefix="@1 ")
         while proc.returncode is None:
             try:
                 rows = await master.show_stat()
             except RuntimeApiError:
                 return  # the worker is gone
-            if engine_streams(rows) in (None, 0):
+            if backend_streams(rows) in (None, 0):
                 return
             await asyncio.sleep(0.1)
 
@@ -517,6 +536,9 @@ async def start(settings: Settings) -> Running:
     )
     running.tasks.append(asyncio.create_task(monitor.run(), name="health"))
     running.tasks.append(asyncio.create_task(gate_loop(state, api, paths), name="gate"))
+    watchdog = slow_reader_watchdog(state, api, paths)
+    if watchdog is not None:
+        running.tasks.append(asyncio.create_task(watchdog.run(lambda: False), name="slow-readers"))
     if settings.emf_enabled:
         running.tasks.append(asyncio.create_task(emf_loop(state), name="emf"))
     log.info(

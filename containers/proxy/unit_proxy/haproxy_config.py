@@ -312,7 +312,8 @@ def _defaults(settings: Settings) -> list[str]:
         # keep-alive connections after it whatever "timeout http-keep-alive" says (measured,
         # docs/proxy.md; https://github.com/haproxy/haproxy/issues/2334), and the proxy's
         # keep-alive must outlast the ALB's idle timeout, so it is the larger of
-        # WRITE_TIMEOUT_SECONDS and KEEPALIVE_TIMEOUT_SECONDS (docs/contracts.md).
+        # WRITE_TIMEOUT_SECONDS and KEEPALIVE_TIMEOUT_SECONDS (docs/contracts.md); the agent
+        # cuts a client that reads nothing after WRITE_TIMEOUT_SECONDS (slow_readers.py).
         f"    timeout client {_seconds(client_timeout(settings))}",
         # 4.2 "timeout http-request": the request's headers must arrive within this
         # (BODY_READ_TIMEOUT_SECONDS) -> 408; the body's wait is wait-for-body's own `time`
@@ -453,8 +454,13 @@ def _frontend(settings: Settings, paths: Paths, table: RouteTable) -> list[str]:
         # MAX_BODY_BYTES + the header reserve within the buffer (settings.BUFFER_RESERVE_BYTES),
         # so every admitted body is read whole here, never streamed on while it arrives.
         f"    http-request wait-for-body time {_seconds(settings.body_read_timeout_seconds)} if !is_health",
-        # Admission (7.3.2 "be_conn": streams now in the engine backend): 429 beyond MAX_INFLIGHT.
-        f"    acl unit_full be_conn(engine) ge {settings.max_inflight}",
+        # Admission (7.3.2 "srv_conn", "srv_queue"): the engine's connections now, or any request
+        # queued at its maxconn -> 429 beyond MAX_INFLIGHT. The server's count, not the
+        # backend's (be_conn): a stream whose engine side the agent cut (slow_readers.py) holds
+        # no engine slot, but stays in the backend until its client takes what is buffered
+        # (measured: backend scur 1, server scur 0; HAProxy 2.6 src/stream.c:1847-1855).
+        f"    acl unit_full srv_conn(engine/vllm) ge {settings.max_inflight}",
+        "    acl unit_full srv_queue(engine/vllm) gt 0",
         "    http-request set-var(txn.outcome) str(rejected) if !is_health unit_full",
         f"    http-request {_json_return(429, 'overloaded', f'unit at its in-flight limit ({settings.max_inflight}); retry', {'Retry-After': retry})}"  # noqa: E501
         " if !is_health unit_full",
@@ -509,7 +515,7 @@ def _engine_backend(settings: Settings, paths: Paths) -> list[str]:
             f"    http-error status {status} content-type application/json"
             f" lf-string {_q(f'%[str(err{status}),map({gate})]')} hdr {ERROR_MARK} {status}"
         )
-    # 5.2 "maxconn": the hard bound behind the be_conn admission check (a race between
+    # 5.2 "maxconn": the hard bound behind the srv_conn admission check (a race between
     # threads queues, never exceeds).
     lines.append(f"    server vllm {host}:{port} maxconn {settings.max_inflight}")
     return lines

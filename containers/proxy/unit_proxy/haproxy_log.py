@@ -73,7 +73,7 @@ def record(telemetry: Telemetry, rec: LogRecord) -> None:
         return  # /health, and answers of the frontend's own rules (400, 404, 405, 413)
     status = rec.status
     first, second = (rec.termination + "--")[:2]
-    if first in "Cc":
+    if first in "CcK":  # K: cut by the agent (slow_readers.py; counted there) or at the drain's hard stop
         status = CLIENT_GONE
         if first == "c" and second == "D":
             telemetry.write_timeout()
@@ -91,7 +91,7 @@ def feed(telemetry: Telemetry, data: bytes) -> None:
     done = telemetry.request_done
     for line in data.split(b"\n"):
         parts = line.split()
-        if len(parts) == 8 and parts[7] == b"-" and parts[6] == b"engine" and parts[5][:1] not in b"CcsS":
+        if len(parts) == 8 and parts[7] == b"-" and parts[6] == b"engine" and parts[5][:1] not in b"CcsSK":
             try:
                 status, active, data_ms, response = int(parts[0]), int(parts[1]), int(parts[2]), int(parts[3])
             except ValueError:

@@ -65,6 +65,14 @@ class RuntimeApi:
         if answer.strip():  # success is an empty answer
             raise RuntimeApiError(f"set map {key}: {answer.strip()}")
 
+    async def show_sess(self) -> str:
+        """`show sess`: one line per stream (management guide 9.3; parsed by slow_readers)."""
+        return await self.command("show sess")
+
+    async def shutdown_session(self, ptr: str) -> bool:
+        """`shutdown session <ptr>` (9.3): ends the stream's server side; False if it is gone."""
+        return not (await self.command(f"shutdown session {escape(ptr)}")).strip()
+
     async def show_stat(self) -> list[dict[str, str]]:
         """`show stat` as rows (pxname, svname, scur, stot, hrsp_5xx, ...; 9.1 "CSV format")."""
         text = await self.command("show stat")
@@ -73,8 +81,21 @@ class RuntimeApi:
         return list(csv.DictReader(io.StringIO(text[2:])))
 
 
-def engine_streams(rows: list[dict[str, str]]) -> int | None:
-    """The engine backend's current streams (`scur` of its BACKEND row), or None without one."""
+def backend_streams(rows: list[dict[str, str]]) -> int | None:
+    """Every stream in the engine backend (`scur` of its BACKEND row), with those whose engine
+    side has ended but whose client still takes the buffered answer; None without one."""
     backend = next((r for r in rows if r.get("pxname") == "engine" and r.get("svname") == "BACKEND"), None)
     scur = "" if backend is None else backend.get("scur", "")
     return int(scur) if scur.isdigit() else None
+
+
+def engine_streams(rows: list[dict[str, str]]) -> int | None:
+    """Requests holding or waiting for an engine slot: the engine server's current sessions and
+    queue (`scur` + `qcur` of its `vllm` row, what the admission rule counts), or None without
+    one. Not the backend's `scur`: a stream whose engine side was cut (slow_readers.py) stays
+    there until its client has taken the buffered answer."""
+    server = next((r for r in rows if r.get("pxname") == "engine" and r.get("svname") == "vllm"), None)
+    if server is None:
+        return None
+    scur, qcur = server.get("scur", ""), server.get("qcur", "") or "0"
+    return int(scur) + int(qcur) if scur.isdigit() and qcur.isdigit() else None
