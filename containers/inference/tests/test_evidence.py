@@ -63,6 +63,22 @@ def test_history_keeps_one_record_per_session_and_survives_a_bad_line(tmp_path: 
     assert [r["session_id"] for r in evidence.read_history(path)] == ["s1", "s2"]
 
 
+def test_the_session_end_carries_the_longest_step_as_a_metric():
+    """Issue 24: the kit reads the step bound's margin per unit from CloudWatch (LongestStepSeconds),
+    from the leader executor's record in the event's steps; no metric before a step completed."""
+    executor = {"steps": 40, "completed": 40, "inflight_seconds": 0.0, "longest_step_seconds": 2.375}
+    event = evidence.session_event(
+        spec=SPEC, session_id="s1", cause=evidence.DELIBERATE, reason="leader received SIGTERM", ended_by=None,
+        members=[], released_at=time.time() - 20, serving_since=time.time() - 12,
+        steps={"bound_seconds": 30.0, "broadcast": executor, "members": {}, "lockstep": True},
+    )
+    doc = json.loads(evidence.emf_line(event, "Rufus/Unit"))
+    assert doc["LongestStepSeconds"] == 2.375
+    assert {"Name": "LongestStepSeconds", "Unit": "Seconds"} in doc["_aws"]["CloudWatchMetrics"][0]["Metrics"]
+    event["steps"]["broadcast"] = {**executor, "completed": 0, "longest_step_seconds": 0.0}
+    assert "LongestStepSeconds" not in json.loads(evidence.emf_line(event, "Rufus/Unit"))
+
+
 def test_the_event_is_one_emf_line_with_the_unit_metrics():
     event = evidence.session_event(
         spec=SPEC, session_id="s1", cause="member_lost", reason="follower rank 1 lost",

@@ -7,7 +7,8 @@ addresses, timings, and the last lines of the failing engine's log. It goes
 
 - to standard output as one CloudWatch embedded-metric-format line (the task's log
   stream, kept after ECS replaces the task, and the metrics `UnitSessionEnds`,
-  `UnitFailures`, `UnitServedSeconds` and `RestartBackoffSeconds` per cell and unit), and
+  `UnitFailures`, `UnitServedSeconds`, `RestartBackoffSeconds` and, once a step ran,
+  `LongestStepSeconds` per cell and unit), and
 - into the unit's history file on the instance's model cache volume, on every member, so
   that whichever of the unit's instances the next leader lands on knows the history.
 
@@ -187,6 +188,11 @@ def emf_line(event: dict[str, Any], namespace: str | None) -> str:
             "UnitFailures": (0 if event["cause"] in NEUTRAL else 1, "Count"),
             "UnitServedSeconds": (event["served_seconds"], "Seconds"),
         }
+        longest = longest_step_seconds(event)
+        if longest is not None:
+            # The step bound's margin, measured: the longest a broadcast step (or its sampling call)
+            # was in flight before it completed, over the session (unit_executor.steps `longest_ns`).
+            metrics["LongestStepSeconds"] = (longest, "Seconds")
         if event.get("restart_backoff_seconds") is not None:
             # The wait before the next formation: the backoff as a metric, not only in /status.
             metrics["RestartBackoffSeconds"] = (event["restart_backoff_seconds"], "Seconds")
@@ -208,6 +214,13 @@ def emf_line(event: dict[str, Any], namespace: str | None) -> str:
             }
         )
     return json.dumps(doc, sort_keys=True, default=str)
+
+
+def longest_step_seconds(event: dict[str, Any]) -> float | None:
+    """The leader executor's longest step of the session, from the event's step records (None: no step ran)."""
+    broadcast = (event.get("steps") or {}).get("broadcast") or {}
+    value = broadcast.get("longest_step_seconds")
+    return float(value) if isinstance(value, int | float) and broadcast.get("completed") else None
 
 
 def session_formed_event(

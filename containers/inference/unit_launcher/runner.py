@@ -25,7 +25,17 @@ from typing import Any
 
 import aiohttp
 
-from unit_launcher import artifact_manifest, artifacts, evidence, health_file, plan, rendezvous, steps, task_stop
+from unit_launcher import (
+    artifact_manifest,
+    artifacts,
+    evidence,
+    health_file,
+    plan,
+    rendezvous,
+    self_check,
+    steps,
+    task_stop,
+)
 from unit_launcher.engine import Engine
 from unit_launcher.identity import DiscoveryError, Identity, IdentityError, discover_leader, resolve_identity
 from unit_launcher.spec import SpecError, UnitSpec
@@ -873,6 +883,14 @@ async def _run_engine(
             await engine.stop(spec.engine.stop_timeout_seconds)
 
 
+def _self_check(spec: UnitSpec, role: str, me: Identity, env: Mapping[str, str]) -> None:
+    """Measure and publish this node's self-checks before anything else (unit_launcher.self_check):
+    a failure is logged and published, and the node goes on."""
+    report = self_check.publish(spec, role, me.instance_id, env)
+    for check in report.failures:
+        log.warning("self-check %s failed: %s (expected %s)", check.name, check.measured, check.expected)
+
+
 def run(role: str, spec: UnitSpec, env: Mapping[str, str]) -> int:
     try:
         me = resolve_identity(env)
@@ -889,6 +907,7 @@ def run(role: str, spec: UnitSpec, env: Mapping[str, str]) -> int:
         me.host_ip,
         me.instance_id,
     )
+    _self_check(spec, role, me, env)
     if role == "leader":
         return asyncio.run(run_leader(spec, me, env.get("UNIT_BIND_ADDR", "0.0.0.0")))
     if role == "follower":
