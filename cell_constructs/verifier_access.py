@@ -6,7 +6,7 @@ never references a cell stack (a cell must deploy, diff and be destroyed on its 
 cell publishes what the gate needs as SSM parameters under a name derived from its stack name,
 and the pipeline stack reads them at its own deployment as CloudFormation parameters of type
 `AWS::SSM::Parameter::Value<String>`
-(https://docs.aws.amazon.com/AWSCloudFormation/latest/UserGuide/parameters-section-structure.html#aws-ssm-parameter-types):
+(https://docs.aws.amazon.com/AWSCloudFormation/latest/UserGuide/cloudformation-supplied-parameter-types.html):
 
 - `/<stack>/verify/vpc-id`: the cell's VPC;
 - `/<stack>/verify/subnet-ids`: the load balancer's private subnets (one per ALB AZ), comma-separated;

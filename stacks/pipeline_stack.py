@@ -13,6 +13,8 @@ while every cell's rollout-gate composite alarm must stay out of ALARM (OnSucces
 CloudWatchAlarm rules with WaitTime = bake minutes, result ROLLBACK), and rolls back by
 itself when an action fails (OnFailure ROLLBACK). The gate alarms are named from the
 cell stack names (cell_constructs.cell_alarms.rollout_gate_name): no cross-stack reference.
+In the first wave, after its deploy actions, the verify gate runs the first-deploy kit
+read-only in each canary cell's VPC (stacks/verify_gate.py).
 """
 
 from __future__ import annotations
