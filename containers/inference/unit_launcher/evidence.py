@@ -223,6 +223,49 @@ def longest_step_seconds(event: dict[str, Any]) -> float | None:
     return float(value) if isinstance(value, int | float) and broadcast.get("completed") else None
 
 
+def steps_event(spec: Any, session_id: str, steps: dict[str, Any]) -> dict[str, Any]:
+    """The leader's periodic `unit_steps` line while its engine runs (docs/contracts.md): the unit's
+    steps so far, the longest one against the bound, and whether every worker ran the leader's steps."""
+    broadcast = steps.get("broadcast") or {}
+    return {
+        "event": "unit_steps",
+        "cell": spec.cell,
+        "unit_id": spec.unit_id,
+        "revision": spec.revision,
+        "session_id": session_id,
+        "at": time.time(),
+        "steps": broadcast.get("steps"),
+        "completed": broadcast.get("completed"),
+        "longest_step_seconds": broadcast.get("longest_step_seconds"),
+        "bound_seconds": steps.get("bound_seconds"),
+        # True/False between steps; null while one is in flight or a member's record is missing.
+        "lockstep": steps.get("lockstep"),
+        "members": sorted(steps.get("members") or {}),
+    }
+
+
+def steps_line(event: dict[str, Any], namespace: str | None) -> str:
+    """The `unit_steps` event as one log line; with a namespace, EMF with `LongestStepSeconds` (once a step
+    completed) and `LockstepMismatch` (1 when a worker's steps differ from the leader's, 0 when they agree,
+    absent while unknown) per cell and unit."""
+    doc = dict(event)
+    metrics: dict[str, tuple[float, str]] = {}
+    if event.get("completed") and isinstance(event.get("longest_step_seconds"), int | float):
+        metrics["LongestStepSeconds"] = (float(event["longest_step_seconds"]), "Seconds")
+    if isinstance(event.get("lockstep"), bool):
+        metrics["LockstepMismatch"] = (0 if event["lockstep"] else 1, "Count")
+    if namespace and metrics:
+        doc.update({name: value for name, (value, _) in metrics.items()})
+        doc.update({
+            "_aws": {"Timestamp": int(event["at"] * 1000), "CloudWatchMetrics": [{
+                "Namespace": namespace, "Dimensions": [["Cell", "Unit"]],
+                "Metrics": [{"Name": name, "Unit": unit} for name, (_, unit) in metrics.items()]}]},
+            "Cell": event["cell"],
+            "Unit": event["unit_id"],
+        })
+    return json.dumps(doc, sort_keys=True, default=str)
+
+
 def session_formed_event(
     cell: str, unit_id: str, revision: str, session_id: str, released_at: float, members: list[dict[str, Any]]
 ) -> dict[str, Any]:
