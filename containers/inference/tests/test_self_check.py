@@ -103,6 +103,16 @@ def test_imds_not_tried_when_botocore_is_told_there_is_none() -> None:
     assert self_check.Roots.from_env({"UNIT_SELF_CHECK_IMDS": "127.0.0.1:9"}).imds == "127.0.0.1:9"
 
 
+def test_a_malformed_address_or_a_check_that_raises_is_a_failed_check(tmp_path) -> None:
+    """Publish, never refuse: a bad UNIT_SELF_CHECK_IMDS or an unreadable tree fails the check only."""
+    check = self_check.imds_unreachable("no-port")
+    assert (check.ok, check.measured) == (False, "not tried: 'no-port' is not host:port")
+    spec = trn2(tmp_path)
+    (tmp_path / "dev").write_text("a file where /dev should be a directory")
+    report = self_check.run_checks(spec, self_check.Roots(dev=tmp_path / "dev", imds=closed_port()))
+    assert [c.name for c in report.failures] == ["efa_devices", "neuron_cores"]
+
+
 def test_trn2_node_with_every_device_passes(tmp_path) -> None:
     spec = trn2(tmp_path)
     dev = fake_dev(tmp_path / "dev", neuron=16, uverbs=16, extra=("null", "neuron_ctl"))

@@ -99,6 +99,8 @@ def imds_unreachable(address: str | None, timeout: float = IMDS_TIMEOUT_SECONDS)
                      f"connect to {IMDS_ADDRESS} refused or unanswered")
     host, _, port = address.rpartition(":")
     expected = f"connect to {address} refused or unanswered within {timeout:g} s"
+    if not host or not port.isdigit():
+        return Check("imds_unreachable", False, f"not tried: {address!r} is not host:port", expected)
     try:
         with socket.create_connection((host, int(port)), timeout=timeout):
             pass
@@ -199,7 +201,7 @@ def _size(count: int) -> str:
 def run_checks(spec: UnitSpec, roots: Roots) -> Report:
     started = time.monotonic()
     checks = [
-        imds_unreachable(roots.imds),
+        _guarded("imds_unreachable", lambda: imds_unreachable(roots.imds)),
         _guarded("model_cache_mount", lambda: model_cache_mount(spec)),
         _guarded("efa_devices", lambda: efa_devices(spec, roots.dev)),
         _guarded("neuron_cores", lambda: neuron_cores(spec, roots.dev)),
@@ -211,8 +213,8 @@ def _guarded(name: str, check: Any) -> Check:
     """A check that raised is a failed check, never a launcher that did not start."""
     try:
         return check()
-    except OSError as error:
-        return Check(name, False, f"could not check: {error}", "a readable file system")
+    except Exception as error:  # publish, never refuse: any failure is the check's result
+        return Check(name, False, f"could not check: {type(error).__name__}: {error}", "the check to run")
 
 
 def publish(spec: UnitSpec, role: str, instance_id: str, env: Mapping[str, str], out: TextIO | None = None) -> Report:
