@@ -154,7 +154,7 @@ class CellStack(Stack):
         self.task_role = self._unit_task_role()
 
         self.load_balancer = self._load_balancer()
-        # Where the pipeline's verify gate runs in this cell (stacks/verify_gate.py reads the parameters).
+        # Where the pipeline's verify gate runs in this cell (stacks/verify_gate.py reads its parameter).
         self.verifier_access = VerifierAccess(
             self, "VerifierAccess",
             stack_name=self.stack_name,

@@ -6,7 +6,7 @@ is in the cell's VPC, on the pipeline's own source artifact; exit 0 passes, anyt
 check failed) fails the action, and the stage's OnFailure rolls the wave back before any later
 wave is entered. Why CodeBuild and not Lambda, and what the role may do: docs/rollout-pipeline.md.
 
-The cell's VPC, subnets and security group come from the SSM parameters the cell stack writes
+The cell's VPC, subnets and security group come from the SSM parameter the cell stack writes
 (cell_constructs.verifier_access), read when this stack deploys as CloudFormation SSM parameter
 types: no reference between the stacks, and so the canary cell must be deployed (once, by hand)
 before the pipeline stack, in the pipeline's account and region.
@@ -26,7 +26,7 @@ from aws_cdk import aws_ssm as ssm
 from constructs import Construct
 
 from cell_constructs.nag import acknowledge
-from cell_constructs.verifier_access import SECURITY_GROUP_ID, SUBNET_IDS, VPC_ID, verifier_parameter_name
+from cell_constructs.verifier_access import FIRST_SUBNET, SECURITY_GROUP_ID, VPC_ID, verifier_parameter_name
 from inference_fleet.config import CellConfig, FleetConfig
 
 # The kit waits for the launchers' metrics to reach CloudWatch and runs bursts and a prompt of
@@ -87,17 +87,16 @@ class VerifyGate(Construct):
             action_name=verify_action_name(cell), project=self.project, input=source, run_order=run_order,
         )
 
-    def _parameter(self, what: str) -> str:
-        return ssm.StringParameter.value_for_string_parameter(self, verifier_parameter_name(self.stack_name, what))
-
     def _project(self, cell: CellConfig, fleet_file: str, key: kms.IKey) -> codebuild.PipelineProject:
         azs = list(cell.resolved_alb_azs)
+        network = Fn.split(",", ssm.StringParameter.value_for_string_parameter(
+            self, verifier_parameter_name(self.stack_name)), FIRST_SUBNET + len(azs))
         vpc = ec2.Vpc.from_vpc_attributes(
-            self, "CellVpc", vpc_id=self._parameter(VPC_ID), availability_zones=azs,
-            private_subnet_ids=Fn.split(",", self._parameter(SUBNET_IDS), len(azs)),
+            self, "CellVpc", vpc_id=network[VPC_ID], availability_zones=azs,
+            private_subnet_ids=network[FIRST_SUBNET:],
         )
         group = ec2.SecurityGroup.from_security_group_id(
-            self, "CellVerifierGroup", self._parameter(SECURITY_GROUP_ID), mutable=False)
+            self, "CellVerifierGroup", network[SECURITY_GROUP_ID], mutable=False)
         log_group = logs.LogGroup(
             self, "Logs", encryption_key=key, retention=logs.RetentionDays.THREE_MONTHS,
             removal_policy=RemovalPolicy.RETAIN,

@@ -95,29 +95,36 @@ def test_the_gate_runs_the_kit_on_the_canary_cell(large) -> None:
     })
 
 
-def test_the_gate_project_is_in_the_canary_cells_vpc_from_the_cells_parameters(large) -> None:
+def test_the_gate_project_is_in_the_canary_cells_vpc_from_the_cells_parameter(large) -> None:
     pipeline = large.template_json("Rufus-Pipeline")
-    parameters = {k: v["Default"] for k, v in pipeline["Parameters"].items()}
+    stack = "Rufus-Cell-use2-a"
+    (parameter,) = [k for k, v in pipeline["Parameters"].items() if v["Default"] == verifier_parameter_name(stack)]
+    assert pipeline["Parameters"][parameter]["Type"] == "AWS::SSM::Parameter::Value<String>"
     (project,) = [v["Properties"] for k, v in pipeline["Resources"].items()
                   if v["Type"] == "AWS::CodeBuild::Project" and k.startswith("VerifyGate")]
+
+    def position(value: dict) -> int:
+        index, split = value["Fn::Select"]
+        assert split == {"Fn::Split": [",", {"Ref": parameter}]}
+        return index
+
     vpc = project["VpcConfig"]
-    stack = "Rufus-Cell-use2-a"
-    assert parameters[vpc["VpcId"]["Ref"]] == verifier_parameter_name(stack, "vpc-id")
-    assert parameters[vpc["SecurityGroupIds"][0]["Ref"]] == verifier_parameter_name(stack, "security-group-id")
-    subnets = {parameters[s["Fn::Select"][1]["Fn::Split"][1]["Ref"]] for s in vpc["Subnets"]}
-    assert subnets == {verifier_parameter_name(stack, "subnet-ids")}
-    assert len(vpc["Subnets"]) == len(large.fleet.cells[0].resolved_alb_azs)
-    # The cell writes each of them, from its own VPC, load balancer subnets and verifier group.
+    assert position(vpc["VpcId"]) == 0 and [position(g) for g in vpc["SecurityGroupIds"]] == [1]
+    azs = len(large.fleet.cells[0].resolved_alb_azs)
+    assert [position(s) for s in vpc["Subnets"]] == list(range(2, 2 + azs))
+    # The cell writes it: its VPC, its verifier group, then its load balancer subnets, one per ALB AZ.
     cell = large.template_json(stack)
-    written = {v["Properties"]["Name"]: v["Properties"]["Value"] for v in cell["Resources"].values()
-               if v["Type"] == "AWS::SSM::Parameter"}
+    (written,) = [v["Properties"] for v in cell["Resources"].values() if v["Type"] == "AWS::SSM::Parameter"]
+    assert written["Name"] == verifier_parameter_name(stack)
+    separator, parts = written["Value"]["Fn::Join"]
+    values = [p for p in parts if p != ","]
+    assert separator == "" and len(parts) == 2 * len(values) - 1
     vpc_id = next(k for k, v in cell["Resources"].items() if v["Type"] == "AWS::EC2::VPC")
-    assert written[verifier_parameter_name(stack, "vpc-id")] == {"Ref": vpc_id}
-    alb_subnets = [p for p in written[verifier_parameter_name(stack, "subnet-ids")]["Fn::Join"][1] if p != ","]
-    assert [s["Ref"] for s in alb_subnets] == sorted(
+    assert values[0] == {"Ref": vpc_id}
+    assert values[1]["Fn::GetAtt"][0].startswith("VerifierAccessSecurityGroup")
+    assert [v["Ref"] for v in values[2:]] == sorted(
         k for k, v in cell["Resources"].items() if v["Type"] == "AWS::EC2::Subnet" and "albSubnet" in k)
-    group = written[verifier_parameter_name(stack, "security-group-id")]["Fn::GetAtt"][0]
-    assert group.startswith("VerifierAccessSecurityGroup")
+    assert len(values[2:]) == azs
 
 
 def test_the_gate_role_only_reads_and_only_the_cell(large) -> None:
@@ -196,4 +203,4 @@ def test_the_default_fleet_gates_its_only_cell(synth_default) -> None:
     synth_default.templates["Rufus-Pipeline"].has_resource_properties("AWS::CodeBuild::Project", {
         "Source": {"BuildSpec": Match.string_like_regexp(
             re.escape(json.dumps(verify_command("config/default.yaml", "dev"))))}})
-    Template.from_json(synth_default.template_json("Rufus-Cell-dev")).resource_count_is("AWS::SSM::Parameter", 3)
+    Template.from_json(synth_default.template_json("Rufus-Cell-dev")).resource_count_is("AWS::SSM::Parameter", 1)
