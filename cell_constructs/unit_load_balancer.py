@@ -48,7 +48,7 @@ class UnitLoadBalancer(Construct):
         self.web_acl: wafv2.CfnWebACL | None = None
         self.waf_logs: logs.LogGroup | None = None
         self.access_logs = self._access_logs_bucket()
-        listener_port = 443 if certificate_arn else 80
+        self.listener_port = listener_port = 443 if certificate_arn else 80
         self.security_group = self._security_group(vpc, client_cidrs, listener_port)
         self.load_balancer = self._load_balancer(vpc, subnets, internet_facing, idle_timeout, deletion_protection)
         self.target_group = self._target_group(vpc, target_port, deregistration_delay)

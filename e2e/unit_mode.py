@@ -140,6 +140,9 @@ def launcher_env(spec: dict[str, Any], role: str, instance_id: str) -> dict[str,
         "UNIT_BIND_ADDR": "127.0.0.1",
         "AWS_REGION": spec.get("region") or "us-east-1",
         "AWS_EC2_METADATA_DISABLED": "true",
+        # The node self-check's IMDS connect: a closed loopback port stands for the blocked IMDS
+        # (unit_launcher.self_check); nothing here may send a packet to 169.254.169.254.
+        "UNIT_SELF_CHECK_IMDS": "127.0.0.1:1",
         "PYTHONUNBUFFERED": "1",
     })
     if role == "follower":

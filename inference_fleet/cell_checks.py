@@ -25,8 +25,9 @@ SPARE_NODES = 1
 # CloudFormation: 500 resources per stack
 # (https://docs.aws.amazon.com/AWSCloudFormation/latest/UserGuide/cloudformation-limits.html).
 # A cell template holds a fixed part and a part per unit, measured from the synthesized
-# templates (about 98 + 9.5 per unit; tests/test_cell_lifecycle.py keeps them true). The fixed part is
-# the largest variant (internet-facing with WAF, gate reader role, both images built).
+# templates (about 102 + 9.5 per unit; tests/test_cell_lifecycle.py keeps them true). The fixed part is
+# the largest variant (internet-facing with WAF, gate reader role, both images built, the verify
+# gate's group and parameter: 120 resources with one unit, tests/test_fleet_strictness.py).
 CFN_RESOURCE_LIMIT = 500
 CELL_BASE_RESOURCES = 110
 RESOURCES_PER_UNIT = 10

@@ -34,6 +34,7 @@ from cell_constructs.topology_placement import FailureHandling, TopologyPlacemen
 from cell_constructs.trainium_capacity import CapacitySource, EfaSetup, NodeSetupReport, TrainiumCapacity
 from cell_constructs.unit_autoscaler import UnitAutoscaler
 from cell_constructs.unit_load_balancer import UnitLoadBalancer
+from cell_constructs.verifier_access import VerifierAccess
 from inference_fleet.cell_checks import SIGNAL_WAIT_LIMIT_SECONDS
 from inference_fleet.config import CellConfig, FleetConfig
 from inference_fleet.unit_spec import (
@@ -153,6 +154,15 @@ class CellStack(Stack):
         self.task_role = self._unit_task_role()
 
         self.load_balancer = self._load_balancer()
+        # Where the pipeline's verify gate runs in this cell (stacks/verify_gate.py reads its parameter).
+        self.verifier_access = VerifierAccess(
+            self, "VerifierAccess",
+            stack_name=self.stack_name,
+            vpc=self.network.vpc,
+            subnets=self.network.internal_alb_subnets,
+            load_balancer_group=self.load_balancer.security_group,
+            listener_port=self.load_balancer.listener_port,
+        )
         # The placement controller sends the Trainium group's rolling-update signals once a
         # replaced instance's unit serves again behind the load balancer.
         self.placement.signal_replacements(

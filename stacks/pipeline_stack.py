@@ -13,6 +13,8 @@ while every cell's rollout-gate composite alarm must stay out of ALARM (OnSucces
 CloudWatchAlarm rules with WaitTime = bake minutes, result ROLLBACK), and rolls back by
 itself when an action fails (OnFailure ROLLBACK). The gate alarms are named from the
 cell stack names (cell_constructs.cell_alarms.rollout_gate_name): no cross-stack reference.
+In the first wave, after its deploy actions, the verify gate runs the first-deploy kit
+read-only in each canary cell's VPC (stacks/verify_gate.py).
 """
 
 from __future__ import annotations
@@ -43,9 +45,10 @@ from unit_launcher.artifacts import split_uri
 from cell_constructs.cell_alarms import gate_reader_role_name, rollout_gate_name
 from cell_constructs.encryption import allow_cloudwatch_logs
 from cell_constructs.nag import acknowledge
-from inference_fleet.config import CellConfig, FleetConfig, PipelineConfig, WaveConfig
+from inference_fleet.config import DEFAULT_CONFIG, CellConfig, FleetConfig, PipelineConfig, WaveConfig
 from inference_fleet.rollout import MAX_CELLS_PER_WAVE
 from inference_fleet.unit_spec import layout_key
+from stacks.verify_gate import VerifyGate
 
 REPOSITORY_ROOT = Path(__file__).resolve().parents[1]
 CDK_QUALIFIER = DefaultStackSynthesizer.DEFAULT_QUALIFIER
@@ -133,6 +136,8 @@ class PipelineStack(Stack):
                 action_name="TestSynthPublish", project=self.build_project, input=source, outputs=[assembly],
             )]),
         ]
+        self._source = source
+        self.verify_gates: list[VerifyGate] = []
         stages += [self._wave_stage(wave, assembly) for wave in fleet.waves]
 
         self.pipeline = codepipeline.Pipeline(
@@ -254,6 +259,9 @@ class PipelineStack(Stack):
             ))
         deploy_order = 2 if wave.manual_approval else 1
         stage_actions += [self._deploy_action(cell, assembly, deploy_order) for cell in cells]
+        if wave is self.fleet.waves[0]:
+            # The canary wave: the first-deploy kit checks each of its cells before the bake (stacks/verify_gate.py).
+            stage_actions += [self._verify_gate(i, cell, deploy_order + 1).action for i, cell in enumerate(cells)]
 
         before_entry = None
         if wave.deployment_window:
@@ -312,6 +320,17 @@ class PipelineStack(Stack):
             replace_on_failure=False,
             run_order=run_order,
         )
+
+    def _verify_gate(self, index: int, cell: CellConfig, run_order: int) -> VerifyGate:
+        # Numbered, not named after the cell: its build commands then have one identity in every fleet
+        # (tests/shipped_scripts.py), and a wave holds at most 5 cells.
+        gate = VerifyGate(
+            self, f"VerifyGate{index}", fleet=self.fleet, cell=cell,
+            fleet_file=self.fleet_file or DEFAULT_CONFIG.relative_to(REPOSITORY_ROOT).as_posix(),
+            key=self.key, source=self._source, run_order=run_order,
+        )
+        self.verify_gates.append(gate)
+        return gate
 
     # -- rollout gates -----------------------------------------------------------------
 
@@ -401,6 +420,12 @@ class PipelineStack(Stack):
             (f"AwsSolutions-IAM5[Resource::arn:{where.format(service='codebuild')}:report-group/<{project}>-*]",
              "CDK-generated: test report groups of this build project"),
         )
+        for gate in self.verify_gates:
+            gate.acknowledge_policies(artifacts)
+            stage = self.pipeline.node.find_child(wave_stage_name(self.fleet.waves[0]))
+            action_role = stage.node.find_child(gate.action.action_properties.action_name).node.find_child(
+                "CodePipelineActionRole")
+            acknowledge(action_role, inline)
         for region, support in sorted(self.pipeline.cross_region_support.items()):
             bucket_name = self.resolve(support.replication_bucket.bucket_name)
             acknowledge(self.pipeline.role, (

@@ -210,7 +210,8 @@ def test_manual_approval_comes_first_and_the_window_gates_entry(large_synth, def
     # Waves without approval or window have neither.
     for stage in (large_synth.stage("Wave-canary"), default_synth.stage("Wave-canary")):
         assert "BeforeEntry" not in stage
-        assert {a["ActionTypeId"]["Provider"] for a in stage["Actions"]} == {"CloudFormation"}
+        # Deploy, then the verify gate (tests/test_verify_gate.py).
+        assert {a["ActionTypeId"]["Provider"] for a in stage["Actions"]} == {"CloudFormation", "CodeBuild"}
 
 
 def test_source_and_build(large_synth, default_synth) -> None:
@@ -223,7 +224,7 @@ def test_source_and_build(large_synth, default_synth) -> None:
 
     for synth in (large_synth, default_synth):
         template = synth.templates[synth.fleet.pipeline_stack_name]
-        (project,) = template.find_resources("AWS::CodeBuild::Project").values()
+        (project,) = [p for k, p in template.find_resources("AWS::CodeBuild::Project").items() if k.startswith("Build")]
         props = project["Properties"]
         assert props["Environment"]["PrivilegedMode"] is True
         assert "EncryptionKey" in props
@@ -262,6 +263,9 @@ def test_cross_region_replication_bucket_is_versioned_logged_and_rotated(large_s
 # -- IAM -------------------------------------------------------------------------------
 
 
+_METRIC_READS = ("cloudwatch:GetMetricData", "cloudwatch:ListMetrics")
+
+
 def test_pipeline_iam_is_scoped(large_synth) -> None:
     fleet = large_synth.fleet
     template = large_synth.templates[fleet.pipeline_stack_name]
@@ -269,7 +273,8 @@ def test_pipeline_iam_is_scoped(large_synth) -> None:
     for statement in statements:
         actions = _listify(statement["Action"])
         assert "*" not in actions and not any(a.endswith(":*") for a in actions), statement
-        if any(a.startswith(("sts:", "cloudwatch:", "iam:")) for a in actions):
+        # CloudWatch's metric reads (the verify gate's) have no resource-level permissions.
+        if any(a.startswith(("sts:", "cloudwatch:", "iam:")) and a not in _METRIC_READS for a in actions):
             assert "*" not in _listify(statement["Resource"]), statement
 
     def resources_of(action: str) -> set[str]:

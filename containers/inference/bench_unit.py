@@ -76,7 +76,8 @@ def _status(port: int) -> dict | None:
 def _start(spec: dict, role: str, name: str, log_dir: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("UNIT_", "ECS_"))}
     env.update({"UNIT_ROLE": role, "UNIT_SPEC": json.dumps(spec), "UNIT_HOST_IP": "127.0.0.1",
-                "UNIT_INSTANCE_ID": name, "UNIT_LEADER_ADDR": "127.0.0.1", "UNIT_BIND_ADDR": "127.0.0.1"})
+                "UNIT_INSTANCE_ID": name, "UNIT_LEADER_ADDR": "127.0.0.1", "UNIT_BIND_ADDR": "127.0.0.1",
+                "AWS_EC2_METADATA_DISABLED": "true", "UNIT_SELF_CHECK_IMDS": "127.0.0.1:1"})
     log = (log_dir / f"{name}.log").open("wb")
     return subprocess.Popen([sys.executable, "-m", "unit_launcher", "run"], env=env, stdout=log, stderr=log)
 

@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 
 STANDIN = Path(__file__).with_name("standin_engine.py")
+# A loopback port nothing listens on (tcpmux): where the launchers' self-check looks for IMDS in tests.
+CLOSED_LOOPBACK_PORT = "127.0.0.1:1"
 
 
 def free_ports(count: int) -> list[int]:
@@ -97,6 +99,8 @@ class Node:
                 "UNIT_LEADER_ADDR": "127.0.0.1",
                 "UNIT_BIND_ADDR": "127.0.0.1",
                 "AWS_EC2_METADATA_DISABLED": "true",
+                # The self-check's IMDS connect goes to a closed loopback port (unit_launcher.self_check).
+                "UNIT_SELF_CHECK_IMDS": CLOSED_LOOPBACK_PORT,
                 "PYTHONUNBUFFERED": "1",
                 # The launcher's health file (unit_launcher/health_file.py), per node, never the host's /tmp.
                 "UNIT_HEALTH_FILE": str(log_dir / f"{instance_id}.state"),

@@ -63,6 +63,22 @@ def test_history_keeps_one_record_per_session_and_survives_a_bad_line(tmp_path: 
     assert [r["session_id"] for r in evidence.read_history(path)] == ["s1", "s2"]
 
 
+def test_the_session_end_carries_the_longest_step_as_a_metric():
+    """Issue 24: the kit reads the step bound's margin per unit from CloudWatch (LongestStepSeconds),
+    from the leader executor's record in the event's steps; no metric before a step completed."""
+    executor = {"steps": 40, "completed": 40, "inflight_seconds": 0.0, "longest_step_seconds": 2.375}
+    event = evidence.session_event(
+        spec=SPEC, session_id="s1", cause=evidence.DELIBERATE, reason="leader received SIGTERM", ended_by=None,
+        members=[], released_at=time.time() - 20, serving_since=time.time() - 12,
+        steps={"bound_seconds": 30.0, "broadcast": executor, "members": {}, "lockstep": True},
+    )
+    doc = json.loads(evidence.emf_line(event, "Rufus/Unit"))
+    assert doc["LongestStepSeconds"] == 2.375
+    assert {"Name": "LongestStepSeconds", "Unit": "Seconds"} in doc["_aws"]["CloudWatchMetrics"][0]["Metrics"]
+    event["steps"]["broadcast"] = {**executor, "completed": 0, "longest_step_seconds": 0.0}
+    assert "LongestStepSeconds" not in json.loads(evidence.emf_line(event, "Rufus/Unit"))
+
+
 def test_the_event_is_one_emf_line_with_the_unit_metrics():
     event = evidence.session_event(
         spec=SPEC, session_id="s1", cause="member_lost", reason="follower rank 1 lost",
@@ -307,3 +323,40 @@ def test_the_leader_announces_a_formed_session_once_in_the_form_the_placement_co
     message = forward.trigger_message({"id": "1", "message": json.dumps(formed), "logStream": "leader/x/t"})
     assert message is not None and message["detail"]["members"] == formed["members"]
     assert message["detail"]["released_at"] == formed["released_at"]
+
+
+@pytest.mark.timeout(90)
+def test_the_leader_publishes_its_steps_while_serving_and_at_the_end(tmp_path, unit_nodes, h):
+    """Issue 24 (checks 2 and 3, read-only): a serving unit's `unit_steps` line carries the step count,
+    the longest step and the lockstep, as EMF per cell and unit, without waiting for a session end;
+    the session end carries LongestStepSeconds too."""
+    spec = {**h.cpu_spec(2, record_dir=tmp_path), "metrics_namespace": "Rufus/Unit"}
+    every = {"STANDIN_STEPS": "12", "UNIT_STEPS_REPORT_SECONDS": "0.3"}
+    leader = unit_nodes(spec, "leader", "i-leader", extra_env=every)
+    unit_nodes({**spec, "state_dir": str(tmp_path / "follower-state")}, "follower", "i-f1", extra_env=every)
+
+    def agreed_report() -> dict | None:
+        for line in leader.log.splitlines():
+            doc = json.loads(line) if line.startswith("{") else {}
+            if doc.get("event") == "unit_steps" and doc.get("lockstep") is True:
+                return doc
+        return None
+
+    doc = h.wait_for(agreed_report, 30, "a unit_steps line with the members in lockstep")
+    assert (doc["steps"], doc["completed"], doc["members"], doc["bound_seconds"]) == (12, 12, ["0", "1"], 30.0)
+    assert doc["LockstepMismatch"] == 0 and doc["LongestStepSeconds"] == doc["longest_step_seconds"] >= 0
+    names = {m["Name"] for m in doc["_aws"]["CloudWatchMetrics"][0]["Metrics"]}
+    assert names == {"LongestStepSeconds", "LockstepMismatch"} and (doc["Cell"], doc["Unit"]) == ("test", "u0")
+    leader.signal(signal.SIGTERM)
+    assert leader.wait(30) == 0, leader.log
+    (end,) = [json.loads(x) for x in leader.log.splitlines()
+              if x.startswith("{") and json.loads(x).get("event") == "unit_session_end"]
+    assert end["LongestStepSeconds"] == end["steps"]["broadcast"]["longest_step_seconds"]
+
+
+def test_steps_line_without_a_step_or_a_verdict_has_no_metric():
+    event = evidence.steps_event(SPEC, "s1", {"bound_seconds": 30.0, "broadcast": {"steps": 1, "completed": 0,
+                                                                                  "longest_step_seconds": 0.0},
+                                              "members": {"0": {}}, "lockstep": None})
+    doc = json.loads(evidence.steps_line(event, "Rufus/Unit"))
+    assert "_aws" not in doc and doc["lockstep"] is None and doc["event"] == "unit_steps"

@@ -84,7 +84,8 @@ def test_a_leader_whose_download_fails_records_the_cause_and_backs_off_before_fe
     [record] = _records(placed)
     assert record["cause"] == "artifacts" and "RetriesExceededError" in record["reason"], record
     assert record["restart_backoff_seconds"] == 15.0
-    emitted = [json.loads(line) for line in leader.log.splitlines() if line.startswith('{"')]
+    emitted = [json.loads(line) for line in leader.log.splitlines()
+               if line.startswith('{"') and '"unit_session_end"' in line]
     assert [e["cause"] for e in emitted] == ["artifacts"]
     # ECS starts it again: it waits out the backoff before it touches S3 again, not a crash loop.
     again = unit_nodes(placed, "leader", "i-leader-2", extra_env=s3.env())

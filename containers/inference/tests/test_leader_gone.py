@@ -27,7 +27,8 @@ def test_a_leader_that_dies_and_restarts_within_the_loss_limit_is_reported_with_
     unit_nodes(spec, "leader", "i-leader")  # ECS restarts it at once, well within the loss limit
     assert follower.wait(30) == EXIT_UNIT_LOST, follower.log
     assert "restarted" in follower.log
-    events = [json.loads(line) for line in follower.log.splitlines() if line.startswith('{"') and "_aws" in line]
+    events = [json.loads(line) for line in follower.log.splitlines()
+              if line.startswith('{"') and "_aws" in line and '"unit_session_end"' in line]
     [event] = events
     assert (event["cause"], event["session_id"], event["ended_by"]["instance_id"]) == (
         "leader_restarted", first["session_id"], "i-leader"), event

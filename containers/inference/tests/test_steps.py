@@ -154,7 +154,8 @@ def test_the_step_record_format_is_what_the_contract_says(tmp_path: Path) -> Non
     state = records.read_record(tmp_path / "worker-3.rec")
     assert state is not None
     # 80 bytes of step counts and the input chain, then the output chain and its CHECKPOINTS checkpoints.
-    assert (tmp_path / "worker-3.rec").stat().st_size == 80 + 8 + 32 + records.CHECKPOINTS * 40
+    # Then longest_ns (u64): the longest a call was in flight before it completed.
+    assert (tmp_path / "worker-3.rec").stat().st_size == 80 + 8 + 32 + records.CHECKPOINTS * 40 + 8
     assert json.dumps(state.to_json())  # JSON-able, as heartbeats carry it
     assert state.steps == 1 and state.completed == 0 and state.inflight_since_ns > 0 and len(state.chain) == 64
     recorder.begin()  # sampling, part of the same step
@@ -164,3 +165,19 @@ def test_the_step_record_format_is_what_the_contract_says(tmp_path: Path) -> Non
     recorder.done()
     state = records.read_record(tmp_path / "worker-3.rec")
     assert state is not None and state.completed == 1 and state.inflight_since_ns == 0
+
+
+def test_the_record_keeps_the_longest_step_of_the_session(tmp_path: Path) -> None:
+    """Issue 24, check 3 (the step bound's margin): the longest a call was in flight before it completed,
+    broadcast to answer, kept across later shorter steps and shown in the JSON the leader publishes."""
+    recorder = records.StepRecorder(tmp_path / records.EXECUTOR_RECORD)
+    recorder.step(records.scheduler_output_digest(_output(0)))
+    time.sleep(0.25)
+    recorder.done()
+    for i in range(1, 4):  # shorter steps do not lower it
+        recorder.step(records.scheduler_output_digest(_output(i)))
+        recorder.done()
+    state = steps.executor_state(tmp_path)
+    assert state is not None and state.completed == 4
+    assert 0.25 <= state.longest_ns / 1e9 < 1.0
+    assert state.to_json()["longest_step_seconds"] == round(state.longest_ns / 1e9, 3)

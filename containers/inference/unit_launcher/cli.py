@@ -84,6 +84,9 @@ RUN_ENVIRONMENT: tuple[tuple[str, str], ...] = (
     ("UNIT_BIND_ADDR", "leader's rendezvous listen address (default 0.0.0.0)"),
     ("UNIT_HEALTH_FILE", "where the node's state file is written (default /tmp/unit-launcher.state)"),
     ("UNIT_LOG_LEVEL", "log level (default INFO)"),
+    ("UNIT_SELF_CHECK_IMDS", "host:port the self-check tries instead of IMDS 169.254.169.254:80 (tests)"),
+    ("AWS_EC2_METADATA_DISABLED", "true without UNIT_SELF_CHECK_IMDS: the IMDS self-check is not tried (fails)"),
+    ("UNIT_STEPS_REPORT_SECONDS", "how often the leader publishes its unit_steps line (default 60)"),
 )
 RUN_EPILOG = (
     "environment:\n"

@@ -7,7 +7,8 @@ addresses, timings, and the last lines of the failing engine's log. It goes
 
 - to standard output as one CloudWatch embedded-metric-format line (the task's log
   stream, kept after ECS replaces the task, and the metrics `UnitSessionEnds`,
-  `UnitFailures`, `UnitServedSeconds` and `RestartBackoffSeconds` per cell and unit), and
+  `UnitFailures`, `UnitServedSeconds`, `RestartBackoffSeconds` and, once a step ran,
+  `LongestStepSeconds` per cell and unit), and
 - into the unit's history file on the instance's model cache volume, on every member, so
   that whichever of the unit's instances the next leader lands on knows the history.
 
@@ -187,6 +188,11 @@ def emf_line(event: dict[str, Any], namespace: str | None) -> str:
             "UnitFailures": (0 if event["cause"] in NEUTRAL else 1, "Count"),
             "UnitServedSeconds": (event["served_seconds"], "Seconds"),
         }
+        longest = longest_step_seconds(event)
+        if longest is not None:
+            # The step bound's margin, measured: the longest a broadcast step (or its sampling call)
+            # was in flight before it completed, over the session (unit_executor.steps `longest_ns`).
+            metrics["LongestStepSeconds"] = (longest, "Seconds")
         if event.get("restart_backoff_seconds") is not None:
             # The wait before the next formation: the backoff as a metric, not only in /status.
             metrics["RestartBackoffSeconds"] = (event["restart_backoff_seconds"], "Seconds")
@@ -207,6 +213,56 @@ def emf_line(event: dict[str, Any], namespace: str | None) -> str:
                 "Unit": event["unit_id"],
             }
         )
+    return json.dumps(doc, sort_keys=True, default=str)
+
+
+def longest_step_seconds(event: dict[str, Any]) -> float | None:
+    """The leader executor's longest step of the session, from the event's step records (None: no step ran)."""
+    broadcast = (event.get("steps") or {}).get("broadcast") or {}
+    value = broadcast.get("longest_step_seconds")
+    return float(value) if isinstance(value, int | float) and broadcast.get("completed") else None
+
+
+def steps_event(spec: Any, session_id: str, steps: dict[str, Any]) -> dict[str, Any]:
+    """The leader's periodic `unit_steps` line while its engine runs (docs/contracts.md): the unit's
+    steps so far, the longest one against the bound, and whether every worker ran the leader's steps."""
+    broadcast = steps.get("broadcast") or {}
+    return {
+        "event": "unit_steps",
+        "cell": spec.cell,
+        "unit_id": spec.unit_id,
+        "revision": spec.revision,
+        "session_id": session_id,
+        "at": time.time(),
+        "steps": broadcast.get("steps"),
+        "completed": broadcast.get("completed"),
+        "longest_step_seconds": broadcast.get("longest_step_seconds"),
+        "bound_seconds": steps.get("bound_seconds"),
+        # True/False between steps; null while one is in flight or a member's record is missing.
+        "lockstep": steps.get("lockstep"),
+        "members": sorted(steps.get("members") or {}),
+    }
+
+
+def steps_line(event: dict[str, Any], namespace: str | None) -> str:
+    """The `unit_steps` event as one log line; with a namespace, EMF with `LongestStepSeconds` (once a step
+    completed) and `LockstepMismatch` (1 when a worker's steps differ from the leader's, 0 when they agree,
+    absent while unknown) per cell and unit."""
+    doc = dict(event)
+    metrics: dict[str, tuple[float, str]] = {}
+    if event.get("completed") and isinstance(event.get("longest_step_seconds"), int | float):
+        metrics["LongestStepSeconds"] = (float(event["longest_step_seconds"]), "Seconds")
+    if isinstance(event.get("lockstep"), bool):
+        metrics["LockstepMismatch"] = (0 if event["lockstep"] else 1, "Count")
+    if namespace and metrics:
+        doc.update({name: value for name, (value, _) in metrics.items()})
+        doc.update({
+            "_aws": {"Timestamp": int(event["at"] * 1000), "CloudWatchMetrics": [{
+                "Namespace": namespace, "Dimensions": [["Cell", "Unit"]],
+                "Metrics": [{"Name": name, "Unit": unit} for name, (_, unit) in metrics.items()]}]},
+            "Cell": event["cell"],
+            "Unit": event["unit_id"],
+        })
     return json.dumps(doc, sort_keys=True, default=str)
 
 

@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -25,7 +26,18 @@ from typing import Any
 
 import aiohttp
 
-from unit_launcher import artifact_manifest, artifacts, evidence, health_file, plan, rendezvous, steps, task_stop, waits
+from unit_launcher import (
+    artifact_manifest,
+    artifacts,
+    evidence,
+    health_file,
+    plan,
+    rendezvous,
+    self_check,
+    steps,
+    task_stop,
+    waits,
+)
 from unit_launcher.engine import Engine
 from unit_launcher.identity import DiscoveryError, Identity, IdentityError, discover_leader, resolve_identity
 from unit_launcher.spec import SpecError, UnitSpec
@@ -353,9 +365,51 @@ def _leader_plan(spec: UnitSpec, me: Identity, session: rendezvous.LeaderSession
     return node_plan
 
 
+# How often the leader publishes its `unit_steps` line while the engine runs (a CloudWatch
+# metric has 1-minute resolution); tests set it shorter.
+STEPS_REPORT_ENV = "UNIT_STEPS_REPORT_SECONDS"
+STEPS_REPORT_SECONDS = 60.0
+
+
+def _steps_report_interval(env: Mapping[str, str]) -> float:
+    value = env.get(STEPS_REPORT_ENV)
+    try:
+        interval = float(value) if value else STEPS_REPORT_SECONDS
+    except ValueError:
+        interval = 0.0
+    if interval <= 0:
+        log.warning("%s=%r is not a positive number of seconds: using %g", STEPS_REPORT_ENV, value,
+                    STEPS_REPORT_SECONDS)
+        return STEPS_REPORT_SECONDS
+    return interval
+
+
+async def _report_steps(spec: UnitSpec, session: rendezvous.LeaderSession, interval: float) -> None:
+    """The unit's steps, longest step and lockstep, published every `interval` while the engine runs:
+    the first-deploy kit reads the step bound's margin and the lockstep without a session's end."""
+    while True:
+        await asyncio.sleep(interval)
+        status = session.steps_status()
+        if status.get("broadcast") is None:
+            continue
+        line = evidence.steps_line(evidence.steps_event(spec, session.session_id, status), spec.metrics_namespace)
+        sys.stdout.write("\n" + line + "\n")
+        sys.stdout.flush()
+
+
 async def _serve(spec: UnitSpec, session: rendezvous.LeaderSession, engine: Engine, signals: _Signals) -> int:
     """Run the engine until the session ends; the leader's exit status."""
     await engine.start()
+    reporter = asyncio.ensure_future(_report_steps(spec, session, _steps_report_interval(os.environ)))
+    try:
+        return await _serve_until_end(spec, session, engine, signals)
+    finally:
+        reporter.cancel()
+
+
+async def _serve_until_end(
+    spec: UnitSpec, session: rendezvous.LeaderSession, engine: Engine, signals: _Signals
+) -> int:
     engine_exit = asyncio.ensure_future(engine.wait())
     await _first(asyncio.shield(engine_exit), session.ended.wait(), signals.stop.wait())
     if engine_exit.done():
@@ -872,6 +926,14 @@ async def _run_engine(
             await engine.stop(spec.engine.stop_timeout_seconds)
 
 
+def _self_check(spec: UnitSpec, role: str, me: Identity, env: Mapping[str, str]) -> None:
+    """Measure and publish this node's self-checks before anything else (unit_launcher.self_check):
+    a failure is logged and published, and the node goes on."""
+    report = self_check.publish(spec, role, me.instance_id, env)
+    for check in report.failures:
+        log.warning("self-check %s failed: %s (expected %s)", check.name, check.measured, check.expected)
+
+
 def run(role: str, spec: UnitSpec, env: Mapping[str, str]) -> int:
     try:
         me = resolve_identity(env)
@@ -888,6 +950,7 @@ def run(role: str, spec: UnitSpec, env: Mapping[str, str]) -> int:
         me.host_ip,
         me.instance_id,
     )
+    _self_check(spec, role, me, env)
     if role == "leader":
         return asyncio.run(run_leader(spec, me, env.get("UNIT_BIND_ADDR", "0.0.0.0")))
     if role == "follower":

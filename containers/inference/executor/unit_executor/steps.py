@@ -43,8 +43,9 @@ from typing import Any
 CHECKPOINTS = 128
 CHECKPOINT_EVERY = 8
 # seq, steps (started), completed, inflight_since_ns, last_done_ns, pid, chain (32 bytes),
-# sampled, out_chain (32 bytes), then CHECKPOINTS x (count, out_chain at that count)
-_FORMAT = "<QQQQQQ32sQ32s" + "Q32s" * CHECKPOINTS
+# sampled, out_chain (32 bytes), then CHECKPOINTS x (count, out_chain at that count), then
+# longest_ns (the longest a call was in flight before it completed: what the step bound measures)
+_FORMAT = "<QQQQQQ32sQ32s" + "Q32s" * CHECKPOINTS + "Q"
 _SIZE = struct.calcsize(_FORMAT)
 EXECUTOR_RECORD = "executor.rec"
 ZERO_CHAIN = bytes(32)
@@ -73,6 +74,7 @@ class StepState:
     out_chain: str = ZERO_CHAIN.hex()
     # count -> out_chain at that count (the newest CHECKPOINTS multiples of CHECKPOINT_EVERY)
     out_checkpoints: tuple[tuple[int, str], ...] = ()
+    longest_ns: int = 0
 
     def inflight_seconds(self, at_ns: int | None = None) -> float:
         if not self.inflight_since_ns:
@@ -89,6 +91,7 @@ class StepState:
             "sampled": self.sampled,
             "out_chain": self.out_chain,
             "out_checkpoints": {str(count): chain for count, chain in self.out_checkpoints},
+            "longest_step_seconds": round(self.longest_ns / 1e9, 3),
         }
 
 
@@ -114,6 +117,7 @@ class StepRecorder:
         # Calls not yet completed, oldest first: (start time, whether it is a step's first call).
         self._inflight: list[tuple[int, bool]] = []
         self._last_done = 0
+        self._longest = 0
         self._pid = os.getpid()
         # Done-callbacks of non-blocking steps may run on another thread of the engine core.
         self._lock = threading.Lock()
@@ -125,7 +129,7 @@ class StepRecorder:
         ring = [v for pair in self._checkpoints for v in pair]
         struct.pack_into(
             _FORMAT, self._map, 0, self._seq, self.steps, self.completed, since, self._last_done, self._pid,
-            self.chain, self.sampled, self.out_chain, *ring,
+            self.chain, self.sampled, self.out_chain, *ring, self._longest,
         )
         self._seq += 1
         struct.pack_into("<Q", self._map, 0, self._seq)
@@ -156,9 +160,13 @@ class StepRecorder:
     def done(self) -> None:
         """The oldest call in flight completed (calls complete in order)."""
         with self._lock:
-            if self._inflight and self._inflight.pop(0)[1]:
-                self.completed += 1
-            self._last_done = now_ns()
+            now = now_ns()
+            if self._inflight:
+                started, first = self._inflight.pop(0)
+                self._longest = max(self._longest, now - started)
+                if first:
+                    self.completed += 1
+            self._last_done = now
             self._write()
 
 
@@ -170,7 +178,7 @@ def read_record(path: str | os.PathLike[str]) -> StepState | None:
                 data = handle.read(_SIZE)
                 if len(data) != _SIZE:
                     return None
-                seq, steps, completed, since, last, pid, chain, sampled, out_chain, *ring = struct.unpack(
+                seq, steps, completed, since, last, pid, chain, sampled, out_chain, *ring, longest = struct.unpack(
                     _FORMAT, data)
                 handle.seek(0)
                 again = struct.unpack_from("<Q", handle.read(8))[0]
@@ -178,7 +186,7 @@ def read_record(path: str | os.PathLike[str]) -> StepState | None:
                 if seq % 2 == 0 and seq == again:
                     checkpoints = tuple((ring[i], ring[i + 1].hex()) for i in range(0, len(ring), 2) if ring[i])
                     return StepState(steps, completed, since, last, pid, chain.hex(), sampled, out_chain.hex(),
-                                     checkpoints)
+                                     checkpoints, longest)
     except OSError:
         return None
     return None
