@@ -226,6 +226,23 @@ def _check_waves(fleet: FleetConfig) -> Iterable[ConfigIssue]:
             )
 
 
+def _check_verify_gate(fleet: FleetConfig) -> Iterable[ConfigIssue]:
+    """The gate is a CodeBuild project of the pipeline's account in the canary's VPC, found through an
+    SSM parameter: both regional and of one account (stacks/verify_gate.py)."""
+    pipeline = fleet.pipeline
+    if pipeline is None or not pipeline.verify_gate:
+        return
+    for cell in fleet.cells_of_wave(fleet.waves[0].name):
+        if (cell.account, cell.region) != (pipeline.account, pipeline.region):
+            yield ConfigIssue(
+                "pipeline.verify_gate", True,
+                f"the canary cell {cell.name} is in {cell.account}/{cell.region} and the pipeline in "
+                f"{pipeline.account}/{pipeline.region}; the verify gate runs in the canary's VPC from the "
+                "pipeline's account and region: put the canary cell there, or set pipeline.verify_gate: false "
+                "and run `make verify-cell` after the canary deploys",
+            )
+
+
 def _check_serving(fleet: FleetConfig) -> Iterable[ConfigIssue]:
     s = fleet.serving
     ports = {
@@ -276,7 +293,8 @@ def _check_frontend(fleet: FleetConfig) -> Iterable[ConfigIssue]:
 # The order is the order of the messages: the fleet's own rules, then the planner's, then the pipeline's,
 # then whether each cell can be deployed and run on AWS (inference_fleet.cell_checks).
 CHECKS: tuple[FleetCheck, ...] = (
-    _check_model, _check_unit, _check_cells, _check_waves, _check_serving, _check_frontend, check_wave_sizes,
+    _check_model, _check_unit, _check_cells, _check_waves, _check_verify_gate, _check_serving, _check_frontend,
+    check_wave_sizes,
     check_cells_deployable, check_startup_budget, check_alarm_defaults, check_quarantine,
     check_spares_in_fixed_cells, check_efa_installer_pin,
 )

@@ -629,6 +629,14 @@ class PipelineConfig(_Strict):
     branch: Annotated[str, StringConstraints(min_length=1, max_length=255, pattern=_BRANCH)] = Field(
         default="main", description="Branch that triggers the pipeline (a git branch name, not empty)."
     )
+    verify_gate: bool = Field(
+        default=True,
+        description=(
+            "Run the first-deploy acceptance kit (`inference_fleet verify`, read-only) in the canary cell's VPC "
+            "after it deploys, and stop the rollout on any failure (docs/rollout-pipeline.md). Needs the canary "
+            "cell in the pipeline's account and region; false leaves the kit to `make verify-cell` by hand."
+        ),
+    )
 
 
 class FleetConfig(_Strict):

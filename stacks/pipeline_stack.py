@@ -259,7 +259,7 @@ class PipelineStack(Stack):
             ))
         deploy_order = 2 if wave.manual_approval else 1
         stage_actions += [self._deploy_action(cell, assembly, deploy_order) for cell in cells]
-        if wave is self.fleet.waves[0]:
+        if wave is self.fleet.waves[0] and self.fleet.pipeline.verify_gate:
             # The canary wave: the first-deploy kit checks each of its cells before the bake (stacks/verify_gate.py).
             stage_actions += [self._verify_gate(i, cell, deploy_order + 1).action for i, cell in enumerate(cells)]
 

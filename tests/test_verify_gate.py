@@ -18,6 +18,7 @@ from aws_cdk.assertions import Match, Template
 
 from cell_constructs.verifier_access import verifier_parameter_name
 from inference_fleet.checks import load_fleet, parse_fleet
+from inference_fleet.config import ConfigError
 from stacks.fleet import build_fleet
 from stacks.pipeline_stack import PipelineStack
 from stacks.verify_gate import verify_command
@@ -187,14 +188,29 @@ def test_the_verifier_group_reaches_only_the_load_balancer_listener(large) -> No
     })
 
 
-def test_a_canary_cell_outside_the_pipelines_account_and_region_is_refused(tmp_path) -> None:
+def test_a_canary_cell_outside_the_pipelines_account_and_region_is_refused_before_synthesis() -> None:
+    # It used to pass the fleet checks and raise a ValueError traceback from the pipeline stack at synth.
     data = load_fleet(ROOT / LARGE).model_dump(mode="json", exclude_none=True)
     data["pipeline"]["region"] = "us-west-2"
-    fleet = parse_fleet(data, "moved pipeline")
-    app = App(context=CDK_CONTEXT, outdir=str(tmp_path))
-    with pytest.raises(ValueError, match=r"canary cell use2-a is in 222222222222/us-east-2, the pipeline in "
-                                         r"222222222222/us-west-2: the verify gate runs in the canary cell's VPC"):
-        PipelineStack(app, "Rufus-Pipeline", fleet=fleet, fleet_file=str(ROOT / LARGE))
+    with pytest.raises(ConfigError) as error:
+        parse_fleet(data, "moved pipeline")
+    assert "pipeline.verify_gate = True: the canary cell use2-a is in 222222222222/us-east-2 and the pipeline in " \
+           "222222222222/us-west-2" in str(error.value)
+    assert "set pipeline.verify_gate: false" in str(error.value)
+
+
+def test_a_fleet_without_the_gate_has_no_verify_action(tmp_path) -> None:
+    data = load_fleet(ROOT / LARGE).model_dump(mode="json", exclude_none=True)
+    data["pipeline"].update(region="us-west-2", verify_gate=False)
+    fleet = parse_fleet(data, "moved pipeline, no gate")
+    app = App(context=CDK_CONTEXT, outdir=str(tmp_path), builtin_cloud_formation_validation=False)
+    stack = PipelineStack(app, "Rufus-Pipeline", fleet=fleet, fleet_file=LARGE)
+    template = Template.from_stack(stack)
+    assert not template.find_resources("AWS::CodeBuild::Project", {"Properties": {"Source": {
+        "BuildSpec": Match.string_like_regexp("inference_fleet verify")}}})
+    (pipeline,) = template.find_resources("AWS::CodePipeline::Pipeline").values()
+    names = [a["Name"] for st in pipeline["Properties"]["Stages"] for a in st["Actions"]]
+    assert not [n for n in names if n.startswith("Verify-")], names
 
 
 def test_the_default_fleet_gates_its_only_cell(synth_default) -> None:
