@@ -134,6 +134,8 @@ FIGURE_LABELS = {
     "temperature_burst_s": "2b. burst at temperature 0.8 completed in (s)",
     "temperature_samples": "2b. samples chained per node (leader's view)",
     "temperature_out_chain": "2b. sampled-token chain (every node)",
+    "step_2b_s": "2b. the whole step (burst, seeds, chains compared) (s)",
+    "step_6_s": "6. the whole step (both refusals, caches copied) (s)",
     "corrupt_shard_refused_s": "6a. flipped byte in a follower's shard: start to both launchers exited (s)",
     "wrong_key_refused_s": "6b. wrong artifacts_key: start to both launchers exited (s)",
     "first_request_s": "first request latency (s)",

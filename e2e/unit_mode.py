@@ -478,13 +478,18 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
     check_lockstep(unit, r, "2", h.left(60))
 
     # 2b. Temperature 0.8: each node samples on its own; their sampled-token chains must agree.
-    if "2b" in steps and not run_temperature(h, unit, driver):
-        return
+    if "2b" in steps:
+        t = time.monotonic()
+        if not run_temperature(h, unit, driver):
+            return
+        r.figure("step_2b_s", time.monotonic() - t)
     # 6. Beside the serving unit, two more units on copies of its instances' caches are refused before
     # any engine starts: a follower's shard with one byte flipped, and a key other than the manifest's.
     if "6" in steps:
+        t = time.monotonic()
         caches = {"leader": Path(unit.hosts.cache("leader-1")), "follower": Path(unit.hosts.cache(unit.follower_host))}
         run_refusals(h, spec, compiled, caches, lambda host: Path(unit.hosts.cache(host)), unit.start_other)
+        r.figure("step_6_s", time.monotonic() - t)
     if "rest" not in steps:
         stop_unit(h, unit, spec)
         return
