@@ -9,7 +9,11 @@ command of the launcher. Everything listens on 127.0.0.1 only.
 
 Unit mode, steps: (1) the unit forms and the proxy's /health turns 200; (2) a completion
 and a streaming chat completion through the proxy with the `openai` client, the same text
-twice at temperature 0; (2a) a follower stopped alone (SIGUSR1 to its launcher, as its drain
+twice at temperature 0; (2b) a burst at temperature 0.8: the nodes' sampled-token chains agree, and a
+fixed seed gives the same tokens twice; (6) beside the serving unit, two units whose artifacts do not
+match their manifest (a flipped byte in a follower's shard, another key) are refused before any
+engine starts (artifacts_steps.py; the model is staged with its manifest, which the spec requires);
+(2a) a follower stopped alone (SIGUSR1 to its launcher, as its drain
 guard does) drains the unit with a stream in flight, which completes, and the unit ends as
 `member_stopping` and forms again with no backoff; (3) the follower task is SIGKILLed: time until the proxy answers
 503 and until the leader exits, and no request is answered by the half unit; (4) the
@@ -18,6 +22,8 @@ the model from S3 on loopback: the unit forms again with a new session and gives
 answer; (4a) the same follower is killed again and a warm spare's instance takes its place
 (nothing to fetch); (4b, 4c) partition and hung engine (unit_mode.py); (5) SIGTERM to the
 leader task while a stream is in flight: the stream completes, /health answers 503 during the drain, everything exits 0.
+
+`--steps 2b,6` runs steps 0-2 and the named optional ones only (then stops the unit).
 
 Writes `e2e-report.json` at the repository root and prints a Markdown table. Exit code 0
 only if every check passed. Every process and wait is bounded; nothing is left running.
@@ -122,7 +128,16 @@ FIGURE_LABELS = {
     "env_install_s": "e2e env install (s; 0 = cached)",
     "env_size_gib": "e2e env size (GiB)",
     "model_build_s": "tiny model build (s)",
+    "manifest_build_s": "identity compile: shards and manifest written (s)",
     "formation_s": "unit formation, start to /health 200 (s)",
+    "manifest_check_s": "each node's check against the manifest at formation",
+    "temperature_burst_s": "2b. burst at temperature 0.8 completed in (s)",
+    "temperature_samples": "2b. samples chained per node (leader's view)",
+    "temperature_out_chain": "2b. sampled-token chain (every node)",
+    "step_2b_s": "2b. the whole step (burst, seeds, chains compared) (s)",
+    "step_6_s": "6. the whole step (both refusals, caches copied) (s)",
+    "corrupt_shard_refused_s": "6a. flipped byte in a follower's shard: start to both launchers exited (s)",
+    "wrong_key_refused_s": "6b. wrong artifacts_key: start to both launchers exited (s)",
     "first_request_s": "first request latency (s)",
     "warm_request_s": "warm request latency (s)",
     "failure_detection_s": "follower SIGKILL to proxy /health 503 (s)",
@@ -168,6 +183,14 @@ def markdown_table(r: Report) -> str:
     return "\n".join(lines)
 
 
+def _steps(text: str) -> tuple[str, ...]:
+    allowed = ("2b", "6", "rest")
+    chosen = tuple(part.strip() for part in text.split(",") if part.strip())
+    if unknown := [c for c in chosen if c not in allowed]:
+        raise argparse.ArgumentTypeError(f"unknown step(s) {unknown}; allowed: {', '.join(allowed)}")
+    return chosen
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=("unit", "raw"), default="unit")
@@ -179,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stop-order", choices=("together", "proxy-first"), default="together",
                         help="how ECS stops the leader task's containers in step 5")
     parser.add_argument("--skip-setup", action="store_true", help="do not check/build .e2e/venv first")
+    parser.add_argument("--steps", type=_steps, default="2b,6,rest",
+                        help="unit mode's optional steps, comma-separated: 2b (temperature 0.8), 6 (artifacts "
+                             "refused), rest (2a to 5); steps 0-2 always run. Default: all")
     args = parser.parse_args(argv)
     wall = time.monotonic()
     env_stats = None
@@ -203,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 from unit_mode import run_unit
 
-                run_unit(h, follower_loss_seconds=args.follower_loss_seconds, stop_order=args.stop_order)
+                run_unit(h, follower_loss_seconds=args.follower_loss_seconds, stop_order=args.stop_order,
+                         steps=args.steps)
         except Exception as error:  # the report must say what broke, whatever it was
             h.report.error = f"{type(error).__name__}: {error}"
             print(f"[e2e] ERROR {h.report.error}", flush=True)

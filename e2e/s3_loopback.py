@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import MODEL_NAME, free_port, http_get, wait_until
+from unit_launcher.artifact_manifest import MANIFEST_NAME, SHARD
 
 SLOW_LINK = Path(__file__).resolve().with_name("slow_link.py")
 
@@ -71,18 +72,21 @@ class LoopbackS3:
 
     def upload(self, model_dir: Path, shards: dict[int, int] | None = None) -> Upload:
         """Put every file of model_dir under s3://BUCKET/PREFIX/, as a model is staged for a cell,
-        and `shards` ({rank: bytes}) as presharded weights."""
+        and `shards` ({rank: bytes}) as presharded weights. A compiled-artifacts manifest in
+        model_dir goes last, as the compile job uploads it (compile_job.upload): an interrupted
+        upload leaves artifacts without a manifest, which a unit that requires one refuses."""
         s3 = self.client()
         s3.create_bucket(Bucket=BUCKET)
-        files = sorted(p for p in model_dir.rglob("*") if p.is_file())
+        files = sorted((p for p in model_dir.rglob("*") if p.is_file()), key=lambda p: (p.name == MANIFEST_NAME, p))
         for path in files:
             s3.upload_file(str(path), BUCKET, f"{PREFIX}/{path.relative_to(model_dir).as_posix()}")
         for rank, size in (shards or {}).items():
             s3.put_object(Bucket=BUCKET, Key=f"{PREFIX}/weights/tp{rank}_sharded_checkpoint.safetensors",
                           Body=os.urandom(size))
         shards = shards or {}
+        staged = sum(1 for p in files if SHARD.search(p.relative_to(model_dir).as_posix()))
         return Upload(f"s3://{BUCKET}/{PREFIX}/", len(files) + len(shards),
-                      sum(p.stat().st_size for p in files) + sum(shards.values()), len(shards))
+                      sum(p.stat().st_size for p in files) + sum(shards.values()), len(shards) + staged)
 
 
 @dataclass(frozen=True)

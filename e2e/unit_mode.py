@@ -1,4 +1,4 @@
-"""The issue's scenario through the production launcher and proxy (steps 1-5, see run_e2e).
+"""The issue's scenario through the production launcher and proxy (steps 0-6, see run_e2e).
 
 The unit spec comes from the fleet's own builder (`inference_fleet.unit_spec.build_unit_spec`
 on the default fleet) and is validated by the launcher's own parser; only what a CPU run on
@@ -9,7 +9,8 @@ role and spec in the environment, identity overrides instead of ECS metadata and
 Map); the proxy as `python -m unit_proxy`. Both from the main venv. The model is fetched
 from S3 on loopback (moto's server, see e2e/s3_loopback.py) into a cache per simulated
 instance, so a lost node's replacement on a new instance fetches it and a warm spare's
-instance already has it.
+instance already has it. The model is staged with its compiled-artifacts manifest (the CPU
+engine's compile is the identity, e2e/artifacts_steps.py), which the spec requires by its key.
 
 ECS is played by the harness: a supervisor per task restarts an exited launcher, and a
 task stop sends SIGTERM to every container of the task at once (ECS's order when no
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from artifacts_steps import check_formation_manifest, compile_identity, report_compiled, require_manifest, run_refusals
 from harness import (
     ENGINE_PYTHON,
     MODEL_NAME,
@@ -46,6 +48,7 @@ from harness import (
 )
 from procs import Proc, Supervisor
 from s3_loopback import Fetched, Hosts, LoopbackS3, Upload, fetched, fetched_after_release, spare_ready
+from sampling_step import run_temperature
 
 MAX_MODEL_LEN = 256
 DRAIN_TOKENS = 96
@@ -58,6 +61,8 @@ MEMBER_STOP_TOKENS = MAX_MODEL_LEN - 16
 SHARD_RATE = 512 << 10
 SHARD_OVER_LOSS = 1.3
 LEADER_SHARD_BYTES = 256 << 10
+# Optional steps (run_e2e --steps): 2b temperature > 0, 6 the artifacts refusals, "rest" 2a to 5.
+STEPS = ("2b", "6", "rest")
 
 
 @dataclass
@@ -210,6 +215,12 @@ class Unit:
         env = launcher_env(on_host(self.spec, self.hosts.cache(host)), role, instance_id)
         env.update(self.s3_env)
         return self.h.table.start(role, [sys.executable, "-m", "unit_launcher", "run"], env)
+
+    def start_other(self, spec: dict[str, Any], role: str, host: str, instance_id: str) -> Proc:
+        """A task of another unit (`spec`) on instance `host`, logged as `host` (step 6's refusals)."""
+        env = launcher_env(on_host(spec, self.hosts.cache(host)), role, instance_id)
+        env.update(self.s3_env, UNIT_HEALTH_FILE=str(Path(self.hosts.cache(host)).parent / "launcher.state"))
+        return self.h.table.start(host, [sys.executable, "-m", "unit_launcher", "run"], env)
 
     def _place_follower(self) -> str:
         spare = self.spares.get(self.follower_host)
@@ -422,7 +433,8 @@ def check_rendered_commands(h: Harness, spec: dict[str, Any]) -> None:
                    "; ".join(problems) or f"{len(plans)} commands")
 
 
-def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order: str = "together") -> None:
+def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order: str = "together",
+             steps: tuple[str, ...] = STEPS) -> None:
     r = h.report
     ports = UnitPorts()
     s3 = LoopbackS3(h.table, h.left(60), shard_rate=SHARD_RATE)
@@ -430,8 +442,12 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
     loss = float(spec["rendezvous"]["follower_loss_seconds"])
     per_node = int(spec["instance"]["cores_per_node"])
     shards = {0: LEADER_SHARD_BYTES, per_node: int(SHARD_RATE * loss * SHARD_OVER_LOSS)}
-    upload = s3.upload(h.model_dir, shards)
+    # The CPU engine's compile is the identity: checkpoint + shards + their manifest, which the unit requires.
+    compiled = compile_identity(h, spec, shards)
+    report_compiled(h, compiled)
+    upload = s3.upload(compiled.root)
     spec["model"]["artifacts_s3_uri"] = upload.uri
+    require_manifest(spec, compiled)
     r.facts["model_artifacts"] = {"uri": upload.uri, "objects": upload.objects, "bytes": upload.bytes,
                                   "shards": {f"tp{rank}": size for rank, size in shards.items()},
                                   "s3": f"moto server on {s3.moto_url}, launchers through the slowed link {s3.url} "
@@ -456,11 +472,30 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
     r.check("1. unit forms, proxy /health 200", session1 is not None and not unit.leader.exits
             and not unit.follower.exits, unit.describe())
     check_ready_phase(h, unit, spec, loss)
+    assert unit.leader.current is not None and unit.follower.current is not None
+    check_formation_manifest(h, unit.leader.current.log_path, unit.follower.current.log_path, compiled.key)
 
     # 2. Completion and streamed chat completion through the proxy; the same text twice.
     driver = OpenAIDriver(base, timeout=h.left(300))
     first, chat = answer_twice(driver, r, label="2. ")
     check_lockstep(unit, r, "2", h.left(60))
+
+    # 2b. Temperature 0.8: each node samples on its own; their sampled-token chains must agree.
+    if "2b" in steps:
+        t = time.monotonic()
+        if not run_temperature(h, unit, driver):
+            return
+        r.figure("step_2b_s", time.monotonic() - t)
+    # 6. Beside the serving unit, two more units on copies of its instances' caches are refused before
+    # any engine starts: a follower's shard with one byte flipped, and a key other than the manifest's.
+    if "6" in steps:
+        t = time.monotonic()
+        caches = {"leader": Path(unit.hosts.cache("leader-1")), "follower": Path(unit.hosts.cache(unit.follower_host))}
+        run_refusals(h, spec, compiled, caches, lambda host: Path(unit.hosts.cache(host)), unit.start_other)
+        r.figure("step_6_s", time.monotonic() - t)
+    if "rest" not in steps:
+        stop_unit(h, unit, spec)
+        return
 
     # 2a. A follower stopped alone (its instance drained, a StopTask): its drain guard sends
     # SIGUSR1 to its launcher; the unit drains, then ends as member_stopping (neutral).
@@ -607,6 +642,22 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
     r.check("5. everything exits 0 (proxy, leader, follower)", exits_ok, json.dumps(codes))
     r.figure("drain", f"stream {'completed' if ok_stream else 'BROKEN'}; exits proxy {proxy_code}, "
              f"leader {leader_code}, follower {follower_code}")
+
+
+def stop_unit(h: Harness, unit: Unit, spec: dict[str, Any]) -> None:
+    """Without steps 2a-5 (run_e2e --steps): stop the unit as a deployment does (SIGTERM to the
+    leader task; the follower ends on hearing "stopping"), so that nothing has to be killed."""
+    unit.leader.stop()
+    unit.follower.stop()
+    leader, follower = unit.leader.current, unit.follower.current
+    assert leader is not None and follower is not None
+    unit.proxy.signal(signal.SIGTERM)
+    leader.signal(signal.SIGTERM)
+    codes = {"proxy": unit.proxy.wait(h.left(180)), "leader": leader.wait(h.left(180))}
+    if follower.wait(h.left(2 * float(spec["rendezvous"]["follower_loss_seconds"]) + 5)) is None:
+        follower.signal(signal.SIGTERM)
+    codes["follower"] = follower.wait(h.left(180))
+    h.report.facts["stopped_after_selected_steps"] = codes
 
 
 def record_serve_again(h: Harness, unit: Unit, lost_at: float, backoff: dict[str, Any], key: str) -> Fetched:

@@ -128,7 +128,7 @@ def check_manifest(spec: UnitSpec, rank: int | None) -> None:
             error.path.unlink(missing_ok=True)
             raise artifact_manifest.FileMismatch(f"{error} (this copy is removed: the next start fetches it again)",
                                                  error.path) from None
-    log.info("artifacts match manifest %s (key %s) for rank %s: %.1f s", path, manifest.key, rank,
+    log.info("artifacts match manifest %s (key %s) for rank %s: %.3f s", path, manifest.key, rank,
              time.monotonic() - started)
 
 
