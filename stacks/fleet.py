@@ -5,14 +5,17 @@ from __future__ import annotations
 from aws_cdk import App, Stack
 
 from cell_constructs.nag import add_policy_checks
+from inference_fleet import compile_job
 from inference_fleet.checks import validate_fleet
 from inference_fleet.config import ConfigError, ConfigIssue, FleetConfig
 from stacks.cell_stack import CellStack
+from stacks.compile_stack import CompileStack
 from stacks.pipeline_stack import PipelineStack, repository_path
 
 
 def build_fleet(app: App, fleet: FleetConfig) -> dict[str, Stack]:
-    """One CellStack per cell and, when the fleet has a `pipeline:`, the rollout pipeline stack
+    """One CellStack per cell, the compile job's stack (`<Fleet>-Compile`) and, when the fleet has a
+    `pipeline:`, the rollout pipeline stack
     (plus the replication-bucket support stacks CodePipeline needs for cells in other regions),
     with the policy checks on; returns the stacks by stack name.
 
@@ -36,6 +39,8 @@ def build_fleet(app: App, fleet: FleetConfig) -> dict[str, Stack]:
     for cell in fleet.cells:
         name = fleet.cell_stack_name(cell)
         stacks[name] = CellStack(app, name, fleet=fleet, cell=cell)
+    compile_name = compile_job.stack_name(fleet)
+    stacks[compile_name] = CompileStack(app, compile_name, fleet=fleet)
     if fleet.pipeline is not None:
         pipeline = PipelineStack(app, fleet.pipeline_stack_name, fleet=fleet, fleet_file=fleet_file)
         stacks[pipeline.stack_name] = pipeline

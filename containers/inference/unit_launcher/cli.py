@@ -87,6 +87,10 @@ RUN_ENVIRONMENT: tuple[tuple[str, str], ...] = (
     ("UNIT_HEALTH_FILE", "where the node's state file is written (default /tmp/unit-launcher.state)"),
     ("UNIT_LOG_LEVEL", "log level (default INFO)"),
 )
+# What `compile` reads (unit_launcher.compile_run), shown by `compile --help`.
+COMPILE_ENVIRONMENT: tuple[tuple[str, str], ...] = (
+    ("COMPILE_JOB", "required: the job, rendered by `python -m inference_fleet compile --submit` (JSON)"),
+)
 RUN_EPILOG = (
     "environment:\n"
     + "\n".join(f"  {name}\n      {meaning}" for name, meaning in RUN_ENVIRONMENT)
@@ -122,9 +126,11 @@ def _main(argv: list[str] | None) -> int:
     )
     commands.add_parser(
         "compile", help="the compile job's command on AWS Batch: the job rendered in COMPILE_JOB",
-        description="Run the compile job rendered by `python -m inference_fleet compile --submit` (environment "
-        "COMPILE_JOB): fetch the checkpoint, compile each node slice with NxD Inference, upload the layout and "
-        "its manifest. Exit 5 on any failure.",
+        description="Run the compile job rendered by `python -m inference_fleet compile --submit`: fetch the "
+        "checkpoint, compile each node slice with NxD Inference, upload the layout and its manifest.",
+        epilog="environment:\n" + "\n".join(f"  {name}\n      {meaning}" for name, meaning in COMPILE_ENVIRONMENT)
+        + "\n\nexit status: 0 built (or already built), 5 anything else.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p = commands.add_parser("plan", help="print one node's launch plan; starts nothing")
     p.add_argument("--spec", help="unit spec JSON file")
