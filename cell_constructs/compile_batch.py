@@ -2,8 +2,9 @@
 and a job definition that runs `python -m unit_launcher compile` in the inference image.
 
 Why Batch on EC2: the compile of a 405B layout needs about 1 TB of host memory and 1.8 TB of disk
-for hours (inference_fleet.compile_job.host_needs); Fargate tasks stop at 120 GiB of memory and
-200 GiB of ephemeral storage (https://docs.aws.amazon.com/AmazonECS/latest/developerguide/fargate-tasks-services.html),
+for hours (inference_fleet.compile_job.host_needs); Fargate tasks stop at 120 GiB of memory
+(16 vCPUs, https://docs.aws.amazon.com/AmazonECS/latest/developerguide/fargate-tasks-services.html) and
+200 GiB of ephemeral storage (https://docs.aws.amazon.com/batch/latest/APIReference/API_EphemeralStorage.html),
 and a managed EC2 compute environment with `minv_cpus` 0 keeps no instance between compiles
 (https://docs.aws.amazon.com/batch/latest/userguide/compute_environment_parameters.html, minvCpus).
 The job gets one instance of the types whose memory holds the need; the launch template gives its

@@ -142,7 +142,8 @@ TIMEOUT_FACTOR = 3
 # https://docs.aws.amazon.com/ec2/latest/instancetypes/mo.html (not re-read for this table: check
 # before a first run). Each size gets every type whose memory holds the host need.
 COMPILE_INSTANCE_TYPES: dict[str, tuple[int, int]] = {
-    "r7i.48xlarge": (192, 1536), "x2idn.32xlarge": (128, 2048), "r6i.32xlarge": (128, 1024),
+    "x2iedn.32xlarge": (128, 4096), "r7i.48xlarge": (192, 1536), "x2idn.32xlarge": (128, 2048),
+    "r6i.32xlarge": (128, 1024),
     "r7i.24xlarge": (96, 768), "r6i.24xlarge": (96, 768), "r7i.16xlarge": (64, 512), "r6i.16xlarge": (64, 512),
 }
 # AWS Batch keeps part of an instance's memory for the ECS agent and the OS: a job asking for all of

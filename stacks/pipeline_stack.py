@@ -3,9 +3,11 @@
 CodePipeline V2 (`aws_codepipeline.Pipeline`, not CDK Pipelines: only the former has
 stage conditions). Source is the fleet's repository through a CodeStar connection; the
 build runs `make test`, synthesizes the cloud assembly and publishes its assets (file
-assets and container images) into each cell's CDK bootstrap resources; then one stage
-per wave, in the order of the fleet file, deploys each of the wave's cell stacks from the
-cloud assembly through the cell account's CDK bootstrap roles, as `cdk deploy` would.
+assets and container images) into each cell's CDK bootstrap resources; the Compile stage
+deploys `<Fleet>-Compile` and runs its AWS Batch job when the build found the fleet's layout
+not compiled yet (cell_constructs.compile_stage); then one stage per wave, in the order of
+the fleet file, deploys each of the wave's cell stacks from the cloud assembly through the
+cell account's CDK bootstrap roles, as `cdk deploy` would.
 
 Each wave stage may wait for a deployment window (BeforeEntry DeploymentWindow rule),
 starts with a manual approval when the wave asks for one, bakes after its deployments

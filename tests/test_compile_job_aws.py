@@ -333,3 +333,26 @@ def _camel(value):
     if isinstance(value, list):
         return [_camel(v) for v in value]
     return value
+
+
+def test_a_model_no_compile_host_holds_is_refused_before_any_stack_is_built(tmp_path, capsys):
+    """A fleet whose one pass needs more host memory than any listed type: a config error, not a job
+    queue whose job is never placed (Batch keeps a job RUNNABLE while no instance type fits it)."""
+    import yaml
+    from aws_cdk import App
+
+    from inference_fleet.config import ConfigError
+    from stacks.fleet import build_fleet
+
+    data = yaml.safe_load(DEFAULT.read_text())
+    data["model"]["parameters_billion"] = 2000
+    data["unit"]["nodes"] = 8
+    fleet_file = tmp_path / "huge.yaml"
+    fleet_file.write_text(yaml.safe_dump(data))
+    fleet = load_fleet(str(fleet_file))  # a valid fleet: it fits its unit
+    assert compile_job.host_needs(fleet).instance_types == ()
+    assert main(["compile", "--config", str(fleet_file), "--dry-run"]) == 0
+    assert "no listed type has" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match=r"model.parameters_billion.*5,000 GB of host memory, more than the "
+                                          r"largest compile instance type holds \(4,096 GiB"):
+        build_fleet(App(outdir=str(tmp_path / "out")), fleet)
