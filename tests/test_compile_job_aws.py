@@ -356,3 +356,27 @@ def test_a_model_no_compile_host_holds_is_refused_before_any_stack_is_built(tmp_
     with pytest.raises(ConfigError, match=r"model.parameters_billion.*5,000 GB of host memory, more than the "
                                           r"largest compile instance type holds \(4,096 GiB"):
         build_fleet(App(outdir=str(tmp_path / "out")), fleet)
+
+
+def test_a_run_after_a_failed_one_on_the_same_instance_starts_its_passes_from_nothing(s3, tmp_path, monkeypatch,
+                                                                                      capsys):
+    """Regression: what a failed run left (a pass's stray file, another pass's model.pt) was taken for this
+    run's output: `assemble` refused the stray file and compared the stale model.pt."""
+    environment = _job_environment(DEFAULT, tmp_path, monkeypatch)
+    work = tmp_path / "compile"
+    (work / "node0" / "weights").mkdir(parents=True)
+    (work / "node0" / "weights" / "tp0_sharded_checkpoint.safetensors.tmp").write_bytes(b"half a shard")
+    (work / "node1").mkdir(parents=True)
+    (work / "node1" / "model.pt").write_bytes(b"another layout's graph")
+    assert compile_run.main(environment) == 0, capsys.readouterr().err
+    assert "manifest key" in capsys.readouterr().out
+
+
+def test_the_batch_job_without_a_checkpoint_under_the_artifacts_prefix_says_where_to_put_it(
+        s3, tmp_path, monkeypatch, capsys):
+    for name in ("config.json", "tokenizer.json", "model-00001-of-00001.safetensors"):
+        s3.delete_object(Bucket=BUCKET, Key=PREFIX + name)
+    s3.put_object(Bucket=BUCKET, Key=PREFIX + "neuron/other-layout/model.pt", Body=b"x")
+    assert compile_run.main(_job_environment(DEFAULT, tmp_path, monkeypatch)) == exit_codes.COMPILE
+    err = capsys.readouterr().err
+    assert f"no checkpoint under s3://{BUCKET}/{PREFIX} (outside neuron/): upload the Hugging Face checkpoint" in err

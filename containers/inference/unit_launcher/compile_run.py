@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
@@ -101,6 +102,16 @@ def key_inputs(job: Job, checkpoint: Path) -> am.KeyInputs:
         "checkpoint": {k: v.model_dump() for k, v in checkpoint_entries(checkpoint).items()},
         "layout": job.layout, "versions": job.versions, "compiler_args": job.compiler_args,
     })
+
+
+def clear_outputs(job: Job, out_root: Path) -> None:
+    """Remove what an earlier run left in this job's output and work directories (a failed pass, or
+    another layout's job on the same instance): a pass must start from nothing, or a stale shard or
+    model.pt would be taken for its own. The checkpoint is kept (its fetch skips verified files)."""
+    for path in (out_root, *(Path(one.out_dir) for one in job.passes),
+                 *(Path(one.env["BASE_COMPILE_WORK_DIR"]) for one in job.passes if "BASE_COMPILE_WORK_DIR" in one.env)):
+        if path.is_dir():
+            shutil.rmtree(path)
 
 
 def run_passes(job: Job) -> None:
@@ -222,8 +233,9 @@ def execute(job: Job, checkpoint: Path, work: Path, inputs: am.KeyInputs, *, cli
             raise CompileError(
                 f"{job.destination} holds artifacts of key {existing.key}, not {key}; units deployed with it would "
                 "refuse to start on new ones: pass --replace to upload anyway")
-    run_passes(job)
     out_root = work / "artifacts"
+    clear_outputs(job, out_root)
+    run_passes(job)
     assemble(job, out_root, checkpoint)
     manifest = am.build(out_root, f"neuron/{job.layout_name}", inputs, shared_outside=shared_checkpoint_files(out_root))
     (out_root / "neuron" / job.layout_name / am.MANIFEST_NAME).write_text(am.dumps(manifest))
@@ -241,6 +253,9 @@ def run_request(request: Request, client: Any) -> int:
     log.info("fetching the checkpoint of %s into %s", request.artifacts_uri, checkpoint)
     # layout None: every object but neuron/*; keep_checkpoint: the weights are what the passes shard.
     fetch(client, request.artifacts_uri, checkpoint, keep_checkpoint=True)
+    if not any(p.is_file() and not p.name.startswith(".") for p in checkpoint.iterdir()):
+        raise CompileError(f"no checkpoint under {request.artifacts_uri} (outside neuron/): upload the Hugging Face "
+                           f"checkpoint there first, e.g. aws s3 sync <checkpoint dir> {request.artifacts_uri}")
     inputs = key_inputs(request.job, checkpoint)
     return execute(request.job, checkpoint, work, inputs, client=client, artifacts_uri=request.artifacts_uri,
                    replace=request.replace, expected_key=request.expected_key, upload_shared=False)
