@@ -60,8 +60,11 @@ class CompileRun(Construct):
         role = self.state_machine.role
         role.add_to_principal_policy(iam.PolicyStatement(
             actions=["batch:SubmitJob"], resources=[queue, definition, f"{definition}:*"]))
-        role.add_to_principal_policy(iam.PolicyStatement(
-            actions=["batch:DescribeJobs", "batch:TerminateJob"], resources=["*"]))
+        # DescribeJobs takes no resource; TerminateJob (the execution stopped or timed out) any job of
+        # this account and region, whose ids are known only at run time.
+        jobs = stack.format_arn(service="batch", resource="job", resource_name="*")
+        role.add_to_principal_policy(iam.PolicyStatement(actions=["batch:DescribeJobs"], resources=["*"]))
+        role.add_to_principal_policy(iam.PolicyStatement(actions=["batch:TerminateJob"], resources=[jobs]))
         role.add_to_principal_policy(iam.PolicyStatement(
             actions=["events:PutTargets", "events:PutRule", "events:DescribeRule"],
             resources=[stack.format_arn(service="events", resource="rule", resource_name=_SYNC_RULE,
@@ -69,9 +72,10 @@ class CompileRun(Construct):
         acknowledge(
             role,
             ("AwsSolutions-IAM5[Resource::*]",
-             "batch:DescribeJobs has no resource-level scope, and batch:TerminateJob acts on jobs whose ids are "
-             "known only at run time; both are what the .sync integration needs (Step Functions' Batch IAM page); "
-             "CDK also grants X-Ray and log delivery on '*', which take no resource"),
+             "batch:DescribeJobs, which the .sync integration polls (Step Functions' Batch IAM page), has no "
+             "resource-level scope; CDK's X-Ray and log delivery grants for the state machine take no resource"),
+            (f"AwsSolutions-IAM5[Resource::{jobs}]",
+             "batch:TerminateJob, to stop the job when the execution stops; job ids are known only at run time"),
             (f"AwsSolutions-IAM5[Resource::{definition}:*]", "Every revision of the fleet's one job definition"),
             ("NIST.800.53.R5-IAMNoInlinePolicy", "Policy of this state machine's role only, versioned with this stack"),
         )

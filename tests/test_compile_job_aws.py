@@ -319,12 +319,22 @@ def test_the_compile_stage_deploys_the_stack_then_runs_the_job_the_build_asked_f
     role_policies = [p["Properties"]["PolicyDocument"]["Statement"] for p in
                      template.find_resources("AWS::IAM::Policy").values()
                      if "CompileRunStateMachineRole" in json.dumps(p["Properties"]["Roles"])]
-    submit = [s for statements in role_policies for s in statements if s["Action"] == "batch:SubmitJob"]
+    statements = [s for policy in role_policies for s in policy]
+    submit = [s for s in statements if s["Action"] == "batch:SubmitJob"]
     assert [sorted(_resolve(s["Resource"], "us-east-2", "111111111111")) for s in submit] == [[
         "arn:aws:batch:us-east-2:111111111111:job-definition/Rufus-compile",
         "arn:aws:batch:us-east-2:111111111111:job-definition/Rufus-compile:*",
         "arn:aws:batch:us-east-2:111111111111:job-queue/Rufus-compile",
     ]]
+    # What its '*' acknowledgement says: only actions that take no resource.
+    on_any = {a for s in statements if s["Resource"] == "*" for a in _listify(s["Action"])}
+    assert on_any and all(a == "batch:DescribeJobs" or a.startswith(("xray:", "logs:")) for a in on_any), on_any
+    (terminate,) = [s for s in statements if s["Action"] == "batch:TerminateJob"]
+    assert _resolve(terminate["Resource"], "us-east-2", "111111111111") == "arn:aws:batch:us-east-2:111111111111:job/*"
+
+
+def _listify(value) -> list:
+    return value if isinstance(value, list) else [value]
 
 
 def _camel(value):
