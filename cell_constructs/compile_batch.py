@@ -159,6 +159,9 @@ class CompileBatch(Construct):
             self, "Container", image=image, cpu=self.vcpus, memory=Size.mebibytes(needs.memory_mib),
             # The image's entry point is `python -m unit_launcher`; the job is in COMPILE_JOB.
             command=["compile"], job_role=self.job_role,
+            # S3 calls go to this region's endpoint, the one the VPC's gateway endpoint serves: the
+            # subnets have no other way out, so the artifacts bucket must be in this region.
+            environment={"AWS_REGION": Stack.of(self).region, "AWS_DEFAULT_REGION": Stack.of(self).region},
             logging=ecs.LogDriver.aws_logs(stream_prefix="compile", log_group=self.log_group),
             volumes=[batch.EcsVolume.host(name="work", host_path=compile_job.WORK_DIR,
                                           container_path=compile_job.WORK_DIR, readonly=False)],

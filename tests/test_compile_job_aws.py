@@ -101,6 +101,9 @@ def test_the_compile_stack_sizes_its_instances_volume_and_timeout_from_the_host_
     assert job["Timeout"] == {"AttemptDurationSeconds": hours * 3600}
     container = job["ContainerProperties"]
     assert container["Command"] == ["compile"]  # after the image's `python -m unit_launcher`
+    region = compile_job.environment(fleet)[1]  # S3 through the VPC's gateway endpoint: this region's
+    assert {e["Name"]: e["Value"] for e in container["Environment"]} == {"AWS_REGION": region,
+                                                                         "AWS_DEFAULT_REGION": region}
     requirements = {r["Type"]: int(r["Value"]) for r in container["ResourceRequirements"]}
     assert requirements["MEMORY"] == needs.memory_mib >= needs.memory_gb * 1e9 / 2**20 >= 1_014e9 / 2**20
     assert requirements["VCPU"] == min(compile_job.COMPILE_INSTANCE_TYPES[t][0] for t in needs.instance_types)
