@@ -25,7 +25,8 @@ from inference_fleet.unit_spec import layout_key
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dry-run", action="store_true", help="print the job, host and key; run and upload nothing")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the job, host and key (with --submit: the Batch request); run and upload nothing")
     parser.add_argument("--checkpoint", help="local Hugging Face checkpoint directory (its files are in the key)")
     parser.add_argument("--work-dir", default="compile-work", help="where the passes and the layout are written")
     parser.add_argument("--unit-layout", help="refuse unless the fleet's layout is this one (a guard for scripts)")
@@ -65,7 +66,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.request_out:
         raise compile_job.CompileError("--request-out goes with --check")
     if args.submit:
-        return _submit(fleet, args.model_type, args.replace)
+        return _submit(fleet, args.model_type, args.replace, dry_run=args.dry_run)
     work = Path(args.work_dir).resolve()
     checkpoint = Path(args.checkpoint).resolve() if args.checkpoint else None
     job = compile_job.render(fleet, checkpoint=str(checkpoint or "<checkpoint>"), work_dir=str(work),
@@ -89,13 +90,17 @@ def _run(args: argparse.Namespace) -> int:
                                artifacts_uri=fleet.model.artifacts_s3_uri, replace=args.replace)
 
 
-def _submit(fleet: FleetConfig, model_type: str, replace: bool) -> int:
-    """Submit the compile job to the fleet's compile job queue (stacks/compile_stack.py); print its id."""
+def _submit(fleet: FleetConfig, model_type: str, replace: bool, *, dry_run: bool = False) -> int:
+    """Submit the compile job to the fleet's compile job queue (stacks/compile_stack.py); print its id.
+    With --dry-run, print the SubmitJob request instead, without AWS."""
+    request = compile_job.submit_request(fleet, model_type=model_type, replace=replace)
+    account, region = compile_job.environment(fleet)
+    if dry_run:
+        print(json.dumps({"region": region, "account": account, "submit_job": request}, indent=2))
+        return exit_codes.OK
     import boto3
     from botocore.exceptions import BotoCoreError, ClientError
 
-    request = compile_job.submit_request(fleet, model_type=model_type, replace=replace)
-    account, region = compile_job.environment(fleet)
     try:
         answer = boto3.client("batch", region_name=region).submit_job(**request)
     except ClientError as error:

@@ -21,6 +21,10 @@ aws-neuron/neuronx-distributed-inference@c63afe02fe9deb998c2b477e5749c3525927113
 An unchanged key is never compiled again: the job reads the manifest already under the layout's
 prefix first. VERIFIED ONLY ON PAPER on Neuron: here the passes run a stand-in `inference_demo`
 that parses its arguments with NxD Inference's own parser (tests/fixtures/nxdi).
+
+This module renders the job and sizes its host (time included); running it (passes, assembly,
+manifest, upload) is `unit_launcher.compile_run`, shared with the AWS Batch job that the
+`<Fleet>-Compile` stack defines (`submit_request` renders what that job runs).
 """
 
 from __future__ import annotations

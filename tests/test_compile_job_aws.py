@@ -238,6 +238,14 @@ def test_submit_sends_the_rendered_job_to_the_fleets_queue_and_prints_its_id(mon
                                                                           False)
 
 
+def test_submit_with_dry_run_prints_the_request_and_calls_no_aws(monkeypatch, capsys):
+    monkeypatch.setattr(boto3, "client", lambda *args, **kwargs: pytest.fail(f"AWS called: {args}"))
+    assert main(["compile", "--config", str(DEFAULT), "--submit", "--dry-run"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == {"region": "us-east-2", "account": "111111111111",
+                       "submit_job": compile_job.submit_request(load_fleet(str(DEFAULT)))}
+
+
 def test_submit_before_the_stack_is_deployed_names_the_stack(monkeypatch, capsys):
     client = boto3.client("batch", region_name="us-east-2", aws_access_key_id="x", aws_secret_access_key="x")
     with Stubber(client) as stub:
