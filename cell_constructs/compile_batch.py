@@ -63,9 +63,10 @@ class CompileBatch(Construct):
         self.security_group = ec2.SecurityGroup(
             self, "InstanceSecurityGroup", vpc=self.vpc, allow_all_outbound=False,
             description="Compile instances: HTTPS out to the VPC endpoints and S3 only")
-        self.security_group.add_egress_rule(ec2.Peer.ipv4(VPC_CIDR), ec2.Port.tcp(443), "VPC interface endpoints")
-        # S3's addresses: isolated subnets route nothing but the S3 gateway endpoint's prefix list.
-        self.security_group.add_egress_rule(ec2.Peer.any_ipv4(), ec2.Port.tcp(443), "S3 through its gateway endpoint")
+        # HTTPS to the interface endpoints and to S3's addresses: the isolated subnets route nothing
+        # but the VPC and the S3 gateway endpoint's prefix list, so nothing else is reachable.
+        self.security_group.add_egress_rule(ec2.Peer.any_ipv4(), ec2.Port.tcp(443),
+                                            "HTTPS: VPC interface endpoints, S3 through its gateway endpoint")
         self.compute_environment = self._compute_environment()
         self.job_queue = batch.JobQueue(
             self, "JobQueue", job_queue_name=compile_job.batch_name(fleet), priority=1,

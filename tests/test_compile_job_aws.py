@@ -95,6 +95,11 @@ def test_the_compile_stack_sizes_its_instances_volume_and_timeout_from_the_host_
     assert not template.find_resources("AWS::EC2::NatGateway")
     for subnet in template.find_resources("AWS::EC2::Subnet").values():
         assert subnet["Properties"]["MapPublicIpOnLaunch"] is False
+    (instances,) = [g["Properties"] for g in template.find_resources("AWS::EC2::SecurityGroup").values()
+                    if g["Properties"]["GroupDescription"].startswith("Compile instances")]
+    assert "SecurityGroupIngress" not in instances
+    assert [(r["IpProtocol"], r["FromPort"], r["ToPort"]) for r in instances["SecurityGroupEgress"]] == [
+        ("tcp", 443, 443)]
 
     job = _one(template, "AWS::Batch::JobDefinition")
     assert job["JobDefinitionName"] == f"{fleet.name}-compile"
