@@ -251,9 +251,15 @@ class PipelineStack(Stack):
         # `compile --check` reads the one manifest object of the fleet's layout (a bucket in another
         # account must also allow this role in its bucket policy: docs/compiled-artifacts.md).
         bucket, prefix = split_uri(fleet.model.artifacts_s3_uri)
+        manifest = f"{prefix}neuron/{layout_key(fleet)}/{MANIFEST_NAME}"
         project.add_to_role_policy(iam.PolicyStatement(
-            actions=["s3:GetObject"],
-            resources=[f"arn:{self.partition}:s3:::{bucket}/{prefix}neuron/{layout_key(fleet)}/{MANIFEST_NAME}"],
+            actions=["s3:GetObject"], resources=[f"arn:{self.partition}:s3:::{bucket}/{manifest}"],
+        ))
+        # A missing manifest is the Compile stage's job, not a failed build; without s3:ListBucket S3
+        # says 403 for it, so the check lists exactly that key to tell (compile_run.existing_manifest).
+        project.add_to_role_policy(iam.PolicyStatement(
+            actions=["s3:ListBucket"], resources=[f"arn:{self.partition}:s3:::{bucket}"],
+            conditions={"StringEquals": {"s3:prefix": manifest}},
         ))
         return project
 

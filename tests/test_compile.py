@@ -212,6 +212,8 @@ def _stubbed_s3(monkeypatch, code: str, status: int, body: bytes | None = None):
     stubber = Stubber(client)
     if body is None:
         stubber.add_client_error("get_object", service_error_code=code, http_status_code=status)
+        if code == "AccessDenied":  # and may not list it either (a role without the build's ListBucket)
+            stubber.add_client_error("list_objects_v2", service_error_code=code, http_status_code=status)
     else:
         from io import BytesIO
 

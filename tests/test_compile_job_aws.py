@@ -406,3 +406,30 @@ def test_the_batch_job_without_a_checkpoint_under_the_artifacts_prefix_says_wher
     assert compile_run.main(_job_environment(DEFAULT, tmp_path, monkeypatch)) == exit_codes.COMPILE
     err = capsys.readouterr().err
     assert f"no checkpoint under s3://{BUCKET}/{PREFIX} (outside neuron/): upload the Hugging Face checkpoint" in err
+
+
+@pytest.mark.parametrize(("listed", "status"), [(False, 0), (True, exit_codes.COMPILE)])
+def test_the_build_tells_a_manifest_not_there_from_one_it_may_not_read(listed, status, monkeypatch, tmp_path, capsys):
+    """Regression: the build role has no s3:ListBucket on the bucket, so S3 answers GetObject of a missing
+    manifest with 403; the build took that for an error, and the Compile stage never ran. It now lists
+    exactly that key (its only ListBucket, tested in test_pipeline_stack) to tell."""
+    import botocore.session
+
+    fleet = load_fleet(str(DEFAULT))
+    key = f"{PREFIX}neuron/{layout_key(fleet)}/{am.MANIFEST_NAME}"
+    client = botocore.session.get_session().create_client(
+        "s3", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
+    with Stubber(client) as stub:
+        stub.add_client_error("get_object", service_error_code="AccessDenied", http_status_code=403,
+                              expected_params={"Bucket": BUCKET, "Key": key})
+        contents = {"Contents": [{"Key": key, "Size": 10}]} if listed else {}
+        stub.add_response("list_objects_v2", {"KeyCount": int(listed), **contents},
+                          {"Bucket": BUCKET, "Prefix": key, "MaxKeys": 1})
+        monkeypatch.setattr(boto3, "client", lambda *args, **kwargs: client)
+        out = tmp_path / "request.json"
+        assert main(["compile", "--config", str(DEFAULT), "--check", "--request-out", str(out)]) == status
+        stub.assert_no_pending_responses()
+    if listed:  # there, and not readable: a real permission problem, said as such
+        assert "AccessDenied" in capsys.readouterr().err and not out.exists()
+    else:
+        assert json.loads(out.read_text())["compile"] is True

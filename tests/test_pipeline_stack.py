@@ -354,3 +354,12 @@ def test_the_build_reads_only_the_fleets_manifest(large_synth) -> None:
         "arn:aws:s3:::rufus-model-artifacts-222222222222/llama-3.1-405b-instruct/trn1-tp128/neuron/"
         "trn1.32xlarge-n4-lnc1-tp128-cp4-adp2-seq8192-bs4/artifacts-manifest.json"
     ]
+    # ... and may list that one key, to tell a missing manifest (S3 says 403 to GetObject) from a denied one.
+    lists = [s for p in template.find_resources("AWS::IAM::Policy").values()
+             for s in p["Properties"]["PolicyDocument"]["Statement"] if s["Action"] == "s3:ListBucket"]
+    assert lists == [{
+        "Action": "s3:ListBucket", "Effect": "Allow", "Resource": "arn:aws:s3:::rufus-model-artifacts-222222222222",
+        "Condition": {"StringEquals": {"s3:prefix": "llama-3.1-405b-instruct/trn1-tp128/neuron/"
+                                                    "trn1.32xlarge-n4-lnc1-tp128-cp4-adp2-seq8192-bs4/"
+                                                    "artifacts-manifest.json"}},
+    }]

@@ -172,6 +172,8 @@ def existing_manifest(client: Any, destination: str) -> am.Manifest | None:
         code = error.response.get("Error", {}).get("Code")
         if code in ("NoSuchKey", "404"):
             return None
+        if code == "AccessDenied" and _listed_absent(client, bucket, prefix + am.MANIFEST_NAME):
+            return None
         raise CompileError(f"cannot read {where}: {error}{_READ_HINTS.get(str(code), '')}") from None
     except BotoCoreError as error:  # no credentials, no endpoint: botocore's own errors are not ClientErrors
         raise CompileError(f"cannot read {where}: {type(error).__name__}: {error}") from None
@@ -181,6 +183,20 @@ def existing_manifest(client: Any, destination: str) -> am.Manifest | None:
         raise CompileError(f"{where} is not readable JSON ({error}): not a manifest this package wrote; "
                            f"remove it (aws s3 rm {where}) and compile the layout again") from None
     return am.parse(data, where)
+
+
+def _listed_absent(client: Any, bucket: str, key: str) -> bool:
+    """Whether a list of exactly `key` shows it absent. S3 answers GetObject of a missing object with
+    403, not 404, to a reader without s3:ListBucket (https://docs.aws.amazon.com/AmazonS3/latest/API/
+    API_GetObject.html, "Permissions"); the pipeline's build role may list only this key's prefix
+    (an s3:prefix condition), which does not turn that 403 into a 404 but lets it ask."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        answer = client.list_objects_v2(Bucket=bucket, Prefix=key, MaxKeys=1)
+    except (ClientError, BotoCoreError):
+        return False
+    return not any(item["Key"] == key for item in answer.get("Contents", []))
 
 
 # What a failed read of the manifest most likely means, said with the error.
