@@ -143,7 +143,9 @@ class CompileBatch(Construct):
         role.add_to_policy(iam.PolicyStatement(actions=["s3:ListBucket"], resources=[f"{s3}{bucket}"],
                                                conditions={"StringLike": {"s3:prefix": [f"{prefix}*"]}}))
         role.add_to_policy(iam.PolicyStatement(actions=["s3:GetObject"], resources=[f"{s3}{bucket}/{prefix}*"]))
-        role.add_to_policy(iam.PolicyStatement(actions=["s3:PutObject"], resources=[f"{s3}{bucket}/{layout}*"]))
+        # Shards are uploaded in parts (boto3's transfer manager), which it aborts when an upload fails.
+        role.add_to_policy(iam.PolicyStatement(actions=["s3:PutObject", "s3:AbortMultipartUpload"],
+                                               resources=[f"{s3}{bucket}/{layout}*"]))
         acknowledge(
             role,
             (f"AwsSolutions-IAM5[Resource::{s3}{bucket}/{prefix}*]",
