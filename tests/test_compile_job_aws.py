@@ -125,7 +125,7 @@ def test_the_job_role_reads_the_checkpoint_and_writes_only_its_layout(synth_defa
         {"Action": "s3:ListBucket", "Condition": {"StringLike": {"s3:prefix": [f"{PREFIX}*"]}}, "Effect": "Allow",
          "Resource": f"arn:aws:s3:::{BUCKET}"},
         {"Action": "s3:GetObject", "Effect": "Allow", "Resource": f"arn:aws:s3:::{BUCKET}/{PREFIX}*"},
-        {"Action": ["s3:PutObject", "s3:AbortMultipartUpload"], "Effect": "Allow",
+        {"Action": ["s3:AbortMultipartUpload", "s3:PutObject"], "Effect": "Allow",
          "Resource": f"arn:aws:s3:::{BUCKET}/{layout}*"},
     ]
 
