@@ -434,3 +434,15 @@ def test_the_build_tells_a_manifest_not_there_from_one_it_may_not_read(listed, s
         assert "AccessDenied" in capsys.readouterr().err and not out.exists()
     else:
         assert json.loads(out.read_text())["compile"] is True
+
+
+@pytest.mark.parametrize("fleet_file", [DEFAULT, TRN1], ids=["default", "trn1"])
+def test_the_docs_table_of_compile_hosts_is_the_codes_arithmetic(fleet_file):
+    """docs/compiled-artifacts.md "Compile host": each row's time and timeout are host_needs' own."""
+    needs = compile_job.host_needs(load_fleet(str(fleet_file)))
+    nodes = load_fleet(str(fleet_file)).unit.nodes
+    text = (ROOT / "docs" / "compiled-artifacts.md").read_text()
+    volume = round(needs.minutes - nodes * compile_job.PASS_MINUTES_PER_405B * 405.85 / 405)
+    row = (f"| >= {needs.memory_gb:,.0f} GB | >= {needs.disk_gb:,.0f} GB | {nodes} | {nodes} x 40 min + {volume} min = "
+           f"{needs.minutes / 60:.1f} h | {needs.timeout_hours} h |")
+    assert row in text, row
