@@ -125,7 +125,7 @@ def render(fleet: FleetConfig, *, checkpoint: str, work_dir: str, model_type: st
 _BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3": 1}
 
 # Time of one pass, from the one published figure for this model: NxD Inference's release notes for
-# Neuron 2.23 (aws-neuron/aws-neuron-sdk@a3247f5b release-notes/components/nxd-inference.rst:270):
+# Neuron 2.23 (aws-neuron/aws-neuron-sdk@81ce03ae release-notes/components/nxd-inference.rst:270):
 # "for Llama 3.1 405B, end-to-end compile and load time is reduced from 40 minutes to 12 minutes"
 # when shard-on-load replaces sharding at compile. A pass here compiles and shards
 # (--save-sharded-checkpoint), like the 40-minute case, without its load: 40 min per 405B pass,
