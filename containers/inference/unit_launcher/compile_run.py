@@ -29,6 +29,8 @@ log = logging.getLogger("unit_launcher.compile")
 # Small checkpoint files every node reads (config, tokenizer); the weights are in the shards.
 _CHECKPOINT_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth")
 JOB_ENV = "COMPILE_JOB"
+# Each pass's own NxDI work directory (a variable of the pass, not one this process reads).
+_PASS_WORK_DIR = "BASE_COMPILE_WORK_DIR"
 
 
 class CompileError(RuntimeError):
@@ -108,8 +110,8 @@ def clear_outputs(job: Job, out_root: Path) -> None:
     """Remove what an earlier run left in this job's output and work directories (a failed pass, or
     another layout's job on the same instance): a pass must start from nothing, or a stale shard or
     model.pt would be taken for its own. The checkpoint is kept (its fetch skips verified files)."""
-    for path in (out_root, *(Path(one.out_dir) for one in job.passes),
-                 *(Path(one.env["BASE_COMPILE_WORK_DIR"]) for one in job.passes if "BASE_COMPILE_WORK_DIR" in one.env)):
+    work_dirs = [Path(one.env[_PASS_WORK_DIR]) for one in job.passes if _PASS_WORK_DIR in one.env]
+    for path in (out_root, *(Path(one.out_dir) for one in job.passes), *work_dirs):
         if path.is_dir():
             shutil.rmtree(path)
 
