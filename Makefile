@@ -86,7 +86,7 @@ plan-rollout: venv ## waves, bake times and capacity floor of a rollout [CONFIG=
 	$(BIN)/python -m inference_fleet plan-rollout $${CONFIG:+--config "$$CONFIG"}
 
 COMPILE_ARGS ?= --dry-run
-compile: venv ## compile the unit layout with NxD Inference, write and upload its manifest [CONFIG=fleet.yaml] [COMPILE_ARGS=--checkpoint DIR]
+compile: venv ## compile the unit layout with NxD Inference, write and upload its manifest [CONFIG=fleet.yaml] [COMPILE_ARGS="--checkpoint DIR" | --submit (AWS Batch) | --check]
 	$(BIN)/python -m inference_fleet compile $${CONFIG:+--config "$$CONFIG"} $(COMPILE_ARGS)
 
 # Benchmarks print their figures (ratios against a baseline measured in the same run).

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from unit_launcher import artifact_manifest as am
+from unit_launcher import compile_run
 from unit_launcher.artifacts import ArtifactError
 
 from inference_fleet import compile_job, exit_codes
@@ -24,7 +25,8 @@ from inference_fleet.unit_spec import layout_key
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dry-run", action="store_true", help="print the job, host and key; run and upload nothing")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the job, host and key (with --submit: the Batch request); run and upload nothing")
     parser.add_argument("--checkpoint", help="local Hugging Face checkpoint directory (its files are in the key)")
     parser.add_argument("--work-dir", default="compile-work", help="where the passes and the layout are written")
     parser.add_argument("--unit-layout", help="refuse unless the fleet's layout is this one (a guard for scripts)")
@@ -38,6 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check", action="store_true",
                         help=f"compile nothing: exit {exit_codes.COMPILE} unless the uploaded manifest is the fleet's "
                              "(model.artifacts_key, layout); the pipeline runs this before any cell deploys")
+    parser.add_argument("--request-out", metavar="FILE",
+                        help="with --check: a layout with no manifest yet is not an error; write FILE, the "
+                             "pipeline's Compile stage input ({\"compile\": false} or the Batch job to run)")
+    parser.add_argument("--submit", action="store_true",
+                        help="run the compile on AWS Batch, in the <Fleet>-Compile stack's job queue, and print the "
+                             "job id; the job fetches the checkpoint from model.artifacts_s3_uri (beside neuron/)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,7 +62,11 @@ def _run(args: argparse.Namespace) -> int:
         raise compile_job.CompileError(
             f"--unit-layout {args.unit_layout!r} is not the fleet's layout {layout_key(fleet)!r}")
     if args.check:
-        return _check(fleet)
+        return _check(fleet, args.request_out)
+    if args.request_out:
+        raise compile_job.CompileError("--request-out goes with --check")
+    if args.submit:
+        return _submit(fleet, args.model_type, args.replace, dry_run=args.dry_run)
     work = Path(args.work_dir).resolve()
     checkpoint = Path(args.checkpoint).resolve() if args.checkpoint else None
     job = compile_job.render(fleet, checkpoint=str(checkpoint or "<checkpoint>"), work_dir=str(work),
@@ -74,34 +86,56 @@ def _run(args: argparse.Namespace) -> int:
         import boto3
 
         client = boto3.client("s3")
-        existing = compile_job.existing_manifest(client, job.destination)
-        if existing is not None and existing.key == key:
-            print(f"{job.destination}: already built with key {key}; nothing to compile")
-            return exit_codes.OK
-        if existing is not None and not args.replace:
-            raise compile_job.CompileError(
-                f"{job.destination} holds artifacts of key {existing.key}, not {key}; units deployed with it would "
-                "refuse to start on new ones: pass --replace to upload anyway")
-    compile_job.run_passes(job)
-    out_root = work / "artifacts"
-    compile_job.assemble(job, out_root, checkpoint)
-    manifest = am.build(out_root, f"neuron/{job.layout_name}", inputs,
-                        shared_outside=compile_job.shared_checkpoint_files(out_root))
-    (out_root / "neuron" / job.layout_name / am.MANIFEST_NAME).write_text(am.dumps(manifest))
-    print(f"layout {job.layout_name}: manifest key {manifest.key}, written under {out_root}")
-    if client is not None:
-        count = compile_job.upload(client, out_root, fleet.model.artifacts_s3_uri, manifest, job.layout_name)
-        print(f"uploaded {count} objects to {fleet.model.artifacts_s3_uri} (the manifest last)")
+    return compile_run.execute(job, checkpoint, work, inputs, client=client,
+                               artifacts_uri=fleet.model.artifacts_s3_uri, replace=args.replace)
+
+
+def _submit(fleet: FleetConfig, model_type: str, replace: bool, *, dry_run: bool = False) -> int:
+    """Submit the compile job to the fleet's compile job queue (stacks/compile_stack.py); print its id.
+    With --dry-run, print the SubmitJob request instead, without AWS."""
+    request = compile_job.submit_request(fleet, model_type=model_type, replace=replace)
+    account, region = compile_job.environment(fleet)
+    if dry_run:
+        print(json.dumps({"region": region, "account": account, "submit_job": request}, indent=2))
+        return exit_codes.OK
+    import boto3
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        answer = boto3.client("batch", region_name=region).submit_job(**request)
+    except ClientError as error:
+        raise compile_job.CompileError(
+            f"cannot submit to job queue {request['jobQueue']} in {region} (account {account}): {error}; deploy "
+            f"{compile_job.stack_name(fleet)} first (npx cdk deploy -c config=<fleet.yaml> "
+            f"{compile_job.stack_name(fleet)})") from None
+    except BotoCoreError as error:
+        raise compile_job.CompileError(f"cannot submit the compile job: {type(error).__name__}: {error}") from None
+    print(f"submitted {answer['jobName']}: job id {answer['jobId']} (queue {request['jobQueue']}, {region}, "
+          f"timeout {request['timeout']['attemptDurationSeconds'] // 3600} h)")
+    print(answer["jobId"])
     return exit_codes.OK
 
 
-def _check(fleet: FleetConfig) -> int:
-    """The artifacts the fleet's units would fetch: their manifest's key and layout against the fleet."""
+def _write_request(path: str, request: dict[str, object]) -> None:
+    Path(path).write_text(json.dumps(request, indent=2) + "\n")
+
+
+def _check(fleet: FleetConfig, request_out: str | None = None) -> int:
+    """The artifacts the fleet's units would fetch: their manifest's key and layout against the fleet.
+
+    `request_out`: the pipeline's build. A layout never compiled is then the Compile stage's job
+    (the request written names it); anything else that does not match still fails the build."""
     import boto3
 
     spec = compile_job.unit_spec(fleet)
     destination = f"{fleet.model.artifacts_s3_uri.rstrip('/')}/neuron/{layout_key(fleet)}/"
     manifest = compile_job.existing_manifest(boto3.client("s3"), destination)
+    if manifest is None and request_out:
+        _write_request(request_out, {"compile": True, "submit": compile_job.states_parameters(
+            compile_job.submit_request(fleet))})
+        print(f"{destination}{am.MANIFEST_NAME} does not exist: the pipeline's Compile stage runs the compile job "
+              f"({request_out})")
+        return exit_codes.OK
     if manifest is None:
         raise compile_job.CompileError(f"{destination}{am.MANIFEST_NAME} does not exist: compile this layout first "
                                        "(python -m inference_fleet compile); every unit would refuse to start")
@@ -116,6 +150,8 @@ def _check(fleet: FleetConfig) -> int:
             "again in the fleet's image (same SDK compiles as serves), then set model.artifacts_key to the new key")
     print(f"{destination}: manifest key {manifest.key} matches the fleet's layout"
           + (" and model.artifacts_key" if fleet.model.artifacts_key else " (model.artifacts_key not set)"))
+    if request_out:
+        _write_request(request_out, {"compile": False})
     return exit_codes.OK
 
 

@@ -21,21 +21,34 @@ aws-neuron/neuronx-distributed-inference@c63afe02fe9deb998c2b477e5749c3525927113
 An unchanged key is never compiled again: the job reads the manifest already under the layout's
 prefix first. VERIFIED ONLY ON PAPER on Neuron: here the passes run a stand-in `inference_demo`
 that parses its arguments with NxD Inference's own parser (tests/fixtures/nxdi).
+
+This module renders the job and sizes its host (time included); running it (passes, assembly,
+manifest, upload) is `unit_launcher.compile_run`, shared with the AWS Batch job that the
+`<Fleet>-Compile` stack defines (`submit_request` renders what that job runs).
 """
 
 from __future__ import annotations
 
 import json
-import os
+import math
 import re
-import shlex
-import subprocess
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 from unit_launcher import artifact_manifest as am
-from unit_launcher.artifacts import split_uri
+from unit_launcher import compile_run
+from unit_launcher.compile_run import (  # noqa: F401  (the runtime half, re-exported: one name per part)
+    CompileError,
+    Job,
+    Pass,
+    assemble,
+    checkpoint_entries,
+    existing_manifest,
+    key_inputs,
+    run_passes,
+    shared_checkpoint_files,
+    upload,
+)
 from unit_launcher.spec import UnitSpec, parse_spec
 
 from inference_fleet.config import FleetConfig
@@ -46,33 +59,6 @@ NXDI_COMMAND = "inference_demo"
 # aws-neuron/deep-learning-containers@8d2d8380 vllm/inference/0.16.0/Dockerfile.neuronx:166-174).
 KNOWN_STACKS = {"2.31.1": {"nxdi": "0.10.18399", "vllm_neuron": "release-0.5.3"}}
 _TAG = re.compile(r"^(?P<vllm>[0-9.]+)-neuronx-py\d+-sdk(?P<sdk>[0-9.]+)-")
-# Small checkpoint files every node reads (config, tokenizer); the weights are in the shards.
-_CHECKPOINT_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth")
-
-
-class CompileError(RuntimeError):
-    """The compile job cannot be rendered or run; the message says what to change."""
-
-
-@dataclass(frozen=True)
-class Pass:
-    node_rank: int
-    argv: list[str]
-    env: dict[str, str]
-    out_dir: str
-
-    def shell(self) -> str:
-        return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items())), shlex.join(self.argv)])
-
-
-@dataclass(frozen=True)
-class Job:
-    layout_name: str
-    layout: dict[str, Any]
-    versions: dict[str, str]
-    passes: list[Pass]
-    destination: str
-    compiler_args: list[str] = field(default_factory=list)
 
 
 def unit_spec(fleet: FleetConfig) -> UnitSpec:
@@ -136,119 +122,38 @@ def render(fleet: FleetConfig, *, checkpoint: str, work_dir: str, model_type: st
     return Job(name, layout, versions(fleet, image_digest), passes, destination, generic)
 
 
-def checkpoint_entries(checkpoint: Path) -> dict[str, am.FileEntry]:
-    files = sorted(p for p in checkpoint.rglob("*") if p.is_file() and not p.name.startswith("."))
-    if not files:
-        raise CompileError(f"--checkpoint {checkpoint}: no files (expected a Hugging Face checkpoint directory)")
-    return {p.relative_to(checkpoint).as_posix(): am.file_entry(p) for p in files}
-
-
-def key_inputs(job: Job, checkpoint: Path) -> am.KeyInputs:
-    return am.KeyInputs.model_validate({
-        "checkpoint": {k: v.model_dump() for k, v in checkpoint_entries(checkpoint).items()},
-        "layout": job.layout, "versions": job.versions, "compiler_args": job.compiler_args,
-    })
-
-
-def run_passes(job: Job) -> None:
-    for one in job.passes:
-        env = {**os.environ, **one.env}
-        try:
-            result = subprocess.run(one.argv, env=env, check=False)
-        except FileNotFoundError:
-            raise CompileError(f"{one.argv[0]!r} not found: run the compile in the pinned inference image, which "
-                               "carries NxD Inference's inference_demo (or pass --nxdi-command)") from None
-        if result.returncode != 0:
-            raise CompileError(f"pass of node {one.node_rank} exited with status {result.returncode}: {one.shell()}")
-
-
-def assemble(job: Job, out_root: Path, checkpoint: Path) -> Path:
-    """One layout folder under out_root/neuron/<layout>/ from the passes, each shard from its own pass;
-    the checkpoint's small files at out_root's top, as the launcher fetches them."""
-    local, world = job.layout["local_ranks_size"], job.layout["world_size"]
-    target = out_root / "neuron" / job.layout_name
-    (target / "weights").mkdir(parents=True, exist_ok=True)
-    first = Path(job.passes[0].out_dir)
-    traced = am.sha256_file(first / "model.pt")
-    for one in job.passes:
-        source = Path(one.out_dir)
-        if am.sha256_file(source / "model.pt") != traced:
-            raise CompileError(f"node {one.node_rank}'s pass traced another model.pt than node 0's: the graph "
-                               "depends on the rank slice, and one folder per layout cannot hold it")
-        ranks = range(one.node_rank * local, (one.node_rank + 1) * local)
-        for rank in ranks:
-            shard = source / "weights" / f"tp{rank}_sharded_checkpoint.safetensors"
-            if not shard.is_file():
-                raise CompileError(f"node {one.node_rank}'s pass wrote no shard for rank {rank} ({shard})")
-            os.replace(shard, target / "weights" / shard.name)
-        extra = [p.name for p in (source / "weights").glob("*") if p.name not in
-                 {f"tp{r}_sharded_checkpoint.safetensors" for r in range(world)}]
-        if extra:
-            raise CompileError(f"node {one.node_rank}'s pass wrote unexpected files in weights/: {sorted(extra)}")
-    for name in ("model.pt", "neuron_config.json"):
-        os.replace(first / name, target / name)
-    for entry in checkpoint.iterdir():
-        if entry.is_file() and not entry.name.endswith(_CHECKPOINT_WEIGHTS) and not entry.name.startswith("."):
-            (out_root / entry.name).write_bytes(entry.read_bytes())
-    return target
-
-
-def shared_checkpoint_files(out_root: Path) -> tuple[str, ...]:
-    return tuple(sorted(p.name for p in out_root.iterdir() if p.is_file() and p.name != am.MANIFEST_NAME))
-
-
-def existing_manifest(client: Any, destination: str) -> am.Manifest | None:
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    bucket, prefix = split_uri(destination)
-    where = f"{destination}{am.MANIFEST_NAME}"
-    try:
-        body = client.get_object(Bucket=bucket, Key=prefix + am.MANIFEST_NAME)["Body"].read()
-    except ClientError as error:
-        code = error.response.get("Error", {}).get("Code")
-        if code in ("NoSuchKey", "404"):
-            return None
-        raise CompileError(f"cannot read {where}: {error}{_READ_HINTS.get(str(code), '')}") from None
-    except BotoCoreError as error:  # no credentials, no endpoint: botocore's own errors are not ClientErrors
-        raise CompileError(f"cannot read {where}: {type(error).__name__}: {error}") from None
-    try:
-        data = json.loads(body)
-    except ValueError as error:
-        raise CompileError(f"{where} is not readable JSON ({error}): not a manifest this package wrote; "
-                           f"remove it (aws s3 rm {where}) and compile the layout again") from None
-    return am.parse(data, where)
-
-
-# What a failed read of the manifest most likely means, said with the error.
-_READ_HINTS = {
-    # Without s3:ListBucket (the pipeline's build role has GetObject on the manifest only), S3
-    # answers a missing object with 403, not 404 (https://docs.aws.amazon.com/AmazonS3/latest/API/
-    # API_GetObject.html, "Permissions"): on a fresh account this is the usual case.
-    "AccessDenied": (
-        ". Either the manifest does not exist yet (S3 says 403, not 404, to a reader without s3:ListBucket): "
-        "compile the layout first with `make compile CONFIG=<fleet.yaml> COMPILE_ARGS=--checkpoint=<dir>` "
-        "in the pinned inference image (docs/compiled-artifacts.md); or this role may not read it: a bucket "
-        "in another account must grant s3:GetObject on this object in its bucket policy"),
-    "NoSuchBucket": (
-        ". The bucket of the fleet's model.artifacts_s3_uri does not exist: create it (or fix the URI), then "
-        "compile the layout (`make compile CONFIG=<fleet.yaml> COMPILE_ARGS=--checkpoint=<dir>`)"),
-}
-
-
-def upload(client: Any, out_root: Path, uri: str, manifest: am.Manifest, layout_name: str) -> int:
-    """Every file the manifest lists, then the manifest itself (a partial upload has none, and the
-    launcher refuses artifacts without one). S3 computes and stores each object's SHA-256 on upload
-    (ChecksumAlgorithm, https://docs.aws.amazon.com/AmazonS3/latest/userguide/checking-object-integrity.html)."""
-    bucket, prefix = split_uri(uri)
-    files = sorted({*manifest.shared, *(p for n in manifest.nodes for p in n.files)})
-    for rel in files:
-        client.upload_file(str(out_root / rel), bucket, prefix + rel, ExtraArgs={"ChecksumAlgorithm": "SHA256"})
-    client.put_object(Bucket=bucket, Key=f"{prefix}neuron/{layout_name}/{am.MANIFEST_NAME}",
-                      Body=am.dumps(manifest).encode(), ChecksumAlgorithm="SHA256")
-    return len(files) + 1
-
-
 _BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3": 1}
+
+# Time of one pass, from the one published figure for this model: NxD Inference's release notes for
+# Neuron 2.23 (aws-neuron/aws-neuron-sdk@81ce03ae release-notes/components/nxd-inference.rst:270):
+# "for Llama 3.1 405B, end-to-end compile and load time is reduced from 40 minutes to 12 minutes"
+# when shard-on-load replaces sharding at compile. A pass here compiles and shards
+# (--save-sharded-checkpoint), like the 40-minute case, without its load: 40 min per 405B pass,
+# scaled linearly with the weights (sharding reads and writes every weight once).
+PASS_MINUTES_PER_405B = 40.0
+FIGURE_PARAMETERS_BILLION = 405.0
+# The job's volume is gp3 at its highest throughput, 1,000 MiB/s
+# (https://docs.aws.amazon.com/ebs/latest/userguide/general-purpose.html#gp3-performance).
+GP3_THROUGHPUT_MIBPS = 1000
+GP3_IOPS = 4000  # gp3 throughput is at most 0.25 MiB/s per provisioned IOPS: 1,000 MiB/s needs 4,000
+# Every weight byte crosses the volume four times: the checkpoint's download, its hashing for the
+# key, the manifest's hashing of the shards, the shards' upload. (The fetch also MD5-checks objects
+# uploaded in one part; `aws s3 sync` uploads a checkpoint's multi-GB files in parts: not counted.)
+VOLUME_CROSSINGS = 4
+# The figure is one run on one host (a trn2.48xlarge, 192 vCPUs, per NxDI's 405B tutorial), not a
+# bound: the job's timeout is three times the estimate, rounded up to the hour.
+TIMEOUT_FACTOR = 3
+# Memory-optimized EC2 types the compile may run on: (vCPUs, memory GiB), from
+# https://docs.aws.amazon.com/ec2/latest/instancetypes/mo.html (not re-read for this table: check
+# before a first run). Each size gets every type whose memory holds the host need.
+COMPILE_INSTANCE_TYPES: dict[str, tuple[int, int]] = {
+    "x2iedn.32xlarge": (128, 4096), "r7i.48xlarge": (192, 1536), "x2idn.32xlarge": (128, 2048),
+    "r6i.32xlarge": (128, 1024),
+    "r7i.24xlarge": (96, 768), "r6i.24xlarge": (96, 768), "r7i.16xlarge": (64, 512), "r6i.16xlarge": (64, 512),
+}
+# AWS Batch keeps part of an instance's memory for the ECS agent and the OS: a job asking for all of
+# it is never placed (https://docs.aws.amazon.com/batch/latest/userguide/memory-management.html).
+BATCH_MEMORY_RESERVE_GIB = 32
 
 
 @dataclass(frozen=True)
@@ -257,10 +162,21 @@ class HostNeeds:
     memory_gb: float
     disk_gb: float
     lines: list[str]
+    minutes: float = 0.0
+    timeout_hours: int = 0
+    instance_types: tuple[str, ...] = ()
+
+    @property
+    def disk_gib(self) -> int:
+        return math.ceil(self.disk_gb * 1e9 / 2**30)
+
+    @property
+    def memory_mib(self) -> int:
+        return math.ceil(self.memory_gb * 1e9 / 2**20)
 
 
 def host_needs(fleet: FleetConfig) -> HostNeeds:
-    """Compile host sizing as arithmetic (docs/compiled-artifacts.md has the sources and what is assumed)."""
+    """Compile host sizing and time as arithmetic (docs/compiled-artifacts.md has the sources and what is assumed)."""
     weights = fleet.model.parameters_billion * _BYTES[fleet.model.dtype]  # GB
     # A pass shards from the whole checkpoint in host memory (assumed: NxD's shard_checkpoint reads
     # the full state dict), plus a 25 % margin; passes run one after another, so one at a time.
@@ -268,13 +184,69 @@ def host_needs(fleet: FleetConfig) -> HostNeeds:
     # The checkpoint, every rank's shards (about the weights once more), one pass's trace work.
     disk = weights * 2 * 1.1
     nodes = fleet.unit.nodes
+    pass_minutes = PASS_MINUTES_PER_405B * fleet.model.parameters_billion / FIGURE_PARAMETERS_BILLION
+    volume_minutes = VOLUME_CROSSINGS * weights * 1e9 / (GP3_THROUGHPUT_MIBPS * 2**20) / 60
+    minutes = nodes * pass_minutes + volume_minutes
+    timeout_hours = math.ceil(minutes * TIMEOUT_FACTOR / 60)
+    need_gib = memory * 1e9 / 2**30 + BATCH_MEMORY_RESERVE_GIB
+    types = tuple(name for name, (_, gib) in COMPILE_INSTANCE_TYPES.items() if gib >= need_gib)
     lines = [
         f"weights: {fleet.model.parameters_billion:g} B parameters x {_BYTES[fleet.model.dtype]} bytes "
         f"({fleet.model.dtype}) = {weights:,.0f} GB",
         f"host memory: >= {memory:,.0f} GB (one pass holds the checkpoint to shard it, +25 %; the "
         f"--enable-torch-dist variant runs {nodes} passes at once: {memory * nodes:,.0f} GB)",
         f"disk: >= {disk:,.0f} GB (checkpoint + all {fleet.unit.total_cores} ranks' shards, +10 %)",
-        f"passes: {nodes}, one per node slice, one after another; time: not estimated (no cited figure "
-        "for a trace of this size: measure the first pass and multiply by the node count)",
+        f"passes: {nodes}, one per node slice, one after another",
+        f"time: about {minutes / 60:.1f} h = {nodes} passes x {pass_minutes:.0f} min (NxDI 2.23 release notes: "
+        f"405B compile with sharding, 40 min) + {volume_minutes:.0f} min moving {VOLUME_CROSSINGS} x the weights "
+        f"through a {GP3_THROUGHPUT_MIBPS:,} MiB/s gp3 volume; job timeout {timeout_hours} h ({TIMEOUT_FACTOR} x)",
+        "compile host (AWS Batch): " + (", ".join(types) if types else
+                                       f"no listed type has {need_gib:,.0f} GiB: compile by hand on a larger host"),
     ]
-    return HostNeeds(weights, memory, disk, lines)
+    return HostNeeds(weights, memory, disk, lines, minutes, timeout_hours, types)
+
+
+# -- the compile job on AWS Batch (stacks/compile_stack.py defines it) -----------------------------
+
+WORK_DIR = "/compile"  # the job's volume, mounted from the instance's root volume
+
+
+def stack_name(fleet: FleetConfig) -> str:
+    return f"{fleet.name}-Compile"
+
+
+def batch_name(fleet: FleetConfig) -> str:
+    """Name of the compile job queue and job definition (one of each per fleet)."""
+    return f"{fleet.name}-compile"
+
+
+def environment(fleet: FleetConfig) -> tuple[str, str]:
+    """Account and region of the compile stack: the pipeline's, or the first cell's without a pipeline."""
+    if fleet.pipeline is not None:
+        return fleet.pipeline.account, fleet.pipeline.region
+    return fleet.cells[0].account, fleet.cells[0].region
+
+
+def submit_request(fleet: FleetConfig, *, model_type: str = "llama", replace: bool = False) -> dict[str, Any]:
+    """batch.submit_job's arguments: the job rendered for the container's paths, in COMPILE_JOB
+    (read by `python -m unit_launcher compile`, unit_launcher/compile_run.py)."""
+    job = render(fleet, checkpoint=f"{WORK_DIR}/checkpoint", work_dir=WORK_DIR, model_type=model_type)
+    request = compile_run.Request(job, fleet.model.artifacts_s3_uri, WORK_DIR, fleet.model.artifacts_key, replace)
+    needs = host_needs(fleet)
+    name = re.sub(r"[^A-Za-z0-9_-]", "_", f"{batch_name(fleet)}-{job.layout_name}")[:128]
+    return {
+        "jobName": name, "jobQueue": batch_name(fleet), "jobDefinition": batch_name(fleet),
+        "containerOverrides": {"environment": [
+            {"name": compile_run.JOB_ENV, "value": json.dumps(request.to_json(), separators=(",", ":"))}]},
+        "timeout": {"attemptDurationSeconds": needs.timeout_hours * 3600},
+    }
+
+
+def states_parameters(request: Any) -> Any:
+    """The same request as Step Functions' Batch integration takes it: PascalCase names
+    (https://docs.aws.amazon.com/step-functions/latest/dg/connect-batch.html)."""
+    if isinstance(request, dict):
+        return {k[0].upper() + k[1:]: states_parameters(v) for k, v in request.items()}
+    if isinstance(request, list):
+        return [states_parameters(v) for v in request]
+    return request

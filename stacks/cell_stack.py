@@ -46,6 +46,22 @@ from inference_fleet.unit_spec import (
 )
 
 CONTAINERS_DIR = Path(__file__).resolve().parents[1] / "containers"
+
+
+def pinned_image(scope: Construct, construct_id: str, ref: str) -> ecs.ContainerImage:
+    """A pinned image (repo@sha256:digest); from private ECR, imported so the execution role may pull it."""
+    match = _ECR_IMAGE.match(ref)
+    if match is None:
+        return ecs.ContainerImage.from_registry(ref)
+    repository = ecr.Repository.from_repository_attributes(
+        scope, construct_id,
+        repository_arn=f"arn:{Stack.of(scope).partition}:ecr:{match['region']}:{match['account']}:repository/"
+                       f"{match['repo']}",
+        repository_name=match["repo"],
+    )
+    return ecs.ContainerImage.from_ecr_repository(repository, tag=match["digest"])
+
+
 _ECR_IMAGE = re.compile(
     r"^(?P<account>[0-9]{12})\.dkr\.ecr\.(?P<region>[a-z0-9-]+)\.amazonaws\.com/"
     r"(?P<repo>[^@:]+)@(?P<digest>sha256:[0-9a-f]{64})$"
@@ -440,16 +456,7 @@ class CellStack(Stack):
         return args
 
     def _pinned_image(self, name: str, ref: str) -> ecs.ContainerImage:
-        match = _ECR_IMAGE.match(ref)
-        if match is None:
-            return ecs.ContainerImage.from_registry(ref)
-        # A private ECR image: import the repository so the execution role may pull it.
-        repository = ecr.Repository.from_repository_attributes(
-            self, f"{name.capitalize()}Repository",
-            repository_arn=f"arn:{self.partition}:ecr:{match['region']}:{match['account']}:repository/{match['repo']}",
-            repository_name=match["repo"],
-        )
-        return ecs.ContainerImage.from_ecr_repository(repository, tag=match["digest"])
+        return pinned_image(self, f"{name.capitalize()}Repository", ref)
 
     def _unit_task_role(self) -> iam.Role:
         """Read this model's artifacts, discover this cell's leaders; nothing else."""

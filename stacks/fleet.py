@@ -5,14 +5,17 @@ from __future__ import annotations
 from aws_cdk import App, Stack
 
 from cell_constructs.nag import add_policy_checks
+from inference_fleet import compile_job
 from inference_fleet.checks import validate_fleet
 from inference_fleet.config import ConfigError, ConfigIssue, FleetConfig
 from stacks.cell_stack import CellStack
+from stacks.compile_stack import CompileStack
 from stacks.pipeline_stack import PipelineStack, repository_path
 
 
 def build_fleet(app: App, fleet: FleetConfig) -> dict[str, Stack]:
-    """One CellStack per cell and, when the fleet has a `pipeline:`, the rollout pipeline stack
+    """One CellStack per cell, the compile job's stack (`<Fleet>-Compile`) and, when the fleet has a
+    `pipeline:`, the rollout pipeline stack
     (plus the replication-bucket support stacks CodePipeline needs for cells in other regions),
     with the policy checks on; returns the stacks by stack name.
 
@@ -31,11 +34,21 @@ def build_fleet(app: App, fleet: FleetConfig) -> dict[str, Stack]:
             repository_path(fleet_file)
         except ValueError as error:
             raise ConfigError(str(fleet_file), [ConfigIssue("pipeline", "(set)", str(error))]) from None
+    needs = compile_job.host_needs(fleet)
+    if not needs.instance_types:
+        # The compile job's stack needs an instance type that holds one pass (compile_job.host_needs).
+        largest = max(gib for _, gib in compile_job.COMPILE_INSTANCE_TYPES.values())
+        raise ConfigError(str(fleet_file or "fleet"), [ConfigIssue(
+            "model.parameters_billion", fleet.model.parameters_billion,
+            f"the compile job needs {needs.memory_gb:,.0f} GB of host memory, more than the largest compile "
+            f"instance type holds ({largest:,} GiB, inference_fleet/compile_job.py COMPILE_INSTANCE_TYPES)")])
     add_policy_checks(app)
     stacks: dict[str, Stack] = {}
     for cell in fleet.cells:
         name = fleet.cell_stack_name(cell)
         stacks[name] = CellStack(app, name, fleet=fleet, cell=cell)
+    compile_name = compile_job.stack_name(fleet)
+    stacks[compile_name] = CompileStack(app, compile_name, fleet=fleet)
     if fleet.pipeline is not None:
         pipeline = PipelineStack(app, fleet.pipeline_stack_name, fleet=fleet, fleet_file=fleet_file)
         stacks[pipeline.stack_name] = pipeline

@@ -3,9 +3,11 @@
 CodePipeline V2 (`aws_codepipeline.Pipeline`, not CDK Pipelines: only the former has
 stage conditions). Source is the fleet's repository through a CodeStar connection; the
 build runs `make test`, synthesizes the cloud assembly and publishes its assets (file
-assets and container images) into each cell's CDK bootstrap resources; then one stage
-per wave, in the order of the fleet file, deploys each of the wave's cell stacks from the
-cloud assembly through the cell account's CDK bootstrap roles, as `cdk deploy` would.
+assets and container images) into each cell's CDK bootstrap resources; the Compile stage
+deploys `<Fleet>-Compile` and runs its AWS Batch job when the build found the fleet's layout
+not compiled yet (cell_constructs.compile_stage); then one stage per wave, in the order of
+the fleet file, deploys each of the wave's cell stacks from the cloud assembly through the
+cell account's CDK bootstrap roles, as `cdk deploy` would.
 
 Each wave stage may wait for a deployment window (BeforeEntry DeploymentWindow rule),
 starts with a manual approval when the wave asks for one, bakes after its deployments
@@ -43,8 +45,10 @@ from unit_launcher.artifact_manifest import MANIFEST_NAME
 from unit_launcher.artifacts import split_uri
 
 from cell_constructs.cell_alarms import gate_reader_role_name, rollout_gate_name
+from cell_constructs.compile_stage import REQUEST_DIR, REQUEST_FILE, CompileRun
 from cell_constructs.encryption import allow_cloudwatch_logs
 from cell_constructs.nag import acknowledge
+from inference_fleet import compile_job
 from inference_fleet.config import DEFAULT_CONFIG, CellConfig, FleetConfig, PipelineConfig, WaveConfig
 from inference_fleet.rollout import MAX_CELLS_PER_WAVE
 from inference_fleet.unit_spec import layout_key
@@ -73,6 +77,9 @@ def repository_path(fleet_file: str) -> str:
             f"fleet file {fleet_file} is outside the repository {REPOSITORY_ROOT}: the pipeline's build "
             "synthesizes the fleet file from its checkout, so keep it in the repository"
         ) from None
+
+
+COMPILE_STAGE = "Compile"
 
 
 def wave_stage_name(wave: WaveConfig) -> str:
@@ -120,6 +127,7 @@ class PipelineStack(Stack):
 
         source = codepipeline.Artifact("Source")
         assembly = codepipeline.Artifact("CloudAssembly")
+        compile_request = codepipeline.Artifact("CompileRequest")
         self.build_project = self._build_project()
         stages = [
             codepipeline.StageProps(stage_name="Source", actions=[actions.CodeStarConnectionsSourceAction(
@@ -133,8 +141,10 @@ class PipelineStack(Stack):
                 code_build_clone_output=False,
             )]),
             codepipeline.StageProps(stage_name="Build", actions=[actions.CodeBuildAction(
-                action_name="TestSynthPublish", project=self.build_project, input=source, outputs=[assembly],
+                action_name="TestSynthPublish", project=self.build_project, input=source,
+                outputs=[assembly, compile_request],
             )]),
+            self._compile_stage(assembly, compile_request),
         ]
         self._source = source
         self.verify_gates: list[VerifyGate] = []
@@ -151,6 +161,7 @@ class PipelineStack(Stack):
             restart_execution_on_update=False,
             stages=stages,
         )
+        self._name_compile_input([s.stage_name for s in stages].index(COMPILE_STAGE))
         self._harden_replication_buckets()
         self._grant_gate_reads()
         self._set_cross_account_gate_roles()
@@ -216,19 +227,26 @@ class PipelineStack(Stack):
                         f"make synth{config_arg} CDK_OUT={CLOUD_ASSEMBLY_DIR}",
                         # The compiled artifacts the units will fetch are the fleet's (manifest key and
                         # layout), or no cell deploys: a unit would refuse them after its old one stopped.
-                        f"make compile{config_arg} COMPILE_ARGS=--check",
+                        # A layout never compiled is the Compile stage's job (the request names it).
+                        f"mkdir -p {REQUEST_DIR}",
+                        f'make compile{config_arg} COMPILE_ARGS="--check --request-out {REQUEST_DIR}/{REQUEST_FILE}"',
                         # Pinned CLI; publish-assets is flagged unstable in CDK CLI 2.1148.
                         f"node_modules/.bin/cdk publish-assets --unstable=publish-assets --app {CLOUD_ASSEMBLY_DIR}"
-                        f" --exclusively {cell_stacks}",
+                        f" --exclusively {cell_stacks} {compile_job.stack_name(fleet)}",
                     ]},
                 },
-                "artifacts": {"base-directory": CLOUD_ASSEMBLY_DIR, "files": ["**/*"]},
+                # Two outputs, named as the pipeline's artifacts (CodeBuild's secondary artifacts:
+                # https://docs.aws.amazon.com/codebuild/latest/userguide/sample-pipeline-multi-input-output.html).
+                "artifacts": {"secondary-artifacts": {
+                    "CloudAssembly": {"base-directory": CLOUD_ASSEMBLY_DIR, "files": ["**/*"]},
+                    "CompileRequest": {"base-directory": REQUEST_DIR, "files": [REQUEST_FILE]},
+                }},
             }),
         )
         acknowledge(project, ("AwsSolutions-CB3", "Privileged mode runs the Docker daemon that builds the "
                                                   "inference and proxy images published as cell stack assets"))
         # Publishing assumes the CDK bootstrap publishing roles of each cell's environment, and nothing else.
-        environments = sorted({(c.account, c.region) for c in fleet.cells})
+        environments = sorted({(c.account, c.region) for c in fleet.cells} | {compile_job.environment(fleet)})
         project.add_to_role_policy(iam.PolicyStatement(
             actions=["sts:AssumeRole"],
             resources=[bootstrap_role_arn(self.partition, account, region, kind)
@@ -238,11 +256,42 @@ class PipelineStack(Stack):
         # `compile --check` reads the one manifest object of the fleet's layout (a bucket in another
         # account must also allow this role in its bucket policy: docs/compiled-artifacts.md).
         bucket, prefix = split_uri(fleet.model.artifacts_s3_uri)
+        manifest = f"{prefix}neuron/{layout_key(fleet)}/{MANIFEST_NAME}"
         project.add_to_role_policy(iam.PolicyStatement(
-            actions=["s3:GetObject"],
-            resources=[f"arn:{self.partition}:s3:::{bucket}/{prefix}neuron/{layout_key(fleet)}/{MANIFEST_NAME}"],
+            actions=["s3:GetObject"], resources=[f"arn:{self.partition}:s3:::{bucket}/{manifest}"],
+        ))
+        # A missing manifest is the Compile stage's job, not a failed build; without s3:ListBucket S3
+        # says 403 for it, so the check lists exactly that key to tell (compile_run.existing_manifest).
+        project.add_to_role_policy(iam.PolicyStatement(
+            actions=["s3:ListBucket"], resources=[f"arn:{self.partition}:s3:::{bucket}"],
+            conditions={"StringEquals": {"s3:prefix": manifest}},
         ))
         return project
+
+    # -- compile -----------------------------------------------------------------------
+
+    def _compile_stage(self, assembly: codepipeline.Artifact,
+                       request: codepipeline.Artifact) -> codepipeline.StageProps:
+        """Deploy `<Fleet>-Compile` and run its job when the build found the layout not compiled yet."""
+        account, region = compile_job.environment(self.fleet)
+        self.compile_run = CompileRun(self, "CompileRun", fleet=self.fleet, key=self.key)
+        deploy_role = iam.Role.from_role_arn(
+            self, "DeployRole-Compile", bootstrap_role_arn(self.partition, account, region, "deploy-role"),
+            mutable=False)
+        execution_role = iam.Role.from_role_arn(
+            self, "CfnExecRole-Compile", bootstrap_role_arn(self.partition, account, region, "cfn-exec-role"),
+            mutable=False)
+        return codepipeline.StageProps(stage_name=COMPILE_STAGE, actions=self.compile_run.actions(
+            stack_name=compile_job.stack_name(self.fleet), assembly=assembly, request=request,
+            deploy_role=deploy_role, execution_role=execution_role, region=region))
+
+    def _name_compile_input(self, stage_index: int) -> None:
+        """The Step Functions action's Input is the file's path inside the input artifact ("Input":
+        "assets/input.json" in https://docs.aws.amazon.com/codepipeline/latest/userguide/action-reference-StepFunctions.html);
+        CDK's StateMachineInput.file_path renders `<artifact>::<path>` (aws-cdk-lib 2.275), so the
+        documented form is set on the rendered action."""
+        cfn = self.pipeline.node.default_child
+        cfn.add_property_override(f"Stages.{stage_index}.Actions.1.Configuration.Input", REQUEST_FILE)
 
     # -- waves -----------------------------------------------------------------------
 
@@ -365,7 +414,7 @@ class PipelineStack(Stack):
         cell in another account is set on the rendered rule.
         """
         cfn = self.pipeline.node.default_child
-        first_wave_stage = 2  # after Source and Build
+        first_wave_stage = 3  # after Source, Build and Compile
         for w, wave in enumerate(self.fleet.waves):
             for r, cell in enumerate(self.fleet.cells_of_wave(wave.name)):
                 if self._cross_account(cell):
@@ -410,6 +459,17 @@ class PipelineStack(Stack):
         acknowledge(self.pipeline.role, *artifact_findings, inline)
         acknowledge(source_role, *artifact_findings, inline)
         acknowledge(build_action_role, inline)
+        compile_action_role = self.pipeline.node.find_child(COMPILE_STAGE).node.find_child(
+            "CompileIfNeeded").node.find_child("CodePipelineActionRole")
+        machine = self.resolve(self.get_logical_id(self.compile_run.state_machine.node.default_child))
+
+        def part(index: int) -> str:
+            return f'{{"Fn::Select":[{index},{{"Fn::Split":[":",{{"Ref":"{machine}"}}]}}]}}'
+
+        acknowledge(
+            compile_action_role, *artifact_findings, inline,
+            (f"AwsSolutions-IAM5[Resource::arn:{part(1)}:states:{part(3)}:{part(4)}:execution:{part(6)}:*]",
+             "CDK-generated: the executions of the Compile stage's own state machine, which the action watches"))
 
         project = self.resolve(self.get_logical_id(self.build_project.node.default_child))
         where = f"{self.partition}:{{service}}:{self.region}:{self.account}"

@@ -212,6 +212,8 @@ def _stubbed_s3(monkeypatch, code: str, status: int, body: bytes | None = None):
     stubber = Stubber(client)
     if body is None:
         stubber.add_client_error("get_object", service_error_code=code, http_status_code=status)
+        if code == "AccessDenied":  # and may not list it either (a role without the build's ListBucket)
+            stubber.add_client_error("list_objects_v2", service_error_code=code, http_status_code=status)
     else:
         from io import BytesIO
 
@@ -255,7 +257,7 @@ def test_check_help_names_the_status_it_exits_with(capsys):
 def test_the_docs_give_compiles_exit_status():
     """compile exits exit_codes.COMPILE (5; 4 is simulate's): the page a user reads says the same."""
     text = " ".join((ROOT / "docs" / "compiled-artifacts.md").read_text().split())
-    assert f"Exit {exit_codes.COMPILE} when the job cannot be rendered or run" in text
+    assert f"Exit {exit_codes.COMPILE} when the job cannot be rendered, run or submitted" in text
 
 
 def test_check_refuses_artifacts_compiled_in_another_image(tmp_path, checkpoint, s3, capsys):

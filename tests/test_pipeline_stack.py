@@ -104,9 +104,9 @@ def test_pipeline_fleets_are_their_base_fleet_plus_a_pipeline(pipeline_file: str
 
 
 def test_build_fleet_adds_the_pipeline_and_its_region_support_stacks(default_synth, large_synth) -> None:
-    assert sorted(default_synth.templates) == ["Rufus-Cell-dev", "Rufus-Pipeline"]
+    assert sorted(default_synth.templates) == ["Rufus-Cell-dev", "Rufus-Compile", "Rufus-Pipeline"]
     assert sorted(large_synth.templates) == [
-        "Rufus-Cell-use2-a", "Rufus-Cell-use2-b", "Rufus-Cell-usw2-a", "Rufus-Pipeline",
+        "Rufus-Cell-use2-a", "Rufus-Cell-use2-b", "Rufus-Cell-usw2-a", "Rufus-Compile", "Rufus-Pipeline",
         "Rufus-Pipeline-support-us-west-2",
     ]
     support = large_synth.stacks["Rufus-Pipeline-support-us-west-2"]
@@ -148,7 +148,7 @@ def test_pipeline_is_v2_and_stages_follow_the_waves_in_order(synth) -> None:
     fleet = synth.fleet
     assert synth.pipeline["PipelineType"] == "V2"
     assert [s["Name"] for s in synth.pipeline["Stages"]] == [
-        "Source", "Build", *(f"Wave-{w.name}" for w in fleet.waves)]
+        "Source", "Build", "Compile", *(f"Wave-{w.name}" for w in fleet.waves)]
     for wave in fleet.waves:
         deployed = [a["Configuration"]["StackName"] for a in synth.stage(f"Wave-{wave.name}")["Actions"]
                     if a["ActionTypeId"]["Provider"] == "CloudFormation"]
@@ -156,7 +156,7 @@ def test_pipeline_is_v2_and_stages_follow_the_waves_in_order(synth) -> None:
 
 
 def test_canary_wave_holds_exactly_one_cell(synth) -> None:
-    canary = synth.pipeline["Stages"][2]
+    canary = synth.stage(f"Wave-{synth.fleet.waves[0].name}")
     deploys = [a for a in canary["Actions"] if a["ActionTypeId"]["Provider"] == "CloudFormation"]
     assert len(deploys) == 1
 
@@ -220,7 +220,8 @@ def test_source_and_build(large_synth, default_synth) -> None:
     assert source["Configuration"]["FullRepositoryId"] == "example-org/trainium-inference-fleet"
     assert source["Configuration"]["BranchName"] == "release"
     assert source["Configuration"]["ConnectionArn"] == large_synth.fleet.pipeline.connection_arn
-    assert large_synth.stage("Build")["Actions"][0]["OutputArtifacts"] == [{"Name": "CloudAssembly"}]
+    assert large_synth.stage("Build")["Actions"][0]["OutputArtifacts"] == [
+        {"Name": "CloudAssembly"}, {"Name": "CompileRequest"}]
 
     for synth in (large_synth, default_synth):
         template = synth.templates[synth.fleet.pipeline_stack_name]
@@ -234,10 +235,16 @@ def test_source_and_build(large_synth, default_synth) -> None:
         assert commands == [
             "make test",
             f"make synth CONFIG={synth.file} CDK_OUT=cdk.out",
-            f"make compile CONFIG={synth.file} COMPILE_ARGS=--check",
-            f"node_modules/.bin/cdk publish-assets --unstable=publish-assets --app cdk.out --exclusively {stacks}",
+            "mkdir -p compile-request",
+            f"make compile CONFIG={synth.file} "
+            'COMPILE_ARGS="--check --request-out compile-request/compile-request.json"',
+            "node_modules/.bin/cdk publish-assets --unstable=publish-assets --app cdk.out --exclusively "
+            f"{stacks} Rufus-Compile",
         ]
-        assert spec["artifacts"] == {"base-directory": "cdk.out", "files": ["**/*"]}
+        assert spec["artifacts"] == {"secondary-artifacts": {
+            "CloudAssembly": {"base-directory": "cdk.out", "files": ["**/*"]},
+            "CompileRequest": {"base-directory": "compile-request", "files": ["compile-request.json"]},
+        }}
 
 
 def test_artifacts_are_kms_encrypted(synth) -> None:
@@ -301,7 +308,7 @@ def test_pipeline_iam_is_scoped(large_synth) -> None:
 
 
 def test_cross_account_gate_is_read_through_the_cells_reader_role(large_synth) -> None:
-    rules = {r["Name"]: r for s in large_synth.pipeline["Stages"][2:] for r in s["OnSuccess"]["Conditions"][0]["Rules"]}
+    rules = {r["Name"]: r for s in large_synth.pipeline["Stages"][3:] for r in s["OnSuccess"]["Conditions"][0]["Rules"]}
     assert rules["main-usw2-a-gate"]["RoleArn"] == "arn:aws:iam::333333333333:role/Rufus-Cell-usw2-a-gate-reader"
     assert "RoleArn" not in rules["main-use2-b-gate"] and "RoleArn" not in rules["canary-use2-a-gate"]
 
@@ -352,3 +359,12 @@ def test_the_build_reads_only_the_fleets_manifest(large_synth) -> None:
         "arn:aws:s3:::rufus-model-artifacts-222222222222/llama-3.1-405b-instruct/trn1-tp128/neuron/"
         "trn1.32xlarge-n4-lnc1-tp128-cp4-adp2-seq8192-bs4/artifacts-manifest.json"
     ]
+    # ... and may list that one key, to tell a missing manifest (S3 says 403 to GetObject) from a denied one.
+    lists = [s for p in template.find_resources("AWS::IAM::Policy").values()
+             for s in p["Properties"]["PolicyDocument"]["Statement"] if s["Action"] == "s3:ListBucket"]
+    assert lists == [{
+        "Action": "s3:ListBucket", "Effect": "Allow", "Resource": "arn:aws:s3:::rufus-model-artifacts-222222222222",
+        "Condition": {"StringEquals": {"s3:prefix": "llama-3.1-405b-instruct/trn1-tp128/neuron/"
+                                                    "trn1.32xlarge-n4-lnc1-tp128-cp4-adp2-seq8192-bs4/"
+                                                    "artifacts-manifest.json"}},
+    }]

@@ -243,7 +243,9 @@ def test_spare_health_check_fails_without_a_launcher(synth_large, tmp_path) -> N
 # CodeBuild runs a phase's commands in one sh (buildspec 0.2). `make` and the CDK CLI are
 # faked on PATH and in the source directory: each records its arguments, and the test
 # checks them against the Makefile and the CLI (nothing is built, nothing reaches AWS).
+# One line per call, its arguments tab-separated: an argument with spaces (COMPILE_ARGS="a b") stays one.
 _RECORDER = """#!/bin/sh
+IFS="$(printf '\\t')"
 printf '%s\\n' "$*" >> "$RECORD"
 """
 
@@ -263,16 +265,18 @@ def test_pipeline_build_commands_name_what_exists(synth_default, tmp_path) -> No
     )
     assert done.returncode == 0, done.stderr
     calls = record.read_text().splitlines()
-    make_calls = [c.split() for c in calls if not c.startswith("publish-assets")]
+    make_calls = [c.split("\t") for c in calls if not c.startswith("publish-assets")]
     assert make_calls, f"no make call recorded: {calls}"
     for arguments in make_calls:
         dry_run = subprocess.run(
             ["make", "-n", "-C", str(ROOT), *arguments], capture_output=True, text=True, timeout=60
         )
         assert dry_run.returncode == 0, f"make {' '.join(arguments)}: {dry_run.stderr}"
-    (publish,) = [c.split() for c in calls if c.startswith("publish-assets")]
-    stack = publish[publish.index("--exclusively") + 1]
-    assert stack in synth_default.templates, f"publish-assets names {stack}, not a stack of the default fleet"
+    (publish,) = [c.split("\t") for c in calls if c.startswith("publish-assets")]
+    stacks = publish[publish.index("--exclusively") + 1:]
+    assert stacks == ["Rufus-Cell-dev", "Rufus-Compile"]  # every stack whose assets the pipeline deploys
+    for stack in stacks:
+        assert stack in synth_default.templates, f"publish-assets names {stack}, not a stack of the default fleet"
     cli = ROOT / "node_modules" / ".bin" / "cdk"
     known = subprocess.run([str(cli), "publish-assets", "--help"], capture_output=True, text=True, timeout=120)
     assert known.returncode == 0 and "publish-assets" in known.stdout, known.stderr

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import unit_launcher
-from unit_launcher.cli import EXIT_CLOSED_PIPE, RUN_ENVIRONMENT, main
+from unit_launcher.cli import COMPILE_ENVIRONMENT, EXIT_CLOSED_PIPE, RUN_ENVIRONMENT, main
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -115,14 +115,17 @@ _READS = re.compile(r"""(?:environ|env)(?:\.get)?[\[(]\s*"([A-Z][A-Z0-9_]+)"|^[A
 
 
 def test_run_help_lists_every_variable_the_launcher_reads():
-    read = set()
+    read, compile_read = set(), set()
     for source in (PACKAGE / "unit_launcher").glob("*.py"):
-        read |= {a or b for a, b in _READS.findall(source.read_text())}
+        found = {a or b for a, b in _READS.findall(source.read_text())}
+        (compile_read if source.name == "compile_run.py" else read).update(found)
     assert read == {name for name, _ in RUN_ENVIRONMENT}, "update RUN_ENVIRONMENT in unit_launcher/cli.py"
-    done = launcher("run", "--help")
-    assert done.returncode == 0, done.stderr
-    missing = [name for name in sorted(read) if name not in done.stdout]
-    assert not missing, f"run --help does not name {missing}"
+    assert compile_read == {name for name, _ in COMPILE_ENVIRONMENT}, "update COMPILE_ENVIRONMENT"
+    for command, names in (("run", read), ("compile", compile_read)):
+        done = launcher(command, "--help")
+        assert done.returncode == 0, done.stderr
+        missing = [name for name in sorted(names) if name not in done.stdout]
+        assert not missing, f"{command} --help does not name {missing}"
 
 
 def test_version_is_the_package_version():

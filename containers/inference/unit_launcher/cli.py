@@ -7,6 +7,8 @@ python -m unit_launcher plan --spec FILE --role leader|follower --rank R [--lead
 python -m unit_launcher plan --config fleet.yaml --cell NAME --unit I --role ... --rank R
     Print the engine's argv, environment and files for one node; starts nothing.
     --config needs the inference_fleet package (the repository's venv).
+python -m unit_launcher compile
+    The compile job's command on AWS Batch (unit_launcher.compile_run): the job in COMPILE_JOB.
 
 `--version` prints the package version; `run --help` lists the environment `run` reads.
 Usage errors exit 2 (argparse); `run`'s other statuses are runner.EXIT_*.
@@ -88,6 +90,10 @@ RUN_ENVIRONMENT: tuple[tuple[str, str], ...] = (
     ("AWS_EC2_METADATA_DISABLED", "true without UNIT_SELF_CHECK_IMDS: the IMDS self-check is not tried (fails)"),
     ("UNIT_STEPS_REPORT_SECONDS", "how often the leader publishes its unit_steps line (default 60)"),
 )
+# What `compile` reads (unit_launcher.compile_run), shown by `compile --help`.
+COMPILE_ENVIRONMENT: tuple[tuple[str, str], ...] = (
+    ("COMPILE_JOB", "required: the job, rendered by `python -m inference_fleet compile --submit` (JSON)"),
+)
 RUN_EPILOG = (
     "environment:\n"
     + "\n".join(f"  {name}\n      {meaning}" for name, meaning in RUN_ENVIRONMENT)
@@ -121,6 +127,14 @@ def _main(argv: list[str] | None) -> int:
         "Everything comes from the environment.",
         epilog=RUN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    commands.add_parser(
+        "compile", help="the compile job's command on AWS Batch: the job rendered in COMPILE_JOB",
+        description="Run the compile job rendered by `python -m inference_fleet compile --submit`: fetch the "
+        "checkpoint, compile each node slice with NxD Inference, upload the layout and its manifest.",
+        epilog="environment:\n" + "\n".join(f"  {name}\n      {meaning}" for name, meaning in COMPILE_ENVIRONMENT)
+        + "\n\nexit status: 0 built (or already built), 5 anything else.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p = commands.add_parser("plan", help="print one node's launch plan; starts nothing")
     p.add_argument("--spec", help="unit spec JSON file")
     p.add_argument(
@@ -142,6 +156,10 @@ def _main(argv: list[str] | None) -> int:
     try:
         if args.command == "plan":
             return _plan(args)
+        if args.command == "compile":
+            from unit_launcher import compile_run
+
+            return compile_run.main()
         role = os.environ.get("UNIT_ROLE", "")
         if role == "spare":
             from unit_launcher.spare import run_spare

@@ -1,0 +1,180 @@
+"""The compile job on AWS Batch: an EC2 compute environment of large-memory CPU instances, a job queue
+and a job definition that runs `python -m unit_launcher compile` in the inference image.
+
+Why Batch on EC2: the compile of a 405B layout needs about 1 TB of host memory and 1.8 TB of disk
+for hours (inference_fleet.compile_job.host_needs); Fargate tasks stop at 120 GiB of memory
+(16 vCPUs, https://docs.aws.amazon.com/AmazonECS/latest/developerguide/fargate-tasks-services.html) and
+200 GiB of ephemeral storage (https://docs.aws.amazon.com/batch/latest/APIReference/API_EphemeralStorage.html),
+and a managed EC2 compute environment with `minv_cpus` 0 keeps no instance between compiles
+(https://docs.aws.amazon.com/batch/latest/userguide/compute_environment_parameters.html, minvCpus).
+The job gets one instance of the types whose memory holds the need; the launch template gives its
+root volume (where Docker keeps the container's writes and the job's volume) the disk need as
+encrypted gp3 at full throughput, and requires IMDSv2. Instances have no public address, in isolated
+subnets that reach AWS through VPC endpoints only.
+"""
+
+from __future__ import annotations
+
+from aws_cdk import Duration, RemovalPolicy, Size, Stack
+from aws_cdk import aws_batch as batch
+from aws_cdk import aws_ec2 as ec2
+from aws_cdk import aws_ecs as ecs
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_kms as kms
+from aws_cdk import aws_logs as logs
+from constructs import Construct
+from unit_launcher.artifacts import split_uri
+
+from cell_constructs.encryption import allow_cloudwatch_logs
+from cell_constructs.nag import acknowledge
+from inference_fleet import compile_job
+from inference_fleet.config import FleetConfig
+from inference_fleet.unit_spec import layout_key
+
+# What the instances and the job reach, all through endpoints (no NAT, no internet): the image
+# (ECR and its S3 layers), the ECS agent Batch runs on each instance, the job's logs.
+_INTERFACE_ENDPOINTS: dict[str, ec2.InterfaceVpcEndpointAwsService] = {
+    "EcrApi": ec2.InterfaceVpcEndpointAwsService.ECR,
+    "EcrDkr": ec2.InterfaceVpcEndpointAwsService.ECR_DOCKER,
+    "Logs": ec2.InterfaceVpcEndpointAwsService.CLOUDWATCH_LOGS,
+    "Ecs": ec2.InterfaceVpcEndpointAwsService.ECS,
+    "EcsAgent": ec2.InterfaceVpcEndpointAwsService.ECS_AGENT,
+    "EcsTelemetry": ec2.InterfaceVpcEndpointAwsService.ECS_TELEMETRY,
+}
+VPC_CIDR = "10.250.0.0/16"
+ROOT_DEVICE = "/dev/xvda"  # the root device of the ECS-optimized Amazon Linux 2023 AMI
+
+
+class CompileBatch(Construct):
+    """VPC, compute environment, job queue and job definition of the fleet's compile job."""
+
+    def __init__(self, scope: Construct, construct_id: str, *, fleet: FleetConfig, image: ecs.ContainerImage,
+                 availability_zones: list[str]) -> None:
+        super().__init__(scope, construct_id)
+        self.fleet = fleet
+        self.needs = compile_job.host_needs(fleet)
+        if not self.needs.instance_types:
+            raise ValueError(f"fleet {fleet.name}: no compile instance type holds {self.needs.memory_gb:,.0f} GB; "
+                             "see inference_fleet.compile_job.COMPILE_INSTANCE_TYPES")
+        self.key = kms.Key(self, "Key", enable_key_rotation=True, removal_policy=RemovalPolicy.RETAIN,
+                           description=f"{fleet.name} compile job: its log groups")
+        allow_cloudwatch_logs(self.key)
+        self.vpc = self._vpc(availability_zones)
+        self.security_group = ec2.SecurityGroup(
+            self, "InstanceSecurityGroup", vpc=self.vpc, allow_all_outbound=False,
+            description="Compile instances: HTTPS out to the VPC endpoints and S3 only")
+        # HTTPS to the interface endpoints and to S3's addresses: the isolated subnets route nothing
+        # but the VPC and the S3 gateway endpoint's prefix list, so nothing else is reachable.
+        self.security_group.add_egress_rule(ec2.Peer.any_ipv4(), ec2.Port.tcp(443),
+                                            "HTTPS: VPC interface endpoints, S3 through its gateway endpoint")
+        self.compute_environment = self._compute_environment()
+        self.job_queue = batch.JobQueue(
+            self, "JobQueue", job_queue_name=compile_job.batch_name(fleet), priority=1,
+            compute_environments=[batch.OrderedComputeEnvironment(
+                compute_environment=self.compute_environment, order=1)])
+        self.job_role = self._job_role()
+        self.log_group = logs.LogGroup(self, "JobLogs", encryption_key=self.key,
+                                       retention=logs.RetentionDays.THREE_MONTHS, removal_policy=RemovalPolicy.RETAIN)
+        self.job_definition = self._job_definition(image)
+
+    def _vpc(self, availability_zones: list[str]) -> ec2.Vpc:
+        vpc = ec2.Vpc(
+            self, "Vpc", ip_addresses=ec2.IpAddresses.cidr(VPC_CIDR), availability_zones=availability_zones,
+            nat_gateways=0, subnet_configuration=[ec2.SubnetConfiguration(
+                name="compile", subnet_type=ec2.SubnetType.PRIVATE_ISOLATED, cidr_mask=20)])
+        vpc.add_gateway_endpoint("S3", service=ec2.GatewayVpcEndpointAwsService.S3)
+        endpoints = ec2.SecurityGroup(self, "EndpointSecurityGroup", vpc=vpc, allow_all_outbound=False,
+                                      description="Interface endpoints: HTTPS from the compile VPC")
+        endpoints.add_ingress_rule(ec2.Peer.ipv4(VPC_CIDR), ec2.Port.tcp(443), "HTTPS from the compile VPC")
+        for name, service in _INTERFACE_ENDPOINTS.items():
+            vpc.add_interface_endpoint(name, service=service, private_dns_enabled=True, security_groups=[endpoints],
+                                       open=False)
+        flow_logs = logs.LogGroup(self, "FlowLogs", encryption_key=self.key,
+                                  retention=logs.RetentionDays.THREE_MONTHS, removal_policy=RemovalPolicy.RETAIN)
+        flow_log = vpc.add_flow_log("FlowLog", destination=ec2.FlowLogDestination.to_cloud_watch_logs(flow_logs),
+                                    traffic_type=ec2.FlowLogTrafficType.ALL)
+        acknowledge(flow_log, ("NIST.800.53.R5-IAMNoInlinePolicy",
+                               "CDK-generated delivery policy of the flow log role, scoped to its one log group"))
+        return vpc
+
+    def _compute_environment(self) -> batch.ManagedEc2EcsComputeEnvironment:
+        needs = self.needs
+        launch_template = ec2.LaunchTemplate(
+            self, "LaunchTemplate",
+            # IMDSv2 only, hop limit left at 1: the job's container takes the job role's credentials
+            # from the ECS agent, never the instance's from IMDS.
+            require_imdsv2=True,
+            # Batch's own example resizes and encrypts this device of its default AMI
+            # (https://docs.aws.amazon.com/batch/latest/userguide/launch-templates.html). Encrypted with the
+            # account's EBS key: Batch launches through an Auto Scaling group, whose service-linked role a
+            # customer key would have to admit in its policy, and that role may not exist yet in a fresh account
+            # (https://docs.aws.amazon.com/autoscaling/ec2/userguide/key-policy-requirements-EBS-encryption.html).
+            block_devices=[ec2.BlockDevice(device_name=ROOT_DEVICE, volume=ec2.BlockDeviceVolume.ebs(
+                needs.disk_gib, volume_type=ec2.EbsDeviceVolumeType.GP3, encrypted=True,
+                iops=compile_job.GP3_IOPS, throughput=compile_job.GP3_THROUGHPUT_MIBPS, delete_on_termination=True))],
+        )
+        vcpus = min(compile_job.COMPILE_INSTANCE_TYPES[t][0] for t in needs.instance_types)
+        environment = batch.ManagedEc2EcsComputeEnvironment(
+            self, "ComputeEnvironment",
+            vpc=self.vpc, vpc_subnets=ec2.SubnetSelection(subnet_type=ec2.SubnetType.PRIVATE_ISOLATED),
+            instance_types=[ec2.InstanceType(t) for t in needs.instance_types], use_optimal_instance_classes=False,
+            minv_cpus=0, maxv_cpus=max(compile_job.COMPILE_INSTANCE_TYPES[t][0] for t in needs.instance_types),
+            images=[batch.EcsMachineImage(image_type=batch.EcsMachineImageType.ECS_AL2023)],
+            launch_template=launch_template, security_groups=[self.security_group],
+            allocation_strategy=batch.AllocationStrategy.BEST_FIT_PROGRESSIVE,
+        )
+        self.vcpus = vcpus
+        acknowledge(environment.instance_role, (
+            "AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/service-role/"
+            "AmazonEC2ContainerServiceforEC2Role]",
+            "The ECS container instance role AWS Batch documents for EC2 compute environments "
+            "(https://docs.aws.amazon.com/batch/latest/userguide/instance_IAM_role.html): the ECS agent's own calls; "
+            "the job's S3 access is the job role's"))
+        return environment
+
+    def _job_role(self) -> iam.Role:
+        """Read the checkpoint (the artifacts prefix), write only this layout's folder under it."""
+        model = self.fleet.model
+        s3 = f"arn:{Stack.of(self).partition}:s3:::"
+        bucket, prefix = split_uri(model.artifacts_s3_uri)
+        layout = f"{prefix}neuron/{layout_key(self.fleet)}/"
+        role = iam.Role(self, "JobRole", assumed_by=iam.ServicePrincipal("ecs-tasks.amazonaws.com"),
+                        description=f"{self.fleet.name} compile job: read the checkpoint, write the layout {layout}")
+        role.add_to_policy(iam.PolicyStatement(actions=["s3:ListBucket"], resources=[f"{s3}{bucket}"],
+                                               conditions={"StringLike": {"s3:prefix": [f"{prefix}*"]}}))
+        role.add_to_policy(iam.PolicyStatement(actions=["s3:GetObject"], resources=[f"{s3}{bucket}/{prefix}*"]))
+        # Shards are uploaded in parts (boto3's transfer manager), which it aborts when an upload fails.
+        role.add_to_policy(iam.PolicyStatement(actions=["s3:PutObject", "s3:AbortMultipartUpload"],
+                                               resources=[f"{s3}{bucket}/{layout}*"]))
+        acknowledge(
+            role,
+            (f"AwsSolutions-IAM5[Resource::{s3}{bucket}/{prefix}*]",
+             "The job reads every checkpoint file under the model's artifacts prefix (names vary by model)"),
+            (f"AwsSolutions-IAM5[Resource::{s3}{bucket}/{layout}*]",
+             "The job writes the files of its one layout folder (model.pt, one shard per rank, the manifest)"),
+            ("NIST.800.53.R5-IAMNoInlinePolicy", "Policy of this role only, versioned with this stack"),
+        )
+        return role
+
+    def _job_definition(self, image: ecs.ContainerImage) -> batch.EcsJobDefinition:
+        needs = self.needs
+        container = batch.EcsEc2ContainerDefinition(
+            self, "Container", image=image, cpu=self.vcpus, memory=Size.mebibytes(needs.memory_mib),
+            # The image's entry point is `python -m unit_launcher`; the job is in COMPILE_JOB.
+            command=["compile"], job_role=self.job_role,
+            # S3 calls go to this region's endpoint, the one the VPC's gateway endpoint serves: the
+            # subnets have no other way out, so the artifacts bucket must be in this region.
+            environment={"AWS_REGION": Stack.of(self).region, "AWS_DEFAULT_REGION": Stack.of(self).region},
+            logging=ecs.LogDriver.aws_logs(stream_prefix="compile", log_group=self.log_group),
+            volumes=[batch.EcsVolume.host(name="work", host_path=compile_job.WORK_DIR,
+                                          container_path=compile_job.WORK_DIR, readonly=False)],
+        )
+        acknowledge(
+            container.execution_role,
+            ("NIST.800.53.R5-IAMNoInlinePolicy", "CDK-generated execution policy scoped to this job's image and logs"),
+            ("AwsSolutions-IAM5[Resource::*]", "ecr:GetAuthorizationToken has no resource-level scope; the image pull "
+             "and log writes are scoped to this job's repository and log group"))
+        return batch.EcsJobDefinition(
+            self, "JobDefinition", job_definition_name=compile_job.batch_name(self.fleet), container=container,
+            timeout=Duration.hours(needs.timeout_hours), retry_attempts=1, propagate_tags=True,
+        )

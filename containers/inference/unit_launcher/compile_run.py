@@ -1,0 +1,303 @@
+"""Runs a rendered compile job: the NxD Inference passes, the assembly, the manifest and the upload.
+
+Two callers run the same code: `python -m inference_fleet compile` on a host that has the
+repository (it renders the job from the fleet file first), and `python -m unit_launcher compile`
+in the inference image on AWS Batch (the compile job the package defines, `stacks/compile_stack.py`),
+which reads the job rendered by the submitter from COMPILE_JOB, fetches the checkpoint from the
+fleet's `model.artifacts_s3_uri` (the checkpoint files beside `neuron/`, where nodes fetch them)
+and uploads only `neuron/<layout>/`. The recipe and its sources: docs/compiled-artifacts.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from unit_launcher import artifact_manifest as am
+from unit_launcher.artifacts import ArtifactError, fetch, split_uri
+
+log = logging.getLogger("unit_launcher.compile")
+
+# Small checkpoint files every node reads (config, tokenizer); the weights are in the shards.
+_CHECKPOINT_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth")
+JOB_ENV = "COMPILE_JOB"
+# Each pass's own NxDI work directory (a variable of the pass, not one this process reads).
+_PASS_WORK_DIR = "BASE_COMPILE_WORK_DIR"
+
+
+class CompileError(RuntimeError):
+    """The compile job cannot be rendered or run; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class Pass:
+    node_rank: int
+    argv: list[str]
+    env: dict[str, str]
+    out_dir: str
+
+    def shell(self) -> str:
+        return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items())), shlex.join(self.argv)])
+
+
+@dataclass(frozen=True)
+class Job:
+    layout_name: str
+    layout: dict[str, Any]
+    versions: dict[str, str]
+    passes: list[Pass]
+    destination: str
+    compiler_args: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Job:
+        try:
+            passes = [Pass(**one) for one in data["passes"]]
+            return cls(**{**data, "passes": passes})
+        except (KeyError, TypeError) as error:
+            raise CompileError(f"{JOB_ENV} is not a compile job rendered by `python -m inference_fleet compile "
+                               f"--submit`: {error}") from None
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the Batch job runs: the job, where the artifacts go, and what the submitter expects."""
+
+    job: Job
+    artifacts_uri: str
+    work_dir: str
+    expected_key: str | None = None
+    replace: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"job": self.job.to_json(), "artifacts_uri": self.artifacts_uri, "work_dir": self.work_dir,
+                "expected_key": self.expected_key, "replace": self.replace}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Request:
+        if not isinstance(data, dict) or "job" not in data or "artifacts_uri" not in data or "work_dir" not in data:
+            raise CompileError(f"{JOB_ENV} must be a JSON object with job, artifacts_uri and work_dir")
+        return cls(Job.from_json(data["job"]), data["artifacts_uri"], data["work_dir"], data.get("expected_key"),
+                   bool(data.get("replace", False)))
+
+
+def checkpoint_entries(checkpoint: Path) -> dict[str, am.FileEntry]:
+    files = sorted(p for p in checkpoint.rglob("*") if p.is_file() and not p.name.startswith("."))
+    if not files:
+        raise CompileError(f"--checkpoint {checkpoint}: no files (expected a Hugging Face checkpoint directory)")
+    return {p.relative_to(checkpoint).as_posix(): am.file_entry(p) for p in files}
+
+
+def key_inputs(job: Job, checkpoint: Path) -> am.KeyInputs:
+    return am.KeyInputs.model_validate({
+        "checkpoint": {k: v.model_dump() for k, v in checkpoint_entries(checkpoint).items()},
+        "layout": job.layout, "versions": job.versions, "compiler_args": job.compiler_args,
+    })
+
+
+def clear_outputs(job: Job, out_root: Path) -> None:
+    """Remove what an earlier run left in this job's output and work directories (a failed pass, or
+    another layout's job on the same instance): a pass must start from nothing, or a stale shard or
+    model.pt would be taken for its own. The checkpoint is kept (its fetch skips verified files)."""
+    work_dirs = [Path(one.env[_PASS_WORK_DIR]) for one in job.passes if _PASS_WORK_DIR in one.env]
+    for path in (out_root, *(Path(one.out_dir) for one in job.passes), *work_dirs):
+        if path.is_dir():
+            shutil.rmtree(path)
+
+
+def run_passes(job: Job) -> None:
+    for one in job.passes:
+        env = {**os.environ, **one.env}
+        try:
+            result = subprocess.run(one.argv, env=env, check=False)
+        except FileNotFoundError:
+            raise CompileError(f"{one.argv[0]!r} not found: run the compile in the pinned inference image, which "
+                               "carries NxD Inference's inference_demo (or pass --nxdi-command)") from None
+        if result.returncode != 0:
+            raise CompileError(f"pass of node {one.node_rank} exited with status {result.returncode}: {one.shell()}")
+
+
+def assemble(job: Job, out_root: Path, checkpoint: Path) -> Path:
+    """One layout folder under out_root/neuron/<layout>/ from the passes, each shard from its own pass;
+    the checkpoint's small files at out_root's top, as the launcher fetches them."""
+    local, world = job.layout["local_ranks_size"], job.layout["world_size"]
+    target = out_root / "neuron" / job.layout_name
+    (target / "weights").mkdir(parents=True, exist_ok=True)
+    first = Path(job.passes[0].out_dir)
+    traced = am.sha256_file(first / "model.pt")
+    for one in job.passes:
+        source = Path(one.out_dir)
+        if am.sha256_file(source / "model.pt") != traced:
+            raise CompileError(f"node {one.node_rank}'s pass traced another model.pt than node 0's: the graph "
+                               "depends on the rank slice, and one folder per layout cannot hold it")
+        ranks = range(one.node_rank * local, (one.node_rank + 1) * local)
+        for rank in ranks:
+            shard = source / "weights" / f"tp{rank}_sharded_checkpoint.safetensors"
+            if not shard.is_file():
+                raise CompileError(f"node {one.node_rank}'s pass wrote no shard for rank {rank} ({shard})")
+            os.replace(shard, target / "weights" / shard.name)
+        extra = [p.name for p in (source / "weights").glob("*") if p.name not in
+                 {f"tp{r}_sharded_checkpoint.safetensors" for r in range(world)}]
+        if extra:
+            raise CompileError(f"node {one.node_rank}'s pass wrote unexpected files in weights/: {sorted(extra)}")
+    for name in ("model.pt", "neuron_config.json"):
+        os.replace(first / name, target / name)
+    for entry in checkpoint.iterdir():
+        if entry.is_file() and not entry.name.endswith(_CHECKPOINT_WEIGHTS) and not entry.name.startswith("."):
+            (out_root / entry.name).write_bytes(entry.read_bytes())
+    return target
+
+
+def shared_checkpoint_files(out_root: Path) -> tuple[str, ...]:
+    return tuple(sorted(p.name for p in out_root.iterdir() if p.is_file() and p.name != am.MANIFEST_NAME))
+
+
+def existing_manifest(client: Any, destination: str) -> am.Manifest | None:
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    bucket, prefix = split_uri(destination)
+    where = f"{destination}{am.MANIFEST_NAME}"
+    try:
+        body = client.get_object(Bucket=bucket, Key=prefix + am.MANIFEST_NAME)["Body"].read()
+    except ClientError as error:
+        code = error.response.get("Error", {}).get("Code")
+        if code in ("NoSuchKey", "404"):
+            return None
+        if code == "AccessDenied" and _listed_absent(client, bucket, prefix + am.MANIFEST_NAME):
+            return None
+        raise CompileError(f"cannot read {where}: {error}{_READ_HINTS.get(str(code), '')}") from None
+    except BotoCoreError as error:  # no credentials, no endpoint: botocore's own errors are not ClientErrors
+        raise CompileError(f"cannot read {where}: {type(error).__name__}: {error}") from None
+    try:
+        data = json.loads(body)
+    except ValueError as error:
+        raise CompileError(f"{where} is not readable JSON ({error}): not a manifest this package wrote; "
+                           f"remove it (aws s3 rm {where}) and compile the layout again") from None
+    return am.parse(data, where)
+
+
+def _listed_absent(client: Any, bucket: str, key: str) -> bool:
+    """Whether a list of exactly `key` shows it absent. S3 answers GetObject of a missing object with
+    403, not 404, to a reader without s3:ListBucket (https://docs.aws.amazon.com/AmazonS3/latest/API/
+    API_GetObject.html, "Permissions"); the pipeline's build role may list only this key's prefix
+    (an s3:prefix condition), which does not turn that 403 into a 404 but lets it ask."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        answer = client.list_objects_v2(Bucket=bucket, Prefix=key, MaxKeys=1)
+    except (ClientError, BotoCoreError):
+        return False
+    return not any(item["Key"] == key for item in answer.get("Contents", []))
+
+
+# What a failed read of the manifest most likely means, said with the error.
+_READ_HINTS = {
+    # Without s3:ListBucket (the pipeline's build role has GetObject on the manifest only), S3
+    # answers a missing object with 403, not 404 (https://docs.aws.amazon.com/AmazonS3/latest/API/
+    # API_GetObject.html, "Permissions"): on a fresh account this is the usual case.
+    "AccessDenied": (
+        ". Either the manifest does not exist yet (S3 says 403, not 404, to a reader without s3:ListBucket): "
+        "compile the layout first with `make compile CONFIG=<fleet.yaml> COMPILE_ARGS=--checkpoint=<dir>` "
+        "in the pinned inference image, or on AWS with `COMPILE_ARGS=--submit` (docs/compiled-artifacts.md); "
+        "or this role may not read it: a bucket in another account must grant s3:GetObject on this object "
+        "in its bucket policy"),
+    "NoSuchBucket": (
+        ". The bucket of the fleet's model.artifacts_s3_uri does not exist: create it (or fix the URI), then "
+        "compile the layout (`make compile CONFIG=<fleet.yaml> COMPILE_ARGS=--checkpoint=<dir>`)"),
+}
+
+
+def upload(client: Any, out_root: Path, uri: str, manifest: am.Manifest, layout_name: str,
+           *, shared: bool = True) -> int:
+    """Every file the manifest lists, then the manifest itself (a partial upload has none, and the
+    launcher refuses artifacts without one). S3 computes and stores each object's SHA-256 on upload
+    (ChecksumAlgorithm, https://docs.aws.amazon.com/AmazonS3/latest/userguide/checking-object-integrity.html).
+    `shared=False`: the checkpoint's small files came from `uri` itself (the Batch job), so they are there."""
+    bucket, prefix = split_uri(uri)
+    files = sorted({*(manifest.shared if shared else ()), *(p for n in manifest.nodes for p in n.files)})
+    for rel in files:
+        client.upload_file(str(out_root / rel), bucket, prefix + rel, ExtraArgs={"ChecksumAlgorithm": "SHA256"})
+    client.put_object(Bucket=bucket, Key=f"{prefix}neuron/{layout_name}/{am.MANIFEST_NAME}",
+                      Body=am.dumps(manifest).encode(), ChecksumAlgorithm="SHA256")
+    return len(files) + 1
+
+
+def execute(job: Job, checkpoint: Path, work: Path, inputs: am.KeyInputs, *, client: Any | None, artifacts_uri: str,
+            replace: bool = False, expected_key: str | None = None, upload_shared: bool = True) -> int:
+    """Compile unless the key is already built; write the manifest; upload (client None: upload nothing)."""
+    key = am.compute_key(inputs)
+    if expected_key and key != expected_key:
+        raise CompileError(
+            f"these inputs give key {key}, the fleet's model.artifacts_key is {expected_key}: the checkpoint, "
+            "layout, image or compiler arguments differ from those the fleet names; set model.artifacts_key to "
+            "the new key (or unset it) once these artifacts are the ones to deploy")
+    if client is not None:
+        existing = existing_manifest(client, job.destination)
+        if existing is not None and existing.key == key:
+            print(f"{job.destination}: already built with key {key}; nothing to compile")
+            return 0
+        if existing is not None and not replace:
+            raise CompileError(
+                f"{job.destination} holds artifacts of key {existing.key}, not {key}; units deployed with it would "
+                "refuse to start on new ones: pass --replace to upload anyway")
+    out_root = work / "artifacts"
+    clear_outputs(job, out_root)
+    run_passes(job)
+    assemble(job, out_root, checkpoint)
+    manifest = am.build(out_root, f"neuron/{job.layout_name}", inputs, shared_outside=shared_checkpoint_files(out_root))
+    (out_root / "neuron" / job.layout_name / am.MANIFEST_NAME).write_text(am.dumps(manifest))
+    print(f"layout {job.layout_name}: manifest key {manifest.key}, written under {out_root}")
+    if client is not None:
+        count = upload(client, out_root, artifacts_uri, manifest, job.layout_name, shared=upload_shared)
+        print(f"uploaded {count} objects to {artifacts_uri} (the manifest last)")
+    return 0
+
+
+def run_request(request: Request, client: Any) -> int:
+    """The Batch job: fetch the checkpoint beside `neuron/` under the artifacts URI, then `execute`."""
+    work = Path(request.work_dir)
+    checkpoint = work / "checkpoint"
+    log.info("fetching the checkpoint of %s into %s", request.artifacts_uri, checkpoint)
+    # layout None: every object but neuron/*; keep_checkpoint: the weights are what the passes shard.
+    fetch(client, request.artifacts_uri, checkpoint, keep_checkpoint=True)
+    if not any(p.is_file() and not p.name.startswith(".") for p in checkpoint.iterdir()):
+        raise CompileError(f"no checkpoint under {request.artifacts_uri} (outside neuron/): upload the Hugging Face "
+                           f"checkpoint there first, e.g. aws s3 sync <checkpoint dir> {request.artifacts_uri}")
+    inputs = key_inputs(request.job, checkpoint)
+    return execute(request.job, checkpoint, work, inputs, client=client, artifacts_uri=request.artifacts_uri,
+                   replace=request.replace, expected_key=request.expected_key, upload_shared=False)
+
+
+def main(environ: dict[str, str] | None = None) -> int:
+    """`python -m unit_launcher compile`: the compile job's container command. Exit 5 on any failure."""
+    environ = os.environ if environ is None else environ
+    try:
+        raw = environ.get(JOB_ENV)
+        if not raw:
+            raise CompileError(f"{JOB_ENV} is not set: submit the job with `python -m inference_fleet compile "
+                               "--submit`, which renders it")
+        try:
+            data = json.loads(raw)
+        except ValueError as error:
+            raise CompileError(f"{JOB_ENV} is not JSON: {error}") from None
+        import boto3
+
+        return run_request(Request.from_json(data), boto3.client("s3"))
+    except (CompileError, ArtifactError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_COMPILE
+
+
+# The same status as `python -m inference_fleet compile` (inference_fleet/exit_codes.py COMPILE).
+EXIT_COMPILE = 5
