@@ -389,12 +389,31 @@ async def _report_steps(spec: UnitSpec, session: rendezvous.LeaderSession, inter
     the first-deploy kit reads the step bound's margin and the lockstep without a session's end."""
     while True:
         await asyncio.sleep(interval)
-        status = session.steps_status()
-        if status.get("broadcast") is None:
-            continue
-        line = evidence.steps_line(evidence.steps_event(spec, session.session_id, status), spec.metrics_namespace)
-        sys.stdout.write("\n" + line + "\n")
-        sys.stdout.flush()
+        try:
+            status = await _steps_to_report(session, spec.rendezvous.heartbeat_interval)
+            if status.get("broadcast") is None:
+                continue
+            line = evidence.steps_line(evidence.steps_event(spec, session.session_id, status), spec.metrics_namespace)
+            sys.stdout.write("\n" + line + "\n")
+            sys.stdout.flush()
+        except Exception:  # a bug here must not end the reports for the rest of the session
+            log.exception("cannot report the unit's steps")
+
+
+async def _steps_to_report(session: rendezvous.LeaderSession, heartbeat_interval: float) -> dict[str, Any]:
+    """`steps_status`, with a mismatch confirmed: the followers' records are copies from their
+    last heartbeat, so right after a step they trail the leader's own record by design. A mismatch
+    is reported only if it outlives two heartbeats with no step in between; if the leader stepped
+    meanwhile, the lockstep is unknown (None), never a false 1."""
+    status = session.steps_status()
+    if status.get("lockstep") is not False:
+        return status
+    before = status["broadcast"]["steps"]
+    await asyncio.sleep(2 * heartbeat_interval)
+    status = session.steps_status()
+    if status.get("broadcast") is None or status["broadcast"]["steps"] != before:
+        status = {**status, "lockstep": None}
+    return status
 
 
 async def _serve(spec: UnitSpec, session: rendezvous.LeaderSession, engine: Engine, signals: _Signals) -> int:

@@ -20,7 +20,8 @@ format with `NodeSelfCheckFailures` per cell and unit when the spec names a name
   NeuronCores per node = cores_per_node at the unit's LNC). Not applicable on CPU engines.
 
 A failed check is published, never refused: the node goes on, and what breaks later (the
-model load, the collectives) names the failure itself; the kit and the alarm read the line.
+model load, the collectives) names the failure itself; the kit reads the line (no alarm is
+built on `NodeSelfCheckFailures` yet).
 Every check is bounded (the IMDS connect by IMDS_TIMEOUT_SECONDS, the rest read local
 files), and each reads its paths from a root that tests replace (`Roots`).
 """
