@@ -37,6 +37,8 @@ from typing import Any
 
 import aiohttp
 
+from inference_fleet.evacuate import wait_empty, write_local
+
 ROOT = Path(__file__).resolve().parent.parent
 REPORT = ROOT / "e2e-router-report.json"
 LOOPBACK = "127.0.0.1"
@@ -284,7 +286,8 @@ async def evacuation_phase(session: aiohttp.ClientSession, url: str, admin: str,
     async def b_busy() -> bool:
         return (await router_status(session, admin))["cells"]["b"]["streams"] >= 2
     await wait_for(b_busy, 10, "streams in flight on cell b")
-    evac_file.write_text(json.dumps({"evacuated": ["b"]}))
+    # What `python -m inference_fleet evacuate --cell b --local FILE` does.
+    write_local(evac_file, "b", undo=False, force=False, cells=("a", "b"))
     written = time.monotonic()
 
     async def b_drained() -> bool:
@@ -295,15 +298,15 @@ async def evacuation_phase(session: aiohttp.ClientSession, url: str, admin: str,
     load = Load(session, url)
     load.start(4, 2, 10, opts.interval)
 
-    async def b_empty() -> bool:
-        return (await router_status(session, admin))["cells"]["b"]["empty"]
-    empty = await wait_for(b_empty, 20, "the router to report cell b empty")
+    # What `evacuate --cell b --local FILE --status-url ADMIN` waits for.
+    await asyncio.to_thread(wait_empty, admin, "b", 20.0)
+    empty = time.monotonic()
     await asyncio.sleep(max(0.0, applied + 3.0 - time.monotonic()))
     await load.stop()
     finished = await asyncio.gather(*streams)
     served_b_after = (await router_status(session, admin))["cells"]["b"]["served"]
     on_b = [r for r in finished if r.cell == "b"]
-    evac_file.write_text(json.dumps({"evacuated": []}))
+    write_local(evac_file, "b", undo=True, force=False, cells=("a", "b"))
     undo_written = time.monotonic()
 
     async def b_back() -> bool:
