@@ -11,6 +11,7 @@ Beside HAProxy the agent does what is specific to a router:
   through the runtime API (no new request reaches it, streams in flight go on; management
   guide 9.3 "set server <backend>/<server> state [ ready | drain | maint ]"), a cell no longer
   named is set `ready` again;
+- passive ejection of a cell whose answers are retried elsewhere (`_eject_if_retried_away`);
 - it logs `{"event": "cell_empty", "cell": ...}` once an evacuated cell has no stream left
   (`scur` of its row in `show stat`), and serves `GET /status` on the admin listener
   (ROUTER_ADMIN_HOST:PORT): each cell's check status, weight, streams, evacuated and empty.
@@ -76,10 +77,12 @@ class CellStatus:
     served: int = 0
     evacuated: bool = False
     empty: bool = False
+    redispatched: int | None = None  # `wredis` at the last look: requests retried away from this cell
+    ejections: int = 0
 
     def doc(self) -> dict[str, Any]:
         return {"status": self.status, "weight": self.weight, "streams": self.streams, "served": self.served,
-                "evacuated": self.evacuated, "empty": self.empty}
+                "evacuated": self.evacuated, "empty": self.empty, "ejections": self.ejections}
 
 
 @dataclass
@@ -115,9 +118,28 @@ class RouterState:
             cell.weight = int(row.get("weight") or 0)
             cell.streams = int(row.get("scur") or 0)
             cell.served = int(row.get("stot") or 0)
+            await self._eject_if_retried_away(row["svname"], cell, int(row.get("wredis") or 0))
             if cell.evacuated and cell.streams == 0 and not cell.empty:
                 cell.empty = True
                 log.warning(json.dumps({"event": "cell_empty", "cell": row["svname"]}))
+
+    async def _eject_if_retried_away(self, name: str, cell: CellStatus, redispatched: int) -> None:
+        """Passive ejection of a cell whose answers were retried elsewhere: HAProxy 2.6 takes the L7 retry
+        (`retry-on 503`) before its `observe layer7` accounting (src/http_ana.c, http_wait_for_response:
+        `do_l7_retry` returns ahead of `health_adjust`), so a retried 503 never counts towards
+        `error-limit` (measured: 30 of 30 retried, the cell stayed UP). The agent counts them instead,
+        from the cell's `wredis` in `show stat` (management guide 9.1: for a server, the times it was
+        switched away from), and forces its health down (9.3 "set server ... health down"); the active
+        checks bring it back after `rise` passing checks."""
+        before, cell.redispatched = cell.redispatched, redispatched
+        if before is None or redispatched - before < self.settings.error_limit or not cell.status.startswith("UP"):
+            return
+        answer = await self.api.command(f"set server {BACKEND}/{name} health down")
+        if answer.strip():
+            raise RuntimeApiError(f"set server {name} health down: {answer.strip()}")
+        cell.ejections += 1
+        cell.status = "DOWN"
+        log.warning(json.dumps({"event": "cell_ejected", "cell": name, "retried_away": redispatched - before}))
 
     def status_doc(self) -> dict[str, Any]:
         return {"cells": {name: cell.doc() for name, cell in self.cells.items()},
