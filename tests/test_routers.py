@@ -66,3 +66,13 @@ def test_unknown_router_field_is_refused(raw: dict[str, Any]) -> None:
     raw["routers"] = [{"region": "us-east-2", "cells": ["dev"], "plain_http": True, "retries": 2}]
     with pytest.raises(ConfigError, match=r"routers\[0\]\.retries .*unknown field"):
         parse_fleet(raw)
+
+
+def test_a_router_does_not_change_the_cells_autoscaler_digest(raw: dict[str, Any]) -> None:
+    """Adding or editing a router must not redeploy every cell's autoscaler (stacks/cell_stack.py)."""
+    from stacks.cell_stack import autoscaler_config_digest
+
+    before = parse_fleet(copy.deepcopy(raw))
+    raw["routers"] = [{"region": "us-east-2", "cells": ["dev"], "plain_http": True}]
+    after = parse_fleet(raw)
+    assert autoscaler_config_digest(before, before.cells[0]) == autoscaler_config_digest(after, after.cells[0])
