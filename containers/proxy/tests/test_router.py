@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -213,3 +216,52 @@ async def test_evacuation_drains_a_cell_and_reports_it_empty(
             assert router.state.cells["b"].status == "UP"
     finally:
         await router.close()
+
+
+async def test_sigterm_lets_a_stream_finish_then_exits_0(cells: tuple[FakeCell, FakeCell], tmp_path: Path) -> None:
+    """The shipped entry as a process: SIGTERM closes the listener, the request in flight completes,
+    and the router exits 0 at once after it, though the client keeps its connection open (keep-alive)."""
+    a, b = cells
+    a.hold.clear()
+    b.hold.clear()
+    port, admin = _free_port(), _free_port()
+    env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/bin"), "ROUTER_CELLS": f"a={a.url},b={b.url}",
+           "ROUTER_HOST": LOOPBACK, "ROUTER_PORT": str(port), "ROUTER_ADMIN_PORT": str(admin),
+           "ROUTER_CHECK_INTERVAL_MS": "200"}
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "unit_proxy.router", env=env,
+                                                stderr=asyncio.subprocess.PIPE)
+    try:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(200):
+                try:
+                    async with session.get(f"http://{LOOPBACK}:{admin}/status") as resp:
+                        doc = await resp.json()
+                    if all(c["status"] == "UP" for c in doc["cells"].values()):
+                        break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.05)
+            pending = asyncio.create_task(_post(session, port))
+            for _ in range(250):
+                if a.posts + b.posts:
+                    break
+                await asyncio.sleep(0.02)
+            assert a.posts + b.posts == 1, (await proc.stderr.read(4096)).decode() if proc.returncode else "no request"
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.5)
+            assert proc.returncode is None  # the stream holds it
+            a.hold.set()
+            b.hold.set()
+            assert (await pending)[0] == 200
+            code = await asyncio.wait_for(proc.wait(), 5)
+            assert code == 0, (await proc.stderr.read()).decode()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
