@@ -37,6 +37,7 @@ from inference_fleet.config import (
 )
 from inference_fleet.planner.fit import check_fit
 from inference_fleet.rollout import check_wave_sizes
+from inference_fleet.router_checks import check_routers
 
 FleetCheck = Callable[[FleetConfig], Iterable[ConfigIssue]]
 
@@ -296,7 +297,7 @@ CHECKS: tuple[FleetCheck, ...] = (
     _check_model, _check_unit, _check_cells, _check_waves, _check_verify_gate, _check_serving, _check_frontend,
     check_wave_sizes,
     check_cells_deployable, check_startup_budget, check_alarm_defaults, check_quarantine,
-    check_spares_in_fixed_cells, check_efa_installer_pin,
+    check_spares_in_fixed_cells, check_efa_installer_pin, check_routers,
 )
 # Run only when the model and the unit passed (validate_fleet): the planner computes its plan from both.
 DERIVED_CHECKS: tuple[FleetCheck, ...] = (check_fit,)

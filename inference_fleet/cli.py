@@ -21,7 +21,7 @@ import os
 import sys
 from dataclasses import asdict
 
-from inference_fleet import __version__, compile_cli, exit_codes, rollout
+from inference_fleet import __version__, compile_cli, evacuate, exit_codes, rollout
 from inference_fleet.checks import load_fleet
 from inference_fleet.config import ConfigError
 from inference_fleet.planner import cli as planner_cli
@@ -98,6 +98,7 @@ def _parser() -> argparse.ArgumentParser:
         ("compile", "compile the unit layout with NxD Inference, write and upload its manifest",
          compile_cli.add_arguments, compile_cli.run),
         ("simulate", simulation_cli.HELP, simulation_cli.add_arguments, simulation_cli.run),
+        ("evacuate", evacuate.HELP, evacuate.add_arguments, evacuate.run),
     ):
         sub = commands.add_parser(name, help=help_text, description=help_text, epilog=exit_codes.EPILOG,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -639,6 +639,50 @@ class PipelineConfig(_Strict):
     )
 
 
+CellName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9-]{0,23}$")]
+ROUTER_MAX_WEIGHT = 256
+
+
+class RouterConfig(_Strict):
+    """A cell router: one front door for the cells of a region (docs/router.md)."""
+
+    region: Region = Field(description="Region of the router; it fronts cells of this region.")
+    cells: tuple[CellName, ...] = Field(
+        min_length=1, description="Names of the cells it fronts (cells[].name), of the router's region unless "
+        "cross_region is set.",
+    )
+    weights: dict[CellName, Annotated[int, Field(ge=0, le=ROUTER_MAX_WEIGHT)]] | None = Field(
+        default=None,
+        description="Share of new requests per cell, 0-256 (HAProxy server weights under leastconn); a cell not "
+        "named gets 100; 0 sends it nothing while it stays checked. At least one cell above 0.",
+    )
+    retry: bool = Field(
+        default=True,
+        description="Retry once on another cell a request refused or failed before any byte of its answer "
+        "(connection error, empty answer, 502 or 503); never after the first byte.",
+    )
+    cross_region: bool = Field(
+        default=False,
+        description="Allow cells of other regions: each of their requests then crosses regions (added latency "
+        "and inter-region data transfer); off, such a cell is refused.",
+    )
+    certificate_arn: (
+        Annotated[
+            str, StringConstraints(pattern=r"^arn:aws[a-z-]*:acm:[a-z0-9-]+:[0-9]{12}:certificate/[A-Za-z0-9-]+$")
+        ]
+        | None
+    ) = Field(
+        default=None,
+        description="ACM certificate in the router's region: HTTPS listener. Required unless plain_http is set.",
+    )
+    plain_http: bool = Field(
+        default=False, description="Serve plain HTTP on port 80 without a certificate (as for cells)."
+    )
+
+    def weight(self, cell: str) -> int:
+        return (self.weights or {}).get(cell, 100)
+
+
 class FleetConfig(_Strict):
     """The whole fleet description: one YAML file."""
 
@@ -659,6 +703,10 @@ class FleetConfig(_Strict):
     cells: tuple[CellConfig, ...] = Field(min_length=1, description="The cells (see **cells[]**).")
     pipeline: PipelineConfig | None = Field(
         default=None, description="Rollout pipeline; without it no pipeline stack is synthesized."
+    )
+    routers: tuple[RouterConfig, ...] = Field(
+        default=(), description="Cell routers, at most one per region (see **routers[]**); none: clients pick a "
+        "cell's load balancer themselves.",
     )
 
     @property

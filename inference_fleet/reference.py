@@ -31,6 +31,7 @@ _SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("cells[].capacity", config.CapacityConfig),
     ("cells[].scaling", config.ScalingConfig),
     ("pipeline", config.PipelineConfig),
+    ("routers[]", config.RouterConfig),
 ]
 
 

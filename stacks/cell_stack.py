@@ -88,6 +88,14 @@ def node_metrics_namespace(fleet: FleetConfig) -> str:
     return f"{fleet.name}/Node"
 
 
+
+def autoscaler_config_digest(fleet: FleetConfig, cell: CellConfig) -> str:
+    """What the cell's autoscaler depends on: the fleet but the other cells, the waves, the pipeline and
+    the routers (docs/router.md: a router does not change how a cell scales), and the cell itself."""
+    shared = fleet.model_dump(mode="json", exclude={"cells", "waves", "pipeline", "routers"})
+    text = json.dumps([shared, cell.model_dump(mode="json")], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
 class CellStack(Stack):
     """Network, Trainium capacity, units and load balancer of one cell."""
 
@@ -349,9 +357,7 @@ class CellStack(Stack):
     def _autoscaler(self) -> UnitAutoscaler:
         """The elastic cell's unit autoscaler (docs/autoscaling.md)."""
         fleet, cell = self.fleet, self.cell
-        digest = hashlib.sha256(json.dumps(
-            [fleet.model_dump(mode="json", exclude={"cells", "waves", "pipeline"}), cell.model_dump(mode="json")],
-            sort_keys=True).encode()).hexdigest()[:16]
+        digest = autoscaler_config_digest(fleet, cell)
         return UnitAutoscaler(
             self, "Autoscaler",
             cluster=self.cluster, auto_scaling_group=self.capacity.auto_scaling_group, cell_name=cell.name,

@@ -1,0 +1,267 @@
+"""The cell router's HAProxy configuration and agent (`unit_proxy.router_config`, `unit_proxy.router`).
+
+`haproxy -c` on the rendered configuration; settings refused with one line; the agent in the
+test's event loop with HAProxy as its child and two aiohttp "cells" on loopback: the answer names
+its cell, a 503 is retried on the other cell when the request fits the buffer and is not when it
+does not (the manual's "Requests not fitting in a single buffer will never be retried"), a cell
+answering 503 to everything is marked down by passive checks, and evacuation drains a cell.
+The acceptance run with real unit proxies is e2e/router_mode.py (`make e2e-router`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+from unit_proxy.router import EvacuationFileError, RunningRouter, read_evacuation, start
+from unit_proxy.router_config import RouterPaths, RouterSettings, render
+from unit_proxy.settings import SettingsError
+
+LOOPBACK = "127.0.0.1"
+
+
+def _settings(**env: str) -> RouterSettings:
+    return RouterSettings.from_env({"ROUTER_CELLS": "a=http://127.0.0.1:9001,b=http://127.0.0.1:9002", **env})
+
+
+@pytest.mark.parametrize("cells", [
+    "a=http://127.0.0.1:9001,b=http://127.0.0.1:9002",
+    "a=https://internal-a.us-east-2.elb.amazonaws.com,b=http://cell-b.example:8080",
+])
+@pytest.mark.parametrize("retry", ["1", "0"])
+def test_rendered_config_passes_haproxy_check(cells: str, retry: str, tmp_path: Path) -> None:
+    settings = RouterSettings.from_env({"ROUTER_CELLS": cells, "ROUTER_RETRY": retry, "ROUTER_WEIGHTS": "a=10"})
+    text = render(settings, RouterPaths(str(tmp_path), 3)).replace("bind fd@3", "bind 127.0.0.1:1")
+    (tmp_path / "c.cfg").write_text(text)
+    done = subprocess.run(["haproxy", "-c", "-f", str(tmp_path / "c.cfg")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr + text
+    assert ("retry-on conn-failure empty-response 502 503" in text) == (retry == "1")
+    assert "server a " in text and "weight 10" in text and "balance leastconn" in text
+
+
+@pytest.mark.parametrize(("env", "named"), [
+    ({"ROUTER_CELLS": ""}, "ROUTER_CELLS"),
+    ({"ROUTER_CELLS": "A=http://x:1"}, "ROUTER_CELLS"),
+    ({"ROUTER_CELLS": "a=http://x:1,a=http://y:1"}, "ROUTER_CELLS"),
+    ({"ROUTER_CELLS": "a=ftp://x:1"}, "ROUTER_CELLS"),
+    ({"ROUTER_CELLS": "a=http://x:1/v1"}, "ROUTER_CELLS"),
+    ({"ROUTER_CELLS": "a=http://x:1", "ROUTER_WEIGHTS": "b=3"}, "ROUTER_WEIGHTS"),
+    ({"ROUTER_CELLS": "a=http://x:1", "ROUTER_WEIGHTS": "a=300"}, "ROUTER_WEIGHTS"),
+    ({"ROUTER_CELLS": "a=http://x:1", "ROUTER_WEIGHTS": "a=0"}, "ROUTER_WEIGHTS"),
+    ({"ROUTER_CELLS": "a=http://x:1", "ROUTER_CHECK_INTERVAL_MS": "5000"}, "ROUTER_CHECK_INTERVAL_MS"),
+    ({"ROUTER_CELLS": "a=http://x:1", "ROUTER_RETRY": "maybe"}, "ROUTER_RETRY"),
+])
+def test_bad_settings_name_the_variable(env: dict[str, str], named: str) -> None:
+    with pytest.raises(SettingsError) as caught:
+        RouterSettings.from_env(env)
+    assert caught.value.name == named and "not allowed" in str(caught.value)
+
+
+def test_bad_settings_exit_2_with_one_line() -> None:
+    done = subprocess.run([sys.executable, "-m", "unit_proxy.router"], capture_output=True, text=True,
+                          env={"ROUTER_CELLS": "a=nope", "PATH": "/usr/bin:/bin"}, timeout=30)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "ROUTER_CELLS" in done.stderr, done.stderr
+
+
+def test_evacuation_file(tmp_path: Path) -> None:
+    path = tmp_path / "e.json"
+    assert read_evacuation(str(path), {"a", "b"}) == frozenset()
+    path.write_text('{"evacuated": ["b"]}')
+    assert read_evacuation(str(path), {"a", "b"}) == frozenset({"b"})
+    for text, words in (("{", "not JSON"), ('{"evacuated": "b"}', "expected"), ('{"evacuated": ["c"]}', "unknown")):
+        path.write_text(text)
+        with pytest.raises(EvacuationFileError, match=words):
+            read_evacuation(str(path), {"a", "b"})
+
+
+class FakeCell:
+    """A cell's load balancer: GET /health 200; POST answers 200, or 503 unit_unavailable when `down`."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.down, self.posts, self.url = name, False, 0, ""
+        self.hold = asyncio.Event()
+        self.hold.set()
+
+    async def start(self) -> web.AppRunner:
+        app = web.Application(client_max_size=8 * 1024 * 1024)
+        app.router.add_get("/health", self._health)
+        app.router.add_post("/v1/completions", self._post)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, LOOPBACK, 0)
+        await site.start()
+        self.url = f"http://{LOOPBACK}:{runner.addresses[0][1]}"
+        return runner
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def _post(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        self.posts += 1
+        if self.down:
+            return web.json_response({"error": {"type": "unit_unavailable"}}, status=503)
+        await self.hold.wait()
+        return web.json_response({"cell": self.name})
+
+
+@pytest.fixture
+async def cells() -> AsyncIterator[tuple[FakeCell, FakeCell]]:
+    a, b = FakeCell("a"), FakeCell("b")
+    runners = [await a.start(), await b.start()]
+    yield a, b
+    a.hold.set()
+    b.hold.set()
+    for runner in runners:
+        await runner.cleanup()
+
+
+async def _router(a: FakeCell, b: FakeCell, tmp_path: Path, **env: str) -> RunningRouter:
+    settings = RouterSettings.from_env({
+        "ROUTER_CELLS": f"a={a.url},b={b.url}", "ROUTER_HOST": LOOPBACK, "ROUTER_PORT": "0", "ROUTER_ADMIN_PORT": "0",
+        "ROUTER_EVACUATION_FILE": str(tmp_path / "evacuation.json"), "ROUTER_POLL_SECONDS": "0.05",
+        "ROUTER_CHECK_INTERVAL_MS": "200", **env})
+    return await start(replace(settings))
+
+
+async def _post(session: aiohttp.ClientSession, port: int, size: int = 10) -> tuple[int, str | None]:
+    body = json.dumps({"prompt": "x" * size})
+    async with session.post(f"http://{LOOPBACK}:{port}/v1/completions", data=body,
+                            headers={"Content-Type": "application/json"}) as resp:
+        await resp.read()
+        return resp.status, resp.headers.get("X-Served-By-Cell")
+
+
+async def test_a_503_is_retried_on_the_other_cell_only_when_the_request_fits_the_buffer(
+        cells: tuple[FakeCell, FakeCell], tmp_path: Path) -> None:
+    a, b = cells
+    a.down = True
+    router = await _router(a, b, tmp_path, ROUTER_BUFFER_BYTES="16384", ROUTER_ERROR_LIMIT="100")
+    try:
+        async with aiohttp.ClientSession() as session:
+            small = [await _post(session, router.port) for _ in range(20)]
+            assert a.posts > 0  # some went to a first ...
+            assert small == [(200, "b")] * 20  # ... and were answered by b
+            posts = a.posts
+            large = [await _post(session, router.port, size=40_000) for _ in range(20)]
+            assert a.posts > posts
+            assert (503, "a") in large  # a body over the buffer is not retried: a's 503 reaches the client
+    finally:
+        await router.close()
+
+
+async def test_a_cell_answering_503_is_ejected_by_passive_checks(
+        cells: tuple[FakeCell, FakeCell], tmp_path: Path) -> None:
+    a, b = cells
+    # Checks every 2 s: once ejected, a comes back only after `rise` (2) passing checks, 4 s.
+    router = await _router(a, b, tmp_path, ROUTER_ERROR_LIMIT="3", ROUTER_CHECK_INTERVAL_MS="2000")
+    try:
+        async with aiohttp.ClientSession() as session:
+            a.down = True  # its /health still answers 200: only the passive side can see it
+            results = [await _post(session, router.port) for _ in range(30)]
+            assert all(r == (200, "b") for r in results), results
+            for _ in range(40):  # the agent looks every ROUTER_POLL_SECONDS (0.05 s here)
+                if router.state.cells["a"].ejections:
+                    break
+                await asyncio.sleep(0.05)
+            # On HAProxy's own `observe layer7` alone it stays UP: a retried 503 is not counted (router.py).
+            assert router.state.cells["a"].status.startswith("DOWN"), router.state.status_doc()
+            posts = a.posts
+            assert [await _post(session, router.port) for _ in range(10)] == [(200, "b")] * 10
+            assert a.posts == posts
+    finally:
+        await router.close()
+
+
+async def test_evacuation_drains_a_cell_and_reports_it_empty(
+        cells: tuple[FakeCell, FakeCell], tmp_path: Path) -> None:
+    a, b = cells
+    router = await _router(a, b, tmp_path)
+    try:
+        async with aiohttp.ClientSession() as session:
+            b.hold.clear()  # b's answers wait: a request stays in flight there
+            pending = [asyncio.create_task(_post(session, router.port)) for _ in range(6)]
+            while router.state.cells["b"].streams == 0:
+                await asyncio.sleep(0.02)
+                await router.state.refresh()
+            (tmp_path / "evacuation.json").write_text('{"evacuated": ["b"]}')
+            while not router.state.cells["b"].evacuated:
+                await asyncio.sleep(0.02)
+            posts = b.posts
+            after = [await _post(session, router.port) for _ in range(10)]
+            assert after == [(200, "a")] * 10 and b.posts == posts
+            assert not router.state.cells["b"].empty
+            b.hold.set()
+            assert all(status == 200 for status, _ in await asyncio.gather(*pending))
+            for _ in range(100):
+                if router.state.cells["b"].empty:
+                    break
+                await asyncio.sleep(0.05)
+            assert router.state.status_doc()["cells"]["b"]["empty"] is True
+            (tmp_path / "evacuation.json").write_text('{"evacuated": []}')
+            while router.state.cells["b"].evacuated:
+                await asyncio.sleep(0.02)
+            await router.state.refresh()
+            assert router.state.cells["b"].status == "UP"
+    finally:
+        await router.close()
+
+
+async def test_sigterm_lets_a_stream_finish_then_exits_0(cells: tuple[FakeCell, FakeCell], tmp_path: Path) -> None:
+    """The shipped entry as a process: SIGTERM closes the listener, the request in flight completes,
+    and the router exits 0 at once after it, though the client keeps its connection open (keep-alive)."""
+    a, b = cells
+    a.hold.clear()
+    b.hold.clear()
+    port, admin = _free_port(), _free_port()
+    env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/bin"), "ROUTER_CELLS": f"a={a.url},b={b.url}",
+           "ROUTER_HOST": LOOPBACK, "ROUTER_PORT": str(port), "ROUTER_ADMIN_PORT": str(admin),
+           "ROUTER_CHECK_INTERVAL_MS": "200"}
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "unit_proxy.router", env=env,
+                                                stderr=asyncio.subprocess.PIPE)
+    try:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(200):
+                try:
+                    async with session.get(f"http://{LOOPBACK}:{admin}/status") as resp:
+                        doc = await resp.json()
+                    if all(c["status"] == "UP" for c in doc["cells"].values()):
+                        break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.05)
+            pending = asyncio.create_task(_post(session, port))
+            for _ in range(250):
+                if a.posts + b.posts:
+                    break
+                await asyncio.sleep(0.02)
+            assert a.posts + b.posts == 1, (await proc.stderr.read(4096)).decode() if proc.returncode else "no request"
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.5)
+            assert proc.returncode is None  # the stream holds it
+            a.hold.set()
+            b.hold.set()
+            assert (await pending)[0] == 200
+            code = await asyncio.wait_for(proc.wait(), 5)
+            assert code == 0, (await proc.stderr.read()).decode()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,286 @@
+"""`python -m unit_proxy.router`: the cell router's agent, with HAProxy as its child (issue 26).
+
+The same shape as the unit proxy's agent (`unit_proxy.agent`), whose pieces it reuses: it
+binds the data port itself and hands the socket to `haproxy -W -db -f <cfg>`, which dies
+with it; HAProxy exiting on its own ends the router with exit 1. The configuration is
+`unit_proxy.router_config.render`: the cells' load balancers as servers of one backend.
+
+Beside HAProxy the agent does what is specific to a router:
+- evacuation: it polls ROUTER_EVACUATION_FILE (JSON `{"evacuated": ["b"]}`, written by
+  `python -m inference_fleet evacuate --local FILE`); a cell named there is set to `drain`
+  through the runtime API (no new request reaches it, streams in flight go on; management
+  guide 9.3 "set server <backend>/<server> state [ ready | drain | maint ]"), a cell no longer
+  named is set `ready` again;
+- passive ejection of a cell whose answers are retried elsewhere (`_eject_if_retried_away`);
+- it logs `{"event": "cell_empty", "cell": ...}` once an evacuated cell has no stream left
+  (`scur` of its row in `show stat`), and serves `GET /status` on the admin listener
+  (ROUTER_ADMIN_HOST:PORT): each cell's check status, weight, streams, evacuated and empty.
+
+SIGTERM: HAProxy soft-stops (its listener closes, streams in flight go on up to
+`hard-stop-after`), the agent waits for it and exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import shutil
+import signal
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from unit_proxy.agent import BindError, StartError, _site, _start_haproxy, bind_data_port, configure_logging
+from unit_proxy.router_config import BACKEND, RouterPaths, RouterSettings, render
+from unit_proxy.runtime_api import RuntimeApi, RuntimeApiError
+from unit_proxy.settings import SettingsError
+
+log = logging.getLogger("unit_proxy.router")
+
+
+class EvacuationFileError(ValueError):
+    """The evacuation file cannot be used; the message says why (the last good state is kept)."""
+
+
+def read_evacuation(path: str, cells: set[str]) -> frozenset[str]:
+    """The evacuated cells named in the file; a missing file is none. Raises EvacuationFileError."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return frozenset()
+    except OSError as exc:
+        raise EvacuationFileError(f"{path}: cannot be read: {exc.strerror}") from None
+    try:
+        doc = json.loads(text or "{}")
+    except json.JSONDecodeError as exc:
+        raise EvacuationFileError(f"{path}: not JSON ({exc.msg})") from None
+    names = doc.get("evacuated") if isinstance(doc, dict) else None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise EvacuationFileError(f'{path}: expected {{"evacuated": ["cell", ...]}}')
+    unknown = sorted(set(names) - cells)
+    if unknown:
+        raise EvacuationFileError(f"{path}: unknown cells {unknown}; this router fronts {sorted(cells)}")
+    return frozenset(names)
+
+
+@dataclass
+class CellStatus:
+    status: str = "?"
+    weight: int = 0
+    streams: int = 0
+    served: int = 0
+    evacuated: bool = False
+    empty: bool = False
+    redispatched: int | None = None  # `wredis` at the last look: requests retried away from this cell
+    ejections: int = 0
+
+    def doc(self) -> dict[str, Any]:
+        return {"status": self.status, "weight": self.weight, "streams": self.streams, "served": self.served,
+                "evacuated": self.evacuated, "empty": self.empty, "ejections": self.ejections}
+
+
+@dataclass
+class RouterState:
+    settings: RouterSettings
+    api: RuntimeApi
+    cells: dict[str, CellStatus] = field(default_factory=dict)
+    evacuated: frozenset[str] = frozenset()
+    file_error: str | None = None
+
+    def __post_init__(self) -> None:
+        self.cells = {cell.name: CellStatus(weight=cell.weight) for cell in self.settings.cells}
+
+    async def apply(self, wanted: frozenset[str]) -> None:
+        """Drain the newly evacuated cells and make the others ready again, through the runtime API."""
+        for name in sorted(wanted ^ self.evacuated):
+            state = "drain" if name in wanted else "ready"
+            answer = await self.api.command(f"set server {BACKEND}/{name} state {state}")
+            if answer.strip():
+                raise RuntimeApiError(f"set server {name} state {state}: {answer.strip()}")
+            self.cells[name].evacuated = name in wanted
+            self.cells[name].empty = False
+            log.warning(json.dumps({"event": "cell_evacuated" if name in wanted else "cell_restored", "cell": name}))
+        self.evacuated = wanted
+
+    async def refresh(self) -> None:
+        """Each cell's row of `show stat`; an evacuated cell's first empty look is logged once."""
+        for row in await self.api.show_stat():
+            cell = self.cells.get(row.get("svname", "")) if row.get("pxname") == BACKEND else None
+            if cell is None:
+                continue
+            cell.status = row.get("status", "?")
+            cell.weight = int(row.get("weight") or 0)
+            cell.streams = int(row.get("scur") or 0)
+            cell.served = int(row.get("stot") or 0)
+            await self._eject_if_retried_away(row["svname"], cell, int(row.get("wredis") or 0))
+            if cell.evacuated and cell.streams == 0 and not cell.empty:
+                cell.empty = True
+                log.warning(json.dumps({"event": "cell_empty", "cell": row["svname"]}))
+
+    async def _eject_if_retried_away(self, name: str, cell: CellStatus, redispatched: int) -> None:
+        """Passive ejection of a cell whose answers were retried elsewhere: HAProxy 2.6 takes the L7 retry
+        (`retry-on 503`) before its `observe layer7` accounting (src/http_ana.c, http_wait_for_response:
+        `do_l7_retry` returns ahead of `health_adjust`), so a retried 503 never counts towards
+        `error-limit` (measured: 30 of 30 retried, the cell stayed UP). The agent counts them instead,
+        from the cell's `wredis` in `show stat` (management guide 9.1: for a server, the times it was
+        switched away from), and forces its health down (9.3 "set server ... health down"); the active
+        checks bring it back after `rise` passing checks."""
+        before, cell.redispatched = cell.redispatched, redispatched
+        if before is None or redispatched - before < self.settings.error_limit or not cell.status.startswith("UP"):
+            return
+        answer = await self.api.command(f"set server {BACKEND}/{name} health down")
+        if answer.strip():
+            raise RuntimeApiError(f"set server {name} health down: {answer.strip()}")
+        cell.ejections += 1
+        cell.status = "DOWN"
+        log.warning(json.dumps({"event": "cell_ejected", "cell": name, "retried_away": redispatched - before}))
+
+    def status_doc(self) -> dict[str, Any]:
+        return {"cells": {name: cell.doc() for name, cell in self.cells.items()},
+                "evacuated": sorted(self.evacuated), "evacuation_file_error": self.file_error}
+
+
+async def poll_loop(state: RouterState) -> None:
+    """Every ROUTER_POLL_SECONDS: the evacuation file, then `show stat`."""
+    settings = state.settings
+    names = {cell.name for cell in settings.cells}
+    while True:
+        try:
+            if settings.evacuation_file:
+                try:
+                    wanted = read_evacuation(settings.evacuation_file, names)
+                except EvacuationFileError as exc:
+                    if state.file_error != str(exc):
+                        log.error("%s", exc)
+                    state.file_error = str(exc)
+                else:
+                    state.file_error = None
+                    await state.apply(wanted)
+            await state.refresh()
+        except RuntimeApiError as exc:
+            log.error("%s", exc)
+        await asyncio.sleep(settings.poll_seconds)
+
+
+def admin_app(state: RouterState) -> web.Application:
+    async def status(request: web.Request) -> web.Response:
+        with contextlib.suppress(RuntimeApiError):
+            await state.refresh()
+        return web.json_response(state.status_doc())
+
+    app = web.Application()
+    app.router.add_get("/status", status)
+    return app
+
+
+@dataclass
+class RunningRouter:
+    state: RouterState
+    paths: RouterPaths
+    port: int
+    admin_port: int
+    process: asyncio.subprocess.Process
+    runner: web.AppRunner
+    task: asyncio.Task[None]
+    owns_dir: bool
+
+    async def close(self, soft: bool = False, timeout: float = 5.0) -> int | None:
+        proc = self.process
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGUSR1 if soft else signal.SIGTERM)
+            try:
+                async with asyncio.timeout(timeout):
+                    await proc.wait()
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        await self.runner.cleanup()
+        if self.owns_dir:
+            shutil.rmtree(self.paths.runtime_dir, ignore_errors=True)
+        return proc.returncode
+
+
+async def start(settings: RouterSettings) -> RunningRouter:
+    """Bind, start HAProxy, the poll loop and the admin listener; raises BindError or StartError."""
+    listener = bind_data_port(settings.host, settings.port)
+    owns = not settings.runtime_dir
+    runtime_dir = tempfile.mkdtemp(prefix="cell-router-") if owns else settings.runtime_dir
+    Path(runtime_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+    paths = RouterPaths(runtime_dir, listener.fileno())
+    api = RuntimeApi(paths.admin_socket)
+    state = RouterState(settings, api)
+    runner = web.AppRunner(admin_app(state), access_log=None, handle_signals=False, shutdown_timeout=0.5)
+    try:
+        await _site(runner, lambda: web.TCPSite(runner, settings.admin_host, settings.admin_port, reuse_address=True),
+                    f"{settings.admin_host}:{settings.admin_port}")
+        Path(paths.config).write_text(render(settings, paths))
+        process = await _start_haproxy(paths, api)  # type: ignore[arg-type]  # RouterPaths has the same fields
+    except BaseException:
+        await runner.cleanup()
+        listener.close()
+        if owns:
+            shutil.rmtree(runtime_dir, ignore_errors=True)
+        raise
+    port = listener.getsockname()[1]
+    listener.close()  # HAProxy holds it now
+    task = asyncio.create_task(poll_loop(state), name="router-poll")
+    admin_port = runner.addresses[0][1]
+    log.info("router listening on %s:%d (HAProxy pid %d, admin %s:%d) -> %s", settings.host, port, process.pid,
+             settings.admin_host, admin_port, ", ".join(f"{c.name}={c.url} w{c.weight}" for c in settings.cells))
+    return RunningRouter(state, paths, port, admin_port, process, runner, task, owns)
+
+
+async def serve(settings: RouterSettings) -> int:
+    try:
+        running = await start(settings)
+    except StartError as exc:
+        log.error("%s", exc)
+        return 1
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    died = asyncio.create_task(running.process.wait())
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait({died, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if died.done() and not stopped.done():
+        stopped.cancel()
+        log.error("haproxy exited with code %s: exiting 1", running.process.returncode)
+        await running.close()
+        return 1
+    died.cancel()
+    log.warning("stopping: listener closed, streams in flight go on (hard-stop-after)")
+    await running.close(soft=True, timeout=910.0)
+    return 0
+
+
+def main() -> int:
+    if len(sys.argv) > 1:
+        print("usage: python -m unit_proxy.router (settings from the environment: ROUTER_CELLS, ROUTER_WEIGHTS, "
+              "ROUTER_PORT, ...; docs/router.md)", file=sys.stderr if sys.argv[1] not in ("-h", "--help") else None)
+        return 0 if sys.argv[1] in ("-h", "--help") else 2
+    try:
+        settings = RouterSettings.from_env()
+    except SettingsError as exc:
+        print(f"cell_router: {exc}", file=sys.stderr)
+        return 2
+    configure_logging()
+    try:
+        return asyncio.run(serve(settings))
+    except BindError as exc:
+        print(f"cell_router: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

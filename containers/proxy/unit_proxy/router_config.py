@@ -1,0 +1,280 @@
+"""The cell router's settings (environment) and its HAProxy configuration (issue 26, docs/router.md).
+
+The router is the unit proxy's data path turned one level up: one HAProxy 2.6 backend whose
+servers are the cells' load balancers, `balance leastconn` with the fleet file's weights,
+active checks of each cell's `GET /health` every second or two, passive ejection on
+connection errors and 5xx, one retry on another cell before the first byte of an answer,
+and `X-Served-By-Cell` on every answer. The agent beside it (`unit_proxy.router`) starts
+HAProxy, applies evacuations through the runtime API and reports when a cell is empty.
+
+Manual sections are of https://docs.haproxy.org/2.6/configuration.html. Settings are
+checked at start (`RouterSettings.from_env`): a bad one names the variable, its value and
+what is allowed, and the router exits 2 before it listens.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from unit_proxy.settings import MAX_BUFFER_BYTES, MIN_BUFFER_BYTES, SettingsError, _float, _int
+
+# The fleet file's cell names (inference_fleet.config.CellConfig.name): valid HAProxy server names too.
+CELL_NAME = re.compile(r"^[a-z][a-z0-9-]{0,23}$")
+BACKEND = "cells"
+SERVED_BY_HEADER = "X-Served-By-Cell"
+# 5.2 "weight": 0 to 256; 0 takes a cell out of the choice (it is still checked).
+MAX_WEIGHT = 256
+DEFAULT_WEIGHT = 100
+# The system CA bundle of Debian (the image and the build machine): the cells' ALB certificates are ACM ones.
+SYSTEM_CA_FILE = "/etc/ssl/certs/ca-certificates.crt"
+
+
+@dataclass(frozen=True, slots=True)
+class CellBackend:
+    """One cell behind the router: its name, its load balancer's URL and its weight."""
+
+    name: str
+    url: str
+    weight: int
+
+    @property
+    def https(self) -> bool:
+        return urlsplit(self.url).scheme == "https"
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.url).hostname or ""
+
+    @property
+    def address(self) -> str:
+        parts = urlsplit(self.url)
+        port = parts.port or (443 if self.https else 80)
+        host = f"[{parts.hostname}]" if parts.hostname and ":" in parts.hostname else parts.hostname
+        return f"{host}:{port}"
+
+
+def _cells(env: Mapping[str, str]) -> tuple[CellBackend, ...]:
+    """ROUTER_CELLS `name=url,name=url` and ROUTER_WEIGHTS `name=weight,...` (default 100 each)."""
+    raw = env.get("ROUTER_CELLS", "").strip()
+    allowed = "name=URL pairs separated by commas, e.g. a=http://10.1.0.10:80,b=https://cell-b.example:443"
+    if not raw:
+        raise SettingsError("ROUTER_CELLS", raw, f"at least one cell: {allowed}")
+    urls: dict[str, str] = {}
+    for item in raw.split(","):
+        name, sep, url = (part.strip() for part in item.partition("="))
+        if not sep or not CELL_NAME.match(name):
+            raise SettingsError("ROUTER_CELLS", raw, f"{allowed}; names as in the fleet file ({CELL_NAME.pattern})")
+        if name in urls:
+            raise SettingsError("ROUTER_CELLS", raw, f"each cell once; {name} is given twice")
+        parts = urlsplit(url)
+        try:
+            port_ok = parts.port != 0
+        except ValueError:
+            port_ok = False
+        if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok or parts.path not in ("", "/") \
+                or parts.query or parts.username:
+            raise SettingsError("ROUTER_CELLS", raw, f"cell {name}: an http:// or https:// URL of its load balancer, "
+                                                     "scheme, host and port only")
+        urls[name] = url.rstrip("/")
+    weights = _weights(env, set(urls))
+    return tuple(CellBackend(name, url, weights.get(name, DEFAULT_WEIGHT)) for name, url in urls.items())
+
+
+def _weights(env: Mapping[str, str], names: set[str]) -> dict[str, int]:
+    raw = env.get("ROUTER_WEIGHTS", "").strip()
+    weights: dict[str, int] = {}
+    for item in filter(None, (i.strip() for i in raw.split(","))):
+        name, _, value = (part.strip() for part in item.partition("="))
+        if name not in names or not value.isdigit() or int(value) > MAX_WEIGHT:
+            raise SettingsError("ROUTER_WEIGHTS", raw, f"name=weight pairs of the cells in ROUTER_CELLS "
+                                                       f"({', '.join(sorted(names))}), weights 0 to {MAX_WEIGHT}")
+        weights[name] = int(value)
+    if weights and len(weights) == len(names) and not any(weights.values()):
+        raise SettingsError("ROUTER_WEIGHTS", raw, "at least one cell with a weight above 0")
+    return weights
+
+
+def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw not in ("1", "0", "true", "false"):
+        raise SettingsError(name, raw, "1 or 0 (true or false)")
+    return raw in ("1", "true")
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """Every setting of the router; docs/router.md lists them with their meaning."""
+
+    cells: tuple[CellBackend, ...]
+    host: str = "0.0.0.0"
+    port: int = 8080
+    admin_host: str = "127.0.0.1"
+    admin_port: int = 9091
+    retry: bool = True
+    check_interval_ms: int = 1000
+    fall: int = 2
+    rise: int = 2
+    error_limit: int = 3
+    connect_timeout_ms: int = 1000
+    timeout_seconds: float = 905.0
+    buffer_bytes: int = 1_130_496
+    workers: int = 1
+    evacuation_file: str = ""
+    poll_seconds: float = 1.0
+    runtime_dir: str = ""
+    ca_file: str = SYSTEM_CA_FILE
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> RouterSettings:
+        env = os.environ if env is None else env
+        return cls(
+            cells=_cells(env),
+            host=env.get("ROUTER_HOST", cls.host).strip() or cls.host,
+            port=_int(env, "ROUTER_PORT", cls.port, 0, 65535),
+            admin_host=env.get("ROUTER_ADMIN_HOST", cls.admin_host).strip() or cls.admin_host,
+            admin_port=_int(env, "ROUTER_ADMIN_PORT", cls.admin_port, 0, 65535),
+            retry=_bool(env, "ROUTER_RETRY", cls.retry),
+            check_interval_ms=_int(env, "ROUTER_CHECK_INTERVAL_MS", cls.check_interval_ms, 100, 2000),
+            fall=_int(env, "ROUTER_FALL", cls.fall, 1, 10),
+            rise=_int(env, "ROUTER_RISE", cls.rise, 1, 10),
+            error_limit=_int(env, "ROUTER_ERROR_LIMIT", cls.error_limit, 1, 100),
+            connect_timeout_ms=_int(env, "ROUTER_CONNECT_TIMEOUT_MS", cls.connect_timeout_ms, 100, 10_000),
+            timeout_seconds=_float(env, "ROUTER_TIMEOUT_SECONDS", cls.timeout_seconds, 1, 4000),
+            buffer_bytes=_int(env, "ROUTER_BUFFER_BYTES", cls.buffer_bytes, MIN_BUFFER_BYTES, MAX_BUFFER_BYTES),
+            workers=_int(env, "ROUTER_WORKERS", cls.workers, 1, 64),
+            evacuation_file=env.get("ROUTER_EVACUATION_FILE", "").strip(),
+            poll_seconds=_float(env, "ROUTER_POLL_SECONDS", cls.poll_seconds, 0.05, 60),
+            runtime_dir=env.get("RUNTIME_DIR", "").strip(),
+            ca_file=env.get("ROUTER_CA_FILE", cls.ca_file).strip() or cls.ca_file,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RouterPaths:
+    """The runtime directory's files and the listening socket HAProxy inherits (as unit_proxy's Paths)."""
+
+    runtime_dir: str
+    listen_fd: int
+
+    @property
+    def config(self) -> str:
+        return str(Path(self.runtime_dir) / "router.cfg")
+
+    @property
+    def admin_socket(self) -> str:
+        return str(Path(self.runtime_dir) / "admin.sock")
+
+    @property
+    def master_socket(self) -> str:
+        return str(Path(self.runtime_dir) / "master.sock")
+
+
+def _ms(value: float) -> str:
+    return f"{int(value)}ms"
+
+
+def _server(cell: CellBackend, settings: RouterSettings) -> str:
+    line = f"    server {cell.name} {cell.address} weight {cell.weight} check"
+    if cell.https:
+        # 5.2 "ssl", "verify required", "ca-file", "sni", "check-sni": TLS to the cell's ALB (an ACM
+        # certificate for its DNS name), the name sent for the data and the checks alike.
+        line += f" ssl verify required ca-file {settings.ca_file} sni str({cell.host}) check-sni {cell.host}"
+    if not _is_ip(cell.host):
+        # An ALB's addresses change over time: re-resolved from the VPC resolver (5.3.2 "resolvers",
+        # 5.2 "resolvers", "init-addr"; "none": the router starts while a name does not resolve yet).
+        line += " resolvers vpc init-addr last,libc,none resolve-prefer ipv4"
+    return line
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _resolvers(settings: RouterSettings) -> list[str]:
+    if all(_is_ip(cell.host) for cell in settings.cells):
+        return []
+    # 5.3.2 "parse-resolv-conf": the VPC's resolver (the task's /etc/resolv.conf); "hold valid": how long
+    # an answer is used; ALB DNS records have a 60 s TTL.
+    return ["resolvers vpc", "    parse-resolv-conf", "    hold valid 10s", "    accepted_payload_size 8192", ""]
+
+
+def render(settings: RouterSettings, paths: RouterPaths) -> str:
+    """The whole router.cfg for these settings (a pure function; `haproxy -c` runs on it in the tests)."""
+    inter = settings.check_interval_ms
+    retry = [
+        # 4.2 "retries": one more attempt. 4.2 "option redispatch 1": that attempt goes back to the
+        # load balancing, which avoids the cell just tried when another is up (leastconn's
+        # fwlc_get_next_server(p, srvtoavoid), src/lb_fwlc.c).
+        "    retries 1",
+        "    option redispatch 1",
+        # 4.2 "retry-on": a refused or reset connection, a connection closed with no answer, a 503
+        # (a cell with no serving unit: its proxies' `unit_unavailable`, or the ALB's own 503) or a
+        # 502 (the cell's engine connection failed before its answer started: measured when a unit's
+        # engine is killed under load, its proxy answers 502 until its next health round). The
+        # manual: anything beyond conn-failure needs the whole request in one buffer; "Requests not
+        # fitting in a single buffer will never be retried" (tune.bufsize below). Once response bytes
+        # went to the client, HAProxy cannot retry (a retry replays the request on a new connection
+        # and is decided on the response's status line, before it is forwarded).
+        "    retry-on conn-failure empty-response 502 503",
+        # 4.2 "option http-buffer-request": wait for the body before connecting, so the request is
+        # whole in the buffer when a retry needs it (up to tune.bufsize).
+        "    option http-buffer-request",
+    ] if settings.retry else ["    retries 0"]
+    lines = [
+        "global",
+        f"    nbthread {settings.workers}",
+        f"    stats socket {paths.admin_socket} mode 600 level admin",
+        # 3.2 "tune.bufsize": the largest request a retry can replay (headers and body together).
+        f"    tune.bufsize {settings.buffer_bytes}",
+        "    hard-stop-after 905s",
+        "",
+        *_resolvers(settings),
+        "defaults",
+        "    mode http",
+        "    option http-no-delay",
+        "    option abortonclose",
+        f"    timeout connect {_ms(settings.connect_timeout_ms)}",
+        f"    timeout client {_ms(settings.timeout_seconds * 1000)}",
+        f"    timeout server {_ms(settings.timeout_seconds * 1000)}",
+        "    timeout http-request 30s",
+        "    timeout http-keep-alive 905s",
+        f"    timeout check {_ms(inter)}",
+        "",
+        "frontend router",
+        f"    bind fd@{paths.listen_fd}",
+        # The router's own liveness for the NLB/ALB in front of it: not forwarded.
+        "    http-request return status 200 content-type text/plain string ok if { path /router/health }",
+        f"    default_backend {BACKEND}",
+        "",
+        f"backend {BACKEND}",
+        # 4.2 "balance leastconn": the cell with the fewest open streams relative to its weight.
+        "    balance leastconn",
+        *retry,
+        # 4.2 "option httpchk", "http-check send/expect": a cell is up while its load balancer's
+        # GET /health answers 200: an ALB routes only to healthy targets while it has one (a serving
+        # unit's proxy answers 200) and fails open to all when none is (each proxy answers 503).
+        "    option httpchk",
+        "    http-check send meth GET uri /health ver HTTP/1.1 hdr Host cell-router",
+        "    http-check expect status 200",
+        # 5.2 "inter", "fastinter", "downinter", "fall", "rise": checked every ROUTER_CHECK_INTERVAL_MS;
+        # 5.2 "observe layer7" + "error-limit" + "on-error mark-down": that many 5xx answers (but 501
+        # and 505) or connection errors in a row take the cell out at once, before the next check.
+        f"    default-server inter {inter} fastinter {max(inter // 2, 100)} downinter {inter} fall {settings.fall} "
+        f"rise {settings.rise} observe layer7 error-limit {settings.error_limit} on-error mark-down",
+        # Which cell answered (issue 26), replacing any such header from upstream.
+        f"    http-response set-header {SERVED_BY_HEADER} %[srv_name]",
+        *(_server(cell, settings) for cell in settings.cells),
+    ]
+    return "\n".join(lines) + "\n"

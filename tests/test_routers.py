@@ -1,0 +1,78 @@
+"""The fleet file's `routers:` section (issue 26): what a valid router resolves to, and the rules that span fields.
+
+Each refused form has a file in tests/fleets/bad/router-*.yaml (run by test_bad_fleets.py through
+`load_fleet`, app.py and the CLI); here: what is accepted, and messages that name what is allowed.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from inference_fleet.checks import parse_fleet
+from inference_fleet.config import ConfigError, read_fleet_file
+
+
+@pytest.fixture
+def raw() -> dict[str, Any]:
+    data, _ = read_fleet_file(None)
+    return copy.deepcopy(data)
+
+
+def _west(raw: dict[str, Any]) -> None:
+    raw["waves"].append({"name": "west"})
+    west = dict(raw["cells"][0], name="west", region="us-west-2", trainium_az="us-west-2a", vpc_cidr="10.20.0.0/16",
+                wave="west")
+    raw["cells"].append(west)
+
+
+def test_a_router_of_the_regions_cells(raw: dict[str, Any]) -> None:
+    raw["routers"] = [{"region": "us-east-2", "cells": ["dev"], "plain_http": True}]
+    router = parse_fleet(raw).routers[0]
+    assert router.cells == ("dev",) and router.retry and not router.cross_region
+    assert router.weight("dev") == 100
+
+
+def test_no_router_by_default(raw: dict[str, Any]) -> None:
+    assert parse_fleet(raw).routers == ()
+
+
+def test_cross_region_only_when_asked(raw: dict[str, Any]) -> None:
+    _west(raw)
+    raw["routers"] = [{"region": "us-east-2", "cells": ["dev", "west"], "plain_http": True,
+                       "weights": {"west": 10}}]
+    with pytest.raises(ConfigError) as caught:
+        parse_fleet(raw)
+    assert [i.path for i in caught.value.issues] == ["routers[0].cells[1]"]
+    assert "cross_region: true" in str(caught.value)
+    raw["routers"][0]["cross_region"] = True
+    router = parse_fleet(raw).routers[0]
+    assert (router.weight("dev"), router.weight("west")) == (100, 10)
+
+
+def test_every_router_mistake_at_once(raw: dict[str, Any]) -> None:
+    raw["routers"] = [{"region": "us-east-2", "cells": ["dev", "dev", "nope"], "weights": {"zz": 1}}]
+    with pytest.raises(ConfigError) as caught:
+        parse_fleet(raw)
+    assert [i.path for i in caught.value.issues] == [
+        "routers[0].cells[1]", "routers[0].cells[2]", "routers[0].weights.zz", "routers[0].certificate_arn",
+    ]
+    assert "no such cell; cells: ['dev']" in str(caught.value)
+
+
+def test_unknown_router_field_is_refused(raw: dict[str, Any]) -> None:
+    raw["routers"] = [{"region": "us-east-2", "cells": ["dev"], "plain_http": True, "retries": 2}]
+    with pytest.raises(ConfigError, match=r"routers\[0\]\.retries .*unknown field"):
+        parse_fleet(raw)
+
+
+def test_a_router_does_not_change_the_cells_autoscaler_digest(raw: dict[str, Any]) -> None:
+    """Adding or editing a router must not redeploy every cell's autoscaler (stacks/cell_stack.py)."""
+    from stacks.cell_stack import autoscaler_config_digest
+
+    before = parse_fleet(copy.deepcopy(raw))
+    raw["routers"] = [{"region": "us-east-2", "cells": ["dev"], "plain_http": True}]
+    after = parse_fleet(raw)
+    assert autoscaler_config_digest(before, before.cells[0]) == autoscaler_config_digest(after, after.cells[0])
