@@ -57,6 +57,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path == "/v1/models":
             self._json(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+        elif self.path == "/health":  # the proxy's /health: 200 only while the unit is whole
+            self._json(self.knobs.status, {})
         else:
             self._json(404, {"error": "not found"})
 

@@ -1,0 +1,158 @@
+"""The kit's local adapter against real processes on loopback: a task stop played as ECS plays
+StopTask (the follower's drain guard first), events and EMF metrics read from the task log
+files as the launcher writes them, and the follower-stop check run end to end on a stand-in unit.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from unit_launcher import evidence
+
+from inference_fleet.verify import checks_faults
+from inference_fleet.verify.adapter import Task
+from inference_fleet.verify.context import Context
+from inference_fleet.verify.local import LocalAdapter, LocalTask, StopTimes
+from inference_fleet.verify.openai_http import OpenAIHttp
+from tests.verify_fakes import FakeOpenAI, expectations
+
+# A stand-in launcher: says which signals it got; exits on SIGUSR1 or SIGTERM unless told to ignore them.
+LAUNCHER = r"""
+import json, signal, sys, time
+ignore = sys.argv[1:]
+print(json.dumps({"event": "node_self_check", "unit_id": "u0", "instance_id": sys.argv[0], "checks": []}), flush=True)
+def handler(signum, frame):
+    name = signal.Signals(signum).name
+    print("got " + name, flush=True)
+    if name not in ignore:
+        sys.exit(0)
+signal.signal(signal.SIGUSR1, handler)
+signal.signal(signal.SIGTERM, handler)
+while True:
+    time.sleep(0.05)
+"""
+
+
+class Started:
+    """Real processes with their log files, as the e2e harness keeps them."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.tasks: list[LocalTask] = []
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.exits: dict[str, float] = {}
+
+    def start(self, task_id: str, role: str, *ignore: str) -> LocalTask:
+        log = self.tmp / f"{task_id}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, *ignore], stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        self.procs[task_id] = proc
+        threading.Thread(target=self._watch, args=(task_id, proc), daemon=True).start()
+        task = LocalTask(task_id, "u0", role, proc.pid, log, time.time(), lambda: self.exits.get(task_id))
+        self.tasks.append(task)
+        return task
+
+    def _watch(self, task_id: str, proc: subprocess.Popen[bytes]) -> None:
+        proc.wait()
+        self.exits[task_id] = time.time()
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def wait_for(predicate, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def test_a_follower_stop_passes_through_the_drain_guard_and_a_stubborn_leader_is_killed(tmp_path: Path) -> None:
+    started = Started(tmp_path)
+    try:
+        follower = started.start("i-f1", "follower")
+        leader = started.start("i-l1", "leader", "SIGTERM")  # ignores SIGTERM
+        adapter = LocalAdapter("http://127.0.0.1:9", {}, lambda: started.tasks, StopTimes(stop_timeout=0.5,
+                                                                                       guard_bound=5))
+        wait_for(lambda: all("node_self_check" in t.log_path.read_text() for t in (leader, follower)))
+        assert [t.task_id for t in adapter.tasks("u0")] == ["i-l1", "i-f1"]  # leader first
+        adapter.stop_task(Task("i-f1", "u0", "follower"), "test")
+        adapter.stop_task(Task("i-l1", "u0", "leader"), "test")
+        adapter.join(10)
+        wait_for(lambda: {"i-f1", "i-l1"} <= set(started.exits))
+        assert "got SIGUSR1" in follower.log_path.read_text()
+        assert "SIGTERM" not in follower.log_path.read_text()  # the launcher left on the guard's signal
+        assert started.procs["i-f1"].returncode == 0
+        assert "got SIGTERM" in leader.log_path.read_text() and started.procs["i-l1"].returncode == -9
+        times = adapter.task_times(["i-f1", "i-l1"])
+        assert times["i-l1"].stopped is not None and times["i-l1"].stopped - times["i-l1"].started >= 0.5
+        assert adapter.tasks("u0") == []
+    finally:
+        started.stop_all()
+
+
+def test_events_and_emf_metrics_are_read_from_the_launchers_own_lines(tmp_path: Path) -> None:
+    """The session-end line as `unit_launcher.evidence.emit` writes it: an event, and EMF metrics."""
+    log = tmp_path / "leader.1.log"
+    event = {"event": "unit_session_end", "cell": "dev", "unit_id": "u0", "cause": "heartbeat_loss",
+             "served_seconds": 12.5, "ended_at": 1764590000.25, "session_id": "s1"}
+    with open(log, "w") as out:
+        out.write("INFO engine says hello\n")
+        evidence.emit(event, "Rufus/Unit", out)
+        evidence.emit_line({"event": "unit_session_formed", "unit_id": "u0", "released_at": 1764589000.0}, out)
+    task = LocalTask("i-l1", "u0", "leader", 0, log, 1764588000.0, lambda: 1764590001.0)
+    adapter = LocalAdapter("http://127.0.0.1:9", {}, lambda: [task])
+    ends = adapter.events("unit_session_end", 1764589999.0, "u0")
+    assert len(ends) == 1 and ends[0].timestamp == 1764590000.25 and ends[0].task_id == "i-l1"
+    assert adapter.events("unit_session_end", 1764590001.0) == []
+    assert [e.doc["released_at"] for e in adapter.events("unit_session_formed", 0)] == [1764589000.0]
+    failures = adapter.metric("Rufus/Unit", "UnitFailures", {"Cell": "dev", "Unit": "u0"}, 0)
+    assert failures.values == [1.0]
+    assert adapter.metric("Rufus/Unit", "LongestStepSeconds", {"Cell": "dev", "Unit": "u0"}, 0).values == []
+    assert adapter.metric("Rufus/UnitProxy", "Requests", {"Cell": "dev", "Unit": "u0"}, 0).values is None
+    assert adapter.dashboard(0) is None
+
+
+def test_follower_stop_check_on_a_stand_in_unit(tmp_path: Path) -> None:
+    """A stand-in unit (real processes, a real HTTP server for the proxy) that behaves as the
+    launcher documents: when the follower leaves, the unit answers 503, the leader writes one
+    session-end event naming it, and a new follower task makes it whole again."""
+    started = Started(tmp_path)
+    with FakeOpenAI() as server:
+        try:
+            leader = started.start("i-l1", "leader")
+            follower = started.start("i-f1", "follower")
+            # Both have set their signal handlers (and will write no more at the start of their logs).
+            wait_for(lambda: all("node_self_check" in t.log_path.read_text() for t in (leader, follower)))
+
+            def play_the_unit() -> None:
+                started.procs["i-f1"].wait()
+                server.knobs.status = 503
+                with open(leader.log_path, "a") as out:
+                    evidence.emit({"event": "unit_session_end", "cell": "dev", "unit_id": "u0", "session_id": "s1",
+                                   "cause": "member_stopping", "served_seconds": 3.0, "ended_at": time.time(),
+                                   "ended_by": {"rank": 1, "instance_id": follower.task_id}}, "Rufus/Unit", out)
+                time.sleep(1.0)
+                started.start("i-f2", "follower")
+                server.knobs.status = 200
+
+            threading.Thread(target=play_the_unit, daemon=True).start()
+            adapter = LocalAdapter(server.url, {"u0": server.url + "/health"}, lambda: started.tasks)
+            ctx = Context(adapter, expectations(), OpenAIHttp(server.url, 5), settle_seconds=0.2,
+                          recovery_timeout_seconds=20)
+            result = checks_faults.check_follower_stop(ctx)
+        finally:
+            started.stop_all()
+    assert result.status == "pass", result.detail
+    assert result.figures["evidence"][0]["cause"] == "member_stopping"
+    assert set(result.figures["probes_while_down"]) <= {"503"}
+    assert json.loads(json.dumps(result.figures))  # JSON-able for the report
