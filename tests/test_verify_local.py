@@ -19,6 +19,7 @@ from inference_fleet.verify.adapter import Task
 from inference_fleet.verify.context import Context
 from inference_fleet.verify.local import LocalAdapter, LocalTask, StopTimes
 from inference_fleet.verify.openai_http import OpenAIHttp
+from inference_fleet.verify.report import CheckResult
 from tests.verify_fakes import FakeOpenAI, expectations
 
 # A stand-in launcher: says which signals it got; exits on SIGUSR1 or SIGTERM unless told to ignore them.
@@ -122,10 +123,12 @@ def test_events_and_emf_metrics_are_read_from_the_launchers_own_lines(tmp_path: 
     assert adapter.dashboard(0) is None
 
 
-def test_follower_stop_check_on_a_stand_in_unit(tmp_path: Path) -> None:
+def stand_in_follower_stop(tmp_path: Path, drain_seconds: float, half_status: int) -> CheckResult:
     """A stand-in unit (real processes, a real HTTP server for the proxy) that behaves as the
-    launcher documents: when the follower leaves, the unit answers 503, the leader writes one
-    session-end event naming it, and a new follower task makes it whole again."""
+    launcher and proxy document: when the follower's task stops, /health turns 503 and new
+    requests are still served for `drain_seconds` (the proxy's DRAIN_SECONDS); then the leader
+    writes one session-end event naming the follower and requests get `half_status` (503
+    `unit_unavailable` in a correct unit) until a new follower task makes it whole again."""
     started = Started(tmp_path)
     with FakeOpenAI() as server:
         try:
@@ -136,23 +139,37 @@ def test_follower_stop_check_on_a_stand_in_unit(tmp_path: Path) -> None:
 
             def play_the_unit() -> None:
                 started.procs["i-f1"].wait()
-                server.knobs.status = 503
+                server.knobs.health = 503
+                time.sleep(drain_seconds)
                 with open(leader.log_path, "a") as out:
                     evidence.emit({"event": "unit_session_end", "cell": "dev", "unit_id": "u0", "session_id": "s1",
                                    "cause": "member_stopping", "served_seconds": 3.0, "ended_at": time.time(),
                                    "ended_by": {"rank": 1, "instance_id": follower.task_id}}, "Rufus/Unit", out)
-                time.sleep(1.0)
+                server.knobs.status = half_status
+                time.sleep(1.5)
                 started.start("i-f2", "follower")
-                server.knobs.status = 200
+                server.knobs.status, server.knobs.health = 200, None
 
             threading.Thread(target=play_the_unit, daemon=True).start()
             adapter = LocalAdapter(server.url, {"u0": server.url + "/health"}, lambda: started.tasks)
             ctx = Context(adapter, expectations(), OpenAIHttp(server.url, 5), settle_seconds=0.2,
                           recovery_timeout_seconds=20)
-            result = checks_faults.check_follower_stop(ctx)
+            return checks_faults.check_follower_stop(ctx)
         finally:
             started.stop_all()
+
+
+def test_follower_stop_check_passes_on_a_unit_that_drains_then_refuses(tmp_path: Path) -> None:
+    """Requests served during the drain (the unit is still whole) are no fault; after the
+    session's end only 503."""
+    result = stand_in_follower_stop(tmp_path, drain_seconds=1.2, half_status=503)
     assert result.status == "pass", result.detail
     assert result.figures["evidence"][0]["cause"] == "member_stopping"
-    assert set(result.figures["probes_while_down"]) <= {"503"}
+    assert set(result.figures["probes_while_half"]) == {"503"}
+    assert "200" in result.figures["probes_before_the_end"]  # served while draining
     assert json.loads(json.dumps(result.figures))  # JSON-able for the report
+
+
+def test_follower_stop_check_fails_when_a_half_unit_answers(tmp_path: Path) -> None:
+    result = stand_in_follower_stop(tmp_path, drain_seconds=0.0, half_status=200)
+    assert result.status == "fail" and "requests while the unit was half got ['200']" in result.detail

@@ -26,6 +26,7 @@ MODEL = "fake-model"
 @dataclass
 class Knobs:
     status: int = 200  # the status of every data request (not /v1/models)
+    health: int | None = None  # /health's status when it differs from `status` (a unit draining)
     first_token_delay: float = 0.0
     token_delay: float = 0.0
     honour_seed: bool = True
@@ -58,7 +59,7 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == "/v1/models":
             self._json(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
         elif self.path == "/health":  # the proxy's /health: 200 only while the unit is whole
-            self._json(self.knobs.status, {})
+            self._json(self.knobs.health or self.knobs.status, {})
         else:
             self._json(404, {"error": "not found"})
 

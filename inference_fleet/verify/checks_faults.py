@@ -67,9 +67,9 @@ def _interval(ctx: Context) -> float:
 
 
 def check_follower_stop(ctx: Context) -> CheckResult:
-    """7a. Stop one follower task: time to 503, time to serving again, only 503 between the two
-    (a cell of one unit; with more units the others may answer 200), and one session-end event
-    naming that follower."""
+    """7a. Stop one follower task: time to 503, time to serving again, only 503 while the unit is
+    half (from its session's end until it serves again; a cell of one unit: with more units the
+    others may answer 200), and one session-end event naming that follower."""
     follower = _pick(ctx, "follower")
     if follower is None:
         return not_run("7a-follower-stop", "no follower task running (a one-node unit, or the unit is down)", "s")
@@ -97,22 +97,29 @@ def check_follower_stop(ctx: Context) -> CheckResult:
         problems.append(f"{unit} kept answering healthy for {ctx.recovery_timeout_seconds:g} s after the stop")
     elif to_serving is None:
         problems.append(f"{unit} did not serve again within {ctx.recovery_timeout_seconds:g} s")
-    first_503 = stopped_at + (to_503 or 0)
-    allowed = {503} if len(ctx.expect.units) == 1 else {200, 503}
-    during = [s for at, s in probes.seen if first_503 <= at <= last_503]
-    figures["probes_while_down"] = {str(s): during.count(s) for s in set(during)}
-    if any(s not in allowed for s in during):
-        problems.append(f"requests while the unit was down got {sorted({str(s) for s in during})}, "
-                        f"only {sorted(allowed)} allowed")
     time.sleep(ctx.settle_seconds)
-    naming = [e.doc for e in ctx.adapter.events("unit_session_end", stopped_at - 5, unit)
+    naming = [e for e in ctx.adapter.events("unit_session_end", stopped_at - 5, unit)
               if (e.doc.get("ended_by") or {}).get("instance_id") == follower.task_id]
-    figures["evidence"] = [{k: d.get(k) for k in ("cause", "reason", "session_id")} for d in naming]
+    figures["evidence"] = [{k: e.doc.get(k) for k in ("cause", "reason", "session_id")} for e in naming]
     if len(naming) != 1:
         problems.append(f"{len(naming)} session-end event(s) name the stopped follower {follower.task_id} (1 expected)")
+    # The unit is half from the session's end (a stopping follower's unit drains first and may
+    # serve new requests for the proxy's DRAIN_SECONDS while /health is already 503) until it
+    # serves again; without the event, from the first 503 on.
+    ended = float(naming[0].doc.get("ended_at") or naming[0].timestamp) if naming else stopped_at + (to_503 or 0)
+    allowed = {503} if len(ctx.expect.units) == 1 else {200, 503}
+    during = [s for at, s in probes.seen if ended <= at <= last_503]
+    figures["probes_while_half"] = {str(s): during.count(s) for s in set(during)}
+    figures["probes_before_the_end"] = sorted({str(s) for at, s in probes.seen if at < ended})
+    if any(s not in allowed for s in during):
+        problems.append(f"requests while the unit was half got {sorted({str(s) for s in during})}, "
+                        f"only {sorted(allowed)} allowed")
+    other = sorted({str(s) for _, s in probes.seen if s not in (200, 503)})
+    if other:
+        problems.append(f"requests during the stop got {other} (a unit answers 200 while whole, else 503)")
     detail = "; ".join(problems) or (f"{unit}: 503 after {to_503:.1f} s, serving again after "
-                                     f"{figures['to_serving_s']} s, {len(during)} request(s) meanwhile all "
-                                     f"{sorted(allowed)}; evidence: {naming[0].get('cause')}")
+                                     f"{figures['to_serving_s']} s, {len(during)} request(s) while half, all "
+                                     f"{sorted(allowed)}; evidence: {naming[0].doc.get('cause')}")
     return CheckResult("7a-follower-stop", "fail" if problems else "pass", Measured(to_503, "s to 503"), detail,
                        figures)
 
