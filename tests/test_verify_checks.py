@@ -55,22 +55,19 @@ def test_agreement_passes_and_sends_a_burst_at_temperature_above_zero() -> None:
     assert len(hot) == 6 + 2 and len({r.get("seed") for r in hot}) == 7  # six seeds, then 4242 twice
 
 
-def test_agreement_fails_when_a_session_ended_as_divergence_during_the_burst() -> None:
+def test_agreement_fails_when_a_session_ended_as_divergence_during_the_burst(monkeypatch: pytest.MonkeyPatch) -> None:
     with FakeOpenAI() as server:
-        ctx = context(server)
+        adapter = FakeAdapter(server.url)
         real_burst = checks_serving._burst
 
         def burst_then_diverge(c: Context, count: int, max_tokens: int) -> list[int | None]:
             statuses = real_burst(c, count, max_tokens)
-            ctx.adapter.log({"event": "unit_session_end", "unit_id": "u0", "session_id": "s1",  # type: ignore[attr-defined]
-                             "cause": "divergence", "reason": "rank 1 sampled other tokens"})
+            adapter.log({"event": "unit_session_end", "unit_id": "u0", "session_id": "s1", "cause": "divergence",
+                         "reason": "rank 1 sampled other tokens"})
             return statuses
 
-        checks_serving._burst = burst_then_diverge  # type: ignore[assignment]
-        try:
-            result = checks_serving.check_agreement(ctx, burst=2)
-        finally:
-            checks_serving._burst = real_burst  # type: ignore[assignment]
+        monkeypatch.setattr(checks_serving, "_burst", burst_then_diverge)
+        result = checks_serving.check_agreement(context(server, adapter), burst=2)
     assert result.status == "fail" and "ended as divergence" in result.detail
 
 

@@ -6,6 +6,7 @@ files as the launcher writes them, and the follower-stop check run end to end on
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -20,6 +21,7 @@ from inference_fleet.verify.context import Context
 from inference_fleet.verify.local import LocalAdapter, LocalTask, StopTimes
 from inference_fleet.verify.openai_http import OpenAIHttp
 from inference_fleet.verify.report import CheckResult
+from inference_fleet.verify.runner import run_kit
 from tests.verify_fakes import FakeOpenAI, expectations
 
 # A stand-in launcher: says which signals it got; exits on SIGUSR1 or SIGTERM unless told to ignore them.
@@ -173,3 +175,37 @@ def test_follower_stop_check_passes_on_a_unit_that_drains_then_refuses(tmp_path:
 def test_follower_stop_check_fails_when_a_half_unit_answers(tmp_path: Path) -> None:
     result = stand_in_follower_stop(tmp_path, drain_seconds=0.0, half_status=200)
     assert result.status == "fail" and "requests while the unit was half got ['200']" in result.detail
+
+
+def test_the_read_only_kit_through_a_real_unit_proxy(tmp_path: Path) -> None:
+    """The kit's HTTP checks through the production proxy (`python -m unit_proxy`, HAProxy 2.6)
+    in front of a stand-in engine: /v1/models, a completion, a streamed chat, the burst, the
+    seeded pair and the max_seq_len prompt all pass HAProxy's rules and reach the engine."""
+    import socket
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+
+    port, admin = free_port(), free_port()
+    with FakeOpenAI() as engine:
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("AWS_")},
+               "PROXY_HOST": "127.0.0.1", "PROXY_PORT": str(port), "PROXY_ADMIN_PORT": str(admin),
+               "UPSTREAM_URL": engine.url, "LAUNCHER_STATUS_URL": "", "ENGINE_METRICS_URL": "",
+               "CANARY_INTERVAL_SECONDS": "0", "HEALTH_INTERVAL_SECONDS": "0.25", "DRAIN_SECONDS": "0"}
+        proxy = subprocess.Popen([sys.executable, "-m", "unit_proxy"], env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            adapter = LocalAdapter(url, {"u0": url + "/health"}, lambda: [])
+            wait_for(lambda: adapter.unit_health("u0") == 200, 30)
+            report = run_kit(adapter, expectations(), settle_seconds=0.0, log=lambda _: None)
+        finally:
+            proxy.terminate()
+            proxy.wait(30)
+    by_id = {c.check_id: c for c in report.checks}
+    for check_id in ("1-serving", "2-agreement", "3-step-bound"):
+        assert by_id[check_id].status == "pass", (check_id, by_id[check_id].detail)
+    assert by_id["5-node-self-checks"].status == "not_run"
+    assert any(isinstance(r.get("prompt"), list) and len(r["prompt"]) == 255 for r in engine.knobs.requests)

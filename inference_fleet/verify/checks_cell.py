@@ -125,25 +125,21 @@ def check_self_checks(ctx: Context) -> CheckResult:
     return CheckResult("5-node-self-checks", status, Measured(passed, f"of {nodes} nodes"), detail)
 
 
-def _part(status: str, text: str) -> tuple[str, str]:
-    return status, text
-
-
 def _proxy_metrics(ctx: Context, since: float) -> tuple[str, str]:
     series = {u: ctx.adapter.metric(ctx.expect.proxy_metrics_namespace, PROXY_REQUESTS,
                                     {"Cell": ctx.expect.cell, "Unit": u}, since) for u in ctx.expect.units}
     if all(s.values is None for s in series.values()):
-        return _part("not_run", "proxy EMF: not readable here (no EMF namespace set)")
+        return ("not_run", "proxy EMF: not readable here (no EMF namespace set)")
     empty = [u for u, s in series.items() if not s.values or sum(s.values) <= 0]
     if empty:
-        return _part("fail", f"proxy EMF {PROXY_REQUESTS}: no data for {empty} after the kit's requests")
-    return _part("pass", f"proxy EMF {PROXY_REQUESTS}: data for every unit")
+        return ("fail", f"proxy EMF {PROXY_REQUESTS}: no data for {empty} after the kit's requests")
+    return ("pass", f"proxy EMF {PROXY_REQUESTS}: data for every unit")
 
 
 def _launcher_metrics(ctx: Context) -> tuple[str, str]:
     ends = ctx.adapter.events("unit_session_end", ctx.started_at - LOOKBACK_SECONDS)
     if not ends:
-        return _part("not_run", "launcher EMF: no session has ended yet (--destructive ends some)")
+        return ("not_run", "launcher EMF: no session has ended yet (--destructive ends some)")
     newest: dict[str, LogEvent] = {}
     for event in ends:
         newest[str(event.doc.get("unit_id"))] = event
@@ -152,13 +148,13 @@ def _launcher_metrics(ctx: Context) -> tuple[str, str]:
         series = ctx.adapter.metric(ctx.expect.unit_metrics_namespace, "UnitSessionEnds",
                                     {"Cell": ctx.expect.cell, "Unit": unit_id}, event.timestamp - 120)
         if series.values is None:
-            return _part("not_run", "launcher EMF: metrics not readable here")
+            return ("not_run", "launcher EMF: metrics not readable here")
         if not series.values:
             empty.append(unit_id)
     if empty:
-        return _part("fail", f"launcher EMF UnitSessionEnds: no data for {empty} although their session-end "
+        return ("fail", f"launcher EMF UnitSessionEnds: no data for {empty} although their session-end "
                      "events are in the log")
-    return _part("pass", f"{len(ends)} session-end event(s) in the log and UnitSessionEnds has data")
+    return ("pass", f"{len(ends)} session-end event(s) in the log and UnitSessionEnds has data")
 
 
 def _formed_events(ctx: Context) -> tuple[str, str]:
@@ -166,22 +162,22 @@ def _formed_events(ctx: Context) -> tuple[str, str]:
     units = {str(e.doc.get("unit_id")) for e in formed}
     missing = [u for u in ctx.expect.units if u not in units]
     if missing:
-        return _part("fail", f"no unit_session_formed event in the log for {missing}")
-    return _part("pass", "unit_session_formed events in the log for every unit")
+        return ("fail", f"no unit_session_formed event in the log for {missing}")
+    return ("pass", "unit_session_formed events in the log for every unit")
 
 
 def _dashboard(ctx: Context, since: float) -> tuple[str, str]:
     series = ctx.adapter.dashboard(since)
     if series is None:
-        return _part("not_run", "dashboard: none here")
+        return ("not_run", "dashboard: none here")
     must = [s for s in series if s.namespace in (ctx.expect.proxy_metrics_namespace, ALB_NAMESPACE)]
     empty = [s.label for s in must if not s.values]
     others = [s for s in series if s not in must]
     note = f"; {sum(1 for s in others if s.values)} of {len(others)} other metric(s) have data"
     if empty:
-        return _part("fail", f"dashboard: no data for {len(empty)} of {len(must)} proxy/ALB metric(s): "
+        return ("fail", f"dashboard: no data for {len(empty)} of {len(must)} proxy/ALB metric(s): "
                      f"{empty[:6]}" + note)
-    return _part("pass", f"dashboard: {len(must)} proxy/ALB metric(s) have data" + note)
+    return ("pass", f"dashboard: {len(must)} proxy/ALB metric(s) have data" + note)
 
 
 def check_evidence(ctx: Context, wait_seconds: float = 0.0) -> CheckResult:
