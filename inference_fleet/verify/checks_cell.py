@@ -23,25 +23,24 @@ PROXY_REQUESTS = "Requests"
 ALB_NAMESPACE = "AWS/ApplicationELB"
 
 
-def _serving_since(ctx: Context, session_id: str, ends: list[LogEvent]) -> float | None:
-    """When the session served its first step: from its end event, or from a `unit_serving` line."""
-    for event in ends:
-        if event.doc.get("session_id") == session_id and event.doc.get("serving_since"):
-            return float(event.doc["serving_since"])
-    for event in ctx.adapter.events("unit_serving", ctx.started_at - LOOKBACK_SECONDS):
-        if event.doc.get("session_id") == session_id and event.doc.get("serving_since"):
-            return float(event.doc["serving_since"])
-    return None
+def _serving_times(ctx: Context, unit_id: str, since: float) -> dict[str, float]:
+    """When each session served its first step: from its end event, or from a `unit_serving` line."""
+    times: dict[str, float] = {}
+    for name in ("unit_serving", "unit_session_end"):
+        for event in ctx.adapter.events(name, since, unit_id):
+            if event.doc.get("serving_since"):
+                times[str(event.doc.get("session_id"))] = float(event.doc["serving_since"])
+    return times
 
 
 def _formation(ctx: Context, unit_id: str) -> dict[str, Any] | None:
     """The newest session of the unit whose formation and serving times are both known, in parts."""
     since = ctx.started_at - LOOKBACK_SECONDS
     formed = ctx.adapter.events("unit_session_formed", since, unit_id)
-    ends = ctx.adapter.events("unit_session_end", since, unit_id)
+    serving_times = _serving_times(ctx, unit_id, since)
     for event in reversed(formed):
         session = str(event.doc.get("session_id"))
-        serving = _serving_since(ctx, session, ends)
+        serving = serving_times.get(session)
         if serving is None:
             continue
         members = [str(m.get("instance_id")) for m in event.doc.get("members") or []]
