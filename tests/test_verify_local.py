@@ -125,12 +125,14 @@ def test_events_and_emf_metrics_are_read_from_the_launchers_own_lines(tmp_path: 
     assert adapter.dashboard(0) is None
 
 
-def stand_in_follower_stop(tmp_path: Path, drain_seconds: float, half_status: int) -> CheckResult:
+def stand_in_follower_stop(tmp_path: Path, drain_seconds: float, gate_lag: float, half_status: int) -> CheckResult:
     """A stand-in unit (real processes, a real HTTP server for the proxy) that behaves as the
     launcher and proxy document: when the follower's task stops, /health turns 503 and new
-    requests are still served for `drain_seconds` (the proxy's DRAIN_SECONDS); then the leader
-    writes one session-end event naming the follower and requests get `half_status` (503
-    `unit_unavailable` in a correct unit) until a new follower task makes it whole again."""
+    requests are still served for `drain_seconds` (the proxy's DRAIN_SECONDS); the leader then
+    writes one session-end event naming the follower; requests are still answered 200 for
+    `gate_lag` (the proxy's gate closes at its next check round), then 503, then `half_status`
+    (503 in a correct unit) until a new follower task joins: the leader writes
+    `unit_session_formed` and the unit serves again."""
     started = Started(tmp_path)
     with FakeOpenAI() as server:
         try:
@@ -147,9 +149,15 @@ def stand_in_follower_stop(tmp_path: Path, drain_seconds: float, half_status: in
                     evidence.emit({"event": "unit_session_end", "cell": "dev", "unit_id": "u0", "session_id": "s1",
                                    "cause": "member_stopping", "served_seconds": 3.0, "ended_at": time.time(),
                                    "ended_by": {"rank": 1, "instance_id": follower.task_id}}, "Rufus/Unit", out)
+                time.sleep(gate_lag)
+                server.knobs.status = 503
+                time.sleep(0.8)
                 server.knobs.status = half_status
-                time.sleep(1.5)
+                time.sleep(1.2)
                 started.start("i-f2", "follower")
+                with open(leader.log_path, "a") as out:
+                    evidence.emit_line({"event": "unit_session_formed", "unit_id": "u0", "session_id": "s2",
+                                        "released_at": time.time(), "members": []}, out)
                 server.knobs.status, server.knobs.health = 200, None
 
             threading.Thread(target=play_the_unit, daemon=True).start()
@@ -162,19 +170,20 @@ def stand_in_follower_stop(tmp_path: Path, drain_seconds: float, half_status: in
 
 
 def test_follower_stop_check_passes_on_a_unit_that_drains_then_refuses(tmp_path: Path) -> None:
-    """Requests served during the drain (the unit is still whole) are no fault; after the
-    session's end only 503."""
-    result = stand_in_follower_stop(tmp_path, drain_seconds=1.2, half_status=503)
+    """Requests served during the drain, and until the proxy's gate closes, are answered by the
+    engines of both nodes (the unit is still whole): no fault; after the first refusal only 503
+    until the next session forms. (Regression: the e2e unit failed the first versions of the
+    check, which counted from /health 503 and then from the session's end.)"""
+    result = stand_in_follower_stop(tmp_path, drain_seconds=1.2, gate_lag=0.6, half_status=503)
     assert result.status == "pass", result.detail
     assert result.figures["evidence"][0]["cause"] == "member_stopping"
-    assert set(result.figures["probes_while_half"]) == {"503"}
-    assert "200" in result.figures["probes_before_the_end"]  # served while draining
+    assert set(result.figures["probes_after_the_end"]) == {"200", "503"}
     assert json.loads(json.dumps(result.figures))  # JSON-able for the report
 
 
 def test_follower_stop_check_fails_when_a_half_unit_answers(tmp_path: Path) -> None:
-    result = stand_in_follower_stop(tmp_path, drain_seconds=0.0, half_status=200)
-    assert result.status == "fail" and "requests while the unit was half got ['200']" in result.detail
+    result = stand_in_follower_stop(tmp_path, drain_seconds=0.0, gate_lag=0.0, half_status=200)
+    assert result.status == "fail" and "requests while the unit was half got ['200', '503']" in result.detail
 
 
 def test_the_read_only_kit_through_a_real_unit_proxy(tmp_path: Path) -> None:

@@ -103,15 +103,24 @@ def check_follower_stop(ctx: Context) -> CheckResult:
     figures["evidence"] = [{k: e.doc.get(k) for k in ("cause", "reason", "session_id")} for e in naming]
     if len(naming) != 1:
         problems.append(f"{len(naming)} session-end event(s) name the stopped follower {follower.task_id} (1 expected)")
-    # The unit is half from the session's end (a stopping follower's unit drains first and may
-    # serve new requests for the proxy's DRAIN_SECONDS while /health is already 503) until it
-    # serves again; without the event, from the first 503 on.
+    # The unit is half from its session's end until the next session forms. Right after the end
+    # the proxy may still admit a request (a stopping follower's unit drains and serves for
+    # DRAIN_SECONDS; the gate closes at the proxy's next check round), so the window opens at the
+    # first request refused after the end: from then on a 200 before the next session formed is
+    # an answer from a half unit.
     ended = float(naming[0].doc.get("ended_at") or naming[0].timestamp) if naming else stopped_at + (to_503 or 0)
+    reformed = min((float(e.doc.get("released_at") or e.timestamp) for e in
+                    ctx.adapter.events("unit_session_formed", ended, unit)), default=last_503)
+    after_end = [(at, s) for at, s in probes.seen if ended <= at <= reformed]
+    refused_from = next((at for at, s in after_end if s == 503), None)
     allowed = {503} if len(ctx.expect.units) == 1 else {200, 503}
-    during = [s for at, s in probes.seen if ended <= at <= last_503]
-    figures["probes_while_half"] = {str(s): during.count(s) for s in set(during)}
-    figures["probes_before_the_end"] = sorted({str(s) for at, s in probes.seen if at < ended})
-    if any(s not in allowed for s in during):
+    during = [s for at, s in after_end if refused_from is not None and at >= refused_from]
+    figures["probes_after_the_end"] = {str(s): [st for _, st in after_end].count(s) for s in {s for _, s in after_end}}
+    figures["half_window_s"] = round(reformed - ended, 1)
+    if after_end and refused_from is None and len(ctx.expect.units) == 1:
+        problems.append(f"no request was refused between the session's end and the next formation "
+                        f"({len(after_end)} answered {sorted({str(s) for _, s in after_end})})")
+    elif any(s not in allowed for s in during):
         problems.append(f"requests while the unit was half got {sorted({str(s) for s in during})}, "
                         f"only {sorted(allowed)} allowed")
     other = sorted({str(s) for _, s in probes.seen if s not in (200, 503)})
