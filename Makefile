@@ -14,9 +14,9 @@ export JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION := 1
 export AWS_EC2_METADATA_DISABLED := true
 # The fleet file reaches the commands through the environment and is quoted there
 # ("$$CONFIG"), so a path with spaces or shell characters works: make plan CONFIG="my/fleet two.yaml".
-export CONFIG SCENARIO SEEDS REPORT
+export CONFIG SCENARIO SEEDS REPORT CELL
 
-.PHONY: help setup venv cli tools synth test snapshot-update validate plan plan-rollout compile bench bench-proxy bench-unit bench-placement simulate-scaling simulate-cell e2e e2e-router clean-e2e clean
+.PHONY: help setup venv cli tools synth test snapshot-update validate plan plan-rollout compile bench bench-proxy bench-unit bench-placement simulate-scaling simulate-cell verify-cell e2e e2e-router clean-e2e clean
 
 # `make help` lists every target with the `## ` comment on its line (tests/test_makefile.py
 # checks that each .PHONY target has one).
@@ -114,6 +114,16 @@ simulate-cell: venv ## simulate one cell through a scenario SCENARIO=simulations
 	@test -n "$$SCENARIO" || { echo "SCENARIO is not set: make simulate-cell SCENARIO=simulations/follower-killed.yaml" >&2; exit 2; }
 	$(BIN)/python -m inference_fleet simulate --scenario "$$SCENARIO" --seeds "$${SEEDS:-1}" \
 	  --report "$${REPORT:-simulate-cell-report.json}" $${CONFIG:+--config "$$CONFIG"}
+
+# The first-deploy acceptance kit against a deployed cell, with the caller's AWS credentials
+# (docs/verifying.md). The only target that calls AWS: the instance metadata is allowed back
+# (an instance role's credentials), and VERIFY_ARGS=--destructive stops tasks. Exit 6: a check failed.
+VERIFY_ARGS ?=
+CELL ?=
+verify-cell: venv ## the acceptance kit against a deployed cell CELL=name [CONFIG=...] [VERIFY_ARGS=--destructive --report x.json]
+	@test -n "$$CELL" || { echo "CELL is not set: make verify-cell CELL=dev" >&2; exit 2; }
+	env -u AWS_EC2_METADATA_DISABLED $(BIN)/python -m inference_fleet verify --cell "$$CELL" \
+	  $${CONFIG:+--config "$$CONFIG"} $(VERIFY_ARGS)
 
 # End to end with a real vLLM engine on CPU (its own environment under .e2e/, cached).
 E2E_ARGS ?=

@@ -194,7 +194,7 @@ def _steps(text: str) -> tuple[str, ...]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=("unit", "raw"), default="unit")
-    parser.add_argument("--budget", type=float, default=1800, help="overall time budget in seconds")
+    parser.add_argument("--budget", type=float, default=2400, help="overall time budget in seconds")
     parser.add_argument("--keep-logs", type=Path, default=E2E_DIR / "logs",
                         help="copy the processes' logs here at the end")
     parser.add_argument("--follower-loss-seconds", type=float, default=None,

@@ -7,6 +7,7 @@ Commands:
   compile        build and upload the unit layout's compiled Neuron artifacts and manifest (compile_job.py)
   reference      the fleet file reference (Markdown), generated from the config models
   simulate       run one cell through a scenario file (see simulation/, docs/simulation.md)
+  verify         the first-deploy acceptance kit against a deployed cell (see verify/, docs/verifying.md)
 
 Every command that reads a fleet reads it with `inference_fleet.checks.load_fleet`; a
 mistake in the file prints every issue with its field path and exits 3 (exit_codes.py:
@@ -28,6 +29,7 @@ from inference_fleet.planner import cli as planner_cli
 from inference_fleet.reference import markdown
 from inference_fleet.simulation import cli as simulation_cli
 from inference_fleet.simulation.scenario import ScenarioError
+from inference_fleet.verify import cli as verify_cli
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -98,6 +100,7 @@ def _parser() -> argparse.ArgumentParser:
         ("compile", "compile the unit layout with NxD Inference, write and upload its manifest",
          compile_cli.add_arguments, compile_cli.run),
         ("simulate", simulation_cli.HELP, simulation_cli.add_arguments, simulation_cli.run),
+        ("verify", verify_cli.HELP, verify_cli.add_arguments, verify_cli.run),
         ("evacuate", evacuate.HELP, evacuate.add_arguments, evacuate.run),
     ):
         sub = commands.add_parser(name, help=help_text, description=help_text, epilog=exit_codes.EPILOG,

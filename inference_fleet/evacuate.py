@@ -18,7 +18,7 @@ evacuated set from (docs/router.md "Evacuation"):
 - locally (`--local FILE`), the router's ROUTER_EVACUATION_FILE, written atomically
   (rename); with `--status-url` the command waits until the router reports the cell empty.
 
-A router would be left with no cell to send to: refused (exit 6), unless `--force`.
+A router would be left with no cell to send to: refused (exit 7), unless `--force`.
 """
 
 from __future__ import annotations

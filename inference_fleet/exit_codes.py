@@ -13,7 +13,8 @@ VIOLATED = 4
 USAGE = 2  # argparse exits 2 on a usage error: unknown command or option, bad value
 CONFIG = 3  # the fleet file is refused; every issue is printed with its field path
 COMPILE = 5  # `compile` could not render or run its job, or refused to replace other artifacts
-EVACUATE = 6  # `evacuate` refused (no router fronts the cell, or none would be left) or could not finish
+VERIFY = 6  # `verify`: at least one check of the acceptance kit failed (its report says which)
+EVACUATE = 7  # `evacuate` refused (no router fronts the cell, or none would be left) or could not finish
 # The reader closed the pipe (`... | head -1`): the status a shell reports for a process
 # ended by SIGPIPE (128 + 13), as `cat` or `grep` would give; nothing is printed.
 CLOSED_PIPE = 141
@@ -25,5 +26,6 @@ EPILOG = f"""exit status:
   {CONFIG}    the fleet file (or simulate's scenario file) is refused: each issue is printed
   {VIOLATED}    simulate: an invariant was violated (printed with its first counterexample)
   {COMPILE}    compile: the job could not be rendered or run (the message says what to change)
+  {VERIFY}    verify: a check failed on the cell (the table and the report say which and why)
   {EVACUATE}    evacuate: refused or not finished (no router fronts the cell, none would be left, a wait timed out)
   {CLOSED_PIPE}  the output was closed early (e.g. piped into head); nothing else is printed"""

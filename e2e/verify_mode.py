@@ -1,0 +1,92 @@
+"""The acceptance kit (inference_fleet.verify) against the e2e's CPU unit, read-only then --destructive.
+
+Called by unit_mode.run_unit once the unit has formed and served (after step 2a). The kit runs
+through its local adapter: the unit's proxy stands for the load balancer, the launcher
+processes the harness started for the ECS tasks (its supervisors play the services and start
+a stopped task again), their log files for CloudWatch Logs. Both reports go into
+`e2e-report.json` (`facts.verify_read_only`, `facts.verify_destructive`) and each gives one
+e2e check: no check of the kit failed. The kit's own checks name what they verify
+(docs/verifying.md).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from harness import Harness
+from procs import Proc
+
+from inference_fleet.checks import load_fleet
+from inference_fleet.verify.adapter import Expectations, expectations
+from inference_fleet.verify.local import LocalAdapter, LocalTask, StopTimes
+from inference_fleet.verify.runner import run_kit
+
+# The inference container's stopTimeout (cell_constructs/inference_unit.py ENGINE_STOP_TIMEOUT).
+ECS_STOP_TIMEOUT = 120.0
+_LOG_NAME = re.compile(r"^(leader|follower)\.(\d+)\.log$")
+
+
+def _wall(monotonic: float) -> float:
+    return time.time() - (time.monotonic() - monotonic)
+
+
+def local_tasks(h: Harness, unit: Any) -> list[LocalTask]:
+    """Every launcher task the harness started, with the instance id it gave it (`i-e2e-<role>-<n>`,
+    unit_mode.Unit._starter: the n-th start of that role, as the n of its log file)."""
+    exits = {e.pid: e.at for sup in (unit.leader, unit.follower) for e in sup.exits}
+    tasks = []
+    for proc in list(h.table.procs):
+        match = _LOG_NAME.match(proc.log_path.name)
+        if match is None:
+            continue
+        tasks.append(LocalTask(f"i-e2e-{match[1]}-{match[2]}", unit.spec["unit_id"], match[1], proc.pid, proc.log_path,
+                               _wall(proc.started), _stopped(proc, exits)))
+    return tasks
+
+
+def _stopped(proc: Proc, exits: dict[int, float]) -> Any:
+    def stopped() -> float | None:
+        if proc.alive():
+            return None
+        return _wall(exits[proc.pid]) if proc.pid in exits else time.time()
+
+    return stopped
+
+
+def unit_expectations(spec: dict[str, Any]) -> Expectations:
+    """The default fleet's expectations of its first cell, with the e2e unit's own figures."""
+    fleet = load_fleet(None)
+    base = expectations(fleet, fleet.cells[0])
+    return Expectations(
+        cell=spec["cell"], units=[spec["unit_id"]], nodes=int(spec["size"]),
+        max_seq_len=int(spec["model"]["max_seq_len"]),
+        step_timeout_seconds=float(spec["rendezvous"]["step_timeout_seconds"]),
+        startup_budget_seconds=base.startup_budget_seconds,
+        follower_loss_seconds=float(spec["rendezvous"]["follower_loss_seconds"]),
+        efa_interfaces=int(spec["instance"]["efa_interfaces"]), cores_per_node=int(spec["instance"]["cores_per_node"]),
+        unit_metrics_namespace=spec["metrics_namespace"], proxy_metrics_namespace=base.proxy_metrics_namespace,
+    )
+
+
+def run_verify(h: Harness, unit: Any) -> None:
+    """The kit read-only, then --destructive; each report into the e2e report, one check each."""
+    adapter = LocalAdapter(f"http://127.0.0.1:{unit.ports.proxy}", {unit.spec["unit_id"]: unit.health_url},
+                           lambda: local_tasks(h, unit), StopTimes(stop_timeout=ECS_STOP_TIMEOUT, guard_bound=300),
+                           extra_logs=[Path(unit.proxy.log_path)])
+    expect = unit_expectations(unit.spec)
+    for label, destructive in (("read_only", False), ("destructive", True)):
+        started = time.monotonic()
+        report = run_kit(adapter, expect, destructive=destructive, request_timeout=h.left(300), settle_seconds=12.0,
+                         recovery_timeout=h.left(600), log=lambda line: print(line, flush=True))
+        adapter.join(h.left(ECS_STOP_TIMEOUT + 300))
+        h.report.facts[f"verify_{label}"] = report.to_json()
+        h.report.figure(f"verify_{label}_s", time.monotonic() - started)
+        counts = report.counts()
+        failed = [f"{c.check_id}: {c.detail}" for c in report.checks if c.status == "fail"]
+        h.report.check(f"2b. acceptance kit ({label.replace('_', '-')}): no check failed "
+                       f"({counts['pass']} passed, {counts['not_run']} not run)", report.passed,
+                       "; ".join(failed)[:1500])
+        print(report.table(), flush=True)

@@ -1,0 +1,216 @@
+"""Check 7 (`--destructive`): stop a follower task, then a leader task with streams in flight.
+
+A task is stopped the way ECS StopTask stops it (the adapter's `stop_task`); the unit's
+service starts a new one and the unit forms again. What is measured: how long the unit takes
+to answer 503 and to serve again, what every request got meanwhile, the evidence event
+naming the stopped follower, and that the followers stop only after the stopped leader drained.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from inference_fleet.verify.adapter import Task
+from inference_fleet.verify.context import Context
+from inference_fleet.verify.openai_http import Streamed
+from inference_fleet.verify.report import CheckResult, Measured, not_run
+
+
+@dataclass
+class Probes:
+    """Completions sent through the entry point every half second while a fault runs."""
+
+    ctx: Context
+    seen: list[tuple[float, int | None]] = field(default_factory=list)  # (start time, status)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            at = time.time()
+            answer, _ = self.ctx.client.completion(self.ctx.served_model(), "half unit?", max_tokens=4)
+            self.seen.append((at, answer.status))
+            self.stop.wait(0.5)
+
+    def __enter__(self) -> Probes:
+        self._thread = threading.Thread(target=self.run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        self._thread.join(self.ctx.client.timeout + 5)
+
+
+def _wait(what: Callable[[], bool], timeout: float, interval: float) -> float | None:
+    """Seconds until `what()` is true, or None after `timeout`."""
+    started = time.monotonic()
+    while time.monotonic() - started <= timeout:
+        if what():
+            return time.monotonic() - started
+        time.sleep(interval)
+    return None
+
+
+def _pick(ctx: Context, role: str) -> Task | None:
+    for unit_id in ctx.expect.units:
+        for task in ctx.adapter.tasks(unit_id):
+            if task.role == role:
+                return task
+    return None
+
+
+def _interval(ctx: Context) -> float:
+    return float(getattr(ctx.adapter, "poll_seconds", 1.0))
+
+
+def check_follower_stop(ctx: Context) -> CheckResult:
+    """7a. Stop one follower task: time to 503, time to serving again, only 503 while the unit is
+    half (from its session's end until it serves again; a cell of one unit: with more units the
+    others may answer 200), and one session-end event naming that follower."""
+    follower = _pick(ctx, "follower")
+    if follower is None:
+        return not_run("7a-follower-stop", "no follower task running (a one-node unit, or the unit is down)", "s")
+    unit = follower.unit_id
+    interval = _interval(ctx)
+    with Probes(ctx) as probes:
+        stopped_at = time.time()
+        ctx.adapter.stop_task(follower, "inference-fleet verify --destructive: follower stop")
+        to_503 = _wait(lambda: ctx.adapter.unit_health(unit) != 200, ctx.recovery_timeout_seconds, interval)
+        last_503 = time.time()
+
+        def serving() -> bool:
+            nonlocal last_503
+            healthy = ctx.adapter.unit_health(unit) == 200
+            if not healthy:
+                last_503 = time.time()
+            return healthy
+
+        to_serving = None if to_503 is None else _wait(serving, ctx.recovery_timeout_seconds, interval)
+    figures: dict[str, object] = {"unit": unit, "follower": follower.task_id, "to_503_s": to_503,
+                                  "to_serving_s": None if to_serving is None else round(
+                                      time.time() - stopped_at, 1)}
+    problems = []
+    if to_503 is None:
+        problems.append(f"{unit} kept answering healthy for {ctx.recovery_timeout_seconds:g} s after the stop")
+    elif to_serving is None:
+        problems.append(f"{unit} did not serve again within {ctx.recovery_timeout_seconds:g} s")
+    time.sleep(ctx.settle_seconds)
+    naming = [e for e in ctx.adapter.events("unit_session_end", stopped_at - 5, unit)
+              if (e.doc.get("ended_by") or {}).get("instance_id") == follower.task_id]
+    figures["evidence"] = [{k: e.doc.get(k) for k in ("cause", "reason", "session_id")} for e in naming]
+    if len(naming) != 1:
+        problems.append(f"{len(naming)} session-end event(s) name the stopped follower {follower.task_id} (1 expected)")
+    # The unit is half from its session's end until the next session forms. Right after the end
+    # the proxy may still admit a request (a stopping follower's unit drains and serves for
+    # DRAIN_SECONDS; the gate closes at the proxy's next check round), so the window opens at the
+    # first request refused after the end: from then on a 200 before the next session formed is
+    # an answer from a half unit.
+    ended = float(naming[0].doc.get("ended_at") or naming[0].timestamp) if naming else stopped_at + (to_503 or 0)
+    reformed = min((float(e.doc.get("released_at") or e.timestamp) for e in
+                    ctx.adapter.events("unit_session_formed", ended, unit)), default=last_503)
+    after_end = [(at, s) for at, s in probes.seen if ended <= at <= reformed]
+    refused_from = next((at for at, s in after_end if s == 503), None)
+    allowed = {503} if len(ctx.expect.units) == 1 else {200, 503}
+    during = [s for at, s in after_end if refused_from is not None and at >= refused_from]
+    figures["probes_after_the_end"] = {str(s): [st for _, st in after_end].count(s) for s in {s for _, s in after_end}}
+    figures["half_window_s"] = round(reformed - ended, 1)
+    if after_end and refused_from is None and len(ctx.expect.units) == 1:
+        problems.append(f"no request was refused between the session's end and the next formation "
+                        f"({len(after_end)} answered {sorted({str(s) for _, s in after_end})})")
+    elif any(s not in allowed for s in during):
+        problems.append(f"requests while the unit was half got {sorted({str(s) for s in during})}, "
+                        f"only {sorted(allowed)} allowed")
+    other = sorted({str(s) for _, s in probes.seen if s not in (200, 503)})
+    if other:
+        problems.append(f"requests during the stop got {other} (a unit answers 200 while whole, else 503)")
+    detail = "; ".join(problems) or (f"{unit}: 503 after {to_503:.1f} s, serving again after "
+                                     f"{figures['to_serving_s']} s, {len(during)} request(s) while half, all "
+                                     f"{sorted(allowed)}; evidence: {naming[0].doc.get('cause')}")
+    return CheckResult("7a-follower-stop", "fail" if problems else "pass", Measured(to_503, "s to 503"), detail,
+                       figures)
+
+
+@dataclass
+class Streams:
+    """Long streamed chats sent at once (one per unit: least outstanding requests spreads them)."""
+
+    results: list[Streamed]
+    done_at: list[float]
+    first: threading.Event
+    threads: list[threading.Thread]
+
+
+def _streams(ctx: Context, count: int, max_tokens: int) -> Streams:
+    streams = Streams([Streamed(status=None) for _ in range(count)], [0.0] * count, threading.Event(), [])
+
+    def one(i: int) -> None:
+        streams.results[i] = ctx.client.stream_chat(
+            ctx.served_model(), "Tell a long story.", max_tokens, on_chunk=lambda n: streams.first.set(),
+            extra={"ignore_eos": True}, timeout=ctx.recovery_timeout_seconds)
+        streams.done_at[i] = time.time()
+        streams.first.set()
+
+    streams.threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(count)]
+    for t in streams.threads:
+        t.start()
+    return streams
+
+
+def _stopped_at(ctx: Context, tasks: list[Task]) -> dict[str, float | None]:
+    times = ctx.adapter.task_times([t.task_id for t in tasks])
+    return {t.task_id: (times[t.task_id].stopped if t.task_id in times else None) for t in tasks}
+
+
+def check_leader_stop(ctx: Context) -> CheckResult:
+    """7b. Stop a leader task while streams are in flight: every stream completes (finish_reason
+    `length`), and the unit's followers stop only after the leader drained (the last stream
+    ended); then the unit serves again."""
+    interval = _interval(ctx)
+    unit0 = ctx.expect.units[0]
+    if _wait(lambda: ctx.adapter.unit_health(unit0) == 200, ctx.recovery_timeout_seconds, interval) is None:
+        return CheckResult("7b-leader-stop", "fail", Measured(None, "s"), f"{unit0} is not serving before the stop")
+    leader = _pick(ctx, "leader")
+    if leader is None:
+        return not_run("7b-leader-stop", "no leader task running", "s")
+    followers = [t for t in ctx.adapter.tasks(leader.unit_id) if t.role == "follower"]
+    max_tokens = max(16, min(ctx.expect.max_seq_len - 64, 1024))
+    streams = _streams(ctx, len(ctx.expect.units), max_tokens)
+    if not streams.first.wait(ctx.client.timeout):
+        return CheckResult("7b-leader-stop", "fail", Measured(None, "s"), "no stream started")
+    stopped_at = time.time()
+    ctx.adapter.stop_task(leader, "inference-fleet verify --destructive: leader stop")
+    for t in streams.threads:
+        t.join(ctx.recovery_timeout_seconds)
+    results = streams.results
+    streams_done = max(streams.done_at)
+    wait = 2 * ctx.expect.follower_loss_seconds + 120
+    _wait(lambda: all(v is not None for v in _stopped_at(ctx, followers).values()), wait, interval)
+    stops_at = _stopped_at(ctx, followers)
+    problems = []
+    broken = [f"{r.status} {r.finish_reason} {r.error}" for r in results if not r.ok or r.finish_reason != "length"]
+    if broken:
+        problems.append(f"streams not completed: {broken}")
+    if streams_done <= stopped_at:
+        problems.append("no stream was still in flight when the leader was stopped (inconclusive)")
+    never = [t for t, at in stops_at.items() if at is None]
+    # One second of slack: the stream's end is seen by the kit after the leader wrote it.
+    early = [t for t, at in stops_at.items() if at is not None and at < streams_done - 1]
+    if never:
+        problems.append(f"followers still running {wait:g} s after the streams ended: {never}")
+    elif early:
+        problems.append(f"followers stopped before the leader drained: {early}")
+    to_serving = _wait(lambda: ctx.adapter.unit_health(leader.unit_id) == 200, ctx.recovery_timeout_seconds, interval)
+    if to_serving is None:
+        problems.append(f"{leader.unit_id} did not serve again within {ctx.recovery_timeout_seconds:g} s")
+    drain = streams_done - stopped_at
+    stops = [round(at - stopped_at, 1) for at in stops_at.values() if at is not None]
+    figures = {"unit": leader.unit_id, "leader": leader.task_id, "streams": len(results), "max_tokens": max_tokens,
+               "streams_done_s": round(drain, 1), "followers_stopped_s": stops,
+               "serving_again_s": None if to_serving is None else round(time.time() - stopped_at, 1)}
+    detail = "; ".join(problems) or (f"{len(results)} stream(s) completed {drain:.1f} s after the stop; followers "
+                                     f"stopped at {stops} s; serving again after {figures['serving_again_s']} s")
+    return CheckResult("7b-leader-stop", "fail" if problems else "pass", Measured(drain, "s to drain"), detail,
+                       figures)

@@ -1,0 +1,135 @@
+"""Checks 1-3: the cell serves through its entry point, its nodes agree, and the step bound holds.
+
+Each check sends real requests to the OpenAI API through the cell's load balancer (the local
+proxy in e2e) and reads what the launchers publish (their log events and metrics) through
+the adapter; none needs shell access to a task.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from inference_fleet.verify.context import Context
+from inference_fleet.verify.report import CheckResult, Measured, not_run
+
+PROMPT = "The inference unit forms when"
+# A session ended for one of these causes means the nodes did not run in lockstep or agree.
+DISAGREEMENT = ("divergence", "step_timeout")
+# Check 3 passes when the measured step is at most this fraction of the bound (2x margin).
+STEP_MARGIN = 0.5
+# The launchers' published longest-step figure, when they publish it (EMF, [Cell, Unit]).
+LONGEST_STEP_METRIC = "LongestStepSeconds"
+
+
+def check_serving(ctx: Context) -> CheckResult:
+    """1. /v1/models, a completion and a streamed chat through the entry point; every unit healthy."""
+    problems: list[str] = []
+    answer, ids = ctx.client.models()
+    if answer.status != 200 or not ids:
+        problems.append(f"/v1/models: {answer.status} {answer.error or str(answer.body)[:120]}")
+    ctx.model = ids[0] if ids else ""
+    completion, text = ctx.client.completion(ctx.model, PROMPT, max_tokens=8)
+    if completion.status != 200 or not text:
+        problems.append(f"completion: {completion.status} {completion.error or str(completion.body)[:120]}")
+    chat = ctx.client.stream_chat(ctx.model, "Hello, how are you today?", max_tokens=8)
+    if not chat.ok or not chat.text:
+        problems.append(f"streamed chat: {chat.status} {chat.error or 'no text'}")
+    health = {u: ctx.adapter.unit_health(u) for u in ctx.expect.units}
+    unhealthy = {u: h for u, h in health.items() if h != 200}
+    if unhealthy:
+        problems.append(f"units not healthy behind the entry point: {unhealthy}")
+    serving = len(health) - len(unhealthy)
+    figures = {"model": ctx.model, "completion_s": round(completion.seconds, 3),
+               "chat_first_token_s": chat.first_token_seconds, "chat_s": round(chat.seconds, 3),
+               "unit_health": health}
+    detail = "; ".join(problems) or (f"{serving} of {len(health)} unit(s) healthy; model {ctx.model}; "
+                                     f"completion {completion.seconds:.2f} s, chat {chat.seconds:.2f} s")
+    return CheckResult("1-serving", "fail" if problems else "pass", Measured(serving, "units serving"), detail,
+                       figures)
+
+
+def _burst(ctx: Context, count: int, max_tokens: int) -> list[int | None]:
+    """`count` completions at once at temperature 0.8, each with its own seed: their statuses."""
+    statuses: list[int | None] = [None] * count
+
+    def one(i: int) -> None:
+        answer, _ = ctx.client.completion(ctx.served_model(), f"{PROMPT} ({i})", max_tokens, 0.8, seed=1000 + i)
+        statuses[i] = answer.status
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(ctx.client.timeout + 5)
+    return statuses
+
+
+def check_agreement(ctx: Context, burst: int = 8, max_tokens: int = 24) -> CheckResult:
+    """2. A burst at temperature > 0: every request served, and no session ended because a node
+    disagreed (`divergence`: the leader compares its node's sampled-token chain with each
+    follower's at every heartbeat) or fell behind (`step_timeout`); the same seed twice gives
+    the same tokens."""
+    since = time.time()
+    model = ctx.served_model()
+    count = max(burst, 2 * len(ctx.expect.units))
+    statuses = _burst(ctx, count, max_tokens)
+    seeded = [ctx.client.completion(model, PROMPT, max_tokens, temperature=1.0, seed=4242) for _ in range(2)]
+    time.sleep(ctx.settle_seconds)
+    ends = ctx.adapter.events("unit_session_end", since)
+    disagreed = [e.doc for e in ends if e.doc.get("cause") in DISAGREEMENT]
+    problems = []
+    served = sum(1 for s in statuses if s == 200)
+    if served != count:
+        problems.append(f"burst: {served} of {count} answered 200 ({sorted({str(s) for s in statuses})})")
+    (first, text1), (second, text2) = seeded
+    if first.status != 200 or second.status != 200 or text1 != text2 or not text1:
+        problems.append(f"seed 4242 twice: {first.status} {text1!r} / {second.status} {text2!r}")
+    problems += [f"session {d.get('session_id')} of {d.get('unit_id')} ended as {d.get('cause')}: {d.get('reason')}"
+                 for d in disagreed]
+    unhealthy = {u: h for u in ctx.expect.units if (h := ctx.adapter.unit_health(u)) != 200}
+    if unhealthy:
+        problems.append(f"after the burst, units not healthy: {unhealthy}")
+    detail = "; ".join(problems) or (f"{count} requests at temperature 0.8 served, no session ended by "
+                                     f"divergence or step_timeout; seed 4242 gave {text1!r} twice")
+    return CheckResult("2-agreement", "fail" if problems else "pass", Measured(served, "requests agreed"), detail,
+                       {"burst": count, "sessions_ended_by_disagreement": len(disagreed),
+                        "seeded_text": text1})
+
+
+def long_prompt(tokens: int) -> list[int]:
+    """A prompt of exactly `tokens` token ids (small ids: in every vocabulary, past the special tokens)."""
+    return [10 + i % 50 for i in range(tokens)]
+
+
+def check_step_bound(ctx: Context) -> CheckResult:
+    """3. One prompt of max_seq_len - 1 tokens and one token out (prompt + completion = max_seq_len):
+    its prefill is the longest step a healthy unit runs. The time to its first token bounds that
+    step from above; a longest-step figure the launchers publish (EMF `LongestStepSeconds`) is
+    used instead when there is one. Pass: at most half of `serving.step_timeout_seconds`."""
+    bound = ctx.expect.step_timeout_seconds
+    model = ctx.served_model()
+    if not model:
+        return not_run("3-step-bound", "no model served (check 1 failed)", "s")
+    since = time.time()
+    streamed = ctx.client.stream_completion(model, long_prompt(ctx.expect.max_seq_len - 1), max_tokens=1,
+                                            timeout=max(ctx.client.timeout, 3 * bound))
+    if not streamed.ok or streamed.first_token_seconds is None:
+        return CheckResult("3-step-bound", "fail", Measured(None, "s"),
+                           f"a {ctx.expect.max_seq_len - 1}-token prompt was not served: {streamed.status} "
+                           f"{streamed.error}")
+    published = [v for u in ctx.expect.units for v in (ctx.adapter.metric(
+        ctx.expect.unit_metrics_namespace, LONGEST_STEP_METRIC, {"Cell": ctx.expect.cell, "Unit": u}, since,
+        "Maximum").values or [])]
+    if published:
+        longest, source = max(published), f"published {LONGEST_STEP_METRIC}"
+    else:
+        longest, source = streamed.first_token_seconds, "time to first token (an upper bound of the prefill step)"
+    ok = longest <= STEP_MARGIN * bound
+    detail = (f"longest step {longest:.2f} s ({source}) against the bound {bound:g} s "
+              f"(pass: at most {STEP_MARGIN:g} x the bound); prompt {ctx.expect.max_seq_len - 1} tokens")
+    if not published:
+        detail += f"; the launchers publish no {LONGEST_STEP_METRIC} metric yet"
+    return CheckResult("3-step-bound", "pass" if ok else "fail", Measured(longest, "s"), detail,
+                       {"bound_s": bound, "prompt_tokens": ctx.expect.max_seq_len - 1,
+                        "first_token_s": streamed.first_token_seconds, "source": source})

@@ -1,0 +1,61 @@
+"""`python -m inference_fleet verify`: the acceptance kit against one deployed cell (docs/verifying.md).
+
+Reads the fleet file for what the cell must do, finds the cell's stack in its account and
+region with the caller's AWS credentials, runs the checks (read-only unless --destructive),
+prints a table and writes the JSON report and its Markdown beside it. Exit 0 when no check
+failed, 6 when one did (exit_codes.VERIFY), 3 for a refused fleet file or an unknown cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from inference_fleet import exit_codes
+from inference_fleet.checks import load_fleet
+from inference_fleet.verify.adapter import expectations
+from inference_fleet.verify.aws import AwsAdapter
+from inference_fleet.verify.runner import run_kit
+
+HELP = "check a deployed cell against the docs' claims (the first-deploy acceptance kit)"
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= value <= 7200:
+        raise argparse.ArgumentTypeError(f"{text} s is out of range; allowed: 0 to 7200")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cell", required=True, help="the cell to check (its name in the fleet file)")
+    parser.add_argument("--destructive", action="store_true",
+                        help="also stop a follower task, then a leader task (ECS StopTask), and measure the recovery")
+    parser.add_argument("--report", type=Path, default=Path("verify-report.json"),
+                        help="JSON report path (default verify-report.json); the Markdown goes beside it (.md)")
+    parser.add_argument("--region", help="the cell's region (default: the fleet file's)")
+    parser.add_argument("--evidence-wait", type=_seconds, default=180.0,
+                        help="longest wait for EMF metrics to appear in CloudWatch (default 180 s)")
+    parser.add_argument("--request-timeout", type=_seconds, default=300.0,
+                        help="longest wait for one HTTP request (default 300 s)")
+
+
+def run(args: argparse.Namespace) -> int:
+    fleet = load_fleet(args.config)
+    cell = next((c for c in fleet.cells if c.name == args.cell), None)
+    if cell is None:
+        print(f"error: --cell {args.cell!r}: no such cell in the fleet file; its cells: "
+              f"{', '.join(c.name for c in fleet.cells)}", file=sys.stderr)
+        return exit_codes.CONFIG
+    adapter = AwsAdapter(fleet.cell_stack_name(cell), args.region or cell.region)
+    report = run_kit(adapter, expectations(fleet, cell), destructive=args.destructive,
+                     request_timeout=args.request_timeout, settle_seconds=20.0, evidence_wait=args.evidence_wait,
+                     log=lambda line: print(line, file=sys.stderr, flush=True))
+    json_path, md_path = report.write(args.report)
+    print(report.table())
+    print(f"report: {json_path} and {md_path}")
+    return exit_codes.OK if report.passed else exit_codes.VERIFY

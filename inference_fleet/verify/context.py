@@ -1,0 +1,29 @@
+"""What every check gets: the adapter, the expectations, an HTTP client on the cell's endpoint, the clock."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from inference_fleet.verify.adapter import CellAdapter, Expectations
+from inference_fleet.verify.openai_http import OpenAIHttp
+
+
+@dataclass
+class Context:
+    adapter: CellAdapter
+    expect: Expectations
+    client: OpenAIHttp
+    started_at: float = field(default_factory=time.time)
+    model: str | None = None  # the first model /v1/models lists (check 1 finds it)
+    # Seconds the kit waits for what a launcher publishes to be readable (CloudWatch Logs
+    # ingestion; the leader's divergence comparison runs with every heartbeat, 5 s).
+    settle_seconds: float = 15.0
+    # How long a destructive check waits for a unit to serve again.
+    recovery_timeout_seconds: float = 1800.0
+
+    def served_model(self) -> str:
+        if self.model is None:
+            _, ids = self.client.models()
+            self.model = ids[0] if ids else ""
+        return self.model

@@ -1,0 +1,132 @@
+"""The kit's report: one result per check, printed as a table, written as JSON and Markdown.
+
+The JSON schema is documented in docs/contracts.md ("Acceptance kit report"); `SCHEMA` names
+its version. Markdown goes beside the JSON, same stem, `.md`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from inference_fleet.verify.claims import BY_ID
+
+SCHEMA = "inference-fleet/verify-report/v1"
+Status = Literal["pass", "fail", "not_run"]
+STATUSES = ("pass", "fail", "not_run")
+
+
+@dataclass
+class Measured:
+    """The figure a check measured: a number (or text) and its unit."""
+
+    value: float | int | str | None
+    unit: str
+
+
+@dataclass
+class CheckResult:
+    check_id: str
+    status: Status
+    measured: Measured
+    detail: str
+    # Further figures (name -> value), e.g. the parts of a formation time.
+    figures: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0  # how long the check took
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"status {self.status!r}: allowed {STATUSES}")
+        if self.check_id not in BY_ID:
+            raise ValueError(f"unknown check id {self.check_id!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        claim = BY_ID[self.check_id]
+        value = self.measured.value
+        return {
+            "id": self.check_id, "title": claim.title, "status": self.status,
+            "measured": {"value": round(value, 3) if isinstance(value, float) else value, "unit": self.measured.unit},
+            "detail": self.detail, "figures": self.figures, "claim": {"doc": claim.doc, "sentence": claim.sentence},
+            "seconds": round(self.seconds, 2),
+        }
+
+
+def not_run(check_id: str, why: str, unit: str = "") -> CheckResult:
+    return CheckResult(check_id, "not_run", Measured(None, unit), why)
+
+
+@dataclass
+class Report:
+    cell: str
+    adapter: str  # "aws" or "local"
+    destructive: bool
+    started_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+    checks: list[CheckResult] = field(default_factory=list)
+    target: dict[str, Any] = field(default_factory=dict)  # what the kit ran against (endpoint, stack, units)
+
+    @property
+    def passed(self) -> bool:
+        """No check failed (a check not run does not fail the report; the table says why it did not run)."""
+        return not any(c.status == "fail" for c in self.checks)
+
+    def counts(self) -> dict[str, int]:
+        return {s: sum(1 for c in self.checks if c.status == s) for s in STATUSES}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA, "cell": self.cell, "adapter": self.adapter, "destructive": self.destructive,
+            "started_at": self.started_at, "finished_at": self.finished_at, "passed": self.passed,
+            "counts": self.counts(), "target": self.target, "checks": [c.to_json() for c in self.checks],
+        }
+
+    def table(self) -> str:
+        """The plain-text table printed at the end of a run."""
+        rows = [("check", "status", "measured", "detail")]
+        for c in self.checks:
+            rows.append((c.check_id, c.status.upper() if c.status == "fail" else c.status,
+                         _figure(c.measured), _one_line(c.detail, 90)))
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        lines = ["  ".join([r[0].ljust(widths[0]), r[1].ljust(widths[1]), r[2].ljust(widths[2]), r[3]]).rstrip()
+                 for r in rows]
+        counts = self.counts()
+        lines.append(f"{self.cell} ({self.adapter}): {counts['pass']} passed, {counts['fail']} failed, "
+                     f"{counts['not_run']} not run")
+        return "\n".join(lines)
+
+    def markdown(self) -> str:
+        verdict = "PASSED" if self.passed else "FAILED"
+        lines = [f"# Acceptance kit: cell {self.cell} ({self.adapter}{', destructive' if self.destructive else ''}): "
+                 f"{verdict}", "", "| check | status | measured | detail | settles |", "|---|---|---|---|---|"]
+        for c in self.checks:
+            claim = BY_ID[c.check_id]
+            lines.append(f"| {c.check_id}: {claim.title} | {c.status} | {_figure(c.measured)} | "
+                         f"{_one_line(c.detail, 400).replace('|', '/')} | [{claim.doc}]({claim.doc}) |")
+        figures = [(c.check_id, k, v) for c in self.checks for k, v in c.figures.items()]
+        if figures:
+            lines += ["", "| check | figure | value |", "|---|---|---|"]
+            lines += [f"| {cid} | {k} | {str(v).replace('|', '/')} |" for cid, k, v in figures]
+        return "\n".join(lines) + "\n"
+
+    def write(self, path: Path) -> tuple[Path, Path]:
+        """The JSON at `path` and the Markdown beside it (same stem, .md)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=2, default=str) + "\n")
+        markdown = path.with_suffix(".md")
+        markdown.write_text(self.markdown())
+        return path, markdown
+
+
+def _figure(m: Measured) -> str:
+    if m.value is None:
+        return "-"
+    value = f"{m.value:.2f}" if isinstance(m.value, float) else str(m.value)
+    return f"{value} {m.unit}".strip()
+
+
+def _one_line(text: str, limit: int) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."

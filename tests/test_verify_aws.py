@@ -1,0 +1,220 @@
+"""The kit's AWS adapter against botocore's Stubber: the calls it makes, with the parameters the
+service models accept, and what it reads from the answers. No call leaves the process.
+
+The cell's resources are found by the logical ids of the synthesized default cell (read from
+its snapshot), so a renamed construct breaks this test, not a first deploy.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from botocore.stub import ANY, Stubber
+
+from inference_fleet.verify.adapter import CellUnreachable, Task
+from inference_fleet.verify.aws import AwsAdapter, widget_queries
+
+SNAPSHOT = Path(__file__).parent / "__snapshots__" / "test_snapshots" / "test_default_fleet_stacks[Rufus-Cell-dev].json"
+STACK = "Rufus-Cell-dev"
+CLUSTER = "Rufus-Cell-dev-ClusterEB0386A7-abc"
+LB_ARN = "arn:aws:elasticloadbalancing:us-east-1:111111111111:loadbalancer/app/Rufus-LoadB-x/1234"
+TG_ARN = "arn:aws:elasticloadbalancing:us-east-1:111111111111:targetgroup/Rufus-Units/5678"
+LOG_GROUP = "Rufus-Cell-dev-UnitLogs2DE10C8E-xyz"
+LEADER_SERVICE = f"arn:aws:ecs:us-east-1:111111111111:service/{CLUSTER}/Rufus-Cell-dev-Unit0LeaderService-1"
+FOLLOWER_SERVICE = f"arn:aws:ecs:us-east-1:111111111111:service/{CLUSTER}/Rufus-Cell-dev-Unit0FollowersService-2"
+LEADER_TASK = f"arn:aws:ecs:us-east-1:111111111111:task/{CLUSTER}/aaaa"
+FOLLOWER_TASK = f"arn:aws:ecs:us-east-1:111111111111:task/{CLUSTER}/bbbb"
+
+
+@pytest.fixture
+def adapter(monkeypatch: pytest.MonkeyPatch) -> tuple[AwsAdapter, dict[str, Stubber]]:
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    session = boto3.session.Session(aws_access_key_id="test", aws_secret_access_key="test", region_name="us-east-1")
+    cell = AwsAdapter(STACK, "us-east-1", session=session)
+    stubs = {name: Stubber(cell.client(name)) for name in ("cloudformation", "elbv2", "ecs", "logs", "cloudwatch")}
+    for stub in stubs.values():
+        stub.activate()
+    yield cell, stubs
+    for stub in stubs.values():
+        stub.assert_no_pending_responses()
+        stub.deactivate()
+
+
+def snapshot_resources() -> dict[str, str]:
+    """Logical id -> type of every resource of the synthesized default cell."""
+    return {k: v["Type"] for k, v in json.loads(SNAPSHOT.read_text())["Resources"].items()}
+
+
+def physical(logical: str, kind: str) -> str:
+    return {"AWS::ECS::Cluster": CLUSTER, "AWS::ElasticLoadBalancingV2::LoadBalancer": LB_ARN,
+            "AWS::ElasticLoadBalancingV2::TargetGroup": TG_ARN, "AWS::CloudWatch::Dashboard": "Rufus-Cell-dev-dash",
+            }.get(kind, LOG_GROUP if logical.startswith("UnitLogs") else
+                  LEADER_SERVICE if "Leader" in logical else FOLLOWER_SERVICE if "Followers" in logical else "x")
+
+
+def stub_stack(stubs: dict[str, Stubber], listeners: list[dict[str, Any]] | None = None) -> None:
+    resources = [{"LogicalResourceId": k, "ResourceType": t, "PhysicalResourceId": physical(k, t),
+                  "LastUpdatedTimestamp": datetime(2026, 12, 1, tzinfo=UTC), "ResourceStatus": "CREATE_COMPLETE"}
+                 for k, t in snapshot_resources().items()]
+    half = len(resources) // 2
+    stubs["cloudformation"].add_response("list_stack_resources",
+                                         {"StackResourceSummaries": resources[:half], "NextToken": "t1"},
+                                         {"StackName": STACK})
+    stubs["cloudformation"].add_response("list_stack_resources", {"StackResourceSummaries": resources[half:]},
+                                         {"StackName": STACK, "NextToken": "t1"})
+    balancer = {"LoadBalancerArn": LB_ARN, "DNSName": "internal-x.elb.amazonaws.com"}
+    stubs["elbv2"].add_response("describe_load_balancers", {"LoadBalancers": [balancer]},
+                                {"LoadBalancerArns": [LB_ARN]})
+    stubs["elbv2"].add_response("describe_listeners", {"Listeners": listeners or [{"Protocol": "HTTP", "Port": 80}]},
+                                {"LoadBalancerArn": LB_ARN})
+
+
+def test_the_cell_is_found_by_the_logical_ids_of_the_synthesized_stack(adapter: Any) -> None:
+    cell, stubs = adapter
+    stub_stack(stubs)
+    found = cell.found()
+    assert (found["cluster"], found["load_balancer"], found["target_group"], found["log_group"]) == (
+        CLUSTER, LB_ARN, TG_ARN, LOG_GROUP)
+    assert found["services"] == {("u0", "leader"): LEADER_SERVICE, ("u0", "follower"): FOLLOWER_SERVICE}
+    assert found["dashboard"] == "Rufus-Cell-dev-dash"
+    assert cell.endpoint() == "http://internal-x.elb.amazonaws.com"
+
+
+def test_an_https_listener_is_preferred(adapter: Any) -> None:
+    cell, stubs = adapter
+    stub_stack(stubs, [{"Protocol": "HTTP", "Port": 8080}, {"Protocol": "HTTPS", "Port": 443}])
+    assert cell.endpoint() == "https://internal-x.elb.amazonaws.com"
+
+
+def test_a_missing_stack_or_resource_is_a_clear_unreachable_cell(adapter: Any) -> None:
+    cell, stubs = adapter
+    stubs["cloudformation"].add_client_error("list_stack_resources", "ValidationError",
+                                             f"Stack with id {STACK} does not exist")
+    with pytest.raises(CellUnreachable, match="ValidationError: Stack with id Rufus-Cell-dev does not exist"):
+        cell.found()
+    stubs["cloudformation"].add_response("list_stack_resources", {"StackResourceSummaries": []}, {"StackName": STACK})
+    with pytest.raises(CellUnreachable, match="has no cluster, load_balancer, target_group, log_group"):
+        cell.found()
+
+
+def test_events_are_read_with_a_json_filter_pattern_across_pages(adapter: Any) -> None:
+    cell, stubs = adapter
+    stub_stack(stubs)
+    cell.found()
+    doc = {"event": "node_self_check", "unit_id": "u0", "instance_id": LEADER_TASK, "checks": []}
+    stubs["logs"].add_response("filter_log_events", {"events": [
+        {"logStreamName": "u0-leader/inference/aaaa", "timestamp": 1764590000500, "message": json.dumps(doc)},
+        {"logStreamName": "u0-leader/inference/aaaa", "timestamp": 1764590000600, "message": "not json"}],
+        "nextToken": "n1"}, {"logGroupName": LOG_GROUP, "startTime": 1764590000000,
+                              "filterPattern": '{ ($.event = "node_self_check") && ($.unit_id = "u0") }'})
+    stubs["logs"].add_response("filter_log_events", {"events": []},
+                               {"logGroupName": LOG_GROUP, "startTime": 1764590000000, "nextToken": "n1",
+                                "filterPattern": ANY})
+    events = cell.events("node_self_check", 1764590000.0, "u0")
+    assert [(e.doc, e.task_id, e.timestamp) for e in events] == [(doc, "aaaa", 1764590000.5)]
+    with pytest.raises(ValueError, match="not a launcher event"):
+        cell.events('x" }', 0)
+
+
+def test_unit_health_is_the_leader_instance_target_state(adapter: Any) -> None:
+    cell, stubs = adapter
+    stub_stack(stubs)
+    cell.found()
+    for state, expected in (("healthy", 200), ("draining", 503)):
+        stubs["ecs"].add_response("list_tasks", {"taskArns": [LEADER_TASK]},
+                                  {"cluster": CLUSTER, "serviceName": "Rufus-Cell-dev-Unit0LeaderService-1",
+                                   "desiredStatus": "RUNNING"})
+        task = {"taskArn": LEADER_TASK, "containerInstanceArn": "ci/1"}
+        stubs["ecs"].add_response("describe_tasks", {"tasks": [task]},
+                                  {"cluster": CLUSTER, "tasks": [LEADER_TASK]})
+        stubs["ecs"].add_response("describe_container_instances",
+                                  {"containerInstances": [{"containerInstanceArn": "ci/1", "ec2InstanceId": "i-1"}]},
+                                  {"cluster": CLUSTER, "containerInstances": ["ci/1"]})
+        stubs["elbv2"].add_response("describe_target_health", {"TargetHealthDescriptions": [
+            {"Target": {"Id": "i-1", "Port": 8080}, "TargetHealth": {"State": state}},
+            {"Target": {"Id": "i-9", "Port": 8080}, "TargetHealth": {"State": "healthy"}}]},
+            {"TargetGroupArn": TG_ARN})
+        assert cell.unit_health("u0") == expected
+
+
+def test_tasks_their_times_and_stop_task(adapter: Any) -> None:
+    cell, stubs = adapter
+    stub_stack(stubs)
+    cell.found()
+    for service, arn in (("Rufus-Cell-dev-Unit0LeaderService-1", LEADER_TASK),
+                         ("Rufus-Cell-dev-Unit0FollowersService-2", FOLLOWER_TASK)):
+        stubs["ecs"].add_response("list_tasks", {"taskArns": [arn]},
+                                  {"cluster": CLUSTER, "serviceName": service, "desiredStatus": "RUNNING"})
+    assert cell.tasks("u0") == [Task(LEADER_TASK, "u0", "leader"), Task(FOLLOWER_TASK, "u0", "follower")]
+    at = datetime(2026, 12, 1, 18, 0, tzinfo=UTC)
+    stubs["ecs"].add_response("describe_tasks", {"tasks": [{"taskArn": FOLLOWER_TASK, "createdAt": at,
+                                                            "pullStartedAt": at, "startedAt": at, "stoppedAt": at}]},
+                              {"cluster": CLUSTER, "tasks": [FOLLOWER_TASK]})
+    times = cell.task_times([FOLLOWER_TASK, "i-e2e-not-an-arn"])
+    assert times[FOLLOWER_TASK].stopped == at.timestamp() and times[FOLLOWER_TASK].pull_stopped is None
+    stubs["ecs"].add_response("stop_task", {"task": {"taskArn": FOLLOWER_TASK}},
+                              {"cluster": CLUSTER, "task": FOLLOWER_TASK, "reason": "verify"})
+    cell.stop_task(Task(FOLLOWER_TASK, "u0", "follower"), "verify")
+
+
+def test_metric_reads_get_metric_data(adapter: Any) -> None:
+    cell, stubs = adapter
+    stubs["cloudwatch"].add_response("get_metric_data", {"MetricDataResults": [
+        {"Id": "m0", "Values": [1.0, 2.0], "Timestamps": [datetime.now(UTC)] * 2}]}, {
+        "MetricDataQueries": [{"Id": "m0", "ReturnData": True, "MetricStat": {
+            "Metric": {"Namespace": "Rufus/UnitProxy", "MetricName": "Requests",
+                       "Dimensions": [{"Name": "Cell", "Value": "dev"}, {"Name": "Unit", "Value": "u0"}]},
+            "Period": 60, "Stat": "Sum"}}], "StartTime": ANY, "EndTime": ANY})
+    series = cell.metric("Rufus/UnitProxy", "Requests", {"Cell": "dev", "Unit": "u0"}, 1764590000.0)
+    assert series.values == [1.0, 2.0] and series.namespace == "Rufus/UnitProxy"
+
+
+def resolved_dashboard_body() -> dict[str, Any]:
+    """The synthesized dashboard body with its tokens replaced by plausible values."""
+    body = json.loads(SNAPSHOT.read_text())["Resources"]
+    dash = next(v for v in body.values() if v["Type"] == "AWS::CloudWatch::Dashboard")
+    parts = dash["Properties"]["DashboardBody"]["Fn::Join"][1]
+    return json.loads("".join(p if isinstance(p, str) else "token" for p in parts))
+
+
+def test_every_metric_widget_of_the_synthesized_dashboard_becomes_valid_queries(adapter: Any) -> None:
+    """Every row of the real dashboard parses; every query has the shape GetMetricData accepts
+    (the Stubber validates it against the service model); expressions keep their ids."""
+    cell, stubs = adapter
+    body = resolved_dashboard_body()
+    widgets = [w for w in body["widgets"] if w["type"] == "metric"]
+    assert len(widgets) >= 8
+    namespaces = set()
+    for widget in widgets:
+        queries, ns = widget_queries(widget["properties"])
+        namespaces |= set(ns.values())
+        for q in queries:
+            assert re.match(r"^[a-z][a-zA-Z0-9_]*$", q["Id"]), q
+        stubs["cloudwatch"].add_response("get_metric_data", {"MetricDataResults": []},
+                                         {"MetricDataQueries": queries, "StartTime": ANY, "EndTime": ANY})
+        cell._metric_data(queries, 1764590000.0)
+    assert {"Rufus/UnitProxy", "Rufus/Unit", "AWS/ApplicationELB"} <= namespaces
+
+
+def test_dashboard_series_carry_the_widget_title_and_namespace(adapter: Any) -> None:
+    cell, stubs = adapter
+    stub_stack(stubs)
+    cell.found()
+    widget = {"type": "metric", "properties": {"title": "Queue depth (max)", "metrics": [
+        ["Rufus/UnitProxy", "QueueDepth", "Cell", "dev", "Unit", "u0", {"label": "u0", "stat": "Maximum"}],
+        [".", ".", ".", ".", ".", "u1", {"label": "u1", "stat": "Maximum"}]]}}
+    stubs["cloudwatch"].add_response("get_dashboard", {"DashboardBody": json.dumps({"widgets": [
+        {"type": "text", "properties": {"markdown": "x"}}, widget]})}, {"DashboardName": "Rufus-Cell-dev-dash"})
+    stubs["cloudwatch"].add_response("get_metric_data", {"MetricDataResults": [{"Id": "q0", "Values": [3.0]}]},
+                                     {"MetricDataQueries": ANY, "StartTime": ANY, "EndTime": ANY})
+    series = cell.dashboard(1764590000.0)
+    assert [(s.label, s.values, s.namespace) for s in series] == [
+        ("Queue depth (max): u0", [3.0], "Rufus/UnitProxy"), ("Queue depth (max): u1", [], "Rufus/UnitProxy")]
+    queries, _ = widget_queries(widget["properties"])
+    assert queries[1]["MetricStat"]["Metric"]["Dimensions"][1] == {"Name": "Unit", "Value": "u1"}  # "." expanded

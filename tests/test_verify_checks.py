@@ -1,0 +1,211 @@
+"""The acceptance kit's checks against a real HTTP server on loopback and an in-memory cell.
+
+Each check is run where it must pass and where it must fail, for the reason its docstring
+names; the report is written and read back.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from inference_fleet.verify import checks_cell, checks_faults, checks_serving
+from inference_fleet.verify.adapter import MetricSeries, Task, TaskTimes
+from inference_fleet.verify.claims import CLAIMS
+from inference_fleet.verify.context import Context
+from inference_fleet.verify.openai_http import OpenAIHttp
+from inference_fleet.verify.report import SCHEMA, CheckResult, Measured, Report
+from inference_fleet.verify.runner import run_kit
+from tests.verify_fakes import MODEL, FakeAdapter, FakeOpenAI, Knobs, expectations
+
+
+def context(server: FakeOpenAI, adapter: FakeAdapter | None = None, **expect: object) -> Context:
+    adapter = adapter or FakeAdapter(server.url)
+    return Context(adapter, expectations(**expect), OpenAIHttp(server.url, 10), settle_seconds=0.0,
+                   recovery_timeout_seconds=5.0)
+
+
+def test_serving_passes_with_models_completion_stream_and_every_unit_healthy() -> None:
+    with FakeOpenAI() as server:
+        result = checks_serving.check_serving(context(server))
+    assert result.status == "pass", result.detail
+    assert result.measured.value == 1 and result.figures["model"] == MODEL
+    sent = {("messages" in r, bool(r.get("stream"))) for r in server.knobs.requests}
+    assert sent == {(False, False), (True, True)}  # a completion and a streamed chat
+
+
+def test_serving_fails_on_a_refused_completion_and_on_an_unhealthy_unit() -> None:
+    with FakeOpenAI(Knobs(status=503)) as server:
+        result = checks_serving.check_serving(context(server))
+    assert result.status == "fail" and "completion: 503" in result.detail and "streamed chat: 503" in result.detail
+    with FakeOpenAI() as server:
+        adapter = FakeAdapter(server.url, health={"u0": 200, "u1": 503})
+        result = checks_serving.check_serving(context(server, adapter, units=["u0", "u1"]))
+    assert result.status == "fail" and "'u1': 503" in result.detail
+
+
+def test_agreement_passes_and_sends_a_burst_at_temperature_above_zero() -> None:
+    with FakeOpenAI() as server:
+        result = checks_serving.check_agreement(context(server), burst=6)
+    assert result.status == "pass", result.detail
+    hot = [r for r in server.knobs.requests if r.get("temperature", 0) > 0]
+    assert len(hot) == 6 + 2 and len({r.get("seed") for r in hot}) == 7  # six seeds, then 4242 twice
+
+
+def test_agreement_fails_when_a_session_ended_as_divergence_during_the_burst(monkeypatch: pytest.MonkeyPatch) -> None:
+    with FakeOpenAI() as server:
+        adapter = FakeAdapter(server.url)
+        real_burst = checks_serving._burst
+
+        def burst_then_diverge(c: Context, count: int, max_tokens: int) -> list[int | None]:
+            statuses = real_burst(c, count, max_tokens)
+            adapter.log({"event": "unit_session_end", "unit_id": "u0", "session_id": "s1", "cause": "divergence",
+                         "reason": "rank 1 sampled other tokens"})
+            return statuses
+
+        monkeypatch.setattr(checks_serving, "_burst", burst_then_diverge)
+        result = checks_serving.check_agreement(context(server, adapter), burst=2)
+    assert result.status == "fail" and "ended as divergence" in result.detail
+
+
+def test_agreement_fails_when_the_seed_does_not_give_the_same_tokens() -> None:
+    with FakeOpenAI(Knobs(honour_seed=False)) as server:
+        result = checks_serving.check_agreement(context(server), burst=2)
+    assert result.status == "fail" and "seed 4242 twice" in result.detail
+
+
+def test_step_bound_sends_a_max_seq_len_prompt_and_passes_within_half_the_bound() -> None:
+    with FakeOpenAI(Knobs(max_model_len=256)) as server:
+        result = checks_serving.check_step_bound(context(server, max_seq_len=256, step_timeout_seconds=4.0))
+    assert result.status == "pass", result.detail
+    long = [r for r in server.knobs.requests if isinstance(r.get("prompt"), list)]
+    assert len(long) == 1 and len(long[0]["prompt"]) == 255 and long[0]["max_tokens"] == 1
+    assert "publish no LongestStepSeconds" in result.detail
+
+
+def test_step_bound_fails_when_the_first_token_takes_more_than_half_the_bound() -> None:
+    with FakeOpenAI(Knobs(first_token_delay=0.8)) as server:
+        result = checks_serving.check_step_bound(context(server, step_timeout_seconds=1.2))
+    assert result.status == "fail" and isinstance(result.measured.value, float) and result.measured.value >= 0.8
+
+
+def test_step_bound_uses_the_published_longest_step_when_there_is_one() -> None:
+    with FakeOpenAI() as server:
+        adapter = FakeAdapter(server.url, metrics={("Rufus/Unit", "LongestStepSeconds", "u0"): [2.0, 9.5]})
+        result = checks_serving.check_step_bound(context(server, adapter, step_timeout_seconds=30.0))
+    assert result.status == "pass" and result.measured.value == 9.5 and "published" in result.figures["source"]
+
+
+def test_step_bound_fails_when_the_long_prompt_is_refused() -> None:
+    with FakeOpenAI(Knobs(max_model_len=128)) as server:
+        result = checks_serving.check_step_bound(context(server, max_seq_len=256))
+    assert result.status == "fail" and "255-token prompt was not served: 400" in result.detail
+
+
+def self_check(instance: str, rank: int, bad: str | None = None) -> dict[str, object]:
+    return {"event": "node_self_check", "cell": "dev", "unit_id": "u0", "instance_id": instance, "rank": rank,
+            "checks": [{"name": n, "ok": n != bad, "measured": "x", "expected": "y"} for n in checks_cell.SELF_CHECKS]}
+
+
+def two_tasks() -> dict[str, list[Task]]:
+    return {"u0": [Task("arn:task/l", "u0", "leader"), Task("arn:task/f", "u0", "follower")]}
+
+
+@pytest.mark.parametrize(("events", "status", "words"), [
+    ([], "not_run", "no node_self_check"),
+    ([self_check("arn:task/l", 0), self_check("arn:task/f", 1)], "pass", "2 node(s)"),
+    ([self_check("arn:task/l", 0), self_check("arn:task/f", 1, bad="imds_unreachable")], "fail",
+     "rank 1: imds_unreachable: x (expected y)"),
+    ([self_check("arn:task/l", 0)], "fail", "follower arn:task/f: no self-check event"),
+])
+def test_self_checks(events: list[dict[str, object]], status: str, words: str) -> None:
+    adapter = FakeAdapter("http://unused", running=two_tasks())
+    for doc in events:
+        adapter.log(doc)
+    result = checks_cell.check_self_checks(Context(adapter, expectations(), OpenAIHttp("http://unused")))
+    assert result.status == status and words in result.detail, result.detail
+
+
+def test_formation_measures_the_parts_of_the_last_member_and_judges_the_budget() -> None:
+    now = time.time()
+    adapter = FakeAdapter("http://unused")
+    adapter.times = {"arn:l": TaskTimes(created=now - 1000, pull_started=now - 990, pull_stopped=now - 900,
+                                        started=now - 890),
+                     "arn:f": TaskTimes(created=now - 950, pull_started=now - 940, pull_stopped=now - 850,
+                                        started=now - 840)}
+    members = [{"rank": 0, "instance_id": "arn:l"}, {"rank": 1, "instance_id": "arn:f"}]
+    adapter.log({"event": "unit_session_formed", "unit_id": "u0", "session_id": "s1", "released_at": now - 700,
+                 "members": members}, at=now - 700)
+    adapter.log({"event": "unit_session_end", "unit_id": "u0", "session_id": "s1", "serving_since": now - 100,
+                 "cause": "member_stopping"}, at=now - 50)
+    ctx = Context(adapter, expectations(startup_budget_seconds=1800), OpenAIHttp("http://unused"))
+    result = checks_cell.check_formation(ctx)
+    parts = result.figures["u0"]
+    assert result.status == "pass" and parts["last_member_task"] == "arn:f"
+    assert (parts["pull_s"], parts["fetch_and_join_s"], parts["load_s"], parts["total_s"]) == (90, 140, 600, 850)
+    over = checks_cell.check_formation(Context(adapter, expectations(startup_budget_seconds=600),
+                                               OpenAIHttp("http://unused")))
+    assert over.status == "fail" and "over the start-up budget" in over.detail
+
+
+def test_formation_is_not_run_without_a_serving_time() -> None:
+    adapter = FakeAdapter("http://unused")
+    adapter.log({"event": "unit_session_formed", "unit_id": "u0", "session_id": "s1", "released_at": time.time(),
+                 "members": []})
+    result = checks_cell.check_formation(Context(adapter, expectations(), OpenAIHttp("http://unused")))
+    assert result.status == "not_run" and "unit_serving" in result.detail
+
+
+def test_evidence_parts_pass_fail_and_not_run() -> None:
+    adapter = FakeAdapter("http://unused", metrics={("Rufus/UnitProxy", "Requests", "u0"): [3.0]})
+    adapter.log({"event": "unit_session_formed", "unit_id": "u0", "session_id": "s1"})
+    ctx = Context(adapter, expectations(), OpenAIHttp("http://unused"))
+    result = checks_cell.check_evidence(ctx)
+    assert result.status == "pass" and "[not_run] launcher EMF: no session has ended" in result.detail
+    adapter.log({"event": "unit_session_end", "unit_id": "u0", "session_id": "s1", "cause": "heartbeat_loss"})
+    adapter.metrics[("Rufus/Unit", "UnitSessionEnds", "u0")] = []
+    adapter.widgets = [MetricSeries("Time to first token p99 (ms): u0", [], "Rufus/UnitProxy"),
+                       MetricSeries("Unit failures: u0", [], "Rufus/Unit")]
+    result = checks_cell.check_evidence(ctx)
+    assert result.status == "fail"
+    assert "no data for ['u0'] although their session-end events" in result.detail
+    assert "dashboard: no data for 1 of 1 proxy/ALB metric(s)" in result.detail
+
+
+def test_follower_stop_fails_without_an_event_naming_the_follower() -> None:
+    """The fake cell never goes down: the check reports the unit kept answering healthy."""
+    with FakeOpenAI() as server:
+        adapter = FakeAdapter(server.url, running=two_tasks())
+        result = checks_faults.check_follower_stop(context(server, adapter))
+    assert adapter.stopped == ["arn:task/f"]
+    assert result.status == "fail" and "kept answering healthy" in result.detail
+    assert "0 session-end event(s) name the stopped follower" in result.detail
+
+
+def test_report_json_and_markdown(tmp_path: Path) -> None:
+    report = Report(cell="dev", adapter="fake", destructive=False)
+    report.checks = [CheckResult("1-serving", "pass", Measured(1, "units serving"), "ok"),
+                     CheckResult("3-step-bound", "fail", Measured(0.84321, "s"), "slow | very")]
+    json_path, md_path = report.write(tmp_path / "out.json")
+    doc = json.loads(json_path.read_text())
+    assert doc["schema"] == SCHEMA and doc["passed"] is False and doc["counts"] == {"pass": 1, "fail": 1, "not_run": 0}
+    step = doc["checks"][1]
+    assert step["measured"] == {"value": 0.843, "unit": "s"} and step["claim"]["doc"].startswith("docs/")
+    assert md_path == tmp_path / "out.md" and "| 3-step-bound: " in md_path.read_text()
+    assert "slow / very" in md_path.read_text()  # a | in a detail does not break the table
+    with pytest.raises(ValueError, match="status"):
+        CheckResult("1-serving", "passed", Measured(1, ""), "")  # type: ignore[arg-type]
+
+
+def test_run_kit_read_only_runs_every_check_but_the_destructive_ones() -> None:
+    with FakeOpenAI() as server:
+        adapter = FakeAdapter(server.url, running=two_tasks())
+        report = run_kit(adapter, expectations(), settle_seconds=0.0, log=lambda _: None)
+    by_id = {c.check_id: c for c in report.checks}
+    assert [c.check_id for c in report.checks] == [c.check_id for c in CLAIMS]
+    assert by_id["1-serving"].status == "pass" and by_id["2-agreement"].status == "pass"
+    assert {by_id["7a-follower-stop"].status, by_id["7b-leader-stop"].status} == {"not_run"}
+    assert adapter.stopped == []  # read-only

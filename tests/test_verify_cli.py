@@ -1,0 +1,50 @@
+"""`python -m inference_fleet verify`: exit statuses, and the reports written whatever happens.
+
+Run as a user runs it (a subprocess). Without credentials the kit cannot reach the cell: every
+check fails with the reason, both reports are written, and the exit status is 6. No request
+leaves the machine: the instance metadata and every credential source are turned off, so
+botocore gives up before it sends anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def verify(*args: str, tmp: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_EC2_METADATA_DISABLED="true", AWS_CONFIG_FILE=str(tmp / "none"),
+               AWS_SHARED_CREDENTIALS_FILE=str(tmp / "none"))
+    return subprocess.run([sys.executable, "-m", "inference_fleet", "verify", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_usage_errors_exit_2_and_an_unknown_cell_exits_3(tmp_path: Path) -> None:
+    assert verify(tmp=tmp_path).returncode == 2
+    bad = verify("--cell", "dev", "--evidence-wait", "-1", tmp=tmp_path)
+    assert bad.returncode == 2 and "allowed: 0 to 7200" in bad.stderr
+    unknown = verify("--cell", "nope", tmp=tmp_path)
+    assert unknown.returncode == 3 and "no such cell in the fleet file; its cells: dev" in unknown.stderr
+    assert "Traceback" not in unknown.stderr + bad.stderr
+
+
+def test_an_unreachable_cell_fails_every_check_and_writes_both_reports(tmp_path: Path) -> None:
+    done = verify("--cell", "dev", "--report", str(tmp_path / "out.json"), tmp=tmp_path)
+    assert done.returncode == 6, done.stderr
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert report["passed"] is False and report["counts"]["fail"] == len(report["checks"]) == 8
+    assert all("cell not reachable" in c["detail"] and "credentials" in c["detail"] for c in report["checks"])
+    assert (tmp_path / "out.md").read_text().startswith("# Acceptance kit: cell dev (aws): FAILED")
+    assert "dev (aws): 0 passed, 8 failed, 0 not run" in done.stdout
+
+
+def test_help_lists_exit_status_6() -> None:
+    done = subprocess.run([sys.executable, "-m", "inference_fleet", "verify", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "6    verify: a check failed on the cell" in done.stdout

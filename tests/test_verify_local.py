@@ -1,0 +1,220 @@
+"""The kit's local adapter against real processes on loopback: a task stop played as ECS plays
+StopTask (the follower's drain guard first), events and EMF metrics read from the task log
+files as the launcher writes them, and the follower-stop check run end to end on a stand-in unit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from unit_launcher import evidence
+
+from inference_fleet.verify import checks_faults
+from inference_fleet.verify.adapter import Task
+from inference_fleet.verify.context import Context
+from inference_fleet.verify.local import LocalAdapter, LocalTask, StopTimes
+from inference_fleet.verify.openai_http import OpenAIHttp
+from inference_fleet.verify.report import CheckResult
+from inference_fleet.verify.runner import run_kit
+from tests.verify_fakes import FakeOpenAI, expectations
+
+# A stand-in launcher: says which signals it got; exits on SIGUSR1 or SIGTERM unless told to ignore them.
+LAUNCHER = r"""
+import json, signal, sys, time
+ignore = sys.argv[1:]
+print(json.dumps({"event": "node_self_check", "unit_id": "u0", "instance_id": sys.argv[0], "checks": []}), flush=True)
+def handler(signum, frame):
+    name = signal.Signals(signum).name
+    print("got " + name, flush=True)
+    if name not in ignore:
+        sys.exit(0)
+signal.signal(signal.SIGUSR1, handler)
+signal.signal(signal.SIGTERM, handler)
+while True:
+    time.sleep(0.05)
+"""
+
+
+class Started:
+    """Real processes with their log files, as the e2e harness keeps them."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.tasks: list[LocalTask] = []
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.exits: dict[str, float] = {}
+
+    def start(self, task_id: str, role: str, *ignore: str) -> LocalTask:
+        log = self.tmp / f"{task_id}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, *ignore], stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        self.procs[task_id] = proc
+        threading.Thread(target=self._watch, args=(task_id, proc), daemon=True).start()
+        task = LocalTask(task_id, "u0", role, proc.pid, log, time.time(), lambda: self.exits.get(task_id))
+        self.tasks.append(task)
+        return task
+
+    def _watch(self, task_id: str, proc: subprocess.Popen[bytes]) -> None:
+        proc.wait()
+        self.exits[task_id] = time.time()
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def wait_for(predicate, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def test_a_follower_stop_passes_through_the_drain_guard_and_a_stubborn_leader_is_killed(tmp_path: Path) -> None:
+    started = Started(tmp_path)
+    try:
+        follower = started.start("i-f1", "follower")
+        leader = started.start("i-l1", "leader", "SIGTERM")  # ignores SIGTERM
+        adapter = LocalAdapter("http://127.0.0.1:9", {}, lambda: started.tasks, StopTimes(stop_timeout=0.5,
+                                                                                       guard_bound=5))
+        wait_for(lambda: all("node_self_check" in t.log_path.read_text() for t in (leader, follower)))
+        assert [t.task_id for t in adapter.tasks("u0")] == ["i-l1", "i-f1"]  # leader first
+        adapter.stop_task(Task("i-f1", "u0", "follower"), "test")
+        adapter.stop_task(Task("i-l1", "u0", "leader"), "test")
+        adapter.join(10)
+        wait_for(lambda: {"i-f1", "i-l1"} <= set(started.exits))
+        assert "got SIGUSR1" in follower.log_path.read_text()
+        assert "SIGTERM" not in follower.log_path.read_text()  # the launcher left on the guard's signal
+        assert started.procs["i-f1"].returncode == 0
+        assert "got SIGTERM" in leader.log_path.read_text() and started.procs["i-l1"].returncode == -9
+        times = adapter.task_times(["i-f1", "i-l1"])
+        assert times["i-l1"].stopped is not None and times["i-l1"].stopped - times["i-l1"].started >= 0.5
+        assert adapter.tasks("u0") == []
+    finally:
+        started.stop_all()
+
+
+def test_events_and_emf_metrics_are_read_from_the_launchers_own_lines(tmp_path: Path) -> None:
+    """The session-end line as `unit_launcher.evidence.emit` writes it: an event, and EMF metrics."""
+    log = tmp_path / "leader.1.log"
+    event = {"event": "unit_session_end", "cell": "dev", "unit_id": "u0", "cause": "heartbeat_loss",
+             "served_seconds": 12.5, "ended_at": 1764590000.25, "session_id": "s1"}
+    with open(log, "w") as out:
+        out.write("INFO engine says hello\n")
+        evidence.emit(event, "Rufus/Unit", out)
+        evidence.emit_line({"event": "unit_session_formed", "unit_id": "u0", "released_at": 1764589000.0}, out)
+    task = LocalTask("i-l1", "u0", "leader", 0, log, 1764588000.0, lambda: 1764590001.0)
+    adapter = LocalAdapter("http://127.0.0.1:9", {}, lambda: [task])
+    ends = adapter.events("unit_session_end", 1764589999.0, "u0")
+    assert len(ends) == 1 and ends[0].timestamp == 1764590000.25 and ends[0].task_id == "i-l1"
+    assert adapter.events("unit_session_end", 1764590001.0) == []
+    assert [e.doc["released_at"] for e in adapter.events("unit_session_formed", 0)] == [1764589000.0]
+    failures = adapter.metric("Rufus/Unit", "UnitFailures", {"Cell": "dev", "Unit": "u0"}, 0)
+    assert failures.values == [1.0]
+    assert adapter.metric("Rufus/Unit", "LongestStepSeconds", {"Cell": "dev", "Unit": "u0"}, 0).values == []
+    assert adapter.metric("Rufus/UnitProxy", "Requests", {"Cell": "dev", "Unit": "u0"}, 0).values is None
+    assert adapter.dashboard(0) is None
+
+
+def stand_in_follower_stop(tmp_path: Path, drain_seconds: float, gate_lag: float, half_status: int) -> CheckResult:
+    """A stand-in unit (real processes, a real HTTP server for the proxy) that behaves as the
+    launcher and proxy document: when the follower's task stops, /health turns 503 and new
+    requests are still served for `drain_seconds` (the proxy's DRAIN_SECONDS); the leader then
+    writes one session-end event naming the follower; requests are still answered 200 for
+    `gate_lag` (the proxy's gate closes at its next check round), then 503, then `half_status`
+    (503 in a correct unit) until a new follower task joins: the leader writes
+    `unit_session_formed` and the unit serves again."""
+    started = Started(tmp_path)
+    with FakeOpenAI() as server:
+        try:
+            leader = started.start("i-l1", "leader")
+            follower = started.start("i-f1", "follower")
+            # Both have set their signal handlers (and will write no more at the start of their logs).
+            wait_for(lambda: all("node_self_check" in t.log_path.read_text() for t in (leader, follower)))
+
+            def play_the_unit() -> None:
+                started.procs["i-f1"].wait()
+                server.knobs.health = 503
+                time.sleep(drain_seconds)
+                with open(leader.log_path, "a") as out:
+                    evidence.emit({"event": "unit_session_end", "cell": "dev", "unit_id": "u0", "session_id": "s1",
+                                   "cause": "member_stopping", "served_seconds": 3.0, "ended_at": time.time(),
+                                   "ended_by": {"rank": 1, "instance_id": follower.task_id}}, "Rufus/Unit", out)
+                time.sleep(gate_lag)
+                server.knobs.status = 503
+                time.sleep(0.8)
+                server.knobs.status = half_status
+                time.sleep(1.2)
+                started.start("i-f2", "follower")
+                with open(leader.log_path, "a") as out:
+                    evidence.emit_line({"event": "unit_session_formed", "unit_id": "u0", "session_id": "s2",
+                                        "released_at": time.time(), "members": []}, out)
+                server.knobs.status, server.knobs.health = 200, None
+
+            threading.Thread(target=play_the_unit, daemon=True).start()
+            adapter = LocalAdapter(server.url, {"u0": server.url + "/health"}, lambda: started.tasks)
+            ctx = Context(adapter, expectations(), OpenAIHttp(server.url, 5), settle_seconds=0.2,
+                          recovery_timeout_seconds=20)
+            return checks_faults.check_follower_stop(ctx)
+        finally:
+            started.stop_all()
+
+
+def test_follower_stop_check_passes_on_a_unit_that_drains_then_refuses(tmp_path: Path) -> None:
+    """Requests served during the drain, and until the proxy's gate closes, are answered by the
+    engines of both nodes (the unit is still whole): no fault; after the first refusal only 503
+    until the next session forms. (Regression: the e2e unit failed the first versions of the
+    check, which counted from /health 503 and then from the session's end.)"""
+    result = stand_in_follower_stop(tmp_path, drain_seconds=1.2, gate_lag=0.6, half_status=503)
+    assert result.status == "pass", result.detail
+    assert result.figures["evidence"][0]["cause"] == "member_stopping"
+    assert set(result.figures["probes_after_the_end"]) == {"200", "503"}
+    assert json.loads(json.dumps(result.figures))  # JSON-able for the report
+
+
+def test_follower_stop_check_fails_when_a_half_unit_answers(tmp_path: Path) -> None:
+    result = stand_in_follower_stop(tmp_path, drain_seconds=0.0, gate_lag=0.0, half_status=200)
+    assert result.status == "fail" and "requests while the unit was half got ['200', '503']" in result.detail
+
+
+def test_the_read_only_kit_through_a_real_unit_proxy(tmp_path: Path) -> None:
+    """The kit's HTTP checks through the production proxy (`python -m unit_proxy`, HAProxy 2.6)
+    in front of a stand-in engine: /v1/models, a completion, a streamed chat, the burst, the
+    seeded pair and the max_seq_len prompt all pass HAProxy's rules and reach the engine."""
+    import socket
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+
+    port, admin = free_port(), free_port()
+    with FakeOpenAI() as engine:
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("AWS_")},
+               "PROXY_HOST": "127.0.0.1", "PROXY_PORT": str(port), "PROXY_ADMIN_PORT": str(admin),
+               "UPSTREAM_URL": engine.url, "LAUNCHER_STATUS_URL": "", "ENGINE_METRICS_URL": "",
+               "CANARY_INTERVAL_SECONDS": "0", "HEALTH_INTERVAL_SECONDS": "0.25", "DRAIN_SECONDS": "0"}
+        proxy = subprocess.Popen([sys.executable, "-m", "unit_proxy"], env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            adapter = LocalAdapter(url, {"u0": url + "/health"}, lambda: [])
+            wait_for(lambda: adapter.unit_health("u0") == 200, 30)
+            report = run_kit(adapter, expectations(), settle_seconds=0.0, log=lambda _: None)
+        finally:
+            proxy.terminate()
+            proxy.wait(30)
+    by_id = {c.check_id: c for c in report.checks}
+    for check_id in ("1-serving", "2-agreement", "3-step-bound"):
+        assert by_id[check_id].status == "pass", (check_id, by_id[check_id].detail)
+    assert by_id["5-node-self-checks"].status == "not_run"
+    assert any(isinstance(r.get("prompt"), list) and len(r["prompt"]) == 255 for r in engine.knobs.requests)

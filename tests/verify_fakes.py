@@ -1,0 +1,176 @@
+"""Test doubles of the acceptance kit's tests: an OpenAI-like server on loopback and an in-memory adapter.
+
+The server is a real HTTP server (standard library) speaking the parts of vLLM's OpenAI API the
+kit sends: `/v1/models`, `/v1/completions` (also streamed, also with token-id prompts) and
+streamed `/v1/chat/completions`, with server-sent events as vLLM writes them. Its answers are
+a function of the prompt and the seed, so "same seed, same tokens" holds unless
+`honour_seed` is False.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from inference_fleet.verify.adapter import Expectations, LogEvent, MetricSeries, Task, TaskTimes
+
+MODEL = "fake-model"
+
+
+@dataclass
+class Knobs:
+    status: int = 200  # the status of every data request (not /v1/models)
+    health: int | None = None  # /health's status when it differs from `status` (a unit draining)
+    first_token_delay: float = 0.0
+    token_delay: float = 0.0
+    honour_seed: bool = True
+    max_model_len: int = 256
+    requests: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _words(prompt: Any, seed: int | None, honour: bool, n: int) -> list[str]:
+    salt = seed if (seed is not None and honour) else random.random()
+    digest = hashlib.sha256(f"{prompt}|{salt}".encode()).hexdigest()
+    return [f"w{digest[i % 60:i % 60 + 4]}" for i in range(n)]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    knobs: Knobs
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *_: Any) -> None:
+        pass
+
+    def _json(self, status: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        if self.path == "/v1/models":
+            self._json(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+        elif self.path == "/health":  # the proxy's /health: 200 only while the unit is whole
+            self._json(self.knobs.health or self.knobs.status, {})
+        else:
+            self._json(404, {"error": "not found"})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        self.knobs.requests.append(body)
+        if self.knobs.status != 200:
+            self._json(self.knobs.status, {"error": {"type": "unit_unavailable", "code": self.knobs.status}})
+            return
+        prompt = body.get("prompt", body.get("messages"))
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) and \
+                len(prompt) + body["max_tokens"] > self.knobs.max_model_len:
+            self._json(400, {"error": {"message": "too long"}})
+            return
+        words = _words(prompt, body.get("seed"), self.knobs.honour_seed, body["max_tokens"])
+        chat = self.path == "/v1/chat/completions"
+        if not body.get("stream"):
+            time.sleep(self.knobs.first_token_delay)
+            self._json(200, {"choices": [{"text": " ".join(words), "finish_reason": "length"}]})
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        time.sleep(self.knobs.first_token_delay)
+        for i, word in enumerate(words):
+            last = i == len(words) - 1
+            choice = {"delta": {"content": word + " "}} if chat else {"text": word + " "}
+            choice["finish_reason"] = "length" if last else None
+            self._chunk(f"data: {json.dumps({'choices': [choice]})}\n\n")
+            time.sleep(self.knobs.token_delay)
+        self._chunk(f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': len(words)}})}\n\n")
+        self._chunk("data: [DONE]\n\n")
+        self.wfile.write(b"0\r\n\r\n")
+
+    def _chunk(self, text: str) -> None:
+        data = text.encode()
+        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        self.wfile.flush()
+
+
+class FakeOpenAI:
+    def __init__(self, knobs: Knobs | None = None) -> None:
+        self.knobs = knobs or Knobs()
+        handler = type("Handler", (_Handler,), {"knobs": self.knobs})
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> FakeOpenAI:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def expectations(**overrides: Any) -> Expectations:
+    base: dict[str, Any] = dict(
+        cell="dev", units=["u0"], nodes=2, max_seq_len=256, step_timeout_seconds=30.0,
+        startup_budget_seconds=1800.0, follower_loss_seconds=30.0, efa_interfaces=16, cores_per_node=64,
+        unit_metrics_namespace="Rufus/Unit", proxy_metrics_namespace="Rufus/UnitProxy")
+    base.update(overrides)
+    return Expectations(**base)
+
+
+@dataclass
+class FakeAdapter:
+    """The adapter protocol in memory: what a cell published, set by the test."""
+
+    url: str
+    health: dict[str, int | None] = field(default_factory=lambda: {"u0": 200})
+    running: dict[str, list[Task]] = field(default_factory=dict)
+    times: dict[str, TaskTimes] = field(default_factory=dict)
+    logged: list[LogEvent] = field(default_factory=list)
+    metrics: dict[tuple[str, str, str], list[float] | None] = field(default_factory=dict)  # (ns, name, unit)
+    widgets: list[MetricSeries] | None = None
+    stopped: list[str] = field(default_factory=list)
+    name: str = "fake"
+    poll_seconds: float = 0.05
+
+    def describe(self) -> dict[str, Any]:
+        return {"endpoint": self.url}
+
+    def endpoint(self) -> str:
+        return self.url
+
+    def unit_health(self, unit_id: str) -> int | None:
+        return self.health.get(unit_id)
+
+    def tasks(self, unit_id: str) -> list[Task]:
+        return list(self.running.get(unit_id, []))
+
+    def task_times(self, task_ids: list[str]) -> dict[str, TaskTimes]:
+        return {t: self.times[t] for t in task_ids if t in self.times}
+
+    def events(self, event: str, since: float, unit_id: str | None = None) -> list[LogEvent]:
+        return [e for e in self.logged if e.doc.get("event") == event and e.timestamp >= since
+                and (unit_id is None or e.doc.get("unit_id") == unit_id)]
+
+    def metric(self, namespace: str, name: str, dimensions: dict[str, str], since: float,
+               statistic: str = "Sum") -> MetricSeries:
+        return MetricSeries(name, self.metrics.get((namespace, name, dimensions.get("Unit", ""))), namespace)
+
+    def dashboard(self, since: float) -> list[MetricSeries] | None:
+        return self.widgets
+
+    def stop_task(self, task: Task, reason: str) -> None:
+        self.stopped.append(task.task_id)
+
+    def log(self, doc: dict[str, Any], task_id: str | None = None, at: float | None = None) -> None:
+        self.logged.append(LogEvent(doc, task_id, time.time() if at is None else at))
