@@ -118,6 +118,8 @@ def test_identical_log_lines_are_counted_at_once_and_exactly():
         b"200 812 805 0 1245 ---- engine -",
         b"404 0 0 -1 180 LR-- data -",
         b"429 0 0 -1 190 LR-- data rejected",
+        b"429 0 0 -1 190 LR-- data -",  # the admission refusal as logged now (no outcome)
+        b"429 5 0 4 90 ---- engine -",  # the engine's own 429: proxied, not a refusal
         b"503 0 0 -1 190 LR-- data unit_unavailable",
         b"503 9 0 8 190 ---- engine unit_unavailable",
         b"200 40 30 2 100 CD-- engine -",
@@ -139,6 +141,8 @@ def test_identical_log_lines_are_counted_at_once_and_exactly():
         )
     assert grouped.snapshot == one_by_one.snapshot  # type: ignore[attr-defined]
     assert grouped.codes[200] == lines.count(kinds[0]) + lines.count(kinds[1])
+    assert grouped.rejected_total == lines.count(kinds[3]) + lines.count(kinds[4]) > 0
+    assert grouped.codes[429] == lines.count(kinds[5]) > 0
 
 
 def test_adding_alike_values_at_once_keeps_a_uniform_sample():

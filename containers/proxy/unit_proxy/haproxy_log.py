@@ -24,6 +24,10 @@ from unit_proxy.telemetry import Telemetry
 log = logging.getLogger("unit_proxy.log")
 
 ENGINE_BACKEND = "engine"
+# The frontend's name (haproxy_config): the log's backend field of the answers of its own rules.
+FRONTEND = "data"
+# The admission refusal: the only 429 the frontend answers itself (haproxy_config).
+REJECTED_STATUS = 429
 # The follower reads the stream at most this often: a read per wake-up of the event loop cost
 # more than the line's parsing when lines came one by one (about 10 us each under wrk,
 # docs/benchmarks.md); between reads HAProxy keeps the lines in the ring (4 MiB, about
@@ -45,7 +49,7 @@ class LogRecord:
     bytes_out: int
     termination: str  # %tsc, e.g. "----", "CD--", "SH--"
     backend: str
-    outcome: str  # "-" or the txn.outcome variable: rejected, unit_unavailable
+    outcome: str  # "-" or the txn.outcome variable: unit_unavailable (rejected: see record)
 
 
 def parse(line: str) -> LogRecord | None:
@@ -62,7 +66,7 @@ def parse(line: str) -> LogRecord | None:
 
 def record(telemetry: Telemetry, rec: LogRecord) -> None:
     """Count one request as the Python data path did: refusals apart, proxied requests by code."""
-    if rec.outcome == "rejected":
+    if rec.outcome == "rejected" or (rec.status == REJECTED_STATUS and rec.backend == FRONTEND):
         telemetry.request_rejected()
         return
     if rec.outcome == "unit_unavailable":
