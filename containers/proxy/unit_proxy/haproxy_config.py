@@ -70,7 +70,8 @@ LOG_FORMAT = "%ST %Ta %Td %Tr %B %tsc %b %[var(txn.outcome)]"
 # token paid malloc/free and page faults of a 1.1 MB buffer. With `global` they go to the
 # shared pool, kept up to 1.25x the recent need (pool.h:160-161). Measured on 2.6.12
 # (docs/proxy.md "Measured"): 2.7 page faults and ~10 us of CPU per small request and
-# 0.9 faults and ~3 us per streamed token before, none and about as with 16 KiB buffers after.
+# 0.9 faults and ~3 us per streamed token before, none and about as with 16 KiB buffers after;
+# memory after bursts of 500 KB prompts about as before (glibc kept the freed heap too).
 HAPROXY_OPTIONS = ("-dMglobal",)
 
 
