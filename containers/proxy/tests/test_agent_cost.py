@@ -104,3 +104,62 @@ def test_the_skipping_reservoir_keeps_a_uniform_sample():
         for value in reservoir.values:
             tenths[int(value) // 10_000] += 1
     assert all(1700 < count < 2300 for count in tenths), tenths  # 2,000 expected each, sd about 42
+
+
+def test_identical_log_lines_are_counted_at_once_and_exactly():
+    """`haproxy_log.feed` counts each distinct line once with its multiplicity: the figures must
+    be those of counting the lines one by one (codes, refusals, upstream errors, 499s,
+    histograms, the interval's sample sizes)."""
+    from unit_proxy.haproxy_log import feed
+    from unit_proxy.telemetry import Telemetry
+
+    kinds = [
+        b"200 3 0 1 245 ---- engine -",
+        b"200 812 805 0 1245 ---- engine -",
+        b"404 0 0 -1 180 LR-- data -",
+        b"429 0 0 -1 190 LR-- data rejected",
+        b"429 0 0 -1 190 LR-- data -",  # the admission refusal as logged now (no outcome)
+        b"429 5 0 4 90 ---- engine -",  # the engine's own 429: proxied, not a refusal
+        b"503 0 0 -1 190 LR-- data unit_unavailable",
+        b"503 9 0 8 190 ---- engine unit_unavailable",
+        b"200 40 30 2 100 CD-- engine -",
+        b"502 5 0 -1 120 SH-- engine -",
+        b"504 5 0 -1 120 sH-- engine -",
+        b"not a log line",
+    ]
+    lines = [kinds[(i * 7) % len(kinds)] if i % 5 else kinds[0] for i in range(3000)]
+    assert all(kind in lines for kind in kinds)
+    one_by_one, grouped = Telemetry(lambda: 0), Telemetry(lambda: 0)
+    for line in lines:
+        feed(one_by_one, line + b"\n")
+    feed(grouped, b"\n".join(lines) + b"\n")
+    for t in (one_by_one, grouped):
+        t.snapshot = (  # type: ignore[attr-defined]
+            dict(t.codes), t.requests_total, t.rejected_total, t.unavailable_total,
+            t.ttft.counts, round(t.ttft.total, 6), t.latency.counts, round(t.latency.total, 6),
+            t._interval.requests, t._interval.ttft_ms.seen, t._interval.latency_ms.seen,
+            len(t._interval.ttft_ms.values), t.upstream_errors.labels("reset")._value.get(),
+        )
+    assert grouped.snapshot == one_by_one.snapshot  # type: ignore[attr-defined]
+    assert grouped.codes[200] == lines.count(kinds[0]) + lines.count(kinds[1])
+    assert grouped.rejected_total == lines.count(kinds[3]) + lines.count(kinds[4]) > 0
+    assert grouped.codes[429] == lines.count(kinds[5]) > 0
+
+
+def test_adding_alike_values_at_once_keeps_a_uniform_sample():
+    """`_Reservoir.add_many` (the grouped log lines) skips a run of values in one step: the
+    sample must stay as uniform as adding them one by one (same check as above, values in runs
+    of 1 to 50)."""
+    from unit_proxy.telemetry import SAMPLE_CAP, _Reservoir
+
+    tenths = [0] * 10
+    for _ in range(20):
+        reservoir, i = _Reservoir(), 0
+        while i < 100_000:
+            run = min(1 + i % 50, 100_000 - i)
+            reservoir.add_many(float(i), run)
+            i += run
+        assert len(reservoir.values) == SAMPLE_CAP and reservoir.seen == 100_000
+        for value in reservoir.values:
+            tenths[int(value) // 10_000] += 1
+    assert all(1700 < count < 2300 for count in tenths), tenths

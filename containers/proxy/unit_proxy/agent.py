@@ -42,6 +42,7 @@ from aiohttp import web
 from unit_proxy import haproxy_log
 from unit_proxy.haproxy_config import (
     ENGINE_HEALTH_LUA,
+    HAPROXY_OPTIONS,
     LOG_RING,
     GateMap,
     Paths,
@@ -460,7 +461,7 @@ async def _start_haproxy(paths: Paths, api: RuntimeApi) -> asyncio.subprocess.Pr
     HAProxy"), its output on the agent's stderr; waits until its runtime API answers."""
     try:
         proc = await asyncio.create_subprocess_exec(
-            HAPROXY, "-W", "-db", "-S", f"{paths.master_socket},mode,600", "-f", paths.config,
+            HAPROXY, "-W", "-db", *HAPROXY_OPTIONS, "-S", f"{paths.master_socket},mode,600", "-f", paths.config,
             pass_fds=(paths.listen_fd,), preexec_fn=_die_with_parent,
             stdin=asyncio.subprocess.DEVNULL, stdout=sys.stderr.fileno(), stderr=sys.stderr.fileno(),
         )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,10 @@ from unit_proxy.waits import wait_set
 log = logging.getLogger("unit_proxy.log")
 
 ENGINE_BACKEND = "engine"
+# The frontend's name (haproxy_config): the log's backend field of the answers of its own rules.
+FRONTEND = "data"
+# The admission refusal: the only 429 the frontend answers itself (haproxy_config).
+REJECTED_STATUS = 429
 # The follower reads the stream at most this often: a read per wake-up of the event loop cost
 # more than the line's parsing when lines came one by one (about 10 us each under wrk,
 # docs/benchmarks.md); between reads HAProxy keeps the lines in the ring (4 MiB, about
@@ -45,7 +50,7 @@ class LogRecord:
     bytes_out: int
     termination: str  # %tsc, e.g. "----", "CD--", "SH--"
     backend: str
-    outcome: str  # "-" or the txn.outcome variable: rejected, unit_unavailable
+    outcome: str  # "-" or the txn.outcome variable: unit_unavailable (rejected: see record)
 
 
 def parse(line: str) -> LogRecord | None:
@@ -62,7 +67,7 @@ def parse(line: str) -> LogRecord | None:
 
 def record(telemetry: Telemetry, rec: LogRecord) -> None:
     """Count one request as the Python data path did: refusals apart, proxied requests by code."""
-    if rec.outcome == "rejected":
+    if rec.outcome == "rejected" or (rec.status == REJECTED_STATUS and rec.backend == FRONTEND):
         telemetry.request_rejected()
         return
     if rec.outcome == "unit_unavailable":
@@ -86,10 +91,12 @@ def record(telemetry: Telemetry, rec: LogRecord) -> None:
 
 
 def feed(telemetry: Telemetry, data: bytes) -> None:
-    """Count the complete lines in `data`. Runs once per request: the common line (an engine
-    answer that ended normally, no outcome) is counted without building a LogRecord."""
+    """Count the complete lines in `data`. Identical lines are counted at once: the fields are
+    whole milliseconds, so a read of many requests holds few distinct lines (collections.Counter
+    groups them in C; Python then parses each distinct line once, not each request). The common
+    line (an engine answer that ended normally, no outcome) is counted without a LogRecord."""
     done = telemetry.request_done
-    for line in data.split(b"\n"):
+    for line, count in Counter(data.split(b"\n")).items():
         parts = line.split()
         if len(parts) == 8 and parts[7] == b"-" and parts[6] == b"engine" and parts[5][:1] not in b"CcsSK":
             try:
@@ -98,7 +105,7 @@ def feed(telemetry: Telemetry, data: bytes) -> None:
                 pass
             else:
                 ttft = (active - data_ms) / 1000.0 if response >= 0 and active >= 0 else None
-                done(status, ttft, max(active, 0) / 1000.0)
+                done(status, ttft, max(active, 0) / 1000.0, count)
                 continue
         if not line:
             continue
@@ -107,7 +114,8 @@ def feed(telemetry: Telemetry, data: bytes) -> None:
         if rec is None:
             log.debug("unparsed HAProxy log line: %r", text[:200])
             continue
-        record(telemetry, rec)
+        for _ in range(count):
+            record(telemetry, rec)
 
 
 # How long a catch-up waits for more lines before it calls the stream drained.

@@ -72,6 +72,18 @@ class _Reservoir:
             self.values[random.randrange(SAMPLE_CAP)] = value
             self._next_skip()
 
+    def add_many(self, value: float, count: int) -> None:
+        """`add(value)` `count` times, skipping in one step what the skip covers."""
+        while count > 0:
+            if len(self.values) < SAMPLE_CAP or self.skip == 0:
+                self.add(value)
+                count -= 1
+            else:
+                step = min(count, self.skip)
+                self.seen += step
+                self.skip -= step
+                count -= step
+
     def _next_skip(self) -> None:
         self.weight *= math.exp(math.log(1.0 - random.random()) / SAMPLE_CAP)
         self.skip = int(math.log(1.0 - random.random()) / math.log1p(-self.weight)) if self.weight < 1.0 else 0
@@ -88,9 +100,9 @@ class _Histogram:
         self.counts = [0] * (len(bounds) + 1)  # the last: above every bound (+Inf)
         self.total = 0.0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.total += value
+    def observe(self, value: float, count: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += count
+        self.total += value * count
 
     def family(self, name: str, doc: str) -> HistogramMetricFamily:
         cumulative, buckets = 0, []
@@ -177,17 +189,18 @@ class Telemetry:
 
     # -- data path (called once per request: keep cheap) --------------------------------
 
-    def request_done(self, status: int, ttft_s: float | None, latency_s: float) -> None:
+    def request_done(self, status: int, ttft_s: float | None, latency_s: float, count: int = 1) -> None:
+        """`count` requests alike (the log follower counts identical log lines at once)."""
         codes = self.codes
-        codes[status] = codes.get(status, 0) + 1
-        self.requests_total += 1
-        self.latency.observe(latency_s)
+        codes[status] = codes.get(status, 0) + count
+        self.requests_total += count
+        self.latency.observe(latency_s, count)
         iv = self._interval
-        iv.requests += 1
-        iv.latency_ms.add(latency_s * 1000.0)
+        iv.requests += count
+        iv.latency_ms.add_many(latency_s * 1000.0, count)
         if ttft_s is not None:
-            self.ttft.observe(ttft_s)
-            iv.ttft_ms.add(ttft_s * 1000.0)
+            self.ttft.observe(ttft_s, count)
+            iv.ttft_ms.add_many(ttft_s * 1000.0, count)
 
     def request_rejected(self) -> None:
         self.rejected.inc()
