@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -201,6 +202,23 @@ def test_the_batch_job_compiles_from_the_artifacts_prefix_and_writes_only_what_i
     assert compile_run.main(_job_environment(DEFAULT, tmp_path, monkeypatch)) == 0
     assert f"already built with key {manifest.key}" in capsys.readouterr().out
     assert log.read_text() == ""
+
+
+def test_every_file_the_batch_jobs_manifest_lists_is_in_s3_with_its_size_and_checksum(
+        s3, tmp_path, monkeypatch, capsys):
+    """The units fetch what the manifest lists: the traced model.pt and neuron_config.json (shared, under
+    neuron/<layout>/) as much as the shards. The checkpoint's small files were already under the prefix."""
+    assert compile_run.main(_job_environment(DEFAULT, tmp_path, monkeypatch)) == 0, capsys.readouterr().err
+    layout = f"neuron/{layout_key(load_fleet(str(DEFAULT)))}/"
+    body = s3.get_object(Bucket=BUCKET, Key=PREFIX + layout + am.MANIFEST_NAME)["Body"].read()
+    manifest = am.parse(json.loads(body))
+    assert {layout + "model.pt", layout + "neuron_config.json"} <= set(manifest.shared)
+    listed = {**manifest.shared, **{p: e for n in manifest.nodes for p, e in n.files.items()}}
+    missing = sorted(rel for rel in listed if PREFIX + rel not in _objects(s3))
+    assert not missing, f"the manifest lists files not in S3: {missing}"
+    for rel, entry in listed.items():
+        data = s3.get_object(Bucket=BUCKET, Key=PREFIX + rel)["Body"].read()
+        assert (len(data), hashlib.sha256(data).hexdigest()) == (entry.size, entry.sha256), rel
 
 
 def test_the_batch_job_refuses_inputs_that_do_not_give_the_fleets_key(s3, tmp_path, monkeypatch, capsys):
