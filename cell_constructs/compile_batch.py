@@ -123,6 +123,14 @@ class CompileBatch(Construct):
             launch_template=launch_template, security_groups=[self.security_group],
             allocation_strategy=batch.AllocationStrategy.BEST_FIT_PROGRESSIVE,
         )
+        # Pin the template's version: Batch re-reads a launch template only on an infrastructure update, which a
+        # change of the environment's LaunchTemplate starts (https://docs.aws.amazon.com/batch/latest/APIReference/
+        # API_LaunchTemplateSpecification.html, "version"; https://docs.aws.amazon.com/AWSCloudFormation/latest/
+        # UserGuide/aws-properties-batch-computeenvironment-launchtemplatespecification.html). With no version
+        # (what the L2 construct renders, aws-cdk-lib 2.275 aws-batch/lib/managed-compute-environment.ts), a new
+        # template version (a bigger disk) changes no property of the environment and is never used.
+        environment.node.default_child.add_property_override("ComputeResources.LaunchTemplate.Version",
+                                                               launch_template.latest_version_number)
         self.vcpus = vcpus
         acknowledge(environment.instance_role, (
             "AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/service-role/"

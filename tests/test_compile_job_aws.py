@@ -117,6 +117,19 @@ def test_the_compile_stack_sizes_its_instances_volume_and_timeout_from_the_host_
     assert _one(template, "AWS::Batch::JobQueue")["JobQueueName"] == f"{fleet.name}-compile"
 
 
+def test_the_compute_environment_pins_its_launch_template_to_the_templates_latest_version(synth_default):
+    """Batch changes a compute environment's instances only on an infrastructure update, and a launch
+    template change needs one (https://docs.aws.amazon.com/batch/latest/APIReference/
+    API_LaunchTemplateSpecification.html, "version"). Pinned to the template's LatestVersionNumber, a new
+    version (a bigger disk) changes the environment's LaunchTemplate.Version, so CloudFormation updates it;
+    without a version, nothing in the environment changes and new instances keep the old disk."""
+    template = synth_default.templates["Rufus-Compile"]
+    (launch_id,) = template.find_resources("AWS::EC2::LaunchTemplate")
+    spec = _one(template, "AWS::Batch::ComputeEnvironment")["ComputeResources"].get("LaunchTemplate", {})
+    assert spec == {"LaunchTemplateId": {"Ref": launch_id},
+                    "Version": {"Fn::GetAtt": [launch_id, "LatestVersionNumber"]}}, spec
+
+
 def test_the_job_role_reads_the_checkpoint_and_writes_only_its_layout(synth_default):
     fleet = synth_default.fleet
     template = synth_default.templates[compile_job.stack_name(fleet)]
