@@ -393,27 +393,35 @@ def _camel(value):
     return value
 
 
-def test_a_model_no_compile_host_holds_is_refused_before_any_stack_is_built(tmp_path, capsys):
-    """A fleet whose one pass needs more host memory than any listed type: a config error, not a job
-    queue whose job is never placed (Batch keeps a job RUNNABLE while no instance type fits it)."""
+def test_a_model_no_compile_host_holds_is_refused_by_validate_before_any_stack_is_built(tmp_path, capsys):
+    """A fleet whose one pass needs more host memory than any listed type: a config error at `validate`
+    (and so at every entry point that reads the fleet), not a clean validate then a synth that refuses,
+    nor a job queue whose job is never placed (Batch keeps a job RUNNABLE while no instance type fits it)."""
     import yaml
-    from aws_cdk import App
 
     from inference_fleet.config import ConfigError
-    from stacks.fleet import build_fleet
 
     data = yaml.safe_load(DEFAULT.read_text())
-    data["model"]["parameters_billion"] = 2000
-    data["unit"]["nodes"] = 8
+    data["model"]["parameters_billion"] = 1000
+    data["model"]["dtype"] = "float32"
+    data["unit"].update(nodes=8, max_concurrent_sequences=16)  # a unit that holds it: only the compile host fails
     fleet_file = tmp_path / "huge.yaml"
     fleet_file.write_text(yaml.safe_dump(data))
-    fleet = load_fleet(str(fleet_file))  # a valid fleet: it fits its unit
-    assert compile_job.host_needs(fleet).instance_types == ()
-    assert main(["compile", "--config", str(fleet_file), "--dry-run"]) == 0
-    assert "no listed type has" in capsys.readouterr().out
-    with pytest.raises(ConfigError, match=r"model.parameters_billion.*5,000 GB of host memory, more than the "
-                                          r"largest compile instance type holds \(4,096 GiB"):
-        build_fleet(App(outdir=str(tmp_path / "out")), fleet)
+    assert main(["validate", "--config", str(fleet_file)]) == exit_codes.CONFIG
+    err = capsys.readouterr().err
+    assert "model.parameters_billion" in err and "model.dtype float32" in err, err
+    assert "needs 5,000 GB of host memory, more than the largest compile instance type holds (4,096 GiB" in err
+    assert ("allowed: parameters_billion bfloat16 <= 1,745, float16 <= 1,745, float32 <= 872, float8_e4m3 <= 3,490 "
+            "(by model.dtype)") in err
+    assert "Traceback" not in err
+    with pytest.raises(ConfigError, match=r"model\.parameters_billion"):
+        load_fleet(str(fleet_file))
+    # The largest model allowed in float32 passes (a compile host holds it); one billion more does not.
+    for billions, fits in ((872, True), (873, False)):
+        data["model"]["parameters_billion"] = billions
+        fleet_file.write_text(yaml.safe_dump(data))
+        assert main(["validate", "--config", str(fleet_file)]) == (0 if fits else exit_codes.CONFIG)
+        assert ("model.parameters_billion" in capsys.readouterr().err) is not fits, billions
 
 
 def test_a_run_after_a_failed_one_on_the_same_instance_starts_its_passes_from_nothing(s3, tmp_path, monkeypatch,
