@@ -297,7 +297,8 @@ CHECKS: tuple[FleetCheck, ...] = (
     _check_model, _check_unit, _check_cells, _check_waves, _check_verify_gate, _check_serving, _check_frontend,
     check_wave_sizes,
     check_cells_deployable, check_startup_budget, check_alarm_defaults, check_quarantine,
-    check_spares_in_fixed_cells, check_efa_installer_pin, check_compile_host,
+    check_spares_in_fixed_cells, check_efa_installer_pin,
 )
-# Run only when the model and the unit passed (validate_fleet): the planner computes its plan from both.
-DERIVED_CHECKS: tuple[FleetCheck, ...] = (check_fit,)
+# Run only when the model and the unit passed (validate_fleet): the planner computes its plan from both, and the
+# compile host's need (compile_job.host_needs) reads the unit's instance type.
+DERIVED_CHECKS: tuple[FleetCheck, ...] = (check_fit, check_compile_host)

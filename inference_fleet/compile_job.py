@@ -208,7 +208,7 @@ def host_needs(fleet: FleetConfig) -> HostNeeds:
 
 
 def check_compile_host(fleet: FleetConfig) -> list[ConfigIssue]:
-    """A fleet check (inference_fleet.checks CHECKS): some listed compile instance type holds one pass.
+    """A fleet check (inference_fleet.checks DERIVED_CHECKS): some listed compile instance type holds one pass.
 
     Every fleet gets the `<Fleet>-Compile` stack, whose compute environment offers only the types that hold
     the pass; with none, Batch would keep the job RUNNABLE for ever. Refused at `validate`, before synthesis,
