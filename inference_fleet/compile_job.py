@@ -51,7 +51,7 @@ from unit_launcher.compile_run import (  # noqa: F401  (the runtime half, re-exp
 )
 from unit_launcher.spec import UnitSpec, parse_spec
 
-from inference_fleet.config import ConfigIssue, FleetConfig
+from inference_fleet.config import ConfigIssue, FleetConfig, az_id_prefix, zone_in_region
 from inference_fleet.unit_spec import build_unit_spec, layout_key
 
 NXDI_COMMAND = "inference_demo"
@@ -247,6 +247,39 @@ def environment(fleet: FleetConfig) -> tuple[str, str]:
     if fleet.pipeline is not None:
         return fleet.pipeline.account, fleet.pipeline.region
     return fleet.cells[0].account, fleet.cells[0].region
+
+
+def availability_zones(fleet: FleetConfig) -> tuple[str, ...] | None:
+    """AZs of the compile VPC: `pipeline.compile_azs`, else the load balancer AZs of the first cell in the
+    compile stack's account and region (zones the fleet file names: AZ names map to other zones in other
+    accounts, https://docs.aws.amazon.com/global-infrastructure/latest/regions/az-ids.html); None when neither
+    exists (the fleet checks refuse that fleet)."""
+    if fleet.pipeline is not None and fleet.pipeline.compile_azs:
+        return fleet.pipeline.compile_azs
+    home = environment(fleet)
+    for cell in fleet.cells:
+        if (cell.account, cell.region) == home:
+            return cell.resolved_alb_azs
+    return None
+
+
+def check_compile_azs(fleet: FleetConfig) -> list[ConfigIssue]:
+    """A fleet check (inference_fleet.checks CHECKS): the compile VPC has >= 2 distinct AZs of its region."""
+    if fleet.pipeline is None:
+        return []  # the compile stack is the first cell's, in its AZs (checked with the cell)
+    region, zones = fleet.pipeline.region, fleet.pipeline.compile_azs
+    if zones:
+        if len(set(zones)) < 2 or any(not zone_in_region(z, region) for z in zones):
+            return [ConfigIssue("pipeline.compile_azs", list(zones), f"need >= 2 distinct AZs of region {region} "
+                                "(the pipeline's, where the compile job runs), names or AZ IDs")]
+        return []
+    if availability_zones(fleet) is None:
+        return [ConfigIssue("pipeline.compile_azs", None, (
+            f"required: no cell is in the pipeline's account and region ({fleet.pipeline.account}/{region}), whose "
+            f"AZs the compile job's VPC would use; list >= 2 AZs of {region} that offer "
+            f"{', '.join(host_needs(fleet).instance_types) or 'the compile instance types'}, "
+            "preferably as AZ IDs (e.g. " + az_id_prefix(region) + "-az1)"))]
+    return []
 
 
 def submit_request(fleet: FleetConfig, *, model_type: str = "llama", replace: bool = False) -> dict[str, Any]:

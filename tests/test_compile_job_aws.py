@@ -29,8 +29,9 @@ from unit_launcher import artifact_manifest as am
 from unit_launcher import compile_run
 
 from inference_fleet import compile_job, exit_codes
-from inference_fleet.checks import load_fleet
+from inference_fleet.checks import load_fleet, parse_fleet
 from inference_fleet.cli import main
+from inference_fleet.config import ConfigError, az_id_prefix
 from inference_fleet.unit_spec import layout_key
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,6 +129,61 @@ def test_the_compute_environment_pins_its_launch_template_to_the_templates_lates
     spec = _one(template, "AWS::Batch::ComputeEnvironment")["ComputeResources"].get("LaunchTemplate", {})
     assert spec == {"LaunchTemplateId": {"Ref": launch_id},
                     "Version": {"Fn::GetAtt": [launch_id, "LatestVersionNumber"]}}, spec
+
+
+def _compile_subnet_zones(fleet) -> list[tuple[str, str]]:
+    """(property, zone) of each subnet of the fleet's compile stack, synthesized alone, its image pinned."""
+    from aws_cdk import App
+    from aws_cdk.assertions import Template
+
+    from stacks.compile_stack import CompileStack
+    from tests.conftest import CDK_CONTEXT, pin_images
+
+    app = App(context=CDK_CONTEXT)
+    stack = CompileStack(app, compile_job.stack_name(fleet), fleet=pin_images(fleet))
+    subnets = Template.from_stack(stack).find_resources("AWS::EC2::Subnet").values()
+    return sorted((key, s["Properties"][key]) for s in subnets for key in ("AvailabilityZone", "AvailabilityZoneId")
+                  if key in s["Properties"])
+
+
+@pytest.mark.parametrize(("change", "zones"), [
+    # The first cell in the compile stack's account and region: its load balancer's AZs, as AZ IDs.
+    ({"cells": {"trainium_az": "use2-az3"}},
+     [("AvailabilityZoneId", "use2-az2"), ("AvailabilityZoneId", "use2-az3")]),
+    # pipeline.compile_azs, when set, over the cell's.
+    ({"pipeline": {"compile_azs": ["use2-az1", "us-east-2c"]}},
+     [("AvailabilityZone", "us-east-2c"), ("AvailabilityZoneId", "use2-az1")]),
+])
+def test_the_compile_vpc_takes_its_zones_from_the_fleet_file_not_guessed_names(change, zones):
+    """AZ names map to other physical zones in other accounts, and not every zone offers the compile
+    types: the compile VPC used `<region>a` and `<region>b` whatever the fleet said."""
+    data = load_fleet(str(DEFAULT)).model_dump(mode="json", exclude_none=True)
+    if "cells" in change:
+        data["cells"][0].update(change["cells"])
+    else:
+        data["pipeline"].update(change["pipeline"])
+    assert _compile_subnet_zones(parse_fleet(data, "zones")) == zones
+
+
+@pytest.mark.parametrize(("pipeline", "message"), [
+    ({"region": "us-west-2", "verify_gate": False},
+     "pipeline.compile_azs = None: required: no cell is in the pipeline's account and region "
+     "(111111111111/us-west-2), whose AZs the compile job's VPC would use; list >= 2 AZs of us-west-2 that offer "
+     "x2iedn.32xlarge, r7i.48xlarge, x2idn.32xlarge, r6i.32xlarge, preferably as AZ IDs (e.g. usw2-az1)"),
+    ({"compile_azs": ["use2-az1", "usw2-az2"]},
+     "pipeline.compile_azs = ['use2-az1', 'usw2-az2']: need >= 2 distinct AZs of region us-east-2"),
+    ({"compile_azs": ["use2-az1", "use2-az1"]}, "need >= 2 distinct AZs of region us-east-2"),
+])
+def test_compile_azs_outside_the_pipelines_region_or_missing_are_refused_before_synthesis(pipeline, message):
+    data = load_fleet(str(DEFAULT)).model_dump(mode="json", exclude_none=True)
+    data["pipeline"].update(pipeline)
+    with pytest.raises(ConfigError) as error:
+        parse_fleet(data, "zones")
+    assert message in str(error.value)
+    # Named: the pipeline's region with its own zones is a fleet that passes.
+    data["pipeline"]["compile_azs"] = [f"{az_id_prefix(data['pipeline']['region'])}-az1",
+                                       f"{az_id_prefix(data['pipeline']['region'])}-az2"]
+    parse_fleet(data, "zones")
 
 
 def test_the_job_role_reads_the_checkpoint_and_writes_only_its_layout(synth_default):
@@ -398,8 +454,6 @@ def test_a_model_no_compile_host_holds_is_refused_by_validate_before_any_stack_i
     (and so at every entry point that reads the fleet), not a clean validate then a synth that refuses,
     nor a job queue whose job is never placed (Batch keeps a job RUNNABLE while no instance type fits it)."""
     import yaml
-
-    from inference_fleet.config import ConfigError
 
     data = yaml.safe_load(DEFAULT.read_text())
     data["model"]["parameters_billion"] = 1000
