@@ -276,9 +276,9 @@ def check_compile_azs(fleet: FleetConfig) -> list[ConfigIssue]:
     if availability_zones(fleet) is None:
         return [ConfigIssue("pipeline.compile_azs", None, (
             f"required: no cell is in the pipeline's account and region ({fleet.pipeline.account}/{region}), whose "
-            f"AZs the compile job's VPC would use; list >= 2 AZs of {region} that offer "
-            f"{', '.join(host_needs(fleet).instance_types) or 'the compile instance types'}, "
-            "preferably as AZ IDs (e.g. " + az_id_prefix(region) + "-az1)"))]
+            f"AZs the compile job's VPC would use; list >= 2 AZs of {region} that offer the compile instance types "
+            "(`python -m inference_fleet compile --dry-run` names them), preferably as AZ IDs (e.g. "
+            f"{az_id_prefix(region)}-az1)"))]
     return []
 
 

@@ -169,7 +169,8 @@ def test_the_compile_vpc_takes_its_zones_from_the_fleet_file_not_guessed_names(c
     ({"region": "us-west-2", "verify_gate": False},
      "pipeline.compile_azs = None: required: no cell is in the pipeline's account and region "
      "(111111111111/us-west-2), whose AZs the compile job's VPC would use; list >= 2 AZs of us-west-2 that offer "
-     "x2iedn.32xlarge, r7i.48xlarge, x2idn.32xlarge, r6i.32xlarge, preferably as AZ IDs (e.g. usw2-az1)"),
+     "the compile instance types (`python -m inference_fleet compile --dry-run` names them), preferably as AZ IDs "
+     "(e.g. usw2-az1)"),
     ({"compile_azs": ["use2-az1", "usw2-az2"]},
      "pipeline.compile_azs = ['use2-az1', 'usw2-az2']: need >= 2 distinct AZs of region us-east-2"),
     ({"compile_azs": ["use2-az1", "use2-az1"]}, "need >= 2 distinct AZs of region us-east-2"),
