@@ -28,7 +28,7 @@ from unit_launcher.artifacts import split_uri
 from cell_constructs.encryption import allow_cloudwatch_logs
 from cell_constructs.nag import acknowledge
 from inference_fleet import compile_job
-from inference_fleet.config import FleetConfig
+from inference_fleet.config import FleetConfig, is_az_id
 from inference_fleet.unit_spec import layout_key
 
 # What the instances and the job reach, all through endpoints (no NAT, no internet): the image
@@ -82,6 +82,13 @@ class CompileBatch(Construct):
             self, "Vpc", ip_addresses=ec2.IpAddresses.cidr(VPC_CIDR), availability_zones=availability_zones,
             nat_gateways=0, subnet_configuration=[ec2.SubnetConfiguration(
                 name="compile", subnet_type=ec2.SubnetType.PRIVATE_ISOLATED, cidr_mask=20)])
+        # AZ IDs (use2-az1) name the same physical zone in every account; subnets take them as
+        # AvailabilityZoneId (https://docs.aws.amazon.com/AWSCloudFormation/latest/UserGuide/aws-resource-ec2-subnet.html).
+        for subnet in vpc.isolated_subnets:
+            if is_az_id(subnet.availability_zone):
+                cfn_subnet = subnet.node.default_child
+                cfn_subnet.add_property_deletion_override("AvailabilityZone")
+                cfn_subnet.add_property_override("AvailabilityZoneId", subnet.availability_zone)
         vpc.add_gateway_endpoint("S3", service=ec2.GatewayVpcEndpointAwsService.S3)
         endpoints = ec2.SecurityGroup(self, "EndpointSecurityGroup", vpc=vpc, allow_all_outbound=False,
                                       description="Interface endpoints: HTTPS from the compile VPC")
@@ -123,6 +130,14 @@ class CompileBatch(Construct):
             launch_template=launch_template, security_groups=[self.security_group],
             allocation_strategy=batch.AllocationStrategy.BEST_FIT_PROGRESSIVE,
         )
+        # Pin the template's version: Batch re-reads a launch template only on an infrastructure update, which a
+        # change of the environment's LaunchTemplate starts (https://docs.aws.amazon.com/batch/latest/APIReference/
+        # API_LaunchTemplateSpecification.html, "version"; https://docs.aws.amazon.com/AWSCloudFormation/latest/
+        # UserGuide/aws-properties-batch-computeenvironment-launchtemplatespecification.html). With no version
+        # (what the L2 construct renders, aws-cdk-lib 2.275 aws-batch/lib/managed-compute-environment.ts), a new
+        # template version (a bigger disk) changes no property of the environment and is never used.
+        environment.node.default_child.add_property_override("ComputeResources.LaunchTemplate.Version",
+                                                               launch_template.latest_version_number)
         self.vcpus = vcpus
         acknowledge(environment.instance_role, (
             "AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/service-role/"

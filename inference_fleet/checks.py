@@ -26,6 +26,7 @@ from inference_fleet.cell_checks import (
     check_spares_in_fixed_cells,
     check_startup_budget,
 )
+from inference_fleet.compile_job import check_compile_azs, check_compile_host
 from inference_fleet.config import (
     CellConfig,
     ConfigError,
@@ -297,7 +298,8 @@ CHECKS: tuple[FleetCheck, ...] = (
     _check_model, _check_unit, _check_cells, _check_waves, _check_verify_gate, _check_serving, _check_frontend,
     check_wave_sizes,
     check_cells_deployable, check_startup_budget, check_alarm_defaults, check_quarantine,
-    check_spares_in_fixed_cells, check_efa_installer_pin, check_routers,
+    check_spares_in_fixed_cells, check_efa_installer_pin, check_routers, check_compile_azs,
 )
-# Run only when the model and the unit passed (validate_fleet): the planner computes its plan from both.
-DERIVED_CHECKS: tuple[FleetCheck, ...] = (check_fit,)
+# Run only when the model and the unit passed (validate_fleet): the planner computes its plan from both, and the
+# compile host's need (compile_job.host_needs) reads the unit's instance type.
+DERIVED_CHECKS: tuple[FleetCheck, ...] = (check_fit, check_compile_host)

@@ -51,7 +51,7 @@ from unit_launcher.compile_run import (  # noqa: F401  (the runtime half, re-exp
 )
 from unit_launcher.spec import UnitSpec, parse_spec
 
-from inference_fleet.config import FleetConfig
+from inference_fleet.config import ConfigIssue, FleetConfig, az_id_prefix, zone_in_region
 from inference_fleet.unit_spec import build_unit_spec, layout_key
 
 NXDI_COMMAND = "inference_demo"
@@ -201,9 +201,31 @@ def host_needs(fleet: FleetConfig) -> HostNeeds:
         f"405B compile with sharding, 40 min) + {volume_minutes:.0f} min moving {VOLUME_CROSSINGS} x the weights "
         f"through a {GP3_THROUGHPUT_MIBPS:,} MiB/s gp3 volume; job timeout {timeout_hours} h ({TIMEOUT_FACTOR} x)",
         "compile host (AWS Batch): " + (", ".join(types) if types else
-                                       f"no listed type has {need_gib:,.0f} GiB: compile by hand on a larger host"),
+                                       f"no listed type has {need_gib:,.0f} GiB (the fleet check refuses this "
+                                       "model: check_compile_host)"),
     ]
     return HostNeeds(weights, memory, disk, lines, minutes, timeout_hours, types)
+
+
+def check_compile_host(fleet: FleetConfig) -> list[ConfigIssue]:
+    """A fleet check (inference_fleet.checks DERIVED_CHECKS): some listed compile instance type holds one pass.
+
+    Every fleet gets the `<Fleet>-Compile` stack, whose compute environment offers only the types that hold
+    the pass; with none, Batch would keep the job RUNNABLE for ever. Refused at `validate`, before synthesis,
+    naming the largest model each dtype allows."""
+    needs = host_needs(fleet)
+    if needs.instance_types:
+        return []
+    largest = max(gib for _, gib in COMPILE_INSTANCE_TYPES.values())
+    # The inverse of host_needs: memory = weights x 1.25 (GB) must fit the largest type less Batch's reserve.
+    fits_gb = (largest - BATCH_MEMORY_RESERVE_GIB) * 2**30 / 1e9 / 1.25
+    allowed = ", ".join(f"{dtype} <= {math.floor(fits_gb / size):,}" for dtype, size in _BYTES.items())
+    return [ConfigIssue(
+        "model.parameters_billion", fleet.model.parameters_billion,
+        f"with model.dtype {fleet.model.dtype} the compile job needs {needs.memory_gb:,.0f} GB of host memory, more "
+        f"than the largest compile instance type holds ({largest:,} GiB, inference_fleet/compile_job.py "
+        f"COMPILE_INSTANCE_TYPES, less {BATCH_MEMORY_RESERVE_GIB} GiB for Batch); allowed: parameters_billion "
+        f"{allowed} (by model.dtype)")]
 
 
 # -- the compile job on AWS Batch (stacks/compile_stack.py defines it) -----------------------------
@@ -225,6 +247,39 @@ def environment(fleet: FleetConfig) -> tuple[str, str]:
     if fleet.pipeline is not None:
         return fleet.pipeline.account, fleet.pipeline.region
     return fleet.cells[0].account, fleet.cells[0].region
+
+
+def availability_zones(fleet: FleetConfig) -> tuple[str, ...] | None:
+    """AZs of the compile VPC: `pipeline.compile_azs`, else the load balancer AZs of the first cell in the
+    compile stack's account and region (zones the fleet file names: AZ names map to other zones in other
+    accounts, https://docs.aws.amazon.com/global-infrastructure/latest/regions/az-ids.html); None when neither
+    exists (the fleet checks refuse that fleet)."""
+    if fleet.pipeline is not None and fleet.pipeline.compile_azs:
+        return fleet.pipeline.compile_azs
+    home = environment(fleet)
+    for cell in fleet.cells:
+        if (cell.account, cell.region) == home:
+            return cell.resolved_alb_azs
+    return None
+
+
+def check_compile_azs(fleet: FleetConfig) -> list[ConfigIssue]:
+    """A fleet check (inference_fleet.checks CHECKS): the compile VPC has >= 2 distinct AZs of its region."""
+    if fleet.pipeline is None:
+        return []  # the compile stack is the first cell's, in its AZs (checked with the cell)
+    region, zones = fleet.pipeline.region, fleet.pipeline.compile_azs
+    if zones:
+        if len(set(zones)) < 2 or any(not zone_in_region(z, region) for z in zones):
+            return [ConfigIssue("pipeline.compile_azs", list(zones), f"need >= 2 distinct AZs of region {region} "
+                                "(the pipeline's, where the compile job runs), names or AZ IDs")]
+        return []
+    if availability_zones(fleet) is None:
+        return [ConfigIssue("pipeline.compile_azs", None, (
+            f"required: no cell is in the pipeline's account and region ({fleet.pipeline.account}/{region}), whose "
+            f"AZs the compile job's VPC would use; list >= 2 AZs of {region} that offer the compile instance types "
+            "(`python -m inference_fleet compile --dry-run` names them), preferably as AZ IDs (e.g. "
+            f"{az_id_prefix(region)}-az1)"))]
+    return []
 
 
 def submit_request(fleet: FleetConfig, *, model_type: str = "llama", replace: bool = False) -> dict[str, Any]:

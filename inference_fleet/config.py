@@ -52,6 +52,13 @@ _DIRECTIONS = {"east": "e", "west": "w", "north": "n", "south": "s", "central": 
                "northeast": "ne", "northwest": "nw", "southeast": "se", "southwest": "sw"}
 
 
+def zone_in_region(zone: str, region: str) -> bool:
+    """True when `zone` (an AZ name or an AZ ID) belongs to `region`."""
+    if is_az_id(zone):
+        return zone.split("-az")[0].split("-")[0] == az_id_prefix(region)
+    return zone.startswith(region) and len(zone) > len(region)
+
+
 def az_id_prefix(region: str) -> str:
     """The AZ ID prefix of a region: us-east-2 -> use2, ap-southeast-1 -> apse1, us-gov-west-1 -> usgw1."""
     parts = region.split("-")
@@ -446,9 +453,7 @@ class CellConfig(_Strict):
 
     def in_region(self, zone: str) -> bool:
         """True when `zone` (an AZ name or an AZ ID) belongs to the cell's region."""
-        if is_az_id(zone):
-            return zone.split("-az")[0].split("-")[0] == az_id_prefix(self.region)
-        return zone.startswith(self.region) and len(zone) > len(self.region)
+        return zone_in_region(zone, self.region)
 
     @property
     def resolved_min_units(self) -> int:
@@ -628,6 +633,15 @@ class PipelineConfig(_Strict):
     )
     branch: Annotated[str, StringConstraints(min_length=1, max_length=255, pattern=_BRANCH)] = Field(
         default="main", description="Branch that triggers the pipeline (a git branch name, not empty)."
+    )
+    compile_azs: tuple[Annotated[str, StringConstraints(pattern=AZ_PATTERN)], ...] | None = Field(
+        default=None,
+        description=(
+            "AZs of the compile job's VPC (>= 2 of the pipeline's region), names or AZ IDs (use2-az1: the same "
+            "zone in every account), zones that offer the compile instance types (docs/compiled-artifacts.md); "
+            "default the AZs of the load balancer of the first cell in the pipeline's account and region, "
+            "required when no cell is there."
+        ),
     )
     verify_gate: bool = Field(
         default=True,

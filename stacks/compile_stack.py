@@ -33,8 +33,13 @@ class CompileStack(Stack):
 
     @property
     def availability_zones(self) -> list[str]:
-        # Explicit, so synth needs no AZ lookup (and no credentials): the region's first two AZs.
-        return [f"{self.region}a", f"{self.region}b"]
+        """The fleet file's AZs (compile_job.availability_zones), so synth needs no AZ lookup (and no
+        credentials), and no guessed `<region>a`: names map to other zones per account, and not every zone
+        offers the compile instance types."""
+        zones = compile_job.availability_zones(self.fleet)
+        if zones is None:  # refused by the fleet checks (check_compile_azs) before any stack is built
+            raise ValueError(f"{self.fleet.name}: no AZs for the compile VPC; set pipeline.compile_azs")
+        return list(zones)
 
     def _image(self) -> ecs.ContainerImage:
         pinned = self.fleet.cells[0].images.inference

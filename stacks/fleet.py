@@ -34,14 +34,6 @@ def build_fleet(app: App, fleet: FleetConfig) -> dict[str, Stack]:
             repository_path(fleet_file)
         except ValueError as error:
             raise ConfigError(str(fleet_file), [ConfigIssue("pipeline", "(set)", str(error))]) from None
-    needs = compile_job.host_needs(fleet)
-    if not needs.instance_types:
-        # The compile job's stack needs an instance type that holds one pass (compile_job.host_needs).
-        largest = max(gib for _, gib in compile_job.COMPILE_INSTANCE_TYPES.values())
-        raise ConfigError(str(fleet_file or "fleet"), [ConfigIssue(
-            "model.parameters_billion", fleet.model.parameters_billion,
-            f"the compile job needs {needs.memory_gb:,.0f} GB of host memory, more than the largest compile "
-            f"instance type holds ({largest:,} GiB, inference_fleet/compile_job.py COMPILE_INSTANCE_TYPES)")])
     add_policy_checks(app)
     stacks: dict[str, Stack] = {}
     for cell in fleet.cells:

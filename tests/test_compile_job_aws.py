@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -28,8 +29,9 @@ from unit_launcher import artifact_manifest as am
 from unit_launcher import compile_run
 
 from inference_fleet import compile_job, exit_codes
-from inference_fleet.checks import load_fleet
+from inference_fleet.checks import load_fleet, parse_fleet
 from inference_fleet.cli import main
+from inference_fleet.config import ConfigError, az_id_prefix
 from inference_fleet.unit_spec import layout_key
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,6 +116,75 @@ def test_the_compile_stack_sizes_its_instances_volume_and_timeout_from_the_host_
     assert requirements["VCPU"] == min(compile_job.COMPILE_INSTANCE_TYPES[t][0] for t in needs.instance_types)
     assert container["MountPoints"] == [{"ContainerPath": "/compile", "ReadOnly": False, "SourceVolume": "work"}]
     assert _one(template, "AWS::Batch::JobQueue")["JobQueueName"] == f"{fleet.name}-compile"
+
+
+def test_the_compute_environment_pins_its_launch_template_to_the_templates_latest_version(synth_default):
+    """Batch changes a compute environment's instances only on an infrastructure update, and a launch
+    template change needs one (https://docs.aws.amazon.com/batch/latest/APIReference/
+    API_LaunchTemplateSpecification.html, "version"). Pinned to the template's LatestVersionNumber, a new
+    version (a bigger disk) changes the environment's LaunchTemplate.Version, so CloudFormation updates it;
+    without a version, nothing in the environment changes and new instances keep the old disk."""
+    template = synth_default.templates["Rufus-Compile"]
+    (launch_id,) = template.find_resources("AWS::EC2::LaunchTemplate")
+    spec = _one(template, "AWS::Batch::ComputeEnvironment")["ComputeResources"].get("LaunchTemplate", {})
+    assert spec == {"LaunchTemplateId": {"Ref": launch_id},
+                    "Version": {"Fn::GetAtt": [launch_id, "LatestVersionNumber"]}}, spec
+
+
+def _compile_subnet_zones(fleet) -> list[tuple[str, str]]:
+    """(property, zone) of each subnet of the fleet's compile stack, synthesized alone, its image pinned."""
+    from aws_cdk import App
+    from aws_cdk.assertions import Template
+
+    from stacks.compile_stack import CompileStack
+    from tests.conftest import CDK_CONTEXT, pin_images
+
+    app = App(context=CDK_CONTEXT)
+    stack = CompileStack(app, compile_job.stack_name(fleet), fleet=pin_images(fleet))
+    subnets = Template.from_stack(stack).find_resources("AWS::EC2::Subnet").values()
+    return sorted((key, s["Properties"][key]) for s in subnets for key in ("AvailabilityZone", "AvailabilityZoneId")
+                  if key in s["Properties"])
+
+
+@pytest.mark.parametrize(("change", "zones"), [
+    # The first cell in the compile stack's account and region: its load balancer's AZs, as AZ IDs.
+    ({"cells": {"trainium_az": "use2-az3"}},
+     [("AvailabilityZoneId", "use2-az2"), ("AvailabilityZoneId", "use2-az3")]),
+    # pipeline.compile_azs, when set, over the cell's.
+    ({"pipeline": {"compile_azs": ["use2-az1", "us-east-2c"]}},
+     [("AvailabilityZone", "us-east-2c"), ("AvailabilityZoneId", "use2-az1")]),
+])
+def test_the_compile_vpc_takes_its_zones_from_the_fleet_file_not_guessed_names(change, zones):
+    """AZ names map to other physical zones in other accounts, and not every zone offers the compile
+    types: the compile VPC used `<region>a` and `<region>b` whatever the fleet said."""
+    data = load_fleet(str(DEFAULT)).model_dump(mode="json", exclude_none=True)
+    if "cells" in change:
+        data["cells"][0].update(change["cells"])
+    else:
+        data["pipeline"].update(change["pipeline"])
+    assert _compile_subnet_zones(parse_fleet(data, "zones")) == zones
+
+
+@pytest.mark.parametrize(("pipeline", "message"), [
+    ({"region": "us-west-2", "verify_gate": False},
+     "pipeline.compile_azs = None: required: no cell is in the pipeline's account and region "
+     "(111111111111/us-west-2), whose AZs the compile job's VPC would use; list >= 2 AZs of us-west-2 that offer "
+     "the compile instance types (`python -m inference_fleet compile --dry-run` names them), preferably as AZ IDs "
+     "(e.g. usw2-az1)"),
+    ({"compile_azs": ["use2-az1", "usw2-az2"]},
+     "pipeline.compile_azs = ['use2-az1', 'usw2-az2']: need >= 2 distinct AZs of region us-east-2"),
+    ({"compile_azs": ["use2-az1", "use2-az1"]}, "need >= 2 distinct AZs of region us-east-2"),
+])
+def test_compile_azs_outside_the_pipelines_region_or_missing_are_refused_before_synthesis(pipeline, message):
+    data = load_fleet(str(DEFAULT)).model_dump(mode="json", exclude_none=True)
+    data["pipeline"].update(pipeline)
+    with pytest.raises(ConfigError) as error:
+        parse_fleet(data, "zones")
+    assert message in str(error.value)
+    # Named: the pipeline's region with its own zones is a fleet that passes.
+    data["pipeline"]["compile_azs"] = [f"{az_id_prefix(data['pipeline']['region'])}-az1",
+                                       f"{az_id_prefix(data['pipeline']['region'])}-az2"]
+    parse_fleet(data, "zones")
 
 
 def test_the_job_role_reads_the_checkpoint_and_writes_only_its_layout(synth_default):
@@ -201,6 +272,23 @@ def test_the_batch_job_compiles_from_the_artifacts_prefix_and_writes_only_what_i
     assert compile_run.main(_job_environment(DEFAULT, tmp_path, monkeypatch)) == 0
     assert f"already built with key {manifest.key}" in capsys.readouterr().out
     assert log.read_text() == ""
+
+
+def test_every_file_the_batch_jobs_manifest_lists_is_in_s3_with_its_size_and_checksum(
+        s3, tmp_path, monkeypatch, capsys):
+    """The units fetch what the manifest lists: the traced model.pt and neuron_config.json (shared, under
+    neuron/<layout>/) as much as the shards. The checkpoint's small files were already under the prefix."""
+    assert compile_run.main(_job_environment(DEFAULT, tmp_path, monkeypatch)) == 0, capsys.readouterr().err
+    layout = f"neuron/{layout_key(load_fleet(str(DEFAULT)))}/"
+    body = s3.get_object(Bucket=BUCKET, Key=PREFIX + layout + am.MANIFEST_NAME)["Body"].read()
+    manifest = am.parse(json.loads(body))
+    assert {layout + "model.pt", layout + "neuron_config.json"} <= set(manifest.shared)
+    listed = {**manifest.shared, **{p: e for n in manifest.nodes for p, e in n.files.items()}}
+    missing = sorted(rel for rel in listed if PREFIX + rel not in _objects(s3))
+    assert not missing, f"the manifest lists files not in S3: {missing}"
+    for rel, entry in listed.items():
+        data = s3.get_object(Bucket=BUCKET, Key=PREFIX + rel)["Body"].read()
+        assert (len(data), hashlib.sha256(data).hexdigest()) == (entry.size, entry.sha256), rel
 
 
 def test_the_batch_job_refuses_inputs_that_do_not_give_the_fleets_key(s3, tmp_path, monkeypatch, capsys):
@@ -362,27 +450,33 @@ def _camel(value):
     return value
 
 
-def test_a_model_no_compile_host_holds_is_refused_before_any_stack_is_built(tmp_path, capsys):
-    """A fleet whose one pass needs more host memory than any listed type: a config error, not a job
-    queue whose job is never placed (Batch keeps a job RUNNABLE while no instance type fits it)."""
+def test_a_model_no_compile_host_holds_is_refused_by_validate_before_any_stack_is_built(tmp_path, capsys):
+    """A fleet whose one pass needs more host memory than any listed type: a config error at `validate`
+    (and so at every entry point that reads the fleet), not a clean validate then a synth that refuses,
+    nor a job queue whose job is never placed (Batch keeps a job RUNNABLE while no instance type fits it)."""
     import yaml
-    from aws_cdk import App
-
-    from inference_fleet.config import ConfigError
-    from stacks.fleet import build_fleet
 
     data = yaml.safe_load(DEFAULT.read_text())
-    data["model"]["parameters_billion"] = 2000
-    data["unit"]["nodes"] = 8
+    data["model"]["parameters_billion"] = 1000
+    data["model"]["dtype"] = "float32"
+    data["unit"].update(nodes=8, max_concurrent_sequences=16)  # a unit that holds it: only the compile host fails
     fleet_file = tmp_path / "huge.yaml"
     fleet_file.write_text(yaml.safe_dump(data))
-    fleet = load_fleet(str(fleet_file))  # a valid fleet: it fits its unit
-    assert compile_job.host_needs(fleet).instance_types == ()
-    assert main(["compile", "--config", str(fleet_file), "--dry-run"]) == 0
-    assert "no listed type has" in capsys.readouterr().out
-    with pytest.raises(ConfigError, match=r"model.parameters_billion.*5,000 GB of host memory, more than the "
-                                          r"largest compile instance type holds \(4,096 GiB"):
-        build_fleet(App(outdir=str(tmp_path / "out")), fleet)
+    assert main(["validate", "--config", str(fleet_file)]) == exit_codes.CONFIG
+    err = capsys.readouterr().err
+    assert "model.parameters_billion" in err and "model.dtype float32" in err, err
+    assert "needs 5,000 GB of host memory, more than the largest compile instance type holds (4,096 GiB" in err
+    assert ("allowed: parameters_billion bfloat16 <= 1,745, float16 <= 1,745, float32 <= 872, float8_e4m3 <= 3,490 "
+            "(by model.dtype)") in err
+    assert "Traceback" not in err
+    with pytest.raises(ConfigError, match=r"model\.parameters_billion"):
+        load_fleet(str(fleet_file))
+    # The largest model allowed in float32 passes (a compile host holds it); one billion more does not.
+    for billions, fits in ((872, True), (873, False)):
+        data["model"]["parameters_billion"] = billions
+        fleet_file.write_text(yaml.safe_dump(data))
+        assert main(["validate", "--config", str(fleet_file)]) == (0 if fits else exit_codes.CONFIG)
+        assert ("model.parameters_billion" in capsys.readouterr().err) is not fits, billions
 
 
 def test_a_run_after_a_failed_one_on_the_same_instance_starts_its_passes_from_nothing(s3, tmp_path, monkeypatch,

@@ -201,7 +201,8 @@ def test_a_canary_cell_outside_the_pipelines_account_and_region_is_refused_befor
 
 def test_a_fleet_without_the_gate_has_no_verify_action(tmp_path) -> None:
     data = load_fleet(ROOT / LARGE).model_dump(mode="json", exclude_none=True)
-    data["pipeline"].update(region="us-west-2", verify_gate=False)
+    # No cell in us-west-2: the compile VPC's zones are named (check_compile_azs).
+    data["pipeline"].update(region="us-west-2", verify_gate=False, compile_azs=["usw2-az1", "usw2-az2"])
     fleet = parse_fleet(data, "moved pipeline, no gate")
     app = App(context=CDK_CONTEXT, outdir=str(tmp_path), builtin_cloud_formation_validation=False)
     stack = PipelineStack(app, "Rufus-Pipeline", fleet=fleet, fleet_file=LARGE)

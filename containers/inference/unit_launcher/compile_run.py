@@ -223,9 +223,13 @@ def upload(client: Any, out_root: Path, uri: str, manifest: am.Manifest, layout_
     """Every file the manifest lists, then the manifest itself (a partial upload has none, and the
     launcher refuses artifacts without one). S3 computes and stores each object's SHA-256 on upload
     (ChecksumAlgorithm, https://docs.aws.amazon.com/AmazonS3/latest/userguide/checking-object-integrity.html).
-    `shared=False`: the checkpoint's small files came from `uri` itself (the Batch job), so they are there."""
+    `shared=False` (the Batch job): the checkpoint's small files at the top (`build`'s `shared_outside`)
+    came from `uri` itself, so they are there and are not sent again; the shared files under
+    neuron/<layout>/ (the traced model.pt, neuron_config.json) are this compile's output and are sent."""
     bucket, prefix = split_uri(uri)
-    files = sorted({*(manifest.shared if shared else ()), *(p for n in manifest.nodes for p in n.files)})
+    layout_dir = f"neuron/{layout_name}/"
+    shared_files = [rel for rel in manifest.shared if shared or rel.startswith(layout_dir)]
+    files = sorted({*shared_files, *(p for n in manifest.nodes for p in n.files)})
     for rel in files:
         client.upload_file(str(out_root / rel), bucket, prefix + rel, ExtraArgs={"ChecksumAlgorithm": "SHA256"})
     client.put_object(Bucket=bucket, Key=f"{prefix}neuron/{layout_name}/{am.MANIFEST_NAME}",
