@@ -501,7 +501,7 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
     # SIGUSR1 to its launcher; the unit drains, then ends as member_stopping (neutral).
     if not run_follower_stopping(h, unit, driver, first):
         return
-    # 2b. The acceptance kit through its local adapter, read-only then --destructive.
+    # 2c. The acceptance kit through its local adapter, read-only then --destructive.
     from verify_mode import run_verify
     run_verify(h, unit)
 

@@ -86,7 +86,7 @@ def run_verify(h: Harness, unit: Any) -> None:
         h.report.figure(f"verify_{label}_s", time.monotonic() - started)
         counts = report.counts()
         failed = [f"{c.check_id}: {c.detail}" for c in report.checks if c.status == "fail"]
-        h.report.check(f"2b. acceptance kit ({label.replace('_', '-')}): no check failed "
+        h.report.check(f"2c. acceptance kit ({label.replace('_', '-')}): no check failed "
                        f"({counts['pass']} passed, {counts['not_run']} not run)", report.passed,
                        "; ".join(failed)[:1500])
         print(report.table(), flush=True)
