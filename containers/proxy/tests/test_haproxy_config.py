@@ -81,3 +81,12 @@ def test_no_gate_without_a_launcher() -> None:
     closed = initial_map(True)
     assert closed[GateMap.UNIT] != "open" and closed[GateMap.DOWN] == "yes"
     assert "unit_unavailable" in closed["err502"]
+
+
+def test_cut_streams_have_a_ceiling_on_the_whole_backend() -> None:
+    # Admission counts the engine server's slots; a stream the slow-reader watchdog cut leaves the
+    # server but keeps its buffers in the backend until its client reads or `timeout client` (905 s).
+    # Without a backend ceiling, clients that never read pile up cut streams without bound.
+    text = render(replace(Settings(), max_inflight=17), Paths("/r", 3))
+    assert "acl unit_full srv_conn(engine/vllm) ge 17" in text
+    assert "acl unit_full be_conn(engine) ge 34" in text

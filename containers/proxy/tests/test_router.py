@@ -265,3 +265,14 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
+
+
+def test_an_evacuation_file_that_is_not_utf8_is_a_file_error_not_a_dead_poll_loop(tmp_path) -> None:
+    # UnicodeDecodeError is a ValueError, not an OSError: it escaped read_evacuation and ended the
+    # router's poll loop (no more evacuation, restore or ejection while the router kept serving).
+    from unit_proxy.router import EvacuationFileError, read_evacuation
+
+    path = tmp_path / "evacuated.json"
+    path.write_bytes(b'{"evacuated": ["\xff"]}')
+    with pytest.raises(EvacuationFileError, match="not UTF-8"):
+        read_evacuation(str(path), {"a", "b"})

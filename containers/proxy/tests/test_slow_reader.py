@@ -342,3 +342,33 @@ async def test_the_watchdog_cuts_once_at_the_bound_and_says_when_to_look_again()
     api.text = STALLED.format(wx="14m30s", scb=10)  # its engine side is closed now
     await dog.look()
     assert api.cut == ["0x556dae687510"] and counted == [1]
+
+
+async def test_a_cut_slow_reader_does_not_hold_the_drain_to_its_timeout(engine: FakeEngine, launcher: FakeLauncher):
+    # A cut stream stays in the engine backend until its client reads or `timeout client` (905 s);
+    # the drain used to wait for the backend's streams, so one dead client held every SIGTERM up to
+    # DRAIN_TIMEOUT_SECONDS. Now: engine idle, then at most WRITE_TIMEOUT_SECONDS for unread answers.
+    env = {**ENV, "DRAIN_SECONDS": "0.2", "DRAIN_TIMEOUT_SECONDS": "60"}
+    async with proxy_process(engine, launcher, **env) as (url, proc):
+        await wait_healthy(url)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((LOOPBACK, port_of(url)))
+        sock.sendall(streaming_request(b"x-tokens: 100000\r\nx-gap: 0\r\nx-pad: 60000\r\n"))
+        try:
+            await wait_until(lambda: engine.started == 1, what="the stream to start")
+
+            async def cut() -> bool:
+                return await metric(url, "unit_proxy_client_write_timeouts_total") == 1.0
+
+            await wait_until(cut, timeout=WRITE_TIMEOUT + 5.0, what="the stalled stream cut")
+            stopped = time.monotonic()
+            proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), 20.0)
+            except TimeoutError:
+                raise AssertionError("the proxy still drained 20 s after SIGTERM: held by a cut stream") from None
+            took = time.monotonic() - stopped
+            assert proc.returncode == 0 and took <= WRITE_TIMEOUT + 8.0, (proc.returncode, took)
+        finally:
+            sock.close()

@@ -425,8 +425,13 @@ class Running:
 
     async def _streams_done(self, proc: asyncio.subprocess.Process) -> None:
         """Wait until the stopping worker's engine backend has no stream (master CLI): the
-        answers still being written to their clients are waited for too."""
+        answers still being written to their clients are waited for too, but only up to
+        WRITE_TIMEOUT_SECONDS once the engine itself has no stream left. A stream whose engine
+        side the slow-reader watchdog cut stays in the backend until its client reads or
+        `timeout client` (905 s): one dead client must not hold the drain to its timeout."""
         master = RuntimeApi(self.paths.master_socket, prefix="@1 ")
+        engine_idle_since: float | None = None
+        grace = self.state.settings.write_timeout_seconds
         while proc.returncode is None:
             try:
                 rows = await master.show_stat()
@@ -434,6 +439,14 @@ class Running:
                 return  # the worker is gone
             if backend_streams(rows) in (None, 0):
                 return
+            if engine_streams(rows) in (None, 0):
+                engine_idle_since = engine_idle_since or time.monotonic()
+                if time.monotonic() - engine_idle_since >= grace:
+                    log.warning("drain: the engine has no stream left; %s answer(s) still unread by their clients "
+                                "after %g s: stopping", backend_streams(rows), grace)
+                    return
+            else:
+                engine_idle_since = None
             await asyncio.sleep(0.1)
 
     async def close(self) -> None:

@@ -494,6 +494,12 @@ def _frontend(settings: Settings, paths: Paths, table: RouteTable) -> list[str]:
         # evaluation on every request.
         f"    acl unit_full srv_conn(engine/vllm) ge {settings.max_inflight}",
         "    acl unit_full srv_queue(engine/vllm) gt 0",
+        # And a ceiling on the whole backend: cut streams still hold their buffers (about
+        # 1.1 MB each) until their clients read or `timeout client` (905 s). Without it,
+        # clients that never read could pile up MAX_INFLIGHT cut streams every
+        # WRITE_TIMEOUT_SECONDS (about 1,900 at 64 over 905 s); with it, at most as many as
+        # the engine's own slots.
+        f"    acl unit_full be_conn(engine) ge {2 * settings.max_inflight}",
         f"    http-request {_json_return(429, 'overloaded', f'unit at its in-flight limit ({settings.max_inflight}); retry', {'Retry-After': retry})}"  # noqa: E501
         " if unit_full !is_health",
         # Engine failures answered by HAProxy itself carry ERROR_MARK (backend engine): while

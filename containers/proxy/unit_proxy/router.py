@@ -56,6 +56,8 @@ def read_evacuation(path: str, cells: set[str]) -> frozenset[str]:
         return frozenset()
     except OSError as exc:
         raise EvacuationFileError(f"{path}: cannot be read: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:  # a ValueError, not an OSError: it would end the poll loop
+        raise EvacuationFileError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     try:
         doc = json.loads(text or "{}")
     except json.JSONDecodeError as exc:
@@ -165,6 +167,8 @@ async def poll_loop(state: RouterState) -> None:
             await state.refresh()
         except RuntimeApiError as exc:
             log.error("%s", exc)
+        except Exception:  # a bug here must not end evacuation and ejection while the router serves
+            log.exception("router poll failed")
         await asyncio.sleep(settings.poll_seconds)
 
 

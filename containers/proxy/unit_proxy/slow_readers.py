@@ -39,7 +39,11 @@ the log line ends in `K` (killed), counted as 499 by haproxy_log, and `on_cut` c
 beyond an hour): a stream is cut once even the longest stall that reading allows is over
 WRITE_TIMEOUT_SECONDS, that is up to one display unit late, never early. A stream seen
 stalled is looked at again when it would reach the bound, so the cut comes within about
-WRITE_TIMEOUT_SECONDS + 1 s of the client's last read (docs/proxy.md, measured).
+WRITE_TIMEOUT_SECONDS + 1 s of the stream's last write that made progress (docs/proxy.md,
+measured). HAProxy sets that write expiry only once its output buffer (about 1.1 MB) and the
+kernel's send buffer are full, so with small SSE events a client that stops reading holds its
+slot for those buffers' worth of tokens first (thousands at about 200 bytes each) and then for
+WRITE_TIMEOUT_SECONDS; docs/contracts.md says "once the proxy's buffers for it are full".
 
 The stream is named by its address: between the `show sess` and the `shutdown session` (a
 few milliseconds) the stalled stream would have to end and a new one take its memory for the
