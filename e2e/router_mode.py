@@ -43,6 +43,8 @@ ROOT = Path(__file__).resolve().parent.parent
 REPORT = ROOT / "e2e-router-report.json"
 LOOPBACK = "127.0.0.1"
 HEADER = "X-Served-By-Cell"
+# A timing figure: reported against its target, never the exit status (main).
+TIMING_ROW = "p99 TTFB during loss / before"
 
 
 def free_port() -> int:
@@ -331,7 +333,7 @@ def checks(report: dict[str, Any]) -> list[dict[str, Any]]:
     rows = [
         ("failed requests that had not started", loss["failed_unstarted"], "0", loss["failed_unstarted"] == 0),
         ("time to stop sending to A (s)", loss["stop_sending_to_a_s"], "<= 2", loss["stop_sending_to_a_s"] <= 2.0),
-        ("p99 TTFB during loss / before", loss["ttfb_p99_ratio"], "<= 1.5",
+        (TIMING_ROW, loss["ttfb_p99_ratio"], "<= 1.5",
          loss["ttfb_p99_ratio"] is not None and loss["ttfb_p99_ratio"] <= 1.5),
         ("streams in flight on A, ended with error", f"{loss['streams_on_a_ended_with_error']}/"
          f"{loss['streams_in_flight_on_a']}", "counted", True),
@@ -369,10 +371,14 @@ def main(argv: list[str] | None = None) -> int:
         print(table(report), flush=True)
         reports.append(report)
     ok = all(row["ok"] for r in reports for row in r["checks"])
+    # The p99 ratio is a figure, not a gate (a speed target is read from figures, never a timed
+    # pass/fail): on a shared 2-core machine it ranged 0.86-1.5 between runs of the same code.
+    behaviour_ok = all(row["ok"] for r in reports for row in r["checks"] if not row["check"].startswith(TIMING_ROW))
     args.report.write_text(json.dumps({"runs": reports, "ok": ok, "machine": "2 cores shared with other jobs"},
                                       indent=2, default=str) + "\n")
-    print(f"report: {args.report}; {'all targets met' if ok else 'some targets NOT met'}")
-    return 0 if ok else 1
+    print(f"report: {args.report}; {'all targets met' if ok else 'some targets NOT met'}"
+          + ("" if behaviour_ok else " (a behaviour target: exit 1)"))
+    return 0 if behaviour_ok else 1
 
 
 if __name__ == "__main__":
