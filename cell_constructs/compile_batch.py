@@ -27,20 +27,15 @@ from unit_launcher.artifacts import split_uri
 
 from cell_constructs.encryption import allow_cloudwatch_logs
 from cell_constructs.nag import acknowledge
+from cell_constructs.network import ECS_NODE_ENDPOINTS
 from inference_fleet import compile_job
 from inference_fleet.config import FleetConfig, is_az_id
 from inference_fleet.unit_spec import layout_key
 
 # What the instances and the job reach, all through endpoints (no NAT, no internet): the image
-# (ECR and its S3 layers), the ECS agent Batch runs on each instance, the job's logs.
-_INTERFACE_ENDPOINTS: dict[str, ec2.InterfaceVpcEndpointAwsService] = {
-    "EcrApi": ec2.InterfaceVpcEndpointAwsService.ECR,
-    "EcrDkr": ec2.InterfaceVpcEndpointAwsService.ECR_DOCKER,
-    "Logs": ec2.InterfaceVpcEndpointAwsService.CLOUDWATCH_LOGS,
-    "Ecs": ec2.InterfaceVpcEndpointAwsService.ECS,
-    "EcsAgent": ec2.InterfaceVpcEndpointAwsService.ECS_AGENT,
-    "EcsTelemetry": ec2.InterfaceVpcEndpointAwsService.ECS_TELEMETRY,
-}
+# (ECR and its S3 layers, the S3 gateway endpoint), the ECS agent Batch runs on each instance,
+# the job's logs: the ECS node set of a cell's network.
+_INTERFACE_ENDPOINTS = ECS_NODE_ENDPOINTS
 VPC_CIDR = "10.250.0.0/16"
 ROOT_DEVICE = "/dev/xvda"  # the root device of the ECS-optimized Amazon Linux 2023 AMI
 

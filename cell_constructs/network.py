@@ -18,15 +18,19 @@ from constructs import Construct
 from cell_constructs.nag import acknowledge
 from inference_fleet.config import is_az_id
 
-# Interface endpoints the nodes need at run time (ECR pull, awslogs, the ECS agent,
-# SSM sessions, STS for task roles, Cloud Map discovery of the unit leader).
-_INTERFACE_ENDPOINTS: dict[str, ec2.InterfaceVpcEndpointAwsService] = {
+# Interface endpoints any private ECS container instance needs (ECR pull, awslogs, the ECS
+# agent); the compile job's VPC has exactly these (compile_batch.py).
+ECS_NODE_ENDPOINTS: dict[str, ec2.InterfaceVpcEndpointAwsService] = {
     "EcrApi": ec2.InterfaceVpcEndpointAwsService.ECR,
     "EcrDkr": ec2.InterfaceVpcEndpointAwsService.ECR_DOCKER,
     "Logs": ec2.InterfaceVpcEndpointAwsService.CLOUDWATCH_LOGS,
     "Ecs": ec2.InterfaceVpcEndpointAwsService.ECS,
     "EcsAgent": ec2.InterfaceVpcEndpointAwsService.ECS_AGENT,
     "EcsTelemetry": ec2.InterfaceVpcEndpointAwsService.ECS_TELEMETRY,
+}
+# A cell's nodes also need SSM sessions, STS for task roles, Cloud Map discovery of the unit leader.
+_INTERFACE_ENDPOINTS: dict[str, ec2.InterfaceVpcEndpointAwsService] = {
+    **ECS_NODE_ENDPOINTS,
     "Ssm": ec2.InterfaceVpcEndpointAwsService.SSM,
     "SsmMessages": ec2.InterfaceVpcEndpointAwsService.SSM_MESSAGES,
     "Ec2Messages": ec2.InterfaceVpcEndpointAwsService.EC2_MESSAGES,

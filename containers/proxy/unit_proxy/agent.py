@@ -563,6 +563,19 @@ async def start(settings: Settings) -> Running:
     return running
 
 
+async def haproxy_exits_first(process: asyncio.subprocess.Process, stop: asyncio.Event) -> bool:
+    """Wait for `stop` (a signal) or HAProxy's exit, whichever comes first: True if HAProxy
+    exited first (the data path is gone), False once `stop` is set."""
+    died = asyncio.create_task(process.wait())
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait({died, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if died.done() and not stopped.done():
+        stopped.cancel()
+        return True
+    died.cancel()
+    return False
+
+
 async def serve(settings: Settings) -> int:
     """Serve until SIGTERM/SIGINT and a complete drain (0), or until HAProxy dies (1)."""
     loop = asyncio.get_running_loop()
@@ -584,11 +597,7 @@ async def serve(settings: Settings) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
-    died = asyncio.create_task(running.process.wait())
-    signalled = asyncio.create_task(first.wait())
-    await asyncio.wait({died, signalled}, return_when=asyncio.FIRST_COMPLETED)
-    if died.done() and not signalled.done():
-        signalled.cancel()
+    if await haproxy_exits_first(running.process, first):
         log.error("haproxy exited with code %s: the data path is gone; exiting 1", running.process.returncode)
         await running.close()
         return 1
@@ -606,7 +615,6 @@ async def serve(settings: Settings) -> int:
             running.process.send_signal(signal.SIGTERM)
         await soft
     interrupted.cancel()
-    died.cancel()
     await running.close()
     log.warning("drained; exiting")
     return 0

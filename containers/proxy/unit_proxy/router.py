@@ -36,8 +36,16 @@ from typing import Any
 
 from aiohttp import web
 
-from unit_proxy.agent import BindError, StartError, _site, _start_haproxy, bind_data_port, configure_logging
-from unit_proxy.router_config import BACKEND, RouterPaths, RouterSettings, render
+from unit_proxy.agent import (
+    BindError,
+    StartError,
+    _site,
+    _start_haproxy,
+    bind_data_port,
+    configure_logging,
+    haproxy_exits_first,
+)
+from unit_proxy.router_config import BACKEND, HARD_STOP_SECONDS, RouterPaths, RouterSettings, render
 from unit_proxy.runtime_api import RuntimeApi, RuntimeApiError
 from unit_proxy.settings import SettingsError
 
@@ -254,17 +262,12 @@ async def serve(settings: RouterSettings) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    died = asyncio.create_task(running.process.wait())
-    stopped = asyncio.create_task(stop.wait())
-    await asyncio.wait({died, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    if died.done() and not stopped.done():
-        stopped.cancel()
+    if await haproxy_exits_first(running.process, stop):
         log.error("haproxy exited with code %s: exiting 1", running.process.returncode)
         await running.close()
         return 1
-    died.cancel()
     log.warning("stopping: listener closed, streams in flight go on (hard-stop-after)")
-    await running.close(soft=True, timeout=910.0)
+    await running.close(soft=True, timeout=HARD_STOP_SECONDS + 5.0)
     return 0
 
 

@@ -33,6 +33,9 @@ MAX_WEIGHT = 256
 DEFAULT_WEIGHT = 100
 # The system CA bundle of Debian (the image and the build machine): the cells' ALB certificates are ACM ones.
 SYSTEM_CA_FILE = "/etc/ssl/certs/ca-certificates.crt"
+# A SIGTERM lets streams in flight go on this long (`hard-stop-after`), then HAProxy stops; the
+# agent waits a little longer for it to exit (router.serve).
+HARD_STOP_SECONDS = 905
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,7 +241,7 @@ def render(settings: RouterSettings, paths: RouterPaths) -> str:
         f"    stats socket {paths.admin_socket} mode 600 level admin",
         # 3.2 "tune.bufsize": the largest request a retry can replay (headers and body together).
         f"    tune.bufsize {settings.buffer_bytes}",
-        "    hard-stop-after 905s",
+        f"    hard-stop-after {HARD_STOP_SECONDS}s",
         "",
         *_resolvers(settings),
         "defaults",
