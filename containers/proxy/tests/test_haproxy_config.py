@@ -71,6 +71,11 @@ def test_routes_are_checked_on_the_decoded_path() -> None:
     assert "path,url_dec" not in text.replace("set-var(txn.path) path,url_dec", "")
     triton = render(replace(Settings(), frontend="triton"), Paths("/r", 3))
     assert "acl route_denied var(txn.path) -m beg /v2/repository " in triton
+    # Issue 28: default deny on Triton too: exact paths and anchored model routes, no /v2/ prefix.
+    assert "-m beg /v2/ " not in triton and "-m beg /v2/\n" not in triton
+    assert "acl routes_0 var(txn.path) -m str /v2 /v2/health/live /v2/health/ready" in triton
+    assert r"'^/v2/models/[^/]+(/versions/[0-9]+)?/generate_stream\z'" in triton
+    assert "acl route_denied var(txn.path) -m str /v2/models/stats" in triton
     assert "/v1/" not in re.sub(r"(?m)^.*load_lora.*$", "", triton.split("frontend data")[1].split("backend")[0])
 
 

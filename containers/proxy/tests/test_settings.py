@@ -34,7 +34,7 @@ def test_triton_frontend_and_overrides():
             "LAUNCHER_STATUS_URL": "",
         }
     )
-    assert s.routes == ("/v2/",) and s.engine_health_url == "http://127.0.0.1:9000/v2/health/ready"
+    assert s.routes[:3] == ("/v2", "/v2/health/live", "/v2/health/ready") and s.engine_health_url == "http://127.0.0.1:9000/v2/health/ready"
     assert s.engine_metrics_url == "http://127.0.0.1:8002/metrics"
     assert s.max_inflight == 32 and s.drain_seconds == 5 and s.emf_enabled and s.launcher_status_url == ""
 

@@ -18,6 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -32,7 +33,14 @@ log = logging.getLogger("unit_proxy.health")
 QUEUE_METRIC = "vllm:num_requests_waiting"
 RUNNING_METRIC = "vllm:num_requests_running"
 KV_METRICS = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # the second: vLLM < 0.10
-_WANTED = (QUEUE_METRIC, RUNNING_METRIC, *KV_METRICS)
+# Triton's requests not yet handed to a model instance (a gauge per model; Triton core
+# src/metrics.cc at 73aad7c3348d040c7087d57837d75822c488495e; server docs/user_guide/metrics.md
+# "Pending Request Count (Queue Size) Per-Model" at e1db8a603d863b1317ee859bdeea2be19959462e).
+# Triton has no in-flight gauge, and a decoupled model (the unit's vLLM model) takes each request
+# at once, so vLLM's own queue, running count and KV usage come from the model's custom metrics
+# under vLLM's names (helper-notes interface: the unit's model.py exports them as gauges).
+TRITON_PENDING_METRIC = "nv_inference_pending_request_count"
+_WANTED = (QUEUE_METRIC, RUNNING_METRIC, *KV_METRICS, TRITON_PENDING_METRIC)
 
 
 @dataclass
@@ -143,7 +151,10 @@ def judge_launcher_status(status: Any) -> tuple[bool, str]:
 
 def parse_engine_load(text: str) -> EngineLoad:
     """The three load figures from a Prometheus exposition; label sets are summed (several
-    engines behind one API server), KV usage takes the fullest engine."""
+    engines behind one API server, several models in one Triton), KV usage takes the fullest
+    engine. The queue is vLLM's waiting requests plus, behind Triton, the requests Triton
+    still holds (`nv_inference_pending_request_count`); each figure is None when none of its
+    metrics is on the page."""
     # Only the wanted lines are parsed: a vLLM exposition is large (histograms) and parsing
     # all of it would stall the event loop that carries the token streams.
     lines = [line for line in text.splitlines() if line.startswith(_WANTED)]
@@ -155,7 +166,9 @@ def parse_engine_load(text: str) -> EngineLoad:
             else:
                 sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
     kv = next((sums[name] for name in KV_METRICS if name in sums), None)
-    return EngineLoad(queue_depth=sums.get(QUEUE_METRIC), running=sums.get(RUNNING_METRIC), kv_cache_usage=kv)
+    queued = [sums[name] for name in (QUEUE_METRIC, TRITON_PENDING_METRIC) if name in sums]
+    queue = sum(queued) if queued else None
+    return EngineLoad(queue_depth=queue, running=sums.get(RUNNING_METRIC), kv_cache_usage=kv)
 
 
 class HealthMonitor:
@@ -189,7 +202,7 @@ class HealthMonitor:
         state.stale_after = stale_limit(settings)
         if settings.launcher_status_url:
             state.member_drain = MemberDrain(settings.drain_seconds, settings.drain_timeout_seconds)
-        if settings.canary_interval_seconds and idle is not None and settings.frontend == "openai":
+        if settings.canary_interval_seconds and idle is not None:
             state.canary = CanaryGate(
                 settings.canary_interval_seconds, settings.canary_timeout_seconds, settings.canary_retry_seconds
             )
@@ -391,8 +404,9 @@ class HealthMonitor:
         return accepted, f"{resp.status} {answer}"
 
     async def _canary(self) -> tuple[bool, str, float]:
-        """The probe: the first model of /v1/models (once), then a one-token completion;
-        the whole attempt bounded by CANARY_TIMEOUT_SECONDS (not by the checks' timeout)."""
+        """The probe: the first model (once), then a one-token completion (OpenAI) or
+        generate (Triton); the whole attempt bounded by CANARY_TIMEOUT_SECONDS (not by the
+        checks' timeout)."""
         base = self.settings.upstream_url
         started = time.monotonic()
         limit = self.settings.canary_timeout_seconds
@@ -400,6 +414,8 @@ class HealthMonitor:
         assert self._session is not None
         try:
             async with asyncio.timeout(limit):
+                if self.settings.frontend == "triton":
+                    return await self._one_token_triton(base, timeout, started)
                 return await self._one_token(base, timeout, started)
         except TimeoutError:
             return False, f"one-token completion took over {limit:g} s", time.monotonic() - started
@@ -418,6 +434,40 @@ class HealthMonitor:
         if resp.status != 200:
             return False, f"one-token completion answered {resp.status}", seconds
         return True, f"one-token completion in {seconds:.2f} s", seconds
+
+    async def _one_token_triton(
+        self, base: str, timeout: aiohttp.ClientTimeout, started: float
+    ) -> tuple[bool, str, float]:
+        """Triton: the first ready model of the repository index (once; the agent asks on
+        loopback, the data port refuses /v2/repository), then a one-token `generate`.
+
+        Index: `POST /v2/repository/index {"ready": true}`, a list of {name, version, state}
+        (docs/protocol/extension_model_repository.md "Index"). Generate: the body of Triton's
+        generate extension (extension_generate.md: `text_input`, `parameters`), the
+        parameters as vllm_backend takes them: `stream` is the model's BOOL input (Triton maps a
+        parameter that names an input to it, http_server.cc ConvertGenerateRequest) and the
+        other request parameters are vLLM's sampling parameters (vllm_backend
+        src/utils/request.py:138-147 at 8de0c148bda1da25de1e05ffaaf67116dacc7264). A pass is a
+        200 whose JSON has a string `text_output` (extension_generate.md "Generate Response")."""
+        assert self._session is not None
+        if self._canary_model is None:
+            async with self._session.post(f"{base}/v2/repository/index", json={"ready": True}, timeout=timeout) as resp:
+                index = await resp.json(content_type=None)
+            ready = [m for m in index if isinstance(m, dict) and m.get("state") == "READY" and m.get("name")]
+            if resp.status != 200 or not ready:
+                return False, f"no ready model in Triton's repository index ({resp.status})", time.monotonic() - started
+            self._canary_model = str(ready[0]["name"])
+        body = {"text_input": "ping", "parameters": {"stream": False, "max_tokens": 1, "temperature": 0}}
+        url = f"{base}/v2/models/{quote(self._canary_model, safe='')}/generate"  # aiohttp keeps %XX as sent
+        async with self._session.post(url, json=body, timeout=timeout) as resp:
+            raw = await resp.read()
+        seconds = time.monotonic() - started
+        if resp.status != 200:
+            return False, f"one-token generate answered {resp.status}", seconds
+        doc = _json(raw)
+        if not isinstance(doc, dict) or not isinstance(doc.get("text_output"), str):
+            return False, "one-token generate answered 200 without a text_output", seconds
+        return True, f"one-token generate in {seconds:.2f} s", seconds
 
     async def _load(self) -> EngineLoad:
         url = self.settings.engine_metrics_url

@@ -26,7 +26,17 @@ OPENAI_ROUTES: tuple[str, ...] = (
     "/score",
     "/rerank",
 )
-TRITON_ROUTES: tuple[str, ...] = ("/v2/",)
+# Triton's KServe v2 routes a serving client needs (unit_proxy.routes turns them into the
+# allowlist; `{model}` is one path segment, each model route also under /versions/<n>).
+TRITON_ROUTES: tuple[str, ...] = (
+    "/v2",
+    "/v2/health/live",
+    "/v2/health/ready",
+    "/v2/models/{model}",
+    "/v2/models/{model}/ready",
+    "/v2/models/{model}/generate",
+    "/v2/models/{model}/generate_stream",
+)
 MAX_WORKERS = 64
 # HAProxy's buffer bounds: its default (16 KiB) up to 16 MiB (memory: two buffers per stream).
 MIN_BUFFER_BYTES = 16 * 1024
