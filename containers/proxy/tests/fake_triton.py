@@ -3,9 +3,9 @@
 It answers as Triton 2.73 does for the routes it has, in Triton's shapes (sources pinned:
 triton-inference-server/server at e1db8a603d863b1317ee859bdeea2be19959462e):
 - routing: the path is matched whole against Triton's own regexes (src/http_server.cc
-  1182-1191, HTTPAPIServer::Handle 4855-4953), on the path as sent (libevhtp's
-  `uri->path->full`; whether Triton decodes it first is not verified, see docs/contracts.md),
-  so a control route reached through the proxy is recorded as such;
+  1182-1191, HTTPAPIServer::Handle 4855-4953), on the path as sent, undecoded, as Triton does
+  (libevhtp's `uri->path->full`; measured on Triton 2.51.0: `/v2/health/%72eady` is 404), so
+  a control route reached through the proxy is recorded as such;
 - health and metadata answer GET only (405 otherwise), readiness 200 or 400;
 - `generate` / `generate_stream` (docs/protocol/extension_generate.md) with the inputs of the
   unit's vLLM model (containers/inference/unit_launcher/templates/config.pbtxt.j2:

@@ -453,7 +453,8 @@ class HealthMonitor:
         if self._canary_model is None:
             async with self._session.post(f"{base}/v2/repository/index", json={"ready": True}, timeout=timeout) as resp:
                 index = await resp.json(content_type=None)
-            ready = [m for m in index if isinstance(m, dict) and m.get("state") == "READY" and m.get("name")]
+            entries = index if isinstance(index, list) else []
+            ready = [m for m in entries if isinstance(m, dict) and m.get("state") == "READY" and m.get("name")]
             if resp.status != 200 or not ready:
                 return False, f"no ready model in Triton's repository index ({resp.status})", time.monotonic() - started
             self._canary_model = str(ready[0]["name"])
