@@ -96,6 +96,7 @@ class FakeTriton:
     def __init__(self, model: str = "llm") -> None:
         self.model = model
         self.ready = True
+        self.model_ready = True  # the model's state in the repository index (READY or UNAVAILABLE)
         self.pending, self.waiting, self.running, self.kv = 2, 3, 4, 0.5
         self.seen: list[tuple[str, str]] = []  # (method, raw path) of every request but /metrics
         self.kinds: list[str] = []  # the Triton handler each request reached
@@ -175,7 +176,11 @@ class FakeTriton:
         if kind == "server_metadata":
             return web.json_response({"name": "triton", "version": "2.61.0", "extensions": ["generate"]})
         if kind == "repository" and path == "/v2/repository/index" and request.method == "POST":
-            return web.json_response([{"name": self.model, "version": "1", "state": "READY"}])
+            only_ready = (await request.json() or {}).get("ready") is True
+            if self.model_ready:
+                return web.json_response([{"name": self.model, "version": "1", "state": "READY", "reason": ""}])
+            entry = {"name": self.model, "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}
+            return web.json_response([] if only_ready else [entry])
         if model != self.model:
             if kind in CONTROL_KINDS:
                 return web.json_response({"reached": kind})

@@ -326,6 +326,27 @@ async def test_triton_canary_is_a_one_token_generate(triton: FakeTriton, launche
         assert "text_output" in launcher.canary_reports[0]["detail"]
 
 
+async def test_triton_canary_fails_without_a_ready_model(triton: FakeTriton, launcher: FakeLauncher):
+    """No READY model in Triton's index (a server that is up but whose model is not): the canary
+    fails by name, sends no generate, and the failure goes to the launcher."""
+    triton.model_ready = False
+    env = _env(triton, CANARY_INTERVAL_SECONDS="0.3", CANARY_RETRY_SECONDS="0.2", HEALTH_INTERVAL_SECONDS="0.1")
+    async with proxy_process(triton, launcher, **env) as (url, _proc), aiohttp.ClientSession() as session:
+        await wait_until(lambda: ("POST", "/v2/repository/index") in triton.seen, timeout=20, what="a canary")
+
+        async def reason() -> str:
+            async with session.get(f"{url.admin}/health") as resp:
+                return await resp.text()
+
+        async def failing() -> bool:
+            return "no ready model in Triton's repository index" in await reason()
+
+        await wait_until(failing, timeout=5, what="the canary to fail by name")
+        assert triton.generate_bodies == []
+        await wait_until(lambda: launcher.canary_reports, timeout=5, what="the failure reported")
+        assert "no ready model" in launcher.canary_reports[0]["detail"]
+
+
 def test_load_figures_from_tritons_metrics_page():
     """Issue 28: behind Triton the load report had no queue (it read vLLM's names only).
     Triton core's pending count and the model's vLLM gauges, in Triton's page format."""

@@ -317,7 +317,7 @@ ENVIRONMENT: tuple[tuple[str, str, str], ...] = (
     ("PROXY_WORKERS", str(_D.workers), f"HAProxy threads (nbthread) of the data path, 1-{MAX_WORKERS}"),
     ("UPSTREAM_URL", _D.upstream_url, "the engine's HTTP front end: http://host:port, no path"),
     ("LAUNCHER_STATUS_URL", _D.launcher_status_url, "the launcher's status endpoint; empty: no unit check"),
-    ("ENGINE_METRICS_URL", "<UPSTREAM_URL>/metrics", "Prometheus page scraped for load; empty: off"),
+    ("ENGINE_METRICS_URL", "<UPSTREAM_URL>/metrics", "Prometheus page for load (triton: :8002/metrics); empty: off"),
     ("FRONTEND", _D.frontend, "openai or triton"),
     ("MAX_INFLIGHT", str(_D.max_inflight), "admission limit; 429 beyond"),
     ("DRAIN_SECONDS", f"{_D.drain_seconds:g}", "keep serving new requests this long after SIGTERM"),
