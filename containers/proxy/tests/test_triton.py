@@ -227,6 +227,12 @@ async def test_generate_stream_is_gated_when_the_unit_is_not_whole(triton: FakeT
         await _healthy(url)
         launcher.status["members"][1]["alive"] = False
         await wait_until(lambda: _is(health(session, url), 503), timeout=5, what="the member loss")
+
+        async def gated() -> bool:  # the agent pushes the gate into HAProxy right after its check
+            async with session.get(f"{url}/v2/models/llm") as resp:
+                return resp.status == 503
+
+        await wait_until(gated, timeout=5, what="the gate closed in HAProxy")
         before = triton.generation_requests()
         doc = {"text_input": "hi", "parameters": {"stream": True}}
         for path in ("/v2/models/llm/generate_stream", "/v2/models/llm/generate", "/v2/models/llm"):
