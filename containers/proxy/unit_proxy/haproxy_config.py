@@ -28,7 +28,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from unit_proxy.routes import Route, RouteTable, route_table
+from unit_proxy.routes import RouteTable, route_table
 from unit_proxy.settings import Settings
 
 # The largest request header block (all header lines) admitted; a larger one that still
@@ -217,11 +217,11 @@ def _method_acl(methods: tuple[str, ...]) -> str:
     return "{ method " + " ".join(methods) + " }"
 
 
-def _route_groups(table: RouteTable) -> dict[tuple[str, ...], list[Route]]:
-    """The routes by method set, in the table's order (`routes_<n>` is the n-th)."""
-    groups: dict[tuple[str, ...], list[Route]] = {}
+def _route_groups(table: RouteTable) -> dict[tuple[str, ...], list[str]]:
+    """The route prefixes by method set, in the table's order (`routes_<n>` is the n-th)."""
+    groups: dict[tuple[str, ...], list[str]] = {}
     for route in table.routes:
-        groups.setdefault(route.methods, []).append(route)
+        groups.setdefault(route.methods, []).append(route.prefix)
     return groups
 
 
@@ -234,15 +234,16 @@ def _route_acls(table: RouteTable) -> list[str]:
     read and one lookup, not a decode."""
     groups = _route_groups(table)
     lines: list[str] = []
-    for index, routes in enumerate(groups.values()):
-        exact = [r.prefix for r in routes if not r.is_prefix and not r.regex]
-        begins = [r.prefix for r in routes if r.is_prefix]
+    for index, prefixes in enumerate(groups.values()):
+        exact = [p for p in prefixes if not p.endswith("/") and not p.startswith("^")]
+        begins = [p for p in prefixes if p.endswith("/")]
         if begins:
             lines.append(f"acl routes_{index} var(txn.path) -m beg {' '.join(begins)}")
         if exact:
             lines.append(f"acl routes_{index} var(txn.path) -m str {' '.join(exact)}")
-        # Triton's model routes: anchored PCRE2 patterns on the whole decoded path (7.1.3 "-m reg").
-        regexes = [_q(r.prefix) for r in routes if r.regex]
+        # Triton's model routes (routes.triton_route): anchored PCRE2 patterns of the whole
+        # decoded path (7.1.3 "-m reg").
+        regexes = [_q(p) for p in prefixes if p.startswith("^")]
         if regexes:
             lines.append(f"acl routes_{index} var(txn.path) -m reg {' '.join(regexes)}")
     lines.append(f"acl route_denied var(txn.path) -m beg {' '.join(table.denied)}")

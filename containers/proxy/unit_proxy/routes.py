@@ -65,13 +65,12 @@ _VERSION = "(/versions/[0-9]+)?"
 
 @dataclass(frozen=True)
 class Route:
-    prefix: str  # ends with "/": a prefix; else the exact path; with `regex`, a PCRE of the whole path
+    prefix: str  # ends with "/": a prefix; starts with "^": a PCRE of the whole path; else the exact path
     methods: tuple[str, ...]
-    regex: bool = False
 
     @property
     def is_prefix(self) -> bool:
-        return not self.regex and self.prefix.endswith("/")
+        return self.prefix.endswith("/")
 
 
 @dataclass(frozen=True)
@@ -89,7 +88,7 @@ def triton_route(template: str) -> Route:
     if "{model}" not in template:
         return Route(template, methods)
     head, tail = template.split("{model}")
-    return Route("^" + re.escape(head) + _MODEL_SEGMENT + _VERSION + re.escape(tail) + r"\z", methods, regex=True)
+    return Route("^" + re.escape(head) + _MODEL_SEGMENT + _VERSION + re.escape(tail) + r"\z", methods)
 
 
 def route_table(frontend: str) -> RouteTable:
