@@ -48,8 +48,11 @@ def test_cross_region_only_when_asked(raw: dict[str, Any]) -> None:
     assert [i.path for i in caught.value.issues] == ["routers[0].cells[1]"]
     assert "cross_region: true" in str(caught.value)
     raw["routers"][0]["cross_region"] = True
-    router = parse_fleet(raw).routers[0]
-    assert (router.weight("dev"), router.weight("west")) == (100, 10)
+    with pytest.raises(ConfigError) as caught:
+        parse_fleet(raw)
+    # Accepted by the region rule, then refused by the router stack's: it builds no path to another region.
+    assert [i.path for i in caught.value.issues] == ["routers[0].cells[1]"]
+    assert "builds no path to another region" in str(caught.value)
 
 
 def test_every_router_mistake_at_once(raw: dict[str, Any]) -> None:
