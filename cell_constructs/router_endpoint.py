@@ -76,7 +76,7 @@ class RouterEndpoint(Construct):
             raise ValueError("router_accounts: at least the account of one router that fronts this cell")
         self.security_group = ec2.SecurityGroup(
             self, "SecurityGroup", vpc=vpc, allow_all_outbound=False,
-            description="Router endpoint NLB: to the cell's load balancer listener only",
+            description="Router endpoint NLB: to the load balancer listener of the cell only",
         )
         # Both sides: out of the NLB's group, into the ALB's (whatever cells[].client_cidrs admits).
         load_balancer_group.connections.allow_from(

@@ -75,7 +75,7 @@ class RouterNetwork(Construct):
         # The cells' endpoints: reached only by the router's tasks, on each cell's listener port.
         self.cell_endpoint_group = ec2.SecurityGroup(
             self, "CellEndpointSecurityGroup", vpc=self.vpc, allow_all_outbound=False,
-            description="PrivateLink endpoints of the cells: the router tasks in, on the cells' listener ports",
+            description="PrivateLink endpoints of the cells: the router tasks in, on the listener ports of the cells",
         )
         self._flow_logs(encryption_key, log_retention)
 

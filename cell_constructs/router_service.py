@@ -14,8 +14,8 @@ ECS Fargate, at least two tasks spread over the router's AZs, registered with it
   (https://docs.aws.amazon.com/AmazonECS/latest/developerguide/task_definition_parameters.html,
   "stopTimeout"). A stream longer than both is cut.
 - Least privilege: the task role may read the router's evacuation parameter and nothing else; the
-  execution role pulls the image and writes the log group; root file system read-only (HAProxy's
-  runtime directory is a task volume at /tmp); no public IP; inbound only from the load balancer.
+  execution role pulls the image and writes the log group; the image's non-root user (10001); no
+  public IP; inbound only from the load balancer.
 """
 
 from __future__ import annotations
@@ -81,15 +81,16 @@ class RouterService(Construct):
                 cpu_architecture=ecs.CpuArchitecture.X86_64,
                 operating_system_family=ecs.OperatingSystemFamily.LINUX),
         )
-        self.task_definition.add_volume(name="tmp")
-        container = self.task_definition.add_container(
+        # The root file system stays writable: the agent (uid 10001, the image's USER) makes HAProxy's
+        # runtime directory under /tmp, and a Fargate bind mount there would not do, its volume being
+        # "0755 and owner root" unless the image's Dockerfile declares it
+        # (https://docs.aws.amazon.com/AmazonECS/latest/developerguide/bind-mounts.html).
+        self.container = self.task_definition.add_container(
             "Router", image=image, entry_point=ROUTER_COMMAND, environment=dict(sorted(environment.items())),
-            essential=True, readonly_root_filesystem=True, stop_timeout=FARGATE_MAX_STOP_TIMEOUT,
+            essential=True, stop_timeout=FARGATE_MAX_STOP_TIMEOUT,
             port_mappings=[ecs.PortMapping(container_port=ROUTER_PORT, protocol=ecs.Protocol.TCP)],
             logging=ecs.LogDrivers.aws_logs(stream_prefix="router", log_group=self.log_group),
         )
-        container.add_mount_points(ecs.MountPoint(container_path="/tmp", source_volume="tmp", read_only=False))
-        self.container = container
         acknowledge_execution_role(self.task_definition)
         acknowledge(self.task_definition, (
             "AwsSolutions-ECS2",
@@ -97,7 +98,7 @@ class RouterService(Construct):
             "the task has no secrets"))
         self.security_group = ec2.SecurityGroup(
             self, "SecurityGroup", vpc=vpc, allow_all_outbound=False,
-            description="Router tasks: the load balancer in; the cells' endpoints and AWS endpoints out",
+            description="Router tasks: the load balancer in; the endpoints of the cells and AWS out",
         )
         self.cluster = ecs.Cluster(self, "Cluster", vpc=vpc, container_insights_v2=ecs.ContainerInsights.ENHANCED)
         self.service = ecs.FargateService(

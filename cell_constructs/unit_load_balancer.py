@@ -96,7 +96,8 @@ class UnitLoadBalancer(Construct):
             "SecurityGroup",
             vpc=vpc,
             allow_all_outbound=False,
-            description="Unit load balancer: clients in, proxies out",
+            description="Unit load balancer: clients in, proxies out" if self._owner == "cell"
+            else f"{self._owner.capitalize()} load balancer: clients in, {self._owner} tasks out",
         )
         for cidr in client_cidrs:
             group.add_ingress_rule(ec2.Peer.ipv4(cidr), ec2.Port.tcp(listener_port), "clients")
