@@ -701,7 +701,8 @@ class RouterConfig(_Strict):
     cross_region: bool = Field(
         default=False,
         description="Allow cells of other regions: each of their requests then crosses regions (added latency "
-        "and inter-region data transfer); off, such a cell is refused.",
+        "and inter-region data transfer); off, such a cell is refused. The router stack builds no path to another "
+        "region yet, so for now such a cell is refused either way (docs/router.md).",
     )
     certificate_arn: (
         Annotated[
