@@ -124,8 +124,14 @@ def _tls_name_issues(path: str, router: RouterConfig, cells: dict[str, CellConfi
             yield ConfigIssue(f"{path}.tls_names.{name}", None,
                               f"required: cell {name} serves HTTPS; give the DNS name its certificate covers (the "
                               "router verifies the certificate against it)")
+    first: dict[str, str] = {}
     for name in sorted(names):
         cell = cells.get(name)
+        if names[name] in first:
+            yield ConfigIssue(f"{path}.tls_names.{name}", names[name],
+                              f"also the name of cell {first[names[name]]}: each HTTPS cell is reached under its own "
+                              "name (one private hosted zone each in the router's VPC)")
+        first.setdefault(names[name], name)
         if name not in router.cells:
             yield ConfigIssue(f"{path}.tls_names.{name}", names[name],
                               f"not a cell of this router; tls_names name HTTPS cells of {path}.cells")

@@ -49,6 +49,9 @@ ROUTER_ALB_IDLE_TIMEOUT_MAX = 900
 # HAProxy's inactivity timeouts towards the cells sit just above the cells' ALB idle timeout (as the
 # unit proxy's above its ALB's): the cell's ALB, not the router, ends a silent connection.
 TIMEOUT_MARGIN_SECONDS = 5
+# The most ROUTER_TIMEOUT_SECONDS the router accepts (RouterSettings.from_env; it exits 2 above it). The cells'
+# ALB idle timeout may be 4000 s, so the margin is given up there (tests/test_router_stack.py checks both ends).
+ROUTER_TIMEOUT_MAX_SECONDS = 4000
 
 
 def router_metrics_namespace(fleet: FleetConfig) -> str:
@@ -131,7 +134,8 @@ class RouterStack(Stack):
             "ROUTER_RETRY": "1" if router.retry else "0",
             "ROUTER_HOST": "0.0.0.0",
             "ROUTER_PORT": str(ROUTER_PORT),
-            "ROUTER_TIMEOUT_SECONDS": str(serving.alb_idle_timeout_seconds + TIMEOUT_MARGIN_SECONDS),
+            "ROUTER_TIMEOUT_SECONDS": str(min(serving.alb_idle_timeout_seconds + TIMEOUT_MARGIN_SECONDS,
+                                              ROUTER_TIMEOUT_MAX_SECONDS)),
             "ROUTER_METRICS_NAMESPACE": router_metrics_namespace(self.fleet),
             "ROUTER_NAME": router.region,
         }

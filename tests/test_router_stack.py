@@ -229,3 +229,22 @@ def test_a_cell_no_router_fronts_is_as_in_a_fleet_without_routers(synth_router, 
     alone = synth(parse_fleet(raw))
     assert synth_router.template_json("Rufus-Cell-solo") == alone.template_json("Rufus-Cell-solo")
     assert synth_router.template_json("Rufus-Cell-dev") != alone.template_json("Rufus-Cell-dev")
+
+
+@pytest.mark.parametrize("idle", [60, 4000])
+def test_the_routers_timeouts_are_ones_its_settings_accept_at_either_end(idle: int, synth) -> None:
+    """`serving.alb_idle_timeout_seconds` allows 60-4000 s; the router's ROUTER_TIMEOUT_SECONDS (its cells' ALB
+    idle timeout plus a margin) must stay within what RouterSettings accepts (1-4000), or every task exits 2."""
+    from unit_proxy.router_config import RouterSettings
+
+    raw, _ = read_fleet_file(FLEET)
+    raw = copy.deepcopy(raw)
+    raw.setdefault("serving", {})["alb_idle_timeout_seconds"] = idle
+    result = synth(parse_fleet(raw))
+    env = _environment(result)
+    env["ROUTER_CELLS"] = "dev=http://vpce-0.example:80,prod=https://prod.llm.example.com:443"
+    settings = RouterSettings.from_env(env)
+    assert idle <= settings.timeout_seconds <= idle + 5
+    _, alb = _one(result, ROUTER, "AWS::ElasticLoadBalancingV2::LoadBalancer")
+    attributes = {a["Key"]: a["Value"] for a in alb["LoadBalancerAttributes"]}
+    assert int(attributes["idle_timeout.timeout_seconds"]) == min(idle, 900)
