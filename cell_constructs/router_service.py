@@ -13,7 +13,8 @@ ECS Fargate, at least two tasks spread over the router's AZs, registered with it
   closes, streams go on) and Fargate sends SIGKILL after `stopTimeout`, at most 120 s on Fargate
   (https://docs.aws.amazon.com/AmazonECS/latest/developerguide/task_definition_parameters.html,
   "stopTimeout"). A stream longer than both is cut.
-- Least privilege: the task role may read the router's evacuation parameter and nothing else; the
+- Least privilege: the task role may read the router's evacuation parameter and write its own task
+  reports beside it, nothing else; the
   execution role pulls the image and writes the log group; the image's non-root user (10001); no
   public IP; inbound only from the load balancer.
 """
@@ -62,7 +63,7 @@ class RouterService(Construct):
         image: ecs.ContainerImage,
         environment: dict[str, str],
         tasks: int,
-        evacuation_parameter_arn: str,
+        ssm_prefix_arn: str,
         encryption_key: kms.IKey,
         log_retention: logs.RetentionDays,
         size: RouterTaskSize = RouterTaskSize(),
@@ -74,7 +75,7 @@ class RouterService(Construct):
             raise ValueError("environment: ROUTER_CELLS is required (the cells' URLs)")
         self.log_group = logs.LogGroup(self, "Logs", encryption_key=encryption_key, retention=log_retention,
                                        removal_policy=RemovalPolicy.RETAIN)
-        self.task_role = self._task_role(evacuation_parameter_arn)
+        self.task_role = self._task_role(ssm_prefix_arn)
         self.task_definition = ecs.FargateTaskDefinition(
             self, "Task", cpu=size.cpu, memory_limit_mib=size.memory_mib, task_role=self.task_role,
             runtime_platform=ecs.RuntimePlatform(
@@ -111,12 +112,27 @@ class RouterService(Construct):
             propagate_tags=ecs.PropagatedTagSource.SERVICE,
         )
 
-    def _task_role(self, evacuation_parameter_arn: str) -> iam.Role:
-        """Read the router's evacuation parameter (`python -m inference_fleet evacuate` writes it); nothing else."""
+    def _task_role(self, ssm_prefix_arn: str) -> iam.Role:
+        """The router's SSM parameters (`python -m inference_fleet evacuate`, the agent's SSM polling); nothing else.
+
+        Under `<prefix>` = `/inference-fleet/<Fleet>/router/<region>`: read `<prefix>/evacuated`, which
+        the evacuate command writes; write and delete this router's task reports under `<prefix>/tasks/`,
+        which the evacuate command's `--wait` reads. The agent's SSM side (unit_proxy/router_ssm.py,
+        ROUTER_SSM_PREFIX) is built in another branch of this session (routerops); these are the calls
+        it makes: GetParameter, PutParameter, DeleteParameter."""
         role = iam.Role(self, "TaskRole", assumed_by=iam.ServicePrincipal("ecs-tasks.amazonaws.com"),
-                        description="Cell router tasks: read the router's evacuation parameter")
+                        description="Cell router tasks: read the evacuation parameter, write their own reports")
+        reports = f"{ssm_prefix_arn}/tasks/*"
         iam.ManagedPolicy(
-            self, "TaskPolicy", roles=[role], description="Read the router's evacuation parameter",
-            statements=[iam.PolicyStatement(actions=["ssm:GetParameter"], resources=[evacuation_parameter_arn])],
+            self, "TaskPolicy", roles=[role],
+            description="Read the router's evacuation parameter; write and delete its task reports",
+            statements=[
+                iam.PolicyStatement(actions=["ssm:GetParameter"], resources=[f"{ssm_prefix_arn}/evacuated"]),
+                iam.PolicyStatement(actions=["ssm:PutParameter", "ssm:DeleteParameter"], resources=[reports]),
+            ],
         )
+        acknowledge(self.node.find_child("TaskPolicy"), (
+            f"AwsSolutions-IAM5[Resource::{reports}]",
+            "Each router task writes and deletes its own report parameter, named after its task id, which is "
+            "known only at run time; limited to this router's reports path"))
         return role

@@ -82,6 +82,8 @@ class RouterStack(Stack):
         self.network = RouterNetwork(self, "Network", cidr=router.vpc_cidr, availability_zones=self.availability_zones,
                                      encryption_key=self.key, log_retention=retention)
         urls = {cell.name: self._cell_url(cell) for cell in cells}
+        # Where `inference_fleet evacuate` writes this router's evacuation (and its tasks report back).
+        self.ssm_prefix = evacuation_parameter_name(fleet, router).removesuffix("/evacuated")
         self.load_balancer = UnitLoadBalancer(
             self, "LoadBalancer",
             vpc=self.network.vpc, subnets=self.network.subnets, internet_facing=False,
@@ -97,8 +99,7 @@ class RouterStack(Stack):
             self, "Router",
             vpc=self.network.vpc, subnets=self.network.subnets, image=self._image(),
             environment=self._environment(urls), tasks=router.tasks,
-            evacuation_parameter_arn=self.format_arn(service="ssm", resource="parameter",
-                                                     resource_name=evacuation_parameter_name(fleet, router)[1:]),
+            ssm_prefix_arn=self.format_arn(service="ssm", resource="parameter", resource_name=self.ssm_prefix[1:]),
             encryption_key=self.key, log_retention=retention,
         )
         self._connect()
@@ -138,6 +139,10 @@ class RouterStack(Stack):
                                               ROUTER_TIMEOUT_MAX_SECONDS)),
             "ROUTER_METRICS_NAMESPACE": router_metrics_namespace(self.fleet),
             "ROUTER_NAME": router.region,
+            # The agent's SSM evacuation (unit_proxy/router_ssm.py, another branch of this session): its
+            # parameters' path and region.
+            "ROUTER_SSM_PREFIX": self.ssm_prefix,
+            "AWS_REGION": router.region,
         }
 
     def _connect(self) -> None:

@@ -101,13 +101,20 @@ def test_security_groups_admit_only_the_path(synth_router) -> None:
         ("0.0.0.0/0", 443, 443)]
 
 
-def test_iam_task_role_reads_only_the_evacuation_parameter(synth_router) -> None:
+def test_iam_task_role_reads_the_evacuation_parameter_and_writes_only_its_reports(synth_router) -> None:
     policies = _resources(synth_router, ROUTER, "AWS::IAM::ManagedPolicy")
     statements = {k: p["PolicyDocument"]["Statement"] for k, p in policies.items()}
     task = next(s for k, s in statements.items() if k.startswith("RouterTaskPolicy"))
-    assert task == [{"Action": "ssm:GetParameter", "Effect": "Allow",
-                     "Resource": "arn:aws:ssm:us-east-2:111111111111:parameter/inference-fleet/Rufus/router/us-east-2/"
-                                 "evacuated"}]
+    prefix = "arn:aws:ssm:us-east-2:111111111111:parameter/inference-fleet/Rufus/router/us-east-2"
+    assert task == [
+        {"Action": "ssm:GetParameter", "Effect": "Allow", "Resource": f"{prefix}/evacuated"},
+        {"Action": ["ssm:DeleteParameter", "ssm:PutParameter"], "Effect": "Allow", "Resource": f"{prefix}/tasks/*"},
+    ]
+    env = _environment(synth_router)
+    assert (env["ROUTER_SSM_PREFIX"], env["AWS_REGION"]) == ("/inference-fleet/Rufus/router/us-east-2", "us-east-2")
+    # The name `python -m inference_fleet evacuate` writes is the one the task may read.
+    from inference_fleet.evacuate import parameter_name
+    assert f"{prefix}/evacuated".endswith(parameter_name(synth_router.fleet, synth_router.fleet.routers[0]))
     # No statement anywhere in the stack allows every action, or an action of a whole service.
     for kind in ("AWS::IAM::ManagedPolicy", "AWS::IAM::Policy"):
         for policy in _resources(synth_router, ROUTER, kind).values():
