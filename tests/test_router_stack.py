@@ -255,3 +255,13 @@ def test_the_routers_timeouts_are_ones_its_settings_accept_at_either_end(idle: i
     _, alb = _one(result, ROUTER, "AWS::ElasticLoadBalancingV2::LoadBalancer")
     attributes = {a["Key"]: a["Value"] for a in alb["LoadBalancerAttributes"]}
     assert int(attributes["idle_timeout.timeout_seconds"]) == min(idle, 900)
+
+
+def test_the_router_endpoint_adds_the_resources_the_unit_limit_counts(synth_router) -> None:
+    """cell_checks.ROUTER_ENDPOINT_RESOURCES is what a fronted cell's template really gains (dev and solo differ
+    only in it), so the units limit validate applies to a fronted cell stays true."""
+    from inference_fleet import cell_checks
+
+    count = {name: len(synth_router.template_json(f"Rufus-Cell-{name}")["Resources"]) for name in ("dev", "solo")}
+    assert count["dev"] - count["solo"] == cell_checks.ROUTER_ENDPOINT_RESOURCES
+    assert count["dev"] <= cell_checks.base_resources(fronted=True) + 2 * cell_checks.RESOURCES_PER_UNIT
