@@ -50,7 +50,7 @@ from cell_constructs.compile_stage import REQUEST_DIR, REQUEST_FILE, CompileRun
 from cell_constructs.encryption import allow_cloudwatch_logs
 from cell_constructs.nag import acknowledge
 from inference_fleet import compile_job
-from inference_fleet.config import DEFAULT_CONFIG, CellConfig, FleetConfig, PipelineConfig, WaveConfig
+from inference_fleet.config import DEFAULT_CONFIG, CellConfig, FleetConfig, PipelineConfig, RouterConfig, WaveConfig
 from inference_fleet.rollout import MAX_CELLS_PER_WAVE
 from inference_fleet.unit_spec import layout_key
 from stacks.verify_gate import VerifyGate
@@ -401,8 +401,16 @@ class PipelineStack(Stack):
         names = {cell.name for cell in cells}
         gates += [Gate(f"router-{router.region}-gate", fleet.router_account(router), router.region,
                        fleet.router_stack_name(router))
-                  for router in fleet.routers if names & set(router.cells)]
+                  for router in fleet.routers if names & set(router.cells) and self._keeps_a_cell(router, names)]
         return gates
+
+    def _keeps_a_cell(self, router: RouterConfig, updating: set[str]) -> bool:
+        """Whether the router keeps a serving cell while these cells update: one outside them, or one of them that
+        never drops to zero units (units update one at a time: a cell of 2 or more keeps one serving). Without
+        one, the router has no healthy cell during the update by plan (as a one-unit cell's outage, which its
+        own alarms do not count either: cell_alarms.py), so its gate would roll back every such wave; that
+        wave does not watch it (docs/router.md, "Alarms, rollout gate, dashboard")."""
+        return any(name not in updating or self.fleet.cell(name).resolved_min_units >= 2 for name in router.cells)
 
     def _cross_account(self, gate: Gate) -> bool:
         return gate.account != self.config.account

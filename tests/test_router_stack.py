@@ -265,3 +265,17 @@ def test_the_router_endpoint_adds_the_resources_the_unit_limit_counts(synth_rout
     count = {name: len(synth_router.template_json(f"Rufus-Cell-{name}")["Resources"]) for name in ("dev", "solo")}
     assert count["dev"] - count["solo"] == cell_checks.ROUTER_ENDPOINT_RESOURCES
     assert count["dev"] <= cell_checks.base_resources(fronted=True) + 2 * cell_checks.RESOURCES_PER_UNIT
+
+
+def test_a_wave_that_takes_every_cell_of_a_router_down_by_plan_does_not_watch_its_gate(synth) -> None:
+    """A router whose only cell has one unit: that cell's update is a planned outage (no healthy cell), and
+    watching the router's gate then would roll every such wave back. With a second unit it is watched."""
+    raw, _ = read_fleet_file(FLEET)
+    raw = copy.deepcopy(raw)
+    raw["routers"][0].update(cells=["dev"], weights=None, tls_names=None)
+    raw["cells"][0]["units"] = 1
+    result = synth(parse_fleet(raw), pinned=True)
+    _, pipeline = _one(result, "Rufus-Pipeline", "AWS::CodePipeline::Pipeline")
+    canary = next(s for s in pipeline["Stages"] if s["Name"] == "Wave-canary")
+    assert [r["Configuration"]["AlarmName"] for r in canary["OnSuccess"]["Conditions"][0]["Rules"]] == [
+        "Rufus-Cell-dev-rollout-gate"]
