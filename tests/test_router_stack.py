@@ -279,3 +279,10 @@ def test_a_wave_that_takes_every_cell_of_a_router_down_by_plan_does_not_watch_it
     canary = next(s for s in pipeline["Stages"] if s["Name"] == "Wave-canary")
     assert [r["Configuration"]["AlarmName"] for r in canary["OnSuccess"]["Conditions"][0]["Rules"]] == [
         "Rufus-Cell-dev-rollout-gate"]
+
+
+def test_validate_lists_the_router_stack(capsys: pytest.CaptureFixture[str]) -> None:
+    from inference_fleet.cli import main
+
+    assert main(["validate", "--config", str(FLEET)]) == 0
+    assert f"{ROUTER}: router of dev, prod, 2 Fargate tasks in us-east-2a, us-east-2b" in capsys.readouterr().out
