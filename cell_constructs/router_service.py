@@ -1,15 +1,19 @@
 """The cell router's tasks: `python -m unit_proxy.router` (HAProxy 2.6 and its agent, the proxy image) on
 ECS Fargate, at least two tasks spread over the router's AZs, registered with its load balancer.
 
-- Spread: "Fargate will try its best to spread tasks across accessible Availability Zones" with the
-  service's subnets in two or more AZs
-  (https://docs.aws.amazon.com/AmazonECS/latest/developerguide/task-placement.html), and Availability
+- Spread: a service's tasks are spread over Availability Zones by default ("For tasks running as part
+  of an Amazon ECS service, the task placement strategy is spread using the
+  attribute:ecs.availability-zone",
+  https://docs.aws.amazon.com/AmazonECS/latest/developerguide/task-placement-strategies.html, a page
+  about the EC2 launch type: for Fargate unverified), over the service's subnets, one per AZ; Availability
   Zone rebalancing moves tasks back when one AZ held more
   (https://docs.aws.amazon.com/AmazonECS/latest/developerguide/service-rebalancing.html).
 - Updates start the new tasks before stopping the old (min healthy 100 %, max 200 %), with the
   deployment circuit breaker's rollback.
 - A stopping task: the load balancer first drains it for `deregistration_delay` (streams in flight
-  go on, no new request), then ECS sends SIGTERM; the agent lets HAProxy soft-stop (its listener
+  go on, no new request; ECS waits for the target to be UNUSED,
+  https://docs.aws.amazon.com/AmazonECS/latest/developerguide/load-balancer-connection-draining.html),
+  then ECS sends SIGTERM; the agent lets HAProxy soft-stop (its listener
   closes, streams go on) and Fargate sends SIGKILL after `stopTimeout`, at most 120 s on Fargate
   (https://docs.aws.amazon.com/AmazonECS/latest/developerguide/task_definition_parameters.html,
   "stopTimeout"). A stream longer than both is cut.
