@@ -85,7 +85,11 @@ class RouterEndpoint(Construct):
             self, "Nlb", vpc=vpc, vpc_subnets=subnets, internet_facing=False, cross_zone_enabled=True,
             security_groups=[self.security_group], deletion_protection=deletion_protection,
             # PrivateLink traffic is admitted by the endpoint service's allowed principals, not by inbound
-            # rules (the group has none): "off" lets it in. The routers' own groups restrict who sends it.
+            # rules (the group has none): "off" lets it in (the default "on" evaluates them, with the client's
+            # private IP as the source: SetSecurityGroups' EnforceSecurityGroupInboundRulesOnPrivateLinkTraffic,
+            # https://docs.aws.amazon.com/elasticloadbalancing/latest/APIReference/API_SetSecurityGroups.html,
+            # and load-balancer-security-groups.html). The routers' own groups restrict who sends it; the
+            # NLB's health checks are "subject to outbound rules, but not inbound rules" (the same page).
             enforce_security_group_inbound_rules_on_private_link_traffic=False,
         )
         self.listener = self.load_balancer.add_listener("Tcp", port=listener_port, protocol=elbv2.Protocol.TCP)
