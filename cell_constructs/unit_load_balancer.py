@@ -42,9 +42,15 @@ class UnitLoadBalancer(Construct):
         deletion_protection: bool,
         encryption_key: kms.IKey,
         log_retention: logs.RetentionDays,
+        target_type: elbv2.TargetType = elbv2.TargetType.INSTANCE,
+        health_check_path: str = HEALTH_CHECK_PATH,
+        owner: str = "cell",
     ) -> None:
+        """`target_type`, `health_check_path` and `owner` (named in acknowledgements) default to the cell's
+        ALB; the cell router's stack passes its own (IP targets: Fargate tasks, `/router/health`)."""
         super().__init__(scope, construct_id)
         self._encryption_key, self._log_retention = encryption_key, log_retention
+        self._target_type, self._health_check_path, self._owner = target_type, health_check_path, owner
         self.web_acl: wafv2.CfnWebACL | None = None
         self.waf_logs: logs.LogGroup | None = None
         self.access_logs = self._access_logs_bucket()
@@ -90,7 +96,8 @@ class UnitLoadBalancer(Construct):
             "SecurityGroup",
             vpc=vpc,
             allow_all_outbound=False,
-            description="Unit load balancer: clients in, proxies out",
+            description="Unit load balancer: clients in, proxies out" if self._owner == "cell"
+            else f"{self._owner.capitalize()} load balancer: clients in, {self._owner} tasks out",
         )
         for cidr in client_cidrs:
             group.add_ingress_rule(ec2.Peer.ipv4(cidr), ec2.Port.tcp(listener_port), "clients")
@@ -123,7 +130,7 @@ class UnitLoadBalancer(Construct):
                 alb,
                 (
                     "NIST.800.53.R5-ELBDeletionProtectionEnabled",
-                    "deletion_protection is switched off for this cell in the fleet file",
+                    f"deletion_protection is switched off for this {self._owner} in the fleet file",
                 ),
             )
         return alb
@@ -138,11 +145,11 @@ class UnitLoadBalancer(Construct):
             vpc=vpc,
             port=target_port,
             protocol=elbv2.ApplicationProtocol.HTTP,
-            target_type=elbv2.TargetType.INSTANCE,
+            target_type=self._target_type,
             load_balancing_algorithm_type=elbv2.TargetGroupLoadBalancingAlgorithmType.LEAST_OUTSTANDING_REQUESTS,
             deregistration_delay=deregistration_delay,
             health_check=elbv2.HealthCheck(
-                path=HEALTH_CHECK_PATH,
+                path=self._health_check_path,
                 port=str(target_port),
                 interval=Duration.seconds(10),
                 timeout=Duration.seconds(5),
@@ -177,7 +184,7 @@ class UnitLoadBalancer(Construct):
                 open=False,
             )
             no_tls = (
-                "No certificate_arn is configured for this cell: plain HTTP, reachable only from the "
+                f"No certificate_arn is configured for this {self._owner}: plain HTTP, reachable only from the "
                 "configured client CIDRs; set certificate_arn to serve HTTPS"
             )
             acknowledge(self.load_balancer, ("NIST.800.53.R5-ALBHttpToHttpsRedirection", no_tls))
@@ -196,8 +203,8 @@ class UnitLoadBalancer(Construct):
                 # An internal ALB open to 0.0.0.0/0 is still reachable only over routes into the VPC.
                 acknowledge(self.security_group, (
                     "AwsSolutions-EC23",
-                    "cells[].client_cidrs includes 0.0.0.0/0 in the fleet file: an internal ALB, reachable from "
-                    "whatever routes into the VPC (peering, VPN, Transit Gateway)",
+                    f"{self._owner}s[].client_cidrs includes 0.0.0.0/0 in the fleet file: an internal ALB, reachable "
+                    "from whatever routes into the VPC (peering, VPN, Transit Gateway)",
                 ))
             acknowledge(
                 self.load_balancer,

@@ -31,6 +31,9 @@ SPARE_NODES = 1
 CFN_RESOURCE_LIMIT = 500
 CELL_BASE_RESOURCES = 110
 RESOURCES_PER_UNIT = 10
+# A cell a router fronts also holds its router endpoint (cell_constructs/router_endpoint.py: NLB, listener,
+# target group, security group and its two rules, endpoint service and its permissions, SSM parameter).
+ROUTER_ENDPOINT_RESOURCES = 9
 # Boot, ECS registration and the placement controller's sweep before a replaced node's
 # unit starts loading; CloudFormation waits at most 1 h for a rolling-update signal
 # (PauseTime, https://docs.aws.amazon.com/AWSCloudFormation/latest/UserGuide/aws-attribute-updatepolicy.html).
@@ -52,9 +55,14 @@ def ips_needed(fleet: FleetConfig, cell: CellConfig) -> int:
     return nodes * fleet.unit.instance.efa_interfaces + TRAINIUM_SUBNET_ENDPOINTS
 
 
-def max_units_per_cell() -> int:
-    """Units one cell stack can hold under CloudFormation's resource limit."""
-    return (CFN_RESOURCE_LIMIT - CELL_BASE_RESOURCES) // RESOURCES_PER_UNIT
+def base_resources(fronted: bool = False) -> int:
+    """A cell template's fixed part; `fronted`: a router fronts the cell."""
+    return CELL_BASE_RESOURCES + (ROUTER_ENDPOINT_RESOURCES if fronted else 0)
+
+
+def max_units_per_cell(fronted: bool = False) -> int:
+    """Units one cell stack can hold under CloudFormation's resource limit (fewer when a router fronts it)."""
+    return (CFN_RESOURCE_LIMIT - base_resources(fronted)) // RESOURCES_PER_UNIT
 
 
 def check_cells_deployable(fleet: FleetConfig) -> Iterable[ConfigIssue]:
@@ -76,14 +84,16 @@ def check_cells_deployable(fleet: FleetConfig) -> Iterable[ConfigIssue]:
                 f"(one IP each) + {TRAINIUM_SUBNET_ENDPOINTS} endpoints = {needed} IPs; it fits {fits} units: "
                 "use a larger VPC CIDR or fewer units",
             )
-        limit = max_units_per_cell()
+        fronted = bool(fleet.routers_of(cell))
+        limit = max_units_per_cell(fronted)
         if cell.resolved_max_units > limit:
             yield ConfigIssue(
                 f"cells[{i}].{'max_units' if cell.max_units is not None else 'units'}",
                 cell.resolved_max_units,
                 f"a cell stack holds at most {limit} units: CloudFormation allows {CFN_RESOURCE_LIMIT} resources "
-                f"per stack, a cell uses about {CELL_BASE_RESOURCES} plus {RESOURCES_PER_UNIT} per unit; "
-                "split the units over more cells",
+                f"per stack, a cell uses about {base_resources(fronted)}"
+                + (" (with its router endpoint)" if fronted else "")
+                + f" plus {RESOURCES_PER_UNIT} per unit; split the units over more cells",
             )
         if not cell.certificate_arn and not cell.plain_http:
             yield ConfigIssue(

@@ -39,6 +39,9 @@ def _validate(args: argparse.Namespace) -> int:
                  else str(cell.resolved_max_units))
         print(f"{fleet.cell_stack_name(cell)}: {count} unit(s) of {fleet.unit.nodes} x "
               f"{fleet.unit.instance_type} in {cell.trainium_az}, wave {cell.wave}")
+    for router in fleet.routers:
+        print(f"{fleet.router_stack_name(router)}: router of {', '.join(router.cells)}, {router.tasks} Fargate "
+              f"tasks in {', '.join(fleet.router_azs(router))}")
     return 0
 
 

@@ -655,6 +655,29 @@ class PipelineConfig(_Strict):
 
 CellName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9-]{0,23}$")]
 ROUTER_MAX_WEIGHT = 256
+# A DNS name a cell's certificate covers (RFC 1123 labels; no wildcard: the router sends it as SNI).
+DnsName = Annotated[
+    str, StringConstraints(max_length=253, pattern=r"^([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)+[a-z]{2,63}$")
+]
+
+
+class RouterAlarmsConfig(_Strict):
+    """Thresholds of a router's alarms (its rollout gate, docs/router.md "Alarms")."""
+
+    evaluation_minutes: int = Field(
+        default=5, ge=1, le=60,
+        description="Minutes a signal must breach (1-minute periods) before its alarm fires; ejections are counted "
+                    "over one window of this length.",
+    )
+    ejections: int = Field(
+        default=3, ge=1, le=1000,
+        description="Cells taken out (UP to DOWN: checks, passive ejection) within evaluation_minutes that fire the "
+                    "ejections alarm.",
+    )
+    retries_percent: float = Field(
+        default=5.0, gt=0, le=100,
+        description="Share of requests retried on another cell (per minute) above which the retries alarm fires.",
+    )
 
 
 class RouterConfig(_Strict):
@@ -678,7 +701,8 @@ class RouterConfig(_Strict):
     cross_region: bool = Field(
         default=False,
         description="Allow cells of other regions: each of their requests then crosses regions (added latency "
-        "and inter-region data transfer); off, such a cell is refused.",
+        "and inter-region data transfer); off, such a cell is refused. The router stack builds no path to another "
+        "region yet, so for now such a cell is refused either way (docs/router.md).",
     )
     certificate_arn: (
         Annotated[
@@ -692,6 +716,39 @@ class RouterConfig(_Strict):
     plain_http: bool = Field(
         default=False, description="Serve plain HTTP on port 80 without a certificate (as for cells)."
     )
+    tls_names: dict[CellName, DnsName] | None = Field(
+        default=None,
+        description="For each fronted cell with a certificate_arn: the DNS name its certificate covers. The router "
+        "connects to the cell through a PrivateLink endpoint under that name (a private hosted zone in the router's "
+        "VPC) and verifies the cell's certificate against it.",
+    )
+    vpc_cidr: ipaddress.IPv4Network = Field(
+        default=ipaddress.IPv4Network("10.255.0.0/22"),
+        description="CIDR of the router's own VPC, /16 to /24. It may overlap the cells' (PrivateLink does not "
+        "route between the VPCs); keep it apart from the clients' networks.",
+    )
+    azs: tuple[Annotated[str, StringConstraints(pattern=AZ_PATTERN)], ...] | None = Field(
+        default=None, min_length=2, max_length=4,
+        description="AZs of the router's tasks, load balancer and endpoints (2-4), each a load balancer AZ "
+        "(cells[].alb_azs) of every cell it fronts; default those the cells have in common.",
+    )
+    tasks: int = Field(
+        default=2, ge=2, le=32, description="Router tasks (ECS Fargate), spread over the AZs; at least 2."
+    )
+    client_cidrs: tuple[ipaddress.IPv4Network, ...] | None = Field(
+        default=None, description="Who may reach the router's load balancer (internal); default the router's VPC CIDR."
+    )
+    deletion_protection: bool = Field(default=True, description="Deletion protection of the router's ALB.")
+    alarms: RouterAlarmsConfig = Field(
+        default=RouterAlarmsConfig(), description="Alarm thresholds (see **routers[].alarms**)."
+    )
+
+    @field_validator("vpc_cidr")
+    @classmethod
+    def _vpc_size(cls, value: ipaddress.IPv4Network) -> ipaddress.IPv4Network:
+        if not 16 <= value.prefixlen <= 24:
+            raise ValueError(f"prefix /{value.prefixlen} not allowed; use /16 to /24 (room for a subnet per AZ)")
+        return value
 
     def weight(self, cell: str) -> int:
         return (self.weights or {}).get(cell, 100)
@@ -756,6 +813,27 @@ class FleetConfig(_Strict):
     @property
     def pipeline_stack_name(self) -> str:
         return f"{self.name}-Pipeline"
+
+    def router_stack_name(self, router: RouterConfig) -> str:
+        return f"{self.name}-Router-{router.region}"
+
+    def routers_of(self, cell: CellConfig) -> list[RouterConfig]:
+        """The routers that front a cell (each needs the cell's router endpoint, cell_constructs/router_endpoint.py)."""
+        return [router for router in self.routers if cell.name in router.cells]
+
+    def router_account(self, router: RouterConfig) -> str:
+        """The router's account: its cells' (router_checks refuses cells of two accounts)."""
+        return self.cell(router.cells[0]).account
+
+    def router_azs(self, router: RouterConfig) -> tuple[str, ...]:
+        """The router's AZs: as set, or the load balancer AZs every fronted cell has, in the first cell's order."""
+        if router.azs:
+            return router.azs
+        cells = [c for c in self.cells if c.name in router.cells and c.region == router.region]
+        if not cells:
+            return ()
+        common = set.intersection(*(set(c.resolved_alb_azs) for c in cells))
+        return tuple(az for az in cells[0].resolved_alb_azs if az in common)
 
 
 # ---------------------------------------------------------------------------

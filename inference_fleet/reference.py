@@ -32,6 +32,7 @@ _SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("cells[].scaling", config.ScalingConfig),
     ("pipeline", config.PipelineConfig),
     ("routers[]", config.RouterConfig),
+    ("routers[].alarms", config.RouterAlarmsConfig),
 ]
 
 

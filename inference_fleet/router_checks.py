@@ -4,13 +4,19 @@ Each router fronts existing cells, each once, of its own region unless `cross_re
 set; its weights name only those cells and leave at least one above 0; its listener is
 HTTPS with a certificate of its region or plain HTTP on purpose (as for cells); one router
 per region.
+
+The router stack (stacks/router_stack.py) adds what its path to the cells needs: it reads each
+cell's PrivateLink endpoint service from an SSM parameter in its own account and region, so
+every cell it fronts is of one account and of the router's region; its AZs (default: those the
+cells' load balancers share) are load balancer AZs of every cell, at least two; an HTTPS cell
+has the DNS name its certificate covers in `tls_names`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from inference_fleet.config import ConfigIssue, FleetConfig, RouterConfig
+from inference_fleet.config import CellConfig, ConfigIssue, FleetConfig, RouterConfig
 
 
 def check_routers(fleet: FleetConfig) -> Iterable[ConfigIssue]:
@@ -23,6 +29,7 @@ def check_routers(fleet: FleetConfig) -> Iterable[ConfigIssue]:
         seen.setdefault(router.region, i)
         yield from _cell_issues(fleet, path, router)
         yield from _listener_issues(path, router)
+        yield from _stack_issues(fleet, path, router)
 
 
 def _cell_issues(fleet: FleetConfig, path: str, router: RouterConfig) -> Iterable[ConfigIssue]:
@@ -61,3 +68,74 @@ def _listener_issues(path: str, router: RouterConfig) -> Iterable[ConfigIssue]:
     if router.certificate_arn and f":acm:{router.region}:" not in router.certificate_arn:
         yield ConfigIssue(f"{path}.certificate_arn", router.certificate_arn,
                           f"certificate must be in {router.region}")
+
+
+def _stack_issues(fleet: FleetConfig, path: str, router: RouterConfig) -> Iterable[ConfigIssue]:
+    """What the router stack's path to the cells needs (PrivateLink in one account and region, shared AZs, TLS)."""
+    cells = {cell.name: cell for cell in fleet.cells}
+    fronted = [cells[name] for name in dict.fromkeys(router.cells) if name in cells]
+    if not fronted:
+        return
+    account = fronted[0].account
+    for j, name in enumerate(router.cells):
+        cell = cells.get(name)
+        if cell is None:
+            continue
+        if cell.account != account:
+            yield ConfigIssue(f"{path}.cells[{j}]", name,
+                              f"cell {name} is in account {cell.account}, {fronted[0].name} in {account}: the router "
+                              "stack reads each cell's endpoint service from SSM in its own account, so a router "
+                              "fronts cells of one account (a cross-account path is not built)")
+        elif cell.region != router.region and router.cross_region:
+            yield ConfigIssue(f"{path}.cells[{j}]", name,
+                              f"cell {name} is in {cell.region}: the router stack reaches cells through PrivateLink "
+                              f"endpoints in {router.region} and builds no path to another region (not built); front "
+                              f"it from a router in {cell.region}")
+    yield from _az_issues(fleet, path, router, [cell for cell in fronted if cell.region == router.region])
+    yield from _tls_name_issues(path, router, cells)
+
+
+def _az_issues(fleet: FleetConfig, path: str, router: RouterConfig, fronted: list[CellConfig]) -> Iterable[ConfigIssue]:
+    if not fronted:
+        return
+    azs = fleet.router_azs(router)
+    allowed = {cell.name: cell.resolved_alb_azs for cell in fronted}
+    if router.azs:
+        for k, az in enumerate(router.azs):
+            missing = sorted(name for name, zones in allowed.items() if az not in zones)
+            if missing:
+                zones = {n: list(allowed[n]) for n in missing}
+                yield ConfigIssue(f"{path}.azs[{k}]", az,
+                                  f"not a load balancer AZ of cell(s) {missing} ({zones}): the router's endpoints "
+                                  "reach a cell only in AZs of its endpoint service")
+        if len(set(router.azs)) != len(router.azs):
+            yield ConfigIssue(f"{path}.azs", list(router.azs), "each AZ once")
+    elif len(azs) < 2:
+        yield ConfigIssue(f"{path}.azs", None,
+                          f"the cells' load balancer AZs ({ {n: list(z) for n, z in allowed.items()} }) share "
+                          f"{list(azs) or 'none'}; the router needs 2: give the cells common alb_azs")
+
+
+def _tls_name_issues(path: str, router: RouterConfig, cells: dict[str, CellConfig]) -> Iterable[ConfigIssue]:
+    names = router.tls_names or {}
+    for name in router.cells:
+        cell = cells.get(name)
+        if cell is not None and cell.certificate_arn and name not in names:
+            yield ConfigIssue(f"{path}.tls_names.{name}", None,
+                              f"required: cell {name} serves HTTPS; give the DNS name its certificate covers (the "
+                              "router verifies the certificate against it)")
+    first: dict[str, str] = {}
+    for name in sorted(names):
+        cell = cells.get(name)
+        if names[name] in first:
+            yield ConfigIssue(f"{path}.tls_names.{name}", names[name],
+                              f"also the name of cell {first[names[name]]}: each HTTPS cell is reached under its own "
+                              "name (one private hosted zone each in the router's VPC)")
+        first.setdefault(names[name], name)
+        if name not in router.cells:
+            yield ConfigIssue(f"{path}.tls_names.{name}", names[name],
+                              f"not a cell of this router; tls_names name HTTPS cells of {path}.cells")
+        elif cell is not None and not cell.certificate_arn:
+            yield ConfigIssue(f"{path}.tls_names.{name}", names[name],
+                              f"cell {name} serves plain HTTP (no certificate_arn): the router reaches it without TLS; "
+                              "remove this name")

@@ -29,6 +29,7 @@ from cell_constructs.encryption import allow_cloudwatch_logs
 from cell_constructs.inference_unit import MultiNodeInferenceUnit, UnitImages, UnitPorts
 from cell_constructs.nag import acknowledge
 from cell_constructs.network import CellNetwork
+from cell_constructs.router_endpoint import RouterEndpoint
 from cell_constructs.spare_nodes import SpareNodes
 from cell_constructs.topology_placement import FailureHandling, TopologyPlacement
 from cell_constructs.trainium_capacity import CapacitySource, EfaSetup, NodeSetupReport, TrainiumCapacity
@@ -187,6 +188,8 @@ class CellStack(Stack):
             load_balancer_group=self.load_balancer.security_group,
             listener_port=self.load_balancer.listener_port,
         )
+        # Only in a cell a router fronts: its ALB as a PrivateLink endpoint service (docs/router.md).
+        self.router_endpoint = self._router_endpoint() if fleet.routers_of(cell) else None
         # The placement controller sends the Trainium group's rolling-update signals once a
         # replaced instance's unit serves again behind the load balancer.
         self.placement.signal_replacements(
@@ -238,6 +241,24 @@ class CellStack(Stack):
             self.capacity.security_group, ec2.Port.tcp(serving.proxy_port), "ALB to unit proxies"
         )
         return load_balancer
+
+    def _router_endpoint(self) -> RouterEndpoint:
+        """The door for the routers that front this cell: an NLB + endpoint service in front of the ALB listener."""
+        fleet, cell = self.fleet, self.cell
+        return RouterEndpoint(
+            self, "RouterEndpoint",
+            stack_name=self.stack_name,
+            vpc=self.network.vpc,
+            # Internal in the private load balancer subnets, whether the ALB is internal or internet-facing.
+            subnets=self.network.internal_alb_subnets,
+            listener=self.load_balancer.listener,
+            load_balancer_group=self.load_balancer.security_group,
+            listener_port=self.load_balancer.listener_port,
+            https=bool(cell.certificate_arn),
+            idle_timeout=Duration.seconds(fleet.serving.alb_idle_timeout_seconds),
+            router_accounts=[fleet.router_account(router) for router in fleet.routers_of(cell)],
+            deletion_protection=cell.deletion_protection,
+        )
 
     def _units(self) -> list[MultiNodeInferenceUnit]:
         """The cell's units, chained so that they update one after another."""

@@ -11,11 +11,12 @@ from inference_fleet.config import ConfigError, ConfigIssue, FleetConfig
 from stacks.cell_stack import CellStack
 from stacks.compile_stack import CompileStack
 from stacks.pipeline_stack import PipelineStack, repository_path
+from stacks.router_stack import RouterStack
 
 
 def build_fleet(app: App, fleet: FleetConfig) -> dict[str, Stack]:
-    """One CellStack per cell, the compile job's stack (`<Fleet>-Compile`) and, when the fleet has a
-    `pipeline:`, the rollout pipeline stack
+    """One CellStack per cell, one RouterStack per router (`<Fleet>-Router-<region>`), the compile job's
+    stack (`<Fleet>-Compile`) and, when the fleet has a `pipeline:`, the rollout pipeline stack
     (plus the replication-bucket support stacks CodePipeline needs for cells in other regions),
     with the policy checks on; returns the stacks by stack name.
 
@@ -39,6 +40,10 @@ def build_fleet(app: App, fleet: FleetConfig) -> dict[str, Stack]:
     for cell in fleet.cells:
         name = fleet.cell_stack_name(cell)
         stacks[name] = CellStack(app, name, fleet=fleet, cell=cell)
+    for router in fleet.routers:
+        # After the cells: each router reads its cells' endpoint services (deployed first, docs/deploying.md).
+        name = fleet.router_stack_name(router)
+        stacks[name] = RouterStack(app, name, fleet=fleet, router=router)
     compile_name = compile_job.stack_name(fleet)
     stacks[compile_name] = CompileStack(app, compile_name, fleet=fleet)
     if fleet.pipeline is not None:

@@ -22,6 +22,7 @@ read-only in each canary cell's VPC (stacks/verify_gate.py).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 from aws_cdk import (
     ArnFormat,
@@ -49,7 +50,7 @@ from cell_constructs.compile_stage import REQUEST_DIR, REQUEST_FILE, CompileRun
 from cell_constructs.encryption import allow_cloudwatch_logs
 from cell_constructs.nag import acknowledge
 from inference_fleet import compile_job
-from inference_fleet.config import DEFAULT_CONFIG, CellConfig, FleetConfig, PipelineConfig, WaveConfig
+from inference_fleet.config import DEFAULT_CONFIG, CellConfig, FleetConfig, PipelineConfig, RouterConfig, WaveConfig
 from inference_fleet.rollout import MAX_CELLS_PER_WAVE
 from inference_fleet.unit_spec import layout_key
 from stacks.verify_gate import VerifyGate
@@ -80,6 +81,15 @@ def repository_path(fleet_file: str) -> str:
 
 
 COMPILE_STAGE = "Compile"
+
+
+class Gate(NamedTuple):
+    """A rollout gate the pipeline reads: a cell's or a router's composite alarm (`<stack>-rollout-gate`)."""
+
+    name: str  # the rule's name after the wave's: `<cell>-gate` or `router-<region>-gate`
+    account: str
+    region: str
+    stack_name: str
 
 
 def wave_stage_name(wave: WaveConfig) -> str:
@@ -328,12 +338,11 @@ class PipelineStack(Stack):
             result=codepipeline.Result.ROLLBACK,
             rules=[
                 codepipeline.Rule(
-                    name=f"{wave.name}-{cell.name}-gate", provider="CloudWatchAlarm", version="1",
-                    region=cell.region,
-                    configuration={"AlarmName": rollout_gate_name(self.fleet.cell_stack_name(cell)),
-                                   **gate_configuration},
+                    name=f"{wave.name}-{gate.name}", provider="CloudWatchAlarm", version="1",
+                    region=gate.region,
+                    configuration={"AlarmName": rollout_gate_name(gate.stack_name), **gate_configuration},
                 )
-                for cell in cells
+                for gate in self._gates(wave)
             ],
         )])
         return codepipeline.StageProps(
@@ -383,45 +392,65 @@ class PipelineStack(Stack):
 
     # -- rollout gates -----------------------------------------------------------------
 
-    def _cross_account(self, cell: CellConfig) -> bool:
-        return cell.account != self.config.account
+    def _gates(self, wave: WaveConfig | None = None) -> list[Gate]:
+        """The rollout gates a wave bakes under (every wave's, without `wave`): its cells', then those of the
+        routers that front one of its cells (a cell update can take a router's last healthy cell out)."""
+        fleet = self.fleet
+        cells = fleet.cells_of_wave(wave.name) if wave is not None else list(fleet.cells)
+        gates = [Gate(f"{cell.name}-gate", cell.account, cell.region, fleet.cell_stack_name(cell)) for cell in cells]
+        names = {cell.name for cell in cells}
+        gates += [Gate(f"router-{router.region}-gate", fleet.router_account(router), router.region,
+                       fleet.router_stack_name(router))
+                  for router in fleet.routers if names & set(router.cells) and self._keeps_a_cell(router, names)]
+        return gates
+
+    def _keeps_a_cell(self, router: RouterConfig, updating: set[str]) -> bool:
+        """Whether the router keeps a serving cell while these cells update: one outside them, or one of them that
+        never drops to zero units (units update one at a time: a cell of 2 or more keeps one serving). Without
+        one, the router has no healthy cell during the update by plan (as a one-unit cell's outage, which its
+        own alarms do not count either: cell_alarms.py), so its gate would roll back every such wave; that
+        wave does not watch it (docs/router.md, "Alarms, rollout gate, dashboard")."""
+        return any(name not in updating or self.fleet.cell(name).resolved_min_units >= 2 for name in router.cells)
+
+    def _cross_account(self, gate: Gate) -> bool:
+        return gate.account != self.config.account
 
     def _grant_gate_reads(self) -> None:
         """The pipeline role reads same-account gates directly and assumes each other account's gate reader."""
         role = self.pipeline.role
-        local = [c for c in self.fleet.cells if not self._cross_account(c)]
-        remote = [c for c in self.fleet.cells if self._cross_account(c)]
+        gates = self._gates()
+        local = [g for g in gates if not self._cross_account(g)]
+        remote = [g for g in gates if self._cross_account(g)]
         if local:
             role.add_to_principal_policy(iam.PolicyStatement(
                 actions=["cloudwatch:DescribeAlarms"],
                 resources=[self.format_arn(
-                    service="cloudwatch", resource="alarm", region=c.region, account=c.account,
-                    resource_name=rollout_gate_name(self.fleet.cell_stack_name(c)),
+                    service="cloudwatch", resource="alarm", region=g.region, account=g.account,
+                    resource_name=rollout_gate_name(g.stack_name),
                     arn_format=ArnFormat.COLON_RESOURCE_NAME,
-                ) for c in local],
+                ) for g in local],
             ))
         if remote:
             role.add_to_principal_policy(iam.PolicyStatement(
                 actions=["sts:AssumeRole"],
-                resources=[f"arn:{self.partition}:iam::{c.account}:role/"
-                           f"{gate_reader_role_name(self.fleet.cell_stack_name(c))}" for c in remote],
+                resources=[f"arn:{self.partition}:iam::{g.account}:role/{gate_reader_role_name(g.stack_name)}"
+                           for g in remote],
             ))
 
     def _set_cross_account_gate_roles(self) -> None:
-        """A rule watching another account's alarm runs as that cell's gate reader role.
+        """A rule watching another account's alarm runs as that cell's (or router's) gate reader role.
 
         `codepipeline.Rule(role=...)` takes only a role of this stack, so the role ARN of a
-        cell in another account is set on the rendered rule.
+        gate in another account is set on the rendered rule.
         """
         cfn = self.pipeline.node.default_child
         first_wave_stage = 3  # after Source, Build and Compile
         for w, wave in enumerate(self.fleet.waves):
-            for r, cell in enumerate(self.fleet.cells_of_wave(wave.name)):
-                if self._cross_account(cell):
+            for r, gate in enumerate(self._gates(wave)):
+                if self._cross_account(gate):
                     cfn.add_property_override(
                         f"Stages.{first_wave_stage + w}.OnSuccess.Conditions.0.Rules.{r}.RoleArn",
-                        f"arn:{self.partition}:iam::{cell.account}:role/"
-                        f"{gate_reader_role_name(self.fleet.cell_stack_name(cell))}",
+                        f"arn:{self.partition}:iam::{gate.account}:role/{gate_reader_role_name(gate.stack_name)}",
                     )
 
     # -- cross-region support ---------------------------------------------------------

@@ -98,3 +98,14 @@ def elastic_fleet() -> FleetConfig:
 def synth_elastic(elastic_fleet: FleetConfig, tmp_path_factory: pytest.TempPathFactory) -> SynthesizedFleet:
     """The elastic test fleet (one cell of 2-12 units), images pinned."""
     return synth_fleet(pin_images(elastic_fleet), tmp_path_factory.mktemp("synth-elastic"))
+
+
+@pytest.fixture(scope="session")
+def router_fleet() -> FleetConfig:
+    return load_fleet(FLEETS / "router.yaml")
+
+
+@pytest.fixture(scope="session")
+def synth_router(router_fleet: FleetConfig, tmp_path_factory: pytest.TempPathFactory) -> SynthesizedFleet:
+    """The router test fleet (cells dev and prod behind Rufus-Router-us-east-2, cell solo not), images pinned."""
+    return synth_fleet(router_fleet, tmp_path_factory.mktemp("cdk-router"))

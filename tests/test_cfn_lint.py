@@ -18,7 +18,7 @@ import pytest
 IGNORED = ["W3010", "W3005"]
 
 
-@pytest.mark.parametrize("fixture", ["synth_default", "synth_large", "synth_elastic"])
+@pytest.mark.parametrize("fixture", ["synth_default", "synth_large", "synth_elastic", "synth_router"])
 def test_templates_pass_cfn_lint(fixture: str, request: pytest.FixtureRequest) -> None:
     synthesized = request.getfixturevalue(fixture)
     # One run over all templates (cfn-lint's start-up dominates), checked against the

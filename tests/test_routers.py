@@ -48,8 +48,11 @@ def test_cross_region_only_when_asked(raw: dict[str, Any]) -> None:
     assert [i.path for i in caught.value.issues] == ["routers[0].cells[1]"]
     assert "cross_region: true" in str(caught.value)
     raw["routers"][0]["cross_region"] = True
-    router = parse_fleet(raw).routers[0]
-    assert (router.weight("dev"), router.weight("west")) == (100, 10)
+    with pytest.raises(ConfigError) as caught:
+        parse_fleet(raw)
+    # Accepted by the region rule, then refused by the router stack's: it builds no path to another region.
+    assert [i.path for i in caught.value.issues] == ["routers[0].cells[1]"]
+    assert "builds no path to another region" in str(caught.value)
 
 
 def test_every_router_mistake_at_once(raw: dict[str, Any]) -> None:
@@ -76,3 +79,20 @@ def test_a_router_does_not_change_the_cells_autoscaler_digest(raw: dict[str, Any
     raw["routers"] = [{"region": "us-east-2", "cells": ["dev"], "plain_http": True}]
     after = parse_fleet(raw)
     assert autoscaler_config_digest(before, before.cells[0]) == autoscaler_config_digest(after, after.cells[0])
+
+
+def test_two_https_cells_under_one_tls_name_are_refused(raw: dict[str, Any]) -> None:
+    """Two private hosted zones of one name in the router's VPC conflict; the router could not tell the cells apart."""
+    cert = "arn:aws:acm:us-east-2:111111111111:certificate/0a1b2c3d-4e5f-6789-abcd-ef0123456789"
+    raw["waves"].append({"name": "main"})
+    raw["cells"][0].pop("plain_http")
+    raw["cells"][0]["certificate_arn"] = cert
+    raw["cells"].append(dict(raw["cells"][0], name="prod", vpc_cidr="10.11.0.0/16", wave="main"))
+    raw["routers"] = [{"region": "us-east-2", "cells": ["dev", "prod"], "plain_http": True,
+                       "tls_names": {"dev": "llm.example.com", "prod": "llm.example.com"}}]
+    with pytest.raises(ConfigError) as caught:
+        parse_fleet(raw)
+    assert [i.path for i in caught.value.issues] == ["routers[0].tls_names.prod"]
+    assert "also the name of cell dev" in str(caught.value)
+    raw["routers"][0]["tls_names"]["prod"] = "prod.llm.example.com"
+    assert parse_fleet(raw).routers[0].tls_names == {"dev": "llm.example.com", "prod": "prod.llm.example.com"}

@@ -37,3 +37,10 @@ def test_default_fleet_stacks(synth_default, snapshot_json) -> None:
 def test_large_fleet_stacks(synth_large, snapshot_json) -> None:
     for name in sorted(synth_large.templates):
         assert normalised(synth_large.template_json(name)) == snapshot_json(name=name)
+
+
+def test_router_fleet_stacks(synth_router, snapshot_json) -> None:
+    """The router stack of the router test fleet (the default and large fleets have no router). The cell side
+    (its router endpoint) is asserted in tests/test_router_stack.py rather than snapshotted a third time."""
+    for name in ("Rufus-Router-us-east-2",):
+        assert normalised(synth_router.template_json(name)) == snapshot_json(name=name)

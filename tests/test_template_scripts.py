@@ -70,11 +70,14 @@ EXECUTED_BY: dict[str, Execution] = {
 
 
 @pytest.fixture(scope="module")
-def scripts(synth_default, synth_elastic, synth_large) -> list[ShippedScript]:
+def scripts(synth_default, synth_elastic, synth_large, synth_router) -> list[ShippedScript]:
     found: list[ShippedScript] = []
     for label, synthesized in (("default", synth_default), ("elastic", synth_elastic), ("large", synth_large)):
         for stack in synthesized.templates:
             found.extend(shipped_scripts(f"{label}:{stack}", synthesized.template_json(stack)))
+    # The router fleet's router stack (its cells and pipeline are the other fleets' kinds, with other data).
+    for stack in (s for s in synth_router.templates if "-Router-" in s):
+        found.extend(shipped_scripts(f"router:{stack}", synth_router.template_json(stack)))
     return found
 
 

@@ -12,6 +12,8 @@ Beside HAProxy the agent does what is specific to a router:
   guide 9.3 "set server <backend>/<server> state [ ready | drain | maint ]"), a cell no longer
   named is set `ready` again;
 - passive ejection of a cell whose answers are retried elsewhere (`_eject_if_retried_away`);
+- with ROUTER_METRICS_NAMESPACE and ROUTER_NAME, one EMF line every ROUTER_EMF_INTERVAL_SECONDS
+  (`unit_proxy.router_metrics`: healthy cells, ejections, retries, requests) for the router's alarms;
 - it logs `{"event": "cell_empty", "cell": ...}` once an evacuated cell has no stream left
   (`scur` of its row in `show stat`), and serves `GET /status` on the admin listener
   (ROUTER_ADMIN_HOST:PORT): each cell's check status, weight, streams, evacuated and empty.
@@ -46,6 +48,7 @@ from unit_proxy.agent import (
     haproxy_exits_first,
 )
 from unit_proxy.router_config import BACKEND, HARD_STOP_SECONDS, RouterPaths, RouterSettings, render
+from unit_proxy.router_metrics import emf_loop
 from unit_proxy.runtime_api import RuntimeApi, RuntimeApiError
 from unit_proxy.settings import SettingsError
 
@@ -201,6 +204,7 @@ class RunningRouter:
     runner: web.AppRunner
     task: asyncio.Task[None]
     owns_dir: bool
+    metrics_task: asyncio.Task[None] | None = None  # EMF lines (unit_proxy.router_metrics), when configured
 
     async def close(self, soft: bool = False, timeout: float = 5.0) -> int | None:
         proc = self.process
@@ -214,8 +218,10 @@ class RunningRouter:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 await proc.wait()
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
+        tasks = [t for t in (self.task, self.metrics_task) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self.runner.cleanup()
         if self.owns_dir:
             shutil.rmtree(self.paths.runtime_dir, ignore_errors=True)
@@ -246,10 +252,13 @@ async def start(settings: RouterSettings) -> RunningRouter:
     port = listener.getsockname()[1]
     listener.close()  # HAProxy holds it now
     task = asyncio.create_task(poll_loop(state), name="router-poll")
+    metrics_task = asyncio.create_task(
+        emf_loop(api, settings.metrics_namespace, settings.router_name, settings.emf_interval_seconds),
+        name="router-emf") if settings.metrics_namespace else None
     admin_port = runner.addresses[0][1]
     log.info("router listening on %s:%d (HAProxy pid %d, admin %s:%d) -> %s", settings.host, port, process.pid,
              settings.admin_host, admin_port, ", ".join(f"{c.name}={c.url} w{c.weight}" for c in settings.cells))
-    return RunningRouter(state, paths, port, admin_port, process, runner, task, owns)
+    return RunningRouter(state, paths, port, admin_port, process, runner, task, owns, metrics_task)
 
 
 async def serve(settings: RouterSettings) -> int:

@@ -134,6 +134,10 @@ class RouterSettings:
     poll_seconds: float = 1.0
     runtime_dir: str = ""
     ca_file: str = SYSTEM_CA_FILE
+    # EMF (unit_proxy.router_metrics): off unless ROUTER_METRICS_NAMESPACE is set.
+    metrics_namespace: str = ""
+    router_name: str = ""
+    emf_interval_seconds: float = 10.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RouterSettings:
@@ -157,7 +161,19 @@ class RouterSettings:
             poll_seconds=_float(env, "ROUTER_POLL_SECONDS", cls.poll_seconds, 0.05, 60),
             runtime_dir=env.get("RUNTIME_DIR", "").strip(),
             ca_file=env.get("ROUTER_CA_FILE", cls.ca_file).strip() or cls.ca_file,
+            **_metrics(env),
         )
+
+
+def _metrics(env: Mapping[str, str]) -> dict[str, object]:
+    """ROUTER_METRICS_NAMESPACE and ROUTER_NAME (the EMF dimension `Router`): both or neither."""
+    namespace, name = env.get("ROUTER_METRICS_NAMESPACE", "").strip(), env.get("ROUTER_NAME", "").strip()
+    if bool(namespace) != bool(name):
+        unset = "ROUTER_NAME" if namespace else "ROUTER_METRICS_NAMESPACE"
+        raise SettingsError(unset, "", "set ROUTER_METRICS_NAMESPACE and ROUTER_NAME together (EMF needs both) or "
+                                       "neither")
+    interval = _float(env, "ROUTER_EMF_INTERVAL_SECONDS", RouterSettings.emf_interval_seconds, 0.05, 300)
+    return {"metrics_namespace": namespace, "router_name": name, "emf_interval_seconds": interval}
 
 
 @dataclass(frozen=True, slots=True)

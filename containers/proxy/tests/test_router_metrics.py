@@ -1,0 +1,140 @@
+"""The router's EMF lines (`unit_proxy.router_metrics`): what its alarms read (stacks/router_stack.py).
+
+The real router (the agent in the test's loop, HAProxy as its child) in front of two aiohttp "cells"
+on loopback; the EMF lines are read from the agent's stdout. Retries are counted against the requests
+the down cell actually received, ejections against a cell whose /health turns 503, healthy cells down to 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from unit_proxy.router import RunningRouter, start
+from unit_proxy.router_config import RouterSettings
+from unit_proxy.router_metrics import METRICS, RouterMetrics
+from unit_proxy.settings import SettingsError
+
+LOOPBACK = "127.0.0.1"
+NAMESPACE = "Rufus/Router"
+
+
+class Cell:
+    """A cell's load balancer: /health 200 unless `sick`; POST 200, or 503 unit_unavailable when `down`."""
+
+    def __init__(self) -> None:
+        self.down = self.sick = False
+        self.posts = 0
+        self.url = ""
+
+    async def start(self) -> web.AppRunner:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_post("/v1/completions", self._post)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, LOOPBACK, 0).start()
+        self.url = f"http://{LOOPBACK}:{runner.addresses[0][1]}"
+        return runner
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=503 if self.sick else 200)
+
+    async def _post(self, request: web.Request) -> web.Response:
+        await request.read()
+        self.posts += 1
+        if self.down:
+            return web.json_response({"error": {"type": "unit_unavailable"}}, status=503)
+        return web.json_response({"ok": True})
+
+
+@pytest.fixture
+async def router(tmp_path: Path) -> AsyncIterator[tuple[RunningRouter, Cell, Cell]]:
+    a, b = Cell(), Cell()
+    runners = [await a.start(), await b.start()]
+    settings = RouterSettings.from_env({
+        "ROUTER_CELLS": f"a={a.url},b={b.url}", "ROUTER_HOST": LOOPBACK, "ROUTER_PORT": "0", "ROUTER_ADMIN_PORT": "0",
+        "ROUTER_CHECK_INTERVAL_MS": "200", "ROUTER_POLL_SECONDS": "0.05",
+        # No agent ejection here: the retries must reach the down cell for the whole burst.
+        "ROUTER_ERROR_LIMIT": "100",
+        "ROUTER_METRICS_NAMESPACE": NAMESPACE, "ROUTER_NAME": "us-east-2", "ROUTER_EMF_INTERVAL_SECONDS": "0.1",
+    })
+    running = await start(settings)
+    try:
+        yield running, a, b
+    finally:
+        await running.close()
+        for runner in runners:
+            await runner.cleanup()
+
+
+def _lines(capsys: pytest.CaptureFixture[str]) -> list[dict[str, Any]]:
+    events = []
+    for line in capsys.readouterr().out.splitlines():
+        doc = json.loads(line) if line.startswith("{") else None
+        if isinstance(doc, dict) and "_aws" in doc:
+            directive = doc["_aws"]["CloudWatchMetrics"][0]
+            assert directive["Namespace"] == NAMESPACE and directive["Dimensions"] == [["Router"]]
+            assert [m["Name"] for m in directive["Metrics"]] == list(METRICS)
+            assert doc["Router"] == "us-east-2" and isinstance(doc["_aws"]["Timestamp"], int)
+            events.append(doc)
+    return events
+
+
+async def _until(capsys: pytest.CaptureFixture[str], seen: list[dict[str, Any]], done, timeout: float = 10.0) -> None:
+    for _ in range(int(timeout / 0.1)):
+        seen += _lines(capsys)
+        if seen and done(seen):
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"no EMF line showed it within {timeout} s: {seen[-3:]}")
+
+
+async def test_retries_ejections_and_no_healthy_cell_are_published(
+        router: tuple[RunningRouter, Cell, Cell], capsys: pytest.CaptureFixture[str]) -> None:
+    running, a, b = router
+    seen: list[dict[str, Any]] = []
+    await _until(capsys, seen, lambda s: s[-1]["HealthyCells"] == 2)
+    a.down = True  # /health still 200: only the retries show it
+    async with aiohttp.ClientSession() as session:
+        for _ in range(20):
+            async with session.post(f"http://{LOOPBACK}:{running.port}/v1/completions", json={"p": "x"}) as resp:
+                assert resp.status == 200 and resp.headers["X-Served-By-Cell"] == "b"
+    retried = a.posts
+    assert retried > 0
+    await _until(capsys, seen, lambda s: sum(e["Retries"] for e in s) >= retried and s[-1]["Requests"] == 0)
+    # Each retry once (wredis alone: HAProxy 2.6 counts a redispatched retry in wretr too, router_metrics.py).
+    assert sum(e["Retries"] for e in seen) == retried
+    assert sum(e["Requests"] for e in seen) == 20  # each request once, retried or not
+    assert sum(e["CellEjections"] for e in seen) == 0
+
+    a.sick = True  # active checks take a out: one ejection, one healthy cell
+    await _until(capsys, seen, lambda s: s[-1]["HealthyCells"] == 1)
+    await _until(capsys, seen, lambda s: sum(e["CellEjections"] for e in s) == 1)
+    b.sick = True
+    await _until(capsys, seen, lambda s: s[-1]["HealthyCells"] == 0)
+    assert sum(e["CellEjections"] for e in seen) == 2
+
+
+def test_the_first_look_is_the_baseline_and_counters_never_go_negative() -> None:
+    metrics = RouterMetrics()
+    row = {"pxname": "cells", "svname": "a", "status": "UP", "chkdown": "4", "wredis": "7", "wretr": "0"}
+    backend = {"pxname": "cells", "svname": "BACKEND", "stot": "100"}
+    assert metrics.interval([row, backend]) == {"HealthyCells": 1, "CellEjections": 0, "Retries": 0, "Requests": 0}
+    assert metrics.interval([{**row, "chkdown": "5", "wredis": "9"}, {**backend, "stot": "103"}]) == {
+        "HealthyCells": 1, "CellEjections": 1, "Retries": 2, "Requests": 3}
+    # HAProxy restarted (counters back to 0): no negative figure.
+    assert metrics.interval([{**row, "status": "DRAIN", "chkdown": "0", "wredis": "0"}, {**backend, "stot": "0"}]) == {
+        "HealthyCells": 0, "CellEjections": 0, "Retries": 0, "Requests": 0}
+
+
+def test_namespace_without_a_router_name_is_refused() -> None:
+    with pytest.raises(SettingsError) as caught:
+        RouterSettings.from_env({"ROUTER_CELLS": "a=http://x:1", "ROUTER_METRICS_NAMESPACE": NAMESPACE})
+    assert caught.value.name == "ROUTER_NAME"
