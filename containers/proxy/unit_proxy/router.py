@@ -79,6 +79,37 @@ def read_evacuation(path: str, cells: set[str]) -> frozenset[str]:
     return frozenset(names)
 
 
+# A cell is ejected when at least this share of its attempts since the last decision were retried away
+# (and at least ROUTER_ERROR_LIMIT of them): most of its answers are failures, not a few among many.
+EJECT_SHARE = 0.5
+
+
+@dataclass
+class RetryWindow:
+    """A cell's attempts and retried-away answers since the last ejection decision, counted in requests.
+
+    The decision is taken once the window holds ROUTER_ERROR_LIMIT attempts or more, on the share of them
+    retried away, so it depends on the requests the cell was sent and not on how many fell between two
+    polls: a busy cell with a few 503s among thousands of answers is not ejected however long a poll
+    takes, and a cell failing everything is ejected after ROUTER_ERROR_LIMIT attempts, as HAProxy's own
+    `error-limit` would (docs/router.md "Active and passive checks")."""
+
+    attempts: int = 0
+    retried: int = 0
+
+    def add(self, attempts: int, retried: int) -> None:
+        self.attempts += max(attempts, 0)
+        self.retried += max(retried, 0)
+
+    def decide(self, error_limit: int) -> bool | None:
+        """None while the window is short; else whether to eject (and the window starts again)."""
+        if self.attempts < error_limit:
+            return None
+        eject = self.retried >= error_limit and self.retried >= EJECT_SHARE * self.attempts
+        self.attempts = self.retried = 0
+        return eject
+
+
 @dataclass
 class CellStatus:
     status: str = "?"
@@ -87,7 +118,8 @@ class CellStatus:
     served: int = 0
     evacuated: bool = False
     empty: bool = False
-    redispatched: int | None = None  # `wredis` at the last look: requests retried away from this cell
+    counters: tuple[int, int] | None = None  # (`stot`, `wredis`) at the last look
+    window: RetryWindow = field(default_factory=RetryWindow)
     ejections: int = 0
 
     def doc(self) -> dict[str, Any]:
@@ -102,6 +134,7 @@ class RouterState:
     cells: dict[str, CellStatus] = field(default_factory=dict)
     evacuated: frozenset[str] = frozenset()
     file_error: str | None = None
+    refresh_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def __post_init__(self) -> None:
         self.cells = {cell.name: CellStatus(weight=cell.weight) for cell in self.settings.cells}
@@ -119,7 +152,13 @@ class RouterState:
         self.evacuated = wanted
 
     async def refresh(self) -> None:
-        """Each cell's row of `show stat`; an evacuated cell's first empty look is logged once."""
+        """Each cell's row of `show stat`; an evacuated cell's first empty look is logged once. One at a
+        time (the poll loop and `GET /status` both refresh): the counters' differences are then taken in
+        the order the snapshots were read."""
+        async with self.refresh_lock:
+            await self._refresh()
+
+    async def _refresh(self) -> None:
         for row in await self.api.show_stat():
             cell = self.cells.get(row.get("svname", "")) if row.get("pxname") == BACKEND else None
             if cell is None:
@@ -128,28 +167,37 @@ class RouterState:
             cell.weight = int(row.get("weight") or 0)
             cell.streams = int(row.get("scur") or 0)
             cell.served = int(row.get("stot") or 0)
-            await self._eject_if_retried_away(row["svname"], cell, int(row.get("wredis") or 0))
+            await self._eject_if_retried_away(row["svname"], cell, cell.served, int(row.get("wredis") or 0))
             if cell.evacuated and cell.streams == 0 and not cell.empty:
                 cell.empty = True
                 log.warning(json.dumps({"event": "cell_empty", "cell": row["svname"]}))
 
-    async def _eject_if_retried_away(self, name: str, cell: CellStatus, redispatched: int) -> None:
+    async def _eject_if_retried_away(self, name: str, cell: CellStatus, attempts: int, redispatched: int) -> None:
         """Passive ejection of a cell whose answers were retried elsewhere: HAProxy 2.6 takes the L7 retry
         (`retry-on 503`) before its `observe layer7` accounting (src/http_ana.c, http_wait_for_response:
         `do_l7_retry` returns ahead of `health_adjust`), so a retried 503 never counts towards
         `error-limit` (measured: 30 of 30 retried, the cell stayed UP). The agent counts them instead,
-        from the cell's `wredis` in `show stat` (management guide 9.1: for a server, the times it was
-        switched away from), and forces its health down (9.3 "set server ... health down"); the active
-        checks bring it back after `rise` passing checks."""
-        before, cell.redispatched = cell.redispatched, redispatched
-        if before is None or redispatched - before < self.settings.error_limit or not cell.status.startswith("UP"):
+        from the cell's `show stat` row (management guide 9.1: `stot`, the sessions sent to it, which
+        include the attempts retried away, measured; `wredis`, the times it was switched away from),
+        per request through RetryWindow, and forces its health down (9.3 "set server ... health down");
+        the active checks bring it back after `rise` passing checks."""
+        before, cell.counters = cell.counters, (attempts, redispatched)
+        if before is None:
+            return
+        if not cell.status.startswith("UP"):
+            cell.window = RetryWindow()  # out of the choice already: a new window once it is back
+            return
+        cell.window.add(attempts - before[0], redispatched - before[1])
+        window = (cell.window.attempts, cell.window.retried)
+        if not cell.window.decide(self.settings.error_limit):
             return
         answer = await self.api.command(f"set server {BACKEND}/{name} health down")
         if answer.strip():
             raise RuntimeApiError(f"set server {name} health down: {answer.strip()}")
         cell.ejections += 1
         cell.status = "DOWN"
-        log.warning(json.dumps({"event": "cell_ejected", "cell": name, "retried_away": redispatched - before}))
+        log.warning(json.dumps({"event": "cell_ejected", "cell": name, "attempts": window[0],
+                                "retried_away": window[1]}))
 
     def status_doc(self) -> dict[str, Any]:
         return {"cells": {name: cell.doc() for name, cell in self.cells.items()},
