@@ -26,14 +26,18 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
+import random
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from unit_proxy.agent import (
@@ -46,13 +50,22 @@ from unit_proxy.agent import (
     haproxy_exits_first,
 )
 from unit_proxy.router_config import BACKEND, HARD_STOP_SECONDS, RouterPaths, RouterSettings, render
+from unit_proxy.router_ssm import (
+    REPORT_HEARTBEAT_SECONDS,
+    EvacuationValueError,
+    SsmClient,
+    TaskReport,
+    evacuation_parameter,
+    parse_evacuated,
+    report_parameter,
+)
 from unit_proxy.runtime_api import RuntimeApi, RuntimeApiError
 from unit_proxy.settings import SettingsError
 
 log = logging.getLogger("unit_proxy.router")
 
 
-class EvacuationFileError(ValueError):
+class EvacuationFileError(EvacuationValueError):
     """The evacuation file cannot be used; the message says why (the last good state is kept)."""
 
 
@@ -67,16 +80,9 @@ def read_evacuation(path: str, cells: set[str]) -> frozenset[str]:
     except UnicodeDecodeError as exc:  # a ValueError, not an OSError: it would end the poll loop
         raise EvacuationFileError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     try:
-        doc = json.loads(text or "{}")
-    except json.JSONDecodeError as exc:
-        raise EvacuationFileError(f"{path}: not JSON ({exc.msg})") from None
-    names = doc.get("evacuated") if isinstance(doc, dict) else None
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        raise EvacuationFileError(f'{path}: expected {{"evacuated": ["cell", ...]}}')
-    unknown = sorted(set(names) - cells)
-    if unknown:
-        raise EvacuationFileError(f"{path}: unknown cells {unknown}; this router fronts {sorted(cells)}")
-    return frozenset(names)
+        return parse_evacuated(text, cells, path)
+    except EvacuationValueError as exc:
+        raise EvacuationFileError(str(exc)) from None
 
 
 # A cell is ejected when at least this share of its attempts since the last decision were retried away
@@ -134,6 +140,8 @@ class RouterState:
     cells: dict[str, CellStatus] = field(default_factory=dict)
     evacuated: frozenset[str] = frozenset()
     file_error: str | None = None
+    ssm_error: str | None = None
+    version: int = 0  # the SSM evacuation parameter's version last applied (0: none read yet, or none exists)
     refresh_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def __post_init__(self) -> None:
@@ -201,7 +209,12 @@ class RouterState:
 
     def status_doc(self) -> dict[str, Any]:
         return {"cells": {name: cell.doc() for name, cell in self.cells.items()},
-                "evacuated": sorted(self.evacuated), "evacuation_file_error": self.file_error}
+                "evacuated": sorted(self.evacuated), "evacuation_file_error": self.file_error,
+                "evacuation_ssm_error": self.ssm_error, "evacuation_version": self.version}
+
+    def report(self, task_id: str) -> TaskReport:
+        return TaskReport(task=task_id, version=self.version, evacuated=sorted(self.evacuated),
+                          empty=sorted(name for name in self.evacuated if self.cells[name].empty))
 
 
 async def poll_loop(state: RouterState) -> None:
@@ -228,6 +241,89 @@ async def poll_loop(state: RouterState) -> None:
         await asyncio.sleep(settings.poll_seconds)
 
 
+@dataclass
+class SsmSource:
+    """The router's evacuation on AWS (unit_proxy.router_ssm): the parameter it polls and its own report."""
+
+    client: SsmClient
+    parameter: str
+    report_name: str
+    task_id: str
+    written: TaskReport | None = None
+    written_at: float = 0.0
+
+    async def poll(self, state: RouterState) -> None:
+        """Read the evacuated cells and apply them; an error is logged once and the last state is kept."""
+        names = set(state.cells)
+        try:
+            text, version = await asyncio.to_thread(self.client.read, self.parameter)
+            wanted = parse_evacuated(text, names, f"SSM parameter {self.parameter} (version {version})")
+        except Exception as exc:
+            error = f"{self.parameter}: {type(exc).__name__}: {exc}"
+            if state.ssm_error != error:
+                log.error(json.dumps({"event": "evacuation_ssm_error", "error": error,
+                                      "kept": sorted(state.evacuated)}))
+            state.ssm_error = error
+            return
+        if state.ssm_error:
+            log.warning(json.dumps({"event": "evacuation_ssm_recovered", "version": version}))
+        state.ssm_error = None
+        await state.apply(wanted)
+        state.version = version
+
+    async def write_report(self, state: RouterState, now: float) -> None:
+        """This task's report, when it changed or the heartbeat is due (router_ssm.REPORT_HEARTBEAT_SECONDS)."""
+        report = state.report(self.task_id)
+        if report == self.written and now - self.written_at < REPORT_HEARTBEAT_SECONDS:
+            return
+        await asyncio.to_thread(self.client.write, self.report_name, report.to_json())
+        self.written, self.written_at = report, now
+
+    async def delete_report(self) -> None:
+        await asyncio.to_thread(self.client.delete, self.report_name)
+
+
+async def ssm_loop(state: RouterState, source: SsmSource) -> None:
+    """Every ROUTER_SSM_POLL_SECONDS, after a random first delay (tasks started together do not call in
+    step): the SSM parameter, then this task's report. Nothing here ends the loop."""
+    period = state.settings.ssm_poll_seconds
+    loop = asyncio.get_running_loop()
+    await asyncio.sleep(random.uniform(0, period))
+    while True:
+        try:
+            await source.poll(state)
+            await source.write_report(state, loop.time())
+        except Exception:
+            log.exception("router SSM poll failed")
+        await asyncio.sleep(period)
+
+
+async def task_id(settings: RouterSettings) -> str:
+    """ROUTER_TASK_ID, else the ECS task's id from the task metadata endpoint v4 (`TaskARN` of
+    ${ECS_CONTAINER_METADATA_URI_V4}/task, https://docs.aws.amazon.com/AmazonECS/latest/developerguide/
+    task-metadata-endpoint-v4-fargate.html), else host name and process id."""
+    if settings.task_id:
+        return settings.task_id
+    uri = os.environ.get("ECS_CONTAINER_METADATA_URI_V4", "")
+    if uri:
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session, \
+                    session.get(f"{uri}/task") as resp:
+                return str((await resp.json(content_type=None))["TaskARN"]).rsplit("/", 1)[-1]
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as exc:
+            log.warning("task metadata unreadable (%s): the report is named after the host", exc)
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+async def _ssm_source(settings: RouterSettings) -> SsmSource | None:
+    if not settings.ssm_prefix:
+        return None
+    client = await asyncio.to_thread(SsmClient, settings.ssm_region)
+    ident = await task_id(settings)
+    return SsmSource(client, evacuation_parameter(settings.ssm_prefix), report_parameter(settings.ssm_prefix, ident),
+                     ident)
+
+
 def admin_app(state: RouterState) -> web.Application:
     async def status(request: web.Request) -> web.Response:
         with contextlib.suppress(RuntimeApiError):
@@ -249,6 +345,8 @@ class RunningRouter:
     runner: web.AppRunner
     task: asyncio.Task[None]
     owns_dir: bool
+    ssm: SsmSource | None = None
+    ssm_task: asyncio.Task[None] | None = None
 
     async def close(self, soft: bool = False, timeout: float = 5.0) -> int | None:
         proc = self.process
@@ -262,8 +360,16 @@ class RunningRouter:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 await proc.wait()
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
+        tasks = [t for t in (self.task, self.ssm_task) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.ssm is not None:
+            try:  # a clean exit takes its report away; a task gone otherwise goes stale (router_ssm)
+                async with asyncio.timeout(5):
+                    await self.ssm.delete_report()
+            except Exception as exc:
+                log.warning("the SSM report %s was not deleted: %s", self.ssm.report_name, exc)
         await self.runner.cleanup()
         if self.owns_dir:
             shutil.rmtree(self.paths.runtime_dir, ignore_errors=True)
@@ -294,10 +400,22 @@ async def start(settings: RouterSettings) -> RunningRouter:
     port = listener.getsockname()[1]
     listener.close()  # HAProxy holds it now
     task = asyncio.create_task(poll_loop(state), name="router-poll")
+    try:
+        ssm = await _ssm_source(settings)
+    except BaseException:
+        task.cancel()
+        process.kill()
+        await process.wait()
+        await runner.cleanup()
+        raise
+    ssm_task = asyncio.create_task(ssm_loop(state, ssm), name="router-ssm") if ssm else None
     admin_port = runner.addresses[0][1]
     log.info("router listening on %s:%d (HAProxy pid %d, admin %s:%d) -> %s", settings.host, port, process.pid,
              settings.admin_host, admin_port, ", ".join(f"{c.name}={c.url} w{c.weight}" for c in settings.cells))
-    return RunningRouter(state, paths, port, admin_port, process, runner, task, owns)
+    if ssm:
+        log.info("evacuation from SSM %s every %g s, report %s", ssm.parameter, settings.ssm_poll_seconds,
+                 ssm.report_name)
+    return RunningRouter(state, paths, port, admin_port, process, runner, task, owns, ssm, ssm_task)
 
 
 async def serve(settings: RouterSettings) -> int:
