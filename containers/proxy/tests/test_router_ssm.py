@@ -60,14 +60,22 @@ def ssm_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     server.stop()
 
 
+_CLIENTS: dict[str, Any] = {}
+
+
 def _client() -> Any:
-    return boto3.client("ssm", region_name=REGION)
+    """One client per local SSM (a client costs a fraction of a second to make, in the test's event loop)."""
+    endpoint = os.environ["AWS_ENDPOINT_URL_SSM"]
+    if endpoint not in _CLIENTS:
+        _CLIENTS[endpoint] = boto3.client("ssm", region_name=REGION)
+    return _CLIENTS[endpoint]
 
 
 def _report(prefix: str, task: str) -> TaskReport | None:
+    client = _client()
     try:
-        value = _client().get_parameter(Name=report_parameter(prefix, task))["Parameter"]["Value"]
-    except _client().exceptions.ParameterNotFound:
+        value = client.get_parameter(Name=report_parameter(prefix, task))["Parameter"]["Value"]
+    except client.exceptions.ParameterNotFound:
         return None
     return TaskReport.from_json(value)
 
@@ -77,7 +85,7 @@ async def _until(predicate: Any, timeout: float = 10.0, what: str = "") -> None:
     end = loop.time() + timeout
     while not predicate():
         assert loop.time() < end, f"timed out after {timeout} s waiting for {what}"
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.1)
 
 
 def test_prefix_and_names_are_one_convention() -> None:
@@ -109,7 +117,7 @@ async def test_an_ssm_evacuation_drains_the_cell_reports_it_empty_and_survives_s
     name = evacuation_parameter(prefix)
     settings = RouterSettings.from_env({
         "ROUTER_CELLS": f"a={a.url},b={b.url}", "ROUTER_HOST": LOOPBACK, "ROUTER_PORT": "0",
-        "ROUTER_ADMIN_PORT": "0", "ROUTER_POLL_SECONDS": "0.05", "ROUTER_CHECK_INTERVAL_MS": "200",
+        "ROUTER_ADMIN_PORT": "0", "ROUTER_POLL_SECONDS": "0.05", "ROUTER_CHECK_INTERVAL_MS": "1000",
         "ROUTER_SSM_PREFIX": prefix, "ROUTER_SSM_POLL_SECONDS": "1", "ROUTER_TASK_ID": "task-1", **ssm_env["env"]})
     router = await start(settings)
     state = router.state
@@ -117,10 +125,16 @@ async def test_an_ssm_evacuation_drains_the_cell_reports_it_empty_and_survives_s
         # No parameter yet: nothing evacuated, and the task reports version 0.
         await _until(lambda: _report(prefix, "task-1") is not None, what="the first report")
         assert _report(prefix, "task-1") == TaskReport("task-1", 0, [], [])
+        await _until(lambda: all(c.status == "UP" for c in state.cells.values()), timeout=20, what="both cells UP")
         async with aiohttp.ClientSession() as session:
             b.hold.clear()  # a request stays in flight on b
-            pending = [asyncio.create_task(_post(session, router.port)) for _ in range(4)]
-            await _until(lambda: b.posts > 0, what="a request on b")
+            pending = []
+            for _ in range(200):  # leastconn may send the first ones to a, which answers at once
+                pending.append(asyncio.create_task(_post(session, router.port)))
+                await asyncio.sleep(0.05)
+                if b.posts:
+                    break
+            assert b.posts, "no request reached b"
             version = _client().put_parameter(Name=name, Value=json.dumps({"evacuated": ["b"]}), Type="String",
                                               Overwrite=True)["Version"]
             await _until(lambda: state.cells["b"].evacuated, what="b drained")
@@ -130,7 +144,8 @@ async def test_an_ssm_evacuation_drains_the_cell_reports_it_empty_and_survives_s
             assert [await _post(session, router.port) for _ in range(10)] == [(200, "a")] * 10
             assert b.posts == posts
             b.hold.set()
-            assert all(status == 200 for status, _ in await asyncio.gather(*pending))
+            answers = await asyncio.gather(*pending)
+            assert all(status == 200 for status, _ in answers), answers
             await _until(lambda: (_report(prefix, "task-1") or TaskReport("", 0)).empty == ["b"],
                          what="b reported empty")
 
@@ -164,7 +179,7 @@ async def test_the_shipped_router_reads_ssm_and_deletes_its_report_on_sigterm(
     port, admin = _free_port(), _free_port()
     env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/bin"), "ROUTER_CELLS": f"a={a.url},b={b.url}",
            "ROUTER_HOST": LOOPBACK, "ROUTER_PORT": str(port), "ROUTER_ADMIN_PORT": str(admin),
-           "ROUTER_CHECK_INTERVAL_MS": "200", "ROUTER_SSM_PREFIX": prefix, "ROUTER_SSM_POLL_SECONDS": "1",
+           "ROUTER_CHECK_INTERVAL_MS": "1000", "ROUTER_SSM_PREFIX": prefix, "ROUTER_SSM_POLL_SECONDS": "1",
            "ROUTER_TASK_ID": "proc-1", **ssm_env["env"]}
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "unit_proxy.router", env=env,
                                                 stderr=asyncio.subprocess.PIPE)

@@ -389,6 +389,10 @@ async def start(settings: RouterSettings) -> RunningRouter:
     try:
         await _site(runner, lambda: web.TCPSite(runner, settings.admin_host, settings.admin_port, reuse_address=True),
                     f"{settings.admin_host}:{settings.admin_port}")
+        try:
+            ssm = await _ssm_source(settings)
+        except Exception as exc:  # botocore configuration errors: one line, exit 1
+            raise StartError(f"SSM client for {settings.ssm_prefix}: {type(exc).__name__}: {exc}") from None
         Path(paths.config).write_text(render(settings, paths))
         process = await _start_haproxy(paths, api)  # type: ignore[arg-type]  # RouterPaths has the same fields
     except BaseException:
@@ -400,14 +404,6 @@ async def start(settings: RouterSettings) -> RunningRouter:
     port = listener.getsockname()[1]
     listener.close()  # HAProxy holds it now
     task = asyncio.create_task(poll_loop(state), name="router-poll")
-    try:
-        ssm = await _ssm_source(settings)
-    except BaseException:
-        task.cancel()
-        process.kill()
-        await process.wait()
-        await runner.cleanup()
-        raise
     ssm_task = asyncio.create_task(ssm_loop(state, ssm), name="router-ssm") if ssm else None
     admin_port = runner.addresses[0][1]
     log.info("router listening on %s:%d (HAProxy pid %d, admin %s:%d) -> %s", settings.host, port, process.pid,
