@@ -248,6 +248,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, ssm_for: Any = None) -> int:
     try:
+        if args.local is not None and args.wait:
+            raise EvacuateError("--wait reads the routers' reports on AWS; with --local, wait with --status-url URL")
         if args.local is not None:
             evacuated = write_local(args.local, args.cell, args.undo, args.force, None)
             print(f"{args.local}: evacuated {evacuated}")

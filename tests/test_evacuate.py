@@ -122,6 +122,12 @@ def test_a_broken_local_file_is_one_line_and_exit_6(tmp_path: Path, capsys: pyte
     assert err.startswith("error: ") and "Traceback" not in err
 
 
+def test_wait_with_local_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "evacuation.json"
+    assert main(["evacuate", "--cell", "b", "--local", str(path), "--wait"]) == exit_codes.EVACUATE
+    assert "--status-url" in capsys.readouterr().err and not path.exists()
+
+
 def test_local_last_cell_refused(tmp_path: Path) -> None:
     path = tmp_path / "evacuation.json"
     write_local(path, "a", undo=False, force=False, cells=("a", "b"))

@@ -22,8 +22,9 @@ from typing import Any
 import aiohttp
 import boto3
 import pytest
+from aiohttp import web
 from moto.server import ThreadedMotoServer
-from unit_proxy.router import start
+from unit_proxy.router import start, task_id
 from unit_proxy.router_config import RouterSettings
 from unit_proxy.router_ssm import (
     TaskReport,
@@ -198,3 +199,26 @@ async def test_the_shipped_router_reads_ssm_and_deletes_its_report_on_sigterm(
             await proc.wait()
         elif proc.returncode:
             print((await proc.stderr.read()).decode())
+
+
+async def test_the_task_id_comes_from_the_ecs_task_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`${ECS_CONTAINER_METADATA_URI_V4}/task` answers the task's `TaskARN` (task metadata endpoint v4); the
+    report is named after the id at its end. Unreachable: host name and pid; ROUTER_TASK_ID wins."""
+    async def task(request: web.Request) -> web.Response:
+        return web.json_response({"Cluster": "c", "TaskARN": "arn:aws:ecs:us-east-2:111111111111:task/c/0f1e2d3c4b5a"})
+
+    app = web.Application()
+    app.router.add_get("/v4/abc/task", task)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, LOOPBACK, 0).start()
+    settings = RouterSettings.from_env({"ROUTER_CELLS": "a=http://127.0.0.1:1"})
+    try:
+        monkeypatch.setenv("ECS_CONTAINER_METADATA_URI_V4", f"http://{LOOPBACK}:{runner.addresses[0][1]}/v4/abc")
+        assert await task_id(settings) == "0f1e2d3c4b5a"
+        monkeypatch.setenv("ECS_CONTAINER_METADATA_URI_V4", f"http://{LOOPBACK}:{_free_port()}/v4/abc")
+        assert await task_id(settings) == f"{socket.gethostname()}-{os.getpid()}"
+        assert await task_id(RouterSettings.from_env({"ROUTER_CELLS": "a=http://127.0.0.1:1",
+                                                      "ROUTER_TASK_ID": "mine"})) == "mine"
+    finally:
+        await runner.cleanup()
