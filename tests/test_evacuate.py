@@ -269,9 +269,13 @@ async def test_evacuate_wait_against_a_router_process_and_a_local_ssm(
             await asyncio.sleep(7)  # several router polls and at least one look by the command
             assert command.returncode is None, "the command returned while a stream was still in flight on prod"
             assert [await post() for _ in range(5)] == ["dev"] * 5  # drained already
+            released = asyncio.get_running_loop().time()
             prod.hold.set()
             assert await in_flight == "prod"
             assert await asyncio.wait_for(command.wait(), 30) == exit_codes.OK
+            # A figure, not a bound: the router's report (poll 1 s here, 2 s by default) and the command's look (5 s).
+            took = asyncio.get_running_loop().time() - released
+            print(f"evacuate --wait returned {took:.1f} s after the stream ended")
             out = (await command.stdout.read()).decode()
         assert "(version 1)" in out and "cell prod empty at every router task" in out, out
     finally:
