@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,3 +99,31 @@ def elastic_fleet() -> FleetConfig:
 def synth_elastic(elastic_fleet: FleetConfig, tmp_path_factory: pytest.TempPathFactory) -> SynthesizedFleet:
     """The elastic test fleet (one cell of 2-12 units), images pinned."""
     return synth_fleet(pin_images(elastic_fleet), tmp_path_factory.mktemp("synth-elastic"))
+
+
+@pytest.fixture
+def local_ssm() -> Iterator[dict[str, str]]:
+    """Systems Manager on loopback (moto's server in a thread), its state emptied before and after: moto
+    keeps it per process, across servers. Yields the environment that points botocore at it."""
+    import socket
+    import urllib.request
+
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+
+    def reset() -> None:
+        urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST"), timeout=10).close()
+
+    reset()
+    try:
+        yield {"AWS_ENDPOINT_URL_SSM": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+               "AWS_REGION": "us-east-2", "AWS_EC2_METADATA_DISABLED": "true"}
+    finally:
+        reset()
+        server.stop()

@@ -21,7 +21,6 @@ import pytest
 import yaml
 from aiohttp import web
 from botocore.stub import Stubber
-from moto.server import ThreadedMotoServer
 from unit_proxy.router_ssm import TaskReport
 
 from inference_fleet import exit_codes
@@ -218,7 +217,7 @@ def _port() -> int:
 
 
 async def test_evacuate_wait_against_a_router_process_and_a_local_ssm(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, local_ssm: dict[str, str]) -> None:
     """The whole chain on loopback: `evacuate --wait` (boto3) writes moto's SSM; the router process
     (`python -m unit_proxy.router`, botocore) drains the cell and reports; the command returns only
     once the stream in flight on the cell has finished."""
@@ -229,11 +228,7 @@ async def test_evacuate_wait_against_a_router_process_and_a_local_ssm(
     raw["routers"] = [{"region": "us-east-2", "cells": ["dev", "prod"], "plain_http": True}]
     config = tmp_path / "fleet.yaml"
     config.write_text(yaml.safe_dump(raw))
-    ssm_port = _port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=ssm_port, verbose=False)
-    server.start()
-    aws = {"AWS_ENDPOINT_URL_SSM": f"http://127.0.0.1:{ssm_port}", "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-2", "AWS_EC2_METADATA_DISABLED": "true"}
+    aws = local_ssm
     for name, value in aws.items():
         monkeypatch.setenv(name, value)
     dev, prod = _Cell("dev"), _Cell("prod")
@@ -283,4 +278,3 @@ async def test_evacuate_wait_against_a_router_process_and_a_local_ssm(
         await router.wait()
         for runner in runners:
             await runner.cleanup()
-        server.stop()

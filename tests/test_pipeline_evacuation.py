@@ -24,7 +24,6 @@ import pytest
 import yaml
 from aws_cdk import App
 from aws_cdk.assertions import Template
-from moto.server import ThreadedMotoServer
 from unit_proxy.router_ssm import TaskReport
 
 from inference_fleet.checks import load_fleet, parse_fleet
@@ -167,7 +166,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_the_build_commands_evacuate_wait_and_restore_against_a_local_ssm(template: dict, tmp_path: Path) -> None:
+def test_the_build_commands_evacuate_wait_and_restore_against_a_local_ssm(
+        template: dict, tmp_path: Path, local_ssm: dict[str, str]) -> None:
     install, build = _commands(template, "install"), _commands(template, "build")
     for text in (install, build):
         lint = subprocess.run(["shellcheck", "-s", "sh", "-"], input=text, capture_output=True, text=True, timeout=60)
@@ -182,11 +182,7 @@ def test_the_build_commands_evacuate_wait_and_restore_against_a_local_ssm(templa
     (tmp_path / "bin/make").write_text('#!/bin/sh\nprintf "%s\\n" "$*" >> "$RECORD"\n')
     for path in (tmp_path / ".venv/bin/python", tmp_path / "bin/make"):
         path.chmod(0o755)
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    aws = {"AWS_ENDPOINT_URL_SSM": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-2", "AWS_EC2_METADATA_DISABLED": "true"}
+    aws = local_ssm
     env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "RECORD": str(tmp_path / "calls"), "HOME": str(tmp_path),
            **aws, "PYTHONPATH": os.pathsep.join(sys.path)}
     ssm = boto3.client("ssm", region_name="us-east-2", endpoint_url=aws["AWS_ENDPOINT_URL_SSM"],
@@ -196,30 +192,27 @@ def test_the_build_commands_evacuate_wait_and_restore_against_a_local_ssm(templa
         return subprocess.run(["/bin/sh", "-c", phase], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                               env={**env, **variables})
 
-    try:
-        done = run(install)
-        assert done.returncode == 0 and (tmp_path / "calls").read_text() == "venv\n", done.stderr
-        dry = subprocess.run(["make", "-n", "-C", str(ROOT), "venv"], capture_output=True, text=True, timeout=60)
-        assert dry.returncode == 0, dry.stderr
-        # A router task that has applied version 1 and drained dev: the wait ends at its first look.
-        ssm.put_parameter(Name=f"{REPORTS}/task-1", Type="String",
-                          Value=TaskReport("task-1", 1, ["dev"], ["dev"]).to_json())
-        evacuate = next(a for a in _stage(template, "Wave-canary")["Actions"] if a["Name"] == "Evacuate-dev")
-        done = run(build, **_environment(evacuate))
-        assert done.returncode == 0, done.stdout + done.stderr
-        assert "cell dev empty at every router task" in done.stdout
-        assert f"--timeout {WAIT_SECONDS}" in build
-        assert json.loads(ssm.get_parameter(Name=PARAMETER)["Parameter"]["Value"]) == {"evacuated": ["dev"]}
-        # A task that has applied a later version without dev: the wait fails at once, exit 7, and so the build.
-        ssm.put_parameter(Name=f"{REPORTS}/task-1", Type="String", Overwrite=True,
-                          Value=TaskReport("task-1", 9, [], []).to_json())
-        done = run(build, **_environment(evacuate))
-        assert done.returncode == 7 and "no longer evacuates dev" in done.stderr, done.stdout + done.stderr
-        (restore,) = _stage(template, "Restore-canary")["Actions"]
-        done = run(build, **_environment(restore))
-        assert done.returncode == 0, done.stderr
-        assert json.loads(ssm.get_parameter(Name=PARAMETER)["Parameter"]["Value"]) == {"evacuated": []}
-        done = run(build, CELL="dev", EVACUATE_MODE="")
-        assert done.returncode == 2 and "evacuate or restore" in done.stderr
-    finally:
-        server.stop()
+    done = run(install)
+    assert done.returncode == 0 and (tmp_path / "calls").read_text() == "venv\n", done.stderr
+    dry = subprocess.run(["make", "-n", "-C", str(ROOT), "venv"], capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    # A router task that has applied version 1 and drained dev: the wait ends at its first look.
+    ssm.put_parameter(Name=f"{REPORTS}/task-1", Type="String",
+                      Value=TaskReport("task-1", 1, ["dev"], ["dev"]).to_json())
+    evacuate = next(a for a in _stage(template, "Wave-canary")["Actions"] if a["Name"] == "Evacuate-dev")
+    done = run(build, **_environment(evacuate))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "cell dev empty at every router task" in done.stdout
+    assert f"--timeout {WAIT_SECONDS}" in build
+    assert json.loads(ssm.get_parameter(Name=PARAMETER)["Parameter"]["Value"]) == {"evacuated": ["dev"]}
+    # A task that has applied a later version without dev: the wait fails at once, exit 7, and so the build.
+    ssm.put_parameter(Name=f"{REPORTS}/task-1", Type="String", Overwrite=True,
+                      Value=TaskReport("task-1", 9, [], []).to_json())
+    done = run(build, **_environment(evacuate))
+    assert done.returncode == 7 and "no longer evacuates dev" in done.stderr, done.stdout + done.stderr
+    (restore,) = _stage(template, "Restore-canary")["Actions"]
+    done = run(build, **_environment(restore))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(ssm.get_parameter(Name=PARAMETER)["Parameter"]["Value"]) == {"evacuated": []}
+    done = run(build, CELL="dev", EVACUATE_MODE="")
+    assert done.returncode == 2 and "evacuate or restore" in done.stderr

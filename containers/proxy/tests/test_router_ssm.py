@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import sys
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -52,13 +53,21 @@ def ssm_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     port = _free_port()
     server = ThreadedMotoServer(ip_address=LOOPBACK, port=port, verbose=False)
     server.start()
+    _reset(port)  # moto keeps its state per process, across servers
     env = {"AWS_ENDPOINT_URL_SSM": f"http://{LOOPBACK}:{port}", "AWS_ACCESS_KEY_ID": "testing",
            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": REGION, "AWS_EC2_METADATA_DISABLED": "true"}
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("AWS_PROFILE", raising=False)
-    yield {"server": server, "port": port, "env": env}
-    server.stop()
+    local = {"server": server, "port": port, "env": env}
+    yield local
+    _reset(port)
+    local["server"].stop()  # the test may have replaced it (a restart on the same port)
+
+
+def _reset(port: int) -> None:
+    request = urllib.request.Request(f"http://{LOOPBACK}:{port}/moto-api/reset", method="POST")
+    urllib.request.urlopen(request, timeout=10).close()
 
 
 _CLIENTS: dict[str, Any] = {}
