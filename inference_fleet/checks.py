@@ -38,7 +38,7 @@ from inference_fleet.config import (
 )
 from inference_fleet.planner.fit import check_fit
 from inference_fleet.rollout import check_wave_sizes
-from inference_fleet.router_checks import check_routers
+from inference_fleet.router_checks import check_pipeline_evacuation, check_routers
 
 FleetCheck = Callable[[FleetConfig], Iterable[ConfigIssue]]
 
@@ -298,7 +298,8 @@ CHECKS: tuple[FleetCheck, ...] = (
     _check_model, _check_unit, _check_cells, _check_waves, _check_verify_gate, _check_serving, _check_frontend,
     check_wave_sizes,
     check_cells_deployable, check_startup_budget, check_alarm_defaults, check_quarantine,
-    check_spares_in_fixed_cells, check_efa_installer_pin, check_routers, check_compile_azs,
+    check_spares_in_fixed_cells, check_efa_installer_pin, check_routers, check_pipeline_evacuation,
+    check_compile_azs,
 )
 # Run only when the model and the unit passed (validate_fleet): the planner computes its plan from both, and the
 # compile host's need (compile_job.host_needs) reads the unit's instance type.

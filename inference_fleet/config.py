@@ -651,6 +651,16 @@ class PipelineConfig(_Strict):
             "cell in the pipeline's account and region; false leaves the kit to `make verify-cell` by hand."
         ),
     )
+    evacuate: Literal["one-unit", "all", "none"] = Field(
+        default="one-unit",
+        description=(
+            "Which cells a router fronts the pipeline evacuates before their update and restores after their "
+            "wave's bake (`inference_fleet evacuate --wait`, docs/rollout-pipeline.md): one-unit, the cells that "
+            "can be at one unit (their update is an outage) when another cell of each of their routers stays in "
+            "service; all, every fronted cell (refused when a router would be left with no cell in a wave); none. "
+            "Needs the evacuated cells in the pipeline's account (the routers' SSM parameters)."
+        ),
+    )
 
 
 CellName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9-]{0,23}$")]

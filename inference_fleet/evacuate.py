@@ -1,20 +1,18 @@
-"""`python -m inference_fleet evacuate --cell NAME [--undo]`: take a cell out of its routers' choice (issue 26).
+"""`python -m inference_fleet evacuate --cell NAME [--undo] [--wait]`: take a cell out of its routers' choice.
 
-An evacuated cell gets no new request at any router that fronts it; streams in flight on it
+Issue 26. An evacuated cell gets no new request at any router that fronts it; streams in flight on it
 finish (the router agent sets it `drain`, `unit_proxy.router`). Where the routers read the
-evacuated set from (docs/router.md "Evacuation"):
+evacuated set from (docs/router.md "Evacuation", docs/contracts.md "Router parameters"):
 
-- on AWS, one SSM parameter per router, `/inference-fleet/<Fleet>/router/<region>/evacuated`,
-  a String holding `{"evacuated": [cell, ...]}`. Every router task polls it with GetParameter
-  (default Parameter Store throughput: 40 transactions/s per account and region, shared by
-  GetParameter, GetParameters and PutParameter:
-  https://docs.aws.amazon.com/systems-manager/latest/APIReference/API_GetParameter.html and
-  the Systems Manager quotas, https://docs.aws.amazon.com/general/latest/gr/ssm.html); a
-  router task polling every 2 s costs 0.5/s. PutParameter with Overwrite replaces the value
-  (https://docs.aws.amazon.com/systems-manager/latest/APIReference/API_PutParameter.html).
-  This command reads the parameter, adds or removes the cell and writes it back; two
+- on AWS, one SSM parameter per router, `/inference-fleet/<Fleet>/router/<region>/evacuated`
+  (the names are `unit_proxy.router_ssm`'s, shared with the router agent), a String holding
+  `{"evacuated": [cell, ...]}`. Every router task polls it with GetParameter every 2 s. This
+  command reads it, adds or removes the cell and writes it back with PutParameter (Overwrite:
+  https://docs.aws.amazon.com/systems-manager/latest/APIReference/API_PutParameter.html); two
   operators evacuating at the same instant race (last write wins; Parameter Store has no
-  conditional write), so the command reads it back and says what it holds.
+  conditional write), so the command reads it back and says what it holds. With `--wait` it then
+  reads every router task's report (`<prefix>/tasks/<id>`, GetParametersByPath) until each live
+  task says it applied that version and has no stream left on the cell.
 - locally (`--local FILE`), the router's ROUTER_EVACUATION_FILE, written atomically
   (rename); with `--status-url` the command waits until the router reports the cell empty.
 
@@ -31,8 +29,18 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from unit_proxy.router_ssm import (
+    REPORT_STALE_SECONDS,
+    TaskReport,
+    evacuation_parameter,
+    parameter_prefix,
+    reports_path,
+)
 
 from inference_fleet import exit_codes
 from inference_fleet.checks import load_fleet
@@ -45,8 +53,30 @@ class EvacuateError(Exception):
     """The evacuation cannot be done as asked; the message says why and what to do."""
 
 
+# How often `--wait` reads the task reports (GetParametersByPath shares Parameter Store's default throughput
+# with the routers' GetParameter: docs/router.md "Evacuation").
+WAIT_POLL_SECONDS = 5.0
+
+
+def router_prefix(fleet: FleetConfig, router: RouterConfig) -> str:
+    return parameter_prefix(fleet.name, router.region)
+
+
 def parameter_name(fleet: FleetConfig, router: RouterConfig) -> str:
-    return f"/inference-fleet/{fleet.name}/router/{router.region}/evacuated"
+    return evacuation_parameter(router_prefix(fleet, router))
+
+
+def routers_of(fleet: FleetConfig, cell: str) -> list[RouterConfig]:
+    return [r for r in fleet.routers if cell in r.cells]
+
+
+@dataclass
+class Written:
+    """What `evacuate_on_aws` did: lines to print, and per router region the parameter version written."""
+
+    lines: list[str] = field(default_factory=list)
+    versions: dict[str, int] = field(default_factory=dict)
+    raced: bool = False
 
 
 def updated(current: set[str], cell: str, undo: bool) -> list[str]:
@@ -59,32 +89,107 @@ def _check_left(router_cells: tuple[str, ...], evacuated: list[str], where: str,
                             "would answer 503 to every request; undo another evacuation first, or pass --force")
 
 
-def read_parameter(ssm: Any, name: str) -> set[str]:
+def read_parameter(ssm: Any, name: str) -> tuple[set[str], int]:
+    """The evacuated cells and the parameter's version (0 when it does not exist yet)."""
     try:
-        value = ssm.get_parameter(Name=name)["Parameter"]["Value"]
+        parameter = ssm.get_parameter(Name=name)["Parameter"]
     except ssm.exceptions.ParameterNotFound:
-        return set()
-    doc = json.loads(value)
-    return set(doc.get("evacuated", []))
+        return set(), 0
+    try:
+        doc = json.loads(parameter["Value"])
+        cells = set(doc.get("evacuated", []))
+    except (ValueError, AttributeError, TypeError):
+        raise EvacuateError(f'{name} holds {parameter["Value"][:80]!r}, not {{"evacuated": [...]}}: write it again '
+                            'with `aws ssm put-parameter --overwrite` or delete it') from None
+    return cells, int(parameter.get("Version", 0))
 
 
-def evacuate_on_aws(fleet: FleetConfig, cell: str, undo: bool, force: bool, ssm_for: Any) -> list[str]:
-    """Write every fronting router's parameter; `ssm_for(region)` gives an SSM client. Returns lines to print."""
-    routers = [r for r in fleet.routers if cell in r.cells]
+def evacuate_on_aws(fleet: FleetConfig, cell: str, undo: bool, force: bool, ssm_for: Any) -> Written:
+    """Write every fronting router's parameter; `ssm_for(region)` gives an SSM client."""
+    routers = routers_of(fleet, cell)
     if not routers:
         fronted = sorted({c for r in fleet.routers for c in r.cells})
         raise EvacuateError(f"no router fronts cell {cell!r} (routers: in the fleet file; routed cells: {fronted})")
-    lines = []
+    written = Written()
     for router in routers:
         ssm, name = ssm_for(router.region), parameter_name(fleet, router)
-        wanted = updated(read_parameter(ssm, name), cell, undo)
+        wanted = updated(read_parameter(ssm, name)[0], cell, undo)
         _check_left(router.cells, wanted, f"the router in {router.region}", force)
         ssm.put_parameter(Name=name, Value=json.dumps({"evacuated": wanted}), Type="String", Overwrite=True)
-        holds = sorted(read_parameter(ssm, name))
-        lines.append(f"{router.region}: {name} = {holds}")
-        if holds != wanted:
-            lines.append(f"{router.region}: another evacuation was written at the same time; run this again")
-    return lines
+        holds, version = read_parameter(ssm, name)
+        written.lines.append(f"{router.region}: {name} = {sorted(holds)} (version {version})")
+        written.versions[router.region] = version
+        if sorted(holds) != wanted:
+            written.raced = True
+            written.lines.append(f"{router.region}: another evacuation was written at the same time; run this again")
+    return written
+
+
+def task_reports(ssm: Any, path: str) -> list[tuple[str, datetime, str]]:
+    """Every report under the path: (name, LastModifiedDate, value), all pages."""
+    found, token = [], None
+    while True:
+        page = ssm.get_parameters_by_path(Path=path, **({"NextToken": token} if token else {}))
+        found += [(p["Name"], p["LastModifiedDate"], p["Value"]) for p in page.get("Parameters", [])]
+        token = page.get("NextToken")
+        if not token:
+            return found
+
+
+def empty_at(ssm: Any, prefix: str, cell: str, version: int, now: datetime) -> tuple[bool, list[str]]:
+    """Whether every live router task (a report younger than REPORT_STALE_SECONDS) applied `version` or a
+    later one and has no stream left on the cell; and what each task says."""
+    live, said = 0, []
+    for name, modified, value in task_reports(ssm, reports_path(prefix)):
+        age = (now - modified).total_seconds()
+        task = name.rsplit("/", 1)[-1]
+        if age > REPORT_STALE_SECONDS:
+            said.append(f"{task}: report {age:.0f} s old, counted as gone")
+            continue
+        live += 1
+        try:
+            report = TaskReport.from_json(value)
+        except (ValueError, KeyError, TypeError):
+            said.append(f"{task}: unreadable report {value[:60]!r}")
+            return False, said
+        if report.version >= version and cell not in report.evacuated:
+            raise EvacuateError(f"router task {task} applied version {report.version} of {prefix}/evacuated, "
+                                f"which no longer evacuates {cell}: another evacuation was written since")
+        if report.version < version:
+            said.append(f"{task}: still at version {report.version}")
+            return False, said
+        if cell not in report.empty:
+            said.append(f"{task}: streams left on {cell}")
+            return False, said
+        said.append(f"{task}: {cell} empty")
+    if not live:
+        said.append(f"no router task reported in the last {REPORT_STALE_SECONDS:.0f} s: are the routers running "
+                    "with ROUTER_SSM_PREFIX set?")
+    return live > 0, said
+
+
+def wait_empty_on_aws(fleet: FleetConfig, cell: str, written: Written, ssm_for: Any, timeout: float,
+                      clock: Any = time.monotonic, sleep: Any = time.sleep,
+                      now: Any = lambda: datetime.now(UTC)) -> float:
+    """Until every router task of every fronting router reports the cell empty; returns the seconds it took."""
+    if written.raced:
+        raise EvacuateError("another evacuation was written at the same time; run this again before waiting")
+    start = clock()
+    pending = {router.region: router for router in routers_of(fleet, cell)}
+    while True:
+        said: list[str] = []
+        for region, router in sorted(pending.items()):
+            done, lines = empty_at(ssm_for(region), router_prefix(fleet, router), cell, written.versions[region],
+                                   now())
+            said += [f"{region}: {line}" for line in lines]
+            if done:
+                del pending[region]
+        if not pending:
+            return clock() - start
+        if clock() - start > timeout:
+            raise EvacuateError(f"cell {cell} not reported empty by every router task after {timeout:g} s: "
+                                + "; ".join(said))
+        sleep(WAIT_POLL_SECONDS)
 
 
 def write_local(path: Path, cell: str, undo: bool, force: bool, cells: tuple[str, ...] | None) -> list[str]:
@@ -133,12 +238,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write a local router's evacuation file (ROUTER_EVACUATION_FILE) instead of AWS")
     parser.add_argument("--status-url", metavar="URL",
                         help="with --local: the router's admin URL; wait until it reports the cell empty")
-    parser.add_argument("--timeout", type=float, default=900.0, help="longest wait for --status-url (s)")
+    parser.add_argument("--wait", action="store_true",
+                        help="on AWS: wait until every router task reports the cell empty (its streams finished)")
+    parser.add_argument("--timeout", type=float, default=960.0,
+                        help="longest wait for --status-url or --wait (s; default: the router's 905 s hard stop and "
+                             "a minute)")
     parser.add_argument("--force", action="store_true", help="evacuate even the last cell of a router")
 
 
 def run(args: argparse.Namespace, ssm_for: Any = None) -> int:
     try:
+        if args.local is not None and args.wait:
+            raise EvacuateError("--wait reads the routers' reports on AWS; with --local, wait with --status-url URL")
         if args.local is not None:
             evacuated = write_local(args.local, args.cell, args.undo, args.force, None)
             print(f"{args.local}: evacuated {evacuated}")
@@ -151,11 +262,17 @@ def run(args: argparse.Namespace, ssm_for: Any = None) -> int:
 
             def ssm_for(region: str) -> Any:
                 return boto3.client("ssm", region_name=region)
-        for line in evacuate_on_aws(fleet, args.cell, args.undo, args.force, ssm_for):
-            print(line)
-        if not args.undo:
-            print(f"each router task drains {args.cell} within its poll interval; its log says "
-                  f'{{"event": "cell_empty", "cell": "{args.cell}"}} once no stream is left')
+        written = evacuate_on_aws(fleet, args.cell, args.undo, args.force, ssm_for)
+        for line in written.lines:
+            print(line, flush=True)
+        if args.undo:
+            return exit_codes.OK
+        if args.wait:
+            took = wait_empty_on_aws(fleet, args.cell, written, ssm_for, args.timeout)
+            print(f"cell {args.cell} empty at every router task after {took:.0f} s")
+        else:
+            print(f"each router task drains {args.cell} within its poll interval; `--wait` waits until every task "
+                  "reports it empty")
         return exit_codes.OK
     except EvacuateError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -139,3 +139,54 @@ def _tls_name_issues(path: str, router: RouterConfig, cells: dict[str, CellConfi
             yield ConfigIssue(f"{path}.tls_names.{name}", names[name],
                               f"cell {name} serves plain HTTP (no certificate_arn): the router reaches it without TLS; "
                               "remove this name")
+
+
+def _candidates(fleet: FleetConfig) -> list[CellConfig]:
+    """The fronted cells `pipeline.evacuate` names, before the rule that a router keeps a cell in service."""
+    if fleet.pipeline is None or fleet.pipeline.evacuate == "none":
+        return []
+    fronted = {name for router in fleet.routers for name in router.cells}
+    return [c for c in fleet.cells if c.name in fronted
+            and (fleet.pipeline.evacuate == "all" or c.resolved_min_units == 1)]
+
+
+def _strands(fleet: FleetConfig, cell: CellConfig, candidates: list[CellConfig]) -> RouterConfig | None:
+    """A router of the cell whose every cell would be out during the cell's wave, if there is one."""
+    out = {c.name for c in candidates if c.wave == cell.wave}
+    return next((r for r in fleet.routers if cell.name in r.cells and set(r.cells) <= out), None)
+
+
+def pipeline_evacuations(fleet: FleetConfig) -> list[CellConfig]:
+    """The cells the pipeline evacuates before their update (stacks/evacuation.py): `pipeline.evacuate`'s
+    fronted cells, leaving out in one-unit mode those whose router would have no cell left in their wave
+    (in all mode such a fleet is refused by check_pipeline_evacuation)."""
+    candidates = _candidates(fleet)
+    return [c for c in candidates if _strands(fleet, c, candidates) is None]
+
+
+def check_pipeline_evacuation(fleet: FleetConfig) -> Iterable[ConfigIssue]:
+    """What the pipeline's evacuation needs: routers to evacuate at, a cell left at each router in each wave
+    (all mode), and the evacuated cells in the pipeline's account: the action writes the routers' SSM
+    parameters with the pipeline's own role, and a router's stack is in its cells' account."""
+    pipeline = fleet.pipeline
+    if pipeline is None or pipeline.evacuate == "none":
+        return
+    if pipeline.evacuate == "all" and not fleet.routers:
+        yield ConfigIssue("pipeline.evacuate", "all", "no router fronts any cell (routers:), so there is nothing to "
+                          "evacuate at; add a router, or set pipeline.evacuate: none")
+    candidates, stranded = _candidates(fleet), set()
+    for cell in candidates:
+        router = _strands(fleet, cell, candidates)
+        if router is not None and pipeline.evacuate == "all" and (router.region, cell.wave) not in stranded:
+            stranded.add((router.region, cell.wave))
+            yield ConfigIssue(
+                "pipeline.evacuate", "all",
+                f"the router in {router.region} fronts {list(router.cells)}, all in wave {cell.wave}: evacuating them "
+                "all would leave it no cell; put one of them in another wave, or set pipeline.evacuate: one-unit")
+    for cell in pipeline_evacuations(fleet):
+        if cell.account != pipeline.account:
+            yield ConfigIssue(
+                "pipeline.evacuate", pipeline.evacuate,
+                f"cell {cell.name} is in account {cell.account}, the pipeline in {pipeline.account}: the pipeline "
+                "evacuates it by writing its routers' SSM parameters (in the cells' account) with its own role; "
+                "put the cell in the pipeline's account, or set pipeline.evacuate: none")

@@ -16,7 +16,9 @@ CloudWatchAlarm rules with WaitTime = bake minutes, result ROLLBACK), and rolls 
 itself when an action fails (OnFailure ROLLBACK). The gate alarms are named from the
 cell stack names (cell_constructs.cell_alarms.rollout_gate_name): no cross-stack reference.
 In the first wave, after its deploy actions, the verify gate runs the first-deploy kit
-read-only in each canary cell's VPC (stacks/verify_gate.py).
+read-only in each canary cell's VPC (stacks/verify_gate.py). A cell a router fronts may be
+evacuated before its deploy action and restored in a `Restore-<wave>` stage after the bake
+(stacks/evacuation.py).
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ from cell_constructs.nag import acknowledge
 from inference_fleet import compile_job
 from inference_fleet.config import DEFAULT_CONFIG, CellConfig, FleetConfig, PipelineConfig, RouterConfig, WaveConfig
 from inference_fleet.rollout import MAX_CELLS_PER_WAVE
+from inference_fleet.router_checks import pipeline_evacuations
 from inference_fleet.unit_spec import layout_key
+from stacks.evacuation import Evacuation
 from stacks.verify_gate import VerifyGate
 
 REPOSITORY_ROOT = Path(__file__).resolve().parents[1]
@@ -94,6 +98,10 @@ class Gate(NamedTuple):
 
 def wave_stage_name(wave: WaveConfig) -> str:
     return f"Wave-{wave.name}"
+
+
+def restore_stage_name(wave: WaveConfig) -> str:
+    return f"Restore-{wave.name}"
 
 
 def bootstrap_role_arn(partition: str, account: str, region: str, kind: str) -> str:
@@ -158,7 +166,18 @@ class PipelineStack(Stack):
         ]
         self._source = source
         self.verify_gates: list[VerifyGate] = []
-        stages += [self._wave_stage(wave, assembly) for wave in fleet.waves]
+        self.evacuated = {cell.name for cell in pipeline_evacuations(fleet)}
+        self.evacuation = Evacuation(
+            self, "Evacuation", fleet=fleet, cells=[c for c in fleet.cells if c.name in self.evacuated],
+            fleet_file=self._fleet_file_in_build(), key=self.key, source=source,
+        ) if self.evacuated else None
+        for wave in fleet.waves:
+            stages.append(self._wave_stage(wave, assembly))
+            restored = [c for c in fleet.cells_of_wave(wave.name) if c.name in self.evacuated]
+            if restored:
+                # After the wave's bake (its OnSuccess condition): the cells take traffic again.
+                stages.append(codepipeline.StageProps(stage_name=restore_stage_name(wave), actions=[
+                    self.evacuation.action(cell, undo=True, run_order=1) for cell in restored]))
 
         self.pipeline = codepipeline.Pipeline(
             self, "Pipeline",
@@ -317,6 +336,11 @@ class PipelineStack(Stack):
                 additional_information=f"Wave {wave.name}: deploy {', '.join(c.name for c in cells)}",
             ))
         deploy_order = 2 if wave.manual_approval else 1
+        evacuated = [cell for cell in cells if cell.name in self.evacuated]
+        if evacuated:
+            # Out of the routers' choice, its streams finished, before its update (stacks/evacuation.py).
+            stage_actions += [self.evacuation.action(cell, undo=False, run_order=deploy_order) for cell in evacuated]
+            deploy_order += 1
         stage_actions += [self._deploy_action(cell, assembly, deploy_order) for cell in cells]
         if wave is self.fleet.waves[0] and self.fleet.pipeline.verify_gate:
             # The canary wave: the first-deploy kit checks each of its cells before the bake (stacks/verify_gate.py).
@@ -383,12 +407,14 @@ class PipelineStack(Stack):
         # Numbered, not named after the cell: its build commands then have one identity in every fleet
         # (tests/shipped_scripts.py), and a wave holds at most 5 cells.
         gate = VerifyGate(
-            self, f"VerifyGate{index}", fleet=self.fleet, cell=cell,
-            fleet_file=self.fleet_file or DEFAULT_CONFIG.relative_to(REPOSITORY_ROOT).as_posix(),
+            self, f"VerifyGate{index}", fleet=self.fleet, cell=cell, fleet_file=self._fleet_file_in_build(),
             key=self.key, source=self._source, run_order=run_order,
         )
         self.verify_gates.append(gate)
         return gate
+
+    def _fleet_file_in_build(self) -> str:
+        return self.fleet_file or DEFAULT_CONFIG.relative_to(REPOSITORY_ROOT).as_posix()
 
     # -- rollout gates -----------------------------------------------------------------
 
@@ -444,12 +470,13 @@ class PipelineStack(Stack):
         gate in another account is set on the rendered rule.
         """
         cfn = self.pipeline.node.default_child
-        first_wave_stage = 3  # after Source, Build and Compile
-        for w, wave in enumerate(self.fleet.waves):
+        stage_names = [stage.stage_name for stage in self.pipeline.stages]
+        for wave in self.fleet.waves:
+            index = stage_names.index(wave_stage_name(wave))  # Restore-<wave> stages may sit between waves
             for r, gate in enumerate(self._gates(wave)):
                 if self._cross_account(gate):
                     cfn.add_property_override(
-                        f"Stages.{first_wave_stage + w}.OnSuccess.Conditions.0.Rules.{r}.RoleArn",
+                        f"Stages.{index}.OnSuccess.Conditions.0.Rules.{r}.RoleArn",
                         f"arn:{self.partition}:iam::{gate.account}:role/{gate_reader_role_name(gate.stack_name)}",
                     )
 
@@ -515,6 +542,14 @@ class PipelineStack(Stack):
             action_role = stage.node.find_child(gate.action.action_properties.action_name).node.find_child(
                 "CodePipelineActionRole")
             acknowledge(action_role, inline)
+        if self.evacuation is not None:
+            self.evacuation.acknowledge_policies(artifacts)
+            for action in self.evacuation.actions:
+                name = action.action_properties.action_name
+                stage = next(s for s in self.pipeline.stages if any(
+                    a.action_properties.action_name == name for a in s.actions))
+                acknowledge(self.pipeline.node.find_child(stage.stage_name).node.find_child(name).node.find_child(
+                    "CodePipelineActionRole"), inline)
         for region, support in sorted(self.pipeline.cross_region_support.items()):
             bucket_name = self.resolve(support.replication_bucket.bucket_name)
             acknowledge(self.pipeline.role, (

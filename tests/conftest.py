@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,3 +110,31 @@ def router_fleet() -> FleetConfig:
 def synth_router(router_fleet: FleetConfig, tmp_path_factory: pytest.TempPathFactory) -> SynthesizedFleet:
     """The router test fleet (cells dev and prod behind Rufus-Router-us-east-2, cell solo not), images pinned."""
     return synth_fleet(router_fleet, tmp_path_factory.mktemp("cdk-router"))
+
+
+@pytest.fixture
+def local_ssm() -> Iterator[dict[str, str]]:
+    """Systems Manager on loopback (moto's server in a thread), its state emptied before and after: moto
+    keeps it per process, across servers. Yields the environment that points botocore at it."""
+    import socket
+    import urllib.request
+
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+
+    def reset() -> None:
+        urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST"), timeout=10).close()
+
+    reset()
+    try:
+        yield {"AWS_ENDPOINT_URL_SSM": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+               "AWS_REGION": "us-east-2", "AWS_EC2_METADATA_DISABLED": "true"}
+    finally:
+        reset()
+        server.stop()

@@ -4,20 +4,30 @@ local file the router agent polls. The router's side (drain, empty) runs for rea
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import copy
 import json
+import os
+import socket
+import sys
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import botocore.session
 import pytest
+import yaml
+from aiohttp import web
 from botocore.stub import Stubber
+from unit_proxy.router_ssm import TaskReport
 
 from inference_fleet import exit_codes
 from inference_fleet.checks import parse_fleet
 from inference_fleet.cli import main
 from inference_fleet.config import FleetConfig, read_fleet_file
-from inference_fleet.evacuate import EvacuateError, evacuate_on_aws, write_local
+from inference_fleet.evacuate import EvacuateError, Written, evacuate_on_aws, wait_empty_on_aws, write_local
 
 NAME = "/inference-fleet/Rufus/router/us-east-2/evacuated"
 
@@ -38,8 +48,9 @@ def _ssm() -> tuple[Any, Stubber]:
     return client, Stubber(client)
 
 
-def _param(value: list[str]) -> dict[str, Any]:
-    return {"Parameter": {"Name": NAME, "Type": "String", "Value": json.dumps({"evacuated": value}), "Version": 1}}
+def _param(value: list[str], version: int = 1) -> dict[str, Any]:
+    return {"Parameter": {"Name": NAME, "Type": "String", "Value": json.dumps({"evacuated": value}),
+                          "Version": version}}
 
 
 def test_evacuate_writes_the_routers_parameter(fleet: FleetConfig) -> None:
@@ -49,9 +60,10 @@ def test_evacuate_writes_the_routers_parameter(fleet: FleetConfig) -> None:
         "Name": NAME, "Value": '{"evacuated": ["prod"]}', "Type": "String", "Overwrite": True})
     stub.add_response("get_parameter", _param(["prod"]), expected_params={"Name": NAME})
     with stub:
-        lines = evacuate_on_aws(fleet, "prod", undo=False, force=False, ssm_for=lambda region: ssm)
+        written = evacuate_on_aws(fleet, "prod", undo=False, force=False, ssm_for=lambda region: ssm)
     stub.assert_no_pending_responses()
-    assert lines == [f"us-east-2: {NAME} = ['prod']"]
+    assert written.lines == [f"us-east-2: {NAME} = ['prod'] (version 1)"]
+    assert written.versions == {"us-east-2": 1} and not written.raced
 
 
 def test_undo_removes_only_that_cell(fleet: FleetConfig) -> None:
@@ -80,8 +92,10 @@ def test_a_race_is_reported(fleet: FleetConfig) -> None:
         "Name": NAME, "Value": '{"evacuated": ["prod"]}', "Type": "String", "Overwrite": True})
     stub.add_response("get_parameter", _param(["dev"]), expected_params={"Name": NAME})
     with stub:
-        lines = evacuate_on_aws(fleet, "prod", undo=False, force=False, ssm_for=lambda region: ssm)
-    assert "another evacuation was written at the same time" in lines[-1]
+        written = evacuate_on_aws(fleet, "prod", undo=False, force=False, ssm_for=lambda region: ssm)
+    assert "another evacuation was written at the same time" in written.lines[-1]
+    with pytest.raises(EvacuateError, match="run this again before waiting"):
+        wait_empty_on_aws(fleet, "prod", written, lambda region: pytest.fail("no AWS call"), 10)
 
 
 def test_a_cell_no_router_fronts_is_refused(fleet: FleetConfig) -> None:
@@ -107,8 +121,160 @@ def test_a_broken_local_file_is_one_line_and_exit_6(tmp_path: Path, capsys: pyte
     assert err.startswith("error: ") and "Traceback" not in err
 
 
+def test_wait_with_local_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "evacuation.json"
+    assert main(["evacuate", "--cell", "b", "--local", str(path), "--wait"]) == exit_codes.EVACUATE
+    assert "--status-url" in capsys.readouterr().err and not path.exists()
+
+
 def test_local_last_cell_refused(tmp_path: Path) -> None:
     path = tmp_path / "evacuation.json"
     write_local(path, "a", undo=False, force=False, cells=("a", "b"))
     with pytest.raises(EvacuateError):
         write_local(path, "b", undo=False, force=False, cells=("a", "b"))
+
+
+TASKS = "/inference-fleet/Rufus/router/us-east-2/tasks"
+NOW = datetime(2026, 12, 1, 22, 0, tzinfo=UTC)
+
+
+def _reports(*reports: tuple[str, int, list[str], list[str], float]) -> dict[str, Any]:
+    """GetParametersByPath's answer: (task, version, evacuated, empty, age in s) per report."""
+    return {"Parameters": [
+        {"Name": f"{TASKS}/{task}", "Type": "String", "Version": 3, "LastModifiedDate": NOW - timedelta(seconds=age),
+         "Value": TaskReport(task, version, evacuated, empty).to_json()}
+        for task, version, evacuated, empty, age in reports]}
+
+
+def _wait(fleet: FleetConfig, ssm: Any, version: int = 5, timeout: float = 60) -> float:
+    clock = iter(range(0, 10_000, 5))
+    return wait_empty_on_aws(fleet, "prod", Written(versions={"us-east-2": version}), lambda region: ssm, timeout,
+                             clock=lambda: next(clock), sleep=lambda s: None, now=lambda: NOW)
+
+
+def test_wait_until_every_live_task_reports_the_cell_empty(fleet: FleetConfig) -> None:
+    ssm, stub = _ssm()
+    expected = {"Path": TASKS}
+    # t1 has not applied version 5 yet; then t2 still has streams on prod; then both are empty.
+    stub.add_response("get_parameters_by_path", _reports(("t1", 4, [], [], 1), ("t2", 5, ["prod"], [], 1)),
+                      expected_params=expected)
+    stub.add_response("get_parameters_by_path", _reports(("t1", 5, ["prod"], ["prod"], 1),
+                                                         ("t2", 5, ["prod"], [], 1)), expected_params=expected)
+    # A report 10 minutes old (a task killed without deleting it) is counted as gone; pages are followed.
+    stub.add_response("get_parameters_by_path", {**_reports(("t1", 5, ["prod"], ["prod"], 1)), "NextToken": "n"},
+                      expected_params=expected)
+    stub.add_response("get_parameters_by_path", _reports(("t2", 6, ["prod"], ["prod"], 2),
+                                                         ("dead", 1, [], [], 600)),
+                      expected_params={"Path": TASKS, "NextToken": "n"})
+    with stub:
+        assert _wait(fleet, ssm) == 15  # three looks; the fake clock moves 5 s at each reading
+    stub.assert_no_pending_responses()
+
+
+def test_wait_fails_when_the_cell_was_restored_meanwhile_or_no_task_reports(fleet: FleetConfig) -> None:
+    ssm, stub = _ssm()
+    stub.add_response("get_parameters_by_path", _reports(("t1", 6, [], [], 1)), expected_params={"Path": TASKS})
+    with stub, pytest.raises(EvacuateError, match="no longer evacuates prod"):
+        _wait(fleet, ssm)
+    ssm, stub = _ssm()
+    for _ in range(3):
+        stub.add_response("get_parameters_by_path", _reports(("old", 5, ["prod"], ["prod"], 900)),
+                          expected_params={"Path": TASKS})
+    with stub, pytest.raises(EvacuateError, match="no router task reported in the last 180 s"):
+        _wait(fleet, ssm, timeout=6)
+
+
+class _Cell:
+    """A cell's load balancer on loopback: GET /health 200; POST waits for `hold`, then names the cell."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.posts, self.hold = name, 0, asyncio.Event()
+        self.hold.set()
+
+    async def start(self) -> web.AppRunner:
+        async def post(request: web.Request) -> web.Response:
+            self.posts += 1
+            await self.hold.wait()
+            return web.json_response({"cell": self.name})
+
+        async def health(request: web.Request) -> web.Response:
+            return web.Response(text="ok")
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_post("/v1/completions", post)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        self.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        return runner
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_evacuate_wait_against_a_router_process_and_a_local_ssm(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, local_ssm: dict[str, str]) -> None:
+    """The whole chain on loopback: `evacuate --wait` (boto3) writes moto's SSM; the router process
+    (`python -m unit_proxy.router`, botocore) drains the cell and reports; the command returns only
+    once the stream in flight on the cell has finished."""
+    raw, _ = read_fleet_file(None)
+    raw = copy.deepcopy(raw)
+    raw["waves"].append({"name": "second"})
+    raw["cells"].append(dict(raw["cells"][0], name="prod", vpc_cidr="10.20.0.0/16", wave="second"))
+    raw["routers"] = [{"region": "us-east-2", "cells": ["dev", "prod"], "plain_http": True}]
+    config = tmp_path / "fleet.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    aws = local_ssm
+    for name, value in aws.items():
+        monkeypatch.setenv(name, value)
+    dev, prod = _Cell("dev"), _Cell("prod")
+    runners = [await dev.start(), await prod.start()]
+    port = _port()
+    env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/bin"), "ROUTER_CELLS": f"dev={dev.url},prod={prod.url}",
+           "ROUTER_HOST": "127.0.0.1", "ROUTER_PORT": str(port), "ROUTER_ADMIN_PORT": str(_port()),
+           "ROUTER_CHECK_INTERVAL_MS": "1000", "ROUTER_SSM_PREFIX": "/inference-fleet/Rufus/router/us-east-2",
+           "ROUTER_SSM_POLL_SECONDS": "1", "ROUTER_TASK_ID": "task-a", **aws}
+    router = await asyncio.create_subprocess_exec(sys.executable, "-m", "unit_proxy.router", env=env,
+                                                  stderr=(tmp_path / "router.log").open("wb"))
+    try:
+        async with aiohttp.ClientSession() as session:
+            async def post() -> str:
+                async with session.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x"}) as resp:
+                    return (await resp.json())["cell"]
+
+            for _ in range(200):  # the router is up and has reported once
+                with contextlib.suppress(aiohttp.ClientError):
+                    if await post():
+                        break
+                await asyncio.sleep(0.05)
+            prod.hold.clear()
+            in_flight = asyncio.create_task(post())
+            while prod.posts == 0:
+                in_flight.done() or await asyncio.sleep(0.02)
+                if in_flight.done():  # it went to dev: send another
+                    in_flight = asyncio.create_task(post())
+            # The command as the pipeline runs it: a process of its own.
+            command = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "inference_fleet", "evacuate", "--config", str(config), "--cell", "prod",
+                "--wait", "--timeout", "60", env={**os.environ, **aws}, stdout=asyncio.subprocess.PIPE)
+            await asyncio.sleep(7)  # several router polls and at least one look by the command
+            assert command.returncode is None, "the command returned while a stream was still in flight on prod"
+            assert [await post() for _ in range(5)] == ["dev"] * 5  # drained already
+            released = asyncio.get_running_loop().time()
+            prod.hold.set()
+            assert await in_flight == "prod"
+            assert await asyncio.wait_for(command.wait(), 30) == exit_codes.OK
+            # A figure, not a bound: the router's report (poll 1 s here, 2 s by default) and the command's look (5 s).
+            took = asyncio.get_running_loop().time() - released
+            print(f"evacuate --wait returned {took:.1f} s after the stream ended")
+            out = (await command.stdout.read()).decode()
+        assert "(version 1)" in out and "cell prod empty at every router task" in out, out
+    finally:
+        router.kill()
+        await router.wait()
+        for runner in runners:
+            await runner.cleanup()

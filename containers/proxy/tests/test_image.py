@@ -42,6 +42,7 @@ def test_lock_pins_every_declared_dependency_and_every_import():
         assert locked.get(name.lower()) == version, requirement
     import_names = {
         "aiohttp": "aiohttp",
+        "botocore": "botocore",
         "multidict": "multidict",
         "prometheus_client": "prometheus-client",
         "uvloop": "uvloop",

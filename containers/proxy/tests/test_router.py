@@ -90,6 +90,7 @@ class FakeCell:
 
     def __init__(self, name: str) -> None:
         self.name, self.down, self.posts, self.url = name, False, 0, ""
+        self.fail_every = 0  # > 0: every fail_every-th answer is a 503 unit_unavailable
         self.hold = asyncio.Event()
         self.hold.set()
 
@@ -110,7 +111,7 @@ class FakeCell:
     async def _post(self, request: web.Request) -> web.StreamResponse:
         await request.read()
         self.posts += 1
-        if self.down:
+        if self.down or (self.fail_every and self.posts % self.fail_every == 0):
             return web.json_response({"error": {"type": "unit_unavailable"}}, status=503)
         await self.hold.wait()
         return web.json_response({"cell": self.name})
@@ -180,6 +181,31 @@ async def test_a_cell_answering_503_is_ejected_by_passive_checks(
             posts = a.posts
             assert [await _post(session, router.port) for _ in range(10)] == [(200, "b")] * 10
             assert a.posts == posts
+    finally:
+        await router.close()
+
+
+async def test_a_busy_cell_with_a_few_503s_is_not_ejected(cells: tuple[FakeCell, FakeCell], tmp_path: Path) -> None:
+    """The agent ejected a cell whose retried-away answers grew by ROUTER_ERROR_LIMIT between two polls,
+    however many it answered meanwhile: a busy cell answering 1 in 20 with a 503 (each retried on the
+    other cell) was ejected every poll. The decision is now on the share of its attempts retried away."""
+    a, b = cells
+    router = await _router(a, b, tmp_path, ROUTER_ERROR_LIMIT="3", ROUTER_POLL_SECONDS="1",
+                           ROUTER_CHECK_INTERVAL_MS="2000")
+    try:
+        a.fail_every = 20
+        async with aiohttp.ClientSession() as session:
+            loop = asyncio.get_running_loop()
+            end, results = loop.time() + 3.5, []  # more than three polls, 5 clients in parallel
+            while loop.time() < end:
+                results += await asyncio.gather(*(_post(session, router.port) for _ in range(5)))
+        await router.state.refresh()
+        rows = await router.state.api.show_stat()
+        retried = next(int(r["wredis"]) for r in rows if r.get("pxname") == "cells" and r.get("svname") == "a")
+        assert retried >= 3 * 3, f"the test needs several retried 503s per poll, got {retried} in all"
+        assert all(status == 200 for status, _ in results)  # every 503 was retried on b
+        assert router.state.cells["a"].ejections == 0, router.state.status_doc()
+        assert router.state.cells["a"].status.startswith("UP"), router.state.status_doc()
     finally:
         await router.close()
 

@@ -28,14 +28,18 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
+import random
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from unit_proxy.agent import (
@@ -49,13 +53,22 @@ from unit_proxy.agent import (
 )
 from unit_proxy.router_config import BACKEND, HARD_STOP_SECONDS, RouterPaths, RouterSettings, render
 from unit_proxy.router_metrics import emf_loop
+from unit_proxy.router_ssm import (
+    REPORT_HEARTBEAT_SECONDS,
+    EvacuationValueError,
+    SsmClient,
+    TaskReport,
+    evacuation_parameter,
+    parse_evacuated,
+    report_parameter,
+)
 from unit_proxy.runtime_api import RuntimeApi, RuntimeApiError
 from unit_proxy.settings import SettingsError
 
 log = logging.getLogger("unit_proxy.router")
 
 
-class EvacuationFileError(ValueError):
+class EvacuationFileError(EvacuationValueError):
     """The evacuation file cannot be used; the message says why (the last good state is kept)."""
 
 
@@ -70,16 +83,40 @@ def read_evacuation(path: str, cells: set[str]) -> frozenset[str]:
     except UnicodeDecodeError as exc:  # a ValueError, not an OSError: it would end the poll loop
         raise EvacuationFileError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     try:
-        doc = json.loads(text or "{}")
-    except json.JSONDecodeError as exc:
-        raise EvacuationFileError(f"{path}: not JSON ({exc.msg})") from None
-    names = doc.get("evacuated") if isinstance(doc, dict) else None
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        raise EvacuationFileError(f'{path}: expected {{"evacuated": ["cell", ...]}}')
-    unknown = sorted(set(names) - cells)
-    if unknown:
-        raise EvacuationFileError(f"{path}: unknown cells {unknown}; this router fronts {sorted(cells)}")
-    return frozenset(names)
+        return parse_evacuated(text, cells, path)
+    except EvacuationValueError as exc:
+        raise EvacuationFileError(str(exc)) from None
+
+
+# A cell is ejected when at least this share of its attempts since the last decision were retried away
+# (and at least ROUTER_ERROR_LIMIT of them): most of its answers are failures, not a few among many.
+EJECT_SHARE = 0.5
+
+
+@dataclass
+class RetryWindow:
+    """A cell's attempts and retried-away answers since the last ejection decision, counted in requests.
+
+    The decision is taken once the window holds ROUTER_ERROR_LIMIT attempts or more, on the share of them
+    retried away, so it depends on the requests the cell was sent and not on how many fell between two
+    polls: a busy cell with a few 503s among thousands of answers is not ejected however long a poll
+    takes, and a cell failing everything is ejected after ROUTER_ERROR_LIMIT attempts, as HAProxy's own
+    `error-limit` would (docs/router.md "Active and passive checks")."""
+
+    attempts: int = 0
+    retried: int = 0
+
+    def add(self, attempts: int, retried: int) -> None:
+        self.attempts += max(attempts, 0)
+        self.retried += max(retried, 0)
+
+    def decide(self, error_limit: int) -> bool | None:
+        """None while the window is short; else whether to eject (and the window starts again)."""
+        if self.attempts < error_limit:
+            return None
+        eject = self.retried >= error_limit and self.retried >= EJECT_SHARE * self.attempts
+        self.attempts = self.retried = 0
+        return eject
 
 
 @dataclass
@@ -90,7 +127,8 @@ class CellStatus:
     served: int = 0
     evacuated: bool = False
     empty: bool = False
-    redispatched: int | None = None  # `wredis` at the last look: requests retried away from this cell
+    counters: tuple[int, int] | None = None  # (`stot`, `wredis`) at the last look
+    window: RetryWindow = field(default_factory=RetryWindow)
     ejections: int = 0
 
     def doc(self) -> dict[str, Any]:
@@ -105,6 +143,9 @@ class RouterState:
     cells: dict[str, CellStatus] = field(default_factory=dict)
     evacuated: frozenset[str] = frozenset()
     file_error: str | None = None
+    ssm_error: str | None = None
+    version: int = 0  # the SSM evacuation parameter's version last applied (0: none read yet, or none exists)
+    refresh_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def __post_init__(self) -> None:
         self.cells = {cell.name: CellStatus(weight=cell.weight) for cell in self.settings.cells}
@@ -122,7 +163,13 @@ class RouterState:
         self.evacuated = wanted
 
     async def refresh(self) -> None:
-        """Each cell's row of `show stat`; an evacuated cell's first empty look is logged once."""
+        """Each cell's row of `show stat`; an evacuated cell's first empty look is logged once. One at a
+        time (the poll loop and `GET /status` both refresh): the counters' differences are then taken in
+        the order the snapshots were read."""
+        async with self.refresh_lock:
+            await self._refresh()
+
+    async def _refresh(self) -> None:
         for row in await self.api.show_stat():
             cell = self.cells.get(row.get("svname", "")) if row.get("pxname") == BACKEND else None
             if cell is None:
@@ -131,32 +178,46 @@ class RouterState:
             cell.weight = int(row.get("weight") or 0)
             cell.streams = int(row.get("scur") or 0)
             cell.served = int(row.get("stot") or 0)
-            await self._eject_if_retried_away(row["svname"], cell, int(row.get("wredis") or 0))
+            await self._eject_if_retried_away(row["svname"], cell, cell.served, int(row.get("wredis") or 0))
             if cell.evacuated and cell.streams == 0 and not cell.empty:
                 cell.empty = True
                 log.warning(json.dumps({"event": "cell_empty", "cell": row["svname"]}))
 
-    async def _eject_if_retried_away(self, name: str, cell: CellStatus, redispatched: int) -> None:
+    async def _eject_if_retried_away(self, name: str, cell: CellStatus, attempts: int, redispatched: int) -> None:
         """Passive ejection of a cell whose answers were retried elsewhere: HAProxy 2.6 takes the L7 retry
         (`retry-on 503`) before its `observe layer7` accounting (src/http_ana.c, http_wait_for_response:
         `do_l7_retry` returns ahead of `health_adjust`), so a retried 503 never counts towards
         `error-limit` (measured: 30 of 30 retried, the cell stayed UP). The agent counts them instead,
-        from the cell's `wredis` in `show stat` (management guide 9.1: for a server, the times it was
-        switched away from), and forces its health down (9.3 "set server ... health down"); the active
-        checks bring it back after `rise` passing checks."""
-        before, cell.redispatched = cell.redispatched, redispatched
-        if before is None or redispatched - before < self.settings.error_limit or not cell.status.startswith("UP"):
+        from the cell's `show stat` row (management guide 9.1: `stot`, the sessions sent to it, which
+        include the attempts retried away, measured; `wredis`, the times it was switched away from),
+        per request through RetryWindow, and forces its health down (9.3 "set server ... health down");
+        the active checks bring it back after `rise` passing checks."""
+        before, cell.counters = cell.counters, (attempts, redispatched)
+        if before is None:
+            return
+        if not cell.status.startswith("UP"):
+            cell.window = RetryWindow()  # out of the choice already: a new window once it is back
+            return
+        cell.window.add(attempts - before[0], redispatched - before[1])
+        window = (cell.window.attempts, cell.window.retried)
+        if not cell.window.decide(self.settings.error_limit):
             return
         answer = await self.api.command(f"set server {BACKEND}/{name} health down")
         if answer.strip():
             raise RuntimeApiError(f"set server {name} health down: {answer.strip()}")
         cell.ejections += 1
         cell.status = "DOWN"
-        log.warning(json.dumps({"event": "cell_ejected", "cell": name, "retried_away": redispatched - before}))
+        log.warning(json.dumps({"event": "cell_ejected", "cell": name, "attempts": window[0],
+                                "retried_away": window[1]}))
 
     def status_doc(self) -> dict[str, Any]:
         return {"cells": {name: cell.doc() for name, cell in self.cells.items()},
-                "evacuated": sorted(self.evacuated), "evacuation_file_error": self.file_error}
+                "evacuated": sorted(self.evacuated), "evacuation_file_error": self.file_error,
+                "evacuation_ssm_error": self.ssm_error, "evacuation_version": self.version}
+
+    def report(self, task_id: str) -> TaskReport:
+        return TaskReport(task=task_id, version=self.version, evacuated=sorted(self.evacuated),
+                          empty=sorted(name for name in self.evacuated if self.cells[name].empty))
 
 
 async def poll_loop(state: RouterState) -> None:
@@ -183,6 +244,89 @@ async def poll_loop(state: RouterState) -> None:
         await asyncio.sleep(settings.poll_seconds)
 
 
+@dataclass
+class SsmSource:
+    """The router's evacuation on AWS (unit_proxy.router_ssm): the parameter it polls and its own report."""
+
+    client: SsmClient
+    parameter: str
+    report_name: str
+    task_id: str
+    written: TaskReport | None = None
+    written_at: float = 0.0
+
+    async def poll(self, state: RouterState) -> None:
+        """Read the evacuated cells and apply them; an error is logged once and the last state is kept."""
+        names = set(state.cells)
+        try:
+            text, version = await asyncio.to_thread(self.client.read, self.parameter)
+            wanted = parse_evacuated(text, names, f"SSM parameter {self.parameter} (version {version})")
+        except Exception as exc:
+            error = f"{self.parameter}: {type(exc).__name__}: {exc}"
+            if state.ssm_error != error:
+                log.error(json.dumps({"event": "evacuation_ssm_error", "error": error,
+                                      "kept": sorted(state.evacuated)}))
+            state.ssm_error = error
+            return
+        if state.ssm_error:
+            log.warning(json.dumps({"event": "evacuation_ssm_recovered", "version": version}))
+        state.ssm_error = None
+        await state.apply(wanted)
+        state.version = version
+
+    async def write_report(self, state: RouterState, now: float) -> None:
+        """This task's report, when it changed or the heartbeat is due (router_ssm.REPORT_HEARTBEAT_SECONDS)."""
+        report = state.report(self.task_id)
+        if report == self.written and now - self.written_at < REPORT_HEARTBEAT_SECONDS:
+            return
+        await asyncio.to_thread(self.client.write, self.report_name, report.to_json())
+        self.written, self.written_at = report, now
+
+    async def delete_report(self) -> None:
+        await asyncio.to_thread(self.client.delete, self.report_name)
+
+
+async def ssm_loop(state: RouterState, source: SsmSource) -> None:
+    """Every ROUTER_SSM_POLL_SECONDS, after a random first delay (tasks started together do not call in
+    step): the SSM parameter, then this task's report. Nothing here ends the loop."""
+    period = state.settings.ssm_poll_seconds
+    loop = asyncio.get_running_loop()
+    await asyncio.sleep(random.uniform(0, period))
+    while True:
+        try:
+            await source.poll(state)
+            await source.write_report(state, loop.time())
+        except Exception:
+            log.exception("router SSM poll failed")
+        await asyncio.sleep(period)
+
+
+async def task_id(settings: RouterSettings) -> str:
+    """ROUTER_TASK_ID, else the ECS task's id from the task metadata endpoint v4 (`TaskARN` of
+    ${ECS_CONTAINER_METADATA_URI_V4}/task, https://docs.aws.amazon.com/AmazonECS/latest/developerguide/
+    task-metadata-endpoint-v4-fargate.html), else host name and process id."""
+    if settings.task_id:
+        return settings.task_id
+    uri = os.environ.get("ECS_CONTAINER_METADATA_URI_V4", "")
+    if uri:
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session, \
+                    session.get(f"{uri}/task") as resp:
+                return str((await resp.json(content_type=None))["TaskARN"]).rsplit("/", 1)[-1]
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as exc:
+            log.warning("task metadata unreadable (%s): the report is named after the host", exc)
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+async def _ssm_source(settings: RouterSettings) -> SsmSource | None:
+    if not settings.ssm_prefix:
+        return None
+    client = await asyncio.to_thread(SsmClient, settings.ssm_region)
+    ident = await task_id(settings)
+    return SsmSource(client, evacuation_parameter(settings.ssm_prefix), report_parameter(settings.ssm_prefix, ident),
+                     ident)
+
+
 def admin_app(state: RouterState) -> web.Application:
     async def status(request: web.Request) -> web.Response:
         with contextlib.suppress(RuntimeApiError):
@@ -205,6 +349,8 @@ class RunningRouter:
     task: asyncio.Task[None]
     owns_dir: bool
     metrics_task: asyncio.Task[None] | None = None  # EMF lines (unit_proxy.router_metrics), when configured
+    ssm: SsmSource | None = None
+    ssm_task: asyncio.Task[None] | None = None
 
     async def close(self, soft: bool = False, timeout: float = 5.0) -> int | None:
         proc = self.process
@@ -218,10 +364,16 @@ class RunningRouter:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 await proc.wait()
-        tasks = [t for t in (self.task, self.metrics_task) if t is not None]
+        tasks = [t for t in (self.task, self.metrics_task, self.ssm_task) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.ssm is not None:
+            try:  # a clean exit takes its report away; a task gone otherwise goes stale (router_ssm)
+                async with asyncio.timeout(5):
+                    await self.ssm.delete_report()
+            except Exception as exc:
+                log.warning("the SSM report %s was not deleted: %s", self.ssm.report_name, exc)
         await self.runner.cleanup()
         if self.owns_dir:
             shutil.rmtree(self.paths.runtime_dir, ignore_errors=True)
@@ -241,6 +393,10 @@ async def start(settings: RouterSettings) -> RunningRouter:
     try:
         await _site(runner, lambda: web.TCPSite(runner, settings.admin_host, settings.admin_port, reuse_address=True),
                     f"{settings.admin_host}:{settings.admin_port}")
+        try:
+            ssm = await _ssm_source(settings)
+        except Exception as exc:  # botocore configuration errors: one line, exit 1
+            raise StartError(f"SSM client for {settings.ssm_prefix}: {type(exc).__name__}: {exc}") from None
         Path(paths.config).write_text(render(settings, paths))
         process = await _start_haproxy(paths, api)  # type: ignore[arg-type]  # RouterPaths has the same fields
     except BaseException:
@@ -255,10 +411,14 @@ async def start(settings: RouterSettings) -> RunningRouter:
     metrics_task = asyncio.create_task(
         emf_loop(api, settings.metrics_namespace, settings.router_name, settings.emf_interval_seconds),
         name="router-emf") if settings.metrics_namespace else None
+    ssm_task = asyncio.create_task(ssm_loop(state, ssm), name="router-ssm") if ssm else None
     admin_port = runner.addresses[0][1]
     log.info("router listening on %s:%d (HAProxy pid %d, admin %s:%d) -> %s", settings.host, port, process.pid,
              settings.admin_host, admin_port, ", ".join(f"{c.name}={c.url} w{c.weight}" for c in settings.cells))
-    return RunningRouter(state, paths, port, admin_port, process, runner, task, owns, metrics_task)
+    if ssm:
+        log.info("evacuation from SSM %s every %g s, report %s", ssm.parameter, settings.ssm_poll_seconds,
+                 ssm.report_name)
+    return RunningRouter(state, paths, port, admin_port, process, runner, task, owns, metrics_task, ssm, ssm_task)
 
 
 async def serve(settings: RouterSettings) -> int:

@@ -112,6 +112,34 @@ def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     return raw in ("1", "true")
 
 
+# GetParameter every 2 s per router task. Parameter Store's default throughput, per account and region, is
+# shared by GetParameter, GetParameters and PutParameter (API_GetParameter.html: "This applies to
+# GetParameter, GetParameters, and PutParameter API calls for your AWS account and AWS Region"); the
+# quotas page (https://docs.aws.amazon.com/general/latest/gr/ssm.html) gives 40 transactions/s for it
+# (figure as quoted by secondary sources; the page was not retrieved). Two tasks use 1/s (2.5 %), and up
+# to 8 tasks stay under a tenth of it, leaving the rest to the account's other users; an evacuation
+# starts within 2 s at every task. docs/router.md "Evacuation".
+SSM_POLL_SECONDS = 2.0
+
+
+def _ssm(env: Mapping[str, str]) -> dict[str, object]:
+    """ROUTER_SSM_PREFIX (evacuation from SSM, docs/contracts.md) with its region and poll period."""
+    prefix = env.get("ROUTER_SSM_PREFIX", "").strip().rstrip("/")
+    poll = _float(env, "ROUTER_SSM_POLL_SECONDS", SSM_POLL_SECONDS, 1, 60)
+    task_id = env.get("ROUTER_TASK_ID", "").strip()
+    if not prefix:
+        return {"ssm_poll_seconds": poll, "task_id": task_id}
+    if not re.fullmatch(r"(/[a-zA-Z0-9_.-]+)+", prefix):
+        raise SettingsError("ROUTER_SSM_PREFIX", prefix, "an SSM parameter path such as "
+                            "/inference-fleet/<Fleet>/router/<region> (letters, digits, _.- between slashes)")
+    if env.get("ROUTER_EVACUATION_FILE", "").strip():
+        raise SettingsError("ROUTER_SSM_PREFIX", prefix, "either ROUTER_SSM_PREFIX or ROUTER_EVACUATION_FILE, not both")
+    region = (env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "").strip()
+    if not region:
+        raise SettingsError("AWS_REGION", "", "the region of the router's SSM parameters (with ROUTER_SSM_PREFIX)")
+    return {"ssm_prefix": prefix, "ssm_region": region, "ssm_poll_seconds": poll, "task_id": task_id}
+
+
 @dataclass(frozen=True)
 class RouterSettings:
     """Every setting of the router; docs/router.md lists them with their meaning."""
@@ -132,6 +160,10 @@ class RouterSettings:
     workers: int = 1
     evacuation_file: str = ""
     poll_seconds: float = 1.0
+    ssm_prefix: str = ""
+    ssm_region: str = ""
+    ssm_poll_seconds: float = SSM_POLL_SECONDS
+    task_id: str = ""
     runtime_dir: str = ""
     ca_file: str = SYSTEM_CA_FILE
     # EMF (unit_proxy.router_metrics): off unless ROUTER_METRICS_NAMESPACE is set.
@@ -159,6 +191,7 @@ class RouterSettings:
             workers=_int(env, "ROUTER_WORKERS", cls.workers, 1, 64),
             evacuation_file=env.get("ROUTER_EVACUATION_FILE", "").strip(),
             poll_seconds=_float(env, "ROUTER_POLL_SECONDS", cls.poll_seconds, 0.05, 60),
+            **_ssm(env),
             runtime_dir=env.get("RUNTIME_DIR", "").strip(),
             ca_file=env.get("ROUTER_CA_FILE", cls.ca_file).strip() or cls.ca_file,
             **_metrics(env),

@@ -1,0 +1,233 @@
+"""The router's evacuation from SSM (`unit_proxy.router_ssm`, issue 26) against a local SSM.
+
+moto's server (ThreadedMotoServer, a real HTTP server on loopback) stands in for Systems Manager;
+the agent's botocore client reaches it through AWS_ENDPOINT_URL_SSM, as it would reach SSM's
+endpoint on AWS; nothing leaves the machine. The agent runs with HAProxy as its child and two
+aiohttp "cells" (test_router.FakeCell): an evacuation written to the parameter drains the cell,
+the task's report says when it is empty, an SSM outage or a bad value keeps the last state and
+the loop goes on, and the shipped entry deletes its report when it exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import sys
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import boto3
+import pytest
+from aiohttp import web
+from moto.server import ThreadedMotoServer
+from unit_proxy.router import start, task_id
+from unit_proxy.router_config import RouterSettings
+from unit_proxy.router_ssm import (
+    TaskReport,
+    evacuation_parameter,
+    parameter_prefix,
+    report_parameter,
+    reports_path,
+)
+from unit_proxy.settings import SettingsError
+
+from .test_router import LOOPBACK, FakeCell, _post, cells  # noqa: F401 - `cells` is a fixture
+
+REGION = "us-east-2"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def ssm_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+    """A local SSM on loopback and the environment that points botocore at it."""
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address=LOOPBACK, port=port, verbose=False)
+    server.start()
+    _reset(port)  # moto keeps its state per process, across servers
+    env = {"AWS_ENDPOINT_URL_SSM": f"http://{LOOPBACK}:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": REGION, "AWS_EC2_METADATA_DISABLED": "true"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    local = {"server": server, "port": port, "env": env}
+    yield local
+    _reset(port)
+    local["server"].stop()  # the test may have replaced it (a restart on the same port)
+
+
+def _reset(port: int) -> None:
+    request = urllib.request.Request(f"http://{LOOPBACK}:{port}/moto-api/reset", method="POST")
+    urllib.request.urlopen(request, timeout=10).close()
+
+
+_CLIENTS: dict[str, Any] = {}
+
+
+def _client() -> Any:
+    """One client per local SSM (a client costs a fraction of a second to make, in the test's event loop)."""
+    endpoint = os.environ["AWS_ENDPOINT_URL_SSM"]
+    if endpoint not in _CLIENTS:
+        _CLIENTS[endpoint] = boto3.client("ssm", region_name=REGION)
+    return _CLIENTS[endpoint]
+
+
+def _report(prefix: str, task: str) -> TaskReport | None:
+    client = _client()
+    try:
+        value = client.get_parameter(Name=report_parameter(prefix, task))["Parameter"]["Value"]
+    except client.exceptions.ParameterNotFound:
+        return None
+    return TaskReport.from_json(value)
+
+
+async def _until(predicate: Any, timeout: float = 10.0, what: str = "") -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < end, f"timed out after {timeout} s waiting for {what}"
+        await asyncio.sleep(0.1)
+
+
+def test_prefix_and_names_are_one_convention() -> None:
+    prefix = parameter_prefix("Rufus", REGION)
+    assert prefix == "/inference-fleet/Rufus/router/us-east-2"
+    assert evacuation_parameter(prefix) == f"{prefix}/evacuated"
+    assert report_parameter(prefix, "ip-10-0-1-2.ec2.internal-7") == f"{prefix}/tasks/ip-10-0-1-2.ec2.internal-7"
+    assert report_parameter(prefix, "a b:c").startswith(reports_path(prefix) + "/a-b-c")
+
+
+@pytest.mark.parametrize(("env", "named"), [
+    ({"ROUTER_SSM_PREFIX": "/x/y", "ROUTER_EVACUATION_FILE": "/tmp/e.json", "AWS_REGION": REGION},
+     "ROUTER_SSM_PREFIX"),
+    ({"ROUTER_SSM_PREFIX": "no-slash", "AWS_REGION": REGION}, "ROUTER_SSM_PREFIX"),
+    ({"ROUTER_SSM_PREFIX": "/x/y"}, "AWS_REGION"),
+    ({"ROUTER_SSM_PREFIX": "/x/y", "AWS_REGION": REGION, "ROUTER_SSM_POLL_SECONDS": "0.1"},
+     "ROUTER_SSM_POLL_SECONDS"),
+])
+def test_bad_ssm_settings_name_the_variable(env: dict[str, str], named: str) -> None:
+    with pytest.raises(SettingsError) as caught:
+        RouterSettings.from_env({"ROUTER_CELLS": "a=http://127.0.0.1:1", **env})
+    assert caught.value.name == named
+
+
+async def test_an_ssm_evacuation_drains_the_cell_reports_it_empty_and_survives_ssm_errors(
+        cells: tuple[FakeCell, FakeCell], ssm_env: dict[str, Any]) -> None:  # noqa: F811
+    a, b = cells
+    prefix = parameter_prefix("Drain", REGION)
+    name = evacuation_parameter(prefix)
+    settings = RouterSettings.from_env({
+        "ROUTER_CELLS": f"a={a.url},b={b.url}", "ROUTER_HOST": LOOPBACK, "ROUTER_PORT": "0",
+        "ROUTER_ADMIN_PORT": "0", "ROUTER_POLL_SECONDS": "0.05", "ROUTER_CHECK_INTERVAL_MS": "1000",
+        "ROUTER_SSM_PREFIX": prefix, "ROUTER_SSM_POLL_SECONDS": "1", "ROUTER_TASK_ID": "task-1", **ssm_env["env"]})
+    router = await start(settings)
+    state = router.state
+    try:
+        # No parameter yet: nothing evacuated, and the task reports version 0.
+        await _until(lambda: _report(prefix, "task-1") is not None, what="the first report")
+        assert _report(prefix, "task-1") == TaskReport("task-1", 0, [], [])
+        await _until(lambda: all(c.status == "UP" for c in state.cells.values()), timeout=20, what="both cells UP")
+        async with aiohttp.ClientSession() as session:
+            b.hold.clear()  # a request stays in flight on b
+            pending = []
+            for _ in range(200):  # leastconn may send the first ones to a, which answers at once
+                pending.append(asyncio.create_task(_post(session, router.port)))
+                await asyncio.sleep(0.05)
+                if b.posts:
+                    break
+            assert b.posts, "no request reached b"
+            version = _client().put_parameter(Name=name, Value=json.dumps({"evacuated": ["b"]}), Type="String",
+                                              Overwrite=True)["Version"]
+            await _until(lambda: state.cells["b"].evacuated, what="b drained")
+            report = _report(prefix, "task-1")
+            assert report is not None and report.version == version and report.empty == []  # streams on b
+            posts = b.posts
+            assert [await _post(session, router.port) for _ in range(10)] == [(200, "a")] * 10
+            assert b.posts == posts
+            b.hold.set()
+            answers = await asyncio.gather(*pending)
+            assert all(status == 200 for status, _ in answers), answers
+            await _until(lambda: (_report(prefix, "task-1") or TaskReport("", 0)).empty == ["b"],
+                         what="b reported empty")
+
+            # A value the router cannot use: logged, the last state kept, the loop goes on.
+            _client().put_parameter(Name=name, Value="not json", Type="String", Overwrite=True)
+            await _until(lambda: state.ssm_error is not None, what="the bad value seen")
+            assert "not JSON" in state.ssm_error and state.evacuated == frozenset({"b"})
+            # SSM unreachable: the same.
+            ssm_env["server"].stop()
+            await _until(lambda: state.ssm_error is not None and "not JSON" not in state.ssm_error, what="SSM down")
+            assert state.evacuated == frozenset({"b"})
+            assert [await _post(session, router.port) for _ in range(5)] == [(200, "a")] * 5
+            ssm_env["server"] = ThreadedMotoServer(ip_address=LOOPBACK, port=ssm_env["port"], verbose=False)
+            ssm_env["server"].start()
+            _client().put_parameter(Name=name, Value=json.dumps({"evacuated": []}), Type="String", Overwrite=True)
+            await _until(lambda: not state.cells["b"].evacuated, what="the undo after SSM came back")
+            assert state.ssm_error is None
+            await state.refresh()
+            assert state.cells["b"].status == "UP"
+    finally:
+        await router.close()
+    assert _report(prefix, "task-1") is None  # a clean exit deletes the task's report
+
+
+async def test_the_shipped_router_reads_ssm_and_deletes_its_report_on_sigterm(
+        cells: tuple[FakeCell, FakeCell], ssm_env: dict[str, Any]) -> None:  # noqa: F811
+    """`python -m unit_proxy.router` as a process, its botocore pointed at the local SSM."""
+    a, b = cells
+    prefix = parameter_prefix("Proc", REGION)
+    _client().put_parameter(Name=evacuation_parameter(prefix), Value='{"evacuated": ["a"]}', Type="String")
+    port, admin = _free_port(), _free_port()
+    env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/bin"), "ROUTER_CELLS": f"a={a.url},b={b.url}",
+           "ROUTER_HOST": LOOPBACK, "ROUTER_PORT": str(port), "ROUTER_ADMIN_PORT": str(admin),
+           "ROUTER_CHECK_INTERVAL_MS": "1000", "ROUTER_SSM_PREFIX": prefix, "ROUTER_SSM_POLL_SECONDS": "1",
+           "ROUTER_TASK_ID": "proc-1", **ssm_env["env"]}
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "unit_proxy.router", env=env,
+                                                stderr=asyncio.subprocess.PIPE)
+    try:
+        await _until(lambda: (_report(prefix, "proc-1") or TaskReport("", 0)).empty == ["a"], timeout=20,
+                     what="the process's report: a evacuated and empty")
+        async with aiohttp.ClientSession() as session:
+            assert [await _post(session, port) for _ in range(6)] == [(200, "b")] * 6
+        assert a.posts == 0
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+        assert _report(prefix, "proc-1") is None
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        elif proc.returncode:
+            print((await proc.stderr.read()).decode())
+
+
+async def test_the_task_id_comes_from_the_ecs_task_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`${ECS_CONTAINER_METADATA_URI_V4}/task` answers the task's `TaskARN` (task metadata endpoint v4); the
+    report is named after the id at its end. Unreachable: host name and pid; ROUTER_TASK_ID wins."""
+    async def task(request: web.Request) -> web.Response:
+        return web.json_response({"Cluster": "c", "TaskARN": "arn:aws:ecs:us-east-2:111111111111:task/c/0f1e2d3c4b5a"})
+
+    app = web.Application()
+    app.router.add_get("/v4/abc/task", task)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, LOOPBACK, 0).start()
+    settings = RouterSettings.from_env({"ROUTER_CELLS": "a=http://127.0.0.1:1"})
+    try:
+        monkeypatch.setenv("ECS_CONTAINER_METADATA_URI_V4", f"http://{LOOPBACK}:{runner.addresses[0][1]}/v4/abc")
+        assert await task_id(settings) == "0f1e2d3c4b5a"
+        monkeypatch.setenv("ECS_CONTAINER_METADATA_URI_V4", f"http://{LOOPBACK}:{_free_port()}/v4/abc")
+        assert await task_id(settings) == f"{socket.gethostname()}-{os.getpid()}"
+        assert await task_id(RouterSettings.from_env({"ROUTER_CELLS": "a=http://127.0.0.1:1",
+                                                      "ROUTER_TASK_ID": "mine"})) == "mine"
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,132 @@
+"""The pipeline's evacuation: a routed cell taken out of its routers' choice before its update (issue 26).
+
+For each cell `inference_fleet.router_checks.pipeline_evacuations` names (by default the cells a
+router fronts that can be at one unit, whose update is a planned outage), the cell's wave stage
+runs `Evacuate-<cell>` before `Deploy-<cell>`:
+
+    python -m inference_fleet evacuate --config <fleet file> --cell <cell> --wait
+
+It writes the cell into each fronting router's SSM parameter and waits until every live router
+task reports the cell applied and empty (its streams finished; unit_proxy.router_ssm), so the
+update's outage reaches no client. A stage `Restore-<wave>` after the wave's bake runs
+`Restore-<cell>` (`--undo`). A wave rolled back, or a failed deploy, leaves the cell evacuated (no
+traffic to a cell that just failed); the operator restores it with `evacuate --cell <cell> --undo`.
+
+One CodeBuild project serves every such action (the cell and the arguments are the action's
+environment variables). CodeBuild rather than Lambda: the wait lasts as long as the longest
+stream (the router's hard stop is 905 s) plus the routers' poll, against Lambda's 15 minutes
+(docs/rollout-pipeline.md). Its role may read and write exactly the routers' `evacuated`
+parameters and list their task reports (GetParametersByPath is authorized against the path
+requested: https://docs.aws.amazon.com/systems-manager/latest/userguide/ps-retrieval-authorization.html).
+"""
+
+from __future__ import annotations
+
+from aws_cdk import Duration, RemovalPolicy, Stack
+from aws_cdk import aws_codebuild as codebuild
+from aws_cdk import aws_codepipeline as codepipeline
+from aws_cdk import aws_codepipeline_actions as actions
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_kms as kms
+from aws_cdk import aws_logs as logs
+from constructs import Construct
+from unit_proxy.router_config import HARD_STOP_SECONDS
+from unit_proxy.router_ssm import evacuation_parameter, reports_path
+
+from cell_constructs.nag import acknowledge
+from inference_fleet.config import CellConfig, FleetConfig
+from inference_fleet.evacuate import router_prefix, routers_of
+
+# The longest stream may last the router's hard stop; then a poll of the routers and of the command.
+WAIT_SECONDS = HARD_STOP_SECONDS + 60
+EVACUATE_TIMEOUT = Duration.minutes(30)
+
+
+def evacuate_command(fleet_file: str) -> str:
+    """The build's command (sh); CELL and EVACUATE_MODE (evacuate or restore) come from the action."""
+    return (f'case "$EVACUATE_MODE" in evacuate) set -- --wait --timeout {WAIT_SECONDS} ;; restore) set -- --undo ;; '
+            '*) echo "EVACUATE_MODE=$EVACUATE_MODE: evacuate or restore" >&2; exit 2 ;; esac; '
+            f'.venv/bin/python -m inference_fleet evacuate --config {fleet_file} --cell "$CELL" "$@"')
+
+
+def evacuate_action_name(cell: CellConfig, undo: bool) -> str:
+    return f"{'Restore' if undo else 'Evacuate'}-{cell.name}"
+
+
+class Evacuation(Construct):
+    """The project that evacuates and restores the pipeline's routed cells, and its actions."""
+
+    def __init__(self, scope: Construct, construct_id: str, *, fleet: FleetConfig, cells: list[CellConfig],
+                 fleet_file: str, key: kms.IKey, source: codepipeline.Artifact) -> None:
+        super().__init__(scope, construct_id)
+        self.fleet, self.source = fleet, source
+        log_group = logs.LogGroup(self, "Logs", encryption_key=key, retention=logs.RetentionDays.THREE_MONTHS,
+                                  removal_policy=RemovalPolicy.RETAIN)
+        self.project = codebuild.PipelineProject(
+            self, "Project",
+            description=f"{fleet.name}: evacuate a routed cell before its update, restore it after its bake",
+            environment=codebuild.BuildEnvironment(
+                build_image=codebuild.LinuxBuildImage.STANDARD_7_0, compute_type=codebuild.ComputeType.SMALL),
+            encryption_key=key,
+            timeout=EVACUATE_TIMEOUT,
+            logging=codebuild.LoggingOptions(cloud_watch=codebuild.CloudWatchLoggingOptions(log_group=log_group)),
+            build_spec=codebuild.BuildSpec.from_object({
+                "version": "0.2",
+                "env": {"variables": {"CI": "true"}},
+                "phases": {
+                    "install": {"runtime-versions": {"python": "3.11"}, "commands": ["make venv"]},
+                    # Exit 0: written (and with --wait, empty at every router task); 7: refused or not empty
+                    # in time; any non-zero status fails the action and so the wave (OnFailure ROLLBACK).
+                    "build": {"commands": [evacuate_command(fleet_file)]},
+                },
+            }),
+        )
+        self._grant(cells)
+        self.actions: list[actions.CodeBuildAction] = []
+
+    def _grant(self, cells: list[CellConfig]) -> None:
+        stack = Stack.of(self)
+        routers = sorted({r.region: r for cell in cells for r in routers_of(self.fleet, cell.name)}.items())
+        account = {cell.account for cell in cells}.pop()  # one: the pipeline's (check_pipeline_evacuation)
+
+        def arn(region: str, name: str) -> str:
+            return f"arn:{stack.partition}:ssm:{region}:{account}:parameter{name}"
+
+        self.project.add_to_role_policy(iam.PolicyStatement(
+            actions=["ssm:GetParameter", "ssm:PutParameter"],
+            resources=[arn(region, evacuation_parameter(router_prefix(self.fleet, r))) for region, r in routers]))
+        self.project.add_to_role_policy(iam.PolicyStatement(
+            actions=["ssm:GetParametersByPath"],
+            resources=[arn(region, reports_path(router_prefix(self.fleet, r))) for region, r in routers]))
+
+    def action(self, cell: CellConfig, undo: bool, run_order: int) -> actions.CodeBuildAction:
+        action = actions.CodeBuildAction(
+            action_name=evacuate_action_name(cell, undo), project=self.project, input=self.source,
+            run_order=run_order,
+            environment_variables={"CELL": codebuild.BuildEnvironmentVariable(value=cell.name),
+                                   "EVACUATE_MODE": codebuild.BuildEnvironmentVariable(
+                                       value="restore" if undo else "evacuate")},
+        )
+        self.actions.append(action)
+        return action
+
+    def acknowledge_policies(self, artifact_bucket: str) -> None:
+        """cdk-nag findings on the project's role: CDK's grants on the pipeline's artifact bucket and key and
+        its own log and report groups (as for the verify gate, stacks/verify_gate.py)."""
+        stack = Stack.of(self)
+        grant = ("CDK-generated read grant on this pipeline's artifact bucket (the source artifact) and use of its "
+                 "KMS key, scoped to that bucket and key")
+        generated = [(f"AwsSolutions-IAM5[{finding}]", grant) for finding in (
+            "Action::s3:GetBucket*", "Action::s3:GetObject*", "Action::s3:List*", "Action::kms:GenerateDataKey*",
+            "Action::kms:ReEncrypt*", f"Resource::<{artifact_bucket}.Arn>/*")]
+        where = f"{stack.partition}:{{service}}:{stack.region}:{stack.account}"
+        project = stack.resolve(stack.get_logical_id(self.project.node.default_child))
+        acknowledge(
+            self.project.role, *generated,
+            ("NIST.800.53.R5-IAMNoInlinePolicy", "CDK-generated policy of the evacuation project, scoped to the "
+             "routers' evacuation parameters, versioned with this stack"),
+            (f"AwsSolutions-IAM5[Resource::arn:{where.format(service='logs')}:log-group:/aws/codebuild/<{project}>:*]",
+             "CDK-generated: log streams of this build project's default log group"),
+            (f"AwsSolutions-IAM5[Resource::arn:{where.format(service='codebuild')}:report-group/<{project}>-*]",
+             "CDK-generated: test report groups of this build project"),
+        )

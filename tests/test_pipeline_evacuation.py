@@ -1,0 +1,225 @@
+"""The pipeline evacuates a routed cell before its update and restores it after its bake (stacks/evacuation.py).
+
+The fleet tests/fleets/pipeline_evacuation.yaml (the default fleet, a second cell of two units in a
+second wave, a router fronting both) is synthesized with cdk-nag on: the one-unit dev cell is
+evacuated (`Evacuate-dev` before `Deploy-dev`) and restored in `Restore-canary`, the two-unit cell
+is not; the project's role may touch only the router's two SSM names. The build's commands are
+read back from the template and run under dash against a local SSM (moto's server on loopback):
+the real CLI writes the parameter, waits for a router task's report, and its exit status is the
+build's. Fleets without a router synthesize as before (tests/test_snapshots.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+import yaml
+from aws_cdk import App
+from aws_cdk.assertions import Template
+from unit_proxy.router_ssm import TaskReport
+
+from inference_fleet.checks import load_fleet, parse_fleet
+from inference_fleet.router_checks import pipeline_evacuations
+from stacks.evacuation import WAIT_SECONDS
+from stacks.fleet import build_fleet
+
+ROOT = Path(__file__).resolve().parents[1]
+FLEET_FILE = "tests/fleets/pipeline_evacuation.yaml"
+CDK_CONTEXT: dict = json.loads((ROOT / "cdk.json").read_text())["context"]
+PARAMETER = "/inference-fleet/Rufus/router/us-east-2/evacuated"
+REPORTS = "/inference-fleet/Rufus/router/us-east-2/tasks"
+
+
+def _synth(fleet: Any, outdir: Path, config: str = FLEET_FILE) -> dict:
+    app = App(context={**CDK_CONTEXT, "config": config}, outdir=str(outdir), builtin_cloud_formation_validation=False)
+    stacks = build_fleet(app, fleet)
+    app.synth()
+    return Template.from_stack(stacks[fleet.pipeline_stack_name]).to_json()
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return _synth(load_fleet(ROOT / FLEET_FILE), tmp_path_factory.mktemp("pipeline-evacuation"))
+
+
+def _pipeline(template: dict) -> dict:
+    (resource,) = [r for r in template["Resources"].values() if r["Type"] == "AWS::CodePipeline::Pipeline"]
+    return resource["Properties"]
+
+
+def _stage(template: dict, name: str) -> dict:
+    return next(s for s in _pipeline(template)["Stages"] if s["Name"] == name)
+
+
+def _actions(stage: dict) -> list[tuple[str, int]]:
+    return sorted(((a["Name"], a["RunOrder"]) for a in stage["Actions"]), key=lambda item: (item[1], item[0]))
+
+
+def _environment(action: dict) -> dict[str, str]:
+    return {v["name"]: v["value"] for v in json.loads(action["Configuration"]["EnvironmentVariables"])}
+
+
+def _project(template: dict) -> tuple[str, dict]:
+    (found,) = [(lid, r) for lid, r in template["Resources"].items()
+                if r["Type"] == "AWS::CodeBuild::Project" and lid.startswith("EvacuationProject")]
+    return found
+
+
+def test_the_one_unit_cell_is_evacuated_before_its_update_and_restored_after_the_bake(template: dict) -> None:
+    assert [s["Name"] for s in _pipeline(template)["Stages"]] == [
+        "Source", "Build", "Compile", "Wave-canary", "Restore-canary", "Wave-main"]
+    canary = _stage(template, "Wave-canary")
+    assert _actions(canary) == [("Evacuate-dev", 1), ("Deploy-dev", 2), ("Verify-dev", 3)]
+    evacuate = next(a for a in canary["Actions"] if a["Name"] == "Evacuate-dev")
+    assert _environment(evacuate) == {"CELL": "dev", "EVACUATE_MODE": "evacuate"}
+    # The bake watches the cell's gate and the router's: prod keeps serving behind it (pipeline_stack._gates).
+    assert [r["Configuration"]["AlarmName"] for r in canary["OnSuccess"]["Conditions"][0]["Rules"]] == [
+        "Rufus-Cell-dev-rollout-gate", "Rufus-Router-us-east-2-rollout-gate"]
+    (restore,) = _stage(template, "Restore-canary")["Actions"]
+    assert restore["Name"] == "Restore-dev" and _environment(restore) == {"CELL": "dev", "EVACUATE_MODE": "restore"}
+    project_id, _ = _project(template)
+    assert evacuate["Configuration"]["ProjectName"] == restore["Configuration"]["ProjectName"] == {"Ref": project_id}
+    # The two-unit cell keeps serving during its update: not evacuated.
+    assert _actions(_stage(template, "Wave-main")) == [("Deploy-prod", 1)]
+
+
+def test_the_project_may_touch_only_the_routers_parameters(template: dict) -> None:
+    _, project = _project(template)
+    role = project["Properties"]["ServiceRole"]["Fn::GetAtt"][0]
+    statements = [s for r in template["Resources"].values() if r["Type"] == "AWS::IAM::Policy"
+                  and {"Ref": role} in r["Properties"]["Roles"] for s in r["Properties"]["PolicyDocument"]["Statement"]]
+    ssm = [s for s in statements if any(str(a).startswith("ssm:") for a in _list(s["Action"]))]
+
+    def arn(name: str) -> str:
+        return f"arn:aws:ssm:us-east-2:111111111111:parameter{name}"
+
+    assert sorted((tuple(_list(s["Action"])), json.dumps(s["Resource"], sort_keys=True)) for s in ssm) == sorted([
+        (("ssm:GetParameter", "ssm:PutParameter"), json.dumps(arn(PARAMETER), sort_keys=True)),
+        (("ssm:GetParametersByPath",), json.dumps(arn(REPORTS), sort_keys=True)),
+    ])
+    assert all(s["Effect"] == "Allow" for s in ssm)
+    assert "VpcConfig" not in project["Properties"]  # SSM's public endpoint, through CodeBuild's own network
+
+
+def _list(value: Any) -> list:
+    return value if isinstance(value, list) else [value]
+
+
+def _with(raw: dict, **pipeline: Any) -> Any:
+    return parse_fleet({**raw, "pipeline": {**raw["pipeline"], **pipeline}})
+
+
+def test_which_cells_are_evacuated() -> None:
+    raw = yaml.safe_load((ROOT / FLEET_FILE).read_text())
+    assert [c.name for c in pipeline_evacuations(_with(raw))] == ["dev"]
+    assert [c.name for c in pipeline_evacuations(_with(raw, evacuate="all"))] == ["dev", "prod"]
+    assert pipeline_evacuations(_with(raw, evacuate="none")) == []
+    # A router whose only cell is the one-unit cell: nothing to move its traffic to, so no evacuation.
+    alone = {**raw, "routers": [{"region": "us-east-2", "cells": ["dev"], "plain_http": True}]}
+    assert pipeline_evacuations(parse_fleet(alone)) == []
+    assert pipeline_evacuations(load_fleet(None)) == []  # the default fleet has no router
+
+
+def test_a_restore_stage_between_waves_keeps_the_cross_account_gate_roles_on_their_wave(
+        tmp_path: Path) -> None:
+    """The larger pipeline fleet (cells in another account in its second wave) with a router fronting its
+    us-east-2 cells, every one evacuated: `Restore-canary` sits before `Wave-main`, whose cross-account
+    gate rule must still carry that account's reader role (the role was set by stage index)."""
+    raw = yaml.safe_load((ROOT / "tests/fleets/pipeline_large.yaml").read_text())
+    us_east = [c["name"] for c in raw["cells"] if c["region"] == "us-east-2"]
+    raw["routers"] = [{"region": "us-east-2", "cells": us_east, "plain_http": True,
+                       "tls_names": {"use2-a": "use2-a.rufus.example.com"}}]  # use2-a serves HTTPS
+    (use2_b,) = [c for c in raw["cells"] if c["name"] == "use2-b"]
+    use2_b.update(trainium_az="us-east-2b", alb_azs=["us-east-2b", "us-east-2a"])  # the router needs 2 shared AZs
+    fleet = _with(raw, evacuate="all")
+    assert {c.name for c in pipeline_evacuations(fleet)} == set(us_east)
+    template = _synth(fleet, tmp_path, "tests/fleets/pipeline_large.yaml")
+    names = [s["Name"] for s in _pipeline(template)["Stages"]]
+    assert names.index("Restore-canary") == names.index("Wave-canary") + 1
+    remote = [c for c in fleet.cells if c.account != fleet.pipeline.account]
+    assert remote
+    accounts = {fleet.cell_stack_name(c): c.account for c in fleet.cells}
+    accounts |= {fleet.router_stack_name(r): fleet.router_account(r) for r in fleet.routers}
+    for wave in fleet.waves:
+        rules = _stage(template, f"Wave-{wave.name}")["OnSuccess"]["Conditions"][0]["Rules"]
+        watched = [rule["Configuration"]["AlarmName"].removesuffix("-rollout-gate") for rule in rules]
+        assert set(watched) >= {fleet.cell_stack_name(c) for c in fleet.cells_of_wave(wave.name)}
+        for stack, rule in zip(watched, rules, strict=True):
+            assert ("RoleArn" in rule) == (accounts[stack] != fleet.pipeline.account), (wave.name, stack, rule)
+    for stage in _pipeline(template)["Stages"]:
+        if stage["Name"].startswith("Restore-"):
+            assert "OnSuccess" not in stage
+
+
+# -- the build's commands, run as CodeBuild runs them ---------------------------------------------------
+
+def _commands(template: dict, phase: str) -> str:
+    _, project = _project(template)
+    spec = json.loads(project["Properties"]["Source"]["BuildSpec"])
+    return "\n".join(spec["phases"][phase]["commands"]) + "\n"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_build_commands_evacuate_wait_and_restore_against_a_local_ssm(
+        template: dict, tmp_path: Path, local_ssm: dict[str, str]) -> None:
+    install, build = _commands(template, "install"), _commands(template, "build")
+    for text in (install, build):
+        lint = subprocess.run(["shellcheck", "-s", "sh", "-"], input=text, capture_output=True, text=True, timeout=60)
+        assert lint.returncode == 0, lint.stdout
+    # The source directory as CodeBuild checks it out: the fleet file, `make` (faked: it records its call)
+    # and the venv's python (the real one; `make venv` made it).
+    (tmp_path / "tests/fleets").mkdir(parents=True)
+    (tmp_path / FLEET_FILE).write_text((ROOT / FLEET_FILE).read_text())
+    (tmp_path / ".venv/bin").mkdir(parents=True)
+    (tmp_path / ".venv/bin/python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin/make").write_text('#!/bin/sh\nprintf "%s\\n" "$*" >> "$RECORD"\n')
+    for path in (tmp_path / ".venv/bin/python", tmp_path / "bin/make"):
+        path.chmod(0o755)
+    aws = local_ssm
+    env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "RECORD": str(tmp_path / "calls"), "HOME": str(tmp_path),
+           **aws, "PYTHONPATH": os.pathsep.join(sys.path)}
+    ssm = boto3.client("ssm", region_name="us-east-2", endpoint_url=aws["AWS_ENDPOINT_URL_SSM"],
+                       aws_access_key_id="testing", aws_secret_access_key="testing")
+
+    def run(phase: str, **variables: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["/bin/sh", "-c", phase], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                              env={**env, **variables})
+
+    done = run(install)
+    assert done.returncode == 0 and (tmp_path / "calls").read_text() == "venv\n", done.stderr
+    dry = subprocess.run(["make", "-n", "-C", str(ROOT), "venv"], capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    # A router task that has applied version 1 and drained dev: the wait ends at its first look.
+    ssm.put_parameter(Name=f"{REPORTS}/task-1", Type="String",
+                      Value=TaskReport("task-1", 1, ["dev"], ["dev"]).to_json())
+    evacuate = next(a for a in _stage(template, "Wave-canary")["Actions"] if a["Name"] == "Evacuate-dev")
+    done = run(build, **_environment(evacuate))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "cell dev empty at every router task" in done.stdout
+    assert f"--timeout {WAIT_SECONDS}" in build
+    assert json.loads(ssm.get_parameter(Name=PARAMETER)["Parameter"]["Value"]) == {"evacuated": ["dev"]}
+    # A task that has applied a later version without dev: the wait fails at once, exit 7, and so the build.
+    ssm.put_parameter(Name=f"{REPORTS}/task-1", Type="String", Overwrite=True,
+                      Value=TaskReport("task-1", 9, [], []).to_json())
+    done = run(build, **_environment(evacuate))
+    assert done.returncode == 7 and "no longer evacuates dev" in done.stderr, done.stdout + done.stderr
+    (restore,) = _stage(template, "Restore-canary")["Actions"]
+    done = run(build, **_environment(restore))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(ssm.get_parameter(Name=PARAMETER)["Parameter"]["Value"]) == {"evacuated": []}
+    done = run(build, CELL="dev", EVACUATE_MODE="")
+    assert done.returncode == 2 and "evacuate or restore" in done.stderr
