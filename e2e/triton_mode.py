@@ -32,7 +32,6 @@ from harness import Harness, free_port, http_get, wait_until
 from s3_loopback import LoopbackS3
 from setup_env import triton_paths
 from unit_mode import (
-    EXIT_UNIT_LOST,
     Unit,
     UnitPorts,
     build_e2e_spec,
@@ -186,8 +185,10 @@ def run_triton(h: Harness) -> None:
     r.facts["triton_half_unit_probes"] = [f"{t - killed:+.1f}s -> {o}" for t, o in probes]
     r.check("T4. no generate answered by the half unit (only 503 unit_unavailable)",
             bool(probes) and outcomes == ["503 unit_unavailable"], f"{len(probes)} probes: {outcomes}")
-    r.check("T4. leader exits 'unit lost' (5) after the follower loss", leader_exit.code == EXIT_UNIT_LOST,
-            f"exit code {leader_exit.code}")
+    # As unit mode's step 3: any exit makes ECS replace the task; the code is recorded, not judged (the
+    # backend stops tritonserver when vLLM's engine dies, so the session may end as engine_exit first).
+    r.facts["triton_leader_exit_code_after_follower_loss"] = leader_exit.code
+    r.check("T4. leader exits after the follower loss", leader_exit.code is not None, f"exit code {leader_exit.code}")
     try:
         wait_for_recovery(h, unit, "proxy /health 200 after restart (Triton)")
     except TimeoutError as error:

@@ -195,7 +195,7 @@ def test_triton_leader_runs_the_images_backends_with_metrics_and_a_drain_within_
     requests in flight for less than the launcher's stop timeout, so vLLM has time to stop before SIGKILL."""
     spec = parse_spec(neuron_spec(engine={"max_num_seqs": 32, "frontend": "triton", "stop_timeout_seconds": 120}))
     node = plans.build_plan(spec, "leader", 0, leader_addr="10.0.0.5", host_ip="10.0.0.5")
-    assert "--backend-directory=/opt/tritonserver/backends" in node.argv
+    assert "--backend-directory=/opt/triton/dist/pytriton/tritonserver/backends" in node.argv
     assert {"--allow-metrics=true", "--metrics-address=127.0.0.1", "--metrics-port=8002"} <= set(node.argv)
     assert "--exit-timeout-secs=90" in node.argv
     assert "--allow-grpc=false" in node.argv and not any(a.startswith("--strict-readiness") for a in node.argv)
@@ -206,7 +206,7 @@ def test_triton_leader_runs_the_images_backends_with_metrics_and_a_drain_within_
 
 
 def test_triton_metrics_port_must_differ_from_the_units_other_ports():
-    with pytest.raises(SpecError, match="engine.triton_metrics_port = 29400: same as rendezvous.port"):
+    with pytest.raises(SpecError, match=r"engine\.triton_metrics_port = 29400: same as rendezvous\.port"):
         parse_spec(neuron_spec(engine={"max_num_seqs": 4, "frontend": "triton", "triton_metrics_port": 29400}))
     # The OpenAI server has no such port: not checked then.
     parse_spec(neuron_spec(engine={"max_num_seqs": 4, "triton_metrics_port": 29400}))

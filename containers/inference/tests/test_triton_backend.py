@@ -32,7 +32,8 @@ def test_generate_stream_parameters_become_sampling_parameters_and_the_stream_in
 
 def test_a_non_streamed_answer_repeats_the_prompt_unless_excluded():
     assert backend.parse_request({"text_input": [b"Hi"]}, "{}").prepend_input is True
-    assert backend.parse_request({"text_input": [b"Hi"], "exclude_input_in_output": [True]}, "{}").prepend_input is False
+    excluded = backend.parse_request({"text_input": [b"Hi"], "exclude_input_in_output": [True]}, "{}")
+    assert excluded.prepend_input is False
     with pytest.raises(backend.RequestError, match="not allowed when streaming"):
         backend.parse_request({"text_input": [b"Hi"], "stream": [True], "exclude_input_in_output": [False]}, "{}")
 

@@ -66,19 +66,19 @@ def test_a_stub_that_would_load_another_libpython_is_refused(tmp_path):
     """The failure seen with the wheel's stub: Debian's libpython3.11 (3.11.2) with pyenv's 3.11.7 standard
     library -> '_thread.RLock' object has no attribute '_recursion_count'."""
     python, backends, base = _image(tmp_path, system_first=True)
-    with pytest.raises(triton_env.TritonEnvError, match="would load .*system-lib/libpython3.12.so.1.0, not"):
+    with pytest.raises(triton_env.TritonEnvError, match=r"would load .*system-lib/libpython3\.12\.so\.1\.0, not"):
         triton_env.stub_environment(python, backends, base)
 
 
 def test_numpy_2_is_refused_naming_the_stubs_pybind11(tmp_path):
     python, backends, base = _image(tmp_path, numpy="2.3.5")
-    with pytest.raises(triton_env.TritonEnvError, match="imports NumPy 2.3.5: .*pybind11 2.10.*numpy<2"):
+    with pytest.raises(triton_env.TritonEnvError, match=r"imports NumPy 2\.3\.5: .*pybind11 2\.10.*numpy<2"):
         triton_env.stub_environment(python, backends, base)
 
 
 def test_a_stub_of_another_python_version_is_refused(tmp_path):
     python, backends, base = _image(tmp_path, stub_links="3.11")
-    with pytest.raises(triton_env.TritonEnvError, match="links libpython3.11.so.1.0, the engine's Python is 3.12"):
+    with pytest.raises(triton_env.TritonEnvError, match=r"links libpython3\.11\.so\.1\.0, the engine's Python is 3"):
         triton_env.stub_environment(python, backends, base)
 
 

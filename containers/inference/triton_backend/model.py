@@ -27,6 +27,7 @@ import contextlib
 import json
 import locale
 import os
+import signal
 import threading
 import traceback
 import uuid
@@ -37,8 +38,9 @@ ENGINE_ARGS_FILE = "model.json"
 # Inputs that are not sampling parameters (Triton's generate extension maps a `parameters` key that
 # names an input to that input; these are dropped from the parameters if sent anyway).
 _NOT_SAMPLING = {"stream", "exclude_input_in_output", "return_finish_reason", "return_num_output_tokens"}
-# How often the vLLM gauges are published to Triton's metrics endpoint.
+# How often the vLLM gauges are published to Triton's metrics endpoint, and the engine's health looked at.
 GAUGE_SECONDS = 1.0
+WATCH_SECONDS = 0.25
 
 
 def utf8_locale() -> str:
@@ -159,8 +161,11 @@ class _Gauges:
     def __init__(self, pb_utils: Any, labels: dict[str, str]) -> None:
         self.values: dict[str, float] = {}
         self.metrics = {}
+        # The families are kept: a family that is garbage-collected takes its metrics off the page.
+        self.families = []
         for key, (name, description) in self.NAMES.items():
             family = pb_utils.MetricFamily(name=name, description=description, kind=pb_utils.MetricFamily.GAUGE)
+            self.families.append(family)
             self.metrics[key] = family.Metric(labels=labels)
 
     def record(self, stats: Any) -> None:
@@ -221,6 +226,7 @@ class TritonPythonModel:
             self.gauges = None
         self.inflight = 0
         self.stopping = False
+        self.dead = False
         self.loop = asyncio.new_event_loop()
         self.engine: Any = None
         started = threading.Event()
@@ -244,6 +250,7 @@ class TritonPythonModel:
             raise failure[0]
         if self.gauges is not None:
             asyncio.run_coroutine_threadsafe(self._publish_gauges(), self.loop)
+        asyncio.run_coroutine_threadsafe(self._watch_engine(), self.loop)
         self.logger.log_info(f"[unit vllm] engine ready for model {self.name}")
 
     def _build_engine(self, engine_args: Any) -> Any:
@@ -257,8 +264,34 @@ class TritonPythonModel:
     async def _publish_gauges(self) -> None:
         while not self.stopping:
             assert self.gauges is not None
-            self.gauges.publish()
+            try:
+                self.gauges.publish()
+            except Exception:  # the gauges are for the load report, never worth a request
+                self.logger.log_error(f"[unit vllm] publishing the gauges failed: {traceback.format_exc()}")
+                return
             await asyncio.sleep(GAUGE_SECONDS)
+
+    async def _watch_engine(self) -> None:
+        """A dead engine (its core or a worker gone, as when a follower is lost) stops the server.
+
+        Triton keeps a model READY whatever its Python code does, so without this the unit would go on
+        answering errors until the launcher's heartbeat or step bound notices. vLLM's OpenAI server
+        exits when its engine dies (AsyncLLM `errored`, vllm/v1/engine/async_llm.py); the same here:
+        SIGTERM to tritonserver (the stub's parent, python_backend stub_launcher.cc forks it), whose
+        exit the launcher sees at once and ends the session."""
+        while not self.stopping and not self.dead:
+            if self.engine is not None and self.engine.errored:
+                self._engine_dead()
+                return
+            await asyncio.sleep(WATCH_SECONDS)
+
+    def _engine_dead(self) -> None:
+        """Stop tritonserver once (its readiness turns false at once: the proxy's engine check then
+        answers the unit's 503 unit_unavailable for the errors that follow)."""
+        if not self.dead:
+            self.dead = True
+            self.logger.log_error("[unit vllm] the vLLM engine is dead: stopping tritonserver")
+            os.kill(os.getppid(), signal.SIGTERM)
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
@@ -301,8 +334,10 @@ class TritonPythonModel:
             except RequestError as error:
                 self._error(sender, str(error), self.pb.TritonError.INVALID_ARG)
                 return
-            if self.stopping:
-                self._error(sender, "the engine is stopping", self.pb.TritonError.UNAVAILABLE)
+            if self.engine.errored:
+                self._engine_dead()
+            if self.stopping or self.dead:
+                self._error(sender, "the vLLM engine is stopping or dead", self.pb.TritonError.UNAVAILABLE)
                 return
             sent_chars = sent_tokens = 0
             last = None
@@ -320,14 +355,20 @@ class TritonPythonModel:
                     response = self._response(delta, choice.finish_reason, tokens, query)
                     sender.send(response, flags=final if output.finished else 0)
             if last is None:
-                self._error(sender, "the engine returned no output")
+                self._error(sender, "the engine returned no output", self.pb.TritonError.INTERNAL)
             elif not query.stream:
                 choice = last.outputs[0]
                 text = (query.prompt if query.prepend_input else "") + choice.text
                 sender.send(self._response(text, choice.finish_reason, len(choice.token_ids), query), flags=final)
         except Exception as error:  # answered to the client; the log keeps the traceback
+            if self.engine.errored:
+                # The unit is going down: stop the server first, then answer UNAVAILABLE (HTTP 503;
+                # Triton's status is the first response's error, http_server.cc r24.10 HttpCodeFromError).
+                self._engine_dead()
+                self._error(sender, f"the vLLM engine is dead: {error}", self.pb.TritonError.UNAVAILABLE)
+                return
             self.logger.log_error(f"[unit vllm] request {request_id} failed: {traceback.format_exc()}")
-            self._error(sender, f"generation failed: {type(error).__name__}: {error}")
+            self._error(sender, f"generation failed: {type(error).__name__}: {error}", self.pb.TritonError.INTERNAL)
         finally:
             self.inflight -= 1
 

@@ -119,7 +119,7 @@ class EngineSpec(_Strict):
     triton_command: tuple[str, ...] = ("tritonserver",)
     triton_model_repository: str = "/opt/triton/models"
     triton_backend_directory: str = Field(
-        default="/opt/tritonserver/backends",
+        default="/opt/triton/dist/pytriton/tritonserver/backends",
         description="Triton's backends: python/ (the stub) and vllm/ (this package's model.py); the image's.",
     )
     triton_python: str = Field(
