@@ -87,17 +87,20 @@ def stream_generate(base: str, model: str, max_tokens: int, first: threading.Eve
     return out
 
 
-def probe_generate(base: str, model: str, stop: threading.Event, out: list[tuple[float, str]]) -> None:
-    """Generates through the proxy while the unit is half: (time, status and error code) each."""
+def probe_generate(base: str, model: str, stop: threading.Event, out: list[tuple[float, str]],
+                   bodies: dict[str, str]) -> None:
+    """Generates through the proxy while the unit is half: (time, status and error type) each; the
+    first body of each other outcome is kept for the report."""
     while not stop.is_set():
         t = time.monotonic()
         try:
             code, doc = generate(base, model, 4, 30)
             error = doc.get("error")
-            outcome = f"{code} {error.get('type', '') if isinstance(error, dict) else ''}"
+            outcome = f"{code} {error.get('type', '') if isinstance(error, dict) else ''}".strip()
+            bodies.setdefault(outcome, json.dumps(doc)[:300])
         except (OSError, http.client.HTTPException) as failure:
             outcome = type(failure).__name__
-        out.append((t, outcome.strip()))
+        out.append((t, outcome))
         stop.wait(0.5)
 
 
@@ -169,10 +172,11 @@ def run_triton(h: Harness) -> None:
     assert follower is not None
     leader_exits = len(unit.leader.exits)
     probes: list[tuple[float, str]] = []
+    bodies: dict[str, str] = {}
     stop = threading.Event()
     follower.kill_tree()
     killed = time.monotonic()
-    prober = threading.Thread(target=probe_generate, args=(base, model, stop, probes), daemon=True)
+    prober = threading.Thread(target=probe_generate, args=(base, model, stop, probes, bodies), daemon=True)
     prober.start()
     try:
         r.figure("triton_failure_detection_s",
@@ -183,6 +187,7 @@ def run_triton(h: Harness) -> None:
         prober.join(40)
     outcomes = sorted({o for _, o in probes})
     r.facts["triton_half_unit_probes"] = [f"{t - killed:+.1f}s -> {o}" for t, o in probes]
+    r.facts["triton_half_unit_probe_bodies"] = bodies
     r.check("T4. no generate answered by the half unit (only 503 unit_unavailable)",
             bool(probes) and outcomes == ["503 unit_unavailable"], f"{len(probes)} probes: {outcomes}")
     # As unit mode's step 3: any exit makes ECS replace the task; the code is recorded, not judged (the

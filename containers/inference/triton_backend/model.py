@@ -27,6 +27,7 @@ import contextlib
 import json
 import locale
 import os
+import queue
 import signal
 import threading
 import traceback
@@ -48,7 +49,8 @@ def utf8_locale() -> str:
 
     The stub embeds Python with pybind11 2.10's isolated configuration (python_backend r24.10 pins
     pybind11 v2.10.0 in CMakeLists.txt; its `initialize_interpreter` uses `PyConfig_InitIsolatedConfig`
-    on Python >= 3.10), which leaves the C locale in place: open() without an encoding then decodes
+    on Python >= 3.11, pybind/pybind11@aa304c9c `include/pybind11/embed.h:150-155`), which leaves the
+    C locale in place: open() without an encoding then decodes
     ASCII, and torch's import of its inductor templates fails (UnicodeDecodeError, seen here with
     LANG=C.UTF-8 and PYTHONUTF8=1 set for the server). open() follows LC_CTYPE (Python 3.11+
     `locale.getpreferredencoding(False)`), so setting it here is enough.
@@ -243,6 +245,9 @@ class TritonPythonModel:
             started.set()
             self.loop.run_forever()
 
+        self.outbox: queue.Queue[Any] = queue.Queue()
+        self.sender_thread = threading.Thread(target=self._send_loop, name="triton-responses", daemon=True)
+        self.sender_thread.start()
         self.thread = threading.Thread(target=run, name="vllm-engine", daemon=True)
         self.thread.start()
         started.wait()
@@ -318,13 +323,28 @@ class TritonPythonModel:
             outputs.append(self.pb.Tensor("num_output_tokens", np.asarray([tokens], dtype=np.uint32)))
         return self.pb.InferenceResponse(output_tensors=outputs)
 
+    def _send(self, sender: Any, response: Any, final: bool, state: dict[str, bool] | None = None) -> None:
+        """Hand a response to the sending thread: a send is a round trip to the Triton process, and
+        vLLM's output handler (on the event loop) must not wait for it (vllm_backend does the same)."""
+        self.outbox.put((sender, response, final, state))
+
+    def _send_loop(self) -> None:
+        final_flag = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        while (item := self.outbox.get()) is not None:
+            sender, response, final, state = item
+            try:
+                sender.send(response, flags=final_flag if final else 0)
+                if state is not None and not final:
+                    state["cancelled"] = sender.is_cancelled()
+            except Exception:  # the client's problem (it left); logged, the engine goes on
+                self.logger.log_error(f"[unit vllm] sending a response failed: {traceback.format_exc()}")
+
     def _error(self, sender: Any, message: str, code: Any = None) -> None:
         error = self.pb.TritonError(message) if code is None else self.pb.TritonError(message, code)
-        sender.send(self.pb.InferenceResponse(error=error), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        self._send(sender, self.pb.InferenceResponse(error=error), True)
 
     async def _generate(self, request: Any) -> None:
         sender = request.get_response_sender()
-        final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         request_id = f"triton-{uuid.uuid4().hex}"
         self.inflight += 1
         try:
@@ -341,8 +361,10 @@ class TritonPythonModel:
                 return
             sent_chars = sent_tokens = 0
             last = None
+            state = {"cancelled": False}
             async for output in self.engine.generate(query.prompt, params, request_id):
-                if sender.is_cancelled():
+                # Streams learn it from the sending thread after each send; a single answer asks here.
+                if state["cancelled"] or (not query.stream and sender.is_cancelled()):
                     # The client left (Triton cancels the request): stop generating for it.
                     await self.engine.abort(request_id)
                     self._error(sender, "request cancelled", self.pb.TritonError.CANCELLED)
@@ -353,13 +375,13 @@ class TritonPythonModel:
                     delta, tokens = choice.text[sent_chars:], len(choice.token_ids) - sent_tokens
                     sent_chars, sent_tokens = len(choice.text), len(choice.token_ids)
                     response = self._response(delta, choice.finish_reason, tokens, query)
-                    sender.send(response, flags=final if output.finished else 0)
+                    self._send(sender, response, output.finished, state)
             if last is None:
                 self._error(sender, "the engine returned no output", self.pb.TritonError.INTERNAL)
             elif not query.stream:
                 choice = last.outputs[0]
                 text = (query.prompt if query.prepend_input else "") + choice.text
-                sender.send(self._response(text, choice.finish_reason, len(choice.token_ids), query), flags=final)
+                self._send(sender, self._response(text, choice.finish_reason, len(choice.token_ids), query), True)
         except Exception as error:  # answered to the client; the log keeps the traceback
             if self.engine.errored:
                 # The unit is going down: stop the server first, then answer UNAVAILABLE (HTTP 503;
@@ -380,4 +402,6 @@ class TritonPythonModel:
             self.loop.call_soon_threadsafe(self.engine.shutdown)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(30)
+        self.outbox.put(None)
+        self.sender_thread.join(10)
         self.logger.log_info("[unit vllm] engine stopped")
