@@ -196,6 +196,8 @@ def test_triton_leader_runs_the_images_backends_with_metrics_and_a_drain_within_
     spec = parse_spec(neuron_spec(engine={"max_num_seqs": 32, "frontend": "triton", "stop_timeout_seconds": 120}))
     node = plans.build_plan(spec, "leader", 0, leader_addr="10.0.0.5", host_ip="10.0.0.5")
     assert "--backend-directory=/opt/triton/dist/pytriton/tritonserver/backends" in node.argv
+    # The default model control ("none"): no load/unload API over HTTP.
+    assert not any(a.startswith(("--model-control-mode", "--load-model")) for a in node.argv)
     assert {"--allow-metrics=true", "--metrics-address=127.0.0.1", "--metrics-port=8002"} <= set(node.argv)
     assert "--exit-timeout-secs=90" in node.argv
     assert "--allow-grpc=false" in node.argv and not any(a.startswith("--strict-readiness") for a in node.argv)

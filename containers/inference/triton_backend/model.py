@@ -28,7 +28,6 @@ import json
 import locale
 import os
 import queue
-import signal
 import threading
 import traceback
 import uuid
@@ -42,6 +41,9 @@ _NOT_SAMPLING = {"stream", "exclude_input_in_output", "return_finish_reason", "r
 # How often the vLLM gauges are published to Triton's metrics endpoint, and the engine's health looked at.
 GAUGE_SECONDS = 1.0
 WATCH_SECONDS = 0.25
+# How long the answers of a dead engine are held: longer than the launcher's watchdog tick (0.5 s)
+# plus the engine core's exit plus the proxy's check interval (HEALTH_INTERVAL_SECONDS).
+DEAD_ANSWER_SECONDS = 5.0
 
 
 def utf8_locale() -> str:
@@ -277,13 +279,10 @@ class TritonPythonModel:
             await asyncio.sleep(GAUGE_SECONDS)
 
     async def _watch_engine(self) -> None:
-        """A dead engine (its core or a worker gone, as when a follower is lost) stops the server.
+        """Notes a dead engine (its core or a worker gone, as when a follower is lost) without a request.
 
-        Triton keeps a model READY whatever its Python code does, so without this the unit would go on
-        answering errors until the launcher's heartbeat or step bound notices. vLLM's OpenAI server
-        exits when its engine dies (AsyncLLM `errored`, vllm/v1/engine/async_llm.py); the same here:
-        SIGTERM to tritonserver (the stub's parent, python_backend stub_launcher.cc forks it), whose
-        exit the launcher sees at once and ends the session."""
+        vLLM's OpenAI server fails its /health as soon as its engine dies (AsyncLLM `errored`,
+        vllm/v1/engine/async_llm.py); Triton cannot (see _answer_dead), the launcher ends the session."""
         while not self.stopping and not self.dead:
             if self.engine is not None and self.engine.errored:
                 self._engine_dead()
@@ -291,12 +290,27 @@ class TritonPythonModel:
             await asyncio.sleep(WATCH_SECONDS)
 
     def _engine_dead(self) -> None:
-        """Stop tritonserver once (its readiness turns false at once: the proxy's engine check then
-        answers the unit's 503 unit_unavailable for the errors that follow)."""
+        """Note once that vLLM's engine is dead; the launcher ends the session on its own (it sees the
+        engine core's pid gone: rendezvous.check_executor)."""
         if not self.dead:
             self.dead = True
-            self.logger.log_error("[unit vllm] the vLLM engine is dead: stopping tritonserver")
-            os.kill(os.getppid(), signal.SIGTERM)
+            self.logger.log_error("[unit vllm] the vLLM engine is dead; answers are held "
+                                  f"{DEAD_ANSWER_SECONDS:g} s, then UNAVAILABLE")
+
+    async def _answer_dead(self, sender: Any, detail: str) -> None:
+        """UNAVAILABLE (HTTP 503), held until the unit is known to be going down.
+
+        Triton reports the model READY whatever its Python code does (its strict readiness reads the
+        model's load state only, core r24.10 src/server.cc:409-447), so the proxy's engine check
+        would let an immediate 503 through as the engine's own answer. Held DEAD_ANSWER_SECONDS, it
+        reaches the proxy after the launcher ended the session and the proxy's gate closed, and the
+        proxy answers the unit's 503 unit_unavailable for it. Tried first and dropped: stopping
+        tritonserver (it refuses new connections at once but answers readiness 200 on the proxy's open
+        ones: HAProxy 502s for 9 s) and unloading the model (requests for it are then 404 and 400:
+        core model_lifecycle.cc:371-374, model_repository_manager.cc:1245-1250)."""
+        self._engine_dead()
+        await asyncio.sleep(DEAD_ANSWER_SECONDS)
+        self._error(sender, f"the vLLM engine is dead: {detail}", self.pb.TritonError.UNAVAILABLE)
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
@@ -354,10 +368,11 @@ class TritonPythonModel:
             except RequestError as error:
                 self._error(sender, str(error), self.pb.TritonError.INVALID_ARG)
                 return
-            if self.engine.errored:
-                self._engine_dead()
-            if self.stopping or self.dead:
-                self._error(sender, "the vLLM engine is stopping or dead", self.pb.TritonError.UNAVAILABLE)
+            if self.dead or self.engine.errored:
+                await self._answer_dead(sender, "not taken")
+                return
+            if self.stopping:
+                self._error(sender, "the vLLM engine is stopping", self.pb.TritonError.UNAVAILABLE)
                 return
             sent_chars = sent_tokens = 0
             last = None
@@ -384,10 +399,9 @@ class TritonPythonModel:
                 self._send(sender, self._response(text, choice.finish_reason, len(choice.token_ids), query), True)
         except Exception as error:  # answered to the client; the log keeps the traceback
             if self.engine.errored:
-                # The unit is going down: stop the server first, then answer UNAVAILABLE (HTTP 503;
-                # Triton's status is the first response's error, http_server.cc r24.10 HttpCodeFromError).
-                self._engine_dead()
-                self._error(sender, f"the vLLM engine is dead: {error}", self.pb.TritonError.UNAVAILABLE)
+                # The unit is going down: UNAVAILABLE, Triton's 503 (its status is the first response's
+                # error, http_server.cc r24.10 HttpCodeFromError), held (_answer_dead).
+                await self._answer_dead(sender, f"{type(error).__name__}")
                 return
             self.logger.log_error(f"[unit vllm] request {request_id} failed: {traceback.format_exc()}")
             self._error(sender, f"generation failed: {type(error).__name__}: {error}", self.pb.TritonError.INTERNAL)
