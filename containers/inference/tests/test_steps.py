@@ -214,3 +214,23 @@ def test_the_leaders_engine_core_gone_while_its_front_end_runs_ends_the_session(
     session.check_executor()
     assert session.cause == "engine_exit" and f"pid {gone.pid}" in str(session.end_reason)
     assert not steps.process_alive(gone.pid) and steps.process_alive(os.getpid())
+
+
+def test_a_front_end_that_saw_its_engine_die_ends_the_session_at_the_next_tick(tmp_path, h):
+    """The engine core can outlive its dead worker by seconds (6 s in an e2e-triton run): the Triton backend,
+    which sees AsyncLLM errored first, writes the marker and the launcher ends the session on it."""
+    session = rendezvous.LeaderSession(parse_spec(h.cpu_spec(2, record_dir=tmp_path)), "127.0.0.1", "i-leader")
+    session.members["i-f1"] = rendezvous.Member("127.0.0.2", "i-f1", 0.0, 1e12, ready=True)
+    session.mark_ready()
+    session.step_dir.mkdir(parents=True, exist_ok=True)
+    alive = _executor_record_by(session.step_dir, keep_running=True)
+    try:
+        session.check_executor()
+        assert session.end_reason is None
+        records.mark_engine_dead(session.step_dir, "Triton's vllm backend: AsyncLLM errored")
+        assert steps.engine_dead(session.step_dir) == "Triton's vllm backend: AsyncLLM errored"
+        session.check_executor()
+        assert session.cause == "engine_exit" and "AsyncLLM errored" in str(session.end_reason)
+    finally:
+        alive.kill()
+        alive.wait()

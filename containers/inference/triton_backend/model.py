@@ -292,10 +292,21 @@ class TritonPythonModel:
     def _engine_dead(self) -> None:
         """Note once that vLLM's engine is dead; the launcher ends the session on its own (it sees the
         engine core's pid gone: rendezvous.check_executor)."""
-        if not self.dead:
-            self.dead = True
-            self.logger.log_error("[unit vllm] the vLLM engine is dead; answers are held "
-                                  f"{DEAD_ANSWER_SECONDS:g} s, then UNAVAILABLE")
+        if self.dead:
+            return
+        self.dead = True
+        self.logger.log_error("[unit vllm] the vLLM engine is dead; answers are held "
+                              f"{DEAD_ANSWER_SECONDS:g} s, then UNAVAILABLE")
+        # The engine core may take seconds to exit after its worker died: tell the launcher now, in the
+        # session's step directory (the unit executor's, UNIT_STEP_DIR), which it reads every tick.
+        directory = os.environ.get("UNIT_STEP_DIR")
+        if directory:
+            try:
+                from unit_executor.steps import mark_engine_dead
+
+                mark_engine_dead(directory, f"Triton's vllm backend for model {self.name}: AsyncLLM errored")
+            except (ImportError, OSError) as error:
+                self.logger.log_error(f"[unit vllm] could not tell the launcher: {error}")
 
     async def _answer_dead(self, sender: Any, detail: str) -> None:
         """UNAVAILABLE (HTTP 503), held until the unit is known to be going down.

@@ -349,8 +349,14 @@ class LeaderSession:
         keeps running with a dead model (its readiness stays true), so the unit would be taken for
         whole until a heartbeat or step bound expired. The executor's step record names the engine
         core's pid (unit_executor.steps); a pid that is gone (or a zombie) while the session serves is
-        the engine's exit, and _settle_cause names a lost follower when there is one."""
+        the engine's exit, and _settle_cause names a lost follower when there is one. The engine core
+        can take seconds to exit after its worker died, so a front end that sees the engine dead first
+        (the Triton backend) says so in the step directory (unit_executor.steps.mark_engine_dead)."""
         if not self.released.is_set() or self.state == STOPPING or self.stop_requested:
+            return
+        said = steps.engine_dead(self.step_dir)
+        if said is not None:
+            self.end(f"the leader's front end says its vLLM engine died: {said}", cause="engine_exit")
             return
         executor = steps.executor_state(self.step_dir)
         if executor is None or not executor.pid or steps.process_alive(executor.pid):

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from unit_executor.steps import EXECUTOR_RECORD, StepState, read_dir, read_record
+from unit_executor.steps import ENGINE_DEAD_RECORD, EXECUTOR_RECORD, StepState, read_dir, read_record
 
 EXECUTOR = "executor"
 
@@ -51,6 +51,14 @@ def process_alive(pid: int) -> bool:
     except OSError:
         return True  # no /proc (not Linux): the signal said it exists
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def engine_dead(directory: Path) -> str | None:
+    """What a front end wrote when its in-process vLLM engine died (unit_executor.steps.mark_engine_dead)."""
+    try:
+        return (directory / ENGINE_DEAD_RECORD).read_text().strip() or "no reason given"
+    except OSError:
+        return None
 
 
 def executor_state(directory: Path) -> StepState | None:
