@@ -309,16 +309,17 @@ class TritonPythonModel:
                 self.logger.log_error(f"[unit vllm] could not tell the launcher: {error}")
 
     async def _answer_dead(self, sender: Any, detail: str) -> None:
-        """UNAVAILABLE (HTTP 503), held until the unit is known to be going down.
+        """UNAVAILABLE, held until the unit is known to be going down.
 
         Triton reports the model READY whatever its Python code does (its strict readiness reads the
-        model's load state only, core r24.10 src/server.cc:409-447), so the proxy's engine check
-        would let an immediate 503 through as the engine's own answer. Held DEAD_ANSWER_SECONDS, it
-        reaches the proxy after the launcher ended the session and the proxy's gate closed, and the
-        proxy answers the unit's 503 unit_unavailable for it. Tried first and dropped: stopping
-        tritonserver (it refuses new connections at once but answers readiness 200 on the proxy's open
-        ones: HAProxy 502s for 9 s) and unloading the model (requests for it are then 404 and 400:
-        core model_lifecycle.cc:371-374, model_repository_manager.cc:1245-1250)."""
+        models' load state only, core r24.10 src/server.cc:409-447), and its generate extension
+        answers a model's error with HTTP 400 whatever the code (measured with 2.51.0), so an
+        immediate answer would pass the proxy as the model's own. Held DEAD_ANSWER_SECONDS, it
+        reaches the proxy after the launcher ended the session (told by _engine_dead) and the proxy's
+        gate closed, and the proxy answers the unit's 503 unit_unavailable for it. Tried first and
+        dropped: stopping tritonserver (it refuses new connections at once but answers readiness 200
+        on the proxy's open ones: HAProxy 502s for 9 s) and unloading the model (requests for it are
+        then 404 and 400: core model_lifecycle.cc:371-374, model_repository_manager.cc:1245-1250)."""
         self._engine_dead()
         await asyncio.sleep(DEAD_ANSWER_SECONDS)
         self._error(sender, f"the vLLM engine is dead: {detail}", self.pb.TritonError.UNAVAILABLE)
@@ -410,8 +411,7 @@ class TritonPythonModel:
                 self._send(sender, self._response(text, choice.finish_reason, len(choice.token_ids), query), True)
         except Exception as error:  # answered to the client; the log keeps the traceback
             if self.engine.errored:
-                # The unit is going down: UNAVAILABLE, Triton's 503 (its status is the first response's
-                # error, http_server.cc r24.10 HttpCodeFromError), held (_answer_dead).
+                # The unit is going down: UNAVAILABLE, held until the proxy's gate is closed (_answer_dead).
                 await self._answer_dead(sender, f"{type(error).__name__}")
                 return
             self.logger.log_error(f"[unit vllm] request {request_id} failed: {traceback.format_exc()}")
