@@ -16,7 +16,7 @@ export AWS_EC2_METADATA_DISABLED := true
 # ("$$CONFIG"), so a path with spaces or shell characters works: make plan CONFIG="my/fleet two.yaml".
 export CONFIG SCENARIO SEEDS REPORT CELL
 
-.PHONY: help setup venv cli tools synth test snapshot-update validate plan plan-rollout compile bench bench-proxy bench-unit bench-placement simulate-scaling simulate-cell verify-cell e2e e2e-router clean-e2e clean
+.PHONY: help setup venv cli tools synth test snapshot-update validate plan plan-rollout compile bench bench-proxy bench-unit bench-placement simulate-scaling simulate-cell verify-cell e2e e2e-triton e2e-router clean-e2e clean
 
 # `make help` lists every target with the `## ` comment on its line (tests/test_makefile.py
 # checks that each .PHONY target has one).
@@ -130,12 +130,16 @@ E2E_ARGS ?=
 e2e: venv ## end to end with a real vLLM engine on CPU [E2E_ARGS=...]
 	$(BIN)/python e2e/run_e2e.py $(E2E_ARGS)
 
+# The unit again with the Triton front end (Triton 2.51.0 from a hash-pinned wheel, under .e2e/triton).
+e2e-triton: venv ## the e2e unit with frontend triton: form, stream, lose a follower, drain (e2e-triton-report.json)
+	$(BIN)/python e2e/run_e2e.py --frontend triton $(E2E_ARGS)
+
 # Two cells (unit proxy + fake engine each) behind the real cell router on loopback; under 2 minutes.
 e2e-router: venv tools ## cell router acceptance: cell A lost under load, cell B evacuated (e2e-router-report.json)
 	$(BIN)/python e2e/router_mode.py $(E2E_ROUTER_ARGS)
 
 clean-e2e: ## remove the e2e environment and report
-	rm -rf .e2e e2e-report.json e2e-router-report.json
+	rm -rf .e2e e2e-report.json e2e-triton-report.json e2e-router-report.json
 
 clean: ## remove the venv, node_modules and cdk.out
 	rm -rf $(VENV) node_modules cdk.out .pytest_cache

@@ -113,15 +113,15 @@ def run_raw(h: Harness) -> None:
 # --------------------------------------------------------------------------- entry point
 
 
-def write_report(h: Harness, env_stats: dict[str, Any] | None, wall: float) -> None:
+def write_report(h: Harness, env_stats: dict[str, Any] | None, wall: float, path: Path = REPORT) -> None:
     r = h.report
     if env_stats is not None:
         r.facts["e2e_env"] = env_stats
     r.figure("e2e_wall_s", wall)
-    REPORT.write_text(json.dumps(r.to_json(), indent=2) + "\n")
+    path.write_text(json.dumps(r.to_json(), indent=2) + "\n")
     print()
     print(markdown_table(r))
-    print(f"\nreport: {REPORT}")
+    print(f"\nreport: {path}")
 
 
 FIGURE_LABELS = {
@@ -166,6 +166,16 @@ FIGURE_LABELS = {
     "drain_health_503_after_s": "leader task SIGTERM to proxy /health 503 (s)",
     "raw_leader_health_200_after_follower_kill_s": "bare vLLM: /health still 200 after follower kill (s)",
     "e2e_wall_s": "e2e wall time (s)",
+    "openai_ttft_ms_p50": "OpenAI server through the proxy: time to first token, median (ms)",
+    "openai_tokens_per_s": "OpenAI server through the proxy: tokens per second (one stream at a time)",
+    "openai_leader_cpu_ms_per_token": "OpenAI server: the leader task's CPU per token (ms)",
+    "triton_formation_s": "Triton unit formation, start to /health 200 (s)",
+    "triton_ttft_ms_p50": "Triton through the proxy: time to first token, median (ms)",
+    "triton_tokens_per_s": "Triton through the proxy: tokens per second (one stream at a time)",
+    "triton_leader_cpu_ms_per_token": "Triton: the leader task's CPU per token (ms)",
+    "triton_failure_detection_s": "Triton unit: follower SIGKILL to proxy /health 503 (s)",
+    "triton_recovery_s": "Triton unit: follower SIGKILL to /health 200 again (s)",
+    "triton_drain_s": "Triton unit: leader task SIGTERM to all exited (s)",
 }
 
 
@@ -202,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stop-order", choices=("together", "proxy-first"), default="together",
                         help="how ECS stops the leader task's containers in step 5")
     parser.add_argument("--skip-setup", action="store_true", help="do not check/build .e2e/venv first")
+    parser.add_argument("--frontend", choices=("openai", "triton"), default="openai",
+                        help="unit mode's front end: openai (the scenario) or triton (triton_mode.py, short)")
     parser.add_argument("--steps", type=_steps, default="2b,6,rest",
                         help="unit mode's optional steps, comma-separated: 2b (temperature 0.8), 6 (artifacts "
                              "refused), rest (2a to 5); steps 0-2 always run. Default: all")
@@ -213,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
 
         env_stats = setup_env.ensure_env()
         setup_env.install_executor()
+        if args.frontend == "triton":
+            env_stats = {**env_stats, **setup_env.ensure_triton()}
     if not ENGINE_PYTHON.exists():
         print(f"error: {ENGINE_PYTHON} missing: run e2e/setup_env.py", file=sys.stderr)
         return 2
@@ -226,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
             h.build_model()
             if args.mode == "raw":
                 run_raw(h)
+            elif args.frontend == "triton":
+                from triton_mode import run_triton
+
+                run_triton(h)
             else:
                 from unit_mode import run_unit
 
@@ -236,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[e2e] ERROR {h.report.error}", flush=True)
         finally:
             h.finish()
-            write_report(h, env_stats, time.monotonic() - wall)
+            report = REPORT if args.frontend == "openai" else REPORT.with_name("e2e-triton-report.json")
+            write_report(h, env_stats, time.monotonic() - wall, report)
     return 0 if h.report.passed else 1
 
 

@@ -177,15 +177,76 @@ def install_executor() -> None:
     run([str(VENV / "bin" / "python"), "-c", check], env=env, timeout=120)
 
 
+TRITON_DIR = E2E_DIR / "triton"
+TRITON_VENV = E2E_DIR / "triton-venv"
+TRITON_LOCK = ROOT / "e2e" / "triton.lock"
+TRITON_PYTHON_LOCK = ROOT / "e2e" / "triton-python.lock"
+TRITON_BACKEND = ROOT / "containers" / "inference" / "triton_backend" / "model.py"
+TRITON_ROOT = TRITON_DIR / "pytriton" / "tritonserver"
+
+
+def triton_paths() -> dict[str, object]:
+    """What the e2e's Triton unit spec names: the server, its backends, the stub's Python."""
+    return {
+        "triton_command": [str(TRITON_ROOT / "bin" / "tritonserver")],
+        "triton_backend_directory": str(TRITON_ROOT / "backends"),
+        "triton_python": str(TRITON_VENV / "bin" / "python3"),
+    }
+
+
+def ensure_triton() -> dict[str, object]:
+    """Triton 2.51.0 (from the nvidia-pytriton wheel, by hash) and the stub's Python, as the image has them.
+
+    As the Dockerfile: the wheel unpacked with --no-deps, the stub of this Python's version copied
+    into backends/python (what PyTriton does at run time, pytriton/triton.py
+    `_prepare_triton_inference_server`), this package's backend as backends/vllm/model.py (every run:
+    it is the code under test), and a venv over .e2e/venv with NumPy 1.26.4 first.
+    """
+    env = dict(os.environ, UV_CACHE_DIR=str(E2E_DIR / "cache" / "uv"))
+    env.pop("VIRTUAL_ENV", None)
+    stamp = TRITON_DIR / ".installed"
+    digest = hashlib.sha256(TRITON_LOCK.read_bytes() + TRITON_PYTHON_LOCK.read_bytes()).hexdigest()
+    started = time.monotonic()
+    reused = stamp.exists() and stamp.read_text().strip() == digest
+    if not reused:
+        shutil.rmtree(TRITON_DIR, ignore_errors=True)
+        shutil.rmtree(TRITON_VENV, ignore_errors=True)
+        run([_uv(), "pip", "install", "--quiet", "--python", sys.executable, "--no-deps", "--require-hashes",
+             "--only-binary", ":all:", "--target", str(TRITON_DIR), "-r", str(TRITON_LOCK)], env=env)
+        run([_uv(), "venv", "--quiet", "--python", sys.executable, str(TRITON_VENV)], env=env)
+        run([_uv(), "pip", "install", "--quiet", "--python", str(TRITON_VENV / "bin" / "python"), "--no-deps",
+             "--require-hashes", "--only-binary", ":all:", "-r", str(TRITON_PYTHON_LOCK)], env=env)
+        purelib = "import sysconfig; print(sysconfig.get_path('purelib'))"
+        site = subprocess.run([str(VENV / "bin" / "python"), "-c", purelib],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        own = subprocess.run([str(TRITON_VENV / "bin" / "python"), "-c", purelib],
+                             capture_output=True, text=True, check=True).stdout.strip()
+        # After the venv's own site-packages (NumPy 1.26.4), vLLM's env with its .pth files (the
+        # editable unit executor): addsitedir processes them, a bare path line would not.
+        Path(own, "e2e-engine-env.pth").write_text(f"import site; site.addsitedir({site!r})\n")
+        version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+        stub = TRITON_ROOT / "python_backend_stubs" / version / "triton_python_backend_stub"
+        shutil.copy2(stub, TRITON_ROOT / "backends" / "python" / "triton_python_backend_stub")
+        stamp.write_text(digest + "\n")
+    backend = TRITON_ROOT / "backends" / "vllm"
+    backend.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(TRITON_BACKEND, backend / "model.py")
+    return {"triton_install_s": round(time.monotonic() - started, 1), "triton_reused": reused,
+            "triton_size_bytes": dir_size(TRITON_DIR, TRITON_VENV)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--force", action="store_true", help="rebuild even if the env is up to date")
     parser.add_argument("--relock", action="store_true", help="re-resolve requirements.in into the lock")
+    parser.add_argument("--triton", action="store_true", help="also install Triton (e2e/triton.lock)")
     args = parser.parse_args(argv)
     if args.relock:
         relock()
     ensure_env(force=args.force)
     install_executor()
+    if args.triton:
+        print(ensure_triton())
     return 0
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import frontend_bench
 from artifacts_steps import check_formation_manifest, compile_identity, report_compiled, require_manifest, run_refusals
 from harness import (
     ENGINE_PYTHON,
@@ -155,7 +156,7 @@ def launcher_env(spec: dict[str, Any], role: str, instance_id: str) -> dict[str,
     return env
 
 
-def proxy_env(ports: UnitPorts) -> dict[str, str]:
+def proxy_env(ports: UnitPorts, frontend: str = "openai", metrics_url: str | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update({
         "PROXY_HOST": "127.0.0.1",
@@ -163,7 +164,7 @@ def proxy_env(ports: UnitPorts) -> dict[str, str]:
         "PROXY_ADMIN_PORT": str(ports.proxy_admin),  # not the default 8081: runs may overlap
         "UPSTREAM_URL": f"http://127.0.0.1:{ports.engine}",
         "LAUNCHER_STATUS_URL": f"http://127.0.0.1:{ports.rendezvous}/status",
-        "FRONTEND": "openai",
+        "FRONTEND": frontend,
         "MAX_INFLIGHT": "16",
         # Short drain windows: the ALB deregistration delay does not exist here.
         "DRAIN_SECONDS": "2",
@@ -172,6 +173,8 @@ def proxy_env(ports: UnitPorts) -> dict[str, str]:
         "UPSTREAM_READ_TIMEOUT_SECONDS": "120",
         "PYTHONUNBUFFERED": "1",
     })
+    if metrics_url is not None:
+        env["ENGINE_METRICS_URL"] = metrics_url
     return env
 
 
@@ -179,7 +182,8 @@ class Unit:
     """The processes of one unit: proxy, supervised leader and follower launchers, and the
     placement of their tasks on instances (the harness plays ECS and the placement controller)."""
 
-    def __init__(self, h: Harness, ports: UnitPorts, spec: dict[str, Any], s3: LoopbackS3) -> None:
+    def __init__(self, h: Harness, ports: UnitPorts, spec: dict[str, Any], s3: LoopbackS3,
+                 proxy: dict[str, str] | None = None) -> None:
         self.h = h
         self.ports = ports
         self.spec = spec
@@ -192,7 +196,7 @@ class Unit:
         self.spares: dict[str, Proc] = {}
         self.leader = Supervisor("leader", self._starter("leader", lambda: "leader-1"))
         self.follower = Supervisor("follower", self._starter("follower", self._place_follower))
-        self.proxy: Proc = h.table.start("proxy", [sys.executable, "-m", "unit_proxy"], proxy_env(ports))
+        self.proxy: Proc = h.table.start("proxy", [sys.executable, "-m", "unit_proxy"], proxy or proxy_env(ports))
         self.health_url = f"http://127.0.0.1:{ports.proxy}/health"
         self.status_url = f"http://127.0.0.1:{ports.rendezvous}/status"
 
@@ -479,6 +483,13 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
     driver = OpenAIDriver(base, timeout=h.left(300))
     first, chat = answer_twice(driver, r, label="2. ")
     check_lockstep(unit, r, "2", h.left(60))
+    # The front-end figures, beside the Triton front end's (triton_mode.py, the same workload).
+    assert unit.leader.current is not None
+    bench = frontend_bench.run(frontend_bench.openai_stream, f"http://127.0.0.1:{ports.proxy}", MODEL_NAME,
+                               unit.leader.current.pid)
+    r.facts["frontend_openai"] = bench
+    for key in ("ttft_ms_p50", "tokens_per_s", "leader_cpu_ms_per_token"):
+        r.figure(f"openai_{key}", bench[key])
 
     # 2b. Temperature 0.8: each node samples on its own; their sampled-token chains must agree.
     if "2b" in steps:

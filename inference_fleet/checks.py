@@ -270,25 +270,22 @@ def _check_serving(fleet: FleetConfig) -> Iterable[ConfigIssue]:
 
 
 def _check_frontend(fleet: FleetConfig) -> Iterable[ConfigIssue]:
-    """A Triton front end needs an image with tritonserver: refused here, not crash-looping on ECS."""
+    """A Triton front end needs an image with tritonserver: refused here, not crash-looping on ECS.
+
+    The image built from containers/inference has it (Triton 2.51.0 from the nvidia-pytriton wheel,
+    pinned by hash, with this package's `vllm` backend; docs/runtime.md "Triton front end"); a pinned
+    image must say it has (images.inference_has_tritonserver), since nothing here can look inside it."""
     if fleet.serving.frontend != "triton":
         return
     for i, cell in enumerate(fleet.cells):
         images = cell.images
-        if images.inference is None:
-            yield ConfigIssue(
-                "serving.frontend", "triton",
-                f"cell {cell.name} deploys the inference image built from containers/inference, whose base "
-                f"(the Neuron vLLM image {fleet.base_images.neuron_vllm_tag}) has no tritonserver; "
-                f"set cells[{i}].images.inference to an image with Triton Inference Server and its vLLM "
-                f"backend on the Neuron SDK and cells[{i}].images.inference_has_tritonserver: true, "
-                "or use frontend: openai",
-            )
-        elif not images.inference_has_tritonserver:
+        if images.inference is not None and not images.inference_has_tritonserver:
             yield ConfigIssue(
                 f"cells[{i}].images.inference_has_tritonserver", False,
-                "serving.frontend is triton: state that the pinned inference image has tritonserver with the "
-                "vLLM backend (true), or use frontend: openai",
+                f"serving.frontend is triton and cell {cell.name} pins the inference image {images.inference}: "
+                "state that it has tritonserver with a `vllm` backend that runs this package's unit executor "
+                "(true), or drop images.inference to deploy the image built from containers/inference (which has "
+                "them), or use frontend: openai",
             )
 
 

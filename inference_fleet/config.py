@@ -235,8 +235,9 @@ class ImagesConfig(_Strict):
     proxy: ImageRef | None = Field(default=None, description="Proxy image, repo@sha256:digest.")
     inference_has_tritonserver: bool = Field(
         default=False,
-        description="The pinned inference image has `tritonserver` with the vLLM backend (needed by "
-        "serving.frontend: triton; the image built from containers/inference has none).",
+        description="The pinned inference image has `tritonserver` with a `vllm` backend that runs this package's "
+        "unit executor (needed by serving.frontend: triton with a pinned image; the image built from "
+        "containers/inference has them).",
     )
 
 

@@ -164,17 +164,18 @@ def test_app_refuses_a_bad_fleet_before_synthesis(raw: dict, tmp_path: Path) -> 
     assert not list(outdir.glob("*.template.json"))
 
 
-def test_triton_front_end_needs_an_image_with_tritonserver():
-    """The built image (Neuron vLLM base) has no tritonserver: refused at load, not crash-looping on ECS."""
+def test_triton_front_end_runs_on_the_built_image_and_refuses_a_pinned_image_without_tritonserver():
+    """The image built from containers/inference has Triton (issue 28): frontend triton is accepted for it. A
+    pinned image is refused unless the fleet states it has tritonserver: refused at load, not crash-looping."""
     data = yaml.safe_load(DEFAULT_CONFIG.read_text())
     data.setdefault("serving", {})["frontend"] = "triton"
+    assert parse_fleet(data, "test").serving.frontend == "triton"
+    data["cells"][0]["images"] = {"inference": "111111111111.dkr.ecr.us-east-2.amazonaws.com/triton@sha256:" + "a" * 64}
     with pytest.raises(ConfigError) as caught:
         parse_fleet(data, "test")
-    (issue,) = [i for i in caught.value.issues if i.path == "serving.frontend"]
-    assert "has no tritonserver" in issue.problem and "images.inference" in issue.problem
-    data["cells"][0]["images"] = {"inference": "111111111111.dkr.ecr.us-east-2.amazonaws.com/triton@sha256:" + "a" * 64}
-    with pytest.raises(ConfigError, match="inference_has_tritonserver"):
-        parse_fleet(data, "test")
+    (issue,) = caught.value.issues
+    assert issue.path == "cells[0].images.inference_has_tritonserver"
+    assert "pins the inference image" in issue.problem and "frontend: openai" in issue.problem
     data["cells"][0]["images"]["inference_has_tritonserver"] = True
     assert parse_fleet(data, "test").serving.frontend == "triton"
 

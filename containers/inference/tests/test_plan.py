@@ -171,8 +171,13 @@ def test_triton_leader_renders_a_model_repository_that_matches_tritons_schema():
         "stream",
         "sampling_parameters",
         "exclude_input_in_output",
+        "return_finish_reason",
+        "return_num_output_tokens",
     ]
+    assert all(i.optional for i in config.input[1:]) and not config.input[0].optional
     assert config.output[0].name == "text_output" and config.output[0].data_type == model_config_pb2.TYPE_STRING
+    assert [o.name for o in config.output] == ["text_output", "finish_reason", "num_output_tokens"]
+    assert config.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_MODEL
     model_json = json.loads(node.files["/opt/triton/models/Llama-3.1-405B-Instruct/1/model.json"])
     assert model_json["model"] == "/opt/models/llama" and model_json["tensor_parallel_size"] == 2
     assert (model_json["nnodes"], model_json["node_rank"], model_json["master_addr"]) == (2, 0, "10.0.0.5")
@@ -182,6 +187,31 @@ def test_triton_leader_renders_a_model_repository_that_matches_tritons_schema():
     # Followers of a Triton unit run the headless vLLM engine.
     follower = plans.build_plan(spec, "follower", 1, leader_addr="10.0.0.5", host_ip="10.0.0.6")
     assert follower.argv[:2] == ["vllm", "serve"] and "--headless" in follower.argv and not follower.files
+
+
+def test_triton_leader_runs_the_images_backends_with_metrics_and_a_drain_within_the_stop_timeout():
+    """The image's Triton (containers/inference/Dockerfile): its backends folder, where this package's `vllm`
+    backend is; metrics on their own port (the proxy's load report reads them); on SIGTERM Triton waits for
+    requests in flight for less than the launcher's stop timeout, so vLLM has time to stop before SIGKILL."""
+    spec = parse_spec(neuron_spec(engine={"max_num_seqs": 32, "frontend": "triton", "stop_timeout_seconds": 120}))
+    node = plans.build_plan(spec, "leader", 0, leader_addr="10.0.0.5", host_ip="10.0.0.5")
+    assert "--backend-directory=/opt/triton/dist/pytriton/tritonserver/backends" in node.argv
+    # The default model control ("none"): no load/unload API over HTTP.
+    assert not any(a.startswith(("--model-control-mode", "--load-model")) for a in node.argv)
+    assert {"--allow-metrics=true", "--metrics-address=127.0.0.1", "--metrics-port=8002"} <= set(node.argv)
+    assert "--exit-timeout-secs=90" in node.argv
+    assert "--allow-grpc=false" in node.argv and not any(a.startswith("--strict-readiness") for a in node.argv)
+    # The unit executor is active in Triton's stub as under `vllm serve`: the same environment.
+    openai = plans.build_plan(parse_spec(neuron_spec(engine={"max_num_seqs": 32})), "leader", 0,
+                              leader_addr="10.0.0.5", host_ip="10.0.0.5")
+    assert node.env == openai.env and node.env["UNIT_EXECUTOR"] == "1"
+
+
+def test_triton_metrics_port_must_differ_from_the_units_other_ports():
+    with pytest.raises(SpecError, match=r"engine\.triton_metrics_port = 29400: same as rendezvous\.port"):
+        parse_spec(neuron_spec(engine={"max_num_seqs": 4, "frontend": "triton", "triton_metrics_port": 29400}))
+    # The OpenAI server has no such port: not checked then.
+    parse_spec(neuron_spec(engine={"max_num_seqs": 4, "triton_metrics_port": 29400}))
 
 
 def test_schema_check_rejects_a_config_that_triton_would_refuse():

@@ -6,6 +6,7 @@ import importlib
 import json
 import multiprocessing
 import os
+import subprocess
 import sys
 import time
 import types
@@ -14,7 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 from unit_executor import steps as records
-from unit_launcher import steps
+from unit_launcher import rendezvous, steps
+from unit_launcher.spec import parse_spec
 
 
 def _output(step: int, req: str = "r1") -> SimpleNamespace:
@@ -181,3 +183,54 @@ def test_the_record_keeps_the_longest_step_of_the_session(tmp_path: Path) -> Non
     assert state is not None and state.completed == 4
     assert 0.25 <= state.longest_ns / 1e9 < 1.0
     assert state.to_json()["longest_step_seconds"] == round(state.longest_ns / 1e9, 3)
+
+
+def _executor_record_by(step_dir: Path, keep_running: bool) -> subprocess.Popen:
+    """A process that writes the executor's record (as vLLM's engine core does) and exits or stays."""
+    code = (f"import sys, time; from unit_executor.steps import StepRecorder, EXECUTOR_RECORD; "
+            f"r = StepRecorder(__import__('pathlib').Path({str(step_dir)!r}) / EXECUTOR_RECORD); "
+            f"r.step(b'x'); r.done(); print('written', flush=True); time.sleep(60 if {keep_running} else 0)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "written"
+    return proc
+
+
+def test_the_leaders_engine_core_gone_while_its_front_end_runs_ends_the_session(tmp_path, h):
+    """Triton keeps serving a dead model (readiness stays true): the leader's launcher must see the engine
+    core's exit itself, from the pid in the executor's record, and end the session as the engine's exit."""
+    session = rendezvous.LeaderSession(parse_spec(h.cpu_spec(2, record_dir=tmp_path)), "127.0.0.1", "i-leader")
+    session.members["i-f1"] = rendezvous.Member("127.0.0.2", "i-f1", 0.0, 1e12, ready=True)
+    session.mark_ready()
+    session.step_dir.mkdir(parents=True, exist_ok=True)
+    alive = _executor_record_by(session.step_dir, keep_running=True)
+    try:
+        session.check_executor()
+        assert session.end_reason is None and session.state == rendezvous.SERVING
+    finally:
+        alive.kill()
+        alive.wait()
+    gone = _executor_record_by(session.step_dir, keep_running=False)
+    gone.wait()
+    session.check_executor()
+    assert session.cause == "engine_exit" and f"pid {gone.pid}" in str(session.end_reason)
+    assert not steps.process_alive(gone.pid) and steps.process_alive(os.getpid())
+
+
+def test_a_front_end_that_saw_its_engine_die_ends_the_session_at_the_next_tick(tmp_path, h):
+    """The engine core can outlive its dead worker by seconds (6 s in an e2e-triton run): the Triton backend,
+    which sees AsyncLLM errored first, writes the marker and the launcher ends the session on it."""
+    session = rendezvous.LeaderSession(parse_spec(h.cpu_spec(2, record_dir=tmp_path)), "127.0.0.1", "i-leader")
+    session.members["i-f1"] = rendezvous.Member("127.0.0.2", "i-f1", 0.0, 1e12, ready=True)
+    session.mark_ready()
+    session.step_dir.mkdir(parents=True, exist_ok=True)
+    alive = _executor_record_by(session.step_dir, keep_running=True)
+    try:
+        session.check_executor()
+        assert session.end_reason is None
+        records.mark_engine_dead(session.step_dir, "Triton's vllm backend: AsyncLLM errored")
+        assert steps.engine_dead(session.step_dir) == "Triton's vllm backend: AsyncLLM errored"
+        session.check_executor()
+        assert session.cause == "engine_exit" and "AsyncLLM errored" in str(session.end_reason)
+    finally:
+        alive.kill()
+        alive.wait()

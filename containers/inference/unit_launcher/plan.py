@@ -226,10 +226,16 @@ def build_plan(
         argv = [
             *spec.engine.triton_command,
             f"--model-repository={spec.engine.triton_model_repository}",
+            f"--backend-directory={spec.engine.triton_backend_directory}",
             f"--http-address={spec.engine.host}",
             f"--http-port={spec.engine.port}",
             "--allow-grpc=false",
             "--allow-metrics=true",
+            f"--metrics-address={spec.engine.host}",
+            f"--metrics-port={spec.engine.triton_metrics_port}",
+            # On SIGTERM Triton refuses new requests and waits this long for those in flight before it
+            # unloads the model (server.cc Stop); the rest of the stop timeout is for vLLM's shutdown.
+            f"--exit-timeout-secs={triton_exit_timeout(spec)}",
         ]
     else:
         model = args.pop("model")
@@ -242,6 +248,11 @@ def build_plan(
     return LaunchPlan(
         role=role, rank=rank, argv=argv, env=env, engine_args=args, files=files, neuron_config=node_config
     )
+
+
+def triton_exit_timeout(spec: UnitSpec) -> int:
+    """Triton's wait for in-flight requests on SIGTERM: three quarters of the engine's stop timeout."""
+    return max(1, int(spec.engine.stop_timeout_seconds * 0.75))
 
 
 def triton_model_name(spec: UnitSpec) -> str:

@@ -342,6 +342,28 @@ class LeaderSession:
             result[m.describe()] = own if m.instance_id == self.instance_id else m.steps
         return result
 
+    def check_executor(self) -> None:
+        """The leader's engine core gone while the front end's process lives: the session ends now.
+
+        vLLM's OpenAI server exits when its engine core dies, and its exit ends the session; Triton
+        keeps running with a dead model (its readiness stays true), so the unit would be taken for
+        whole until a heartbeat or step bound expired. The executor's step record names the engine
+        core's pid (unit_executor.steps); a pid that is gone (or a zombie) while the session serves is
+        the engine's exit, and _settle_cause names a lost follower when there is one. The engine core
+        can take seconds to exit after its worker died, so a front end that sees the engine dead first
+        (the Triton backend) says so in the step directory (unit_executor.steps.mark_engine_dead)."""
+        if not self.released.is_set() or self.state == STOPPING or self.stop_requested:
+            return
+        said = steps.engine_dead(self.step_dir)
+        if said is not None:
+            self.end(f"the leader's front end says its vLLM engine died: {said}", cause="engine_exit")
+            return
+        executor = steps.executor_state(self.step_dir)
+        if executor is None or not executor.pid or steps.process_alive(executor.pid):
+            return
+        self.end(f"the leader's engine core (pid {executor.pid}, the unit executor's process) exited while the "
+                 "front end still runs", cause="engine_exit")
+
     def check_steps(self) -> None:
         """Note when the unit first served; end the session when a broadcast step has not
         completed within the step bound."""
@@ -720,6 +742,7 @@ class LeaderSession:
         while not self.ended.is_set():
             self.prune_forming()
             self.check_liveness()
+            self.check_executor()
             self.check_steps()
             self.check_drain()
             await asyncio.sleep(step)

@@ -36,6 +36,7 @@ from unit_launcher import (
     self_check,
     steps,
     task_stop,
+    triton_env,
     waits,
 )
 from unit_launcher.engine import Engine
@@ -344,7 +345,9 @@ async def _await_ready(
     return None
 
 
-def _leader_plan(spec: UnitSpec, me: Identity, session: rendezvous.LeaderSession) -> plan.LaunchPlan:
+def _leader_plan(
+    spec: UnitSpec, me: Identity, session: rendezvous.LeaderSession, extra_env: Mapping[str, str] | None = None
+) -> plan.LaunchPlan:
     node_plan = plan.build_plan(
         spec,
         "leader",
@@ -362,6 +365,8 @@ def _leader_plan(spec: UnitSpec, me: Identity, session: rendezvous.LeaderSession
                 "matches" if checked is not None else "not checked (tritonclient absent) against",
             )
     plan.write_files(node_plan)
+    if extra_env:
+        node_plan.env.update(extra_env)
     return node_plan
 
 
@@ -534,7 +539,7 @@ def _publish(spec: UnitSpec, event: dict[str, Any]) -> None:
     evidence.append_history(path, event)
 
 
-async def run_leader(spec: UnitSpec, me: Identity, bind: str) -> int:
+async def run_leader(spec: UnitSpec, me: Identity, bind: str, engine_env: Mapping[str, str] | None = None) -> int:
     signals = _Signals()
     session = rendezvous.LeaderSession(spec, me.host_ip, me.instance_id)
     runner = await rendezvous.start_server(session, bind)
@@ -550,7 +555,7 @@ async def run_leader(spec: UnitSpec, me: Identity, bind: str) -> int:
                 await session.tell_followers(2 * spec.rendezvous.heartbeat_interval + 1)
             return status
         _announce_formed(spec, session)
-        node_plan = _leader_plan(spec, me, session)
+        node_plan = _leader_plan(spec, me, session, engine_env)
         engine = Engine(node_plan.argv, _engine_env(node_plan))
         status = await _serve(spec, session, engine, signals)
         await session.tell_followers(2 * spec.rendezvous.heartbeat_interval + 1)
@@ -971,7 +976,18 @@ def run(role: str, spec: UnitSpec, env: Mapping[str, str]) -> int:
     )
     _self_check(spec, role, me, env)
     if role == "leader":
-        return asyncio.run(run_leader(spec, me, env.get("UNIT_BIND_ADDR", "0.0.0.0")))
+        engine_env = None
+        if spec.engine.frontend == "triton":
+            # Before the unit forms: a stub that cannot embed the engine's Python is the image's fault,
+            # not the unit's (unit_launcher.triton_env).
+            try:
+                engine_env = triton_env.stub_environment(
+                    spec.engine.triton_python, spec.engine.triton_backend_directory, env)
+            except triton_env.TritonEnvError as error:
+                log.error("Triton front end: %s", error)
+                return EXIT_CONFIG
+            log.info("Triton's Python stub embeds %s (PATH and LD_LIBRARY_PATH set)", spec.engine.triton_python)
+        return asyncio.run(run_leader(spec, me, env.get("UNIT_BIND_ADDR", "0.0.0.0"), engine_env))
     if role == "follower":
         return asyncio.run(run_follower(spec, me, env))
     raise SpecError(f"UNIT_ROLE={role!r} not allowed; allowed: leader, follower")

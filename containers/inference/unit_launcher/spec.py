@@ -118,6 +118,16 @@ class EngineSpec(_Strict):
     extra_env: dict[EnvName, str] = Field(default_factory=dict)
     triton_command: tuple[str, ...] = ("tritonserver",)
     triton_model_repository: str = "/opt/triton/models"
+    triton_backend_directory: str = Field(
+        default="/opt/triton/dist/pytriton/tritonserver/backends",
+        description="Triton's backends: python/ (the stub) and vllm/ (this package's model.py); the image's.",
+    )
+    triton_python: str = Field(
+        default="/opt/triton/python/bin/python3",
+        description="The Python that Triton's Python stub embeds (named python3: the stub finds it on PATH); "
+        "the launcher puts its bin folder first on PATH and its LIBDIR first on LD_LIBRARY_PATH.",
+    )
+    triton_metrics_port: Port = Field(default=8002, description="Triton's Prometheus metrics port (its default).")
     stop_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
 
 
@@ -227,6 +237,8 @@ class UnitSpec(_Strict):
             "rendezvous.port": self.rendezvous.port,
             "neuron.rt_root_comm_port": self.neuron.rt_root_comm_port,
         }
+        if self.engine.frontend == "triton":
+            ports["engine.triton_metrics_port"] = self.engine.triton_metrics_port
         seen: dict[int, str] = {}
         for name, port in ports.items():
             if port in seen:

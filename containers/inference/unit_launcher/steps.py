@@ -16,12 +16,13 @@ step directory; this module is the launcher's reading of them:
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from unit_executor.steps import EXECUTOR_RECORD, StepState, read_dir, read_record
+from unit_executor.steps import ENGINE_DEAD_RECORD, EXECUTOR_RECORD, StepState, read_dir, read_record
 
 EXECUTOR = "executor"
 
@@ -35,6 +36,29 @@ def step_dir(unit_id: str, session_id: str, rank: int) -> Path:
 def local_states(directory: Path) -> dict[str, dict[str, Any]]:
     """This node's records as JSON (for /status and heartbeats)."""
     return {name: state.to_json() for name, state in read_dir(directory).items()}
+
+
+def process_alive(pid: int) -> bool:
+    """Whether `pid` is a live process (not gone, not a zombie waiting for its parent)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc (not Linux): the signal said it exists
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def engine_dead(directory: Path) -> str | None:
+    """What a front end wrote when its in-process vLLM engine died (unit_executor.steps.mark_engine_dead)."""
+    try:
+        return (directory / ENGINE_DEAD_RECORD).read_text().strip() or "no reason given"
+    except OSError:
+        return None
 
 
 def executor_state(directory: Path) -> StepState | None:

@@ -95,3 +95,14 @@ def test_cut_streams_have_a_ceiling_on_the_whole_backend() -> None:
     text = render(replace(Settings(), max_inflight=17), Paths("/r", 3))
     assert "acl unit_full srv_conn(engine/vllm) ge 17" in text
     assert "acl unit_full be_conn(engine) ge 34" in text
+
+
+def test_a_triton_model_error_counts_as_an_engine_error_while_the_unit_goes_down() -> None:
+    """Triton's generate answers a model's error with HTTP 400 whatever its code (Triton 2.51.0, measured:
+    a decoupled model's TritonError UNAVAILABLE came back 400), so with the Triton front end an engine
+    answer from 400 on is the half unit's while the unit goes down (e2e-triton step T4); vLLM's OpenAI
+    server answers a dead engine with 500, and its 4xx stay the model's."""
+    triton = render(replace(Settings(), frontend="triton"), Paths("/r", 3))
+    openai = render(Settings(), Paths("/r", 3))
+    assert "acl engine_5xx status ge 400" in triton and "acl engine_5xx status ge 500" not in triton
+    assert "acl engine_5xx status ge 500" in openai

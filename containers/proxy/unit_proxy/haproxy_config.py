@@ -549,9 +549,13 @@ def _engine_backend(settings: Settings, paths: Paths) -> list[str]:
     lines += [f"    http-response del-header {_names_regex((*HOP_BY_HOP, ERROR_MARK))} -m reg"]
     # A dying unit's engine answers 5xx (vLLM 0.32 on CPU, make e2e step 3): while the unit
     # is going down such answers are the half unit's, not the model's (4.2 "http-response return").
+    # Triton's generate extension answers a model's error with 400 whatever its code (measured with
+    # Triton 2.51.0: a decoupled Python model's TritonError UNAVAILABLE came back as HTTP 400; the
+    # triton branch's e2e-triton step T4), so for Triton an engine error is any status from 400 on.
+    error_from = 500 if settings.frontend == "openai" else 400
     lines += [
         f"    acl going_down str({GateMap.DOWN}),map({gate},yes) -m str yes",
-        "    acl engine_5xx status ge 500",
+        f"    acl engine_5xx status ge {error_from}",
     ]
     down = "engine_5xx going_down"
     if settings.launcher_status_url:

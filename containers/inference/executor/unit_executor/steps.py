@@ -51,6 +51,20 @@ EXECUTOR_RECORD = "executor.rec"
 ZERO_CHAIN = bytes(32)
 
 
+# Written by a front end that runs vLLM's engine in-process (the Triton backend) when that engine
+# died while the front end lives on: the leader's launcher ends the session at its next tick.
+ENGINE_DEAD_RECORD = "engine-dead"
+
+
+def mark_engine_dead(directory: str | Path, reason: str) -> Path:
+    """Say in the session's step directory that the engine died (the reason is the file's text)."""
+    path = Path(directory) / ENGINE_DEAD_RECORD
+    tmp = path.with_name(f".{ENGINE_DEAD_RECORD}.{os.getpid()}")
+    tmp.write_text(reason[:500] + "\n")
+    os.replace(tmp, path)
+    return path
+
+
 def worker_record_name(rank: int) -> str:
     return f"worker-{rank}.rec"
 

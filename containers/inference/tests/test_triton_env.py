@@ -1,0 +1,93 @@
+"""Triton's Python stub embeds the engine's Python only with the right PATH, LD_LIBRARY_PATH and NumPy.
+
+The launcher checks it before the unit forms (unit_launcher.triton_env): a fake engine Python (a
+script answering the probe as a real one would) and a fake `ldd` on PATH (answering as glibc's
+does for the stub under the environment it is given) stand in for the image; what the real stub
+and Python do is run by `make e2e-triton`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+from unit_launcher import triton_env
+
+
+def _script(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\n" + text)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+
+def _image(tmp_path: Path, *, numpy: str = "1.26.4", version: str = "3.12", stub_links: str = "3.12",
+           system_first: bool = False) -> tuple[str, str, dict[str, str]]:
+    """(python, backend directory, base environment) of a fake image: the engine Python is a venv's
+    python3 over a base whose LIBDIR is <tmp>/conda/lib; a system libpython of the same name exists."""
+    libdir = tmp_path / "conda" / "lib"
+    (libdir / f"libpython{version}.so.1.0").parent.mkdir(parents=True)
+    (libdir / f"libpython{version}.so.1.0").write_text("")
+    python = tmp_path / "venv" / "bin" / "python3"
+    probe = {"version": version, "patch": f"{version}.11", "libdir": str(libdir), "ldlibrary": f"libpython{version}.so",
+             "shared": 1, "numpy": numpy}
+    _script(python, f"echo '{json.dumps(probe)}'\n")
+    backends = tmp_path / "tritonserver" / "backends"
+    _script(backends / "python" / triton_env.STUB, "exit 0\n")
+    system = tmp_path / "system-lib"
+    # glibc's ldd: the first directory of LD_LIBRARY_PATH holding the library wins (unless system_first).
+    fake_bin = tmp_path / "fake-bin"
+    _script(fake_bin / "ldd", f"""
+found=""
+if [ -z "{'x' if system_first else ''}" ]; then
+  for d in $(echo "$LD_LIBRARY_PATH" | tr ':' ' '); do
+    if [ -e "$d/libpython{stub_links}.so.1.0" ]; then found="$d/libpython{stub_links}.so.1.0"; break; fi
+  done
+fi
+[ -n "$found" ] || found="{system}/libpython{stub_links}.so.1.0"
+echo "	libcudart-09529672.so.12.6.77 => /x/nvidia_pytriton.libs/libcudart-09529672.so.12.6.77 (0x0)"
+echo "	libpython{stub_links}.so.1.0 => $found (0x00007f07bb800000)"
+""")
+    base = {"PATH": f"{fake_bin}:{os.environ['PATH']}", "LD_LIBRARY_PATH": f"/opt/aws/neuron/lib:{system}"}
+    return str(python), str(backends), base
+
+
+def test_the_engine_pythons_bin_and_libdir_go_first(tmp_path):
+    python, backends, base = _image(tmp_path)
+    env = triton_env.stub_environment(python, backends, base)
+    assert env["PATH"].split(":")[0] == str(tmp_path / "venv" / "bin")
+    assert env["PATH"].endswith(base["PATH"])
+    assert env["LD_LIBRARY_PATH"] == f"{tmp_path / 'conda' / 'lib'}:/opt/aws/neuron/lib:{tmp_path / 'system-lib'}"
+
+
+def test_a_stub_that_would_load_another_libpython_is_refused(tmp_path):
+    """The failure seen with the wheel's stub: Debian's libpython3.11 (3.11.2) with pyenv's 3.11.7 standard
+    library -> '_thread.RLock' object has no attribute '_recursion_count'."""
+    python, backends, base = _image(tmp_path, system_first=True)
+    with pytest.raises(triton_env.TritonEnvError, match=r"would load .*system-lib/libpython3\.12\.so\.1\.0, not"):
+        triton_env.stub_environment(python, backends, base)
+
+
+def test_numpy_2_is_refused_naming_the_stubs_pybind11(tmp_path):
+    python, backends, base = _image(tmp_path, numpy="2.3.5")
+    with pytest.raises(triton_env.TritonEnvError, match=r"imports NumPy 2\.3\.5: .*pybind11 2\.10.*numpy<2"):
+        triton_env.stub_environment(python, backends, base)
+
+
+def test_a_stub_of_another_python_version_is_refused(tmp_path):
+    python, backends, base = _image(tmp_path, stub_links="3.11")
+    with pytest.raises(triton_env.TritonEnvError, match=r"links libpython3\.11\.so\.1\.0, the engine's Python is 3"):
+        triton_env.stub_environment(python, backends, base)
+
+
+def test_missing_stub_and_misnamed_python_are_refused(tmp_path):
+    python, backends, base = _image(tmp_path)
+    with pytest.raises(triton_env.TritonEnvError, match="looks up 'python3' on PATH"):
+        triton_env.stub_environment(python.replace("python3", "python"), backends, base)
+    with pytest.raises(triton_env.TritonEnvError, match="cannot run"):
+        triton_env.stub_environment(str(tmp_path / "nowhere" / "python3"), backends, base)
+    (Path(backends) / "python" / triton_env.STUB).unlink()
+    with pytest.raises(triton_env.TritonEnvError, match="triton_python_backend_stub missing"):
+        triton_env.stub_environment(python, backends, base)

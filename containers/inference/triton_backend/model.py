@@ -1,0 +1,432 @@
+"""Triton's `vllm` backend of this package: vLLM's async engine with the unit executor, behind Triton.
+
+A Python-based Triton backend (installed as `<backend-directory>/vllm/model.py`; python_backend
+r24.10 `src/python_be.cc:2120-2170`: a backend folder holding a model.py runs on the Python
+backend's stub), so a model repository has the layout of Triton's own vLLM backend: a
+`config.pbtxt` with `backend: "vllm"` and the engine arguments in `1/model.json`. The inputs and
+outputs are that backend's (triton-inference-server/vllm_backend@8de0c148bda1da25de1e05ffaaf67116dacc7264
+`src/model.py`, `src/utils/request.py`): `text_input`, optional `stream`, `sampling_parameters`
+(JSON; else the request's parameters), `exclude_input_in_output`, `return_finish_reason`,
+`return_num_output_tokens` -> `text_output` (+ `finish_reason`, `num_output_tokens`). The model is
+decoupled, so Triton's `generate` and `generate_stream` (SSE) extensions work.
+
+The engine is vLLM's own `AsyncLLM`, built from the same engine arguments as the leader's `vllm
+serve` (unit_launcher/templates/engine.j2): with `UNIT_EXECUTOR=1` in the environment the unit
+executor (a vLLM platform plugin, containers/inference/executor) broadcasts every step to the
+followers' headless engines and records it, exactly as under the OpenAI server. Nothing here
+knows about units.
+
+Loaded by Triton's Python stub: `triton_python_backend_utils` and vLLM are imported inside the
+functions that need them, so the request parsing can be tested without either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import locale
+import os
+import queue
+import threading
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+ENGINE_ARGS_FILE = "model.json"
+# Inputs that are not sampling parameters (Triton's generate extension maps a `parameters` key that
+# names an input to that input; these are dropped from the parameters if sent anyway).
+_NOT_SAMPLING = {"stream", "exclude_input_in_output", "return_finish_reason", "return_num_output_tokens"}
+# How often the vLLM gauges are published to Triton's metrics endpoint, and the engine's health looked at.
+GAUGE_SECONDS = 1.0
+WATCH_SECONDS = 0.25
+# How long the answers of a dead engine are held: longer than the launcher's watchdog tick (0.5 s)
+# plus the engine core's exit plus the proxy's check interval (HEALTH_INTERVAL_SECONDS).
+DEAD_ANSWER_SECONDS = 5.0
+
+
+def utf8_locale() -> str:
+    """Put LC_CTYPE on UTF-8 before vLLM and torch are imported; returns the encoding now in effect.
+
+    The stub embeds Python with pybind11 2.10's isolated configuration (python_backend r24.10 pins
+    pybind11 v2.10.0 in CMakeLists.txt; its `initialize_interpreter` uses `PyConfig_InitIsolatedConfig`
+    on Python >= 3.11, pybind/pybind11@aa304c9c `include/pybind11/embed.h:150-155`), which leaves the
+    C locale in place: open() without an encoding then decodes
+    ASCII, and torch's import of its inductor templates fails (UnicodeDecodeError, seen here with
+    LANG=C.UTF-8 and PYTHONUTF8=1 set for the server). open() follows LC_CTYPE (Python 3.11+
+    `locale.getpreferredencoding(False)`), so setting it here is enough.
+    """
+    for name in ("", "C.UTF-8", "en_US.UTF-8"):
+        try:
+            locale.setlocale(locale.LC_CTYPE, name)
+        except locale.Error:
+            continue
+        if locale.getpreferredencoding(False).lower().replace("-", "") == "utf8":
+            break
+    return locale.getpreferredencoding(False)
+
+
+class RequestError(ValueError):
+    """A request this backend cannot run; the message says what was wrong and what is allowed."""
+
+
+@dataclass
+class Generate:
+    """One generate request, parsed from its Triton inputs."""
+
+    prompt: str
+    stream: bool = False
+    prepend_input: bool = True
+    parameters: dict[str, Any] = field(default_factory=dict)
+    return_finish_reason: bool = False
+    return_num_output_tokens: bool = False
+
+
+def _scalar(value: Any) -> Any:
+    """The first element of an input tensor's numpy array, bytes decoded."""
+    item = value[0] if hasattr(value, "__len__") and not isinstance(value, bytes | str) else value
+    if hasattr(item, "item"):
+        item = item.item()
+    return item.decode("utf-8") if isinstance(item, bytes) else item
+
+
+def parse_request(inputs: dict[str, Any], request_parameters: str) -> Generate:
+    """Inputs (name -> numpy array, absent when not sent) and the request's parameters (JSON text).
+
+    As vllm_backend's GenerateRequest (src/utils/request.py): `exclude_input_in_output` absent means
+    the prompt is prepended to a non-streamed answer; a streamed answer never repeats the prompt.
+    """
+    if "text_input" not in inputs:
+        raise RequestError("text_input is required (the prompt, a string)")
+    prompt = _scalar(inputs["text_input"])
+    if not isinstance(prompt, str):
+        raise RequestError(f"text_input must be a string, not {type(prompt).__name__}")
+    flags = {name: bool(_scalar(inputs[name])) for name in _NOT_SAMPLING if name in inputs}
+    stream = flags.get("stream", False)
+    prepend = not flags["exclude_input_in_output"] if "exclude_input_in_output" in flags else not stream
+    if prepend and stream:
+        raise RequestError("exclude_input_in_output false is not allowed when streaming")
+    text = _scalar(inputs["sampling_parameters"]) if "sampling_parameters" in inputs else request_parameters
+    try:
+        parameters = json.loads(text or "{}")
+    except json.JSONDecodeError as error:
+        raise RequestError(f"sampling parameters are not JSON: {error}") from None
+    if not isinstance(parameters, dict):
+        raise RequestError(f"sampling parameters must be a JSON object, not {type(parameters).__name__}")
+    parameters = {k: v for k, v in parameters.items() if k not in _NOT_SAMPLING}
+    return Generate(prompt, stream, prepend, parameters, flags.get("return_finish_reason", False),
+                    flags.get("return_num_output_tokens", False))
+
+
+def sampling_params(parameters: dict[str, Any], allowed: set[str]) -> Any:
+    """vLLM SamplingParams from a JSON object; an unknown name is refused, naming the allowed ones.
+
+    Numbers sent as strings (the `sampling_parameters` tensor of vllm_backend's clients) are taken
+    as numbers when the value parses as JSON.
+    """
+    from vllm import SamplingParams
+
+    unknown = sorted(set(parameters) - allowed)
+    if unknown:
+        raise RequestError(f"unknown sampling parameter(s) {unknown}; allowed: {', '.join(sorted(allowed))}")
+    values = {}
+    for key, value in parameters.items():
+        if isinstance(value, str) and key not in ("stop",):
+            with contextlib.suppress(json.JSONDecodeError):
+                value = json.loads(value)
+        values[key] = value
+    try:
+        return SamplingParams(**values)
+    except (TypeError, ValueError) as error:
+        raise RequestError(f"invalid sampling parameters: {error}") from None
+
+
+def engine_args_from_file(path: str) -> dict[str, Any]:
+    """The engine arguments the launcher wrote (unit_launcher.plan: the leader's, less host and port)."""
+    with open(path, encoding="utf-8") as handle:
+        args = json.load(handle)
+    if not isinstance(args, dict):
+        raise ValueError(f"{path} must hold a JSON object of vLLM engine arguments")
+    return args
+
+
+class _Gauges:
+    """vLLM's scheduler gauges as Triton custom metrics (python_backend's MetricFamily), so the
+    proxy's load report sees vLLM's queue: a decoupled model takes every request at once, and
+    Triton's own pending count stays 0 (docs/contracts.md)."""
+
+    NAMES = {
+        "num_requests_waiting": ("vllm:num_requests_waiting", "Requests waiting in vLLM's scheduler"),
+        "num_requests_running": ("vllm:num_requests_running", "Requests vLLM's scheduler is running"),
+        "kv_cache_usage": ("vllm:kv_cache_usage_perc", "KV cache usage, 0 to 1"),
+    }
+
+    def __init__(self, pb_utils: Any, labels: dict[str, str]) -> None:
+        self.values: dict[str, float] = {}
+        self.metrics = {}
+        # The families are kept: a family that is garbage-collected takes its metrics off the page.
+        self.families = []
+        for key, (name, description) in self.NAMES.items():
+            family = pb_utils.MetricFamily(name=name, description=description, kind=pb_utils.MetricFamily.GAUGE)
+            self.families.append(family)
+            self.metrics[key] = family.Metric(labels=labels)
+
+    def record(self, stats: Any) -> None:
+        """From vLLM's SchedulerStats (vllm/v1/metrics/stats.py)."""
+        self.values = {
+            "num_requests_waiting": float(stats.num_waiting_reqs),
+            "num_requests_running": float(stats.num_running_reqs),
+            "kv_cache_usage": float(getattr(stats, "kv_cache_usage", 0.0)),
+        }
+
+    def publish(self) -> None:
+        for key, value in self.values.items():
+            self.metrics[key].set(value)
+
+
+def _stat_logger_factory(gauges: _Gauges) -> Any:
+    """A vLLM StatLoggerFactory (vllm/v1/metrics/loggers.py StatLoggerBase) feeding the gauges."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class GaugeLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any) -> None:
+            if scheduler_stats is not None:
+                gauges.record(scheduler_stats)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return GaugeLogger
+
+
+class TritonPythonModel:
+    """Triton's Python model interface: initialize, execute (decoupled), finalize."""
+
+    def initialize(self, args: dict[str, Any]) -> None:
+        utf8_locale()
+        import triton_python_backend_utils as pb_utils
+        from vllm import SamplingParams
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        self.pb = pb_utils
+        self.logger = pb_utils.Logger
+        self.model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
+            raise pb_utils.TritonModelException("the vllm backend streams: set model_transaction_policy decoupled")
+        self.name = args["model_name"]
+        path = os.path.join(args["model_repository"], args["model_version"], ENGINE_ARGS_FILE)
+        engine_args = engine_args_from_file(path)
+        self.allowed = set(SamplingParams.__struct_fields__) if hasattr(SamplingParams, "__struct_fields__") \
+            else set(SamplingParams.__annotations__)
+        labels = {"model": self.name, "version": str(args["model_version"])}
+        try:
+            self.gauges: _Gauges | None = _Gauges(pb_utils, labels)
+        except Exception as error:  # metrics off on the server (--allow-metrics=false)
+            self.logger.log_info(f"[unit vllm] no custom metrics: {error}")
+            self.gauges = None
+        self.inflight = 0
+        self.stopping = False
+        self.dead = False
+        self.loop = asyncio.new_event_loop()
+        self.engine: Any = None
+        started = threading.Event()
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            try:
+                self.engine = self._build_engine(AsyncEngineArgs(**engine_args))
+            except BaseException as error:  # handed to initialize, which raises it to Triton
+                failure.append(error)
+                started.set()
+                return
+            started.set()
+            self.loop.run_forever()
+
+        self.outbox: queue.Queue[Any] = queue.Queue()
+        self.sender_thread = threading.Thread(target=self._send_loop, name="triton-responses", daemon=True)
+        self.sender_thread.start()
+        self.thread = threading.Thread(target=run, name="vllm-engine", daemon=True)
+        self.thread.start()
+        started.wait()
+        if failure:
+            raise failure[0]
+        if self.gauges is not None:
+            asyncio.run_coroutine_threadsafe(self._publish_gauges(), self.loop)
+        asyncio.run_coroutine_threadsafe(self._watch_engine(), self.loop)
+        self.logger.log_info(f"[unit vllm] engine ready for model {self.name}")
+
+    def _build_engine(self, engine_args: Any) -> Any:
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        loggers = [_stat_logger_factory(self.gauges)] if self.gauges is not None else None
+        return AsyncLLM.from_engine_args(engine_args, usage_context=UsageContext.OPENAI_API_SERVER,
+                                         stat_loggers=loggers)
+
+    async def _publish_gauges(self) -> None:
+        while not self.stopping:
+            assert self.gauges is not None
+            try:
+                self.gauges.publish()
+            except Exception:  # the gauges are for the load report, never worth a request
+                self.logger.log_error(f"[unit vllm] publishing the gauges failed: {traceback.format_exc()}")
+                return
+            await asyncio.sleep(GAUGE_SECONDS)
+
+    async def _watch_engine(self) -> None:
+        """Notes a dead engine (its core or a worker gone, as when a follower is lost) without a request.
+
+        vLLM's OpenAI server fails its /health as soon as its engine dies (AsyncLLM `errored`,
+        vllm/v1/engine/async_llm.py); Triton cannot (see _answer_dead), the launcher ends the session."""
+        while not self.stopping and not self.dead:
+            if self.engine is not None and self.engine.errored:
+                self._engine_dead()
+                return
+            await asyncio.sleep(WATCH_SECONDS)
+
+    def _engine_dead(self) -> None:
+        """Note once that vLLM's engine is dead; the launcher ends the session on its own (it sees the
+        engine core's pid gone: rendezvous.check_executor)."""
+        if self.dead:
+            return
+        self.dead = True
+        self.logger.log_error("[unit vllm] the vLLM engine is dead; answers are held "
+                              f"{DEAD_ANSWER_SECONDS:g} s, then UNAVAILABLE")
+        # The engine core may take seconds to exit after its worker died: tell the launcher now, in the
+        # session's step directory (the unit executor's, UNIT_STEP_DIR), which it reads every tick.
+        directory = os.environ.get("UNIT_STEP_DIR")
+        if directory:
+            try:
+                from unit_executor.steps import mark_engine_dead
+
+                mark_engine_dead(directory, f"Triton's vllm backend for model {self.name}: AsyncLLM errored")
+            except (ImportError, OSError) as error:
+                self.logger.log_error(f"[unit vllm] could not tell the launcher: {error}")
+
+    async def _answer_dead(self, sender: Any, detail: str) -> None:
+        """UNAVAILABLE, held until the unit is known to be going down.
+
+        Triton reports the model READY whatever its Python code does (its strict readiness reads the
+        models' load state only, core r24.10 src/server.cc:409-447), and its generate extension
+        answers a model's error with HTTP 400 whatever the code (measured with 2.51.0), so an
+        immediate answer would pass the proxy as the model's own. Held DEAD_ANSWER_SECONDS, it
+        reaches the proxy after the launcher ended the session (told by _engine_dead) and the proxy's
+        gate closed, and the proxy answers the unit's 503 unit_unavailable for it. Tried first and
+        dropped: stopping tritonserver (it refuses new connections at once but answers readiness 200
+        on the proxy's open ones: HAProxy 502s for 9 s) and unloading the model (requests for it are
+        then 404 and 400: core model_lifecycle.cc:371-374, model_repository_manager.cc:1245-1250)."""
+        self._engine_dead()
+        await asyncio.sleep(DEAD_ANSWER_SECONDS)
+        self._error(sender, f"the vLLM engine is dead: {detail}", self.pb.TritonError.UNAVAILABLE)
+
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            asyncio.run_coroutine_threadsafe(self._generate(request), self.loop)
+        return None
+
+    def _inputs(self, request: Any) -> dict[str, Any]:
+        names = ("text_input", "stream", "sampling_parameters", "exclude_input_in_output",
+                 "return_finish_reason", "return_num_output_tokens")
+        found = {}
+        for name in names:
+            tensor = self.pb.get_input_tensor_by_name(request, name)
+            if tensor is not None:
+                found[name] = tensor.as_numpy()
+        return found
+
+    def _response(self, text: str, finish: str | None, tokens: int, query: Generate) -> Any:
+        import numpy as np
+
+        outputs = [self.pb.Tensor("text_output", np.asarray([text.encode("utf-8")], dtype=np.object_))]
+        if query.return_finish_reason:
+            outputs.append(self.pb.Tensor("finish_reason", np.asarray([str(finish).encode()], dtype=np.object_)))
+        if query.return_num_output_tokens:
+            outputs.append(self.pb.Tensor("num_output_tokens", np.asarray([tokens], dtype=np.uint32)))
+        return self.pb.InferenceResponse(output_tensors=outputs)
+
+    def _send(self, sender: Any, response: Any, final: bool, state: dict[str, bool] | None = None) -> None:
+        """Hand a response to the sending thread: a send is a round trip to the Triton process, and
+        vLLM's output handler (on the event loop) must not wait for it (vllm_backend does the same)."""
+        self.outbox.put((sender, response, final, state))
+
+    def _send_loop(self) -> None:
+        final_flag = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        while (item := self.outbox.get()) is not None:
+            sender, response, final, state = item
+            try:
+                sender.send(response, flags=final_flag if final else 0)
+                if state is not None and not final:
+                    state["cancelled"] = sender.is_cancelled()
+            except Exception:  # the client's problem (it left); logged, the engine goes on
+                self.logger.log_error(f"[unit vllm] sending a response failed: {traceback.format_exc()}")
+
+    def _error(self, sender: Any, message: str, code: Any = None) -> None:
+        error = self.pb.TritonError(message) if code is None else self.pb.TritonError(message, code)
+        self._send(sender, self.pb.InferenceResponse(error=error), True)
+
+    async def _generate(self, request: Any) -> None:
+        sender = request.get_response_sender()
+        request_id = f"triton-{uuid.uuid4().hex}"
+        self.inflight += 1
+        try:
+            try:
+                query = parse_request(self._inputs(request), request.parameters())
+                params = sampling_params(query.parameters, self.allowed)
+            except RequestError as error:
+                self._error(sender, str(error), self.pb.TritonError.INVALID_ARG)
+                return
+            if self.dead or self.engine.errored:
+                await self._answer_dead(sender, "not taken")
+                return
+            if self.stopping:
+                self._error(sender, "the vLLM engine is stopping", self.pb.TritonError.UNAVAILABLE)
+                return
+            sent_chars = sent_tokens = 0
+            last = None
+            state = {"cancelled": False}
+            async for output in self.engine.generate(query.prompt, params, request_id):
+                # Streams learn it from the sending thread after each send; a single answer asks here.
+                if state["cancelled"] or (not query.stream and sender.is_cancelled()):
+                    # The client left (Triton cancels the request): stop generating for it.
+                    await self.engine.abort(request_id)
+                    self._error(sender, "request cancelled", self.pb.TritonError.CANCELLED)
+                    return
+                last = output
+                if query.stream:
+                    choice = output.outputs[0]
+                    delta, tokens = choice.text[sent_chars:], len(choice.token_ids) - sent_tokens
+                    sent_chars, sent_tokens = len(choice.text), len(choice.token_ids)
+                    response = self._response(delta, choice.finish_reason, tokens, query)
+                    self._send(sender, response, output.finished, state)
+            if last is None:
+                self._error(sender, "the engine returned no output", self.pb.TritonError.INTERNAL)
+            elif not query.stream:
+                choice = last.outputs[0]
+                text = (query.prompt if query.prepend_input else "") + choice.text
+                self._send(sender, self._response(text, choice.finish_reason, len(choice.token_ids), query), True)
+        except Exception as error:  # answered to the client; the log keeps the traceback
+            if self.engine.errored:
+                # The unit is going down: UNAVAILABLE, held until the proxy's gate is closed (_answer_dead).
+                await self._answer_dead(sender, f"{type(error).__name__}")
+                return
+            self.logger.log_error(f"[unit vllm] request {request_id} failed: {traceback.format_exc()}")
+            self._error(sender, f"generation failed: {type(error).__name__}: {error}", self.pb.TritonError.INTERNAL)
+        finally:
+            self.inflight -= 1
+
+    def finalize(self) -> None:
+        """Triton unloads the model (server stopping): Triton has already waited for in-flight
+        requests (--exit-timeout-secs); stop vLLM's engine (its core and the workers)."""
+        self.stopping = True
+        if self.engine is not None:
+            self.loop.call_soon_threadsafe(self.engine.shutdown)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+        self.outbox.put(None)
+        self.sender_thread.join(10)
+        self.logger.log_info("[unit vllm] engine stopped")
