@@ -83,4 +83,4 @@ def test_the_hot_path_knobs_are_in_the_rendered_config(tmp_path: Path):
     assert "    tune.pattern.cache-size 0\n" in text
     assert text.count("http-request del-header") == 1 and "http-request del-header '^(connection|" in text
     assert text.count("http-response del-header") == 2  # engine backend, and Server on /health
-    assert "|x-unit-proxy-error)$' -m reg" in text
+    assert "|http2-settings)$' -m reg" in text and "x-unit-proxy-error" not in text
