@@ -475,15 +475,21 @@ def other_load(before: dict[int, proctree.Stat], after: dict[int, proctree.Stat]
     benchmark's own tree (this process, its engine, proxies and load generators), from /proc,
     per second of the run, and the five busiest by command name. On a shared machine this is
     what skews the figures (contention inflates every target's CPU per request, nginx's too),
-    so each run's figures carry it."""
+    so each run's figures carry it (a floor: processes that exited unwaited-for are missed)."""
     ours = set(proctree.tree(os.getpid(), after)) | set(proctree.tree(os.getpid(), before))
     by_name: dict[str, float] = {}
+    names: dict[int, str] = {}
     total = 0.0
     for pid, stat in after.items():
-        old = before.get(pid)
-        if pid in ours or old is None or old.started != stat.started:
+        if pid in ours:
             continue
-        used = stat.own - old.own
+        # A process's own CPU and its waited-for children's (so short-lived test processes
+        # count in their parent); a process started during the run counts whole. Processes
+        # that came and went unwaited-for are missed: a floor, not an exact figure.
+        old = before.get(pid)
+        used = stat.own + stat.reaped
+        if old is not None and old.started == stat.started:
+            used -= old.own + old.reaped
         if used <= 0:
             continue
         total += used
@@ -492,6 +498,17 @@ def other_load(before: dict[int, proctree.Stat], after: dict[int, proctree.Stat]
         except OSError:
             name = "?"
         by_name[name] = by_name.get(name, 0.0) + used
+        names[pid] = name
+    # A process gone since `before` was (mostly) waited for by a parent counted above, whose
+    # waited-for CPU then holds the gone process's CPU from before the run too: take it out.
+    for pid, old in before.items():
+        new = after.get(pid)
+        if pid not in ours and (new is None or new.started != old.started):
+            total -= old.own + old.reaped
+            parent = names.get(old.ppid)
+            if parent is not None:
+                by_name[parent] = max(by_name[parent] - old.own - old.reaped, 0.0)
+    total = max(total, 0.0)
     busiest = sorted(by_name.items(), key=lambda item: -item[1])[:5]
     return {
         "cpu_seconds_per_second": round(total / seconds, 2) if seconds > 0 else float("nan"),
