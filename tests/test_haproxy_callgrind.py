@@ -62,9 +62,9 @@ def test_other_load_counts_processes_outside_the_benchmark():
 @needs_tools
 def test_unit_config_costs_more_instructions_than_raw_haproxy():
     def measure(config: str) -> tuple[int, str]:
+        args = ["--config", config, "--requests", "300", "--warmup", "50"]
         done = subprocess.run(
-            [sys.executable, "-m", "bench.haproxy_callgrind", "--config", config, "--requests", "300"]
-            + ["--warmup", "50"],
+            [sys.executable, "-m", "bench.haproxy_callgrind", *args],
             cwd=ROOT, capture_output=True, text=True, timeout=300,
         )
         assert done.returncode == 0, done.stderr[-2000:]
