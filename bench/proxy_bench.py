@@ -478,36 +478,31 @@ def other_load(before: dict[int, proctree.Stat], after: dict[int, proctree.Stat]
     so each run's figures carry it (a floor: processes that exited unwaited-for are missed)."""
     ours = set(proctree.tree(os.getpid(), after)) | set(proctree.tree(os.getpid(), before))
     by_name: dict[str, float] = {}
-    names: dict[int, str] = {}
     total = 0.0
     for pid, stat in after.items():
         if pid in ours:
             continue
-        # A process's own CPU and its waited-for children's (so short-lived test processes
-        # count in their parent); a process started during the run counts whole. Processes
-        # that came and went unwaited-for are missed: a floor, not an exact figure.
+        # The total counts a process's own CPU and its waited-for children's (so short-lived
+        # test processes count in their parent); a process started during the run counts
+        # whole. The busiest are by the processes' own CPU only.
         old = before.get(pid)
-        used = stat.own + stat.reaped
-        if old is not None and old.started == stat.started:
-            used -= old.own + old.reaped
-        if used <= 0:
-            continue
-        total += used
-        try:
-            name = (proctree.PROC / str(pid) / "comm").read_text().strip()
-        except OSError:
-            name = "?"
-        by_name[name] = by_name.get(name, 0.0) + used
-        names[pid] = name
+        same = old is not None and old.started == stat.started
+        used = stat.own + stat.reaped - (old.own + old.reaped if same else 0.0)
+        own = stat.own - (old.own if same else 0.0)
+        total += max(used, 0.0)
+        if own > 0:
+            try:
+                name = (proctree.PROC / str(pid) / "comm").read_text().strip()
+            except OSError:
+                name = "?"
+            by_name[name] = by_name.get(name, 0.0) + own
     # A process gone since `before` was (mostly) waited for by a parent counted above, whose
     # waited-for CPU then holds the gone process's CPU from before the run too: take it out.
+    # Processes that came and went unwaited-for are missed.
     for pid, old in before.items():
         new = after.get(pid)
         if pid not in ours and (new is None or new.started != old.started):
             total -= old.own + old.reaped
-            parent = names.get(old.ppid)
-            if parent is not None:
-                by_name[parent] = max(by_name[parent] - old.own - old.reaped, 0.0)
     total = max(total, 0.0)
     busiest = sorted(by_name.items(), key=lambda item: -item[1])[:5]
     return {
