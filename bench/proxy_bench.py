@@ -12,7 +12,11 @@ Targets, all measured in the same run in front of the same engine (bench/upstrea
 For each stream count it measures time to first token (TTFT) and inter-token latency through
 each target in turn; then small non-streamed requests with wrk. CPU is counted over each
 target's whole process tree from /proc (bench/proctree.py): nginx's master and workers, HAProxy's
-master and worker, the agent and its HAProxy children; the agent's own CPU is reported apart.
+master and worker, the agent and its HAProxy children. So the unit proxy's figures include the
+agent's CPU (its log reading, health rounds, watchdog); the agent's own CPU is also reported
+apart. Each run also records what else used the machine meanwhile (`other_load`: the CPU of
+every process outside the benchmark, per second, and the busiest), since on a shared machine
+contention skews every target's CPU per request.
 
 Figures per target: added TTFT (over direct) at the top stream count, p50 and p99; requests
 per CPU-second (wrk); CPU per streamed token (at the top stream count). `--runs N` repeats the
@@ -466,6 +470,48 @@ def cpu_sample(roots: dict[str, int]) -> dict[str, proctree.TreeCpu]:
     return {name: proctree.sample(pid) for name, pid in roots.items()}
 
 
+def other_load(before: dict[int, proctree.Stat], after: dict[int, proctree.Stat], seconds: float) -> dict[str, Any]:
+    """What else ran on the machine during a run: the CPU of every process outside the
+    benchmark's own tree (this process, its engine, proxies and load generators), from /proc,
+    per second of the run, and the five busiest by command name. On a shared machine this is
+    what skews the figures (contention inflates every target's CPU per request, nginx's too),
+    so each run's figures carry it (a floor: processes that exited unwaited-for are missed)."""
+    ours = set(proctree.tree(os.getpid(), after)) | set(proctree.tree(os.getpid(), before))
+    by_name: dict[str, float] = {}
+    total = 0.0
+    for pid, stat in after.items():
+        if pid in ours:
+            continue
+        # The total counts a process's own CPU and its waited-for children's (so short-lived
+        # test processes count in their parent); a process started during the run counts
+        # whole. The busiest are by the processes' own CPU only.
+        old = before.get(pid)
+        same = old is not None and old.started == stat.started
+        used = stat.own + stat.reaped - (old.own + old.reaped if same else 0.0)
+        own = stat.own - (old.own if same else 0.0)
+        total += max(used, 0.0)
+        if own > 0:
+            try:
+                name = (proctree.PROC / str(pid) / "comm").read_text().strip()
+            except OSError:
+                name = "?"
+            by_name[name] = by_name.get(name, 0.0) + own
+    # A process gone since `before` was (mostly) waited for by a parent counted above, whose
+    # waited-for CPU then holds the gone process's CPU from before the run too: take it out.
+    # Processes that came and went unwaited-for are missed.
+    for pid, old in before.items():
+        new = after.get(pid)
+        if pid not in ours and (new is None or new.started != old.started):
+            total -= old.own + old.reaped
+    total = max(total, 0.0)
+    busiest = sorted(by_name.items(), key=lambda item: -item[1])[:5]
+    return {
+        "cpu_seconds_per_second": round(total / seconds, 2) if seconds > 0 else float("nan"),
+        "busiest": {name: round(used, 2) for name, used in busiest},
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+    }
+
+
 def turn_order(run: int) -> tuple[str, ...]:
     """Direct first (each proxy's added latency is counted from the direct point just before),
     then the proxies in an order rotated by one per run, so that no proxy always comes right
@@ -479,6 +525,7 @@ async def measure_run(
 ) -> dict:
     """One whole comparison with fresh processes: every stream count through every target, then wrk."""
     order = turn_order(run)
+    others_before, run_started = proctree.all_stats(), time.monotonic()
     workdir = Path(tempfile.mkdtemp(prefix="proxy-bench-"))
     procs = Processes(workdir)
     streams: list[StreamResult] = []
@@ -533,11 +580,14 @@ async def measure_run(
                 flush=True,
             )
         procs.check_alive()
+        others = other_load(others_before, proctree.all_stats(), time.monotonic() - run_started)
+        print(f"  other processes during the run: {others}", flush=True)
     finally:
         procs.stop_all()
         shutil.rmtree(workdir, ignore_errors=True)
     return {
         "order": list(order),
+        "other_load": others,
         "processes": processes,
         "streams": [asdict(r) for r in streams],
         "small_requests": small,
@@ -716,6 +766,8 @@ def print_table(doc: dict[str, Any], path: Path) -> None:
                 f"  small requests {target:8} {r['requests_per_s']:>9.0f} req/s, "
                 f"{r.get('requests_per_cpu_second', '-')} per CPU-second"
             )
+        if "other_load" in run:
+            print(f"  other processes on the machine: {run['other_load']}")
     print(f"\nissue 25 figures, median of {len(doc['runs'])} run(s), added TTFT at {top} streams:")
     print(f"{'target':8} {'TTFT+ p50':>10} {'TTFT+ p99':>10} {'req/CPU-s':>10} {'us CPU/tok':>10} {'errors':>7}")
     for target, f in doc["median"].items():

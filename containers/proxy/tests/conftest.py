@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 from unit_proxy.agent import ProxyState, Running, start
@@ -367,3 +369,48 @@ async def wait_until(predicate: Callable[[], Any], timeout: float = 5.0, what: s
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         await asyncio.sleep(0.02)
+
+
+# -- request bursts and per-process CPU (the cost tests: test_haproxy_cost.py, test_agent_cost.py) --
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+async def burst(url: str, count: int, connections: int, path: str = "/v1/models") -> list[int]:
+    """`count` GET requests over `connections` keep-alive connections, as fast as they go;
+    the statuses."""
+    todo = iter(range(count))
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections)) as session:
+
+        async def client() -> list[int]:
+            statuses = []
+            for _ in todo:
+                async with session.get(f"{url}{path}") as resp:
+                    await resp.read()
+                    statuses.append(resp.status)
+            return statuses
+
+        return [s for r in await asyncio.gather(*(client() for _ in range(connections))) for s in r]
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """/proc/<pid>/stat after the command name (proc(5)): field 3 is index 0."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of one process (proc(5), /proc/<pid>/stat fields 14 and 15)."""
+    fields = _stat_fields(pid)
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def minor_faults(pid: int) -> int:
+    """minflt, field 10 of /proc/<pid>/stat (proc(5))."""
+    return int(_stat_fields(pid)[7])
+
+
+def children(pid: int) -> list[int]:
+    """The child processes of `pid` (/proc/<pid>/task/<pid>/children)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as text:
+        return [int(c) for c in text.read().split()]

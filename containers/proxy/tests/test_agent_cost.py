@@ -1,15 +1,18 @@
 """The agent's cost per request (issue 25): HAProxy carries the bytes, and the Python agent
 beside it must not cost per request what the data path saved. Under a burst, the request
-counts stay exact and the agent's own CPU per request, read from /proc, stays under a bound.
+counts stay exact and the agent's own CPU per request, read from /proc, stays a small
+fraction of what HAProxy's worker spends on the same requests in the same run.
 
-The bound: the agent counts every request from HAProxy's log line (exact counts), which
-costs 1.7-2.8 us of parsing and counting per line on this shared 2-core machine (measured:
-`haproxy_log.feed` over 50,000 lines), plus a read of the log ring at most every
-`READ_PAUSE_SECONDS` (strace -c: 84 reads for this burst, 2,271 before). This test measured
-5.0-6.3 us per request (10 ms clock ticks: +-1.3 us at 8,000 requests); the agent at main
-(a wake-up and a read(2) per line, prometheus_client's locked Counter and Histograms per
-request) measured 16.3 and 18.8 us here. 8 us is under half of the old cost and leaves room
-for a loaded machine.
+The bound is a ratio, not microseconds (the developer guide's rule for speed targets): a
+loaded or slower machine slows both processes alike. The agent counts every request from
+HAProxy's log line (exact counts), reading the log ring at most every `READ_PAUSE_SECONDS`
+(strace -c: 84 reads for this burst, 2,271 before) and parsing each distinct line once.
+Measured on this shared 2-core machine (load average 9, HAProxy with one thread): the agent
+5.0 us a request against HAProxy's worker 33.8 us, 0.15 of it, three runs alike. With the
+follower reading each line as it comes and parsing every line (the two changes that made
+the agent cheap undone in haproxy_log.py): 17.5-18.8 us against 35.0, 0.50-0.54 (seen
+failing: "the agent spent 0.54 of HAProxy's CPU on the same requests"). 0.35 leaves room
+for the 10 ms clock ticks (+-1.3 us a request over 8,000) and still fails that agent.
 """
 
 from __future__ import annotations
@@ -17,24 +20,15 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from pathlib import Path
 
-import aiohttp
-
-from .conftest import FakeEngine, FakeLauncher
+from .conftest import FakeEngine, FakeLauncher, burst, children, cpu_seconds
 from .test_adversarial import admin_text, wait_healthy
 from .test_drain import proxy_process
 
 BURST = 8000
 CONCURRENCY = 32
-BOUND_US = 8.0
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of one process (proc(5), /proc/<pid>/stat fields 14 and 15)."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
+MAX_AGENT_SHARE = 0.35  # agent CPU / HAProxy worker CPU over the same burst
 
 
 def counted(metrics: str, name: str) -> float:
@@ -42,9 +36,22 @@ def counted(metrics: str, name: str) -> float:
     return float(line.split()[1]) if line else 0.0
 
 
+def haproxy_worker(agent: int) -> int:
+    """HAProxy's worker: the child of the agent's `haproxy -W` master."""
+    masters = [pid for pid in children(agent) if Path(f"/proc/{pid}/comm").read_text().strip() == "haproxy"]
+    assert len(masters) == 1, masters
+    workers = children(masters[0])
+    assert len(workers) == 1, workers
+    return workers[0]
+
+
 async def test_a_burst_is_counted_exactly_at_a_small_agent_cost_per_request(engine: FakeEngine, launcher: FakeLauncher):
-    async with proxy_process(engine, launcher, HEALTH_INTERVAL_SECONDS="5", EMF_INTERVAL_SECONDS="60") as (url, proc):
+    # One HAProxy thread: with more threads than free cores, idle threads spin and the
+    # baseline measures the machine, not the work (measured: 180-210 us a request with 4).
+    env = {"HEALTH_INTERVAL_SECONDS": "5", "EMF_INTERVAL_SECONDS": "60", "PROXY_WORKERS": "1"}
+    async with proxy_process(engine, launcher, **env) as (url, proc):
         await wait_healthy(url)
+        worker = haproxy_worker(proc.pid)
         _, before = await admin_text(url, "/metrics")
         base = counted(before, 'unit_proxy_requests_total{code="200"}')
         # The agent's idle rate (health rounds), to take out of the burst's CPU.
@@ -52,41 +59,35 @@ async def test_a_burst_is_counted_exactly_at_a_small_agent_cost_per_request(engi
         await asyncio.sleep(1.0)
         idle_rate = (cpu_seconds(proc.pid) - idle_start) / (time.monotonic() - t0)
 
-        todo = iter(range(BURST))
-        connector = aiohttp.TCPConnector(limit=CONCURRENCY)
-        async with aiohttp.ClientSession(connector=connector) as session:
-
-            async def client() -> list[int]:
-                statuses = []
-                for _ in todo:
-                    async with session.get(f"{url}/v1/models") as resp:
-                        await resp.read()
-                        statuses.append(resp.status)
-                return statuses
-
-            start, t0 = cpu_seconds(proc.pid), time.monotonic()
-            tracer = None
-            if os.environ.get("AGENT_STRACE"):
-                with open(os.environ["AGENT_STRACE"], "w") as out:  # a diagnosis aid: syscalls of the agent
-                    tracer = await asyncio.create_subprocess_exec("strace", "-f", "-c", "-p", str(proc.pid), stderr=out)
-                await asyncio.sleep(0.5)
-            results = await asyncio.gather(*(client() for _ in range(CONCURRENCY)))
-            # The follower's last read (it reads every READ_PAUSE_SECONDS); the scrape after, which
-            # also catches up with the ring, is not a per-request cost.
-            await asyncio.sleep(0.3)
-            if tracer is not None:
-                tracer.send_signal(2)
-                await tracer.wait()
-            spent = cpu_seconds(proc.pid) - start - idle_rate * (time.monotonic() - t0)
-            status, after = await admin_text(url, "/metrics")
-        statuses = [s for r in results for s in r]
+        start, haproxy_start, t0 = cpu_seconds(proc.pid), cpu_seconds(worker), time.monotonic()
+        tracer = None
+        if os.environ.get("AGENT_STRACE"):
+            with open(os.environ["AGENT_STRACE"], "w") as out:  # a diagnosis aid: syscalls of the agent
+                tracer = await asyncio.create_subprocess_exec("strace", "-f", "-c", "-p", str(proc.pid), stderr=out)
+            await asyncio.sleep(0.5)
+        statuses = await burst(url, BURST, CONCURRENCY)
+        # The follower's last read (it reads every READ_PAUSE_SECONDS); the scrape after, which
+        # also catches up with the ring, is not a per-request cost.
+        await asyncio.sleep(0.3)
+        if tracer is not None:
+            tracer.send_signal(2)
+            await tracer.wait()
+        spent = cpu_seconds(proc.pid) - start - idle_rate * (time.monotonic() - t0)
+        haproxy_spent = cpu_seconds(worker) - haproxy_start
+        status, after = await admin_text(url, "/metrics")
         assert statuses.count(200) == BURST, {s: statuses.count(s) for s in set(statuses)}
         assert status == 200
         assert counted(after, 'unit_proxy_requests_total{code="200"}') - base == BURST
         assert counted(after, "unit_proxy_request_latency_seconds_count") >= BURST
-        per_request_us = spent / BURST * 1e6
-        print(f"agent CPU: {per_request_us:.2f} us per request ({spent * 1000:.0f} ms for {BURST})")
-        assert per_request_us < BOUND_US, f"the agent spent {per_request_us:.1f} us of CPU per request"
+        share = spent / haproxy_spent
+        print(
+            f"agent CPU: {spent / BURST * 1e6:.2f} us per request, HAProxy's worker "
+            f"{haproxy_spent / BURST * 1e6:.2f} us: {share:.2f} of it"
+        )
+        assert share < MAX_AGENT_SHARE, (
+            f"the agent spent {share:.2f} of HAProxy's CPU on the same requests "
+            f"({spent / BURST * 1e6:.1f} us a request against {haproxy_spent / BURST * 1e6:.1f})"
+        )
 
 
 def test_the_skipping_reservoir_keeps_a_uniform_sample():

@@ -37,6 +37,10 @@ async def test_engine_down_is_503_unit_unavailable(make_proxy: ProxyFactory):
     status, doc, resp = await post(proxy.url, "stream")
     assert status == 503 and doc["error"]["type"] == "unit_unavailable"
     assert resp.headers["Retry-After"]
+    # HAProxy's own answer: its status, Retry-After and the log's outcome all come from the
+    # answer's body format (haproxy_config ERROR_VAR), no marker header is left.
+    assert not any(name.lower().startswith("x-unit-proxy") for name in resp.headers)
+    await wait_until(lambda: proxy.state.telemetry.unavailable_total == 1, what="the refusal counted")
 
 
 async def test_a_dying_engines_500_is_503_unit_unavailable(make_proxy: ProxyFactory, engine: FakeEngine):
@@ -52,9 +56,14 @@ async def test_a_dying_engines_500_is_503_unit_unavailable(make_proxy: ProxyFact
 
 async def test_connection_reset_before_answer_is_502(make_proxy: ProxyFactory):
     proxy = await make_proxy()
-    status, doc, _ = await post(proxy.url, "reset")
+    status, doc, resp = await post(proxy.url, "reset")
     assert status == 502
     assert doc["error"]["type"] == "upstream_error"
+    # The unit is up: no Retry-After, no marker header, not counted as unit_unavailable.
+    assert "Retry-After" not in resp.headers
+    assert not any(name.lower().startswith("x-unit-proxy") for name in resp.headers)
+    await wait_until(lambda: proxy.state.telemetry.codes.get(502) == 1, what="the 502 counted")
+    assert proxy.state.telemetry.unavailable_total == 0
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -166,3 +175,5 @@ async def test_an_engine_error_while_draining_is_503_unit_unavailable(make_proxy
     await gate_pushed(proxy)
     status, doc, resp = await post(proxy.url, "error500")
     assert status == 503 and doc["error"]["type"] == "unit_unavailable" and resp.headers["Retry-After"]
+    # The outcome is set by the refusal's own body (haproxy_config OUTCOME_UNAVAILABLE).
+    await wait_until(lambda: proxy.state.telemetry.unavailable_total == 1, what="the refusal counted")

@@ -10,45 +10,19 @@ guard holds on a loaded machine where CPU time would not.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import replace
 from pathlib import Path
 
-import aiohttp
 from unit_proxy.agent import start
 from unit_proxy.haproxy_config import HAPROXY_OPTIONS, Paths, render
 from unit_proxy.settings import Settings
 
-from .conftest import LOOPBACK, FakeEngine
+from .conftest import LOOPBACK, FakeEngine, burst, children, minor_faults
 
 REQUESTS = 400
 CONNECTIONS = 8
 # Measured with the global pool: 0.00-0.01 faults a request; without: 2.4-2.8.
 MAX_FAULTS_PER_REQUEST = 0.5
-
-
-def _children(pid: int) -> list[int]:
-    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-
-
-def _minor_faults(pid: int) -> int:
-    """minflt, field 10 of /proc/<pid>/stat (proc(5))."""
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
-
-
-async def _requests(url: str, count: int) -> list[int]:
-    todo = iter(range(count))
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=CONNECTIONS)) as session:
-
-        async def client() -> list[int]:
-            statuses = []
-            for _ in todo:
-                async with session.get(f"{url}/v1/models") as resp:
-                    await resp.read()
-                    statuses.append(resp.status)
-            return statuses
-
-        return [s for r in await asyncio.gather(*(client() for _ in range(CONNECTIONS))) for s in r]
 
 
 async def test_small_requests_do_not_page_fault_haproxy_with_the_default_buffer(engine: FakeEngine):
@@ -59,13 +33,13 @@ async def test_small_requests_do_not_page_fault_haproxy_with_the_default_buffer(
     assert settings.request_buffer_bytes > 1024 * 1024  # the default this guards
     running = await start(settings)
     try:
-        workers = _children(running.process.pid)
+        workers = children(running.process.pid)
         assert len(workers) == 1, workers  # -W: the master and one worker
         url = f"http://{LOOPBACK}:{running.port}"
-        assert set(await _requests(url, 100)) == {200}  # warm-up: pools and heap at their size
-        before = _minor_faults(workers[0])
-        assert set(await _requests(url, REQUESTS)) == {200}
-        per_request = (_minor_faults(workers[0]) - before) / REQUESTS
+        assert set(await burst(url, 100, CONNECTIONS)) == {200}  # warm-up: pools and heap at their size
+        before = minor_faults(workers[0])
+        assert set(await burst(url, REQUESTS, CONNECTIONS)) == {200}
+        per_request = (minor_faults(workers[0]) - before) / REQUESTS
     finally:
         await running.close()
     print(f"HAProxy worker: {per_request:.2f} minor page faults per request")
@@ -83,4 +57,4 @@ def test_the_hot_path_knobs_are_in_the_rendered_config(tmp_path: Path):
     assert "    tune.pattern.cache-size 0\n" in text
     assert text.count("http-request del-header") == 1 and "http-request del-header '^(connection|" in text
     assert text.count("http-response del-header") == 2  # engine backend, and Server on /health
-    assert "|x-unit-proxy-error)$' -m reg" in text
+    assert "|http2-settings)$' -m reg" in text and "x-unit-proxy-error" not in text

@@ -11,11 +11,13 @@ stays at its 905 s default, so HAProxy's own `timeout client` can cut nothing he
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import socket
 import time
 
 import aiohttp
+import pytest
 
 from .conftest import LOOPBACK, FakeEngine, FakeLauncher, wait_until
 from .test_adversarial import admin_text, wait_healthy
@@ -165,6 +167,7 @@ async def stalled_stream_on(
     """A never-reading client's stream through the proxy to `engine_class`: (the engine's
     protocol once it saw the FIN or the bound passed, when the request was sent)."""
     bound = float(env.pop("BOUND", WRITE_TIMEOUT + 3.0))  # seconds from the request to the FIN
+    linger = float(env.pop("LINGER", "0.5"))  # seconds to wait after the FIN before the state is read
     engine_class.streams = []
     loop = asyncio.get_running_loop()
     server = await loop.create_server(engine_class, LOOPBACK, 0)
@@ -185,8 +188,10 @@ async def stalled_stream_on(
                     lambda: stream.eof_at is not None, timeout=bound,
                     what="the engine connection closed by the proxy",
                 )
-                await asyncio.sleep(0.5)
-                return stream, sent
+                await asyncio.sleep(linger)
+                # A copy as of now: closing the client and stopping the proxy (below) drop the
+                # engine connection too, and would set lost_at after the fact.
+                return copy.copy(stream), sent
             finally:
                 sock.close()
     finally:
@@ -200,6 +205,20 @@ async def test_the_engine_connection_is_closed_at_the_cut(launcher: FakeLauncher
     stream, sent = await stalled_stream_on(UvicornLikeEngine, launcher)
     assert stream.eof_at is not None
     assert WRITE_TIMEOUT <= stream.eof_at - sent <= WRITE_TIMEOUT + 3.0, stream.eof_at - sent
+
+
+@pytest.mark.xfail(strict=True, reason="HAProxy 2.6 keeps the engine socket after the cut (docs/proxy.md)")
+async def test_an_engine_whose_writes_are_paused_drops_the_request_soon_after_the_cut(launcher: FakeLauncher):
+    """Known limit (issue 25, "not met"): the engine's writes are paused by the stall before
+    the cut, so the FIN alone does not end its request: asyncio (hence uvicorn, hence vLLM)
+    drops it only once its write buffer is flushed, and HAProxy 2.6 keeps the socket open,
+    unread, until the client side ends. Tried without success (docs/proxy.md, "Slow
+    readers"): `option nolinger` on the engine backend (then HAProxy sent not even the FIN
+    within 5 s). Strict: if a change makes the engine lose the connection, this passes,
+    fails the suite, and the docs' "not met" must be revisited. The state is read before
+    the proxy is stopped (stopping it drops the connection anyway)."""
+    stream, _sent = await stalled_stream_on(UvicornLikeEngine, launcher, LINGER="2")
+    assert stream.lost_at is not None, "the engine kept the connection (its writes paused) after the cut"
 
 
 class TokenRateEngine(UvicornLikeEngine):

@@ -28,7 +28,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from unit_proxy.routes import RouteTable, route_table
+from unit_proxy.routes import GET_HEAD, RouteTable, route_table
 from unit_proxy.settings import Settings
 
 # The largest request header block (all header lines) admitted; a larger one that still
@@ -51,8 +51,15 @@ HOP_BY_HOP = (
     "Upgrade",
     "HTTP2-Settings",
 )
-# The header HAProxy's own engine-error answers carry until `http-after-response` reads it.
-ERROR_MARK = "X-Unit-Proxy-Error"
+# The variable HAProxy's own engine-error answers set (their status), read by the frontend's
+# `http-after-response` rules. Set by the `set-var` converter (7.3.1) inside the answer's
+# own body format, so nothing runs for an engine's answer; it was a response header
+# (X-Unit-Proxy-Error) deleted by one more rule on every response (callgrind, docs/proxy.md).
+ERROR_VAR = "txn.herr"
+# The unit_unavailable outcome, set for the log line (LOG_FORMAT) by the `set-var` converter
+# inside the refusal's own body, where the body names its type: one rule less on every
+# request than a `set-var` rule with the refusal's condition repeated.
+OUTCOME_UNAVAILABLE = "%[str(unit_unavailable),set-var(txn.outcome)]"
 # The ring HAProxy logs each request to (3.9 "Rings"): 4 MiB, about 80,000 lines of lag.
 LOG_RING = "agentlog"
 LOG_RING_BYTES = 4 * 1024 * 1024
@@ -206,7 +213,8 @@ def _seconds(value: float) -> str:
 
 def _json_return(status: int, kind: str, message_lf: str, headers: dict[str, str] | None = None) -> str:
     """An `http-request return` of a JSON error whose message is a log-format string
-    (4.2 "http-request return": `content-type`, `lf-string`, `hdr`)."""
+    (4.2 "http-request return": `content-type`, `lf-string`, `hdr`); `kind` is literal text
+    or a log-format expression that prints it (OUTCOME_UNAVAILABLE)."""
     body = '{"error": {"message": "' + message_lf + '", "type": "' + kind + '", "code": ' + str(status) + "}}"
     extra = "".join(f" hdr {name} {_q(value)}" for name, value in (headers or {}).items())
     return f"return status {status} content-type application/json lf-string {_q(body)}{extra}"
@@ -217,11 +225,19 @@ def _method_acl(methods: tuple[str, ...]) -> str:
     return "{ method " + " ".join(methods) + " }"
 
 
+# The data port's own GET /health (answered by the agent, `use_backend agent_health`): a
+# GET/HEAD route like the engine's, so its 405 comes from that group's rule. It had a rule
+# of its own, one more ACL term (about 420 instructions) on every request (callgrind).
+HEALTH_PATH = "/health"
+
+
 def _route_groups(table: RouteTable) -> dict[tuple[str, ...], list[str]]:
-    """The route prefixes by method set, in the table's order (`routes_<n>` is the n-th)."""
+    """The route prefixes by method set, in the table's order (`routes_<n>` is the n-th),
+    with HEALTH_PATH in the GET/HEAD set (added last when the table has none)."""
     groups: dict[tuple[str, ...], list[str]] = {}
     for route in table.routes:
         groups.setdefault(route.methods, []).append(route.prefix)
+    groups.setdefault(GET_HEAD, []).append(HEALTH_PATH)
     return groups
 
 
@@ -263,7 +279,7 @@ def _route_rules(table: RouteTable, frontend: str) -> list[str]:
     unknown = " ".join(f"!{name}" for name in names)
     message = "no route %[path,bytes(0,200),json(ascii)] on this " + frontend + " front end"
     lines = [
-        f"http-request {_json_return(404, 'not_found', message)} if {unknown} !is_health or route_denied",
+        f"http-request {_json_return(404, 'not_found', message)} if {unknown} or route_denied",
     ]
     for index, (name, methods) in enumerate(zip(names, groups, strict=True)):
         allow = ", ".join(methods)
@@ -402,21 +418,19 @@ def _frontend(settings: Settings, paths: Paths, table: RouteTable) -> list[str]:
         # RFC 9110 10.1.1: 100-continue is the only expectation; others get 417.
         f"    http-request {_json_return(417, 'expectation_failed', 'only Expect: 100-continue is supported')}"
         " if { req.hdr_cnt(expect) gt 0 } !{ req.fhdr(expect) -m str -i 100-continue }",
-        # RFC 9112 6.1: only `chunked` alone is a transfer coding we take (7.3.6 "req.fhdr",
-        # "req.hdr_cnt"): `gzip, chunked` and the like are refused, not forwarded.
         # A chunked request body is refused (RFC 9112 6.3: a server MAY refuse a request without
         # Content-Length with 411; OpenAI clients send Content-Length): HAProxy 2.6 forwards a
         # chunked body's trailer fields as trailers (no rule drops them), and vLLM's
         # uvicorn+httptools merges trailers into the request's headers (docs/contracts.md).
-        # `chunked` alone is 411, any other Transfer-Encoding 400; the common request (none)
-        # pays one header lookup per rule, the rare one the exact test.
-        "    acl te_present req.hdr_cnt(transfer-encoding) gt 0",
-        "    acl te_one req.hdr_cnt(transfer-encoding) eq 1",
-        "    acl te_chunked req.fhdr(transfer-encoding) -m str -i chunked",
+        # Any Transfer-Encoding that reaches this rule is `chunked` alone: HAProxy's parser
+        # already refuses a request whose last coding is not chunked or that applies chunked
+        # twice, in one header or several (400: h1_parse_xfer_enc_header, src/h1.c:105-160, and
+        # 973-990 of v2.6.0), and any coding besides chunked (422: src/mux_h1.c:1624-1638 of
+        # v2.6.0; measured on 2.6.12: test_haproxy_rules.py, gzip/xchunked/chunked twice).
+        # So one rule (411) and one header lookup per request; the former second rule (400 for
+        # "any other Transfer-Encoding") could not fire and cost ~600 instructions a request.
         f"    http-request {_json_return(411, 'length_required', 'a request body must be sent with Content-Length, not chunked')}"  # noqa: E501
-        " if te_present te_one te_chunked",
-        f"    http-request {_json_return(400, 'bad_request', 'Transfer-Encoding other than chunked is not accepted')}"
-        " if te_present",
+        " if { req.hdr_cnt(transfer-encoding) gt 0 }",
         # RFC 9112 3.2: an HTTP/1.1 request without exactly one Host is 400 (HAProxy's parser
         # refuses two; 7.3.6 "req.hdr_cnt", "req.ver").
         f"    http-request {_json_return(400, 'bad_request', 'an HTTP/1.1 request must carry one Host header')}"
@@ -458,8 +472,9 @@ def _frontend(settings: Settings, paths: Paths, table: RouteTable) -> list[str]:
         # The decoded path, once (7.3.1 "url_dec", 4.2 "http-request set-var").
         "    http-request set-var(txn.path) path,url_dec",
         # GET /health: the agent's answer (its internal listener), GET and HEAD only.
-        "    acl is_health var(txn.path) -m str /health",
-        f"    http-request {_json_return(405, 'method_not_allowed', 'method %[method] is not allowed here; allowed: GET, HEAD', {'Allow': 'GET, HEAD'})} if is_health !METH_GET",  # noqa: E501
+        # GET /health is answered by the agent (use_backend below); its methods are checked
+        # with the GET/HEAD routes (HEALTH_PATH).
+        f"    acl is_health var(txn.path) -m str {HEALTH_PATH}",
         *[f"    {line}" for line in _route_acls(table)],
         *[f"    {line}" for line in _route_rules(table, settings.frontend)],
     ]
@@ -472,10 +487,11 @@ def _frontend(settings: Settings, paths: Paths, table: RouteTable) -> list[str]:
         rules += [
             f"    acl gate_open {unit} -m str open",
             "    acl agent_alive nbsrv(agent_gate) gt 0",
-            "    http-request set-var(txn.outcome) str(unit_unavailable) if !agent_alive !is_health or !gate_open !is_health",  # noqa: E501
-            f"    http-request {_json_return(503, 'unit_unavailable', _lf(UNIT_UNAVAILABLE_PREFIX) + 'the unit proxy agent is not answering; retry', {'Retry-After': retry})}"  # noqa: E501
+            # The log's outcome is set by the body itself (OUTCOME_UNAVAILABLE), not by a
+            # set-var rule that repeated both conditions on every request.
+            f"    http-request {_json_return(503, OUTCOME_UNAVAILABLE, _lf(UNIT_UNAVAILABLE_PREFIX) + 'the unit proxy agent is not answering; retry', {'Retry-After': retry})}"  # noqa: E501
             " if !agent_alive !is_health",
-            f"    http-request {_json_return(503, 'unit_unavailable', _lf(UNIT_UNAVAILABLE_PREFIX) + '%[' + unit + ']; retry', {'Retry-After': retry})}"  # noqa: E501
+            f"    http-request {_json_return(503, OUTCOME_UNAVAILABLE, _lf(UNIT_UNAVAILABLE_PREFIX) + '%[' + unit + ']; retry', {'Retry-After': retry})}"  # noqa: E501
             " if !gate_open !is_health",
         ]
     limit = settings.max_body_bytes
@@ -509,21 +525,17 @@ def _frontend(settings: Settings, paths: Paths, table: RouteTable) -> list[str]:
         f"    acl unit_full be_conn(engine) ge {2 * settings.max_inflight}",
         f"    http-request {_json_return(429, 'overloaded', f'unit at its in-flight limit ({settings.max_inflight}); retry', {'Retry-After': retry})}"  # noqa: E501
         " if unit_full !is_health",
-        # Engine failures answered by HAProxy itself carry ERROR_MARK (backend engine): while
-        # the unit goes down they become 503 unit_unavailable (the body already says so, see
-        # GateMap), else HAProxy's 503 (connection refused) is the contract's 502
-        # (4.2 "http-after-response": runs on HAProxy's own answers too). Those answers are
-        # 502-504 (the backend's http-error lines), so the status, a field of the response
-        # already parsed, is tested first and an engine answer pays no header lookup; an
-        # engine's own ERROR_MARK header is deleted in the engine backend.
+        # Engine failures answered by HAProxy itself set ERROR_VAR (backend engine's
+        # http-error lines): while the unit goes down they become 503 unit_unavailable (the
+        # body, Retry-After and the log's outcome already come from the gate map, see
+        # _engine_backend), else HAProxy's 503 (connection refused) is the contract's 502
+        # (4.2 "http-after-response": runs on HAProxy's own answers too). Two rules, each
+        # testing the status first (a field of the response already parsed): an engine's
+        # answer pays two status tests (it paid five rules before, and a header deletion).
         f"    acl going_down str({GateMap.DOWN}),map({gate},yes) -m str yes",
-        "    acl error_status status 502:504",
-        f"    acl engine_error res.hdr({ERROR_MARK}) -m found",
-        "    http-after-response set-var(txn.outcome) str(unit_unavailable) if error_status engine_error going_down",
-        "    http-after-response set-status 503 if error_status engine_error going_down",
-        f"    http-after-response set-header Retry-After {retry} if error_status engine_error going_down",
-        f"    http-after-response set-status 502 if {{ status 503 }} {{ res.hdr({ERROR_MARK}) 503 }} !going_down",
-        f"    http-after-response del-header {ERROR_MARK} if error_status",
+        f"    acl haproxy_error var({ERROR_VAR}) -m found",
+        "    http-after-response set-status 503 if { status 502 504 } haproxy_error going_down",
+        "    http-after-response set-status 502 if { status 503 } haproxy_error !going_down",
         "    use_backend agent_health if is_health",
         "    default_backend engine",
     ]
@@ -541,12 +553,12 @@ def _engine_backend(settings: Settings, paths: Paths) -> list[str]:
     retry = str(settings.retry_after_seconds)
     lines = ["backend engine"]
     # 4.2 "http-request del-header" / "http-response del-header": hop-by-hop headers never
-    # travel (HAProxy manages the connection itself), nor `Expect` (HAProxy answers it), nor
-    # an engine's own ERROR_MARK. One rule each way with `-m reg` (one pass over the headers,
+    # travel (HAProxy manages the connection itself), nor `Expect` (HAProxy answers it).
+    # One rule each way with `-m reg` (one pass over the headers,
     # not one per name: callgrind, about 2,800 instructions a request less); HAProxy stores
     # header names in lower case (htx_add_header, include/haproxy/htx.h:487 of 2.6.12).
     lines += [f"    http-request del-header {_names_regex((*HOP_BY_HOP, 'Expect'))} -m reg"]
-    lines += [f"    http-response del-header {_names_regex((*HOP_BY_HOP, ERROR_MARK))} -m reg"]
+    lines += [f"    http-response del-header {_names_regex(HOP_BY_HOP)} -m reg"]
     # A dying unit's engine answers 5xx (vLLM 0.32 on CPU, make e2e step 3): while the unit
     # is going down such answers are the half unit's, not the model's (4.2 "http-response return").
     # Triton's generate extension answers a model's error with 400 whatever its code (measured with
@@ -566,15 +578,24 @@ def _engine_backend(settings: Settings, paths: Paths) -> list[str]:
         ]
         down += " or engine_5xx !engine_ok"
     lines += [
-        f"    http-response set-var(txn.outcome) str(unit_unavailable) if {down}",
-        f"    http-response {_json_return(503, 'unit_unavailable', _lf(UNIT_UNAVAILABLE_PREFIX) + 'the unit is going down; retry', {'Retry-After': retry})}"  # noqa: E501
+        # The log's outcome is set by the body (OUTCOME_UNAVAILABLE): one rule, not two.
+        f"    http-response {_json_return(503, OUTCOME_UNAVAILABLE, _lf(UNIT_UNAVAILABLE_PREFIX) + 'the unit is going down; retry', {'Retry-After': retry})}"  # noqa: E501
         f" if {down}",
     ]
     # 4.2 "http-error": HAProxy's own answers to engine failures, bodies from the gate map.
+    # The body's format also sets ERROR_VAR (its status; `bytes(9)` leaves nothing of it in
+    # the body) and, while the unit goes down, the log's outcome; `Retry-After` is sent only
+    # while it goes down (a header whose format gives nothing is not added:
+    # http_reply_to_htx, src/http_ana.c:4787-4794 of v2.6.0). These formats run only when
+    # HAProxy answers an engine failure itself.
+    down_only = f"%[str({GateMap.DOWN}),map({gate},yes),regsub(^no$,),regsub(^yes$,{{}})"
     for status in (502, 503, 504):
+        mark = f"%[str({status}),set-var({ERROR_VAR}),bytes(9)]"
+        outcome = down_only.format("unit_unavailable") + ",set-var(txn.outcome),bytes(99)]"
         lines.append(
             f"    http-error status {status} content-type application/json"
-            f" lf-string {_q(f'%[str(err{status}),map({gate})]')} hdr {ERROR_MARK} {status}"
+            f" lf-string {_q(mark + outcome + f'%[str(err{status}),map({gate})]')}"
+            f" hdr Retry-After {_q(down_only.format(retry) + ']')}"
         )
     # 5.2 "maxconn": the hard bound behind the srv_conn admission check (a race between
     # threads queues, never exceeds).
