@@ -184,7 +184,7 @@ def markdown_table(r: Report) -> str:
 
 
 def _steps(text: str) -> tuple[str, ...]:
-    allowed = ("2b", "6", "rest")
+    allowed = ("2b", "6", "rest", "router")
     chosen = tuple(part.strip() for part in text.split(",") if part.strip())
     if unknown := [c for c in chosen if c not in allowed]:
         raise argparse.ArgumentTypeError(f"unknown step(s) {unknown}; allowed: {', '.join(allowed)}")
@@ -202,9 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stop-order", choices=("together", "proxy-first"), default="together",
                         help="how ECS stops the leader task's containers in step 5")
     parser.add_argument("--skip-setup", action="store_true", help="do not check/build .e2e/venv first")
-    parser.add_argument("--steps", type=_steps, default="2b,6,rest",
+    parser.add_argument("--steps", type=_steps, default="2b,6,rest,router",
                         help="unit mode's optional steps, comma-separated: 2b (temperature 0.8), 6 (artifacts "
-                             "refused), rest (2a to 5); steps 0-2 always run. Default: all")
+                             "refused), rest (2a to 5), router (7: the unit as cell A behind the cell router); "
+                             "steps 0-2 always run. Default: all")
     args = parser.parse_args(argv)
     wall = time.monotonic()
     env_stats = None
