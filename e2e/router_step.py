@@ -61,6 +61,9 @@ REAL_TRAFFIC = Traffic(model=MODEL_NAME, plain_tokens=4, stream_tokens=30, pause
 REAL_SHAPE = Options(kill="unit (follower task SIGKILL)", baseline=20.0, after=10.0, plain=4, streams=6,
                      tokens=30, window=5.0, warmup=2.0)
 LONG_STREAM_TOKENS = 60  # the evacuation's streams: 3 s on the fake engine, longer on A
+# Load goes on this long after B's drain, so that the real unit (A) answers a few dozen requests
+# meanwhile (3 s, the quick mode's, gave A 6) and none may reach B.
+EVACUATED_SECONDS = 8.0
 
 
 class RouterRun:
@@ -92,7 +95,7 @@ class RouterRun:
             async with client_session() as session:
                 await wait_for(lambda: all_up(session, self.admin), self.h.left(60), "both cells UP at the router")
                 return await evacuation_phase(session, self.url, self.admin, self.evac_file, self.traffic,
-                                              LONG_STREAM_TOKENS)
+                                              LONG_STREAM_TOKENS, settle=EVACUATED_SECONDS)
         started = time.monotonic()
         self.report["evacuation"] = asyncio.run(run())
         self.h.report.figure("router_evacuation_step_s", time.monotonic() - started)
