@@ -131,6 +131,7 @@ e2e: venv ## end to end with a real vLLM engine on CPU [E2E_ARGS=...]
 	$(BIN)/python e2e/run_e2e.py $(E2E_ARGS)
 
 # Two cells (unit proxy + fake engine each) behind the real cell router on loopback; under 2 minutes.
+# The quick mode: `make e2e` step 7 runs the same acceptance with the real vLLM unit as cell A.
 e2e-router: venv tools ## cell router acceptance: cell A lost under load, cell B evacuated (e2e-router-report.json)
 	$(BIN)/python e2e/router_mode.py $(E2E_ROUTER_ARGS)
 
