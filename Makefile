@@ -135,6 +135,7 @@ e2e-triton: venv ## the e2e unit with frontend triton: form, stream, lose a foll
 	$(BIN)/python e2e/run_e2e.py --frontend triton $(E2E_ARGS)
 
 # Two cells (unit proxy + fake engine each) behind the real cell router on loopback; under 2 minutes.
+# The quick mode: `make e2e` step 7 runs the same acceptance with the real vLLM unit as cell A.
 e2e-router: venv tools ## cell router acceptance: cell A lost under load, cell B evacuated (e2e-router-report.json)
 	$(BIN)/python e2e/router_mode.py $(E2E_ROUTER_ARGS)
 

@@ -21,9 +21,12 @@ supervisor (playing ECS) restarts both tasks, the follower on a new instance tha
 the model from S3 on loopback: the unit forms again with a new session and gives the same
 answer; (4a) the same follower is killed again and a warm spare's instance takes its place
 (nothing to fetch); (4b, 4c) partition and hung engine (unit_mode.py); (5) SIGTERM to the
-leader task while a stream is in flight: the stream completes, /health answers 503 during the drain, everything exits 0.
+leader task while a stream is in flight: the stream completes, /health answers 503 during the drain, everything exits 0;
+(7) the unit as cell A behind the cell router beside a fake-engine cell B: B evacuated, then step 3's kill made
+under load through the router (router_step.py).
 
-`--steps 2b,6` runs steps 0-2 and the named optional ones only (then stops the unit).
+`--steps 2b,6` runs steps 0-2 and the named optional ones only (then stops the unit; `--steps router`
+alone: its kill ends the unit).
 
 Writes `e2e-report.json` at the repository root and prints a Markdown table. Exit code 0
 only if every check passed. Every process and wait is bounded; nothing is left running.
@@ -194,7 +197,7 @@ def markdown_table(r: Report) -> str:
 
 
 def _steps(text: str) -> tuple[str, ...]:
-    allowed = ("2b", "6", "rest")
+    allowed = ("2b", "6", "rest", "router")
     chosen = tuple(part.strip() for part in text.split(",") if part.strip())
     if unknown := [c for c in chosen if c not in allowed]:
         raise argparse.ArgumentTypeError(f"unknown step(s) {unknown}; allowed: {', '.join(allowed)}")
@@ -214,9 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-setup", action="store_true", help="do not check/build .e2e/venv first")
     parser.add_argument("--frontend", choices=("openai", "triton"), default="openai",
                         help="unit mode's front end: openai (the scenario) or triton (triton_mode.py, short)")
-    parser.add_argument("--steps", type=_steps, default="2b,6,rest",
+    parser.add_argument("--steps", type=_steps, default="2b,6,rest,router",
                         help="unit mode's optional steps, comma-separated: 2b (temperature 0.8), 6 (artifacts "
-                             "refused), rest (2a to 5); steps 0-2 always run. Default: all")
+                             "refused), rest (2a to 5), router (7: the unit as cell A behind the cell router); "
+                             "steps 0-2 always run. Default: all")
     args = parser.parse_args(argv)
     wall = time.monotonic()
     env_stats = None

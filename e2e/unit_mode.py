@@ -62,8 +62,9 @@ MEMBER_STOP_TOKENS = MAX_MODEL_LEN - 16
 SHARD_RATE = 512 << 10
 SHARD_OVER_LOSS = 1.3
 LEADER_SHARD_BYTES = 256 << 10
-# Optional steps (run_e2e --steps): 2b temperature > 0, 6 the artifacts refusals, "rest" 2a to 5.
-STEPS = ("2b", "6", "rest")
+# Optional steps (run_e2e --steps): 2b temperature > 0, 6 the artifacts refusals, "rest" 2a to 5,
+# "router" 7 (the unit as cell A behind the cell router; its kill is step 3's, e2e/router_step.py).
+STEPS = ("2b", "6", "rest", "router")
 
 
 @dataclass
@@ -505,7 +506,11 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
         run_refusals(h, spec, compiled, caches, lambda host: Path(unit.hosts.cache(host)), unit.start_other)
         r.figure("step_6_s", time.monotonic() - t)
     if "rest" not in steps:
-        stop_unit(h, unit, spec)
+        if "router" in steps:
+            from router_step import run_router_only
+            run_router_only(h, unit)  # 7 alone: its kill ends the unit
+        else:
+            stop_unit(h, unit, spec)
         return
 
     # 2a. A follower stopped alone (its instance drained, a StopTask): its drain guard sends
@@ -515,6 +520,13 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
     # 2c. The acceptance kit through its local adapter, read-only then --destructive.
     from verify_mode import run_verify
     run_verify(h, unit)
+    # 7. The unit as cell A behind the cell router, beside a cell B: B evacuated while A serves;
+    # then step 3's kill is made under load through the router (e2e/router_step.py).
+    router = None
+    if "router" in steps:
+        from router_step import RouterRun
+        router = RouterRun(h, unit)
+        router.evacuate()
 
     # 3. Node loss: SIGKILL the follower task (launcher and engine, all at once). The node is
     # gone: its replacement is a new instance with an empty model cache (no spare yet).
@@ -524,8 +536,11 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
     probes: list[Probe] = []
     stop_probes = threading.Event()
     leader_exits_before = len(unit.leader.exits)
-    follower_proc.kill_tree()
-    killed_at = time.monotonic()
+    if router is None:
+        follower_proc.kill_tree()
+        killed_at = time.monotonic()
+    else:
+        killed_at = router.kill_under_load(follower_proc.kill_tree)
     prober = threading.Thread(target=probe_half_unit, args=(base, stop_probes, probes), daemon=True)
     prober.start()
     try:
@@ -543,6 +558,8 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
     r.check("3. no request answered by the half unit (only 503 unit_unavailable)", *probe_verdict(probes))
     # Any exit makes ECS replace an essential container; the code is recorded, not judged.
     r.check("3. leader exits after follower loss", leader_exit.code is not None, f"exit code {leader_exit.code}")
+    if router is not None:
+        router.finish()  # 7: the figures around the kill; cell B and the router stop
 
     # 4. Recovery: the supervisor restarts both; a new session serves the same answer.
     try:

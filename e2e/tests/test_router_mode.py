@@ -36,3 +36,32 @@ def test_cell_loss_is_hidden_and_evacuation_drains(kill: str, tmp_path: Path) ->
     assert evac["router_new_requests_to_b_after_drain"] == 0
     assert evac["requests_after_drain_served_by_b"] == 0
     assert evac["requests_after_drain_failed"] == 0
+
+
+def test_an_sse_error_event_is_told_from_a_cut_stream() -> None:
+    # vLLM 0.32's in-stream error (entrypoints/generate/base/serving.py create_streaming_error_response:
+    # ErrorResponse {"error": ErrorInfo}, entrypoints/serve/engine/protocol.py).
+    vllm_error = b'data: {"choices":[{"text":"a"}]}\n\ndata: {"error": {"message": "x", "type": "E", "code": 500}}\n\n'
+    assert router_mode.has_error_event(vllm_error)
+    assert not router_mode.has_error_event(b'data: {"choices":[{"text":"error"}]}\n\ndata: {"choi')
+    assert not router_mode.has_error_event(b"data: [DONE]\n\n")
+
+
+def test_a_request_in_flight_at_the_kill_counts_during_the_loss() -> None:
+    """A request sent before the kill and answered after it (retried on B) is the one the loss
+    delays most: it belongs to "during", not to "before"."""
+    opts = router_mode.Options(baseline=10.0, window=5.0, warmup=1.0)
+    kill = 100.0
+
+    def done(started: float, first: float, cell: str = "b") -> router_mode.Result:
+        return router_mode.Result("plain", started, first_byte=first, ended=first, status=200, cell=cell,
+                                  complete=True)
+    results = [done(95.0, 95.1, "a"), done(96.0, 96.2), done(99.9, 102.9), done(101.0, 101.1), done(106.0, 106.1),
+               done(90.5, 90.6)]  # the last one started in the warm-up second: neither
+    figures = router_mode.loss_figures(results, kill, opts)
+    assert figures["ttfb_samples_before"] == {"a": 1, "b": 1}
+    assert figures["ttfb_samples_during"] == {"a": 0, "b": 2}
+    assert figures["ttfb_p99_during_ms"] == 3000.0  # the retried one
+    assert figures["ttfb_p99_before_by_cell_ms"] == {"a": 100.0, "b": 200.0}
+    assert (figures["in_flight_at_kill_answered_after"], figures["in_flight_at_kill_ttfb_max_ms"]) == (1, 3000.0)
+    assert (figures["sent_after_kill_answered"], figures["ttfb_p99_sent_after_kill_ms"]) == (1, 100.0)
