@@ -153,7 +153,10 @@ def _candidates(fleet: FleetConfig) -> list[CellConfig]:
 def _strands(fleet: FleetConfig, cell: CellConfig, candidates: list[CellConfig]) -> RouterConfig | None:
     """A router of the cell whose every cell would be out during the cell's wave, if there is one."""
     out = {c.name for c in candidates if c.wave == cell.wave}
-    return next((r for r in fleet.routers if cell.name in r.cells and set(r.cells) <= out), None)
+    # A weight-0 cell takes no request even when it is the router's only one (HAProxy configuration manual 2.6,
+    # 5.2 "weight"): it is no cell left.
+    return next((r for r in fleet.routers
+                 if cell.name in r.cells and {c for c in r.cells if r.weight(c) > 0} <= out), None)
 
 
 def pipeline_evacuations(fleet: FleetConfig) -> list[CellConfig]:

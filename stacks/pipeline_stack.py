@@ -436,7 +436,8 @@ class PipelineStack(Stack):
         one, the router has no healthy cell during the update by plan (as a one-unit cell's outage, which its
         own alarms do not count either: cell_alarms.py), so its gate would roll back every such wave; that
         wave does not watch it (docs/router.md, "Alarms, rollout gate, dashboard")."""
-        return any(name not in updating or self.fleet.cell(name).resolved_min_units >= 2 for name in router.cells)
+        return any(router.weight(name) > 0 and (name not in updating or self.fleet.cell(name).resolved_min_units >= 2)
+                   for name in router.cells)  # weight 0: never chosen, even alone (HAProxy 5.2 "weight")
 
     def _cross_account(self, gate: Gate) -> bool:
         return gate.account != self.config.account

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import boto3
@@ -30,6 +31,7 @@ from inference_fleet.checks import load_fleet, parse_fleet
 from inference_fleet.router_checks import pipeline_evacuations
 from stacks.evacuation import WAIT_SECONDS
 from stacks.fleet import build_fleet
+from stacks.pipeline_stack import PipelineStack
 
 ROOT = Path(__file__).resolve().parents[1]
 FLEET_FILE = "tests/fleets/pipeline_evacuation.yaml"
@@ -126,6 +128,19 @@ def test_which_cells_are_evacuated() -> None:
     alone = {**raw, "routers": [{"region": "us-east-2", "cells": ["dev"], "plain_http": True}]}
     assert pipeline_evacuations(parse_fleet(alone)) == []
     assert pipeline_evacuations(load_fleet(None)) == []  # the default fleet has no router
+
+
+def test_a_weight0_cell_is_no_cell_left_for_the_pipeline() -> None:
+    """prod at weight 0 takes no request even when dev is evacuated (HAProxy 5.2 "weight"): evacuating dev would
+    leave the router nothing to send to, so it is not evacuated, and dev's wave does not watch the router's gate
+    (it would see no healthy cell by plan)."""
+    raw = yaml.safe_load((ROOT / FLEET_FILE).read_text())
+    raw["routers"][0]["weights"] = {"dev": 100, "prod": 0}
+    fleet = _with(raw)
+    assert pipeline_evacuations(fleet) == []
+    router = fleet.routers[0]
+    assert not PipelineStack._keeps_a_cell(SimpleNamespace(fleet=fleet), router, {"dev"})  # type: ignore[arg-type]
+    assert PipelineStack._keeps_a_cell(SimpleNamespace(fleet=fleet), router, {"prod"})  # type: ignore[arg-type]
 
 
 def test_a_restore_stage_between_waves_keeps_the_cross_account_gate_roles_on_their_wave(

@@ -124,7 +124,8 @@ async def test_retries_ejections_and_no_healthy_cell_are_published(
 
 def test_the_first_look_is_the_baseline_and_counters_never_go_negative() -> None:
     metrics = RouterMetrics()
-    row = {"pxname": "cells", "svname": "a", "status": "UP", "chkdown": "4", "wredis": "7", "wretr": "0"}
+    row = {"pxname": "cells", "svname": "a", "status": "UP", "weight": "100", "chkdown": "4", "wredis": "7",
+           "wretr": "0"}
     backend = {"pxname": "cells", "svname": "BACKEND", "stot": "100"}
     assert metrics.interval([row, backend]) == {"HealthyCells": 1, "CellEjections": 0, "Retries": 0, "Requests": 0}
     assert metrics.interval([{**row, "chkdown": "5", "wredis": "9"}, {**backend, "stot": "103"}]) == {
@@ -132,6 +133,15 @@ def test_the_first_look_is_the_baseline_and_counters_never_go_negative() -> None
     # HAProxy restarted (counters back to 0): no negative figure.
     assert metrics.interval([{**row, "status": "DRAIN", "chkdown": "0", "wredis": "0"}, {**backend, "stot": "0"}]) == {
         "HealthyCells": 0, "CellEjections": 0, "Retries": 0, "Requests": 0}
+
+
+def test_a_weight0_cell_is_not_healthy() -> None:
+    """HAProxy never sends to a weight-0 server, even when it is the only one left (its other cell drained or
+    DOWN): the router then answers 503 to all, so HealthyCells must say 0 (reviewer's repro_weights_drain.py)."""
+    standby = {"pxname": "cells", "svname": "b", "status": "UP", "weight": "0", "chkdown": "0", "wredis": "0"}
+    drained = {"pxname": "cells", "svname": "a", "status": "DRAIN", "weight": "0", "chkdown": "0", "wredis": "0"}
+    assert RouterMetrics().interval([drained, standby])["HealthyCells"] == 0
+    assert RouterMetrics().interval([{**standby, "weight": "1"}])["HealthyCells"] == 1
 
 
 def test_namespace_without_a_router_name_is_refused() -> None:

@@ -9,7 +9,8 @@ name: its region); every task writes its own line, so a Minimum over a period is
 All figures come from HAProxy's `show stat` (management guide 9.3 "show stat", fields in 9.1),
 read on its own schedule, apart from the agent's poll loop:
 - `HealthyCells`: cells of the backend whose check status is UP (`UP`, or `UP 1/2` while going
-  down); an evacuated cell is `DRAIN` and does not count. 0 means the router answers 503 to all.
+  down) and whose weight is above 0 (HAProxy never picks a weight-0 server, even when it is the only
+  one); an evacuated cell is `DRAIN` and does not count. 0 means the router answers 503 to all.
 - `CellEjections`: UP to DOWN transitions of the cells in the interval (`chkdown`: active checks,
   HAProxy's passive `observe layer7`, and the agent's `set server ... health down` alike).
 - `Retries`: requests switched away from a cell in the interval (`wredis`: the router's one retry
@@ -59,7 +60,8 @@ class RouterMetrics:
             if row.get("svname") == "BACKEND":
                 counters["requests"] += _int(row, "stot")
             elif row.get("svname") != "FRONTEND":
-                healthy += row.get("status", "").startswith("UP")
+                # A weight-0 cell is never chosen, even alone (configuration manual 2.6, 5.2 "weight"): not healthy.
+                healthy += row.get("status", "").startswith("UP") and _int(row, "weight") > 0
                 counters["chkdown"] += _int(row, "chkdown")
                 counters["retries"] += _int(row, "wredis")
         # The first look is the baseline: what happened before the agent started is not this interval's.
