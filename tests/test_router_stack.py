@@ -176,7 +176,13 @@ def test_alarms_read_what_the_router_agent_publishes(synth_router) -> None:
             assert metric["Namespace"] == namespace
             assert metric["Dimensions"] == [{"Name": "Router", "Value": env["ROUTER_NAME"]}]
             read.add(metric["MetricName"])
-    assert read == {"HealthyCells", "CellEjections", "Retries", "Requests"} and read <= set(METRICS)
+    assert read == {"HealthyCells", "RecentCellEjections", "Retries", "Requests"} and read <= set(METRICS)
+    # One task's own count over the alarm's window, never a Sum over the tasks' lines (it grew with the task count:
+    # a one-unit cell's evacuate-then-update at 3 tasks counted 3 and rolled the wave back).
+    ejections = alarms[f"{ROUTER}-ejections"]
+    assert (ejections["MetricName"], ejections["Statistic"], ejections["Period"], ejections["Threshold"]) == (
+        "RecentCellEjections", "Maximum", 60, 3)
+    assert env["ROUTER_EJECTION_WINDOW_SECONDS"] == "300"
     no_cell = alarms[f"{ROUTER}-no-healthy-cell"]
     assert (no_cell["Statistic"], no_cell["Threshold"], no_cell["ComparisonOperator"]) == (
         "Minimum", 1, "LessThanThreshold")

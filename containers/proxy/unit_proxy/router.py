@@ -409,7 +409,8 @@ async def start(settings: RouterSettings) -> RunningRouter:
     listener.close()  # HAProxy holds it now
     task = asyncio.create_task(poll_loop(state), name="router-poll")
     metrics_task = asyncio.create_task(
-        emf_loop(api, settings.metrics_namespace, settings.router_name, settings.emf_interval_seconds),
+        emf_loop(api, settings.metrics_namespace, settings.router_name, settings.emf_interval_seconds,
+                 evacuated=lambda: state.evacuated, window_seconds=settings.ejection_window_seconds),
         name="router-emf") if settings.metrics_namespace else None
     ssm_task = asyncio.create_task(ssm_loop(state, ssm), name="router-ssm") if ssm else None
     admin_port = runner.addresses[0][1]

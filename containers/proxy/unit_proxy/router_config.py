@@ -170,6 +170,7 @@ class RouterSettings:
     metrics_namespace: str = ""
     router_name: str = ""
     emf_interval_seconds: float = 10.0
+    ejection_window_seconds: float = 300.0  # RecentCellEjections' window: the ejections alarm's evaluation_minutes
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RouterSettings:
@@ -206,7 +207,9 @@ def _metrics(env: Mapping[str, str]) -> dict[str, object]:
         raise SettingsError(unset, "", "set ROUTER_METRICS_NAMESPACE and ROUTER_NAME together (EMF needs both) or "
                                        "neither")
     interval = _float(env, "ROUTER_EMF_INTERVAL_SECONDS", RouterSettings.emf_interval_seconds, 0.05, 300)
-    return {"metrics_namespace": namespace, "router_name": name, "emf_interval_seconds": interval}
+    window = _float(env, "ROUTER_EJECTION_WINDOW_SECONDS", RouterSettings.ejection_window_seconds, 1, 3600)
+    return {"metrics_namespace": namespace, "router_name": name, "emf_interval_seconds": interval,
+            "ejection_window_seconds": window}
 
 
 @dataclass(frozen=True, slots=True)
