@@ -151,7 +151,13 @@ class RouterState:
         self.cells = {cell.name: CellStatus(weight=cell.weight) for cell in self.settings.cells}
 
     async def apply(self, wanted: frozenset[str]) -> None:
-        """Drain the newly evacuated cells and make the others ready again, through the runtime API."""
+        """Drain the newly evacuated cells and make the others ready again, through the runtime API. Under the
+        refresh lock: a `show stat` read before the drain is then taken in before it, never after, so it
+        cannot mark the cell empty while a stream that began before the drain still runs."""
+        async with self.refresh_lock:
+            await self._apply(wanted)
+
+    async def _apply(self, wanted: frozenset[str]) -> None:
         for name in sorted(wanted ^ self.evacuated):
             state = "drain" if name in wanted else "ready"
             answer = await self.api.command(f"set server {BACKEND}/{name} state {state}")
@@ -163,9 +169,10 @@ class RouterState:
         self.evacuated = wanted
 
     async def refresh(self) -> None:
-        """Each cell's row of `show stat`; an evacuated cell's first empty look is logged once. One at a
-        time (the poll loop and `GET /status` both refresh): the counters' differences are then taken in
-        the order the snapshots were read."""
+        """Each cell's row of `show stat`; an evacuated cell is empty while a look finds no stream on it (its
+        first empty look is logged). One at a time, and never across `apply` (the poll loop, the SSM loop
+        and `GET /status` all come here): the counters' differences are taken in the order the snapshots
+        were read, and a snapshot is never read before a drain and judged after it."""
         async with self.refresh_lock:
             await self._refresh()
 
@@ -179,8 +186,9 @@ class RouterState:
             cell.streams = int(row.get("scur") or 0)
             cell.served = int(row.get("stot") or 0)
             await self._eject_if_retried_away(row["svname"], cell, cell.served, int(row.get("wredis") or 0))
-            if cell.evacuated and cell.streams == 0 and not cell.empty:
-                cell.empty = True
+            # From each look, not sticky: a later look with a stream on the cell takes `empty` back.
+            was, cell.empty = cell.empty, cell.evacuated and cell.streams == 0
+            if cell.empty and not was:
                 log.warning(json.dumps({"event": "cell_empty", "cell": row["svname"]}))
 
     async def _eject_if_retried_away(self, name: str, cell: CellStatus, attempts: int, redispatched: int) -> None:
