@@ -82,6 +82,22 @@ def test_plain_http_router_listens_on_80(synth) -> None:
     assert (listener["Port"], listener["Protocol"]) == (80, "HTTP") and "Certificates" not in listener
 
 
+def test_the_router_image_is_in_its_own_regions_ecr(synth, synth_router) -> None:
+    """Its tasks have no route out, only the router region's ECR endpoints: the pinned image is that region's
+    (router_checks._image_issues refuses another), and the unpinned one a CDK asset in the stack's own region
+    (the bootstrap's container asset repository of the router's account and region)."""
+    _, task = _one(synth_router, ROUTER, "AWS::ECS::TaskDefinition")
+    image = json.dumps(task["ContainerDefinitions"][0]["Image"])
+    assert ".dkr.ecr.us-east-2." in image
+    raw, _ = read_fleet_file(FLEET)
+    raw = copy.deepcopy(raw)
+    for cell in raw["cells"]:
+        cell.pop("images", None)
+    _, task = _one(synth(parse_fleet(raw)), ROUTER, "AWS::ECS::TaskDefinition")
+    image = json.dumps(task["ContainerDefinitions"][0]["Image"])
+    assert ".dkr.ecr.us-east-2.${AWS::URLSuffix}/cdk-hnb659fds-container-assets-111111111111-us-east-2:" in image
+
+
 def test_security_groups_admit_only_the_path(synth_router) -> None:
     groups = _resources(synth_router, ROUTER, "AWS::EC2::SecurityGroup")
     by_description = {g["GroupDescription"].split(":")[0]: k for k, g in groups.items()}
