@@ -231,6 +231,11 @@ class RouterPaths:
     def master_socket(self) -> str:
         return str(Path(self.runtime_dir) / "master.sock")
 
+    @property
+    def ready_map(self) -> str:
+        """Empty until the agent adds `ready` (through the runtime API) after its first SSM read."""
+        return str(Path(self.runtime_dir) / "ready.map")
+
 
 def _ms(value: float) -> str:
     return f"{int(value)}ms"
@@ -309,7 +314,12 @@ def render(settings: RouterSettings, paths: RouterPaths) -> str:
         "",
         "frontend router",
         f"    bind fd@{paths.listen_fd}",
-        # The router's own liveness for the NLB/ALB in front of it: not forwarded.
+        # The router's own health for the ALB in front of it: not forwarded. With SSM evacuation, 503 until
+        # the agent's first SSM read succeeded (it then adds `ready` to the map through the runtime API,
+        # management guide 9.3 "add map"): a task that cannot read which cells are evacuated takes no traffic.
+        *([f'    http-request return status 503 content-type text/plain string "evacuation not read yet" '
+           f'if {{ path /router/health }} !{{ str(ready),map({paths.ready_map}) -m found }}']
+          if settings.ssm_prefix else []),
         "    http-request return status 200 content-type text/plain string ok if { path /router/health }",
         f"    default_backend {BACKEND}",
         "",
