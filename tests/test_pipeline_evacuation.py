@@ -93,6 +93,21 @@ def test_the_one_unit_cell_is_evacuated_before_its_update_and_restored_after_the
     assert _actions(_stage(template, "Wave-main")) == [("Deploy-prod", 1)]
 
 
+def test_two_cells_of_one_router_are_evacuated_one_after_the_other(tmp_path: Path) -> None:
+    """Two one-unit cells of one router in one wave: their Evacuate (and Restore) actions each read, change and
+    write that router's one SSM parameter, so they run one after the other, never at once (one write would be
+    lost: the command sees the race and fails the wave)."""
+    raw = yaml.safe_load((ROOT / FLEET_FILE).read_text())
+    prod = next(c for c in raw["cells"] if c["name"] == "prod")
+    prod["units"] = 1
+    raw["cells"].append({**prod, "name": "prod2", "vpc_cidr": "10.30.0.0/16"})
+    raw["routers"][0]["cells"] = ["dev", "prod", "prod2"]
+    template = _synth(parse_fleet(raw), tmp_path)
+    assert _actions(_stage(template, "Wave-main")) == [
+        ("Evacuate-prod", 1), ("Evacuate-prod2", 2), ("Deploy-prod", 3), ("Deploy-prod2", 3)]
+    assert _actions(_stage(template, "Restore-main")) == [("Restore-prod", 1), ("Restore-prod2", 2)]
+
+
 def test_the_project_may_touch_only_the_routers_parameters(template: dict) -> None:
     _, project = _project(template)
     role = project["Properties"]["ServiceRole"]["Fn::GetAtt"][0]
