@@ -289,7 +289,7 @@ async def evacuation_phase(session: aiohttp.ClientSession, url: str, admin: str,
         return (await router_status(session, admin))["cells"]["b"]["streams"] >= 2
     await wait_for(b_busy, 10, "streams in flight on cell b")
     # What `python -m inference_fleet evacuate --cell b --local FILE` does.
-    write_local(evac_file, "b", undo=False, force=False, cells=("a", "b"))
+    write_local(evac_file, "b", undo=False, force=False, cells={"a": 100, "b": 100})
     written = time.monotonic()
 
     async def b_drained() -> bool:
@@ -308,7 +308,7 @@ async def evacuation_phase(session: aiohttp.ClientSession, url: str, admin: str,
     finished = await asyncio.gather(*streams)
     served_b_after = (await router_status(session, admin))["cells"]["b"]["served"]
     on_b = [r for r in finished if r.cell == "b"]
-    write_local(evac_file, "b", undo=True, force=False, cells=("a", "b"))
+    write_local(evac_file, "b", undo=True, force=False, cells={"a": 100, "b": 100})
     undo_written = time.monotonic()
 
     async def b_back() -> bool:
