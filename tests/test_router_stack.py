@@ -169,8 +169,11 @@ def test_the_environment_the_stack_ships_is_one_the_router_starts_with(synth_rou
     assert [(c.name, c.url, c.weight) for c in settings.cells] == [
         ("dev", f"http://{endpoint}:80", 100), ("prod", "https://prod.llm.example.com:443", 200)]
     assert (settings.metrics_namespace, settings.router_name) == ("Rufus/Router", "us-east-2")
-    text = render(settings, RouterPaths(str(tmp_path), 3)).replace("bind fd@3", "bind 127.0.0.1:1")
+    paths = RouterPaths(str(tmp_path), 3)
+    text = render(settings, paths).replace("bind fd@3", "bind 127.0.0.1:1")
     (tmp_path / "router.cfg").write_text(text)
+    Path(paths.ready_map).write_text("")  # as the agent does before HAProxy starts (unit_proxy/router.py start)
+    assert f"!{{ str(ready),map({paths.ready_map}) -m found }}" in text  # SSM evacuation: not ready before a read
     done = subprocess.run(["haproxy", "-c", "-f", str(tmp_path / "router.cfg")], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr + text
     assert "sni str(prod.llm.example.com) check-sni prod.llm.example.com" in text
