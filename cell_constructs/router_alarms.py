@@ -4,8 +4,10 @@ From the router agent's EMF lines (`unit_proxy.router_metrics`, namespace `<Flee
 dimension `[Router]` = the router's region; every task writes its own):
 - `no-healthy-cell`: `HealthyCells` Minimum below 1, the worst task sees no cell up, for 2 minutes
   in a row; missing data breaches (no task writes: the router itself is down);
-- `ejections`: `CellEjections` Sum (cells taken out: checks, passive ejection) at least the threshold
-  over one window of `evaluation_minutes`;
+- `ejections`: `RecentCellEjections` Maximum (cells taken out: checks, passive ejection; an evacuated
+  cell's planned update is not counted) at least the threshold: one task's own count over its last
+  `evaluation_minutes` (ROUTER_EJECTION_WINDOW_SECONDS), so it does not grow with the task count as
+  a Sum over the tasks' lines would (each task sees the same cell go down);
 - `retries`: `100 x Retries / Requests` (the share of requests retried on another cell) above the
   threshold for `evaluation_minutes`.
 The composite `<stack>-rollout-gate` over them is what the rollout pipeline watches while a wave
@@ -64,8 +66,8 @@ class RouterAlarms(Construct):
                 cloudwatch.TreatMissingData.BREACHING),
             "ejections": self._alarm(
                 "ejections", f"Router {router_name}: {thresholds.ejections} or more cells taken out within {minutes} "
-                "min (checks or passive ejection)",
-                self.metric("CellEjections", "Sum", Duration.minutes(minutes)), thresholds.ejections,
+                "min as one task saw them (checks or passive ejection; evacuated cells not counted)",
+                self.metric("RecentCellEjections", "Maximum", ONE_MINUTE), thresholds.ejections,
                 cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD, 1,
                 cloudwatch.TreatMissingData.NOT_BREACHING),
             "retries": self._alarm(
@@ -147,8 +149,8 @@ class RouterAlarms(Construct):
             cloudwatch.GraphWidget(title="Healthy cells (min, max over tasks)", width=8, left=[
                 self.metric("HealthyCells", "Minimum", ONE_MINUTE), self.metric("HealthyCells", "Maximum", ONE_MINUTE)],
                 left_annotations=limit(1)),
-            cloudwatch.GraphWidget(title=f"Cells taken out per {t.evaluation_minutes} min", width=8, left=[
-                self.metric("CellEjections", "Sum", Duration.minutes(t.evaluation_minutes))],
+            cloudwatch.GraphWidget(title=f"Cells taken out in the last {t.evaluation_minutes} min (worst task)",
+                                   width=8, left=[self.metric("RecentCellEjections", "Maximum", ONE_MINUTE)],
                 left_annotations=limit(t.ejections)),
             cloudwatch.GraphWidget(title="Requests retried on another cell (%)", width=8,
                                    left=[self.retries_percent()], left_annotations=limit(t.retries_percent)),

@@ -377,13 +377,14 @@ async def evacuation_phase(session: aiohttp.ClientSession, url: str, admin: str,
                            evacuate: str = "b", cells: tuple[str, ...] = ("a", "b")) -> dict[str, Any]:
     """Long streams through the router, some on `evacuate`; that cell evacuated through the file;
     light load goes on for `settle` s after the drain; then the evacuation is undone."""
+    weights = dict.fromkeys(cells, 100)  # router_settings gives every cell weight 100
     streams = [asyncio.create_task(one_request(session, url, traffic, True, long_tokens)) for _ in range(8)]
 
     async def busy() -> bool:
         return (await router_status(session, admin))["cells"][evacuate]["streams"] >= 2
     await wait_for(busy, 30, f"streams in flight on cell {evacuate}")
     # What `python -m inference_fleet evacuate --cell b --local FILE` does.
-    write_local(evac_file, evacuate, undo=False, force=False, cells=cells)
+    write_local(evac_file, evacuate, undo=False, force=False, cells=weights)
     written = time.monotonic()
 
     async def drained() -> bool:
@@ -402,7 +403,7 @@ async def evacuation_phase(session: aiohttp.ClientSession, url: str, admin: str,
     finished = await asyncio.gather(*streams)
     served_after = (await router_status(session, admin))["cells"][evacuate]["served"]
     on_cell = [r for r in finished if r.cell == evacuate]
-    write_local(evac_file, evacuate, undo=True, force=False, cells=cells)
+    write_local(evac_file, evacuate, undo=True, force=False, cells=weights)
     undo_written = time.monotonic()
 
     async def back() -> bool:

@@ -682,8 +682,8 @@ class RouterAlarmsConfig(_Strict):
     )
     ejections: int = Field(
         default=3, ge=1, le=1000,
-        description="Cells taken out (UP to DOWN: checks, passive ejection) within evaluation_minutes that fire the "
-                    "ejections alarm.",
+        description="Cells taken out (UP to DOWN: checks, passive ejection; an evacuated cell's not counted) "
+                    "within evaluation_minutes, as one router task saw them, that fire the ejections alarm.",
     )
     retries_percent: float = Field(
         default=5.0, gt=0, le=100,

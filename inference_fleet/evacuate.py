@@ -29,6 +29,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -83,10 +84,16 @@ def updated(current: set[str], cell: str, undo: bool) -> list[str]:
     return sorted(current - {cell} if undo else current | {cell})
 
 
-def _check_left(router_cells: tuple[str, ...], evacuated: list[str], where: str, force: bool) -> None:
-    if not force and not set(router_cells) - set(evacuated):
-        raise EvacuateError(f"{where}: every cell it fronts ({', '.join(router_cells)}) would be evacuated and it "
-                            "would answer 503 to every request; undo another evacuation first, or pass --force")
+def _check_left(weights: Mapping[str, int], evacuated: list[str], where: str, force: bool) -> None:
+    """Refuse to leave a router without a cell of weight above 0: HAProxy never sends to a weight-0 server,
+    even when it is the only one left (configuration manual 2.6, 5.2 "weight": "A value of 0 means the
+    server will not participate in load-balancing but will still accept persistent connections"), so a
+    weight-0 cell left behind is no cell left."""
+    if force or {name for name, weight in weights.items() if weight > 0} - set(evacuated):
+        return
+    fronted = ", ".join(f"{name} (weight {weight})" for name, weight in weights.items())
+    raise EvacuateError(f"{where}: every cell it fronts with a weight above 0 ({fronted}) would be evacuated and it "
+                        "would answer 503 to every request; undo another evacuation first, or pass --force")
 
 
 def read_parameter(ssm: Any, name: str) -> tuple[set[str], int]:
@@ -114,7 +121,7 @@ def evacuate_on_aws(fleet: FleetConfig, cell: str, undo: bool, force: bool, ssm_
     for router in routers:
         ssm, name = ssm_for(router.region), parameter_name(fleet, router)
         wanted = updated(read_parameter(ssm, name)[0], cell, undo)
-        _check_left(router.cells, wanted, f"the router in {router.region}", force)
+        _check_left({c: router.weight(c) for c in router.cells}, wanted, f"the router in {router.region}", force)
         ssm.put_parameter(Name=name, Value=json.dumps({"evacuated": wanted}), Type="String", Overwrite=True)
         holds, version = read_parameter(ssm, name)
         written.lines.append(f"{router.region}: {name} = {sorted(holds)} (version {version})")
@@ -192,7 +199,7 @@ def wait_empty_on_aws(fleet: FleetConfig, cell: str, written: Written, ssm_for: 
         sleep(WAIT_POLL_SECONDS)
 
 
-def write_local(path: Path, cell: str, undo: bool, force: bool, cells: tuple[str, ...] | None) -> list[str]:
+def write_local(path: Path, cell: str, undo: bool, force: bool, cells: Mapping[str, int] | None) -> list[str]:
     """Update the router's local evacuation file atomically; returns the evacuated cells."""
     try:
         current = set(json.loads(path.read_text() or "{}").get("evacuated", []))

@@ -14,6 +14,7 @@ has the DNS name its certificate covers in `tls_names`.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 from inference_fleet.config import CellConfig, ConfigIssue, FleetConfig, RouterConfig
@@ -30,6 +31,34 @@ def check_routers(fleet: FleetConfig) -> Iterable[ConfigIssue]:
         yield from _cell_issues(fleet, path, router)
         yield from _listener_issues(path, router)
         yield from _stack_issues(fleet, path, router)
+        yield from _image_issues(fleet, router)
+
+
+# A private ECR image reference (https://docs.aws.amazon.com/AmazonECR/latest/userguide/docker-pull-ecr-image.html:
+# aws_account_id.dkr.ecr.region.amazonaws.com/repository@sha256:digest).
+_ECR_IMAGE = re.compile(r"^[0-9]{12}\.dkr\.ecr\.(?P<region>[a-z0-9-]+)\.amazonaws\.com(\.cn)?/")
+
+
+def _image_issues(fleet: FleetConfig, router: RouterConfig) -> Iterable[ConfigIssue]:
+    """The router's tasks run the first fronted cell's pinned proxy image (stacks/router_stack.py `_image`) in
+    isolated subnets with no NAT: they reach only their own region's ECR, through its interface endpoints
+    (cell_constructs/router_network.py). An image from another region's ECR or from any other registry cannot
+    be pulled there. Unpinned, the image is a CDK asset, published to the bootstrap repository of the router
+    stack's own account and region: reachable."""
+    index = {cell.name: i for i, cell in enumerate(fleet.cells)}
+    name = next((n for n in router.cells if n in index and fleet.cells[index[n]].images.proxy), None)
+    if name is None:
+        return
+    i, cell = index[name], fleet.cells[index[name]]
+    match = _ECR_IMAGE.match(cell.images.proxy or "")
+    if match is None or match["region"] != router.region:
+        where = f"ECR in {match['region']}" if match else "not a private ECR repository"
+        yield ConfigIssue(
+            f"cells[{i}].images.proxy", cell.images.proxy or "",
+            f"the router in {router.region} runs this cell's proxy image ({where}) in subnets without a route "
+            f"out, which reach only {router.region}'s ECR: push the image to an ECR repository in {router.region} "
+            "(<account>.dkr.ecr.<region>.amazonaws.com/<repo>@sha256:<digest>), or leave images.proxy of the "
+            "fronted cells unset to build it")
 
 
 def _cell_issues(fleet: FleetConfig, path: str, router: RouterConfig) -> Iterable[ConfigIssue]:
@@ -153,7 +182,10 @@ def _candidates(fleet: FleetConfig) -> list[CellConfig]:
 def _strands(fleet: FleetConfig, cell: CellConfig, candidates: list[CellConfig]) -> RouterConfig | None:
     """A router of the cell whose every cell would be out during the cell's wave, if there is one."""
     out = {c.name for c in candidates if c.wave == cell.wave}
-    return next((r for r in fleet.routers if cell.name in r.cells and set(r.cells) <= out), None)
+    # A weight-0 cell takes no request even when it is the router's only one (HAProxy configuration manual 2.6,
+    # 5.2 "weight"): it is no cell left.
+    return next((r for r in fleet.routers
+                 if cell.name in r.cells and {c for c in r.cells if r.weight(c) > 0} <= out), None)
 
 
 def pipeline_evacuations(fleet: FleetConfig) -> list[CellConfig]:

@@ -14,10 +14,12 @@ traffic to a cell that just failed); the operator restores it with `evacuate --c
 
 One CodeBuild project serves every such action (the cell and the arguments are the action's
 environment variables). CodeBuild rather than Lambda: the wait lasts as long as the longest
-stream (the router's hard stop is 905 s) plus the routers' poll, against Lambda's 15 minutes
-(docs/rollout-pipeline.md). Its role may read and write exactly the routers' `evacuated`
-parameters and list their task reports (GetParametersByPath is authorized against the path
-requested: https://docs.aws.amazon.com/systems-manager/latest/userguide/ps-retrieval-authorization.html).
+stream on the cell plus the routers' poll, against Lambda's 15 minutes (docs/rollout-pipeline.md).
+Nothing in the router bounds a stream's length: `hard-stop-after` (905 s) applies to the router's
+own stop, not to a drained cell, and `timeout server` (up to 4000 s) to silence, not to length. The
+wait gives up after WAIT_SECONDS (exit 7: the wave fails and the cell stays evacuated). Its role
+may read and write exactly the routers' `evacuated` parameters and list their task reports
+(GetParametersByPath is authorized against the path requested: https://docs.aws.amazon.com/systems-manager/latest/userguide/ps-retrieval-authorization.html).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from cell_constructs.nag import acknowledge
 from inference_fleet.config import CellConfig, FleetConfig
 from inference_fleet.evacuate import router_prefix, routers_of
 
-# The longest stream may last the router's hard stop; then a poll of the routers and of the command.
+# A budget, not a bound: streams longer than this fail the wait (see the module's docstring). The router's
+# hard stop (905 s, what a router task's own stop gives its streams) plus a poll of the routers and of the command.
 WAIT_SECONDS = HARD_STOP_SECONDS + 60
 EVACUATE_TIMEOUT = Duration.minutes(30)
 

@@ -176,8 +176,9 @@ class PipelineStack(Stack):
             restored = [c for c in fleet.cells_of_wave(wave.name) if c.name in self.evacuated]
             if restored:
                 # After the wave's bake (its OnSuccess condition): the cells take traffic again.
+                orders = self._evacuation_orders(restored)
                 stages.append(codepipeline.StageProps(stage_name=restore_stage_name(wave), actions=[
-                    self.evacuation.action(cell, undo=True, run_order=1) for cell in restored]))
+                    self.evacuation.action(cell, undo=True, run_order=orders[cell.name]) for cell in restored]))
 
         self.pipeline = codepipeline.Pipeline(
             self, "Pipeline",
@@ -339,8 +340,10 @@ class PipelineStack(Stack):
         evacuated = [cell for cell in cells if cell.name in self.evacuated]
         if evacuated:
             # Out of the routers' choice, its streams finished, before its update (stacks/evacuation.py).
-            stage_actions += [self.evacuation.action(cell, undo=False, run_order=deploy_order) for cell in evacuated]
-            deploy_order += 1
+            orders = self._evacuation_orders(evacuated)
+            stage_actions += [self.evacuation.action(cell, undo=False, run_order=deploy_order + orders[cell.name] - 1)
+                              for cell in evacuated]
+            deploy_order += max(orders.values())
         stage_actions += [self._deploy_action(cell, assembly, deploy_order) for cell in cells]
         if wave is self.fleet.waves[0] and self.fleet.pipeline.verify_gate:
             # The canary wave: the first-deploy kit checks each of its cells before the bake (stacks/verify_gate.py).
@@ -430,13 +433,27 @@ class PipelineStack(Stack):
                   for router in fleet.routers if names & set(router.cells) and self._keeps_a_cell(router, names)]
         return gates
 
+    def _evacuation_orders(self, cells: list[CellConfig]) -> dict[str, int]:
+        """A run order from 1 per cell, so that no two cells of one router are (un)evacuated at once: the
+        command reads, changes and writes the router's one SSM parameter (inference_fleet/evacuate.py), and two
+        at once would lose one write (the loser sees the race and fails its wave). Cells of different routers
+        keep one order and run in parallel."""
+        orders: dict[str, int] = {}
+        for cell in cells:
+            mine = {r.region for r in self.fleet.routers if cell.name in r.cells}
+            orders[cell.name] = 1 + max((order for name, order in orders.items()
+                                         if mine & {r.region for r in self.fleet.routers if name in r.cells}),
+                                        default=0)
+        return orders
+
     def _keeps_a_cell(self, router: RouterConfig, updating: set[str]) -> bool:
         """Whether the router keeps a serving cell while these cells update: one outside them, or one of them that
         never drops to zero units (units update one at a time: a cell of 2 or more keeps one serving). Without
         one, the router has no healthy cell during the update by plan (as a one-unit cell's outage, which its
         own alarms do not count either: cell_alarms.py), so its gate would roll back every such wave; that
         wave does not watch it (docs/router.md, "Alarms, rollout gate, dashboard")."""
-        return any(name not in updating or self.fleet.cell(name).resolved_min_units >= 2 for name in router.cells)
+        return any(router.weight(name) > 0 and (name not in updating or self.fleet.cell(name).resolved_min_units >= 2)
+                   for name in router.cells)  # weight 0: never chosen, even alone (HAProxy 5.2 "weight")
 
     def _cross_account(self, gate: Gate) -> bool:
         return gate.account != self.config.account

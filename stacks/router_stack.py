@@ -139,6 +139,8 @@ class RouterStack(Stack):
                                               ROUTER_TIMEOUT_MAX_SECONDS)),
             "ROUTER_METRICS_NAMESPACE": router_metrics_namespace(self.fleet),
             "ROUTER_NAME": router.region,
+            # RecentCellEjections' window: the ejections alarm's (cell_constructs/router_alarms.py).
+            "ROUTER_EJECTION_WINDOW_SECONDS": str(router.alarms.evaluation_minutes * 60),
             # The agent's SSM evacuation (unit_proxy/router_ssm.py, another branch of this session): its
             # parameters' path and region.
             "ROUTER_SSM_PREFIX": self.ssm_prefix,

@@ -129,9 +129,21 @@ def test_wait_with_local_is_a_usage_error(tmp_path: Path, capsys: pytest.Capture
 
 def test_local_last_cell_refused(tmp_path: Path) -> None:
     path = tmp_path / "evacuation.json"
-    write_local(path, "a", undo=False, force=False, cells=("a", "b"))
+    write_local(path, "a", undo=False, force=False, cells={"a": 100, "b": 100})
     with pytest.raises(EvacuateError):
-        write_local(path, "b", undo=False, force=False, cells=("a", "b"))
+        write_local(path, "b", undo=False, force=False, cells={"a": 100, "b": 100})
+
+
+def test_a_weight0_cell_left_is_no_cell_left(fleet: FleetConfig) -> None:
+    """HAProxy never sends to a weight-0 server even when it is the only one: evacuating prod while dev has
+    weight 0 leaves the router nothing to send to, and is refused (reviewer's repro_weight0_evacuation.py)."""
+    raw = json.loads(fleet.model_dump_json(exclude_unset=True))
+    raw["routers"][0]["weights"] = {"dev": 0, "prod": 100}
+    fleet = parse_fleet(raw)
+    ssm, stub = _ssm()
+    stub.add_response("get_parameter", _param([]), expected_params={"Name": NAME})
+    with stub, pytest.raises(EvacuateError, match=r"weight above 0 \(dev \(weight 0\), prod \(weight 100\)\)"):
+        evacuate_on_aws(fleet, "prod", undo=False, force=False, ssm_for=lambda region: ssm)
 
 
 TASKS = "/inference-fleet/Rufus/router/us-east-2/tasks"

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import boto3
@@ -30,6 +31,7 @@ from inference_fleet.checks import load_fleet, parse_fleet
 from inference_fleet.router_checks import pipeline_evacuations
 from stacks.evacuation import WAIT_SECONDS
 from stacks.fleet import build_fleet
+from stacks.pipeline_stack import PipelineStack
 
 ROOT = Path(__file__).resolve().parents[1]
 FLEET_FILE = "tests/fleets/pipeline_evacuation.yaml"
@@ -91,6 +93,21 @@ def test_the_one_unit_cell_is_evacuated_before_its_update_and_restored_after_the
     assert _actions(_stage(template, "Wave-main")) == [("Deploy-prod", 1)]
 
 
+def test_two_cells_of_one_router_are_evacuated_one_after_the_other(tmp_path: Path) -> None:
+    """Two one-unit cells of one router in one wave: their Evacuate (and Restore) actions each read, change and
+    write that router's one SSM parameter, so they run one after the other, never at once (one write would be
+    lost: the command sees the race and fails the wave)."""
+    raw = yaml.safe_load((ROOT / FLEET_FILE).read_text())
+    prod = next(c for c in raw["cells"] if c["name"] == "prod")
+    prod["units"] = 1
+    raw["cells"].append({**prod, "name": "prod2", "vpc_cidr": "10.30.0.0/16"})
+    raw["routers"][0]["cells"] = ["dev", "prod", "prod2"]
+    template = _synth(parse_fleet(raw), tmp_path)
+    assert _actions(_stage(template, "Wave-main")) == [
+        ("Evacuate-prod", 1), ("Evacuate-prod2", 2), ("Deploy-prod", 3), ("Deploy-prod2", 3)]
+    assert _actions(_stage(template, "Restore-main")) == [("Restore-prod", 1), ("Restore-prod2", 2)]
+
+
 def test_the_project_may_touch_only_the_routers_parameters(template: dict) -> None:
     _, project = _project(template)
     role = project["Properties"]["ServiceRole"]["Fn::GetAtt"][0]
@@ -126,6 +143,19 @@ def test_which_cells_are_evacuated() -> None:
     alone = {**raw, "routers": [{"region": "us-east-2", "cells": ["dev"], "plain_http": True}]}
     assert pipeline_evacuations(parse_fleet(alone)) == []
     assert pipeline_evacuations(load_fleet(None)) == []  # the default fleet has no router
+
+
+def test_a_weight0_cell_is_no_cell_left_for_the_pipeline() -> None:
+    """prod at weight 0 takes no request even when dev is evacuated (HAProxy 5.2 "weight"): evacuating dev would
+    leave the router nothing to send to, so it is not evacuated, and dev's wave does not watch the router's gate
+    (it would see no healthy cell by plan)."""
+    raw = yaml.safe_load((ROOT / FLEET_FILE).read_text())
+    raw["routers"][0]["weights"] = {"dev": 100, "prod": 0}
+    fleet = _with(raw)
+    assert pipeline_evacuations(fleet) == []
+    router = fleet.routers[0]
+    assert not PipelineStack._keeps_a_cell(SimpleNamespace(fleet=fleet), router, {"dev"})  # type: ignore[arg-type]
+    assert PipelineStack._keeps_a_cell(SimpleNamespace(fleet=fleet), router, {"prod"})  # type: ignore[arg-type]
 
 
 def test_a_restore_stage_between_waves_keeps_the_cross_account_gate_roles_on_their_wave(

@@ -82,6 +82,22 @@ def test_plain_http_router_listens_on_80(synth) -> None:
     assert (listener["Port"], listener["Protocol"]) == (80, "HTTP") and "Certificates" not in listener
 
 
+def test_the_router_image_is_in_its_own_regions_ecr(synth, synth_router) -> None:
+    """Its tasks have no route out, only the router region's ECR endpoints: the pinned image is that region's
+    (router_checks._image_issues refuses another), and the unpinned one a CDK asset in the stack's own region
+    (the bootstrap's container asset repository of the router's account and region)."""
+    _, task = _one(synth_router, ROUTER, "AWS::ECS::TaskDefinition")
+    image = json.dumps(task["ContainerDefinitions"][0]["Image"])
+    assert ".dkr.ecr.us-east-2." in image
+    raw, _ = read_fleet_file(FLEET)
+    raw = copy.deepcopy(raw)
+    for cell in raw["cells"]:
+        cell.pop("images", None)
+    _, task = _one(synth(parse_fleet(raw)), ROUTER, "AWS::ECS::TaskDefinition")
+    image = json.dumps(task["ContainerDefinitions"][0]["Image"])
+    assert ".dkr.ecr.us-east-2.${AWS::URLSuffix}/cdk-hnb659fds-container-assets-111111111111-us-east-2:" in image
+
+
 def test_security_groups_admit_only_the_path(synth_router) -> None:
     groups = _resources(synth_router, ROUTER, "AWS::EC2::SecurityGroup")
     by_description = {g["GroupDescription"].split(":")[0]: k for k, g in groups.items()}
@@ -153,8 +169,11 @@ def test_the_environment_the_stack_ships_is_one_the_router_starts_with(synth_rou
     assert [(c.name, c.url, c.weight) for c in settings.cells] == [
         ("dev", f"http://{endpoint}:80", 100), ("prod", "https://prod.llm.example.com:443", 200)]
     assert (settings.metrics_namespace, settings.router_name) == ("Rufus/Router", "us-east-2")
-    text = render(settings, RouterPaths(str(tmp_path), 3)).replace("bind fd@3", "bind 127.0.0.1:1")
+    paths = RouterPaths(str(tmp_path), 3)
+    text = render(settings, paths).replace("bind fd@3", "bind 127.0.0.1:1")
     (tmp_path / "router.cfg").write_text(text)
+    Path(paths.ready_map).write_text("")  # as the agent does before HAProxy starts (unit_proxy/router.py start)
+    assert f"!{{ str(ready),map({paths.ready_map}) -m found }}" in text  # SSM evacuation: not ready before a read
     done = subprocess.run(["haproxy", "-c", "-f", str(tmp_path / "router.cfg")], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr + text
     assert "sni str(prod.llm.example.com) check-sni prod.llm.example.com" in text
@@ -176,7 +195,13 @@ def test_alarms_read_what_the_router_agent_publishes(synth_router) -> None:
             assert metric["Namespace"] == namespace
             assert metric["Dimensions"] == [{"Name": "Router", "Value": env["ROUTER_NAME"]}]
             read.add(metric["MetricName"])
-    assert read == {"HealthyCells", "CellEjections", "Retries", "Requests"} and read <= set(METRICS)
+    assert read == {"HealthyCells", "RecentCellEjections", "Retries", "Requests"} and read <= set(METRICS)
+    # One task's own count over the alarm's window, never a Sum over the tasks' lines (it grew with the task count:
+    # a one-unit cell's evacuate-then-update at 3 tasks counted 3 and rolled the wave back).
+    ejections = alarms[f"{ROUTER}-ejections"]
+    assert (ejections["MetricName"], ejections["Statistic"], ejections["Period"], ejections["Threshold"]) == (
+        "RecentCellEjections", "Maximum", 60, 3)
+    assert env["ROUTER_EJECTION_WINDOW_SECONDS"] == "300"
     no_cell = alarms[f"{ROUTER}-no-healthy-cell"]
     assert (no_cell["Statistic"], no_cell["Threshold"], no_cell["ComparisonOperator"]) == (
         "Minimum", 1, "LessThanThreshold")

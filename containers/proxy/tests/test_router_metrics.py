@@ -120,18 +120,62 @@ async def test_retries_ejections_and_no_healthy_cell_are_published(
     b.sick = True
     await _until(capsys, seen, lambda s: s[-1]["HealthyCells"] == 0)
     assert sum(e["CellEjections"] for e in seen) == 2
+    assert seen[-1]["RecentCellEjections"] == 2  # this task's own count over its window (300 s by default)
+
+
+async def test_an_evacuated_cell_going_down_is_not_an_ejection(
+        router: tuple[RunningRouter, Cell, Cell], capsys: pytest.CaptureFixture[str]) -> None:
+    """Evacuate, then update: the drained cell fails its checks by plan. Counted, it fired the ejections alarm
+    during a planned evacuate-then-update (reviewer's repro_weights_drain.py, part 2)."""
+    running, a, _b = router
+    seen: list[dict[str, Any]] = []
+    await _until(capsys, seen, lambda s: s[-1]["HealthyCells"] == 2)
+    await running.state.apply(frozenset({"a"}))
+    await _until(capsys, seen, lambda s: s[-1]["HealthyCells"] == 1)
+    a.sick = True
+    for _ in range(100):  # until HAProxy has taken a DOWN (fall 2 x 200 ms), and one EMF line after that
+        rows = {r["svname"]: r for r in await running.state.api.show_stat() if r.get("pxname") == "cells"}
+        if rows["a"]["chkdown"] == "1":
+            break
+        await asyncio.sleep(0.05)
+    assert rows["a"]["status"].startswith("DOWN") and rows["a"]["chkdown"] == "1"
+    seen.clear()
+    await _until(capsys, seen, lambda s: len(s) >= 3)
+    assert sum(e["CellEjections"] for e in seen) == 0 and seen[-1]["RecentCellEjections"] == 0
+
+
+def test_recent_ejections_are_one_tasks_count_over_its_window() -> None:
+    metrics = RouterMetrics(window_seconds=300)
+    row = {"pxname": "cells", "svname": "a", "status": "UP", "weight": "100", "chkdown": "0", "wredis": "0"}
+    assert metrics.interval([row], now=0)["RecentCellEjections"] == 0
+    assert metrics.interval([{**row, "chkdown": "1"}], now=10)["RecentCellEjections"] == 1
+    assert metrics.interval([{**row, "chkdown": "3"}], now=200)["RecentCellEjections"] == 3
+    assert metrics.interval([{**row, "chkdown": "3"}], now=311)["RecentCellEjections"] == 2  # the first fell out
+    assert metrics.interval([{**row, "chkdown": "3"}], now=501)["RecentCellEjections"] == 0
 
 
 def test_the_first_look_is_the_baseline_and_counters_never_go_negative() -> None:
     metrics = RouterMetrics()
-    row = {"pxname": "cells", "svname": "a", "status": "UP", "chkdown": "4", "wredis": "7", "wretr": "0"}
+    row = {"pxname": "cells", "svname": "a", "status": "UP", "weight": "100", "chkdown": "4", "wredis": "7",
+           "wretr": "0"}
     backend = {"pxname": "cells", "svname": "BACKEND", "stot": "100"}
-    assert metrics.interval([row, backend]) == {"HealthyCells": 1, "CellEjections": 0, "Retries": 0, "Requests": 0}
-    assert metrics.interval([{**row, "chkdown": "5", "wredis": "9"}, {**backend, "stot": "103"}]) == {
-        "HealthyCells": 1, "CellEjections": 1, "Retries": 2, "Requests": 3}
+    assert metrics.interval([row, backend], now=0) == {
+        "HealthyCells": 1, "CellEjections": 0, "RecentCellEjections": 0, "Retries": 0, "Requests": 0}
+    assert metrics.interval([{**row, "chkdown": "5", "wredis": "9"}, {**backend, "stot": "103"}], now=1) == {
+        "HealthyCells": 1, "CellEjections": 1, "RecentCellEjections": 1, "Retries": 2, "Requests": 3}
     # HAProxy restarted (counters back to 0): no negative figure.
-    assert metrics.interval([{**row, "status": "DRAIN", "chkdown": "0", "wredis": "0"}, {**backend, "stot": "0"}]) == {
-        "HealthyCells": 0, "CellEjections": 0, "Retries": 0, "Requests": 0}
+    assert metrics.interval([{**row, "status": "DRAIN", "chkdown": "0", "wredis": "0"}, {**backend, "stot": "0"}],
+                            now=2) == {"HealthyCells": 0, "CellEjections": 0, "RecentCellEjections": 1, "Retries": 0,
+                                       "Requests": 0}
+
+
+def test_a_weight0_cell_is_not_healthy() -> None:
+    """HAProxy never sends to a weight-0 server, even when it is the only one left (its other cell drained or
+    DOWN): the router then answers 503 to all, so HealthyCells must say 0 (reviewer's repro_weights_drain.py)."""
+    standby = {"pxname": "cells", "svname": "b", "status": "UP", "weight": "0", "chkdown": "0", "wredis": "0"}
+    drained = {"pxname": "cells", "svname": "a", "status": "DRAIN", "weight": "0", "chkdown": "0", "wredis": "0"}
+    assert RouterMetrics().interval([drained, standby])["HealthyCells"] == 0
+    assert RouterMetrics().interval([{**standby, "weight": "1"}])["HealthyCells"] == 1
 
 
 def test_namespace_without_a_router_name_is_refused() -> None:

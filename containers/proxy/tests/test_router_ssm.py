@@ -28,9 +28,11 @@ from moto.server import ThreadedMotoServer
 from unit_proxy.router import start, task_id
 from unit_proxy.router_config import RouterSettings
 from unit_proxy.router_ssm import (
+    EvacuationValueError,
     TaskReport,
     evacuation_parameter,
     parameter_prefix,
+    parse_evacuated,
     report_parameter,
     reports_path,
 )
@@ -96,6 +98,14 @@ async def _until(predicate: Any, timeout: float = 10.0, what: str = "") -> None:
     while not predicate():
         assert loop.time() < end, f"timed out after {timeout} s waiting for {what}"
         await asyncio.sleep(0.1)
+
+
+def test_no_parameter_yet_is_nothing_evacuated() -> None:
+    """SsmClient.read gives ("", 0) for a parameter not written yet (the router stack does not create it): nothing
+    evacuated, not an error (it was one, so a fresh router never counted as having read SSM)."""
+    assert parse_evacuated("", {"a"}, "x") == frozenset()
+    with pytest.raises(EvacuationValueError):
+        parse_evacuated("{}", {"a"}, "x")
 
 
 def test_prefix_and_names_are_one_convention() -> None:
@@ -198,16 +208,55 @@ async def test_the_shipped_router_reads_ssm_and_deletes_its_report_on_sigterm(
                      what="the process's report: a evacuated and empty")
         async with aiohttp.ClientSession() as session:
             assert [await _post(session, port) for _ in range(6)] == [(200, "b")] * 6
-        assert a.posts == 0
-        proc.send_signal(signal.SIGTERM)
+            assert a.posts == 0
+            # A stream held on b: the soft stop waits for it, and the report must be gone before that wait
+            # (Fargate kills the task after its stop timeout; a report left behind reads as a live task).
+            b.hold.clear()
+            posts = b.posts
+            held = asyncio.create_task(_post(session, port))
+            await _until(lambda: b.posts > posts, what="the held request on b")
+            proc.send_signal(signal.SIGTERM)
+            await _until(lambda: _report(prefix, "proc-1") is None, timeout=5,
+                         what="the report deleted while the soft stop waits for the stream")
+            assert proc.returncode is None and not held.done()
+            b.hold.set()
+            assert await held == (200, "b")
         assert await asyncio.wait_for(proc.wait(), 10) == 0
-        assert _report(prefix, "proc-1") is None
     finally:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
         elif proc.returncode:
             print((await proc.stderr.read()).decode())
+
+
+async def test_the_router_is_not_healthy_before_its_first_ssm_read(
+        cells: tuple[FakeCell, FakeCell], ssm_env: dict[str, Any]) -> None:  # noqa: F811
+    """SSM unreachable at start: the task does not know which cells are evacuated, so the ALB's check
+    (/router/health) fails until a read succeeds, and the task takes no traffic meanwhile."""
+    a, b = cells
+    prefix = parameter_prefix("Ready", REGION)
+    ssm_env["server"].stop()
+    settings = RouterSettings.from_env({
+        "ROUTER_CELLS": f"a={a.url},b={b.url}", "ROUTER_HOST": LOOPBACK, "ROUTER_PORT": "0",
+        "ROUTER_ADMIN_PORT": "0", "ROUTER_CHECK_INTERVAL_MS": "1000", "ROUTER_SSM_PREFIX": prefix,
+        "ROUTER_SSM_POLL_SECONDS": "1", "ROUTER_TASK_ID": "ready-1", **ssm_env["env"]})
+    router = await start(settings)
+
+    async def health() -> int:
+        async with aiohttp.ClientSession() as session, \
+                session.get(f"http://{LOOPBACK}:{router.port}/router/health") as resp:
+            return resp.status
+
+    try:
+        await _until(lambda: router.state.ssm_error is not None, what="the failed SSM read")
+        assert await health() == 503 and not router.state.ready
+        ssm_env["server"] = ThreadedMotoServer(ip_address=LOOPBACK, port=ssm_env["port"], verbose=False)
+        ssm_env["server"].start()
+        await _until(lambda: router.state.ready, timeout=15, what="the first SSM read")
+        assert await health() == 200
+    finally:
+        await router.close()
 
 
 async def test_the_task_id_comes_from_the_ecs_task_metadata(monkeypatch: pytest.MonkeyPatch) -> None:

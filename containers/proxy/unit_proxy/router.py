@@ -18,8 +18,11 @@ Beside HAProxy the agent does what is specific to a router:
   (`scur` of its row in `show stat`), and serves `GET /status` on the admin listener
   (ROUTER_ADMIN_HOST:PORT): each cell's check status, weight, streams, evacuated and empty.
 
-SIGTERM: HAProxy soft-stops (its listener closes, streams in flight go on up to
-`hard-stop-after`), the agent waits for it and exits 0.
+With SSM evacuation, `/router/health` (the ALB's check) answers 503 until the first SSM read has been
+applied: a task that cannot read which cells are evacuated takes no traffic.
+
+SIGTERM: the agent deletes its SSM report first, then HAProxy soft-stops (its listener closes,
+streams in flight go on up to `hard-stop-after`), the agent waits for it and exits 0.
 """
 
 from __future__ import annotations
@@ -146,12 +149,20 @@ class RouterState:
     ssm_error: str | None = None
     version: int = 0  # the SSM evacuation parameter's version last applied (0: none read yet, or none exists)
     refresh_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    ready_map: str = ""  # RouterPaths.ready_map: /router/health answers 200 once `ready` is in it
+    ready: bool = False  # the first SSM read was applied (with SSM evacuation; render() gates the health on it)
 
     def __post_init__(self) -> None:
         self.cells = {cell.name: CellStatus(weight=cell.weight) for cell in self.settings.cells}
 
     async def apply(self, wanted: frozenset[str]) -> None:
-        """Drain the newly evacuated cells and make the others ready again, through the runtime API."""
+        """Drain the newly evacuated cells and make the others ready again, through the runtime API. Under the
+        refresh lock: a `show stat` read before the drain is then taken in before it, never after, so it
+        cannot mark the cell empty while a stream that began before the drain still runs."""
+        async with self.refresh_lock:
+            await self._apply(wanted)
+
+    async def _apply(self, wanted: frozenset[str]) -> None:
         for name in sorted(wanted ^ self.evacuated):
             state = "drain" if name in wanted else "ready"
             answer = await self.api.command(f"set server {BACKEND}/{name} state {state}")
@@ -163,9 +174,10 @@ class RouterState:
         self.evacuated = wanted
 
     async def refresh(self) -> None:
-        """Each cell's row of `show stat`; an evacuated cell's first empty look is logged once. One at a
-        time (the poll loop and `GET /status` both refresh): the counters' differences are then taken in
-        the order the snapshots were read."""
+        """Each cell's row of `show stat`; an evacuated cell is empty while a look finds no stream on it (its
+        first empty look is logged). One at a time, and never across `apply` (the poll loop, the SSM loop
+        and `GET /status` all come here): the counters' differences are taken in the order the snapshots
+        were read, and a snapshot is never read before a drain and judged after it."""
         async with self.refresh_lock:
             await self._refresh()
 
@@ -179,8 +191,9 @@ class RouterState:
             cell.streams = int(row.get("scur") or 0)
             cell.served = int(row.get("stot") or 0)
             await self._eject_if_retried_away(row["svname"], cell, cell.served, int(row.get("wredis") or 0))
-            if cell.evacuated and cell.streams == 0 and not cell.empty:
-                cell.empty = True
+            # From each look, not sticky: a later look with a stream on the cell takes `empty` back.
+            was, cell.empty = cell.empty, cell.evacuated and cell.streams == 0
+            if cell.empty and not was:
                 log.warning(json.dumps({"event": "cell_empty", "cell": row["svname"]}))
 
     async def _eject_if_retried_away(self, name: str, cell: CellStatus, attempts: int, redispatched: int) -> None:
@@ -210,10 +223,20 @@ class RouterState:
         log.warning(json.dumps({"event": "cell_ejected", "cell": name, "attempts": window[0],
                                 "retried_away": window[1]}))
 
+    async def mark_ready(self) -> None:
+        """Let /router/health answer 200 (router_config.render): once, after the first SSM read applied."""
+        if self.ready or not self.ready_map:
+            return
+        answer = await self.api.command(f"add map {self.ready_map} ready 1")
+        if answer.strip():
+            raise RuntimeApiError(f"add map {self.ready_map}: {answer.strip()}")
+        self.ready = True
+        log.warning(json.dumps({"event": "router_ready", "evacuated": sorted(self.evacuated)}))
+
     def status_doc(self) -> dict[str, Any]:
         return {"cells": {name: cell.doc() for name, cell in self.cells.items()},
                 "evacuated": sorted(self.evacuated), "evacuation_file_error": self.file_error,
-                "evacuation_ssm_error": self.ssm_error, "evacuation_version": self.version}
+                "evacuation_ssm_error": self.ssm_error, "evacuation_version": self.version, "ready": self.ready}
 
     def report(self, task_id: str) -> TaskReport:
         return TaskReport(task=task_id, version=self.version, evacuated=sorted(self.evacuated),
@@ -273,6 +296,7 @@ class SsmSource:
         state.ssm_error = None
         await state.apply(wanted)
         state.version = version
+        await state.mark_ready()
 
     async def write_report(self, state: RouterState, now: float) -> None:
         """This task's report, when it changed or the heartbeat is due (router_ssm.REPORT_HEARTBEAT_SECONDS)."""
@@ -352,7 +376,24 @@ class RunningRouter:
     ssm: SsmSource | None = None
     ssm_task: asyncio.Task[None] | None = None
 
+    async def _delete_report(self) -> None:
+        """Stop the SSM loop (it would write the report again) and delete this task's report; a task gone
+        otherwise leaves its report to go stale (router_ssm)."""
+        if self.ssm_task is not None:
+            self.ssm_task.cancel()
+            await asyncio.gather(self.ssm_task, return_exceptions=True)
+        if self.ssm is None:
+            return
+        try:
+            async with asyncio.timeout(5):
+                await self.ssm.delete_report()
+        except Exception as exc:
+            log.warning("the SSM report %s was not deleted: %s", self.ssm.report_name, exc)
+
     async def close(self, soft: bool = False, timeout: float = 5.0) -> int | None:
+        # The report first, before the soft stop's wait: Fargate kills the task after its stop timeout, and a
+        # report left behind reads as a live task until it goes stale (router_ssm.REPORT_STALE_SECONDS).
+        await self._delete_report()
         proc = self.process
         if proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
@@ -364,16 +405,10 @@ class RunningRouter:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 await proc.wait()
-        tasks = [t for t in (self.task, self.metrics_task, self.ssm_task) if t is not None]
+        tasks = [t for t in (self.task, self.metrics_task) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self.ssm is not None:
-            try:  # a clean exit takes its report away; a task gone otherwise goes stale (router_ssm)
-                async with asyncio.timeout(5):
-                    await self.ssm.delete_report()
-            except Exception as exc:
-                log.warning("the SSM report %s was not deleted: %s", self.ssm.report_name, exc)
         await self.runner.cleanup()
         if self.owns_dir:
             shutil.rmtree(self.paths.runtime_dir, ignore_errors=True)
@@ -388,7 +423,7 @@ async def start(settings: RouterSettings) -> RunningRouter:
     Path(runtime_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
     paths = RouterPaths(runtime_dir, listener.fileno())
     api = RuntimeApi(paths.admin_socket)
-    state = RouterState(settings, api)
+    state = RouterState(settings, api, ready_map=paths.ready_map)
     runner = web.AppRunner(admin_app(state), access_log=None, handle_signals=False, shutdown_timeout=0.5)
     try:
         await _site(runner, lambda: web.TCPSite(runner, settings.admin_host, settings.admin_port, reuse_address=True),
@@ -397,6 +432,7 @@ async def start(settings: RouterSettings) -> RunningRouter:
             ssm = await _ssm_source(settings)
         except Exception as exc:  # botocore configuration errors: one line, exit 1
             raise StartError(f"SSM client for {settings.ssm_prefix}: {type(exc).__name__}: {exc}") from None
+        Path(paths.ready_map).write_text("")  # not ready until the first SSM read (only read with SSM)
         Path(paths.config).write_text(render(settings, paths))
         process = await _start_haproxy(paths, api)  # type: ignore[arg-type]  # RouterPaths has the same fields
     except BaseException:
@@ -409,7 +445,8 @@ async def start(settings: RouterSettings) -> RunningRouter:
     listener.close()  # HAProxy holds it now
     task = asyncio.create_task(poll_loop(state), name="router-poll")
     metrics_task = asyncio.create_task(
-        emf_loop(api, settings.metrics_namespace, settings.router_name, settings.emf_interval_seconds),
+        emf_loop(api, settings.metrics_namespace, settings.router_name, settings.emf_interval_seconds,
+                 evacuated=lambda: state.evacuated, window_seconds=settings.ejection_window_seconds),
         name="router-emf") if settings.metrics_namespace else None
     ssm_task = asyncio.create_task(ssm_loop(state, ssm), name="router-ssm") if ssm else None
     admin_port = runner.addresses[0][1]

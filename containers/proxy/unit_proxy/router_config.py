@@ -170,6 +170,7 @@ class RouterSettings:
     metrics_namespace: str = ""
     router_name: str = ""
     emf_interval_seconds: float = 10.0
+    ejection_window_seconds: float = 300.0  # RecentCellEjections' window: the ejections alarm's evaluation_minutes
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RouterSettings:
@@ -206,7 +207,9 @@ def _metrics(env: Mapping[str, str]) -> dict[str, object]:
         raise SettingsError(unset, "", "set ROUTER_METRICS_NAMESPACE and ROUTER_NAME together (EMF needs both) or "
                                        "neither")
     interval = _float(env, "ROUTER_EMF_INTERVAL_SECONDS", RouterSettings.emf_interval_seconds, 0.05, 300)
-    return {"metrics_namespace": namespace, "router_name": name, "emf_interval_seconds": interval}
+    window = _float(env, "ROUTER_EJECTION_WINDOW_SECONDS", RouterSettings.ejection_window_seconds, 1, 3600)
+    return {"metrics_namespace": namespace, "router_name": name, "emf_interval_seconds": interval,
+            "ejection_window_seconds": window}
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +230,11 @@ class RouterPaths:
     @property
     def master_socket(self) -> str:
         return str(Path(self.runtime_dir) / "master.sock")
+
+    @property
+    def ready_map(self) -> str:
+        """Empty until the agent adds `ready` (through the runtime API) after its first SSM read."""
+        return str(Path(self.runtime_dir) / "ready.map")
 
 
 def _ms(value: float) -> str:
@@ -306,7 +314,12 @@ def render(settings: RouterSettings, paths: RouterPaths) -> str:
         "",
         "frontend router",
         f"    bind fd@{paths.listen_fd}",
-        # The router's own liveness for the NLB/ALB in front of it: not forwarded.
+        # The router's own health for the ALB in front of it: not forwarded. With SSM evacuation, 503 until
+        # the agent's first SSM read succeeded (it then adds `ready` to the map through the runtime API,
+        # management guide 9.3 "add map"): a task that cannot read which cells are evacuated takes no traffic.
+        *([f'    http-request return status 503 content-type text/plain string "evacuation not read yet" '
+           f'if {{ path /router/health }} !{{ str(ready),map({paths.ready_map}) -m found }}']
+          if settings.ssm_prefix else []),
         "    http-request return status 200 content-type text/plain string ok if { path /router/health }",
         f"    default_backend {BACKEND}",
         "",

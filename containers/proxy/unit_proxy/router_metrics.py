@@ -9,9 +9,15 @@ name: its region); every task writes its own line, so a Minimum over a period is
 All figures come from HAProxy's `show stat` (management guide 9.3 "show stat", fields in 9.1),
 read on its own schedule, apart from the agent's poll loop:
 - `HealthyCells`: cells of the backend whose check status is UP (`UP`, or `UP 1/2` while going
-  down); an evacuated cell is `DRAIN` and does not count. 0 means the router answers 503 to all.
+  down) and whose weight is above 0 (HAProxy never picks a weight-0 server, even when it is the only
+  one); an evacuated cell is `DRAIN` and does not count. 0 means the router answers 503 to all.
 - `CellEjections`: UP to DOWN transitions of the cells in the interval (`chkdown`: active checks,
-  HAProxy's passive `observe layer7`, and the agent's `set server ... health down` alike).
+  HAProxy's passive `observe layer7`, and the agent's `set server ... health down` alike), leaving
+  out the cells evacuated at the look: a drained cell going down is its planned update, not a fault.
+- `RecentCellEjections`: the same, summed over this task's last ROUTER_EJECTION_WINDOW_SECONDS. The
+  ejections alarm takes its Maximum: every task sees the same cell go down through its own checks,
+  so a Sum over the tasks' lines would grow with the task count (3 tasks: one ejection counts 3);
+  the worst task's own count does not.
 - `Retries`: requests switched away from a cell in the interval (`wredis`: the router's one retry
   goes to another cell, `option redispatch 1`). Not `wretr` as well: HAProxy 2.6 counts such a
   retry in both (measured, tests/test_router_metrics.py: 20 retried requests, wretr + wredis = 40).
@@ -27,7 +33,8 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -36,7 +43,7 @@ from unit_proxy.runtime_api import RuntimeApi, RuntimeApiError
 
 log = logging.getLogger("unit_proxy.router")
 
-METRICS = ("HealthyCells", "CellEjections", "Retries", "Requests")
+METRICS = ("HealthyCells", "CellEjections", "RecentCellEjections", "Retries", "Requests")
 
 
 def _int(row: dict[str, str], name: str) -> int:
@@ -48,25 +55,41 @@ def _int(row: dict[str, str], name: str) -> int:
 class RouterMetrics:
     """Counters at the last look; `interval(rows)` gives this interval's figures and keeps the new counters."""
 
+    window_seconds: float = 300.0
     last: dict[str, int] = field(default_factory=dict)
+    chkdown: dict[str, int] = field(default_factory=dict)  # per cell: a cell's own baseline, kept while evacuated
+    recent: deque[tuple[float, int]] = field(default_factory=deque)  # (when, ejections) of the intervals in the window
 
-    def interval(self, rows: Iterable[dict[str, str]]) -> dict[str, int]:
-        healthy = 0
-        counters = {"chkdown": 0, "retries": 0, "requests": 0}
+    def interval(self, rows: Iterable[dict[str, str]], evacuated: frozenset[str] = frozenset(),
+                 now: float | None = None) -> dict[str, int]:
+        healthy, ejections = 0, 0
+        counters = {"retries": 0, "requests": 0}
         for row in rows:
             if row.get("pxname") != BACKEND:
                 continue
-            if row.get("svname") == "BACKEND":
+            name = row.get("svname", "")
+            if name == "BACKEND":
                 counters["requests"] += _int(row, "stot")
-            elif row.get("svname") != "FRONTEND":
-                healthy += row.get("status", "").startswith("UP")
-                counters["chkdown"] += _int(row, "chkdown")
+            elif name != "FRONTEND":
+                # A weight-0 cell is never chosen, even alone (configuration manual 2.6, 5.2 "weight"): not healthy.
+                healthy += row.get("status", "").startswith("UP") and _int(row, "weight") > 0
+                down, before = _int(row, "chkdown"), self.chkdown.get(name)
+                self.chkdown[name] = down
+                # The first look is the baseline; an evacuated cell's transitions are its planned update.
+                if before is not None and name not in evacuated and row.get("status") != "DRAIN":
+                    ejections += max(down - before, 0)
                 counters["retries"] += _int(row, "wredis")
-        # The first look is the baseline: what happened before the agent started is not this interval's.
         delta = {name: max(value - self.last.get(name, value), 0) for name, value in counters.items()}
         self.last = counters
-        return {"HealthyCells": healthy, "CellEjections": delta["chkdown"], "Retries": delta["retries"],
-                "Requests": delta["requests"]}
+        return {"HealthyCells": healthy, "CellEjections": ejections,
+                "RecentCellEjections": self._recent(ejections, time.monotonic() if now is None else now),
+                "Retries": delta["retries"], "Requests": delta["requests"]}
+
+    def _recent(self, ejections: int, now: float) -> int:
+        self.recent.append((now, ejections))
+        while self.recent and self.recent[0][0] <= now - self.window_seconds:
+            self.recent.popleft()
+        return sum(count for _, count in self.recent)
 
 
 def emf_event(namespace: str, router: str, values: dict[str, int], now: float | None = None) -> dict[str, Any]:
@@ -92,12 +115,16 @@ def write_line(event: dict[str, Any], stream: IO[str] | None = None) -> None:
 
 
 async def emf_loop(api: RuntimeApi, namespace: str, router: str, interval: float,
-                   stream: IO[str] | None = None) -> None:
-    """Every `interval` seconds, one EMF line from `show stat`; a failed read skips that line, never the loop."""
-    metrics = RouterMetrics()
+                   stream: IO[str] | None = None, evacuated: Callable[[], frozenset[str]] = frozenset,
+                   window_seconds: float = 300.0) -> None:
+    """Every `interval` seconds, one EMF line from `show stat`; a failed read skips that line, never the loop.
+    `evacuated()` names the cells drained at the agent (their transitions are not ejections)."""
+    metrics = RouterMetrics(window_seconds)
     while True:
         try:
-            write_line(emf_event(namespace, router, metrics.interval(await api.show_stat())), stream)
+            before = evacuated()  # drained before or after the snapshot: either way not a fault
+            rows = await api.show_stat()
+            write_line(emf_event(namespace, router, metrics.interval(rows, before | evacuated())), stream)
         except RuntimeApiError as exc:
             log.error("router metrics: %s", exc)
         except Exception:  # a bug here must not end the metrics while the router serves

@@ -64,9 +64,12 @@ def report_parameter(prefix: str, task_id: str) -> str:
 
 
 def parse_evacuated(text: str, cells: set[str], where: str) -> frozenset[str]:
-    """The cells named in an evacuation document (`{"evacuated": [...]}`; empty text is none)."""
+    """The cells named in an evacuation document (`{"evacuated": [...]}`; empty text is none: a missing
+    parameter or evacuation file, as on a router no evacuation has been written for yet)."""
+    if not text.strip():
+        return frozenset()
     try:
-        doc = json.loads(text or "{}")
+        doc = json.loads(text)
     except json.JSONDecodeError as exc:
         raise EvacuationValueError(f"{where}: not JSON ({exc.msg})") from None
     names = doc.get("evacuated") if isinstance(doc, dict) else None

@@ -1,0 +1,57 @@
+"""The router agent's state against a runtime API that answers after a delay (as the admin socket's round trip):
+a drain applied while a `show stat` is on its way must not let that older snapshot mark the cell empty
+(the cold reviewer's repro_empty_race.py), and `empty` follows each look instead of sticking."""
+
+from __future__ import annotations
+
+import asyncio
+
+from unit_proxy.router import RouterState
+from unit_proxy.router_config import RouterSettings
+
+
+class SlowApi:
+    """`show stat` reads the streams on cell a when asked and answers 50 ms later."""
+
+    def __init__(self) -> None:
+        self.scur = 0
+        self.commands: list[str] = []
+
+    async def show_stat(self) -> list[dict[str, str]]:
+        snapshot = self.scur
+        await asyncio.sleep(0.05)
+        return [{"pxname": "cells", "svname": name, "status": "UP", "weight": "100", "scur": str(scur), "stot": "0",
+                 "wredis": "0"} for name, scur in (("a", snapshot), ("b", 0))]
+
+    async def command(self, command: str) -> str:
+        self.commands.append(command)
+        return ""
+
+
+def _state() -> tuple[RouterState, SlowApi]:
+    api = SlowApi()
+    settings = RouterSettings.from_env({"ROUTER_CELLS": "a=http://127.0.0.1:1,b=http://127.0.0.1:2"})
+    return RouterState(settings, api), api  # type: ignore[arg-type]  # the runtime API's two calls
+
+
+async def test_a_snapshot_read_before_the_drain_does_not_mark_the_cell_empty() -> None:
+    state, api = _state()
+    look = asyncio.create_task(state.refresh())  # reads a: 0 streams
+    await asyncio.sleep(0.01)
+    api.scur = 1  # a stream starts on a, before the drain
+    await state.apply(frozenset({"a"}))  # the SSM poll drains a meanwhile
+    await look
+    await state.refresh()
+    assert api.commands == ["set server cells/a state drain"]
+    assert state.cells["a"].streams == 1
+    assert not state.cells["a"].empty and state.report("t1").empty == []
+
+
+async def test_empty_follows_each_look() -> None:
+    state, api = _state()
+    await state.apply(frozenset({"a"}))
+    await state.refresh()
+    assert state.cells["a"].empty
+    api.scur = 1  # a stream seen on it again (a look racing HAProxy's accounting, or a persistent connection)
+    await state.refresh()
+    assert not state.cells["a"].empty and state.report("t1").empty == []
