@@ -123,3 +123,21 @@ def test_the_allowlist_refuses_private_fields_without_vllm():
     with pytest.raises(backend.RequestError, match="n must be 1"):
         backend.checked_parameters({"n": "3"})
     assert backend.checked_parameters({"logit_bias": {"5": 1}, "stop": "7"}) == {"logit_bias": {5: 1.0}, "stop": "7"}
+
+
+def _proxy_default(name: str) -> float:
+    """A default of the proxy's settings (containers/proxy/unit_proxy/settings.py), read as text: the
+    two containers do not import each other."""
+    import re
+
+    text = (Path(__file__).resolve().parents[2] / "proxy" / "unit_proxy" / "settings.py").read_text()
+    found = re.search(rf"^\s+{name}: float = ([0-9.]+)", text, re.M)
+    assert found, name
+    return float(found.group(1))
+
+
+def test_a_dead_engines_answers_are_held_past_the_proxys_worst_case_gate_close():
+    """Tested before with HEALTH_INTERVAL_SECONDS=0.25 only; with the proxy's defaults the gate can close
+    5.5 s after the engine died (watchdog 0.5 + session end 1 + interval + check timeout)."""
+    worst = 0.5 + 1.0 + _proxy_default("health_interval_seconds") + _proxy_default("health_timeout_seconds")
+    assert 1.5 * worst <= backend.DEAD_ANSWER_SECONDS, (backend.DEAD_ANSWER_SECONDS, worst)

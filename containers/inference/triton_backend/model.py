@@ -41,11 +41,11 @@ _NOT_SAMPLING = {"stream", "exclude_input_in_output", "return_finish_reason", "r
 # How often the vLLM gauges are published to Triton's metrics endpoint, and the engine's health looked at.
 GAUGE_SECONDS = 1.0
 WATCH_SECONDS = 0.25
-# How long the answers of a dead engine are held, so they reach the proxy after its gate closed:
-# the launcher's watchdog tick (0.5 s) + reading the dead mark and ending the session (< 1 s) + the
-# proxy's check interval (HEALTH_INTERVAL_SECONDS, default 2 s: the gate closes at the first check
-# after the session ended, worst case one full interval later) + that check's own timeout (~1 s)
-# ~= 4.5-5 s worst case with the defaults; 10 s leaves twice that. A client sees the 503 later, not a 400.
+# How long the answers of a dead engine are held, so they reach the proxy after its gate closed.
+# Worst case with the defaults: the launcher's watchdog tick (0.5 s, rendezvous.py) + ending the
+# session (~1 s) + the proxy's check interval (HEALTH_INTERVAL_SECONDS 2 s: the gate closes at the
+# first check after the end, up to a full interval later) + that check's timeout (HEALTH_TIMEOUT_SECONDS
+# 2 s) = 5.5 s, above the 5 s held before; 10 s leaves ~1.8x. A client sees its 503 later, never a 400.
 DEAD_ANSWER_SECONDS = 10.0
 # The sampling parameters a client may set: the public ones vLLM's OpenAI server takes from a
 # request (vllm/entrypoints/openai/completion/protocol.py `to_sampling_params`, vLLM 0.32.0).
