@@ -104,6 +104,47 @@ def probe_generate(base: str, model: str, stop: threading.Event, out: list[tuple
         stop.wait(0.5)
 
 
+def gauge_values(text: str) -> dict[str, float]:
+    """`vllm:` gauges of a Prometheus page, summed over their label sets."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:"):
+            name, _, value = line.rpartition(" ")
+            key = name.split("{")[0]
+            values[key] = values.get(key, 0.0) + float(value)
+    return values
+
+
+def running_during_stream(base: str, model: str, metrics_port: int, timeout: float) -> dict[str, float]:
+    """The vllm: gauges at their highest num_requests_running while a long stream is in flight
+    (the backend publishes them every second)."""
+    first, result = threading.Event(), {}
+    thread = threading.Thread(target=lambda: result.update(stream_generate(base, model, DRAIN_TOKENS, first)),
+                              daemon=True)
+    thread.start()
+    best: dict[str, float] = {}
+    if first.wait(timeout):
+        deadline = time.monotonic() + 10
+        while thread.is_alive() and time.monotonic() < deadline:
+            page = http_get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10)[1].decode(errors="replace")
+            now = gauge_values(page)
+            if now.get("vllm:num_requests_running", 0) >= best.get("vllm:num_requests_running", -1):
+                best = now
+            if best.get("vllm:num_requests_running", 0) >= 1:
+                break
+            time.sleep(0.2)
+    thread.join(timeout)
+    return best
+
+
+def last_session_end(spec: dict[str, Any]) -> dict[str, Any]:
+    """The launcher's last failure record for the unit (unit_launcher.evidence history)."""
+    from unit_launcher import evidence
+
+    records = evidence.read_history(evidence.history_path(spec["state_dir"], spec["cell"], spec["unit_id"]))
+    return records[-1] if records else {}
+
+
 def run_triton(h: Harness) -> None:
     r = h.report
     from unit_launcher.plan import triton_model_name
@@ -161,11 +202,13 @@ def run_triton(h: Harness) -> None:
     r.facts["frontend_triton"] = bench
     for key in ("ttft_ms_p50", "tokens_per_s", "leader_cpu_ms_per_token"):
         r.figure(f"triton_{key}", bench[key])
-    metrics = http_get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10)[1].decode(errors="replace")
-    gauges = sorted({line.split("{")[0] for line in metrics.splitlines() if line.startswith("vllm:")})
-    r.facts["triton_vllm_gauges"] = gauges
-    r.check("T3. Triton's metrics port shows vLLM's scheduler gauges (for the proxy's load report)",
-            {"vllm:num_requests_waiting", "vllm:num_requests_running"} <= set(gauges), str(gauges))
+    # The gauges exist at 0 from the start: they must show the request a stream has in flight.
+    running = running_during_stream(base, model, metrics_port, h.left(120))
+    r.facts["triton_vllm_gauges_during_stream"] = running
+    r.check("T3. Triton's metrics port shows vllm:num_requests_running >= 1 while a stream is in flight "
+            "(the proxy's load report reads it)",
+            running.get("vllm:num_requests_running", 0) >= 1 and "vllm:num_requests_waiting" in running,
+            json.dumps(running))
 
     # T4. Follower loss: only 503 unit_unavailable; the unit forms again and answers the same.
     follower = unit.follower.current
@@ -190,10 +233,16 @@ def run_triton(h: Harness) -> None:
     r.facts["triton_half_unit_probe_bodies"] = bodies
     r.check("T4. no generate answered by the half unit (only 503 unit_unavailable)",
             bool(probes) and outcomes == ["503 unit_unavailable"], f"{len(probes)} probes: {outcomes}")
-    # As unit mode's step 3: any exit makes ECS replace the task; the code is recorded, not judged (the
-    # backend stops tritonserver when vLLM's engine dies, so the session may end as engine_exit first).
+    # As unit mode's step 3: any exit makes ECS replace the task; the exit code is recorded, not judged.
+    # What is judged is the launcher's evidence: the session's end must name the lost follower, whether
+    # the launcher saw the heartbeat go or the backend's engine-dead mark first (rendezvous.check_executor).
     r.facts["triton_leader_exit_code_after_follower_loss"] = leader_exit.code
-    r.check("T4. leader exits after the follower loss", leader_exit.code is not None, f"exit code {leader_exit.code}")
+    last = last_session_end(spec)
+    who = last.get("ended_by") or {}
+    r.facts["triton_follower_loss_evidence"] = {k: last.get(k) for k in ("cause", "reason", "ended_by")}
+    r.check("T4. the launcher's failure cause names the lost follower (rank 1)",
+            who.get("rank") == 1 and last.get("cause") not in (None, "unknown", "deliberate_stop"),
+            f"{last.get('cause')}: {last.get('reason')} (ended_by {who})")
     try:
         wait_for_recovery(h, unit, "proxy /health 200 after restart (Triton)")
     except TimeoutError as error:

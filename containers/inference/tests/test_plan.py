@@ -254,3 +254,11 @@ def test_spec_errors_name_the_field_and_the_rule():
     with pytest.raises(SpecError, match="set UNIT_SPEC"):
         load_spec_from_env({})
     assert load_spec_from_env({"UNIT_SPEC": json.dumps(neuron_spec())}).unit_id == "u1"
+
+
+def test_triton_extra_args_take_no_prefixes_and_refuse_disable_log_stats():
+    """`--no-x` is `vllm serve`'s way to set a boolean x false; model.json must say x: false, not no_x: true."""
+    assert plans.extra_args_to_engine_args(["--no-enable-prefix-caching", "--max-num-batched-tokens", "512"]) == {
+        "enable_prefix_caching": False, "max_num_batched_tokens": 512}
+    with pytest.raises(plans.PlanError, match="disable-log-stats is not allowed with frontend triton"):
+        plans.extra_args_to_engine_args(["--disable-log-stats"])

@@ -67,3 +67,77 @@ def test_utf8_locale_makes_open_decode_utf8():
         assert backend.utf8_locale().lower().replace("-", "") == "utf8"
     finally:
         locale.setlocale(locale.LC_CTYPE, before)
+
+
+# --- The backend class itself, with the real vLLM imports (SamplingParams, AsyncEngineArgs) and a
+# recording stand-in engine: runs under the engine's Python (.e2e/venv, `make e2e`), skipped without it.
+_ENGINE_PYTHON = Path(__file__).resolve().parents[3] / ".e2e" / "venv" / "bin" / "python"
+_HARNESS = Path(__file__).resolve().parent / "triton_backend_harness.py"
+needs_vllm = pytest.mark.skipif(not _ENGINE_PYTHON.exists(), reason="no .e2e/venv (vLLM): runs after make e2e")
+
+
+def _run_backend(requests: list[dict], engine_args: dict | None = None) -> dict:
+    import subprocess
+
+    job = {"model": str(_PATH), "requests": requests, "engine_args": engine_args or {"model": "m"}}
+    done = subprocess.run([str(_ENGINE_PYTHON), str(_HARNESS)], input=json.dumps(job), capture_output=True,
+                          text=True, timeout=300, cwd="/tmp")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@needs_vllm
+def test_private_sampling_fields_are_refused_before_the_engine_sees_them():
+    """`_bad_words_token_ids: [[]]` killed vLLM's engine (IndexError in the sampler); `output_kind` DELTA
+    broke the streamed slicing. Both must be a 400 naming the field, and never reach the engine."""
+    got = _run_backend([{"max_tokens": 4, "_bad_words_token_ids": [[]]}, {"max_tokens": 4, "output_kind": 1},
+                        {"max_tokens": 4, "n": 2}, {"max_tokens": 4, "temperature": 0}])
+    assert got["init_error"] is None, got
+    bad_words, output_kind, n, fine = got["answers"]
+    assert bad_words.get("error", [None])[0] == "INVALID_ARG", bad_words
+    assert "_bad_words_token_ids" in bad_words["error"][1] and "allowed: " in bad_words["error"][1]
+    assert output_kind.get("error", [None])[0] == "INVALID_ARG" and "output_kind" in output_kind["error"][1]
+    assert n.get("error", [None])[0] == "INVALID_ARG" and "n must be 1" in n["error"][1], n
+    assert fine["params"]["max_tokens"] == "4", fine
+
+
+@needs_vllm
+def test_the_backend_spawns_vllms_workers_as_vllm_serve_does():
+    assert _run_backend([])["env"]["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+
+
+@needs_vllm
+def test_model_json_keys_that_are_no_engine_arguments_are_refused_by_name():
+    got = _run_backend([], {"model": "m", "enable_auto_tool_choice": True})
+    assert got["init_error"] and "enable_auto_tool_choice" in got["init_error"], got
+    got = _run_backend([], {"model": "m", "disable_log_stats": True})
+    assert got["init_error"] and "disable_log_stats" in got["init_error"], got
+
+
+def test_the_allowlist_refuses_private_fields_without_vllm():
+    with pytest.raises(backend.RequestError, match=r"not allowed: _bad_words_token_ids; allowed: .*max_tokens"):
+        backend.checked_parameters({"max_tokens": 4, "_bad_words_token_ids": [[]]})
+    for name in ("output_kind", "skip_clone", "extra_args", "detokenize", "_all_stop_token_ids", "_eos_token_id"):
+        with pytest.raises(backend.RequestError, match=name):
+            backend.checked_parameters({name: 1})
+    with pytest.raises(backend.RequestError, match="n must be 1"):
+        backend.checked_parameters({"n": "3"})
+    assert backend.checked_parameters({"logit_bias": {"5": 1}, "stop": "7"}) == {"logit_bias": {5: 1.0}, "stop": "7"}
+
+
+def _proxy_default(name: str) -> float:
+    """A default of the proxy's settings (containers/proxy/unit_proxy/settings.py), read as text: the
+    two containers do not import each other."""
+    import re
+
+    text = (Path(__file__).resolve().parents[2] / "proxy" / "unit_proxy" / "settings.py").read_text()
+    found = re.search(rf"^\s+{name}: float = ([0-9.]+)", text, re.M)
+    assert found, name
+    return float(found.group(1))
+
+
+def test_a_dead_engines_answers_are_held_past_the_proxys_worst_case_gate_close():
+    """Tested before with HEALTH_INTERVAL_SECONDS=0.25 only; with the proxy's defaults the gate can close
+    5.5 s after the engine died (watchdog 0.5 + session end 1 + interval + check timeout)."""
+    worst = 0.5 + 1.0 + _proxy_default("health_interval_seconds") + _proxy_default("health_timeout_seconds")
+    assert 1.5 * worst <= backend.DEAD_ANSWER_SECONDS, (backend.DEAD_ANSWER_SECONDS, worst)

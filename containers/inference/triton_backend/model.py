@@ -41,9 +41,25 @@ _NOT_SAMPLING = {"stream", "exclude_input_in_output", "return_finish_reason", "r
 # How often the vLLM gauges are published to Triton's metrics endpoint, and the engine's health looked at.
 GAUGE_SECONDS = 1.0
 WATCH_SECONDS = 0.25
-# How long the answers of a dead engine are held: longer than the launcher's watchdog tick (0.5 s)
-# plus the engine core's exit plus the proxy's check interval (HEALTH_INTERVAL_SECONDS).
-DEAD_ANSWER_SECONDS = 5.0
+# How long the answers of a dead engine are held, so they reach the proxy after its gate closed.
+# Worst case with the defaults: the launcher's watchdog tick (0.5 s, rendezvous.py) + ending the
+# session (~1 s) + the proxy's check interval (HEALTH_INTERVAL_SECONDS 2 s: the gate closes at the
+# first check after the end, up to a full interval later) + that check's timeout (HEALTH_TIMEOUT_SECONDS
+# 2 s) = 5.5 s, above the 5 s held before; 10 s leaves ~1.8x. A client sees its 503 later, never a 400.
+DEAD_ANSWER_SECONDS = 10.0
+# The sampling parameters a client may set: the public ones vLLM's OpenAI server takes from a
+# request (vllm/entrypoints/openai/completion/protocol.py `to_sampling_params`, vLLM 0.32.0).
+# Never SamplingParams' private or engine-set fields (`_bad_words_token_ids`, `_all_stop_token_ids`,
+# `output_kind`, `skip_clone`, `detokenize`, `extra_args`, ...): `_bad_words_token_ids: [[]]` kills
+# the engine (IndexError in the sampler's bad-words op, then EngineDeadError for every request) and
+# `output_kind` DELTA breaks the streamed slicing below, which assumes cumulative text.
+# `logprobs`/`prompt_logprobs` are left out: this backend has no output to return them in.
+ALLOWED_SAMPLING = frozenset({
+    "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "top_k",
+    "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens", "skip_special_tokens",
+    "spaces_between_special_tokens", "include_stop_str_in_output", "logit_bias", "allowed_token_ids",
+    "bad_words", "structured_outputs",
+})
 
 
 def utf8_locale() -> str:
@@ -119,35 +135,75 @@ def parse_request(inputs: dict[str, Any], request_parameters: str) -> Generate:
                     flags.get("return_num_output_tokens", False))
 
 
-def sampling_params(parameters: dict[str, Any], allowed: set[str]) -> Any:
-    """vLLM SamplingParams from a JSON object; an unknown name is refused, naming the allowed ones.
+def checked_parameters(parameters: dict[str, Any], allowed: frozenset[str] = ALLOWED_SAMPLING) -> dict[str, Any]:
+    """The request's sampling parameters, refused unless every name is in the allowlist and `n` is 1.
 
     Numbers sent as strings (the `sampling_parameters` tensor of vllm_backend's clients) are taken
     as numbers when the value parses as JSON.
     """
-    from vllm import SamplingParams
-
     unknown = sorted(set(parameters) - allowed)
     if unknown:
-        raise RequestError(f"unknown sampling parameter(s) {unknown}; allowed: {', '.join(sorted(allowed))}")
+        raise RequestError(f"sampling parameter(s) not allowed: {', '.join(unknown)}; "
+                           f"allowed: {', '.join(sorted(allowed))}")
     values = {}
     for key, value in parameters.items():
-        if isinstance(value, str) and key not in ("stop",):
+        if isinstance(value, str) and key not in ("stop", "bad_words"):
             with contextlib.suppress(json.JSONDecodeError):
                 value = json.loads(value)
         values[key] = value
+    if values.get("n", 1) != 1:
+        # One text_output per response: n > 1 would compute n answers and return one.
+        raise RequestError(f"n must be 1 (this backend returns one answer per request), not {values['n']!r}")
+    if "logit_bias" in values:
+        values["logit_bias"] = _logit_bias(values["logit_bias"])
+    return values
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    """JSON object keys are strings; vLLM wants token ids (as the OpenAI server converts them)."""
+    if not isinstance(value, dict):
+        raise RequestError("logit_bias must be an object of token id -> bias")
     try:
+        return {int(token): float(bias) for token, bias in value.items()}
+    except (TypeError, ValueError):
+        raise RequestError("logit_bias must be an object of token id -> bias (numbers)") from None
+
+
+def sampling_params(parameters: dict[str, Any], allowed: frozenset[str] = ALLOWED_SAMPLING) -> Any:
+    """vLLM SamplingParams from a JSON object (checked_parameters); bad values are RequestError."""
+    values = checked_parameters(parameters, allowed)
+    from vllm import SamplingParams
+
+    try:
+        if isinstance(values.get("structured_outputs"), dict):
+            from vllm.sampling_params import StructuredOutputsParams
+
+            values["structured_outputs"] = StructuredOutputsParams(**values["structured_outputs"])
+        elif values.get("structured_outputs") is not None:
+            raise RequestError("structured_outputs must be an object (json, regex, choice, grammar, ...)")
         return SamplingParams(**values)
     except (TypeError, ValueError) as error:
+        if isinstance(error, RequestError):
+            raise
         raise RequestError(f"invalid sampling parameters: {error}") from None
 
 
-def engine_args_from_file(path: str) -> dict[str, Any]:
-    """The engine arguments the launcher wrote (unit_launcher.plan: the leader's, less host and port)."""
+def engine_args_from_file(path: str, known: set[str] | None = None) -> dict[str, Any]:
+    """The engine arguments the launcher wrote (unit_launcher.plan: the leader's, less host and port).
+
+    With `known` (AsyncEngineArgs' field names), a key that is not one is refused by name: `vllm serve`
+    options of the OpenAI server (e.g. `--enable-auto-tool-choice`) are no engine arguments."""
     with open(path, encoding="utf-8") as handle:
         args = json.load(handle)
     if not isinstance(args, dict):
         raise ValueError(f"{path} must hold a JSON object of vLLM engine arguments")
+    if known is not None:
+        unknown = sorted(set(args) - known)
+        if unknown:
+            raise ValueError(f"{path}: not vLLM engine arguments (AsyncEngineArgs): {', '.join(unknown)}; "
+                             "serve-only options of the OpenAI server do not apply with frontend triton")
+        if args.get("disable_log_stats"):
+            raise ValueError(f"{path}: disable_log_stats stops the vllm: gauges the proxy's load report reads")
     return args
 
 
@@ -173,9 +229,11 @@ class _Gauges:
             self.metrics[key] = family.Metric(labels=labels)
 
     def record(self, stats: Any) -> None:
-        """From vLLM's SchedulerStats (vllm/v1/metrics/stats.py)."""
+        """From vLLM's SchedulerStats (vllm/v1/metrics/stats.py). Waiting counts the deferred ones too,
+        as vLLM's own gauge does (vllm/v1/metrics/loggers.py PrometheusStatLogger.record, 0.32.0)."""
+        waiting = stats.num_waiting_reqs + getattr(stats, "num_skipped_waiting_reqs", 0)
         self.values = {
-            "num_requests_waiting": float(stats.num_waiting_reqs),
+            "num_requests_waiting": float(waiting),
             "num_requests_running": float(stats.num_running_reqs),
             "kv_cache_usage": float(getattr(stats, "kv_cache_usage", 0.0)),
         }
@@ -208,6 +266,12 @@ class TritonPythonModel:
 
     def initialize(self, args: dict[str, Any]) -> None:
         utf8_locale()
+        # vLLM's workers must be spawned, not forked from this multi-threaded stub (its threads and
+        # locks would be copied half-held). `vllm serve` sets the same before building its engine
+        # (vllm/entrypoints/serve/utils/api_utils.py:164-166, 0.32.0); the library default is fork.
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        import dataclasses
+
         import triton_python_backend_utils as pb_utils
         from vllm import SamplingParams
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -219,9 +283,9 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("the vllm backend streams: set model_transaction_policy decoupled")
         self.name = args["model_name"]
         path = os.path.join(args["model_repository"], args["model_version"], ENGINE_ARGS_FILE)
-        engine_args = engine_args_from_file(path)
-        self.allowed = set(SamplingParams.__struct_fields__) if hasattr(SamplingParams, "__struct_fields__") \
-            else set(SamplingParams.__annotations__)
+        engine_args = engine_args_from_file(path, {f.name for f in dataclasses.fields(AsyncEngineArgs)})
+        # The allowlist, less any name this vLLM's SamplingParams lacks.
+        self.allowed = ALLOWED_SAMPLING & set(getattr(SamplingParams, "__struct_fields__", ALLOWED_SAMPLING))
         labels = {"model": self.name, "version": str(args["model_version"])}
         try:
             self.gauges: _Gauges | None = _Gauges(pb_utils, labels)

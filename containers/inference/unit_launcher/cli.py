@@ -135,6 +135,14 @@ def _main(argv: list[str] | None) -> int:
         + "\n\nexit status: 0 built (or already built), 5 anything else.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    check = commands.add_parser(
+        "triton-selfcheck", help="start tritonserver with a stand-in model in the stub's Python; generate once",
+        description="Start tritonserver with a tiny decoupled Python model in the stub environment the leader "
+        "uses, wait for readiness and generate once (the image build runs it).",
+        epilog="exit status: 0 answered, 2 anything else.")
+    from unit_launcher import triton_selfcheck
+
+    triton_selfcheck.add_arguments(check)
     p = commands.add_parser("plan", help="print one node's launch plan; starts nothing")
     p.add_argument("--spec", help="unit spec JSON file")
     p.add_argument(
@@ -156,6 +164,8 @@ def _main(argv: list[str] | None) -> int:
     try:
         if args.command == "plan":
             return _plan(args)
+        if args.command == "triton-selfcheck":
+            return triton_selfcheck.main(args)
         if args.command == "compile":
             from unit_launcher import compile_run
 

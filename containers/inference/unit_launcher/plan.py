@@ -173,7 +173,14 @@ def extra_args_to_engine_args(extra: tuple[str, ...] | list[str]) -> dict[str, A
             parsed: Any = json.loads(value)
         except json.JSONDecodeError:
             parsed = value
-        result[name.replace("-", "_")] = parsed
+        if name.startswith("no-") and parsed is True:
+            # `vllm serve`'s boolean options are argparse BooleanOptionalAction: `--no-x` sets x false.
+            name, parsed = name[3:], False
+        key = name.replace("-", "_")
+        if key == "disable_log_stats" and parsed:
+            raise PlanError("engine.extra_args: --disable-log-stats is not allowed with frontend triton: "
+                            "it stops the vllm: gauges the proxy's load report reads")
+        result[key] = parsed
         i += 1
     return result
 
