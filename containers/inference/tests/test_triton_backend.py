@@ -102,6 +102,29 @@ def test_private_sampling_fields_are_refused_before_the_engine_sees_them():
 
 
 @needs_vllm
+def test_sampling_values_of_the_wrong_type_never_reach_the_engine():
+    """`seed: 1.5`, "1.5" or 2**64 reached the worker's `generator.manual_seed(seed)` (EngineDeadError: the
+    unit went down); fractional max_tokens/min_tokens were taken; `null` was a TypeError text; "False" was
+    truthy; a string bad_words was split into letters; guided_decoding was refused."""
+    got = _run_backend([{"seed": 1.5}, {"seed": "1.5"}, {"seed": 2**64}, {"max_tokens": 16.5}, {"min_tokens": 2.5},
+                        {"max_tokens": 4, "temperature": None, "seed": None, "stop": None},
+                        {"max_tokens": 4, "seed": "7", "ignore_eos": "False", "bad_words": "foo",
+                         "stop_token_ids": "5"},
+                        {"max_tokens": 4, "guided_decoding": '{"regex": "a+"}'}])
+    assert got["init_error"] is None, got
+    *bad, nulls, strings, guided = got["answers"]
+    for answer, name, value in zip(bad, ("seed", "seed", "seed", "max_tokens", "min_tokens"),
+                                   ("1.5", "'1.5'", str(2**64), "16.5", "2.5"), strict=True):
+        assert answer.get("error", [None])[0] == "INVALID_ARG", answer
+        assert f"{name} must be an integer" in answer["error"][1] and answer["error"][1].endswith(value), answer
+    assert nulls.get("params", {}).get("max_tokens") == "4" and nulls["params"]["seed"] == "None", nulls
+    assert strings.get("params", {}).get("seed") == "7", strings
+    assert strings["params"]["ignore_eos"] == "False" and strings["params"]["bad_words"] == "['foo']", strings
+    assert strings["params"]["stop_token_ids"] == "[5]", strings
+    assert "regex='a+'" in guided.get("params", {}).get("structured_outputs", ""), guided
+
+
+@needs_vllm
 def test_the_backend_spawns_vllms_workers_as_vllm_serve_does():
     assert _run_backend([])["env"]["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
 
@@ -122,7 +145,58 @@ def test_the_allowlist_refuses_private_fields_without_vllm():
             backend.checked_parameters({name: 1})
     with pytest.raises(backend.RequestError, match="n must be 1"):
         backend.checked_parameters({"n": "3"})
-    assert backend.checked_parameters({"logit_bias": {"5": 1}, "stop": "7"}) == {"logit_bias": {5: 1.0}, "stop": "7"}
+    assert backend.checked_parameters({"logit_bias": {"5": 1}, "stop": "7"}) == {"logit_bias": {5: 1.0}, "stop": ["7"]}
+
+
+def test_sampling_values_are_converted_to_their_declared_types_without_vllm():
+    """Strings are vllm_backend's clients' way to send values; "False" was a truthy string (EOS ignored),
+    bad_words "foo" became ['f', 'o', 'o'], and null a TypeError."""
+    got = backend.checked_parameters({
+        "seed": "7", "max_tokens": 16.0, "top_k": -1, "temperature": "0.5", "top_p": 1, "ignore_eos": "False",
+        "skip_special_tokens": "TRUE", "include_stop_str_in_output": True, "bad_words": "foo", "stop": ["a", "b"],
+        "stop_token_ids": "5", "allowed_token_ids": [1, "2"], "structured_outputs": '{"regex": "a+"}',
+        "min_p": None, "logit_bias": None})
+    assert got == {"seed": 7, "max_tokens": 16, "top_k": -1, "temperature": 0.5, "top_p": 1.0, "ignore_eos": False,
+                   "skip_special_tokens": True, "include_stop_str_in_output": True, "bad_words": ["foo"],
+                   "stop": ["a", "b"], "stop_token_ids": [5], "allowed_token_ids": [1, 2],
+                   "structured_outputs": {"regex": "a+"}}
+    assert type(got["seed"]) is int and type(got["max_tokens"]) is int and type(got["top_p"]) is float
+    assert backend.checked_parameters({name: None for name in backend.ALLOWED_SAMPLING}) == {}
+
+
+@pytest.mark.parametrize(("parameters", "message"), [
+    ({"seed": 1.5}, "seed must be an integer from -2\\*\\*63 to 2\\*\\*63-1 .*, not 1.5$"),
+    ({"seed": "1.5"}, "seed must be an integer .*, not '1.5'$"),
+    ({"seed": 2**64}, "seed must be an integer .*, not 18446744073709551616$"),
+    ({"seed": -(2**63) - 1}, "seed must be an integer"),
+    ({"seed": True}, "seed must be an integer"),
+    ({"max_tokens": 16.5}, "max_tokens must be an integer .*, not 16.5$"),
+    ({"min_tokens": 2.5}, "min_tokens must be an integer .*, not 2.5$"),
+    ({"n": "two"}, "n must be an integer"),
+    ({"temperature": "hot"}, "temperature must be a finite number, not 'hot'$"),
+    ({"temperature": "NaN"}, "temperature must be a finite number, not 'NaN'$"),
+    ({"top_p": [1]}, "top_p must be a finite number"),
+    ({"ignore_eos": 1}, "ignore_eos must be true or false .*, not 1$"),
+    ({"ignore_eos": "yes"}, "ignore_eos must be true or false"),
+    ({"stop": [1]}, "stop must be a string or a list of strings, not \\[1\\]$"),
+    ({"bad_words": {"a": 1}}, "bad_words must be a string or a list of strings"),
+    ({"stop_token_ids": ["a"]}, "stop_token_ids must be an integer or a list of integers"),
+    ({"allowed_token_ids": [1.5]}, "allowed_token_ids must be an integer or a list of integers"),
+    ({"structured_outputs": "a+"}, "structured_outputs must be a JSON object"),
+    ({"logit_bias": {"x": 1}}, "logit_bias must be an object of token id"),
+    ({"logit_bias": {"5": "inf"}}, "logit_bias must be an object of token id"),
+    ({"guided_decoding": {"regex": "a"}, "structured_outputs": {"regex": "b"}}, "not both"),
+])
+def test_values_of_the_wrong_type_are_refused_naming_the_field_without_vllm(parameters, message):
+    """`seed: 1.5` reached vLLM's worker (`generator.manual_seed`) and killed the engine."""
+    with pytest.raises(backend.RequestError, match=message):
+        backend.checked_parameters(parameters)
+
+
+def test_guided_decoding_is_structured_outputs_without_vllm():
+    """vllm_backend's name before @83179b18 (clients built against r25.10 and older send it)."""
+    assert backend.checked_parameters({"guided_decoding": '{"choice": ["a", "b"]}'}) == {
+        "structured_outputs": {"choice": ["a", "b"]}}
 
 
 def _proxy_default(name: str) -> float:

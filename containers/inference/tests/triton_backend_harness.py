@@ -129,7 +129,9 @@ def main() -> None:
             else:
                 given = engine.params[before] if len(engine.params) > before else None
                 out["answers"].append({"params": {k: repr(getattr(given, k, None)) for k in
-                                                  ("max_tokens", "n", "output_kind", "bad_words_token_ids")}})
+                                                  ("max_tokens", "n", "output_kind", "bad_words_token_ids", "seed",
+                                                   "ignore_eos", "bad_words", "stop_token_ids",
+                                                   "structured_outputs")}})
     print(json.dumps(out))
     os._exit(0)  # the backend's threads are daemons; no finalize needed here
 

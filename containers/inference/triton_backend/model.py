@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import json
 import locale
+import math
 import os
 import queue
 import threading
@@ -47,19 +48,36 @@ WATCH_SECONDS = 0.25
 # first check after the end, up to a full interval later) + that check's timeout (HEALTH_TIMEOUT_SECONDS
 # 2 s) = 5.5 s, above the 5 s held before; 10 s leaves ~1.8x. A client sees its 503 later, never a 400.
 DEAD_ANSWER_SECONDS = 10.0
-# The sampling parameters a client may set: the public ones vLLM's OpenAI server takes from a
-# request (vllm/entrypoints/openai/completion/protocol.py `to_sampling_params`, vLLM 0.32.0).
+# The sampling parameters a client may set, each with its declared type (the converter below): the public
+# ones vLLM's OpenAI server takes from a request (vllm/entrypoints/openai/completion/protocol.py
+# `to_sampling_params`, vLLM 0.32.0), less `logprobs`/`prompt_logprobs` (this backend has no output to
+# return them in) and the newer ones this backend does not offer (`thinking_token_budget`,
+# `repetition_detection`, watermarking, `stream_interval`, `logprob_token_ids`), plus `guided_decoding`,
+# the older name of `structured_outputs` (mapped to it, below).
 # Never SamplingParams' private or engine-set fields (`_bad_words_token_ids`, `_all_stop_token_ids`,
 # `output_kind`, `skip_clone`, `detokenize`, `extra_args`, ...): `_bad_words_token_ids: [[]]` kills
 # the engine (IndexError in the sampler's bad-words op, then EngineDeadError for every request) and
 # `output_kind` DELTA breaks the streamed slicing below, which assumes cumulative text.
-# `logprobs`/`prompt_logprobs` are left out: this backend has no output to return them in.
-ALLOWED_SAMPLING = frozenset({
-    "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "top_k",
-    "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens", "skip_special_tokens",
-    "spaces_between_special_tokens", "include_stop_str_in_output", "logit_bias", "allowed_token_ids",
-    "bad_words", "structured_outputs",
-})
+# The types matter as much: vLLM does not check them, and `seed: 1.5` (or "1.5", or 2**64) reaches the
+# worker's `generator.manual_seed(seed)`, whose error kills the engine (EngineDeadError, the unit goes
+# down); the OpenAI server's pydantic model refuses it first (`seed: int | None = Field(None,
+# ge=_INT64_MIN, le=_INT64_MAX)`, protocol.py:66).
+SAMPLING_TYPES: dict[str, str] = {
+    "n": "int", "seed": "int", "max_tokens": "int", "min_tokens": "int", "top_k": "int",
+    "presence_penalty": "float", "frequency_penalty": "float", "repetition_penalty": "float",
+    "temperature": "float", "top_p": "float", "min_p": "float",
+    "ignore_eos": "bool", "skip_special_tokens": "bool", "spaces_between_special_tokens": "bool",
+    "include_stop_str_in_output": "bool",
+    "stop": "list[str]", "bad_words": "list[str]", "stop_token_ids": "list[int]", "allowed_token_ids": "list[int]",
+    "logit_bias": "dict", "structured_outputs": "dict", "guided_decoding": "dict",
+}
+ALLOWED_SAMPLING = frozenset(SAMPLING_TYPES)
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_TYPE_WORDS = {
+    "int": "an integer from -2**63 to 2**63-1 (no fractional part)", "float": "a finite number",
+    "bool": "true or false (or the strings \"true\"/\"false\")", "list[str]": "a string or a list of strings",
+    "list[int]": "an integer or a list of integers", "dict": "a JSON object (or a string holding one)",
+}
 
 
 def utf8_locale() -> str:
@@ -136,21 +154,26 @@ def parse_request(inputs: dict[str, Any], request_parameters: str) -> Generate:
 
 
 def checked_parameters(parameters: dict[str, Any], allowed: frozenset[str] = ALLOWED_SAMPLING) -> dict[str, Any]:
-    """The request's sampling parameters, refused unless every name is in the allowlist and `n` is 1.
+    """The request's sampling parameters, each converted to its declared type (SAMPLING_TYPES).
 
-    Numbers sent as strings (the `sampling_parameters` tensor of vllm_backend's clients) are taken
-    as numbers when the value parses as JSON.
+    Refused (RequestError, named) unless every name is in the allowlist, every value has its type and
+    `n` is 1. A null value means the default and is dropped (as the OpenAI server's None). Numbers,
+    booleans, lists of ids and objects may be sent as strings (vllm_backend's clients send the
+    `sampling_parameters` values as text); a string `stop`/`bad_words` is one string.
     """
     unknown = sorted(set(parameters) - allowed)
     if unknown:
         raise RequestError(f"sampling parameter(s) not allowed: {', '.join(unknown)}; "
                            f"allowed: {', '.join(sorted(allowed))}")
-    values = {}
-    for key, value in parameters.items():
-        if isinstance(value, str) and key not in ("stop", "bad_words"):
-            with contextlib.suppress(json.JSONDecodeError):
-                value = json.loads(value)
-        values[key] = value
+    values = {key: _converted(key, value) for key, value in parameters.items() if value is not None}
+    if "guided_decoding" in values:
+        # vllm_backend took `guided_decoding` (a JSON object as text -> GuidedDecodingParams) until
+        # triton-inference-server/vllm_backend@83179b1848d9fb54005eef7fa0c4702fc08f29b8 renamed it to
+        # `structured_outputs` (StructuredOutputsParams, same fields); at
+        # vllm_backend@8de0c148bda1da25de1e05ffaaf67116dacc7264 src/utils/vllm_backend_utils.py:93-94.
+        if "structured_outputs" in values:
+            raise RequestError("send one of guided_decoding and structured_outputs (the same thing), not both")
+        values["structured_outputs"] = values.pop("guided_decoding")
     if values.get("n", 1) != 1:
         # One text_output per response: n > 1 would compute n answers and return one.
         raise RequestError(f"n must be 1 (this backend returns one answer per request), not {values['n']!r}")
@@ -159,14 +182,85 @@ def checked_parameters(parameters: dict[str, Any], allowed: frozenset[str] = ALL
     return values
 
 
-def _logit_bias(value: Any) -> dict[int, float]:
-    """JSON object keys are strings; vLLM wants token ids (as the OpenAI server converts them)."""
-    if not isinstance(value, dict):
-        raise RequestError("logit_bias must be an object of token id -> bias")
+def _converted(key: str, value: Any) -> Any:
+    """`value` as the type SAMPLING_TYPES declares for `key`; RequestError naming the field otherwise."""
+    kind = SAMPLING_TYPES.get(key, "any")
+    converter = {"int": _as_int, "float": _as_float, "bool": _as_bool, "list[str]": _as_strings,
+                 "list[int]": _as_ints, "dict": _as_dict}.get(kind)
+    if converter is None:
+        return value
     try:
-        return {int(token): float(bias) for token, bias in value.items()}
-    except (TypeError, ValueError):
-        raise RequestError("logit_bias must be an object of token id -> bias (numbers)") from None
+        return converter(value)
+    except (TypeError, ValueError, OverflowError):
+        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+        raise RequestError(f"sampling parameter {key} must be {_TYPE_WORDS[kind]}, not {shown}") from None
+
+
+def _from_text(value: Any) -> Any:
+    """A string value parsed as JSON (a value sent as text); unchanged when it is no JSON."""
+    if isinstance(value, str):
+        with contextlib.suppress(json.JSONDecodeError):
+            return json.loads(value)
+    return value
+
+
+def _as_int(value: Any) -> int:
+    value = _from_text(value)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(value)
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError(value)
+    number = int(value)
+    if not _INT64_MIN <= number <= _INT64_MAX:
+        raise ValueError(value)
+    return number
+
+
+def _as_float(value: Any) -> float:
+    value = _from_text(value)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(value)
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(value)
+    return number
+
+
+def _as_bool(value: Any) -> bool:
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    if not isinstance(value, bool):
+        raise TypeError(value)
+    return value
+
+
+def _as_strings(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise TypeError(value)
+    return value
+
+
+def _as_ints(value: Any) -> list[int]:
+    value = _from_text(value)
+    items = value if isinstance(value, list) else [value]
+    return [_as_int(item) for item in items]
+
+
+def _as_dict(value: Any) -> dict[str, Any]:
+    value = _from_text(value)
+    if not isinstance(value, dict):
+        raise TypeError(value)
+    return value
+
+
+def _logit_bias(value: dict[str, Any]) -> dict[int, float]:
+    """JSON object keys are strings; vLLM wants token ids (as the OpenAI server converts them)."""
+    try:
+        return {_as_int(token): _as_float(bias) for token, bias in value.items()}
+    except (TypeError, ValueError, OverflowError):
+        raise RequestError("logit_bias must be an object of token id (integer) -> bias (finite number)") from None
 
 
 def sampling_params(parameters: dict[str, Any], allowed: frozenset[str] = ALLOWED_SAMPLING) -> Any:
@@ -175,12 +269,10 @@ def sampling_params(parameters: dict[str, Any], allowed: frozenset[str] = ALLOWE
     from vllm import SamplingParams
 
     try:
-        if isinstance(values.get("structured_outputs"), dict):
+        if "structured_outputs" in values:  # a dict (checked_parameters)
             from vllm.sampling_params import StructuredOutputsParams
 
             values["structured_outputs"] = StructuredOutputsParams(**values["structured_outputs"])
-        elif values.get("structured_outputs") is not None:
-            raise RequestError("structured_outputs must be an object (json, regex, choice, grammar, ...)")
         return SamplingParams(**values)
     except (TypeError, ValueError) as error:
         if isinstance(error, RequestError):
@@ -284,8 +376,10 @@ class TritonPythonModel:
         self.name = args["model_name"]
         path = os.path.join(args["model_repository"], args["model_version"], ENGINE_ARGS_FILE)
         engine_args = engine_args_from_file(path, {f.name for f in dataclasses.fields(AsyncEngineArgs)})
-        # The allowlist, less any name this vLLM's SamplingParams lacks.
+        # The allowlist, less any name this vLLM's SamplingParams lacks (guided_decoding goes with structured_outputs).
         self.allowed = ALLOWED_SAMPLING & set(getattr(SamplingParams, "__struct_fields__", ALLOWED_SAMPLING))
+        if "structured_outputs" in self.allowed:
+            self.allowed |= {"guided_decoding"}
         labels = {"model": self.name, "version": str(args["model_version"])}
         try:
             self.gauges: _Gauges | None = _Gauges(pb_utils, labels)
