@@ -234,7 +234,8 @@ async def test_the_shipped_router_reads_ssm_and_deletes_its_report_on_sigterm(
 async def test_the_router_is_not_healthy_before_its_first_ssm_read(
         cells: tuple[FakeCell, FakeCell], ssm_env: dict[str, Any]) -> None:  # noqa: F811
     """SSM unreachable at start: the task does not know which cells are evacuated, so the ALB's check
-    (/router/health) fails until a read succeeds, and the task takes no traffic meanwhile."""
+    (/router/health) fails until a read succeeds, and the task takes no traffic meanwhile: a request sent anyway
+    (the ALB fails open when every target is unhealthy) gets 503, it used to be routed with nothing evacuated."""
     a, b = cells
     prefix = parameter_prefix("Ready", REGION)
     ssm_env["server"].stop()
@@ -252,6 +253,13 @@ async def test_the_router_is_not_healthy_before_its_first_ssm_read(
     try:
         await _until(lambda: router.state.ssm_error is not None, what="the failed SSM read")
         assert await health() == 503 and not router.state.ready
+        # Nor does a request reach a cell: an ALB whose targets are all unhealthy fails open and sends to them.
+        await _until(lambda: all(c.status == "UP" for c in router.state.cells.values()), timeout=20,
+                     what="both cells UP")
+        async with aiohttp.ClientSession() as session, \
+                session.post(f"http://{LOOPBACK}:{router.port}/v1/completions", json={}) as resp:
+            assert (resp.status, await resp.text()) == (503, "evacuation not read yet")
+        assert a.posts == b.posts == 0
         ssm_env["server"] = ThreadedMotoServer(ip_address=LOOPBACK, port=ssm_env["port"], verbose=False)
         ssm_env["server"].start()
         await _until(lambda: router.state.ready, timeout=15, what="the first SSM read")

@@ -18,8 +18,9 @@ Beside HAProxy the agent does what is specific to a router:
   (`scur` of its row in `show stat`), and serves `GET /status` on the admin listener
   (ROUTER_ADMIN_HOST:PORT): each cell's check status, weight, streams, evacuated and empty.
 
-With SSM evacuation, `/router/health` (the ALB's check) answers 503 until the first SSM read has been
-applied: a task that cannot read which cells are evacuated takes no traffic.
+With SSM evacuation, `/router/health` (the ALB's check) and every request answer 503 until the first SSM
+read has been applied: a task that cannot read which cells are evacuated takes no traffic, even when the ALB
+fails open (docs/router.md "Evacuation"). Evacuated names the router does not front are logged and ignored.
 
 SIGTERM: the agent deletes its SSM report first, then HAProxy soft-stops (its listener closes,
 streams in flight go on up to `hard-stop-after`), the agent waits for it and exits 0.
