@@ -114,12 +114,18 @@ def read_parameter(ssm: Any, name: str) -> tuple[set[str], int]:
 def evacuate_on_aws(fleet: FleetConfig, cell: str, undo: bool, force: bool, ssm_for: Any) -> Written:
     """Write every fronting router's parameter; `ssm_for(region)` gives an SSM client."""
     routers = routers_of(fleet, cell)
-    if not routers:
+    leftover = _still_named(fleet, cell, ssm_for) if undo else []
+    if not routers and not leftover:
         fronted = sorted({c for r in fleet.routers for c in r.cells})
-        raise EvacuateError(f"no router fronts cell {cell!r} (routers: in the fleet file; routed cells: {fronted})")
+        also = " and no router's parameter names it" if undo else ""
+        raise EvacuateError(f"no router fronts cell {cell!r}{also} (routers: in the fleet file; routed cells: "
+                            f"{fronted})")
     written = Written()
-    for router in routers:
+    for router in routers + leftover:
         ssm, name = ssm_for(router.region), parameter_name(fleet, router)
+        if router in leftover:
+            written.lines.append(f"{router.region}: the router no longer fronts {cell}; removing the name left in "
+                                 "its parameter (the router ignores it anyway)")
         wanted = updated(read_parameter(ssm, name)[0], cell, undo)
         _check_left({c: router.weight(c) for c in router.cells}, wanted, f"the router in {router.region}", force)
         ssm.put_parameter(Name=name, Value=json.dumps({"evacuated": wanted}), Type="String", Overwrite=True)
@@ -130,6 +136,14 @@ def evacuate_on_aws(fleet: FleetConfig, cell: str, undo: bool, force: bool, ssm_
             written.raced = True
             written.lines.append(f"{router.region}: another evacuation was written at the same time; run this again")
     return written
+
+
+def _still_named(fleet: FleetConfig, cell: str, ssm_for: Any) -> list[RouterConfig]:
+    """The routers that do not front `cell` but whose parameter still names it: a cell evacuated, then removed
+    from `routers[].cells`. The router agent ignores such a name (router_ssm.parse_evacuated); `--undo` may
+    still remove it, so the parameter says what is evacuated."""
+    return [router for router in fleet.routers if cell not in router.cells
+            and cell in read_parameter(ssm_for(router.region), parameter_name(fleet, router))[0]]
 
 
 def task_reports(ssm: Any, path: str) -> list[tuple[str, datetime, str]]:

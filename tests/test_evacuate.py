@@ -103,6 +103,27 @@ def test_a_cell_no_router_fronts_is_refused(fleet: FleetConfig) -> None:
         evacuate_on_aws(fleet, "nope", undo=False, force=False, ssm_for=lambda region: pytest.fail("no AWS call"))
 
 
+def test_undo_removes_a_cell_no_router_fronts_any_more(fleet: FleetConfig) -> None:
+    """`old` was evacuated, then removed from `routers[].cells`: its name stays in the parameter. `--undo --cell
+    old` was refused ("no router fronts cell 'old'"), so nothing could take the name out; now it removes it and
+    says the router no longer fronts the cell."""
+    ssm, stub = _ssm()
+    stub.add_response("get_parameter", _param(["old", "prod"]), expected_params={"Name": NAME})  # who names it
+    stub.add_response("get_parameter", _param(["old", "prod"]), expected_params={"Name": NAME})
+    stub.add_response("put_parameter", {"Version": 3}, expected_params={
+        "Name": NAME, "Value": '{"evacuated": ["prod"]}', "Type": "String", "Overwrite": True})
+    stub.add_response("get_parameter", _param(["prod"], 3), expected_params={"Name": NAME})
+    with stub:
+        written = evacuate_on_aws(fleet, "old", undo=True, force=False, ssm_for=lambda region: ssm)
+    stub.assert_no_pending_responses()
+    assert "no longer fronts old" in written.lines[0]
+    assert written.lines[1] == f"us-east-2: {NAME} = ['prod'] (version 3)"
+    # Named nowhere: still refused, and saying so.
+    stub.add_response("get_parameter", _param(["prod"], 3), expected_params={"Name": NAME})
+    with stub, pytest.raises(EvacuateError, match="no router fronts cell 'old' and no router's parameter names it"):
+        evacuate_on_aws(fleet, "old", undo=True, force=False, ssm_for=lambda region: ssm)
+
+
 def test_the_cli_writes_the_local_file_and_undoes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "evacuation.json"
     assert main(["evacuate", "--cell", "b", "--local", str(path)]) == exit_codes.OK

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import socket
@@ -103,7 +104,7 @@ async def _until(predicate: Any, timeout: float = 10.0, what: str = "") -> None:
 def test_no_parameter_yet_is_nothing_evacuated() -> None:
     """SsmClient.read gives ("", 0) for a parameter not written yet (the router stack does not create it): nothing
     evacuated, not an error (it was one, so a fresh router never counted as having read SSM)."""
-    assert parse_evacuated("", {"a"}, "x") == frozenset()
+    assert parse_evacuated("", {"a"}, "x") == (frozenset(), [])
     with pytest.raises(EvacuationValueError):
         parse_evacuated("{}", {"a"}, "x")
 
@@ -233,7 +234,8 @@ async def test_the_shipped_router_reads_ssm_and_deletes_its_report_on_sigterm(
 async def test_the_router_is_not_healthy_before_its_first_ssm_read(
         cells: tuple[FakeCell, FakeCell], ssm_env: dict[str, Any]) -> None:  # noqa: F811
     """SSM unreachable at start: the task does not know which cells are evacuated, so the ALB's check
-    (/router/health) fails until a read succeeds, and the task takes no traffic meanwhile."""
+    (/router/health) fails until a read succeeds, and the task takes no traffic meanwhile: a request sent anyway
+    (the ALB fails open when every target is unhealthy) gets 503, it used to be routed with nothing evacuated."""
     a, b = cells
     prefix = parameter_prefix("Ready", REGION)
     ssm_env["server"].stop()
@@ -251,10 +253,46 @@ async def test_the_router_is_not_healthy_before_its_first_ssm_read(
     try:
         await _until(lambda: router.state.ssm_error is not None, what="the failed SSM read")
         assert await health() == 503 and not router.state.ready
+        # Nor does a request reach a cell: an ALB whose targets are all unhealthy fails open and sends to them.
+        await _until(lambda: all(c.status == "UP" for c in router.state.cells.values()), timeout=20,
+                     what="both cells UP")
+        async with aiohttp.ClientSession() as session, \
+                session.post(f"http://{LOOPBACK}:{router.port}/v1/completions", json={}) as resp:
+            assert (resp.status, await resp.text()) == (503, "evacuation not read yet")
+        assert a.posts == b.posts == 0
         ssm_env["server"] = ThreadedMotoServer(ip_address=LOOPBACK, port=ssm_env["port"], verbose=False)
         ssm_env["server"].start()
         await _until(lambda: router.state.ready, timeout=15, what="the first SSM read")
         assert await health() == 200
+    finally:
+        await router.close()
+
+
+async def test_a_cell_no_longer_fronted_in_the_parameter_is_ignored_and_the_task_becomes_ready(
+        cells: tuple[FakeCell, FakeCell], ssm_env: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
+    """A cell evacuated, then removed from `routers[].cells` and the router redeployed: the parameter still
+    names it. It was an error (`unknown cells ['old']`), so every new task kept /router/health 503 forever
+    (ECS replacing tasks, the deployment rolled back). Now the name is logged and ignored; the fronted cells
+    named there are still drained."""
+    a, b = cells
+    prefix = parameter_prefix("Gone", REGION)
+    _client().put_parameter(Name=evacuation_parameter(prefix), Value=json.dumps({"evacuated": ["old", "b"]}),
+                            Type="String", Overwrite=True)
+    settings = RouterSettings.from_env({
+        "ROUTER_CELLS": f"a={a.url},b={b.url}", "ROUTER_HOST": LOOPBACK, "ROUTER_PORT": "0",
+        "ROUTER_ADMIN_PORT": "0", "ROUTER_CHECK_INTERVAL_MS": "1000", "ROUTER_SSM_PREFIX": prefix,
+        "ROUTER_SSM_POLL_SECONDS": "1", "ROUTER_TASK_ID": "gone-1", **ssm_env["env"]})
+    caplog.set_level(logging.WARNING, logger="unit_proxy.router")
+    router = await start(settings)
+    try:
+        await _until(lambda: router.state.ready or router.state.ssm_error is not None, what="the first SSM read")
+        assert router.state.ssm_error is None and router.state.ready, router.state.ssm_error
+        assert router.state.evacuated == frozenset({"b"}) and router.state.ignored == ["old"]
+        async with aiohttp.ClientSession() as session, \
+                session.get(f"http://{LOOPBACK}:{router.port}/router/health") as resp:
+            assert resp.status == 200
+        ignored = [r.getMessage() for r in caplog.records if "evacuation_names_ignored" in r.getMessage()]
+        assert len(ignored) == 1 and '"old"' in ignored[0], ignored
     finally:
         await router.close()
 

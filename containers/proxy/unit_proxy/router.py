@@ -18,8 +18,9 @@ Beside HAProxy the agent does what is specific to a router:
   (`scur` of its row in `show stat`), and serves `GET /status` on the admin listener
   (ROUTER_ADMIN_HOST:PORT): each cell's check status, weight, streams, evacuated and empty.
 
-With SSM evacuation, `/router/health` (the ALB's check) answers 503 until the first SSM read has been
-applied: a task that cannot read which cells are evacuated takes no traffic.
+With SSM evacuation, `/router/health` (the ALB's check) and every request answer 503 until the first SSM
+read has been applied: a task that cannot read which cells are evacuated takes no traffic, even when the ALB
+fails open (docs/router.md "Evacuation"). Evacuated names the router does not front are logged and ignored.
 
 SIGTERM: the agent deletes its SSM report first, then HAProxy soft-stops (its listener closes,
 streams in flight go on up to `hard-stop-after`), the agent waits for it and exits 0.
@@ -75,12 +76,13 @@ class EvacuationFileError(EvacuationValueError):
     """The evacuation file cannot be used; the message says why (the last good state is kept)."""
 
 
-def read_evacuation(path: str, cells: set[str]) -> frozenset[str]:
-    """The evacuated cells named in the file; a missing file is none. Raises EvacuationFileError."""
+def read_evacuation(path: str, cells: set[str]) -> tuple[frozenset[str], list[str]]:
+    """The evacuated cells named in the file that this router fronts, and the names it ignores (it does not
+    front them); a missing file is none. Raises EvacuationFileError."""
     try:
         text = Path(path).read_text()
     except FileNotFoundError:
-        return frozenset()
+        return frozenset(), []
     except OSError as exc:
         raise EvacuationFileError(f"{path}: cannot be read: {exc.strerror}") from None
     except UnicodeDecodeError as exc:  # a ValueError, not an OSError: it would end the poll loop
@@ -147,6 +149,7 @@ class RouterState:
     evacuated: frozenset[str] = frozenset()
     file_error: str | None = None
     ssm_error: str | None = None
+    ignored: list[str] = field(default_factory=list)  # evacuated names this router does not front (logged once)
     version: int = 0  # the SSM evacuation parameter's version last applied (0: none read yet, or none exists)
     refresh_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     ready_map: str = ""  # RouterPaths.ready_map: /router/health answers 200 once `ready` is in it
@@ -223,6 +226,14 @@ class RouterState:
         log.warning(json.dumps({"event": "cell_ejected", "cell": name, "attempts": window[0],
                                 "retried_away": window[1]}))
 
+    def note_ignored(self, names: list[str], where: str) -> None:
+        """Log, once per change, the evacuated names this router does not front (router_ssm.parse_evacuated)."""
+        if names != self.ignored:
+            if names:
+                log.warning(json.dumps({"event": "evacuation_names_ignored", "where": where, "ignored": names,
+                                        "fronted": sorted(self.cells)}))
+            self.ignored = names
+
     async def mark_ready(self) -> None:
         """Let /router/health answer 200 (router_config.render): once, after the first SSM read applied."""
         if self.ready or not self.ready_map:
@@ -236,7 +247,8 @@ class RouterState:
     def status_doc(self) -> dict[str, Any]:
         return {"cells": {name: cell.doc() for name, cell in self.cells.items()},
                 "evacuated": sorted(self.evacuated), "evacuation_file_error": self.file_error,
-                "evacuation_ssm_error": self.ssm_error, "evacuation_version": self.version, "ready": self.ready}
+                "evacuation_ssm_error": self.ssm_error, "evacuation_ignored": self.ignored,
+                "evacuation_version": self.version, "ready": self.ready}
 
     def report(self, task_id: str) -> TaskReport:
         return TaskReport(task=task_id, version=self.version, evacuated=sorted(self.evacuated),
@@ -251,13 +263,14 @@ async def poll_loop(state: RouterState) -> None:
         try:
             if settings.evacuation_file:
                 try:
-                    wanted = read_evacuation(settings.evacuation_file, names)
+                    wanted, ignored = read_evacuation(settings.evacuation_file, names)
                 except EvacuationFileError as exc:
                     if state.file_error != str(exc):
                         log.error("%s", exc)
                     state.file_error = str(exc)
                 else:
                     state.file_error = None
+                    state.note_ignored(ignored, settings.evacuation_file)
                     await state.apply(wanted)
             await state.refresh()
         except RuntimeApiError as exc:
@@ -283,7 +296,7 @@ class SsmSource:
         names = set(state.cells)
         try:
             text, version = await asyncio.to_thread(self.client.read, self.parameter)
-            wanted = parse_evacuated(text, names, f"SSM parameter {self.parameter} (version {version})")
+            wanted, ignored = parse_evacuated(text, names, f"SSM parameter {self.parameter} (version {version})")
         except Exception as exc:
             error = f"{self.parameter}: {type(exc).__name__}: {exc}"
             if state.ssm_error != error:
@@ -294,6 +307,7 @@ class SsmSource:
         if state.ssm_error:
             log.warning(json.dumps({"event": "evacuation_ssm_recovered", "version": version}))
         state.ssm_error = None
+        state.note_ignored(ignored, self.parameter)
         await state.apply(wanted)
         state.version = version
         await state.mark_ready()

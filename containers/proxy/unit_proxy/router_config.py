@@ -317,8 +317,11 @@ def render(settings: RouterSettings, paths: RouterPaths) -> str:
         # The router's own health for the ALB in front of it: not forwarded. With SSM evacuation, 503 until
         # the agent's first SSM read succeeded (it then adds `ready` to the map through the runtime API,
         # management guide 9.3 "add map"): a task that cannot read which cells are evacuated takes no traffic.
+        # Every path, not only the health: when every target is unhealthy the ALB fails open and sends to them
+        # all (https://docs.aws.amazon.com/elasticloadbalancing/latest/application/target-group-health-checks.html),
+        # and a task that never read SSM would then route with no cell evacuated (docs/router.md "Evacuation").
         *([f'    http-request return status 503 content-type text/plain string "evacuation not read yet" '
-           f'if {{ path /router/health }} !{{ str(ready),map({paths.ready_map}) -m found }}']
+           f'if !{{ str(ready),map({paths.ready_map}) -m found }}']
           if settings.ssm_prefix else []),
         "    http-request return status 200 content-type text/plain string ok if { path /router/health }",
         f"    default_backend {BACKEND}",

@@ -63,11 +63,14 @@ def report_parameter(prefix: str, task_id: str) -> str:
     return f"{reports_path(prefix)}/{_NAME_PART.sub('-', task_id)}"
 
 
-def parse_evacuated(text: str, cells: set[str], where: str) -> frozenset[str]:
+def parse_evacuated(text: str, cells: set[str], where: str) -> tuple[frozenset[str], list[str]]:
     """The cells named in an evacuation document (`{"evacuated": [...]}`; empty text is none: a missing
-    parameter or evacuation file, as on a router no evacuation has been written for yet)."""
+    parameter or evacuation file, as on a router no evacuation has been written for yet) that this router
+    fronts, and the names it does not front. Those are ignored, not an error: a cell evacuated, then removed
+    from `routers[].cells` and the router redeployed, stays named in the parameter, and an error here would
+    keep every new task from ever reading its evacuation (and, with SSM, from becoming ready)."""
     if not text.strip():
-        return frozenset()
+        return frozenset(), []
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -75,10 +78,7 @@ def parse_evacuated(text: str, cells: set[str], where: str) -> frozenset[str]:
     names = doc.get("evacuated") if isinstance(doc, dict) else None
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise EvacuationValueError(f'{where}: expected {{"evacuated": ["cell", ...]}}')
-    unknown = sorted(set(names) - cells)
-    if unknown:
-        raise EvacuationValueError(f"{where}: unknown cells {unknown}; this router fronts {sorted(cells)}")
-    return frozenset(names)
+    return frozenset(set(names) & cells), sorted(set(names) - cells)
 
 
 @dataclass(frozen=True)
