@@ -75,7 +75,9 @@ async def started(engine: FakeEngine, launcher: FakeLauncher, **env: str) -> Any
 
 async def wait_healthy(url: str) -> None:
     async with aiohttp.ClientSession() as session:
-        await wait_until(lambda: _is(health(session, url), 200), timeout=20, what="the proxy to be healthy")
+        # A start-up wait, not a measure: 20 s was seen run out with the suite beside six other sessions
+        # (load average 6); a proxy that never comes up still fails here, only later.
+        await wait_until(lambda: _is(health(session, url), 200), timeout=60, what="the proxy to be healthy")
 
 
 async def admin_text(url: ProxyURL, path: str) -> tuple[int, str]:

@@ -159,8 +159,10 @@ async def test_an_ssm_evacuation_drains_the_cell_reports_it_empty_and_survives_s
             version = _client().put_parameter(Name=name, Value=json.dumps({"evacuated": ["b"]}), Type="String",
                                               Overwrite=True)["Version"]
             await _until(lambda: state.cells["b"].evacuated, what="b drained")
-            report = _report(prefix, "task-1")
-            assert report is not None and report.version == version and report.empty == []  # streams on b
+            # The agent writes its report just after it marks the cell evacuated: wait for it.
+            await _until(lambda: (_report(prefix, "task-1") or TaskReport("", 0)).version == version,
+                         what="the report of the new version")
+            assert _report(prefix, "task-1").empty == []  # streams still on b
             posts = b.posts
             assert [await _post(session, router.port) for _ in range(10)] == [(200, "a")] * 10
             assert b.posts == posts
