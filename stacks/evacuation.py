@@ -24,18 +24,17 @@ may read and write exactly the routers' `evacuated` parameters and list their ta
 
 from __future__ import annotations
 
-from aws_cdk import Duration, RemovalPolicy, Stack
+from aws_cdk import Duration, Stack
 from aws_cdk import aws_codebuild as codebuild
 from aws_cdk import aws_codepipeline as codepipeline
 from aws_cdk import aws_codepipeline_actions as actions
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_kms as kms
-from aws_cdk import aws_logs as logs
 from constructs import Construct
 from unit_proxy.router_config import HARD_STOP_SECONDS
 from unit_proxy.router_ssm import evacuation_parameter, reports_path
 
-from cell_constructs.nag import acknowledge
+from cell_constructs.fleet_cli_project import acknowledge_fleet_cli_project, fleet_cli_project
 from inference_fleet.config import CellConfig, FleetConfig
 from inference_fleet.evacuate import router_prefix, routers_of
 
@@ -63,26 +62,12 @@ class Evacuation(Construct):
                  fleet_file: str, key: kms.IKey, source: codepipeline.Artifact) -> None:
         super().__init__(scope, construct_id)
         self.fleet, self.source = fleet, source
-        log_group = logs.LogGroup(self, "Logs", encryption_key=key, retention=logs.RetentionDays.THREE_MONTHS,
-                                  removal_policy=RemovalPolicy.RETAIN)
-        self.project = codebuild.PipelineProject(
-            self, "Project",
+        self.project = fleet_cli_project(
+            self,
             description=f"{fleet.name}: evacuate a routed cell before its update, restore it after its bake",
-            environment=codebuild.BuildEnvironment(
-                build_image=codebuild.LinuxBuildImage.STANDARD_7_0, compute_type=codebuild.ComputeType.SMALL),
-            encryption_key=key,
-            timeout=EVACUATE_TIMEOUT,
-            logging=codebuild.LoggingOptions(cloud_watch=codebuild.CloudWatchLoggingOptions(log_group=log_group)),
-            build_spec=codebuild.BuildSpec.from_object({
-                "version": "0.2",
-                "env": {"variables": {"CI": "true"}},
-                "phases": {
-                    "install": {"runtime-versions": {"python": "3.11"}, "commands": ["make venv"]},
-                    # Exit 0: written (and with --wait, empty at every router task); 7: refused or not empty
-                    # in time; any non-zero status fails the action and so the wave (OnFailure ROLLBACK).
-                    "build": {"commands": [evacuate_command(fleet_file)]},
-                },
-            }),
+            key=key, timeout=EVACUATE_TIMEOUT,
+            # Exit 0: written (and with --wait, empty at every router task); 7: refused or not empty in time.
+            command=evacuate_command(fleet_file),
         )
         self._grant(cells)
         self.actions: list[actions.CodeBuildAction] = []
@@ -115,21 +100,8 @@ class Evacuation(Construct):
 
     def acknowledge_policies(self, artifact_bucket: str) -> None:
         """cdk-nag findings on the project's role: CDK's grants on the pipeline's artifact bucket and key and
-        its own log and report groups (as for the verify gate, stacks/verify_gate.py)."""
-        stack = Stack.of(self)
-        grant = ("CDK-generated read grant on this pipeline's artifact bucket (the source artifact) and use of its "
-                 "KMS key, scoped to that bucket and key")
-        generated = [(f"AwsSolutions-IAM5[{finding}]", grant) for finding in (
-            "Action::s3:GetBucket*", "Action::s3:GetObject*", "Action::s3:List*", "Action::kms:GenerateDataKey*",
-            "Action::kms:ReEncrypt*", f"Resource::<{artifact_bucket}.Arn>/*")]
-        where = f"{stack.partition}:{{service}}:{stack.region}:{stack.account}"
-        project = stack.resolve(stack.get_logical_id(self.project.node.default_child))
-        acknowledge(
-            self.project.role, *generated,
-            ("NIST.800.53.R5-IAMNoInlinePolicy", "CDK-generated policy of the evacuation project, scoped to the "
-             "routers' evacuation parameters, versioned with this stack"),
-            (f"AwsSolutions-IAM5[Resource::arn:{where.format(service='logs')}:log-group:/aws/codebuild/<{project}>:*]",
-             "CDK-generated: log streams of this build project's default log group"),
-            (f"AwsSolutions-IAM5[Resource::arn:{where.format(service='codebuild')}:report-group/<{project}>-*]",
-             "CDK-generated: test report groups of this build project"),
-        )
+        its own log and report groups (cell_constructs.fleet_cli_project)."""
+        acknowledge_fleet_cli_project(
+            self.project, artifact_bucket=artifact_bucket,
+            policy="CDK-generated policy of the evacuation project, scoped to the routers' evacuation parameters, "
+                   "versioned with this stack")

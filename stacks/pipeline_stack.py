@@ -50,6 +50,7 @@ from unit_launcher.artifacts import split_uri
 from cell_constructs.cell_alarms import gate_reader_role_name, rollout_gate_name
 from cell_constructs.compile_stage import REQUEST_DIR, REQUEST_FILE, CompileRun
 from cell_constructs.encryption import allow_cloudwatch_logs
+from cell_constructs.fleet_cli_project import generated_project_findings
 from cell_constructs.nag import acknowledge
 from inference_fleet import compile_job
 from inference_fleet.config import DEFAULT_CONFIG, CellConfig, FleetConfig, PipelineConfig, RouterConfig, WaveConfig
@@ -544,15 +545,8 @@ class PipelineStack(Stack):
             (f"AwsSolutions-IAM5[Resource::arn:{part(1)}:states:{part(3)}:{part(4)}:execution:{part(6)}:*]",
              "CDK-generated: the executions of the Compile stage's own state machine, which the action watches"))
 
-        project = self.resolve(self.get_logical_id(self.build_project.node.default_child))
-        where = f"{self.partition}:{{service}}:{self.region}:{self.account}"
-        acknowledge(
-            self.build_project.role, *artifact_findings, inline,
-            (f"AwsSolutions-IAM5[Resource::arn:{where.format(service='logs')}:log-group:/aws/codebuild/<{project}>:*]",
-             "CDK-generated: log streams of this build project's default log group"),
-            (f"AwsSolutions-IAM5[Resource::arn:{where.format(service='codebuild')}:report-group/<{project}>-*]",
-             "CDK-generated: test report groups of this build project"),
-        )
+        acknowledge(self.build_project.role, *artifact_findings, inline,
+                    *generated_project_findings(self.build_project))
         for gate in self.verify_gates:
             gate.acknowledge_policies(artifacts)
             stage = self.pipeline.node.find_child(wave_stage_name(self.fleet.waves[0]))

@@ -14,17 +14,17 @@ before the pipeline stack, in the pipeline's account and region.
 
 from __future__ import annotations
 
-from aws_cdk import Annotations, ArnFormat, Duration, Fn, RemovalPolicy, Stack
+from aws_cdk import Annotations, ArnFormat, Duration, Fn, Stack
 from aws_cdk import aws_codebuild as codebuild
 from aws_cdk import aws_codepipeline as codepipeline
 from aws_cdk import aws_codepipeline_actions as actions
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_kms as kms
-from aws_cdk import aws_logs as logs
 from aws_cdk import aws_ssm as ssm
 from constructs import Construct
 
+from cell_constructs.fleet_cli_project import acknowledge_fleet_cli_project, fleet_cli_project
 from cell_constructs.nag import acknowledge
 from cell_constructs.verifier_access import FIRST_SUBNET, SECURITY_GROUP_ID, VPC_ID, verifier_parameter_name
 from inference_fleet.config import CellConfig, FleetConfig
@@ -97,30 +97,12 @@ class VerifyGate(Construct):
         )
         group = ec2.SecurityGroup.from_security_group_id(
             self, "CellVerifierGroup", network[SECURITY_GROUP_ID], mutable=False)
-        log_group = logs.LogGroup(
-            self, "Logs", encryption_key=key, retention=logs.RetentionDays.THREE_MONTHS,
-            removal_policy=RemovalPolicy.RETAIN,
-        )
-        return codebuild.PipelineProject(
-            self, "Project",
+        return fleet_cli_project(
+            self,
             description=f"Verify gate of {self.stack_name}: the first-deploy kit, read-only, in the cell's VPC",
-            environment=codebuild.BuildEnvironment(
-                build_image=codebuild.LinuxBuildImage.STANDARD_7_0, compute_type=codebuild.ComputeType.SMALL),
-            vpc=vpc,
-            security_groups=[group],
-            encryption_key=key,
-            timeout=VERIFY_TIMEOUT,
-            logging=codebuild.LoggingOptions(cloud_watch=codebuild.CloudWatchLoggingOptions(log_group=log_group)),
-            build_spec=codebuild.BuildSpec.from_object({
-                "version": "0.2",
-                "env": {"variables": {"CI": "true"}},
-                "phases": {
-                    "install": {"runtime-versions": {"python": "3.11"}, "commands": ["make venv"]},
-                    # Exit 0: every check passed; 6: a check failed; anything else: the kit could not run.
-                    # Any non-zero status fails the build, the action, and so the wave (OnFailure ROLLBACK).
-                    "build": {"commands": [verify_command(fleet_file, cell.name)]},
-                },
-            }),
+            key=key, timeout=VERIFY_TIMEOUT, vpc=vpc, security_groups=[group],
+            # Exit 0: every check passed; 6: a check failed; anything else: the kit could not run.
+            command=verify_command(fleet_file, cell.name),
         )
 
     def _grant_reads(self) -> None:
@@ -153,24 +135,11 @@ class VerifyGate(Construct):
         """cdk-nag findings on the project's policies: CDK's grants on the pipeline's artifact bucket (logical
         id `artifact_bucket`) and key, the reads above, and CodeBuild's VPC permissions."""
         stack, name = Stack.of(self), self.stack_name
-        grant = ("CDK-generated read grant on this pipeline's artifact bucket (the source artifact) and use of its "
-                 "KMS key, scoped to that bucket and key")
-        generated = [(f"AwsSolutions-IAM5[{finding}]", grant) for finding in (
-            "Action::s3:GetBucket*", "Action::s3:GetObject*", "Action::s3:List*", "Action::kms:GenerateDataKey*",
-            "Action::kms:ReEncrypt*", f"Resource::<{artifact_bucket}.Arn>/*")]
         where = f"{stack.partition}:{{service}}:{stack.region}:{stack.account}"
-        project = stack.resolve(stack.get_logical_id(self.project.node.default_child))
         cell_scoped = ("The cell's own resources: CloudFormation names a resource it names itself "
                        "<stack>-<logical id>-<suffix> (https://docs.aws.amazon.com/AWSCloudFormation/latest/UserGuide/"
                        "aws-properties-name.html), and these are read-only actions")
-        inline = ("NIST.800.53.R5-IAMNoInlinePolicy", "CDK-generated policy of the verify gate's project, read-only "
-                  "and scoped to one cell, versioned with this stack")
-        acknowledge(
-            self.project.role, *generated, inline,
-            (f"AwsSolutions-IAM5[Resource::arn:{where.format(service='logs')}:log-group:/aws/codebuild/<{project}>:*]",
-             "CDK-generated: log streams of this build project's default log group"),
-            (f"AwsSolutions-IAM5[Resource::arn:{where.format(service='codebuild')}:report-group/<{project}>-*]",
-             "CDK-generated: test report groups of this build project"),
+        own = [
             (f"AwsSolutions-IAM5[Resource::arn:{where.format(service='cloudformation')}:stack/{name}/*]",
              "The cell's stack, any of its stack ids (the id suffix changes when the stack is replaced)"),
             *((f"AwsSolutions-IAM5[Resource::arn:{where.format(service=service)}:{resource}]", cell_scoped)
@@ -184,7 +153,11 @@ class VerifyGate(Construct):
              "Describe and read actions without resource-level permissions (ELBv2 Describe*, CloudWatch GetMetricData "
              "and ListMetrics, Logs GetQueryResults, ECS DescribeTaskDefinition), and ECS ListServices/ListTasks "
              "limited to the cell's cluster by the ecs:cluster condition"),
-        )
+        ]
+        acknowledge_fleet_cli_project(
+            self.project, artifact_bucket=artifact_bucket, findings=own,
+            policy="CDK-generated policy of the verify gate's project, read-only and scoped to one cell, versioned "
+                   "with this stack")
         vpc_policy = self.project.node.find_child("PolicyDocument")
         acknowledge(
             vpc_policy,
