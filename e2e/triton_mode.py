@@ -166,17 +166,10 @@ def run_triton(h: Harness) -> None:
     base = f"http://127.0.0.1:{ports.proxy}"
 
     # T1. Formation.
-    started = time.monotonic()
-    unit.leader.begin()
-    unit.follower.begin()
-    try:
-        wait_until("proxy /health 200 (Triton)", lambda: unit.health() == 200, h.left(900), 0.25)
-    except TimeoutError as error:
-        r.check("T1. Triton unit forms, proxy /health 200", False, f"{error}; {unit.describe()}")
+    formed, session1 = unit.form("T1. Triton unit forms, proxy /health 200", "triton_formation_s",
+                                 "proxy /health 200 (Triton)", without_exits=False)
+    if not formed:
         return
-    r.figure("triton_formation_s", time.monotonic() - started)
-    session1 = unit.whole_session()
-    r.check("T1. Triton unit forms, proxy /health 200", session1 is not None, unit.describe())
 
     # T2. KServe metadata, generate_stream (SSE) and generate through the proxy; lockstep.
     meta_code, meta = http_get(f"{base}/v2/models/{model}", timeout=10)

@@ -259,6 +259,28 @@ class Unit:
             return str(s["session_id"])
         return None
 
+    def form(self, check: str, figure: str, waiting_for: str, without_exits: bool) -> tuple[bool, str | None]:
+        """Formation (unit mode's step 1, triton mode's T1): both tasks begin; /health through the proxy
+        must turn 200 (report check `check`), the time it took is figure `figure`, and a whole session
+        must serve (with no task exit so far when `without_exits`; triton mode's T1 never asked that).
+
+        (False, None) when /health never turned 200: the check has failed and the mode stops there;
+        else (True, the session id or None)."""
+        r = self.h.report
+        started = time.monotonic()
+        self.leader.begin()
+        self.follower.begin()
+        try:
+            wait_until(waiting_for, lambda: self.health() == 200, self.h.left(900), 0.25)
+        except TimeoutError as error:
+            r.check(check, False, f"{error}; {self.describe()}")
+            return False, None
+        r.figure(figure, time.monotonic() - started)
+        session = self.whole_session()
+        no_exits = not self.leader.exits and not self.follower.exits
+        r.check(check, session is not None and (no_exits or not without_exits), self.describe())
+        return True, session
+
     def describe(self) -> str:
         return (f"leader exits {[e.code for e in self.leader.exits]}, follower exits "
                 f"{[e.code for e in self.follower.exits]}, proxy alive {self.proxy.alive()}, "
@@ -464,18 +486,10 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
     base = f"http://127.0.0.1:{ports.proxy}/v1"
 
     # 1. The unit forms; /health through the proxy turns 200.
-    started = time.monotonic()
-    unit.leader.begin()
-    unit.follower.begin()
-    try:
-        wait_until("proxy /health 200", lambda: unit.health() == 200, h.left(900), 0.25)
-    except TimeoutError as error:
-        r.check("1. unit forms, proxy /health 200", False, f"{error}; {unit.describe()}")
+    formed, session1 = unit.form("1. unit forms, proxy /health 200", "formation_s", "proxy /health 200",
+                                 without_exits=True)
+    if not formed:
         return
-    r.figure("formation_s", time.monotonic() - started)
-    session1 = unit.whole_session()
-    r.check("1. unit forms, proxy /health 200", session1 is not None and not unit.leader.exits
-            and not unit.follower.exits, unit.describe())
     check_ready_phase(h, unit, spec, loss)
     assert unit.leader.current is not None and unit.follower.current is not None
     check_formation_manifest(h, unit.leader.current.log_path, unit.follower.current.log_path, compiled.key)

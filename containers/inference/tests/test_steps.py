@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import types
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -195,20 +196,36 @@ def _executor_record_by(step_dir: Path, keep_running: bool) -> subprocess.Popen:
     return proc
 
 
-def test_the_leaders_engine_core_gone_while_its_front_end_runs_ends_the_session(tmp_path, h):
-    """Triton keeps serving a dead model (readiness stays true): the leader's launcher must see the engine
-    core's exit itself, from the pid in the executor's record, and end the session as the engine's exit."""
+@pytest.fixture
+def serving_session(tmp_path: Path, h: SimpleNamespace) -> rendezvous.LeaderSession:
+    """A two-node leader session in `serving` (its follower ready), its step directory made in tmp_path."""
     session = rendezvous.LeaderSession(parse_spec(h.cpu_spec(2, record_dir=tmp_path)), "127.0.0.1", "i-leader")
     session.members["i-f1"] = rendezvous.Member("127.0.0.2", "i-f1", 0.0, 1e12, ready=True)
     session.mark_ready()
     session.step_dir.mkdir(parents=True, exist_ok=True)
-    alive = _executor_record_by(session.step_dir, keep_running=True)
-    try:
-        session.check_executor()
-        assert session.end_reason is None and session.state == rendezvous.SERVING
-    finally:
-        alive.kill()
-        alive.wait()
+    return session
+
+
+@pytest.fixture
+def live_executor(serving_session: rendezvous.LeaderSession) -> Iterator[subprocess.Popen]:
+    """The session's engine core: it wrote the executor's record and keeps running until killed (by the
+    test, or here at the end so that a failed assertion leaves no process behind)."""
+    alive = _executor_record_by(serving_session.step_dir, keep_running=True)
+    yield alive
+    alive.kill()  # a no-op once the test has reaped it (Popen.send_signal checks returncode)
+    alive.wait()
+
+
+def test_the_leaders_engine_core_gone_while_its_front_end_runs_ends_the_session(
+    serving_session: rendezvous.LeaderSession, live_executor: subprocess.Popen
+) -> None:
+    """Triton keeps serving a dead model (readiness stays true): the leader's launcher must see the engine
+    core's exit itself, from the pid in the executor's record, and end the session as the engine's exit."""
+    session = serving_session
+    session.check_executor()
+    assert session.end_reason is None and session.state == rendezvous.SERVING
+    live_executor.kill()
+    live_executor.wait()
     gone = _executor_record_by(session.step_dir, keep_running=False)
     gone.wait()
     session.check_executor()
@@ -216,21 +233,15 @@ def test_the_leaders_engine_core_gone_while_its_front_end_runs_ends_the_session(
     assert not steps.process_alive(gone.pid) and steps.process_alive(os.getpid())
 
 
-def test_a_front_end_that_saw_its_engine_die_ends_the_session_at_the_next_tick(tmp_path, h):
+def test_a_front_end_that_saw_its_engine_die_ends_the_session_at_the_next_tick(
+    serving_session: rendezvous.LeaderSession, live_executor: subprocess.Popen
+) -> None:
     """The engine core can outlive its dead worker by seconds (6 s in an e2e-triton run): the Triton backend,
     which sees AsyncLLM errored first, writes the marker and the launcher ends the session on it."""
-    session = rendezvous.LeaderSession(parse_spec(h.cpu_spec(2, record_dir=tmp_path)), "127.0.0.1", "i-leader")
-    session.members["i-f1"] = rendezvous.Member("127.0.0.2", "i-f1", 0.0, 1e12, ready=True)
-    session.mark_ready()
-    session.step_dir.mkdir(parents=True, exist_ok=True)
-    alive = _executor_record_by(session.step_dir, keep_running=True)
-    try:
-        session.check_executor()
-        assert session.end_reason is None
-        records.mark_engine_dead(session.step_dir, "Triton's vllm backend: AsyncLLM errored")
-        assert steps.engine_dead(session.step_dir) == "Triton's vllm backend: AsyncLLM errored"
-        session.check_executor()
-        assert session.cause == "engine_exit" and "AsyncLLM errored" in str(session.end_reason)
-    finally:
-        alive.kill()
-        alive.wait()
+    session = serving_session
+    session.check_executor()
+    assert session.end_reason is None
+    records.mark_engine_dead(session.step_dir, "Triton's vllm backend: AsyncLLM errored")
+    assert steps.engine_dead(session.step_dir) == "Triton's vllm backend: AsyncLLM errored"
+    session.check_executor()
+    assert session.cause == "engine_exit" and "AsyncLLM errored" in str(session.end_reason)

@@ -17,12 +17,10 @@ from aiohttp import web
 from unit_proxy.agent import ProxyState, Running, start
 from unit_proxy.settings import Settings
 
+from .fake_stream import CuedStreams, sse
+
 LOOPBACK = "127.0.0.1"
 _PROBES = frozenset(("/health", "/metrics", "/v2/health/ready"))
-
-
-def sse(obj: Any) -> bytes:
-    return f"data: {json.dumps(obj)}\n\n".encode()
 
 
 def completion_chunk(i: int, text: str, chat: bool) -> dict[str, Any]:
@@ -43,16 +41,18 @@ def completion_chunk(i: int, text: str, chat: bool) -> dict[str, Any]:
     }
 
 
-class FakeEngine:
+class FakeEngine(CuedStreams):
     """An OpenAI-style engine that streams, fails, stalls and crashes on cue.
 
     The cue is the `x-cue` request header: stream (default), error500, stall, stall_mid,
     crash, reset, slow (waits `slow_seconds`, then answers as stream does; `slow_in_flight`
     counts those waiting). `x-tokens` and `x-gap` set the stream's length and pace, `x-pad`
-    adds that many bytes to each token.
+    adds that many bytes to each token. The stream cues (stall_mid, crash) are played by
+    fake_stream.CuedStreams, as FakeTriton's are.
     """
 
     def __init__(self) -> None:
+        super().__init__()
         self.healthy = True
         self.default_cue = "stream"  # what a request without an x-cue header plays
         self.slow_seconds = 0.0  # how long the `slow` cue waits before answering
@@ -65,10 +65,6 @@ class FakeEngine:
             'vllm:kv_cache_usage_perc{model_name="m"} 0.42\n'
             'vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 5.0\n'
         )
-        self.started = 0
-        self.finished = 0
-        self.cancelled = 0
-        self.cancelled_at: float | None = None
         self.bodies: list[bytes] = []
         self.seen_headers: list[dict[str, str]] = []  # of each completion request
         self.data_requests = 0  # every request but the proxy's health and metrics probes
@@ -154,26 +150,9 @@ class FakeEngine:
                     "choices": [{"index": 0, "text": text, "finish_reason": "stop"}],
                 }
             )
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        try:
-            for i in range(tokens):
-                await resp.write(sse(completion_chunk(i, f"tok{i} {pad}", chat)))
-                if cue == "stall_mid":
-                    await asyncio.sleep(3600)
-                if cue == "crash" and i == 1:
-                    assert request.transport is not None
-                    request.transport.abort()
-                    await asyncio.sleep(3600)
-                await asyncio.sleep(gap)
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
-        except asyncio.CancelledError:
-            self.cancelled += 1
-            self.cancelled_at = time.monotonic()
-            raise
-        self.finished += 1
-        return resp
+        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        events = (sse(completion_chunk(i, f"tok{i} {pad}", chat)) for i in range(tokens))
+        return await self.play_stream(request, headers, events, cue, gap, trailer=b"data: [DONE]\n\n")
 
     async def _triton_stream(self, request: web.Request) -> web.StreamResponse:
         """Triton's generate_stream: SSE events carrying `text_output`."""

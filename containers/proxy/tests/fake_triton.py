@@ -22,18 +22,18 @@ triton-inference-server/server at e1db8a603d863b1317ee859bdeea2be19959462e):
   metrics (the interface agreed with the engine image, helper-notes TRITON-INTERFACE.md).
 
 Cues, as FakeEngine's: header `x-cue` stream (default), error500, stall_mid, crash; `x-gap`
-seconds between tokens.
+seconds between tokens (the stream cues played by fake_stream.CuedStreams, which FakeEngine shares).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
-import time
 from typing import Any
 
 from aiohttp import web
+
+from .fake_stream import CuedStreams, sse
 
 LOOPBACK = "127.0.0.1"
 
@@ -90,10 +90,11 @@ def triton_metrics(model: str, pending: int, waiting: int | None, running: int |
     return "\n".join(lines) + "\n"
 
 
-class FakeTriton:
+class FakeTriton(CuedStreams):
     """Triton's HTTP front end (`url`) and metrics port (`metrics_url`) for one model."""
 
     def __init__(self, model: str = "llm") -> None:
+        super().__init__()
         self.model = model
         self.ready = True
         self.model_ready = True  # the model's state in the repository index (READY or UNAVAILABLE)
@@ -103,7 +104,6 @@ class FakeTriton:
         self.generate_bodies: list[dict[str, Any]] = []
         self.generate_answer: dict[str, Any] | None = None  # overrides the non-streamed answer
         self.generate_status = 200
-        self.started = self.finished = self.cancelled = 0
         self.url = ""
         self.metrics_url = ""
         self._runners: list[web.AppRunner] = []
@@ -225,26 +225,11 @@ class FakeTriton:
             answer = self.generate_answer or {"model_name": self.model, "model_version": "1", "text_output": text}
             self.finished += 1
             return web.json_response(answer)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
-        await resp.prepare(request)
-        try:
-            for i in range(tokens):
-                event = {"model_name": self.model, "model_version": "1", "text_output": f"tok{i} "}
-                await resp.write(f"data: {json.dumps(event)}\n\n".encode())
-                if cue == "stall_mid":
-                    await asyncio.sleep(3600)
-                if cue == "crash" and i == 1:
-                    assert request.transport is not None
-                    request.transport.abort()
-                    await asyncio.sleep(3600)
-                await asyncio.sleep(gap)
-            await resp.write_eof()
-        except asyncio.CancelledError:
-            self.cancelled += 1
-            self.cancelled_at = time.monotonic()
-            raise
-        self.finished += 1
-        return resp
+        # No trailer: Triton's stream simply ends (no `[DONE]` event, unlike the OpenAI server).
+        events = (
+            sse({"model_name": self.model, "model_version": "1", "text_output": f"tok{i} "}) for i in range(tokens)
+        )
+        return await self.play_stream(request, {"Content-Type": "text/event-stream; charset=utf-8"}, events, cue, gap)
 
 
 def _error(status: int, message: str) -> web.Response:
