@@ -254,6 +254,29 @@ def test_a_fronted_cell_publishes_its_alb_as_an_endpoint_service(synth_router, c
         "Name": f"/{cell}/router/endpoint-service"})
 
 
+@pytest.mark.parametrize(("cell", "port"), [("Rufus-Cell-dev", 80), ("Rufus-Cell-prod", 443)])
+def test_a_fronted_cells_alb_admits_the_nlbs_private_ips_whatever_its_client_cidrs(synth_router, cell: str,
+                                                                                   port: int) -> None:
+    """PrivateLink traffic reaches the ALB from the NLB's private IPs while the NLB does not evaluate inbound rules
+    for it (target-group-register-targets.html#target-security-groups): the ALB's group admits the NLB's subnets'
+    CIDRs on the listener port, also in prod, whose client_cidrs (192.168.0.0/16) do not cover its VPC."""
+    template = synth_router.template_json(cell)["Resources"]
+    (nlb,) = [r["Properties"] for r in template.values()
+              if r["Type"] == "AWS::ElasticLoadBalancingV2::LoadBalancer" and r["Properties"]["Type"] == "network"]
+    nlb_cidrs = {template[ref["Ref"]]["Properties"]["CidrBlock"] for ref in nlb["Subnets"]}
+    assert len(nlb_cidrs) == 2
+    (alb,) = [r["Properties"] for r in template.values()
+              if r["Type"] == "AWS::ElasticLoadBalancingV2::LoadBalancer" and r["Properties"]["Type"] == "application"]
+    (alb_group,) = [ref["Fn::GetAtt"][0] for ref in alb["SecurityGroups"]]
+    rules = template[alb_group]["Properties"].get("SecurityGroupIngress", []) + [
+        r["Properties"] for r in template.values() if r["Type"] == "AWS::EC2::SecurityGroupIngress"
+        and r["Properties"]["GroupId"] == {"Fn::GetAtt": [alb_group, "GroupId"]}]
+    admitted = {r["CidrIp"] for r in rules if "CidrIp" in r and (r["FromPort"], r["ToPort"]) == (port, port)}
+    assert nlb_cidrs <= admitted, f"{cell}'s ALB admits {sorted(admitted)} on {port}, not the NLB's {sorted(nlb_cidrs)}"
+    if cell == "Rufus-Cell-prod":
+        assert "10.11.0.0/16" not in admitted  # the test's premise: client_cidrs alone would not admit the NLB
+
+
 def test_a_cell_no_router_fronts_is_as_in_a_fleet_without_routers(synth_router, synth) -> None:
     raw, _ = read_fleet_file(FLEET)
     raw = copy.deepcopy(raw)
