@@ -58,6 +58,25 @@ def test_at_least_two_tasks_spread_over_two_azs(synth_router) -> None:
     template.resource_count_is("AWS::EC2::Route", 0)
 
 
+def test_the_service_is_created_after_its_task_policy_and_the_alias_records_its_tasks_resolve(synth_router) -> None:
+    """The task policy (a managed policy of its own) and the private hosted zone's alias record (prod's
+    certificate name) are referenced by nothing in the service: only DependsOn orders them before the tasks."""
+    from aws_cdk.assertions import Match
+
+    resources = synth_router.template_json(ROUTER)["Resources"]
+    policies = [k for k, r in resources.items() if r["Type"] == "AWS::IAM::ManagedPolicy"
+                and r["Properties"].get("Roles") == [{"Ref": _task_role(resources)}]]
+    records = [k for k, r in resources.items() if r["Type"] == "AWS::Route53::RecordSet"]
+    assert len(policies) == 1 and len(records) == 1  # prod is the one HTTPS cell with a tls_name
+    synth_router.templates[ROUTER].has_resource("AWS::ECS::Service", {
+        "DependsOn": Match.array_with(sorted(policies + records))})
+
+
+def _task_role(resources: dict[str, Any]) -> str:
+    (task,) = [r["Properties"] for r in resources.values() if r["Type"] == "AWS::ECS::TaskDefinition"]
+    return task["TaskRoleArn"]["Fn::GetAtt"][0]
+
+
 def test_listener_is_https_with_the_fleets_certificate_on_an_internal_alb(synth_router) -> None:
     _, listener = _one(synth_router, ROUTER, "AWS::ElasticLoadBalancingV2::Listener")
     assert (listener["Port"], listener["Protocol"]) == (443, "HTTPS")
