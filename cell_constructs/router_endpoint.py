@@ -78,9 +78,11 @@ class RouterEndpoint(Construct):
             self, "SecurityGroup", vpc=vpc, allow_all_outbound=False,
             description="Router endpoint NLB: to the load balancer listener of the cell only",
         )
-        # Both sides: out of the NLB's group, into the ALB's (whatever cells[].client_cidrs admits).
+        # Both sides: out of the NLB's group, into the ALB's (whatever cells[].client_cidrs admits). The group
+        # reference admits the NLB's health checks; the routers' PrivateLink traffic needs the rule below.
         load_balancer_group.connections.allow_from(
             self.security_group, ec2.Port.tcp(listener_port), "router endpoint NLB to the load balancer listener")
+        self._admit_privatelink_traffic(vpc, subnets, load_balancer_group, listener_port)
         self.load_balancer = elbv2.NetworkLoadBalancer(
             self, "Nlb", vpc=vpc, vpc_subnets=subnets, internet_facing=False, cross_zone_enabled=True,
             security_groups=[self.security_group], deletion_protection=deletion_protection,
@@ -113,6 +115,27 @@ class RouterEndpoint(Construct):
             description=f"PrivateLink endpoint service of {stack_name} for the cell routers (read by their stacks)",
         )
         self._acknowledge(https, deletion_protection)
+
+    @staticmethod
+    def _admit_privatelink_traffic(vpc: ec2.IVpc, subnets: ec2.SubnetSelection,
+                                   load_balancer_group: ec2.ISecurityGroup, listener_port: int) -> None:
+        """The ALB admits the NLB's subnets on its listener port: PrivateLink traffic arrives from the NLB's
+        private IPs, not from its security group, while inbound rules are not evaluated for it.
+
+        "The source IP of the AWS PrivateLink traffic is always the private IP address of the Network Load
+        Balancer" (https://docs.aws.amazon.com/elasticloadbalancing/latest/network/edit-target-group-attributes.html,
+        Client IP preservation); the NLB guide's "Target security groups" section
+        (https://docs.aws.amazon.com/elasticloadbalancing/latest/network/target-group-register-targets.html#target-security-groups)
+        says to allow the load balancer's private IP addresses when it does not evaluate inbound rules for
+        PrivateLink traffic (that section's wording as a reviewer quoted it from the docs.amazonaws.cn mirror).
+        Without this rule the ALB admits the routers only when cells[].client_cidrs happens to cover the NLB's
+        subnets (its default, the cell's VPC), and drops them otherwise while the NLB's health checks pass.
+        The NLB's private IPs are in its subnets (one per subnet), so their CIDRs bound them."""
+        for subnet in vpc.select_subnets(subnet_group_name=subnets.subnet_group_name,
+                                         subnets=subnets.subnets).subnets:
+            load_balancer_group.add_ingress_rule(
+                ec2.Peer.ipv4(subnet.ipv4_cidr_block), ec2.Port.tcp(listener_port),
+                f"router endpoint NLB (PrivateLink traffic from its private IPs in {subnet.availability_zone})")
 
     def _acknowledge(self, https: bool, deletion_protection: bool) -> None:
         no_logs = ("An NLB writes access logs only for TLS listeners; this TCP listener passes the bytes to the "

@@ -60,6 +60,8 @@ class RouterNetwork(Construct):
         self.cidr = cidr
         self.vpc = self._vpc(cidr, availability_zones)
         self.subnets = ec2.SubnetSelection(subnet_group_name=SUBNET_GROUP)
+        # The private hosted zones' alias records (HTTPS cells): the router service is ordered after them.
+        self.cell_records: list[route53.ARecord] = []
         # Interface endpoints: HTTPS from the router VPC. The CIDR is literal so the policy checks can read it.
         self.endpoint_group = ec2.SecurityGroup(
             self, "EndpointSecurityGroup", vpc=self.vpc, allow_all_outbound=False,
@@ -121,8 +123,9 @@ class RouterNetwork(Construct):
             self, f"Zone-{cell}", zone_name=tls_name, vpc=self.vpc,
             comment=f"Cell {cell} as the router reaches it: its certificate's name -> its PrivateLink endpoint",
         )
-        route53.ARecord(self, f"Alias-{cell}", zone=zone,
-                        target=route53.RecordTarget.from_alias(route53_targets.InterfaceVpcEndpointTarget(endpoint)))
+        self.cell_records.append(route53.ARecord(
+            self, f"Alias-{cell}", zone=zone,
+            target=route53.RecordTarget.from_alias(route53_targets.InterfaceVpcEndpointTarget(endpoint))))
         return endpoint, f"https://{tls_name}:{port}"
 
     def _flow_logs(self, encryption_key: kms.IKey, log_retention: logs.RetentionDays) -> None:

@@ -115,6 +115,9 @@ class RouterService(Construct):
             health_check_grace_period=Duration.seconds(60),
             propagate_tags=ecs.PropagatedTagSource.SERVICE,
         )
+        # The policy is a resource of its own, attached to the role: CDK orders the service after the role
+        # only, so without this the first tasks could start before they may read the evacuation parameter.
+        self.service.node.add_dependency(self.task_policy)
 
     def _task_role(self, ssm_prefix_arn: str) -> iam.Role:
         """The router's SSM parameters (`python -m inference_fleet evacuate`, the agent's SSM polling); nothing else.
@@ -127,7 +130,7 @@ class RouterService(Construct):
         role = iam.Role(self, "TaskRole", assumed_by=iam.ServicePrincipal("ecs-tasks.amazonaws.com"),
                         description="Cell router tasks: read the evacuation parameter, write their own reports")
         reports = f"{ssm_prefix_arn}/tasks/*"
-        iam.ManagedPolicy(
+        self.task_policy = iam.ManagedPolicy(
             self, "TaskPolicy", roles=[role],
             description="Read the router's evacuation parameter; write and delete its task reports",
             statements=[
@@ -135,7 +138,7 @@ class RouterService(Construct):
                 iam.PolicyStatement(actions=["ssm:PutParameter", "ssm:DeleteParameter"], resources=[reports]),
             ],
         )
-        acknowledge(self.node.find_child("TaskPolicy"), (
+        acknowledge(self.task_policy, (
             f"AwsSolutions-IAM5[Resource::{reports}]",
             "Each router task writes and deletes its own report parameter, named after its task id, which is "
             "known only at run time; limited to this router's reports path"))

@@ -102,6 +102,10 @@ class RouterStack(Stack):
             ssm_prefix_arn=self.format_arn(service="ssm", resource="parameter", resource_name=self.ssm_prefix[1:]),
             encryption_key=self.key, log_retention=retention,
         )
+        # The tasks resolve an HTTPS cell's certificate name through its alias record, which nothing in the
+        # service's properties references: without this the first tasks could start before it exists.
+        for record in self.network.cell_records:
+            self.service.service.node.add_dependency(record)
         self._connect()
         pipeline = fleet.pipeline
         self.alarms = RouterAlarms(

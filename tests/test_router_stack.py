@@ -58,6 +58,25 @@ def test_at_least_two_tasks_spread_over_two_azs(synth_router) -> None:
     template.resource_count_is("AWS::EC2::Route", 0)
 
 
+def test_the_service_is_created_after_its_task_policy_and_the_alias_records_its_tasks_resolve(synth_router) -> None:
+    """The task policy (a managed policy of its own) and the private hosted zone's alias record (prod's
+    certificate name) are referenced by nothing in the service: only DependsOn orders them before the tasks."""
+    from aws_cdk.assertions import Match
+
+    resources = synth_router.template_json(ROUTER)["Resources"]
+    policies = [k for k, r in resources.items() if r["Type"] == "AWS::IAM::ManagedPolicy"
+                and r["Properties"].get("Roles") == [{"Ref": _task_role(resources)}]]
+    records = [k for k, r in resources.items() if r["Type"] == "AWS::Route53::RecordSet"]
+    assert len(policies) == 1 and len(records) == 1  # prod is the one HTTPS cell with a tls_name
+    synth_router.templates[ROUTER].has_resource("AWS::ECS::Service", {
+        "DependsOn": Match.array_with(sorted(policies + records))})
+
+
+def _task_role(resources: dict[str, Any]) -> str:
+    (task,) = [r["Properties"] for r in resources.values() if r["Type"] == "AWS::ECS::TaskDefinition"]
+    return task["TaskRoleArn"]["Fn::GetAtt"][0]
+
+
 def test_listener_is_https_with_the_fleets_certificate_on_an_internal_alb(synth_router) -> None:
     _, listener = _one(synth_router, ROUTER, "AWS::ElasticLoadBalancingV2::Listener")
     assert (listener["Port"], listener["Protocol"]) == (443, "HTTPS")
@@ -252,6 +271,29 @@ def test_a_fronted_cell_publishes_its_alb_as_an_endpoint_service(synth_router, c
     assert permissions["AllowedPrincipals"] == ["arn:aws:iam::111111111111:root"]
     synth_router.templates[cell].has_resource_properties("AWS::SSM::Parameter", {
         "Name": f"/{cell}/router/endpoint-service"})
+
+
+@pytest.mark.parametrize(("cell", "port"), [("Rufus-Cell-dev", 80), ("Rufus-Cell-prod", 443)])
+def test_a_fronted_cells_alb_admits_the_nlbs_private_ips_whatever_its_client_cidrs(synth_router, cell: str,
+                                                                                   port: int) -> None:
+    """PrivateLink traffic reaches the ALB from the NLB's private IPs while the NLB does not evaluate inbound rules
+    for it (target-group-register-targets.html#target-security-groups): the ALB's group admits the NLB's subnets'
+    CIDRs on the listener port, also in prod, whose client_cidrs (192.168.0.0/16) do not cover its VPC."""
+    template = synth_router.template_json(cell)["Resources"]
+    (nlb,) = [r["Properties"] for r in template.values()
+              if r["Type"] == "AWS::ElasticLoadBalancingV2::LoadBalancer" and r["Properties"]["Type"] == "network"]
+    nlb_cidrs = {template[ref["Ref"]]["Properties"]["CidrBlock"] for ref in nlb["Subnets"]}
+    assert len(nlb_cidrs) == 2
+    (alb,) = [r["Properties"] for r in template.values()
+              if r["Type"] == "AWS::ElasticLoadBalancingV2::LoadBalancer" and r["Properties"]["Type"] == "application"]
+    (alb_group,) = [ref["Fn::GetAtt"][0] for ref in alb["SecurityGroups"]]
+    rules = template[alb_group]["Properties"].get("SecurityGroupIngress", []) + [
+        r["Properties"] for r in template.values() if r["Type"] == "AWS::EC2::SecurityGroupIngress"
+        and r["Properties"]["GroupId"] == {"Fn::GetAtt": [alb_group, "GroupId"]}]
+    admitted = {r["CidrIp"] for r in rules if "CidrIp" in r and (r["FromPort"], r["ToPort"]) == (port, port)}
+    assert nlb_cidrs <= admitted, f"{cell}'s ALB admits {sorted(admitted)} on {port}, not the NLB's {sorted(nlb_cidrs)}"
+    if cell == "Rufus-Cell-prod":
+        assert "10.11.0.0/16" not in admitted  # the test's premise: client_cidrs alone would not admit the NLB
 
 
 def test_a_cell_no_router_fronts_is_as_in_a_fleet_without_routers(synth_router, synth) -> None:

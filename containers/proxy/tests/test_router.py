@@ -48,6 +48,9 @@ def test_rendered_config_passes_haproxy_check(cells: str, retry: str, tmp_path: 
     assert done.returncode == 0, done.stderr + text
     assert ("retry-on conn-failure empty-response 502 503" in text) == (retry == "1")
     assert "server a " in text and "weight 10" in text and "balance leastconn" in text
+    # TCP keep-alive towards the cells, in their backend (PrivateLink may drop a connection idle for 350 s).
+    backend = text[text.index("\nbackend cells\n"):]
+    assert all(f"\n    {line}\n" in backend for line in ("option srvtcpka", "srvtcpka-idle 60s", "srvtcpka-intvl 30s"))
 
 
 @pytest.mark.parametrize(("env", "named"), [
@@ -305,3 +308,72 @@ def test_an_evacuation_file_that_is_not_utf8_is_a_file_error_not_a_dead_poll_loo
     path.write_bytes(b'{"evacuated": ["\xff"]}')
     with pytest.raises(EvacuationFileError, match="not UTF-8"):
         read_evacuation(str(path), {"a", "b"})
+
+
+def _tcp_timer(local_port: int) -> tuple[int, float]:
+    """(timer kind, seconds until it fires) of the IPv4 loopback socket bound to local_port, from /proc/net/tcp:
+    kind 2 is the keep-alive timer (the kernel's get_tcp4_sock), the delay is in clock ticks (USER_HZ)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].split(":")[1], 16) == local_port and fields[3] == "01":  # ESTABLISHED
+            kind, when = fields[5].split(":")
+            return int(kind, 16), int(when, 16) / ticks
+    raise AssertionError(f"no established socket on local port {local_port} in /proc/net/tcp")
+
+
+def test_haproxy_arms_tcp_keepalive_on_its_connection_to_a_cell(tmp_path: Path) -> None:
+    """What `render` ships, run: while a cell is silent on a request, HAProxy's connection to it has the
+    keep-alive timer armed for srvtcpka-idle (60 s), where without `option srvtcpka` it has no timer at all."""
+    import threading
+    import time
+
+    held: list[socket.socket] = []
+    peer_port: list[int] = []
+    cell = socket.create_server((LOOPBACK, 0))
+    cell_port = cell.getsockname()[1]
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, addr = cell.accept()
+            except OSError:
+                return
+            request = conn.recv(65536)
+            if b" /health " in request:
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                conn.close()
+            else:  # the silent prefill: hold it, answer nothing
+                held.append(conn)
+                peer_port.append(addr[1])
+
+    threading.Thread(target=serve, daemon=True).start()
+    port = _free_port()
+    text = render(RouterSettings.from_env({"ROUTER_CELLS": f"a=http://{LOOPBACK}:{cell_port}"}),
+                  RouterPaths(str(tmp_path), 3)).replace("bind fd@3", f"bind {LOOPBACK}:{port}")
+    (tmp_path / "c.cfg").write_text(text)
+    proc = subprocess.Popen(["haproxy", "-db", "-f", str(tmp_path / "c.cfg")], stderr=subprocess.PIPE)
+    try:
+        client = None
+        for _ in range(100):
+            try:
+                client = socket.create_connection((LOOPBACK, port), timeout=0.1)
+                break
+            except OSError:
+                time.sleep(0.05)
+        assert client is not None, "haproxy did not listen"
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-length: 2\r\n\r\n{}")
+        for _ in range(100):
+            if peer_port:
+                break
+            time.sleep(0.05)
+        assert peer_port, "the request never reached the cell"
+        kind, seconds = _tcp_timer(peer_port[0])
+        assert kind == 2 and 50 < seconds <= 60, (kind, seconds)
+        client.close()
+    finally:
+        proc.kill()
+        proc.wait()
+        cell.close()
+        for conn in held:
+            conn.close()

@@ -330,6 +330,15 @@ def render(settings: RouterSettings, paths: RouterPaths) -> str:
         # 4.2 "balance leastconn": the cell with the fewest open streams relative to its weight.
         "    balance leastconn",
         *retry,
+        # 4.2 "option srvtcpka", "srvtcpka-idle", "srvtcpka-intvl": TCP keep-alive probes on the connections
+        # to the cells after 60 s of silence, then every 30 s. The path runs through a PrivateLink interface
+        # endpoint, reported to close TCP connections idle for 350 s (aws/aws-sdk-js-v3#3624, third-party;
+        # no AWS statement found: docs/router.md "Verified only on paper"), and a non-streamed answer or a
+        # long prefill can be silent longer than that. Probes are not data: the ALB's HTTP idle timeout
+        # still applies beyond them.
+        "    option srvtcpka",
+        "    srvtcpka-idle 60s",
+        "    srvtcpka-intvl 30s",
         # 4.2 "option httpchk", "http-check send/expect": a cell is up while its load balancer's
         # GET /health answers 200: an ALB routes only to healthy targets while it has one (a serving
         # unit's proxy answers 200) and fails open to all when none is (each proxy answers 503).
