@@ -504,6 +504,10 @@ class CellStack(Stack):
                     actions=["s3:ListBucket"], resources=[bucket_arn],
                     conditions={"StringLike": {"s3:prefix": [f"{model.prefix}*"]}},
                 ),
+                # DiscoverInstances takes no resource type and the condition keys servicediscovery:NamespaceName
+                # and ServiceName (Service Authorization Reference, AWS Cloud Map, Actions table:
+                # https://docs.aws.amazon.com/service-authorization/latest/reference/list_awscloudmap.html;
+                # also awsdocs/iam-user-guide doc_source/list_awscloudmap.md at c9017e1cee0b0bedbf5a2b5be3b0724e80d45fd7).
                 iam.PolicyStatement(
                     actions=["servicediscovery:DiscoverInstances"], resources=["*"],
                     conditions={"StringEquals": {
