@@ -103,6 +103,8 @@ class RouterStack(Stack):
             encryption_key=self.key, log_retention=retention,
         )
         self._connect()
+        # Deletion protection only once the router tasks are stable: a failed first create rolls back.
+        self.load_balancer.protect_after([self.service.service])
         pipeline = fleet.pipeline
         self.alarms = RouterAlarms(
             self, "Alarms",
