@@ -37,6 +37,7 @@ from aws_cdk import aws_iam as iam
 from aws_cdk import aws_ssm as ssm
 from constructs import Construct
 
+from cell_constructs.deletion_protection import create_unprotected
 from cell_constructs.nag import acknowledge
 from cell_constructs.unit_load_balancer import HEALTH_CHECK_PATH
 
@@ -94,6 +95,8 @@ class RouterEndpoint(Construct):
             # NLB's health checks are "subject to outbound rules, but not inbound rules" (the same page).
             enforce_security_group_inbound_rules_on_private_link_traffic=False,
         )
+        if deletion_protection:  # switched on after the cell's services (CellStack, deletion_protection.py)
+            create_unprotected(self.load_balancer, "router endpoint")
         self.listener = self.load_balancer.add_listener("Tcp", port=listener_port, protocol=elbv2.Protocol.TCP)
         self.listener.set_attribute("tcp.idle_timeout.seconds", str(idle))
         self.listener.add_targets(

@@ -18,6 +18,7 @@ from aws_cdk import aws_s3 as s3
 from aws_cdk import aws_wafv2 as wafv2
 from constructs import Construct
 
+from cell_constructs.deletion_protection import create_unprotected, protect_after
 from cell_constructs.nag import acknowledge
 
 HEALTH_CHECK_PATH = "/health"
@@ -51,6 +52,7 @@ class UnitLoadBalancer(Construct):
         super().__init__(scope, construct_id)
         self._encryption_key, self._log_retention = encryption_key, log_retention
         self._target_type, self._health_check_path, self._owner = target_type, health_check_path, owner
+        self._deletion_protection = deletion_protection
         self.web_acl: wafv2.CfnWebACL | None = None
         self.waf_logs: logs.LogGroup | None = None
         self.access_logs = self._access_logs_bucket()
@@ -111,7 +113,7 @@ class UnitLoadBalancer(Construct):
         idle_timeout: Duration,
         deletion_protection: bool,
     ) -> elbv2.ApplicationLoadBalancer:
-        """The ALB: invalid headers dropped, HTTP/2, access logs, deletion protection as configured."""
+        """The ALB: invalid headers dropped, HTTP/2, access logs; deletion protection later (`protect_after`)."""
         alb = elbv2.ApplicationLoadBalancer(
             self,
             "Alb",
@@ -125,7 +127,9 @@ class UnitLoadBalancer(Construct):
             http2_enabled=True,
         )
         alb.log_access_logs(self.access_logs, prefix="alb")
-        if deletion_protection is False:
+        if deletion_protection:
+            create_unprotected(alb, self._owner)
+        else:
             acknowledge(
                 alb,
                 (
@@ -134,6 +138,13 @@ class UnitLoadBalancer(Construct):
                 ),
             )
         return alb
+
+    def protect_after(self, services: list[Construct]) -> None:
+        """Switch deletion protection on once `services` have stabilised (cell_constructs/deletion_protection.py);
+        nothing when the fleet file switches it off."""
+        if self._deletion_protection:
+            protect_after(self, "DeletionProtection", self.load_balancer, services,
+                          encryption_key=self._encryption_key, log_retention=self._log_retention)
 
     def _target_group(
         self, vpc: ec2.IVpc, target_port: int, deregistration_delay: Duration
@@ -277,7 +288,11 @@ class UnitLoadBalancer(Construct):
             log_group_name=name,
             encryption_key=self._encryption_key,
             retention=self._log_retention,
-            removal_policy=RemovalPolicy.RETAIN,
+            # Fixed name: kept on update and delete, but deleted when the create that made it rolls
+            # back (DeletionPolicy RetainExceptOnCreate,
+            # https://docs.aws.amazon.com/AWSCloudFormation/latest/UserGuide/aws-attribute-deletionpolicy.html),
+            # or the next create would fail on the name ("already exists").
+            removal_policy=RemovalPolicy.RETAIN_ON_UPDATE_OR_DELETE,
         )
         arn = stack.format_arn(
             service="logs", resource="log-group", resource_name=name, arn_format=ArnFormat.COLON_RESOURCE_NAME

@@ -25,15 +25,17 @@ SPARE_NODES = 1
 # CloudFormation: 500 resources per stack
 # (https://docs.aws.amazon.com/AWSCloudFormation/latest/UserGuide/cloudformation-limits.html).
 # A cell template holds a fixed part and a part per unit, measured from the synthesized
-# templates (about 102 + 9.5 per unit; tests/test_cell_lifecycle.py keeps them true). The fixed part is
+# templates (about 107 + 9.5 per unit; tests/test_cell_lifecycle.py keeps them true). The fixed part is
 # the largest variant (internet-facing with WAF, gate reader role, both images built, the verify
-# gate's group and parameter: 120 resources with one unit, tests/test_fleet_strictness.py).
+# gate's group and parameter, the deletion-protection custom resource with its function, role, policy and
+# log group: 125 resources with one unit, tests/test_fleet_strictness.py).
 CFN_RESOURCE_LIMIT = 500
-CELL_BASE_RESOURCES = 110
+CELL_BASE_RESOURCES = 115
 RESOURCES_PER_UNIT = 10
 # A cell a router fronts also holds its router endpoint (cell_constructs/router_endpoint.py: NLB, listener,
-# target group, security group and its two rules, endpoint service and its permissions, SSM parameter).
-ROUTER_ENDPOINT_RESOURCES = 9
+# target group, security group and its two rules, endpoint service and its permissions, SSM parameter, the NLB's
+# deletion-protection custom resource and its policy).
+ROUTER_ENDPOINT_RESOURCES = 11
 # Boot, ECS registration and the placement controller's sweep before a replaced node's
 # unit starts loading; CloudFormation waits at most 1 h for a rolling-update signal
 # (PauseTime, https://docs.aws.amazon.com/AWSCloudFormation/latest/UserGuide/aws-attribute-updatepolicy.html).

@@ -25,6 +25,7 @@ from aws_cdk import aws_servicediscovery as servicediscovery
 from constructs import Construct, IConstruct
 
 from cell_constructs.cell_alarms import CellAlarms
+from cell_constructs.deletion_protection import protect_after
 from cell_constructs.encryption import allow_cloudwatch_logs
 from cell_constructs.inference_unit import MultiNodeInferenceUnit, UnitImages, UnitPorts
 from cell_constructs.nag import acknowledge
@@ -211,6 +212,12 @@ class CellStack(Stack):
                 for u in self.units for s in u.services
             ])
         self.spares = self._spares()
+        # Protection only once every unit's (and the spares') services are stable: a failed create rolls back.
+        services = [s for u in self.units for s in u.services] + ([self.spares.service] if self.spares else [])
+        self.load_balancer.protect_after(services)
+        if self.router_endpoint is not None and self.cell.deletion_protection:
+            protect_after(self.router_endpoint, "DeletionProtection", self.router_endpoint.load_balancer,
+                          services, encryption_key=self.key, log_retention=retention)
         Aspects.of(self).add(_ServicesAfterCapacityAssociation(self.cluster))
 
     @property
@@ -504,6 +511,10 @@ class CellStack(Stack):
                     actions=["s3:ListBucket"], resources=[bucket_arn],
                     conditions={"StringLike": {"s3:prefix": [f"{model.prefix}*"]}},
                 ),
+                # DiscoverInstances takes no resource type and the condition keys servicediscovery:NamespaceName
+                # and ServiceName (Service Authorization Reference, AWS Cloud Map, Actions table:
+                # https://docs.aws.amazon.com/service-authorization/latest/reference/list_awscloudmap.html;
+                # awsdocs/iam-user-guide doc_source/list_awscloudmap.md at c9017e1cee0b0bedbf5a2b5be3b0724e80d45fd7).
                 iam.PolicyStatement(
                     actions=["servicediscovery:DiscoverInstances"], resources=["*"],
                     conditions={"StringEquals": {

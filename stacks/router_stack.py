@@ -107,6 +107,8 @@ class RouterStack(Stack):
         for record in self.network.cell_records:
             self.service.service.node.add_dependency(record)
         self._connect()
+        # Deletion protection only once the router tasks are stable: a failed first create rolls back.
+        self.load_balancer.protect_after([self.service.service])
         pipeline = fleet.pipeline
         self.alarms = RouterAlarms(
             self, "Alarms",
