@@ -2,7 +2,7 @@
 
 CodePipeline V2 (`aws_codepipeline.Pipeline`, not CDK Pipelines: only the former has
 stage conditions). Source is the fleet's repository through a CodeStar connection; the
-build runs `make test`, synthesizes the cloud assembly and publishes its assets (file
+build synthesizes the cloud assembly (policy checks on), checks the compiled layout and publishes its assets (file
 assets and container images) into each cell's CDK bootstrap resources; the Compile stage
 deploys `<Fleet>-Compile` and runs its AWS Batch job when the build found the fleet's layout
 not compiled yet (cell_constructs.compile_stage); then one stage per wave, in the order of
@@ -193,6 +193,7 @@ class PipelineStack(Stack):
             stages=stages,
         )
         self._name_compile_input([s.stage_name for s in stages].index(COMPILE_STAGE))
+        self._grant_source_connection()
         self._harden_replication_buckets()
         self._grant_gate_reads()
         self._set_cross_account_gate_roles()
@@ -226,6 +227,26 @@ class PipelineStack(Stack):
                              "cross-region copies for cells are made by the pipeline's replication buckets"))
         return bucket
 
+    # -- source ----------------------------------------------------------------------
+
+    def _source_action_role(self) -> iam.IRole:
+        """The role the pipeline creates for the Source action (it has none of its own)."""
+        return self.pipeline.node.find_child("Source").node.find_child("Source").node.find_child(
+            "CodePipelineActionRole")
+
+    def _grant_source_connection(self) -> None:
+        """UseConnection under the service prefix of the connection's own ARN.
+
+        CDK's CodeStarConnectionsSourceAction grants only `codestar-connections:UseConnection`, but a
+        connection created since July 2024 has a `codeconnections` ARN, and "When specifying a resource in
+        the IAM policy, the service prefix needs to match that of the resource"
+        (https://docs.aws.amazon.com/dtconsole/latest/userguide/rename.html)."""
+        arn = self.config.connection_arn
+        prefix = arn.split(":")[2]  # codeconnections or codestar-connections (PipelineConfig's pattern)
+        if prefix != "codestar-connections":
+            self._source_action_role().add_to_principal_policy(iam.PolicyStatement(
+                actions=[f"{prefix}:UseConnection"], resources=[arn]))
+
     # -- build -----------------------------------------------------------------------
 
     def _build_project(self) -> codebuild.PipelineProject:
@@ -238,7 +259,7 @@ class PipelineStack(Stack):
         )
         project = codebuild.PipelineProject(
             self, "Build",
-            description=f"{fleet.name}: make test, cdk synth, publish file and image assets of the cell stacks",
+            description=f"{fleet.name}: cdk synth, compile check, publish file and image assets of the cell stacks",
             environment=codebuild.BuildEnvironment(
                 build_image=codebuild.LinuxBuildImage.STANDARD_7_0,
                 compute_type=codebuild.ComputeType.LARGE,
@@ -254,7 +275,9 @@ class PipelineStack(Stack):
                 "phases": {
                     "install": {"runtime-versions": {"python": "3.11", "nodejs": "20"}},
                     "build": {"commands": [
-                        "make test",
+                        # No `make test`: its `tools` target installs Debian bookworm's haproxy 2.6, which
+                        # this Ubuntu 22.04 image has not; the suite is the repository CI's gate (.ci/run).
+                        # `make synth` sets up the venv and the pinned CLI itself (its `setup` prerequisite).
                         f"make synth{config_arg} CDK_OUT={CLOUD_ASSEMBLY_DIR}",
                         # The compiled artifacts the units will fetch are the fleet's (manifest key and
                         # layout), or no cell deploys: a unit would refuse them after its old one stopped.
@@ -306,12 +329,10 @@ class PipelineStack(Stack):
         """Deploy `<Fleet>-Compile` and run its job when the build found the layout not compiled yet."""
         account, region = compile_job.environment(self.fleet)
         self.compile_run = CompileRun(self, "CompileRun", fleet=self.fleet, key=self.key)
-        deploy_role = iam.Role.from_role_arn(
-            self, "DeployRole-Compile", bootstrap_role_arn(self.partition, account, region, "deploy-role"),
-            mutable=False)
-        execution_role = iam.Role.from_role_arn(
-            self, "CfnExecRole-Compile", bootstrap_role_arn(self.partition, account, region, "cfn-exec-role"),
-            mutable=False)
+        deploy_role = _bootstrap_role(self, "DeployRole-Compile",
+                                      bootstrap_role_arn(self.partition, account, region, "deploy-role"))
+        execution_role = _bootstrap_role(self, "CfnExecRole-Compile",
+                                         bootstrap_role_arn(self.partition, account, region, "cfn-exec-role"))
         return codepipeline.StageProps(stage_name=COMPILE_STAGE, actions=self.compile_run.actions(
             stack_name=compile_job.stack_name(self.fleet), assembly=assembly, request=request,
             deploy_role=deploy_role, execution_role=execution_role, region=region))
@@ -386,14 +407,10 @@ class PipelineStack(Stack):
     ) -> actions.CloudFormationCreateUpdateStackAction:
         """`cdk deploy <cell stack>`: the cell's template, deployed through its account's bootstrap roles."""
         stack_name = self.fleet.cell_stack_name(cell)
-        deploy_role = iam.Role.from_role_arn(
-            self, f"DeployRole-{cell.name}",
-            bootstrap_role_arn(self.partition, cell.account, cell.region, "deploy-role"), mutable=False,
-        )
-        execution_role = iam.Role.from_role_arn(
-            self, f"CfnExecRole-{cell.name}",
-            bootstrap_role_arn(self.partition, cell.account, cell.region, "cfn-exec-role"), mutable=False,
-        )
+        deploy_role = _bootstrap_role(self, f"DeployRole-{cell.name}",
+                                      bootstrap_role_arn(self.partition, cell.account, cell.region, "deploy-role"))
+        execution_role = _bootstrap_role(self, f"CfnExecRole-{cell.name}",
+                                         bootstrap_role_arn(self.partition, cell.account, cell.region, "cfn-exec-role"))
         return actions.CloudFormationCreateUpdateStackAction(
             action_name=f"Deploy-{cell.name}",
             stack_name=stack_name,
@@ -526,8 +543,7 @@ class PipelineStack(Stack):
         inline = ("NIST.800.53.R5-IAMNoInlinePolicy", "CDK-generated policy of a pipeline role, scoped to this "
                   "pipeline's resources and versioned with this stack")
         # The pipeline creates a role for each action without one: the source and the build action.
-        source_role = self.pipeline.node.find_child("Source").node.find_child("Source").node.find_child(
-            "CodePipelineActionRole")
+        source_role = self._source_action_role()
         build_action_role = self.pipeline.node.find_child("Build").node.find_child("TestSynthPublish").node.find_child(
             "CodePipelineActionRole")
         acknowledge(self.pipeline.role, *artifact_findings, inline)
@@ -570,6 +586,20 @@ class PipelineStack(Stack):
             acknowledge(self.pipeline.role, ("AwsSolutions-IAM5[Resource::*]",
                         "CDK grants kms:Encrypt/Decrypt on '*' for the replication buckets' keys in other regions, "
                         "whose ARNs this stack cannot reference; each key's own policy admits only this account"))
+
+
+def _bootstrap_role(scope: Construct, construct_id: str, arn: str) -> iam.IRole:
+    """A CDK bootstrap role, imported unchanged (no policy of this stack is attached to it), whose grants
+    on this stack's resources go into their resource policies instead: the artifact bucket's and its key's.
+
+    A role in this stack's own account would otherwise get nothing: CDK drops the grant to an immutable
+    same-account role (it counts it as added to the role), and the bootstrap template gives the deploy
+    role S3 access only to buckets of other accounts ("Permissions to buckets in same account are granted
+    by bucket policies": aws-cdk bootstrap-template.yaml, DeploymentActionRole, CLI pinned in
+    package-lock.json). CDK Pipelines imports these roles the same way (`addGrantsToResources: true` in
+    aws-cdk-lib pipelines/lib/codepipeline/codepipeline.ts, `roleFromPlaceholderArn`).
+    """
+    return iam.Role.from_role_arn(scope, construct_id, arn, mutable=False, add_grants_to_resources=True)
 
 
 def _access_log_bucket(scope: Construct, construct_id: str) -> s3.Bucket:

@@ -233,7 +233,6 @@ def test_source_and_build(large_synth, default_synth) -> None:
         commands = spec["phases"]["build"]["commands"]
         stacks = " ".join(synth.fleet.cell_stack_name(c) for c in synth.fleet.cells)
         assert commands == [
-            "make test",
             f"make synth CONFIG={synth.file} CDK_OUT=cdk.out",
             "mkdir -p compile-request",
             f"make compile CONFIG={synth.file} "
@@ -368,3 +367,99 @@ def test_the_build_reads_only_the_fleets_manifest(large_synth) -> None:
                                                     "trn1.32xlarge-n4-lnc1-tp128-cp4-adp2-seq8192-bs4/"
                                                     "artifacts-manifest.json"}},
     }]
+
+
+# -- who may read the artifacts -------------------------------------------------------------
+
+
+def _artifact_bucket_and_key(synth: Synth) -> tuple[str, str]:
+    (store,) = [s for s in synth.pipeline["ArtifactStores"] if s["Region"] == synth.fleet.pipeline.region]
+    return store["ArtifactStore"]["Location"]["Ref"], store["ArtifactStore"]["EncryptionKey"]["Id"]["Fn::GetAtt"][0]
+
+
+def _allowed(statements: list[dict], principal: str, action: str) -> list[dict]:
+    """Allow statements naming this role as principal whose actions cover `action` (CDK's `s3:GetObject*`)."""
+    def covers(granted: str) -> bool:
+        return granted == action or (granted.endswith("*") and action.startswith(granted[:-1]))
+    return [s for s in statements if s["Effect"] == "Allow"
+            and principal in _listify(s.get("Principal", {}).get("AWS", []))
+            and any(covers(a) for a in _listify(s["Action"]))]
+
+
+def test_same_account_deploy_roles_may_read_the_artifacts(default_synth) -> None:
+    """The bootstrap deploy role reads same-account buckets only through their bucket policy (bootstrap
+    template: "Permissions to buckets in same account are granted by bucket policies"): CDK must put its
+    grant there, and on the key's policy, not drop it on the imported role."""
+    synth = default_synth
+    template = synth.templates[synth.fleet.pipeline_stack_name]
+    bucket, key = _artifact_bucket_and_key(synth)
+    deploys = {a["Name"]: a["RoleArn"] for s in synth.pipeline["Stages"] for a in s["Actions"]
+               if a["ActionTypeId"]["Provider"] == "CloudFormation"}
+    same_account = f"arn:aws:iam::{synth.fleet.pipeline.account}:role/cdk-hnb659fds-deploy-role-"
+    roles = {deploys["Deploy-dev"], deploys["Deploy-Compile"]}
+    assert all(r.startswith(same_account) for r in roles), roles
+    (policy,) = [p["Properties"] for p in template.find_resources("AWS::S3::BucketPolicy").values()
+                 if p["Properties"]["Bucket"] == {"Ref": bucket}]
+    bucket_statements = policy["PolicyDocument"]["Statement"]
+    key_statements = template.find_resources("AWS::KMS::Key")[key]["Properties"]["KeyPolicy"]["Statement"]
+    for role in sorted(roles):
+        objects = {"Fn::Join": ["", [{"Fn::GetAtt": [bucket, "Arn"]}, "/*"]]}
+        reads = [st for st in _allowed(bucket_statements, role, "s3:GetObject") if objects in _listify(st["Resource"])]
+        assert reads, f"the artifact bucket policy lets {role} read nothing: {bucket_statements}"
+        assert _allowed(key_statements, role, "kms:Decrypt"), f"the artifact key's policy lets {role} decrypt nothing"
+
+
+# -- source connection ------------------------------------------------------------------------
+
+
+def test_the_source_role_may_use_the_connection_under_its_arns_prefix(synth) -> None:
+    """IAM matches the service prefix of the resource: a codeconnections ARN needs
+    codeconnections:UseConnection (https://docs.aws.amazon.com/dtconsole/latest/userguide/rename.html)."""
+    template = synth.templates[synth.fleet.pipeline_stack_name]
+    arn = synth.fleet.pipeline.connection_arn
+    prefix = arn.split(":")[2]
+    (action,) = synth.stage("Source")["Actions"]
+    role = action["RoleArn"]["Fn::GetAtt"][0]
+    statements = [st for p in template.find_resources("AWS::IAM::Policy").values()
+                  if {"Ref": role} in p["Properties"]["Roles"] for st in p["Properties"]["PolicyDocument"]["Statement"]]
+    uses = [st for st in statements if f"{prefix}:UseConnection" in _listify(st["Action"])]
+    assert uses, f"the source action's role has no {prefix}:UseConnection on {arn}: {statements}"
+    assert all(_listify(st["Resource"]) == [arn] for st in uses), uses
+
+
+# -- the build's commands need no test tool chain ------------------------------------------------
+
+_RULE = re.compile(r"^([^\s:=#][^:=]*?)\s*:(?!=)([^#\n]*)", re.MULTILINE)
+
+
+def _make_prerequisites() -> dict[str, list[str]]:
+    """Each Makefile target's direct prerequisites (`target: prereq ... ## help`)."""
+    text = (ROOT / "Makefile").read_text()
+    return {target: prereqs.split() for target, prereqs in _RULE.findall(text) if not target.startswith(".")}
+
+
+def _closure(target: str, rules: dict[str, list[str]]) -> set[str]:
+    seen, todo = set(), [target]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += rules.get(name, [])
+    return seen
+
+
+def test_the_build_runs_no_target_that_needs_the_test_tools(synth) -> None:
+    """CodeBuild's standard 7.0 image is Ubuntu 22.04; `tools` installs Debian bookworm's haproxy 2.6 and fails
+    there. The build must not reach it, and must still set the venv up (synth's prerequisites)."""
+    rules = _make_prerequisites()
+    assert "tools" in _closure("test", rules)  # the parse sees what `make test` needs
+    template = synth.templates[synth.fleet.pipeline_stack_name]
+    (project,) = [p for k, p in template.find_resources("AWS::CodeBuild::Project").items() if k.startswith("Build")]
+    assert project["Properties"]["Environment"]["Image"] == "aws/codebuild/standard:7.0"
+    commands = json.loads(project["Properties"]["Source"]["BuildSpec"])["phases"]["build"]["commands"]
+    targets = [t for command in commands for t in re.findall(r"(?:^|&&|;)\s*make\s+([\w-]+)", command)]
+    for target in targets:
+        assert target in rules, f"make {target} is not a Makefile target"
+        assert "tools" not in _closure(target, rules), f"make {target} needs `tools` (haproxy 2.6 from bookworm)"
+    assert targets[:1] == ["synth"], commands
+    assert {"venv", "cli"} <= _closure("synth", rules)
