@@ -285,6 +285,10 @@ class _FakeAws(http.server.BaseHTTPRequestHandler):
         pass
 
 
+# Where node is (CodeBuild's images install it outside /usr/bin): the only tool taken from the host's PATH.
+_NODE_DIR = str(Path(shutil.which("node") or "/usr/bin/node").parent)
+
+
 def _publishing_roles(manifest: Path) -> set[str]:
     entries = json.loads(manifest.read_text())
     return {d["assumeRoleArn"].replace("${AWS::Partition}", "aws")
@@ -308,8 +312,9 @@ def test_pipeline_build_commands_name_what_exists(synth_default, tmp_path) -> No
     try:
         done = subprocess.run(
             ["/bin/sh", "-c", build.text], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-            env={"PATH": f"{fakes}:/usr/bin:/bin", "HOME": str(tmp_path), "RECORD": str(record), "CI": "true",
-                 "AWS_ACCESS_KEY_ID": "AKIAFAKE", "AWS_SECRET_ACCESS_KEY": "fake", "AWS_REGION": "us-east-2",
+            env={"PATH": f"{fakes}:{_NODE_DIR}:/usr/bin:/bin", "HOME": str(tmp_path), "RECORD": str(record),
+                 "CI": "true", "AWS_ACCESS_KEY_ID": "AKIAFAKE", "AWS_SECRET_ACCESS_KEY": "fake",
+                 "AWS_REGION": "us-east-2",
                  "AWS_EC2_METADATA_DISABLED": "true", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{server.server_port}"},
         )
     finally:
@@ -339,7 +344,8 @@ def test_publish_tool_reads_the_synthesized_manifests_offline(synth_default, tmp
         manifest = synth_default.outdir / f"{synth_default.stacks[stack].artifact_id}.assets.json"
         listed = subprocess.run(
             ["node", str(ROOT / "tools" / "publish-assets.js"), "ls", str(manifest)], capture_output=True, text=True,
-            timeout=60, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "AWS_EC2_METADATA_DISABLED": "true"},
+            timeout=60,
+            env={"PATH": f"{_NODE_DIR}:/usr/bin:/bin", "HOME": str(tmp_path), "AWS_EC2_METADATA_DISABLED": "true"},
         )
         assert listed.returncode == 0, listed.stderr
         entries = json.loads(manifest.read_text())
