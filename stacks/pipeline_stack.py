@@ -85,6 +85,30 @@ def repository_path(fleet_file: str) -> str:
         ) from None
 
 
+PUBLISH_ASSETS_TOOL = "tools/publish-assets.js"
+
+
+def publish_asset_commands(stack_names: list[str]) -> list[str]:
+    """The Build's commands that publish the file and image assets of the given stacks, one per stack.
+
+    Each publishes `<stack>.assets.json` of the cloud assembly the way CDK Pipelines does
+    (`cdk-assets --path <manifest> publish`, aws-cdk-lib pipelines/lib/codepipeline/codepipeline.ts
+    publishAssetsAction), through tools/publish-assets.js on @aws-cdk/cdk-assets-lib (the pinned `cdk-assets`
+    CLI 4.7.3 cannot read schema 55 manifests; the tool's header says why). It assumes only the publishing
+    role each destination of the manifest names, which are all the build role may assume.
+
+    Not `cdk publish-assets`: in the pinned CLI (node_modules/aws-cdk/lib/index.js, aws-cdk 2.1148.1)
+    `publishAssets` (l. 314502) builds each asset through `buildSingleAsset` (l. 115901), which first
+    calls `accessStackForReadOnlyStackOperations` (l. 115377): it assumes the stack's deploy role
+    (`cdk-hnb659fds-deploy-role-*`) and reads the bootstrap version from SSM (`validateVersion`,
+    l. 115180); publishing then reads the bootstrap stack with it (`allowCrossAccountAssetPublishingForEnv`).
+    The build role may not assume deploy roles: a cell in another account fails on AssumeRole, and in the
+    pipeline's account the CLI falls back to the build role ("Proceeding anyway", l. 303401), which may
+    not read SSM, so no wave was ever reached.
+    """
+    return [f"node {PUBLISH_ASSETS_TOOL} publish {CLOUD_ASSEMBLY_DIR}/{stack}.assets.json" for stack in stack_names]
+
+
 COMPILE_STAGE = "Compile"
 
 
@@ -252,7 +276,7 @@ class PipelineStack(Stack):
     def _build_project(self) -> codebuild.PipelineProject:
         fleet = self.fleet
         config_arg = f" CONFIG={self.fleet_file}" if self.fleet_file else ""
-        cell_stacks = " ".join(fleet.cell_stack_name(c) for c in fleet.cells)
+        cell_stacks = [fleet.cell_stack_name(c) for c in fleet.cells]
         log_group = logs.LogGroup(
             self, "BuildLogs", encryption_key=self.key, retention=logs.RetentionDays.THREE_MONTHS,
             removal_policy=RemovalPolicy.RETAIN,
@@ -284,9 +308,7 @@ class PipelineStack(Stack):
                         # A layout never compiled is the Compile stage's job (the request names it).
                         f"mkdir -p {REQUEST_DIR}",
                         f'make compile{config_arg} COMPILE_ARGS="--check --request-out {REQUEST_DIR}/{REQUEST_FILE}"',
-                        # Pinned CLI; publish-assets is flagged unstable in CDK CLI 2.1148.
-                        f"node_modules/.bin/cdk publish-assets --unstable=publish-assets --app {CLOUD_ASSEMBLY_DIR}"
-                        f" --exclusively {cell_stacks} {compile_job.stack_name(fleet)}",
+                        *publish_asset_commands([*cell_stacks, compile_job.stack_name(fleet)]),
                     ]},
                 },
                 # Two outputs, named as the pipeline's artifacts (CodeBuild's secondary artifacts:

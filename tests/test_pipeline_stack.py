@@ -231,19 +231,34 @@ def test_source_and_build(large_synth, default_synth) -> None:
         assert "EncryptionKey" in props
         spec = json.loads(props["Source"]["BuildSpec"])
         commands = spec["phases"]["build"]["commands"]
-        stacks = " ".join(synth.fleet.cell_stack_name(c) for c in synth.fleet.cells)
+        stacks = [*(synth.fleet.cell_stack_name(c) for c in synth.fleet.cells), "Rufus-Compile"]
         assert commands == [
             f"make synth CONFIG={synth.file} CDK_OUT=cdk.out",
             "mkdir -p compile-request",
             f"make compile CONFIG={synth.file} "
             'COMPILE_ARGS="--check --request-out compile-request/compile-request.json"',
-            "node_modules/.bin/cdk publish-assets --unstable=publish-assets --app cdk.out --exclusively "
-            f"{stacks} Rufus-Compile",
+            *(f"node tools/publish-assets.js publish cdk.out/{stack}.assets.json" for stack in stacks),
         ]
         assert spec["artifacts"] == {"secondary-artifacts": {
             "CloudAssembly": {"base-directory": "cdk.out", "files": ["**/*"]},
             "CompileRequest": {"base-directory": "compile-request", "files": ["compile-request.json"]},
         }}
+
+
+def test_build_publishes_each_manifest_with_its_publishing_roles_not_the_cdk_cli(large_synth) -> None:
+    # `cdk publish-assets` (CLI 2.1148.1) assumes each stack's deploy role and reads the bootstrap
+    # version from SSM before building an asset, which the build role may not do (publish_asset_commands).
+    template = large_synth.templates[large_synth.fleet.pipeline_stack_name]
+    (project,) = [p for k, p in template.find_resources("AWS::CodeBuild::Project").items() if k.startswith("Build")]
+    commands = json.loads(project["Properties"]["Source"]["BuildSpec"])["phases"]["build"]["commands"]
+    assert not [c for c in commands if "publish-assets --" in c or "cdk publish" in c], commands
+    published = [c.split()[-1] for c in commands if c.startswith("node tools/publish-assets.js publish ")]
+    stacks = [*(large_synth.fleet.cell_stack_name(c) for c in large_synth.fleet.cells), "Rufus-Compile"]
+    assert published == [f"cdk.out/{stack}.assets.json" for stack in stacks]
+    for stack in stacks:  # the manifest the command names is the one the synthesis writes
+        artifact = large_synth.stacks[stack].artifact_id
+        assert (large_synth.outdir / f"{artifact}.assets.json").is_file(), f"no assets manifest for {stack}"
+        assert artifact == stack
 
 
 def test_artifacts_are_kms_encrypted(synth) -> None:

@@ -12,11 +12,14 @@ spare's health checks, and the pipeline's build commands.
 from __future__ import annotations
 
 import ast
+import http.server
 import json
 import re
 import shutil
 import subprocess
+import threading
 import time
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -242,46 +245,117 @@ def test_spare_health_check_fails_without_a_launcher(synth_large, tmp_path) -> N
 
 # -- the pipeline's build commands ------------------------------------------------------------
 
-# CodeBuild runs a phase's commands in one sh (buildspec 0.2). `make` and the CDK CLI are
-# faked on PATH and in the source directory: each records its arguments, and the test
-# checks them against the Makefile and the CLI (nothing is built, nothing reaches AWS).
+# CodeBuild runs a phase's commands in one sh (buildspec 0.2). `make` is faked on PATH: it records its
+# arguments, checked against the Makefile (nothing is built). The asset publishing runs for real, on the
+# cloud assembly the fixture synthesized, against a fake AWS endpoint on loopback (AWS_ENDPOINT_URL):
+# STS answers who the build is and denies every AssumeRole, recording which role was asked for.
 # One line per call, its arguments tab-separated: an argument with spaces (COMPILE_ARGS="a b") stays one.
 _RECORDER = """#!/bin/sh
 IFS="$(printf '\\t')"
 printf '%s\\n' "$*" >> "$RECORD"
 """
+_STS = "https://sts.amazonaws.com/doc/2011-06-15/"
+_IDENTITY = (f'<GetCallerIdentityResponse xmlns="{_STS}"><GetCallerIdentityResult>'
+             "<Arn>arn:aws:iam::111111111111:role/build</Arn><UserId>AROAFAKE</UserId><Account>111111111111</Account>"
+             "</GetCallerIdentityResult><ResponseMetadata><RequestId>1</RequestId></ResponseMetadata>"
+             "</GetCallerIdentityResponse>")
+_DENIED = (f'<ErrorResponse xmlns="{_STS}"><Error><Type>Sender</Type><Code>AccessDenied</Code>'
+           "<Message>denied by the fake</Message></Error><RequestId>1</RequestId></ErrorResponse>")
+
+
+class _FakeAws(http.server.BaseHTTPRequestHandler):
+    """Records each request as (X-Amz-Target or the query's Action, RoleArn); only GetCallerIdentity succeeds."""
+
+    calls: list[tuple[str, str]] = []
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0))).decode()
+        query = urllib.parse.parse_qs(body)
+        action = self.headers.get("X-Amz-Target") or query.get("Action", [f"{self.command} {self.path}"])[0]
+        self.calls.append((action, query.get("RoleArn", [""])[0]))
+        ok = action == "GetCallerIdentity"
+        self.send_response(200 if ok else 403)
+        self.send_header("Content-Type", "text/xml")
+        self.end_headers()
+        self.wfile.write((_IDENTITY if ok else _DENIED).encode())
+
+    do_GET = do_PUT = do_HEAD = do_POST
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+# Where node is (CodeBuild's images install it outside /usr/bin): the only tool taken from the host's PATH.
+_NODE_DIR = str(Path(shutil.which("node") or "/usr/bin/node").parent)
+
+
+def _publishing_roles(manifest: Path) -> set[str]:
+    entries = json.loads(manifest.read_text())
+    return {d["assumeRoleArn"].replace("${AWS::Partition}", "aws")
+            for kind in ("files", "dockerImages") for asset in entries.get(kind, {}).values()
+            for d in asset["destinations"].values()}
 
 
 def test_pipeline_build_commands_name_what_exists(synth_default, tmp_path) -> None:
     build = one(shipped_scripts("Rufus-Pipeline", synth_default.template_json("Rufus-Pipeline")), BUILD_COMMANDS)
     fakes = tmp_path / "bin"
-    (tmp_path / "node_modules" / ".bin").mkdir(parents=True)
     fakes.mkdir()
-    for path in (fakes / "make", tmp_path / "node_modules" / ".bin" / "cdk"):
-        path.write_text(_RECORDER)
-        path.chmod(0o755)
+    (fakes / "make").write_text(_RECORDER)
+    (fakes / "make").chmod(0o755)
+    for shipped in ("node_modules", "tools"):
+        (tmp_path / shipped).symlink_to(ROOT / shipped)
+    shutil.copytree(synth_default.outdir, tmp_path / "cdk.out")  # what `make synth` would have written
     record = tmp_path / "calls"
-    done = subprocess.run(
-        ["/bin/sh", "-c", build.text], cwd=tmp_path, capture_output=True, text=True, timeout=60,
-        env={"PATH": f"{fakes}:/usr/bin:/bin", "RECORD": str(record)},
-    )
-    assert done.returncode == 0, done.stderr
-    calls = record.read_text().splitlines()
-    make_calls = [c.split("\t") for c in calls if not c.startswith("publish-assets")]
-    assert make_calls, f"no make call recorded: {calls}"
+    _FakeAws.calls = []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeAws)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        done = subprocess.run(
+            ["/bin/sh", "-c", build.text], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+            env={"PATH": f"{fakes}:{_NODE_DIR}:/usr/bin:/bin", "HOME": str(tmp_path), "RECORD": str(record),
+                 "CI": "true", "AWS_ACCESS_KEY_ID": "AKIAFAKE", "AWS_SECRET_ACCESS_KEY": "fake",
+                 "AWS_REGION": "us-east-2",
+                 "AWS_EC2_METADATA_DISABLED": "true", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{server.server_port}"},
+        )
+    finally:
+        server.shutdown()
+    assert done.returncode != 0, "publishing succeeded though the fake denies every role"
+    make_calls = [c.split("\t") for c in record.read_text().splitlines()]
+    assert make_calls, "no make call recorded"
     for arguments in make_calls:
         dry_run = subprocess.run(
             ["make", "-n", "-C", str(ROOT), *arguments], capture_output=True, text=True, timeout=60
         )
         assert dry_run.returncode == 0, f"make {' '.join(arguments)}: {dry_run.stderr}"
-    (publish,) = [c.split("\t") for c in calls if c.startswith("publish-assets")]
-    stacks = publish[publish.index("--exclusively") + 1:]
-    assert stacks == ["Rufus-Cell-dev", "Rufus-Compile"]  # every stack whose assets the pipeline deploys
-    for stack in stacks:
-        assert stack in synth_default.templates, f"publish-assets names {stack}, not a stack of the default fleet"
-    cli = ROOT / "node_modules" / ".bin" / "cdk"
-    known = subprocess.run([str(cli), "publish-assets", "--help"], capture_output=True, text=True, timeout=120)
-    assert known.returncode == 0 and "publish-assets" in known.stdout, known.stderr
+    # The build role may assume only the publishing roles (pipeline_stack._build_project): publishing
+    # must ask for those of every manifest of the deployed stacks, and for no other role or service.
+    wanted = set().union(*(_publishing_roles(tmp_path / "cdk.out" / f"{s}.assets.json")
+                           for s in ("Rufus-Cell-dev", "Rufus-Compile")))
+    asked = {role for action, role in _FakeAws.calls if action == "AssumeRole"}
+    assert asked == wanted, f"roles asked for: {sorted(asked)}; stderr: {done.stderr[-2000:]}"
+    others = {action for action, _ in _FakeAws.calls} - {"GetCallerIdentity", "AssumeRole"}
+    assert not others, f"publishing called more than STS: {sorted(others)}"
+    assert "denied by the fake" in done.stderr
+
+
+def test_publish_tool_reads_the_synthesized_manifests_offline(synth_default, tmp_path) -> None:
+    """The pinned tool parses the schema version aws-cdk-lib writes (the cdk-assets CLI 4.7.3 would not)."""
+    for stack in ("Rufus-Cell-dev", "Rufus-Compile"):
+        manifest = synth_default.outdir / f"{synth_default.stacks[stack].artifact_id}.assets.json"
+        listed = subprocess.run(
+            ["node", str(ROOT / "tools" / "publish-assets.js"), "ls", str(manifest)], capture_output=True, text=True,
+            timeout=60,
+            env={"PATH": f"{_NODE_DIR}:/usr/bin:/bin", "HOME": str(tmp_path), "AWS_EC2_METADATA_DISABLED": "true"},
+        )
+        assert listed.returncode == 0, listed.stderr
+        entries = json.loads(manifest.read_text())
+        for kind in ("files", "dockerImages"):
+            for asset_id, asset in entries.get(kind, {}).items():
+                for destination in asset["destinations"]:
+                    assert f"{asset_id}:{destination} " in listed.stdout
+    bad = subprocess.run(["node", str(ROOT / "tools" / "publish-assets.js"), "ls", str(tmp_path / "none.json")],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 3 and "Cannot read asset manifest" in bad.stderr and "Error:" not in bad.stderr
 
 
 # The verify gate (stacks/verify_gate.py): `make` and the venv's python faked; the kit's exit status
