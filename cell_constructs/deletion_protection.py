@@ -8,8 +8,10 @@ ROLLBACK_FAILED (aws-cloudformation/rain#187). So the load balancer is created w
 attribute, and a custom resource that depends on the services sets it with
 ModifyLoadBalancerAttributes
 (https://docs.aws.amazon.com/elasticloadbalancing/latest/APIReference/API_ModifyLoadBalancerAttributes.html)
-on create and update; on a failed create it never ran, and the rollback deletes the load
-balancer. On delete it does nothing: the operator switches protection off first, as before.
+on create (and again only when the load balancer is replaced: its ARN is the call's one changing
+property, so an ordinary deploy sends no update; protection switched off by hand stays off); on a
+failed create it never ran, and the rollback deletes the load balancer. On delete it does nothing:
+the operator switches protection off first, as before.
 """
 
 from __future__ import annotations
@@ -80,8 +82,12 @@ def protect_after(
         "NIST.800.53.R5-IAMNoInlinePolicy",
         f"CDK-generated policy of the AwsCustomResource provider: {ACTION} on this one load balancer only",
     ))
+    # On the custom resource itself, not the whole construct: its inline policy (a child) is then created
+    # with the stack's other resources, long before the call, instead of seconds before it (IAM applies a
+    # new policy with a delay: an AccessDenied there would fail the create after the services were up).
+    call_resource = resource.node.find_child("Resource")
     for construct in after:
-        resource.node.add_dependency(construct)
+        call_resource.node.add_dependency(construct)
     _acknowledge_provider(Stack.of(scope))
     return resource
 

@@ -139,12 +139,13 @@ class UnitLoadBalancer(Construct):
             )
         return alb
 
-    def protect_after(self, services: list[Construct]) -> None:
+    def protect_after(self, services: list[Construct]) -> Construct | None:
         """Switch deletion protection on once `services` have stabilised (cell_constructs/deletion_protection.py);
-        nothing when the fleet file switches it off."""
-        if self._deletion_protection:
-            protect_after(self, "DeletionProtection", self.load_balancer, services,
-                          encryption_key=self._encryption_key, log_retention=self._log_retention)
+        nothing when the fleet file switches it off. Returns the custom resource, for what must follow it."""
+        if not self._deletion_protection:
+            return None
+        return protect_after(self, "DeletionProtection", self.load_balancer, services,
+                             encryption_key=self._encryption_key, log_retention=self._log_retention)
 
     def _target_group(
         self, vpc: ec2.IVpc, target_port: int, deregistration_delay: Duration

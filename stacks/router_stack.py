@@ -107,8 +107,6 @@ class RouterStack(Stack):
         for record in self.network.cell_records:
             self.service.service.node.add_dependency(record)
         self._connect()
-        # Deletion protection only once the router tasks are stable: a failed first create rolls back.
-        self.load_balancer.protect_after([self.service.service])
         pipeline = fleet.pipeline
         self.alarms = RouterAlarms(
             self, "Alarms",
@@ -117,6 +115,9 @@ class RouterStack(Stack):
             target_group=self.load_balancer.target_group, service=self.service.service,
             gate_reader_account=pipeline.account if pipeline and pipeline.account != self.account else None,
         )
+        # Deletion protection only once the router tasks are stable and the alarms and dashboard exist (the
+        # last resources to be created): a create that fails before it rolls back.
+        self.load_balancer.protect_after([self.service.service, self.alarms])
 
     @property
     def availability_zones(self) -> list[str]:

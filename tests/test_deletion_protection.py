@@ -83,6 +83,29 @@ def test_fronted_cell_nlb_and_router_alb(synth_router) -> None:
     assert len(_protection(router)) == 1
 
 
+def test_the_calls_policies_come_early_and_a_fronted_cells_calls_run_one_after_the_other(synth_router) -> None:
+    """Review of the merged change (seventh session): the dependency on the services was on the whole
+    AwsCustomResource, so its inline policy too was created only after them, seconds before the call (IAM
+    applies a new policy with a delay); the ALB's and the NLB's calls ran side by side, so one could succeed
+    while the other failed and block the rollback; the router's call did not wait for its dashboard."""
+    cell = synth_router.template_json(CELL)
+    services = set(_resources(cell, "AWS::ECS::Service"))
+    for key, policy in _resources(cell, "AWS::IAM::Policy").items():
+        if any(s.get("Action") == ACTION for s in policy["Properties"]["PolicyDocument"]["Statement"]):
+            assert not services & set(policy.get("DependsOn", [])), f"{key} waits for the services"
+    by_target = {_arn_ref(r, "Create"): k for k, r in _protection(cell).items()}
+    balancers = _resources(cell, "AWS::ElasticLoadBalancingV2::LoadBalancer")
+    kinds = {k: r["Properties"]["Type"] for k, r in balancers.items()}
+    alb = next(by_target[k] for k, kind in kinds.items() if kind == "application")
+    nlb = next(by_target[k] for k, kind in kinds.items() if kind == "network")
+    assert alb in cell["Resources"][nlb].get("DependsOn", []), "the NLB's call does not wait for the ALB's"
+    router = synth_router.template_json("Rufus-Router-us-east-2")
+    (call,) = _protection(router).values()
+    dashboards = set(_resources(router, "AWS::CloudWatch::Dashboard"))
+    assert dashboards, "no dashboard in the router stack"
+    assert dashboards <= set(call.get("DependsOn", [])), "the router's call does not wait for its dashboard"
+
+
 def test_switched_off_means_no_custom_resource(synth, default_fleet) -> None:
     data = default_fleet.model_dump(mode="json", exclude_none=True)
     for cell in data["cells"]:
