@@ -66,7 +66,7 @@ synth: setup ## synthesize every stack of the fleet offline, policy checks on [C
 	$(CDK) synth --no-lookups --quiet --output $(CDK_OUT) $${CONFIG:+-c "config=$$CONFIG"}
 	@echo "templates in $(CDK_OUT):"; ls -1 $(CDK_OUT)/*.template.json
 
-# The suite in TEST_WORKERS processes (pytest-xdist): on the 2-core CI machine 2 took 7 min 54 s
+# The suite in TEST_WORKERS processes (pytest-xdist): on the 2-core build machine 2 took 7 min 54 s
 # against 13 min 47 s for one (README). More than the machine's cores starves the tests
 # that run real processes against deadlines; TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= 2

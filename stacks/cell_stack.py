@@ -214,13 +214,12 @@ class CellStack(Stack):
         self.spares = self._spares()
         # Protection only once every unit's (and the spares') services are stable: a failed create rolls back.
         services = [s for u in self.units for s in u.services] + ([self.spares.service] if self.spares else [])
-        alb_protection = self.load_balancer.protect_after(services)
-        if self.router_endpoint is not None and self.cell.deletion_protection:
+        alb_protection = self.load_balancer.protect_after(services)  # None when the fleet file switches it off
+        if self.router_endpoint is not None and alb_protection is not None:
             # After the ALB's call, not beside it: if the ALB's call fails, the NLB is not protected yet and
             # the rollback deletes both; run side by side, one could succeed and block the rollback.
             protect_after(self.router_endpoint, "DeletionProtection", self.router_endpoint.load_balancer,
-                          [*services, *([alb_protection] if alb_protection else [])],
-                          encryption_key=self.key, log_retention=retention)
+                          [*services, alb_protection], encryption_key=self.key, log_retention=retention)
         Aspects.of(self).add(_ServicesAfterCapacityAssociation(self.cluster))
 
     @property
