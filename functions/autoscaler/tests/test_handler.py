@@ -14,6 +14,7 @@ import boto3
 import pytest
 from botocore import UNSIGNED
 from botocore.config import Config
+from botocore.exceptions import ConnectionClosedError, EndpointConnectionError, ReadTimeoutError
 from botocore.stub import ANY, Stubber
 from unit_autoscaler import aws, counts
 from unit_autoscaler.decision import Policy
@@ -93,15 +94,18 @@ class Cell:
             "Tags": listed,
         }]}, {"AutoScalingGroupNames": [GROUP]})
 
-    def services(self, counts_by_unit: dict[str, tuple[int, int]]) -> None:
-        """unit -> (desired, running) of both its services."""
+    def services(self, counts_by_unit: dict[str, tuple[int, ...]]) -> None:
+        """unit -> (desired, running) of both its services, or (leader desired, leader running,
+        followers desired, followers running)."""
         arns = [service_arn(u, r) for u in counts_by_unit for r in ("leader", "followers")]
         self.ecs.add_response("list_services", {"serviceArns": arns}, {"cluster": CLUSTER, "maxResults": 100})
+        per_role = {(u, r): (c[2 * k], c[2 * k + 1]) if len(c) == 4 else c
+                    for u, c in counts_by_unit.items() for k, r in enumerate(("leader", "followers"))}
         described = [
             {"serviceArn": service_arn(u, r), "serviceName": f"{u}-{r}", "status": "ACTIVE", "desiredCount": d,
              "runningCount": running, "pendingCount": 0,
              "tags": [{"key": "unit", "value": u}, {"key": "unit-role", "value": r}]}
-            for u, (d, running) in counts_by_unit.items() for r in ("leader", "followers")
+            for (u, r), (d, running) in per_role.items()
         ]
         self.ecs.add_response("describe_services", {"services": described, "failures": []},
                               {"cluster": CLUSTER, "services": arns, "include": ["TAGS"]})
@@ -358,6 +362,84 @@ def test_metrics_are_read_minute_by_minute_with_gaps_in_place() -> None:
     assert ttft == (900.0, None, 1100.0)
     assert per_unit["u0"].inflight == (None, 3.0, 5.0) and per_unit["u0"].healthy == (1.0, None, 0.0)
     assert per_unit["u0"].waiting == (None, None, None) and per_unit["u0"].healthy_seen
+
+
+# -- half-done actions are finished (read-through of the control loops, item 1) -------
+
+
+def test_a_half_done_activation_is_finished() -> None:
+    """A tick died between UpdateService(leader 1) and UpdateService(followers): u2 sits at leader 1,
+    followers 0. Before: nothing ever set the followers; u2 stayed `starting` forever and held
+    every scale-in. Now the next tick sets the followers (and, as u2 is still starting, holds)."""
+    cell = Cell()
+    cell.stack()
+    cell.group(6, [f"i-{n}" for n in range(6)], served="0,1",
+               **{aws.TAG_LAST_OUT: NOW - 7200, aws.TAG_LAST_IN: NOW - 7200})
+    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (1, 1, 0, 0)})
+    cell.expect_count("u2", "followers", 1)  # at once, before anything else of ECS is read
+    cell.labels({f"i-{n}": f"u{n // 2}" for n in range(6)})
+    cell.activities()
+    cell.metrics({"u0": (1.0, 1.0), "u1": (1.0, 1.0)})
+    summary = cell.run()
+    assert summary["done"] == {"finished": ["u2/followers=1"]}
+    assert summary["action"] == "hold" and summary["phases"]["u2"] == "starting"
+
+
+def test_a_half_done_deactivation_is_finished() -> None:
+    """The mirror: leader 0 set, followers still 1. Before: the unit read as serving with no proxy
+    (its load missing, so read as full: never drained again). Now the followers go to 0 and the
+    unit drains."""
+    cell = Cell()
+    cell.stack()
+    cell.group(4, ["i-a", "i-b", "i-c", "i-d"], served="0,1",
+               **{aws.TAG_LAST_OUT: NOW - 7200, aws.TAG_LAST_IN: NOW - 60})
+    cell.services({"u0": (2, 2), "u1": (0, 0, 1, 1), "u2": (0, 0)})
+    cell.expect_count("u1", "followers", 0)
+    cell.labels({"i-a": "u0", "i-b": "u0", "i-c": "u1", "i-d": "u1"})
+    cell.activities()
+    cell.metrics({"u0": (1.0, 1.0)})
+    cell.expect_served("0")
+    summary = cell.run()
+    assert summary["done"]["finished"] == ["u1/followers=0"] and summary["phases"]["u1"] == "draining"
+
+
+def test_a_read_timeout_is_retried() -> None:
+    """botocore's retries are off; one ReadTimeoutError must not end the tick (botocore's standard
+    mode retries it: retries/standard.py TransientRetryableChecker, ConnectionError and HTTPClientError)."""
+    calls: list[int] = []
+
+    def flaky(**kwargs: object) -> dict:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ReadTimeoutError(endpoint_url="https://ecs.us-east-2.amazonaws.com/")
+        return {"ok": kwargs}
+
+    assert aws.Retry(sleep=lambda s: None).call(flaky, cluster="c") == {"ok": {"cluster": "c"}}
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("error", [
+    EndpointConnectionError(endpoint_url="https://ecs.us-east-2.amazonaws.com/"),
+    ConnectionClosedError(endpoint_url="https://ecs.us-east-2.amazonaws.com/"),
+])
+def test_connection_errors_are_retried_then_raised(error: Exception) -> None:
+    calls: list[int] = []
+
+    def down(**kwargs: object) -> dict:
+        calls.append(1)
+        raise error
+
+    with pytest.raises(type(error)):
+        aws.Retry(attempts=3, sleep=lambda s: None).call(down)
+    assert len(calls) == 3
+
+
+def test_a_server_error_status_is_retried() -> None:
+    cell = Cell()
+    cell.cloudformation.add_client_error("describe_stacks", "SomethingNew", http_status_code=503)
+    cell.stack("UPDATE_IN_PROGRESS")
+    cell.group(2, ["i-a", "i-b"])
+    assert cell.run()["action"] == "hold"
 
 
 def test_nothing_is_read_or_written_while_the_stack_updates() -> None:

@@ -2,7 +2,14 @@
 
 Clients are built with botocore's own retries off; `Retry` retries throttling and
 transient errors with capped, jittered backoff (the placement controller's policy), so
-every call is visible here and answerable by botocore's Stubber.
+every call is visible here and answerable by botocore's Stubber. Transient means what
+botocore's own standard retry mode treats as transient (botocore 1.44.8,
+botocore/retries/standard.py `TransientRetryableChecker`): the error codes RequestTimeout,
+RequestTimeoutException, PriorRequestNotComplete, the HTTP statuses 500/502/503/504, and
+the exceptions `ConnectionError` (EndpointConnectionError, ConnectTimeoutError, ...) and
+`HTTPClientError` (ReadTimeoutError, ConnectionClosedError, ...). Every write here is
+idempotent (a desired count, a tag, a protection flag) or tolerates its own repeat
+(`release_instances`), so retrying a call whose answer was lost is safe.
 """
 
 from __future__ import annotations
@@ -17,13 +24,18 @@ from datetime import UTC, datetime
 from typing import Any
 
 from botocore.client import BaseClient
-from botocore.exceptions import ClientError
+from botocore.exceptions import ClientError, HTTPClientError
+from botocore.exceptions import ConnectionError as BotocoreConnectionError
 
 LOG = logging.getLogger(__name__)
 RETRIED_CODES = frozenset({
     "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException",
     "InternalError", "InternalFailure", "ServiceUnavailable", "ServerException", "RequestTimeout",
+    "RequestTimeoutException", "PriorRequestNotComplete",
 })
+# botocore/retries/standard.py (1.44.8) TransientRetryableChecker: _TRANSIENT_STATUS_CODES and _TRANSIENT_EXCEPTION_CLS.
+RETRIED_STATUSES = frozenset({500, 502, 503, 504})
+RETRIED_EXCEPTIONS: tuple[type[Exception], ...] = (BotocoreConnectionError, HTTPClientError)
 # Stack states in which CloudFormation is working on the cell: the autoscaler keeps out.
 STACK_BUSY = re.compile(r"_IN_PROGRESS$")
 # Scaling activity messages that mean "no instances to be had": insufficient capacity,
@@ -49,6 +61,14 @@ def error_code(error: ClientError) -> str:
     return str(error.response.get("Error", {}).get("Code", ""))
 
 
+def retryable(error: Exception) -> bool:
+    """Throttling or a transient failure (module doc): worth another attempt."""
+    if isinstance(error, ClientError):
+        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return error_code(error) in RETRIED_CODES or status in RETRIED_STATUSES
+    return isinstance(error, RETRIED_EXCEPTIONS)
+
+
 @dataclass
 class Retry:
     attempts: int = 5
@@ -61,9 +81,11 @@ class Retry:
         for attempt in range(1, self.attempts + 1):
             try:
                 return method(**kwargs)
-            except ClientError as error:
-                if error_code(error) not in RETRIED_CODES or attempt == self.attempts:
+            except (ClientError, *RETRIED_EXCEPTIONS) as error:
+                if not retryable(error) or attempt == self.attempts:
                     raise
+                LOG.warning("%s: %s, retry %d/%d", getattr(method, "__name__", "call"), error, attempt,
+                            self.attempts - 1)
                 self.sleep(self.rng.uniform(0, min(self.max_delay, self.base_delay * 2 ** (attempt - 1))))
         raise AssertionError("unreachable")
 

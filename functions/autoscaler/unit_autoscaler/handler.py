@@ -13,6 +13,10 @@ asks `decision.decide` for at most one action and carries it out:
 - cancel: instances could not be obtained for units that never served: their services to 0
   and the desired capacity down by the instances they lack (no launch retried in a loop).
 
+Before deciding, a tick finishes any half-done activation or deactivation (`finish_half_done`):
+the actions are several calls, and a tick that died between the leader's and the followers'
+UpdateService must not leave a unit half on forever.
+
 The tick also keeps the served latch (`aws.TAG_SERVED`): every unit seen serving since its
 activation, so that a missing or failed health minute never turns a serving unit back into
 a starting one that a capacity refusal could cancel.
@@ -24,6 +28,7 @@ A CloudFormation custom resource request (RequestType) is answered by `counts`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -100,6 +105,8 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
     if aws.STACK_BUSY.search(status):
         return Observation(now=now, units=(), stack_busy=status), context
     services = aws.unit_services(clients.ecs, settings.cluster, retry)
+    services, finished = finish_half_done(settings, clients, services, retry)
+    context["finished"] = finished
     labelled = aws.unit_instances(clients.ecs, settings.cluster, retry)
     failures = aws.capacity_failures(clients.autoscaling, settings.group, retry, now - CAPACITY_LOOKBACK_S)
     metrics, ttft = aws.proxy_metrics(clients.cloudwatch, settings.proxy_namespace, settings.cell,
@@ -124,6 +131,37 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
     )
     context.update(services=services, labelled=labelled, failures=failures, served=latched)
     return obs, context
+
+
+def finish_half_done(settings: Settings, clients: Clients, services: Mapping[tuple[str, str], aws.ServiceView],
+                     retry: aws.Retry) -> tuple[dict[tuple[str, str], aws.ServiceView], list[str]]:
+    """Bring each unit's followers in line with its leader: returns the services as they are now, and what was set.
+
+    Every action sets the leader first (activate: leader 1, then followers nodes - 1;
+    deactivate and cancel: leader 0, then followers 0), so the leader's desired count is the
+    unit's intended state and a unit whose two services disagree (one on, the other off) is
+    an action a tick did not finish: finish it. Why the leader and not a tag on the group:
+    the leader's count is written by the very call that started the action, so it can never
+    disagree with what was started (a separate tag could be written and the action not, or
+    the reverse), it needs no extra state, and CloudFormation's counts and an operator's
+    UpdateService on the leader are read the same way. Only on/off is repaired, not exact
+    counts: a unit with both services on is left as it is.
+    """
+    now = dict(services)
+    finished: list[str] = []
+    for unit_id in settings.unit_ids:
+        leader, followers = services.get((unit_id, "leader")), services.get((unit_id, "followers"))
+        if leader is None or followers is None:
+            continue
+        want = (settings.policy.nodes - 1) if leader.desired > 0 else 0
+        if (leader.desired > 0) == (followers.desired > 0) or followers.desired == want:
+            continue
+        aws.set_service_count(clients.ecs, settings.cluster, followers.arn, want, retry)
+        now[(unit_id, "followers")] = dataclasses.replace(followers, desired=want)
+        finished.append(f"{unit_id}/followers={want}")
+        LOG.warning("unit %s: leader at %d, followers at %d: finished the half-done action (followers to %d)",
+                    unit_id, leader.desired, followers.desired, want)
+    return now, finished
 
 
 def utilisation(metrics: aws.UnitMetrics, capacity: int) -> tuple[float | None, ...]:
@@ -158,10 +196,12 @@ def act(settings: Settings, clients: Clients, decision: Decision, context: Mappi
             set_role(unit_id, "leader", 1)
             set_role(unit_id, "followers", nodes - 1)
     elif decision.action == "deactivate":
+        # The time first, as for an activation: an action half done is finished by the next tick
+        # (`finish_half_done`), and its cool-down must already run.
+        aws.record_time(clients.autoscaling, settings.group, aws.TAG_LAST_IN, now, retry)
         for unit_id in unit_ids:
             set_role(unit_id, "leader", 0)
             set_role(unit_id, "followers", 0)
-        aws.record_time(clients.autoscaling, settings.group, aws.TAG_LAST_IN, now, retry)
     elif decision.action == "release":
         labelled = context.get("labelled", {})
         instances = [i for unit_id in unit_ids for i in labelled.get(unit_id, [])]
@@ -198,6 +238,8 @@ def tick(settings: Settings, clients: Clients, now: float, retry: aws.Retry,
     obs, context = observe(settings, clients, now, retry)
     decision = decide(settings.policy, obs)
     done = act(settings, clients, decision, context, now, retry) if decision.action != "hold" else {}
+    if context.get("finished"):
+        done["finished"] = context["finished"]
     if not obs.stack_busy:
         served = latch_after(obs, decision, context["served"])
         if served != context["served"]:
