@@ -14,8 +14,9 @@ import boto3
 import pytest
 from botocore import UNSIGNED
 from botocore.config import Config
-from botocore.exceptions import ConnectionClosedError, EndpointConnectionError, ReadTimeoutError
+from botocore.exceptions import ClientError, ConnectionClosedError, EndpointConnectionError, ReadTimeoutError
 from botocore.stub import ANY, Stubber
+from placement_controller.assignment import Instance, plan_cell
 from unit_autoscaler import aws, counts
 from unit_autoscaler.decision import Policy
 from unit_autoscaler.handler import Clients, Settings, tick
@@ -78,8 +79,11 @@ class Cell:
             "CreationTime": datetime.fromtimestamp(NOW - 10 * 86400, UTC),
             "LastUpdatedTime": datetime.fromtimestamp(updated, UTC)}]}, {"StackName": STACK})
 
-    def group(self, desired: int, instances: list[str], served: str | None = None, **tags: float) -> None:
-        """The group; `served`: the served latch tag's value (None: no such tag)."""
+    def group(self, desired: int, instances: list[str], served: str | None = None,
+              states: dict[str, str] | None = None, **tags: float) -> None:
+        """The group; `served`: the served latch tag's value (None: no such tag); `states`: more
+        instances with their lifecycle state (the others are InService)."""
+        lifecycle = {**dict.fromkeys(instances, "InService"), **(states or {})}
         listed = [{"ResourceId": GROUP, "ResourceType": "auto-scaling-group", "Key": k, "Value": str(int(v)),
                    "PropagateAtLaunch": False} for k, v in tags.items()]
         if served is not None:
@@ -89,8 +93,8 @@ class Cell:
             "AutoScalingGroupName": GROUP, "MinSize": 2, "MaxSize": 6, "DesiredCapacity": desired,
             "DefaultCooldown": 300, "AvailabilityZones": [f"{REGION}a"], "HealthCheckType": "EC2",
             "CreatedTime": datetime(2026, 1, 1, tzinfo=UTC),
-            "Instances": [{"InstanceId": i, "AvailabilityZone": f"{REGION}a", "LifecycleState": "InService",
-                           "HealthStatus": "Healthy", "ProtectedFromScaleIn": True} for i in instances],
+            "Instances": [{"InstanceId": i, "AvailabilityZone": f"{REGION}a", "LifecycleState": state,
+                           "HealthStatus": "Healthy", "ProtectedFromScaleIn": True} for i, state in lifecycle.items()],
             "Tags": listed,
         }]}, {"AutoScalingGroupNames": [GROUP]})
 
@@ -110,7 +114,8 @@ class Cell:
         self.ecs.add_response("describe_services", {"services": described, "failures": []},
                               {"cluster": CLUSTER, "services": arns, "include": ["TAGS"]})
 
-    def labels(self, by_instance: dict[str, str]) -> None:
+    def labels(self, by_instance: dict[str, str | None], extra: dict[str, dict[str, str]] | None = None) -> None:
+        """instance -> its `unit` label (None: registered, no label); `extra`: more attributes."""
         arns = [f"arn:aws:ecs:{REGION}:{ACCOUNT}:container-instance/rufus-dev/{i}" for i in by_instance]
         self.ecs.add_response("list_container_instances", {"containerInstanceArns": arns},
                               {"cluster": CLUSTER, "maxResults": 100})
@@ -118,7 +123,9 @@ class Cell:
             return
         self.ecs.add_response("describe_container_instances", {"containerInstances": [
             {"containerInstanceArn": a, "ec2InstanceId": i, "status": "ACTIVE",
-             "attributes": [{"name": "unit", "value": u}]} for a, (i, u) in zip(arns, by_instance.items(), strict=True)
+             "attributes": ([{"name": "unit", "value": u}] if u else [])
+             + [{"name": k, "value": v} for k, v in (extra or {}).get(i, {}).items()]}
+            for a, (i, u) in zip(arns, by_instance.items(), strict=True)
         ], "failures": []}, {"cluster": CLUSTER, "containerInstances": arns})
 
     def activities(self, *failures: tuple[float, str]) -> None:
@@ -440,6 +447,133 @@ def test_a_server_error_status_is_retried() -> None:
     cell.stack("UPDATE_IN_PROGRESS")
     cell.group(2, ["i-a", "i-b"])
     assert cell.run()["action"] == "hold"
+
+
+# -- instances no unit holds are released (read-through of the control loops, item 2) ---
+
+
+def test_an_instance_left_by_a_cancelled_activation_is_released() -> None:
+    """u2's activation got one of its two instances and was cancelled. The placement controller
+    labels only whole groups, so that instance carries no label (plan_cell, as the controller
+    plans it), stays protected, and before was never released: `release` takes labelled
+    instances only. Now the tick unprotects and terminates it."""
+    busy = [Instance(f"i-{n}", None, f"u{n // 2}", busy=True) for n in range(4)]
+    _, plan = plan_cell([*busy, Instance("i-late", None, None)], POLICY.max_units, POLICY.nodes)
+    assert "i-late" not in plan.assigned  # the controller leaves it unlabelled
+    labels = {i: unit for unit, members in plan.units.items() for i in members}
+    cell = Cell()
+    cell.stack()
+    cell.group(5, [f"i-{n}" for n in range(4)] + ["i-late"], served="0,1",
+               **{aws.TAG_LAST_OUT: NOW - 600, aws.TAG_LAST_IN: NOW - 7200})
+    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (0, 0)})
+    cell.labels({**labels, "i-late": None})
+    cell.activities((NOW - 300, REFUSAL))
+    cell.metrics({"u0": (8.0, 1.0), "u1": (8.0, 1.0)})
+    cell.autoscaling.add_response("set_instance_protection", {}, {
+        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-late"], "ProtectedFromScaleIn": False})
+    cell.autoscaling.add_response("terminate_instance_in_auto_scaling_group", {}, {
+        "InstanceId": "i-late", "ShouldDecrementDesiredCapacity": True})
+    summary = cell.run()
+    assert summary["action"] == "hold" and summary["done"] == {"released_unlabelled": 1}
+
+
+def test_unlabelled_instances_a_starting_unit_waits_for_are_kept() -> None:
+    """u2 is starting and has one of its two instances (not labelled yet: not a whole group): kept."""
+    cell = Cell()
+    cell.stack()
+    cell.group(6, [f"i-{n}" for n in range(4)] + ["i-new"], served="0,1",
+               **{aws.TAG_LAST_OUT: NOW - 600, aws.TAG_LAST_IN: NOW - 7200})
+    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (1, 0, 1, 0)})
+    cell.labels({**{f"i-{n}": f"u{n // 2}" for n in range(4)}, "i-new": None})
+    cell.activities()
+    cell.metrics({"u0": (8.0, 1.0), "u1": (8.0, 1.0)})
+    summary = cell.run()
+    assert summary["action"] == "hold" and summary["done"] == {}
+
+
+def test_a_quarantined_instance_is_left_to_its_replacement() -> None:
+    cell = Cell()
+    cell.stack()
+    cell.group(5, [f"i-{n}" for n in range(5)], served="0,1",
+               **{aws.TAG_LAST_OUT: NOW - 7200, aws.TAG_LAST_IN: NOW - 7200})
+    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (0, 0)})
+    cell.labels({**{f"i-{n}": f"u{n // 2}" for n in range(4)}, "i-4": None},
+                extra={"i-4": {"quarantine": "3 failures in 60 min"}})
+    cell.activities()
+    cell.metrics({"u0": (8.0, 1.0), "u1": (8.0, 1.0)})
+    assert cell.run()["done"] == {}
+
+
+# -- release errors (read-through of the control loops, item 3) ----------------------
+
+
+def release_cell(states: dict[str, str]) -> Cell:
+    """u1 drained (no task), its instances `states` (lifecycle) in the group: the tick releases u1."""
+    cell = Cell()
+    cell.stack()
+    cell.group(4, ["i-a", "i-b"], served="0", states=states)
+    cell.services({"u0": (2, 2), "u1": (0, 0), "u2": (0, 0)})
+    cell.labels({"i-a": "u0", "i-b": "u0", **dict.fromkeys(states, "u1")})
+    cell.activities()
+    cell.metrics({"u0": (2.0, 1.0)})
+    return cell
+
+
+def test_a_refused_termination_fails_the_tick() -> None:
+    """Before: "terminat" was always in str(error) (the operation's name is in a ClientError's text),
+    so AccessDenied was swallowed, the tick returned released 0, and the release repeated forever
+    with no error and no alarm."""
+    cell = release_cell({"i-c": "InService", "i-d": "InService"})
+    cell.autoscaling.add_response("set_instance_protection", {}, {
+        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-c", "i-d"], "ProtectedFromScaleIn": False})
+    cell.autoscaling.add_client_error(
+        "terminate_instance_in_auto_scaling_group", "AccessDenied", http_status_code=403,
+        service_message="User is not authorized to perform: autoscaling:TerminateInstanceInAutoScalingGroup",
+        expected_params={"InstanceId": "i-c", "ShouldDecrementDesiredCapacity": True})
+    with pytest.raises(ClientError, match="AccessDenied"):
+        cell.run()
+
+
+def test_the_min_size_refusal_fails_the_tick() -> None:
+    cell = release_cell({"i-c": "InService", "i-d": "InService"})
+    cell.autoscaling.add_response("set_instance_protection", {}, {
+        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-c", "i-d"], "ProtectedFromScaleIn": False})
+    cell.autoscaling.add_client_error(
+        "terminate_instance_in_auto_scaling_group", "ValidationError",
+        service_message="Currently, desiredCapacity is 4 and minSize is 4. Terminating instance without "
+                        "replacement will violate group's min size constraint. Either set "
+                        "shouldDecrementDesiredCapacity flag to false or lower group's min size.")
+    with pytest.raises(ClientError, match="min size"):
+        cell.run()
+
+
+def test_an_instance_already_terminating_is_not_touched() -> None:
+    """i-d is Terminating:Wait: only i-c is unprotected and terminated (before: SetInstanceProtection
+    named both and its ValidationError failed every tick)."""
+    cell = release_cell({"i-c": "InService", "i-d": "Terminating:Wait"})
+    cell.autoscaling.add_response("set_instance_protection", {}, {
+        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-c"], "ProtectedFromScaleIn": False})
+    cell.autoscaling.add_response("terminate_instance_in_auto_scaling_group", {}, {
+        "InstanceId": "i-c", "ShouldDecrementDesiredCapacity": True})
+    assert cell.run()["done"] == {"released": 1}
+
+
+def test_an_instance_that_leaves_between_read_and_protection_does_not_fail_the_tick() -> None:
+    cell = release_cell({"i-c": "InService", "i-d": "InService"})
+    cell.autoscaling.add_client_error(
+        "set_instance_protection", "ValidationError",
+        service_message="The instance i-d is not in InService or EnteringStandby or Standby.",
+        expected_params={"AutoScalingGroupName": GROUP, "InstanceIds": ["i-c", "i-d"],
+                         "ProtectedFromScaleIn": False})
+    cell.autoscaling.add_response("set_instance_protection", {}, {
+        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-c"], "ProtectedFromScaleIn": False})
+    cell.autoscaling.add_client_error(
+        "set_instance_protection", "ValidationError",
+        service_message="The instance i-d is not in InService or EnteringStandby or Standby.",
+        expected_params={"AutoScalingGroupName": GROUP, "InstanceIds": ["i-d"], "ProtectedFromScaleIn": False})
+    cell.autoscaling.add_response("terminate_instance_in_auto_scaling_group", {}, {
+        "InstanceId": "i-c", "ShouldDecrementDesiredCapacity": True})
+    assert cell.run()["done"] == {"released": 1}
 
 
 def test_nothing_is_read_or_written_while_the_stack_updates() -> None:

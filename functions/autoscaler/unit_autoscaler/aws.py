@@ -18,7 +18,7 @@ import logging
 import random
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -147,16 +147,25 @@ def unit_services(ecs: BaseClient, cluster: str, retry: Retry) -> dict[tuple[str
     return found
 
 
-def unit_instances(ecs: BaseClient, cluster: str, retry: Retry) -> dict[str, list[str]]:
-    """unit -> EC2 instance ids whose container instance carries that `unit` attribute."""
+def instance_attributes(ecs: BaseClient, cluster: str, retry: Retry) -> dict[str, dict[str, str]]:
+    """EC2 instance id -> the ECS attributes of its container instance (`unit`, `quarantine`, ...)."""
     arns = _all_arns(retry, ecs.list_container_instances, "containerInstanceArns", cluster)
-    units: dict[str, list[str]] = {}
+    found: dict[str, dict[str, str]] = {}
     for batch in _chunks(arns, DESCRIBE_INSTANCES_PER_CALL):
         response = retry.call(ecs.describe_container_instances, cluster=cluster, containerInstances=list(batch))
         for ci in response.get("containerInstances", []):
-            unit = next((a.get("value") for a in ci.get("attributes", []) if a.get("name") == "unit"), None)
-            if unit and ci.get("ec2InstanceId"):
-                units.setdefault(str(unit), []).append(str(ci["ec2InstanceId"]))
+            if ci.get("ec2InstanceId"):
+                found[str(ci["ec2InstanceId"])] = {str(a.get("name")): str(a.get("value") or "")
+                                                   for a in ci.get("attributes", [])}
+    return found
+
+
+def unit_instances(attributes: Mapping[str, Mapping[str, str]]) -> dict[str, list[str]]:
+    """unit -> EC2 instance ids whose container instance carries that `unit` attribute."""
+    units: dict[str, list[str]] = {}
+    for instance_id, attrs in attributes.items():
+        if attrs.get("unit"):
+            units.setdefault(attrs["unit"], []).append(instance_id)
     return units
 
 
@@ -166,6 +175,9 @@ class GroupView:
     max_size: int
     live_instances: tuple[str, ...]
     tags: Mapping[str, str]
+    min_size: int = 0
+    # InService and Healthy: the only instances the autoscaler unprotects or terminates.
+    in_service: tuple[str, ...] = ()
 
 
 def group_state(autoscaling: BaseClient, group: str, retry: Retry) -> GroupView:
@@ -178,6 +190,9 @@ def group_state(autoscaling: BaseClient, group: str, retry: Retry) -> GroupView:
         desired=int(g.get("DesiredCapacity", 0)), max_size=int(g.get("MaxSize", 0)),
         live_instances=tuple(i["InstanceId"] for i in g.get("Instances", []) if i.get("LifecycleState") in LIVE_STATES),
         tags={t["Key"]: t.get("Value", "") for t in g.get("Tags", [])},
+        min_size=int(g.get("MinSize", 0)),
+        in_service=tuple(i["InstanceId"] for i in g.get("Instances", [])
+                         if i.get("LifecycleState") == "InService" and i.get("HealthStatus", "Healthy") == "Healthy"),
     )
 
 
@@ -300,13 +315,49 @@ def set_service_count(ecs: BaseClient, cluster: str, service: str, count: int, r
     retry.call(ecs.update_service, cluster=cluster, service=service, desiredCount=count)
 
 
-def release_instances(autoscaling: BaseClient, group: str, instance_ids: Sequence[str], retry: Retry) -> int:
-    """Lift the scale-in protection of exactly these instances, then terminate each, decrementing the group."""
-    ids = sorted(instance_ids)
+# The ValidationErrors that mean "this instance is already leaving the group": it is
+# terminating or gone since the group was read (the next tick's read no longer lists it).
+# Messages as reported for SetInstanceProtection and DetachInstances: "The instance i-x is not
+# in InService or EnteringStandby or Standby." (guardian/riff-raff#510), "The instance i-x is
+# not part of Auto Scaling group g." (reproio/ecs_deploy#56, #72; hashicorp/terraform-provider-aws#35071
+# tolerates SetInstanceProtection's ValidationError for the same reason). That
+# TerminateInstanceInAutoScalingGroup words it the same is unverified. Any other error
+# (AccessDenied; the ValidationError "... will violate group's min size constraint") is raised:
+# the tick fails, and its ErrorsAlarm says so, instead of the release repeating in silence.
+# Matched on the code and these messages, never on str(error): a ClientError's text always
+# holds the operation's name (botocore 1.44.8, botocore/exceptions.py ClientError.MSG_TEMPLATE
+# "An error occurred ({error_code}) when calling the {operation_name} operation...").
+ALREADY_LEAVING = re.compile(r"is not part of Auto Scaling group|is not in InService", re.IGNORECASE)
+
+
+def _already_leaving(error: ClientError) -> bool:
+    message = str(error.response.get("Error", {}).get("Message", ""))
+    return error_code(error) == "ValidationError" and bool(ALREADY_LEAVING.search(message))
+
+
+def release_instances(autoscaling: BaseClient, group: str, instance_ids: Sequence[str], retry: Retry,
+                      in_service: Collection[str]) -> int:
+    """Lift the scale-in protection of exactly these instances, then terminate each, decrementing the group.
+
+    Only instances the group lists InService (`in_service`, from the same tick's read) are
+    touched: one already terminating (a retried tick, a health replacement) would fail
+    SetInstanceProtection with a ValidationError (guardian/riff-raff#510 filters the same way).
+    An instance that leaves between the read and the call is tolerated (`ALREADY_LEAVING`).
+    """
+    ids = sorted(i for i in set(instance_ids) if i in in_service)
+    if skipped := sorted(set(instance_ids) - set(ids)):
+        LOG.warning("not InService in group %s (already leaving): %s", group, ", ".join(skipped))
     if not ids:
         return 0
-    retry.call(autoscaling.set_instance_protection, AutoScalingGroupName=group, InstanceIds=ids,
-               ProtectedFromScaleIn=False)
+    try:
+        retry.call(autoscaling.set_instance_protection, AutoScalingGroupName=group, InstanceIds=ids,
+                   ProtectedFromScaleIn=False)
+    except ClientError as error:
+        if not _already_leaving(error):
+            raise
+        # One of them left since the read; the others are unprotected one by one.
+        LOG.warning("SetInstanceProtection %s: %s", ids, error)
+        ids = [i for i in ids if _unprotect_one(autoscaling, group, i, retry)]
     released = 0
     for instance_id in ids:
         try:
@@ -314,11 +365,23 @@ def release_instances(autoscaling: BaseClient, group: str, instance_ids: Sequenc
                        ShouldDecrementDesiredCapacity=True)
             released += 1
         except ClientError as error:
-            # Already terminating (a retried tick): nothing to do.
-            if error_code(error) != "ScalingActivityInProgress" and "terminat" not in str(error).lower():
+            # ScalingActivityInProgress: the group is busy; the next tick tries again.
+            if error_code(error) != "ScalingActivityInProgress" and not _already_leaving(error):
                 raise
             LOG.warning("instance %s: %s", instance_id, error)
     return released
+
+
+def _unprotect_one(autoscaling: BaseClient, group: str, instance_id: str, retry: Retry) -> bool:
+    try:
+        retry.call(autoscaling.set_instance_protection, AutoScalingGroupName=group, InstanceIds=[instance_id],
+                   ProtectedFromScaleIn=False)
+    except ClientError as error:
+        if not _already_leaving(error):
+            raise
+        LOG.warning("SetInstanceProtection %s: %s", instance_id, error)
+        return False
+    return True
 
 
 def record_time(autoscaling: BaseClient, group: str, key: str, now: float, retry: Retry) -> None:

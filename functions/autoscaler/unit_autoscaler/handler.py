@@ -107,7 +107,8 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
     services = aws.unit_services(clients.ecs, settings.cluster, retry)
     services, finished = finish_half_done(settings, clients, services, retry)
     context["finished"] = finished
-    labelled = aws.unit_instances(clients.ecs, settings.cluster, retry)
+    attributes = aws.instance_attributes(clients.ecs, settings.cluster, retry)
+    labelled = aws.unit_instances(attributes)
     failures = aws.capacity_failures(clients.autoscaling, settings.group, retry, now - CAPACITY_LOOKBACK_S)
     metrics, ttft = aws.proxy_metrics(clients.cloudwatch, settings.proxy_namespace, settings.cell,
                                       settings.unit_ids, now, retry, minutes=settings.policy.window_minutes)
@@ -129,7 +130,8 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
         now=now, units=tuple(units), last_scale_out=_tag_time(group.tags, aws.TAG_LAST_OUT), last_scale_in=last_in,
         capacity_failures=tuple(t for t, _ in failures), ttft_p90_ms=ttft,
     )
-    context.update(services=services, labelled=labelled, failures=failures, served=latched)
+    context.update(services=services, labelled=labelled, failures=failures, served=latched,
+                   unlabelled=unlabelled_beyond_need(settings, group, attributes, units))
     return obs, context
 
 
@@ -162,6 +164,30 @@ def finish_half_done(settings: Settings, clients: Clients, services: Mapping[tup
         LOG.warning("unit %s: leader at %d, followers at %d: finished the half-done action (followers to %d)",
                     unit_id, leader.desired, followers.desired, want)
     return now, finished
+
+
+def unlabelled_beyond_need(settings: Settings, group: aws.GroupView, attributes: Mapping[str, Mapping[str, str]],
+                           units: list[Unit]) -> list[str]:
+    """InService instances with no `unit` label that no active unit is waiting for: to be released.
+
+    The placement controller labels only whole groups of `nodes` free instances (and a unit
+    that lost nodes); an instance that arrived for an activation that was then cancelled, or
+    one of a partial group, carries no label, stays protected from scale-in, and would never
+    be released by `release` (which takes a unit's labelled instances). They are counted
+    against what the active units (starting or serving) still lack: those instances may be
+    exactly the ones a unit is waiting for (launched, not yet registered or labelled), so only
+    the surplus goes. Quarantined instances are left to their health replacement, and the group
+    never goes below its minimum size (TerminateInstanceInAutoScalingGroup would refuse).
+    Registered instances go first (an unregistered one is still booting: the newest launch).
+    """
+    active = [u for u in units if u.phase in ("starting", "serving")]
+    need = sum(max(0, settings.policy.nodes - (u.instances or 0)) for u in active)
+    free = [i for i in group.in_service
+            if not attributes.get(i, {}).get("unit") and "quarantine" not in attributes.get(i, {})]
+    surplus = min(len(free) - need, group.desired - group.min_size)
+    if surplus <= 0:
+        return []
+    return sorted(free, key=lambda i: (i not in attributes, i))[:surplus]
 
 
 def utilisation(metrics: aws.UnitMetrics, capacity: int) -> tuple[float | None, ...]:
@@ -205,7 +231,8 @@ def act(settings: Settings, clients: Clients, decision: Decision, context: Mappi
     elif decision.action == "release":
         labelled = context.get("labelled", {})
         instances = [i for unit_id in unit_ids for i in labelled.get(unit_id, [])]
-        done["released"] = aws.release_instances(clients.autoscaling, settings.group, instances, retry)
+        done["released"] = aws.release_instances(clients.autoscaling, settings.group, instances, retry,
+                                                 group.in_service)
     elif decision.action == "cancel":
         for unit_id in unit_ids:
             set_role(unit_id, "leader", 0)
@@ -219,6 +246,17 @@ def act(settings: Settings, clients: Clients, decision: Decision, context: Mappi
             aws.set_desired_capacity(clients.autoscaling, settings.group, desired, retry)
             done["desired_capacity"] = desired
     return done
+
+
+def release_unlabelled(settings: Settings, clients: Clients, decision: Decision, context: Mapping[str, Any],
+                       retry: aws.Retry) -> int:
+    """Release the unlabelled instances no unit needs (`unlabelled_beyond_need`), except in a tick that
+    changed the desired capacity from its own read (activate, cancel): the next tick reads again."""
+    unlabelled = context.get("unlabelled") or []
+    if not unlabelled or decision.action in ("activate", "cancel"):
+        return 0
+    LOG.warning("releasing unlabelled instances no unit needs: %s", ", ".join(unlabelled))
+    return aws.release_instances(clients.autoscaling, settings.group, unlabelled, retry, context["group"].in_service)
 
 
 def emf(settings: Settings, decision: Decision, failures: int, now: float, **fields: Any) -> str:
@@ -240,6 +278,8 @@ def tick(settings: Settings, clients: Clients, now: float, retry: aws.Retry,
     done = act(settings, clients, decision, context, now, retry) if decision.action != "hold" else {}
     if context.get("finished"):
         done["finished"] = context["finished"]
+    if released := release_unlabelled(settings, clients, decision, context, retry):
+        done["released_unlabelled"] = released
     if not obs.stack_busy:
         served = latch_after(obs, decision, context["served"])
         if served != context["served"]:
