@@ -888,6 +888,24 @@ def test_an_agent_away_past_the_grace_loses_the_label_and_the_instance(monkeypat
     assert summary["cleared"] == ["i-0d"] and summary["agent_disconnected_replaced"] == ["i-0d"]
 
 
+def test_an_untimed_disconnect_keeps_no_label(monkeypatch):
+    """i-0d is already Unhealthy in its group (being replaced): its disconnection is not timed, so
+    its labels go at once, as before."""
+    monkeypatch.delenv("SIGNAL_STACK", raising=False)
+    cell = Cell()
+    cell.group(("i-0d",), **{i: "InService" for i in ("i-0a", "i-0b", "i-0c", "i-0d")})
+    cell.containers([container("i-0a", running=1, unit="u0", unit_placement="topology"),
+                     container("i-0b", running=1, unit="u0", unit_placement="topology"),
+                     container("i-0c", running=1, unit="u1", unit_placement="topology"),
+                     free_away("i-0d", "u1", None)])
+    cell.topology(["i-0a", "i-0b", "i-0c"],
+                  [topo(i, "t", "m1", b) for i, b in (("i-0a", "b1"), ("i-0b", "b1"), ("i-0c", "b2"))])
+    gone = delete("i-0d", "unit", "unit-placement")
+    cell.ecs.add_response("delete_attributes", {"attributes": gone}, {"cluster": CLUSTER, "attributes": gone})
+    summary = run_at_now(cell)
+    assert summary["cleared"] == ["i-0d"] and summary["agent_disconnected_first_seen"] == []
+
+
 def test_the_agent_grace_comes_from_the_environment():
     env = {"CLUSTER_NAME": CLUSTER, "AUTO_SCALING_GROUP_NAME": GROUP, "UNITS": "2", "NODES_PER_UNIT": "2",
            "METRICS_NAMESPACE": "Rufus/Cell"}
