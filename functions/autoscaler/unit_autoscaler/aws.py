@@ -7,9 +7,12 @@ botocore's own standard retry mode treats as transient (botocore 1.44.8,
 botocore/retries/standard.py `TransientRetryableChecker`): the error codes RequestTimeout,
 RequestTimeoutException, PriorRequestNotComplete, the HTTP statuses 500/502/503/504, and
 the exceptions `ConnectionError` (EndpointConnectionError, ConnectTimeoutError, ...) and
-`HTTPClientError` (ReadTimeoutError, ConnectionClosedError, ...). Every write here is
-idempotent (a desired count, a tag, a protection flag) or tolerates its own repeat
-(`release_instances`), so retrying a call whose answer was lost is safe.
+`HTTPClientError` (ReadTimeoutError, ConnectionClosedError, ...). The function runs on
+the Lambda runtime's own botocore, not the pinned one; that its checker is the same is
+unverified (the classes are botocore's public exceptions, imported by name: a rename would
+fail at import). Every write here is idempotent (a desired count, a tag, a protection flag)
+or tolerates its own repeat (`release_instances`), so retrying a call whose answer was lost
+is safe.
 """
 
 from __future__ import annotations

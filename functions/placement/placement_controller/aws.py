@@ -11,10 +11,13 @@ Transient means what botocore's own standard retry mode treats as transient (bot
 1.44.8, botocore/retries/standard.py `TransientRetryableChecker`): the codes
 RequestTimeout, RequestTimeoutException, PriorRequestNotComplete, HTTP 500/502/503/504, and
 the exceptions `ConnectionError` (EndpointConnectionError, ConnectTimeoutError, ...) and
-`HTTPClientError` (ReadTimeoutError, ConnectionClosedError, ...). Without them one lost
-connection failed the whole run, and with the FIFO trigger queue that holds every trigger of
-the cell for the queue's visibility timeout. The writes retried are idempotent (attributes
-set to a value, an instance health, a stop of a task already stopping).
+`HTTPClientError` (ReadTimeoutError, ConnectionClosedError, ...). The function runs on
+the Lambda runtime's own botocore, not the pinned one; that its checker is the same is
+unverified (the classes are botocore's public exceptions, imported by name: a rename would
+fail at import). Without them one lost connection failed the whole run, and with the FIFO
+trigger queue that holds every trigger of the cell for the queue's visibility timeout.
+The writes retried are idempotent (attributes set to a value, an instance health, a stop
+of a task already stopping).
 """
 
 from __future__ import annotations
