@@ -491,6 +491,20 @@ def test_unlabelled_instances_a_starting_unit_waits_for_are_kept() -> None:
     assert summary["action"] == "hold" and summary["done"] == {}
 
 
+def test_the_replacement_of_a_terminating_member_is_kept() -> None:
+    """u1's i-3 is terminating (its ECS label not cleared yet); its replacement i-new is InService,
+    not registered yet: the unit waits for it, so it is not surplus."""
+    cell = Cell()
+    cell.stack()
+    cell.group(4, ["i-0", "i-1", "i-2", "i-new"], served="0,1", states={"i-3": "Terminating"},
+               **{aws.TAG_LAST_OUT: NOW - 7200, aws.TAG_LAST_IN: NOW - 7200})
+    cell.services({"u0": (2, 2), "u1": (2, 1), "u2": (0, 0)})
+    cell.labels({f"i-{n}": f"u{n // 2}" for n in range(4)})
+    cell.activities()
+    cell.metrics({"u0": (8.0, 1.0), "u1": (8.0, 1.0)})
+    assert cell.run()["done"] == {}
+
+
 def test_a_quarantined_instance_is_left_to_its_replacement() -> None:
     cell = Cell()
     cell.stack()

@@ -180,8 +180,14 @@ def unlabelled_beyond_need(settings: Settings, group: aws.GroupView, attributes:
     never goes below its minimum size (TerminateInstanceInAutoScalingGroup would refuse).
     Registered instances go first (an unregistered one is still booting: the newest launch).
     """
+    # A unit's labelled instances counted among the group's live ones only: a member that is
+    # terminating keeps its label in ECS for a while, and its replacement (InService, not yet
+    # registered, so unlabelled) is exactly what the unit is waiting for.
+    live = set(group.live_instances)
+    labelled = {unit_id: sum(1 for i, attrs in attributes.items() if attrs.get("unit") == unit_id and i in live)
+                for unit_id in settings.unit_ids}
     active = [u for u in units if u.phase in ("starting", "serving")]
-    need = sum(max(0, settings.policy.nodes - (u.instances or 0)) for u in active)
+    need = sum(max(0, settings.policy.nodes - labelled[u.unit_id]) for u in active)
     free = [i for i in group.in_service
             if not attributes.get(i, {}).get("unit") and "quarantine" not in attributes.get(i, {})]
     surplus = min(len(free) - need, group.desired - group.min_size)
