@@ -1164,7 +1164,8 @@ class Cell:
             in_service=tuple(i.iid for i in live if i.lifecycle == "InService" and i.health == "Healthy"))
         attributes = {i.iid: {k: str(v) for k, v in i.attributes.items()} for i in live if i.registered}
         settings = as_handler.Settings("sim", "sim", "sim", "sim", "", "", 1, self.policy)
-        for iid in as_handler.unlabelled_beyond_need(settings, group, attributes, list(obs.units)):
+        busy = {i.iid for i in live if i.task is not None and i.task.state != "STOPPED"}
+        for iid in as_handler.unlabelled_beyond_need(settings, group, attributes, list(obs.units), busy):
             self.note(f"autoscaler releases {iid}: unlabelled, no unit waits for it")
             self.desired -= 1
             self.terminate(self.instances[iid], replace=False)

@@ -114,8 +114,10 @@ class Cell:
         self.ecs.add_response("describe_services", {"services": described, "failures": []},
                               {"cluster": CLUSTER, "services": arns, "include": ["TAGS"]})
 
-    def labels(self, by_instance: dict[str, str | None], extra: dict[str, dict[str, str]] | None = None) -> None:
-        """instance -> its `unit` label (None: registered, no label); `extra`: more attributes."""
+    def labels(self, by_instance: dict[str, str | None], extra: dict[str, dict[str, str]] | None = None,
+               running: dict[str, int] | None = None) -> None:
+        """instance -> its `unit` label (None: registered, no label); `extra`: more attributes;
+        `running`: tasks running on an instance (none when not named)."""
         arns = [f"arn:aws:ecs:{REGION}:{ACCOUNT}:container-instance/rufus-dev/{i}" for i in by_instance]
         self.ecs.add_response("list_container_instances", {"containerInstanceArns": arns},
                               {"cluster": CLUSTER, "maxResults": 100})
@@ -123,6 +125,7 @@ class Cell:
             return
         self.ecs.add_response("describe_container_instances", {"containerInstances": [
             {"containerInstanceArn": a, "ec2InstanceId": i, "status": "ACTIVE",
+             "runningTasksCount": (running or {}).get(i, 0), "pendingTasksCount": 0,
              "attributes": ([{"name": "unit", "value": u}] if u else [])
              + [{"name": k, "value": v} for k, v in (extra or {}).get(i, {}).items()]}
             for a, (i, u) in zip(arns, by_instance.items(), strict=True)
@@ -500,6 +503,18 @@ def test_the_replacement_of_a_terminating_member_is_kept() -> None:
                **{aws.TAG_LAST_OUT: NOW - 7200, aws.TAG_LAST_IN: NOW - 7200})
     cell.services({"u0": (2, 2), "u1": (2, 1), "u2": (0, 0)})
     cell.labels({f"i-{n}": f"u{n // 2}" for n in range(4)})
+    cell.activities()
+    cell.metrics({"u0": (8.0, 1.0), "u1": (8.0, 1.0)})
+    assert cell.run()["done"] == {}
+
+
+def test_an_unlabelled_instance_running_a_task_is_kept() -> None:
+    cell = Cell()
+    cell.stack()
+    cell.group(5, [f"i-{n}" for n in range(5)], served="0,1",
+               **{aws.TAG_LAST_OUT: NOW - 7200, aws.TAG_LAST_IN: NOW - 7200})
+    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (0, 0)})
+    cell.labels({**{f"i-{n}": f"u{n // 2}" for n in range(4)}, "i-4": None}, running={"i-4": 1})
     cell.activities()
     cell.metrics({"u0": (8.0, 1.0), "u1": (8.0, 1.0)})
     assert cell.run()["done"] == {}

@@ -150,17 +150,21 @@ def unit_services(ecs: BaseClient, cluster: str, retry: Retry) -> dict[tuple[str
     return found
 
 
-def instance_attributes(ecs: BaseClient, cluster: str, retry: Retry) -> dict[str, dict[str, str]]:
-    """EC2 instance id -> the ECS attributes of its container instance (`unit`, `quarantine`, ...)."""
+def instance_attributes(ecs: BaseClient, cluster: str, retry: Retry) -> tuple[dict[str, dict[str, str]], set[str]]:
+    """EC2 instance id -> the ECS attributes of its container instance (`unit`, `quarantine`, ...),
+    and the EC2 instance ids whose container instance runs or is about to run a task."""
     arns = _all_arns(retry, ecs.list_container_instances, "containerInstanceArns", cluster)
     found: dict[str, dict[str, str]] = {}
+    busy: set[str] = set()
     for batch in _chunks(arns, DESCRIBE_INSTANCES_PER_CALL):
         response = retry.call(ecs.describe_container_instances, cluster=cluster, containerInstances=list(batch))
         for ci in response.get("containerInstances", []):
             if ci.get("ec2InstanceId"):
-                found[str(ci["ec2InstanceId"])] = {str(a.get("name")): str(a.get("value") or "")
-                                                   for a in ci.get("attributes", [])}
-    return found
+                instance_id = str(ci["ec2InstanceId"])
+                found[instance_id] = {str(a.get("name")): str(a.get("value") or "") for a in ci.get("attributes", [])}
+                if int(ci.get("runningTasksCount", 0)) + int(ci.get("pendingTasksCount", 0)):
+                    busy.add(instance_id)
+    return found, busy
 
 
 def unit_instances(attributes: Mapping[str, Mapping[str, str]]) -> dict[str, list[str]]:

@@ -34,7 +34,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,7 +107,7 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
     services = aws.unit_services(clients.ecs, settings.cluster, retry)
     services, finished = finish_half_done(settings, clients, services, retry)
     context["finished"] = finished
-    attributes = aws.instance_attributes(clients.ecs, settings.cluster, retry)
+    attributes, busy = aws.instance_attributes(clients.ecs, settings.cluster, retry)
     labelled = aws.unit_instances(attributes)
     failures = aws.capacity_failures(clients.autoscaling, settings.group, retry, now - CAPACITY_LOOKBACK_S)
     metrics, ttft = aws.proxy_metrics(clients.cloudwatch, settings.proxy_namespace, settings.cell,
@@ -131,7 +131,7 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
         capacity_failures=tuple(t for t, _ in failures), ttft_p90_ms=ttft,
     )
     context.update(services=services, labelled=labelled, failures=failures, served=latched,
-                   unlabelled=unlabelled_beyond_need(settings, group, attributes, units))
+                   unlabelled=unlabelled_beyond_need(settings, group, attributes, units, busy))
     return obs, context
 
 
@@ -167,7 +167,7 @@ def finish_half_done(settings: Settings, clients: Clients, services: Mapping[tup
 
 
 def unlabelled_beyond_need(settings: Settings, group: aws.GroupView, attributes: Mapping[str, Mapping[str, str]],
-                           units: list[Unit]) -> list[str]:
+                           units: list[Unit], busy: Collection[str] = ()) -> list[str]:
     """InService instances with no `unit` label that no active unit is waiting for: to be released.
 
     The placement controller labels only whole groups of `nodes` free instances (and a unit
@@ -177,7 +177,8 @@ def unlabelled_beyond_need(settings: Settings, group: aws.GroupView, attributes:
     against what the active units (starting or serving) still lack: those instances may be
     exactly the ones a unit is waiting for (launched, not yet registered or labelled), so only
     the surplus goes. Quarantined instances are left to their health replacement, and the group
-    never goes below its minimum size (TerminateInstanceInAutoScalingGroup would refuse).
+    never goes below its minimum size (TerminateInstanceInAutoScalingGroup would refuse). An
+    instance that runs or is about to run a task (`busy`) is never one of them.
     Registered instances go first (an unregistered one is still booting: the newest launch).
     """
     # A unit's labelled instances counted among the group's live ones only: a member that is
@@ -188,8 +189,8 @@ def unlabelled_beyond_need(settings: Settings, group: aws.GroupView, attributes:
                 for unit_id in settings.unit_ids}
     active = [u for u in units if u.phase in ("starting", "serving")]
     need = sum(max(0, settings.policy.nodes - labelled[u.unit_id]) for u in active)
-    free = [i for i in group.in_service
-            if not attributes.get(i, {}).get("unit") and "quarantine" not in attributes.get(i, {})]
+    free = [i for i in group.in_service if i not in busy
+            and not attributes.get(i, {}).get("unit") and "quarantine" not in attributes.get(i, {})]
     surplus = min(len(free) - need, group.desired - group.min_size)
     if surplus <= 0:
         return []
