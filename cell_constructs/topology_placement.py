@@ -49,6 +49,21 @@ HANDLER = "placement_controller.handler.handler"
 ASSET_EXCLUDE = ["tests", "bench_placement.py", "**/__pycache__", "**/*.pyc", ".hypothesis", ".pytest_cache"]
 MAX_UNITS = 1024
 MAX_NODES_PER_UNIT = 64
+FUNCTION_TIMEOUT = Duration.minutes(2)
+# A failed run's batch comes back after the trigger queue's visibility timeout, and with one
+# message group every later trigger of the cell waits behind it: the timeout is the time
+# placement stops per failure. Lambda requires it to be at least the function timeout ("Your
+# function's timeout must be less than or equal to the queue's visibility timeout. Lambda
+# validates this requirement when you create or update an event source mapping",
+# https://docs.aws.amazon.com/lambda/latest/dg/services-sqs-configure.html) and recommends six
+# times it, to leave Lambda room to retry an invocation throttled "while processing a previous
+# batch" (same page). Runs here never overlap (one message group), so no previous batch
+# throttles them; only the account's concurrency could, and a throttled batch that comes back
+# counts one receive of TRIGGER_MAX_RECEIVES. So twice the function timeout (4 min, not 12) and
+# 5 receives: a failing run holds placement 4 min, and the batch reaches the dead-letter
+# queue after about 20 min of failures (before: 12 min a failure, 36 min).
+TRIGGER_VISIBILITY_TIMEOUT = Duration.minutes(2 * FUNCTION_TIMEOUT.to_minutes())
+TRIGGER_MAX_RECEIVES = 5
 _NAMESPACE = re.compile(r"^[A-Za-z0-9._/#:-]{1,255}$")
 # What the subscription sends to the controller: the launcher's session ends that are not
 # deliberate (unit_launcher/evidence.py), the leader's "unit released" line
@@ -158,10 +173,10 @@ class TopologyPlacement(Construct):
             encryption=sqs.QueueEncryption.KMS,
             encryption_master_key=encryption_key,
             enforce_ssl=True,
-            # Lambda recommends six times the function timeout for an SQS event source.
-            visibility_timeout=Duration.minutes(12),
+            # Twice the function timeout, not the six times Lambda recommends (TRIGGER_VISIBILITY_TIMEOUT).
+            visibility_timeout=TRIGGER_VISIBILITY_TIMEOUT,
             retention_period=Duration.days(1),
-            dead_letter_queue=sqs.DeadLetterQueue(queue=dead_letter_queue, max_receive_count=3),
+            dead_letter_queue=sqs.DeadLetterQueue(queue=dead_letter_queue, max_receive_count=TRIGGER_MAX_RECEIVES),
         )
         acknowledge(
             dead_letter_queue,
@@ -323,7 +338,7 @@ class TopologyPlacement(Construct):
             code=lambda_.Code.from_asset(str(FUNCTION_SOURCE), exclude=ASSET_EXCLUDE),
             role=self.role.without_policy_updates(),
             memory_size=256,
-            timeout=Duration.minutes(2),
+            timeout=FUNCTION_TIMEOUT,
             # One run at a time comes from the FIFO trigger queue; reserved concurrency only
             # when the fleet file asks for it (it guarantees the controller a slot).
             reserved_concurrent_executions=reserved_concurrency,

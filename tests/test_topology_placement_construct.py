@@ -18,7 +18,7 @@ from aws_cdk.assertions import Match, Template
 from cdk_nag import AwsSolutionsChecks, NIST80053R5Checks
 
 from cell_constructs.nag import acknowledge
-from cell_constructs.topology_placement import FailureHandling, TopologyPlacement
+from cell_constructs.topology_placement import HANDLER, FailureHandling, TopologyPlacement
 
 os.environ.setdefault("JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION", "20")
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,10 +122,15 @@ def test_function_runs_one_at_a_time_with_its_settings(synthesized):
             "ContentBasedDeduplication": True,
             "RedrivePolicy": {
                 "deadLetterTargetArn": {"Fn::GetAtt": [Match.string_like_regexp("PlacementDeadLetters"), "Arn"]},
-                "maxReceiveCount": 3,
+                "maxReceiveCount": 5,
             },
         },
     )
+    # A failed batch holds every trigger of the cell for the visibility timeout: twice the
+    # function timeout, and never less (Lambda refuses an event source mapping otherwise).
+    timeouts = [f["Properties"]["Timeout"] for f in function.values() if f["Properties"].get("Handler") == HANDLER]
+    queues = template.find_resources("AWS::SQS::Queue", {"Properties": {"ContentBasedDeduplication": True}})
+    assert timeouts == [120] and [q["Properties"]["VisibilityTimeout"] for q in queues.values()] == [240]
 
 
 def test_logs_and_dead_letters_are_encrypted_with_the_cell_key(synthesized):

@@ -43,7 +43,9 @@ for _extra in (ROOT / "functions" / "placement", ROOT / "functions" / "autoscale
 from placement_controller import aws as pc_aws  # noqa: E402
 from placement_controller import handler as pc_handler  # noqa: E402
 from placement_controller.failures import QUARANTINE_ATTRIBUTE, QuarantinePolicy  # noqa: E402
+from unit_autoscaler import aws as as_aws  # noqa: E402
 from unit_autoscaler import decision as asd  # noqa: E402
+from unit_autoscaler import handler as as_handler  # noqa: E402
 from unit_launcher import evidence  # noqa: E402
 from unit_launcher.rendezvous import longest_silent  # noqa: E402
 from unit_proxy.canary import CanaryGate  # noqa: E402
@@ -1113,6 +1115,8 @@ class Cell:
         decision = self.hooks.decide(self.policy, obs)
         self.latched = asd.latch_after(obs, decision, self.latched)  # kept while the stack is busy, as the handler
         if decision.action == "hold":
+            if not obs.stack_busy:
+                self._release_unlabelled(obs)
             return
         self.note(f"autoscaler {decision.action} {[f'u{i}' for i in decision.units]}: {decision.reason}")
         chosen = [self.units[f"u{i}"] for i in decision.units]
@@ -1146,6 +1150,25 @@ class Cell:
                 for inst in [i for i in self.live_instances() if i.attributes.get("unit") == unit.uid]:
                     self.desired -= 1
                     self.terminate(inst, replace=False)
+        if decision.action not in ("activate", "cancel"):  # never with a busy stack: decide holds then
+            self._release_unlabelled(obs)
+
+    def _release_unlabelled(self, obs: asd.Observation) -> None:
+        """The handler's rule for unlabelled instances no unit waits for (`unlabelled_beyond_need`, called
+        as it is), on the simulated group: each is terminated, decrementing the desired capacity."""
+        live = self.live_instances()
+        group = as_aws.GroupView(
+            desired=self.desired, max_size=self.max_units * self.nodes, tags={},
+            live_instances=tuple(i.iid for i in live if i.lifecycle in as_aws.LIVE_STATES),
+            min_size=self.min_units * self.nodes,
+            in_service=tuple(i.iid for i in live if i.lifecycle == "InService" and i.health == "Healthy"))
+        attributes = {i.iid: {k: str(v) for k, v in i.attributes.items()} for i in live if i.registered}
+        settings = as_handler.Settings("sim", "sim", "sim", "sim", "", "", 1, self.policy)
+        busy = {i.iid for i in live if i.task is not None and i.task.state != "STOPPED"}
+        for iid in as_handler.unlabelled_beyond_need(settings, group, attributes, list(obs.units), busy):
+            self.note(f"autoscaler releases {iid}: unlabelled, no unit waits for it")
+            self.desired -= 1
+            self.terminate(self.instances[iid], replace=False)
 
     # ---- invariants checked as the run goes ---------------------------------------------------------
 

@@ -14,7 +14,9 @@ import boto3
 import pytest
 from botocore import UNSIGNED
 from botocore.config import Config
+from botocore.exceptions import ClientError, ConnectionClosedError, EndpointConnectionError, ReadTimeoutError
 from botocore.stub import ANY, Stubber
+from placement_controller.assignment import Instance, plan_cell
 from unit_autoscaler import aws, counts
 from unit_autoscaler.decision import Policy
 from unit_autoscaler.handler import Clients, Settings, tick
@@ -77,8 +79,11 @@ class Cell:
             "CreationTime": datetime.fromtimestamp(NOW - 10 * 86400, UTC),
             "LastUpdatedTime": datetime.fromtimestamp(updated, UTC)}]}, {"StackName": STACK})
 
-    def group(self, desired: int, instances: list[str], served: str | None = None, **tags: float) -> None:
-        """The group; `served`: the served latch tag's value (None: no such tag)."""
+    def group(self, desired: int, instances: list[str], served: str | None = None,
+              states: dict[str, str] | None = None, **tags: float) -> None:
+        """The group; `served`: the served latch tag's value (None: no such tag); `states`: more
+        instances with their lifecycle state (the others are InService)."""
+        lifecycle = {**dict.fromkeys(instances, "InService"), **(states or {})}
         listed = [{"ResourceId": GROUP, "ResourceType": "auto-scaling-group", "Key": k, "Value": str(int(v)),
                    "PropagateAtLaunch": False} for k, v in tags.items()]
         if served is not None:
@@ -88,25 +93,31 @@ class Cell:
             "AutoScalingGroupName": GROUP, "MinSize": 2, "MaxSize": 6, "DesiredCapacity": desired,
             "DefaultCooldown": 300, "AvailabilityZones": [f"{REGION}a"], "HealthCheckType": "EC2",
             "CreatedTime": datetime(2026, 1, 1, tzinfo=UTC),
-            "Instances": [{"InstanceId": i, "AvailabilityZone": f"{REGION}a", "LifecycleState": "InService",
-                           "HealthStatus": "Healthy", "ProtectedFromScaleIn": True} for i in instances],
+            "Instances": [{"InstanceId": i, "AvailabilityZone": f"{REGION}a", "LifecycleState": state,
+                           "HealthStatus": "Healthy", "ProtectedFromScaleIn": True} for i, state in lifecycle.items()],
             "Tags": listed,
         }]}, {"AutoScalingGroupNames": [GROUP]})
 
-    def services(self, counts_by_unit: dict[str, tuple[int, int]]) -> None:
-        """unit -> (desired, running) of both its services."""
+    def services(self, counts_by_unit: dict[str, tuple[int, ...]]) -> None:
+        """unit -> (desired, running) of both its services, or (leader desired, leader running,
+        followers desired, followers running)."""
         arns = [service_arn(u, r) for u in counts_by_unit for r in ("leader", "followers")]
         self.ecs.add_response("list_services", {"serviceArns": arns}, {"cluster": CLUSTER, "maxResults": 100})
+        per_role = {(u, r): (c[2 * k], c[2 * k + 1]) if len(c) == 4 else c
+                    for u, c in counts_by_unit.items() for k, r in enumerate(("leader", "followers"))}
         described = [
             {"serviceArn": service_arn(u, r), "serviceName": f"{u}-{r}", "status": "ACTIVE", "desiredCount": d,
              "runningCount": running, "pendingCount": 0,
              "tags": [{"key": "unit", "value": u}, {"key": "unit-role", "value": r}]}
-            for u, (d, running) in counts_by_unit.items() for r in ("leader", "followers")
+            for (u, r), (d, running) in per_role.items()
         ]
         self.ecs.add_response("describe_services", {"services": described, "failures": []},
                               {"cluster": CLUSTER, "services": arns, "include": ["TAGS"]})
 
-    def labels(self, by_instance: dict[str, str]) -> None:
+    def labels(self, by_instance: dict[str, str | None], extra: dict[str, dict[str, str]] | None = None,
+               running: dict[str, int] | None = None) -> None:
+        """instance -> its `unit` label (None: registered, no label); `extra`: more attributes;
+        `running`: tasks running on an instance (none when not named)."""
         arns = [f"arn:aws:ecs:{REGION}:{ACCOUNT}:container-instance/rufus-dev/{i}" for i in by_instance]
         self.ecs.add_response("list_container_instances", {"containerInstanceArns": arns},
                               {"cluster": CLUSTER, "maxResults": 100})
@@ -114,7 +125,10 @@ class Cell:
             return
         self.ecs.add_response("describe_container_instances", {"containerInstances": [
             {"containerInstanceArn": a, "ec2InstanceId": i, "status": "ACTIVE",
-             "attributes": [{"name": "unit", "value": u}]} for a, (i, u) in zip(arns, by_instance.items(), strict=True)
+             "runningTasksCount": (running or {}).get(i, 0), "pendingTasksCount": 0,
+             "attributes": ([{"name": "unit", "value": u}] if u else [])
+             + [{"name": k, "value": v} for k, v in (extra or {}).get(i, {}).items()]}
+            for a, (i, u) in zip(arns, by_instance.items(), strict=True)
         ], "failures": []}, {"cluster": CLUSTER, "containerInstances": arns})
 
     def activities(self, *failures: tuple[float, str]) -> None:
@@ -358,6 +372,237 @@ def test_metrics_are_read_minute_by_minute_with_gaps_in_place() -> None:
     assert ttft == (900.0, None, 1100.0)
     assert per_unit["u0"].inflight == (None, 3.0, 5.0) and per_unit["u0"].healthy == (1.0, None, 0.0)
     assert per_unit["u0"].waiting == (None, None, None) and per_unit["u0"].healthy_seen
+
+
+# -- half-done actions are finished (read-through of the control loops, item 1) -------
+
+
+def test_a_half_done_activation_is_finished() -> None:
+    """A tick died between UpdateService(leader 1) and UpdateService(followers): u2 sits at leader 1,
+    followers 0. Before: nothing ever set the followers; u2 stayed `starting` forever and held
+    every scale-in. Now the next tick sets the followers (and, as u2 is still starting, holds)."""
+    cell = Cell()
+    cell.stack()
+    cell.group(6, [f"i-{n}" for n in range(6)], served="0,1",
+               **{aws.TAG_LAST_OUT: NOW - 7200, aws.TAG_LAST_IN: NOW - 7200})
+    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (1, 1, 0, 0)})
+    cell.expect_count("u2", "followers", 1)  # at once, before anything else of ECS is read
+    cell.labels({f"i-{n}": f"u{n // 2}" for n in range(6)})
+    cell.activities()
+    cell.metrics({"u0": (1.0, 1.0), "u1": (1.0, 1.0)})
+    summary = cell.run()
+    assert summary["done"] == {"finished": ["u2/followers=1"]}
+    assert summary["action"] == "hold" and summary["phases"]["u2"] == "starting"
+
+
+def test_a_half_done_deactivation_is_finished() -> None:
+    """The mirror: leader 0 set, followers still 1. Before: the unit read as serving with no proxy
+    (its load missing, so read as full: never drained again). Now the followers go to 0 and the
+    unit drains."""
+    cell = Cell()
+    cell.stack()
+    cell.group(4, ["i-a", "i-b", "i-c", "i-d"], served="0,1",
+               **{aws.TAG_LAST_OUT: NOW - 7200, aws.TAG_LAST_IN: NOW - 60})
+    cell.services({"u0": (2, 2), "u1": (0, 0, 1, 1), "u2": (0, 0)})
+    cell.expect_count("u1", "followers", 0)
+    cell.labels({"i-a": "u0", "i-b": "u0", "i-c": "u1", "i-d": "u1"})
+    cell.activities()
+    cell.metrics({"u0": (1.0, 1.0)})
+    cell.expect_served("0")
+    summary = cell.run()
+    assert summary["done"]["finished"] == ["u1/followers=0"] and summary["phases"]["u1"] == "draining"
+
+
+def test_a_read_timeout_is_retried() -> None:
+    """botocore's retries are off; one ReadTimeoutError must not end the tick (botocore's standard
+    mode retries it: retries/standard.py TransientRetryableChecker, ConnectionError and HTTPClientError)."""
+    calls: list[int] = []
+
+    def flaky(**kwargs: object) -> dict:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ReadTimeoutError(endpoint_url="https://ecs.us-east-2.amazonaws.com/")
+        return {"ok": kwargs}
+
+    assert aws.Retry(sleep=lambda s: None).call(flaky, cluster="c") == {"ok": {"cluster": "c"}}
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("error", [
+    EndpointConnectionError(endpoint_url="https://ecs.us-east-2.amazonaws.com/"),
+    ConnectionClosedError(endpoint_url="https://ecs.us-east-2.amazonaws.com/"),
+])
+def test_connection_errors_are_retried_then_raised(error: Exception) -> None:
+    calls: list[int] = []
+
+    def down(**kwargs: object) -> dict:
+        calls.append(1)
+        raise error
+
+    with pytest.raises(type(error)):
+        aws.Retry(attempts=3, sleep=lambda s: None).call(down)
+    assert len(calls) == 3
+
+
+def test_a_server_error_status_is_retried() -> None:
+    cell = Cell()
+    cell.cloudformation.add_client_error("describe_stacks", "SomethingNew", http_status_code=503)
+    cell.stack("UPDATE_IN_PROGRESS")
+    cell.group(2, ["i-a", "i-b"])
+    assert cell.run()["action"] == "hold"
+
+
+# -- instances no unit holds are released (read-through of the control loops, item 2) ---
+
+
+def test_an_instance_left_by_a_cancelled_activation_is_released() -> None:
+    """u2's activation got one of its two instances and was cancelled. The placement controller
+    labels only whole groups, so that instance carries no label (plan_cell, as the controller
+    plans it), stays protected, and before was never released: `release` takes labelled
+    instances only. Now the tick unprotects and terminates it."""
+    busy = [Instance(f"i-{n}", None, f"u{n // 2}", busy=True) for n in range(4)]
+    _, plan = plan_cell([*busy, Instance("i-late", None, None)], POLICY.max_units, POLICY.nodes)
+    assert "i-late" not in plan.assigned  # the controller leaves it unlabelled
+    labels = {i: unit for unit, members in plan.units.items() for i in members}
+    cell = Cell()
+    cell.stack()
+    cell.group(5, [f"i-{n}" for n in range(4)] + ["i-late"], served="0,1",
+               **{aws.TAG_LAST_OUT: NOW - 600, aws.TAG_LAST_IN: NOW - 7200})
+    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (0, 0)})
+    cell.labels({**labels, "i-late": None})
+    cell.activities((NOW - 300, REFUSAL))
+    cell.metrics({"u0": (8.0, 1.0), "u1": (8.0, 1.0)})
+    cell.autoscaling.add_response("set_instance_protection", {}, {
+        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-late"], "ProtectedFromScaleIn": False})
+    cell.autoscaling.add_response("terminate_instance_in_auto_scaling_group", {}, {
+        "InstanceId": "i-late", "ShouldDecrementDesiredCapacity": True})
+    summary = cell.run()
+    assert summary["action"] == "hold" and summary["done"] == {"released_unlabelled": 1}
+
+
+def test_unlabelled_instances_a_starting_unit_waits_for_are_kept() -> None:
+    """u2 is starting and has one of its two instances (not labelled yet: not a whole group): kept."""
+    cell = Cell()
+    cell.stack()
+    cell.group(6, [f"i-{n}" for n in range(4)] + ["i-new"], served="0,1",
+               **{aws.TAG_LAST_OUT: NOW - 600, aws.TAG_LAST_IN: NOW - 7200})
+    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (1, 0, 1, 0)})
+    cell.labels({**{f"i-{n}": f"u{n // 2}" for n in range(4)}, "i-new": None})
+    cell.activities()
+    cell.metrics({"u0": (8.0, 1.0), "u1": (8.0, 1.0)})
+    summary = cell.run()
+    assert summary["action"] == "hold" and summary["done"] == {}
+
+
+def test_the_replacement_of_a_terminating_member_is_kept() -> None:
+    """u1's i-3 is terminating (its ECS label not cleared yet); its replacement i-new is InService,
+    not registered yet: the unit waits for it, so it is not surplus."""
+    cell = Cell()
+    cell.stack()
+    cell.group(4, ["i-0", "i-1", "i-2", "i-new"], served="0,1", states={"i-3": "Terminating"},
+               **{aws.TAG_LAST_OUT: NOW - 7200, aws.TAG_LAST_IN: NOW - 7200})
+    cell.services({"u0": (2, 2), "u1": (2, 1), "u2": (0, 0)})
+    cell.labels({f"i-{n}": f"u{n // 2}" for n in range(4)})
+    cell.activities()
+    cell.metrics({"u0": (8.0, 1.0), "u1": (8.0, 1.0)})
+    assert cell.run()["done"] == {}
+
+
+def test_an_unlabelled_instance_running_a_task_is_kept() -> None:
+    cell = Cell()
+    cell.stack()
+    cell.group(5, [f"i-{n}" for n in range(5)], served="0,1",
+               **{aws.TAG_LAST_OUT: NOW - 7200, aws.TAG_LAST_IN: NOW - 7200})
+    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (0, 0)})
+    cell.labels({**{f"i-{n}": f"u{n // 2}" for n in range(4)}, "i-4": None}, running={"i-4": 1})
+    cell.activities()
+    cell.metrics({"u0": (8.0, 1.0), "u1": (8.0, 1.0)})
+    assert cell.run()["done"] == {}
+
+
+def test_a_quarantined_instance_is_left_to_its_replacement() -> None:
+    cell = Cell()
+    cell.stack()
+    cell.group(5, [f"i-{n}" for n in range(5)], served="0,1",
+               **{aws.TAG_LAST_OUT: NOW - 7200, aws.TAG_LAST_IN: NOW - 7200})
+    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (0, 0)})
+    cell.labels({**{f"i-{n}": f"u{n // 2}" for n in range(4)}, "i-4": None},
+                extra={"i-4": {"quarantine": "3 failures in 60 min"}})
+    cell.activities()
+    cell.metrics({"u0": (8.0, 1.0), "u1": (8.0, 1.0)})
+    assert cell.run()["done"] == {}
+
+
+# -- release errors (read-through of the control loops, item 3) ----------------------
+
+
+def release_cell(states: dict[str, str]) -> Cell:
+    """u1 drained (no task), its instances `states` (lifecycle) in the group: the tick releases u1."""
+    cell = Cell()
+    cell.stack()
+    cell.group(4, ["i-a", "i-b"], served="0", states=states)
+    cell.services({"u0": (2, 2), "u1": (0, 0), "u2": (0, 0)})
+    cell.labels({"i-a": "u0", "i-b": "u0", **dict.fromkeys(states, "u1")})
+    cell.activities()
+    cell.metrics({"u0": (2.0, 1.0)})
+    return cell
+
+
+def test_a_refused_termination_fails_the_tick() -> None:
+    """Before: "terminat" was always in str(error) (the operation's name is in a ClientError's text),
+    so AccessDenied was swallowed, the tick returned released 0, and the release repeated forever
+    with no error and no alarm."""
+    cell = release_cell({"i-c": "InService", "i-d": "InService"})
+    cell.autoscaling.add_response("set_instance_protection", {}, {
+        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-c", "i-d"], "ProtectedFromScaleIn": False})
+    cell.autoscaling.add_client_error(
+        "terminate_instance_in_auto_scaling_group", "AccessDenied", http_status_code=403,
+        service_message="User is not authorized to perform: autoscaling:TerminateInstanceInAutoScalingGroup",
+        expected_params={"InstanceId": "i-c", "ShouldDecrementDesiredCapacity": True})
+    with pytest.raises(ClientError, match="AccessDenied"):
+        cell.run()
+
+
+def test_the_min_size_refusal_fails_the_tick() -> None:
+    cell = release_cell({"i-c": "InService", "i-d": "InService"})
+    cell.autoscaling.add_response("set_instance_protection", {}, {
+        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-c", "i-d"], "ProtectedFromScaleIn": False})
+    cell.autoscaling.add_client_error(
+        "terminate_instance_in_auto_scaling_group", "ValidationError",
+        service_message="Currently, desiredCapacity is 4 and minSize is 4. Terminating instance without "
+                        "replacement will violate group's min size constraint. Either set "
+                        "shouldDecrementDesiredCapacity flag to false or lower group's min size.")
+    with pytest.raises(ClientError, match="min size"):
+        cell.run()
+
+
+def test_an_instance_already_terminating_is_not_touched() -> None:
+    """i-d is Terminating:Wait: only i-c is unprotected and terminated (before: SetInstanceProtection
+    named both and its ValidationError failed every tick)."""
+    cell = release_cell({"i-c": "InService", "i-d": "Terminating:Wait"})
+    cell.autoscaling.add_response("set_instance_protection", {}, {
+        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-c"], "ProtectedFromScaleIn": False})
+    cell.autoscaling.add_response("terminate_instance_in_auto_scaling_group", {}, {
+        "InstanceId": "i-c", "ShouldDecrementDesiredCapacity": True})
+    assert cell.run()["done"] == {"released": 1}
+
+
+def test_an_instance_that_leaves_between_read_and_protection_does_not_fail_the_tick() -> None:
+    cell = release_cell({"i-c": "InService", "i-d": "InService"})
+    cell.autoscaling.add_client_error(
+        "set_instance_protection", "ValidationError",
+        service_message="The instance i-d is not in InService or EnteringStandby or Standby.",
+        expected_params={"AutoScalingGroupName": GROUP, "InstanceIds": ["i-c", "i-d"],
+                         "ProtectedFromScaleIn": False})
+    cell.autoscaling.add_response("set_instance_protection", {}, {
+        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-c"], "ProtectedFromScaleIn": False})
+    cell.autoscaling.add_client_error(
+        "set_instance_protection", "ValidationError",
+        service_message="The instance i-d is not in InService or EnteringStandby or Standby.",
+        expected_params={"AutoScalingGroupName": GROUP, "InstanceIds": ["i-d"], "ProtectedFromScaleIn": False})
+    cell.autoscaling.add_response("terminate_instance_in_auto_scaling_group", {}, {
+        "InstanceId": "i-c", "ShouldDecrementDesiredCapacity": True})
+    assert cell.run()["done"] == {"released": 1}
 
 
 def test_nothing_is_read_or_written_while_the_stack_updates() -> None:

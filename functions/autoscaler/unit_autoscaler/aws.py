@@ -2,7 +2,17 @@
 
 Clients are built with botocore's own retries off; `Retry` retries throttling and
 transient errors with capped, jittered backoff (the placement controller's policy), so
-every call is visible here and answerable by botocore's Stubber.
+every call is visible here and answerable by botocore's Stubber. Transient means what
+botocore's own standard retry mode treats as transient (botocore 1.44.8,
+botocore/retries/standard.py `TransientRetryableChecker`): the error codes RequestTimeout,
+RequestTimeoutException, PriorRequestNotComplete, the HTTP statuses 500/502/503/504, and
+the exceptions `ConnectionError` (EndpointConnectionError, ConnectTimeoutError, ...) and
+`HTTPClientError` (ReadTimeoutError, ConnectionClosedError, ...). The function runs on
+the Lambda runtime's own botocore, not the pinned one; that its checker is the same is
+unverified (the classes are botocore's public exceptions, imported by name: a rename would
+fail at import). Every write here is idempotent (a desired count, a tag, a protection flag)
+or tolerates its own repeat (`release_instances`), so retrying a call whose answer was lost
+is safe.
 """
 
 from __future__ import annotations
@@ -11,19 +21,24 @@ import logging
 import random
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from botocore.client import BaseClient
-from botocore.exceptions import ClientError
+from botocore.exceptions import ClientError, HTTPClientError
+from botocore.exceptions import ConnectionError as BotocoreConnectionError
 
 LOG = logging.getLogger(__name__)
 RETRIED_CODES = frozenset({
     "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException",
     "InternalError", "InternalFailure", "ServiceUnavailable", "ServerException", "RequestTimeout",
+    "RequestTimeoutException", "PriorRequestNotComplete",
 })
+# botocore/retries/standard.py (1.44.8) TransientRetryableChecker: _TRANSIENT_STATUS_CODES and _TRANSIENT_EXCEPTION_CLS.
+RETRIED_STATUSES = frozenset({500, 502, 503, 504})
+RETRIED_EXCEPTIONS: tuple[type[Exception], ...] = (BotocoreConnectionError, HTTPClientError)
 # Stack states in which CloudFormation is working on the cell: the autoscaler keeps out.
 STACK_BUSY = re.compile(r"_IN_PROGRESS$")
 # Scaling activity messages that mean "no instances to be had": insufficient capacity,
@@ -49,6 +64,14 @@ def error_code(error: ClientError) -> str:
     return str(error.response.get("Error", {}).get("Code", ""))
 
 
+def retryable(error: Exception) -> bool:
+    """Throttling or a transient failure (module doc): worth another attempt."""
+    if isinstance(error, ClientError):
+        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return error_code(error) in RETRIED_CODES or status in RETRIED_STATUSES
+    return isinstance(error, RETRIED_EXCEPTIONS)
+
+
 @dataclass
 class Retry:
     attempts: int = 5
@@ -61,9 +84,11 @@ class Retry:
         for attempt in range(1, self.attempts + 1):
             try:
                 return method(**kwargs)
-            except ClientError as error:
-                if error_code(error) not in RETRIED_CODES or attempt == self.attempts:
+            except (ClientError, *RETRIED_EXCEPTIONS) as error:
+                if not retryable(error) or attempt == self.attempts:
                     raise
+                LOG.warning("%s: %s, retry %d/%d", getattr(method, "__name__", "call"), error, attempt,
+                            self.attempts - 1)
                 self.sleep(self.rng.uniform(0, min(self.max_delay, self.base_delay * 2 ** (attempt - 1))))
         raise AssertionError("unreachable")
 
@@ -125,16 +150,29 @@ def unit_services(ecs: BaseClient, cluster: str, retry: Retry) -> dict[tuple[str
     return found
 
 
-def unit_instances(ecs: BaseClient, cluster: str, retry: Retry) -> dict[str, list[str]]:
-    """unit -> EC2 instance ids whose container instance carries that `unit` attribute."""
+def instance_attributes(ecs: BaseClient, cluster: str, retry: Retry) -> tuple[dict[str, dict[str, str]], set[str]]:
+    """EC2 instance id -> the ECS attributes of its container instance (`unit`, `quarantine`, ...),
+    and the EC2 instance ids whose container instance runs or is about to run a task."""
     arns = _all_arns(retry, ecs.list_container_instances, "containerInstanceArns", cluster)
-    units: dict[str, list[str]] = {}
+    found: dict[str, dict[str, str]] = {}
+    busy: set[str] = set()
     for batch in _chunks(arns, DESCRIBE_INSTANCES_PER_CALL):
         response = retry.call(ecs.describe_container_instances, cluster=cluster, containerInstances=list(batch))
         for ci in response.get("containerInstances", []):
-            unit = next((a.get("value") for a in ci.get("attributes", []) if a.get("name") == "unit"), None)
-            if unit and ci.get("ec2InstanceId"):
-                units.setdefault(str(unit), []).append(str(ci["ec2InstanceId"]))
+            if ci.get("ec2InstanceId"):
+                instance_id = str(ci["ec2InstanceId"])
+                found[instance_id] = {str(a.get("name")): str(a.get("value") or "") for a in ci.get("attributes", [])}
+                if int(ci.get("runningTasksCount", 0)) + int(ci.get("pendingTasksCount", 0)):
+                    busy.add(instance_id)
+    return found, busy
+
+
+def unit_instances(attributes: Mapping[str, Mapping[str, str]]) -> dict[str, list[str]]:
+    """unit -> EC2 instance ids whose container instance carries that `unit` attribute."""
+    units: dict[str, list[str]] = {}
+    for instance_id, attrs in attributes.items():
+        if attrs.get("unit"):
+            units.setdefault(attrs["unit"], []).append(instance_id)
     return units
 
 
@@ -144,6 +182,9 @@ class GroupView:
     max_size: int
     live_instances: tuple[str, ...]
     tags: Mapping[str, str]
+    min_size: int = 0
+    # InService and Healthy: the only instances the autoscaler unprotects or terminates.
+    in_service: tuple[str, ...] = ()
 
 
 def group_state(autoscaling: BaseClient, group: str, retry: Retry) -> GroupView:
@@ -156,6 +197,9 @@ def group_state(autoscaling: BaseClient, group: str, retry: Retry) -> GroupView:
         desired=int(g.get("DesiredCapacity", 0)), max_size=int(g.get("MaxSize", 0)),
         live_instances=tuple(i["InstanceId"] for i in g.get("Instances", []) if i.get("LifecycleState") in LIVE_STATES),
         tags={t["Key"]: t.get("Value", "") for t in g.get("Tags", [])},
+        min_size=int(g.get("MinSize", 0)),
+        in_service=tuple(i["InstanceId"] for i in g.get("Instances", [])
+                         if i.get("LifecycleState") == "InService" and i.get("HealthStatus", "Healthy") == "Healthy"),
     )
 
 
@@ -278,13 +322,49 @@ def set_service_count(ecs: BaseClient, cluster: str, service: str, count: int, r
     retry.call(ecs.update_service, cluster=cluster, service=service, desiredCount=count)
 
 
-def release_instances(autoscaling: BaseClient, group: str, instance_ids: Sequence[str], retry: Retry) -> int:
-    """Lift the scale-in protection of exactly these instances, then terminate each, decrementing the group."""
-    ids = sorted(instance_ids)
+# The ValidationErrors that mean "this instance is already leaving the group": it is
+# terminating or gone since the group was read (the next tick's read no longer lists it).
+# Messages as reported for SetInstanceProtection and DetachInstances: "The instance i-x is not
+# in InService or EnteringStandby or Standby." (guardian/riff-raff#510), "The instance i-x is
+# not part of Auto Scaling group g." (reproio/ecs_deploy#56, #72; hashicorp/terraform-provider-aws#35071
+# tolerates SetInstanceProtection's ValidationError for the same reason). That
+# TerminateInstanceInAutoScalingGroup words it the same is unverified. Any other error
+# (AccessDenied; the ValidationError "... will violate group's min size constraint") is raised:
+# the tick fails, and its ErrorsAlarm says so, instead of the release repeating in silence.
+# Matched on the code and these messages, never on str(error): a ClientError's text always
+# holds the operation's name (botocore 1.44.8, botocore/exceptions.py ClientError.MSG_TEMPLATE
+# "An error occurred ({error_code}) when calling the {operation_name} operation...").
+ALREADY_LEAVING = re.compile(r"is not part of Auto Scaling group|is not in InService", re.IGNORECASE)
+
+
+def _already_leaving(error: ClientError) -> bool:
+    message = str(error.response.get("Error", {}).get("Message", ""))
+    return error_code(error) == "ValidationError" and bool(ALREADY_LEAVING.search(message))
+
+
+def release_instances(autoscaling: BaseClient, group: str, instance_ids: Sequence[str], retry: Retry,
+                      in_service: Collection[str]) -> int:
+    """Lift the scale-in protection of exactly these instances, then terminate each, decrementing the group.
+
+    Only instances the group lists InService (`in_service`, from the same tick's read) are
+    touched: one already terminating (a retried tick, a health replacement) would fail
+    SetInstanceProtection with a ValidationError (guardian/riff-raff#510 filters the same way).
+    An instance that leaves between the read and the call is tolerated (`ALREADY_LEAVING`).
+    """
+    ids = sorted(i for i in set(instance_ids) if i in in_service)
+    if skipped := sorted(set(instance_ids) - set(ids)):
+        LOG.warning("not InService in group %s (already leaving): %s", group, ", ".join(skipped))
     if not ids:
         return 0
-    retry.call(autoscaling.set_instance_protection, AutoScalingGroupName=group, InstanceIds=ids,
-               ProtectedFromScaleIn=False)
+    try:
+        retry.call(autoscaling.set_instance_protection, AutoScalingGroupName=group, InstanceIds=ids,
+                   ProtectedFromScaleIn=False)
+    except ClientError as error:
+        if not _already_leaving(error):
+            raise
+        # One of them left since the read; the others are unprotected one by one.
+        LOG.warning("SetInstanceProtection %s: %s", ids, error)
+        ids = [i for i in ids if _unprotect_one(autoscaling, group, i, retry)]
     released = 0
     for instance_id in ids:
         try:
@@ -292,11 +372,23 @@ def release_instances(autoscaling: BaseClient, group: str, instance_ids: Sequenc
                        ShouldDecrementDesiredCapacity=True)
             released += 1
         except ClientError as error:
-            # Already terminating (a retried tick): nothing to do.
-            if error_code(error) != "ScalingActivityInProgress" and "terminat" not in str(error).lower():
+            # ScalingActivityInProgress: the group is busy; the next tick tries again.
+            if error_code(error) != "ScalingActivityInProgress" and not _already_leaving(error):
                 raise
             LOG.warning("instance %s: %s", instance_id, error)
     return released
+
+
+def _unprotect_one(autoscaling: BaseClient, group: str, instance_id: str, retry: Retry) -> bool:
+    try:
+        retry.call(autoscaling.set_instance_protection, AutoScalingGroupName=group, InstanceIds=[instance_id],
+                   ProtectedFromScaleIn=False)
+    except ClientError as error:
+        if not _already_leaving(error):
+            raise
+        LOG.warning("SetInstanceProtection %s: %s", instance_id, error)
+        return False
+    return True
 
 
 def record_time(autoscaling: BaseClient, group: str, key: str, now: float, retry: Retry) -> None:

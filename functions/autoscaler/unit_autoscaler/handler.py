@@ -13,6 +13,10 @@ asks `decision.decide` for at most one action and carries it out:
 - cancel: instances could not be obtained for units that never served: their services to 0
   and the desired capacity down by the instances they lack (no launch retried in a loop).
 
+Before deciding, a tick finishes any half-done activation or deactivation (`finish_half_done`):
+the actions are several calls, and a tick that died between the leader's and the followers'
+UpdateService must not leave a unit half on forever.
+
 The tick also keeps the served latch (`aws.TAG_SERVED`): every unit seen serving since its
 activation, so that a missing or failed health minute never turns a serving unit back into
 a starting one that a capacity refusal could cancel.
@@ -24,12 +28,13 @@ A CloudFormation custom resource request (RequestType) is answered by `counts`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,7 +105,10 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
     if aws.STACK_BUSY.search(status):
         return Observation(now=now, units=(), stack_busy=status), context
     services = aws.unit_services(clients.ecs, settings.cluster, retry)
-    labelled = aws.unit_instances(clients.ecs, settings.cluster, retry)
+    services, finished = finish_half_done(settings, clients, services, retry)
+    context["finished"] = finished
+    attributes, busy = aws.instance_attributes(clients.ecs, settings.cluster, retry)
+    labelled = aws.unit_instances(attributes)
     failures = aws.capacity_failures(clients.autoscaling, settings.group, retry, now - CAPACITY_LOOKBACK_S)
     metrics, ttft = aws.proxy_metrics(clients.cloudwatch, settings.proxy_namespace, settings.cell,
                                       settings.unit_ids, now, retry, minutes=settings.policy.window_minutes)
@@ -122,8 +130,71 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
         now=now, units=tuple(units), last_scale_out=_tag_time(group.tags, aws.TAG_LAST_OUT), last_scale_in=last_in,
         capacity_failures=tuple(t for t, _ in failures), ttft_p90_ms=ttft,
     )
-    context.update(services=services, labelled=labelled, failures=failures, served=latched)
+    context.update(services=services, labelled=labelled, failures=failures, served=latched,
+                   unlabelled=unlabelled_beyond_need(settings, group, attributes, units, busy))
     return obs, context
+
+
+def finish_half_done(settings: Settings, clients: Clients, services: Mapping[tuple[str, str], aws.ServiceView],
+                     retry: aws.Retry) -> tuple[dict[tuple[str, str], aws.ServiceView], list[str]]:
+    """Bring each unit's followers in line with its leader: returns the services as they are now, and what was set.
+
+    Every action sets the leader first (activate: leader 1, then followers nodes - 1;
+    deactivate and cancel: leader 0, then followers 0), so the leader's desired count is the
+    unit's intended state and a unit whose two services disagree (one on, the other off) is
+    an action a tick did not finish: finish it. Why the leader and not a tag on the group:
+    the leader's count is written by the very call that started the action, so it can never
+    disagree with what was started (a separate tag could be written and the action not, or
+    the reverse), it needs no extra state, and CloudFormation's counts and an operator's
+    UpdateService on the leader are read the same way. Only on/off is repaired, not exact
+    counts: a unit with both services on is left as it is.
+    """
+    now = dict(services)
+    finished: list[str] = []
+    for unit_id in settings.unit_ids:
+        leader, followers = services.get((unit_id, "leader")), services.get((unit_id, "followers"))
+        if leader is None or followers is None:
+            continue
+        want = (settings.policy.nodes - 1) if leader.desired > 0 else 0
+        if (leader.desired > 0) == (followers.desired > 0) or followers.desired == want:
+            continue
+        aws.set_service_count(clients.ecs, settings.cluster, followers.arn, want, retry)
+        now[(unit_id, "followers")] = dataclasses.replace(followers, desired=want)
+        finished.append(f"{unit_id}/followers={want}")
+        LOG.warning("unit %s: leader at %d, followers at %d: finished the half-done action (followers to %d)",
+                    unit_id, leader.desired, followers.desired, want)
+    return now, finished
+
+
+def unlabelled_beyond_need(settings: Settings, group: aws.GroupView, attributes: Mapping[str, Mapping[str, str]],
+                           units: list[Unit], busy: Collection[str] = ()) -> list[str]:
+    """InService instances with no `unit` label that no active unit is waiting for: to be released.
+
+    The placement controller labels only whole groups of `nodes` free instances (and a unit
+    that lost nodes); an instance that arrived for an activation that was then cancelled, or
+    one of a partial group, carries no label, stays protected from scale-in, and would never
+    be released by `release` (which takes a unit's labelled instances). They are counted
+    against what the active units (starting or serving) still lack: those instances may be
+    exactly the ones a unit is waiting for (launched, not yet registered or labelled), so only
+    the surplus goes. Quarantined instances are left to their health replacement, and the group
+    never goes below its minimum size (TerminateInstanceInAutoScalingGroup would refuse). An
+    instance that runs or is about to run a task (`busy`) is never one of them.
+    Registered instances go first (an unregistered one is still booting: the newest launch).
+    """
+    # A unit's labelled instances counted among the group's live ones only: a member that is
+    # terminating keeps its label in ECS for a while, and its replacement (InService, not yet
+    # registered, so unlabelled) is exactly what the unit is waiting for.
+    live = set(group.live_instances)
+    labelled = {unit_id: sum(1 for i, attrs in attributes.items() if attrs.get("unit") == unit_id and i in live)
+                for unit_id in settings.unit_ids}
+    active = [u for u in units if u.phase in ("starting", "serving")]
+    need = sum(max(0, settings.policy.nodes - labelled[u.unit_id]) for u in active)
+    free = [i for i in group.in_service if i not in busy
+            and not attributes.get(i, {}).get("unit") and "quarantine" not in attributes.get(i, {})]
+    surplus = min(len(free) - need, group.desired - group.min_size)
+    if surplus <= 0:
+        return []
+    return sorted(free, key=lambda i: (i not in attributes, i))[:surplus]
 
 
 def utilisation(metrics: aws.UnitMetrics, capacity: int) -> tuple[float | None, ...]:
@@ -158,14 +229,17 @@ def act(settings: Settings, clients: Clients, decision: Decision, context: Mappi
             set_role(unit_id, "leader", 1)
             set_role(unit_id, "followers", nodes - 1)
     elif decision.action == "deactivate":
+        # The time first, as for an activation: an action half done is finished by the next tick
+        # (`finish_half_done`), and its cool-down must already run.
+        aws.record_time(clients.autoscaling, settings.group, aws.TAG_LAST_IN, now, retry)
         for unit_id in unit_ids:
             set_role(unit_id, "leader", 0)
             set_role(unit_id, "followers", 0)
-        aws.record_time(clients.autoscaling, settings.group, aws.TAG_LAST_IN, now, retry)
     elif decision.action == "release":
         labelled = context.get("labelled", {})
         instances = [i for unit_id in unit_ids for i in labelled.get(unit_id, [])]
-        done["released"] = aws.release_instances(clients.autoscaling, settings.group, instances, retry)
+        done["released"] = aws.release_instances(clients.autoscaling, settings.group, instances, retry,
+                                                 group.in_service)
     elif decision.action == "cancel":
         for unit_id in unit_ids:
             set_role(unit_id, "leader", 0)
@@ -179,6 +253,17 @@ def act(settings: Settings, clients: Clients, decision: Decision, context: Mappi
             aws.set_desired_capacity(clients.autoscaling, settings.group, desired, retry)
             done["desired_capacity"] = desired
     return done
+
+
+def release_unlabelled(settings: Settings, clients: Clients, decision: Decision, context: Mapping[str, Any],
+                       retry: aws.Retry) -> int:
+    """Release the unlabelled instances no unit needs (`unlabelled_beyond_need`), except in a tick that
+    changed the desired capacity from its own read (activate, cancel): the next tick reads again."""
+    unlabelled = context.get("unlabelled") or []
+    if not unlabelled or decision.action in ("activate", "cancel"):
+        return 0
+    LOG.warning("releasing unlabelled instances no unit needs: %s", ", ".join(unlabelled))
+    return aws.release_instances(clients.autoscaling, settings.group, unlabelled, retry, context["group"].in_service)
 
 
 def emf(settings: Settings, decision: Decision, failures: int, now: float, **fields: Any) -> str:
@@ -198,6 +283,10 @@ def tick(settings: Settings, clients: Clients, now: float, retry: aws.Retry,
     obs, context = observe(settings, clients, now, retry)
     decision = decide(settings.policy, obs)
     done = act(settings, clients, decision, context, now, retry) if decision.action != "hold" else {}
+    if context.get("finished"):
+        done["finished"] = context["finished"]
+    if released := release_unlabelled(settings, clients, decision, context, retry):
+        done["released_unlabelled"] = released
     if not obs.stack_busy:
         served = latch_after(obs, decision, context["served"])
         if served != context["served"]:

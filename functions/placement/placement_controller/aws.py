@@ -6,6 +6,18 @@ own retries off (`total_max_attempts=1`) so that there is one retry policy, visi
 here and testable with botocore's Stubber (which answers before botocore's retry loop).
 Pages are walked by hand, NextToken by NextToken, so that a throttled page is retried
 on its own instead of restarting the whole listing.
+
+Transient means what botocore's own standard retry mode treats as transient (botocore
+1.44.8, botocore/retries/standard.py `TransientRetryableChecker`): the codes
+RequestTimeout, RequestTimeoutException, PriorRequestNotComplete, HTTP 500/502/503/504, and
+the exceptions `ConnectionError` (EndpointConnectionError, ConnectTimeoutError, ...) and
+`HTTPClientError` (ReadTimeoutError, ConnectionClosedError, ...). The function runs on
+the Lambda runtime's own botocore, not the pinned one; that its checker is the same is
+unverified (the classes are botocore's public exceptions, imported by name: a rename would
+fail at import). Without them one lost connection failed the whole run, and with the FIFO
+trigger queue that holds every trigger of the cell for the queue's visibility timeout.
+The writes retried are idempotent (attributes set to a value, an instance health, a stop
+of a task already stopping).
 """
 
 from __future__ import annotations
@@ -18,7 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from botocore.client import BaseClient
-from botocore.exceptions import ClientError
+from botocore.exceptions import ClientError, HTTPClientError
+from botocore.exceptions import ConnectionError as BotocoreConnectionError
 
 from placement_controller.topology import NetworkPath, parse_network_nodes
 
@@ -38,8 +51,12 @@ THROTTLING_CODES = frozenset(
     }
 )
 TRANSIENT_CODES = frozenset(
-    {"InternalError", "InternalFailure", "ServiceUnavailable", "ServerException", "RequestTimeout"}
+    {"InternalError", "InternalFailure", "ServiceUnavailable", "ServerException", "RequestTimeout",
+     "RequestTimeoutException", "PriorRequestNotComplete"}
 )
+# botocore/retries/standard.py (1.44.8) TransientRetryableChecker: _TRANSIENT_STATUS_CODES and _TRANSIENT_EXCEPTION_CLS.
+TRANSIENT_STATUSES = frozenset({500, 502, 503, 504})
+TRANSIENT_EXCEPTIONS: tuple[type[Exception], ...] = (BotocoreConnectionError, HTTPClientError)
 # DescribeInstanceTopology takes at most 100 explicit instance ids (and no MaxResults
 # with them); DescribeContainerInstances 100 instances; Put/DeleteAttributes 10 attributes.
 TOPOLOGY_IDS_PER_CALL = 100
@@ -50,6 +67,14 @@ LIVE_LIFECYCLE_STATES = frozenset({"InService", "Pending", "Pending:Wait", "Pend
 
 def error_code(error: ClientError) -> str:
     return str(error.response.get("Error", {}).get("Code", ""))
+
+
+def retryable(error: Exception) -> bool:
+    """Throttling or a transient failure (module doc): worth another attempt."""
+    if isinstance(error, ClientError):
+        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return error_code(error) in THROTTLING_CODES | TRANSIENT_CODES or status in TRANSIENT_STATUSES
+    return isinstance(error, TRANSIENT_EXCEPTIONS)
 
 
 @dataclass
@@ -67,12 +92,13 @@ class Retry:
         for attempt in range(1, self.attempts + 1):
             try:
                 return method(**kwargs)
-            except ClientError as error:
-                code = error_code(error)
-                if code not in THROTTLING_CODES | TRANSIENT_CODES or attempt == self.attempts:
+            except (ClientError, *TRANSIENT_EXCEPTIONS) as error:
+                if not retryable(error) or attempt == self.attempts:
                     raise
+                code = error_code(error) if isinstance(error, ClientError) else type(error).__name__
                 delay = self.rng.uniform(0, min(self.max_delay, self.base_delay * 2 ** (attempt - 1)))
-                LOG.warning("%s: %s, retry %d/%d in %.2f s", method.__name__, code, attempt, self.attempts - 1, delay)
+                LOG.warning("%s: %s, retry %d/%d in %.2f s", getattr(method, "__name__", "call"), code, attempt,
+                            self.attempts - 1, delay)
                 self.retried += 1
                 self.sleep(delay)
         raise AssertionError("unreachable: the last attempt returns or raises")

@@ -61,6 +61,11 @@ def _since(raw: str | None) -> float | None:
         return None
 
 
+def disconnected_since(ci: aws.ContainerInstance) -> float | None:
+    """When a run first saw the agent away (None: not recorded yet)."""
+    return _since(ci.attributes.get(DISCONNECTED_ATTRIBUTE))
+
+
 def _watched(ci: aws.ContainerInstance, group: Mapping[str, aws.GroupInstance], excluded: Set[str]) -> bool:
     """In service and counted healthy by its group, registered, and not handled elsewhere (quarantine, leaving)."""
     member = group.get(ci.ec2_instance_id)

@@ -171,6 +171,27 @@ def _movable(instance: aws.ContainerInstance) -> bool:
     return not instance.busy or instance.attributes.get(UNIT_ATTRIBUTE) == SPARE_UNIT
 
 
+def _briefly_away(settings: Settings, ci: aws.ContainerInstance, now: float, agents: EcsHealthObservation) -> bool:
+    """A labelled instance whose agent is disconnected, but not yet for the grace period.
+
+    ECS agents disconnect and reconnect several times an hour in normal operation
+    (https://docs.aws.amazon.com/AmazonECS/latest/developerguide/ecs_container_instance_events.html:
+    "the Amazon ECS container agent disconnects and reconnects several times per hour as a
+    part of its normal operation"). Clearing the label of such an instance would hand its unit
+    another instance and, on an elastic cell, make it an unlabelled instance the autoscaler may
+    release. It keeps its label and place (planned as a fixed member) until the agent has been
+    away past `ecs_health.disconnected_seconds`; then the label goes and the instance is replaced.
+    Only an instance whose disconnection is timed (recorded before, or first seen by this run's
+    `ecs_health.observe`, which watches InService and Healthy instances): any other keeps no label.
+    """
+    if ci.agent_connected or ci.status != "ACTIVE" or not ci.attributes.get(UNIT_ATTRIBUTE):
+        return False
+    since = ecs_health.disconnected_since(ci)
+    if since is None:
+        return ci.ec2_instance_id in agents.first_seen
+    return now - since < settings.ecs_health.disconnected_seconds
+
+
 def _desired(
     settings: Settings, instance: Instance, plan: Plan, gifts: dict[str, str]
 ) -> tuple[str | None, str | None]:
@@ -367,12 +388,12 @@ def reconcile(
             and ci.status not in GONE_ECS_STATUSES
             and ci.ec2_instance_id not in step.in_quarantine
         )
-        usable = ci.busy or (ci.status == "ACTIVE" and ci.agent_connected)
+        usable = ci.busy or (ci.status == "ACTIVE" and ci.agent_connected) or _briefly_away(settings, ci, now, agents)
         if in_group and usable:
             managed[ci.ec2_instance_id] = ci
         elif _clear(ci):
-            # Left the group, quarantined, or free but unable to take tasks (draining,
-            # agent away): its label would pin a unit's task where it cannot run.
+            # Left the group, quarantined, or free but unable to take tasks (draining, agent
+            # away past the grace): its label would pin a unit's task where it cannot run.
             deletes.extend(_clear(ci))
             left.append(ci.ec2_instance_id)
 
@@ -382,7 +403,7 @@ def reconcile(
             instance_id=instance_id,
             path=topology.paths.get(instance_id),
             unit=ci.attributes.get(UNIT_ATTRIBUTE),
-            busy=not _movable(ci),
+            busy=not _movable(ci) or _briefly_away(settings, ci, now, agents),
         )
         for instance_id, ci in managed.items()
     ]

@@ -14,7 +14,7 @@ import boto3
 import pytest
 from botocore import UNSIGNED
 from botocore.config import Config
-from botocore.exceptions import ClientError
+from botocore.exceptions import ClientError, ConnectionClosedError, EndpointConnectionError, ReadTimeoutError
 from botocore.stub import ANY, Stubber
 from placement_controller import aws, handler
 from placement_controller.handler import Clients, Settings, reconcile
@@ -399,6 +399,49 @@ def test_retry_gives_up_after_its_attempts_and_never_retries_other_errors():
         with pytest.raises(ClientError, match="AccessDenied"):
             aws.group_lifecycle(cell.clients.autoscaling, GROUP, retry)
         assert len(delays) == 2
+
+
+def steady_cell(cell: Cell | None = None) -> Cell:
+    """Four instances already labelled as the plan wants them: a run reads and writes nothing."""
+    cell = cell or Cell()
+    cell.group(**{"i-0a": "InService", "i-0b": "InService", "i-0c": "InService", "i-0d": "InService"})
+    cell.containers([container(i, running=1, unit=u, unit_placement="topology")
+                     for i, u in (("i-0a", "u0"), ("i-0b", "u0"), ("i-0c", "u1"), ("i-0d", "u1"))])
+    cell.topology(["i-0a", "i-0b", "i-0c", "i-0d"],
+                  [topo(i, "t", "m1", b) for i, b in (("i-0a", "b1"), ("i-0b", "b1"), ("i-0c", "b2"), ("i-0d", "b2"))])
+    return cell
+
+
+@pytest.mark.parametrize("error", [
+    ReadTimeoutError(endpoint_url="https://ecs.us-east-2.amazonaws.com/"),
+    EndpointConnectionError(endpoint_url="https://ecs.us-east-2.amazonaws.com/"),
+    ConnectionClosedError(endpoint_url="https://ecs.us-east-2.amazonaws.com/"),
+])
+def test_a_lost_connection_is_retried_not_the_whole_batch(error):
+    """botocore's retries are off; before, one ReadTimeoutError of ListContainerInstances failed the
+    run, so the FIFO batch came back after the queue's visibility timeout and, the third time, went
+    to the dead-letter queue (quarantine evidence with it). botocore's standard mode retries these
+    (retries/standard.py TransientRetryableChecker: ConnectionError, HTTPClientError)."""
+    cell = steady_cell()
+    raised: list[str] = []
+
+    def lose_the_first(**kwargs):
+        if not raised:
+            raised.append(kwargs["model"].name)
+            raise error
+
+    # Raised while botocore builds the request, before the Stubber (before-call) answers and
+    # takes a response off its queue: the call fails as a real lost connection would.
+    cell.clients.ecs.meta.events.register("before-parameter-build.ecs.ListContainerInstances", lose_the_first)
+    summary = cell.run({"source": "aws.events", "detail-type": "Scheduled Event"})
+    assert raised == ["ListContainerInstances"] and len(cell.delays) == 1
+    assert summary["retries"] == 1 and summary["attributes_written"] == 0
+
+
+def test_a_server_error_status_is_retried():
+    cell = Cell()
+    cell.autoscaling.add_client_error("describe_auto_scaling_groups", "SomethingNew", http_status_code=502)
+    assert steady_cell(cell).run()["retries"] == 1
 
 
 def test_unknown_group_is_named_in_the_error():
@@ -800,6 +843,67 @@ def test_an_agent_that_is_back_has_its_first_sighting_forgotten(monkeypatch):
     cell.ecs.add_response("delete_attributes", {"attributes": gone}, {"cluster": CLUSTER, "attributes": gone})
     summary = run_at_now(cell)
     assert summary["marked_unhealthy"] == [] and summary["attributes_deleted"] == 1
+
+
+def free_away(instance: str, unit: str, since: float | None) -> dict:
+    """A free instance labelled for `unit` (its tasks not placed yet) whose agent is away."""
+    extra = {"agent_disconnected_since": f"{since:.0f}"} if since is not None else {}
+    return {**container(instance, unit=unit, unit_placement="topology", **extra), "agentConnected": False}
+
+
+@pytest.mark.parametrize("since", [None, NOW - GRACE + 30], ids=["first sighting", "within the grace"])
+def test_a_brief_agent_disconnect_keeps_the_label(monkeypatch, since):
+    """u1 was labelled on i-0c and i-0d, its tasks not placed yet; i-0d's agent reconnects (it does so
+    several times an hour normally). Before: the run deleted i-0d's unit and unit-placement, so u1
+    lost a member it was about to use (and an elastic cell's autoscaler saw an unlabelled instance)."""
+    monkeypatch.delenv("SIGNAL_STACK", raising=False)
+    cell = Cell()
+    cell.group(**{i: "InService" for i in ("i-0a", "i-0b", "i-0c", "i-0d")})
+    cell.containers([container("i-0a", running=1, unit="u0", unit_placement="topology"),
+                     container("i-0b", running=1, unit="u0", unit_placement="topology"),
+                     container("i-0c", unit="u1", unit_placement="topology"), free_away("i-0d", "u1", since)])
+    cell.topology(["i-0a", "i-0b", "i-0c", "i-0d"],
+                  [topo(i, "t", "m1", b) for i, b in (("i-0a", "b1"), ("i-0b", "b1"), ("i-0c", "b2"), ("i-0d", "b2"))])
+    if since is None:
+        first = agent_attribute("i-0d", f"{NOW}")
+        cell.ecs.add_response("put_attributes", {"attributes": first}, {"cluster": CLUSTER, "attributes": first})
+    summary = run_at_now(cell)  # no delete queued: a delete of i-0d's labels would fail the Stubber
+    assert summary["cleared"] == [] and summary["units"]["u1"]["instances"] == ["i-0c", "i-0d"]
+
+
+def test_an_agent_away_past_the_grace_loses_the_label_and_the_instance(monkeypatch):
+    monkeypatch.delenv("SIGNAL_STACK", raising=False)
+    cell = Cell()
+    cell.group(**{i: "InService" for i in ("i-0a", "i-0b", "i-0c", "i-0d")})
+    cell.containers([container("i-0a", running=1, unit="u0", unit_placement="topology"),
+                     container("i-0b", running=1, unit="u0", unit_placement="topology"),
+                     container("i-0c", running=1, unit="u1", unit_placement="topology"),
+                     free_away("i-0d", "u1", NOW - GRACE - 1)])
+    cell.topology(["i-0a", "i-0b", "i-0c"],
+                  [topo(i, "t", "m1", b) for i, b in (("i-0a", "b1"), ("i-0b", "b1"), ("i-0c", "b2"))])
+    gone = delete("i-0d", "unit", "unit-placement")
+    cell.ecs.add_response("delete_attributes", {"attributes": gone}, {"cluster": CLUSTER, "attributes": gone})
+    health_call(cell, "i-0d")
+    summary = run_at_now(cell)
+    assert summary["cleared"] == ["i-0d"] and summary["agent_disconnected_replaced"] == ["i-0d"]
+
+
+def test_an_untimed_disconnect_keeps_no_label(monkeypatch):
+    """i-0d is already Unhealthy in its group (being replaced): its disconnection is not timed, so
+    its labels go at once, as before."""
+    monkeypatch.delenv("SIGNAL_STACK", raising=False)
+    cell = Cell()
+    cell.group(("i-0d",), **{i: "InService" for i in ("i-0a", "i-0b", "i-0c", "i-0d")})
+    cell.containers([container("i-0a", running=1, unit="u0", unit_placement="topology"),
+                     container("i-0b", running=1, unit="u0", unit_placement="topology"),
+                     container("i-0c", running=1, unit="u1", unit_placement="topology"),
+                     free_away("i-0d", "u1", None)])
+    cell.topology(["i-0a", "i-0b", "i-0c"],
+                  [topo(i, "t", "m1", b) for i, b in (("i-0a", "b1"), ("i-0b", "b1"), ("i-0c", "b2"))])
+    gone = delete("i-0d", "unit", "unit-placement")
+    cell.ecs.add_response("delete_attributes", {"attributes": gone}, {"cluster": CLUSTER, "attributes": gone})
+    summary = run_at_now(cell)
+    assert summary["cleared"] == ["i-0d"] and summary["agent_disconnected_first_seen"] == []
 
 
 def test_the_agent_grace_comes_from_the_environment():
