@@ -17,7 +17,7 @@ from typing import Any
 FIELDS = (
     "model", "served_model_name", "tensor_parallel_size", "nnodes", "node_rank", "master_addr",
     "master_port", "max_num_seqs", "max_model_len", "dtype", "distributed_executor_backend",
-    "enforce_eager", "additional_config",
+    "enforce_eager", "additional_config", "enable_prefix_caching", "block_size",
 )
 
 

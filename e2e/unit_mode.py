@@ -430,6 +430,26 @@ def rendered_plans(spec: dict[str, Any]) -> list[tuple[str, Any]]:
     return plans
 
 
+def neuron_platform_problem(parsed: dict[str, Any]) -> str | None:
+    """What vllm-neuron's platform hook would refuse in the parsed engine arguments of a Neuron node.
+
+    vLLM 0.16 turns an unset prefix caching on for decoder models (engine/arg_utils.py:1967-1968,
+    config/model.py:1669-1671; block_size stays None, config/cache.py:42), then vllm-neuron asserts a
+    block size when it is on (whn09/vllm-neuron@3afb0a920fa9679e87da935999bf29fb8846641b
+    vllm_neuron/platform.py:378-387): the engine dies at start. Off, the plugin sets block_size =
+    max_model_len, the contiguous layout the compile job builds.
+    """
+    prefix_caching = parsed.get("enable_prefix_caching")
+    if prefix_caching is None:
+        prefix_caching = True
+    if prefix_caching and parsed.get("block_size") is None:
+        return ("prefix caching on (vLLM's default) with no block size: vllm-neuron asserts "
+                "'When prefix caching is enabled, block_size must be set.'")
+    if prefix_caching:
+        return "prefix caching on: the runner would use a block KV layout, not the compiled contiguous one"
+    return None
+
+
 def check_rendered_commands(h: Harness, spec: dict[str, Any]) -> None:
     """Every rendered `vllm serve` command parses with the installed vLLM's own parser and
     lands on the engine arguments the plan meant (the Neuron image runs vLLM 0.16, whose
@@ -455,6 +475,8 @@ def check_rendered_commands(h: Harness, spec: dict[str, Any]) -> None:
                 problems.append(f"{name}: {key} parsed as {got[key]!r}, planned {value!r}")
         if got["headless"] != ("--headless" in node.argv):
             problems.append(f"{name}: headless {got['headless']}")
+        if not name.startswith("cpu ") and (problem := neuron_platform_problem(got)):
+            problems.append(f"{name}: {problem}")
     h.report.facts["rendered_commands_parsed"] = [name for name, _ in plans]
     h.report.check("0. rendered commands parse with vLLM's own parser, as planned", not problems,
                    "; ".join(problems) or f"{len(plans)} commands")

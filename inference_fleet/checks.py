@@ -42,6 +42,16 @@ from inference_fleet.router_checks import check_pipeline_evacuation, check_route
 
 FleetCheck = Callable[[FleetConfig], Iterable[ConfigIssue]]
 
+# The longest prompt a Neuron unit can schedule. vllm-neuron's platform hook turns chunked prefill off and sets
+# the scheduler's token budget to 131072 whatever was asked (whn09/vllm-neuron@3afb0a920fa9679e87da935999bf29fb8846641b
+# vllm_neuron/platform.py:358,363; vllm-project/vllm-neuron@a5ef7c88c3e4e44bea9af9051d8fb113588c0a21 :183,188),
+# after vLLM 0.16 checked max_num_batched_tokens >= max_model_len (config/scheduler.py:242-256). A waiting prompt
+# longer than the budget ends the scheduling pass (v1/core/sched/scheduler.py:659-665) and vllm-neuron's scheduler
+# hides the running decodes while anything waits (core/scheduler.py:95-109): the whole unit stops. Refused here
+# rather than raised after the hook: 131072 is the only budget the plugin runs with, and a prefill above it is one
+# step longer than any the plugin sets up for (docs/neuron-multi-node.md, "Longest prompt").
+NEURON_MAX_PROMPT_TOKENS = 131_072
+
 
 def load_fleet(path: str | Path | None = None) -> FleetConfig:
     """Read a fleet file (None: the embedded default, config/default.yaml) and run every check.
@@ -73,8 +83,17 @@ def validate_fleet(fleet: FleetConfig, source: str = "<dict>") -> FleetConfig:
 
 
 def _check_model(fleet: FleetConfig) -> Iterable[ConfigIssue]:
-    """The model's shape fits together: every head gets at least one dimension, KV heads group the query heads."""
+    """The model's shape fits together: every head gets at least one dimension, KV heads group the query heads;
+    its context is one the Neuron engine can schedule."""
     model = fleet.model
+    if model.max_seq_len > NEURON_MAX_PROMPT_TOKENS:
+        yield ConfigIssue(
+            "model.max_seq_len", model.max_seq_len,
+            f"above {NEURON_MAX_PROMPT_TOKENS} on Neuron: vllm-neuron turns chunked prefill off and fixes the "
+            f"scheduler's token budget (max_num_batched_tokens) at {NEURON_MAX_PROMPT_TOKENS}, so a longer prompt "
+            "is never scheduled and, while it waits, holds every running request of the unit; allowed: 128 to "
+            f"{NEURON_MAX_PROMPT_TOKENS}",
+        )
     if model.hidden_size < model.num_attention_heads:
         yield ConfigIssue(
             "model.hidden_size", model.hidden_size,

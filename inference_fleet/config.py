@@ -151,7 +151,11 @@ class ModelConfig(_Strict):
     dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3"] = Field(
         default="bfloat16", description="Weight and KV cache data type."
     )
-    max_seq_len: int = Field(ge=128, le=1_048_576, description="Longest prompt plus completion, in tokens.")
+    max_seq_len: int = Field(
+        ge=128, le=1_048_576,
+        description="Longest prompt plus completion, in tokens. At most 131072 on Neuron (checked on load): "
+        "vllm-neuron schedules at most 131072 tokens a step with chunked prefill off.",
+    )
     num_layers: int = Field(ge=1, le=1024, description="Transformer layers.")
     hidden_size: int = Field(ge=64, le=262_144, description="Model width; at least num_attention_heads.")
     num_attention_heads: int = Field(

@@ -132,6 +132,26 @@ def test_trainium_az_must_be_in_the_cell_region(raw: dict) -> None:
     assert "cells[0].trainium_az = 'us-west-2a': must be an AZ of region us-east-2" in str(error_of(raw))
 
 
+@pytest.mark.parametrize(("max_seq_len", "refused"), [(131_072, False), (131_584, True), (1_048_576, True)])
+def test_max_seq_len_stays_within_what_the_neuron_scheduler_takes_in_one_step(
+    raw: dict, max_seq_len: int, refused: bool
+) -> None:
+    """vllm-neuron fixes the token budget at 131072 with chunked prefill off: a longer prompt would wait for ever
+    and hold every running request of the unit, so the fleet refuses such a context, saying why and what fits.
+    (131584: the next length above the limit that is a multiple of 128 x cp, so no other rule names the field.)"""
+    raw["model"]["max_seq_len"] = max_seq_len
+    try:
+        parse_fleet(raw, "test.yaml")
+        found = []
+    except ConfigError as error:
+        found = [issue for issue in error.issues if issue.path == "model.max_seq_len"]
+    assert bool(found) == refused
+    if refused:
+        (issue,) = found
+        assert issue.value == max_seq_len and "allowed: 128 to 131072" in issue.problem
+        assert "max_num_batched_tokens" in issue.problem and "chunked prefill off" in issue.problem
+
+
 def test_every_mistake_is_reported_at_once(raw: dict) -> None:
     raw["unit"]["context_parallel_degree"] = 3
     raw["cells"][0]["wave"] = "nope"

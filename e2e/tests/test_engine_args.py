@@ -18,7 +18,7 @@ E2E = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(E2E))
 
 from harness import ENGINE_PYTHON  # noqa: E402
-from unit_mode import rendered_plans  # noqa: E402
+from unit_mode import neuron_platform_problem, rendered_plans  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not ENGINE_PYTHON.exists(), reason="no .e2e/venv: checked by make e2e step 0")
 
@@ -40,3 +40,7 @@ def test_neuron_and_cpu_commands_parse_as_planned() -> None:
             if key in node.engine_args:
                 assert got[key] == node.engine_args[key], (name, key)
         assert got["headless"] == ("--headless" in node.argv), name
+        if not name.startswith("cpu "):
+            # What the Neuron platform hook does with the parsed arguments: no assertion, contiguous KV layout.
+            assert neuron_platform_problem(got) is None, (name, neuron_platform_problem(got))
+            assert got["enable_prefix_caching"] is False, name

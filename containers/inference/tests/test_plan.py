@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -85,6 +86,60 @@ def test_neuron_follower_plan_runs_the_unit_executor_with_its_rank_slice():
     # The rank slice the launcher writes into the node's view of the layout.
     config = plans.neuron_config(spec, 1)
     assert (config["start_rank_id"], config["local_ranks_size"], config["world_size"]) == (64, 64, 128)
+
+
+def vllm_cache_args(argv: list[str]) -> tuple[bool | None, int | None]:
+    """--enable-prefix-caching and --block-size as vLLM 0.16's `vllm serve` parses them: a
+    BooleanOptionalAction whose default is None (engine/arg_utils.py:937-942, 287-289) and an int
+    whose default is None (config/cache.py:42)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--block-size", type=int, default=None)
+    known, _ = parser.parse_known_args(argv)
+    return known.enable_prefix_caching, known.block_size
+
+
+def neuron_block_size(enable_prefix_caching: bool | None, block_size: int | None, max_model_len: int) -> int:
+    """The KV block size the engine gets on Neuron. vLLM 0.16 first turns an unset prefix caching on for a
+    decoder model (engine/arg_utils.py:1967-1968; config/model.py:1669-1671), then vllm-neuron's platform
+    hook runs (whn09/vllm-neuron@3afb0a920fa9679e87da935999bf29fb8846641b vllm_neuron/platform.py:378-387,
+    copied): max_model_len (one contiguous block a sequence, the compiled layout) when it is off."""
+    if enable_prefix_caching is None:
+        enable_prefix_caching = True
+    if not enable_prefix_caching:
+        return max_model_len
+    assert block_size is not None, "When prefix caching is enabled, block_size must be set."
+    return block_size
+
+
+@pytest.mark.parametrize("frontend", ["openai", "triton"])
+def test_every_neuron_engine_turns_prefix_caching_off_so_the_neuron_platform_accepts_it(frontend):
+    """vLLM 0.16 turns prefix caching on by default and vllm-neuron then asserts a block size that no Neuron
+    plan sets: every engine died at start. Off on the leader (argv, or Triton's model.json) and on followers,
+    the plugin gives each sequence one block of max_model_len, the contiguous layout the compile job builds."""
+    spec = parse_spec(neuron_spec(engine={"max_num_seqs": 32, "frontend": frontend}))
+    leader = plans.build_plan(spec, "leader", 0, leader_addr="10.0.0.5", host_ip="10.0.0.5")
+    follower = plans.build_plan(spec, "follower", 1, leader_addr="10.0.0.5", host_ip="10.0.0.6")
+    nodes = {"follower": vllm_cache_args(follower.argv)}
+    if frontend == "triton":
+        (model_json,) = (json.loads(text) for path, text in leader.files.items() if path.endswith("/model.json"))
+        nodes["leader"] = (model_json.get("enable_prefix_caching"), model_json.get("block_size"))
+    else:
+        nodes["leader"] = vllm_cache_args(leader.argv)
+    for role, (prefix_caching, block_size) in nodes.items():
+        assert neuron_block_size(prefix_caching, block_size, spec.model.max_seq_len) == 16384, role
+    assert "--no-enable-prefix-caching" in follower.argv
+    if frontend == "triton":
+        assert model_json["enable_prefix_caching"] is False
+    else:
+        assert "--no-enable-prefix-caching" in leader.argv
+
+
+def test_the_cpu_plan_leaves_prefix_caching_to_vllm():
+    """The CPU platform sets its own block size (128), so the e2e unit keeps vLLM's default."""
+    spec = parse_spec(neuron_spec(engine={"device": "cpu", "command": ["vllm"], "max_num_seqs": 4}))
+    node = plans.build_plan(spec, "leader", 0, leader_addr="127.0.0.1", host_ip="127.0.0.1")
+    assert not any("prefix-caching" in a for a in node.argv) and "enable_prefix_caching" not in node.engine_args
 
 
 def test_neuron_plan_without_a_compiled_layout_passes_the_config_the_plugin_compiles_with():

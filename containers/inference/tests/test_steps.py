@@ -117,6 +117,10 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
             # What vllm-neuron 0.5.x does (platform.py:334-340): its worker, and `uni`.
             vllm_config.parallel_config.worker_cls = "vllm_neuron.worker.neuron_worker.NeuronWorker"
             vllm_config.parallel_config.distributed_executor_backend = "uni"
+            if getattr(vllm_config, "scheduler_config", None) is not None:
+                # Its scheduler settings (platform.py:358,363), whatever vLLM had checked before.
+                vllm_config.scheduler_config.enable_chunked_prefill = False
+                vllm_config.scheduler_config.max_num_batched_tokens = 131072
 
     base.NeuronLikePlatform = NeuronLikePlatform  # type: ignore[attr-defined]
     executor = types.ModuleType("unit_executor.executor")
@@ -149,6 +153,33 @@ def test_unit_platform_restores_the_step_broadcast_that_the_neuron_platform_turn
     assert parallel.worker_cls == "unit_executor.neuron.UnitNeuronWorker"
     assert os.environ["UNIT_BASE_WORKER_CLS"] == "vllm_neuron.worker.neuron_worker.NeuronWorker"
     monkeypatch.delenv("UNIT_BASE_WORKER_CLS")
+
+
+@pytest.mark.parametrize(("max_model_len", "refused"), [(131072, False), (262144, True)])
+def test_unit_platform_refuses_a_context_the_neuron_scheduler_would_never_schedule(
+    fake_vllm, monkeypatch, max_model_len, refused
+):
+    """vLLM checked the budget against max_model_len before the Neuron hook lowered it to 131072 with chunked
+    prefill off: a longer prompt would then wait for ever and stop the unit. The engine refuses to start instead."""
+    monkeypatch.setenv("UNIT_EXECUTOR", "1")
+    monkeypatch.delenv("UNIT_BASE_WORKER_CLS", raising=False)  # absent again after the test
+    platform = importlib.import_module("unit_executor.platform")
+    config = SimpleNamespace(
+        parallel_config=SimpleNamespace(worker_cls="auto", distributed_executor_backend=None, nnodes=2, world_size=2),
+        model_config=SimpleNamespace(max_model_len=max_model_len),
+        scheduler_config=SimpleNamespace(enable_chunked_prefill=True, max_num_batched_tokens=max_model_len),
+    )
+    if not refused:
+        platform.UnitPlatform.check_and_update_config(config)
+        assert config.parallel_config.distributed_executor_backend is fake_vllm.UnitExecutor
+        return
+    with pytest.raises(ValueError) as caught:
+        platform.UnitPlatform.check_and_update_config(config)
+    assert str(caught.value) == (
+        "max_model_len 262144 is above the scheduler's token budget (max_num_batched_tokens 131072) with chunked "
+        "prefill off, as NeuronLikePlatform set them: a longer prompt would never be scheduled and would hold every "
+        "running request; set model.max_seq_len to at most 131072"
+    )
 
 
 def test_the_step_record_format_is_what_the_contract_says(tmp_path: Path) -> None:

@@ -146,7 +146,9 @@ def _parse_lines(text: str) -> tuple[dict[str, Any], list[str], dict[str, str]]:
 def _cli(name: str, value: Any) -> list[str]:
     option = "--" + name.replace("_", "-")
     if isinstance(value, bool):
-        return [option] if value else []
+        # vLLM's boolean engine arguments are argparse BooleanOptionalAction (vLLM 0.16
+        # engine/arg_utils.py:287-289): `--no-x` sets x false, which an absent flag may not (a None default).
+        return [option] if value else ["--no-" + option[2:]]
     if isinstance(value, dict | list):
         return [f"{option}={json.dumps(value, separators=(',', ':'))}"]
     return [f"{option}={value}"]

@@ -56,6 +56,30 @@ def select_unit_parts(vllm_config: Any) -> None:
         parallel.distributed_executor_backend = UnitExecutor
 
 
+def check_token_budget(vllm_config: Any) -> None:
+    """Refuse at start a context longer than the scheduler's token budget with chunked prefill off.
+
+    vLLM checks max_num_batched_tokens >= max_model_len before the platform hook (vLLM 0.16
+    config/scheduler.py:242-256); vllm-neuron's hook then turns chunked prefill off and sets the
+    budget to 131072 whatever was asked (whn09/vllm-neuron@3afb0a920fa9679e87da935999bf29fb8846641b
+    vllm_neuron/platform.py:358,363). A waiting prompt longer than the budget ends every scheduling
+    pass (v1/core/sched/scheduler.py:659-665) while vllm-neuron's scheduler hides the running decodes
+    (core/scheduler.py:95-109): the unit would stop serving. The fleet refuses such a max_seq_len
+    (inference_fleet/checks.py); this catches a hand-made spec, as an error instead of a hang.
+    """
+    model = getattr(vllm_config, "model_config", None)
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    if model is None or scheduler is None or getattr(scheduler, "enable_chunked_prefill", True):
+        return
+    budget, length = scheduler.max_num_batched_tokens, model.max_model_len
+    if budget < length:
+        raise ValueError(
+            f"max_model_len {length} is above the scheduler's token budget (max_num_batched_tokens {budget}) "
+            f"with chunked prefill off, as {_Base.__name__} set them: a longer prompt would never be scheduled "
+            f"and would hold every running request; set model.max_seq_len to at most {budget}"
+        )
+
+
 _Base: Any = resolve(os.environ.get("UNIT_BASE_PLATFORM", DEFAULT_BASE_PLATFORM))
 
 
@@ -65,4 +89,5 @@ class UnitPlatform(_Base):  # type: ignore[misc, valid-type]
     @classmethod
     def check_and_update_config(cls, vllm_config: Any) -> None:
         super().check_and_update_config(vllm_config)
+        check_token_budget(vllm_config)
         select_unit_parts(vllm_config)
