@@ -15,6 +15,7 @@ time, launch-first or terminate-first (docs/cell-lifecycle.md).
 from __future__ import annotations
 
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +42,8 @@ IMDS_ADDRESS = "169.254.169.254"
 # cgroup (v2) slice under which the ECS agent places task containers on Amazon Linux 2023: each task
 # is ecstasks-<task id>.slice inside it (amazon-ecs-agent agent/config DefaultTaskCgroupV2Prefix).
 ECS_TASKS_CGROUP = "ecstasks.slice"
+# How long node setup waits, after udev's queue is empty, for a task device to appear before it fails.
+TASK_DEVICE_WAIT_SECONDS = 60
 # What a failed node reports (node_setup.sh `report`), read by the cell's node-setup alarm.
 NODE_SETUP_FAILED_METRIC = "NodeSetupFailed"
 # EC2 refuses user data larger than 16 KB before base64
@@ -117,8 +120,15 @@ def _heredoc(path: str, body: str, *, mode: str = "0644") -> list[str]:
     return [f"cat > {path} <<'{marker}'", *body.rstrip("\n").split("\n"), marker, f"chmod {mode} {path}"]
 
 
-def node_setup_config(efa: EfaSetup, report: NodeSetupReport) -> str:
-    """/etc/node-setup/node-setup.conf: the values node_setup.sh reads, shell-quoted."""
+def node_setup_config(efa: EfaSetup, report: NodeSetupReport, task_devices: Sequence[str]) -> str:
+    """/etc/node-setup/node-setup.conf: the values node_setup.sh reads, shell-quoted.
+
+    `task_devices` are the host devices the unit task definitions pass to Docker
+    (InstanceType.task_devices, the one list both read): the setup fails, naming the first
+    missing one, rather than let the ECS agent register a node where every unit task would fail.
+    """
+    if any(not path.startswith("/dev/") or " " in path for path in task_devices):
+        raise ValueError(f"task devices must be /dev paths without spaces: {list(task_devices)}")
     values = {
         "MODEL_CACHE": MODEL_CACHE_PATH,
         "CACHE_LABEL": MODEL_CACHE_LABEL,
@@ -129,6 +139,8 @@ def node_setup_config(efa: EfaSetup, report: NodeSetupReport) -> str:
         "EFA_INSTALLER_SHA256": efa.installer_sha256 or "",
         "METRIC_NAMESPACE": report.namespace,
         "CELL": report.cell,
+        "TASK_DEVICES": " ".join(task_devices),
+        "DEVICE_WAIT_SECONDS": str(TASK_DEVICE_WAIT_SECONDS),
     }
     return "".join(f"{name}={shlex.quote(value)}\n" for name, value in values.items())
 
@@ -183,7 +195,7 @@ WantedBy=timers.target
 }
 
 
-def _node_user_data(efa: EfaSetup, report: NodeSetupReport) -> list[str]:
+def _node_user_data(efa: EfaSetup, report: NodeSetupReport, task_devices: Sequence[str]) -> list[str]:
     """Instance bootstrap: install node_setup.sh, its configuration and units, then run it once.
 
     The setup itself (IMDS rule, EFA, model cache, ecs.config) lives in node_setup.sh, so that a
@@ -194,7 +206,7 @@ def _node_user_data(efa: EfaSetup, report: NodeSetupReport) -> list[str]:
     commands = [
         "set -uo pipefail",
         "mkdir -p /etc/node-setup /usr/local/sbin /etc/systemd/system/ecs.service.d",
-        *_heredoc("/etc/node-setup/node-setup.conf", node_setup_config(efa, report)),
+        *_heredoc("/etc/node-setup/node-setup.conf", node_setup_config(efa, report, task_devices)),
         *_heredoc("/usr/local/sbin/node-setup", NODE_SETUP_SCRIPT.read_text(), mode="0755"),
     ]
     for path, body in _UNITS.items():
@@ -338,7 +350,7 @@ class TrainiumCapacity(Construct):
         """Neuron ECS AMI (or a pinned one), IMDSv2, encrypted root volume, placement group, every EFA
         interface, the node's boot script, and the capacity reservation or block launches are aimed at."""
         user_data = ec2.UserData.for_linux()
-        user_data.add_commands(*_node_user_data(efa, report))
+        user_data.add_commands(*_node_user_data(efa, report, instance.task_devices))
         # A pinned AMI changes only when the fleet file does (the pipeline advances it);
         # unpinned, the recommended AMI's SSM parameter is re-read on every deploy.
         machine_image = (
