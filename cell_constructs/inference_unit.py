@@ -463,7 +463,8 @@ class MultiNodeInferenceUnit(Construct):
         # EFA's RDMA needs locked memory; the Neuron runtime needs IPC_LOCK for it.
         linux.add_capabilities(ecs.Capability.IPC_LOCK)
         permissions = [ecs.DevicePermission.READ, ecs.DevicePermission.WRITE]
-        for path in instance.neuron_devices + instance.efa_devices:
+        # The same list the node's setup checks on the host (node_setup.sh `task_devices`).
+        for path in instance.task_devices:
             linux.add_devices(ecs.Device(host_path=path, container_path=path, permissions=permissions))
         container = task.add_container(
             "inference",

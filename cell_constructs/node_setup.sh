@@ -2,7 +2,8 @@
 # node-setup: makes a Trainium node fit for ECS tasks, on its first boot (from user data) and on
 # every later boot (node-setup.service, ordered before ecs.service). Each step is idempotent.
 #
-#   node-setup          the IMDS block rule, EFA, the model cache on the instance store, ecs.config
+#   node-setup          the IMDS block rule, EFA, every device the unit tasks are given, the model cache
+#                       on the instance store, ecs.config
 #   node-setup report   while the node's setup has failed: put NodeSetupFailed=1 to CloudWatch
 #
 # A failed step keeps the node out of service instead of powering it off: the ECS agent is not
@@ -78,6 +79,35 @@ ensure_efa() {
   efa_ok || fail 'EFA installed but fi_info finds no efa provider'
 }
 
+# Every device the unit task definitions pass to Docker (TASK_DEVICES: each /dev/neuronN and
+# /dev/infiniband/uverbsN of the instance type), as a character device. fi_info above needs one EFA
+# device; Docker refuses to create a container when any --device host path is missing or is not a
+# device ("error gathering device information while adding custom device ...": moby/moby
+# oci/devices_linux.go DevicesFromPath at 65a289dc62cc572cfd1ae6c56ef5f8097fdd6a4c). A node short of
+# one would register, take a unit and fail every task at container creation, before the launcher's
+# own self check runs. udev makes the nodes after the drivers probe: wait for its queue, then up to
+# DEVICE_WAIT_SECONDS more.
+missing_devices() {
+  local device
+  for device in $TASK_DEVICES; do
+    [ -c "$device" ] || printf '%s ' "$device"
+  done
+}
+
+task_devices() {
+  local missing waited=0
+  udevadm settle --timeout=60 >/dev/null 2>&1
+  missing=$(missing_devices)
+  while [ -n "$missing" ] && [ "$waited" -lt "$DEVICE_WAIT_SECONDS" ]; do
+    sleep 5
+    waited=$((waited + 5))
+    missing=$(missing_devices)
+  done
+  [ -z "$missing" ] && return 0
+  fail "task device(s) missing: ${missing% } (the unit tasks pass all $(echo "$TASK_DEVICES" | wc -w)" \
+    "to Docker, which creates no container whose device is missing)"
+}
+
 # The model cache: every NVMe instance-store disk (attached automatically on Nitro instances), as
 # one RAID0 when there are several, XFS labelled $CACHE_LABEL, in fstab (nofail) and mdadm.conf so
 # a reboot brings it back; node-setup assembles and mounts it again itself when udev did not.
@@ -143,6 +173,7 @@ setup() {
   fi
   block_imds
   ensure_efa
+  task_devices
   model_cache
   ecs_config
   { mkdir -p "$READY_DIR" && touch "$READY"; } || fail "cannot write $READY"

@@ -3,8 +3,10 @@
 Every EFA interface of the instance type is attached (card 0 device 0, the others
 device 1, as in the AWS Neuron samples) and all of them share one security group that
 allows all traffic to and from itself, which EFA requires. The group of instances lives
-in one subnet and one cluster placement group, so a unit's nodes are a few network hops
-apart at most; the placement controller then groups them into units by topology.
+in one subnet and one cluster placement group (the cell's own, or the existing one its capacity
+reservation was made in), so a unit's nodes are a few network hops apart at most; the placement
+controller then groups them into units by topology. Capacity reservations are used exclusively
+(capacity-reservations-only): a launch never falls back to On-Demand.
 
 Each node sets itself up with node_setup.sh (IMDS rule, EFA, instance-store cache) on its
 first boot and every boot after; a node whose setup fails stays out of service and reports
@@ -15,6 +17,7 @@ time, launch-first or terminate-first (docs/cell-lifecycle.md).
 from __future__ import annotations
 
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +44,8 @@ IMDS_ADDRESS = "169.254.169.254"
 # cgroup (v2) slice under which the ECS agent places task containers on Amazon Linux 2023: each task
 # is ecstasks-<task id>.slice inside it (amazon-ecs-agent agent/config DefaultTaskCgroupV2Prefix).
 ECS_TASKS_CGROUP = "ecstasks.slice"
+# How long node setup waits, after udev's queue is empty, for a task device to appear before it fails.
+TASK_DEVICE_WAIT_SECONDS = 60
 # What a failed node reports (node_setup.sh `report`), read by the cell's node-setup alarm.
 NODE_SETUP_FAILED_METRIC = "NodeSetupFailed"
 # EC2 refuses user data larger than 16 KB before base64
@@ -50,11 +55,16 @@ USER_DATA_LIMIT_BYTES = 16 * 1024
 
 @dataclass(frozen=True, kw_only=True)
 class CapacitySource:
-    """Where the instances come from: on-demand, a capacity reservation (or group of them), a capacity block."""
+    """Where the instances come from: on-demand, a capacity reservation (or group of them), a capacity block.
+
+    `placement_group`: the existing cluster placement group a capacity reservation was made in; the
+    nodes launch into it instead of a group of the cell's own (None: the cell creates one).
+    """
 
     kind: str = "on-demand"
     reservation_id: str | None = None
     resource_group_arn: str | None = None
+    placement_group: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,9 +86,23 @@ class NodeSetupReport:
 def capacity_overrides(source: CapacitySource) -> dict[str, object]:
     """LaunchTemplateData properties that aim launches at the configured capacity.
 
-    Capacity reservations: CapacityReservationSpecification.CapacityReservationTarget (an
-    id or a resource group); capacity blocks: InstanceMarketOptions.MarketType
-    capacity-block plus the block's reservation id
+    Capacity reservations: CapacityReservationSpecification with the target (an id or a resource
+    group) and CapacityReservationPreference capacity-reservations-only. Without the preference,
+    instances that target a group run On-Demand when no reservation of the group has capacity ("If
+    the group does not have a Capacity Reservation with matching attributes and available capacity,
+    the instances run using On-Demand capacity",
+    https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/create-cr-group.html); with it, "The instance
+    will only run in a Capacity Reservation or Capacity Reservation group. If capacity isn't
+    available, the instance will fail to launch" (AWS::EC2::LaunchTemplate
+    CapacityReservationSpecification). Both keys at once: "You can only specify
+    CapacityReservationPreference and CapacityReservationTarget if the CapacityReservationPreference
+    is capacity-reservations-only" (EC2 API CapacityReservationSpecification,
+    https://docs.aws.amazon.com/AWSEC2/latest/APIReference/API_CapacityReservationSpecification.html;
+    Auto Scaling's: "If you specify open or none ..., do not specify a CapacityReservationTarget",
+    https://docs.aws.amazon.com/autoscaling/ec2/APIReference/API_CapacityReservationSpecification.html).
+    The CloudFormation page still says "You can specify only one option at a time", older text from
+    when the preference was only open or none; the pair is not yet deployed here (unverified on AWS).
+    Capacity blocks: InstanceMarketOptions.MarketType capacity-block plus the block's reservation id
     (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/capacity-blocks-launch.html,
     https://docs.aws.amazon.com/autoscaling/ec2/userguide/launch-template-capacity-reservations.html).
     """
@@ -89,7 +113,10 @@ def capacity_overrides(source: CapacitySource) -> dict[str, object]:
         if source.resource_group_arn
         else {"CapacityReservationId": str(source.reservation_id)}
     )
-    overrides: dict[str, object] = {"CapacityReservationSpecification": {"CapacityReservationTarget": target}}
+    specification: dict[str, object] = {"CapacityReservationTarget": target}
+    if source.kind == "capacity-reservation":
+        specification = {"CapacityReservationPreference": "capacity-reservations-only", **specification}
+    overrides: dict[str, object] = {"CapacityReservationSpecification": specification}
     if source.kind == "capacity-block":
         overrides["InstanceMarketOptions"] = {"MarketType": "capacity-block"}
     return overrides
@@ -117,8 +144,15 @@ def _heredoc(path: str, body: str, *, mode: str = "0644") -> list[str]:
     return [f"cat > {path} <<'{marker}'", *body.rstrip("\n").split("\n"), marker, f"chmod {mode} {path}"]
 
 
-def node_setup_config(efa: EfaSetup, report: NodeSetupReport) -> str:
-    """/etc/node-setup/node-setup.conf: the values node_setup.sh reads, shell-quoted."""
+def node_setup_config(efa: EfaSetup, report: NodeSetupReport, task_devices: Sequence[str]) -> str:
+    """/etc/node-setup/node-setup.conf: the values node_setup.sh reads, shell-quoted.
+
+    `task_devices` are the host devices the unit task definitions pass to Docker
+    (InstanceType.task_devices, the one list both read): the setup fails, naming the first
+    missing one, rather than let the ECS agent register a node where every unit task would fail.
+    """
+    if any(not path.startswith("/dev/") or " " in path for path in task_devices):
+        raise ValueError(f"task devices must be /dev paths without spaces: {list(task_devices)}")
     values = {
         "MODEL_CACHE": MODEL_CACHE_PATH,
         "CACHE_LABEL": MODEL_CACHE_LABEL,
@@ -129,6 +163,8 @@ def node_setup_config(efa: EfaSetup, report: NodeSetupReport) -> str:
         "EFA_INSTALLER_SHA256": efa.installer_sha256 or "",
         "METRIC_NAMESPACE": report.namespace,
         "CELL": report.cell,
+        "TASK_DEVICES": " ".join(task_devices),
+        "DEVICE_WAIT_SECONDS": str(TASK_DEVICE_WAIT_SECONDS),
     }
     return "".join(f"{name}={shlex.quote(value)}\n" for name, value in values.items())
 
@@ -183,7 +219,7 @@ WantedBy=timers.target
 }
 
 
-def _node_user_data(efa: EfaSetup, report: NodeSetupReport) -> list[str]:
+def _node_user_data(efa: EfaSetup, report: NodeSetupReport, task_devices: Sequence[str]) -> list[str]:
     """Instance bootstrap: install node_setup.sh, its configuration and units, then run it once.
 
     The setup itself (IMDS rule, EFA, model cache, ecs.config) lives in node_setup.sh, so that a
@@ -194,7 +230,7 @@ def _node_user_data(efa: EfaSetup, report: NodeSetupReport) -> list[str]:
     commands = [
         "set -uo pipefail",
         "mkdir -p /etc/node-setup /usr/local/sbin /etc/systemd/system/ecs.service.d",
-        *_heredoc("/etc/node-setup/node-setup.conf", node_setup_config(efa, report)),
+        *_heredoc("/etc/node-setup/node-setup.conf", node_setup_config(efa, report, task_devices)),
         *_heredoc("/usr/local/sbin/node-setup", NODE_SETUP_SCRIPT.read_text(), mode="0755"),
     ]
     for path, body in _UNITS.items():
@@ -239,7 +275,7 @@ class TrainiumCapacity(Construct):
             raise ValueError(f"rolling_update {rolling_update!r}: use launch-first or terminate-first")
 
         self.security_group = self._efa_security_group(vpc)
-        self.placement_group = ec2.PlacementGroup(self, "ClusterPlacement", strategy=ec2.PlacementGroupStrategy.CLUSTER)
+        self.placement_group = self._placement_group(capacity_source)
 
         role = self._instance_role()
         self._allow_setup_report(role, setup_report)
@@ -252,6 +288,22 @@ class TrainiumCapacity(Construct):
             launch_first=rolling_update == "launch-first",
         )
         self.setup_failure_alarm = self._setup_failure_alarm(setup_report)
+
+    def _placement_group(self, source: CapacitySource) -> ec2.IPlacementGroup:
+        """The cluster placement group the nodes launch into: the one the reservation was made in, or the cell's own.
+
+        A reservation made in a cluster placement group is capacity inside that group: AWS launches into it
+        name the group and the reservation (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/using-cpg-odcr-crg.html:
+        "Specifying the ARN of the cluster placement group and Capacity Reservation group ... the instances are
+        placed in the specified cluster placement group"; capacity-reservations-launch.html: "For Placement
+        group, select the cluster placement group in which to launch the instance"), and "An instance can be
+        launched in one placement group at a time" (limitations-placement-groups.html). So launches into a
+        group of the cell's own cannot use it (read from these pages; no sentence says it in one line, and it
+        is not tried on AWS). The existing group is referenced by name, neither created nor deleted here.
+        """
+        if source.placement_group:
+            return ec2.PlacementGroup.from_placement_group_name(self, "ClusterPlacement", source.placement_group)
+        return ec2.PlacementGroup(self, "ClusterPlacement", strategy=ec2.PlacementGroupStrategy.CLUSTER)
 
     def _efa_security_group(self, vpc: ec2.IVpc) -> ec2.SecurityGroup:
         """One group for every EFA interface of every node, open to itself (EFA needs it) and HTTPS out."""
@@ -338,7 +390,7 @@ class TrainiumCapacity(Construct):
         """Neuron ECS AMI (or a pinned one), IMDSv2, encrypted root volume, placement group, every EFA
         interface, the node's boot script, and the capacity reservation or block launches are aimed at."""
         user_data = ec2.UserData.for_linux()
-        user_data.add_commands(*_node_user_data(efa, report))
+        user_data.add_commands(*_node_user_data(efa, report, instance.task_devices))
         # A pinned AMI changes only when the fleet file does (the pipeline advances it);
         # unpinned, the recommended AMI's SSM parameter is re-read on every deploy.
         machine_image = (

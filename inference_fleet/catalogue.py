@@ -83,6 +83,12 @@ class InstanceType:
         """Host device paths of the EFA user verbs, one per EFA interface."""
         return [f"/dev/infiniband/uverbs{i}" for i in range(self.efa_interfaces)]
 
+    @property
+    def task_devices(self) -> list[str]:
+        """Every host device a unit task is given (the task definition's devices), which the node's setup
+        checks before the ECS agent starts: Docker refuses to create a container whose device is missing."""
+        return self.neuron_devices + self.efa_devices
+
 
 _TRN1_SOURCES = (
     "https://awsdocs-neuron.readthedocs-hosted.com/en/latest/general/arch/neuron-hardware/trn1-arch.html",

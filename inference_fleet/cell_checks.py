@@ -112,6 +112,10 @@ def check_cells_deployable(fleet: FleetConfig) -> Iterable[ConfigIssue]:
 def _capacity_issues(i: int, cell: CellConfig) -> Iterable[ConfigIssue]:
     capacity = cell.capacity
     path = f"cells[{i}].capacity"
+    if capacity.placement_group and capacity.source != "capacity-reservation":
+        # On-demand and capacity blocks get a cluster placement group of the cell's own.
+        yield ConfigIssue(f"{path}.placement_group", capacity.placement_group,
+                          "only with source capacity-reservation (the placement group its reservations were made in)")
     if capacity.source == "on-demand":
         for field in ("reservation_id", "resource_group_arn"):
             if getattr(capacity, field):

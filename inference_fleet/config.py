@@ -259,6 +259,18 @@ class BaseImagesConfig(_Strict):
     )
 
 
+def _placement_group_name(value: str) -> str:
+    """An EC2 placement group name: up to 255 ASCII characters (CreatePlacementGroup GroupName,
+    https://docs.aws.amazon.com/AWSEC2/latest/APIReference/API_CreatePlacementGroup.html); the launch
+    template names the group, so an ARN (what DescribeCapacityReservations shows) is refused with its name."""
+    if value.startswith("arn:"):
+        name = value.rsplit("placement-group/", 1)[-1] if "placement-group/" in value else "<name>"
+        raise ValueError(f"the placement group's name is needed, not its ARN: {name}")
+    if not value or len(value) > 255 or not all(" " <= ch <= "~" for ch in value) or value != value.strip():
+        raise ValueError("a placement group name: 1-255 printable ASCII characters, no leading or trailing space")
+    return value
+
+
 class CapacityConfig(_Strict):
     """Where a cell's Trainium instances come from (see docs/cell-lifecycle.md)."""
 
@@ -274,6 +286,13 @@ class CapacityConfig(_Strict):
         Annotated[str, StringConstraints(pattern=r"^arn:aws[a-z-]*:resource-groups:[a-z0-9-]+:[0-9]{12}:group/.+$")]
         | None
     ) = Field(default=None, description="Resource group of capacity reservations (capacity-reservation only).")
+    placement_group: Annotated[str, AfterValidator(_placement_group_name)] | None = Field(
+        default=None,
+        description="Name of the existing cluster placement group the reservation (or the group's reservations) "
+        "was created in (capacity-reservation only): the nodes launch into it instead of a placement group of "
+        "the cell's own, since a reservation made in a cluster placement group takes only launches into that "
+        "group. Unset: the cell creates its own cluster placement group.",
+    )
     rolling_update: Literal["launch-first", "terminate-first"] | None = Field(
         default=None,
         description="How an instance replacement (AMI or launch template change) gets its capacity. "

@@ -140,7 +140,7 @@ class CellStack(Stack):
             root_volume_gib=serving.root_volume_gib, encryption_key=self.key,
             capacity_source=CapacitySource(
                 kind=cell.capacity.source, reservation_id=cell.capacity.reservation_id,
-                resource_group_arn=cell.capacity.resource_group_arn,
+                resource_group_arn=cell.capacity.resource_group_arn, placement_group=cell.capacity.placement_group,
             ),
             efa=EfaSetup(
                 installer_version=fleet.node.efa_installer_version, installer_sha256=fleet.node.efa_installer_sha256,

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 from aws_cdk import App
+from aws_cdk.assertions import Match
 
 from inference_fleet import cell_checks
 from inference_fleet.checks import parse_fleet
@@ -26,6 +27,8 @@ from tests.conftest import CDK_CONTEXT, FLEETS, synth_fleet
 
 ROOT = Path(__file__).resolve().parents[1]
 DEV = "Rufus-Cell-dev"
+# The existing cluster placement group the variants' resource group of reservations was made in.
+RESERVATION_PLACEMENT_GROUP = "trn2-odcr-use-placement"
 
 
 def resources(template: dict, type_name: str) -> dict[str, dict]:
@@ -55,15 +58,16 @@ def error_text(data: dict) -> str:
 
 @pytest.fixture(scope="module")
 def variants(tmp_path_factory: pytest.TempPathFactory):
-    """The large fleet with a capacity reservation, a capacity block, a resource group, a pinned AMI,
-    AZ IDs and reserved concurrency: one synth for every variant."""
+    """The large fleet with a capacity reservation, a capacity block, a resource group whose reservations
+    are in an existing cluster placement group, a pinned AMI, AZ IDs and reserved concurrency: one synth
+    for every variant."""
     data = yaml.safe_load((FLEETS / "large.yaml").read_text())
     a, b, c = data["cells"]
     a.update(capacity={"source": "capacity-reservation", "reservation_id": "cr-0123456789abcdef0"},
              node_ami_id="ami-0123456789abcdef0", trainium_az="use2-az2", alb_azs=["use2-az2", "use2-az1"])
     b.update(capacity={"source": "capacity-block", "reservation_id": "cr-0fedcba9876543210"},
              placement_reserved_concurrency=1)
-    c.update(capacity={"source": "capacity-reservation",
+    c.update(capacity={"source": "capacity-reservation", "placement_group": RESERVATION_PLACEMENT_GROUP,
                        "resource_group_arn": "arn:aws:resource-groups:us-west-2:333333333333:group/trn-crs"})
     data["node"] = {"efa_installer_sha256": "a" * 64}
     return synth_fleet(parse_fleet(data, "variants"), tmp_path_factory.mktemp("cdk-variants"))
@@ -96,17 +100,42 @@ def test_capacity_reservation_block_and_group_reach_the_launch_template(variants
     def data(stack: str) -> dict:
         return only(variants.template_json(stack), "AWS::EC2::LaunchTemplate")["Properties"]["LaunchTemplateData"]
 
+    # A reservation source launches only into its reservations: capacity-reservations-only beside the target.
     reservation = data("Rufus-Cell-use2-a")
     assert reservation["CapacityReservationSpecification"] == {
+        "CapacityReservationPreference": "capacity-reservations-only",
         "CapacityReservationTarget": {"CapacityReservationId": "cr-0123456789abcdef0"}}
     assert "InstanceMarketOptions" not in reservation
     block = data("Rufus-Cell-use2-b")
     assert block["InstanceMarketOptions"] == {"MarketType": "capacity-block"}
-    assert block["CapacityReservationSpecification"]["CapacityReservationTarget"] == {
-        "CapacityReservationId": "cr-0fedcba9876543210"}
+    assert block["CapacityReservationSpecification"] == {
+        "CapacityReservationTarget": {"CapacityReservationId": "cr-0fedcba9876543210"}}
     group = data("Rufus-Cell-usw2-a")
-    assert group["CapacityReservationSpecification"]["CapacityReservationTarget"] == {
-        "CapacityReservationResourceGroupArn": "arn:aws:resource-groups:us-west-2:333333333333:group/trn-crs"}
+    assert group["CapacityReservationSpecification"] == {
+        "CapacityReservationPreference": "capacity-reservations-only",
+        "CapacityReservationTarget": {
+            "CapacityReservationResourceGroupArn": "arn:aws:resource-groups:us-west-2:333333333333:group/trn-crs"}}
+
+
+def test_a_reservation_group_never_falls_back_to_on_demand_and_launches_into_its_placement_group(variants) -> None:
+    """Old code: only the target (instances of a group without free reservations run On-Demand), and always a
+    new cluster placement group, where a reservation made in an existing group can never be used."""
+    template = variants.templates["Rufus-Cell-usw2-a"]
+    template.has_resource_properties("AWS::EC2::LaunchTemplate", {"LaunchTemplateData": Match.object_like({
+        "CapacityReservationSpecification": {
+            "CapacityReservationPreference": "capacity-reservations-only",
+            "CapacityReservationTarget": {"CapacityReservationResourceGroupArn": Match.string_like_regexp("trn-crs")},
+        },
+        "Placement": {"GroupName": RESERVATION_PLACEMENT_GROUP},
+    })})
+    template.resource_count_is("AWS::EC2::PlacementGroup", 0)  # the reservation's group, neither made nor deleted
+    # Without a placement group named, the cell makes its own and launches into it.
+    own = variants.templates["Rufus-Cell-use2-a"]
+    own.resource_count_is("AWS::EC2::PlacementGroup", 1)
+    own.has_resource_properties("AWS::EC2::PlacementGroup", {"Strategy": "cluster"})
+    (group_id,) = resources(variants.template_json("Rufus-Cell-use2-a"), "AWS::EC2::PlacementGroup")
+    own.has_resource_properties("AWS::EC2::LaunchTemplate", {"LaunchTemplateData": Match.object_like({
+        "Placement": {"GroupName": {"Fn::GetAtt": [group_id, "GroupName"]}}})})
 
 
 def test_on_demand_is_the_default_capacity(synth_default) -> None:
@@ -121,6 +150,20 @@ def test_on_demand_is_the_default_capacity(synth_default) -> None:
                                              r"capacity-reservation needs exactly one of"),
         ({"source": "capacity-block"}, r"cells\[0\]\.capacity\.reservation_id = None: source capacity-block needs"),
         ({"reservation_id": "cr-0123456789abcdef0"}, r"cells\[0\]\.capacity\.reservation_id = .*only with source"),
+        ({"placement_group": "trn-pg"}, r"cells\[0\]\.capacity\.placement_group = 'trn-pg': only with source "
+                                        r"capacity-reservation \(the placement group its reservations were made in\)"),
+        ({"source": "capacity-block", "reservation_id": "cr-0fedcba9876543210", "placement_group": "trn-pg"},
+         r"cells\[0\]\.capacity\.placement_group = 'trn-pg': only with source capacity-reservation"),
+        ({"source": "capacity-reservation", "reservation_id": "cr-0123456789abcdef0",
+          "placement_group": "arn:aws:ec2:us-east-2:111111111111:placement-group/trn-pg"},
+         r"cells\[0\]\.capacity\.placement_group = 'arn:aws:ec2:.*': the placement group's name is needed, "
+         r"not its ARN: trn-pg"),
+        ({"source": "capacity-reservation", "reservation_id": "cr-0123456789abcdef0", "placement_group": ""},
+         r"cells\[0\]\.capacity\.placement_group = '': a placement group name: 1-255 printable ASCII"),
+        ({"source": "capacity-reservation", "reservation_id": "cr-0123456789abcdef0", "placement_group": "pg-\u00e9"},
+         r"cells\[0\]\.capacity\.placement_group = 'pg-\u00e9': a placement group name: 1-255 printable ASCII"),
+        ({"source": "capacity-reservation", "reservation_id": "cr-0123456789abcdef0", "placement_group": "p" * 256},
+         r"cells\[0\]\.capacity\.placement_group = 'p+.*: a placement group name: 1-255"),
     ],
 )
 def test_capacity_settings_are_checked(raw: dict, capacity: dict, message: str) -> None:

@@ -10,7 +10,9 @@ iptables, systemctl, systemd-cat, dnf, curl). The file system "made" by the fake
 directory that the fake mount binds onto /opt/models, so /proc/self/mounts, the cache marker and
 the fstab lines are real. A reboot is a second run of what the installed node-setup.service
 executes, with /run emptied, no mounts and no firewall rules; a stop and start also blanks the
-instance-store disks. shellcheck runs on the user data and on the script it installs.
+instance-store disks. /dev is a fresh tmpfs holding the basic nodes and, as character devices, the
+Neuron and EFA devices the node has (by default every one the unit task definitions pass; a test
+takes some away). shellcheck runs on the user data and on the script it installs.
 """
 
 from __future__ import annotations
@@ -26,13 +28,14 @@ import subprocess
 import tarfile
 import threading
 import urllib.parse
+from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
 import yaml
 
-from inference_fleet.checks import parse_fleet
+from inference_fleet.checks import load_fleet, parse_fleet
 from inference_fleet.config import DEFAULT_CONFIG
 from tests.conftest import synth_fleet
 
@@ -45,6 +48,8 @@ INSTANCE_STORE = "Amazon EC2 NVMe Instance Storage"
 ROOT_DISK = "/dev/nvme0n1 Amazon Elastic Block Store"
 CACHE = "/opt/models"
 MARKER = f"{CACHE}/.instance-store"
+# What the default fleet's unit tasks are given: every Neuron and EFA device of its instance type.
+TASK_DEVICES = load_fleet(DEFAULT_CONFIG).unit.instance.task_devices
 
 
 def resolve(value: object) -> str:
@@ -68,6 +73,12 @@ def user_data_of(template: dict) -> str:
 
 _FAKES = {
     "systemd-cat": 'cat >> "$FAKE_STATE/journal"\n',
+    "udevadm": 'echo "udevadm $*" >> "$FAKE_STATE/calls"\n',
+    # No time passes; devices udev would make late (a line "path major minor" each) appear now.
+    "sleep": 'echo "sleep $*" >> "$FAKE_STATE/calls"\n'
+    'if [ -e "$FAKE_STATE/late-devices" ]; then\n'
+    '  while read -r path major minor; do mkdir -p "${path%/*}"; mknod "$path" c "$major" "$minor"; done '
+    '< "$FAKE_STATE/late-devices"\n  rm "$FAKE_STATE/late-devices"\nfi\n',
     "systemctl": 'echo "systemctl $*" >> "$FAKE_STATE/calls"\n'
     '[ "$1" = start ] && [ -e "$FAKE_STATE/fail-start-$2" ] && exit 1\nexit 0\n',
     "iptables": 'echo "iptables $*" >> "$FAKE_STATE/calls"\nrules="$FAKE_STATE/boot/iptables"\n'
@@ -124,8 +135,16 @@ for d in etc usr/local var/lib opt; do
 done
 /usr/bin/mount -t tmpfs tmpfs /run
 /usr/bin/mount -t tmpfs tmpfs /sys/fs/cgroup
+/usr/bin/mount -t tmpfs -o mode=0755 tmpfs /dev
+for node in null:3 zero:5 random:8 urandom:9; do mknod -m 0666 "/dev/${node%:*}" c 1 "${node#*:}"; done
+ln -s /proc/self/fd /dev/fd
 : > "$FAKE_STATE/console"
+touch /dev/console
 /usr/bin/mount --bind "$FAKE_STATE/console" /dev/console
+while read -r path major minor; do
+  mkdir -p "${path%/*}"
+  if [ "$major" = file ]; then : > "$path"; else mknod "$path" c "$major" "$minor"; fi
+done < "$FAKE_STATE/devices"
 set +e
 "$@"
 """
@@ -143,10 +162,21 @@ def efa_installer_tarball() -> bytes:
     return gzip.compress(raw.getvalue(), mtime=0)
 
 
-class Node:
-    """A fake Trainium node: a root volume that survives reboots, instance-store disks, fakes on PATH."""
+def device_lines(paths: Sequence[str]) -> str:
+    """Lines "path major minor" for the fake /dev: the Neuron driver's major for neuronN, uverbs' (231) for EFA."""
+    lines = []
+    for path in paths:
+        number = int(re.sub(r"\D", "", path.rsplit("/", 1)[1]))
+        lines.append(f"{path} 231 {192 + number}" if "uverbs" in path else f"{path} 245 {number}")
+    return "".join(f"{line}\n" for line in lines)
 
-    def __init__(self, base: Path, *, disks: int = 4, ami_has_efa: bool = True, mdadm_in_ami: bool = True) -> None:
+
+class Node:
+    """A fake Trainium node: a root volume that survives reboots, instance-store disks, its Neuron and EFA
+    devices (default: every one the unit tasks are given), fakes on PATH."""
+
+    def __init__(self, base: Path, *, disks: int = 4, ami_has_efa: bool = True, mdadm_in_ami: bool = True,
+                 devices: Sequence[str] = tuple(TASK_DEVICES)) -> None:
         self.root, self.state, self.bin = base / "root", base / "state", base / "bin"
         for path in (self.root, self.state / "boot", self.bin):
             path.mkdir(parents=True, exist_ok=True)
@@ -159,6 +189,7 @@ class Node:
             (self.bin / name).chmod(0o755)
         lines = [ROOT_DISK] + [f"/dev/nvme{i + 1}n1 {INSTANCE_STORE}" for i in range(disks)]
         (self.state / "lsblk").write_text("\n".join(lines) + "\n")
+        (self.state / "devices").write_text(device_lines(devices))
         if ami_has_efa:
             fi_info = self.root / "upper/opt/amazon/efa/bin/fi_info"
             fi_info.parent.mkdir(parents=True)
@@ -417,6 +448,55 @@ def test_a_healthy_node_reports_nothing(default_user_data, tmp_path) -> None:
     run_user_data(node, default_user_data)
     node.boot("/usr/local/sbin/node-setup", "report")
     assert "monitoring" not in node.calls
+
+
+# -- every device the unit tasks are given is on the node before the ECS agent starts ---------
+
+
+def without(*paths: str) -> list[str]:
+    return [path for path in TASK_DEVICES if path not in paths]
+
+
+def test_a_node_short_of_an_efa_device_stays_out_of_service(default_user_data, tmp_path) -> None:
+    """Old code: fi_info finds the efa provider on 15 of 16 devices, the agent starts, every unit task fails at
+    container creation (Docker: no such device) and nothing quarantines the host."""
+    node = Node(tmp_path, devices=without("/dev/infiniband/uverbs15"))  # uverbs0..14 of 16; fi_info succeeds
+    result = run_user_data(node, default_user_data)
+    assert_out_of_service(node, result, "task device(s) missing: /dev/infiniband/uverbs15 (the unit tasks pass "
+                                        f"all {len(TASK_DEVICES)} to Docker")
+    assert "udevadm settle --timeout=60" in node.calls
+    assert node.calls.count("sleep 5") == 12  # a bounded wait (60 s) for udev, then the failed setup
+
+
+def test_every_missing_device_is_named_and_a_file_is_not_a_device(default_user_data, tmp_path) -> None:
+    """Docker takes only device nodes (moby DevicesFromPath: a regular file is not a device): neither does setup."""
+    node = Node(tmp_path, devices=without("/dev/neuron0", "/dev/neuron3"))
+    (node.state / "devices").write_text((node.state / "devices").read_text() + "/dev/neuron3 file -\n")
+    result = run_user_data(node, default_user_data)
+    assert_out_of_service(node, result, "task device(s) missing: /dev/neuron0 /dev/neuron3 (")
+
+
+def test_a_device_udev_makes_late_is_waited_for(default_user_data, tmp_path) -> None:
+    node = Node(tmp_path, devices=without("/dev/infiniband/uverbs15"))
+    (node.state / "late-devices").write_text(device_lines(["/dev/infiniband/uverbs15"]))
+    result = run_user_data(node, default_user_data)
+    assert node.ready(result), node.console + result.stderr
+    assert node.calls.count("sleep 5") == 1
+
+
+def test_the_node_checks_exactly_the_devices_the_task_definitions_pass(synth_default, default_user_data,
+                                                                        tmp_path) -> None:
+    node = Node(tmp_path)
+    assert node.ready(run_user_data(node, default_user_data)), node.console
+    (line,) = [x for x in node.file("/etc/node-setup/node-setup.conf").splitlines() if x.startswith("TASK_DEVICES=")]
+    checked = line.removeprefix("TASK_DEVICES=").strip("'").split()
+    resources = synth_default.template_json(DEV)["Resources"].values()
+    tasks = [r for r in resources if r["Type"] == "AWS::ECS::TaskDefinition"]
+    passed = [[d["HostPath"] for d in c.get("LinuxParameters", {}).get("Devices", [])]
+              for t in tasks for c in t["Properties"]["ContainerDefinitions"]]
+    passed = [devices for devices in passed if devices]
+    assert passed and all(devices == checked for devices in passed), (checked, passed)
+    assert checked == TASK_DEVICES and len(checked) == 32  # trn2.48xlarge: 16 Neuron chips, 16 EFA interfaces
 
 
 # -- item 7: a reboot keeps the cache mount, the RAID and the IMDS rule ------------------------
