@@ -92,6 +92,20 @@ async def test_non_streamed_answers_add_no_ttft(engine: FakeEngine, make_proxy: 
     assert metrics["unit_proxy_request_latency_seconds_sum"] >= 0.5
 
 
+async def test_non_streamed_body_after_its_headers(engine: FakeEngine, make_proxy: ProxyFactory):
+    """Every engine answer waits for its first body byte; a JSON body sent 1 s after its headers
+    still arrives whole, with its latency and no TTFT sample."""
+    proxy = await make_proxy()
+    async with aiohttp.ClientSession() as session, session.post(
+        f"{proxy.url}/v1/completions", json={"model": "m", "prompt": "x"}, headers={"x-first": "1", "x-tokens": "2"}
+    ) as resp:
+        assert resp.status == 200
+        assert (await resp.json())["choices"][0]["text"] == "tok0 tok1 "
+    metrics = await _logged(proxy.admin_url, 1)
+    assert _ttft(metrics) == (0, 0)
+    assert 1.0 <= metrics["unit_proxy_request_latency_seconds_sum"] < 1.5
+
+
 async def test_first_event_after_the_engine_silence_limit_is_a_504(engine: FakeEngine, make_proxy: ProxyFactory):
     """The wait for the first byte outlasts `timeout server` (first_byte_wait): a first event
     slower than UPSTREAM_READ_TIMEOUT_SECONDS gets HAProxy's 504 JSON (the headers have not

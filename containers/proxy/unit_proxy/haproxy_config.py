@@ -623,23 +623,27 @@ def sse_first_byte_rules(settings: Settings) -> list[str]:
     """The time of a streamed answer's first body byte, taken in the data path (docs/proxy.md
     "Time to first token"). vLLM answers a stream with Starlette's StreamingResponse, whose
     headers uvicorn sends before the first event exists, so the response headers say nothing
-    of the first token; Triton's generate_stream sends its headers first too. For an answer
-    whose Content-Type is text/event-stream (RFC 9110 8.3.1: case-insensitive), the response
-    is held until its first body byte (4.2 "http-response wait-for-body", `at-least 1`: the
-    wait stops once one byte of payload, the whole payload or a full buffer is there,
-    src/http_ana.c:4240-4256 of 2.6.12); then FIRST_BYTE_VAR takes the date (7.3.2 "date",
-    "ms"; the thread's date of the poll loop's wake-up that brought the byte,
-    src/clock.c:150-196). The headers leave with the first event, so the client's first token
-    comes no later than before.
+    of the first token; Triton's generate_stream sends its headers first too.
+
+    Every engine answer is held until its first body byte (4.2 "http-response wait-for-body",
+    `at-least 1`: the wait ends once one byte of payload, the whole payload or a full buffer
+    is there, and at once for an answer without a body, src/http_ana.c:4222-4256 of 2.6.12);
+    then, for an answer whose Content-Type is text/event-stream (RFC 9110 8.3.1: case-
+    insensitive), FIRST_BYTE_VAR takes the date (7.3.2 "date", "ms": the thread's date of the
+    poll loop's wake-up that brought the byte, src/clock.c:150-196). The headers leave with
+    the first event, so the client's first token comes no later than before. The wait has no
+    condition: an answer that came whole (every non-streamed one measured) passes it at once,
+    for about 100 instructions, where testing the Content-Type costs about 1,000 (callgrind,
+    docs/proxy.md); the date, which needs the test, is taken for streams only.
 
     The wait's own timeout answers 504 and ends the request (src/http_ana.c:4258-4262 and
     4283-4292), so it is longer than `timeout server` (first_byte_wait): an engine silent for
-    UPSTREAM_READ_TIMEOUT_SECONDS before its first event gets HAProxy's 504 either way; it
-    was a 200 whose stream was cut, as the headers had left."""
-    sse = "{ res.fhdr(content-type) -m beg -i text/event-stream }"
+    UPSTREAM_READ_TIMEOUT_SECONDS before its first body byte gets HAProxy's 504 either way; it
+    was a 200 whose body was cut, as the headers had left."""
     return [
-        f"    http-response wait-for-body time {_seconds(first_byte_wait(settings))} at-least 1 if {sse}",
-        f"    http-response set-var({FIRST_BYTE_VAR}) date(0,ms) if {sse}",
+        f"    http-response wait-for-body time {_seconds(first_byte_wait(settings))} at-least 1",
+        f"    http-response set-var({FIRST_BYTE_VAR}) date(0,ms)"
+        " if { res.fhdr(content-type) -m beg -i text/event-stream }",
     ]
 
 
