@@ -145,3 +145,26 @@ async def test_triton_stream_ttft(launcher: FakeLauncher):
     finally:
         await triton.stop()
     assert count == 1 and 1.5 <= total < 2.0, (count, total)
+
+
+async def test_a_client_gone_during_the_prefill_cancels_the_engine_request(
+    engine: FakeEngine, make_proxy: ProxyFactory
+):
+    """While the answer waits for its first body byte nothing is written to the client, so its
+    leaving must still reach the engine at once (vLLM frees the request's slot on it), not at
+    the first token: the client waits for headers that come only with the first event. No
+    first token came: no TTFT sample (the wait ends when a side closes, with no body byte)."""
+    proxy = await make_proxy()
+    async with aiohttp.ClientSession() as session:
+        request = asyncio.ensure_future(
+            session.post(f"{proxy.url}/v1/completions", json=STREAM, headers={"x-first": "5"})
+        )
+        await wait_until(lambda: engine.started == 1, timeout=3, what="the engine to get the request")
+        await asyncio.sleep(0.3)
+        closed_at = time.monotonic()
+        request.cancel()  # the client drops its connection while waiting for the answer
+    await wait_until(lambda: engine.cancelled == 1, timeout=3, what="the engine to see the cancel")
+    assert engine.cancelled_at is not None and engine.cancelled_at - closed_at < 1.0
+    await wait_until(lambda: proxy.state.inflight == 0, timeout=3, what="in-flight count back to 0")
+    metrics = await _logged(proxy.admin_url, 1)
+    assert metrics['unit_proxy_requests_total{code="499"}'] == 1 and _ttft(metrics) == (0, 0)

@@ -621,15 +621,22 @@ def first_byte_wait(settings: Settings) -> float:
 
 def sse_first_byte_rules(settings: Settings) -> list[str]:
     """The time of a streamed answer's first body byte, taken in the data path (docs/proxy.md
-    "Time to first token"). vLLM answers a stream with Starlette's StreamingResponse, whose
-    headers uvicorn sends before the first event exists, so the response headers say nothing
-    of the first token; Triton's generate_stream sends its headers first too.
+    "Time to first token"). vLLM answers a stream with Starlette's StreamingResponse
+    (vllm/entrypoints/openai/chat_completion/api_router.py at vllm-project/vllm c0bc59655a40,
+    media type text/event-stream), which sends `http.response.start` before it iterates the
+    generator (starlette/responses.py StreamingResponse.stream_response, encode/starlette
+    02aa6eb9588f), and uvicorn writes the headers then: they leave before the first token
+    exists (measured by the cold review: curl saw them at 3 ms, the first token at 3 s), so
+    they say nothing of it. Triton's generate_stream answers `text/event-stream;
+    charset=utf-8` (src/http_server.cc:4487-4491 at triton-inference-server/server e1db8a603d86).
 
     Every engine answer is held until its first body byte (4.2 "http-response wait-for-body",
     `at-least 1`: the wait ends once one byte of payload, the whole payload or a full buffer
     is there, and at once for an answer without a body, src/http_ana.c:4222-4256 of 2.6.12);
     then, for an answer whose Content-Type is text/event-stream (RFC 9110 8.3.1: case-
-    insensitive), FIRST_BYTE_VAR takes the date (7.3.2 "date", "ms": the thread's date of the
+    insensitive) and that has a body byte (7.3.6 "res.body_len": the wait also ends, with
+    nothing, when either side closed first, src/http_ana.c:4264-4269, as when the client
+    leaves during the prefill), FIRST_BYTE_VAR takes the date (7.3.2 "date", "ms": the thread's date of the
     poll loop's wake-up that brought the byte, src/clock.c:150-196). The headers leave with
     the first event, so the client's first token comes no later than before. The wait has no
     condition: an answer that came whole (every non-streamed one measured) passes it at once,
@@ -643,7 +650,7 @@ def sse_first_byte_rules(settings: Settings) -> list[str]:
     return [
         f"    http-response wait-for-body time {_seconds(first_byte_wait(settings))} at-least 1",
         f"    http-response set-var({FIRST_BYTE_VAR}) date(0,ms)"
-        " if { res.fhdr(content-type) -m beg -i text/event-stream }",
+        " if { res.fhdr(content-type) -m beg -i text/event-stream } { res.body_len gt 0 }",
     ]
 
 
