@@ -17,8 +17,14 @@ Configurations:
 - `raw`: bench/haproxy.cfg.template (raw HAProxy, as the bench runs it);
 - a path: that file, `{port}` and `{upstream_port}` replaced (for variants).
 
+`--stream N`: each request is a streamed completion (POST /v1/completions, `"stream": true`)
+of N tokens `--token-ms` apart, the first `--first-token-ms` after the headers (bench/upstream.py; as
+vLLM's uvicorn sends the headers before the first token); the answer is read to its chunked
+end. Instructions are then per streamed request (N tokens and the `[DONE]` event).
+
 Run: .venv/bin/python -m bench.haproxy_callgrind [--config unit|raw|PATH] [--requests 2000]
-     [--method GET --path /v1/models] [--body-bytes 0] [--print-config]
+     [--method GET --path /v1/models] [--body-bytes 0] [--stream 16 --first-token-ms 5 --token-ms 5]
+     [--print-config]
 """
 
 from __future__ import annotations
@@ -75,8 +81,17 @@ def file_config(path: Path, port: int, upstream_port: int, workers: int = 1) -> 
     return text
 
 
-def request_bytes(method: str, path: str, body_bytes: int) -> bytes:
-    body = b'{"prompt": "' + b"x" * max(0, body_bytes - 14) + b'"}' if body_bytes else b""
+def stream_body(tokens: int, first_token_ms: float, token_ms: float) -> bytes:
+    """A streamed completion's JSON body for bench/upstream.py."""
+    return (
+        f'{{"prompt": "x", "stream": true, "max_tokens": {tokens}, "token_interval": {token_ms / 1000},'
+        f' "first_token_delay": {first_token_ms / 1000}}}'
+    ).encode()
+
+
+def request_bytes(method: str, path: str, body_bytes: int, body: bytes = b"") -> bytes:
+    if not body and body_bytes:
+        body = b'{"prompt": "' + b"x" * max(0, body_bytes - 14) + b'"}'
     head = f"{method} {path} HTTP/1.1\r\nHost: bench\r\nUser-Agent: callgrind\r\nAccept: */*\r\n"
     if body:
         head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
@@ -91,9 +106,12 @@ async def _one_connection(port: int, request: bytes, count: int, statuses: list[
             head = await reader.readuntil(b"\r\n\r\n")
             statuses.append(int(head.split(b" ", 2)[1]))
             length = re.search(rb"(?im)^content-length:\s*(\d+)", head)
-            if length is None:
-                raise RuntimeError(f"an answer without Content-Length: {head[:200]!r}")
-            await reader.readexactly(int(length.group(1)))
+            if length is not None:
+                await reader.readexactly(int(length.group(1)))
+            elif re.search(rb"(?im)^transfer-encoding:\s*chunked", head):
+                await reader.readuntil(b"\r\n0\r\n\r\n")  # the last chunk (SSE events end in a blank line)
+            else:
+                raise RuntimeError(f"an answer without Content-Length or chunked: {head[:200]!r}")
     finally:
         writer.close()
 
@@ -186,7 +204,11 @@ async def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
     try:
         await wait_port(upstream_port, 30)
         await wait_port(port, 120)
-        request = request_bytes(args.method, args.path, args.body_bytes)
+        if args.stream:
+            body = stream_body(args.stream, args.first_token_ms, args.token_ms)
+            request = request_bytes("POST", "/v1/completions", 0, body)
+        else:
+            request = request_bytes(args.method, args.path, args.body_bytes)
         stop = asyncio.Event()
         follower = None
         if args.config == "unit" and not args.no_log_reader:
@@ -217,7 +239,7 @@ async def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
         log_bytes = 0
     return {
         "config": args.config,
-        "request": f"{args.method} {args.path}" + (f" ({args.body_bytes} B body)" if args.body_bytes else ""),
+        "request": _describe(args),
         "requests": len(statuses),
         "statuses": ",".join(map(str, codes)),
         "instructions_per_request": round(total / len(statuses)),
@@ -225,6 +247,13 @@ async def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
         "log_bytes_read": log_bytes,
         "workdir": str(workdir),
     }
+
+
+def _describe(args: argparse.Namespace) -> str:
+    if args.stream:
+        return (f"POST /v1/completions (stream of {args.stream} tokens {args.token_ms:g} ms apart,"
+                f" the first {args.first_token_ms:g} ms after the headers)")
+    return f"{args.method} {args.path}" + (f" ({args.body_bytes} B body)" if args.body_bytes else "")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -236,12 +265,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--method", default="GET")
     parser.add_argument("--path", default="/v1/models")
     parser.add_argument("--body-bytes", type=int, default=0, help="a JSON body of about this size (0: none)")
+    parser.add_argument("--stream", type=int, default=0, help="streamed completions of this many tokens (0: off)")
+    parser.add_argument("--first-token-ms", type=float, default=5.0, help="--stream: first token after the headers")
+    parser.add_argument("--token-ms", type=float, default=5.0, help="--stream: between tokens (each its own read)")
     parser.add_argument("--print-config", action="store_true")
     parser.add_argument("--no-log-reader", action="store_true", help="unit: nobody reads the log ring")
     parser.add_argument("--haproxy-options", default="", help="HAProxy's options for a config file (e.g. -dMglobal)")
     args = parser.parse_args(argv)
     if args.requests < 1 or args.connections < 1 or args.warmup < 0:
         parser.error("--requests and --connections must be 1 or more, --warmup 0 or more")
+    if args.stream < 0 or args.first_token_ms < 0 or args.token_ms < 0:
+        parser.error("--stream (tokens), --first-token-ms and --token-ms must be 0 or more")
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         parser.error("valgrind is not installed: apt-get install -y valgrind")
     return args

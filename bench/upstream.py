@@ -3,7 +3,9 @@ requests, on a bare asyncio protocol so that it is never the bottleneck being me
 
 Routes (HTTP/1.1, keep-alive, no pipelining):
   POST /v1/completions  -> SSE stream of `max_tokens` tokens, one every `token_interval`
-                           seconds (JSON body fields; defaults 16 and 0.05); non-stream: JSON
+                           seconds (JSON body fields; defaults 16 and 0.05), the first
+                           `first_token_delay` seconds after the headers (default 0: with
+                           them, as the proxy bench measures); non-stream: JSON
   GET  /v1/models       -> a small JSON document (the requests/s test)
   GET  /health          -> 200
   GET  /metrics         -> the vLLM gauges the proxy scrapes
@@ -103,7 +105,11 @@ class EngineProtocol(asyncio.Protocol):
                 self.transport.write(_response("200 OK", json.dumps({"choices": [{"text": text}]}).encode()))
                 return
             self.transport.write(_STREAM_HEAD)
-            self._token(0, tokens, interval)
+            delay = float(doc.get("first_token_delay", 0))
+            if delay > 0:  # headers first, the first token later: how vLLM's uvicorn sends a stream
+                self.streaming = asyncio.get_running_loop().call_later(delay, self._token, 0, tokens, interval)
+            else:
+                self._token(0, tokens, interval)
         else:
             self.transport.write(_NOT_FOUND)
 

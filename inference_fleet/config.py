@@ -349,8 +349,8 @@ class ScalingConfig(_Strict):
     )
     ttft_p90_ms: int | None = Field(
         default=None, ge=50,
-        description="Optional objective: the cell's time-to-first-token p90 above it scales out by one unit "
-        "(and forbids scale-in) even below the target load.",
+        description="Optional objective: the cell's time-to-first-token p90 (streamed requests only) above it "
+        "scales out by one unit (and forbids scale-in) even below the target load.",
     )
     scale_out_cooldown_seconds: int = Field(
         default=300, ge=60, le=7200, description="Least time from any scaling action (out or in) to the next scale-out."
@@ -623,7 +623,10 @@ class ServingConfig(_Strict):
 class AlarmsConfig(_Strict):
     """Thresholds of each cell's health alarms; the cell's composite alarm gates the rollout."""
 
-    ttft_p99_ms: int = Field(default=5000, ge=50, le=3_600_000, description="Proxy time-to-first-token p99, per unit.")
+    ttft_p99_ms: int = Field(
+        default=5000, ge=50, le=3_600_000,
+        description="Proxy time-to-first-token p99 (streamed requests only; none: not breaching), per unit.",
+    )
     target_response_p99_seconds: float | None = Field(
         default=None,
         gt=0,

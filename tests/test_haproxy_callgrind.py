@@ -6,6 +6,7 @@ tool names the package to install)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from bench import proctree
-from bench.haproxy_callgrind import dump_total, request_bytes
+from bench.haproxy_callgrind import dump_total, request_bytes, stream_body
 from bench.proxy_bench import other_load
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +34,14 @@ def test_the_request_is_what_the_figures_are_for():
     post = request_bytes("POST", "/v1/completions", 100)
     head, body = post.split(b"\r\n\r\n", 1)
     assert len(body) == 100 and b"Content-Length: 100" in head
+
+
+def test_the_stream_request_asks_the_synthetic_engine_for_a_late_first_token():
+    post = request_bytes("POST", "/v1/completions", 0, stream_body(16, 5, 2))
+    head, body = post.split(b"\r\n\r\n", 1)
+    assert f"Content-Length: {len(body)}".encode() in head
+    assert json.loads(body) == {"prompt": "x", "stream": True, "max_tokens": 16, "token_interval": 0.002,
+                                "first_token_delay": 0.005}
 
 
 def test_the_total_is_read_from_the_latest_dump(tmp_path: Path):

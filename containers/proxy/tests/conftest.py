@@ -142,14 +142,23 @@ class FakeEngine(CuedStreams):
             self.slow_answered += 1
         if not doc.get("stream"):
             text = "".join(f"tok{i} " for i in range(tokens))
-            return web.json_response(
-                {
-                    "id": "cmpl-1",
-                    "object": "text_completion",
-                    "model": "m",
-                    "choices": [{"index": 0, "text": text, "finish_reason": "stop"}],
-                }
-            )
+            answer = {
+                "id": "cmpl-1",
+                "object": "text_completion",
+                "model": "m",
+                "choices": [{"index": 0, "text": text, "finish_reason": "stop"}],
+            }
+            if "x-first" not in request.headers:
+                return web.json_response(answer)
+            # x-first: the headers now, the JSON body that much later.
+            payload = json.dumps(answer).encode()
+            resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+            resp.content_length = len(payload)
+            await resp.prepare(request)
+            await asyncio.sleep(float(request.headers["x-first"]))
+            await resp.write(payload)
+            await resp.write_eof()
+            return resp
         headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         events = (sse(completion_chunk(i, f"tok{i} {pad}", chat)) for i in range(tokens))
         return await self.play_stream(request, headers, events, cue, gap, trailer=b"data: [DONE]\n\n")

@@ -3,7 +3,10 @@ and FakeTriton (fake_triton.py) write their own events in their own wire format,
 same stream cues the same way through `CuedStreams.play_stream`.
 
 Stream cues (the `x-cue` request header): stall_mid (one event, then silence), crash (the
-connection aborted after the second event); `x-gap` is the pause after each event.
+connection aborted after the second event); `x-gap` is the pause after each event, `x-first`
+the pause between the response headers and the first event (a long prefill: vLLM's uvicorn sends a
+StreamingResponse's headers before its generator yields, and aiohttp's StreamResponse sends them
+at `prepare`, so the headers leave at once here too).
 """
 
 from __future__ import annotations
@@ -42,9 +45,12 @@ class CuedStreams:
     async def play_stream(self, request: web.Request, headers: Mapping[str, str], events: Iterable[bytes],
                           cue: str, gap: float, trailer: bytes = b"") -> web.StreamResponse:
         """Stream `events` (already in the fake's wire format), then `trailer`, playing `cue`."""
+        first = float(request.headers.get("x-first", "0"))
         resp = web.StreamResponse(headers=headers)
-        await resp.prepare(request)
+        await resp.prepare(request)  # sends the headers now (StreamResponse._send_headers_immediately)
         try:
+            if first:
+                await asyncio.sleep(first)
             for i, event in enumerate(events):
                 await resp.write(event)
                 if cue == "stall_mid":

@@ -18,6 +18,7 @@ for the 10 ms clock ticks (+-1.3 us a request over 8,000) and still fails that a
 from __future__ import annotations
 
 import asyncio
+import bisect
 import os
 import time
 from pathlib import Path
@@ -112,23 +113,25 @@ def test_identical_log_lines_are_counted_at_once_and_exactly():
     be those of counting the lines one by one (codes, refusals, upstream errors, 499s,
     histograms, the interval's sample sizes)."""
     from unit_proxy.haproxy_log import feed
-    from unit_proxy.telemetry import Telemetry
+    from unit_proxy.telemetry import TTFT_BUCKETS, Telemetry
 
     kinds = [
-        b"200 3 0 1 245 ---- engine -",
-        b"200 812 805 0 1245 ---- engine -",
-        b"404 0 0 -1 180 LR-- data -",
-        b"429 0 0 -1 190 LR-- data rejected",
-        b"429 0 0 -1 190 LR-- data -",  # the admission refusal as logged now (no outcome)
-        b"429 5 0 4 90 ---- engine -",  # the engine's own 429: proxied, not a refusal
-        b"503 0 0 -1 190 LR-- data unit_unavailable",
-        b"503 9 0 8 190 ---- engine unit_unavailable",
-        b"200 40 30 2 100 CD-- engine -",
-        b"502 5 0 -1 120 SH-- engine -",
-        b"504 5 0 -1 120 sH-- engine -",
+        b"200 3 0 1 245 ---- engine - -",
+        b"200 812 805 0 1245 ---- engine - 800",  # a stream: its first byte 12 ms in
+        b"200 812 805 0 1245 ---- engine - 815",  # dates a millisecond apart: kept within [0, Ta]
+        b"404 0 0 -1 180 LR-- data - -",
+        b"429 0 0 -1 190 LR-- data rejected -",
+        b"429 0 0 -1 190 LR-- data - -",  # the admission refusal as logged now (no outcome)
+        b"429 5 0 4 90 ---- engine - -",  # the engine's own 429: proxied, not a refusal
+        b"503 0 0 -1 190 LR-- data unit_unavailable -",
+        b"503 9 0 8 190 ---- engine unit_unavailable -",
+        b"200 40 30 2 100 CD-- engine - 20",
+        b"502 5 0 -1 120 SH-- engine - -",
+        b"504 5 0 -1 120 sH-- engine - -",
+        b"200 3 0 1 245 ---- engine -",  # a line of the old format: not counted
         b"not a log line",
     ]
-    lines = [kinds[(i * 7) % len(kinds)] if i % 5 else kinds[0] for i in range(3000)]
+    lines = [kinds[(i * 5) % len(kinds)] if i % 5 else kinds[0] for i in range(3000)]
     assert all(kind in lines for kind in kinds)
     one_by_one, grouped = Telemetry(lambda: 0), Telemetry(lambda: 0)
     for line in lines:
@@ -142,9 +145,14 @@ def test_identical_log_lines_are_counted_at_once_and_exactly():
             len(t._interval.ttft_ms.values), t.upstream_errors.labels("reset")._value.get(),
         )
     assert grouped.snapshot == one_by_one.snapshot  # type: ignore[attr-defined]
-    assert grouped.codes[200] == lines.count(kinds[0]) + lines.count(kinds[1])
-    assert grouped.rejected_total == lines.count(kinds[3]) + lines.count(kinds[4]) > 0
-    assert grouped.codes[429] == lines.count(kinds[5]) > 0
+    assert grouped.codes[200] == sum(map(lines.count, kinds[:3]))
+    assert grouped.rejected_total == lines.count(kinds[4]) + lines.count(kinds[5]) > 0
+    assert grouped.codes[429] == lines.count(kinds[6]) > 0
+    # TTFT: the streamed answers only (Ta - the last field), the client gone after its first byte too.
+    streams = lines.count(kinds[1]), lines.count(kinds[2]), lines.count(kinds[9])
+    assert grouped.ttft.counts[bisect.bisect_left(TTFT_BUCKETS, 0.012)] >= streams[0] > 0
+    assert sum(grouped.ttft.counts) == sum(streams)
+    assert round(grouped.ttft.total, 6) == round(0.012 * streams[0] + 0.020 * streams[2], 6)
 
 
 def test_adding_alike_values_at_once_keeps_a_uniform_sample():

@@ -53,6 +53,15 @@ async def test_bench_upstream_streams_at_the_set_rate():
             assert 0.18 < elapsed < 2.0  # four gaps of 50 ms between five tokens
             async with session.post(f"{base}/v1/completions", json={"max_tokens": 3}) as resp:
                 assert (await resp.json())["choices"][0]["text"] == "t0 t1 t2"
+            # first_token_delay: the headers at once, the first token that much later (as vLLM's uvicorn).
+            body = {"stream": True, "max_tokens": 2, "token_interval": 0.01, "first_token_delay": 0.3}
+            started = time.monotonic()
+            async with session.post(f"{base}/v1/completions", json=body) as resp:
+                headers_at = time.monotonic() - started
+                first = await resp.content.readline()
+                first_at = time.monotonic() - started
+                assert first.startswith(b"data: ") and b"[DONE]" in await resp.read()
+            assert headers_at < 0.2 and 0.3 <= first_at < 1.0, (headers_at, first_at)
     finally:
         proc.terminate()
         await asyncio.wait_for(proc.wait(), 10)

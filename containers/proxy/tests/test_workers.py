@@ -99,7 +99,8 @@ async def test_whole_proxy_answers_health_and_metrics(engine: FakeEngine, launch
             text = await resp.text()
         assert _sample(text, 'unit_proxy_requests_total{code="200"}') == 12.0
         assert _sample(text, "unit_proxy_request_latency_seconds_count") == 12.0
-        assert _sample(text, "unit_proxy_time_to_first_token_seconds_count") == 12.0
+        # Non-streamed answers: latency only, no TTFT sample (docs/contracts.md).
+        assert _sample(text, "unit_proxy_time_to_first_token_seconds_count") == 0.0
         assert _sample(text, "unit_proxy_unit_healthy") == 1.0
         assert _sample(text, "unit_proxy_inflight_requests") == 0.0
         launcher.status["members"][1]["alive"] = False

@@ -63,8 +63,17 @@ OUTCOME_UNAVAILABLE = "%[str(unit_unavailable),set-var(txn.outcome)]"
 # The ring HAProxy logs each request to (3.9 "Rings"): 4 MiB, about 80,000 lines of lag.
 LOG_RING = "agentlog"
 LOG_RING_BYTES = 4 * 1024 * 1024
+# The variable that holds the wall-clock date (ms) at which a streamed answer's first body byte
+# reached HAProxy (SSE_FIRST_BYTE_RULES).
+FIRST_BYTE_VAR = "txn.fb"
 # Log line fields, space separated (8.2.6 "Custom log format"; parsed by unit_proxy.haproxy_log).
-LOG_FORMAT = "%ST %Ta %Td %Tr %B %tsc %b %[var(txn.outcome)]"
+# The last field is the time from a streamed answer's first body byte to the log line, in ms:
+# the log's own date minus FIRST_BYTE_VAR (7.3.2 "date" with the "ms" unit; 7.3.1 "sub", whose
+# argument may name a variable; with no such variable the converter fails and the field is
+# "-", src/sample.c:2762-2774 and 2870-2877 of 2.6.12). The log line is built right after
+# %Ta's end is taken, in the same pass of the stream (src/stream.c:2570-2599), so %Ta minus
+# this field is the request's start to its first body byte (haproxy_log).
+LOG_FORMAT = "%ST %Ta %Td %Tr %B %tsc %b %[var(txn.outcome)] %[date(0,ms),sub(" + FIRST_BYTE_VAR + ")]"
 # HAProxy's command-line options besides the config file (management guide 3 "Starting
 # HAProxy", "-dM"): its process-wide pool of freed objects on. A buffer is `tune.bufsize`
 # (1.1 MB by default here, REQUEST_BUFFER_BYTES), twice the per-thread object cache of 2.6
@@ -597,10 +606,52 @@ def _engine_backend(settings: Settings, paths: Paths) -> list[str]:
             f" lf-string {_q(mark + outcome + f'%[str(err{status}),map({gate})]')}"
             f" hdr Retry-After {_q(down_only.format(retry) + ']')}"
         )
+    lines += sse_first_byte_rules(settings)
     # 5.2 "maxconn": the hard bound behind the srv_conn admission check (a race between
     # threads queues, never exceeds).
     lines.append(f"    server vllm {host}:{port} maxconn {settings.max_inflight}")
     return lines
+
+
+def first_byte_wait(settings: Settings) -> float:
+    """The `time` of the SSE answers' wait for their first body byte: longer than `timeout
+    server`, so the engine's silence limit ends a wait, never this one (sse_first_byte_rules)."""
+    return settings.upstream_read_timeout_seconds + 1
+
+
+def sse_first_byte_rules(settings: Settings) -> list[str]:
+    """The time of a streamed answer's first body byte, taken in the data path (docs/proxy.md
+    "Time to first token"). vLLM answers a stream with Starlette's StreamingResponse
+    (vllm/entrypoints/openai/chat_completion/api_router.py at vllm-project/vllm c0bc59655a40,
+    media type text/event-stream), which sends `http.response.start` before it iterates the
+    generator (starlette/responses.py StreamingResponse.stream_response, encode/starlette
+    02aa6eb9588f), and uvicorn writes the headers then: they leave before the first token
+    exists (measured by the cold review: curl saw them at 3 ms, the first token at 3 s), so
+    they say nothing of it. Triton's generate_stream answers `text/event-stream;
+    charset=utf-8` (src/http_server.cc:4487-4491 at triton-inference-server/server e1db8a603d86).
+
+    Every engine answer is held until its first body byte (4.2 "http-response wait-for-body",
+    `at-least 1`: the wait ends once one byte of payload, the whole payload or a full buffer
+    is there, and at once for an answer without a body, src/http_ana.c:4222-4256 of 2.6.12);
+    then, for an answer whose Content-Type is text/event-stream (RFC 9110 8.3.1: case-
+    insensitive) and that has a body byte (7.3.6 "res.body_len": the wait also ends, with
+    nothing, when either side closed first, src/http_ana.c:4264-4269, as when the client
+    leaves during the prefill), FIRST_BYTE_VAR takes the date (7.3.2 "date", "ms": the thread's date of the
+    poll loop's wake-up that brought the byte, src/clock.c:150-196). The headers leave with
+    the first event, so the client's first token comes no later than before. The wait has no
+    condition: an answer that came whole (every non-streamed one measured) passes it at once,
+    for about 100 instructions, where testing the Content-Type costs about 1,000 (callgrind,
+    docs/proxy.md); the date, which needs the test, is taken for streams only.
+
+    The wait's own timeout answers 504 and ends the request (src/http_ana.c:4258-4262 and
+    4283-4292), so it is longer than `timeout server` (first_byte_wait): an engine silent for
+    UPSTREAM_READ_TIMEOUT_SECONDS before its first body byte gets HAProxy's 504 either way; it
+    was a 200 whose body was cut, as the headers had left."""
+    return [
+        f"    http-response wait-for-body time {_seconds(first_byte_wait(settings))} at-least 1",
+        f"    http-response set-var({FIRST_BYTE_VAR}) date(0,ms)"
+        " if { res.fhdr(content-type) -m beg -i text/event-stream } { res.body_len gt 0 }",
+    ]
 
 
 def _agent_backends(settings: Settings, paths: Paths) -> list[str]:

@@ -3,7 +3,16 @@ into the proxy's request metrics (counts by code, TTFT and latency, refusals, en
 
 The line format is `haproxy_config.LOG_FORMAT` (HAProxy 2.6 configuration manual, 8.2.6
 "Custom log format"; timers 8.4 "Timing events"; termination state 8.5 "Session state at
-disconnection"): `%ST %Ta %Td %Tr %B %tsc %b %[var(txn.outcome)]`. HAProxy writes each line
+disconnection"): `%ST %Ta %Td %Tr %B %tsc %b %[var(txn.outcome)] <first byte to log, ms>`.
+
+Time to first token is counted for streamed answers (Content-Type text/event-stream) only: the
+request's start to the first body byte of the answer, `%Ta` minus the last field (the log's
+date minus the date HAProxy took at the first body byte, haproxy_config.sse_first_byte_rules).
+`%Ta` runs from the first byte of the request (for a keep-alive request, once the previous one
+ended: the idle time before it is left out, src/log.c:2485 and src/mux_h1.c:3007-3008, 3408-3411
+of 2.6.12) to the log line. A non-streamed answer has no first token before its end (vLLM sends
+its JSON at once when the generation is done), so it adds no TTFT sample: its whole time is
+in the latency histogram (docs/contracts.md). HAProxy writes each line
 into a ring buffer and never waits for its reader; the agent follows the ring with the
 runtime API's `show events <ring> -w -n` (management guide 9.3), which streams new lines on
 one connection (a reader more than the ring behind loses the oldest lines, never requests).
@@ -51,15 +60,34 @@ class LogRecord:
     termination: str  # %tsc, e.g. "----", "CD--", "SH--"
     backend: str
     outcome: str  # "-" or the txn.outcome variable: unit_unavailable (rejected: see record)
+    after_first_ms: int  # the first body byte of a streamed answer to the log line (-1: not streamed)
+
+
+# Fields of a log line (haproxy_config.LOG_FORMAT).
+FIELDS = 9
+
+
+def _after_first(field: str | bytes) -> int:
+    """The last field: ms from the first body byte to the log line, or -1 ("-": not streamed)."""
+    return -1 if field in ("-", b"-") else int(field)
+
+
+def ttft_seconds(active_ms: int, after_first_ms: int) -> float | None:
+    """The request's start to its first body byte; None when not a streamed answer. Both dates
+    are whole milliseconds, so the difference is kept within [0, %Ta]."""
+    if after_first_ms < 0 or active_ms < 0:
+        return None
+    return min(max(active_ms - after_first_ms, 0), active_ms) / 1000.0
 
 
 def parse(line: str) -> LogRecord | None:
     parts = line.split()
-    if len(parts) != 8:
+    if len(parts) != FIELDS:
         return None
     try:
         return LogRecord(
-            int(parts[0]), int(parts[1]), int(parts[2]), int(parts[3]), int(parts[4]), parts[5], parts[6], parts[7]
+            int(parts[0]), int(parts[1]), int(parts[2]), int(parts[3]), int(parts[4]), parts[5], parts[6], parts[7],
+            _after_first(parts[8]),
         )
     except ValueError:
         return None
@@ -85,9 +113,8 @@ def record(telemetry: Telemetry, rec: LogRecord) -> None:
     elif first in "sS":
         kind = "connect" if second == "C" else ("timeout" if first == "s" else ("reset" if second == "H" else "cut"))
         telemetry.upstream_error(kind)
-    ttft = (rec.active_ms - rec.data_ms) / 1000.0 if rec.response_ms >= 0 and rec.active_ms >= 0 else None
     latency = max(rec.active_ms, 0) / 1000.0
-    telemetry.request_done(status, ttft, latency)
+    telemetry.request_done(status, ttft_seconds(rec.active_ms, rec.after_first_ms), latency)
 
 
 def feed(telemetry: Telemetry, data: bytes) -> None:
@@ -98,14 +125,13 @@ def feed(telemetry: Telemetry, data: bytes) -> None:
     done = telemetry.request_done
     for line, count in Counter(data.split(b"\n")).items():
         parts = line.split()
-        if len(parts) == 8 and parts[7] == b"-" and parts[6] == b"engine" and parts[5][:1] not in b"CcsSK":
+        if len(parts) == FIELDS and parts[7] == b"-" and parts[6] == b"engine" and parts[5][:1] not in b"CcsSK":
             try:
-                status, active, data_ms, response = int(parts[0]), int(parts[1]), int(parts[2]), int(parts[3])
+                status, active, after_first = int(parts[0]), int(parts[1]), _after_first(parts[8])
             except ValueError:
                 pass
             else:
-                ttft = (active - data_ms) / 1000.0 if response >= 0 and active >= 0 else None
-                done(status, ttft, max(active, 0) / 1000.0, count)
+                done(status, ttft_seconds(active, after_first), max(active, 0) / 1000.0, count)
                 continue
         if not line:
             continue

@@ -126,7 +126,10 @@ class _RequestCollector(Collector):
             requests.add_metric([str(code)], count, created=t.created)
         return [
             requests,
-            t.ttft.family("unit_proxy_time_to_first_token_seconds", "Request start to first body byte sent"),
+            t.ttft.family(
+                "unit_proxy_time_to_first_token_seconds",
+                "Request start to the first body byte of a streamed (text/event-stream) answer",
+            ),
             t.latency.family("unit_proxy_request_latency_seconds", "Request start to last body byte sent"),
         ]
 

@@ -260,6 +260,25 @@ def test_a_missed_ttft_objective_scales_out_and_forbids_scale_in() -> None:
     assert decide(policy, Observation(now=1e5, units=units, ttft_p90_ms=(2500.0, 900.0, 900.0))).action == "hold"
 
 
+def test_without_streamed_traffic_the_ttft_objective_leaves_the_load_rules_alone() -> None:
+    """TimeToFirstToken has samples for streamed answers only (docs/contracts.md): a cell serving
+    only non-streamed requests has no TTFT minute. With an objective set, scale-out and scale-in
+    then follow the load, as without one."""
+    policy = Policy(min_units=1, max_units=4, nodes=2, target_load=0.5, scale_in_margin=0.2,
+                    scale_out_cooldown_s=300, scale_in_cooldown_s=1800, ttft_p90_ms=1000)
+    no_ttft = (None,) * WINDOW
+    saturated = Unit(1, "serving", (Load(inflight=32, capacity=32, waiting=16).utilisation,) * 5, running_tasks=2)
+    obs = Observation(now=1e5, units=(Unit(0, "dormant"), saturated, Unit(2, "dormant"), Unit(3, "dormant")),
+                      ttft_p90_ms=no_ttft)
+    decision = decide(policy, obs)
+    assert (decision.action, decision.units) == ("activate", (0, 2)) and "load" in decision.reason
+    quiet = (serving(0, 4), serving(1, 2), serving(2, 3))
+    decision = decide(policy, Observation(now=1e5, units=quiet, last_scale_out=1e5 - 1800, ttft_p90_ms=no_ttft))
+    assert (decision.action, decision.units) == ("deactivate", (1,))
+    idle = (serving(0, 4), serving(1, 4), Unit(2, "dormant"))
+    assert decide(policy, Observation(now=1e5, units=idle, ttft_p90_ms=no_ttft)).action != "activate"
+
+
 def test_ttft_measured_before_a_unit_joined_calls_for_no_other() -> None:
     """u1 turned healthy two minutes ago; the TTFT before was measured on u0 alone. Counting
     those minutes would launch u2 at once (a closed-loop property found this chain)."""

@@ -1,0 +1,170 @@
+"""Time to first token as the proxy measures it: the request's start to the first body byte of a
+streamed (text/event-stream) answer, taken in HAProxy's data path (haproxy_config.sse_first_byte_rules).
+Real HAProxy and agent in front of the fake engines on loopback, whose streams send their headers at
+once and their first event `x-first` seconds later, as vLLM's uvicorn does after a long prefill."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import aiohttp
+
+from .conftest import FakeEngine, FakeLauncher, ProxyFactory, wait_until
+from .fake_triton import FakeTriton
+from .test_drain import _is, health, proxy_process
+
+STREAM = {"model": "m", "prompt": "x", "stream": True}
+
+
+async def _metrics(admin_url: str) -> dict[str, float]:
+    async with aiohttp.ClientSession() as session, session.get(f"{admin_url}/metrics") as resp:
+        text = await resp.text()
+    return {
+        name: float(value)
+        for name, value in re.findall(r"^(unit_proxy_\w+(?:\{[^}]*\})?) ([0-9.e+-]+)$", text, re.MULTILINE)
+    }
+
+
+def _ttft(metrics: dict[str, float]) -> tuple[float, float]:
+    return (metrics["unit_proxy_time_to_first_token_seconds_count"],
+            metrics["unit_proxy_time_to_first_token_seconds_sum"])
+
+
+async def _logged(admin_url: str, requests: int) -> dict[str, float]:
+    """/metrics once `requests` requests are counted (a scrape reads the log ring first)."""
+    seen: dict[str, float] = {}
+
+    async def counted() -> bool:
+        seen.update(await _metrics(admin_url))
+        return seen.get("unit_proxy_request_latency_seconds_count", 0) >= requests
+
+    await wait_until(counted, timeout=5, what=f"{requests} requests logged")
+    return seen
+
+
+async def test_ttft_is_the_first_event_not_the_headers(engine: FakeEngine, make_proxy: ProxyFactory):
+    """Headers at once, first SSE event 2 s later: TTFT is 2 s (it was the headers' ~0 s)."""
+    proxy = await make_proxy()
+    async with aiohttp.ClientSession() as session:
+        sent = time.monotonic()
+        async with session.post(f"{proxy.url}/v1/completions", json=STREAM,
+                                headers={"x-first": "2", "x-tokens": "3"}) as resp:
+            assert resp.status == 200 and resp.content_type == "text/event-stream"
+            first = await resp.content.readline()
+            client_first = time.monotonic() - sent
+            assert first.startswith(b"data: ")
+            assert b"[DONE]" in await resp.read()
+    count, total = _ttft(await _logged(proxy.admin_url, 1))
+    assert count == 1, f"one TTFT sample expected, got {count}"
+    assert 2.0 <= total < 2.5, f"TTFT {total:.3f} s for a first event sent 2 s after the headers"
+    # What the client saw: the first event at the same time (HAProxy holds the headers until then).
+    assert 2.0 <= client_first < 2.5, client_first
+
+
+async def test_ttft_of_keep_alive_requests_starts_at_each_request(engine: FakeEngine, make_proxy: ProxyFactory):
+    """On one keep-alive connection the second request's TTFT leaves out the idle time before it."""
+    proxy = await make_proxy()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
+        for first in ("0.5", "1"):
+            async with session.post(f"{proxy.url}/v1/completions", json=STREAM, headers={"x-first": first}) as resp:
+                assert b"[DONE]" in await resp.read()
+            await asyncio.sleep(1.0)  # idle on the kept connection
+    count, total = _ttft(await _logged(proxy.admin_url, 2))
+    assert count == 2 and 1.5 <= total < 1.8, (count, total)
+
+
+async def test_non_streamed_answers_add_no_ttft(engine: FakeEngine, make_proxy: ProxyFactory):
+    """A non-streamed completion and GET /v1/models: counted, latency recorded, no TTFT sample (a
+    non-streamed answer has no first token before its end; docs/contracts.md)."""
+    proxy = await make_proxy()
+    engine.slow_seconds = 0.5
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{proxy.url}/v1/completions", json={"model": "m", "prompt": "x"},
+                                headers={"x-cue": "slow"}) as resp:
+            assert resp.status == 200 and (await resp.json())["choices"]
+        async with session.get(f"{proxy.url}/v1/models") as resp:
+            assert resp.status == 200
+    metrics = await _logged(proxy.admin_url, 2)
+    assert metrics['unit_proxy_requests_total{code="200"}'] == 2
+    assert _ttft(metrics) == (0, 0)
+    assert metrics["unit_proxy_request_latency_seconds_sum"] >= 0.5
+
+
+async def test_non_streamed_body_after_its_headers(engine: FakeEngine, make_proxy: ProxyFactory):
+    """Every engine answer waits for its first body byte; a JSON body sent 1 s after its headers
+    still arrives whole, with its latency and no TTFT sample."""
+    proxy = await make_proxy()
+    async with aiohttp.ClientSession() as session, session.post(
+        f"{proxy.url}/v1/completions", json={"model": "m", "prompt": "x"}, headers={"x-first": "1", "x-tokens": "2"}
+    ) as resp:
+        assert resp.status == 200
+        assert (await resp.json())["choices"][0]["text"] == "tok0 tok1 "
+    metrics = await _logged(proxy.admin_url, 1)
+    assert _ttft(metrics) == (0, 0)
+    assert 1.0 <= metrics["unit_proxy_request_latency_seconds_sum"] < 1.5
+
+
+async def test_first_event_after_the_engine_silence_limit_is_a_504(engine: FakeEngine, make_proxy: ProxyFactory):
+    """The wait for the first byte outlasts `timeout server` (first_byte_wait): a first event
+    slower than UPSTREAM_READ_TIMEOUT_SECONDS gets HAProxy's 504 JSON (the headers have not
+    left), counted as an upstream timeout with no TTFT; one just inside it is served and timed."""
+    from unit_proxy.haproxy_config import first_byte_wait
+
+    proxy = await make_proxy(upstream_read_timeout_seconds=1.0)
+    assert first_byte_wait(proxy.state.settings) > proxy.state.settings.upstream_read_timeout_seconds
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{proxy.url}/v1/completions", json=STREAM, headers={"x-first": "0.8"}) as resp:
+            assert resp.status == 200 and b"[DONE]" in await resp.read()
+        sent = time.monotonic()
+        async with session.post(f"{proxy.url}/v1/completions", json=STREAM, headers={"x-first": "3"}) as resp:
+            assert resp.status == 504, resp.status
+            assert (await resp.json())["error"]["type"] == "upstream_timeout"
+        assert 1.0 <= time.monotonic() - sent < 2.0
+    metrics = await _logged(proxy.admin_url, 2)
+    count, total = _ttft(metrics)
+    assert count == 1 and 0.8 <= total < 1.0, (count, total)
+    assert metrics['unit_proxy_upstream_errors_total{kind="timeout"}'] == 1
+
+
+async def test_triton_stream_ttft(launcher: FakeLauncher):
+    """The Triton front end: generate_stream's SSE (text/event-stream; charset=utf-8) is timed the same way."""
+    triton = FakeTriton()
+    await triton.start()
+    try:
+        env = {"FRONTEND": "triton", "ENGINE_METRICS_URL": triton.metrics_url, "PROXY_WORKERS": "1",
+               "CANARY_INTERVAL_SECONDS": "0"}
+        async with proxy_process(triton, launcher, **env) as (url, _proc), aiohttp.ClientSession() as session:
+            await wait_until(lambda: _is(health(session, url), 200), timeout=20, what="the proxy to be healthy")
+            doc = {"text_input": "hi", "parameters": {"stream": True, "max_tokens": 2}}
+            async with session.post(f"{url}/v2/models/{triton.model}/generate_stream", json=doc,
+                                    headers={"x-first": "1.5"}) as resp:
+                assert resp.status == 200 and b"tok1" in await resp.read()
+            count, total = _ttft(await _logged(url.admin, 1))
+    finally:
+        await triton.stop()
+    assert count == 1 and 1.5 <= total < 2.0, (count, total)
+
+
+async def test_a_client_gone_during_the_prefill_cancels_the_engine_request(
+    engine: FakeEngine, make_proxy: ProxyFactory
+):
+    """While the answer waits for its first body byte nothing is written to the client, so its
+    leaving must still reach the engine at once (vLLM frees the request's slot on it), not at
+    the first token: the client waits for headers that come only with the first event. No
+    first token came: no TTFT sample (the wait ends when a side closes, with no body byte)."""
+    proxy = await make_proxy()
+    async with aiohttp.ClientSession() as session:
+        request = asyncio.ensure_future(
+            session.post(f"{proxy.url}/v1/completions", json=STREAM, headers={"x-first": "5"})
+        )
+        await wait_until(lambda: engine.started == 1, timeout=3, what="the engine to get the request")
+        await asyncio.sleep(0.3)
+        closed_at = time.monotonic()
+        request.cancel()  # the client drops its connection while waiting for the answer
+    await wait_until(lambda: engine.cancelled == 1, timeout=3, what="the engine to see the cancel")
+    assert engine.cancelled_at is not None and engine.cancelled_at - closed_at < 1.0
+    await wait_until(lambda: proxy.state.inflight == 0, timeout=3, what="in-flight count back to 0")
+    metrics = await _logged(proxy.admin_url, 1)
+    assert metrics['unit_proxy_requests_total{code="499"}'] == 1 and _ttft(metrics) == (0, 0)
