@@ -67,6 +67,8 @@ HAPROXY = os.environ.get("UNIT_PROXY_HAPROXY", "haproxy")
 _START_SECONDS = 10.0
 # After hard-stop-after, how long HAProxy gets to exit before it is killed.
 _STOP_GRACE = 5.0
+# After HAProxy's exit, how long the log follower gets to read the lines left in its stream.
+_FOLLOW_END_SECONDS = 1.0
 _PR_SET_PDEATHSIG = 1
 _PROMETHEUS = "text/plain; version=0.0.4"
 
@@ -452,6 +454,11 @@ class Running:
     async def close(self) -> None:
         """Stop everything now (tests, and the end of `serve`)."""
         await self.stop_haproxy(soft=False, timeout=_STOP_GRACE)
+        follower = next((t for t in self.tasks if t.get_name() == "log"), None)
+        if follower is not None:
+            # HAProxy is gone: the follower reads its last lines up to the end of the stream (it
+            # pauses between reads), so the final EMF counts them.
+            await asyncio.wait({follower}, timeout=_FOLLOW_END_SECONDS)
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
