@@ -292,7 +292,12 @@ class MultiNodeInferenceUnit(Construct):
         # The proxy's agent keeps HAProxy's config, map and Unix sockets (runtime API, log,
         # its own listener) in a runtime directory under /tmp: a small tmpfs, the only writable
         # path of its read-only root filesystem.
-        proxy_linux = ecs.LinuxParameters(self, "ProxyLinux")
+        # ECS's init process ("run an init process inside the container that forwards signals and
+        # reaps processes", the --init option of docker run:
+        # https://docs.aws.amazon.com/AmazonECS/latest/APIReference/API_LinuxParameters.html): the agent
+        # is not PID 1, whose default signal actions the kernel ignores (a SIGTERM during its start-up
+        # was lost; the agent also takes them first thing, unit_proxy/stop_signals.py).
+        proxy_linux = ecs.LinuxParameters(self, "ProxyLinux", init_process_enabled=True)
         proxy_linux.add_tmpfs(
             ecs.Tmpfs(
                 container_path="/tmp",

@@ -82,3 +82,13 @@ def test_the_proxys_stop_timeout_covers_its_own_drain(fleet, request) -> None:
             env = _env(proxy)
             needed = float(env["DRAIN_SECONDS"]) + float(env["DRAIN_TIMEOUT_SECONDS"]) + 5
             assert proxy["StopTimeout"] >= needed, f"{stack['name']}: stopTimeout {proxy['StopTimeout']} < {needed:g}"
+
+
+@pytest.mark.parametrize("fleet", FLEETS)
+def test_the_proxy_runs_under_an_init_process(fleet, request) -> None:
+    """Without it the agent is PID 1, and a SIGTERM before its handlers are in place is lost
+    (containers/proxy/tests/test_pid1.py runs that case in a PID namespace)."""
+    for stack in _leader_stacks(request.getfixturevalue(fleet)):
+        for task in stack["leaders"]:
+            linux = _proxy(task).get("LinuxParameters", {})
+            assert linux.get("InitProcessEnabled") is True, f"{stack['name']}: the proxy container has no init"

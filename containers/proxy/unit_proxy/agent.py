@@ -39,7 +39,7 @@ from typing import Any
 
 from aiohttp import web
 
-from unit_proxy import haproxy_log
+from unit_proxy import haproxy_log, stop_signals
 from unit_proxy.haproxy_config import (
     ENGINE_HEALTH_LUA,
     HAPROXY_OPTIONS,
@@ -604,6 +604,8 @@ async def serve(settings: Settings) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
+    for signum in stop_signals.received():  # during start-up (stop_signals.py)
+        on_signal(signum)
     if await haproxy_exits_first(running.process, first):
         log.error("haproxy exited with code %s: the data path is gone; exiting 1", running.process.returncode)
         await running.close()
