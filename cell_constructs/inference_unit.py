@@ -186,7 +186,7 @@ def follower_release_bound(
       4. the follower hears it within a heartbeat interval, at most `follower_loss`;
       5. FOLLOWER_RELEASE_MARGIN for the skew between the two stops' starts.
 
-    Defaults: 120 + (120 + 600 + 30) + 120 + 30 + 30 = 1050 s. ECS documents no maximum
+    Defaults: 600 + (30 + 600 + 30) + 120 + 30 + 30 = 1440 s. ECS documents no maximum
     container stopTimeout on the EC2 launch type (the 120 s cap is Fargate's:
     https://docs.aws.amazon.com/AmazonECS/latest/APIReference/API_ContainerDefinition.html,
     `stopTimeout`), and the agent uses the value as given (aws/amazon-ecs-agent

@@ -17,6 +17,10 @@ Drain on SIGTERM: `/health` 503 at once and engine errors become 503 unit_unavai
 new requests are served for DRAIN_SECONDS; then HAProxy soft-stops (SIGUSR1 to its
 master: listeners close, in-flight streams go on) for up to DRAIN_TIMEOUT_SECONDS
 (`hard-stop-after`), and the agent exits 0. A second SIGTERM/SIGINT skips the waiting.
+Behind an ALB, ECS deregisters the target and waits the target group's delay before SIGTERM
+(the stack makes the delay DRAIN_TIMEOUT_SECONDS): the streams run during the delay, and the
+admission window is for a SIGTERM the load balancer did not drain first (docs/cell-lifecycle.md,
+"The leader's stop budget").
 """
 
 from __future__ import annotations
