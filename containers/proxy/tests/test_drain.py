@@ -170,3 +170,27 @@ async def test_a_stream_ending_long_after_the_last_log_line_is_counted(engine: F
         stdout, _ = await asyncio.wait_for(proc.communicate(), 5)
     values = [check_emf(json.loads(line)) for line in stdout.decode().splitlines()]
     assert sum(v.get("Requests", 0) for v in values) == 2, "the stream that ended during the drain is not counted"
+
+
+async def test_new_connections_are_refused_after_the_admission_window(engine: FakeEngine, launcher: FakeLauncher):
+    """HAProxy's master keeps the listening socket it inherited after the soft stop: the kernel
+    completed handshakes nobody accepted, so a new connection hung instead of being refused."""
+    async with proxy_process(engine, launcher, DRAIN_SECONDS="0.5", DRAIN_TIMEOUT_SECONDS="30") as (url, proc):
+        port = int(url.rsplit(":", 1)[1])
+        async with aiohttp.ClientSession() as session:
+            await wait_until(lambda: _is(health(session, url), 200), timeout=15, what="the proxy to be healthy")
+            stream = await session.post(
+                f"{url}/v1/completions",
+                json={"model": "m", "prompt": "x", "stream": True},
+                headers={"x-tokens": "8", "x-gap": "0.5"},
+            )
+            assert stream.status == 200
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.5 + 1.0)  # the admission window, then at most 1 s
+            with pytest.raises(ConnectionRefusedError):
+                async with asyncio.timeout(2):  # a hang is the defect: not refused, not served
+                    _, writer = await asyncio.open_connection(LOOPBACK, port)
+                    writer.close()
+            rest = await asyncio.wait_for(stream.read(), 10)  # the stream in flight goes on
+            assert rest.rstrip().endswith(b"data: [DONE]") and b"tok7" in rest
+            assert await asyncio.wait_for(proc.wait(), 10) == 0

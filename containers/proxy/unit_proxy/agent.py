@@ -404,6 +404,25 @@ class Running:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     owns_dir: bool = True
     stopping: bool = False
+    # The agent's copy of the data port's listening socket: the soft stop shuts it (stop_listening).
+    listener: socket.socket | None = None
+
+    def stop_listening(self) -> None:
+        """Stop the data port's listening socket itself, for every process holding it.
+
+        After HAProxy's soft stop its worker no longer accepts, but its master keeps the socket
+        it inherited open (2.6 src/sock.c `sock_unbind`: "master process unbinding from a master's
+        inherited FD => keep"), so the kernel went on completing handshakes nobody accepted: a new
+        connection hung instead of being refused. shutdown(SHUT_RD) on a listening TCP socket
+        stops it listening (Linux `inet_shutdown`: TCP_LISTEN -> `tcp_disconnect`), whichever
+        descriptor it is called on; HAProxy's accept then fails with EINVAL, which 2.6 takes as
+        "accept on a shut fd (eg: soft stop)" (src/listener.c). The answers in flight go on."""
+        if self.listener is None:
+            return
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RD)
+        self.listener.close()
+        self.listener = None
 
     async def stop_haproxy(self, soft: bool, timeout: float) -> int | None:
         """Soft stop (SIGUSR1: the listener closes, requests in flight go on) until the engine
@@ -416,6 +435,7 @@ class Running:
         if proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGUSR1 if soft else signal.SIGTERM)
+            self.stop_listening()
             try:
                 async with asyncio.timeout(timeout):
                     if soft:
@@ -458,6 +478,7 @@ class Running:
     async def close(self) -> None:
         """Stop everything now (tests, and the end of `serve`)."""
         await self.stop_haproxy(soft=False, timeout=_STOP_GRACE)
+        self.stop_listening()
         follower = next((t for t in self.tasks if t.get_name() == "log"), None)
         if follower is not None:
             # HAProxy is gone: the follower reads its last lines up to the end of the stream (it
@@ -545,10 +566,10 @@ async def start(settings: Settings) -> Running:
             shutil.rmtree(runtime_dir, ignore_errors=True)
         raise
     port = listener.getsockname()[1]
-    listener.close()  # HAProxy holds it now; our copy would keep it open after a soft stop
     state.haproxy_pid = process.pid
     admin_port = admin.addresses[0][1]
-    running = Running(state, paths, api, port, admin_port, process, runners, owns_dir=owns)
+    # Kept, not closed: the soft stop shuts the socket through it (Running.stop_listening).
+    running = Running(state, paths, api, port, admin_port, process, runners, owns_dir=owns, listener=listener)
     follower = state.log_follower = haproxy_log.LogFollower(
         paths.admin_socket, LOG_RING, state.telemetry, lambda: state.stopping
     )
