@@ -115,6 +115,21 @@ def bind_data_port(host: str, port: int) -> socket.socket:
     return sock
 
 
+def shut_listener(sock: socket.socket) -> None:
+    """Stop a listening socket itself, whichever process holds other descriptors of it, and close ours.
+
+    After HAProxy's soft stop its worker no longer accepts, but its master keeps the socket it
+    inherited open (2.6 src/sock.c `sock_unbind`: "master process unbinding from a master's
+    inherited FD => keep"), so the kernel went on completing handshakes nobody accepted: a new
+    connection hung instead of being refused. shutdown(SHUT_RD) on a listening TCP socket stops
+    it listening (Linux `inet_shutdown`: TCP_LISTEN -> `tcp_disconnect`), whichever descriptor it
+    is called on; HAProxy's accept then fails with EINVAL, which 2.6 takes as "accept on a shut
+    fd (eg: soft stop)" (src/listener.c). Connections already accepted go on."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RD)
+    sock.close()
+
+
 def _die_with_parent() -> None:
     """In the child before exec: SIGTERM when the agent dies (prctl(2) PR_SET_PDEATHSIG).
     The master then stops its worker (HAProxy's master-worker mode)."""
@@ -408,21 +423,10 @@ class Running:
     listener: socket.socket | None = None
 
     def stop_listening(self) -> None:
-        """Stop the data port's listening socket itself, for every process holding it.
-
-        After HAProxy's soft stop its worker no longer accepts, but its master keeps the socket
-        it inherited open (2.6 src/sock.c `sock_unbind`: "master process unbinding from a master's
-        inherited FD => keep"), so the kernel went on completing handshakes nobody accepted: a new
-        connection hung instead of being refused. shutdown(SHUT_RD) on a listening TCP socket
-        stops it listening (Linux `inet_shutdown`: TCP_LISTEN -> `tcp_disconnect`), whichever
-        descriptor it is called on; HAProxy's accept then fails with EINVAL, which 2.6 takes as
-        "accept on a shut fd (eg: soft stop)" (src/listener.c). The answers in flight go on."""
-        if self.listener is None:
-            return
-        with contextlib.suppress(OSError):
-            self.listener.shutdown(socket.SHUT_RD)
-        self.listener.close()
-        self.listener = None
+        """Stop the data port's listening socket for every process holding it (shut_listener)."""
+        if self.listener is not None:
+            shut_listener(self.listener)
+            self.listener = None
 
     async def stop_haproxy(self, soft: bool, timeout: float) -> int | None:
         """Soft stop (SIGUSR1: the listener closes, requests in flight go on) until the engine
