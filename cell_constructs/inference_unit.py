@@ -186,7 +186,7 @@ def follower_release_bound(
       4. the follower hears it within a heartbeat interval, at most `follower_loss`;
       5. FOLLOWER_RELEASE_MARGIN for the skew between the two stops' starts.
 
-    Defaults: 120 + (120 + 600 + 30) + 120 + 30 + 30 = 1050 s. ECS documents no maximum
+    Defaults: 600 + (30 + 600 + 30) + 120 + 30 + 30 = 1440 s. ECS documents no maximum
     container stopTimeout on the EC2 launch type (the 120 s cap is Fargate's:
     https://docs.aws.amazon.com/AmazonECS/latest/APIReference/API_ContainerDefinition.html,
     `stopTimeout`), and the agent uses the value as given (aws/amazon-ecs-agent
@@ -292,7 +292,12 @@ class MultiNodeInferenceUnit(Construct):
         # The proxy's agent keeps HAProxy's config, map and Unix sockets (runtime API, log,
         # its own listener) in a runtime directory under /tmp: a small tmpfs, the only writable
         # path of its read-only root filesystem.
-        proxy_linux = ecs.LinuxParameters(self, "ProxyLinux")
+        # ECS's init process ("run an init process inside the container that forwards signals and
+        # reaps processes", the --init option of docker run:
+        # https://docs.aws.amazon.com/AmazonECS/latest/APIReference/API_LinuxParameters.html): the agent
+        # is not PID 1, whose default signal actions the kernel ignores (a SIGTERM during its start-up
+        # was lost; the agent also takes them first thing, unit_proxy/stop_signals.py).
+        proxy_linux = ecs.LinuxParameters(self, "ProxyLinux", init_process_enabled=True)
         proxy_linux.add_tmpfs(
             ecs.Tmpfs(
                 container_path="/tmp",

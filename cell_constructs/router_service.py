@@ -95,6 +95,11 @@ class RouterService(Construct):
             essential=True, stop_timeout=FARGATE_MAX_STOP_TIMEOUT,
             port_mappings=[ecs.PortMapping(container_port=ROUTER_PORT, protocol=ecs.Protocol.TCP)],
             logging=ecs.LogDrivers.aws_logs(stream_prefix="router", log_group=self.log_group),
+            # ECS's init process ("forwards signals and reaps processes",
+            # https://docs.aws.amazon.com/AmazonECS/latest/APIReference/API_LinuxParameters.html): the agent
+            # is not PID 1, which the kernel spares the default action of a signal it does not handle yet
+            # (a SIGTERM during its start-up was lost until Fargate's SIGKILL).
+            linux_parameters=ecs.LinuxParameters(self, "RouterLinux", init_process_enabled=True),
         )
         acknowledge_execution_role(self.task_definition)
         acknowledge(self.task_definition, (

@@ -20,6 +20,7 @@ from constructs import Construct
 
 from cell_constructs.deletion_protection import create_unprotected, protect_after
 from cell_constructs.nag import acknowledge
+from inference_fleet.config import UNIT_HEALTH_CHECK_INTERVAL_SECONDS, UNIT_UNHEALTHY_THRESHOLD
 
 HEALTH_CHECK_PATH = "/health"
 
@@ -163,10 +164,11 @@ class UnitLoadBalancer(Construct):
             health_check=elbv2.HealthCheck(
                 path=self._health_check_path,
                 port=str(target_port),
-                interval=Duration.seconds(10),
+                interval=Duration.seconds(UNIT_HEALTH_CHECK_INTERVAL_SECONDS),
                 timeout=Duration.seconds(5),
                 healthy_threshold_count=2,
-                unhealthy_threshold_count=2,
+                # The proxy's admission window follows these (ServingConfig.admission_window_seconds).
+                unhealthy_threshold_count=UNIT_UNHEALTHY_THRESHOLD,
                 healthy_http_codes="200",
             ),
         )

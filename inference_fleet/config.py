@@ -521,6 +521,12 @@ class WaveConfig(_Strict):
     )
 
 
+# The units' target group's health check (cell_constructs/unit_load_balancer.py): every 10 s, a target
+# is unhealthy after 2 failed checks in a row.
+UNIT_HEALTH_CHECK_INTERVAL_SECONDS = 10
+UNIT_UNHEALTHY_THRESHOLD = 2
+
+
 class ServingConfig(_Strict):
     """Ports, timeouts and limits of the serving path; the defaults suit long token streams."""
 
@@ -544,12 +550,6 @@ class ServingConfig(_Strict):
     alb_idle_timeout_seconds: int = Field(
         default=900, ge=60, le=4000, description="ALB idle timeout; longer than any silent gap in a stream."
     )
-    deregistration_delay_seconds: int = Field(
-        default=120,
-        ge=0,
-        le=3600,
-        description="ALB deregistration delay; the proxy keeps serving this long after SIGTERM.",
-    )
     health_check_grace_seconds: int = Field(
         default=2400,
         ge=60,
@@ -565,7 +565,10 @@ class ServingConfig(_Strict):
         "inside CloudFormation's 1 h rolling-update wait.",
     )
     drain_timeout_seconds: int = Field(
-        default=600, ge=0, le=3600, description="Longest wait for in-flight streams after the deregistration delay."
+        default=600, ge=0, le=3600,
+        description="Longest a stream in flight may go on once its unit or router task stops: the target groups' "
+        "deregistration delay (ECS waits it before SIGTERM; the load balancer then cuts what is left) and the "
+        "proxy's DRAIN_TIMEOUT_SECONDS (a stopping follower's drain).",
     )
     max_inflight_requests: int | None = Field(
         default=None, ge=1, le=65_536, description="Default: max_concurrent_sequences."
@@ -618,6 +621,35 @@ class ServingConfig(_Strict):
     log_retention_days: Literal[7, 14, 30, 60, 90, 180, 365] = Field(
         default=30, description="Retention of task, flow and function logs."
     )
+
+    @property
+    def unit_deregistration_delay_seconds(self) -> int:
+        """The units' target group's deregistration delay: all a leader's streams get when its task stops.
+
+        ECS deregisters the target and waits for the delay before it sends SIGTERM, and when the delay
+        ends the load balancer breaks the connections still open ("the amount of time that the load
+        balancer waits to move the target to the UNUSED state is the deregistration delay", "wait 5
+        seconds before it breaks the connection between the client and the back-end service":
+        https://docs.aws.amazon.com/AmazonECS/latest/developerguide/load-balancer-connection-draining.html).
+        So the proxy's drain after SIGTERM finds no stream from the load balancer, and the delay is
+        the streams' budget: the same setting as the proxy's DRAIN_TIMEOUT_SECONDS (docs/cell-lifecycle.md,
+        "The leader's stop budget")."""
+        return self.drain_timeout_seconds
+
+    @property
+    def admission_window_seconds(self) -> int:
+        """The proxy's DRAIN_SECONDS: how long it still admits new requests once its /health is 503 while
+        its target is still registered (a stopping follower's drain; a SIGTERM the load balancer did not
+        drain first). The load balancer stops routing to the target once it is unhealthy: after
+        UNIT_UNHEALTHY_THRESHOLD failed checks, one interval apart, plus one interval for the first."""
+        return UNIT_HEALTH_CHECK_INTERVAL_SECONDS * (UNIT_UNHEALTHY_THRESHOLD + 1)
+
+    @property
+    def proxy_drain_bound_seconds(self) -> int:
+        """Longest the proxy's own drain takes: its admission window, its streams' wait, and 30 s for
+        HAProxy's exit (the agent gives it 5 s after `hard-stop-after`). The proxy container's
+        stopTimeout, and the leader's wait for a stopping follower's drain (`member_drain_seconds`)."""
+        return self.admission_window_seconds + self.drain_timeout_seconds + 30
 
 
 class AlarmsConfig(_Strict):

@@ -117,9 +117,9 @@ def build_unit_spec(
             # Every node fetches and loads the model before it joins: the join wait covers
             # the slowest node's load, bounded by the task's health check grace.
             "join_timeout_seconds": serving.health_check_grace_seconds,
-            # A stopping follower's drain: the proxy serves DRAIN_SECONDS (the deregistration
-            # delay), lets its streams finish for DRAIN_TIMEOUT_SECONDS, then reports drained.
-            "member_drain_seconds": serving.deregistration_delay_seconds + serving.drain_timeout_seconds + 30,
+            # A stopping follower's drain: the proxy serves DRAIN_SECONDS (until the load balancer
+            # has seen /health fail), lets its streams finish for DRAIN_TIMEOUT_SECONDS, then reports drained.
+            "member_drain_seconds": serving.proxy_drain_bound_seconds,
         },
         "discovery": {
             "namespace": namespace_name(fleet, cell),

@@ -241,7 +241,8 @@ class CellStack(Stack):
             certificate_arn=cell.certificate_arn,
             target_port=serving.proxy_port,
             idle_timeout=Duration.seconds(serving.alb_idle_timeout_seconds),
-            deregistration_delay=Duration.seconds(serving.deregistration_delay_seconds),
+            # A leader's streams get the delay when its task stops (ServingConfig.unit_deregistration_delay_seconds).
+            deregistration_delay=Duration.seconds(serving.unit_deregistration_delay_seconds),
             deletion_protection=cell.deletion_protection,
             encryption_key=self.key,
             log_retention=_RETENTION[serving.log_retention_days],
@@ -345,8 +346,10 @@ class CellStack(Stack):
             "UPSTREAM_URL": f"http://127.0.0.1:{serving.engine_port}",
             "LAUNCHER_STATUS_URL": f"http://127.0.0.1:{serving.rendezvous_port}/status",
             "MAX_INFLIGHT": str(fleet.max_inflight_requests),
-            "DRAIN_SECONDS": str(serving.deregistration_delay_seconds),
-            "DRAIN_TIMEOUT_SECONDS": str(serving.drain_timeout_seconds),
+            # Admission while the target is still registered (a stopping follower; a SIGTERM the load
+            # balancer did not drain first), then the streams' budget: the target group's delay.
+            "DRAIN_SECONDS": str(serving.admission_window_seconds),
+            "DRAIN_TIMEOUT_SECONDS": str(serving.unit_deregistration_delay_seconds),
             "FRONTEND": serving.frontend,
             "METRICS_NAMESPACE": proxy_metrics_namespace(fleet),
             "CELL": cell.name,
@@ -371,11 +374,10 @@ class CellStack(Stack):
             target_group=self.load_balancer.target_group,
             health_check_grace=Duration.seconds(serving.health_check_grace_seconds),
             startup_budget=Duration.seconds(serving.startup_budget_seconds),
-            # SIGTERM -> keep serving for the deregistration delay -> let streams finish.
-            proxy_stop_timeout=Duration.seconds(
-                serving.deregistration_delay_seconds + serving.drain_timeout_seconds + 30
-            ),
-            deregistration_delay=Duration.seconds(serving.deregistration_delay_seconds),
+            # After SIGTERM: the admission window, then the streams (none left when the load balancer
+            # drained the target first), then HAProxy's exit (docs/cell-lifecycle.md, "The leader's stop budget").
+            proxy_stop_timeout=Duration.seconds(serving.proxy_drain_bound_seconds),
+            deregistration_delay=Duration.seconds(serving.unit_deregistration_delay_seconds),
             follower_loss=Duration.seconds(serving.follower_loss_seconds),
             deployment_alarms=self.alarms.deployment_alarms if self.alarms else None,
             desired_counts=(
@@ -455,7 +457,7 @@ class CellStack(Stack):
             "inference-fleet:one-unit-cell-update-outage",
             f"Cell {cell.name} {at_one}: every update of its unit's tasks (a new image, model, layout or "
             f"environment) stops the unit before its new tasks start, so clients get 503 for up to the "
-            f"deregistration delay plus the start-up budget ({serving.deregistration_delay_seconds} s + "
+            f"deregistration delay plus the start-up budget ({serving.unit_deregistration_delay_seconds} s + "
             f"{serving.startup_budget_seconds} s). This planned outage is not rolled back: the cell's 5xx alarm "
             "counts only minutes with a healthy unit. For updates without an outage give the cell 2 units or "
             "more (units, or min_units when elastic); see docs/cell-lifecycle.md, \"One-unit cells\".",

@@ -147,8 +147,8 @@ def test_unit_tasks_hold_a_whole_instance(synth_large) -> None:
         assert names == (["inference", "proxy"] if role == "leader" else ["inference", "drain-guard"])
         if role == "leader":
             proxy = props["ContainerDefinitions"][1]
-            # deregistration delay 120 s + drain timeout 600 s + 30 s margin
-            assert proxy["StopTimeout"] == 750 and proxy["User"] == "10001"
+            # admission window 30 s + drain timeout 600 s + 30 s margin (tests/test_leader_stop.py)
+            assert proxy["StopTimeout"] == 660 and proxy["User"] == "10001"
             assert proxy["ReadonlyRootFilesystem"] is True
             assert proxy["LinuxParameters"]["Tmpfs"][0]["ContainerPath"] == "/tmp"
             # stopped before the engine, so in-flight streams finish
@@ -214,7 +214,8 @@ def test_load_balancer_is_internal_with_streaming_settings(synth_large) -> None:
     assert group["Port"] == 8080 and group["TargetType"] == "instance"
     group_attributes = {a["Key"]: a["Value"] for a in group["TargetGroupAttributes"]}
     assert group_attributes["load_balancing.algorithm.type"] == "least_outstanding_requests"
-    assert group_attributes["deregistration_delay.timeout_seconds"] == "120"
+    # A leader's streams get the delay: drain_timeout_seconds (tests/test_leader_stop.py).
+    assert group_attributes["deregistration_delay.timeout_seconds"] == "600"
 
 
 def test_https_listener_when_a_certificate_is_configured(synth_large) -> None:

@@ -202,7 +202,7 @@ def test_bound_covers_deregistration_then_the_leaders_drain(fleet, request) -> N
         (group,) = groups
         attributes = {a["Key"]: a["Value"] for a in group["Properties"]["TargetGroupAttributes"]}
         deregistration = int(attributes["deregistration_delay.timeout_seconds"])
-        assert deregistration == serving.deregistration_delay_seconds
+        assert deregistration == serving.unit_deregistration_delay_seconds
         leader_drain = _container(leaders[0], "proxy")["StopTimeout"]
         leader_engine = _container(leaders[0], "inference")["StopTimeout"]
         assert leader_engine == ENGINE_STOP_TIMEOUT.to_seconds()

@@ -353,3 +353,10 @@ def test_validate_lists_the_router_stack(capsys: pytest.CaptureFixture[str]) -> 
 
     assert main(["validate", "--config", str(FLEET)]) == 0
     assert f"{ROUTER}: router of dev, prod, 2 Fargate tasks in us-east-2a, us-east-2b" in capsys.readouterr().out
+
+
+def test_the_router_runs_under_an_init_process(synth_router) -> None:
+    """Without it the agent is PID 1: a SIGTERM before its handlers are in place is lost."""
+    _, task = _one(synth_router, ROUTER, "AWS::ECS::TaskDefinition")
+    (container,) = task["ContainerDefinitions"]
+    assert container.get("LinuxParameters", {}).get("InitProcessEnabled") is True

@@ -406,7 +406,7 @@ def policy_from_fleet(path: Path, cell_name: str | None) -> tuple[Policy, float,
         capacity_backoff_s=scaling.capacity_backoff_seconds,
     )
     startup = NODE_BOOT_SECONDS + fleet.serving.startup_budget_seconds
-    drain = fleet.serving.deregistration_delay_seconds + 60.0
+    drain = fleet.serving.unit_deregistration_delay_seconds + 60.0
     return policy, float(fleet.max_inflight_requests), float(startup), drain
 
 

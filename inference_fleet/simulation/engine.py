@@ -105,7 +105,10 @@ class Cell:
         serving = fleet.serving
         self.nodes = fleet.unit.nodes
         self.loss_limit = float(serving.follower_loss_seconds)
-        self.dereg = float(serving.deregistration_delay_seconds)
+        # ECS waits the deregistration delay before a leader's SIGTERM (whole: whether an idle target
+        # ends it sooner is unverified); a stopping follower's drain admits for the proxy's window.
+        self.dereg = float(serving.unit_deregistration_delay_seconds)
+        self.admission = float(serving.admission_window_seconds)
         # The launcher's join deadline, from the unit spec it is given (the fleet's health check grace).
         self.join_timeout = float(build_unit_spec(fleet, cell, 0, revision="sim")["rendezvous"]["join_timeout_seconds"])
         self.step_timeout = float(serving.step_timeout_seconds)
@@ -445,7 +448,7 @@ class Cell:
             return
         session.state = "draining"
         self._update_target(unit)
-        drain = 2 + self.dereg + self._stream_tail()
+        drain = 2 + self.admission + self._stream_tail()
         self.after(drain, self._member_drained, unit, session, task)
 
     def _guard_released(self, unit: Unit, session: Session, task: Task) -> None:
@@ -471,10 +474,10 @@ class Cell:
         session = unit.session
         if session is not None and session.leader is task and session.state != "ended":
             if session.state == "serving":
-                # The proxy keeps admitting for DRAIN_SECONDS (= the deregistration delay) after SIGTERM,
-                # then waits for the streams in flight (docs/cell-lifecycle.md, D_L).
+                # The streams ran during the deregistration delay (the load balancer cut what was left);
+                # the proxy still admits for DRAIN_SECONDS after SIGTERM (docs/cell-lifecycle.md, D_L).
                 session.state = "draining"
-                self.after(self.dereg + self._stream_tail(), self._leader_drained, unit, session)
+                self.after(self.admission, self._leader_drained, unit, session)
             else:
                 self.end_session(unit, "deliberate_stop", None, None, deliberate=True)
         else:

@@ -142,3 +142,55 @@ async def test_drain_timeout_bounds_the_wait(engine: FakeEngine, launcher: FakeL
 
 async def _is(status_coro, expected: int) -> bool:
     return await status_coro == expected
+
+
+async def test_a_stream_ending_long_after_the_last_log_line_is_counted(engine: FakeEngine, launcher: FakeLauncher):
+    """The agent follows HAProxy's log ring on the stats socket, whose sessions HAProxy 2.6 closes after
+    10 s without activity (src/cli.c `cli_alloc_fe`): the follower was dropped 10 s after the last log
+    line and not followed again once stopping, so a stream ending 12 s after SIGTERM, with no other
+    traffic, was missing from the final EMF (Requests 1 of 2)."""
+    async with proxy_process(engine, launcher, DRAIN_SECONDS="0", DRAIN_TIMEOUT_SECONDS="30") as (url, proc):
+        async with aiohttp.ClientSession() as session:
+            await wait_until(lambda: _is(health(session, url), 200), timeout=15, what="the proxy to be healthy")
+            async with session.post(f"{url}/v1/completions", json={"model": "m", "prompt": "y"}) as resp:
+                assert resp.status == 200
+            stream = await session.post(
+                f"{url}/v1/completions",
+                json={"model": "m", "prompt": "x", "stream": True},
+                headers={"x-tokens": "3", "x-gap": "6"},
+            )
+            assert stream.status == 200
+            assert b"tok0" in await stream.content.readany()
+            proc.send_signal(signal.SIGTERM)
+            sigterm_at = time.monotonic()
+            rest = await asyncio.wait_for(stream.read(), 20)
+            assert rest.rstrip().endswith(b"data: [DONE]") and b"tok2" in rest
+            assert time.monotonic() - sigterm_at >= 11  # more than the stats socket's default 10 s idle timeout
+            assert await asyncio.wait_for(proc.wait(), 10) == 0
+        stdout, _ = await asyncio.wait_for(proc.communicate(), 5)
+    values = [check_emf(json.loads(line)) for line in stdout.decode().splitlines()]
+    assert sum(v.get("Requests", 0) for v in values) == 2, "the stream that ended during the drain is not counted"
+
+
+async def test_new_connections_are_refused_after_the_admission_window(engine: FakeEngine, launcher: FakeLauncher):
+    """HAProxy's master keeps the listening socket it inherited after the soft stop: the kernel
+    completed handshakes nobody accepted, so a new connection hung instead of being refused."""
+    async with proxy_process(engine, launcher, DRAIN_SECONDS="0.5", DRAIN_TIMEOUT_SECONDS="30") as (url, proc):
+        port = int(url.rsplit(":", 1)[1])
+        async with aiohttp.ClientSession() as session:
+            await wait_until(lambda: _is(health(session, url), 200), timeout=15, what="the proxy to be healthy")
+            stream = await session.post(
+                f"{url}/v1/completions",
+                json={"model": "m", "prompt": "x", "stream": True},
+                headers={"x-tokens": "8", "x-gap": "0.5"},
+            )
+            assert stream.status == 200
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.5 + 1.0)  # the admission window, then at most 1 s
+            with pytest.raises(ConnectionRefusedError):
+                async with asyncio.timeout(2):  # a hang is the defect: not refused, not served
+                    _, writer = await asyncio.open_connection(LOOPBACK, port)
+                    writer.close()
+            rest = await asyncio.wait_for(stream.read(), 10)  # the stream in flight goes on
+            assert rest.rstrip().endswith(b"data: [DONE]") and b"tok7" in rest
+            assert await asyncio.wait_for(proc.wait(), 10) == 0

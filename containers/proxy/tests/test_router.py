@@ -282,6 +282,11 @@ async def test_sigterm_lets_a_stream_finish_then_exits_0(cells: tuple[FakeCell, 
             proc.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.5)
             assert proc.returncode is None  # the stream holds it
+            # New connections are refused at once, not accepted by the kernel for HAProxy's master,
+            # which keeps the listening socket it inherited, and left to hang.
+            with pytest.raises(ConnectionRefusedError):
+                _, writer = await asyncio.open_connection(LOOPBACK, port)
+                writer.close()
             a.hold.set()
             b.hold.set()
             assert (await pending)[0] == 200

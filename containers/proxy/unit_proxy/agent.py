@@ -17,6 +17,10 @@ Drain on SIGTERM: `/health` 503 at once and engine errors become 503 unit_unavai
 new requests are served for DRAIN_SECONDS; then HAProxy soft-stops (SIGUSR1 to its
 master: listeners close, in-flight streams go on) for up to DRAIN_TIMEOUT_SECONDS
 (`hard-stop-after`), and the agent exits 0. A second SIGTERM/SIGINT skips the waiting.
+Behind an ALB, ECS deregisters the target and waits the target group's delay before SIGTERM
+(the stack makes the delay DRAIN_TIMEOUT_SECONDS): the streams run during the delay, and the
+admission window is for a SIGTERM the load balancer did not drain first (docs/cell-lifecycle.md,
+"The leader's stop budget").
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from typing import Any
 
 from aiohttp import web
 
-from unit_proxy import haproxy_log
+from unit_proxy import haproxy_log, stop_signals
 from unit_proxy.haproxy_config import (
     ENGINE_HEALTH_LUA,
     HAPROXY_OPTIONS,
@@ -67,6 +71,8 @@ HAPROXY = os.environ.get("UNIT_PROXY_HAPROXY", "haproxy")
 _START_SECONDS = 10.0
 # After hard-stop-after, how long HAProxy gets to exit before it is killed.
 _STOP_GRACE = 5.0
+# After HAProxy's exit, how long the log follower gets to read the lines left in its stream.
+_FOLLOW_END_SECONDS = 1.0
 _PR_SET_PDEATHSIG = 1
 _PROMETHEUS = "text/plain; version=0.0.4"
 
@@ -107,6 +113,21 @@ def bind_data_port(host: str, port: int) -> socket.socket:
         raise BindError(f"cannot listen on {host}:{port}: {reason}") from None
     sock.set_inheritable(True)
     return sock
+
+
+def shut_listener(sock: socket.socket) -> None:
+    """Stop a listening socket itself, whichever process holds other descriptors of it, and close ours.
+
+    After HAProxy's soft stop its worker no longer accepts, but its master keeps the socket it
+    inherited open (2.6 src/sock.c `sock_unbind`: "master process unbinding from a master's
+    inherited FD => keep"), so the kernel went on completing handshakes nobody accepted: a new
+    connection hung instead of being refused. shutdown(SHUT_RD) on a listening TCP socket stops
+    it listening (Linux `inet_shutdown`: TCP_LISTEN -> `tcp_disconnect`), whichever descriptor it
+    is called on; HAProxy's accept then fails with EINVAL, which 2.6 takes as "accept on a shut
+    fd (eg: soft stop)" (src/listener.c). Connections already accepted go on."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RD)
+    sock.close()
 
 
 def _die_with_parent() -> None:
@@ -398,6 +419,14 @@ class Running:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     owns_dir: bool = True
     stopping: bool = False
+    # The agent's copy of the data port's listening socket: the soft stop shuts it (stop_listening).
+    listener: socket.socket | None = None
+
+    def stop_listening(self) -> None:
+        """Stop the data port's listening socket for every process holding it (shut_listener)."""
+        if self.listener is not None:
+            shut_listener(self.listener)
+            self.listener = None
 
     async def stop_haproxy(self, soft: bool, timeout: float) -> int | None:
         """Soft stop (SIGUSR1: the listener closes, requests in flight go on) until the engine
@@ -410,6 +439,7 @@ class Running:
         if proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGUSR1 if soft else signal.SIGTERM)
+            self.stop_listening()
             try:
                 async with asyncio.timeout(timeout):
                     if soft:
@@ -452,6 +482,12 @@ class Running:
     async def close(self) -> None:
         """Stop everything now (tests, and the end of `serve`)."""
         await self.stop_haproxy(soft=False, timeout=_STOP_GRACE)
+        self.stop_listening()
+        follower = next((t for t in self.tasks if t.get_name() == "log"), None)
+        if follower is not None:
+            # HAProxy is gone: the follower reads its last lines up to the end of the stream (it
+            # pauses between reads), so the final EMF counts them.
+            await asyncio.wait({follower}, timeout=_FOLLOW_END_SECONDS)
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
@@ -534,10 +570,10 @@ async def start(settings: Settings) -> Running:
             shutil.rmtree(runtime_dir, ignore_errors=True)
         raise
     port = listener.getsockname()[1]
-    listener.close()  # HAProxy holds it now; our copy would keep it open after a soft stop
     state.haproxy_pid = process.pid
     admin_port = admin.addresses[0][1]
-    running = Running(state, paths, api, port, admin_port, process, runners, owns_dir=owns)
+    # Kept, not closed: the soft stop shuts the socket through it (Running.stop_listening).
+    running = Running(state, paths, api, port, admin_port, process, runners, owns_dir=owns, listener=listener)
     follower = state.log_follower = haproxy_log.LogFollower(
         paths.admin_socket, LOG_RING, state.telemetry, lambda: state.stopping
     )
@@ -597,6 +633,8 @@ async def serve(settings: Settings) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
+    for signum in stop_signals.received():  # during start-up (stop_signals.py)
+        on_signal(signum)
     if await haproxy_exits_first(running.process, first):
         log.error("haproxy exited with code %s: the data path is gone; exiting 1", running.process.returncode)
         await running.close()

@@ -48,6 +48,13 @@ READ_PAUSE_SECONDS = 0.05
 _READ_BYTES = 1 << 20
 # 499: the client went away (nginx's convention, kept from the Python data path).
 CLIENT_GONE = 499
+# The follower's own session timeout. HAProxy 2.6 closes a stats socket session after 10 s
+# without activity (`stats timeout`, configuration manual 3.1; src/cli.c `cli_alloc_fe`), which
+# dropped the follower 10 s after the last log line: lines written before it followed again were
+# lost (`-n`), and once HAProxy stops (the drain) its stats socket is closed and nothing followed
+# again. `set timeout cli` (management guide 9.3) sets it for this session only, in seconds;
+# HAProxy's timers are milliseconds below 2^31 (~24.8 days, src/cli.c), so about 23 days.
+FOLLOW_TIMEOUT_SECONDS = 2_000_000
 
 
 @dataclass(frozen=True)
@@ -220,7 +227,7 @@ class LogFollower:
                     await asyncio.sleep(0.5)
                     continue
                 try:
-                    writer.write(f"show events {self.ring} -w -n\n".encode())
+                    writer.write(f"set timeout cli {FOLLOW_TIMEOUT_SECONDS}; show events {self.ring} -w -n\n".encode())
                     await writer.drain()
                     self.following.set()
                     # uvloop's transports are not asyncio.ReadTransport subclasses: duck-typed.

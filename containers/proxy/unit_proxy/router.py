@@ -54,6 +54,7 @@ from unit_proxy.agent import (
     bind_data_port,
     configure_logging,
     haproxy_exits_first,
+    shut_listener,
 )
 from unit_proxy.router_config import BACKEND, HARD_STOP_SECONDS, RouterPaths, RouterSettings, render
 from unit_proxy.router_metrics import emf_loop
@@ -389,6 +390,7 @@ class RunningRouter:
     metrics_task: asyncio.Task[None] | None = None  # EMF lines (unit_proxy.router_metrics), when configured
     ssm: SsmSource | None = None
     ssm_task: asyncio.Task[None] | None = None
+    listener: socket.socket | None = None  # the data port's socket, shut at the stop (agent.shut_listener)
 
     async def _delete_report(self) -> None:
         """Stop the SSM loop (it would write the report again) and delete this task's report; a task gone
@@ -412,6 +414,10 @@ class RunningRouter:
         if proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGUSR1 if soft else signal.SIGTERM)
+        if self.listener is not None:  # new connections refused, not left to hang on HAProxy's master
+            shut_listener(self.listener)
+            self.listener = None
+        if proc.returncode is None:
             try:
                 async with asyncio.timeout(timeout):
                     await proc.wait()
@@ -456,7 +462,6 @@ async def start(settings: RouterSettings) -> RunningRouter:
             shutil.rmtree(runtime_dir, ignore_errors=True)
         raise
     port = listener.getsockname()[1]
-    listener.close()  # HAProxy holds it now
     task = asyncio.create_task(poll_loop(state), name="router-poll")
     metrics_task = asyncio.create_task(
         emf_loop(api, settings.metrics_namespace, settings.router_name, settings.emf_interval_seconds,
@@ -469,7 +474,8 @@ async def start(settings: RouterSettings) -> RunningRouter:
     if ssm:
         log.info("evacuation from SSM %s every %g s, report %s", ssm.parameter, settings.ssm_poll_seconds,
                  ssm.report_name)
-    return RunningRouter(state, paths, port, admin_port, process, runner, task, owns, metrics_task, ssm, ssm_task)
+    return RunningRouter(state, paths, port, admin_port, process, runner, task, owns, metrics_task, ssm, ssm_task,
+                         listener)
 
 
 async def serve(settings: RouterSettings) -> int:
