@@ -942,6 +942,17 @@ def _location(loc: tuple[int | str, ...]) -> str:
     return path
 
 
+# Fields an earlier release accepted, with what replaced them: an unknown-field error would
+# send the user to the spelling.
+REMOVED_FIELDS = {
+    "serving.deregistration_delay_seconds": (
+        "removed: the units' deregistration delay is now serving.drain_timeout_seconds (ECS waits it before "
+        "SIGTERM, and the load balancer then cuts the streams left; docs/cell-lifecycle.md, \"The leader's stop "
+        "budget\"): delete this line, and set drain_timeout_seconds if you need another value"
+    ),
+}
+
+
 def _clean_loc(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
     """The field path without pydantic's internal union/constraint tags."""
     return tuple(p for p in loc if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
@@ -959,7 +970,9 @@ def _pydantic_issues(error: ValidationError) -> list[ConfigIssue]:
         if e["type"] == "string_pattern_mismatch":
             message = f"does not match the allowed pattern {e['ctx']['pattern']}"
         elif e["type"] == "extra_forbidden":
-            message = "unknown field (check the spelling; see docs/fleet-reference.md)"
+            message = REMOVED_FIELDS.get(
+                _location(loc), "unknown field (check the spelling; see docs/fleet-reference.md)"
+            )
         elif e["type"] in ("int_parsing", "int_type"):
             # YAML reads 1e30 as text: say what is wanted, not how parsing failed.
             message = "a whole number is needed"

@@ -213,3 +213,13 @@ def test_a_new_efa_installer_version_needs_its_own_checksum() -> None:
     assert parse_fleet(data, "test").node.efa_installer_sha256 == "b" * 64
     data["node"]["efa_installer_sha256"] = None
     assert parse_fleet(data, "test").node.efa_installer_sha256 is None
+
+
+def test_a_removed_field_says_what_replaced_it_not_to_check_the_spelling() -> None:
+    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    data.setdefault("serving", {})["deregistration_delay_seconds"] = 120
+    with pytest.raises(ConfigError) as caught:
+        parse_fleet(data)
+    (issue,) = caught.value.issues
+    assert issue.path == "serving.deregistration_delay_seconds"
+    assert "serving.drain_timeout_seconds" in issue.problem and "spelling" not in issue.problem
