@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -58,6 +60,26 @@ def test_every_pass_parses_with_nxdis_own_parser_into_the_units_layout(config, m
         assert args.compile_only and args.save_sharded_checkpoint and not args.enable_torch_dist
         assert args.compiled_model_path == f"/work/node{one.node_rank}/"
         assert one.env["BASE_COMPILE_WORK_DIR"] == f"/work/nxd-workdir-node{one.node_rank}/"
+
+
+@pytest.mark.parametrize(("config", "target"), [(DEFAULT, "trn2"), (TRN1, "trn1")], ids=["trn2-default", "trn1-large"])
+def test_every_pass_names_the_units_hardware_not_the_cpu_compile_hosts(config, target, tmp_path, checkpoint):
+    """Regression: the compile runs on a CPU instance and no pass named its target, so NxD Inference would
+    have asked the host for its platform (models/config.py:723-727 at c63afe02) and failed or compiled for
+    the wrong chip. Each pass now carries NEURON_PLATFORM_TARGET_OVERRIDE from the units' instance type,
+    and the stand-in, like the real one, fails without it."""
+    fleet = load_fleet(str(config))
+    job = compile_job.render(fleet, checkpoint=str(checkpoint), work_dir=str(tmp_path / "work"), command=str(FAKE))
+    assert [one.env.get("NEURON_PLATFORM_TARGET_OVERRIDE") for one in job.passes] == [target] * fleet.unit.nodes
+    assert "NEURON_PLATFORM_TARGET_OVERRIDE=" + target in job.passes[0].shell()
+    # The stand-in refuses a pass without the variable, as a CPU host would; with it, it compiles for it.
+    bare = job.passes[0]
+    env = {k: v for k, v in os.environ.items() if k != "NEURON_PLATFORM_TARGET_OVERRIDE"}
+    refused = subprocess.run(bare.argv, env=env, capture_output=True, text=True, check=False)
+    assert refused.returncode != 0 and "Unsupported Platform" in refused.stderr, refused.stderr
+    done = subprocess.run(bare.argv, env={**env, **bare.env}, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert f'"target": "{target}"' in (Path(bare.out_dir) / "model.pt").read_text()
     # The compiler arguments in the key carry no path and no rank: one key for every node.
     assert "/ckpt" not in job.compiler_args and "--start_rank_id" in job.compiler_args
 
@@ -116,8 +138,8 @@ def test_the_job_builds_uploads_once_and_the_launcher_accepts_each_nodes_slice(t
     out = capsys.readouterr().out
     key = out.split("manifest key ")[1].split(",")[0]
     assert log.read_text().splitlines() == [
-        f"start_rank_id=0 workdir={tmp_path}/work/nxd-workdir-node0/",
-        f"start_rank_id=64 workdir={tmp_path}/work/nxd-workdir-node1/",
+        f"start_rank_id=0 workdir={tmp_path}/work/nxd-workdir-node0/ target=trn2",
+        f"start_rank_id=64 workdir={tmp_path}/work/nxd-workdir-node1/ target=trn2",
     ]
     fleet = load_fleet(str(DEFAULT))
     prefix = "llama-3.1-405b-instruct/neuron/" + layout_key(fleet) + "/"
