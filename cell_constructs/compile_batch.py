@@ -1,7 +1,7 @@
 """The compile job on AWS Batch: an EC2 compute environment of large-memory CPU instances, a job queue
 and a job definition that runs `python -m unit_launcher compile` in the inference image.
 
-Why Batch on EC2: the compile of a 405B layout needs about 1 TB of host memory and 1.8 TB of disk
+Why Batch on EC2: the compile of a 405B layout needs about 1.2 TB of host memory and 2 TB of disk
 for hours (inference_fleet.compile_job.host_needs); Fargate tasks stop at 120 GiB of memory
 (16 vCPUs, https://docs.aws.amazon.com/AmazonECS/latest/developerguide/fargate-tasks-services.html) and
 200 GiB of ephemeral storage (https://docs.aws.amazon.com/batch/latest/APIReference/API_EphemeralStorage.html),

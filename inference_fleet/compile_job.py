@@ -54,6 +54,7 @@ from unit_launcher.compile_run import (  # noqa: F401  (the runtime half, re-exp
 from unit_launcher.spec import UnitSpec, parse_spec
 
 from inference_fleet.config import ConfigIssue, FleetConfig, az_id_prefix, zone_in_region
+from inference_fleet.planner.shape import shape_of
 from inference_fleet.unit_spec import build_unit_spec, layout_key
 
 NXDI_COMMAND = "inference_demo"
@@ -160,6 +161,20 @@ COMPILE_INSTANCE_TYPES: dict[str, tuple[int, int]] = {
 BATCH_MEMORY_RESERVE_GIB = 32
 
 
+# Disk beyond the checkpoint and the shards, stated allowances (not measured: no pass has run on the real
+# NxDI): the OS and Docker's copy of the inference image on the same root volume, and per pass its traced
+# model.pt (kept in every pass's folder; assemble moves node 0's) and its BASE_COMPILE_WORK_DIR (HLO, NEFFs).
+SYSTEM_DISK_GB = 60
+PASS_DISK_GB = 25
+DISK_MARGIN = 1.1
+# Largest gp3 root volume a launch template may ask for: "gp2 and gp3: 1 - 16,384 GiB"
+# (https://docs.aws.amazon.com/AWSEC2/latest/APIReference/API_LaunchTemplateEbsBlockDeviceRequest.html, VolumeSize).
+MAX_GP3_GIB = 16_384
+# A pass holds the checkpoint, with its K/V heads replicated, to shard it (assumed: NxD's shard_checkpoint reads
+# the full state dict), plus this margin; passes run one after another, so one at a time.
+MEMORY_MARGIN = 1.25
+
+
 @dataclass(frozen=True)
 class HostNeeds:
     weights_gb: float
@@ -169,6 +184,7 @@ class HostNeeds:
     minutes: float = 0.0
     timeout_hours: int = 0
     instance_types: tuple[str, ...] = ()
+    shards_gb: float = 0.0
 
     @property
     def disk_gib(self) -> int:
@@ -181,13 +197,13 @@ class HostNeeds:
 
 def host_needs(fleet: FleetConfig) -> HostNeeds:
     """Compile host sizing and time as arithmetic (docs/compiled-artifacts.md has the sources and what is assumed)."""
-    weights = fleet.model.parameters_billion * _BYTES[fleet.model.dtype]  # GB
-    # A pass shards from the whole checkpoint in host memory (assumed: NxD's shard_checkpoint reads
-    # the full state dict), plus a 25 % margin; passes run one after another, so one at a time.
-    memory = weights * 1.25
-    # The checkpoint, every rank's shards (about the weights once more), one pass's trace work.
-    disk = weights * 2 * 1.1
+    size = _BYTES[fleet.model.dtype]
+    weights = fleet.model.parameters_billion * size  # GB
+    # Every rank's shards together: the weights with the K/V heads replicated to tp (planner.shape).
+    shards = shape_of(fleet.model).sharded_parameters(fleet.unit.tp) * size / 1e9
+    memory = shards * MEMORY_MARGIN
     nodes = fleet.unit.nodes
+    disk = (weights + shards + SYSTEM_DISK_GB + nodes * PASS_DISK_GB) * DISK_MARGIN
     pass_minutes = PASS_MINUTES_PER_405B * fleet.model.parameters_billion / FIGURE_PARAMETERS_BILLION
     volume_minutes = VOLUME_CROSSINGS * weights * 1e9 / (GP3_THROUGHPUT_MIBPS * 2**20) / 60
     minutes = nodes * pass_minutes + volume_minutes
@@ -195,11 +211,14 @@ def host_needs(fleet: FleetConfig) -> HostNeeds:
     need_gib = memory * 1e9 / 2**30 + BATCH_MEMORY_RESERVE_GIB
     types = tuple(name for name, (_, gib) in COMPILE_INSTANCE_TYPES.items() if gib >= need_gib)
     lines = [
-        f"weights: {fleet.model.parameters_billion:g} B parameters x {_BYTES[fleet.model.dtype]} bytes "
-        f"({fleet.model.dtype}) = {weights:,.0f} GB",
-        f"host memory: >= {memory:,.0f} GB (one pass holds the checkpoint to shard it, +25 %; the "
-        f"--enable-torch-dist variant runs {nodes} passes at once: {memory * nodes:,.0f} GB)",
-        f"disk: >= {disk:,.0f} GB (checkpoint + all {fleet.unit.total_cores} ranks' shards, +10 %)",
+        f"weights: {fleet.model.parameters_billion:g} B parameters x {size} bytes "
+        f"({fleet.model.dtype}) = {weights:,.0f} GB; all {fleet.unit.tp} ranks' shards {shards:,.1f} GB "
+        f"(K/V heads replicated to tp {fleet.unit.tp})",
+        f"host memory: >= {memory:,.0f} GB (one pass holds the checkpoint, K/V replicated, to shard it, "
+        f"+{MEMORY_MARGIN - 1:.0%}; the --enable-torch-dist variant runs {nodes} passes at once: "
+        f"{memory * nodes:,.0f} GB)",
+        f"disk: >= {disk:,.0f} GB (checkpoint {weights:,.0f} + shards {shards:,.0f} + OS and image "
+        f"{SYSTEM_DISK_GB} + {nodes} passes x {PASS_DISK_GB} model.pt and work dir, +{DISK_MARGIN - 1:.0%})",
         f"passes: {nodes}, one per node slice, one after another",
         f"time: about {minutes / 60:.1f} h = {nodes} passes x {pass_minutes:.0f} min (NxDI 2.23 release notes: "
         f"405B compile with sharding, 40 min) + {volume_minutes:.0f} min moving {VOLUME_CROSSINGS} x the weights "
@@ -208,28 +227,36 @@ def host_needs(fleet: FleetConfig) -> HostNeeds:
                                        f"no listed type has {need_gib:,.0f} GiB (the fleet check refuses this "
                                        "model: check_compile_host)"),
     ]
-    return HostNeeds(weights, memory, disk, lines, minutes, timeout_hours, types)
+    return HostNeeds(weights, memory, disk, lines, minutes, timeout_hours, types, shards)
 
 
 def check_compile_host(fleet: FleetConfig) -> list[ConfigIssue]:
-    """A fleet check (inference_fleet.checks DERIVED_CHECKS): some listed compile instance type holds one pass.
+    """A fleet check (inference_fleet.checks DERIVED_CHECKS): some listed compile instance type holds one pass,
+    and one gp3 root volume holds its disk.
 
     Every fleet gets the `<Fleet>-Compile` stack, whose compute environment offers only the types that hold
     the pass; with none, Batch would keep the job RUNNABLE for ever. Refused at `validate`, before synthesis,
-    naming the largest model each dtype allows."""
+    naming the need and what the largest host holds."""
     needs = host_needs(fleet)
-    if needs.instance_types:
-        return []
-    largest = max(gib for _, gib in COMPILE_INSTANCE_TYPES.values())
-    # The inverse of host_needs: memory = weights x 1.25 (GB) must fit the largest type less Batch's reserve.
-    fits_gb = (largest - BATCH_MEMORY_RESERVE_GIB) * 2**30 / 1e9 / 1.25
-    allowed = ", ".join(f"{dtype} <= {math.floor(fits_gb / size):,}" for dtype, size in _BYTES.items())
-    return [ConfigIssue(
-        "model.parameters_billion", fleet.model.parameters_billion,
-        f"with model.dtype {fleet.model.dtype} the compile job needs {needs.memory_gb:,.0f} GB of host memory, more "
-        f"than the largest compile instance type holds ({largest:,} GiB, inference_fleet/compile_job.py "
-        f"COMPILE_INSTANCE_TYPES, less {BATCH_MEMORY_RESERVE_GIB} GiB for Batch); allowed: parameters_billion "
-        f"{allowed} (by model.dtype)")]
+    issues = []
+    if not needs.instance_types:
+        largest = max(gib for _, gib in COMPILE_INSTANCE_TYPES.values())
+        # The inverse of host_needs: shards x MEMORY_MARGIN (GB) must fit the largest type less Batch's reserve.
+        fits_gb = (largest - BATCH_MEMORY_RESERVE_GIB) * 2**30 / 1e9 / MEMORY_MARGIN
+        issues.append(ConfigIssue(
+            "model.parameters_billion", fleet.model.parameters_billion,
+            f"with model.dtype {fleet.model.dtype} at tp {fleet.unit.tp} the compile job needs "
+            f"{needs.memory_gb:,.0f} GB of host memory (its shards, K/V heads replicated to tp, are "
+            f"{needs.shards_gb:,.0f} GB, +{MEMORY_MARGIN - 1:.0%}), more than the largest compile instance type "
+            f"holds ({largest:,} GiB, inference_fleet/compile_job.py COMPILE_INSTANCE_TYPES, less "
+            f"{BATCH_MEMORY_RESERVE_GIB} GiB for Batch); allowed: shards of at most {fits_gb:,.0f} GB (a smaller "
+            "model, or a smaller model.dtype)"))
+    if needs.disk_gib > MAX_GP3_GIB:
+        issues.append(ConfigIssue(
+            "model.parameters_billion", fleet.model.parameters_billion,
+            f"the compile job needs {needs.disk_gib:,} GiB of disk, more than one gp3 root volume holds "
+            f"({MAX_GP3_GIB:,} GiB); allowed: checkpoint and shards that fit it (a smaller model or model.dtype)"))
+    return issues
 
 
 # -- the compile job on AWS Batch (stacks/compile_stack.py defines it) -----------------------------
