@@ -25,7 +25,7 @@ from aws_cdk import aws_logs as logs
 from constructs import Construct
 from unit_launcher.artifacts import split_uri
 
-from cell_constructs.encryption import allow_cloudwatch_logs
+from cell_constructs.encryption import allow_cloudwatch_logs, artifacts_key_statement
 from cell_constructs.nag import acknowledge
 from cell_constructs.network import ECS_NODE_ENDPOINTS
 from inference_fleet import compile_job
@@ -156,6 +156,10 @@ class CompileBatch(Construct):
         # Shards are uploaded in parts (boto3's transfer manager), which it aborts when an upload fails.
         role.add_to_policy(iam.PolicyStatement(actions=["s3:PutObject", "s3:AbortMultipartUpload"],
                                                resources=[f"{s3}{bucket}/{layout}*"]))
+        # An SSE-KMS bucket's customer key: read the checkpoint, write (in parts) the layout.
+        key = artifacts_key_statement(model, ["kms:Decrypt", "kms:GenerateDataKey"])
+        if key is not None:
+            role.add_to_policy(key)
         acknowledge(
             role,
             (f"AwsSolutions-IAM5[Resource::{s3}{bucket}/{prefix}*]",

@@ -55,6 +55,7 @@ from unit_launcher.spec import UnitSpec, parse_spec
 
 from inference_fleet.config import ConfigIssue, FleetConfig, az_id_prefix, zone_in_region
 from inference_fleet.planner.shape import shape_of
+from inference_fleet.regions import region_problem
 from inference_fleet.unit_spec import build_unit_spec, layout_key
 
 NXDI_COMMAND = "inference_demo"
@@ -310,6 +311,56 @@ def check_compile_azs(fleet: FleetConfig) -> list[ConfigIssue]:
             f"AZs the compile job's VPC would use; list >= 2 AZs of {region} that offer the compile instance types "
             "(`python -m inference_fleet compile --dry-run` names them), preferably as AZ IDs (e.g. "
             f"{az_id_prefix(region)}-az1)"))]
+    return []
+
+
+# A KMS key ARN (https://docs.aws.amazon.com/kms/latest/developerguide/concepts.html#key-id-key-ARN): a key ID is a
+# UUID, or mrk- and 32 hex digits for a multi-Region key. S3's own pattern for the ARN of an SSE-KMS key is
+# looser, arn:aws[a-zA-Z0-9-]*:kms:[a-z0-9-]+:[0-9]{12}:key/[a-zA-Z0-9-]+
+# (https://docs.aws.amazon.com/AmazonS3/latest/API/API_SSEKMSEncryption.html).
+_KMS_KEY_ARN = re.compile(r"^arn:(?P<partition>aws[a-z-]*):kms:(?P<region>[a-z0-9-]+):(?P<account>[0-9]{12}):key/"
+                          r"(?:[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|mrk-[0-9a-f]{32})$")
+_KMS_FIELD = "model.artifacts_kms_key_arn"
+
+
+def kms_key_region(arn: str) -> str:
+    """The region of a key ARN that check_artifacts_kms_key accepted."""
+    match = _KMS_KEY_ARN.match(arn)
+    if match is None:
+        raise ValueError(f"{arn!r} is not a KMS key ARN (check_artifacts_kms_key refuses it)")
+    return match["region"]
+
+
+def check_artifacts_kms_key(fleet: FleetConfig) -> list[ConfigIssue]:
+    """A fleet check (inference_fleet.checks CHECKS): model.artifacts_kms_key_arn, when set, is a key ARN in the
+    artifacts bucket's region, which is the compile stack's (its S3 gateway endpoint serves only that region)."""
+    arn = fleet.model.artifacts_kms_key_arn
+    if arn is None:
+        return []
+    if ":alias/" in arn:
+        return [ConfigIssue(_KMS_FIELD, arn, (
+            "an alias ARN: IAM policies name a KMS key by its key ARN, an alias in Resource grants nothing on the key "
+            "(https://docs.aws.amazon.com/kms/latest/developerguide/cmks-in-iam-policies.html); give the key ARN: "
+            f"aws kms describe-key --key-id {arn} --query KeyMetadata.Arn"))]
+    match = _KMS_KEY_ARN.match(arn)
+    if match is None:
+        return [ConfigIssue(_KMS_FIELD, arn, (
+            "not a KMS key ARN; allowed: arn:aws:kms:<region>:<12-digit account>:key/<key id>, the key id a UUID "
+            "(or mrk- and 32 hex digits for a multi-Region key), as `aws kms describe-key` prints KeyMetadata.Arn"))]
+    region = match["region"]
+    problem = region_problem(region)
+    if problem:
+        return [ConfigIssue(_KMS_FIELD, arn, f"its region {region!r} is {problem}")]
+    partition = "aws-us-gov" if region.startswith("us-gov-") else "aws"
+    if match["partition"] != partition:
+        return [ConfigIssue(_KMS_FIELD, arn, f"region {region} is in partition {partition}, the ARN says "
+                                             f"{match['partition']}")]
+    home = environment(fleet)[1]
+    if region != home:
+        return [ConfigIssue(_KMS_FIELD, arn, (
+            f"the key is in {region}; the artifacts bucket is in {home} (the compile stack's region: its S3 gateway "
+            f"endpoint serves only that region's buckets), and S3 encrypts a bucket's objects with a key of the "
+            f"bucket's region: give the key of the bucket of model.artifacts_s3_uri, in {home}"))]
     return []
 
 
