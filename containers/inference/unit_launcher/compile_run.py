@@ -228,8 +228,15 @@ _READ_HINTS = {
 def upload(client: Any, out_root: Path, uri: str, manifest: am.Manifest, layout_name: str,
            *, shared: bool = True) -> int:
     """Every file the manifest lists, then the manifest itself (a partial upload has none, and the
-    launcher refuses artifacts without one). S3 computes and stores each object's SHA-256 on upload
-    (ChecksumAlgorithm, https://docs.aws.amazon.com/AmazonS3/latest/userguide/checking-object-integrity.html).
+    launcher refuses artifacts without one). ChecksumAlgorithm SHA256 makes S3 check each request's
+    bytes on arrival; what it stores is the object's SHA-256 only for a single-part upload: upload_file
+    goes multipart above boto3's 8 MB multipart_threshold (every shard), and for those S3 keeps a composite
+    checksum, a SHA-256 of the parts' SHA-256s ("this value may not be a direct checksum value of the full
+    object. Instead, it's a calculation based on the checksum values of each individual part",
+    https://docs.aws.amazon.com/AmazonS3/latest/API/API_Checksum.html, ChecksumSHA256; SHA256 has no
+    full-object type for multipart uploads, https://docs.aws.amazon.com/AmazonS3/latest/userguide/
+    checking-object-integrity-upload.html). So nothing compares S3's value with a file's: the launcher checks
+    every fetched file against the manifest's own sha256 (artifact_manifest.check_node).
     `shared=False` (the Batch job): the checkpoint's small files at the top (`build`'s `shared_outside`)
     came from `uri` itself, so they are there and are not sent again; the shared files under
     neuron/<layout>/ (the traced model.pt, neuron_config.json) are this compile's output and are sent."""
