@@ -234,7 +234,7 @@ def upload(client: Any, out_root: Path, uri: str, manifest: am.Manifest, layout_
     checksum, a SHA-256 of the parts' SHA-256s ("this value may not be a direct checksum value of the full
     object. Instead, it's a calculation based on the checksum values of each individual part",
     https://docs.aws.amazon.com/AmazonS3/latest/API/API_Checksum.html, ChecksumSHA256; SHA256 has no
-    full-object type for multipart uploads, https://docs.aws.amazon.com/AmazonS3/latest/userguide/
+    full-object type for multipart uploads, table not re-read: https://docs.aws.amazon.com/AmazonS3/latest/userguide/
     checking-object-integrity-upload.html). So nothing compares S3's value with a file's: the launcher checks
     every fetched file against the manifest's own sha256 (artifact_manifest.check_node).
     `shared=False` (the Batch job): the checkpoint's small files at the top (`build`'s `shared_outside`)
