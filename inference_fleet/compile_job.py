@@ -12,7 +12,7 @@ aws-neuron/neuronx-distributed-inference@c63afe02fe9deb998c2b477e5749c3525927113
 - passes run one after another on one compile host, each into its own directory and its own
   BASE_COMPILE_WORK_DIR (application_base.py:150, default /tmp/nxd_model/, shared otherwise), each with
   NEURON_PLATFORM_TARGET_OVERRIDE set to the units' hardware (the host is a CPU instance: catalogue
-  PLATFORM_TARGETS, unit_launcher.compile_run.PLATFORM_TARGET_ENV);
+  PLATFORM_TARGETS, unit_launcher.compile_run.PASS_PLATFORM_TARGET);
   NxDI's `--enable-torch-dist` variant (inference_demo.py:780-794, `start_rank_id = node_rank *
   local_ranks_size` over a gloo world) runs the same passes side by side, which multiplies the
   host memory by the node count (docs/compiled-artifacts.md, "Compile host");
@@ -119,8 +119,8 @@ def render(fleet: FleetConfig, *, checkpoint: str, work_dir: str, model_type: st
     for rank in range(spec.size):
         out = f"{work_dir.rstrip('/')}/node{rank}"
         env = {"BASE_COMPILE_WORK_DIR": f"{work_dir.rstrip('/')}/nxd-workdir-node{rank}/",
-               # The units' hardware, not the CPU compile host's (compile_run.PLATFORM_TARGET_ENV says why).
-               compile_run.PLATFORM_TARGET_ENV: fleet.unit.instance.platform_target}
+               # The units' hardware, not the CPU compile host's (compile_run.PASS_PLATFORM_TARGET says why).
+               compile_run.PASS_PLATFORM_TARGET: fleet.unit.instance.platform_target}
         passes.append(Pass(rank, nxdi_argv(layout, rank, checkpoint, out, model_type, command), env, out))
     destination = f"{fleet.model.artifacts_s3_uri.rstrip('/')}/neuron/{name}/"
     # The compiler arguments in the key: every pass's flags with its own rank and paths left out.

@@ -31,13 +31,14 @@ _CHECKPOINT_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth")
 JOB_ENV = "COMPILE_JOB"
 # Each pass's own NxDI work directory (a variable of the pass, not one this process reads).
 _PASS_WORK_DIR = "BASE_COMPILE_WORK_DIR"
-# The hardware each pass compiles for. The compile host is a CPU instance, whose own platform NxD Inference
-# would otherwise detect: it reads the platform target at import (aws-neuron/neuronx-distributed-inference@c63afe02
-# modules/attention/attention_base.py:76,85), in NeuronConfig.__init__ (models/config.py:418,723-727, which sets
-# this variable from the host only when it is unset) and for its LNC and kernel choices (:515, :732 -> :1114,
-# :1074); the compiler's --target comes only from neuron_config.target (models/model_wrapper.py:135-136). NxDI's
-# own trn2 example sets it first (examples/generation_llama4.py:28). Set per pass (compile_job.render).
-PLATFORM_TARGET_ENV = "NEURON_PLATFORM_TARGET_OVERRIDE"
+# The hardware each pass compiles for (a variable of the pass, not one this process reads). The compile host
+# is a CPU instance, whose own platform NxD Inference would otherwise detect: it reads the platform target at
+# import (aws-neuron/neuronx-distributed-inference@c63afe02 modules/attention/attention_base.py:76,85), in
+# NeuronConfig.__init__ (models/config.py:418,723-727, which sets this variable from the host only when it is
+# unset) and for its LNC and kernel choices (:515, :732 -> :1114, :1074); the compiler's --target comes only
+# from neuron_config.target (models/model_wrapper.py:135-136). NxDI's own trn2 example sets it first
+# (examples/generation_llama4.py:28). Set per pass (compile_job.render).
+PASS_PLATFORM_TARGET = "NEURON_PLATFORM_TARGET_OVERRIDE"
 
 
 class CompileError(RuntimeError):
