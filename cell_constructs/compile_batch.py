@@ -1,7 +1,7 @@
 """The compile job on AWS Batch: an EC2 compute environment of large-memory CPU instances, a job queue
 and a job definition that runs `python -m unit_launcher compile` in the inference image.
 
-Why Batch on EC2: the compile of a 405B layout needs about 1 TB of host memory and 1.8 TB of disk
+Why Batch on EC2: the compile of a 405B layout needs about 1.2 TB of host memory and 2 TB of disk
 for hours (inference_fleet.compile_job.host_needs); Fargate tasks stop at 120 GiB of memory
 (16 vCPUs, https://docs.aws.amazon.com/AmazonECS/latest/developerguide/fargate-tasks-services.html) and
 200 GiB of ephemeral storage (https://docs.aws.amazon.com/batch/latest/APIReference/API_EphemeralStorage.html),
@@ -25,7 +25,7 @@ from aws_cdk import aws_logs as logs
 from constructs import Construct
 from unit_launcher.artifacts import split_uri
 
-from cell_constructs.encryption import allow_cloudwatch_logs
+from cell_constructs.encryption import allow_cloudwatch_logs, artifacts_key_statement
 from cell_constructs.nag import acknowledge
 from cell_constructs.network import ECS_NODE_ENDPOINTS
 from inference_fleet import compile_job
@@ -156,6 +156,10 @@ class CompileBatch(Construct):
         # Shards are uploaded in parts (boto3's transfer manager), which it aborts when an upload fails.
         role.add_to_policy(iam.PolicyStatement(actions=["s3:PutObject", "s3:AbortMultipartUpload"],
                                                resources=[f"{s3}{bucket}/{layout}*"]))
+        # An SSE-KMS bucket's customer key: read the checkpoint, write (in parts) the layout.
+        key = artifacts_key_statement(model, ["kms:Decrypt", "kms:GenerateDataKey"])
+        if key is not None:
+            role.add_to_policy(key)
         acknowledge(
             role,
             (f"AwsSolutions-IAM5[Resource::{s3}{bucket}/{prefix}*]",

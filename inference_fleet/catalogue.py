@@ -45,6 +45,11 @@ class InstanceType:
     instance_store_gb_per_disk: int = 1900
 
     @property
+    def platform_target(self) -> str:
+        """The Neuron platform target of this chip (NEURON_PLATFORM_TARGET_OVERRIDE, neuronx-cc `--target`)."""
+        return PLATFORM_TARGETS[self.chip]
+
+    @property
     def instance_store_gib(self) -> float:
         return self.instance_store_disks * self.instance_store_gb_per_disk * 1e9 / 2**30
 
@@ -128,6 +133,14 @@ _TRN2_FIGURES = (
     ("link_hop_latency_us", _NCCOM_TEST),
     ("efa_hop_latency_us", _EFA_HOP),
 )
+
+# Neuron platform target of each chip: what the compile, run on a CPU host that has none, names as its
+# target hardware (NEURON_PLATFORM_TARGET_OVERRIDE; docs/compiled-artifacts.md "Target hardware"). Values as
+# NxD reads them (aws-neuron/neuronx-distributed@fbac349b src/neuronx_distributed/utils/utils.py:6-26, enum
+# `hardware`: trn1, trn2, trn3; trn1n and inf2 are taken as trn1). trn1n instances get "trn1", not "trn1n":
+# NxD Inference tests the string itself (aws-neuron/neuronx-distributed-inference@c63afe02
+# modules/attention/attention_base.py:81 `platform_target != "trn1"`, models/config.py:1115 `== "trn2"`).
+PLATFORM_TARGETS: dict[str, str] = {"Trainium": "trn1", "Trainium2": "trn2"}
 
 CATALOGUE: dict[str, InstanceType] = {
     t.name: t

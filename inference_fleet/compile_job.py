@@ -10,7 +10,9 @@ aws-neuron/neuronx-distributed-inference@c63afe02fe9deb998c2b477e5749c3525927113
   (models/application_base.py:148-173 builds with start_rank_id/local_ranks_size, :240-255 and
   :292-316 compile then shard into `weights/tp<rank>_sharded_checkpoint.safetensors`);
 - passes run one after another on one compile host, each into its own directory and its own
-  BASE_COMPILE_WORK_DIR (application_base.py:150, default /tmp/nxd_model/, shared otherwise);
+  BASE_COMPILE_WORK_DIR (application_base.py:150, default /tmp/nxd_model/, shared otherwise), each with
+  NEURON_PLATFORM_TARGET_OVERRIDE set to the units' hardware (the host is a CPU instance: catalogue
+  PLATFORM_TARGETS, unit_launcher.compile_run.PASS_PLATFORM_TARGET);
   NxDI's `--enable-torch-dist` variant (inference_demo.py:780-794, `start_rank_id = node_rank *
   local_ranks_size` over a gloo world) runs the same passes side by side, which multiplies the
   host memory by the node count (docs/compiled-artifacts.md, "Compile host");
@@ -52,6 +54,8 @@ from unit_launcher.compile_run import (  # noqa: F401  (the runtime half, re-exp
 from unit_launcher.spec import UnitSpec, parse_spec
 
 from inference_fleet.config import ConfigIssue, FleetConfig, az_id_prefix, zone_in_region
+from inference_fleet.planner.shape import shape_of
+from inference_fleet.regions import region_problem
 from inference_fleet.unit_spec import build_unit_spec, layout_key
 
 NXDI_COMMAND = "inference_demo"
@@ -114,7 +118,9 @@ def render(fleet: FleetConfig, *, checkpoint: str, work_dir: str, model_type: st
     passes = []
     for rank in range(spec.size):
         out = f"{work_dir.rstrip('/')}/node{rank}"
-        env = {"BASE_COMPILE_WORK_DIR": f"{work_dir.rstrip('/')}/nxd-workdir-node{rank}/"}
+        env = {"BASE_COMPILE_WORK_DIR": f"{work_dir.rstrip('/')}/nxd-workdir-node{rank}/",
+               # The units' hardware, not the CPU compile host's (compile_run.PASS_PLATFORM_TARGET says why).
+               compile_run.PASS_PLATFORM_TARGET: fleet.unit.instance.platform_target}
         passes.append(Pass(rank, nxdi_argv(layout, rank, checkpoint, out, model_type, command), env, out))
     destination = f"{fleet.model.artifacts_s3_uri.rstrip('/')}/neuron/{name}/"
     # The compiler arguments in the key: every pass's flags with its own rank and paths left out.
@@ -156,6 +162,20 @@ COMPILE_INSTANCE_TYPES: dict[str, tuple[int, int]] = {
 BATCH_MEMORY_RESERVE_GIB = 32
 
 
+# Disk beyond the checkpoint and the shards, stated allowances (not measured: no pass has run on the real
+# NxDI): the OS and Docker's copy of the inference image on the same root volume, and per pass its traced
+# model.pt (kept in every pass's folder; assemble moves node 0's) and its BASE_COMPILE_WORK_DIR (HLO, NEFFs).
+SYSTEM_DISK_GB = 60
+PASS_DISK_GB = 25
+DISK_MARGIN = 1.1
+# Largest gp3 root volume a launch template may ask for: "gp2 and gp3: 1 - 16,384 GiB"
+# (https://docs.aws.amazon.com/AWSEC2/latest/APIReference/API_LaunchTemplateEbsBlockDeviceRequest.html, VolumeSize).
+MAX_GP3_GIB = 16_384
+# A pass holds the checkpoint, with its K/V heads replicated, to shard it (assumed: NxD's shard_checkpoint reads
+# the full state dict), plus this margin; passes run one after another, so one at a time.
+MEMORY_MARGIN = 1.25
+
+
 @dataclass(frozen=True)
 class HostNeeds:
     weights_gb: float
@@ -165,6 +185,7 @@ class HostNeeds:
     minutes: float = 0.0
     timeout_hours: int = 0
     instance_types: tuple[str, ...] = ()
+    shards_gb: float = 0.0
 
     @property
     def disk_gib(self) -> int:
@@ -177,13 +198,13 @@ class HostNeeds:
 
 def host_needs(fleet: FleetConfig) -> HostNeeds:
     """Compile host sizing and time as arithmetic (docs/compiled-artifacts.md has the sources and what is assumed)."""
-    weights = fleet.model.parameters_billion * _BYTES[fleet.model.dtype]  # GB
-    # A pass shards from the whole checkpoint in host memory (assumed: NxD's shard_checkpoint reads
-    # the full state dict), plus a 25 % margin; passes run one after another, so one at a time.
-    memory = weights * 1.25
-    # The checkpoint, every rank's shards (about the weights once more), one pass's trace work.
-    disk = weights * 2 * 1.1
+    size = _BYTES[fleet.model.dtype]
+    weights = fleet.model.parameters_billion * size  # GB
+    # Every rank's shards together: the weights with the K/V heads replicated to tp (planner.shape).
+    shards = shape_of(fleet.model).sharded_parameters(fleet.unit.tp) * size / 1e9
+    memory = shards * MEMORY_MARGIN
     nodes = fleet.unit.nodes
+    disk = (weights + shards + SYSTEM_DISK_GB + nodes * PASS_DISK_GB) * DISK_MARGIN
     pass_minutes = PASS_MINUTES_PER_405B * fleet.model.parameters_billion / FIGURE_PARAMETERS_BILLION
     volume_minutes = VOLUME_CROSSINGS * weights * 1e9 / (GP3_THROUGHPUT_MIBPS * 2**20) / 60
     minutes = nodes * pass_minutes + volume_minutes
@@ -191,11 +212,14 @@ def host_needs(fleet: FleetConfig) -> HostNeeds:
     need_gib = memory * 1e9 / 2**30 + BATCH_MEMORY_RESERVE_GIB
     types = tuple(name for name, (_, gib) in COMPILE_INSTANCE_TYPES.items() if gib >= need_gib)
     lines = [
-        f"weights: {fleet.model.parameters_billion:g} B parameters x {_BYTES[fleet.model.dtype]} bytes "
-        f"({fleet.model.dtype}) = {weights:,.0f} GB",
-        f"host memory: >= {memory:,.0f} GB (one pass holds the checkpoint to shard it, +25 %; the "
-        f"--enable-torch-dist variant runs {nodes} passes at once: {memory * nodes:,.0f} GB)",
-        f"disk: >= {disk:,.0f} GB (checkpoint + all {fleet.unit.total_cores} ranks' shards, +10 %)",
+        f"weights: {fleet.model.parameters_billion:g} B parameters x {size} bytes "
+        f"({fleet.model.dtype}) = {weights:,.0f} GB; all {fleet.unit.tp} ranks' shards {shards:,.1f} GB "
+        f"(K/V heads replicated to tp {fleet.unit.tp})",
+        f"host memory: >= {memory:,.0f} GB (one pass holds the checkpoint, K/V replicated, to shard it, "
+        f"+{MEMORY_MARGIN - 1:.0%}; the --enable-torch-dist variant runs {nodes} passes at once: "
+        f"{memory * nodes:,.0f} GB)",
+        f"disk: >= {disk:,.0f} GB (checkpoint {weights:,.0f} + shards {shards:,.0f} + OS and image "
+        f"{SYSTEM_DISK_GB} + {nodes} passes x {PASS_DISK_GB} model.pt and work dir, +{DISK_MARGIN - 1:.0%})",
         f"passes: {nodes}, one per node slice, one after another",
         f"time: about {minutes / 60:.1f} h = {nodes} passes x {pass_minutes:.0f} min (NxDI 2.23 release notes: "
         f"405B compile with sharding, 40 min) + {volume_minutes:.0f} min moving {VOLUME_CROSSINGS} x the weights "
@@ -204,28 +228,36 @@ def host_needs(fleet: FleetConfig) -> HostNeeds:
                                        f"no listed type has {need_gib:,.0f} GiB (the fleet check refuses this "
                                        "model: check_compile_host)"),
     ]
-    return HostNeeds(weights, memory, disk, lines, minutes, timeout_hours, types)
+    return HostNeeds(weights, memory, disk, lines, minutes, timeout_hours, types, shards)
 
 
 def check_compile_host(fleet: FleetConfig) -> list[ConfigIssue]:
-    """A fleet check (inference_fleet.checks DERIVED_CHECKS): some listed compile instance type holds one pass.
+    """A fleet check (inference_fleet.checks DERIVED_CHECKS): some listed compile instance type holds one pass,
+    and one gp3 root volume holds its disk.
 
     Every fleet gets the `<Fleet>-Compile` stack, whose compute environment offers only the types that hold
     the pass; with none, Batch would keep the job RUNNABLE for ever. Refused at `validate`, before synthesis,
-    naming the largest model each dtype allows."""
+    naming the need and what the largest host holds."""
     needs = host_needs(fleet)
-    if needs.instance_types:
-        return []
-    largest = max(gib for _, gib in COMPILE_INSTANCE_TYPES.values())
-    # The inverse of host_needs: memory = weights x 1.25 (GB) must fit the largest type less Batch's reserve.
-    fits_gb = (largest - BATCH_MEMORY_RESERVE_GIB) * 2**30 / 1e9 / 1.25
-    allowed = ", ".join(f"{dtype} <= {math.floor(fits_gb / size):,}" for dtype, size in _BYTES.items())
-    return [ConfigIssue(
-        "model.parameters_billion", fleet.model.parameters_billion,
-        f"with model.dtype {fleet.model.dtype} the compile job needs {needs.memory_gb:,.0f} GB of host memory, more "
-        f"than the largest compile instance type holds ({largest:,} GiB, inference_fleet/compile_job.py "
-        f"COMPILE_INSTANCE_TYPES, less {BATCH_MEMORY_RESERVE_GIB} GiB for Batch); allowed: parameters_billion "
-        f"{allowed} (by model.dtype)")]
+    issues = []
+    if not needs.instance_types:
+        largest = max(gib for _, gib in COMPILE_INSTANCE_TYPES.values())
+        # The inverse of host_needs: shards x MEMORY_MARGIN (GB) must fit the largest type less Batch's reserve.
+        fits_gb = (largest - BATCH_MEMORY_RESERVE_GIB) * 2**30 / 1e9 / MEMORY_MARGIN
+        issues.append(ConfigIssue(
+            "model.parameters_billion", fleet.model.parameters_billion,
+            f"with model.dtype {fleet.model.dtype} at tp {fleet.unit.tp} the compile job needs "
+            f"{needs.memory_gb:,.0f} GB of host memory (its shards, K/V heads replicated to tp, are "
+            f"{needs.shards_gb:,.0f} GB, +{MEMORY_MARGIN - 1:.0%}), more than the largest compile instance type "
+            f"holds ({largest:,} GiB, inference_fleet/compile_job.py COMPILE_INSTANCE_TYPES, less "
+            f"{BATCH_MEMORY_RESERVE_GIB} GiB for Batch); allowed: shards of at most {fits_gb:,.0f} GB (a smaller "
+            "model, or a smaller model.dtype)"))
+    if needs.disk_gib > MAX_GP3_GIB:
+        issues.append(ConfigIssue(
+            "model.parameters_billion", fleet.model.parameters_billion,
+            f"the compile job needs {needs.disk_gib:,} GiB of disk, more than one gp3 root volume holds "
+            f"({MAX_GP3_GIB:,} GiB); allowed: checkpoint and shards that fit it (a smaller model or model.dtype)"))
+    return issues
 
 
 # -- the compile job on AWS Batch (stacks/compile_stack.py defines it) -----------------------------
@@ -279,6 +311,56 @@ def check_compile_azs(fleet: FleetConfig) -> list[ConfigIssue]:
             f"AZs the compile job's VPC would use; list >= 2 AZs of {region} that offer the compile instance types "
             "(`python -m inference_fleet compile --dry-run` names them), preferably as AZ IDs (e.g. "
             f"{az_id_prefix(region)}-az1)"))]
+    return []
+
+
+# A KMS key ARN (https://docs.aws.amazon.com/kms/latest/developerguide/concepts.html#key-id-key-ARN): a key ID is a
+# UUID, or mrk- and 32 hex digits for a multi-Region key. S3's own pattern for the ARN of an SSE-KMS key is
+# looser, arn:aws[a-zA-Z0-9-]*:kms:[a-z0-9-]+:[0-9]{12}:key/[a-zA-Z0-9-]+
+# (https://docs.aws.amazon.com/AmazonS3/latest/API/API_SSEKMSEncryption.html).
+_KMS_KEY_ARN = re.compile(r"^arn:(?P<partition>aws[a-z-]*):kms:(?P<region>[a-z0-9-]+):(?P<account>[0-9]{12}):key/"
+                          r"(?:[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|mrk-[0-9a-f]{32})$")
+_KMS_FIELD = "model.artifacts_kms_key_arn"
+
+
+def kms_key_region(arn: str) -> str:
+    """The region of a key ARN that check_artifacts_kms_key accepted."""
+    match = _KMS_KEY_ARN.match(arn)
+    if match is None:
+        raise ValueError(f"{arn!r} is not a KMS key ARN (check_artifacts_kms_key refuses it)")
+    return match["region"]
+
+
+def check_artifacts_kms_key(fleet: FleetConfig) -> list[ConfigIssue]:
+    """A fleet check (inference_fleet.checks CHECKS): model.artifacts_kms_key_arn, when set, is a key ARN in the
+    artifacts bucket's region, which is the compile stack's (its S3 gateway endpoint serves only that region)."""
+    arn = fleet.model.artifacts_kms_key_arn
+    if arn is None:
+        return []
+    if ":alias/" in arn:
+        return [ConfigIssue(_KMS_FIELD, arn, (
+            "an alias ARN: IAM policies name a KMS key by its key ARN, an alias in Resource grants nothing on the key "
+            "(https://docs.aws.amazon.com/kms/latest/developerguide/cmks-in-iam-policies.html); give the key ARN: "
+            f"aws kms describe-key --key-id {arn} --query KeyMetadata.Arn"))]
+    match = _KMS_KEY_ARN.match(arn)
+    if match is None:
+        return [ConfigIssue(_KMS_FIELD, arn, (
+            "not a KMS key ARN; allowed: arn:aws:kms:<region>:<12-digit account>:key/<key id>, the key id a UUID "
+            "(or mrk- and 32 hex digits for a multi-Region key), as `aws kms describe-key` prints KeyMetadata.Arn"))]
+    region = match["region"]
+    problem = region_problem(region)
+    if problem:
+        return [ConfigIssue(_KMS_FIELD, arn, f"its region {region!r} is {problem}")]
+    partition = "aws-us-gov" if region.startswith("us-gov-") else "aws"
+    if match["partition"] != partition:
+        return [ConfigIssue(_KMS_FIELD, arn, f"region {region} is in partition {partition}, the ARN says "
+                                             f"{match['partition']}")]
+    home = environment(fleet)[1]
+    if region != home:
+        return [ConfigIssue(_KMS_FIELD, arn, (
+            f"the key is in {region}; the artifacts bucket is in {home} (the compile stack's region: its S3 gateway "
+            f"endpoint serves only that region's buckets), and S3 encrypts a bucket's objects with a key of the "
+            f"bucket's region: give the key of the bucket of model.artifacts_s3_uri, in {home}"))]
     return []
 
 

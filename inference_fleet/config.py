@@ -147,6 +147,13 @@ class ModelConfig(_Strict):
         "compile`; docs/compiled-artifacts.md). Set, a node whose manifest has another key refuses to start "
         "(`artifacts_mismatch`); unset, any manifest that matches the unit's layout and files is accepted.",
     )
+    artifacts_kms_key_arn: Annotated[str, StringConstraints(min_length=1, max_length=2048)] | None = Field(
+        default=None,
+        description="ARN of the customer managed KMS key of the artifacts bucket, when it uses SSE-KMS with one "
+        "(arn:aws:kms:<region>:<account>:key/<key id>, in the bucket's region, the compile stack's): nodes get "
+        "kms:Decrypt on it, the compile job kms:Decrypt and kms:GenerateDataKey, the pipeline's build "
+        "kms:Decrypt, each only through S3. Unset: SSE-S3 or the AWS managed aws/s3 key, which need no grant.",
+    )
     parameters_billion: float = Field(gt=0, le=10_000, description="Parameter count in billions (weights memory).")
     dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3"] = Field(
         default="bfloat16", description="Weight and KV cache data type."

@@ -26,7 +26,7 @@ from constructs import Construct, IConstruct
 
 from cell_constructs.cell_alarms import CellAlarms
 from cell_constructs.deletion_protection import protect_after
-from cell_constructs.encryption import allow_cloudwatch_logs
+from cell_constructs.encryption import allow_cloudwatch_logs, artifacts_key_statement
 from cell_constructs.inference_unit import MultiNodeInferenceUnit, UnitImages, UnitPorts
 from cell_constructs.nag import acknowledge
 from cell_constructs.network import CellNetwork
@@ -524,6 +524,8 @@ class CellStack(Stack):
                     conditions={"StringEquals": {
                         "servicediscovery:NamespaceName": namespace_name(self.fleet, self.cell)}},
                 ),
+                # An SSE-KMS bucket's customer key: the launcher only reads (encryption.artifacts_key_statement).
+                *filter(None, [artifacts_key_statement(model, ["kms:Decrypt"])]),
             ],
         )
         acknowledge(

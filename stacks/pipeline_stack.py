@@ -49,7 +49,7 @@ from unit_launcher.artifacts import split_uri
 
 from cell_constructs.cell_alarms import gate_reader_role_name, rollout_gate_name
 from cell_constructs.compile_stage import REQUEST_DIR, REQUEST_FILE, CompileRun
-from cell_constructs.encryption import allow_cloudwatch_logs
+from cell_constructs.encryption import allow_cloudwatch_logs, artifacts_key_statement
 from cell_constructs.fleet_cli_project import generated_project_findings
 from cell_constructs.nag import acknowledge
 from inference_fleet import compile_job
@@ -336,6 +336,9 @@ class PipelineStack(Stack):
         project.add_to_role_policy(iam.PolicyStatement(
             actions=["s3:GetObject"], resources=[f"arn:{self.partition}:s3:::{bucket}/{manifest}"],
         ))
+        key = artifacts_key_statement(fleet.model, ["kms:Decrypt"])  # the manifest of an SSE-KMS bucket
+        if key is not None:
+            project.add_to_role_policy(key)
         # A missing manifest is the Compile stage's job, not a failed build; without s3:ListBucket S3
         # says 403 for it, so the check lists exactly that key to tell (compile_run.existing_manifest).
         project.add_to_role_policy(iam.PolicyStatement(

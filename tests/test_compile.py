@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,7 +15,7 @@ import boto3
 import pytest
 from moto import mock_aws
 from unit_launcher import artifact_manifest as am
-from unit_launcher import runner
+from unit_launcher import compile_run, runner
 from unit_launcher.spec import parse_spec
 
 from inference_fleet import compile_job, exit_codes
@@ -58,6 +60,26 @@ def test_every_pass_parses_with_nxdis_own_parser_into_the_units_layout(config, m
         assert args.compile_only and args.save_sharded_checkpoint and not args.enable_torch_dist
         assert args.compiled_model_path == f"/work/node{one.node_rank}/"
         assert one.env["BASE_COMPILE_WORK_DIR"] == f"/work/nxd-workdir-node{one.node_rank}/"
+
+
+@pytest.mark.parametrize(("config", "target"), [(DEFAULT, "trn2"), (TRN1, "trn1")], ids=["trn2-default", "trn1-large"])
+def test_every_pass_names_the_units_hardware_not_the_cpu_compile_hosts(config, target, tmp_path, checkpoint):
+    """Regression: the compile runs on a CPU instance and no pass named its target, so NxD Inference would
+    have asked the host for its platform (models/config.py:723-727 at c63afe02) and failed or compiled for
+    the wrong chip. Each pass now carries NEURON_PLATFORM_TARGET_OVERRIDE from the units' instance type,
+    and the stand-in, like the real one, fails without it."""
+    fleet = load_fleet(str(config))
+    job = compile_job.render(fleet, checkpoint=str(checkpoint), work_dir=str(tmp_path / "work"), command=str(FAKE))
+    assert [one.env.get("NEURON_PLATFORM_TARGET_OVERRIDE") for one in job.passes] == [target] * fleet.unit.nodes
+    assert "NEURON_PLATFORM_TARGET_OVERRIDE=" + target in job.passes[0].shell()
+    # The stand-in refuses a pass without the variable, as a CPU host would; with it, it compiles for it.
+    bare = job.passes[0]
+    env = {k: v for k, v in os.environ.items() if k != "NEURON_PLATFORM_TARGET_OVERRIDE"}
+    refused = subprocess.run(bare.argv, env=env, capture_output=True, text=True, check=False)
+    assert refused.returncode != 0 and "Unsupported Platform" in refused.stderr, refused.stderr
+    done = subprocess.run(bare.argv, env={**env, **bare.env}, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert f'"target": "{target}"' in (Path(bare.out_dir) / "model.pt").read_text()
     # The compiler arguments in the key carry no path and no rank: one key for every node.
     assert "/ckpt" not in job.compiler_args and "--start_rank_id" in job.compiler_args
 
@@ -116,8 +138,8 @@ def test_the_job_builds_uploads_once_and_the_launcher_accepts_each_nodes_slice(t
     out = capsys.readouterr().out
     key = out.split("manifest key ")[1].split(",")[0]
     assert log.read_text().splitlines() == [
-        f"start_rank_id=0 workdir={tmp_path}/work/nxd-workdir-node0/",
-        f"start_rank_id=64 workdir={tmp_path}/work/nxd-workdir-node1/",
+        f"start_rank_id=0 workdir={tmp_path}/work/nxd-workdir-node0/ target=trn2",
+        f"start_rank_id=64 workdir={tmp_path}/work/nxd-workdir-node1/ target=trn2",
     ]
     fleet = load_fleet(str(DEFAULT))
     prefix = "llama-3.1-405b-instruct/neuron/" + layout_key(fleet) + "/"
@@ -281,3 +303,78 @@ def test_check_refuses_artifacts_compiled_in_another_image(tmp_path, checkpoint,
         err = capsys.readouterr().err
         if status:
             assert "compiled in another image" in err and ("vllm" if name == "vllm" else "image_digest") in err, err
+
+
+class _RacingClient:
+    """boto3's S3 client, but another compile of the same layout writes its manifest while this one uploads
+    (just after this job's first file), as a second job started by hand would."""
+
+    def __init__(self, client, bucket: str, key: str, body: bytes):
+        self._client, self._bucket, self._key, self._body = client, bucket, key, body
+        self._raced = False
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+    def upload_file(self, *args, **kwargs):
+        self._client.upload_file(*args, **kwargs)
+        if not self._raced:
+            self._raced = True
+            self._client.put_object(Bucket=self._bucket, Key=self._key, Body=self._body)
+
+
+def _race_job(tmp_path: Path, checkpoint: Path):
+    fleet = load_fleet(str(DEFAULT))
+    job = compile_job.render(fleet, checkpoint=str(checkpoint), work_dir=str(tmp_path / "work"), command=str(FAKE))
+    bucket, prefix = "rufus-model-artifacts-111111111111", "llama-3.1-405b-instruct/"
+    key = f"{prefix}neuron/{layout_key(fleet)}/{am.MANIFEST_NAME}"
+    return fleet, job, bucket, key
+
+
+@pytest.mark.parametrize("when", ["during the passes", "during the upload"])
+def test_two_compiles_of_one_layout_do_not_overwrite_each_others_manifest(when, tmp_path, checkpoint, s3, monkeypatch):
+    """Regression: the job read the manifest once, hours before its upload, and wrote it unconditionally, so a
+    second compile of the layout that ended meanwhile lost its manifest to this one's. Now the manifest is
+    checked unchanged before the files go and written with a conditional write (If-None-Match * for a new
+    layout, If-Match its ETag when replacing); a job that lost the race fails naming it."""
+    fleet, job, bucket, key = _race_job(tmp_path, checkpoint)
+    other = b'{"written by": "the other compile"}'
+    client = s3
+    if when == "during the passes":
+        real = compile_run.run_passes
+
+        def passes_then_the_other_job_ends(one_job):
+            real(one_job)
+            s3.put_object(Bucket=bucket, Key=key, Body=other)
+        monkeypatch.setattr(compile_run, "run_passes", passes_then_the_other_job_ends)
+    else:
+        client = _RacingClient(s3, bucket, key, other)
+    inputs = compile_run.key_inputs(job, checkpoint)
+    with pytest.raises(compile_run.CompileError, match=r"changed while this job ran .* another compile of this layout"):
+        compile_run.execute(job, checkpoint, tmp_path / "work", inputs, client=client,
+                            artifacts_uri=fleet.model.artifacts_s3_uri)
+    assert s3.get_object(Bucket=bucket, Key=key)["Body"].read() == other  # the other job's manifest stays
+
+
+def test_replace_writes_the_manifest_only_over_the_one_it_read(tmp_path, checkpoint, s3):
+    """--replace: If-Match the ETag read at the start. The manifest read is replaced; one written since is not."""
+    fleet, job, bucket, key = _race_job(tmp_path, checkpoint)
+    inputs = compile_run.key_inputs(job, checkpoint)
+    work = tmp_path / "work"
+    # An earlier manifest (another checkpoint), then --replace with this one.
+    (checkpoint / "tokenizer.json").write_text('{"earlier": true}')
+    earlier = compile_run.key_inputs(job, checkpoint)
+    assert compile_run.execute(job, checkpoint, work, earlier, client=s3,
+                               artifacts_uri=fleet.model.artifacts_s3_uri) == 0
+    (checkpoint / "tokenizer.json").write_text("{}")
+    assert compile_run.execute(job, checkpoint, work, inputs, client=s3, artifacts_uri=fleet.model.artifacts_s3_uri,
+                               replace=True) == 0
+    assert am.parse(json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())).key == am.compute_key(inputs)
+    # Replacing again while another job rewrote it: refused, the other one's stays.
+    (checkpoint / "tokenizer.json").write_text('{"third": true}')
+    third = compile_run.key_inputs(job, checkpoint)
+    racing = _RacingClient(s3, bucket, key, b'{"written by": "the other compile"}')
+    with pytest.raises(compile_run.CompileError, match="S3 refused the conditional write: PreconditionFailed"):
+        compile_run.execute(job, checkpoint, work, third, client=racing, artifacts_uri=fleet.model.artifacts_s3_uri,
+                            replace=True)
+    assert s3.get_object(Bucket=bucket, Key=key)["Body"].read() == b'{"written by": "the other compile"}'

@@ -17,6 +17,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from unit_launcher import compile_run
 from inference_fleet import compile_job, exit_codes
 from inference_fleet.checks import load_fleet, parse_fleet
 from inference_fleet.cli import main
-from inference_fleet.config import ConfigError, az_id_prefix
+from inference_fleet.config import ConfigError, az_id_prefix, parse_model
 from inference_fleet.unit_spec import layout_key
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,7 +88,7 @@ def test_the_compile_stack_sizes_its_instances_volume_and_timeout_from_the_host_
     assert device["DeviceName"] == "/dev/xvda"
     ebs = device["Ebs"]
     assert ebs["Encrypted"] is True and ebs["VolumeType"] == "gp3" and ebs["DeleteOnTermination"] is True
-    assert ebs["VolumeSize"] * 2**30 >= needs.disk_gb * 1e9 >= 1_785e9  # docs: ">= 1,786 GB", rounded
+    assert ebs["VolumeSize"] * 2**30 >= needs.disk_gb * 1e9 >= (812e9 + 938.5e9) * 1.1  # checkpoint + shards
     assert (ebs["Throughput"], ebs["Iops"]) == (1000, 4000)
     assert ebs["Throughput"] <= ebs["Iops"] * 0.25  # gp3: at most 0.25 MiB/s per IOPS
     assert "NetworkInterfaces" not in launch  # no public address requested
@@ -112,7 +113,7 @@ def test_the_compile_stack_sizes_its_instances_volume_and_timeout_from_the_host_
     assert {e["Name"]: e["Value"] for e in container["Environment"]} == {"AWS_REGION": region,
                                                                          "AWS_DEFAULT_REGION": region}
     requirements = {r["Type"]: int(r["Value"]) for r in container["ResourceRequirements"]}
-    assert requirements["MEMORY"] == needs.memory_mib >= needs.memory_gb * 1e9 / 2**20 >= 1_014e9 / 2**20
+    assert requirements["MEMORY"] == needs.memory_mib >= needs.memory_gb * 1e9 / 2**20 >= 938.5e9 / 2**20
     assert requirements["VCPU"] == min(compile_job.COMPILE_INSTANCE_TYPES[t][0] for t in needs.instance_types)
     assert container["MountPoints"] == [{"ContainerPath": "/compile", "ReadOnly": False, "SourceVolume": "work"}]
     assert _one(template, "AWS::Batch::JobQueue")["JobQueueName"] == f"{fleet.name}-compile"
@@ -450,6 +451,42 @@ def _camel(value):
     return value
 
 
+@pytest.mark.parametrize("fleet_file", [DEFAULT, TRN1], ids=["default", "trn1"])
+def test_the_compile_host_holds_the_checkpoint_and_the_shards_with_kv_heads_replicated_to_tp(fleet_file):
+    """Regression: disk was sized as weights x 2 x 1.1 (1,786 GB for Llama 3.1 405B) and memory as weights x 1.25,
+    but NxD Inference replicates the 8 K/V heads to tp 128 before sharding (gqa.py:62-75, :783-806 at c63afe02):
+    the shards are 938.5 GB, not 812, and checkpoint + shards 1,750 GB, with the image, OS and work dirs still to
+    fit. Figures from the model's geometry (planner.shape.ModelShape.sharded_parameters)."""
+    fleet = load_fleet(str(fleet_file))
+    needs = compile_job.host_needs(fleet)
+    model = fleet.model
+    # By hand: K and V projections of 126 layers grow from 8 to 128 heads of 128 x 16,384 (bf16).
+    shards = model.parameters_billion * 2 + 126 * 2 * (128 - 8) * 128 * 16384 * 2 / 1e9
+    assert round(shards, 1) == 938.5
+    assert needs.disk_gb >= (needs.weights_gb + shards) * 1.1 >= 1925, "disk: checkpoint + replicated shards, +10 %"
+    assert needs.memory_gb >= shards * 1.25 - 1e-6, "memory: the pass holds the replicated checkpoint while it shards"
+    assert round(needs.shards_gb, 1) == 938.5
+    for name in needs.instance_types:  # r6i.32xlarge (1,024 GiB) no longer counts as a 405B compile host
+        assert compile_job.COMPILE_INSTANCE_TYPES[name][1] * 2**30 >= (
+            needs.memory_gb * 1e9 + compile_job.BATCH_MEMORY_RESERVE_GIB * 2**30)
+    assert "r6i.32xlarge" not in needs.instance_types and needs.instance_types
+
+
+def test_a_model_whose_disk_no_gp3_volume_holds_is_refused_by_the_compile_host_check():
+    """A checkpoint and shards larger than one gp3 root volume (16,384 GiB) would fail at launch: refused with
+    its own issue (memory refuses such a model first today: the check guards a larger memory-optimized type)."""
+    import yaml
+
+    data = yaml.safe_load(DEFAULT.read_text())
+    data["model"]["parameters_billion"] = 4000
+    data["unit"].update(nodes=8, max_concurrent_sequences=16)
+    needs = compile_job.host_needs(parse_model(data))
+    assert needs.disk_gib > compile_job.MAX_GP3_GIB
+    messages = [issue.problem for issue in compile_job.check_compile_host(parse_model(data))]
+    assert any(f"the compile job needs {needs.disk_gib:,} GiB of disk, more than one gp3 root volume holds "
+               "(16,384 GiB)" in m for m in messages), messages
+
+
 def test_a_model_no_compile_host_holds_is_refused_by_validate_before_any_stack_is_built(tmp_path, capsys):
     """A fleet whose one pass needs more host memory than any listed type: a config error at `validate`
     (and so at every entry point that reads the fleet), not a clean validate then a synth that refuses,
@@ -465,14 +502,19 @@ def test_a_model_no_compile_host_holds_is_refused_by_validate_before_any_stack_i
     assert main(["validate", "--config", str(fleet_file)]) == exit_codes.CONFIG
     err = capsys.readouterr().err
     assert "model.parameters_billion" in err and "model.dtype float32" in err, err
-    assert "needs 5,000 GB of host memory, more than the largest compile instance type holds (4,096 GiB" in err
-    assert ("allowed: parameters_billion bfloat16 <= 1,745, float16 <= 1,745, float32 <= 872, float8_e4m3 <= 3,490 "
-            "(by model.dtype)") in err
+    needs = compile_job.host_needs(parse_model(data))
+    assert f"needs {needs.memory_gb:,.0f} GB of host memory (its shards, K/V heads replicated to tp, are " in err
+    assert "more than the largest compile instance type holds (4,096 GiB" in err
+    fits_gb = (4096 - compile_job.BATCH_MEMORY_RESERVE_GIB) * 2**30 / 1e9 / compile_job.MEMORY_MARGIN
+    assert f"allowed: shards of at most {fits_gb:,.0f} GB (a smaller model, or a smaller model.dtype)" in err
     assert "Traceback" not in err
     with pytest.raises(ConfigError, match=r"model\.parameters_billion"):
         load_fleet(str(fleet_file))
-    # The largest model allowed in float32 passes (a compile host holds it); one billion more does not.
-    for billions, fits in ((872, True), (873, False)):
+    # The largest float32 model whose shards (K/V replicated: a fixed amount more than the weights) fit passes;
+    # one billion more does not.
+    replicated_gb = needs.shards_gb - 1000 * 4
+    largest = math.floor((fits_gb - replicated_gb) / 4)
+    for billions, fits in ((largest, True), (largest + 1, False)):
         data["model"]["parameters_billion"] = billions
         fleet_file.write_text(yaml.safe_dump(data))
         assert main(["validate", "--config", str(fleet_file)]) == (0 if fits else exit_codes.CONFIG)
@@ -537,6 +579,7 @@ def test_the_docs_table_of_compile_hosts_is_the_codes_arithmetic(fleet_file):
     nodes = load_fleet(str(fleet_file)).unit.nodes
     text = (ROOT / "docs" / "compiled-artifacts.md").read_text()
     volume = round(needs.minutes - nodes * compile_job.PASS_MINUTES_PER_405B * 405.85 / 405)
-    row = (f"| >= {needs.memory_gb:,.0f} GB | >= {needs.disk_gb:,.0f} GB | {nodes} | {nodes} x 40 min + {volume} min = "
+    row = (f"| {needs.shards_gb:,.1f} GB | >= {needs.memory_gb:,.0f} GB | >= {needs.disk_gb:,.0f} GB | {nodes} | "
+           f"{nodes} x 40 min + {volume} min = "
            f"{needs.minutes / 60:.1f} h | {needs.timeout_hours} h |")
     assert row in text, row

@@ -74,6 +74,22 @@ class ModelShape:
     def weights_bytes(self) -> float:
         return self.parameters * self.bytes_per_param
 
+    def sharded_parameters(self, tp: int) -> float:
+        """Parameters of all `tp` ranks' weight shards together, which NxD Inference writes after padding the
+        query heads to a multiple of tp and replicating the K/V heads to tp (aws-neuron/neuronx-distributed-inference
+        @c63afe02 modules/attention/gqa.py:62-75: GQA.REPLICATE_TO_TP_DEGREE by default, CONVERT_TO_MHA when tp is
+        not a multiple of the KV heads; :78-98 the head counts; :783-806 the K/V weights replicated before
+        sharding; the query padding, neuronx-distributed@fbac349b parallel_layers/pad.py:14-29, is counted for
+        the query and output projections). Llama 3.1 405B at tp 128: 8 KV heads become 128."""
+        q = self.num_attention_heads + (-self.num_attention_heads) % tp
+        kv = self.num_kv_heads
+        if self.num_attention_heads == self.num_kv_heads:
+            kv = q
+        elif kv < tp or kv % tp:
+            kv = tp if tp % kv == 0 else q
+        added_heads = (q - self.num_attention_heads) + (kv - self.num_kv_heads)
+        return self.parameters + self.num_layers * 2 * self.hidden_size * self.head_dim * added_heads
+
     @property
     def kv_bytes_per_token(self) -> float:
         """K and V of every layer for one token (whole model, before any sharding)."""

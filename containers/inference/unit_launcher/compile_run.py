@@ -31,6 +31,14 @@ _CHECKPOINT_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth")
 JOB_ENV = "COMPILE_JOB"
 # Each pass's own NxDI work directory (a variable of the pass, not one this process reads).
 _PASS_WORK_DIR = "BASE_COMPILE_WORK_DIR"
+# The hardware each pass compiles for (a variable of the pass, not one this process reads). The compile host
+# is a CPU instance, whose own platform NxD Inference would otherwise detect: it reads the platform target at
+# import (aws-neuron/neuronx-distributed-inference@c63afe02 modules/attention/attention_base.py:76,85), in
+# NeuronConfig.__init__ (models/config.py:418,723-727, which sets this variable from the host only when it is
+# unset) and for its LNC and kernel choices (:515, :732 -> :1114, :1074); the compiler's --target comes only
+# from neuron_config.target (models/model_wrapper.py:135-136). NxDI's own trn2 example sets it first
+# (examples/generation_llama4.py:28). Set per pass (compile_job.render).
+PASS_PLATFORM_TARGET = "NEURON_PLATFORM_TARGET_OVERRIDE"
 
 
 class CompileError(RuntimeError):
@@ -164,18 +172,24 @@ def shared_checkpoint_files(out_root: Path) -> tuple[str, ...]:
 
 
 def existing_manifest(client: Any, destination: str) -> am.Manifest | None:
+    return read_manifest(client, destination)[0]
+
+
+def read_manifest(client: Any, destination: str) -> tuple[am.Manifest | None, str | None]:
+    """The manifest under `destination` and its ETag, or (None, None) when there is none."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     bucket, prefix = split_uri(destination)
     where = f"{destination}{am.MANIFEST_NAME}"
     try:
-        body = client.get_object(Bucket=bucket, Key=prefix + am.MANIFEST_NAME)["Body"].read()
+        answer = client.get_object(Bucket=bucket, Key=prefix + am.MANIFEST_NAME)
+        body, etag = answer["Body"].read(), answer.get("ETag")
     except ClientError as error:
         code = error.response.get("Error", {}).get("Code")
         if code in ("NoSuchKey", "404"):
-            return None
+            return None, None
         if code == "AccessDenied" and _listed_absent(client, bucket, prefix + am.MANIFEST_NAME):
-            return None
+            return None, None
         raise CompileError(f"cannot read {where}: {error}{_READ_HINTS.get(str(code), '')}") from None
     except BotoCoreError as error:  # no credentials, no endpoint: botocore's own errors are not ClientErrors
         raise CompileError(f"cannot read {where}: {type(error).__name__}: {error}") from None
@@ -184,7 +198,33 @@ def existing_manifest(client: Any, destination: str) -> am.Manifest | None:
     except ValueError as error:
         raise CompileError(f"{where} is not readable JSON ({error}): not a manifest this package wrote; "
                            f"remove it (aws s3 rm {where}) and compile the layout again") from None
-    return am.parse(data, where)
+    return am.parse(data, where), etag
+
+
+# What S3 answers a conditional write whose condition no longer holds: 412 PreconditionFailed, 409
+# ConditionalRequestConflict for a concurrent one, 404 NoSuchKey for If-Match on an object deleted meanwhile
+# (https://docs.aws.amazon.com/AmazonS3/latest/userguide/conditional-writes.html).
+_RACE_CODES = ("PreconditionFailed", "412", "ConditionalRequestConflict", "409", "NoSuchKey", "404")
+
+
+def _race(where: str, etag: str | None, now: str) -> CompileError:
+    before = f"ETag {etag}" if etag else "no manifest"
+    return CompileError(
+        f"{where} changed while this job ran (it read {before} at its start; now {now}): another compile of this "
+        "layout uploaded meanwhile. This job's manifest is not written, so the other job's stays; files of both "
+        "jobs may now be mixed under the layout, and nodes refuse any file whose SHA-256 is not the manifest's: "
+        "compile the layout once more, alone (`--replace` if its key differs)")
+
+
+def _manifest_etag(client: Any, bucket: str, key: str) -> str | None:
+    from botocore.exceptions import ClientError
+
+    try:
+        return client.head_object(Bucket=bucket, Key=key).get("ETag")
+    except ClientError as error:
+        if error.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
+            return None
+        raise
 
 
 def _listed_absent(client: Any, bucket: str, key: str) -> bool:
@@ -219,21 +259,48 @@ _READ_HINTS = {
 
 
 def upload(client: Any, out_root: Path, uri: str, manifest: am.Manifest, layout_name: str,
-           *, shared: bool = True) -> int:
+           *, shared: bool = True, manifest_etag: str | None = None) -> int:
     """Every file the manifest lists, then the manifest itself (a partial upload has none, and the
-    launcher refuses artifacts without one). S3 computes and stores each object's SHA-256 on upload
-    (ChecksumAlgorithm, https://docs.aws.amazon.com/AmazonS3/latest/userguide/checking-object-integrity.html).
+    launcher refuses artifacts without one). ChecksumAlgorithm SHA256 makes S3 check each request's
+    bytes on arrival; what it stores is the object's SHA-256 only for a single-part upload: upload_file
+    goes multipart above boto3's 8 MB multipart_threshold (every shard), and for those S3 keeps a composite
+    checksum, a SHA-256 of the parts' SHA-256s ("this value may not be a direct checksum value of the full
+    object. Instead, it's a calculation based on the checksum values of each individual part",
+    https://docs.aws.amazon.com/AmazonS3/latest/API/API_Checksum.html, ChecksumSHA256; SHA256 has no
+    full-object type for multipart uploads, table not re-read: https://docs.aws.amazon.com/AmazonS3/latest/userguide/
+    checking-object-integrity-upload.html). So nothing compares S3's value with a file's: the launcher checks
+    every fetched file against the manifest's own sha256 (artifact_manifest.check_node).
     `shared=False` (the Batch job): the checkpoint's small files at the top (`build`'s `shared_outside`)
     came from `uri` itself, so they are there and are not sent again; the shared files under
-    neuron/<layout>/ (the traced model.pt, neuron_config.json) are this compile's output and are sent."""
+    neuron/<layout>/ (the traced model.pt, neuron_config.json) are this compile's output and are sent.
+
+    Two compiles of one layout must not both win: `manifest_etag` is the manifest's ETag this job read at its
+    start (None: there was none). The manifest is checked unchanged before the files go (a compile that ended
+    during this one's hours of passes), and written with a conditional write, If-Match that ETag or
+    If-None-Match * (https://docs.aws.amazon.com/AmazonS3/latest/userguide/conditional-writes.html), so a
+    compile that uploaded meanwhile keeps its manifest and this one fails naming the race."""
+    from botocore.exceptions import ClientError
+
     bucket, prefix = split_uri(uri)
     layout_dir = f"neuron/{layout_name}/"
+    key = f"{prefix}{layout_dir}{am.MANIFEST_NAME}"
+    where = f"s3://{bucket}/{key}"
+    now = _manifest_etag(client, bucket, key)
+    if now != manifest_etag:
+        raise _race(where, manifest_etag, f"ETag {now}" if now else "none")
     shared_files = [rel for rel in manifest.shared if shared or rel.startswith(layout_dir)]
     files = sorted({*shared_files, *(p for n in manifest.nodes for p in n.files)})
     for rel in files:
         client.upload_file(str(out_root / rel), bucket, prefix + rel, ExtraArgs={"ChecksumAlgorithm": "SHA256"})
-    client.put_object(Bucket=bucket, Key=f"{prefix}neuron/{layout_name}/{am.MANIFEST_NAME}",
-                      Body=am.dumps(manifest).encode(), ChecksumAlgorithm="SHA256")
+    condition = {"IfMatch": manifest_etag} if manifest_etag else {"IfNoneMatch": "*"}
+    try:
+        client.put_object(Bucket=bucket, Key=key, Body=am.dumps(manifest).encode(), ChecksumAlgorithm="SHA256",
+                          **condition)
+    except ClientError as error:
+        code = str(error.response.get("Error", {}).get("Code"))
+        if code in _RACE_CODES:
+            raise _race(where, manifest_etag, f"S3 refused the conditional write: {code}") from None
+        raise
     return len(files) + 1
 
 
@@ -246,8 +313,9 @@ def execute(job: Job, checkpoint: Path, work: Path, inputs: am.KeyInputs, *, cli
             f"these inputs give key {key}, the fleet's model.artifacts_key is {expected_key}: the checkpoint, "
             "layout, image or compiler arguments differ from those the fleet names; set model.artifacts_key to "
             "the new key (or unset it) once these artifacts are the ones to deploy")
+    etag = None
     if client is not None:
-        existing = existing_manifest(client, job.destination)
+        existing, etag = read_manifest(client, job.destination)
         if existing is not None and existing.key == key:
             print(f"{job.destination}: already built with key {key}; nothing to compile")
             return 0
@@ -263,7 +331,8 @@ def execute(job: Job, checkpoint: Path, work: Path, inputs: am.KeyInputs, *, cli
     (out_root / "neuron" / job.layout_name / am.MANIFEST_NAME).write_text(am.dumps(manifest))
     print(f"layout {job.layout_name}: manifest key {manifest.key}, written under {out_root}")
     if client is not None:
-        count = upload(client, out_root, artifacts_uri, manifest, job.layout_name, shared=upload_shared)
+        count = upload(client, out_root, artifacts_uri, manifest, job.layout_name, shared=upload_shared,
+                       manifest_etag=etag)
         print(f"uploaded {count} objects to {artifacts_uri} (the manifest last)")
     return 0
 
