@@ -378,3 +378,24 @@ def test_replace_writes_the_manifest_only_over_the_one_it_read(tmp_path, checkpo
         compile_run.execute(job, checkpoint, work, third, client=racing, artifacts_uri=fleet.model.artifacts_s3_uri,
                             replace=True)
     assert s3.get_object(Bucket=bucket, Key=key)["Body"].read() == b'{"written by": "the other compile"}'
+
+
+def test_a_new_layouts_missing_manifest_is_none_to_a_role_that_lists_only_its_prefix():
+    """HeadObject of a missing manifest is a bare 403 to the Batch job's role (its s3:ListBucket has an
+    s3:prefix condition): the upload's re-check must read that as 'no manifest', as read_manifest does,
+    not fail a new layout's first compile after all its passes."""
+    import botocore.session
+    from botocore.exceptions import ClientError
+    from botocore.stub import Stubber
+
+    client = botocore.session.get_session().create_client(
+        "s3", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
+    key = "llama/neuron/layout/manifest.json"
+    with Stubber(client) as stubber:
+        stubber.add_client_error("head_object", service_error_code="403", http_status_code=403)
+        stubber.add_response("list_objects_v2", {"KeyCount": 0, "Contents": []})
+        assert compile_run._manifest_etag(client, "bucket", key) is None
+        stubber.add_client_error("head_object", service_error_code="403", http_status_code=403)
+        stubber.add_response("list_objects_v2", {"KeyCount": 1, "Contents": [{"Key": key}]})
+        with pytest.raises(ClientError):
+            compile_run._manifest_etag(client, "bucket", key)

@@ -74,13 +74,16 @@ def test_the_admission_window_covers_the_load_balancers_health_checks(fleet, req
 
 @pytest.mark.parametrize("fleet", FLEETS)
 def test_the_proxys_stop_timeout_covers_its_own_drain(fleet, request) -> None:
-    """ECS kills the proxy after its stopTimeout: the admission window, the streams' wait and the
-    agent's 5 s for HAProxy's exit must fit in it."""
+    """ECS kills the proxy after its stopTimeout: the admission window, the streams' wait, the
+    agent's wait for HAProxy's exit and its last read of the log (before the final EMF) must fit."""
+    from unit_proxy.agent import _FOLLOW_END_SECONDS, _STOP_GRACE
+
     for stack in _leader_stacks(request.getfixturevalue(fleet)):
         for task in stack["leaders"]:
             proxy = _proxy(task)
             env = _env(proxy)
-            needed = float(env["DRAIN_SECONDS"]) + float(env["DRAIN_TIMEOUT_SECONDS"]) + 5
+            own = _STOP_GRACE + _FOLLOW_END_SECONDS
+            needed = float(env["DRAIN_SECONDS"]) + float(env["DRAIN_TIMEOUT_SECONDS"]) + own
             assert proxy["StopTimeout"] >= needed, f"{stack['name']}: stopTimeout {proxy['StopTimeout']} < {needed:g}"
 
 

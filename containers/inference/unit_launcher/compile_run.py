@@ -222,7 +222,12 @@ def _manifest_etag(client: Any, bucket: str, key: str) -> str | None:
     try:
         return client.head_object(Bucket=bucket, Key=key).get("ETag")
     except ClientError as error:
-        if error.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
+        code = error.response.get("Error", {}).get("Code")
+        if code in ("NoSuchKey", "404", "NotFound"):
+            return None
+        # HeadObject has no error body, so botocore gives the status as the code: a missing manifest is
+        # "403" to a role whose ListBucket is conditioned on a prefix, as in read_manifest.
+        if code in ("403", "AccessDenied", "Forbidden") and _listed_absent(client, bucket, key):
             return None
         raise
 

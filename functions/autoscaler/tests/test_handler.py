@@ -666,3 +666,17 @@ def test_settings_name_what_is_missing(missing: str) -> None:
     env[missing] = ""
     with pytest.raises(ValueError, match=missing):
         Settings.from_env(env)
+
+
+def test_the_surplus_released_is_the_booting_instance_not_the_ready_one() -> None:
+    """u0 serves with one of its two instances labelled (it lacks one); A is registered and free, B
+    still booting (not registered), one of them is surplus. The ready A is kept (it can fill u0's
+    gap now, and only it could be labelled by the placement controller meanwhile); B is released."""
+    from unit_autoscaler.decision import Unit
+    from unit_autoscaler.handler import unlabelled_beyond_need
+
+    group = aws.GroupView(desired=4, max_size=6, live_instances=("i-0", "i-A", "i-B"), tags={}, min_size=2,
+                          in_service=("i-0", "i-A", "i-B"))
+    attributes = {"i-0": {"unit": "u0"}, "i-A": {}}
+    units = [Unit(0, "serving"), Unit(1, "dormant"), Unit(2, "dormant")]
+    assert unlabelled_beyond_need(SETTINGS, group, attributes, units) == ["i-B"]

@@ -179,7 +179,9 @@ def unlabelled_beyond_need(settings: Settings, group: aws.GroupView, attributes:
     the surplus goes. Quarantined instances are left to their health replacement, and the group
     never goes below its minimum size (TerminateInstanceInAutoScalingGroup would refuse). An
     instance that runs or is about to run a task (`busy`) is never one of them.
-    Registered instances go first (an unregistered one is still booting: the newest launch).
+    Unregistered instances go first: a registered one is ready to serve the unit that waits (an
+    unregistered one is still booting, some 15 min from it), and only a registered one can be
+    labelled by the placement controller between this tick's read and its termination.
     """
     # A unit's labelled instances counted among the group's live ones only: a member that is
     # terminating keeps its label in ECS for a while, and its replacement (InService, not yet
@@ -194,7 +196,7 @@ def unlabelled_beyond_need(settings: Settings, group: aws.GroupView, attributes:
     surplus = min(len(free) - need, group.desired - group.min_size)
     if surplus <= 0:
         return []
-    return sorted(free, key=lambda i: (i not in attributes, i))[:surplus]
+    return sorted(free, key=lambda i: (i in attributes, i))[:surplus]
 
 
 def utilisation(metrics: aws.UnitMetrics, capacity: int) -> tuple[float | None, ...]:
