@@ -30,7 +30,7 @@ def test_cell_loss_is_hidden_and_evacuation_drains(kill: str, tmp_path: Path) ->
     # Without `502` in retry-on, the requests in flight to A's engine when it died came back 502.
     assert loss["failed_unstarted"] == 0, loss["failed_unstarted_detail"]
     assert loss["stop_sending_to_a_s"] <= 2.0
-    assert loss["streams_on_a_ended_with_error"] == loss["streams_in_flight_on_a"]
+    assert router_mode._streams_on_a_ok(loss), loss
     assert evac["streams_on_b_at_evacuation"] > 0
     assert evac["streams_on_b_completed"] == evac["streams_on_b_at_evacuation"]
     assert evac["router_new_requests_to_b_after_drain"] == 0
@@ -65,3 +65,15 @@ def test_a_request_in_flight_at_the_kill_counts_during_the_loss() -> None:
     assert figures["ttfb_p99_before_by_cell_ms"] == {"a": 100.0, "b": 200.0}
     assert (figures["in_flight_at_kill_answered_after"], figures["in_flight_at_kill_ttfb_max_ms"]) == (1, 3000.0)
     assert (figures["sent_after_kill_answered"], figures["ttfb_p99_sent_after_kill_ms"]) == (1, 100.0)
+
+
+def test_a_stream_that_outran_the_kill_is_not_a_loss_but_one_loss_is_needed() -> None:
+    """A stream in flight on A at the kill whose last tokens left before the kill took hold ends
+    complete (seen in a full run: 1 of 2 on A); it is counted apart, not as a missing error."""
+    base = {"streams_in_flight_on_a": 2, "streams_on_a_ended_with_error": 1, "streams_on_a_error_event": 1}
+    assert router_mode._streams_on_a_ok({**base, "streams_on_a_completed": 1})
+    shown = router_mode._streams_on_a(base | {"streams_on_a_completed": 1})
+    assert shown == "1/2 (1 completed before the kill took hold)"
+    assert not router_mode._streams_on_a_ok({**base, "streams_on_a_completed": 0})  # one neither: hung or lost
+    assert not router_mode._streams_on_a_ok({"streams_in_flight_on_a": 1, "streams_on_a_ended_with_error": 0,
+                                             "streams_on_a_completed": 1})
