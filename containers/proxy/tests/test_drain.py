@@ -81,12 +81,7 @@ async def test_sigterm_drains_in_flight_stream_and_exits_0(engine: FakeEngine, l
         async with aiohttp.ClientSession() as session:
             await wait_until(lambda: _is(health(session, url), 200), timeout=15, what="the proxy to be healthy")
             await asyncio.sleep(0.5)  # let a few EMF intervals pass while healthy
-            stream = await session.post(
-                f"{url}/v1/completions",
-                json={"model": "m", "prompt": "x", "stream": True},
-                headers={"x-tokens": "25", "x-gap": "0.1"},
-            )
-            assert stream.status == 200
+            stream = await open_stream(session, url, tokens=25, gap=0.1)
             assert b"tok0" in await stream.content.readany()
 
             proc.send_signal(signal.SIGTERM)
@@ -125,12 +120,7 @@ async def test_drain_timeout_bounds_the_wait(engine: FakeEngine, launcher: FakeL
         aiohttp.ClientSession() as session,
     ):
         await wait_until(lambda: _is(health(session, url), 200), timeout=15, what="the proxy to be healthy")
-        stream = await session.post(
-            f"{url}/v1/completions",
-            json={"model": "m", "prompt": "x", "stream": True},
-            headers={"x-tokens": "1000", "x-gap": "0.05"},
-        )
-        assert stream.status == 200
+        stream = await open_stream(session, url, tokens=1000, gap=0.05)
         await stream.content.readany()
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
@@ -138,6 +128,17 @@ async def test_drain_timeout_bounds_the_wait(engine: FakeEngine, launcher: FakeL
         assert time.monotonic() - started < 5
         stream.close()
     await wait_until(lambda: engine.cancelled == 1, timeout=3, what="the cut stream to be cancelled upstream")
+
+
+async def open_stream(session: aiohttp.ClientSession, url: str, tokens: int, gap: float) -> aiohttp.ClientResponse:
+    """A streamed completion from the fake engine (`tokens` events, `gap` s apart), answered 200."""
+    stream = await session.post(
+        f"{url}/v1/completions",
+        json={"model": "m", "prompt": "x", "stream": True},
+        headers={"x-tokens": str(tokens), "x-gap": str(gap)},
+    )
+    assert stream.status == 200
+    return stream
 
 
 async def _is(status_coro, expected: int) -> bool:
@@ -154,12 +155,7 @@ async def test_a_stream_ending_long_after_the_last_log_line_is_counted(engine: F
             await wait_until(lambda: _is(health(session, url), 200), timeout=15, what="the proxy to be healthy")
             async with session.post(f"{url}/v1/completions", json={"model": "m", "prompt": "y"}) as resp:
                 assert resp.status == 200
-            stream = await session.post(
-                f"{url}/v1/completions",
-                json={"model": "m", "prompt": "x", "stream": True},
-                headers={"x-tokens": "3", "x-gap": "6"},
-            )
-            assert stream.status == 200
+            stream = await open_stream(session, url, tokens=3, gap=6)
             assert b"tok0" in await stream.content.readany()
             proc.send_signal(signal.SIGTERM)
             sigterm_at = time.monotonic()
@@ -179,12 +175,7 @@ async def test_new_connections_are_refused_after_the_admission_window(engine: Fa
         port = int(url.rsplit(":", 1)[1])
         async with aiohttp.ClientSession() as session:
             await wait_until(lambda: _is(health(session, url), 200), timeout=15, what="the proxy to be healthy")
-            stream = await session.post(
-                f"{url}/v1/completions",
-                json={"model": "m", "prompt": "x", "stream": True},
-                headers={"x-tokens": "8", "x-gap": "0.5"},
-            )
-            assert stream.status == 200
+            stream = await open_stream(session, url, tokens=8, gap=0.5)
             proc.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.5 + 1.0)  # the admission window, then at most 1 s
             with pytest.raises(ConnectionRefusedError):

@@ -508,26 +508,17 @@ def test_the_replacement_of_a_terminating_member_is_kept() -> None:
     assert cell.run()["done"] == {}
 
 
-def test_an_unlabelled_instance_running_a_task_is_kept() -> None:
+@pytest.mark.parametrize("state", [
+    {"running": {"i-4": 1}},  # an unlabelled instance running a task
+    {"extra": {"i-4": {"quarantine": "3 failures in 60 min"}}},  # quarantined: left to its replacement
+], ids=["running-a-task", "quarantined"])
+def test_a_free_unlabelled_instance_that_is_busy_or_quarantined_is_kept(state: dict) -> None:
     cell = Cell()
     cell.stack()
     cell.group(5, [f"i-{n}" for n in range(5)], served="0,1",
                **{aws.TAG_LAST_OUT: NOW - 7200, aws.TAG_LAST_IN: NOW - 7200})
     cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (0, 0)})
-    cell.labels({**{f"i-{n}": f"u{n // 2}" for n in range(4)}, "i-4": None}, running={"i-4": 1})
-    cell.activities()
-    cell.metrics({"u0": (8.0, 1.0), "u1": (8.0, 1.0)})
-    assert cell.run()["done"] == {}
-
-
-def test_a_quarantined_instance_is_left_to_its_replacement() -> None:
-    cell = Cell()
-    cell.stack()
-    cell.group(5, [f"i-{n}" for n in range(5)], served="0,1",
-               **{aws.TAG_LAST_OUT: NOW - 7200, aws.TAG_LAST_IN: NOW - 7200})
-    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (0, 0)})
-    cell.labels({**{f"i-{n}": f"u{n // 2}" for n in range(4)}, "i-4": None},
-                extra={"i-4": {"quarantine": "3 failures in 60 min"}})
+    cell.labels({**{f"i-{n}": f"u{n // 2}" for n in range(4)}, "i-4": None}, **state)
     cell.activities()
     cell.metrics({"u0": (8.0, 1.0), "u1": (8.0, 1.0)})
     assert cell.run()["done"] == {}
