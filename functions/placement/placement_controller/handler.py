@@ -167,8 +167,27 @@ def _clear(instance: aws.ContainerInstance) -> list[dict[str, str]]:
 
 
 def _movable(instance: aws.ContainerInstance) -> bool:
-    """Free, or a warm spare: its only task is the spare service's, which leaves when it is given a unit."""
+    """Free, or a warm spare: its only task is the spare service's, which leaves when it is given a unit.
+
+    Free means no task that has not stopped (`aws.ContainerInstance.busy`): an instance whose unit
+    task is still stopping (desired STOPPED, last RUNNING/DEACTIVATING/STOPPING: counted in neither
+    runningTasksCount nor pendingTasksCount) keeps its unit. Relabelled, the new unit's task would
+    wait behind the stopping one (the agent holds it PENDING for the host port and memory), and the
+    autoscaler's release of the drained unit, which terminates the instances labelled with it, would
+    terminate some other instance, not this one."""
     return not instance.busy or instance.attributes.get(UNIT_ATTRIBUTE) == SPARE_UNIT
+
+
+def _stopping(
+    settings: Settings, clients: Clients, container_instances: list[aws.ContainerInstance], retry: aws.Retry
+) -> dict[str, int]:
+    """Container instance ARN -> tasks still stopping there; asked of ECS only when an instance labelled
+    with a unit looks free by its counts (the one case the counts cannot tell), to keep the calls down."""
+    looks_free = any(
+        ci.attributes.get(UNIT_ATTRIBUTE) not in (None, "", SPARE_UNIT) and not ci.scheduled
+        for ci in container_instances
+    )
+    return aws.stopping_tasks(clients.ecs, settings.cluster, retry) if looks_free else {}
 
 
 def _briefly_away(settings: Settings, ci: aws.ContainerInstance, now: float, agents: EcsHealthObservation) -> bool:
@@ -372,6 +391,8 @@ def reconcile(
     gone = gone_from_event(event)
     group = aws.group_instances(clients.autoscaling, settings.auto_scaling_group, retry)
     container_instances = aws.list_container_instances(clients.ecs, settings.cluster, retry)
+    stopping = _stopping(settings, clients, container_instances, retry)
+    container_instances = [aws.with_stopping(ci, stopping) for ci in container_instances]
     by_instance = {ci.ec2_instance_id: ci for ci in container_instances}
     step = _quarantine(settings, clients, container_instances, event, retry, now)
     agents = ecs_health.observe(settings.ecs_health, container_instances, group, step.in_quarantine | gone, now)
@@ -388,7 +409,9 @@ def reconcile(
             and ci.status not in GONE_ECS_STATUSES
             and ci.ec2_instance_id not in step.in_quarantine
         )
-        usable = ci.busy or (ci.status == "ACTIVE" and ci.agent_connected) or _briefly_away(settings, ci, now, agents)
+        # A task still stopping does not make a draining instance usable: its label goes, as before.
+        usable = (ci.scheduled or (ci.status == "ACTIVE" and ci.agent_connected)
+                  or _briefly_away(settings, ci, now, agents))
         if in_group and usable:
             managed[ci.ec2_instance_id] = ci
         elif _clear(ci):
@@ -430,7 +453,8 @@ def reconcile(
     skipped: list[str] = []
     leaving_spares: list[aws.ContainerInstance] = []
     if changing:
-        for fresh in aws.describe_container_instances(clients.ecs, settings.cluster, list(changing), retry):
+        for read in aws.describe_container_instances(clients.ecs, settings.cluster, list(changing), retry):
+            fresh = aws.with_stopping(read, stopping)
             if fresh.arn not in changing:
                 continue
             if not _movable(fresh):
@@ -440,7 +464,7 @@ def reconcile(
             more_puts, more_deletes = _label_changes(fresh, unit, mark)
             puts.extend(more_puts)
             deletes.extend(more_deletes)
-            if fresh.busy and unit not in (None, SPARE_UNIT):
+            if fresh.scheduled and unit not in (None, SPARE_UNIT):
                 leaving_spares.append(fresh)
 
     # Deletes first: a label moving from one instance to another is never on both at once.
