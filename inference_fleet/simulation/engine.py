@@ -385,7 +385,7 @@ class Cell:
     @staticmethod
     def _collide(old: Task, new: Task) -> bool:
         """The agent holds `new` until `old` has stopped: any two unit tasks share a host port (the engine's
-        and the rendezvous ports; tests/test_cell_stack.py pins it) and 75 % of the memory each; a spare's task
+        and the rendezvous ports: tests/test_cell_lifecycle.py pins it) and 75 % of the memory each; a spare's task
         has no host port, no device and 2 GiB (docs/placement.md)."""
         return old.role != "spare" and new.role != "spare"
 
