@@ -7,8 +7,9 @@ spares, and each unit's topology score (see `topology`).
 
 Rules, in order of priority:
 
-1. Stability. A busy instance (running or pending tasks, or a task still stopping: the
-   handler's `_movable`) keeps its unit; it is never moved. Busy instances that carry
+1. Stability. A busy instance (running or pending tasks, a task still stopping, or any
+   instance of a unit with a task still stopping: the handler's `_movable` and
+   `_units_still_stopping`) keeps its unit; it is never moved. Busy instances that carry
    no unit of this cell are not ours and are left alone.
 2. A unit that lost nodes (some busy members, fewer than `nodes_per_unit`) is completed
    first from the free instances. Picking node by node, the plan is made with each of

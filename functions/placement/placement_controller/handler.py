@@ -28,7 +28,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,6 +176,19 @@ def _movable(instance: aws.ContainerInstance) -> bool:
     autoscaler's release of the drained unit, which terminates the instances labelled with it, would
     terminate some other instance, not this one."""
     return not instance.busy or instance.attributes.get(UNIT_ATTRIBUTE) == SPARE_UNIT
+
+
+def _units_still_stopping(instances: Iterable[aws.ContainerInstance]) -> set[str]:
+    """Units with a task still stopping on one of their instances: all their instances keep the label.
+
+    A drained unit whose leader has stopped but whose follower still drains has one busy member
+    of two: to the plan a unit that lost a node, completed from the free instances (its own
+    stopped one, or a fresh one that scores better, which the autoscaler's release of the unit
+    would then terminate). Held whole, it keeps its instances until its last task has stopped."""
+    return {
+        str(ci.attributes[UNIT_ATTRIBUTE]) for ci in instances
+        if ci.stopping_tasks and ci.attributes.get(UNIT_ATTRIBUTE) not in (None, "", SPARE_UNIT)
+    }
 
 
 def _stopping(
@@ -421,12 +434,14 @@ def reconcile(
             left.append(ci.ec2_instance_id)
 
     topology = aws.network_paths(clients.ec2, managed, retry)
+    stopping_units = _units_still_stopping(managed.values())
     instances = [
         Instance(
             instance_id=instance_id,
             path=topology.paths.get(instance_id),
             unit=ci.attributes.get(UNIT_ATTRIBUTE),
-            busy=not _movable(ci) or _briefly_away(settings, ci, now, agents),
+            busy=(not _movable(ci) or _briefly_away(settings, ci, now, agents)
+                  or ci.attributes.get(UNIT_ATTRIBUTE) in stopping_units),
         )
         for instance_id, ci in managed.items()
     ]

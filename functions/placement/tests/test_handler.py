@@ -356,6 +356,28 @@ def test_an_instance_whose_unit_task_is_still_stopping_keeps_its_unit():
     assert summary["units"]["u3"]["instances"] == ["i-03c", "i-03d"]
 
 
+def test_a_drained_unit_with_one_task_still_stopping_keeps_both_instances():
+    """u2's leader (i-02b) has stopped, its follower (i-02a) still drains. i-02a alone busy made u2 a unit
+    that lost a node: the "nearest" completion (i-03c, beside i-02a) scores 6 against "keep"'s 4, so u2
+    would take the fresh i-03c and u3 the old i-02b; the autoscaler's release of u2 would then terminate
+    i-03c. A unit with a task still stopping keeps every instance labelled with it."""
+    cell = Cell()
+    ids = ["i-00a", "i-00b", "i-01a", "i-01b", "i-02a", "i-02b", "i-03c", "i-03d"]
+    cell.group(**dict.fromkeys(ids, "InService"))
+    serving = [container(i, running=1, unit=f"u{i[3]}", unit_placement="topology") for i in ids[:4]]
+    drained = [container(i, unit="u2", unit_placement="topology") for i in ("i-02a", "i-02b")]
+    fresh = [container("i-03c"), container("i-03d")]
+    cell.containers([*serving, *drained, *fresh], stopping={"i-02a": "STOPPING"})
+    paths = dict(zip(ids, ["b1", "b1", "b2", "b2", "b3", "b4", "b3", "b4"], strict=True))
+    cell.topology(ids, [topo(i, "t", "m1" if paths[i] in ("b1", "b2") else "m2", paths[i]) for i in ids])
+    cell.describe(fresh)
+    writes = put("i-03c", "u3", "topology") + put("i-03d", "u3", "topology")
+    cell.ecs.add_response("put_attributes", {"attributes": writes}, {"cluster": CLUSTER, "attributes": writes})
+    summary = cell.run(settings=Settings(CLUSTER, GROUP, units=4, nodes_per_unit=2, metrics_namespace="N"))
+    assert summary["units"]["u2"]["instances"] == ["i-02a", "i-02b"]
+    assert summary["units"]["u3"]["instances"] == ["i-03c", "i-03d"]
+
+
 def test_stopping_tasks_walks_every_page_and_describes_100_tasks_per_call():
     cell = Cell()
     tasks = [f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/t{n:03d}" for n in range(150)]
