@@ -3,7 +3,9 @@
 Every trigger (ECS container instance state change, Auto Scaling launch or terminate of
 the cell's group, the periodic sweep) runs the same full reconciliation, so a lost or
 duplicated event costs nothing: read the group's instances and the cluster's container
-instances, read their topology, plan (`assignment.plan_topology`), write only the
+instances (and, when an instance labelled with a unit looks free by its task counts, the
+tasks ECS is still stopping: such an instance, and every instance of its unit, stays busy),
+read their topology, plan (`assignment.plan_topology`), write only the
 attributes that differ, clear the attributes of instances that left, and publish each
 unit's topology score as a CloudWatch metric in Embedded Metric Format (a log line; no
 PutMetricData permission needed). A FIFO trigger queue with one message group keeps runs from overlapping.
