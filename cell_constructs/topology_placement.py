@@ -279,10 +279,22 @@ class TopologyPlacement(Construct):
                     resources=[self.delivery_dead_letter_queue.queue_arn],
                 ),
                 iam.PolicyStatement(
-                    # The task a unit failure names -> the container instance it ran on.
+                    # The task a unit failure names -> the container instance it ran on; and the tasks
+                    # still stopping -> the instances they hold (listed below).
                     sid="FailedTasksOfThisCluster",
                     actions=["ecs:DescribeTasks"],
                     resources=[self._tasks_arn],
+                ),
+                iam.PolicyStatement(
+                    # The cluster's tasks whose desired status is STOPPED (aws.stopping_tasks): a unit's
+                    # instance keeps its label while its task drains. ListTasks authorizes on the
+                    # container-instance resource type with the ecs:cluster condition key; a listing of
+                    # the whole cluster names no instance, so "*" limited by the condition, as
+                    # aws/aws-cdk#3199 and awsdocs/amazon-ecs-developer-guide#211 grant it.
+                    sid="StoppingTasksOfThisCluster",
+                    actions=["ecs:ListTasks"],
+                    resources=["*"],
+                    conditions={"ArnEquals": {"ecs:cluster": cluster.cluster_arn}},
                 ),
                 iam.PolicyStatement(
                     # Quarantine: the group replaces the instance.
@@ -298,7 +310,7 @@ class TopologyPlacement(Construct):
                 "AwsSolutions-IAM5[Resource::*]",
                 "ec2:DescribeInstanceTopology, autoscaling:DescribeAutoScalingGroups and (with rolling-update "
                 "signals) elasticloadbalancing:DescribeTargetHealth have no resource-level permissions; all "
-                "are read-only",
+                "are read-only; ecs:ListTasks is limited to this cluster by the ecs:cluster condition",
             ),
             (
                 f"AwsSolutions-IAM5[Resource::{nag_resource_text(stack, container_instances)}]",

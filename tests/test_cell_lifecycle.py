@@ -234,6 +234,35 @@ def test_followers_stop_only_after_the_leader_drained(synth_large) -> None:
     assert follower["PidMode"] == "task"
 
 
+def _host_ports(task: dict) -> set[int]:
+    return {m["HostPort"] for c in task["ContainerDefinitions"] for m in c.get("PortMappings", []) if m.get("HostPort")}
+
+
+def test_two_unit_tasks_never_start_on_one_instance_at_once(synth_large) -> None:
+    """What keeps a new unit task from starting beside an old one that is still stopping (a deployment, a
+    label moved): ECS's scheduler counts a stopping task's resources as free and places there
+    (aws/containers-roadmap#575, aws/amazon-ecs-agent#2267), and the agent holds the new task PENDING while
+    its host ports (or memory) are still held (aws/amazon-ecs-agent 8dfceca6 agent/api/task/task.go
+    ToHostResources: PORTS_TCP from each container's hostPort). So every pair of unit task definitions must
+    share a host port: two unit containers never hold /dev/neuron* at once. The spare's task has no host port
+    and no device: a unit task given its instance starts beside it (docs/placement.md)."""
+    spares = []
+    for stack in ("Rufus-Cell-use2-a", "Rufus-Cell-use2-b", "Rufus-Cell-usw2-a"):
+        tasks = resources(synth_large.template_json(stack), "AWS::ECS::TaskDefinition")
+        units = {k: v["Properties"] for k, v in tasks.items() if k.startswith("Unit")}
+        spares += [v["Properties"] for k, v in tasks.items() if k.startswith("Spare")]
+        assert len(units) >= 4, stack
+        for name, task in units.items():
+            assert any(c.get("LinuxParameters", {}).get("Devices") for c in task["ContainerDefinitions"]), name
+        names = sorted(units)
+        for i, first in enumerate(names):
+            for second in names[i:]:  # itself too: an old and a new revision of the same task
+                assert _host_ports(units[first]) & _host_ports(units[second]), (stack, first, second)
+    (spare,) = spares  # use2-a keeps two warm spares (one spare service)
+    assert not _host_ports(spare)
+    assert not any(c.get("LinuxParameters", {}).get("Devices") for c in spare["ContainerDefinitions"])
+
+
 # -- 4. model cache and start-up budget -----------------------------------------------------
 
 

@@ -4,6 +4,7 @@ plugged in, is deterministic per seed, and refuses bad scenario files clearly.""
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import json
 import os
 import subprocess
@@ -15,7 +16,7 @@ import yaml
 
 from inference_fleet.simulation import engine
 from inference_fleet.simulation.model import AwsModel, Behaviour
-from inference_fleet.simulation.runner import render, simulate
+from inference_fleet.simulation.runner import fleet_for, render, simulate
 from inference_fleet.simulation.scenario import ScenarioError, load_scenario, parse_scenario
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,6 +189,65 @@ def test_a_day_of_a_38_unit_cell_runs_within_the_bound():
     assert doc["units"] == 38
     # The target is 10 s on one core (docs/simulation.md measures about 1.2 s); a loaded CI machine gets 3x.
     assert doc["figures"]["wall_seconds_max"] < 30
+
+
+# ---- ECS's view of a task it is stopping (cold review of the ECS placement/stop interplay, item 2) ---------
+
+def _advance(sim: engine.Cell, until: float) -> None:
+    """Run the simulated cell's events up to `until` (what Cell.run does, stopped early)."""
+    while sim._queue and sim._queue[0][0] <= until:
+        when, _, action, args = heapq.heappop(sim._queue)
+        sim.now = when
+        action(*args)
+    sim.now = until
+
+
+def _serving_cell() -> engine.Cell:
+    """The default cell, 25 min into a constant load: its unit serves."""
+    scenario = parse_scenario({"name": "steady", "duration": "3h", "seed": 1,
+                               "events": [{"at": "0s", "do": "load", "curve": "constant", "level": 0.5}]})
+    fleet, cell = fleet_for(scenario, None)
+    sim = engine.Cell(fleet, cell, scenario, 1)
+    sim.start()
+    _advance(sim, 1500.0)
+    assert sim.units["u0"].session is not None and sim.units["u0"].session.state == "serving"
+    return sim
+
+
+def test_a_task_being_stopped_counts_as_neither_running_nor_pending():
+    """runningTasksCount counts tasks "that have a desired status (desiredStatus) of RUNNING" (botocore 1.44.8,
+    ecs/2014-11-13 ContainerInstance). Before, the simulated ECS reported a draining leader as running (1 / 0),
+    which hid the placement controller's blind spot: it took such an instance for busy, as ECS never says."""
+    sim = _serving_cell()
+    leader = sim.units["u0"].session.leader
+    sim.stop_task_planned(leader, "test: StopTask")
+    doc = sim.container_instance_doc(leader.inst)
+    assert (doc["runningTasksCount"], doc["pendingTasksCount"]) == (0, 0)
+    # What the controller asks instead: the cluster's tasks set to STOPPED, and which have not stopped.
+    listed = sim.clients.ecs.list_tasks(cluster=engine.CLUSTER, desiredStatus="STOPPED", maxResults=100)["taskArns"]
+    [task] = sim.clients.ecs.describe_tasks(cluster=engine.CLUSTER, tasks=listed)["tasks"]
+    assert (task["taskArn"], task["lastStatus"], task["desiredStatus"]) == (leader.arn, "RUNNING", "STOPPED")
+
+
+def test_a_task_placed_beside_a_stopping_unit_task_waits_pending_until_it_has_stopped():
+    """ECS's scheduler counts a stopping task's resources as free and places onto its instance
+    (aws/containers-roadmap#575, aws/amazon-ecs-agent#2267); the agent holds the new task PENDING until the
+    old one has stopped when host ports or memory collide (agent 8dfceca6 agent/api/task/task.go
+    ToHostResources). Before, the simulated scheduler never placed there."""
+    sim = _serving_cell()
+    leader = sim.units["u0"].session.leader
+    sim.stop_task_planned(leader, "test: StopTask")
+    followers = sum(1 for t in sim.tasks.values() if t.unit == "u0" and t.role == "follower" and t.state != "STOPPED")
+    sim._place("u0", "follower", followers + 1, "u0-follower-r1")  # one more: only the leader's instance takes it
+    [queued] = [t for t in sim.tasks.values() if t.inst is leader.inst and t is not leader]
+    assert queued.role == "follower" and queued.state == "PENDING" and queued.held and leader.inst.queued is queued
+    doc = sim.container_instance_doc(leader.inst)
+    assert (doc["runningTasksCount"], doc["pendingTasksCount"]) == (1, 1)  # the new one (desired RUNNING, PENDING)
+    while leader.state != "STOPPED" and sim._queue:
+        _advance(sim, sim._queue[0][0])
+    assert queued.state == "PENDING" and leader.inst.task is queued and leader.inst.queued is None
+    _advance(sim, sim.now + sim.model.v("task_restart") + 1)
+    assert queued.state == "RUNNING"
 
 
 # ---- determinism ------------------------------------------------------------------------------------------

@@ -216,14 +216,19 @@ def test_iam_is_one_managed_policy_scoped_to_this_cell(synthesized):
     assert len(policies) == 1
     statements = next(iter(policies.values()))["Properties"]["PolicyDocument"]["Statement"]
     by_sid = {s["Sid"]: s for s in statements}
-    # "*" only where the service has no resource-level permissions.
-    assert [s["Sid"] for s in statements if s["Resource"] == "*"] == ["ReadTopologyAndGroup"]
+    # "*" only where the service has no resource-level permissions, or limited to this cluster by its
+    # condition key (ListTasks of the whole cluster: the tasks still stopping).
+    wildcard = [s["Sid"] for s in statements if s["Resource"] == "*"]
+    assert wildcard == ["ReadTopologyAndGroup", "StoppingTasksOfThisCluster"]
     assert sorted(by_sid["ReadTopologyAndGroup"]["Action"]) == [
         "autoscaling:DescribeAutoScalingGroups",
         "ec2:DescribeInstanceTopology",
     ]
     cluster_arn = {"Fn::GetAtt": [next(iter(template.find_resources("AWS::ECS::Cluster"))), "Arn"]}
     assert by_sid["ListThisCluster"]["Resource"] == cluster_arn
+    assert by_sid["StoppingTasksOfThisCluster"]["Action"] == "ecs:ListTasks"
+    assert by_sid["StoppingTasksOfThisCluster"]["Condition"] == {"ArnEquals": {"ecs:cluster": cluster_arn}}
+    assert by_sid["FailedTasksOfThisCluster"]["Action"] == "ecs:DescribeTasks"
     attributes = by_sid["UnitAttributesOnThisCluster"]
     assert sorted(attributes["Action"]) == [
         "ecs:DeleteAttributes",
@@ -367,7 +372,8 @@ def test_quarantine_and_spare_permissions_are_scoped_to_this_cell(with_failure_h
     }
     assert len(queue_arns) == 1  # enqueue only into its own trigger queue
     statements = policy["Properties"]["PolicyDocument"]["Statement"]
-    assert [s["Sid"] for s in statements if s["Resource"] == "*"] == ["ReadTopologyAndGroup"]
+    wildcard = [s["Sid"] for s in statements if s["Resource"] == "*"]
+    assert wildcard == ["ReadTopologyAndGroup", "StoppingTasksOfThisCluster"]
 
 
 def test_unit_failures_reach_the_function_from_the_unit_log_group_only(with_failure_handling):

@@ -179,8 +179,14 @@ def test_the_role_scales_only_this_cells_services_and_group(elastic) -> None:
     assert "autoScalingGroupName/" in json.dumps(group["Resource"])
     assert statements["ThisStack"]["Resource"] == {"Ref": "AWS::StackId"}
     assert statements["ListThisClustersServices"]["Condition"]["ArnEquals"]["ecs:cluster"]
+    # The tasks still stopping before a release: listed on this cluster only, described on its tasks only.
+    assert statements["ListThisClustersTasks"]["Action"] == "ecs:ListTasks"
+    assert (statements["ListThisClustersTasks"]["Condition"]["ArnEquals"]["ecs:cluster"]
+            == statements["ListThisClustersServices"]["Condition"]["ArnEquals"]["ecs:cluster"])
+    assert statements["ReadThisClustersTasks"]["Action"] == "ecs:DescribeTasks"
+    assert ":task/" in json.dumps(statements["ReadThisClustersTasks"]["Resource"])
     wildcard = [sid for sid, s in statements.items() if s["Resource"] == "*"]
-    assert sorted(wildcard) == ["ListThisClustersServices", "ReadWithoutResourceScope"]
+    assert sorted(wildcard) == ["ListThisClustersServices", "ListThisClustersTasks", "ReadWithoutResourceScope"]
     assert all(a.split(":")[1].startswith(("Describe", "GetMetricData"))
                for a in statements["ReadWithoutResourceScope"]["Action"])
 

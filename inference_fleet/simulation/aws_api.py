@@ -68,13 +68,19 @@ class Ecs(_Api):
     def describe_tasks(self, cluster: str, tasks: list[str]) -> dict:
         found = [self.cell.tasks[arn] for arn in tasks if arn in self.cell.tasks]
         visible = [t for t in found if t.visible(self.cell.now, self.cell.model.v("stopped_task_visible"))]
-        return {"tasks": [{"taskArn": t.arn, "containerInstanceArn": t.inst.ci_arn} for t in visible],
+        return {"tasks": [{"taskArn": t.arn, "containerInstanceArn": t.inst.ci_arn, "lastStatus": t.state,
+                           "desiredStatus": self.cell.desired_status(t)} for t in visible],
                 "failures": [{"arn": a, "reason": "MISSING"} for a in tasks if a not in {t.arn for t in visible}]}
 
-    def list_tasks(self, cluster: str, containerInstance: str, family: str, desiredStatus: str) -> dict:
+    def list_tasks(self, cluster: str, desiredStatus: str = "RUNNING", containerInstance: str | None = None,
+                   family: str | None = None, maxResults: int = 100, nextToken: str = "") -> dict:
+        """Tasks by desired status (RUNNING by default), optionally of one container instance and family;
+        stopped tasks are listed while DescribeTasks still answers for them (model.stopped_task_visible)."""
+        window = self.cell.model.v("stopped_task_visible")
         return {"taskArns": [t.arn for t in self.cell.tasks.values()
-                             if t.inst.ci_arn == containerInstance and t.family == family and t.state != "STOPPED"
-                             and not t.stopping]}
+                             if self.cell.desired_status(t) == desiredStatus and t.visible(self.cell.now, window)
+                             and (containerInstance is None or t.inst.ci_arn == containerInstance)
+                             and (family is None or t.family == family)]}
 
     def stop_task(self, cluster: str, task: str, reason: str) -> dict:
         self.cell.controller_stops(self.cell.tasks[task].inst, "StopTask")

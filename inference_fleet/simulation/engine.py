@@ -308,12 +308,13 @@ class Cell:
         self.trigger_controller(self._ci_event(inst, "DRAINING"))
         if replace:
             self.after(0, self.asg_converge)
-        if inst.task is not None and inst.task.state != "STOPPED" and inst.up:
-            self.stop_task_planned(inst.task, "instance draining")
+        for task in (inst.queued, inst.task):
+            if task is not None and task.state != "STOPPED" and inst.up:
+                self.stop_task_planned(task, "instance draining")
         self._finish_termination(inst)
 
     def _finish_termination(self, inst: Instance) -> None:
-        if inst.task is not None and inst.task.state != "STOPPED":
+        if any(t is not None and t.state != "STOPPED" for t in (inst.task, inst.queued)):
             self.after(5, self._finish_termination, inst)
             return
         self._gone(inst)
@@ -348,12 +349,19 @@ class Cell:
                 return
 
     def container_instance_doc(self, inst: Instance) -> dict[str, Any]:
-        busy = inst.task is not None and inst.task.state != "STOPPED"
-        running = busy and inst.task is not None and inst.task.state in ("RUNNING",)
+        """DescribeContainerInstances of one instance. runningTasksCount counts the tasks "that have a desired
+        status (desiredStatus) of RUNNING", pendingTasksCount those "in the PENDING status" (botocore 1.44.8,
+        ecs/2014-11-13 ContainerInstance): a task ECS is stopping counts in neither while it drains."""
+        held = [t for t in (inst.task, inst.queued) if t is not None and t.state != "STOPPED"]
         return {"containerInstanceArn": inst.ci_arn, "ec2InstanceId": inst.iid, "status": inst.ecs_status,
-                "agentConnected": inst.agent and inst.up, "runningTasksCount": 1 if running else 0,
-                "pendingTasksCount": 1 if busy and not running else 0,
+                "agentConnected": inst.agent and inst.up,
+                "runningTasksCount": sum(1 for t in held if not t.stopping),
+                "pendingTasksCount": sum(1 for t in held if t.state == "PENDING"),
                 "attributes": [{"name": k, "value": v} for k, v in sorted(inst.attributes.items())]}
+
+    @staticmethod
+    def desired_status(task: Task) -> str:
+        return "STOPPED" if task.stopping or task.state == "STOPPED" else "RUNNING"
 
     # ---- ECS services -------------------------------------------------------------------------
 
@@ -365,23 +373,55 @@ class Cell:
                 self._place(unit.uid, role, desired, f"{unit.uid}-{role}-r{unit.revision}")
         self._place("spare", "spare", self.spare_nodes, SPARE_FAMILY)
 
+    def _takes_a_task(self, inst: Instance) -> bool:
+        """Free in the scheduler's view: no task, or one that ECS is stopping (its resources count as free,
+        model.STOPPING_FREE), and nothing placed behind it yet (each task takes most of the instance)."""
+        if inst.queued is not None:
+            return False
+        if inst.task is None or inst.task.state == "STOPPED":
+            return True
+        return inst.task.stopping and bool(self.model.v("place_beside_stopping"))
+
+    @staticmethod
+    def _collide(old: Task, new: Task) -> bool:
+        """The agent holds `new` until `old` has stopped: any two unit tasks share a host port (the engine's
+        and the rendezvous ports: tests/test_cell_lifecycle.py pins it) and 75 % of the memory each; a spare's task
+        has no host port, no device and 2 GiB (docs/placement.md)."""
+        return old.role != "spare" and new.role != "spare"
+
     def _place(self, label: str, role: str, desired: int, family: str) -> None:
+        """One service's missing tasks. A task of the same service still stopping counts against the desired
+        count (maximumPercent 100 %; whether ECS counts a stopping task so is unverified, docs/verifying.md)."""
         unit = None if role == "spare" else label
         have = [t for t in self.tasks.values() if t.unit == unit and t.role == role and t.state != "STOPPED"]
         for _ in range(desired - len(have)):
             free = sorted((i for i in self.instances.values()
                            if i.registered and i.ecs_status == "ACTIVE" and i.agent and i.up and not i.leaving
-                           and i.attributes.get("unit") == label
-                           and (i.task is None or i.task.state == "STOPPED")), key=lambda i: i.iid)
+                           and i.attributes.get("unit") == label and self._takes_a_task(i)), key=lambda i: i.iid)
             if not free:
                 return
             inst = self.rng.choice(free)
             task = Task(f"arn:aws:ecs:us-east-2:111111111111:task/sim/{self._id('t')}", role, unit, inst, family)
             self.tasks[task.arn] = task
-            inst.task = task
-            delay = self.model.v("task_restart") if inst.image else self.vary("image_pull")
-            inst.image = True
-            self.after(delay, self._task_running, task)
+            old = inst.task
+            if old is not None and old.state != "STOPPED":
+                # Placed beside a task still stopping: the agent queues it for that task's host port and
+                # memory (model.STOPPING_FREE), or starts it at once beside a spare's task.
+                inst.queued = task
+                task.held = self._collide(old, task)
+                self.note(f"{role} task of {unit or 'spare'} placed on {inst.iid} beside the stopping "
+                          f"{old.role} task" + (": PENDING until it has stopped" if task.held else ""))
+                if task.held:
+                    continue
+            else:
+                inst.task = task
+            self._start(task)
+
+    def _start(self, task: Task) -> None:
+        inst = task.inst
+        delay = self.model.v("task_restart") if inst.image else self.vary("image_pull")
+        inst.image = True
+        self.after(delay, self._task_running, task)
 
     def _task_running(self, task: Task) -> None:
         if task.state != "PENDING" or not task.alive:
@@ -406,8 +446,18 @@ class Cell:
         if task.state == "STOPPED":
             return
         task.state, task.stopped_at = "STOPPED", self.now
-        if task.inst.task is task:
-            task.inst.task = None
+        inst = task.inst
+        if inst.queued is task:
+            inst.queued = None
+        if inst.task is task:
+            # The task placed behind it takes the instance; the agent starts it now if it held it.
+            inst.task, inst.queued = inst.queued, None
+            behind = inst.task
+            if behind is not None and behind.held and behind.state == "PENDING" and behind.alive:
+                behind.held = False
+                self.note(f"{behind.role} task of {behind.unit or 'spare'} on {inst.iid} starts: the stopping "
+                          f"{task.role} task has stopped")
+                self._start(behind)
         if task.role == "leader":
             self.targets.pop(task.inst.iid, None)
         self.after(self.model.v("ecs_scheduler_delay"), self.ecs_schedule)
@@ -420,6 +470,10 @@ class Cell:
             return
         task.stopping = True
         self.note(f"stop {task.role} task of {task.unit or 'spare'} on {task.inst.iid}: {why}")
+        if task.held:
+            # Never started (the agent held it): nothing to drain.
+            self.after(1, self._task_stopped, task)
+            return
         if task.role == "spare" or task.unit is None:
             self.after(self.model.v("engine_stop"), self._task_stopped, task)
             return
@@ -869,7 +923,14 @@ class Cell:
         if unit.session is session and session.state != "ended":
             self.end_session(unit, "member_lost", task, None)
 
+    def _drop_queued(self, inst: Instance) -> None:
+        """A task held behind a stopping one goes with its instance (never started: no session knows it)."""
+        if inst.queued is not None:
+            inst.queued.alive = False
+            self.after(1, self._task_stopped, inst.queued)
+
     def _instance_dies(self, inst: Instance) -> None:
+        self._drop_queued(inst)
         if inst.task is not None:
             self._task_dies(inst.task)
         inst.up = False
@@ -881,6 +942,7 @@ class Cell:
             return
         inst, _ = self.resolve(event.target)
         assert inst is not None
+        self._drop_queued(inst)
         if inst.task is not None:
             self._task_dies(inst.task)
         inst.up, inst.agent = False, False

@@ -29,6 +29,12 @@ UPDATE_POLICY = "https://docs.aws.amazon.com/AWSCloudFormation/latest/UserGuide/
 ASG_HEALTH = "https://docs.aws.amazon.com/autoscaling/ec2/userguide/replace-unhealthy-instance.html"
 SCHEDULE = "https://docs.aws.amazon.com/eventbridge/latest/userguide/eb-scheduled-rule-pattern.html"
 DESCRIBE_TASKS = "https://docs.aws.amazon.com/AmazonECS/latest/APIReference/API_DescribeTasks.html"
+# A task ECS stops (desired STOPPED) frees its resources in the scheduler's view at once, though it still runs:
+# the scheduler places a new task there, and the agent holds that one PENDING until the old one has stopped.
+STOPPING_FREE = ("https://github.com/aws/containers-roadmap/issues/575 ; "
+                 "https://github.com/aws/amazon-ecs-agent/issues/2267 ; aws/amazon-ecs-agent "
+                 "8dfceca6cf380a83c3007349317566f2862f0673 agent/api/task/task.go ToHostResources (3815-3935: "
+                 "CPU, MEMORY by memoryReservation, PORTS_TCP/UDP by host port, GPU)")
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,11 @@ class AwsModel:
                                         "assumption: container start, image cached")
     ecs_scheduler_delay: Behaviour = Behaviour(10, "ECS service scheduler: a missing task is placed",
                                                "assumption: the scheduler runs on state changes within seconds")
+    place_beside_stopping: Behaviour = Behaviour(
+        1, "the scheduler places a task on an instance whose task is still stopping (its resources count as "
+        "free); the agent holds the new task PENDING until the old one has stopped when their host ports or "
+        "memory reservations collide (any two unit tasks: they share a host port), and starts it at once beside "
+        "a stopping spare task (no host port, 2 GiB)", STOPPING_FREE)
     engine_stop: Behaviour = Behaviour(10, "a stopped engine's process ends (SIGTERM handled)",
                                        "assumption: well inside the 120 s stop timeout")
     stream_tail: Behaviour = Behaviour(30, "longest remaining stream when a drain starts under load",

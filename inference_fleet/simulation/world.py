@@ -65,6 +65,8 @@ class Instance:
     up: bool = True
     attributes: dict[str, str] = field(default_factory=dict)
     task: Task | None = None
+    # A task placed while `task` still stops, held PENDING by the agent until it has stopped (model.STOPPING_FREE).
+    queued: Task | None = None
     image: bool = False
     cached: bool = False
     history: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
@@ -92,6 +94,7 @@ class Task:
     family: str
     state: str = "PENDING"
     stopping: bool = False
+    held: bool = False  # placed behind a task still stopping: the agent starts it once that one has stopped
     stopped_at: float | None = None
     alive: bool = True  # the process answers (False once killed or its instance is gone)
 

@@ -6,6 +6,7 @@ Stubber checks requests and responses against the service models. No AWS is call
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from contextlib import ExitStack
 from datetime import UTC, datetime
@@ -57,12 +58,12 @@ class Cell:
         self.ecs = Stubber(self.clients.ecs)
         self.lines: list[str] = []
 
-    def run(self) -> dict:
+    def run(self, settings: Settings = SETTINGS) -> dict:
         with ExitStack() as stack:
             stubbers = (self.autoscaling, self.cloudformation, self.cloudwatch, self.ecs)
             for stubber in stubbers:
                 stack.enter_context(stubber)
-            summary = tick(SETTINGS, self.clients, NOW, aws.Retry(sleep=lambda s: None), self.lines.append)
+            summary = tick(settings, self.clients, NOW, aws.Retry(sleep=lambda s: None), self.lines.append)
             for stubber in stubbers:
                 stubber.assert_no_pending_responses()
         return summary
@@ -130,6 +131,18 @@ class Cell:
              + [{"name": k, "value": v} for k, v in (extra or {}).get(i, {}).items()]}
             for a, (i, u) in zip(arns, by_instance.items(), strict=True)
         ], "failures": []}, {"cluster": CLUSTER, "containerInstances": arns})
+
+    def stopping(self, last_status: dict[str, str] | None = None) -> None:
+        """ListTasks desiredStatus STOPPED and DescribeTasks of what it lists: instance -> lastStatus of a
+        task ECS has set to STOPPED there (STOPPED: stopped; RUNNING, DEACTIVATING, STOPPING: still stopping)."""
+        tasks = [{"taskArn": f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/t-{i}", "desiredStatus": "STOPPED",
+                  "containerInstanceArn": f"arn:aws:ecs:{REGION}:{ACCOUNT}:container-instance/rufus-dev/{i}",
+                  "lastStatus": last} for i, last in sorted((last_status or {}).items())]
+        self.ecs.add_response("list_tasks", {"taskArns": [t["taskArn"] for t in tasks]},
+                              {"cluster": CLUSTER, "desiredStatus": "STOPPED", "maxResults": 100})
+        if tasks:
+            self.ecs.add_response("describe_tasks", {"tasks": tasks, "failures": []},
+                                  {"cluster": CLUSTER, "tasks": [t["taskArn"] for t in tasks]})
 
     def activities(self, *failures: tuple[float, str]) -> None:
         self.autoscaling.add_response("describe_scaling_activities", {"Activities": [
@@ -219,6 +232,7 @@ def test_instances_go_only_after_the_tasks_stopped_unprotected_then_terminated()
     cell.group(4, ["i-a", "i-b", "i-c", "i-d"], served="0")
     cell.services({"u0": (2, 2), "u1": (0, 0), "u2": (0, 0)})
     cell.labels({"i-a": "u0", "i-b": "u0", "i-c": "u1", "i-d": "u1"})
+    cell.stopping({"i-c": "STOPPED", "i-d": "STOPPED"})  # u1's tasks, stopped
     cell.activities()
     cell.metrics({"u0": (2.0, 1.0)})
     cell.autoscaling.add_response("set_instance_protection", {}, {
@@ -240,6 +254,45 @@ def test_a_draining_unit_keeps_its_instances() -> None:
     cell.metrics({"u0": (2.0, 1.0), "u1": (3.0, 0.0)})
     summary = cell.run()
     assert summary["action"] == "hold" and summary["phases"]["u1"] == "draining"
+
+
+ONE_NODE = dataclasses.replace(SETTINGS, policy=dataclasses.replace(POLICY, nodes=1))
+
+
+@pytest.mark.parametrize(("settings", "last_status"), [
+    # One node per unit (the fleet allows it: no follower service): the leader's target deregisters
+    # for the deregistration delay; its task is DEACTIVATING, in no count of its service.
+    (ONE_NODE, {"i-c": "DEACTIVATING"}),
+    # Two nodes: the leader DEACTIVATING, the follower's drain guard holding its task (STOPPING).
+    (SETTINGS, {"i-c": "DEACTIVATING", "i-d": "STOPPING"}),
+], ids=["one-node-leader-deactivating", "leader-deactivating-follower-stopping"])
+def test_a_unit_whose_tasks_are_still_stopping_is_not_released(settings: Settings, last_status: dict) -> None:
+    """Service runningCount counts the tasks "in the RUNNING state", pendingCount those "in the PENDING
+    state" (botocore 1.44.8 ecs/2014-11-13 Service): u1's services say 0 and 0 while its tasks still drain.
+    Before, the tick released u1 then: its instances were terminated under the draining streams."""
+    cell = Cell()
+    cell.stack()
+    cell.group(4, ["i-a", "i-b", "i-c", "i-d"], served="0")
+    cell.services({"u0": (2, 2), "u1": (0, 0), "u2": (0, 0)})
+    cell.labels({"i-a": "u0", "i-b": "u0", "i-c": "u1", "i-d": "u1"})
+    cell.stopping(last_status)
+    cell.activities()
+    cell.metrics({"u0": (2.0, 1.0)})
+    summary = cell.run(settings)
+    assert summary["action"] == "hold" and summary["phases"]["u1"] == "draining" and summary["done"] == {}
+
+
+def test_an_unlabelled_instance_whose_task_is_still_stopping_is_not_released() -> None:
+    cell = Cell()
+    cell.stack()
+    cell.group(5, [f"i-{n}" for n in range(5)], served="0,1",
+               **{aws.TAG_LAST_OUT: NOW - 7200, aws.TAG_LAST_IN: NOW - 7200})
+    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (0, 0)})
+    cell.labels({**{f"i-{n}": f"u{n // 2}" for n in range(4)}, "i-4": None})
+    cell.stopping({"i-4": "STOPPING"})
+    cell.activities()
+    cell.metrics({"u0": (8.0, 1.0), "u1": (8.0, 1.0)})
+    assert cell.run()["done"] == {}
 
 
 def test_refused_capacity_is_recorded_and_the_activation_cancelled() -> None:
@@ -470,6 +523,7 @@ def test_an_instance_left_by_a_cancelled_activation_is_released() -> None:
                **{aws.TAG_LAST_OUT: NOW - 600, aws.TAG_LAST_IN: NOW - 7200})
     cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (0, 0)})
     cell.labels({**labels, "i-late": None})
+    cell.stopping()
     cell.activities((NOW - 300, REFUSAL))
     cell.metrics({"u0": (8.0, 1.0), "u1": (8.0, 1.0)})
     cell.autoscaling.add_response("set_instance_protection", {}, {
@@ -534,6 +588,7 @@ def release_cell(states: dict[str, str]) -> Cell:
     cell.group(4, ["i-a", "i-b"], served="0", states=states)
     cell.services({"u0": (2, 2), "u1": (0, 0), "u2": (0, 0)})
     cell.labels({"i-a": "u0", "i-b": "u0", **dict.fromkeys(states, "u1")})
+    cell.stopping()
     cell.activities()
     cell.metrics({"u0": (2.0, 1.0)})
     return cell

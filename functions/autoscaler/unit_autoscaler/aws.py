@@ -58,6 +58,7 @@ TAG_LAST_IN = "unit-autoscaler:last-scale-in"
 TAG_SERVED = "unit-autoscaler:served"
 DESCRIBE_SERVICES_PER_CALL = 10
 DESCRIBE_INSTANCES_PER_CALL = 100
+DESCRIBE_TASKS_PER_CALL = 100
 
 
 def error_code(error: ClientError) -> str:
@@ -150,21 +151,63 @@ def unit_services(ecs: BaseClient, cluster: str, retry: Retry) -> dict[tuple[str
     return found
 
 
-def instance_attributes(ecs: BaseClient, cluster: str, retry: Retry) -> tuple[dict[str, dict[str, str]], set[str]]:
-    """EC2 instance id -> the ECS attributes of its container instance (`unit`, `quarantine`, ...),
-    and the EC2 instance ids whose container instance runs or is about to run a task."""
+@dataclass(frozen=True)
+class InstanceView:
+    """The cell's container instances as the autoscaler reads them."""
+
+    attributes: dict[str, dict[str, str]]  # EC2 instance id -> ECS attributes (`unit`, `quarantine`, ...)
+    busy: set[str]  # EC2 instance ids that run or are about to run a task (desired status RUNNING)
+    hosts: dict[str, str] = field(default_factory=dict)  # container instance ARN -> EC2 instance id
+
+
+def instance_attributes(ecs: BaseClient, cluster: str, retry: Retry) -> InstanceView:
+    """Every container instance's attributes, which ones run or are about to run a task, and their ARNs.
+
+    runningTasksCount counts "tasks on the container instance that have a desired status
+    (desiredStatus) of RUNNING", pendingTasksCount those "in the PENDING status" (botocore 1.44.8,
+    ecs/2014-11-13 ContainerInstance): a task ECS is stopping counts in neither (`stopping_tasks`)."""
     arns = _all_arns(retry, ecs.list_container_instances, "containerInstanceArns", cluster)
-    found: dict[str, dict[str, str]] = {}
-    busy: set[str] = set()
+    view = InstanceView({}, set())
     for batch in _chunks(arns, DESCRIBE_INSTANCES_PER_CALL):
         response = retry.call(ecs.describe_container_instances, cluster=cluster, containerInstances=list(batch))
         for ci in response.get("containerInstances", []):
             if ci.get("ec2InstanceId"):
                 instance_id = str(ci["ec2InstanceId"])
-                found[instance_id] = {str(a.get("name")): str(a.get("value") or "") for a in ci.get("attributes", [])}
+                view.attributes[instance_id] = {str(a.get("name")): str(a.get("value") or "")
+                                                for a in ci.get("attributes", [])}
+                view.hosts[str(ci.get("containerInstanceArn", ""))] = instance_id
                 if int(ci.get("runningTasksCount", 0)) + int(ci.get("pendingTasksCount", 0)):
-                    busy.add(instance_id)
-    return found, busy
+                    view.busy.add(instance_id)
+    return view
+
+
+def stopping_tasks(ecs: BaseClient, cluster: str, retry: Retry) -> dict[str, int]:
+    """Container instance ARN -> how many of its tasks ECS is stopping but has not stopped yet.
+
+    ListTasks with desiredStatus STOPPED "limits the results to tasks that Amazon ECS has set the
+    desired status to STOPPED" and lists stopped tasks too, for at least an hour
+    (https://docs.aws.amazon.com/AmazonECS/latest/APIReference/API_ListTasks.html); DescribeTasks
+    (100 tasks per call) tells which have not reached lastStatus STOPPED and where they run. A
+    service's runningCount counts only tasks "in the RUNNING state" (botocore 1.44.8, ecs/2014-11-13
+    Service): a leader whose target is deregistering (DEACTIVATING) or a task STOPPING is in none
+    of its counts, yet holds its instance until it has stopped.
+    """
+    arns: list[str] = []
+    kwargs: dict[str, Any] = {"cluster": cluster, "desiredStatus": "STOPPED", "maxResults": 100}
+    while True:
+        page = retry.call(ecs.list_tasks, **kwargs)
+        arns.extend(page.get("taskArns", []))
+        if not page.get("nextToken"):
+            break
+        kwargs["nextToken"] = page["nextToken"]
+    found: dict[str, int] = {}
+    for batch in _chunks(sorted(set(arns)), DESCRIBE_TASKS_PER_CALL):
+        response = retry.call(ecs.describe_tasks, cluster=cluster, tasks=list(batch))
+        for task in response.get("tasks", []):
+            host = task.get("containerInstanceArn")
+            if host and task.get("lastStatus") != "STOPPED":
+                found[host] = found.get(host, 0) + 1
+    return found
 
 
 def unit_instances(attributes: Mapping[str, Mapping[str, str]]) -> dict[str, list[str]]:

@@ -161,7 +161,8 @@ def phase_of(*, desired_tasks: int, running_tasks: int, labelled_instances: int,
     `served`: the unit reported UnitHealthy 1 in a minute since it was activated (the handler's
     latch, or a 1 in the metric window). A unit that served is `serving` whatever its newest
     minute says: a missing datapoint is no evidence, and a unit that lost health is healed by
-    the launcher and the placement controller, not cancelled. running_tasks counts pending ones.
+    the launcher and the placement controller, not cancelled. running_tasks counts pending ones, and
+    the tasks still stopping on the unit's instances (the handler's `unit_views`).
     """
     if desired_tasks > 0:
         return "serving" if served else "starting"

@@ -8,7 +8,8 @@ asks `decision.decide` for at most one action and carries it out:
   from launch; the placement controller labels them with the lowest dormant unit ids),
   then leader 1, followers nodes - 1;
 - deactivate: leader 0, then followers 0 (ECS sends SIGTERM; the proxy drains);
-- release: once the unit's tasks have all stopped, lift the protection of its instances
+- release: once the unit's tasks have all stopped (its services' counts, and no task still
+  stopping on its instances: `aws.stopping_tasks`), lift the protection of its instances
   and terminate them, decrementing the desired capacity;
 - cancel: instances could not be obtained for units that never served: their services to 0
   and the desired capacity down by the instances they lack (no launch retried in a loop).
@@ -107,23 +108,23 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
     services = aws.unit_services(clients.ecs, settings.cluster, retry)
     services, finished = finish_half_done(settings, clients, services, retry)
     context["finished"] = finished
-    attributes, busy = aws.instance_attributes(clients.ecs, settings.cluster, retry)
+    view = aws.instance_attributes(clients.ecs, settings.cluster, retry)
+    attributes, busy = view.attributes, set(view.busy)
     labelled = aws.unit_instances(attributes)
     failures = aws.capacity_failures(clients.autoscaling, settings.group, retry, now - CAPACITY_LOOKBACK_S)
     metrics, ttft = aws.proxy_metrics(clients.cloudwatch, settings.proxy_namespace, settings.cell,
                                       settings.unit_ids, now, retry, minutes=settings.policy.window_minutes)
     latched = aws.served_units(group.tags)
-    units = []
-    for index, unit_id in enumerate(settings.unit_ids):
-        roles = [services.get((unit_id, role)) for role in ("leader", "followers")]
-        desired = sum(s.desired for s in roles if s)
-        running = sum(s.running for s in roles if s)
-        m = metrics[unit_id]
-        instances = len(labelled.get(unit_id, []))
-        phase = phase_of(desired_tasks=desired, running_tasks=running, labelled_instances=instances,
-                         served=index in latched or m.healthy_seen)
-        units.append(Unit(index, phase, utilisation(m, settings.capacity), running_tasks=running,
-                          instances=instances, health=m.healthy))
+    units = unit_views(settings, services, labelled, metrics, latched, {})
+    # The counts cannot see a task still stopping (`aws.stopping_tasks`): before anything is released
+    # (a unit that looks stopped, unlabelled instances no unit needs), ECS is asked which instances hold one.
+    if (any(u.phase == "releasing" for u in units)
+            or unlabelled_beyond_need(settings, group, attributes, units, busy)):
+        stopping = aws.stopping_tasks(clients.ecs, settings.cluster, retry)
+        held = {view.hosts[arn]: count for arn, count in stopping.items() if arn in view.hosts}
+        if held:
+            units = unit_views(settings, services, labelled, metrics, latched, held)
+            busy |= set(held)
     # A deploy restarts units: count its end as a scaling event for the scale-in cool-down.
     last_in = max((t for t in (_tag_time(group.tags, aws.TAG_LAST_IN), last_update) if t is not None), default=None)
     obs = Observation(
@@ -133,6 +134,26 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
     context.update(services=services, labelled=labelled, failures=failures, served=latched,
                    unlabelled=unlabelled_beyond_need(settings, group, attributes, units, busy))
     return obs, context
+
+
+def unit_views(settings: Settings, services: Mapping[tuple[str, str], aws.ServiceView],
+               labelled: Mapping[str, list[str]], metrics: Mapping[str, aws.UnitMetrics], latched: frozenset[int],
+               held: Mapping[str, int]) -> list[Unit]:
+    """Every unit's phase and load. A unit's running tasks are its services' running and pending ones
+    plus the tasks still stopping on its labelled instances (`held`: EC2 instance id -> count): a unit
+    whose leader's target is still deregistering is draining, not stopped."""
+    units = []
+    for index, unit_id in enumerate(settings.unit_ids):
+        roles = [services.get((unit_id, role)) for role in ("leader", "followers")]
+        desired = sum(s.desired for s in roles if s)
+        running = sum(s.running for s in roles if s) + sum(held.get(i, 0) for i in labelled.get(unit_id, []))
+        m = metrics[unit_id]
+        instances = len(labelled.get(unit_id, []))
+        phase = phase_of(desired_tasks=desired, running_tasks=running, labelled_instances=instances,
+                         served=index in latched or m.healthy_seen)
+        units.append(Unit(index, phase, utilisation(m, settings.capacity), running_tasks=running,
+                          instances=instances, health=m.healthy))
+    return units
 
 
 def finish_half_done(settings: Settings, clients: Clients, services: Mapping[tuple[str, str], aws.ServiceView],

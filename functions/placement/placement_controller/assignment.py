@@ -1,14 +1,16 @@
 """The assignment of a cell's instances to units: a pure function, no AWS in here.
 
 Input: every live instance of the cell with its network path (None when unknown), its
-current `unit` attribute and whether it runs or is about to run a task. Output: a
+current `unit` attribute and whether it holds a task that has not stopped. Output: a
 `Plan` that says which unit each free instance belongs to, which free instances are
 spares, and each unit's topology score (see `topology`).
 
 Rules, in order of priority:
 
-1. Stability. A busy instance (running or pending tasks) keeps its unit; it is never
-   moved. Busy instances that carry no unit of this cell are not ours and are left alone.
+1. Stability. A busy instance (running or pending tasks, a task still stopping, or any
+   instance of a unit with a task still stopping: the handler's `_movable` and
+   `_units_still_stopping`) keeps its unit; it is never moved. Busy instances that carry
+   no unit of this cell are not ours and are left alone.
 2. A unit that lost nodes (some busy members, fewer than `nodes_per_unit`) is completed
    first from the free instances. Picking node by node, the plan is made with each of
    a few strategies: keep the instances already labelled for the unit; take the nearest

@@ -26,7 +26,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from botocore.client import BaseClient
@@ -120,10 +120,21 @@ class ContainerInstance:
     running_tasks: int
     pending_tasks: int
     attributes: Mapping[str, str | None]
+    # Tasks ECS is stopping here that have not stopped yet (`stopping_tasks`): counted in neither
+    # runningTasksCount ("tasks ... that have a desired status (desiredStatus) of RUNNING") nor
+    # pendingTasksCount ("tasks ... in the PENDING status"), botocore 1.44.8 ecs/2014-11-13 ContainerInstance.
+    stopping_tasks: int = 0
+
+    @property
+    def scheduled(self) -> bool:
+        """Runs or is about to run a task (one whose desired status is RUNNING)."""
+        return self.running_tasks > 0 or self.pending_tasks > 0
 
     @property
     def busy(self) -> bool:
-        return self.running_tasks > 0 or self.pending_tasks > 0
+        """Holds a task that has not stopped: scheduled, or a task still stopping (a unit's drain, up to
+        the follower's stop bound, docs/cell-lifecycle.md "The leader's stop budget")."""
+        return self.scheduled or self.stopping_tasks > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +198,43 @@ def list_container_instances(ecs: BaseClient, cluster: str, retry: Retry) -> lis
         if not token:
             break
     return describe_container_instances(ecs, cluster, arns, retry)
+
+
+def stopping_tasks(ecs: BaseClient, cluster: str, retry: Retry) -> dict[str, int]:
+    """Container instance ARN -> how many of its tasks ECS is stopping but has not stopped yet.
+
+    ListTasks with desiredStatus STOPPED "limits the results to tasks that Amazon ECS has set the
+    desired status to STOPPED" and lists stopped tasks too (for at least an hour)
+    (https://docs.aws.amazon.com/AmazonECS/latest/APIReference/API_ListTasks.html); DescribeTasks
+    (100 tasks per call) tells which have not reached lastStatus STOPPED yet and where they run.
+    A task whose lastStatus is RUNNING, DEACTIVATING (its target deregistering), STOPPING or
+    DEPROVISIONING still holds its instance (a unit's Neuron devices, its host port).
+    """
+    arns: list[str] = []
+    token: str | None = None
+    while True:
+        kwargs: dict[str, Any] = {"cluster": cluster, "desiredStatus": "STOPPED", "maxResults": 100}
+        if token:
+            kwargs["nextToken"] = token
+        response = retry.call(ecs.list_tasks, **kwargs)
+        arns.extend(response.get("taskArns", []))
+        token = response.get("nextToken")
+        if not token:
+            break
+    found: dict[str, int] = {}
+    for batch in chunks(sorted(set(arns)), DESCRIBE_PER_CALL):
+        response = retry.call(ecs.describe_tasks, cluster=cluster, tasks=list(batch))
+        for task in response.get("tasks", []):
+            host = task.get("containerInstanceArn")
+            if host and task.get("lastStatus") != "STOPPED":
+                found[host] = found.get(host, 0) + 1
+    return found
+
+
+def with_stopping(instance: ContainerInstance, stopping: Mapping[str, int]) -> ContainerInstance:
+    """The instance with its count of tasks still stopping (`stopping_tasks`)."""
+    count = stopping.get(instance.arn, 0)
+    return replace(instance, stopping_tasks=count) if count != instance.stopping_tasks else instance
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@
 Every trigger (ECS container instance state change, Auto Scaling launch or terminate of
 the cell's group, the periodic sweep) runs the same full reconciliation, so a lost or
 duplicated event costs nothing: read the group's instances and the cluster's container
-instances, read their topology, plan (`assignment.plan_topology`), write only the
+instances (and, when an instance labelled with a unit looks free by its task counts, the
+tasks ECS is still stopping: such an instance, and every instance of its unit, stays busy),
+read their topology, plan (`assignment.plan_topology`), write only the
 attributes that differ, clear the attributes of instances that left, and publish each
 unit's topology score as a CloudWatch metric in Embedded Metric Format (a log line; no
 PutMetricData permission needed). A FIFO trigger queue with one message group keeps runs from overlapping.
@@ -28,7 +30,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,8 +169,40 @@ def _clear(instance: aws.ContainerInstance) -> list[dict[str, str]]:
 
 
 def _movable(instance: aws.ContainerInstance) -> bool:
-    """Free, or a warm spare: its only task is the spare service's, which leaves when it is given a unit."""
+    """Free, or a warm spare: its only task is the spare service's, which leaves when it is given a unit.
+
+    Free means no task that has not stopped (`aws.ContainerInstance.busy`): an instance whose unit
+    task is still stopping (desired STOPPED, last RUNNING/DEACTIVATING/STOPPING: counted in neither
+    runningTasksCount nor pendingTasksCount) keeps its unit. Relabelled, the new unit's task would
+    wait behind the stopping one (the agent holds it PENDING for the host port and memory), and the
+    autoscaler's release of the drained unit, which terminates the instances labelled with it, would
+    terminate some other instance, not this one."""
     return not instance.busy or instance.attributes.get(UNIT_ATTRIBUTE) == SPARE_UNIT
+
+
+def _units_still_stopping(instances: Iterable[aws.ContainerInstance]) -> set[str]:
+    """Units with a task still stopping on one of their instances: all their instances keep the label.
+
+    A drained unit whose leader has stopped but whose follower still drains has one busy member
+    of two: to the plan a unit that lost a node, completed from the free instances (its own
+    stopped one, or a fresh one that scores better, which the autoscaler's release of the unit
+    would then terminate). Held whole, it keeps its instances until its last task has stopped."""
+    return {
+        str(ci.attributes[UNIT_ATTRIBUTE]) for ci in instances
+        if ci.stopping_tasks and ci.attributes.get(UNIT_ATTRIBUTE) not in (None, "", SPARE_UNIT)
+    }
+
+
+def _stopping(
+    settings: Settings, clients: Clients, container_instances: list[aws.ContainerInstance], retry: aws.Retry
+) -> dict[str, int]:
+    """Container instance ARN -> tasks still stopping there; asked of ECS only when an instance labelled
+    with a unit looks free by its counts (the one case the counts cannot tell), to keep the calls down."""
+    looks_free = any(
+        ci.attributes.get(UNIT_ATTRIBUTE) not in (None, "", SPARE_UNIT) and not ci.scheduled
+        for ci in container_instances
+    )
+    return aws.stopping_tasks(clients.ecs, settings.cluster, retry) if looks_free else {}
 
 
 def _briefly_away(settings: Settings, ci: aws.ContainerInstance, now: float, agents: EcsHealthObservation) -> bool:
@@ -372,6 +406,8 @@ def reconcile(
     gone = gone_from_event(event)
     group = aws.group_instances(clients.autoscaling, settings.auto_scaling_group, retry)
     container_instances = aws.list_container_instances(clients.ecs, settings.cluster, retry)
+    stopping = _stopping(settings, clients, container_instances, retry)
+    container_instances = [aws.with_stopping(ci, stopping) for ci in container_instances]
     by_instance = {ci.ec2_instance_id: ci for ci in container_instances}
     step = _quarantine(settings, clients, container_instances, event, retry, now)
     agents = ecs_health.observe(settings.ecs_health, container_instances, group, step.in_quarantine | gone, now)
@@ -388,7 +424,9 @@ def reconcile(
             and ci.status not in GONE_ECS_STATUSES
             and ci.ec2_instance_id not in step.in_quarantine
         )
-        usable = ci.busy or (ci.status == "ACTIVE" and ci.agent_connected) or _briefly_away(settings, ci, now, agents)
+        # A task still stopping does not make a draining instance usable: its label goes, as before.
+        usable = (ci.scheduled or (ci.status == "ACTIVE" and ci.agent_connected)
+                  or _briefly_away(settings, ci, now, agents))
         if in_group and usable:
             managed[ci.ec2_instance_id] = ci
         elif _clear(ci):
@@ -398,12 +436,14 @@ def reconcile(
             left.append(ci.ec2_instance_id)
 
     topology = aws.network_paths(clients.ec2, managed, retry)
+    stopping_units = _units_still_stopping(managed.values())
     instances = [
         Instance(
             instance_id=instance_id,
             path=topology.paths.get(instance_id),
             unit=ci.attributes.get(UNIT_ATTRIBUTE),
-            busy=not _movable(ci) or _briefly_away(settings, ci, now, agents),
+            busy=(not _movable(ci) or _briefly_away(settings, ci, now, agents)
+                  or ci.attributes.get(UNIT_ATTRIBUTE) in stopping_units),
         )
         for instance_id, ci in managed.items()
     ]
@@ -430,7 +470,8 @@ def reconcile(
     skipped: list[str] = []
     leaving_spares: list[aws.ContainerInstance] = []
     if changing:
-        for fresh in aws.describe_container_instances(clients.ecs, settings.cluster, list(changing), retry):
+        for read in aws.describe_container_instances(clients.ecs, settings.cluster, list(changing), retry):
+            fresh = aws.with_stopping(read, stopping)
             if fresh.arn not in changing:
                 continue
             if not _movable(fresh):
@@ -440,7 +481,7 @@ def reconcile(
             more_puts, more_deletes = _label_changes(fresh, unit, mark)
             puts.extend(more_puts)
             deletes.extend(more_deletes)
-            if fresh.busy and unit not in (None, SPARE_UNIT):
+            if fresh.scheduled and unit not in (None, SPARE_UNIT):
                 leaving_spares.append(fresh)
 
     # Deletes first: a label moving from one instance to another is never on both at once.

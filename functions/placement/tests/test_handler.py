@@ -138,7 +138,10 @@ class Cell:
             {"AutoScalingGroupNames": [GROUP]},
         )
 
-    def containers(self, *pages: list[dict]) -> None:
+    def containers(self, *pages: list[dict], stopping: dict[str, str] | None = None) -> None:
+        """ListContainerInstances and DescribeContainerInstances of these pages; then, when an instance
+        labelled with a unit looks free by its counts, the controller's ListTasks (desired STOPPED) and
+        DescribeTasks, answered with `stopping`: instance id -> lastStatus of one task ECS stops there."""
         for index, page in enumerate(pages):
             response: dict = {"containerInstanceArns": [c["containerInstanceArn"] for c in page]}
             params: dict = {"cluster": CLUSTER, "maxResults": 100}
@@ -150,6 +153,21 @@ class Cell:
         everything = [c for page in pages for c in page]
         for start in range(0, len(everything), 100):
             self.describe(everything[start : start + 100])
+        labels = [{a["name"]: a["value"] for a in c["attributes"]}.get("unit") for c in everything]
+        if any(unit not in (None, "spare") and not c["runningTasksCount"] + c["pendingTasksCount"]
+               for unit, c in zip(labels, everything, strict=True)):
+            self.stopping_tasks(stopping or {})
+
+    def stopping_tasks(self, stopping: dict[str, str]) -> None:
+        """ListTasks desiredStatus STOPPED on the cluster and DescribeTasks of what it lists."""
+        tasks = [{"taskArn": f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/stop{instance.removeprefix('i-')}",
+                  "containerInstanceArn": arn(instance), "desiredStatus": "STOPPED", "lastStatus": last}
+                 for instance, last in sorted(stopping.items())]
+        self.ecs.add_response("list_tasks", {"taskArns": [t["taskArn"] for t in tasks]},
+                              {"cluster": CLUSTER, "desiredStatus": "STOPPED", "maxResults": 100})
+        if tasks:
+            self.ecs.add_response("describe_tasks", {"tasks": tasks, "failures": []},
+                                  {"cluster": CLUSTER, "tasks": sorted(t["taskArn"] for t in tasks)})
 
     def describe(self, containers: list[dict], exact: bool = True) -> None:
         arns = [c["containerInstanceArn"] for c in containers] if exact else ANY
@@ -311,6 +329,73 @@ def test_an_instance_that_took_a_task_meanwhile_is_left_alone():
     summary = cell.run(settings=Settings(CLUSTER, GROUP, units=1, nodes_per_unit=2, metrics_namespace="N"))
     assert summary["skipped_busy"] == ["i-0a"]
     assert summary["attributes_written"] == 2
+
+
+def test_an_instance_whose_unit_task_is_still_stopping_keeps_its_unit():
+    """The autoscaler deactivated u2 (its tasks drain, up to the follower's stop bound) and activated u3.
+
+    A stopping task (desired STOPPED, last RUNNING or DEACTIVATING) is counted in neither
+    runningTasksCount ("tasks ... that have a desired status (desiredStatus) of RUNNING") nor
+    pendingTasksCount (botocore 1.44.8 ecs/2014-11-13 ContainerInstance). Before, i-02b looked free
+    and was relabelled u3: u3's task would wait on it behind u2's drain, and the autoscaler's release
+    of u2 (the instances labelled u2) would terminate the fresh i-03c instead of i-02b."""
+    cell = Cell()
+    ids = ["i-00a", "i-00b", "i-01a", "i-01b", "i-02a", "i-02b", "i-03c", "i-03d"]
+    cell.group(**dict.fromkeys(ids, "InService"))
+    serving = [container(i, running=1, unit=f"u{i[3]}", unit_placement="topology") for i in ids[:4]]
+    draining = [container(i, unit="u2", unit_placement="topology") for i in ("i-02a", "i-02b")]
+    fresh = [container("i-03c"), container("i-03d")]
+    cell.containers([*serving, *draining, *fresh], stopping={"i-02a": "RUNNING", "i-02b": "DEACTIVATING"})
+    paths = dict(zip(ids, ["b1", "b1", "b2", "b2", "b3", "b4", "b3", "b4"], strict=True))
+    cell.topology(ids, [topo(i, "t", "m1" if paths[i] in ("b1", "b2") else "m2", paths[i]) for i in ids])
+    cell.describe(fresh)
+    writes = put("i-03c", "u3", "topology") + put("i-03d", "u3", "topology")
+    cell.ecs.add_response("put_attributes", {"attributes": writes[:10]}, {"cluster": CLUSTER, "attributes": writes})
+    summary = cell.run(settings=Settings(CLUSTER, GROUP, units=4, nodes_per_unit=2, metrics_namespace="N"))
+    assert summary["units"]["u2"]["instances"] == ["i-02a", "i-02b"]
+    assert summary["units"]["u3"]["instances"] == ["i-03c", "i-03d"]
+
+
+def test_a_drained_unit_with_one_task_still_stopping_keeps_both_instances():
+    """u2's leader (i-02b) has stopped, its follower (i-02a) still drains. i-02a alone busy made u2 a unit
+    that lost a node: the "nearest" completion (i-03c, beside i-02a) scores 6 against "keep"'s 4, so u2
+    would take the fresh i-03c and u3 the old i-02b; the autoscaler's release of u2 would then terminate
+    i-03c. A unit with a task still stopping keeps every instance labelled with it."""
+    cell = Cell()
+    ids = ["i-00a", "i-00b", "i-01a", "i-01b", "i-02a", "i-02b", "i-03c", "i-03d"]
+    cell.group(**dict.fromkeys(ids, "InService"))
+    serving = [container(i, running=1, unit=f"u{i[3]}", unit_placement="topology") for i in ids[:4]]
+    drained = [container(i, unit="u2", unit_placement="topology") for i in ("i-02a", "i-02b")]
+    fresh = [container("i-03c"), container("i-03d")]
+    cell.containers([*serving, *drained, *fresh], stopping={"i-02a": "STOPPING"})
+    paths = dict(zip(ids, ["b1", "b1", "b2", "b2", "b3", "b4", "b3", "b4"], strict=True))
+    cell.topology(ids, [topo(i, "t", "m1" if paths[i] in ("b1", "b2") else "m2", paths[i]) for i in ids])
+    cell.describe(fresh)
+    writes = put("i-03c", "u3", "topology") + put("i-03d", "u3", "topology")
+    cell.ecs.add_response("put_attributes", {"attributes": writes}, {"cluster": CLUSTER, "attributes": writes})
+    summary = cell.run(settings=Settings(CLUSTER, GROUP, units=4, nodes_per_unit=2, metrics_namespace="N"))
+    assert summary["units"]["u2"]["instances"] == ["i-02a", "i-02b"]
+    assert summary["units"]["u3"]["instances"] == ["i-03c", "i-03d"]
+
+
+def test_stopping_tasks_walks_every_page_and_describes_100_tasks_per_call():
+    cell = Cell()
+    tasks = [f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/t{n:03d}" for n in range(150)]
+    for page, token in ((tasks[:100], None), (tasks[100:], "next")):
+        params = {"cluster": CLUSTER, "desiredStatus": "STOPPED", "maxResults": 100}
+        if token:
+            params["nextToken"] = token
+        cell.ecs.add_response("list_tasks", {"taskArns": page, **({} if token else {"nextToken": "next"})}, params)
+    # Stopped long ago, stopping on i-0a (RUNNING then DEACTIVATING: the leader's target), one STOPPING on i-0b.
+    last = {0: "RUNNING", 1: "DEACTIVATING", 120: "STOPPING"}
+    for batch in (tasks[:100], tasks[100:]):
+        described = [{"taskArn": t, "containerInstanceArn": arn("i-0b" if t.endswith("120") else "i-0a"),
+                      "desiredStatus": "STOPPED", "lastStatus": last.get(int(t[-3:]), "STOPPED")} for t in batch]
+        cell.ecs.add_response("describe_tasks", {"tasks": described, "failures": []},
+                              {"cluster": CLUSTER, "tasks": batch})
+    with cell.active():
+        found = aws.stopping_tasks(cell.clients.ecs, CLUSTER, aws.Retry(sleep=cell.delays.append))
+    assert found == {arn("i-0a"): 2, arn("i-0b"): 1}
 
 
 def test_terminate_event_clears_the_instance_before_the_group_shows_it():
