@@ -5,11 +5,11 @@ the configured floor, the ALB's 5xx share, the ALB target response time p99, the
 proxies' time-to-first-token p99 and queue depth (their Embedded Metric Format metrics,
 see docs/contracts.md), and the units' failed sessions (the launchers' EMF
 `UnitFailures`, containers/inference/unit_launcher/evidence.py). The metric alarms but
-the units floor and the response time are the ECS services' deployment alarms (a bad unit
-update rolls back inside the cell); the composite alarm over all of them is the cell's
-"stop the rollout" signal that the pipeline's stage condition watches. Alarm names are
-derived from the stack name, so the pipeline stack can name them without a cross-stack
-reference.
+the units floor and the two p99 alarms (response time, time to first token) are the ECS
+services' deployment alarms (a bad unit update rolls back inside the cell); the composite
+alarm over all of them is the cell's "stop the rollout" signal that the pipeline's stage
+condition watches. Alarm names are derived from the stack name, so the pipeline stack can
+name them without a cross-stack reference.
 
 The alarms are cell-wide on purpose (the proxy's `[Cell]` dimension set, with the
 Maximum statistic where one bad unit must trip it; a Metrics Insights sum over the
@@ -71,6 +71,8 @@ class AlarmSpec:
     comparison: cloudwatch.ComparisonOperator
     evaluation_periods: int
     missing_data: cloudwatch.TreatMissingData
+    # A percentile alarm: it states what CloudWatch does with too few samples (see _rollout_gate).
+    percentile: bool = False
 
 
 class CellAlarms(Construct):
@@ -131,6 +133,7 @@ class CellAlarms(Construct):
         self.component_alarms: dict[str, cloudwatch.IAlarm] = dict(component_alarms or {})
         self.watched_alarms: dict[str, cloudwatch.IAlarm] = dict(watched_alarms or {})
         self.alarms: dict[str, cloudwatch.Alarm] = {}
+        self._percentile_keys: set[str] = set()
         self._load_balancer_alarms(load_balancer, target_group)
         self._proxy_alarms()
         self._unit_failure_alarm()
@@ -187,6 +190,7 @@ class CellAlarms(Construct):
                 comparison=cloudwatch.ComparisonOperator.GREATER_THAN_THRESHOLD,
                 evaluation_periods=sustained,
                 missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+                percentile=True,
             ),
             load_balancer.metrics.target_response_time(statistic="p99", period=ONE_MINUTE),
         )
@@ -203,6 +207,7 @@ class CellAlarms(Construct):
                 comparison=cloudwatch.ComparisonOperator.GREATER_THAN_THRESHOLD,
                 evaluation_periods=sustained,
                 missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+                percentile=True,
             ),
             self.proxy_metric("TimeToFirstToken", "p99", ONE_MINUTE),
         )
@@ -261,8 +266,24 @@ class CellAlarms(Construct):
         # Nor the ALB target response time: a long non-streamed completion is a normal request
         # that takes as long as its tokens, and one of them would roll a unit's deployment
         # back; the gate still watches it (threshold at least the idle timeout, cell_checks).
+        # Nor any percentile alarm (both p99s), for how CloudWatch treats few samples: "For
+        # percentiles between 0.5 (inclusive) and 1.00 (exclusive), this setting is used when there
+        # are fewer than 10/(1-percentile) data points during the evaluation period. For example, this
+        # setting would be used if there were fewer than 1000 samples for an alarm on a p99 percentile"
+        # (https://docs.aws.amazon.com/AmazonCloudWatch/latest/monitoring/percentiles-with-low-samples.html),
+        # and a cell streams far fewer than 1000 answers a minute. With `evaluate` (the default) the
+        # p99 of a few samples is about their maximum: one long prompt's first token a minute for the
+        # window would roll a good unit update back. With `ignore`, "the alarm state does not change
+        # during periods with too few data points to be statistically significant"
+        # (EvaluateLowSampleCountPercentile,
+        # https://docs.aws.amazon.com/AmazonCloudWatch/latest/APIReference/API_PutMetricAlarm.html):
+        # the alarm would never fire at a cell's usual rate, and one that went to ALARM in a busy
+        # minute would stay there when traffic fell, failing every deployment. So both stay
+        # `evaluate` (set explicitly) and watch only the rollout gate, where a breach over the whole
+        # window stops a wave; ttft_p99_ms must sit above the first token of the longest prompt.
         deployment_alarms: list[cloudwatch.IAlarm] = [
-            alarm for key, alarm in self.alarms.items() if key not in ("units-available", "target-response-p99")]
+            alarm for key, alarm in self.alarms.items()
+            if key != "units-available" and key not in self._percentile_keys]
         gate = cloudwatch.CompositeAlarm(
             self, "RolloutGate",
             composite_alarm_name=rollout_gate_name(self.stack_name),
@@ -423,8 +444,11 @@ class CellAlarms(Construct):
             evaluation_periods=spec.evaluation_periods,
             datapoints_to_alarm=spec.evaluation_periods,
             treat_missing_data=spec.missing_data,
+            evaluate_low_sample_count_percentile="evaluate" if spec.percentile else None,
         )
         self.alarms[spec.key] = alarm
+        if spec.percentile:
+            self._percentile_keys.add(spec.key)
         return alarm
 
     # -- pipeline access ---------------------------------------------------------------

@@ -446,8 +446,17 @@ class TopologyPlacement(Construct):
             self,
             "DeadLettersAlarm",
             alarm_description="Placement controller events or unit-failure deliveries exhausted their retries",
+            # Each queue's metrics come only while it is active: "All metrics emit non-negative
+            # values only when the queue is active"
+            # (https://docs.aws.amazon.com/AWSSimpleQueueService/latest/SQSDeveloperGuide/sqs-available-cloudwatch-metrics.html),
+            # and a dead-letter queue nothing reads goes quiet. Metric math treats a missing value
+            # of a time series as 0 in arithmetic ("Missing values in a time series are treated as
+            # 0", awsdocs/amazon-cloudwatch-user-guide@20a560c, doc_source/using-metric-math.md,
+            # "Basic arithmetic functions"), but says nothing of a series with no point at all in
+            # the window, as the other queue's is when one queue gets its first dead letter. FILL
+            # gives both a point every period, so one queue's letters alone make the sum.
             metric=cloudwatch.MathExpression(
-                expression="triggers + deliveries",
+                expression="FILL(triggers, 0) + FILL(deliveries, 0)",
                 using_metrics={
                     "triggers": self.dead_letter_queue.metric_approximate_number_of_messages_visible(
                         period=Duration.minutes(5), statistic="Maximum"

@@ -664,7 +664,8 @@ class AlarmsConfig(_Strict):
 
     ttft_p99_ms: int = Field(
         default=5000, ge=50, le=3_600_000,
-        description="Proxy time-to-first-token p99 (streamed requests only; none: not breaching), per unit.",
+        description="Proxy time-to-first-token p99 of the cell (streamed requests only; none: not breaching); "
+        "rollout gate only. Above the first token of the longest prompt served.",
     )
     target_response_p99_seconds: float | None = Field(
         default=None,

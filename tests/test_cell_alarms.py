@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ast
 import json
+import re
+from pathlib import Path
 
 import pytest
 from aws_cdk import App, Duration, Stack
@@ -19,7 +21,7 @@ from aws_cdk.assertions import Annotations, Match, Template
 from unit_launcher import evidence
 
 from cell_constructs.cell_alarms import NEUTRAL_CAUSES, CellAlarms, rollout_gate_name
-from inference_fleet.config import AlarmsConfig
+from inference_fleet.config import AlarmsConfig, ServingConfig
 
 LARGE_STACKS = ["Rufus-Cell-use2-a", "Rufus-Cell-use2-b", "Rufus-Cell-usw2-a"]
 # The documented defaults (docs/rollout-pipeline.md, "Alarms and thresholds (per cell)"):
@@ -106,11 +108,11 @@ def test_composite_gate_fires_on_any_cell_alarm(synth_large, stack_name: str) ->
 def test_every_ecs_service_rolls_back_on_the_cell_alarms(synth_large, stack_name: str) -> None:
     template = synth_large.templates[stack_name]
     alarms = _logical_ids(template)
-    # Every alarm but the cell-wide units floor and the target response time, which a normal long
-    # non-streamed completion reaches (see CellAlarms.deployment_alarms).
+    # Every alarm but the cell-wide units floor and the two p99s, which a normal long request
+    # reaches and few samples make their maximum (see CellAlarms._rollout_gate).
     expected = sorted(repr({"Ref": i}) for name, i in alarms.items()
-                      if not name.endswith(("-units-available", "-target-response-p99")))
-    assert len(expected) == len(DOCUMENTED) - 2
+                      if not name.endswith(("-units-available", "-target-response-p99", "-ttft-p99")))
+    assert len(expected) == len(DOCUMENTED) - 3
     # The spare service (cell use2-a) serves nothing: a bad revision shows in the units' deployments.
     services = {k: v for k, v in template.find_resources("AWS::ECS::Service").items() if not k.startswith("Spares")}
     assert len(services) == 6 * 2  # a leader and a follower service per unit
@@ -248,8 +250,7 @@ def test_thresholds_follow_the_fleet_file() -> None:
         "queue-depth": 9, "unit-restarts": 3}
     assert found["ttft-p99"]["EvaluationPeriods"] == 3
     assert found["unit-restarts"]["Metrics"][0]["Period"] == 180
-    assert [a.node.id for a in alarms.deployment_alarms] == [
-        "Alb5xxRate", "TtftP99", "QueueDepth", "UnitRestarts"]
+    assert [a.node.id for a in alarms.deployment_alarms] == ["Alb5xxRate", "QueueDepth", "UnitRestarts"]
     assert len(alarms.alarms) == 6
     assert alarms.gate_reader_role is None
     assert not template.find_resources("AWS::IAM::Role")
@@ -259,7 +260,7 @@ def test_a_zero_floor_has_no_units_alarm() -> None:
     alarms, template = _cell_alarms(units=1, min_units_available=0)
     names = sorted(_alarms_by_name(template))
     assert "Rufus-Cell-test-units-available" not in names and len(names) == 5
-    assert len(alarms.deployment_alarms) == 4
+    assert len(alarms.deployment_alarms) == 3
     assert json.dumps(template.find_resources("AWS::CloudWatch::CompositeAlarm")).count("Arn") == 5
 
 
@@ -366,3 +367,59 @@ def test_a_one_unit_cell_says_at_synth_that_its_updates_are_outages(synth_defaul
     for name in LARGE_STACKS:
         assert not Annotations.from_stack(synth_large.stacks[name]).find_warning(
             "*", Match.string_like_regexp("one unit"))
+
+
+@pytest.mark.parametrize("stack_name", LARGE_STACKS)
+def test_percentile_alarms_evaluate_few_samples_and_gate_only_the_rollout(synth_large, stack_name: str) -> None:
+    """A p99 over fewer than 1000 samples a minute is about their maximum: as an ECS deployment alarm,
+    one long prompt's first token a minute would roll a good unit update back; with `ignore` the alarm
+    would never change state at a cell's rate (docs/rollout-pipeline.md, "Alarms and thresholds")."""
+    template = synth_large.templates[stack_name]
+    alarms = {a["Properties"]["AlarmName"]: (i, a["Properties"]) for i, a in _cell_alarms_of(template).items()}
+    percentile = {name: i for name, (i, props) in alarms.items()
+                  if str(props.get("ExtendedStatistic", "")).startswith("p")}
+    assert sorted(percentile) == [f"{stack_name}-target-response-p99", f"{stack_name}-ttft-p99"]
+    for name in percentile:
+        assert alarms[name][1]["EvaluateLowSampleCountPercentile"] == "evaluate", name
+    services = [s for k, s in template.find_resources("AWS::ECS::Service").items() if not k.startswith("Spares")]
+    for service in services:
+        watched = service["Properties"]["DeploymentConfiguration"]["Alarms"]["AlarmNames"]
+        assert not {json.dumps({"Ref": i}) for i in percentile.values()} & {json.dumps(a) for a in watched}
+    (gate,) = template.find_resources("AWS::CloudWatch::CompositeAlarm").values()
+    for logical_id in percentile.values():
+        assert f'"{logical_id}", "Arn"' in json.dumps(gate["Properties"]["AlarmRule"])
+
+
+def _documented_alarm_table() -> dict[str, tuple[str, str]]:
+    """docs/rollout-pipeline.md, "Alarms and thresholds (per cell)": key -> (default, deployment alarm)."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "rollout-pipeline.md").read_text()
+    section = text.split("## Alarms and thresholds (per cell)", 1)[1].split("\n## ", 1)[0]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("| `")]
+    return {row[0].strip("`"): (row[3], row[4] if len(row) > 4 else "") for row in rows
+            if re.fullmatch(r"`[a-z0-9-]+`", row[0]) and row[0] != "`rollout-gate`"}
+
+
+def test_the_documented_defaults_and_deployment_alarms_are_the_templates(synth_large) -> None:
+    """The table's default column against the larger fleet's thresholds (it sets no `alarms:`), and its
+    last column against the alarms every unit service rolls back on."""
+    stack_name = "Rufus-Cell-use2-a"
+    fleet = synth_large.fleet
+    assert fleet.alarms == AlarmsConfig() and fleet.cell("use2-a").units == 6  # defaults, "5 of 6 units"
+    documented = _documented_alarm_table()
+    template = synth_large.templates[stack_name]
+    by_name = _alarms_by_name(template)
+    alarms = {name.removeprefix(f"{stack_name}-"): (i, by_name[name]) for name, i in _logical_ids(template).items()}
+    assert sorted(documented) == sorted(alarms)
+    for key, (default, _) in documented.items():
+        threshold = alarms[key][1]["Threshold"]
+        if "idle timeout" in default:
+            assert threshold == fleet.serving.alb_idle_timeout_seconds, key
+            unset = re.search(r"\((\d+) s unless set", default)
+            assert unset and int(unset[1]) == ServingConfig.model_fields["alb_idle_timeout_seconds"].default, default
+        else:
+            assert threshold == float(re.match(r"[\d.]+", default)[0]), f"{key}: documented {default!r}, is {threshold}"
+    (service, *_) = [s for k, s in template.find_resources("AWS::ECS::Service").items() if not k.startswith("Spares")]
+    watched = {a["Ref"] for a in service["Properties"]["DeploymentConfiguration"]["Alarms"]["AlarmNames"]}
+    assert {key: deployment for key, (_, deployment) in documented.items()} == {
+        key: "yes" if logical_id in watched else "no" for key, (logical_id, _) in alarms.items()}

@@ -420,3 +420,17 @@ def test_a_quarantine_raises_an_alarm(with_failure_handling):
 def test_cdk_nag_is_clean_with_failure_handling_on(with_failure_handling):
     _, _, _, outdir = with_failure_handling
     assert [f for f in findings(outdir) if f[1].startswith("Cell/Placement/")] == []
+
+
+def test_dead_letter_alarm_fills_each_queue_with_zero(synthesized):
+    """An idle dead-letter queue publishes no metric ("only when the queue is active"): the sum fills
+    each queue's missing periods with 0, so the first dead letter of either queue alone makes the sum."""
+    template, _, _ = synthesized
+    [alarm] = template.find_resources(
+        "AWS::CloudWatch::Alarm", {"Properties": {"Metrics": Match.array_with([Match.object_like({"Id": "triggers"})])}}
+    ).values()
+    [expression] = [m for m in alarm["Properties"]["Metrics"] if "Expression" in m]
+    assert expression["Expression"] == "FILL(triggers, 0) + FILL(deliveries, 0)"
+    assert expression["ReturnData"] is True
+    assert alarm["Properties"]["Threshold"] == 1
+    assert alarm["Properties"]["ComparisonOperator"] == "GreaterThanOrEqualToThreshold"

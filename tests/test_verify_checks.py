@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from inference_fleet.verify import checks_cell, checks_faults, checks_serving
 from inference_fleet.verify.adapter import MetricSeries, Task, TaskTimes
+from inference_fleet.verify.aws import widget_queries
 from inference_fleet.verify.claims import CLAIMS
 from inference_fleet.verify.context import Context
 from inference_fleet.verify.openai_http import OpenAIHttp
@@ -209,3 +212,85 @@ def test_run_kit_read_only_runs_every_check_but_the_destructive_ones() -> None:
     assert by_id["1-serving"].status == "pass" and by_id["2-agreement"].status == "pass"
     assert {by_id["7a-follower-stop"].status, by_id["7b-leader-stop"].status} == {"not_run"}
     assert adapter.stopped == []  # read-only
+
+
+def dashboard_series(template: dict[str, Any], has_data: Callable[[str, str, dict[str, str]], bool]) -> list[
+        MetricSeries]:
+    """The series the AWS adapter reads from a cell's synthesized dashboard (its tokens replaced), each
+    with one point when `has_data(namespace, metric or expression, dimensions)` says so, else none."""
+    (dash,) = [r for r in template["Resources"].values() if r["Type"] == "AWS::CloudWatch::Dashboard"]
+    parts = dash["Properties"]["DashboardBody"]["Fn::Join"][1]
+    body = json.loads("".join(p if isinstance(p, str) else "token" for p in parts))
+    out = []
+    for widget in body["widgets"]:
+        props = widget.get("properties") or {}
+        if widget["type"] != "metric" or not props.get("metrics"):
+            continue
+        queries, namespaces = widget_queries(props)
+        for q in queries:
+            if not q["ReturnData"]:
+                continue
+            metric = q.get("MetricStat", {}).get("Metric", {})
+            dims = {d["Name"]: d["Value"] for d in metric.get("Dimensions", [])}
+            data = has_data(namespaces[q["Id"]], metric.get("MetricName", q.get("Expression", "")), dims)
+            out.append(MetricSeries(f"{props['title']}: {q.get('Label') or q['Id']}", [1.0] if data else [],
+                                    namespaces[q["Id"]]))
+    return out
+
+
+def healthy_cell_data(units: list[str], ttft_units: list[str]) -> Callable[[str, str, dict[str, str]], bool]:
+    """What a healthy cell publishes after the kit's requests: every load-balancer metric; the proxy's
+    gauges of each running unit; time to first token only of the units that answered a stream."""
+    def has_data(namespace: str, metric: str, dims: dict[str, str]) -> bool:
+        if namespace == "AWS/ApplicationELB":
+            return True
+        if namespace != "Rufus/UnitProxy":
+            return False  # no unit failed: no launcher failure data
+        return dims.get("Unit") in (ttft_units if metric == "TimeToFirstToken" else units)
+    return has_data
+
+
+def evidence_context(series: list[MetricSeries], units: list[str]) -> Context:
+    adapter = FakeAdapter("http://unused", health={u: 200 for u in units},
+                          metrics={("Rufus/UnitProxy", "Requests", u): [1.0] for u in units})
+    for u in units:
+        adapter.log({"event": "unit_session_formed", "unit_id": u, "session_id": f"s-{u}"})
+    adapter.widgets = series
+    return Context(adapter, expectations(units=units), OpenAIHttp("http://unused"))
+
+
+def test_dashboard_of_an_elastic_cell_at_its_min_units_passes(synth_elastic: Any) -> None:
+    """tests/fleets/elastic.yaml's cell dev draws u0..u11 and serves with u0 and u1: the dormant
+    units run no proxy (u2..u11: 50 of the 64 proxy and load-balancer series it draws)."""
+    series = dashboard_series(synth_elastic.template_json("Rufus-Cell-dev"),
+                              healthy_cell_data(["u0", "u1"], ttft_units=["u0", "u1"]))
+    assert len([s for s in series if s.namespace in ("Rufus/UnitProxy", "AWS/ApplicationELB")]) == 64
+    result = checks_cell.check_evidence(evidence_context(series, ["u0", "u1"]))
+    assert result.status == "pass", result.detail
+    assert "dashboard: 13 proxy/ALB metric(s) have data" in result.detail  # 4 cell-wide, 4 x 2 per unit, TTFT
+    assert "40 per-unit series of units not serving not judged" in result.detail
+
+
+def test_dashboard_of_a_six_unit_cell_passes_with_time_to_first_token_on_two_units(synth_large: Any) -> None:
+    """Each of the kit's two streamed requests reaches one unit, which the load balancer picks."""
+    units = [f"u{i}" for i in range(6)]
+    series = dashboard_series(synth_large.template_json("Rufus-Cell-use2-a"),
+                              healthy_cell_data(units, ttft_units=["u2", "u5"]))
+    result = checks_cell.check_evidence(evidence_context(series, units))
+    assert result.status == "pass", result.detail
+
+
+@pytest.mark.parametrize("missing", [
+    ("AWS/ApplicationELB", "TargetResponseTime"), ("AWS/ApplicationELB", "HealthyHostCount"),
+    ("Rufus/UnitProxy", "QueueDepth u1"), ("Rufus/UnitProxy", "TimeToFirstToken")])
+def test_dashboard_fails_without_a_cell_wide_series_a_serving_units_gauge_or_any_first_token(
+        synth_elastic: Any, missing: tuple[str, str]) -> None:
+    healthy = healthy_cell_data(["u0", "u1"], ttft_units=["u0", "u1"])
+
+    def has_data(namespace: str, metric: str, dims: dict[str, str]) -> bool:
+        name = f"{metric} {dims['Unit']}" if missing[1].endswith(" u1") and "Unit" in dims else metric
+        return (namespace, name) != missing and healthy(namespace, metric, dims)
+
+    series = dashboard_series(synth_elastic.template_json("Rufus-Cell-dev"), has_data)
+    result = checks_cell.check_evidence(evidence_context(series, ["u0", "u1"]))
+    assert result.status == "fail" and "dashboard: no data for 1 of 13 proxy/ALB metric(s)" in result.detail

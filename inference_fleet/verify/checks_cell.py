@@ -8,10 +8,11 @@ with what is missing, rather than pass.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
-from inference_fleet.verify.adapter import LogEvent, TaskTimes
+from inference_fleet.verify.adapter import LogEvent, MetricSeries, TaskTimes
 from inference_fleet.verify.context import Context
 from inference_fleet.verify.report import CheckResult, Measured, not_run
 
@@ -165,18 +166,56 @@ def _formed_events(ctx: Context) -> tuple[str, str]:
     return ("pass", "unit_session_formed events in the log for every unit")
 
 
+# The dashboard labels each per-unit series with its unit id (cell_alarms.py `proxy_metric`),
+# so the kit reads a series as "<widget title>: u<N>"; cell-wide series have other labels.
+_UNIT_SERIES = re.compile(r"^(?P<widget>.*): (?P<unit>u\d+)$")
+# Widgets of a per-request sample: a unit has a point only in a minute in which it answered a
+# stream (docs/contracts.md, `TimeToFirstToken`: "omitted when none"). The kit streams two
+# requests through the load balancer, which picks the units, so such a widget must have data
+# for some unit, not for each.
+SAMPLE_WIDGETS = ("Time to first token",)
+
+
+def _required_dashboard_series(series: list[MetricSeries], namespaces: tuple[str, ...],
+                               serving: list[str]) -> tuple[dict[str, bool], int]:
+    """What a healthy cell's dashboard must show, each with whether it has data: every cell-wide
+    series of the proxy or the load balancer; each per-unit proxy series of the units the kit found
+    serving (an elastic cell's units beyond them run no proxy); of a sample widget, data for any
+    unit. Also how many per-unit series of other units were left out."""
+    required: dict[str, bool] = {}
+    left_out = 0
+    for s in series:
+        if s.namespace not in namespaces:
+            continue
+        per_unit = _UNIT_SERIES.match(s.label)
+        if per_unit is None:
+            required[s.label] = required.get(s.label, False) or bool(s.values)
+        elif per_unit["widget"].startswith(SAMPLE_WIDGETS):
+            key = f"{per_unit['widget']}: any unit"
+            required[key] = required.get(key, False) or bool(s.values)
+        elif per_unit["unit"] in serving:
+            required[s.label] = bool(s.values)
+        else:
+            left_out += 1
+    return required, left_out
+
+
 def _dashboard(ctx: Context, since: float) -> tuple[str, str]:
     series = ctx.adapter.dashboard(since)
     if series is None:
         return ("not_run", "dashboard: none here")
-    must = [s for s in series if s.namespace in (ctx.expect.proxy_metrics_namespace, ALB_NAMESPACE)]
-    empty = [s.label for s in must if not s.values]
-    others = [s for s in series if s not in must]
-    note = f"; {sum(1 for s in others if s.values)} of {len(others)} other metric(s) have data"
+    namespaces = (ctx.expect.proxy_metrics_namespace, ALB_NAMESPACE)
+    serving = [u for u in ctx.expect.units if ctx.adapter.unit_health(u) == 200]
+    required, left_out = _required_dashboard_series(series, namespaces, serving)
+    empty = [label for label, has_data in required.items() if not has_data]
+    judged = f" (cell-wide; per unit for the serving units {serving}; time to first token on any unit)"
+    others = [s for s in series if s.namespace not in namespaces]
+    note = (f"; {left_out} per-unit series of units not serving not judged"
+            f"; {sum(1 for s in others if s.values)} of {len(others)} other metric(s) have data")
     if empty:
-        return ("fail", f"dashboard: no data for {len(empty)} of {len(must)} proxy/ALB metric(s): "
+        return ("fail", f"dashboard: no data for {len(empty)} of {len(required)} proxy/ALB metric(s){judged}: "
                      f"{empty[:6]}" + note)
-    return ("pass", f"dashboard: {len(must)} proxy/ALB metric(s) have data" + note)
+    return ("pass", f"dashboard: {len(required)} proxy/ALB metric(s) have data{judged}" + note)
 
 
 def check_evidence(ctx: Context, wait_seconds: float = 0.0) -> CheckResult:
