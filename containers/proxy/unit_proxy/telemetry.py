@@ -309,7 +309,9 @@ class Telemetry:
         }
 
     def emf_events(self, namespace: str, cell: str, unit: str, now: float | None = None) -> list[dict[str, Any]]:
-        """The EMF events of the interval that ends now; starts the next interval."""
+        """The EMF events of the interval that ends now, then those of the TTFT samples counted
+        since the last call whose requests started in earlier intervals (each under its own
+        interval's Timestamp); starts the next interval."""
         iv, self._interval = self._interval, _Interval()
         late, self._late_ttft = self._late_ttft, {}
         end = time.time() if now is None else now
