@@ -15,7 +15,7 @@ interval's figures are dated at its end; a TTFT sample is dated at its request's
 (Telemetry.request_done), which for a stream longer than the rest of its interval is an
 interval already written: it goes out with a later interval's lines under its own interval's
 Timestamp. CloudWatch accepts datapoints up to two weeks in the past; those over 3 h old can
-take up to 2 h to be readable, over 24 h 48 h (PutMetricData,
+take up to 2 h to be readable, over 24 h at least 48 h (PutMetricData,
 https://docs.aws.amazon.com/AmazonCloudWatch/latest/APIReference/API_PutMetricData.html; the EMF
 specification states no limit of its own, so PutMetricData's is assumed, unverified).
 """
