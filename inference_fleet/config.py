@@ -346,8 +346,9 @@ class ScalingConfig(_Strict):
 
     target_load: float = Field(
         default=0.7, gt=0.1, le=0.95,
-        description="Target load per serving unit, 0-1: the larger of (in flight + waiting) / admission "
-        "capacity and KV cache usage, from the proxies' EMF metrics. Above it on average: scale out.",
+        description="Target load per serving unit, 0-1: the larger of in flight / admission capacity (vLLM's "
+        "waiting requests are among those in flight) and KV cache usage, from the proxies' EMF metrics. Above "
+        "it on average: scale out.",
     )
     scale_in_margin: float = Field(
         default=0.2, ge=0.05, le=0.5,

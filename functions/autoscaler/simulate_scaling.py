@@ -7,7 +7,10 @@ The world is a model, stated here so the figures can be judged:
   optionally with per-minute noise (uniform +-15 % or +-30 %), a one-minute 2x burst every
   3 h, or a 60-minute 2x spike; the load balancer spreads it evenly over the healthy serving
   units (least outstanding requests); a unit admits up to its admission capacity
-  (`serving.max_inflight_requests`) and the proxy answers 429 beyond it;
+  (`serving.max_inflight_requests`) and the proxy answers 429 beyond it; of those it admits,
+  the engine runs up to its batch (`unit.max_concurrent_sequences`) and keeps the rest in its
+  waiting queue, and the proxy reports all of them as in flight, those waiting too (InFlight,
+  QueueDepth; `decision.Load`); the KV cache usage is 0.9 x running / batch (an assumption);
 - metrics: each unit's minute of utilisation and UnitHealthy, and the cell's TTFT p90,
   reach the autoscaler `--metric-lag` minutes late (EMF through CloudWatch Logs), and each
   unit's minute is missing with probability `--gap` (the cell's TTFT too);
@@ -174,15 +177,17 @@ class World:
     ttft_history: list[float | None] = field(default_factory=list)
     gaps: list[list[bool]] = field(default_factory=list)
     rng: random.Random = field(default_factory=random.Random)
+    batch: float = 0.0  # the engine's batch (max_concurrent_sequences); 0: the admission capacity
 
     @classmethod
     def start(cls, policy: Policy, capacity: float, startup_s: float, drain_s: float, active: int,
               faults: Faults = NO_FAULTS, seed: int = 0, minutes: int = 24 * 60, rules: str = "smoothed",
-              t0: float = 0.0) -> World:
+              t0: float = 0.0, *, batch: float | None = None) -> World:
         if rules not in RULES:
             raise ValueError(f"rules must be one of {RULES}, got {rules!r}")
         world = cls(policy, capacity, startup_s, drain_s, faults, seed, minutes, rules, t0,
                     [SimUnit(i) for i in range(policy.max_units)])
+        world.batch = min(batch or capacity, capacity)
         gap_rng = random.Random(f"{seed}/gaps")
         world.gaps = [[gap_rng.random() < faults.gap for _ in range(minutes)] for _ in range(policy.max_units + 1)]
         world.rng = random.Random(f"{seed}/world")
@@ -230,8 +235,10 @@ class World:
         healthy = self.healthy_units()
         share = demand / healthy if healthy else 0.0
         inflight = min(share, self.capacity)
-        busy = Load(inflight=inflight, capacity=self.capacity, waiting=0.0,
-                    kv_usage=0.9 * inflight / self.capacity).utilisation
+        batch = self.batch or self.capacity
+        running = min(inflight, batch)
+        busy = Load(inflight=inflight, capacity=self.capacity, waiting=inflight - running,
+                    kv_usage=0.9 * running / batch).utilisation
         gap_row = minute if minute < self.minutes else self.minutes - 1
         for unit, series in zip(self.units, self.history, strict=True):
             point: tuple[float | None, float | None] = {
@@ -348,8 +355,10 @@ def simulate(
     name: str, demand: Demand, policy: Policy, *, capacity: float, startup_s: float, drain_s: float,
     hours: float = 24.0, start_h: float = 0.0, objective_ms: float | None = None, faults: Faults = NO_FAULTS,
     seed: int = 0, rules: str = "smoothed", check: Callable[[World, Observation, Decision], None] | None = None,
+    batch: float | None = None,
 ) -> Result:
-    """Run the closed loop; `check` (tests) sees the world, the observation and the decision of every tick."""
+    """Run the closed loop; `check` (tests) sees the world, the observation and the decision of every
+    tick. `batch`: the engine's batch (default: the admission capacity)."""
     objective = objective_ms or policy.ttft_p90_ms or DEFAULT_OBJECTIVE_MS
     minutes = int(hours * 60)
     t0 = start_h * 3600
@@ -359,7 +368,7 @@ def simulate(
     # The initial units have served for a while: their metrics go back the lag and the window.
     warm = policy.window_minutes + faults.metric_lag_min
     world = World.start(policy, capacity, startup_s, drain_s, initial, faults, seed, minutes + warm, rules,
-                        t0 - warm * TICK_S)
+                        t0 - warm * TICK_S, batch=batch)
     for minute in range(warm):
         world.record(minute, demand(t0 + (minute - warm) * TICK_S))
     unit_minutes = violated = static_violated = refused = 0
@@ -388,6 +397,13 @@ def simulate(
             timeline.append((now / 3600, d, healthy, holding))
     return Result(name, minutes, unit_minutes / 60.0, static_units, violated, static_violated, refused,
                   timeline, actions)
+
+
+def engine_batch(path: Path) -> float:
+    """The engine's batch per unit (`unit.max_concurrent_sequences`, vLLM's max_num_seqs)."""
+    from inference_fleet.checks import load_fleet
+
+    return float(load_fleet(path).unit.max_concurrent_sequences)
 
 
 def policy_from_fleet(path: Path, cell_name: str | None) -> tuple[Policy, float, float, float]:
@@ -497,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.gap < 1 or not 0 <= args.formation_failure < 1 or args.metric_lag < 1:
         parser.error("--gap and --formation-failure must be in [0, 1), --metric-lag at least 1 minute")
     policy, capacity, startup, drain = policy_from_fleet(args.config, args.cell)
+    batch = engine_batch(args.config)
     if args.startup_minutes is not None:
         startup = args.startup_minutes * 60
     if args.target_load is not None:
@@ -508,8 +525,9 @@ def main(argv: list[str] | None = None) -> int:
         reforms_per_day=args.reforms_per_day, refused=tuple(args.refused or Faults.refused))
     hours, offset = (6.0, 8.0) if args.quick else (24.0, 0.0)
     print(f"policy: {policy}")
-    print(f"unit admission capacity {capacity:.0f} requests, start-up {startup / 60:.0f} min, "
-          f"drain {drain / 60:.0f} min; {faults}; seeds {args.seed}..{args.seed + args.seeds - 1}; "
+    print(f"unit admission capacity {capacity:.0f} requests, engine batch {batch:.0f}, "
+          f"start-up {startup / 60:.0f} min, drain {drain / 60:.0f} min; {faults}; "
+          f"seeds {args.seed}..{args.seed + args.seeds - 1}; "
           f"{hours:g} h from {offset:02.0f}:00")
     rule_sets = RULES if args.rules == "both" else (args.rules,)
     seeds = range(args.seed, args.seed + args.seeds)
@@ -518,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
         for rules in rule_sets:
             results = [simulate(f"{name} [{rules}]", by_seed[seed][index][1], rules_policy(policy, rules),
                                 capacity=capacity, startup_s=startup, drain_s=drain, hours=hours, start_h=offset,
-                                faults=faults, seed=seed, rules=rules) for seed in seeds]
+                                faults=faults, seed=seed, rules=rules, batch=batch) for seed in seeds]
             report(results, timeline=args.timeline and not args.quick)
     return 0
 

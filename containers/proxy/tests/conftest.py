@@ -49,6 +49,10 @@ class FakeEngine(CuedStreams):
     counts those waiting). `x-tokens` and `x-gap` set the stream's length and pace, `x-pad`
     adds that many bytes to each token. The stream cues (stall_mid, crash) are played by
     fake_stream.CuedStreams, as FakeTriton's are.
+
+    With `batch` set, /metrics reports the `slow` requests as vLLM would hold them with
+    max_num_seqs = batch: the first `batch` running, the rest waiting (its scheduler's
+    running and waiting queues, vllm:num_requests_running and vllm:num_requests_waiting).
     """
 
     def __init__(self) -> None:
@@ -58,6 +62,7 @@ class FakeEngine(CuedStreams):
         self.slow_seconds = 0.0  # how long the `slow` cue waits before answering
         self.slow_in_flight = 0
         self.slow_answered = 0
+        self.batch: int | None = None  # set: /metrics derives running and waiting from slow_in_flight
         self.metrics_text = (
             "# HELP vllm:num_requests_waiting waiting\n# TYPE vllm:num_requests_waiting gauge\n"
             'vllm:num_requests_waiting{model_name="m"} 3.0\n'
@@ -109,7 +114,15 @@ class FakeEngine(CuedStreams):
         return web.Response(status=200 if self.healthy else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(text=self.metrics_text)
+        if self.batch is None:
+            return web.Response(text=self.metrics_text)
+        running, waiting = min(self.slow_in_flight, self.batch), max(self.slow_in_flight - self.batch, 0)
+        return web.Response(text=(
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f'vllm:num_requests_waiting{{model_name="m"}} {waiting}.0\n'
+            "# TYPE vllm:num_requests_running gauge\n"
+            f'vllm:num_requests_running{{model_name="m"}} {running}.0\n'
+        ))
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "m", "object": "model", "owned_by": "test"}]})

@@ -37,3 +37,30 @@ async def test_requests_past_the_limit_get_429_at_once(make_proxy: ProxyFactory,
             await resp.read()
     load = proxy.state.telemetry.load_json()
     assert load["rejected_total"] == 1 and load["requests_total"] == 3
+
+
+async def test_vllms_waiting_requests_are_part_of_inflight(make_proxy: ProxyFactory, engine: FakeEngine):
+    """MAX_INFLIGHT 16 above an engine batch of 8 (max_inflight_requests > max_concurrent_sequences
+    is allowed): 12 requests in flight, 8 running in the engine and 4 waiting in its queue. The
+    proxy's InFlight (HAProxy's scur + qcur of the engine server) is 12, the 4 waiting among them,
+    and QueueDepth 4 in the same EMF line: the autoscaler's Load counts InFlight once and does not
+    add QueueDepth to it (functions/autoscaler decision.Load; it read 16 of 16 here)."""
+    proxy = await make_proxy(max_inflight=16)
+    engine.batch, engine.slow_seconds = 8, 30.0
+    async with aiohttp.ClientSession() as session:
+
+        async def held() -> None:
+            async with session.post(f"{proxy.url}/v1/completions", json={"model": "m", "prompt": "x"},
+                                    headers={"x-cue": "slow"}) as resp:
+                await resp.read()
+
+        requests = [asyncio.create_task(held()) for _ in range(12)]
+        await wait_until(lambda: engine.slow_in_flight == 12, what="12 requests at the engine")
+        await wait_until(lambda: proxy.state.inflight == 12 and proxy.state.telemetry.engine.queue_depth == 4,
+                         what="the proxy's figures: 12 in flight, 4 waiting in the engine")
+        event = proxy.state.telemetry.emf_events("Rufus/UnitProxy", "dev", "u0")[0]
+        for request in requests:
+            request.cancel()
+        await asyncio.gather(*requests, return_exceptions=True)
+    assert (event["InFlight"], event["RunningRequests"], event["QueueDepth"]) == (12, 8, 4)
+    assert event["InFlight"] == event["RunningRequests"] + event["QueueDepth"]  # the waiting are in InFlight

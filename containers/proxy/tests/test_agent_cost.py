@@ -134,15 +134,20 @@ def test_identical_log_lines_are_counted_at_once_and_exactly():
     lines = [kinds[(i * 5) % len(kinds)] if i % 5 else kinds[0] for i in range(3000)]
     assert all(kind in lines for kind in kinds)
     one_by_one, grouped = Telemetry(lambda: 0), Telemetry(lambda: 0)
-    for line in lines:
-        feed(one_by_one, line + b"\n")
-    feed(grouped, b"\n".join(lines) + b"\n")
+    read = time.time() + 1.0  # the lines' read: the 812 ms streams started in the first interval
     for t in (one_by_one, grouped):
+        t.emf_events("ns", "c", "u0", now=read - 0.4)
+    for line in lines:
+        feed(one_by_one, line + b"\n", now=read)
+    feed(grouped, b"\n".join(lines) + b"\n", now=read)
+    for t in (one_by_one, grouped):
+        late = list(t._late_ttft.values())
         t.snapshot = (  # type: ignore[attr-defined]
             dict(t.codes), t.requests_total, t.rejected_total, t.unavailable_total,
             t.ttft.counts, round(t.ttft.total, 6), t.latency.counts, round(t.latency.total, 6),
             t._interval.requests, t._interval.ttft_ms.seen, t._interval.latency_ms.seen,
             len(t._interval.ttft_ms.values), t.upstream_errors.labels("reset")._value.get(),
+            list(t._late_ttft), [r.seen for r in late], [len(r.values) for r in late],
         )
     assert grouped.snapshot == one_by_one.snapshot  # type: ignore[attr-defined]
     assert grouped.codes[200] == sum(map(lines.count, kinds[:3]))
@@ -153,6 +158,10 @@ def test_identical_log_lines_are_counted_at_once_and_exactly():
     assert grouped.ttft.counts[bisect.bisect_left(TTFT_BUCKETS, 0.012)] >= streams[0] > 0
     assert sum(grouped.ttft.counts) == sum(streams)
     assert round(grouped.ttft.total, 6) == round(0.012 * streams[0] + 0.020 * streams[2], 6)
+    # Dated at their start: the 812 ms streams in the first interval (written 0.4 s before the
+    # read), the 40 ms ones in the current interval.
+    assert {k: r.seen for k, r in grouped._late_ttft.items()} == {int((read - 0.4) * 1000): streams[0] + streams[1]}
+    assert grouped._interval.ttft_ms.seen == streams[2]
 
 
 def test_adding_alike_values_at_once_keeps_a_uniform_sample():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 from typing import Any
 
 from unit_proxy.telemetry import EMF_MAX_VALUES, SAMPLE_CAP, EngineLoad, Telemetry, write_emf
@@ -101,3 +102,41 @@ def test_emf_splits_values_over_events_and_bounds_samples():
     assert "Requests" not in parsed[1]  # counts appear once per interval
     assert sum(len(p["TimeToFirstToken"]) for p in parsed) == SAMPLE_CAP
     assert "QueueDepth" not in parsed[0]  # no scrape yet: omitted, not reported as 0
+
+
+def test_ttft_samples_are_dated_at_their_requests_start():
+    """A TTFT sample goes under the Timestamp of the interval in which its request started, also
+    when the request ends (its log line is read) intervals later; counts and latencies stay with
+    the interval in which the request ended. Every sample is written once."""
+    from unit_proxy.haproxy_log import feed
+
+    t = Telemetry(lambda: 0)
+    base = time.time() + 1
+    for end in (base, base + 5, base + 10):  # three intervals written: (.., base], (base, base+5], (base+5, base+10]
+        t.emf_events("Rufus/UnitProxy", "dev", "u0", now=end)
+    t.request_done(200, 0.25, 12.0, started=base + 2)
+    for i in range(150):  # more than one EMF line's values
+        t.request_done(200, 0.001 * i, 4.0, started=base + 7)
+    t.request_done(200, 0.3, 1.0, started=base + 11)  # started in the current interval
+    t.request_done(200, 0.4, 9000.0, started=base - 7200)  # before every kept interval: its minute
+    t.request_done(200, None, 2.0, started=base + 1)  # no TTFT (not streamed): nothing dated
+    # Through the log line: %Ta 3 s, first byte 2.8 s before the line, read at base + 12: it
+    # started at base + 9.
+    feed(t, b"200 3000 2990 1 100 ---- engine - 2800\n", now=base + 12)
+    events = t.emf_events("Rufus/UnitProxy", "dev", "u0", now=base + 15)
+    by_stamp: dict[int, list[float]] = {}
+    for event in events:
+        values = check_emf(json.loads(json.dumps(event)))
+        by_stamp.setdefault(event["_aws"]["Timestamp"], []).extend(values.get("TimeToFirstToken", []))
+    ms = int((base + 15) * 1000)
+    assert by_stamp == {
+        ms: [300.0],
+        int((base + 5) * 1000): [250.0],
+        int((base + 10) * 1000): [round(0.001 * i * 1000, 3) for i in range(150)] + [200.0],
+        int((base - 7200) // 60) * 60_000: [400.0],
+    }
+    assert len([e for e in events if e["_aws"]["Timestamp"] == int((base + 10) * 1000)]) == 2  # 151 values
+    assert events[0]["Requests"] == 155 and len(events[0]["RequestLatency"]) == 100  # counted when they ended
+    assert sum(t.ttft.counts) == 154  # the Prometheus histogram: every sample, undated
+    nxt = t.emf_events("Rufus/UnitProxy", "dev", "u0", now=base + 20)
+    assert len(nxt) == 1 and "TimeToFirstToken" not in nxt[0]  # each sample written once

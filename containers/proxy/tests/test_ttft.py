@@ -6,7 +6,9 @@ once and their first event `x-first` seconds later, as vLLM's uvicorn does after
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+import signal
 import time
 
 import aiohttp
@@ -14,6 +16,7 @@ import aiohttp
 from .conftest import FakeEngine, FakeLauncher, ProxyFactory, wait_until
 from .fake_triton import FakeTriton
 from .test_drain import _is, health, proxy_process
+from .test_emf import check_emf
 
 STREAM = {"model": "m", "prompt": "x", "stream": True}
 
@@ -168,3 +171,38 @@ async def test_a_client_gone_during_the_prefill_cancels_the_engine_request(
     await wait_until(lambda: proxy.state.inflight == 0, timeout=3, what="in-flight count back to 0")
     metrics = await _logged(proxy.admin_url, 1)
     assert metrics['unit_proxy_requests_total{code="499"}'] == 1 and _ttft(metrics) == (0, 0)
+
+
+async def test_a_long_streams_ttft_is_dated_at_its_start_not_its_end(engine: FakeEngine, launcher: FakeLauncher):
+    """The proxy process writing EMF every 0.5 s; a stream whose first event comes at 0.2 s and
+    which ends about 3 s later. HAProxy logs it at its end, but its one TTFT sample must carry
+    the Timestamp of the interval in which it started: within one interval of its first byte
+    (it was the interval in which it ended, 3 s later: the cold review of the observability
+    wiring; a minute's TTFT then held streams started when the cell had one unit fewer)."""
+    interval = 0.5
+    env = {"EMF_INTERVAL_SECONDS": str(interval), "DRAIN_SECONDS": "0", "PROXY_WORKERS": "1",
+           "CANARY_INTERVAL_SECONDS": "0"}
+    async with proxy_process(engine, launcher, **env) as (url, proc):
+        async with aiohttp.ClientSession() as session:
+            await wait_until(lambda: _is(health(session, url), 200), timeout=20, what="the proxy to be healthy")
+            sent = time.time()
+            async with session.post(f"{url}/v1/completions", json=STREAM,
+                                    headers={"x-first": "0.2", "x-tokens": "30", "x-gap": "0.1"}) as resp:
+                assert resp.status == 200 and (await resp.content.readline()).startswith(b"data: ")
+                first = time.time()
+                assert b"[DONE]" in await resp.read()
+                ended = time.time()
+            await asyncio.sleep(3 * interval)  # the line read and its interval written
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
+        stdout, _ = await asyncio.wait_for(proc.communicate(), 5)
+    events = [json.loads(line) for line in stdout.decode().splitlines()]
+    samples = [(e["_aws"]["Timestamp"] / 1000, ms) for e in events for ms in check_emf(e).get("TimeToFirstToken", [])]
+    assert ended - first > 2.5, "the stream must outlast several intervals"
+    assert len(samples) == 1, samples
+    stamp, ttft_ms = samples[0]
+    assert 200 <= ttft_ms < 500, ttft_ms
+    assert sent <= stamp <= first + interval, (
+        f"TTFT dated {stamp - sent:.2f} s after the request was sent; its first byte came at "
+        f"{first - sent:.2f} s, the stream ended at {ended - sent:.2f} s (EMF interval {interval} s)"
+    )

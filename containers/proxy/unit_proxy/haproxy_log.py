@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -100,8 +101,9 @@ def parse(line: str) -> LogRecord | None:
         return None
 
 
-def record(telemetry: Telemetry, rec: LogRecord) -> None:
-    """Count one request as the Python data path did: refusals apart, proxied requests by code."""
+def record(telemetry: Telemetry, rec: LogRecord, now: float | None = None) -> None:
+    """Count one request as the Python data path did: refusals apart, proxied requests by code.
+    `now`: the wall date (s) of the log line, which dates the request's start (feed)."""
     if rec.outcome == "rejected" or (rec.status == REJECTED_STATUS and rec.backend == FRONTEND):
         telemetry.request_rejected()
         return
@@ -121,15 +123,24 @@ def record(telemetry: Telemetry, rec: LogRecord) -> None:
         kind = "connect" if second == "C" else ("timeout" if first == "s" else ("reset" if second == "H" else "cut"))
         telemetry.upstream_error(kind)
     latency = max(rec.active_ms, 0) / 1000.0
-    telemetry.request_done(status, ttft_seconds(rec.active_ms, rec.after_first_ms), latency)
+    ttft = ttft_seconds(rec.active_ms, rec.after_first_ms)
+    started = None if ttft is None or now is None else now - latency
+    telemetry.request_done(status, ttft, latency, 1, started)
 
 
-def feed(telemetry: Telemetry, data: bytes) -> None:
+def feed(telemetry: Telemetry, data: bytes, now: float | None = None) -> None:
     """Count the complete lines in `data`. Identical lines are counted at once: the fields are
     whole milliseconds, so a read of many requests holds few distinct lines (collections.Counter
     groups them in C; Python then parses each distinct line once, not each request). The common
-    line (an engine answer that ended normally, no outcome) is counted without a LogRecord."""
+    line (an engine answer that ended normally, no outcome) is counted without a LogRecord.
+
+    A streamed answer's TTFT is dated at its request's start, `now - %Ta` (Telemetry.request_done):
+    the line carries no date of its own (a date field would make every line distinct), and it is
+    read at most READ_PAUSE_SECONDS (plus the time to count a read) after HAProxy wrote it, so
+    the start is dated that much late at most while the follower keeps up."""
     done = telemetry.request_done
+    if now is None:
+        now = time.time()
     for line, count in Counter(data.split(b"\n")).items():
         parts = line.split()
         if len(parts) == FIELDS and parts[7] == b"-" and parts[6] == b"engine" and parts[5][:1] not in b"CcsSK":
@@ -138,7 +149,9 @@ def feed(telemetry: Telemetry, data: bytes) -> None:
             except ValueError:
                 pass
             else:
-                done(status, ttft_seconds(active, after_first), max(active, 0) / 1000.0, count)
+                latency = max(active, 0) / 1000.0
+                ttft = ttft_seconds(active, after_first)
+                done(status, ttft, latency, count, None if ttft is None else now - latency)
                 continue
         if not line:
             continue
@@ -148,7 +161,7 @@ def feed(telemetry: Telemetry, data: bytes) -> None:
             log.debug("unparsed HAProxy log line: %r", text[:200])
             continue
         for _ in range(count):
-            record(telemetry, rec)
+            record(telemetry, rec, now)
 
 
 # How long a catch-up waits for more lines before it calls the stream drained.

@@ -8,6 +8,16 @@ https://docs.aws.amazon.com/AmazonCloudWatch/latest/monitoring/CloudWatch_Embedd
 TCP sink or reads instance metadata over HTTP unless forced to its local mode, adds its
 own default dimensions, and flushes one event per logger; one pre-aggregated event per
 interval is all this needs).
+
+Each event's `_aws.Timestamp` (ms since the epoch, the specification above) dates its values:
+CloudWatch puts a value in the minute of that Timestamp, not of the line's arrival. The
+interval's figures are dated at its end; a TTFT sample is dated at its request's start
+(Telemetry.request_done), which for a stream longer than the rest of its interval is an
+interval already written: it goes out with a later interval's lines under its own interval's
+Timestamp. CloudWatch accepts datapoints up to two weeks in the past; those over 3 h old can
+take up to 2 h to be readable, over 24 h at least 48 h (PutMetricData,
+https://docs.aws.amazon.com/AmazonCloudWatch/latest/APIReference/API_PutMetricData.html; the EMF
+specification states no limit of its own, so PutMetricData's is assumed, unverified).
 """
 
 from __future__ import annotations
@@ -32,6 +42,11 @@ EMF_MAX_VALUES = 100
 # Per-request samples kept per interval; beyond it a uniform reservoir sample is kept so
 # percentiles stay unbiased while memory stays bounded.
 SAMPLE_CAP = 1000
+
+# Interval starts kept to date a TTFT sample that arrives after its interval was written
+# (Telemetry.request_done): 4096 intervals are 5.7 h at the default 5 s; an older start is
+# dated by its minute.
+INTERVALS_KEPT = 4096
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
 LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -189,11 +204,27 @@ class Telemetry:
         self.unavailable_total = 0
         self._restarts_reported = 0
         self._interval = _Interval()
+        # Wall dates (s) at which the kept intervals started, ascending; the last is the current
+        # interval's. A past interval's EMF Timestamp is the next one's start (emf_events).
+        self._starts: list[float] = [time.time()]
+        # TTFT samples of requests that started in an interval already written, by the EMF
+        # Timestamp (ms) of that interval: written with the next interval's lines.
+        self._late_ttft: dict[int, _Reservoir] = {}
 
     # -- data path (called once per request: keep cheap) --------------------------------
 
-    def request_done(self, status: int, ttft_s: float | None, latency_s: float, count: int = 1) -> None:
-        """`count` requests alike (the log follower counts identical log lines at once)."""
+    def request_done(
+        self, status: int, ttft_s: float | None, latency_s: float, count: int = 1, started: float | None = None
+    ) -> None:
+        """`count` requests alike (the log follower counts identical log lines at once), which
+        ended now. `started`: the wall date (s) at which they started (None: in this interval).
+
+        The counts and the latency are this interval's: a request is counted, and its latency
+        dated, when it ends. Its TTFT is dated at its start: the log line comes at the end of
+        the stream (minutes for a long answer), and a TTFT dated there lands in minutes in which
+        the cell may have had more units than the request met (docs/autoscaling.md). A request
+        that started in an interval already written adds its TTFT to that interval's Timestamp,
+        written with the next lines (emf_events)."""
         codes = self.codes
         codes[status] = codes.get(status, 0) + count
         self.requests_total += count
@@ -203,7 +234,22 @@ class Telemetry:
         iv.latency_ms.add_many(latency_s * 1000.0, count)
         if ttft_s is not None:
             self.ttft.observe(ttft_s, count)
-            iv.ttft_ms.add_many(ttft_s * 1000.0, count)
+            if started is None or started >= self._starts[-1]:
+                iv.ttft_ms.add_many(ttft_s * 1000.0, count)
+            else:
+                self._late_sample(started).add_many(ttft_s * 1000.0, count)
+
+    def _late_sample(self, started: float) -> _Reservoir:
+        """The TTFT sample of the written interval in which `started` falls, by its Timestamp:
+        the start of the interval after it; before every kept interval, the start of its minute
+        (the minute CloudWatch puts it in)."""
+        starts = self._starts
+        after = bisect.bisect_right(starts, started)
+        stamp = int(starts[after] * 1000) if after else int(started // 60) * 60_000
+        sample = self._late_ttft.get(stamp)
+        if sample is None:
+            sample = self._late_ttft[stamp] = _Reservoir()
+        return sample
 
     def request_rejected(self) -> None:
         self.rejected.inc()
@@ -263,9 +309,16 @@ class Telemetry:
         }
 
     def emf_events(self, namespace: str, cell: str, unit: str, now: float | None = None) -> list[dict[str, Any]]:
-        """The EMF events of the interval that ends now; starts the next interval."""
+        """The EMF events of the interval that ends now, then those of the TTFT samples counted
+        since the last call whose requests started in earlier intervals (each under its own
+        interval's Timestamp); starts the next interval."""
         iv, self._interval = self._interval, _Interval()
-        timestamp = int((time.time() if now is None else now) * 1000)
+        late, self._late_ttft = self._late_ttft, {}
+        end = time.time() if now is None else now
+        self._starts.append(max(end, self._starts[-1]))  # kept ascending through a clock step back
+        if len(self._starts) > 2 * INTERVALS_KEPT:
+            del self._starts[:INTERVALS_KEPT]
+        timestamp = int(end * 1000)
         values: dict[str, tuple[float | int, str]] = {
             "InFlight": (self._inflight(), "Count"),
             "Requests": (iv.requests, "Count"),
@@ -293,7 +346,8 @@ class Telemetry:
                     bodies.append({})
                 bodies[index][name] = [round(v, 3) for v in series[i : i + EMF_MAX_VALUES]]
                 units[name] = "Milliseconds"
-        return [_emf_event(namespace, cell, unit, timestamp, body, units) for body in bodies]
+        events = [_emf_event(namespace, cell, unit, timestamp, body, units) for body in bodies]
+        return events + _late_events(namespace, cell, unit, late)
 
     def _take_restarts(self) -> int:
         total = self.restarts_total
@@ -320,6 +374,18 @@ def _emf_event(
         "Unit": unit,
         **body,
     }
+
+
+def _late_events(namespace: str, cell: str, unit: str, late: dict[int, _Reservoir]) -> list[dict[str, Any]]:
+    """Past intervals' TTFT samples, each under its interval's Timestamp (module doc)."""
+    units = {"TimeToFirstToken": "Milliseconds"}
+    events = []
+    for stamp, sample in sorted(late.items()):
+        series = sample.values
+        for i in range(0, len(series), EMF_MAX_VALUES):
+            body = {"TimeToFirstToken": [round(v, 3) for v in series[i : i + EMF_MAX_VALUES]]}
+            events.append(_emf_event(namespace, cell, unit, stamp, body, units))
+    return events
 
 
 def write_emf(events: list[dict[str, Any]], stream: IO[str] | None = None) -> None:

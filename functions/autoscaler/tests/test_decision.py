@@ -221,11 +221,29 @@ def test_a_deploy_is_never_fought() -> None:
     assert decision.action == "hold" and "UPDATE_IN_PROGRESS" in decision.reason
 
 
+def saturated(index: int) -> Unit:
+    """A unit at its admission capacity, half of it waiting in vLLM (a batch of 16): load 1.0."""
+    return Unit(index, "serving", (Load(inflight=32, capacity=32, waiting=16).utilisation,) * 5, running_tasks=2)
+
+
 def test_scale_out_takes_the_lowest_dormant_units_at_once() -> None:
-    saturated = Unit(1, "serving", (Load(inflight=32, capacity=32, waiting=16).utilisation,) * 5, running_tasks=2)
-    obs = Observation(now=1e5, units=(Unit(0, "dormant"), saturated, Unit(2, "dormant"), Unit(3, "dormant")))
-    decision = decide(POLICY, obs)  # load 1.5 at target 0.5: 3 units
-    assert (decision.action, decision.units, decision.desired_units) == ("activate", (0, 2), 3)
+    obs = Observation(now=1e5, units=(Unit(0, "dormant"), saturated(1), Unit(2, "dormant"), saturated(3)))
+    decision = decide(POLICY, obs)  # load 2.0 at target 0.5: 4 units
+    assert (decision.action, decision.units, decision.desired_units) == ("activate", (0, 2), 4)
+
+
+def test_vllms_waiting_requests_are_counted_once() -> None:
+    """InFlight is HAProxy's scur + qcur of the engine server, which already holds every request
+    vLLM keeps waiting (QueueDepth): 12 in flight of which 4 wait in vLLM is 12 requests, not 16
+    (the cold review of the observability wiring: a saturated unit read 1.5)."""
+    assert Load(inflight=12, capacity=16, waiting=4).utilisation == 12 / 16
+    assert Load(inflight=16, capacity=16, waiting=8, kv_usage=0.9).utilisation == 1.0  # saturated: 1.0, not 1.5
+    assert Load(inflight=2, capacity=16, waiting=3).utilisation == 3 / 16  # averages apart: never below waiting
+    # At target 0.8 one unit carries 12 of 16 (0.75); counted twice (1.0) it called for a second.
+    policy = Policy(min_units=1, max_units=4, nodes=2, target_load=0.8)
+    busy = Unit(0, "serving", (Load(inflight=12, capacity=16, waiting=4).utilisation,) * WINDOW, running_tasks=2)
+    decision = decide(policy, Observation(now=1e5, units=(busy, Unit(1, "dormant"))))
+    assert (decision.action, decision.desired_units) == ("hold", 1), decision
 
 
 def test_scale_in_drains_the_least_loaded_unit_after_the_cooldown() -> None:
@@ -267,8 +285,7 @@ def test_without_streamed_traffic_the_ttft_objective_leaves_the_load_rules_alone
     policy = Policy(min_units=1, max_units=4, nodes=2, target_load=0.5, scale_in_margin=0.2,
                     scale_out_cooldown_s=300, scale_in_cooldown_s=1800, ttft_p90_ms=1000)
     no_ttft = (None,) * WINDOW
-    saturated = Unit(1, "serving", (Load(inflight=32, capacity=32, waiting=16).utilisation,) * 5, running_tasks=2)
-    obs = Observation(now=1e5, units=(Unit(0, "dormant"), saturated, Unit(2, "dormant"), Unit(3, "dormant")),
+    obs = Observation(now=1e5, units=(Unit(0, "dormant"), saturated(1), Unit(2, "dormant"), saturated(3)),
                       ttft_p90_ms=no_ttft)
     decision = decide(policy, obs)
     assert (decision.action, decision.units) == ("activate", (0, 2)) and "load" in decision.reason

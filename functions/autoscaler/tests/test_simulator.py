@@ -73,3 +73,18 @@ def test_a_one_minute_burst_starts_no_unit() -> None:
     burst = figures(curve, "smoothed", Faults(refused=()))
     assert burst.units_activated == smooth.units_activated
     assert figures(curve, "newest-minute", Faults(refused=())).units_activated > smooth.units_activated
+
+
+def test_the_world_reports_vllms_waiting_requests_among_those_in_flight() -> None:
+    """A unit admitting 48 requests over an engine batch of 32 (max_inflight_requests above
+    max_concurrent_sequences): saturated, 16 of its 48 wait in vLLM and its load is 1.0 (it
+    was 64 / 48 with the waiting added to those in flight; the world passed waiting=0.0, which
+    hid it). Below the batch the KV cache (0.9 x running / batch) is the larger signal."""
+    from simulate_scaling import World
+    from unit_autoscaler.decision import Policy
+
+    world = World.start(Policy(min_units=1, max_units=2, nodes=2), 48.0, 0.0, 0.0, 1, batch=32.0)
+    world.record(0, 48.0)
+    world.record(1, 24.0)
+    assert world.history[0][0] == (1.0, 1.0)
+    assert world.history[0][1] == (pytest.approx(0.9 * 24 / 32), 1.0)

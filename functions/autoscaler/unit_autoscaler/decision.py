@@ -19,11 +19,12 @@ load), the stack's state, the last scaling times and the recent capacity failure
 
 A unit that has served stays `serving` until the autoscaler drains it: a missing or failed
 health minute does not make it `starting` again (the handler keeps a "served" latch on the
-group, `served_latch`). Load of a serving unit: the larger of (in flight + waiting) /
-admission capacity and the KV cache usage, minute by minute; the cell's load sums the units'
-reports minute by minute (`minute_totals`). Scale-out needs the load above its line in two
-minutes of the last `scale_out_window_s` (one minute of a burst, or one noisy minute, starts
-no unit that takes tens of minutes to start); scale-in needs the 90th percentile of the last
+group, `served_latch`). Load of a serving unit: the larger of in flight / admission capacity
+(vLLM's waiting requests are among those in flight: `Load`) and the KV cache usage, minute by
+minute; the cell's load sums the units' reports minute by minute (`minute_totals`).
+Scale-out needs the load above its line in two minutes of the last `scale_out_window_s`
+(one minute of a burst, or one noisy minute, starts no unit that takes tens of minutes to
+start); scale-in needs the 90th percentile of the last
 `scale_in_window_s` below a line `scale_in_margin` under one unit fewer, so noise inside
 the band between the two lines never flaps; after any action, `scale_out_cooldown_s`
 holds scale-out and `scale_in_cooldown_s` holds scale-in.
@@ -104,7 +105,18 @@ class Policy:
 
 @dataclass(frozen=True)
 class Load:
-    """One unit's load in one minute, from its proxy's EMF metrics (None: not reported)."""
+    """One unit's load in one minute, from its proxy's EMF metrics (None: not reported).
+
+    `inflight` (InFlight) is every request the unit's proxy holds for the engine: HAProxy's
+    current sessions and queue of its `vllm` server (`scur` + `qcur`, bounded by `maxconn`
+    MAX_INFLIGHT, the admission capacity `capacity`). A request vLLM keeps in its own waiting
+    queue (`waiting`, QueueDepth: vllm:num_requests_waiting) holds its HAProxy session all
+    the while, so it is already among them: with max_inflight_requests above the engine's
+    batch, a saturated unit has InFlight = capacity, of which the excess over the batch waits
+    in vLLM, and its load is 1.0 (with the waiting added again it read 1.5 when the capacity is
+    1.5 batches;
+    containers/proxy/tests/test_admission.py::test_vllms_waiting_requests_are_part_of_inflight).
+    `waiting` counts only where it exceeds `inflight` (minute averages taken at other moments)."""
 
     inflight: float = 0.0
     capacity: float = 1.0
@@ -113,7 +125,7 @@ class Load:
 
     @property
     def utilisation(self) -> float:
-        requests = (self.inflight + (self.waiting or 0.0)) / max(self.capacity, 1.0)
+        requests = max(self.inflight, self.waiting or 0.0) / max(self.capacity, 1.0)
         return max(requests, self.kv_usage or 0.0)
 
 
