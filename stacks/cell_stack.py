@@ -541,20 +541,31 @@ class CellStack(Stack):
     def _allow_key_use_by_services(self) -> None:
         """CloudWatch Logs (log groups) and EC2 on behalf of Auto Scaling (encrypted root volumes) use the cell key.
 
-        The EBS statements name no role: Auto Scaling launches through its service-linked
-        role, which does not exist before an account's first Auto Scaling group, and KMS
-        refuses a key policy whose principal does not exist ("invalid principals"). They
-        allow instead any principal of this account, only through EC2 in this region, the
-        conditions of the AWS managed aws/ebs key's own policy
-        (https://docs.aws.amazon.com/kms/latest/developerguide/conditions-kms.html#conditions-kms-via-service,
-        https://docs.aws.amazon.com/autoscaling/ec2/userguide/key-policy-requirements-EBS-encryption.html).
+        The EBS statements name no role as principal: Auto Scaling launches through its
+        service-linked role, which does not exist before an account's first Auto Scaling group,
+        and KMS refuses a key policy whose principal does not exist ("invalid principals"). They
+        allow any principal, only through EC2 in this region from this account (the conditions
+        of the AWS managed aws/ebs key's own policy,
+        https://docs.aws.amazon.com/kms/latest/developerguide/conditions-kms.html#conditions-kms-via-service),
+        and only when the caller is that service-linked role, by an aws:PrincipalArn condition (a
+        string compared at request time: the role need not exist when the policy is written). The
+        role is the one the Auto Scaling docs name ("you must give the appropriate service-linked
+        role access to the customer managed key so that Amazon EC2 Auto Scaling can launch
+        instances on your behalf ... The following two policy sections grant the service-linked
+        role named AWSServiceRoleForAutoScaling permissions to use the customer managed key",
+        https://docs.aws.amazon.com/autoscaling/ec2/userguide/key-policy-requirements-EBS-encryption.html);
+        the Trainium group sets no ServiceLinkedRoleARN, so it uses that default role. For a role
+        session, aws:PrincipalArn is the role's ARN
+        (https://docs.aws.amazon.com/IAM/latest/UserGuide/reference_policies_condition-keys.html#condition-keys-principalarn),
+        which for this role carries its path, as in the docs' example principal.
         """
         allow_cloudwatch_logs(self.key)
         via_ec2 = {
             "StringEquals": {
                 "kms:CallerAccount": self.account,
                 "kms:ViaService": f"ec2.{self.region}.amazonaws.com",
-            }
+            },
+            "ArnEquals": {"aws:PrincipalArn": autoscaling_service_linked_role_arn(self.partition, self.account)},
         }
         self.key.add_to_resource_policy(iam.PolicyStatement(
             sid="EbsVolumesThroughEc2",
@@ -570,6 +581,12 @@ class CellStack(Stack):
             resources=["*"],
             conditions={**via_ec2, "Bool": {"kms:GrantIsForAWSResource": True}},
         ))
+
+
+def autoscaling_service_linked_role_arn(partition: str, account: str) -> str:
+    """The ARN of EC2 Auto Scaling's default service-linked role in the account (it may not exist yet)."""
+    return (f"arn:{partition}:iam::{account}:role/aws-service-role/autoscaling.amazonaws.com/"
+            "AWSServiceRoleForAutoScaling")
 
 
 @jsii.implements(IAspect)
