@@ -27,6 +27,7 @@ from constructs import Construct, IConstruct
 from cell_constructs.cell_alarms import CellAlarms
 from cell_constructs.deletion_protection import protect_after
 from cell_constructs.encryption import allow_cloudwatch_logs, artifacts_key_statement
+from cell_constructs.gate_reader import admit_only_the_pipeline_role
 from cell_constructs.inference_unit import MultiNodeInferenceUnit, UnitImages, UnitPorts
 from cell_constructs.nag import acknowledge
 from cell_constructs.network import CellNetwork
@@ -411,7 +412,7 @@ class CellStack(Stack):
                 f"Read, not notified: part of the cell's rollout gate (the pipeline's stage condition); {shown}"))
             acknowledge(self.autoscaler.capacity_alarm, (
                 "NIST.800.53.R5-CloudWatchAlarmAction", f"Read, not notified: {shown}"))
-        return CellAlarms(
+        alarms = CellAlarms(
             self, "Alarms",
             stack_name=self.stack_name,
             cell_name=cell.name,
@@ -440,6 +441,9 @@ class CellStack(Stack):
             # A pipeline in another account reads the gate through a role in this one.
             gate_reader_account=pipeline.account if pipeline and pipeline.account != cell.account else None,
         )
+        if alarms.gate_reader_role is not None:  # only the pipeline's own role may assume it
+            admit_only_the_pipeline_role(alarms.gate_reader_role, account=pipeline.account, fleet_name=fleet.name)
+        return alarms
 
     def _warn_if_updates_are_outages(self) -> None:
         """A cell that can be at one unit has no unit to spare during that unit's update: say so at synth.
