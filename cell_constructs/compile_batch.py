@@ -9,7 +9,8 @@ and a managed EC2 compute environment with `minv_cpus` 0 keeps no instance betwe
 (https://docs.aws.amazon.com/batch/latest/userguide/compute_environment_parameters.html, minvCpus).
 The job gets one instance of the types whose memory holds the need; the launch template gives its
 root volume (where Docker keeps the container's writes and the job's volume) the disk need as
-encrypted gp3 at full throughput, and requires IMDSv2 with a hop limit of 1 (no container reaches IMDS).
+encrypted gp3 at full throughput, and requires IMDSv2 with a hop limit of 1 (no bridge-network container
+reaches IMDS; the job's own container is in host network mode: see _compute_environment).
 Instances have no public address, in isolated subnets that reach AWS through VPC endpoints only.
 """
 
@@ -105,7 +106,11 @@ class CompileBatch(Construct):
             self, "LaunchTemplate",
             # IMDSv2 only, and its token one hop: the ECS-optimized AL2023 AMI defaults to 2
             # (https://docs.aws.amazon.com/linux/al2023/ug/imdsv2.html), one more than a container behind the docker
-            # bridge needs to take the instance role's credentials. The job does not use IMDS: its one AWS client,
+            # bridge needs to take the instance role's credentials. It does not keep the job's own container from
+            # IMDS: Batch runs ECS-EC2 single-node jobs in host network mode
+            # (https://docs.aws.amazon.com/batch/latest/userguide/networking-modes-jobs.html), where IMDS is no hop
+            # away; that needs a host firewall rule as the Trainium nodes' block_imds (node_setup.sh), not done here
+            # (docs/compiled-artifacts.md). The job does not use IMDS: its one AWS client,
             # boto3.client("s3") (containers/inference/unit_launcher/compile_run.py main), takes the job role
             # from AWS_CONTAINER_CREDENTIALS_RELATIVE_URI, which the ECS agent sets in a container whose task has a
             # role (https://docs.aws.amazon.com/AmazonECS/latest/bestpracticesguide/security-iam-roles.html), and

@@ -2,11 +2,12 @@
 
 A hop limit of 2, the default of the AL2023 AMIs (https://docs.aws.amazon.com/linux/al2023/ug/imdsv2.html),
 lets a container behind the docker bridge take the instance role's credentials; 1 stops the token's
-PUT answer at the bridge. Instances are launched by the cells' Trainium Auto Scaling groups and the
-compile job's Batch compute environment, each through a launch template; the routers run on Fargate
-(no IMDS). The test reads every template of the default, large, elastic and router fleets and fails if
-an instance could be launched some other way (an AWS::EC2::Instance, a launch configuration, a group or
-compute environment without a template of the stack).
+PUT answer at the bridge (not a container in host network mode, as Batch's jobs are: compile_batch.py).
+Instances are launched by the cells' Trainium Auto Scaling groups and the compile job's Batch compute
+environment, each through a launch template; the routers run on Fargate (no IMDS). The test reads every
+template of the default, large, elastic and router fleets and fails if an instance could be launched some
+other way (an AWS::EC2::Instance, a launch configuration, a group or compute environment without a
+template of the stack).
 """
 
 from __future__ import annotations
