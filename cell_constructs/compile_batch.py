@@ -9,8 +9,9 @@ and a managed EC2 compute environment with `minv_cpus` 0 keeps no instance betwe
 (https://docs.aws.amazon.com/batch/latest/userguide/compute_environment_parameters.html, minvCpus).
 The job gets one instance of the types whose memory holds the need; the launch template gives its
 root volume (where Docker keeps the container's writes and the job's volume) the disk need as
-encrypted gp3 at full throughput, and requires IMDSv2. Instances have no public address, in isolated
-subnets that reach AWS through VPC endpoints only.
+encrypted gp3 at full throughput, and requires IMDSv2 with a hop limit of 1 (no bridge-network container
+reaches IMDS; the job's own container is in host network mode: see _compute_environment).
+Instances have no public address, in isolated subnets that reach AWS through VPC endpoints only.
 """
 
 from __future__ import annotations
@@ -103,9 +104,21 @@ class CompileBatch(Construct):
         needs = self.needs
         launch_template = ec2.LaunchTemplate(
             self, "LaunchTemplate",
-            # IMDSv2 only, hop limit left at 1: the job's container takes the job role's credentials
-            # from the ECS agent, never the instance's from IMDS.
+            # IMDSv2 only, and its token one hop: the ECS-optimized AL2023 AMI defaults to 2
+            # (https://docs.aws.amazon.com/linux/al2023/ug/imdsv2.html), one more than a container behind the docker
+            # bridge needs to take the instance role's credentials. It does not keep the job's own container from
+            # IMDS: Batch runs ECS-EC2 single-node jobs in host network mode
+            # (https://docs.aws.amazon.com/batch/latest/userguide/networking-modes-jobs.html), where IMDS is no hop
+            # away; that needs a host firewall rule as the Trainium nodes' block_imds (node_setup.sh), not done here
+            # (docs/compiled-artifacts.md). The job does not use IMDS: its one AWS client,
+            # boto3.client("s3") (containers/inference/unit_launcher/compile_run.py main), takes the job role
+            # from AWS_CONTAINER_CREDENTIALS_RELATIVE_URI, which the ECS agent sets in a container whose task has a
+            # role (https://docs.aws.amazon.com/AmazonECS/latest/bestpracticesguide/security-iam-roles.html), and
+            # botocore tries that provider before IMDS (botocore 1.44.8, the image's lock, credentials.py
+            # create_credential_resolver: post_profile = [..., container_provider, instance_metadata_provider]);
+            # its region is AWS_REGION (the job definition's environment).
             require_imdsv2=True,
+            http_put_response_hop_limit=1,
             # Batch's own example resizes and encrypts this device of its default AMI
             # (https://docs.aws.amazon.com/batch/latest/userguide/launch-templates.html). Encrypted with the
             # account's EBS key: Batch launches through an Auto Scaling group, whose service-linked role a

@@ -71,6 +71,14 @@ def routers_of(fleet: FleetConfig, cell: str) -> list[RouterConfig]:
     return [r for r in fleet.routers if cell in r.cells]
 
 
+def routers_touched(fleet: FleetConfig, cell: str, undo: bool) -> list[RouterConfig]:
+    """Every router whose `evacuated` parameter the command reads and may write for the cell: the routers that
+    front it; with --undo every router of the fleet, since one that no longer fronts the cell may still name it
+    (_still_named). The pipeline's Evacuation project is granted exactly these (stacks/evacuation.py), so the
+    reads and the grant cannot drift apart."""
+    return list(fleet.routers) if undo else routers_of(fleet, cell)
+
+
 @dataclass
 class Written:
     """What `evacuate_on_aws` did: lines to print, and per router region the parameter version written."""
@@ -142,7 +150,7 @@ def _still_named(fleet: FleetConfig, cell: str, ssm_for: Any) -> list[RouterConf
     """The routers that do not front `cell` but whose parameter still names it: a cell evacuated, then removed
     from `routers[].cells`. The router agent ignores such a name (router_ssm.parse_evacuated); `--undo` may
     still remove it, so the parameter says what is evacuated."""
-    return [router for router in fleet.routers if cell not in router.cells
+    return [router for router in routers_touched(fleet, cell, undo=True) if cell not in router.cells
             and cell in read_parameter(ssm_for(router.region), parameter_name(fleet, router))[0]]
 
 
@@ -277,12 +285,22 @@ def run(args: argparse.Namespace, ssm_for: Any = None) -> int:
             if args.status_url and not args.undo:
                 print(f"cell {args.cell} empty after {wait_empty(args.status_url, args.cell, args.timeout):.1f} s")
             return exit_codes.OK
-        fleet = load_fleet(args.config)
-        if ssm_for is None:
-            import boto3  # only on this path: --local and the tests need no AWS SDK session
+        return _run_on_aws(args, load_fleet(args.config), ssm_for)
+    except EvacuateError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exit_codes.EVACUATE
 
-            def ssm_for(region: str) -> Any:
-                return boto3.client("ssm", region_name=region)
+
+def _run_on_aws(args: argparse.Namespace, fleet: FleetConfig, ssm_for: Any) -> int:
+    """The AWS path of `run`; a call AWS refuses or cannot be reached for becomes an EvacuateError (exit 7)."""
+    from botocore.exceptions import BotoCoreError, ClientError  # only on this path: --local needs no AWS SDK
+
+    if ssm_for is None:
+        import boto3
+
+        def ssm_for(region: str) -> Any:
+            return boto3.client("ssm", region_name=region)
+    try:
         written = evacuate_on_aws(fleet, args.cell, args.undo, args.force, ssm_for)
         for line in written.lines:
             print(line, flush=True)
@@ -295,6 +313,13 @@ def run(args: argparse.Namespace, ssm_for: Any = None) -> int:
             print(f"each router task drains {args.cell} within its poll interval; `--wait` waits until every task "
                   "reports it empty")
         return exit_codes.OK
-    except EvacuateError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exit_codes.EVACUATE
+    except (ClientError, BotoCoreError) as exc:
+        # ClientError: AWS answered with an error (AccessDenied, throttling); BotoCoreError: no answer or no
+        # credentials (EndpointConnectionError, NoCredentialsError). Both are botocore's documented bases:
+        # https://boto3.amazonaws.com/v1/documentation/api/latest/guide/error-handling.html
+        what = str(exc) if isinstance(exc, ClientError) else f"{type(exc).__name__}: {exc}"  # names code and call
+        raise EvacuateError(
+            f"{what}. The command needs ssm:GetParameter and ssm:PutParameter on the "
+            "`evacuated` parameter of every router it names (with --undo, every router of the fleet) and, with "
+            "--wait, ssm:GetParametersByPath on their `tasks` path; each write is whole and idempotent, so run it "
+            "again once fixed") from None

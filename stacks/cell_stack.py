@@ -27,6 +27,7 @@ from constructs import Construct, IConstruct
 from cell_constructs.cell_alarms import CellAlarms
 from cell_constructs.deletion_protection import protect_after
 from cell_constructs.encryption import allow_cloudwatch_logs, artifacts_key_statement
+from cell_constructs.gate_reader import admit_only_the_pipeline_role
 from cell_constructs.inference_unit import MultiNodeInferenceUnit, UnitImages, UnitPorts
 from cell_constructs.nag import acknowledge
 from cell_constructs.network import CellNetwork
@@ -411,7 +412,7 @@ class CellStack(Stack):
                 f"Read, not notified: part of the cell's rollout gate (the pipeline's stage condition); {shown}"))
             acknowledge(self.autoscaler.capacity_alarm, (
                 "NIST.800.53.R5-CloudWatchAlarmAction", f"Read, not notified: {shown}"))
-        return CellAlarms(
+        alarms = CellAlarms(
             self, "Alarms",
             stack_name=self.stack_name,
             cell_name=cell.name,
@@ -440,6 +441,9 @@ class CellStack(Stack):
             # A pipeline in another account reads the gate through a role in this one.
             gate_reader_account=pipeline.account if pipeline and pipeline.account != cell.account else None,
         )
+        if alarms.gate_reader_role is not None:  # only the pipeline's own role may assume it
+            admit_only_the_pipeline_role(alarms.gate_reader_role, account=pipeline.account, fleet_name=fleet.name)
+        return alarms
 
     def _warn_if_updates_are_outages(self) -> None:
         """A cell that can be at one unit has no unit to spare during that unit's update: say so at synth.
@@ -541,20 +545,31 @@ class CellStack(Stack):
     def _allow_key_use_by_services(self) -> None:
         """CloudWatch Logs (log groups) and EC2 on behalf of Auto Scaling (encrypted root volumes) use the cell key.
 
-        The EBS statements name no role: Auto Scaling launches through its service-linked
-        role, which does not exist before an account's first Auto Scaling group, and KMS
-        refuses a key policy whose principal does not exist ("invalid principals"). They
-        allow instead any principal of this account, only through EC2 in this region, the
-        conditions of the AWS managed aws/ebs key's own policy
-        (https://docs.aws.amazon.com/kms/latest/developerguide/conditions-kms.html#conditions-kms-via-service,
-        https://docs.aws.amazon.com/autoscaling/ec2/userguide/key-policy-requirements-EBS-encryption.html).
+        The EBS statements name no role as principal: Auto Scaling launches through its
+        service-linked role, which does not exist before an account's first Auto Scaling group,
+        and KMS refuses a key policy whose principal does not exist ("invalid principals"). They
+        allow any principal, only through EC2 in this region from this account (the conditions
+        of the AWS managed aws/ebs key's own policy,
+        https://docs.aws.amazon.com/kms/latest/developerguide/conditions-kms.html#conditions-kms-via-service),
+        and only when the caller is that service-linked role, by an aws:PrincipalArn condition (a
+        string compared at request time: the role need not exist when the policy is written). The
+        role is the one the Auto Scaling docs name ("you must give the appropriate service-linked
+        role access to the customer managed key so that Amazon EC2 Auto Scaling can launch
+        instances on your behalf ... The following two policy sections grant the service-linked
+        role named AWSServiceRoleForAutoScaling permissions to use the customer managed key",
+        https://docs.aws.amazon.com/autoscaling/ec2/userguide/key-policy-requirements-EBS-encryption.html);
+        the Trainium group sets no ServiceLinkedRoleARN, so it uses that default role. For a role
+        session, aws:PrincipalArn is the role's ARN
+        (https://docs.aws.amazon.com/IAM/latest/UserGuide/reference_policies_condition-keys.html#condition-keys-principalarn),
+        which for this role carries its path, as in the docs' example principal.
         """
         allow_cloudwatch_logs(self.key)
         via_ec2 = {
             "StringEquals": {
                 "kms:CallerAccount": self.account,
                 "kms:ViaService": f"ec2.{self.region}.amazonaws.com",
-            }
+            },
+            "ArnEquals": {"aws:PrincipalArn": autoscaling_service_linked_role_arn(self.partition, self.account)},
         }
         self.key.add_to_resource_policy(iam.PolicyStatement(
             sid="EbsVolumesThroughEc2",
@@ -570,6 +585,12 @@ class CellStack(Stack):
             resources=["*"],
             conditions={**via_ec2, "Bool": {"kms:GrantIsForAWSResource": True}},
         ))
+
+
+def autoscaling_service_linked_role_arn(partition: str, account: str) -> str:
+    """The ARN of EC2 Auto Scaling's default service-linked role in the account (it may not exist yet)."""
+    return (f"arn:{partition}:iam::{account}:role/aws-service-role/autoscaling.amazonaws.com/"
+            "AWSServiceRoleForAutoScaling")
 
 
 @jsii.implements(IAspect)

@@ -18,7 +18,9 @@ stream on the cell plus the routers' poll, against Lambda's 15 minutes (docs/rol
 Nothing in the router bounds a stream's length: `hard-stop-after` (905 s) applies to the router's
 own stop, not to a drained cell, and `timeout server` (up to 4000 s) to silence, not to length. The
 wait gives up after WAIT_SECONDS (exit 7: the wave fails and the cell stays evacuated). Its role
-may read and write exactly the routers' `evacuated` parameters and list their task reports
+may read and write exactly the `evacuated` parameters the command touches (`evacuate.routers_touched`: the
+restore reads every router's, since a router that no longer fronts the cell may still name it) and list the
+fronting routers' task reports
 (GetParametersByPath is authorized against the path requested: https://docs.aws.amazon.com/systems-manager/latest/userguide/ps-retrieval-authorization.html).
 """
 
@@ -36,7 +38,7 @@ from unit_proxy.router_ssm import evacuation_parameter, reports_path
 
 from cell_constructs.fleet_cli_project import acknowledge_fleet_cli_project, fleet_cli_project
 from inference_fleet.config import CellConfig, FleetConfig
-from inference_fleet.evacuate import router_prefix, routers_of
+from inference_fleet.evacuate import router_prefix, routers_of, routers_touched
 
 # A budget, not a bound: streams longer than this fail the wait (see the module's docstring). The router's
 # hard stop (905 s, what a router task's own stop gives its streams) plus a poll of the routers and of the command.
@@ -74,7 +76,12 @@ class Evacuation(Construct):
 
     def _grant(self, cells: list[CellConfig]) -> None:
         stack = Stack.of(self)
-        routers = sorted({r.region: r for cell in cells for r in routers_of(self.fleet, cell.name)}.items())
+        # The parameters the command reads and writes, for the evacuation and for the restore (--undo reads every
+        # router's: one that no longer fronts the cell may still name it), from the command's own function.
+        touched = sorted({r.region: r for cell in cells for undo in (False, True)
+                          for r in routers_touched(self.fleet, cell.name, undo)}.items())
+        # The reports `--wait` reads: the fronting routers' only (wait_empty_on_aws).
+        waited = sorted({r.region: r for cell in cells for r in routers_of(self.fleet, cell.name)}.items())
         account = {cell.account for cell in cells}.pop()  # one: the pipeline's (check_pipeline_evacuation)
 
         def arn(region: str, name: str) -> str:
@@ -82,10 +89,10 @@ class Evacuation(Construct):
 
         self.project.add_to_role_policy(iam.PolicyStatement(
             actions=["ssm:GetParameter", "ssm:PutParameter"],
-            resources=[arn(region, evacuation_parameter(router_prefix(self.fleet, r))) for region, r in routers]))
+            resources=[arn(region, evacuation_parameter(router_prefix(self.fleet, r))) for region, r in touched]))
         self.project.add_to_role_policy(iam.PolicyStatement(
             actions=["ssm:GetParametersByPath"],
-            resources=[arn(region, reports_path(router_prefix(self.fleet, r))) for region, r in routers]))
+            resources=[arn(region, reports_path(router_prefix(self.fleet, r))) for region, r in waited]))
 
     def action(self, cell: CellConfig, undo: bool, run_order: int) -> actions.CodeBuildAction:
         action = actions.CodeBuildAction(

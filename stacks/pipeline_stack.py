@@ -51,6 +51,7 @@ from cell_constructs.cell_alarms import gate_reader_role_name, rollout_gate_name
 from cell_constructs.compile_stage import REQUEST_DIR, REQUEST_FILE, CompileRun
 from cell_constructs.encryption import allow_cloudwatch_logs, artifacts_key_statement
 from cell_constructs.fleet_cli_project import generated_project_findings
+from cell_constructs.gate_reader import pipeline_role_name
 from cell_constructs.nag import acknowledge
 from inference_fleet import compile_job
 from inference_fleet.config import DEFAULT_CONFIG, CellConfig, FleetConfig, PipelineConfig, RouterConfig, WaveConfig
@@ -208,6 +209,10 @@ class PipelineStack(Stack):
         self.pipeline = codepipeline.Pipeline(
             self, "Pipeline",
             pipeline_name=f"{fleet.name}-rollout",
+            # Named: the gate readers of cells and routers in other accounts admit only this role, by its ARN
+            # (cell_constructs.gate_reader). The same role CDK would make (aws-codepipeline pipeline.ts), named.
+            role=iam.Role(self, "PipelineRole", role_name=pipeline_role_name(fleet.name),
+                          assumed_by=iam.ServicePrincipal("codepipeline.amazonaws.com")),
             pipeline_type=codepipeline.PipelineType.V2,
             execution_mode=codepipeline.ExecutionMode.SUPERSEDED,
             artifact_bucket=self.artifact_bucket,

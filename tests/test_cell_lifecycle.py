@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -76,15 +77,44 @@ def variants(tmp_path_factory: pytest.TempPathFactory):
 # -- 1. fresh account ---------------------------------------------------------------
 
 
+def _joined(value: Any) -> Any:
+    """A template string with {"Fn::Join"} and the partition's {"Ref"} rendered as in the aws partition."""
+    if isinstance(value, dict) and "Fn::Join" in value:
+        separator, parts = value["Fn::Join"]
+        return separator.join(_joined(part) for part in parts)
+    if value == {"Ref": "AWS::Partition"}:
+        return "aws"
+    return value
+
+
 def test_key_policy_names_no_principal_that_may_not_exist(synth_default) -> None:
     key = only(synth_default.template_json(DEV), "AWS::KMS::Key")
-    policy = json.dumps(key["Properties"]["KeyPolicy"])
-    assert "aws-service-role" not in policy and "AWSServiceRoleForAutoScaling" not in policy
+    statements = key["Properties"]["KeyPolicy"]["Statement"]
+    principals = json.dumps([s["Principal"] for s in statements])
+    assert "aws-service-role" not in principals and "AWSServiceRoleForAutoScaling" not in principals
+    ebs = [s for s in statements if s.get("Sid", "").startswith("Ebs")]
+    assert len(ebs) == 2
+    for statement in ebs:
+        assert statement["Principal"] == {"AWS": "*"}
+        assert statement["Condition"]["StringEquals"]["kms:ViaService"] == "ec2.us-east-2.amazonaws.com"
+        assert statement["Condition"]["StringEquals"]["kms:CallerAccount"] == "111111111111"
+
+
+def test_the_key_serves_ebs_only_to_the_auto_scaling_service_linked_role(synth_default) -> None:
+    """The EBS statements allowed any principal of the account through EC2: any user who may call RunInstances or
+    CreateVolume could encrypt and decrypt with the cell key. The Auto Scaling docs name the one principal that
+    needs it for the Trainium group's encrypted volumes, AWSServiceRoleForAutoScaling
+    (key-policy-requirements-EBS-encryption.html): a condition, not a principal, so the role need not exist."""
+    key = only(synth_default.template_json(DEV), "AWS::KMS::Key")
     ebs = [s for s in key["Properties"]["KeyPolicy"]["Statement"] if s.get("Sid", "").startswith("Ebs")]
     assert len(ebs) == 2
     for statement in ebs:
-        assert statement["Condition"]["StringEquals"]["kms:ViaService"] == "ec2.us-east-2.amazonaws.com"
-        assert statement["Condition"]["StringEquals"]["kms:CallerAccount"] == "111111111111"
+        assert {k: _joined(v) for k, v in statement["Condition"].get("ArnEquals", {}).items()} == {
+            "aws:PrincipalArn": "arn:aws:iam::111111111111:role/aws-service-role/autoscaling.amazonaws.com/"
+                                "AWSServiceRoleForAutoScaling"}, statement
+    # The Trainium group uses the default service-linked role (no ServiceLinkedRoleARN of its own).
+    group = only(synth_default.template_json(DEV), "AWS::AutoScaling::AutoScalingGroup")
+    assert "ServiceLinkedRoleARN" not in group["Properties"]
 
 
 def test_every_service_depends_on_the_capacity_provider_association(synth_large) -> None:

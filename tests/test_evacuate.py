@@ -4,6 +4,7 @@ local file the router agent polls. The router's side (drain, empty) runs for rea
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import copy
@@ -23,7 +24,7 @@ from aiohttp import web
 from botocore.stub import Stubber
 from unit_proxy.router_ssm import TaskReport
 
-from inference_fleet import exit_codes
+from inference_fleet import evacuate, exit_codes
 from inference_fleet.checks import parse_fleet
 from inference_fleet.cli import main
 from inference_fleet.config import FleetConfig, read_fleet_file
@@ -32,14 +33,19 @@ from inference_fleet.evacuate import EvacuateError, Written, evacuate_on_aws, wa
 NAME = "/inference-fleet/Rufus/router/us-east-2/evacuated"
 
 
-@pytest.fixture
-def fleet() -> FleetConfig:
+def _raw() -> dict[str, Any]:
+    """The default fleet, a second cell in a second wave, and a router fronting both."""
     raw, _ = read_fleet_file(None)
     raw = copy.deepcopy(raw)
     raw["waves"].append({"name": "second"})
     raw["cells"].append(dict(raw["cells"][0], name="prod", vpc_cidr="10.20.0.0/16", wave="second"))
     raw["routers"] = [{"region": "us-east-2", "cells": ["dev", "prod"], "plain_http": True}]
-    return parse_fleet(raw)
+    return raw
+
+
+@pytest.fixture
+def fleet() -> FleetConfig:
+    return parse_fleet(_raw())
 
 
 def _ssm() -> tuple[Any, Stubber]:
@@ -140,6 +146,47 @@ def test_a_broken_local_file_is_one_line_and_exit_6(tmp_path: Path, capsys: pyte
     assert main(["evacuate", "--cell", "b", "--local", str(path)]) == exit_codes.EVACUATE
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err
+
+
+def test_an_aws_error_is_one_line_and_exit_7(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A call AWS refuses (AccessDeniedException: a botocore ClientError) was not caught (run caught only
+    EvacuateError): a traceback and exit 1, which a pipeline action reports as a crash. Now exit 7 with the
+    call, the reason and what the role needs."""
+    config = tmp_path / "fleet.yaml"
+    config.write_text(yaml.safe_dump(_raw()))
+    ssm, stub = _ssm()
+    stub.add_client_error("get_parameter", "AccessDeniedException", http_status_code=400,
+                          expected_params={"Name": NAME},
+                          service_message=f"User: arn:aws:sts::111111111111:assumed-role/x is not authorized to "
+                                          f"perform: ssm:GetParameter on resource: {NAME}")
+    args = argparse.Namespace(config=str(config), cell="prod", undo=False, local=None, status_url=None, wait=False,
+                              timeout=1.0, force=False)
+    with stub:
+        assert evacuate.run(args, ssm_for=lambda region: ssm) == exit_codes.EVACUATE
+    err = capsys.readouterr().err
+    assert err.startswith("error: An error occurred (AccessDeniedException) when calling the "
+                          "GetParameter operation: User: ") and "ssm:GetParameter and ssm:PutParameter" in err, err
+    assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_an_unreachable_endpoint_is_exit_7(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """The real CLI and boto3 client against a closed port on loopback: EndpointConnectionError (a BotoCoreError,
+    no answer at all) is exit 7 too, not a traceback."""
+    config = tmp_path / "fleet.yaml"
+    config.write_text(yaml.safe_dump(_raw()))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the socket is: connections are refused
+    for name, value in {"AWS_ENDPOINT_URL_SSM": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "x",
+                        "AWS_SECRET_ACCESS_KEY": "x", "AWS_MAX_ATTEMPTS": "1", "AWS_EC2_METADATA_DISABLED": "true",
+                        "AWS_CONFIG_FILE": str(tmp_path / "none"), "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none")
+                        }.items():
+        monkeypatch.setenv(name, value)
+    assert main(["evacuate", "--config", str(config), "--cell", "prod"]) == exit_codes.EVACUATE
+    err = capsys.readouterr().err
+    assert err.startswith("error: EndpointConnectionError: Could not connect to the endpoint URL") and \
+        "Traceback" not in err, err
 
 
 def test_wait_with_local_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -254,13 +301,8 @@ async def test_evacuate_wait_against_a_router_process_and_a_local_ssm(
     """The whole chain on loopback: `evacuate --wait` (boto3) writes moto's SSM; the router process
     (`python -m unit_proxy.router`, botocore) drains the cell and reports; the command returns only
     once the stream in flight on the cell has finished."""
-    raw, _ = read_fleet_file(None)
-    raw = copy.deepcopy(raw)
-    raw["waves"].append({"name": "second"})
-    raw["cells"].append(dict(raw["cells"][0], name="prod", vpc_cidr="10.20.0.0/16", wave="second"))
-    raw["routers"] = [{"region": "us-east-2", "cells": ["dev", "prod"], "plain_http": True}]
     config = tmp_path / "fleet.yaml"
-    config.write_text(yaml.safe_dump(raw))
+    config.write_text(yaml.safe_dump(_raw()))
     aws = local_ssm
     for name, value in aws.items():
         monkeypatch.setenv(name, value)

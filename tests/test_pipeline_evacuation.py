@@ -21,12 +21,14 @@ from types import SimpleNamespace
 from typing import Any
 
 import boto3
+import botocore.session
 import pytest
 import yaml
 from aws_cdk import App
 from aws_cdk.assertions import Template
 from unit_proxy.router_ssm import TaskReport
 
+from inference_fleet import evacuate, exit_codes
 from inference_fleet.checks import load_fleet, parse_fleet
 from inference_fleet.router_checks import pipeline_evacuations
 from stacks.evacuation import WAIT_SECONDS
@@ -38,6 +40,7 @@ FLEET_FILE = "tests/fleets/pipeline_evacuation.yaml"
 CDK_CONTEXT: dict = json.loads((ROOT / "cdk.json").read_text())["context"]
 PARAMETER = "/inference-fleet/Rufus/router/us-east-2/evacuated"
 REPORTS = "/inference-fleet/Rufus/router/us-east-2/tasks"
+TWO_ROUTERS = "tests/fleets/pipeline_two_routers.yaml"
 
 
 def _synth(fleet: Any, outdir: Path, config: str = FLEET_FILE) -> dict:
@@ -124,6 +127,81 @@ def test_the_project_may_touch_only_the_routers_parameters(template: dict) -> No
     ])
     assert all(s["Effect"] == "Allow" for s in ssm)
     assert "VpcConfig" not in project["Properties"]  # SSM's public endpoint, through CodeBuild's own network
+
+
+def _granted(template: dict, action: str) -> set[str]:
+    """The resources the evacuation project's role may call `action` on (every statement here is an Allow)."""
+    _, project = _project(template)
+    role = project["Properties"]["ServiceRole"]["Fn::GetAtt"][0]
+    return {resource for r in template["Resources"].values() if r["Type"] == "AWS::IAM::Policy"
+            and {"Ref": role} in r["Properties"]["Roles"] for s in r["Properties"]["PolicyDocument"]["Statement"]
+            if s["Effect"] == "Allow" and action in _list(s["Action"]) for resource in _list(s["Resource"])}
+
+
+class _SsmAsTheRoleSeesIt:
+    """SSM Parameter Store behind the synthesized role policy: each call's parameter ARN is checked against the
+    resources the template grants for that action, and a call outside the grant is answered as AWS answers it,
+    AccessDeniedException (HTTP 400, a botocore ClientError). Real botocore clients; the answer is given at the
+    client's `before-call` event, the hook botocore's Stubber answers at, but computed from the request."""
+
+    def __init__(self, template: dict, account: str, parameters: dict[tuple[str, str], list[str]]) -> None:
+        self.grants = {op: _granted(template, f"ssm:{op}") for op in ("GetParameter", "PutParameter")}
+        self.account, self.parameters, self.calls = account, dict(parameters), []  # type: ignore[var-annotated]
+
+    def client(self, region: str) -> Any:
+        client = botocore.session.get_session().create_client(
+            "ssm", region_name=region, aws_access_key_id="x", aws_secret_access_key="x")
+        client.meta.events.register("before-call.ssm", lambda model, params, **_: self._answer(region, model, params))
+        return client
+
+    def _answer(self, region: str, model: Any, request: dict) -> tuple[Any, dict]:
+        op, args = model.name, json.loads(request["body"])
+        arn = f"arn:aws:ssm:{region}:{self.account}:parameter{args['Name']}"
+        self.calls.append((op, arn))
+        if arn not in self.grants.get(op, set()):
+            return _http_error("AccessDeniedException", f"User: arn:aws:sts::{self.account}:assumed-role/evacuation "
+                               f"is not authorized to perform: ssm:{op} on resource: {arn}")
+        key = (region, args["Name"])
+        if op == "PutParameter":
+            self.parameters[key] = json.loads(args["Value"])["evacuated"]
+            return SimpleNamespace(status_code=200), {"Version": 2}
+        if key not in self.parameters:
+            return _http_error("ParameterNotFound", "")
+        return SimpleNamespace(status_code=200), {"Parameter": {
+            "Name": args["Name"], "Type": "String", "Version": 2,
+            "Value": json.dumps({"evacuated": self.parameters[key]})}}
+
+
+def _http_error(code: str, message: str) -> tuple[Any, dict]:
+    return SimpleNamespace(status_code=400), {"Error": {"Code": code, "Message": message},
+                                              "ResponseMetadata": {"HTTPStatusCode": 400}}
+
+
+def test_the_restore_reads_only_parameters_its_role_may_read_in_a_two_router_fleet(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`Restore-dev` (`evacuate --undo`) also reads the parameter of the router that does not front dev (it may still
+    name dev: evacuate._still_named); the project's role could read only the fronting router's, so the restore died
+    on AccessDeniedException and the cell stayed evacuated. The grant and the reads now come from one function
+    (evacuate.routers_touched); here the leftover name in the other router's parameter is removed too."""
+    fleet = load_fleet(ROOT / TWO_ROUTERS)
+    assert [r.region for r in fleet.routers] == ["us-east-2", "us-west-2"]
+    template = _synth(fleet, tmp_path, TWO_ROUTERS)
+    west = "/inference-fleet/Rufus/router/us-west-2/evacuated"
+    ssm = _SsmAsTheRoleSeesIt(template, "111111111111",
+                              {("us-east-2", PARAMETER): ["dev"], ("us-west-2", west): ["dev"]})
+    (restore,) = _stage(template, "Restore-canary")["Actions"]
+    assert _environment(restore) == {"CELL": "dev", "EVACUATE_MODE": "restore"}
+    args = SimpleNamespace(config=str(ROOT / TWO_ROUTERS), cell="dev", undo=True, local=None, status_url=None,
+                           wait=False, timeout=1.0, force=False)
+    status = evacuate.run(args, ssm_for=ssm.client)  # type: ignore[arg-type]
+    err = capsys.readouterr().err
+    assert status == exit_codes.OK, err
+    assert ssm.parameters == {("us-east-2", PARAMETER): [], ("us-west-2", west): []}
+    assert {arn for op, arn in ssm.calls if op == "GetParameter"} == {
+        f"arn:aws:ssm:us-east-2:111111111111:parameter{PARAMETER}",
+        f"arn:aws:ssm:us-west-2:111111111111:parameter{west}"}
+    # The reports `--wait` lists stay the fronting router's only.
+    assert _granted(template, "ssm:GetParametersByPath") == {f"arn:aws:ssm:us-east-2:111111111111:parameter{REPORTS}"}
 
 
 def _list(value: Any) -> list:

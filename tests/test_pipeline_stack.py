@@ -21,10 +21,11 @@ from syrupy.extensions.json import JSONSnapshotExtension
 
 from cell_constructs.cell_alarms import gate_reader_role_name, rollout_gate_name
 from cell_constructs.nag import add_policy_checks
-from inference_fleet.checks import load_fleet
+from inference_fleet.checks import load_fleet, parse_fleet
 from inference_fleet.config import FleetConfig
 from stacks.fleet import build_fleet
 from stacks.pipeline_stack import PipelineStack, repository_path
+from stacks.router_stack import RouterStack
 
 ROOT = Path(__file__).resolve().parents[1]
 FLEETS = Path(__file__).resolve().parent / "fleets"
@@ -341,6 +342,39 @@ def test_cross_account_gate_is_read_through_the_cells_reader_role(large_synth) -
     for name in ("Rufus-Cell-use2-a", "Rufus-Cell-use2-b"):
         assert not large_synth.templates[name].find_resources(
             "AWS::IAM::Role", {"Properties": {"RoleName": gate_reader_role_name(name)}})
+
+
+PIPELINE_ROLE = "arn:aws:iam::222222222222:role/Rufus-rollout-pipeline-role"
+
+
+def test_a_gate_reader_admits_only_the_pipeline_role(large_synth, tmp_path: Path) -> None:
+    """A gate reader trusted the pipeline's account root with no condition: any principal of that account allowed
+    sts:AssumeRole on it could read the gate. Its trust now names the pipeline's own role (a fixed name) in an
+    aws:PrincipalArn condition; the role need not exist when the cell or router is deployed."""
+    pipeline = large_synth.templates[large_synth.fleet.pipeline_stack_name].to_json()
+    (role_id,) = [lid for lid, r in pipeline["Resources"].items() if r["Type"] == "AWS::IAM::Role"
+                  and r["Properties"].get("RoleName") == "Rufus-rollout-pipeline-role"]
+    assert large_synth.pipeline["RoleArn"] == {"Fn::GetAtt": [role_id, "Arn"]}
+    cell = large_synth.templates["Rufus-Cell-usw2-a"]
+    (role,) = cell.find_resources("AWS::IAM::Role", {"Properties": {"RoleName": "Rufus-Cell-usw2-a-gate-reader"}
+                                                     }).values()
+    (trust,) = role["Properties"]["AssumeRolePolicyDocument"]["Statement"]
+    assert trust["Principal"] == {"AWS": "arn:aws:iam::222222222222:root"}
+    assert trust["Condition"] == {"ArnEquals": {"aws:PrincipalArn": PIPELINE_ROLE}}
+    # A router in the us-west-2 cell's account (333333333333), the pipeline in 222222222222: its reader too.
+    raw = yaml.safe_load((FLEETS / "pipeline_large.yaml").read_text())
+    raw["routers"] = [{"region": "us-west-2", "cells": ["usw2-a"], "plain_http": True}]
+    fleet = parse_fleet(raw)
+    (router,) = fleet.routers
+    name = fleet.router_stack_name(router)
+    app = App(context={**CDK_CONTEXT, "config": "tests/fleets/pipeline_large.yaml"}, outdir=str(tmp_path),
+              builtin_cloud_formation_validation=False)
+    template = Template.from_stack(RouterStack(app, name, fleet=fleet, router=router))
+    (role,) = template.find_resources("AWS::IAM::Role", {"Properties": {"RoleName": gate_reader_role_name(name)}
+                                                         }).values()
+    (trust,) = role["Properties"]["AssumeRolePolicyDocument"]["Statement"]
+    assert trust["Principal"] == {"AWS": "arn:aws:iam::222222222222:root"}
+    assert trust["Condition"] == {"ArnEquals": {"aws:PrincipalArn": PIPELINE_ROLE}}
 
 
 # -- snapshots ---------------------------------------------------------------------------
