@@ -23,7 +23,7 @@ import sys
 from dataclasses import asdict
 
 from inference_fleet import __version__, compile_cli, evacuate, exit_codes, rollout
-from inference_fleet.checks import load_fleet
+from inference_fleet.checks import check_fleet_file_place, load_fleet
 from inference_fleet.config import ConfigError
 from inference_fleet.planner import cli as planner_cli
 from inference_fleet.reference import markdown
@@ -34,6 +34,12 @@ from inference_fleet.verify import cli as verify_cli
 
 def _validate(args: argparse.Namespace) -> int:
     fleet = load_fleet(args.config)
+    try:
+        check_fleet_file_place(fleet, args.config)
+    except ConfigError as error:
+        # Where the file lives is no mistake in it (a draft may be checked before it is committed), but `cdk synth`
+        # refuses it there: say so, and still accept the content.
+        print(f"warning: `cdk synth` refuses this file where it is: {error.issues[0].problem}", file=sys.stderr)
     for cell in fleet.cells:
         count = (f"{cell.resolved_min_units}-{cell.resolved_max_units} (elastic)" if cell.elastic
                  else str(cell.resolved_max_units))

@@ -37,7 +37,24 @@ from inference_fleet.catalogue import CATALOGUE, InstanceType
 from inference_fleet.regions import region_problem
 from inference_fleet.schedule import cron_problem
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "config" / "default.yaml"
+REPOSITORY_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = REPOSITORY_ROOT / "config" / "default.yaml"
+
+
+def repository_path(fleet_file: str | Path) -> str:
+    """The fleet file as the pipeline's build sees it: a path inside the repository, relative to its root.
+
+    Raises ValueError for a file outside the repository (the build synthesizes it from its checkout)."""
+    path = Path(fleet_file)
+    if not path.is_absolute():
+        path = Path.cwd() / path
+    try:
+        return path.resolve().relative_to(REPOSITORY_ROOT).as_posix()
+    except ValueError:
+        raise ValueError(
+            f"fleet file {fleet_file} is outside the repository {REPOSITORY_ROOT}: the pipeline's build "
+            "synthesizes the fleet file from its checkout, so keep it in the repository"
+        ) from None
 
 # An AZ name (us-east-2a, us-west-2-lax-1a) or an AZ ID (use2-az1, usw2-lax1-az1).
 AZ_PATTERN = r"^([a-z]{2}(-gov)?-[a-z]+-[0-9][a-z]|[a-z]{2}(gov)?[a-z]+[0-9](-[a-z]+[0-9]+)?-az[0-9]+)$"

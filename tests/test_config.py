@@ -179,7 +179,7 @@ def test_app_refuses_a_bad_fleet_before_synthesis(raw: dict, tmp_path: Path) -> 
     outdir = tmp_path / "out"
     env = {**os.environ, "CDK_CONTEXT_JSON": json.dumps({"config": str(fleet_file)}), "CDK_OUTDIR": str(outdir)}
     result = subprocess.run([sys.executable, "app.py"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
+    assert result.returncode == 3  # a refused fleet file (inference_fleet/exit_codes.py), as the CLI
     assert "unit.data_parallel_degree = 5" in result.stderr
     assert not list(outdir.glob("*.template.json"))
 
