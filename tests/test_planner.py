@@ -444,6 +444,6 @@ def test_synth_refuses_a_fleet_that_does_not_fit(tmp_path):
            "AWS_EC2_METADATA_DISABLED": "true"}
     proc = subprocess.run([sys.executable, "app.py"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=180, check=False)
-    assert proc.returncode == 2, proc.stderr
+    assert proc.returncode == 3, proc.stderr  # a refused fleet file, as the CLI (exit_codes.CONFIG)
     assert "unit.nodes = 1" in proc.stderr
     assert not list(tmp_path.glob("cdk.out/*.template.json"))
