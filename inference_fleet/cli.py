@@ -140,7 +140,21 @@ def _run(argv: list[str] | None) -> int:
         return exit_codes.CONFIG
 
 
+def _io_error(error: OSError) -> int:
+    """An output or file error no command handled: one line, not a traceback; stdout is pointed at /dev/null
+    so that the flush at exit does not raise it again."""
+    print(f"error: input/output failed: {error}", file=sys.stderr)
+    if sys.stdout is not None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    return exit_codes.IO_ERROR
+
+
 def main(argv: list[str] | None = None) -> int:
+    if sys.stdout is None:
+        # Started with stdout closed (`validate >&-`): Python sets sys.stdout to None and print() drops the text.
+        print("error: standard output is closed: nothing could be printed", file=sys.stderr)
+        return exit_codes.IO_ERROR
     try:
         try:
             return _run(argv)
@@ -148,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()  # after --help too (SystemExit): a closed pipe shows here, not at exit
     except BrokenPipeError:
         return _closed_pipe()
+    except OSError as error:  # `reference > /dev/full`: [Errno 28] No space left on device
+        return _io_error(error)
 
 
 if __name__ == "__main__":
