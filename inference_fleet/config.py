@@ -1054,10 +1054,16 @@ def _decode(raw: bytes, source: str) -> str:
             from None
 
 
+def load_yaml_strictly(text: str) -> Any:
+    """YAML text read safely, a key given twice in one mapping refused (yaml.YAMLError naming it and its lines):
+    the fleet file and the simulator's scenario files are read this way."""
+    return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: no arbitrary objects
+
+
 def parse_yaml(text: str, source: str) -> dict[str, Any]:
     """The mapping of a fleet file's YAML text, read strictly (duplicate keys refused), or ConfigError."""
     try:
-        data = yaml.load(text, Loader=_StrictLoader)
+        data = load_yaml_strictly(text)
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "?"
@@ -1072,12 +1078,25 @@ def parse_yaml(text: str, source: str) -> dict[str, Any]:
     return data
 
 
+def _not_a_file(path: Path) -> str:
+    """What a path that is no regular file is, for the message (a FIFO would block a read until a writer comes)."""
+    if path.is_dir():
+        return "is a directory; give the fleet file (e.g. config/default.yaml)"
+    if path.exists():
+        kind = ("a named pipe (FIFO)" if path.is_fifo() else "a socket" if path.is_socket()
+                else "a device" if path.is_block_device() or path.is_char_device() else "not a regular file")
+        return f"is {kind}, not a regular file; give the fleet file"
+    if path.is_symlink():
+        return "is a symbolic link to nothing (dangling)"
+    return "no such file"
+
+
 def read_fleet_file(path: str | Path | None = None) -> tuple[dict[str, Any], str]:
     """The parsed YAML mapping of a fleet file (None: the embedded default) and its name for messages."""
     path = DEFAULT_CONFIG if path is None else Path(path)
     source = str(path)
     if not path.is_file():
-        raise ConfigError(source, [ConfigIssue("<file>", source, "no such file")])
+        raise ConfigError(source, [ConfigIssue("<file>", source, _not_a_file(path))])
     try:
         raw = path.read_bytes()
     except OSError as error:
