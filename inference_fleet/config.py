@@ -404,7 +404,9 @@ class CellConfig(_Strict):
     )
     alb_azs: tuple[Annotated[str, StringConstraints(pattern=AZ_PATTERN)], ...] | None = Field(
         default=None,
-        description="AZs of the load balancer subnets (>= 2), names or AZ IDs; default the Trainium AZ and one more.",
+        description="AZs of the load balancer subnets (>= 2, each once), the Trainium AZ among them, written as "
+        "trainium_az is (names or AZ IDs); default the Trainium AZ and one more. The VPC has a public, an ALB and a "
+        "Trainium subnet in each: more AZs make each smaller (inference_fleet/subnets.py).",
     )
     vpc_cidr: ipaddress.IPv4Network = Field(
         description="VPC CIDR, /16 to /22; disjoint from other cells of the account and region."
