@@ -22,6 +22,7 @@ failed sessions, cause and member, from the unit log group.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from aws_cdk import ArnFormat, Duration, Stack
@@ -46,6 +47,8 @@ ONE_MINUTE = Duration.minutes(1)
 NEUTRAL_CAUSES = ("deliberate_stop", "member_stopped", "member_stopping")
 # Rows of the dashboard's table of the latest failed sessions.
 LAST_FAILURES = 20
+IAM_ROLE_NAME_MAX = 64
+GATE_READER_SUFFIX = "gate-reader"
 
 
 def rollout_gate_name(stack_name: str) -> str:
@@ -54,8 +57,19 @@ def rollout_gate_name(stack_name: str) -> str:
 
 
 def gate_reader_role_name(stack_name: str) -> str:
-    """Role in a cell's account that lets the pipeline account read the cell's rollout gate."""
-    return f"{stack_name}-gate-reader"
+    """Role in a cell's account that lets the pipeline account read the cell's rollout gate.
+
+    `<stack>-gate-reader`; IAM role names are at most 64 characters
+    (https://docs.aws.amazon.com/IAM/latest/APIReference/API_CreateRole.html), and a 24-character fleet name with a
+    24-character cell name makes 66: a longer name keeps its stack name's head and a hash of the whole (stable, so
+    the pipeline stack, which derives it again, names the same role).
+    """
+    name = f"{stack_name}-{GATE_READER_SUFFIX}"
+    if len(name) <= IAM_ROLE_NAME_MAX:
+        return name
+    digest = hashlib.sha256(stack_name.encode()).hexdigest()[:8]
+    head = stack_name[: IAM_ROLE_NAME_MAX - len(digest) - len(GATE_READER_SUFFIX) - 2]
+    return f"{head}-{digest}-{GATE_READER_SUFFIX}"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,7 +1,7 @@
 """The cell's network: a VPC with one Trainium subnet, load balancer subnets and private endpoints.
 
 EFA and cluster placement groups need every node of a unit in one AZ, so the Trainium
-capacity uses only the subnet of the configured AZ; the load balancer spans two AZs.
+capacity uses only the subnet of the configured AZ; the load balancer spans cells[].alb_azs (two by default).
 Interface endpoints let nodes pull images and artifacts and reach ECS, Cloud Map and
 CloudWatch without going through the NAT gateway.
 """
@@ -17,6 +17,7 @@ from constructs import Construct
 
 from cell_constructs.nag import acknowledge
 from inference_fleet.config import is_az_id
+from inference_fleet.subnets import subnet_layout
 
 # Interface endpoints any private ECS container instance needs (ECR pull, awslogs, the ECS
 # agent); the compile job's VPC has exactly these (compile_batch.py).
@@ -69,7 +70,11 @@ class CellNetwork(Construct):
 
     def _vpc(self, cidr: ipaddress.IPv4Network, trainium_az: str, availability_zones: tuple[str, ...]) -> ec2.Vpc:
         """Public (NAT, and the ALB when internet-facing), ALB and Trainium subnets; the Trainium AZ first."""
-        # The Trainium subnet gets a quarter of the VPC; the others 1/16 each.
+        # With two AZs the Trainium subnet gets a quarter of the VPC, the others 1/16 each; more AZs get smaller
+        # subnets (inference_fleet/subnets.py), the layout the fleet checks counted the Trainium IPs of.
+        layout = subnet_layout(cidr, len(availability_zones))
+        if layout is None:
+            raise ValueError(f"{len(availability_zones)} AZs of subnets do not fit in {cidr}")
         vpc = ec2.Vpc(
             self,
             "Vpc",
@@ -81,14 +86,14 @@ class CellNetwork(Construct):
                 ec2.SubnetConfiguration(
                     name="public",
                     subnet_type=ec2.SubnetType.PUBLIC,
-                    cidr_mask=cidr.prefixlen + 4,
+                    cidr_mask=layout.edge_prefix,
                     map_public_ip_on_launch=False,
                 ),
                 ec2.SubnetConfiguration(
-                    name="alb", subnet_type=ec2.SubnetType.PRIVATE_WITH_EGRESS, cidr_mask=cidr.prefixlen + 4
+                    name="alb", subnet_type=ec2.SubnetType.PRIVATE_WITH_EGRESS, cidr_mask=layout.edge_prefix
                 ),
                 ec2.SubnetConfiguration(
-                    name="trainium", subnet_type=ec2.SubnetType.PRIVATE_WITH_EGRESS, cidr_mask=cidr.prefixlen + 2
+                    name="trainium", subnet_type=ec2.SubnetType.PRIVATE_WITH_EGRESS, cidr_mask=layout.trainium_prefix
                 ),
             ],
         )

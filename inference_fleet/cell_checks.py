@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 from inference_fleet import config
 from inference_fleet.config import CellConfig, ConfigIssue, FleetConfig
+from inference_fleet.subnets import subnet_layout
 
 # AWS reserves the first four and the last address of every subnet
 # (https://docs.aws.amazon.com/vpc/latest/userguide/subnet-sizing.html).
@@ -45,9 +46,16 @@ SIGNAL_WAIT_LIMIT_SECONDS = 3600
 CACHE_FILL_LIMIT = 0.9
 
 
+def trainium_subnet_prefix(cell: CellConfig) -> int:
+    """Prefix length of the cell's Trainium subnet: a quarter of the VPC with two AZs, less with more
+    (inference_fleet/subnets.py; a layout that does not fit is refused in checks.py, counted as a quarter here)."""
+    layout = subnet_layout(cell.vpc_cidr, len(cell.resolved_alb_azs))
+    return layout.trainium_prefix if layout else cell.vpc_cidr.prefixlen + 2
+
+
 def trainium_subnet_ips(cell: CellConfig) -> int:
-    """Usable addresses of the cell's Trainium subnet (a quarter of the VPC, network.py)."""
-    return 2 ** (32 - (cell.vpc_cidr.prefixlen + 2)) - SUBNET_RESERVED_IPS
+    """Usable addresses of the cell's Trainium subnet."""
+    return 2 ** (32 - trainium_subnet_prefix(cell)) - SUBNET_RESERVED_IPS
 
 
 def ips_needed(fleet: FleetConfig, cell: CellConfig) -> int:
@@ -80,11 +88,13 @@ def check_cells_deployable(fleet: FleetConfig) -> Iterable[ConfigIssue]:
             yield ConfigIssue(
                 f"cells[{i}].vpc_cidr",
                 str(cell.vpc_cidr),
-                f"the Trainium subnet (/{cell.vpc_cidr.prefixlen + 2}, {usable} usable IPs) cannot hold "
+                f"the Trainium subnet (/{trainium_subnet_prefix(cell)}, {usable} usable IPs) cannot hold "
                 f"{cell.resolved_max_units} units x {unit.nodes} nodes (+{extra} spare) x {per_node} "
                 "EFA interfaces "
                 f"(one IP each) + {TRAINIUM_SUBNET_ENDPOINTS} endpoints = {needed} IPs; it fits {fits} units: "
-                "use a larger VPC CIDR or fewer units",
+                "use a larger VPC CIDR or fewer units"
+                + (f" (or fewer alb_azs: {len(cell.resolved_alb_azs)} AZs make it smaller)"
+                   if len(cell.resolved_alb_azs) > 2 else ""),
             )
         fronted = bool(fleet.routers_of(cell))
         limit = max_units_per_cell(fronted)

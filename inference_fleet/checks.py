@@ -33,12 +33,15 @@ from inference_fleet.config import (
     ConfigIssue,
     FleetConfig,
     az_id_prefix,
+    is_az_id,
     parse_model,
     read_fleet_file,
+    repository_path,
 )
 from inference_fleet.planner.fit import check_fit
 from inference_fleet.rollout import check_wave_sizes
 from inference_fleet.router_checks import check_pipeline_evacuation, check_routers
+from inference_fleet.subnets import ALB_SUBNET_MAX_PREFIX, subnet_layout
 
 FleetCheck = Callable[[FleetConfig], Iterable[ConfigIssue]]
 
@@ -56,10 +59,21 @@ NEURON_MAX_PROMPT_TOKENS = 131_072
 def load_fleet(path: str | Path | None = None) -> FleetConfig:
     """Read a fleet file (None: the embedded default, config/default.yaml) and run every check.
 
-    Raises ConfigError listing every issue with its field path; callers print it and exit 2.
+    Raises ConfigError listing every issue with its field path; callers print it and exit 3 (exit_codes.CONFIG).
     """
     data, source = read_fleet_file(path)
     return parse_fleet(data, source)
+
+
+def check_fleet_file_place(fleet: FleetConfig, fleet_file: str | Path | None) -> None:
+    """A fleet with a pipeline is synthesized by the pipeline's build from its checkout: its file must be in the
+    repository. Raises ConfigError naming `pipeline` (the default fleet, None, always is)."""
+    if fleet.pipeline is None or not fleet_file:
+        return
+    try:
+        repository_path(fleet_file)
+    except ValueError as error:
+        raise ConfigError(str(fleet_file), [ConfigIssue("pipeline", "(set)", str(error))]) from None
 
 
 def parse_fleet(data: Any, source: str = "<dict>") -> FleetConfig:
@@ -170,10 +184,9 @@ def _check_cells(fleet: FleetConfig) -> Iterable[ConfigIssue]:
                 f"must be an AZ of region {cell.region} (a name such as {cell.region}a or an AZ ID such as "
                 f"{az_id_prefix(cell.region)}-az1)",
             )
-        azs = cell.resolved_alb_azs
         # Default ALB AZs derive from the Trainium AZ: a wrong one is reported once, above.
-        if (cell.alb_azs or trainium_az_ok) and (len(set(azs)) < 2 or any(not cell.in_region(az) for az in azs)):
-            yield ConfigIssue(f"cells[{i}].alb_azs", list(azs), f"need >= 2 distinct AZs of region {cell.region}")
+        if cell.alb_azs or trainium_az_ok:
+            yield from _alb_az_issues(i, cell)
         if cell.certificate_arn and f":acm:{cell.region}:" not in cell.certificate_arn:
             yield ConfigIssue(
                 f"cells[{i}].certificate_arn", cell.certificate_arn, f"certificate must be in {cell.region}"
@@ -195,6 +208,34 @@ def _check_cells(fleet: FleetConfig) -> Iterable[ConfigIssue]:
                     f"overlaps cells[{j}].vpc_cidr {b.vpc_cidr} ({b.name}) in {a.account}/{a.region}; "
                     "cells of one account and region need disjoint CIDRs",
                 )
+
+
+def _alb_az_issues(i: int, cell: CellConfig) -> Iterable[ConfigIssue]:
+    """The ALB's AZs: distinct AZs of the region, written the way trainium_az is, the Trainium AZ among them (the
+    VPC has its subnets in exactly these AZs, cell_constructs/network.py), and few enough for the VPC's subnets."""
+    azs = cell.resolved_alb_azs
+    path, shown = f"cells[{i}].alb_azs", list(azs)
+    if len(set(azs)) < 2 or len(set(azs)) < len(azs) or any(not cell.in_region(az) for az in azs):
+        yield ConfigIssue(path, shown, f"need >= 2 distinct AZs of region {cell.region}, each once")
+        return
+    trainium_is_id = is_az_id(cell.trainium_az)
+    if any(is_az_id(az) != trainium_is_id for az in azs):
+        # An AZ name maps to a different physical zone in each account; an ID to the same one. A mix cannot be
+        # told apart from a duplicate or a missing Trainium AZ.
+        form = (f"AZ IDs such as {az_id_prefix(cell.region)}-az1" if trainium_is_id
+                else f"AZ names such as {cell.region}a")
+        yield ConfigIssue(path, shown, f"write every AZ as trainium_az ({cell.trainium_az}) is: {form}; do not mix "
+                          "AZ names and AZ IDs")
+        return
+    if cell.trainium_az not in azs:
+        yield ConfigIssue(path, shown, f"must include trainium_az ({cell.trainium_az}): the Trainium subnet is one of "
+                          f"the VPC's subnets in these AZs; allowed: {[cell.trainium_az, *azs]}")
+        return
+    if subnet_layout(cell.vpc_cidr, len(azs)) is None:
+        most = max((n for n in range(2, len(azs)) if subnet_layout(cell.vpc_cidr, n)), default=1)
+        yield ConfigIssue(path, shown, f"{len(azs)} AZs do not fit in vpc_cidr {cell.vpc_cidr}: each AZ gets a "
+                          f"public, an ALB (/{ALB_SUBNET_MAX_PREFIX} or larger) and a Trainium subnet; allowed: at "
+                          f"most {most} AZs, or a larger vpc_cidr")
 
 
 def _unit_count_issues(i: int, cell: CellConfig) -> Iterable[ConfigIssue]:

@@ -23,7 +23,7 @@ import sys
 from dataclasses import asdict
 
 from inference_fleet import __version__, compile_cli, evacuate, exit_codes, rollout
-from inference_fleet.checks import load_fleet
+from inference_fleet.checks import check_fleet_file_place, load_fleet
 from inference_fleet.config import ConfigError
 from inference_fleet.planner import cli as planner_cli
 from inference_fleet.reference import markdown
@@ -34,6 +34,12 @@ from inference_fleet.verify import cli as verify_cli
 
 def _validate(args: argparse.Namespace) -> int:
     fleet = load_fleet(args.config)
+    try:
+        check_fleet_file_place(fleet, args.config)
+    except ConfigError as error:
+        # Where the file lives is no mistake in it (a draft may be checked before it is committed), but `cdk synth`
+        # refuses it there: say so, and still accept the content.
+        print(f"warning: `cdk synth` refuses this file where it is: {error.issues[0].problem}", file=sys.stderr)
     for cell in fleet.cells:
         count = (f"{cell.resolved_min_units}-{cell.resolved_max_units} (elastic)" if cell.elastic
                  else str(cell.resolved_max_units))
@@ -134,7 +140,21 @@ def _run(argv: list[str] | None) -> int:
         return exit_codes.CONFIG
 
 
+def _io_error(error: OSError) -> int:
+    """An output or file error no command handled: one line, not a traceback; stdout is pointed at /dev/null
+    so that the flush at exit does not raise it again."""
+    print(f"error: input/output failed: {error}", file=sys.stderr)
+    if sys.stdout is not None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    return exit_codes.IO_ERROR
+
+
 def main(argv: list[str] | None = None) -> int:
+    if sys.stdout is None:
+        # Started with stdout closed (`validate >&-`): Python sets sys.stdout to None and print() drops the text.
+        print("error: standard output is closed: nothing could be printed", file=sys.stderr)
+        return exit_codes.IO_ERROR
     try:
         try:
             return _run(argv)
@@ -142,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()  # after --help too (SystemExit): a closed pipe shows here, not at exit
     except BrokenPipeError:
         return _closed_pipe()
+    except OSError as error:  # `reference > /dev/full`: [Errno 28] No space left on device
+        return _io_error(error)
 
 
 if __name__ == "__main__":

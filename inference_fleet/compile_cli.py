@@ -51,6 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
+    except BrokenPipeError:
+        raise  # the reader closed stdout (`| head`): cli.main ends quietly with 141, not as a compile failure
     except (compile_job.CompileError, ArtifactError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return exit_codes.COMPILE

@@ -37,7 +37,24 @@ from inference_fleet.catalogue import CATALOGUE, InstanceType
 from inference_fleet.regions import region_problem
 from inference_fleet.schedule import cron_problem
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "config" / "default.yaml"
+REPOSITORY_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = REPOSITORY_ROOT / "config" / "default.yaml"
+
+
+def repository_path(fleet_file: str | Path) -> str:
+    """The fleet file as the pipeline's build sees it: a path inside the repository, relative to its root.
+
+    Raises ValueError for a file outside the repository (the build synthesizes it from its checkout)."""
+    path = Path(fleet_file)
+    if not path.is_absolute():
+        path = Path.cwd() / path
+    try:
+        return path.resolve().relative_to(REPOSITORY_ROOT).as_posix()
+    except ValueError:
+        raise ValueError(
+            f"fleet file {fleet_file} is outside the repository {REPOSITORY_ROOT}: the pipeline's build "
+            "synthesizes the fleet file from its checkout, so keep it in the repository"
+        ) from None
 
 # An AZ name (us-east-2a, us-west-2-lax-1a) or an AZ ID (use2-az1, usw2-lax1-az1).
 AZ_PATTERN = r"^([a-z]{2}(-gov)?-[a-z]+-[0-9][a-z]|[a-z]{2}(gov)?[a-z]+[0-9](-[a-z]+[0-9]+)?-az[0-9]+)$"
@@ -388,7 +405,9 @@ class CellConfig(_Strict):
     )
     alb_azs: tuple[Annotated[str, StringConstraints(pattern=AZ_PATTERN)], ...] | None = Field(
         default=None,
-        description="AZs of the load balancer subnets (>= 2), names or AZ IDs; default the Trainium AZ and one more.",
+        description="AZs of the load balancer subnets (>= 2, each once), the Trainium AZ among them, written as "
+        "trainium_az is (names or AZ IDs); default the Trainium AZ and one more. The VPC has a public, an ALB and a "
+        "Trainium subnet in each: more AZs make each smaller (inference_fleet/subnets.py).",
     )
     vpc_cidr: ipaddress.IPv4Network = Field(
         description="VPC CIDR, /16 to /22; disjoint from other cells of the account and region."
@@ -1039,10 +1058,16 @@ def _decode(raw: bytes, source: str) -> str:
             from None
 
 
+def load_yaml_strictly(text: str) -> Any:
+    """YAML text read safely, a key given twice in one mapping refused (yaml.YAMLError naming it and its lines):
+    the fleet file and the simulator's scenario files are read this way."""
+    return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: no arbitrary objects
+
+
 def parse_yaml(text: str, source: str) -> dict[str, Any]:
     """The mapping of a fleet file's YAML text, read strictly (duplicate keys refused), or ConfigError."""
     try:
-        data = yaml.load(text, Loader=_StrictLoader)
+        data = load_yaml_strictly(text)
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "?"
@@ -1057,12 +1082,25 @@ def parse_yaml(text: str, source: str) -> dict[str, Any]:
     return data
 
 
+def _not_a_file(path: Path) -> str:
+    """What a path that is no regular file is, for the message (a FIFO would block a read until a writer comes)."""
+    if path.is_dir():
+        return "is a directory; give the fleet file (e.g. config/default.yaml)"
+    if path.exists():
+        kind = ("a named pipe (FIFO)" if path.is_fifo() else "a socket" if path.is_socket()
+                else "a device" if path.is_block_device() or path.is_char_device() else "not a regular file")
+        return f"is {kind}, not a regular file; give the fleet file"
+    if path.is_symlink():
+        return "is a symbolic link to nothing (dangling)"
+    return "no such file"
+
+
 def read_fleet_file(path: str | Path | None = None) -> tuple[dict[str, Any], str]:
     """The parsed YAML mapping of a fleet file (None: the embedded default) and its name for messages."""
     path = DEFAULT_CONFIG if path is None else Path(path)
     source = str(path)
     if not path.is_file():
-        raise ConfigError(source, [ConfigIssue("<file>", source, "no such file")])
+        raise ConfigError(source, [ConfigIssue("<file>", source, _not_a_file(path))])
     try:
         raw = path.read_bytes()
     except OSError as error:

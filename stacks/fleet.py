@@ -6,11 +6,11 @@ from aws_cdk import App, Stack
 
 from cell_constructs.nag import add_policy_checks
 from inference_fleet import compile_job
-from inference_fleet.checks import validate_fleet
-from inference_fleet.config import ConfigError, ConfigIssue, FleetConfig
+from inference_fleet.checks import check_fleet_file_place, validate_fleet
+from inference_fleet.config import FleetConfig
 from stacks.cell_stack import CellStack
 from stacks.compile_stack import CompileStack
-from stacks.pipeline_stack import PipelineStack, repository_path
+from stacks.pipeline_stack import PipelineStack
 from stacks.router_stack import RouterStack
 
 
@@ -28,13 +28,9 @@ def build_fleet(app: App, fleet: FleetConfig) -> dict[str, Stack]:
     """
     validate_fleet(fleet, f"fleet {fleet.name}")
     fleet_file = app.node.try_get_context("config")
-    if fleet.pipeline is not None and fleet_file:
-        # Checked before any construct is built: a fleet file outside the repository is a
-        # configuration mistake, reported like every other one (no traceback).
-        try:
-            repository_path(fleet_file)
-        except ValueError as error:
-            raise ConfigError(str(fleet_file), [ConfigIssue("pipeline", "(set)", str(error))]) from None
+    # Checked before any construct is built: a fleet file outside the repository is a
+    # configuration mistake, reported like every other one (no traceback).
+    check_fleet_file_place(fleet, fleet_file)
     add_policy_checks(app)
     stacks: dict[str, Stack] = {}
     for cell in fleet.cells:

@@ -23,7 +23,6 @@ evacuated before its deploy action and restored in a `Restore-<wave>` stage afte
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import NamedTuple
 
 from aws_cdk import (
@@ -54,14 +53,22 @@ from cell_constructs.fleet_cli_project import generated_project_findings
 from cell_constructs.gate_reader import pipeline_role_name
 from cell_constructs.nag import acknowledge
 from inference_fleet import compile_job
-from inference_fleet.config import DEFAULT_CONFIG, CellConfig, FleetConfig, PipelineConfig, RouterConfig, WaveConfig
+from inference_fleet.config import (
+    DEFAULT_CONFIG,
+    REPOSITORY_ROOT,
+    CellConfig,
+    FleetConfig,
+    PipelineConfig,
+    RouterConfig,
+    WaveConfig,
+    repository_path,
+)
 from inference_fleet.rollout import MAX_CELLS_PER_WAVE
 from inference_fleet.router_checks import pipeline_evacuations
 from inference_fleet.unit_spec import layout_key
 from stacks.evacuation import Evacuation
 from stacks.verify_gate import VerifyGate
 
-REPOSITORY_ROOT = Path(__file__).resolve().parents[1]
 CDK_QUALIFIER = DefaultStackSynthesizer.DEFAULT_QUALIFIER
 CLOUD_ASSEMBLY_DIR = "cdk.out"
 # Model load dominates a unit update; a wave of a large cell takes hours. The pipeline
@@ -70,20 +77,6 @@ BUILD_TIMEOUT = Duration.hours(2)
 # Action wildcards of CDK's bucket and key grants (Bucket.grantReadWrite, Key.grantEncryptDecrypt).
 _GRANT_WILDCARD_ACTIONS = ("s3:Abort*", "s3:DeleteObject*", "s3:GetBucket*", "s3:GetObject*", "s3:List*",
                            "kms:GenerateDataKey*", "kms:ReEncrypt*")
-
-
-def repository_path(fleet_file: str) -> str:
-    """The fleet file as the build sees it: a path inside the repository, relative to its root."""
-    path = Path(fleet_file)
-    if not path.is_absolute():
-        path = Path.cwd() / path
-    try:
-        return path.resolve().relative_to(REPOSITORY_ROOT).as_posix()
-    except ValueError:
-        raise ValueError(
-            f"fleet file {fleet_file} is outside the repository {REPOSITORY_ROOT}: the pipeline's build "
-            "synthesizes the fleet file from its checkout, so keep it in the repository"
-        ) from None
 
 
 PUBLISH_ASSETS_TOOL = "tools/publish-assets.js"

@@ -5,7 +5,7 @@ Every file in tests/fleets/bad/ is the default fleet with one mistake; its first
   - through `load_fleet` (what `validate`, `plan`, `plan-rollout` and the launcher's
     `plan` call): one ConfigError whose issues name exactly that field and nothing else;
   - through the CDK app's entry point (app.py, as `cdk synth -c config=F` runs it,
-    in-process): exit 2 before any construct is built, the field named on stderr;
+    in-process): exit 3 (exit_codes.CONFIG, as the CLI) before any construct is built, the field named on stderr;
   - a handful through `python -m inference_fleet validate --config F` and
     `python app.py` as subprocesses: non-zero exit, the field named, no traceback.
 """
@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 from aws_cdk import App
 
+from inference_fleet import exit_codes
 from inference_fleet.checks import load_fleet
 from inference_fleet.config import ConfigError
 
@@ -81,7 +82,7 @@ def test_the_app_refuses_before_building_anything(path: Path, app_module, monkey
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as caught:
         app_module.main()
-    assert caught.value.code not in (0, None)  # exit 2 today; the code for configuration errors may change
+    assert caught.value.code == exit_codes.CONFIG  # the same status as `python -m inference_fleet validate`
     assert expected(path) in stderr.getvalue()
 
 

@@ -363,7 +363,7 @@ def test_pipeline_fleet_file_outside_the_repository_is_a_config_error(tmp_path: 
     env = {**os.environ, "CDK_CONTEXT_JSON": json.dumps({"config": str(outside)}),
            "CDK_OUTDIR": str(tmp_path / "out2")}
     run = subprocess.run([sys.executable, "app.py"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.returncode == 3 and "Traceback" not in run.stderr
     assert "is outside the repository" in run.stderr
 
 

@@ -103,3 +103,89 @@ def test_suggest_for_an_unknown_instance_type_is_a_refused_fleet(tmp_path: Path)
     done = fleet_cli("plan", "--suggest", "--config", str(fleet))
     assert done.returncode == exit_codes.CONFIG, done.stderr
     assert "unit.instance_type = 'trn9.huge' is not a known instance type; allowed:" in done.stderr
+
+
+@pytest.mark.parametrize(("old", "new", "field"), [
+    ("instance_type: trn2.48xlarge", "instance_type: [trn2.48xlarge]", "unit.instance_type"),
+    ("max_concurrent_sequences: 32", "max_concurrent_sequences: many", "unit.max_concurrent_sequences"),
+    ("max_concurrent_sequences: 32", "max_concurrent_sequences: -5", "unit.max_concurrent_sequences"),
+    ("max_concurrent_sequences: 32", "max_concurrent_sequences: true", "unit.max_concurrent_sequences"),
+], ids=["instance-type-list", "sequences-word", "sequences-negative", "sequences-boolean"])
+def test_suggest_refuses_a_wrong_unit_hint_of_a_refused_fleet(tmp_path: Path, old: str, new: str, field: str) -> None:
+    # Regression: `plan --suggest` read the raw `unit:` section of a refused fleet: a list or a word raised a
+    # TypeError traceback, -5 and true were taken as batch sizes.
+    fleet = tmp_path / "fleet.yaml"
+    text = (ROOT / "config" / "default.yaml").read_text()
+    assert old in text
+    fleet.write_text(text.replace(old, new))
+    done = fleet_cli("plan", "--suggest", "--config", str(fleet))
+    assert done.returncode == exit_codes.CONFIG, (done.returncode, done.stderr)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert f"{field} = " in done.stderr and not done.stdout
+
+
+def test_suggest_refuses_a_length_the_fleet_would_refuse() -> None:
+    # Regression: --seq-len 262144 suggested layouts for a length load_fleet refuses on Neuron (> 131072).
+    done = fleet_cli("plan", "--suggest", "--seq-len", "262144")
+    assert done.returncode == exit_codes.USAGE, done.stderr
+    assert "argument --seq-len: 262144 tokens is out of range; allowed: 128 to 131072" in done.stderr
+    assert fleet_cli("plan", "--suggest", "--seq-len", "131072", "--json").returncode in (exit_codes.OK,
+                                                                                       exit_codes.NO_FIT)
+
+
+@pytest.mark.parametrize("option", [("--concurrency", "4"), ("--seq-len", "8192"), ("--instance-type", "trn2.48xlarge"),
+                                    ("--max-nodes", "2"), ("--top", "3")], ids=lambda o: o[0])
+def test_plan_refuses_options_only_suggest_reads(option: tuple[str, str]) -> None:
+    # Regression: `plan --concurrency 4` printed the fleet's plan and ignored the option silently.
+    done = fleet_cli("plan", *option)
+    assert done.returncode == exit_codes.USAGE, done.stderr
+    assert f"{option[0]}: only with --suggest" in done.stderr and not done.stdout
+
+
+def test_suggest_with_no_fit_prints_the_numbers() -> None:
+    # Regression: "no unit of up to --max-nodes nodes fits" gave neither the limit nor how far off the unit was.
+    done = fleet_cli("plan", "--suggest", "--instance-type", "trn1.32xlarge", "--max-nodes", "1")
+    assert done.returncode == exit_codes.NO_FIT, done.stderr
+    assert "no unit of up to 1 node(s) (--max-nodes) fits; at 1 node(s) the roomiest layout (LNC 1, tp 32" \
+        in done.stdout
+    assert "holds 0 of the 32 sequences: per NeuronCore, weights 24.36 GiB + KV cache" in done.stdout
+    assert "of 16.00 GiB of HBM" in done.stdout
+
+
+def test_compile_into_a_closed_pipe_is_quiet() -> None:
+    # Regression: compile caught OSError, which includes BrokenPipeError: `compile --dry-run | (exec 0<&-; true)`
+    # printed "error: [Errno 32] Broken pipe" and exited 5 (a compile failure) instead of 141.
+    done = closed_pipe_run([sys.executable, "-m", "inference_fleet", "compile", "--dry-run"], ROOT)
+    assert done.returncode == exit_codes.CLOSED_PIPE, done.stderr
+    assert done.stderr == ""
+
+
+@pytest.mark.parametrize("command", ["validate", "reference"])
+def test_a_closed_stdout_is_one_line_not_a_traceback(command: str) -> None:
+    # Regression: `validate >&-` raised AttributeError ('NoneType' object has no attribute 'flush') at cli.py.
+    done = subprocess.run(f"{sys.executable} -m inference_fleet {command} >&-", shell=True, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == exit_codes.IO_ERROR, done.stderr
+    assert done.stderr == "error: standard output is closed: nothing could be printed\n"
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("command", ["validate", "reference"])
+def test_a_full_output_is_one_line_not_a_traceback(command: str) -> None:
+    # Regression: `reference > /dev/full` raised OSError [Errno 28] from print() at cli.py.
+    with open("/dev/full", "w") as full:
+        done = fleet_cli(command, stdout=full.fileno())
+    assert done.returncode == exit_codes.IO_ERROR, done.stderr
+    assert done.stderr == "error: input/output failed: [Errno 28] No space left on device\n"
+
+
+@pytest.mark.parametrize(("report", "message"), [
+    ("/no/such/dir/r.json", "argument --report: directory /no/such/dir does not exist"),
+    ("tests", "argument --report: tests is a directory; give the report's file name, e.g. "
+              "tests/simulate-cell-report.json"),
+])
+def test_simulate_checks_its_report_path_before_the_run(report: str, message: str) -> None:
+    # Regression: the path was first used after the whole run: FileNotFoundError / IsADirectoryError traceback.
+    done = fleet_cli("simulate", "--scenario", "simulations/ami-change.yaml", "--report", report)
+    assert done.returncode == exit_codes.USAGE, done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr and not done.stdout

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from inference_fleet.checks import load_fleet, parse_fleet
-from inference_fleet.config import DEFAULT_CONFIG, ConfigError
+from inference_fleet.config import DEFAULT_CONFIG, ConfigError, read_fleet_file
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -179,7 +179,7 @@ def test_app_refuses_a_bad_fleet_before_synthesis(raw: dict, tmp_path: Path) -> 
     outdir = tmp_path / "out"
     env = {**os.environ, "CDK_CONTEXT_JSON": json.dumps({"config": str(fleet_file)}), "CDK_OUTDIR": str(outdir)}
     result = subprocess.run([sys.executable, "app.py"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
+    assert result.returncode == 3  # a refused fleet file (inference_fleet/exit_codes.py), as the CLI
     assert "unit.data_parallel_degree = 5" in result.stderr
     assert not list(outdir.glob("*.template.json"))
 
@@ -223,3 +223,19 @@ def test_a_removed_field_says_what_replaced_it_not_to_check_the_spelling() -> No
     (issue,) = caught.value.issues
     assert issue.path == "serving.deregistration_delay_seconds"
     assert "serving.drain_timeout_seconds" in issue.problem and "spelling" not in issue.problem
+
+
+def test_a_config_path_that_is_no_file_says_what_it_is(tmp_path: Path) -> None:
+    # Regression: a directory or a FIFO given as --config was reported as "no such file".
+    fifo = tmp_path / "fleet.fifo"
+    os.mkfifo(fifo)
+    dangling = tmp_path / "dangling.yaml"
+    dangling.symlink_to(tmp_path / "gone.yaml")
+    for path, said in ((tmp_path, "is a directory; give the fleet file"),
+                       (fifo, "is a named pipe (FIFO), not a regular file"),
+                       (dangling, "is a symbolic link to nothing (dangling)"),
+                       (tmp_path / "absent.yaml", "no such file")):
+        with pytest.raises(ConfigError) as caught:
+            read_fleet_file(path)
+        assert [(issue.path, issue.problem.split(";")[0]) for issue in caught.value.issues] == [
+            ("<file>", said.split(";")[0])], path

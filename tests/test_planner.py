@@ -444,6 +444,36 @@ def test_synth_refuses_a_fleet_that_does_not_fit(tmp_path):
            "AWS_EC2_METADATA_DISABLED": "true"}
     proc = subprocess.run([sys.executable, "app.py"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=180, check=False)
-    assert proc.returncode == 2, proc.stderr
+    assert proc.returncode == 3, proc.stderr  # a refused fleet file, as the CLI (exit_codes.CONFIG)
     assert "unit.nodes = 1" in proc.stderr
     assert not list(tmp_path.glob("cdk.out/*.template.json"))
+
+
+def _doc_runs() -> list[tuple[str, list[str], str]]:
+    """Each ``` block of docs/planner.md that opens with `$ make plan ...` or `$ python -m inference_fleet plan ...`:
+    (the command line, the CLI's arguments, the output shown)."""
+    runs = []
+    for block in re.findall(r"^```\n(\$ .*?)^```", (ROOT / "docs" / "planner.md").read_text(), re.M | re.S):
+        command, _, shown = block.partition("\n")
+        words = command.removeprefix("$ ").split()
+        if words[:2] == ["make", "plan"]:
+            settings = dict(word.split("=", 1) for word in words[2:])
+            args = ["plan", *(["--config", settings["CONFIG"]] if "CONFIG" in settings else []),
+                    *settings.get("PLAN_ARGS", "").split()]
+        else:
+            assert words[:4] == ["python", "-m", "inference_fleet", "plan"], command
+            args = words[3:]
+        runs.append((command, args, shown))
+    return runs
+
+
+def test_planner_doc_blocks_are_the_real_output(capsys: pytest.CaptureFixture[str]) -> None:
+    # The --suggest example had gone stale (6 layouts shown, 4 real: cp 2 / dp 8 is refused since the cp/dp rule)
+    # and the plan's neuron config lacked "is_continuous_batching": true.
+    from inference_fleet.cli import main
+
+    runs = _doc_runs()
+    for command, args, shown in runs:
+        main(args)
+        assert capsys.readouterr().out == shown, command
+    assert {command for command, _, _ in runs} >= {"$ make plan", "$ make plan PLAN_ARGS=--suggest"}

@@ -505,3 +505,11 @@ def test_make_simulate_cell_takes_a_spaced_config_and_defaults_to_one_seed(tmp_p
     assert done.returncode == 0, done.stderr
     assert "cell dev (12 x 2 nodes" in done.stdout and "seeds [1]" in done.stdout
     assert json.loads(report.read_text())["seeds"] == [1]
+
+
+def test_a_key_given_twice_in_a_scenario_is_refused(tmp_path) -> None:
+    # Regression: the scenario loader kept the last of two `duration:` keys silently (the fleet file refuses them).
+    path = tmp_path / "twice.yaml"
+    path.write_text((SIMULATIONS / "ami-change.yaml").read_text() + "duration: 1m\n")
+    with pytest.raises(ScenarioError, match=r"not valid YAML: .*duplicate key 'duration' \(first at line \d+\)"):
+        load_scenario(path)

@@ -294,3 +294,25 @@ def test_dashboard_fails_without_a_cell_wide_series_a_serving_units_gauge_or_any
     series = dashboard_series(synth_elastic.template_json("Rufus-Cell-dev"), has_data)
     result = checks_cell.check_evidence(evidence_context(series, ["u0", "u1"]))
     assert result.status == "fail" and "dashboard: no data for 1 of 13 proxy/ALB metric(s)" in result.detail
+
+
+def test_report_keeps_a_file_that_is_no_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Regression: `verify --report fleet.yaml` wrote the JSON over the fleet file (and fleet.md beside it).
+    report = Report(cell="dev", adapter="fake", destructive=False)
+    report.checks = [CheckResult("1-serving", "pass", Measured(1, "units serving"), "ok")]
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text("name: Rufus\n")
+    json_path, md_path = report.write(fleet)
+    assert fleet.read_text() == "name: Rufus\n"
+    assert (json_path, md_path) == (tmp_path / "fleet.verify-report.json", tmp_path / "fleet.verify-report.md")
+    assert json.loads(json_path.read_text())["schema"] == SCHEMA
+    assert f"warning: --report {fleet}: " in capsys.readouterr().err
+    # A previous report is replaced, where it is; a Markdown that is no report keeps its JSON from being written.
+    again, _ = report.write(json_path)
+    assert again == json_path and "warning" not in capsys.readouterr().err
+    notes = tmp_path / "out.md"
+    notes.write_text("my notes\n")
+    assert report.write(tmp_path / "out.json")[0] == tmp_path / "out.verify-report.json"
+    assert notes.read_text() == "my notes\n"
+    # A .md path would be its own Markdown: refused the same way.
+    assert report.write(tmp_path / "x.md")[0] == tmp_path / "x.verify-report.json"

@@ -10,17 +10,20 @@ import argparse
 import json
 import sys
 
-from pydantic import ValidationError
+from pydantic import ValidationError, create_model
+from pydantic.fields import FieldInfo
 
 from inference_fleet import config, exit_codes
 from inference_fleet.catalogue import CATALOGUE, instance_type
-from inference_fleet.checks import load_fleet
-from inference_fleet.config import ConfigError, ModelConfig
+from inference_fleet.checks import NEURON_MAX_PROMPT_TOKENS, load_fleet
+from inference_fleet.config import ConfigError, ModelConfig, UnitConfig
 from inference_fleet.planner.fit import DEFAULT_MAX_NODES
 from inference_fleet.planner.plan import format_plan, plan_report
 from inference_fleet.planner.roofline import DEFAULT_PROMPT_TOKENS, EFFICIENCY, comparison_rows
 from inference_fleet.planner.shape import shape_of
 from inference_fleet.planner.suggestion import format_suggestion, suggest, suggestion_data
+
+DEFAULT_TOP = 10
 
 
 def _positive_int(text: str) -> int:
@@ -34,22 +37,37 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _seq_len(text: str) -> int:
+    """--seq-len: a length the fleet file could hold (model.max_seq_len, at most the Neuron budget)."""
+    value = _positive_int(text)
+    low, high = ModelConfig.model_fields["max_seq_len"].metadata[0].ge, NEURON_MAX_PROMPT_TOKENS
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"{value} tokens is out of range; allowed: {low} to {high} (a fleet "
+                                         f"refuses a longer model.max_seq_len on Neuron)")
+    return value
+
+
+# Options only `--suggest` reads: given without it they would be ignored silently.
+SUGGEST_ONLY = ("concurrency", "seq_len", "instance_type", "max_nodes", "top")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `inference-fleet plan`."""
     parser.add_argument("--suggest", action="store_true",
                         help="find the smallest unit for the model and rank its layouts")
     parser.add_argument("--concurrency", type=_positive_int, help="concurrent sequences (default: the fleet's)")
-    parser.add_argument("--seq-len", type=_positive_int, help="max sequence length (default: the model's)")
+    parser.add_argument("--seq-len", type=_seq_len, help="max sequence length (default: the model's)")
     parser.add_argument("--prompt-tokens", type=_positive_int,
                         help=f"prompt length of the prefill estimate (default {DEFAULT_PROMPT_TOKENS})")
     parser.add_argument("--instance-type", choices=sorted(CATALOGUE),
                         help="for --suggest (default: the fleet's)")
-    parser.add_argument("--max-nodes", type=_positive_int, default=DEFAULT_MAX_NODES,
-                        help="largest unit --suggest tries")
-    parser.add_argument("--top", type=_positive_int, default=10, help="layouts --suggest prints")
+    parser.add_argument("--max-nodes", type=_positive_int,
+                        help=f"largest unit --suggest tries (default {DEFAULT_MAX_NODES})")
+    parser.add_argument("--top", type=_positive_int, help=f"layouts --suggest prints (default {DEFAULT_TOP})")
     parser.add_argument("--compare", action="store_true",
                         help="print the estimate next to published Neuron figures")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.set_defaults(usage_error=parser.error)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,6 +76,9 @@ def run(args: argparse.Namespace) -> int:
         return _print_comparison(args.json)
     if args.suggest:
         return _run_suggest(args)
+    given = [f"--{name.replace('_', '-')}" for name in SUGGEST_ONLY if getattr(args, name) is not None]
+    if given:
+        args.usage_error(f"{', '.join(given)}: only with --suggest (the plan reads the fleet's unit)")  # exits 2
     fleet = load_fleet(args.config)
     prompt = min(args.prompt_tokens or DEFAULT_PROMPT_TOKENS, fleet.model.max_seq_len)
     report = plan_report(fleet, prompt)
@@ -69,12 +90,23 @@ def run(args: argparse.Namespace) -> int:
 
 
 
+# unit.instance_type and unit.max_concurrent_sequences, checked as the fleet model checks them (its field
+# constraints, and booleans refused as numbers): the hints `--suggest` reads from a fleet refused as a whole.
+_UnitHints = create_model(
+    "_UnitHints",
+    __base__=config._Strict,  # the fleet model's own base: its YAML scalar rules
+    instance_type=(str, ""),
+    max_concurrent_sequences=(int | None, FieldInfo.merge_field_infos(
+        UnitConfig.model_fields["max_concurrent_sequences"], default=None)),
+)
+
+
 def _model_section(path: str | None) -> tuple[ModelConfig, str, int | None]:
-    """The model section (and unit hints) of a fleet file, validated on its own."""
+    """The model section and the unit hints of a fleet file, each validated on its own."""
     data, _ = config.read_fleet_file(path)
     unit = data.get("unit") or {}
-    return ModelConfig.model_validate(data["model"]), unit.get("instance_type", ""), unit.get(
-        "max_concurrent_sequences")
+    hints = _UnitHints.model_validate({key: unit[key] for key in _UnitHints.model_fields if key in unit})
+    return ModelConfig.model_validate(data["model"]), hints.instance_type, hints.max_concurrent_sequences
 
 
 def _run_suggest(args: argparse.Namespace) -> int:
@@ -102,11 +134,12 @@ def _run_suggest(args: argparse.Namespace) -> int:
     seq_len = args.seq_len or model.max_seq_len
     prompt = min(args.prompt_tokens or DEFAULT_PROMPT_TOKENS, seq_len)
     shape = shape_of(model)
-    result = suggest(shape, inst, batch, seq_len, prompt, args.max_nodes)
+    result = suggest(shape, inst, batch, seq_len, prompt, args.max_nodes or DEFAULT_MAX_NODES)
+    top = args.top or DEFAULT_TOP
     if args.json:
-        print(json.dumps(suggestion_data(result, args.top), indent=2))
+        print(json.dumps(suggestion_data(result, top), indent=2))
     else:
-        print(format_suggestion(shape, result, args.top))
+        print(format_suggestion(shape, result, top))
     return exit_codes.OK if result.nodes is not None else exit_codes.NO_FIT
 
 

@@ -31,6 +31,9 @@ class Suggestion:
     prompt_tokens: int
     nodes: int | None
     candidates: list[Candidate] = field(default_factory=list)
+    # No fit: the largest unit tried, and its layout that breaks only the memory rule and holds the most sequences.
+    max_nodes: int = DEFAULT_MAX_NODES
+    closest: Candidate | None = None
 
 
 def suggest(
@@ -50,7 +53,17 @@ def suggest(
                 est = estimate(shape, lay, prompt_tokens)
                 candidates.append(Candidate(lay, memory_plan(shape, lay), est))
         candidates.sort(key=lambda c: (c.estimate.decode_step_s, c.estimate.prefill_s))
-    return Suggestion(instance, batch, seq_len, prompt_tokens, nodes, candidates)
+    return Suggestion(instance, batch, seq_len, prompt_tokens, nodes, candidates, max_nodes,
+                      None if nodes is not None else _closest(shape, instance, batch, seq_len, max_nodes))
+
+
+def _closest(shape: ModelShape, instance: InstanceType, batch: int, seq_len: int, nodes: int) -> Candidate | None:
+    """Of the layouts of `nodes` nodes that break no rule but memory, the one that holds the most sequences."""
+    options = [lay for lay in layouts(instance, nodes, batch, seq_len) if set(violations(shape, lay)) <= {"memory"}]
+    if not options:
+        return None
+    lay = max(options, key=lambda option: memory_plan(shape, option).max_sequences)
+    return Candidate(lay, memory_plan(shape, lay), estimate(shape, lay, DEFAULT_PROMPT_TOKENS))
 
 
 
@@ -69,13 +82,27 @@ def suggestion_data(result: Suggestion, top: int) -> dict[str, Any]:
     }
 
 
+def _no_fit(result: Suggestion) -> str:
+    """Why nothing fits, in numbers: the largest unit tried and how far its roomiest layout falls short."""
+    text = f"no unit of up to {result.max_nodes} node(s) (--max-nodes) fits"
+    close = result.closest
+    if close is None:
+        return (f"{text}: no layout of {result.max_nodes} node(s) passes the layout rules (docs/planner.md "
+                "\"Checks\"); use a larger instance type, fewer sequences or shorter ones")
+    lay, mem = close.layout, close.memory
+    return (f"{text}; at {result.max_nodes} node(s) the roomiest layout (LNC {lay.lnc}, tp {lay.tp}, cp {lay.cp}, "
+            f"dp {lay.dp}) holds {mem.max_sequences} of the {result.batch} sequences: per NeuronCore, weights "
+            f"{mem.weights_per_core / GIB:.2f} GiB + KV cache {mem.kv_per_sequence_per_core / GIB:.2f} GiB a sequence "
+            f"+ reserve {mem.reserve_per_core / GIB:.2f} GiB of {mem.hbm_per_core / GIB:.2f} GiB of HBM; use a larger "
+            "instance type, more --max-nodes, fewer sequences or shorter ones")
+
+
 def format_suggestion(shape: ModelShape, result: Suggestion, top: int) -> str:
     head = (f"{shape.name} on {result.instance.name}: {result.batch} concurrent sequences of "
             f"{result.seq_len} tokens, "
             f"prefill estimate for a {result.prompt_tokens}-token prompt")
     if result.nodes is None:
-        return (f"{head}\nno unit of up to --max-nodes nodes fits; use a larger instance type, fewer "
-                "sequences or shorter ones")
+        return f"{head}\n{_no_fit(result)}"
     lines = [head, f"smallest unit: {result.nodes} node(s); {len(result.candidates)} valid layout(s), "
              f"fastest decode first (estimate, efficiency {EFFICIENCY}):",
              f"  {'LNC':>3} {'tp':>4} {'cp':>4} {'dp':>4} {'fit seqs':>8} {'headroom GiB':>12} "

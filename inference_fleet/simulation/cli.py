@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -22,13 +23,27 @@ def _seeds(text: str) -> int:
     return value
 
 
+def _report_path(text: str) -> Path:
+    """--report, checked before the run (which can take minutes) rather than when the report is written."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; give the report's file name, e.g. "
+                                         f"{path / DEFAULT_REPORT}")
+    parent = path.parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"directory {parent} does not exist; create it or write the report elsewhere")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{text} cannot be written (no permission)")
+    return path
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenario", required=True, help="scenario YAML file (simulations/*.yaml)")
     parser.add_argument("--seeds", type=_seeds, default=1,
                         help="run the scenario with this many seeds, from the scenario's seed (default 1 seed)")
     parser.add_argument("--timeline", action="store_true",
                         help="print each seed's whole time line (and keep it in the report)")
-    parser.add_argument("--report", default=DEFAULT_REPORT,
+    parser.add_argument("--report", type=_report_path, default=DEFAULT_REPORT,
                         help=f"where to write the report (default {DEFAULT_REPORT})")
 
 
@@ -38,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from inference_fleet.simulation.scenario import load_scenario
 
     scenario = load_scenario(args.scenario)
-    doc = simulate(scenario, args.config, args.seeds, Path(args.report), timeline=args.timeline)
+    doc = simulate(scenario, args.config, args.seeds, args.report, timeline=args.timeline)
     for line in render(doc):
         print(line)
     for seed in doc["per_seed"] if args.timeline else ():

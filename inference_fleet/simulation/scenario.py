@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from inference_fleet.config import load_yaml_strictly
+
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _TARGET = re.compile(r"^(u(\d+)\.(leader|follower(\d+))|spare(\d+)|instance:(\d+))$")
@@ -235,7 +237,7 @@ def load_scenario(path: str | Path) -> Scenario:
     except (OSError, UnicodeDecodeError) as error:
         raise ScenarioError(f"{source}: cannot read the scenario file: {error}") from None
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml_strictly(text)  # as the fleet file: a key given twice is refused, not the last one kept
     except yaml.YAMLError as error:
         raise ScenarioError(f"{source}: not valid YAML: {error}") from None
     return parse_scenario(data, source)

@@ -7,7 +7,9 @@ its version. Markdown goes beside the JSON, same stem, `.md`.
 from __future__ import annotations
 
 import json
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -15,6 +17,7 @@ from typing import Any, Literal
 from inference_fleet.verify.claims import BY_ID
 
 SCHEMA = "inference-fleet/verify-report/v1"
+MARKDOWN_TITLE = "# Acceptance kit:"
 Status = Literal["pass", "fail", "not_run"]
 STATUSES = ("pass", "fail", "not_run")
 
@@ -99,7 +102,7 @@ class Report:
 
     def markdown(self) -> str:
         verdict = "PASSED" if self.passed else "FAILED"
-        lines = [f"# Acceptance kit: cell {self.cell} ({self.adapter}{', destructive' if self.destructive else ''}): "
+        lines = [f"{MARKDOWN_TITLE} cell {self.cell} ({self.adapter}{', destructive' if self.destructive else ''}): "
                  f"{verdict}", "", "| check | status | measured | detail | settles |", "|---|---|---|---|---|"]
         for c in self.checks:
             claim = BY_ID[c.check_id]
@@ -112,12 +115,42 @@ class Report:
         return "\n".join(lines) + "\n"
 
     def write(self, path: Path) -> tuple[Path, Path]:
-        """The JSON at `path` and the Markdown beside it (same stem, .md)."""
+        """The JSON at `path` and the Markdown beside it (same stem, .md); returns both paths.
+
+        Only a previous report is replaced: when `path` or its .md holds anything else (`--report fleet.yaml`),
+        both are kept and the report goes beside them, to <stem>.verify-report.json and .md (said on stderr), so
+        that a run of many minutes is neither lost nor written over the user's file.
+        """
+        if not _replaceable(path):
+            fallback = path.with_name(f"{path.stem}.verify-report.json")
+            if not _replaceable(fallback):
+                raise FileExistsError(f"--report {path} and {fallback} hold files that are no report of this kit; "
+                                      "give another --report path")
+            print(f"warning: --report {path}: {path} or {path.with_suffix('.md')} is no report of this kit and is "
+                  f"kept; the report is written to {fallback} instead", file=sys.stderr)
+            path = fallback
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.to_json(), indent=2, default=str) + "\n")
         markdown = path.with_suffix(".md")
         markdown.write_text(self.markdown())
         return path, markdown
+
+
+def _replaceable(path: Path) -> bool:
+    """True when the JSON `path` and its Markdown may be written: each absent or a report this kit wrote (JSON of
+    its schema; Markdown with its title), and the two distinct (a `.md` path would be its own Markdown)."""
+    markdown = path.with_suffix(".md")
+    return markdown != path and _holds(path, lambda text: json.loads(text).get("schema") == SCHEMA) and _holds(
+        markdown, lambda text: text.startswith(MARKDOWN_TITLE))
+
+
+def _holds(path: Path, is_report: Callable[[str], bool]) -> bool:
+    if not path.exists():
+        return True
+    try:
+        return path.is_file() and is_report(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return False
 
 
 def _figure(m: Measured) -> str:
