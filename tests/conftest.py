@@ -57,10 +57,12 @@ PINNED_IMAGES = {
 
 
 def pin_images(fleet: FleetConfig) -> FleetConfig:
-    """The fleet with every cell's images pinned, for synths that must not depend on containers/."""
+    """The fleet with every cell's images pinned, for synths that must not depend on containers/.
+    Each cell's images are in its own region's ECR: a router runs its cells' proxy image in
+    subnets that reach only their own region's ECR (a fleet check refuses another region's)."""
     data = fleet.model_dump(mode="json", exclude_none=True)
     for cell in data["cells"]:
-        cell["images"] = dict(PINNED_IMAGES)
+        cell["images"] = {k: v.replace(".us-east-2.", f".{cell['region']}.") for k, v in PINNED_IMAGES.items()}
     return parse_fleet(data, "pinned")
 
 
