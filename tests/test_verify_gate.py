@@ -221,3 +221,29 @@ def test_the_default_fleet_gates_its_only_cell(synth_default) -> None:
         "Source": {"BuildSpec": Match.string_like_regexp(
             re.escape(json.dumps(verify_command("config/default.yaml", "dev"))))}})
     Template.from_json(synth_default.template_json("Rufus-Cell-dev")).resource_count_is("AWS::SSM::Parameter", 1)
+
+
+def test_the_gates_command_verifies_the_canarys_certificate_against_its_tls_name(large, monkeypatch) -> None:
+    """The gate's command as synthesized, run through the CLI: the adapter gets the name the canary's
+    certificate covers (cells[].tls_name), so check 1 verifies the certificate against it (test_verify_aws)."""
+    from inference_fleet import cli
+    from inference_fleet.verify import cli as verify_cli
+
+    assert [p for p in large.templates["Rufus-Pipeline"].find_resources("AWS::CodeBuild::Project").values()
+            if verify_command(LARGE, "use2-a") in p["Properties"]["Source"]["BuildSpec"]]
+    command = verify_command(LARGE, "use2-a").split(" ")
+    assert command[:3] == [".venv/bin/python", "-m", "inference_fleet"]
+    made: list[dict] = []
+
+    class Stop(Exception):
+        pass
+
+    def adapter(stack: str, region: str, **kwargs: object) -> None:
+        made.append({"stack": stack, "region": region, **kwargs})
+        raise Stop
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(verify_cli, "AwsAdapter", adapter)
+    with pytest.raises(Stop):
+        cli.main(command[3:])
+    assert made == [{"stack": "Rufus-Cell-use2-a", "region": "us-east-2", "tls_name": "use2-a.rufus.example.com"}]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import ssl
 import threading
 import time
 from dataclasses import dataclass, field
@@ -102,12 +103,17 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class FakeOpenAI:
-    def __init__(self, knobs: Knobs | None = None) -> None:
+    """The server on a loopback port; with `tls` (a server-side SSL context) it speaks HTTPS."""
+
+    def __init__(self, knobs: Knobs | None = None, tls: ssl.SSLContext | None = None) -> None:
         self.knobs = knobs or Knobs()
         handler = type("Handler", (_Handler,), {"knobs": self.knobs})
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        if tls is not None:
+            self.server.socket = tls.wrap_socket(self.server.socket, server_side=True)
+        self.port = self.server.server_address[1]
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     def __enter__(self) -> FakeOpenAI:

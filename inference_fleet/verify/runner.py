@@ -50,7 +50,9 @@ def run_kit(adapter: CellAdapter, expect: Expectations, *, destructive: bool = F
                                              f"cell not reachable: {error}"))
         report.finished_at = time.time()
         return report
-    ctx = Context(adapter, expect, OpenAIHttp(endpoint, request_timeout), settle_seconds=settle_seconds,
+    # An HTTPS cell's certificate is checked against the name it covers, not the endpoint's host (aws.py).
+    client = OpenAIHttp(endpoint, request_timeout, tls_name=getattr(adapter, "tls_name", None))
+    ctx = Context(adapter, expect, client, settle_seconds=settle_seconds,
                   recovery_timeout_seconds=recovery_timeout)
     results: dict[str, CheckResult] = {}
     for check_id, check in _plan(destructive, evidence_wait):
