@@ -19,6 +19,7 @@ from aws_cdk.assertions import Match, Template
 from cell_constructs.verifier_access import verifier_parameter_name
 from inference_fleet.checks import load_fleet, parse_fleet
 from inference_fleet.config import ConfigError
+from inference_fleet.verify.aws import REQUIRED_ACTIONS
 from stacks.fleet import build_fleet
 from stacks.pipeline_stack import PipelineStack
 from stacks.verify_gate import verify_command
@@ -140,6 +141,16 @@ def test_the_gate_role_only_reads_and_only_the_cell(large) -> None:
                and a not in ("logs:GetQueryResults", "ecs:DescribeTaskDefinition") for a in _actions(statement)):
             assert "Rufus-Cell-use2-a" in text or statement.get("Condition"), statement
             assert "use2-b" not in text and "usw2-a" not in text, statement
+
+
+def test_the_gate_role_grants_every_action_the_kit_calls_on_the_cells_resources(large) -> None:
+    """The kit's REQUIRED_ACTIONS (inference_fleet/verify/aws.py) are each on the gate's role: a missing one is
+    an AccessDenied on the cell and a failed gate on every wave. Container instances: the canary's cluster's."""
+    statements = _gate_policies(large.template_json("Rufus-Pipeline"))
+    actions = {a for s in statements for a in _actions(s)}
+    assert set(REQUIRED_ACTIONS) <= actions, sorted(set(REQUIRED_ACTIONS) - actions)
+    (instances,) = [s for s in statements if "ecs:DescribeContainerInstances" in _actions(s)]
+    assert instances["Resource"] == "arn:aws:ecs:us-east-2:222222222222:container-instance/Rufus-Cell-use2-a-*/*"
 
 
 def test_the_unscoped_reads_are_what_the_acknowledgement_says(large) -> None:
