@@ -326,6 +326,10 @@ def test_submit_sends_the_rendered_job_to_the_fleets_queue_and_prints_its_id(mon
     assert calls == [(("batch",), {"region_name": "us-east-2"})]  # the compile stack's region
     out = capsys.readouterr().out
     assert out.splitlines()[-1] == "abc-123" and "timeout 7 h" in out
+    # The key hashes the checkpoint, which only the job reads: where to find it once the job is done.
+    assert "aws batch describe-jobs --region us-east-2 --jobs abc-123" in out
+    assert f".venv/bin/python -m inference_fleet compile --config {DEFAULT} --check" in out
+    assert "set it as model.artifacts_key" in out and "Rufus-Compile stack's JobLogs group" in out
     assert expected["jobQueue"] == expected["jobDefinition"] == "Rufus-compile"
     request = compile_run.Request.from_json(json.loads(expected["containerOverrides"]["environment"][0]["value"]))
     assert request.job == compile_job.render(fleet, checkpoint="/compile/checkpoint", work_dir="/compile")

@@ -205,3 +205,35 @@ def test_commands_in_the_readmes_text_start_as_written() -> None:
         if problem:
             problems.append(f"`{command}`: {problem}")
     assert not problems, problems
+
+
+# A first deploy's order: each step needs the one before (docs/deploying.md "Deploying a cell"): the compile
+# stack needs the bootstrap and the image; the cells need the compiled key (a node never compiles); the
+# pipeline needs its canary cell. The needles, in the order both pages must name them first.
+DEPLOY_ORDER = (
+    "cdk bootstrap",
+    "neuron_vllm_digest",
+    "cdk deploy -c config=fleet.yaml <Fleet>-Compile",
+    "compile --config fleet.yaml --submit",
+    "SUCCEEDED",
+    "--check",
+    "model.artifacts_key",
+    "cdk deploy -c config=fleet.yaml <Fleet>-Cell-<name>",
+    "cdk deploy -c config=fleet.yaml <Fleet>-Pipeline",
+)
+
+
+def _section(page: Path, heading: str) -> str:
+    text = page.read_text()
+    start = text.index(f"\n{heading}\n")
+    end = re.search(r"\n#{2,3} ", text[start + len(heading) + 2:])
+    return text[start:start + len(heading) + 2 + end.start()] if end else text[start:]
+
+
+@pytest.mark.parametrize("page", [README, DOCS / "deploying.md"], ids=lambda p: p.name)
+def test_deploying_a_cell_names_the_steps_in_the_order_they_can_run(page: Path) -> None:
+    section = " ".join(_section(page, "## Deploying a cell").split())  # a command may be wrapped across lines
+    missing = [n for n in DEPLOY_ORDER if n not in section]
+    assert not missing, f"{page.name} 'Deploying a cell' does not name {missing}"
+    firsts = [section.index(n) for n in DEPLOY_ORDER]
+    assert firsts == sorted(firsts), [n for _, n in sorted(zip(firsts, DEPLOY_ORDER, strict=True))]
