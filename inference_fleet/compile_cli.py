@@ -73,21 +73,28 @@ def _run(args: argparse.Namespace) -> int:
                              model_type=args.model_type, image_digest=args.image_digest, command=args.nxdi_command)
     if checkpoint is not None and not checkpoint.is_dir():
         raise compile_job.CompileError(f"--checkpoint {checkpoint} is not a directory")
+    if not args.dry_run and checkpoint is None:
+        raise compile_job.CompileError("--checkpoint is required to compile (its files are part of the key)")
+    # S3 before the hash: no credentials or no access is said in a second, not after hashing the checkpoint.
+    client = None if args.dry_run or args.no_upload else _s3_reaching(job.destination)
     # The key's inputs hash every checkpoint file (hundreds of GB for a large model): once.
     inputs = compile_job.key_inputs(job, checkpoint) if checkpoint else None
     key = am.compute_key(inputs) if inputs is not None else None
     if args.dry_run:
         _print_job(fleet, job, key, args.json)
         return exit_codes.OK
-    if checkpoint is None or inputs is None:
-        raise compile_job.CompileError("--checkpoint is required to compile (its files are part of the key)")
-    client = None
-    if not args.no_upload:
-        import boto3
-
-        client = boto3.client("s3")
+    assert checkpoint is not None and inputs is not None  # refused above without --checkpoint
     return compile_run.execute(job, checkpoint, work, inputs, client=client,
                                artifacts_uri=fleet.model.artifacts_s3_uri, replace=args.replace)
+
+
+def _s3_reaching(destination: str) -> object:
+    """An S3 client that has read the layout's manifest (present or not): credentials and access proven."""
+    import boto3
+
+    client = boto3.client("s3")
+    compile_job.existing_manifest(client, destination)  # a CompileError names what failed
+    return client
 
 
 def _submit(fleet: FleetConfig, model_type: str, replace: bool, *, dry_run: bool = False,

@@ -587,3 +587,19 @@ def test_the_docs_table_of_compile_hosts_is_the_codes_arithmetic(fleet_file):
            f"{nodes} x 40 min + {volume} min = "
            f"{needs.minutes / 60:.1f} h | {needs.timeout_hours} h |")
     assert row in text, row
+
+
+def test_compile_with_a_checkpoint_reaches_s3_before_hashing_the_checkpoint(monkeypatch, tmp_path, capsys):
+    """Hashing 812 GB takes hours: no credentials (or no access) is said first, before any file is read."""
+    for name in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-2")
+    monkeypatch.setattr(compile_job, "key_inputs", lambda *_: pytest.fail("hashed the checkpoint before reaching S3"))
+    (tmp_path / "checkpoint").mkdir()
+    assert main(["compile", "--config", str(DEFAULT), "--checkpoint", str(tmp_path / "checkpoint"),
+                 "--work-dir", str(tmp_path / "work")]) == exit_codes.COMPILE
+    err = capsys.readouterr().err
+    assert "NoCredentialsError: Unable to locate credentials" in err and "Traceback" not in err
