@@ -132,6 +132,23 @@ def test_the_compute_environment_pins_its_launch_template_to_the_templates_lates
                     "Version": {"Fn::GetAtt": [launch_id, "LatestVersionNumber"]}}, spec
 
 
+def test_a_job_stuck_runnable_is_cancelled_instead_of_waiting_days(synth_default):
+    """The attempt timeout counts from startedAt: a job that never gets an instance (no X-family quota, no
+    capacity, an environment too small) would stay RUNNABLE and the Compile stage wait as long as Step Functions
+    lets it. The queue cancels it, for the reasons and within the limits the Batch guide and CloudFormation
+    allow (https://docs.aws.amazon.com/batch/latest/userguide/job_stuck_in_runnable.html)."""
+    actions = _one(synth_default.templates["Rufus-Compile"], "AWS::Batch::JobQueue")["JobStateTimeLimitActions"]
+    by_reason = {a["Reason"]: a for a in actions}
+    assert set(by_reason) == {"CAPACITY:INSUFFICIENT_INSTANCE_CAPACITY",
+                              "MISCONFIGURATION:COMPUTE_ENVIRONMENT_MAX_RESOURCE",
+                              "MISCONFIGURATION:JOB_RESOURCE_REQUIREMENT"}, actions
+    for action in actions:
+        assert action["Action"] == "CANCEL" and action["State"] == "RUNNABLE", action
+        assert 600 <= action["MaxTimeSeconds"] <= 86400, action  # CloudFormation's bounds
+    assert by_reason["CAPACITY:INSUFFICIENT_INSTANCE_CAPACITY"]["MaxTimeSeconds"] == 4 * 3600
+    assert by_reason["MISCONFIGURATION:JOB_RESOURCE_REQUIREMENT"]["MaxTimeSeconds"] == 600
+
+
 def _compile_subnet_zones(fleet) -> list[tuple[str, str]]:
     """(property, zone) of each subnet of the fleet's compile stack, synthesized alone, its image pinned."""
     from aws_cdk import App
