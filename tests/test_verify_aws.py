@@ -161,7 +161,7 @@ def test_check_1_reaches_an_https_cell_at_the_balancers_address_verifying_the_ce
     stub_stack(stubs, [{"Protocol": "HTTPS", "Port": https_cell.port}], dns="localhost")
     stub_unit_health(stubs)
     serving_only(monkeypatch)
-    report = runner.run_kit(cell, expectations(), request_timeout=10, log=lambda _: None)
+    report = runner.run_kit(cell, expectations(), request_timeout=10, steps_report_seconds=0.3, log=lambda _: None)
     check = next(c for c in report.checks if c.check_id == "1-serving")
     assert check.status == "pass", check.detail
     assert report.target["endpoint"] == f"https://localhost:{https_cell.port}"
@@ -174,7 +174,7 @@ def test_verification_stays_on_a_certificate_for_another_name_fails_check_1(
     stub_stack(stubs, [{"Protocol": "HTTPS", "Port": https_cell.port}], dns="localhost")
     stub_unit_health(stubs)
     serving_only(monkeypatch)
-    report = runner.run_kit(cell, expectations(), request_timeout=10, log=lambda _: None)
+    report = runner.run_kit(cell, expectations(), request_timeout=10, steps_report_seconds=0.3, log=lambda _: None)
     check = next(c for c in report.checks if c.check_id == "1-serving")
     assert check.status == "fail" and "CERTIFICATE_VERIFY_FAILED" in check.detail, check.detail
     assert "Hostname mismatch" in check.detail

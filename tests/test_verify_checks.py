@@ -6,8 +6,11 @@ names; the report is written and read back.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,7 +29,7 @@ from tests.verify_fakes import MODEL, FakeAdapter, FakeOpenAI, Knobs, expectatio
 def context(server: FakeOpenAI, adapter: FakeAdapter | None = None, **expect: object) -> Context:
     adapter = adapter or FakeAdapter(server.url)
     return Context(adapter, expectations(**expect), OpenAIHttp(server.url, 10), settle_seconds=0.0,
-                   recovery_timeout_seconds=5.0)
+                   recovery_timeout_seconds=5.0, steps_report_seconds=0.3)
 
 
 def test_serving_passes_with_models_completion_stream_and_every_unit_healthy() -> None:
@@ -102,7 +105,7 @@ def test_step_bound_sends_a_max_seq_len_prompt_and_passes_within_half_the_bound(
     assert result.status == "pass", result.detail
     long = [r for r in server.knobs.requests if isinstance(r.get("prompt"), list)]
     assert len(long) == 1 and len(long[0]["prompt"]) == 255 and long[0]["max_tokens"] == 1
-    assert "publish no LongestStepSeconds" in result.detail
+    assert "no unit_steps line of u0 written within 0.3 s after the prompt" in result.detail
 
 
 def test_step_bound_fails_when_the_first_token_takes_more_than_half_the_bound() -> None:
@@ -111,11 +114,52 @@ def test_step_bound_fails_when_the_first_token_takes_more_than_half_the_bound() 
     assert result.status == "fail" and isinstance(result.measured.value, float) and result.measured.value >= 0.8
 
 
-def test_step_bound_uses_the_published_longest_step_when_there_is_one() -> None:
+@contextlib.contextmanager
+def leader_writing_unit_steps(adapter: FakeAdapter, longest: dict[str, float], every: float) -> Iterator[None]:
+    """Each unit's leader as the launcher runs it: a `unit_steps` line every `every` seconds (60 s on a cell,
+    unit_launcher/runner.py), with the session's longest completed step so far."""
+    stop = threading.Event()
+
+    def write() -> None:
+        while not stop.wait(every):
+            for unit, value in longest.items():
+                adapter.log({"event": "unit_steps", "unit_id": unit, "at": time.time(), "steps": 40,
+                             "completed": 40, "longest_step_seconds": value})
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        writer.join()
+
+
+def test_step_bound_waits_for_the_unit_steps_line_written_after_the_prompt() -> None:
+    """The leader writes its line every 60 s: read right after the prompt there is none yet (the kit's first
+    version then always fell back to the time to first token, saying no figure is published). The check waits
+    for the first line newer than the prompt, which holds the prompt's prefill, and judges that; an older line
+    (here 0.5 s, written before the prompt) does not count."""
     with FakeOpenAI() as server:
-        adapter = FakeAdapter(server.url, metrics={("Rufus/Unit", "LongestStepSeconds", "u0"): [2.0, 9.5]})
-        result = checks_serving.check_step_bound(context(server, adapter, step_timeout_seconds=30.0))
-    assert result.status == "pass" and result.measured.value == 9.5 and "published" in result.figures["source"]
+        adapter = FakeAdapter(server.url, health={"u0": 200, "u1": 200})
+        adapter.log({"event": "unit_steps", "unit_id": "u0", "at": time.time() - 5, "completed": 3,
+                     "longest_step_seconds": 0.5})
+        with leader_writing_unit_steps(adapter, {"u0": 9.5, "u1": 2.0}, every=0.2):
+            result = checks_serving.check_step_bound(context(server, adapter, units=["u0", "u1"],
+                                                             step_timeout_seconds=30.0))
+    assert result.status == "pass", result.detail
+    assert result.measured.value == 9.5 and result.figures["source"].startswith("the session's longest step")
+    assert result.figures["longest_step_s_by_unit"] == {"u0": 9.5, "u1": 2.0}
+
+
+def test_step_bound_fails_on_a_longest_step_above_half_the_bound_and_falls_back_for_a_silent_unit() -> None:
+    with FakeOpenAI() as server:
+        adapter = FakeAdapter(server.url, health={"u0": 200, "u1": 200})
+        with leader_writing_unit_steps(adapter, {"u0": 16.0}, every=0.1):
+            result = checks_serving.check_step_bound(context(server, adapter, units=["u0", "u1"],
+                                                             step_timeout_seconds=30.0))
+    assert result.status == "fail" and result.measured.value == 16.0, result.detail
+    assert "time to first token" in result.figures["source"] and "no unit_steps line of u1" in result.detail
 
 
 def test_step_bound_fails_when_the_long_prompt_is_refused() -> None:
@@ -222,7 +266,7 @@ def test_report_json_and_markdown(tmp_path: Path) -> None:
 def test_run_kit_read_only_runs_every_check_but_the_destructive_ones() -> None:
     with FakeOpenAI() as server:
         adapter = FakeAdapter(server.url, running=two_tasks())
-        report = run_kit(adapter, expectations(), settle_seconds=0.0, log=lambda _: None)
+        report = run_kit(adapter, expectations(), settle_seconds=0.0, steps_report_seconds=0.3, log=lambda _: None)
     by_id = {c.check_id: c for c in report.checks}
     assert [c.check_id for c in report.checks] == [c.check_id for c in CLAIMS]
     assert by_id["1-serving"].status == "pass" and by_id["2-agreement"].status == "pass"

@@ -18,8 +18,9 @@ PROMPT = "The inference unit forms when"
 DISAGREEMENT = ("divergence", "step_timeout")
 # Check 3 passes when the measured step is at most this fraction of the bound (2x margin).
 STEP_MARGIN = 0.5
-# The launchers' published longest-step figure, when they publish it (EMF, [Cell, Unit]).
-LONGEST_STEP_METRIC = "LongestStepSeconds"
+# The leader's periodic line (docs/contracts.md): `longest_step_seconds` is the session's longest completed
+# step so far, the figure its EMF `LongestStepSeconds` carries (unit_launcher/evidence.py steps_event, steps_line).
+STEPS_EVENT = "unit_steps"
 
 
 def check_serving(ctx: Context) -> CheckResult:
@@ -120,34 +121,59 @@ def long_prompt(tokens: int) -> list[int]:
     return [10 + i % 50 for i in range(tokens)]
 
 
+def _longest_after(ctx: Context, done: float) -> dict[str, float]:
+    """Per unit, the session's longest completed step from its first `unit_steps` line written after `done`
+    (so the prompt's prefill is in it, if that unit served it). The line comes every steps_report_seconds
+    and the kit reads it from the log: wait up to that plus settle_seconds."""
+    deadline = time.monotonic() + ctx.steps_report_seconds + ctx.settle_seconds
+    found: dict[str, float] = {}
+    while True:
+        for unit in [u for u in ctx.expect.units if u not in found]:
+            for event in ctx.adapter.events(STEPS_EVENT, done, unit):
+                at, longest = event.doc.get("at"), event.doc.get("longest_step_seconds")
+                if isinstance(at, int | float) and at >= done and event.doc.get("completed") \
+                        and isinstance(longest, int | float):
+                    found[unit] = float(longest)
+                    break
+        if len(found) == len(ctx.expect.units) or time.monotonic() >= deadline:
+            return found
+        time.sleep(ctx.adapter.poll_seconds)
+
+
 def check_step_bound(ctx: Context) -> CheckResult:
     """3. One prompt of max_seq_len - 1 tokens and one token out (prompt + completion = max_seq_len):
-    its prefill is the longest step a healthy unit runs. The time to its first token bounds that
-    step from above; a longest-step figure the launchers publish (EMF `LongestStepSeconds`) is
-    used instead when there is one. Pass: at most half of `serving.step_timeout_seconds`."""
+    its prefill is the longest step a healthy unit runs. The measure is each unit's longest completed
+    step of its session, from the first `unit_steps` line its leader writes after the prompt was
+    answered (every 60 s while serving; the value its EMF `LongestStepSeconds` publishes). When a unit
+    writes none in time, the time to the prompt's first token, which bounds its prefill step from
+    above, is taken with the longest steps the others reported. Pass: at most half of
+    `serving.step_timeout_seconds`."""
     bound = ctx.expect.step_timeout_seconds
     model = ctx.served_model()
     if not model:
         return not_run("3-step-bound", "no model served (check 1 failed)", "s")
-    since = time.time()
     streamed = ctx.client.stream_completion(model, long_prompt(ctx.expect.max_seq_len - 1), max_tokens=1,
                                             timeout=max(ctx.client.timeout, 3 * bound))
     if not streamed.ok or streamed.first_token_seconds is None:
         return CheckResult("3-step-bound", "fail", Measured(None, "s"),
                            f"a {ctx.expect.max_seq_len - 1}-token prompt was not served: {streamed.status} "
                            f"{streamed.error}")
-    published = [v for u in ctx.expect.units for v in (ctx.adapter.metric(
-        ctx.expect.unit_metrics_namespace, LONGEST_STEP_METRIC, {"Cell": ctx.expect.cell, "Unit": u}, since,
-        "Maximum").values or [])]
-    if published:
-        longest, source = max(published), f"published {LONGEST_STEP_METRIC}"
+    published = _longest_after(ctx, time.time())
+    missing = [u for u in ctx.expect.units if u not in published]
+    if not missing:
+        longest, source = max(published.values()), f"the session's longest step ({STEPS_EVENT} longest_step_seconds)"
     else:
-        longest, source = streamed.first_token_seconds, "time to first token (an upper bound of the prefill step)"
+        longest = max([streamed.first_token_seconds, *published.values()])
+        source = "time to first token (an upper bound of the prefill step)" + (
+            f" and the longest steps {published} reported" if published else "")
     ok = longest <= STEP_MARGIN * bound
     detail = (f"longest step {longest:.2f} s ({source}) against the bound {bound:g} s "
               f"(pass: at most {STEP_MARGIN:g} x the bound); prompt {ctx.expect.max_seq_len - 1} tokens")
-    if not published:
-        detail += f"; the launchers publish no {LONGEST_STEP_METRIC} metric yet"
+    if missing:
+        detail += (f"; no {STEPS_EVENT} line of {', '.join(missing)} written within "
+                   f"{ctx.steps_report_seconds + ctx.settle_seconds:g} s after the prompt (the leader writes one "
+                   f"every {ctx.steps_report_seconds:g} s while serving)")
     return CheckResult("3-step-bound", "pass" if ok else "fail", Measured(longest, "s"), detail,
                        {"bound_s": bound, "prompt_tokens": ctx.expect.max_seq_len - 1,
-                        "first_token_s": streamed.first_token_seconds, "source": source})
+                        "first_token_s": streamed.first_token_seconds, "source": source,
+                        "longest_step_s_by_unit": published})
