@@ -237,3 +237,24 @@ def test_deploying_a_cell_names_the_steps_in_the_order_they_can_run(page: Path) 
     assert not missing, f"{page.name} 'Deploying a cell' does not name {missing}"
     firsts = [section.index(n) for n in DEPLOY_ORDER]
     assert firsts == sorted(firsts), [n for _, n in sorted(zip(firsts, DEPLOY_ORDER, strict=True))]
+
+
+def test_the_docs_state_the_unit_limit_of_a_cell_as_the_fleet_check_computes_it() -> None:
+    """A cell's unit limit in the docs (a figure of 30 or more: a whole cell, not an example) is
+    max_units_per_cell(): 38, 37 for a cell a router fronts (its endpoint's resources)."""
+    from inference_fleet.cell_checks import max_units_per_cell
+
+    allowed = {max_units_per_cell(), max_units_per_cell(True)}
+    stated = [(page.name, int(n)) for page in (README, *sorted(DOCS.glob("*.md")))
+              for n in re.findall(r"(?:at most|up to) \**(\d+)\** units", " ".join(page.read_text().split()))
+              if int(n) >= 30]
+    assert stated and all(n in allowed for _, n in stated), (stated, allowed)
+
+
+def test_what_validation_cannot_know_lists_the_three_things_it_promises_together() -> None:
+    section = _section(DOCS / "deploying.md", "### What validation cannot know")
+    intro, _, rest = section.partition("three things")
+    assert intro and rest, "the section no longer says how many things it lists"
+    first_list = re.split(r"\n\n(?![-\s])", rest.split("\n\n", 1)[1], maxsplit=1)[0]
+    bullets = re.findall(r"^- \*\*(.+?)\*\*", first_list, re.MULTILINE)
+    assert len(bullets) == 3, bullets
