@@ -9,7 +9,8 @@ wave is entered. Why CodeBuild and not Lambda, and what the role may do: docs/ro
 The cell's VPC, subnets and security group come from the SSM parameter the cell stack writes
 (cell_constructs.verifier_access), read when this stack deploys as CloudFormation SSM parameter
 types: no reference between the stacks, and so the canary cell must be deployed (once, by hand)
-before the pipeline stack, in the pipeline's account and region.
+before the pipeline stack, in the pipeline's account and region. An HTTPS canary's certificate is
+verified against `cells[].tls_name` from the same fleet file (inference_fleet/verify/aws.py).
 """
 
 from __future__ import annotations
