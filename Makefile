@@ -10,8 +10,13 @@ CDK := node_modules/.bin/cdk
 CONTAINER_PACKAGES := containers/inference containers/inference/executor containers/proxy
 export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 export JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION := 1
-# No AWS call is ever needed to synthesize or test: make sure none is attempted.
+# No AWS call is ever needed to synthesize or test: make sure none is attempted (botocore then never
+# asks the instance metadata service for credentials). The targets that call AWS on purpose, compile
+# (--submit, --check, --checkpoint: S3 and Batch) and verify-cell, run their command under
+# `$(WITH_AWS)`, which gives the instance metadata back: an instance role's credentials on the
+# compile host or the verifying machine (tests/test_makefile.py).
 export AWS_EC2_METADATA_DISABLED := true
+WITH_AWS := env -u AWS_EC2_METADATA_DISABLED
 # The fleet file reaches the commands through the environment and is quoted there
 # ("$$CONFIG"), so a path with spaces or shell characters works: make plan CONFIG="my/fleet two.yaml".
 export CONFIG SCENARIO SEEDS REPORT CELL
@@ -89,9 +94,10 @@ plan: venv ## the unit's memory budget and parallel layout [CONFIG=fleet.yaml] [
 plan-rollout: venv ## waves, bake times and capacity floor of a rollout [CONFIG=fleet.yaml]
 	$(BIN)/python -m inference_fleet plan-rollout $${CONFIG:+--config "$$CONFIG"}
 
+# Calls AWS (S3, Batch) unless --dry-run: the instance metadata is allowed back, as for verify-cell.
 COMPILE_ARGS ?= --dry-run
 compile: venv ## compile the unit layout with NxD Inference, write and upload its manifest [CONFIG=fleet.yaml] [COMPILE_ARGS="--checkpoint DIR" | --submit (AWS Batch) | --check]
-	$(BIN)/python -m inference_fleet compile $${CONFIG:+--config "$$CONFIG"} $(COMPILE_ARGS)
+	$(WITH_AWS) $(BIN)/python -m inference_fleet compile $${CONFIG:+--config "$$CONFIG"} $(COMPILE_ARGS)
 
 # Benchmarks print their figures (ratios against a baseline measured in the same run).
 # The proxy benchmark installs nginx, wrk and haproxy with apt-get when they are missing; it runs
@@ -120,13 +126,13 @@ simulate-cell: venv ## simulate one cell through a scenario SCENARIO=simulations
 	  --report "$${REPORT:-simulate-cell-report.json}" $${CONFIG:+--config "$$CONFIG"}
 
 # The first-deploy acceptance kit against a deployed cell, with the caller's AWS credentials
-# (docs/verifying.md). The only target that calls AWS: the instance metadata is allowed back
-# (an instance role's credentials), and VERIFY_ARGS=--destructive stops tasks. Exit 6: a check failed.
+# (docs/verifying.md). It calls AWS: the instance metadata is allowed back (an instance role's
+# credentials), and VERIFY_ARGS=--destructive stops tasks. Exit 6: a check failed.
 VERIFY_ARGS ?=
 CELL ?=
 verify-cell: venv ## the acceptance kit against a deployed cell CELL=name [CONFIG=...] [VERIFY_ARGS=--destructive --report x.json]
 	@test -n "$$CELL" || { echo "CELL is not set: make verify-cell CELL=dev" >&2; exit 2; }
-	env -u AWS_EC2_METADATA_DISABLED $(BIN)/python -m inference_fleet verify --cell "$$CELL" \
+	$(WITH_AWS) $(BIN)/python -m inference_fleet verify --cell "$$CELL" \
 	  $${CONFIG:+--config "$$CONFIG"} $(VERIFY_ARGS)
 
 # End to end with a real vLLM engine on CPU (its own environment under .e2e/, cached).

@@ -41,6 +41,30 @@ VPC_CIDR = "10.250.0.0/16"
 ROOT_DEVICE = "/dev/xvda"  # the root device of the ECS-optimized Amazon Linux 2023 AMI
 
 
+# A job that never gets an instance stays RUNNABLE: the job definition's attempt timeout counts from
+# startedAt (https://docs.aws.amazon.com/batch/latest/userguide/job_timeouts.html), so without these the
+# pipeline's Compile stage would wait for it as long as Step Functions lets it. Batch cancels a job that
+# has stayed RUNNABLE at the head of the queue for one of these reasons this long ("Jobs stuck in a
+# RUNNABLE status", https://docs.aws.amazon.com/batch/latest/userguide/job_stuck_in_runnable.html; the
+# reasons and limits, 600 to 86,400 s, state RUNNABLE, action CANCEL:
+# https://docs.aws.amazon.com/AWSCloudFormation/latest/UserGuide/aws-properties-batch-jobqueue-jobstatetimelimitaction.html).
+# No capacity may come back: 4 hours (the Batch guide's own example). A compute environment too small
+# for the job, or no instance type that fits it, never heals: the minimum, 10 minutes. Unverified: that
+# an instance quota (VcpuLimitExceeded) is reported as INSUFFICIENT_INSTANCE_CAPACITY; the guide says
+# Batch infers it from the Auto Scaling group's scaling activities.
+RUNNABLE_LIMITS = (
+    (batch.JobStateTimeLimitActionsReason.INSUFFICIENT_INSTANCE_CAPACITY, Duration.hours(4)),
+    (batch.JobStateTimeLimitActionsReason.COMPUTE_ENVIRONMENT_MAX_RESOURCE, Duration.minutes(10)),
+    (batch.JobStateTimeLimitActionsReason.JOB_RESOURCE_REQUIREMENT, Duration.minutes(10)),
+)
+
+
+def runnable_time_limits() -> list[batch.JobStateTimeLimitAction]:
+    return [batch.JobStateTimeLimitAction(action=batch.JobStateTimeLimitActionsAction.CANCEL, max_time=limit,
+                                          reason=reason, state=batch.JobStateTimeLimitActionsState.RUNNABLE)
+            for reason, limit in RUNNABLE_LIMITS]
+
+
 class CompileBatch(Construct):
     """VPC, compute environment, job queue and job definition of the fleet's compile job."""
 
@@ -67,7 +91,8 @@ class CompileBatch(Construct):
         self.job_queue = batch.JobQueue(
             self, "JobQueue", job_queue_name=compile_job.batch_name(fleet), priority=1,
             compute_environments=[batch.OrderedComputeEnvironment(
-                compute_environment=self.compute_environment, order=1)])
+                compute_environment=self.compute_environment, order=1)],
+            job_state_time_limit_actions=runnable_time_limits())
         self.job_role = self._job_role()
         self.log_group = logs.LogGroup(self, "JobLogs", encryption_key=self.key,
                                        retention=logs.RetentionDays.THREE_MONTHS, removal_policy=RemovalPolicy.RETAIN)

@@ -116,6 +116,9 @@ def check_cells_deployable(fleet: FleetConfig) -> Iterable[ConfigIssue]:
             )
         if cell.certificate_arn and cell.plain_http:
             yield ConfigIssue(f"cells[{i}].plain_http", True, "set either certificate_arn or plain_http, not both")
+        if cell.tls_name and not cell.certificate_arn:
+            yield ConfigIssue(f"cells[{i}].tls_name", cell.tls_name,
+                              "only with certificate_arn: a cell without a certificate serves plain HTTP; remove it")
         yield from _capacity_issues(i, cell)
 
 

@@ -303,6 +303,15 @@ def _check_verify_gate(fleet: FleetConfig) -> Iterable[ConfigIssue]:
                 "pipeline's account and region: put the canary cell there, or set pipeline.verify_gate: false "
                 "and run `make verify-cell` after the canary deploys",
             )
+    for i, cell in enumerate(fleet.cells):
+        routed = any(cell.name in (r.tls_names or {}) for r in fleet.routers)
+        if cell.wave == fleet.waves[0].name and cell.certificate_arn and not cell.tls_name and not routed:
+            yield ConfigIssue(
+                f"cells[{i}].tls_name", None,
+                f"required: the verify gate checks the canary cell {cell.name}'s HTTPS listener and verifies its "
+                "certificate against this name (the DNS name the certificate covers; the load balancer's own "
+                "amazonaws.com name is never in it)",
+            )
 
 
 def _check_serving(fleet: FleetConfig) -> Iterable[ConfigIssue]:

@@ -68,33 +68,43 @@ def _run(args: argparse.Namespace) -> int:
     if args.request_out:
         raise compile_job.CompileError("--request-out goes with --check")
     if args.submit:
-        return _submit(fleet, args.model_type, args.replace, dry_run=args.dry_run)
+        return _submit(fleet, args.model_type, args.replace, dry_run=args.dry_run, config=args.config)
     work = Path(args.work_dir).resolve()
     checkpoint = Path(args.checkpoint).resolve() if args.checkpoint else None
     job = compile_job.render(fleet, checkpoint=str(checkpoint or "<checkpoint>"), work_dir=str(work),
                              model_type=args.model_type, image_digest=args.image_digest, command=args.nxdi_command)
     if checkpoint is not None and not checkpoint.is_dir():
         raise compile_job.CompileError(f"--checkpoint {checkpoint} is not a directory")
+    if not args.dry_run and checkpoint is None:
+        raise compile_job.CompileError("--checkpoint is required to compile (its files are part of the key)")
+    # S3 before the hash: no credentials or no access is said in a second, not after hashing the checkpoint.
+    client = None if args.dry_run or args.no_upload else _s3_reaching(job.destination)
     # The key's inputs hash every checkpoint file (hundreds of GB for a large model): once.
     inputs = compile_job.key_inputs(job, checkpoint) if checkpoint else None
     key = am.compute_key(inputs) if inputs is not None else None
     if args.dry_run:
         _print_job(fleet, job, key, args.json)
         return exit_codes.OK
-    if checkpoint is None or inputs is None:
-        raise compile_job.CompileError("--checkpoint is required to compile (its files are part of the key)")
-    client = None
-    if not args.no_upload:
-        import boto3
-
-        client = boto3.client("s3")
+    assert checkpoint is not None and inputs is not None  # refused above without --checkpoint
     return compile_run.execute(job, checkpoint, work, inputs, client=client,
                                artifacts_uri=fleet.model.artifacts_s3_uri, replace=args.replace)
 
 
-def _submit(fleet: FleetConfig, model_type: str, replace: bool, *, dry_run: bool = False) -> int:
-    """Submit the compile job to the fleet's compile job queue (stacks/compile_stack.py); print its id.
-    With --dry-run, print the SubmitJob request instead, without AWS."""
+def _s3_reaching(destination: str) -> object:
+    """An S3 client that has read the layout's manifest (present or not): credentials and access proven."""
+    import boto3
+
+    client = boto3.client("s3")
+    compile_job.existing_manifest(client, destination)  # a CompileError names what failed
+    return client
+
+
+def _submit(fleet: FleetConfig, model_type: str, replace: bool, *, dry_run: bool = False,
+            config: str | None = None) -> int:
+    """Submit the compile job to the fleet's compile job queue (stacks/compile_stack.py); print how to follow
+    it and where its key appears, then its id (the last line, for scripts). With --dry-run, print the SubmitJob
+    request instead, without AWS. The key hashes every checkpoint file, which only the job reads: it is known
+    when the job has uploaded the manifest."""
     request = compile_job.submit_request(fleet, model_type=model_type, replace=replace)
     account, region = compile_job.environment(fleet)
     if dry_run:
@@ -114,8 +124,24 @@ def _submit(fleet: FleetConfig, model_type: str, replace: bool, *, dry_run: bool
         raise compile_job.CompileError(f"cannot submit the compile job: {type(error).__name__}: {error}") from None
     print(f"submitted {answer['jobName']}: job id {answer['jobId']} (queue {request['jobQueue']}, {region}, "
           f"timeout {request['timeout']['attemptDurationSeconds'] // 3600} h)")
+    for line in _after_submit(fleet, answer["jobId"], region, config):
+        print(line)
     print(answer["jobId"])
     return exit_codes.OK
+
+
+def _after_submit(fleet: FleetConfig, job_id: str, region: str, config: str | None) -> list[str]:
+    """What to run while and after the job runs: its status, its log, and the command that prints its key."""
+    destination = f"{fleet.model.artifacts_s3_uri.rstrip('/')}/neuron/{layout_key(fleet)}/"
+    where = f" --config {config}" if config else ""
+    return [
+        f"status (SUCCEEDED when done; hours): aws batch describe-jobs --region {region} --jobs {job_id} "
+        "--query 'jobs[0].[status,statusReason,container.logStreamName]'",
+        f"its log: that log stream in the {compile_job.stack_name(fleet)} stack's JobLogs group; its last lines "
+        f"name the manifest key and {destination}",
+        f"the key, once it SUCCEEDED: .venv/bin/python -m inference_fleet compile{where} --check (prints "
+        "\"manifest key <key>\"); set it as model.artifacts_key, then deploy the cells",
+    ]
 
 
 def _write_request(path: str, request: dict[str, object]) -> None:

@@ -103,6 +103,11 @@ def _aws_region(value: str) -> str:
 
 # A region of the AWS regions list (inference_fleet.regions), not only of the right shape.
 Region = Annotated[str, StringConstraints(min_length=1, max_length=30), AfterValidator(_aws_region)]
+# A DNS name a cell's certificate covers (RFC 1123 labels; no wildcard: the router and the
+# acceptance kit send it as SNI and check the certificate against it).
+DnsName = Annotated[
+    str, StringConstraints(max_length=253, pattern=r"^([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)+[a-z]{2,63}$")
+]
 
 
 def _cron(value: str | None) -> str | None:
@@ -450,6 +455,13 @@ class CellConfig(_Strict):
         default=False,
         description="Serve plain HTTP on port 80 without a certificate (prompts cross the VPC in clear text).",
     )
+    tls_name: DnsName | None = Field(
+        default=None,
+        description="With certificate_arn: the DNS name the certificate covers. The acceptance kit (`make "
+        "verify-cell`, the pipeline's verify gate) connects to the load balancer's address and verifies the "
+        "certificate against this name (an ACM certificate never covers the load balancer's own amazonaws.com "
+        "name); without it the kit cannot check an HTTPS cell.",
+    )
     internet_facing: bool = Field(
         default=False,
         description="Public ALB behind an AWS WAF web ACL (AWS managed known-bad-inputs and IP-reputation "
@@ -752,10 +764,6 @@ class PipelineConfig(_Strict):
 
 CellName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9-]{0,23}$")]
 ROUTER_MAX_WEIGHT = 256
-# A DNS name a cell's certificate covers (RFC 1123 labels; no wildcard: the router sends it as SNI).
-DnsName = Annotated[
-    str, StringConstraints(max_length=253, pattern=r"^([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)+[a-z]{2,63}$")
-]
 
 
 class RouterAlarmsConfig(_Strict):

@@ -9,7 +9,8 @@ wave is entered. Why CodeBuild and not Lambda, and what the role may do: docs/ro
 The cell's VPC, subnets and security group come from the SSM parameter the cell stack writes
 (cell_constructs.verifier_access), read when this stack deploys as CloudFormation SSM parameter
 types: no reference between the stacks, and so the canary cell must be deployed (once, by hand)
-before the pipeline stack, in the pipeline's account and region.
+before the pipeline stack, in the pipeline's account and region. An HTTPS canary's certificate is
+verified against `cells[].tls_name` from the same fleet file (inference_fleet/verify/aws.py).
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ CLUSTER_READS = ("ecs:DescribeClusters",)
 CLUSTER_LISTS = ("ecs:ListServices", "ecs:ListTasks")
 SERVICE_READS = ("ecs:DescribeServices",)
 TASK_READS = ("ecs:DescribeTasks",)
+# The kit maps a leader task to its instance's target (aws.py unit_health). DescribeContainerInstances takes the
+# container-instance resource, arn:...:container-instance/<cluster-name>/<id> (Service Authorization Reference:
+# https://docs.aws.amazon.com/service-authorization/latest/reference/list_amazonelasticcontainerservice.html).
+CONTAINER_INSTANCE_READS = ("ecs:DescribeContainerInstances",)
 LOG_READS = ("logs:DescribeLogStreams", "logs:FilterLogEvents", "logs:GetLogEvents", "logs:StartQuery")
 # No resource-level permissions exist for these (Service Authorization Reference: Elastic Load
 # Balancing V2, CloudWatch, CloudWatch Logs GetQueryResults, ECS DescribeTaskDefinition): "*".
@@ -121,6 +126,8 @@ class VerifyGate(Construct):
                                 conditions={"ArnLike": {"ecs:cluster": cluster}}),
             iam.PolicyStatement(actions=list(SERVICE_READS), resources=[arn("ecs", "service", f"{name}-*/*")]),
             iam.PolicyStatement(actions=list(TASK_READS), resources=[arn("ecs", "task", f"{name}-*/*")]),
+            iam.PolicyStatement(actions=list(CONTAINER_INSTANCE_READS),
+                                resources=[arn("ecs", "container-instance", f"{name}-*/*")]),
             iam.PolicyStatement(actions=list(LOG_READS), resources=[
                 arn("logs", "log-group", f"{name}-*", ArnFormat.COLON_RESOURCE_NAME),
                 arn("logs", "log-group", f"{name}-*:log-stream:*", ArnFormat.COLON_RESOURCE_NAME)]),
@@ -144,7 +151,8 @@ class VerifyGate(Construct):
              "The cell's stack, any of its stack ids (the id suffix changes when the stack is replaced)"),
             *((f"AwsSolutions-IAM5[Resource::arn:{where.format(service=service)}:{resource}]", cell_scoped)
               for service, resource in (("ecs", f"cluster/{name}-*"), ("ecs", f"service/{name}-*/*"),
-                                        ("ecs", f"task/{name}-*/*"), ("logs", f"log-group:{name}-*"),
+                                        ("ecs", f"task/{name}-*/*"), ("ecs", f"container-instance/{name}-*/*"),
+                                        ("logs", f"log-group:{name}-*"),
                                         ("logs", f"log-group:{name}-*:log-stream:*"))),
             ("AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:ec2:<AWS::Region>:<AWS::AccountId>:network-interface/*]",
              "CDK-generated: ec2:CreateNetworkInterfacePermission for CodeBuild, conditioned on the cell's subnets "

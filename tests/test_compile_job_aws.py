@@ -132,6 +132,23 @@ def test_the_compute_environment_pins_its_launch_template_to_the_templates_lates
                     "Version": {"Fn::GetAtt": [launch_id, "LatestVersionNumber"]}}, spec
 
 
+def test_a_job_stuck_runnable_is_cancelled_instead_of_waiting_days(synth_default):
+    """The attempt timeout counts from startedAt: a job that never gets an instance (no X-family quota, no
+    capacity, an environment too small) would stay RUNNABLE and the Compile stage wait as long as Step Functions
+    lets it. The queue cancels it, for the reasons and within the limits the Batch guide and CloudFormation
+    allow (https://docs.aws.amazon.com/batch/latest/userguide/job_stuck_in_runnable.html)."""
+    actions = _one(synth_default.templates["Rufus-Compile"], "AWS::Batch::JobQueue")["JobStateTimeLimitActions"]
+    by_reason = {a["Reason"]: a for a in actions}
+    assert set(by_reason) == {"CAPACITY:INSUFFICIENT_INSTANCE_CAPACITY",
+                              "MISCONFIGURATION:COMPUTE_ENVIRONMENT_MAX_RESOURCE",
+                              "MISCONFIGURATION:JOB_RESOURCE_REQUIREMENT"}, actions
+    for action in actions:
+        assert action["Action"] == "CANCEL" and action["State"] == "RUNNABLE", action
+        assert 600 <= action["MaxTimeSeconds"] <= 86400, action  # CloudFormation's bounds
+    assert by_reason["CAPACITY:INSUFFICIENT_INSTANCE_CAPACITY"]["MaxTimeSeconds"] == 4 * 3600
+    assert by_reason["MISCONFIGURATION:JOB_RESOURCE_REQUIREMENT"]["MaxTimeSeconds"] == 600
+
+
 def _compile_subnet_zones(fleet) -> list[tuple[str, str]]:
     """(property, zone) of each subnet of the fleet's compile stack, synthesized alone, its image pinned."""
     from aws_cdk import App
@@ -326,6 +343,10 @@ def test_submit_sends_the_rendered_job_to_the_fleets_queue_and_prints_its_id(mon
     assert calls == [(("batch",), {"region_name": "us-east-2"})]  # the compile stack's region
     out = capsys.readouterr().out
     assert out.splitlines()[-1] == "abc-123" and "timeout 7 h" in out
+    # The key hashes the checkpoint, which only the job reads: where to find it once the job is done.
+    assert "aws batch describe-jobs --region us-east-2 --jobs abc-123" in out
+    assert f".venv/bin/python -m inference_fleet compile --config {DEFAULT} --check" in out
+    assert "set it as model.artifacts_key" in out and "Rufus-Compile stack's JobLogs group" in out
     assert expected["jobQueue"] == expected["jobDefinition"] == "Rufus-compile"
     request = compile_run.Request.from_json(json.loads(expected["containerOverrides"]["environment"][0]["value"]))
     assert request.job == compile_job.render(fleet, checkpoint="/compile/checkpoint", work_dir="/compile")
@@ -583,3 +604,19 @@ def test_the_docs_table_of_compile_hosts_is_the_codes_arithmetic(fleet_file):
            f"{nodes} x 40 min + {volume} min = "
            f"{needs.minutes / 60:.1f} h | {needs.timeout_hours} h |")
     assert row in text, row
+
+
+def test_compile_with_a_checkpoint_reaches_s3_before_hashing_the_checkpoint(monkeypatch, tmp_path, capsys):
+    """Hashing 812 GB takes hours: no credentials (or no access) is said first, before any file is read."""
+    for name in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-2")
+    monkeypatch.setattr(compile_job, "key_inputs", lambda *_: pytest.fail("hashed the checkpoint before reaching S3"))
+    (tmp_path / "checkpoint").mkdir()
+    assert main(["compile", "--config", str(DEFAULT), "--checkpoint", str(tmp_path / "checkpoint"),
+                 "--work-dir", str(tmp_path / "work")]) == exit_codes.COMPILE
+    err = capsys.readouterr().err
+    assert "NoCredentialsError: Unable to locate credentials" in err and "Traceback" not in err

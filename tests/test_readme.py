@@ -205,3 +205,56 @@ def test_commands_in_the_readmes_text_start_as_written() -> None:
         if problem:
             problems.append(f"`{command}`: {problem}")
     assert not problems, problems
+
+
+# A first deploy's order: each step needs the one before (docs/deploying.md "Deploying a cell"): the compile
+# stack needs the bootstrap and the image; the cells need the compiled key (a node never compiles); the
+# pipeline needs its canary cell. The needles, in the order both pages must name them first.
+DEPLOY_ORDER = (
+    "cdk bootstrap",
+    "neuron_vllm_digest",
+    "cdk deploy -c config=fleet.yaml <Fleet>-Compile",
+    "compile --config fleet.yaml --submit",
+    "SUCCEEDED",
+    "--check",
+    "model.artifacts_key",
+    "cdk deploy -c config=fleet.yaml <Fleet>-Cell-<name>",
+    "cdk deploy -c config=fleet.yaml <Fleet>-Pipeline",
+)
+
+
+def _section(page: Path, heading: str) -> str:
+    text = page.read_text()
+    start = text.index(f"\n{heading}\n")
+    end = re.search(r"\n#{2,3} ", text[start + len(heading) + 2:])
+    return text[start:start + len(heading) + 2 + end.start()] if end else text[start:]
+
+
+@pytest.mark.parametrize("page", [README, DOCS / "deploying.md"], ids=lambda p: p.name)
+def test_deploying_a_cell_names_the_steps_in_the_order_they_can_run(page: Path) -> None:
+    section = " ".join(_section(page, "## Deploying a cell").split())  # a command may be wrapped across lines
+    missing = [n for n in DEPLOY_ORDER if n not in section]
+    assert not missing, f"{page.name} 'Deploying a cell' does not name {missing}"
+    firsts = [section.index(n) for n in DEPLOY_ORDER]
+    assert firsts == sorted(firsts), [n for _, n in sorted(zip(firsts, DEPLOY_ORDER, strict=True))]
+
+
+def test_the_docs_state_the_unit_limit_of_a_cell_as_the_fleet_check_computes_it() -> None:
+    """A cell's unit limit in the docs (a figure of 30 or more: a whole cell, not an example) is
+    max_units_per_cell(): 38, 37 for a cell a router fronts (its endpoint's resources)."""
+    from inference_fleet.cell_checks import max_units_per_cell
+
+    allowed = {max_units_per_cell(), max_units_per_cell(True)}
+    stated = [(page.name, int(n)) for page in (README, *sorted(DOCS.glob("*.md")))
+              for n in re.findall(r"(?:at most|up to) \**(\d+)\** units", " ".join(page.read_text().split()))
+              if int(n) >= 30]
+    assert stated and all(n in allowed for _, n in stated), (stated, allowed)
+
+
+def test_what_validation_cannot_know_lists_the_three_things_it_promises_together() -> None:
+    section = _section(DOCS / "deploying.md", "### What validation cannot know")
+    intro, _, rest = section.partition("three things")
+    assert intro and rest, "the section no longer says how many things it lists"
+    first_list = re.split(r"\n\n(?![-\s])", rest.split("\n\n", 1)[1], maxsplit=1)[0]
+    bullets = re.findall(r"^- \*\*(.+?)\*\*", first_list, re.MULTILINE)
+    assert len(bullets) == 3, bullets

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import re
+import ssl
+import subprocess
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -17,8 +20,10 @@ import boto3
 import pytest
 from botocore.stub import ANY, Stubber
 
+from inference_fleet.verify import checks_serving, runner
 from inference_fleet.verify.adapter import CellUnreachable, Task
 from inference_fleet.verify.aws import AwsAdapter, widget_queries
+from tests.verify_fakes import FakeOpenAI, expectations
 
 SNAPSHOT = Path(__file__).parent / "__snapshots__" / "test_snapshots" / "test_default_fleet_stacks[Rufus-Cell-dev].json"
 STACK = "Rufus-Cell-dev"
@@ -30,6 +35,7 @@ LEADER_SERVICE = f"arn:aws:ecs:us-east-1:111111111111:service/{CLUSTER}/Rufus-Ce
 FOLLOWER_SERVICE = f"arn:aws:ecs:us-east-1:111111111111:service/{CLUSTER}/Rufus-Cell-dev-Unit0FollowersService-2"
 LEADER_TASK = f"arn:aws:ecs:us-east-1:111111111111:task/{CLUSTER}/aaaa"
 FOLLOWER_TASK = f"arn:aws:ecs:us-east-1:111111111111:task/{CLUSTER}/bbbb"
+TLS_NAME = "inference.example.com"  # the name the cell's certificate covers (cells[].tls_name)
 
 
 @pytest.fixture
@@ -58,7 +64,8 @@ def physical(logical: str, kind: str) -> str:
                   LEADER_SERVICE if "Leader" in logical else FOLLOWER_SERVICE if "Followers" in logical else "x")
 
 
-def stub_stack(stubs: dict[str, Stubber], listeners: list[dict[str, Any]] | None = None) -> None:
+def stub_stack(stubs: dict[str, Stubber], listeners: list[dict[str, Any]] | None = None,
+               dns: str = "internal-x.elb.amazonaws.com") -> None:
     resources = [{"LogicalResourceId": k, "ResourceType": t, "PhysicalResourceId": physical(k, t),
                   "LastUpdatedTimestamp": datetime(2026, 12, 1, tzinfo=UTC), "ResourceStatus": "CREATE_COMPLETE"}
                  for k, t in snapshot_resources().items()]
@@ -68,7 +75,7 @@ def stub_stack(stubs: dict[str, Stubber], listeners: list[dict[str, Any]] | None
                                          {"StackName": STACK})
     stubs["cloudformation"].add_response("list_stack_resources", {"StackResourceSummaries": resources[half:]},
                                          {"StackName": STACK, "NextToken": "t1"})
-    balancer = {"LoadBalancerArn": LB_ARN, "DNSName": "internal-x.elb.amazonaws.com"}
+    balancer = {"LoadBalancerArn": LB_ARN, "DNSName": dns}
     stubs["elbv2"].add_response("describe_load_balancers", {"LoadBalancers": [balancer]},
                                 {"LoadBalancerArns": [LB_ARN]})
     stubs["elbv2"].add_response("describe_listeners", {"Listeners": listeners or [{"Protocol": "HTTP", "Port": 80}]},
@@ -88,8 +95,89 @@ def test_the_cell_is_found_by_the_logical_ids_of_the_synthesized_stack(adapter: 
 
 def test_an_https_listener_is_preferred(adapter: Any) -> None:
     cell, stubs = adapter
+    cell.tls_name = TLS_NAME
     stub_stack(stubs, [{"Protocol": "HTTP", "Port": 8080}, {"Protocol": "HTTPS", "Port": 443}])
     assert cell.endpoint() == "https://internal-x.elb.amazonaws.com"
+    assert cell.describe()["tls_name"] == TLS_NAME
+
+
+def test_an_https_cell_without_a_name_for_its_certificate_is_a_clear_unreachable_cell(adapter: Any) -> None:
+    cell, stubs = adapter
+    stub_stack(stubs, [{"Protocol": "HTTPS", "Port": 443}])
+    with pytest.raises(CellUnreachable, match=r"serves HTTPS .* set cells\[\]\.tls_name"):
+        cell.found()
+
+
+def make_certificates(where: Path, name: str) -> tuple[Path, Path, Path]:
+    """A CA, and a server certificate it signs for `name` only (subjectAltName DNS), as ACM issues one."""
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=where, check=True, capture_output=True)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+            "-subj", "/CN=Test CA")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "srv.key", "-out", "srv.csr", "-subj", f"/CN={name}")
+    (where / "ext").write_text(f"subjectAltName=DNS:{name}\n")
+    openssl("x509", "-req", "-in", "srv.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", "srv.pem", "-days", "2", "-extfile", "ext")
+    return where / "ca.pem", where / "srv.pem", where / "srv.key"
+
+
+@pytest.fixture
+def https_cell(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeOpenAI]:
+    """The unit's OpenAI API over HTTPS on loopback with a certificate for TLS_NAME from a CA the
+    client trusts through SSL_CERT_FILE (as the system store trusts Amazon's CAs for an ACM certificate)."""
+    ca, cert, key = make_certificates(tmp_path, TLS_NAME)
+    monkeypatch.setenv("SSL_CERT_FILE", str(ca))
+    server_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_tls.load_cert_chain(cert, key)
+    with FakeOpenAI(tls=server_tls) as server:
+        yield server
+
+
+def stub_unit_health(stubs: dict[str, Stubber]) -> None:
+    stubs["ecs"].add_response("list_tasks", {"taskArns": [LEADER_TASK]},
+                              {"cluster": CLUSTER, "serviceName": "Rufus-Cell-dev-Unit0LeaderService-1",
+                               "desiredStatus": "RUNNING"})
+    stubs["ecs"].add_response("describe_tasks", {"tasks": [{"taskArn": LEADER_TASK, "containerInstanceArn": "ci/1"}]},
+                              {"cluster": CLUSTER, "tasks": [LEADER_TASK]})
+    stubs["ecs"].add_response("describe_container_instances",
+                              {"containerInstances": [{"containerInstanceArn": "ci/1", "ec2InstanceId": "i-1"}]},
+                              {"cluster": CLUSTER, "containerInstances": ["ci/1"]})
+    stubs["elbv2"].add_response("describe_target_health", {"TargetHealthDescriptions": [
+        {"Target": {"Id": "i-1", "Port": 8080}, "TargetHealth": {"State": "healthy"}}]}, {"TargetGroupArn": TG_ARN})
+
+
+def serving_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kit's runner with check 1 only (the others need published events and metrics)."""
+    monkeypatch.setattr(runner, "_plan", lambda *_: [("1-serving", checks_serving.check_serving)])
+
+
+def test_check_1_reaches_an_https_cell_at_the_balancers_address_verifying_the_certificates_name(
+        adapter: Any, https_cell: FakeOpenAI, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The listener's address is the balancer's DNS name (here localhost), never in the certificate; the
+    certificate is verified against cells[].tls_name, and the request names the cell as a client would."""
+    cell, stubs = adapter
+    cell.tls_name = TLS_NAME
+    stub_stack(stubs, [{"Protocol": "HTTPS", "Port": https_cell.port}], dns="localhost")
+    stub_unit_health(stubs)
+    serving_only(monkeypatch)
+    report = runner.run_kit(cell, expectations(), request_timeout=10, steps_report_seconds=0.3, log=lambda _: None)
+    check = next(c for c in report.checks if c.check_id == "1-serving")
+    assert check.status == "pass", check.detail
+    assert report.target["endpoint"] == f"https://localhost:{https_cell.port}"
+
+
+def test_verification_stays_on_a_certificate_for_another_name_fails_check_1(
+        adapter: Any, https_cell: FakeOpenAI, monkeypatch: pytest.MonkeyPatch) -> None:
+    cell, stubs = adapter
+    cell.tls_name = "other.example.com"
+    stub_stack(stubs, [{"Protocol": "HTTPS", "Port": https_cell.port}], dns="localhost")
+    stub_unit_health(stubs)
+    serving_only(monkeypatch)
+    report = runner.run_kit(cell, expectations(), request_timeout=10, steps_report_seconds=0.3, log=lambda _: None)
+    check = next(c for c in report.checks if c.check_id == "1-serving")
+    assert check.status == "fail" and "CERTIFICATE_VERIFY_FAILED" in check.detail, check.detail
+    assert "Hostname mismatch" in check.detail
 
 
 def test_a_missing_stack_or_resource_is_a_clear_unreachable_cell(adapter: Any) -> None:

@@ -31,7 +31,9 @@ def test_usage_errors_exit_2_and_an_unknown_cell_exits_3(tmp_path: Path) -> None
     assert bad.returncode == 2 and "allowed: 0 to 7200" in bad.stderr
     unknown = verify("--cell", "nope", tmp=tmp_path)
     assert unknown.returncode == 3 and "no such cell in the fleet file; its cells: dev" in unknown.stderr
-    assert "Traceback" not in unknown.stderr + bad.stderr
+    wildcard = verify("--cell", "dev", "--tls-name", "*.example.com", tmp=tmp_path)
+    assert wildcard.returncode == 2 and "'*.example.com' is not a DNS name" in wildcard.stderr
+    assert "Traceback" not in unknown.stderr + bad.stderr + wildcard.stderr
 
 
 def test_an_unreachable_cell_fails_every_check_and_writes_both_reports(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from aws_cdk.assertions import Match, Template
 from cell_constructs.verifier_access import verifier_parameter_name
 from inference_fleet.checks import load_fleet, parse_fleet
 from inference_fleet.config import ConfigError
+from inference_fleet.verify.aws import REQUIRED_ACTIONS
 from stacks.fleet import build_fleet
 from stacks.pipeline_stack import PipelineStack
 from stacks.verify_gate import verify_command
@@ -142,6 +143,16 @@ def test_the_gate_role_only_reads_and_only_the_cell(large) -> None:
             assert "use2-b" not in text and "usw2-a" not in text, statement
 
 
+def test_the_gate_role_grants_every_action_the_kit_calls_on_the_cells_resources(large) -> None:
+    """The kit's REQUIRED_ACTIONS (inference_fleet/verify/aws.py) are each on the gate's role: a missing one is
+    an AccessDenied on the cell and a failed gate on every wave. Container instances: the canary's cluster's."""
+    statements = _gate_policies(large.template_json("Rufus-Pipeline"))
+    actions = {a for s in statements for a in _actions(s)}
+    assert set(REQUIRED_ACTIONS) <= actions, sorted(set(REQUIRED_ACTIONS) - actions)
+    (instances,) = [s for s in statements if "ecs:DescribeContainerInstances" in _actions(s)]
+    assert instances["Resource"] == "arn:aws:ecs:us-east-2:222222222222:container-instance/Rufus-Cell-use2-a-*/*"
+
+
 def test_the_unscoped_reads_are_what_the_acknowledgement_says(large) -> None:
     """The role's `Resource::*` acknowledgement names the actions without resource-level scope; exactly
     those are on "*" (the ECS lists only with the cluster condition)."""
@@ -221,3 +232,29 @@ def test_the_default_fleet_gates_its_only_cell(synth_default) -> None:
         "Source": {"BuildSpec": Match.string_like_regexp(
             re.escape(json.dumps(verify_command("config/default.yaml", "dev"))))}})
     Template.from_json(synth_default.template_json("Rufus-Cell-dev")).resource_count_is("AWS::SSM::Parameter", 1)
+
+
+def test_the_gates_command_verifies_the_canarys_certificate_against_its_tls_name(large, monkeypatch) -> None:
+    """The gate's command as synthesized, run through the CLI: the adapter gets the name the canary's
+    certificate covers (cells[].tls_name), so check 1 verifies the certificate against it (test_verify_aws)."""
+    from inference_fleet import cli
+    from inference_fleet.verify import cli as verify_cli
+
+    assert [p for p in large.templates["Rufus-Pipeline"].find_resources("AWS::CodeBuild::Project").values()
+            if verify_command(LARGE, "use2-a") in p["Properties"]["Source"]["BuildSpec"]]
+    command = verify_command(LARGE, "use2-a").split(" ")
+    assert command[:3] == [".venv/bin/python", "-m", "inference_fleet"]
+    made: list[dict] = []
+
+    class Stop(Exception):
+        pass
+
+    def adapter(stack: str, region: str, **kwargs: object) -> None:
+        made.append({"stack": stack, "region": region, **kwargs})
+        raise Stop
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(verify_cli, "AwsAdapter", adapter)
+    with pytest.raises(Stop):
+        cli.main(command[3:])
+    assert made == [{"stack": "Rufus-Cell-use2-a", "region": "us-east-2", "tls_name": "use2-a.rufus.example.com"}]

@@ -209,7 +209,7 @@ def test_the_read_only_kit_through_a_real_unit_proxy(tmp_path: Path) -> None:
             url = f"http://127.0.0.1:{port}"
             adapter = LocalAdapter(url, {"u0": url + "/health"}, lambda: [])
             wait_for(lambda: adapter.unit_health("u0") == 200, 30)
-            report = run_kit(adapter, expectations(), settle_seconds=0.0, log=lambda _: None)
+            report = run_kit(adapter, expectations(), settle_seconds=0.0, steps_report_seconds=0.3, log=lambda _: None)
         finally:
             proxy.terminate()
             proxy.wait(30)

@@ -4,7 +4,7 @@ The server is a real HTTP server (standard library) speaking the parts of vLLM's
 kit sends: `/v1/models`, `/v1/completions` (also streamed, also with token-id prompts) and
 streamed `/v1/chat/completions`, with server-sent events as vLLM writes them. Its answers are
 a function of the prompt and the seed, so "same seed, same tokens" holds unless
-`honour_seed` is False.
+`honour_seed` is False; at temperature 0 (greedy) a function of the prompt alone.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import ssl
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,8 +35,10 @@ class Knobs:
     requests: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _words(prompt: Any, seed: int | None, honour: bool, n: int) -> list[str]:
-    salt = seed if (seed is not None and honour) else random.random()
+def _words(prompt: Any, seed: int | None, honour: bool, n: int, temperature: float = 1.0) -> list[str]:
+    """Greedy (temperature 0) is a function of the prompt; above 0, of the seed when it is honoured, else random
+    (as a Trainium unit samples: vllm-neuron ignores the seed, inference_fleet/verify/checks_serving.py)."""
+    salt = "greedy" if temperature == 0 else seed if (seed is not None and honour) else random.random()
     digest = hashlib.sha256(f"{prompt}|{salt}".encode()).hexdigest()
     return [f"w{digest[i % 60:i % 60 + 4]}" for i in range(n)]
 
@@ -74,7 +77,8 @@ class _Handler(BaseHTTPRequestHandler):
                 len(prompt) + body["max_tokens"] > self.knobs.max_model_len:
             self._json(400, {"error": {"message": "too long"}})
             return
-        words = _words(prompt, body.get("seed"), self.knobs.honour_seed, body["max_tokens"])
+        words = _words(prompt, body.get("seed"), self.knobs.honour_seed, body["max_tokens"],
+                       float(body.get("temperature", 1.0)))
         chat = self.path == "/v1/chat/completions"
         if not body.get("stream"):
             time.sleep(self.knobs.first_token_delay)
@@ -102,12 +106,17 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class FakeOpenAI:
-    def __init__(self, knobs: Knobs | None = None) -> None:
+    """The server on a loopback port; with `tls` (a server-side SSL context) it speaks HTTPS."""
+
+    def __init__(self, knobs: Knobs | None = None, tls: ssl.SSLContext | None = None) -> None:
         self.knobs = knobs or Knobs()
         handler = type("Handler", (_Handler,), {"knobs": self.knobs})
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        if tls is not None:
+            self.server.socket = tls.wrap_socket(self.server.socket, server_side=True)
+        self.port = self.server.server_address[1]
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     def __enter__(self) -> FakeOpenAI:

@@ -100,6 +100,8 @@ class CellAdapter(Protocol):
     """What the checks need from a cell."""
 
     name: str  # "aws" or "local"
+    # An adapter may also have `tls_name`: the name an HTTPS endpoint's certificate covers (aws.py); the kit's
+    # client verifies the certificate against it (openai_http.py). Without it the endpoint's own host name.
 
     def describe(self) -> dict[str, Any]:
         """What the kit runs against (for the report): endpoint, stack, cluster, log group."""

@@ -8,6 +8,12 @@ units' log group `UnitLogs…`, each unit's services `Unit<i>LeaderService…` a
 `Unit<i>FollowersService…` (inference_unit.py) and the dashboard `…Dashboard…`
 (cell_alarms.py). No stack output is needed, so the kit reads any deployed cell.
 
+An HTTPS listener is reached at the load balancer's DNS name (`internal-….elb.amazonaws.com`),
+but its certificate is checked against `tls_name`, the name the cell's ACM certificate covers
+(`cells[].tls_name`): no ACM certificate can cover the amazonaws.com name (ACM issues only for
+domains whose ownership the requester proves, https://docs.aws.amazon.com/acm/latest/userguide/domain-ownership-validation.html),
+so a check against the address's own name always fails with "Hostname mismatch".
+
 Calls (the pipeline's gate grants exactly these, `REQUIRED_ACTIONS`):
 - cloudformation:ListStackResources; elasticloadbalancing:DescribeLoadBalancers,
   DescribeListeners, DescribeTargetHealth;
@@ -65,13 +71,14 @@ class AwsAdapter:
     name = "aws"
     poll_seconds = 5.0
 
-    def __init__(self, stack_name: str, region: str, session: Any | None = None) -> None:
+    def __init__(self, stack_name: str, region: str, session: Any | None = None, tls_name: str | None = None) -> None:
         if session is None:
             import boto3
 
             session = boto3.session.Session(region_name=region)
         self.stack_name = stack_name
         self.region = region
+        self.tls_name = tls_name  # the name the HTTPS listener's certificate covers (module docstring)
         self._clients = {name: session.client(name, region_name=region)
                          for name in ("cloudformation", "elbv2", "ecs", "logs", "cloudwatch")}
         self._found: dict[str, Any] | None = None
@@ -128,12 +135,18 @@ class AwsAdapter:
         https = [x for x in listeners if x.get("Protocol") == "HTTPS"]
         chosen = (https or listeners or [{"Protocol": "HTTP", "Port": 80}])[0]
         scheme = "https" if chosen["Protocol"] == "HTTPS" else "http"
+        if scheme == "https" and not self.tls_name:
+            raise CellUnreachable(
+                f"{self.stack_name} serves HTTPS and no name to verify its certificate against is set: set "
+                "cells[].tls_name to the DNS name the cell's certificate covers (the load balancer's own "
+                f"{dns} is never in an ACM certificate), or pass --tls-name")
         default = {"https": 443, "http": 80}[scheme]
         return f"{scheme}://{dns}" + ("" if chosen["Port"] == default else f":{chosen['Port']}")
 
     def describe(self) -> dict[str, Any]:
         found = self.found()
         return {"stack": self.stack_name, "region": self.region, "endpoint": found["url"],
+                **({"tls_name": self.tls_name} if found["url"].startswith("https:") else {}),
                 "cluster": found["cluster"], "log_group": found["log_group"],
                 "units": sorted({u for u, _ in found["services"]})}
 

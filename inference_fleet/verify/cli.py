@@ -14,6 +14,7 @@ from pathlib import Path
 
 from inference_fleet import exit_codes
 from inference_fleet.checks import load_fleet
+from inference_fleet.config import CellConfig, DnsName, FleetConfig
 from inference_fleet.verify.adapter import expectations
 from inference_fleet.verify.aws import AwsAdapter
 from inference_fleet.verify.runner import run_kit
@@ -31,6 +32,16 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _dns_name(text: str) -> str:
+    from pydantic import TypeAdapter, ValidationError
+
+    try:
+        return str(TypeAdapter(DnsName).validate_python(text))
+    except ValidationError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a DNS name; allowed: lower-case labels a-z, 0-9 "
+                                         "and -, dot-separated, no wildcard (e.g. inference.example.com)") from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cell", required=True, help="the cell to check (its name in the fleet file)")
     parser.add_argument("--destructive", action="store_true",
@@ -38,10 +49,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report", type=Path, default=Path("verify-report.json"),
                         help="JSON report path (default verify-report.json); the Markdown goes beside it (.md)")
     parser.add_argument("--region", help="the cell's region (default: the fleet file's)")
+    parser.add_argument("--tls-name", type=_dns_name,
+                        help="the DNS name the cell's certificate covers, to verify it against (default: the fleet "
+                        "file's cells[].tls_name, else the name a router gives it in routers[].tls_names)")
     parser.add_argument("--evidence-wait", type=_seconds, default=180.0,
                         help="longest wait for EMF metrics to appear in CloudWatch (default 180 s)")
     parser.add_argument("--request-timeout", type=_seconds, default=300.0,
                         help="longest wait for one HTTP request (default 300 s)")
+
+
+def tls_name(args: argparse.Namespace, fleet: FleetConfig, cell: CellConfig) -> str | None:
+    """The name to verify an HTTPS cell's certificate against: --tls-name, cells[].tls_name, or a router's name."""
+    if getattr(args, "tls_name", None):
+        return str(args.tls_name)
+    if cell.tls_name:
+        return cell.tls_name
+    return next((r.tls_names[cell.name] for r in fleet.routers if cell.name in (r.tls_names or {})), None)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --cell {args.cell!r}: no such cell in the fleet file; its cells: "
               f"{', '.join(c.name for c in fleet.cells)}", file=sys.stderr)
         return exit_codes.CONFIG
-    adapter = AwsAdapter(fleet.cell_stack_name(cell), args.region or cell.region)
+    adapter = AwsAdapter(fleet.cell_stack_name(cell), args.region or cell.region, tls_name=tls_name(args, fleet, cell))
     report = run_kit(adapter, expectations(fleet, cell), destructive=args.destructive,
                      request_timeout=args.request_timeout, settle_seconds=20.0, evidence_wait=args.evidence_wait,
                      log=lambda line: print(line, file=sys.stderr, flush=True))

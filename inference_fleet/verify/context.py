@@ -19,6 +19,9 @@ class Context:
     # Seconds the kit waits for what a launcher publishes to be readable (CloudWatch Logs
     # ingestion; the leader's divergence comparison runs with every heartbeat, 5 s).
     settle_seconds: float = 15.0
+    # How often a unit's leader logs its `unit_steps` line while serving (containers/inference/unit_launcher/
+    # runner.py STEPS_REPORT_SECONDS): check 3 waits this long plus settle_seconds for one newer than its prompt.
+    steps_report_seconds: float = 60.0
     # How long a destructive check waits for a unit to serve again.
     recovery_timeout_seconds: float = 1800.0
 

@@ -39,7 +39,7 @@ def _plan(destructive: bool, evidence_wait: float) -> list[tuple[str, Check]]:
 
 def run_kit(adapter: CellAdapter, expect: Expectations, *, destructive: bool = False, request_timeout: float = 120.0,
             settle_seconds: float = 15.0, evidence_wait: float = 0.0, recovery_timeout: float = 1800.0,
-            log: Callable[[str], None] = print) -> Report:
+            steps_report_seconds: float = 60.0, log: Callable[[str], None] = print) -> Report:
     report = Report(cell=expect.cell, adapter=adapter.name, destructive=destructive)
     try:
         report.target = adapter.describe()
@@ -50,8 +50,10 @@ def run_kit(adapter: CellAdapter, expect: Expectations, *, destructive: bool = F
                                              f"cell not reachable: {error}"))
         report.finished_at = time.time()
         return report
-    ctx = Context(adapter, expect, OpenAIHttp(endpoint, request_timeout), settle_seconds=settle_seconds,
-                  recovery_timeout_seconds=recovery_timeout)
+    # An HTTPS cell's certificate is checked against the name it covers, not the endpoint's host (aws.py).
+    client = OpenAIHttp(endpoint, request_timeout, tls_name=getattr(adapter, "tls_name", None))
+    ctx = Context(adapter, expect, client, settle_seconds=settle_seconds,
+                  recovery_timeout_seconds=recovery_timeout, steps_report_seconds=steps_report_seconds)
     results: dict[str, CheckResult] = {}
     for check_id, check in _plan(destructive, evidence_wait):
         log(f"[verify] {check_id} ...")
