@@ -5,9 +5,10 @@ A pure module, no AWS in here. Node setup checks every Neuron and EFA device onl
 (`/dev/neuronN`, `/dev/infiniband/uverbsN`), fills its Docker data disk or breaks its
 container runtime stops every unit task placed on it before the launcher runs, so no
 `unit_session_end` is ever written; and since a unit's tasks are pinned to its labelled
-instances (`memberOf`), ECS tries the same instance again and again (its service throttle
-only spaces the tries out: "Amazon ECS doesn't ever stop a failing service from retrying",
-awsdocs/amazon-ecs-developer-guide@49232cf doc_source/service-throttle-logic.md).
+instances (`memberOf`), ECS tries the same instance again and again: "Amazon ECS doesn't
+ever stop a failing service from retrying"; its throttle only spaces the tries out, "up to a
+maximum of 27 minutes" (https://docs.aws.amazon.com/AmazonECS/latest/developerguide/service-throttle-logic.html),
+so three tries lie within the default 60-minute window even at that spacing.
 
 An EventBridge rule (cell_constructs/topology_placement.py) brings the cell's "ECS Task State
 Change" events with `lastStatus` STOPPED and `stopCode` TaskFailedToStart of the unit tasks
