@@ -2,7 +2,9 @@
 
 The function (functions/placement) runs on every ECS container instance state change of
 the cell's cluster, on every successful launch or termination in the cell's Trainium
-Auto Scaling group, and on a periodic sweep. Each run reconciles the ECS attribute
+Auto Scaling group, on every unit task that ECS stopped before it started (its stop
+reason may implicate the host: a device gone, a full disk, a broken runtime), and on a
+periodic sweep. Each run reconciles the ECS attribute
 `unit` (u0, u1, ...) that the units' tasks are pinned to, so a unit's nodes sit under
 the deepest shared network node. A FIFO trigger queue with one message group serialises
 runs; triggers that keep failing land in an encrypted dead-letter queue; function errors,
@@ -135,6 +137,7 @@ class TopologyPlacement(Construct):
         for name, value in failure_handling.environment().items():
             self.function.add_environment(name, value)
         self.rules = self._triggers(cluster, auto_scaling_group, sweep_interval)
+        self.unit_tasks_failed_to_start = self.rules[2]
         # The controller publishes these through Embedded Metric Format log lines.
         self.min_score_metric = cloudwatch.Metric(
             namespace=metrics_namespace,
@@ -390,7 +393,8 @@ class TopologyPlacement(Construct):
     def _triggers(
         self, cluster: ecs.ICluster, auto_scaling_group: autoscaling.IAutoScalingGroup, sweep_interval: Duration
     ) -> list[events.Rule]:
-        """What runs the controller: container instance changes, group launches and terminations, a sweep.
+        """What runs the controller: container instance changes, group launches and terminations, unit tasks
+        that failed to start (third: `unit_tasks_failed_to_start`), a sweep.
 
         Each rule sends its event to the FIFO trigger queue (one message group), which feeds the function.
         """
@@ -421,6 +425,7 @@ class TopologyPlacement(Construct):
                 ),
                 targets=[run],
             ),
+            self._unit_tasks_failed_to_start(cluster, run),
             events.Rule(
                 self,
                 "Sweep",
@@ -429,6 +434,37 @@ class TopologyPlacement(Construct):
                 targets=[run],
             ),
         ]
+
+    def _unit_tasks_failed_to_start(self, cluster: ecs.ICluster, run: targets.SqsQueue) -> events.Rule:
+        """Unit tasks that ECS stopped before they ran: evidence against their host (start_failures.py).
+
+        A host that lost a Neuron or EFA device node after boot, filled its Docker disk or broke its
+        container runtime stops every task placed on it before the launcher runs; the launcher never
+        writes `unit_session_end`, so only ECS tells. The event is the task as DescribeTasks gives it,
+        with `lastStatus`, `stopCode` and `stoppedReason`
+        (https://docs.aws.amazon.com/AmazonECS/latest/developerguide/ecs_task_events.html); the stop
+        code TaskFailedToStart is one of the Task's stop codes
+        (https://docs.aws.amazon.com/AmazonECS/latest/developerguide/stopped-task-error-codes.html).
+        Same target as the other rules: the FIFO trigger queue's one message group, deduplicated by
+        content (each event has its own id, so only a true duplicate is dropped; the controller keeps
+        one stop per task ARN besides). The spare's task holds no device and serves nothing: when the
+        cell has spares, `manage_spares` leaves its task definition family out of the pattern.
+        """
+        return events.Rule(
+            self,
+            "UnitTasksFailedToStart",
+            description="Unit tasks of the cell's cluster that ECS stopped before they started",
+            event_pattern=events.EventPattern(
+                source=["aws.ecs"],
+                detail_type=["ECS Task State Change"],
+                detail={
+                    "clusterArn": [cluster.cluster_arn],
+                    "lastStatus": ["STOPPED"],
+                    "stopCode": ["TaskFailedToStart"],
+                },
+            ),
+            targets=[run],
+        )
 
     def _alarms(self) -> tuple[cloudwatch.Alarm, cloudwatch.Alarm, cloudwatch.Alarm]:
         """Function errors, dead letters and a trigger backlog, each an alarm (pipeline and dashboard)."""
@@ -549,8 +585,24 @@ class TopologyPlacement(Construct):
         )
 
     def manage_spares(self, spare_task_family: str) -> None:
-        """Let the controller stop the spare task of a spare it gives to a unit (the next spare takes over)."""
+        """Let the controller stop the spare task of a spare it gives to a unit (the next spare takes over).
+
+        The spare's task is also left out of the failed-start rule: it maps no device, so its failures
+        say nothing of the Neuron and EFA devices, and it serves nothing. Left out by its family rather
+        than every unit family listed: a pattern holds 2,048 characters by default ("Event pattern size
+        ... 2,048", https://docs.aws.amazon.com/eventbridge/latest/userguide/eb-quota.html) and a unit's
+        task definition ARN prefix is about 90, so two families a unit fill it near ten units;
+        `anything-but` with `prefix` is allowed on event buses
+        (https://docs.aws.amazon.com/eventbridge/latest/userguide/eb-create-pattern-operators.html). The
+        controller drops the spare's stops too (start_failures.start_failures_from_records).
+        """
         self.function.add_environment("SPARE_TASK_FAMILY", spare_task_family)
+        spare_definitions = Stack.of(self).format_arn(
+            service="ecs", resource="task-definition", resource_name=f"{spare_task_family}:"
+        )
+        self.unit_tasks_failed_to_start.add_event_pattern(
+            detail={"taskDefinitionArn": [{"anything-but": {"prefix": spare_definitions}}]}
+        )
         self.policy.add_statements(
             iam.PolicyStatement(
                 sid="FindSpareTasksOnThisCluster",

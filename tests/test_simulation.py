@@ -178,9 +178,24 @@ def test_the_faults_do_what_the_scenarios_say():
     assert len(killed["time_to_serve_again_s"]) == 1
     bad = run("bad-host.yaml")["per_seed"][0]["figures"]
     assert len(bad["quarantined"]) == 1 and len(bad["time_to_serve_again_s"]) == 3
+    lost = run("device-lost-after-boot.yaml")["per_seed"][0]["figures"]
+    assert len(lost["quarantined"]) == 1 and len(lost["time_to_serve_again_s"]) == 1
     spare = run("follower-instance-lost-spare.yaml")["per_seed"][0]["figures"]["time_to_serve_again_s"]
     cold = run("follower-instance-lost.yaml")["per_seed"][0]["figures"]["time_to_serve_again_s"]
     assert spare[0] < cold[0] - 600  # the spare skips the new instance's boot and fetch
+
+
+def test_old_placement_never_blames_a_host_whose_unit_tasks_cannot_start(monkeypatch):
+    """main at 029b668: nothing read ECS task events, so a host that lost a device after boot failed every
+    unit task placed on it, forever, and was never quarantined (the unit never served again)."""
+    from placement_controller import handler
+    from placement_controller.start_failures import StartFailures
+
+    monkeypatch.setattr(handler, "start_failures_from_records", lambda records, spare_family="": StartFailures())
+    doc = run("device-lost-after-boot.yaml")
+    assert not held(doc, "I3 quarantine")
+    assert "never quarantined" in doc["invariants"]["I3 quarantine"]["first"]["first"]
+    assert doc["per_seed"][0]["figures"]["quarantined"] == []
 
 
 def test_a_day_of_a_38_unit_cell_runs_within_the_bound():

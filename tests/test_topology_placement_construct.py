@@ -259,6 +259,7 @@ def test_deployment_package_holds_only_the_runtime_code(synthesized):
         "placement_controller/handler.py",
         "placement_controller/quarantine.py",
         "placement_controller/signals.py",
+        "placement_controller/start_failures.py",
         "placement_controller/topology.py",
     ]
 
@@ -434,3 +435,41 @@ def test_dead_letter_alarm_fills_each_queue_with_zero(synthesized):
     assert expression["ReturnData"] is True
     assert alarm["Properties"]["Threshold"] == 1
     assert alarm["Properties"]["ComparisonOperator"] == "GreaterThanOrEqualToThreshold"
+
+
+def _failed_start_rules(template: Template) -> list[dict]:
+    return [r["Properties"] for r in template.find_resources("AWS::Events::Rule").values()
+            if r["Properties"].get("EventPattern", {}).get("detail-type") == ["ECS Task State Change"]]
+
+
+def test_unit_tasks_that_failed_to_start_reach_the_trigger_queue(synthesized):
+    """ECS stops a unit task before its launcher runs on a host that lost a device: only this event tells."""
+    template, _, _ = synthesized
+    [rule] = _failed_start_rules(template)
+    assert rule["EventPattern"] == {
+        "source": ["aws.ecs"],
+        "detail-type": ["ECS Task State Change"],
+        "detail": {
+            "clusterArn": [{"Fn::GetAtt": [rule["EventPattern"]["detail"]["clusterArn"][0]["Fn::GetAtt"][0], "Arn"]}],
+            "lastStatus": ["STOPPED"],
+            "stopCode": ["TaskFailedToStart"],
+        },
+    }
+    assert rule["EventPattern"]["detail"]["clusterArn"][0]["Fn::GetAtt"][0].startswith("Cluster")
+    # Into the same FIFO queue and message group as every trigger: runs stay serialised.
+    [target] = rule["Targets"]
+    assert target["SqsParameters"] == {"MessageGroupId": "cell"}
+    assert target["Arn"]["Fn::GetAtt"][0].startswith("PlacementTriggers")
+    assert rule["State"] == "ENABLED"
+
+
+def test_the_spares_task_is_left_out_of_the_failed_start_rule(with_failure_handling):
+    template, _, stack, _ = with_failure_handling
+    [rule] = _failed_start_rules(template)
+    detail = rule["EventPattern"]["detail"]
+    assert (detail["lastStatus"], detail["stopCode"]) == (["STOPPED"], ["TaskFailedToStart"])
+    [condition] = detail["taskDefinitionArn"]
+    prefix = json.dumps(stack.resolve(condition["anything-but"]["prefix"]))
+    # arn:<partition>:ecs:<region>:<account>:task-definition/rufus-dev-spare: (any revision of that family only)
+    assert ":ecs:" in prefix and "task-definition/rufus-dev-spare:" in prefix
+    assert len(json.dumps(rule["EventPattern"])) < 2048  # EventBridge's default pattern size

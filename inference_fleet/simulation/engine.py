@@ -31,6 +31,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -59,6 +60,10 @@ from inference_fleet.unit_spec import build_unit_spec  # noqa: E402
 
 NEUTRAL = set(evidence.NEUTRAL)
 CLUSTER = "arn:aws:ecs:us-east-2:111111111111:cluster/sim"
+# What Docker says of a device the task maps and the host lost (moby oci/devices_linux.go DevicesFromPath),
+# after the ECS agent's error name (agent/dockerclient/dockerapi/errors.go).
+DEVICE_GONE = ('CannotStartContainerError: Error response from daemon: error gathering device information while '
+               'adding custom device "/dev/neuron3": no such file or directory')
 SPARE_FAMILY = "sim-spare"
 SIGNAL_ENV = {"SIGNAL_STACK": "Sim-Cell", "SIGNAL_RESOURCE": "TrainiumGroup", "TARGET_GROUP_ARN": "arn:sim:tg"}
 CAPACITY_LOOKBACK_S = 86400.0  # unit_autoscaler.handler: capacity failures looked at
@@ -137,6 +142,7 @@ class Cell:
         self.signals: list[tuple[float, str]] = []
         self.quarantined: dict[str, float] = {}
         self.named: set[str] = set()  # instances a fault event acted on (not "healthy")
+        self.devices_lost: set[str] = set()  # instances that lost a device after boot (`device_lost`)
         self.bad_hosts: dict[str, int] = {}  # iid -> times
         self.recoveries: list[dict[str, Any]] = []
         self._open_failures: dict[str, list[tuple[float, str]]] = {}
@@ -421,7 +427,35 @@ class Cell:
         inst = task.inst
         delay = self.model.v("task_restart") if inst.image else self.vary("image_pull")
         inst.image = True
+        # A unit task maps every Neuron and EFA device; the spare's maps none (cell_constructs/spare_nodes.py).
+        if inst.device_lost and task.role != "spare":
+            self.after(delay, self._failed_to_start, task)
+            return
         self.after(delay, self._task_running, task)
+
+    def _failed_to_start(self, task: Task) -> None:
+        """Docker refuses the container of a device that is gone: the task stops before its launcher runs,
+        with ECS stop code TaskFailedToStart, and the cell's rule brings the event to the controller."""
+        if task.state != "PENDING" or not task.alive:
+            return
+        inst = task.inst
+        inst.start_failures += 1
+        self.note(f"{task.role} task of {task.unit} on {inst.iid} failed to start: {DEVICE_GONE}")
+        self._task_stopped(task)
+        self.trigger_controller(self._failed_start_event(task))
+
+    def _failed_start_event(self, task: Task) -> dict[str, Any]:
+        """The "ECS Task State Change" event of the stop, as the rule `UnitTasksFailedToStart` delivers it
+        (https://docs.aws.amazon.com/AmazonECS/latest/developerguide/ecs_task_events.html: the detail is the
+        task as DescribeTasks gives it, times as ISO strings, on the AWS clock)."""
+        stopped_at = datetime.fromtimestamp(self.wall(), UTC).isoformat().replace("+00:00", "Z")
+        return {"source": "aws.ecs", "detail-type": "ECS Task State Change", "detail": {
+            "clusterArn": CLUSTER, "containerInstanceArn": task.inst.ci_arn, "taskArn": task.arn,
+            "taskDefinitionArn": f"arn:aws:ecs:us-east-2:111111111111:task-definition/{task.family}:1",
+            "lastStatus": "STOPPED", "desiredStatus": "STOPPED", "stopCode": "TaskFailedToStart",
+            "stoppedReason": DEVICE_GONE, "stoppedAt": stopped_at,
+            "containers": [{"name": "inference", "lastStatus": "STOPPED", "reason": DEVICE_GONE}],
+        }}
 
     def _task_running(self, task: Task) -> None:
         if task.state != "PENDING" or not task.alive:
@@ -1014,6 +1048,16 @@ class Cell:
         if unit is not None and unit.session is not None and unit.session.state == "serving" and task is not None:
             self.after(self.model.v("bad_host_fail_after"), self._bad_host_failure, unit, unit.session, task)
 
+    def _do_device_lost(self, event: Event) -> None:
+        """The device goes; the task running there keeps the device it opened (an assumption: whether the
+        engine fails at once depends on the driver), so the fault shows at its next start."""
+        if self._missing(event):
+            return
+        inst, _ = self.resolve(event.target)
+        assert inst is not None
+        inst.device_lost = True
+        self.devices_lost.add(inst.iid)
+
     def _bad_host_failure(self, unit: Unit, session: Session, task: Task) -> None:
         inst = task.inst
         if unit.session is not session or session.state != "serving" or inst.bad_left <= 0:
@@ -1301,6 +1345,11 @@ class Cell:
             if iid not in self.quarantined and inst.bad_failures >= limit:
                 self.violate("I3 quarantine", f"bad host {iid} failed {inst.bad_failures} times and was never "
                              f"quarantined (limit {limit})")
+        for iid in sorted(self.devices_lost):
+            inst = self.instances[iid]
+            if iid not in self.quarantined and inst.start_failures >= limit:
+                self.violate("I3 quarantine", f"{iid} lost a device: {inst.start_failures} unit tasks failed to "
+                             f"start there and it was never quarantined (limit {limit})")
         if self.roll.active:
             self.note("rolling update still in progress at the end of the scenario")
 

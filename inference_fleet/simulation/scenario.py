@@ -34,6 +34,9 @@ KINDS: Mapping[str, tuple[frozenset[str], frozenset[str]]] = {
     "partition": (frozenset({"target", "for"}), frozenset()),
     "reboot": (frozenset({"target"}), frozenset()),
     "bad_host": (frozenset({"target", "times"}), frozenset()),
+    # A Neuron device node of the target's instance disappears after boot: every unit task started there
+    # afterwards stops before its launcher runs (ECS stop code TaskFailedToStart).
+    "device_lost": (frozenset({"target"}), frozenset()),
     "ami_change": (frozenset(), frozenset()),
     "deploy": (frozenset(), frozenset()),
     "capacity_refusal": (frozenset({"for"}), frozenset()),

@@ -76,6 +76,9 @@ class Instance:
     partitioned_until: float = -1.0
     hung_until: float = -1.0
     leaving: bool = False  # terminating with managed draining
+    # A device node gone after boot (scenario `device_lost`): unit tasks started here stop before they run.
+    device_lost: bool = False
+    start_failures: int = 0
 
     @property
     def ci_arn(self) -> str:

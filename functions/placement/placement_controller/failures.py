@@ -28,7 +28,8 @@ QUARANTINE_ATTRIBUTE = "quarantine"
 EVENT_SOURCE = "unit-launcher"
 EVENT_DETAIL_TYPE = "Unit Session End"
 # Every `cause` the unit launcher writes (containers/inference/unit_launcher: runner.py,
-# rendezvous.py), in exactly one of the three groups below. The launcher is another
+# rendezvous.py), and the controller's own (CONTROLLER_CAUSES), in exactly one of the three
+# groups below. The launcher is another
 # package in another image, so the list is kept here and
 # functions/placement/tests/test_failure_causes.py reads the launcher's source and fails
 # when it writes a cause that none of the groups names (or one of them names a cause it no
@@ -43,10 +44,19 @@ EVENT_DETAIL_TYPE = "Unit Session End"
 # whole unit failed; it names the first follower behind in the step records, else the leader.
 # `leader_restarted`: the same follower's event when the leader died and a new launcher
 # answered at its address within the loss limit (the old one wrote nothing).
+# `task_failed_to_start` is the controller's own, not the launcher's: ECS stopped a unit task
+# before its launcher ran (stop code TaskFailedToStart) for a reason that implicates the
+# instance it was placed on (a device gone, its Docker disk full, its container runtime
+# broken: start_failures.HOST_RULES). It names that instance and nobody else is involved, so
+# it counts at once, as the member's own failure, never as an accusation.
+TASK_FAILED_TO_START = "task_failed_to_start"
 IMPLICATING_CAUSES = frozenset(
     {"heartbeat_loss", "step_timeout", "engine_exit", "member_engine_exit", "member_restarted", "member_lost",
-     "leader_unreachable", "leader_restarted", "canary_failed"}
+     "leader_unreachable", "leader_restarted", "canary_failed", TASK_FAILED_TO_START}
 )
+# The causes above that the controller derives from ECS events itself (start_failures.py); the
+# launcher never writes them (functions/placement/tests/test_failure_causes.py).
+CONTROLLER_CAUSES = frozenset({TASK_FAILED_TO_START})
 # Implicates its member only with an engine exit status: a follower whose engine exited
 # leaves with its status; one that leaves without (a launcher of a version that sent none)
 # gives no evidence that its node failed.

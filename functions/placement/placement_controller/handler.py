@@ -11,7 +11,8 @@ unit's topology score as a CloudWatch metric in Embedded Metric Format (a log li
 PutMetricData permission needed). A FIFO trigger queue with one message group keeps runs from overlapping.
 
 Failure handling (docs/placement.md, "Failure handling"): the unit failures a run's
-triggers carry count against the instances they name; an instance that reaches the limit
+triggers carry count against the instances they name (the launcher's session ends, and unit
+tasks ECS could not start for a reason of their host, `start_failures`); an instance that reaches the limit
 is quarantined (`quarantine` attribute, no `unit`, unhealthy in its Auto Scaling group)
 and never planned again. A unit that lost a node gets the nearest warm spare
 (`unit = spare`) before any cold instance; free instances left over become spares. A
@@ -53,10 +54,12 @@ from placement_controller.failures import (
     EVENT_SOURCE,
     FAILURES_ATTRIBUTE,
     QUARANTINE_ATTRIBUTE,
+    Failure,
     QuarantinePolicy,
     failures_from_records,
 )
 from placement_controller.quarantine import QuarantineStep, quarantine_step
+from placement_controller.start_failures import start_failures_from_records
 
 LOG = logging.getLogger(__name__)
 LOG.setLevel(logging.INFO)
@@ -251,6 +254,44 @@ def _label_changes(
     return [_attribute(name, ci.arn, value) for name, value in wanted if value is not None], deletes
 
 
+def _start_failures(
+    settings: Settings,
+    container_instances: list[aws.ContainerInstance],
+    group: Mapping[str, aws.GroupInstance],
+    gone: set[str],
+    event: Mapping[str, Any],
+) -> tuple[list[Failure], dict[str, Any]]:
+    """The unit failures among the triggers' failed task starts, and what the run reports of them.
+
+    Only a stop whose reason implicates its host counts (start_failures.HOST_RULES), and only
+    against an instance that is still in service: a task that could not start on an instance
+    that is draining, deregistering or leaving its group says nothing of a host that is going
+    anyway (its runtime may be shutting down). An unmatched reason is logged and published, never counted."""
+    found = start_failures_from_records(signals.records(event), settings.spare_task_family)
+    by_arn = {ci.arn: ci for ci in container_instances}
+    counted: list[Failure] = []
+    host: dict[str, str] = {}
+    leaving: list[str] = []
+    for stop, rule in found.counted:
+        ci = by_arn.get(stop.container_instance_arn)
+        member = group.get(ci.ec2_instance_id) if ci is not None else None
+        if ci is not None and (ci.status != "ACTIVE" or ci.ec2_instance_id in gone or member is None
+                               or member.lifecycle not in aws.LIVE_LIFECYCLE_STATES):
+            leaving.append(stop.task_arn)
+            continue
+        counted.append(stop.failure())
+        host[stop.task_arn] = rule
+    for task_arn, reason in found.unmatched:
+        LOG.warning("unit task %s failed to start for a reason no rule knows; not counted against its host: %s",
+                    task_arn, reason)
+    return counted, {
+        "task_start_failures_host": host,
+        "task_start_failures_not_host": dict(found.not_host),
+        "task_start_failures_unmatched": dict(found.unmatched),
+        "task_start_failures_leaving": leaving,
+    }
+
+
 def _quarantine(
     settings: Settings,
     clients: Clients,
@@ -258,8 +299,9 @@ def _quarantine(
     event: Mapping[str, Any],
     retry: aws.Retry,
     now: float,
+    start_failures: list[Failure],
 ) -> QuarantineStep:
-    failures = failures_from_records(signals.records(event))
+    failures = failures_from_records(signals.records(event)) + start_failures
     return quarantine_step(
         settings.quarantine,
         container_instances,
@@ -409,7 +451,8 @@ def reconcile(
     stopping = _stopping(settings, clients, container_instances, retry)
     container_instances = [aws.with_stopping(ci, stopping) for ci in container_instances]
     by_instance = {ci.ec2_instance_id: ci for ci in container_instances}
-    step = _quarantine(settings, clients, container_instances, event, retry, now)
+    start_failures, start_report = _start_failures(settings, container_instances, group, gone, event)
+    step = _quarantine(settings, clients, container_instances, event, retry, now, start_failures)
     agents = ecs_health.observe(settings.ecs_health, container_instances, group, step.in_quarantine | gone, now)
 
     deletes: list[dict[str, str]] = []
@@ -506,6 +549,7 @@ def reconcile(
             "spare_tasks_stopped": stopped,
             "spares_ready": sorted(i for i, name in records if name == signals.SPARE_READY_ATTRIBUTE),
             "sessions_recorded": sorted(i for i, name in records if name == signals.SESSION_ATTRIBUTE),
+            **start_report,
         }
     )
     signalled = _signal(settings, clients, plan, by_instance, records, retry)
@@ -613,6 +657,11 @@ def _publish(settings: Settings, plan: Plan, summary: Mapping[str, Any], emit: C
                 "SparesAssigned": len(summary.get("spares_assigned", {})),
                 "AgentDisconnectedReplaced": len(summary.get("agent_disconnected_replaced", [])),
                 "AgentDisconnectedDeferred": len(summary.get("agent_disconnected_deferred", [])),
+                # Unit tasks ECS could not start: blamed on their host, not (image pull, secrets, ...),
+                # and those whose reason no rule knows (start_failures.py: look at them and add a rule).
+                "TaskStartFailuresHost": len(summary.get("task_start_failures_host", {})),
+                "TaskStartFailuresNotHost": len(summary.get("task_start_failures_not_host", {})),
+                "TaskStartFailuresUnmatched": len(summary.get("task_start_failures_unmatched", {})),
             },
             message="placement reconciled",
             summary=summary,

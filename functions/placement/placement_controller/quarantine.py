@@ -1,7 +1,8 @@
 """One run's quarantine step: record the new failures on their instances, then judge every instance.
 
 The launcher names a member by its ECS task ARN (on AWS the only id its task metadata
-gives, unit_launcher/identity.py) or, in tests and local runs, by an EC2 instance id.
+gives, unit_launcher/identity.py) or, in tests and local runs, by an EC2 instance id; a
+unit task that ECS could not start (start_failures.py) by its container instance ARN.
 A task ARN is mapped to its container instance with ecs:DescribeTasks, which still
 answers for a task that stopped within the last hour or so; a failure whose member
 cannot be found any more (its instance already left) is reported and dropped.
@@ -63,6 +64,9 @@ def resolve(
     for member in members:
         if member in by_instance:
             found[member] = member
+        elif member in by_arn:
+            # A task ECS could not start names its container instance (start_failures.py).
+            found[member] = by_arn[member].ec2_instance_id
         elif task_hosts.get(member) in by_arn:
             found[member] = by_arn[task_hosts[member]].ec2_instance_id
     return found

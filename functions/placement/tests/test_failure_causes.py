@@ -15,9 +15,12 @@ from pathlib import Path
 
 import pytest
 from placement_controller.failures import (
+    ACCUSING_CAUSES,
+    CONTROLLER_CAUSES,
     IMPLICATING_CAUSES,
     IMPLICATING_WITH_EXIT_STATUS,
     NOT_IMPLICATING_CAUSES,
+    TASK_FAILED_TO_START,
     failure_from_event,
 )
 
@@ -119,7 +122,18 @@ def test_the_reader_finds_the_launchers_causes():
 def test_every_launcher_cause_is_decided_on():
     causes = launcher_causes()
     assert causes - CLASSIFIED == set(), "decide in placement_controller/failures.py whether these implicate a host"
-    assert CLASSIFIED - causes == set(), "the launcher no longer writes these: remove them from failures.py"
+    assert CLASSIFIED - CONTROLLER_CAUSES - causes == set(), (
+        "the launcher no longer writes these: remove them from failures.py"
+    )
+
+
+def test_the_controllers_own_causes_are_classified_and_never_written_by_the_launcher():
+    # A cause both sides wrote would mix two kinds of evidence under one name.
+    assert CONTROLLER_CAUSES <= CLASSIFIED
+    assert not CONTROLLER_CAUSES & launcher_causes()
+    # A unit task ECS could not start on its host is that host's own failure: counted at once, never
+    # an accusation that waits for the other side's report.
+    assert TASK_FAILED_TO_START in IMPLICATING_CAUSES and TASK_FAILED_TO_START not in ACCUSING_CAUSES
 
 
 def test_the_groups_do_not_overlap():

@@ -998,3 +998,173 @@ def test_the_agent_grace_comes_from_the_environment():
     assert Settings.from_env({**env, "AGENT_DISCONNECTED_SECONDS": "900"}).ecs_health.disconnected_seconds == 900
     with pytest.raises(ValueError, match="AGENT_DISCONNECTED_SECONDS = '5'"):
         Settings.from_env({**env, "AGENT_DISCONNECTED_SECONDS": "5"})
+
+
+# -- unit tasks ECS could not start (start_failures.py) -----------------------------------
+
+DEVICE_GONE = ('CannotStartContainerError: Error response from daemon: error gathering device information while '
+               'adding custom device "/dev/neuron3": no such file or directory')
+PULL_REFUSED = ("CannotPullContainerError: pull image manifest has been retried 5 time(s): failed to resolve ref "
+                f"{ACCOUNT}.dkr.ecr.{REGION}.amazonaws.com/rufus-inference:3f2a: i/o timeout")
+ONE_UNIT = Settings(CLUSTER, GROUP, units=1, nodes_per_unit=2, metrics_namespace="Rufus/Cell")
+
+
+def iso(seconds: float) -> str:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def task_failed_to_start(instance: str, task_id: str, stopped_at: float, reason: str, *,
+                         event_id: str = "", family: str = "CellUnit0FollowerTask5E2A") -> dict:
+    """An SQS record of the trigger queue holding an "ECS Task State Change" event as EventBridge delivers it
+    (https://docs.aws.amazon.com/AmazonECS/latest/developerguide/ecs_task_events.html; the detail is the
+    DescribeTasks Task, times as ISO strings): a unit task stopped before it ran, TaskFailedToStart."""
+    task_arn = f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/{task_id}"
+    body = {
+        "version": "0", "id": event_id or f"ev-{task_id}", "detail-type": "ECS Task State Change",
+        "source": "aws.ecs", "account": ACCOUNT, "time": iso(stopped_at), "region": REGION, "resources": [task_arn],
+        "detail": {
+            "clusterArn": CLUSTER, "containerInstanceArn": arn(instance), "taskArn": task_arn,
+            "taskDefinitionArn": f"arn:aws:ecs:{REGION}:{ACCOUNT}:task-definition/{family}:7",
+            "group": "service:Cell-Unit0Follower-x1", "launchType": "EC2", "lastStatus": "STOPPED",
+            "desiredStatus": "STOPPED", "stopCode": "TaskFailedToStart", "stoppedReason": reason,
+            "createdAt": iso(stopped_at - 20), "stoppingAt": iso(stopped_at - 1), "stoppedAt": iso(stopped_at),
+            "updatedAt": iso(stopped_at), "version": 4,
+            "containers": [{"name": "inference", "taskArn": task_arn, "lastStatus": "STOPPED", "reason": reason},
+                           {"name": "drain-guard", "taskArn": task_arn, "lastStatus": "STOPPED"}],
+        },
+    }
+    return {"messageId": f"m-{event_id or task_id}", "body": json.dumps(body)}
+
+
+def test_a_host_whose_unit_task_cannot_start_three_times_is_quarantined_and_the_unit_moves():
+    """A Neuron device node gone after boot: every follower task placed on i-0b stops before its
+    launcher runs, so no session ever ends; the three stops count against i-0b (the same policy as
+    any unit failure: 3 in 60 min) and the unit gets the free instance."""
+    cell = Cell()
+    cell.group(**{"i-0a": "InService", "i-0b": "InService", "i-0c": "InService"})
+    a = container("i-0a", running=1, unit="u0", unit_placement="topology")
+    b = container("i-0b", unit="u0", unit_placement="topology")  # its task keeps failing: nothing runs
+    c = container("i-0c")
+    cell.containers([a, b, c])
+    cell.topology(["i-0a", "i-0c"], [topo("i-0a", "t", "m1", "b1"), topo("i-0c", "t", "m1", "b1")])
+    cell.describe([c])
+    cell.ecs.add_response(
+        "delete_attributes", {"attributes": []},
+        {"cluster": CLUSTER, "attributes": delete("i-0b", "unit", "unit-placement")},
+    )
+    reason = f"3 unit failures in 60 min: last task_failed_to_start of task f3 at {NOW - 30}"
+    writes = [
+        {"name": "unit-failures", "value": f"{NOW - 30} {NOW - 300} {NOW - 600}",
+         "targetType": "container-instance", "targetId": arn("i-0b")},
+        {"name": "quarantine", "value": reason, "targetType": "container-instance", "targetId": arn("i-0b")},
+        *put("i-0c", "u0", "topology"),
+    ]
+    cell.ecs.add_response("put_attributes", {"attributes": writes}, {"cluster": CLUSTER, "attributes": writes})
+    cell.autoscaling.add_response(
+        "set_instance_health", {},
+        {"InstanceId": "i-0b", "HealthStatus": "Unhealthy", "ShouldRespectGracePeriod": False},
+    )
+    event = {"Records": [task_failed_to_start("i-0b", f"f{n}", NOW - at, DEVICE_GONE)
+                         for n, at in ((1, 600), (2, 300), (3, 30))]}
+    with cell.active():
+        summary = reconcile(ONE_UNIT, cell.clients, event, aws.Retry(), cell.lines.append, now=NOW)
+
+    assert summary["quarantined"] == {"i-0b": reason}
+    assert summary["marked_unhealthy"] == ["i-0b"] and summary["cleared"] == ["i-0b"]
+    assert summary["units"]["u0"]["instances"] == ["i-0a", "i-0c"]
+    assert summary["failures_counted"] == 3
+    assert set(summary["task_start_failures_host"].values()) == {"device_missing"}
+    metrics = next(line for line in emf_lines(cell) if "Unit" not in line)
+    assert (metrics["Quarantines"], metrics["TaskStartFailuresHost"], metrics["UnitFailuresCounted"]) == (1, 3, 3)
+
+
+def test_an_image_that_cannot_be_pulled_on_every_host_quarantines_none():
+    """The registry or the network refuses the pull: every unit task of the cell stops with
+    CannotPullContainerError, three times each. Not the hosts' fault: nothing is recorded against them."""
+    cell = Cell()
+    cell.group(**{"i-0a": "InService", "i-0b": "InService", "i-0c": "InService", "i-0d": "InService"})
+    containers = [container(i, unit=u, unit_placement="topology")
+                  for i, u in (("i-0a", "u0"), ("i-0b", "u0"), ("i-0c", "u1"), ("i-0d", "u1"))]
+    cell.containers(containers)
+    cell.topology(["i-0a", "i-0b", "i-0c", "i-0d"],
+                  [topo(i, "t", "m1", b) for i, b in (("i-0a", "b1"), ("i-0b", "b1"), ("i-0c", "b2"), ("i-0d", "b2"))])
+    # No put or delete is queued: a failure time or a quarantine written would fail the Stubber.
+    event = {"Records": [task_failed_to_start(i, f"p{i[-1]}{n}", NOW - 60 * n, PULL_REFUSED)
+                         for i in ("i-0a", "i-0b", "i-0c", "i-0d") for n in (1, 2, 3)]}
+    with cell.active():
+        summary = reconcile(SETTINGS, cell.clients, event, aws.Retry(), cell.lines.append, now=NOW)
+    assert summary["quarantined"] == {} and summary["failures_counted"] == 0
+    assert summary["attributes_written"] == 0
+    assert len(summary["task_start_failures_not_host"]) == 12
+    assert set(summary["task_start_failures_not_host"].values()) == {"image_pull"}
+    metrics = next(line for line in emf_lines(cell) if "Unit" not in line)
+    assert (metrics["TaskStartFailuresNotHost"], metrics["TaskStartFailuresHost"]) == (12, 0)
+
+
+def test_a_stop_delivered_twice_counts_once():
+    """The same stop twice in one batch (EventBridge sends an event more than once, each with its own id)
+    and once more in a later run: one failure time, not three, so the host stays in service."""
+    cell = Cell()
+    cell.group(**{"i-0a": "InService", "i-0b": "InService"})
+    a = container("i-0a", running=1, unit="u0", unit_placement="topology")
+    b = container("i-0b", unit="u0", unit_placement="topology", unit_failures=f"{NOW - 900}")
+    cell.containers([a, b])
+    cell.topology(["i-0a", "i-0b"], [topo("i-0a", "t", "m", "b"), topo("i-0b", "t", "m", "b")])
+    times = [{"name": "unit-failures", "value": f"{NOW - 30} {NOW - 900}", "targetType": "container-instance",
+              "targetId": arn("i-0b")}]
+    cell.ecs.add_response("put_attributes", {"attributes": times}, {"cluster": CLUSTER, "attributes": times})
+    twice = [task_failed_to_start("i-0b", "d1", NOW - 30, DEVICE_GONE, event_id=e) for e in ("ev-1", "ev-2")]
+    with cell.active():
+        summary = reconcile(ONE_UNIT, cell.clients, {"Records": twice}, aws.Retry(), cell.lines.append, now=NOW)
+    assert summary["quarantined"] == {} and summary["failures_counted"] == 1
+    assert list(summary["task_start_failures_host"]) == [f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/d1"]
+
+    # A later run gets it a third time: the record already holds its time, nothing is written.
+    again = Cell()
+    again.group(**{"i-0a": "InService", "i-0b": "InService"})
+    b_after = container("i-0b", unit="u0", unit_placement="topology", unit_failures=f"{NOW - 30} {NOW - 900}")
+    again.containers([a, b_after])
+    again.topology(["i-0a", "i-0b"], [topo("i-0a", "t", "m", "b"), topo("i-0b", "t", "m", "b")])
+    third = task_failed_to_start("i-0b", "d1", NOW - 30, DEVICE_GONE, event_id="ev-3")
+    with again.active():
+        later = reconcile(ONE_UNIT, again.clients, {"Records": [third]}, aws.Retry(), again.lines.append, now=NOW + 60)
+    assert later["quarantined"] == {} and later["failures_counted"] == 0 and later["attributes_written"] == 0
+
+
+def test_a_task_that_could_not_start_on_a_draining_instance_is_not_counted():
+    cell = Cell()
+    cell.group(**{"i-0a": "InService", "i-0b": "InService"})
+    a = container("i-0a", running=1, unit="u0", unit_placement="topology")
+    b = container("i-0b", status="DRAINING", unit_failures=f"{NOW - 300} {NOW - 600}")
+    cell.containers([a, b])
+    cell.topology(["i-0a"], [topo("i-0a", "t", "m", "b")])
+    event = {"Records": [task_failed_to_start("i-0b", "z1", NOW - 30, DEVICE_GONE)]}
+    with cell.active():
+        summary = reconcile(ONE_UNIT, cell.clients, event, aws.Retry(), cell.lines.append, now=NOW)
+    assert summary["quarantined"] == {} and summary["failures_counted"] == 0
+    assert summary["task_start_failures_leaving"] == [f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/z1"]
+
+
+def test_an_unknown_reason_is_reported_and_published_not_counted(caplog):
+    cell = Cell()
+    cell.group(**{"i-0a": "InService", "i-0b": "InService"})
+    a = container("i-0a", running=1, unit="u0", unit_placement="topology")
+    b = container("i-0b", running=1, unit="u0", unit_placement="topology")
+    cell.containers([a, b])
+    cell.topology(["i-0a", "i-0b"], [topo("i-0a", "t", "m", "b"), topo("i-0b", "t", "m", "b")])
+    odd = "CannotStartContainerError: Error response from daemon: something new went wrong"
+    event = {"Records": [task_failed_to_start("i-0b", "u1", NOW - 30, odd),
+                         task_failed_to_start("i-0b", "s1", NOW - 20, DEVICE_GONE, family="rufus-dev-spare")]}
+    spares = Settings(CLUSTER, GROUP, units=1, nodes_per_unit=2, metrics_namespace="Rufus/Cell",
+                      spare_task_family="rufus-dev-spare")
+    with cell.active():
+        summary = reconcile(spares, cell.clients, event, aws.Retry(), cell.lines.append, now=NOW)
+    task = f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/u1"
+    assert summary["task_start_failures_unmatched"] == {task: f"{odd} | {odd}"}
+    # The spare's task is not a unit's: left out, whatever its reason.
+    assert summary["task_start_failures_host"] == {} and summary["failures_counted"] == 0
+    assert any(task in r.getMessage() and "no rule knows" in r.getMessage() for r in caplog.records)
+    metrics = next(line for line in emf_lines(cell) if "Unit" not in line)
+    assert metrics["TaskStartFailuresUnmatched"] == 1
