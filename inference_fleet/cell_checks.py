@@ -29,9 +29,10 @@ SPARE_NODES = 1
 # templates (about 107 + 9.5 per unit; tests/test_cell_lifecycle.py keeps them true). The fixed part is
 # the largest variant (internet-facing with WAF, gate reader role, both images built, the verify
 # gate's group and parameter, the deletion-protection custom resource with its function, role, policy and
-# log group: 125 resources with one unit, tests/test_fleet_strictness.py).
+# log group, the rule for unit tasks that failed to start: 126 resources with one unit,
+# tests/test_fleet_strictness.py).
 CFN_RESOURCE_LIMIT = 500
-CELL_BASE_RESOURCES = 115
+CELL_BASE_RESOURCES = 116
 RESOURCES_PER_UNIT = 10
 # A cell a router fronts also holds its router endpoint (cell_constructs/router_endpoint.py: NLB, listener,
 # target group, security group and its two rules, endpoint service and its permissions, SSM parameter, the NLB's
