@@ -34,6 +34,21 @@ SPARE_NODES = 1
 CFN_RESOURCE_LIMIT = 500
 CELL_BASE_RESOURCES = 116
 RESOURCES_PER_UNIT = 10
+# Each AZ beyond two adds a subnet, a route table, its association and a route in each of the three
+# subnet groups (cell_constructs/network.py; counted in the synthesized templates).
+RESOURCES_PER_EXTRA_AZ = 12
+# CloudFormation: "Template body size in an Amazon S3 object: 1 MB" (the page above; CDK uploads
+# templates over 50 KB to S3 and warns past TEMPLATE_BODY_MAXIMUM_SIZE = 1e6 bytes,
+# aws-cdk-lib 2.275.0 core/lib/stack.js). Cell templates are written without indentation
+# (stacks/cell_stack.py), measured as CDK writes them with pinned images (ninth session,
+# tests/test_cell_template_size.py keeps these true): about 24,500 bytes a unit (internet-facing
+# 24,536, router-fronted 24,634, elastic 21,945), a fixed part of 80,800-88,400 bytes, and
+# 3,976 bytes an AZ beyond two. The figures below round each up; 36 units at two AZs. Indented, a
+# cell passed 1 MB at about 23 units (1,490,744 bytes at 38).
+CFN_TEMPLATE_BYTES_LIMIT = 1_000_000
+TEMPLATE_BYTES_BASE = 100_000
+TEMPLATE_BYTES_PER_UNIT = 25_000
+TEMPLATE_BYTES_PER_EXTRA_AZ = 4_000
 # A cell a router fronts also holds its router endpoint (cell_constructs/router_endpoint.py: NLB, listener,
 # target group, security group and its two rules, endpoint service and its permissions, SSM parameter, the NLB's
 # deletion-protection custom resource and its policy).
@@ -66,14 +81,19 @@ def ips_needed(fleet: FleetConfig, cell: CellConfig) -> int:
     return nodes * fleet.unit.instance.efa_interfaces + TRAINIUM_SUBNET_ENDPOINTS
 
 
-def base_resources(fronted: bool = False) -> int:
-    """A cell template's fixed part; `fronted`: a router fronts the cell."""
-    return CELL_BASE_RESOURCES + (ROUTER_ENDPOINT_RESOURCES if fronted else 0)
+def base_resources(fronted: bool = False, azs: int = 2) -> int:
+    """A cell template's fixed part; `fronted`: a router fronts the cell; `azs`: its alb_azs."""
+    return (CELL_BASE_RESOURCES + (ROUTER_ENDPOINT_RESOURCES if fronted else 0)
+            + RESOURCES_PER_EXTRA_AZ * max(azs - 2, 0))
 
 
-def max_units_per_cell(fronted: bool = False) -> int:
-    """Units one cell stack can hold under CloudFormation's resource limit (fewer when a router fronts it)."""
-    return (CFN_RESOURCE_LIMIT - base_resources(fronted)) // RESOURCES_PER_UNIT
+def max_units_per_cell(fronted: bool = False, azs: int = 2) -> int:
+    """Units one cell stack can hold under CloudFormation's resource and template size limits
+    (fewer when a router fronts it or its load balancer spans more AZs)."""
+    by_resources = (CFN_RESOURCE_LIMIT - base_resources(fronted, azs)) // RESOURCES_PER_UNIT
+    base_bytes = TEMPLATE_BYTES_BASE + TEMPLATE_BYTES_PER_EXTRA_AZ * max(azs - 2, 0)
+    by_size = (CFN_TEMPLATE_BYTES_LIMIT - base_bytes) // TEMPLATE_BYTES_PER_UNIT
+    return min(by_resources, by_size)
 
 
 def check_cells_deployable(fleet: FleetConfig) -> Iterable[ConfigIssue]:
@@ -97,16 +117,19 @@ def check_cells_deployable(fleet: FleetConfig) -> Iterable[ConfigIssue]:
                 + (f" (or fewer alb_azs: {len(cell.resolved_alb_azs)} AZs make it smaller)"
                    if len(cell.resolved_alb_azs) > 2 else ""),
             )
-        fronted = bool(fleet.routers_of(cell))
-        limit = max_units_per_cell(fronted)
+        fronted, azs = bool(fleet.routers_of(cell)), len(cell.resolved_alb_azs)
+        limit = max_units_per_cell(fronted, azs)
         if cell.resolved_max_units > limit:
             yield ConfigIssue(
                 f"cells[{i}].{'max_units' if cell.max_units is not None else 'units'}",
                 cell.resolved_max_units,
                 f"a cell stack holds at most {limit} units: CloudFormation allows {CFN_RESOURCE_LIMIT} resources "
-                f"per stack, a cell uses about {base_resources(fronted)}"
+                f"and a {CFN_TEMPLATE_BYTES_LIMIT:,}-byte template per stack, a cell uses about "
+                f"{base_resources(fronted, azs)} resources"
                 + (" (with its router endpoint)" if fronted else "")
-                + f" plus {RESOURCES_PER_UNIT} per unit; split the units over more cells",
+                + f" plus {RESOURCES_PER_UNIT} and about {TEMPLATE_BYTES_PER_UNIT:,} bytes per unit"
+                + (f" ({azs} AZs)" if azs > 2 else "")
+                + "; split the units over more cells",
             )
         if not cell.certificate_arn and not cell.plain_http:
             yield ConfigIssue(

@@ -109,6 +109,10 @@ class CellStack(Stack):
             description=f"{fleet.name} cell {cell.name}: {_unit_count(cell)} x {fleet.unit.nodes}-node "
                         f"{fleet.unit.instance_type} inference units of {fleet.model.name}",
             termination_protection=False,
+            # A cell's template grows by some 20 KB a unit: without indentation it stays under
+            # CloudFormation's 1 MB template limit up to the unit bound cell_checks computes
+            # (inference_fleet.cell_checks.TEMPLATE_BYTES_*; tests/test_cell_template_size.py).
+            suppress_template_indentation=True,
         )
         self.fleet = fleet
         self.cell = cell

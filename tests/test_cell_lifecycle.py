@@ -336,7 +336,7 @@ def test_units_beyond_the_stack_resource_limit_are_refused(raw: dict) -> None:
     raw["cells"][0].update(units=limit + 1)
     message = error_text(raw)
     assert f"cells[0].units = {limit + 1}: a cell stack holds at most {limit} units" in message
-    assert "CloudFormation allows 500 resources per stack" in message
+    assert "CloudFormation allows 500 resources and a 1,000,000-byte template per stack" in message
 
 
 def test_resource_figures_cover_the_synthesized_cells(synth_large, synth_default) -> None:

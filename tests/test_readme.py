@@ -241,7 +241,7 @@ def test_deploying_a_cell_names_the_steps_in_the_order_they_can_run(page: Path) 
 
 def test_the_docs_state_the_unit_limit_of_a_cell_as_the_fleet_check_computes_it() -> None:
     """A cell's unit limit in the docs (a figure of 30 or more: a whole cell, not an example) is
-    max_units_per_cell(): 38, 37 for a cell a router fronts (its endpoint's resources)."""
+    max_units_per_cell(): 36 (the template size bounds it before the resources do)."""
     from inference_fleet.cell_checks import max_units_per_cell
 
     allowed = {max_units_per_cell(), max_units_per_cell(True)}
