@@ -412,7 +412,9 @@ class CellConfig(_Strict):
         default=None,
         description="AZs of the load balancer subnets (>= 2, each once), the Trainium AZ among them, written as "
         "trainium_az is (names or AZ IDs); default the Trainium AZ and one more. The VPC has a public, an ALB and a "
-        "Trainium subnet in each: more AZs make each smaller (inference_fleet/subnets.py).",
+        "Trainium subnet in each: more AZs make each smaller (inference_fleet/subnets.py). Keep the number of AZs "
+        "after the first deploy: another count re-sizes every subnet, and CloudFormation creates a replaced "
+        "subnet before it deletes the old one, whose CIDR the new one overlaps (unverified on AWS; reasoned).",
     )
     vpc_cidr: ipaddress.IPv4Network = Field(
         description="VPC CIDR, /16 to /22; disjoint from other cells of the account and region."
