@@ -325,7 +325,7 @@ class CellAlarms(Construct):
         the cell's count is a sum over its units. A metric math SUM over per-unit metrics
         would do for a few units, but an alarm's math may fetch at most 10 metrics
         (https://docs.aws.amazon.com/AmazonCloudWatch/latest/APIReference/API_MetricDataQuery.html)
-        and a cell holds up to 38 units (`max_units_per_cell`, inference_fleet/cell_checks.py).
+        and a cell holds up to 36 units (`max_units_per_cell`, inference_fleet/cell_checks.py).
         A Metrics Insights query sums every series of the cell whatever the count, and an
         alarm may watch one that returns a single time series
         (https://docs.aws.amazon.com/AmazonCloudWatch/latest/monitoring/cloudwatch-metrics-insights-alarms.html);
