@@ -37,6 +37,7 @@ from cdk_monitoring_constructs import (
 )
 from constructs import Construct
 
+from cell_constructs.gate_reader import PipelineTrust
 from cell_constructs.nag import acknowledge
 from inference_fleet.config import AlarmsConfig
 
@@ -107,7 +108,7 @@ class CellAlarms(Construct):
         target_group: elbv2.IApplicationTargetGroup,
         unit_events_namespace: str,
         unit_log_group: logs.ILogGroup,
-        gate_reader_account: str | None = None,
+        gate_reader: PipelineTrust | None = None,
         component_alarms: dict[str, cloudwatch.IAlarm] | None = None,
         watched_alarms: dict[str, cloudwatch.IAlarm] | None = None,
         min_units: int | None = None,
@@ -154,8 +155,8 @@ class CellAlarms(Construct):
         self.deployment_alarms, self.rollout_gate = self._rollout_gate()
 
         self.gate_reader_role: iam.Role | None = None
-        if gate_reader_account is not None:
-            self.gate_reader_role = self._gate_reader(gate_reader_account)
+        if gate_reader is not None:
+            self.gate_reader_role = self._gate_reader(gate_reader)
 
         self.dashboard = self._dashboard(load_balancer, target_group)
 
@@ -467,14 +468,14 @@ class CellAlarms(Construct):
 
     # -- pipeline access ---------------------------------------------------------------
 
-    def _gate_reader(self, account: str) -> iam.Role:
+    def _gate_reader(self, trust: PipelineTrust) -> iam.Role:
         """Lets the pipeline in another account read (only) this cell's rollout gate state."""
         stack = Stack.of(self)
         role = iam.Role(
             self, "GateReader",
             role_name=gate_reader_role_name(self.stack_name),
-            assumed_by=iam.AccountPrincipal(account),
-            description=f"Pipeline account {account} reads the rollout gate of cell {self.cell_name}",
+            assumed_by=trust.principal(self),
+            description=f"Pipeline account {trust.account} reads the rollout gate of cell {self.cell_name}",
             max_session_duration=Duration.hours(1),
         )
         iam.ManagedPolicy(

@@ -15,8 +15,11 @@ principal the pipeline stack grants sts:AssumeRole on these roles).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from aws_cdk import Stack
 from aws_cdk import aws_iam as iam
+from constructs import Construct
 
 
 def pipeline_role_name(fleet_name: str) -> str:
@@ -24,17 +27,14 @@ def pipeline_role_name(fleet_name: str) -> str:
     return f"{fleet_name}-rollout-pipeline-role"
 
 
-def pipeline_role_arn(partition: str, account: str, fleet_name: str) -> str:
-    return f"arn:{partition}:iam::{account}:role/{pipeline_role_name(fleet_name)}"
+@dataclass(frozen=True)
+class PipelineTrust:
+    """The pipeline a gate reader trusts: its account and the fleet that names its role."""
 
+    account: str
+    fleet_name: str
 
-def admit_only_the_pipeline_role(role: iam.Role, *, account: str, fleet_name: str) -> None:
-    """Add to the gate reader's one trust statement (the pipeline account's root) the pipeline role's ARN as the
-    only principal it admits."""
-    document = Stack.of(role).resolve(role.assume_role_policy.to_json()) if role.assume_role_policy else None
-    statements = (document or {}).get("Statement", [])
-    if len(statements) != 1 or statements[0].get("Condition"):
-        raise ValueError(f"{role.node.path}: expected one unconditioned trust statement, found {statements}")
-    arn = pipeline_role_arn(Stack.of(role).partition, account, fleet_name)
-    role.node.default_child.add_property_override(
-        "AssumeRolePolicyDocument.Statement.0.Condition", {"ArnEquals": {"aws:PrincipalArn": arn}})
+    def principal(self, scope: Construct) -> iam.IPrincipal:
+        """The pipeline account, admitted only as the pipeline's own role (`aws:PrincipalArn`)."""
+        arn = f"arn:{Stack.of(scope).partition}:iam::{self.account}:role/{pipeline_role_name(self.fleet_name)}"
+        return iam.AccountPrincipal(self.account).with_conditions({"ArnEquals": {"aws:PrincipalArn": arn}})

@@ -27,6 +27,7 @@ from aws_cdk import aws_iam as iam
 from constructs import Construct
 
 from cell_constructs.cell_alarms import gate_reader_role_name, rollout_gate_name
+from cell_constructs.gate_reader import PipelineTrust
 from cell_constructs.nag import acknowledge
 from inference_fleet.config import RouterAlarmsConfig
 
@@ -51,7 +52,7 @@ class RouterAlarms(Construct):
         load_balancer: elbv2.IApplicationLoadBalancer,
         target_group: elbv2.IApplicationTargetGroup,
         service: ecs.FargateService,
-        gate_reader_account: str | None = None,
+        gate_reader: PipelineTrust | None = None,
     ) -> None:
         super().__init__(scope, construct_id)
         self.stack_name, self.router_name, self.namespace = stack_name, router_name, namespace
@@ -90,7 +91,7 @@ class RouterAlarms(Construct):
         acknowledge(self.rollout_gate, ("NIST.800.53.R5-CloudWatchAlarmAction",
                                         "Read, not notified: the rollout pipeline's CloudWatchAlarm stage condition "
                                         f"reads this rollout gate's state; {shown}"))
-        self.gate_reader_role = self._gate_reader(gate_reader_account) if gate_reader_account else None
+        self.gate_reader_role = self._gate_reader(gate_reader) if gate_reader else None
         self.dashboard = self._dashboard(load_balancer, target_group, service)
 
     def metric(self, name: str, statistic: str, period: Duration) -> cloudwatch.Metric:
@@ -116,13 +117,13 @@ class RouterAlarms(Construct):
             datapoints_to_alarm=periods, treat_missing_data=missing,
         )
 
-    def _gate_reader(self, account: str) -> iam.Role:
+    def _gate_reader(self, trust: PipelineTrust) -> iam.Role:
         """Lets the pipeline in another account read (only) this router's rollout gate state."""
         stack = Stack.of(self)
         role = iam.Role(
             self, "GateReader", role_name=gate_reader_role_name(self.stack_name),
-            assumed_by=iam.AccountPrincipal(account), max_session_duration=Duration.hours(1),
-            description=f"Pipeline account {account} reads the rollout gate of router {self.router_name}",
+            assumed_by=trust.principal(self), max_session_duration=Duration.hours(1),
+            description=f"Pipeline account {trust.account} reads the rollout gate of router {self.router_name}",
         )
         iam.ManagedPolicy(
             self, "GateReaderPolicy", roles=[role],

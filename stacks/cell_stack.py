@@ -27,7 +27,7 @@ from constructs import Construct, IConstruct
 from cell_constructs.cell_alarms import CellAlarms
 from cell_constructs.deletion_protection import protect_after
 from cell_constructs.encryption import allow_cloudwatch_logs, artifacts_key_statement
-from cell_constructs.gate_reader import admit_only_the_pipeline_role
+from cell_constructs.gate_reader import PipelineTrust
 from cell_constructs.inference_unit import MultiNodeInferenceUnit, UnitImages, UnitPorts
 from cell_constructs.nag import acknowledge
 from cell_constructs.network import CellNetwork
@@ -443,10 +443,9 @@ class CellStack(Stack):
             load_balancer=self.load_balancer.load_balancer,
             target_group=self.load_balancer.target_group,
             # A pipeline in another account reads the gate through a role in this one.
-            gate_reader_account=pipeline.account if pipeline and pipeline.account != cell.account else None,
+            gate_reader=PipelineTrust(pipeline.account, fleet.name)
+            if pipeline and pipeline.account != cell.account else None,
         )
-        if alarms.gate_reader_role is not None:  # only the pipeline's own role may assume it
-            admit_only_the_pipeline_role(alarms.gate_reader_role, account=pipeline.account, fleet_name=fleet.name)
         return alarms
 
     def _warn_if_updates_are_outages(self) -> None:

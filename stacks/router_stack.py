@@ -33,7 +33,7 @@ from aws_cdk import aws_ssm as ssm
 from constructs import Construct
 
 from cell_constructs.encryption import allow_cloudwatch_logs
-from cell_constructs.gate_reader import admit_only_the_pipeline_role
+from cell_constructs.gate_reader import PipelineTrust
 from cell_constructs.router_alarms import RouterAlarms
 from cell_constructs.router_endpoint import endpoint_service_parameter_name
 from cell_constructs.router_network import RouterNetwork
@@ -114,11 +114,9 @@ class RouterStack(Stack):
             stack_name=self.stack_name, router_name=router.region, namespace=router_metrics_namespace(fleet),
             thresholds=router.alarms, load_balancer=self.load_balancer.load_balancer,
             target_group=self.load_balancer.target_group, service=self.service.service,
-            gate_reader_account=pipeline.account if pipeline and pipeline.account != self.account else None,
+            gate_reader=PipelineTrust(pipeline.account, fleet.name)
+            if pipeline and pipeline.account != self.account else None,
         )
-        if self.alarms.gate_reader_role is not None:  # only the pipeline's own role may assume it
-            admit_only_the_pipeline_role(self.alarms.gate_reader_role, account=pipeline.account,
-                                         fleet_name=fleet.name)
         # Deletion protection only once the router tasks are stable and the alarms and dashboard exist (the
         # last resources to be created): a create that fails before it rolls back.
         self.load_balancer.protect_after([self.service.service, self.alarms])

@@ -21,6 +21,7 @@ from aws_cdk.assertions import Annotations, Match, Template
 from unit_launcher import evidence
 
 from cell_constructs.cell_alarms import NEUTRAL_CAUSES, CellAlarms, rollout_gate_name
+from cell_constructs.gate_reader import PipelineTrust
 from inference_fleet.config import AlarmsConfig, ServingConfig
 
 LARGE_STACKS = ["Rufus-Cell-use2-a", "Rufus-Cell-use2-b", "Rufus-Cell-usw2-a"]
@@ -280,7 +281,7 @@ def test_names_that_would_break_the_metrics_insights_query_are_refused() -> None
 
 
 def test_gate_reader_for_another_account() -> None:
-    alarms, template = _cell_alarms(gate_reader_account="999999999999")
+    alarms, template = _cell_alarms(gate_reader=PipelineTrust("999999999999", "Rufus"))
     assert alarms.gate_reader_role is not None
     (role,) = template.find_resources("AWS::IAM::Role").values()
     assert role["Properties"]["RoleName"] == "Rufus-Cell-test-gate-reader"

@@ -184,19 +184,22 @@ def describe_container_instances(
     return found
 
 
-def list_container_instances(ecs: BaseClient, cluster: str, retry: Retry) -> list[ContainerInstance]:
-    """Every container instance of the cluster except INACTIVE (deregistered) ones."""
+def _ecs_list(call: Any, key: str, retry: Retry, **kwargs: Any) -> list[str]:
+    """Every ARN an ECS List* call returns under `key`, page by page (nextToken, 100 a page)."""
     arns: list[str] = []
-    token: str | None = None
+    kwargs["maxResults"] = 100
     while True:
-        kwargs: dict[str, Any] = {"cluster": cluster, "maxResults": 100}
-        if token:
-            kwargs["nextToken"] = token
-        response = retry.call(ecs.list_container_instances, **kwargs)
-        arns.extend(response.get("containerInstanceArns", []))
+        response = retry.call(call, **kwargs)
+        arns.extend(response.get(key, []))
         token = response.get("nextToken")
         if not token:
-            break
+            return arns
+        kwargs["nextToken"] = token
+
+
+def list_container_instances(ecs: BaseClient, cluster: str, retry: Retry) -> list[ContainerInstance]:
+    """Every container instance of the cluster except INACTIVE (deregistered) ones."""
+    arns = _ecs_list(ecs.list_container_instances, "containerInstanceArns", retry, cluster=cluster)
     return describe_container_instances(ecs, cluster, arns, retry)
 
 
@@ -210,17 +213,7 @@ def stopping_tasks(ecs: BaseClient, cluster: str, retry: Retry) -> dict[str, int
     A task whose lastStatus is RUNNING, DEACTIVATING (its target deregistering), STOPPING or
     DEPROVISIONING still holds its instance (a unit's Neuron devices, its host port).
     """
-    arns: list[str] = []
-    token: str | None = None
-    while True:
-        kwargs: dict[str, Any] = {"cluster": cluster, "desiredStatus": "STOPPED", "maxResults": 100}
-        if token:
-            kwargs["nextToken"] = token
-        response = retry.call(ecs.list_tasks, **kwargs)
-        arns.extend(response.get("taskArns", []))
-        token = response.get("nextToken")
-        if not token:
-            break
+    arns = _ecs_list(ecs.list_tasks, "taskArns", retry, cluster=cluster, desiredStatus="STOPPED")
     found: dict[str, int] = {}
     for batch in chunks(sorted(set(arns)), DESCRIBE_PER_CALL):
         response = retry.call(ecs.describe_tasks, cluster=cluster, tasks=list(batch))

@@ -75,6 +75,21 @@ def delete(instance: str, *names: str) -> list[dict]:
     return [{"name": name, "targetType": "container-instance", "targetId": arn(instance)} for name in names]
 
 
+def expect_quarantine(cell: Cell, instance: str, failures: str, reason: str, *puts: dict) -> None:
+    """The writes of a quarantine: the host's unit labels go, its failure times and reason are put
+    with the labels `puts` (the unit completed elsewhere) in one PutAttributes."""
+    cell.ecs.add_response(
+        "delete_attributes", {"attributes": []},
+        {"cluster": CLUSTER, "attributes": delete(instance, "unit", "unit-placement")},
+    )
+    writes = [
+        {"name": "unit-failures", "value": failures, "targetType": "container-instance", "targetId": arn(instance)},
+        {"name": "quarantine", "value": reason, "targetType": "container-instance", "targetId": arn(instance)},
+        *puts,
+    ]
+    cell.ecs.add_response("put_attributes", {"attributes": writes}, {"cluster": CLUSTER, "attributes": writes})
+
+
 class Cell:
     """Three stubbed clients; queue expected calls on `.ec2`, `.ecs`, `.autoscaling`."""
 
@@ -660,18 +675,8 @@ def test_a_host_failing_a_third_time_is_quarantined_and_its_unit_gets_the_neares
         [topo("i-0a", "t", "m1", "b1"), topo("i-0s", "t", "m1", "b1"), topo("i-0t", "t", "m2", "b7")],
     )
     cell.describe([s])
-    cell.ecs.add_response(
-        "delete_attributes", {"attributes": []},
-        {"cluster": CLUSTER, "attributes": delete("i-0b", "unit", "unit-placement")},
-    )
     reason = f"3 unit failures in 60 min: last member_engine_exit of u0 at {NOW - 5}"
-    writes = [
-        {"name": "unit-failures", "value": f"{NOW - 5} {NOW - 100} {NOW - 900}",
-         "targetType": "container-instance", "targetId": arn("i-0b")},
-        {"name": "quarantine", "value": reason, "targetType": "container-instance", "targetId": arn("i-0b")},
-        *put("i-0s", "u0", "topology"),
-    ]
-    cell.ecs.add_response("put_attributes", {"attributes": writes}, {"cluster": CLUSTER, "attributes": writes})
+    expect_quarantine(cell, "i-0b", f"{NOW - 5} {NOW - 100} {NOW - 900}", reason, *put("i-0s", "u0", "topology"))
     spare_task = f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/5pare"
     cell.ecs.add_response(
         "list_tasks", {"taskArns": [spare_task]},
@@ -1050,18 +1055,8 @@ def test_a_host_whose_unit_task_cannot_start_three_times_is_quarantined_and_the_
     cell.containers([a, b, c])
     cell.topology(["i-0a", "i-0c"], [topo("i-0a", "t", "m1", "b1"), topo("i-0c", "t", "m1", "b1")])
     cell.describe([c])
-    cell.ecs.add_response(
-        "delete_attributes", {"attributes": []},
-        {"cluster": CLUSTER, "attributes": delete("i-0b", "unit", "unit-placement")},
-    )
     reason = f"3 unit failures in 60 min: last task_failed_to_start of task f3 at {NOW - 30}"
-    writes = [
-        {"name": "unit-failures", "value": f"{NOW - 30} {NOW - 300} {NOW - 600}",
-         "targetType": "container-instance", "targetId": arn("i-0b")},
-        {"name": "quarantine", "value": reason, "targetType": "container-instance", "targetId": arn("i-0b")},
-        *put("i-0c", "u0", "topology"),
-    ]
-    cell.ecs.add_response("put_attributes", {"attributes": writes}, {"cluster": CLUSTER, "attributes": writes})
+    expect_quarantine(cell, "i-0b", f"{NOW - 30} {NOW - 300} {NOW - 600}", reason, *put("i-0c", "u0", "topology"))
     cell.autoscaling.add_response(
         "set_instance_health", {},
         {"InstanceId": "i-0b", "HealthStatus": "Unhealthy", "ShouldRespectGracePeriod": False},
