@@ -9,12 +9,16 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 import aiohttp
 import pytest
+from unit_proxy import agent
+from unit_proxy.settings import Settings
 
 from .conftest import LOOPBACK, FakeEngine, FakeLauncher, wait_until
 from .test_emf import check_emf
@@ -187,3 +191,39 @@ async def test_new_connections_are_refused_after_the_admission_window(engine: Fa
             rest = await asyncio.wait_for(stream.read(), 10)  # the stream in flight goes on
             assert rest.rstrip().endswith(b"data: [DONE]") and b"tok7" in rest
             assert await asyncio.wait_for(proc.wait(), 10) == 0
+
+
+async def test_an_interval_waiting_for_its_write_is_written_when_the_agent_stops(
+    engine: FakeEngine, launcher: FakeLauncher, monkeypatch: pytest.MonkeyPatch
+):
+    """The EMF loop takes an interval's figures, then writes them from the default executor (a
+    full stdout pipe blocks). Stopping cancelled the loop: a write still queued for a thread was
+    cancelled with it, and that interval's figures were lost (CI: Requests 1 of 2 in the final EMF
+    of a drained process). Here the executor's one thread is busy when the agent stops."""
+    written: list[dict] = []
+    monkeypatch.setattr(agent, "write_emf", lambda events: written.extend(events))
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(ThreadPoolExecutor(max_workers=1))
+    settings = Settings(
+        host=LOOPBACK, port=0, admin_host=LOOPBACK, admin_port=0, upstream_url=engine.url,
+        launcher_status_url=launcher.url, health_interval_seconds=0.05, workers=1,
+        metrics_namespace="Rufus/UnitProxy", cell="dev", unit_id="u0", emf_interval_seconds=0.05,
+    )
+    running = await agent.start(settings)
+    try:
+        url = f"http://{LOOPBACK}:{running.port}"
+        async with aiohttp.ClientSession() as session:
+            await wait_until(lambda: _is(health(session, url), 200), timeout=15, what="the proxy to be healthy")
+            async with session.post(f"{url}/v1/completions", json={"model": "m", "prompt": "y"}) as resp:
+                assert resp.status == 200
+        await running.state.log_follower.catch_up()
+        busy = threading.Event()
+        blocker = loop.run_in_executor(None, busy.wait)
+        await asyncio.sleep(0.3)  # the loop takes the request's interval; its write waits for the thread
+        stopping = asyncio.create_task(running.close())
+        await asyncio.sleep(0.2)
+    finally:
+        busy.set()
+    await stopping
+    await blocker
+    assert sum(check_emf(e).get("Requests", 0) for e in written) == 1

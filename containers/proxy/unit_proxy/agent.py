@@ -387,19 +387,20 @@ def slow_reader_watchdog(state: ProxyState, api: RuntimeApi, paths: Paths) -> Sl
     )
 
 
-async def emf_loop(state: ProxyState) -> None:
+async def emf_loop(state: ProxyState, stop: asyncio.Event) -> None:
+    """An interval's EMF lines every emf_interval_seconds; once `stop` is set, the last
+    interval's, then it returns. Stopped by `stop`, never cancelled: a cancel while an
+    interval's write waited for an executor thread cancelled that write, and the figures,
+    already taken from the telemetry, were lost (concurrent.futures drops a queued work item
+    whose future is cancelled)."""
     s = state.settings
     while True:
-        await asyncio.sleep(s.emf_interval_seconds)
+        last = await wait_set(stop, s.emf_interval_seconds)
         events = state.telemetry.emf_events(s.metrics_namespace, s.cell, s.unit_id)
         # Docker's log drivers block a full stdout pipe: write from a thread.
-        await asyncio.to_thread(write_emf, events)
-
-
-def flush_emf(state: ProxyState) -> None:
-    s = state.settings
-    if s.emf_enabled:
-        write_emf(state.telemetry.emf_events(s.metrics_namespace, s.cell, s.unit_id))
+        await asyncio.shield(asyncio.to_thread(write_emf, events))
+        if last:
+            return
 
 
 # -- start and stop ------------------------------------------------------------------------------
@@ -421,6 +422,8 @@ class Running:
     stopping: bool = False
     # The agent's copy of the data port's listening socket: the soft stop shuts it (stop_listening).
     listener: socket.socket | None = None
+    # Set by close: the EMF loop writes the last interval's lines and returns (emf_loop).
+    emf_stop: asyncio.Event = field(default_factory=asyncio.Event)
 
     def stop_listening(self) -> None:
         """Stop the data port's listening socket for every process holding it (shut_listener)."""
@@ -488,12 +491,16 @@ class Running:
             # HAProxy is gone: the follower reads its last lines up to the end of the stream (it
             # pauses between reads), so the final EMF counts them.
             await asyncio.wait({follower}, timeout=_FOLLOW_END_SECONDS)
-        for task in self.tasks:
+        emf = [t for t in self.tasks if t.get_name() == "emf"]
+        others = [t for t in self.tasks if t.get_name() != "emf"]
+        for task in others:
             task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await asyncio.gather(*others, return_exceptions=True)
         for runner in self.runners:
             await runner.cleanup()
-        flush_emf(self.state)
+        # The last interval's lines, once the follower has counted the last log lines (emf_loop).
+        self.emf_stop.set()
+        await asyncio.gather(*emf, return_exceptions=True)
         if self.owns_dir:
             shutil.rmtree(self.paths.runtime_dir, ignore_errors=True)
 
@@ -590,7 +597,7 @@ async def start(settings: Settings) -> Running:
     if watchdog is not None:
         running.tasks.append(asyncio.create_task(watchdog.run(lambda: False), name="slow-readers"))
     if settings.emf_enabled:
-        running.tasks.append(asyncio.create_task(emf_loop(state), name="emf"))
+        running.tasks.append(asyncio.create_task(emf_loop(state, running.emf_stop), name="emf"))
     log.info(
         "listening on %s:%d (HAProxy pid %d, admin %s:%d) -> %s (frontend %s, max in-flight %d)",
         settings.host, port, process.pid, settings.admin_host, admin_port, settings.upstream_url,
