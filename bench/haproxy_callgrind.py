@@ -128,7 +128,7 @@ async def follow_log(admin_socket: str, ring: str, stop: asyncio.Event) -> int:
     """Read the log ring as the agent does (`show events <ring> -w -n`, one read per 50 ms at
     most, unit_proxy.haproxy_log): HAProxy's side of that (the CLI applet woken by each line,
     the socket writes) is part of a request's cost. Returns the bytes read."""
-    reader, writer = await asyncio.open_unix_connection(admin_socket, limit=1 << 20)
+    reader, writer = await open_unix(admin_socket, 60)
     writer.write(f"show events {ring} -w -n\n".encode())
     await writer.drain()
     got = 0
@@ -145,6 +145,20 @@ async def follow_log(admin_socket: str, ring: str, stop: asyncio.Event) -> int:
     finally:
         writer.close()
     return got
+
+
+async def open_unix(path: str, timeout: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to HAProxy's stats socket once it exists: HAProxy binds it under a temporary
+    name and renames it (src/sock_unix.c, `sock_unix_bind_receiver`), and under valgrind the data
+    port could answer first (a run failed on `[Errno 2] No such file or directory`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await asyncio.open_unix_connection(path, limit=1 << 20)
+        except (FileNotFoundError, ConnectionRefusedError):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)
 
 
 async def wait_port(port: int, timeout: float) -> None:

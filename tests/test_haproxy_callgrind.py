@@ -6,6 +6,7 @@ tool names the package to install)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from bench import proctree
-from bench.haproxy_callgrind import dump_total, request_bytes, stream_body
+from bench.haproxy_callgrind import dump_total, open_unix, request_bytes, stream_body
 from bench.proxy_bench import other_load
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,6 +50,32 @@ def test_the_total_is_read_from_the_latest_dump(tmp_path: Path):
     (tmp_path / "callgrind.out.1").write_text("events: Ir\ntotals: 123456\n")
     os.utime(tmp_path / "callgrind.out", (1, 1))  # the termination dump written before: not the one read
     assert dump_total(tmp_path / "callgrind.out") == 123456
+
+
+def test_the_log_reader_waits_for_the_stats_socket(tmp_path: Path):
+    """HAProxy renames its stats socket into place after binding it; under valgrind the data port
+    could answer first, and the log reader's connect failed with `[Errno 2]`."""
+    path = str(tmp_path / "admin.sock")
+
+    async def run() -> bytes:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(b"ok\n")
+            await writer.drain()
+            writer.close()
+
+        async def bind_late() -> asyncio.Server:
+            await asyncio.sleep(0.3)
+            return await asyncio.start_unix_server(serve, path)
+
+        late = asyncio.create_task(bind_late())
+        reader, writer = await open_unix(path, 5)
+        server = await late
+        line = await reader.readline()
+        writer.close()
+        server.close()
+        return line
+
+    assert asyncio.run(run()) == b"ok\n"
 
 
 def test_other_load_counts_processes_outside_the_benchmark():
