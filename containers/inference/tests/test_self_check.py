@@ -225,7 +225,7 @@ def test_a_dropped_imds_connect_is_bounded_and_passes() -> None:
     for s in (*waiting, server):
         s.close()
     assert (check.ok, check.measured) == (True, f"no answer from 127.0.0.1:{address[1]} within 0.3 s")
-    assert took < 0.6
+    assert took < 1.5  # the bound, not the default timeout; slack for a busy CI machine
 
 
 def test_the_launcher_publishes_its_self_checks_before_its_engine(h, tmp_path, unit_nodes) -> None:

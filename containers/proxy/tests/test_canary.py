@@ -106,7 +106,7 @@ async def test_a_canary_refused_while_degraded_is_retried_and_a_busy_unit_recove
     is degraded; the canary ran only while idle, so on a unit that is never idle the failed
     verdict held /health at 503 for good. Now a failed canary is retried whether or not
     requests are in flight, and the unit is healthy again while its traffic goes on."""
-    proxy = await make_proxy(canary_interval_seconds=0.3, canary_timeout_seconds=0.5)
+    proxy = await make_proxy(canary_interval_seconds=0.3, canary_timeout_seconds=1.5)
     busy = await _fail_a_canary_while_degraded(proxy.url, engine, launcher)
     engine.default_cue = "stream"  # the engine is fine again; so is the follower
     launcher.status["state"] = "serving"
@@ -124,7 +124,7 @@ async def test_a_retry_that_fails_while_the_unit_serves_whole_is_reported_again(
     """A refused report is not lost: if the engine still fails once the unit is whole again,
     the retry's failure is reported, and this time the launcher ends the session; after
     that no canary runs for that session."""
-    proxy = await make_proxy(canary_interval_seconds=0.3, canary_timeout_seconds=0.5, canary_retry_seconds=0.1)
+    proxy = await make_proxy(canary_interval_seconds=0.3, canary_timeout_seconds=1.5, canary_retry_seconds=0.1)
     busy = await _fail_a_canary_while_degraded(proxy.url, engine, launcher)
     launcher.status["state"] = "serving"  # whole again, but the engine still does not answer
     await wait_until(lambda: len(launcher.canary_reports) >= 2, timeout=10, what="the retry's report")

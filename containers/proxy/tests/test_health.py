@@ -159,7 +159,7 @@ async def test_idle_canary_passes_then_a_late_one_fails_health(
     make_proxy: ProxyFactory, engine: FakeEngine, launcher: FakeLauncher
 ):
     """Deep liveness: a one-token completion while idle; a late one fails /health (issue 13)."""
-    proxy = await make_proxy(canary_interval_seconds=0.3, canary_timeout_seconds=0.5)
+    proxy = await make_proxy(canary_interval_seconds=0.3, canary_timeout_seconds=1.5)
     await wait_until(lambda: proxy.state.health.canary_ok is True, what="a first canary", timeout=10)
     body = engine.bodies[-1]
     assert b'"max_tokens": 1' in body and b'"model": "m"' in body

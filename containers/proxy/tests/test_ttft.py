@@ -106,28 +106,29 @@ async def test_non_streamed_body_after_its_headers(engine: FakeEngine, make_prox
         assert (await resp.json())["choices"][0]["text"] == "tok0 tok1 "
     metrics = await _logged(proxy.admin_url, 1)
     assert _ttft(metrics) == (0, 0)
-    assert 1.0 <= metrics["unit_proxy_request_latency_seconds_sum"] < 1.5
+    assert 1.0 <= metrics["unit_proxy_request_latency_seconds_sum"] < 2.5  # slack for a busy CI machine
 
 
 async def test_first_event_after_the_engine_silence_limit_is_a_504(engine: FakeEngine, make_proxy: ProxyFactory):
     """The wait for the first byte outlasts `timeout server` (first_byte_wait): a first event
     slower than UPSTREAM_READ_TIMEOUT_SECONDS gets HAProxy's 504 JSON (the headers have not
-    left), counted as an upstream timeout with no TTFT; one just inside it is served and timed."""
+    left), counted as an upstream timeout with no TTFT; one inside it is served and timed. The margins
+    are seconds: the fake engine shares the test's event loop, and a busy machine stalls it."""
     from unit_proxy.haproxy_config import first_byte_wait
 
-    proxy = await make_proxy(upstream_read_timeout_seconds=1.0)
+    proxy = await make_proxy(upstream_read_timeout_seconds=2.0)
     assert first_byte_wait(proxy.state.settings) > proxy.state.settings.upstream_read_timeout_seconds
     async with aiohttp.ClientSession() as session:
         async with session.post(f"{proxy.url}/v1/completions", json=STREAM, headers={"x-first": "0.8"}) as resp:
             assert resp.status == 200 and b"[DONE]" in await resp.read()
         sent = time.monotonic()
-        async with session.post(f"{proxy.url}/v1/completions", json=STREAM, headers={"x-first": "3"}) as resp:
+        async with session.post(f"{proxy.url}/v1/completions", json=STREAM, headers={"x-first": "5"}) as resp:
             assert resp.status == 504, resp.status
             assert (await resp.json())["error"]["type"] == "upstream_timeout"
-        assert 1.0 <= time.monotonic() - sent < 2.0
+        assert 2.0 <= time.monotonic() - sent < 4.0
     metrics = await _logged(proxy.admin_url, 2)
     count, total = _ttft(metrics)
-    assert count == 1 and 0.8 <= total < 1.0, (count, total)
+    assert count == 1 and 0.8 <= total < 2.0, (count, total)
     assert metrics['unit_proxy_upstream_errors_total{kind="timeout"}'] == 1
 
 
