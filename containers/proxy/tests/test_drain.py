@@ -227,3 +227,31 @@ async def test_an_interval_waiting_for_its_write_is_written_when_the_agent_stops
     await stopping
     await blocker
     assert sum(check_emf(e).get("Requests", 0) for e in written) == 1
+
+
+async def test_a_failed_emf_write_is_logged_and_the_next_intervals_are_written(
+    engine: FakeEngine, launcher: FakeLauncher, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+):
+    """A failed write (stdout gone: EPIPE) ended the EMF loop silently; the proxy served on with no
+    metrics. One failed interval is now logged and the next ones are written."""
+    written: list[dict] = []
+    failures: list[int] = []
+
+    def write_failing_once(events: list[dict]) -> None:
+        if not failures:
+            failures.append(1)
+            raise BrokenPipeError(32, "Broken pipe")
+        written.extend(events)
+
+    monkeypatch.setattr(agent, "write_emf", write_failing_once)
+    settings = Settings(
+        host=LOOPBACK, port=0, admin_host=LOOPBACK, admin_port=0, upstream_url=engine.url,
+        launcher_status_url=launcher.url, health_interval_seconds=0.05, workers=1,
+        metrics_namespace="Rufus/UnitProxy", cell="dev", unit_id="u0", emf_interval_seconds=0.05,
+    )
+    running = await agent.start(settings)
+    try:
+        await wait_until(lambda: len(written) >= 2, timeout=5, what="intervals written after the failed one")
+    finally:
+        await running.close()
+    assert failures and "EMF interval failed" in caplog.text

@@ -71,8 +71,10 @@ HAPROXY = os.environ.get("UNIT_PROXY_HAPROXY", "haproxy")
 _START_SECONDS = 10.0
 # After hard-stop-after, how long HAProxy gets to exit before it is killed.
 _STOP_GRACE = 5.0
-# After HAProxy's exit, how long the log follower gets to read the lines left in its stream.
-_FOLLOW_END_SECONDS = 1.0
+# After HAProxy's exit, how long the log follower gets to read the lines left in its stream (it
+# returns at the stream's end, at once unless the agent is starved; lines it has not read by then
+# are missing from the final EMF, so the bound is generous: the stop budget has a 30 s margin).
+_FOLLOW_END_SECONDS = 3.0
 _PR_SET_PDEATHSIG = 1
 _PROMETHEUS = "text/plain; version=0.0.4"
 
@@ -396,9 +398,12 @@ async def emf_loop(state: ProxyState, stop: asyncio.Event) -> None:
     s = state.settings
     while True:
         last = await wait_set(stop, s.emf_interval_seconds)
-        events = state.telemetry.emf_events(s.metrics_namespace, s.cell, s.unit_id)
-        # Docker's log drivers block a full stdout pipe: write from a thread.
-        await asyncio.shield(asyncio.to_thread(write_emf, events))
+        try:
+            events = state.telemetry.emf_events(s.metrics_namespace, s.cell, s.unit_id)
+            # Docker's log drivers block a full stdout pipe: write from a thread.
+            await asyncio.shield(asyncio.to_thread(write_emf, events))
+        except Exception:  # one failed interval must not end the metrics while the proxy serves
+            log.exception("EMF interval failed")
         if last:
             return
 
@@ -586,7 +591,6 @@ async def start(settings: Settings) -> Running:
     )
     running.tasks.append(asyncio.create_task(follower.run(), name="log"))
     await wait_set(follower.following, _START_SECONDS)
-    await asyncio.sleep(0.01)  # HAProxy takes the command in its next loop turn
     monitor = HealthMonitor(
         settings, state.health, state.telemetry, on_check=lambda _result: state.changed.set(),
         idle=lambda: state.reported_inflight() == 0, refresh=lambda: refresh_stats(state, api),

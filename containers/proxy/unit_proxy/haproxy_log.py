@@ -180,6 +180,7 @@ class LogFollower:
         self.following = asyncio.Event()  # set once the stream is asked for
         self._wake = asyncio.Event()
         self._waiters: list[asyncio.Future[None]] = []
+        self._asked = False  # the ring was asked for once: a new stream seeks to its end (run)
 
     async def catch_up(self, timeout: float = 0.5) -> None:
         """Return once the lines HAProxy has written so far are counted (or after `timeout`)."""
@@ -228,7 +229,11 @@ class LogFollower:
             self._wake.clear()
 
     async def run(self) -> None:
-        """Until cancelled; reconnects if HAProxy closes the stream (not once it is stopping)."""
+        """Until cancelled; reconnects if HAProxy closes the stream (not once it is stopping).
+        The first stream starts at the ring's oldest line (the ring is this HAProxy's, started
+        with the agent): with `-n` ("seek to the end of the buffer", management guide 9.3 "show
+        events"), a line written before HAProxy read the command was never counted. A reconnect
+        seeks to the end: what the ring holds then was counted already."""
         try:
             while True:
                 try:
@@ -240,13 +245,18 @@ class LogFollower:
                     await asyncio.sleep(0.5)
                     continue
                 try:
-                    writer.write(f"set timeout cli {FOLLOW_TIMEOUT_SECONDS}; show events {self.ring} -w -n\n".encode())
+                    seek_end = " -n" if self._asked else ""
+                    command = f"set timeout cli {FOLLOW_TIMEOUT_SECONDS}; show events {self.ring} -w{seek_end}\n"
+                    writer.write(command.encode())
+                    self._asked = True
                     await writer.drain()
                     self.following.set()
                     # uvloop's transports are not asyncio.ReadTransport subclasses: duck-typed.
                     await self._stream(reader, writer.transport)
                 except OSError as exc:
                     log.warning("HAProxy's log ring stream failed: %s", exc)
+                except Exception:  # a bug in a read must not end the counting: follow again
+                    log.exception("following HAProxy's log ring failed")
                 finally:
                     writer.close()
                 if self.stopping():

@@ -162,4 +162,7 @@ class SlowReaderWatchdog:
             except RuntimeApiError as exc:
                 log.debug("slow-reader look failed: %s", exc)
                 wait = self.poll
+            except Exception:  # a bug in a look must not end the bound on slow readers
+                log.exception("slow-reader look failed")
+                wait = self.poll
             await asyncio.sleep(wait)
