@@ -14,13 +14,14 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import aiohttp
 import pytest
 from unit_proxy import agent
 from unit_proxy.settings import Settings
 
-from .conftest import LOOPBACK, FakeEngine, FakeLauncher, wait_until
+from .conftest import LOOPBACK, FakeEngine, FakeLauncher, children, wait_until
 from .test_emf import check_emf
 from .test_errors import free_port
 
@@ -255,3 +256,23 @@ async def test_a_failed_emf_write_is_logged_and_the_next_intervals_are_written(
     finally:
         await running.close()
     assert failures and "EMF interval failed" in caplog.text
+
+
+@pytest.mark.parametrize("killed", ["worker", "master"])
+async def test_haproxy_dying_during_the_drain_is_exit_1(engine: FakeEngine, launcher: FakeLauncher, killed: str):
+    """The agent said "drained; exiting" and exited 0 whatever HAProxy's own exit said: a worker
+    killed mid-drain (the master exits 137) or a killed master (-9) cut the stream in flight, and
+    the stop looked clean. Exit 1 says the drain failed."""
+    async with proxy_process(engine, launcher, DRAIN_SECONDS="0", DRAIN_TIMEOUT_SECONDS="20") as (url, proc):
+        async with aiohttp.ClientSession() as session:
+            await wait_until(lambda: _is(health(session, url), 200), timeout=15, what="the proxy to be healthy")
+            stream = await open_stream(session, url, tokens=200, gap=0.1)
+            assert b"tok0" in await stream.content.readany()
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(1.0)  # the soft stop waits for the stream
+            master = next(p for p in children(proc.pid) if Path(f"/proc/{p}/comm").read_text().strip() == "haproxy")
+            os.kill(master if killed == "master" else children(master)[0], signal.SIGKILL)
+            assert await asyncio.wait_for(proc.wait(), 20) == 1
+            stream.close()
+        _, stderr = await asyncio.wait_for(proc.communicate(), 5)
+    assert "during the drain, not by the agent's stop" in stderr.decode()

@@ -427,6 +427,8 @@ class Running:
     stopping: bool = False
     # The agent's copy of the data port's listening socket: the soft stop shuts it (stop_listening).
     listener: socket.socket | None = None
+    # HAProxy outlasted the stop's bound and the agent killed it (its exit code is then the agent's doing).
+    killed: bool = False
     # Set by close: the EMF loop writes the last interval's lines and returns (emf_loop).
     emf_stop: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -456,6 +458,7 @@ class Running:
                             proc.send_signal(signal.SIGTERM)
                     await proc.wait()
             except TimeoutError:
+                self.killed = True
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 await proc.wait()
@@ -664,7 +667,15 @@ async def serve(settings: Settings) -> int:
             running.process.send_signal(signal.SIGTERM)
         await soft
     interrupted.cancel()
+    code = soft.result()
     await running.close()
+    if code not in (0, None, -signal.SIGTERM) and not running.killed:
+        # 0 after the agent's SIGTERM or a soft stop's own end, -15 when that SIGTERM reaches a master
+        # still starting (only the agent signals HAProxy); a killed worker makes the master exit 137,
+        # a killed master -9 (measured with HAProxy 2.6.12): the requests in flight were cut.
+        log.error("HAProxy exited with code %s during the drain, not by the agent's stop: requests in flight "
+                  "were cut; exiting 1", code)
+        return 1
     log.warning("drained; exiting")
     return 0
 
