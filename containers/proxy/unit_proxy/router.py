@@ -22,7 +22,8 @@ With SSM evacuation, `/router/health` (the ALB's check) and every request answer
 read has been applied: a task that cannot read which cells are evacuated takes no traffic, even when the ALB
 fails open (docs/router.md "Evacuation"). Evacuated names the router does not front are logged and ignored.
 
-SIGTERM: the agent deletes its SSM report first, then HAProxy soft-stops (its listener closes,
+SIGTERM: the agent deletes its SSM report first (after the report write in flight, if any, has landed;
+each SSM call given SSM_CALL_SECONDS), then HAProxy soft-stops (its listener closes,
 streams in flight go on up to `hard-stop-after`), the agent waits for it and exits 0.
 """
 
@@ -71,6 +72,15 @@ from unit_proxy.runtime_api import RuntimeApi, RuntimeApiError
 from unit_proxy.settings import SettingsError
 
 log = logging.getLogger("unit_proxy.router")
+
+
+# About the longest one SSM call of SsmClient takes (botocore 1.44.8): 2 attempts x (2 s connect + 5 s read),
+# standard mode's backoff before the second (at most 1 s, +5 s with an x-amz-retry-after header:
+# botocore/retries/standard.py, ExponentialBackoff.delay_amount) and a credentials refresh from the container
+# endpoint (3 x 2 s: botocore/utils.py, ContainerMetadataFetcher). Name resolution is not bounded by
+# botocore, hence the round figure. The stop waits this long for a report write in flight, then as long for
+# the delete (RunningRouter._delete_report): 60 s at most of Fargate's 120 s stopTimeout.
+SSM_CALL_SECONDS = 30.0
 
 
 class EvacuationFileError(EvacuationValueError):
@@ -291,6 +301,7 @@ class SsmSource:
     task_id: str
     written: TaskReport | None = None
     written_at: float = 0.0
+    writing: asyncio.Future[None] | None = None  # the last report write (write_report), awaited before the delete
 
     async def poll(self, state: RouterState) -> None:
         """Read the evacuated cells and apply them; an error is logged once and the last state is kept."""
@@ -318,11 +329,27 @@ class SsmSource:
         report = state.report(self.task_id)
         if report == self.written and now - self.written_at < REPORT_HEARTBEAT_SECONDS:
             return
-        await asyncio.to_thread(self.client.write, self.report_name, report.to_json())
+        # Kept and shielded: the stop cancels the SSM loop, and a write cut loose that way still lands (a running
+        # thread finishes its call; a queued one would be dropped by concurrent.futures), possibly after the
+        # delete. delete_report waits for it first.
+        self.writing = asyncio.ensure_future(asyncio.to_thread(self.client.write, self.report_name, report.to_json()))
+        await asyncio.shield(self.writing)
         self.written, self.written_at = report, now
 
-    async def delete_report(self) -> None:
-        await asyncio.to_thread(self.client.delete, self.report_name)
+    async def delete_report(self, bound: float) -> None:
+        """Delete this task's report once the write in flight, if any, has landed: the delete is the last word.
+        Each call is given `bound` seconds (SSM_CALL_SECONDS); a write still running after that is logged and
+        the delete goes ahead (the write may then land after it and read as a live task until it is stale)."""
+        writing = self.writing
+        if writing is not None:
+            await asyncio.wait({writing}, timeout=bound)
+            if not writing.done():
+                log.warning("an SSM report write still runs after %g s: deleting %s anyway (the write may land "
+                            "after the delete)", bound, self.report_name)
+            elif not writing.cancelled():
+                writing.exception()  # the loop logged it, or was cancelled before it could: nothing to raise here
+        async with asyncio.timeout(bound):
+            await asyncio.to_thread(self.client.delete, self.report_name)
 
 
 async def ssm_loop(state: RouterState, source: SsmSource) -> None:
@@ -393,18 +420,18 @@ class RunningRouter:
     listener: socket.socket | None = None  # the data port's socket, shut at the stop (agent.shut_listener)
 
     async def _delete_report(self) -> None:
-        """Stop the SSM loop (it would write the report again) and delete this task's report; a task gone
-        otherwise leaves its report to go stale (router_ssm)."""
+        """Stop the SSM loop (it would write the report again) and delete this task's report after the write in
+        flight, if any (SsmSource.delete_report); a task gone otherwise leaves its report to go stale (router_ssm).
+        At most 2 x SSM_CALL_SECONDS, well inside Fargate's stopTimeout (120 s, router_service.py)."""
         if self.ssm_task is not None:
             self.ssm_task.cancel()
             await asyncio.gather(self.ssm_task, return_exceptions=True)
         if self.ssm is None:
             return
         try:
-            async with asyncio.timeout(5):
-                await self.ssm.delete_report()
+            await self.ssm.delete_report(SSM_CALL_SECONDS)
         except Exception as exc:
-            log.warning("the SSM report %s was not deleted: %s", self.ssm.report_name, exc)
+            log.warning("the SSM report %s was not deleted: %s", self.ssm.report_name, exc or type(exc).__name__)
 
     async def close(self, soft: bool = False, timeout: float = 5.0) -> int | None:
         # The report first, before the soft stop's wait: Fargate kills the task after its stop timeout, and a
