@@ -355,6 +355,7 @@ class SsmSource:
             if not writing.done():
                 log.warning("an SSM report write still runs after %g s: deleting %s anyway (the write may land "
                             "after the delete)", bound, self.report_name)
+                writing.add_done_callback(lambda done: done.cancelled() or done.exception())  # nothing to raise
             elif not writing.cancelled():
                 writing.exception()  # the loop logged it, or was cancelled before it could: nothing to raise here
         async with asyncio.timeout(bound):
@@ -481,6 +482,9 @@ class RunningRouter:
             await self._read_counters()  # a hard stop takes them away at once
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGUSR1 if soft else signal.SIGTERM)
+        # From the signal on, the worker's stats socket is closed: the poll loop could only log a refusal per poll.
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
         if self.listener is not None:  # new connections refused, not left to hang on HAProxy's master
             shut_listener(self.listener)
             self.listener = None
@@ -495,8 +499,6 @@ class RunningRouter:
                     proc.kill()
                 await proc.wait()
         await self._last_emf_line()
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
         await self.runner.cleanup()
         if self.owns_dir:
             shutil.rmtree(self.paths.runtime_dir, ignore_errors=True)
