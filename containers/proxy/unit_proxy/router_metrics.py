@@ -155,8 +155,9 @@ async def emf_loop(stat: LastStat, namespace: str, router: str, interval: float,
             rows = stat.rows if last else await stat.read()
             if rows is not None:
                 event = emf_event(namespace, router, metrics.interval(rows, before | evacuated()))
-                # Docker's log drivers block a full stdout pipe (awslogs' default mode): written from a thread,
-                # so the agent's event loop (evacuation, ejection, the stop) never waits on it.
+                # Docker's log drivers block a full stdout pipe in `blocking` mode (on ECS, a container without
+                # `mode` gets the account's defaultLogDriverMode): written from a thread, so the agent's event
+                # loop (evacuation, ejection, the stop) never waits on it.
                 await asyncio.shield(asyncio.to_thread(write_line, event, stream))
         except RuntimeApiError as exc:
             if not stop.is_set():  # HAProxy stopping: the stop's own reads keep the counters
