@@ -298,6 +298,32 @@ async def test_sigterm_lets_a_stream_finish_then_exits_0(cells: tuple[FakeCell, 
             await proc.wait()
 
 
+async def test_the_soft_stop_logs_no_runtime_api_error(
+        cells: tuple[FakeCell, FakeCell], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """From the soft stop on, the worker's stats socket is closed (measured: connection refused): the poll loop,
+    left running, logged one error per poll for the whole drain (up to 120 s on Fargate, 1 s polls), errors
+    that are no fault. It stops with the signal; the EMF counters go through the master CLI (router_metrics)."""
+    a, b = cells
+    router = await _router(a, b, tmp_path)
+    async with aiohttp.ClientSession() as session:
+        a.hold.clear()
+        b.hold.clear()
+        held = asyncio.create_task(_post(session, router.port))
+        for _ in range(250):
+            if a.posts + b.posts:
+                break
+            await asyncio.sleep(0.02)
+        caplog.clear()
+        stopping = asyncio.create_task(router.close(soft=True, timeout=10))
+        await asyncio.sleep(0.5)  # 10 polls of 0.05 s while the held stream keeps HAProxy soft-stopping
+        a.hold.set()
+        b.hold.set()
+        assert (await held)[0] == 200
+        assert await stopping == 0
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert errors == []
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))

@@ -21,6 +21,8 @@ from unit_proxy.router_config import RouterSettings
 from unit_proxy.router_metrics import METRICS, RouterMetrics
 from unit_proxy.settings import SettingsError
 
+from .test_router import FakeCell, _post, cells  # noqa: F401 - `cells` is a fixture
+
 LOOPBACK = "127.0.0.1"
 NAMESPACE = "Rufus/Router"
 
@@ -142,6 +144,61 @@ async def test_an_evacuated_cell_going_down_is_not_an_ejection(
     seen.clear()
     await _until(capsys, seen, lambda s: len(s) >= 3)
     assert sum(e["CellEjections"] for e in seen) == 0 and seen[-1]["RecentCellEjections"] == 0
+
+
+@pytest.fixture
+async def long_interval(cells: tuple[FakeCell, FakeCell]) -> AsyncIterator[RunningRouter]:  # noqa: F811
+    """The router with a 60 s interval (set up before capsys: HAProxy is given the agent's stderr descriptor)."""
+    a, b = cells
+    running = await start(RouterSettings.from_env({
+        "ROUTER_CELLS": f"a={a.url},b={b.url}", "ROUTER_HOST": LOOPBACK, "ROUTER_PORT": "0",
+        "ROUTER_ADMIN_PORT": "0", "ROUTER_CHECK_INTERVAL_MS": "200", "ROUTER_METRICS_NAMESPACE": NAMESPACE,
+        "ROUTER_NAME": "us-east-2", "ROUTER_EMF_INTERVAL_SECONDS": "60"}))
+    try:
+        yield running
+    finally:
+        if running.process.returncode is None:  # the test did not stop it
+            await running.close()
+
+
+@pytest.mark.parametrize("soft", [True, False], ids=["soft-stop", "hard-stop"])
+async def test_every_request_is_in_some_line_when_the_router_stops_mid_interval(
+        cells: tuple[FakeCell, FakeCell], long_interval: RunningRouter,  # noqa: F811
+        capsys: pytest.CaptureFixture[str], soft: bool) -> None:
+    """Stopped in the middle of a 60 s interval after 5 requests, one more held across the soft stop: the lines'
+    Requests add up to every request. The loop was cancelled once HAProxy, and its counters, were gone: the
+    last interval was lost at every stop (0 of 6)."""
+    a, b = cells
+    running = long_interval
+    seen: list[dict[str, Any]] = []
+    await _until(capsys, seen, lambda s: len(s) == 1)  # the first line, at the start: the baseline
+    for _ in range(100):
+        if all(c.status == "UP" for c in running.state.cells.values()):
+            break
+        await asyncio.sleep(0.05)
+    async with aiohttp.ClientSession() as session:
+        assert [(await _post(session, running.port))[0] for _ in range(5)] == [200] * 5
+        held = None
+        if soft:
+            a.hold.clear()
+            b.hold.clear()
+            held = asyncio.create_task(_post(session, running.port))
+            for _ in range(200):
+                if a.posts + b.posts == 6:
+                    break
+                await asyncio.sleep(0.02)
+            assert a.posts + b.posts == 6, "the held request reached no cell"
+        stopping = asyncio.create_task(running.close(soft=soft, timeout=10))
+        if held is not None:
+            await asyncio.sleep(0.3)  # the soft stop waits for the held request
+            assert not stopping.done()
+            a.hold.set()
+            b.hold.set()
+            assert (await held)[0] == 200
+        await stopping
+    seen += _lines(capsys)
+    assert sum(e["Requests"] for e in seen) == 5 + soft, seen
+    assert len(seen) == 2, seen  # the baseline and the stop's line: no interval ended in between
 
 
 def test_recent_ejections_are_one_tasks_count_over_its_window() -> None:

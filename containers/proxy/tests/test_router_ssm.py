@@ -17,6 +17,8 @@ import os
 import signal
 import socket
 import sys
+import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -24,12 +26,14 @@ from typing import Any
 import aiohttp
 import boto3
 import pytest
+import unit_proxy.router as router_module
 from aiohttp import web
 from moto.server import ThreadedMotoServer
-from unit_proxy.router import start, task_id
+from unit_proxy.router import RunningRouter, start, task_id
 from unit_proxy.router_config import RouterSettings
 from unit_proxy.router_ssm import (
     EvacuationValueError,
+    SsmClient,
     TaskReport,
     evacuation_parameter,
     parameter_prefix,
@@ -320,3 +324,62 @@ async def test_the_task_id_comes_from_the_ecs_task_metadata(monkeypatch: pytest.
                                                       "ROUTER_TASK_ID": "mine"})) == "mine"
     finally:
         await runner.cleanup()
+
+
+def _slow_write(monkeypatch: pytest.MonkeyPatch, seconds: float) -> threading.Event:
+    """SsmClient.write takes `seconds` more before it calls the local SSM (a slow SSM); the event is set once a
+    write has begun."""
+    begun = threading.Event()
+    write = SsmClient.write
+
+    def slow(self: SsmClient, name: str, value: str) -> None:
+        begun.set()
+        time.sleep(seconds)
+        write(self, name, value)
+
+    monkeypatch.setattr(SsmClient, "write", slow)
+    return begun
+
+
+async def _router_with_report(a: FakeCell, b: FakeCell, env: dict[str, str], prefix: str) -> RunningRouter:
+    return await start(RouterSettings.from_env({
+        "ROUTER_CELLS": f"a={a.url},b={b.url}", "ROUTER_HOST": LOOPBACK, "ROUTER_PORT": "0",
+        "ROUTER_ADMIN_PORT": "0", "ROUTER_CHECK_INTERVAL_MS": "1000", "ROUTER_SSM_PREFIX": prefix,
+        "ROUTER_SSM_POLL_SECONDS": "1", "ROUTER_TASK_ID": "task-1", **env}))
+
+
+async def test_a_report_write_in_flight_at_the_stop_lands_before_the_delete(
+        cells: tuple[FakeCell, FakeCell], ssm_env: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """The stop cancels the SSM loop while its report write runs in a thread: that write must not land after
+    the delete, or `evacuate --wait` reads the stopped task as live until its report is stale (180 s).
+    Old code: the report was back 0.5 s after the delete."""
+    a, b = cells
+    prefix = parameter_prefix("Race", REGION)
+    begun = _slow_write(monkeypatch, 0.3)
+    router = await _router_with_report(a, b, ssm_env["env"], prefix)
+    try:
+        assert await asyncio.to_thread(begun.wait, 5), "no report write began"
+    finally:
+        await router.close()
+    assert _report(prefix, "task-1") is None, "the report is there right after the stop"
+    await asyncio.sleep(0.5)  # the old code's write landed 0.3 s after it began
+    assert _report(prefix, "task-1") is None, "the report came back after it was deleted"
+
+
+async def test_a_hung_report_write_holds_the_stop_no_longer_than_its_bound(
+        cells: tuple[FakeCell, FakeCell], ssm_env: dict[str, Any],  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A write that hangs past SSM_CALL_SECONDS: the stop deletes the report anyway, says so, and goes on."""
+    a, b = cells
+    prefix = parameter_prefix("Hung", REGION)
+    monkeypatch.setattr(router_module, "SSM_CALL_SECONDS", 0.5)
+    begun = _slow_write(monkeypatch, 2.0)
+    router = await _router_with_report(a, b, ssm_env["env"], prefix)
+    assert await asyncio.to_thread(begun.wait, 5), "no report write began"
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    await router.close()
+    assert loop.time() - began < 1.8, "the stop waited for the hung write beyond its bound"
+    assert "an SSM report write still runs after 0.5 s" in caplog.text
+    assert router.ssm is not None and router.ssm.writing is not None
+    await asyncio.wait({router.ssm.writing}, timeout=5)  # the write's thread ends before the local SSM does

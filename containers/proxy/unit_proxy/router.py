@@ -22,8 +22,10 @@ With SSM evacuation, `/router/health` (the ALB's check) and every request answer
 read has been applied: a task that cannot read which cells are evacuated takes no traffic, even when the ALB
 fails open (docs/router.md "Evacuation"). Evacuated names the router does not front are logged and ignored.
 
-SIGTERM: the agent deletes its SSM report first, then HAProxy soft-stops (its listener closes,
-streams in flight go on up to `hard-stop-after`), the agent waits for it and exits 0.
+SIGTERM: the agent deletes its SSM report first (after the report write in flight, if any, has landed;
+each SSM call given SSM_CALL_SECONDS), then HAProxy soft-stops (its listener closes,
+streams in flight go on up to `hard-stop-after`), the agent reads its counters until it has exited,
+writes the last EMF line from the last read (router_metrics.emf_loop) and exits 0.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ from unit_proxy.agent import (
     shut_listener,
 )
 from unit_proxy.router_config import BACKEND, HARD_STOP_SECONDS, RouterPaths, RouterSettings, render
-from unit_proxy.router_metrics import emf_loop
+from unit_proxy.router_metrics import LastStat, emf_loop
 from unit_proxy.router_ssm import (
     REPORT_HEARTBEAT_SECONDS,
     EvacuationValueError,
@@ -71,6 +73,23 @@ from unit_proxy.runtime_api import RuntimeApi, RuntimeApiError
 from unit_proxy.settings import SettingsError
 
 log = logging.getLogger("unit_proxy.router")
+
+
+# About the longest one SSM call of SsmClient takes (botocore 1.44.8): 2 attempts x (2 s connect + 5 s read),
+# standard mode's backoff before the second (at most 1 s, +5 s with an x-amz-retry-after header:
+# botocore/retries/standard.py, ExponentialBackoff.delay_amount) and a credentials refresh from the container
+# endpoint (3 x 2 s: botocore/utils.py, ContainerMetadataFetcher). Name resolution is not bounded by
+# botocore, hence the round figure. The stop waits this long for a report write in flight, then as long for
+# the delete (RunningRouter._delete_report): 60 s at most of Fargate's 120 s stopTimeout.
+SSM_CALL_SECONDS = 30.0
+
+
+# The stop's reads of the worker's counters while it soft-stops (RunningRouter._counters_until_gone), and how
+# long the last EMF line may take to be written (a blocked stdout must not hold the stop).
+DRAIN_READ_SECONDS = 0.1
+LAST_LINE_SECONDS = 5.0
+MASTER_START_SECONDS = 5.0
+LAST_LINE_SECONDS = 5.0
 
 
 class EvacuationFileError(EvacuationValueError):
@@ -291,6 +310,7 @@ class SsmSource:
     task_id: str
     written: TaskReport | None = None
     written_at: float = 0.0
+    writing: asyncio.Future[None] | None = None  # the last report write (write_report), awaited before the delete
 
     async def poll(self, state: RouterState) -> None:
         """Read the evacuated cells and apply them; an error is logged once and the last state is kept."""
@@ -318,11 +338,28 @@ class SsmSource:
         report = state.report(self.task_id)
         if report == self.written and now - self.written_at < REPORT_HEARTBEAT_SECONDS:
             return
-        await asyncio.to_thread(self.client.write, self.report_name, report.to_json())
+        # Kept and shielded: the stop cancels the SSM loop, and a write cut loose that way still lands (a running
+        # thread finishes its call; a queued one would be dropped by concurrent.futures), possibly after the
+        # delete. delete_report waits for it first.
+        self.writing = asyncio.ensure_future(asyncio.to_thread(self.client.write, self.report_name, report.to_json()))
+        await asyncio.shield(self.writing)
         self.written, self.written_at = report, now
 
-    async def delete_report(self) -> None:
-        await asyncio.to_thread(self.client.delete, self.report_name)
+    async def delete_report(self, bound: float) -> None:
+        """Delete this task's report once the write in flight, if any, has landed: the delete is the last word.
+        Each call is given `bound` seconds (SSM_CALL_SECONDS); a write still running after that is logged and
+        the delete goes ahead (the write may then land after it and read as a live task until it is stale)."""
+        writing = self.writing
+        if writing is not None:
+            await asyncio.wait({writing}, timeout=bound)
+            if not writing.done():
+                log.warning("an SSM report write still runs after %g s: deleting %s anyway (the write may land "
+                            "after the delete)", bound, self.report_name)
+                writing.add_done_callback(lambda done: done.cancelled() or done.exception())  # nothing to raise
+            elif not writing.cancelled():
+                writing.exception()  # the loop logged it, or was cancelled before it could: nothing to raise here
+        async with asyncio.timeout(bound):
+            await asyncio.to_thread(self.client.delete, self.report_name)
 
 
 async def ssm_loop(state: RouterState, source: SsmSource) -> None:
@@ -391,20 +428,50 @@ class RunningRouter:
     ssm: SsmSource | None = None
     ssm_task: asyncio.Task[None] | None = None
     listener: socket.socket | None = None  # the data port's socket, shut at the stop (agent.shut_listener)
+    stat: LastStat | None = None  # the worker's `show stat` through the master CLI, its last answer kept
+    emf_stop: asyncio.Event = field(default_factory=asyncio.Event)  # set once HAProxy is gone: the last line
 
     async def _delete_report(self) -> None:
-        """Stop the SSM loop (it would write the report again) and delete this task's report; a task gone
-        otherwise leaves its report to go stale (router_ssm)."""
+        """Stop the SSM loop (it would write the report again) and delete this task's report after the write in
+        flight, if any (SsmSource.delete_report); a task gone otherwise leaves its report to go stale (router_ssm).
+        At most 2 x SSM_CALL_SECONDS, well inside Fargate's stopTimeout (120 s, router_service.py)."""
         if self.ssm_task is not None:
             self.ssm_task.cancel()
             await asyncio.gather(self.ssm_task, return_exceptions=True)
         if self.ssm is None:
             return
         try:
-            async with asyncio.timeout(5):
-                await self.ssm.delete_report()
+            await self.ssm.delete_report(SSM_CALL_SECONDS)
         except Exception as exc:
-            log.warning("the SSM report %s was not deleted: %s", self.ssm.report_name, exc)
+            log.warning("the SSM report %s was not deleted: %s", self.ssm.report_name, exc or type(exc).__name__)
+
+    async def _read_counters(self) -> bool:
+        """One `show stat` into `stat` (router_metrics.LastStat); False once the worker no longer answers."""
+        if self.stat is None:
+            return False
+        try:
+            await self.stat.read()
+        except RuntimeApiError:
+            return False
+        return True
+
+    async def _counters_until_gone(self) -> None:
+        """During the soft stop, read the worker's counters until it exits: `stot` counts a request when it is
+        passed to a cell, `wredis` a retry when it is taken, so the last read holds all but a request passed
+        on and answered within the last DRAIN_READ_SECONDS (the listener is shut and HAProxy closes idle
+        connections at the soft stop: only one already arriving then could)."""
+        while self.stat is not None and self.process.returncode is None and await self._read_counters():
+            await asyncio.sleep(DRAIN_READ_SECONDS)
+
+    async def _last_emf_line(self) -> None:
+        """HAProxy is gone: the EMF loop writes its last line from the last counters read and returns
+        (router_metrics.emf_loop); a stdout that takes no line within LAST_LINE_SECONDS does not hold the stop."""
+        self.emf_stop.set()
+        if self.metrics_task is None:
+            return
+        await asyncio.wait({self.metrics_task}, timeout=LAST_LINE_SECONDS)
+        self.metrics_task.cancel()
+        await asyncio.gather(self.metrics_task, return_exceptions=True)
 
     async def close(self, soft: bool = False, timeout: float = 5.0) -> int | None:
         # The report first, before the soft stop's wait: Fargate kills the task after its stop timeout, and a
@@ -412,27 +479,50 @@ class RunningRouter:
         await self._delete_report()
         proc = self.process
         if proc.returncode is None:
+            await self._read_counters()  # a hard stop takes them away at once
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGUSR1 if soft else signal.SIGTERM)
+        # From the signal on, the worker's stats socket is closed: the poll loop could only log a refusal per poll.
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
         if self.listener is not None:  # new connections refused, not left to hang on HAProxy's master
             shut_listener(self.listener)
             self.listener = None
         if proc.returncode is None:
             try:
                 async with asyncio.timeout(timeout):
+                    if soft:
+                        await self._counters_until_gone()
                     await proc.wait()
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 await proc.wait()
-        tasks = [t for t in (self.task, self.metrics_task) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._last_emf_line()
         await self.runner.cleanup()
         if self.owns_dir:
             shutil.rmtree(self.paths.runtime_dir, ignore_errors=True)
         return proc.returncode
+
+
+async def _master_answers(stat: LastStat, process: asyncio.subprocess.Process) -> None:
+    """Wait for the master CLI, which answers a few ms after the worker's own socket (measured: 6 to 11 ms): the
+    EMF loop's first read is the baseline of every later line. Kills HAProxy and raises StartError after
+    MASTER_START_SECONDS."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + MASTER_START_SECONDS
+    while True:
+        try:
+            await stat.read()
+            return
+        except RuntimeApiError as exc:
+            if loop.time() > deadline or process.returncode is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+                await process.wait()
+                raise StartError(f"haproxy's master CLI did not answer within {MASTER_START_SECONDS:g} s: {exc}") \
+                    from None
+        await asyncio.sleep(0.01)
 
 
 async def start(settings: RouterSettings) -> RunningRouter:
@@ -455,6 +545,10 @@ async def start(settings: RouterSettings) -> RunningRouter:
         Path(paths.ready_map).write_text("")  # not ready until the first SSM read (only read with SSM)
         Path(paths.config).write_text(render(settings, paths))
         process = await _start_haproxy(paths, api)  # type: ignore[arg-type]  # RouterPaths has the same fields
+        # Through the master CLI: the worker's own stats socket closes at the soft stop (router_metrics).
+        stat = LastStat(RuntimeApi(paths.master_socket, prefix="@1 ")) if settings.metrics_namespace else None
+        if stat is not None:
+            await _master_answers(stat, process)
     except BaseException:
         await runner.cleanup()
         listener.close()
@@ -463,10 +557,11 @@ async def start(settings: RouterSettings) -> RunningRouter:
         raise
     port = listener.getsockname()[1]
     task = asyncio.create_task(poll_loop(state), name="router-poll")
+    emf_stop = asyncio.Event()
     metrics_task = asyncio.create_task(
-        emf_loop(api, settings.metrics_namespace, settings.router_name, settings.emf_interval_seconds,
+        emf_loop(stat, settings.metrics_namespace, settings.router_name, settings.emf_interval_seconds, emf_stop,
                  evacuated=lambda: state.evacuated, window_seconds=settings.ejection_window_seconds),
-        name="router-emf") if settings.metrics_namespace else None
+        name="router-emf") if stat is not None else None
     ssm_task = asyncio.create_task(ssm_loop(state, ssm), name="router-ssm") if ssm else None
     admin_port = runner.addresses[0][1]
     log.info("router listening on %s:%d (HAProxy pid %d, admin %s:%d) -> %s", settings.host, port, process.pid,
@@ -475,7 +570,7 @@ async def start(settings: RouterSettings) -> RunningRouter:
         log.info("evacuation from SSM %s every %g s, report %s", ssm.parameter, settings.ssm_poll_seconds,
                  ssm.report_name)
     return RunningRouter(state, paths, port, admin_port, process, runner, task, owns, metrics_task, ssm, ssm_task,
-                         listener)
+                         listener, stat, emf_stop)
 
 
 async def serve(settings: RouterSettings) -> int:

@@ -7,7 +7,11 @@ the unit proxy does the same, `unit_proxy.telemetry`). Dimension set `[Router]` 
 name: its region); every task writes its own line, so a Minimum over a period is the worst task.
 
 All figures come from HAProxy's `show stat` (management guide 9.3 "show stat", fields in 9.1),
-read on its own schedule, apart from the agent's poll loop:
+read on its own schedule, apart from the agent's poll loop, through the master CLI (`@1`: the worker's own
+stats socket closes at the soft stop, measured; the master reaches it until it exits). The counters go with
+the worker, so the stop (router.RunningRouter.close) reads them until the worker is gone and the loop's last
+line, written once `stop` is set, takes the last read (`LastStat`): every request the worker passed on is in
+some line (measured, tests/test_router_metrics.py: 5 requests and 1 held across a soft stop, 6 in all).
 - `HealthyCells`: cells of the backend whose check status is UP (`UP`, or `UP 1/2` while going
   down) and whose weight is above 0 (HAProxy never picks a weight-0 server, even when it is the only
   one); an evacuated cell is `DRAIN` and does not count. 0 means the router answers 503 to all.
@@ -40,6 +44,7 @@ from typing import IO, Any
 
 from unit_proxy.router_config import BACKEND
 from unit_proxy.runtime_api import RuntimeApi, RuntimeApiError
+from unit_proxy.waits import wait_set
 
 log = logging.getLogger("unit_proxy.router")
 
@@ -114,19 +119,51 @@ def write_line(event: dict[str, Any], stream: IO[str] | None = None) -> None:
     out.flush()
 
 
-async def emf_loop(api: RuntimeApi, namespace: str, router: str, interval: float,
+@dataclass
+class LastStat:
+    """`show stat` of the worker, with its newest answer kept: the counters vanish when the worker exits, and
+    the last line is written from the last read before that. Reads may overlap (the EMF loop and the stop's
+    drain): an answer older than the one kept is not kept."""
+
+    api: RuntimeApi
+    rows: list[dict[str, str]] | None = None
+    _asked: int = 0
+    _kept: int = 0
+
+    async def read(self) -> list[dict[str, str]]:
+        self._asked += 1
+        asked = self._asked
+        rows = await self.api.show_stat()
+        if asked > self._kept:
+            self.rows, self._kept = rows, asked
+        return rows
+
+
+async def emf_loop(stat: LastStat, namespace: str, router: str, interval: float, stop: asyncio.Event,
                    stream: IO[str] | None = None, evacuated: Callable[[], frozenset[str]] = frozenset,
                    window_seconds: float = 300.0) -> None:
     """Every `interval` seconds, one EMF line from `show stat`; a failed read skips that line, never the loop.
-    `evacuated()` names the cells drained at the agent (their transitions are not ejections)."""
+    `evacuated()` names the cells drained at the agent (their transitions are not ejections). Once `stop` is
+    set (HAProxy is gone), one last line from the last counters read, and it returns: stopped by the event,
+    never cancelled, so the last interval is never lost (a cancel dropped it: the counters were read after
+    HAProxy had exited, or not at all)."""
     metrics = RouterMetrics(window_seconds)
     while True:
+        last = stop.is_set()
         try:
             before = evacuated()  # drained before or after the snapshot: either way not a fault
-            rows = await api.show_stat()
-            write_line(emf_event(namespace, router, metrics.interval(rows, before | evacuated())), stream)
+            rows = stat.rows if last else await stat.read()
+            if rows is not None:
+                event = emf_event(namespace, router, metrics.interval(rows, before | evacuated()))
+                # Docker's log drivers block a full stdout pipe in `blocking` mode (on ECS, a container without
+                # `mode` gets the account's defaultLogDriverMode): written from a thread, so the agent's event
+                # loop (evacuation, ejection, the stop) never waits on it.
+                await asyncio.shield(asyncio.to_thread(write_line, event, stream))
         except RuntimeApiError as exc:
-            log.error("router metrics: %s", exc)
+            if not stop.is_set():  # HAProxy stopping: the stop's own reads keep the counters
+                log.error("router metrics: %s", exc)
         except Exception:  # a bug here must not end the metrics while the router serves
             log.exception("router metrics failed")
-        await asyncio.sleep(interval)
+        if last:
+            return
+        await wait_set(stop, interval)

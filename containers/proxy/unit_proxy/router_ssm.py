@@ -13,7 +13,8 @@ never imports inference_fleet). Per router (one per region), under
   `evacuated` it applied and which evacuated cells have no stream left on it. Written when that
   changes and at least every REPORT_HEARTBEAT_SECONDS (each write is a new version; Parameter Store
   keeps the 100 newest and deletes the oldest unlabelled one: botocore's SSM reference,
-  ParameterMaxVersionLimitExceeded); deleted when the task exits cleanly. The
+  ParameterMaxVersionLimitExceeded); deleted when the task exits cleanly, after the write in
+  flight if any has landed (unit_proxy.router.SsmSource.delete_report). The
   evacuate command's `--wait` reads them all (GetParametersByPath) and counts a task whose report
   is older than REPORT_STALE_SECONDS as gone.
 
