@@ -171,10 +171,12 @@ def unit_nodes(tmp_path: Path) -> Iterator[Callable[..., Node]]:
     for node in nodes:
         node.stop()
     # Stand-in engines left by a launcher that was killed outright must have died with it.
+    # So must a child a stand-in left behind (STANDIN_ORPHAN_SECONDS).
     for record in tmp_path.glob("*.json"):
-        pid = json.loads(record.read_text())["pid"]
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+        started = json.loads(record.read_text())
+        for pid in (started["pid"], started.get("orphan_pid")):
+            with contextlib.suppress(ProcessLookupError, TypeError):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture

@@ -6,7 +6,9 @@ UNIT_*/NEURON_*/FI_* environment to $STANDIN_RECORD_DIR/<UNIT_INSTANCE_ID>.json;
 STANDIN_EXIT_AFTER=<seconds> it exits on its own with STANDIN_EXIT_CODE (default 1). With
 STANDIN_STEPS=<n> it writes step records into UNIT_STEP_DIR as the unit executor does: n
 steps completed by this rank's worker (and broadcast by the executor on rank 0), each with
-sampled tokens named by STANDIN_TOKENS (default the same on every node).
+sampled tokens named by STANDIN_TOKENS (default the same on every node). With
+STANDIN_ORPHAN_SECONDS=<seconds> it first starts a child (`sleep`) that inherits its output
+and outlives it, as vLLM's EngineCore outlives a killed API server; its pid is recorded.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,9 +41,13 @@ def record_steps(count: int) -> None:
 
 def main() -> int:
     record_dir = Path(os.environ["STANDIN_RECORD_DIR"])
+    orphan = None
+    if os.environ.get("STANDIN_ORPHAN_SECONDS"):
+        orphan = subprocess.Popen(["sleep", os.environ["STANDIN_ORPHAN_SECONDS"]])  # stdout and stderr inherited
     record = {
         "argv": sys.argv[1:],
         "pid": os.getpid(),
+        "orphan_pid": orphan.pid if orphan is not None else None,
         "env": {k: v for k, v in os.environ.items() if k.startswith(("UNIT_", "NEURON_", "FI_", "VLLM_", "STANDIN_"))},
     }
     name = os.environ.get("UNIT_INSTANCE_ID", f"pid{os.getpid()}")

@@ -4,6 +4,8 @@ SIGTERM is passed on for a graceful stop (then SIGKILL after the stop timeout); 
 engine's exit status becomes the launcher's. The child gets its own process group so a
 stop reaches the engine's worker processes too, and a parent-death signal so a launcher
 that is killed outright never leaves an engine behind (no partial unit keeps running).
+The engine's exit is seen when the engine itself exits, whoever still holds its output
+pipe; then whatever is left of its process group is killed (`Engine.wait`).
 The engine's output passes through the launcher to the task's log unchanged; the last
 lines are kept for the failure evidence (`unit_launcher.evidence`).
 """
@@ -29,6 +31,11 @@ TAIL_LINES = 40
 # Chunks of output waiting for the log writer; beyond this they are dropped (and counted)
 # rather than stall the launcher's loop or, through a full pipe, the engine itself.
 QUEUE_CHUNKS = 4096
+# How often the launcher looks whether the engine has exited (`Engine._exited`).
+EXIT_POLL_SECONDS = 0.1
+# Once the engine has exited: how long its output may still come (its workers' last lines, as
+# they exit on their own) before what is left of its process group is killed; and again after.
+OUTPUT_GRACE_SECONDS = 1.0
 
 
 class _LogWriter(threading.Thread):
@@ -103,13 +110,16 @@ class Engine:
             if self._writer.dropped:
                 log.warning("%d chunks of engine output could not be written", self._writer.dropped)
 
-    async def _output_done(self, timeout: float = 1.0) -> None:
-        """Let the last lines through (the workers may hold the pipe open: briefly)."""
-        if self._copier is not None:
-            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(asyncio.shield(self._copier), timeout)
-            if self._copier.done() and self._writer.is_alive():
-                await asyncio.to_thread(self._writer.join, timeout)
+    async def _output_done(self, timeout: float = OUTPUT_GRACE_SECONDS) -> bool:
+        """Let the last lines through, waiting at most `timeout` for the pipe's end: whether it came
+        (a process that outlives the engine may hold the pipe open, see `_after_exit`)."""
+        if self._copier is None:
+            return True
+        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(self._copier), timeout)
+        if self._copier.done() and self._writer.is_alive():
+            await asyncio.to_thread(self._writer.join, timeout)
+        return self._copier.done()
 
     async def start(self) -> None:
         log.info("starting engine: %s", " ".join(self.argv))
@@ -132,35 +142,69 @@ class Engine:
     def running(self) -> bool:
         return self.process is not None and self.process.returncode is None
 
-    async def wait(self) -> int:
+    async def _exited(self) -> int:
+        """The engine's return code as soon as the engine itself has exited.
+
+        Not `Process.wait()`: on asyncio's standard loop (the launcher's, `asyncio.run`; no uvloop)
+        a wait begun before the exit returns only once every pipe to the child is closed as well.
+        CPython 3.11.7 (the tests') and 3.12.1 (the image's is 3.12), Lib/asyncio/base_subprocess.py:
+        `_process_exited` (l. 207-219) sets the return code, but only `_call_connection_lost`
+        (l. 241-249) wakes the waiters of `_wait` (l. 221-230), and `_try_finish` (l. 232-239)
+        calls it once every pipe is disconnected; the same in 3.13.0 (python/cpython gh-119710,
+        fixed by #151983 in 2026, not in 3.11 or 3.12). A process that outlives the engine and
+        inherited its stdout keeps the pipe open: vLLM's EngineCore and its workers survive a
+        SIGKILLed API server (vllm-project/vllm#55510, open), an EngineCore outlives a dead
+        tritonserver. The return code is set by the child watcher when the engine is reaped,
+        pipes or not."""
         assert self.process is not None
-        status = exit_status(await self.process.wait())
-        await self._output_done()
+        while (code := self.process.returncode) is None:
+            await asyncio.sleep(EXIT_POLL_SECONDS)
+        return code
+
+    async def _after_exit(self) -> None:
+        """The engine has exited: its last output through, and nothing of it left running.
+
+        Its workers get `OUTPUT_GRACE_SECONDS` to write and exit on their own; then the engine's
+        process group is killed whatever is left in it (leftover workers may hold the node's Neuron
+        cores, and they hold the output pipe), and the output gets as long again to end."""
+        if not await self._output_done():
+            log.warning("the engine exited but its output pipe is still open after %.0f s: "
+                        "killing what is left of its process group", OUTPUT_GRACE_SECONDS)
+        self._signal(signal.SIGKILL)
+        if not await self._output_done():
+            log.warning("the engine's output pipe is still open: held by a process outside its process group")
+
+    async def wait(self) -> int:
+        """Until the engine exits: its exit status, once its leftover processes are gone."""
+        status = exit_status(await self._exited())
+        await self._after_exit()
         return status
 
     def _signal(self, sig: int) -> None:
+        """`sig` to the engine's process group, which outlives the engine while any member lives
+        (its id, the engine's pid, is not reused until the group's last member is gone: POSIX,
+        XBD "Process ID Reuse")."""
         if self.process is None:
             return
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, sig)
 
     async def stop(self, timeout: float) -> int | None:
-        """SIGTERM the engine's process group; SIGKILL it if it has not exited within `timeout`."""
+        """SIGTERM the engine (it stops its own workers); SIGKILL its process group if it has not
+        exited within `timeout`; then what it left behind is killed (`_after_exit`)."""
         if self.process is None:
             return None
         if self.running:
             log.info("stopping engine (SIGTERM, %.0f s grace)", timeout)
             self.process.send_signal(signal.SIGTERM)
             try:
-                await asyncio.wait_for(self.process.wait(), timeout)
+                await asyncio.wait_for(self._exited(), timeout)
             except TimeoutError:
                 log.warning("engine still running after %.0f s: SIGKILL", timeout)
                 self._signal(signal.SIGKILL)
-                await self.process.wait()
-        else:
-            # The engine's own exit may leave its workers behind in the group.
-            self._signal(signal.SIGKILL)
-        # The engine's last lines before anything the launcher writes next (the evidence line
-        # must start a line of its own to be read as EMF).
-        await self._output_done()
+                await self._exited()
+        # The engine's exit may leave its workers behind in the group; and its last lines come
+        # before anything the launcher writes next (the evidence line must start a line of its
+        # own to be read as EMF).
+        await self._after_exit()
         return exit_status(self.process.returncode or 0)
