@@ -94,7 +94,13 @@ class RouterService(Construct):
             "Router", image=image, entry_point=ROUTER_COMMAND, environment=dict(sorted(environment.items())),
             essential=True, stop_timeout=FARGATE_MAX_STOP_TIMEOUT,
             port_mappings=[ecs.PortMapping(container_port=ROUTER_PORT, protocol=ecs.Protocol.TCP)],
-            logging=ecs.LogDrivers.aws_logs(stream_prefix="router", log_group=self.log_group),
+            # Non-blocking, as the unit containers: a blocked stderr would stall the agent's loop (its
+            # evacuation, ejections and stop; Fargate's SIGKILL would leave its SSM report behind).
+            # Unset, the mode is the account's defaultLogDriverMode; a full buffer drops lines
+            # instead (https://docs.aws.amazon.com/AmazonECS/latest/APIReference/API_LogConfiguration.html).
+            logging=ecs.LogDrivers.aws_logs(
+                stream_prefix="router", log_group=self.log_group, mode=ecs.AwsLogDriverMode.NON_BLOCKING
+            ),
             # ECS's init process ("forwards signals and reaps processes",
             # https://docs.aws.amazon.com/AmazonECS/latest/APIReference/API_LinuxParameters.html): the agent
             # is not PID 1, which the kernel spares the default action of a signal it does not handle yet

@@ -360,3 +360,12 @@ def test_the_router_runs_under_an_init_process(synth_router) -> None:
     _, task = _one(synth_router, ROUTER, "AWS::ECS::TaskDefinition")
     (container,) = task["ContainerDefinitions"]
     assert container.get("LinuxParameters", {}).get("InitProcessEnabled") is True
+
+
+def test_the_router_logs_without_blocking(synth_router) -> None:
+    """Like the unit containers: a blocked stderr would stall the router agent's loop (its
+    evacuation, ejections and stop); unset, the mode was the account's default."""
+    _, task = _one(synth_router, ROUTER, "AWS::ECS::TaskDefinition")
+    (container,) = task["ContainerDefinitions"]
+    options = container["LogConfiguration"]["Options"]
+    assert options["mode"] == "non-blocking"
