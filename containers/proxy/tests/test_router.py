@@ -28,6 +28,8 @@ from unit_proxy.router import EvacuationFileError, RunningRouter, read_evacuatio
 from unit_proxy.router_config import RouterPaths, RouterSettings, render
 from unit_proxy.settings import SettingsError
 
+from .conftest import children
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -408,3 +410,54 @@ def test_haproxy_arms_tcp_keepalive_on_its_connection_to_a_cell(tmp_path: Path) 
         cell.close()
         for conn in held:
             conn.close()
+
+
+@pytest.mark.parametrize("killed", ["worker", "master"])
+async def test_haproxy_dying_during_the_stop_is_exit_1(cells: tuple[FakeCell, FakeCell], killed: str) -> None:
+    """The router returned 0 after its stop whatever HAProxy's exit said (as the unit proxy's agent did): a
+    worker killed mid-drain (the master exits 137) or a killed master (-9) cut the request in flight, and the
+    task's stop looked clean."""
+    a, b = cells
+    a.hold.clear()
+    b.hold.clear()
+    port, admin = _free_port(), _free_port()
+    env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/bin"), "ROUTER_CELLS": f"a={a.url},b={b.url}",
+           "ROUTER_HOST": LOOPBACK, "ROUTER_PORT": str(port), "ROUTER_ADMIN_PORT": str(admin),
+           "ROUTER_CHECK_INTERVAL_MS": "200"}
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "unit_proxy.router", env=env,
+                                                stderr=asyncio.subprocess.PIPE)
+    try:
+        async with aiohttp.ClientSession() as session:
+            await _all_up(session, admin)
+            pending = asyncio.create_task(_post(session, port))
+            for _ in range(250):
+                if a.posts + b.posts:
+                    break
+                await asyncio.sleep(0.02)
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.5)  # the soft stop waits for the held request
+            master = next(p for p in children(proc.pid) if Path(f"/proc/{p}/comm").read_text().strip() == "haproxy")
+            os.kill(master if killed == "master" else children(master)[0], signal.SIGKILL)
+            assert await asyncio.wait_for(proc.wait(), 20) == 1
+            a.hold.set()
+            b.hold.set()
+            await asyncio.gather(pending, return_exceptions=True)
+        stderr = (await proc.stderr.read()).decode()
+        assert "during the stop, not by the router's" in stderr, stderr
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def _all_up(session: aiohttp.ClientSession, admin: int) -> None:
+    for _ in range(200):
+        try:
+            async with session.get(f"http://{LOOPBACK}:{admin}/status") as resp:
+                if all(c["status"] == "UP" for c in (await resp.json())["cells"].values()):
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.05)
+    raise AssertionError("the router's cells never all UP")
+

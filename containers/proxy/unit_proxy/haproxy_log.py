@@ -233,7 +233,8 @@ class LogFollower:
         The first stream starts at the ring's oldest line (the ring is this HAProxy's, started
         with the agent): with `-n` ("seek to the end of the buffer", management guide 9.3 "show
         events"), a line written before HAProxy read the command was never counted. A reconnect
-        seeks to the end: what the ring holds then was counted already."""
+        seeks to the end, not to count twice what the ring holds; the lines written between the
+        failure and the new stream (0.1 s and the reconnect) are not counted."""
         try:
             while True:
                 try:

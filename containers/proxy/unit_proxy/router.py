@@ -71,6 +71,7 @@ from unit_proxy.router_ssm import (
 )
 from unit_proxy.runtime_api import RuntimeApi, RuntimeApiError
 from unit_proxy.settings import SettingsError
+from unit_proxy.waits import in_daemon_thread
 
 log = logging.getLogger("unit_proxy.router")
 
@@ -89,7 +90,6 @@ SSM_CALL_SECONDS = 30.0
 DRAIN_READ_SECONDS = 0.1
 LAST_LINE_SECONDS = 5.0
 MASTER_START_SECONDS = 5.0
-LAST_LINE_SECONDS = 5.0
 
 
 class EvacuationFileError(EvacuationValueError):
@@ -316,7 +316,7 @@ class SsmSource:
         """Read the evacuated cells and apply them; an error is logged once and the last state is kept."""
         names = set(state.cells)
         try:
-            text, version = await asyncio.to_thread(self.client.read, self.parameter)
+            text, version = await in_daemon_thread(self.client.read, self.parameter)
             wanted, ignored = parse_evacuated(text, names, f"SSM parameter {self.parameter} (version {version})")
         except Exception as exc:
             error = f"{self.parameter}: {type(exc).__name__}: {exc}"
@@ -338,10 +338,9 @@ class SsmSource:
         report = state.report(self.task_id)
         if report == self.written and now - self.written_at < REPORT_HEARTBEAT_SECONDS:
             return
-        # Kept and shielded: the stop cancels the SSM loop, and a write cut loose that way still lands (a running
-        # thread finishes its call; a queued one would be dropped by concurrent.futures), possibly after the
-        # delete. delete_report waits for it first.
-        self.writing = asyncio.ensure_future(asyncio.to_thread(self.client.write, self.report_name, report.to_json()))
+        # Kept and shielded: the stop cancels the SSM loop, and a write cut loose that way still lands (its thread
+        # finishes the call), possibly after the delete. delete_report waits for it first.
+        self.writing = asyncio.ensure_future(in_daemon_thread(self.client.write, self.report_name, report.to_json()))
         await asyncio.shield(self.writing)
         self.written, self.written_at = report, now
 
@@ -359,7 +358,7 @@ class SsmSource:
             elif not writing.cancelled():
                 writing.exception()  # the loop logged it, or was cancelled before it could: nothing to raise here
         async with asyncio.timeout(bound):
-            await asyncio.to_thread(self.client.delete, self.report_name)
+            await in_daemon_thread(self.client.delete, self.report_name)
 
 
 async def ssm_loop(state: RouterState, source: SsmSource) -> None:
@@ -430,6 +429,7 @@ class RunningRouter:
     listener: socket.socket | None = None  # the data port's socket, shut at the stop (agent.shut_listener)
     stat: LastStat | None = None  # the worker's `show stat` through the master CLI, its last answer kept
     emf_stop: asyncio.Event = field(default_factory=asyncio.Event)  # set once HAProxy is gone: the last line
+    killed: bool = False  # HAProxy outlasted the stop's bound and was killed: its exit code is the router's doing
 
     async def _delete_report(self) -> None:
         """Stop the SSM loop (it would write the report again) and delete this task's report after the write in
@@ -495,6 +495,7 @@ class RunningRouter:
                         await self._counters_until_gone()
                     await proc.wait()
             except TimeoutError:
+                self.killed = True
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 await proc.wait()
@@ -588,7 +589,13 @@ async def serve(settings: RouterSettings) -> int:
         await running.close()
         return 1
     log.warning("stopping: listener closed, streams in flight go on (hard-stop-after)")
-    await running.close(soft=True, timeout=HARD_STOP_SECONDS + 5.0)
+    code = await running.close(soft=True, timeout=HARD_STOP_SECONDS + 5.0)
+    if code not in (0, None, -signal.SIGTERM) and not running.killed:
+        # A soft stop ends with 0, hard-stop-after's too; a killed worker makes the master exit 137, a killed
+        # master -9 (measured with HAProxy 2.6.12, unit_proxy.agent.serve): the requests in flight were cut.
+        log.error("haproxy exited with code %s during the stop, not by the router's: requests in flight were cut; "
+                  "exiting 1", code)
+        return 1
     return 0
 
 

@@ -44,7 +44,7 @@ from typing import IO, Any
 
 from unit_proxy.router_config import BACKEND
 from unit_proxy.runtime_api import RuntimeApi, RuntimeApiError
-from unit_proxy.waits import wait_set
+from unit_proxy.waits import in_daemon_thread, wait_set
 
 log = logging.getLogger("unit_proxy.router")
 
@@ -158,7 +158,7 @@ async def emf_loop(stat: LastStat, namespace: str, router: str, interval: float,
                 # Docker's log drivers block a full stdout pipe in `blocking` mode (on ECS, a container without
                 # `mode` gets the account's defaultLogDriverMode): written from a thread, so the agent's event
                 # loop (evacuation, ejection, the stop) never waits on it.
-                await asyncio.shield(asyncio.to_thread(write_line, event, stream))
+                await asyncio.shield(in_daemon_thread(write_line, event, stream))
         except RuntimeApiError as exc:
             if not stop.is_set():  # HAProxy stopping: the stop's own reads keep the counters
                 log.error("router metrics: %s", exc)
