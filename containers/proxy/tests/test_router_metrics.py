@@ -8,6 +8,7 @@ the down cell actually received, ejections against a cell whose /health turns 50
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,7 +19,8 @@ import pytest
 from aiohttp import web
 from unit_proxy.router import RunningRouter, start
 from unit_proxy.router_config import RouterSettings
-from unit_proxy.router_metrics import METRICS, RouterMetrics
+from unit_proxy.router_metrics import METRICS, LastStat, RouterMetrics, emf_loop
+from unit_proxy.runtime_api import RuntimeApiError
 from unit_proxy.settings import SettingsError
 
 from .test_router import FakeCell, _post, cells  # noqa: F401 - `cells` is a fixture
@@ -239,3 +241,21 @@ def test_namespace_without_a_router_name_is_refused() -> None:
     with pytest.raises(SettingsError) as caught:
         RouterSettings.from_env({"ROUTER_CELLS": "a=http://x:1", "ROUTER_METRICS_NAMESPACE": NAMESPACE})
     assert caught.value.name == "ROUTER_NAME"
+
+
+async def test_a_read_failing_as_the_stopping_worker_exits_is_no_error(caplog: pytest.LogCaptureFixture) -> None:
+    """Between the worker's exit and the master's, an interval's read fails; the loop logged it at ERROR unless the
+    stop had already set its event, which it sets only once HAProxy is gone: a false error at some stops."""
+
+    class ExitedWorker:
+        async def show_stat(self) -> list[dict[str, str]]:
+            raise RuntimeApiError("the worker has exited")
+
+    stat = LastStat(ExitedWorker())  # type: ignore[arg-type]
+    stat.stopping = True  # the stop has signalled HAProxy
+    stop, lines = asyncio.Event(), io.StringIO()
+    loop = asyncio.create_task(emf_loop(stat, "Rufus/Router", "r", 0.01, stop, stream=lines))
+    await asyncio.sleep(0.1)  # reads fail while the master has not exited yet
+    stop.set()
+    await asyncio.wait_for(loop, 5)
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []

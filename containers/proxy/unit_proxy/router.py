@@ -480,6 +480,8 @@ class RunningRouter:
         proc = self.process
         if proc.returncode is None:
             await self._read_counters()  # a hard stop takes them away at once
+            if self.stat is not None:
+                self.stat.stopping = True
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGUSR1 if soft else signal.SIGTERM)
         # From the signal on, the worker's stats socket is closed: the poll loop could only log a refusal per poll.

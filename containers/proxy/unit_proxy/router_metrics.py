@@ -127,6 +127,8 @@ class LastStat:
 
     api: RuntimeApi
     rows: list[dict[str, str]] | None = None
+    # Set by the stop when it signals HAProxy: from then on a failed read is the worker exiting, not a fault.
+    stopping: bool = False
     _asked: int = 0
     _kept: int = 0
 
@@ -160,7 +162,7 @@ async def emf_loop(stat: LastStat, namespace: str, router: str, interval: float,
                 # loop (evacuation, ejection, the stop) never waits on it.
                 await asyncio.shield(in_daemon_thread(write_line, event, stream))
         except RuntimeApiError as exc:
-            if not stop.is_set():  # HAProxy stopping: the stop's own reads keep the counters
+            if not (stop.is_set() or stat.stopping):  # HAProxy stopping: the stop's own reads keep the counters
                 log.error("router metrics: %s", exc)
         except Exception:  # a bug here must not end the metrics while the router serves
             log.exception("router metrics failed")
