@@ -313,6 +313,26 @@ class RunningProxy:
 ProxyFactory = Callable[..., Awaitable[RunningProxy]]
 
 
+def proxy_settings(engine: FakeEngine, launcher: FakeLauncher, **overrides: Any) -> Settings:
+    """An in-process proxy's settings in front of the fake engine and launcher, on free loopback ports."""
+    base = Settings(
+        host=LOOPBACK,
+        port=0,
+        admin_host=LOOPBACK,
+        admin_port=0,
+        upstream_url=engine.url,
+        launcher_status_url=launcher.url,
+        engine_metrics_url=engine.url + "/metrics",
+        max_inflight=64,
+        health_interval_seconds=0.05,
+        health_timeout_seconds=0.5,
+        upstream_connect_timeout_seconds=2.0,
+        upstream_read_timeout_seconds=10.0,
+        workers=1,
+    )
+    return replace(base, **overrides)
+
+
 @pytest.fixture
 async def make_proxy(engine: FakeEngine, launcher: FakeLauncher) -> AsyncIterator[ProxyFactory]:
     """Start a proxy (agent in process, HAProxy as its child) in front of the fake engine;
@@ -323,22 +343,7 @@ async def make_proxy(engine: FakeEngine, launcher: FakeLauncher) -> AsyncIterato
     started: list[Running] = []
 
     async def factory(wait_checked: bool = True, **overrides: Any) -> RunningProxy:
-        base = Settings(
-            host=LOOPBACK,
-            port=0,
-            admin_host=LOOPBACK,
-            admin_port=0,
-            upstream_url=engine.url,
-            launcher_status_url=launcher.url,
-            engine_metrics_url=engine.url + "/metrics",
-            max_inflight=64,
-            health_interval_seconds=0.05,
-            health_timeout_seconds=0.5,
-            upstream_connect_timeout_seconds=2.0,
-            upstream_read_timeout_seconds=10.0,
-            workers=1,
-        )
-        settings = replace(base, **overrides)
+        settings = proxy_settings(engine, launcher, **overrides)
         running = await start(settings)
         started.append(running)
         state = running.state

@@ -19,9 +19,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 from unit_proxy import agent
-from unit_proxy.settings import Settings
 
-from .conftest import LOOPBACK, FakeEngine, FakeLauncher, children, wait_until
+from .conftest import LOOPBACK, FakeEngine, FakeLauncher, children, proxy_settings, wait_until
 from .test_emf import check_emf
 from .test_errors import free_port
 
@@ -205,10 +204,8 @@ async def test_an_interval_waiting_for_its_write_is_written_when_the_agent_stops
     monkeypatch.setattr(agent, "write_emf", lambda events: written.extend(events))
     loop = asyncio.get_running_loop()
     loop.set_default_executor(ThreadPoolExecutor(max_workers=1))
-    settings = Settings(
-        host=LOOPBACK, port=0, admin_host=LOOPBACK, admin_port=0, upstream_url=engine.url,
-        launcher_status_url=launcher.url, health_interval_seconds=0.05, workers=1,
-        metrics_namespace="Rufus/UnitProxy", cell="dev", unit_id="u0", emf_interval_seconds=0.05,
+    settings = proxy_settings(
+        engine, launcher, metrics_namespace="Rufus/UnitProxy", cell="dev", unit_id="u0", emf_interval_seconds=0.05
     )
     running = await agent.start(settings)
     try:
@@ -245,10 +242,8 @@ async def test_a_failed_emf_write_is_logged_and_the_next_intervals_are_written(
         written.extend(events)
 
     monkeypatch.setattr(agent, "write_emf", write_failing_once)
-    settings = Settings(
-        host=LOOPBACK, port=0, admin_host=LOOPBACK, admin_port=0, upstream_url=engine.url,
-        launcher_status_url=launcher.url, health_interval_seconds=0.05, workers=1,
-        metrics_namespace="Rufus/UnitProxy", cell="dev", unit_id="u0", emf_interval_seconds=0.05,
+    settings = proxy_settings(
+        engine, launcher, metrics_namespace="Rufus/UnitProxy", cell="dev", unit_id="u0", emf_interval_seconds=0.05
     )
     running = await agent.start(settings)
     try:
@@ -275,4 +270,4 @@ async def test_haproxy_dying_during_the_drain_is_exit_1(engine: FakeEngine, laun
             assert await asyncio.wait_for(proc.wait(), 20) == 1
             stream.close()
         _, stderr = await asyncio.wait_for(proc.communicate(), 5)
-    assert "during the drain, not by the agent's stop" in stderr.decode()
+    assert "during the stop, not by the agent's" in stderr.decode()

@@ -9,10 +9,9 @@ import aiohttp
 import pytest
 from unit_proxy import agent, haproxy_log
 from unit_proxy.haproxy_config import LOG_RING
-from unit_proxy.settings import Settings
 from unit_proxy.telemetry import Telemetry
 
-from .conftest import LOOPBACK, FakeEngine, FakeLauncher, wait_until
+from .conftest import LOOPBACK, FakeEngine, FakeLauncher, proxy_settings, wait_until
 
 
 async def test_a_line_written_before_the_first_stream_is_counted(engine: FakeEngine, launcher: FakeLauncher):
@@ -20,11 +19,7 @@ async def test_a_line_written_before_the_first_stream_is_counted(engine: FakeEng
     HAProxy to take the command: a request answered before that (right after start, a 503 of the
     closed gate) was never counted when HAProxy was slow to read the command. A first stream now
     starts at the ring's oldest line; here a second follower begins after a request was answered."""
-    settings = Settings(
-        host=LOOPBACK, port=0, admin_host=LOOPBACK, admin_port=0, upstream_url=engine.url,
-        launcher_status_url=launcher.url, health_interval_seconds=0.05, workers=1,
-    )
-    running = await agent.start(settings)
+    running = await agent.start(proxy_settings(engine, launcher))
     try:
         url = f"http://{LOOPBACK}:{running.port}"
         async with aiohttp.ClientSession() as session:
@@ -51,11 +46,7 @@ async def test_a_failed_read_is_logged_and_the_counting_goes_on(
 ):
     """Only OSError was caught: any other error in a read ended the follower, silently (its task's
     exception was never looked at), and the proxy served on with counts frozen for good."""
-    settings = Settings(
-        host=LOOPBACK, port=0, admin_host=LOOPBACK, admin_port=0, upstream_url=engine.url,
-        launcher_status_url=launcher.url, health_interval_seconds=0.05, workers=1,
-    )
-    running = await agent.start(settings)
+    running = await agent.start(proxy_settings(engine, launcher))
     real_feed, armed, failures = haproxy_log.feed, [], []
 
     def feed_failing_once(*args, **kwargs) -> None:

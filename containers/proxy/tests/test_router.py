@@ -258,23 +258,10 @@ async def test_sigterm_lets_a_stream_finish_then_exits_0(cells: tuple[FakeCell, 
     a, b = cells
     a.hold.clear()
     b.hold.clear()
-    port, admin = _free_port(), _free_port()
-    env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/bin"), "ROUTER_CELLS": f"a={a.url},b={b.url}",
-           "ROUTER_HOST": LOOPBACK, "ROUTER_PORT": str(port), "ROUTER_ADMIN_PORT": str(admin),
-           "ROUTER_CHECK_INTERVAL_MS": "200"}
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "unit_proxy.router", env=env,
-                                                stderr=asyncio.subprocess.PIPE)
+    proc, port, admin = await _router_process(a, b)
     try:
         async with aiohttp.ClientSession() as session:
-            for _ in range(200):
-                try:
-                    async with session.get(f"http://{LOOPBACK}:{admin}/status") as resp:
-                        doc = await resp.json()
-                    if all(c["status"] == "UP" for c in doc["cells"].values()):
-                        break
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.05)
+            await _all_up(session, admin)
             pending = asyncio.create_task(_post(session, port))
             for _ in range(250):
                 if a.posts + b.posts:
@@ -420,12 +407,7 @@ async def test_haproxy_dying_during_the_stop_is_exit_1(cells: tuple[FakeCell, Fa
     a, b = cells
     a.hold.clear()
     b.hold.clear()
-    port, admin = _free_port(), _free_port()
-    env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/bin"), "ROUTER_CELLS": f"a={a.url},b={b.url}",
-           "ROUTER_HOST": LOOPBACK, "ROUTER_PORT": str(port), "ROUTER_ADMIN_PORT": str(admin),
-           "ROUTER_CHECK_INTERVAL_MS": "200"}
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "unit_proxy.router", env=env,
-                                                stderr=asyncio.subprocess.PIPE)
+    proc, port, admin = await _router_process(a, b)
     try:
         async with aiohttp.ClientSession() as session:
             await _all_up(session, admin)
@@ -448,6 +430,18 @@ async def test_haproxy_dying_during_the_stop_is_exit_1(cells: tuple[FakeCell, Fa
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def _router_process(a: FakeCell, b: FakeCell) -> tuple[asyncio.subprocess.Process, int, int]:
+    """The shipped entry (`python -m unit_proxy.router`) in front of `a` and `b`: the process, its data and admin
+    ports."""
+    port, admin = _free_port(), _free_port()
+    env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/bin"), "ROUTER_CELLS": f"a={a.url},b={b.url}",
+           "ROUTER_HOST": LOOPBACK, "ROUTER_PORT": str(port), "ROUTER_ADMIN_PORT": str(admin),
+           "ROUTER_CHECK_INTERVAL_MS": "200"}
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "unit_proxy.router", env=env,
+                                                stderr=asyncio.subprocess.PIPE)
+    return proc, port, admin
 
 
 async def _all_up(session: aiohttp.ClientSession, admin: int) -> None:

@@ -669,15 +669,22 @@ async def serve(settings: Settings) -> int:
     interrupted.cancel()
     code = soft.result()
     await running.close()
-    if code not in (0, None, -signal.SIGTERM) and not running.killed:
-        # 0 after the agent's SIGTERM or a soft stop's own end, -15 when that SIGTERM reaches a master
-        # still starting (only the agent signals HAProxy); a killed worker makes the master exit 137,
-        # a killed master -9 (measured with HAProxy 2.6.12): the requests in flight were cut.
-        log.error("HAProxy exited with code %s during the drain, not by the agent's stop: requests in flight "
-                  "were cut; exiting 1", code)
+    if died_while_stopping(code, running.killed, "the agent's"):
         return 1
     log.warning("drained; exiting")
     return 0
+
+
+def died_while_stopping(code: int | None, killed: bool, stopper: str) -> bool:
+    """Whether HAProxy's exit `code` after a stop says it died on its own, cutting the requests in flight
+    (logged). 0 after a soft stop's own end, hard-stop-after or the stopper's SIGTERM; -15 when that SIGTERM
+    reaches a master still starting (only the stopper signals HAProxy); a killed worker makes the master exit
+    137, a killed master -9 (all measured with HAProxy 2.6.12). `killed`: the stopper killed it (its bound)."""
+    if code in (0, None, -signal.SIGTERM) or killed:
+        return False
+    log.error("HAProxy exited with code %s during the stop, not by %s: requests in flight were cut; exiting 1",
+              code, stopper)
+    return True
 
 
 async def _wait_or(event: asyncio.Event, seconds: float) -> None:

@@ -55,6 +55,7 @@ from unit_proxy.agent import (
     _start_haproxy,
     bind_data_port,
     configure_logging,
+    died_while_stopping,
     haproxy_exits_first,
     shut_listener,
 )
@@ -592,13 +593,7 @@ async def serve(settings: RouterSettings) -> int:
         return 1
     log.warning("stopping: listener closed, streams in flight go on (hard-stop-after)")
     code = await running.close(soft=True, timeout=HARD_STOP_SECONDS + 5.0)
-    if code not in (0, None, -signal.SIGTERM) and not running.killed:
-        # A soft stop ends with 0, hard-stop-after's too; a killed worker makes the master exit 137, a killed
-        # master -9 (measured with HAProxy 2.6.12, unit_proxy.agent.serve): the requests in flight were cut.
-        log.error("haproxy exited with code %s during the stop, not by the router's: requests in flight were cut; "
-                  "exiting 1", code)
-        return 1
-    return 0
+    return 1 if died_while_stopping(code, running.killed, "the router's") else 0
 
 
 def main() -> int:

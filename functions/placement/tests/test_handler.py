@@ -346,6 +346,22 @@ def test_an_instance_that_took_a_task_meanwhile_is_left_alone():
     assert summary["attributes_written"] == 2
 
 
+def _u2_stopping_beside_a_fresh_pair(stopping: dict[str, str]) -> Cell:
+    """Eight instances on two spines: u0 and u1 serve (b1, b2), u2's tasks on i-02a/i-02b are stopping as
+    `stopping` says (b3, b4), and i-03c/i-03d are fresh beside them (b3, b4)."""
+    cell = Cell()
+    ids = ["i-00a", "i-00b", "i-01a", "i-01b", "i-02a", "i-02b", "i-03c", "i-03d"]
+    cell.group(**dict.fromkeys(ids, "InService"))
+    serving = [container(i, running=1, unit=f"u{i[3]}", unit_placement="topology") for i in ids[:4]]
+    stopping_u2 = [container(i, unit="u2", unit_placement="topology") for i in ("i-02a", "i-02b")]
+    fresh = [container("i-03c"), container("i-03d")]
+    cell.containers([*serving, *stopping_u2, *fresh], stopping=stopping)
+    paths = dict(zip(ids, ["b1", "b1", "b2", "b2", "b3", "b4", "b3", "b4"], strict=True))
+    cell.topology(ids, [topo(i, "t", "m1" if paths[i] in ("b1", "b2") else "m2", paths[i]) for i in ids])
+    cell.describe(fresh)
+    return cell
+
+
 def test_an_instance_whose_unit_task_is_still_stopping_keeps_its_unit():
     """The autoscaler deactivated u2 (its tasks drain, up to the follower's stop bound) and activated u3.
 
@@ -354,16 +370,7 @@ def test_an_instance_whose_unit_task_is_still_stopping_keeps_its_unit():
     pendingTasksCount (botocore 1.44.8 ecs/2014-11-13 ContainerInstance). Before, i-02b looked free
     and was relabelled u3: u3's task would wait on it behind u2's drain, and the autoscaler's release
     of u2 (the instances labelled u2) would terminate the fresh i-03c instead of i-02b."""
-    cell = Cell()
-    ids = ["i-00a", "i-00b", "i-01a", "i-01b", "i-02a", "i-02b", "i-03c", "i-03d"]
-    cell.group(**dict.fromkeys(ids, "InService"))
-    serving = [container(i, running=1, unit=f"u{i[3]}", unit_placement="topology") for i in ids[:4]]
-    draining = [container(i, unit="u2", unit_placement="topology") for i in ("i-02a", "i-02b")]
-    fresh = [container("i-03c"), container("i-03d")]
-    cell.containers([*serving, *draining, *fresh], stopping={"i-02a": "RUNNING", "i-02b": "DEACTIVATING"})
-    paths = dict(zip(ids, ["b1", "b1", "b2", "b2", "b3", "b4", "b3", "b4"], strict=True))
-    cell.topology(ids, [topo(i, "t", "m1" if paths[i] in ("b1", "b2") else "m2", paths[i]) for i in ids])
-    cell.describe(fresh)
+    cell = _u2_stopping_beside_a_fresh_pair({"i-02a": "RUNNING", "i-02b": "DEACTIVATING"})
     writes = put("i-03c", "u3", "topology") + put("i-03d", "u3", "topology")
     cell.ecs.add_response("put_attributes", {"attributes": writes[:10]}, {"cluster": CLUSTER, "attributes": writes})
     summary = cell.run(settings=Settings(CLUSTER, GROUP, units=4, nodes_per_unit=2, metrics_namespace="N"))
@@ -376,16 +383,7 @@ def test_a_drained_unit_with_one_task_still_stopping_keeps_both_instances():
     that lost a node: the "nearest" completion (i-03c, beside i-02a) scores 6 against "keep"'s 4, so u2
     would take the fresh i-03c and u3 the old i-02b; the autoscaler's release of u2 would then terminate
     i-03c. A unit with a task still stopping keeps every instance labelled with it."""
-    cell = Cell()
-    ids = ["i-00a", "i-00b", "i-01a", "i-01b", "i-02a", "i-02b", "i-03c", "i-03d"]
-    cell.group(**dict.fromkeys(ids, "InService"))
-    serving = [container(i, running=1, unit=f"u{i[3]}", unit_placement="topology") for i in ids[:4]]
-    drained = [container(i, unit="u2", unit_placement="topology") for i in ("i-02a", "i-02b")]
-    fresh = [container("i-03c"), container("i-03d")]
-    cell.containers([*serving, *drained, *fresh], stopping={"i-02a": "STOPPING"})
-    paths = dict(zip(ids, ["b1", "b1", "b2", "b2", "b3", "b4", "b3", "b4"], strict=True))
-    cell.topology(ids, [topo(i, "t", "m1" if paths[i] in ("b1", "b2") else "m2", paths[i]) for i in ids])
-    cell.describe(fresh)
+    cell = _u2_stopping_beside_a_fresh_pair({"i-02a": "STOPPING"})
     writes = put("i-03c", "u3", "topology") + put("i-03d", "u3", "topology")
     cell.ecs.add_response("put_attributes", {"attributes": writes}, {"cluster": CLUSTER, "attributes": writes})
     summary = cell.run(settings=Settings(CLUSTER, GROUP, units=4, nodes_per_unit=2, metrics_namespace="N"))
