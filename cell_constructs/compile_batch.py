@@ -10,11 +10,15 @@ and a managed EC2 compute environment with `minv_cpus` 0 keeps no instance betwe
 The job gets one instance of the types whose memory holds the need; the launch template gives its
 root volume (where Docker keeps the container's writes and the job's volume) the disk need as
 encrypted gp3 at full throughput, and requires IMDSv2 with a hop limit of 1 (no bridge-network container
-reaches IMDS; the job's own container is in host network mode: see _compute_environment).
+reaches IMDS); its user data refuses IMDS to the job's own container, which is in host network mode
+(compile_host_setup.sh, compile_host_user_data).
 Instances have no public address, in isolated subnets that reach AWS through VPC endpoints only.
 """
 
 from __future__ import annotations
+
+import shlex
+from pathlib import Path
 
 from aws_cdk import Duration, RemovalPolicy, Size, Stack
 from aws_cdk import aws_batch as batch
@@ -29,6 +33,7 @@ from unit_launcher.artifacts import split_uri
 from cell_constructs.encryption import allow_cloudwatch_logs, artifacts_key_statement
 from cell_constructs.nag import acknowledge
 from cell_constructs.network import ECS_NODE_ENDPOINTS
+from cell_constructs.trainium_capacity import ECS_TASKS_CGROUP, IMDS_ADDRESS, TASKS_SLICE_UNIT, heredoc
 from inference_fleet import compile_job
 from inference_fleet.config import FleetConfig, is_az_id
 from inference_fleet.unit_spec import layout_key
@@ -39,6 +44,70 @@ from inference_fleet.unit_spec import layout_key
 _INTERFACE_ENDPOINTS = ECS_NODE_ENDPOINTS
 VPC_CIDR = "10.250.0.0/16"
 ROOT_DEVICE = "/dev/xvda"  # the root device of the ECS-optimized Amazon Linux 2023 AMI
+
+# The instance's boot script: user data installs and runs it, compile-host-setup.service runs it at every boot.
+COMPILE_HOST_SETUP_SCRIPT = Path(__file__).with_name("compile_host_setup.sh")
+COMPILE_HOST_READY = "/run/compile-host-setup/ready"
+# Task cgroups on (the agent's default), set explicitly so that the agent refuses to start rather than run
+# the job outside ecstasks.slice, where the IMDS rule would not match it (compile_host_setup.sh, ecs_config).
+ECS_CGROUP_SETTING = "ECS_ENABLE_TASK_CPU_MEM_LIMIT=true"
+# The setup before the ECS agent at every boot; the drop-in keeps the agent off unless this boot's setup
+# succeeded (Requires + After for later boots; on the first boot ecs.service's start job is queued before
+# user data writes the drop-in, and its condition is read when that job runs: after cloud-final, which runs
+# user data, amazon-ecs-agent packaging/amazon-linux-ami-integrated/ecs.service at
+# 8dfceca6cf380a83c3007349317566f2862f0673, "After=cloud-final.service").
+_COMPILE_HOST_UNITS = {
+    "/etc/systemd/system/compile-host-setup.service": """[Unit]
+Description=Compile host setup (IMDS refused to ECS task containers) before the ECS agent
+Before=ecs.service
+
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+ExecStart=/usr/local/sbin/compile-host-setup
+StandardOutput=journal+console
+StandardError=journal+console
+
+[Install]
+WantedBy=multi-user.target
+""",
+    "/etc/systemd/system/ecs.service.d/50-compile-host-setup.conf": f"""[Unit]
+Requires=compile-host-setup.service
+After=compile-host-setup.service
+ConditionPathExists={COMPILE_HOST_READY}
+""",
+    f"/etc/systemd/system/{ECS_TASKS_CGROUP}": TASKS_SLICE_UNIT,
+}
+
+
+def compile_host_user_data() -> ec2.MultipartUserData:
+    """The compute environment's user data: one bash part that installs compile_host_setup.sh, its
+    configuration and units, then runs it (a failure is the part's exit status and message).
+
+    MIME multi-part: "If you are creating the launch template for use with Batch, the user data must be
+    provided in the MIME multi-part archive format" (EC2 API RequestLaunchTemplateData, UserData,
+    https://docs.aws.amazon.com/AWSEC2/latest/APIReference/API_RequestLaunchTemplateData.html; Batch merges it
+    with its own, https://docs.aws.amazon.com/batch/latest/userguide/launch-templates.html). cloud-init runs a
+    text/x-shellscript part as an executable, by its shebang: bash.
+    """
+    config = {"IMDS_ADDRESS": IMDS_ADDRESS, "TASK_SLICE": ECS_TASKS_CGROUP, "ECS_CGROUP_SETTING": ECS_CGROUP_SETTING}
+    commands = [
+        "set -euo pipefail",
+        "mkdir -p /usr/local/sbin /etc/systemd/system/ecs.service.d",
+        # The drop-in first: from then on the agent waits for this boot's setup to succeed.
+        *[line for path, body in reversed(_COMPILE_HOST_UNITS.items()) for line in heredoc(path, body)],
+        *heredoc("/etc/compile-host-setup.conf", "".join(f"{k}={shlex.quote(v)}\n" for k, v in config.items())),
+        *heredoc("/usr/local/sbin/compile-host-setup", COMPILE_HOST_SETUP_SCRIPT.read_text(), mode="0755"),
+        "systemctl daemon-reload",
+        "systemctl enable compile-host-setup.service",
+        "/usr/local/sbin/compile-host-setup",
+    ]
+    shell = ec2.UserData.for_linux()
+    shell.add_commands(*commands)
+    user_data = ec2.MultipartUserData()
+    user_data.add_part(ec2.MultipartBody.from_raw_body(content_type='text/x-shellscript; charset="utf-8"',
+                                                       body=shell.render()))
+    return user_data
 
 
 # A job that never gets an instance stays RUNNABLE: the job definition's attempt timeout counts from
@@ -132,11 +201,16 @@ class CompileBatch(Construct):
             # IMDSv2 only, and its token one hop: the ECS-optimized AL2023 AMI defaults to 2
             # (https://docs.aws.amazon.com/linux/al2023/ug/imdsv2.html), one more than a container behind the docker
             # bridge needs to take the instance role's credentials. It does not keep the job's own container from
-            # IMDS: Batch runs ECS-EC2 single-node jobs in host network mode
+            # IMDS: Batch runs ECS-EC2 single-node jobs in host network mode, the only mode it offers them
             # (https://docs.aws.amazon.com/batch/latest/userguide/networking-modes-jobs.html), where IMDS is no hop
-            # away; that needs a host firewall rule as the Trainium nodes' block_imds (node_setup.sh), not done here
-            # (docs/compiled-artifacts.md). The job does not use IMDS: its one AWS client,
-            # boto3.client("s3") (containers/inference/unit_launcher/compile_run.py main), takes the job role
+            # away. The user data does: an iptables REJECT of IMDS for sockets of the ECS task cgroup, which holds
+            # the job's container and not the ECS agent's (compile_host_setup.sh, docs/compiled-artifacts.md).
+            # IMDS's IPv6 address (fd00:ec2::254) is off, the default ("By default, the IPv6 endpoint is disabled",
+            # https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/configuring-IMDS-existing-instances.html) written
+            # down, and serves only instances with IPv6 addresses (https://docs.aws.amazon.com/whitepapers/latest/
+            # ipv6-on-aws/supporting-amazon-vpc-services.html), which these subnets do not give: no ip6tables rule.
+            # The job does not use IMDS: its one AWS client, boto3.client("s3")
+            # (containers/inference/unit_launcher/compile_run.py main), takes the job role
             # from AWS_CONTAINER_CREDENTIALS_RELATIVE_URI, which the ECS agent sets in a container whose task has a
             # role (https://docs.aws.amazon.com/AmazonECS/latest/bestpracticesguide/security-iam-roles.html), and
             # botocore tries that provider before IMDS (botocore 1.44.8, the image's lock, credentials.py
@@ -144,6 +218,8 @@ class CompileBatch(Construct):
             # its region is AWS_REGION (the job definition's environment).
             require_imdsv2=True,
             http_put_response_hop_limit=1,
+            http_protocol_ipv6=False,
+            user_data=compile_host_user_data(),
             # Batch's own example resizes and encrypts this device of its default AMI
             # (https://docs.aws.amazon.com/batch/latest/userguide/launch-templates.html). Encrypted with the
             # account's EBS key: Batch launches through an Auto Scaling group, whose service-linked role a

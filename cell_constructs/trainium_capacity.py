@@ -136,7 +136,7 @@ def efa_network_interfaces(instance: InstanceType, security_group_id: str) -> li
     ]
 
 
-def _heredoc(path: str, body: str, *, mode: str = "0644") -> list[str]:
+def heredoc(path: str, body: str, *, mode: str = "0644") -> list[str]:
     """Commands that write `body` to `path` verbatim (quoted here-document: nothing is expanded)."""
     marker = "NODE_SETUP_EOF"
     if marker in body:
@@ -169,6 +169,13 @@ def node_setup_config(efa: EfaSetup, report: NodeSetupReport, task_devices: Sequ
     return "".join(f"{name}={shlex.quote(value)}\n" for name, value in values.items())
 
 
+# The ECS task cgroup as a unit of its own: the IMDS rule's cgroup match binds the cgroup when inserted,
+# so the slice is started before it and never stopped (the compile host's setup installs the same unit).
+TASKS_SLICE_UNIT = """[Unit]
+Description=ECS task containers; started at boot and never stopped, so the IMDS rule keeps matching it
+Before=slices.target
+"""
+
 # systemd units written by user data. node-setup.service runs the setup on every boot before the ECS
 # agent; the drop-in makes ecs.service need it (Requires + After: a failed node-setup keeps the agent
 # from starting, systemd.unit(5)) and its ready file, which only a successful run of this boot writes
@@ -195,10 +202,7 @@ Requires=node-setup.service
 After=node-setup.service
 ConditionPathExists=/run/node-setup/ready
 """,
-    f"/etc/systemd/system/{ECS_TASKS_CGROUP}": """[Unit]
-Description=ECS task containers; started at boot and never stopped, so the IMDS rule keeps matching it
-Before=slices.target
-""",
+    f"/etc/systemd/system/{ECS_TASKS_CGROUP}": TASKS_SLICE_UNIT,
     "/etc/systemd/system/node-setup-report.service": """[Unit]
 Description=Report a failed node setup to CloudWatch (NodeSetupFailed)
 
@@ -230,11 +234,11 @@ def _node_user_data(efa: EfaSetup, report: NodeSetupReport, task_devices: Sequen
     commands = [
         "set -uo pipefail",
         "mkdir -p /etc/node-setup /usr/local/sbin /etc/systemd/system/ecs.service.d",
-        *_heredoc("/etc/node-setup/node-setup.conf", node_setup_config(efa, report, task_devices)),
-        *_heredoc("/usr/local/sbin/node-setup", NODE_SETUP_SCRIPT.read_text(), mode="0755"),
+        *heredoc("/etc/node-setup/node-setup.conf", node_setup_config(efa, report, task_devices)),
+        *heredoc("/usr/local/sbin/node-setup", NODE_SETUP_SCRIPT.read_text(), mode="0755"),
     ]
     for path, body in _UNITS.items():
-        commands += _heredoc(path, body)
+        commands += heredoc(path, body)
     commands += [
         "systemctl daemon-reload",
         "systemctl enable node-setup.service",

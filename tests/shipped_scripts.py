@@ -1,7 +1,8 @@
 """The scripts the stacks ship, read back from synthesized templates, and a way to run them as production does.
 
 A script is anything a template hands to a shell or runs as a command line: EC2 user data
-(bash on AL2023), an ECS container's `EntryPoint`/`Command` of the form `sh -c <script>`,
+(bash on AL2023; each text/x-shellscript part of MIME multi-part user data, run by its shebang),
+an ECS container's `EntryPoint`/`Command` of the form `sh -c <script>`,
 an ECS health check (`CMD-SHELL` runs `/bin/sh -c`, `CMD` runs the argv as is), and the
 commands of a CodeBuild buildspec (sh). `/bin/sh` is dash in the Ubuntu-based images (the
 inference image's base is `...-ubuntu24.04`, containers/inference/Dockerfile) and here.
@@ -13,6 +14,7 @@ its unit number and hash), so a registry can name the test that executes it.
 
 from __future__ import annotations
 
+import email
 import json
 import os
 import re
@@ -92,6 +94,28 @@ def _buildspec_scripts(stack: str, logical_id: str, buildspec: str) -> Iterator[
                                 f"{stack}/{logical_id}")
 
 
+def user_data_parts(text: str) -> list[tuple[str, str]] | None:
+    """(content type, body) of each part of MIME multi-part user data; None for user data of one script."""
+    if not text.startswith(("Content-Type: multipart/", "MIME-Version:")):
+        return None
+    message = email.message_from_string(text)
+    assert message.is_multipart(), f"user data says MIME but is not multi-part: {text[:200]!r}"
+    return [(part.get_content_type(), part.get_payload(decode=True).decode()) for part in message.get_payload()]
+
+
+def _user_data_scripts(stack: str, logical_id: str, text: str) -> Iterator[ShippedScript]:
+    """User data: one script, or each shell script part of a MIME archive (cloud-init executes those)."""
+    where, kind = f"{stack}/{logical_id}", resource_kind(logical_id)
+    parts = user_data_parts(text)
+    if parts is None:
+        yield ShippedScript(f"{kind}/UserData", "bash" if text.startswith("#!/bin/bash") else "dash", text, where)
+        return
+    for index, (content_type, body) in enumerate(parts, start=1):
+        if content_type == "text/x-shellscript":
+            shell = _SHELLS.get(body.split("\n", 1)[0].removeprefix("#!").strip(), "not understood")
+            yield ShippedScript(f"{kind}/UserData/{index}", shell, body, where)
+
+
 def shipped_scripts(stack: str, template: dict) -> list[ShippedScript]:
     """Every script of one synthesized template."""
     found: list[ShippedScript] = []
@@ -101,9 +125,7 @@ def shipped_scripts(stack: str, template: dict) -> list[ShippedScript]:
             for container in props.get("ContainerDefinitions", []):
                 found.extend(_container_scripts(stack, logical_id, container))
         elif kind == "AWS::EC2::LaunchTemplate" and "UserData" in props.get("LaunchTemplateData", {}):
-            text = _render(props["LaunchTemplateData"]["UserData"])
-            shell = "bash" if text.startswith("#!/bin/bash") else "dash"
-            found.append(ShippedScript(f"{resource_kind(logical_id)}/UserData", shell, text, f"{stack}/{logical_id}"))
+            found.extend(_user_data_scripts(stack, logical_id, _render(props["LaunchTemplateData"]["UserData"])))
         elif kind == "AWS::EC2::Instance" and "UserData" in props:
             text = _render(props["UserData"])
             found.append(ShippedScript(f"{resource_kind(logical_id)}/UserData", "bash", text, f"{stack}/{logical_id}"))

@@ -2,7 +2,9 @@
 
 A hop limit of 2, the default of the AL2023 AMIs (https://docs.aws.amazon.com/linux/al2023/ug/imdsv2.html),
 lets a container behind the docker bridge take the instance role's credentials; 1 stops the token's
-PUT answer at the bridge (not a container in host network mode, as Batch's jobs are: compile_batch.py).
+PUT answer at the bridge. It does not stop a container in host network mode: the Trainium nodes' and the compile
+host's user data refuse IMDS to the ECS task cgroup (tests/test_node_user_data.py,
+tests/test_compile_host_user_data.py); a template may also write down IMDS's IPv6 address as off.
 Instances are launched by the cells' Trainium Auto Scaling groups and the compile job's Batch compute
 environment, each through a launch template; the routers run on Fargate (no IMDS). The test reads every
 template of the default, large, elastic and router fleets and fails if an instance could be launched some
@@ -43,7 +45,8 @@ def test_every_launch_template_requires_imdsv2_with_a_hop_limit_of_1(fleet: str,
         templates = {lid for lid, r in resources.items() if r["Type"] == "AWS::EC2::LaunchTemplate"}
         for lid in sorted(templates):
             options = resources[lid]["Properties"]["LaunchTemplateData"].get("MetadataOptions")
-            assert options == {"HttpTokens": "required", "HttpPutResponseHopLimit": 1}, (name, lid, options)
+            ipv6 = {"HttpProtocolIpv6": "disabled"} if "HttpProtocolIpv6" in options else {}
+            assert options == {"HttpTokens": "required", "HttpPutResponseHopLimit": 1, **ipv6}, (name, lid, options)
             seen.append(f"{name}/{lid}")
         assert not [(lid, r["Type"]) for lid, r in resources.items() if r["Type"] in _OTHER_WAYS], name
         for lid, resource in resources.items():

@@ -69,6 +69,10 @@ EXECUTED_BY: dict[str, Execution] = {
     "TrainiumLaunchTemplate/UserData": Execution(
         "bash", "tests/test_node_user_data.py",
         "test_default_fleet_installs_the_pinned_efa_installer_when_the_ami_has_none"),
+    # The compile instance's one MIME part, under bash on the same fake node: the IMDS rule for the job's cgroup.
+    "CompileLaunchTemplate/UserData/1": Execution(
+        "bash", "tests/test_compile_host_user_data.py",
+        "test_first_boot_installs_exactly_the_imds_rule_and_lets_the_agent_start"),
 }
 
 
