@@ -92,7 +92,9 @@ DESCRIPTION = """\
 Check and plan a fleet file (the YAML that describes your Trainium inference cells)
 before you synthesize or deploy it: validate it, see the model's memory and parallel
 layout on one unit, see how a rollout proceeds cell by cell, or print the reference
-of every field. Without --config, the default fleet (config/default.yaml) is used."""
+of every field. Without --config, offline commands use the example fleet
+(config/default.yaml); compile (but --dry-run), verify and evacuate (but --local) reach
+AWS and need your fleet's file."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -114,7 +116,8 @@ def _parser() -> argparse.ArgumentParser:
     ):
         sub = commands.add_parser(name, help=help_text, description=help_text, epilog=exit_codes.EPILOG,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-        sub.add_argument("--config", help="fleet YAML file (default: config/default.yaml)")
+        sub.add_argument("--config", help="fleet YAML file (default: the example fleet, config/default.yaml, "
+                                          "for offline commands; commands that reach AWS need it)")
         if add_arguments is not None:
             add_arguments(sub)
         sub.set_defaults(run=run)
@@ -131,8 +134,26 @@ def _closed_pipe() -> int:
     return exit_codes.CLOSED_PIPE
 
 
+def _acts_on_aws(args: argparse.Namespace) -> bool:
+    """Whether the command reads or changes deployed resources: `compile` unless --dry-run, `verify`, and
+    `evacuate` unless --local."""
+    if args.command == "compile":
+        return not args.dry_run
+    if args.command == "evacuate":
+        return args.local is None
+    return args.command == "verify"
+
+
 def _run(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
+    if getattr(args, "config", "") is None and _acts_on_aws(args):
+        # Without --config every command reads the package's example fleet (config/default.yaml). Offline that is a
+        # demonstration; against AWS it would submit, verify or evacuate another fleet's stacks (a fleet copied from
+        # the example keeps its name, so its stack names match), so the deployed fleet's file is asked for.
+        print(f"error: `{args.command}` acts on a deployed fleet: name its fleet file with --config FILE (make: "
+              f"CONFIG=FILE); only offline commands fall back to the example fleet, config/default.yaml",
+              file=sys.stderr)
+        return exit_codes.USAGE
     try:
         return args.run(args)
     except (ConfigError, ScenarioError) as error:

@@ -189,3 +189,29 @@ def test_simulate_checks_its_report_path_before_the_run(report: str, message: st
     done = fleet_cli("simulate", "--scenario", "simulations/ami-change.yaml", "--report", report)
     assert done.returncode == exit_codes.USAGE, done.stderr
     assert message in done.stderr and "Traceback" not in done.stderr and not done.stdout
+
+
+@pytest.mark.parametrize("argv", [
+    ["compile", "--submit"], ["compile", "--check"], ["compile", "--checkpoint", "ckpt"],
+    ["verify", "--cell", "dev"], ["verify", "--cell", "dev", "--destructive"],
+    ["evacuate", "--cell", "dev"], ["evacuate", "--cell", "dev", "--undo"],
+])
+def test_a_command_that_reaches_aws_refuses_the_example_fleet_it_was_not_given(argv: list[str]) -> None:
+    """Without --config every command read config/default.yaml: `compile --submit` submitted the example fleet's
+    job (a fleet copied from the example keeps its name, so the queue and stacks exist), `evacuate` said no router
+    fronts the cell. The command now stops before it reads a fleet or reaches AWS, and says what to pass."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_EC2_METADATA_DISABLED="true", AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull)
+    done = subprocess.run([sys.executable, "-m", "inference_fleet", *argv], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == exit_codes.USAGE, (done.returncode, done.stderr)
+    assert done.stderr.strip() == (
+        f"error: `{argv[0]}` acts on a deployed fleet: name its fleet file with --config FILE (make: CONFIG=FILE); "
+        "only offline commands fall back to the example fleet, config/default.yaml")
+
+
+@pytest.mark.parametrize("argv", [["compile", "--dry-run"], ["compile", "--submit", "--dry-run"],
+                                  ["validate"], ["plan-rollout"]])
+def test_offline_commands_still_use_the_example_fleet(argv: list[str]) -> None:
+    done = fleet_cli(*argv)
+    assert done.returncode == exit_codes.OK, done.stderr

@@ -136,7 +136,8 @@ def test_compile_takes_an_instance_roles_credentials_and_offline_targets_never_a
     env.update(AWS_EC2_METADATA_SERVICE_ENDPOINT=f"{fake_aws}/", AWS_ENDPOINT_URL_S3=fake_aws,
                AWS_DEFAULT_REGION="us-east-2", AWS_CONFIG_FILE=str(tmp_path / "none"),
                AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"))
-    done = subprocess.run(["make", "--no-print-directory", "-s", "compile", "COMPILE_ARGS=--check"], cwd=ROOT,
+    done = subprocess.run(["make", "--no-print-directory", "-s", "compile", "COMPILE_ARGS=--check",
+                           "CONFIG=config/default.yaml"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=180, check=False)
     assert "NoCredentialsError" not in done.stderr, done.stderr
     # The S3 read was made, signed, and found no manifest (make reports the CLI's exit 5 as its Error 5).

@@ -21,7 +21,8 @@ def verify(*args: str, tmp: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update(AWS_EC2_METADATA_DISABLED="true", AWS_CONFIG_FILE=str(tmp / "none"),
                AWS_SHARED_CREDENTIALS_FILE=str(tmp / "none"))
-    return subprocess.run([sys.executable, "-m", "inference_fleet", "verify", *args], cwd=ROOT, env=env,
+    config = ["--config", str(ROOT / "config" / "default.yaml")]
+    return subprocess.run([sys.executable, "-m", "inference_fleet", "verify", *config, *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
