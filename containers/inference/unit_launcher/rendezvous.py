@@ -25,6 +25,15 @@ the leader ends the session as deliberate with cause `member_stopping`, naming t
 follower, when the report comes or at the latest after `member_drain_seconds`. The
 followers hear "stopping" and exit 0, and the stopping follower's guard releases its
 engine. A session whose engines have not started yet (the ready phase) ends at once.
+
+A follower stopped while it joins (SIGTERM, or SIGUSR1 from its drain guard) has not read
+the leader's answer, yet the leader may count it: a member since its first `/join`, released
+with the others, its answer in flight. It says `POST /withdraw` to every leader it asked. A
+forming member is dropped (its place is free for its replacement); a released one ends the
+session at once as `member_stopping`, deliberate (its engines cannot have started: it never
+said ready). Either way the leader refuses any later `/join` of that launcher process, as the
+cut-short join may arrive after the withdrawal. A follower that dies says nothing, and stays
+lost.
 """
 
 from __future__ import annotations
@@ -60,6 +69,8 @@ CANARY_FAILED_PATH = "/canary-failed"
 DRAINED_PATH = "/drained"
 # A follower whose task is stopping asked the leader to drain; the session ended deliberately for it.
 MEMBER_STOPPING = "member_stopping"
+# Where a follower stopped while it joins withdraws its join (it may already be a member).
+WITHDRAW_PATH = "/withdraw"
 
 
 class JoinError(RuntimeError):
@@ -171,6 +182,8 @@ class LeaderSession:
     drain_requested: dict[str, Any] | None = None
     drain_member: Member | None = None
     drain_started: float | None = None
+    # (instance id, incarnation) of the launcher processes that withdrew their join: refused from then on.
+    withdrawn: set[tuple[str, str]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         now = time.monotonic()
@@ -499,6 +512,7 @@ class LeaderSession:
         app.router.add_get("/status", self._status)
         app.router.add_post(CANARY_FAILED_PATH, self._canary_failed)
         app.router.add_post(DRAINED_PATH, self._drained)
+        app.router.add_post(WITHDRAW_PATH, self._withdraw)
         return app
 
     async def _body(self, request: web.Request, required: tuple[str, ...]) -> dict[str, Any]:
@@ -540,6 +554,8 @@ class LeaderSession:
             )
         instance_id = body["instance_id"]
         incarnation = str(body.get("incarnation", ""))
+        if (instance_id, incarnation) in self.withdrawn:
+            return self._refuse_withdrawn(who)
         member = self.members.get(instance_id)
         if self.released.is_set():
             if member is not None and self.state != STOPPING and member.incarnation != incarnation:
@@ -580,6 +596,8 @@ class LeaderSession:
         member.open_requests += 1
         try:
             await asyncio.wait_for(self._released_or_ended(), wait)
+            if self.members.get(instance_id) is not member:  # withdrawn while its join was held
+                return self._refuse_withdrawn(who)
             if not self.released.is_set():
                 return self._refuse(
                     "stopping",
@@ -600,6 +618,10 @@ class LeaderSession:
         finally:
             member.open_requests -= 1
         return web.json_response(self.release_payload(member))
+
+    def _refuse_withdrawn(self, who: str) -> web.Response:
+        return self._refuse("withdrawn", f"{who} withdrew its join from unit {self.spec.unit_id} (its launcher "
+                                         "is stopping): a new launcher process joins the next session")
 
     async def _released_or_ended(self) -> None:
         waits = [asyncio.ensure_future(self.released.wait()), asyncio.ensure_future(self.ended.wait())]
@@ -700,6 +722,45 @@ class LeaderSession:
             )
         self.end_for_stopping_member("the proxy drained")
         return web.json_response({"ended": True, "cause": self.cause, "reason": self.end_reason})
+
+    async def _withdraw(self, request: web.Request) -> web.Response:
+        """POST {cell, unit_id, instance_id, incarnation, reason} from a follower stopped while it joined."""
+        body = await self._body(request, ("cell", "unit_id", "instance_id", "incarnation"))
+        if not body["incarnation"]:
+            raise web.HTTPBadRequest(text='{"error": "incarnation must name the launcher process that joined"}',
+                                     content_type="application/json")
+        if (body["cell"], body["unit_id"]) != (self.spec.cell, self.spec.unit_id):
+            return self._refuse("wrong_unit", f"{body['instance_id']} withdraws from unit {body['unit_id']} of cell "
+                                              f"{body['cell']}; this is the leader of unit {self.spec.unit_id} of "
+                                              f"cell {self.spec.cell}")
+        member = self.withdraw(str(body["instance_id"]), str(body["incarnation"]), str(body.get("reason") or "stop"))
+        return web.json_response({"member": member is not None, "ended": member is not None and self.ended.is_set(),
+                                  "state": self.state, "cause": self.cause})
+
+    def withdraw(self, instance_id: str, incarnation: str, reason: str) -> Member | None:
+        """A follower's launcher process was stopped while it joined: it never read this leader's
+        answer. Refuse its joins from now on; drop it if forming, else end the session for it as a
+        deliberate stop (the first cause wins: a session that already ended keeps its own).
+        Returns the member it was, or None when this leader did not count it."""
+        self.withdrawn.add((instance_id, incarnation))
+        member = self.members.get(instance_id)
+        if member is None or instance_id == self.instance_id or member.incarnation != incarnation:
+            log.info("withdrawal of %s (launcher %s, %s): not a member", instance_id, incarnation, reason)
+            return None
+        member.told_stop = True  # it is gone: nobody to tell "stopping"
+        if not self.released.is_set():
+            log.info("forgetting %s: it withdrew its join (%s) before the unit formed", member.describe(), reason)
+            del self.members[instance_id]
+            return member
+        # Released, but it never read the release, so never said ready: no engine started, nothing to drain.
+        self.end(
+            f"follower {member.describe()} is stopping (its task was told to stop); session ended at once: "
+            f"it withdrew its join ({reason}) before it read the release",
+            deliberate=True,
+            cause=MEMBER_STOPPING,
+            ended_by=member,
+        )
+        return member
 
     # -- a follower whose task is stopping -----------------------------------------------------
     def request_drain(self, member: Member) -> None:
@@ -835,11 +896,14 @@ async def join(
     instance_id: str,
     deadline: float,
     rediscover: Any = None,
+    asked: set[str] | None = None,
 ) -> Release:
     """Join the unit through one of the candidate leader addresses; wait for the release.
 
     Retries connection failures and refusals until `deadline` (monotonic); a refusal is
     retried because during a rolling update the right leader may be about to appear.
+    `asked` collects every leader address a join was sent to: those that may count this
+    node as a member, and to which a stop while joining withdraws it (`withdraw`).
     """
     body: dict[str, Any] = {
         "incarnation": INCARNATION,
@@ -855,6 +919,8 @@ async def join(
         for leader in leaders:
             url = f"http://{leader}:{spec.rendezvous.port}/join"
             body["wait_seconds"] = max(0.1, min(JOIN_POLL_SECONDS, deadline - time.monotonic()))
+            if asked is not None:
+                asked.add(leader)
             try:
                 timeout = aiohttp.ClientTimeout(total=JOIN_POLL_SECONDS + 5, connect=3)
                 async with http.post(url, json=body, timeout=timeout) as response:
@@ -899,6 +965,37 @@ async def join(
         pause = min(pause * 2, 0.5)  # cheap requests; a late leader is found quickly
         if rediscover is not None:
             leaders = await rediscover()
+
+
+# Longest a stopping follower waits for the leaders' answers to its withdrawal.
+WITHDRAW_SECONDS = 2.0
+
+
+async def withdraw(http: aiohttp.ClientSession, spec: UnitSpec, leaders: set[str], *, instance_id: str,
+                   reason: str) -> list[str]:
+    """This node was stopped while it joined: tell every leader it asked, at once, that this
+    launcher process withdraws (a leader may already count it, or have released it with its
+    answer in flight), so that its end is recorded as a stop, not as a lost member. Returns the
+    leaders that counted it; one that cannot be reached is logged (it will find the node silent)."""
+    body = {"incarnation": INCARNATION, "cell": spec.cell, "unit_id": spec.unit_id, "instance_id": instance_id,
+            "reason": reason}
+
+    async def tell(leader: str) -> bool:
+        url = f"http://{leader}:{spec.rendezvous.port}{WITHDRAW_PATH}"
+        try:
+            async with http.post(url, json=body, timeout=aiohttp.ClientTimeout(total=WITHDRAW_SECONDS)) as response:
+                data = await response.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as error:
+            log.warning("could not withdraw from leader %s: %s", leader, error or type(error).__name__)
+            return False
+        if response.status != 200 or not isinstance(data, dict):
+            log.warning("leader %s refused the withdrawal: %s", leader, data)
+            return False
+        log.info("withdrew from leader %s: %s", leader, data)
+        return bool(data.get("member"))
+
+    answers = await asyncio.gather(*(tell(leader) for leader in sorted(leaders)))
+    return [leader for leader, counted in zip(sorted(leaders), answers, strict=True) if counted]
 
 
 # A follower's cause when the leader stopped answering its heartbeats.

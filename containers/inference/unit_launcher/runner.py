@@ -638,6 +638,7 @@ async def _run_follower(spec: UnitSpec, me: Identity, env: Mapping[str, str], si
             log.error("%s", error)
             return EXIT_FORM_TIMEOUT
         deadline = time.monotonic() + spec.rendezvous.join_timeout_seconds
+        asked: set[str] = set()
         joining = asyncio.ensure_future(
             rendezvous.join(
                 http,
@@ -647,6 +648,7 @@ async def _run_follower(spec: UnitSpec, me: Identity, env: Mapping[str, str], si
                 instance_id=me.instance_id,
                 deadline=deadline,
                 rediscover=None if explicit else find_leader,
+                asked=asked,
             )
         )
         # Its task stopping before it is in a session: nothing to drain, it stops.
@@ -654,7 +656,11 @@ async def _run_follower(spec: UnitSpec, me: Identity, env: Mapping[str, str], si
         if not joining.done():
             joining.cancel()
             why = "SIGTERM" if signals.stop.is_set() else "SIGUSR1 (its task is stopping)"
-            _local_record(spec, me, "deliberate_stop", f"follower received {why} before it joined")
+            # A leader may already count it (a member, or released with the answer in flight):
+            # unsaid, that leader would record it lost once it falls silent.
+            counted = await rendezvous.withdraw(http, spec, asked, instance_id=me.instance_id, reason=why)
+            said = f"; withdrew from leader {', '.join(counted)}" if counted else ""
+            _local_record(spec, me, "deliberate_stop", f"follower received {why} before it joined{said}")
             return 0
         try:
             release = joining.result()

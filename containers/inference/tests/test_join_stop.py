@@ -1,0 +1,185 @@
+"""A follower stopped on purpose while it joins (its join answer not yet read): the leader must
+not count it as lost. Real follower processes against a leader on loopback; the interleavings
+are made deterministic by the leader's backoff (the follower is a member, not yet released) and
+by holding the leader's release answer until the follower has been stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+from unit_launcher import evidence, rendezvous
+from unit_launcher.spec import parse_spec
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _history(spec: dict) -> list[dict]:
+    return evidence.read_history(evidence.history_path(spec["state_dir"], spec["cell"], spec["unit_id"]))
+
+
+def _members(status: dict | None) -> list[str]:
+    return [m["instance_id"] for m in (status or {}).get("members", [])]
+
+
+def test_a_follower_stopped_while_the_leader_backs_off_is_not_counted_lost(tmp_path, unit_nodes, h):
+    """The follower joined while the leader waited out its backoff (a member, not released) and was
+    stopped there. Its replacement must form the unit with the leader; the stopped follower must
+    not be released into the session and then reported silent (`heartbeat_loss`)."""
+    # A backoff long enough that the follower joins and is stopped well within it, on a loaded machine too.
+    spec = h.cpu_spec(2, record_dir=tmp_path, backoff_base_seconds=10, backoff_cap_seconds=10,
+                      follower_loss_seconds=5.0)
+    port = spec["rendezvous"]["port"]
+    history = evidence.history_path(spec["state_dir"], spec["cell"], spec["unit_id"])
+    evidence.append_history(history, {"event": "unit_session_end", "session_id": "s0", "cause": "engine_exit",
+                                      "ended_at": time.time(), "served_seconds": 0.0})
+    leader = unit_nodes(spec, "leader", "i-leader")
+    stopped = unit_nodes({**spec, "state_dir": str(tmp_path / "f1-state")}, "follower", "i-f1")
+    joined = h.wait_for(lambda: (s := h.get_status(port)) and "i-f1" in _members(s) and s, 20,
+                        "the follower joined while the leader backs off")
+    # The interleaving: a member, not released, and not about to be before the stop is handled.
+    assert joined["state"] == rendezvous.BACKOFF and joined["backoff"]["until"] - time.time() > 2, joined
+
+    stopped.signal(signal.SIGTERM)
+    assert stopped.wait(10) == 0, stopped.log
+    replacement = unit_nodes({**spec, "state_dir": str(tmp_path / "f2-state")}, "follower", "i-f2")
+
+    def settled():
+        status = h.get_status(port)
+        serving = status and status["state"] == "serving" and _members(status) == ["i-leader", "i-f2"]
+        return serving or leader.process.poll() is not None
+
+    h.wait_for(settled, 40, "the unit serving with the replacement, or the leader's exit")
+    ends = [r for r in _history(spec) if r["session_id"] != "s0"]
+    assert not ends, f"the leader recorded {[(r['cause'], r['reason']) for r in ends]}"
+    assert leader.process.poll() is None and replacement.process.poll() is None, leader.log
+
+
+class _HeldLeader:
+    """A leader session in this test's loop whose release answers to `/join` are held until
+    `let_go` is set: the follower's join answer is in flight for as long as the test wants."""
+
+    def __init__(self, spec: dict) -> None:
+        self.session = rendezvous.LeaderSession(parse_spec(spec), "127.0.0.1", "i-leader")
+        self.holding, self.let_go = asyncio.Event(), asyncio.Event()
+
+    @web.middleware
+    async def _hold(self, request: web.Request, handler) -> web.StreamResponse:
+        response = await handler(request)
+        if request.path == "/join" and self.session.released.is_set():
+            self.holding.set()
+            await self.let_go.wait()
+        return response
+
+    async def __aenter__(self) -> _HeldLeader:
+        app = self.session.app()
+        app.middlewares.append(self._hold)
+        self.runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.session.spec.rendezvous.port, reuse_address=True).start()
+        self.watchdog = asyncio.ensure_future(self.session.watchdog())
+        self.session.mark_ready()  # the leader has its artifacts: the first follower's join releases
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.let_go.set()
+        self.watchdog.cancel()
+        await self.runner.cleanup()
+
+
+async def _exit_status(node, timeout: float) -> int:
+    deadline = time.monotonic() + timeout
+    while node.process.poll() is None:
+        assert time.monotonic() < deadline, f"{node.instance_id} still running; log:\n{node.log}"
+        await asyncio.sleep(0.05)
+    return node.process.returncode
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+async def test_a_follower_stopped_while_its_release_answer_is_in_flight_ends_the_session_as_a_stop(
+    tmp_path: Path, unit_nodes, h, sig
+):
+    """Released by its own join, stopped (SIGTERM, or SIGUSR1 from its drain guard) before it read
+    the answer: the session ends at once as `member_stopping`, deliberate, naming it; never as
+    `heartbeat_loss` after the loss limit."""
+    spec = h.cpu_spec(2, record_dir=tmp_path)
+    async with _HeldLeader(spec) as leader:
+        follower = unit_nodes({**spec, "state_dir": str(tmp_path / "f1-state")}, "follower", "i-f1")
+        await asyncio.wait_for(leader.holding.wait(), 20)
+        session = leader.session
+        assert session.released.is_set() and session.members["i-f1"].rank == 1  # counted, answer held
+        follower.signal(sig)
+        assert await _exit_status(follower, 10) == 0
+        leader.let_go.set()
+        await asyncio.wait_for(session.ended.wait(), 10)
+        assert (session.cause, session.deliberate_end) == (rendezvous.MEMBER_STOPPING, True), session.end_reason
+        assert session.ended_by is not None and session.ended_by.instance_id == "i-f1"
+        assert "withdrew" in session.end_reason
+
+
+async def test_a_follower_killed_while_its_release_answer_is_in_flight_is_still_lost(tmp_path, unit_nodes, h):
+    """The guard on the other side: a follower that dies (SIGKILL: OOM, a crash) says nothing, and
+    stays a loss (`heartbeat_loss`, not deliberate) however its join was cut short."""
+    spec = h.cpu_spec(2, record_dir=tmp_path)
+    async with _HeldLeader(spec) as leader:
+        follower = unit_nodes({**spec, "state_dir": str(tmp_path / "f1-state")}, "follower", "i-f1")
+        await asyncio.wait_for(leader.holding.wait(), 20)
+        follower.signal(signal.SIGKILL)
+        assert await _exit_status(follower, 10) == -signal.SIGKILL
+        leader.let_go.set()
+        session = leader.session
+        await asyncio.wait_for(session.ended.wait(), 15)
+        assert (session.cause, session.deliberate_end) == ("heartbeat_loss", False), session.end_reason
+        assert session.ended_by is not None and session.ended_by.instance_id == "i-f1"
+
+
+async def _post(http: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dict]:
+    async with http.post(url, json=body) as response:
+        return response.status, await response.json(content_type=None)
+
+
+async def test_a_withdrawal_that_overtakes_its_join_keeps_that_join_out(tmp_path, h):
+    """The follower's withdrawal and its cut-short join travel on different connections: a join
+    of the withdrawn launcher process that arrives after it is refused, whether the leader knew
+    the member or not; another process on the same instance (a restart) may join."""
+    spec = parse_spec(h.cpu_spec(3, record_dir=tmp_path))
+    session = rendezvous.LeaderSession(spec, "127.0.0.1", "i-leader")
+    session.mark_ready()
+    runner = await rendezvous.start_server(session, "127.0.0.1")
+    base = f"http://127.0.0.1:{spec.rendezvous.port}"
+    unit = {"cell": spec.cell, "unit_id": spec.unit_id, "revision": spec.revision}
+    joining = {**unit, "address": "127.0.0.2", "instance_id": "i-f1", "incarnation": "p1", "wait_seconds": 0.1}
+    withdrawal = {**unit, "instance_id": "i-f1", "incarnation": "p1", "reason": "SIGTERM"}
+    try:
+        async with aiohttp.ClientSession() as http:
+            code, answer = await _post(http, base + rendezvous.WITHDRAW_PATH, withdrawal)
+            assert (code, answer["member"]) == (200, False), answer
+            code, answer = await _post(http, base + "/join", joining)
+            assert (code, answer["reason"]) == (409, "withdrawn"), answer
+            assert "i-f1" not in session.members
+
+            # A forming member withdrawn: dropped, its place free; the session goes on.
+            code, answer = await _post(http, base + "/join", {**joining, "instance_id": "i-f2", "incarnation": "p2"})
+            assert code == 200 and "i-f2" in session.members, answer
+            code, answer = await _post(http, base + rendezvous.WITHDRAW_PATH,
+                                       {**withdrawal, "instance_id": "i-f2", "incarnation": "other"})
+            assert (code, answer["member"]) == (200, False) and "i-f2" in session.members, answer
+            code, answer = await _post(http, base + rendezvous.WITHDRAW_PATH,
+                                       {**withdrawal, "instance_id": "i-f2", "incarnation": "p2"})
+            assert (code, answer["member"], answer["ended"]) == (200, True, False), answer
+            assert "i-f2" not in session.members and session.end_reason is None
+
+            # A restarted launcher on the first instance is another process: it joins.
+            code, answer = await _post(http, base + "/join", {**joining, "incarnation": "p3"})
+            assert code == 200 and session.members["i-f1"].incarnation == "p3", answer
+            code, answer = await _post(http, base + rendezvous.WITHDRAW_PATH, {**withdrawal, "unit_id": "u9"})
+            assert (code, answer["reason"]) == (409, "wrong_unit"), answer
+            code, answer = await _post(http, base + rendezvous.WITHDRAW_PATH, {**withdrawal, "incarnation": ""})
+            assert code == 400 and "incarnation" in answer["error"], answer
+    finally:
+        await runner.cleanup()
