@@ -312,8 +312,14 @@ def test_the_leader_announces_a_formed_session_once_in_the_form_the_placement_co
     for name in ("i-f1", "i-f2"):
         unit_nodes(spec, "follower", name)
     status = h.wait_for(lambda: (s := h.get_status(port)) and s["state"] == "serving" and s, 60, "unit serving")
-    lines = [json.loads(line) for line in leader.log.splitlines()
-             if line.startswith("{") and '"unit_session_formed"' in line]
+
+    def formed_lines() -> list[dict]:
+        return [json.loads(line) for line in leader.log.splitlines()
+                if line.startswith("{") and '"unit_session_formed"' in line]
+
+    # The leader's log reaches the test through a pipe and a reader thread: "serving" on /status
+    # may come before the line does.
+    lines = h.wait_for(formed_lines, 10, "the unit_session_formed line")
     assert len(lines) == 1, leader.log
     [formed] = lines
     assert formed["session_id"] == status["session_id"] and formed["unit_id"] == spec["unit_id"]
