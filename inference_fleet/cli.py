@@ -22,7 +22,7 @@ import os
 import sys
 from dataclasses import asdict
 
-from inference_fleet import __version__, compile_cli, evacuate, exit_codes, rollout
+from inference_fleet import __version__, compile_cli, compile_job, evacuate, exit_codes, rollout
 from inference_fleet.checks import check_fleet_file_place, load_fleet
 from inference_fleet.config import ConfigError
 from inference_fleet.planner import cli as planner_cli
@@ -48,6 +48,10 @@ def _validate(args: argparse.Namespace) -> int:
     for router in fleet.routers:
         print(f"{fleet.router_stack_name(router)}: router of {', '.join(router.cells)}, {router.tasks} Fargate "
               f"tasks in {', '.join(fleet.router_azs(router))}")
+    # The two stacks a first deploy names besides the cells (docs/deploying.md, steps 3 and 8).
+    print(f"{compile_job.stack_name(fleet)}: the compile job's AWS Batch queue (`compile --submit`)")
+    if fleet.pipeline is not None:
+        print(f"{fleet.pipeline_stack_name}: the rollout pipeline, cell by cell")
     return 0
 
 

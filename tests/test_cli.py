@@ -215,3 +215,12 @@ def test_a_command_that_reaches_aws_refuses_the_example_fleet_it_was_not_given(a
 def test_offline_commands_still_use_the_example_fleet(argv: list[str]) -> None:
     done = fleet_cli(*argv)
     assert done.returncode == exit_codes.OK, done.stderr
+
+
+def test_validate_names_every_stack_a_first_deploy_asks_for() -> None:
+    """docs/deploying.md has the user deploy `<Fleet>-Compile` and `<Fleet>-Pipeline` by name; validate
+    listed only the cell and router stacks."""
+    done = fleet_cli("validate")
+    assert done.returncode == exit_codes.OK, done.stderr
+    names = [line.split(":")[0] for line in done.stdout.splitlines()]
+    assert names == ["Rufus-Cell-dev", "Rufus-Compile", "Rufus-Pipeline"], done.stdout
