@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+from datetime import date
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,7 @@ from aws_cdk.assertions import Template
 from syrupy.extensions.json import JSONSnapshotExtension
 
 from cell_constructs.cell_alarms import gate_reader_role_name, rollout_gate_name
+from cell_constructs.fleet_cli_project import STANDARD_7_0_RUNTIMES
 from cell_constructs.nag import add_policy_checks
 from inference_fleet.checks import load_fleet, parse_fleet
 from inference_fleet.config import FleetConfig
@@ -485,6 +489,53 @@ def _make_prerequisites() -> dict[str, list[str]]:
     """Each Makefile target's direct prerequisites (`target: prereq ... ## help`)."""
     text = (ROOT / "Makefile").read_text()
     return {target: prereqs.split() for target, prereqs in _RULE.findall(text) if not target.startswith(".")}
+
+
+# The AWS CDK's Node.js support end dates, read 2026-12-02 from https://docs.aws.amazon.com/cdk/v2/guide/node-versions.html
+# ("Supported Node.js versions" and "Node.js versions no longer supported"): after a version's date the CDK CLI,
+# aws-cdk-lib and jsii no longer support it.
+CDK_NODE_SUPPORT_ENDS = {"24": date(2028, 10, 30), "22": date(2027, 10, 30), "20": date(2026, 10, 30),
+                         "18": date(2025, 11, 30)}
+CDK_NODE_TABLE_READ = date(2026, 12, 2)
+
+
+def _codebuild_runtimes(synth: Synth) -> dict[str, dict[str, str]]:
+    """runtime-versions of every CodeBuild project of the pipeline stack, by logical id."""
+    template = synth.templates[synth.fleet.pipeline_stack_name]
+    runtimes = {}
+    for logical_id, project in template.find_resources("AWS::CodeBuild::Project").items():
+        assert project["Properties"]["Environment"]["Image"] == "aws/codebuild/standard:7.0", logical_id
+        spec = json.loads(project["Properties"]["Source"]["BuildSpec"])
+        runtimes[logical_id] = spec["phases"]["install"]["runtime-versions"]
+    return runtimes
+
+
+def test_every_build_asks_for_runtimes_the_image_ships_and_the_cdk_supports(synth) -> None:
+    """A runtime the standard 7.0 image lists is installed from the image; the build's Node.js runs the CDK CLI and
+    jsii, so it must be one the AWS CDK still supported when its table was read (Node.js 20 was not: its CDK
+    support ended 2026-10-30)."""
+    runtimes = _codebuild_runtimes(synth)
+    assert len(runtimes) >= 2, runtimes  # the build and at least one verify gate
+    for logical_id, versions in runtimes.items():
+        for runtime, version in versions.items():
+            assert version in STANDARD_7_0_RUNTIMES[runtime], (logical_id, runtime, version)
+    (build,) = [v for k, v in runtimes.items() if k.startswith("Build")]
+    assert CDK_NODE_SUPPORT_ENDS[build["nodejs"]] > CDK_NODE_TABLE_READ, (
+        f"the build's Node.js {build['nodejs']} lost AWS CDK support on {CDK_NODE_SUPPORT_ENDS[build['nodejs']]}")
+    # The newest the image ships: the active LTS.
+    assert build["nodejs"] == max(STANDARD_7_0_RUNTIMES["nodejs"], key=int)
+    # Only the build runs Node.js; the other projects (verify gates, evacuations) take the image's default.
+    assert all("nodejs" not in v for k, v in runtimes.items() if not k.startswith("Build")), runtimes
+
+
+def test_the_fleet_cli_runs_no_node() -> None:
+    """The verify and evacuation projects set no nodejs runtime: that holds while `python -m inference_fleet`
+    imports neither aws_cdk nor jsii (either would start a Node.js process)."""
+    code = ("import sys, inference_fleet.cli, inference_fleet.evacuate, inference_fleet.verify.cli; "
+            "print(sorted({'aws_cdk', 'jsii'} & set(sys.modules)))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                            timeout=120)
+    assert result.stdout.strip() == "[]", result.stdout
 
 
 def _closure(target: str, rules: dict[str, list[str]]) -> set[str]:
