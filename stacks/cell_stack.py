@@ -443,7 +443,7 @@ class CellStack(Stack):
             load_balancer=self.load_balancer.load_balancer,
             target_group=self.load_balancer.target_group,
             # A pipeline in another account reads the gate through a role in this one.
-            gate_reader=PipelineTrust(pipeline.account, fleet.name)
+            gate_reader=PipelineTrust(pipeline.account, pipeline.region, fleet.name)
             if pipeline and pipeline.account != cell.account else None,
         )
         return alarms

@@ -209,7 +209,7 @@ class PipelineStack(Stack):
             pipeline_name=f"{fleet.name}-rollout",
             # Named: the gate readers of cells and routers in other accounts admit only this role, by its ARN
             # (cell_constructs.gate_reader). The same role CDK would make (aws-codepipeline pipeline.ts), named.
-            role=iam.Role(self, "PipelineRole", role_name=pipeline_role_name(fleet.name),
+            role=iam.Role(self, "PipelineRole", role_name=pipeline_role_name(fleet.name, self.config.region),
                           assumed_by=iam.ServicePrincipal("codepipeline.amazonaws.com")),
             pipeline_type=codepipeline.PipelineType.V2,
             execution_mode=codepipeline.ExecutionMode.SUPERSEDED,
