@@ -22,7 +22,6 @@ failed sessions, cause and member, from the unit log group.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 from aws_cdk import ArnFormat, Duration, Stack
@@ -37,7 +36,7 @@ from cdk_monitoring_constructs import (
 )
 from constructs import Construct
 
-from cell_constructs.gate_reader import PipelineTrust
+from cell_constructs.gate_reader import PipelineTrust, bounded_role_name
 from cell_constructs.nag import acknowledge
 from inference_fleet.config import AlarmsConfig
 
@@ -48,7 +47,6 @@ ONE_MINUTE = Duration.minutes(1)
 NEUTRAL_CAUSES = ("deliberate_stop", "member_stopped", "member_stopping")
 # Rows of the dashboard's table of the latest failed sessions.
 LAST_FAILURES = 20
-IAM_ROLE_NAME_MAX = 64
 GATE_READER_SUFFIX = "gate-reader"
 
 
@@ -65,12 +63,7 @@ def gate_reader_role_name(stack_name: str) -> str:
     24-character cell name makes 66: a longer name keeps its stack name's head and a hash of the whole (stable, so
     the pipeline stack, which derives it again, names the same role).
     """
-    name = f"{stack_name}-{GATE_READER_SUFFIX}"
-    if len(name) <= IAM_ROLE_NAME_MAX:
-        return name
-    digest = hashlib.sha256(stack_name.encode()).hexdigest()[:8]
-    head = stack_name[: IAM_ROLE_NAME_MAX - len(digest) - len(GATE_READER_SUFFIX) - 2]
-    return f"{head}-{digest}-{GATE_READER_SUFFIX}"
+    return bounded_role_name(stack_name, GATE_READER_SUFFIX)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,6 +26,17 @@ from cell_constructs.nag import acknowledge
 LOGS_ID = "Logs"
 PROJECT_ID = "Project"
 
+# The runtime versions CodeBuild's standard 7.0 image (aws/codebuild/standard:7.0) installs from its own copies:
+# ubuntu/standard/7.0/runtimes.yml at aws/aws-codebuild-docker-images@1590e48787084015430500926ea922130dbe9367
+# (python l.140-165, nodejs l.221-238). Any other version falls to that file's `default` entry, which downloads
+# and builds it during the install phase. tests/test_pipeline_stack.py checks each project's choice against this.
+STANDARD_7_0_RUNTIMES: dict[str, tuple[str, ...]] = {
+    "python": ("3.14", "3.13", "3.12", "3.11", "3.10", "3.9"),
+    "nodejs": ("24", "22", "20", "18"),
+}
+# The Python of the venv (`make venv`): pyproject.toml's requires-python floor and ruff's target.
+PYTHON_RUNTIME = "3.11"
+
 
 def fleet_cli_project(
     scope: Construct,
@@ -59,7 +70,9 @@ def fleet_cli_project(
             "version": "0.2",
             "env": {"variables": {"CI": "true"}},
             "phases": {
-                "install": {"runtime-versions": {"python": "3.11"}, "commands": ["make venv"]},
+                # No nodejs runtime: the command runs neither the CDK CLI nor jsii (inference_fleet imports no
+                # aws_cdk; tests/test_pipeline_stack.py checks), so the image's default Node.js is never used.
+                "install": {"runtime-versions": {"python": PYTHON_RUNTIME}, "commands": ["make venv"]},
                 "build": {"commands": [command]},
             },
         }),

@@ -3,7 +3,8 @@
 A cell (or router) in another account than the pipeline gets `<stack>-gate-reader`, a role that may only
 describe its rollout gate, trusting the pipeline's account (cell_alarms, router_alarms). Trusting the account
 alone lets in any principal of it that its own IAM policy allows sts:AssumeRole. The pipeline's CodePipeline
-role has a fixed name (`pipeline_role_name`, given by stacks/pipeline_stack.py), so the trust can name its ARN
+role has a fixed name (`pipeline_role_name` of the fleet and the pipeline's region, given by
+stacks/pipeline_stack.py), so the trust can name its ARN
 in an `aws:PrincipalArn` condition: a string compared at request time, so the role need not exist when the
 cell is deployed (cells are deployed before the pipeline:
 https://docs.aws.amazon.com/IAM/latest/UserGuide/reference_policies_condition-keys.html#condition-keys-principalarn).
@@ -15,26 +16,53 @@ principal the pipeline stack grants sts:AssumeRole on these roles).
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from aws_cdk import Stack
 from aws_cdk import aws_iam as iam
 from constructs import Construct
 
+# "Maximum length of 64" (RoleName, https://docs.aws.amazon.com/IAM/latest/APIReference/API_CreateRole.html).
+IAM_ROLE_NAME_MAX = 64
+PIPELINE_ROLE_SUFFIX = "rollout-pipeline-role"
 
-def pipeline_role_name(fleet_name: str) -> str:
-    """The rollout pipeline's CodePipeline role (fleet names are at most 24 characters: 42 of IAM's 64)."""
-    return f"{fleet_name}-rollout-pipeline-role"
+
+def bounded_role_name(base: str, suffix: str) -> str:
+    """`<base>-<suffix>`, or, when that is longer than IAM allows, `<head of base>-<hash of base>-<suffix>`:
+    stable, so each stack that derives a name (the role's own, and the ones that trust it or assume it) gets the
+    same one, and two long bases that share a head still get two names."""
+    name = f"{base}-{suffix}"
+    if len(name) <= IAM_ROLE_NAME_MAX:
+        return name
+    digest = hashlib.sha256(base.encode()).hexdigest()[:8]
+    head = base[: IAM_ROLE_NAME_MAX - len(digest) - len(suffix) - 2]
+    return f"{head}-{digest}-{suffix}"
+
+
+def pipeline_role_name(fleet_name: str, region: str) -> str:
+    """The rollout pipeline's CodePipeline role: `<Fleet>-<region>-rollout-pipeline-role`.
+
+    IAM role names are per account, not per region ("IAM user, group, role, and policy names must be unique
+    within the account", RoleName in API_CreateRole above): without the region the same fleet's pipeline in a
+    second region of one account would fail to create its role. A 24-character fleet name and the longest region
+    of inference_fleet/regions.py make 61 characters; `bounded_role_name` keeps any longer one within 64."""
+    return bounded_role_name(f"{fleet_name}-{region}", PIPELINE_ROLE_SUFFIX)
 
 
 @dataclass(frozen=True)
 class PipelineTrust:
-    """The pipeline a gate reader trusts: its account and the fleet that names its role."""
+    """The pipeline a gate reader trusts: its account, and the fleet and region that name its role."""
 
     account: str
+    region: str
     fleet_name: str
+
+    @property
+    def role_name(self) -> str:
+        return pipeline_role_name(self.fleet_name, self.region)
 
     def principal(self, scope: Construct) -> iam.IPrincipal:
         """The pipeline account, admitted only as the pipeline's own role (`aws:PrincipalArn`)."""
-        arn = f"arn:{Stack.of(scope).partition}:iam::{self.account}:role/{pipeline_role_name(self.fleet_name)}"
+        arn = f"arn:{Stack.of(scope).partition}:iam::{self.account}:role/{self.role_name}"
         return iam.AccountPrincipal(self.account).with_conditions({"ArnEquals": {"aws:PrincipalArn": arn}})

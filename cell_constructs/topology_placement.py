@@ -148,6 +148,7 @@ class TopologyPlacement(Construct):
         )
         self.errors_alarm, self.dead_letter_alarm, self.backlog_alarm = self._alarms()
         self.quarantine_alarm = self._quarantine_alarm()
+        self.unmatched_start_failures_alarm = self._unmatched_start_failures_alarm()
 
     def _queues(self, encryption_key: kms.IKey) -> tuple[sqs.Queue, sqs.Queue]:
         """The FIFO trigger queue that serialises runs, and its dead-letter queue."""
@@ -555,6 +556,48 @@ class TopologyPlacement(Construct):
             (
                 "NIST.800.53.R5-CloudWatchAlarmAction",
                 "Watched by the rollout pipeline's alarm conditions and the cell dashboard; no action",
+            ),
+        )
+        return alarm
+
+    def _unmatched_start_failures_alarm(self) -> cloudwatch.Alarm:
+        """A unit task ECS could not start for a reason no rule of start_failures.py knows.
+
+        Such a stop is neither counted against its host nor excused (start_failures.py): the controller can
+        only log it and publish `TaskStartFailuresUnmatched`, for an operator to read the reason and add a
+        rule. Operator attention, so not in the rollout gate (the cell stack puts it on the dashboard only,
+        as the autoscaler's capacity alarm): the reason may be the host's, the image's or ECS's; a deployment
+        whose tasks cannot start shows in the gate through the units it takes out of service, and a gated
+        unknown reason would roll back waves it says nothing about.
+        Any one is worth a look (threshold 1, the Sum of the per-run counts). The hour: ECS retries a unit task
+        that cannot start on the same pinned instance, spaced out by its throttle "up to a maximum of 27
+        minutes" (https://docs.aws.amazon.com/AmazonECS/latest/developerguide/service-throttle-logic.html),
+        so while the cause lasts every hour holds another stop and the alarm stays in ALARM instead of
+        going back to OK between tries; it clears an hour after the last one."""
+        alarm = cloudwatch.Alarm(
+            self,
+            "UnmatchedStartFailuresAlarm",
+            alarm_description="A unit task ECS could not start for a reason no rule knows (the placement "
+            "controller's log, `no rule knows`, and its run summary's task_start_failures_unmatched have it): "
+            "read it and add a rule to start_failures.py (docs/placement.md)",
+            metric=cloudwatch.Metric(
+                namespace=self.min_score_metric.namespace,
+                metric_name="TaskStartFailuresUnmatched",
+                dimensions_map=self.min_score_metric.dimensions,
+                statistic="Sum",
+                period=Duration.hours(1),
+            ),
+            threshold=1,
+            evaluation_periods=1,
+            comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
+            # Every run publishes the count, 0 included; no run at all is the errors and backlog alarms' case.
+            treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+        )
+        acknowledge(
+            alarm,
+            (
+                "NIST.800.53.R5-CloudWatchAlarmAction",
+                "On the cell dashboard only; no action: an operator reads the reason in the controller's log",
             ),
         )
         return alarm

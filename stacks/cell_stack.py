@@ -434,8 +434,13 @@ class CellStack(Stack):
                 # An autoscaler that keeps failing (new code, say) stops the rollout.
                 **({"autoscaler-errors": self.autoscaler.errors_alarm} if self.autoscaler else {}),
             },
-            # Running out of Trainium capacity is no fault of the deployment: on the dashboard only.
-            watched_alarms={"autoscaler-capacity": self.autoscaler.capacity_alarm} if self.autoscaler else None,
+            # On the dashboard only: running out of Trainium capacity is no fault of the deployment, and a
+            # unit task that failed to start for a reason no rule knows asks an operator for a rule
+            # (TopologyPlacement._unmatched_start_failures_alarm).
+            watched_alarms={
+                "placement-unmatched-start-failures": self.placement.unmatched_start_failures_alarm,
+                **({"autoscaler-capacity": self.autoscaler.capacity_alarm} if self.autoscaler else {}),
+            },
             metrics_namespace=proxy_metrics_namespace(fleet),
             unit_events_namespace=unit_metrics_namespace(fleet),
             # The launchers' session-end events: the dashboard lists the latest failures.
@@ -443,7 +448,7 @@ class CellStack(Stack):
             load_balancer=self.load_balancer.load_balancer,
             target_group=self.load_balancer.target_group,
             # A pipeline in another account reads the gate through a role in this one.
-            gate_reader=PipelineTrust(pipeline.account, fleet.name)
+            gate_reader=PipelineTrust(pipeline.account, pipeline.region, fleet.name)
             if pipeline and pipeline.account != cell.account else None,
         )
         return alarms

@@ -49,7 +49,7 @@ from unit_launcher.artifacts import split_uri
 from cell_constructs.cell_alarms import gate_reader_role_name, rollout_gate_name
 from cell_constructs.compile_stage import REQUEST_DIR, REQUEST_FILE, CompileRun
 from cell_constructs.encryption import allow_cloudwatch_logs, artifacts_key_statement
-from cell_constructs.fleet_cli_project import generated_project_findings
+from cell_constructs.fleet_cli_project import PYTHON_RUNTIME, generated_project_findings
 from cell_constructs.gate_reader import pipeline_role_name
 from cell_constructs.nag import acknowledge
 from inference_fleet import compile_job
@@ -74,6 +74,11 @@ CLOUD_ASSEMBLY_DIR = "cdk.out"
 # Model load dominates a unit update; a wave of a large cell takes hours. The pipeline
 # action timeout of CloudFormation actions is fixed by AWS (3 days), well above that.
 BUILD_TIMEOUT = Duration.hours(2)
+# The build's Node.js (the CDK CLI, jsii under `make synth`, tools/publish-assets.js): the active LTS, one the
+# standard 7.0 image ships (fleet_cli_project.STANDARD_7_0_RUNTIMES). Node.js 20 reached end of life on
+# 2026-04-30 and the AWS CDK supported it until 2026-10-30; 24.x is supported until 2028-10-30
+# (https://docs.aws.amazon.com/cdk/v2/guide/node-versions.html, "Supported Node.js versions").
+BUILD_NODEJS = "24"
 # Action wildcards of CDK's bucket and key grants (Bucket.grantReadWrite, Key.grantEncryptDecrypt).
 _GRANT_WILDCARD_ACTIONS = ("s3:Abort*", "s3:DeleteObject*", "s3:GetBucket*", "s3:GetObject*", "s3:List*",
                            "kms:GenerateDataKey*", "kms:ReEncrypt*")
@@ -204,7 +209,7 @@ class PipelineStack(Stack):
             pipeline_name=f"{fleet.name}-rollout",
             # Named: the gate readers of cells and routers in other accounts admit only this role, by its ARN
             # (cell_constructs.gate_reader). The same role CDK would make (aws-codepipeline pipeline.ts), named.
-            role=iam.Role(self, "PipelineRole", role_name=pipeline_role_name(fleet.name),
+            role=iam.Role(self, "PipelineRole", role_name=pipeline_role_name(fleet.name, self.config.region),
                           assumed_by=iam.ServicePrincipal("codepipeline.amazonaws.com")),
             pipeline_type=codepipeline.PipelineType.V2,
             execution_mode=codepipeline.ExecutionMode.SUPERSEDED,
@@ -293,9 +298,9 @@ class PipelineStack(Stack):
             logging=codebuild.LoggingOptions(cloud_watch=codebuild.CloudWatchLoggingOptions(log_group=log_group)),
             build_spec=codebuild.BuildSpec.from_object({
                 "version": "0.2",
-                "env": {"variables": {"CI": "true", "JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION": "20"}},
+                "env": {"variables": {"CI": "true"}},
                 "phases": {
-                    "install": {"runtime-versions": {"python": "3.11", "nodejs": "20"}},
+                    "install": {"runtime-versions": {"python": PYTHON_RUNTIME, "nodejs": BUILD_NODEJS}},
                     "build": {"commands": [
                         # No `make test`: its `tools` target installs Debian bookworm's haproxy 2.6, which
                         # this Ubuntu 22.04 image has not; the suite is the repository CI's gate (.ci/run).

@@ -114,7 +114,7 @@ class RouterStack(Stack):
             stack_name=self.stack_name, router_name=router.region, namespace=router_metrics_namespace(fleet),
             thresholds=router.alarms, load_balancer=self.load_balancer.load_balancer,
             target_group=self.load_balancer.target_group, service=self.service.service,
-            gate_reader=PipelineTrust(pipeline.account, fleet.name)
+            gate_reader=PipelineTrust(pipeline.account, pipeline.region, fleet.name)
             if pipeline and pipeline.account != self.account else None,
         )
         # Deletion protection only once the router tasks are stable and the alarms and dashboard exist (the

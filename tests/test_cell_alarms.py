@@ -281,7 +281,7 @@ def test_names_that_would_break_the_metrics_insights_query_are_refused() -> None
 
 
 def test_gate_reader_for_another_account() -> None:
-    alarms, template = _cell_alarms(gate_reader=PipelineTrust("999999999999", "Rufus"))
+    alarms, template = _cell_alarms(gate_reader=PipelineTrust("999999999999", "us-east-2", "Rufus"))
     assert alarms.gate_reader_role is not None
     (role,) = template.find_resources("AWS::IAM::Role").values()
     assert role["Properties"]["RoleName"] == "Rufus-Cell-test-gate-reader"

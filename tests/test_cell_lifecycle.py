@@ -391,6 +391,19 @@ def test_placement_alarms_are_in_the_gate_and_the_dashboard(synth_default) -> No
         assert alarm in rule and alarm in dashboard
 
 
+def test_a_start_failure_no_rule_knows_is_on_the_dashboard_not_in_the_gate(synth_default) -> None:
+    """Operator attention (a rule to add to start_failures.py), not a reason to roll a wave back."""
+    template = synth_default.template_json(DEV)
+    (gate,) = resources(template, "AWS::CloudWatch::CompositeAlarm").values()
+    dashboard = json.dumps(only(template, "AWS::CloudWatch::Dashboard")["Properties"]["DashboardBody"])
+    (alarm,) = [i for i, a in resources(template, "AWS::CloudWatch::Alarm").items()
+                if a["Properties"].get("MetricName") == "TaskStartFailuresUnmatched"]
+    assert alarm.startswith("PlacementUnmatchedStartFailuresAlarm")
+    assert alarm in dashboard and alarm not in json.dumps(gate["Properties"]["AlarmRule"])
+    for service in resources(template, "AWS::ECS::Service").values():
+        assert alarm not in json.dumps(service["Properties"].get("DeploymentConfiguration", {}))
+
+
 def test_followers_have_a_container_health_check(synth_default) -> None:
     tasks = resources(synth_default.template_json(DEV), "AWS::ECS::TaskDefinition")
     follower = next(v for k, v in tasks.items() if k.startswith("Unit0FollowerTask"))["Properties"]

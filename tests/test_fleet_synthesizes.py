@@ -24,7 +24,8 @@ from aws_cdk import App
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cell_constructs.cell_alarms import IAM_ROLE_NAME_MAX, gate_reader_role_name
+from cell_constructs.cell_alarms import gate_reader_role_name
+from cell_constructs.gate_reader import IAM_ROLE_NAME_MAX
 from inference_fleet.cell_checks import trainium_subnet_prefix
 from inference_fleet.checks import load_fleet, parse_fleet
 from inference_fleet.cli import main

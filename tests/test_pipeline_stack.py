@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+from datetime import date
 from pathlib import Path
 
 import pytest
@@ -20,9 +23,12 @@ from aws_cdk.assertions import Template
 from syrupy.extensions.json import JSONSnapshotExtension
 
 from cell_constructs.cell_alarms import gate_reader_role_name, rollout_gate_name
+from cell_constructs.fleet_cli_project import STANDARD_7_0_RUNTIMES
+from cell_constructs.gate_reader import IAM_ROLE_NAME_MAX, pipeline_role_name
 from cell_constructs.nag import add_policy_checks
 from inference_fleet.checks import load_fleet, parse_fleet
 from inference_fleet.config import FleetConfig
+from inference_fleet.regions import AWS_REGIONS
 from stacks.fleet import build_fleet
 from stacks.pipeline_stack import PipelineStack, repository_path
 from stacks.router_stack import RouterStack
@@ -344,7 +350,7 @@ def test_cross_account_gate_is_read_through_the_cells_reader_role(large_synth) -
             "AWS::IAM::Role", {"Properties": {"RoleName": gate_reader_role_name(name)}})
 
 
-PIPELINE_ROLE = "arn:aws:iam::222222222222:role/Rufus-rollout-pipeline-role"
+PIPELINE_ROLE = "arn:aws:iam::222222222222:role/Rufus-us-east-2-rollout-pipeline-role"
 
 
 def test_a_gate_reader_admits_only_the_pipeline_role(large_synth, tmp_path: Path) -> None:
@@ -353,7 +359,7 @@ def test_a_gate_reader_admits_only_the_pipeline_role(large_synth, tmp_path: Path
     aws:PrincipalArn condition; the role need not exist when the cell or router is deployed."""
     pipeline = large_synth.templates[large_synth.fleet.pipeline_stack_name].to_json()
     (role_id,) = [lid for lid, r in pipeline["Resources"].items() if r["Type"] == "AWS::IAM::Role"
-                  and r["Properties"].get("RoleName") == "Rufus-rollout-pipeline-role"]
+                  and r["Properties"].get("RoleName") == "Rufus-us-east-2-rollout-pipeline-role"]
     assert large_synth.pipeline["RoleArn"] == {"Fn::GetAtt": [role_id, "Arn"]}
     cell = large_synth.templates["Rufus-Cell-usw2-a"]
     (role,) = cell.find_resources("AWS::IAM::Role", {"Properties": {"RoleName": "Rufus-Cell-usw2-a-gate-reader"}
@@ -375,6 +381,62 @@ def test_a_gate_reader_admits_only_the_pipeline_role(large_synth, tmp_path: Path
     (trust,) = role["Properties"]["AssumeRolePolicyDocument"]["Statement"]
     assert trust["Principal"] == {"AWS": "arn:aws:iam::222222222222:root"}
     assert trust["Condition"] == {"ArnEquals": {"aws:PrincipalArn": PIPELINE_ROLE}}
+
+
+def _pipeline_role_name(template: Template) -> str:
+    """RoleName of the role the pipeline runs as (its RoleArn's GetAtt)."""
+    resources = template.to_json()["Resources"]
+    (pipeline,) = [r for r in resources.values() if r["Type"] == "AWS::CodePipeline::Pipeline"]
+    role_id = pipeline["Properties"]["RoleArn"]["Fn::GetAtt"][0]
+    return resources[role_id]["Properties"]["RoleName"]
+
+
+def _reader_trusts(template: Template, stack_name: str) -> str:
+    """The aws:PrincipalArn a cell's gate reader admits."""
+    (role,) = template.find_resources("AWS::IAM::Role", {"Properties": {"RoleName": gate_reader_role_name(stack_name)}
+                                                         }).values()
+    (trust,) = role["Properties"]["AssumeRolePolicyDocument"]["Statement"]
+    return trust["Condition"]["ArnEquals"]["aws:PrincipalArn"]
+
+
+def test_one_fleets_pipelines_in_two_regions_of_one_account_get_two_roles(tmp_path: Path) -> None:
+    """IAM role names are per account: the same fleet's pipeline in us-east-2 and in us-west-2 of account
+    222222222222 named both roles `Rufus-rollout-pipeline-role`, and the second deploy failed on the name. Each
+    pipeline's role now carries its region, and the gate reader of each pipeline's cell in another account trusts
+    that pipeline's role, not the other's."""
+    east = yaml.safe_load((FLEETS / "pipeline_large.yaml").read_text())
+    # The same fleet, its pipeline in us-west-2 of the same account, over other cells (one a cross-account cell).
+    west = yaml.safe_load((FLEETS / "pipeline_large.yaml").read_text())
+    for cell in west["cells"]:
+        cell["name"] = cell["name"].replace("-a", "-c").replace("-b", "-d")
+    west["pipeline"]["region"] = "us-west-2"
+    west["pipeline"]["connection_arn"] = west["pipeline"]["connection_arn"].replace("us-east-2", "us-west-2")
+    # No cell in the pipeline's own region: no canary VPC to verify from, no cell AZs for the compile job.
+    west["pipeline"].update(verify_gate=False, compile_azs=["usw2-az1", "usw2-az2"])
+    roles, trusts = {}, {}
+    for label, raw, reader_cell in (("east", east, "usw2-a"), ("west", west, "usw2-c")):
+        fleet = parse_fleet(raw)
+        app = App(context={**CDK_CONTEXT, "config": "tests/fleets/pipeline_large.yaml"},
+                  outdir=str(tmp_path / label), builtin_cloud_formation_validation=False)
+        stacks = build_fleet(app, fleet)
+        app.synth()
+        roles[label] = _pipeline_role_name(Template.from_stack(stacks[fleet.pipeline_stack_name]))
+        cell_stack = f"{fleet.name}-Cell-{reader_cell}"
+        trusts[label] = _reader_trusts(Template.from_stack(stacks[cell_stack]), cell_stack)
+    assert roles["east"] != roles["west"], f"both pipelines' roles are named {roles['east']}"
+    assert roles == {"east": "Rufus-us-east-2-rollout-pipeline-role", "west": "Rufus-us-west-2-rollout-pipeline-role"}
+    assert trusts == {label: f"arn:aws:iam::222222222222:role/{role}" for label, role in roles.items()}
+
+
+def test_the_pipeline_role_name_fits_iam_in_every_region() -> None:
+    """Every region a fleet may name, with the longest fleet name (24): within IAM's 64 characters, one name
+    per region; a longer base keeps its head and takes a hash (as gate-reader names do)."""
+    names = {region: pipeline_role_name("F" * 24, region) for region in AWS_REGIONS}
+    assert all(len(name) <= IAM_ROLE_NAME_MAX for name in names.values()), max(names.values(), key=len)
+    assert len(set(names.values())) == len(AWS_REGIONS)
+    assert all(name == f"{'F' * 24}-{region}-rollout-pipeline-role" for region, name in names.items())
+    long_a, long_b = pipeline_role_name("F" * 40, "us-east-2"), pipeline_role_name("F" * 40, "us-east-1")
+    assert len(long_a) <= IAM_ROLE_NAME_MAX and len(long_b) <= IAM_ROLE_NAME_MAX and long_a != long_b
 
 
 # -- snapshots ---------------------------------------------------------------------------
@@ -485,6 +547,53 @@ def _make_prerequisites() -> dict[str, list[str]]:
     """Each Makefile target's direct prerequisites (`target: prereq ... ## help`)."""
     text = (ROOT / "Makefile").read_text()
     return {target: prereqs.split() for target, prereqs in _RULE.findall(text) if not target.startswith(".")}
+
+
+# The AWS CDK's Node.js support end dates, read 2026-12-02 from https://docs.aws.amazon.com/cdk/v2/guide/node-versions.html
+# ("Supported Node.js versions" and "Node.js versions no longer supported"): after a version's date the CDK CLI,
+# aws-cdk-lib and jsii no longer support it.
+CDK_NODE_SUPPORT_ENDS = {"24": date(2028, 10, 30), "22": date(2027, 10, 30), "20": date(2026, 10, 30),
+                         "18": date(2025, 11, 30)}
+CDK_NODE_TABLE_READ = date(2026, 12, 2)
+
+
+def _codebuild_runtimes(synth: Synth) -> dict[str, dict[str, str]]:
+    """runtime-versions of every CodeBuild project of the pipeline stack, by logical id."""
+    template = synth.templates[synth.fleet.pipeline_stack_name]
+    runtimes = {}
+    for logical_id, project in template.find_resources("AWS::CodeBuild::Project").items():
+        assert project["Properties"]["Environment"]["Image"] == "aws/codebuild/standard:7.0", logical_id
+        spec = json.loads(project["Properties"]["Source"]["BuildSpec"])
+        runtimes[logical_id] = spec["phases"]["install"]["runtime-versions"]
+    return runtimes
+
+
+def test_every_build_asks_for_runtimes_the_image_ships_and_the_cdk_supports(synth) -> None:
+    """A runtime the standard 7.0 image lists is installed from the image; the build's Node.js runs the CDK CLI and
+    jsii, so it must be one the AWS CDK still supported when its table was read (Node.js 20 was not: its CDK
+    support ended 2026-10-30)."""
+    runtimes = _codebuild_runtimes(synth)
+    assert len(runtimes) >= 2, runtimes  # the build and at least one verify gate
+    for logical_id, versions in runtimes.items():
+        for runtime, version in versions.items():
+            assert version in STANDARD_7_0_RUNTIMES[runtime], (logical_id, runtime, version)
+    (build,) = [v for k, v in runtimes.items() if k.startswith("Build")]
+    assert CDK_NODE_SUPPORT_ENDS[build["nodejs"]] > CDK_NODE_TABLE_READ, (
+        f"the build's Node.js {build['nodejs']} lost AWS CDK support on {CDK_NODE_SUPPORT_ENDS[build['nodejs']]}")
+    # The newest the image ships: the active LTS.
+    assert build["nodejs"] == max(STANDARD_7_0_RUNTIMES["nodejs"], key=int)
+    # Only the build runs Node.js; the other projects (verify gates, evacuations) take the image's default.
+    assert all("nodejs" not in v for k, v in runtimes.items() if not k.startswith("Build")), runtimes
+
+
+def test_the_fleet_cli_runs_no_node() -> None:
+    """The verify and evacuation projects set no nodejs runtime: that holds while `python -m inference_fleet`
+    imports neither aws_cdk nor jsii (either would start a Node.js process)."""
+    code = ("import sys, inference_fleet.cli, inference_fleet.evacuate, inference_fleet.verify.cli; "
+            "print(sorted({'aws_cdk', 'jsii'} & set(sys.modules)))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                            timeout=120)
+    assert result.stdout.strip() == "[]", result.stdout
 
 
 def _closure(target: str, rules: dict[str, list[str]]) -> set[str]:

@@ -418,6 +418,77 @@ def test_a_quarantine_raises_an_alarm(with_failure_handling):
     assert placement.quarantine_alarm is not None
 
 
+def _failed_start(task: str, reason: str) -> dict:
+    """An "ECS Task State Change" of a unit task that failed to start, as the trigger queue delivers it."""
+    detail = {
+        "clusterArn": "arn:aws:ecs:us-east-2:123456789012:cluster/rufus-dev",
+        "containerInstanceArn": "arn:aws:ecs:us-east-2:123456789012:container-instance/rufus-dev/0a",
+        "taskArn": f"arn:aws:ecs:us-east-2:123456789012:task/rufus-dev/{task}",
+        "taskDefinitionArn": "arn:aws:ecs:us-east-2:123456789012:task-definition/CellUnit0LeaderTaskA1:3",
+        "lastStatus": "STOPPED", "desiredStatus": "STOPPED", "stopCode": "TaskFailedToStart",
+        "stoppedReason": reason, "stoppedAt": "2027-01-15T08:00:00Z", "createdAt": "2027-01-15T07:59:40Z",
+        "containers": [{"name": "inference", "reason": reason}],
+    }
+    return {"body": json.dumps({"source": "aws.ecs", "detail-type": "ECS Task State Change", "detail": detail})}
+
+
+def _deployed(value: object, template: Template) -> str:
+    """A function setting as CloudFormation resolves it, for the references the controller's settings hold: a
+    cluster's Ref is its name, its Arn `arn:...:cluster/<name>` (the `cluster` resource ARN of
+    https://docs.aws.amazon.com/service-authorization/latest/reference/list_amazonelasticcontainerservice.html,
+    which Settings.cluster_name takes apart). The name stands as `<logical id>`."""
+    if isinstance(value, str):
+        return value
+    clusters = template.find_resources("AWS::ECS::Cluster")
+    if isinstance(value, dict) and value.get("Ref") in clusters:
+        return f"<{value['Ref']}>"
+    if isinstance(value, dict) and value.get("Fn::GetAtt", [None])[0] in clusters and value["Fn::GetAtt"][1] == "Arn":
+        return f"arn:aws:ecs:us-east-2:123456789012:cluster/<{value['Fn::GetAtt'][0]}>"
+    raise AssertionError(f"a setting this test cannot resolve: {value!r}")
+
+
+def test_an_unmatched_start_failure_alarms_on_the_metric_the_controller_publishes(synthesized):
+    """The controller publishes `TaskStartFailuresUnmatched` for a unit task that failed to start for a reason
+    no rule knows, "so an operator sees it" (start_failures.py); no alarm watched it. The metric, its namespace
+    and its dimensions are taken from what the handler's own code emits for three such stops, with the
+    function's synthesized settings, references resolved as CloudFormation would (`_deployed`)."""
+    from placement_controller import handler
+    from placement_controller.assignment import Plan
+
+    template, _, _ = synthesized
+    [function] = template.find_resources("AWS::Lambda::Function", {"Properties": {"Handler": HANDLER}}).values()
+    variables = function["Properties"]["Environment"]["Variables"]
+    env = {name: _deployed(value, template) for name, value in variables.items()}
+    settings = handler.Settings.from_env(env)
+    odd = "CannotStartContainerError: Error response from daemon: a failure no rule knows"
+    event = {"Records": [_failed_start(task, odd) for task in ("t1", "t2", "t3")]}
+    failures, report = handler._start_failures(settings, [], {}, set(), event)
+    assert failures == []  # not counted against any host
+    summary = {**report, "fallback_instances": [], "attributes_written": 0, "attributes_deleted": 0,
+               "topology_errors": []}
+    lines: list[str] = []
+    handler._publish(settings, Plan(units={}, assigned={}, placement={}, spares=(), scores={}), summary,
+                     lines.append)
+    [document] = [json.loads(line) for line in lines]
+    [directive] = document["_aws"]["CloudWatchMetrics"]
+    # The one metric that counts the three stops.
+    [name] = [m["Name"] for m in directive["Metrics"] if document[m["Name"]] == 3]
+    [dimension_names] = directive["Dimensions"]
+
+    alarms = template.find_resources("AWS::CloudWatch::Alarm", {"Properties": {"MetricName": name}})
+    assert len(alarms) == 1, f"no alarm watches the controller's {name}"
+    [alarm] = [a["Properties"] for a in alarms.values()]
+    assert alarm["Namespace"] == directive["Namespace"] == "Rufus/Cell"
+    assert [d["Name"] for d in alarm["Dimensions"]] == dimension_names
+    assert {d["Name"]: _deployed(d["Value"], template) for d in alarm["Dimensions"]} == {
+        d: document[d] for d in dimension_names}
+    # Any one in the hour; the per-run counts summed; quiet while runs publish 0 or nothing.
+    assert (alarm["Statistic"], alarm["Period"], alarm["Threshold"], alarm["EvaluationPeriods"]) == ("Sum", 3600, 1, 1)
+    assert alarm["ComparisonOperator"] == "GreaterThanOrEqualToThreshold"
+    assert alarm["TreatMissingData"] == "notBreaching"
+    assert "ActionsEnabled" not in alarm and "AlarmActions" not in alarm  # operator attention, no action
+
+
 def test_cdk_nag_is_clean_with_failure_handling_on(with_failure_handling):
     _, _, _, outdir = with_failure_handling
     assert [f for f in findings(outdir) if f[1].startswith("Cell/Placement/")] == []

@@ -7,6 +7,7 @@ names; the report is written and read back.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import threading
 import time
@@ -18,6 +19,7 @@ import pytest
 
 from inference_fleet.verify import checks_cell, checks_faults, checks_serving
 from inference_fleet.verify.adapter import MetricSeries, Task, TaskTimes
+from inference_fleet.verify.adapter import expectations as fleet_expectations
 from inference_fleet.verify.aws import widget_queries
 from inference_fleet.verify.claims import CLAIMS
 from inference_fleet.verify.context import Context
@@ -356,6 +358,49 @@ def test_dashboard_fails_without_a_cell_wide_series_a_serving_units_gauge_or_any
     series = dashboard_series(synth_elastic.template_json("Rufus-Cell-dev"), has_data)
     result = checks_cell.check_evidence(evidence_context(series, ["u0", "u1"]))
     assert result.status == "fail" and "dashboard: no data for 1 of 13 proxy/ALB metric(s)" in result.detail
+
+
+def _without(metric: str, units: list[str], healthy: Callable[[str, str, dict[str, str]], bool]
+             ) -> Callable[[str, str, dict[str, str]], bool]:
+    """`healthy`, less the proxy's `metric` of `units`."""
+    def has_data(namespace: str, name: str, dims: dict[str, str]) -> bool:
+        return not (name == metric and dims.get("Unit") in units) and healthy(namespace, name, dims)
+    return has_data
+
+
+def test_a_triton_cell_without_kv_cache_usage_passes_and_a_vllm_cell_without_it_fails(synth_elastic: Any) -> None:
+    """Behind Triton the proxy publishes KvCacheUsage only when the unit's model exports vLLM's gauge on
+    Triton's metrics page (docs/contracts.md); the dashboard check wanted it of every serving unit, so a
+    healthy Triton cell whose model exports none failed the verify gate. The engine kind comes from the
+    fleet file (serving.frontend); vLLM's OpenAI server always has the figure, so there it is still required."""
+    fleet = synth_elastic.fleet
+    triton = fleet.model_copy(update={"serving": fleet.serving.model_copy(update={"frontend": "triton"})})
+    assert fleet_expectations(triton, triton.cells[0]).frontend == "triton"
+    assert fleet_expectations(fleet, fleet.cells[0]).frontend == "openai"
+    units = ["u0", "u1"]
+    series = dashboard_series(synth_elastic.template_json("Rufus-Cell-dev"),
+                              _without("KvCacheUsage", units, healthy_cell_data(units, ttft_units=units)))
+    ctx = evidence_context(series, units)
+    ctx.expect = dataclasses.replace(ctx.expect, frontend="triton")
+    result = checks_cell.check_evidence(ctx)
+    assert result.status == "pass", result.detail
+    assert "dashboard: 11 proxy/ALB metric(s) have data" in result.detail  # 13 less the two KV series
+    assert "behind the triton front end no serving unit publishes ['KV cache usage (max, 0-1)']" in result.detail
+    vllm = checks_cell.check_evidence(evidence_context(series, units))
+    assert vllm.status == "fail" and "dashboard: no data for 2 of 13 proxy/ALB metric(s)" in vllm.detail
+    assert "KV cache usage (max, 0-1): u0" in vllm.detail
+
+
+def test_a_triton_cell_with_kv_cache_usage_on_some_units_only_fails(synth_elastic: Any) -> None:
+    """Every unit runs the same image and model: the gauge on one unit and not another is a unit's fault."""
+    units = ["u0", "u1"]
+    series = dashboard_series(synth_elastic.template_json("Rufus-Cell-dev"),
+                              _without("KvCacheUsage", ["u1"], healthy_cell_data(units, ttft_units=units)))
+    ctx = evidence_context(series, units)
+    ctx.expect = dataclasses.replace(ctx.expect, frontend="triton")
+    result = checks_cell.check_evidence(ctx)
+    assert result.status == "fail" and "dashboard: no data for 1 of 13 proxy/ALB metric(s)" in result.detail
+    assert "KV cache usage (max, 0-1): u1" in result.detail
 
 
 def test_report_keeps_a_file_that_is_no_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

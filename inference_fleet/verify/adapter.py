@@ -73,6 +73,8 @@ class Expectations:
     cores_per_node: int
     unit_metrics_namespace: str
     proxy_metrics_namespace: str
+    # The leader's API front end (serving.frontend): which engine metrics page the proxies read.
+    frontend: str = "openai"
     # The figures of docs/cell-lifecycle.md "Time to load the default model", shown beside the measurement.
     doc_formation_minutes: tuple[float, float] = (14, 16)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -93,6 +95,7 @@ def expectations(fleet: FleetConfig, cell: CellConfig) -> Expectations:
         cores_per_node=fleet.unit.cores_per_node,
         unit_metrics_namespace=unit_metrics_namespace(fleet),
         proxy_metrics_namespace=f"{fleet.name}/UnitProxy",
+        frontend=serving.frontend,
     )
 
 

@@ -174,15 +174,25 @@ _UNIT_SERIES = re.compile(r"^(?P<widget>.*): (?P<unit>u\d+)$")
 # requests through the load balancer, which picks the units, so such a widget must have data
 # for some unit, not for each.
 SAMPLE_WIDGETS = ("Time to first token",)
+# Per-unit widgets whose metric the proxy publishes only when its engine's metrics page has the figure
+# (unit_proxy/telemetry.py `emf_events`: KvCacheUsage is left out while `kv_cache_usage` is None), by front
+# end. vLLM's OpenAI server has `vllm:kv_cache_usage_perc` on its own page: none. Behind Triton the figure
+# is the unit's model's custom gauge of that name, "without them those two fields are null"
+# (docs/contracts.md, "Triton front end routes"): the built image's model exports it, another image's model
+# may not. Every unit runs the same image and model, so such a widget is judged all or none: no serving
+# unit with data passes (noted), some with and some without fails.
+ENGINE_OPTIONAL_WIDGETS: dict[str, tuple[str, ...]] = {"openai": (), "triton": ("KV cache usage",)}
 
 
-def _required_dashboard_series(series: list[MetricSeries], namespaces: tuple[str, ...],
-                               serving: list[str]) -> tuple[dict[str, bool], int]:
+def _required_dashboard_series(series: list[MetricSeries], namespaces: tuple[str, ...], serving: list[str],
+                               all_or_none: tuple[str, ...] = ()) -> tuple[dict[str, bool], int, list[str]]:
     """What a healthy cell's dashboard must show, each with whether it has data: every cell-wide
     series of the proxy or the load balancer; each per-unit proxy series of the units the kit found
     serving (an elastic cell's units beyond them run no proxy); of a sample widget, data for any
-    unit. Also how many per-unit series of other units were left out."""
+    unit; of an `all_or_none` widget, each serving unit's once any of them has data. Also how many
+    per-unit series of other units were left out, and the `all_or_none` widgets no serving unit publishes."""
     required: dict[str, bool] = {}
+    optional: dict[str, dict[str, bool]] = {}
     left_out = 0
     for s in series:
         if s.namespace not in namespaces:
@@ -193,11 +203,19 @@ def _required_dashboard_series(series: list[MetricSeries], namespaces: tuple[str
         elif per_unit["widget"].startswith(SAMPLE_WIDGETS):
             key = f"{per_unit['widget']}: any unit"
             required[key] = required.get(key, False) or bool(s.values)
-        elif per_unit["unit"] in serving:
-            required[s.label] = bool(s.values)
-        else:
+        elif per_unit["unit"] not in serving:
             left_out += 1
-    return required, left_out
+        elif all_or_none and per_unit["widget"].startswith(all_or_none):
+            optional.setdefault(per_unit["widget"], {})[s.label] = bool(s.values)
+        else:
+            required[s.label] = bool(s.values)
+    unpublished = []
+    for widget, units in optional.items():
+        if any(units.values()):
+            required.update(units)
+        else:
+            unpublished.append(widget)
+    return required, left_out, unpublished
 
 
 def _dashboard(ctx: Context, since: float) -> tuple[str, str]:
@@ -206,12 +224,17 @@ def _dashboard(ctx: Context, since: float) -> tuple[str, str]:
         return ("not_run", "dashboard: none here")
     namespaces = (ctx.expect.proxy_metrics_namespace, ALB_NAMESPACE)
     serving = [u for u in ctx.expect.units if ctx.adapter.unit_health(u) == 200]
-    required, left_out = _required_dashboard_series(series, namespaces, serving)
+    frontend = ctx.expect.frontend
+    required, left_out, unpublished = _required_dashboard_series(
+        series, namespaces, serving, ENGINE_OPTIONAL_WIDGETS.get(frontend, ()))
     empty = [label for label, has_data in required.items() if not has_data]
     judged = f" (cell-wide; per unit for the serving units {serving}; time to first token on any unit)"
     others = [s for s in series if s.namespace not in namespaces]
     note = (f"; {left_out} per-unit series of units not serving not judged"
             f"; {sum(1 for s in others if s.values)} of {len(others)} other metric(s) have data")
+    if unpublished:
+        note += (f"; behind the {frontend} front end no serving unit publishes {unpublished} "
+                 "(the engine's metrics page lacks the figure: docs/contracts.md)")
     if empty:
         return ("fail", f"dashboard: no data for {len(empty)} of {len(required)} proxy/ALB metric(s){judged}: "
                      f"{empty[:6]}" + note)
