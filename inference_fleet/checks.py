@@ -294,6 +294,13 @@ def _check_verify_gate(fleet: FleetConfig) -> Iterable[ConfigIssue]:
     pipeline = fleet.pipeline
     if pipeline is None or not pipeline.verify_gate:
         return
+    if fleet.serving.frontend == "triton":
+        yield ConfigIssue(
+            "pipeline.verify_gate", True,
+            "the acceptance kit sends OpenAI requests (/v1/models, completions, chat) and a serving.frontend: "
+            "triton proxy answers /v1/* with 404, so the gate would fail every canary whatever its health: set "
+            "pipeline.verify_gate: false and check the canary by hand (docs/verifying.md, Triton cells)",
+        )
     for cell in fleet.cells_of_wave(fleet.waves[0].name):
         if (cell.account, cell.region) != (pipeline.account, pipeline.region):
             yield ConfigIssue(
