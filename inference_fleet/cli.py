@@ -138,9 +138,16 @@ def _closed_pipe() -> int:
     return exit_codes.CLOSED_PIPE
 
 
-def _acts_on_aws(args: argparse.Namespace) -> bool:
-    """Whether the command reads or changes deployed resources: `compile` unless --dry-run, `verify`, and
-    `evacuate` unless --local."""
+def refused_without_fleet_file(argv: list[str]) -> bool:
+    """Whether this command line would be refused for naming no fleet file: a command that reaches AWS
+    (`compile` but --dry-run, `verify`, `evacuate` but --local) without --config. The pipeline's build
+    and gate commands are checked with it (tests/test_template_scripts.py)."""
+    return _missing_fleet_file(_parser().parse_args(argv))
+
+
+def _missing_fleet_file(args: argparse.Namespace) -> bool:
+    if getattr(args, "config", "") is not None:
+        return False
     if args.command == "compile":
         return not args.dry_run
     if args.command == "evacuate":
@@ -150,7 +157,7 @@ def _acts_on_aws(args: argparse.Namespace) -> bool:
 
 def _run(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
-    if getattr(args, "config", "") is None and _acts_on_aws(args):
+    if _missing_fleet_file(args):
         # Without --config every command reads the package's example fleet (config/default.yaml). Offline that is a
         # demonstration; against AWS it would submit, verify or evacuate another fleet's stacks (a fleet copied from
         # the example keeps its name, so its stack names match), so the deployed fleet's file is asked for.

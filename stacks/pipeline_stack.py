@@ -278,7 +278,8 @@ class PipelineStack(Stack):
 
     def _build_project(self) -> codebuild.PipelineProject:
         fleet = self.fleet
-        config_arg = f" CONFIG={self.fleet_file}" if self.fleet_file else ""
+        # Always named: the fleet CLI's commands that reach AWS (`compile --check`) refuse to run without it.
+        config_arg = f" CONFIG={self._fleet_file_in_build()}"
         cell_stacks = [fleet.cell_stack_name(c) for c in fleet.cells]
         log_group = logs.LogGroup(
             self, "BuildLogs", encryption_key=self.key, retention=logs.RetentionDays.THREE_MONTHS,

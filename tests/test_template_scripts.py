@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 from unit_launcher import health_file
 
+from inference_fleet.cli import refused_without_fleet_file
 from tests.conftest import ROOT
 from tests.shipped_scripts import (
     CAN_RUN_AS_IN_A_TASK,
@@ -300,6 +301,16 @@ def _publishing_roles(manifest: Path) -> set[str]:
             for d in asset["destinations"].values()}
 
 
+def _fleet_cli_argv(recipe_line: str, make_arguments: list[str]) -> list[str]:
+    """The arguments a `make -n` recipe line gives `python -m inference_fleet`, expanded by the shell with the
+    make call's variables in its environment (as make exports them): `${CONFIG:+--config "$CONFIG"}`."""
+    variables = dict(a.split("=", 1) for a in make_arguments if "=" in a)
+    printed = subprocess.run(["/bin/sh", "-c", "printf '%s\\n' " + recipe_line.split("-m inference_fleet ", 1)[1]],
+                             env={"PATH": "/usr/bin:/bin", **variables}, capture_output=True, text=True, timeout=10,
+                             check=True)
+    return printed.stdout.splitlines()
+
+
 def test_pipeline_build_commands_name_what_exists(synth_default, tmp_path) -> None:
     build = one(shipped_scripts("Rufus-Pipeline", synth_default.template_json("Rufus-Pipeline")), BUILD_COMMANDS)
     fakes = tmp_path / "bin"
@@ -331,6 +342,11 @@ def test_pipeline_build_commands_name_what_exists(synth_default, tmp_path) -> No
             ["make", "-n", "-C", str(ROOT), *arguments], capture_output=True, text=True, timeout=60
         )
         assert dry_run.returncode == 0, f"make {' '.join(arguments)}: {dry_run.stderr}"
+        # The fleet CLI refuses a command that reaches AWS without the fleet file: the build's must name it.
+        for line in dry_run.stdout.splitlines():
+            if "-m inference_fleet " in line:
+                argv = _fleet_cli_argv(line, arguments)
+                assert not refused_without_fleet_file(argv), f"make {' '.join(arguments)} runs {argv}"
     # The build role may assume only the publishing roles (pipeline_stack._build_project): publishing
     # must ask for those of every manifest of the deployed stacks, and for no other role or service.
     wanted = set().union(*(_publishing_roles(tmp_path / "cdk.out" / f"{s}.assets.json")
