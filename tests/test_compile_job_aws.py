@@ -19,6 +19,7 @@ import hashlib
 import json
 import math
 import os
+import socket
 from pathlib import Path
 
 import boto3
@@ -263,7 +264,12 @@ def _job_environment(fleet_file: Path, tmp_path: Path, monkeypatch, **changes) -
         (bin_dir / "inference_demo").symlink_to(FAKE)
     if not os.environ["PATH"].startswith(str(bin_dir)):
         monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    return {compile_run.JOB_ENV: json.dumps(data)}
+    # The job first measures whether it reaches the instance metadata service: a closed port on loopback
+    # here (nothing in a test may send a packet to the link-local address).
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        imds = f"127.0.0.1:{closed.getsockname()[1]}"
+    return {compile_run.JOB_ENV: json.dumps(data), "UNIT_SELF_CHECK_IMDS": imds}
 
 
 def test_the_batch_job_compiles_from_the_artifacts_prefix_and_writes_only_what_its_role_allows(
@@ -290,6 +296,23 @@ def test_the_batch_job_compiles_from_the_artifacts_prefix_and_writes_only_what_i
     assert compile_run.main(_job_environment(DEFAULT, tmp_path, monkeypatch)) == 0
     assert f"already built with key {manifest.key}" in capsys.readouterr().out
     assert log.read_text() == ""
+
+
+def test_a_job_that_reaches_the_instance_metadata_service_runs_nothing(s3, tmp_path, monkeypatch, capsys):
+    """The compile host's IMDS block fails open if it never takes effect (user data not run, the task outside
+    ecstasks.slice): the job measures it first, as the serving nodes do, and refuses. Here IMDS is a listening
+    port on loopback; with the port refused the same job compiles."""
+    log = tmp_path / "passes.log"
+    monkeypatch.setenv("FAKE_NXDI_LOG", str(log))
+    with socket.create_server(("127.0.0.1", 0)) as imds:
+        reachable = f"127.0.0.1:{imds.getsockname()[1]}"
+        environment = {**_job_environment(DEFAULT, tmp_path, monkeypatch), "UNIT_SELF_CHECK_IMDS": reachable}
+        assert compile_run.main(environment) == exit_codes.COMPILE
+    err = capsys.readouterr().err
+    assert f"error: the job's container reaches the instance metadata service (connected to {reachable}" in err
+    assert not log.exists(), "a compile pass ran"
+    assert compile_run.main({**environment, "UNIT_SELF_CHECK_IMDS": reachable}) == 0  # the port is closed now
+    assert f"instance metadata check: connect to {reachable} refused" in capsys.readouterr().err
 
 
 def test_every_file_the_batch_jobs_manifest_lists_is_in_s3_with_its_size_and_checksum(

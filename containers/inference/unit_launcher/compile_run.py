@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from unit_launcher import artifact_manifest as am
+from unit_launcher import self_check
 from unit_launcher.artifacts import ArtifactError, fetch, split_uri
 
 log = logging.getLogger("unit_launcher.compile")
@@ -369,12 +370,26 @@ def main(environ: dict[str, str] | None = None) -> int:
             data = json.loads(raw)
         except ValueError as error:
             raise CompileError(f"{JOB_ENV} is not JSON: {error}") from None
+        request = Request.from_json(data)
+        _refuse_reachable_imds({**os.environ, **environ})
         import boto3
 
-        return run_request(Request.from_json(data), boto3.client("s3"))
+        return run_request(request, boto3.client("s3"))
     except (CompileError, ArtifactError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_COMPILE
+
+
+def _refuse_reachable_imds(environ: dict[str, str]) -> None:
+    """The compile host refuses the instance metadata service to task containers
+    (cell_constructs/compile_host_setup.sh). If this container reaches it anyway (the user data not run,
+    the task outside ecstasks.slice after an agent or AMI change), the block failed open and the instance
+    role is in reach: stop before anything runs, saying why, rather than compile in silence."""
+    check = self_check.imds_unreachable(self_check.Roots.from_env(environ).imds)
+    print(f"compile job: instance metadata check: {check.measured}", file=sys.stderr)
+    if check.measured.startswith(self_check.CONNECTED):
+        raise CompileError(f"the job's container reaches the instance metadata service ({check.measured}): the "
+                           "compile host's IMDS block is not in effect (docs/compiled-artifacts.md); nothing was run")
 
 
 # The same status as `python -m inference_fleet compile` (inference_fleet/exit_codes.py COMPILE).

@@ -52,6 +52,8 @@ IMDS_ADDRESS = "169.254.169.254:80"
 # host:port to try instead (tests and the e2e point it at a port on loopback: nothing here
 # may send a packet to a link-local address).
 IMDS_ENV = "UNIT_SELF_CHECK_IMDS"
+# How a check that reached IMDS starts its measurement (a check not tried does not: compile_run tells them apart).
+CONNECTED = "connected to"
 # A rejected connect fails in well under a millisecond; a dropped one waits for this.
 IMDS_TIMEOUT_SECONDS = 0.5
 
@@ -111,7 +113,7 @@ def imds_unreachable(address: str | None, timeout: float = IMDS_TIMEOUT_SECONDS)
         return Check("imds_unreachable", True, f"no answer from {address} within {timeout:g} s", expected)
     except OSError as error:
         return Check("imds_unreachable", True, f"connect to {address} failed: {error.strerror or error}", expected)
-    return Check("imds_unreachable", False, f"connected to {address}: the task can reach the instance role", expected)
+    return Check("imds_unreachable", False, f"{CONNECTED} {address}: the task can reach the instance role", expected)
 
 
 def model_cache_mount(spec: UnitSpec) -> Check:
