@@ -1,0 +1,63 @@
+"""Test-wide guard for the rule "no network at test time beyond loopback": every in-process socket
+connect and name lookup is checked, and one that would leave the machine fails the test, naming the
+address or name (a stray AWS call, the instance metadata service). This machine answers on
+169.254.169.254:80, so without the guard such a connect would quietly succeed.
+Subprocesses are not covered: their environments turn the instance metadata off and point AWS
+endpoints at loopback fakes.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+_connect = socket.socket.connect
+_connect_ex = socket.socket.connect_ex
+_getaddrinfo = socket.getaddrinfo
+
+
+def _local(sock: socket.socket, address: Any) -> bool:
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return True  # Unix sockets and the like never leave the machine
+    try:
+        ip = ipaddress.ip_address(str(address[0]).split("%", 1)[0])
+    except ValueError:
+        return address[0] == "localhost"
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback or ip.is_unspecified
+
+
+def _guarded_connect(self: socket.socket, address: Any) -> None:
+    if not _local(self, address):
+        raise ConnectionRefusedError(f"test guard (conftest.py): a connect to {address!r} would leave the machine")
+    return _connect(self, address)
+
+
+def _guarded_connect_ex(self: socket.socket, address: Any) -> int:
+    if not _local(self, address):
+        raise ConnectionRefusedError(f"test guard (conftest.py): a connect to {address!r} would leave the machine")
+    return _connect_ex(self, address)
+
+
+def _guarded_getaddrinfo(host: Any, *args: Any, **kwargs: Any) -> Any:
+    name = host.decode() if isinstance(host, bytes) else host
+    if name is not None and name != "localhost" and not name.endswith(".localhost"):
+        try:
+            ipaddress.ip_address(str(name).split("%", 1)[0])
+        except ValueError:
+            raise socket.gaierror(socket.EAI_NONAME, f"test guard (conftest.py): looking up {name!r} would leave "
+                                                     "the machine") from None
+    return _getaddrinfo(host, *args, **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def _loopback_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setattr(socket.socket, "connect", _guarded_connect)
+    monkeypatch.setattr(socket.socket, "connect_ex", _guarded_connect_ex)
+    monkeypatch.setattr(socket, "getaddrinfo", _guarded_getaddrinfo)
+    yield
