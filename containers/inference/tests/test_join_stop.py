@@ -181,5 +181,14 @@ async def test_a_withdrawal_that_overtakes_its_join_keeps_that_join_out(tmp_path
             assert (code, answer["reason"]) == (409, "wrong_unit"), answer
             code, answer = await _post(http, base + rendezvous.WITHDRAW_PATH, {**withdrawal, "incarnation": ""})
             assert code == 400 and "incarnation" in answer["error"], answer
+
+            # Anyone on the port may post withdrawals: the leader keeps the newest WITHDRAWN_KEPT.
+            for n in range(rendezvous.WITHDRAWN_KEPT + 10):
+                code, _ = await _post(http, base + rendezvous.WITHDRAW_PATH,
+                                      {**withdrawal, "instance_id": f"i-x{n}", "incarnation": "q"})
+                assert code == 200
+            assert len(session.withdrawn) == rendezvous.WITHDRAWN_KEPT
+            assert ("i-x0", "q") not in session.withdrawn and (f"i-x{rendezvous.WITHDRAWN_KEPT + 9}", "q") in \
+                session.withdrawn
     finally:
         await runner.cleanup()

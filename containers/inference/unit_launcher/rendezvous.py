@@ -71,6 +71,9 @@ DRAINED_PATH = "/drained"
 MEMBER_STOPPING = "member_stopping"
 # Where a follower stopped while it joins withdraws its join (it may already be a member).
 WITHDRAW_PATH = "/withdraw"
+# Withdrawn launcher processes a leader remembers (the oldest forgotten first): a unit has a few members,
+# and a withdrawal needs no membership, so the record must not grow with whatever is posted to the port.
+WITHDRAWN_KEPT = 64
 
 
 class JoinError(RuntimeError):
@@ -183,7 +186,7 @@ class LeaderSession:
     drain_member: Member | None = None
     drain_started: float | None = None
     # (instance id, incarnation) of the launcher processes that withdrew their join: refused from then on.
-    withdrawn: set[tuple[str, str]] = field(default_factory=set)
+    withdrawn: dict[tuple[str, str], None] = field(default_factory=dict)  # insertion-ordered, WITHDRAWN_KEPT at most
 
     def __post_init__(self) -> None:
         now = time.monotonic()
@@ -742,7 +745,9 @@ class LeaderSession:
         answer. Refuse its joins from now on; drop it if forming, else end the session for it as a
         deliberate stop (the first cause wins: a session that already ended keeps its own).
         Returns the member it was, or None when this leader did not count it."""
-        self.withdrawn.add((instance_id, incarnation))
+        self.withdrawn[(instance_id, incarnation)] = None
+        while len(self.withdrawn) > WITHDRAWN_KEPT:  # anyone on the port may post: keep it bounded
+            del self.withdrawn[next(iter(self.withdrawn))]
         member = self.members.get(instance_id)
         if member is None or instance_id == self.instance_id or member.incarnation != incarnation:
             log.info("withdrawal of %s (launcher %s, %s): not a member", instance_id, incarnation, reason)
