@@ -13,7 +13,8 @@ commands").
 
 Request order in the `data` frontend (HAProxy evaluates `http-request` rules in declaration
 order, 4.2 "http-request"; `use_backend` after all of them):
-  the request's date (REQUEST_DATE_VAR) -> framing and target checks (400, 405 CONNECT, OPTIONS *, 411 chunked, 400 no Host, NUL,
+  the request's date (REQUEST_DATE_VAR) -> framing and target checks (400, 405 CONNECT,
+  OPTIONS *, 411 chunked, 400 no Host, NUL,
   Connection) -> header size (431) -> path checks (400) -> /health to the agent ->
   allowlist on the path decoded once into txn.path (404) -> methods (405 with Allow) ->
   unit gate (503 unit_unavailable) -> Content-Length over the limit (413) -> body read
