@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
 import time
 
 import aiohttp
 
-from .conftest import FakeEngine, FakeLauncher, ProxyFactory, wait_until
+from .conftest import FakeEngine, FakeLauncher, ProxyFactory, children, wait_until
 from .fake_triton import FakeTriton
 from .test_drain import _is, health, proxy_process
 from .test_emf import check_emf
@@ -130,6 +131,30 @@ async def test_first_event_after_the_engine_silence_limit_is_a_504(engine: FakeE
     count, total = _ttft(metrics)
     assert count == 1 and 0.8 <= total < 2.0, (count, total)
     assert metrics['unit_proxy_upstream_errors_total{kind="timeout"}'] == 1
+
+
+async def test_a_haproxy_stall_after_the_first_token_leaves_the_ttft_alone(
+    engine: FakeEngine, make_proxy: ProxyFactory
+):
+    """HAProxy's worker frozen for 1 s (SIGSTOP) once the first event has reached the client: HAProxy 2.6's
+    `now`, which %Ta counts, does not advance over a poll that returned that late (src/clock.c
+    `clock_update_date`), while the wall-clock date does. The TTFT was %Ta minus the first byte's date to the
+    log's, and lost the stall: 0 for a first event at 0.5 s (seen as test_first_event_after_the_engine_
+    silence_limit_is_a_504 reading 0.594 s for 0.8 s on a loaded machine). Both its dates are now wall clock."""
+    proxy = await make_proxy()
+    worker = children(proxy.state.haproxy_pid)[0]
+    headers = {"x-first": "0.5", "x-tokens": "10", "x-gap": "0.2"}
+    async with aiohttp.ClientSession() as session, \
+            session.post(f"{proxy.url}/v1/completions", json=STREAM, headers=headers) as resp:
+        assert (await resp.content.readline()).startswith(b"data: ")
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(1.0)
+        finally:
+            os.kill(worker, signal.SIGCONT)
+        assert b"[DONE]" in await resp.read()
+    count, total = _ttft(await _logged(proxy.admin_url, 1))
+    assert count == 1 and 0.5 <= total < 1.0, (count, total)
 
 
 async def test_triton_stream_ttft(launcher: FakeLauncher):

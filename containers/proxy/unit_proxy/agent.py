@@ -522,7 +522,8 @@ def _runtime_dir(settings: Settings) -> tuple[str, bool]:
 
 async def _start_haproxy(paths: Paths, api: RuntimeApi) -> asyncio.subprocess.Process:
     """`haproxy -W -db -f <cfg>` (master-worker, foreground; management guide 3 "Starting
-    HAProxy"), its output on the agent's stderr; waits until its runtime API answers."""
+    HAProxy"), its output on the agent's stderr; waits until its worker's runtime API answers,
+    then until its master's CLI does (_master_listens)."""
     try:
         proc = await asyncio.create_subprocess_exec(
             HAPROXY, "-W", "-db", *HAPROXY_OPTIONS, "-S", f"{paths.master_socket},mode,600", "-f", paths.config,
@@ -536,13 +537,30 @@ async def _start_haproxy(paths: Paths, api: RuntimeApi) -> asyncio.subprocess.Pr
         if proc.returncode is not None:
             raise StartError(f"haproxy exited with code {proc.returncode} at start (its messages are above)")
         with contextlib.suppress(RuntimeApiError):
-            if "Name: HAProxy" in await api.command("show info"):
+            if "Name: HAProxy" in await api.command("show info") and await _master_listens(paths):
                 return proc
         if time.monotonic() > deadline:
             proc.kill()
             await proc.wait()
-            raise StartError(f"haproxy did not answer its runtime API within {_START_SECONDS:g} s")
+            raise StartError(f"haproxy did not answer its runtime API and master CLI within {_START_SECONDS:g} s")
         await asyncio.sleep(0.02)
+
+
+async def _master_listens(paths: Paths) -> bool:
+    """Whether HAProxy's master answers its CLI, i.e. takes signals: a stop signalled before that is lost.
+
+    The worker answers while the master still re-executes itself into its wait mode (2.6
+    src/haproxy.c: "Loading success." then `mworker_reexec_waitmode`, signals blocked across the
+    exec by `mworker_reexec`); `mworker_loop` then sets SIGUSR1 to SIG_IGN (`signal_unregister`,
+    src/signal.c) before it installs its own handler, and POSIX discards a pending signal whose
+    action is set to SIG_IGN, blocked or not (sigaction(2), "Setting a signal action to SIG_IGN
+    for a signal that is pending shall cause the pending signal to be discarded"). A soft stop
+    in that window never reached the worker: the router waited for an exit that never came
+    (measured: a SIGUSR1 at start lost whenever the master had it blocked, 7 of 7 on a loaded
+    machine). The master CLI is served by the loop `mworker_loop` starts after its handlers,
+    so its answer says the handlers are in place."""
+    answer = await RuntimeApi(paths.master_socket).command("show proc")
+    return "master" in answer
 
 
 async def _site(runner: web.AppRunner, make_site: Any, what: str) -> None:

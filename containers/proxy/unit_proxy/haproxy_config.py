@@ -13,7 +13,8 @@ commands").
 
 Request order in the `data` frontend (HAProxy evaluates `http-request` rules in declaration
 order, 4.2 "http-request"; `use_backend` after all of them):
-  framing and target checks (400, 405 CONNECT, OPTIONS *, 411 chunked, 400 no Host, NUL,
+  the request's date (REQUEST_DATE_VAR) -> framing and target checks (400, 405 CONNECT,
+  OPTIONS *, 411 chunked, 400 no Host, NUL,
   Connection) -> header size (431) -> path checks (400) -> /health to the agent ->
   allowlist on the path decoded once into txn.path (404) -> methods (405 with Allow) ->
   unit gate (503 unit_unavailable) -> Content-Length over the limit (413) -> body read
@@ -63,17 +64,20 @@ OUTCOME_UNAVAILABLE = "%[str(unit_unavailable),set-var(txn.outcome)]"
 # The ring HAProxy logs each request to (3.9 "Rings"): 4 MiB, about 80,000 lines of lag.
 LOG_RING = "agentlog"
 LOG_RING_BYTES = 4 * 1024 * 1024
-# The variable that holds the wall-clock date (ms) at which a streamed answer's first body byte
-# reached HAProxy (SSE_FIRST_BYTE_RULES).
+# The variable that holds the wall-clock date (ms) at which the request's headers were taken in:
+# the frontend's first rule (`frontend`), the start of the request's time to first token.
+REQUEST_DATE_VAR = "txn.rq"
+# The variable that holds a streamed answer's time to first token, ms: the wall-clock date at
+# which its first body byte reached HAProxy minus REQUEST_DATE_VAR (sse_first_byte_rules).
 FIRST_BYTE_VAR = "txn.fb"
 # Log line fields, space separated (8.2.6 "Custom log format"; parsed by unit_proxy.haproxy_log).
-# The last field is the time from a streamed answer's first body byte to the log line, in ms:
-# the log's own date minus FIRST_BYTE_VAR (7.3.2 "date" with the "ms" unit; 7.3.1 "sub", whose
-# argument may name a variable; with no such variable the converter fails and the field is
-# "-", src/sample.c:2762-2774 and 2870-2877 of 2.6.12). The log line is built right after
-# %Ta's end is taken, in the same pass of the stream (src/stream.c:2570-2599), so %Ta minus
-# this field is the request's start to its first body byte (haproxy_log).
-LOG_FORMAT = "%ST %Ta %Td %Tr %B %tsc %b %[var(txn.outcome)] %[date(0,ms),sub(" + FIRST_BYTE_VAR + ")]"
+# The last field is FIRST_BYTE_VAR ("-" when unset: not a streamed answer). Both of its dates
+# are the wall clock (7.3.2 "date", the thread's `date`): it was %Ta minus the first byte's
+# date to the log's, and %Ta is HAProxy's `now`, which does not advance over a poll that
+# returned more than 100 ms after its timeout (2.6 src/clock.c `clock_update_date`, "big
+# jump forwards"), where `date` does: a HAProxy starved for a second during a stream (measured
+# with SIGSTOP) had that second taken out of its TTFT, 0 for a first event at 0.5 s.
+LOG_FORMAT = "%ST %Ta %Td %Tr %B %tsc %b %[var(txn.outcome)] %[var(" + FIRST_BYTE_VAR + ")]"
 # HAProxy's command-line options besides the config file (management guide 3 "Starting
 # HAProxy", "-dM"): its process-wide pool of freed objects on. A buffer is `tune.bufsize`
 # (1.1 MB by default here, REQUEST_BUFFER_BYTES), twice the per-thread object cache of 2.6
@@ -412,6 +416,9 @@ def _frontend(settings: Settings, paths: Paths, table: RouteTable) -> list[str]:
         # 4.2 "bind" with the address 'fd@<n>' (11.1 "Address family prefixes"): the socket the agent
         # bound (a clear error if the port is taken) and HAProxy inherits.
         f"    bind fd@{paths.listen_fd}",
+        # The request's start for its time to first token (LOG_FORMAT, sse_first_byte_rules): the first
+        # rule, run once the headers are in (4.2 "http-request set-var"; 7.3.2 "date").
+        f"    http-request set-var({REQUEST_DATE_VAR}) date(0,ms)",
         # 7.4 "Pre-defined ACLs": METH_CONNECT, METH_OPTIONS, METH_GET (GET and HEAD).
         f"    http-request {_json_return(405, 'method_not_allowed', _lf('CONNECT is not served: this is not a forward proxy'), {'Allow': api})} if METH_CONNECT",  # noqa: E501
         "    http-request return status 200 content-type application/json"
@@ -637,7 +644,8 @@ def sse_first_byte_rules(settings: Settings) -> list[str]:
     insensitive) and that has a body byte (7.3.6 "res.body_len": the wait also ends, with
     nothing, when either side closed first, src/http_ana.c:4264-4269, as when the client
     leaves during the prefill), FIRST_BYTE_VAR takes the date (7.3.2 "date", "ms": the thread's date of the
-    poll loop's wake-up that brought the byte, src/clock.c:150-196). The headers leave with
+    poll loop's wake-up that brought the byte, src/clock.c:150-196) minus the request's
+    (REQUEST_DATE_VAR; 7.3.1 "sub", whose argument may name a variable). The headers leave with
     the first event, so the client's first token comes no later than before. The wait has no
     condition: an answer that came whole (every non-streamed one measured) passes it at once,
     for about 100 instructions, where testing the Content-Type costs about 1,000 (callgrind,
@@ -649,7 +657,7 @@ def sse_first_byte_rules(settings: Settings) -> list[str]:
     was a 200 whose body was cut, as the headers had left."""
     return [
         f"    http-response wait-for-body time {_seconds(first_byte_wait(settings))} at-least 1",
-        f"    http-response set-var({FIRST_BYTE_VAR}) date(0,ms)"
+        f"    http-response set-var({FIRST_BYTE_VAR}) date(0,ms),sub({REQUEST_DATE_VAR})"
         " if { res.fhdr(content-type) -m beg -i text/event-stream } { res.body_len gt 0 }",
     ]
 

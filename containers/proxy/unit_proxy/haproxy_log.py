@@ -6,11 +6,11 @@ The line format is `haproxy_config.LOG_FORMAT` (HAProxy 2.6 configuration manual
 disconnection"): `%ST %Ta %Td %Tr %B %tsc %b %[var(txn.outcome)] <first byte to log, ms>`.
 
 Time to first token is counted for streamed answers (Content-Type text/event-stream) only: the
-request's start to the first body byte of the answer, `%Ta` minus the last field (the log's
-date minus the date HAProxy took at the first body byte, haproxy_config.sse_first_byte_rules).
-`%Ta` runs from the first byte of the request (for a keep-alive request, once the previous one
-ended: the idle time before it is left out, src/log.c:2485 and src/mux_h1.c:3007-3008, 3408-3411
-of 2.6.12) to the log line. A non-streamed answer has no first token before its end (vLLM sends
+last field, the request's start (its headers taken in) to the first body byte of the answer, both
+wall-clock dates taken by HAProxy (haproxy_config.LOG_FORMAT, sse_first_byte_rules).
+`%Ta`, the latency, runs from the first byte of the request (for a keep-alive request, once the
+previous one ended: the idle time before it is left out, src/log.c:2485 and src/mux_h1.c:3007-3008,
+3408-3411 of 2.6.12) to the log line. A non-streamed answer has no first token before its end (vLLM sends
 its JSON at once when the generation is done), so it adds no TTFT sample: its whole time is
 in the latency histogram (docs/contracts.md). HAProxy writes each line
 into a ring buffer and never waits for its reader; the agent follows the ring with the
@@ -68,24 +68,22 @@ class LogRecord:
     termination: str  # %tsc, e.g. "----", "CD--", "SH--"
     backend: str
     outcome: str  # "-" or the txn.outcome variable: unit_unavailable (rejected: see record)
-    after_first_ms: int  # the first body byte of a streamed answer to the log line (-1: not streamed)
+    ttft_ms: int  # a streamed answer's request start to its first body byte (-1: not streamed)
 
 
 # Fields of a log line (haproxy_config.LOG_FORMAT).
 FIELDS = 9
 
 
-def _after_first(field: str | bytes) -> int:
-    """The last field: ms from the first body byte to the log line, or -1 ("-": not streamed)."""
-    return -1 if field in ("-", b"-") else int(field)
+def _ttft_field(field: str | bytes) -> int:
+    """The last field: the TTFT in ms, or -1 ("-": not streamed). A wall clock stepped back
+    between the two dates could make it negative: 0 then."""
+    return -1 if field in ("-", b"-") else max(int(field), 0)
 
 
-def ttft_seconds(active_ms: int, after_first_ms: int) -> float | None:
-    """The request's start to its first body byte; None when not a streamed answer. Both dates
-    are whole milliseconds, so the difference is kept within [0, %Ta]."""
-    if after_first_ms < 0 or active_ms < 0:
-        return None
-    return min(max(active_ms - after_first_ms, 0), active_ms) / 1000.0
+def ttft_seconds(ttft_ms: int) -> float | None:
+    """The last field in seconds; None when not a streamed answer."""
+    return None if ttft_ms < 0 else ttft_ms / 1000.0
 
 
 def parse(line: str) -> LogRecord | None:
@@ -95,7 +93,7 @@ def parse(line: str) -> LogRecord | None:
     try:
         return LogRecord(
             int(parts[0]), int(parts[1]), int(parts[2]), int(parts[3]), int(parts[4]), parts[5], parts[6], parts[7],
-            _after_first(parts[8]),
+            _ttft_field(parts[8]),
         )
     except ValueError:
         return None
@@ -123,7 +121,7 @@ def record(telemetry: Telemetry, rec: LogRecord, now: float | None = None) -> No
         kind = "connect" if second == "C" else ("timeout" if first == "s" else ("reset" if second == "H" else "cut"))
         telemetry.upstream_error(kind)
     latency = max(rec.active_ms, 0) / 1000.0
-    ttft = ttft_seconds(rec.active_ms, rec.after_first_ms)
+    ttft = ttft_seconds(rec.ttft_ms)
     started = None if ttft is None or now is None else now - latency
     telemetry.request_done(status, ttft, latency, 1, started)
 
@@ -145,12 +143,12 @@ def feed(telemetry: Telemetry, data: bytes, now: float | None = None) -> None:
         parts = line.split()
         if len(parts) == FIELDS and parts[7] == b"-" and parts[6] == b"engine" and parts[5][:1] not in b"CcsSK":
             try:
-                status, active, after_first = int(parts[0]), int(parts[1]), _after_first(parts[8])
+                status, active, ttft_ms = int(parts[0]), int(parts[1]), _ttft_field(parts[8])
             except ValueError:
                 pass
             else:
                 latency = max(active, 0) / 1000.0
-                ttft = ttft_seconds(active, after_first)
+                ttft = ttft_seconds(ttft_ms)
                 done(status, ttft, latency, count, None if ttft is None else now - latency)
                 continue
         if not line:

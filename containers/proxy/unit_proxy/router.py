@@ -510,9 +510,8 @@ class RunningRouter:
 
 
 async def _master_answers(stat: LastStat, process: asyncio.subprocess.Process) -> None:
-    """Wait for the master CLI, which answers a few ms after the worker's own socket (measured: 6 to 11 ms): the
-    EMF loop's first read is the baseline of every later line. Kills HAProxy and raises StartError after
-    MASTER_START_SECONDS."""
+    """The EMF loop's first read, through the master CLI (which answers already: agent._start_haproxy waits for
+    it), the baseline of every later line. Kills HAProxy and raises StartError after MASTER_START_SECONDS."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + MASTER_START_SECONDS
     while True:
