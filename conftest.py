@@ -1,6 +1,6 @@
 """Test-wide guard for the rule "no network at test time beyond loopback": every in-process socket
-connect and name lookup is checked, and one that would leave the machine fails the test, naming the
-address or name (a stray AWS call, the instance metadata service). This machine answers on
+stream connect and name lookup is checked, and one that would leave the machine fails the test, naming
+the address or name (a stray AWS call, the instance metadata service). This machine answers on
 169.254.169.254:80, so without the guard such a connect would quietly succeed.
 Subprocesses are not covered: their environments turn the instance metadata off and point AWS
 endpoints at loopback fakes.
@@ -20,9 +20,25 @@ _connect_ex = socket.socket.connect_ex
 _getaddrinfo = socket.getaddrinfo
 
 
+def _own_address() -> str | None:
+    """This host's address on its default route: a datagram socket's connect sends no packet, it only
+    picks the route (tests reach the host's own address to check what the launcher refuses from it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))
+        except OSError:
+            return None
+        return str(probe.getsockname()[0])
+
+
+_OWN = _own_address()
+
+
 def _local(sock: socket.socket, address: Any) -> bool:
-    if sock.family not in (socket.AF_INET, socket.AF_INET6):
-        return True  # Unix sockets and the like never leave the machine
+    if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type == socket.SOCK_DGRAM:
+        return True  # Unix sockets never leave the machine; a datagram connect sends nothing
+    if address[0] == _OWN:
+        return True
     try:
         ip = ipaddress.ip_address(str(address[0]).split("%", 1)[0])
     except ValueError:
