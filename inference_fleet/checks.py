@@ -299,7 +299,8 @@ def _check_verify_gate(fleet: FleetConfig) -> Iterable[ConfigIssue]:
             "pipeline.verify_gate", True,
             "the acceptance kit sends OpenAI requests (/v1/models, completions, chat) and a serving.frontend: "
             "triton proxy answers /v1/* with 404, so the gate would fail every canary whatever its health: set "
-            "pipeline.verify_gate: false and check the canary by hand (docs/verifying.md, Triton cells)",
+            "pipeline.verify_gate: false; the kit cannot check a Triton cell yet (`make verify-cell` fails the same "
+            "way: docs/verifying.md, 'Triton cells'), so check the canary through Triton's own routes",
         )
     for cell in fleet.cells_of_wave(fleet.waves[0].name):
         if (cell.account, cell.region) != (pipeline.account, pipeline.region):

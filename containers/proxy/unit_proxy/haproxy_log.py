@@ -3,7 +3,7 @@ into the proxy's request metrics (counts by code, TTFT and latency, refusals, en
 
 The line format is `haproxy_config.LOG_FORMAT` (HAProxy 2.6 configuration manual, 8.2.6
 "Custom log format"; timers 8.4 "Timing events"; termination state 8.5 "Session state at
-disconnection"): `%ST %Ta %Td %Tr %B %tsc %b %[var(txn.outcome)] <first byte to log, ms>`.
+disconnection"): `%ST %Ta %Td %Tr %B %tsc %b %[var(txn.outcome)] <TTFT, ms>`.
 
 Time to first token is counted for streamed answers (Content-Type text/event-stream) only: the
 last field, the request's start (its headers taken in) to the first body byte of the answer, both
