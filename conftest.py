@@ -3,7 +3,7 @@ stream connect and name lookup is checked, and one that would leave the machine 
 the address or name (a stray AWS call, the instance metadata service). This machine answers on
 169.254.169.254:80, so without the guard such a connect would quietly succeed.
 Subprocesses are not covered: their environments turn the instance metadata off and point AWS
-endpoints at loopback fakes.
+endpoints at loopback fakes. Also: each test starts without boto3's default session.
 """
 
 from __future__ import annotations
@@ -77,3 +77,16 @@ def _loopback_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(socket.socket, "connect_ex", _guarded_connect_ex)
     monkeypatch.setattr(socket, "getaddrinfo", _guarded_getaddrinfo)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _fresh_boto3_default_session() -> Iterator[None]:
+    """`boto3.client()` builds on one module-wide session, and botocore keeps the credentials that session
+    first resolved (Session.get_credentials, botocore 1.44.8 session.py l.510). A test that set fake keys for
+    loopback (test_evacuate) left them to the next test in the process, whose `boto3.client("s3")` then signed
+    with them and tried amazonaws.com instead of failing on no credentials. Each test starts with none."""
+    import boto3
+
+    boto3.DEFAULT_SESSION = None
+    yield
+    boto3.DEFAULT_SESSION = None

@@ -44,6 +44,7 @@ from aws_cdk import aws_sqs as sqs
 from constructs import Construct
 
 from cell_constructs.nag import acknowledge
+from cell_constructs.watched_alarm import watched_alarm
 
 FUNCTION_SOURCE = Path(__file__).resolve().parents[1] / "functions" / "placement"
 HANDLER = "placement_controller.handler.handler"
@@ -534,31 +535,14 @@ class TopologyPlacement(Construct):
 
     def _quarantine_alarm(self) -> cloudwatch.Alarm:
         """An instance was quarantined: it is being replaced, and an operator should know why."""
-        alarm = cloudwatch.Alarm(
+        return watched_alarm(
             self,
             "QuarantineAlarm",
-            alarm_description="The placement controller quarantined an instance after repeated unit failures "
+            description="The placement controller quarantined an instance after repeated unit failures "
             "(its quarantine attribute and the controller's log say why); the group replaces it",
-            metric=cloudwatch.Metric(
-                namespace=self.min_score_metric.namespace,
-                metric_name="Quarantines",
-                dimensions_map=self.min_score_metric.dimensions,
-                statistic="Sum",
-                period=Duration.minutes(5),
-            ),
-            threshold=1,
-            evaluation_periods=1,
-            comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
-            treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+            metric=self._controller_metric("Quarantines", Duration.minutes(5)),
+            watched_by="Watched by the rollout pipeline's alarm conditions and the cell dashboard",
         )
-        acknowledge(
-            alarm,
-            (
-                "NIST.800.53.R5-CloudWatchAlarmAction",
-                "Watched by the rollout pipeline's alarm conditions and the cell dashboard; no action",
-            ),
-        )
-        return alarm
 
     def _unmatched_start_failures_alarm(self) -> cloudwatch.Alarm:
         """A unit task ECS could not start for a reason no rule of start_failures.py knows.
@@ -574,33 +558,22 @@ class TopologyPlacement(Construct):
         minutes" (https://docs.aws.amazon.com/AmazonECS/latest/developerguide/service-throttle-logic.html),
         so while the cause lasts every hour holds another stop and the alarm stays in ALARM instead of
         going back to OK between tries; it clears an hour after the last one."""
-        alarm = cloudwatch.Alarm(
+        # Missing data is OK: every run publishes the count, 0 included; no run at all is the errors and backlog
+        # alarms' case.
+        return watched_alarm(
             self,
             "UnmatchedStartFailuresAlarm",
-            alarm_description="A unit task ECS could not start for a reason no rule knows (the placement "
+            description="A unit task ECS could not start for a reason no rule knows (the placement "
             "controller's log, `no rule knows`, and its run summary's task_start_failures_unmatched have it): "
             "read it and add a rule to start_failures.py (docs/placement.md)",
-            metric=cloudwatch.Metric(
-                namespace=self.min_score_metric.namespace,
-                metric_name="TaskStartFailuresUnmatched",
-                dimensions_map=self.min_score_metric.dimensions,
-                statistic="Sum",
-                period=Duration.hours(1),
-            ),
-            threshold=1,
-            evaluation_periods=1,
-            comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
-            # Every run publishes the count, 0 included; no run at all is the errors and backlog alarms' case.
-            treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+            metric=self._controller_metric("TaskStartFailuresUnmatched", Duration.hours(1)),
+            watched_by="On the cell dashboard only: an operator reads the reason in the controller's log",
         )
-        acknowledge(
-            alarm,
-            (
-                "NIST.800.53.R5-CloudWatchAlarmAction",
-                "On the cell dashboard only; no action: an operator reads the reason in the controller's log",
-            ),
-        )
-        return alarm
+
+    def _controller_metric(self, name: str, period: Duration) -> cloudwatch.Metric:
+        """A count the controller publishes per run (its EMF namespace and Cluster dimension), summed."""
+        return cloudwatch.Metric(namespace=self.min_score_metric.namespace, metric_name=name,
+                                 dimensions_map=self.min_score_metric.dimensions, statistic="Sum", period=period)
 
     def watch_unit_failures(self, log_group: logs.ILogGroup) -> logs.SubscriptionFilter:
         """Bring the units' failures (the launcher's session-end events) to the controller.

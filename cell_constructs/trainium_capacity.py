@@ -31,6 +31,7 @@ from aws_cdk import aws_kms as kms
 from constructs import Construct
 
 from cell_constructs.nag import acknowledge
+from cell_constructs.watched_alarm import watched_alarm
 from inference_fleet.catalogue import InstanceType
 from inference_fleet.config import EFA_INSTALLER_SHA256, EFA_INSTALLER_VERSION
 from inference_fleet.unit_spec import MODEL_CACHE_MARKER, MODEL_CACHE_PATH
@@ -547,10 +548,10 @@ class TrainiumCapacity(Construct):
         holds a data point while it stays failed; terminated or repaired, the data stop and the alarm
         returns to OK.
         """
-        alarm = cloudwatch.Alarm(
+        return watched_alarm(
             self,
             "NodeSetupFailedAlarm",
-            alarm_description="A Trainium node's setup failed: it runs without the ECS agent and serves nothing. "
+            description="A Trainium node's setup failed: it runs without the ECS agent and serves nothing. "
             "Reason: `aws ec2 get-console-output` (node-setup FAILED) or /var/lib/node-setup/failed; "
             "terminate the instance (the group launches another) or repair it (docs/cell-lifecycle.md)",
             metric=cloudwatch.Metric(
@@ -560,17 +561,6 @@ class TrainiumCapacity(Construct):
                 statistic="Maximum",
                 period=Duration.minutes(5),
             ),
-            threshold=1,
-            evaluation_periods=1,
-            comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
-            treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+            watched_by="Watched by the rollout pipeline's alarm conditions (the cell's rollout gate) and the cell "
+            "dashboard",
         )
-        acknowledge(
-            alarm,
-            (
-                "NIST.800.53.R5-CloudWatchAlarmAction",
-                "Watched by the rollout pipeline's alarm conditions (the cell's rollout gate) and the cell "
-                "dashboard; no action",
-            ),
-        )
-        return alarm

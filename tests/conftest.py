@@ -27,19 +27,6 @@ CDK_CONTEXT: dict = json.loads((ROOT / "cdk.json").read_text())["context"]
 os.environ.setdefault("JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION", "20")
 
 
-@pytest.fixture(autouse=True)
-def _fresh_boto3_default_session() -> Iterator[None]:
-    """`boto3.client()` builds on one module-wide session, and botocore keeps the credentials that session
-    first resolved (Session.get_credentials, botocore 1.44.8 session.py l.510). A test that set fake keys for
-    loopback (test_evacuate) left them to the next test in the process, whose `boto3.client("s3")` then signed
-    with them and tried amazonaws.com instead of failing on no credentials. Each test starts with none."""
-    import boto3
-
-    boto3.DEFAULT_SESSION = None
-    yield
-    boto3.DEFAULT_SESSION = None
-
-
 @dataclass
 class SynthesizedFleet:
     fleet: FleetConfig

@@ -153,6 +153,18 @@ async def _post(session: aiohttp.ClientSession, port: int, size: int = 10) -> tu
         return resp.status, resp.headers.get("X-Served-By-Cell")
 
 
+async def _held_post(session: aiohttp.ClientSession, port: int, a: FakeCell, b: FakeCell) -> asyncio.Task:
+    """A POST the cells hold (until the test sets their `hold`), returned once one of them has it."""
+    a.hold.clear()
+    b.hold.clear()
+    pending = asyncio.create_task(_post(session, port))
+    for _ in range(250):
+        if a.posts + b.posts:
+            break
+        await asyncio.sleep(0.02)
+    return pending
+
+
 async def test_a_503_is_retried_on_the_other_cell_only_when_the_request_fits_the_buffer(
         cells: tuple[FakeCell, FakeCell], tmp_path: Path) -> None:
     a, b = cells
@@ -257,17 +269,11 @@ async def test_sigterm_lets_a_stream_finish_then_exits_0(cells: tuple[FakeCell, 
     """The shipped entry as a process: SIGTERM closes the listener, the request in flight completes,
     and the router exits 0 at once after it, though the client keeps its connection open (keep-alive)."""
     a, b = cells
-    a.hold.clear()
-    b.hold.clear()
     proc, port, admin = await _router_process(a, b)
     try:
         async with aiohttp.ClientSession() as session:
             await _all_up(session, admin)
-            pending = asyncio.create_task(_post(session, port))
-            for _ in range(250):
-                if a.posts + b.posts:
-                    break
-                await asyncio.sleep(0.02)
+            pending = await _held_post(session, port, a, b)
             assert a.posts + b.posts == 1, (await proc.stderr.read(4096)).decode() if proc.returncode else "no request"
             proc.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.5)
@@ -296,13 +302,7 @@ async def test_the_soft_stop_logs_no_runtime_api_error(
     a, b = cells
     router = await _router(a, b, tmp_path)
     async with aiohttp.ClientSession() as session:
-        a.hold.clear()
-        b.hold.clear()
-        held = asyncio.create_task(_post(session, router.port))
-        for _ in range(250):
-            if a.posts + b.posts:
-                break
-            await asyncio.sleep(0.02)
+        held = await _held_post(session, router.port, a, b)
         caplog.clear()
         stopping = asyncio.create_task(router.close(soft=True, timeout=10))
         await asyncio.sleep(0.5)  # 10 polls of 0.05 s while the held stream keeps HAProxy soft-stopping
@@ -423,17 +423,11 @@ async def test_haproxy_dying_during_the_stop_is_exit_1(cells: tuple[FakeCell, Fa
     worker killed mid-drain (the master exits 137) or a killed master (-9) cut the request in flight, and the
     task's stop looked clean."""
     a, b = cells
-    a.hold.clear()
-    b.hold.clear()
     proc, port, admin = await _router_process(a, b)
     try:
         async with aiohttp.ClientSession() as session:
             await _all_up(session, admin)
-            pending = asyncio.create_task(_post(session, port))
-            for _ in range(250):
-                if a.posts + b.posts:
-                    break
-                await asyncio.sleep(0.02)
+            pending = await _held_post(session, port, a, b)
             proc.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.5)  # the soft stop waits for the held request
             master = next(p for p in children(proc.pid) if Path(f"/proc/{p}/comm").read_text().strip() == "haproxy")

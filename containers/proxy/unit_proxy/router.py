@@ -90,7 +90,6 @@ SSM_CALL_SECONDS = 30.0
 # long the last EMF line may take to be written (a blocked stdout must not hold the stop).
 DRAIN_READ_SECONDS = 0.1
 LAST_LINE_SECONDS = 5.0
-MASTER_START_SECONDS = 5.0
 
 
 class EvacuationFileError(EvacuationValueError):
@@ -509,23 +508,16 @@ class RunningRouter:
         return proc.returncode
 
 
-async def _master_answers(stat: LastStat, process: asyncio.subprocess.Process) -> None:
-    """The EMF loop's first read, through the master CLI (which answers already: agent._start_haproxy waits for
-    it), the baseline of every later line. Kills HAProxy and raises StartError after MASTER_START_SECONDS."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + MASTER_START_SECONDS
-    while True:
-        try:
-            await stat.read()
-            return
-        except RuntimeApiError as exc:
-            if loop.time() > deadline or process.returncode is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    process.kill()
-                await process.wait()
-                raise StartError(f"haproxy's master CLI did not answer within {MASTER_START_SECONDS:g} s: {exc}") \
-                    from None
-        await asyncio.sleep(0.01)
+async def _first_read(stat: LastStat, process: asyncio.subprocess.Process) -> None:
+    """The EMF loop's first read, through the master CLI, the baseline of every later line. The master
+    answers by now (agent._start_haproxy waited for it), so a failure is HAProxy's: it is killed, StartError."""
+    try:
+        await stat.read()
+    except RuntimeApiError as exc:
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        await process.wait()
+        raise StartError(f"haproxy's master CLI did not give the worker's counters at start: {exc}") from None
 
 
 async def start(settings: RouterSettings) -> RunningRouter:
@@ -551,7 +543,7 @@ async def start(settings: RouterSettings) -> RunningRouter:
         # Through the master CLI: the worker's own stats socket closes at the soft stop (router_metrics).
         stat = LastStat(RuntimeApi(paths.master_socket, prefix="@1 ")) if settings.metrics_namespace else None
         if stat is not None:
-            await _master_answers(stat, process)
+            await _first_read(stat, process)
     except BaseException:
         await runner.cleanup()
         listener.close()
