@@ -61,6 +61,7 @@ from unit_autoscaler.decision import (  # noqa: E402
     Policy,
     Unit,
     decide,
+    has_served,
     phase_of,
     served_latch,
 )
@@ -275,7 +276,7 @@ class World:
             if self.rules == "newest-minute":
                 served = health[0] == 1.0 if health else False
             else:
-                served = unit.index in self.latch or any(h == 1.0 for h in health)
+                served = has_served(unit.index in self.latch, health, now, self.last_out)
             nodes = self.policy.nodes
             phase = phase_of(desired_tasks=nodes if unit.desired else 0,
                              running_tasks=nodes if unit.has_instances and unit.state != "releasing" else 0,

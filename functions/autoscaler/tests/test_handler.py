@@ -364,6 +364,23 @@ def test_a_unit_seen_serving_is_latched_on_the_group() -> None:
     assert summary["done"] == {"served": [0, 1]} and summary["action"] == "hold"
 
 
+def test_a_unit_activated_again_is_not_latched_from_its_previous_life() -> None:
+    """u1 served, was drained and released, and was activated again 3 minutes ago: the 1 still in its
+    window is from before the activation. Read as served, the forming unit was latched as serving
+    and could be drained as the least loaded (the faults property, 2026-12-02)."""
+    cell = Cell()
+    cell.stack()
+    cell.group(4, ["i-a", "i-b", "i-c", "i-d"], served="0", **{aws.TAG_LAST_OUT: MINUTE_END - 180})
+    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (0, 0)})
+    cell.labels({"i-a": "u0", "i-b": "u0", "i-c": "u1", "i-d": "u1"})
+    cell.activities()
+    forming = [None, (0.0, 0.0), (0.0, 0.0), None, None, (1.0, 1.0), (1.0, 1.0)]
+    cell.metrics({"u0": (1.0, 1.0), "u1": forming + [None] * (POLICY.window_minutes - len(forming))})
+    summary = cell.run()
+    assert summary["action"] == "hold" and "served" not in summary["done"]
+    assert cell.emf["StartingUnits"] == 1.0
+
+
 def test_a_refused_activation_is_cancelled_but_never_below_min_units() -> None:
     """Two units starting, neither has instances, launches refused: min_units 1 keeps the lower
     (the group retries its launch); the other is cancelled and only its nodes given back."""
@@ -424,7 +441,7 @@ def test_metrics_are_read_minute_by_minute_with_gaps_in_place() -> None:
                                            aws.Retry(), minutes=3)
     assert ttft == (900.0, None, 1100.0)
     assert per_unit["u0"].inflight == (None, 3.0, 5.0) and per_unit["u0"].healthy == (1.0, None, 0.0)
-    assert per_unit["u0"].waiting == (None, None, None) and per_unit["u0"].healthy_seen
+    assert per_unit["u0"].waiting == (None, None, None)
 
 
 # -- half-done actions are finished (read-through of the control loops, item 1) -------

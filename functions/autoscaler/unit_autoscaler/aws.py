@@ -271,11 +271,6 @@ class UnitMetrics:
     kv_usage: Series = ()
     healthy: Series = ()
 
-    @property
-    def healthy_seen(self) -> bool:
-        """A minute of the window in which every health report of the unit said 1 (it served)."""
-        return any(v == 1.0 for v in self.healthy)
-
 
 def _minute_index(end: float, timestamp: Any) -> int:
     """Datapoint of the minute [end - 60 (k + 1), end - 60 k) -> k."""

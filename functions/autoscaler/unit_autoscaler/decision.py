@@ -185,6 +185,17 @@ def phase_of(*, desired_tasks: int, running_tasks: int, labelled_instances: int,
     return "dormant"
 
 
+def has_served(latched: bool, health: Series, now: float, last_scale_out: float | None) -> bool:
+    """Whether a unit served since its activation (`phase_of`'s `served`): it is in the handler's
+    latch, or reported UnitHealthy 1 in a minute of the window that began after the last
+    scale-out. A 1 from before may be the unit's previous activation (drained, released and
+    activated again within the window); read as served, a forming unit was latched as serving
+    and drained as the least loaded (the faults property, 2026-12-02). A unit that turned
+    healthy before the last scale-out but was not latched yet (the metric lag) is latched a
+    few minutes later from its newer minutes."""
+    return latched or any(h == 1.0 for h in health[:minutes_since(now, last_scale_out)])
+
+
 def served_latch(obs: Observation, decision: Decision) -> frozenset[int]:
     """The units known to have served after this tick: every serving unit, but the one drained now."""
     leaving = set(decision.units) if decision.action == "deactivate" else set()
@@ -243,7 +254,15 @@ def minutes_since(now: float, since: float | None) -> int:
 
 def joined_minutes(serving: Sequence[Unit]) -> int:
     """Minutes since the last serving unit turned healthy (a 1 after a 0, gaps skipped): the
-    cell had fewer healthy units before. Large when none did in the window."""
+    cell had fewer healthy units before. Large when none did in the window.
+
+    A unit whose reports are all 1 but stop before the window's oldest minute may have
+    joined at its oldest report: its starting minutes (UnitHealthy 0) can be lost in a
+    metric gap, or be shorter than a minute. Its oldest report counts as the join, which
+    at worst shortens the TTFT window of a unit that served all along; counting the minutes
+    before it made the closed-loop property launch a unit for a TTFT measured on one unit
+    fewer, and drain it again (demand 9 on up to 4 units, objective 465 ms).
+    """
     limit = 1 << 30
     for unit in serving:
         known = [(k, h) for k, h in enumerate(unit.health) if h is not None]
@@ -251,6 +270,9 @@ def joined_minutes(serving: Sequence[Unit]) -> int:
             if newer == 1.0 and older != 1.0:
                 limit = min(limit, k + 1)
                 break
+        else:
+            if known and known[-1][1] == 1.0 and known[-1][0] < len(unit.health) - 1:
+                limit = min(limit, known[-1][0] + 1)
     return limit
 
 

@@ -42,7 +42,17 @@ from typing import Any
 from botocore.client import BaseClient
 
 from unit_autoscaler import aws, counts
-from unit_autoscaler.decision import Decision, Load, Observation, Policy, Unit, decide, latch_after, phase_of
+from unit_autoscaler.decision import (
+    Decision,
+    Load,
+    Observation,
+    Policy,
+    Unit,
+    decide,
+    has_served,
+    latch_after,
+    phase_of,
+)
 
 LOG = logging.getLogger(__name__)
 LOG.setLevel(logging.INFO)
@@ -115,7 +125,10 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
     metrics, ttft = aws.proxy_metrics(clients.cloudwatch, settings.proxy_namespace, settings.cell,
                                       settings.unit_ids, now, retry, minutes=settings.policy.window_minutes)
     latched = aws.served_units(group.tags)
-    units = unit_views(settings, services, labelled, metrics, latched, {})
+    last_out = _tag_time(group.tags, aws.TAG_LAST_OUT)
+    served = frozenset(index for index, unit_id in enumerate(settings.unit_ids)
+                       if has_served(index in latched, metrics[unit_id].healthy, now, last_out))
+    units = unit_views(settings, services, labelled, metrics, served, {})
     # The counts cannot see a task still stopping (`aws.stopping_tasks`): before anything is released
     # (a unit that looks stopped, unlabelled instances no unit needs), ECS is asked which instances hold one.
     if (any(u.phase == "releasing" for u in units)
@@ -123,12 +136,12 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
         stopping = aws.stopping_tasks(clients.ecs, settings.cluster, retry)
         held = {view.hosts[arn]: count for arn, count in stopping.items() if arn in view.hosts}
         if held:
-            units = unit_views(settings, services, labelled, metrics, latched, held)
+            units = unit_views(settings, services, labelled, metrics, served, held)
             busy |= set(held)
     # A deploy restarts units: count its end as a scaling event for the scale-in cool-down.
     last_in = max((t for t in (_tag_time(group.tags, aws.TAG_LAST_IN), last_update) if t is not None), default=None)
     obs = Observation(
-        now=now, units=tuple(units), last_scale_out=_tag_time(group.tags, aws.TAG_LAST_OUT), last_scale_in=last_in,
+        now=now, units=tuple(units), last_scale_out=last_out, last_scale_in=last_in,
         capacity_failures=tuple(t for t, _ in failures), ttft_p90_ms=ttft,
     )
     context.update(services=services, labelled=labelled, failures=failures, served=latched,
@@ -137,7 +150,7 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
 
 
 def unit_views(settings: Settings, services: Mapping[tuple[str, str], aws.ServiceView],
-               labelled: Mapping[str, list[str]], metrics: Mapping[str, aws.UnitMetrics], latched: frozenset[int],
+               labelled: Mapping[str, list[str]], metrics: Mapping[str, aws.UnitMetrics], served: frozenset[int],
                held: Mapping[str, int]) -> list[Unit]:
     """Every unit's phase and load. A unit's running tasks are its services' running and pending ones
     plus the tasks still stopping on its labelled instances (`held`: EC2 instance id -> count): a unit
@@ -150,7 +163,7 @@ def unit_views(settings: Settings, services: Mapping[tuple[str, str], aws.Servic
         m = metrics[unit_id]
         instances = len(labelled.get(unit_id, []))
         phase = phase_of(desired_tasks=desired, running_tasks=running, labelled_instances=instances,
-                         served=index in latched or m.healthy_seen)
+                         served=index in served)
         units.append(Unit(index, phase, utilisation(m, settings.capacity), running_tasks=running,
                           instances=instances, health=m.healthy))
     return units
