@@ -1210,7 +1210,7 @@ class Cell:
             health = tuple(h for _, h in recent)
             running = sum(1 for t in self.tasks.values() if t.unit == unit.uid and t.state != "STOPPED")
             labelled = sum(1 for i in self.live_instances() if i.attributes.get("unit") == unit.uid)
-            served = asd.has_served(unit.index in self.latched, health, self.wall(), unix(self.last_scale_out))
+            served = asd.has_served(unit.index in self.latched, health, self.wall(), unix(unit.activated))
             phase = asd.phase_of(desired_tasks=unit.leader_desired + unit.follower_desired, running_tasks=running,
                                  labelled_instances=labelled, served=served)
             units.append(asd.Unit(unit.index, phase, load, running_tasks=running, instances=labelled, health=health))
@@ -1241,7 +1241,7 @@ class Cell:
         if decision.action == "activate":
             for unit in chosen:
                 unit.leader_desired, unit.follower_desired = 1, self.nodes - 1
-                unit.down_since, unit.down_cause = self.now, "forming"
+                unit.down_since, unit.down_cause, unit.activated = self.now, "forming", self.now
             self.desired += len(chosen) * self.nodes
             self.last_scale_out = self.now
             self.asg_converge()

@@ -191,7 +191,7 @@ def faults(draw: st.DrawFn) -> Faults:
 @example(Policy(min_units=1, max_units=3, nodes=1, target_load=0.5, scale_in_margin=0.25, ttft_p90_ms=846.0,
                 scale_out_cooldown_s=60.0, scale_in_cooldown_s=60.0, scale_out_window_s=300.0, scale_in_window_s=300.0,
                 scale_out_minutes=1), Faults(metric_lag_min=2, reforms_per_day=48.0),
-         0, 19.0, 0.0, 22.0)  # a unit activated again read its previous life's UnitHealthy 1: drained while forming
+         11, 19.0, 0.0, 22.0)  # a unit activated again read its previous life's UnitHealthy 1: drained while forming
 def test_under_faults_no_serving_unit_is_stopped_and_min_units_holds(
     policy, world_faults, seed, peak, noise, startup_min,
 ) -> None:
@@ -345,12 +345,16 @@ def test_a_unit_that_joined_without_a_reported_start_calls_for_no_other() -> Non
                                       ttft_p90_ms=(800.0, 800.0, 2500.0, 2500.0, 2500.0))).action == "activate"
 
 
-def test_health_before_the_last_scale_out_is_not_served() -> None:
-    """A 1 in a minute that began before the last scale-out may be the unit's previous activation."""
-    now, out = 1e5, 1e5 // 60 * 60 - 150  # the scale-out was during the third-newest minute
-    assert not has_served(False, (0.0, 0.0, 1.0, 1.0), now, out)
-    assert has_served(False, (1.0, 0.0, 0.0), now, out) and has_served(True, (), now, out)
-    assert has_served(False, (None, None, 1.0), now, None)  # no scale-out on record: the whole window
+def test_health_before_the_units_own_activation_is_not_served() -> None:
+    """A 1 in a minute that began before the unit's activation may be its previous life. The minute
+    k of the window begins at end - 60 (k + 1): with the activation at end - 150, minutes 0 and 1
+    count, minute 2 does not."""
+    now = 1e5
+    activated = now // 60 * 60 - 150
+    assert not has_served(False, (None, None, 1.0, 1.0), now, activated)
+    assert has_served(False, (None, 1.0, 0.0), now, activated)  # the oldest minute that counts
+    assert has_served(True, (), now, activated)
+    assert has_served(False, (None, None, 1.0), now, None)  # not activated within the window: all of it
 
 
 def test_a_capacity_failure_cancels_the_activation_and_backs_off() -> None:

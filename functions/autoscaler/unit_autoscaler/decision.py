@@ -171,9 +171,10 @@ def phase_of(*, desired_tasks: int, running_tasks: int, labelled_instances: int,
     """A unit's phase from ECS, the placement labels and whether it served since its activation.
 
     `served`: the unit reported UnitHealthy 1 in a minute since it was activated (the handler's
-    latch, or a 1 in the metric window). A unit that served is `serving` whatever its newest
-    minute says: a missing datapoint is no evidence, and a unit that lost health is healed by
-    the launcher and the placement controller, not cancelled. running_tasks counts pending ones, and
+    latch, or a 1 in the metric window after the unit's own activation: `has_served`). A unit
+    that served is `serving` whatever its newest minute says: a missing datapoint is no
+    evidence, and a unit that lost health is healed by the launcher and the placement
+    controller, not cancelled. running_tasks counts pending ones, and
     the tasks still stopping on the unit's instances (the handler's `unit_views`).
     """
     if desired_tasks > 0:
@@ -185,15 +186,16 @@ def phase_of(*, desired_tasks: int, running_tasks: int, labelled_instances: int,
     return "dormant"
 
 
-def has_served(latched: bool, health: Series, now: float, last_scale_out: float | None) -> bool:
+def has_served(latched: bool, health: Series, now: float, activated_at: float | None) -> bool:
     """Whether a unit served since its activation (`phase_of`'s `served`): it is in the handler's
-    latch, or reported UnitHealthy 1 in a minute of the window that began after the last
-    scale-out. A 1 from before may be the unit's previous activation (drained, released and
-    activated again within the window); read as served, a forming unit was latched as serving
-    and drained as the least loaded (the faults property, 2026-12-02). A unit that turned
-    healthy before the last scale-out but was not latched yet (the metric lag) is latched a
-    few minutes later from its newer minutes."""
-    return latched or any(h == 1.0 for h in health[:minutes_since(now, last_scale_out)])
+    latch, or reported UnitHealthy 1 in a minute of the window that began after its own last
+    activation (None: not activated within the window, every minute counts). A 1 from before
+    is the unit's previous life (drained, released and activated again within the window);
+    read as served, a forming unit was latched as serving and drained as the least loaded (the
+    faults property, 2026-12-02). The bound is the unit's own activation, not the group's last
+    scale-out: a unit that first served just before another unit's scale-out, not latched yet
+    (the metric lag), must not lose those minutes, or a node lost then could get it cancelled."""
+    return latched or any(h == 1.0 for h in health[:minutes_since(now, activated_at)])
 
 
 def served_latch(obs: Observation, decision: Decision) -> frozenset[int]:
@@ -271,7 +273,7 @@ def joined_minutes(serving: Sequence[Unit]) -> int:
                 limit = min(limit, k + 1)
                 break
         else:
-            if known and known[-1][1] == 1.0 and known[-1][0] < len(unit.health) - 1:
+            if known and all(h == 1.0 for _, h in known) and known[-1][0] < len(unit.health) - 1:
                 limit = min(limit, known[-1][0] + 1)
     return limit
 

@@ -43,6 +43,7 @@ from botocore.client import BaseClient
 
 from unit_autoscaler import aws, counts
 from unit_autoscaler.decision import (
+    MINUTE_S,
     Decision,
     Load,
     Observation,
@@ -124,10 +125,9 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
     failures = aws.capacity_failures(clients.autoscaling, settings.group, retry, now - CAPACITY_LOOKBACK_S)
     metrics, ttft = aws.proxy_metrics(clients.cloudwatch, settings.proxy_namespace, settings.cell,
                                       settings.unit_ids, now, retry, minutes=settings.policy.window_minutes)
-    latched = aws.served_units(group.tags)
-    last_out = _tag_time(group.tags, aws.TAG_LAST_OUT)
+    latched, activated = aws.served_units(group.tags), aws.activations(group.tags)
     served = frozenset(index for index, unit_id in enumerate(settings.unit_ids)
-                       if has_served(index in latched, metrics[unit_id].healthy, now, last_out))
+                       if has_served(index in latched, metrics[unit_id].healthy, now, activated.get(index)))
     units = unit_views(settings, services, labelled, metrics, served, {})
     # The counts cannot see a task still stopping (`aws.stopping_tasks`): before anything is released
     # (a unit that looks stopped, unlabelled instances no unit needs), ECS is asked which instances hold one.
@@ -141,10 +141,10 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
     # A deploy restarts units: count its end as a scaling event for the scale-in cool-down.
     last_in = max((t for t in (_tag_time(group.tags, aws.TAG_LAST_IN), last_update) if t is not None), default=None)
     obs = Observation(
-        now=now, units=tuple(units), last_scale_out=last_out, last_scale_in=last_in,
+        now=now, units=tuple(units), last_scale_out=_tag_time(group.tags, aws.TAG_LAST_OUT), last_scale_in=last_in,
         capacity_failures=tuple(t for t, _ in failures), ttft_p90_ms=ttft,
     )
-    context.update(services=services, labelled=labelled, failures=failures, served=latched,
+    context.update(services=services, labelled=labelled, failures=failures, served=latched, activated=activated,
                    unlabelled=unlabelled_beyond_need(settings, group, attributes, units, busy))
     return obs, context
 
@@ -260,6 +260,9 @@ def act(settings: Settings, clients: Clients, decision: Decision, context: Mappi
         desired = min(group.desired + nodes * len(unit_ids), group.max_size)
         aws.set_desired_capacity(clients.autoscaling, settings.group, desired, retry)
         aws.record_time(clients.autoscaling, settings.group, aws.TAG_LAST_OUT, now, retry)
+        activated = {**context.get("activated", {}), **dict.fromkeys(decision.units, now)}
+        window_start = now - settings.policy.window_minutes * MINUTE_S
+        aws.record_activated(clients.autoscaling, settings.group, aws.activations_value(activated, window_start), retry)
         done["desired_capacity"] = desired
         for unit_id in unit_ids:
             set_role(unit_id, "leader", 1)
