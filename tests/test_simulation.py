@@ -76,8 +76,11 @@ def old_decide(policy, obs):
 
     from unit_autoscaler import decision
 
+    # Its window began at the newest minute that has data (the World's "newest-minute" rules); the
+    # handler's window, as the engine now gives it, begins at the newest whole minute, empty in the lag.
+    lag = int(AwsModel().v("metric_lag_minutes"))
     units = tuple(dataclasses.replace(u, phase="starting")
-                  if u.phase == "serving" and (not u.health or u.health[0] != 1.0) else u for u in obs.units)
+                  if u.phase == "serving" and u.health[lag:lag + 1] != (1.0,) else u for u in obs.units)
     starting = tuple(u.index for u in units if u.phase == "starting")
     recent = bool(obs.capacity_failures) and max(obs.capacity_failures) >= (obs.last_scale_out or -math.inf)
     if starting and recent and obs.last_scale_out is not None and not obs.stack_busy:

@@ -61,6 +61,7 @@ from unit_autoscaler.decision import (  # noqa: E402
     Policy,
     Unit,
     decide,
+    has_served,
     phase_of,
     served_latch,
 )
@@ -146,6 +147,7 @@ class SimUnit:
     state: str = "dormant"
     until: float = 0.0
     served: bool = False  # served in its current life (truth, for the invariants)
+    activated: float | None = None  # its last activation (the handler's TAG_ACTIVATED)
 
     @property
     def desired(self) -> bool:
@@ -275,7 +277,7 @@ class World:
             if self.rules == "newest-minute":
                 served = health[0] == 1.0 if health else False
             else:
-                served = unit.index in self.latch or any(h == 1.0 for h in health)
+                served = has_served(unit.index in self.latch, health, now, unit.activated)
             nodes = self.policy.nodes
             phase = phase_of(desired_tasks=nodes if unit.desired else 0,
                              running_tasks=nodes if unit.has_instances and unit.state != "releasing" else 0,
@@ -293,7 +295,7 @@ class World:
         chosen = [self.units[i] for i in decision.units]
         if decision.action == "activate":
             for unit in chosen:
-                unit.state, unit.served, unit.until = "launching", False, now
+                unit.state, unit.served, unit.until, unit.activated = "launching", False, now, now
             self.last_out = now
             self.advance_launches(now)
         elif decision.action == "deactivate":

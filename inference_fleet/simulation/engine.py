@@ -1196,25 +1196,26 @@ class Cell:
 
     def observation(self) -> asd.Observation:
         """What the autoscaler's handler would observe (unit_autoscaler.handler.observe)."""
+
+        def unix(t: float | None) -> float | None:
+            return None if t is None else EPOCH + t
+
         lag = int(self.model.v("metric_lag_minutes"))
         window = self.policy.window_minutes
         units = []
         for unit in self.units.values():
-            series = self.minute_series[unit.uid][: max(0, len(self.minute_series[unit.uid]) - lag)]
-            recent = list(reversed(series[-window:]))
+            # The handler's window: newest whole minute first, the minutes still in the lag empty.
+            recent = ([(None, None)] * lag + list(reversed(self.minute_series[unit.uid]))[lag:])[:window]
             load = tuple(v for v, _ in recent)
             health = tuple(h for _, h in recent)
             running = sum(1 for t in self.tasks.values() if t.unit == unit.uid and t.state != "STOPPED")
             labelled = sum(1 for i in self.live_instances() if i.attributes.get("unit") == unit.uid)
-            served = unit.index in self.latched or any(h == 1.0 for h in health)
+            served = asd.has_served(unit.index in self.latched, health, self.wall(), unix(unit.activated))
             phase = asd.phase_of(desired_tasks=unit.leader_desired + unit.follower_desired, running_tasks=running,
                                  labelled_instances=labelled, served=served)
             units.append(asd.Unit(unit.index, phase, load, running_tasks=running, instances=labelled, health=health))
         failures = tuple(EPOCH + t for t in self.capacity_failures if self.now - t <= CAPACITY_LOOKBACK_S)
         busy = "UPDATE_IN_PROGRESS" if self.roll.active or self.deploy_queue else None
-        def unix(t: float | None) -> float | None:
-            return None if t is None else EPOCH + t
-
         return asd.Observation(now=self.wall(), units=tuple(units), stack_busy=busy,
                                last_scale_out=unix(self.last_scale_out), last_scale_in=unix(self.last_scale_in),
                                capacity_failures=failures)
@@ -1240,7 +1241,7 @@ class Cell:
         if decision.action == "activate":
             for unit in chosen:
                 unit.leader_desired, unit.follower_desired = 1, self.nodes - 1
-                unit.down_since, unit.down_cause = self.now, "forming"
+                unit.down_since, unit.down_cause, unit.activated = self.now, "forming", self.now
             self.desired += len(chosen) * self.nodes
             self.last_scale_out = self.now
             self.asg_converge()

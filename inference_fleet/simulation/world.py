@@ -135,6 +135,7 @@ class Unit:
     down_since: float | None = 0.0
     down_cause: str = "forming"  # planned, unplanned, forming
     served_ever: bool = False
+    activated: float | None = None  # its last activation by the autoscaler (the handler's TAG_ACTIVATED)
 
 
 @dataclass

@@ -17,6 +17,7 @@ from unit_autoscaler.decision import (
     Unit,
     backoff_until,
     decide,
+    has_served,
     phase_of,
     quantile,
     served_latch,
@@ -158,12 +159,11 @@ def test_no_oscillation_on_a_steady_load(policy, demand, start, startup_min, dra
     assert policy.min_units <= settled <= policy.max_units
 
 
-@pytest.mark.xfail(strict=True, reason="known flap, not fixed: out to 4 units on TTFT, then in to 3 (found by the "
-                   "property above on a clean-clone run, 2026-12-02)")
 def test_no_oscillation_at_demand_9_on_up_to_4_units() -> None:
-    """The property's counterexample, pinned: demand 9 from one unit with a TTFT objective of 465 ms goes
-    activate, activate, activate, deactivate. Strict: the day the flap is fixed this fails, and the
-    xfail goes (docs/autoscaling.md, "Not done")."""
+    """The property's counterexample (a clean-clone run, 2026-12-02): demand 9 from one unit with a
+    TTFT objective of 465 ms went activate, activate, activate, deactivate. Units start within a
+    minute, so the third unit never reported UnitHealthy 0: the minutes before it joined (465 ms on
+    two units) were counted as settled and launched a fourth, drained again 4 minutes later."""
     policy = Policy(min_units=1, max_units=4, nodes=1, target_load=0.5, scale_in_margin=0.05078125,
                     ttft_p90_ms=465.0, scale_out_cooldown_s=60.0, scale_in_cooldown_s=60.0, capacity_backoff_s=600.0,
                     scale_out_window_s=180.0, scale_in_window_s=180.0, scale_out_minutes=1)
@@ -188,6 +188,10 @@ def faults(draw: st.DrawFn) -> Faults:
        st.floats(5, 45))
 @example(Policy(min_units=1, max_units=6, nodes=2), Faults(gap=0.3, reforms_per_day=2.0, refused=((9.0, 11.0),)),
          3, 160.0, 0.0, 30.0)  # launches refused while the cell grows: the case that cancelled serving units
+@example(Policy(min_units=1, max_units=3, nodes=1, target_load=0.5, scale_in_margin=0.25, ttft_p90_ms=846.0,
+                scale_out_cooldown_s=60.0, scale_in_cooldown_s=60.0, scale_out_window_s=300.0, scale_in_window_s=300.0,
+                scale_out_minutes=1), Faults(metric_lag_min=2, reforms_per_day=48.0),
+         11, 19.0, 0.0, 22.0)  # a unit activated again read its previous life's UnitHealthy 1: drained while forming
 def test_under_faults_no_serving_unit_is_stopped_and_min_units_holds(
     policy, world_faults, seed, peak, noise, startup_min,
 ) -> None:
@@ -325,6 +329,32 @@ def test_ttft_measured_before_a_unit_joined_calls_for_no_other() -> None:
     assert decide(policy, Observation(now=1e5, units=healthy, ttft_p90_ms=settled)).action == "activate"
     later = Observation(now=1e5, units=healthy, ttft_p90_ms=settled, last_scale_out=1e5 - 150)
     assert decide(policy, later).action == "hold"  # one whole minute since the last action: too few to judge
+
+
+def test_a_unit_that_joined_without_a_reported_start_calls_for_no_other() -> None:
+    """u1's starting minutes (UnitHealthy 0) are missing: lost in a gap, or shorter than a minute.
+    Its oldest report is taken as the join, so the TTFT measured on u0 alone launches nothing."""
+    policy = Policy(min_units=1, max_units=4, nodes=2, ttft_p90_ms=1000)
+    joined = Unit(1, "serving", minutes(*[1] * WINDOW), running_tasks=2, instances=2,
+                  health=(1.0, 1.0, None, None, None))
+    units = (serving(0, 1), joined, Unit(2, "dormant"), Unit(3, "dormant"))
+    assert decide(policy, Observation(now=1e5, units=units, ttft_p90_ms=(800.0, 800.0, 2500.0, 2500.0, 2500.0)),
+                  ).action == "hold"
+    always = Unit(1, "serving", minutes(*[1] * WINDOW), running_tasks=2, instances=2, health=(1.0,) * 5)
+    assert decide(policy, Observation(now=1e5, units=(serving(0, 1), always, Unit(2, "dormant"), Unit(3, "dormant")),
+                                      ttft_p90_ms=(800.0, 800.0, 2500.0, 2500.0, 2500.0))).action == "activate"
+
+
+def test_health_before_the_units_own_activation_is_not_served() -> None:
+    """A 1 in a minute that began before the unit's activation may be its previous life. The minute
+    k of the window begins at end - 60 (k + 1): with the activation at end - 150, minutes 0 and 1
+    count, minute 2 does not."""
+    now = 1e5
+    activated = now // 60 * 60 - 150
+    assert not has_served(False, (None, None, 1.0, 1.0), now, activated)
+    assert has_served(False, (None, 1.0, 0.0), now, activated)  # the oldest minute that counts
+    assert has_served(True, (), now, activated)
+    assert has_served(False, (None, None, 1.0), now, None)  # not activated within the window: all of it
 
 
 def test_a_capacity_failure_cancels_the_activation_and_backs_off() -> None:

@@ -81,12 +81,13 @@ class Cell:
             "LastUpdatedTime": datetime.fromtimestamp(updated, UTC)}]}, {"StackName": STACK})
 
     def group(self, desired: int, instances: list[str], served: str | None = None,
-              states: dict[str, str] | None = None, **tags: float) -> None:
+              states: dict[str, str] | None = None, **tags: float | str) -> None:
         """The group; `served`: the served latch tag's value (None: no such tag); `states`: more
         instances with their lifecycle state (the others are InService)."""
         lifecycle = {**dict.fromkeys(instances, "InService"), **(states or {})}
-        listed = [{"ResourceId": GROUP, "ResourceType": "auto-scaling-group", "Key": k, "Value": str(int(v)),
-                   "PropagateAtLaunch": False} for k, v in tags.items()]
+        listed = [{"ResourceId": GROUP, "ResourceType": "auto-scaling-group", "Key": k,
+                   "Value": v if isinstance(v, str) else str(int(v)), "PropagateAtLaunch": False}
+                  for k, v in tags.items()]
         if served is not None:
             listed.append({"ResourceId": GROUP, "ResourceType": "auto-scaling-group", "Key": aws.TAG_SERVED,
                            "Value": served, "PropagateAtLaunch": False})
@@ -186,6 +187,11 @@ class Cell:
             "ResourceId": GROUP, "ResourceType": "auto-scaling-group", "Key": aws.TAG_SERVED, "Value": value,
             "PropagateAtLaunch": False}]})
 
+    def expect_activated(self, value: str) -> None:
+        self.autoscaling.add_response("create_or_update_tags", {}, {"Tags": [{
+            "ResourceId": GROUP, "ResourceType": "auto-scaling-group", "Key": aws.TAG_ACTIVATED, "Value": value,
+            "PropagateAtLaunch": False}]})
+
     def expect_tag(self, key: str) -> None:
         self.autoscaling.add_response("create_or_update_tags", {}, {"Tags": [{
             "ResourceId": GROUP, "ResourceType": "auto-scaling-group", "Key": key, "Value": str(int(NOW)),
@@ -195,13 +201,16 @@ class Cell:
 def test_a_loaded_cell_activates_the_lowest_dormant_unit_instances_first() -> None:
     cell = Cell()
     cell.stack()
-    cell.group(2, ["i-a", "i-b"], served="1", **{aws.TAG_LAST_OUT: NOW - 3600})
+    # u1's activation an hour ago has no minute in the window: the new record keeps only u0's.
+    cell.group(2, ["i-a", "i-b"], served="1", **{aws.TAG_LAST_OUT: NOW - 3600,
+                                                 aws.TAG_ACTIVATED: f"{int(NOW - 3600)}:1"})
     cell.services({"u0": (0, 0), "u1": (2, 2), "u2": (0, 0)})
     cell.labels({"i-a": "u1", "i-b": "u1"})
     cell.activities()
     cell.metrics({"u1": (30.0, 1.0)})
     cell.expect_desired(4)
     cell.expect_tag(aws.TAG_LAST_OUT)
+    cell.expect_activated(f"{int(NOW)}:0")
     cell.expect_count("u0", "leader", 1)
     cell.expect_count("u0", "followers", 1)
     summary = cell.run()
@@ -364,6 +373,44 @@ def test_a_unit_seen_serving_is_latched_on_the_group() -> None:
     assert summary["done"] == {"served": [0, 1]} and summary["action"] == "hold"
 
 
+def test_a_unit_activated_again_is_not_latched_from_its_previous_life() -> None:
+    """u1 served, was drained and released, and was activated again 3 minutes ago: the 1 still in its
+    window is from before the activation. Read as served, the forming unit was latched as serving
+    and could be drained as the least loaded (the faults property, 2026-12-02)."""
+    cell = Cell()
+    cell.stack()
+    cell.group(4, ["i-a", "i-b", "i-c", "i-d"], served="0", **{aws.TAG_LAST_OUT: MINUTE_END - 180,
+                                                               aws.TAG_ACTIVATED: f"{int(MINUTE_END - 180)}:1"})
+    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (0, 0)})
+    cell.labels({"i-a": "u0", "i-b": "u0", "i-c": "u1", "i-d": "u1"})
+    cell.activities()
+    forming = [None, (0.0, 0.0), (0.0, 0.0), None, None, (1.0, 1.0), (1.0, 1.0)]
+    cell.metrics({"u0": (1.0, 1.0), "u1": forming + [None] * (POLICY.window_minutes - len(forming))})
+    summary = cell.run()
+    assert summary["action"] == "hold" and "served" not in summary["done"]
+    assert cell.emf["StartingUnits"] == 1.0
+
+
+def test_a_unit_that_served_before_another_units_activation_is_latched() -> None:
+    """u1 first served in the minute that began 3 minutes ago, not latched yet (the metric lag), and u2
+    was activated 2.5 minutes ago. u1's own activation is older: its 1 counts, it is latched as
+    serving. Bounded by the group's last scale-out (the first version of has_served), u1 read as
+    `starting`, and a node lost with its replacement refused would have had it cancelled (review)."""
+    cell = Cell()
+    cell.stack()
+    cell.group(6, [f"i-{n}" for n in range(6)], served="0",
+               **{aws.TAG_LAST_OUT: MINUTE_END - 150, aws.TAG_ACTIVATED: f"{int(MINUTE_END - 150)}:2;"
+                                                                          f"{int(MINUTE_END - 1200)}:1"})
+    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (2, 0)})
+    cell.labels({"i-0": "u0", "i-1": "u0", "i-2": "u1", "i-3": "u1", "i-4": "u2", "i-5": "u2"})
+    cell.activities()
+    joined = [None, None, (1.0, 1.0)] + [(0.0, 0.0)] * 10
+    cell.metrics({"u0": (1.0, 1.0), "u1": joined + [None] * (POLICY.window_minutes - len(joined))})
+    cell.expect_served("0,1")
+    summary = cell.run()
+    assert summary["done"] == {"served": [0, 1]}
+
+
 def test_a_refused_activation_is_cancelled_but_never_below_min_units() -> None:
     """Two units starting, neither has instances, launches refused: min_units 1 keeps the lower
     (the group retries its launch); the other is cancelled and only its nodes given back."""
@@ -424,7 +471,7 @@ def test_metrics_are_read_minute_by_minute_with_gaps_in_place() -> None:
                                            aws.Retry(), minutes=3)
     assert ttft == (900.0, None, 1100.0)
     assert per_unit["u0"].inflight == (None, 3.0, 5.0) and per_unit["u0"].healthy == (1.0, None, 0.0)
-    assert per_unit["u0"].waiting == (None, None, None) and per_unit["u0"].healthy_seen
+    assert per_unit["u0"].waiting == (None, None, None)
 
 
 # -- half-done actions are finished (read-through of the control loops, item 1) -------
@@ -726,3 +773,17 @@ def test_the_surplus_released_is_the_booting_instance_not_the_ready_one() -> Non
     attributes = {"i-0": {"unit": "u0"}, "i-A": {}}
     units = [Unit(0, "serving"), Unit(1, "dormant"), Unit(2, "dormant")]
     assert unlabelled_beyond_need(SETTINGS, group, attributes, units) == ["i-B"]
+
+
+def test_the_activation_record_keeps_the_window_and_its_size() -> None:
+    """TAG_ACTIVATED: activations in the window, grouped by time, newest first; the oldest groups are
+    dropped before the value passes 256 characters; malformed parts are skipped when read."""
+    value = aws.activations_value({0: NOW, 3: NOW, 1: NOW - 600, 2: NOW - 7200}, NOW - 1800)
+    assert value == f"{int(NOW)}:0.3;{int(NOW - 600)}:1"
+    assert aws.activations({aws.TAG_ACTIVATED: value}) == {0: NOW, 3: NOW, 1: NOW - 600}
+    assert aws.activations({aws.TAG_ACTIVATED: "x:1;12:a.2;;"}) == {2: 12.0} and aws.activations({}) == {}
+    many = {unit: NOW - 60 * (unit % 25) for unit in range(100)}
+    capped = aws.activations_value(many, NOW - 1800)
+    assert len(capped) <= aws.TAG_VALUE_MAX and capped.startswith(f"{int(NOW)}:0.25.50.75;")
+    kept = aws.activations({aws.TAG_ACTIVATED: capped})
+    assert kept and min(kept.values()) > NOW - 25 * 60  # the oldest went first

@@ -56,6 +56,13 @@ TAG_LAST_IN = "unit-autoscaler:last-scale-in"
 # tags are limited in number); a value holds 0 to 256 characters
 # (https://docs.aws.amazon.com/autoscaling/ec2/APIReference/API_Tag.html): room for 85 indices.
 TAG_SERVED = "unit-autoscaler:served"
+# When each unit was last activated ("1800000000:2.3;1800000300:4"), for the units activated
+# within the metric window: a UnitHealthy 1 before a unit's own activation is its previous
+# life's (decision.has_served). Older activations are dropped (no minute of the window is
+# before them), and so are the oldest when the value would pass 256 characters (those units
+# then read their whole window, as before this tag).
+TAG_ACTIVATED = "unit-autoscaler:activated"
+TAG_VALUE_MAX = 256
 DESCRIBE_SERVICES_PER_CALL = 10
 DESCRIBE_INSTANCES_PER_CALL = 100
 DESCRIBE_TASKS_PER_CALL = 100
@@ -271,11 +278,6 @@ class UnitMetrics:
     kv_usage: Series = ()
     healthy: Series = ()
 
-    @property
-    def healthy_seen(self) -> bool:
-        """A minute of the window in which every health report of the unit said 1 (it served)."""
-        return any(v == 1.0 for v in self.healthy)
-
 
 def _minute_index(end: float, timestamp: Any) -> int:
     """Datapoint of the minute [end - 60 (k + 1), end - 60 k) -> k."""
@@ -351,6 +353,35 @@ def served_units(tags: Mapping[str, str]) -> frozenset[int]:
         if part.strip().isdigit():
             found.add(int(part))
     return frozenset(found)
+
+
+def activations(tags: Mapping[str, str]) -> dict[int, float]:
+    """Each unit's last activation time as the group's TAG_ACTIVATED lists it (malformed parts skipped)."""
+    found: dict[int, float] = {}
+    for group in tags.get(TAG_ACTIVATED, "").split(";"):
+        when, _, units = group.partition(":")
+        if not when.strip().isdigit():
+            continue
+        for part in units.split("."):
+            if part.strip().isdigit():
+                found[int(part)] = max(found.get(int(part), 0.0), float(when))
+    return found
+
+
+def activations_value(activated: Mapping[int, float], since: float) -> str:
+    """TAG_ACTIVATED's value: activations at or after `since`, newest first, within TAG_VALUE_MAX."""
+    by_time: dict[int, list[int]] = {}
+    for unit, when in activated.items():
+        if when >= since:
+            by_time.setdefault(int(when), []).append(unit)
+    value = ""
+    for when in sorted(by_time, reverse=True):
+        part = f"{when}:{'.'.join(str(u) for u in sorted(by_time[when]))}"
+        candidate = f"{value};{part}" if value else part
+        if len(candidate) > TAG_VALUE_MAX:
+            break
+        value = candidate
+    return value
 
 
 # -- writes ------------------------------------------------------------------------
@@ -438,6 +469,14 @@ def record_time(autoscaling: BaseClient, group: str, key: str, now: float, retry
     """Remember a scaling time on the group itself (the function keeps no state between ticks)."""
     retry.call(autoscaling.create_or_update_tags, Tags=[{
         "ResourceId": group, "ResourceType": "auto-scaling-group", "Key": key, "Value": str(int(now)),
+        "PropagateAtLaunch": False,
+    }])
+
+
+def record_activated(autoscaling: BaseClient, group: str, value: str, retry: Retry) -> None:
+    """Write the units' activation times (see TAG_ACTIVATED; `activations_value`)."""
+    retry.call(autoscaling.create_or_update_tags, Tags=[{
+        "ResourceId": group, "ResourceType": "auto-scaling-group", "Key": TAG_ACTIVATED, "Value": value,
         "PropagateAtLaunch": False,
     }])
 

@@ -171,9 +171,10 @@ def phase_of(*, desired_tasks: int, running_tasks: int, labelled_instances: int,
     """A unit's phase from ECS, the placement labels and whether it served since its activation.
 
     `served`: the unit reported UnitHealthy 1 in a minute since it was activated (the handler's
-    latch, or a 1 in the metric window). A unit that served is `serving` whatever its newest
-    minute says: a missing datapoint is no evidence, and a unit that lost health is healed by
-    the launcher and the placement controller, not cancelled. running_tasks counts pending ones, and
+    latch, or a 1 in the metric window after the unit's own activation: `has_served`). A unit
+    that served is `serving` whatever its newest minute says: a missing datapoint is no
+    evidence, and a unit that lost health is healed by the launcher and the placement
+    controller, not cancelled. running_tasks counts pending ones, and
     the tasks still stopping on the unit's instances (the handler's `unit_views`).
     """
     if desired_tasks > 0:
@@ -183,6 +184,18 @@ def phase_of(*, desired_tasks: int, running_tasks: int, labelled_instances: int,
     if labelled_instances > 0:
         return "releasing"
     return "dormant"
+
+
+def has_served(latched: bool, health: Series, now: float, activated_at: float | None) -> bool:
+    """Whether a unit served since its activation (`phase_of`'s `served`): it is in the handler's
+    latch, or reported UnitHealthy 1 in a minute of the window that began after its own last
+    activation (None: not activated within the window, every minute counts). A 1 from before
+    is the unit's previous life (drained, released and activated again within the window);
+    read as served, a forming unit was latched as serving and drained as the least loaded (the
+    faults property, 2026-12-02). The bound is the unit's own activation, not the group's last
+    scale-out: a unit that first served just before another unit's scale-out, not latched yet
+    (the metric lag), must not lose those minutes, or a node lost then could get it cancelled."""
+    return latched or any(h == 1.0 for h in health[:minutes_since(now, activated_at)])
 
 
 def served_latch(obs: Observation, decision: Decision) -> frozenset[int]:
@@ -243,7 +256,15 @@ def minutes_since(now: float, since: float | None) -> int:
 
 def joined_minutes(serving: Sequence[Unit]) -> int:
     """Minutes since the last serving unit turned healthy (a 1 after a 0, gaps skipped): the
-    cell had fewer healthy units before. Large when none did in the window."""
+    cell had fewer healthy units before. Large when none did in the window.
+
+    A unit whose reports are all 1 but stop before the window's oldest minute may have
+    joined at its oldest report: its starting minutes (UnitHealthy 0) can be lost in a
+    metric gap, or be shorter than a minute. Its oldest report counts as the join, which
+    at worst shortens the TTFT window of a unit that served all along; counting the minutes
+    before it made the closed-loop property launch a unit for a TTFT measured on one unit
+    fewer, and drain it again (demand 9 on up to 4 units, objective 465 ms).
+    """
     limit = 1 << 30
     for unit in serving:
         known = [(k, h) for k, h in enumerate(unit.health) if h is not None]
@@ -251,6 +272,9 @@ def joined_minutes(serving: Sequence[Unit]) -> int:
             if newer == 1.0 and older != 1.0:
                 limit = min(limit, k + 1)
                 break
+        else:
+            if known and all(h == 1.0 for _, h in known) and known[-1][0] < len(unit.health) - 1:
+                limit = min(limit, known[-1][0] + 1)
     return limit
 
 

@@ -42,7 +42,18 @@ from typing import Any
 from botocore.client import BaseClient
 
 from unit_autoscaler import aws, counts
-from unit_autoscaler.decision import Decision, Load, Observation, Policy, Unit, decide, latch_after, phase_of
+from unit_autoscaler.decision import (
+    MINUTE_S,
+    Decision,
+    Load,
+    Observation,
+    Policy,
+    Unit,
+    decide,
+    has_served,
+    latch_after,
+    phase_of,
+)
 
 LOG = logging.getLogger(__name__)
 LOG.setLevel(logging.INFO)
@@ -114,8 +125,10 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
     failures = aws.capacity_failures(clients.autoscaling, settings.group, retry, now - CAPACITY_LOOKBACK_S)
     metrics, ttft = aws.proxy_metrics(clients.cloudwatch, settings.proxy_namespace, settings.cell,
                                       settings.unit_ids, now, retry, minutes=settings.policy.window_minutes)
-    latched = aws.served_units(group.tags)
-    units = unit_views(settings, services, labelled, metrics, latched, {})
+    latched, activated = aws.served_units(group.tags), aws.activations(group.tags)
+    served = frozenset(index for index, unit_id in enumerate(settings.unit_ids)
+                       if has_served(index in latched, metrics[unit_id].healthy, now, activated.get(index)))
+    units = unit_views(settings, services, labelled, metrics, served, {})
     # The counts cannot see a task still stopping (`aws.stopping_tasks`): before anything is released
     # (a unit that looks stopped, unlabelled instances no unit needs), ECS is asked which instances hold one.
     if (any(u.phase == "releasing" for u in units)
@@ -123,7 +136,7 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
         stopping = aws.stopping_tasks(clients.ecs, settings.cluster, retry)
         held = {view.hosts[arn]: count for arn, count in stopping.items() if arn in view.hosts}
         if held:
-            units = unit_views(settings, services, labelled, metrics, latched, held)
+            units = unit_views(settings, services, labelled, metrics, served, held)
             busy |= set(held)
     # A deploy restarts units: count its end as a scaling event for the scale-in cool-down.
     last_in = max((t for t in (_tag_time(group.tags, aws.TAG_LAST_IN), last_update) if t is not None), default=None)
@@ -131,13 +144,13 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
         now=now, units=tuple(units), last_scale_out=_tag_time(group.tags, aws.TAG_LAST_OUT), last_scale_in=last_in,
         capacity_failures=tuple(t for t, _ in failures), ttft_p90_ms=ttft,
     )
-    context.update(services=services, labelled=labelled, failures=failures, served=latched,
+    context.update(services=services, labelled=labelled, failures=failures, served=latched, activated=activated,
                    unlabelled=unlabelled_beyond_need(settings, group, attributes, units, busy))
     return obs, context
 
 
 def unit_views(settings: Settings, services: Mapping[tuple[str, str], aws.ServiceView],
-               labelled: Mapping[str, list[str]], metrics: Mapping[str, aws.UnitMetrics], latched: frozenset[int],
+               labelled: Mapping[str, list[str]], metrics: Mapping[str, aws.UnitMetrics], served: frozenset[int],
                held: Mapping[str, int]) -> list[Unit]:
     """Every unit's phase and load. A unit's running tasks are its services' running and pending ones
     plus the tasks still stopping on its labelled instances (`held`: EC2 instance id -> count): a unit
@@ -150,7 +163,7 @@ def unit_views(settings: Settings, services: Mapping[tuple[str, str], aws.Servic
         m = metrics[unit_id]
         instances = len(labelled.get(unit_id, []))
         phase = phase_of(desired_tasks=desired, running_tasks=running, labelled_instances=instances,
-                         served=index in latched or m.healthy_seen)
+                         served=index in served)
         units.append(Unit(index, phase, utilisation(m, settings.capacity), running_tasks=running,
                           instances=instances, health=m.healthy))
     return units
@@ -247,6 +260,9 @@ def act(settings: Settings, clients: Clients, decision: Decision, context: Mappi
         desired = min(group.desired + nodes * len(unit_ids), group.max_size)
         aws.set_desired_capacity(clients.autoscaling, settings.group, desired, retry)
         aws.record_time(clients.autoscaling, settings.group, aws.TAG_LAST_OUT, now, retry)
+        activated = {**context.get("activated", {}), **dict.fromkeys(decision.units, now)}
+        window_start = now - settings.policy.window_minutes * MINUTE_S
+        aws.record_activated(clients.autoscaling, settings.group, aws.activations_value(activated, window_start), retry)
         done["desired_capacity"] = desired
         for unit_id in unit_ids:
             set_role(unit_id, "leader", 1)
