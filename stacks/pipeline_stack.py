@@ -23,6 +23,7 @@ evacuated before its deploy action and restored in a `Restore-<wave>` stage afte
 
 from __future__ import annotations
 
+import shlex
 from typing import NamedTuple
 
 from aws_cdk import (
@@ -82,6 +83,19 @@ BUILD_NODEJS = "24"
 # Action wildcards of CDK's bucket and key grants (Bucket.grantReadWrite, Key.grantEncryptDecrypt).
 _GRANT_WILDCARD_ACTIONS = ("s3:Abort*", "s3:DeleteObject*", "s3:GetBucket*", "s3:GetObject*", "s3:List*",
                            "kms:GenerateDataKey*", "kms:ReEncrypt*")
+
+
+def make_variable(name: str, value: str) -> str:
+    """`NAME=value` as one word of a build command, for the shell that runs it and for make.
+
+    CodeBuild runs a buildspec's commands in sh ("You can specify any Shell Command Language (sh) command",
+    https://docs.aws.amazon.com/codebuild/latest/userguide/build-env-ref-cmd.html; a buildspec may choose bash with
+    `env: shell`, and this one does not): a POSIX single-quoted word (shlex.quote) is one argument in sh, dash
+    and bash alike, whatever spaces or quotes the value holds. make then expands a `$` in the value: `v=x` on its
+    command line defines a recursively expanded variable (https://www.gnu.org/software/make/manual/html_node/Overriding.html),
+    and the Makefile exports CONFIG, which expands it, so a `$` is written `$$`. Both are no-ops for a plain
+    path: the default fleet's commands read as before."""
+    return shlex.quote(f"{name}={value.replace('$', '$$')}")
 
 
 PUBLISH_ASSETS_TOOL = "tools/publish-assets.js"
@@ -279,7 +293,7 @@ class PipelineStack(Stack):
     def _build_project(self) -> codebuild.PipelineProject:
         fleet = self.fleet
         # Always named: the fleet CLI's commands that reach AWS (`compile --check`) refuse to run without it.
-        config_arg = f" CONFIG={self._fleet_file_in_build()}"
+        config_arg = f" {make_variable('CONFIG', self._fleet_file_in_build())}"
         cell_stacks = [fleet.cell_stack_name(c) for c in fleet.cells]
         log_group = logs.LogGroup(
             self, "BuildLogs", encryption_key=self.key, retention=logs.RetentionDays.THREE_MONTHS,
