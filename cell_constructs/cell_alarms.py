@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from aws_cdk import ArnFormat, Duration, Stack
+from aws_cdk import ArnFormat, Duration, Stack, Token
 from aws_cdk import aws_cloudwatch as cloudwatch
 from aws_cdk import aws_elasticloadbalancingv2 as elbv2
 from aws_cdk import aws_iam as iam
@@ -55,14 +55,24 @@ def rollout_gate_name(stack_name: str) -> str:
     return f"{stack_name}-rollout-gate"
 
 
-def gate_reader_role_name(stack_name: str) -> str:
-    """Role in a cell's account that lets the pipeline account read the cell's rollout gate.
+def cell_gate_reader_role_name(stack_name: str, region: str) -> str:
+    """Role in a cell's account that lets the pipeline account read the cell's rollout gate:
+    `<stack>-<region>-gate-reader` (`<Fleet>-Cell-<cell>-<region>-gate-reader`).
 
-    `<stack>-gate-reader`; IAM role names are at most 64 characters
-    (https://docs.aws.amazon.com/IAM/latest/APIReference/API_CreateRole.html), and a 24-character fleet name with a
-    24-character cell name makes 66: a longer name keeps its stack name's head and a hash of the whole (stable, so
-    the pipeline stack, which derives it again, names the same role).
-    """
+    IAM role names are unique per account, not per region ("IAM user, group, role, and policy names must be unique
+    within the account", RoleName in https://docs.aws.amazon.com/IAM/latest/APIReference/API_CreateRole.html): two
+    fleets of one name with a cell of one name in two regions of one account had the same `<stack>-gate-reader`,
+    and the second cell stack failed to create its role. A name over IAM's 64 characters keeps its base's head and a
+    hash of the whole base (`bounded_role_name`, as the pipeline role: stable, so the pipeline stack, which derives
+    it again, names the same role)."""
+    return bounded_role_name(f"{stack_name}-{region}", GATE_READER_SUFFIX)
+
+
+def router_gate_reader_role_name(stack_name: str) -> str:
+    """The router's: `<stack>-gate-reader`, its stack name being `<Fleet>-Router-<region>`
+    (FleetConfig.router_stack_name): it holds the region already, so two regions never share the name, and the
+    name is kept (a renamed role is a replaced role, and a router stack is deployed by hand: until then the
+    pipeline's reads of its gate, as the new name, would be denied)."""
     return bounded_role_name(stack_name, GATE_READER_SUFFIX)
 
 
@@ -464,9 +474,13 @@ class CellAlarms(Construct):
     def _gate_reader(self, trust: PipelineTrust) -> iam.Role:
         """Lets the pipeline in another account read (only) this cell's rollout gate state."""
         stack = Stack.of(self)
+        if Token.is_unresolved(stack.region):
+            # The pipeline stack names the role from the cell's region: it must be the same literal here.
+            raise ValueError(f"the gate reader of cell {self.cell_name} is named after its region: give the cell "
+                             "stack an environment with a region")
         role = iam.Role(
             self, "GateReader",
-            role_name=gate_reader_role_name(self.stack_name),
+            role_name=cell_gate_reader_role_name(self.stack_name, stack.region),
             assumed_by=trust.principal(self),
             description=f"Pipeline account {trust.account} reads the rollout gate of cell {self.cell_name}",
             max_session_duration=Duration.hours(1),

@@ -1,7 +1,8 @@
 """Who may assume a cell's or router's gate-reader role: the rollout pipeline's own role, named in a condition.
 
-A cell (or router) in another account than the pipeline gets `<stack>-gate-reader`, a role that may only
-describe its rollout gate, trusting the pipeline's account (cell_alarms, router_alarms). Trusting the account
+A cell (or router) in another account than the pipeline gets a gate reader, `<stack>-<region>-gate-reader`
+(a router's stack name, `<Fleet>-Router-<region>`, holds the region already: `<stack>-gate-reader`), a role that
+may only describe its rollout gate, trusting the pipeline's account (cell_alarms, router_alarms). Trusting the account
 alone lets in any principal of it that its own IAM policy allows sts:AssumeRole. The pipeline's CodePipeline
 role has a fixed name (`pipeline_role_name` of the fleet and the pipeline's region, given by
 stacks/pipeline_stack.py), so the trust can name its ARN

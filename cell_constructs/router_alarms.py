@@ -26,7 +26,7 @@ from aws_cdk import aws_elasticloadbalancingv2 as elbv2
 from aws_cdk import aws_iam as iam
 from constructs import Construct
 
-from cell_constructs.cell_alarms import gate_reader_role_name, rollout_gate_name
+from cell_constructs.cell_alarms import rollout_gate_name, router_gate_reader_role_name
 from cell_constructs.gate_reader import PipelineTrust
 from cell_constructs.nag import acknowledge
 from inference_fleet.config import RouterAlarmsConfig
@@ -121,7 +121,7 @@ class RouterAlarms(Construct):
         """Lets the pipeline in another account read (only) this router's rollout gate state."""
         stack = Stack.of(self)
         role = iam.Role(
-            self, "GateReader", role_name=gate_reader_role_name(self.stack_name),
+            self, "GateReader", role_name=router_gate_reader_role_name(self.stack_name),
             assumed_by=trust.principal(self), max_session_duration=Duration.hours(1),
             description=f"Pipeline account {trust.account} reads the rollout gate of router {self.router_name}",
         )

@@ -98,7 +98,7 @@ before you synthesize or deploy it: validate it, see the model's memory and para
 layout on one unit, see how a rollout proceeds cell by cell, or print the reference
 of every field. Without --config, offline commands use the example fleet
 (config/default.yaml); compile (but --dry-run), verify and evacuate (but --local) reach
-AWS and need your fleet's file."""
+AWS, and compile --no-upload compiles one fleet's layout: they need your fleet's file."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -121,7 +121,8 @@ def _parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help_text, description=help_text, epilog=exit_codes.EPILOG,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
         sub.add_argument("--config", help="fleet YAML file (default: the example fleet, config/default.yaml, "
-                                          "for offline commands; commands that reach AWS need it)")
+                                          "for offline commands; commands that reach AWS, and compile "
+                                          "--no-upload, need it)")
         if add_arguments is not None:
             add_arguments(sub)
         sub.set_defaults(run=run)
@@ -140,30 +141,48 @@ def _closed_pipe() -> int:
 
 def refused_without_fleet_file(argv: list[str]) -> bool:
     """Whether this command line would be refused for naming no fleet file: a command that reaches AWS
-    (`compile` but --dry-run, `verify`, `evacuate` but --local) without --config. The pipeline's build
-    and gate commands are checked with it (tests/test_template_scripts.py)."""
-    return _missing_fleet_file(_parser().parse_args(argv))
+    (`compile` but --dry-run, `verify`, `evacuate` but --local) or compiles (`compile --no-upload`) without
+    --config. The pipeline's build and gate commands are checked with it (tests/test_template_scripts.py)."""
+    return _missing_fleet_file(_parser().parse_args(argv)) is not None
 
 
-def _missing_fleet_file(args: argparse.Namespace) -> bool:
+# What an offline compile takes from the fleet file: the layout (unit_spec.layout_key, plan.neuron_config) and the
+# versions in the key (compile_job.versions). Nothing else: no account, region, cell or artifacts_s3_uri.
+COMPILE_NEEDS = ("model (name, dtype, max_seq_len) and unit (instance_type, nodes, logical_nc_config, "
+                 "tensor_parallel_degree, context_parallel_degree, data_parallel_degree, max_concurrent_sequences), "
+                 "which make the layout, and base_images (neuron_vllm_tag, neuron_vllm_digest), whose versions are "
+                 "in the manifest's key")
+
+
+def _missing_fleet_file(args: argparse.Namespace) -> str | None:
+    """Why this command needs the fleet file it was not given (the error's text), or None."""
     if getattr(args, "config", "") is not None:
-        return False
+        return None
+    deployed = (f"`{args.command}` acts on a deployed fleet: name its fleet file with --config FILE (make: "
+                "CONFIG=FILE); only offline commands fall back to the example fleet, config/default.yaml")
     if args.command == "compile":
-        return not args.dry_run
+        if args.dry_run:
+            return None
+        if args.no_upload and not (args.check or args.submit):
+            # Offline, but hours of compiling for one layout: the example fleet's would serve no other fleet (its
+            # units refuse a manifest of another layout or key), so the layout's fields are asked for.
+            return ("`compile --no-upload` reaches no AWS but compiles one fleet's unit layout: it needs the fleet "
+                    f"file's {COMPILE_NEEDS}. Allowed: --config FILE (make: CONFIG=FILE); --config "
+                    "config/default.yaml to compile the example fleet's layout on purpose; --dry-run to print the "
+                    "example fleet's job without compiling")
+        return deployed
     if args.command == "evacuate":
-        return args.local is None
-    return args.command == "verify"
+        return deployed if args.local is None else None
+    return deployed if args.command == "verify" else None
 
 
 def _run(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
-    if _missing_fleet_file(args):
+    if (refusal := _missing_fleet_file(args)) is not None:
         # Without --config every command reads the package's example fleet (config/default.yaml). Offline that is a
         # demonstration; against AWS it would submit, verify or evacuate another fleet's stacks (a fleet copied from
         # the example keeps its name, so its stack names match), so the deployed fleet's file is asked for.
-        print(f"error: `{args.command}` acts on a deployed fleet: name its fleet file with --config FILE (make: "
-              f"CONFIG=FILE); only offline commands fall back to the example fleet, config/default.yaml",
-              file=sys.stderr)
+        print(f"error: {refusal}", file=sys.stderr)
         return exit_codes.USAGE
     try:
         return args.run(args)

@@ -26,6 +26,8 @@ fronting routers' task reports
 
 from __future__ import annotations
 
+import shlex
+
 from aws_cdk import Duration, Stack
 from aws_cdk import aws_codebuild as codebuild
 from aws_cdk import aws_codepipeline as codepipeline
@@ -47,10 +49,11 @@ EVACUATE_TIMEOUT = Duration.minutes(30)
 
 
 def evacuate_command(fleet_file: str) -> str:
-    """The build's command (sh); CELL and EVACUATE_MODE (evacuate or restore) come from the action."""
+    """The build's command (sh); CELL and EVACUATE_MODE (evacuate or restore) come from the action. The fleet
+    file is one quoted word (a path may hold spaces or quotes)."""
     return (f'case "$EVACUATE_MODE" in evacuate) set -- --wait --timeout {WAIT_SECONDS} ;; restore) set -- --undo ;; '
             '*) echo "EVACUATE_MODE=$EVACUATE_MODE: evacuate or restore" >&2; exit 2 ;; esac; '
-            f'.venv/bin/python -m inference_fleet evacuate --config {fleet_file} --cell "$CELL" "$@"')
+            f'.venv/bin/python -m inference_fleet evacuate --config {shlex.quote(fleet_file)} --cell "$CELL" "$@"')
 
 
 def evacuate_action_name(cell: CellConfig, undo: bool) -> str:

@@ -23,6 +23,7 @@ evacuated before its deploy action and restored in a `Restore-<wave>` stage afte
 
 from __future__ import annotations
 
+import shlex
 from typing import NamedTuple
 
 from aws_cdk import (
@@ -46,7 +47,7 @@ from constructs import Construct
 from unit_launcher.artifact_manifest import MANIFEST_NAME
 from unit_launcher.artifacts import split_uri
 
-from cell_constructs.cell_alarms import gate_reader_role_name, rollout_gate_name
+from cell_constructs.cell_alarms import cell_gate_reader_role_name, rollout_gate_name, router_gate_reader_role_name
 from cell_constructs.compile_stage import REQUEST_DIR, REQUEST_FILE, CompileRun
 from cell_constructs.encryption import allow_cloudwatch_logs, artifacts_key_statement
 from cell_constructs.fleet_cli_project import PYTHON_RUNTIME, generated_project_findings
@@ -84,6 +85,19 @@ _GRANT_WILDCARD_ACTIONS = ("s3:Abort*", "s3:DeleteObject*", "s3:GetBucket*", "s3
                            "kms:GenerateDataKey*", "kms:ReEncrypt*")
 
 
+def make_variable(name: str, value: str) -> str:
+    """`NAME=value` as one word of a build command, for the shell that runs it and for make.
+
+    CodeBuild runs a buildspec's commands in sh ("You can specify any Shell Command Language (sh) command",
+    https://docs.aws.amazon.com/codebuild/latest/userguide/build-env-ref-cmd.html; a buildspec may choose bash with
+    `env: shell`, and this one does not): a POSIX single-quoted word (shlex.quote) is one argument in sh, dash
+    and bash alike, whatever spaces or quotes the value holds. make then expands a `$` in the value: `v=x` on its
+    command line defines a recursively expanded variable (https://www.gnu.org/software/make/manual/html_node/Overriding.html),
+    and the Makefile exports CONFIG, which expands it, so a `$` is written `$$`. Both are no-ops for a plain
+    path: the default fleet's commands read as before."""
+    return shlex.quote(f"{name}={value.replace('$', '$$')}")
+
+
 PUBLISH_ASSETS_TOOL = "tools/publish-assets.js"
 
 
@@ -118,6 +132,7 @@ class Gate(NamedTuple):
     account: str
     region: str
     stack_name: str
+    reader_role: str  # the gate reader role's name, when the gate is in another account (cell_alarms, router_alarms)
 
 
 def wave_stage_name(wave: WaveConfig) -> str:
@@ -279,7 +294,7 @@ class PipelineStack(Stack):
     def _build_project(self) -> codebuild.PipelineProject:
         fleet = self.fleet
         # Always named: the fleet CLI's commands that reach AWS (`compile --check`) refuse to run without it.
-        config_arg = f" CONFIG={self._fleet_file_in_build()}"
+        config_arg = f" {make_variable('CONFIG', self._fleet_file_in_build())}"
         cell_stacks = [fleet.cell_stack_name(c) for c in fleet.cells]
         log_group = logs.LogGroup(
             self, "BuildLogs", encryption_key=self.key, retention=logs.RetentionDays.THREE_MONTHS,
@@ -473,10 +488,11 @@ class PipelineStack(Stack):
         routers that front one of its cells (a cell update can take a router's last healthy cell out)."""
         fleet = self.fleet
         cells = fleet.cells_of_wave(wave.name) if wave is not None else list(fleet.cells)
-        gates = [Gate(f"{cell.name}-gate", cell.account, cell.region, fleet.cell_stack_name(cell)) for cell in cells]
+        gates = [Gate(f"{cell.name}-gate", cell.account, cell.region, fleet.cell_stack_name(cell),
+                      cell_gate_reader_role_name(fleet.cell_stack_name(cell), cell.region)) for cell in cells]
         names = {cell.name for cell in cells}
         gates += [Gate(f"router-{router.region}-gate", fleet.router_account(router), router.region,
-                       fleet.router_stack_name(router))
+                       fleet.router_stack_name(router), router_gate_reader_role_name(fleet.router_stack_name(router)))
                   for router in fleet.routers if names & set(router.cells) and self._keeps_a_cell(router, names)]
         return gates
 
@@ -523,7 +539,7 @@ class PipelineStack(Stack):
         if remote:
             role.add_to_principal_policy(iam.PolicyStatement(
                 actions=["sts:AssumeRole"],
-                resources=[f"arn:{self.partition}:iam::{g.account}:role/{gate_reader_role_name(g.stack_name)}"
+                resources=[f"arn:{self.partition}:iam::{g.account}:role/{g.reader_role}"
                            for g in remote],
             ))
 
@@ -541,7 +557,7 @@ class PipelineStack(Stack):
                 if self._cross_account(gate):
                     cfn.add_property_override(
                         f"Stages.{index}.OnSuccess.Conditions.0.Rules.{r}.RoleArn",
-                        f"arn:{self.partition}:iam::{gate.account}:role/{gate_reader_role_name(gate.stack_name)}",
+                        f"arn:{self.partition}:iam::{gate.account}:role/{gate.reader_role}",
                     )
 
     # -- cross-region support ---------------------------------------------------------

@@ -15,6 +15,8 @@ verified against `cells[].tls_name` from the same fleet file (inference_fleet/ve
 
 from __future__ import annotations
 
+import shlex
+
 from aws_cdk import Annotations, ArnFormat, Duration, Fn, Stack
 from aws_cdk import aws_codebuild as codebuild
 from aws_cdk import aws_codepipeline as codepipeline
@@ -54,7 +56,8 @@ UNSCOPED_READS = ("elasticloadbalancing:DescribeListeners", "elasticloadbalancin
 
 
 def verify_command(fleet_file: str, cell: str) -> str:
-    return f".venv/bin/python -m inference_fleet verify --config {fleet_file} --cell {cell}"
+    """The build's command (sh), each value one quoted word (a fleet file's path may hold spaces or quotes)."""
+    return f".venv/bin/python -m inference_fleet verify --config {shlex.quote(fleet_file)} --cell {shlex.quote(cell)}"
 
 
 def verify_action_name(cell: CellConfig) -> str:

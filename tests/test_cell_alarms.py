@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
-from aws_cdk import App, Duration, Stack
+from aws_cdk import App, Duration, Environment, Stack
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_elasticloadbalancingv2 as elbv2
 from aws_cdk import aws_logs as logs
@@ -223,8 +223,9 @@ def test_the_proxy_goes_down_with_its_launcher(synth_large, stack_name: str) -> 
 # -- the construct on its own -----------------------------------------------------------
 
 
-def _cell_alarms(**overrides: object) -> tuple[CellAlarms, Template]:
-    stack = Stack(App(), "Rufus-Cell-test")
+def _cell_alarms(*, region: str | None = None, **overrides: object) -> tuple[CellAlarms, Template]:
+    env = Environment(account="111111111111", region=region) if region else None
+    stack = Stack(App(), "Rufus-Cell-test", env=env)
     vpc = ec2.Vpc(stack, "Vpc", max_azs=2, nat_gateways=0)
     unit_logs = logs.LogGroup(stack, "UnitLogs")
     alb = elbv2.ApplicationLoadBalancer(stack, "Alb", vpc=vpc)
@@ -281,10 +282,11 @@ def test_names_that_would_break_the_metrics_insights_query_are_refused() -> None
 
 
 def test_gate_reader_for_another_account() -> None:
-    alarms, template = _cell_alarms(gate_reader=PipelineTrust("999999999999", "us-east-2", "Rufus"))
+    alarms, template = _cell_alarms(region="us-west-2", gate_reader=PipelineTrust("999999999999", "us-east-2", "Rufus"))
     assert alarms.gate_reader_role is not None
     (role,) = template.find_resources("AWS::IAM::Role").values()
-    assert role["Properties"]["RoleName"] == "Rufus-Cell-test-gate-reader"
+    # The cell's region in the name: IAM role names are per account (cell_gate_reader_role_name).
+    assert role["Properties"]["RoleName"] == "Rufus-Cell-test-us-west-2-gate-reader"
     assert role["Properties"]["MaxSessionDuration"] == int(Duration.hours(1).to_seconds())
 
 
@@ -305,6 +307,12 @@ class _MetricMath(ast.NodeTransformer):
             missing = ast.Compare(left=series, ops=[ast.Is()], comparators=[ast.Constant(None)])
             return ast.IfExp(test=missing, body=value, orelse=series)
         raise AssertionError(f"metric math function {name} not modelled")
+
+
+def test_a_gate_reader_needs_the_cell_stacks_region() -> None:
+    """The pipeline stack names the role from the cell's region: a stack without one cannot name it the same."""
+    with pytest.raises(ValueError, match="gate reader of cell test is named after its region"):
+        _cell_alarms(gate_reader=PipelineTrust("999999999999", "us-east-2", "Rufus"))
 
 
 def _evaluate(alarm: dict, minute: dict[str, float | None]) -> float:

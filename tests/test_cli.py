@@ -210,6 +210,38 @@ def test_a_command_that_reaches_aws_refuses_the_example_fleet_it_was_not_given(a
         "only offline commands fall back to the example fleet, config/default.yaml")
 
 
+def test_an_offline_compile_without_a_fleet_file_names_what_it_needs_and_the_alternatives(tmp_path: Path) -> None:
+    """Regression: `compile --checkpoint D --no-upload` reaches no AWS, yet was refused as a command that "acts on a
+    deployed fleet". It does need the fleet file (its layout and the versions in its key), so it is still refused,
+    naming those fields and what to pass instead; each alternative named runs."""
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    done = fleet_cli("compile", "--checkpoint", str(checkpoint), "--no-upload", "--work-dir", str(tmp_path / "w"))
+    assert done.returncode == exit_codes.USAGE and not done.stdout, (done.returncode, done.stderr)
+    message = done.stderr.strip()
+    assert "Traceback" not in message, message
+    assert "deployed fleet" not in message, f"an offline compile refused as if it reached AWS: {message}"
+    assert message.startswith("error: `compile --no-upload` reaches no AWS but compiles one fleet's unit layout")
+    for named in ("model (name, dtype, max_seq_len)", "unit (instance_type, nodes", "base_images (neuron_vllm_tag",
+                  "--config FILE (make: CONFIG=FILE)", "--config config/default.yaml", "--dry-run"):
+        assert named in message, (named, message)
+    assert not (tmp_path / "w").exists(), "refused, yet it wrote its work directory"
+    # Every field the error names is a field of the fleet file's sections.
+    from inference_fleet.cli import COMPILE_NEEDS
+    from inference_fleet.config import FleetConfig
+
+    for section, fields in re.findall(r"(\w+) \(([^)]*)\)", COMPILE_NEEDS):
+        model = FleetConfig.model_fields[section].annotation
+        assert set(fields.split(", ")) <= set(model.model_fields), (section, fields)
+    # The alternatives: the example fleet named on purpose compiles (here up to the missing NxDI command, exit 5,
+    # with no AWS reached), and --dry-run prints the job.
+    named = fleet_cli("compile", "--config", "config/default.yaml", "--checkpoint", str(checkpoint), "--no-upload",
+                      "--work-dir", str(tmp_path / "w"))
+    assert named.returncode == exit_codes.COMPILE and "'inference_demo' not found" in named.stderr, named.stderr
+    assert fleet_cli("compile", "--dry-run", "--checkpoint", str(checkpoint)).returncode == exit_codes.OK
+
+
 @pytest.mark.parametrize("argv", [["compile", "--dry-run"], ["compile", "--submit", "--dry-run"],
                                   ["validate"], ["plan-rollout"]])
 def test_offline_commands_still_use_the_example_fleet(argv: list[str]) -> None:

@@ -24,12 +24,13 @@ from aws_cdk import App
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cell_constructs.cell_alarms import gate_reader_role_name
+from cell_constructs.cell_alarms import cell_gate_reader_role_name
 from cell_constructs.gate_reader import IAM_ROLE_NAME_MAX
 from inference_fleet.cell_checks import trainium_subnet_prefix
 from inference_fleet.checks import load_fleet, parse_fleet
 from inference_fleet.cli import main
 from inference_fleet.config import DEFAULT_CONFIG, ConfigError
+from inference_fleet.regions import AWS_REGIONS
 from inference_fleet.subnets import ALB_SUBNET_MAX_PREFIX
 from tests.conftest import SynthesizedFleet, pin_images, synth_fleet
 
@@ -100,11 +101,13 @@ def test_the_gate_reader_role_name_fits_iam_for_the_longest_names() -> None:
     # Regression: `{fleet}-Cell-{cell}-gate-reader` with a 24-character fleet and cell name is 66 characters;
     # synth raised "RuntimeError: Invalid roleName" for a cell in another account than the pipeline.
     longest = f"{'F' * 24}-Cell-{'c' * 24}"
-    name = gate_reader_role_name(longest)
-    assert len(name) <= IAM_ROLE_NAME_MAX
-    assert name == gate_reader_role_name(longest)  # stable: the pipeline stack derives the same name
-    assert name != gate_reader_role_name(f"{'F' * 24}-Cell-{'c' * 23}d")  # the hash tells long names apart
-    assert gate_reader_role_name("Rufus-Cell-dev") == "Rufus-Cell-dev-gate-reader"  # short names unchanged
+    names = {region: cell_gate_reader_role_name(longest, region) for region in AWS_REGIONS}
+    assert all(len(name) <= IAM_ROLE_NAME_MAX for name in names.values()), max(names.values(), key=len)
+    assert len(set(names.values())) == len(AWS_REGIONS)  # one name per region: IAM names are per account
+    name = names["us-east-2"]
+    assert name == cell_gate_reader_role_name(longest, "us-east-2")  # stable: the pipeline stack derives it again
+    assert name != cell_gate_reader_role_name(f"{'F' * 24}-Cell-{'c' * 23}d", "us-east-2")  # the hash tells apart
+    assert cell_gate_reader_role_name("Rufus-Cell-dev", "us-east-2") == "Rufus-Cell-dev-us-east-2-gate-reader"
 
 
 @st.composite

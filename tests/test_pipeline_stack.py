@@ -22,7 +22,7 @@ from aws_cdk import aws_s3 as s3
 from aws_cdk.assertions import Template
 from syrupy.extensions.json import JSONSnapshotExtension
 
-from cell_constructs.cell_alarms import gate_reader_role_name, rollout_gate_name
+from cell_constructs.cell_alarms import cell_gate_reader_role_name, rollout_gate_name, router_gate_reader_role_name
 from cell_constructs.fleet_cli_project import STANDARD_7_0_RUNTIMES
 from cell_constructs.gate_reader import IAM_ROLE_NAME_MAX, pipeline_role_name
 from cell_constructs.nag import add_policy_checks
@@ -320,7 +320,7 @@ def test_pipeline_iam_is_scoped(large_synth) -> None:
     assert assumed == {
         "arn:aws:iam::222222222222:role/cdk-hnb659fds-deploy-role-222222222222-us-east-2",
         "arn:aws:iam::333333333333:role/cdk-hnb659fds-deploy-role-333333333333-us-west-2",
-        f"arn:aws:iam::333333333333:role/{gate_reader_role_name('Rufus-Cell-usw2-a')}",
+        "arn:aws:iam::333333333333:role/Rufus-Cell-usw2-a-us-west-2-gate-reader",
         "arn:aws:iam::222222222222:role/cdk-hnb659fds-file-publishing-role-222222222222-us-east-2",
         "arn:aws:iam::222222222222:role/cdk-hnb659fds-image-publishing-role-222222222222-us-east-2",
         "arn:aws:iam::333333333333:role/cdk-hnb659fds-file-publishing-role-333333333333-us-west-2",
@@ -330,11 +330,12 @@ def test_pipeline_iam_is_scoped(large_synth) -> None:
 
 def test_cross_account_gate_is_read_through_the_cells_reader_role(large_synth) -> None:
     rules = {r["Name"]: r for s in large_synth.pipeline["Stages"][3:] for r in s["OnSuccess"]["Conditions"][0]["Rules"]}
-    assert rules["main-usw2-a-gate"]["RoleArn"] == "arn:aws:iam::333333333333:role/Rufus-Cell-usw2-a-gate-reader"
+    assert rules["main-usw2-a-gate"]["RoleArn"] == ("arn:aws:iam::333333333333:role/"
+                                                    "Rufus-Cell-usw2-a-us-west-2-gate-reader")
     assert "RoleArn" not in rules["main-use2-b-gate"] and "RoleArn" not in rules["canary-use2-a-gate"]
 
     cell = large_synth.templates["Rufus-Cell-usw2-a"]
-    reader = {"Properties": {"RoleName": "Rufus-Cell-usw2-a-gate-reader"}}
+    reader = {"Properties": {"RoleName": "Rufus-Cell-usw2-a-us-west-2-gate-reader"}}
     (role,) = cell.find_resources("AWS::IAM::Role", reader).values()
     (trust,) = role["Properties"]["AssumeRolePolicyDocument"]["Statement"]
     assert trust["Principal"] == {"AWS": "arn:aws:iam::222222222222:root"}
@@ -347,7 +348,7 @@ def test_cross_account_gate_is_read_through_the_cells_reader_role(large_synth) -
     # Same-account cells need no reader role.
     for name in ("Rufus-Cell-use2-a", "Rufus-Cell-use2-b"):
         assert not large_synth.templates[name].find_resources(
-            "AWS::IAM::Role", {"Properties": {"RoleName": gate_reader_role_name(name)}})
+            "AWS::IAM::Role", {"Properties": {"RoleName": cell_gate_reader_role_name(name, "us-east-2")}})
 
 
 PIPELINE_ROLE = "arn:aws:iam::222222222222:role/Rufus-us-east-2-rollout-pipeline-role"
@@ -362,8 +363,8 @@ def test_a_gate_reader_admits_only_the_pipeline_role(large_synth, tmp_path: Path
                   and r["Properties"].get("RoleName") == "Rufus-us-east-2-rollout-pipeline-role"]
     assert large_synth.pipeline["RoleArn"] == {"Fn::GetAtt": [role_id, "Arn"]}
     cell = large_synth.templates["Rufus-Cell-usw2-a"]
-    (role,) = cell.find_resources("AWS::IAM::Role", {"Properties": {"RoleName": "Rufus-Cell-usw2-a-gate-reader"}
-                                                     }).values()
+    (role,) = cell.find_resources("AWS::IAM::Role", {"Properties": {
+        "RoleName": "Rufus-Cell-usw2-a-us-west-2-gate-reader"}}).values()
     (trust,) = role["Properties"]["AssumeRolePolicyDocument"]["Statement"]
     assert trust["Principal"] == {"AWS": "arn:aws:iam::222222222222:root"}
     assert trust["Condition"] == {"ArnEquals": {"aws:PrincipalArn": PIPELINE_ROLE}}
@@ -376,8 +377,8 @@ def test_a_gate_reader_admits_only_the_pipeline_role(large_synth, tmp_path: Path
     app = App(context={**CDK_CONTEXT, "config": "tests/fleets/pipeline_large.yaml"}, outdir=str(tmp_path),
               builtin_cloud_formation_validation=False)
     template = Template.from_stack(RouterStack(app, name, fleet=fleet, router=router))
-    (role,) = template.find_resources("AWS::IAM::Role", {"Properties": {"RoleName": gate_reader_role_name(name)}
-                                                         }).values()
+    (role,) = template.find_resources("AWS::IAM::Role", {"Properties": {
+        "RoleName": router_gate_reader_role_name(name)}}).values()
     (trust,) = role["Properties"]["AssumeRolePolicyDocument"]["Statement"]
     assert trust["Principal"] == {"AWS": "arn:aws:iam::222222222222:root"}
     assert trust["Condition"] == {"ArnEquals": {"aws:PrincipalArn": PIPELINE_ROLE}}
@@ -391,10 +392,10 @@ def _pipeline_role_name(template: Template) -> str:
     return resources[role_id]["Properties"]["RoleName"]
 
 
-def _reader_trusts(template: Template, stack_name: str) -> str:
+def _reader_trusts(template: Template, stack_name: str, region: str) -> str:
     """The aws:PrincipalArn a cell's gate reader admits."""
-    (role,) = template.find_resources("AWS::IAM::Role", {"Properties": {"RoleName": gate_reader_role_name(stack_name)}
-                                                         }).values()
+    (role,) = template.find_resources("AWS::IAM::Role", {"Properties": {
+        "RoleName": cell_gate_reader_role_name(stack_name, region)}}).values()
     (trust,) = role["Properties"]["AssumeRolePolicyDocument"]["Statement"]
     return trust["Condition"]["ArnEquals"]["aws:PrincipalArn"]
 
@@ -422,10 +423,53 @@ def test_one_fleets_pipelines_in_two_regions_of_one_account_get_two_roles(tmp_pa
         app.synth()
         roles[label] = _pipeline_role_name(Template.from_stack(stacks[fleet.pipeline_stack_name]))
         cell_stack = f"{fleet.name}-Cell-{reader_cell}"
-        trusts[label] = _reader_trusts(Template.from_stack(stacks[cell_stack]), cell_stack)
+        trusts[label] = _reader_trusts(Template.from_stack(stacks[cell_stack]), cell_stack, "us-west-2")
     assert roles["east"] != roles["west"], f"both pipelines' roles are named {roles['east']}"
     assert roles == {"east": "Rufus-us-east-2-rollout-pipeline-role", "west": "Rufus-us-west-2-rollout-pipeline-role"}
     assert trusts == {label: f"arn:aws:iam::222222222222:role/{role}" for label, role in roles.items()}
+
+
+# The properties that name an IAM resource, which IAM keeps unique per account, not per region ("IAM user, group,
+# role, and policy names must be unique within the account", https://docs.aws.amazon.com/IAM/latest/APIReference/API_CreateRole.html).
+_IAM_NAMES = {"AWS::IAM::Role": "RoleName", "AWS::IAM::InstanceProfile": "InstanceProfileName",
+              "AWS::IAM::ManagedPolicy": "ManagedPolicyName", "AWS::IAM::User": "UserName",
+              "AWS::IAM::Group": "GroupName"}
+
+
+def _iam_names(fleet: FleetConfig, outdir: Path) -> set[tuple[str, str, str]]:
+    """(account, resource type, name) of every explicitly named IAM resource of the fleet's templates."""
+    app = App(context={**CDK_CONTEXT, "config": "tests/fleets/router.yaml"}, outdir=str(outdir),
+              builtin_cloud_formation_validation=False)
+    stacks = build_fleet(app, fleet)
+    app.synth()
+    found = set()
+    for stack in stacks.values():
+        template = json.loads((outdir / f"{stack.artifact_id}.template.json").read_text())
+        for resource in template["Resources"].values():
+            name = resource.get("Properties", {}).get(_IAM_NAMES.get(resource["Type"], ""))
+            if name is not None:
+                assert isinstance(name, str), f"{stack.stack_name}: an IAM name that is not a literal: {name}"
+                found.add((stack.account, resource["Type"], name))
+    return found
+
+
+def test_one_fleet_in_two_regions_of_its_accounts_names_no_iam_resource_twice(tmp_path: Path) -> None:
+    """Regression: a cell's gate reader was `<stack>-gate-reader`, so two fleets of one name with a cell of one name
+    in two regions of one account named the role twice, and the second cell stack failed to create it. The router
+    fleet (three cells and a router in 111111111111, the pipeline in 222222222222, so every gate has a reader) and
+    the same fleet moved to us-west-2: no explicitly named IAM resource of one may be named in the other."""
+    text = (FLEETS / "router.yaml").read_text()
+    east = parse_fleet(yaml.safe_load(text))
+    west = parse_fleet(yaml.safe_load(text.replace("us-east-2", "us-west-2").replace("use2-az", "usw2-az")))
+    assert [c.name for c in west.cells] == [c.name for c in east.cells] and west.name == east.name
+    names = {label: _iam_names(fleet, tmp_path / label) for label, fleet in (("east", east), ("west", west))}
+    both = names["east"] & names["west"]
+    assert not both, f"named in both regions of one account: {sorted(both)}"
+    assert {(a, n) for a, _, n in names["east"]} == {  # every kind of named role was looked at
+        ("222222222222", "Rufus-us-east-2-rollout-pipeline-role"),
+        *(("111111111111", f"Rufus-Cell-{cell}-us-east-2-gate-reader") for cell in ("dev", "prod", "solo")),
+        ("111111111111", "Rufus-Router-us-east-2-gate-reader"),  # its stack name holds the region already
+    }
 
 
 def test_the_pipeline_role_name_fits_iam_in_every_region() -> None:

@@ -241,11 +241,13 @@ def test_the_pipeline_bakes_every_wave_of_a_fronted_cell_under_the_routers_gate(
         "Wave-canary": ["Rufus-Cell-dev-rollout-gate", f"{ROUTER}-rollout-gate"],
         "Wave-main": ["Rufus-Cell-prod-rollout-gate", "Rufus-Cell-solo-rollout-gate", f"{ROUTER}-rollout-gate"],
     }
-    # The pipeline is in another account: each rule runs as the gate reader role of the gate's stack.
+    # The pipeline is in another account: each rule runs as the gate reader role of the gate's stack, a cell's
+    # named with its region too (IAM names are per account), the router's stack name holding its region already.
     for rules in waves.values():
         for rule in rules:
             stack = rule["Configuration"]["AlarmName"].removesuffix("-rollout-gate")
-            assert rule["RoleArn"] == f"arn:aws:iam::111111111111:role/{stack}-gate-reader"
+            reader = f"{stack}-gate-reader" if stack == ROUTER else f"{stack}-us-east-2-gate-reader"
+            assert rule["RoleArn"] == f"arn:aws:iam::111111111111:role/{reader}"
     synth_router.templates[ROUTER].has_resource_properties("AWS::IAM::Role", {
         "RoleName": f"{ROUTER}-gate-reader"})
 

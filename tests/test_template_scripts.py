@@ -301,13 +301,25 @@ def _publishing_roles(manifest: Path) -> set[str]:
             for d in asset["destinations"].values()}
 
 
+def _exported_config(make_arguments: list[str]) -> str | None:
+    """CONFIG as the Makefile exports it to its recipes for this make call (make itself says: a `$$` in the
+    argument is one `$` there), or None when the call sets none."""
+    if not any(a.startswith("CONFIG=") for a in make_arguments):
+        return None
+    variables = [a for a in make_arguments if "=" in a]
+    printed = subprocess.run(["make", "-s", "-C", str(ROOT), *variables, "--eval",
+                              'print-config: ; @printf "%s" "$$CONFIG"', "print-config"],
+                             capture_output=True, text=True, timeout=60, check=True)
+    return printed.stdout
+
+
 def _fleet_cli_argv(recipe_line: str, make_arguments: list[str]) -> list[str]:
-    """The arguments a `make -n` recipe line gives `python -m inference_fleet`, expanded by the shell with the
-    make call's variables in its environment (as make exports them): `${CONFIG:+--config "$CONFIG"}`."""
-    variables = dict(a.split("=", 1) for a in make_arguments if "=" in a)
+    """The arguments a `make -n` recipe line gives `python -m inference_fleet`, expanded by the shell with
+    CONFIG in its environment as make exports it: `${CONFIG:+--config "$CONFIG"}`."""
+    config = _exported_config(make_arguments)
     printed = subprocess.run(["/bin/sh", "-c", "printf '%s\\n' " + recipe_line.split("-m inference_fleet ", 1)[1]],
-                             env={"PATH": "/usr/bin:/bin", **variables}, capture_output=True, text=True, timeout=10,
-                             check=True)
+                             env={"PATH": "/usr/bin:/bin", **({"CONFIG": config} if config is not None else {})},
+                             capture_output=True, text=True, timeout=10, check=True)
     return printed.stdout.splitlines()
 
 
@@ -356,6 +368,82 @@ def test_pipeline_build_commands_name_what_exists(synth_default, tmp_path) -> No
     others = {action for action, _ in _FakeAws.calls} - {"GetCallerIdentity", "AssumeRole"}
     assert not others, f"publishing called more than STS: {sorted(others)}"
     assert "denied by the fake" in done.stderr
+
+
+# Fleet files whose paths the shell would split (docs/deploying.md's example), unquote or expand, and make
+# expand (`$`): the pipeline's commands must hand them to make and to the fleet CLI as one argument, byte for byte.
+AWKWARD_FLEET_FILES = ("my fleets/fleet one.yaml", "my fleets/Rufus's fleet (one); $HOME.yaml")
+EVACUATION_COMMANDS = "EvacuationProject/BuildSpec/build"
+
+
+@pytest.fixture(scope="module", params=AWKWARD_FLEET_FILES)
+def synth_awkward_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    """The evacuation test fleet (a build, a verify gate, an evacuation) synthesized as `cdk synth -c
+    config=<path>` would (the file need not exist for the synthesis: it is only named): the path and the
+    pipeline stack's template."""
+    from aws_cdk import App
+
+    from inference_fleet.checks import load_fleet
+    from stacks.fleet import build_fleet
+    from tests.conftest import CDK_CONTEXT, pin_images
+
+    fleet = pin_images(load_fleet(ROOT / "tests/fleets/pipeline_evacuation.yaml"))
+    outdir = tmp_path_factory.mktemp("awkward-path")
+    app = App(context={**CDK_CONTEXT, "config": str(ROOT / request.param)}, outdir=str(outdir),
+              builtin_cloud_formation_validation=False)
+    stacks = build_fleet(app, fleet)
+    app.synth()
+    template = outdir / f"{stacks[fleet.pipeline_stack_name].artifact_id}.template.json"
+    return request.param, json.loads(template.read_text())
+
+
+@pytest.mark.parametrize("shell", ["/bin/sh", "bash"])  # CodeBuild's sh (dash on Ubuntu), or `env: shell: bash`
+def test_pipeline_commands_pass_a_fleet_file_with_spaces_and_shell_characters_as_one_argument(
+        synth_awkward_path, tmp_path, shell) -> None:
+    """Regression: the build ran `make synth CONFIG=<path> ...` unquoted, so a path with a space reached make as
+    several arguments (and a quote was a syntax error); the verify gate and the evacuation passed `--config <path>`
+    the same way. Each command is run as extracted, `make`, `node` and the venv's python faked (they record
+    their arguments, one per tab-separated field)."""
+    path, template = synth_awkward_path
+    scripts = shipped_scripts("Rufus-Pipeline", template)
+    fakes, venv = tmp_path / "bin", tmp_path / ".venv" / "bin"
+    fakes.mkdir()
+    venv.mkdir(parents=True)
+    for fake in (fakes / "make", fakes / "node", venv / "python"):
+        fake.write_text(_RECORDER)
+        fake.chmod(0o755)
+
+    def run(identity: str, **variables: str) -> list[list[str]]:
+        record = tmp_path / "calls"
+        record.unlink(missing_ok=True)
+        done = subprocess.run([shell, "-c", one(scripts, identity).text], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=60,
+                              env={"PATH": f"{fakes}:/usr/bin:/bin", "RECORD": str(record), **variables})
+        assert done.returncode == 0, f"{identity} under {shell}: exit {done.returncode}: {done.stderr}"
+        return [line.split("\t") for line in record.read_text().splitlines()]
+
+    calls = run(BUILD_COMMANDS)
+    make_calls = [c for c in calls if c[0] in ("synth", "compile")]
+    escaped = f"CONFIG={path.replace('$', '$$')}"  # make's own escape of `$`
+    assert make_calls == [
+        ["synth", escaped, "CDK_OUT=cdk.out"],
+        ["compile", escaped, "COMPILE_ARGS=--check --request-out compile-request/compile-request.json"],
+    ], calls
+    for arguments in make_calls:
+        assert _exported_config(arguments) == path
+        dry_run = subprocess.run(["make", "-n", "-C", str(ROOT), *arguments], capture_output=True, text=True,
+                                 timeout=60)
+        assert dry_run.returncode == 0, dry_run.stderr
+        cli_lines = [line for line in dry_run.stdout.splitlines() if "-m inference_fleet " in line]
+        for line in cli_lines:
+            argv = _fleet_cli_argv(line, arguments)
+            assert argv[argv.index("--config") + 1] == path, argv
+    assert all(c[0] == "tools/publish-assets.js" for c in calls if c not in make_calls), calls
+    assert run(VERIFY_COMMANDS) == [["-m", "inference_fleet", "verify", "--config", path,
+                                     "--cell", "dev"]]
+    evacuated = run(EVACUATION_COMMANDS, EVACUATE_MODE="restore", CELL="dev")
+    assert evacuated == [["-m", "inference_fleet", "evacuate", "--config", path, "--cell", "dev",
+                          "--undo"]]
 
 
 def test_publish_tool_reads_the_synthesized_manifests_offline(synth_default, tmp_path) -> None:
