@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import http.server
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import types
 import urllib.error
@@ -22,6 +24,8 @@ import pytest
 STANDIN = Path(__file__).with_name("standin_engine.py")
 # A loopback port nothing listens on (tcpmux): where the launchers' self-check looks for IMDS in tests.
 CLOSED_LOOPBACK_PORT = "127.0.0.1:1"
+# What a loopback Cloud Map (LoopbackCloudMap) answers with no answer: the request is held until it stops.
+HANG = "hang"
 
 
 def free_ports(count: int) -> list[int]:
@@ -253,3 +257,86 @@ def slow_s3(tmp_path: Path) -> Iterator[Callable[..., LoopbackS3]]:
     yield start
     for s3 in started:
         s3.stop()
+
+
+class LoopbackCloudMap:
+    """Cloud Map's DiscoverInstances for launcher processes, on 127.0.0.1.
+
+    The launchers reach it as their HTTP proxy (`HTTP_PROXY`: botocore sends an http endpoint's
+    requests through it), the endpoint being an http name under `.invalid` that nothing resolves:
+    botocore puts DiscoverInstances' `data-` host prefix before the endpoint's host, so a loopback
+    address as the endpoint would become the name `data-127.0.0.1`. `answers` is what the requests
+    get in turn, the last one repeated: a list of leader addresses (empty: no leader registered),
+    or HANG (the request gets no answer until the fake stops)."""
+
+    ENDPOINT = "http://cloudmap.invalid"
+
+    def __init__(self, answers: list[list[str] | str]) -> None:
+        self.answers, self.requests = answers, 0
+        self.asked = threading.Condition()
+        self.stopping = threading.Event()
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                answer = fake._next(self.headers.get("X-Amz-Target", ""))
+                if answer == HANG:
+                    fake.stopping.wait()
+                    return
+                body = json.dumps({"Instances": [
+                    {"InstanceId": f"task-{ip}", "Attributes": {"AWS_INSTANCE_IPV4": ip}} for ip in answer
+                ]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-amz-json-1.1")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+
+    def _next(self, target: str) -> list[str] | str:
+        assert target.endswith(".DiscoverInstances"), f"the fake Cloud Map answers DiscoverInstances only: {target}"
+        with self.asked:
+            answer = self.answers[min(self.requests, len(self.answers) - 1)]
+            self.requests += 1
+            self.asked.notify_all()
+        return answer
+
+    def wait_for_requests(self, count: int, timeout: float) -> None:
+        with self.asked:
+            if not self.asked.wait_for(lambda: self.requests >= count, timeout):
+                raise AssertionError(f"{self.requests} DiscoverInstances request(s) after {timeout} s, not {count}")
+
+    def env(self) -> dict[str, str]:
+        """A launcher's environment for this fake: Cloud Map discovery (no UNIT_LEADER_ADDR; empty reads as unset)."""
+        proxy = {name: self.url for name in ("HTTP_PROXY", "http_proxy")}
+        return {"UNIT_LEADER_ADDR": "", "AWS_ENDPOINT_URL_SERVICEDISCOVERY": self.ENDPOINT, **proxy,
+                "NO_PROXY": "", "no_proxy": "", "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+                "AWS_REGION": "us-east-1"}
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def cloud_map() -> Iterator[Callable[[list[list[str] | str]], LoopbackCloudMap]]:
+    """Start a loopback Cloud Map (LoopbackCloudMap) with the given answers."""
+    started: list[LoopbackCloudMap] = []
+
+    def start(answers: list[list[str] | str]) -> LoopbackCloudMap:
+        fake = LoopbackCloudMap(answers)
+        started.append(fake)
+        return fake
+
+    yield start
+    for fake in started:
+        fake.stop()

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import boto3
 import pytest
 from botocore.stub import Stubber
-from unit_launcher.identity import DiscoveryError, IdentityError, discover_leader, resolve_identity
+from unit_launcher.identity import DiscoveryError, DiscoveryStopped, IdentityError, discover_leader, resolve_identity
 
 TASK_ARN = "arn:aws:ecs:us-east-2:111111111111:task/Rufus-dev/0123456789abcdef0123456789abcdef"
 
@@ -186,3 +187,16 @@ def test_discovery_stops_early_on_a_wrong_namespace(cloudmap):
     with pytest.raises(DiscoveryError, match="NamespaceNotFound: Namespace not found"):
         discover_leader(client, "dev.rufus.internal", "leader-u0", timeout=600, sleep=fake.sleep, clock=fake.clock)
     assert len(fake.sleeps) == 1
+
+
+def test_a_stopped_lookup_makes_no_further_call_and_does_not_sit_out_its_pause(cloudmap):
+    """Stopped while it waits between attempts (its node is stopping): the pause ends at once
+    (a wait on the stop, not a sleep) and no further DiscoverInstances call is made."""
+    client, stubber = cloudmap
+    stubber.add_response("discover_instances", {"Instances": []}, EXPECTED)  # one call only
+    stop = threading.Event()
+    threading.Timer(0.2, stop.set).start()
+    started = time.monotonic()
+    with pytest.raises(DiscoveryStopped, match=r"leader-u0 in dev\.rufus\.internal stopped after 1 attempts"):
+        discover_leader(client, "dev.rufus.internal", "leader-u0", timeout=600, initial_backoff=30, stop=stop)
+    assert time.monotonic() - started < 5  # the 30 s pause was cut short

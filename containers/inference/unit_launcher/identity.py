@@ -11,6 +11,7 @@ import ipaddress
 import json
 import logging
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -27,6 +28,10 @@ class IdentityError(RuntimeError):
 
 class DiscoveryError(RuntimeError):
     """The unit's leader could not be found before the deadline."""
+
+
+class DiscoveryStopped(Exception):
+    """The lookup was stopped (its node is stopping): not a failure."""
 
 
 @dataclass(frozen=True)
@@ -136,23 +141,30 @@ def discover_leader(
     timeout: float,
     initial_backoff: float = 1.0,
     max_backoff: float = 15.0,
-    sleep: Callable[[float], None] = time.sleep,
+    stop: threading.Event | None = None,
+    sleep: Callable[[float], object] | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> list[str]:
     """Addresses registered for the unit's leader service in Cloud Map, retried until the deadline.
 
     Several addresses can be registered during a replacement; the caller tries each (the
-    leader refuses followers of another revision).
+    leader refuses followers of another revision). `stop` set ends the lookup before its next
+    call (DiscoveryStopped): the pause between calls is a wait on it. `sleep` replaces that
+    pause (tests, with `clock`).
     """
     # botocore is imported here, not at module load: a node with an explicit leader address
     # never needs it, and it costs seconds of start-up on a busy host.
     from botocore.exceptions import BotoCoreError, ClientError
 
+    stop = stop if stop is not None else threading.Event()
+    pause = sleep or stop.wait
     deadline = clock() + timeout
     backoff = initial_backoff
     attempt = 0
     last = "no attempt made"
     while True:
+        if stop.is_set():
+            raise DiscoveryStopped(f"Cloud Map lookup of {service} in {namespace} stopped after {attempt} attempts")
         attempt += 1
         try:
             response = client.discover_instances(
@@ -191,5 +203,5 @@ def discover_leader(
                 f"in {timeout:.0f} s; last result: {last}"
             )
         log.info("Cloud Map %s.%s: %s; retrying in %.1f s", service, namespace, last, min(backoff, remaining))
-        sleep(min(backoff, remaining))
+        pause(min(backoff, remaining))
         backoff = min(backoff * 2, max_backoff)

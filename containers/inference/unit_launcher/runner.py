@@ -2,7 +2,8 @@
 
 Exit status: 0 only after a deliberate stop (SIGTERM to the leader, or a follower told
 the leader was stopped on purpose; every member of a session ended for a follower whose
-task was stopping, `member_stopping`); the engine's own status when it failed on its own;
+task was stopping, `member_stopping`; a follower stopped before it joined, at once, also
+while it looks its leader up); the engine's own status when it failed on its own;
 otherwise one of the codes below, so ECS restarts the task and the unit forms again as a
 new session. A unit lost is never 0.
 """
@@ -206,6 +207,10 @@ class _Signals:
     def any_stop(self) -> bool:
         return self.stop.is_set() or self.task_stopping.is_set()
 
+    def why(self) -> str:
+        """Which stop came, for a follower's record of a stop before it joined."""
+        return "SIGTERM" if self.stop.is_set() else "SIGUSR1 (its task is stopping)"
+
     def close(self) -> None:
         self._unsubscribe()
 
@@ -221,6 +226,45 @@ async def _first(*aws: Any) -> None:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+
+
+class _LeaderLookup:
+    """A follower's lookups of its leader (`await lookup()`): the address UNIT_LEADER_ADDR gives,
+    else Cloud Map's (identity.discover_leader, which retries until discovery.timeout_seconds).
+
+    Each Cloud Map lookup runs in a daemon thread of its own, never in asyncio's default executor:
+    asyncio.run joins that executor's threads before the process exits, so a follower stopped while
+    it looked its leader up exited only once the lookup ended, up to its timeout (600 s), long after
+    ECS's SIGKILL. A lookup cancelled (the node is stopping) stops its thread before the next
+    DiscoverInstances call, and nobody waits for a call in flight (botocore's default timeouts are
+    60 s to connect and 60 s to read): the process exits without the thread."""
+
+    def __init__(self, spec: UnitSpec, explicit: str | None) -> None:
+        self.spec, self.explicit = spec, explicit
+        self._client: Any = None
+
+    async def __call__(self) -> list[str]:
+        if self.explicit:
+            return [self.explicit]
+        stop = threading.Event()
+        try:
+            return await waits.in_daemon_thread(self._discover, stop)
+        finally:
+            stop.set()  # cancelled: no further call; finished: nothing to stop
+
+    def _discover(self, stop: threading.Event) -> list[str]:
+        if self._client is None:
+            self._client = _boto3_client("servicediscovery", self.spec)
+        d = self.spec.discovery
+        return discover_leader(
+            self._client,
+            d.namespace,
+            d.leader_service,
+            timeout=d.timeout_seconds,
+            initial_backoff=d.initial_backoff_seconds,
+            max_backoff=d.max_backoff_seconds,
+            stop=stop,
+        )
 
 
 def _engine_env(node_plan: plan.LaunchPlan) -> dict[str, str]:
@@ -615,25 +659,19 @@ async def _run_follower(spec: UnitSpec, me: Identity, env: Mapping[str, str], si
         return fetched
 
     explicit = env.get("UNIT_LEADER_ADDR")
-
-    async def find_leader() -> list[str]:
-        if explicit:
-            return [explicit]
-        client = _boto3_client("servicediscovery", spec)
-        d = spec.discovery
-        return await asyncio.to_thread(
-            discover_leader,
-            client,
-            d.namespace,
-            d.leader_service,
-            timeout=d.timeout_seconds,
-            initial_backoff=d.initial_backoff_seconds,
-            max_backoff=d.max_backoff_seconds,
-        )
-
+    find_leader = _LeaderLookup(spec, explicit)
     async with aiohttp.ClientSession() as http:
+        # Cloud Map may have no leader for minutes (discovery.timeout_seconds): a stop meanwhile
+        # is a stop before it joined, with no leader to tell.
+        finding = asyncio.ensure_future(find_leader())
+        await _first(asyncio.shield(finding), signals.stop_or_task_stopping())
+        if not finding.done():
+            finding.cancel()
+            _local_record(spec, me, "deliberate_stop",
+                          f"follower received {signals.why()} before it joined (looking up its leader in Cloud Map)")
+            return 0
         try:
-            leaders = await find_leader()
+            leaders = finding.result()
         except DiscoveryError as error:
             log.error("%s", error)
             return EXIT_FORM_TIMEOUT
@@ -654,13 +692,12 @@ async def _run_follower(spec: UnitSpec, me: Identity, env: Mapping[str, str], si
         # Its task stopping before it is in a session: nothing to drain, it stops.
         await _first(asyncio.shield(joining), signals.stop_or_task_stopping())
         if not joining.done():
-            joining.cancel()
-            why = "SIGTERM" if signals.stop.is_set() else "SIGUSR1 (its task is stopping)"
+            joining.cancel()  # a lookup it is in (rediscover) is cancelled with it
             # A leader may already count it (a member, or released with the answer in flight):
             # unsaid, that leader would record it lost once it falls silent.
-            counted = await rendezvous.withdraw(http, spec, asked, instance_id=me.instance_id, reason=why)
+            counted = await rendezvous.withdraw(http, spec, asked, instance_id=me.instance_id, reason=signals.why())
             said = f"; withdrew from leader {', '.join(counted)}" if counted else ""
-            _local_record(spec, me, "deliberate_stop", f"follower received {why} before it joined{said}")
+            _local_record(spec, me, "deliberate_stop", f"follower received {signals.why()} before it joined{said}")
             return 0
         try:
             release = joining.result()
@@ -685,8 +722,8 @@ async def _fetch_before_joining(spec: UnitSpec, me: Identity, signals: _Signals)
     if fetch is None or not fetch.task.done():
         if fetch is not None:
             await fetch.stop()
-        why = "SIGTERM" if signals.stop.is_set() else "SIGUSR1 (its task is stopping)"
-        _local_record(spec, me, "deliberate_stop", f"follower received {why} before it joined (fetching artifacts)")
+        _local_record(spec, me, "deliberate_stop",
+                      f"follower received {signals.why()} before it joined (fetching artifacts)")
         return 0
     error = fetch.error()
     if error is None:
