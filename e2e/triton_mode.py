@@ -12,6 +12,9 @@ T2. through the proxy: KServe v2 model metadata; a streamed generate (`generate_
     non-streamed `generate` give the same text at temperature 0; lockstep (every worker executed
     the steps the leader broadcast, same chain);
 T3. the front-end figures (frontend_bench.py; unit mode measures the OpenAI server the same way);
+T3b. the acceptance kit (verify_mode.py), read-only then --destructive, speaking KServe v2 generate
+    (inference_fleet/verify/triton_http.py): each run one check, no check of the kit failed; reports
+    in `facts.verify_triton_read_only` and `facts.verify_triton_destructive`;
 T4. the follower task is SIGKILLed: every generate sent meanwhile is answered 503 unit_unavailable;
     the unit forms again after the restart backoff and answers the same;
 T5. SIGTERM to the leader task with a stream in flight: the stream completes, everything exits 0.
@@ -202,6 +205,17 @@ def run_triton(h: Harness) -> None:
             "(the proxy's load report reads it)",
             running.get("vllm:num_requests_running", 0) >= 1 and "vllm:num_requests_waiting" in running,
             json.dumps(running))
+
+    # T3b. The acceptance kit through the Triton proxy; its destructive run restarts the unit twice.
+    from verify_mode import run_verify
+
+    run_verify(h, unit, step="T3b")
+    try:
+        wait_for_recovery(h, unit, "proxy /health 200 after the kit (Triton)")
+    except TimeoutError as error:
+        r.check("T3b. the Triton unit serves after the kit", False, f"{error}; {unit.describe()}")
+        return
+    session1 = unit.whole_session()
 
     # T4. Follower loss: only 503 unit_unavailable; the unit forms again and answers the same.
     follower = unit.follower.current
