@@ -77,16 +77,17 @@ def unit_expectations(spec: dict[str, Any]) -> Expectations:
     )
 
 
-def run_verify(h: Harness, unit: Any, step: str = "2c") -> None:
-    """The kit read-only, then --destructive; each report into the e2e report, one check each (`step`: the
-    e2e step's name; the Triton run's facts are `verify_triton_<label>`)."""
+def run_verify(h: Harness, unit: Any, step: str = "2c", destructive: bool = True) -> None:
+    """The kit read-only, then --destructive (unless `destructive` is False); each report into the e2e
+    report, one check each (`step`: the e2e step's name; the Triton run's facts are `verify_triton_<label>`)."""
     adapter = LocalAdapter(f"http://127.0.0.1:{unit.ports.proxy}", {unit.spec["unit_id"]: unit.health_url},
                            lambda: local_tasks(h, unit), StopTimes(stop_timeout=ECS_STOP_TIMEOUT, guard_bound=300),
                            extra_logs=[Path(unit.proxy.log_path)])
     expect = unit_expectations(unit.spec)
-    for label, destructive in (("read_only", False), ("destructive", True)):
+    runs = (("read_only", False), ("destructive", True)) if destructive else (("read_only", False),)
+    for label, stops in runs:
         started = time.monotonic()
-        report = run_kit(adapter, expect, destructive=destructive, request_timeout=h.left(300), settle_seconds=12.0,
+        report = run_kit(adapter, expect, destructive=stops, request_timeout=h.left(300), settle_seconds=12.0,
                          recovery_timeout=h.left(600), log=lambda line: print(line, flush=True))
         adapter.join(h.left(ECS_STOP_TIMEOUT + 300))
         key = f"verify_{label}" if expect.frontend == "openai" else f"verify_{expect.frontend}_{label}"
