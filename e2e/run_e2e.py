@@ -221,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="unit mode's optional steps, comma-separated: 2b (temperature 0.8), 6 (artifacts "
                              "refused), rest (2a to 5), router (7: the unit as cell A behind the cell router); "
                              "steps 0-2 always run. Default: all")
+    parser.add_argument("--triton-kit", choices=("read-only", "destructive"), default="read-only",
+                        help="with --frontend triton: the acceptance kit read-only (default), or read-only then "
+                             "--destructive (two more unit restarts, about 6-8 min more)")
     args = parser.parse_args(argv)
     wall = time.monotonic()
     env_stats = None
@@ -247,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             elif args.frontend == "triton":
                 from triton_mode import run_triton
 
-                run_triton(h)
+                run_triton(h, kit_destructive=args.triton_kit == "destructive")
             else:
                 from unit_mode import run_unit
 

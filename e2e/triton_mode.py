@@ -12,6 +12,10 @@ T2. through the proxy: KServe v2 model metadata; a streamed generate (`generate_
     non-streamed `generate` give the same text at temperature 0; lockstep (every worker executed
     the steps the leader broadcast, same chain);
 T3. the front-end figures (frontend_bench.py; unit mode measures the OpenAI server the same way);
+T3b. the acceptance kit (verify_mode.py) read-only, and then --destructive with `--triton-kit
+    destructive` (E2E_ARGS), speaking KServe v2 generate (inference_fleet/verify/triton_http.py): each
+    run one check, no check of the kit failed; reports in `facts.verify_triton_read_only` (and
+    `facts.verify_triton_destructive`);
 T4. the follower task is SIGKILLed: every generate sent meanwhile is answered 503 unit_unavailable;
     the unit forms again after the restart backoff and answers the same;
 T5. SIGTERM to the leader task with a stream in flight: the stream completes, everything exits 0.
@@ -145,7 +149,7 @@ def last_session_end(spec: dict[str, Any]) -> dict[str, Any]:
     return records[-1] if records else {}
 
 
-def run_triton(h: Harness) -> None:
+def run_triton(h: Harness, kit_destructive: bool = False) -> None:
     r = h.report
     from unit_launcher.plan import triton_model_name
     from unit_launcher.spec import parse_spec
@@ -202,6 +206,19 @@ def run_triton(h: Harness) -> None:
             "(the proxy's load report reads it)",
             running.get("vllm:num_requests_running", 0) >= 1 and "vllm:num_requests_waiting" in running,
             json.dumps(running))
+
+    # T3b. The acceptance kit through the Triton proxy, read-only. Its destructive run (`--triton-kit
+    # destructive`) restarts the unit twice: about 6-8 more minutes, which CI's budget has no room for;
+    # T4 and T5 below lose a follower and drain the leader of the same unit.
+    from verify_mode import run_verify
+
+    run_verify(h, unit, step="T3b", destructive=kit_destructive)
+    try:
+        wait_for_recovery(h, unit, "proxy /health 200 after the kit (Triton)")
+    except TimeoutError as error:
+        r.check("T3b. the Triton unit serves after the kit", False, f"{error}; {unit.describe()}")
+        return
+    session1 = unit.whole_session()
 
     # T4. Follower loss: only 503 unit_unavailable; the unit forms again and answers the same.
     follower = unit.follower.current

@@ -1,6 +1,8 @@
 """The acceptance kit (inference_fleet.verify) against the e2e's CPU unit, read-only then --destructive.
 
-Called by unit_mode.run_unit once the unit has formed and served (after step 2a). The kit runs
+Called by unit_mode.run_unit once the unit has formed and served (after step 2a), and by
+triton_mode.run_triton on the unit with the Triton front end (step T3b: the kit speaks KServe v2
+generate there, serving_client.py). The kit runs
 through its local adapter: the unit's proxy stands for the load balancer, the launcher
 processes the harness started for the ECS tasks (its supervisors play the services and start
 a stopped task again), their log files for CloudWatch Logs. Both reports go into
@@ -57,8 +59,11 @@ def _stopped(proc: Proc, exits: dict[int, float]) -> Any:
 
 
 def unit_expectations(spec: dict[str, Any]) -> Expectations:
-    """The default fleet's expectations of its first cell, with the e2e unit's own figures."""
+    """The default fleet's expectations of its first cell, with the e2e unit's own figures and front end."""
+    from unit_launcher.plan import triton_model_for
+
     fleet = load_fleet(None)
+    frontend = str(spec["engine"].get("frontend", "openai"))
     base = expectations(fleet, fleet.cells[0])
     return Expectations(
         cell=spec["cell"], units=[spec["unit_id"]], nodes=int(spec["size"]),
@@ -68,25 +73,29 @@ def unit_expectations(spec: dict[str, Any]) -> Expectations:
         follower_loss_seconds=float(spec["rendezvous"]["follower_loss_seconds"]),
         efa_interfaces=int(spec["instance"]["efa_interfaces"]), cores_per_node=int(spec["instance"]["cores_per_node"]),
         unit_metrics_namespace=spec["metrics_namespace"], proxy_metrics_namespace=base.proxy_metrics_namespace,
+        frontend=frontend, triton_model=triton_model_for(spec["model"]["name"]) if frontend == "triton" else "",
     )
 
 
-def run_verify(h: Harness, unit: Any) -> None:
-    """The kit read-only, then --destructive; each report into the e2e report, one check each."""
+def run_verify(h: Harness, unit: Any, step: str = "2c", destructive: bool = True) -> None:
+    """The kit read-only, then --destructive (unless `destructive` is False); each report into the e2e
+    report, one check each (`step`: the e2e step's name; the Triton run's facts are `verify_triton_<label>`)."""
     adapter = LocalAdapter(f"http://127.0.0.1:{unit.ports.proxy}", {unit.spec["unit_id"]: unit.health_url},
                            lambda: local_tasks(h, unit), StopTimes(stop_timeout=ECS_STOP_TIMEOUT, guard_bound=300),
                            extra_logs=[Path(unit.proxy.log_path)])
     expect = unit_expectations(unit.spec)
-    for label, destructive in (("read_only", False), ("destructive", True)):
+    runs = (("read_only", False), ("destructive", True)) if destructive else (("read_only", False),)
+    for label, stops in runs:
         started = time.monotonic()
-        report = run_kit(adapter, expect, destructive=destructive, request_timeout=h.left(300), settle_seconds=12.0,
+        report = run_kit(adapter, expect, destructive=stops, request_timeout=h.left(300), settle_seconds=12.0,
                          recovery_timeout=h.left(600), log=lambda line: print(line, flush=True))
         adapter.join(h.left(ECS_STOP_TIMEOUT + 300))
-        h.report.facts[f"verify_{label}"] = report.to_json()
-        h.report.figure(f"verify_{label}_s", time.monotonic() - started)
+        key = f"verify_{label}" if expect.frontend == "openai" else f"verify_{expect.frontend}_{label}"
+        h.report.facts[key] = report.to_json()
+        h.report.figure(f"{key}_s", time.monotonic() - started)
         counts = report.counts()
         failed = [f"{c.check_id}: {c.detail}" for c in report.checks if c.status == "fail"]
-        h.report.check(f"2c. acceptance kit ({label.replace('_', '-')}): no check failed "
+        h.report.check(f"{step}. acceptance kit ({label.replace('_', '-')}): no check failed "
                        f"({counts['pass']} passed, {counts['not_run']} not run)", report.passed,
                        "; ".join(failed)[:1500])
         print(report.table(), flush=True)

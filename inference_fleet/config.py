@@ -749,7 +749,9 @@ class PipelineConfig(_Strict):
         description=(
             "Run the first-deploy acceptance kit (`inference_fleet verify`, read-only) in the canary cell's VPC "
             "after it deploys, and stop the rollout on any failure (docs/rollout-pipeline.md). Needs the canary "
-            "cell in the pipeline's account and region; false leaves the kit to `make verify-cell` by hand."
+            "cell in the pipeline's account and region; false leaves the kit to `make verify-cell` by hand. With "
+            "serving.frontend: triton the kit speaks Triton's KServe v2 generate and its step-bound check can only "
+            "fail or be not run (docs/verifying.md, 'Triton cells')."
         ),
     )
     evacuate: Literal["one-unit", "all", "none"] = Field(

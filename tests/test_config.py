@@ -184,12 +184,22 @@ def test_app_refuses_a_bad_fleet_before_synthesis(raw: dict, tmp_path: Path) -> 
     assert not list(outdir.glob("*.template.json"))
 
 
+def test_a_triton_fleet_keeps_its_pipeline_verify_gate():
+    """The kit speaks Triton's KServe v2 generate on a Triton cell (inference_fleet/verify/serving_client.py), so
+    the gate (pipeline.verify_gate, true by default) is allowed with serving.frontend: triton. It was refused
+    while the kit spoke only the OpenAI API, which a Triton unit's proxy answers 404 (362c8e1); changed on purpose."""
+    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    data.setdefault("serving", {})["frontend"] = "triton"
+    fleet = parse_fleet(data, "test")
+    assert fleet.pipeline is not None and fleet.pipeline.verify_gate is True
+    assert fleet.serving.frontend == "triton"
+
+
 def test_triton_front_end_runs_on_the_built_image_and_refuses_a_pinned_image_without_tritonserver():
     """The image built from containers/inference has Triton (issue 28): frontend triton is accepted for it. A
     pinned image is refused unless the fleet states it has tritonserver: refused at load, not crash-looping."""
     data = yaml.safe_load(DEFAULT_CONFIG.read_text())
     data.setdefault("serving", {})["frontend"] = "triton"
-    data["pipeline"]["verify_gate"] = False  # the OpenAI-speaking kit cannot gate a Triton canary (checks.py)
     assert parse_fleet(data, "test").serving.frontend == "triton"
     data["cells"][0]["images"] = {"inference": "111111111111.dkr.ecr.us-east-2.amazonaws.com/triton@sha256:" + "a" * 64}
     with pytest.raises(ConfigError) as caught:

@@ -1,22 +1,28 @@
-"""Test doubles of the acceptance kit's tests: an OpenAI-like server on loopback and an in-memory adapter.
+"""Test doubles of the acceptance kit's tests: an OpenAI-like and a Triton-like server on loopback, and an
+in-memory adapter.
 
-The server is a real HTTP server (standard library) speaking the parts of vLLM's OpenAI API the
-kit sends: `/v1/models`, `/v1/completions` (also streamed, also with token-id prompts) and
-streamed `/v1/chat/completions`, with server-sent events as vLLM writes them. Its answers are
-a function of the prompt and the seed, so "same seed, same tokens" holds unless
-`honour_seed` is False; at temperature 0 (greedy) a function of the prompt alone.
+The servers are real HTTP servers (standard library). FakeOpenAI speaks the parts of vLLM's OpenAI
+API the kit sends: `/v1/models`, `/v1/completions` (also streamed, also with token-id prompts) and
+streamed `/v1/chat/completions`, with server-sent events as vLLM writes them. FakeTriton speaks the
+KServe v2 routes a Triton unit's proxy forwards to the unit's model (its shapes: FakeTriton's
+docstring). Their answers are a function of the prompt and the seed, so "same seed, same tokens"
+holds unless `honour_seed` is False; at temperature 0 (greedy) a function of the prompt alone.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import random
+import re
 import ssl
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 from inference_fleet.verify.adapter import Expectations, LogEvent, MetricSeries, Task, TaskTimes
@@ -108,9 +114,11 @@ class _Handler(BaseHTTPRequestHandler):
 class FakeOpenAI:
     """The server on a loopback port; with `tls` (a server-side SSL context) it speaks HTTPS."""
 
+    handler: type[BaseHTTPRequestHandler] = _Handler
+
     def __init__(self, knobs: Knobs | None = None, tls: ssl.SSLContext | None = None) -> None:
         self.knobs = knobs or Knobs()
-        handler = type("Handler", (_Handler,), {"knobs": self.knobs})
+        handler = type("Handler", (self.handler,), {"knobs": self.knobs})
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.server.daemon_threads = True
         if tls is not None:
@@ -119,13 +127,144 @@ class FakeOpenAI:
         self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
-    def __enter__(self) -> FakeOpenAI:
+    def __enter__(self) -> Any:
         self._thread.start()
         return self
 
     def __exit__(self, *_: object) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+# The unit's Triton model: its inputs from the model configuration the launcher writes, its request
+# parsing the backend's own code (containers/inference/triton_backend/model.py, loaded as its tests do).
+_INFERENCE = Path(__file__).resolve().parents[1] / "containers" / "inference"
+TRITON_INPUTS = frozenset(re.findall(r'name: "(\w+)"', (_INFERENCE / "unit_launcher" / "templates" / "config.pbtxt.j2")
+                                     .read_text().split("output [")[0]))
+
+def _backend() -> Any:
+    name = "triton_vllm_backend"
+    if name in sys.modules:  # loaded by containers/inference/tests/test_triton_backend.py
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, _INFERENCE / "triton_backend" / "model.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+backend = _backend()
+
+
+@dataclass
+class TritonKnobs(Knobs):
+    model: str = MODEL
+    stream_error_after: int | None = None  # events sent before an error event (the stream answered 200)
+    no_finish: bool = False  # the stream ends without the last response (no finish reason)
+
+
+class _TritonHandler(_Handler):
+    """Triton 2.73's HTTP front (server@e1db8a603d863b1317ee859bdeea2be19959462e src/http_server.cc) before
+    the unit's vllm model (containers/inference/triton_backend/model.py):
+
+    - `ConvertGenerateRequest`/`ExactMappingInput`: a top-level key or a `parameters` key that names a model
+      input (config.pbtxt.j2) is that input, any other a request parameter; the backend's own
+      `parse_request` and `checked_parameters` take them (a bad one: INVALID_ARG, 400 `{"error": msg}`);
+    - `FinalizeResponse`: `model_name`, `model_version`, then each output, a one-element tensor as its
+      element; streamed as `data: <json>\n\n` (text/event-stream), no end marker; an error after the first
+      response is an event `{"error": msg}` of the stream answered 200 (`InferResponseComplete`);
+    - model.py `_generate`/`_response`: a streamed response per token, its finish_reason `str(None)` until the
+      last ("length" at max_tokens); a non-streamed answer prepends the prompt unless
+      exclude_input_in_output; the prompt longer than the model allows (here: one token a character, the
+      kit's upper bound) is refused, as vLLM refuses it (400).
+    Model metadata is KServe v2's (`name`, `versions`, `platform`, `inputs`, `outputs`)."""
+
+    knobs: TritonKnobs
+
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            self._json(self.knobs.health or self.knobs.status, {})
+        elif self.path == f"/v2/models/{self.knobs.model}":
+            self._json(200, {"name": self.knobs.model, "versions": ["1"], "platform": "vllm",
+                             "inputs": [{"name": n, "datatype": "BYTES", "shape": [1]} for n in sorted(TRITON_INPUTS)],
+                             "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": [-1]}]})
+        elif self.path.startswith("/v2/models/"):
+            self._json(400, {"error": f"Request for unknown model: '{self.path.split('/')[3]}' is not found"})
+        else:
+            self._json(404, {"error": "Not Found"})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        self.knobs.requests.append(body)
+        match = re.fullmatch(rf"/v2/models/{re.escape(self.knobs.model)}/(generate|generate_stream)", self.path)
+        if match is None:
+            self._json(404, {"error": "Not Found"})
+            return
+        if self.knobs.status != 200:  # the proxy's own answer (unit gate)
+            self._json(self.knobs.status, {"error": {"type": "unit_unavailable", "code": self.knobs.status}})
+            return
+        flat = {**{k: v for k, v in body.items() if k != "parameters"}, **body.get("parameters", {})}
+        inputs = {k: [v] for k, v in flat.items() if k in TRITON_INPUTS}
+        try:
+            query = backend.parse_request(inputs, json.dumps({k: v for k, v in flat.items() if k not in TRITON_INPUTS}))
+            params = backend.checked_parameters(query.parameters)
+        except backend.RequestError as error:
+            self._json(400, {"error": str(error)})
+            return
+        max_tokens = int(params.get("max_tokens", 16))
+        if len(query.prompt) + max_tokens > self.knobs.max_model_len:
+            self._json(400, {"error": f"The decoder prompt (length {len(query.prompt)}) is too long"})
+            return
+        words = _words(query.prompt, params.get("seed"), self.knobs.honour_seed, max_tokens,
+                       float(params.get("temperature", 1.0)))
+        time.sleep(self.knobs.first_token_delay)
+        if match[1] == "generate" or not query.stream:
+            text = (query.prompt if query.prepend_input else "") + " ".join(words)
+            self._answer(query, text, "length", len(words), streamed=match[1] == "generate_stream")
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for i, word in enumerate(words):
+            if i == self.knobs.stream_error_after:
+                self._chunk(f"data: {json.dumps({'error': 'the vLLM engine is dead: EngineDeadError'})}\n\n")
+                break
+            last = i == len(words) - 1
+            if last and self.knobs.no_finish:
+                break
+            self._chunk(f"data: {json.dumps(self._doc(query, word + ' ', 'length' if last else None, 1))}\n\n")
+            time.sleep(self.knobs.token_delay)
+        self.wfile.write(b"0\r\n\r\n")
+
+    def _doc(self, query: Any, text: str, finish: str | None, tokens: int) -> dict[str, Any]:
+        doc: dict[str, Any] = {"model_name": self.knobs.model, "model_version": "1", "text_output": text}
+        if query.return_finish_reason:
+            doc["finish_reason"] = str(finish)
+        if query.return_num_output_tokens:
+            doc["num_output_tokens"] = tokens
+        return doc
+
+    def _answer(self, query: Any, text: str, finish: str, tokens: int, streamed: bool) -> None:
+        if not streamed:
+            self._json(200, self._doc(query, text, finish, tokens))
+            return
+        data = f"data: {json.dumps(self._doc(query, text, finish, tokens))}\n\n".encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+class FakeTriton(FakeOpenAI):
+    """A Triton unit behind its proxy on a loopback port (the routes the proxy forwards)."""
+
+    handler = _TritonHandler
+
+    def __init__(self, knobs: TritonKnobs | None = None) -> None:
+        super().__init__(knobs or TritonKnobs())
 
 
 def expectations(**overrides: Any) -> Expectations:

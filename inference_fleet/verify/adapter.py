@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from unit_launcher.plan import triton_model_for
+
 from inference_fleet.config import CellConfig, FleetConfig
 from inference_fleet.unit_spec import unit_metrics_namespace
 
@@ -75,6 +77,8 @@ class Expectations:
     proxy_metrics_namespace: str
     # The leader's API front end (serving.frontend): which engine metrics page the proxies read.
     frontend: str = "openai"
+    # The unit's Triton model, the <m> of /v2/models/<m> (unit_launcher.plan.triton_model_name); "" for openai.
+    triton_model: str = ""
     # The figures of docs/cell-lifecycle.md "Time to load the default model", shown beside the measurement.
     doc_formation_minutes: tuple[float, float] = (14, 16)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -96,6 +100,7 @@ def expectations(fleet: FleetConfig, cell: CellConfig) -> Expectations:
         unit_metrics_namespace=unit_metrics_namespace(fleet),
         proxy_metrics_namespace=f"{fleet.name}/UnitProxy",
         frontend=serving.frontend,
+        triton_model=triton_model_for(fleet.model.name) if serving.frontend == "triton" else "",
     )
 
 
@@ -104,7 +109,7 @@ class CellAdapter(Protocol):
 
     name: str  # "aws" or "local"
     # An adapter may also have `tls_name`: the name an HTTPS endpoint's certificate covers (aws.py); the kit's
-    # client verifies the certificate against it (openai_http.py). Without it the endpoint's own host name.
+    # client verifies the certificate against it (http_base.py). Without it the endpoint's own host name.
 
     def describe(self) -> dict[str, Any]:
         """What the kit runs against (for the report): endpoint, stack, cluster, log group."""

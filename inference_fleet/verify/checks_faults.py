@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from inference_fleet.verify.adapter import Task
 from inference_fleet.verify.context import Context
-from inference_fleet.verify.openai_http import Streamed
+from inference_fleet.verify.http_base import Streamed
 from inference_fleet.verify.report import CheckResult, Measured, not_run
 
 

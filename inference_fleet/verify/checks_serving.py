@@ -1,8 +1,9 @@
 """Checks 1-3: the cell serves through its entry point, its nodes agree, and the step bound holds.
 
-Each check sends real requests to the OpenAI API through the cell's load balancer (the local
-proxy in e2e) and reads what the launchers publish (their log events and metrics) through
-the adapter; none needs shell access to a task.
+Each check sends real requests through the cell's load balancer (the local proxy in e2e), in
+the API of the cell's front end (serving_client: vLLM's OpenAI API, or Triton's KServe v2
+generate), and reads what the launchers publish (their log events and metrics) through the
+adapter; none needs shell access to a task.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import threading
 import time
 
 from inference_fleet.verify.context import Context
-from inference_fleet.verify.report import CheckResult, Measured, not_run
+from inference_fleet.verify.report import CheckResult, Measured, Status, not_run
 
 PROMPT = "The inference unit forms when"
 # A session ended for one of these causes means the nodes did not run in lockstep or agree.
@@ -21,31 +22,43 @@ STEP_MARGIN = 0.5
 # The leader's periodic line (docs/contracts.md): `longest_step_seconds` is the session's longest completed
 # step so far, the figure its EMF `LongestStepSeconds` carries (unit_launcher/evidence.py steps_event, steps_line).
 STEPS_EVENT = "unit_steps"
+# Check 3 on a front end that takes text only (Triton's generate): the long prompt is ASCII text of
+# max_seq_len - 1 - TEXT_PROMPT_RESERVE characters. A tokenizer makes at most one token of an ASCII
+# character (byte-level BPE has a token for every byte and merges only shorten; SentencePiece has a
+# piece or a byte token for each) plus its special tokens (BOS, SentencePiece's word-start piece),
+# which the reserve covers. Not checked for every tokenizer: one that adds more answers 400 naming
+# the length, and the check fails saying so.
+TEXT_PROMPT_RESERVE = 16
 
 
 def check_serving(ctx: Context) -> CheckResult:
-    """1. /v1/models, a completion and a streamed chat through the entry point; every unit healthy."""
+    """1. The served model, a completion and a streamed chat through the entry point; every unit healthy.
+    OpenAI: /v1/models, /v1/completions, a streamed /v1/chat/completions. Triton: the model's KServe v2
+    metadata, `generate`, and `generate_stream` of the chat's text (its end: a finish reason)."""
     problems: list[str] = []
+    label = ctx.client.labels
     answer, ids = ctx.client.models()
     if answer.status != 200 or not ids:
-        problems.append(f"/v1/models: {answer.status} {answer.error or str(answer.body)[:120]}")
+        problems.append(f"{label['models']}: {answer.status} {answer.error or str(answer.body)[:120]}")
     ctx.model = ids[0] if ids else ""
     completion, text = ctx.client.completion(ctx.model, PROMPT, max_tokens=8)
     if completion.status != 200 or not text:
-        problems.append(f"completion: {completion.status} {completion.error or str(completion.body)[:120]}")
+        problems.append(f"{label['completion']}: {completion.status} "
+                        f"{completion.error or str(completion.body)[:120]}")
     chat = ctx.client.stream_chat(ctx.model, "Hello, how are you today?", max_tokens=8)
     if not chat.ok or not chat.text:
-        problems.append(f"streamed chat: {chat.status} {chat.error or 'no text'}")
+        problems.append(f"{label['stream']}: {chat.status} {chat.error or 'no text'}")
     health = {u: ctx.adapter.unit_health(u) for u in ctx.expect.units}
     unhealthy = {u: h for u, h in health.items() if h != 200}
     if unhealthy:
         problems.append(f"units not healthy behind the entry point: {unhealthy}")
     serving = len(health) - len(unhealthy)
-    figures = {"model": ctx.model, "completion_s": round(completion.seconds, 3),
+    figures = {"api": ctx.client.api, "model": ctx.model, "completion_s": round(completion.seconds, 3),
                "chat_first_token_s": chat.first_token_seconds, "chat_s": round(chat.seconds, 3),
                "unit_health": health}
     detail = "; ".join(problems) or (f"{serving} of {len(health)} unit(s) healthy; model {ctx.model}; "
-                                     f"completion {completion.seconds:.2f} s, chat {chat.seconds:.2f} s")
+                                     f"{label['completion']} {completion.seconds:.2f} s, "
+                                     f"{label['stream']} {chat.seconds:.2f} s")
     return CheckResult("1-serving", "fail" if problems else "pass", Measured(serving, "units serving"), detail,
                        figures)
 
@@ -121,6 +134,15 @@ def long_prompt(tokens: int) -> list[int]:
     return [10 + i % 50 for i in range(tokens)]
 
 
+def long_text(chars: int) -> str:
+    """ASCII text of `chars` characters: a letter, a digit and a punctuation mark in turn, each its own
+    pre-token in byte-level BPE tokenizers (GPT-2's and Llama 3's split letters, digits and punctuation),
+    so close to one token a character, and never more (TEXT_PROMPT_RESERVE)."""
+    letters, digits, marks = "abcdefghijklmnopqrstuvwxyz", "0123456789", ";,.:!?-+="
+    return "".join((letters, digits, marks)[i % 3][(i // 3) % len((letters, digits, marks)[i % 3])]
+                   for i in range(chars))
+
+
 def _longest_after(ctx: Context, done: float) -> dict[str, float]:
     """Per unit, the session's longest completed step from its first `unit_steps` line written after `done`
     (so the prompt's prefill is in it, if that unit served it). The line comes every steps_report_seconds
@@ -147,17 +169,25 @@ def check_step_bound(ctx: Context) -> CheckResult:
     answered (every 60 s while serving; the value its EMF `LongestStepSeconds` publishes). When a unit
     writes none in time, the time to the prompt's first token, which bounds its prefill step from
     above, is taken with the longest steps the others reported. Pass: at most half of
-    `serving.step_timeout_seconds`."""
+    `serving.step_timeout_seconds`.
+
+    A front end that takes text only (Triton's generate: no token-id input) gets the longest ASCII
+    text that surely fits (long_text, TEXT_PROMPT_RESERVE): how many tokens it makes is not known
+    without the model's tokenizer, so its prefill may be shorter than the longest. A step above the
+    margin still fails (it is a step the unit ran); one within it is not a pass but `not_run`, with the
+    figure: it does not show that the longest prefill is within the margin."""
     bound = ctx.expect.step_timeout_seconds
     model = ctx.served_model()
     if not model:
         return not_run("3-step-bound", "no model served (check 1 failed)", "s")
-    streamed = ctx.client.stream_completion(model, long_prompt(ctx.expect.max_seq_len - 1), max_tokens=1,
-                                            timeout=max(ctx.client.timeout, 3 * bound))
+    exact = ctx.client.takes_token_ids
+    prompt: str | list[int] = (long_prompt(ctx.expect.max_seq_len - 1) if exact
+                               else long_text(ctx.expect.max_seq_len - 1 - TEXT_PROMPT_RESERVE))
+    size = f"{len(prompt)}-token" if exact else f"{len(prompt)}-character"
+    streamed = ctx.client.stream_completion(model, prompt, max_tokens=1, timeout=max(ctx.client.timeout, 3 * bound))
     if not streamed.ok or streamed.first_token_seconds is None:
         return CheckResult("3-step-bound", "fail", Measured(None, "s"),
-                           f"a {ctx.expect.max_seq_len - 1}-token prompt was not served: {streamed.status} "
-                           f"{streamed.error}")
+                           f"a {size} prompt was not served: {streamed.status} {streamed.error}")
     published = _longest_after(ctx, time.time())
     missing = [u for u in ctx.expect.units if u not in published]
     if not missing:
@@ -168,12 +198,19 @@ def check_step_bound(ctx: Context) -> CheckResult:
             f" and the longest steps {published} reported" if published else "")
     ok = longest <= STEP_MARGIN * bound
     detail = (f"longest step {longest:.2f} s ({source}) against the bound {bound:g} s "
-              f"(pass: at most {STEP_MARGIN:g} x the bound); prompt {ctx.expect.max_seq_len - 1} tokens")
+              f"(pass: at most {STEP_MARGIN:g} x the bound); prompt {size.replace('-', ' ')}s")
     if missing:
         detail += (f"; no {STEPS_EVENT} line of {', '.join(missing)} written within "
                    f"{ctx.steps_report_seconds + ctx.settle_seconds:g} s after the prompt (the leader writes one "
                    f"every {ctx.steps_report_seconds:g} s while serving)")
-    return CheckResult("3-step-bound", "pass" if ok else "fail", Measured(longest, "s"), detail,
-                       {"bound_s": bound, "prompt_tokens": ctx.expect.max_seq_len - 1,
+    status: Status = "pass" if ok else "fail"
+    if ok and not exact:
+        status = "not_run"
+        detail = (f"inconclusive, not a pass: {ctx.client.labels['stream']} takes text, not token ids, so the "
+                  f"prompt's token count is unknown (at most {len(prompt) + TEXT_PROMPT_RESERVE}) and its prefill "
+                  f"may be shorter than a {ctx.expect.max_seq_len - 1}-token one; measured: " + detail)
+    return CheckResult("3-step-bound", status, Measured(longest, "s"), detail,
+                       {"bound_s": bound, "prompt_tokens": len(prompt) if exact else None,
+                        "prompt_characters": None if exact else len(prompt),
                         "first_token_s": streamed.first_token_seconds, "source": source,
                         "longest_step_s_by_unit": published})

@@ -19,7 +19,8 @@ class Claim:
 
 
 CLAIMS: tuple[Claim, ...] = (
-    Claim("1-serving", "every unit serves through the cell's load balancer: /v1/models, a completion, a streamed chat",
+    Claim("1-serving", "every unit serves through the cell's load balancer: the served model, a completion, a "
+          "streamed chat (OpenAI API, or KServe v2 generate on a Triton cell)",
           "docs/architecture.md#how-a-request-flows", "least outstanding requests"),
     Claim("2-agreement", "lockstep and agreement under a burst at temperature > 0; a fixed seed gives the same tokens",
           "docs/neuron-multi-node.md#nodes-agree-on-every-output",

@@ -1,4 +1,4 @@
-"""What every check gets: the adapter, the expectations, an HTTP client on the cell's endpoint, the clock."""
+"""What every check gets: the adapter, the expectations, the client of the cell's front end, the clock."""
 
 from __future__ import annotations
 
@@ -6,16 +6,16 @@ import time
 from dataclasses import dataclass, field
 
 from inference_fleet.verify.adapter import CellAdapter, Expectations
-from inference_fleet.verify.openai_http import OpenAIHttp
+from inference_fleet.verify.serving_client import ServingClient
 
 
 @dataclass
 class Context:
     adapter: CellAdapter
     expect: Expectations
-    client: OpenAIHttp
+    client: ServingClient  # OpenAIHttp or TritonHttp (serving_client.serving_client)
     started_at: float = field(default_factory=time.time)
-    model: str | None = None  # the first model /v1/models lists (check 1 finds it)
+    model: str | None = None  # the first model the client's models() lists (check 1 finds it)
     # Seconds the kit waits for what a launcher publishes to be readable (CloudWatch Logs
     # ingestion; the leader's divergence comparison runs with every heartbeat, 5 s).
     settle_seconds: float = 15.0

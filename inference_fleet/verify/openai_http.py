@@ -1,116 +1,24 @@
-"""The OpenAI API of a unit over plain HTTP (standard library): models, completions, streamed chats.
+"""vLLM's OpenAI API of a unit (`serving.frontend: openai`): models, completions, streamed chats.
 
-The kit times what it sends (time to the first streamed token, total) and keeps every
-status it gets, so it runs where only the Python standard library and boto3 are installed
-(the pipeline's gate). Server-sent events are read line by line as vLLM's OpenAI server
-writes them (`data: {...}` lines, `data: [DONE]` at the end).
-
-Over HTTPS with a `tls_name`, the connection goes to the URL's host (the load balancer's
-address) while the TLS handshake sends `tls_name` as SNI and the certificate is verified
-against it, chain and hostname both, as a client that resolved `tls_name` to the load
-balancer would: `ssl.SSLContext.wrap_socket(server_hostname=...)` does both
-(https://docs.python.org/3.11/library/ssl.html#ssl.SSLContext.wrap_socket, check_hostname on
-in `ssl.create_default_context()`). Verification is never turned off.
+Server-sent events are read line by line as vLLM's OpenAI server writes them (`data: {...}`
+lines, `data: [DONE]` at the end). The HTTP part (TLS names, timing, statuses) is
+`http_base.HttpClient`'s; the checks see this through `serving_client.ServingClient`.
 """
 
 from __future__ import annotations
 
-import functools
-import http.client
 import json
-import ssl
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-
-@dataclass
-class Answer:
-    status: int | None  # None: no HTTP answer (refused, reset, timeout)
-    body: Any = None  # parsed JSON, or the text when it is not JSON
-    error: str = ""
-    seconds: float = 0.0
+from inference_fleet.verify.http_base import Answer, HttpClient, Streamed, sse_data
 
 
-@dataclass
-class Streamed:
-    status: int | None
-    text: str = ""
-    chunks: int = 0
-    first_token_seconds: float | None = None
-    seconds: float = 0.0
-    finish_reason: str | None = None
-    usage: dict[str, Any] = field(default_factory=dict)
-    error: str = ""
-    done: bool = False  # the `[DONE]` line arrived
-
-    @property
-    def ok(self) -> bool:
-        return self.status == 200 and self.done and not self.error
-
-
-class _NamedTlsConnection(http.client.HTTPSConnection):
-    """An HTTPS connection to `host` whose TLS handshake names `tls_name` (SNI, certificate check)."""
-
-    def __init__(self, host: str, *, tls_name: str, context: ssl.SSLContext, **kwargs: Any) -> None:
-        super().__init__(host, context=context, **kwargs)
-        self._tls_name = tls_name
-
-    def connect(self) -> None:
-        http.client.HTTPConnection.connect(self)  # TCP to the load balancer's address
-        self.sock = self._context.wrap_socket(self.sock, server_hostname=self._tls_name)
-
-
-class _NamedTlsHandler(urllib.request.HTTPSHandler):
-    def __init__(self, tls_name: str, context: ssl.SSLContext) -> None:
-        super().__init__(context=context)
-        self._tls_name = tls_name
-        self._tls_context = context
-
-    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
-        return self.do_open(functools.partial(_NamedTlsConnection, tls_name=self._tls_name,
-                                              context=self._tls_context), req)
-
-
-class OpenAIHttp:
-    def __init__(self, base_url: str, timeout: float = 120.0, tls_name: str | None = None,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
-        self.base = base_url.rstrip("/")
-        self.timeout = timeout
-        self.tls_name = tls_name
-        # The default context verifies the chain (system CAs, or SSL_CERT_FILE) and the hostname.
-        context = ssl_context or ssl.create_default_context()
-        handlers = [_NamedTlsHandler(tls_name, context)] if tls_name else [urllib.request.HTTPSHandler(context=context)]
-        self._opener = urllib.request.build_opener(*handlers)
-
-    def _request(self, path: str, body: dict[str, Any] | None) -> urllib.request.Request:
-        data = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"} if data is not None else {}
-        if self.tls_name:  # what a client that reached the cell under its name sends
-            port = urllib.parse.urlsplit(self.base).port
-            headers["Host"] = self.tls_name + (f":{port}" if port else "")
-        return urllib.request.Request(self.base + path, data=data, headers=headers,
-                                      method="GET" if data is None else "POST")
-
-    def call(self, path: str, body: dict[str, Any] | None = None, timeout: float | None = None) -> Answer:
-        started = time.monotonic()
-        try:
-            with self._opener.open(self._request(path, body), timeout=timeout or self.timeout) as response:
-                raw = response.read()
-                status = response.status
-        except urllib.error.HTTPError as error:
-            raw, status = error.read(), error.code
-        except (OSError, TimeoutError) as error:  # refused, reset, timed out
-            return Answer(None, error=f"{type(error).__name__}: {error}", seconds=time.monotonic() - started)
-        try:
-            parsed: Any = json.loads(raw)
-        except ValueError:
-            parsed = raw.decode(errors="replace")
-        return Answer(status, parsed, seconds=time.monotonic() - started)
+class OpenAIHttp(HttpClient):
+    api = "openai"
+    takes_token_ids = True  # /v1/completions takes a prompt of token ids
+    labels = {"models": "/v1/models", "completion": "completion", "stream": "streamed chat"}
 
     def models(self) -> tuple[Answer, list[str]]:
         answer = self.call("/v1/models")
@@ -134,29 +42,17 @@ class OpenAIHttp:
         """POST a streaming request and read it to the end; the time to the first token is the
         time to the first event that carries text (or, for max_tokens 1, to the first event)."""
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-        started = time.monotonic()
-        result = Streamed(status=None)
-        try:
-            with self._opener.open(self._request(path, body), timeout=timeout or self.timeout) as response:
-                result.status = response.status
-                for raw in response:
-                    self._event(raw, result, started, on_chunk)
-        except urllib.error.HTTPError as error:
-            result.status = error.code
-            result.error = error.read().decode(errors="replace")[:300]
-        except (OSError, TimeoutError) as error:
-            result.error = f"{type(error).__name__}: {error}"
-        result.seconds = time.monotonic() - started
+        result = self.post_stream(path, body, lambda raw, res, started: self._event(raw, res, started, on_chunk),
+                                  timeout)
         if result.status == 200 and not result.done and not result.error:
             result.error = "the stream ended without [DONE]"
         return result
 
     @staticmethod
     def _event(raw: bytes, result: Streamed, started: float, on_chunk: Callable[[int], None] | None) -> None:
-        line = raw.decode(errors="replace").strip()
-        if not line.startswith("data:"):
+        data = sse_data(raw)
+        if data is None:
             return
-        data = line[5:].strip()
         if data == "[DONE]":
             result.done = True
             return

@@ -16,8 +16,8 @@ from inference_fleet.verify import checks_cell, checks_faults, checks_serving
 from inference_fleet.verify.adapter import CellAdapter, CellUnreachable, Expectations
 from inference_fleet.verify.claims import CLAIMS
 from inference_fleet.verify.context import Context
-from inference_fleet.verify.openai_http import OpenAIHttp
 from inference_fleet.verify.report import CheckResult, Measured, Report, not_run
+from inference_fleet.verify.serving_client import serving_client
 
 Check = Callable[[Context], CheckResult]
 
@@ -50,8 +50,9 @@ def run_kit(adapter: CellAdapter, expect: Expectations, *, destructive: bool = F
                                              f"cell not reachable: {error}"))
         report.finished_at = time.time()
         return report
-    # An HTTPS cell's certificate is checked against the name it covers, not the endpoint's host (aws.py).
-    client = OpenAIHttp(endpoint, request_timeout, tls_name=getattr(adapter, "tls_name", None))
+    # An HTTPS cell's certificate is checked against the name it covers, not the endpoint's host (aws.py);
+    # the requests are the front end's own (OpenAI, or Triton's KServe v2 generate).
+    client = serving_client(expect, endpoint, request_timeout, tls_name=getattr(adapter, "tls_name", None))
     ctx = Context(adapter, expect, client, settle_seconds=settle_seconds,
                   recovery_timeout_seconds=recovery_timeout, steps_report_seconds=steps_report_seconds)
     results: dict[str, CheckResult] = {}

@@ -1,0 +1,159 @@
+"""The acceptance kit on a Triton cell: its KServe v2 generate client and the checks through it.
+
+Against FakeTriton (tests/verify_fakes.py): a real HTTP server on loopback answering in the shapes
+of Triton's HTTP front (server@e1db8a603d863b1317ee859bdeea2be19959462e src/http_server.cc), whose
+request parsing is the unit model's own (containers/inference/triton_backend/model.py
+`parse_request`, `checked_parameters`), so a request the real backend would refuse is refused here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import yaml
+
+from inference_fleet.checks import parse_fleet
+from inference_fleet.config import DEFAULT_CONFIG, FleetConfig
+from inference_fleet.verify import checks_serving
+from inference_fleet.verify.adapter import expectations as fleet_expectations
+from inference_fleet.verify.context import Context
+from inference_fleet.verify.openai_http import OpenAIHttp
+from inference_fleet.verify.runner import run_kit
+from inference_fleet.verify.serving_client import serving_client
+from inference_fleet.verify.triton_http import TritonHttp
+from tests.verify_fakes import MODEL, FakeAdapter, FakeTriton, TritonKnobs, expectations
+
+
+def triton_context(server: FakeTriton, **expect: object) -> Context:
+    return Context(FakeAdapter(server.url), expectations(frontend="triton", triton_model=MODEL, **expect),
+                   TritonHttp(server.url, MODEL, 10), settle_seconds=0.0, recovery_timeout_seconds=5.0,
+                   steps_report_seconds=0.3)
+
+
+def triton_fleet(model: str | None = None) -> FleetConfig:
+    """The default fleet with the Triton front end (its verify gate off: this file tests the kit, not the
+    fleet checks, tests/test_config.py)."""
+    data: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    data.setdefault("serving", {})["frontend"] = "triton"
+    data["pipeline"]["verify_gate"] = False
+    if model is not None:
+        data["model"]["name"] = model
+    return parse_fleet(data, "test")
+
+
+def test_the_client_is_chosen_from_the_front_end_in_one_place() -> None:
+    assert isinstance(serving_client(expectations(), "http://x", 5), OpenAIHttp)
+    triton = serving_client(expectations(frontend="triton", triton_model="m"), "http://x", 5)
+    assert isinstance(triton, TritonHttp) and triton.model == "m" and not triton.takes_token_ids
+    with pytest.raises(ValueError, match="Triton model name is needed"):
+        serving_client(expectations(frontend="triton"), "http://x", 5)
+
+
+def test_a_triton_fleets_expectations_name_the_model_as_the_launcher_does() -> None:
+    """The <m> of /v2/models/<m> is the launcher's model directory (unit_launcher.plan.triton_model_name)."""
+    parsed = triton_fleet()
+    expect = fleet_expectations(parsed, parsed.cells[0])
+    assert expect.frontend == "triton"
+    assert expect.triton_model == parsed.model.name.rsplit("/", 1)[-1] == "Llama-3.1-405B-Instruct"
+
+
+def test_model_metadata_and_a_generate_answer_without_the_prompt() -> None:
+    with FakeTriton() as server:
+        client = TritonHttp(server.url, MODEL, 10)
+        answer, ids = client.models()
+        assert answer.status == 200 and ids == [MODEL]
+        answer, text = client.completion(MODEL, "The unit forms when", max_tokens=4, temperature=0.8, seed=7)
+        _, same = client.completion(MODEL, "The unit forms when", max_tokens=4, temperature=0.8, seed=7)
+    assert answer.status == 200 and text and "The unit forms when" not in text and text == same
+    assert answer.body["finish_reason"] == "length" and answer.body["model_name"] == MODEL
+    sent = server.knobs.requests[0]
+    assert sent["text_input"] == "The unit forms when" and sent["exclude_input_in_output"] is True
+    assert sent["parameters"] == {"max_tokens": 4, "temperature": 0.8, "seed": 7}
+
+
+def test_an_unknown_model_lists_none_and_a_refused_request_keeps_its_status() -> None:
+    with FakeTriton(TritonKnobs(model="other")) as server:
+        answer, ids = TritonHttp(server.url, MODEL, 10).models()
+    assert answer.status == 400 and ids == [] and "unknown model" in answer.body["error"]
+    with FakeTriton(TritonKnobs(status=503)) as server:
+        client = TritonHttp(server.url, MODEL, 10)
+        answer, text = client.completion(MODEL, "x", max_tokens=4)
+        streamed = client.stream_chat(MODEL, "x", max_tokens=4)
+    assert (answer.status, text) == (503, "") and streamed.status == 503 and not streamed.ok
+
+
+def test_a_stream_is_read_to_its_finish_reason() -> None:
+    with FakeTriton() as server:
+        chunks: list[int] = []
+        streamed = TritonHttp(server.url, MODEL, 10).stream_chat(MODEL, "Tell a long story.", max_tokens=5,
+                                                                  on_chunk=chunks.append, extra={"ignore_eos": True})
+    assert streamed.ok, streamed.error
+    assert streamed.finish_reason == "length" and streamed.chunks == 5 and chunks == [1, 2, 3, 4, 5]
+    assert streamed.usage == {"completion_tokens": 5} and streamed.first_token_seconds is not None
+    assert len(streamed.text.split()) == 5
+    sent = server.knobs.requests[0]
+    assert sent["parameters"]["stream"] is True and sent["parameters"]["ignore_eos"] is True
+
+
+@pytest.mark.parametrize(("knobs", "words"), [
+    (TritonKnobs(stream_error_after=2), "error in the stream: the vLLM engine is dead"),
+    (TritonKnobs(no_finish=True), "ended without a finish reason"),
+])
+def test_a_stream_with_an_error_event_or_without_its_last_response_is_not_ok(knobs: TritonKnobs, words: str) -> None:
+    """Triton answers 200 at the first response; a later error is an event, and a stream cut before the last
+    response ends as cleanly as a whole one (no end marker): neither may pass as complete."""
+    with FakeTriton(knobs) as server:
+        streamed = TritonHttp(server.url, MODEL, 10).stream_chat(MODEL, "x", max_tokens=5)
+    assert streamed.status == 200 and not streamed.ok and words in streamed.error
+
+
+def test_token_ids_are_refused_by_the_client_not_sent() -> None:
+    with FakeTriton() as server, pytest.raises(TypeError, match="takes text"):
+        TritonHttp(server.url, MODEL, 10).stream_completion(MODEL, [10, 11, 12], max_tokens=1)
+    assert server.knobs.requests == []
+
+
+def test_a_sampling_parameter_the_backend_refuses_is_a_400_naming_it() -> None:
+    """The fake parses as the unit's backend does: a request shape it refuses fails here too."""
+    with FakeTriton() as server:
+        streamed = TritonHttp(server.url, MODEL, 10).stream_chat(MODEL, "x", 4, extra={"best_of": 2})
+    assert streamed.status == 400 and "best_of" in streamed.error
+
+
+def test_serving_and_agreement_pass_on_a_triton_unit() -> None:
+    with FakeTriton() as server:
+        ctx = triton_context(server)
+        serving = checks_serving.check_serving(ctx)
+        agreement = checks_serving.check_agreement(ctx, burst=4)
+    assert serving.status == "pass", serving.detail
+    assert serving.figures["api"] == "triton" and "generate" in serving.detail and "generate_stream" in serving.detail
+    assert agreement.status == "pass", agreement.detail
+    assert agreement.figures["greedy_pair_identical"] is True
+
+
+def test_step_bound_on_triton_is_not_a_pass_within_the_margin_and_fails_above_it() -> None:
+    """generate takes text: the prompt's token count is unknown, so a step within the margin does not show the
+    longest prefill is (not_run, with the figure); a step above it is one the unit ran (fail)."""
+    with FakeTriton(TritonKnobs(max_model_len=256)) as server:
+        result = checks_serving.check_step_bound(triton_context(server, max_seq_len=256, step_timeout_seconds=4.0))
+    assert result.status == "not_run" and "inconclusive, not a pass" in result.detail
+    assert isinstance(result.measured.value, float) and result.figures["prompt_tokens"] is None
+    prompt = server.knobs.requests[0]["text_input"]
+    assert len(prompt) == 256 - 1 - checks_serving.TEXT_PROMPT_RESERVE and prompt.isascii()
+    with FakeTriton(TritonKnobs(first_token_delay=0.8)) as server:
+        result = checks_serving.check_step_bound(triton_context(server, step_timeout_seconds=1.2))
+    assert result.status == "fail" and result.measured.value >= 0.8
+
+
+def test_the_kit_speaks_kserve_generate_to_a_triton_fleets_cell() -> None:
+    """Before: the kit sent /v1/* to every cell, and a Triton unit's proxy answers those 404 (docs/contracts.md
+    'Triton front end routes'), so 1-serving failed on every Triton cell whatever its health."""
+    parsed = triton_fleet("example/" + MODEL)
+    with FakeTriton(TritonKnobs(max_model_len=parsed.model.max_seq_len)) as server:
+        report = run_kit(FakeAdapter(server.url), fleet_expectations(parsed, parsed.cells[0]), settle_seconds=0.0,
+                         steps_report_seconds=0.2, log=lambda line: None)
+    status = {c.check_id: c.status for c in report.checks}
+    assert status["1-serving"] == "pass", report.checks[0].detail
+    assert status["2-agreement"] == "pass" and status["3-step-bound"] == "not_run"
+    assert all(r["text_input"] for r in server.knobs.requests)
