@@ -39,19 +39,33 @@ from constructs import Construct
 from cell_constructs.nag import acknowledge
 
 NOT_STARTED = ("SUBMITTED", "PENDING", "RUNNABLE")  # the states before STARTING: no instance has taken the job
-# After Batch's own cancel for a reason it knows (the queue's capacity limit, set to the same hours), so that a
-# job Batch can explain is cancelled with Batch's reason: CAPACITY:INSUFFICIENT_INSTANCE_CAPACITY.
+# The compute environment's max vCPUs is one compile host, so the queue runs one job at a time: a job waiting behind
+# a STARTING or RUNNING one is not stuck, and the watch waits again rather than cancel it.
+BUSY = ("STARTING", "RUNNING")
+# After Batch's own cancel for a reason it knows (the queue's capacity limit, set to the same hours). Unverified on
+# AWS that Batch cancels first: if the watch does, its reason carries Batch's statusReason (R3 below).
 GRACE_MINUTES = 15
 ERROR = "CompileJobNotStarted"
+# Step Functions names an AWS SDK task's error <Service>.<ErrorName>; States.TaskFailed matches any of them
+# (https://docs.aws.amazon.com/step-functions/latest/dg/supported-services-awssdk.html,
+# https://docs.aws.amazon.com/step-functions/latest/dg/concepts-error-handling.html): a throttled or failed call is
+# retried 10, 20, 40, 80 s apart rather than end the watch with the job left waiting.
+RETRY = {"errors": ["States.TaskFailed"], "interval": Duration.seconds(10), "max_attempts": 4, "backoff_rate": 2}
+NO_BATCH_REASON = "none"
+# TerminateJob's reason "has as limit of 1024 characters" (Batch API reference, TerminateJob); the watch's own text
+# leaves this much room for Batch's statusReason, and a reason still too long falls back to the text alone.
+BATCH_REASON_ROOM = 300
 
 
-def cancel_reason(hours: int, stack_name: str) -> str:
-    """The job's statusReason once cancelled: what happened and where to look (TerminateJob: <= 1024 chars)."""
-    return (f"{stack_name}: not started {hours} h after it became RUNNABLE, cancelled. Likely causes: the setup of "
-            "the compile host failed, so its ECS agent never started (aws ec2 get-console-output of the compute "
-            "environment instance shows compile-host-setup: FAILED and the step), or no capacity for the compile "
-            "instance types (the statusReason the job had before, the activities of the Auto Scaling group). See "
-            "docs/compiled-artifacts.md, Bounded wait.")
+def cancel_reason(hours: int, stack_name: str, batch_reason: str = "{}") -> str:
+    """The job's statusReason once cancelled: what happened, Batch's own statusReason before (`batch_reason`, a
+    States.Format placeholder by default) and where to look (TerminateJob: <= 1024 chars)."""
+    return (f"{stack_name}: not started {hours} h {GRACE_MINUTES} min after it became RUNNABLE, with no other job "
+            f"of the queue starting or running; cancelled. Batch statusReason before: {batch_reason}. Likely causes: "
+            "the setup of the compile host failed, so its ECS agent never started (aws ec2 get-console-output of the "
+            "compute environment instance shows compile-host-setup: FAILED and the step), or no capacity for the "
+            "compile instance types (the activities of the Auto Scaling group). See docs/compiled-artifacts.md, "
+            "Bounded wait.")
 
 
 def watch_input(job_id: str, wait_seconds: int) -> dict[str, object]:
@@ -66,8 +80,14 @@ class CompileStartWatch(Construct):
         super().__init__(scope, construct_id)
         self.hours = hours
         self.wait_seconds = hours * 3600 + GRACE_MINUTES * 60
-        self.reason = cancel_reason(hours, Stack.of(self).stack_name)
-        self.state_machine = self._state_machine(key)
+        stack_name = Stack.of(self).stack_name
+        # With Batch's statusReason ({} in States.Format), and without it when that would pass TerminateJob's limit.
+        self.reason = cancel_reason(hours, stack_name)
+        self.plain_reason = cancel_reason(hours, stack_name, "omitted, too long to quote (the start watch "
+                                                             "execution's DescribeJob step has it)")
+        if len(self.reason) + BATCH_REASON_ROOM > 1024:
+            raise ValueError(f"the cancel reason leaves less than {BATCH_REASON_ROOM} of 1024 characters for Batch's")
+        self.state_machine = self._state_machine(key, queue_arn)
         self.rule = events.Rule(
             self, "JobRunnable", description="A compile job became RUNNABLE: bound its wait for an instance",
             event_pattern=events.EventPattern(
@@ -83,50 +103,88 @@ class CompileStartWatch(Construct):
                               "states:StartExecution of this one state machine (CDK's target grant), versioned with "
                               "this stack"))
 
-    def _state_machine(self, key: kms.IKey) -> sfn.StateMachine:
-        describe = tasks.CallAwsService(
-            self, "DescribeJob", service="batch", action="describeJobs",
-            parameters={"Jobs": sfn.JsonPath.array(sfn.JsonPath.string_at("$.JobId"))},
+    def _state_machine(self, key: kms.IKey, queue_arn: str) -> sfn.StateMachine:
+        wait = sfn.Wait(self, "WaitLimit", time=sfn.WaitTime.seconds_path("$.WaitSeconds"))
+        describe = self._task(
+            "DescribeJob", "describeJobs", {"Jobs": sfn.JsonPath.array(sfn.JsonPath.string_at("$.JobId"))},
             # DescribeJobs has no resource-level scope (Step Functions' Batch IAM page uses "*").
-            iam_resources=["*"], iam_action="batch:DescribeJobs",
-            result_selector={"Status": sfn.JsonPath.string_at("$.Jobs[0].Status")}, result_path="$.Job",
-        )
-        jobs = Stack.of(self).format_arn(service="batch", resource="job", resource_name="*")
-        cancel = tasks.CallAwsService(
-            self, "CancelJob", service="batch", action="terminateJob",
-            parameters={"JobId": sfn.JsonPath.string_at("$.JobId"), "Reason": self.reason},
-            iam_resources=[jobs], iam_action="batch:TerminateJob", result_path=sfn.JsonPath.DISCARD,
-        )
+            ["*"], result_selector={"Status": sfn.JsonPath.string_at("$.Jobs[0].Status"),
+                                    "Detail": sfn.JsonPath.object_at("$.Jobs[0]")}, result_path="$.Job")
+        # ListJobs takes one status a call; MaxResults 1: whether any, not how many.
+        self.jobs_arn = Stack.of(self).format_arn(service="batch", resource="job", resource_name="*")
+        busy = [self._task(f"List{status.title()}", "listJobs",
+                           {"JobQueue": queue_arn, "JobStatus": status, "MaxResults": 1},
+                           # ListJobs has no resource type (Service Authorization Reference, AWS Batch): "*".
+                           ["*"], result_selector={"Count": sfn.JsonPath.array_length(
+                               sfn.JsonPath.list_at("$.JobSummaryList"))}, result_path=f"$.Queue.{status.title()}")
+                for status in BUSY]
+        cancel = self._task("CancelJob", "terminateJob", {
+            "JobId": sfn.JsonPath.string_at("$.JobId"),
+            "Reason": sfn.JsonPath.format(_format_literal(self.reason, 1),
+                                          sfn.JsonPath.string_at("$.BatchReason.Text"))},
+            [self.jobs_arn], result_path=sfn.JsonPath.DISCARD)
+        cancel_plain = self._task("CancelJobPlainReason", "terminateJob", {
+            "JobId": sfn.JsonPath.string_at("$.JobId"), "Reason": self.plain_reason},
+            [self.jobs_arn], result_path=sfn.JsonPath.DISCARD)
         failed = sfn.Fail(self, "NotStarted", error=ERROR, cause_path=sfn.JsonPath.format(
-            "Compile job {}: " + _format_literal(self.reason), sfn.JsonPath.string_at("$.JobId")))
+            "Compile job {}: " + _format_literal(self.reason, 1), sfn.JsonPath.string_at("$.JobId"),
+            sfn.JsonPath.string_at("$.BatchReason.Text")))
+        cancel.next(failed)
+        cancel.add_catch(cancel_plain.next(failed), errors=["States.TaskFailed"], result_path=sfn.JsonPath.DISCARD)
+        # ResultSelector fails on a missing path, and a job stuck for no reason Batch knows has no statusReason:
+        # a Choice on IsPresent keeps Batch's reason or puts a stand-in.
+        batch_reason = sfn.Choice(self, "HasBatchReason").when(
+            sfn.Condition.is_present("$.Job.Detail.StatusReason"),
+            sfn.Pass(self, "KeepBatchReason", parameters={"Text": sfn.JsonPath.string_at("$.Job.Detail.StatusReason")},
+                     result_path="$.BatchReason").next(cancel),
+        ).otherwise(sfn.Pass(self, "NoBatchReason", result=sfn.Result.from_object({"Text": NO_BATCH_REASON}),
+                             result_path="$.BatchReason").next(cancel))
+        queue_busy = sfn.Condition.or_(*(sfn.Condition.number_greater_than(f"$.Queue.{s.title()}.Count", 0)
+                                         for s in BUSY))
+        check_queue = busy[0]
+        busy[0].next(busy[1]).next(sfn.Choice(self, "QueueBusy", comment="Behind another job: wait again").when(
+            queue_busy, wait).otherwise(batch_reason))
         not_started = sfn.Condition.or_(*(sfn.Condition.string_equals("$.Job.Status", s) for s in NOT_STARTED))
         started = sfn.Succeed(self, "StartedInTime", comment="STARTING or later: the job's timeout bounds it")
-        definition = (
-            sfn.Wait(self, "WaitLimit", time=sfn.WaitTime.seconds_path("$.WaitSeconds"))
-            .next(describe)
-            .next(sfn.Choice(self, "Started").when(not_started, cancel.next(failed)).otherwise(started))
-        )
+        definition = wait.next(describe).next(
+            sfn.Choice(self, "Started").when(not_started, check_queue).otherwise(started))
         log_group = logs.LogGroup(self, "Logs", encryption_key=key, retention=logs.RetentionDays.THREE_MONTHS,
                                   removal_policy=RemovalPolicy.RETAIN)
+        # No execution timeout: a timeout would end the watch without cancelling, the very failure it exists for.
+        # The loop is bounded all the same: it waits again only while a job of the queue is STARTING or RUNNING,
+        # and each of those ends within its attempt timeout (the job definition's, compile_job.host_needs), the
+        # queue running one job at a time; a Standard workflow also ends after one year at most
+        # (https://docs.aws.amazon.com/step-functions/latest/dg/service-quotas.html).
         machine = sfn.StateMachine(
-            self, "StateMachine", definition_body=sfn.DefinitionBody.from_chainable(definition),
-            timeout=Duration.seconds(self.wait_seconds + 3600), tracing_enabled=True,
+            self, "StateMachine", definition_body=sfn.DefinitionBody.from_chainable(definition), tracing_enabled=True,
             logs=sfn.LogOptions(destination=log_group, level=sfn.LogLevel.ALL, include_execution_data=True),
         )
         acknowledge(
             machine.role,
             ("AwsSolutions-IAM5[Resource::*]",
-             "batch:DescribeJobs has no resource-level scope; CDK's X-Ray and log delivery grants take no resource"),
-            (f"AwsSolutions-IAM5[Resource::{jobs}]",
-             "batch:TerminateJob of the job the RUNNABLE event named; job ids are known only at run time"),
+             "batch:DescribeJobs and batch:ListJobs have no resource-level scope; CDK's X-Ray and log delivery grants "
+             "take no resource"),
+            (f"AwsSolutions-IAM5[Resource::{self.jobs_arn}]",
+             "batch:TerminateJob on every job of this account and region: the job the RUNNABLE event named is known "
+             "only at run time, and a job ARN names no queue to scope by"),
             ("NIST.800.53.R5-IAMNoInlinePolicy", "Policy of this state machine's role only, versioned with this stack"),
         )
         return machine
 
+    def _task(self, name: str, action: str, parameters: dict, resources: list[str], **result: object
+              ) -> tasks.CallAwsService:
+        """An AWS SDK call to Batch, retried with backoff (RETRY)."""
+        task = tasks.CallAwsService(self, name, service="batch", action=action, parameters=parameters,
+                                    iam_resources=resources, iam_action=f"batch:{action[0].upper()}{action[1:]}",
+                                    **result)
+        task.add_retry(**RETRY)
+        return task
 
-def _format_literal(text: str) -> str:
-    """`text` as literal text of States.Format, which gives ' { } \\ a meaning (Amazon States Language,
-    intrinsic functions); the reason uses none of them rather than rely on an escape."""
-    if any(char in text for char in "'{}\\"):
-        raise ValueError(f"the cancel reason may not contain ' {{ }} or \\: {text!r}")
+
+def _format_literal(text: str, placeholders: int) -> str:
+    """`text` as a States.Format template with `placeholders` {} and otherwise literal text: States.Format gives
+    ' { } \\ a meaning (Amazon States Language, intrinsic functions); the reason uses none of them elsewhere rather
+    than rely on an escape."""
+    if text.count("{}") != placeholders or any(char in text.replace("{}", "") for char in "'{}\\"):
+        raise ValueError(f"the cancel reason must hold {placeholders} {{}} and no other ' {{ }} or \\: {text!r}")
     return text

@@ -22,7 +22,8 @@ from typing import Any
 
 import boto3
 import pytest
-from botocore.stub import Stubber
+from botocore.exceptions import ClientError
+from botocore.stub import ANY, Stubber
 
 from inference_fleet import compile_job
 from inference_fleet.checks import parse_fleet
@@ -102,13 +103,33 @@ def transformed_input(target: dict, event: dict) -> dict:
 _STEP = re.compile(r"\.([A-Za-z_][A-Za-z0-9_-]*)|\[(\d+)\]")
 
 
+class StatesError(Exception):
+    """An error of the execution (name as Step Functions gives it), caught by Retry/Catch or failing the run."""
+
+    def __init__(self, error: str, cause: str = "") -> None:
+        super().__init__(error, cause)
+        self.error, self.cause = error, cause
+
+
 def _path(data: Any, path: str) -> Any:
     assert path.startswith("$"), path
     rest = path[1:]
-    for name, index in _STEP.findall(rest):
-        data = data[name] if name else data[int(index)]
     assert _STEP.sub("", rest) == "", f"unsupported path {path}"
+    for name, index in _STEP.findall(rest):
+        try:
+            data = data[name] if name else data[int(index)]
+        except (KeyError, IndexError, TypeError):
+            # A path that matches nothing in Parameters or ResultSelector fails the state (States.Runtime).
+            raise StatesError("States.Runtime", f"{path} matches nothing") from None
     return data
+
+
+def _present(data: Any, path: str) -> bool:
+    try:
+        _path(data, path)
+    except StatesError:
+        return False
+    return True
 
 
 def _set(data: dict, path: str, value: Any) -> dict:
@@ -126,11 +147,19 @@ def _intrinsic(expression: str, data: Any) -> Any:
     array = re.fullmatch(r"States\.Array\((\$[^)]*)\)", expression)
     if array:
         return [_path(data, array.group(1))]
-    formatted = re.fullmatch(r"States\.Format\('((?:[^'\\]|\\.)*)', (\$[^)]*)\)", expression)
+    length = re.fullmatch(r"States\.ArrayLength\((\$[^)]*)\)", expression)
+    if length:
+        value = _path(data, length.group(1))
+        assert isinstance(value, list), value
+        return len(value)
+    formatted = re.fullmatch(r"States\.Format\('((?:[^'\\]|\\.)*)'((?:, \$[^,)]*)+)\)", expression)
     if formatted:
-        template, value = formatted.group(1), _path(data, formatted.group(2))
-        assert template.count("{}") == 1, template
-        return template.replace("{}", str(value))
+        template = formatted.group(1)
+        values = [str(_path(data, p)) for p in formatted.group(2).removeprefix(", ").split(", ")]
+        assert template.count("{}") == len(values), template
+        for value in values:
+            template = template.replace("{}", value.replace("{}", "\x00"), 1)
+        return template.replace("\x00", "{}")
     raise AssertionError(f"unsupported intrinsic {expression}")
 
 
@@ -160,6 +189,18 @@ def _cased(value: Any, shape: Any, to_sfn: bool) -> Any:
     return value
 
 
+def _matches(names: list[str], error: str) -> bool:
+    """ErrorEquals: States.ALL any error; States.TaskFailed any but States.Timeout (error handling doc)."""
+    return error in names or "States.ALL" in names or ("States.TaskFailed" in names and error != "States.Timeout"
+                                                        and not error.startswith("States.Runtime"))
+
+
+def _stored(state: dict, data: Any, result: Any) -> Any:
+    if "ResultPath" not in state:
+        return result
+    return data if state["ResultPath"] is None else _set(data, state["ResultPath"], result)
+
+
 class Asl:
     """Runs one execution of a definition; AWS SDK tasks go to `clients[service]` (Stubber-held)."""
 
@@ -167,12 +208,14 @@ class Asl:
         assert set(definition) <= {"StartAt", "States", "TimeoutSeconds", "Comment"}, set(definition)
         self.definition, self.clients = definition, clients
         self.waited: list[int] = []
+        self.retry_waits: list[float] = []
         self.visited: list[str] = []
+        self.calls: list[tuple[str, dict]] = []
 
     def run(self, data: dict) -> tuple[str, Any]:
         """("Succeed", output) or ("Fail", (error, cause))."""
         name = self.definition["StartAt"]
-        for _ in range(100):
+        for _ in range(200):
             state = self.definition["States"][name]
             self.visited.append(name)
             kind = state["Type"]
@@ -189,12 +232,20 @@ class Asl:
             elif kind == "Choice":
                 name = self._choose(state, data)
                 continue
+            elif kind == "Pass":
+                assert set(state) <= {"Type", "Parameters", "Result", "ResultPath", "Next", "Comment"}, state
+                result = _payload(state["Parameters"], data) if "Parameters" in state else state.get("Result", data)
+                data = _stored(state, data, result)
             elif kind == "Task":
-                data = self._task(state, data)
+                try:
+                    data, name = self._task(state, data)
+                except StatesError as failed:
+                    return "Fail", (failed.error, failed.cause)
+                continue
             else:
                 raise AssertionError(f"unsupported state type {kind}")
             name = state["Next"]
-        raise AssertionError("more than 100 states: a loop")
+        raise AssertionError("more than 200 states: a loop")
 
     def _choose(self, state: dict, data: Any) -> str:
         assert set(state) <= {"Type", "Choices", "Default", "Comment"}, state
@@ -206,25 +257,57 @@ class Asl:
     def _holds(self, rule: dict, data: Any) -> bool:
         if set(rule) == {"Or"}:
             return any(self._holds(r, data) for r in rule["Or"])
+        if set(rule) == {"Variable", "IsPresent"}:
+            return _present(data, rule["Variable"]) == rule["IsPresent"]
+        if set(rule) == {"Variable", "NumericGreaterThan"}:
+            return _path(data, rule["Variable"]) > rule["NumericGreaterThan"]
         assert set(rule) == {"Variable", "StringEquals"}, rule
         return _path(data, rule["Variable"]) == rule["StringEquals"]
 
-    def _task(self, state: dict, data: Any) -> Any:
-        assert set(state) <= {"Type", "Resource", "Parameters", "ResultSelector", "ResultPath", "Next"}, state
+    def _task(self, state: dict, data: Any) -> tuple[Any, str]:
+        """(the state's output, the next state): Retry on the call's errors, then Catch, else the run fails."""
+        assert set(state) <= {"Type", "Resource", "Parameters", "ResultSelector", "ResultPath", "Next", "End",
+                              "Retry", "Catch"}, state
+        attempts: dict[int, int] = {}
+        while True:
+            try:
+                return _stored(state, data, self._call(state, data)), state["Next"]
+            except StatesError as failed:
+                retry = next((i for i, r in enumerate(state.get("Retry", ()))
+                              if _matches(r["ErrorEquals"], failed.error)), None)
+                if retry is not None:
+                    rule = state["Retry"][retry]
+                    assert set(rule) <= {"ErrorEquals", "IntervalSeconds", "MaxAttempts", "BackoffRate"}, rule
+                    done = attempts.get(retry, 0)
+                    if done < rule.get("MaxAttempts", 3):
+                        self.retry_waits.append(rule.get("IntervalSeconds", 1) * rule.get("BackoffRate", 2.0) ** done)
+                        attempts[retry] = done + 1
+                        continue
+                for catcher in state.get("Catch", ()):
+                    assert set(catcher) <= {"ErrorEquals", "Next", "ResultPath"}, catcher
+                    if _matches(catcher["ErrorEquals"], failed.error):
+                        output = {"Error": failed.error, "Cause": failed.cause}
+                        return _stored(catcher, data, output), catcher["Next"]
+                raise
+
+    def _call(self, state: dict, data: Any) -> Any:
         match = re.fullmatch(r"arn:aws:states:::aws-sdk:([a-z0-9]+):([A-Za-z]+)", state["Resource"])
         assert match, f"unsupported resource {state['Resource']}"
         client = self.clients[match.group(1)]
         action = match.group(2)
         operation = client.meta.service_model.operation_model(action[0].upper() + action[1:])
         parameters = _cased(_payload(state.get("Parameters", {}), data), operation.input_shape, to_sfn=False)
-        response = getattr(client, re.sub(r"(?<!^)(?=[A-Z])", "_", action).lower())(**parameters)
+        self.calls.append((action, parameters))
+        try:
+            response = getattr(client, re.sub(r"(?<!^)(?=[A-Z])", "_", action).lower())(**parameters)
+        except ClientError as error:
+            # <Service>.<ErrorName>, the name with an Exception suffix (supported-services-awssdk.html).
+            code = error.response["Error"]["Code"]
+            raise StatesError(f"{match.group(1).capitalize()}.{code.removesuffix('Exception')}Exception",
+                              str(error)) from None
         response.pop("ResponseMetadata", None)
         result = _cased(response, operation.output_shape, to_sfn=True)
-        if "ResultSelector" in state:
-            result = _payload(state["ResultSelector"], result)
-        if "ResultPath" not in state:
-            return result
-        return data if state["ResultPath"] is None else _set(data, state["ResultPath"], result)
+        return _payload(state["ResultSelector"], result) if "ResultSelector" in state else result
 
 
 # -- the tests -----------------------------------------------------------------------------------------------
@@ -235,25 +318,47 @@ def _job(status: str, **extra: Any) -> dict:
                       "startedAt": 0, "jobDefinition": "Rufus-compile", **extra}]}
 
 
-def _run(template: dict, status: str, *, cancel: bool, **describe: Any) -> tuple[Asl, tuple[str, Any], dict]:
+def _listed(count: int) -> dict:
+    return {"jobSummaryList": [{"jobArn": f"arn:aws:batch:{REGION}:{ACCOUNT}:job/other-{i}", "jobId": f"other-{i}",
+                                "jobName": "Rufus-compile-other"} for i in range(count)]}
+
+
+def _run(template: dict, status: str | list[tuple[str, dict[str, int]]], *, cancel: bool, throttled: int = 0,
+         terminate_error: tuple[str, int] | None = None, **describe: Any) -> tuple[Asl, tuple[str, Any], dict]:
+    """One execution for the job's `status`, or for rounds of (status, {STARTING/RUNNING: jobs of the queue}); the
+    first `throttled` calls of DescribeJobs are refused as Batch refuses a throttled call; `terminated` is the
+    TerminateJob call's parameters (the last one made)."""
     rule, definition = watch_of(template)
     event = batch_event()
     assert matches(rule["EventPattern"], event), rule["EventPattern"]
     state_input = transformed_input(rule["Targets"][0], event)
     batch = boto3.client("batch", region_name=REGION)
-    terminated: dict = {}
+    rounds = [(status, {})] if isinstance(status, str) else status
     with Stubber(batch) as stub:
-        stub.add_response("describe_jobs", _job(status, **describe), {"jobs": [JOB]})
-        if cancel:
-            terminate = definition["States"]
-            (reason,) = [s["Parameters"]["Reason"] for s in terminate.values()
-                         if s.get("Resource", "").endswith(":terminateJob")]
-            terminated = {"jobId": JOB, "reason": reason}
-            stub.add_response("terminate_job", {}, terminated)
+        for _ in range(throttled):
+            stub.add_client_error("describe_jobs", "ClientException", "Too Many Requests", 429,
+                                  expected_params={"jobs": [JOB]})
+        for job_status, busy in rounds:
+            stub.add_response("describe_jobs", _job(job_status, **describe), {"jobs": [JOB]})
+            if job_status in NOT_STARTED:
+                for listed in ("STARTING", "RUNNING"):
+                    stub.add_response("list_jobs", _listed(busy.get(listed, 0)),
+                                      {"jobQueue": QUEUE_ARN, "jobStatus": listed, "maxResults": 1})
+        if terminate_error:
+            message, times = terminate_error
+            for _ in range(times):
+                stub.add_client_error("terminate_job", "ClientException", message, 400,
+                                      expected_params={"jobId": JOB, "reason": ANY})
+            stub.add_response("terminate_job", {}, {"jobId": JOB, "reason": ANY})
+        elif cancel:
+            stub.add_response("terminate_job", {}, {"jobId": JOB, "reason": ANY})
         asl = Asl(definition, {"batch": batch})
         outcome = asl.run(state_input)
+        assert outcome[0] == "Succeed" or outcome[1][0] == "CompileJobNotStarted", (
+            f"the watch ended without deciding: {outcome[1][0]} after {asl.visited}")
         stub.assert_no_pending_responses()
-    return asl, outcome, terminated
+    calls = [parameters for action, parameters in asl.calls if action == "terminateJob"]
+    return asl, outcome, calls[-1] if calls else {}
 
 
 def test_a_job_no_instance_ever_takes_is_cancelled_after_the_start_limit_naming_the_likely_causes(synth_default):
@@ -269,7 +374,8 @@ def test_a_job_no_instance_ever_takes_is_cancelled_after_the_start_limit_naming_
     assert (outcome, error) == ("Fail", "CompileJobNotStarted")
     reason = terminated["reason"]
     assert len(reason) <= 1024  # TerminateJob's limit
-    for named in (f"not started {hours} h", "compile-host-setup: FAILED", "get-console-output", "no capacity"):
+    for named in (f"not started {hours} h 15 min", "compile-host-setup: FAILED", "get-console-output", "no capacity",
+                  "Batch statusReason before: none"):
         assert named in reason, reason
     assert cause == f"Compile job {JOB}: {reason}"
     # The queue's own capacity limit is the same hours, so a job Batch can explain gets Batch's reason first.
@@ -315,7 +421,8 @@ def test_the_watch_may_read_jobs_and_cancel_jobs_only(synth_default):
     batch_actions = {(a, json.dumps(_resolve(s["Resource"], {}))) for s in statements
                      for a in ([s["Action"]] if isinstance(s["Action"], str) else s["Action"])
                      if a.startswith("batch:")}
-    assert batch_actions == {("batch:DescribeJobs", '"*"'),
+    # ListJobs and DescribeJobs have no resource type in the Service Authorization Reference (AWS Batch).
+    assert batch_actions == {("batch:DescribeJobs", '"*"'), ("batch:ListJobs", '"*"'),
                              ("batch:TerminateJob", f'"arn:aws:batch:{REGION}:{ACCOUNT}:job/*"')}, batch_actions
     # The rule's role may start this state machine and nothing else.
     starter = rule["Targets"][0]["RoleArn"].removeprefix("getatt:").removesuffix(".Arn")
@@ -323,6 +430,83 @@ def test_the_watch_may_read_jobs_and_cancel_jobs_only(synth_default):
                 and {"Ref": starter} in r["Properties"]["Roles"]
                 for s in r["Properties"]["PolicyDocument"]["Statement"]]
     assert (start["Action"], start["Resource"]) == ("states:StartExecution", {"Ref": machine_ref}), start
+
+
+def test_a_job_waiting_behind_a_running_job_is_not_cancelled(synth_default):
+    """Regression: the compute environment's max vCPUs is one compile host, so the queue runs one job at a time;
+    a job submitted while another compiles (`compile --submit` during the pipeline's compile) waits RUNNABLE for
+    hours, and the watch cancelled it after 2 h 15 min blaming host setup or capacity. It waits again instead."""
+    template = synth_default.template_json(compile_job.stack_name(synth_default.fleet))
+    rounds = [("RUNNABLE", {"RUNNING": 1}), ("RUNNABLE", {"STARTING": 1}), ("STARTING", {})]
+    asl, (outcome, _), terminated = _run(template, rounds, cancel=False)
+    assert outcome == "Succeed" and not terminated, asl.visited
+    assert len(asl.waited) == 3, asl.waited
+    # Once the queue is idle and the job still waits, it is cancelled, a full limit after the last check.
+    asl, (outcome, (error, _)), terminated = _run(template, [("RUNNABLE", {"RUNNING": 1}), ("RUNNABLE", {})],
+                                                  cancel=True)
+    assert (outcome, error, terminated["jobId"]) == ("Fail", "CompileJobNotStarted", JOB)
+    assert len(asl.waited) == 2, asl.waited
+
+
+def test_the_watch_has_no_execution_timeout_that_would_end_it_without_cancelling(synth_default):
+    """A job behind others may wait longer than any fixed bound; an execution timeout would end the watch with the
+    job left waiting. The loop ends on its own: it waits again only while a job runs (each within its timeout)."""
+    _, definition = watch_of(synth_default.template_json(compile_job.stack_name(synth_default.fleet)))
+    assert "TimeoutSeconds" not in definition, definition["TimeoutSeconds"]
+
+
+def test_a_throttled_batch_call_is_retried_not_the_end_of_the_watch(synth_default):
+    """Regression: no Retry on the SDK tasks, so one throttled DescribeJobs failed the execution and the job was
+    never cancelled."""
+    template = synth_default.template_json(compile_job.stack_name(synth_default.fleet))
+    asl, (outcome, (error, _)), terminated = _run(template, "RUNNABLE", cancel=True, throttled=3)
+    assert (outcome, error, terminated["jobId"]) == ("Fail", "CompileJobNotStarted", JOB)
+    assert asl.retry_waits == [10, 20, 40], asl.retry_waits
+    _, definition = watch_of(template)
+    for name, state in definition["States"].items():
+        if state["Type"] == "Task":
+            (retry,) = state["Retry"]
+            assert "States.TaskFailed" in retry["ErrorEquals"] and retry["MaxAttempts"] >= 3, (name, retry)
+
+
+def test_batchs_own_status_reason_is_kept_in_the_cancel_reason(synth_default):
+    """Regression: DescribeJobs' statusReason (Batch's own diagnosis, e.g. no capacity) was dropped; the cancel
+    reason and the execution's cause now quote it (and a job without one still runs: no ResultSelector on it)."""
+    template = synth_default.template_json(compile_job.stack_name(synth_default.fleet))
+    batch_says = ("CAPACITY:INSUFFICIENT_INSTANCE_CAPACITY - Service cannot fulfill the capacity requested for "
+                  "instance type [x2iedn.32xlarge]")
+    _, (outcome, (error, cause)), terminated = _run(template, "RUNNABLE", cancel=True, statusReason=batch_says)
+    assert (outcome, error) == ("Fail", "CompileJobNotStarted")
+    assert f"Batch statusReason before: {batch_says}." in terminated["reason"], terminated["reason"]
+    assert len(terminated["reason"]) <= 1024
+    assert batch_says in cause
+
+
+def test_a_reason_batch_refuses_falls_back_to_the_watchs_own_text(synth_default):
+    """TerminateJob refuses a reason over 1024 characters: after the retries the job is still cancelled, with the
+    watch's text alone."""
+    template = synth_default.template_json(compile_job.stack_name(synth_default.fleet))
+    _, definition = watch_of(template)
+    (cancel,) = [s for s in definition["States"].values() if s.get("Catch")]
+    attempts = 1 + cancel["Retry"][0]["MaxAttempts"]
+    _, (outcome, (error, _)), terminated = _run(template, "RUNNABLE", cancel=False, terminate_error=(
+        "reason too long", attempts), statusReason="X" * 900)
+    assert (outcome, error) == ("Fail", "CompileJobNotStarted")
+    assert "X" * 10 not in terminated["reason"] and "too long to quote" in terminated["reason"], terminated
+    assert len(terminated["reason"]) <= 1024
+
+
+def test_the_compile_job_is_never_retried_by_batch(synth_default):
+    """Each RUNNABLE event starts a watch; with retry attempts > 1, the watch of a first attempt could cancel a fresh
+    second attempt before its host had its full start limit. The job definition keeps one attempt, and
+    `compile --submit` does not override it (cell_constructs/compile_start_watch.py relies on it)."""
+    template = synth_default.template_json(compile_job.stack_name(synth_default.fleet))
+    (definition,) = [r["Properties"] for r in template["Resources"].values()
+                     if r["Type"] == "AWS::Batch::JobDefinition"]
+    assert definition.get("RetryStrategy", {}).get("Attempts", 1) == 1, (
+        "compile job retried by Batch: the start watch (compile_start_watch.py) would cancel a later attempt on the "
+        "first attempt's clock; key the watch by attempt before raising retry_attempts")
+    assert "retryStrategy" not in compile_job.submit_request(synth_default.fleet)
 
 
 def test_the_start_limit_is_a_fleet_setting(default_fleet, synth):
