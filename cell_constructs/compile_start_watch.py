@@ -17,11 +17,12 @@ So every job of the fleet's compile queue, from the pipeline or from `compile --
 an EventBridge event when a job becomes RUNNABLE ("Anytime that an existing (previously submitted) job changes
 states, an event is created", detail.status and detail.jobQueue as in DescribeJobs,
 https://docs.aws.amazon.com/batch/latest/userguide/batch_job_events.html); a rule starts this state machine with
-the job's id, which waits the limit, reads the job, and if it is still SUBMITTED, PENDING or RUNNABLE calls
+the job's id, which waits the limit, reads the job, and if it is still SUBMITTED, PENDING or RUNNABLE and no other
+job of the queue is STARTING or RUNNING (the queue runs one job at a time: else it waits again) calls
 TerminateJob ("Jobs that have not progressed to the STARTING state are cancelled"; the reason "is returned by
 future DescribeJobs operations on the job", https://docs.aws.amazon.com/cli/latest/reference/batch/terminate-job.html)
-and fails. The pipeline's `batch:submitJob.sync` then ends with that job FAILED and its reason. With no job left,
-the compute environment (minvCpus 0) has nothing to keep the instance for.
+with Batch's own statusReason quoted, and fails. The pipeline's `batch:submitJob.sync` then ends with that job
+FAILED and its reason. With no job left, the compute environment (minvCpus 0) has nothing to keep the instance for.
 """
 
 from __future__ import annotations

@@ -5,13 +5,15 @@ The rule and the state machine are read from the synthesized `<Fleet>-Compile` t
 documented RUNNABLE event (https://docs.aws.amazon.com/batch/latest/userguide/batch_job_events.html) through the
 rule's pattern and input transformer, then the state machine's definition through `Asl`, an interpreter of exactly
 the Amazon States Language this definition uses (anything else raises, so a new construct cannot pass unread).
-Its AWS SDK tasks call botocore clients held by a Stubber (Batch's DescribeJobs and TerminateJob as botocore's
-model has them), with Step Functions' casing: parameters in PascalCase ("Parameters in Step Functions are expressed
-in PascalCase, even if the native service API is in camelCase",
+Its AWS SDK tasks call botocore clients held by a Stubber (Batch's DescribeJobs, ListJobs and TerminateJob as
+botocore's model has them), with Step Functions' casing: parameters in PascalCase ("Parameters in Step Functions
+are expressed in PascalCase, even if the native service API is in camelCase",
 https://docs.aws.amazon.com/step-functions/latest/dg/supported-services-awssdk.html), and the response's field
-names in PascalCase as LocalStack, which reproduces Step Functions, renders them
-(localstack/localstack@01d931a64776879ca0f0a2cbbde20e9e6aa40963 `.../state_task/service/state_task_service.py`
-`_normalise_parameters`, `_normalise_response`). Waits are recorded, not slept.
+names in PascalCase as LocalStack's snapshot recorded against AWS shows them for a camelCase service
+(localstack/localstack@80a11b13ea2aa2b7ce8622a2e80e7f23cbb903da
+`tests/aws/services/stepfunctions/v2/services/test_aws_sdk_task_service.snapshot.json`, `test_sfn_start_execution`:
+`ExecutionArn`, `StartDate`); an SDK error as `<Service>.<Name>Exception` (the same page); Retry and Catch as in
+https://docs.aws.amazon.com/step-functions/latest/dg/concepts-error-handling.html. Waits are recorded, not slept.
 """
 
 from __future__ import annotations
