@@ -30,6 +30,7 @@ from aws_cdk import aws_logs as logs
 from constructs import Construct
 from unit_launcher.artifacts import split_uri
 
+from cell_constructs.compile_start_watch import CompileStartWatch
 from cell_constructs.encryption import allow_cloudwatch_logs, artifacts_key_statement
 from cell_constructs.nag import acknowledge
 from cell_constructs.network import ECS_NODE_ENDPOINTS
@@ -110,28 +111,27 @@ def compile_host_user_data() -> ec2.MultipartUserData:
     return user_data
 
 
-# A job that never gets an instance stays RUNNABLE: the job definition's attempt timeout counts from
-# startedAt (https://docs.aws.amazon.com/batch/latest/userguide/job_timeouts.html), so without these the
-# pipeline's Compile stage would wait for it as long as Step Functions lets it. Batch cancels a job that
-# has stayed RUNNABLE at the head of the queue for one of these reasons this long ("Jobs stuck in a
-# RUNNABLE status", https://docs.aws.amazon.com/batch/latest/userguide/job_stuck_in_runnable.html; the
-# reasons and limits, 600 to 86,400 s, state RUNNABLE, action CANCEL:
+# A job that never gets an instance stays RUNNABLE: the job definition's attempt timeout counts from startedAt
+# (https://docs.aws.amazon.com/batch/latest/userguide/job_timeouts.html). Batch cancels a job that has stayed
+# RUNNABLE at the head of the queue for one of these reasons this long ("Jobs stuck in a RUNNABLE status",
+# https://docs.aws.amazon.com/batch/latest/userguide/job_stuck_in_runnable.html; the reasons and limits, 600 to
+# 86,400 s, state RUNNABLE, action CANCEL:
 # https://docs.aws.amazon.com/AWSCloudFormation/latest/UserGuide/aws-properties-batch-jobqueue-jobstatetimelimitaction.html).
-# No capacity may come back: 4 hours (the Batch guide's own example). A compute environment too small
-# for the job, or no instance type that fits it, never heals: the minimum, 10 minutes. Unverified: that
-# an instance quota (VcpuLimitExceeded) is reported as INSUFFICIENT_INSTANCE_CAPACITY; the guide says
-# Batch infers it from the Auto Scaling group's scaling activities.
-RUNNABLE_LIMITS = (
-    (batch.JobStateTimeLimitActionsReason.INSUFFICIENT_INSTANCE_CAPACITY, Duration.hours(4)),
-    (batch.JobStateTimeLimitActionsReason.COMPUTE_ENVIRONMENT_MAX_RESOURCE, Duration.minutes(10)),
-    (batch.JobStateTimeLimitActionsReason.JOB_RESOURCE_REQUIREMENT, Duration.minutes(10)),
-)
-
-
-def runnable_time_limits() -> list[batch.JobStateTimeLimitAction]:
+# No capacity may come back: the fleet's start limit (compile_job.start_limit_hours), the bound the start watch
+# (compile_start_watch.py) puts on every other reason, so a job Batch can explain is cancelled with Batch's reason.
+# A compute environment too small for the job, or no instance type that fits it, never heals: the minimum, 10
+# minutes. Unverified: that an instance quota (VcpuLimitExceeded) is reported as INSUFFICIENT_INSTANCE_CAPACITY;
+# the guide says Batch infers it from the Auto Scaling group's scaling activities. A host whose setup failed
+# matches none of the three: the start watch cancels it.
+def runnable_time_limits(start_limit: Duration) -> list[batch.JobStateTimeLimitAction]:
+    limits = (
+        (batch.JobStateTimeLimitActionsReason.INSUFFICIENT_INSTANCE_CAPACITY, start_limit),
+        (batch.JobStateTimeLimitActionsReason.COMPUTE_ENVIRONMENT_MAX_RESOURCE, Duration.minutes(10)),
+        (batch.JobStateTimeLimitActionsReason.JOB_RESOURCE_REQUIREMENT, Duration.minutes(10)),
+    )
     return [batch.JobStateTimeLimitAction(action=batch.JobStateTimeLimitActionsAction.CANCEL, max_time=limit,
                                           reason=reason, state=batch.JobStateTimeLimitActionsState.RUNNABLE)
-            for reason, limit in RUNNABLE_LIMITS]
+            for reason, limit in limits]
 
 
 class CompileBatch(Construct):
@@ -161,7 +161,10 @@ class CompileBatch(Construct):
             self, "JobQueue", job_queue_name=compile_job.batch_name(fleet), priority=1,
             compute_environments=[batch.OrderedComputeEnvironment(
                 compute_environment=self.compute_environment, order=1)],
-            job_state_time_limit_actions=runnable_time_limits())
+            job_state_time_limit_actions=runnable_time_limits(Duration.hours(compile_job.start_limit_hours(fleet))))
+        # Every other reason a job waits, a host whose setup failed among them: cancelled after the same limit.
+        self.start_watch = CompileStartWatch(self, "StartWatch", queue_arn=self.job_queue.job_queue_arn,
+                                             hours=compile_job.start_limit_hours(fleet), key=self.key)
         self.job_role = self._job_role()
         self.log_group = logs.LogGroup(self, "JobLogs", encryption_key=self.key,
                                        retention=logs.RetentionDays.THREE_MONTHS, removal_policy=RemovalPolicy.RETAIN)

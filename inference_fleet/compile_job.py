@@ -53,7 +53,13 @@ from unit_launcher.compile_run import (  # noqa: F401  (the runtime half, re-exp
 )
 from unit_launcher.spec import UnitSpec, parse_spec
 
-from inference_fleet.config import ConfigIssue, FleetConfig, az_id_prefix, zone_in_region
+from inference_fleet.config import (
+    COMPILE_START_LIMIT_HOURS,
+    ConfigIssue,
+    FleetConfig,
+    az_id_prefix,
+    zone_in_region,
+)
 from inference_fleet.planner.shape import shape_of
 from inference_fleet.regions import region_problem
 from inference_fleet.unit_spec import build_unit_spec, layout_key
@@ -279,6 +285,14 @@ def environment(fleet: FleetConfig) -> tuple[str, str]:
     if fleet.pipeline is not None:
         return fleet.pipeline.account, fleet.pipeline.region
     return fleet.cells[0].account, fleet.cells[0].region
+
+
+def start_limit_hours(fleet: FleetConfig) -> int:
+    """Hours the compile job may wait for an instance before the compile stack cancels it
+    (pipeline.compile_start_limit_hours; config.COMPILE_START_LIMIT_HOURS without a pipeline)."""
+    if fleet.pipeline is not None:
+        return fleet.pipeline.compile_start_limit_hours
+    return COMPILE_START_LIMIT_HOURS
 
 
 def availability_zones(fleet: FleetConfig) -> tuple[str, ...] | None:

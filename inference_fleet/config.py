@@ -56,6 +56,11 @@ def repository_path(fleet_file: str | Path) -> str:
             "synthesizes the fleet file from its checkout, so keep it in the repository"
         ) from None
 
+# How long the compile job may wait for an instance before the Compile stack cancels it (pipeline.
+# compile_start_limit_hours; docs/compiled-artifacts.md "Bounded wait"): a compile host whose setup failed never
+# starts its ECS agent, and no Batch job queue time limit matches that job (no capacity or misconfiguration reason).
+COMPILE_START_LIMIT_HOURS = 2
+
 # An AZ name (us-east-2a, us-west-2-lax-1a) or an AZ ID (use2-az1, usw2-lax1-az1).
 AZ_PATTERN = r"^([a-z]{2}(-gov)?-[a-z]+-[0-9][a-z]|[a-z]{2}(gov)?[a-z]+[0-9](-[a-z]+[0-9]+)?-az[0-9]+)$"
 AZ_ID_PATTERN = re.compile(r"^[a-z]{2}(gov)?[a-z]+[0-9](-[a-z]+[0-9]+)?-az[0-9]+$")
@@ -742,6 +747,15 @@ class PipelineConfig(_Strict):
             "zone in every account), zones that offer the compile instance types (docs/compiled-artifacts.md); "
             "default the AZs of the load balancer of the first cell in the pipeline's account and region, "
             "required when no cell is there."
+        ),
+    )
+    compile_start_limit_hours: int = Field(
+        default=COMPILE_START_LIMIT_HOURS, ge=1, le=24,
+        description=(
+            "Hours the compile job may wait for an instance (SUBMITTED, PENDING or RUNNABLE) before the compile "
+            "stack cancels it, whatever the reason: no capacity, or a compile host whose setup failed and whose "
+            "ECS agent never started (docs/compiled-artifacts.md, \"Bounded wait\"); the pipeline's Compile stage "
+            "then fails naming both. Without a pipeline the default holds."
         ),
     )
     verify_gate: bool = Field(
