@@ -97,6 +97,8 @@ async def test_load_and_metrics_report_engine_figures(make_proxy: ProxyFactory):
             pass  # closed unread: counted as 499 (client went away)
         async with session.post(f"{proxy.url}/v1/completions", json={"model": "m", "stream": True}) as resp:
             assert b"[DONE]" in await resp.read()
+        # Counted from HAProxy's log lines, which the agent reads just after the answers.
+        await wait_until(lambda: proxy.state.telemetry.load_json()["requests_total"] == 2, what="2 requests counted")
         async with session.get(f"{proxy.admin_url}/load") as resp:
             load = await resp.json()
         async with session.get(f"{proxy.admin_url}/metrics") as resp:
