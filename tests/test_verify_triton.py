@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import regex  # installed with cfn-lint (requirements.txt); `re` has no \p{L}
 import yaml
 
 from inference_fleet.checks import parse_fleet
@@ -144,6 +145,28 @@ def test_step_bound_on_triton_is_not_a_pass_within_the_margin_and_fails_above_it
     with FakeTriton(TritonKnobs(first_token_delay=0.8)) as server:
         result = checks_serving.check_step_bound(triton_context(server, step_timeout_seconds=1.2))
     assert result.status == "fail" and result.measured.value >= 0.8
+
+
+# The pre-tokenizers' split patterns, as their sources write them: GPT-2's
+# (openai/gpt-2@27a08882c7706499a2c044840fa3d464ac4f5f0b src/encoder.py, Encoder.pat) and Llama 3's
+# (meta-llama/llama3@e8f0267c321c34fd88f313938f5ab09a96f1c0da llama/tokenizer.py, Tokenizer.pat_str).
+PRE_TOKENIZERS = {
+    "gpt2": r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
+    "llama3": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+              r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRE_TOKENIZERS))
+def test_the_long_text_is_one_pre_token_a_character(name: str) -> None:
+    """Check 3's Triton prompt is close to one token a character only if each character is its own
+    pre-token (BPE merges only within one). Regression: letters, digits and marks in turn made 2001
+    pre-tokens of 3000 characters under Llama 3's pattern (a mark joins the letter after it: ";b")."""
+    text = checks_serving.long_text(3000)
+    assert len(text) == 3000 and text.isascii()
+    pieces = regex.findall(PRE_TOKENIZERS[name], text)
+    assert "".join(pieces) == text
+    assert len(pieces) == len(text), pieces[:6]
 
 
 def test_the_kit_speaks_kserve_generate_to_a_triton_fleets_cell() -> None:
