@@ -133,6 +133,14 @@ def test_serving_and_agreement_pass_on_a_triton_unit() -> None:
     assert agreement.figures["greedy_pair_identical"] is True
 
 
+def test_serving_on_a_triton_unit_without_the_model_names_the_model_it_asked_for() -> None:
+    """Regression: the failure was labelled with the literal route template "/v2/models/<m>"."""
+    with FakeTriton(TritonKnobs(model="other")) as server:
+        result = checks_serving.check_serving(triton_context(server))
+    assert result.status == "fail"
+    assert f"/v2/models/{MODEL}: 400" in result.detail and "<m>" not in result.detail
+
+
 def test_step_bound_on_triton_is_not_a_pass_within_the_margin_and_fails_above_it() -> None:
     """generate takes text: the prompt's token count is unknown, so a step within the margin does not show the
     longest prefill is (not_run, with the figure); a step above it is one the unit ran (fail)."""

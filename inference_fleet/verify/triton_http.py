@@ -54,13 +54,14 @@ def _element(value: Any) -> Any:
 class TritonHttp(HttpClient):
     api = "triton"
     takes_token_ids = False  # generate's text_input is text (no input for token ids)
-    labels = {"models": "/v2/models/<m>", "completion": "generate", "stream": "generate_stream"}
 
     def __init__(self, base_url: str, model: str, timeout: float = 120.0, **kwargs: Any) -> None:
         super().__init__(base_url, timeout, **kwargs)
         if not model:
             raise ValueError("the Triton model name is needed (unit_launcher.plan.triton_model_name)")
         self.model = model
+        # The check-1 report names the route it asked, with the model's name.
+        self.labels = {"models": self._route(model), "completion": "generate", "stream": "generate_stream"}
 
     def _route(self, model: str, action: str = "") -> str:
         return f"/v2/models/{urllib.parse.quote(model, safe='')}" + (f"/{action}" if action else "")
