@@ -109,6 +109,17 @@ def test_a_stream_with_an_error_event_or_without_its_last_response_is_not_ok(kno
     assert streamed.status == 200 and not streamed.ok and words in streamed.error
 
 
+def test_an_aborted_stream_is_an_error_and_fails_check_1() -> None:
+    """vLLM ends a request it aborted with finish reason "abort" (vllm_backend passes str() of it on):
+    the stream did end, but not served. Regression: it counted as done and check 1 passed."""
+    with FakeTriton(TritonKnobs(finish_reason="abort")) as server:
+        streamed = TritonHttp(server.url, MODEL, 10).stream_chat(MODEL, "x", max_tokens=5)
+        result = checks_serving.check_serving(triton_context(server))
+    assert streamed.status == 200 and streamed.finish_reason == "abort" and not streamed.ok
+    assert "aborted" in streamed.error
+    assert result.status == "fail" and "generate_stream: 200" in result.detail and "aborted" in result.detail
+
+
 def test_token_ids_are_refused_by_the_client_not_sent() -> None:
     with FakeTriton() as server, pytest.raises(TypeError, match="takes text"):
         TritonHttp(server.url, MODEL, 10).stream_completion(MODEL, [10, 11, 12], max_tokens=1)

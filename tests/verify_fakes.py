@@ -38,6 +38,7 @@ class Knobs:
     token_delay: float = 0.0
     honour_seed: bool = True
     max_model_len: int = 256
+    finish_reason: str = "length"  # of a stream's last event ("abort": vLLM's for a request it aborted)
     requests: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -98,7 +99,7 @@ class _Handler(BaseHTTPRequestHandler):
         for i, word in enumerate(words):
             last = i == len(words) - 1
             choice = {"delta": {"content": word + " "}} if chat else {"text": word + " "}
-            choice["finish_reason"] = "length" if last else None
+            choice["finish_reason"] = self.knobs.finish_reason if last else None
             self._chunk(f"data: {json.dumps({'choices': [choice]})}\n\n")
             time.sleep(self.knobs.token_delay)
         self._chunk(f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': len(words)}})}\n\n")
@@ -234,7 +235,8 @@ class _TritonHandler(_Handler):
             last = i == len(words) - 1
             if last and self.knobs.no_finish:
                 break
-            self._chunk(f"data: {json.dumps(self._doc(query, word + ' ', 'length' if last else None, 1))}\n\n")
+            finish = self.knobs.finish_reason if last else None
+            self._chunk(f"data: {json.dumps(self._doc(query, word + ' ', finish, 1))}\n\n")
             time.sleep(self.knobs.token_delay)
         self.wfile.write(b"0\r\n\r\n")
 

@@ -77,6 +77,16 @@ class _NamedTlsHandler(urllib.request.HTTPSHandler):
                                               context=self._tls_context), req)
 
 
+# vLLM's finish reason of a request it aborted (`FinishReason.ABORT`, "abort" in FINISH_REASON_STRINGS,
+# vllm/v1/engine/__init__.py): the stream ends, but the request was not served; both clients make it a
+# stream error.
+ABORTED = "abort"
+
+
+def aborted(result: Streamed) -> None:
+    result.error = result.error or f"the stream was aborted (finish reason {ABORTED!r})"
+
+
 # Reads one server-sent event line into the result; `started` is when the request was sent.
 LineReader = Callable[[bytes, Streamed, float], None]
 

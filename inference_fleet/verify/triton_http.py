@@ -40,7 +40,7 @@ import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
-from inference_fleet.verify.http_base import Answer, HttpClient, Streamed, sse_data
+from inference_fleet.verify.http_base import ABORTED, Answer, HttpClient, Streamed, aborted, sse_data
 
 # What a response's finish_reason says before the last one (str(None) in both backends).
 NOT_FINISHED = ("", "None")
@@ -137,6 +137,8 @@ class TritonHttp(HttpClient):
                 on_chunk(result.chunks)
         if finish:
             result.finish_reason, result.done = finish, True
+            if finish == ABORTED:
+                aborted(result)
 
     def stream_chat(self, model: str, content: str, max_tokens: int, temperature: float = 0.0,
                     on_chunk: Callable[[int], None] | None = None, extra: dict[str, Any] | None = None,
