@@ -20,9 +20,12 @@ and `/generate_stream` (server-sent events). The shapes, from the sources:
   `text_output` is a string, `finish_reason` a string, `num_output_tokens` a number. A streamed
   response is `data: <json>\n\n` (`sse_prefix`/`sse_suffix`), Content-Type `text/event-stream`.
   A model error is `{"error": "<message>"}` (`EVBufferAddErrorJson`): the status of the whole
-  answer when it is the first response (`HttpCodeFromError`: INVALID_ARG 400, UNAVAILABLE 503,
-  INTERNAL 500), else an event of a stream already answered 200 ("user should check response
-  body in case of error at later time", `InferResponseComplete`).
+  answer when it is the first response (`HttpCodeFromError` at that commit: INVALID_ARG 400,
+  UNAVAILABLE 503, INTERNAL 500), else an event of a stream already answered 200 ("user should
+  check response body in case of error at later time", `InferResponseComplete`). Caveat: Triton
+  2.51.0, the version the unit runs, answers a model's error with HTTP 400 whatever its code
+  (measured; containers/inference/triton_backend/model.py `_answer_dead`), so the kit reads no
+  meaning into 400 against 503 from the model itself; a unit that is down gets the proxy's 503.
 - Finish: with `return_finish_reason` each response carries `str(finish_reason)` of vLLM's
   output, "None" until the last (model.py `_response`; vllm_backend src/utils/request.py
   `create_response`), and the last response of a stream is the one sent with the FINAL flag
