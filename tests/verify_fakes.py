@@ -26,6 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from inference_fleet.verify.adapter import Expectations, LogEvent, MetricSeries, Task, TaskTimes
+from inference_fleet.verify.openai_http import OpenAIHttp
+from inference_fleet.verify.serving_client import ServingClient
+from inference_fleet.verify.triton_http import TritonHttp
 
 MODEL = "fake-model"
 
@@ -267,6 +270,27 @@ class FakeTriton(FakeOpenAI):
 
     def __init__(self, knobs: TritonKnobs | None = None) -> None:
         super().__init__(knobs or TritonKnobs())
+
+
+# The front ends a check that must hold on both is run through (pytest.mark.parametrize("frontend", FRONTENDS)).
+FRONTENDS = ("openai", "triton")
+
+
+def fake_unit(frontend: str, **knobs: Any) -> FakeOpenAI:
+    """The fake unit of `frontend`: FakeOpenAI or FakeTriton, with these knobs."""
+    return FakeTriton(TritonKnobs(**knobs)) if frontend == "triton" else FakeOpenAI(Knobs(**knobs))
+
+
+def fake_client(server: FakeOpenAI, timeout: float = 10.0) -> ServingClient:
+    """The kit's client of the fake unit's front end."""
+    return TritonHttp(server.url, MODEL, timeout) if isinstance(server, FakeTriton) else OpenAIHttp(server.url, timeout)
+
+
+def unit_expectations(server: FakeOpenAI, **overrides: Any) -> Expectations:
+    """expectations() of a cell whose front end is the fake unit's."""
+    if isinstance(server, FakeTriton):
+        overrides = {"frontend": "triton", "triton_model": MODEL, **overrides}
+    return expectations(**overrides)
 
 
 def expectations(**overrides: Any) -> Expectations:
