@@ -66,14 +66,15 @@ def test_serving_fails_on_a_refused_completion_and_on_an_unhealthy_unit() -> Non
     assert result.status == "fail" and "'u1': 503" in result.detail
 
 
-def test_an_aborted_stream_is_an_error_and_fails_serving() -> None:
-    """vLLM's OpenAI server ends a stream it aborted with finish_reason "abort" and then [DONE]: not served.
-    Regression: it counted as done and check 1 passed."""
-    with FakeOpenAI(Knobs(finish_reason="abort")) as server:
+@pytest.mark.parametrize("finish", ["abort", "error"])
+def test_an_aborted_stream_is_an_error_and_fails_serving(finish: str) -> None:
+    """vLLM's OpenAI server ends a stream it aborted (or that failed, newer vLLM) with finish_reason "abort" (or
+    "error") and then [DONE]: not served. Regression: it counted as done and check 1 passed."""
+    with FakeOpenAI(Knobs(finish_reason=finish)) as server:
         streamed = OpenAIHttp(server.url, 10).stream_chat(MODEL, "x", max_tokens=5)
         result = checks_serving.check_serving(context(server))
-    assert streamed.status == 200 and streamed.finish_reason == "abort" and not streamed.ok
-    assert "aborted" in streamed.error
+    assert streamed.status == 200 and streamed.finish_reason == finish and not streamed.ok
+    assert f"aborted (finish reason {finish!r})" in streamed.error
     assert result.status == "fail" and "streamed chat: 200" in result.detail and "aborted" in result.detail
 
 

@@ -109,14 +109,16 @@ def test_a_stream_with_an_error_event_or_without_its_last_response_is_not_ok(kno
     assert streamed.status == 200 and not streamed.ok and words in streamed.error
 
 
-def test_an_aborted_stream_is_an_error_and_fails_check_1() -> None:
-    """vLLM ends a request it aborted with finish reason "abort" (vllm_backend passes str() of it on):
-    the stream did end, but not served. Regression: it counted as done and check 1 passed."""
-    with FakeTriton(TritonKnobs(finish_reason="abort")) as server:
+@pytest.mark.parametrize("finish", ["abort", "error"])
+def test_an_aborted_stream_is_an_error_and_fails_check_1(finish: str) -> None:
+    """vLLM ends a request it aborted with finish reason "abort" ("error" for one that failed, newer vLLM;
+    vllm_backend passes str() of it on): the stream did end, but not served. Regression: it counted as done
+    and check 1 passed."""
+    with FakeTriton(TritonKnobs(finish_reason=finish)) as server:
         streamed = TritonHttp(server.url, MODEL, 10).stream_chat(MODEL, "x", max_tokens=5)
         result = checks_serving.check_serving(triton_context(server))
-    assert streamed.status == 200 and streamed.finish_reason == "abort" and not streamed.ok
-    assert "aborted" in streamed.error
+    assert streamed.status == 200 and streamed.finish_reason == finish and not streamed.ok
+    assert f"aborted (finish reason {finish!r})" in streamed.error
     assert result.status == "fail" and "generate_stream: 200" in result.detail and "aborted" in result.detail
 
 

@@ -79,14 +79,14 @@ class _NamedTlsHandler(urllib.request.HTTPSHandler):
                                               context=self._tls_context), req)
 
 
-# vLLM's finish reason of a request it aborted (`FinishReason.ABORT`, "abort" in FINISH_REASON_STRINGS,
-# vllm/v1/engine/__init__.py): the stream ends, but the request was not served; both clients make it a
-# stream error.
-ABORTED = "abort"
+# vLLM's finish reasons of a request it did not serve (`FinishReason.ABORT` and `FinishReason.ERROR`, "abort" and
+# "error" in FINISH_REASON_STRINGS, vllm/v1/engine/__init__.py; "error" is in newer releases than the unit's): the
+# stream ends, but the request was not served; both clients make either a stream error.
+ABORTED = ("abort", "error")
 
 
-def aborted(result: Streamed) -> None:
-    result.error = result.error or f"the stream was aborted (finish reason {ABORTED!r})"
+def aborted(result: Streamed, finish: str) -> None:
+    result.error = result.error or f"the stream was aborted (finish reason {finish!r})"
 
 
 # Reads one server-sent event line into the result; `started` is when the request was sent.

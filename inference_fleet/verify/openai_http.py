@@ -73,8 +73,8 @@ class OpenAIHttp(HttpClient):
                 if on_chunk is not None:
                     on_chunk(result.chunks)
             result.finish_reason = choice.get("finish_reason") or result.finish_reason
-            if choice.get("finish_reason") == ABORTED:
-                aborted(result)
+            if choice.get("finish_reason") in ABORTED:
+                aborted(result, choice["finish_reason"])
 
     def stream_chat(self, model: str, content: str, max_tokens: int, temperature: float = 0.0,
                     on_chunk: Callable[[int], None] | None = None, extra: dict[str, Any] | None = None,

@@ -140,8 +140,8 @@ class TritonHttp(HttpClient):
                 on_chunk(result.chunks)
         if finish:
             result.finish_reason, result.done = finish, True
-            if finish == ABORTED:
-                aborted(result)
+            if finish in ABORTED:
+                aborted(result, finish)
 
     def stream_chat(self, model: str, content: str, max_tokens: int, temperature: float = 0.0,
                     on_chunk: Callable[[int], None] | None = None, extra: dict[str, Any] | None = None,
