@@ -27,12 +27,23 @@ from inference_fleet.verify.openai_http import OpenAIHttp
 from inference_fleet.verify.report import SCHEMA, CheckResult, Measured, Report
 from inference_fleet.verify.runner import run_kit
 from tests import verify_fakes
-from tests.verify_fakes import MODEL, FakeAdapter, FakeOpenAI, Knobs, expectations
+from tests.verify_fakes import (
+    FRONTENDS,
+    MODEL,
+    FakeAdapter,
+    FakeOpenAI,
+    Knobs,
+    expectations,
+    fake_client,
+    fake_unit,
+    unit_expectations,
+)
 
 
 def context(server: FakeOpenAI, adapter: FakeAdapter | None = None, **expect: object) -> Context:
+    """The checks' context on the fake unit, through the kit's client of its front end (OpenAI or Triton)."""
     adapter = adapter or FakeAdapter(server.url)
-    return Context(adapter, expectations(**expect), OpenAIHttp(server.url, 10), settle_seconds=0.0,
+    return Context(adapter, unit_expectations(server, **expect), fake_client(server), settle_seconds=0.0,
                    recovery_timeout_seconds=5.0, steps_report_seconds=0.3)
 
 
@@ -53,6 +64,18 @@ def test_serving_fails_on_a_refused_completion_and_on_an_unhealthy_unit() -> Non
         adapter = FakeAdapter(server.url, health={"u0": 200, "u1": 503})
         result = checks_serving.check_serving(context(server, adapter, units=["u0", "u1"]))
     assert result.status == "fail" and "'u1': 503" in result.detail
+
+
+@pytest.mark.parametrize("finish", ["abort", "error"])
+def test_an_aborted_stream_is_an_error_and_fails_serving(finish: str) -> None:
+    """vLLM's OpenAI server ends a stream it aborted (or that failed, newer vLLM) with finish_reason "abort" (or
+    "error") and then [DONE]: not served. Regression: it counted as done and check 1 passed."""
+    with FakeOpenAI(Knobs(finish_reason=finish)) as server:
+        streamed = OpenAIHttp(server.url, 10).stream_chat(MODEL, "x", max_tokens=5)
+        result = checks_serving.check_serving(context(server))
+    assert streamed.status == 200 and streamed.finish_reason == finish and not streamed.ok
+    assert f"aborted (finish reason {finish!r})" in streamed.error
+    assert result.status == "fail" and "streamed chat: 200" in result.detail and "aborted" in result.detail
 
 
 def test_agreement_passes_and_sends_a_burst_at_temperature_above_zero() -> None:
@@ -242,14 +265,61 @@ def test_evidence_parts_pass_fail_and_not_run() -> None:
     assert "dashboard: no data for 1 of 1 proxy/ALB metric(s)" in result.detail
 
 
-def test_follower_stop_fails_without_an_event_naming_the_follower() -> None:
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_follower_stop_fails_without_an_event_naming_the_follower(frontend: str) -> None:
     """The fake cell never goes down: the check reports the unit kept answering healthy."""
-    with FakeOpenAI() as server:
+    with fake_unit(frontend) as server:
         adapter = FakeAdapter(server.url, running=two_tasks())
         result = checks_faults.check_follower_stop(context(server, adapter))
     assert adapter.stopped == ["arn:task/f"]
     assert result.status == "fail" and "kept answering healthy" in result.detail
     assert "0 session-end event(s) name the stopped follower" in result.detail
+    assert server.knobs.requests  # the probes reached the unit in its front end's API
+
+
+@dataclasses.dataclass
+class DrainingCell(FakeAdapter):
+    """A unit whose leader task is stopped: its followers stop once the leader drained (the first time the
+    check asks after the stop), or at the stop itself with `followers_early`."""
+
+    followers_early: bool = False
+    leader_stopped_at: float | None = None
+
+    def stop_task(self, task: Task, reason: str) -> None:
+        super().stop_task(task, reason)
+        if task.role == "leader":
+            self.leader_stopped_at = time.time()
+
+    def task_times(self, task_ids: list[str]) -> dict[str, TaskTimes]:
+        if self.leader_stopped_at is None:
+            return {}
+        at = self.leader_stopped_at if self.followers_early else time.time()
+        for task in self.running.get("u0", []):
+            if task.role == "follower" and task.task_id not in self.times:
+                self.times[task.task_id] = TaskTimes(stopped=at)
+        return super().task_times(task_ids)
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+@pytest.mark.parametrize(("knobs", "early", "status", "words"), [
+    pytest.param({}, False, "pass", "1 stream(s) completed", id="drained"),
+    pytest.param({"finish_reason": "stop"}, False, "fail", "streams not completed: ['200 stop ']", id="stop"),
+    pytest.param({"finish_reason": "abort"}, False, "fail", "200 abort the stream was aborted", id="abort"),
+    pytest.param({}, True, "fail", "followers stopped before the leader drained: ['arn:task/f']", id="early"),
+])
+def test_leader_stop_streams_complete_with_length_and_followers_stop_after(
+        frontend: str, knobs: dict[str, Any], early: bool, status: str, words: str) -> None:
+    """7b through each front end's client: long streamed chats with `ignore_eos` (a sampling parameter the
+    Triton backend takes, checked by its own parser in FakeTriton) must end with finish reason `length`;
+    the followers must stop after the last stream ended."""
+    with fake_unit(frontend, token_delay=0.1, **knobs) as server:
+        adapter = DrainingCell(server.url, running=two_tasks(), followers_early=early)
+        result = checks_faults.check_leader_stop(context(server, adapter, max_seq_len=80))
+    assert adapter.stopped == ["arn:task/l"]
+    assert result.status == status and words in result.detail, result.detail
+    (sent,) = [r for r in server.knobs.requests if r.get("stream") or r.get("parameters", {}).get("stream")]
+    extra = sent.get("parameters", sent)
+    assert extra["ignore_eos"] is True and extra["max_tokens"] == 16
 
 
 def test_report_json_and_markdown(tmp_path: Path) -> None:

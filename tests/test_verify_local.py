@@ -13,16 +13,16 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from unit_launcher import evidence
 
 from inference_fleet.verify import checks_faults
 from inference_fleet.verify.adapter import Task
 from inference_fleet.verify.context import Context
 from inference_fleet.verify.local import LocalAdapter, LocalTask, StopTimes
-from inference_fleet.verify.openai_http import OpenAIHttp
 from inference_fleet.verify.report import CheckResult
 from inference_fleet.verify.runner import run_kit
-from tests.verify_fakes import FakeOpenAI, expectations
+from tests.verify_fakes import FRONTENDS, FakeOpenAI, expectations, fake_client, fake_unit, unit_expectations
 
 # A stand-in launcher: says which signals it got; exits on SIGUSR1 or SIGTERM unless told to ignore them.
 LAUNCHER = r"""
@@ -125,16 +125,18 @@ def test_events_and_emf_metrics_are_read_from_the_launchers_own_lines(tmp_path: 
     assert adapter.dashboard(0) is None
 
 
-def stand_in_follower_stop(tmp_path: Path, drain_seconds: float, gate_lag: float, half_status: int) -> CheckResult:
+def stand_in_follower_stop(tmp_path: Path, drain_seconds: float, gate_lag: float, half_status: int,
+                           frontend: str = "openai") -> CheckResult:
     """A stand-in unit (real processes, a real HTTP server for the proxy) that behaves as the
     launcher and proxy document: when the follower's task stops, /health turns 503 and new
     requests are still served for `drain_seconds` (the proxy's DRAIN_SECONDS); the leader then
     writes one session-end event naming the follower; requests are still answered 200 for
     `gate_lag` (the proxy's gate closes at its next check round), then 503, then `half_status`
     (503 in a correct unit) until a new follower task joins: the leader writes
-    `unit_session_formed` and the unit serves again."""
+    `unit_session_formed` and the unit serves again. The probes go in `frontend`'s API (4-token
+    completions, or Triton's `generate`)."""
     started = Started(tmp_path)
-    with FakeOpenAI() as server:
+    with fake_unit(frontend) as server:
         try:
             leader = started.start("i-l1", "leader")
             follower = started.start("i-f1", "follower")
@@ -162,27 +164,31 @@ def stand_in_follower_stop(tmp_path: Path, drain_seconds: float, gate_lag: float
 
             threading.Thread(target=play_the_unit, daemon=True).start()
             adapter = LocalAdapter(server.url, {"u0": server.url + "/health"}, lambda: started.tasks)
-            ctx = Context(adapter, expectations(), OpenAIHttp(server.url, 5), settle_seconds=0.2,
+            ctx = Context(adapter, unit_expectations(server), fake_client(server, 5), settle_seconds=0.2,
                           recovery_timeout_seconds=20)
-            return checks_faults.check_follower_stop(ctx)
+            result = checks_faults.check_follower_stop(ctx)
+            assert server.knobs.requests, "no probe reached the unit"
+            return result
         finally:
             started.stop_all()
 
 
-def test_follower_stop_check_passes_on_a_unit_that_drains_then_refuses(tmp_path: Path) -> None:
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_follower_stop_check_passes_on_a_unit_that_drains_then_refuses(tmp_path: Path, frontend: str) -> None:
     """Requests served during the drain, and until the proxy's gate closes, are answered by the
     engines of both nodes (the unit is still whole): no fault; after the first refusal only 503
     until the next session forms. (Regression: the e2e unit failed the first versions of the
     check, which counted from /health 503 and then from the session's end.)"""
-    result = stand_in_follower_stop(tmp_path, drain_seconds=1.2, gate_lag=0.6, half_status=503)
+    result = stand_in_follower_stop(tmp_path, drain_seconds=1.2, gate_lag=0.6, half_status=503, frontend=frontend)
     assert result.status == "pass", result.detail
     assert result.figures["evidence"][0]["cause"] == "member_stopping"
     assert set(result.figures["probes_after_the_end"]) == {"200", "503"}
     assert json.loads(json.dumps(result.figures))  # JSON-able for the report
 
 
-def test_follower_stop_check_fails_when_a_half_unit_answers(tmp_path: Path) -> None:
-    result = stand_in_follower_stop(tmp_path, drain_seconds=0.0, gate_lag=0.0, half_status=200)
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_follower_stop_check_fails_when_a_half_unit_answers(tmp_path: Path, frontend: str) -> None:
+    result = stand_in_follower_stop(tmp_path, drain_seconds=0.0, gate_lag=0.0, half_status=200, frontend=frontend)
     assert result.status == "fail" and "requests while the unit was half got ['200', '503']" in result.detail
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import regex  # installed with cfn-lint (requirements.txt); `re` has no \p{L}
 import yaml
 
 from inference_fleet.checks import parse_fleet
@@ -108,6 +109,19 @@ def test_a_stream_with_an_error_event_or_without_its_last_response_is_not_ok(kno
     assert streamed.status == 200 and not streamed.ok and words in streamed.error
 
 
+@pytest.mark.parametrize("finish", ["abort", "error"])
+def test_an_aborted_stream_is_an_error_and_fails_check_1(finish: str) -> None:
+    """vLLM ends a request it aborted with finish reason "abort" ("error" for one that failed, newer vLLM;
+    vllm_backend passes str() of it on): the stream did end, but not served. Regression: it counted as done
+    and check 1 passed."""
+    with FakeTriton(TritonKnobs(finish_reason=finish)) as server:
+        streamed = TritonHttp(server.url, MODEL, 10).stream_chat(MODEL, "x", max_tokens=5)
+        result = checks_serving.check_serving(triton_context(server))
+    assert streamed.status == 200 and streamed.finish_reason == finish and not streamed.ok
+    assert f"aborted (finish reason {finish!r})" in streamed.error
+    assert result.status == "fail" and "generate_stream: 200" in result.detail and "aborted" in result.detail
+
+
 def test_token_ids_are_refused_by_the_client_not_sent() -> None:
     with FakeTriton() as server, pytest.raises(TypeError, match="takes text"):
         TritonHttp(server.url, MODEL, 10).stream_completion(MODEL, [10, 11, 12], max_tokens=1)
@@ -132,6 +146,14 @@ def test_serving_and_agreement_pass_on_a_triton_unit() -> None:
     assert agreement.figures["greedy_pair_identical"] is True
 
 
+def test_serving_on_a_triton_unit_without_the_model_names_the_model_it_asked_for() -> None:
+    """Regression: the failure was labelled with the literal route template "/v2/models/<m>"."""
+    with FakeTriton(TritonKnobs(model="other")) as server:
+        result = checks_serving.check_serving(triton_context(server))
+    assert result.status == "fail"
+    assert f"/v2/models/{MODEL}: 400" in result.detail and "<m>" not in result.detail
+
+
 def test_step_bound_on_triton_is_not_a_pass_within_the_margin_and_fails_above_it() -> None:
     """generate takes text: the prompt's token count is unknown, so a step within the margin does not show the
     longest prefill is (not_run, with the figure); a step above it is one the unit ran (fail)."""
@@ -144,6 +166,28 @@ def test_step_bound_on_triton_is_not_a_pass_within_the_margin_and_fails_above_it
     with FakeTriton(TritonKnobs(first_token_delay=0.8)) as server:
         result = checks_serving.check_step_bound(triton_context(server, step_timeout_seconds=1.2))
     assert result.status == "fail" and result.measured.value >= 0.8
+
+
+# The pre-tokenizers' split patterns, as their sources write them: GPT-2's
+# (openai/gpt-2@27a08882c7706499a2c044840fa3d464ac4f5f0b src/encoder.py, Encoder.pat) and Llama 3's
+# (meta-llama/llama3@e8f0267c321c34fd88f313938f5ab09a96f1c0da llama/tokenizer.py, Tokenizer.pat_str).
+PRE_TOKENIZERS = {
+    "gpt2": r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
+    "llama3": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+              r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRE_TOKENIZERS))
+def test_the_long_text_is_one_pre_token_a_character(name: str) -> None:
+    """Check 3's Triton prompt is close to one token a character only if each character is its own
+    pre-token (BPE merges only within one). Regression: letters, digits and marks in turn made 2001
+    pre-tokens of 3000 characters under Llama 3's pattern (a mark joins the letter after it: ";b")."""
+    text = checks_serving.long_text(3000)
+    assert len(text) == 3000 and text.isascii()
+    pieces = regex.findall(PRE_TOKENIZERS[name], text)
+    assert "".join(pieces) == text
+    assert len(pieces) == len(text), pieces[:6]
 
 
 def test_the_kit_speaks_kserve_generate_to_a_triton_fleets_cell() -> None:

@@ -26,6 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from inference_fleet.verify.adapter import Expectations, LogEvent, MetricSeries, Task, TaskTimes
+from inference_fleet.verify.openai_http import OpenAIHttp
+from inference_fleet.verify.serving_client import ServingClient
+from inference_fleet.verify.triton_http import TritonHttp
 
 MODEL = "fake-model"
 
@@ -38,6 +41,7 @@ class Knobs:
     token_delay: float = 0.0
     honour_seed: bool = True
     max_model_len: int = 256
+    finish_reason: str = "length"  # of a stream's last event ("abort": vLLM's for a request it aborted)
     requests: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -98,7 +102,7 @@ class _Handler(BaseHTTPRequestHandler):
         for i, word in enumerate(words):
             last = i == len(words) - 1
             choice = {"delta": {"content": word + " "}} if chat else {"text": word + " "}
-            choice["finish_reason"] = "length" if last else None
+            choice["finish_reason"] = self.knobs.finish_reason if last else None
             self._chunk(f"data: {json.dumps({'choices': [choice]})}\n\n")
             time.sleep(self.knobs.token_delay)
         self._chunk(f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': len(words)}})}\n\n")
@@ -234,7 +238,8 @@ class _TritonHandler(_Handler):
             last = i == len(words) - 1
             if last and self.knobs.no_finish:
                 break
-            self._chunk(f"data: {json.dumps(self._doc(query, word + ' ', 'length' if last else None, 1))}\n\n")
+            finish = self.knobs.finish_reason if last else None
+            self._chunk(f"data: {json.dumps(self._doc(query, word + ' ', finish, 1))}\n\n")
             time.sleep(self.knobs.token_delay)
         self.wfile.write(b"0\r\n\r\n")
 
@@ -265,6 +270,27 @@ class FakeTriton(FakeOpenAI):
 
     def __init__(self, knobs: TritonKnobs | None = None) -> None:
         super().__init__(knobs or TritonKnobs())
+
+
+# The front ends a check that must hold on both is run through (pytest.mark.parametrize("frontend", FRONTENDS)).
+FRONTENDS = ("openai", "triton")
+
+
+def fake_unit(frontend: str, **knobs: Any) -> FakeOpenAI:
+    """The fake unit of `frontend`: FakeOpenAI or FakeTriton, with these knobs."""
+    return FakeTriton(TritonKnobs(**knobs)) if frontend == "triton" else FakeOpenAI(Knobs(**knobs))
+
+
+def fake_client(server: FakeOpenAI, timeout: float = 10.0) -> ServingClient:
+    """The kit's client of the fake unit's front end."""
+    return TritonHttp(server.url, MODEL, timeout) if isinstance(server, FakeTriton) else OpenAIHttp(server.url, timeout)
+
+
+def unit_expectations(server: FakeOpenAI, **overrides: Any) -> Expectations:
+    """expectations() of a cell whose front end is the fake unit's."""
+    if isinstance(server, FakeTriton):
+        overrides = {"frontend": "triton", "triton_model": MODEL, **overrides}
+    return expectations(**overrides)
 
 
 def expectations(**overrides: Any) -> Expectations:

@@ -23,11 +23,12 @@ STEP_MARGIN = 0.5
 # step so far, the figure its EMF `LongestStepSeconds` carries (unit_launcher/evidence.py steps_event, steps_line).
 STEPS_EVENT = "unit_steps"
 # Check 3 on a front end that takes text only (Triton's generate): the long prompt is ASCII text of
-# max_seq_len - 1 - TEXT_PROMPT_RESERVE characters. A tokenizer makes at most one token of an ASCII
-# character (byte-level BPE has a token for every byte and merges only shorten; SentencePiece has a
-# piece or a byte token for each) plus its special tokens (BOS, SentencePiece's word-start piece),
-# which the reserve covers. Not checked for every tokenizer: one that adds more answers 400 naming
-# the length, and the check fails saying so.
+# max_seq_len - 1 - TEXT_PROMPT_RESERVE characters, letters and digits in turn (long_text: one pre-token,
+# so one byte-level BPE token, a character under GPT-2's and Llama 3's split patterns). A tokenizer
+# makes at most one token of an ASCII character (byte-level BPE has a token for every byte and merges
+# only shorten; SentencePiece has a piece or a byte token for each) plus its special tokens (BOS,
+# SentencePiece's word-start piece), which the reserve covers. Not checked for every tokenizer: one
+# that adds more answers 400 naming the length, and the check fails saying so.
 TEXT_PROMPT_RESERVE = 16
 
 
@@ -135,11 +136,14 @@ def long_prompt(tokens: int) -> list[int]:
 
 
 def long_text(chars: int) -> str:
-    """ASCII text of `chars` characters: a letter, a digit and a punctuation mark in turn, each its own
-    pre-token in byte-level BPE tokenizers (GPT-2's and Llama 3's split letters, digits and punctuation),
-    so close to one token a character, and never more (TEXT_PROMPT_RESERVE)."""
-    letters, digits, marks = "abcdefghijklmnopqrstuvwxyz", "0123456789", ";,.:!?-+="
-    return "".join((letters, digits, marks)[i % 3][(i // 3) % len((letters, digits, marks)[i % 3])]
+    r"""ASCII text of `chars` characters: a letter and a digit in turn ("a0b1c2..."). Each character is
+    its own pre-token under GPT-2's split pattern (letters and digits are separate runs) and Llama 3's
+    (a run of letters, here one, and at most three digits, here one), and BPE merges only within a
+    pre-token, so a byte-level BPE tokenizer makes one token a character, never more
+    (TEXT_PROMPT_RESERVE); tests/test_verify_triton.py runs both patterns. A punctuation mark would not
+    do: Llama 3's `[^\r\n\p{L}\p{N}]?\p{L}+` joins a mark to the letter after it (";b" is one pre-token)."""
+    letters, digits = "abcdefghijklmnopqrstuvwxyz", "0123456789"
+    return "".join(letters[(i // 2) % len(letters)] if i % 2 == 0 else digits[(i // 2) % len(digits)]
                    for i in range(chars))
 
 

@@ -1,10 +1,12 @@
 """Plain HTTP(S) to a cell's entry point (standard library): the part both of the kit's serving clients share.
 
 The kit times what it sends (time to the first streamed token, total) and keeps every
-status it gets, so it runs where only the Python standard library and boto3 are installed
-(the pipeline's gate). What is said on the wire is the clients' own: `openai_http.OpenAIHttp`
-(vLLM's OpenAI server) and `triton_http.TritonHttp` (Triton's KServe v2 generate extension);
-`serving_client.serving_client` picks one from the fleet's `serving.frontend`.
+status it gets. This HTTP part uses the standard library only; the kit as a whole needs this
+package installed with its dependencies (the adapter reads the fleet through
+`inference_fleet.config`, pydantic, and `unit_launcher.plan`, jinja2; the AWS adapter boto3).
+What is said on the wire is the clients' own: `openai_http.OpenAIHttp` (vLLM's OpenAI server)
+and `triton_http.TritonHttp` (Triton's KServe v2 generate extension); `serving_client.serving_client`
+picks one from the fleet's `serving.frontend`.
 
 Over HTTPS with a `tls_name`, the connection goes to the URL's host (the load balancer's
 address) while the TLS handshake sends `tls_name` as SNI and the certificate is verified
@@ -75,6 +77,16 @@ class _NamedTlsHandler(urllib.request.HTTPSHandler):
     def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
         return self.do_open(functools.partial(_NamedTlsConnection, tls_name=self._tls_name,
                                               context=self._tls_context), req)
+
+
+# vLLM's finish reasons of a request it did not serve (`FinishReason.ABORT` and `FinishReason.ERROR`, "abort" and
+# "error" in FINISH_REASON_STRINGS, vllm/v1/engine/__init__.py; "error" is in newer releases than the unit's): the
+# stream ends, but the request was not served; both clients make either a stream error.
+ABORTED = ("abort", "error")
+
+
+def aborted(result: Streamed, finish: str) -> None:
+    result.error = result.error or f"the stream was aborted (finish reason {finish!r})"
 
 
 # Reads one server-sent event line into the result; `started` is when the request was sent.

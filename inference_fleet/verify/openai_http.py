@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from inference_fleet.verify.http_base import Answer, HttpClient, Streamed, sse_data
+from inference_fleet.verify.http_base import ABORTED, Answer, HttpClient, Streamed, aborted, sse_data
 
 
 class OpenAIHttp(HttpClient):
@@ -73,6 +73,8 @@ class OpenAIHttp(HttpClient):
                 if on_chunk is not None:
                     on_chunk(result.chunks)
             result.finish_reason = choice.get("finish_reason") or result.finish_reason
+            if choice.get("finish_reason") in ABORTED:
+                aborted(result, choice["finish_reason"])
 
     def stream_chat(self, model: str, content: str, max_tokens: int, temperature: float = 0.0,
                     on_chunk: Callable[[int], None] | None = None, extra: dict[str, Any] | None = None,

@@ -20,9 +20,12 @@ and `/generate_stream` (server-sent events). The shapes, from the sources:
   `text_output` is a string, `finish_reason` a string, `num_output_tokens` a number. A streamed
   response is `data: <json>\n\n` (`sse_prefix`/`sse_suffix`), Content-Type `text/event-stream`.
   A model error is `{"error": "<message>"}` (`EVBufferAddErrorJson`): the status of the whole
-  answer when it is the first response (`HttpCodeFromError`: INVALID_ARG 400, UNAVAILABLE 503,
-  INTERNAL 500), else an event of a stream already answered 200 ("user should check response
-  body in case of error at later time", `InferResponseComplete`).
+  answer when it is the first response (`HttpCodeFromError` at that commit: INVALID_ARG 400,
+  UNAVAILABLE 503, INTERNAL 500), else an event of a stream already answered 200 ("user should
+  check response body in case of error at later time", `InferResponseComplete`). Caveat: Triton
+  2.51.0, the version the unit runs, answers a model's error with HTTP 400 whatever its code
+  (measured; containers/inference/triton_backend/model.py `_answer_dead`), so the kit reads no
+  meaning into 400 against 503 from the model itself; a unit that is down gets the proxy's 503.
 - Finish: with `return_finish_reason` each response carries `str(finish_reason)` of vLLM's
   output, "None" until the last (model.py `_response`; vllm_backend src/utils/request.py
   `create_response`), and the last response of a stream is the one sent with the FINAL flag
@@ -40,7 +43,7 @@ import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
-from inference_fleet.verify.http_base import Answer, HttpClient, Streamed, sse_data
+from inference_fleet.verify.http_base import ABORTED, Answer, HttpClient, Streamed, aborted, sse_data
 
 # What a response's finish_reason says before the last one (str(None) in both backends).
 NOT_FINISHED = ("", "None")
@@ -54,13 +57,14 @@ def _element(value: Any) -> Any:
 class TritonHttp(HttpClient):
     api = "triton"
     takes_token_ids = False  # generate's text_input is text (no input for token ids)
-    labels = {"models": "/v2/models/<m>", "completion": "generate", "stream": "generate_stream"}
 
     def __init__(self, base_url: str, model: str, timeout: float = 120.0, **kwargs: Any) -> None:
         super().__init__(base_url, timeout, **kwargs)
         if not model:
             raise ValueError("the Triton model name is needed (unit_launcher.plan.triton_model_name)")
         self.model = model
+        # The check-1 report names the route it asked, with the model's name.
+        self.labels = {"models": self._route(model), "completion": "generate", "stream": "generate_stream"}
 
     def _route(self, model: str, action: str = "") -> str:
         return f"/v2/models/{urllib.parse.quote(model, safe='')}" + (f"/{action}" if action else "")
@@ -136,6 +140,8 @@ class TritonHttp(HttpClient):
                 on_chunk(result.chunks)
         if finish:
             result.finish_reason, result.done = finish, True
+            if finish in ABORTED:
+                aborted(result, finish)
 
     def stream_chat(self, model: str, content: str, max_tokens: int, temperature: float = 0.0,
                     on_chunk: Callable[[int], None] | None = None, extra: dict[str, Any] | None = None,
