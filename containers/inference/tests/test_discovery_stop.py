@@ -65,5 +65,7 @@ def test_a_follower_stopped_while_it_looks_its_leader_up_again_during_the_join_e
 
     assert status == 0, follower.log
     [record] = _records(spec)
+    # The join's stop, not the first lookup's (whose reason names Cloud Map).
     assert record["cause"] == "deliberate_stop" and "before it joined" in record["reason"], record
+    assert "Cloud Map" not in record["reason"], record
     print(f"SIGTERM during the join's lookup: exit {status} after {seconds:.2f} s")

@@ -200,3 +200,47 @@ def test_a_stopped_lookup_makes_no_further_call_and_does_not_sit_out_its_pause(c
     with pytest.raises(DiscoveryStopped, match=r"leader-u0 in dev\.rufus\.internal stopped after 1 attempts"):
         discover_leader(client, "dev.rufus.internal", "leader-u0", timeout=600, initial_backoff=30, stop=stop)
     assert time.monotonic() - started < 5  # the 30 s pause was cut short
+
+
+class _StoppedDuringTheCall:
+    """The lookup's client, with its node stopped while DiscoverInstances is out."""
+
+    def __init__(self, client, stop: threading.Event) -> None:
+        self.client, self.stop = client, stop
+
+    def discover_instances(self, **params):
+        answer = self.client.discover_instances(**params)
+        self.stop.set()
+        return answer
+
+
+@pytest.mark.parametrize("instances", [[_instance("10.10.1.5")], []], ids=["leader", "none"])
+def test_a_lookup_stopped_while_its_call_is_out_ends_at_the_answer_and_logs_nothing(cloudmap, caplog, instances):
+    """The caller has gone and the process may be exiting: a daemon thread that writes to stderr at interpreter
+    shutdown can abort it ("Fatal Python error: _enter_buffered_busy"). Regression: the answer was logged (and a
+    leader returned to nobody) before the stop was looked at."""
+    client, stubber = cloudmap
+    stubber.add_response("discover_instances", {"Instances": instances}, EXPECTED)
+    stop = threading.Event()
+    caplog.set_level("DEBUG", logger="unit_launcher")
+    with pytest.raises(DiscoveryStopped, match="stopped after 1 attempts"):
+        discover_leader(_StoppedDuringTheCall(client, stop), "dev.rufus.internal", "leader-u0", timeout=600,
+                        initial_backoff=30, stop=stop)
+    assert caplog.records == []
+
+
+def test_the_lookups_calls_are_bounded_far_below_its_deadline(monkeypatch, tmp_path, h):
+    """botocore's defaults (60 s to connect, 60 s a read; 6 calls in all as the launcher's clients are made, retries'
+    max_attempts 5 not counting the first) let one hanging DiscoverInstances call run for minutes past the lookup's
+    deadline (checked between calls)."""
+    from unit_launcher import runner
+    from unit_launcher.spec import parse_spec
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-2")
+    spec = parse_spec(h.cpu_spec(2, record_dir=tmp_path))  # discovery.timeout_seconds as a fleet leaves it
+    config = runner._boto3_client("servicediscovery", spec, **runner.DISCOVERY_CALL).meta.config
+    attempts = config.retries["total_max_attempts"]  # botocore's own count, the first call included
+    worst = (config.connect_timeout + config.read_timeout) * attempts
+    assert worst <= 0.1 * spec.discovery.timeout_seconds, (config.connect_timeout, config.read_timeout, attempts)

@@ -166,6 +166,7 @@ def discover_leader(
         if stop.is_set():
             raise DiscoveryStopped(f"Cloud Map lookup of {service} in {namespace} stopped after {attempt} attempts")
         attempt += 1
+        addresses: list[str] = []
         try:
             response = client.discover_instances(
                 NamespaceName=namespace,
@@ -178,15 +179,6 @@ def discover_leader(
                 for inst in response.get("Instances", [])
                 if inst.get("Attributes", {}).get("AWS_INSTANCE_IPV4")
             ]
-            if addresses:
-                log.info(
-                    "Cloud Map %s.%s: leader at %s (attempt %d)",
-                    service,
-                    namespace,
-                    ", ".join(addresses),
-                    attempt,
-                )
-                return addresses
             last = "no instance registered yet"
         except ClientError as error:
             code = error.response.get("Error", {}).get("Code", "?")
@@ -196,6 +188,14 @@ def discover_leader(
                 raise DiscoveryError(f"Cloud Map lookup of {service} in {namespace} failed: {last}") from None
         except BotoCoreError as error:
             last = str(error)
+        if stop.is_set():
+            # Stopped while the call was out: the caller has gone and the process may be exiting, so this thread
+            # logs nothing more (a daemon thread holding stderr's lock at interpreter shutdown aborts the process:
+            # "Fatal Python error: _enter_buffered_busy").
+            raise DiscoveryStopped(f"Cloud Map lookup of {service} in {namespace} stopped after {attempt} attempts")
+        if addresses:
+            log.info("Cloud Map %s.%s: leader at %s (attempt %d)", service, namespace, ", ".join(addresses), attempt)
+            return addresses
         remaining = deadline - clock()
         if remaining <= 0:
             raise DiscoveryError(

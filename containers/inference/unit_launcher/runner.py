@@ -56,13 +56,22 @@ LOST_STOP_SECONDS = 3.0
 FETCH_CANCEL_SECONDS = 10.0
 
 
-def _boto3_client(service: str, spec: UnitSpec) -> Any:
+# Cloud Map's DiscoverInstances is one small answer: botocore's defaults (60 s to connect, 60 s a read, each retried)
+# let one hanging call outlast the lookup's own deadline by minutes, so its calls are bounded far below that
+# (botocore.config.Config connect_timeout, read_timeout; retries' total_max_attempts counts the first call, its
+# max_attempts does not). Worst case (5 + 10) s x 3, against discovery.timeout_seconds' default 600 s.
+DISCOVERY_CALL = {"connect_timeout": 5, "read_timeout": 10, "retries": {"mode": "standard", "total_max_attempts": 3}}
+
+
+def _boto3_client(service: str, spec: UnitSpec, **config: Any) -> Any:
     import boto3
     from botocore.config import Config
 
     region = spec.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-    return boto3.client(
-        service, region_name=region, config=Config(retries={"mode": "standard", "max_attempts": 5})
+    # A session of its own: boto3's default session is not thread-safe, and the leader lookup makes its client in
+    # a thread of its own (waits.in_daemon_thread).
+    return boto3.session.Session().client(
+        service, region_name=region, config=Config(**{"retries": {"mode": "standard", "max_attempts": 5}, **config})
     )
 
 
@@ -254,7 +263,7 @@ class _LeaderLookup:
 
     def _discover(self, stop: threading.Event) -> list[str]:
         if self._client is None:
-            self._client = _boto3_client("servicediscovery", self.spec)
+            self._client = _boto3_client("servicediscovery", self.spec, **DISCOVERY_CALL)
         d = self.spec.discovery
         return discover_leader(
             self._client,
@@ -673,6 +682,10 @@ async def _run_follower(spec: UnitSpec, me: Identity, env: Mapping[str, str], si
         try:
             leaders = finding.result()
         except DiscoveryError as error:
+            if signals.any_stop():  # the stop came with the lookup's end: a stop all the same
+                _local_record(spec, me, "deliberate_stop", f"follower received {signals.why()} before it joined "
+                              f"(its Cloud Map lookup had just failed: {error})")
+                return 0
             log.error("%s", error)
             return EXIT_FORM_TIMEOUT
         deadline = time.monotonic() + spec.rendezvous.join_timeout_seconds
@@ -695,9 +708,11 @@ async def _run_follower(spec: UnitSpec, me: Identity, env: Mapping[str, str], si
             joining.cancel()  # a lookup it is in (rediscover) is cancelled with it
             # A leader may already count it (a member, or released with the answer in flight):
             # unsaid, that leader would record it lost once it falls silent.
-            counted = await rendezvous.withdraw(http, spec, asked, instance_id=me.instance_id, reason=signals.why())
+            # One reason for both: a SIGTERM during the withdraw would make a second why() differ.
+            why = signals.why()
+            counted = await rendezvous.withdraw(http, spec, asked, instance_id=me.instance_id, reason=why)
             said = f"; withdrew from leader {', '.join(counted)}" if counted else ""
-            _local_record(spec, me, "deliberate_stop", f"follower received {signals.why()} before it joined{said}")
+            _local_record(spec, me, "deliberate_stop", f"follower received {why} before it joined{said}")
             return 0
         try:
             release = joining.result()
