@@ -189,6 +189,19 @@ def test_step_bound_fails_on_a_longest_step_above_half_the_bound_and_falls_back_
     assert "time to first token" in result.figures["source"] and "no unit_steps line of u1" in result.detail
 
 
+def test_step_bound_draws_a_new_prompt_head_each_run() -> None:
+    """vLLM's prefix cache (on by default in V1) keys each block on every token before it: a prompt that began as
+    the last run's would skip most of its prefill, and check 3 would pass on a step it never measured.
+    Regression: the same token ids every run."""
+    with FakeOpenAI() as server:
+        for _ in range(2):
+            checks_serving.check_step_bound(context(server, max_seq_len=256))
+    first, second = (r["prompt"] for r in server.knobs.requests)
+    assert len(first) == len(second) == 255
+    assert first[:checks_serving.SALT_LENGTH] != second[:checks_serving.SALT_LENGTH]
+    assert first[checks_serving.SALT_LENGTH:] == second[checks_serving.SALT_LENGTH:]
+
+
 def test_step_bound_fails_when_the_long_prompt_is_refused() -> None:
     with FakeOpenAI(Knobs(max_model_len=128)) as server:
         result = checks_serving.check_step_bound(context(server, max_seq_len=256))

@@ -154,16 +154,36 @@ def test_serving_on_a_triton_unit_without_the_model_names_the_model_it_asked_for
     assert f"/v2/models/{MODEL}: 400" in result.detail and "<m>" not in result.detail
 
 
-def test_step_bound_on_triton_is_not_a_pass_within_the_margin_and_fails_above_it() -> None:
-    """generate takes text: the prompt's token count is unknown, so a step within the margin does not show the
-    longest prefill is (not_run, with the figure); a step above it is one the unit ran (fail)."""
-    with FakeTriton(TritonKnobs(max_model_len=256)) as server:
+def test_step_bound_on_triton_sizes_the_text_by_a_probe_and_passes_on_the_counted_longest_prompt() -> None:
+    """The unit model says a prompt's token count (num_input_tokens, as vllm_backend's): a probe gives the
+    tokenizer's overhead, the long text is sized to max_seq_len - 1 tokens, and its answer confirms the count.
+    Regression: check 3 could never pass on a Triton cell (the count was not asked for)."""
+    with FakeTriton(TritonKnobs(max_model_len=256, special_tokens=1)) as server:
         result = checks_serving.check_step_bound(triton_context(server, max_seq_len=256, step_timeout_seconds=4.0))
-    assert result.status == "not_run" and "inconclusive, not a pass" in result.detail
-    assert isinstance(result.measured.value, float) and result.figures["prompt_tokens"] is None
-    prompt = server.knobs.requests[0]["text_input"]
+    assert result.status == "pass", result.detail
+    assert result.figures["prompt_tokens"] == 255 and result.figures["prompt_characters"] == 254
+    probe, prompt = (r["text_input"] for r in server.knobs.requests)
+    assert len(probe) == checks_serving.PROBE_CHARS and len(prompt) == 254 and prompt.isascii()
+    assert probe[:checks_serving.SALT_LENGTH] != prompt[:checks_serving.SALT_LENGTH]  # no shared cached prefix
+    assert all(r["return_num_input_tokens"] is True for r in server.knobs.requests)
+
+
+@pytest.mark.parametrize(("knobs", "words"), [
+    ({"reports_input_tokens": False}, "does not say a prompt's token count"),
+    ({"tokens_per_char": 0.5}, "made 33 tokens, not one a character"),
+])
+def test_step_bound_on_triton_is_not_a_pass_when_the_prompt_cannot_be_counted_and_fails_above_the_margin(
+        knobs: dict, words: str) -> None:
+    """Without a count (an older backend) or with a tokenizer that does not make one token a character, the text
+    is the longest that surely fits, whose prefill may be shorter than the longest: within the margin not_run
+    with the figure; above it a step the unit ran (fail)."""
+    with FakeTriton(TritonKnobs(max_model_len=256, **knobs)) as server:
+        result = checks_serving.check_step_bound(triton_context(server, max_seq_len=256, step_timeout_seconds=4.0))
+    assert result.status == "not_run" and "inconclusive, not a pass" in result.detail and words in result.detail
+    assert isinstance(result.measured.value, float)
+    prompt = server.knobs.requests[-1]["text_input"]
     assert len(prompt) == 256 - 1 - checks_serving.TEXT_PROMPT_RESERVE and prompt.isascii()
-    with FakeTriton(TritonKnobs(first_token_delay=0.8)) as server:
+    with FakeTriton(TritonKnobs(first_token_delay=0.8, **knobs)) as server:
         result = checks_serving.check_step_bound(triton_context(server, step_timeout_seconds=1.2))
     assert result.status == "fail" and result.measured.value >= 0.8
 
@@ -199,5 +219,5 @@ def test_the_kit_speaks_kserve_generate_to_a_triton_fleets_cell() -> None:
                          steps_report_seconds=0.2, log=lambda line: None)
     status = {c.check_id: c.status for c in report.checks}
     assert status["1-serving"] == "pass", report.checks[0].detail
-    assert status["2-agreement"] == "pass" and status["3-step-bound"] == "not_run"
+    assert status["2-agreement"] == "pass" and status["3-step-bound"] == "pass"
     assert all(r["text_input"] for r in server.knobs.requests)

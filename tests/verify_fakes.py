@@ -166,6 +166,11 @@ class TritonKnobs(Knobs):
     model: str = MODEL
     stream_error_after: int | None = None  # events sent before an error event (the stream answered 200)
     no_finish: bool = False  # the stream ends without the last response (no finish reason)
+    # The model's tokenizer: a prompt of n characters is int(n * tokens_per_char) + special_tokens tokens; the model
+    # says that count (num_input_tokens) when asked, unless reports_input_tokens is off (an older backend).
+    tokens_per_char: float = 1.0
+    special_tokens: int = 1
+    reports_input_tokens: bool = True
 
 
 class _TritonHandler(_Handler):
@@ -217,8 +222,8 @@ class _TritonHandler(_Handler):
             self._json(400, {"error": str(error)})
             return
         max_tokens = int(params.get("max_tokens", 16))
-        if len(query.prompt) + max_tokens > self.knobs.max_model_len:
-            self._json(400, {"error": f"The decoder prompt (length {len(query.prompt)}) is too long"})
+        if self._prompt_tokens(query) + max_tokens > self.knobs.max_model_len:
+            self._json(400, {"error": f"The decoder prompt (length {self._prompt_tokens(query)}) is too long"})
             return
         words = _words(query.prompt, params.get("seed"), self.knobs.honour_seed, max_tokens,
                        float(params.get("temperature", 1.0)))
@@ -249,7 +254,12 @@ class _TritonHandler(_Handler):
             doc["finish_reason"] = str(finish)
         if query.return_num_output_tokens:
             doc["num_output_tokens"] = tokens
+        if query.return_num_input_tokens and self.knobs.reports_input_tokens:
+            doc["num_input_tokens"] = self._prompt_tokens(query)
         return doc
+
+    def _prompt_tokens(self, query: Any) -> int:
+        return int(len(query.prompt) * self.knobs.tokens_per_char) + self.knobs.special_tokens
 
     def _answer(self, query: Any, text: str, finish: str, tokens: int, streamed: bool) -> None:
         if not streamed:

@@ -8,6 +8,8 @@ adapter; none needs shell access to a task.
 
 from __future__ import annotations
 
+import random
+import secrets
 import threading
 import time
 
@@ -30,6 +32,15 @@ STEPS_EVENT = "unit_steps"
 # SentencePiece's word-start piece), which the reserve covers. Not checked for every tokenizer: one
 # that adds more answers 400 naming the length, and the check fails saying so.
 TEXT_PROMPT_RESERVE = 16
+# Where the front end says a prompt's token count (Triton's unit model: `return_num_input_tokens`, as
+# vllm_backend's), a probe of this many characters first gives the tokenizer's fixed overhead (BOS and the
+# like), and the long text is then sized to max_seq_len - 1 tokens exactly; the long answer's own count
+# confirms it, and only then can check 3 pass on a text-only front end.
+PROBE_CHARS = 64
+# Check 3's prompt starts with this many tokens (characters) drawn at random on each run: vLLM's prefix cache
+# (on by default in V1; the unit's model.json sets enable_prefix_caching) keys each block on every token
+# before it, so a prompt that began as the last run's would skip most of its prefill and show nothing.
+SALT_LENGTH = 8
 
 
 def check_serving(ctx: Context) -> CheckResult:
@@ -130,12 +141,14 @@ def check_agreement(ctx: Context, burst: int = 8, max_tokens: int = 24) -> Check
                         "greedy_text": text1, "greedy_pair_identical": same})
 
 
-def long_prompt(tokens: int) -> list[int]:
-    """A prompt of exactly `tokens` token ids (small ids: in every vocabulary, past the special tokens)."""
-    return [10 + i % 50 for i in range(tokens)]
+def long_prompt(tokens: int, salt: int = 0) -> list[int]:
+    """A prompt of exactly `tokens` token ids (small ids: in every vocabulary, past the special tokens); its
+    first SALT_LENGTH ids are drawn from `salt`."""
+    draw = random.Random(salt)
+    return [10 + (draw.randrange(50) if i < SALT_LENGTH else i % 50) for i in range(tokens)]
 
 
-def long_text(chars: int) -> str:
+def long_text(chars: int, salt: int = 0) -> str:
     r"""ASCII text of `chars` characters: a letter and a digit in turn ("a0b1c2..."). Each character is
     its own pre-token under GPT-2's split pattern (letters and digits are separate runs) and Llama 3's
     (a run of letters, here one, and at most three digits, here one), and BPE merges only within a
@@ -143,8 +156,32 @@ def long_text(chars: int) -> str:
     (TEXT_PROMPT_RESERVE); tests/test_verify_triton.py runs both patterns. A punctuation mark would not
     do: Llama 3's `[^\r\n\p{L}\p{N}]?\p{L}+` joins a mark to the letter after it (";b" is one pre-token)."""
     letters, digits = "abcdefghijklmnopqrstuvwxyz", "0123456789"
-    return "".join(letters[(i // 2) % len(letters)] if i % 2 == 0 else digits[(i // 2) % len(digits)]
-                   for i in range(chars))
+    draw = random.Random(salt)  # the first SALT_LENGTH characters; the letter-digit turn is kept
+
+    def char(i: int) -> str:
+        kind = letters if i % 2 == 0 else digits
+        return draw.choice(kind) if i < SALT_LENGTH else kind[(i // 2) % len(kind)]
+
+    return "".join(char(i) for i in range(chars))
+
+
+def _text_prompt(ctx: Context, model: str, salt: int) -> tuple[str, str]:
+    """Check 3's text on a text-only front end, and how it was sized: to max_seq_len - 1 tokens where a probe's
+    answer gives the tokenizer's overhead (one token a character, long_text, plus a fixed few), else the longest
+    text that surely fits."""
+    longest_prompt = ctx.expect.max_seq_len - 1
+    # Its own salt: the probe shares no prefix with the long text (the prefix cache).
+    probe = ctx.client.stream_completion(model, long_text(PROBE_CHARS, salt + 1), max_tokens=1)
+    if not probe.ok or probe.prompt_tokens is None:
+        why = "the front end does not say a prompt's token count" if probe.ok else f"the probe failed: {probe.error}"
+        return long_text(longest_prompt - TEXT_PROMPT_RESERVE, salt), why
+    overhead = probe.prompt_tokens - PROBE_CHARS
+    if not 0 <= overhead <= TEXT_PROMPT_RESERVE:
+        return (long_text(longest_prompt - TEXT_PROMPT_RESERVE, salt),
+                f"a {PROBE_CHARS}-character probe made {probe.prompt_tokens} tokens, not one a character "
+                f"and at most {TEXT_PROMPT_RESERVE} more")
+    return (long_text(longest_prompt - overhead, salt),
+            f"sized by a {PROBE_CHARS}-character probe that made {probe.prompt_tokens} tokens")
 
 
 def _longest_after(ctx: Context, done: float) -> dict[str, float]:
@@ -173,25 +210,34 @@ def check_step_bound(ctx: Context) -> CheckResult:
     answered (every 60 s while serving; the value its EMF `LongestStepSeconds` publishes). When a unit
     writes none in time, the time to the prompt's first token, which bounds its prefill step from
     above, is taken with the longest steps the others reported. Pass: at most half of
-    `serving.step_timeout_seconds`.
+    `serving.step_timeout_seconds`. The prompt's head is drawn anew each run (SALT_LENGTH).
 
-    A front end that takes text only (Triton's generate: no token-id input) gets the longest ASCII
-    text that surely fits (long_text, TEXT_PROMPT_RESERVE): how many tokens it makes is not known
-    without the model's tokenizer, so its prefill may be shorter than the longest. A step above the
-    margin still fails (it is a step the unit ran); one within it is not a pass but `not_run`, with the
-    figure: it does not show that the longest prefill is within the margin."""
+    A front end that takes text only (Triton's generate: no token-id input) gets text (long_text). Where
+    it says a prompt's token count (num_input_tokens), the text is sized by a probe (PROBE_CHARS) and
+    counts as the longest prompt only if its answer says max_seq_len - 1 tokens. Otherwise it is the
+    longest text that surely fits (TEXT_PROMPT_RESERVE), whose prefill may be shorter than the longest: a
+    step above the margin still fails (it is a step the unit ran); one within it is not a pass but
+    `not_run`, with the figure."""
     bound = ctx.expect.step_timeout_seconds
     model = ctx.served_model()
     if not model:
         return not_run("3-step-bound", "no model served (check 1 failed)", "s")
+    longest_prompt = ctx.expect.max_seq_len - 1
+    salt = secrets.randbelow(2**32) + 1
     exact = ctx.client.takes_token_ids
-    prompt: str | list[int] = (long_prompt(ctx.expect.max_seq_len - 1) if exact
-                               else long_text(ctx.expect.max_seq_len - 1 - TEXT_PROMPT_RESERVE))
+    prompt: str | list[int]
+    if exact:
+        prompt, sizing = long_prompt(longest_prompt, salt), ""
+    else:
+        prompt, sizing = _text_prompt(ctx, model, salt)
     size = f"{len(prompt)}-token" if exact else f"{len(prompt)}-character"
     streamed = ctx.client.stream_completion(model, prompt, max_tokens=1, timeout=max(ctx.client.timeout, 3 * bound))
     if not streamed.ok or streamed.first_token_seconds is None:
         return CheckResult("3-step-bound", "fail", Measured(None, "s"),
                            f"a {size} prompt was not served: {streamed.status} {streamed.error}")
+    counted = len(prompt) if exact else streamed.prompt_tokens
+    described = f"{len(prompt)} tokens" if exact else f"{len(prompt)} characters" + (
+        f", {counted} tokens" if counted is not None else "")
     published = _longest_after(ctx, time.time())
     missing = [u for u in ctx.expect.units if u not in published]
     if not missing:
@@ -202,19 +248,21 @@ def check_step_bound(ctx: Context) -> CheckResult:
             f" and the longest steps {published} reported" if published else "")
     ok = longest <= STEP_MARGIN * bound
     detail = (f"longest step {longest:.2f} s ({source}) against the bound {bound:g} s "
-              f"(pass: at most {STEP_MARGIN:g} x the bound); prompt {size.replace('-', ' ')}s")
+              f"(pass: at most {STEP_MARGIN:g} x the bound); prompt {described}")
     if missing:
         detail += (f"; no {STEPS_EVENT} line of {', '.join(missing)} written within "
                    f"{ctx.steps_report_seconds + ctx.settle_seconds:g} s after the prompt (the leader writes one "
                    f"every {ctx.steps_report_seconds:g} s while serving)")
     status: Status = "pass" if ok else "fail"
-    if ok and not exact:
+    if ok and counted != longest_prompt:
         status = "not_run"
-        detail = (f"inconclusive, not a pass: {ctx.client.labels['stream']} takes text, not token ids, so the "
-                  f"prompt's token count is unknown (at most {len(prompt) + TEXT_PROMPT_RESERVE}) and its prefill "
-                  f"may be shorter than a {ctx.expect.max_seq_len - 1}-token one; measured: " + detail)
+        made = (f"made {counted} tokens" if counted is not None
+                else f"made an unknown number of tokens (at most {len(prompt) + TEXT_PROMPT_RESERVE})")
+        detail = (f"inconclusive, not a pass: {ctx.client.labels['stream']} takes text, not token ids, and the "
+                  f"prompt {made} ({sizing}), so its prefill may be shorter than a {longest_prompt}-token one; "
+                  "measured: " + detail)
     return CheckResult("3-step-bound", status, Measured(longest, "s"), detail,
-                       {"bound_s": bound, "prompt_tokens": len(prompt) if exact else None,
-                        "prompt_characters": None if exact else len(prompt),
+                       {"bound_s": bound, "prompt_tokens": counted,
+                        "prompt_characters": None if exact else len(prompt), "sizing": sizing or None,
                         "first_token_s": streamed.first_token_seconds, "source": source,
                         "longest_step_s_by_unit": published})

@@ -48,6 +48,7 @@ class Streamed:
     seconds: float = 0.0
     finish_reason: str | None = None
     usage: dict[str, Any] = field(default_factory=dict)
+    prompt_tokens: int | None = None  # the prompt's token count where the server says it (Triton: num_input_tokens)
     error: str = ""
     done: bool = False  # the stream's own end marker arrived (OpenAI: `[DONE]`; Triton: a finish reason)
 

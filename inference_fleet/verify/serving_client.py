@@ -37,7 +37,8 @@ class ServingClient(Protocol):
 
     def stream_completion(self, model: str, prompt: str | list[int], max_tokens: int,
                           timeout: float | None = None) -> Streamed:
-        """A streamed completion of `prompt` at temperature 0 (token ids only where takes_token_ids)."""
+        """A streamed completion of `prompt` at temperature 0 (token ids only where takes_token_ids); the result's
+        `prompt_tokens` is the prompt's token count where the server says it."""
 
 
 def serving_client(expect: Expectations, endpoint: str, timeout: float, tls_name: str | None = None) -> ServingClient:

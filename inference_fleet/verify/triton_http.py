@@ -9,7 +9,8 @@ and `/generate_stream` (server-sent events). The shapes, from the sources:
   input (triton-inference-server/server@e1db8a603d863b1317ee859bdeea2be19959462e src/http_server.cc
   `ConvertGenerateRequest`). The inputs are the unit model's (containers/inference/unit_launcher/
   templates/config.pbtxt.j2, as vllm_backend's): `text_input`, `stream`, `exclude_input_in_output`,
-  `return_finish_reason`, `return_num_output_tokens`; the other parameters are vLLM sampling
+  `return_finish_reason`, `return_num_input_tokens` (the prompt's token count, check 3),
+  `return_num_output_tokens`; the other parameters are vLLM sampling
   parameters (containers/inference/triton_backend/model.py `SAMPLING_TYPES`: `max_tokens`,
   `temperature`, `seed`, `ignore_eos` among them; vllm_backend@8de0c148bda1da25de1e05ffaaf67116dacc7264
   src/utils/request.py `_get_input_tensors`, `TritonSamplingParams.from_dict`). `text_input` is
@@ -101,6 +102,7 @@ class TritonHttp(HttpClient):
         """A generate_stream read to its end; the time to the first token is the time to the first event
         that carries text or a finish reason."""
         body = {"text_input": text, "return_finish_reason": True, "return_num_output_tokens": True,
+                "return_num_input_tokens": True,
                 "parameters": {"stream": True, "max_tokens": max_tokens, "temperature": temperature, **(extra or {})}}
         result = self.post_stream(self._route(model, "generate_stream"), body,
                                   lambda raw, res, started: self._event(raw, res, started, on_chunk), timeout)
@@ -128,6 +130,9 @@ class TritonHttp(HttpClient):
         piece = piece if isinstance(piece, str) else ""
         finish = _element(doc.get("finish_reason"))
         finish = None if finish is None or str(finish) in NOT_FINISHED else str(finish)
+        prompt_tokens = _element(doc.get("num_input_tokens"))
+        if isinstance(prompt_tokens, int):
+            result.prompt_tokens = prompt_tokens
         tokens = _element(doc.get("num_output_tokens"))
         if isinstance(tokens, int):
             result.usage["completion_tokens"] = result.usage.get("completion_tokens", 0) + tokens

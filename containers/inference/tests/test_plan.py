@@ -227,11 +227,12 @@ def test_triton_leader_renders_a_model_repository_that_matches_tritons_schema():
         "sampling_parameters",
         "exclude_input_in_output",
         "return_finish_reason",
+        "return_num_input_tokens",
         "return_num_output_tokens",
     ]
     assert all(i.optional for i in config.input[1:]) and not config.input[0].optional
     assert config.output[0].name == "text_output" and config.output[0].data_type == model_config_pb2.TYPE_STRING
-    assert [o.name for o in config.output] == ["text_output", "finish_reason", "num_output_tokens"]
+    assert [o.name for o in config.output] == ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens"]
     assert config.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_MODEL
     model_json = json.loads(node.files["/opt/triton/models/Llama-3.1-405B-Instruct/1/model.json"])
     assert model_json["model"] == "/opt/models/llama" and model_json["tensor_parallel_size"] == 2

@@ -38,6 +38,27 @@ def test_a_non_streamed_answer_repeats_the_prompt_unless_excluded():
         backend.parse_request({"text_input": [b"Hi"], "stream": [True], "exclude_input_in_output": [False]}, "{}")
 
 
+def test_the_prompts_token_count_is_an_output_when_asked_as_vllm_backends():
+    """vllm_backend@8de0c148 src/utils/request.py create_response: `return_num_input_tokens` adds
+    `num_input_tokens`, len(prompt_token_ids), to every response; the acceptance kit's check 3 reads it (a
+    text prompt's token count is known only to the model's tokenizer). Regression: the input was ignored."""
+    import types
+
+    import numpy as np
+
+    query = backend.parse_request({"text_input": [b"Hi"], "return_num_input_tokens": [True]},
+                                  json.dumps({"return_num_input_tokens": True, "max_tokens": 1}))
+    assert query.return_num_input_tokens and query.parameters == {"max_tokens": 1}
+    model = backend.TritonPythonModel.__new__(backend.TritonPythonModel)
+    model.pb = types.SimpleNamespace(Tensor=lambda name, array: (name, array),
+                                     InferenceResponse=lambda output_tensors: dict(output_tensors))
+    output = types.SimpleNamespace(prompt_token_ids=[128000, 13347, 0, 7])
+    outputs = model._response("x", None, 1, query, output)
+    assert outputs["num_input_tokens"].tolist() == [4] and outputs["num_input_tokens"].dtype == np.uint32
+    assert "num_input_tokens" not in model._response("x", None, 1, backend.parse_request({"text_input": [b"Hi"]},
+                                                                                       "{}"), output)
+
+
 def test_the_sampling_parameters_input_wins_over_request_parameters():
     query = backend.parse_request({"text_input": [b"Hi"], "sampling_parameters": [b'{"max_tokens": "4"}']},
                                   json.dumps({"max_tokens": 99}))

@@ -7,7 +7,9 @@ backend's stub), so a model repository has the layout of Triton's own vLLM backe
 outputs are that backend's (triton-inference-server/vllm_backend@8de0c148bda1da25de1e05ffaaf67116dacc7264
 `src/model.py`, `src/utils/request.py`): `text_input`, optional `stream`, `sampling_parameters`
 (JSON; else the request's parameters), `exclude_input_in_output`, `return_finish_reason`,
-`return_num_output_tokens` -> `text_output` (+ `finish_reason`, `num_output_tokens`). The model is
+`return_num_input_tokens`, `return_num_output_tokens` -> `text_output` (+ `finish_reason`,
+`num_input_tokens`, `num_output_tokens`; vllm_backend `create_response`: every response of a request
+carries the prompt's token count, `len(prompt_token_ids)`, when asked). The model is
 decoupled, so Triton's `generate` and `generate_stream` (SSE) extensions work.
 
 The engine is vLLM's own `AsyncLLM`, built from the same engine arguments as the leader's `vllm
@@ -38,7 +40,8 @@ from typing import Any
 ENGINE_ARGS_FILE = "model.json"
 # Inputs that are not sampling parameters (Triton's generate extension maps a `parameters` key that
 # names an input to that input; these are dropped from the parameters if sent anyway).
-_NOT_SAMPLING = {"stream", "exclude_input_in_output", "return_finish_reason", "return_num_output_tokens"}
+_NOT_SAMPLING = {"stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
+                 "return_num_output_tokens"}
 # How often the vLLM gauges are published to Triton's metrics endpoint, and the engine's health looked at.
 GAUGE_SECONDS = 1.0
 WATCH_SECONDS = 0.25
@@ -115,6 +118,7 @@ class Generate:
     parameters: dict[str, Any] = field(default_factory=dict)
     return_finish_reason: bool = False
     return_num_output_tokens: bool = False
+    return_num_input_tokens: bool = False
 
 
 def _scalar(value: Any) -> Any:
@@ -150,7 +154,7 @@ def parse_request(inputs: dict[str, Any], request_parameters: str) -> Generate:
         raise RequestError(f"sampling parameters must be a JSON object, not {type(parameters).__name__}")
     parameters = {k: v for k, v in parameters.items() if k not in _NOT_SAMPLING}
     return Generate(prompt, stream, prepend, parameters, flags.get("return_finish_reason", False),
-                    flags.get("return_num_output_tokens", False))
+                    flags.get("return_num_output_tokens", False), flags.get("return_num_input_tokens", False))
 
 
 def checked_parameters(parameters: dict[str, Any], allowed: frozenset[str] = ALLOWED_SAMPLING) -> dict[str, Any]:
@@ -489,7 +493,7 @@ class TritonPythonModel:
 
     def _inputs(self, request: Any) -> dict[str, Any]:
         names = ("text_input", "stream", "sampling_parameters", "exclude_input_in_output",
-                 "return_finish_reason", "return_num_output_tokens")
+                 "return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
         found = {}
         for name in names:
             tensor = self.pb.get_input_tensor_by_name(request, name)
@@ -497,12 +501,15 @@ class TritonPythonModel:
                 found[name] = tensor.as_numpy()
         return found
 
-    def _response(self, text: str, finish: str | None, tokens: int, query: Generate) -> Any:
+    def _response(self, text: str, finish: str | None, tokens: int, query: Generate, output: Any) -> Any:
         import numpy as np
 
         outputs = [self.pb.Tensor("text_output", np.asarray([text.encode("utf-8")], dtype=np.object_))]
         if query.return_finish_reason:
             outputs.append(self.pb.Tensor("finish_reason", np.asarray([str(finish).encode()], dtype=np.object_)))
+        if query.return_num_input_tokens:
+            prompt_tokens = len(output.prompt_token_ids or ())
+            outputs.append(self.pb.Tensor("num_input_tokens", np.asarray([prompt_tokens], dtype=np.uint32)))
         if query.return_num_output_tokens:
             outputs.append(self.pb.Tensor("num_output_tokens", np.asarray([tokens], dtype=np.uint32)))
         return self.pb.InferenceResponse(output_tensors=outputs)
@@ -559,14 +566,14 @@ class TritonPythonModel:
                     choice = output.outputs[0]
                     delta, tokens = choice.text[sent_chars:], len(choice.token_ids) - sent_tokens
                     sent_chars, sent_tokens = len(choice.text), len(choice.token_ids)
-                    response = self._response(delta, choice.finish_reason, tokens, query)
+                    response = self._response(delta, choice.finish_reason, tokens, query, output)
                     self._send(sender, response, output.finished, state)
             if last is None:
                 self._error(sender, "the engine returned no output", self.pb.TritonError.INTERNAL)
             elif not query.stream:
                 choice = last.outputs[0]
                 text = (query.prompt if query.prepend_input else "") + choice.text
-                self._send(sender, self._response(text, choice.finish_reason, len(choice.token_ids), query), True)
+                self._send(sender, self._response(text, choice.finish_reason, len(choice.token_ids), query, last), True)
         except Exception as error:  # answered to the client; the log keeps the traceback
             if self.engine.errored:
                 # The unit is going down: UNAVAILABLE, held until the proxy's gate is closed (_answer_dead).
