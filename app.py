@@ -17,7 +17,7 @@ import traceback
 from aws_cdk import App
 
 from inference_fleet import exit_codes
-from inference_fleet.checks import load_fleet
+from inference_fleet.checks import load_fleet, placeholder_warnings
 from inference_fleet.config import ConfigError
 from stacks.fleet import build_fleet
 
@@ -45,6 +45,9 @@ def main() -> None:
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(exit_codes.CONFIG)
+    for issue in placeholder_warnings(fleet):
+        # The example fleet synthesizes offline; deployed, it names an account that is not yours.
+        print(f"warning: {issue}", file=sys.stderr)
     if fleet.builds_images and not fleet.base_images.neuron_vllm_digest:
         # Synth needs no image; deploying one built from containers/inference does.
         print(

@@ -494,6 +494,11 @@ class TrainiumCapacity(Construct):
                 min_success_percentage=100,
             ),
         )
+        # A node's first boot downloads the EFA installer through the NAT gateway (node_setup.sh) and a failed setup is
+        # final: the group launches only once its subnets' default route to the NAT exists. CloudFormation orders only
+        # what a reference or DependsOn ties together, and the group references its subnets, not their routes.
+        selected = vpc.select_subnets(subnets=subnets.subnets, subnet_group_name=subnets.subnet_group_name)
+        group.node.add_dependency(selected.internet_connectivity_established)
         acknowledge(
             group,
             (

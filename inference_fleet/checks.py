@@ -76,6 +76,44 @@ def check_fleet_file_place(fleet: FleetConfig, fleet_file: str | Path | None) ->
         raise ConfigError(str(fleet_file), [ConfigIssue("pipeline", "(set)", str(error))]) from None
 
 
+# The account ID of the shipped example fleet (config/default.yaml). A fleet that still holds it synthesizes, so that
+# `make synth` and the tests run offline on the example, but it deploys nowhere: `placeholder_warnings` names each
+# field that holds it (docs/deploying.md, step 0, "Make the fleet yours").
+PLACEHOLDER_ACCOUNT = "111111111111"
+# What to set instead, by field name; any other field holding the account is the same account's resource.
+_PLACEHOLDER_FIXES = {
+    "account": "your AWS account ID",
+    "artifacts_s3_uri": "s3://<bucket>/<prefix>/ of a bucket you created (bucket names are global) in the compile "
+                        "stack's region",
+    "connection_arn": "the ARN of the CodeConnections connection you created and authorised in the pipeline's "
+                      "account and region",
+}
+
+
+def placeholder_warnings(fleet: FleetConfig) -> list[ConfigIssue]:
+    """Every field whose value still holds the example fleet's account 111111111111, each with what to set.
+
+    Warnings, not issues: the example fleet must keep synthesizing offline. `validate` and synth print them."""
+    found: list[ConfigIssue] = []
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{path}.{key}" if path else str(key))
+        elif isinstance(value, list | tuple):
+            for i, item in enumerate(value):
+                walk(item, f"{path}[{i}]")
+        elif isinstance(value, str) and PLACEHOLDER_ACCOUNT in value:
+            fix = _PLACEHOLDER_FIXES.get(path.rsplit(".", 1)[-1], "the value of your own account's resource")
+            found.append(ConfigIssue(
+                path, value, f"the example fleet's placeholder account {PLACEHOLDER_ACCOUNT}, not yours: set "
+                f"{fix} (docs/deploying.md, step 0)",
+            ))
+
+    walk(fleet.model_dump(mode="json", exclude_none=True), "")
+    return found
+
+
 def parse_fleet(data: Any, source: str = "<dict>") -> FleetConfig:
     """Validate an already parsed fleet description: the fields first, then every rule."""
     return validate_fleet(parse_model(data, source), source)

@@ -305,3 +305,22 @@ def test_unit_failures_reach_the_placement_controller_and_a_quarantine_alarms(sy
     assert "unit_session_end" in subscription["Properties"]["FilterPattern"]
     gate = next(iter(resources(template, "AWS::CloudWatch::CompositeAlarm").values()))
     assert "PlacementQuarantineAlarm" in json.dumps(gate["Properties"]["AlarmRule"])
+
+
+def test_the_trainium_group_waits_for_the_nat_default_route_of_its_subnets(synth_default) -> None:
+    # A node's first boot downloads the EFA installer through the NAT (node_setup.sh, curl --retry 3) and a failed
+    # setup is final (the node stays out of service): the group must not launch before its subnets' default route
+    # to the NAT gateway exists. CloudFormation orders only what a reference or DependsOn ties together.
+    template = synth_default.templates["Rufus-Cell-dev"]
+    groups = resources(template, "AWS::AutoScaling::AutoScalingGroup")
+    assert len(groups) == 1
+    group = next(iter(groups.values()))
+    subnets = {ref["Ref"] for ref in group["Properties"]["VPCZoneIdentifier"]}
+    tables = {association["Properties"]["RouteTableId"]["Ref"]
+              for association in resources(template, "AWS::EC2::SubnetRouteTableAssociation").values()
+              if association["Properties"]["SubnetId"]["Ref"] in subnets}
+    nat_routes = {name for name, route in resources(template, "AWS::EC2::Route").items()
+                  if route["Properties"]["RouteTableId"]["Ref"] in tables and "NatGatewayId" in route["Properties"]
+                  and route["Properties"]["DestinationCidrBlock"] == "0.0.0.0/0"}
+    assert len(subnets) == 1 and len(nat_routes) == 1, (subnets, nat_routes)
+    assert nat_routes <= set(group.get("DependsOn", [])), group.get("DependsOn")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from inference_fleet.checks import load_fleet, parse_fleet
+from inference_fleet.checks import load_fleet, parse_fleet, placeholder_warnings
 from inference_fleet.config import DEFAULT_CONFIG, ConfigError, read_fleet_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -250,3 +250,40 @@ def test_a_config_path_that_is_no_file_says_what_it_is(tmp_path: Path) -> None:
             read_fleet_file(path)
         assert [(issue.path, issue.problem.split(";")[0]) for issue in caught.value.issues] == [
             ("<file>", said.split(";")[0])], path
+
+
+PLACEHOLDER_FIELDS = ["model.artifacts_s3_uri", "cells[0].account", "pipeline.account", "pipeline.connection_arn"]
+
+
+def test_the_example_fleets_placeholder_account_is_a_warning_naming_each_field(raw: dict) -> None:
+    # A fresh account's `cdk deploy` of the example fleet names an account that is not the user's: the fleet still
+    # loads (make synth runs offline on it), and each field holding 111111111111 is named with what to set.
+    warnings = placeholder_warnings(parse_fleet(raw))
+    assert [w.path for w in warnings] == PLACEHOLDER_FIELDS
+    fixes = {w.path: w.problem for w in warnings}
+    assert "set your AWS account ID" in fixes["cells[0].account"]
+    assert "set your AWS account ID" in fixes["pipeline.account"]
+    assert "a bucket you created" in fixes["model.artifacts_s3_uri"]
+    assert "CodeConnections connection you created" in fixes["pipeline.connection_arn"]
+    assert all("docs/deploying.md, step 0" in w.problem for w in warnings)
+
+
+def test_a_fleet_of_ones_own_account_has_no_placeholder_warning(raw: dict) -> None:
+    own = yaml.safe_load(DEFAULT_CONFIG.read_text().replace("111111111111", "210987654321"))
+    assert placeholder_warnings(parse_fleet(own)) == []
+    raw["waves"].append({"name": "rest"})
+    raw["cells"].append(second_cell(raw, account="210987654321", wave="rest"))
+    assert [w.path for w in placeholder_warnings(parse_fleet(raw))] == PLACEHOLDER_FIELDS
+
+
+@pytest.mark.parametrize("placeholder", [True, False], ids=["placeholder", "own-account"])
+def test_validate_prints_the_placeholder_warnings_and_still_accepts(tmp_path: Path, placeholder: bool) -> None:
+    fleet = tmp_path / "fleet.yaml"
+    text = DEFAULT_CONFIG.read_text()
+    fleet.write_text(text if placeholder else text.replace("111111111111", "210987654321"))
+    done = subprocess.run([sys.executable, "-m", "inference_fleet", "validate", "--config", str(fleet)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "Rufus-Cell-dev:" in done.stdout
+    named = [line.split(" = ")[0] for line in done.stderr.splitlines() if "placeholder account 111111111111" in line]
+    assert named == ([f"warning: {path}" for path in PLACEHOLDER_FIELDS] if placeholder else [])
