@@ -113,11 +113,18 @@ def relock() -> None:
     ])
 
 
+def built_here(digest: str) -> str:
+    """A stamp's text: what was installed and where. A venv holds its own path (the activate scripts, console
+    scripts' `#!` lines, the Triton venv's .pth into this one), so a .e2e copied from another checkout runs
+    that checkout's engine env; it is rebuilt, not reused (with uv's cache warm, some 20 s)."""
+    return f"{digest} {E2E_DIR.resolve()}"
+
+
 def ensure_env(force: bool = False) -> dict[str, object]:
-    """Build .e2e/venv unless an env of the same lock is there; return the stats."""
+    """Build .e2e/venv unless an env of the same lock, built in this place, is there; return the stats."""
     E2E_DIR.mkdir(exist_ok=True)
     digest = lock_digest()
-    if not force and STAMP.exists() and STAMP.read_text().strip() == digest and STATS.exists():
+    if not force and STAMP.exists() and STAMP.read_text().strip() == built_here(digest) and STATS.exists():
         stats = json.loads(STATS.read_text())
         stats["reused"] = True
         print(f"setup_env: {VENV} is up to date (built in {stats['install_seconds']:.0f} s, "
@@ -152,7 +159,7 @@ def ensure_env(force: bool = False) -> dict[str, object]:
         "reused": False,
     }
     STATS.write_text(json.dumps(stats, indent=2) + "\n")
-    STAMP.write_text(digest + "\n")
+    STAMP.write_text(built_here(digest) + "\n")
     print(f"setup_env: built {VENV} in {seconds:.0f} s, {stats['size_bytes'] / 2**30:.2f} GiB "
           f"({stats['venv_and_cache_bytes'] / 2**30:.2f} GiB with uv's cache, which shares its files)")
     return stats
@@ -207,7 +214,7 @@ def ensure_triton() -> dict[str, object]:
     stamp = TRITON_DIR / ".installed"
     digest = hashlib.sha256(TRITON_LOCK.read_bytes() + TRITON_PYTHON_LOCK.read_bytes()).hexdigest()
     started = time.monotonic()
-    reused = stamp.exists() and stamp.read_text().strip() == digest
+    reused = stamp.exists() and stamp.read_text().strip() == built_here(digest)
     if not reused:
         shutil.rmtree(TRITON_DIR, ignore_errors=True)
         shutil.rmtree(TRITON_VENV, ignore_errors=True)
@@ -227,7 +234,7 @@ def ensure_triton() -> dict[str, object]:
         version = f"{sys.version_info[0]}.{sys.version_info[1]}"
         stub = TRITON_ROOT / "python_backend_stubs" / version / "triton_python_backend_stub"
         shutil.copy2(stub, TRITON_ROOT / "backends" / "python" / "triton_python_backend_stub")
-        stamp.write_text(digest + "\n")
+        stamp.write_text(built_here(digest) + "\n")
     backend = TRITON_ROOT / "backends" / "vllm"
     backend.mkdir(parents=True, exist_ok=True)
     shutil.copy2(TRITON_BACKEND, backend / "model.py")
