@@ -168,8 +168,17 @@ def test_step_bound_on_triton_sizes_the_text_by_a_probe_and_passes_on_the_counte
     assert all(r["return_num_input_tokens"] is True for r in server.knobs.requests)
 
 
+def test_a_unit_whose_backend_predates_the_token_count_is_still_served_and_verified() -> None:
+    """Only check 3 asks for the prompt's token count: a cell on an older unit image (pinned `cells[].images`, or a
+    newer kit) refuses the input it does not know (400), and every check's stream failed with it.
+    Regression: every generate_stream asked for it."""
+    with FakeTriton(TritonKnobs(reports_input_tokens=False)) as server:
+        result = checks_serving.check_serving(triton_context(server))
+    assert result.status == "pass", result.detail
+
+
 @pytest.mark.parametrize(("knobs", "words"), [
-    ({"reports_input_tokens": False}, "does not say a prompt's token count"),
+    ({"reports_input_tokens": False}, "the probe failed: {\"error\": \"unknown sampling parameter"),
     ({"tokens_per_char": 0.5}, "made 33 tokens, not one a character"),
 ])
 def test_step_bound_on_triton_is_not_a_pass_when_the_prompt_cannot_be_counted_and_fails_above_the_margin(

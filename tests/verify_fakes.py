@@ -167,7 +167,10 @@ class TritonKnobs(Knobs):
     stream_error_after: int | None = None  # events sent before an error event (the stream answered 200)
     no_finish: bool = False  # the stream ends without the last response (no finish reason)
     # The model's tokenizer: a prompt of n characters is int(n * tokens_per_char) + special_tokens tokens; the model
-    # says that count (num_input_tokens) when asked, unless reports_input_tokens is off (an older backend).
+    # says that count (num_input_tokens) when asked. `reports_input_tokens` off is this package's backend before it
+    # had the input: Triton makes the unknown top-level key a request parameter (server@e1db8a60 src/http_server.cc
+    # ExactMappingInput -> SetTritonParameterFromJsonParameter), which that backend refuses as an unknown sampling
+    # parameter (400).
     tokens_per_char: float = 1.0
     special_tokens: int = 1
     reports_input_tokens: bool = True
@@ -212,6 +215,9 @@ class _TritonHandler(_Handler):
             return
         if self.knobs.status != 200:  # the proxy's own answer (unit gate)
             self._json(self.knobs.status, {"error": {"type": "unit_unavailable", "code": self.knobs.status}})
+            return
+        if "return_num_input_tokens" in body and not self.knobs.reports_input_tokens:
+            self._json(400, {"error": "unknown sampling parameter 'return_num_input_tokens'"})
             return
         flat = {**{k: v for k, v in body.items() if k != "parameters"}, **body.get("parameters", {})}
         inputs = {k: [v] for k, v in flat.items() if k in TRITON_INPUTS}

@@ -165,23 +165,23 @@ def long_text(chars: int, salt: int = 0) -> str:
     return "".join(char(i) for i in range(chars))
 
 
-def _text_prompt(ctx: Context, model: str, salt: int) -> tuple[str, str]:
-    """Check 3's text on a text-only front end, and how it was sized: to max_seq_len - 1 tokens where a probe's
-    answer gives the tokenizer's overhead (one token a character, long_text, plus a fixed few), else the longest
-    text that surely fits."""
+def _text_prompt(ctx: Context, model: str, salt: int) -> tuple[str, str, bool]:
+    """Check 3's text on a text-only front end, how it was sized, and whether the unit counts a prompt's tokens:
+    to max_seq_len - 1 tokens where a probe's answer gives the tokenizer's overhead (one token a character,
+    long_text, plus a fixed few), else the longest text that surely fits."""
     longest_prompt = ctx.expect.max_seq_len - 1
     # Its own salt: the probe shares no prefix with the long text (the prefix cache).
-    probe = ctx.client.stream_completion(model, long_text(PROBE_CHARS, salt + 1), max_tokens=1)
+    probe = ctx.client.stream_completion(model, long_text(PROBE_CHARS, salt + 1), max_tokens=1, count_prompt=True)
     if not probe.ok or probe.prompt_tokens is None:
         why = "the front end does not say a prompt's token count" if probe.ok else f"the probe failed: {probe.error}"
-        return long_text(longest_prompt - TEXT_PROMPT_RESERVE, salt), why
+        return long_text(longest_prompt - TEXT_PROMPT_RESERVE, salt), why, False
     overhead = probe.prompt_tokens - PROBE_CHARS
     if not 0 <= overhead <= TEXT_PROMPT_RESERVE:
         return (long_text(longest_prompt - TEXT_PROMPT_RESERVE, salt),
                 f"a {PROBE_CHARS}-character probe made {probe.prompt_tokens} tokens, not one a character "
-                f"and at most {TEXT_PROMPT_RESERVE} more")
+                f"and at most {TEXT_PROMPT_RESERVE} more", True)
     return (long_text(longest_prompt - overhead, salt),
-            f"sized by a {PROBE_CHARS}-character probe that made {probe.prompt_tokens} tokens")
+            f"sized by a {PROBE_CHARS}-character probe that made {probe.prompt_tokens} tokens", True)
 
 
 def _longest_after(ctx: Context, done: float) -> dict[str, float]:
@@ -227,11 +227,13 @@ def check_step_bound(ctx: Context) -> CheckResult:
     exact = ctx.client.takes_token_ids
     prompt: str | list[int]
     if exact:
-        prompt, sizing = long_prompt(longest_prompt, salt), ""
+        prompt, sizing, counts = long_prompt(longest_prompt, salt), "", False
     else:
-        prompt, sizing = _text_prompt(ctx, model, salt)
+        prompt, sizing, counts = _text_prompt(ctx, model, salt)
     size = f"{len(prompt)}-token" if exact else f"{len(prompt)}-character"
-    streamed = ctx.client.stream_completion(model, prompt, max_tokens=1, timeout=max(ctx.client.timeout, 3 * bound))
+    # The count is asked for only where the probe showed the unit gives it (an older unit image refuses it).
+    streamed = ctx.client.stream_completion(model, prompt, max_tokens=1, timeout=max(ctx.client.timeout, 3 * bound),
+                                            count_prompt=counts)
     if not streamed.ok or streamed.first_token_seconds is None:
         return CheckResult("3-step-bound", "fail", Measured(None, "s"),
                            f"a {size} prompt was not served: {streamed.status} {streamed.error}")

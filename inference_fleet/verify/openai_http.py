@@ -84,6 +84,7 @@ class OpenAIHttp(HttpClient):
         return self.stream("/v1/chat/completions", body, on_chunk, timeout)
 
     def stream_completion(self, model: str, prompt: str | list[int], max_tokens: int,
-                          timeout: float | None = None) -> Streamed:
+                          timeout: float | None = None, count_prompt: bool = False) -> Streamed:
+        # count_prompt: token ids are sent as they are (takes_token_ids); nothing to count.
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
         return self.stream("/v1/completions", body, timeout=timeout)

@@ -36,9 +36,9 @@ class ServingClient(Protocol):
         """A streamed answer to `content`, read to its end marker; `extra`: more sampling parameters."""
 
     def stream_completion(self, model: str, prompt: str | list[int], max_tokens: int,
-                          timeout: float | None = None) -> Streamed:
-        """A streamed completion of `prompt` at temperature 0 (token ids only where takes_token_ids); the result's
-        `prompt_tokens` is the prompt's token count where the server says it."""
+                          timeout: float | None = None, count_prompt: bool = False) -> Streamed:
+        """A streamed completion of `prompt` at temperature 0 (token ids only where takes_token_ids); with
+        `count_prompt` the result's `prompt_tokens` is the prompt's token count where the server says it."""
 
 
 def serving_client(expect: Expectations, endpoint: str, timeout: float, tls_name: str | None = None) -> ServingClient:
