@@ -38,8 +38,9 @@ TEXT_PROMPT_RESERVE = 16
 # confirms it, and only then can check 3 pass on a text-only front end.
 PROBE_CHARS = 64
 # Check 3's prompt starts with this many tokens (characters) drawn at random on each run: vLLM's prefix cache
-# (on by default in V1; the unit's model.json sets enable_prefix_caching) keys each block on every token
-# before it, so a prompt that began as the last run's would skip most of its prefill and show nothing.
+# (the unit's model.json sets enable_prefix_caching) keys each block on its tokens and its parent block's hash
+# (vLLM 0.32.0 vllm/v1/core/kv_cache_utils.py `hash_block_tokens`: "the contents of a block and the contents of
+# the preceding block(s)"), so a prompt that began as the last run's would skip most of its prefill and show nothing.
 SALT_LENGTH = 8
 
 
