@@ -190,8 +190,8 @@ def test_step_bound_fails_on_a_longest_step_above_half_the_bound_and_falls_back_
 
 
 def test_step_bound_draws_a_new_prompt_head_each_run() -> None:
-    """vLLM's prefix cache keys each block on its tokens and the blocks before it (hash_block_tokens): a prompt that began as
-    the last run's would skip most of its prefill, and check 3 would pass on a step it never measured.
+    """vLLM's prefix cache keys each block on its tokens and the blocks before it (hash_block_tokens): a prompt
+    that began as the last run's would skip most of its prefill, and check 3 would pass on a step it never measured.
     Regression: the same token ids every run."""
     with FakeOpenAI() as server:
         for _ in range(2):
