@@ -154,6 +154,19 @@ def test_serving_on_a_triton_unit_without_the_model_names_the_model_it_asked_for
     assert f"/v2/models/{MODEL}: 400" in result.detail and "<m>" not in result.detail
 
 
+def test_a_failed_metadata_call_fails_check_1_and_still_asks_the_fleets_model() -> None:
+    """The metadata call failing leaves no model name; the generate requests go to the fleet file's model, so the
+    report names the one failure. Regression: they went to /v2/models//generate (404 "Not Found", two more
+    problems that were not)."""
+    with FakeTriton(TritonKnobs(metadata_status=404)) as server:
+        ctx = triton_context(server)
+        result = checks_serving.check_serving(ctx)
+    assert result.status == "fail"
+    assert result.detail.startswith(f"/v2/models/{MODEL}: 404")
+    assert "generate: " not in result.detail and "generate_stream: " not in result.detail, result.detail
+    assert ctx.served_model() == MODEL
+
+
 def test_step_bound_on_triton_sizes_the_text_by_a_probe_and_passes_on_the_counted_longest_prompt() -> None:
     """The unit model says a prompt's token count (num_input_tokens, as vllm_backend's): a probe gives the
     tokenizer's overhead, the long text is sized to max_seq_len - 1 tokens, and its answer confirms the count.

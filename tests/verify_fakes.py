@@ -174,6 +174,7 @@ class TritonKnobs(Knobs):
     tokens_per_char: float = 1.0
     special_tokens: int = 1
     reports_input_tokens: bool = True
+    metadata_status: int = 200  # model metadata answers this (a proxy's route list that leaves it out: 404)
 
 
 class _TritonHandler(_Handler):
@@ -197,6 +198,8 @@ class _TritonHandler(_Handler):
     def do_GET(self) -> None:
         if self.path == "/health":
             self._json(self.knobs.health or self.knobs.status, {})
+        elif self.path == f"/v2/models/{self.knobs.model}" and self.knobs.metadata_status != 200:
+            self._json(self.knobs.metadata_status, {"error": "Not Found"})
         elif self.path == f"/v2/models/{self.knobs.model}":
             self._json(200, {"name": self.knobs.model, "versions": ["1"], "platform": "vllm",
                              "inputs": [{"name": n, "datatype": "BYTES", "shape": [1]} for n in sorted(TRITON_INPUTS)],

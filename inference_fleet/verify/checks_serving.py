@@ -53,7 +53,7 @@ def check_serving(ctx: Context) -> CheckResult:
     answer, ids = ctx.client.models()
     if answer.status != 200 or not ids:
         problems.append(f"{label['models']}: {answer.status} {answer.error or str(answer.body)[:120]}")
-    ctx.model = ids[0] if ids else ""
+    ctx.model = ids[0] if ids else ctx.client.fallback_model
     completion, text = ctx.client.completion(ctx.model, PROMPT, max_tokens=8)
     if completion.status != 200 or not text:
         problems.append(f"{label['completion']}: {completion.status} "

@@ -15,7 +15,8 @@ class Context:
     expect: Expectations
     client: ServingClient  # OpenAIHttp or TritonHttp (serving_client.serving_client)
     started_at: float = field(default_factory=time.time)
-    model: str | None = None  # the first model the client's models() lists (check 1 finds it)
+    # The first model the client's models() lists (check 1 finds it), else the client's fallback_model.
+    model: str | None = None
     # Seconds the kit waits for what a launcher publishes to be readable (CloudWatch Logs
     # ingestion; the leader's divergence comparison runs with every heartbeat, 5 s).
     settle_seconds: float = 15.0
@@ -28,5 +29,5 @@ class Context:
     def served_model(self) -> str:
         if self.model is None:
             _, ids = self.client.models()
-            self.model = ids[0] if ids else ""
+            self.model = ids[0] if ids else self.client.fallback_model
         return self.model

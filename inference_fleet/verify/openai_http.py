@@ -19,6 +19,7 @@ class OpenAIHttp(HttpClient):
     api = "openai"
     takes_token_ids = True  # /v1/completions takes a prompt of token ids
     labels = {"models": "/v1/models", "completion": "completion", "stream": "streamed chat"}
+    fallback_model = ""
 
     def models(self) -> tuple[Answer, list[str]]:
         answer = self.call("/v1/models")

@@ -22,6 +22,9 @@ class ServingClient(Protocol):
     timeout: float
     takes_token_ids: bool  # whether a prompt may be a list of token ids (check 3's exact-length prompt)
     labels: dict[str, str]  # how the checks name the requests in their details: models, completion, stream
+    # The model asked when models() lists none: Triton's is the fleet file's (the route needs one); OpenAI's
+    # none (vLLM then answers that the model "" does not exist, which names the problem).
+    fallback_model: str
 
     def models(self) -> tuple[Answer, list[str]]:
         """The served model names (OpenAI: /v1/models; Triton: the unit's model's metadata)."""

@@ -64,6 +64,7 @@ class TritonHttp(HttpClient):
         if not model:
             raise ValueError("the Triton model name is needed (unit_launcher.plan.triton_model_name)")
         self.model = model
+        self.fallback_model = model  # a failed metadata call must not send generate to /v2/models//generate
         # The check-1 report names the route it asked, with the model's name.
         self.labels = {"models": self._route(model), "completion": "generate", "stream": "generate_stream"}
 
