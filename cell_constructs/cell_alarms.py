@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from aws_cdk import ArnFormat, Duration, Stack, Token
+from aws_cdk import Duration, Stack, Token
 from aws_cdk import aws_cloudwatch as cloudwatch
 from aws_cdk import aws_elasticloadbalancingv2 as elbv2
 from aws_cdk import aws_iam as iam
@@ -36,7 +36,7 @@ from cdk_monitoring_constructs import (
 )
 from constructs import Construct
 
-from cell_constructs.gate_reader import PipelineTrust, bounded_role_name
+from cell_constructs.gate_reader import GATE_READ_FINDING, PipelineTrust, bounded_role_name, gate_read_statement
 from cell_constructs.nag import acknowledge
 from inference_fleet.config import AlarmsConfig
 
@@ -472,7 +472,7 @@ class CellAlarms(Construct):
     # -- pipeline access ---------------------------------------------------------------
 
     def _gate_reader(self, trust: PipelineTrust) -> iam.Role:
-        """Lets the pipeline in another account read (only) this cell's rollout gate state."""
+        """Lets the pipeline in another account read (only) alarms, this cell's rollout gate among them."""
         stack = Stack.of(self)
         if Token.is_unresolved(stack.region):
             # The pipeline stack names the role from the cell's region: it must be the same literal here.
@@ -485,17 +485,12 @@ class CellAlarms(Construct):
             description=f"Pipeline account {trust.account} reads the rollout gate of cell {self.cell_name}",
             max_session_duration=Duration.hours(1),
         )
-        iam.ManagedPolicy(
+        policy = iam.ManagedPolicy(
             self, "GateReaderPolicy", roles=[role],
-            description=f"Describe the rollout gate alarm of cell {self.cell_name}",
-            statements=[iam.PolicyStatement(
-                actions=["cloudwatch:DescribeAlarms"],
-                resources=[stack.format_arn(
-                    service="cloudwatch", resource="alarm", resource_name=rollout_gate_name(self.stack_name),
-                    arn_format=ArnFormat.COLON_RESOURCE_NAME,
-                )],
-            )],
+            description=f"Describe alarms (the rollout gate {rollout_gate_name(self.stack_name)} among them)",
+            statements=[gate_read_statement()],
         )
+        acknowledge(policy, GATE_READ_FINDING)
         return role
 
     # -- dashboard ------------------------------------------------------------------

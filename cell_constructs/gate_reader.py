@@ -2,10 +2,10 @@
 
 A cell (or router) in another account than the pipeline gets a gate reader, `<stack>-<region>-gate-reader`
 (a router's stack name, `<Fleet>-Router-<region>`, holds the region already: `<stack>-gate-reader`), a role that
-may only describe its rollout gate, trusting the pipeline's account (cell_alarms, router_alarms). Trusting the account
-alone lets in any principal of it that its own IAM policy allows sts:AssumeRole. The pipeline's CodePipeline
-role has a fixed name (`pipeline_role_name` of the fleet and the pipeline's region, given by
-stacks/pipeline_stack.py), so the trust can name its ARN
+may only describe alarms (GATE_READ_FINDING below: a composite gate takes DescribeAlarms on *), trusting the
+pipeline's account (cell_alarms, router_alarms). Trusting the account alone lets in any principal of it that its
+own IAM policy allows sts:AssumeRole. The pipeline's CodePipeline role has a fixed name (`pipeline_role_name` of
+the fleet and the pipeline's region, given by stacks/pipeline_stack.py), so the trust can name its ARN
 in an `aws:PrincipalArn` condition: a string compared at request time, so the role need not exist when the
 cell is deployed (cells are deployed before the pipeline:
 https://docs.aws.amazon.com/IAM/latest/UserGuide/reference_policies_condition-keys.html#condition-keys-principalarn).
@@ -23,6 +23,23 @@ from dataclasses import dataclass
 from aws_cdk import Stack
 from aws_cdk import aws_iam as iam
 from constructs import Construct
+
+# The rule reads the gate, a composite alarm (cell_alarms, router_alarms), with DescribeAlarms: "To use this
+# operation and return information about composite alarms, you must be signed on with the cloudwatch:DescribeAlarms
+# permission that is scoped to *. You can't return information about composite alarms if your
+# cloudwatch:DescribeAlarms permission has a narrower scope"
+# (https://docs.aws.amazon.com/AmazonCloudWatch/latest/APIReference/API_DescribeAlarms.html). A grant on the gate's
+# own ARN, as before, could not read it. On *, it reads the settings and states of the alarms of that account and
+# region, and changes nothing.
+GATE_READ_FINDING = ("AwsSolutions-IAM5[Resource::*]",
+                     "cloudwatch:DescribeAlarms on * only: AWS returns a composite alarm (the rollout gate) only to a "
+                     "DescribeAlarms permission scoped to * (CloudWatch API reference, DescribeAlarms); read-only")
+
+
+def gate_read_statement() -> iam.PolicyStatement:
+    """What reading the rollout gate takes (see GATE_READ_FINDING)."""
+    return iam.PolicyStatement(actions=["cloudwatch:DescribeAlarms"], resources=["*"])
+
 
 # "Maximum length of 64" (RoleName, https://docs.aws.amazon.com/IAM/latest/APIReference/API_CreateRole.html).
 IAM_ROLE_NAME_MAX = 64

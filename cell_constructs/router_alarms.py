@@ -19,7 +19,7 @@ requests, 5xx and healthy tasks, and the tasks' CPU and memory.
 
 from __future__ import annotations
 
-from aws_cdk import ArnFormat, Duration, Stack
+from aws_cdk import Duration
 from aws_cdk import aws_cloudwatch as cloudwatch
 from aws_cdk import aws_ecs as ecs
 from aws_cdk import aws_elasticloadbalancingv2 as elbv2
@@ -27,7 +27,7 @@ from aws_cdk import aws_iam as iam
 from constructs import Construct
 
 from cell_constructs.cell_alarms import rollout_gate_name, router_gate_reader_role_name
-from cell_constructs.gate_reader import PipelineTrust
+from cell_constructs.gate_reader import GATE_READ_FINDING, PipelineTrust, gate_read_statement
 from cell_constructs.nag import acknowledge
 from inference_fleet.config import RouterAlarmsConfig
 
@@ -118,20 +118,18 @@ class RouterAlarms(Construct):
         )
 
     def _gate_reader(self, trust: PipelineTrust) -> iam.Role:
-        """Lets the pipeline in another account read (only) this router's rollout gate state."""
-        stack = Stack.of(self)
+        """Lets the pipeline in another account read (only) alarms, this router's rollout gate among them."""
         role = iam.Role(
             self, "GateReader", role_name=router_gate_reader_role_name(self.stack_name),
             assumed_by=trust.principal(self), max_session_duration=Duration.hours(1),
             description=f"Pipeline account {trust.account} reads the rollout gate of router {self.router_name}",
         )
-        iam.ManagedPolicy(
+        policy = iam.ManagedPolicy(
             self, "GateReaderPolicy", roles=[role],
-            description=f"Describe the rollout gate alarm of router {self.router_name}",
-            statements=[iam.PolicyStatement(actions=["cloudwatch:DescribeAlarms"], resources=[stack.format_arn(
-                service="cloudwatch", resource="alarm", resource_name=rollout_gate_name(self.stack_name),
-                arn_format=ArnFormat.COLON_RESOURCE_NAME)])],
+            description=f"Describe alarms (the rollout gate {rollout_gate_name(self.stack_name)} among them)",
+            statements=[gate_read_statement()],
         )
+        acknowledge(policy, GATE_READ_FINDING)
         return role
 
     def _dashboard(self, load_balancer: elbv2.IApplicationLoadBalancer,

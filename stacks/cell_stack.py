@@ -219,6 +219,10 @@ class CellStack(Stack):
         self.spares = self._spares()
         # Protection only once every unit's (and the spares') services are stable: a failed create rolls back.
         services = [s for u in self.units for s in u.services] + ([self.spares.service] if self.spares else [])
+        # A role's managed policy is a resource of its own: a service that waited only for the role could start
+        # tasks (the launcher fetches the model at once) before their permissions exist.
+        for service in services:
+            service.node.default_child.node.add_dependency(self.task_policy)
         alb_protection = self.load_balancer.protect_after(services)  # None when the fleet file switches it off
         if self.router_endpoint is not None and alb_protection is not None:
             # After the ALB's call, not beside it: if the ALB's call fails, the NLB is not protected yet and
@@ -518,7 +522,7 @@ class CellStack(Stack):
         bucket_arn = f"arn:{self.partition}:s3:::{model.bucket}"
         artifacts = f"{bucket_arn}/{model.prefix}*"
         # A customer managed policy, not an inline one: reviewable and versioned on its own.
-        iam.ManagedPolicy(
+        self.task_policy = iam.ManagedPolicy(
             self, "UnitTaskPolicy", roles=[role],
             description=f"Read {model.artifacts_s3_uri}; discover leaders in {namespace_name(self.fleet, self.cell)}",
             statements=[
@@ -541,7 +545,7 @@ class CellStack(Stack):
             ],
         )
         acknowledge(
-            self.node.find_child("UnitTaskPolicy"),
+            self.task_policy,
             (f"AwsSolutions-IAM5[Resource::{artifacts}]",
              "Read-only access to every object under the model's artifact prefix, which the launcher downloads"),
             ("AwsSolutions-IAM5[Resource::*]",

@@ -27,7 +27,6 @@ import shlex
 from typing import NamedTuple
 
 from aws_cdk import (
-    ArnFormat,
     CfnCapabilities,
     DefaultStackSynthesizer,
     Duration,
@@ -51,7 +50,7 @@ from cell_constructs.cell_alarms import cell_gate_reader_role_name, rollout_gate
 from cell_constructs.compile_stage import REQUEST_DIR, REQUEST_FILE, CompileRun
 from cell_constructs.encryption import allow_cloudwatch_logs, artifacts_key_statement
 from cell_constructs.fleet_cli_project import PYTHON_RUNTIME, generated_project_findings
-from cell_constructs.gate_reader import pipeline_role_name
+from cell_constructs.gate_reader import GATE_READ_FINDING, gate_read_statement, pipeline_role_name
 from cell_constructs.nag import acknowledge
 from inference_fleet import compile_job
 from inference_fleet.config import (
@@ -528,14 +527,9 @@ class PipelineStack(Stack):
         local = [g for g in gates if not self._cross_account(g)]
         remote = [g for g in gates if self._cross_account(g)]
         if local:
-            role.add_to_principal_policy(iam.PolicyStatement(
-                actions=["cloudwatch:DescribeAlarms"],
-                resources=[self.format_arn(
-                    service="cloudwatch", resource="alarm", region=g.region, account=g.account,
-                    resource_name=rollout_gate_name(g.stack_name),
-                    arn_format=ArnFormat.COLON_RESOURCE_NAME,
-                ) for g in local],
-            ))
+            # Every region's alarms of this account (gate_reader.GATE_READ_FINDING: a narrower grant cannot read a
+            # composite alarm).
+            role.add_to_principal_policy(gate_read_statement())
         if remote:
             role.add_to_principal_policy(iam.PolicyStatement(
                 actions=["sts:AssumeRole"],
@@ -627,10 +621,13 @@ class PipelineStack(Stack):
             acknowledge(self.pipeline.role, (
                 f"AwsSolutions-IAM5[Resource::arn:{self.partition}:s3:::{bucket_name}/*]",
                 f"CDK-generated read/write grant on the pipeline's replication bucket in {region}"))
+        # One acknowledgement of Resource::* on the pipeline role, naming each statement that has it.
+        on_any = [GATE_READ_FINDING[1]] if any(not self._cross_account(g) for g in self._gates()) else []
         if self.pipeline.cross_region_support:
-            acknowledge(self.pipeline.role, ("AwsSolutions-IAM5[Resource::*]",
-                        "CDK grants kms:Encrypt/Decrypt on '*' for the replication buckets' keys in other regions, "
-                        "whose ARNs this stack cannot reference; each key's own policy admits only this account"))
+            on_any.append("CDK grants kms:Encrypt/Decrypt on '*' for the replication buckets' keys in other regions, "
+                          "whose ARNs this stack cannot reference; each key's own policy admits only this account")
+        if on_any:
+            acknowledge(self.pipeline.role, (GATE_READ_FINDING[0], "; ".join(on_any)))
 
 
 def _bootstrap_role(scope: Construct, construct_id: str, arn: str) -> iam.IRole:

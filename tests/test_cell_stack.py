@@ -201,6 +201,19 @@ def test_units_update_one_after_another(synth_large) -> None:
                 assert any(d.startswith(f"Unit{unit - 1}Followers") for d in depends), (logical_id, depends)
 
 
+def test_every_task_service_waits_for_its_task_policy(synth_large) -> None:
+    """The unit task role's permissions are a managed policy, a resource of its own: a service that depends only on
+    the role may start tasks (whose launcher fetches the model at once) before the policy is attached.
+    Regression: no unit or spare service depended on UnitTaskPolicy."""
+    resources = synth_large.template_json("Rufus-Cell-use2-a")["Resources"]
+    (policy,) = [k for k, r in resources.items()
+                 if r["Type"] == "AWS::IAM::ManagedPolicy" and k.startswith("UnitTaskPolicy")]
+    services = {k: r for k, r in resources.items() if r["Type"] == "AWS::ECS::Service"}
+    assert any(k.startswith("Spares") for k in services) and len(services) > 2
+    for logical_id, service in services.items():
+        assert policy in service.get("DependsOn", []), logical_id
+
+
 def test_load_balancer_is_internal_with_streaming_settings(synth_large) -> None:
     template = synth_large.templates["Rufus-Cell-use2-a"]
     alb = only(template, "AWS::ElasticLoadBalancingV2::LoadBalancer")["Properties"]

@@ -292,6 +292,8 @@ def test_cross_region_replication_bucket_is_versioned_logged_and_rotated(large_s
 
 
 _METRIC_READS = ("cloudwatch:GetMetricData", "cloudwatch:ListMetrics")
+# What reading a rollout gate takes (cell_constructs/gate_reader.py GATE_READ_FINDING).
+GATE_READ = {"Action": "cloudwatch:DescribeAlarms", "Effect": "Allow", "Resource": "*"}
 
 
 def test_pipeline_iam_is_scoped(large_synth) -> None:
@@ -302,7 +304,8 @@ def test_pipeline_iam_is_scoped(large_synth) -> None:
         actions = _listify(statement["Action"])
         assert "*" not in actions and not any(a.endswith(":*") for a in actions), statement
         # CloudWatch's metric reads (the verify gate's) have no resource-level permissions.
-        if any(a.startswith(("sts:", "cloudwatch:", "iam:")) and a not in _METRIC_READS for a in actions):
+        if any(a.startswith(("sts:", "cloudwatch:", "iam:")) and a not in _METRIC_READS for a in actions) and \
+                statement != GATE_READ:
             assert "*" not in _listify(statement["Resource"]), statement
 
     def resources_of(action: str) -> set[str]:
@@ -310,10 +313,8 @@ def test_pipeline_iam_is_scoped(large_synth) -> None:
         return {r for s in statements if action in _listify(s["Action"]) for r in _listify(s["Resource"])
                 if isinstance(r, str)}
 
-    # Same-account gates are read directly, and only the gates.
-    assert resources_of("cloudwatch:DescribeAlarms") == {
-        f"arn:aws:cloudwatch:us-east-2:222222222222:alarm:{rollout_gate_name(f'Rufus-Cell-{n}')}"
-        for n in ("use2-a", "use2-b")}
+    # Same-account gates are read directly, by DescribeAlarms alone (on *: test_the_composite_gate_is_read_...).
+    assert [st for st in statements if "cloudwatch:DescribeAlarms" in _listify(st["Action"])] == [GATE_READ]
     # Roles assumed: each cell's bootstrap deploy role, the other account's gate reader, and
     # (build) the bootstrap asset publishing roles; CDK's own action roles are in this stack.
     assumed = resources_of("sts:AssumeRole")
@@ -341,14 +342,26 @@ def test_cross_account_gate_is_read_through_the_cells_reader_role(large_synth) -
     assert trust["Principal"] == {"AWS": "arn:aws:iam::222222222222:root"}
     (policy,) = [p["Properties"] for p in cell.find_resources("AWS::IAM::ManagedPolicy").values()
                  if "gate" in p["Properties"].get("Description", "")]
-    assert policy["PolicyDocument"]["Statement"] == [{
-        "Action": "cloudwatch:DescribeAlarms", "Effect": "Allow",
-        "Resource": "arn:aws:cloudwatch:us-west-2:333333333333:alarm:Rufus-Cell-usw2-a-rollout-gate",
-    }]
+    assert policy["PolicyDocument"]["Statement"] == [GATE_READ]
     # Same-account cells need no reader role.
     for name in ("Rufus-Cell-use2-a", "Rufus-Cell-use2-b"):
         assert not large_synth.templates[name].find_resources(
             "AWS::IAM::Role", {"Properties": {"RoleName": cell_gate_reader_role_name(name, "us-east-2")}})
+
+
+def test_the_composite_gate_is_read_with_describe_alarms_on_every_alarm(large_synth) -> None:
+    """The rollout gate is a composite alarm, and "You can't return information about composite alarms if your
+    cloudwatch:DescribeAlarms permission has a narrower scope" than * (CloudWatch API reference, DescribeAlarms).
+    Regression: the pipeline role and the gate readers had DescribeAlarms on the gate's ARN only, so the stage
+    conditions could not read any gate."""
+    cells = [n for n in large_synth.templates if n.startswith("Rufus-Cell-")]
+    for name in cells:
+        gates = large_synth.templates[name].find_resources(
+            "AWS::CloudWatch::CompositeAlarm", {"Properties": {"AlarmName": rollout_gate_name(name)}})
+        assert len(gates) == 1, name
+    readers = [large_synth.templates[n] for n in [large_synth.fleet.pipeline_stack_name, *cells]]
+    grants = [st for t in readers for st in _statements(t) if "cloudwatch:DescribeAlarms" in _listify(st["Action"])]
+    assert len(grants) == 2 and all(st == GATE_READ for st in grants), grants  # the pipeline role, usw2-a's reader
 
 
 PIPELINE_ROLE = "arn:aws:iam::222222222222:role/Rufus-us-east-2-rollout-pipeline-role"
