@@ -35,25 +35,20 @@ from inference_fleet.config import CellConfig, FleetConfig
 # The kit waits for the launchers' metrics to reach CloudWatch and runs bursts and a prompt of
 # max_seq_len tokens: minutes, and more than Lambda's 15 (docs/rollout-pipeline.md).
 VERIFY_TIMEOUT = Duration.minutes(60)
-# What CodeBuild may call, all read-only; the kit's reads (docs/verifying.md).
-STACK_READS = ("cloudformation:DescribeStacks", "cloudformation:DescribeStackResources",
-               "cloudformation:ListStackResources")
-CLUSTER_READS = ("ecs:DescribeClusters",)
-CLUSTER_LISTS = ("ecs:ListServices", "ecs:ListTasks")
-SERVICE_READS = ("ecs:DescribeServices",)
+# What CodeBuild may call, all read-only: exactly the kit's reads, inference_fleet/verify/aws.py REQUIRED_ACTIONS
+# (tests/test_verify_gate.py holds the two equal; docs/verifying.md).
+STACK_READS = ("cloudformation:ListStackResources",)
+CLUSTER_LISTS = ("ecs:ListTasks",)
 TASK_READS = ("ecs:DescribeTasks",)
 # The kit maps a leader task to its instance's target (aws.py unit_health). DescribeContainerInstances takes the
 # container-instance resource, arn:...:container-instance/<cluster-name>/<id> (Service Authorization Reference:
 # https://docs.aws.amazon.com/service-authorization/latest/reference/list_amazonelasticcontainerservice.html).
 CONTAINER_INSTANCE_READS = ("ecs:DescribeContainerInstances",)
-LOG_READS = ("logs:DescribeLogStreams", "logs:FilterLogEvents", "logs:GetLogEvents", "logs:StartQuery")
-# No resource-level permissions exist for these (Service Authorization Reference: Elastic Load
-# Balancing V2, CloudWatch, CloudWatch Logs GetQueryResults, ECS DescribeTaskDefinition): "*".
+LOG_READS = ("logs:FilterLogEvents",)
+# No resource-level permissions exist for these (Service Authorization Reference: Elastic Load Balancing V2,
+# CloudWatch): "*".
 UNSCOPED_READS = ("elasticloadbalancing:DescribeListeners", "elasticloadbalancing:DescribeLoadBalancers",
-                  "elasticloadbalancing:DescribeTargetGroups", "elasticloadbalancing:DescribeTargetHealth",
-                  "cloudwatch:GetMetricData", "cloudwatch:ListMetrics", "logs:GetQueryResults",
-                  "ecs:DescribeTaskDefinition")
-
+                  "elasticloadbalancing:DescribeTargetHealth", "cloudwatch:GetMetricData")
 
 def verify_command(fleet_file: str, cell: str) -> str:
     """The build's command (sh), each value one quoted word (a fleet file's path may hold spaces or quotes)."""
@@ -124,10 +119,8 @@ class VerifyGate(Construct):
         cluster = arn("ecs", "cluster", f"{name}-*")
         statements = [
             iam.PolicyStatement(actions=list(STACK_READS), resources=[arn("cloudformation", "stack", f"{name}/*")]),
-            iam.PolicyStatement(actions=list(CLUSTER_READS), resources=[cluster]),
             iam.PolicyStatement(actions=list(CLUSTER_LISTS), resources=["*"],
                                 conditions={"ArnLike": {"ecs:cluster": cluster}}),
-            iam.PolicyStatement(actions=list(SERVICE_READS), resources=[arn("ecs", "service", f"{name}-*/*")]),
             iam.PolicyStatement(actions=list(TASK_READS), resources=[arn("ecs", "task", f"{name}-*/*")]),
             iam.PolicyStatement(actions=list(CONTAINER_INSTANCE_READS),
                                 resources=[arn("ecs", "container-instance", f"{name}-*/*")]),
@@ -153,17 +146,15 @@ class VerifyGate(Construct):
             (f"AwsSolutions-IAM5[Resource::arn:{where.format(service='cloudformation')}:stack/{name}/*]",
              "The cell's stack, any of its stack ids (the id suffix changes when the stack is replaced)"),
             *((f"AwsSolutions-IAM5[Resource::arn:{where.format(service=service)}:{resource}]", cell_scoped)
-              for service, resource in (("ecs", f"cluster/{name}-*"), ("ecs", f"service/{name}-*/*"),
-                                        ("ecs", f"task/{name}-*/*"), ("ecs", f"container-instance/{name}-*/*"),
+              for service, resource in (("ecs", f"task/{name}-*/*"), ("ecs", f"container-instance/{name}-*/*"),
                                         ("logs", f"log-group:{name}-*"),
                                         ("logs", f"log-group:{name}-*:log-stream:*"))),
             ("AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:ec2:<AWS::Region>:<AWS::AccountId>:network-interface/*]",
              "CDK-generated: ec2:CreateNetworkInterfacePermission for CodeBuild, conditioned on the cell's subnets "
              "and the codebuild.amazonaws.com service"),
             ("AwsSolutions-IAM5[Resource::*]",
-             "Describe and read actions without resource-level permissions (ELBv2 Describe*, CloudWatch GetMetricData "
-             "and ListMetrics, Logs GetQueryResults, ECS DescribeTaskDefinition), and ECS ListServices/ListTasks "
-             "limited to the cell's cluster by the ecs:cluster condition"),
+             "Describe and read actions without resource-level permissions (ELBv2 Describe*, CloudWatch "
+             "GetMetricData), and ECS ListTasks limited to the cell's cluster by the ecs:cluster condition"),
         ]
         acknowledge_fleet_cli_project(
             self.project, artifact_bucket=artifact_bucket, findings=own,
