@@ -13,6 +13,7 @@ launcher's `plan --config`, the tests) reads a fleet with `load_fleet` (a file) 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,9 @@ def check_fleet_file_place(fleet: FleetConfig, fleet_file: str | Path | None) ->
 # `make synth` and the tests run offline on the example, but it deploys nowhere: `placeholder_warnings` names each
 # field that holds it (docs/deploying.md, step 0, "Make the fleet yours").
 PLACEHOLDER_ACCOUNT = "111111111111"
+# The account as a word of its own (in an ARN, an ECR host, a bucket name), not twelve 1s inside a longer
+# run of hex digits or letters such as an image digest.
+_PLACEHOLDER_WORD = re.compile(rf"(?<![0-9A-Za-z]){PLACEHOLDER_ACCOUNT}(?![0-9A-Za-z])")
 # What to set instead, by field name; any other field holding the account is the same account's resource.
 _PLACEHOLDER_FIXES = {
     "account": "your AWS account ID",
@@ -103,7 +107,7 @@ def placeholder_warnings(fleet: FleetConfig) -> list[ConfigIssue]:
         elif isinstance(value, list | tuple):
             for i, item in enumerate(value):
                 walk(item, f"{path}[{i}]")
-        elif isinstance(value, str) and PLACEHOLDER_ACCOUNT in value:
+        elif isinstance(value, str) and _PLACEHOLDER_WORD.search(value):
             fix = _PLACEHOLDER_FIXES.get(path.rsplit(".", 1)[-1], "the value of your own account's resource")
             found.append(ConfigIssue(
                 path, value, f"the example fleet's placeholder account {PLACEHOLDER_ACCOUNT}, not yours: set "
