@@ -13,6 +13,7 @@ launcher's `plan --config`, the tests) reads a fleet with `load_fleet` (a file) 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,9 @@ def check_fleet_file_place(fleet: FleetConfig, fleet_file: str | Path | None) ->
 # `make synth` and the tests run offline on the example, but it deploys nowhere: `placeholder_warnings` names each
 # field that holds it (docs/deploying.md, step 0, "Make the fleet yours").
 PLACEHOLDER_ACCOUNT = "111111111111"
+# The account as a word of its own (in an ARN, an ECR host, a bucket name), not twelve 1s inside a longer
+# run of hex digits or letters such as an image digest.
+_PLACEHOLDER_WORD = re.compile(rf"(?<![0-9A-Za-z]){PLACEHOLDER_ACCOUNT}(?![0-9A-Za-z])")
 # What to set instead, by field name; any other field holding the account is the same account's resource.
 _PLACEHOLDER_FIXES = {
     "account": "your AWS account ID",
@@ -103,7 +107,7 @@ def placeholder_warnings(fleet: FleetConfig) -> list[ConfigIssue]:
         elif isinstance(value, list | tuple):
             for i, item in enumerate(value):
                 walk(item, f"{path}[{i}]")
-        elif isinstance(value, str) and PLACEHOLDER_ACCOUNT in value:
+        elif isinstance(value, str) and _PLACEHOLDER_WORD.search(value):
             fix = _PLACEHOLDER_FIXES.get(path.rsplit(".", 1)[-1], "the value of your own account's resource")
             found.append(ConfigIssue(
                 path, value, f"the example fleet's placeholder account {PLACEHOLDER_ACCOUNT}, not yours: set "
@@ -326,6 +330,25 @@ def _check_waves(fleet: FleetConfig) -> Iterable[ConfigIssue]:
             )
 
 
+def _gate_prefix_issues(fleet: FleetConfig) -> Iterable[ConfigIssue]:
+    """The gate reads the canary cell's tasks, container instances and log groups by the prefix
+    `<stack>-` (CloudFormation names what it names `<stack>-<logical id>-<suffix>`; stacks/verify_gate.py).
+    Another cell of the account and region whose name starts with the canary's name and `-` has a stack
+    name with that prefix, so the gate could read its resources too: refused, so the scoping holds."""
+    canaries = fleet.cells_of_wave(fleet.waves[0].name)
+    for j, other in enumerate(fleet.cells):
+        for canary in canaries:
+            if (other.name.startswith(f"{canary.name}-")
+                    and (other.account, other.region) == (canary.account, canary.region)):
+                yield ConfigIssue(
+                    f"cells[{j}].name", other.name,
+                    f"starts with the canary cell's name {canary.name!r} and '-' in {canary.account}/"
+                    f"{canary.region}: the verify gate reads the canary's resources by the name prefix "
+                    f"{fleet.cell_stack_name(canary)}-, which {fleet.cell_stack_name(other)}'s resources also "
+                    f"have; rename one of the two cells (e.g. {canary.name}0), or set pipeline.verify_gate: false",
+                )
+
+
 def _check_verify_gate(fleet: FleetConfig) -> Iterable[ConfigIssue]:
     """The gate is a CodeBuild project of the pipeline's account in the canary's VPC, found through an
     SSM parameter: both regional and of one account (stacks/verify_gate.py). Either front end may be
@@ -342,6 +365,7 @@ def _check_verify_gate(fleet: FleetConfig) -> Iterable[ConfigIssue]:
                 "pipeline's account and region: put the canary cell there, or set pipeline.verify_gate: false "
                 "and run `make verify-cell` after the canary deploys",
             )
+    yield from _gate_prefix_issues(fleet)
     for i, cell in enumerate(fleet.cells):
         routed = any(cell.name in (r.tls_names or {}) for r in fleet.routers)
         if cell.wave == fleet.waves[0].name and cell.certificate_arn and not cell.tls_name and not routed:

@@ -141,7 +141,8 @@ class VerifyGate(Construct):
         where = f"{stack.partition}:{{service}}:{stack.region}:{stack.account}"
         cell_scoped = ("The cell's own resources: CloudFormation names a resource it names itself "
                        "<stack>-<logical id>-<suffix> (https://docs.aws.amazon.com/AWSCloudFormation/latest/UserGuide/"
-                       "aws-properties-name.html), and these are read-only actions")
+                       "aws-properties-name.html); no other cell of the fleet in the account and region has that "
+                       "prefix (the fleet checks refuse one), and these are read-only actions")
         own = [
             (f"AwsSolutions-IAM5[Resource::arn:{where.format(service='cloudformation')}:stack/{name}/*]",
              "The cell's stack, any of its stack ids (the id suffix changes when the stack is replaced)"),

@@ -276,6 +276,18 @@ def test_a_fleet_of_ones_own_account_has_no_placeholder_warning(raw: dict) -> No
     assert [w.path for w in placeholder_warnings(parse_fleet(raw))] == PLACEHOLDER_FIELDS
 
 
+def test_twelve_ones_inside_an_image_digest_are_not_the_placeholder_account(raw: dict) -> None:
+    # tests/fleets/pipeline_large.yaml pins images of accounts 222222222222 and 333333333333 by digests of 1s:
+    # each was warned about as "the example fleet's placeholder account 111111111111".
+    own = yaml.safe_load(DEFAULT_CONFIG.read_text().replace("111111111111", "210987654321"))
+    digest = "sha256:" + "1" * 64
+    own["cells"][0]["images"] = {"inference": f"210987654321.dkr.ecr.us-east-2.amazonaws.com/rufus/inference@{digest}",
+                                 "proxy": f"210987654321.dkr.ecr.us-east-2.amazonaws.com/rufus/proxy@{digest}"}
+    assert placeholder_warnings(parse_fleet(own)) == []
+    own["cells"][0]["images"]["proxy"] = f"111111111111.dkr.ecr.us-east-2.amazonaws.com/rufus/proxy@{digest}"
+    assert [w.path for w in placeholder_warnings(parse_fleet(own))] == ["cells[0].images.proxy"]
+
+
 @pytest.mark.parametrize("placeholder", [True, False], ids=["placeholder", "own-account"])
 def test_validate_prints_the_placeholder_warnings_and_still_accepts(tmp_path: Path, placeholder: bool) -> None:
     fleet = tmp_path / "fleet.yaml"

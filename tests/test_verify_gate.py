@@ -216,6 +216,25 @@ def test_a_canary_cell_outside_the_pipelines_account_and_region_is_refused_befor
     assert "set pipeline.verify_gate: false" in str(error.value)
 
 
+def test_a_cell_whose_stack_name_has_the_canarys_prefix_is_refused_before_synthesis() -> None:
+    """The gate reads the canary's resources by `<stack>-*`: a cell `use2-a-2` beside the canary `use2-a` in its
+    account and region has stack Rufus-Cell-use2-a-2, whose resources (`Rufus-Cell-use2-a-2-<id>-<suffix>`) the
+    pattern `Rufus-Cell-use2-a-*` also matches. Refused; in another account, or without the gate, it is fine."""
+    data = load_fleet(ROOT / LARGE).model_dump(mode="json", exclude_none=True)
+    (b,) = [c for c in data["cells"] if c["name"] == "use2-b"]
+    b["name"] = "use2-a-2"
+    with pytest.raises(ConfigError) as error:
+        parse_fleet(data, "prefixed cell")
+    assert "cells[1].name = 'use2-a-2': starts with the canary cell's name 'use2-a' and '-' in " \
+           "222222222222/us-east-2: the verify gate reads the canary's resources by the name prefix " \
+           "Rufus-Cell-use2-a-, which Rufus-Cell-use2-a-2's resources also have" in str(error.value)
+    b["account"] = "444444444444"
+    parse_fleet(data, "prefixed cell in another account")
+    b["account"] = "222222222222"
+    data["pipeline"]["verify_gate"] = False
+    parse_fleet(data, "prefixed cell, no gate")
+
+
 def test_a_fleet_without_the_gate_has_no_verify_action(tmp_path) -> None:
     data = load_fleet(ROOT / LARGE).model_dump(mode="json", exclude_none=True)
     # No cell in us-west-2: the compile VPC's zones are named (check_compile_azs).
