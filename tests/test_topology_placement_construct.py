@@ -229,6 +229,14 @@ def test_iam_is_one_managed_policy_scoped_to_this_cell(synthesized):
     assert by_sid["StoppingTasksOfThisCluster"]["Action"] == "ecs:ListTasks"
     assert by_sid["StoppingTasksOfThisCluster"]["Condition"] == {"ArnEquals": {"ecs:cluster": cluster_arn}}
     assert by_sid["FailedTasksOfThisCluster"]["Action"] == "ecs:DescribeTasks"
+    # Exactly what the SQS developer guide lists for a Lambda execution role polled by an event source
+    # mapping (https://docs.aws.amazon.com/AWSSimpleQueueService/latest/SQSDeveloperGuide/
+    # sqs-configure-lambda-function-trigger.html, Prerequisites): not ChangeMessageVisibility as well.
+    assert sorted(by_sid["Triggers"]["Action"]) == [
+        "sqs:DeleteMessage",
+        "sqs:GetQueueAttributes",
+        "sqs:ReceiveMessage",
+    ]
     attributes = by_sid["UnitAttributesOnThisCluster"]
     assert sorted(attributes["Action"]) == [
         "ecs:DeleteAttributes",
