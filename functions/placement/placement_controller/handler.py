@@ -300,6 +300,7 @@ def _quarantine(
     retry: aws.Retry,
     now: float,
     start_failures: list[Failure],
+    group: Mapping[str, aws.GroupInstance],
 ) -> QuarantineStep:
     failures = failures_from_records(signals.records(event)) + start_failures
     return quarantine_step(
@@ -308,6 +309,7 @@ def _quarantine(
         failures,
         lambda tasks: aws.task_container_instances(clients.ecs, settings.cluster, tasks, retry),
         now,
+        group=set(group),
     )
 
 
@@ -452,7 +454,7 @@ def reconcile(
     container_instances = [aws.with_stopping(ci, stopping) for ci in container_instances]
     by_instance = {ci.ec2_instance_id: ci for ci in container_instances}
     start_failures, start_report = _start_failures(settings, container_instances, group, gone, event)
-    step = _quarantine(settings, clients, container_instances, event, retry, now, start_failures)
+    step = _quarantine(settings, clients, container_instances, event, retry, now, start_failures, group)
     agents = ecs_health.observe(settings.ecs_health, container_instances, group, step.in_quarantine | gone, now)
 
     deletes: list[dict[str, str]] = []
@@ -537,7 +539,7 @@ def reconcile(
     summary.update(
         {
             "quarantined": dict(sorted(step.quarantined_now.items())),
-            "in_quarantine": sorted(step.in_quarantine),
+            "in_quarantine": sorted(step.holding),  # out and not yet replaced (what the cap counts)
             "quarantine_deferred": step.deferred,
             "marked_unhealthy": unhealthy + disconnected,
             "agent_disconnected_replaced": disconnected,

@@ -17,7 +17,7 @@ waiting for another failure.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from placement_controller import aws, blame
@@ -47,6 +47,8 @@ class QuarantineStep:
     quarantined_now: dict[str, str] = field(default_factory=dict)
     # Every instance marked, before this run or by it.
     in_quarantine: set[str] = field(default_factory=set)
+    # Those of them still in the Auto Scaling group: the ones the cap counts (out, not yet replaced).
+    holding: set[str] = field(default_factory=set)
     deferred: list[str] = field(default_factory=list)
     unresolved: list[str] = field(default_factory=list)
     counted: int = 0
@@ -107,6 +109,7 @@ def quarantine_step(
     failures: Sequence[Failure],
     lookup_tasks: TaskLookup,
     now: float,
+    group: Collection[str] | None = None,
 ) -> QuarantineStep:
     """Record each new failure on its instance; quarantine the instances whose counted failures reach the limit.
 
@@ -114,10 +117,18 @@ def quarantine_step(
     over many hosts point at the software (a bad revision), which the deployment's own
     rollback handles; replacing every host would not help. Among the instances over the
     limit, the most failures first (then the instance id).
+
+    `group` is the Auto Scaling group's instance ids (None: every listed instance is in it). A
+    quarantined instance that has left the group no longer holds a place under the cap: its
+    replacement is on the way. Its container instance may stay listed, ACTIVE, for good: ECS does
+    not deregister a terminated instance whose agent was disconnected (DeregisterContainerInstance,
+    Amazon ECS API reference), and a host quarantined for a container runtime fault has its agent
+    down with the runtime.
     """
     step = QuarantineStep()
     by_arn = {ci.arn: ci for ci in container_instances}
     step.in_quarantine = {ci.ec2_instance_id for ci in container_instances if QUARANTINE_ATTRIBUTE in ci.attributes}
+    step.holding = {i for i in step.in_quarantine if group is None or i in group}
     own = {ci.ec2_instance_id: parse_times(ci.attributes.get(FAILURES_ATTRIBUTE)) for ci in container_instances}
     marks = {ci.ec2_instance_id: blame.parse_marks(ci.attributes.get(blame.ACCUSED_ATTRIBUTE))
              for ci in container_instances}
@@ -146,14 +157,15 @@ def quarantine_step(
         key=lambda i: (-len(tallies[i].counted), i),
     )
     for instance_id in over:
-        if len(step.in_quarantine) >= policy.max_instances:
+        if len(step.holding) >= policy.max_instances:
             LOG.warning("%s reached the quarantine limit, but %d instances are in quarantine already",
-                        instance_id, len(step.in_quarantine))
+                        instance_id, len(step.holding))
             step.deferred.append(instance_id)
             continue
         last = [newest[instance_id]] if instance_id in newest else []
         reason = quarantine_reason(last, len(tallies[instance_id].counted), policy)
         step.quarantined_now[instance_id] = reason
         step.in_quarantine.add(instance_id)
+        step.holding.add(instance_id)
         LOG.warning("quarantine %s: %s", instance_id, reason)
     return step

@@ -722,6 +722,34 @@ def test_after_the_quarantine_the_replacement_becomes_the_new_spare_and_nothing_
     assert summary["spares"] == ["i-0n"] and summary["marked_unhealthy"] == []
 
 
+def test_a_quarantined_host_that_left_the_group_no_longer_holds_the_cap():
+    """A host quarantined with its ECS agent disconnected (a container runtime fault) and then
+    terminated keeps its container instance, ACTIVE with the `quarantine` attribute: ECS does not
+    deregister a terminated instance whose agent is disconnected (DeregisterContainerInstance, API
+    reference). Counted under the cap (1), it would defer every later quarantine in the cell forever."""
+    cell = Cell()
+    cell.group(**{"i-0a": "InService", "i-0b": "InService"})  # i-0q is gone from the group
+    a = container("i-0a", running=1, unit="u0", unit_placement="topology")
+    b = container("i-0b", running=1, unit="u0", unit_placement="topology", unit_failures=f"{NOW - 100} {NOW - 900}")
+    q = {**container("i-0q", quarantine="3 unit failures in 60 min"), "agentConnected": False}
+    cell.containers([a, b, q])
+    cell.ecs.add_response(
+        "describe_tasks",
+        {"tasks": [{"taskArn": TASK_B, "containerInstanceArn": arn("i-0b")}], "failures": []},
+        {"cluster": CLUSTER, "tasks": [TASK_B]},
+    )
+    cell.topology(["i-0a"], [topo("i-0a", "t", "m1", "b1")])
+    reason = f"3 unit failures in 60 min: last member_engine_exit of u0 at {NOW - 5}"
+    expect_quarantine(cell, "i-0b", f"{NOW - 5} {NOW - 100} {NOW - 900}", reason)
+    health_call(cell, "i-0b")
+    event = {"Records": [failure_record(TASK_B, NOW - 4.6)]}
+    with cell.active():
+        summary = reconcile(SETTINGS, cell.clients, event, aws.Retry(), cell.lines.append, now=NOW)
+    assert summary["quarantined"] == {"i-0b": reason} and summary["marked_unhealthy"] == ["i-0b"]
+    metrics = next(line for line in emf_lines(cell) if "Unit" not in line)
+    assert (metrics["Quarantines"], metrics["InstancesInQuarantine"], metrics["QuarantinesDeferred"]) == (1, 1, 0)
+
+
 def test_failures_below_the_limit_are_only_recorded_and_unknown_members_reported():
     cell = Cell()
     cell.group(**{"i-0a": "InService", "i-0b": "InService"})
