@@ -116,7 +116,10 @@ def quarantine_step(
     At most `policy.max_instances` instances are in quarantine at once: failures spread
     over many hosts point at the software (a bad revision), which the deployment's own
     rollback handles; replacing every host would not help. Among the instances over the
-    limit, the most failures first (then the instance id).
+    limit, the most failures first (then the instance id). More instances over the limit at
+    once than the cap are taken for such a spread and none of them is quarantined: else, once
+    the one host taken first had been replaced, the cap would free and the rest would follow
+    one by one, a healthy host each time, for as long as their failures stay in view.
 
     `group` is the Auto Scaling group's instance ids (None: every listed instance is in it). A
     quarantined instance that has left the group no longer holds a place under the cap: its
@@ -153,13 +156,20 @@ def quarantine_step(
     kept_marks = {i: {m for m in held if now - m.at < horizon} for i, held in marks.items()}
     tallies = blame.tally(kept_own, kept_marks, now)
     over = sorted(
-        (i for i, t in tallies.items() if i not in step.in_quarantine and reaches_quarantine(t.counted, now, policy)),
+        (i for i, t in tallies.items() if i not in step.in_quarantine and (group is None or i in group)
+         and reaches_quarantine(t.counted, now, policy)),
         key=lambda i: (-len(tallies[i].counted), i),
     )
+    spread = len(over) > policy.max_instances
+    if spread:
+        LOG.warning("%d instances reached the quarantine limit at once (at most %d are quarantined): "
+                    "failures spread over hosts point at the software; none is quarantined", len(over),
+                    policy.max_instances)
     for instance_id in over:
-        if len(step.holding) >= policy.max_instances:
-            LOG.warning("%s reached the quarantine limit, but %d instances are in quarantine already",
-                        instance_id, len(step.holding))
+        if spread or len(step.holding) >= policy.max_instances:
+            if not spread:
+                LOG.warning("%s reached the quarantine limit, but %d instances are in quarantine already",
+                            instance_id, len(step.holding))
             step.deferred.append(instance_id)
             continue
         last = [newest[instance_id]] if instance_id in newest else []

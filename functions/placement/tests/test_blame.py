@@ -177,6 +177,26 @@ def test_a_host_held_back_by_the_cap_is_quarantined_once_the_cap_allows_without_
     assert cell.quarantined == [(START + 500, "i-0b")]
 
 
+def test_a_bad_revision_failing_on_every_host_takes_one_host_not_each_in_turn():
+    """Six hosts (three units) crash three times each within 13 minutes: the revision, not the
+    hosts (docs/placement.md, "A bad revision is not a bad host"). The first host to reach the
+    limit alone is taken; once it is replaced, the other five are still over the limit (their
+    failures stay in view for the window and the settling time), but more hosts at once than
+    the cap are the software: none is taken, in any later sweep, without a new failure."""
+    hosts = [f"i-0h{k}" for k in range(6)]
+    cell = Controller(list(hosts))
+    for round_ in range(3):
+        for k, host in enumerate(hosts):
+            at = START + 240 * round_ + 20 * k
+            partner = hosts[k ^ 1]  # the unit's other member
+            cell.run([report(f"u{k // 2}", f"s{round_}-{k}", "member_engine_exit", at, host, [partner, host])], at + 5)
+    assert [host for _, host in cell.quarantined] == ["i-0h0"]
+    cell.instances = [*hosts[1:], "i-0n0"]  # the group replaced the quarantined host
+    for sweep in range(1, 10):
+        cell.run([], START + 600 + 600 * sweep)
+    assert [host for _, host in cell.quarantined] == ["i-0h0"]
+
+
 def test_the_marks_fit_an_attribute_and_read_back():
     from placement_controller import blame, failures
 
