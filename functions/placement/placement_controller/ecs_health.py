@@ -103,14 +103,19 @@ def observe(
     return seen
 
 
-def replacing(group: Mapping[str, aws.GroupInstance], marked: Sequence[str]) -> int:
-    """Instances of the cell being replaced now: Unhealthy in the group (terminating included),
-    still starting (a replacement, as far as the group tells), or just marked.
+def being_replaced(group: Mapping[str, aws.GroupInstance]) -> set[str]:
+    """Instances of the cell being replaced now: Unhealthy in the group (terminating included), or
+    still starting (a replacement, as far as the group tells). The quarantine counts them under the
+    same cap (quarantine.quarantine_step).
 
     Conservative on purpose: a deferred mark is retried by the next run, a second unit down is not undone.
     """
-    busy = {i for i, g in group.items() if g.health == "Unhealthy" or g.lifecycle in STARTING_LIFECYCLE_STATES}
-    return len(busy | set(marked))
+    return {i for i, g in group.items() if g.health == "Unhealthy" or g.lifecycle in STARTING_LIFECYCLE_STATES}
+
+
+def replacing(group: Mapping[str, aws.GroupInstance], marked: Sequence[str]) -> int:
+    """How many instances are out now: `being_replaced`, and those just marked."""
+    return len(being_replaced(group) | set(marked))
 
 
 def choose(broken: Sequence[tuple[float, str]], budget: int, updating: bool) -> tuple[list[str], list[str]]:

@@ -310,6 +310,7 @@ def _quarantine(
         lambda tasks: aws.task_container_instances(clients.ecs, settings.cluster, tasks, retry),
         now,
         group=set(group),
+        replaced=ecs_health.being_replaced(group),
     )
 
 

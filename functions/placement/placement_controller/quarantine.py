@@ -110,6 +110,7 @@ def quarantine_step(
     lookup_tasks: TaskLookup,
     now: float,
     group: Collection[str] | None = None,
+    replaced: Collection[str] = (),
 ) -> QuarantineStep:
     """Record each new failure on its instance; quarantine the instances whose counted failures reach the limit.
 
@@ -126,12 +127,15 @@ def quarantine_step(
     replacement is on the way. Its container instance may stay listed, ACTIVE, for good: ECS does
     not deregister a terminated instance whose agent was disconnected (DeregisterContainerInstance,
     Amazon ECS API reference), and a host quarantined for a container runtime fault has its agent
-    down with the runtime.
+    down with the runtime. `replaced` are the instances the group is replacing for another cause
+    (an ECS agent that stayed away) or starting: they take places under the same cap, one cap
+    for every host out (ecs_health.being_replaced).
     """
     step = QuarantineStep()
     by_arn = {ci.arn: ci for ci in container_instances}
     step.in_quarantine = {ci.ec2_instance_id for ci in container_instances if QUARANTINE_ATTRIBUTE in ci.attributes}
     step.holding = {i for i in step.in_quarantine if group is None or i in group}
+    out = step.holding | set(replaced)
     own = {ci.ec2_instance_id: parse_times(ci.attributes.get(FAILURES_ATTRIBUTE)) for ci in container_instances}
     marks = {ci.ec2_instance_id: blame.parse_marks(ci.attributes.get(blame.ACCUSED_ATTRIBUTE))
              for ci in container_instances}
@@ -166,10 +170,10 @@ def quarantine_step(
                     "failures spread over hosts point at the software; none is quarantined", len(over),
                     policy.max_instances)
     for instance_id in over:
-        if spread or len(step.holding) >= policy.max_instances:
+        if spread or len(out) >= policy.max_instances:
             if not spread:
-                LOG.warning("%s reached the quarantine limit, but %d instances are in quarantine already",
-                            instance_id, len(step.holding))
+                LOG.warning("%s reached the quarantine limit, but %d instances are out already "
+                            "(in quarantine, or being replaced or started)", instance_id, len(out))
             step.deferred.append(instance_id)
             continue
         last = [newest[instance_id]] if instance_id in newest else []
@@ -177,5 +181,6 @@ def quarantine_step(
         step.quarantined_now[instance_id] = reason
         step.in_quarantine.add(instance_id)
         step.holding.add(instance_id)
+        out.add(instance_id)
         LOG.warning("quarantine %s: %s", instance_id, reason)
     return step

@@ -750,6 +750,31 @@ def test_a_quarantined_host_that_left_the_group_no_longer_holds_the_cap():
     assert (metrics["Quarantines"], metrics["InstancesInQuarantine"], metrics["QuarantinesDeferred"]) == (1, 1, 0)
 
 
+def test_a_host_being_replaced_for_its_agent_takes_the_quarantine_cap_too():
+    """One cap for every host out (docs/placement.md): while the group replaces a host whose ECS
+    agent stayed away (Unhealthy, terminating; its replacement pending), a third failure of
+    another host is recorded and deferred, not a second unit down at once. The next run after
+    the replacement is in service takes it (test_blame.py: a host held back by the cap)."""
+    cell = Cell()
+    cell.group(("i-0r",), **{"i-0a": "InService", "i-0b": "InService", "i-0r": "Terminating", "i-0p": "Pending"})
+    a = container("i-0a", running=1, unit="u0", unit_placement="topology")
+    b = container("i-0b", running=1, unit="u0", unit_placement="topology", unit_failures=f"{NOW - 100} {NOW - 900}")
+    cell.containers([a, b])
+    cell.ecs.add_response(
+        "describe_tasks",
+        {"tasks": [{"taskArn": TASK_B, "containerInstanceArn": arn("i-0b")}], "failures": []},
+        {"cluster": CLUSTER, "tasks": [TASK_B]},
+    )
+    cell.topology(["i-0a", "i-0b"], [topo("i-0a", "t", "m1", "b1"), topo("i-0b", "t", "m1", "b1")])
+    times = [{"name": "unit-failures", "value": f"{NOW - 5} {NOW - 100} {NOW - 900}",
+              "targetType": "container-instance", "targetId": arn("i-0b")}]
+    cell.ecs.add_response("put_attributes", {"attributes": times}, {"cluster": CLUSTER, "attributes": times})
+    event = {"Records": [failure_record(TASK_B, NOW - 4.6)]}
+    with cell.active():
+        summary = reconcile(SETTINGS, cell.clients, event, aws.Retry(), cell.lines.append, now=NOW)
+    assert summary["quarantined"] == {} and summary["quarantine_deferred"] == ["i-0b"]
+
+
 def test_failures_below_the_limit_are_only_recorded_and_unknown_members_reported():
     cell = Cell()
     cell.group(**{"i-0a": "InService", "i-0b": "InService"})
