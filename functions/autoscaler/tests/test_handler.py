@@ -322,6 +322,17 @@ def test_refused_capacity_is_recorded_and_the_activation_cancelled() -> None:
     assert cell.emf["CapacityFailures"] == 1.0 and cell.emf["Cancelled"] == 1.0
 
 
+def test_ec2s_own_capacity_text_without_its_error_code_is_a_refusal() -> None:
+    """EC2's InsufficientInstanceCapacity message as RunInstances returns it (the code is a separate
+    field of the error); whether Auto Scaling's StatusMessage carries the code is not documented."""
+    text = ("We currently do not have sufficient trn2.48xlarge capacity in the Availability Zone you requested "
+            "(us-east-2a). Our system will be working on provisioning additional capacity. Launching EC2 "
+            "instance failed.")
+    assert aws.CAPACITY_MESSAGE.search(text)
+    assert not aws.CAPACITY_MESSAGE.search("Launching a new EC2 instance: i-0123. Status Reason: Instance failed to "
+                                           "complete user's Lifecycle Action")
+
+
 # -- serving units are never cancelled (issue 21, item 2) ----------------------------
 
 REFUSAL = ("We currently do not have sufficient trn2.48xlarge capacity in the Availability Zone you "

@@ -42,9 +42,13 @@ RETRIED_EXCEPTIONS: tuple[type[Exception], ...] = (BotocoreConnectionError, HTTP
 # Stack states in which CloudFormation is working on the cell: the autoscaler keeps out.
 STACK_BUSY = re.compile(r"_IN_PROGRESS$")
 # Scaling activity messages that mean "no instances to be had": insufficient capacity,
-# an exhausted or missing capacity reservation or block.
+# an exhausted or missing capacity reservation or block. EC2's own text for
+# InsufficientInstanceCapacity ("We currently do not have sufficient trn2.48xlarge capacity in the
+# Availability Zone you requested ...") is matched without its code: whether Auto Scaling's
+# StatusMessage carries the code is not documented.
 CAPACITY_MESSAGE = re.compile(
-    r"InsufficientInstanceCapacity|insufficient capacity|ReservationCapacityExceeded|"
+    r"InsufficientInstanceCapacity|insufficient capacity|do not have sufficient \S+ capacity|"
+    r"ReservationCapacityExceeded|"
     r"InsufficientCapacityOnHost|capacity reservation|CapacityBlock|MaxSpotInstanceCountExceeded",
     re.IGNORECASE,
 )
