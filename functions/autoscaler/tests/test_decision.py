@@ -248,6 +248,24 @@ def test_scale_out_takes_the_lowest_dormant_units_at_once() -> None:
     assert (decision.action, decision.units, decision.desired_units) == ("activate", (0, 2), 4)
 
 
+def test_no_unit_above_a_draining_one_is_activated() -> None:
+    """The placement controller labels arriving instances for the lowest unit with no busy member
+    (placement_controller.assignment). Activated above a unit still draining, u3 and u4 would wait
+    for instances that, registering after u2's release, get u2's label: the autoscaler would then
+    release them as u2's, and u4 would stay starting for good (the cold review of the autoscaler,
+    reproduced in the cell simulator). The scale-out waits for u2 to be released."""
+    policy = Policy(min_units=1, max_units=5, nodes=2, target_load=0.5, scale_in_margin=0.2,
+                    scale_out_cooldown_s=300, scale_in_cooldown_s=1800)
+    units = (saturated(0), saturated(1), Unit(2, "draining", running_tasks=2, instances=2),
+             Unit(3, "dormant"), Unit(4, "dormant"))
+    decision = decide(policy, Observation(now=1e5, units=units))
+    assert decision.action == "hold" and "u2" in decision.reason, decision
+    released = (saturated(0), saturated(1), Unit(2, "dormant"), Unit(3, "dormant"), Unit(4, "dormant"))
+    assert decide(policy, Observation(now=1e5, units=released)).units == (2, 3)
+    below_min = (Unit(0, "draining", running_tasks=2, instances=2), Unit(1, "dormant"))
+    assert decide(policy, Observation(now=1e5, units=below_min)).action == "hold"
+
+
 def test_vllms_waiting_requests_are_counted_once() -> None:
     """InFlight is HAProxy's scur + qcur of the engine server, which already holds every request
     vLLM keeps waiting (QueueDepth): 12 in flight of which 4 wait in vLLM is 12 requests, not 16

@@ -349,6 +349,20 @@ def _cancellable(policy: Policy, obs: Observation, starting: Sequence[Unit], act
     return sorted(short, key=lambda u: -u.index)[:room]
 
 
+def _draining_below(draining: Sequence[Unit], dormant: Sequence[Unit]) -> Unit | None:
+    """A unit still draining below the lowest dormant one, which an activation must wait for.
+
+    The placement controller labels arriving instances for the lowest unit with no busy member
+    (placement_controller.assignment). Instances that register after this unit's release (about
+    10 minutes after a scale-out) would get its label, not the activated unit's: the autoscaler
+    would release them as this unit's, and the activated unit would stay starting for good.
+    """
+    if not draining or not dormant:
+        return None
+    lowest = min(draining, key=lambda u: u.index)
+    return lowest if lowest.index < dormant[0].index else None
+
+
 def decide(policy: Policy, obs: Observation) -> Decision:
     """At most one action for this tick (module doc)."""
     units = sorted(obs.units, key=lambda u: u.index)
@@ -383,11 +397,15 @@ def decide(policy: Policy, obs: Observation) -> Decision:
                    "backing off", cancel)
     if releasing:
         return out("release", "tasks stopped after the drain: releasing the unit's instances", releasing[:1])
+    below = _draining_below(draining, dormant)
+    wait = f"; waiting for {below.unit_id} to be drained and released first" if below else ""
 
     # Bounds first (a changed fleet file, a unit lost by hand): min and max hold whatever the load.
     if active < policy.min_units:
         if in_backoff:
             return out("hold", f"below min_units but in capacity backoff until {backoff:.0f}")
+        if below:
+            return out("hold", f"{active} active units below min_units {policy.min_units}{wait}")
         return out("activate", f"{active} active units below min_units {policy.min_units}",
                    dormant[: policy.min_units - active])
     if active > policy.max_units and serving:
@@ -416,6 +434,8 @@ def decide(policy: Policy, obs: Observation) -> Decision:
             return out("hold", f"{why}; scale-out cool-down")
         if not dormant:
             return out("hold", f"{why}; no dormant unit left")
+        if below:
+            return out("hold", f"{why}{wait}")
         return out("activate", why, dormant[: target - active])
 
     # Scale in only with every unit settled, outside the cool-down, when one unit fewer still
