@@ -126,7 +126,11 @@ def test_instances_are_released_only_after_the_drain(situation) -> None:
     if decision.action == "deactivate":
         # A drain starts only from a serving unit; nothing else stops its tasks.
         assert all(by_index[i].phase == "serving" for i in decision.units)
-    if decision.action == "activate":
+    if decision.action == "activate" and any(by_index[i].phase == "releasing" for i in decision.units):
+        # Below min_units, a unit being released is activated on the instances it holds.
+        assert all(by_index[i].phase == "releasing" for i in decision.units)
+        assert sum(u.phase in ACTIVE for u in obs.units) < policy.min_units
+    elif decision.action == "activate":
         assert all(by_index[i].phase == "dormant" for i in decision.units)
         dormant = sorted(u.index for u in obs.units if u.phase == "dormant")
         assert list(decision.units) == dormant[: len(decision.units)]  # the placement controller's order
@@ -264,6 +268,20 @@ def test_no_unit_above_a_draining_one_is_activated() -> None:
     assert decide(policy, Observation(now=1e5, units=released)).units == (2, 3)
     below_min = (Unit(0, "draining", running_tasks=2, instances=2), Unit(1, "dormant"))
     assert decide(policy, Observation(now=1e5, units=below_min)).action == "hold"
+
+
+def test_below_min_units_a_unit_being_released_is_activated_not_released() -> None:
+    """min_units raised from 1 to 2: UpdateAutoScalingGroup raises the desired capacity to the new
+    MinSize at once (Auto Scaling API reference, UpdateAutoScalingGroup), so the instances arrive
+    during the deploy, are labelled u1, whose services are still at 0: u1 reads as releasing. Its
+    release would fail on the group's minimum size every tick (the errors alarm; the cold review of
+    the autoscaler); the unit below min_units is activated on those instances instead."""
+    units = (serving(0, 8), Unit(1, "releasing", instances=2), Unit(2, "dormant"))
+    policy = Policy(min_units=2, max_units=4, nodes=2, target_load=0.5)
+    decision = decide(policy, Observation(now=1e5, units=units))
+    assert (decision.action, decision.units) == ("activate", (1,)), decision
+    at_min = (serving(0, 8), serving(1, 8), Unit(2, "releasing", instances=2))
+    assert decide(policy, Observation(now=1e5, units=at_min)).action == "release"
 
 
 def test_vllms_waiting_requests_are_counted_once() -> None:

@@ -219,6 +219,29 @@ def test_a_loaded_cell_activates_the_lowest_dormant_unit_instances_first() -> No
     assert cell.emf["_aws"]["CloudWatchMetrics"][0]["Namespace"] == "Rufus/UnitAutoscaler"
 
 
+def test_min_units_raised_activates_the_unit_on_the_instances_the_group_launched() -> None:
+    """min_units 1 -> 2: the group's new MinSize launched two instances during the deploy, labelled
+    u1 (services at 0). u1 is activated on them, with no SetDesiredCapacity (the Stubber refuses
+    any), not released against the group's minimum size."""
+    from dataclasses import replace
+
+    settings = replace(SETTINGS, policy=replace(POLICY, min_units=2))
+    cell = Cell()
+    cell.stack()
+    cell.group(4, ["i-a", "i-b", "i-c", "i-d"], served="0", **{aws.TAG_LAST_OUT: NOW - 7200})
+    cell.services({"u0": (2, 2), "u1": (0, 0), "u2": (0, 0)})
+    cell.labels({"i-a": "u0", "i-b": "u0", "i-c": "u1", "i-d": "u1"})
+    cell.stopping()  # u1's instances are free: nothing stopping there
+    cell.activities()
+    cell.metrics({"u0": (8.0, 1.0)})
+    cell.expect_tag(aws.TAG_LAST_OUT)
+    cell.expect_activated(f"{int(NOW)}:1")
+    cell.expect_count("u1", "leader", 1)
+    cell.expect_count("u1", "followers", 1)
+    summary = cell.run(settings)
+    assert (summary["action"], summary["units"]) == ("activate", ["u1"])
+
+
 def test_an_idle_cell_drains_its_least_loaded_unit_leader_first() -> None:
     cell = Cell()
     cell.stack()

@@ -257,8 +257,13 @@ def act(settings: Settings, clients: Clients, decision: Decision, context: Mappi
             done.setdefault("services", []).append(f"{unit_id}/{role}={count}")
 
     if decision.action == "activate":
-        desired = min(group.desired + nodes * len(unit_ids), group.max_size)
-        aws.set_desired_capacity(clients.autoscaling, settings.group, desired, retry)
+        # Only the instances the units lack: a unit activated on the instances it still holds
+        # (below min_units, `decide`) needs none.
+        labelled = context.get("labelled", {})
+        lacking = sum(max(0, nodes - len(labelled.get(unit_id, []))) for unit_id in unit_ids)
+        desired = min(group.desired + lacking, group.max_size)
+        if desired != group.desired:
+            aws.set_desired_capacity(clients.autoscaling, settings.group, desired, retry)
         aws.record_time(clients.autoscaling, settings.group, aws.TAG_LAST_OUT, now, retry)
         activated = {**context.get("activated", {}), **dict.fromkeys(decision.units, now)}
         window_start = now - settings.policy.window_minutes * MINUTE_S
