@@ -396,8 +396,10 @@ def decide(policy: Policy, obs: Observation) -> Decision:
         return out("cancel", "instances could not be obtained for starting units that never served: cancelled, "
                    "backing off", cancel)
     if releasing and active < policy.min_units:
-        # A raised min_units: the group launched the instances for the new MinSize at once, and
-        # they were labelled for a unit whose services are at 0. Released, they would fall below
+        # A raised min_units: the group launched the instances for the new MinSize at once (a MinSize
+        # above the group's size sets DesiredCapacity to it: https://docs.aws.amazon.com/autoscaling/
+        # ec2/APIReference/API_UpdateAutoScalingGroup.html), and they were labelled for a unit whose
+        # services are at 0. Released, they would fall below
         # the group's minimum size (refused, every tick); the unit is activated on them instead.
         return out("activate", f"{active} active units below min_units {policy.min_units}: activated on the "
                    "instances it still holds", releasing[: policy.min_units - active])

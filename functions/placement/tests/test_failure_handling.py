@@ -217,3 +217,13 @@ def test_quarantine_resolves_task_arns_and_respects_the_limit_of_instances():
     assert list(step.quarantined_now) == ["i-0b"] and step.in_quarantine == {"i-0a", "i-0b"}
     reason = step.quarantined_now["i-0b"]
     assert reason == attribute_value(reason) and reason.startswith("3 unit failures in 60 min")
+
+
+def test_an_instance_gone_from_the_group_is_not_judged_nor_counted_in_a_spread():
+    """i-0g has left the group (terminated with its agent away, its container instance still listed
+    with its failure times); i-0b in the group reaches the limit. Two instances over the limit would
+    read as a spread (none quarantined, quarantine.quarantine_step): only the group's count."""
+    times = f"{NOW - 30} {NOW - 60} {NOW - 90}"
+    hosts = [_ci("i-0g", **{FAILURES_ATTRIBUTE: times}), _ci("i-0b", **{FAILURES_ATTRIBUTE: times})]
+    step = quarantine_step(POLICY, hosts, [], lambda tasks: {}, NOW, group={"i-0b"})
+    assert list(step.quarantined_now) == ["i-0b"] and step.deferred == []
