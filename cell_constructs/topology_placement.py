@@ -231,7 +231,6 @@ class TopologyPlacement(Construct):
             service="ecs", resource="container-instance", resource_name=f"{cluster.cluster_name}/*"
         )
         self._tasks_arn = stack.format_arn(service="ecs", resource="task", resource_name=f"{cluster.cluster_name}/*")
-        self._container_instances_arn = container_instances
         group_arn = stack.format_arn(
             service="autoscaling",
             resource="autoScalingGroup",
@@ -294,7 +293,8 @@ class TopologyPlacement(Construct):
                 ),
                 iam.PolicyStatement(
                     # The cluster's tasks whose desired status is STOPPED (aws.stopping_tasks): a unit's
-                    # instance keeps its label while its task drains. ListTasks authorizes on the
+                    # instance keeps its label while its task drains; with spares, the spare family's
+                    # running tasks (aws.running_tasks_of_family). ListTasks authorizes on the
                     # container-instance resource type with the ecs:cluster condition key; a listing of
                     # the whole cluster names no instance, so "*" limited by the condition, as
                     # aws/aws-cdk#3199 and awsdocs/amazon-ecs-developer-guide#211 grant it.
@@ -621,12 +621,9 @@ class TopologyPlacement(Construct):
         self.unit_tasks_failed_to_start.add_event_pattern(
             detail={"taskDefinitionArn": [{"anything-but": {"prefix": spare_definitions}}]}
         )
+        # The spare tasks are found by ListTasks of the family on the whole cluster (the sweep in
+        # handler._stop_spare_tasks), which "StoppingTasksOfThisCluster" already allows.
         self.policy.add_statements(
-            iam.PolicyStatement(
-                sid="FindSpareTasksOnThisCluster",
-                actions=["ecs:ListTasks"],
-                resources=[self._container_instances_arn],
-            ),
             iam.PolicyStatement(
                 sid="StopSpareTasksOnThisCluster",
                 actions=["ecs:StopTask"],

@@ -220,6 +220,10 @@ def test_iam_is_one_managed_policy_scoped_to_this_cell(synthesized):
     # condition key (ListTasks of the whole cluster: the tasks still stopping).
     wildcard = [s["Sid"] for s in statements if s["Resource"] == "*"]
     assert wildcard == ["ReadTopologyAndGroup", "StoppingTasksOfThisCluster"]
+    # ListTasks (the stopping tasks; the spare family's sweep) on this cluster only, by its condition.
+    cluster_only = by_sid["StoppingTasksOfThisCluster"]
+    assert cluster_only["Action"] == "ecs:ListTasks" and "ecs:cluster" in json.dumps(cluster_only["Condition"])
+    assert "FindSpareTasksOnThisCluster" not in by_sid  # the per-instance listing it allowed is gone
     assert sorted(by_sid["ReadTopologyAndGroup"]["Action"]) == [
         "autoscaling:DescribeAutoScalingGroups",
         "ec2:DescribeInstanceTopology",
@@ -370,7 +374,6 @@ def test_quarantine_and_spare_permissions_are_scoped_to_this_cell(with_failure_h
     for sid, action, kind in (
         ("FailedTasksOfThisCluster", "ecs:DescribeTasks", ":task/"),
         ("StopSpareTasksOnThisCluster", "ecs:StopTask", ":task/"),
-        ("FindSpareTasksOnThisCluster", "ecs:ListTasks", ":container-instance/"),
     ):
         assert by_sid[sid]["Action"] == action
         resource = json.dumps(by_sid[sid]["Resource"])
@@ -383,6 +386,10 @@ def test_quarantine_and_spare_permissions_are_scoped_to_this_cell(with_failure_h
     statements = policy["Properties"]["PolicyDocument"]["Statement"]
     wildcard = [s["Sid"] for s in statements if s["Resource"] == "*"]
     assert wildcard == ["ReadTopologyAndGroup", "StoppingTasksOfThisCluster"]
+    # ListTasks (the stopping tasks; the spare family's sweep) on this cluster only, by its condition.
+    cluster_only = by_sid["StoppingTasksOfThisCluster"]
+    assert cluster_only["Action"] == "ecs:ListTasks" and "ecs:cluster" in json.dumps(cluster_only["Condition"])
+    assert "FindSpareTasksOnThisCluster" not in by_sid  # the per-instance listing it allowed is gone
 
 
 def test_unit_failures_reach_the_function_from_the_unit_log_group_only(with_failure_handling):

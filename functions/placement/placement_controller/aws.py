@@ -331,15 +331,17 @@ def mark_unhealthy(autoscaling: BaseClient, instance_id: str, retry: Retry) -> b
     return True
 
 
-def stop_spare_tasks(
-    ecs: BaseClient, cluster: str, container_instance: str, family: str, reason: str, retry: Retry
-) -> list[str]:
-    """Stop the spare service's tasks on one container instance (it now belongs to a unit)."""
-    response = retry.call(
-        ecs.list_tasks, cluster=cluster, containerInstance=container_instance, family=family, desiredStatus="RUNNING"
-    )
-    stopped: list[str] = []
-    for task in response.get("taskArns", []):
-        retry.call(ecs.stop_task, cluster=cluster, task=task, reason=reason[:255])
-        stopped.append(task)
-    return stopped
+def running_tasks_of_family(ecs: BaseClient, cluster: str, family: str, retry: Retry) -> dict[str, str]:
+    """Task ARN -> container instance ARN of the family's tasks whose desired status is RUNNING.
+
+    ListTasks filters by `family` and `desiredStatus` together
+    (https://docs.aws.amazon.com/AmazonECS/latest/APIReference/API_ListTasks.html); DescribeTasks
+    says where each runs (`task_container_instances`).
+    """
+    arns = _ecs_list(ecs.list_tasks, "taskArns", retry, cluster=cluster, family=family, desiredStatus="RUNNING")
+    return task_container_instances(ecs, cluster, arns, retry) if arns else {}
+
+
+def stop_task(ecs: BaseClient, cluster: str, task: str, reason: str, retry: Retry) -> None:
+    """StopTask; `reason` is cut to the 255 characters the API takes."""
+    retry.call(ecs.stop_task, cluster=cluster, task=task, reason=reason[:255])

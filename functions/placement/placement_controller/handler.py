@@ -514,7 +514,8 @@ def reconcile(
     puts += agent_puts
     deletes += agent_deletes
     skipped: list[str] = []
-    leaving_spares: list[aws.ContainerInstance] = []
+    # Each instance's unit label once this run's writes are in (the sweep of spare tasks reads it).
+    labels = {ci.arn: ci.attributes.get(UNIT_ATTRIBUTE) for ci in container_instances}
     if changing:
         for read in aws.describe_container_instances(clients.ecs, settings.cluster, list(changing), retry):
             fresh = aws.with_stopping(read, stopping)
@@ -527,13 +528,12 @@ def reconcile(
             more_puts, more_deletes = _label_changes(fresh, unit, mark)
             puts.extend(more_puts)
             deletes.extend(more_deletes)
-            if fresh.scheduled and unit not in (None, SPARE_UNIT):
-                leaving_spares.append(fresh)
+            labels[fresh.arn] = unit
 
     # Deletes first: a label moving from one instance to another is never on both at once.
     deleted = aws.delete_attributes(clients.ecs, settings.cluster, deletes, retry)
     written = aws.put_attributes(clients.ecs, settings.cluster, puts, retry)
-    stopped = _stop_spare_tasks(settings, clients, leaving_spares, retry)
+    stopped = _stop_spare_tasks(settings, clients, labels, retry)
     unhealthy = _mark_unhealthy(settings, clients, step, group, retry)
     disconnected, disconnected_deferred = _replace_disconnected(settings, clients, agents, group, unhealthy, retry)
     summary = _summary(settings, plan, topology, left, skipped, written, deleted, retry.retried)
@@ -563,18 +563,24 @@ def reconcile(
 
 
 def _stop_spare_tasks(
-    settings: Settings, clients: Clients, spares: list[aws.ContainerInstance], retry: aws.Retry
+    settings: Settings, clients: Clients, labels: Mapping[str, str | None], retry: aws.Retry
 ) -> list[str]:
-    """The spare task leaves a spare given to a unit, so the spare service starts one on the next spare."""
+    """Stop every spare task on an instance labelled with a unit, so the spare service starts one on a spare.
+
+    ECS never moves a running task when an attribute changes (its placement constraint holds only
+    at placement), so the controller stops it. Swept every run, not only in the run that relabels:
+    a run that fails between its PutAttributes and its StopTask is run again with the label
+    already written, and a spare task ECS was placing while the label changed appears only later.
+    One ListTasks a run (DescribeTasks too when spare tasks run).
+    """
     if not settings.spare_task_family:
         return []
-    stopped: list[str] = []
-    for ci in spares:
-        stopped += aws.stop_spare_tasks(
-            clients.ecs, settings.cluster, ci.arn, settings.spare_task_family,
-            "placement controller: this spare now belongs to a unit", retry,
-        )
-    return stopped
+    tasks = aws.running_tasks_of_family(clients.ecs, settings.cluster, settings.spare_task_family, retry)
+    stray = sorted(task for task, host in tasks.items() if labels.get(host) not in (None, "", SPARE_UNIT))
+    for task in stray:
+        aws.stop_task(clients.ecs, settings.cluster, task, "placement controller: this spare now belongs to a unit",
+                      retry)
+    return stray
 
 
 def emf(namespace: str, dimensions: Mapping[str, str], metrics: Mapping[str, float], **fields: Any) -> str:

@@ -676,10 +676,7 @@ def test_a_host_failing_a_third_time_is_quarantined_and_its_unit_gets_the_neares
     reason = f"3 unit failures in 60 min: last member_engine_exit of u0 at {NOW - 5}"
     expect_quarantine(cell, "i-0b", f"{NOW - 5} {NOW - 100} {NOW - 900}", reason, *put("i-0s", "u0", "topology"))
     spare_task = f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/5pare"
-    cell.ecs.add_response(
-        "list_tasks", {"taskArns": [spare_task]},
-        {"cluster": CLUSTER, "containerInstance": arn("i-0s"), "family": "rufus-dev-spare", "desiredStatus": "RUNNING"},
-    )
+    spare_tasks(cell, {"5pare": "i-0s", "5pare2": "i-0t"})  # the far spare's task stays
     cell.ecs.add_response(
         "stop_task", {"task": {"taskArn": spare_task}},
         {"cluster": CLUSTER, "task": spare_task, "reason": "placement controller: this spare now belongs to a unit"},
@@ -704,6 +701,44 @@ def test_a_host_failing_a_third_time_is_quarantined_and_its_unit_gets_the_neares
     assert metrics["UnitFailuresCounted"] == 1
 
 
+def spare_tasks(cell: Cell, where: dict[str, str]) -> None:
+    """The sweep of the spare service's tasks: ListTasks (its family, desired RUNNING) and
+    DescribeTasks of what it lists; `where`: task id -> instance id."""
+    tasks = [{"taskArn": f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/{task}", "containerInstanceArn": arn(i)}
+             for task, i in sorted(where.items())]
+    cell.ecs.add_response(
+        "list_tasks", {"taskArns": [t["taskArn"] for t in tasks]},
+        {"cluster": CLUSTER, "family": "rufus-dev-spare", "desiredStatus": "RUNNING", "maxResults": 100},
+    )
+    if tasks:
+        cell.ecs.add_response("describe_tasks", {"tasks": tasks, "failures": []},
+                              {"cluster": CLUSTER, "tasks": [t["taskArn"] for t in tasks]})
+
+
+def test_a_spare_task_left_on_an_instance_a_unit_took_is_stopped_by_a_later_run():
+    """A run relabels a warm spare for a unit and then fails before its StopTask (retries used up,
+    the Lambda timing out between the two); SQS runs it again and the label is already the unit's,
+    so nothing is relabelled. The spare task must still go: the spare service counts it as one of
+    its tasks, so the instance that is now the spare never gets one, never caches the model and
+    never reports `spare_ready` (which a rolling update's signal waits for)."""
+    cell = Cell()
+    cell.group(**{"i-0a": "InService", "i-0s": "InService", "i-0t": "InService"})
+    a = container("i-0a", running=1, unit="u0", unit_placement="topology")
+    s = container("i-0s", running=2, unit="u0", unit_placement="topology")  # the unit's task and the stray
+    t = container("i-0t", running=1, unit="spare")
+    cell.containers([a, s, t])
+    cell.topology(["i-0a", "i-0s", "i-0t"], [topo(i, "t", "m1", "b1") for i in ("i-0a", "i-0s", "i-0t")])
+    spare_tasks(cell, {"5pare": "i-0s", "5pare2": "i-0t"})
+    stray = f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/5pare"
+    cell.ecs.add_response(
+        "stop_task", {"task": {"taskArn": stray}},
+        {"cluster": CLUSTER, "task": stray, "reason": "placement controller: this spare now belongs to a unit"},
+    )
+    summary = cell.run({"source": "aws.events", "detail-type": "Scheduled Event"}, settings=SPARE_SETTINGS)
+    assert summary["spare_tasks_stopped"] == [stray]
+    assert summary["units"]["u0"]["instances"] == ["i-0a", "i-0s"] and summary["spares"] == ["i-0t"]
+
+
 def test_after_the_quarantine_the_replacement_becomes_the_new_spare_and_nothing_is_repeated():
     cell = Cell()
     cell.group(("i-0b",), **{"i-0a": "InService", "i-0s": "InService", "i-0b": "InService", "i-0n": "Pending"})
@@ -716,6 +751,7 @@ def test_after_the_quarantine_the_replacement_becomes_the_new_spare_and_nothing_
     cell.describe([n])
     spare = [{"name": "unit", "value": "spare", "targetType": "container-instance", "targetId": arn("i-0n")}]
     cell.ecs.add_response("put_attributes", {"attributes": spare}, {"cluster": CLUSTER, "attributes": spare})
+    spare_tasks(cell, {})  # the spare service has not placed one on i-0n yet
     # No SetInstanceHealth: the group already counts i-0b unhealthy.
     summary = cell.run({"source": "aws.events", "detail-type": "Scheduled Event"}, settings=SPARE_SETTINGS)
     assert summary["in_quarantine"] == ["i-0b"] and summary["quarantined"] == {}
@@ -790,6 +826,7 @@ def test_failures_below_the_limit_are_only_recorded_and_unknown_members_reported
     times = [{"name": "unit-failures", "value": str(NOW - 60), "targetType": "container-instance",
               "targetId": arn("i-0b")}]
     cell.ecs.add_response("put_attributes", {"attributes": times}, {"cluster": CLUSTER, "attributes": times})
+    spare_tasks(cell, {})
     event = {"Records": [failure_record("i-0b", NOW - 60), failure_record(gone_task, NOW - 30)]}
     with cell.active():
         summary = reconcile(SPARE_SETTINGS, cell.clients, event, aws.Retry(), cell.lines.append, now=NOW)
@@ -1200,6 +1237,7 @@ def test_an_unknown_reason_is_reported_and_published_not_counted(caplog):
     b = container("i-0b", running=1, unit="u0", unit_placement="topology")
     cell.containers([a, b])
     cell.topology(["i-0a", "i-0b"], [topo("i-0a", "t", "m", "b"), topo("i-0b", "t", "m", "b")])
+    spare_tasks(cell, {})
     odd = "CannotStartContainerError: Error response from daemon: something new went wrong"
     event = {"Records": [task_failed_to_start("i-0b", "u1", NOW - 30, odd),
                          task_failed_to_start("i-0b", "s1", NOW - 20, DEVICE_GONE, family="rufus-dev-spare")]}

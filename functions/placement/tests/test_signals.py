@@ -115,6 +115,13 @@ class Cell:
         self.stubs["ecs"].add_response("put_attributes", {"attributes": writes},
                                        {"cluster": CLUSTER, "attributes": writes})
 
+    def spare_tasks(self, *placed: tuple[str, str]) -> None:
+        """The controller's sweep of spare tasks (ListTasks of the family, then DescribeTasks): (task, instance)."""
+        arns = [task_arn(name) for name, _ in placed]
+        self.stubs["ecs"].add_response("list_tasks", {"taskArns": arns}, {
+            "cluster": CLUSTER, "family": WITH_SPARE.spare_task_family, "desiredStatus": "RUNNING", "maxResults": 100})
+        self.tasks(*placed)
+
     def signal(self, instance: str) -> None:
         self.stubs["cloudformation"].add_response("signal_resource", {}, {
             "StackName": STACK, "LogicalResourceId": RESOURCE, "UniqueId": instance, "Status": "SUCCESS"})
@@ -208,6 +215,7 @@ def test_a_new_instance_that_became_the_spare_is_signalled_once_its_spare_task_h
     cell.topology(["i-a", "i-n", "i-s"])
     cell.tasks(("5pare", "i-n"), by_id=True)
     cell.put(("i-n", "spare-ready", str(NOW - 60)))
+    cell.spare_tasks(("5pare", "i-n"))  # on the spare: stays
     cell.updating()
     cell.healthy("i-a")  # u0, which took the old spare i-s, serves again
     cell.signal("i-n")
