@@ -1218,7 +1218,8 @@ class Cell:
         busy = "UPDATE_IN_PROGRESS" if self.roll.active or self.deploy_queue else None
         return asd.Observation(now=self.wall(), units=tuple(units), stack_busy=busy,
                                last_scale_out=unix(self.last_scale_out), last_scale_in=unix(self.last_scale_in),
-                               capacity_failures=failures)
+                               capacity_failures=failures,
+                               unlabelled_instances=len(as_handler.unlabelled_live(*self._group_view())))
 
     def autoscale(self) -> None:
         obs = self.observation()
@@ -1263,9 +1264,8 @@ class Cell:
         if decision.action not in ("activate", "cancel"):  # never with a busy stack: decide holds then
             self._release_unlabelled(obs)
 
-    def _release_unlabelled(self, obs: asd.Observation) -> None:
-        """The handler's rule for unlabelled instances no unit waits for (`unlabelled_beyond_need`, called
-        as it is), on the simulated group: each is terminated, decrementing the desired capacity."""
+    def _group_view(self) -> tuple[as_aws.GroupView, dict[str, dict[str, str]]]:
+        """The group and the registered instances' ECS attributes, as the autoscaler's handler reads them."""
         live = self.live_instances()
         group = as_aws.GroupView(
             desired=self.desired, max_size=self.max_units * self.nodes, tags={},
@@ -1273,6 +1273,13 @@ class Cell:
             min_size=self.min_units * self.nodes,
             in_service=tuple(i.iid for i in live if i.lifecycle == "InService" and i.health == "Healthy"))
         attributes = {i.iid: {k: str(v) for k, v in i.attributes.items()} for i in live if i.registered}
+        return group, attributes
+
+    def _release_unlabelled(self, obs: asd.Observation) -> None:
+        """The handler's rule for unlabelled instances no unit waits for (`unlabelled_beyond_need`, called
+        as it is), on the simulated group: each is terminated, decrementing the desired capacity."""
+        group, attributes = self._group_view()
+        live = self.live_instances()
         settings = as_handler.Settings("sim", "sim", "sim", "sim", "", "", 1, self.policy)
         busy = {i.iid for i in live if i.task is not None and i.task.state != "STOPPED"}
         for iid in as_handler.unlabelled_beyond_need(settings, group, attributes, list(obs.units), busy):

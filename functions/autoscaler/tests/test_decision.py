@@ -68,6 +68,7 @@ def situations(draw: st.DrawFn) -> tuple[Policy, Observation]:
         now=now, units=draw(units(policy)), last_scale_out=draw(past), last_scale_in=draw(past),
         capacity_failures=tuple(draw(st.lists(st.floats(0, now), max_size=3))),
         ttft_p90_ms=draw(histories(policy.window_minutes, 0, 10000)),
+        unlabelled_instances=draw(st.integers(0, 2 * policy.nodes)),
     )
     return policy, obs
 
@@ -108,6 +109,12 @@ def test_only_a_unit_that_never_served_and_lacks_instances_is_cancelled(situatio
         for index in decision.units:
             assert by_index[index].phase == "starting"
             assert by_index[index].instances is not None and by_index[index].instances < policy.nodes
+        # Only while the cell is short: the active units lack more than the unlabelled instances
+        # on their way, and no more units than it takes (the last one chosen was still needed).
+        lacking = {u.index: max(0, policy.nodes - (u.instances or 0)) for u in obs.units
+                   if u.phase in ACTIVE and u.instances is not None}
+        short = sum(lacking.values()) - obs.unlabelled_instances
+        assert short - sum(lacking[i] for i in decision.units[1:]) > 0
     if decision.action == "deactivate":
         # A drain is deliberate: only above min_units, and only by the load rules or max_units.
         assert sum(u.phase in ACTIVE for u in obs.units) > policy.min_units
@@ -404,6 +411,23 @@ def test_a_capacity_failure_cancels_the_activation_and_backs_off() -> None:
     assert held.action == "hold" and "backoff" in held.reason
     assert decide(POLICY, Observation(now=950 + 601, units=later.units, last_scale_out=900,
                                       capacity_failures=(950,))).action == "activate"
+
+
+def test_only_as_many_starting_units_as_the_cell_is_short_are_cancelled() -> None:
+    """Two units activated for four instances; two are in the group, booting (unlabelled). The
+    placement controller will label them for u1 (lowest first): only u2 is short and cancelled.
+    With all four in the group nothing is; with none, both (min_units 1 keeps u0)."""
+    def cancelled(unlabelled: int) -> tuple[str, tuple[int, ...]]:
+        units = (serving(0, 32), Unit(1, "starting", running_tasks=0, instances=0),
+                 Unit(2, "starting", running_tasks=0, instances=0), Unit(3, "dormant"))
+        obs = Observation(now=1000, units=units, last_scale_out=900, capacity_failures=(950,),
+                          unlabelled_instances=unlabelled)
+        decision = decide(POLICY, obs)
+        return decision.action, decision.units
+    assert cancelled(2) == ("cancel", (2,))
+    assert cancelled(3) == ("cancel", (2,))
+    assert cancelled(4)[0] == "hold"
+    assert cancelled(0) == ("cancel", (1, 2))
 
 
 def test_a_unit_that_got_its_instances_is_not_cancelled() -> None:

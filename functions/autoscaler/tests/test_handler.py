@@ -463,6 +463,25 @@ def test_a_refused_activation_is_cancelled_but_never_below_min_units() -> None:
     assert summary["phases"] == {"u0": "starting", "u1": "starting", "u2": "dormant"}
 
 
+def test_an_activation_whose_instances_are_booting_is_kept_when_the_refusal_was_another_launch() -> None:
+    """u2 was activated 4 minutes ago; its two instances are launched and booting (Pending, not yet
+    registered, so unlabelled). Meanwhile u0 lost a host: the group's first launch of its replacement
+    was refused, its retry got one (i-r, Pending). Every instance asked for is in the group. Before:
+    a refusal newer than the scale-out and u2 without labelled instances cancelled u2 (its booting
+    instances released as surplus the next ticks, a backoff of 10 minutes for nothing)."""
+    cell = Cell()
+    cell.stack()
+    booting = {"i-r": "Pending", "i-4": "Pending", "i-5": "Pending"}
+    cell.group(6, ["i-0", "i-2", "i-3"], served="0,1", states=booting, **{aws.TAG_LAST_OUT: NOW - 240})
+    cell.services({"u0": (1, 1, 1, 0), "u1": (2, 2), "u2": (2, 0)})
+    cell.labels({"i-0": "u0", "i-2": "u1", "i-3": "u1"})
+    cell.activities((NOW - 200, REFUSAL))
+    cell.metrics({"u0": (16.0, 1.0), "u1": (16.0, 1.0)})
+    summary = cell.run()  # the Stubber would refuse the cancel's UpdateService calls
+    assert summary["action"] == "hold", summary
+    assert summary["phases"] == {"u0": "serving", "u1": "serving", "u2": "starting"}
+
+
 # -- smoothing (issue 21, item 3) ----------------------------------------------------
 
 

@@ -154,6 +154,9 @@ class Observation:
     last_scale_out: float | None = None
     last_scale_in: float | None = None
     capacity_failures: tuple[float, ...] = ()  # times of launches refused for capacity, any order
+    # Live instances of the group with no unit label (booting, not yet registered, or not yet
+    # labelled), quarantined ones aside: launched, so not refused, whichever unit they will join.
+    unlabelled_instances: int = 0
     ttft_p90_ms: Series = ()  # the cell's TTFT p90 per minute, newest first
 
 
@@ -338,15 +341,27 @@ def cell_in_load(policy: Policy, units: Sequence[Unit]) -> float | None:
 def _cancellable(policy: Policy, obs: Observation, starting: Sequence[Unit], active: int) -> list[Unit]:
     """Starting units whose launch was refused since the last scale-out, highest first, never below min_units.
 
-    Only units that never served (phase `starting`) and lack instances: a unit that has all
-    its instances was not refused, whatever else failed. The lowest units are kept: the
-    placement controller labels arriving instances lowest unit first.
+    Only units that never served (phase `starting`) and lack instances, and only as many as
+    the cell is short: what the active units lack (by their labels) beyond the live unlabelled
+    instances of the group. Labels appear only when an instance has booted and registered, so
+    a unit whose instances are booting looks empty; a refusal of another launch (a lost node's
+    replacement) that the group then retried must not cancel it. The highest units go first:
+    the placement controller labels arriving instances lowest unit first, so they are the ones
+    left short. Never below min_units.
     """
     if obs.last_scale_out is None or not obs.capacity_failures or max(obs.capacity_failures) < obs.last_scale_out:
         return []
-    short = [u for u in starting if u.instances is None or u.instances < policy.nodes]
-    room = max(0, active - policy.min_units)
-    return sorted(short, key=lambda u: -u.index)[:room]
+    lack = {u.index: policy.nodes - (u.instances or 0) for u in starting if (u.instances or 0) < policy.nodes}
+    serving_lack = sum(max(0, policy.nodes - u.instances) for u in obs.units
+                       if u.phase == "serving" and u.instances is not None)
+    short = sum(lack.values()) + serving_lack - obs.unlabelled_instances
+    chosen: list[Unit] = []
+    for unit in sorted((u for u in starting if u.index in lack), key=lambda u: -u.index):
+        if short <= 0 or len(chosen) >= max(0, active - policy.min_units):
+            break
+        chosen.append(unit)
+        short -= lack[unit.index]
+    return chosen
 
 
 def _draining_below(draining: Sequence[Unit], dormant: Sequence[Unit]) -> Unit | None:

@@ -143,6 +143,7 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
     obs = Observation(
         now=now, units=tuple(units), last_scale_out=_tag_time(group.tags, aws.TAG_LAST_OUT), last_scale_in=last_in,
         capacity_failures=tuple(t for t, _ in failures), ttft_p90_ms=ttft,
+        unlabelled_instances=len(unlabelled_live(group, attributes)),
     )
     context.update(services=services, labelled=labelled, failures=failures, served=latched, activated=activated,
                    unlabelled=unlabelled_beyond_need(settings, group, attributes, units, busy))
@@ -198,6 +199,16 @@ def finish_half_done(settings: Settings, clients: Clients, services: Mapping[tup
         LOG.warning("unit %s: leader at %d, followers at %d: finished the half-done action (followers to %d)",
                     unit_id, leader.desired, followers.desired, want)
     return now, finished
+
+
+def unlabelled_live(group: aws.GroupView, attributes: Mapping[str, Mapping[str, str]]) -> list[str]:
+    """Live instances of the group (pending or in service) without a `unit` label, quarantined ones aside.
+
+    An instance is labelled only after it has booted and its ECS agent registered (some 15
+    minutes for a Trainium node): until then the unit it was launched for looks empty. These
+    instances were launched, so no refusal was theirs (`decision._cancellable`)."""
+    return [i for i in group.live_instances
+            if not attributes.get(i, {}).get("unit") and "quarantine" not in attributes.get(i, {})]
 
 
 def unlabelled_beyond_need(settings: Settings, group: aws.GroupView, attributes: Mapping[str, Mapping[str, str]],
