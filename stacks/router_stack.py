@@ -31,13 +31,14 @@ from aws_cdk import aws_elasticloadbalancingv2 as elbv2
 from aws_cdk import aws_kms as kms
 from aws_cdk import aws_ssm as ssm
 from constructs import Construct
+from unit_proxy.router_config import RouterSettings, maxconn_for
 
 from cell_constructs.encryption import allow_cloudwatch_logs
 from cell_constructs.gate_reader import PipelineTrust
 from cell_constructs.router_alarms import RouterAlarms
 from cell_constructs.router_endpoint import endpoint_service_parameter_name
 from cell_constructs.router_network import RouterNetwork
-from cell_constructs.router_service import ROUTER_HEALTH_PATH, ROUTER_PORT, RouterService
+from cell_constructs.router_service import ROUTER_HEALTH_PATH, ROUTER_PORT, RouterService, RouterTaskSize
 from cell_constructs.unit_load_balancer import UnitLoadBalancer
 from inference_fleet.config import CellConfig, FleetConfig, RouterConfig
 from inference_fleet.evacuate import parameter_name as evacuation_parameter_name
@@ -85,6 +86,7 @@ class RouterStack(Stack):
         urls = {cell.name: self._cell_url(cell) for cell in cells}
         # Where `inference_fleet evacuate` writes this router's evacuation (and its tasks report back).
         self.ssm_prefix = evacuation_parameter_name(fleet, router).removesuffix("/evacuated")
+        self.task_size = RouterTaskSize()
         self.load_balancer = UnitLoadBalancer(
             self, "LoadBalancer",
             vpc=self.network.vpc, subnets=self.network.subnets, internet_facing=False,
@@ -101,7 +103,7 @@ class RouterStack(Stack):
             vpc=self.network.vpc, subnets=self.network.subnets, image=self._image(),
             environment=self._environment(urls), tasks=router.tasks,
             ssm_prefix_arn=self.format_arn(service="ssm", resource="parameter", resource_name=self.ssm_prefix[1:]),
-            encryption_key=self.key, log_retention=retention,
+            encryption_key=self.key, log_retention=retention, size=self.task_size,
         )
         # The tasks resolve an HTTPS cell's certificate name through its alias record, which nothing in the
         # service's properties references: without this the first tasks could start before it exists.
@@ -146,6 +148,9 @@ class RouterStack(Stack):
             "ROUTER_PORT": str(ROUTER_PORT),
             "ROUTER_TIMEOUT_SECONDS": str(min(serving.alb_idle_timeout_seconds + TIMEOUT_MARGIN_SECONDS,
                                               ROUTER_TIMEOUT_MAX_SECONDS)),
+            # The connections the task's memory holds with their buffers (HAProxy's global maxconn):
+            # beyond it a connection waits to be accepted instead of the task being killed for memory.
+            "ROUTER_MAXCONN": str(maxconn_for(self.task_size.memory_mib, RouterSettings.buffer_bytes)),
             "ROUTER_METRICS_NAMESPACE": router_metrics_namespace(self.fleet),
             "ROUTER_NAME": router.region,
             # RecentCellEjections' window: the ejections alarm's (cell_constructs/router_alarms.py).

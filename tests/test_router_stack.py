@@ -176,6 +176,18 @@ def test_cells_are_reached_through_their_endpoint_services(synth_router) -> None
     assert env["ROUTER_TIMEOUT_SECONDS"] == "905"
 
 
+def test_the_tasks_connections_are_bounded_by_its_memory(synth_router) -> None:
+    """Two buffers of 1.1 MB a connection in 2 GiB less 512 MiB for the agent: 671, not HAProxy's
+    default from the file descriptors (about 32,000 at Fargate's nofile 65535, some 70 GB of buffers)."""
+    from unit_proxy.router_config import RouterSettings
+
+    [task] = _resources(synth_router, ROUTER, "AWS::ECS::TaskDefinition").values()
+    env = _environment(synth_router)
+    maxconn, memory = int(env["ROUTER_MAXCONN"]), int(task["Memory"])
+    assert memory == 2048 and maxconn == 671
+    assert maxconn * 2 * RouterSettings.buffer_bytes < (memory - 512) * 2**20
+
+
 def test_the_environment_the_stack_ships_is_one_the_router_starts_with(synth_router, tmp_path) -> None:
     """The template's environment (the endpoint's name filled in) through RouterSettings.from_env and `haproxy -c`."""
     from unit_proxy.router_config import RouterPaths, RouterSettings, render

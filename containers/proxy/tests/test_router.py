@@ -51,6 +51,7 @@ def test_rendered_config_passes_haproxy_check(cells: str, retry: str, tmp_path: 
     assert done.returncode == 0, done.stderr + text
     assert ("retry-on conn-failure empty-response 502 503" in text) == (retry == "1")
     assert "server a " in text and "weight 10" in text and "balance leastconn" in text
+    assert "\n    maxconn 671\n" in text  # what a 2 GiB task holds with 1.1 MB buffers (docs/router.md)
     # TCP keep-alive towards the cells, in their backend (PrivateLink may drop a connection idle for 350 s).
     backend = text[text.index("\nbackend cells\n"):]
     assert all(f"\n    {line}\n" in backend for line in ("option srvtcpka", "srvtcpka-idle 60s", "srvtcpka-intvl 30s"))
@@ -67,6 +68,8 @@ def test_rendered_config_passes_haproxy_check(cells: str, retry: str, tmp_path: 
     ({"ROUTER_CELLS": "a=http://x:1", "ROUTER_WEIGHTS": "a=0"}, "ROUTER_WEIGHTS"),
     ({"ROUTER_CELLS": "a=http://x:1", "ROUTER_CHECK_INTERVAL_MS": "5000"}, "ROUTER_CHECK_INTERVAL_MS"),
     ({"ROUTER_CELLS": "a=http://x:1", "ROUTER_RETRY": "maybe"}, "ROUTER_RETRY"),
+    ({"ROUTER_CELLS": "a=http://x:1", "ROUTER_MAXCONN": "0"}, "ROUTER_MAXCONN"),
+    ({"ROUTER_CELLS": "a=http://x:1", "ROUTER_MAXCONN": "1e9"}, "ROUTER_MAXCONN"),
 ])
 def test_bad_settings_name_the_variable(env: dict[str, str], named: str) -> None:
     with pytest.raises(SettingsError) as caught:
@@ -227,6 +230,31 @@ async def test_a_busy_cell_with_a_few_503s_is_not_ejected(cells: tuple[FakeCell,
         assert all(status == 200 for status, _ in results)  # every 503 was retried on b
         assert router.state.cells["a"].ejections == 0, router.state.status_doc()
         assert router.state.cells["a"].status.startswith("UP"), router.state.status_doc()
+    finally:
+        await router.close()
+
+
+async def test_streams_beyond_maxconn_wait_for_a_place_instead_of_growing_the_task(
+        cells: tuple[FakeCell, FakeCell], tmp_path: Path) -> None:
+    """Each stream in flight holds up to two buffers of tune.bufsize (1.1 MB by default); with no
+    global maxconn HAProxy took every connection the ALB opened (measured 470 MB of RSS at 400
+    held streams), and a 2 GiB Fargate task was killed past about 1,700, cutting all of its
+    streams. Beyond ROUTER_MAXCONN a connection now waits, unaccepted, until a place frees."""
+    a, b = cells
+    router = await _router(a, b, tmp_path, ROUTER_MAXCONN="4")
+    try:
+        a.hold.clear()
+        b.hold.clear()
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            pending = [asyncio.create_task(_post(session, router.port)) for _ in range(8)]
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+            assert a.posts + b.posts == 4, (a.posts, b.posts)  # the other four were not even accepted
+            a.hold.set()
+            b.hold.set()
+            answers = await asyncio.wait_for(asyncio.gather(*pending), 20)
+        assert [status for status, _ in answers] == [200] * 8
+        assert a.posts + b.posts == 8
     finally:
         await router.close()
 

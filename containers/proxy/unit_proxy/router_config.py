@@ -17,6 +17,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import resource
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,6 +113,31 @@ def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     return raw in ("1", "true")
 
 
+# The memory of a router task (cell_constructs/router_service.py RouterTaskSize) and what is kept from it for
+# the agent (Python, its libraries, botocore), HAProxy's own tables and the page cache of its logs.
+DEFAULT_TASK_MEMORY_MIB = 2048
+AGENT_RESERVE_MIB = 512
+# HAProxy 2.6's own model of a connection's memory when it derives maxconn from a memory limit
+# (`-m`, src/haproxy.c v2.6.0, the `mem / ((STREAM_MAX_COST + 2 * global.tune.bufsize) + ...)` loop:
+# "stream + 2 buffers per stream", of 97 % of the memory, MEM_USABLE_RATIO include/haproxy/defaults.h),
+# with 64 KiB for the stream and a TLS session towards an HTTPS cell. `-m` itself is not used: 2.6.12
+# dies of a segmentation fault at start when its limit is small for the buffers (measured, -m 100).
+USABLE_MEMORY_RATIO = 0.97
+STREAM_COST_BYTES = 64 * 1024
+
+
+def maxconn_for(memory_mib: int, buffer_bytes: int) -> int:
+    """Connections a task of `memory_mib` holds in flight with two buffers of `buffer_bytes` each (at least 1).
+
+    The manual, 3.2 "tune.bufsize": "values larger than default size will increase memory usage,
+    possibly causing the system to run out of memory. At least the global maxconn parameter should
+    be decreased by the same factor as this one is increased." Measured with the default buffer: a
+    stream in flight costs 1.12 MB of RSS (200 streams 245 MB, 400 streams 470 MB): one buffer in
+    the steady state, the second while a request and its answer overlap."""
+    usable = (memory_mib - AGENT_RESERVE_MIB) * 1024 * 1024 * USABLE_MEMORY_RATIO
+    return max(1, int(usable // (2 * buffer_bytes + STREAM_COST_BYTES)))
+
+
 # GetParameter every 2 s per router task. Parameter Store's default throughput, per account and region, is
 # shared by GetParameter, GetParameters and PutParameter (API_GetParameter.html: "This applies to
 # GetParameter, GetParameters, and PutParameter API calls for your AWS account and AWS Region"); the
@@ -157,6 +183,9 @@ class RouterSettings:
     connect_timeout_ms: int = 1000
     timeout_seconds: float = 905.0
     buffer_bytes: int = 1_130_496
+    # Global maxconn: connections beyond it wait in the listen queue (ROUTER_MAXCONN, default maxconn_for
+    # the default task and buffer).
+    maxconn: int = 0
     workers: int = 1
     evacuation_file: str = ""
     poll_seconds: float = 1.0
@@ -188,7 +217,7 @@ class RouterSettings:
             error_limit=_int(env, "ROUTER_ERROR_LIMIT", cls.error_limit, 1, 100),
             connect_timeout_ms=_int(env, "ROUTER_CONNECT_TIMEOUT_MS", cls.connect_timeout_ms, 100, 10_000),
             timeout_seconds=_float(env, "ROUTER_TIMEOUT_SECONDS", cls.timeout_seconds, 1, 4000),
-            buffer_bytes=_int(env, "ROUTER_BUFFER_BYTES", cls.buffer_bytes, MIN_BUFFER_BYTES, MAX_BUFFER_BYTES),
+            **_buffers(env),
             workers=_int(env, "ROUTER_WORKERS", cls.workers, 1, 64),
             evacuation_file=env.get("ROUTER_EVACUATION_FILE", "").strip(),
             poll_seconds=_float(env, "ROUTER_POLL_SECONDS", cls.poll_seconds, 0.05, 60),
@@ -197,6 +226,27 @@ class RouterSettings:
             ca_file=env.get("ROUTER_CA_FILE", cls.ca_file).strip() or cls.ca_file,
             **_metrics(env),
         )
+
+
+def fd_maxconn() -> int:
+    """The most connections this process's file descriptors allow: two each (client and cell side) and
+    a few hundred for listeners, checks and pipes. HAProxy raises its soft limit up to the hard one to
+    fit maxconn and refuses to start otherwise ("Cannot raise FD limit"); the hard limit on Fargate is
+    the task definition's `nofile` ulimit."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return 1_000_000 if hard == resource.RLIM_INFINITY else max(1, (hard - 256) // 2)
+
+
+def default_maxconn(buffer_bytes: int) -> int:
+    """What the default task's memory holds, within the file descriptor limit."""
+    return min(maxconn_for(DEFAULT_TASK_MEMORY_MIB, buffer_bytes), fd_maxconn())
+
+
+def _buffers(env: Mapping[str, str]) -> dict[str, int]:
+    """ROUTER_BUFFER_BYTES (tune.bufsize) and ROUTER_MAXCONN (default: `default_maxconn`)."""
+    buffer_bytes = _int(env, "ROUTER_BUFFER_BYTES", RouterSettings.buffer_bytes, MIN_BUFFER_BYTES, MAX_BUFFER_BYTES)
+    maxconn = _int(env, "ROUTER_MAXCONN", default_maxconn(buffer_bytes), 1, fd_maxconn())
+    return {"buffer_bytes": buffer_bytes, "maxconn": maxconn}
 
 
 def _metrics(env: Mapping[str, str]) -> dict[str, object]:
@@ -298,6 +348,9 @@ def render(settings: RouterSettings, paths: RouterPaths) -> str:
         f"    stats socket {paths.admin_socket} mode 600 level admin",
         # 3.2 "tune.bufsize": the largest request a retry can replay (headers and body together).
         f"    tune.bufsize {settings.buffer_bytes}",
+        # 3.2 "maxconn": "Proxies will stop accepting connections when this limit is reached": the ones
+        # beyond wait in the kernel's listen queue, and the task's memory stays bounded (maxconn_for).
+        f"    maxconn {settings.maxconn or default_maxconn(settings.buffer_bytes)}",
         f"    hard-stop-after {HARD_STOP_SECONDS}s",
         "",
         *_resolvers(settings),
