@@ -214,7 +214,10 @@ class UnitAutoscaler(Construct):
             statements=[
                 iam.PolicyStatement(sid="Logs", actions=["logs:CreateLogStream", "logs:PutLogEvents"],
                                     resources=[self.log_group.log_group_arn]),
-                iam.PolicyStatement(sid="ThisStack", actions=["cloudformation:DescribeStacks"],
+                # Its status (never act during a deploy) and its newest event (when the last deploy ended:
+                # the scale-in cool-down, unit_autoscaler/aws.py `stack_state`).
+                iam.PolicyStatement(sid="ThisStack",
+                                    actions=["cloudformation:DescribeStacks", "cloudformation:DescribeStackEvents"],
                                     resources=[stack.stack_id]),
                 iam.PolicyStatement(
                     sid="ListThisClustersServices", actions=["ecs:ListServices"], resources=["*"],

@@ -178,6 +178,8 @@ def test_the_role_scales_only_this_cells_services_and_group(elastic) -> None:
     assert "autoscaling:TerminateInstanceInAutoScalingGroup" in group["Action"]
     assert "autoScalingGroupName/" in json.dumps(group["Resource"])
     assert statements["ThisStack"]["Resource"] == {"Ref": "AWS::StackId"}
+    assert set(statements["ThisStack"]["Action"]) == {"cloudformation:DescribeStacks",
+                                                      "cloudformation:DescribeStackEvents"}
     assert statements["ListThisClustersServices"]["Condition"]["ArnEquals"]["ecs:cluster"]
     # The tasks still stopping before a release: listed on this cluster only, described on its tasks only.
     assert statements["ListThisClustersTasks"]["Action"] == "ecs:ListTasks"

@@ -74,11 +74,29 @@ class Cell:
 
     # -- reads --------------------------------------------------------------------
 
-    def stack(self, status: str = "UPDATE_COMPLETE", updated: float = NOW - 86400) -> None:
+    def stack(self, status: str = "UPDATE_COMPLETE", updated: float = NOW - 86400,
+              finished: float | None = None) -> None:
+        """The stack as DescribeStacks gives it (`updated`: its LastUpdatedTime) and, when it is not
+        busy, its newest events as DescribeStackEvents gives them (newest first): the stack's own
+        `status` at `finished` (default `updated`), a resource's completion just before it, and the
+        update's start at `updated`."""
         self.cloudformation.add_response("describe_stacks", {"Stacks": [{
             "StackName": "Rufus-Cell-dev", "StackId": STACK, "StackStatus": status,
             "CreationTime": datetime.fromtimestamp(NOW - 10 * 86400, UTC),
             "LastUpdatedTime": datetime.fromtimestamp(updated, UTC)}]}, {"StackName": STACK})
+        if aws.STACK_BUSY.search(status):
+            return
+        end = updated if finished is None else finished
+
+        def event(n: int, logical: str, kind: str, state: str, at: float) -> dict:
+            return {"StackId": STACK, "EventId": f"e{n}", "StackName": "Rufus-Cell-dev", "LogicalResourceId": logical,
+                    "ResourceType": kind, "ResourceStatus": state, "Timestamp": datetime.fromtimestamp(at, UTC),
+                    "PhysicalResourceId": STACK if logical == "Rufus-Cell-dev" else f"{logical}-1"}
+        self.cloudformation.add_response("describe_stack_events", {"StackEvents": [
+            event(3, "Rufus-Cell-dev", "AWS::CloudFormation::Stack", status, end),
+            event(2, "TrainiumGroup", "AWS::AutoScaling::AutoScalingGroup", "UPDATE_COMPLETE", end - 10),
+            event(1, "Rufus-Cell-dev", "AWS::CloudFormation::Stack", "UPDATE_IN_PROGRESS", updated),
+        ]}, {"StackName": STACK})
 
     def group(self, desired: int, instances: list[str], served: str | None = None,
               states: dict[str, str] | None = None, **tags: float | str) -> None:
@@ -256,6 +274,23 @@ def test_an_idle_cell_drains_its_least_loaded_unit_leader_first() -> None:
     cell.expect_tag(aws.TAG_LAST_IN)
     cell.expect_served("0")  # u1 drains: its next life starts unserved
     assert cell.run()["units"] == ["u1"]
+
+
+def test_the_scale_in_cool_down_counts_from_the_end_of_a_deploy_not_its_start() -> None:
+    """A deploy that rolled the group for an hour finished 2 minutes ago: its units were restarted,
+    so the 30-minute scale-in cool-down runs from its end. DescribeStacks' LastUpdatedTime is the
+    update's start here (as the stack's UPDATE_IN_PROGRESS event); read as the deploy's time, the
+    cool-down had run out before the deploy ended and the first tick after it drained a unit."""
+    cell = Cell()
+    cell.stack(updated=NOW - 3600, finished=NOW - 120)
+    cell.group(4, ["i-a", "i-b", "i-c", "i-d"], served="0,1",
+               **{aws.TAG_LAST_OUT: NOW - 7200, aws.TAG_LAST_IN: NOW - 7200})
+    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (0, 0)})
+    cell.labels({"i-a": "u0", "i-b": "u0", "i-c": "u1", "i-d": "u1"})
+    cell.activities()
+    cell.metrics({"u0": (2.0, 1.0), "u1": (1.0, 1.0)})  # idle: the load of test_an_idle_cell_drains_...
+    summary = cell.run()  # the Stubber would refuse the drain's UpdateService
+    assert summary["action"] == "hold", summary
 
 
 def test_instances_go_only_after_the_tasks_stopped_unprotected_then_terminated() -> None:

@@ -118,12 +118,31 @@ def _epoch(value: Any) -> float:
 
 
 def stack_state(cloudformation: BaseClient, stack: str, retry: Retry) -> tuple[str, float | None]:
-    """The stack's status and the time of its last update (or creation)."""
+    """The stack's status and when its last operation (update or creation) ended, as far as is known.
+
+    DescribeStacks' `LastUpdatedTime` is "The time the stack was last updated", which does not
+    say whether an update's start or end; read as the end, a deploy that rolled the group for
+    an hour would have used up the scale-in cool-down before it ended. So, once the stack is
+    settled, its newest event of its own (DescribeStackEvents: "in reverse chronological
+    order", https://docs.aws.amazon.com/AWSCloudFormation/latest/APIReference/API_DescribeStackEvents.html)
+    gives the end: the stack's last status change, its UPDATE_COMPLETE (or rollback's) after
+    every resource's. The later of the two is returned. While the stack is busy the time is
+    not needed (the autoscaler holds) and no event is read."""
     stacks = retry.call(cloudformation.describe_stacks, StackName=stack).get("Stacks", [])
     if not stacks:
         raise LookupError(f"stack {stack!r} not found")
+    status = str(stacks[0].get("StackStatus", ""))
     last = stacks[0].get("LastUpdatedTime") or stacks[0].get("CreationTime")
-    return str(stacks[0].get("StackStatus", "")), (_epoch(last) if last is not None else None)
+    times = [_epoch(last)] if last is not None else []
+    if not STACK_BUSY.search(status):
+        events = retry.call(cloudformation.describe_stack_events, StackName=stack).get("StackEvents", [])
+        stack_id, name = stacks[0].get("StackId"), stacks[0].get("StackName")
+        own = next((e for e in events if e.get("PhysicalResourceId") == stack_id
+                    or (e.get("ResourceType") == "AWS::CloudFormation::Stack" and e.get("LogicalResourceId") == name)),
+                   None)
+        if own is not None and own.get("Timestamp") is not None:
+            times.append(_epoch(own["Timestamp"]))
+    return status, (max(times) if times else None)
 
 
 @dataclass(frozen=True)
