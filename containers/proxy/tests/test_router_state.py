@@ -42,7 +42,7 @@ async def test_a_snapshot_read_before_the_drain_does_not_mark_the_cell_empty() -
     await state.apply(frozenset({"a"}))  # the SSM poll drains a meanwhile
     await look
     await state.refresh()
-    assert api.commands == ["set server cells/a state drain"]
+    assert [c for c in api.commands if not c.startswith("show table")] == ["set server cells/a state drain"]
     assert state.cells["a"].streams == 1
     assert not state.cells["a"].empty and state.report("t1").empty == []
 

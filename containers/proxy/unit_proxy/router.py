@@ -12,6 +12,9 @@ Beside HAProxy the agent does what is specific to a router:
   guide 9.3 "set server <backend>/<server> state [ ready | drain | maint ]"), a cell no longer
   named is set `ready` again;
 - passive ejection of a cell whose answers are retried elsewhere (`_eject_if_retried_away`);
+- steering away from a full cell: one that answered 429 (its units at their in-flight limit) is
+  set to `drain` for a hold that doubles while it stays full, unless no other cell could take
+  its requests (`_steer_from_full`);
 - with ROUTER_METRICS_NAMESPACE and ROUTER_NAME, one EMF line every ROUTER_EMF_INTERVAL_SECONDS
   (`unit_proxy.router_metrics`: healthy cells, ejections, retries, requests) for the router's alarms;
 - it logs `{"event": "cell_empty", "cell": ...}` once an evacuated cell has no stream left
@@ -41,6 +44,7 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -155,10 +159,29 @@ class CellStatus:
     counters: tuple[int, int] | None = None  # (`stot`, `wredis`) at the last look
     window: RetryWindow = field(default_factory=RetryWindow)
     ejections: int = 0
+    full: bool = False  # answered 429: drained by the agent until `full_until` (_steer_from_full)
+    full_counts: tuple[int, int] | None = None  # (429s in the backend's table, `stot`) at the last look
+    full_until: float = 0.0  # monotonic time its hold ends
+    hold: float = 0.0  # its last hold (s): doubled when it is full again right after one; 0 once it had room
 
     def doc(self) -> dict[str, Any]:
         return {"status": self.status, "weight": self.weight, "streams": self.streams, "served": self.served,
-                "evacuated": self.evacuated, "empty": self.empty, "ejections": self.ejections}
+                "evacuated": self.evacuated, "empty": self.empty, "ejections": self.ejections, "full": self.full}
+
+
+# A full cell's hold doubles while it is full again as soon as it is back, up to this many times the first.
+FULL_HOLD_MAX_FACTOR = 8
+
+
+def table_counts(text: str) -> dict[str, int]:
+    """`show table <backend>` (management guide 9.3: one line per entry, `key=<id> ... gpc0=<n>`) -> server id ->
+    its 429s (router_config.render's table)."""
+    counts: dict[str, int] = {}
+    for line in text.splitlines():
+        fields = dict(part.split("=", 1) for part in line.split() if "=" in part)
+        if "key" in fields and fields.get("gpc0", "").isdigit():
+            counts[fields["key"]] = int(fields["gpc0"])
+    return counts
 
 
 @dataclass
@@ -205,7 +228,10 @@ class RouterState:
             await self._refresh()
 
     async def _refresh(self) -> None:
-        for row in await self.api.show_stat():
+        rows = await self.api.show_stat()
+        full = table_counts(await self.api.command(f"show table {BACKEND}"))
+        counted: list[tuple[str, CellStatus, int]] = []
+        for row in rows:
             cell = self.cells.get(row.get("svname", "")) if row.get("pxname") == BACKEND else None
             if cell is None:
                 continue
@@ -214,10 +240,12 @@ class RouterState:
             cell.streams = int(row.get("scur") or 0)
             cell.served = int(row.get("stot") or 0)
             await self._eject_if_retried_away(row["svname"], cell, cell.served, int(row.get("wredis") or 0))
+            counted.append((row["svname"], cell, full.get(row.get("sid", ""), 0)))
             # From each look, not sticky: a later look with a stream on the cell takes `empty` back.
             was, cell.empty = cell.empty, cell.evacuated and cell.streams == 0
             if cell.empty and not was:
                 log.warning(json.dumps({"event": "cell_empty", "cell": row["svname"]}))
+        await self._steer_from_full(counted)
 
     async def _eject_if_retried_away(self, name: str, cell: CellStatus, attempts: int, redispatched: int) -> None:
         """Passive ejection of a cell whose answers were retried elsewhere: HAProxy 2.6 takes the L7 retry
@@ -245,6 +273,59 @@ class RouterState:
         cell.status = "DOWN"
         log.warning(json.dumps({"event": "cell_ejected", "cell": name, "attempts": window[0],
                                 "retried_away": window[1]}))
+
+    async def _steer_from_full(self, cells: list[tuple[str, CellStatus, int]]) -> None:
+        """Drain a cell that answered 429 since the last look, for a hold; make it ready when the hold ends.
+
+        A full cell (its units at their in-flight limit) answers 429 at once, so it holds no stream
+        here, and leastconn takes an idle server first whatever its weight (HAProxy 2.6
+        src/lb_fwlc.c:60-62: the key is 0 when nothing is in flight): its clients got 429 while
+        another cell had room (docs/router.md, "A full cell's 429"). HAProxy 2.6 cannot retry a 429
+        (`retry-on` has no 429), so the agent keeps the next requests away from it: `set server
+        cells/X state drain` (management guide 9.3; streams in flight go on) for
+        ROUTER_FULL_HOLD_SECONDS, then `ready`. Still full then, its next 429s drain it again for
+        twice as long (up to FULL_HOLD_MAX_FACTOR times); sent requests and answering none 429, it
+        starts from one hold again. A cell is drained only while another cell is up, not evacuated
+        and not full, and made ready at once when none is any more: when every cell is full its 429
+        is the right answer. Evacuated cells are left
+        to the evacuation. `cells`: (name, status, its 429s in the backend's table, router_config.render;
+        an entry dropped by its expiry starts again from 0, read as new)."""
+        now, base = time.monotonic(), self.settings.full_hold_seconds
+        new_429: dict[str, int] = {}
+        for name, cell, answered_429 in cells:
+            before, cell.full_counts = cell.full_counts, (answered_429, cell.served)
+            if before is not None and not cell.evacuated:
+                new_429[name] = answered_429 - before[0] if answered_429 >= before[0] else answered_429
+                if not cell.full and new_429[name] == 0 and cell.served > before[1]:
+                    cell.hold = 0.0  # it had room: the next time starts from one hold
+            else:
+                cell.full = False
+        full_now = {name for name, count in new_429.items() if count > 0}
+        for name, cell, _ in cells:
+            if name not in new_429:
+                continue
+            if cell.full and (now >= cell.full_until or not self._another_takes(name, full_now)):
+                # The hold is over, or no other cell can take requests now (down, evacuated or full).
+                await self._set_state(name, "ready")
+                cell.full = False
+                log.warning(json.dumps({"event": "cell_ready_after_full", "cell": name}))
+            elif name in full_now and not cell.full and self._another_takes(name, full_now):
+                cell.hold = min(cell.hold * 2, base * FULL_HOLD_MAX_FACTOR) if cell.hold else base
+                cell.full, cell.full_until = True, now + cell.hold
+                await self._set_state(name, "drain")
+                log.warning(json.dumps({"event": "cell_full", "cell": name, "answered_429": new_429[name],
+                                        "hold_seconds": cell.hold}))
+
+    def _another_takes(self, name: str, full_now: set[str]) -> bool:
+        """Whether another cell is up, not evacuated and not full (drained as such, or answering 429 in
+        this look): one that can take this one's requests."""
+        return any(other != name and c.status.startswith("UP") and not c.evacuated and not c.full
+                   and other not in full_now and c.weight > 0 for other, c in self.cells.items())
+
+    async def _set_state(self, name: str, state: str) -> None:
+        answer = await self.api.command(f"set server {BACKEND}/{name} state {state}")
+        if answer.strip():
+            raise RuntimeApiError(f"set server {name} state {state}: {answer.strip()}")
 
     def note_ignored(self, names: list[str], where: str) -> None:
         """Log, once per change, the evacuated names this router does not front (router_ssm.parse_evacuated)."""

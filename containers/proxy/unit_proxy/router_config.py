@@ -37,6 +37,10 @@ SYSTEM_CA_FILE = "/etc/ssl/certs/ca-certificates.crt"
 # A SIGTERM lets streams in flight go on this long (`hard-stop-after`), then HAProxy stops; the
 # agent waits a little longer for it to exit (router.serve).
 HARD_STOP_SECONDS = 905
+# The backend's table of 429s per cell (render): room for every server id; an entry idle this long
+# is dropped (its counter starts again from 0, which the agent reads as a new count).
+FULL_TABLE_SIZE = 256
+FULL_TABLE_EXPIRE_SECONDS = 600
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +193,8 @@ class RouterSettings:
     workers: int = 1
     evacuation_file: str = ""
     poll_seconds: float = 1.0
+    # A cell that answered 429 keeps weight 1 at most this long after its last 429 (unit_proxy.router).
+    full_hold_seconds: float = 10.0
     ssm_prefix: str = ""
     ssm_region: str = ""
     ssm_poll_seconds: float = SSM_POLL_SECONDS
@@ -221,6 +227,7 @@ class RouterSettings:
             workers=_int(env, "ROUTER_WORKERS", cls.workers, 1, 64),
             evacuation_file=env.get("ROUTER_EVACUATION_FILE", "").strip(),
             poll_seconds=_float(env, "ROUTER_POLL_SECONDS", cls.poll_seconds, 0.05, 60),
+            full_hold_seconds=_float(env, "ROUTER_FULL_HOLD_SECONDS", cls.full_hold_seconds, 0.05, 600),
             **_ssm(env),
             runtime_dir=env.get("RUNTIME_DIR", "").strip(),
             ca_file=env.get("ROUTER_CA_FILE", cls.ca_file).strip() or cls.ca_file,
@@ -405,6 +412,13 @@ def render(settings: RouterSettings, paths: RouterPaths) -> str:
         f"rise {settings.rise} observe layer7 error-limit {settings.error_limit} on-error mark-down",
         # Which cell answered (issue 26), replacing any such header from upstream.
         f"    http-response set-header {SERVED_BY_HEADER} %[srv_name]",
+        # The 429s each cell answers (its units at their in-flight limit), per server id, for the agent
+        # (unit_proxy.router, `_steer_from_full`): 4.2 "stick-table", "http-response track-sc0",
+        # "sc-inc-gpc0"; 7.3.3 "srv_id". A retried answer never gets here (HAProxy 2.6 retries before
+        # the response rules); a 429 is never retried (2.6's retry-on has no 429).
+        f"    stick-table type integer size {FULL_TABLE_SIZE} expire {FULL_TABLE_EXPIRE_SECONDS}s store gpc0",
+        "    http-response track-sc0 srv_id if { status 429 }",
+        "    http-response sc-inc-gpc0(0) if { status 429 }",
         *(_server(cell, settings) for cell in settings.cells),
     ]
     return "\n".join(lines) + "\n"

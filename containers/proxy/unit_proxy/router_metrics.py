@@ -14,7 +14,8 @@ line, written once `stop` is set, takes the last read (`LastStat`): every reques
 some line (measured, tests/test_router_metrics.py: 5 requests and 1 held across a soft stop, 6 in all).
 - `HealthyCells`: cells of the backend whose check status is UP (`UP`, or `UP 1/2` while going
   down) and whose weight is above 0 (HAProxy never picks a weight-0 server, even when it is the only
-  one); an evacuated cell is `DRAIN` and does not count. 0 means the router answers 503 to all.
+  one); an evacuated cell is `DRAIN` and does not count, nor one the agent drained as full (only
+  while another cell could take its requests). 0 means the router answers 503 to all.
 - `CellEjections`: UP to DOWN transitions of the cells in the interval (`chkdown`: active checks,
   HAProxy's passive `observe layer7`, and the agent's `set server ... health down` alike), leaving
   out the cells evacuated at the look: a drained cell going down is its planned update, not a fault.
