@@ -109,13 +109,17 @@ task_devices() {
 }
 
 # The model cache: every NVMe instance-store disk (attached automatically on Nitro instances), as
-# one RAID0 when there are several, XFS labelled $CACHE_LABEL, in fstab (nofail) and mdadm.conf so
-# a reboot brings it back; node-setup assembles and mounts it again itself when udev did not.
-# After a stop and start the disks are blank: the cache is made anew (it is only a cache).
+# one RAID0 when there are several, XFS labelled $CACHE_LABEL, in fstab and mdadm.conf so a reboot
+# brings it back: node-setup assembles and mounts it itself on every boot. The fstab line is
+# `noauto`: without it systemd makes its own mount unit of it, which waits for the label (its device
+# timeout, 90 s) while `nofail` keeps local-fs.target, and so node-setup, from waiting for it
+# (systemd.mount(5), "nofail"); after a stop and start node-setup made the file system anew and
+# systemd's job mounted it under node-setup's own mount, which failed "already mounted". After a
+# stop and start the disks are blank: the cache is made anew (it is only a cache).
 model_cache() {
   if ! cache_mounted; then
     [ -e /etc/mdadm.conf ] && mdadm --assemble --scan >/dev/null 2>&1
-    if ! { grep -q "^LABEL=$CACHE_LABEL " /etc/fstab 2>/dev/null && mount "$MODEL_CACHE" 2>/dev/null; }; then
+    if ! { grep -q "^LABEL=$CACHE_LABEL " /etc/fstab 2>/dev/null && { mount "$MODEL_CACHE" 2>/dev/null || cache_mounted; }; }; then
       build_cache
     fi
   fi
@@ -143,8 +147,8 @@ build_cache() {
   fi
   mkfs.xfs -f -L "$CACHE_LABEL" "$cache_dev" >/dev/null || fail 'mkfs of the model cache failed'
   sed -i "\\|^LABEL=$CACHE_LABEL |d" /etc/fstab || fail 'cannot edit /etc/fstab'
-  echo "LABEL=$CACHE_LABEL $MODEL_CACHE xfs noatime,nofail 0 2" >>/etc/fstab || fail 'cannot edit /etc/fstab'
-  { mkdir -p "$MODEL_CACHE" && mount "$MODEL_CACHE"; } || fail 'mounting the model cache failed'
+  echo "LABEL=$CACHE_LABEL $MODEL_CACHE xfs noatime,noauto,nofail 0 2" >>/etc/fstab || fail 'cannot edit /etc/fstab'
+  { mkdir -p "$MODEL_CACHE" && { mount "$MODEL_CACHE" || cache_mounted; }; } || fail 'mounting the model cache failed'
   chmod 0775 "$MODEL_CACHE"
   # The launcher fetches only into a cache that has this file (unit_launcher/cache_check.py).
   echo "instance store, $count NVMe disk(s) on $cache_dev" >"$MODEL_CACHE/$CACHE_MARKER" \

@@ -95,7 +95,12 @@ _FAKES = {
     "mkfs.xfs": 'echo "mkfs.xfs $*" >> "$FAKE_STATE/calls"\nlabel=\n'
     'while [ $# -gt 1 ]; do case $1 in -L) label=$2; shift ;; esac; shift; done\n'
     'dev=$1; label=${label:-$(basename "$dev")}\n'
-    'rm -rf "$FAKE_STATE/fs/$label"; mkdir -p "$FAKE_STATE/fs/$label"\necho "$dev $label" > "$FAKE_STATE/fs-device"\n',
+    'rm -rf "$FAKE_STATE/fs/$label"; mkdir -p "$FAKE_STATE/fs/$label"\necho "$dev $label" > "$FAKE_STATE/fs-device"\n'
+    # With `systemd-mounts`: systemd's own mount unit of an fstab line without noauto, waiting for the
+    # label (its device timeout), mounts the new file system as soon as the label appears.
+    'if [ -e "$FAKE_STATE/systemd-mounts" ]; then\n'
+    '  mp=$(awk -v spec="LABEL=$label" \'$1 == spec && $4 !~ /(^|,)noauto(,|$)/ {print $2}\' /etc/fstab | tail -n 1)\n'
+    '  [ -n "$mp" ] && /usr/bin/mount --bind "$FAKE_STATE/fs/$label" "$mp"\nfi\nexit 0\n',
     # mount <mount point> (its fstab entry) or mount [-o options] <device> <mount point>: the device's
     # file system bound onto the mount point, when the device is there (a RAID must be assembled).
     "mount": 'echo "mount $*" >> "$FAKE_STATE/calls"\n'
@@ -104,6 +109,9 @@ _FAKES = {
     '  spec=$(awk -v mp="$mp" \'$2 == mp {print $1}\' /etc/fstab | tail -n 1)\n'
     '  [ "$spec" = "LABEL=$label" ] || exit 32\n'
     'else\n  mp=${*: -1}; [ "${*: -2:1}" = "$dev" ] || exit 32\nfi\n'
+    # As mount(8): a file system already mounted there is an error (exit 32).
+    'if awk -v mp="$mp" \'$2 == mp {found=1} END {exit !found}\' /proc/self/mounts; then\n'
+    '  echo "mount: $mp: already mounted" >&2; exit 32\nfi\n'
     '[ -d "$FAKE_STATE/fs/$label" ] || exit 32\n'
     'case $dev in /dev/md*) [ -e "$FAKE_STATE/boot/md-active" ] || exit 32 ;; esac\n'
     'exec /usr/bin/mount --bind "$FAKE_STATE/fs/$label" "$mp"\n',
@@ -516,9 +524,9 @@ def test_reboot_brings_back_the_cache_mount_raid_and_imds_rule(default_user_data
     assert (node.state / "fs" / label / "some-model.bin").read_text() == "cached"
     assert node.text("boot/iptables").splitlines() == [
         "OUTPUT -d 169.254.169.254/32 -m cgroup --path ecstasks.slice -j REJECT"]
-    # What systemd itself reads at boot: the fstab line (nofail: a missing RAID does not stop the
-    # boot) and the array in mdadm.conf.
-    assert "LABEL=models /opt/models xfs noatime,nofail 0 2" in node.file("/etc/fstab")
+    # What systemd itself reads at boot: the fstab line (noauto: node-setup alone mounts it; nofail: a
+    # missing RAID does not stop the boot) and the array in mdadm.conf.
+    assert "LABEL=models /opt/models xfs noatime,noauto,nofail 0 2" in node.file("/etc/fstab")
     assert node.file("/etc/mdadm.conf").startswith("ARRAY /dev/md/models ")
     # The ECS agent starts only after this, and only when it succeeded.
     drop_in = node.file("/etc/systemd/system/ecs.service.d/50-node-setup.conf")
@@ -558,6 +566,22 @@ def test_stop_and_start_makes_the_cache_anew_on_the_blank_instance_store(default
     assert result.returncode == 0, node.console + result.stderr
     assert "mkfs.xfs -f -L models /dev/md/models" in node.calls
     assert node.file("/etc/fstab").count("LABEL=models ") == 1
+    assert (node.state / "fs/models/.instance-store").is_file()
+
+
+def test_systemds_own_mount_of_the_new_cache_does_not_fail_a_stop_and_start(default_user_data, tmp_path) -> None:
+    """After a stop and start the disks are blank and the fstab line of the first boot is still there.
+    Without `noauto`, systemd makes its own mount unit of it, which waits for the label (its device
+    timeout, 90 s by default) while `nofail` keeps local-fs.target from waiting for it (systemd.mount(5),
+    "nofail"); node-setup, ordered only after local-fs.target, makes the file system, systemd's job
+    mounts it as the label appears, and node-setup's own mount failed "already mounted": the node out
+    of service on every boot (the eighteenth session's cold review found it)."""
+    node = Node(tmp_path)
+    run_user_data(node, default_user_data)
+    (node.state / "systemd-mounts").touch()
+    result = node.stop_and_start()
+    assert node.ready(result), node.console + result.stderr
+    assert "mkfs.xfs -f -L models /dev/md/models" in node.calls
     assert (node.state / "fs/models/.instance-store").is_file()
 
 

@@ -91,3 +91,17 @@ def test_missing_stub_and_misnamed_python_are_refused(tmp_path):
     (Path(backends) / "python" / triton_env.STUB).unlink()
     with pytest.raises(triton_env.TritonEnvError, match="triton_python_backend_stub missing"):
         triton_env.stub_environment(python, backends, base)
+
+
+def test_the_leader_exits_2_before_forming_when_the_stub_cannot_embed_the_engine_python(tmp_path, h, caplog):
+    """A bad environment of the image: exit 2 (the contract's "bad environment or spec", docs/contracts.md),
+    not 3, which says the unit did not form (the docs said 3 until the eighteenth session's review)."""
+    from unit_launcher import runner
+    from unit_launcher.spec import parse_spec
+
+    python, backends, base = _image(tmp_path, numpy="2.1.0")
+    doc = h.cpu_spec(2, record_dir=tmp_path)
+    doc["engine"].update(frontend="triton", triton_python=python, triton_backend_directory=backends)
+    env = {**base, "UNIT_HOST_IP": "127.0.0.1", "UNIT_INSTANCE_ID": "i-0test"}
+    assert runner.run("leader", parse_spec(json.dumps(doc)), env) == runner.EXIT_CONFIG == 2
+    assert "Triton front end:" in caplog.text
