@@ -40,6 +40,9 @@ from cell_constructs.nag import acknowledge, acknowledge_execution_role
 ROUTER_COMMAND = ["python", "-m", "unit_proxy.router"]
 # The agent's and HAProxy's data port (ROUTER_PORT) and HAProxy's own liveness, not forwarded to a cell.
 ROUTER_PORT = 8080
+# `/router/health` on a listener of its own (ROUTER_HEALTH_PORT), the load balancer's target group check:
+# the data listener's maxconn never holds it back (unit_proxy/router_config.py `_health_frontend`).
+ROUTER_HEALTH_PORT = 8081
 ROUTER_HEALTH_PATH = "/router/health"
 # Fargate's ceiling for stopTimeout (task_definition_parameters.html above).
 FARGATE_MAX_STOP_TIMEOUT = Duration.seconds(120)
@@ -93,7 +96,8 @@ class RouterService(Construct):
         self.container = self.task_definition.add_container(
             "Router", image=image, entry_point=ROUTER_COMMAND, environment=dict(sorted(environment.items())),
             essential=True, stop_timeout=FARGATE_MAX_STOP_TIMEOUT,
-            port_mappings=[ecs.PortMapping(container_port=ROUTER_PORT, protocol=ecs.Protocol.TCP)],
+            port_mappings=[ecs.PortMapping(container_port=port, protocol=ecs.Protocol.TCP)
+                           for port in (ROUTER_PORT, ROUTER_HEALTH_PORT)],
             # Non-blocking, as the unit containers: a blocked stderr would stall the agent's loop (its
             # evacuation, ejections and stop; Fargate's SIGKILL would leave its SSM report behind).
             # Unset, the mode is the account's defaultLogDriverMode; a full buffer drops lines

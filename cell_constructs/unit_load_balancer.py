@@ -46,13 +46,16 @@ class UnitLoadBalancer(Construct):
         log_retention: logs.RetentionDays,
         target_type: elbv2.TargetType = elbv2.TargetType.INSTANCE,
         health_check_path: str = HEALTH_CHECK_PATH,
+        health_check_port: int | None = None,
         owner: str = "cell",
     ) -> None:
-        """`target_type`, `health_check_path` and `owner` (named in acknowledgements) default to the cell's
-        ALB; the cell router's stack passes its own (IP targets: Fargate tasks, `/router/health`)."""
+        """`target_type`, `health_check_path`, `health_check_port` (default: the target port) and `owner`
+        (named in acknowledgements) default to the cell's ALB; the cell router's stack passes its own (IP
+        targets: Fargate tasks, `/router/health` on its health listener)."""
         super().__init__(scope, construct_id)
         self._encryption_key, self._log_retention = encryption_key, log_retention
         self._target_type, self._health_check_path, self._owner = target_type, health_check_path, owner
+        self._health_check_port = health_check_port
         self._deletion_protection = deletion_protection
         self.web_acl: wafv2.CfnWebACL | None = None
         self.waf_logs: logs.LogGroup | None = None
@@ -163,7 +166,7 @@ class UnitLoadBalancer(Construct):
             deregistration_delay=deregistration_delay,
             health_check=elbv2.HealthCheck(
                 path=self._health_check_path,
-                port=str(target_port),
+                port=str(self._health_check_port or target_port),
                 interval=Duration.seconds(UNIT_HEALTH_CHECK_INTERVAL_SECONDS),
                 timeout=Duration.seconds(5),
                 healthy_threshold_count=2,

@@ -38,7 +38,13 @@ from cell_constructs.gate_reader import PipelineTrust
 from cell_constructs.router_alarms import RouterAlarms
 from cell_constructs.router_endpoint import endpoint_service_parameter_name
 from cell_constructs.router_network import RouterNetwork
-from cell_constructs.router_service import ROUTER_HEALTH_PATH, ROUTER_PORT, RouterService, RouterTaskSize
+from cell_constructs.router_service import (
+    ROUTER_HEALTH_PATH,
+    ROUTER_HEALTH_PORT,
+    ROUTER_PORT,
+    RouterService,
+    RouterTaskSize,
+)
 from cell_constructs.unit_load_balancer import UnitLoadBalancer
 from inference_fleet.config import CellConfig, FleetConfig, RouterConfig
 from inference_fleet.evacuate import parameter_name as evacuation_parameter_name
@@ -96,7 +102,8 @@ class RouterStack(Stack):
             # A stopping task keeps its streams this long before SIGTERM (router_service.py).
             deregistration_delay=Duration.seconds(serving.drain_timeout_seconds),
             deletion_protection=router.deletion_protection, encryption_key=self.key, log_retention=retention,
-            target_type=elbv2.TargetType.IP, health_check_path=ROUTER_HEALTH_PATH, owner="router",
+            target_type=elbv2.TargetType.IP, health_check_path=ROUTER_HEALTH_PATH, health_check_port=ROUTER_HEALTH_PORT,
+            owner="router",
         )
         self.service = RouterService(
             self, "Router",
@@ -146,6 +153,7 @@ class RouterStack(Stack):
             "ROUTER_RETRY": "1" if router.retry else "0",
             "ROUTER_HOST": "0.0.0.0",
             "ROUTER_PORT": str(ROUTER_PORT),
+            "ROUTER_HEALTH_PORT": str(ROUTER_HEALTH_PORT),
             "ROUTER_TIMEOUT_SECONDS": str(min(serving.alb_idle_timeout_seconds + TIMEOUT_MARGIN_SECONDS,
                                               ROUTER_TIMEOUT_MAX_SECONDS)),
             # The connections the task's memory holds with their buffers (HAProxy's global maxconn):
@@ -165,6 +173,8 @@ class RouterStack(Stack):
         """Security groups, both sides of each path: ALB -> tasks; tasks -> the cells' endpoints and AWS."""
         tasks = self.service.security_group
         self.load_balancer.load_balancer.connections.allow_to(tasks, ec2.Port.tcp(ROUTER_PORT), "ALB to router tasks")
+        self.load_balancer.load_balancer.connections.allow_to(tasks, ec2.Port.tcp(ROUTER_HEALTH_PORT),
+                                                              "ALB health checks to router tasks")
         for port in sorted({443 if cell.certificate_arn else 80 for cell in self.cells}):
             tasks.connections.allow_to(self.network.cell_endpoint_group, ec2.Port.tcp(port),
                                        "router tasks to the cells' PrivateLink endpoints")

@@ -127,10 +127,12 @@ def test_security_groups_admit_only_the_path(synth_router) -> None:
         {"CidrIp": "10.0.0.0/8", "Description": "clients", "FromPort": 443, "IpProtocol": "tcp", "ToPort": 443}]
     ingress = [(i["GroupId"]["Fn::GetAtt"][0], i["SourceSecurityGroupId"]["Fn::GetAtt"][0], i["FromPort"], i["ToPort"])
                for i in _resources(synth_router, ROUTER, "AWS::EC2::SecurityGroupIngress").values()]
-    assert sorted(ingress) == sorted([(tasks, alb, 8080, 8080), (cells, tasks, 80, 80), (cells, tasks, 443, 443)])
+    # The data port and the health listener's (the target group's check: router_service.ROUTER_HEALTH_PORT).
+    assert sorted(ingress) == sorted([(tasks, alb, 8080, 8080), (tasks, alb, 8081, 8081), (cells, tasks, 80, 80),
+                                      (cells, tasks, 443, 443)])
     egress = [(e["GroupId"]["Fn::GetAtt"][0], e["DestinationSecurityGroupId"]["Fn::GetAtt"][0], e["FromPort"])
               for e in _resources(synth_router, ROUTER, "AWS::EC2::SecurityGroupEgress").values()]
-    assert sorted(egress) == sorted([(alb, tasks, 8080), (tasks, cells, 80), (tasks, cells, 443)])
+    assert sorted(egress) == sorted([(alb, tasks, 8080), (alb, tasks, 8081), (tasks, cells, 80), (tasks, cells, 443)])
     # The tasks' only other way out: HTTPS, in a VPC with no route to the internet.
     assert [(r["CidrIp"], r["FromPort"], r["ToPort"]) for r in groups[tasks]["SecurityGroupEgress"]] == [
         ("0.0.0.0/0", 443, 443)]
@@ -174,6 +176,13 @@ def test_cells_are_reached_through_their_endpoint_services(synth_router) -> None
     assert zone["Name"] == "prod.llm.example.com." and len(zone["VPCs"]) == 1
     assert env["ROUTER_WEIGHTS"] == "dev=100,prod=200" and env["ROUTER_RETRY"] == "1"
     assert env["ROUTER_TIMEOUT_SECONDS"] == "905"
+
+
+def test_the_load_balancer_checks_the_routers_own_health_listener(synth_router) -> None:
+    """Not the data port: a task at its maxconn would fail the check there and be replaced by ECS."""
+    [group] = _resources(synth_router, ROUTER, "AWS::ElasticLoadBalancingV2::TargetGroup").values()
+    assert (group["Port"], group["HealthCheckPort"], group["HealthCheckPath"]) == (8080, "8081", "/router/health")
+    assert _environment(synth_router)["ROUTER_HEALTH_PORT"] == "8081"
 
 
 def test_the_tasks_connections_are_bounded_by_its_memory(synth_router) -> None:

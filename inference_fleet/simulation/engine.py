@@ -1219,7 +1219,8 @@ class Cell:
         return asd.Observation(now=self.wall(), units=tuple(units), stack_busy=busy,
                                last_scale_out=unix(self.last_scale_out), last_scale_in=unix(self.last_scale_in),
                                capacity_failures=failures,
-                               unlabelled_instances=len(as_handler.unlabelled_live(*self._group_view())))
+                               unlabelled_instances=len(as_handler.unlabelled_live(*self._group_view(),
+                                                                                    self._unusable())))
 
     def autoscale(self) -> None:
         obs = self.observation()
@@ -1271,9 +1272,15 @@ class Cell:
             desired=self.desired, max_size=self.max_units * self.nodes, tags={},
             live_instances=tuple(i.iid for i in live if i.lifecycle in as_aws.LIVE_STATES),
             min_size=self.min_units * self.nodes,
-            in_service=tuple(i.iid for i in live if i.lifecycle == "InService" and i.health == "Healthy"))
+            in_service=tuple(i.iid for i in live if i.lifecycle == "InService" and i.health == "Healthy"),
+            unhealthy=tuple(i.iid for i in live if i.health == "Unhealthy"))
         attributes = {i.iid: {k: str(v) for k, v in i.attributes.items()} for i in live if i.registered}
         return group, attributes
+
+    def _unusable(self) -> set[str]:
+        """Registered instances that can take no task (the handler's `InstanceView.unusable`)."""
+        return {i.iid for i in self.live_instances()
+                if i.registered and (i.ecs_status != "ACTIVE" or not (i.agent and i.up))}
 
     def _release_unlabelled(self, obs: asd.Observation) -> None:
         """The handler's rule for unlabelled instances no unit waits for (`unlabelled_beyond_need`, called

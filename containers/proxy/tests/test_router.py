@@ -53,7 +53,10 @@ def test_rendered_config_passes_haproxy_check(cells: str, retry: str, tmp_path: 
     assert done.returncode == 0, done.stderr + text
     assert ("retry-on conn-failure empty-response 502 503" in text) == (retry == "1")
     assert "server a " in text and "weight 10" in text and "balance leastconn" in text
-    assert "\n    maxconn 671\n" in text  # what a 2 GiB task holds with 1.1 MB buffers (docs/router.md)
+    # What a 2 GiB task holds with 1.1 MB buffers (docs/router.md), on the data frontend; the process has
+    # room beyond it for the health listener and the runtime API.
+    router = text[text.index("\nfrontend router\n"):text.index("\nbackend cells\n")]
+    assert "\n    maxconn 671\n" in router and "\n    maxconn 735\n" in text[:text.index("\ndefaults\n")]
     # TCP keep-alive towards the cells, in their backend (PrivateLink may drop a connection idle for 350 s).
     backend = text[text.index("\nbackend cells\n"):]
     assert all(f"\n    {line}\n" in backend for line in ("option srvtcpka", "srvtcpka-idle 60s", "srvtcpka-intvl 30s"))
@@ -71,6 +74,7 @@ def test_rendered_config_passes_haproxy_check(cells: str, retry: str, tmp_path: 
     ({"ROUTER_CELLS": "a=http://x:1", "ROUTER_CHECK_INTERVAL_MS": "5000"}, "ROUTER_CHECK_INTERVAL_MS"),
     ({"ROUTER_CELLS": "a=http://x:1", "ROUTER_RETRY": "maybe"}, "ROUTER_RETRY"),
     ({"ROUTER_CELLS": "a=http://x:1", "ROUTER_MAXCONN": "0"}, "ROUTER_MAXCONN"),
+    ({"ROUTER_CELLS": "a=http://x:1", "ROUTER_PORT": "9000", "ROUTER_HEALTH_PORT": "9000"}, "ROUTER_HEALTH_PORT"),
     ({"ROUTER_CELLS": "a=http://x:1", "ROUTER_MAXCONN": "1e9"}, "ROUTER_MAXCONN"),
 ])
 def test_bad_settings_name_the_variable(env: dict[str, str], named: str) -> None:
@@ -266,6 +270,29 @@ async def test_streams_beyond_maxconn_wait_for_a_place_instead_of_growing_the_ta
             answers = await asyncio.wait_for(asyncio.gather(*pending), 20)
         assert [status for status, _ in answers] == [200] * 8
         assert a.posts + b.posts == 8
+    finally:
+        await router.close()
+
+
+async def test_the_routers_health_answers_while_its_data_listener_is_at_maxconn(
+        cells: tuple[FakeCell, FakeCell], tmp_path: Path) -> None:
+    """A global maxconn paused every listener, the one `/router/health` was answered on too: a task at its
+    limit failed the ALB's check (5 s timeout) and ECS replaced it, cutting its streams (the eighteenth
+    session's review of its own change). The limit is now the data frontend's; the health has its own."""
+    a, b = cells
+    router = await _router(a, b, tmp_path, ROUTER_MAXCONN="4")
+    try:
+        a.hold.clear()
+        b.hold.clear()
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            held = [asyncio.create_task(_post(session, router.port)) for _ in range(4)]
+            await _until(lambda: a.posts + b.posts == 4)
+            async with asyncio.timeout(2):
+                async with session.get(f"http://{LOOPBACK}:{router.health_port}/router/health") as resp:
+                    assert resp.status == 200 and await resp.text() == "ok"
+            a.hold.set()
+            b.hold.set()
+            assert [status for status, _ in await asyncio.gather(*held)] == [200] * 4
     finally:
         await router.close()
 

@@ -251,14 +251,15 @@ async def test_the_router_is_not_healthy_before_its_first_ssm_read(
         "ROUTER_SSM_POLL_SECONDS": "1", "ROUTER_TASK_ID": "ready-1", **ssm_env["env"]})
     router = await start(settings)
 
-    async def health() -> int:
+    async def health(port: int | None = None) -> int:
         async with aiohttp.ClientSession() as session, \
-                session.get(f"http://{LOOPBACK}:{router.port}/router/health") as resp:
+                session.get(f"http://{LOOPBACK}:{port or router.port}/router/health") as resp:
             return resp.status
 
     try:
         await _until(lambda: router.state.ssm_error is not None, what="the failed SSM read")
-        assert await health() == 503 and not router.state.ready
+        # On the data port and on the health listener the ALB checks (ROUTER_HEALTH_PORT) alike.
+        assert await health() == await health(router.health_port) == 503 and not router.state.ready
         # Nor does a request reach a cell: an ALB whose targets are all unhealthy fails open and sends to them.
         await _until(lambda: all(c.status == "UP" for c in router.state.cells.values()), timeout=20,
                      what="both cells UP")
@@ -269,7 +270,7 @@ async def test_the_router_is_not_healthy_before_its_first_ssm_read(
         ssm_env["server"] = ThreadedMotoServer(ip_address=LOOPBACK, port=ssm_env["port"], verbose=False)
         ssm_env["server"].start()
         await _until(lambda: router.state.ready, timeout=15, what="the first SSM read")
-        assert await health() == 200
+        assert await health() == await health(router.health_port) == 200
     finally:
         await router.close()
 

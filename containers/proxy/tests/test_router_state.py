@@ -55,3 +55,44 @@ async def test_empty_follows_each_look() -> None:
     api.scur = 1  # a stream seen on it again (a look racing HAProxy's accounting, or a persistent connection)
     await state.refresh()
     assert not state.cells["a"].empty and state.report("t1").empty == []
+
+
+class AdminStates(SlowApi):
+    """Keeps each server's admin state (`set server cells/X state ...`) in its rows, and answers `show table`
+    with the 429s of `full`; cell a answers 429s from the second look on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = {"a": "ready", "b": "ready"}
+        self.full = 0
+
+    async def show_stat(self) -> list[dict[str, str]]:
+        rows = await super().show_stat()
+        for row, sid in zip(rows, ("1", "2"), strict=True):
+            row["sid"] = sid
+            row["status"] = "DRAIN" if self.state[row["svname"]] == "drain" else "UP"
+        return rows
+
+    async def command(self, command: str) -> str:
+        self.commands.append(command)
+        if command.startswith("show table"):
+            return f"# table: cells, type: integer, size:256, used:1\n0x1: key=1 use=0 exp=1 gpc0={self.full}\n\n"
+        words = command.split()
+        if words[:2] == ["set", "server"] and words[3] == "state":
+            self.state[words[2].split("/")[1]] = words[4]
+        return ""
+
+
+async def test_evacuating_the_only_other_cell_makes_a_full_cell_ready_at_once() -> None:
+    """A full cell drained by the agent while B took its requests; then B is evacuated (the SSM loop's apply).
+    Until the next look both were drained and every request got HAProxy's 503 (no server) instead of A's
+    429 with Retry-After (the eighteenth session's review of its own change)."""
+    api = AdminStates()
+    settings = RouterSettings.from_env({"ROUTER_CELLS": "a=http://127.0.0.1:1,b=http://127.0.0.1:2"})
+    state = RouterState(settings, api)  # type: ignore[arg-type]
+    await state.refresh()  # the baseline
+    api.full = 3
+    await state.refresh()  # a answered 429: drained, b takes its requests
+    assert api.state == {"a": "drain", "b": "ready"} and state.cells["a"].full
+    await state.apply(frozenset({"b"}))
+    assert api.state == {"a": "ready", "b": "drain"} and not state.cells["a"].full

@@ -520,14 +520,15 @@ def _runtime_dir(settings: Settings) -> tuple[str, bool]:
     return tempfile.mkdtemp(prefix=f"unit-proxy-{os.getpid()}-"), True
 
 
-async def _start_haproxy(paths: Paths, api: RuntimeApi) -> asyncio.subprocess.Process:
+async def _start_haproxy(paths: Paths, api: RuntimeApi, extra_fds: tuple[int, ...] = ()) -> asyncio.subprocess.Process:
     """`haproxy -W -db -f <cfg>` (master-worker, foreground; management guide 3 "Starting
     HAProxy"), its output on the agent's stderr; waits until its worker's runtime API answers,
-    then until its master's CLI does (_master_listens)."""
+    then until its master's CLI does (_master_listens). `extra_fds`: more listening sockets it
+    inherits (the cell router's health listener)."""
     try:
         proc = await asyncio.create_subprocess_exec(
             HAPROXY, "-W", "-db", *HAPROXY_OPTIONS, "-S", f"{paths.master_socket},mode,600", "-f", paths.config,
-            pass_fds=(paths.listen_fd,), preexec_fn=_die_with_parent,
+            pass_fds=(paths.listen_fd, *extra_fds), preexec_fn=_die_with_parent,
             stdin=asyncio.subprocess.DEVNULL, stdout=sys.stderr.fileno(), stderr=sys.stderr.fileno(),
         )
     except OSError as exc:

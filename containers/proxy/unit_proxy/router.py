@@ -218,6 +218,13 @@ class RouterState:
             self.cells[name].empty = False
             log.warning(json.dumps({"event": "cell_evacuated" if name in wanted else "cell_restored", "cell": name}))
         self.evacuated = wanted
+        # A cell drained as full is held only while another can take its requests: an evacuation may just
+        # have taken the last one, and until the next look every request would get HAProxy's 503.
+        for name, cell in sorted(self.cells.items()):
+            if cell.full and not cell.evacuated and not self._another_takes(name, set()):
+                await self._set_state(name, "ready")
+                cell.full = False
+                log.warning(json.dumps({"event": "cell_ready_after_full", "cell": name}))
 
     async def refresh(self) -> None:
         """Each cell's row of `show stat`; an evacuated cell is empty while a look finds no stream on it (its
@@ -511,6 +518,8 @@ class RunningRouter:
     stat: LastStat | None = None  # the worker's `show stat` through the master CLI, its last answer kept
     emf_stop: asyncio.Event = field(default_factory=asyncio.Event)  # set once HAProxy is gone: the last line
     killed: bool = False  # HAProxy outlasted the stop's bound and was killed: its exit code is the router's doing
+    health_listener: socket.socket | None = None  # ROUTER_HEALTH_PORT's socket, shut at the stop as the data port's
+    health_port: int = 0
 
     async def _delete_report(self) -> None:
         """Stop the SSM loop (it would write the report again) and delete this task's report after the write in
@@ -568,9 +577,10 @@ class RunningRouter:
         # From the signal on, the worker's stats socket is closed: the poll loop could only log a refusal per poll.
         self.task.cancel()
         await asyncio.gather(self.task, return_exceptions=True)
-        if self.listener is not None:  # new connections refused, not left to hang on HAProxy's master
-            shut_listener(self.listener)
-            self.listener = None
+        for sock in (self.listener, self.health_listener):
+            if sock is not None:  # new connections refused, not left to hang on HAProxy's master
+                shut_listener(sock)
+        self.listener = self.health_listener = None
         if proc.returncode is None:
             try:
                 async with asyncio.timeout(timeout):
@@ -604,10 +614,15 @@ async def _first_read(stat: LastStat, process: asyncio.subprocess.Process) -> No
 async def start(settings: RouterSettings) -> RunningRouter:
     """Bind, start HAProxy, the poll loop and the admin listener; raises BindError or StartError."""
     listener = bind_data_port(settings.host, settings.port)
+    try:
+        health = bind_data_port(settings.host, settings.health_port)
+    except BindError:
+        listener.close()
+        raise
     owns = not settings.runtime_dir
     runtime_dir = tempfile.mkdtemp(prefix="cell-router-") if owns else settings.runtime_dir
     Path(runtime_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
-    paths = RouterPaths(runtime_dir, listener.fileno())
+    paths = RouterPaths(runtime_dir, listener.fileno(), health.fileno())
     api = RuntimeApi(paths.admin_socket)
     state = RouterState(settings, api, ready_map=paths.ready_map)
     runner = web.AppRunner(admin_app(state), access_log=None, handle_signals=False, shutdown_timeout=0.5)
@@ -620,7 +635,7 @@ async def start(settings: RouterSettings) -> RunningRouter:
             raise StartError(f"SSM client for {settings.ssm_prefix}: {type(exc).__name__}: {exc}") from None
         Path(paths.ready_map).write_text("")  # not ready until the first SSM read (only read with SSM)
         Path(paths.config).write_text(render(settings, paths))
-        process = await _start_haproxy(paths, api)  # type: ignore[arg-type]  # RouterPaths has the same fields
+        process = await _start_haproxy(paths, api, (paths.health_fd,))  # type: ignore[arg-type]  # Paths' fields
         # Through the master CLI: the worker's own stats socket closes at the soft stop (router_metrics).
         stat = LastStat(RuntimeApi(paths.master_socket, prefix="@1 ")) if settings.metrics_namespace else None
         if stat is not None:
@@ -628,6 +643,7 @@ async def start(settings: RouterSettings) -> RunningRouter:
     except BaseException:
         await runner.cleanup()
         listener.close()
+        health.close()
         if owns:
             shutil.rmtree(runtime_dir, ignore_errors=True)
         raise
@@ -646,7 +662,7 @@ async def start(settings: RouterSettings) -> RunningRouter:
         log.info("evacuation from SSM %s every %g s, report %s", ssm.parameter, settings.ssm_poll_seconds,
                  ssm.report_name)
     return RunningRouter(state, paths, port, admin_port, process, runner, task, owns, metrics_task, ssm, ssm_task,
-                         listener, stat, emf_stop)
+                         listener, stat, emf_stop, health_listener=health, health_port=health.getsockname()[1])
 
 
 async def serve(settings: RouterSettings) -> int:

@@ -39,6 +39,8 @@ SYSTEM_CA_FILE = "/etc/ssl/certs/ca-certificates.crt"
 HARD_STOP_SECONDS = 905
 # The backend's table of 429s per cell (render): room for every server id; an entry idle this long
 # is dropped (its counter starts again from 0, which the agent reads as a new count).
+# The process's connections beyond the data frontend's maxconn: the health listener's and the runtime API's.
+CONTROL_CONNECTIONS = 64
 FULL_TABLE_SIZE = 256
 FULL_TABLE_EXPIRE_SECONDS = 600
 
@@ -177,6 +179,10 @@ class RouterSettings:
     cells: tuple[CellBackend, ...]
     host: str = "0.0.0.0"
     port: int = 8080
+    # `/router/health` for the ALB's target group check, on a listener of its own: the data listener's
+    # maxconn never holds it back (render). 0: any free port (the stack sets ROUTER_HEALTH_PORT 8081;
+    # `/router/health` is answered on the data port too).
+    health_port: int = 0
     admin_host: str = "127.0.0.1"
     admin_port: int = 9091
     retry: bool = True
@@ -193,7 +199,7 @@ class RouterSettings:
     workers: int = 1
     evacuation_file: str = ""
     poll_seconds: float = 1.0
-    # A cell that answered 429 keeps weight 1 at most this long after its last 429 (unit_proxy.router).
+    # A cell that answered 429 is drained this long, doubled while it stays full (unit_proxy.router).
     full_hold_seconds: float = 10.0
     ssm_prefix: str = ""
     ssm_region: str = ""
@@ -214,6 +220,7 @@ class RouterSettings:
             cells=_cells(env),
             host=env.get("ROUTER_HOST", cls.host).strip() or cls.host,
             port=_int(env, "ROUTER_PORT", cls.port, 0, 65535),
+            health_port=_health_port(env, cls.health_port),
             admin_host=env.get("ROUTER_ADMIN_HOST", cls.admin_host).strip() or cls.admin_host,
             admin_port=_int(env, "ROUTER_ADMIN_PORT", cls.admin_port, 0, 65535),
             retry=_bool(env, "ROUTER_RETRY", cls.retry),
@@ -242,6 +249,15 @@ def fd_maxconn() -> int:
     the task definition's `nofile` ulimit."""
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     return 1_000_000 if hard == resource.RLIM_INFINITY else max(1, (hard - 256) // 2)
+
+
+def _health_port(env: Mapping[str, str], default: int) -> int:
+    port = _int(env, "ROUTER_HEALTH_PORT", default, 0, 65535)
+    data = env.get("ROUTER_PORT", "").strip() or str(RouterSettings.port)
+    if port and str(port) == data:
+        raise SettingsError("ROUTER_HEALTH_PORT", str(port),
+                            f"a port other than ROUTER_PORT ({data}); 0: any free port")
+    return port
 
 
 def default_maxconn(buffer_bytes: int) -> int:
@@ -275,6 +291,7 @@ class RouterPaths:
 
     runtime_dir: str
     listen_fd: int
+    health_fd: int = -1  # the health listener's socket (ROUTER_HEALTH_PORT); -1: none (a rendering for `haproxy -c`)
 
     @property
     def config(self) -> str:
@@ -327,9 +344,30 @@ def _resolvers(settings: RouterSettings) -> list[str]:
     return ["resolvers vpc", "    parse-resolv-conf", "    hold valid 10s", "    accepted_payload_size 8192", ""]
 
 
+def _health_frontend(settings: RouterSettings, paths: RouterPaths) -> list[str]:
+    """`/router/health` on its own listener (ROUTER_HEALTH_PORT), for the ALB's check: answered while the
+    data listener is at its maxconn, which would otherwise hold the check in its listen queue until the
+    ALB's 5 s timeout and have ECS replace a task that is only full. Gated on the first SSM read as the
+    data listener is."""
+    if paths.health_fd < 0:
+        return []
+    return [
+        "frontend health",
+        f"    bind fd@{paths.health_fd}",
+        f"    maxconn {CONTROL_CONNECTIONS // 2}",
+        *([f'    http-request return status 503 content-type text/plain string "evacuation not read yet" '
+           f'if !{{ str(ready),map({paths.ready_map}) -m found }}']
+          if settings.ssm_prefix else []),
+        "    http-request return status 200 content-type text/plain string ok if { path /router/health }",
+        '    http-request return status 404 content-type text/plain string "only /router/health here"',
+        "",
+    ]
+
+
 def render(settings: RouterSettings, paths: RouterPaths) -> str:
     """The whole router.cfg for these settings (a pure function; `haproxy -c` runs on it in the tests)."""
     inter = settings.check_interval_ms
+    maxconn = settings.maxconn or default_maxconn(settings.buffer_bytes)
     retry = [
         # 4.2 "retries": one more attempt. 4.2 "option redispatch 1": that attempt goes back to the
         # load balancing, which avoids the cell just tried when another is up (leastconn's
@@ -355,9 +393,10 @@ def render(settings: RouterSettings, paths: RouterPaths) -> str:
         f"    stats socket {paths.admin_socket} mode 600 level admin",
         # 3.2 "tune.bufsize": the largest request a retry can replay (headers and body together).
         f"    tune.bufsize {settings.buffer_bytes}",
-        # 3.2 "maxconn": "Proxies will stop accepting connections when this limit is reached": the ones
-        # beyond wait in the kernel's listen queue, and the task's memory stays bounded (maxconn_for).
-        f"    maxconn {settings.maxconn or default_maxconn(settings.buffer_bytes)}",
+        # 3.2 "maxconn": "Proxies will stop accepting connections when this limit is reached", every
+        # listener of the process: so the data frontend has the task's limit (maxconn_for) and the
+        # process room beyond it for the health listener and the runtime API.
+        f"    maxconn {maxconn + CONTROL_CONNECTIONS}",
         f"    hard-stop-after {HARD_STOP_SECONDS}s",
         "",
         *_resolvers(settings),
@@ -374,6 +413,9 @@ def render(settings: RouterSettings, paths: RouterPaths) -> str:
         "",
         "frontend router",
         f"    bind fd@{paths.listen_fd}",
+        # 4.2 "maxconn" (frontend): "Excess connections will be queued by the system in the socket's listen
+        # queue and will be served once a connection closes": the task's memory stays bounded.
+        f"    maxconn {maxconn}",
         # The router's own health for the ALB in front of it: not forwarded. With SSM evacuation, 503 until
         # the agent's first SSM read succeeded (it then adds `ready` to the map through the runtime API,
         # management guide 9.3 "add map"): a task that cannot read which cells are evacuated takes no traffic.
@@ -386,6 +428,7 @@ def render(settings: RouterSettings, paths: RouterPaths) -> str:
         "    http-request return status 200 content-type text/plain string ok if { path /router/health }",
         f"    default_backend {BACKEND}",
         "",
+        *_health_frontend(settings, paths),
         f"backend {BACKEND}",
         # 4.2 "balance leastconn": the cell with the fewest open streams relative to its weight.
         "    balance leastconn",

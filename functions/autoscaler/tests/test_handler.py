@@ -99,9 +99,9 @@ class Cell:
         ]}, {"StackName": STACK})
 
     def group(self, desired: int, instances: list[str], served: str | None = None,
-              states: dict[str, str] | None = None, **tags: float | str) -> None:
+              states: dict[str, str] | None = None, unhealthy: tuple[str, ...] = (), **tags: float | str) -> None:
         """The group; `served`: the served latch tag's value (None: no such tag); `states`: more
-        instances with their lifecycle state (the others are InService)."""
+        instances with their lifecycle state (the others are InService); `unhealthy`: HealthStatus."""
         lifecycle = {**dict.fromkeys(instances, "InService"), **(states or {})}
         listed = [{"ResourceId": GROUP, "ResourceType": "auto-scaling-group", "Key": k,
                    "Value": v if isinstance(v, str) else str(int(v)), "PropagateAtLaunch": False}
@@ -114,7 +114,8 @@ class Cell:
             "DefaultCooldown": 300, "AvailabilityZones": [f"{REGION}a"], "HealthCheckType": "EC2",
             "CreatedTime": datetime(2026, 1, 1, tzinfo=UTC),
             "Instances": [{"InstanceId": i, "AvailabilityZone": f"{REGION}a", "LifecycleState": state,
-                           "HealthStatus": "Healthy", "ProtectedFromScaleIn": True} for i, state in lifecycle.items()],
+                           "HealthStatus": "Unhealthy" if i in unhealthy else "Healthy", "ProtectedFromScaleIn": True}
+                          for i, state in lifecycle.items()],
             "Tags": listed,
         }]}, {"AutoScalingGroupNames": [GROUP]})
 
@@ -135,16 +136,19 @@ class Cell:
                               {"cluster": CLUSTER, "services": arns, "include": ["TAGS"]})
 
     def labels(self, by_instance: dict[str, str | None], extra: dict[str, dict[str, str]] | None = None,
-               running: dict[str, int] | None = None) -> None:
+               running: dict[str, int] | None = None, status: dict[str, str] | None = None,
+               connected: dict[str, bool] | None = None) -> None:
         """instance -> its `unit` label (None: registered, no label); `extra`: more attributes;
-        `running`: tasks running on an instance (none when not named)."""
+        `running`: tasks running on an instance (none when not named); `status` (default ACTIVE) and
+        `connected` (its agent's, default True) of the instances named."""
         arns = [f"arn:aws:ecs:{REGION}:{ACCOUNT}:container-instance/rufus-dev/{i}" for i in by_instance]
         self.ecs.add_response("list_container_instances", {"containerInstanceArns": arns},
                               {"cluster": CLUSTER, "maxResults": 100})
         if not arns:
             return
         self.ecs.add_response("describe_container_instances", {"containerInstances": [
-            {"containerInstanceArn": a, "ec2InstanceId": i, "status": "ACTIVE",
+            {"containerInstanceArn": a, "ec2InstanceId": i, "status": (status or {}).get(i, "ACTIVE"),
+             "agentConnected": (connected or {}).get(i, True),
              "runningTasksCount": (running or {}).get(i, 0), "pendingTasksCount": 0,
              "attributes": ([{"name": "unit", "value": u}] if u else [])
              + [{"name": k, "value": v} for k, v in (extra or {}).get(i, {}).items()]}
@@ -515,6 +519,36 @@ def test_an_activation_whose_instances_are_booting_is_kept_when_the_refusal_was_
     summary = cell.run()  # the Stubber would refuse the cancel's UpdateService calls
     assert summary["action"] == "hold", summary
     assert summary["phases"] == {"u0": "serving", "u1": "serving", "u2": "starting"}
+
+
+@pytest.mark.parametrize("unusable", ["disconnected", "draining", "unhealthy"])
+def test_an_unlabelled_instance_that_cannot_take_tasks_does_not_hide_a_refusal(unusable: str) -> None:
+    """u1 activated for two instances: one launch was refused, the other is booting (i-n, pending). i-x is
+    a live member without a label that can take no task: its agent away past the grace with its
+    replacement deferred, ECS draining it, or the group counting it unhealthy; the placement controller
+    took its label. Counted as on its way, it hid the refusal and u1 waited on a launch the group kept
+    retrying (the eighteenth session's review of its own change)."""
+    cell = Cell()
+    cell.stack()
+    cell.group(4, ["i-a", "i-b", "i-x"], served="0", states={"i-n": "Pending"},
+               unhealthy=("i-x",) if unusable == "unhealthy" else (), **{aws.TAG_LAST_OUT: NOW - 300})
+    cell.services({"u0": (2, 2), "u1": (2, 0), "u2": (0, 0)})
+    extra = {"disconnected": {"i-x": {"agent-disconnected-since": str(int(NOW - 900))}}}.get(unusable)
+    cell.labels({"i-a": "u0", "i-b": "u0", "i-x": None}, extra=extra,
+                status={"i-x": "DRAINING"} if unusable == "draining" else None,
+                connected={"i-x": False} if unusable == "disconnected" else None)
+    cell.activities((NOW - 200, REFUSAL))
+    cell.metrics({"u0": (16.0, 1.0)})
+    cell.expect_count("u1", "leader", 0)
+    cell.expect_count("u1", "followers", 0)
+    summary = cell.run()
+    assert (summary["action"], summary["units"]) == ("cancel", ["u1"]), summary
+
+
+def test_the_disconnected_agent_record_is_the_placement_controllers() -> None:
+    from placement_controller.ecs_health import DISCONNECTED_ATTRIBUTE
+
+    assert aws.DISCONNECTED_ATTRIBUTE == DISCONNECTED_ATTRIBUTE
 
 
 # -- smoothing (issue 21, item 3) ----------------------------------------------------

@@ -53,6 +53,9 @@ CAPACITY_MESSAGE = re.compile(
     re.IGNORECASE,
 )
 LIVE_STATES = frozenset({"InService", "Pending", "Pending:Wait", "Pending:Proceed"})
+# The placement controller's record of a disconnected ECS agent on a container instance (its own constant:
+# placement_controller/ecs_health.py DISCONNECTED_ATTRIBUTE; tests/test_handler.py holds the two equal).
+DISCONNECTED_ATTRIBUTE = "agent-disconnected-since"
 TAG_LAST_OUT = "unit-autoscaler:last-scale-out"
 TAG_LAST_IN = "unit-autoscaler:last-scale-in"
 # Units that have served in their current life ("0,2,3"): a serving unit stays serving through
@@ -188,6 +191,8 @@ class InstanceView:
     attributes: dict[str, dict[str, str]]  # EC2 instance id -> ECS attributes (`unit`, `quarantine`, ...)
     busy: set[str]  # EC2 instance ids that run or are about to run a task (desired status RUNNING)
     hosts: dict[str, str] = field(default_factory=dict)  # container instance ARN -> EC2 instance id
+    # EC2 instance ids that can take no task now: not ACTIVE (DRAINING) or their agent disconnected.
+    unusable: set[str] = field(default_factory=set)
 
 
 def instance_attributes(ecs: BaseClient, cluster: str, retry: Retry) -> InstanceView:
@@ -208,6 +213,8 @@ def instance_attributes(ecs: BaseClient, cluster: str, retry: Retry) -> Instance
                 view.hosts[str(ci.get("containerInstanceArn", ""))] = instance_id
                 if int(ci.get("runningTasksCount", 0)) + int(ci.get("pendingTasksCount", 0)):
                     view.busy.add(instance_id)
+                if ci.get("status", "ACTIVE") != "ACTIVE" or not ci.get("agentConnected", True):
+                    view.unusable.add(instance_id)
     return view
 
 
@@ -258,6 +265,8 @@ class GroupView:
     min_size: int = 0
     # InService and Healthy: the only instances the autoscaler unprotects or terminates.
     in_service: tuple[str, ...] = ()
+    # HealthStatus Unhealthy: the group replaces them (once its ReplaceUnhealthy process runs).
+    unhealthy: tuple[str, ...] = ()
 
 
 def group_state(autoscaling: BaseClient, group: str, retry: Retry) -> GroupView:
@@ -273,6 +282,7 @@ def group_state(autoscaling: BaseClient, group: str, retry: Retry) -> GroupView:
         min_size=int(g.get("MinSize", 0)),
         in_service=tuple(i["InstanceId"] for i in g.get("Instances", [])
                          if i.get("LifecycleState") == "InService" and i.get("HealthStatus", "Healthy") == "Healthy"),
+        unhealthy=tuple(i["InstanceId"] for i in g.get("Instances", []) if i.get("HealthStatus") == "Unhealthy"),
     )
 
 

@@ -143,7 +143,7 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
     obs = Observation(
         now=now, units=tuple(units), last_scale_out=_tag_time(group.tags, aws.TAG_LAST_OUT), last_scale_in=last_in,
         capacity_failures=tuple(t for t, _ in failures), ttft_p90_ms=ttft,
-        unlabelled_instances=len(unlabelled_live(group, attributes)),
+        unlabelled_instances=len(unlabelled_live(group, attributes, view.unusable)),
     )
     context.update(services=services, labelled=labelled, failures=failures, served=latched, activated=activated,
                    unlabelled=unlabelled_beyond_need(settings, group, attributes, units, busy))
@@ -201,14 +201,21 @@ def finish_half_done(settings: Settings, clients: Clients, services: Mapping[tup
     return now, finished
 
 
-def unlabelled_live(group: aws.GroupView, attributes: Mapping[str, Mapping[str, str]]) -> list[str]:
-    """Live instances of the group (pending or in service) without a `unit` label, quarantined ones aside.
+def unlabelled_live(group: aws.GroupView, attributes: Mapping[str, Mapping[str, str]],
+                    unusable: Collection[str] = ()) -> list[str]:
+    """Live instances of the group (pending or in service) without a `unit` label that a unit may still get.
 
     An instance is labelled only after it has booted and its ECS agent registered (some 15
     minutes for a Trainium node): until then the unit it was launched for looks empty. These
-    instances were launched, so no refusal was theirs (`decision._cancellable`)."""
+    instances were launched, so no refusal was theirs (`decision._cancellable`). Left out: the
+    ones that can take no task, whose label the placement controller took or never gives
+    (quarantined; the group counting it Unhealthy; ECS draining it or its agent away, `unusable`;
+    a first sighting of a disconnected agent recorded, `agent-disconnected-since`): counted, they
+    hid a refusal of the launch a unit waits for."""
     return [i for i in group.live_instances
-            if not attributes.get(i, {}).get("unit") and "quarantine" not in attributes.get(i, {})]
+            if i not in group.unhealthy and i not in unusable
+            and not attributes.get(i, {}).get("unit")
+            and not {"quarantine", aws.DISCONNECTED_ATTRIBUTE} & set(attributes.get(i, {}))]
 
 
 def unlabelled_beyond_need(settings: Settings, group: aws.GroupView, attributes: Mapping[str, Mapping[str, str]],
