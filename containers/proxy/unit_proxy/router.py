@@ -222,9 +222,7 @@ class RouterState:
         # have taken the last one, and until the next look every request would get HAProxy's 503.
         for name, cell in sorted(self.cells.items()):
             if cell.full and not cell.evacuated and not self._another_takes(name, set()):
-                await self._set_state(name, "ready")
-                cell.full = False
-                log.warning(json.dumps({"event": "cell_ready_after_full", "cell": name}))
+                await self._ready_after_full(name, cell)
 
     async def refresh(self) -> None:
         """Each cell's row of `show stat`; an evacuated cell is empty while a look finds no stream on it (its
@@ -294,9 +292,9 @@ class RouterState:
         twice as long (up to FULL_HOLD_MAX_FACTOR times); sent requests and answering none 429, it
         starts from one hold again. A cell is drained only while another cell is up, not evacuated
         and not full, and made ready at once when none is any more: when every cell is full its 429
-        is the right answer. Evacuated cells are left
-        to the evacuation. `cells`: (name, status, its 429s in the backend's table, router_config.render;
-        an entry dropped by its expiry starts again from 0, read as new)."""
+        is the right answer. Evacuated cells are left to the evacuation. `cells`: (name, status, its
+        429s in the backend's table, router_config.render; an entry dropped by its expiry starts
+        again from 0, read as new)."""
         now, base = time.monotonic(), self.settings.full_hold_seconds
         new_429: dict[str, int] = {}
         for name, cell, answered_429 in cells:
@@ -313,15 +311,18 @@ class RouterState:
                 continue
             if cell.full and (now >= cell.full_until or not self._another_takes(name, full_now)):
                 # The hold is over, or no other cell can take requests now (down, evacuated or full).
-                await self._set_state(name, "ready")
-                cell.full = False
-                log.warning(json.dumps({"event": "cell_ready_after_full", "cell": name}))
+                await self._ready_after_full(name, cell)
             elif name in full_now and not cell.full and self._another_takes(name, full_now):
                 cell.hold = min(cell.hold * 2, base * FULL_HOLD_MAX_FACTOR) if cell.hold else base
                 cell.full, cell.full_until = True, now + cell.hold
                 await self._set_state(name, "drain")
                 log.warning(json.dumps({"event": "cell_full", "cell": name, "answered_429": new_429[name],
                                         "hold_seconds": cell.hold}))
+
+    async def _ready_after_full(self, name: str, cell: CellStatus) -> None:
+        await self._set_state(name, "ready")
+        cell.full = False
+        log.warning(json.dumps({"event": "cell_ready_after_full", "cell": name}))
 
     def _another_takes(self, name: str, full_now: set[str]) -> bool:
         """Whether another cell is up, not evacuated and not full (drained as such, or answering 429 in
@@ -577,10 +578,17 @@ class RunningRouter:
         # From the signal on, the worker's stats socket is closed: the poll loop could only log a refusal per poll.
         self.task.cancel()
         await asyncio.gather(self.task, return_exceptions=True)
-        for sock in (self.listener, self.health_listener):
-            if sock is not None:  # new connections refused, not left to hang on HAProxy's master
-                shut_listener(sock)
-        self.listener = self.health_listener = None
+        if self.listener is not None:  # new connections refused, not left to hang on HAProxy's master
+            shut_listener(self.listener)
+            self.listener = None
+        if self.health_listener is not None:
+            # Only closed, not shut: with both inherited listeners shut, HAProxy 2.6.12's worker died of a
+            # segmentation fault in its exit (deinit -> protocol_unbind_all -> sock_unbind ->
+            # _fd_delete_orphan, from a core dump) in 4-7 of 30 soft stops on a loaded machine; 0 of 60
+            # with this one only closed. The task is out of its target group before its stop, so a
+            # health check left hanging on HAProxy's master until it exits costs nothing.
+            self.health_listener.close()
+            self.health_listener = None
         if proc.returncode is None:
             try:
                 async with asyncio.timeout(timeout):

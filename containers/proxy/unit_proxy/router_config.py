@@ -37,10 +37,10 @@ SYSTEM_CA_FILE = "/etc/ssl/certs/ca-certificates.crt"
 # A SIGTERM lets streams in flight go on this long (`hard-stop-after`), then HAProxy stops; the
 # agent waits a little longer for it to exit (router.serve).
 HARD_STOP_SECONDS = 905
-# The backend's table of 429s per cell (render): room for every server id; an entry idle this long
-# is dropped (its counter starts again from 0, which the agent reads as a new count).
 # The process's connections beyond the data frontend's maxconn: the health listener's and the runtime API's.
 CONTROL_CONNECTIONS = 64
+# The backend's table of 429s per cell (render): room for every server id; an entry idle this long
+# is dropped (its counter starts again from 0, which the agent reads as a new count).
 FULL_TABLE_SIZE = 256
 FULL_TABLE_EXPIRE_SECONDS = 600
 
@@ -193,8 +193,8 @@ class RouterSettings:
     connect_timeout_ms: int = 1000
     timeout_seconds: float = 905.0
     buffer_bytes: int = 1_130_496
-    # Global maxconn: connections beyond it wait in the listen queue (ROUTER_MAXCONN, default maxconn_for
-    # the default task and buffer).
+    # The data frontend's maxconn: connections beyond it wait in the listen queue (ROUTER_MAXCONN; 0 here:
+    # `default_maxconn`, what the default task holds).
     maxconn: int = 0
     workers: int = 1
     evacuation_file: str = ""
@@ -344,6 +344,18 @@ def _resolvers(settings: RouterSettings) -> list[str]:
     return ["resolvers vpc", "    parse-resolv-conf", "    hold valid 10s", "    accepted_payload_size 8192", ""]
 
 
+HEALTH_RULE = "    http-request return status 200 content-type text/plain string ok if { path /router/health }"
+
+
+def _not_ready_rule(settings: RouterSettings, paths: RouterPaths) -> list[str]:
+    """With SSM evacuation, 503 to everything until the agent's first SSM read succeeded (it then adds
+    `ready` to the map through the runtime API, management guide 9.3 "add map")."""
+    if not settings.ssm_prefix:
+        return []
+    return [f'    http-request return status 503 content-type text/plain string "evacuation not read yet" '
+            f'if !{{ str(ready),map({paths.ready_map}) -m found }}']
+
+
 def _health_frontend(settings: RouterSettings, paths: RouterPaths) -> list[str]:
     """`/router/health` on its own listener (ROUTER_HEALTH_PORT), for the ALB's check: answered while the
     data listener is at its maxconn, which would otherwise hold the check in its listen queue until the
@@ -355,10 +367,8 @@ def _health_frontend(settings: RouterSettings, paths: RouterPaths) -> list[str]:
         "frontend health",
         f"    bind fd@{paths.health_fd}",
         f"    maxconn {CONTROL_CONNECTIONS // 2}",
-        *([f'    http-request return status 503 content-type text/plain string "evacuation not read yet" '
-           f'if !{{ str(ready),map({paths.ready_map}) -m found }}']
-          if settings.ssm_prefix else []),
-        "    http-request return status 200 content-type text/plain string ok if { path /router/health }",
+        *_not_ready_rule(settings, paths),
+        HEALTH_RULE,
         '    http-request return status 404 content-type text/plain string "only /router/health here"',
         "",
     ]
@@ -416,16 +426,13 @@ def render(settings: RouterSettings, paths: RouterPaths) -> str:
         # 4.2 "maxconn" (frontend): "Excess connections will be queued by the system in the socket's listen
         # queue and will be served once a connection closes": the task's memory stays bounded.
         f"    maxconn {maxconn}",
-        # The router's own health for the ALB in front of it: not forwarded. With SSM evacuation, 503 until
-        # the agent's first SSM read succeeded (it then adds `ready` to the map through the runtime API,
-        # management guide 9.3 "add map"): a task that cannot read which cells are evacuated takes no traffic.
-        # Every path, not only the health: when every target is unhealthy the ALB fails open and sends to them
-        # all (https://docs.aws.amazon.com/elasticloadbalancing/latest/application/target-group-health-checks.html),
+        # The router's own health, not forwarded (the ALB checks the health listener's, `_health_frontend`).
+        # Not ready before the first SSM read: a task that cannot read which cells are evacuated takes no
+        # traffic. Every path, not only the health: when every target is unhealthy the ALB fails open and
+        # sends to them all (https://docs.aws.amazon.com/elasticloadbalancing/latest/application/target-group-health-checks.html),
         # and a task that never read SSM would then route with no cell evacuated (docs/router.md "Evacuation").
-        *([f'    http-request return status 503 content-type text/plain string "evacuation not read yet" '
-           f'if !{{ str(ready),map({paths.ready_map}) -m found }}']
-          if settings.ssm_prefix else []),
-        "    http-request return status 200 content-type text/plain string ok if { path /router/health }",
+        *_not_ready_rule(settings, paths),
+        HEALTH_RULE,
         f"    default_backend {BACKEND}",
         "",
         *_health_frontend(settings, paths),

@@ -154,8 +154,8 @@ class Observation:
     last_scale_out: float | None = None
     last_scale_in: float | None = None
     capacity_failures: tuple[float, ...] = ()  # times of launches refused for capacity, any order
-    # Live instances of the group with no unit label (booting, not yet registered, or not yet
-    # labelled), quarantined ones aside: launched, so not refused, whichever unit they will join.
+    # Live instances of the group with no unit label that a unit may still get (booting, not yet
+    # registered, or not yet labelled; handler.unlabelled_live): launched, so not refused.
     unlabelled_instances: int = 0
     ttft_p90_ms: Series = ()  # the cell's TTFT p90 per minute, newest first
 

@@ -567,11 +567,13 @@ def _stop_spare_tasks(
 ) -> list[str]:
     """Stop every spare task on an instance labelled with a unit, so the spare service starts one on a spare.
 
-    ECS never moves a running task when an attribute changes (its placement constraint holds only
-    at placement), so the controller stops it. Swept every run, not only in the run that relabels:
-    a run that fails between its PutAttributes and its StopTask is run again with the label
-    already written, and a spare task ECS was placing while the label changed appears only later.
-    One ListTasks a run (DescribeTasks too when spare tasks run).
+    A placement constraint is a rule "that must be met in order to place a task"
+    (https://docs.aws.amazon.com/AmazonECS/latest/developerguide/task-placement.html); that ECS leaves
+    a running task where it is when its instance's attribute changes is not stated there
+    (unverified; nothing in the API moves one), so the controller stops it. Swept every run, not
+    only in the run that relabels: a run that fails between its PutAttributes and its StopTask is
+    run again with the label already written, and a spare task ECS was placing while the label
+    changed appears only later. One ListTasks a run (DescribeTasks too when spare tasks run).
     """
     if not settings.spare_task_family:
         return []
