@@ -113,9 +113,10 @@ task_devices() {
 # brings it back: node-setup assembles and mounts it itself on every boot. The fstab line is
 # `noauto`: without it systemd makes its own mount unit of it, which waits for the label (its device
 # timeout, systemd.mount(5) "x-systemd.device-timeout=", DefaultDeviceTimeoutSec 90 s by default)
-# while `nofail` keeps local-fs.target, and so node-setup, from waiting for it (systemd.mount(5), "nofail"); after a stop and start node-setup made the file system anew and
-# systemd's job mounted it under node-setup's own mount, which failed "already mounted". After a
-# stop and start the disks are blank: the cache is made anew (it is only a cache).
+# while `nofail` keeps local-fs.target, and so node-setup, from waiting for it (systemd.mount(5),
+# "nofail"); after a stop and start node-setup made the file system anew and systemd's job
+# mounted it under node-setup's own mount, which failed "already mounted". After a stop and
+# start the disks are blank: the cache is made anew (it is only a cache).
 model_cache() {
   if ! cache_mounted; then
     [ -e /etc/mdadm.conf ] && mdadm --assemble --scan >/dev/null 2>&1
