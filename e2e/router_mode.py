@@ -287,10 +287,11 @@ async def run(opts: Options, logs: Path) -> dict[str, Any]:
 
 
 def router_settings(cells: dict[str, str], port: int, admin_port: int, evac_file: Path) -> dict[str, str]:
-    """The router's environment for cells on loopback (docs/router.md "Router settings")."""
+    """The router's environment for cells on loopback (docs/router.md "Router settings"). A cell here is one unit
+    proxy, not a load balancer that may still send to a failing unit: a rejoin waits 2 s of passing checks."""
     return {"ROUTER_CELLS": ",".join(f"{name}={url}" for name, url in cells.items()), "ROUTER_HOST": LOOPBACK,
             "ROUTER_PORT": str(port), "ROUTER_ADMIN_PORT": str(admin_port), "ROUTER_EVACUATION_FILE": str(evac_file),
-            "ROUTER_POLL_SECONDS": "0.1", "ROUTER_CHECK_INTERVAL_MS": "1000"}
+            "ROUTER_POLL_SECONDS": "0.1", "ROUTER_CHECK_INTERVAL_MS": "1000", "ROUTER_REJOIN_SECONDS": "2"}
 
 
 def client_session() -> aiohttp.ClientSession:

@@ -571,6 +571,9 @@ class WaveConfig(_Strict):
 # is unhealthy after 2 failed checks in a row.
 UNIT_HEALTH_CHECK_INTERVAL_SECONDS = 10
 UNIT_UNHEALTHY_THRESHOLD = 2
+# The longest a failing unit is still sent requests: UNIT_UNHEALTHY_THRESHOLD failed checks, one interval apart,
+# plus one interval for the first.
+UNIT_DETECTION_SECONDS = UNIT_HEALTH_CHECK_INTERVAL_SECONDS * (UNIT_UNHEALTHY_THRESHOLD + 1)
 
 
 class ServingConfig(_Strict):
@@ -686,9 +689,8 @@ class ServingConfig(_Strict):
     def admission_window_seconds(self) -> int:
         """The proxy's DRAIN_SECONDS: how long it still admits new requests once its /health is 503 while
         its target is still registered (a stopping follower's drain; a SIGTERM the load balancer did not
-        drain first). The load balancer stops routing to the target once it is unhealthy: after
-        UNIT_UNHEALTHY_THRESHOLD failed checks, one interval apart, plus one interval for the first."""
-        return UNIT_HEALTH_CHECK_INTERVAL_SECONDS * (UNIT_UNHEALTHY_THRESHOLD + 1)
+        drain first): the load balancer stops routing to the target once it is unhealthy, UNIT_DETECTION_SECONDS."""
+        return UNIT_DETECTION_SECONDS
 
     @property
     def proxy_drain_bound_seconds(self) -> int:

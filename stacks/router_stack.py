@@ -46,7 +46,7 @@ from cell_constructs.router_service import (
     RouterTaskSize,
 )
 from cell_constructs.unit_load_balancer import UnitLoadBalancer
-from inference_fleet.config import CellConfig, FleetConfig, RouterConfig
+from inference_fleet.config import UNIT_DETECTION_SECONDS, CellConfig, FleetConfig, RouterConfig
 from inference_fleet.evacuate import parameter_name as evacuation_parameter_name
 from stacks.cell_stack import _RETENTION, CONTAINERS_DIR, pinned_image
 
@@ -158,6 +158,9 @@ class RouterStack(Stack):
                                               ROUTER_TIMEOUT_MAX_SECONDS)),
             # The connections the task's memory holds with their buffers (HAProxy's global maxconn):
             # beyond it a connection waits to be accepted instead of the task being killed for memory.
+            # A cell that went down serves again once its checks passed for as long as its units' load balancer
+            # may still send to a failing unit (docs/router.md "Rejoining").
+            "ROUTER_REJOIN_SECONDS": str(UNIT_DETECTION_SECONDS),
             "ROUTER_MAXCONN": str(maxconn_for(self.task_size.memory_mib, RouterSettings.buffer_bytes)),
             "ROUTER_METRICS_NAMESPACE": router_metrics_namespace(self.fleet),
             "ROUTER_NAME": router.region,

@@ -311,7 +311,9 @@ async def test_evacuate_wait_against_a_router_process_and_a_local_ssm(
     port = _port()
     env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/bin"), "ROUTER_CELLS": f"dev={dev.url},prod={prod.url}",
            "ROUTER_HOST": "127.0.0.1", "ROUTER_PORT": str(port), "ROUTER_ADMIN_PORT": str(_port()),
-           "ROUTER_CHECK_INTERVAL_MS": "1000", "ROUTER_SSM_PREFIX": "/inference-fleet/Rufus/router/us-east-2",
+           # Cells on loopback have no load balancer whose detection time a rejoin waits out (docs/router.md).
+           "ROUTER_CHECK_INTERVAL_MS": "1000", "ROUTER_REJOIN_SECONDS": "0.5",
+           "ROUTER_SSM_PREFIX": "/inference-fleet/Rufus/router/us-east-2",
            "ROUTER_SSM_POLL_SECONDS": "1", "ROUTER_TASK_ID": "task-a", **aws}
     router = await asyncio.create_subprocess_exec(sys.executable, "-m", "unit_proxy.router", env=env,
                                                   stderr=(tmp_path / "router.log").open("wb"))

@@ -197,6 +197,21 @@ def test_the_tasks_connections_are_bounded_by_its_memory(synth_router) -> None:
     assert maxconn * 2 * RouterSettings.buffer_bytes < (memory - 512) * 2**20
 
 
+def test_a_cell_that_went_down_waits_out_its_albs_detection_of_a_failing_unit(synth_router) -> None:
+    """The router's checks reach the unit the cell's ALB picks; a cell rejoins once they passed for as long
+    as that ALB may still send to a failing unit (docs/router.md "Rejoining"), which is also the router's
+    own default."""
+    from unit_proxy.router_config import RouterSettings, rise_checks
+
+    from inference_fleet.config import UNIT_DETECTION_SECONDS
+
+    env = _environment(synth_router) | {"ROUTER_CELLS": "a=http://x:1", "ROUTER_WEIGHTS": ""}
+    settings = RouterSettings.from_env(env)
+    assert settings.rejoin_seconds == UNIT_DETECTION_SECONDS == RouterSettings.rejoin_seconds == 30
+    # Checks every 1 s, every 0.5 s while going up: 61 passes in a row span 30 s.
+    assert (settings.check_interval_ms, rise_checks(settings)) == (1000, 61)
+
+
 def test_the_environment_the_stack_ships_is_one_the_router_starts_with(synth_router, tmp_path) -> None:
     """The template's environment (the endpoint's name filled in) through RouterSettings.from_env and `haproxy -c`."""
     from unit_proxy.router_config import RouterPaths, RouterSettings, render

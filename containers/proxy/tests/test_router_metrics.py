@@ -23,7 +23,7 @@ from unit_proxy.router_metrics import METRICS, LastStat, RouterMetrics, emf_loop
 from unit_proxy.runtime_api import RuntimeApiError
 from unit_proxy.settings import SettingsError
 
-from .test_router import FakeCell, _post, cells  # noqa: F401 - `cells` is a fixture
+from .test_router import NO_ALB, FakeCell, _post, cells  # noqa: F401 - `cells` is a fixture
 
 LOOPBACK = "127.0.0.1"
 NAMESPACE = "Rufus/Router"
@@ -64,7 +64,7 @@ async def router(tmp_path: Path) -> AsyncIterator[tuple[RunningRouter, Cell, Cel
     runners = [await a.start(), await b.start()]
     settings = RouterSettings.from_env({
         "ROUTER_CELLS": f"a={a.url},b={b.url}", "ROUTER_HOST": LOOPBACK, "ROUTER_PORT": "0", "ROUTER_ADMIN_PORT": "0",
-        "ROUTER_CHECK_INTERVAL_MS": "200", "ROUTER_POLL_SECONDS": "0.05",
+        "ROUTER_CHECK_INTERVAL_MS": "200", **NO_ALB, "ROUTER_POLL_SECONDS": "0.05",
         # No agent ejection here: the retries must reach the down cell for the whole burst.
         "ROUTER_ERROR_LIMIT": "100",
         "ROUTER_METRICS_NAMESPACE": NAMESPACE, "ROUTER_NAME": "us-east-2", "ROUTER_EMF_INTERVAL_SECONDS": "0.1",
@@ -154,7 +154,7 @@ async def long_interval(cells: tuple[FakeCell, FakeCell]) -> AsyncIterator[Runni
     a, b = cells
     running = await start(RouterSettings.from_env({
         "ROUTER_CELLS": f"a={a.url},b={b.url}", "ROUTER_HOST": LOOPBACK, "ROUTER_PORT": "0",
-        "ROUTER_ADMIN_PORT": "0", "ROUTER_CHECK_INTERVAL_MS": "200", "ROUTER_METRICS_NAMESPACE": NAMESPACE,
+        "ROUTER_ADMIN_PORT": "0", "ROUTER_CHECK_INTERVAL_MS": "200", **NO_ALB, "ROUTER_METRICS_NAMESPACE": NAMESPACE,
         "ROUTER_NAME": "us-east-2", "ROUTER_EMF_INTERVAL_SECONDS": "60"}))
     try:
         yield running

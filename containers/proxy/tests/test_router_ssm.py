@@ -43,7 +43,7 @@ from unit_proxy.router_ssm import (
 )
 from unit_proxy.settings import SettingsError
 
-from .test_router import LOOPBACK, FakeCell, _post, cells  # noqa: F401 - `cells` is a fixture
+from .test_router import LOOPBACK, NO_ALB, FakeCell, _post, cells  # noqa: F401 - `cells` is a fixture
 
 REGION = "us-east-2"
 
@@ -142,7 +142,7 @@ async def test_an_ssm_evacuation_drains_the_cell_reports_it_empty_and_survives_s
     name = evacuation_parameter(prefix)
     settings = RouterSettings.from_env({
         "ROUTER_CELLS": f"a={a.url},b={b.url}", "ROUTER_HOST": LOOPBACK, "ROUTER_PORT": "0",
-        "ROUTER_ADMIN_PORT": "0", "ROUTER_POLL_SECONDS": "0.05", "ROUTER_CHECK_INTERVAL_MS": "1000",
+        "ROUTER_ADMIN_PORT": "0", "ROUTER_POLL_SECONDS": "0.05", "ROUTER_CHECK_INTERVAL_MS": "1000", **NO_ALB,
         "ROUTER_SSM_PREFIX": prefix, "ROUTER_SSM_POLL_SECONDS": "1", "ROUTER_TASK_ID": "task-1", **ssm_env["env"]})
     router = await start(settings)
     state = router.state
@@ -206,7 +206,7 @@ async def test_the_shipped_router_reads_ssm_and_deletes_its_report_on_sigterm(
     port, admin = _free_port(), _free_port()
     env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/bin"), "ROUTER_CELLS": f"a={a.url},b={b.url}",
            "ROUTER_HOST": LOOPBACK, "ROUTER_PORT": str(port), "ROUTER_ADMIN_PORT": str(admin),
-           "ROUTER_CHECK_INTERVAL_MS": "1000", "ROUTER_SSM_PREFIX": prefix, "ROUTER_SSM_POLL_SECONDS": "1",
+           "ROUTER_CHECK_INTERVAL_MS": "1000", **NO_ALB, "ROUTER_SSM_PREFIX": prefix, "ROUTER_SSM_POLL_SECONDS": "1",
            "ROUTER_TASK_ID": "proc-1", **ssm_env["env"]}
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "unit_proxy.router", env=env,
                                                 stderr=asyncio.subprocess.PIPE)
@@ -247,7 +247,7 @@ async def test_the_router_is_not_healthy_before_its_first_ssm_read(
     ssm_env["server"].stop()
     settings = RouterSettings.from_env({
         "ROUTER_CELLS": f"a={a.url},b={b.url}", "ROUTER_HOST": LOOPBACK, "ROUTER_PORT": "0",
-        "ROUTER_ADMIN_PORT": "0", "ROUTER_CHECK_INTERVAL_MS": "1000", "ROUTER_SSM_PREFIX": prefix,
+        "ROUTER_ADMIN_PORT": "0", "ROUTER_CHECK_INTERVAL_MS": "1000", **NO_ALB, "ROUTER_SSM_PREFIX": prefix,
         "ROUTER_SSM_POLL_SECONDS": "1", "ROUTER_TASK_ID": "ready-1", **ssm_env["env"]})
     router = await start(settings)
 
@@ -287,7 +287,7 @@ async def test_a_cell_no_longer_fronted_in_the_parameter_is_ignored_and_the_task
                             Type="String", Overwrite=True)
     settings = RouterSettings.from_env({
         "ROUTER_CELLS": f"a={a.url},b={b.url}", "ROUTER_HOST": LOOPBACK, "ROUTER_PORT": "0",
-        "ROUTER_ADMIN_PORT": "0", "ROUTER_CHECK_INTERVAL_MS": "1000", "ROUTER_SSM_PREFIX": prefix,
+        "ROUTER_ADMIN_PORT": "0", "ROUTER_CHECK_INTERVAL_MS": "1000", **NO_ALB, "ROUTER_SSM_PREFIX": prefix,
         "ROUTER_SSM_POLL_SECONDS": "1", "ROUTER_TASK_ID": "gone-1", **ssm_env["env"]})
     caplog.set_level(logging.WARNING, logger="unit_proxy.router")
     router = await start(settings)
@@ -345,7 +345,7 @@ def _slow_write(monkeypatch: pytest.MonkeyPatch, seconds: float) -> threading.Ev
 async def _router_with_report(a: FakeCell, b: FakeCell, env: dict[str, str], prefix: str) -> RunningRouter:
     return await start(RouterSettings.from_env({
         "ROUTER_CELLS": f"a={a.url},b={b.url}", "ROUTER_HOST": LOOPBACK, "ROUTER_PORT": "0",
-        "ROUTER_ADMIN_PORT": "0", "ROUTER_CHECK_INTERVAL_MS": "1000", "ROUTER_SSM_PREFIX": prefix,
+        "ROUTER_ADMIN_PORT": "0", "ROUTER_CHECK_INTERVAL_MS": "1000", **NO_ALB, "ROUTER_SSM_PREFIX": prefix,
         "ROUTER_SSM_POLL_SECONDS": "1", "ROUTER_TASK_ID": "task-1", **env}))
 
 

@@ -12,6 +12,8 @@ Beside HAProxy the agent does what is specific to a router:
   guide 9.3 "set server <backend>/<server> state [ ready | drain | maint ]"), a cell no longer
   named is set `ready` again;
 - passive ejection of a cell whose answers are retried elsewhere (`_eject_if_retried_away`);
+- a cell that went down rejoins after ROUTER_REJOIN_SECONDS of passing checks (HAProxy's `rise`), but at
+  once while no other cell serves (`_rejoin_if_none_serves`);
 - steering away from a full cell: one that answered 429 (its units at their in-flight limit) is
   set to `drain` for a hold that doubles while it stays full, unless no other cell could take
   its requests (`_steer_from_full`);
@@ -39,6 +41,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -169,6 +172,9 @@ class CellStatus:
                 "evacuated": self.evacuated, "empty": self.empty, "ejections": self.ejections, "full": self.full}
 
 
+# HAProxy's status of a cell that is down and whose last checks passed (health between 0 and rise).
+GOING_UP = re.compile(r"DOWN (\d+)/\d+")
+
 # A full cell's hold doubles while it is full again as soon as it is back, up to this many times the first.
 FULL_HOLD_MAX_FACTOR = 8
 
@@ -250,6 +256,7 @@ class RouterState:
             was, cell.empty = cell.empty, cell.evacuated and cell.streams == 0
             if cell.empty and not was:
                 log.warning(json.dumps({"event": "cell_empty", "cell": row["svname"]}))
+        await self._rejoin_if_none_serves()
         await self._steer_from_full(counted)
 
     async def _eject_if_retried_away(self, name: str, cell: CellStatus, attempts: int, redispatched: int) -> None:
@@ -260,7 +267,7 @@ class RouterState:
         from the cell's `show stat` row (management guide 9.1: `stot`, the sessions sent to it, which
         include the attempts retried away, measured; `wredis`, the times it was switched away from),
         per request through RetryWindow, and forces its health down (9.3 "set server ... health down");
-        the active checks bring it back after `rise` passing checks."""
+        the active checks bring it back after ROUTER_REJOIN_SECONDS of passes (_rejoin_if_none_serves)."""
         before, cell.counters = cell.counters, (attempts, redispatched)
         if before is None:
             return
@@ -278,6 +285,31 @@ class RouterState:
         cell.status = "DOWN"
         log.warning(json.dumps({"event": "cell_ejected", "cell": name, "attempts": window[0],
                                 "retried_away": window[1]}))
+
+    async def _rejoin_if_none_serves(self) -> None:
+        """A cell that went down takes requests again only once its checks passed for ROUTER_REJOIN_SECONDS
+        (router_config.rise_checks), so that one failing unit behind its load balancer does not take it out
+        again and again (docs/router.md "Rejoining"). That wait is for the other cells' sake: while none
+        serves, a cell going up (its last n checks passed: `show stat` status `DOWN n/rise`, src/stats.c:2029-2041
+        and 2228-2233 of HAProxy v2.6.0) is marked up at once (management guide 9.3 "set server
+        ... health up"), as Envoy's outlier detection stops ejecting past `max_ejection_percent`."""
+        if any(self._serves(cell) for cell in self.cells.values()):
+            return
+        for name, cell in sorted(self.cells.items()):
+            going_up = GOING_UP.fullmatch(cell.status)
+            if cell.evacuated or cell.weight == 0 or not going_up or going_up[1] == "0":
+                continue
+            answer = await self.api.command(f"set server {BACKEND}/{name} health up")
+            if answer.strip():
+                raise RuntimeApiError(f"set server {name} health up: {answer.strip()}")
+            log.warning(json.dumps({"event": "cell_rejoined_early", "cell": name, "checks": cell.status}))
+            cell.status = "UP"
+
+    @staticmethod
+    def _serves(cell: CellStatus) -> bool:
+        """Up and chosen by the load balancing, or drained as full (it is made ready as soon as no other cell
+        takes requests, _steer_from_full); an evacuated cell is on its way out."""
+        return not cell.evacuated and ((cell.status.startswith("UP") and cell.weight > 0) or cell.full)
 
     async def _steer_from_full(self, cells: list[tuple[str, CellStatus, int]]) -> None:
         """Drain a cell that answered 429 since the last look, for a hold; make it ready when the hold ends.

@@ -15,6 +15,7 @@ what is allowed, and the router exits 2 before it listens.
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import re
 import resource
@@ -188,7 +189,13 @@ class RouterSettings:
     retry: bool = True
     check_interval_ms: int = 1000
     fall: int = 2
-    rise: int = 2
+    # How long a cell that went down must pass its checks before it takes requests again (rendered as
+    # `rise`, rise_checks): at least its load balancer's time to drop a failing unit (the units' target
+    # group: a check every 10 s, out after 2 failed, so up to 30 s; inference_fleet.config
+    # UNIT_DETECTION_SECONDS, which the stack sets). The router's checks reach one unit of the cell, the
+    # one its ALB picks; with a shorter wait a cell with one failing unit of two comes back while the ALB
+    # still sends that unit half the checks, and is taken out again (docs/router.md "Rejoining").
+    rejoin_seconds: float = 30.0
     error_limit: int = 3
     connect_timeout_ms: int = 1000
     timeout_seconds: float = 905.0
@@ -226,7 +233,7 @@ class RouterSettings:
             retry=_bool(env, "ROUTER_RETRY", cls.retry),
             check_interval_ms=_int(env, "ROUTER_CHECK_INTERVAL_MS", cls.check_interval_ms, 100, 2000),
             fall=_int(env, "ROUTER_FALL", cls.fall, 1, 10),
-            rise=_int(env, "ROUTER_RISE", cls.rise, 1, 10),
+            rejoin_seconds=_float(env, "ROUTER_REJOIN_SECONDS", cls.rejoin_seconds, 0.1, 600),
             error_limit=_int(env, "ROUTER_ERROR_LIMIT", cls.error_limit, 1, 100),
             connect_timeout_ms=_int(env, "ROUTER_CONNECT_TIMEOUT_MS", cls.connect_timeout_ms, 100, 10_000),
             timeout_seconds=_float(env, "ROUTER_TIMEOUT_SECONDS", cls.timeout_seconds, 1, 4000),
@@ -374,6 +381,19 @@ def _health_frontend(settings: RouterSettings, paths: RouterPaths) -> list[str]:
     ]
 
 
+def fast_inter_ms(settings: RouterSettings) -> int:
+    """`fastinter`: the checks' interval while a cell is going up or down (5.2 "fastinter")."""
+    return max(settings.check_interval_ms // 2, 100)
+
+
+def rise_checks(settings: RouterSettings) -> int:
+    """`rise` for ROUTER_REJOIN_SECONDS: passing checks in a row that span that time. A cell going up is
+    checked every `fastinter` (srv_getinter, src/server.c:97-108 of HAProxy v2.6.0) and one failed check
+    takes it back to the start (src/check.c:482-505: below `rise`, health is set to 0), so its last
+    `rise` checks passed over (rise - 1) x fastinter. At least 2, the manual's default."""
+    return max(2, 1 + math.ceil(settings.rejoin_seconds * 1000 / fast_inter_ms(settings)))
+
+
 def render(settings: RouterSettings, paths: RouterPaths) -> str:
     """The whole router.cfg for these settings (a pure function; `haproxy -c` runs on it in the tests)."""
     inter = settings.check_interval_ms
@@ -455,11 +475,12 @@ def render(settings: RouterSettings, paths: RouterPaths) -> str:
         "    option httpchk",
         "    http-check send meth GET uri /health ver HTTP/1.1 hdr Host cell-router",
         "    http-check expect status 200",
-        # 5.2 "inter", "fastinter", "downinter", "fall", "rise": checked every ROUTER_CHECK_INTERVAL_MS;
+        # 5.2 "inter", "fastinter", "downinter", "fall", "rise": checked every ROUTER_CHECK_INTERVAL_MS, out
+        # after `fall` failed checks, back after passing for ROUTER_REJOIN_SECONDS (rise_checks);
         # 5.2 "observe layer7" + "error-limit" + "on-error mark-down": that many 5xx answers (but 501
         # and 505) or connection errors in a row take the cell out at once, before the next check.
-        f"    default-server inter {inter} fastinter {max(inter // 2, 100)} downinter {inter} fall {settings.fall} "
-        f"rise {settings.rise} observe layer7 error-limit {settings.error_limit} on-error mark-down",
+        f"    default-server inter {inter} fastinter {fast_inter_ms(settings)} downinter {inter} fall {settings.fall} "
+        f"rise {rise_checks(settings)} observe layer7 error-limit {settings.error_limit} on-error mark-down",
         # Which cell answered (issue 26), replacing any such header from upstream.
         f"    http-response set-header {SERVED_BY_HEADER} %[srv_name]",
         # The 429s each cell answers (its units at their in-flight limit), per server id, for the agent
