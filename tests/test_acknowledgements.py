@@ -90,6 +90,24 @@ def test_the_instance_role_leaves_unscoped_only_what_it_says(synth_default) -> N
             assert "logs" not in sentence, sentence
 
 
+def test_the_instance_role_holds_session_manager_and_no_parameter_reads(synth_default) -> None:
+    """Regression: AmazonSSMManagedInstanceCore gave every node ssm:GetParameter(s) on every parameter of the
+    account (and Run Command, State Manager, inventory) for what is only Session Manager access."""
+    raw = synth_default.template_json(DEFAULT)
+    role_id = logical_ids(synth_default, DEFAULT)[f"/{DEFAULT}/Trainium/InstanceRole"]
+    assert not raw["Resources"][role_id]["Properties"].get("ManagedPolicyArns")
+    actions: set[str] = set()
+    for resource in raw["Resources"].values():
+        if resource["Type"] == "AWS::IAM::Policy" and {"Ref": role_id} in resource["Properties"]["Roles"]:
+            for statement in resource["Properties"]["PolicyDocument"]["Statement"]:
+                listed = statement["Action"]
+                actions |= set(listed if isinstance(listed, list) else [listed])
+    session_manager = {"ssm:UpdateInstanceInformation", "ssmmessages:CreateControlChannel",
+                       "ssmmessages:CreateDataChannel", "ssmmessages:OpenControlChannel", "ssmmessages:OpenDataChannel"}
+    assert session_manager <= actions
+    assert {a for a in actions if a.split(":")[0] in ("ssm", "ssmmessages", "ec2messages")} == session_manager
+
+
 def test_the_autoscaler_function_is_invoked_and_retried_as_its_reasons_say(synth_elastic) -> None:
     """Regression: the LambdaDLQ reason said 'synchronously' and 'retries are off' (both false), the
     LambdaConcurrency reason that runs do not overlap (nothing bounded them)."""
