@@ -18,9 +18,8 @@ stream on the cell plus the routers' poll, against Lambda's 15 minutes (docs/rol
 Nothing in the router bounds a stream's length: `hard-stop-after` (905 s) applies to the router's
 own stop, not to a drained cell, and `timeout server` (up to 4000 s) to silence, not to length. The
 wait gives up after WAIT_SECONDS (exit 7: the wave fails and the cell stays evacuated). Its role
-may read and write exactly the `evacuated` parameters the command touches (`evacuate.routers_touched`: the
-restore reads every router's, since a router that no longer fronts the cell may still name it) and list the
-fronting routers' task reports
+may read and write the `evacuated` parameters of this fleet's routers in every region, and list their task
+reports, named by the fleet and not by its routers at synth (`_grant`: a commit may add a router)
 (GetParametersByPath is authorized against the path requested: https://docs.aws.amazon.com/systems-manager/latest/userguide/ps-retrieval-authorization.html).
 """
 
@@ -36,11 +35,10 @@ from aws_cdk import aws_iam as iam
 from aws_cdk import aws_kms as kms
 from constructs import Construct
 from unit_proxy.router_config import HARD_STOP_SECONDS
-from unit_proxy.router_ssm import evacuation_parameter, reports_path
+from unit_proxy.router_ssm import evacuation_parameter, parameter_prefix, reports_path
 
 from cell_constructs.fleet_cli_project import acknowledge_fleet_cli_project, fleet_cli_project
 from inference_fleet.config import CellConfig, FleetConfig
-from inference_fleet.evacuate import router_prefix, routers_of, routers_touched
 
 # A budget, not a bound: streams longer than this fail the wait (see the module's docstring). The router's
 # hard stop (905 s, what a router task's own stop gives its streams) plus a poll of the routers and of the command.
@@ -78,24 +76,27 @@ class Evacuation(Construct):
         self.actions: list[actions.CodeBuildAction] = []
 
     def _grant(self, cells: list[CellConfig]) -> None:
+        """The parameters the command reads and writes, named by the fleet and not by its routers at synth: the
+        command runs on the fleet file of the commit it deploys, and a commit may add a router this stack was
+        synthesized without (its restore reads every router's parameter, evacuate.routers_touched with --undo;
+        one that no longer fronts the cell may still name it). A pipeline redeploy is needed only for the
+        pipeline's own settings (docs/rollout-pipeline.md); a grant by router failed the restore of a commit
+        adding one, and the cell stayed evacuated. Every region, this fleet's names only."""
         stack = Stack.of(self)
-        # The parameters the command reads and writes, for the evacuation and for the restore (--undo reads every
-        # router's: one that no longer fronts the cell may still name it), from the command's own function.
-        touched = sorted({r.region: r for cell in cells for undo in (False, True)
-                          for r in routers_touched(self.fleet, cell.name, undo)}.items())
-        # The reports `--wait` reads: the fronting routers' only (wait_empty_on_aws).
-        waited = sorted({r.region: r for cell in cells for r in routers_of(self.fleet, cell.name)}.items())
         account = {cell.account for cell in cells}.pop()  # one: the pipeline's (check_pipeline_evacuation)
+        # IAM's `*` in a resource ARN matches any characters, `/` included
+        # (https://docs.aws.amazon.com/IAM/latest/UserGuide/reference_policies_elements_resource.html).
+        every_router = parameter_prefix(self.fleet.name, "*")
 
-        def arn(region: str, name: str) -> str:
-            return f"arn:{stack.partition}:ssm:{region}:{account}:parameter{name}"
+        def arn(name: str) -> str:
+            return f"arn:{stack.partition}:ssm:*:{account}:parameter{name}"
 
+        self.parameters = (arn(evacuation_parameter(every_router)), arn(reports_path(every_router)))
         self.project.add_to_role_policy(iam.PolicyStatement(
-            actions=["ssm:GetParameter", "ssm:PutParameter"],
-            resources=[arn(region, evacuation_parameter(router_prefix(self.fleet, r))) for region, r in touched]))
+            actions=["ssm:GetParameter", "ssm:PutParameter"], resources=[self.parameters[0]]))
+        # The reports `--wait` reads (wait_empty_on_aws).
         self.project.add_to_role_policy(iam.PolicyStatement(
-            actions=["ssm:GetParametersByPath"],
-            resources=[arn(region, reports_path(router_prefix(self.fleet, r))) for region, r in waited]))
+            actions=["ssm:GetParametersByPath"], resources=[self.parameters[1]]))
 
     def action(self, cell: CellConfig, undo: bool, run_order: int) -> actions.CodeBuildAction:
         action = actions.CodeBuildAction(
@@ -114,4 +115,8 @@ class Evacuation(Construct):
         acknowledge_fleet_cli_project(
             self.project, artifact_bucket=artifact_bucket,
             policy="CDK-generated policy of the evacuation project, scoped to the routers' evacuation parameters, "
-                   "versioned with this stack")
+                   "versioned with this stack",
+            findings=[(f"AwsSolutions-IAM5[Resource::{arn}]",
+                       "This fleet's router parameters in every region: the command runs on the fleet file of the "
+                       "commit it deploys, which may add a router this stack was synthesized without")
+                      for arn in self.parameters])

@@ -65,7 +65,6 @@ from inference_fleet.config import (
 )
 from inference_fleet.rollout import MAX_CELLS_PER_WAVE
 from inference_fleet.router_checks import pipeline_evacuations
-from inference_fleet.unit_spec import layout_key
 from stacks.evacuation import Evacuation
 from stacks.verify_gate import VerifyGate
 
@@ -347,13 +346,15 @@ class PipelineStack(Stack):
                        for account, region in environments
                        for kind in ("file-publishing-role", "image-publishing-role")],
         ))
-        # `compile --check` reads the one manifest object of the fleet's layout (a bucket in another
-        # account must also allow this role in its bucket policy: docs/compiled-artifacts.md).
+        # `compile --check` reads the manifest object of the fleet's layout (a bucket in another account must
+        # also allow this role in its bucket policy: docs/compiled-artifacts.md). Any layout's manifest, not
+        # the one at synth: the build runs on the fleet file of the commit it deploys, and a commit that
+        # changes the layout (batch size, sequence length, parallelism, nodes, instance type) is the one the
+        # Compile stage exists for; a grant of today's key denied it, failing the build (docs/rollout-pipeline.md).
         bucket, prefix = split_uri(fleet.model.artifacts_s3_uri)
-        manifest = f"{prefix}neuron/{layout_key(fleet)}/{MANIFEST_NAME}"
-        project.add_to_role_policy(iam.PolicyStatement(
-            actions=["s3:GetObject"], resources=[f"arn:{self.partition}:s3:::{bucket}/{manifest}"],
-        ))
+        manifests = f"{prefix}neuron/*/{MANIFEST_NAME}"
+        self.manifest_reads = f"arn:{self.partition}:s3:::{bucket}/{manifests}"
+        project.add_to_role_policy(iam.PolicyStatement(actions=["s3:GetObject"], resources=[self.manifest_reads]))
         key = artifacts_key_statement(fleet.model, ["kms:Decrypt"])  # the manifest of an SSE-KMS bucket
         if key is not None:
             project.add_to_role_policy(key)
@@ -361,7 +362,7 @@ class PipelineStack(Stack):
         # says 403 for it, so the check lists exactly that key to tell (compile_run.existing_manifest).
         project.add_to_role_policy(iam.PolicyStatement(
             actions=["s3:ListBucket"], resources=[f"arn:{self.partition}:s3:::{bucket}"],
-            conditions={"StringEquals": {"s3:prefix": manifest}},
+            conditions={"StringLike": {"s3:prefix": manifests}},
         ))
         return project
 
@@ -601,7 +602,10 @@ class PipelineStack(Stack):
              "CDK-generated: the executions of the Compile stage's own state machine, which the action watches"))
 
         acknowledge(self.build_project.role, *artifact_findings, inline,
-                    *generated_project_findings(self.build_project))
+                    *generated_project_findings(self.build_project),
+                    (f"AwsSolutions-IAM5[Resource::{self.manifest_reads}]",
+                     "The compiled-artifact manifest of any layout of this model (one object each): the build "
+                     "checks the layout of the commit it builds, which may differ from the one at synth"))
         for gate in self.verify_gates:
             gate.acknowledge_policies(artifacts)
             stage = self.pipeline.node.find_child(wave_stage_name(self.fleet.waves[0]))

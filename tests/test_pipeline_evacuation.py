@@ -11,6 +11,7 @@ build's. Fleets without a router synthesize as before (tests/test_snapshots.py).
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import socket
@@ -112,6 +113,7 @@ def test_two_cells_of_one_router_are_evacuated_one_after_the_other(tmp_path: Pat
 
 
 def test_the_project_may_touch_only_the_routers_parameters(template: dict) -> None:
+    """This fleet's router parameters, in every region (a commit may add a router: the restore test below)."""
     _, project = _project(template)
     role = project["Properties"]["ServiceRole"]["Fn::GetAtt"][0]
     statements = [s for r in template["Resources"].values() if r["Type"] == "AWS::IAM::Policy"
@@ -119,11 +121,11 @@ def test_the_project_may_touch_only_the_routers_parameters(template: dict) -> No
     ssm = [s for s in statements if any(str(a).startswith("ssm:") for a in _list(s["Action"]))]
 
     def arn(name: str) -> str:
-        return f"arn:aws:ssm:us-east-2:111111111111:parameter{name}"
+        return f"arn:aws:ssm:*:111111111111:parameter{name}"
 
     assert sorted((tuple(_list(s["Action"])), json.dumps(s["Resource"], sort_keys=True)) for s in ssm) == sorted([
-        (("ssm:GetParameter", "ssm:PutParameter"), json.dumps(arn(PARAMETER), sort_keys=True)),
-        (("ssm:GetParametersByPath",), json.dumps(arn(REPORTS), sort_keys=True)),
+        (("ssm:GetParameter", "ssm:PutParameter"), json.dumps(arn("/inference-fleet/Rufus/router/*/evacuated"))),
+        (("ssm:GetParametersByPath",), json.dumps(arn("/inference-fleet/Rufus/router/*/tasks"))),
     ])
     assert all(s["Effect"] == "Allow" for s in ssm)
     assert "VpcConfig" not in project["Properties"]  # SSM's public endpoint, through CodeBuild's own network
@@ -140,7 +142,8 @@ def _granted(template: dict, action: str) -> set[str]:
 
 class _SsmAsTheRoleSeesIt:
     """SSM Parameter Store behind the synthesized role policy: each call's parameter ARN is checked against the
-    resources the template grants for that action, and a call outside the grant is answered as AWS answers it,
+    resources the template grants for that action (IAM's `*` matches any characters, `/` included, as
+    fnmatch's does; the grants hold no `?` or `[`), and a call outside the grant is answered as AWS answers it,
     AccessDeniedException (HTTP 400, a botocore ClientError). Real botocore clients; the answer is given at the
     client's `before-call` event, the hook botocore's Stubber answers at, but computed from the request."""
 
@@ -158,7 +161,7 @@ class _SsmAsTheRoleSeesIt:
         op, args = model.name, json.loads(request["body"])
         arn = f"arn:aws:ssm:{region}:{self.account}:parameter{args['Name']}"
         self.calls.append((op, arn))
-        if arn not in self.grants.get(op, set()):
+        if not any(fnmatch.fnmatchcase(arn, granted) for granted in self.grants.get(op, set())):
             return _http_error("AccessDeniedException", f"User: arn:aws:sts::{self.account}:assumed-role/evacuation "
                                f"is not authorized to perform: ssm:{op} on resource: {arn}")
         key = (region, args["Name"])
@@ -200,8 +203,23 @@ def test_the_restore_reads_only_parameters_its_role_may_read_in_a_two_router_fle
     assert {arn for op, arn in ssm.calls if op == "GetParameter"} == {
         f"arn:aws:ssm:us-east-2:111111111111:parameter{PARAMETER}",
         f"arn:aws:ssm:us-west-2:111111111111:parameter{west}"}
-    # The reports `--wait` lists stay the fronting router's only.
-    assert _granted(template, "ssm:GetParametersByPath") == {f"arn:aws:ssm:us-east-2:111111111111:parameter{REPORTS}"}
+
+
+
+def test_a_restore_runs_on_a_commit_that_adds_a_router_the_pipeline_was_synthesized_without(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The pipeline was last deployed from a fleet with one router; the commit it rolls out adds a cell and a
+    router in us-west-2 (nothing of the pipeline's own settings changed: no redeploy is asked for). The restore
+    reads every router's parameter: with grants named by the routers at synth it died on AccessDeniedException
+    for us-west-2 after a good bake, and dev stayed evacuated (the nineteenth session's cold review, exit 7)."""
+    template = _synth(load_fleet(ROOT / FLEET_FILE), tmp_path)
+    west = "/inference-fleet/Rufus/router/us-west-2/evacuated"
+    ssm = _SsmAsTheRoleSeesIt(template, "111111111111", {("us-east-2", PARAMETER): ["dev"], ("us-west-2", west): []})
+    args = SimpleNamespace(config=str(ROOT / TWO_ROUTERS), cell="dev", undo=True, local=None, status_url=None,
+                           wait=False, timeout=1.0, force=False)
+    status = evacuate.run(args, ssm_for=ssm.client)  # type: ignore[arg-type]
+    assert status == exit_codes.OK, capsys.readouterr().err
+    assert ssm.parameters == {("us-east-2", PARAMETER): [], ("us-west-2", west): []}
 
 
 def _list(value: Any) -> list:

@@ -8,6 +8,7 @@ unacknowledged finding fails the fixture and so every test here.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
 import subprocess
@@ -517,24 +518,30 @@ def test_pipeline_stack_snapshot_large(large_synth, snapshot_json) -> None:
         assert _normalised(large_synth.template_json(name)) == snapshot_json(name=name)
 
 
-def test_the_build_reads_only_the_fleets_manifest(large_synth) -> None:
-    """`make compile ... --check` in the build reads one object: the manifest of the fleet's layout."""
+def test_the_build_reads_only_manifests_and_any_layouts(large_synth) -> None:
+    """`make compile ... --check` in the build reads one object, the manifest of the layout in the fleet file
+    of the commit being built: any layout's, since a commit that changes the layout (here the batch size) is
+    the one the Compile stage exists for. Regression: the grant named the layout at the pipeline's synth, so
+    such a commit failed the build with AccessDenied until the pipeline was redeployed by hand (the
+    nineteenth session's cold review)."""
     template = large_synth.templates[large_synth.fleet.pipeline_stack_name]
-    reads = [s for p in template.find_resources("AWS::IAM::Policy").values()
-             for s in p["Properties"]["PolicyDocument"]["Statement"] if s["Action"] == "s3:GetObject"]
-    assert [s["Resource"] for s in reads] == [
-        "arn:aws:s3:::rufus-model-artifacts-222222222222/llama-3.1-405b-instruct/trn1-tp128/neuron/"
-        "trn1.32xlarge-n4-lnc1-tp128-cp4-adp2-seq8192-bs4/artifacts-manifest.json"
-    ]
-    # ... and may list that one key, to tell a missing manifest (S3 says 403 to GetObject) from a denied one.
-    lists = [s for p in template.find_resources("AWS::IAM::Policy").values()
-             for s in p["Properties"]["PolicyDocument"]["Statement"] if s["Action"] == "s3:ListBucket"]
-    assert lists == [{
-        "Action": "s3:ListBucket", "Effect": "Allow", "Resource": "arn:aws:s3:::rufus-model-artifacts-222222222222",
-        "Condition": {"StringEquals": {"s3:prefix": "llama-3.1-405b-instruct/trn1-tp128/neuron/"
-                                                    "trn1.32xlarge-n4-lnc1-tp128-cp4-adp2-seq8192-bs4/"
-                                                    "artifacts-manifest.json"}},
-    }]
+    statements = [s for p in template.find_resources("AWS::IAM::Policy").values()
+                  for s in p["Properties"]["PolicyDocument"]["Statement"]]
+    (read,) = [s["Resource"] for s in statements if s["Action"] == "s3:GetObject"]
+    bucket = "arn:aws:s3:::rufus-model-artifacts-222222222222/llama-3.1-405b-instruct/trn1-tp128/neuron/"
+    assert fnmatch.fnmatchcase(f"{bucket}trn1.32xlarge-n4-lnc1-tp128-cp4-adp2-seq8192-bs4/artifacts-manifest.json",
+                               read)
+    assert fnmatch.fnmatchcase(f"{bucket}trn1.32xlarge-n4-lnc1-tp128-cp4-adp2-seq8192-bs16/artifacts-manifest.json",
+                               read)
+    # Not the compiled files themselves, nor another model's manifest.
+    assert not fnmatch.fnmatchcase(f"{bucket}trn1.32xlarge-n4-lnc1-tp128-cp4-adp2-seq8192-bs4/model.pt", read)
+    assert not fnmatch.fnmatchcase(
+        "arn:aws:s3:::rufus-model-artifacts-222222222222/other-model/neuron/x/artifacts-manifest.json", read)
+    # ... and may list manifest keys, to tell a missing manifest (S3 says 403 to GetObject) from a denied one.
+    (listing,) = [s for s in statements if s["Action"] == "s3:ListBucket"]
+    assert listing["Resource"] == "arn:aws:s3:::rufus-model-artifacts-222222222222"
+    assert listing["Condition"] == {"StringLike": {
+        "s3:prefix": "llama-3.1-405b-instruct/trn1-tp128/neuron/*/artifacts-manifest.json"}}
 
 
 # -- who may read the artifacts -------------------------------------------------------------
