@@ -23,22 +23,28 @@ from inference_fleet.config import ConfigIssue, FleetConfig
 
 DEFAULT_UNIT_RESTART_MINUTES = 30.0
 # CodePipeline takes at most 5 rules in one stage condition, and a stage has one OnSuccess
-# condition: the bake watches one rollout-gate alarm per cell, so a wave holds at most 5 cells.
+# condition (https://docs.aws.amazon.com/codepipeline/latest/APIReference/API_Condition.html: rules,
+# "Maximum number of 5 items"): the bake watches one rollout-gate alarm per cell and per router
+# fronting one of them, so a wave holds at most 5 of those together.
 MAX_CELLS_PER_WAVE = 5
 
 
 def check_wave_sizes(fleet: FleetConfig) -> Iterable[ConfigIssue]:
-    """With a pipeline, every wave fits one CodePipeline stage condition (run by inference_fleet.checks)."""
+    """With a pipeline, every wave's bake fits one CodePipeline stage condition (run by inference_fleet.checks):
+    its cells' gates and those of the routers fronting them (stacks.pipeline_stack: the wave's bake and its
+    `Restore-<wave>` stage's watch at most these)."""
     if fleet.pipeline is None:
         return
     for i, wave in enumerate(fleet.waves):
-        cells = fleet.cells_of_wave(wave.name)
-        if len(cells) > MAX_CELLS_PER_WAVE:
+        cells = {cell.name for cell in fleet.cells_of_wave(wave.name)}
+        routers = [router.region for router in fleet.routers if cells & set(router.cells)]
+        if len(cells) + len(routers) > MAX_CELLS_PER_WAVE:
+            fronting = f" and {len(routers)} router(s) fronting them ({', '.join(routers)})" if routers else ""
             yield ConfigIssue(
                 f"waves[{i}]", wave.name,
-                f"{len(cells)} cells; the pipeline bakes a wave under one CloudWatchAlarm rule per cell and "
-                f"CodePipeline allows {MAX_CELLS_PER_WAVE} rules per stage condition: split it into waves of "
-                f"at most {MAX_CELLS_PER_WAVE} cells",
+                f"{len(cells)} cells{fronting}; the pipeline bakes a wave under one CloudWatchAlarm rule per cell "
+                f"and per router fronting one, and CodePipeline allows {MAX_CELLS_PER_WAVE} rules per stage "
+                f"condition: split it into waves of at most {MAX_CELLS_PER_WAVE} cells and routers together",
             )
 
 

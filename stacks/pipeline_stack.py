@@ -210,12 +210,18 @@ class PipelineStack(Stack):
         ) if self.evacuated else None
         for wave in fleet.waves:
             stages.append(self._wave_stage(wave, assembly))
-            restored = [c for c in fleet.cells_of_wave(wave.name) if c.name in self.evacuated]
+            restored = self._restored(wave)
             if restored:
                 # After the wave's bake (its OnSuccess condition): the cells take traffic again.
                 orders = self._evacuation_orders(restored)
-                stages.append(codepipeline.StageProps(stage_name=restore_stage_name(wave), actions=[
-                    self.evacuation.action(cell, undo=True, run_order=orders[cell.name]) for cell in restored]))
+                stages.append(codepipeline.StageProps(
+                    stage_name=restore_stage_name(wave),
+                    actions=[self.evacuation.action(cell, undo=True, run_order=orders[cell.name]) for cell in restored],
+                    # Evacuated, the cells baked without the routers' clients: they bake again under them, and a
+                    # gate in alarm stops the pipeline before the next wave (FAIL, not ROLLBACK: rolling back this
+                    # stage would run the restore again). The cells stay restored; docs/rollout-pipeline.md.
+                    on_success=self._bake(f"restored-{wave.name}", self._gates_of(restored), wave.bake_minutes,
+                                          codepipeline.Result.FAIL)))
 
         self.pipeline = codepipeline.Pipeline(
             self, "Pipeline",
@@ -424,20 +430,7 @@ class PipelineStack(Stack):
                     configuration={"Cron": wave.deployment_window, "TimeZone": "UTC"},
                 )],
             )])
-        gate_configuration = {"AlarmStates": "ALARM"}
-        if wave.bake_minutes:
-            gate_configuration["WaitTime"] = str(wave.bake_minutes)
-        on_success = codepipeline.Conditions(conditions=[codepipeline.Condition(
-            result=codepipeline.Result.ROLLBACK,
-            rules=[
-                codepipeline.Rule(
-                    name=f"{wave.name}-{gate.name}", provider="CloudWatchAlarm", version="1",
-                    region=gate.region,
-                    configuration={"AlarmName": rollout_gate_name(gate.stack_name), **gate_configuration},
-                )
-                for gate in self._gates(wave)
-            ],
-        )])
+        on_success = self._bake(wave.name, self._gates(wave), wave.bake_minutes, codepipeline.Result.ROLLBACK)
         return codepipeline.StageProps(
             stage_name=wave_stage_name(wave),
             actions=stage_actions,
@@ -483,11 +476,30 @@ class PipelineStack(Stack):
 
     # -- rollout gates -----------------------------------------------------------------
 
+    @staticmethod
+    def _bake(name: str, gates: list[Gate], minutes: int, result: codepipeline.Result) -> codepipeline.Conditions:
+        """An OnSuccess condition: every gate out of ALARM for `minutes` after the stage's actions (CloudWatchAlarm
+        rules with WaitTime), else `result`."""
+        configuration = {"AlarmStates": "ALARM"}
+        if minutes:
+            configuration["WaitTime"] = str(minutes)
+        return codepipeline.Conditions(conditions=[codepipeline.Condition(result=result, rules=[
+            codepipeline.Rule(name=f"{name}-{gate.name}", provider="CloudWatchAlarm", version="1", region=gate.region,
+                              configuration={"AlarmName": rollout_gate_name(gate.stack_name), **configuration})
+            for gate in gates])])
+
+    def _restored(self, wave: WaveConfig) -> list[CellConfig]:
+        """The wave's cells evacuated for their update, restored in its `Restore-<wave>` stage."""
+        return [cell for cell in self.fleet.cells_of_wave(wave.name) if cell.name in self.evacuated]
+
     def _gates(self, wave: WaveConfig | None = None) -> list[Gate]:
-        """The rollout gates a wave bakes under (every wave's, without `wave`): its cells', then those of the
-        routers that front one of its cells (a cell update can take a router's last healthy cell out)."""
+        """The rollout gates a wave bakes under (every wave's, without `wave`)."""
+        return self._gates_of(self.fleet.cells_of_wave(wave.name) if wave is not None else list(self.fleet.cells))
+
+    def _gates_of(self, cells: list[CellConfig]) -> list[Gate]:
+        """These cells' rollout gates, then those of the routers that front one of them (a cell update can take a
+        router's last healthy cell out)."""
         fleet = self.fleet
-        cells = fleet.cells_of_wave(wave.name) if wave is not None else list(fleet.cells)
         gates = [Gate(f"{cell.name}-gate", cell.account, cell.region, fleet.cell_stack_name(cell),
                       cell_gate_reader_role_name(fleet.cell_stack_name(cell), cell.region)) for cell in cells]
         names = {cell.name for cell in cells}
@@ -546,9 +558,12 @@ class PipelineStack(Stack):
         """
         cfn = self.pipeline.node.default_child
         stage_names = [stage.stage_name for stage in self.pipeline.stages]
-        for wave in self.fleet.waves:
-            index = stage_names.index(wave_stage_name(wave))  # Restore-<wave> stages may sit between waves
-            for r, gate in enumerate(self._gates(wave)):
+        baked = [(wave_stage_name(wave), self._gates(wave)) for wave in self.fleet.waves]
+        baked += [(restore_stage_name(wave), self._gates_of(restored)) for wave in self.fleet.waves
+                  if (restored := self._restored(wave))]
+        for stage, gates in baked:
+            index = stage_names.index(stage)  # Restore-<wave> stages may sit between waves
+            for r, gate in enumerate(gates):
                 if self._cross_account(gate):
                     cfn.add_property_override(
                         f"Stages.{index}.OnSuccess.Conditions.0.Rules.{r}.RoleArn",

@@ -274,15 +274,30 @@ def test_a_restore_stage_between_waves_keeps_the_cross_account_gate_roles_on_the
     assert remote
     accounts = {fleet.cell_stack_name(c): c.account for c in fleet.cells}
     accounts |= {fleet.router_stack_name(r): fleet.router_account(r) for r in fleet.routers}
-    for wave in fleet.waves:
-        rules = _stage(template, f"Wave-{wave.name}")["OnSuccess"]["Conditions"][0]["Rules"]
+    restores = [s["Name"] for s in _pipeline(template)["Stages"] if s["Name"].startswith("Restore-")]
+    assert restores
+    for name in [f"Wave-{wave.name}" for wave in fleet.waves] + restores:
+        rules = _stage(template, name)["OnSuccess"]["Conditions"][0]["Rules"]
         watched = [rule["Configuration"]["AlarmName"].removesuffix("-rollout-gate") for rule in rules]
-        assert set(watched) >= {fleet.cell_stack_name(c) for c in fleet.cells_of_wave(wave.name)}
         for stack, rule in zip(watched, rules, strict=True):
-            assert ("RoleArn" in rule) == (accounts[stack] != fleet.pipeline.account), (wave.name, stack, rule)
-    for stage in _pipeline(template)["Stages"]:
-        if stage["Name"].startswith("Restore-"):
-            assert "OnSuccess" not in stage
+            assert ("RoleArn" in rule) == (accounts[stack] != fleet.pipeline.account), (name, stack, rule)
+
+
+def test_restored_cells_bake_again_under_the_routers_clients(template: dict) -> None:
+    """Regression (the nineteenth session's cold review, finding 3): `Restore-<wave>` had no condition, so a cell
+    evacuated for its update baked without the routers' clients, was restored, and nothing watched it under them
+    before the next wave. Now the restore stage bakes the restored cells' and their routers' gates for the wave's
+    bake time; an alarm fails the execution (a rollback of this stage would only run the restore again)."""
+    fleet = load_fleet(ROOT / FLEET_FILE)
+    (condition,) = _stage(template, "Restore-canary")["OnSuccess"]["Conditions"]
+    assert condition["Result"] == "FAIL"
+    bake = str(fleet.waves[0].bake_minutes)
+    assert [(r["Name"], r["Configuration"]) for r in condition["Rules"]] == [
+        ("restored-canary-dev-gate", {"AlarmName": "Rufus-Cell-dev-rollout-gate", "AlarmStates": "ALARM",
+                                      "WaitTime": bake}),
+        ("restored-canary-router-us-east-2-gate", {"AlarmName": "Rufus-Router-us-east-2-rollout-gate",
+                                                   "AlarmStates": "ALARM", "WaitTime": bake}),
+    ]
 
 
 # -- the build's commands, run as CodeBuild runs them ---------------------------------------------------

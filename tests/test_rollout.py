@@ -125,6 +125,25 @@ def test_a_pipeline_wave_holds_at_most_five_cells() -> None:
         parse_fleet(_fleet_with_main_wave_of(6, pipeline=True))
     (issue,) = error.value.issues
     assert issue.path == "waves[1]" and issue.value == "main"
-    assert "6 cells" in issue.problem and "at most 5 cells" in issue.problem
+    assert "6 cells" in issue.problem and "at most 5 cells and routers together" in issue.problem
     # Without a pipeline there is no stage condition to fit.
     assert len(parse_fleet(_fleet_with_main_wave_of(6, pipeline=False)).cells_of_wave("main")) == 6
+
+
+def test_a_router_fronting_a_wave_takes_a_rule_of_its_bake() -> None:
+    """Regression: the check counted cells only, but the bake also watches the gate of each router fronting a
+    cell of the wave, so 5 cells and a router made 6 rules, which CodePipeline refuses (at most 5 per condition,
+    API_Condition) only when the pipeline stack is deployed."""
+    data = yaml.safe_load((ROOT / "tests" / "fleets" / "pipeline_evacuation.yaml").read_text())
+    (prod,) = [cell for cell in data["cells"] if cell["name"] == "prod"]
+
+    def with_extra(count: int) -> dict:
+        extra = [{**prod, "name": f"extra-{i}", "vpc_cidr": f"10.{60 + i}.0.0/16"} for i in range(count)]
+        return {**data, "cells": data["cells"] + extra}
+
+    assert len(parse_fleet(with_extra(3)).cells_of_wave("main")) == 4  # 4 cells and the router: 5 rules
+    with pytest.raises(ConfigError) as error:
+        parse_fleet(with_extra(4))
+    (issue,) = error.value.issues
+    assert issue.path == "waves[1]" and issue.value == "main"
+    assert "5 cells and 1 router(s) fronting them (us-east-2)" in issue.problem, issue.problem
