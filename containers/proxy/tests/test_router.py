@@ -419,7 +419,9 @@ async def test_a_cell_that_checks_clean_rejoins_at_once_when_no_other_cell_serve
         assert loop.time() - lost < 3
         async with aiohttp.ClientSession() as session:
             assert await _post(session, router.port) == (200, "a")
-        # Once a serves, b waits out its rejoin time like any cell that went down.
+        # Once a serves, b, checking clean only later (past the interval and poll in which cells that went down
+        # together rejoin together), waits out its rejoin time like any cell that went down.
+        await asyncio.sleep(1.5)
         b.bad_share = 0.0
         await asyncio.sleep(3)
         assert not router.state.cells["b"].status.startswith("UP")

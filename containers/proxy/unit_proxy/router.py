@@ -13,7 +13,7 @@ Beside HAProxy the agent does what is specific to a router:
   named is set `ready` again;
 - passive ejection of a cell whose answers are retried elsewhere (`_eject_if_retried_away`);
 - a cell that went down rejoins after ROUTER_REJOIN_SECONDS of passing checks (HAProxy's `rise`), but at
-  once while no other cell serves (`_rejoin_if_none_serves`);
+  once while no other cell can take requests (`_rejoin_if_none_serves`);
 - steering away from a full cell: one that answered 429 (its units at their in-flight limit) is
   set to `drain` for a hold that doubles while it stays full, unless no other cell could take
   its requests (`_steer_from_full`);
@@ -203,6 +203,7 @@ class RouterState:
     refresh_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     ready_map: str = ""  # RouterPaths.ready_map: /router/health answers 200 once `ready` is in it
     ready: bool = False  # the first SSM read was applied (with SSM evacuation; render() gates the health on it)
+    rejoin_early_until: float = 0.0  # monotonic: cells going up rejoin at once until then (_rejoin_if_none_serves)
 
     def __post_init__(self) -> None:
         self.cells = {cell.name: CellStatus(weight=cell.weight) for cell in self.settings.cells}
@@ -229,6 +230,8 @@ class RouterState:
         for name, cell in sorted(self.cells.items()):
             if cell.full and not cell.evacuated and not self._another_takes(name, set()):
                 await self._ready_after_full(name, cell)
+        # ... or it took the last cell that could take requests while another waits out its rejoin time.
+        await self._rejoin_if_none_serves()
 
     async def refresh(self) -> None:
         """Each cell's row of `show stat`; an evacuated cell is empty while a look finds no stream on it (its
@@ -289,11 +292,17 @@ class RouterState:
     async def _rejoin_if_none_serves(self) -> None:
         """A cell that went down takes requests again only once its checks passed for ROUTER_REJOIN_SECONDS
         (router_config.rise_checks), so that one failing unit behind its load balancer does not take it out
-        again and again (docs/router.md "Rejoining"). That wait is for the other cells' sake: while none
-        serves, a cell going up (its last n checks passed: `show stat` status `DOWN n/rise`, src/stats.c:2029-2041
-        and 2228-2233 of HAProxy v2.6.0) is marked up at once (management guide 9.3 "set server
-        ... health up"), as Envoy's outlier detection stops ejecting past `max_ejection_percent`."""
-        if any(self._serves(cell) for cell in self.cells.values()):
+        again and again (docs/router.md "Rejoining"). That wait is for the other cells' sake: while none can
+        take requests (up, weight above 0, not evacuated, not full), a cell going up (its last n checks
+        passed: `show stat` status `DOWN n/rise`, src/stats.c:2029-2041 and 2228-2233 of HAProxy v2.6.0) is
+        marked up at once (management guide 9.3 "set server ... health up"), as Envoy's outlier detection
+        stops ejecting past `max_ejection_percent`. For REJOIN_EARLY_SECONDS after such a rejoin, every other
+        cell going up is too: cells that went down together (a blip of the router's own network) pass their
+        first check within one interval of each other, and the first one back would otherwise keep the rest
+        out for the whole wait. A check failing between the read and the command is overridden (the cell
+        then needs `fall` failures again): only while nothing else could serve."""
+        now = time.monotonic()
+        if now >= self.rejoin_early_until and any(self._takes(cell) for cell in self.cells.values()):
             return
         for name, cell in sorted(self.cells.items()):
             going_up = GOING_UP.fullmatch(cell.status)
@@ -304,12 +313,13 @@ class RouterState:
                 raise RuntimeApiError(f"set server {name} health up: {answer.strip()}")
             log.warning(json.dumps({"event": "cell_rejoined_early", "cell": name, "checks": cell.status}))
             cell.status = "UP"
+            if now >= self.rejoin_early_until:
+                self.rejoin_early_until = now + self.settings.check_interval_ms / 1000 + self.settings.poll_seconds
 
     @staticmethod
-    def _serves(cell: CellStatus) -> bool:
-        """Up and chosen by the load balancing, or drained as full (it is made ready as soon as no other cell
-        takes requests, _steer_from_full); an evacuated cell is on its way out."""
-        return not cell.evacuated and ((cell.status.startswith("UP") and cell.weight > 0) or cell.full)
+    def _takes(cell: CellStatus) -> bool:
+        """Up, chosen by the load balancing, not evacuated and not full (a full cell answers 429 to its share)."""
+        return cell.status.startswith("UP") and cell.weight > 0 and not cell.evacuated and not cell.full
 
     async def _steer_from_full(self, cells: list[tuple[str, CellStatus, int]]) -> None:
         """Drain a cell that answered 429 since the last look, for a hold; make it ready when the hold ends.
