@@ -79,9 +79,9 @@ class Evacuation(Construct):
         """The parameters the command reads and writes, named by the fleet and not by its routers at synth: the
         command runs on the fleet file of the commit it deploys, and a commit may add a router this stack was
         synthesized without (its restore reads every router's parameter, evacuate.routers_touched with --undo;
-        one that no longer fronts the cell may still name it). A pipeline redeploy is needed only for the
-        pipeline's own settings (docs/rollout-pipeline.md); a grant by router failed the restore of a commit
-        adding one, and the cell stayed evacuated. Every region, this fleet's names only."""
+        one that no longer fronts the cell may still name it): a grant by router failed the restore of a commit
+        adding one, and the cell stayed evacuated (docs/rollout-pipeline.md, what needs a redeploy). Every
+        region, this fleet's names only."""
         stack = Stack.of(self)
         account = {cell.account for cell in cells}.pop()  # one: the pipeline's (check_pipeline_evacuation)
         # IAM's `*` in a resource ARN matches any characters, `/` included

@@ -366,6 +366,9 @@ class PipelineStack(Stack):
             project.add_to_role_policy(key)
         # A missing manifest is the Compile stage's job, not a failed build; without s3:ListBucket S3
         # says 403 for it, so the check lists exactly that key to tell (compile_run.existing_manifest).
+        # StringLike's `*` matches any characters, `/` included (and so in the GetObject ARN:
+        # https://docs.aws.amazon.com/IAM/latest/UserGuide/reference_policies_elements_condition_operators.html,
+        # reference_policies_elements_resource.html "Using wildcards in resource ARNs").
         project.add_to_role_policy(iam.PolicyStatement(
             actions=["s3:ListBucket"], resources=[f"arn:{self.partition}:s3:::{bucket}"],
             conditions={"StringLike": {"s3:prefix": manifests}},
@@ -399,9 +402,6 @@ class PipelineStack(Stack):
 
     def _wave_stage(self, wave: WaveConfig, assembly: codepipeline.Artifact) -> codepipeline.StageProps:
         cells = self.fleet.cells_of_wave(wave.name)
-        if len(cells) > MAX_CELLS_PER_WAVE:
-            # The fleet check (inference_fleet.rollout.check_wave_sizes) refuses such a file first.
-            raise ValueError(f"wave {wave.name} has {len(cells)} cells; at most {MAX_CELLS_PER_WAVE} per wave")
         stage_actions: list[codepipeline.IAction] = []
         if wave.manual_approval:
             stage_actions.append(actions.ManualApprovalAction(
@@ -480,6 +480,10 @@ class PipelineStack(Stack):
     def _bake(name: str, gates: list[Gate], minutes: int, result: codepipeline.Result) -> codepipeline.Conditions:
         """An OnSuccess condition: every gate out of ALARM for `minutes` after the stage's actions (CloudWatchAlarm
         rules with WaitTime), else `result`."""
+        if len(gates) > MAX_CELLS_PER_WAVE:
+            # The fleet check (inference_fleet.rollout.check_wave_sizes) refuses such a file first.
+            raise ValueError(f"{name}: {len(gates)} gates to bake under; CodePipeline takes at most "
+                             f"{MAX_CELLS_PER_WAVE} rules per condition")
         configuration = {"AlarmStates": "ALARM"}
         if minutes:
             configuration["WaitTime"] = str(minutes)

@@ -156,11 +156,11 @@ class RouterStack(Stack):
             "ROUTER_HEALTH_PORT": str(ROUTER_HEALTH_PORT),
             "ROUTER_TIMEOUT_SECONDS": str(min(serving.alb_idle_timeout_seconds + TIMEOUT_MARGIN_SECONDS,
                                               ROUTER_TIMEOUT_MAX_SECONDS)),
-            # The connections the task's memory holds with their buffers (HAProxy's global maxconn):
-            # beyond it a connection waits to be accepted instead of the task being killed for memory.
             # A cell that went down serves again once its checks passed for as long as its units' load balancer
             # may still send to a failing unit (docs/router.md "Rejoining").
             "ROUTER_REJOIN_SECONDS": str(UNIT_DETECTION_SECONDS),
+            # The connections the task's memory holds with their buffers (HAProxy's global maxconn):
+            # beyond it a connection waits to be accepted instead of the task being killed for memory.
             "ROUTER_MAXCONN": str(maxconn_for(self.task_size.memory_mib, RouterSettings.buffer_bytes)),
             "ROUTER_METRICS_NAMESPACE": router_metrics_namespace(self.fleet),
             "ROUTER_NAME": router.region,

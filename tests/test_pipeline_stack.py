@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 from aws_cdk import App
+from aws_cdk import aws_codepipeline as codepipeline
 from aws_cdk import aws_s3 as s3
 from aws_cdk.assertions import Template
 from syrupy.extensions.json import JSONSnapshotExtension
@@ -31,7 +32,7 @@ from inference_fleet.checks import load_fleet, parse_fleet
 from inference_fleet.config import FleetConfig
 from inference_fleet.regions import AWS_REGIONS
 from stacks.fleet import build_fleet
-from stacks.pipeline_stack import PipelineStack, repository_path
+from stacks.pipeline_stack import Gate, PipelineStack, repository_path
 from stacks.router_stack import RouterStack
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -542,6 +543,15 @@ def test_the_build_reads_only_manifests_and_any_layouts(large_synth) -> None:
     assert listing["Resource"] == "arn:aws:s3:::rufus-model-artifacts-222222222222"
     assert listing["Condition"] == {"StringLike": {
         "s3:prefix": "llama-3.1-405b-instruct/trn1-tp128/neuron/*/artifacts-manifest.json"}}
+
+
+def test_a_bake_beyond_codepipelines_five_rules_is_refused_at_synth() -> None:
+    """The stack's own guard behind the fleet check (check_wave_sizes): one rule per gate, cells' and routers'
+    alike, for a wave's bake and a restore's (the guard counted a wave's cells only)."""
+    gates = [Gate(f"c{i}-gate", "111111111111", "us-east-2", f"Rufus-Cell-c{i}", "reader") for i in range(6)]
+    assert len(PipelineStack._bake("main", gates[:5], 60, codepipeline.Result.ROLLBACK).conditions[0].rules) == 5
+    with pytest.raises(ValueError, match="restored-main: 6 gates to bake under"):
+        PipelineStack._bake("restored-main", gates, 60, codepipeline.Result.FAIL)
 
 
 # -- who may read the artifacts -------------------------------------------------------------

@@ -296,8 +296,8 @@ class RouterState:
         take requests (up, weight above 0, not evacuated, not full), a cell going up (its last n checks
         passed: `show stat` status `DOWN n/rise`, src/stats.c:2029-2041 and 2228-2233 of HAProxy v2.6.0) is
         marked up at once (management guide 9.3 "set server ... health up"), as Envoy's outlier detection
-        stops ejecting past `max_ejection_percent`. For REJOIN_EARLY_SECONDS after such a rejoin, every other
-        cell going up is too: cells that went down together (a blip of the router's own network) pass their
+        stops ejecting past `max_ejection_percent`. For one check interval and one poll after such a rejoin,
+        every other cell going up is too: cells that went down together (a blip of the router's own network) pass their
         first check within one interval of each other, and the first one back would otherwise keep the rest
         out for the whole wait. A check failing between the read and the command is overridden (the cell
         then needs `fall` failures again): only while nothing else could serve."""
@@ -369,8 +369,7 @@ class RouterState:
     def _another_takes(self, name: str, full_now: set[str]) -> bool:
         """Whether another cell is up, not evacuated and not full (drained as such, or answering 429 in
         this look): one that can take this one's requests."""
-        return any(other != name and c.status.startswith("UP") and not c.evacuated and not c.full
-                   and other not in full_now and c.weight > 0 for other, c in self.cells.items())
+        return any(other != name and other not in full_now and self._takes(c) for other, c in self.cells.items())
 
     async def _set_state(self, name: str, state: str) -> None:
         answer = await self.api.command(f"set server {BACKEND}/{name} state {state}")
