@@ -560,7 +560,7 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
     # SIGUSR1 to its launcher; the unit drains, then ends as member_stopping (neutral).
     if not run_follower_stopping(h, unit, driver, first):
         return
-    # 2c. The acceptance kit through its local adapter, read-only then --destructive.
+    # 2c. The acceptance kit through its local adapter, --destructive (its read-only checks first).
     from verify_mode import run_verify
     run_verify(h, unit)
     # 7. The unit as cell A behind the cell router, beside a cell B: B evacuated while A serves;
