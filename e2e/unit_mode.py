@@ -558,11 +558,15 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
 
     # 2a. A follower stopped alone (its instance drained, a StopTask): its drain guard sends
     # SIGUSR1 to its launcher; the unit drains, then ends as member_stopping (neutral).
-    if not run_follower_stopping(h, unit, driver, first):
+    # Its stop is the acceptance kit's check 7a (e2e/verify_mode.py), whose result step 2c takes.
+    from verify_mode import FollowerStop, run_verify
+    kit_7a = FollowerStop(h, unit)
+    stopped_alone = run_follower_stopping(h, unit, driver, first, kit_7a.stop)
+    done = {"7a-follower-stop": kit_7a.result(h.left(180))}
+    if not stopped_alone:
         return
     # 2c. The acceptance kit through its local adapter, --destructive (its read-only checks first).
-    from verify_mode import run_verify
-    run_verify(h, unit)
+    run_verify(h, unit, done=done)
     # 7. The unit as cell A behind the cell router, beside a cell B: B evacuated while A serves;
     # then step 3's kill is made under load through the router (e2e/router_step.py).
     router = None
@@ -940,12 +944,14 @@ def watch_member_drain(h: Harness, unit: Unit, session: str | None, signalled: f
     return seen
 
 
-def run_follower_stopping(h: Harness, unit: Unit, driver: OpenAIDriver, first: str) -> bool:
+def run_follower_stopping(h: Harness, unit: Unit, driver: OpenAIDriver, first: str,
+                          stop: Callable[[float], tuple[float, float] | None]) -> bool:
     """2a. A follower stopped alone drains its unit first (docs/cell-lifecycle.md): with a stream
-    in flight, the harness plays the follower task's drain guard on ECS's SIGTERM (SIGUSR1 to the
-    follower's launcher, and only to it). The leader shows `drain_requested`, the proxy turns
-    /health 503, lets the stream finish, reports /drained; the leader ends the session as
-    `member_stopping` (neutral: no backoff), both launchers exit 0, and the unit forms again.
+    in flight, `stop` (the acceptance kit's check 7a) plays the follower task's drain guard on
+    ECS's SIGTERM (SIGUSR1 to the follower's launcher, and only to it). The leader shows
+    `drain_requested`, the proxy turns /health 503, lets the stream finish, reports /drained; the
+    leader ends the session as `member_stopping` (neutral: no backoff), both launchers exit 0,
+    and the unit forms again.
 
     On ECS the proxy goes down with the leader's task; here, as after every leader exit of
     this harness, the one proxy process stays and must serve the unit's next session."""
@@ -973,8 +979,11 @@ def run_follower_stopping(h: Harness, unit: Unit, driver: OpenAIDriver, first: s
     if not first_chunk.wait(h.left(120)) or "error" in result:
         r.check("2a. stream in flight before SIGUSR1", False, str(result))
         return False
-    follower_proc.signal(signal.SIGUSR1)  # the drain guard's signal, to the launcher only
-    signalled, signalled_wall = time.monotonic(), time.time()
+    at = stop(h.left(60))  # the drain guard's signal, to the launcher only: (monotonic, wall) when sent
+    if at is None:
+        r.check("2a. the follower was stopped (the kit's check 7a)", False, unit.describe())
+        return False
+    signalled, signalled_wall = at
 
     def done() -> bool:
         return (len(unit.leader.exits) > leader_exits and len(unit.follower.exits) > follower_exits

@@ -14,11 +14,18 @@ One run, not read-only then --destructive: a --destructive run runs every read-o
 first, on the same unit, so a read-only run before it repeated them (26 s of a 33-minute
 e2e, twentieth session). The read-only mode, the one the pipeline's verify gate runs, is
 run end to end by `make e2e-triton` (step T3b) and in tests/test_verify_local.py.
+
+And the kit's 7a is the e2e's step 2a: both stop the follower alone (its drain guard's
+SIGUSR1 to its launcher) on the same unit, and each stop costs a formation (98-162 s on the
+2-core machine). So step 2a makes its stop through the kit's check (`FollowerStop`), checks
+what it checks on top, and the --destructive run takes that 7a result instead of stopping the
+follower again.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -28,8 +35,10 @@ from procs import Proc
 
 from inference_fleet.checks import load_fleet
 from inference_fleet.verify.adapter import Expectations, expectations
+from inference_fleet.verify.checks_faults import check_follower_stop
 from inference_fleet.verify.local import LocalAdapter, LocalTask, StopTimes
-from inference_fleet.verify.runner import run_kit
+from inference_fleet.verify.report import CheckResult, Measured
+from inference_fleet.verify.runner import context, run_check, run_kit
 
 # The inference container's stopTimeout (cell_constructs/inference_unit.py ENGINE_STOP_TIMEOUT).
 ECS_STOP_TIMEOUT = 120.0
@@ -82,17 +91,68 @@ def unit_expectations(spec: dict[str, Any]) -> Expectations:
     )
 
 
-def run_verify(h: Harness, unit: Any, step: str = "2c", destructive: bool = True) -> None:
+class StopClock(LocalAdapter):
+    """The local adapter, noting when a check stops a task (the e2e times its step 2a from there)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.stopped = threading.Event()
+        self.stopped_at = (0.0, 0.0)  # monotonic, wall
+
+    def stop_task(self, task: Any, reason: str) -> None:
+        self.stopped_at = (time.monotonic(), time.time())
+        self.stopped.set()
+        super().stop_task(task, reason)
+
+
+def _adapter(h: Harness, unit: Any) -> StopClock:
+    return StopClock(f"http://127.0.0.1:{unit.ports.proxy}", {unit.spec["unit_id"]: unit.health_url},
+                     lambda: local_tasks(h, unit), StopTimes(stop_timeout=ECS_STOP_TIMEOUT, guard_bound=300),
+                     extra_logs=[Path(unit.proxy.log_path)])
+
+
+def _log(line: str) -> None:
+    print(line, flush=True)
+
+
+class FollowerStop:
+    """The kit's 7a in the background: it stops the follower alone (SIGUSR1 to its launcher only, as
+    the drain guard does), waits for the unit to serve again, and judges the stop; the caller watches
+    the same stop meanwhile (`signalled`: when the signal went)."""
+
+    def __init__(self, h: Harness, unit: Any) -> None:
+        self._adapter = _adapter(h, unit)
+        ctx = context(self._adapter, unit_expectations(unit.spec), self._adapter.endpoint(),
+                      request_timeout=h.left(300), settle_seconds=12.0, recovery_timeout=h.left(600))
+        self._result: CheckResult | None = None
+        self._thread = threading.Thread(target=self._run, args=(ctx,), daemon=True, name="kit-7a")
+        self._thread.start()
+
+    def _run(self, ctx: Any) -> None:
+        self._result = run_check(ctx, "7a-follower-stop", check_follower_stop, _log)
+
+    def signalled(self, timeout: float) -> tuple[float, float] | None:
+        """(monotonic, wall) of the stop, or None if the kit stopped nothing within `timeout` s."""
+        return self._adapter.stopped_at if self._adapter.stopped.wait(timeout) else None
+
+    def result(self, timeout: float) -> CheckResult:
+        self._thread.join(timeout)
+        self._adapter.join(timeout)
+        return self._result or CheckResult("7a-follower-stop", "fail", Measured(None, ""),
+                                           f"the kit's follower stop did not end within {timeout:g} s")
+
+
+def run_verify(h: Harness, unit: Any, step: str = "2c", destructive: bool = True,
+               done: dict[str, CheckResult] | None = None) -> None:
     """The kit --destructive (read-only if `destructive` is False); its report into the e2e report, one
-    check (`step`: the e2e step's name; the Triton run's facts are `verify_triton_<label>`)."""
-    adapter = LocalAdapter(f"http://127.0.0.1:{unit.ports.proxy}", {unit.spec["unit_id"]: unit.health_url},
-                           lambda: local_tasks(h, unit), StopTimes(stop_timeout=ECS_STOP_TIMEOUT, guard_bound=300),
-                           extra_logs=[Path(unit.proxy.log_path)])
+    check (`step`: the e2e step's name; the Triton run's facts are `verify_triton_<label>`). `done`: checks
+    run earlier against this unit (step 2a's 7a), reported as they are and not run again."""
+    adapter = _adapter(h, unit)
     expect = unit_expectations(unit.spec)
     for label, stops in (("destructive", True),) if destructive else (("read_only", False),):
         started = time.monotonic()
         report = run_kit(adapter, expect, destructive=stops, request_timeout=h.left(300), settle_seconds=12.0,
-                         recovery_timeout=h.left(600), log=lambda line: print(line, flush=True))
+                         recovery_timeout=h.left(600), log=_log, done=done)
         adapter.join(h.left(ECS_STOP_TIMEOUT + 300))
         key = f"verify_{label}" if expect.frontend == "openai" else f"verify_{expect.frontend}_{label}"
         h.report.facts[key] = report.to_json()

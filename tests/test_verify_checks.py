@@ -361,6 +361,20 @@ def test_run_kit_read_only_runs_every_check_but_the_destructive_ones() -> None:
     assert adapter.stopped == []  # read-only
 
 
+def test_a_check_the_caller_ran_earlier_is_reported_as_it_is_and_not_run_again() -> None:
+    """The e2e's follower stop is the kit's 7a (e2e/verify_mode.py): a destructive run given its result
+    stops nothing for it; the checks not given still run."""
+    earlier = {"7a-follower-stop": CheckResult("7a-follower-stop", "pass", Measured(0.2, "s to 503"), "by the e2e"),
+               "7b-leader-stop": CheckResult("7b-leader-stop", "fail", Measured(None, ""), "by the e2e too")}
+    with FakeOpenAI() as server:
+        adapter = FakeAdapter(server.url, running=two_tasks())
+        report = run_kit(adapter, expectations(), destructive=True, settle_seconds=0.0, steps_report_seconds=0.3,
+                         log=lambda _: None, done=earlier)
+    by_id = {c.check_id: c for c in report.checks}
+    assert all(by_id[check_id] is result for check_id, result in earlier.items())
+    assert adapter.stopped == [] and by_id["1-serving"].status == "pass"
+
+
 def dashboard_series(template: dict[str, Any], has_data: Callable[[str, str, dict[str, str]], bool]) -> list[
         MetricSeries]:
     """The series the AWS adapter reads from a cell's synthesized dashboard (its tokens replaced), each

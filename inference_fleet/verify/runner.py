@@ -4,13 +4,15 @@ Order: the read-only checks that send requests (1-3) and read self-checks (5); w
 `destructive`, the fault checks (7a, 7b); then the checks that read what the others
 produced (4 formation, 6 evidence: the destructive stops end sessions whose events they
 read). A check that raises is a failure with the error as its detail; a cell the adapter
-cannot reach fails every check.
+cannot reach fails every check. A caller that already ran a check against the same cell (the
+e2e's follower stop is the kit's 7a, e2e/verify_mode.py) passes its result in `done`: the check
+is not run again, its result goes into the report as it is.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from inference_fleet.verify import checks_cell, checks_faults, checks_serving
 from inference_fleet.verify.adapter import CellAdapter, CellUnreachable, Expectations
@@ -37,9 +39,35 @@ def _plan(destructive: bool, evidence_wait: float) -> list[tuple[str, Check]]:
     return steps
 
 
+def context(adapter: CellAdapter, expect: Expectations, endpoint: str, *, request_timeout: float = 120.0,
+            settle_seconds: float = 15.0, recovery_timeout: float = 1800.0,
+            steps_report_seconds: float = 60.0) -> Context:
+    """What every check runs with; the requests are the front end's own (OpenAI, or Triton's KServe v2
+    generate), an HTTPS cell's certificate checked against the name it covers (aws.py)."""
+    client = serving_client(expect, endpoint, request_timeout, tls_name=getattr(adapter, "tls_name", None))
+    return Context(adapter, expect, client, settle_seconds=settle_seconds,
+                   recovery_timeout_seconds=recovery_timeout, steps_report_seconds=steps_report_seconds)
+
+
+def run_check(ctx: Context, check_id: str, check: Check, log: Callable[[str], None] = print) -> CheckResult:
+    """One check, timed; one that raises is a failure naming the error (it must not take the others down)."""
+    log(f"[verify] {check_id} ...")
+    started = time.monotonic()
+    try:
+        result = check(ctx)
+    except CellUnreachable as error:
+        result = CheckResult(check_id, "fail", Measured(None, ""), f"cell not reachable: {error}")
+    except Exception as error:
+        result = CheckResult(check_id, "fail", Measured(None, ""), f"error: {type(error).__name__}: {error}")
+    result.seconds = time.monotonic() - started
+    log(f"[verify] {check_id}: {result.status} ({result.detail[:160]})")
+    return result
+
+
 def run_kit(adapter: CellAdapter, expect: Expectations, *, destructive: bool = False, request_timeout: float = 120.0,
             settle_seconds: float = 15.0, evidence_wait: float = 0.0, recovery_timeout: float = 1800.0,
-            steps_report_seconds: float = 60.0, log: Callable[[str], None] = print) -> Report:
+            steps_report_seconds: float = 60.0, log: Callable[[str], None] = print,
+            done: Mapping[str, CheckResult] | None = None) -> Report:
     report = Report(cell=expect.cell, adapter=adapter.name, destructive=destructive)
     try:
         report.target = adapter.describe()
@@ -50,24 +78,15 @@ def run_kit(adapter: CellAdapter, expect: Expectations, *, destructive: bool = F
                                              f"cell not reachable: {error}"))
         report.finished_at = time.time()
         return report
-    # An HTTPS cell's certificate is checked against the name it covers, not the endpoint's host (aws.py);
-    # the requests are the front end's own (OpenAI, or Triton's KServe v2 generate).
-    client = serving_client(expect, endpoint, request_timeout, tls_name=getattr(adapter, "tls_name", None))
-    ctx = Context(adapter, expect, client, settle_seconds=settle_seconds,
-                  recovery_timeout_seconds=recovery_timeout, steps_report_seconds=steps_report_seconds)
+    ctx = context(adapter, expect, endpoint, request_timeout=request_timeout, settle_seconds=settle_seconds,
+                  recovery_timeout=recovery_timeout, steps_report_seconds=steps_report_seconds)
     results: dict[str, CheckResult] = {}
     for check_id, check in _plan(destructive, evidence_wait):
-        log(f"[verify] {check_id} ...")
-        started = time.monotonic()
-        try:
-            result = check(ctx)
-        except CellUnreachable as error:
-            result = CheckResult(check_id, "fail", Measured(None, ""), f"cell not reachable: {error}")
-        except Exception as error:  # a check must not take the others down; its report says what broke
-            result = CheckResult(check_id, "fail", Measured(None, ""), f"error: {type(error).__name__}: {error}")
-        result.seconds = time.monotonic() - started
-        results[check_id] = result
-        log(f"[verify] {check_id}: {result.status} ({result.detail[:160]})")
+        if done and check_id in done:
+            results[check_id] = done[check_id]
+            log(f"[verify] {check_id}: {done[check_id].status} (run earlier by the caller)")
+            continue
+        results[check_id] = run_check(ctx, check_id, check, log)
     for claim in CLAIMS:
         report.checks.append(results.get(claim.check_id) or not_run(claim.check_id, "destructive checks need "
                                                                     "--destructive"))

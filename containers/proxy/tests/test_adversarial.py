@@ -200,17 +200,24 @@ _INTERNALS = re.compile(r"127\.0\.0\.1|10\.0\.1\.|Errno|Error:|Exception|Disconn
 async def test_error_bodies_name_no_addresses_or_exceptions(engine: FakeEngine, launcher: FakeLauncher):
     body = b'{"model": "m", "prompt": "x"}'
     post = f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-    dead_engine = f"http://{LOOPBACK}:{free_port()}"
+    # A dead engine's port held bound, not listening, for the whole test: a connection to it is
+    # refused, and no other socket (nor a connection's own source port) can take it meanwhile.
+    held = socket.socket()
+    held.bind((LOOPBACK, 0))
+    dead_engine = f"http://{LOOPBACK}:{held.getsockname()[1]}"
     async with proxy_process(engine, launcher, PROXY_WORKERS="1", UPSTREAM_URL=dead_engine, LAUNCHER_STATUS_URL="") as (
         url,
         _proc,
     ):
-        await wait_until(lambda: _up(url), timeout=20, what="the proxy to listen")
+        # Its first check round has seen the dead engine (before it, /health answers from the initial state).
+        async with aiohttp.ClientSession() as session:
+            await wait_until(lambda: _is(health(session, url), 503), timeout=20, what="the dead engine seen")
         refused = await ask(port_of(url), "POST /v1/completions HTTP/1.1", post, body)
-        assert refused.status == 502 and refused.json()["error"]["type"] == "upstream_unavailable"
+        assert refused.status == 502 and refused.json()["error"]["type"] == "upstream_unavailable", refused.body
         assert not _INTERNALS.search(refused.body.decode()), refused.body
         unhealthy = await ask(port_of(url), "GET /health HTTP/1.1")
         assert unhealthy.status == 503 and not _INTERNALS.search(unhealthy.body.decode()), unhealthy.body
+    held.close()
     async with proxy_process(engine, launcher, PROXY_WORKERS="1") as (url, _proc):
         await wait_healthy(url)
         reset = await ask(port_of(url), "POST /v1/completions HTTP/1.1", post + "x-cue: reset\r\n", body)
@@ -218,6 +225,8 @@ async def test_error_bodies_name_no_addresses_or_exceptions(engine: FakeEngine, 
         launcher.status["members"][1]["alive"] = False
         async with aiohttp.ClientSession() as session:
             await wait_until(lambda: _is(health(session, url), 503), timeout=5, what="the member loss")
+        # /health answers from the agent's round; the data path closes when the gate is pushed, a moment later.
+        await wait_until(lambda: _gate_pushed_closed(url), timeout=5, what="the gate closed in HAProxy")
         gated = await ask(port_of(url), "POST /v1/completions HTTP/1.1", post, body)
         assert gated.status == 503 and gated.json()["error"]["type"] == "unit_unavailable"
         assert not _INTERNALS.search(gated.body.decode()), gated.body
@@ -225,12 +234,9 @@ async def test_error_bodies_name_no_addresses_or_exceptions(engine: FakeEngine, 
         assert not _INTERNALS.search(unhealthy.body.decode()), unhealthy.body
 
 
-async def _up(url: str) -> bool:
-    try:
-        async with aiohttp.ClientSession() as session, session.get(f"{url}/health") as resp:
-            return resp.status in (200, 503)
-    except aiohttp.ClientConnectionError:
-        return False
+async def _gate_pushed_closed(url: ProxyURL) -> bool:
+    _status, text = await admin_text(url, "/ready")
+    return json.loads(text)["haproxy"]["gate"] != "open"
 
 
 # -- 4. protocol answers as RFC 9110/9112 expect ------------------------------------------------

@@ -343,8 +343,14 @@ async def refresh_stats(state: ProxyState, api: RuntimeApi) -> None:
 
 
 async def push_gate(state: ProxyState, api: RuntimeApi, paths: Paths) -> None:
-    """Set the gate map keys that changed."""
-    for key, value in state.gate_map().items():
+    """Set the gate map keys that changed: a closing gate first, an opening one last. The data
+    port's /health says 200 once the unit key is pushed open (internal_app), so the keys it
+    opens over (`down`, the engine error bodies) must be in HAProxy by then: one `set map` at a
+    time, an engine failure in between was answered 503 unit_unavailable on an open gate."""
+    keys = state.gate_map()
+    opening = keys[GateMap.UNIT] == "open"
+    order = sorted(keys, key=lambda key: (key == GateMap.UNIT) == opening)  # stable: the rest keep their order
+    for key, value in ((key, keys[key]) for key in order):
         if state.pushed.get(key) == value:
             continue
         try:
