@@ -92,17 +92,18 @@ def unit_expectations(spec: dict[str, Any]) -> Expectations:
 
 
 class StopClock(LocalAdapter):
-    """The local adapter, noting when a check stops a task (the e2e times its step 2a from there)."""
+    """The local adapter, noting when a check's stop signals a task (the e2e times its step 2a from there)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.stopped = threading.Event()
         self.stopped_at = (0.0, 0.0)  # monotonic, wall
 
-    def stop_task(self, task: Any, reason: str) -> None:
+    def _stop_sequence(self, task: LocalTask) -> None:
+        # Its first step is the signal (SIGUSR1 to a follower's launcher): stamped just before it.
         self.stopped_at = (time.monotonic(), time.time())
         self.stopped.set()
-        super().stop_task(task, reason)
+        super()._stop_sequence(task)
 
 
 def _adapter(h: Harness, unit: Any) -> StopClock:
@@ -116,30 +117,36 @@ def _log(line: str) -> None:
 
 
 class FollowerStop:
-    """The kit's 7a in the background: it stops the follower alone (SIGUSR1 to its launcher only, as
-    the drain guard does), waits for the unit to serve again, and judges the stop; the caller watches
-    the same stop meanwhile (`signalled`: when the signal went)."""
+    """The kit's 7a, in the background from `stop` on: it stops the follower alone (SIGUSR1 to its
+    launcher only, as the drain guard does), waits for the unit to serve again and judges the stop,
+    while the caller watches the same stop."""
 
     def __init__(self, h: Harness, unit: Any) -> None:
         self._adapter = _adapter(h, unit)
-        ctx = context(self._adapter, unit_expectations(unit.spec), self._adapter.endpoint(),
-                      request_timeout=h.left(300), settle_seconds=12.0, recovery_timeout=h.left(600))
+        self._ctx = context(self._adapter, unit_expectations(unit.spec), self._adapter.endpoint(),
+                            request_timeout=h.left(300), settle_seconds=12.0, recovery_timeout=h.left(600))
         self._result: CheckResult | None = None
-        self._thread = threading.Thread(target=self._run, args=(ctx,), daemon=True, name="kit-7a")
+        self._thread = threading.Thread(target=self._run, daemon=True, name="kit-7a")
+
+    def _run(self) -> None:
+        self._result = run_check(self._ctx, "7a-follower-stop", check_follower_stop, _log)
+
+    def stop(self, timeout: float) -> tuple[float, float] | None:
+        """Start the check; (monotonic, wall) when it signalled the follower, None if not within `timeout` s."""
+        # The model its probes ask for, found while the unit is whole (in the kit's own run check 1 finds it).
+        self._ctx.served_model()
         self._thread.start()
-
-    def _run(self, ctx: Any) -> None:
-        self._result = run_check(ctx, "7a-follower-stop", check_follower_stop, _log)
-
-    def signalled(self, timeout: float) -> tuple[float, float] | None:
-        """(monotonic, wall) of the stop, or None if the kit stopped nothing within `timeout` s."""
         return self._adapter.stopped_at if self._adapter.stopped.wait(timeout) else None
 
     def result(self, timeout: float) -> CheckResult:
-        self._thread.join(timeout)
-        self._adapter.join(timeout)
+        """The check's result once it ends (a failure if it was not started or did not end within `timeout` s)."""
+        deadline = time.monotonic() + timeout
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
+            self._adapter.join(max(0.0, deadline - time.monotonic()))
         return self._result or CheckResult("7a-follower-stop", "fail", Measured(None, ""),
-                                           f"the kit's follower stop did not end within {timeout:g} s")
+                                           f"the kit's follower stop did not end within {timeout:g} s "
+                                           "(or step 2a did not get to the stop)")
 
 
 def run_verify(h: Harness, unit: Any, step: str = "2c", destructive: bool = True,
