@@ -209,15 +209,14 @@ async def test_error_bodies_name_no_addresses_or_exceptions(engine: FakeEngine, 
         url,
         _proc,
     ):
-        # Its first check round has seen the dead engine (before it, /health answers from the initial state).
-        async with aiohttp.ClientSession() as session:
-            await wait_until(lambda: _is(health(session, url), 503), timeout=20, what="the dead engine seen")
+        # Its first check round has seen the dead engine (before it, /health says 503 "no check has completed").
+        await wait_until(lambda: _engine_checked(url), timeout=20, what="the agent's first check round")
         refused = await ask(port_of(url), "POST /v1/completions HTTP/1.1", post, body)
         assert refused.status == 502 and refused.json()["error"]["type"] == "upstream_unavailable", refused.body
         assert not _INTERNALS.search(refused.body.decode()), refused.body
         unhealthy = await ask(port_of(url), "GET /health HTTP/1.1")
         assert unhealthy.status == 503 and not _INTERNALS.search(unhealthy.body.decode()), unhealthy.body
-    held.close()
+    held.close()  # (on a failure above, the test's process ends it)
     async with proxy_process(engine, launcher, PROXY_WORKERS="1") as (url, _proc):
         await wait_healthy(url)
         reset = await ask(port_of(url), "POST /v1/completions HTTP/1.1", post + "x-cue: reset\r\n", body)
@@ -232,6 +231,14 @@ async def test_error_bodies_name_no_addresses_or_exceptions(engine: FakeEngine, 
         assert not _INTERNALS.search(gated.body.decode()), gated.body
         unhealthy = await ask(port_of(url), "GET /health HTTP/1.1")
         assert not _INTERNALS.search(unhealthy.body.decode()), unhealthy.body
+
+
+async def _engine_checked(url: ProxyURL) -> bool:
+    try:
+        _status, text = await admin_text(url, "/ready")
+    except aiohttp.ClientConnectionError:
+        return False
+    return json.loads(text)["checked_at"] is not None
 
 
 async def _gate_pushed_closed(url: ProxyURL) -> bool:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import time
 
-from unit_proxy.agent import ProxyState, push_gate
+from aiohttp.test_utils import TestClient, TestServer
+from unit_proxy.agent import ProxyState, internal_app, push_gate
 from unit_proxy.haproxy_config import GateMap, Paths, initial_map
 from unit_proxy.health import CheckResult
 from unit_proxy.settings import Settings
@@ -39,3 +40,16 @@ async def test_a_closing_gate_is_pushed_first() -> None:
     state.pushed = {**initial_map(gated=False)}  # open, `down` no
     await push_gate(state, api, Paths("/nonexistent", -1))  # type: ignore[arg-type]
     assert api.keys[0] == GateMap.UNIT and GateMap.DOWN in api.keys
+
+
+async def test_the_data_ports_health_waits_for_every_key_the_round_decided() -> None:
+    """An engine that recovered on an open gate: `unit` stays open, `down` and the error bodies
+    change; /health says 200 only once HAProxy holds them (the load balancer sends traffic then)."""
+    state = gated_state(whole=True)
+    state.pushed = {**state.gate_map(), GateMap.DOWN: "yes"}  # the round's `down: no` not pushed yet
+    async with TestClient(TestServer(internal_app(state))) as client:
+        resp = await client.get("/health")
+        assert resp.status == 503, await resp.text()
+        await push_gate(state, RecordingApi(), Paths("/nonexistent", -1))  # type: ignore[arg-type]
+        resp = await client.get("/health")
+        assert resp.status == 200, await resp.text()

@@ -310,9 +310,10 @@ def internal_app(state: ProxyState) -> web.Application:
 
     async def health(request: web.Request) -> web.Response:
         status, text = health_answer(state, detail=False)
-        if status == 200 and state.gate_unit and state.pushed.get(GateMap.UNIT) != "open":
-            # The round found the unit whole but the gate push is a moment behind: the load
-            # balancer is told 200 only once HAProxy serves.
+        if status == 200 and state.pushed != state.gate_map():
+            # The round found the unit whole but the gate push is a moment behind (the gate
+            # itself, or `down` and the error bodies after an engine recovered on an open gate):
+            # the load balancer is told 200 only once HAProxy holds what the round decided.
             status, text = 503, "unhealthy: unit gate not open yet\n"
         return web.Response(status=status, text=text)
 
