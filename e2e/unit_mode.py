@@ -958,8 +958,8 @@ def run_follower_stopping(h: Harness, unit: Unit, driver: OpenAIDriver, first: s
     r = h.report
     session = unit.whole_session()
     rank1 = next((m for m in (unit.status() or {}).get("members", []) if m.get("rank") == 1), {})
-    leader_proc, follower_proc = unit.leader.current, unit.follower.current
-    assert leader_proc is not None and follower_proc is not None
+    leader_proc = unit.leader.current
+    assert leader_proc is not None and unit.follower.current is not None  # the unit is whole
     leader_exits, follower_exits = len(unit.leader.exits), len(unit.follower.exits)
     result: dict[str, Any] = {}
     usage: dict[str, Any] = {}

@@ -91,25 +91,23 @@ def unit_expectations(spec: dict[str, Any]) -> Expectations:
     )
 
 
-class StopClock(LocalAdapter):
-    """The local adapter, noting when a check's stop signals a task (the e2e times its step 2a from there)."""
+class StopClock:
+    """When a check's stop first signalled a task (the e2e times its step 2a from there)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self) -> None:
         self.stopped = threading.Event()
         self.stopped_at = (0.0, 0.0)  # monotonic, wall
 
-    def _stop_sequence(self, task: LocalTask) -> None:
-        # Its first step is the signal (SIGUSR1 to a follower's launcher): stamped just before it.
-        self.stopped_at = (time.monotonic(), time.time())
-        self.stopped.set()
-        super()._stop_sequence(task)
+    def __call__(self, task_id: str, sig: int) -> None:
+        if not self.stopped.is_set():
+            self.stopped_at = (time.monotonic(), time.time())
+            self.stopped.set()
 
 
-def _adapter(h: Harness, unit: Any) -> StopClock:
-    return StopClock(f"http://127.0.0.1:{unit.ports.proxy}", {unit.spec["unit_id"]: unit.health_url},
-                     lambda: local_tasks(h, unit), StopTimes(stop_timeout=ECS_STOP_TIMEOUT, guard_bound=300),
-                     extra_logs=[Path(unit.proxy.log_path)])
+def _adapter(h: Harness, unit: Any, on_signal: StopClock | None = None) -> LocalAdapter:
+    return LocalAdapter(f"http://127.0.0.1:{unit.ports.proxy}", {unit.spec["unit_id"]: unit.health_url},
+                        lambda: local_tasks(h, unit), StopTimes(stop_timeout=ECS_STOP_TIMEOUT, guard_bound=300),
+                        extra_logs=[Path(unit.proxy.log_path)], on_signal=on_signal)
 
 
 def _log(line: str) -> None:
@@ -122,7 +120,8 @@ class FollowerStop:
     while the caller watches the same stop."""
 
     def __init__(self, h: Harness, unit: Any) -> None:
-        self._adapter = _adapter(h, unit)
+        self._clock = StopClock()
+        self._adapter = _adapter(h, unit, self._clock)
         self._ctx = context(self._adapter, unit_expectations(unit.spec), self._adapter.endpoint(),
                             request_timeout=h.left(300), settle_seconds=12.0, recovery_timeout=h.left(600))
         self._result: CheckResult | None = None
@@ -136,7 +135,7 @@ class FollowerStop:
         # The model its probes ask for, found while the unit is whole (in the kit's own run check 1 finds it).
         self._ctx.served_model()
         self._thread.start()
-        return self._adapter.stopped_at if self._adapter.stopped.wait(timeout) else None
+        return self._clock.stopped_at if self._clock.stopped.wait(timeout) else None
 
     def result(self, timeout: float) -> CheckResult:
         """The check's result once it ends (a failure if it was not started or did not end within `timeout` s)."""
@@ -156,17 +155,17 @@ def run_verify(h: Harness, unit: Any, step: str = "2c", destructive: bool = True
     run earlier against this unit (step 2a's 7a), reported as they are and not run again."""
     adapter = _adapter(h, unit)
     expect = unit_expectations(unit.spec)
-    for label, stops in (("destructive", True),) if destructive else (("read_only", False),):
-        started = time.monotonic()
-        report = run_kit(adapter, expect, destructive=stops, request_timeout=h.left(300), settle_seconds=12.0,
-                         recovery_timeout=h.left(600), log=_log, done=done)
-        adapter.join(h.left(ECS_STOP_TIMEOUT + 300))
-        key = f"verify_{label}" if expect.frontend == "openai" else f"verify_{expect.frontend}_{label}"
-        h.report.facts[key] = report.to_json()
-        h.report.figure(f"{key}_s", time.monotonic() - started)
-        counts = report.counts()
-        failed = [f"{c.check_id}: {c.detail}" for c in report.checks if c.status == "fail"]
-        h.report.check(f"{step}. acceptance kit ({label.replace('_', '-')}): no check failed "
-                       f"({counts['pass']} passed, {counts['not_run']} not run)", report.passed,
-                       "; ".join(failed)[:1500])
-        print(report.table(), flush=True)
+    label = "destructive" if destructive else "read_only"
+    started = time.monotonic()
+    report = run_kit(adapter, expect, destructive=destructive, request_timeout=h.left(300), settle_seconds=12.0,
+                     recovery_timeout=h.left(600), log=_log, done=done)
+    adapter.join(h.left(ECS_STOP_TIMEOUT + 300))
+    key = f"verify_{label}" if expect.frontend == "openai" else f"verify_{expect.frontend}_{label}"
+    h.report.facts[key] = report.to_json()
+    h.report.figure(f"{key}_s", time.monotonic() - started)
+    counts = report.counts()
+    failed = [f"{c.check_id}: {c.detail}" for c in report.checks if c.status == "fail"]
+    h.report.check(f"{step}. acceptance kit ({label.replace('_', '-')}): no check failed "
+                   f"({counts['pass']} passed, {counts['not_run']} not run)", report.passed,
+                   "; ".join(failed)[:1500])
+    print(report.table(), flush=True)

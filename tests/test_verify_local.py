@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -84,8 +85,13 @@ def test_a_follower_stop_passes_through_the_drain_guard_and_a_stubborn_leader_is
     try:
         follower = started.start("i-f1", "follower")
         leader = started.start("i-l1", "leader", "SIGTERM")  # ignores SIGTERM
-        adapter = LocalAdapter("http://127.0.0.1:9", {}, lambda: started.tasks, StopTimes(stop_timeout=0.5,
-                                                                                       guard_bound=5))
+        sent: dict[str, list[tuple[int, bool]]] = {"i-f1": [], "i-l1": []}
+
+        def on_signal(task_id: str, sig: int) -> None:  # before the signal: its process still runs
+            sent[task_id].append((sig, started.procs[task_id].poll() is None))
+
+        adapter = LocalAdapter("http://127.0.0.1:9", {}, lambda: started.tasks,
+                               StopTimes(stop_timeout=0.5, guard_bound=5), on_signal=on_signal)
         wait_for(lambda: all("node_self_check" in t.log_path.read_text() for t in (leader, follower)))
         assert [t.task_id for t in adapter.tasks("u0")] == ["i-l1", "i-f1"]  # leader first
         adapter.stop_task(Task("i-f1", "u0", "follower"), "test")
@@ -99,6 +105,8 @@ def test_a_follower_stop_passes_through_the_drain_guard_and_a_stubborn_leader_is
         times = adapter.task_times(["i-f1", "i-l1"])
         assert times["i-l1"].stopped is not None and times["i-l1"].stopped - times["i-l1"].started >= 0.5
         assert adapter.tasks("u0") == []
+        assert sent == {"i-f1": [(signal.SIGUSR1, True)],
+                        "i-l1": [(signal.SIGTERM, True), (signal.SIGKILL, True)]}
     finally:
         started.stop_all()
 

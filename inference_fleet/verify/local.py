@@ -64,8 +64,12 @@ class LocalAdapter:
     poll_seconds = 0.2
 
     def __init__(self, endpoint: str, health_urls: dict[str, str], tasks: Callable[[], list[LocalTask]],
-                 stop_times: StopTimes | None = None, extra_logs: list[Path] | None = None) -> None:
+                 stop_times: StopTimes | None = None, extra_logs: list[Path] | None = None,
+                 on_signal: Callable[[str, int], None] | None = None) -> None:
+        """`on_signal(task_id, signal)` is called in a stop's own thread just before each signal it
+        sends (the e2e dates its follower stop from the first one)."""
         self._endpoint = endpoint.rstrip("/")
+        self._on_signal = on_signal
         self._health = health_urls
         self._tasks = tasks
         self._stop = stop_times or StopTimes()
@@ -117,15 +121,22 @@ class LocalAdapter:
 
     def _stop_sequence(self, task: LocalTask) -> None:
         if task.role == "follower":
-            _signal(task.pid, signal.SIGUSR1)  # the drain guard's SIGTERM, passed on
+            self._send(task, signal.SIGUSR1)  # the drain guard's SIGTERM, passed on
             if _exited(task, self._stop.guard_bound):
                 return
-        _signal(task.pid, signal.SIGTERM)
+        self._send(task, signal.SIGTERM)
         if _exited(task, self._stop.stop_timeout):
             return
+        if self._on_signal is not None:
+            self._on_signal(task.task_id, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(task.pid, signal.SIGKILL)  # every process of the container
         _signal(task.pid, signal.SIGKILL)
+
+    def _send(self, task: LocalTask, sig: int) -> None:
+        if self._on_signal is not None:
+            self._on_signal(task.task_id, sig)
+        _signal(task.pid, sig)
 
     def join(self, timeout: float) -> None:
         """Wait for the stop sequences started so far (tests, and the harness before it cleans up)."""
