@@ -16,9 +16,10 @@ aws-neuron/neuronx-distributed-inference@c63afe02fe9deb998c2b477e5749c3525927113
   NxDI's `--enable-torch-dist` variant (inference_demo.py:780-794, `start_rank_id = node_rank *
   local_ranks_size` over a gloo world) runs the same passes side by side, which multiplies the
   host memory by the node count (docs/compiled-artifacts.md, "Compile host");
-- the passes are assembled into one layout folder: node 0's model.pt and neuron_config.json
-  (every pass must have traced the same model.pt: checked, not assumed) and every pass's own
-  shards; then the manifest (unit_launcher.artifact_manifest) and the upload, the manifest last.
+- the passes are assembled into one layout folder: node 0's model.pt and neuron_config.json (the
+  passes' model.pt differ only in an attribute holding their start rank, which loading does not
+  read: unit_launcher.compile_run.assemble) and every pass's own shards; then the manifest
+  (unit_launcher.artifact_manifest) and the upload, the manifest last.
 
 An unchanged key is never compiled again: the job reads the manifest already under the layout's
 prefix first. VERIFIED ONLY ON PAPER on Neuron: here the passes run a stand-in `inference_demo`

@@ -145,6 +145,9 @@ def test_the_job_builds_uploads_once_and_the_launcher_accepts_each_nodes_slice(t
     prefix = "llama-3.1-405b-instruct/neuron/" + layout_key(fleet) + "/"
     head = s3.head_object(Bucket="rufus-model-artifacts-111111111111", Key=prefix + "model.pt", ChecksumMode="ENABLED")
     assert "ChecksumSHA256" in head
+    # Node 0's model.pt for every node; the passes' differ in the start rank NxD keeps in it (unread at load).
+    traced = s3.get_object(Bucket="rufus-model-artifacts-111111111111", Key=prefix + "model.pt")["Body"].read()
+    assert traced.endswith(b'{"start_rank_id": 0}')
     manifest = am.parse(json.loads(s3.get_object(Bucket="rufus-model-artifacts-111111111111",
                                                  Key=prefix + am.MANIFEST_NAME)["Body"].read()))
     assert manifest.key == key and len(manifest.nodes) == 2
