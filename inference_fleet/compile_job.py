@@ -84,7 +84,14 @@ def versions(fleet: FleetConfig, image_digest: str | None) -> dict[str, str]:
         known = ", ".join(sorted(KNOWN_STACKS))
         raise CompileError(
             f"base_images.neuron_vllm_tag {tag!r}: no known engine stack for its SDK; known SDKs: {known}")
-    digest = image_digest or fleet.base_images.neuron_vllm_digest or "none"
+    pinned = fleet.base_images.neuron_vllm_digest
+    if image_digest and pinned and image_digest != pinned:
+        # The inference image built FROM the base has a digest of its own; it is not what is recorded.
+        raise CompileError(
+            f"--image-digest {image_digest} is not the fleet's base_images.neuron_vllm_digest {pinned}: the digest "
+            "recorded is the base Neuron vLLM image's (the engine stack that compiles and serves), and `compile "
+            "--check` refuses artifacts recorded with another; leave --image-digest out to record the fleet's")
+    digest = image_digest or pinned or "none"
     return {"image_digest": digest, "neuron_sdk": match["sdk"], "vllm": match["vllm"], **KNOWN_STACKS[match["sdk"]]}
 
 

@@ -308,6 +308,27 @@ def test_check_refuses_artifacts_compiled_in_another_image(tmp_path, checkpoint,
             assert "compiled in another image" in err and ("vllm" if name == "vllm" else "image_digest") in err, err
 
 
+def test_an_image_digest_other_than_the_fleets_base_is_refused_before_any_pass(tmp_path, checkpoint, s3, capsys,
+                                                                             monkeypatch):
+    """The digest recorded is the base Neuron vLLM image's, which `--check` compares with the fleet's:
+    the inference image's own digest (what the docs once said to pass) compiled for hours, then every
+    `--check` refused it."""
+    log = tmp_path / "passes.log"
+    monkeypatch.setenv("FAKE_NXDI_LOG", str(log))
+    fleet_file = tmp_path / "fleet.yaml"
+    fleet_file.write_text(f"{DEFAULT.read_text().rstrip()}\nbase_images:\n"
+                          f"  neuron_vllm_tag: '0.16.0-neuronx-py312-sdk2.31.1-ubuntu24.04'\n"
+                          f"  neuron_vllm_digest: 'sha256:{'2' * 64}'\n")
+    command = ["compile", "--config", str(fleet_file), "--checkpoint", str(checkpoint), "--work-dir",
+               str(tmp_path / "work"), "--nxdi-command", str(FAKE)]
+    assert main([*command, "--image-digest", "sha256:" + "1" * 64]) == exit_codes.COMPILE
+    err = capsys.readouterr().err
+    assert f"is not the fleet's base_images.neuron_vllm_digest sha256:{'2' * 64}" in err, err
+    assert not log.exists()
+    assert main([*command, "--image-digest", "sha256:" + "2" * 64]) == 0, capsys.readouterr().err
+    assert main(["compile", "--config", str(fleet_file), "--check"]) == 0, capsys.readouterr().err
+
+
 class _RacingClient:
     """boto3's S3 client, but another compile of the same layout writes its manifest while this one uploads
     (just after this job's first file), as a second job started by hand would."""
