@@ -59,6 +59,7 @@ from inference_fleet.config import (
     ConfigIssue,
     FleetConfig,
     az_id_prefix,
+    ecr_region,
     zone_in_region,
 )
 from inference_fleet.planner.shape import shape_of
@@ -334,6 +335,25 @@ def check_compile_azs(fleet: FleetConfig) -> list[ConfigIssue]:
             "(`python -m inference_fleet compile --dry-run` names them), preferably as AZ IDs (e.g. "
             f"{az_id_prefix(region)}-az1)"))]
     return []
+
+
+def check_compile_image(fleet: FleetConfig) -> list[ConfigIssue]:
+    """A fleet check: the compile job runs the first cell's pinned inference image (stacks/compile_stack.py
+    `_image`) in subnets with no route out, which reach only their own region's ECR, through its interface
+    endpoints (cell_constructs/compile_batch.py `_vpc`). An image from another region's ECR or from any other
+    registry cannot be pulled there. Unpinned, the image is a CDK asset of the compile stack's own account and
+    region: reachable."""
+    pinned = fleet.cells[0].images.inference
+    account, region = environment(fleet)
+    if not pinned or ecr_region(pinned) == region:
+        return []
+    where = f"ECR in {ecr_region(pinned)}" if ecr_region(pinned) else "not a private ECR repository"
+    return [ConfigIssue(
+        "cells[0].images.inference", pinned,
+        f"the compile job in {account}/{region} runs this image ({where}) in subnets without a route out, which "
+        f"reach only {region}'s ECR: push the image to an ECR repository in {region} (ECR replication does it; "
+        "<account>.dkr.ecr.<region>.amazonaws.com/<repo>@sha256:<digest>), or leave images.inference of the first "
+        "cell unset to build it")]
 
 
 # A KMS key ARN (https://docs.aws.amazon.com/kms/latest/developerguide/concepts.html#key-id-key-ARN): a key ID is a
