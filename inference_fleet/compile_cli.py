@@ -31,7 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--work-dir", default="compile-work", help="where the passes and the layout are written")
     parser.add_argument("--unit-layout", help="refuse unless the fleet's layout is this one (a guard for scripts)")
     parser.add_argument("--model-type", default="llama", help="NxD Inference model type (inference_demo --model-type)")
-    parser.add_argument("--image-digest", help="digest of the inference image the job runs in (default: the fleet's)")
+    parser.add_argument("--image-digest",
+                        help="digest of the base Neuron vLLM image (base_images.neuron_vllm_digest) that the "
+                             "inference image the job runs in was built from; default and only accepted value "
+                             "when the fleet sets one: the fleet's")
     parser.add_argument("--nxdi-command", default=compile_job.NXDI_COMMAND, help="NxD Inference's inference_demo")
     parser.add_argument("--no-upload", action="store_true", help="build and write the manifest, upload nothing")
     parser.add_argument("--replace", action="store_true",

@@ -16,9 +16,10 @@ aws-neuron/neuronx-distributed-inference@c63afe02fe9deb998c2b477e5749c3525927113
   NxDI's `--enable-torch-dist` variant (inference_demo.py:780-794, `start_rank_id = node_rank *
   local_ranks_size` over a gloo world) runs the same passes side by side, which multiplies the
   host memory by the node count (docs/compiled-artifacts.md, "Compile host");
-- the passes are assembled into one layout folder: node 0's model.pt and neuron_config.json
-  (every pass must have traced the same model.pt: checked, not assumed) and every pass's own
-  shards; then the manifest (unit_launcher.artifact_manifest) and the upload, the manifest last.
+- the passes are assembled into one layout folder: node 0's model.pt and neuron_config.json (the
+  passes' model.pt differ only in an attribute holding their start rank, which loading does not
+  read: unit_launcher.compile_run.assemble) and every pass's own shards; then the manifest
+  (unit_launcher.artifact_manifest) and the upload, the manifest last.
 
 An unchanged key is never compiled again: the job reads the manifest already under the layout's
 prefix first. VERIFIED ONLY ON PAPER on Neuron: here the passes run a stand-in `inference_demo`
@@ -58,6 +59,7 @@ from inference_fleet.config import (
     ConfigIssue,
     FleetConfig,
     az_id_prefix,
+    ecr_region,
     zone_in_region,
 )
 from inference_fleet.planner.shape import shape_of
@@ -83,7 +85,14 @@ def versions(fleet: FleetConfig, image_digest: str | None) -> dict[str, str]:
         known = ", ".join(sorted(KNOWN_STACKS))
         raise CompileError(
             f"base_images.neuron_vllm_tag {tag!r}: no known engine stack for its SDK; known SDKs: {known}")
-    digest = image_digest or fleet.base_images.neuron_vllm_digest or "none"
+    pinned = fleet.base_images.neuron_vllm_digest
+    if image_digest and pinned and image_digest != pinned:
+        # The inference image built FROM the base has a digest of its own; it is not what is recorded.
+        raise CompileError(
+            f"--image-digest {image_digest} is not the fleet's base_images.neuron_vllm_digest {pinned}: the digest "
+            "recorded is the base Neuron vLLM image's (the engine stack that compiles and serves), and `compile "
+            "--check` refuses artifacts recorded with another; leave --image-digest out to record the fleet's")
+    digest = image_digest or pinned or "none"
     return {"image_digest": digest, "neuron_sdk": match["sdk"], "vllm": match["vllm"], **KNOWN_STACKS[match["sdk"]]}
 
 
@@ -326,6 +335,25 @@ def check_compile_azs(fleet: FleetConfig) -> list[ConfigIssue]:
             "(`python -m inference_fleet compile --dry-run` names them), preferably as AZ IDs (e.g. "
             f"{az_id_prefix(region)}-az1)"))]
     return []
+
+
+def check_compile_image(fleet: FleetConfig) -> list[ConfigIssue]:
+    """A fleet check: the compile job runs the first cell's pinned inference image (stacks/compile_stack.py
+    `_image`) in subnets with no route out, which reach only their own region's ECR, through its interface
+    endpoints (cell_constructs/compile_batch.py `_vpc`). An image from another region's ECR or from any other
+    registry cannot be pulled there. Unpinned, the image is a CDK asset of the compile stack's own account and
+    region: reachable."""
+    pinned = fleet.cells[0].images.inference
+    account, region = environment(fleet)
+    if not pinned or ecr_region(pinned) == region:
+        return []
+    where = f"ECR in {ecr_region(pinned)}" if ecr_region(pinned) else "not a private ECR repository"
+    return [ConfigIssue(
+        "cells[0].images.inference", pinned,
+        f"the compile job in {account}/{region} runs this image ({where}) in subnets without a route out, which "
+        f"reach only {region}'s ECR: push the image to an ECR repository in {region} (ECR replication does it; "
+        "<account>.dkr.ecr.<region>.amazonaws.com/<repo>@sha256:<digest>), or leave images.inference of the first "
+        "cell unset to build it")]
 
 
 # A KMS key ARN (https://docs.aws.amazon.com/kms/latest/developerguide/concepts.html#key-id-key-ARN): a key ID is a

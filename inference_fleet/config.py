@@ -97,6 +97,15 @@ DTYPE_BYTES: dict[str, float] = {"bfloat16": 2, "float16": 2, "float32": 4, "flo
 
 _IMAGE_DIGEST = r"^[a-z0-9][a-z0-9._/-]*(:[0-9]+)?[a-z0-9._/-]*@sha256:[0-9a-f]{64}$"
 ImageRef = Annotated[str, StringConstraints(pattern=_IMAGE_DIGEST)]
+# A private ECR image reference (https://docs.aws.amazon.com/AmazonECR/latest/userguide/docker-pull-ecr-image.html:
+# aws_account_id.dkr.ecr.region.amazonaws.com/repository@sha256:digest).
+_ECR_IMAGE = re.compile(r"^[0-9]{12}\.dkr\.ecr\.(?P<region>[a-z0-9-]+)\.amazonaws\.com(\.cn)?/")
+
+
+def ecr_region(image: str) -> str | None:
+    """The region of a private ECR image reference; None for any other registry."""
+    match = _ECR_IMAGE.match(image)
+    return match["region"] if match else None
 
 
 def _aws_region(value: str) -> str:
@@ -269,7 +278,11 @@ class UnitConfig(_Strict):
 class ImagesConfig(_Strict):
     """Pinned images (repo@sha256:digest). Unset: built from containers/ at deploy."""
 
-    inference: ImageRef | None = Field(default=None, description="Inference image, repo@sha256:digest.")
+    inference: ImageRef | None = Field(
+        default=None,
+        description="Inference image, repo@sha256:digest. The first cell's also runs the compile job: in ECR in "
+                    "the compile stack's region (the pipeline's).",
+    )
     proxy: ImageRef | None = Field(default=None, description="Proxy image, repo@sha256:digest.")
     inference_has_tritonserver: bool = Field(
         default=False,

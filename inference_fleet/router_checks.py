@@ -14,10 +14,9 @@ has the DNS name its certificate covers in `tls_names`.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 
-from inference_fleet.config import CellConfig, ConfigIssue, FleetConfig, RouterConfig
+from inference_fleet.config import CellConfig, ConfigIssue, FleetConfig, RouterConfig, ecr_region
 
 
 def check_routers(fleet: FleetConfig) -> Iterable[ConfigIssue]:
@@ -34,11 +33,6 @@ def check_routers(fleet: FleetConfig) -> Iterable[ConfigIssue]:
         yield from _image_issues(fleet, router)
 
 
-# A private ECR image reference (https://docs.aws.amazon.com/AmazonECR/latest/userguide/docker-pull-ecr-image.html:
-# aws_account_id.dkr.ecr.region.amazonaws.com/repository@sha256:digest).
-_ECR_IMAGE = re.compile(r"^[0-9]{12}\.dkr\.ecr\.(?P<region>[a-z0-9-]+)\.amazonaws\.com(\.cn)?/")
-
-
 def _image_issues(fleet: FleetConfig, router: RouterConfig) -> Iterable[ConfigIssue]:
     """The router's tasks run the first fronted cell's pinned proxy image (stacks/router_stack.py `_image`) in
     isolated subnets with no NAT: they reach only their own region's ECR, through its interface endpoints
@@ -50,9 +44,9 @@ def _image_issues(fleet: FleetConfig, router: RouterConfig) -> Iterable[ConfigIs
     if name is None:
         return
     i, cell = index[name], fleet.cells[index[name]]
-    match = _ECR_IMAGE.match(cell.images.proxy or "")
-    if match is None or match["region"] != router.region:
-        where = f"ECR in {match['region']}" if match else "not a private ECR repository"
+    region = ecr_region(cell.images.proxy or "")
+    if region != router.region:
+        where = f"ECR in {region}" if region else "not a private ECR repository"
         yield ConfigIssue(
             f"cells[{i}].images.proxy", cell.images.proxy or "",
             f"the router in {router.region} runs this cell's proxy image ({where}) in subnets without a route "

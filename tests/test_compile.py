@@ -145,6 +145,9 @@ def test_the_job_builds_uploads_once_and_the_launcher_accepts_each_nodes_slice(t
     prefix = "llama-3.1-405b-instruct/neuron/" + layout_key(fleet) + "/"
     head = s3.head_object(Bucket="rufus-model-artifacts-111111111111", Key=prefix + "model.pt", ChecksumMode="ENABLED")
     assert "ChecksumSHA256" in head
+    # Node 0's model.pt for every node; the passes' differ in the start rank NxD keeps in it (unread at load).
+    traced = s3.get_object(Bucket="rufus-model-artifacts-111111111111", Key=prefix + "model.pt")["Body"].read()
+    assert traced.endswith(b'{"start_rank_id": 0}')
     manifest = am.parse(json.loads(s3.get_object(Bucket="rufus-model-artifacts-111111111111",
                                                  Key=prefix + am.MANIFEST_NAME)["Body"].read()))
     assert manifest.key == key and len(manifest.nodes) == 2
@@ -303,6 +306,27 @@ def test_check_refuses_artifacts_compiled_in_another_image(tmp_path, checkpoint,
         err = capsys.readouterr().err
         if status:
             assert "compiled in another image" in err and ("vllm" if name == "vllm" else "image_digest") in err, err
+
+
+def test_an_image_digest_other_than_the_fleets_base_is_refused_before_any_pass(tmp_path, checkpoint, s3, capsys,
+                                                                             monkeypatch):
+    """The digest recorded is the base Neuron vLLM image's, which `--check` compares with the fleet's:
+    the inference image's own digest (what the docs once said to pass) compiled for hours, then every
+    `--check` refused it."""
+    log = tmp_path / "passes.log"
+    monkeypatch.setenv("FAKE_NXDI_LOG", str(log))
+    fleet_file = tmp_path / "fleet.yaml"
+    fleet_file.write_text(f"{DEFAULT.read_text().rstrip()}\nbase_images:\n"
+                          f"  neuron_vllm_tag: '0.16.0-neuronx-py312-sdk2.31.1-ubuntu24.04'\n"
+                          f"  neuron_vllm_digest: 'sha256:{'2' * 64}'\n")
+    command = ["compile", "--config", str(fleet_file), "--checkpoint", str(checkpoint), "--work-dir",
+               str(tmp_path / "work"), "--nxdi-command", str(FAKE)]
+    assert main([*command, "--image-digest", "sha256:" + "1" * 64]) == exit_codes.COMPILE
+    err = capsys.readouterr().err
+    assert f"is not the fleet's base_images.neuron_vllm_digest sha256:{'2' * 64}" in err, err
+    assert not log.exists()
+    assert main([*command, "--image-digest", "sha256:" + "2" * 64]) == 0, capsys.readouterr().err
+    assert main(["compile", "--config", str(fleet_file), "--check"]) == 0, capsys.readouterr().err
 
 
 class _RacingClient:

@@ -139,17 +139,22 @@ def run_passes(job: Job) -> None:
 
 def assemble(job: Job, out_root: Path, checkpoint: Path) -> Path:
     """One layout folder under out_root/neuron/<layout>/ from the passes, each shard from its own pass;
-    the checkpoint's small files at out_root's top, as the launcher fetches them."""
+    the checkpoint's small files at out_root's top, as the launcher fetches them.
+
+    Node 0's model.pt serves every node. Each pass traces the graph for the whole world, but the
+    passes' model.pt files are not byte-identical: NxD scripts an NxDModel whose attribute
+    `start_rank_id` is the pass's own (neuronx-distributed@fbac349b trace/spmd.py:169,
+    trace/model_builder.py:1092-1102), and TorchScript saves attributes with the module. Loading
+    never reads that attribute: NxD Inference's load_weights takes the start rank from the node's
+    neuron_config.json and passes it to `initialize` as a tensor (neuronx-distributed-inference@c63afe02
+    models/application_base.py:375-415; spmd.py:182-193), and each node's view carries its own
+    (unit_launcher.artifacts.prepare_node_layout)."""
     local, world = job.layout["local_ranks_size"], job.layout["world_size"]
     target = out_root / "neuron" / job.layout_name
     (target / "weights").mkdir(parents=True, exist_ok=True)
     first = Path(job.passes[0].out_dir)
-    traced = am.sha256_file(first / "model.pt")
     for one in job.passes:
         source = Path(one.out_dir)
-        if am.sha256_file(source / "model.pt") != traced:
-            raise CompileError(f"node {one.node_rank}'s pass traced another model.pt than node 0's: the graph "
-                               "depends on the rank slice, and one folder per layout cannot hold it")
         ranks = range(one.node_rank * local, (one.node_rank + 1) * local)
         for rank in ranks:
             shard = source / "weights" / f"tp{rank}_sharded_checkpoint.safetensors"
