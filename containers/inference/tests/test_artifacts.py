@@ -169,3 +169,20 @@ def test_a_node_fetches_only_its_own_ranks_of_presharded_weights(s3, tmp_path):
     # Presharded: the full checkpoint's weights are not needed; its config and tokenizer are.
     assert not (tmp_path / "model-00001.safetensors").exists()
     assert (tmp_path / "config.json").exists() and (tmp_path / "tokenizer.json").exists()
+
+
+def test_a_presharded_node_fetches_no_checkpoint_subfolder(s3, tmp_path):
+    """Meta's repositories keep a second copy of the weights in `original/` (consolidated.NN.pth, about
+    the model's size again): synced beside the checkpoint, it was fetched by every node of a presharded
+    layout, which reads only the checkpoint's top-level config and tokenizer (what the compile job puts at
+    the top, compile_run.assemble)."""
+    client, _ = s3
+    for rank in range(2):
+        client.put_object(Bucket=BUCKET, Key=f"llama/neuron/{LAYOUT}/weights/tp{rank}_sharded_checkpoint.safetensors",
+                          Body=b"w" * 10)
+    client.put_object(Bucket=BUCKET, Key="llama/original/consolidated.00.pth", Body=b"o" * 10)
+    client.put_object(Bucket=BUCKET, Key="llama/original/params.json", Body=b"{}")
+    artifacts.fetch(client, URI, tmp_path, layout=LAYOUT, ranks=range(0, 1))
+    assert not (tmp_path / "original").exists()
+    assert (tmp_path / "neuron" / LAYOUT / "weights" / "tp0_sharded_checkpoint.safetensors").exists()
+    assert (tmp_path / "config.json").exists() and (tmp_path / "tokenizer.json").exists()

@@ -126,8 +126,11 @@ def select_ranks(
     """Keep only this node's ranks of a presharded layout (and drop the full checkpoint's weights).
 
     Without presharded weights every node needs the full checkpoint (NxD Inference shards
-    it at load, reading `_name_or_path`), so nothing is dropped. `keep_checkpoint`: the
-    engine loads the full checkpoint whatever the shards (vLLM on CPU, the e2e).
+    it at load, reading `_name_or_path`), so nothing is dropped. With them a node needs of
+    the checkpoint only its top-level config and tokenizer files (what the compile job puts
+    at the top): its weight files and any subfolder (Meta's `original/`, a second copy of the
+    weights) are dropped. `keep_checkpoint`: the engine loads the full checkpoint whatever the
+    shards (vLLM on CPU, the e2e).
     """
     shards = {obj.key: int(m.group(1)) for obj in objects if (m := _SHARD.search(obj.key))}
     if ranks is None or not shards:
@@ -138,11 +141,14 @@ def select_ranks(
         if obj.key in shards:
             if shards[obj.key] in ranks:
                 kept.append(obj)
-        elif not keep_checkpoint and "/" not in relative and relative.endswith(_CHECKPOINT_WEIGHTS):
-            continue
-        else:
+        elif keep_checkpoint or relative.startswith("neuron/") or _checkpoint_top_file(relative):
             kept.append(obj)
     return kept
+
+
+def _checkpoint_top_file(relative: str) -> bool:
+    """A top-level file of the checkpoint other than its weights: its config and tokenizer."""
+    return "/" not in relative and not relative.endswith(_CHECKPOINT_WEIGHTS)
 
 
 # Keys of NxD Inference's NeuronConfig that the compiled graph depends on and that the unit
