@@ -272,10 +272,25 @@ def check_compile_host(fleet: FleetConfig) -> list[ConfigIssue]:
             "model.parameters_billion", fleet.model.parameters_billion,
             f"the compile job needs {needs.disk_gib:,} GiB of disk, more than one gp3 root volume holds "
             f"({MAX_GP3_GIB:,} GiB); allowed: checkpoint and shards that fit it (a smaller model or model.dtype)"))
+    try:
+        size = len(json.dumps(submit_request(fleet), separators=(",", ":")).encode())
+    except CompileError:  # an SDK without a known engine stack: the compile says so when it runs
+        size = 0
+    if size > MAX_SUBMIT_JOB_BYTES:
+        issues.append(ConfigIssue(
+            "unit.nodes", fleet.unit.nodes,
+            f"the compile job's request (one NxD Inference pass per node) is {size:,} bytes, over AWS Batch's "
+            f"SubmitJob payload limit of {MAX_SUBMIT_JOB_BYTES:,} (30 KiB, "
+            "https://docs.aws.amazon.com/batch/latest/userguide/service_limits.html); allowed: fewer nodes per unit"))
     return issues
 
 
 # -- the compile job on AWS Batch (stacks/compile_stack.py defines it) -----------------------------
+
+# "Maximum job payload size (for SubmitJob API operations): 30 KiB", a quota that cannot be changed
+# (https://docs.aws.amazon.com/batch/latest/userguide/service_limits.html). The request grows by about
+# 700 bytes a node (its pass's argv): some 37 nodes for the default model.
+MAX_SUBMIT_JOB_BYTES = 30 * 1024
 
 WORK_DIR = "/compile"  # the job's volume, mounted from the instance's root volume
 

@@ -646,3 +646,13 @@ def test_compile_with_a_checkpoint_reaches_s3_before_hashing_the_checkpoint(monk
                  "--work-dir", str(tmp_path / "work")]) == exit_codes.COMPILE
     err = capsys.readouterr().err
     assert "NoCredentialsError: Unable to locate credentials" in err and "Traceback" not in err
+
+
+def test_a_unit_whose_compile_request_exceeds_batchs_payload_limit_is_refused():
+    """AWS Batch refuses a SubmitJob payload over 30 KiB; the request carries one pass per node, so a unit of
+    some 37 nodes or more would have failed at the pipeline's Compile stage instead of at validate."""
+    fleet = load_fleet(str(DEFAULT))
+    assert compile_job.check_compile_host(fleet) == []
+    many = fleet.model_copy(update={"unit": fleet.unit.model_copy(update={"nodes": 40})})
+    issues = [i for i in compile_job.check_compile_host(many) if i.path == "unit.nodes"]
+    assert len(issues) == 1 and "over AWS Batch's SubmitJob payload limit of 30,720" in issues[0].problem
