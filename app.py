@@ -17,7 +17,7 @@ import traceback
 from aws_cdk import App
 
 from inference_fleet import exit_codes
-from inference_fleet.checks import load_fleet, placeholder_warnings
+from inference_fleet.checks import fleet_warnings, load_fleet
 from inference_fleet.config import ConfigError
 from stacks.fleet import build_fleet
 
@@ -45,7 +45,7 @@ def main() -> None:
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(exit_codes.CONFIG)
-    for issue in placeholder_warnings(fleet):
+    for issue in fleet_warnings(fleet):
         # The example fleet synthesizes offline; deployed, it names an account that is not yours.
         print(f"warning: {issue}", file=sys.stderr)
     if fleet.builds_images and not fleet.base_images.neuron_vllm_digest:

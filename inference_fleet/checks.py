@@ -33,6 +33,7 @@ from inference_fleet.compile_job import (
     check_compile_host,
     check_compile_image,
 )
+from inference_fleet.compile_job import environment as compile_environment
 from inference_fleet.config import (
     CellConfig,
     ConfigError,
@@ -121,6 +122,50 @@ def placeholder_warnings(fleet: FleetConfig) -> list[ConfigIssue]:
 
     walk(fleet.model_dump(mode="json", exclude_none=True), "")
     return found
+
+
+# Amazon VPC's default quotas per account and region (https://docs.aws.amazon.com/vpc/latest/userguide/amazon-vpc-limits.html):
+# "VPCs per Region 5" (internet gateways per Region follow it) and "Elastic IP addresses per Region 5"; both
+# adjustable. A new account's default VPC holds one VPC and one internet gateway.
+VPCS_PER_REGION = 5
+ELASTIC_IPS_PER_REGION = 5
+
+
+def vpc_quota_warnings(fleet: FleetConfig) -> list[ConfigIssue]:
+    """Each account and region whose stacks create more VPCs (a cell's, a router's, the compile stack's) or
+    Elastic IPs (each cell's NAT gateway, cell_constructs/network.py) than the default quotas allow.
+
+    Warnings, not issues: quotas can be raised, and nothing here can read an account's. `validate` and synth
+    print them; the stack that goes over fails at deploy with VpcLimitExceeded or AddressLimitExceeded."""
+    vpcs: dict[tuple[str, str], list[str]] = {}
+    eips: dict[tuple[str, str], int] = {}
+    for cell in fleet.cells:
+        vpcs.setdefault((cell.account, cell.region), []).append(f"cell {cell.name}")
+        eips[(cell.account, cell.region)] = eips.get((cell.account, cell.region), 0) + 1
+    for router in fleet.routers:
+        vpcs.setdefault((fleet.router_account(router), router.region), []).append(f"router {router.region}")
+    vpcs.setdefault(compile_environment(fleet), []).append("the compile stack")
+    found = []
+    for (account, region), stacks in sorted(vpcs.items()):
+        if len(stacks) + 1 > VPCS_PER_REGION:
+            found.append(ConfigIssue(
+                f"{account}/{region}", len(stacks),
+                f"{len(stacks)} VPCs ({', '.join(stacks)}), {len(stacks) + 1} with the account's default VPC (unless "
+                f"deleted): over the default quota of {VPCS_PER_REGION} VPCs per Region (and internet gateways); "
+                "raise it in Service Quotas (Amazon VPC) before deploying, or the stack that goes over fails "
+                "(docs/deploying.md, step 0)"))
+        if eips.get((account, region), 0) > ELASTIC_IPS_PER_REGION:
+            found.append(ConfigIssue(
+                f"{account}/{region}", eips[(account, region)],
+                f"{eips[(account, region)]} cells, one NAT gateway and Elastic IP each: over the default quota of "
+                f"{ELASTIC_IPS_PER_REGION} Elastic IP addresses per Region; raise it in Service Quotas (Amazon EC2) "
+                "before deploying (docs/deploying.md, step 0)"))
+    return found
+
+
+def fleet_warnings(fleet: FleetConfig) -> list[ConfigIssue]:
+    """What `validate` and synth warn of: the example's placeholder account, then the default VPC quotas."""
+    return [*placeholder_warnings(fleet), *vpc_quota_warnings(fleet)]
 
 
 def parse_fleet(data: Any, source: str = "<dict>") -> FleetConfig:

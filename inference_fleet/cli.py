@@ -23,7 +23,7 @@ import sys
 from dataclasses import asdict
 
 from inference_fleet import __version__, compile_cli, compile_job, evacuate, exit_codes, rollout
-from inference_fleet.checks import check_fleet_file_place, load_fleet, placeholder_warnings
+from inference_fleet.checks import check_fleet_file_place, fleet_warnings, load_fleet
 from inference_fleet.config import ConfigError
 from inference_fleet.planner import cli as planner_cli
 from inference_fleet.reference import markdown
@@ -34,7 +34,7 @@ from inference_fleet.verify import cli as verify_cli
 
 def _validate(args: argparse.Namespace) -> int:
     fleet = load_fleet(args.config)
-    for issue in placeholder_warnings(fleet):
+    for issue in fleet_warnings(fleet):
         print(f"warning: {issue}", file=sys.stderr)
     try:
         check_fleet_file_place(fleet, args.config)

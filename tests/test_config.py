@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from inference_fleet.checks import load_fleet, parse_fleet, placeholder_warnings
+from inference_fleet.checks import fleet_warnings, load_fleet, parse_fleet, placeholder_warnings, vpc_quota_warnings
 from inference_fleet.config import DEFAULT_CONFIG, ConfigError, read_fleet_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -299,3 +299,17 @@ def test_validate_prints_the_placeholder_warnings_and_still_accepts(tmp_path: Pa
     assert "Rufus-Cell-dev:" in done.stdout
     named = [line.split(" = ")[0] for line in done.stderr.splitlines() if "placeholder account 111111111111" in line]
     assert named == ([f"warning: {path}" for path in PLACEHOLDER_FIELDS] if placeholder else [])
+
+
+def test_more_vpcs_or_nat_addresses_than_an_accounts_default_quotas_is_a_warning_before_deploy() -> None:
+    """Each cell, router and the compile stack creates a VPC (each cell one NAT gateway with an Elastic IP): five
+    cells in one account and region are six VPCs with the compile stack, seven with the default VPC, over the
+    default quota of 5, a VpcLimitExceeded after the earlier stacks deployed. Warned at validate and synth."""
+    fleet = load_fleet(str(ROOT / "tests" / "fleets" / "fleet20.yaml"))
+    warnings = {w.path: w.problem for w in vpc_quota_warnings(fleet)}
+    assert "6 VPCs (cell c00, cell c04, cell c08, cell c12, cell c16, the compile stack), 7 with the account's " \
+           "default VPC" in warnings["111111111111/us-east-2"]
+    assert "5 VPCs per Region" in warnings["111111111111/us-west-2"]
+    assert vpc_quota_warnings(load_fleet(str(DEFAULT_CONFIG))) == []
+    assert [w.path for w in fleet_warnings(fleet)][-4:] == [
+        "111111111111/ap-northeast-1", "111111111111/us-east-1", "111111111111/us-east-2", "111111111111/us-west-2"]

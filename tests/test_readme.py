@@ -251,10 +251,29 @@ def test_the_docs_state_the_unit_limit_of_a_cell_as_the_fleet_check_computes_it(
     assert stated and all(n in allowed for _, n in stated), (stated, allowed)
 
 
-def test_what_validation_cannot_know_lists_the_three_things_it_promises_together() -> None:
+def test_what_validation_cannot_know_lists_the_five_things_it_promises_together() -> None:
     section = _section(DOCS / "deploying.md", "### What validation cannot know")
-    intro, _, rest = section.partition("three things")
+    intro, _, rest = section.partition("five things")
     assert intro and rest, "the section no longer says how many things it lists"
     first_list = re.split(r"\n\n(?![-\s])", rest.split("\n\n", 1)[1], maxsplit=1)[0]
     bullets = re.findall(r"^- \*\*(.+?)\*\*", first_list, re.MULTILINE)
-    assert len(bullets) == 3, bullets
+    assert len(bullets) == 5, bullets
+
+
+def test_every_deploy_command_of_the_deploying_guide_names_the_fleet_file() -> None:
+    """Without `-c config=` the CDK app falls back to the example fleet, whose account is a placeholder: a
+    user following a step literally would deploy (or be refused) the wrong fleet."""
+    text = " ".join((DOCS / "deploying.md").read_text().split())
+    deploys = re.findall(r"npx cdk deploy[^`]*", text)
+    assert deploys and all("-c config=" in d for d in deploys), [d for d in deploys if "-c config=" not in d]
+
+
+def test_the_endpoint_services_to_check_in_the_trainium_az_are_the_cells_endpoints() -> None:
+    from cell_constructs.network import _INTERFACE_ENDPOINTS
+
+    section = " ".join(_section(DOCS / "deploying.md", "### What validation cannot know").split())
+    bullet = section[section.index("**The interface endpoints in the Trainium AZ.**"):]
+    bullet = bullet[:bullet.index(" - **") if " - **" in bullet else len(bullet)]
+    named = {*re.findall(r"`([a-z0-9.-]+)`", bullet), *re.findall(r"com\.amazonaws\.<region>\.([a-z0-9.-]+)", bullet)}
+    expected = {service.short_name for service in _INTERFACE_ENDPOINTS.values()}
+    assert expected <= named, expected - named
