@@ -59,10 +59,15 @@ PINNED_IMAGES = {
 def pin_images(fleet: FleetConfig) -> FleetConfig:
     """The fleet with every cell's images pinned, for synths that must not depend on containers/.
     Each cell's images are in its own region's ECR: a router runs its cells' proxy image in
-    subnets that reach only their own region's ECR (a fleet check refuses another region's)."""
+    subnets that reach only their own region's ECR (a fleet check refuses another region's); the
+    first cell's inference image in the compile stack's region, for the same reason."""
     data = fleet.model_dump(mode="json", exclude_none=True)
     for cell in data["cells"]:
         cell["images"] = {k: v.replace(".us-east-2.", f".{cell['region']}.") for k, v in PINNED_IMAGES.items()}
+    # The compile job runs the first cell's inference image in the compile stack's region (check_compile_image).
+    compile_region = (data.get("pipeline") or data["cells"][0])["region"]
+    first = data["cells"][0]["images"]
+    first["inference"] = PINNED_IMAGES["inference"].replace(".us-east-2.", f".{compile_region}.")
     return parse_fleet(data, "pinned")
 
 

@@ -429,6 +429,9 @@ def test_one_fleets_pipelines_in_two_regions_of_one_account_get_two_roles(tmp_pa
     west["pipeline"]["connection_arn"] = west["pipeline"]["connection_arn"].replace("us-east-2", "us-west-2")
     # No cell in the pipeline's own region: no canary VPC to verify from, no cell AZs for the compile job.
     west["pipeline"].update(verify_gate=False, compile_azs=["usw2-az1", "usw2-az2"])
+    # The compile job runs the first cell's pinned image in the pipeline's region: replicated there.
+    images = west["cells"][0]["images"]
+    images["inference"] = images["inference"].replace(".us-east-2.", ".us-west-2.")
     roles, trusts = {}, {}
     for label, raw, reader_cell in (("east", east, "usw2-a"), ("west", west, "usw2-c")):
         fleet = parse_fleet(raw)

@@ -239,6 +239,9 @@ def test_a_fleet_without_the_gate_has_no_verify_action(tmp_path) -> None:
     data = load_fleet(ROOT / LARGE).model_dump(mode="json", exclude_none=True)
     # No cell in us-west-2: the compile VPC's zones are named (check_compile_azs).
     data["pipeline"].update(region="us-west-2", verify_gate=False, compile_azs=["usw2-az1", "usw2-az2"])
+    # The compile job runs the first cell's pinned image in the pipeline's region (check_compile_image): replicated.
+    images = data["cells"][0]["images"]
+    images["inference"] = images["inference"].replace(".us-east-2.", ".us-west-2.")
     fleet = parse_fleet(data, "moved pipeline, no gate")
     app = App(context=CDK_CONTEXT, outdir=str(tmp_path), builtin_cloud_formation_validation=False)
     stack = PipelineStack(app, "Rufus-Pipeline", fleet=fleet, fleet_file=LARGE)
