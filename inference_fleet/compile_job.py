@@ -352,6 +352,20 @@ def check_compile_azs(fleet: FleetConfig) -> list[ConfigIssue]:
     return []
 
 
+def check_compile_dtype(fleet: FleetConfig) -> list[ConfigIssue]:
+    """A fleet check: float8_e4m3 cannot be served on Neuron as rendered. The compile job renders bf16/fp16/fp32
+    layouts only (`render`); NxD Inference's `to_torch_dtype` takes float8_e4m3fn and float8_e5m2, not
+    float8_e4m3 (neuronx-distributed-inference@c63afe02 models/config.py:46-55), and vllm-neuron ignores
+    `--quantization fp8` (whn09/vllm-neuron@3afb0a92 platform.py:41,116-118). It failed at the compile, after
+    the cells were deployed, or at the engine's start."""
+    if fleet.model.dtype != "float8_e4m3":
+        return []
+    return [ConfigIssue("model.dtype", fleet.model.dtype, (
+        "not servable on Neuron as this package renders it: the compile job writes bf16/fp16/fp32 layouts only and "
+        "NxD Inference names FP8 float8_e4m3fn or float8_e5m2 (quantized checkpoints need its --quantized flags, "
+        "not written here); allowed: bfloat16, float16, float32"))]
+
+
 def check_compile_image(fleet: FleetConfig) -> list[ConfigIssue]:
     """A fleet check: the compile job runs the first cell's pinned inference image (stacks/compile_stack.py
     `_image`) in subnets with no route out, which reach only their own region's ECR, through its interface
