@@ -152,7 +152,7 @@ def vpc_quota_warnings(fleet: FleetConfig) -> list[ConfigIssue]:
             found.append(ConfigIssue(
                 f"{account}/{region}", len(stacks),
                 f"{len(stacks)} VPCs ({', '.join(stacks)}), {len(stacks) + 1} with the account's default VPC (unless "
-                f"deleted): over the default quota of {VPCS_PER_REGION} VPCs per Region (and internet gateways); "
+                f"deleted): over the default quota of {VPCS_PER_REGION} VPCs per Region; "
                 "raise it in Service Quotas (Amazon VPC) before deploying, or the stack that goes over fails "
                 "(docs/deploying.md, step 0)"))
         if eips.get((account, region), 0) > ELASTIC_IPS_PER_REGION:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -24,6 +25,12 @@ from inference_fleet.config import FleetConfig
 from inference_fleet.unit_spec import layout_key
 
 
+def _digest(value: str) -> str:
+    if not re.fullmatch(r"sha256:[0-9a-f]{64}", value):
+        raise argparse.ArgumentTypeError(f"{value!r} is not an image digest: sha256: and 64 lower-case hex digits")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true",
                         help="print the job, host and key (with --submit: the Batch request); run and upload nothing")
@@ -31,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--work-dir", default="compile-work", help="where the passes and the layout are written")
     parser.add_argument("--unit-layout", help="refuse unless the fleet's layout is this one (a guard for scripts)")
     parser.add_argument("--model-type", default="llama", help="NxD Inference model type (inference_demo --model-type)")
-    parser.add_argument("--image-digest",
+    parser.add_argument("--image-digest", type=_digest,
                         help="digest of the base Neuron vLLM image (base_images.neuron_vllm_digest) that the "
                              "inference image the job runs in was built from; default and only accepted value "
                              "when the fleet sets one: the fleet's")

@@ -289,7 +289,7 @@ def check_compile_host(fleet: FleetConfig) -> list[ConfigIssue]:
 
 # "Maximum job payload size (for SubmitJob API operations): 30 KiB", a quota that cannot be changed
 # (https://docs.aws.amazon.com/batch/latest/userguide/service_limits.html). The request grows by about
-# 700 bytes a node (its pass's argv): some 37 nodes for the default model.
+# 790 bytes a node (its pass's argv): some 37 nodes for the default model.
 MAX_SUBMIT_JOB_BYTES = 30 * 1024
 
 WORK_DIR = "/compile"  # the job's volume, mounted from the instance's root volume

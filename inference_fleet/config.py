@@ -281,7 +281,7 @@ class ImagesConfig(_Strict):
     inference: ImageRef | None = Field(
         default=None,
         description="Inference image, repo@sha256:digest. The first cell's also runs the compile job: in ECR in "
-                    "the compile stack's region (the pipeline's).",
+                    "the compile stack's region (the pipeline's, else the first cell's).",
     )
     proxy: ImageRef | None = Field(default=None, description="Proxy image, repo@sha256:digest.")
     inference_has_tritonserver: bool = Field(

@@ -423,3 +423,12 @@ def test_a_new_layouts_missing_manifest_is_none_to_a_role_that_lists_only_its_pr
         stubber.add_response("list_objects_v2", {"KeyCount": 1, "Contents": [{"Key": key}]})
         with pytest.raises(ClientError):
             compile_run._manifest_etag(client, "bucket", key)
+
+
+def test_a_malformed_image_digest_is_a_usage_error_not_a_traceback(tmp_path, checkpoint, capsys):
+    """It hashed the whole checkpoint, then died with pydantic's ValidationError (exit 1) in the key's inputs."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["compile", "--config", str(DEFAULT), "--checkpoint", str(checkpoint), "--work-dir",
+              str(tmp_path / "work"), "--nxdi-command", str(FAKE), "--image-digest", "abc"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "'abc' is not an image digest" in err and "Traceback" not in err, err
