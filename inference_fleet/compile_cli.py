@@ -21,12 +21,12 @@ from unit_launcher.artifacts import ArtifactError
 
 from inference_fleet import compile_job, exit_codes
 from inference_fleet.checks import load_fleet
-from inference_fleet.config import FleetConfig
+from inference_fleet.config import DIGEST, FleetConfig
 from inference_fleet.unit_spec import layout_key
 
 
 def _digest(value: str) -> str:
-    if not re.fullmatch(r"sha256:[0-9a-f]{64}", value):
+    if not re.fullmatch(DIGEST, value):
         raise argparse.ArgumentTypeError(f"{value!r} is not an image digest: sha256: and 64 lower-case hex digits")
     return value
 

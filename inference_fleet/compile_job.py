@@ -274,7 +274,7 @@ def check_compile_host(fleet: FleetConfig) -> list[ConfigIssue]:
             f"({MAX_GP3_GIB:,} GiB); allowed: checkpoint and shards that fit it (a smaller model or model.dtype)"))
     try:
         size = len(json.dumps(submit_request(fleet), separators=(",", ":")).encode())
-    except CompileError:  # an SDK without a known engine stack: the compile says so when it runs
+    except CompileError:  # no request to size: an SDK without a known engine stack (the compile says so), FP8
         size = 0
     if size > MAX_SUBMIT_JOB_BYTES:
         issues.append(ConfigIssue(
@@ -374,9 +374,10 @@ def check_compile_image(fleet: FleetConfig) -> list[ConfigIssue]:
     region: reachable."""
     pinned = fleet.cells[0].images.inference
     account, region = environment(fleet)
-    if not pinned or ecr_region(pinned) == region:
+    in_ecr = ecr_region(pinned or "")
+    if not pinned or in_ecr == region:
         return []
-    where = f"ECR in {ecr_region(pinned)}" if ecr_region(pinned) else "not a private ECR repository"
+    where = f"ECR in {in_ecr}" if in_ecr else "not a private ECR repository"
     return [ConfigIssue(
         "cells[0].images.inference", pinned,
         f"the compile job in {account}/{region} runs this image ({where}) in subnets without a route out, which "

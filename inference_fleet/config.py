@@ -95,7 +95,8 @@ _BRANCH = r"^[^\s~^:?*\[\\\x00-\x1f\x7f]+$"
 
 DTYPE_BYTES: dict[str, float] = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3": 1}
 
-_IMAGE_DIGEST = r"^[a-z0-9][a-z0-9._/-]*(:[0-9]+)?[a-z0-9._/-]*@sha256:[0-9a-f]{64}$"
+DIGEST = r"sha256:[0-9a-f]{64}"  # an image digest (`docker buildx imagetools inspect` prints it)
+_IMAGE_DIGEST = rf"^[a-z0-9][a-z0-9._/-]*(:[0-9]+)?[a-z0-9._/-]*@{DIGEST}$"
 ImageRef = Annotated[str, StringConstraints(pattern=_IMAGE_DIGEST)]
 # A private ECR image reference (https://docs.aws.amazon.com/AmazonECR/latest/userguide/docker-pull-ecr-image.html:
 # aws_account_id.dkr.ecr.region.amazonaws.com/repository@sha256:digest).
@@ -300,7 +301,7 @@ class BaseImagesConfig(_Strict):
         pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$",
         description="Tag of public.ecr.aws/neuron/pytorch-inference-vllm-neuronx.",
     )
-    neuron_vllm_digest: Annotated[str, StringConstraints(pattern=r"^sha256:[0-9a-f]{64}$")] | None = Field(
+    neuron_vllm_digest: Annotated[str, StringConstraints(pattern=rf"^{DIGEST}$")] | None = Field(
         default=None,
         description="Digest of that tag (`docker buildx imagetools inspect ...`); needed to deploy a built image.",
     )

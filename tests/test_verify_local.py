@@ -111,6 +111,26 @@ def test_a_follower_stop_passes_through_the_drain_guard_and_a_stubborn_leader_is
         started.stop_all()
 
 
+def test_a_failing_on_signal_hook_does_not_stop_the_stop(tmp_path: Path) -> None:
+    """The hook runs in the stop's own thread before the signal: raising there ended the thread unsent."""
+    started = Started(tmp_path)
+    try:
+        follower = started.start("i-f1", "follower")
+
+        def on_signal(task_id: str, sig: int) -> None:
+            raise RuntimeError("hook failed")
+
+        adapter = LocalAdapter("http://127.0.0.1:9", {}, lambda: started.tasks,
+                               StopTimes(stop_timeout=0.5, guard_bound=5), on_signal=on_signal)
+        wait_for(lambda: "node_self_check" in follower.log_path.read_text())
+        adapter.stop_task(Task("i-f1", "u0", "follower"), "test")
+        adapter.join(10)
+        wait_for(lambda: "i-f1" in started.exits)
+        assert "got SIGUSR1" in follower.log_path.read_text()
+    finally:
+        started.stop_all()
+
+
 def test_events_and_emf_metrics_are_read_from_the_launchers_own_lines(tmp_path: Path) -> None:
     """The session-end line as `unit_launcher.evidence.emit` writes it: an event, and EMF metrics."""
     log = tmp_path / "leader.1.log"

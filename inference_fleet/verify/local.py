@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import threading
@@ -35,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from inference_fleet.verify.adapter import LogEvent, MetricSeries, Task, TaskTimes
+
+log = logging.getLogger(__name__)
 
 # Time fields of the launchers' events, in the order they say when the line was written.
 _TIME_FIELDS = ("ended_at", "time", "released_at")
@@ -127,16 +130,23 @@ class LocalAdapter:
         self._send(task, signal.SIGTERM)
         if _exited(task, self._stop.stop_timeout):
             return
-        if self._on_signal is not None:
-            self._on_signal(task.task_id, signal.SIGKILL)
+        self._note(task, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(task.pid, signal.SIGKILL)  # every process of the container
         _signal(task.pid, signal.SIGKILL)
 
     def _send(self, task: LocalTask, sig: int) -> None:
-        if self._on_signal is not None:
-            self._on_signal(task.task_id, sig)
+        self._note(task, sig)
         _signal(task.pid, sig)
+
+    def _note(self, task: LocalTask, sig: int) -> None:
+        """The caller's hook; its failure is logged and the stop goes on (a stop must not end unsent)."""
+        if self._on_signal is None:
+            return
+        try:
+            self._on_signal(task.task_id, sig)
+        except Exception:
+            log.exception("the on_signal hook failed for %s (signal %d); the stop goes on", task.task_id, sig)
 
     def join(self, timeout: float) -> None:
         """Wait for the stop sequences started so far (tests, and the harness before it cleans up)."""
