@@ -33,6 +33,7 @@ from inference_fleet.compile_job import (
     check_compile_dtype,
     check_compile_host,
     check_compile_image,
+    check_compile_sdk,
 )
 from inference_fleet.compile_job import environment as compile_environment
 from inference_fleet.config import (
@@ -479,7 +480,7 @@ CHECKS: tuple[FleetCheck, ...] = (
     check_wave_sizes,
     check_cells_deployable, check_startup_budget, check_alarm_defaults, check_quarantine,
     check_spares_in_fixed_cells, check_efa_installer_pin, check_routers, check_pipeline_evacuation,
-    check_compile_azs, check_compile_image, check_compile_dtype, check_artifacts_kms_key,
+    check_compile_azs, check_compile_image, check_compile_sdk, check_compile_dtype, check_artifacts_kms_key,
 )
 # Run only when the model and the unit passed (validate_fleet): the planner computes its plan from both, and the
 # compile host's need (compile_job.host_needs) reads the unit's instance type.

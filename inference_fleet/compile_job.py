@@ -56,6 +56,7 @@ from unit_launcher.spec import UnitSpec, parse_spec
 
 from inference_fleet.config import (
     COMPILE_START_LIMIT_HOURS,
+    BaseImagesConfig,
     ConfigIssue,
     FleetConfig,
     az_id_prefix,
@@ -71,6 +72,7 @@ NXDI_COMMAND = "inference_demo"
 # aws-neuron/deep-learning-containers@8d2d8380 vllm/inference/0.16.0/Dockerfile.neuronx:166-174).
 KNOWN_STACKS = {"2.31.1": {"nxdi": "0.10.18399", "vllm_neuron": "release-0.5.3"}}
 _TAG = re.compile(r"^(?P<vllm>[0-9.]+)-neuronx-py\d+-sdk(?P<sdk>[0-9.]+)-")
+_DEFAULT_TAG = BaseImagesConfig().neuron_vllm_tag
 
 
 def unit_spec(fleet: FleetConfig) -> UnitSpec:
@@ -274,7 +276,7 @@ def check_compile_host(fleet: FleetConfig) -> list[ConfigIssue]:
             f"({MAX_GP3_GIB:,} GiB); allowed: checkpoint and shards that fit it (a smaller model or model.dtype)"))
     try:
         size = len(json.dumps(submit_request(fleet), separators=(",", ":")).encode())
-    except CompileError:  # no request to size: an SDK without a known engine stack (the compile says so), FP8
+    except CompileError:  # no request to size: an SDK without a known engine stack or FP8 (their own checks say so)
         size = 0
     if size > MAX_SUBMIT_JOB_BYTES:
         issues.append(ConfigIssue(
@@ -350,6 +352,23 @@ def check_compile_azs(fleet: FleetConfig) -> list[ConfigIssue]:
             "(`python -m inference_fleet compile --dry-run` names them), preferably as AZ IDs (e.g. "
             f"{az_id_prefix(region)}-az1)"))]
     return []
+
+
+def check_compile_sdk(fleet: FleetConfig) -> list[ConfigIssue]:
+    """A fleet check: the base image's SDK has a known engine stack. A Neuron unit serves only compiled artifacts
+    with a manifest (unit_launcher/artifact_manifest.py), and the compile job records the engine stack from this
+    table (`versions`): with another SDK every compile stops at its start, after the cells were deployed, and no
+    unit ever serves. The table is the stack this package's commands were checked against (docs/neuron-sources.md)."""
+    tag = fleet.base_images.neuron_vllm_tag
+    match = _TAG.match(tag)
+    if match is not None and match["sdk"] in KNOWN_STACKS:
+        return []
+    found = f"Neuron SDK {match['sdk']}" if match else "no Neuron SDK version (<vllm>-neuronx-py<N>-sdk<version>-...)"
+    return [ConfigIssue("base_images.neuron_vllm_tag", tag, (
+        f"names {found}; the compile job knows the engine stack (NxD Inference, vllm-neuron) of SDK "
+        f"{', '.join(sorted(KNOWN_STACKS))} only (inference_fleet/compile_job.py KNOWN_STACKS), the stack this "
+        "package's engine commands were checked against; allowed: a tag of that SDK, e.g. the default "
+        f"{_DEFAULT_TAG}"))]
 
 
 def check_compile_dtype(fleet: FleetConfig) -> list[ConfigIssue]:

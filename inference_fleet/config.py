@@ -299,7 +299,8 @@ class BaseImagesConfig(_Strict):
     neuron_vllm_tag: str = Field(
         default="0.16.0-neuronx-py312-sdk2.31.1-ubuntu24.04",
         pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$",
-        description="Tag of public.ecr.aws/neuron/pytorch-inference-vllm-neuronx.",
+        description="Tag of public.ecr.aws/neuron/pytorch-inference-vllm-neuronx. Its Neuron SDK (`-sdk<version>-`) "
+                    "must be one whose engine stack the compile job knows (2.31.1): the manifest records it.",
     )
     neuron_vllm_digest: Annotated[str, StringConstraints(pattern=rf"^{DIGEST}$")] | None = Field(
         default=None,

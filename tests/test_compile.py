@@ -432,3 +432,21 @@ def test_a_malformed_image_digest_is_a_usage_error_not_a_traceback(tmp_path, che
               str(tmp_path / "work"), "--nxdi-command", str(FAKE), "--image-digest", "abc"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "'abc' is not an image digest" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("tag", [
+    "0.16.0-neuronx-py312-sdk2.31.1-ubuntu24.04", "0.17.0-neuronx-py312-sdk2.31.1-ubuntu24.04",
+    "0.17.0-neuronx-py312-sdk2.32.0-ubuntu24.04", "latest", "sdk2.31.1"])
+def test_validate_accepts_exactly_the_tags_whose_engine_stack_the_compile_records(tag):
+    """`check_compile_sdk` and the compile's own `versions` read a tag the same way: a tag validate accepts is
+    one the compile can record, and one it refuses would have stopped every compile at its start."""
+    default = load_fleet(str(DEFAULT))
+    fleet = default.model_copy(update={"base_images": default.base_images.model_copy(update={"neuron_vllm_tag": tag})})
+    refused = compile_job.check_compile_sdk(fleet)
+    try:
+        compile_job.versions(fleet, None)
+    except compile_job.CompileError as error:
+        assert "no known engine stack" in str(error)
+        assert [i.path for i in refused] == ["base_images.neuron_vllm_tag"], tag
+    else:
+        assert refused == [], tag
