@@ -9,7 +9,7 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 from unit_launcher import plan as plans
-from unit_launcher.spec import SpecError, load_spec_from_env, parse_spec
+from unit_launcher.spec import LAUNCHER_ENV, LAUNCHER_ENV_PREFIX, SpecError, load_spec_from_env, parse_spec
 
 
 def neuron_spec(**overrides) -> dict:
@@ -165,6 +165,50 @@ def test_leader_serves_http_on_loopback_and_extra_args_and_env_are_appended():
     assert "--host=127.0.0.1" in node.argv and "--port=8001" in node.argv and "--headless" not in node.argv
     assert node.argv[-1] == "--enable-prefix-caching"
     assert node.env["UNIT_RANK"] == "0" and node.env["NEURON_RT_LOG_LEVEL"] == "WARNING"
+
+
+def _rendered_env_names() -> set[str]:
+    """Every environment name the launcher renders, over the variants of engine.j2's branches."""
+    variants = [
+        neuron_spec(),  # trn2, two nodes, compiled layout, EFA, LNC configurable
+        neuron_spec(model={"layout": None}, size=1, instance={"efa_interfaces": 0},
+                    neuron={"tp_degree": 64, "cp_degree": 1, "attention_dp_degree": 1, "world_size": 64}),
+        neuron_spec(engine={"max_num_seqs": 4, "frontend": "triton"}),
+        neuron_spec(engine={"device": "cpu", "max_num_seqs": 4}),
+    ]
+    names: set[str] = set()
+    for variant in variants:
+        spec = parse_spec(variant)
+        for role, rank in (("leader", 0), ("follower", 1))[: spec.size]:
+            names |= set(plans.build_plan(spec, role, rank, leader_addr="10.0.0.5", host_ip="10.0.0.6").env)
+    return names
+
+
+def test_the_reserved_environment_is_exactly_what_the_launcher_renders():
+    """`engine.extra_env` may not replace what engine.j2 renders: a name added to the template and not to
+    LAUNCHER_ENV (or UNIT_*) could be overridden again; a name in LAUNCHER_ENV the template no longer
+    renders would refuse an operator's variable for nothing."""
+    rendered = _rendered_env_names()
+    assert {n for n in rendered if not n.startswith(LAUNCHER_ENV_PREFIX)} == set(LAUNCHER_ENV)
+
+
+@pytest.mark.parametrize("name", ["NEURON_RT_ROOT_COMM_ID", "VLLM_PLUGINS", "FI_PROVIDER", "UNIT_RANK", "UNIT_OTHER"])
+def test_extra_env_may_not_replace_what_the_launcher_renders(name):
+    """Applied after the rendered environment, such an entry replaced it: NEURON_RT_ROOT_COMM_ID pointed the
+    unit's collectives elsewhere, VLLM_PLUGINS dropped the unit executor. Refused when the spec is read."""
+    with pytest.raises(SpecError, match=rf"engine\.extra_env\.{name}: rendered by the launcher"):
+        parse_spec(neuron_spec(engine={"max_num_seqs": 4, "extra_env": {name: "x", "NEURON_RT_LOG_LEVEL": "INFO"}}))
+
+
+def test_extra_env_may_not_pin_visible_cores_on_neuron():
+    """vllm-neuron's import rewrites NEURON_RT_ROOT_COMM_ID when NEURON_RT_VISIBLE_CORES is set
+    (docs/neuron-sources.md): each node would bootstrap its collectives against itself. On cpu it means nothing."""
+    extra = {"extra_env": {"NEURON_RT_VISIBLE_CORES": "0-63"}, "max_num_seqs": 4}
+    with pytest.raises(SpecError, match=r"engine\.extra_env\.NEURON_RT_VISIBLE_CORES: not allowed on neuron"):
+        parse_spec(neuron_spec(engine=extra))
+    spec = parse_spec(neuron_spec(engine={**extra, "device": "cpu"}))
+    node = plans.build_plan(spec, "leader", 0, leader_addr="10.0.0.5", host_ip="10.0.0.5")
+    assert node.env["NEURON_RT_VISIBLE_CORES"] == "0-63"
 
 
 def test_trn1_single_node_has_no_lnc_and_no_multinode_settings():

@@ -19,6 +19,17 @@ Port = Annotated[int, Field(ge=1024, le=65535)]
 EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 
 
+# The engine environment the launcher renders (templates/engine.j2): the unit's bootstrap, its step broadcast and its
+# compiled layout depend on each, so `engine.extra_env` may not replace one (tests/test_plan.py renders every variant
+# against this set). UNIT_* is the launcher's and the unit executor's own namespace.
+LAUNCHER_ENV = frozenset({
+    "NEURON_RT_ROOT_COMM_ID", "NEURON_LOGICAL_NC_CONFIG", "NEURON_RT_VIRTUAL_CORE_SIZE", "NEURON_COMPILED_ARTIFACTS",
+    "FI_PROVIDER", "FI_EFA_USE_DEVICE_RDMA", "FI_EFA_FORK_SAFE",
+    "VLLM_HOST_IP", "VLLM_PLUGINS", "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS",
+})
+LAUNCHER_ENV_PREFIX = "UNIT_"
+
+
 class SpecError(ValueError):
     """The unit spec is missing or invalid; the message names each bad field."""
 
@@ -239,6 +250,7 @@ class UnitSpec(_Strict):
         }
         if self.engine.frontend == "triton":
             ports["engine.triton_metrics_port"] = self.engine.triton_metrics_port
+        problems += self._extra_env_problems()
         seen: dict[int, str] = {}
         for name, port in ports.items():
             if port in seen:
@@ -249,6 +261,26 @@ class UnitSpec(_Strict):
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    def _extra_env_problems(self) -> list[str]:
+        problems = []
+        for name in sorted(self.engine.extra_env):
+            if name in LAUNCHER_ENV or name.startswith(LAUNCHER_ENV_PREFIX):
+                problems.append(
+                    f"engine.extra_env.{name}: rendered by the launcher (templates/engine.j2), which the unit's "
+                    f"bootstrap depends on; allowed: names other than {', '.join(sorted(LAUNCHER_ENV))} and "
+                    f"{LAUNCHER_ENV_PREFIX}*"
+                )
+            elif name == "NEURON_RT_VISIBLE_CORES" and self.engine.device == "neuron":
+                # Set, vllm-neuron's import rewrites NEURON_RT_ROOT_COMM_ID to ${MASTER_ADDR:-localhost}:<port>
+                # (release-0.5.x vllm_neuron/__init__.py:26-28, utils.py:10-44; docs/neuron-sources.md), and
+                # MASTER_ADDR is unset: every node would bootstrap its collectives against itself.
+                problems.append(
+                    "engine.extra_env.NEURON_RT_VISIBLE_CORES: not allowed on neuron: vllm-neuron then rewrites "
+                    "NEURON_RT_ROOT_COMM_ID (the unit's root communicator) to this node's own address, and the "
+                    "node's one worker drives every NeuronCore of the node (instance.cores_per_node)"
+                )
+        return problems
 
     @property
     def tensor_parallel_size(self) -> int:
