@@ -35,7 +35,10 @@ class UnitNeuronWorker(UnitWorker):  # type: ignore[misc, valid-type]
     """vllm-neuron's worker, in a vLLM world of one rank per node."""
 
     def init_distributed_environment(self, *args: Any, **kwargs: Any) -> None:
+        # The plugin's own method with vLLM's world instead of a world of one (whn09/vllm-neuron@3afb0a92
+        # vllm_neuron/worker/neuron_worker.py:175-199), its world-size patch left out (see above).
         from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+        from vllm.distributed.kv_transfer import ensure_kv_transfer_initialized
 
         parallel = self.parallel_config
         init_distributed_environment(
@@ -46,6 +49,9 @@ class UnitNeuronWorker(UnitWorker):  # type: ignore[misc, valid-type]
             backend="gloo",
         )
         ensure_model_parallel_initialized(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+        # A no-op without a kv_transfer_config (never rendered by the launcher); kept so that one given
+        # through engine.extra_args is set up as the plugin would.
+        ensure_kv_transfer_initialized(self.vllm_config)
 
     def load_model(self, *args: Any, **kwargs: Any) -> Any:
         # The model loads here (vllm-neuron neuron_worker.py `load_model`): its compile fallback
