@@ -156,13 +156,15 @@ build_cache() {
     || fail 'cannot write the model cache marker'
 }
 
-# Host network mode: give tasks their task role, not the instance role. The capacity provider's
-# own user data appends ECS_CLUSTER.
+# Host network mode: give tasks their task role, not the instance role; the awslogs driver their
+# execution role's credentials (ecs-init's default, written down: the instance role may write only
+# to the cell's log groups, TrainiumCapacity.allow_awslogs). The capacity provider's own user data
+# appends ECS_CLUSTER.
 ecs_config() {
   local line
   mkdir -p /etc/ecs || fail 'cannot create /etc/ecs'
   for line in ECS_ENABLE_TASK_IAM_ROLE=true ECS_ENABLE_TASK_IAM_ROLE_NETWORK_HOST=true \
-    ECS_IMAGE_PULL_BEHAVIOR=prefer-cached; do
+    ECS_ENABLE_AWSLOGS_EXECUTIONROLE_OVERRIDE=true ECS_IMAGE_PULL_BEHAVIOR=prefer-cached; do
     grep -qxF "$line" /etc/ecs/ecs.config 2>/dev/null || echo "$line" >>/etc/ecs/ecs.config \
       || fail 'cannot write /etc/ecs/ecs.config'
   done

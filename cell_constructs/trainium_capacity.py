@@ -28,6 +28,7 @@ from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_ecs as ecs
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_kms as kms
+from aws_cdk import aws_logs as logs
 from constructs import Construct
 
 from cell_constructs.nag import acknowledge
@@ -282,10 +283,15 @@ class TrainiumCapacity(Construct):
         self.security_group = self._efa_security_group(vpc)
         self.placement_group = self._placement_group(capacity_source)
 
-        role = self._instance_role()
+        self.instance_role = role = self._instance_role(cluster)
         self._allow_setup_report(role, setup_report)
+        # CDK's cluster adds its statements for the ECS agent to the group's role, which is its launch template's
+        # (aws-cdk-lib 2.275.0 aws-ecs/lib/cluster.js `configureAutoScalingGroup`), among them logs:CreateLogStream
+        # and logs:PutLogEvents on *. A read-only view of the role keeps them out (aws-iam immutable-role.js:
+        # `addToPrincipalPolicy` adds nothing); `_instance_role` grants the agent's own, and `allow_awslogs` the
+        # log groups of the cell's tasks.
         self.launch_template = self._launch_template(
-            instance, role, root_volume_gib, encryption_key,
+            instance, role.without_policy_updates(), root_volume_gib, encryption_key,
             capacity_source=capacity_source, efa=efa, report=setup_report, ami_id=ami_id,
         )
         self.auto_scaling_group, self.capacity_provider = self._nodes(
@@ -333,14 +339,40 @@ class TrainiumCapacity(Construct):
         )
         return group
 
-    def _instance_role(self) -> iam.Role:
-        """The nodes' role: ECS agent registration (added by the cluster) and SSM sessions only."""
+    def allow_awslogs(self, log_group: logs.ILogGroup) -> None:
+        """The awslogs driver of the tasks on these nodes may write to `log_group` with the node's credentials.
+
+        Every task of the cell has an execution role that may, and the ECS agent hands the driver that role's
+        credentials when ECS gives the container the execution-role logs strategy (aws/amazon-ecs-agent@8dfceca6
+        agent/engine/docker_task_engine.go:1850-1855, agent/api/task/task.go:2018-2047; ecs-init turns the
+        capability on, ecs-init/docker/docker_config.go:29-34). When ECS sends that strategy is not documented
+        ("The ecsTaskExecutionRole is used when it's assigned to the task", ECS developer guide, using_awslogs):
+        should it not, the driver uses this role, which may then write to the cell's log groups only."""
+        log_group.grant_write(self.instance_role)
+
+    def _instance_role(self, cluster: ecs.ICluster) -> iam.Role:
+        """The nodes' role: the ECS agent's registration, polling and image-pull token, the cell's log groups
+        (`allow_awslogs`) and SSM sessions only."""
         role = iam.Role(
             self,
             "InstanceRole",
             assumed_by=iam.ServicePrincipal("ec2.amazonaws.com"),
             description="Trainium node: ECS agent registration and SSM sessions only",
         )
+        # The ECS agent's statements as CDK's cluster writes them for its instances (aws-cdk-lib 2.275.0
+        # aws-ecs/lib/cluster.js `configureAutoScalingGroup`), without its logs:CreateLogStream and
+        # logs:PutLogEvents on *: the role reaches CDK's cluster only as a read-only view (`__init__`).
+        role.add_to_policy(iam.PolicyStatement(
+            actions=["ecs:DeregisterContainerInstance", "ecs:RegisterContainerInstance", "ecs:Submit*"],
+            resources=[cluster.cluster_arn],
+        ))
+        role.add_to_policy(iam.PolicyStatement(
+            actions=["ecs:Poll", "ecs:StartTelemetrySession"], resources=["*"],
+            conditions={"ArnEquals": {"ecs:cluster": cluster.cluster_arn}},
+        ))
+        role.add_to_policy(iam.PolicyStatement(
+            actions=["ecs:DiscoverPollEndpoint", "ecr:GetAuthorizationToken"], resources=["*"],
+        ))
         # Session Manager alone: the five actions of AWS's "Session Manager-only" instance permissions
         # (the AWS-managed AWSCloud9SSMInstanceProfile holds exactly these,
         # https://docs.aws.amazon.com/aws-managed-policy/latest/reference/AWSCloud9SSMInstanceProfile.html).
@@ -363,29 +395,16 @@ class TrainiumCapacity(Construct):
         )
         acknowledge(
             role,
-            # The ECS cluster adds the container agent's permissions to this role.
             (
                 "AwsSolutions-IAM5[Action::ecs:Submit*]",
-                "ECS container agent state reporting "
-                "(SubmitTaskStateChange and friends), added by CDK's ECS cluster for its instances",
+                "ECS container agent state reporting (SubmitTaskStateChange and friends) on this cell's cluster, "
+                "as CDK's ECS cluster grants its instances",
             ),
-            # CDK's cluster grants these on * (aws-ecs Cluster, for every instance of a capacity
-            # provider; it has no option to scope them). The logs actions do accept log-group
-            # ARNs: what makes the wildcard acceptable is that it is unused here, not that it
-            # cannot be scoped. Sources: amazon-ecs-agent agent/engine/docker_task_engine.go
-            # (createContainer applies Task.ApplyExecutionRoleLogsAuth when the container's logs
-            # auth strategy is the execution role) and awsdocs/amazon-ecs-developer-guide
-            # doc_source/using_awslogs.md ("The ecsTaskExecutionRole is used when it's assigned
-            # to the task"). Unverified on a node: that ECS sets that strategy for EC2 tasks.
             (
                 "AwsSolutions-IAM5[Resource::*]",
-                "ecr:GetAuthorizationToken and ecs:DiscoverPollEndpoint have no resource-level permissions. "
-                "logs:CreateLogStream and logs:PutLogEvents do (log groups) but are granted on * by CDK's ECS "
-                "cluster, with no option to scope them, for the awslogs driver of tasks without an execution "
-                "role; every task of this cell has an execution role holding them on the cell's log group, and "
-                "the ECS agent gives the awslogs driver that role's credentials when a task has one "
-                "(amazon-ecs-agent Task.ApplyExecutionRoleLogsAuth; ECS developer guide, 'Send Amazon ECS logs "
-                "to CloudWatch': the ecsTaskExecutionRole is used when it's assigned to the task). "
+                "ecr:GetAuthorizationToken and ecs:DiscoverPollEndpoint have no resource-level permissions; "
+                "ecs:Poll and ecs:StartTelemetrySession are on * with the condition ecs:cluster = this cell's "
+                "cluster, as CDK's ECS cluster grants its instances. "
                 "ssm:UpdateInstanceInformation, ssmmessages:CreateControlChannel, ssmmessages:CreateDataChannel, "
                 "ssmmessages:OpenControlChannel and ssmmessages:OpenDataChannel (Session Manager) are on * as in "
                 "AWS's own Session Manager-only policy (AWSCloud9SSMInstanceProfile); whether "
@@ -393,8 +412,9 @@ class TrainiumCapacity(Construct):
             ),
             (
                 "NIST.800.53.R5-IAMNoInlinePolicy",
-                "ECS container agent policy generated by CDK's ECS cluster for this instance role, and the "
-                "five Session Manager actions in place of AmazonSSMManagedInstanceCore, versioned with the stack",
+                "The ECS container agent's statements (CDK's ECS cluster's, less its logs actions on *), the cell's "
+                "log groups for the awslogs driver, and the five Session Manager actions in place of "
+                "AmazonSSMManagedInstanceCore, versioned with the stack",
             ),
         )
         return role

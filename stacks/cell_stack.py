@@ -180,6 +180,7 @@ class CellStack(Stack):
         )
         self.log_group = logs.LogGroup(self, "UnitLogs", encryption_key=self.key, retention=retention,
                                        removal_policy=RemovalPolicy.RETAIN)
+        self.capacity.allow_awslogs(self.log_group)
         # Unit failures (the launcher's session-end events) reach the placement controller: host quarantine.
         self.placement.watch_unit_failures(self.log_group)
         self.task_role = self._unit_task_role()

@@ -69,19 +69,27 @@ def test_the_root_containers_reason_names_each_container_as_it_runs(synth_defaul
 
 
 def test_the_instance_role_leaves_unscoped_only_what_it_says(synth_default) -> None:
-    """Regression: the reason said the logs actions have no resource-level scope; they accept log-group ARNs."""
+    """Regression: the reason said the logs actions have no resource-level scope; they accept log-group ARNs.
+    Regression: CDK's cluster granted logs:CreateLogStream and logs:PutLogEvents on * to every node; the awslogs
+    driver of the cell's tasks needs the cell's log group only."""
     raw = synth_default.template_json(DEFAULT)
     acks = acknowledgements(synth_default, DEFAULT)
     reason = reason_of(acks, f"/{DEFAULT}/Trainium/InstanceRole", "AwsSolutions-IAM5[Resource::*]")
-    role = logical_ids(synth_default, DEFAULT)[f"/{DEFAULT}/Trainium/InstanceRole"]
-    on_any = set()
+    ids = logical_ids(synth_default, DEFAULT)
+    role = ids[f"/{DEFAULT}/Trainium/InstanceRole"]
+    on_any, logs_on = set(), []
     for resource in raw["Resources"].values():
         if resource["Type"] == "AWS::IAM::Policy" and {"Ref": role} in resource["Properties"]["Roles"]:
             for statement in resource["Properties"]["PolicyDocument"]["Statement"]:
-                if statement["Resource"] == "*" and "Condition" not in statement:
-                    actions = statement["Action"]
-                    on_any |= set(actions if isinstance(actions, list) else [actions])
-    assert on_any >= {"logs:CreateLogStream", "logs:PutLogEvents", "ecr:GetAuthorizationToken"}
+                actions = statement["Action"]
+                actions = set(actions if isinstance(actions, list) else [actions])
+                if statement["Resource"] == "*":
+                    on_any |= actions
+                if any(a.startswith("logs:") for a in actions):
+                    logs_on.append(statement["Resource"])
+    assert on_any >= {"ecr:GetAuthorizationToken", "ecs:DiscoverPollEndpoint", "ecs:Poll"}
+    assert not {a for a in on_any if a.startswith("logs:")}, on_any
+    assert logs_on == [{"Fn::GetAtt": [ids[f"/{DEFAULT}/UnitLogs"], "Arn"]}], logs_on
     # Every action left on * is named, and those that take log-group ARNs are not said to lack one.
     for action in on_any:
         assert action in reason, action

@@ -321,6 +321,7 @@ def test_default_node_with_efa_in_the_ami_sets_up_and_lets_the_ecs_agent_start(d
            "/dev/nvme1n1 /dev/nvme2n1 /dev/nvme3n1 /dev/nvme4n1" in node.calls
     assert "curl" not in node.calls  # the AMI's EFA: nothing downloaded
     assert "ECS_ENABLE_TASK_IAM_ROLE_NETWORK_HOST=true" in node.file("/etc/ecs/ecs.config")
+    assert "ECS_ENABLE_AWSLOGS_EXECUTIONROLE_OVERRIDE=true" in node.file("/etc/ecs/ecs.config").splitlines()
     assert f"ECS_CLUSTER={CLUSTER}" in node.file("/etc/ecs/ecs.config")
     assert node.text("boot/iptables").splitlines() == [
         "OUTPUT -d 169.254.169.254/32 -m cgroup --path ecstasks.slice -j REJECT"]
