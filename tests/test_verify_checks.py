@@ -105,6 +105,65 @@ def test_agreement_fails_when_a_session_ended_as_divergence_during_the_burst(mon
     assert result.status == "fail" and "ended as divergence" in result.detail
 
 
+def test_agreement_fails_when_a_leader_published_its_nodes_out_of_lockstep(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: a confirmed `lockstep: false` (a worker's steps differ from its executor's) does not end the
+    session, and check 2 read only session ends: the unit passed while its nodes disagreed."""
+    with FakeOpenAI() as server:
+        adapter = FakeAdapter(server.url)
+        real_burst = checks_serving._burst
+
+        def burst_then_apart(c: Context, count: int, max_tokens: int) -> list[int | None]:
+            statuses = real_burst(c, count, max_tokens)
+            adapter.log({"event": "unit_steps", "unit_id": "u0", "session_id": "s1", "at": time.time(),
+                         "steps": 40, "completed": 40, "lockstep": False, "members": [0, 1]})
+            return statuses
+
+        monkeypatch.setattr(checks_serving, "_burst", burst_then_apart)
+        result = checks_serving.check_agreement(context(server, adapter), burst=2)
+    assert result.status == "fail" and "session s1 of u0 out of lockstep" in result.detail, result.detail
+
+
+class LateAdapter(FakeAdapter):
+    """A cell whose leader's session-end event reaches the log only after check 2 looked: it is logged when the
+    kit first asks for the nodes' self-checks (check 5, after checks 2 and 3)."""
+
+    late: dict[str, object] | None = None
+
+    def events(self, event: str, since: float, unit_id: str | None = None) -> list:
+        if event == "node_self_check" and self.late is not None:
+            self.log(self.late)
+            self.late = None
+        return super().events(event, since, unit_id)
+
+
+def test_a_divergence_logged_after_check_2_looked_fails_it_at_the_kits_end() -> None:
+    """Regression: check 2 waits settle_seconds for session ends; a leader that found the divergence at the burst's
+    last heartbeat logs it only after stopping its engine and telling its followers (seconds), and CloudWatch
+    later still: the kit passed. It reads check 2's evidence again at its end."""
+    with FakeOpenAI() as server:
+        adapter = LateAdapter(server.url, running=two_tasks())
+        adapter.late = {"event": "unit_session_end", "unit_id": "u0", "session_id": "s1", "cause": "divergence",
+                        "reason": "rank 1 sampled other tokens"}
+        report = run_kit(adapter, expectations(), settle_seconds=0.0, steps_report_seconds=0.3, log=lambda _: None)
+    agreement = {c.check_id: c for c in report.checks}["2-agreement"]
+    assert agreement.status == "fail", agreement.detail
+    assert "found at the kit's end: session s1 of u0 ended as divergence" in agreement.detail
+
+
+def test_at_the_kits_end_a_unit_down_fails_a_read_only_run_and_a_destructive_checks_sessions_do_not() -> None:
+    with FakeOpenAI() as server:
+        ctx = context(server, FakeAdapter(server.url))
+        result = checks_serving.check_agreement(ctx, burst=2)
+        assert result.status == "pass", result.detail
+        ctx.adapter.health["u0"] = 503
+        down = checks_serving.confirm_agreement(ctx, result, None, health=True)
+        assert down.status == "fail" and "at the kit's end, units not healthy: {'u0': 503}" in down.detail
+        faults_from = time.time()
+        ctx.adapter.log({"event": "unit_session_end", "unit_id": "u0", "session_id": "s2", "cause": "step_timeout"},
+                        at=faults_from + 1)
+        assert checks_serving.confirm_agreement(ctx, result, faults_from, health=False) is result
+
+
 def test_agreement_passes_on_an_engine_that_ignores_the_seed_as_a_trainium_unit_does() -> None:
     """vllm-neuron ignores `seed` and samples randomly above temperature 0, greedy stays an argmax
     (checks_serving.check_agreement): a healthy Trainium unit, so check 2 must not fail."""
@@ -218,7 +277,7 @@ def two_tasks() -> dict[str, list[Task]]:
 
 
 @pytest.mark.parametrize(("events", "status", "words"), [
-    ([], "not_run", "no node_self_check"),
+    ([], "fail", "leader arn:task/l: no self-check event"),
     ([self_check("arn:task/l", 0), self_check("arn:task/f", 1)], "pass", "2 node(s)"),
     ([self_check("arn:task/l", 0), self_check("arn:task/f", 1, bad="imds_unreachable")], "fail",
      "rank 1: imds_unreachable: x (expected y)"),
@@ -230,6 +289,73 @@ def test_self_checks(events: list[dict[str, object]], status: str, words: str) -
         adapter.log(doc)
     result = checks_cell.check_self_checks(Context(adapter, expectations(), OpenAIHttp("http://unused")))
     assert result.status == status and words in result.detail, result.detail
+
+
+def _cell_started(adapter: FakeAdapter, age: float) -> None:
+    """Two running tasks of u0 created `age` seconds ago, and their launchers' start-up events logged then."""
+    now = time.time()
+    adapter.running = two_tasks()
+    for task in ("arn:task/l", "arn:task/f"):
+        adapter.times[task] = TaskTimes(created=now - age, started=now - age + 60)
+    adapter.log(self_check("arn:task/l", 0), at=now - age + 70)
+    adapter.log(self_check("arn:task/f", 1), at=now - age + 70)
+    adapter.log({"event": "unit_session_formed", "unit_id": "u0", "session_id": "s1"}, at=now - age + 600)
+
+
+def test_a_healthy_cell_whose_tasks_started_days_ago_passes_its_start_up_checks() -> None:
+    """Regression: the kit looked 24 h back, so a commit that left the units' tasks running (docs, alarms) failed
+    the pipeline's gate on a healthy canary: "no unit_session_formed event", and check 5 did not run. Now each
+    unit's events are read from its tasks' creation."""
+    adapter = FakeAdapter("http://unused", metrics={("Rufus/UnitProxy", "Requests", "u0"): [3.0]})
+    _cell_started(adapter, age=3 * 86400)
+    ctx = Context(adapter, expectations(), OpenAIHttp("http://unused"))
+    self_checks, evidence = checks_cell.check_self_checks(ctx), checks_cell.check_evidence(ctx)
+    assert self_checks.status == "pass" and "2 node(s)" in self_checks.detail, self_checks.detail
+    assert evidence.status == "pass" and "[pass] unit_session_formed" in evidence.detail, evidence.detail
+
+
+def test_start_up_events_older_than_the_log_retention_are_not_judged() -> None:
+    adapter = FakeAdapter("http://unused", metrics={("Rufus/UnitProxy", "Requests", "u0"): [3.0]})
+    _cell_started(adapter, age=40 * 86400)
+    adapter.logged.clear()  # expired with the log group's 30-day retention
+    ctx = Context(adapter, expectations(), OpenAIHttp("http://unused"))
+    self_checks, evidence = checks_cell.check_self_checks(ctx), checks_cell.check_evidence(ctx)
+    assert self_checks.status == "not_run" and "retention (30 days)" in self_checks.detail, self_checks.detail
+    assert evidence.status == "pass" and "[not_run] unit_session_formed of ['u0']" in evidence.detail
+
+
+def test_a_task_not_started_yet_is_named_but_not_judged_and_a_running_one_without_a_self_check_fails() -> None:
+    """ListTasks with desiredStatus RUNNING also lists PENDING tasks (a replacement waiting for capacity)."""
+    adapter = FakeAdapter("http://unused")
+    _cell_started(adapter, age=600)
+    adapter.running["u0"].append(Task("arn:task/p", "u0", "follower"))
+    adapter.times["arn:task/p"] = TaskTimes(created=time.time() - 30)
+    result = checks_cell.check_self_checks(Context(adapter, expectations(), OpenAIHttp("http://unused")))
+    assert result.status == "pass" and "not started yet, not judged: ['u0 follower arn:task/p']" in result.detail
+    adapter.times["arn:task/p"] = TaskTimes(created=time.time() - 30, started=time.time() - 10)
+    result = checks_cell.check_self_checks(Context(adapter, expectations(), OpenAIHttp("http://unused")))
+    assert result.status == "fail" and "u0 follower arn:task/p: no self-check event" in result.detail
+
+
+def test_evidence_reads_metrics_from_the_period_of_the_kits_start_not_ten_minutes_before() -> None:
+    """Regression: check 6 read from 10 min before the kit started, so other clients' requests then made "data
+    after the kit's own requests"; now from the start of the period holding the kit's start."""
+    asked: dict[str, float] = {}
+
+    class Recording(FakeAdapter):
+        def metric(self, namespace: str, name: str, dimensions: dict[str, str], since: float,
+                   statistic: str = "Sum") -> MetricSeries:
+            asked["metric"] = since
+            return super().metric(namespace, name, dimensions, since, statistic)
+
+        def dashboard(self, since: float) -> list[MetricSeries] | None:
+            asked["dashboard"] = since
+            return super().dashboard(since)
+
+    ctx = Context(Recording("http://unused"), expectations(), OpenAIHttp("http://unused"))
+    checks_cell.check_evidence(ctx)
+    assert ctx.started_at - 60 < asked["metric"] <= ctx.started_at and asked["metric"] % 60 == 0
+    assert ctx.started_at - 300 < asked["dashboard"] <= ctx.started_at and asked["dashboard"] % 300 == 0
 
 
 def test_formation_measures_the_parts_of_the_last_member_and_judges_the_budget() -> None:

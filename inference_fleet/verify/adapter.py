@@ -17,6 +17,9 @@ from unit_launcher.plan import triton_model_for
 from inference_fleet.config import CellConfig, FleetConfig
 from inference_fleet.unit_spec import unit_metrics_namespace
 
+# A dashboard metric widget's period when it names none (CloudWatch's dashboard body: "period ... default 300").
+DASHBOARD_PERIOD_SECONDS = 300
+
 
 class CellUnreachable(Exception):
     """The adapter cannot find or read the cell (no credentials, no stack, no permission): every check fails."""
@@ -81,6 +84,8 @@ class Expectations:
     triton_model: str = ""
     # The figures of docs/cell-lifecycle.md "Time to load the default model", shown beside the measurement.
     doc_formation_minutes: tuple[float, float] = (14, 16)
+    # How long the cell's log group keeps the launchers' events (serving.log_retention_days).
+    log_retention_days: int = 30
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -101,6 +106,7 @@ def expectations(fleet: FleetConfig, cell: CellConfig) -> Expectations:
         proxy_metrics_namespace=f"{fleet.name}/UnitProxy",
         frontend=serving.frontend,
         triton_model=triton_model_for(fleet.model.name) if serving.frontend == "triton" else "",
+        log_retention_days=serving.log_retention_days,
     )
 
 

@@ -31,7 +31,14 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from inference_fleet.verify.adapter import CellUnreachable, LogEvent, MetricSeries, Task, TaskTimes
+from inference_fleet.verify.adapter import (
+    DASHBOARD_PERIOD_SECONDS,
+    CellUnreachable,
+    LogEvent,
+    MetricSeries,
+    Task,
+    TaskTimes,
+)
 
 REQUIRED_ACTIONS = (
     "cloudformation:ListStackResources",
@@ -277,7 +284,7 @@ def widget_queries(props: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[st
     queries: list[dict[str, Any]] = []
     namespaces: dict[str, str] = {}
     previous: list[Any] = []
-    default_period = int(props.get("period") or 300)
+    default_period = int(props.get("period") or DASHBOARD_PERIOD_SECONDS)
     default_stat = str(props.get("stat") or "Average")
     first_namespace = ""
     for n, row in enumerate(props["metrics"]):

@@ -12,16 +12,41 @@ import re
 import time
 from typing import Any
 
-from inference_fleet.verify.adapter import LogEvent, MetricSeries, TaskTimes
+from inference_fleet.verify.adapter import DASHBOARD_PERIOD_SECONDS, LogEvent, MetricSeries, Task, TaskTimes
 from inference_fleet.verify.context import Context
 from inference_fleet.verify.report import CheckResult, Measured, not_run
 
-# How far back the kit looks for the launchers' events (a cell deployed today).
+# How far back the kit looks for the launchers' events when it knows no running task's creation time.
 LOOKBACK_SECONDS = 24 * 3600
+# The launchers log their start-up events (self-checks, formation) after their task was created; a unit's are
+# looked for from its oldest running task's creation (ECS's createdAt), less this much for the clocks of ECS and
+# of the instances. A commit that leaves a unit's tasks running (docs, alarms) finds them however old they are,
+# as long as the log group keeps them (serving.log_retention_days).
+CLOCK_MARGIN_SECONDS = 300
 SELF_CHECKS = ("imds_unreachable", "model_cache_mount", "efa_devices", "neuron_cores")
 # The proxy's EMF metric every unit publishes as soon as it serves a request (docs/contracts.md).
 PROXY_REQUESTS = "Requests"
 ALB_NAMESPACE = "AWS/ApplicationELB"
+
+
+def _created(times: TaskTimes | None) -> float | None:
+    return None if times is None else times.created or times.started
+
+
+def evidence_since(ctx: Context, units: list[str]) -> tuple[float, str | None]:
+    """From when the kit reads the start-up events of these units' running tasks, and why they may be gone: their
+    oldest task's creation less CLOCK_MARGIN_SECONDS, or the start of the log group's retention when that is later
+    (the note says the events have expired). No creation time known: the last LOOKBACK_SECONDS."""
+    ids = [t.task_id for u in units for t in ctx.adapter.tasks(u)]
+    created = [c for t in (ctx.adapter.task_times(ids) if ids else {}).values() if (c := _created(t)) is not None]
+    if not created:
+        return ctx.started_at - LOOKBACK_SECONDS, None
+    since = min(created) - CLOCK_MARGIN_SECONDS
+    retained = ctx.started_at - ctx.expect.log_retention_days * 86400
+    if since < retained:
+        return retained, (f"their tasks run since before the log group's retention "
+                          f"({ctx.expect.log_retention_days} days): their start-up events have expired")
+    return since, None
 
 
 def _serving_times(ctx: Context, unit_id: str, since: float) -> dict[str, float]:
@@ -36,7 +61,7 @@ def _serving_times(ctx: Context, unit_id: str, since: float) -> dict[str, float]
 
 def _formation(ctx: Context, unit_id: str) -> dict[str, Any] | None:
     """The newest session of the unit whose formation and serving times are both known, in parts."""
-    since = ctx.started_at - LOOKBACK_SECONDS
+    since, _ = evidence_since(ctx, [unit_id])
     formed = ctx.adapter.events("unit_session_formed", since, unit_id)
     serving_times = _serving_times(ctx, unit_id, since)
     for event in reversed(formed):
@@ -93,36 +118,58 @@ def check_formation(ctx: Context) -> CheckResult:
                        {u: f for u, f in found.items() if f})
 
 
+def _running_tasks(ctx: Context) -> tuple[list[tuple[str, Task, float | None]], list[str]]:
+    """The expected units' tasks that run, each with its creation time, and those ECS has not started yet
+    (PENDING: a replacement waiting for its instance; ListTasks' RUNNING desired status lists them too). A task
+    whose times are unknown counts as running."""
+    tasks = [(u, t) for u in ctx.expect.units for t in ctx.adapter.tasks(u)]
+    times = ctx.adapter.task_times([t.task_id for _, t in tasks]) if tasks else {}
+    running = [(u, t, _created(times.get(t.task_id))) for u, t in tasks
+               if t.task_id not in times or times[t.task_id].started is not None]
+    started = {t.task_id for _, t, _ in running}
+    pending = [f"{u} {t.role} {t.task_id}" for u, t in tasks if t.task_id not in started]
+    return running, pending
+
+
+def _self_check_problems(doc: dict[str, Any]) -> list[str]:
+    checks = {c.get("name"): c for c in doc.get("checks") or []}
+    bad = [f"{n}: {checks[n].get('measured')} (expected {checks[n].get('expected')})"
+           for n in SELF_CHECKS if n in checks and not checks[n].get("ok")]
+    absent = [n for n in SELF_CHECKS if n not in checks]
+    return bad + ([f"not reported: {absent}"] if absent else [])
+
+
 def check_self_checks(ctx: Context) -> CheckResult:
-    """5. Every running node published its start-up self-checks and each passed."""
-    events = ctx.adapter.events("node_self_check", ctx.started_at - LOOKBACK_SECONDS)
-    if not events:
-        return not_run("5-node-self-checks", "the launchers published no node_self_check event "
-                       "(docs/contracts.md): nothing to read", "nodes")
+    """5. Every running node published its start-up self-checks and each passed. Nodes not started yet are
+    named, not judged; nodes whose events outlived the log group's retention make the check not run."""
+    running, pending = _running_tasks(ctx)
+    since, _ = evidence_since(ctx, ctx.expect.units)
+    retained = ctx.started_at - ctx.expect.log_retention_days * 86400
     latest: dict[str, dict[str, Any]] = {}
-    for event in events:
+    for event in ctx.adapter.events("node_self_check", since):
         latest[str(event.doc.get("instance_id") or event.task_id)] = event.doc
     problems: list[str] = []
-    nodes = passed = 0
-    for unit_id in ctx.expect.units:
-        for task in ctx.adapter.tasks(unit_id):
-            nodes += 1
-            doc = latest.get(task.task_id)
-            if doc is None:
-                problems.append(f"{unit_id} {task.role} {task.task_id}: no self-check event")
-                continue
-            checks = {c.get("name"): c for c in doc.get("checks") or []}
-            bad = [f"{n}: {checks[n].get('measured')} (expected {checks[n].get('expected')})"
-                   for n in SELF_CHECKS if n in checks and not checks[n].get("ok")]
-            absent = [n for n in SELF_CHECKS if n not in checks]
-            if bad or absent:
-                problems.append(f"{unit_id} rank {doc.get('rank')}: " + "; ".join(
-                    bad + ([f"not reported: {absent}"] if absent else [])))
-            else:
-                passed += 1
-    status = "fail" if problems or nodes == 0 else "pass"
-    detail = "; ".join(problems) or f"{passed} node(s): {', '.join(SELF_CHECKS)} all ok"
-    return CheckResult("5-node-self-checks", status, Measured(passed, f"of {nodes} nodes"), detail)
+    expired: list[str] = []
+    passed = 0
+    for unit_id, task, created in running:
+        doc = latest.get(task.task_id)
+        if doc is None and created is not None and created - CLOCK_MARGIN_SECONDS < retained:
+            expired.append(f"{unit_id} {task.role} {task.task_id}")
+        elif doc is None:
+            problems.append(f"{unit_id} {task.role} {task.task_id}: no self-check event")
+        elif bad := _self_check_problems(doc):
+            problems.append(f"{unit_id} rank {doc.get('rank')}: " + "; ".join(bad))
+        else:
+            passed += 1
+    notes = (f"; not judged, running since before the log group's retention ({ctx.expect.log_retention_days} "
+             f"days): {expired}" if expired else "") + (f"; not started yet, not judged: {pending}" if pending else "")
+    measured = Measured(passed, f"of {len(running) - len(expired)} nodes")
+    if not problems and not passed and expired:
+        return CheckResult("5-node-self-checks", "not_run", measured, "no node's self-check to read" + notes)
+    status = "fail" if problems or not running else "pass"
+    detail = "; ".join(problems) or (f"{passed} node(s): {', '.join(SELF_CHECKS)} all ok" if running
+                                     else "no running node")
+    return CheckResult("5-node-self-checks", status, measured, detail + notes)
 
 
 def _proxy_metrics(ctx: Context, since: float) -> tuple[str, str]:
@@ -158,12 +205,18 @@ def _launcher_metrics(ctx: Context) -> tuple[str, str]:
 
 
 def _formed_events(ctx: Context) -> tuple[str, str]:
-    formed = ctx.adapter.events("unit_session_formed", ctx.started_at - LOOKBACK_SECONDS)
-    units = {str(e.doc.get("unit_id")) for e in formed}
-    missing = [u for u in ctx.expect.units if u not in units]
+    """Each unit's running session formed in the log: its formation event since its tasks were created."""
+    missing, expired = [], []
+    for unit_id in ctx.expect.units:
+        since, gone = evidence_since(ctx, [unit_id])
+        if not ctx.adapter.events("unit_session_formed", since, unit_id):
+            (expired if gone else missing).append(unit_id)
     if missing:
-        return ("fail", f"no unit_session_formed event in the log for {missing}")
-    return ("pass", "unit_session_formed events in the log for every unit")
+        return ("fail", f"no unit_session_formed event in the log for {missing} since their tasks were created")
+    if expired:
+        return ("not_run", f"unit_session_formed of {expired}: their tasks run since before the log group's "
+                           f"retention ({ctx.expect.log_retention_days} days)")
+    return ("pass", "unit_session_formed events in the log for every unit since its tasks were created")
 
 
 # The dashboard labels each per-unit series with its unit id (cell_alarms.py `proxy_metric`),
@@ -246,10 +299,15 @@ def check_evidence(ctx: Context, wait_seconds: float = 0.0) -> CheckResult:
     every unit, the launchers' events in the log group, their EMF metrics once a session ended,
     and data behind the dashboard's widgets. EMF metrics appear a minute or two after the log
     line, so the check polls for up to `wait_seconds`."""
-    since = ctx.started_at - 600
+    # From the start of the period that holds the kit's first request (1 min for the EMF metrics, the dashboard's
+    # default 5 min): a data point is dated at its period's start, so an earlier bound would also count other
+    # clients' traffic before the kit ran (it was 10 min before), a later one would miss the kit's own.
+    metrics_since = ctx.started_at - ctx.started_at % 60
+    dashboard_since = ctx.started_at - ctx.started_at % DASHBOARD_PERIOD_SECONDS
     deadline = time.monotonic() + wait_seconds
     while True:
-        parts = [_formed_events(ctx), _proxy_metrics(ctx, since), _launcher_metrics(ctx), _dashboard(ctx, since)]
+        parts = [_formed_events(ctx), _proxy_metrics(ctx, metrics_since), _launcher_metrics(ctx),
+                 _dashboard(ctx, dashboard_since)]
         if not any(s == "fail" for s, _ in parts) or time.monotonic() >= deadline:
             break
         time.sleep(min(30.0, max(0.0, deadline - time.monotonic())))

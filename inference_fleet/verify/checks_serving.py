@@ -13,6 +13,7 @@ import secrets
 import threading
 import time
 
+from inference_fleet.verify.adapter import LogEvent
 from inference_fleet.verify.context import Context
 from inference_fleet.verify.report import CheckResult, Measured, Status, not_run
 
@@ -117,8 +118,7 @@ def check_agreement(ctx: Context, burst: int = 8, max_tokens: int = 24) -> Check
     statuses = _burst(ctx, count, max_tokens)
     greedy = [ctx.client.completion(model, PROMPT, max_tokens, temperature=0.0) for _ in range(2)]
     time.sleep(ctx.settle_seconds)
-    ends = ctx.adapter.events("unit_session_end", since)
-    disagreed = [e.doc for e in ends if e.doc.get("cause") in DISAGREEMENT]
+    disagreed = _disagreements(ctx, since)
     problems = []
     served = sum(1 for s in statuses if s == 200)
     if served != count:
@@ -126,8 +126,7 @@ def check_agreement(ctx: Context, burst: int = 8, max_tokens: int = 24) -> Check
     (first, text1), (second, text2) = greedy
     if first.status != 200 or second.status != 200 or not text1 or not text2:
         problems.append(f"the greedy request twice: {first.status} {text1!r} / {second.status} {text2!r}")
-    problems += [f"session {d.get('session_id')} of {d.get('unit_id')} ended as {d.get('cause')}: {d.get('reason')}"
-                 for d in disagreed]
+    problems += disagreed
     unhealthy = {u: h for u in ctx.expect.units if (h := ctx.adapter.unit_health(u)) != 200}
     if unhealthy:
         problems.append(f"after the burst, units not healthy: {unhealthy}")
@@ -138,8 +137,44 @@ def check_agreement(ctx: Context, burst: int = 8, max_tokens: int = 24) -> Check
     detail = "; ".join(problems) or (f"{count} requests at temperature 0.8 served, no session ended by "
                                      f"divergence or step_timeout; {pair}")
     return CheckResult("2-agreement", "fail" if problems else "pass", Measured(served, "requests agreed"), detail,
-                       {"burst": count, "sessions_ended_by_disagreement": len(disagreed),
+                       {"burst": count, "disagreements": len(disagreed), "since": since,
                         "greedy_text": text1, "greedy_pair_identical": same})
+
+
+def _disagreements(ctx: Context, since: float, until: float | None = None) -> list[str]:
+    """What the units published since `since` (up to `until`) that says their nodes disagreed: a session ended by
+    `divergence` or `step_timeout`, or a leader's confirmed `lockstep: false` (a worker's step count or chain
+    differs from its executor's, unit_launcher/steps.py; the unit may serve on with it, docs/contracts.md)."""
+    def within(event: LogEvent) -> bool:
+        return until is None or event.timestamp <= until
+
+    ended = [e.doc for e in ctx.adapter.events("unit_session_end", since) if within(e)
+             and e.doc.get("cause") in DISAGREEMENT]
+    apart = [e.doc for e in ctx.adapter.events(STEPS_EVENT, since) if within(e) and e.doc.get("lockstep") is False]
+    return ([f"session {d.get('session_id')} of {d.get('unit_id')} ended as {d.get('cause')}: {d.get('reason')}"
+             for d in ended] +
+            [f"session {d.get('session_id')} of {d.get('unit_id')} out of lockstep at {d.get('at')} "
+             f"(members {d.get('members')}, {d.get('steps')} steps)" for d in apart])
+
+
+def confirm_agreement(ctx: Context, result: CheckResult, until: float | None, health: bool) -> CheckResult:
+    """Check 2 again at the kit's end, from the burst on: a leader ends a diverged session only after stopping its
+    engine and telling its followers (seconds), and logs reach CloudWatch later still, so a disagreement at the
+    burst's last heartbeat can outlast check 2's wait. Up to `until` (the destructive checks' start: they end
+    sessions on purpose); with `health`, every unit must still be healthy (a read-only run stops nothing)."""
+    since = result.figures.get("since")
+    if not isinstance(since, int | float):
+        return result
+    named = set(result.detail.split("; "))
+    late = [d for d in _disagreements(ctx, since, until) if d not in named]
+    if health:
+        unhealthy = {u: h for u in ctx.expect.units if (h := ctx.adapter.unit_health(u)) != 200}
+        late += [f"at the kit's end, units not healthy: {unhealthy}"] if unhealthy else []
+    if not late:
+        return result
+    detail = "; ".join(late) if result.status == "pass" else result.detail + "; " + "; ".join(late)
+    return CheckResult(result.check_id, "fail", result.measured, f"found at the kit's end: {detail}",
+                       {**result.figures, "found_at_end": late}, seconds=result.seconds)
 
 
 def long_prompt(tokens: int, salt: int = 0) -> list[int]:

@@ -64,6 +64,23 @@ def run_check(ctx: Context, check_id: str, check: Check, log: Callable[[str], No
     return result
 
 
+def _confirm_agreement(ctx: Context, results: dict[str, CheckResult], faults_from: float | None,
+                       destructive: bool, log: Callable[[str], None]) -> None:
+    """Check 2 read again at the end (checks_serving.confirm_agreement): what the units published late."""
+    agreement = results.get("2-agreement")
+    if agreement is None:
+        return
+    try:
+        confirmed = checks_serving.confirm_agreement(ctx, agreement, faults_from, health=not destructive)
+    except Exception as error:
+        confirmed = CheckResult("2-agreement", "fail", agreement.measured,
+                                f"{agreement.detail}; its re-read at the kit's end failed: {type(error).__name__}: "
+                                f"{error}", agreement.figures, seconds=agreement.seconds)
+    if confirmed is not agreement:
+        log(f"[verify] 2-agreement, read again at the end: {confirmed.status} ({confirmed.detail[:160]})")
+    results["2-agreement"] = confirmed
+
+
 def run_kit(adapter: CellAdapter, expect: Expectations, *, destructive: bool = False, request_timeout: float = 120.0,
             settle_seconds: float = 15.0, evidence_wait: float = 0.0, recovery_timeout: float = 1800.0,
             steps_report_seconds: float = 60.0, log: Callable[[str], None] = print,
@@ -81,12 +98,16 @@ def run_kit(adapter: CellAdapter, expect: Expectations, *, destructive: bool = F
     ctx = context(adapter, expect, endpoint, request_timeout=request_timeout, settle_seconds=settle_seconds,
                   recovery_timeout=recovery_timeout, steps_report_seconds=steps_report_seconds)
     results: dict[str, CheckResult] = {}
+    faults_from: float | None = None
     for check_id, check in _plan(destructive, evidence_wait):
+        if check_id.startswith("7") and faults_from is None:
+            faults_from = time.time()
         if done and check_id in done:
             results[check_id] = done[check_id]
             log(f"[verify] {check_id}: {done[check_id].status} (run earlier by the caller)")
             continue
         results[check_id] = run_check(ctx, check_id, check, log)
+    _confirm_agreement(ctx, results, faults_from, destructive, log)
     for claim in CLAIMS:
         report.checks.append(results.get(claim.check_id) or not_run(claim.check_id, "destructive checks need "
                                                                     "--destructive"))
