@@ -461,6 +461,18 @@ def test_leader_stop_streams_complete_with_length_and_followers_stop_after(
     assert extra["ignore_eos"] is True and extra["max_tokens"] == 16
 
 
+def test_leader_stop_in_a_cell_of_two_units_does_not_judge_followers_by_another_units_streams() -> None:
+    """Regression: with two units the load balancer may send both streams to u1; u0's leader, stopped with none,
+    stops its followers at once, before u1's streams end, and 7b failed "followers stopped before the leader
+    drained" on a healthy cell."""
+    with fake_unit("openai", token_delay=0.1) as server:
+        adapter = DrainingCell(server.url, running=two_tasks(), followers_early=True, health={"u0": 200, "u1": 200})
+        result = checks_faults.check_leader_stop(context(server, adapter, max_seq_len=80, units=["u0", "u1"]))
+    assert result.status == "pass", result.detail
+    assert "2 stream(s) completed" in result.detail and "in a cell of 2 units the streams' units are not known" \
+        in result.detail
+
+
 def test_report_json_and_markdown(tmp_path: Path) -> None:
     report = Report(cell="dev", adapter="fake", destructive=False)
     report.checks = [CheckResult("1-serving", "pass", Measured(1, "units serving"), "ok"),
