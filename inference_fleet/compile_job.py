@@ -113,6 +113,11 @@ def nxdi_argv(layout: dict[str, Any], node_rank: int, checkpoint: str, out_dir: 
         "--logical-nc-config", str(layout["logical_nc_config"]),
         "--batch-size", str(layout["batch_size"]), "--seq-len", str(layout["seq_len"]),
         "--max-context-length", str(layout["max_context_length"]),
+        # One prompt per context-encoding step, as vllm-neuron's own config has it (whn09/vllm-neuron@3afb0a92
+        # neuronx_distributed_model_loader.py:1095) and the planner's step bound assumes (planner/fit.py). NxDI's
+        # default is batch_size (models/config.py:161), a prefill graph of batch_size padded prompts
+        # (models/model_base.py:3099-3104): every prefill step would encode 32 prompts' worth for the default fleet.
+        "--ctx-batch-size", "1",
     ]
     if layout["sequence_parallel_enabled"]:
         argv.append("--sequence-parallel-enabled")

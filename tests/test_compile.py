@@ -57,6 +57,8 @@ def test_every_pass_parses_with_nxdis_own_parser_into_the_units_layout(config, m
             layout["batch_size"], layout["seq_len"], layout["max_context_length"])
         assert args.sequence_parallel_enabled is layout["sequence_parallel_enabled"]
         assert args.is_continuous_batching is layout["is_continuous_batching"]
+        # Regression: unset, NxDI takes ctx_batch_size = batch_size (models/config.py:161), not vllm-neuron's 1.
+        assert args.ctx_batch_size == 1
         assert args.compile_only and args.save_sharded_checkpoint and not args.enable_torch_dist
         assert args.compiled_model_path == f"/work/node{one.node_rank}/"
         assert one.env["BASE_COMPILE_WORK_DIR"] == f"/work/nxd-workdir-node{one.node_rank}/"
