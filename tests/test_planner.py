@@ -139,10 +139,39 @@ def test_llama_70b_attention_dp_by_hand():
                         data_parallel_degree=4, max_concurrent_sequences=8)
     mem = planner.memory_plan(shape, lay)
     assert mem.weights_per_core == pytest.approx(1_827_200_140 + 1_677_721_600)
-    # 8 sequences over 4 groups: 2 per core, 335,544,320 bytes each.
-    assert (mem.sequences_per_core, mem.kv_per_core) == (2, 2 * 335_544_320)
-    # (24 GiB x 0.9 - 3,504,921,740) / 335,544,320 = 58.6 -> 58 per group, 4 groups.
-    assert mem.max_sequences == 4 * 58
+    # 8 sequences over 4 groups: 2 per core, plus NxD Inference's padding slot of attention DP
+    # (kv_cache_batch_size + kv_cache_padding_size), 335,544,320 bytes each.
+    assert (mem.sequences_per_core, mem.kv_per_core) == (2, 3 * 335_544_320)
+    assert mem.kv_slots_per_core == 3
+    # (24 GiB x 0.9 - 3,504,921,740) / 335,544,320 = 58.6 -> 58 slots per core, 57 sequences per group, 4 groups.
+    assert mem.max_sequences == 4 * 57
+
+
+def test_attention_dp_kv_cache_holds_nxdi_padding_slot():
+    """With attention DP, NxD Inference sizes each core's KV cache at batch/dp + 1 sequences: the extra slot is
+    where a core writes the KV of the sequences outside its group (aws-neuron/neuronx-distributed-inference@c63afe02
+    models/config.py:513-517, modules/kvcache/kv_cache_manager.py:195, data_parallel_kv_cache_manager.py:15-21).
+    The default fleet (405B, 2 x trn2, dp 4, 16384 tokens) was said to fit 48 sequences; NxD Inference needs
+    13 slots per core for 48, and 12 fit."""
+    shape, lay = layout(LLAMA_405B, 16384, max_concurrent_sequences=32)
+    mem = planner.memory_plan(shape, lay)
+    # One sequence on one core: 16384 tokens x K and V x 126 layers x 1 KV head x 128 x 2 bytes.
+    kv_seq = 16384 * 2 * 126 * 1 * 128 * 2
+    assert kv_seq == 1_056_964_608 and mem.kv_per_sequence_per_core == kv_seq
+    # 32 sequences over 4 groups: 8 per core + 1 padding slot.
+    assert (mem.sequences_per_core, mem.kv_per_core) == (8, 9 * kv_seq)
+    free = 24 * GIB * 0.9 - mem.weights_per_core
+    assert math.floor(free / kv_seq) == 12  # slots per core: 1 padding + 11 sequences, x 4 groups
+    assert mem.max_sequences == 44
+    assert mem.headroom_per_core == pytest.approx(free - 9 * kv_seq)
+    assert mem.kv_slots_per_core == 9
+    # 48 sequences (12 per group) need 13 slots per core: refused.
+    (issue,) = issues_of(fleet_data(max_concurrent_sequences=48))
+    assert issue.path == "unit.max_concurrent_sequences" and issue.value == 48
+    assert "KV cache of 12 sequence(s) + 1 attention-DP padding slot x 16384 tokens" in issue.problem
+    # Without attention DP there is no padding slot (kv_cache_padding_size stays 0, models/config.py:170).
+    no_dp = planner.Layout(lay.instance, lay.nodes, lay.lnc, cp=4, dp=1, batch=32, seq_len=16384)
+    assert planner.memory_plan(shape, no_dp).kv_slots_per_core == 32
 
 
 def test_default_fleet_fits_and_reports_its_phases():
@@ -170,7 +199,7 @@ def test_kv_budget_over_hbm_names_the_concurrency_that_fits():
     (issue,) = issues_of(fleet_data(max_concurrent_sequences=64))
     assert issue.path == "unit.max_concurrent_sequences" and issue.value == 64
     assert "per NeuronCore, over the 24.0 GiB of HBM" in issue.problem
-    assert "at most 48 sequences fit this unit" in issue.problem
+    assert "at most 44 sequences fit this unit" in issue.problem
 
 
 def test_weights_over_hbm_names_the_smallest_unit():
@@ -198,7 +227,7 @@ def test_attention_heads_not_divisible_by_the_phase_tp():
 
 def test_kv_heads_neither_dividing_nor_divisible():
     # 96 query heads in 8 groups of 12 KV heads; 12 neither divides nor is divisible by tp/cp = 32.
-    issues = issues_of(fleet_data({"num_attention_heads": 96, "num_kv_heads": 12}))
+    issues = issues_of(fleet_data({"num_attention_heads": 96, "num_kv_heads": 12}, max_concurrent_sequences=16))
     assert {i.path for i in issues} == {"unit.context_parallel_degree", "unit.data_parallel_degree"}
     assert all("model.num_kv_heads (12) must divide or be divisible by it" in i.problem for i in issues)
 
@@ -236,16 +265,18 @@ def test_attention_dp_beside_cp_follows_nxd_inference(cp, dp, refused):
         assert "validate_attention_data_parallel" in found[0].problem and "allowed:" in found[0].problem
 
 
-@pytest.mark.parametrize(("seq_len", "batch", "bound", "refused"), [
-    (16384, 32, 30, False),  # the default fleet: longest step estimated 2.0 s
-    (131072, 4, 30, True),  # 405B at 128k context on two trn2: estimated 21.5 s
-    (131072, 4, 65, False),
+# At 128k context one sequence fills a core's KV budget: no attention DP (its padding slot would not fit either).
+@pytest.mark.parametrize(("seq_len", "batch", "dp", "bound", "refused"), [
+    (16384, 32, 4, 30, False),  # the default fleet: longest step estimated 2.0 s
+    (131072, 1, 1, 30, True),  # 405B at 128k context on two trn2: estimated 21.5 s
+    (131072, 1, 1, 65, False),
 ])
-def test_step_bound_outlasts_the_longest_prefill(seq_len, batch, bound, refused):
+def test_step_bound_outlasts_the_longest_prefill(seq_len, batch, dp, bound, refused):
     """A long prompt must not trip the lockstep bound: 3 x the roofline prefill of max_seq_len fits."""
     data = default_data()
     data["model"]["max_seq_len"] = seq_len
     data["unit"]["max_concurrent_sequences"] = batch
+    data["unit"]["data_parallel_degree"] = dp
     data.setdefault("serving", {})["step_timeout_seconds"] = bound
     found = issues_at(data, "serving.step_timeout_seconds")
     assert bool(found) == refused
@@ -402,7 +433,7 @@ def test_cli_prints_the_default_plan():
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "weights: 756.0 GiB in all; 9.78 GiB per NeuronCore, 39.13 GiB per chip" in out
-    assert re.search(r"concurrency: 32 sequences configured .*; 48 fit at max_seq_len", out)
+    assert re.search(r"concurrency: 32 sequences configured .*; 44 fit at max_seq_len", out)
     assert "context encoding (prefill): tp 128, cp 4" in out
     assert "token generation (decode): tp 128, attention dp 4" in out
     assert '"start_rank_id": 0' in out
@@ -426,7 +457,7 @@ def test_cli_suggests_for_an_impossible_fleet():
 
 def test_cli_json_plan_and_comparison():
     plan = json.loads(run_cli("--json", "--prompt-tokens", "4096").stdout)
-    assert plan["estimate"]["prompt_tokens"] == 4096 and plan["memory_gib"]["max_sequences"] == 48
+    assert plan["estimate"]["prompt_tokens"] == 4096 and plan["memory_gib"]["max_sequences"] == 44
     compare = run_cli("--compare")
     assert compare.returncode == 0
     assert "Llama-3.1-405B on trn2.48xlarge: TPOT 37.9 ms published" in compare.stdout

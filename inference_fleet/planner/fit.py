@@ -152,10 +152,18 @@ def layout_issues(shape: ModelShape, layout: Layout) -> list[ConfigIssue]:
     return issues
 
 
+def _slots(mem: MemoryPlan) -> str:
+    padding = mem.kv_slots_per_core - mem.sequences_per_core
+    if not padding:
+        return f"{mem.sequences_per_core} sequence(s)"
+    # NxD Inference's attention DP adds a slot per core (shape.kv_padding_slots).
+    return f"{mem.sequences_per_core} sequence(s) + {padding} attention-DP padding slot"
+
+
 def _fit_issue(shape: ModelShape, layout: Layout, mem: MemoryPlan) -> ConfigIssue:
     need = mem.weights_per_core + mem.kv_per_core + mem.reserve_per_core
     budget = (
-        f"weights {mem.weights_per_core / GIB:.2f} GiB + KV cache of {mem.sequences_per_core} sequence(s) x "
+        f"weights {mem.weights_per_core / GIB:.2f} GiB + KV cache of {_slots(mem)} x "
         f"{layout.seq_len} tokens {mem.kv_per_core / GIB:.2f} GiB + reserve "
         f"{mem.reserve_per_core / GIB:.2f} GiB = {need / GIB:.2f} GiB per NeuronCore, over the "
         f"{mem.hbm_per_core / GIB:.1f} GiB of HBM of one logical "

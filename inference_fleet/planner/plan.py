@@ -52,7 +52,7 @@ def neuron_config(fleet: FleetConfig, node_rank: int = 0) -> dict[str, Any]:
 
 
 
-_COUNTS = frozenset({"sequences_per_core", "max_sequences"})
+_COUNTS = frozenset({"sequences_per_core", "kv_slots_per_core", "max_sequences"})
 
 
 def plan_report(fleet: FleetConfig, prompt_tokens: int) -> dict[str, Any]:
@@ -70,6 +70,12 @@ def plan_report(fleet: FleetConfig, prompt_tokens: int) -> dict[str, Any]:
     }
 
 
+def _padding_note(memory: dict[str, Any]) -> str:
+    """The KV slot NxD Inference adds to each core under attention DP, when there is one (shape.kv_padding_slots)."""
+    padding = memory["kv_slots_per_core"] - memory["sequences_per_core"]
+    return f" + {padding} padding slot" if padding else ""
+
+
 def format_plan(fleet: FleetConfig, report: dict[str, Any]) -> str:
     layout = Layout.from_fleet(fleet)
     m, e, ph = report["memory_gib"], report["estimate"], report["phases"]
@@ -85,7 +91,7 @@ def format_plan(fleet: FleetConfig, report: dict[str, Any]) -> str:
         f"sequence at {layout.seq_len} tokens; {m['kv_per_sequence_per_core']:.3f} GiB of it per NeuronCore "
         f"(attention group of {layout.tkg_group} cores)",
         f"concurrency: {layout.batch} sequences configured ({m['sequences_per_core']} per attention-dp "
-        "group, "
+        f"group{_padding_note(m)}, "
         f"{m['kv_per_core']:.2f} GiB KV per NeuronCore); {m['max_sequences']} fit at max_seq_len",
         f"HBM per NeuronCore: {m['hbm_per_core']:.2f} GiB = weights {m['weights_per_core']:.2f} + KV "
         f"{m['kv_per_core']:.2f} + reserve {m['reserve_per_core']:.2f} ({HBM_RESERVE_FRACTION:.0%}) + "
