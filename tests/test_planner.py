@@ -8,6 +8,7 @@ the real config validation path (`checks.parse_fleet`).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -244,7 +245,8 @@ def test_attention_group_straddling_nodes():
     # 96 heads and 8 KV heads split over 48 cores, but 48-core groups straddle 32-core trn1 nodes.
     model = {"name": "straddle", "parameters_billion": 20, "num_layers": 24, "hidden_size": 12288,
              "num_attention_heads": 96, "num_kv_heads": 8}
-    data = fleet_data(model, 4096, instance_type="trn1.32xlarge", nodes=3, context_parallel_degree=2,
+    # 4608: a multiple of tp = 96 (sequence parallelism) and of 128 x cp.
+    data = fleet_data(model, 4608, instance_type="trn1.32xlarge", nodes=3, context_parallel_degree=2,
                       data_parallel_degree=3, max_concurrent_sequences=6)
     issues = issues_of(data)
     # dp 3 > cp 2 also breaks NxD Inference's attention-DP rule (test below).
@@ -391,16 +393,37 @@ def test_crossing_nodes_costs_efa_time():
 
 
 def test_published_nxdi_setups_pass_the_checks():
-    # The planner must accept what AWS actually ran with NxD Inference on trn2.
+    # The planner must accept what AWS actually ran with NxD Inference on trn2. A figure records the tokens
+    # of its run (prompt + output), not the max length compiled, which sequence parallelism holds to a
+    # multiple of tp: the check takes the next such length.
     for fig in planner.PUBLISHED:
         if fig.instance.startswith("trn2"):
-            assert planner.violations(fig.shape, fig.layout()) == [], fig.setup
+            lay = fig.layout()
+            compiled = dataclasses.replace(lay, seq_len=math.ceil(lay.seq_len / lay.tp) * lay.tp)
+            assert planner.violations(fig.shape, compiled) == [], fig.setup
 
 
-def test_context_parallelism_off_accepts_any_max_seq_len():
-    shape, lay = layout(LLAMA_8B, 1000, instance_type="trn1.32xlarge", nodes=1, context_parallel_degree=1,
+def test_context_parallelism_off_accepts_a_max_seq_len_off_the_128_token_tiles():
+    # 1056 = 33 x 32: a multiple of tp (sequence parallelism), not of 128 (the package's CP tile rule).
+    shape, lay = layout(LLAMA_8B, 1056, instance_type="trn1.32xlarge", nodes=1, context_parallel_degree=1,
                         data_parallel_degree=1, max_concurrent_sequences=4)
     assert planner.violations(shape, lay) == []
+
+
+@pytest.mark.parametrize(("model", "seq_len", "unit", "tp", "nearest"), [
+    (LLAMA_8B, 1000, {"instance_type": "trn1.32xlarge", "nodes": 1, "data_parallel_degree": 1,
+                      "max_concurrent_sequences": 4}, 32, "992 or 1024"),
+    (LLAMA_405B, 16064, {}, 128, "16000 or 16128"),
+])
+def test_sequence_parallelism_needs_max_seq_len_a_multiple_of_tp(model, seq_len, unit, tp, nearest):
+    """The planner renders sequence_parallel_enabled: NxD Inference asserts that the context length (the one
+    prefill bucket, max_context_length = max_seq_len) divides by the tensor-parallel group
+    (aws-neuron/neuronx-distributed-inference@c63afe02 models/model_base.py:1463-1472). Without context
+    parallelism no other rule looks at the length: the planner accepted both."""
+    (issue,) = issues_of(fleet_data(model, seq_len, context_parallel_degree=1, **unit))
+    assert issue.path == "model.max_seq_len" and issue.value == seq_len
+    assert f"must be a multiple of the unit's tp = {tp} NeuronCores (nearest: {nearest})" in issue.problem
+    assert "validate_sequence_parallel" in issue.problem
 
 
 def test_published_comparison_rows_and_planner_doc_table_agree():

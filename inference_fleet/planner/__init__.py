@@ -7,8 +7,9 @@ One arithmetic, one file per job:
   (`make synth`, `make plan`, the launcher), so a layout that cannot work is refused:
   weights plus the KV cache budget over a NeuronCore's HBM, attention heads or KV heads
   that do not split over a phase's attention tensor-parallel degree, a context-parallel
-  degree the max sequence length cannot feed, an attention group that straddles a node
-  boundary, a batch that does not split over the decode data-parallel groups;
+  degree the max sequence length cannot feed, a max sequence length that sequence parallelism
+  cannot split over tp, an attention group that straddles a node boundary, a batch that does
+  not split over the decode data-parallel groups;
 * `plan`: the memory budget per NeuronCore and per chip, the concurrency that fits, and
   the neuron config of each phase (context encoding: tp and cp; token generation: tp and
   attention dp) that the launcher uses;
@@ -25,6 +26,7 @@ docs/planner.md has the formulas. The names below are the planner's public inter
 from inference_fleet.planner.fit import (
     CP_TILE_TOKENS,
     DEFAULT_MAX_NODES,
+    SEQUENCE_PARALLEL,
     check_fit,
     layout_issues,
     layouts,
@@ -64,6 +66,7 @@ __all__ = [
     "GIB",
     "HBM_RESERVE_FRACTION",
     "PUBLISHED",
+    "SEQUENCE_PARALLEL",
     "Candidate",
     "Estimate",
     "Layout",

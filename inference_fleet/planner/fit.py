@@ -1,11 +1,12 @@
 """Planner, fit rules: does a layout work on a unit, and what is the smallest unit that fits.
 
 `violations` names the rules a layout breaks (memory, heads that do not split, a
-context-parallel degree the sequence cannot feed, an attention group straddling nodes, a
-batch that does not split); `layout_issues` turns them into `ConfigIssue`s naming the
-field to change; `check_fit` is the fleet check that `inference_fleet.checks` runs on
-every load of a fleet file. `minimal_nodes` searches the fewest nodes with a valid layout,
-for the fit message and for `--suggest` (docs/planner.md "Checks").
+context-parallel degree the sequence cannot feed, a max_seq_len that sequence parallelism
+cannot split over tp, an attention group straddling nodes, a batch that does not split);
+`layout_issues` turns them into `ConfigIssue`s naming the field to change; `check_fit` is
+the fleet check that `inference_fleet.checks` runs on every load of a fleet file.
+`minimal_nodes` searches the fewest nodes with a valid layout, for the fit message and for
+`--suggest` (docs/planner.md "Checks").
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import math
 from collections.abc import Iterable, Iterator
 
 from inference_fleet.catalogue import CATALOGUE, InstanceType
-from inference_fleet.config import ConfigIssue, FleetConfig
+from inference_fleet.config import ConfigIssue, FleetConfig, ModelConfig
 from inference_fleet.planner.roofline import estimate
 from inference_fleet.planner.shape import (
     GIB,
@@ -30,9 +31,14 @@ from inference_fleet.planner.shape import (
 # The step bound's headroom over the roofline estimate of the longest step (step_bound_issues).
 STEP_BOUND_MARGIN = 3.0
 
-# A context-parallel rank encodes max_seq_len / cp tokens; NeuronCore tiles have 128 rows
-# (the SBUF partition dimension), so each rank needs a whole number of 128-token tiles.
+# The package's own rule, not an NxD Inference assert (none found at c63afe02): a context-parallel rank
+# encodes max_seq_len / cp tokens, and the planner asks for whole 128-token tiles per rank (128 is the
+# SBUF partition count of a NeuronCore), stricter than NxD Inference's sequence-parallel rule below.
 CP_TILE_TOKENS = 128
+
+# The planner renders sequence parallelism on for every unit (plan.neuron_config; compile_job passes it
+# as --sequence-parallel-enabled), so the sequence-parallel rule below always applies.
+SEQUENCE_PARALLEL = True
 
 DEFAULT_MAX_NODES = 16
 
@@ -52,8 +58,23 @@ def _heads_split(shape: ModelShape, group: int) -> bool:
 
 
 def _cp_fits_seq(layout: Layout, cp: int) -> bool:
-    # Without context parallelism the prompt is not split: any length is padded to a bucket.
+    # Without context parallelism no prompt is split over CP ranks (the sequence-parallel rule still applies).
     return cp == 1 or layout.seq_len % (CP_TILE_TOKENS * cp) == 0
+
+
+def _sp_fits_seq(layout: Layout) -> bool:
+    """With sequence parallelism NxD Inference asserts that the context length divides by the tensor-parallel
+    group (aws-neuron/neuronx-distributed-inference@c63afe02 models/model_base.py:1463-1472, called at :1276-1277;
+    the group is the tp_degree ranks: utils/distributed.py:30-36, models/application_base.py:590-595). The compile
+    passes no --enable-bucketing, so the one prefill bucket is max_context_length (modules/autobucketing.py:162-175),
+    which the package sets to model.max_seq_len."""
+    return not SEQUENCE_PARALLEL or layout.seq_len % layout.tp == 0
+
+
+def _multiples_near(value: int, step: int, low: int) -> list[int]:
+    """The multiples of `step` just below (if at least `low`) and just above `value`."""
+    below = value // step * step
+    return [m for m in (below, below + step) if m >= low]
 
 
 def _phases(layout: Layout) -> tuple[tuple[str, str, int, int, str], ...]:
@@ -82,6 +103,8 @@ def violations(shape: ModelShape, layout: Layout) -> list[str]:
             found.append(f"heads-{letter}")
     if not _cp_fits_seq(layout, layout.cp):
         found.append("cp-seq")
+    if not _sp_fits_seq(layout):
+        found.append("sp-seq")
     if layout.batch % layout.dp:
         found.append("batch-dp")
     if not _attention_dp_with_cp(layout.cp, layout.dp):
@@ -132,6 +155,8 @@ def layout_issues(shape: ModelShape, layout: Layout) -> list[ConfigIssue]:
             f"tiles, so model.max_seq_len ({layout.seq_len}) must be a multiple of {tile} x cp = "
             f"{tile * layout.cp}; allowed: {allowed}",
         ))
+    if "sp-seq" in found:
+        issues.append(_sp_issue(layout))
     if "batch-dp" in found:
         issues.append(ConfigIssue(
             "unit.max_concurrent_sequences", layout.batch,
@@ -150,6 +175,19 @@ def layout_issues(shape: ModelShape, layout: Layout) -> list[ConfigIssue]:
     if "memory" in found:
         issues.append(_fit_issue(shape, layout, memory_plan(shape, layout)))
     return issues
+
+
+def _sp_issue(layout: Layout) -> ConfigIssue:
+    tp = layout.tp
+    nearest = _multiples_near(layout.seq_len, tp, ModelConfig.model_fields["max_seq_len"].metadata[0].ge)
+    return ConfigIssue(
+        "model.max_seq_len", layout.seq_len,
+        f"must be a multiple of the unit's tp = {tp} NeuronCores (nearest: {' or '.join(map(str, nearest))}): "
+        "prefill runs with sequence parallelism (sequence_parallel_enabled, rendered for every unit) and NxD "
+        "Inference asserts that the context length, here its one prefill bucket max_context_length = "
+        "model.max_seq_len, divides by the tensor-parallel group size (validate_sequence_parallel, "
+        "models/model_base.py at c63afe02)",
+    )
 
 
 def _slots(mem: MemoryPlan) -> str:

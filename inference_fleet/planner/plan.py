@@ -12,6 +12,7 @@ from dataclasses import asdict
 from typing import Any
 
 from inference_fleet.config import FleetConfig
+from inference_fleet.planner.fit import SEQUENCE_PARALLEL
 from inference_fleet.planner.roofline import EFFICIENCY, estimate
 from inference_fleet.planner.shape import GIB, HBM_RESERVE_FRACTION, Layout, memory_plan, shape_of
 
@@ -44,8 +45,9 @@ def neuron_config(fleet: FleetConfig, node_rank: int = 0) -> dict[str, Any]:
         "seq_len": model.max_seq_len,
         "max_context_length": model.max_seq_len,
         "torch_dtype": model.dtype,
-        # Prefill shards activations along the sequence between collectives (NxDI tutorials).
-        "sequence_parallel_enabled": True,
+        # Prefill shards activations along the sequence between collectives (NxDI tutorials); the fit
+        # checks hold max_seq_len to a multiple of tp for it (fit.SEQUENCE_PARALLEL).
+        "sequence_parallel_enabled": SEQUENCE_PARALLEL,
         # vllm-neuron's default (batch > 1); NxD Inference needs it for attention DP.
         "is_continuous_batching": unit.max_concurrent_sequences > 1,
     }
