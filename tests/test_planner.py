@@ -267,6 +267,38 @@ def test_attention_dp_beside_cp_follows_nxd_inference(cp, dp, refused):
         assert "validate_attention_data_parallel" in found[0].problem and "allowed:" in found[0].problem
 
 
+@pytest.mark.parametrize(("model", "unit", "path", "says"), [
+    # cp 1, dp 8: 8 KV heads give a decode core (32/8 = 4 cores a group) 2 heads, a prefill core (32) 1.
+    (LLAMA_8B, {"context_parallel_degree": 1, "data_parallel_degree": 8}, "unit.data_parallel_degree",
+     "2 against 1 (aws-neuron/neuronx-distributed-inference@c63afe02 modules/attention/utils.py:603-621"),
+    # cp 16, dp 8: tp/dp = 4 below the 8 KV heads.
+    (LLAMA_8B, {"context_parallel_degree": 16, "data_parallel_degree": 8}, "unit.data_parallel_degree",
+     "tp/dp = 4 must be at least model.num_kv_heads (8) (aws-neuron/neuronx-distributed-inference@c63afe02 "
+     "modules/attention/utils.py:576"),
+    # cp 2, dp 1, 64 KV heads (MHA) over 32 cores: decode over all tp needs tp >= KV heads.
+    ({"name": "mha-64", "parameters_billion": 13, "num_layers": 40, "hidden_size": 8192, "num_attention_heads": 64,
+      "num_kv_heads": 64}, {"context_parallel_degree": 2, "data_parallel_degree": 1}, "unit.context_parallel_degree",
+     "needs tp >= model.num_kv_heads (64) (aws-neuron/neuronx-distributed-inference@c63afe02 "
+     "modules/attention/utils.py:464"),
+])
+def test_kv_heads_follow_nxd_inference_when_the_phases_use_different_groups(model, unit, path, says):
+    """NxD Inference asserts on the KV heads when prefill and decode run attention on different groups
+    (cp != dp); the planner's own head rule only asked that the KV heads and each group divide one another,
+    and accepted all three layouts (one trn1.32xlarge, tp 32, 8192 tokens)."""
+    data = fleet_data(model, 8192, instance_type="trn1.32xlarge", nodes=1, max_concurrent_sequences=16, **unit)
+    (issue,) = issues_of(data)
+    assert issue.path == path and says in issue.problem
+    assert "NxD Inference refuses this layout" in issue.problem and "allowed" in issue.problem
+
+
+def test_kv_head_copies_follow_nxd_inference():
+    """utils.py:585 (CP with DP decode): the KV copies CP writes must cover the ones decode reads. No catalogue
+    unit reaches it past the other rules; tp 12 does: cp 4 writes 1 x 4, dp 2 reads 6 // 2 x 2."""
+    assert "writes 4 copies of the KV heads and decode needs 6" in planner.kv_head_assert(2, 12, 4, 2)
+    assert planner.kv_head_assert(8, 128, 4, 4) is None  # cp == dp: the phases share their groups
+    assert planner.kv_head_assert(8, 128, 4, 2) is None  # the default model with dp 2: 64 >= 8, copies 16 >= 16
+
+
 # At 128k context one sequence fills a core's KV budget: no attention DP (its padding slot would not fit either).
 @pytest.mark.parametrize(("seq_len", "batch", "dp", "bound", "refused"), [
     (16384, 32, 4, 30, False),  # the default fleet: longest step estimated 2.0 s

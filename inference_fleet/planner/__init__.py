@@ -6,7 +6,8 @@ One arithmetic, one file per job:
 * `fit`: the fit rules, run by `inference_fleet.checks` on every load of a fleet file
   (`make synth`, `make plan`, the launcher), so a layout that cannot work is refused:
   weights plus the KV cache budget over a NeuronCore's HBM, attention heads or KV heads
-  that do not split over a phase's attention tensor-parallel degree, a context-parallel
+  that do not split over a phase's attention tensor-parallel degree, KV heads NxD Inference
+  refuses when the phases use different attention groups, a context-parallel
   degree the max sequence length cannot feed, a max sequence length that sequence parallelism
   cannot split over tp, an attention group that straddles a node boundary, a batch that does
   not split over the decode data-parallel groups;
@@ -28,6 +29,7 @@ from inference_fleet.planner.fit import (
     DEFAULT_MAX_NODES,
     SEQUENCE_PARALLEL,
     check_fit,
+    kv_head_assert,
     layout_issues,
     layouts,
     minimal_nodes,
@@ -80,6 +82,7 @@ __all__ = [
     "estimate",
     "format_plan",
     "format_suggestion",
+    "kv_head_assert",
     "kv_padding_slots",
     "kv_per_sequence_per_core",
     "layout_issues",

@@ -1,7 +1,8 @@
 """Planner, fit rules: does a layout work on a unit, and what is the smallest unit that fits.
 
-`violations` names the rules a layout breaks (memory, heads that do not split, a
-context-parallel degree the sequence cannot feed, a max_seq_len that sequence parallelism
+`violations` names the rules a layout breaks (memory, heads that do not split, KV heads
+NxD Inference refuses when the phases use different groups, a context-parallel degree the
+sequence cannot feed, a max_seq_len that sequence parallelism
 cannot split over tp, an attention group straddling nodes, a batch that does not split);
 `layout_issues` turns them into `ConfigIssue`s naming the field to change; `check_fit` is
 the fleet check that `inference_fleet.checks` runs on every load of a fleet file.
@@ -53,6 +54,9 @@ def _straddles(group: int, cores_per_node: int) -> bool:
 
 
 def _heads_split(shape: ModelShape, group: int) -> bool:
+    # The package's rule, stricter than NxD Inference, which pads the query heads to a multiple of the group
+    # and turns GQA into MHA when the group is not a multiple of the KV heads (aws-neuron/neuronx-distributed-
+    # inference@c63afe02 modules/attention/gqa.py:62-100): kept, the memory arithmetic assumes neither.
     kv_ok = shape.num_kv_heads % group == 0 or group % shape.num_kv_heads == 0
     return shape.num_attention_heads % group == 0 and kv_ok
 
@@ -91,6 +95,61 @@ def _attention_dp_with_cp(cp: int, dp: int) -> bool:
     return cp == 1 or dp == 1 or (dp <= cp and cp % dp == 0)
 
 
+# NxD Inference's asserts on the KV heads when the phases run attention on different groups, at
+# aws-neuron/neuronx-distributed-inference@c63afe02 (k = model.num_kv_heads, the checkpoint's count:
+# models/model_base.py:1102, modeling_llama.py:757). Each returns why it fails, or None.
+_NXDI = "aws-neuron/neuronx-distributed-inference@c63afe02"
+
+
+def _kv_tp_prefill_dp_decode(k: int, tp: int, dp: int) -> str | None:
+    # cp 1, dp > 1: attention_base.py:328-329 calls validate_tp_prefill_to_dp_decode (utils.py:603-621).
+    decode, prefill = max(k // (tp // dp), 1), max(k // tp, 1)
+    if decode == prefill:
+        return None
+    return (f"model.num_kv_heads ({k}) must give a core as many KV heads, max(num_kv_heads // group, 1), in decode "
+            f"over tp/dp = {tp // dp} cores as in prefill over all tp = {tp} cores: {decode} against {prefill} "
+            f"({_NXDI} modules/attention/utils.py:603-621 validate_tp_prefill_to_dp_decode, from "
+            "attention_base.py:328-329)")
+
+
+def _kv_cp_dp_decode(k: int, tp: int, cp: int, dp: int) -> str | None:
+    # cp > 1, dp > 1, cp != dp: kv_cache_manager.py:464-478 calls get_kv_head_indices_context_parallel_dp_decode.
+    group = tp // dp
+    if group < k:
+        return (f"with context_parallel_degree {cp} != data_parallel_degree {dp}, tp/dp = {group} must be at least "
+                f"model.num_kv_heads ({k}) ({_NXDI} modules/attention/utils.py:576, from "
+                "modules/kvcache/kv_cache_manager.py:464-478)")
+    cp_copies, dp_copies = max(tp // cp // k, 1) * cp, group // k * dp
+    if cp_copies < dp_copies:
+        return (f"with model.num_kv_heads ({k}), context parallelism writes {cp_copies} copies of the KV heads "
+                f"and decode needs {dp_copies} "
+                f"({_NXDI} modules/attention/utils.py:585)")
+    return None
+
+
+def _kv_cp_full_tp_decode(k: int, tp: int) -> str | None:
+    # cp > 1, dp 1: attention_base.py:395-399 calls get_context_parallel_reordered_tp_mapping (utils.py:464).
+    if tp >= k:
+        return None
+    return (f"context parallelism with decode over all tp = {tp} cores needs tp >= model.num_kv_heads ({k}) "
+            f"({_NXDI} modules/attention/utils.py:464, from attention_base.py:395-399)")
+
+
+def kv_head_assert(k: int, tp: int, cp: int, dp: int) -> str | None:
+    """The NxD Inference assert on KV heads that this cp/dp pair trips, said in words, or None.
+
+    Only when the phases use different attention groups: with cp == dp they share them
+    (attention_base.py:410-414) and the package's head rule (`_heads_split`) is all.
+    """
+    if cp == dp:
+        return None
+    if cp == 1:
+        return _kv_tp_prefill_dp_decode(k, tp, dp)
+    if dp == 1:
+        return _kv_cp_full_tp_decode(k, tp)
+    return _kv_cp_dp_decode(k, tp, cp, dp)
+
+
 def violations(shape: ModelShape, layout: Layout) -> list[str]:
     """Short names of the rules a layout breaks (empty: the layout is usable)."""
     found = []
@@ -109,6 +168,8 @@ def violations(shape: ModelShape, layout: Layout) -> list[str]:
         found.append("batch-dp")
     if not _attention_dp_with_cp(layout.cp, layout.dp):
         found.append("cp-dp")
+    elif kv_head_assert(shape.num_kv_heads, layout.tp, layout.cp, layout.dp):
+        found.append("kv-nxdi")
     if not memory_plan(shape, layout).fits:
         found.append("memory")
     return found
@@ -172,9 +233,25 @@ def layout_issues(shape: ModelShape, layout: Layout) -> list[ConfigIssue]:
             f"data_parallel_degree <= context_parallel_degree ({layout.cp}) and divides it "
             f"(validate_attention_data_parallel); allowed: {allowed}",
         ))
+    if "kv-nxdi" in found:
+        issues.append(_kv_issue(shape.num_kv_heads, layout))
     if "memory" in found:
         issues.append(_fit_issue(shape, layout, memory_plan(shape, layout)))
     return issues
+
+
+def _kv_issue(k: int, layout: Layout) -> ConfigIssue:
+    """The KV-head assert as an issue on the degree to change: dp, or cp when decode runs over all tp."""
+    tp, cp, dp = layout.tp, layout.cp, layout.dp
+    why = kv_head_assert(k, tp, cp, dp)
+    if dp == 1:
+        allowed = [c for c in _divisors(tp) if not kv_head_assert(k, tp, c, dp)]
+        return ConfigIssue("unit.context_parallel_degree", cp,
+                           f"NxD Inference refuses this layout: {why}; allowed context_parallel_degree: {allowed}")
+    allowed = [d for d in _divisors(tp) if _attention_dp_with_cp(cp, d) and not kv_head_assert(k, tp, cp, d)]
+    return ConfigIssue("unit.data_parallel_degree", dp,
+                       f"NxD Inference refuses this layout: {why}; allowed data_parallel_degree with "
+                       f"context_parallel_degree {cp}: {allowed}")
 
 
 def _sp_issue(layout: Layout) -> ConfigIssue:
