@@ -198,7 +198,8 @@ class ModelConfig(_Strict):
     max_seq_len: int = Field(
         ge=128, le=1_048_576,
         description="Longest prompt plus completion, in tokens. At most 131072 on Neuron (checked on load): "
-        "vllm-neuron schedules at most 131072 tokens a step with chunked prefill off.",
+        "vllm-neuron schedules at most 131072 tokens a step with chunked prefill off. A multiple of the unit's "
+        "tensor-parallel degree (checked on load): NxD Inference's sequence parallelism splits it over tp.",
     )
     num_layers: int = Field(ge=1, le=1024, description="Transformer layers.")
     hidden_size: int = Field(ge=64, le=262_144, description="Model width; at least num_attention_heads.")

@@ -8,6 +8,7 @@ the real config validation path (`checks.parse_fleet`).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -139,10 +140,39 @@ def test_llama_70b_attention_dp_by_hand():
                         data_parallel_degree=4, max_concurrent_sequences=8)
     mem = planner.memory_plan(shape, lay)
     assert mem.weights_per_core == pytest.approx(1_827_200_140 + 1_677_721_600)
-    # 8 sequences over 4 groups: 2 per core, 335,544,320 bytes each.
-    assert (mem.sequences_per_core, mem.kv_per_core) == (2, 2 * 335_544_320)
-    # (24 GiB x 0.9 - 3,504,921,740) / 335,544,320 = 58.6 -> 58 per group, 4 groups.
-    assert mem.max_sequences == 4 * 58
+    # 8 sequences over 4 groups: 2 per core, plus NxD Inference's padding slot of attention DP
+    # (kv_cache_batch_size + kv_cache_padding_size), 335,544,320 bytes each.
+    assert (mem.sequences_per_core, mem.kv_per_core) == (2, 3 * 335_544_320)
+    assert mem.kv_slots_per_core == 3
+    # (24 GiB x 0.9 - 3,504,921,740) / 335,544,320 = 58.6 -> 58 slots per core, 57 sequences per group, 4 groups.
+    assert mem.max_sequences == 4 * 57
+
+
+def test_attention_dp_kv_cache_holds_nxdi_padding_slot():
+    """With attention DP, NxD Inference sizes each core's KV cache at batch/dp + 1 sequences: the extra slot is
+    where a core writes the KV of the sequences outside its group (aws-neuron/neuronx-distributed-inference@c63afe02
+    models/config.py:513-517, modules/kvcache/kv_cache_manager.py:195, data_parallel_kv_cache_manager.py:15-21).
+    The default fleet (405B, 2 x trn2, dp 4, 16384 tokens) was said to fit 48 sequences; NxD Inference needs
+    13 slots per core for 48, and 12 fit."""
+    shape, lay = layout(LLAMA_405B, 16384, max_concurrent_sequences=32)
+    mem = planner.memory_plan(shape, lay)
+    # One sequence on one core: 16384 tokens x K and V x 126 layers x 1 KV head x 128 x 2 bytes.
+    kv_seq = 16384 * 2 * 126 * 1 * 128 * 2
+    assert kv_seq == 1_056_964_608 and mem.kv_per_sequence_per_core == kv_seq
+    # 32 sequences over 4 groups: 8 per core + 1 padding slot.
+    assert (mem.sequences_per_core, mem.kv_per_core) == (8, 9 * kv_seq)
+    free = 24 * GIB * 0.9 - mem.weights_per_core
+    assert math.floor(free / kv_seq) == 12  # slots per core: 1 padding + 11 sequences, x 4 groups
+    assert mem.max_sequences == 44
+    assert mem.headroom_per_core == pytest.approx(free - 9 * kv_seq)
+    assert mem.kv_slots_per_core == 9
+    # 48 sequences (12 per group) need 13 slots per core: refused.
+    (issue,) = issues_of(fleet_data(max_concurrent_sequences=48))
+    assert issue.path == "unit.max_concurrent_sequences" and issue.value == 48
+    assert "KV cache of 12 sequence(s) + 1 attention-DP padding slot x 16384 tokens" in issue.problem
+    # Without attention DP there is no padding slot (kv_cache_padding_size stays 0, models/config.py:170).
+    no_dp = planner.Layout(lay.instance, lay.nodes, lay.lnc, cp=4, dp=1, batch=32, seq_len=16384)
+    assert planner.memory_plan(shape, no_dp).kv_slots_per_core == 32
 
 
 def test_default_fleet_fits_and_reports_its_phases():
@@ -170,7 +200,7 @@ def test_kv_budget_over_hbm_names_the_concurrency_that_fits():
     (issue,) = issues_of(fleet_data(max_concurrent_sequences=64))
     assert issue.path == "unit.max_concurrent_sequences" and issue.value == 64
     assert "per NeuronCore, over the 24.0 GiB of HBM" in issue.problem
-    assert "at most 48 sequences fit this unit" in issue.problem
+    assert "at most 44 sequences fit this unit" in issue.problem
 
 
 def test_weights_over_hbm_names_the_smallest_unit():
@@ -198,7 +228,7 @@ def test_attention_heads_not_divisible_by_the_phase_tp():
 
 def test_kv_heads_neither_dividing_nor_divisible():
     # 96 query heads in 8 groups of 12 KV heads; 12 neither divides nor is divisible by tp/cp = 32.
-    issues = issues_of(fleet_data({"num_attention_heads": 96, "num_kv_heads": 12}))
+    issues = issues_of(fleet_data({"num_attention_heads": 96, "num_kv_heads": 12}, max_concurrent_sequences=16))
     assert {i.path for i in issues} == {"unit.context_parallel_degree", "unit.data_parallel_degree"}
     assert all("model.num_kv_heads (12) must divide or be divisible by it" in i.problem for i in issues)
 
@@ -215,7 +245,8 @@ def test_attention_group_straddling_nodes():
     # 96 heads and 8 KV heads split over 48 cores, but 48-core groups straddle 32-core trn1 nodes.
     model = {"name": "straddle", "parameters_billion": 20, "num_layers": 24, "hidden_size": 12288,
              "num_attention_heads": 96, "num_kv_heads": 8}
-    data = fleet_data(model, 4096, instance_type="trn1.32xlarge", nodes=3, context_parallel_degree=2,
+    # 4608: a multiple of tp = 96 (sequence parallelism) and of 128 x cp.
+    data = fleet_data(model, 4608, instance_type="trn1.32xlarge", nodes=3, context_parallel_degree=2,
                       data_parallel_degree=3, max_concurrent_sequences=6)
     issues = issues_of(data)
     # dp 3 > cp 2 also breaks NxD Inference's attention-DP rule (test below).
@@ -236,16 +267,50 @@ def test_attention_dp_beside_cp_follows_nxd_inference(cp, dp, refused):
         assert "validate_attention_data_parallel" in found[0].problem and "allowed:" in found[0].problem
 
 
-@pytest.mark.parametrize(("seq_len", "batch", "bound", "refused"), [
-    (16384, 32, 30, False),  # the default fleet: longest step estimated 2.0 s
-    (131072, 4, 30, True),  # 405B at 128k context on two trn2: estimated 21.5 s
-    (131072, 4, 65, False),
+@pytest.mark.parametrize(("model", "unit", "path", "says"), [
+    # cp 1, dp 8: 8 KV heads give a decode core (32/8 = 4 cores a group) 2 heads, a prefill core (32) 1.
+    (LLAMA_8B, {"context_parallel_degree": 1, "data_parallel_degree": 8}, "unit.data_parallel_degree",
+     "2 against 1 (aws-neuron/neuronx-distributed-inference@c63afe02 modules/attention/utils.py:603-621"),
+    # cp 16, dp 8: tp/dp = 4 below the 8 KV heads.
+    (LLAMA_8B, {"context_parallel_degree": 16, "data_parallel_degree": 8}, "unit.data_parallel_degree",
+     "tp/dp = 4 must be at least model.num_kv_heads (8) (aws-neuron/neuronx-distributed-inference@c63afe02 "
+     "modules/attention/utils.py:576"),
+    # cp 2, dp 1, 64 KV heads (MHA) over 32 cores: decode over all tp needs tp >= KV heads.
+    ({"name": "mha-64", "parameters_billion": 13, "num_layers": 40, "hidden_size": 8192, "num_attention_heads": 64,
+      "num_kv_heads": 64}, {"context_parallel_degree": 2, "data_parallel_degree": 1}, "unit.context_parallel_degree",
+     "needs tp >= model.num_kv_heads (64) (aws-neuron/neuronx-distributed-inference@c63afe02 "
+     "modules/attention/utils.py:464"),
 ])
-def test_step_bound_outlasts_the_longest_prefill(seq_len, batch, bound, refused):
+def test_kv_heads_follow_nxd_inference_when_the_phases_use_different_groups(model, unit, path, says):
+    """NxD Inference asserts on the KV heads when prefill and decode run attention on different groups
+    (cp != dp); the planner's own head rule only asked that the KV heads and each group divide one another,
+    and accepted all three layouts (one trn1.32xlarge, tp 32, 8192 tokens)."""
+    data = fleet_data(model, 8192, instance_type="trn1.32xlarge", nodes=1, max_concurrent_sequences=16, **unit)
+    (issue,) = issues_of(data)
+    assert issue.path == path and says in issue.problem
+    assert "NxD Inference refuses this layout" in issue.problem and "allowed" in issue.problem
+
+
+def test_kv_head_copies_follow_nxd_inference():
+    """utils.py:585 (CP with DP decode): the KV copies CP writes must cover the ones decode reads. No catalogue
+    unit reaches it past the other rules; tp 12 does: cp 4 writes 1 x 4, dp 2 reads 6 // 2 x 2."""
+    assert "writes 4 copies of the KV heads and decode needs 6" in planner.kv_head_assert(2, 12, 4, 2)
+    assert planner.kv_head_assert(8, 128, 4, 4) is None  # cp == dp: the phases share their groups
+    assert planner.kv_head_assert(8, 128, 4, 2) is None  # the default model with dp 2: 64 >= 8, copies 16 >= 16
+
+
+# At 128k context one sequence fills a core's KV budget: no attention DP (its padding slot would not fit either).
+@pytest.mark.parametrize(("seq_len", "batch", "dp", "bound", "refused"), [
+    (16384, 32, 4, 30, False),  # the default fleet: longest step estimated 2.0 s
+    (131072, 1, 1, 30, True),  # 405B at 128k context on two trn2: estimated 21.5 s
+    (131072, 1, 1, 65, False),
+])
+def test_step_bound_outlasts_the_longest_prefill(seq_len, batch, dp, bound, refused):
     """A long prompt must not trip the lockstep bound: 3 x the roofline prefill of max_seq_len fits."""
     data = default_data()
     data["model"]["max_seq_len"] = seq_len
     data["unit"]["max_concurrent_sequences"] = batch
+    data["unit"]["data_parallel_degree"] = dp
     data.setdefault("serving", {})["step_timeout_seconds"] = bound
     found = issues_at(data, "serving.step_timeout_seconds")
     assert bool(found) == refused
@@ -360,16 +425,37 @@ def test_crossing_nodes_costs_efa_time():
 
 
 def test_published_nxdi_setups_pass_the_checks():
-    # The planner must accept what AWS actually ran with NxD Inference on trn2.
+    # The planner must accept what AWS actually ran with NxD Inference on trn2. A figure records the tokens
+    # of its run (prompt + output), not the max length compiled, which sequence parallelism holds to a
+    # multiple of tp: the check takes the next such length.
     for fig in planner.PUBLISHED:
         if fig.instance.startswith("trn2"):
-            assert planner.violations(fig.shape, fig.layout()) == [], fig.setup
+            lay = fig.layout()
+            compiled = dataclasses.replace(lay, seq_len=math.ceil(lay.seq_len / lay.tp) * lay.tp)
+            assert planner.violations(fig.shape, compiled) == [], fig.setup
 
 
-def test_context_parallelism_off_accepts_any_max_seq_len():
-    shape, lay = layout(LLAMA_8B, 1000, instance_type="trn1.32xlarge", nodes=1, context_parallel_degree=1,
+def test_context_parallelism_off_accepts_a_max_seq_len_off_the_128_token_tiles():
+    # 1056 = 33 x 32: a multiple of tp (sequence parallelism), not of 128 (the package's CP tile rule).
+    shape, lay = layout(LLAMA_8B, 1056, instance_type="trn1.32xlarge", nodes=1, context_parallel_degree=1,
                         data_parallel_degree=1, max_concurrent_sequences=4)
     assert planner.violations(shape, lay) == []
+
+
+@pytest.mark.parametrize(("model", "seq_len", "unit", "tp", "nearest"), [
+    (LLAMA_8B, 1000, {"instance_type": "trn1.32xlarge", "nodes": 1, "data_parallel_degree": 1,
+                      "max_concurrent_sequences": 4}, 32, "992 or 1024"),
+    (LLAMA_405B, 16064, {}, 128, "16000 or 16128"),
+])
+def test_sequence_parallelism_needs_max_seq_len_a_multiple_of_tp(model, seq_len, unit, tp, nearest):
+    """The planner renders sequence_parallel_enabled: NxD Inference asserts that the context length (the one
+    prefill bucket, max_context_length = max_seq_len) divides by the tensor-parallel group
+    (aws-neuron/neuronx-distributed-inference@c63afe02 models/model_base.py:1463-1472). Without context
+    parallelism no other rule looks at the length: the planner accepted both."""
+    (issue,) = issues_of(fleet_data(model, seq_len, context_parallel_degree=1, **unit))
+    assert issue.path == "model.max_seq_len" and issue.value == seq_len
+    assert f"must be a multiple of the unit's tp = {tp} NeuronCores (nearest: {nearest})" in issue.problem
+    assert "validate_sequence_parallel" in issue.problem
 
 
 def test_published_comparison_rows_and_planner_doc_table_agree():
@@ -402,7 +488,7 @@ def test_cli_prints_the_default_plan():
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "weights: 756.0 GiB in all; 9.78 GiB per NeuronCore, 39.13 GiB per chip" in out
-    assert re.search(r"concurrency: 32 sequences configured .*; 48 fit at max_seq_len", out)
+    assert re.search(r"concurrency: 32 sequences configured .*; 44 fit at max_seq_len", out)
     assert "context encoding (prefill): tp 128, cp 4" in out
     assert "token generation (decode): tp 128, attention dp 4" in out
     assert '"start_rank_id": 0' in out
@@ -426,7 +512,7 @@ def test_cli_suggests_for_an_impossible_fleet():
 
 def test_cli_json_plan_and_comparison():
     plan = json.loads(run_cli("--json", "--prompt-tokens", "4096").stdout)
-    assert plan["estimate"]["prompt_tokens"] == 4096 and plan["memory_gib"]["max_sequences"] == 48
+    assert plan["estimate"]["prompt_tokens"] == 4096 and plan["memory_gib"]["max_sequences"] == 44
     compare = run_cli("--compare")
     assert compare.returncode == 0
     assert "Llama-3.1-405B on trn2.48xlarge: TPOT 37.9 ms published" in compare.stdout

@@ -6,9 +6,11 @@ One arithmetic, one file per job:
 * `fit`: the fit rules, run by `inference_fleet.checks` on every load of a fleet file
   (`make synth`, `make plan`, the launcher), so a layout that cannot work is refused:
   weights plus the KV cache budget over a NeuronCore's HBM, attention heads or KV heads
-  that do not split over a phase's attention tensor-parallel degree, a context-parallel
-  degree the max sequence length cannot feed, an attention group that straddles a node
-  boundary, a batch that does not split over the decode data-parallel groups;
+  that do not split over a phase's attention tensor-parallel degree, KV heads NxD Inference
+  refuses when the phases use different attention groups, a context-parallel
+  degree the max sequence length cannot feed, a max sequence length that sequence parallelism
+  cannot split over tp, an attention group that straddles a node boundary, a batch that does
+  not split over the decode data-parallel groups;
 * `plan`: the memory budget per NeuronCore and per chip, the concurrency that fits, and
   the neuron config of each phase (context encoding: tp and cp; token generation: tp and
   attention dp) that the launcher uses;
@@ -25,7 +27,9 @@ docs/planner.md has the formulas. The names below are the planner's public inter
 from inference_fleet.planner.fit import (
     CP_TILE_TOKENS,
     DEFAULT_MAX_NODES,
+    SEQUENCE_PARALLEL,
     check_fit,
+    kv_head_assert,
     layout_issues,
     layouts,
     minimal_nodes,
@@ -48,6 +52,7 @@ from inference_fleet.planner.shape import (
     MemoryPlan,
     ModelShape,
     attention_weights_per_core,
+    kv_padding_slots,
     kv_per_sequence_per_core,
     memory_plan,
     shape_of,
@@ -63,6 +68,7 @@ __all__ = [
     "GIB",
     "HBM_RESERVE_FRACTION",
     "PUBLISHED",
+    "SEQUENCE_PARALLEL",
     "Candidate",
     "Estimate",
     "Layout",
@@ -76,6 +82,8 @@ __all__ = [
     "estimate",
     "format_plan",
     "format_suggestion",
+    "kv_head_assert",
+    "kv_padding_slots",
     "kv_per_sequence_per_core",
     "layout_issues",
     "layouts",

@@ -1,11 +1,13 @@
 """Planner, fit rules: does a layout work on a unit, and what is the smallest unit that fits.
 
-`violations` names the rules a layout breaks (memory, heads that do not split, a
-context-parallel degree the sequence cannot feed, an attention group straddling nodes, a
-batch that does not split); `layout_issues` turns them into `ConfigIssue`s naming the
-field to change; `check_fit` is the fleet check that `inference_fleet.checks` runs on
-every load of a fleet file. `minimal_nodes` searches the fewest nodes with a valid layout,
-for the fit message and for `--suggest` (docs/planner.md "Checks").
+`violations` names the rules a layout breaks (memory, heads that do not split, KV heads
+NxD Inference refuses when the phases use different groups, a context-parallel degree the
+sequence cannot feed, a max_seq_len that sequence parallelism
+cannot split over tp, an attention group straddling nodes, a batch that does not split);
+`layout_issues` turns them into `ConfigIssue`s naming the field to change; `check_fit` is
+the fleet check that `inference_fleet.checks` runs on every load of a fleet file.
+`minimal_nodes` searches the fewest nodes with a valid layout, for the fit message and for
+`--suggest` (docs/planner.md "Checks").
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import math
 from collections.abc import Iterable, Iterator
 
 from inference_fleet.catalogue import CATALOGUE, InstanceType
-from inference_fleet.config import ConfigIssue, FleetConfig
+from inference_fleet.config import ConfigIssue, FleetConfig, ModelConfig
 from inference_fleet.planner.roofline import estimate
 from inference_fleet.planner.shape import (
     GIB,
@@ -30,9 +32,14 @@ from inference_fleet.planner.shape import (
 # The step bound's headroom over the roofline estimate of the longest step (step_bound_issues).
 STEP_BOUND_MARGIN = 3.0
 
-# A context-parallel rank encodes max_seq_len / cp tokens; NeuronCore tiles have 128 rows
-# (the SBUF partition dimension), so each rank needs a whole number of 128-token tiles.
+# The package's own rule, not an NxD Inference assert (none found at c63afe02): a context-parallel rank
+# encodes max_seq_len / cp tokens, and the planner asks for whole 128-token tiles per rank (128 is the
+# SBUF partition count of a NeuronCore), stricter than NxD Inference's sequence-parallel rule below.
 CP_TILE_TOKENS = 128
+
+# The planner renders sequence parallelism on for every unit (plan.neuron_config; compile_job passes it
+# as --sequence-parallel-enabled), so the sequence-parallel rule below always applies.
+SEQUENCE_PARALLEL = True
 
 DEFAULT_MAX_NODES = 16
 
@@ -47,13 +54,31 @@ def _straddles(group: int, cores_per_node: int) -> bool:
 
 
 def _heads_split(shape: ModelShape, group: int) -> bool:
+    # The package's rule, stricter than NxD Inference, which pads the query heads to a multiple of the group
+    # and turns GQA into MHA when the group is not a multiple of the KV heads (aws-neuron/neuronx-distributed-
+    # inference@c63afe02 modules/attention/gqa.py:62-100): kept, the memory arithmetic assumes neither.
     kv_ok = shape.num_kv_heads % group == 0 or group % shape.num_kv_heads == 0
     return shape.num_attention_heads % group == 0 and kv_ok
 
 
 def _cp_fits_seq(layout: Layout, cp: int) -> bool:
-    # Without context parallelism the prompt is not split: any length is padded to a bucket.
+    # Without context parallelism no prompt is split over CP ranks (the sequence-parallel rule still applies).
     return cp == 1 or layout.seq_len % (CP_TILE_TOKENS * cp) == 0
+
+
+def _sp_fits_seq(layout: Layout) -> bool:
+    """With sequence parallelism NxD Inference asserts that the context length divides by the tensor-parallel
+    group (aws-neuron/neuronx-distributed-inference@c63afe02 models/model_base.py:1463-1472, called at :1276-1277;
+    the group is the tp_degree ranks: utils/distributed.py:30-36, models/application_base.py:590-595). The compile
+    passes no --enable-bucketing, so the one prefill bucket is max_context_length (modules/autobucketing.py:162-175),
+    which the package sets to model.max_seq_len."""
+    return not SEQUENCE_PARALLEL or layout.seq_len % layout.tp == 0
+
+
+def _multiples_near(value: int, step: int, low: int) -> list[int]:
+    """The multiples of `step` just below (if at least `low`) and just above `value`."""
+    below = value // step * step
+    return [m for m in (below, below + step) if m >= low]
 
 
 def _phases(layout: Layout) -> tuple[tuple[str, str, int, int, str], ...]:
@@ -70,6 +95,61 @@ def _attention_dp_with_cp(cp: int, dp: int) -> bool:
     return cp == 1 or dp == 1 or (dp <= cp and cp % dp == 0)
 
 
+# NxD Inference's asserts on the KV heads when the phases run attention on different groups, at
+# aws-neuron/neuronx-distributed-inference@c63afe02 (k = model.num_kv_heads, the checkpoint's count:
+# models/model_base.py:1102, modeling_llama.py:757). Each returns why it fails, or None.
+_NXDI = "aws-neuron/neuronx-distributed-inference@c63afe02"
+
+
+def _kv_tp_prefill_dp_decode(k: int, tp: int, dp: int) -> str | None:
+    # cp 1, dp > 1: attention_base.py:328-329 calls validate_tp_prefill_to_dp_decode (utils.py:603-621).
+    decode, prefill = max(k // (tp // dp), 1), max(k // tp, 1)
+    if decode == prefill:
+        return None
+    return (f"model.num_kv_heads ({k}) must give a core as many KV heads, max(num_kv_heads // group, 1), in decode "
+            f"over tp/dp = {tp // dp} cores as in prefill over all tp = {tp} cores: {decode} against {prefill} "
+            f"({_NXDI} modules/attention/utils.py:603-621 validate_tp_prefill_to_dp_decode, from "
+            "attention_base.py:328-329)")
+
+
+def _kv_cp_dp_decode(k: int, tp: int, cp: int, dp: int) -> str | None:
+    # cp > 1, dp > 1, cp != dp: kv_cache_manager.py:464-478 calls get_kv_head_indices_context_parallel_dp_decode.
+    group = tp // dp
+    if group < k:
+        return (f"with context_parallel_degree {cp} != data_parallel_degree {dp}, tp/dp = {group} must be at least "
+                f"model.num_kv_heads ({k}) ({_NXDI} modules/attention/utils.py:576, from "
+                "modules/kvcache/kv_cache_manager.py:464-478)")
+    cp_copies, dp_copies = max(tp // cp // k, 1) * cp, group // k * dp
+    if cp_copies < dp_copies:
+        return (f"with model.num_kv_heads ({k}), context parallelism writes {cp_copies} copies of the KV heads "
+                f"and decode needs {dp_copies} "
+                f"({_NXDI} modules/attention/utils.py:585)")
+    return None
+
+
+def _kv_cp_full_tp_decode(k: int, tp: int) -> str | None:
+    # cp > 1, dp 1: attention_base.py:395-399 calls get_context_parallel_reordered_tp_mapping (utils.py:464).
+    if tp >= k:
+        return None
+    return (f"context parallelism with decode over all tp = {tp} cores needs tp >= model.num_kv_heads ({k}) "
+            f"({_NXDI} modules/attention/utils.py:464, from attention_base.py:395-399)")
+
+
+def kv_head_assert(k: int, tp: int, cp: int, dp: int) -> str | None:
+    """The NxD Inference assert on KV heads that this cp/dp pair trips, said in words, or None.
+
+    Only when the phases use different attention groups: with cp == dp they share them
+    (attention_base.py:410-414) and the package's head rule (`_heads_split`) is all.
+    """
+    if cp == dp:
+        return None
+    if cp == 1:
+        return _kv_tp_prefill_dp_decode(k, tp, dp)
+    if dp == 1:
+        return _kv_cp_full_tp_decode(k, tp)
+    return _kv_cp_dp_decode(k, tp, cp, dp)
+
+
 def violations(shape: ModelShape, layout: Layout) -> list[str]:
     """Short names of the rules a layout breaks (empty: the layout is usable)."""
     found = []
@@ -82,10 +162,14 @@ def violations(shape: ModelShape, layout: Layout) -> list[str]:
             found.append(f"heads-{letter}")
     if not _cp_fits_seq(layout, layout.cp):
         found.append("cp-seq")
+    if not _sp_fits_seq(layout):
+        found.append("sp-seq")
     if layout.batch % layout.dp:
         found.append("batch-dp")
     if not _attention_dp_with_cp(layout.cp, layout.dp):
         found.append("cp-dp")
+    elif kv_head_assert(shape.num_kv_heads, layout.tp, layout.cp, layout.dp):
+        found.append("kv-nxdi")
     if not memory_plan(shape, layout).fits:
         found.append("memory")
     return found
@@ -132,6 +216,8 @@ def layout_issues(shape: ModelShape, layout: Layout) -> list[ConfigIssue]:
             f"tiles, so model.max_seq_len ({layout.seq_len}) must be a multiple of {tile} x cp = "
             f"{tile * layout.cp}; allowed: {allowed}",
         ))
+    if "sp-seq" in found:
+        issues.append(_sp_issue(layout))
     if "batch-dp" in found:
         issues.append(ConfigIssue(
             "unit.max_concurrent_sequences", layout.batch,
@@ -147,15 +233,52 @@ def layout_issues(shape: ModelShape, layout: Layout) -> list[ConfigIssue]:
             f"data_parallel_degree <= context_parallel_degree ({layout.cp}) and divides it "
             f"(validate_attention_data_parallel); allowed: {allowed}",
         ))
+    if "kv-nxdi" in found:
+        issues.append(_kv_issue(shape.num_kv_heads, layout))
     if "memory" in found:
         issues.append(_fit_issue(shape, layout, memory_plan(shape, layout)))
     return issues
 
 
+def _kv_issue(k: int, layout: Layout) -> ConfigIssue:
+    """The KV-head assert as an issue on the degree to change: dp, or cp when decode runs over all tp."""
+    tp, cp, dp = layout.tp, layout.cp, layout.dp
+    why = kv_head_assert(k, tp, cp, dp)
+    if dp == 1:
+        allowed = [c for c in _divisors(tp) if not kv_head_assert(k, tp, c, dp)]
+        return ConfigIssue("unit.context_parallel_degree", cp,
+                           f"NxD Inference refuses this layout: {why}; allowed context_parallel_degree: {allowed}")
+    allowed = [d for d in _divisors(tp) if _attention_dp_with_cp(cp, d) and not kv_head_assert(k, tp, cp, d)]
+    return ConfigIssue("unit.data_parallel_degree", dp,
+                       f"NxD Inference refuses this layout: {why}; allowed data_parallel_degree with "
+                       f"context_parallel_degree {cp}: {allowed}")
+
+
+def _sp_issue(layout: Layout) -> ConfigIssue:
+    tp = layout.tp
+    nearest = _multiples_near(layout.seq_len, tp, ModelConfig.model_fields["max_seq_len"].metadata[0].ge)
+    return ConfigIssue(
+        "model.max_seq_len", layout.seq_len,
+        f"must be a multiple of the unit's tp = {tp} NeuronCores (nearest: {' or '.join(map(str, nearest))}): "
+        "prefill runs with sequence parallelism (sequence_parallel_enabled, rendered for every unit) and NxD "
+        "Inference asserts that the context length, here its one prefill bucket max_context_length = "
+        "model.max_seq_len, divides by the tensor-parallel group size (validate_sequence_parallel, "
+        "models/model_base.py at c63afe02)",
+    )
+
+
+def _slots(mem: MemoryPlan) -> str:
+    padding = mem.kv_slots_per_core - mem.sequences_per_core
+    if not padding:
+        return f"{mem.sequences_per_core} sequence(s)"
+    # NxD Inference's attention DP adds a slot per core (shape.kv_padding_slots).
+    return f"{mem.sequences_per_core} sequence(s) + {padding} attention-DP padding slot"
+
+
 def _fit_issue(shape: ModelShape, layout: Layout, mem: MemoryPlan) -> ConfigIssue:
     need = mem.weights_per_core + mem.kv_per_core + mem.reserve_per_core
     budget = (
-        f"weights {mem.weights_per_core / GIB:.2f} GiB + KV cache of {mem.sequences_per_core} sequence(s) x "
+        f"weights {mem.weights_per_core / GIB:.2f} GiB + KV cache of {_slots(mem)} x "
         f"{layout.seq_len} tokens {mem.kv_per_core / GIB:.2f} GiB + reserve "
         f"{mem.reserve_per_core / GIB:.2f} GiB = {need / GIB:.2f} GiB per NeuronCore, over the "
         f"{mem.hbm_per_core / GIB:.1f} GiB of HBM of one logical "

@@ -12,6 +12,7 @@ from dataclasses import asdict
 from typing import Any
 
 from inference_fleet.config import FleetConfig
+from inference_fleet.planner.fit import SEQUENCE_PARALLEL
 from inference_fleet.planner.roofline import EFFICIENCY, estimate
 from inference_fleet.planner.shape import GIB, HBM_RESERVE_FRACTION, Layout, memory_plan, shape_of
 
@@ -44,15 +45,16 @@ def neuron_config(fleet: FleetConfig, node_rank: int = 0) -> dict[str, Any]:
         "seq_len": model.max_seq_len,
         "max_context_length": model.max_seq_len,
         "torch_dtype": model.dtype,
-        # Prefill shards activations along the sequence between collectives (NxDI tutorials).
-        "sequence_parallel_enabled": True,
+        # Prefill shards activations along the sequence between collectives (NxDI tutorials); the fit
+        # checks hold max_seq_len to a multiple of tp for it (fit.SEQUENCE_PARALLEL).
+        "sequence_parallel_enabled": SEQUENCE_PARALLEL,
         # vllm-neuron's default (batch > 1); NxD Inference needs it for attention DP.
         "is_continuous_batching": unit.max_concurrent_sequences > 1,
     }
 
 
 
-_COUNTS = frozenset({"sequences_per_core", "max_sequences"})
+_COUNTS = frozenset({"sequences_per_core", "kv_slots_per_core", "max_sequences"})
 
 
 def plan_report(fleet: FleetConfig, prompt_tokens: int) -> dict[str, Any]:
@@ -70,6 +72,12 @@ def plan_report(fleet: FleetConfig, prompt_tokens: int) -> dict[str, Any]:
     }
 
 
+def _padding_note(memory: dict[str, Any]) -> str:
+    """The KV slot NxD Inference adds to each core under attention DP, when there is one (shape.kv_padding_slots)."""
+    padding = memory["kv_slots_per_core"] - memory["sequences_per_core"]
+    return f" + {padding} padding slot" if padding else ""
+
+
 def format_plan(fleet: FleetConfig, report: dict[str, Any]) -> str:
     layout = Layout.from_fleet(fleet)
     m, e, ph = report["memory_gib"], report["estimate"], report["phases"]
@@ -85,7 +93,7 @@ def format_plan(fleet: FleetConfig, report: dict[str, Any]) -> str:
         f"sequence at {layout.seq_len} tokens; {m['kv_per_sequence_per_core']:.3f} GiB of it per NeuronCore "
         f"(attention group of {layout.tkg_group} cores)",
         f"concurrency: {layout.batch} sequences configured ({m['sequences_per_core']} per attention-dp "
-        "group, "
+        f"group{_padding_note(m)}, "
         f"{m['kv_per_core']:.2f} GiB KV per NeuronCore); {m['max_sequences']} fit at max_seq_len",
         f"HBM per NeuronCore: {m['hbm_per_core']:.2f} GiB = weights {m['weights_per_core']:.2f} + KV "
         f"{m['kv_per_core']:.2f} + reserve {m['reserve_per_core']:.2f} ({HBM_RESERVE_FRACTION:.0%}) + "

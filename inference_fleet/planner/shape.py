@@ -153,6 +153,11 @@ class Layout:
         return math.ceil(self.batch / self.dp)
 
     @property
+    def kv_slots_per_core(self) -> int:
+        """Sequences of KV cache one core holds: its group's sequences plus NxD Inference's padding slot."""
+        return self.sequences_per_group + kv_padding_slots(self.dp)
+
+    @property
     def hbm_bytes_per_core(self) -> float:
         return self.instance.hbm_gib_per_chip * GIB / self.cores_per_chip
 
@@ -167,6 +172,19 @@ class Layout:
 
 # ---------------------------------------------------------------------------
 # Memory
+
+
+def kv_padding_slots(dp: int) -> int:
+    """KV cache slots NxD Inference adds to each core beyond its batch/dp sequences.
+
+    With attention DP every core writes the KV of the sequences outside its group to one extra
+    slot, so its cache holds batch/dp + 1 sequences (aws-neuron/neuronx-distributed-inference@c63afe02
+    models/config.py:513-517, kv_cache_padding_size 1; modules/kvcache/kv_cache_manager.py:195, the
+    cache's batch dimension; modules/kvcache/data_parallel_kv_cache_manager.py:15-21, the write target).
+    Only trn2 with attn_block_tkg_nki_kernel_cascaded_attention skips the slot (config.py:515-520); it
+    is off by default (config.py:470) and the package never turns it on.
+    """
+    return 1 if dp > 1 else 0
 
 
 def _heads_per_core(heads: int, group: int) -> int:
@@ -212,6 +230,7 @@ class MemoryPlan:
     kv_per_sequence: float
     kv_per_sequence_per_core: float
     sequences_per_core: int
+    kv_slots_per_core: int
     kv_per_core: float
     hbm_per_core: float
     reserve_per_core: float
@@ -228,15 +247,17 @@ def memory_plan(shape: ModelShape, layout: Layout) -> MemoryPlan:
     kv_seq_core = kv_per_sequence_per_core(shape, layout)
     hbm = layout.hbm_bytes_per_core
     reserve = HBM_RESERVE_FRACTION * hbm
-    kv_core = layout.sequences_per_group * kv_seq_core
+    kv_core = layout.kv_slots_per_core * kv_seq_core
     free_for_kv = hbm - reserve - w_core
-    per_group = max(0, math.floor(free_for_kv / kv_seq_core)) if kv_seq_core else 0
+    slots = math.floor(free_for_kv / kv_seq_core) if kv_seq_core else 0
+    # The padding slot is taken before any sequence.
+    per_group = max(0, slots - kv_padding_slots(layout.dp))
     return MemoryPlan(
         weights_total=shape.weights_bytes, weights_per_core=w_core,
         weights_per_chip=w_core * layout.cores_per_chip,
         kv_per_token=shape.kv_bytes_per_token, kv_per_sequence=shape.kv_bytes_per_token * layout.seq_len,
         kv_per_sequence_per_core=kv_seq_core, sequences_per_core=layout.sequences_per_group,
-        kv_per_core=kv_core,
+        kv_slots_per_core=layout.kv_slots_per_core, kv_per_core=kv_core,
         hbm_per_core=hbm, reserve_per_core=reserve, headroom_per_core=free_for_kv - kv_core,
         max_sequences=per_group * layout.dp,
     )
