@@ -112,7 +112,8 @@ def build_e2e_spec(h: Harness, ports: UnitPorts, follower_loss_seconds: float | 
         tensor_parallel_size=2,
         # --shutdown-timeout: on SIGTERM vLLM drains in-flight requests instead of aborting them.
         extra_args=["--enforce-eager", "--disable-log-stats", "--shutdown-timeout", "60"],
-        extra_env=engine_environment(h.cache),
+        # VLLM_HOST_IP is the launcher's to render (spec.LAUNCHER_ENV), from UNIT_HOST_IP (loopback here).
+        extra_env={k: v for k, v in engine_environment(h.cache).items() if k != "VLLM_HOST_IP"},
         stop_timeout_seconds=90,
     )
     # The production timings (the fleet's follower loss and step bound) unless asked otherwise.
