@@ -26,9 +26,11 @@ class InstanceType:
     efa_gbps: int
     vcpus: int
     memory_gib: int
-    # Roofline figures per chip, for the planner's estimates (dense BF16).
+    # Roofline figures per chip, for the planner's estimates (dense BF16; FP32 for float32 models, which NxD
+    # Inference compiles with --auto-cast=none: models/model_wrapper.py:103 at c63afe02).
     hbm_tbps_per_chip: float
     bf16_tflops_per_chip: float
+    fp32_tflops_per_chip: float
     sources: tuple[str, ...]
     # Chip-to-chip NeuronLink bandwidth inside one instance, GB/s per chip.
     neuronlink_gbytes_per_chip: float = 0.0
@@ -120,6 +122,7 @@ _EFA_HOP = "assumption (no public figure found); see docs/planner.md 'Roofline e
 _TRN1_FIGURES = (
     ("hbm_tbps_per_chip", f"{_TRAINIUM_PAGE} (820 GB/s)"),
     ("bf16_tflops_per_chip", f"{_TRAINIUM_PAGE} (190 BF16 TFLOPS)"),
+    ("fp32_tflops_per_chip", f"{_TRAINIUM_PAGE} (47.5 FP32 TFLOPS)"),
     ("neuronlink_gbytes_per_chip", f"{_TRAINIUM2_PAGE} (Trainium inter-chip interconnect 384 GB/s/chip)"),
     ("efa_gbps", "https://aws.amazon.com/ec2/instance-types/trn1/ (800 Gbps trn1, 1600 Gbps trn1n)"),
     ("link_hop_latency_us", _NCCOM_TEST),
@@ -128,6 +131,7 @@ _TRN1_FIGURES = (
 _TRN2_FIGURES = (
     ("hbm_tbps_per_chip", f"{_TRAINIUM2_PAGE} (2.9 TB/s)"),
     ("bf16_tflops_per_chip", f"{_TRAINIUM2_PAGE} (667 BF16 TFLOPS dense)"),
+    ("fp32_tflops_per_chip", f"{_TRAINIUM2_PAGE} (181 FP32 TFLOPS)"),
     ("neuronlink_gbytes_per_chip", f"{_TRAINIUM2_PAGE} (NeuronLink-v3 1.28 TB/s per chip)"),
     ("efa_gbps", "https://aws.amazon.com/ec2/instance-types/trn2/ (3200 Gbps EFAv3)"),
     ("link_hop_latency_us", _NCCOM_TEST),
@@ -148,21 +152,21 @@ CATALOGUE: dict[str, InstanceType] = {
         InstanceType(
             name="trn1.32xlarge", chip="Trainium", chips=16, physical_neuron_cores=32,
             logical_nc_configs=(1,), hbm_gib_per_chip=32, efa_interfaces=8, efa_gbps=800,
-            vcpus=128, memory_gib=512, hbm_tbps_per_chip=0.82, bf16_tflops_per_chip=190.0,
+            vcpus=128, memory_gib=512, hbm_tbps_per_chip=0.82, bf16_tflops_per_chip=190.0, fp32_tflops_per_chip=47.5,
             sources=_TRN1_SOURCES, neuronlink_gbytes_per_chip=384.0, link_hop_latency_us=1.4,
             efa_hop_latency_us=20.0, figure_sources=_TRN1_FIGURES,
         ),
         InstanceType(
             name="trn1n.32xlarge", chip="Trainium", chips=16, physical_neuron_cores=32,
             logical_nc_configs=(1,), hbm_gib_per_chip=32, efa_interfaces=16, efa_gbps=1600,
-            vcpus=128, memory_gib=512, hbm_tbps_per_chip=0.82, bf16_tflops_per_chip=190.0,
+            vcpus=128, memory_gib=512, hbm_tbps_per_chip=0.82, bf16_tflops_per_chip=190.0, fp32_tflops_per_chip=47.5,
             sources=_TRN1_SOURCES, neuronlink_gbytes_per_chip=384.0, link_hop_latency_us=1.4,
             efa_hop_latency_us=20.0, figure_sources=_TRN1_FIGURES,
         ),
         InstanceType(
             name="trn2.48xlarge", chip="Trainium2", chips=16, physical_neuron_cores=128,
             logical_nc_configs=(2, 1), hbm_gib_per_chip=96, efa_interfaces=16, efa_gbps=3200,
-            vcpus=192, memory_gib=2048, hbm_tbps_per_chip=2.9, bf16_tflops_per_chip=667.0,
+            vcpus=192, memory_gib=2048, hbm_tbps_per_chip=2.9, bf16_tflops_per_chip=667.0, fp32_tflops_per_chip=181.0,
             instance_store_gb_per_disk=1920,
             sources=_TRN2_SOURCES, neuronlink_gbytes_per_chip=1280.0, link_hop_latency_us=1.4,
             efa_hop_latency_us=20.0, figure_sources=_TRN2_FIGURES,
@@ -172,7 +176,7 @@ CATALOGUE: dict[str, InstanceType] = {
         InstanceType(
             name="trn2u.48xlarge", chip="Trainium2", chips=16, physical_neuron_cores=128,
             logical_nc_configs=(2, 1), hbm_gib_per_chip=96, efa_interfaces=16, efa_gbps=3200,
-            vcpus=192, memory_gib=2048, hbm_tbps_per_chip=2.9, bf16_tflops_per_chip=667.0,
+            vcpus=192, memory_gib=2048, hbm_tbps_per_chip=2.9, bf16_tflops_per_chip=667.0, fp32_tflops_per_chip=181.0,
             instance_store_gb_per_disk=1920,
             sources=_TRN2_SOURCES, neuronlink_gbytes_per_chip=1280.0, link_hop_latency_us=1.4,
             efa_hop_latency_us=20.0, figure_sources=_TRN2_FIGURES,

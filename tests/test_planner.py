@@ -413,6 +413,19 @@ def test_estimate_grows_with_context_prompt_and_batch():
     assert long.prefill_compute_s > long.prefill_collective_s
 
 
+def test_a_float32_prefill_is_timed_at_the_fp32_peak():
+    """Regression: every dtype was timed at the BF16 peak, but NxD Inference compiles a float32 model with
+    --auto-cast=none, so its matmuls run at the FP32 rate (trn2: 181 against 667 TFLOPS a chip): its
+    step-bound check was optimistic by 3.7x."""
+    import dataclasses
+
+    fleet = load_fleet()
+    bf16, lay = planner.ModelShape.from_config(fleet.model), planner.Layout.from_fleet(fleet)
+    fp32 = dataclasses.replace(bf16, bytes_per_param=4.0)
+    ratio = planner.estimate(fp32, lay, 8192).prefill_compute_s / planner.estimate(bf16, lay, 8192).prefill_compute_s
+    assert ratio == pytest.approx(667 / 181, rel=0.05)
+
+
 def test_crossing_nodes_costs_efa_time():
     fleet = parse_fleet(fleet_data(LLAMA_70B, 8192, nodes=1, max_concurrent_sequences=8), "one")
     shape = planner.ModelShape.from_config(fleet.model)

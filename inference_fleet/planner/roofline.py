@@ -103,7 +103,10 @@ def estimate(
     s = prompt_tokens
     b = shape.bytes_per_param
     hidden_bytes = shape.hidden_size * b
-    flops_core = layout.flops_per_core * efficiency
+    # A float32 model runs its matmuls at the FP32 rate: NxD Inference compiles with --auto-cast=none
+    # (aws-neuron/neuronx-distributed-inference@c63afe02 models/model_wrapper.py:103).
+    peak = layout.fp32_flops_per_core if shape.bytes_per_param >= 4 else layout.flops_per_core
+    flops_core = peak * efficiency
     hbm_core = layout.hbm_bytes_per_s_per_core * efficiency
     d_attn = shape.num_attention_heads * shape.head_dim
 

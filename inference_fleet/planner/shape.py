@@ -169,6 +169,10 @@ class Layout:
     def flops_per_core(self) -> float:
         return self.instance.bf16_tflops_per_chip * 1e12 / self.cores_per_chip
 
+    @property
+    def fp32_flops_per_core(self) -> float:
+        return self.instance.fp32_tflops_per_chip * 1e12 / self.cores_per_chip
+
 
 # ---------------------------------------------------------------------------
 # Memory
