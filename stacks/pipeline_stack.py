@@ -137,6 +137,10 @@ def wave_stage_name(wave: WaveConfig) -> str:
     return f"Wave-{wave.name}"
 
 
+def approve_stage_name(wave: WaveConfig) -> str:
+    return f"Approve-{wave.name}"
+
+
 def restore_stage_name(wave: WaveConfig) -> str:
     return f"Restore-{wave.name}"
 
@@ -209,6 +213,8 @@ class PipelineStack(Stack):
             fleet_file=self._fleet_file_in_build(), key=self.key, source=source,
         ) if self.evacuated else None
         for wave in fleet.waves:
+            if wave.manual_approval:
+                stages.append(self._approval_stage(wave))
             stages.append(self._wave_stage(wave, assembly))
             restored = self._restored(wave)
             if restored:
@@ -400,15 +406,22 @@ class PipelineStack(Stack):
 
     # -- waves -----------------------------------------------------------------------
 
+    def _approval_stage(self, wave: WaveConfig) -> codepipeline.StageProps:
+        """The wave's manual approval, a stage of its own before the wave's. Inside the wave's stage a rejection
+        (or the approval's 7-day timeout) failed that stage, whose ROLLBACK then ran again what it had (an
+        evacuation, deploys of the last good revision), and its deployment window was checked before the approval,
+        so a late approval deployed outside it. Here a rejection ends the execution and nothing else; the window
+        is checked when the wave's stage is entered, after the approval."""
+        cells = self.fleet.cells_of_wave(wave.name)
+        return codepipeline.StageProps(stage_name=approve_stage_name(wave), actions=[actions.ManualApprovalAction(
+            action_name="Approve",
+            additional_information=f"Wave {wave.name}: deploy {', '.join(c.name for c in cells)}",
+        )])
+
     def _wave_stage(self, wave: WaveConfig, assembly: codepipeline.Artifact) -> codepipeline.StageProps:
         cells = self.fleet.cells_of_wave(wave.name)
         stage_actions: list[codepipeline.IAction] = []
-        if wave.manual_approval:
-            stage_actions.append(actions.ManualApprovalAction(
-                action_name="Approve", run_order=1,
-                additional_information=f"Wave {wave.name}: deploy {', '.join(c.name for c in cells)}",
-            ))
-        deploy_order = 2 if wave.manual_approval else 1
+        deploy_order = 1
         evacuated = [cell for cell in cells if cell.name in self.evacuated]
         if evacuated:
             # Out of the routers' choice, its streams finished, before its update (stacks/evacuation.py).

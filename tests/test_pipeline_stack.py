@@ -156,8 +156,9 @@ def test_the_build_synthesizes_the_fleet_file_from_the_repository(tmp_path, monk
 def test_pipeline_is_v2_and_stages_follow_the_waves_in_order(synth) -> None:
     fleet = synth.fleet
     assert synth.pipeline["PipelineType"] == "V2"
-    assert [s["Name"] for s in synth.pipeline["Stages"]] == [
-        "Source", "Build", "Compile", *(f"Wave-{w.name}" for w in fleet.waves)]
+    stages = [name for w in fleet.waves
+              for name in ([f"Approve-{w.name}"] if w.manual_approval else []) + [f"Wave-{w.name}"]]
+    assert [s["Name"] for s in synth.pipeline["Stages"]] == ["Source", "Build", "Compile", *stages]
     for wave in fleet.waves:
         deployed = [a["Configuration"]["StackName"] for a in synth.stage(f"Wave-{wave.name}")["Actions"]
                     if a["ActionTypeId"]["Provider"] == "CloudFormation"]
@@ -207,10 +208,18 @@ def test_deploy_actions_deploy_cell_templates_like_cdk_deploy(synth) -> None:
         assert action["InputArtifacts"] == [{"Name": "CloudAssembly"}]
 
 
-def test_manual_approval_comes_first_and_the_window_gates_entry(large_synth, default_synth) -> None:
+def test_manual_approval_is_a_stage_before_the_wave_and_the_window_gates_the_waves_entry(large_synth,
+                                                                                         default_synth) -> None:
+    """Regression: the approval was the wave stage's first action, under the stage's ROLLBACK on failure: a
+    rejection rolled the wave back, and the window, checked on entry, came before the approval."""
+    names = [s["Name"] for s in large_synth.pipeline["Stages"]]
+    assert names.index("Approve-main") == names.index("Wave-main") - 1
+    approve = large_synth.stage("Approve-main")
+    assert [a["ActionTypeId"]["Provider"] for a in approve["Actions"]] == ["Manual"]
+    assert not {"OnFailure", "BeforeEntry", "OnSuccess"} & set(approve)
     main = large_synth.stage("Wave-main")
     orders = [(a["ActionTypeId"]["Provider"], a["RunOrder"]) for a in main["Actions"]]
-    assert orders == [("Manual", 1), ("CloudFormation", 2), ("CloudFormation", 2)]
+    assert orders == [("CloudFormation", 1), ("CloudFormation", 1)]
     (condition,) = main["BeforeEntry"]["Conditions"]
     assert condition["Result"] == "FAIL"
     (rule,) = condition["Rules"]
@@ -332,7 +341,8 @@ def test_pipeline_iam_is_scoped(large_synth) -> None:
 
 
 def test_cross_account_gate_is_read_through_the_cells_reader_role(large_synth) -> None:
-    rules = {r["Name"]: r for s in large_synth.pipeline["Stages"][3:] for r in s["OnSuccess"]["Conditions"][0]["Rules"]}
+    rules = {r["Name"]: r for s in large_synth.pipeline["Stages"][3:] if "OnSuccess" in s
+             for r in s["OnSuccess"]["Conditions"][0]["Rules"]}
     assert rules["main-usw2-a-gate"]["RoleArn"] == ("arn:aws:iam::333333333333:role/"
                                                     "Rufus-Cell-usw2-a-us-west-2-gate-reader")
     assert "RoleArn" not in rules["main-use2-b-gate"] and "RoleArn" not in rules["canary-use2-a-gate"]

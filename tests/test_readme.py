@@ -277,3 +277,28 @@ def test_the_endpoint_services_to_check_in_the_trainium_az_are_the_cells_endpoin
     named = {*re.findall(r"`([a-z0-9.-]+)`", bullet), *re.findall(r"com\.amazonaws\.<region>\.([a-z0-9.-]+)", bullet)}
     expected = {service.short_name for service in _INTERFACE_ENDPOINTS.values()}
     assert expected <= named, expected - named
+
+
+def _cfn_namespaces(template: dict) -> set[str]:
+    return {"::".join(r["Type"].split("::")[:2]) for r in template["Resources"].values()
+            if r["Type"].startswith("AWS::") and not r["Type"].startswith("AWS::CDK::")}
+
+
+def _listed_types(paragraph_start: str) -> set[str]:
+    text = (DOCS / "rollout-pipeline.md").read_text()
+    start = text.index(paragraph_start)
+    return set(re.findall(r"`(AWS::[A-Za-z0-9]+)`", text[start:text.index("\n- ", start)]))
+
+
+def test_the_execution_policy_lists_name_exactly_the_types_the_stacks_create(synth_default, synth_large,
+                                                                              synth_elastic) -> None:
+    """Regression: the cells' list named WAF, which no cell uses, and left out Lambda, SQS, SSM and EventBridge;
+    the compile stack's left out Step Functions, Lambda and EventBridge: an execution policy written from them
+    fails the first deploy."""
+    cells, compiles = set(), set()
+    for synth in (synth_default, synth_large, synth_elastic):
+        for cell in synth.fleet.cells:
+            cells |= _cfn_namespaces(synth.template_json(synth.fleet.cell_stack_name(cell)))
+        compiles |= _cfn_namespaces(synth.template_json(f"{synth.fleet.name}-Compile"))
+    assert _listed_types("policies are what CloudFormation may create in the cell") == cells
+    assert _listed_types("its execution policies must also allow") == compiles
