@@ -4,8 +4,11 @@ follower judges its own stalls by its own clock only. Real launchers on loopback
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 import time
+from collections.abc import Iterator
 
 import aiohttp
 import pytest
@@ -13,6 +16,16 @@ from unit_launcher import evidence, rendezvous
 from unit_launcher.spec import parse_spec
 
 EXIT_UNIT_LOST = 5
+
+
+@contextlib.contextmanager
+def _no_leader(spec: dict) -> Iterator[dict]:
+    """The spec with a rendezvous port on which nothing listens, held so for the test: a port bound and not
+    listening refuses connections, and no other process (another test worker's launcher or proxy) can take it.
+    A free port merely released was taken once, and the follower heard 404 from another test's server."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        yield {**spec, "rendezvous": {**spec["rendezvous"], "port": held.getsockname()[1]}}
 
 
 @pytest.mark.timeout(90)
@@ -40,11 +53,12 @@ def test_a_leader_that_dies_and_restarts_within_the_loss_limit_is_reported_with_
 async def test_a_skewed_clock_between_the_nodes_is_not_a_stall_of_the_follower(tmp_path, h):
     """The leader's released_at is the leader's wall clock; the follower's is 30 s ahead. The
     leader then vanishes: the follower was not stalled, and says the leader is gone."""
-    spec = parse_spec(h.cpu_spec(2, record_dir=tmp_path, follower_loss_seconds=2.0, heartbeat_interval_seconds=0.2))
     # Nothing listens on the rendezvous port: the leader is gone from the first heartbeat on.
     release = rendezvous.Release("127.0.0.1", "s1", 1, 2, [], released_at=time.time() - 30)
-    async with aiohttp.ClientSession() as http:
-        ended = await asyncio.wait_for(rendezvous.heartbeat_loop(http, spec, release, "i-f1"), 20)
+    with _no_leader(h.cpu_spec(2, record_dir=tmp_path, follower_loss_seconds=2.0,
+                               heartbeat_interval_seconds=0.2)) as data:
+        async with aiohttp.ClientSession() as http:
+            ended = await asyncio.wait_for(rendezvous.heartbeat_loop(http, parse_spec(data), release, "i-f1"), 20)
     assert ended.cause == rendezvous.LEADER_UNREACHABLE
     assert not ended.self_stalled, ended.reason
     assert "itself was stalled" not in ended.reason
@@ -53,9 +67,10 @@ async def test_a_skewed_clock_between_the_nodes_is_not_a_stall_of_the_follower(t
 async def test_a_follower_stalled_after_the_release_knows_it_by_its_own_clock(tmp_path, h):
     """Stalled 8 s between the release and its first heartbeat, with its clock 30 s behind the
     leader's: the stall is measured on this node's monotonic clock, so it is still seen."""
-    spec = parse_spec(h.cpu_spec(2, record_dir=tmp_path, follower_loss_seconds=2.0, heartbeat_interval_seconds=0.2))
     release = rendezvous.Release("127.0.0.1", "s1", 1, 2, [], released_at=time.time() + 30)
     object.__setattr__(release, "received_at", time.monotonic() - 8)
-    async with aiohttp.ClientSession() as http:
-        ended = await asyncio.wait_for(rendezvous.heartbeat_loop(http, spec, release, "i-f1"), 20)
+    with _no_leader(h.cpu_spec(2, record_dir=tmp_path, follower_loss_seconds=2.0,
+                               heartbeat_interval_seconds=0.2)) as data:
+        async with aiohttp.ClientSession() as http:
+            ended = await asyncio.wait_for(rendezvous.heartbeat_loop(http, parse_spec(data), release, "i-f1"), 20)
     assert ended.self_stalled and "itself was stalled for 8" in ended.reason, ended.reason
