@@ -7,6 +7,7 @@ crash loop). botocore's Stubber and real launchers against moto's S3 behind a fa
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import boto3
@@ -21,12 +22,14 @@ pytestmark = pytest.mark.timeout(120)
 EXIT_ARTIFACTS, EXIT_FORM_TIMEOUT = 4, 3
 
 
-def test_a_refused_connection_while_listing_is_an_artifact_error(h):
-    [port] = h.free_ports(1)  # nothing listens there
-    client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1",
-                          aws_access_key_id="t", aws_secret_access_key="t", config=Config(retries={"max_attempts": 1}))
-    with pytest.raises(artifacts.ArtifactError, match=r"cannot list s3://b/m/: EndpointConnectionError"):
-        artifacts.list_objects(client, "b", "m/")
+def test_a_refused_connection_while_listing_is_an_artifact_error():
+    with socket.socket() as held:  # bound, not listening: refuses, and no other test's server can take the port
+        held.bind(("127.0.0.1", 0))
+        client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{held.getsockname()[1]}", region_name="us-east-1",
+                              aws_access_key_id="t", aws_secret_access_key="t",
+                              config=Config(retries={"max_attempts": 1}))
+        with pytest.raises(artifacts.ArtifactError, match=r"cannot list s3://b/m/: EndpointConnectionError"):
+            artifacts.list_objects(client, "b", "m/")
 
 
 class _TimesOut:
