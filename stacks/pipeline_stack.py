@@ -9,8 +9,9 @@ not compiled yet (cell_constructs.compile_stage); then one stage per wave, in th
 the fleet file, deploys each of the wave's cell stacks from the cloud assembly through the
 cell account's CDK bootstrap roles, as `cdk deploy` would.
 
-Each wave stage may wait for a deployment window (BeforeEntry DeploymentWindow rule),
-starts with a manual approval when the wave asks for one, bakes after its deployments
+A wave that asks for a manual approval gets it in an `Approve-<wave>` stage of its own first; the
+approval and the wave stage each check the wave's deployment window on entry (BeforeEntry DeploymentWindow
+rule). Each wave stage bakes after its deployments
 while every cell's rollout-gate composite alarm must stay out of ALARM (OnSuccess
 CloudWatchAlarm rules with WaitTime = bake minutes, result ROLLBACK), and rolls back by
 itself when an action fails (OnFailure ROLLBACK). The gate alarms are named from the
@@ -411,11 +412,31 @@ class PipelineStack(Stack):
         (or the approval's 7-day timeout) failed that stage, whose ROLLBACK then ran again what it had (an
         evacuation, deploys of the last good revision), and its deployment window was checked before the approval,
         so a late approval deployed outside it. Here a rejection ends the execution and nothing else; the window
-        is checked when the wave's stage is entered, after the approval."""
+        is checked on entering this stage (the approval is asked for only inside it) and again on entering the
+        wave's, after the approval (an approval given after the window closed fails the execution there)."""
         cells = self.fleet.cells_of_wave(wave.name)
-        return codepipeline.StageProps(stage_name=approve_stage_name(wave), actions=[actions.ManualApprovalAction(
-            action_name="Approve",
-            additional_information=f"Wave {wave.name}: deploy {', '.join(c.name for c in cells)}",
+        window = f" within the deployment window (cron {wave.deployment_window}, UTC)" if wave.deployment_window else ""
+        # The window on entry here too: the approval is asked for only when the wave may deploy.
+        return codepipeline.StageProps(stage_name=approve_stage_name(wave),
+                                       before_entry=self._window(wave, "approval-window"),
+                                       actions=[actions.ManualApprovalAction(
+                                           action_name="Approve",
+                                           additional_information=(f"Wave {wave.name}: deploy "
+                                                                   f"{', '.join(c.name for c in cells)}{window}"),
+                                       )])
+
+    @staticmethod
+    def _window(wave: WaveConfig, rule: str = "window") -> codepipeline.Conditions | None:
+        """The wave's deployment window as an entry condition (result FAIL outside it), or None; its rule is named
+        `<wave>-<rule>` (one name per stage: rule names are not shared between the approval's and the wave's)."""
+        if not wave.deployment_window:
+            return None
+        return codepipeline.Conditions(conditions=[codepipeline.Condition(
+            result=codepipeline.Result.FAIL,
+            rules=[codepipeline.Rule(
+                name=f"{wave.name}-{rule}", provider="DeploymentWindow", version="1",
+                configuration={"Cron": wave.deployment_window, "TimeZone": "UTC"},
+            )],
         )])
 
     def _wave_stage(self, wave: WaveConfig, assembly: codepipeline.Artifact) -> codepipeline.StageProps:
@@ -434,15 +455,7 @@ class PipelineStack(Stack):
             # The canary wave: the first-deploy kit checks each of its cells before the bake (stacks/verify_gate.py).
             stage_actions += [self._verify_gate(i, cell, deploy_order + 1).action for i, cell in enumerate(cells)]
 
-        before_entry = None
-        if wave.deployment_window:
-            before_entry = codepipeline.Conditions(conditions=[codepipeline.Condition(
-                result=codepipeline.Result.FAIL,
-                rules=[codepipeline.Rule(
-                    name=f"{wave.name}-window", provider="DeploymentWindow", version="1",
-                    configuration={"Cron": wave.deployment_window, "TimeZone": "UTC"},
-                )],
-            )])
+        before_entry = self._window(wave)
         on_success = self._bake(wave.name, self._gates(wave), wave.bake_minutes, codepipeline.Result.ROLLBACK)
         return codepipeline.StageProps(
             stage_name=wave_stage_name(wave),

@@ -216,7 +216,12 @@ def test_manual_approval_is_a_stage_before_the_wave_and_the_window_gates_the_wav
     assert names.index("Approve-main") == names.index("Wave-main") - 1
     approve = large_synth.stage("Approve-main")
     assert [a["ActionTypeId"]["Provider"] for a in approve["Actions"]] == ["Manual"]
-    assert not {"OnFailure", "BeforeEntry", "OnSuccess"} & set(approve)
+    assert not {"OnFailure", "OnSuccess"} & set(approve)
+    # The window on both entries: the approval is asked for only inside it, and checked again after it.
+    ((approve_rule,),) = [c["Rules"] for c in approve["BeforeEntry"]["Conditions"]]
+    ((wave_rule,),) = [c["Rules"] for c in large_synth.stage("Wave-main")["BeforeEntry"]["Conditions"]]
+    assert (approve_rule["Name"], wave_rule["Name"]) == ("main-approval-window", "main-window")
+    assert approve_rule["Configuration"] == wave_rule["Configuration"]
     main = large_synth.stage("Wave-main")
     orders = [(a["ActionTypeId"]["Provider"], a["RunOrder"]) for a in main["Actions"]]
     assert orders == [("CloudFormation", 1), ("CloudFormation", 1)]

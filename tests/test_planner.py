@@ -576,3 +576,16 @@ def test_planner_doc_blocks_are_the_real_output(capsys: pytest.CaptureFixture[st
         main(args)
         assert capsys.readouterr().out == shown, command
     assert {command for command, _, _ in runs} >= {"$ make plan", "$ make plan PLAN_ARGS=--suggest"}
+
+
+def test_suggest_names_the_sequence_parallel_rule_when_no_tp_divides_the_length():
+    """Regression (this session's diff review): with the max_seq_len % tp rule, `--suggest --seq-len 10000` said
+    "use a larger instance type, fewer sequences or shorter ones", none of which helps."""
+    from inference_fleet.planner.suggestion import format_suggestion, suggest
+
+    fleet = load_fleet()
+    shape = planner.ModelShape.from_config(fleet.model)
+    result = suggest(shape, fleet.unit.instance, 32, 10000)
+    text = format_suggestion(shape, result, 5)
+    assert "--seq-len 10000 is a multiple of no tp" in text and "sequence parallelism" in text, text
+    assert "e.g. 8192 or 9216 or 10240" in text

@@ -199,11 +199,11 @@ def test_events_are_read_with_a_json_filter_pattern_across_pages(adapter: Any) -
     stubs["logs"].add_response("filter_log_events", {"events": [
         {"logStreamName": "u0-leader/inference/aaaa", "timestamp": 1764590000500, "message": json.dumps(doc)},
         {"logStreamName": "u0-leader/inference/aaaa", "timestamp": 1764590000600, "message": "not json"}],
-        "nextToken": "n1"}, {"logGroupName": LOG_GROUP, "startTime": 1764590000000,
+        "nextToken": "n1"}, {"logGroupName": LOG_GROUP, "startTime": 1764590000000, "logStreamNamePrefix": "u0-",
                               "filterPattern": '{ ($.event = "node_self_check") && ($.unit_id = "u0") }'})
     stubs["logs"].add_response("filter_log_events", {"events": []},
                                {"logGroupName": LOG_GROUP, "startTime": 1764590000000, "nextToken": "n1",
-                                "filterPattern": ANY})
+                                "logStreamNamePrefix": "u0-", "filterPattern": ANY})
     events = cell.events("node_self_check", 1764590000.0, "u0")
     assert [(e.doc, e.task_id, e.timestamp) for e in events] == [(doc, "aaaa", 1764590000.5)]
     with pytest.raises(ValueError, match="not a launcher event"):

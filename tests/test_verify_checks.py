@@ -380,6 +380,25 @@ def test_formation_measures_the_parts_of_the_last_member_and_judges_the_budget()
     assert over.status == "fail" and "over the start-up budget" in over.detail
 
 
+def test_formation_measures_an_ended_session_whose_tasks_were_replaced() -> None:
+    """Regression (this session's diff review): check 4 read from the running tasks' creation, but a session it can
+    time has ended, its tasks replaced: the replacements, created after its formation, hid it (not_run)."""
+    now = time.time()
+    adapter = FakeAdapter("http://unused", running={"u0": [Task("arn:l2", "u0", "leader"),
+                                                           Task("arn:f2", "u0", "follower")]})
+    adapter.times = {"arn:l": TaskTimes(created=now - 5000, started=now - 4900),
+                     "arn:f": TaskTimes(created=now - 5000, started=now - 4890),
+                     "arn:l2": TaskTimes(created=now - 600, started=now - 590),
+                     "arn:f2": TaskTimes(created=now - 600, started=now - 590)}
+    members = [{"rank": 0, "instance_id": "arn:l"}, {"rank": 1, "instance_id": "arn:f"}]
+    adapter.log({"event": "unit_session_formed", "unit_id": "u0", "session_id": "s1", "released_at": now - 4500,
+                 "members": members}, at=now - 4500)
+    adapter.log({"event": "unit_session_end", "unit_id": "u0", "session_id": "s1", "serving_since": now - 4000,
+                 "cause": "deliberate_stop"}, at=now - 700)
+    result = checks_cell.check_formation(Context(adapter, expectations(), OpenAIHttp("http://unused")))
+    assert result.status == "pass" and result.figures["u0"]["session_id"] == "s1", result.detail
+
+
 def test_formation_is_not_run_without_a_serving_time() -> None:
     adapter = FakeAdapter("http://unused")
     adapter.log({"event": "unit_session_formed", "unit_id": "u0", "session_id": "s1", "released_at": time.time(),
@@ -468,7 +487,8 @@ def test_leader_stop_in_a_cell_of_two_units_does_not_judge_followers_by_another_
     with fake_unit("openai", token_delay=0.1) as server:
         adapter = DrainingCell(server.url, running=two_tasks(), followers_early=True, health={"u0": 200, "u1": 200})
         result = checks_faults.check_leader_stop(context(server, adapter, max_seq_len=80, units=["u0", "u1"]))
-    assert result.status == "pass", result.detail
+    # Not failed, and not a pass either: the stopped unit's drain was not seen (this session's diff review).
+    assert result.status == "not_run", result.detail
     assert "2 stream(s) completed" in result.detail and "in a cell of 2 units the streams' units are not known" \
         in result.detail
 

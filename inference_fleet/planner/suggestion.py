@@ -34,6 +34,8 @@ class Suggestion:
     # No fit: the largest unit tried, and its layout that breaks only the memory rule and holds the most sequences.
     max_nodes: int = DEFAULT_MAX_NODES
     closest: Candidate | None = None
+    # No fit and no layout of max_nodes whose tp divides seq_len: the tp degrees tried (the sequence-parallel rule).
+    unsplit_tps: tuple[int, ...] = ()
 
 
 def suggest(
@@ -53,8 +55,13 @@ def suggest(
                 est = estimate(shape, lay, prompt_tokens)
                 candidates.append(Candidate(lay, memory_plan(shape, lay), est))
         candidates.sort(key=lambda c: (c.estimate.decode_step_s, c.estimate.prefill_s))
-    return Suggestion(instance, batch, seq_len, prompt_tokens, nodes, candidates, max_nodes,
-                      None if nodes is not None else _closest(shape, instance, batch, seq_len, max_nodes))
+    closest = None if nodes is not None else _closest(shape, instance, batch, seq_len, max_nodes)
+    unsplit: tuple[int, ...] = ()
+    if nodes is None and closest is None:
+        tried = list(layouts(instance, max_nodes, batch, seq_len))
+        if tried and all("sp-seq" in violations(shape, lay) for lay in tried):
+            unsplit = tuple(sorted({lay.tp for lay in tried}))
+    return Suggestion(instance, batch, seq_len, prompt_tokens, nodes, candidates, max_nodes, closest, unsplit)
 
 
 def _closest(shape: ModelShape, instance: InstanceType, batch: int, seq_len: int, nodes: int) -> Candidate | None:
@@ -86,6 +93,12 @@ def _no_fit(result: Suggestion) -> str:
     """Why nothing fits, in numbers: the largest unit tried and how far its roomiest layout falls short."""
     text = f"no unit of up to {result.max_nodes} node(s) (--max-nodes) fits"
     close = result.closest
+    if close is None and result.unsplit_tps:
+        tps = result.unsplit_tps
+        nearest = sorted({m for tp in tps for m in (result.seq_len // tp * tp, (result.seq_len // tp + 1) * tp) if m})
+        return (f"{text}: --seq-len {result.seq_len} is a multiple of no tp of {result.max_nodes} node(s) "
+                f"({', '.join(map(str, tps))}), and NxD Inference's sequence parallelism needs the context length to "
+                f"divide by tp (docs/planner.md \"Checks\"); use a multiple, e.g. {' or '.join(map(str, nearest[:4]))}")
     if close is None:
         return (f"{text}: no layout of {result.max_nodes} node(s) passes the layout rules (docs/planner.md "
                 "\"Checks\"); use a larger instance type, fewer sequences or shorter ones")

@@ -216,11 +216,15 @@ class AwsAdapter:
             raise ValueError(f"event {event!r} / unit {unit_id!r}: not a launcher event or unit id")
         pattern = f'{{ $.event = "{event}" }}' if unit_id is None else \
             f'{{ ($.event = "{event}") && ($.unit_id = "{unit_id}") }}'
+        # A unit's launchers log under its own streams, `<unit>-<role>/<container>/<task id>` (the containers'
+        # awslogs stream_prefix, cell_constructs/inference_unit.py): the scan reads those only, not the whole group
+        # (a unit's lines are read back to its tasks' creation, up to the log retention: checks_cell.evidence_since).
+        streams = {} if unit_id is None else {"logStreamNamePrefix": f"{unit_id}-"}
         out: list[LogEvent] = []
         token = None
         while True:
             page = self._call("logs", "filter_log_events", logGroupName=self.found()["log_group"],
-                              startTime=int(since * 1000), filterPattern=pattern,
+                              startTime=int(since * 1000), filterPattern=pattern, **streams,
                               **({"nextToken": token} if token else {}))
             for item in page.get("events", []):
                 try:

@@ -60,8 +60,11 @@ def _serving_times(ctx: Context, unit_id: str, since: float) -> dict[str, float]
 
 
 def _formation(ctx: Context, unit_id: str) -> dict[str, Any] | None:
-    """The newest session of the unit whose formation and serving times are both known, in parts."""
-    since, _ = evidence_since(ctx, [unit_id])
+    """The newest session of the unit whose formation and serving times are both known, in parts. Such a session
+    has ended (its end event carries serving_since) and its tasks with it: the running tasks are its
+    replacements, created after its formation, so the window is the older of the running tasks' and the last
+    LOOKBACK_SECONDS."""
+    since = min(evidence_since(ctx, [unit_id])[0], ctx.started_at - LOOKBACK_SECONDS)
     formed = ctx.adapter.events("unit_session_formed", since, unit_id)
     serving_times = _serving_times(ctx, unit_id, since)
     for event in reversed(formed):
@@ -146,8 +149,9 @@ def check_self_checks(ctx: Context) -> CheckResult:
     since, _ = evidence_since(ctx, ctx.expect.units)
     retained = ctx.started_at - ctx.expect.log_retention_days * 86400
     latest: dict[str, dict[str, Any]] = {}
-    for event in ctx.adapter.events("node_self_check", since):
-        latest[str(event.doc.get("instance_id") or event.task_id)] = event.doc
+    for unit_id in ctx.expect.units:  # per unit: the adapter then reads that unit's log streams only
+        for event in ctx.adapter.events("node_self_check", since, unit_id):
+            latest[str(event.doc.get("instance_id") or event.task_id)] = event.doc
     problems: list[str] = []
     expired: list[str] = []
     passed = 0
@@ -184,7 +188,9 @@ def _proxy_metrics(ctx: Context, since: float) -> tuple[str, str]:
 
 
 def _launcher_metrics(ctx: Context) -> tuple[str, str]:
-    ends = ctx.adapter.events("unit_session_end", ctx.started_at - LOOKBACK_SECONDS)
+    # As check 4: an ended session's tasks were replaced; the older of the running tasks' and the last 24 h.
+    since = min(evidence_since(ctx, ctx.expect.units)[0], ctx.started_at - LOOKBACK_SECONDS)
+    ends = ctx.adapter.events("unit_session_end", since)
     if not ends:
         return ("not_run", "launcher EMF: no session has ended yet (--destructive ends some)")
     newest: dict[str, LogEvent] = {}

@@ -196,7 +196,7 @@ def test_the_reserved_environment_is_exactly_what_the_launcher_renders():
 def test_extra_env_may_not_replace_what_the_launcher_renders(name):
     """Applied after the rendered environment, such an entry replaced it: NEURON_RT_ROOT_COMM_ID pointed the
     unit's collectives elsewhere, VLLM_PLUGINS dropped the unit executor. Refused when the spec is read."""
-    with pytest.raises(SpecError, match=rf"engine\.extra_env\.{name}: rendered by the launcher"):
+    with pytest.raises(SpecError, match=rf"engine\.extra_env\.{name}: reserved by the launcher"):
         parse_spec(neuron_spec(engine={"max_num_seqs": 4, "extra_env": {name: "x", "NEURON_RT_LOG_LEVEL": "INFO"}}))
 
 

@@ -267,9 +267,9 @@ class UnitSpec(_Strict):
         for name in sorted(self.engine.extra_env):
             if name in LAUNCHER_ENV or name.startswith(LAUNCHER_ENV_PREFIX):
                 problems.append(
-                    f"engine.extra_env.{name}: rendered by the launcher (templates/engine.j2), which the unit's "
-                    f"bootstrap depends on; allowed: names other than {', '.join(sorted(LAUNCHER_ENV))} and "
-                    f"{LAUNCHER_ENV_PREFIX}*"
+                    f"engine.extra_env.{name}: reserved by the launcher (templates/engine.j2 renders it for the units "
+                    f"that need it, and the unit's bootstrap depends on it); allowed: names other than "
+                    f"{', '.join(sorted(LAUNCHER_ENV))} and {LAUNCHER_ENV_PREFIX}*"
                 )
             elif name == "NEURON_RT_VISIBLE_CORES" and self.engine.device == "neuron":
                 # Set, vllm-neuron's import rewrites NEURON_RT_ROOT_COMM_ID to ${MASTER_ADDR:-localhost}:<port>
