@@ -80,10 +80,16 @@ def unit_spec(fleet: FleetConfig) -> UnitSpec:
     return parse_spec(build_unit_spec(fleet, fleet.cells[0], 0, revision="compile"), "the fleet's unit spec")
 
 
+def _known_stack(tag: str) -> re.Match[str] | None:
+    """The tag's vLLM and SDK versions when its SDK has a known engine stack, else None."""
+    match = _TAG.match(tag)
+    return match if match is not None and match["sdk"] in KNOWN_STACKS else None
+
+
 def versions(fleet: FleetConfig, image_digest: str | None) -> dict[str, str]:
     tag = fleet.base_images.neuron_vllm_tag
-    match = _TAG.match(tag)
-    if match is None or match["sdk"] not in KNOWN_STACKS:
+    match = _known_stack(tag)
+    if match is None:
         known = ", ".join(sorted(KNOWN_STACKS))
         raise CompileError(
             f"base_images.neuron_vllm_tag {tag!r}: no known engine stack for its SDK; known SDKs: {known}")
@@ -365,9 +371,9 @@ def check_compile_sdk(fleet: FleetConfig) -> list[ConfigIssue]:
     table (`versions`): with another SDK every compile stops at its start, after the cells were deployed, and no
     unit ever serves. The table is the stack this package's commands were checked against (docs/neuron-sources.md)."""
     tag = fleet.base_images.neuron_vllm_tag
-    match = _TAG.match(tag)
-    if match is not None and match["sdk"] in KNOWN_STACKS:
+    if _known_stack(tag) is not None:
         return []
+    match = _TAG.match(tag)
     found = f"Neuron SDK {match['sdk']}" if match else "no Neuron SDK version (<vllm>-neuronx-py<N>-sdk<version>-...)"
     return [ConfigIssue("base_images.neuron_vllm_tag", tag, (
         f"names {found}; the compile job knows the engine stack (NxD Inference, vllm-neuron) of SDK "

@@ -428,7 +428,8 @@ class PipelineStack(Stack):
     @staticmethod
     def _window(wave: WaveConfig, rule: str = "window") -> codepipeline.Conditions | None:
         """The wave's deployment window as an entry condition (result FAIL outside it), or None; its rule is named
-        `<wave>-<rule>` (one name per stage: rule names are not shared between the approval's and the wave's)."""
+        `<wave>-<rule>`. The approval's and the wave's get distinct names: whether CodePipeline needs a rule name
+        unique across a pipeline's stages is not documented where we looked (unverified), and distinct cost nothing."""
         if not wave.deployment_window:
             return None
         return codepipeline.Conditions(conditions=[codepipeline.Condition(

@@ -314,6 +314,19 @@ def test_a_healthy_cell_whose_tasks_started_days_ago_passes_its_start_up_checks(
     assert evidence.status == "pass" and "[pass] unit_session_formed" in evidence.detail, evidence.detail
 
 
+def test_evidence_reads_a_session_end_as_old_as_the_running_tasks() -> None:
+    """Regression (this session's diff review): check 6's session ends were read 24 h back while its formation
+    events were read from the tasks' creation; a session that ended 3 days ago with these tasks' predecessors
+    was not seen ("no session has ended yet")."""
+    adapter = FakeAdapter("http://unused", metrics={("Rufus/UnitProxy", "Requests", "u0"): [3.0],
+                                                    ("Rufus/Unit", "UnitSessionEnds", "u0"): [1.0]})
+    _cell_started(adapter, age=3 * 86400)
+    adapter.log({"event": "unit_session_end", "unit_id": "u0", "session_id": "s0", "cause": "deliberate_stop"},
+                at=time.time() - 3 * 86400 + 30)
+    evidence = checks_cell.check_evidence(Context(adapter, expectations(), OpenAIHttp("http://unused")))
+    assert "[pass] 1 session-end event(s) in the log and UnitSessionEnds has data" in evidence.detail, evidence.detail
+
+
 def test_start_up_events_older_than_the_log_retention_are_not_judged() -> None:
     adapter = FakeAdapter("http://unused", metrics={("Rufus/UnitProxy", "Requests", "u0"): [3.0]})
     _cell_started(adapter, age=40 * 86400)

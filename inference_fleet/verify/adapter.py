@@ -17,7 +17,8 @@ from unit_launcher.plan import triton_model_for
 from inference_fleet.config import CellConfig, FleetConfig
 from inference_fleet.unit_spec import unit_metrics_namespace
 
-# A dashboard metric widget's period when it names none (CloudWatch's dashboard body: "period ... default 300").
+# A dashboard metric widget's period when it names none: 300 s, the `period` property's default
+# (https://docs.aws.amazon.com/AmazonCloudWatch/latest/APIReference/CloudWatch-Dashboard-Body-Structure.html).
 DASHBOARD_PERIOD_SECONDS = 300
 
 

@@ -39,10 +39,20 @@ def evidence_since(ctx: Context, units: list[str]) -> tuple[float, str | None]:
     (the note says the events have expired). No creation time known: the last LOOKBACK_SECONDS."""
     ids = [t.task_id for u in units for t in ctx.adapter.tasks(u)]
     created = [c for t in (ctx.adapter.task_times(ids) if ids else {}).values() if (c := _created(t)) is not None]
+    return _since_created(ctx, created)
+
+
+def _retained(ctx: Context) -> float:
+    """The oldest time the log group still holds (serving.log_retention_days)."""
+    return ctx.started_at - ctx.expect.log_retention_days * 86400
+
+
+def _since_created(ctx: Context, created: list[float]) -> tuple[float, str | None]:
+    """evidence_since for tasks created at these times."""
     if not created:
         return ctx.started_at - LOOKBACK_SECONDS, None
     since = min(created) - CLOCK_MARGIN_SECONDS
-    retained = ctx.started_at - ctx.expect.log_retention_days * 86400
+    retained = _retained(ctx)
     if since < retained:
         return retained, (f"their tasks run since before the log group's retention "
                           f"({ctx.expect.log_retention_days} days): their start-up events have expired")
@@ -146,8 +156,8 @@ def check_self_checks(ctx: Context) -> CheckResult:
     """5. Every running node published its start-up self-checks and each passed. Nodes not started yet are
     named, not judged; nodes whose events outlived the log group's retention make the check not run."""
     running, pending = _running_tasks(ctx)
-    since, _ = evidence_since(ctx, ctx.expect.units)
-    retained = ctx.started_at - ctx.expect.log_retention_days * 86400
+    since, _ = _since_created(ctx, [created for _, _, created in running if created is not None])
+    retained = _retained(ctx)
     latest: dict[str, dict[str, Any]] = {}
     for unit_id in ctx.expect.units:  # per unit: the adapter then reads that unit's log streams only
         for event in ctx.adapter.events("node_self_check", since, unit_id):

@@ -137,7 +137,7 @@ def check_agreement(ctx: Context, burst: int = 8, max_tokens: int = 24) -> Check
     detail = "; ".join(problems) or (f"{count} requests at temperature 0.8 served, no session ended by "
                                      f"divergence or step_timeout; {pair}")
     return CheckResult("2-agreement", "fail" if problems else "pass", Measured(served, "requests agreed"), detail,
-                       {"burst": count, "disagreements": len(disagreed), "since": since,
+                       {"burst": count, "disagreements": disagreed, "since": since,
                         "greedy_text": text1, "greedy_pair_identical": same})
 
 
@@ -165,7 +165,7 @@ def confirm_agreement(ctx: Context, result: CheckResult, until: float | None, he
     since = result.figures.get("since")
     if not isinstance(since, int | float):
         return result
-    named = set(result.detail.split("; "))
+    named = set(result.figures.get("disagreements") or [])
     late = [d for d in _disagreements(ctx, since, until) if d not in named]
     if health:
         unhealthy = {u: h for u in ctx.expect.units if (h := ctx.adapter.unit_health(u)) != 200}

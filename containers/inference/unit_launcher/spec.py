@@ -273,8 +273,9 @@ class UnitSpec(_Strict):
                 )
             elif name == "NEURON_RT_VISIBLE_CORES" and self.engine.device == "neuron":
                 # Set, vllm-neuron's import rewrites NEURON_RT_ROOT_COMM_ID to ${MASTER_ADDR:-localhost}:<port>
-                # (release-0.5.x vllm_neuron/__init__.py:26-28, utils.py:10-44; docs/neuron-sources.md), and
-                # MASTER_ADDR is unset: every node would bootstrap its collectives against itself.
+                # (release-0.5.x vllm_neuron/__init__.py:26-28, utils.py:10-44; docs/neuron-sources.md), and the
+                # launcher renders no MASTER_ADDR (it passes --master-addr): every node would bootstrap its
+                # collectives against itself.
                 problems.append(
                     "engine.extra_env.NEURON_RT_VISIBLE_CORES: not allowed on neuron: vllm-neuron then rewrites "
                     "NEURON_RT_ROOT_COMM_ID (the unit's root communicator) to this node's own address, and the "
