@@ -261,7 +261,7 @@ def _sp_issue(layout: Layout) -> ConfigIssue:
         "model.max_seq_len", layout.seq_len,
         f"must be a multiple of the unit's tp = {tp} NeuronCores (nearest: {' or '.join(map(str, nearest))}): "
         "prefill runs with sequence parallelism (sequence_parallel_enabled, rendered for every unit) and NxD "
-        "Inference asserts that the context length, here its one prefill bucket max_context_length = "
+        "Inference asserts that the context length, here its largest prefill bucket max_context_length = "
         "model.max_seq_len, divides by the tensor-parallel group size (validate_sequence_parallel, "
         "models/model_base.py at c63afe02)",
     )
