@@ -104,8 +104,68 @@ def versions(fleet: FleetConfig, image_digest: str | None) -> dict[str, str]:
     return {"image_digest": digest, "neuron_sdk": match["sdk"], "vllm": match["vllm"], **KNOWN_STACKS[match["sdk"]]}
 
 
+# The smallest bucket NxD Inference generates (modules/autobucketing.py:197-198 prefill, :266-268 decode, at c63afe02).
+MIN_BUCKET = 128
+
+
+def nxdi_buckets(min_length: int, max_length: int) -> list[int]:
+    """NxD Inference's `generate_buckets` (modules/autobucketing.py:8-19 at c63afe02), the same arithmetic:
+    powers of two from `min_length` up to about half of `max_length`, then `max_length`."""
+    if min_length == max_length:
+        return [max_length]
+    top = round(math.log2(max_length))  # NxDI rounds, so no bucket sits just below max_length
+    return [2**i for i in range(int(math.log2(min_length)), top)] + [max_length]
+
+
+def context_encoding_buckets(max_context_length: int, tp: int) -> list[int] | None:
+    """The prefill buckets to name, or None to leave NxD Inference's own (what vllm-neuron compiles with).
+
+    With sequence parallelism NxD Inference asserts that every traced context length divides by the
+    tensor-parallel group (models/model_base.py:1463-1472, called per bucket at :1276-1277). Its own
+    buckets start at 128, so a tp that does not divide 128 (3 trn1 nodes, tp 96; 4 trn2 nodes at LNC 1,
+    tp 512) would fail the compile at the smallest one. Then each bucket is rounded up to a multiple of tp;
+    the largest, max_context_length, already is one (the planner's sequence-parallel rule, planner/fit.py)."""
+    default = nxdi_buckets(MIN_BUCKET, max_context_length)
+    if all(bucket % tp == 0 for bucket in default):
+        return None
+    return sorted({math.ceil(bucket / tp) * tp for bucket in default})
+
+
+def serving_flags(layout: dict[str, Any], platform_target: str, on_device_sampling: bool = True) -> list[str]:
+    """The flags that make the compiled neuron config vllm-neuron's own default one where the layout leaves
+    it open (whn09/vllm-neuron@3afb0a92 neuronx_distributed_model_loader.py:1063-1112, `_get_default_neuron_config`):
+    vllm-neuron uses a precompiled config as it is (`_load_compiled_model`, :242-254), so what the passes leave
+    at NxD Inference's `inference_demo` defaults is what the unit serves with.
+
+    - `ctx_batch_size` 1 (:1095): NxDI's default is batch_size (models/config.py:161), a prefill graph of
+      batch_size padded prompts (models/model_base.py:3099-3104): 32 for the default fleet.
+    - `enable_bucketing` (:1099): without it NxD Inference traces one prefill graph at max_context_length and one
+      decode graph at seq_len (modules/autobucketing.py:162-175, :238-250), so every prompt would be padded to
+      the longest and every decode step would attend over the whole context.
+    - on-device sampling, per request (`OnDeviceSamplingConfig(dynamic=True, deterministic=False)`, :1071-1073;
+      the other fields at their defaults, models/config.py:1064-1075): `--on-device-sampling --dynamic`.
+      Without `--dynamic` the compiled sampler ignores each request's top_k, top_p and temperature and takes
+      the argmax (modules/generation/sampling.py:459). The top-k kernel is on off trn1 in vllm-neuron's config
+      (the default `hardware(get_platform_target()) != hardware.TRN1`), but `inference_demo`'s store-true flag
+      passes False unless named (inference_demo.py:122, :436-442), so it is named for the other targets.
+      `unit.on_device_sampling: false` leaves the sampler out: the model returns logits (loader :507-521) and
+      vllm-neuron samples with vLLM's sampler on the host (neuronx_distributed_model_runner.py:229-268), which
+      also honours structured outputs, ignored with on-device sampling (:232-241, "The grammar bitmask will be
+      ignored").
+    """
+    flags = ["--ctx-batch-size", "1", "--enable-bucketing"]
+    buckets = context_encoding_buckets(layout["max_context_length"], layout["tp_degree"])
+    if buckets is not None:
+        flags += ["--context-encoding-buckets", *map(str, buckets)]
+    if on_device_sampling:
+        flags += ["--on-device-sampling", "--dynamic"]
+        if platform_target != "trn1":
+            flags.append("--top-k-kernel-enabled")
+    return flags
+
+
 def nxdi_argv(layout: dict[str, Any], node_rank: int, checkpoint: str, out_dir: str, model_type: str,
-              command: str = NXDI_COMMAND) -> list[str]:
+              serving: list[str], command: str = NXDI_COMMAND) -> list[str]:
     """One pass: trace the world's graph and shard node `node_rank`'s ranks (flags: inference_demo.py
     setup_run_parser, lines 97-406 at c63afe02)."""
     local = layout["local_ranks_size"]
@@ -119,11 +179,7 @@ def nxdi_argv(layout: dict[str, Any], node_rank: int, checkpoint: str, out_dir: 
         "--logical-nc-config", str(layout["logical_nc_config"]),
         "--batch-size", str(layout["batch_size"]), "--seq-len", str(layout["seq_len"]),
         "--max-context-length", str(layout["max_context_length"]),
-        # One prompt per context-encoding step, as vllm-neuron's own config has it (whn09/vllm-neuron@3afb0a92
-        # neuronx_distributed_model_loader.py:1095) and the planner's step bound assumes (planner/fit.py). NxDI's
-        # default is batch_size (models/config.py:161), a prefill graph of batch_size padded prompts
-        # (models/model_base.py:3099-3104): every prefill step would encode 32 prompts' worth for the default fleet.
-        "--ctx-batch-size", "1",
+        *serving,
     ]
     if layout["sequence_parallel_enabled"]:
         argv.append("--sequence-parallel-enabled")
@@ -143,16 +199,18 @@ def render(fleet: FleetConfig, *, checkpoint: str, work_dir: str, model_type: st
                            "quantized checkpoints need NxDI's --quantized flags, not written here")
     layout = am.planned_layout(spec)
     name = layout_key(fleet)
+    target = fleet.unit.instance.platform_target
+    serving = serving_flags(layout, target, fleet.unit.on_device_sampling)
     passes = []
     for rank in range(spec.size):
         out = f"{work_dir.rstrip('/')}/node{rank}"
         env = {"BASE_COMPILE_WORK_DIR": f"{work_dir.rstrip('/')}/nxd-workdir-node{rank}/",
                # The units' hardware, not the CPU compile host's (compile_run.PASS_PLATFORM_TARGET says why).
-               compile_run.PASS_PLATFORM_TARGET: fleet.unit.instance.platform_target}
-        passes.append(Pass(rank, nxdi_argv(layout, rank, checkpoint, out, model_type, command), env, out))
+               compile_run.PASS_PLATFORM_TARGET: target}
+        passes.append(Pass(rank, nxdi_argv(layout, rank, checkpoint, out, model_type, serving, command), env, out))
     destination = f"{fleet.model.artifacts_s3_uri.rstrip('/')}/neuron/{name}/"
     # The compiler arguments in the key: every pass's flags with its own rank and paths left out.
-    generic = nxdi_argv(layout, 0, "<checkpoint>", "<out>", model_type, NXDI_COMMAND)
+    generic = nxdi_argv(layout, 0, "<checkpoint>", "<out>", model_type, serving, NXDI_COMMAND)
     return Job(name, layout, versions(fleet, image_digest), passes, destination, generic)
 
 
@@ -302,7 +360,7 @@ def check_compile_host(fleet: FleetConfig) -> list[ConfigIssue]:
 
 # "Maximum job payload size (for SubmitJob API operations): 30 KiB", a quota that cannot be changed
 # (https://docs.aws.amazon.com/batch/latest/userguide/service_limits.html). The request grows by about
-# 790 bytes a node (its pass's argv): some 37 nodes for the default model.
+# 1 KB a node (its pass's argv): 30 nodes for the default model are over it (29 are not).
 MAX_SUBMIT_JOB_BYTES = 30 * 1024
 
 WORK_DIR = "/compile"  # the job's volume, mounted from the instance's root volume

@@ -254,6 +254,12 @@ class UnitConfig(_Strict):
     context_parallel_degree: int = Field(default=1, ge=1, description="Prefill (context encoding) CP degree.")
     data_parallel_degree: int = Field(default=1, ge=1, description="Decode (token generation) attention DP degree.")
     max_concurrent_sequences: int = Field(ge=1, le=4096, description="Engine batch size (max_num_seqs).")
+    on_device_sampling: bool = Field(
+        default=True,
+        description="Sample on the Neuron devices, per request, as vllm-neuron's own config does (compiled into "
+        "the layout). false: vLLM's sampler on each node's host, seeded alike on every node; the fallback if "
+        "nodes are seen to disagree at temperature > 0 (docs/compiled-artifacts.md). A change needs a new compile.",
+    )
 
     @property
     def instance(self) -> InstanceType:

@@ -59,6 +59,8 @@ def test_every_pass_parses_with_nxdis_own_parser_into_the_units_layout(config, m
         assert args.is_continuous_batching is layout["is_continuous_batching"]
         # Regression: unset, NxDI takes ctx_batch_size = batch_size (models/config.py:161), not vllm-neuron's 1.
         assert args.ctx_batch_size == 1
+        # Regression: vllm-neuron's own config buckets and samples on the device, per request (loader :1063-1112).
+        assert args.enable_bucketing and args.on_device_sampling and args.dynamic
         assert args.compile_only and args.save_sharded_checkpoint and not args.enable_torch_dist
         assert args.compiled_model_path == f"/work/node{one.node_rank}/"
         assert one.env["BASE_COMPILE_WORK_DIR"] == f"/work/nxd-workdir-node{one.node_rank}/"
@@ -84,6 +86,71 @@ def test_every_pass_names_the_units_hardware_not_the_cpu_compile_hosts(config, t
     assert f'"target": "{target}"' in (Path(bare.out_dir) / "model.pt").read_text()
     # The compiler arguments in the key carry no path and no rank: one key for every node.
     assert "/ckpt" not in job.compiler_args and "--start_rank_id" in job.compiler_args
+
+
+def _nxdi_config():
+    spec = importlib.util.spec_from_file_location("nxdi_config", FIXTURES / "nxdi_config.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("config", [DEFAULT, TRN1], ids=["trn2-default", "trn1-large"])
+def test_the_compiled_sampler_is_the_one_vllm_neuron_builds_for_itself(config, monkeypatch):
+    """vllm-neuron serves a precompiled config as it is (whn09/vllm-neuron@3afb0a92
+    neuronx_distributed_model_loader.py:242-254), so the passes must ask NxD Inference for the sampler its own
+    default config has: `OnDeviceSamplingConfig(dynamic=True, deterministic=False)` (:1071-1073), built here
+    from each pass's arguments by NxD Inference's own code (fixtures/nxdi/nxdi_config.py, verbatim), on the
+    pass's target. Regression: the passes named no sampler, so the unit sampled on the host (and a hand
+    compile with --on-device-sampling alone would take the argmax of every request)."""
+    fleet = load_fleet(str(config))
+    nxdi = _nxdi_config()
+    for one in compile_job.render(fleet, checkpoint="/ckpt", work_dir="/w").passes:
+        monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", one.env["NEURON_PLATFORM_TARGET_OVERRIDE"])
+        monkeypatch.setattr(sys, "argv", one.argv)
+        compiled = nxdi.sampling_config_from_args(_nxdi_parser().parse_args())
+        assert compiled is not None, "no on-device sampling: vllm-neuron's default config has it"
+        vllm_neurons = nxdi.OnDeviceSamplingConfig(dynamic=True, deterministic=False)
+        assert vars(compiled) == vars(vllm_neurons)
+
+
+def test_host_sampling_compiles_no_sampler_and_another_key(tmp_path, monkeypatch):
+    """`unit.on_device_sampling: false`, the fallback if nodes disagree at temperature > 0: no sampler in the
+    graph (vllm-neuron then samples on the host), and compiler arguments of its own, so another key."""
+    (tmp_path / "fleet.yaml").write_text(DEFAULT.read_text().replace(
+        "\n  max_concurrent_sequences: 32\n", "\n  max_concurrent_sequences: 32\n  on_device_sampling: false\n"))
+    host, device = load_fleet(str(tmp_path / "fleet.yaml")), load_fleet(str(DEFAULT))
+    assert not host.unit.on_device_sampling and device.unit.on_device_sampling
+    job = compile_job.render(host, checkpoint="/c", work_dir="/w")
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
+    monkeypatch.setattr(sys, "argv", job.passes[0].argv)
+    args = _nxdi_parser().parse_args()
+    assert _nxdi_config().sampling_config_from_args(args) is None and args.enable_bucketing
+    assert job.compiler_args != compile_job.render(device, checkpoint="/c", work_dir="/w").compiler_args
+
+
+@pytest.mark.parametrize(("nodes", "tp", "buckets"), [
+    (2, 128, None),  # NxD Inference's own 128..16384: each a multiple of 128
+    (4, 256, [256, 512, 1024, 2048, 4096, 8192, 16384]),  # its 128 would fail the sequence-parallel assert
+])
+def test_prefill_buckets_are_nxdis_own_unless_one_would_fail_the_sequence_parallel_assert(nodes, tp, buckets,
+                                                                                        tmp_path, monkeypatch):
+    text = DEFAULT.read_text().replace("\n  nodes: 2\n", f"\n  nodes: {nodes}\n")
+    (tmp_path / "fleet.yaml").write_text(text)
+    fleet = load_fleet(str(tmp_path / "fleet.yaml"))
+    assert fleet.unit.tp == tp
+    monkeypatch.setattr(sys, "argv", compile_job.render(fleet, checkpoint="/c", work_dir="/w").passes[0].argv)
+    args = _nxdi_parser().parse_args()
+    assert args.enable_bucketing and args.context_encoding_buckets == buckets
+    # What NxD Inference traces (modules/autobucketing.py:176-199): named buckets, else its own from 128.
+    traced = buckets or _nxdi_config().generate_buckets(128, args.max_context_length)
+    assert all(bucket % tp == 0 for bucket in traced) and max(traced) == args.max_context_length
+
+
+def test_the_bucket_arithmetic_is_nxdis_own():
+    generate = _nxdi_config().generate_buckets
+    for top in [128, 129, 150, 181, 182, 200, 4096, 5000, 8192, 12288, 16384, 131072]:
+        assert compile_job.nxdi_buckets(128, top) == generate(128, top), top
 
 
 def test_a_flag_nxdi_does_not_know_is_refused_by_its_parser(monkeypatch, capsys):

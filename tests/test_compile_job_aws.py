@@ -650,7 +650,7 @@ def test_compile_with_a_checkpoint_reaches_s3_before_hashing_the_checkpoint(monk
 
 def test_a_unit_whose_compile_request_exceeds_batchs_payload_limit_is_refused():
     """AWS Batch refuses a SubmitJob payload over 30 KiB; the request carries one pass per node, so a unit of
-    some 37 nodes or more would have failed at the pipeline's Compile stage instead of at validate."""
+    some 30 nodes or more would have failed at the pipeline's Compile stage instead of at validate."""
     fleet = load_fleet(str(DEFAULT))
     assert compile_job.check_compile_host(fleet) == []
     many = fleet.model_copy(update={"unit": fleet.unit.model_copy(update={"nodes": 40})})

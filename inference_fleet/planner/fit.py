@@ -69,9 +69,9 @@ def _cp_fits_seq(layout: Layout, cp: int) -> bool:
 def _sp_fits_seq(layout: Layout) -> bool:
     """With sequence parallelism NxD Inference asserts that the context length divides by the tensor-parallel
     group (aws-neuron/neuronx-distributed-inference@c63afe02 models/model_base.py:1463-1472, called at :1276-1277;
-    the group is the tp_degree ranks: utils/distributed.py:30-36, models/application_base.py:590-595). The compile
-    passes no --enable-bucketing, so the one prefill bucket is max_context_length (modules/autobucketing.py:162-175),
-    which the package sets to model.max_seq_len."""
+    the group is the tp_degree ranks: utils/distributed.py:30-36, models/application_base.py:590-595), every prefill
+    bucket. The largest is max_context_length, which the package sets to model.max_seq_len: this rule; the compile
+    rounds the smaller ones up to multiples of tp (compile_job.context_encoding_buckets)."""
     return not SEQUENCE_PARALLEL or layout.seq_len % layout.tp == 0
 
 
@@ -261,7 +261,7 @@ def _sp_issue(layout: Layout) -> ConfigIssue:
         "model.max_seq_len", layout.seq_len,
         f"must be a multiple of the unit's tp = {tp} NeuronCores (nearest: {' or '.join(map(str, nearest))}): "
         "prefill runs with sequence parallelism (sequence_parallel_enabled, rendered for every unit) and NxD "
-        "Inference asserts that the context length, here its one prefill bucket max_context_length = "
+        "Inference asserts that the context length, here its largest prefill bucket max_context_length = "
         "model.max_seq_len, divides by the tensor-parallel group size (validate_sequence_parallel, "
         "models/model_base.py at c63afe02)",
     )

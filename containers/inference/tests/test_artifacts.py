@@ -114,6 +114,25 @@ def test_compiled_layout_that_does_not_match_the_unit_is_refused(s3, tmp_path):
         artifacts.check_layout(tmp_path / "neuron" / LAYOUT, {**UNIT, "batch_size": 8})
 
 
+@pytest.mark.parametrize(("sampling", "refused"), [
+    ({"dynamic": True}, False),  # what the compile passes (--on-device-sampling --dynamic), vllm-neuron's own
+    (None, False),  # no on-device sampling: vLLM's sampler on the host serves each request's parameters
+    ({"dynamic": False}, True),  # --on-device-sampling alone: the argmax for every request
+], ids=["dynamic", "host", "static"])
+def test_a_layout_whose_sampler_ignores_requests_parameters_is_refused(sampling, refused, tmp_path):
+    """Regression: a layout compiled with a static on-device sampler loaded and served every request greedily,
+    whatever its temperature (neuronx-distributed-inference@c63afe02 modules/generation/sampling.py:459)."""
+    whole = json.loads(FIXTURE.read_text())
+    base = whole["neuron_config"]["on_device_sampling_config"]
+    whole["neuron_config"]["on_device_sampling_config"] = None if sampling is None else {**base, **sampling}
+    (tmp_path / "neuron_config.json").write_text(json.dumps(whole))
+    if not refused:
+        artifacts.check_layout(tmp_path, UNIT)
+        return
+    with pytest.raises(artifacts.ArtifactError, match=r"on_device_sampling_config\.dynamic: compiled False, unit True"):
+        artifacts.check_layout(tmp_path, UNIT)
+
+
 def test_a_flat_or_missing_config_is_not_a_compiled_layout(tmp_path):
     """The nested format is what NxD Inference writes; a flat file would pass any check unseen."""
     flat = tmp_path / "flat"

@@ -205,10 +205,31 @@ def check_layout(local_layout_dir: Path, expected: dict[str, Any]) -> None:
         for k in COMPARED_KEYS
         if k in compiled and k in expected and compiled[k] != expected[k]
     ]
+    diffs += sampling_problems(compiled)
     if diffs:
         raise ArtifactError(
             f"compiled artifacts in {local_layout_dir} do not match this unit's layout: {'; '.join(diffs)}"
         )
+
+
+def sampling_problems(compiled: dict[str, Any]) -> list[str]:
+    """What in a compiled config would serve requests with other sampling than they ask for.
+
+    A sampler compiled on the device without `dynamic` takes no per-request parameters: unless compiled with
+    `do_sample` it takes the argmax for every request, whatever its temperature (neuronx-distributed-inference
+    @c63afe02 modules/generation/sampling.py:459), and vllm-neuron still sends each request's parameters
+    (whn09/vllm-neuron@3afb0a92 neuronx_distributed_model_runner.py:1715-1751). The package's compile passes
+    `--dynamic`, as vllm-neuron's own config has it (`OnDeviceSamplingConfig(dynamic=True, ...)`,
+    neuronx_distributed_model_loader.py:1071-1073); a layout compiled by hand without it is refused here.
+    Without on-device sampling (the key absent or null) vLLM's sampler runs on the host: served correctly.
+    """
+    sampling = compiled.get("on_device_sampling_config")
+    if isinstance(sampling, dict) and sampling.get("dynamic") is not True:
+        return ["on_device_sampling_config.dynamic: compiled "
+                f"{sampling.get('dynamic')!r}, unit True (a sampler without it ignores each request's temperature, "
+                "top_k and top_p; compile with --on-device-sampling --dynamic, as `python -m inference_fleet "
+                "compile` does)"]
+    return []
 
 
 def prepare_node_layout(
