@@ -256,8 +256,9 @@ class UnitConfig(_Strict):
     max_concurrent_sequences: int = Field(ge=1, le=4096, description="Engine batch size (max_num_seqs).")
     on_device_sampling: bool = Field(
         default=True,
-        description="Sample on the Neuron devices, per request, as vllm-neuron's own config does (compiled into "
-        "the layout). false: vLLM's sampler on each node's host, seeded alike on every node; the fallback if "
+        description="Sample on the Neuron devices, as vllm-neuron's own config does (compiled into the layout; "
+        "vllm-neuron 3afb0a92 can give a request another's sampling parameters: docs/compiled-artifacts.md). "
+        "false: vLLM's sampler on each node's host, seeded alike on every node; the fallback if "
         "nodes are seen to disagree at temperature > 0 (docs/compiled-artifacts.md). A change needs a new compile.",
     )
 

@@ -29,11 +29,16 @@ FAKE = FIXTURES / "fake_inference_demo.py"
 DEFAULT, TRN1 = ROOT / "config" / "default.yaml", ROOT / "tests" / "fleets" / "large.yaml"
 
 
-def _nxdi_parser():
-    spec = importlib.util.spec_from_file_location("nxdi_inference_demo_parser", FIXTURES / "inference_demo_parser.py")
+def _nxdi_fixture(name: str):
+    """A module of tests/fixtures/nxdi (NxD Inference's own code, verbatim), loaded under a name of its own."""
+    spec = importlib.util.spec_from_file_location(f"nxdi_{name}", FIXTURES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _nxdi_parser():
+    return _nxdi_fixture("inference_demo_parser")
 
 
 @pytest.mark.parametrize("config", [DEFAULT, TRN1], ids=["trn2-default", "trn1-large"])
@@ -89,10 +94,7 @@ def test_every_pass_names_the_units_hardware_not_the_cpu_compile_hosts(config, t
 
 
 def _nxdi_config():
-    spec = importlib.util.spec_from_file_location("nxdi_config", FIXTURES / "nxdi_config.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _nxdi_fixture("nxdi_config")
 
 
 @pytest.mark.parametrize("config", [DEFAULT, TRN1], ids=["trn2-default", "trn1-large"])
