@@ -5,7 +5,9 @@ vllm-neuron (whn09/vllm-neuron@3afb0a920fa9679e87da935999bf29fb8846641b
 (top_k, top_p, temperature) per batch row (`_execute_model_for_text`, :1046-1069), and the
 compiled sampler applies row i to the logits of batch row i, the request
 `model_input.request_ids[i]` (`_sample_on_device`, :285-338, reorders the sampled tokens by
-that list). But `get_nxd_sampling_params` (:1715-1751) fills the rows from
+that list; NxD Inference pads and sorts the sampling rows with the same indices as the input
+rows and returns the outputs in the input order: neuronx-distributed-inference@c63afe02
+`models/model_wrapper.py:598-658, 687-697`). But `get_nxd_sampling_params` (:1715-1751) fills the rows from
 `self.requests.values()`: every request the runner holds, in arrival order (:982), those not
 scheduled this step included, and then cuts the rows to the batch's size (:1747-1749). So a
 prompt prefilled while others run (a prefill batch of one, `--ctx-batch-size 1`) is sampled
