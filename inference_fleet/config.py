@@ -257,7 +257,8 @@ class UnitConfig(_Strict):
     on_device_sampling: bool = Field(
         default=True,
         description="Sample on the Neuron devices, as vllm-neuron's own config does (compiled into the layout; "
-        "vllm-neuron 3afb0a92 can give a request another's sampling parameters: docs/compiled-artifacts.md). "
+        "the unit worker gives each request its own parameters, which vllm-neuron 3afb0a92 does not: "
+        "docs/compiled-artifacts.md). "
         "false: vLLM's sampler on each node's host, seeded alike on every node; the fallback if "
         "nodes are seen to disagree at temperature > 0 (docs/compiled-artifacts.md). A change needs a new compile.",
     )

@@ -34,6 +34,9 @@ class PluginWorker:
         ensure_model_parallel_initialized(1, 1)
         ensure_kv_transfer_initialized(vllm_config)
 
+    def load_model(self):
+        calls.append(("load_model", (), {}))
+
 
 # The modules that resolve their base classes at import: imported afresh against the fakes.
 _IMPORTED = ("unit_executor.platform", "unit_executor.worker", "unit_executor.neuron")
@@ -77,3 +80,17 @@ def test_the_unit_worker_widens_the_world_and_keeps_the_plugins_kv_transfer_setu
         ("ensure_model_parallel_initialized", (4, 1), {}),
         ("ensure_kv_transfer_initialized", (config,), {}),
     ]
+
+
+def test_loading_the_model_puts_the_runners_sampling_parameters_in_the_batchs_order(unit_worker, monkeypatch):
+    """vllm-neuron's runner gives on-device sampling its parameters in arrival order (unit_executor/sampling_order.py):
+    the unit worker fixes that before its model loads, on every node."""
+    runner = type("NeuronxDistributedModelRunner", (), {"_prepare_model_input": lambda self, step: step,
+                                                         "get_nxd_sampling_params": lambda self, tokens: None})
+    module = types.ModuleType("vllm_neuron.worker.neuronx_distributed_model_runner")
+    module.NeuronxDistributedModelRunner = runner
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.delenv("UNIT_REQUIRE_COMPILED", raising=False)
+    unit_worker.__new__(unit_worker).load_model()
+    assert calls == [("load_model", (), {})]
+    assert getattr(runner._prepare_model_input, "unit_sampling_order", False)

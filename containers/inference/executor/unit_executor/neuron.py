@@ -55,8 +55,10 @@ class UnitNeuronWorker(UnitWorker):  # type: ignore[misc, valid-type]
 
     def load_model(self, *args: Any, **kwargs: Any) -> Any:
         # The model loads here (vllm-neuron neuron_worker.py `load_model`): its compile fallback
-        # is turned off first when the launcher asks for compiled artifacts only (no_compile).
-        from unit_executor import no_compile
+        # is turned off first when the launcher asks for compiled artifacts only (no_compile), and
+        # the runner's on-device sampling parameters put in the batch's order (sampling_order).
+        from unit_executor import no_compile, sampling_order
 
         no_compile.install_from_env()
+        sampling_order.install()
         return super().load_model(*args, **kwargs)
