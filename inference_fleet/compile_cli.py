@@ -186,11 +186,25 @@ def _check(fleet: FleetConfig, request_out: str | None = None) -> int:
         raise compile_job.CompileError(
             f"{destination}: compiled in another image than the fleet's base_images: {'; '.join(diffs)}; compile "
             "again in the fleet's image (same SDK compiles as serves), then set model.artifacts_key to the new key")
+    if diffs := _argument_differences(fleet, manifest):
+        raise compile_job.CompileError(
+            f"{destination}: compiled with other compiler arguments than the fleet's: {'; '.join(diffs)}; the "
+            "units would serve a graph the fleet does not describe (unit.on_device_sampling changed, or compiled "
+            "before this package's serving flags): compile again with --replace, then set model.artifacts_key to "
+            "the new key")
     print(f"{destination}: manifest key {manifest.key} matches the fleet's layout"
           + (" and model.artifacts_key" if fleet.model.artifacts_key else " (model.artifacts_key not set)"))
     if request_out:
         _write_request(request_out, {"compile": False})
     return exit_codes.OK
+
+
+def _argument_differences(fleet: FleetConfig, manifest: am.Manifest) -> list[str]:
+    """The compile's arguments against those the fleet renders now. The model type is the compile's own
+    choice (`--model-type`), so the fleet's are rendered with the manifest's."""
+    compiled = manifest.inputs.compiler_args
+    model_type = compiled[compiled.index("--model-type") + 1] if "--model-type" in compiled[:-1] else "llama"
+    return compile_job.argument_differences(compiled, compile_job.compiler_args(fleet, model_type))
 
 
 def _version_differences(manifest: am.Manifest, fleet_versions: dict[str, str]) -> list[str]:

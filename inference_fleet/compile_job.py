@@ -209,9 +209,44 @@ def render(fleet: FleetConfig, *, checkpoint: str, work_dir: str, model_type: st
                compile_run.PASS_PLATFORM_TARGET: target}
         passes.append(Pass(rank, nxdi_argv(layout, rank, checkpoint, out, model_type, serving, command), env, out))
     destination = f"{fleet.model.artifacts_s3_uri.rstrip('/')}/neuron/{name}/"
-    # The compiler arguments in the key: every pass's flags with its own rank and paths left out.
-    generic = nxdi_argv(layout, 0, "<checkpoint>", "<out>", model_type, serving, NXDI_COMMAND)
-    return Job(name, layout, versions(fleet, image_digest), passes, destination, generic)
+    return Job(name, layout, versions(fleet, image_digest), passes, destination, compiler_args(fleet, model_type))
+
+
+def compiler_args(fleet: FleetConfig, model_type: str = "llama") -> list[str]:
+    """The compiler arguments in the key: every pass's flags with its own rank and paths left out."""
+    layout = am.planned_layout(unit_spec(fleet))
+    serving = serving_flags(layout, fleet.unit.instance.platform_target, fleet.unit.on_device_sampling)
+    return nxdi_argv(layout, 0, "<checkpoint>", "<out>", model_type, serving, NXDI_COMMAND)
+
+
+def argument_differences(compiled: list[str], expected: list[str]) -> list[str]:
+    """Each option whose values differ between two compiler argument lists, named with both sides."""
+    ours, theirs = _options(compiled), _options(expected)
+    differences = [f"{name}: compiled {_shown(ours.get(name))}, fleet {_shown(theirs.get(name))}"
+                   for name in sorted(ours.keys() | theirs.keys()) if ours.get(name) != theirs.get(name)]
+    if not differences and compiled != expected:
+        differences.append(f"the same options in another order: compiled {compiled}, fleet {expected}")
+    return differences
+
+
+def _options(argv: list[str]) -> dict[str, list[str]]:
+    """`--flag value ...` groups of an argument list; what precedes the first option (the command, `run`) is kept
+    under its own name."""
+    options: dict[str, list[str]] = {}
+    name = "(command)"
+    for token in argv:
+        if token.startswith("--"):
+            name = token
+            options.setdefault(name, [])
+        else:
+            options.setdefault(name, []).append(token)
+    return options
+
+
+def _shown(values: list[str] | None) -> str:
+    if values is None:
+        return "absent"
+    return " ".join(values) if values else "set"
 
 
 _BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3": 1}

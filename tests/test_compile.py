@@ -379,6 +379,38 @@ def test_check_refuses_artifacts_compiled_in_another_image(tmp_path, checkpoint,
             assert "compiled in another image" in err and ("vllm" if name == "vllm" else "image_digest") in err, err
 
 
+def test_check_refuses_artifacts_compiled_with_other_arguments_than_the_fleets(tmp_path, checkpoint, s3, capsys):
+    """A flipped `unit.on_device_sampling` keeps the layout's folder (the layout is the same) but not the graph: the
+    units would serve with a sampler the fleet does not describe. So would a layout compiled before the serving
+    flags. `compile --check` names the difference instead of passing."""
+    command = ["compile", "--config", str(DEFAULT), "--checkpoint", str(checkpoint), "--work-dir",
+               str(tmp_path / "work"), "--nxdi-command", str(FAKE), "--model-type", "qwen3"]
+    assert main(command) == 0
+    capsys.readouterr()
+    assert main(["compile", "--config", str(DEFAULT), "--check"]) == 0, capsys.readouterr().err  # its own model type
+    host = tmp_path / "host-sampling.yaml"
+    host.write_text(DEFAULT.read_text().replace("  max_concurrent_sequences: 32\n",
+                                                "  max_concurrent_sequences: 32\n  on_device_sampling: false\n"))
+    assert layout_key(load_fleet(str(host))) == layout_key(load_fleet(str(DEFAULT)))
+    assert main(["compile", "--config", str(host), "--check"]) == exit_codes.COMPILE
+    err = capsys.readouterr().err
+    assert "compiled with other compiler arguments than the fleet's" in err, err
+    assert "--dynamic: compiled set, fleet absent; --on-device-sampling: compiled set, fleet absent" in err, err
+    assert "--top-k-kernel-enabled: compiled set, fleet absent" in err and "--replace" in err, err
+
+
+def test_argument_differences_name_each_option_with_both_sides():
+    old = ["inference_demo", "--model-type", "llama", "run", "--tp-degree", "64", "--context-encoding-buckets", "64",
+           "128"]
+    new = ["inference_demo", "--model-type", "llama", "run", "--tp-degree", "64", "--context-encoding-buckets", "64",
+           "256", "--enable-bucketing"]
+    assert compile_job.argument_differences(old, new) == [
+        "--context-encoding-buckets: compiled 64 128, fleet 64 256", "--enable-bucketing: compiled absent, fleet set"]
+    assert compile_job.argument_differences(new, new) == []
+    assert compile_job.argument_differences(["a", "--x", "--y"], ["a", "--y", "--x"]) == [
+        "the same options in another order: compiled ['a', '--x', '--y'], fleet ['a', '--y', '--x']"]
+
+
 def test_an_image_digest_other_than_the_fleets_base_is_refused_before_any_pass(tmp_path, checkpoint, s3, capsys,
                                                                              monkeypatch):
     """The digest recorded is the base Neuron vLLM image's, which `--check` compares with the fleet's:
