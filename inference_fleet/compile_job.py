@@ -124,7 +124,12 @@ def context_encoding_buckets(max_context_length: int, tp: int) -> list[int] | No
     tensor-parallel group (models/model_base.py:1463-1472, called per bucket at :1276-1277). Its own
     buckets start at 128, so a tp that does not divide 128 (3 trn1 nodes, tp 96; 4 trn2 nodes at LNC 1,
     tp 512) would fail the compile at the smallest one. Then each bucket is rounded up to a multiple of tp;
-    the largest, max_context_length, already is one (the planner's sequence-parallel rule, planner/fit.py)."""
+    the largest, max_context_length, must already be one (the planner's sequence-parallel rule, planner/fit.py,
+    refuses the fleet otherwise): rounding it up would trace a bucket above the layout's max_context_length."""
+    if max_context_length % tp:
+        raise CompileError(f"max_context_length {max_context_length} is not a multiple of tp {tp}: NxD Inference's "
+                           "sequence-parallel assert (models/model_base.py:1463-1472) would fail the compile; "
+                           "allowed: model.max_seq_len a multiple of unit.tp")
     default = nxdi_buckets(MIN_BUCKET, max_context_length)
     if all(bucket % tp == 0 for bucket in default):
         return None

@@ -149,6 +149,13 @@ def test_prefill_buckets_are_nxdis_own_unless_one_would_fail_the_sequence_parall
     assert all(bucket % tp == 0 for bucket in traced) and max(traced) == args.max_context_length
 
 
+def test_buckets_for_a_context_length_tp_does_not_divide_are_refused_not_rounded_past_it():
+    """Rounding 16000 up to a multiple of 256 would trace a 16128-token bucket above the layout's context length."""
+    with pytest.raises(compile_job.CompileError, match="max_context_length 16000 is not a multiple of tp 256"):
+        compile_job.context_encoding_buckets(16000, 256)
+    assert compile_job.context_encoding_buckets(16128, 256)[-1] == 16128
+
+
 def test_the_bucket_arithmetic_is_nxdis_own():
     generate = _nxdi_config().generate_buckets
     for top in [128, 129, 150, 181, 182, 200, 4096, 5000, 8192, 12288, 16384, 131072]:

@@ -69,7 +69,7 @@ def _cp_fits_seq(layout: Layout, cp: int) -> bool:
 def _sp_fits_seq(layout: Layout) -> bool:
     """With sequence parallelism NxD Inference asserts that the context length divides by the tensor-parallel
     group (aws-neuron/neuronx-distributed-inference@c63afe02 models/model_base.py:1463-1472, called at :1276-1277;
-    the group is the tp_degree ranks: utils/distributed.py:30-36, models/application_base.py:590-595), every prefill
+    the group is the tp_degree ranks: utils/distributed.py:30-36, models/model_base.py:148-153), every prefill
     bucket. The largest is max_context_length, which the package sets to model.max_seq_len: this rule; the compile
     rounds the smaller ones up to multiples of tp (compile_job.context_encoding_buckets)."""
     return not SEQUENCE_PARALLEL or layout.seq_len % layout.tp == 0

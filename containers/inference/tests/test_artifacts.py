@@ -16,6 +16,9 @@ URI = f"s3://{BUCKET}/llama/"
 LAYOUT = "trn2.48xlarge-n2-lnc2-tp128-cp4-adp4-seq16384-bs32"
 # A neuron_config.json in the format NxD Inference writes (HF keys at the top, the
 # NeuronConfig nested under "neuron_config", sorted, indent 2): see docs/neuron-multi-node.md.
+# A subset of NeuronConfig's keys (those the launcher reads, and their neighbours), with the values
+# NxD Inference derives for this layout: with attention DP 4 each core's KV cache holds
+# tkg_batch_size / 4 = 8 sequences and one padding slot (models/config.py:513-517 at c63afe02).
 FIXTURE = Path(__file__).parent / "fixtures" / "neuron_config.json"
 UNIT = {
     "tp_degree": 128,

@@ -215,9 +215,11 @@ def check_layout(local_layout_dir: Path, expected: dict[str, Any]) -> None:
 def sampling_problems(compiled: dict[str, Any]) -> list[str]:
     """What in a compiled config would serve requests with other sampling than they ask for.
 
-    A sampler compiled on the device without `dynamic` takes no per-request parameters: unless compiled with
-    `do_sample` it takes the argmax for every request, whatever its temperature (neuronx-distributed-inference
-    @c63afe02 modules/generation/sampling.py:459), and vllm-neuron still sends each request's parameters
+    A sampler compiled on the device without `dynamic` takes no per-request parameters: without `do_sample` it
+    takes the argmax for every request, whatever its temperature (neuronx-distributed-inference@c63afe02
+    modules/generation/sampling.py:459); with `do_sample` it divides by the temperature and applies top_p only if
+    the values it was traced with asked for it (the Python conditions at :412 and :415 are decided when the graph
+    is traced, not per request). vllm-neuron still sends each request's parameters
     (whn09/vllm-neuron@3afb0a92 neuronx_distributed_model_runner.py:1715-1751). The package's compile passes
     `--dynamic`, as vllm-neuron's own config has it (`OnDeviceSamplingConfig(dynamic=True, ...)`,
     neuronx_distributed_model_loader.py:1071-1073); a layout compiled by hand without it is refused here.
