@@ -653,6 +653,8 @@ def test_a_unit_whose_compile_request_exceeds_batchs_payload_limit_is_refused():
     some 30 nodes or more would have failed at the pipeline's Compile stage instead of at validate."""
     fleet = load_fleet(str(DEFAULT))
     assert compile_job.check_compile_host(fleet) == []
-    many = fleet.model_copy(update={"unit": fleet.unit.model_copy(update={"nodes": 40})})
+    # 32 nodes: tp 2048 divides max_seq_len 16384, as the fleet check requires (a tp that does not leaves no
+    # request to size: compile_job.context_encoding_buckets refuses it, and the fleet check names that instead).
+    many = fleet.model_copy(update={"unit": fleet.unit.model_copy(update={"nodes": 32})})
     issues = [i for i in compile_job.check_compile_host(many) if i.path == "unit.nodes"]
     assert len(issues) == 1 and "over AWS Batch's SubmitJob payload limit of 30,720" in issues[0].problem
