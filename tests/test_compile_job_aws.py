@@ -422,6 +422,16 @@ def test_check_writes_the_compile_stages_input(tmp_path, s3, capsys, monkeypatch
     s3.put_object(Bucket=BUCKET, Key=layout, Body=json.dumps(manifest).encode())
     assert main(command) == exit_codes.COMPILE
     assert "compiled in another image" in capsys.readouterr().err
+    # And so do other compiler arguments (a layout compiled before the serving flags): no request for the Compile
+    # stage, whose job would replace files cells of later waves still serve.
+    manifest["inputs"]["versions"]["neuron_sdk"] = compile_job.versions(load_fleet(str(DEFAULT)), None)["neuron_sdk"]
+    manifest["inputs"]["compiler_args"].remove("--enable-bucketing")
+    manifest["key"] = am.compute_key(am.KeyInputs.model_validate(manifest["inputs"]))
+    s3.put_object(Bucket=BUCKET, Key=layout, Body=json.dumps(manifest).encode())
+    out.unlink()
+    assert main(command) == exit_codes.COMPILE
+    assert "--enable-bucketing: compiled absent, fleet set" in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_the_compile_stage_deploys_the_stack_then_runs_the_job_the_build_asked_for(synth_default, tmp_path, s3):
