@@ -189,9 +189,10 @@ def _check(fleet: FleetConfig, request_out: str | None = None) -> int:
     if diffs := _argument_differences(fleet, manifest):
         raise compile_job.CompileError(
             f"{destination}: compiled with other compiler arguments than the fleet's: {'; '.join(diffs)}; the "
-            "units would serve a graph the fleet does not describe (unit.on_device_sampling changed, or compiled "
-            "before this package's serving flags): compile again with --replace, then set model.artifacts_key to "
-            "the new key")
+            "units would serve a graph the fleet does not describe (compiled before this package's serving flags, "
+            "or by another version of it). Compile again at a time of your choosing (compile --submit --replace; "
+            "cells still deployed with the old model.artifacts_key refuse the new files at their next unit "
+            "start), then set model.artifacts_key to the new key")
     print(f"{destination}: manifest key {manifest.key} matches the fleet's layout"
           + (" and model.artifacts_key" if fleet.model.artifacts_key else " (model.artifacts_key not set)"))
     if request_out:

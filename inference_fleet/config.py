@@ -258,9 +258,11 @@ class UnitConfig(_Strict):
         default=True,
         description="Sample on the Neuron devices, as vllm-neuron's own config does (compiled into the layout; "
         "the unit worker gives each request its own parameters, which vllm-neuron 3afb0a92 does not: "
-        "docs/compiled-artifacts.md). "
+        "docs/compiled-artifacts.md; logprobs, structured outputs, logit_bias, allowed_token_ids and bad_words "
+        "are then answered 400). "
         "false: vLLM's sampler on each node's host, seeded alike on every node; the fallback if "
-        "nodes are seen to disagree at temperature > 0 (docs/compiled-artifacts.md). A change needs a new compile.",
+        "nodes are seen to disagree at temperature > 0 (docs/compiled-artifacts.md). Another graph: its layout "
+        "folder ends in -hostsampling, compiled by the pipeline's Compile stage like any new layout.",
     )
 
     @property

@@ -39,11 +39,15 @@ def leader_service_name(unit_index: int) -> str:
 
 
 def layout_key(fleet: FleetConfig) -> str:
-    """Name of the compiled layout folder (artifacts/neuron/<layout>/): what a compiled model depends on."""
+    """Name of the compiled layout folder (artifacts/neuron/<layout>/): what a compiled model depends on.
+
+    Host sampling (`unit.on_device_sampling: false`) compiles another graph, so another folder: a flip is
+    a layout the pipeline's Compile stage builds, never a replacement of files other cells still serve."""
     unit = fleet.unit
     return (
         f"{unit.instance_type}-n{unit.nodes}-lnc{unit.lnc}-tp{unit.tp}-cp{unit.context_parallel_degree}"
         f"-adp{unit.data_parallel_degree}-seq{fleet.model.max_seq_len}-bs{unit.max_concurrent_sequences}"
+        + ("" if unit.on_device_sampling else "-hostsampling")
     )
 
 

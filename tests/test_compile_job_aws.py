@@ -422,6 +422,16 @@ def test_check_writes_the_compile_stages_input(tmp_path, s3, capsys, monkeypatch
     s3.put_object(Bucket=BUCKET, Key=layout, Body=json.dumps(manifest).encode())
     assert main(command) == exit_codes.COMPILE
     assert "compiled in another image" in capsys.readouterr().err
+    # And so do other compiler arguments (a layout compiled before the serving flags): no request for the Compile
+    # stage, whose job would replace files cells of later waves still serve.
+    manifest["inputs"]["versions"]["neuron_sdk"] = compile_job.versions(load_fleet(str(DEFAULT)), None)["neuron_sdk"]
+    manifest["inputs"]["compiler_args"].remove("--enable-bucketing")
+    manifest["key"] = am.compute_key(am.KeyInputs.model_validate(manifest["inputs"]))
+    s3.put_object(Bucket=BUCKET, Key=layout, Body=json.dumps(manifest).encode())
+    out.unlink()
+    assert main(command) == exit_codes.COMPILE
+    assert "--enable-bucketing: compiled absent, fleet set" in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_the_compile_stage_deploys_the_stack_then_runs_the_job_the_build_asked_for(synth_default, tmp_path, s3):
@@ -653,6 +663,8 @@ def test_a_unit_whose_compile_request_exceeds_batchs_payload_limit_is_refused():
     some 30 nodes or more would have failed at the pipeline's Compile stage instead of at validate."""
     fleet = load_fleet(str(DEFAULT))
     assert compile_job.check_compile_host(fleet) == []
-    many = fleet.model_copy(update={"unit": fleet.unit.model_copy(update={"nodes": 40})})
+    # 32 nodes: tp 2048 divides max_seq_len 16384, as the fleet check requires (a tp that does not leaves no
+    # request to size: compile_job.context_encoding_buckets refuses it, and the fleet check names that instead).
+    many = fleet.model_copy(update={"unit": fleet.unit.model_copy(update={"nodes": 32})})
     issues = [i for i in compile_job.check_compile_host(many) if i.path == "unit.nodes"]
     assert len(issues) == 1 and "over AWS Batch's SubmitJob payload limit of 30,720" in issues[0].problem

@@ -85,8 +85,11 @@ def test_the_unit_worker_widens_the_world_and_keeps_the_plugins_kv_transfer_setu
 def test_loading_the_model_puts_the_runners_sampling_parameters_in_the_batchs_order(unit_worker, monkeypatch):
     """vllm-neuron's runner gives on-device sampling its parameters in arrival order (unit_executor/sampling_order.py):
     the unit worker fixes that before its model loads, on every node."""
+    def get_nxd_sampling_params(self, input_ids):
+        return list(self.requests.values())[: input_ids.shape[0]]
+
     runner = type("NeuronxDistributedModelRunner", (), {"_prepare_model_input": lambda self, step: step,
-                                                         "get_nxd_sampling_params": lambda self, tokens: None})
+                                                         "get_nxd_sampling_params": get_nxd_sampling_params})
     module = types.ModuleType("vllm_neuron.worker.neuronx_distributed_model_runner")
     module.NeuronxDistributedModelRunner = runner
     monkeypatch.setitem(sys.modules, module.__name__, module)
@@ -94,3 +97,13 @@ def test_loading_the_model_puts_the_runners_sampling_parameters_in_the_batchs_or
     unit_worker.__new__(unit_worker).load_model()
     assert calls == [("load_model", (), {})]
     assert getattr(runner._prepare_model_input, "unit_sampling_order", False)
+
+
+def test_a_neuron_worker_without_vllm_neurons_runner_refuses_to_load(unit_worker, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm_neuron.worker.neuronx_distributed_model_runner", None)  # ImportError
+    monkeypatch.delenv("UNIT_REQUIRE_COMPILED", raising=False)
+    from unit_executor import sampling_order
+
+    with pytest.raises(sampling_order.PluginMismatch, match="cannot be imported"):
+        unit_worker.__new__(unit_worker).load_model()
+    assert calls == []

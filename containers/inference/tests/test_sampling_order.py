@@ -73,7 +73,8 @@ class NeuronxDistributedModelRunner:
         return ModelInputForNeuron(request_ids=request_ids, input_tokens=input_tokens,
                                    sampling_params=self.get_nxd_sampling_params(input_tokens))
 
-    # Verbatim, whn09/vllm-neuron@3afb0a92 vllm_neuron/worker/neuronx_distributed_model_runner.py:1715-1751.
+    # Verbatim but for the `input_ids: torch.Tensor` annotation, whn09/vllm-neuron@3afb0a92
+    # vllm_neuron/worker/neuronx_distributed_model_runner.py:1715-1751.
     def get_nxd_sampling_params(self, input_ids):
         if self.model.neuron_config.on_device_sampling_config:
             max_topk = self.model.neuron_config.on_device_sampling_config.global_topk
@@ -126,13 +127,14 @@ WIDE = {"top_k": 0, "top_p": 0.5, "temperature": 1.3}
 
 
 def _steps(runner) -> list[ModelInputForNeuron]:
-    """A greedy request arrives and runs; a creative one is prefilled while it runs; both decode; a third arrives
-    after the first finished, and the scheduler runs the two left in an order not their arrival order."""
+    """A greedy request arrives and runs; a creative one is prefilled while it runs; both decode, newest first as
+    vllm-neuron's scheduler puts them back after a prefill (vllm_neuron/core/scheduler.py:95-112); a third arrives
+    after the first finished, and the two left decode newest first too."""
     steps = [
         {"new": {"A": GREEDY}},
         {"running": ["A"]},
         {"new": {"B": CREATIVE}},
-        {"running": ["A", "B"]},
+        {"running": ["B", "A"]},
         {"new": {"C": WIDE}, "finished": ["A"]},
         {"running": ["C", "B"]},
     ]
@@ -151,7 +153,7 @@ EXPECTED = [
     {"A": (1, 1.0, 1.0)},
     {"A": (1, 1.0, 1.0)},
     {"B": (40, 0.9, 0.7)},
-    {"A": (1, 1.0, 1.0), "B": (40, 0.9, 0.7)},
+    {"B": (40, 0.9, 0.7), "A": (1, 1.0, 1.0)},
     {"C": (256, 0.5, 1.3)},
     {"C": (256, 0.5, 1.3), "B": (40, 0.9, 0.7)},
 ]
@@ -161,6 +163,7 @@ def test_without_the_fix_a_request_prefilled_while_another_runs_gets_the_others_
     """The defect, as vllm-neuron has it: B's prompt is sampled greedily (A's row), C's with B's."""
     inputs = _steps(_runner_module().NeuronxDistributedModelRunner())
     assert _rows(inputs[2]) == {"B": (1, 1.0, 1.0)}
+    assert _rows(inputs[3]) == {"B": (1, 1.0, 1.0), "A": (40, 0.9, 0.7)}  # every decode step of the two: swapped
     assert _rows(inputs[5]) == {"C": (40, 0.9, 0.7), "B": (256, 0.5, 1.3)}
 
 
@@ -175,13 +178,32 @@ def test_with_the_fix_every_row_is_its_own_requests_parameters():
 
 def test_installing_twice_wraps_once():
     module = _runner_module()
-    assert sampling_order.install(module) and sampling_order.install(module)
+    assert sampling_order.install(module)
+    wrapped = module.NeuronxDistributedModelRunner._prepare_model_input
+    assert sampling_order.install(module)
+    assert module.NeuronxDistributedModelRunner._prepare_model_input is wrapped
     assert [_rows(model_input) for model_input in _steps(module.NeuronxDistributedModelRunner())] == EXPECTED
 
 
 def test_a_runner_without_the_methods_is_refused():
-    with pytest.raises(sampling_order.PluginMismatch, match="cannot be put in the batch's order"):
+    with pytest.raises(sampling_order.PluginMismatch, match="has no _prepare_model_input or get_nxd_sampling_params"):
         sampling_order.install(types.SimpleNamespace(NeuronxDistributedModelRunner=object))
+
+
+def test_a_runner_whose_rows_come_from_elsewhere_is_refused_rather_than_crash_or_swap_nothing():
+    """A later vllm-neuron may take the request order as an argument (the call would raise on the first request)
+    or stop reading self.requests (the swap would change nothing): refused at start, with the reason."""
+    module = _runner_module()
+    module.NeuronxDistributedModelRunner.get_nxd_sampling_params = lambda self, input_ids, request_ids: None
+    with pytest.raises(sampling_order.PluginMismatch, match=r"takes \(self, input_ids, request_ids\)"):
+        sampling_order.install(module)
+
+    def get_nxd_sampling_params(self, input_ids):
+        return [self.batch_params(row) for row in range(input_ids.shape[0])]
+
+    module.NeuronxDistributedModelRunner.get_nxd_sampling_params = get_nxd_sampling_params
+    with pytest.raises(sampling_order.PluginMismatch, match=r"no longer reads self\.requests"):
+        sampling_order.install(module)
 
 
 def test_without_vllm_neuron_there_is_nothing_to_fix(monkeypatch):

@@ -60,5 +60,8 @@ class UnitNeuronWorker(UnitWorker):  # type: ignore[misc, valid-type]
         from unit_executor import no_compile, sampling_order
 
         no_compile.install_from_env()
-        sampling_order.install()
+        if not sampling_order.install():
+            raise sampling_order.PluginMismatch(
+                f"{sampling_order.RUNNER} cannot be imported in a vllm-neuron worker: refusing to serve with "
+                "on-device sampling parameters in arrival order")
         return super().load_model(*args, **kwargs)

@@ -10,7 +10,9 @@ calls the real platform's method first and then puts the unit executor and worke
 place, so every other setting stays the real platform's.
 
 Activated by `unit_executor.plugin` when the launcher sets UNIT_EXECUTOR=1;
-UNIT_BASE_PLATFORM names the real platform class (default vLLM's CPU platform).
+UNIT_BASE_PLATFORM names the real platform class (default vLLM's CPU platform). It also
+refuses, per request, what a unit sampling on its Neuron devices cannot honour
+(`unit_executor.device_sampling`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from __future__ import annotations
 import importlib
 import os
 from typing import Any
+
+from unit_executor import device_sampling
 
 WORKER_CLS = "unit_executor.worker.UnitWorker"
 NEURON_WORKER_CLS = "unit_executor.neuron.UnitNeuronWorker"
@@ -91,3 +95,11 @@ class UnitPlatform(_Base):  # type: ignore[misc, valid-type]
         super().check_and_update_config(vllm_config)
         check_token_budget(vllm_config)
         select_unit_parts(vllm_config)
+
+    @classmethod
+    def validate_request(cls, *args: Any, **kwargs: Any) -> None:
+        # Every request, in the front end; a ValueError is vLLM's 400 (unit_executor.device_sampling).
+        # vLLM 0.16 (the image) passes prompt, params and processed_inputs by name
+        # (v1/engine/input_processor.py:589-593); 0.32 (make e2e) passes (engine_input, params).
+        super().validate_request(*args, **kwargs)
+        device_sampling.refuse_unhonoured(kwargs["params"] if "params" in kwargs else args[1])

@@ -1,0 +1,86 @@
+"""What a unit that samples on its Neuron devices cannot honour: refused with a 400, not served wrong.
+
+With an on-device sampler compiled into the layout, vllm-neuron takes the sampled tokens from the
+device (whn09/vllm-neuron@3afb0a920fa9679e87da935999bf29fb8846641b
+`vllm_neuron/worker/neuronx_distributed_model_runner.py:224-245`, `_sample_on_device` :285-338);
+only top_k, top_p and temperature reach it (:1715-1751). So:
+
+- log probabilities: the sampler returns none (`SamplerOutput(logprobs_tensors=None)`, loader
+  `neuronx_distributed_model_loader.py:542-550`), while vLLM's output processor keeps an empty
+  list for a request that asked for them and its chat server indexes it per token: vLLM 0.16.0
+  `vllm/v1/engine/logprobs.py:46-66` and `entrypoints/openai/chat_completion/serving.py:1434,
+  1828` (an IndexError outside the handler's `except ValueError`: most likely a 500). Each such 500 counts in
+  the cell's `alb-5xx-rate`, an ECS deployment alarm: a client's parameter could roll back a release;
+- structured outputs: the grammar bitmask is dropped with a warning ("The grammar bitmask will
+  be ignored", runner :229-241): an answer that does not follow the schema it was asked for;
+- logit_bias, allowed_token_ids, bad_words: applied by vLLM's host sampler only; the device
+  samples from every token.
+
+Penalties, min_p, min_tokens and seeds are not honoured either (docs/compiled-artifacts.md) but are
+let through: they change how an answer reads, not what it is bound to be.
+
+vLLM calls the platform's `validate_request` for every request in the front end, inside the
+servers' `try` whose `except ValueError` answers 400 (vLLM 0.16.0 `v1/engine/input_processor.py:587-593`;
+`entrypoints/openai/chat_completion/serving.py:439-467`, `completion/serving.py:215-240`).
+Whether the unit samples on the device is read from the compiled layout vllm-neuron loads
+(`NEURON_COMPILED_ARTIFACTS`, loader :221-223, 241-244): its `neuron_config.on_device_sampling_config`.
+
+VERIFIED ONLY ON PAPER against vllm-neuron (not installable here); tested with the parameters'
+names and defaults of vLLM 0.16.0 `vllm/sampling_params.py:139-247`
+(containers/inference/tests/test_device_sampling.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+LAYOUT_FILE = "neuron_config.json"  # NxD Inference's, in every compiled layout (unit_launcher.artifacts)
+
+
+class UnhonouredSampling(ValueError):
+    """A request asks for what the device's sampler does not do (a ValueError: vLLM answers 400)."""
+
+
+@functools.cache
+def samples_on_device(compiled_dir: str | None) -> bool:
+    """Whether the compiled layout in `compiled_dir` carries an on-device sampler. No layout, or one
+    the launcher did not check (it refuses an unreadable one before the engine starts): False, so
+    vLLM's own behaviour stands."""
+    if not compiled_dir:
+        return False
+    try:
+        config = json.loads((Path(compiled_dir) / LAYOUT_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    nested = config.get("neuron_config") if isinstance(config, dict) else None
+    return isinstance(nested, dict) and bool(nested.get("on_device_sampling_config"))
+
+
+def unhonoured(params: Any) -> list[str]:
+    """The request's parameters, set to other than their defaults, that an on-device sampler ignores."""
+    named = {
+        "logprobs": getattr(params, "logprobs", None) is not None,
+        "prompt_logprobs": getattr(params, "prompt_logprobs", None) is not None,
+        "structured outputs (response_format, guided decoding)": (
+            getattr(params, "structured_outputs", None) is not None
+            or getattr(params, "guided_decoding", None) is not None),
+        "logit_bias": bool(getattr(params, "logit_bias", None)),
+        "allowed_token_ids": getattr(params, "allowed_token_ids", None) is not None,
+        "bad_words": bool(getattr(params, "bad_words", None)),
+    }
+    return [name for name, asked in named.items() if asked]
+
+
+def refuse_unhonoured(params: Any, compiled_dir: str | None = None) -> None:
+    """Raise UnhonouredSampling when this unit samples on its devices and the request asks for what they ignore."""
+    if not samples_on_device(compiled_dir if compiled_dir is not None else os.environ.get("NEURON_COMPILED_ARTIFACTS")):
+        return
+    if names := unhonoured(params):
+        raise UnhonouredSampling(
+            f"{', '.join(names)} not served: this unit samples on its Neuron devices, which honour only "
+            "temperature, top_k and top_p; send the request without them (a fleet compiled with "
+            "unit.on_device_sampling: false samples on the host and serves them)")

@@ -1,0 +1,125 @@
+"""A unit whose layout samples on its Neuron devices answers 400 to what they cannot honour, not a 500 or a wrong
+answer.
+
+vLLM is not installed in this environment, so requests are vLLM 0.16.0's `SamplingParams` as far as these fields go
+(names and defaults: `vllm/sampling_params.py:139-247`), built as its OpenAI servers build them
+(`entrypoints/openai/chat_completion/protocol.py:446-513`, `completion/protocol.py:253-322`); the layouts are
+`neuron_config.json` files in NxD Inference's format (tests/fixtures/neuron_config.json)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from unit_executor import device_sampling
+
+FIXTURE = Path(__file__).parent / "fixtures" / "neuron_config.json"
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    structured_outputs: object | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+
+
+def chat(logprobs: bool = False, top_logprobs: int | None = 0, **fields) -> SamplingParams:
+    """As ChatCompletionRequest.to_sampling_params: `logprobs=self.top_logprobs if self.logprobs else None`."""
+    return SamplingParams(logprobs=top_logprobs if logprobs else None, **fields)
+
+
+def _layout(tmp_path: Path, sampler: bool) -> str:
+    config = json.loads(FIXTURE.read_text())
+    if not sampler:
+        config["neuron_config"]["on_device_sampling_config"] = None
+    layout = tmp_path / ("device" if sampler else "host")
+    layout.mkdir()
+    (layout / "neuron_config.json").write_text(json.dumps(config))
+    return str(layout)
+
+
+@pytest.mark.parametrize(("params", "named"), [
+    (chat(logprobs=True), "logprobs"),  # `logprobs: true` alone: top_logprobs 0, the common case
+    (chat(logprobs=True, top_logprobs=5), "logprobs"),
+    (SamplingParams(logprobs=0), "logprobs"),  # completions `logprobs: 0`
+    (SamplingParams(prompt_logprobs=1), "prompt_logprobs"),
+    (chat(structured_outputs=types.SimpleNamespace(json_object=True)), "structured outputs"),
+    (chat(logit_bias={42: -100.0}), "logit_bias"),
+    (chat(allowed_token_ids=[1, 2]), "allowed_token_ids"),
+    (chat(bad_words=["x"]), "bad_words"),
+])
+def test_what_the_device_sampler_ignores_is_refused_with_its_name(tmp_path, params, named):
+    with pytest.raises(ValueError, match=f"^{named}.* not served: this unit samples on its Neuron devices"):
+        device_sampling.refuse_unhonoured(params, _layout(tmp_path, sampler=True))
+
+
+@pytest.mark.parametrize("params", [
+    chat(),
+    chat(logprobs=False, top_logprobs=5),
+    chat(temperature=0.7, top_k=40, top_p=0.9, presence_penalty=0.5, seed=7, min_tokens=3, min_p=0.1),
+    chat(logit_bias={}, bad_words=[]),
+])
+def test_what_it_honours_or_only_shades_passes(tmp_path, params):
+    device_sampling.refuse_unhonoured(params, _layout(tmp_path, sampler=True))
+
+
+def test_a_layout_sampled_on_the_host_or_no_layout_serves_them_all(tmp_path):
+    everything = SamplingParams(logprobs=5, prompt_logprobs=1, structured_outputs=object(), logit_bias={1: 1.0},
+                                allowed_token_ids=[1], bad_words=["x"])
+    device_sampling.refuse_unhonoured(everything, _layout(tmp_path, sampler=False))
+    device_sampling.refuse_unhonoured(everything, "")
+    device_sampling.refuse_unhonoured(everything, str(tmp_path / "missing"))
+
+
+def test_the_launcher_fixture_is_a_layout_with_a_sampler():
+    assert device_sampling.samples_on_device(str(FIXTURE.parent))
+
+
+@pytest.fixture
+def unit_platform(monkeypatch):
+    """The unit platform over a base platform that records validate_request, imported afresh against it."""
+    calls = []
+
+    class BasePlatform:
+        @classmethod
+        def validate_request(cls, *args, **kwargs):
+            calls.append(kwargs.get("prompt", args[0] if args else None))
+
+    base = types.ModuleType("fake_base_platform")
+    base.BasePlatform = BasePlatform
+    monkeypatch.setitem(sys.modules, base.__name__, base)
+    monkeypatch.setenv("UNIT_BASE_PLATFORM", "fake_base_platform.BasePlatform")
+    monkeypatch.delitem(sys.modules, "unit_executor.platform", raising=False)
+    yield importlib.import_module("unit_executor.platform").UnitPlatform, calls
+    sys.modules.pop("unit_executor.platform", None)  # imported against the fake: the next importer gets its own
+
+
+def test_every_request_goes_through_the_platforms_check_and_then_this_one(unit_platform, tmp_path, monkeypatch):
+    platform, calls = unit_platform
+    monkeypatch.setenv("NEURON_COMPILED_ARTIFACTS", _layout(tmp_path, sampler=True))
+    # vLLM 0.16.0's call (v1/engine/input_processor.py:589-593), by name:
+    platform.validate_request(prompt="hello", params=chat(), processed_inputs=None)
+    with pytest.raises(ValueError, match="logprobs not served"):
+        platform.validate_request(prompt="again", params=chat(logprobs=True), processed_inputs=None)
+    # vLLM 0.32.0's (make e2e; v1/engine/input_processor.py:430), by position:
+    platform.validate_request("inputs", chat())
+    with pytest.raises(ValueError, match="logprobs not served"):
+        platform.validate_request("more", chat(logprobs=True))
+    assert calls == ["hello", "again", "inputs", "more"]
