@@ -60,6 +60,7 @@ def _layout(tmp_path: Path, sampler: bool) -> str:
     (chat(logprobs=True, top_logprobs=5), "logprobs"),
     (SamplingParams(logprobs=0), "logprobs"),  # completions `logprobs: 0`
     (SamplingParams(prompt_logprobs=1), "prompt_logprobs"),
+    (SamplingParams(prompt_logprobs=-1), "prompt_logprobs"),
     (chat(structured_outputs=types.SimpleNamespace(json_object=True)), "structured outputs"),
     (chat(logit_bias={42: -100.0}), "logit_bias"),
     (chat(allowed_token_ids=[1, 2]), "allowed_token_ids"),
@@ -75,6 +76,7 @@ def test_what_the_device_sampler_ignores_is_refused_with_its_name(tmp_path, para
     chat(logprobs=False, top_logprobs=5),
     chat(temperature=0.7, top_k=40, top_p=0.9, presence_penalty=0.5, seed=7, min_tokens=3, min_p=0.1),
     chat(logit_bias={}, bad_words=[]),
+    chat(prompt_logprobs=0),  # chat `echo: true` alone (protocol.py:446-448: prompt_logprobs = top_logprobs = 0)
 ])
 def test_what_it_honours_or_only_shades_passes(tmp_path, params):
     device_sampling.refuse_unhonoured(params, _layout(tmp_path, sampler=True))

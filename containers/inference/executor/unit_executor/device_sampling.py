@@ -64,7 +64,9 @@ def unhonoured(params: Any) -> list[str]:
     """The request's parameters, set to other than their defaults, that an on-device sampler ignores."""
     named = {
         "logprobs": getattr(params, "logprobs", None) is not None,
-        "prompt_logprobs": getattr(params, "prompt_logprobs", None) is not None,
+        # 0 is what a chat `echo: true` sets by itself (vLLM 0.16 chat_completion/protocol.py:446-448, top_logprobs
+        # defaults to 0): an echo, not a request for numbers; refused from 1 (and -1, the whole vocabulary) on.
+        "prompt_logprobs": getattr(params, "prompt_logprobs", None) not in (None, 0),
         "structured outputs (response_format, guided decoding)": (
             getattr(params, "structured_outputs", None) is not None
             or getattr(params, "guided_decoding", None) is not None),
