@@ -160,7 +160,7 @@ def test_an_aws_error_is_one_line_and_exit_7(tmp_path: Path, capsys: pytest.Capt
                           service_message=f"User: arn:aws:sts::111111111111:assumed-role/x is not authorized to "
                                           f"perform: ssm:GetParameter on resource: {NAME}")
     args = argparse.Namespace(config=str(config), cell="prod", undo=False, local=None, status_url=None, wait=False,
-                              timeout=1.0, force=False)
+                              timeout=1.0, force=False, pipeline=None, pipeline_execution=None, wave_stage=None)
     with stub:
         assert evacuate.run(args, ssm_for=lambda region: ssm) == exit_codes.EVACUATE
     err = capsys.readouterr().err
@@ -187,6 +187,91 @@ def test_an_unreachable_endpoint_is_exit_7(tmp_path: Path, monkeypatch: pytest.M
     err = capsys.readouterr().err
     assert err.startswith("error: EndpointConnectionError: Could not connect to the endpoint URL") and \
         "Traceback" not in err, err
+
+
+THIS, NEWER = "11111111-1111-1111-1111-111111111111", "22222222-2222-2222-2222-222222222222"
+RUN = evacuate.PipelineRun("Rufus-rollout", THIS, "Wave-second")
+
+
+def _codepipeline() -> tuple[Any, Stubber]:
+    client = botocore.session.get_session().create_client(
+        "codepipeline", region_name="us-east-2", aws_access_key_id="x", aws_secret_access_key="x")
+    return client, Stubber(client)
+
+
+def _state(latest: str | None) -> dict[str, Any]:
+    wave: dict[str, Any] = {"stageName": "Wave-second"}
+    if latest:
+        wave["latestExecution"] = {"pipelineExecutionId": latest, "status": "InProgress"}
+    return {"pipelineName": "Rufus-rollout", "stageStates": [
+        {"stageName": "Wave-first", "latestExecution": {"pipelineExecutionId": NEWER, "status": "Succeeded"}}, wave]}
+
+
+def _ran(action: str, stage: str = "Wave-second") -> dict[str, Any]:
+    return {"pipelineExecutionId": NEWER, "actionExecutionId": f"{action}-1", "stageName": stage,
+            "actionName": action, "status": "Succeeded"}
+
+
+def test_a_restore_yields_to_a_newer_execution_only_once_it_has_evacuated_the_cell() -> None:
+    """`newer_evacuation`: the wave's stage holds this execution, or nothing yet -> None, without listing actions;
+    a newer one that has run other actions, or Evacuate-prod in another stage -> None (it evacuates later, after
+    the restore's write); one that has started Evacuate-prod in the wave's stage -> its id, found on any page."""
+    client, stub = _codepipeline()
+    for latest in (THIS, None):
+        stub.add_response("get_pipeline_state", _state(latest), expected_params={"name": "Rufus-rollout"})
+    filtered = {"pipelineName": "Rufus-rollout", "filter": {"pipelineExecutionId": NEWER}}
+    stub.add_response("get_pipeline_state", _state(NEWER), expected_params={"name": "Rufus-rollout"})
+    stub.add_response("list_action_executions", {"actionExecutionDetails": [
+        _ran("Deploy-other"), _ran("Evacuate-prod", stage="Wave-first")]}, expected_params=filtered)
+    stub.add_response("get_pipeline_state", _state(NEWER), expected_params={"name": "Rufus-rollout"})
+    stub.add_response("list_action_executions", {"actionExecutionDetails": [_ran("Deploy-other")], "nextToken": "2"},
+                      expected_params=filtered)
+    stub.add_response("list_action_executions", {"actionExecutionDetails": [_ran("Evacuate-prod")]},
+                      expected_params={**filtered, "nextToken": "2"})
+    with stub:
+        assert [evacuate.newer_evacuation(client, RUN, "prod") for _ in range(4)] == [None, None, None, NEWER]
+    stub.assert_no_pending_responses()
+
+
+def test_a_restore_given_a_stage_the_pipeline_lacks_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    client, stub = _codepipeline()
+    stub.add_response("get_pipeline_state", _state(THIS), expected_params={"name": "Rufus-rollout"})
+    with stub, pytest.raises(EvacuateError, match=r"pipeline Rufus-rollout has no stage 'Wave-third' \(stages: "
+                                                  r"\['Wave-first', 'Wave-second'\]\)"):
+        evacuate.newer_evacuation(client, evacuate.PipelineRun("Rufus-rollout", THIS, "Wave-third"), "prod")
+
+
+def test_a_restore_that_cannot_read_the_pipeline_is_exit_7_and_writes_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "fleet.yaml"
+    config.write_text(yaml.safe_dump(_raw()))
+    client, stub = _codepipeline()
+    stub.add_client_error("get_pipeline_state", "AccessDeniedException", http_status_code=400,
+                          service_message="not authorized to perform: codepipeline:GetPipelineState")
+    args = argparse.Namespace(config=str(config), cell="prod", undo=True, local=None, status_url=None, wait=False,
+                              timeout=1.0, force=False, pipeline="Rufus-rollout", pipeline_execution=THIS,
+                              wave_stage="Wave-second")
+    with stub:
+        status = evacuate.run(args, ssm_for=lambda region: pytest.fail("no SSM call"), codepipeline=client)
+    err = capsys.readouterr().err
+    assert status == exit_codes.EVACUATE and "codepipeline:GetPipelineState and codepipeline:ListActionExecutions" \
+        in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--undo", "--pipeline", "P"], "--pipeline-execution, --wave-stage missing: --pipeline, --pipeline-execution "
+                                    "and --wave-stage go together"),
+    (["--pipeline", "P", "--pipeline-execution", "E", "--wave-stage", "W"],
+     "--pipeline, --pipeline-execution and --wave-stage guard a restore on AWS: use them with --undo and without "
+     "--local"),
+])
+def test_the_pipeline_flags_go_together_and_with_a_restore(flags: list[str], said: str, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "fleet.yaml"
+    config.write_text(yaml.safe_dump(_raw()))
+    assert main(["evacuate", "--config", str(config), "--cell", "prod", *flags]) == exit_codes.EVACUATE
+    err = capsys.readouterr().err
+    assert err == f"error: {said}\n", err
 
 
 def test_wait_with_local_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
