@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -68,6 +69,10 @@ WAIT_POLL_SECONDS = 5.0
 def action_name(cell: str, undo: bool) -> str:
     """The rollout pipeline's action that runs this command for a cell (stacks/evacuation.py names them so)."""
     return f"{'Restore' if undo else 'Evacuate'}-{cell}"
+
+
+# PipelineExecutionId's pattern (CodePipeline API reference, PipelineExecution).
+EXECUTION_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
 @dataclass(frozen=True)
@@ -174,31 +179,40 @@ def _still_named(fleet: FleetConfig, cell: str, ssm_for: Any) -> list[RouterConf
             and cell in read_parameter(ssm_for(router.region), parameter_name(fleet, router))[0]]
 
 
-def newer_evacuation(codepipeline: Any, run: PipelineRun, cell: str) -> str | None:
-    """The id of a newer execution that has started `Evacuate-<cell>` in the wave's stage, or None.
+@dataclass(frozen=True)
+class NewerEvacuation:
+    """An execution other than the restore's that has started `Evacuate-<cell>` in the wave's stage."""
+
+    execution_id: str
+    rollback: bool  # a rollback of the wave's stage (execution type ROLLBACK): no restore stage follows it
+
+
+def newer_evacuation(codepipeline: Any, run: PipelineRun, cell: str) -> NewerEvacuation | None:
+    """The execution that has started `Evacuate-<cell>` in the wave's stage since this one left it, or None.
 
     A stage holds one execution at a time, and in SUPERSEDED mode a newer execution waiting at a stage's boundary
     takes the place of an older one waiting there ("Superseded" in
     https://docs.aws.amazon.com/codepipeline/latest/APIReference/API_PipelineExecution.html), so an execution in the
-    wave's stage other than this one entered it after this one left: it is newer (or a rollback of that stage).
-    GetPipelineState names it (`latestExecution` of the stage); ListActionExecutions, filtered by its id, says
+    wave's stage other than this one entered it after this one left: a newer one, or a rollback of that stage
+    (`latestExecution.type` ROLLBACK). GetPipelineState names it; ListActionExecutions, filtered by its id, says
     whether it has started evacuating the cell. Until it has, its evacuation is still to come: it reads the
     parameter after this restore's write (a CodeBuild action takes tens of seconds to start) and evacuates again."""
-    states = codepipeline.get_pipeline_state(name=run.pipeline)["stageStates"]
-    stage = next((s for s in states if s["stageName"] == run.wave_stage), None)
+    states = codepipeline.get_pipeline_state(name=run.pipeline).get("stageStates", [])
+    stage = next((s for s in states if s.get("stageName") == run.wave_stage), None)
     if stage is None:
         raise EvacuateError(f"pipeline {run.pipeline} has no stage {run.wave_stage!r} (stages: "
-                            f"{[s['stageName'] for s in states]}); is --wave-stage the cell's wave stage?")
-    latest = (stage.get("latestExecution") or {}).get("pipelineExecutionId")
-    if not latest or latest == run.execution_id:
+                            f"{[s.get('stageName') for s in states]}); is --wave-stage the cell's wave stage?")
+    latest = stage.get("latestExecution") or {}
+    other = latest.get("pipelineExecutionId")
+    if not other or other == run.execution_id:
         return None
     evacuate = action_name(cell, undo=False)
     pages = codepipeline.get_paginator("list_action_executions").paginate(
-        pipelineName=run.pipeline, filter={"pipelineExecutionId": latest})
+        pipelineName=run.pipeline, filter={"pipelineExecutionId": other})
     for page in pages:
         for detail in page.get("actionExecutionDetails", []):
             if detail.get("stageName") == run.wave_stage and detail.get("actionName") == evacuate:
-                return latest
+                return NewerEvacuation(other, rollback=latest.get("type") == "ROLLBACK")
     return None
 
 
@@ -342,6 +356,11 @@ def pipeline_run(args: argparse.Namespace) -> PipelineRun | None:
     if not args.undo or args.local is not None:
         raise EvacuateError("--pipeline, --pipeline-execution and --wave-stage guard a restore on AWS: use them "
                             "with --undo and without --local")
+    if not EXECUTION_ID.fullmatch(args.pipeline_execution):
+        # Any other id (the variable left unresolved, a typo) would never be the stage's latest execution: the
+        # restore would take its own execution's evacuation for a newer one's and leave the cell evacuated.
+        raise EvacuateError(f"--pipeline-execution {args.pipeline_execution!r} is not a pipeline execution id "
+                            "(8-4-4-4-12 lowercase hex digits, CodePipeline's #{codepipeline.PipelineExecutionId})")
     return PipelineRun(args.pipeline, args.pipeline_execution, args.wave_stage)
 
 
@@ -360,6 +379,19 @@ def run(args: argparse.Namespace, ssm_for: Any = None, codepipeline: Any = None)
     except EvacuateError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exit_codes.EVACUATE
+
+
+def _yielded(args: argparse.Namespace, position: PipelineRun, newer: NewerEvacuation) -> str:
+    """What a restore that leaves the cell to another execution's evacuation says, and what happens next."""
+    by_hand = f"python -m inference_fleet evacuate --config {args.config} --cell {args.cell} --undo"
+    evacuate = action_name(args.cell, undo=False)
+    if newer.rollback:
+        return (f"{args.cell} stays evacuated: a rollback of {position.wave_stage} ({newer.execution_id}) has started "
+                f"{evacuate}, and no restore follows a rollback (a rolled-back wave leaves its cells evacuated): "
+                f"look at the cell, then `{by_hand}`")
+    return (f"{args.cell} stays evacuated: a newer execution of {position.pipeline} ({newer.execution_id}) has "
+            f"started {evacuate} in {position.wave_stage}, and its own restore follows its bake. Should it fail or be "
+            f"stopped, the cell stays evacuated (as after any failed wave): `{by_hand}`")
 
 
 def _run_on_aws(args: argparse.Namespace, fleet: FleetConfig, ssm_for: Any, position: PipelineRun | None,
@@ -383,15 +415,15 @@ def _run_on_aws(args: argparse.Namespace, fleet: FleetConfig, ssm_for: Any, posi
                 codepipeline = boto3.client("codepipeline", region_name=fleet.pipeline.region)
             newer = newer_evacuation(codepipeline, position, args.cell)
             if newer is not None:
-                print(f"{args.cell} stays evacuated: a newer execution of {position.pipeline} ({newer}) has started "
-                      f"{action_name(args.cell, undo=False)} in {position.wave_stage}, and its own restore follows "
-                      f"its bake. Should it fail, the cell stays evacuated (as after any failed wave): restore it with "
-                      f"`evacuate --cell {args.cell} --undo`", flush=True)
+                print(_yielded(args, position, newer), flush=True)
                 return exit_codes.OK
         written = evacuate_on_aws(fleet, args.cell, args.undo, args.force, ssm_for)
         for line in written.lines:
             print(line, flush=True)
         if args.undo:
+            if written.raced:  # the read-back shows another write: the cell may still be evacuated
+                raise EvacuateError(f"another evacuation was written at the same time as this restore of {args.cell}; "
+                                    "run it again")
             return exit_codes.OK
         if args.wait:
             took = wait_empty_on_aws(fleet, args.cell, written, ssm_for, args.timeout)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -155,6 +155,7 @@ class LocalCodePipeline:
     stages: list[dict]  # GetPipelineState's stageStates
     actions: dict[str, list[dict]]  # ListActionExecutions' actionExecutionDetails, by pipelineExecutionId
     calls: list[tuple[str, dict]]
+    regions: list[tuple[str, str]] = field(default_factory=list)  # (region signed for, operation)
 
 
 @pytest.fixture
@@ -172,6 +173,9 @@ def local_codepipeline() -> Iterator[LocalCodePipeline]:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
             operation = self.headers.get("X-Amz-Target", "").rpartition(".")[2]
             state.calls.append((operation, body))
+            # SigV4's credential scope: Credential=<key>/<date>/<region>/codepipeline/aws4_request
+            scope = self.headers.get("Authorization", "").partition("Credential=")[2].split("/")
+            state.regions.append((scope[2] if len(scope) > 2 else "", operation))
             if operation == "GetPipelineState":
                 status, answer = 200, {"pipelineName": body["name"], "stageStates": state.stages}
             elif operation == "ListActionExecutions":
