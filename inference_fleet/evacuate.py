@@ -17,6 +17,12 @@ evacuated set from (docs/router.md "Evacuation", docs/contracts.md "Router param
   (rename); with `--status-url` the command waits until the router reports the cell empty.
 
 A router would be left with no cell to send to: refused (exit 7), unless `--force`.
+
+In the rollout pipeline (stacks/evacuation.py) `Restore-<cell>` runs with `--pipeline`, `--pipeline-execution` and
+`--wave-stage`: the pipeline runs in SUPERSEDED mode, so a newer execution enters the wave's stage as soon as this one
+has left it for its `Restore-<wave>` stage, and may have evacuated the cell for its own deploy by the time this
+restore runs. The restore then leaves the cell evacuated (`newer_evacuation`): the newer execution's own restore
+follows its bake.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -57,6 +64,24 @@ class EvacuateError(Exception):
 # How often `--wait` reads the task reports (GetParametersByPath shares Parameter Store's default throughput
 # with the routers' GetParameter: docs/router.md "Evacuation").
 WAIT_POLL_SECONDS = 5.0
+
+
+def action_name(cell: str, undo: bool) -> str:
+    """The rollout pipeline's action that runs this command for a cell (stacks/evacuation.py names them so)."""
+    return f"{'Restore' if undo else 'Evacuate'}-{cell}"
+
+
+# PipelineExecutionId's pattern (CodePipeline API reference, PipelineExecution).
+EXECUTION_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+@dataclass(frozen=True)
+class PipelineRun:
+    """Where a `Restore-<cell>` action runs: the pipeline, its execution, and the stage of the cell's wave."""
+
+    pipeline: str
+    execution_id: str
+    wave_stage: str
 
 
 def router_prefix(fleet: FleetConfig, router: RouterConfig) -> str:
@@ -152,6 +177,43 @@ def _still_named(fleet: FleetConfig, cell: str, ssm_for: Any) -> list[RouterConf
     still remove it, so the parameter says what is evacuated."""
     return [router for router in routers_touched(fleet, cell, undo=True) if cell not in router.cells
             and cell in read_parameter(ssm_for(router.region), parameter_name(fleet, router))[0]]
+
+
+@dataclass(frozen=True)
+class NewerEvacuation:
+    """An execution other than the restore's that has started `Evacuate-<cell>` in the wave's stage."""
+
+    execution_id: str
+    rollback: bool  # a rollback of the wave's stage (execution type ROLLBACK): no restore stage follows it
+
+
+def newer_evacuation(codepipeline: Any, run: PipelineRun, cell: str) -> NewerEvacuation | None:
+    """The execution that has started `Evacuate-<cell>` in the wave's stage since this one left it, or None.
+
+    A stage holds one execution at a time, and in SUPERSEDED mode a newer execution waiting at a stage's boundary
+    takes the place of an older one waiting there ("Superseded" in
+    https://docs.aws.amazon.com/codepipeline/latest/APIReference/API_PipelineExecution.html), so an execution in the
+    wave's stage other than this one entered it after this one left: a newer one, or a rollback of that stage
+    (`latestExecution.type` ROLLBACK). GetPipelineState names it; ListActionExecutions, filtered by its id, says
+    whether it has started evacuating the cell. Until it has, its evacuation is still to come: it reads the
+    parameter after this restore's write (a CodeBuild action takes tens of seconds to start) and evacuates again."""
+    states = codepipeline.get_pipeline_state(name=run.pipeline).get("stageStates", [])
+    stage = next((s for s in states if s.get("stageName") == run.wave_stage), None)
+    if stage is None:
+        raise EvacuateError(f"pipeline {run.pipeline} has no stage {run.wave_stage!r} (stages: "
+                            f"{[s.get('stageName') for s in states]}); is --wave-stage the cell's wave stage?")
+    latest = stage.get("latestExecution") or {}
+    other = latest.get("pipelineExecutionId")
+    if not other or other == run.execution_id:
+        return None
+    evacuate = action_name(cell, undo=False)
+    pages = codepipeline.get_paginator("list_action_executions").paginate(
+        pipelineName=run.pipeline, filter={"pipelineExecutionId": other})
+    for page in pages:
+        for detail in page.get("actionExecutionDetails", []):
+            if detail.get("stageName") == run.wave_stage and detail.get("actionName") == evacuate:
+                return NewerEvacuation(other, rollback=latest.get("type") == "ROLLBACK")
+    return None
 
 
 def task_reports(ssm: Any, path: str) -> list[tuple[str, datetime, str]]:
@@ -273,25 +335,67 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="longest wait for --status-url or --wait (s; default: the router's 905 s hard stop and "
                              "a minute)")
     parser.add_argument("--force", action="store_true", help="evacuate even the last cell of a router")
+    pipeline = parser.add_argument_group(
+        "in the rollout pipeline's Restore-<cell> action (all three, with --undo): leave the cell evacuated when a "
+        "newer execution has started evacuating it for its own deploy")
+    pipeline.add_argument("--pipeline", metavar="NAME", help="the pipeline's name")
+    pipeline.add_argument("--pipeline-execution", metavar="ID", help="this execution's id")
+    pipeline.add_argument("--wave-stage", metavar="STAGE", help="the stage of the cell's wave (Wave-<wave>)")
 
 
-def run(args: argparse.Namespace, ssm_for: Any = None) -> int:
+def pipeline_run(args: argparse.Namespace) -> PipelineRun | None:
+    """The pipeline position `--pipeline`, `--pipeline-execution` and `--wave-stage` give, all three or none."""
+    given = {"--pipeline": args.pipeline, "--pipeline-execution": args.pipeline_execution,
+             "--wave-stage": args.wave_stage}
+    if not any(given.values()):
+        return None
+    missing = [flag for flag, value in given.items() if not value]
+    if missing:
+        raise EvacuateError(f"{', '.join(missing)} missing: --pipeline, --pipeline-execution and --wave-stage go "
+                            "together")
+    if not args.undo or args.local is not None:
+        raise EvacuateError("--pipeline, --pipeline-execution and --wave-stage guard a restore on AWS: use them "
+                            "with --undo and without --local")
+    if not EXECUTION_ID.fullmatch(args.pipeline_execution):
+        # Any other id (the variable left unresolved, a typo) would never be the stage's latest execution: the
+        # restore would take its own execution's evacuation for a newer one's and leave the cell evacuated.
+        raise EvacuateError(f"--pipeline-execution {args.pipeline_execution!r} is not a pipeline execution id "
+                            "(8-4-4-4-12 lowercase hex digits, CodePipeline's #{codepipeline.PipelineExecutionId})")
+    return PipelineRun(args.pipeline, args.pipeline_execution, args.wave_stage)
+
+
+def run(args: argparse.Namespace, ssm_for: Any = None, codepipeline: Any = None) -> int:
     try:
         if args.local is not None and args.wait:
             raise EvacuateError("--wait reads the routers' reports on AWS; with --local, wait with --status-url URL")
+        position = pipeline_run(args)
         if args.local is not None:
             evacuated = write_local(args.local, args.cell, args.undo, args.force, None)
             print(f"{args.local}: evacuated {evacuated}")
             if args.status_url and not args.undo:
                 print(f"cell {args.cell} empty after {wait_empty(args.status_url, args.cell, args.timeout):.1f} s")
             return exit_codes.OK
-        return _run_on_aws(args, load_fleet(args.config), ssm_for)
+        return _run_on_aws(args, load_fleet(args.config), ssm_for, position, codepipeline)
     except EvacuateError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exit_codes.EVACUATE
 
 
-def _run_on_aws(args: argparse.Namespace, fleet: FleetConfig, ssm_for: Any) -> int:
+def _yielded(args: argparse.Namespace, position: PipelineRun, newer: NewerEvacuation) -> str:
+    """What a restore that leaves the cell to another execution's evacuation says, and what happens next."""
+    by_hand = f"python -m inference_fleet evacuate --config {args.config} --cell {args.cell} --undo"
+    evacuate = action_name(args.cell, undo=False)
+    if newer.rollback:
+        return (f"{args.cell} stays evacuated: a rollback of {position.wave_stage} ({newer.execution_id}) has started "
+                f"{evacuate}, and no restore follows a rollback (a rolled-back wave leaves its cells evacuated): "
+                f"look at the cell, then `{by_hand}`")
+    return (f"{args.cell} stays evacuated: a newer execution of {position.pipeline} ({newer.execution_id}) has "
+            f"started {evacuate} in {position.wave_stage}, and its own restore follows its bake. Should it fail or be "
+            f"stopped, the cell stays evacuated (as after any failed wave): `{by_hand}`")
+
+
+def _run_on_aws(args: argparse.Namespace, fleet: FleetConfig, ssm_for: Any, position: PipelineRun | None,
+                codepipeline: Any) -> int:
     """The AWS path of `run`; a call AWS refuses or cannot be reached for becomes an EvacuateError (exit 7)."""
     from botocore.exceptions import BotoCoreError, ClientError  # only on this path: --local needs no AWS SDK
 
@@ -301,10 +405,25 @@ def _run_on_aws(args: argparse.Namespace, fleet: FleetConfig, ssm_for: Any) -> i
         def ssm_for(region: str) -> Any:
             return boto3.client("ssm", region_name=region)
     try:
+        if position is not None:
+            if codepipeline is None:
+                if fleet.pipeline is None:
+                    raise EvacuateError(f"--pipeline {position.pipeline}: the fleet file has no `pipeline:` section "
+                                        "to say the pipeline's region")
+                import boto3
+
+                codepipeline = boto3.client("codepipeline", region_name=fleet.pipeline.region)
+            newer = newer_evacuation(codepipeline, position, args.cell)
+            if newer is not None:
+                print(_yielded(args, position, newer), flush=True)
+                return exit_codes.OK
         written = evacuate_on_aws(fleet, args.cell, args.undo, args.force, ssm_for)
         for line in written.lines:
             print(line, flush=True)
         if args.undo:
+            if written.raced:  # the read-back shows another write: the cell may still be evacuated
+                raise EvacuateError(f"another evacuation was written at the same time as this restore of {args.cell}; "
+                                    "run it again")
             return exit_codes.OK
         if args.wait:
             took = wait_empty_on_aws(fleet, args.cell, written, ssm_for, args.timeout)
@@ -320,6 +439,7 @@ def _run_on_aws(args: argparse.Namespace, fleet: FleetConfig, ssm_for: Any) -> i
         what = str(exc) if isinstance(exc, ClientError) else f"{type(exc).__name__}: {exc}"  # names code and call
         raise EvacuateError(
             f"{what}. The command needs ssm:GetParameter and ssm:PutParameter on the "
-            "`evacuated` parameter of every router it names (with --undo, every router of the fleet) and, with "
-            "--wait, ssm:GetParametersByPath on their `tasks` path; each write is whole and idempotent, so run it "
+            "`evacuated` parameter of every router it names (with --undo, every router of the fleet), with "
+            "--wait ssm:GetParametersByPath on their `tasks` path, and with --pipeline codepipeline:GetPipelineState "
+            "and codepipeline:ListActionExecutions on that pipeline; each write is whole and idempotent, so run it "
             "again once fixed") from None

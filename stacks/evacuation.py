@@ -9,8 +9,12 @@ runs `Evacuate-<cell>` before `Deploy-<cell>`:
 It writes the cell into each fronting router's SSM parameter and waits until every live router
 task reports the cell applied and empty (its streams finished; unit_proxy.router_ssm), so the
 update's outage reaches no client. A stage `Restore-<wave>` after the wave's bake runs
-`Restore-<cell>` (`--undo`). A wave rolled back, or a failed deploy, leaves the cell evacuated (no
-traffic to a cell that just failed); the operator restores it with `evacuate --cell <cell> --undo`.
+`Restore-<cell>` (`--undo`), which leaves the cell evacuated when a newer execution (the pipeline runs in
+SUPERSEDED mode) has entered the wave's stage since and started its own `Evacuate-<cell>`: the newer
+execution's restore follows its bake (`inference_fleet.evacuate.newer_evacuation`; it reads the pipeline's
+state, hence `codepipeline:GetPipelineState` and `codepipeline:ListActionExecutions` on this pipeline). A
+wave rolled back, or a failed deploy, leaves the cell evacuated (no traffic to a cell that just failed);
+the operator restores it with `evacuate --cell <cell> --undo`.
 
 One CodeBuild project serves every such action (the cell and the arguments are the action's
 environment variables). CodeBuild rather than Lambda: the wait lasts as long as the longest
@@ -39,6 +43,7 @@ from unit_proxy.router_ssm import evacuation_parameter, parameter_prefix, report
 
 from cell_constructs.fleet_cli_project import acknowledge_fleet_cli_project, fleet_cli_project
 from inference_fleet.config import CellConfig, FleetConfig
+from inference_fleet.evacuate import action_name
 
 # A budget, not a bound: streams longer than this fail the wait (see the module's docstring). The router's
 # hard stop (905 s, what a router task's own stop gives its streams) plus a poll of the routers and of the command.
@@ -47,24 +52,23 @@ EVACUATE_TIMEOUT = Duration.minutes(30)
 
 
 def evacuate_command(fleet_file: str) -> str:
-    """The build's command (sh); CELL and EVACUATE_MODE (evacuate or restore) come from the action. The fleet
-    file is one quoted word (a path may hold spaces or quotes)."""
-    return (f'case "$EVACUATE_MODE" in evacuate) set -- --wait --timeout {WAIT_SECONDS} ;; restore) set -- --undo ;; '
+    """The build's command (sh); CELL and EVACUATE_MODE (evacuate or restore) come from the action, and for a
+    restore PIPELINE, PIPELINE_EXECUTION_ID and WAVE_STAGE (where it runs). The fleet file is one quoted word (a
+    path may hold spaces or quotes)."""
+    return (f'case "$EVACUATE_MODE" in evacuate) set -- --wait --timeout {WAIT_SECONDS} ;; '
+            'restore) set -- --undo --pipeline "$PIPELINE" --pipeline-execution "$PIPELINE_EXECUTION_ID" '
+            '--wave-stage "$WAVE_STAGE" ;; '
             '*) echo "EVACUATE_MODE=$EVACUATE_MODE: evacuate or restore" >&2; exit 2 ;; esac; '
             f'.venv/bin/python -m inference_fleet evacuate --config {shlex.quote(fleet_file)} --cell "$CELL" "$@"')
-
-
-def evacuate_action_name(cell: CellConfig, undo: bool) -> str:
-    return f"{'Restore' if undo else 'Evacuate'}-{cell.name}"
 
 
 class Evacuation(Construct):
     """The project that evacuates and restores the pipeline's routed cells, and its actions."""
 
     def __init__(self, scope: Construct, construct_id: str, *, fleet: FleetConfig, cells: list[CellConfig],
-                 fleet_file: str, key: kms.IKey, source: codepipeline.Artifact) -> None:
+                 fleet_file: str, key: kms.IKey, source: codepipeline.Artifact, pipeline_name: str) -> None:
         super().__init__(scope, construct_id)
-        self.fleet, self.source = fleet, source
+        self.fleet, self.source, self.pipeline_name = fleet, source, pipeline_name
         self.project = fleet_cli_project(
             self,
             description=f"{fleet.name}: evacuate a routed cell before its update, restore it after its bake",
@@ -97,14 +101,24 @@ class Evacuation(Construct):
         # The reports `--wait` reads (wait_empty_on_aws).
         self.project.add_to_role_policy(iam.PolicyStatement(
             actions=["ssm:GetParametersByPath"], resources=[self.parameters[1]]))
+        # The restore's look at the pipeline (evacuate.newer_evacuation): both actions take the pipeline's ARN
+        # (https://docs.aws.amazon.com/service-authorization/latest/reference/list_awscodepipeline.html).
+        self.project.add_to_role_policy(iam.PolicyStatement(
+            actions=["codepipeline:GetPipelineState", "codepipeline:ListActionExecutions"],
+            resources=[stack.format_arn(service="codepipeline", resource=self.pipeline_name)]))
 
-    def action(self, cell: CellConfig, undo: bool, run_order: int) -> actions.CodeBuildAction:
+    def action(self, cell: CellConfig, undo: bool, run_order: int, wave_stage: str) -> actions.CodeBuildAction:
+        """`Evacuate-<cell>` in the stage `wave_stage`, or (undo) `Restore-<cell>` after it."""
+        variables = {"CELL": cell.name, "EVACUATE_MODE": "restore" if undo else "evacuate"}
+        if undo:
+            # Resolved by CodePipeline when the action runs (its pipeline-level variable).
+            variables |= {"PIPELINE": self.pipeline_name, "WAVE_STAGE": wave_stage,
+                          "PIPELINE_EXECUTION_ID": codepipeline.GlobalVariables.EXECUTION_ID}
         action = actions.CodeBuildAction(
-            action_name=evacuate_action_name(cell, undo), project=self.project, input=self.source,
+            action_name=action_name(cell.name, undo), project=self.project, input=self.source,
             run_order=run_order,
-            environment_variables={"CELL": codebuild.BuildEnvironmentVariable(value=cell.name),
-                                   "EVACUATE_MODE": codebuild.BuildEnvironmentVariable(
-                                       value="restore" if undo else "evacuate")},
+            environment_variables={name: codebuild.BuildEnvironmentVariable(value=value)
+                                   for name, value in variables.items()},
         )
         self.actions.append(action)
         return action

@@ -142,6 +142,10 @@ def approve_stage_name(wave: WaveConfig) -> str:
     return f"Approve-{wave.name}"
 
 
+def pipeline_name(fleet: FleetConfig) -> str:
+    return f"{fleet.name}-rollout"
+
+
 def restore_stage_name(wave: WaveConfig) -> str:
     return f"Restore-{wave.name}"
 
@@ -212,6 +216,7 @@ class PipelineStack(Stack):
         self.evacuation = Evacuation(
             self, "Evacuation", fleet=fleet, cells=[c for c in fleet.cells if c.name in self.evacuated],
             fleet_file=self._fleet_file_in_build(), key=self.key, source=source,
+            pipeline_name=pipeline_name(fleet),
         ) if self.evacuated else None
         for wave in fleet.waves:
             if wave.manual_approval:
@@ -223,7 +228,8 @@ class PipelineStack(Stack):
                 orders = self._evacuation_orders(restored)
                 stages.append(codepipeline.StageProps(
                     stage_name=restore_stage_name(wave),
-                    actions=[self.evacuation.action(cell, undo=True, run_order=orders[cell.name]) for cell in restored],
+                    actions=[self.evacuation.action(cell, undo=True, run_order=orders[cell.name],
+                                                    wave_stage=wave_stage_name(wave)) for cell in restored],
                     # Evacuated, the cells baked without the routers' clients: they bake again under them, and a
                     # gate in alarm stops the pipeline before the next wave (FAIL, not ROLLBACK: rolling back this
                     # stage would run the restore again). The cells stay restored; docs/rollout-pipeline.md.
@@ -232,7 +238,7 @@ class PipelineStack(Stack):
 
         self.pipeline = codepipeline.Pipeline(
             self, "Pipeline",
-            pipeline_name=f"{fleet.name}-rollout",
+            pipeline_name=pipeline_name(fleet),
             # Named: the gate readers of cells and routers in other accounts admit only this role, by its ARN
             # (cell_constructs.gate_reader). The same role CDK would make (aws-codepipeline pipeline.ts), named.
             role=iam.Role(self, "PipelineRole", role_name=pipeline_role_name(fleet.name, self.config.region),
@@ -448,8 +454,8 @@ class PipelineStack(Stack):
         if evacuated:
             # Out of the routers' choice, its streams finished, before its update (stacks/evacuation.py).
             orders = self._evacuation_orders(evacuated)
-            stage_actions += [self.evacuation.action(cell, undo=False, run_order=deploy_order + orders[cell.name] - 1)
-                              for cell in evacuated]
+            stage_actions += [self.evacuation.action(cell, undo=False, run_order=deploy_order + orders[cell.name] - 1,
+                                                     wave_stage=wave_stage_name(wave)) for cell in evacuated]
             deploy_order += max(orders.values())
         stage_actions += [self._deploy_action(cell, assembly, deploy_order) for cell in cells]
         if wave is self.fleet.waves[0] and self.fleet.pipeline.verify_gate:

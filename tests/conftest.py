@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -145,3 +145,62 @@ def local_ssm() -> Iterator[dict[str, str]]:
     finally:
         reset()
         server.stop()
+
+
+@dataclass
+class LocalCodePipeline:
+    """The two CodePipeline reads the restore makes, answered on loopback from `stages` and `actions`."""
+
+    env: dict[str, str]
+    stages: list[dict]  # GetPipelineState's stageStates
+    actions: dict[str, list[dict]]  # ListActionExecutions' actionExecutionDetails, by pipelineExecutionId
+    calls: list[tuple[str, dict]]
+    regions: list[tuple[str, str]] = field(default_factory=list)  # (region signed for, operation)
+
+
+@pytest.fixture
+def local_codepipeline() -> Iterator[LocalCodePipeline]:
+    """CodePipeline's GetPipelineState and ListActionExecutions on loopback (moto has neither): its JSON 1.1
+    protocol, the operation named by the X-Amz-Target header, so the real botocore client of a real process
+    (the build command under sh) serializes the requests and parses the answers. Anything else is a 400."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    state = LocalCodePipeline({}, [], {}, [])
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+            operation = self.headers.get("X-Amz-Target", "").rpartition(".")[2]
+            state.calls.append((operation, body))
+            # SigV4's credential scope: Credential=<key>/<date>/<region>/codepipeline/aws4_request
+            scope = self.headers.get("Authorization", "").partition("Credential=")[2].split("/")
+            state.regions.append((scope[2] if len(scope) > 2 else "", operation))
+            if operation == "GetPipelineState":
+                status, answer = 200, {"pipelineName": body["name"], "stageStates": state.stages}
+            elif operation == "ListActionExecutions":
+                wanted = body.get("filter", {}).get("pipelineExecutionId")
+                status, answer = 200, {"actionExecutionDetails": state.actions.get(wanted, [])}
+            else:
+                status, answer = 400, {"__type": "ValidationException", "message": f"not faked: {operation}"}
+            data = json.dumps(answer).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/x-amz-json-1.1")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    state.env.update({"AWS_ENDPOINT_URL_CODEPIPELINE": f"http://127.0.0.1:{server.server_address[1]}",
+                      "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                      "AWS_REGION": "us-east-2", "AWS_EC2_METADATA_DISABLED": "true"})
+    try:
+        yield state
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -160,7 +160,7 @@ def test_an_aws_error_is_one_line_and_exit_7(tmp_path: Path, capsys: pytest.Capt
                           service_message=f"User: arn:aws:sts::111111111111:assumed-role/x is not authorized to "
                                           f"perform: ssm:GetParameter on resource: {NAME}")
     args = argparse.Namespace(config=str(config), cell="prod", undo=False, local=None, status_url=None, wait=False,
-                              timeout=1.0, force=False)
+                              timeout=1.0, force=False, pipeline=None, pipeline_execution=None, wave_stage=None)
     with stub:
         assert evacuate.run(args, ssm_for=lambda region: ssm) == exit_codes.EVACUATE
     err = capsys.readouterr().err
@@ -187,6 +187,162 @@ def test_an_unreachable_endpoint_is_exit_7(tmp_path: Path, monkeypatch: pytest.M
     err = capsys.readouterr().err
     assert err.startswith("error: EndpointConnectionError: Could not connect to the endpoint URL") and \
         "Traceback" not in err, err
+
+
+THIS, NEWER = "11111111-1111-1111-1111-111111111111", "22222222-2222-2222-2222-222222222222"
+RUN = evacuate.PipelineRun("Rufus-rollout", THIS, "Wave-second")
+
+
+def _codepipeline() -> tuple[Any, Stubber]:
+    client = botocore.session.get_session().create_client(
+        "codepipeline", region_name="us-east-2", aws_access_key_id="x", aws_secret_access_key="x")
+    return client, Stubber(client)
+
+
+def _state(latest: str | None, kind: str = "STANDARD") -> dict[str, Any]:
+    wave: dict[str, Any] = {"stageName": "Wave-second"}
+    if latest:
+        wave["latestExecution"] = {"pipelineExecutionId": latest, "status": "InProgress", "type": kind}
+    return {"pipelineName": "Rufus-rollout", "stageStates": [
+        {"stageName": "Wave-first", "latestExecution": {"pipelineExecutionId": NEWER, "status": "Succeeded"}}, wave]}
+
+
+def _ran(action: str, stage: str = "Wave-second") -> dict[str, Any]:
+    return {"pipelineExecutionId": NEWER, "actionExecutionId": f"{action}-1", "stageName": stage,
+            "actionName": action, "status": "Succeeded"}
+
+
+def test_a_restore_yields_to_a_newer_execution_only_once_it_has_evacuated_the_cell() -> None:
+    """`newer_evacuation`: the wave's stage holds this execution, or nothing yet -> None, without listing actions;
+    a newer one that has run other actions, or Evacuate-prod in another stage -> None (it evacuates later, after
+    the restore's write); one that has started Evacuate-prod in the wave's stage -> it, found on any page, and
+    whether it is a rollback of the stage (no restore follows one)."""
+    client, stub = _codepipeline()
+    for latest in (THIS, None):
+        stub.add_response("get_pipeline_state", _state(latest), expected_params={"name": "Rufus-rollout"})
+    filtered = {"pipelineName": "Rufus-rollout", "filter": {"pipelineExecutionId": NEWER}}
+    stub.add_response("get_pipeline_state", _state(NEWER), expected_params={"name": "Rufus-rollout"})
+    stub.add_response("list_action_executions", {"actionExecutionDetails": [
+        _ran("Deploy-other"), _ran("Evacuate-prod", stage="Wave-first")]}, expected_params=filtered)
+    stub.add_response("get_pipeline_state", _state(NEWER), expected_params={"name": "Rufus-rollout"})
+    stub.add_response("list_action_executions", {"actionExecutionDetails": [_ran("Deploy-other")], "nextToken": "2"},
+                      expected_params=filtered)
+    stub.add_response("list_action_executions", {"actionExecutionDetails": [_ran("Evacuate-prod")]},
+                      expected_params={**filtered, "nextToken": "2"})
+    stub.add_response("get_pipeline_state", _state(NEWER, "ROLLBACK"), expected_params={"name": "Rufus-rollout"})
+    stub.add_response("list_action_executions", {"actionExecutionDetails": [_ran("Evacuate-prod")]},
+                      expected_params=filtered)
+    with stub:
+        assert [evacuate.newer_evacuation(client, RUN, "prod") for _ in range(5)] == [
+            None, None, None, evacuate.NewerEvacuation(NEWER, rollback=False),
+            evacuate.NewerEvacuation(NEWER, rollback=True)]
+    stub.assert_no_pending_responses()
+
+
+def test_a_restore_given_a_stage_the_pipeline_lacks_says_so() -> None:
+    client, stub = _codepipeline()
+    stub.add_response("get_pipeline_state", _state(THIS), expected_params={"name": "Rufus-rollout"})
+    with stub, pytest.raises(EvacuateError, match=r"pipeline Rufus-rollout has no stage 'Wave-third' \(stages: "
+                                                  r"\['Wave-first', 'Wave-second'\]\)"):
+        evacuate.newer_evacuation(client, evacuate.PipelineRun("Rufus-rollout", THIS, "Wave-third"), "prod")
+
+
+def test_a_restore_that_cannot_read_the_pipeline_is_exit_7_and_writes_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "fleet.yaml"
+    config.write_text(yaml.safe_dump(_raw()))
+    client, stub = _codepipeline()
+    stub.add_client_error("get_pipeline_state", "AccessDeniedException", http_status_code=400,
+                          service_message="not authorized to perform: codepipeline:GetPipelineState")
+    args = argparse.Namespace(config=str(config), cell="prod", undo=True, local=None, status_url=None, wait=False,
+                              timeout=1.0, force=False, pipeline="Rufus-rollout", pipeline_execution=THIS,
+                              wave_stage="Wave-second")
+    with stub:
+        status = evacuate.run(args, ssm_for=lambda region: pytest.fail("no SSM call"), codepipeline=client)
+    err = capsys.readouterr().err
+    assert status == exit_codes.EVACUATE and "codepipeline:GetPipelineState and codepipeline:ListActionExecutions" \
+        in err and "Traceback" not in err, err
+
+
+def _restore_args(config: Path, execution: str = THIS) -> argparse.Namespace:
+    return argparse.Namespace(config=str(config), cell="prod", undo=True, local=None, status_url=None, wait=False,
+                              timeout=1.0, force=False, pipeline="Rufus-rollout", pipeline_execution=execution,
+                              wave_stage="Wave-second")
+
+
+def test_a_restore_asks_the_pipelines_own_region_and_says_what_comes_next(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, local_codepipeline: Any,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The real boto3 client of the CLI against CodePipeline on loopback: it signs for the fleet file's
+    `pipeline.region` (eu-west-1 here), not the build's AWS_REGION; the rollback of the wave's stage that has
+    started Evacuate-prod keeps the cell evacuated, and the message says no restore follows and how to restore
+    by hand (with --config, which a command that reaches AWS needs)."""
+    raw = _raw()
+    raw["pipeline"] = {**raw["pipeline"], "region": "eu-west-1", "verify_gate": False,
+                       "compile_azs": ["euw1-az1", "euw1-az2"]}
+    config = tmp_path / "fleet.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    for name, value in {**local_codepipeline.env, "AWS_REGION": "us-east-2", "AWS_DEFAULT_REGION": "us-east-2",
+                        "AWS_CONFIG_FILE": str(tmp_path / "none")}.items():
+        monkeypatch.setenv(name, value)
+    local_codepipeline.stages[:] = [_state(NEWER, "ROLLBACK")["stageStates"][1]]
+    local_codepipeline.actions[NEWER] = [_ran("Evacuate-prod")]
+    status = evacuate.run(_restore_args(config), ssm_for=lambda region: pytest.fail("no SSM call"))
+    out = capsys.readouterr().out
+    assert status == exit_codes.OK
+    assert {region for region, _ in local_codepipeline.regions} == {"eu-west-1"}
+    assert out == (f"prod stays evacuated: a rollback of Wave-second ({NEWER}) has started Evacuate-prod, and no "
+                   "restore follows a rollback (a rolled-back wave leaves its cells evacuated): look at the cell, "
+                   f"then `python -m inference_fleet evacuate --config {config} --cell prod --undo`\n")
+
+
+def test_a_restore_whose_write_raced_another_is_exit_7(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The read-back after the restore's write shows another write (another execution evacuating a cell of the same
+    router): the restore said nothing and exited 0, the cell possibly still evacuated. Now exit 7: the stage
+    fails and is retried."""
+    config = tmp_path / "fleet.yaml"
+    config.write_text(yaml.safe_dump(_raw()))
+    ssm, stub = _ssm()
+    stub.add_response("get_parameter", _param(["prod"]), expected_params={"Name": NAME})
+    stub.add_response("put_parameter", {"Version": 2}, expected_params={
+        "Name": NAME, "Value": '{"evacuated": []}', "Type": "String", "Overwrite": True})
+    stub.add_response("get_parameter", _param(["dev", "prod"], 3), expected_params={"Name": NAME})
+    args = _restore_args(config)
+    args.pipeline = args.pipeline_execution = args.wave_stage = None
+    with stub:
+        assert evacuate.run(args, ssm_for=lambda region: ssm) == exit_codes.EVACUATE
+    assert "another evacuation was written at the same time as this restore of prod; run it again" in \
+        capsys.readouterr().err
+
+
+def test_a_restore_in_a_pipeline_needs_the_fleets_pipeline_section(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    raw = _raw()
+    del raw["pipeline"]
+    config = tmp_path / "fleet.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    assert evacuate.run(_restore_args(config), ssm_for=lambda region: pytest.fail("no SSM call")) == \
+        exit_codes.EVACUATE
+    assert "the fleet file has no `pipeline:` section to say the pipeline's region" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--undo", "--pipeline", "P"], "--pipeline-execution, --wave-stage missing: --pipeline, --pipeline-execution "
+                                    "and --wave-stage go together"),
+    (["--undo", "--pipeline", "P", "--pipeline-execution", "#{codepipeline.PipelineExecutionId}", "--wave-stage",
+      "W"], "--pipeline-execution '#{codepipeline.PipelineExecutionId}' is not a pipeline execution id (8-4-4-4-12 "
+            "lowercase hex digits, CodePipeline's #{codepipeline.PipelineExecutionId})"),
+    (["--pipeline", "P", "--pipeline-execution", "E", "--wave-stage", "W"],
+     "--pipeline, --pipeline-execution and --wave-stage guard a restore on AWS: use them with --undo and without "
+     "--local"),
+])
+def test_the_pipeline_flags_go_together_and_with_a_restore(flags: list[str], said: str, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "fleet.yaml"
+    config.write_text(yaml.safe_dump(_raw()))
+    assert main(["evacuate", "--config", str(config), "--cell", "prod", *flags]) == exit_codes.EVACUATE
+    err = capsys.readouterr().err
+    assert err == f"error: {said}\n", err
 
 
 def test_wait_with_local_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -42,6 +42,11 @@ CDK_CONTEXT: dict = json.loads((ROOT / "cdk.json").read_text())["context"]
 PARAMETER = "/inference-fleet/Rufus/router/us-east-2/evacuated"
 REPORTS = "/inference-fleet/Rufus/router/us-east-2/tasks"
 TWO_ROUTERS = "tests/fleets/pipeline_two_routers.yaml"
+# Restore-dev's environment: where it runs, for its look at the pipeline (evacuate.newer_evacuation); CodePipeline
+# resolves the execution id when the action runs.
+RESTORE_DEV = {"CELL": "dev", "EVACUATE_MODE": "restore", "PIPELINE": "Rufus-rollout", "WAVE_STAGE": "Wave-canary",
+               "PIPELINE_EXECUTION_ID": "#{codepipeline.PipelineExecutionId}"}
+NOT_IN_A_PIPELINE = {"pipeline": None, "pipeline_execution": None, "wave_stage": None}
 
 
 def _synth(fleet: Any, outdir: Path, config: str = FLEET_FILE) -> dict:
@@ -90,7 +95,7 @@ def test_the_one_unit_cell_is_evacuated_before_its_update_and_restored_after_the
     assert [r["Configuration"]["AlarmName"] for r in canary["OnSuccess"]["Conditions"][0]["Rules"]] == [
         "Rufus-Cell-dev-rollout-gate", "Rufus-Router-us-east-2-rollout-gate"]
     (restore,) = _stage(template, "Restore-canary")["Actions"]
-    assert restore["Name"] == "Restore-dev" and _environment(restore) == {"CELL": "dev", "EVACUATE_MODE": "restore"}
+    assert restore["Name"] == "Restore-dev" and _environment(restore) == RESTORE_DEV
     project_id, _ = _project(template)
     assert evacuate["Configuration"]["ProjectName"] == restore["Configuration"]["ProjectName"] == {"Ref": project_id}
     # The two-unit cell keeps serving during its update: not evacuated.
@@ -128,6 +133,11 @@ def test_the_project_may_touch_only_the_routers_parameters(template: dict) -> No
         (("ssm:GetParametersByPath",), json.dumps(arn("/inference-fleet/Rufus/router/*/tasks"))),
     ])
     assert all(s["Effect"] == "Allow" for s in ssm)
+    # The restore's look at its own pipeline, and nothing else of CodePipeline's.
+    pipeline = [s for s in statements if any(str(a).startswith("codepipeline:") for a in _list(s["Action"]))]
+    assert [(sorted(_list(s["Action"])), s["Resource"], s["Effect"]) for s in pipeline] == [
+        (["codepipeline:GetPipelineState", "codepipeline:ListActionExecutions"],
+         "arn:aws:codepipeline:us-east-2:111111111111:Rufus-rollout", "Allow")]
     assert "VpcConfig" not in project["Properties"]  # SSM's public endpoint, through CodeBuild's own network
 
 
@@ -193,9 +203,9 @@ def test_the_restore_reads_only_parameters_its_role_may_read_in_a_two_router_fle
     ssm = _SsmAsTheRoleSeesIt(template, "111111111111",
                               {("us-east-2", PARAMETER): ["dev"], ("us-west-2", west): ["dev"]})
     (restore,) = _stage(template, "Restore-canary")["Actions"]
-    assert _environment(restore) == {"CELL": "dev", "EVACUATE_MODE": "restore"}
+    assert _environment(restore) == RESTORE_DEV
     args = SimpleNamespace(config=str(ROOT / TWO_ROUTERS), cell="dev", undo=True, local=None, status_url=None,
-                           wait=False, timeout=1.0, force=False)
+                           wait=False, timeout=1.0, force=False, **NOT_IN_A_PIPELINE)
     status = evacuate.run(args, ssm_for=ssm.client)  # type: ignore[arg-type]
     err = capsys.readouterr().err
     assert status == exit_codes.OK, err
@@ -216,7 +226,7 @@ def test_a_restore_runs_on_a_commit_that_adds_a_router_the_pipeline_was_synthesi
     west = "/inference-fleet/Rufus/router/us-west-2/evacuated"
     ssm = _SsmAsTheRoleSeesIt(template, "111111111111", {("us-east-2", PARAMETER): ["dev"], ("us-west-2", west): []})
     args = SimpleNamespace(config=str(ROOT / TWO_ROUTERS), cell="dev", undo=True, local=None, status_url=None,
-                           wait=False, timeout=1.0, force=False)
+                           wait=False, timeout=1.0, force=False, **NOT_IN_A_PIPELINE)
     status = evacuate.run(args, ssm_for=ssm.client)  # type: ignore[arg-type]
     assert status == exit_codes.OK, capsys.readouterr().err
     assert ssm.parameters == {("us-east-2", PARAMETER): [], ("us-west-2", west): []}
@@ -314,14 +324,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_the_build_commands_evacuate_wait_and_restore_against_a_local_ssm(
-        template: dict, tmp_path: Path, local_ssm: dict[str, str]) -> None:
-    install, build = _commands(template, "install"), _commands(template, "build")
-    for text in (install, build):
-        lint = subprocess.run(["shellcheck", "-s", "sh", "-"], input=text, capture_output=True, text=True, timeout=60)
-        assert lint.returncode == 0, lint.stdout
-    # The source directory as CodeBuild checks it out: the fleet file, `make` (faked: it records its call)
-    # and the venv's python (the real one; `make venv` made it).
+def _source_directory(tmp_path: Path, template: dict, env: dict[str, str]) -> Any:
+    """The source directory as CodeBuild checks it out (the fleet file, `make` faked: it records its call, and the
+    venv's python, the real one that `make venv` made) and a function that runs a phase of the evacuation
+    project's buildspec in it under sh, with an action's environment."""
     (tmp_path / "tests/fleets").mkdir(parents=True)
     (tmp_path / FLEET_FILE).write_text((ROOT / FLEET_FILE).read_text())
     (tmp_path / ".venv/bin").mkdir(parents=True)
@@ -330,15 +336,42 @@ def test_the_build_commands_evacuate_wait_and_restore_against_a_local_ssm(
     (tmp_path / "bin/make").write_text('#!/bin/sh\nprintf "%s\\n" "$*" >> "$RECORD"\n')
     for path in (tmp_path / ".venv/bin/python", tmp_path / "bin/make"):
         path.chmod(0o755)
-    aws = local_ssm
     env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "RECORD": str(tmp_path / "calls"), "HOME": str(tmp_path),
-           **aws, "PYTHONPATH": os.pathsep.join(sys.path)}
-    ssm = boto3.client("ssm", region_name="us-east-2", endpoint_url=aws["AWS_ENDPOINT_URL_SSM"],
-                       aws_access_key_id="testing", aws_secret_access_key="testing")
+           **env, "PYTHONPATH": os.pathsep.join(sys.path)}
 
     def run(phase: str, **variables: str) -> subprocess.CompletedProcess:
         return subprocess.run(["/bin/sh", "-c", phase], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                               env={**env, **variables})
+    return run
+
+
+# Two pipeline executions: this one (in Restore-canary) and a newer one.
+THIS, NEWER = "11111111-1111-1111-1111-111111111111", "22222222-2222-2222-2222-222222222222"
+
+
+def _restore_dev(template: dict, execution: str) -> dict[str, str]:
+    """Restore-dev's environment as CodePipeline gives it when the action runs in `execution`."""
+    (restore,) = _stage(template, "Restore-canary")["Actions"]
+    variables = _environment(restore)
+    assert variables["PIPELINE_EXECUTION_ID"] == "#{codepipeline.PipelineExecutionId}"
+    return {**variables, "PIPELINE_EXECUTION_ID": execution}
+
+
+def _in_stage(name: str, execution: str, status: str) -> dict:
+    return {"stageName": name, "latestExecution": {"pipelineExecutionId": execution, "status": status},
+            "actionStates": []}
+
+
+def test_the_build_commands_evacuate_wait_and_restore_against_a_local_ssm(
+        template: dict, tmp_path: Path, local_ssm: dict[str, str], local_codepipeline: Any) -> None:
+    install, build = _commands(template, "install"), _commands(template, "build")
+    for text in (install, build):
+        lint = subprocess.run(["shellcheck", "-s", "sh", "-"], input=text, capture_output=True, text=True, timeout=60)
+        assert lint.returncode == 0, lint.stdout
+    aws = local_ssm
+    run = _source_directory(tmp_path, template, {**local_codepipeline.env, **aws})
+    ssm = boto3.client("ssm", region_name="us-east-2", endpoint_url=aws["AWS_ENDPOINT_URL_SSM"],
+                       aws_access_key_id="testing", aws_secret_access_key="testing")
 
     done = run(install)
     assert done.returncode == 0 and (tmp_path / "calls").read_text() == "venv\n", done.stderr
@@ -358,9 +391,45 @@ def test_the_build_commands_evacuate_wait_and_restore_against_a_local_ssm(
                       Value=TaskReport("task-1", 9, [], []).to_json())
     done = run(build, **_environment(evacuate))
     assert done.returncode == 7 and "no longer evacuates dev" in done.stderr, done.stdout + done.stderr
-    (restore,) = _stage(template, "Restore-canary")["Actions"]
-    done = run(build, **_environment(restore))
+    # The restore, with no newer execution in the wave's stage: it restores.
+    local_codepipeline.stages[:] = [_in_stage("Wave-canary", THIS, "Succeeded"),
+                                    _in_stage("Restore-canary", THIS, "InProgress")]
+    done = run(build, **_restore_dev(template, THIS))
     assert done.returncode == 0, done.stderr
     assert json.loads(ssm.get_parameter(Name=PARAMETER)["Parameter"]["Value"]) == {"evacuated": []}
+    assert [(op, body) for op, body in local_codepipeline.calls] == [("GetPipelineState", {"name": "Rufus-rollout"})]
     done = run(build, CELL="dev", EVACUATE_MODE="")
     assert done.returncode == 2 and "evacuate or restore" in done.stderr
+
+
+def test_a_restore_leaves_the_cell_to_a_newer_execution_that_evacuated_it(
+        template: dict, tmp_path: Path, local_ssm: dict[str, str], local_codepipeline: Any) -> None:
+    """Regression (SUPERSEDED mode, docs/rollout-pipeline.md): execution THIS leaves Wave-canary for Restore-canary
+    and NEWER enters Wave-canary at once; NEWER's Evacuate-dev has written dev into the router's parameter for its
+    own deploy when THIS's Restore-dev runs. The restore took dev out again, and NEWER's deploy reached the
+    router's clients. Now it reads the pipeline's state, sees NEWER's Evacuate-dev, and leaves dev evacuated
+    (NEWER's own restore follows its bake). Run as the pipeline runs it: the template's command under sh, the
+    real CLI, SSM (moto) and CodePipeline on loopback."""
+    aws = local_ssm
+    run = _source_directory(tmp_path, template, {**local_codepipeline.env, **aws})
+    ssm = boto3.client("ssm", region_name="us-east-2", endpoint_url=aws["AWS_ENDPOINT_URL_SSM"],
+                       aws_access_key_id="testing", aws_secret_access_key="testing")
+    ssm.put_parameter(Name=PARAMETER, Type="String", Value=json.dumps({"evacuated": ["dev"]}))  # NEWER's write
+    local_codepipeline.stages[:] = [_in_stage("Wave-canary", NEWER, "InProgress"),
+                                    _in_stage("Restore-canary", THIS, "InProgress")]
+    local_codepipeline.actions[NEWER] = [{
+        "pipelineExecutionId": NEWER, "actionExecutionId": "a-1", "stageName": "Wave-canary",
+        "actionName": "Evacuate-dev", "status": "InProgress", "startTime": 1764900000}]
+    done = run(_commands(template, "build"), **_restore_dev(template, THIS))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads(ssm.get_parameter(Name=PARAMETER)["Parameter"]["Value"]) == {"evacuated": ["dev"]}
+    assert f"dev stays evacuated: a newer execution of Rufus-rollout ({NEWER}) has started Evacuate-dev" in done.stdout
+    assert [op for op, _ in local_codepipeline.calls] == ["GetPipelineState", "ListActionExecutions"]
+    assert local_codepipeline.calls[1][1] == {"pipelineName": "Rufus-rollout",
+                                              "filter": {"pipelineExecutionId": NEWER}}
+    # NEWER still before its Evacuate-dev (its entry condition, say): it reads the parameter after this write and
+    # evacuates again, so the restore goes ahead.
+    local_codepipeline.actions[NEWER] = []
+    done = run(_commands(template, "build"), **_restore_dev(template, THIS))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads(ssm.get_parameter(Name=PARAMETER)["Parameter"]["Value"]) == {"evacuated": []}
