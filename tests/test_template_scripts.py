@@ -441,9 +441,12 @@ def test_pipeline_commands_pass_a_fleet_file_with_spaces_and_shell_characters_as
     assert all(c[0] == "tools/publish-assets.js" for c in calls if c not in make_calls), calls
     assert run(VERIFY_COMMANDS) == [["-m", "inference_fleet", "verify", "--config", path,
                                      "--cell", "dev"]]
-    evacuated = run(EVACUATION_COMMANDS, EVACUATE_MODE="restore", CELL="dev")
+    execution = "11111111-1111-1111-1111-111111111111"
+    evacuated = run(EVACUATION_COMMANDS, EVACUATE_MODE="restore", CELL="dev", PIPELINE="Rufus-rollout",
+                    PIPELINE_EXECUTION_ID=execution, WAVE_STAGE="Wave canary")
     assert evacuated == [["-m", "inference_fleet", "evacuate", "--config", path, "--cell", "dev",
-                          "--undo"]]
+                          "--undo", "--pipeline", "Rufus-rollout", "--pipeline-execution", execution,
+                          "--wave-stage", "Wave canary"]]
 
 
 def test_publish_tool_reads_the_synthesized_manifests_offline(synth_default, tmp_path) -> None:
