@@ -90,6 +90,31 @@ def test_a_layout_sampled_on_the_host_or_no_layout_serves_them_all(tmp_path):
     device_sampling.refuse_unhonoured(everything, str(tmp_path / "missing"))
 
 
+def test_no_vllm_neuron_unit_serves_prompt_logprobs_not_even_sampling_on_the_host(tmp_path, monkeypatch):
+    """vllm-neuron's runner returns `prompt_logprobs_dict={}` on either sampler (cold review, twenty-fifth session:
+    a completions `echo` with `logprobs` on a host-sampled layout then indexed past vLLM's `[None]`, a 500, and the
+    refusal's message sent clients to host sampling for them). Refused on any Neuron unit, with its own message;
+    the chat echo's 0 passes; on vLLM's CPU platform (make e2e) they are served."""
+    host = _layout(tmp_path, sampler=False)
+    monkeypatch.setenv("UNIT_BASE_PLATFORM", "vllm_neuron.platform.NeuronPlatform")
+    for asked in (1, -1):
+        with pytest.raises(ValueError, match="^prompt_logprobs not served: vllm-neuron returns no prompt log "
+                                             "probabilities, whether the unit samples on its devices or on the host"):
+            device_sampling.refuse_unhonoured(SamplingParams(prompt_logprobs=asked), host)
+    device_sampling.refuse_unhonoured(chat(prompt_logprobs=0, logprobs=5, logit_bias={1: 1.0}), host)
+    monkeypatch.setenv("UNIT_BASE_PLATFORM", "vllm.platforms.cpu.CpuPlatform")
+    device_sampling.refuse_unhonoured(SamplingParams(prompt_logprobs=1), host)
+
+
+def test_a_sampler_key_that_is_present_counts_as_vllm_neurons_does(tmp_path):
+    """vllm-neuron branches on `on_device_sampling_config is not None` (runner :230): any value but null is a
+    device sampler, as here; only null (or no key) is the host."""
+    config = json.loads(FIXTURE.read_text())
+    config["neuron_config"]["on_device_sampling_config"] = False
+    (tmp_path / "neuron_config.json").write_text(json.dumps(config))
+    assert device_sampling.samples_on_device(str(tmp_path))
+
+
 def test_the_launcher_fixture_is_a_layout_with_a_sampler():
     assert device_sampling.samples_on_device(str(FIXTURE.parent))
 

@@ -57,16 +57,15 @@ def samples_on_device(compiled_dir: str | None) -> bool:
     except (OSError, ValueError):
         return False
     nested = config.get("neuron_config") if isinstance(config, dict) else None
-    return isinstance(nested, dict) and bool(nested.get("on_device_sampling_config"))
+    # NxDI and vllm-neuron test the key with `is not None` (runner :230), not for truth.
+    return isinstance(nested, dict) and nested.get("on_device_sampling_config") is not None
 
 
 def unhonoured(params: Any) -> list[str]:
     """The request's parameters, set to other than their defaults, that an on-device sampler ignores."""
     named = {
         "logprobs": getattr(params, "logprobs", None) is not None,
-        # 0 is what a chat `echo: true` sets by itself (vLLM 0.16 chat_completion/protocol.py:446-448, top_logprobs
-        # defaults to 0): an echo, not a request for numbers; refused from 1 (and -1, the whole vocabulary) on.
-        "prompt_logprobs": getattr(params, "prompt_logprobs", None) not in (None, 0),
+        "prompt_logprobs": asks_prompt_logprobs(params),
         "structured outputs (response_format, guided decoding)": (
             getattr(params, "structured_outputs", None) is not None
             or getattr(params, "guided_decoding", None) is not None),
@@ -77,8 +76,27 @@ def unhonoured(params: Any) -> list[str]:
     return [name for name, asked in named.items() if asked]
 
 
+def asks_prompt_logprobs(params: Any) -> bool:
+    """prompt_logprobs from 1 (and -1, the whole vocabulary) on; 0 is what a chat `echo: true` sets by itself (vLLM
+    0.16 chat_completion/protocol.py:446-448, top_logprobs defaults to 0)."""
+    return getattr(params, "prompt_logprobs", None) not in (None, 0)
+
+
+def on_neuron() -> bool:
+    """Whether the engine runs on vllm-neuron's platform (the launcher's UNIT_BASE_PLATFORM, engine.j2)."""
+    return os.environ.get("UNIT_BASE_PLATFORM", "").startswith("vllm_neuron.")
+
+
 def refuse_unhonoured(params: Any, compiled_dir: str | None = None) -> None:
-    """Raise UnhonouredSampling when this unit samples on its devices and the request asks for what they ignore."""
+    """Raise UnhonouredSampling when the request asks for what this unit does not serve: prompt log probabilities on
+    any vllm-neuron unit (its runner returns none, `prompt_logprobs_dict={}`, runner :880-888; a completions `echo`
+    with `logprobs` then indexes past vLLM's `[None]`, an IndexError and a 500), and when it samples on its
+    devices, what they ignore."""
+    if on_neuron() and asks_prompt_logprobs(params):
+        raise UnhonouredSampling(
+            "prompt_logprobs not served: vllm-neuron returns no prompt log probabilities, whether the unit samples "
+            "on its devices or on the host; send the request without them (and without `echo` with `logprobs` on "
+            "/v1/completions)")
     if not samples_on_device(compiled_dir if compiled_dir is not None else os.environ.get("NEURON_COMPILED_ARTIFACTS")):
         return
     if names := unhonoured(params):
