@@ -98,8 +98,8 @@ def test_no_vllm_neuron_unit_serves_prompt_logprobs_not_even_sampling_on_the_hos
     host = _layout(tmp_path, sampler=False)
     monkeypatch.setenv("UNIT_BASE_PLATFORM", "vllm_neuron.platform.NeuronPlatform")
     for asked in (1, -1):
-        with pytest.raises(ValueError, match="^prompt_logprobs not served: vllm-neuron returns no prompt log "
-                                             "probabilities, whether the unit samples on its devices or on the host"):
+        with pytest.raises(ValueError, match=r"^prompt_logprobs not served: vllm-neuron returns no prompt log "
+                                             r"probabilities, whether the unit samples on its devices or on the host"):
             device_sampling.refuse_unhonoured(SamplingParams(prompt_logprobs=asked), host)
     device_sampling.refuse_unhonoured(chat(prompt_logprobs=0, logprobs=5, logit_bias={1: 1.0}), host)
     monkeypatch.setenv("UNIT_BASE_PLATFORM", "vllm.platforms.cpu.CpuPlatform")
