@@ -107,10 +107,13 @@ class Evacuation(Construct):
             actions=["codepipeline:GetPipelineState", "codepipeline:ListActionExecutions"],
             resources=[stack.format_arn(service="codepipeline", resource=self.pipeline_name)]))
 
-    def action(self, cell: CellConfig, undo: bool, run_order: int, wave_stage: str) -> actions.CodeBuildAction:
-        """`Evacuate-<cell>` in the stage `wave_stage`, or (undo) `Restore-<cell>` after it."""
+    def action(self, cell: CellConfig, undo: bool, run_order: int, wave_stage: str = "") -> actions.CodeBuildAction:
+        """`Evacuate-<cell>`, or (undo) `Restore-<cell>` after the cell's wave stage `wave_stage`, which the restore
+        reads the pipeline's state for."""
         variables = {"CELL": cell.name, "EVACUATE_MODE": "restore" if undo else "evacuate"}
         if undo:
+            if not wave_stage:
+                raise ValueError(f"Restore-{cell.name}: the wave stage it follows is needed (wave_stage)")
             # Resolved by CodePipeline when the action runs (its pipeline-level variable).
             variables |= {"PIPELINE": self.pipeline_name, "WAVE_STAGE": wave_stage,
                           "PIPELINE_EXECUTION_ID": codepipeline.GlobalVariables.EXECUTION_ID}

@@ -454,8 +454,8 @@ class PipelineStack(Stack):
         if evacuated:
             # Out of the routers' choice, its streams finished, before its update (stacks/evacuation.py).
             orders = self._evacuation_orders(evacuated)
-            stage_actions += [self.evacuation.action(cell, undo=False, run_order=deploy_order + orders[cell.name] - 1,
-                                                     wave_stage=wave_stage_name(wave)) for cell in evacuated]
+            stage_actions += [self.evacuation.action(cell, undo=False, run_order=deploy_order + orders[cell.name] - 1)
+                              for cell in evacuated]
             deploy_order += max(orders.values())
         stage_actions += [self._deploy_action(cell, assembly, deploy_order) for cell in cells]
         if wave is self.fleet.waves[0] and self.fleet.pipeline.verify_gate:
