@@ -25,6 +25,12 @@ FAILED="$STATE_DIR/failed"
 READY_DIR=/run/node-setup
 READY="$READY_DIR/ready"
 IMDS=http://169.254.169.254/latest
+# Steps that reach the network (the EFA installer's download and its package installs, mdadm) try
+# NETWORK_TRIES times, NETWORK_RETRY_SECONDS apart, about 10 minutes in all: on a first boot the NAT
+# gateway's route, a security group rule or a repository mirror may not answer yet, and a failed
+# setup is final (the node stays out of service until an operator acts).
+NETWORK_TRIES=10
+NETWORK_RETRY_SECONDS=60
 
 # To the serial console (EC2 GetConsoleOutput) and the journal; never fails the setup itself.
 log() {
@@ -48,6 +54,22 @@ fail() {
   exit 1
 }
 
+# retry <what> <command...>: the command until it succeeds, at most NETWORK_TRIES times.
+retry() {
+  local what=$1 try=1
+  shift
+  until "$@"; do
+    [ "$try" -lt "$NETWORK_TRIES" ] || return 1
+    log "$what failed (try $try of $NETWORK_TRIES); trying again in ${NETWORK_RETRY_SECONDS}s"
+    sleep "$NETWORK_RETRY_SECONDS"
+    try=$((try + 1))
+  done
+}
+
+after_tries() {
+  echo "$NETWORK_TRIES tries ${NETWORK_RETRY_SECONDS}s apart"
+}
+
 # Containers share the host network (EFA), so the hop limit cannot keep them from IMDS and the
 # instance role: refuse IMDS to every socket of an ECS task's cgroup. The slice is a unit of its
 # own, started here and never stopped: the cgroup match binds the cgroup object when the rule is
@@ -62,19 +84,27 @@ efa_ok() {
   /opt/amazon/efa/bin/fi_info -p efa >/dev/null 2>&1
 }
 
-# EFA: the AMI's own, or the pinned installer verified by its SHA-256 before it runs.
+# The installer's own package installs (kernel-devel and the like, from the AMI's repository) are
+# network steps too; it skips what an earlier try installed.
+efa_installer() {
+  (cd aws-efa-installer && ./efa_installer.sh -y)
+}
+
+# EFA: the AMI's own, or the pinned installer verified by its SHA-256 before it runs. A download
+# that stalls (under 10 KB/s for a minute) or cannot connect in 10 s is a failed try.
 ensure_efa() {
   efa_ok && return 0
   [ -n "$EFA_INSTALLER_SHA256" ] || fail 'the AMI has no EFA and node.efa_installer_sha256 is null'
   local tarball="aws-efa-installer-$EFA_INSTALLER_VERSION.tar.gz" work
   work=$(mktemp -d) || fail 'no temporary directory for the EFA installer'
   cd "$work" || fail "cannot enter $work"
-  curl -fsSL --retry 3 -o "$tarball" "https://efa-installer.amazonaws.com/$tarball" \
-    || fail "EFA installer download failed ($tarball)"
+  retry 'EFA installer download' curl -fsSL --connect-timeout 10 --speed-limit 10240 --speed-time 60 \
+    -o "$tarball" "https://efa-installer.amazonaws.com/$tarball" \
+    || fail "EFA installer download failed ($tarball, $(after_tries))"
   echo "$EFA_INSTALLER_SHA256  $tarball" | sha256sum -c - >/dev/null 2>&1 \
     || fail "EFA installer checksum mismatch ($tarball is not node.efa_installer_sha256)"
   tar -xf "$tarball" || fail 'EFA installer unpack failed'
-  (cd aws-efa-installer && ./efa_installer.sh -y) || fail 'EFA install failed'
+  retry 'EFA install' efa_installer || fail "EFA install failed ($(after_tries))"
   cd / && rm -rf "$work"
   efa_ok || fail 'EFA installed but fi_info finds no efa provider'
 }
@@ -136,7 +166,8 @@ build_cache() {
   [ "$count" -ge 1 ] || fail 'no NVMe instance-store disk for the model cache'
   if [ "$count" -gt 1 ]; then
     # mdadm is not in the Neuron ECS AMI: installed from the AMI's release-locked repository.
-    command -v mdadm >/dev/null || dnf install -y mdadm >/dev/null 2>&1 || fail 'mdadm install failed'
+    command -v mdadm >/dev/null || retry 'mdadm install' dnf install -y mdadm >/dev/null \
+      || fail "mdadm install failed ($(after_tries))"
     mdadm --stop "/dev/md/$CACHE_LABEL" >/dev/null 2>&1
     # shellcheck disable=SC2086 # one word per disk
     mdadm --create "/dev/md/$CACHE_LABEL" --name="$CACHE_LABEL" --run --level=0 --raid-devices="$count" $disks \

@@ -284,7 +284,7 @@ class TrainiumCapacity(Construct):
         self.placement_group = self._placement_group(capacity_source)
 
         self.instance_role = role = self._instance_role(cluster)
-        self._allow_setup_report(role, setup_report)
+        setup_report_policy = self._allow_setup_report(role, setup_report)
         # CDK's cluster adds its statements for the ECS agent to the group's role, which is its launch template's
         # (aws-cdk-lib 2.275.0 aws-ecs/lib/cluster.js `configureAutoScalingGroup`), among them logs:CreateLogStream
         # and logs:PutLogEvents on *. A read-only view of the role keeps them out (aws-iam immutable-role.js:
@@ -298,6 +298,10 @@ class TrainiumCapacity(Construct):
             vpc, subnets, cluster, instance_count, replacement_wait, max_instance_count,
             launch_first=rolling_update == "launch-first",
         )
+        # A node's first boot needs, besides the NAT route (`_nodes`), what only a DependsOn orders before it: the
+        # group's self rules, without which the EFA installer's self test (fi_pingpong) fails, and the policy its
+        # failure report is put with. The launch template names the group and the role, not these.
+        self.auto_scaling_group.node.add_dependency(self.security_group, setup_report_policy)
         self.setup_failure_alarm = self._setup_failure_alarm(setup_report)
 
     def _placement_group(self, source: CapacitySource) -> ec2.IPlacementGroup:
@@ -561,7 +565,7 @@ class TrainiumCapacity(Construct):
         cluster.add_asg_capacity_provider(provider)
         return group, provider
 
-    def _allow_setup_report(self, role: iam.Role, report: NodeSetupReport) -> None:
+    def _allow_setup_report(self, role: iam.Role, report: NodeSetupReport) -> iam.ManagedPolicy:
         """The node may put its NodeSetupFailed metric, in its own namespace only."""
         policy = iam.ManagedPolicy(
             self,
@@ -584,6 +588,7 @@ class TrainiumCapacity(Construct):
                 "limits it to the node namespace",
             ),
         )
+        return policy
 
     def _setup_failure_alarm(self, report: NodeSetupReport) -> cloudwatch.Alarm:
         """A node's setup failed: it stays out of service until an operator acts (part of the rollout gate).

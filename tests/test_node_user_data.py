@@ -71,11 +71,17 @@ def user_data_of(template: dict) -> str:
 
 # -- the fakes --------------------------------------------------------------------------
 
+# A host that does not answer until the fake clock reaches the time in $FAKE_STATE/outage-<host>.
+_OUTAGE = ('if [ -e "$FAKE_STATE/outage-{host}" ] && [ "$(cat "$FAKE_STATE/clock" 2>/dev/null || echo 0)" -lt '
+           '"$(cat "$FAKE_STATE/outage-{host}")" ]; then {error}; fi\n')
+
 _FAKES = {
     "systemd-cat": 'cat >> "$FAKE_STATE/journal"\n',
     "udevadm": 'echo "udevadm $*" >> "$FAKE_STATE/calls"\n',
-    # No time passes; devices udev would make late (a line "path major minor" each) appear now.
+    # No time passes, but a fake clock (seconds) moves on; devices udev would make late (a line "path major
+    # minor" each) appear now.
     "sleep": 'echo "sleep $*" >> "$FAKE_STATE/calls"\n'
+    'echo $(( $(cat "$FAKE_STATE/clock" 2>/dev/null || echo 0) + $1 )) > "$FAKE_STATE/clock"\n'
     'if [ -e "$FAKE_STATE/late-devices" ]; then\n'
     '  while read -r path major minor; do mkdir -p "${path%/*}"; mknod "$path" c "$major" "$minor"; done '
     '< "$FAKE_STATE/late-devices"\n  rm "$FAKE_STATE/late-devices"\nfi\n',
@@ -116,13 +122,16 @@ _FAKES = {
     'case $dev in /dev/md*) [ -e "$FAKE_STATE/boot/md-active" ] || exit 32 ;; esac\n'
     'exec /usr/bin/mount --bind "$FAKE_STATE/fs/$label" "$mp"\n',
     "umount": 'echo "umount $*" >> "$FAKE_STATE/calls"\nexec /usr/bin/umount "$@"\n',
-    "dnf": 'echo "dnf $*" >> "$FAKE_STATE/calls"\n[ -e "$FAKE_STATE/dnf-fails" ] && exit 1\n'
-    'cp "$FAKE_STATE/mdadm.package" "$FAKE_BIN/mdadm"\n',
+    "dnf": 'echo "dnf $*" >> "$FAKE_STATE/calls"\n[ -e "$FAKE_STATE/dnf-fails" ] && exit 1\n' + _OUTAGE.format(
+        host="repository", error="echo \"Error: Failed to download metadata for repo \'amazonlinux\'\" >&2; exit 1")
+    + 'case " $* " in *" mdadm "*) cp "$FAKE_STATE/mdadm.package" "$FAKE_BIN/mdadm" ;; esac\n',
     # The EFA installer download, and IMDS and CloudWatch for the failure report.
     "curl": 'echo "curl $*" >> "$FAKE_STATE/calls"\nargs=("$@"); out=; url=\n'
     'while [ $# -gt 0 ]; do case $1 in -o) out=$2; shift ;; http*) url=$1 ;; esac; shift; done\n'
     'case $url in\n'
-    '  https://efa-installer.amazonaws.com/*) [ -e "$FAKE_STATE/efa-tarball" ] || exit 22\n'
+    '  https://efa-installer.amazonaws.com/*) ' + _OUTAGE.format(
+        host="efa-installer", error='echo "curl: (28) Failed to connect: Connection timed out" >&2; exit 28')
+    + '    [ -e "$FAKE_STATE/efa-tarball" ] || exit 22\n'
     '    cp "$FAKE_STATE/efa-tarball" "$out" ;;\n'
     '  */api/token) echo TOKEN ;;\n  */placement/region) echo us-east-2 ;;\n'
     '  */services/domain) echo amazonaws.com ;;\n  */iam/security-credentials/) echo node-role ;;\n'
@@ -160,7 +169,9 @@ set +e
 
 def efa_installer_tarball() -> bytes:
     """A stand-in aws-efa-installer tarball whose efa_installer.sh makes fi_info find an efa provider."""
-    installer = b"#!/bin/bash\nmkdir -p /opt/amazon/efa/bin\nprintf '#!/bin/sh\\nexit 0\\n' > " \
+    # Like the real one, it installs its dependencies from the distribution's repository first.
+    installer = b"#!/bin/bash\ndnf install -y kernel-devel pciutils rpmdevtools || exit 1\n" \
+                b"mkdir -p /opt/amazon/efa/bin\nprintf '#!/bin/sh\\nexit 0\\n' > " \
                 b"/opt/amazon/efa/bin/fi_info\nchmod 0755 /opt/amazon/efa/bin/fi_info\n"
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w") as tar:
@@ -352,6 +363,74 @@ def test_efa_download_failure_keeps_the_node_out_of_service(installer_user_data,
     node = Node(tmp_path, ami_has_efa=False)  # no tarball: the download fails
     result = run_user_data(node, installer_user_data)
     assert_out_of_service(node, result, "EFA installer download failed")
+
+
+# -- a first boot outlasts a network that does not answer yet -----------------------------------
+#
+# On a first boot the NAT gateway's route, the EFA security group's rules or a repository mirror may not answer yet,
+# and a failed setup is final: the node passes its status checks, Auto Scaling never replaces it, and a unit of two
+# nodes never forms. The fakes keep a host from answering until the fake clock (moved only by `sleep`) reaches the
+# outage's end.
+
+
+def outage(node: Node, host: str, seconds: int) -> None:
+    (node.state / f"outage-{host}").write_text(f"{seconds}\n")
+
+
+def slept(node: Node) -> int:
+    return int(node.text("clock") or 0)
+
+
+def test_a_first_boot_outlasts_the_efa_installer_host_unreachable_for_a_minute(installer_user_data,
+                                                                               tmp_path) -> None:
+    """Old code: `curl --retry 3` does not retry a connection that cannot be made; the setup failed for good."""
+    node = Node(tmp_path, ami_has_efa=False)
+    (node.state / "efa-tarball").write_bytes(efa_installer_tarball())
+    outage(node, "efa-installer", 60)
+    result = run_user_data(node, installer_user_data)
+    assert node.ready(result), node.console + result.stderr
+    assert node.calls.count("https://efa-installer.amazonaws.com/") == 2
+    assert "node-setup: EFA installer download failed (try 1 of 10); trying again in 60s" in node.console
+    assert node.file("/var/lib/node-setup/failed") is None
+
+
+def test_a_first_boot_outlasts_the_package_repository_unreachable_for_a_minute(installer_user_data,
+                                                                               tmp_path) -> None:
+    """The installer's own package installs, then mdadm's: old code failed the setup at the first."""
+    node = Node(tmp_path, ami_has_efa=False, mdadm_in_ami=False)
+    (node.state / "efa-tarball").write_bytes(efa_installer_tarball())
+    outage(node, "repository", 60)
+    result = run_user_data(node, installer_user_data)
+    assert node.ready(result), node.console + result.stderr
+    assert node.calls.count("dnf install -y kernel-devel") == 2  # the installer, run again
+    assert "node-setup: EFA install failed (try 1 of 10)" in node.console
+    # mdadm's install: the repository down again for a minute when it comes to it.
+    again = Node(tmp_path / "mdadm", mdadm_in_ami=False)
+    outage(again, "repository", 60)
+    result = run_user_data(again, installer_user_data)
+    assert again.ready(result), again.console + result.stderr
+    assert again.calls.count("dnf install -y mdadm") == 2
+    assert "node-setup: mdadm install failed (try 1 of 10)" in again.console
+
+
+def test_a_network_that_stays_down_fails_the_setup_after_about_ten_minutes(installer_user_data, tmp_path) -> None:
+    node = Node(tmp_path, ami_has_efa=False)
+    (node.state / "efa-tarball").write_bytes(efa_installer_tarball())
+    outage(node, "efa-installer", 24 * 3600)
+    result = run_user_data(node, installer_user_data)
+    assert_out_of_service(node, result, "EFA installer download failed (aws-efa-installer-9.9.9.tar.gz, "
+                                        "10 tries 60s apart)")
+    assert node.calls.count("https://efa-installer.amazonaws.com/") == 10
+    assert slept(node) == 9 * 60  # bounded: 9 waits between 10 tries
+
+
+def test_a_wrong_checksum_is_not_retried(default_user_data, tmp_path) -> None:
+    """A download that arrived but is not the pinned installer will not become it: one try, no wait."""
+    node = Node(tmp_path, ami_has_efa=False)
+    (node.state / "efa-tarball").write_bytes(efa_installer_tarball())
+    result = run_user_data(node, default_user_data)
+    assert_out_of_service(node, result, "EFA installer checksum mismatch")
+    assert node.calls.count("https://efa-installer.amazonaws.com/") == 1 and "sleep" not in node.calls
 
 
 def test_no_efa_and_no_installer_keeps_the_node_out_of_service(ami_efa_only_user_data, tmp_path) -> None:
@@ -634,6 +713,24 @@ def test_the_node_setup_alarm_is_in_the_rollout_gate(synth_default) -> None:
     # The node may put that metric, in that namespace only.
     policies = [v for v in template["Resources"].values() if v["Type"] == "AWS::IAM::ManagedPolicy"]
     assert any('"cloudwatch:namespace": "Rufus/Node"' in json.dumps(p) for p in policies)
+
+
+def test_nodes_launch_after_their_security_groups_self_rules_and_their_report_policy(synth_default) -> None:
+    """CloudFormation orders only what a reference or DependsOn ties: the launch template names the EFA security
+    group and the role, not the group's self rules (the EFA installer's self test needs them) nor the policy a
+    failed setup reports with. Old code: neither was in the group's DependsOn."""
+    resources = synth_default.template_json(DEV)["Resources"]
+    (group,) = [v for v in resources.values() if v["Type"] == "AWS::AutoScaling::AutoScalingGroup"]
+    efa_group = next(k for k, v in resources.items() if v["Type"] == "AWS::EC2::SecurityGroup"
+                     and "EFA" in v["Properties"]["GroupDescription"])
+    self_rules = {k for k, v in resources.items()
+                  if v["Type"] in ("AWS::EC2::SecurityGroupIngress", "AWS::EC2::SecurityGroupEgress")
+                  and v["Properties"].get("GroupId") == {"Fn::GetAtt": [efa_group, "GroupId"]}
+                  and {"Fn::GetAtt": [efa_group, "GroupId"]} in (v["Properties"].get("SourceSecurityGroupId"),
+                                                                 v["Properties"].get("DestinationSecurityGroupId"))}
+    (policy,) = [k for k, v in resources.items() if v["Type"] == "AWS::IAM::ManagedPolicy"
+                 and "NodeSetupFailed" in v["Properties"].get("Description", "")]
+    assert len(self_rules) == 2 and self_rules | {policy} <= set(group["DependsOn"]), group["DependsOn"]
 
 
 def test_fakes_are_not_left_on_the_build_machine() -> None:
