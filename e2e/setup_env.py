@@ -179,8 +179,9 @@ def install_executor() -> None:
     run([_uv(), "pip", "install", "--quiet", "--python", str(VENV / "bin" / "python"), "--no-deps",
          "-e", str(EXECUTOR)], env=env)
     check = ("from importlib.metadata import entry_points; "
-             "names = [e.name for e in entry_points(group='vllm.platform_plugins')]; "
-             "assert 'unit' in names, names")
+             "names = [(g, e.name) for g in ('vllm.platform_plugins', 'vllm.general_plugins') "
+             "for e in entry_points(group=g)]; "
+             "assert {('vllm.platform_plugins', 'unit'), ('vllm.general_plugins', 'unit')} <= set(names), names")
     run([str(VENV / "bin" / "python"), "-c", check], env=env, timeout=120)
 
 

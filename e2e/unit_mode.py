@@ -24,6 +24,7 @@ import contextlib
 import copy
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -490,6 +491,31 @@ def check_rendered_commands(h: Harness, spec: dict[str, Any]) -> None:
                    "; ".join(problems) or f"{len(plans)} commands")
 
 
+def check_request_refusals(h: Harness) -> None:
+    """What a vllm-neuron unit with an on-device sampler refuses, checked with vLLM's own request classes
+    (check_request_refusals.py): the SDK's defaults pass on every endpoint, each unhonoured parameter is refused,
+    and /v1/responses is refused where its sampling parameters are built, before its stream starts."""
+    import subprocess
+    import tempfile
+
+    fixture = Path(__file__).resolve().parents[1] / "containers" / "inference" / "tests" / "fixtures"
+    script = Path(__file__).resolve().parent / "check_request_refusals.py"
+    with tempfile.TemporaryDirectory() as layout:
+        shutil.copy(fixture / "neuron_config.json", layout)  # NxDI's format, with an on-device sampler
+        done = subprocess.run([str(ENGINE_PYTHON), str(script), layout], capture_output=True, text=True,
+                              timeout=h.left(300), check=False)
+    name = "0b. device-sampling refusals with vLLM's own request classes (responses before its stream)"
+    try:
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        h.report.check(name, False, done.stderr[-2000:])
+        return
+    h.report.facts["request_refusals"] = result
+    wrong = [case for case, got in result["cases"].items() if not got["ok"]]
+    h.report.check(name, not wrong and "unit" in result["general_plugins"],
+                   f"wrong: {wrong}" if wrong else f"{len(result['cases'])} cases as expected")
+
+
 def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order: str = "together",
              steps: tuple[str, ...] = STEPS) -> None:
     r = h.report
@@ -510,6 +536,7 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
                                   "s3": f"moto server on {s3.moto_url}, launchers through the slowed link {s3.url} "
                                         f"(shards at {SHARD_RATE / 2**10:.0f} KiB/s)"}
     check_rendered_commands(h, spec)
+    check_request_refusals(h)
     r.facts["unit_spec"] = {k: spec[k] for k in ("unit_id", "size", "engine", "rendezvous")}
     r.facts["stop_order"] = stop_order
     unit = Unit(h, ports, spec, s3)

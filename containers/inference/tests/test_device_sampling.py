@@ -150,3 +150,69 @@ def test_every_request_goes_through_the_platforms_check_and_then_this_one(unit_p
     with pytest.raises(ValueError, match="logprobs not served"):
         platform.validate_request("more", chat(logprobs=True))
     assert calls == ["hello", "again", "inputs", "more"]
+
+
+# -- /v1/responses: refused before its stream starts ---------------------------------------------------------------
+
+
+@pytest.fixture
+def responses_protocol(monkeypatch):
+    """vLLM's Responses protocol module as far as the general plugin touches it: `ResponsesRequest.to_sampling_params`
+    (vLLM 0.16.0 `entrypoints/openai/responses/protocol.py:292`), here returning the params a request carries."""
+    class ResponsesRequest:
+        def __init__(self, params: SamplingParams) -> None:
+            self.params = params
+
+        def to_sampling_params(self, default_max_tokens: int, default_sampling_params: dict | None = None):
+            return self.params
+
+    names = ["vllm", "vllm.entrypoints", "vllm.entrypoints.openai", "vllm.entrypoints.openai.responses"]
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    protocol = types.ModuleType("vllm.entrypoints.openai.responses.protocol")
+    protocol.ResponsesRequest = ResponsesRequest
+    monkeypatch.setitem(sys.modules, protocol.__name__, protocol)
+    monkeypatch.setenv("UNIT_EXECUTOR", "1")
+    return ResponsesRequest
+
+
+def test_a_streamed_responses_request_is_refused_where_its_sampling_parameters_are_built(
+        tmp_path, monkeypatch, responses_protocol):
+    """Twenty-fifth session's cold review: the platform's `validate_request` ran after vLLM had answered 200 and
+    started the stream, so the client saw a stream cut after `response.in_progress`. The general plugin wraps
+    `to_sampling_params`, which vLLM calls before the stream, inside its `except ValueError` (a 400)."""
+    from unit_executor import plugin
+
+    monkeypatch.setenv("NEURON_COMPILED_ARTIFACTS", _layout(tmp_path, sampler=True))
+    plugin.check_requests()
+    plugin.check_requests()  # vLLM loads general plugins in every process, and may again: wrapped once
+    assert responses_protocol.to_sampling_params.__wrapped__.__name__ == "to_sampling_params"
+    assert not hasattr(responses_protocol.to_sampling_params.__wrapped__, "__wrapped__")
+    with pytest.raises(ValueError, match=r"^logprobs not served: this unit samples on its Neuron devices"):
+        responses_protocol(chat(logprobs=True, top_logprobs=2)).to_sampling_params(16, {})
+    assert responses_protocol(chat(temperature=0.5)).to_sampling_params(16, {}).temperature == 0.5
+    monkeypatch.setenv("NEURON_COMPILED_ARTIFACTS", _layout(tmp_path, sampler=False))
+    assert responses_protocol(chat(logprobs=True)).to_sampling_params(16).logprobs == 0  # the host serves them
+
+
+def test_the_responses_check_is_made_only_for_a_unit(monkeypatch, responses_protocol):
+    from unit_executor import plugin
+
+    original = responses_protocol.to_sampling_params
+    monkeypatch.delenv("UNIT_EXECUTOR")
+    plugin.check_requests()
+    assert responses_protocol.to_sampling_params is original
+    monkeypatch.setenv("UNIT_EXECUTOR", "1")
+    monkeypatch.delitem(sys.modules, "vllm.entrypoints.openai.responses.protocol")
+    monkeypatch.setitem(sys.modules, "vllm.entrypoints.openai.responses.protocol", None)  # a vLLM without it
+    plugin.check_requests()  # nothing to guard: no error, the engine starts
+
+
+def test_the_general_plugin_is_registered_under_the_name_the_launcher_admits():
+    """VLLM_PLUGINS=unit (engine.j2) admits plugins by name in every group (vLLM 0.16.0 vllm/plugins/__init__.py
+    `load_plugins_by_group`: `plugin.name in allowed_plugins`)."""
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).parents[1] / "executor" / "pyproject.toml").read_text())["project"]
+    assert project["entry-points"]["vllm.general_plugins"] == {"unit": "unit_executor.plugin:check_requests"}
+    assert project["entry-points"]["vllm.platform_plugins"] == {"unit": "unit_executor.plugin:activate"}

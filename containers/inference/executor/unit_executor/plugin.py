@@ -1,12 +1,21 @@
-"""Entry point of the `vllm.platform_plugins` group (see pyproject.toml).
+"""Entry points of the `vllm.platform_plugins` and `vllm.general_plugins` groups (see pyproject.toml).
 
-Kept free of vLLM imports: vLLM calls it while it is still resolving its platform, when
-importing most of vLLM would be circular.
+Kept free of vLLM imports at module level: vLLM calls `activate` while it is still resolving its
+platform, when importing most of vLLM would be circular.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# vLLM's Responses request, whose sampling parameters are built before a streamed answer starts (vLLM 0.16.0
+# `entrypoints/openai/responses/serving.py:449-451`, inside `try ... except ValueError` :433-513, which answers 400).
+RESPONSES_PROTOCOL = "vllm.entrypoints.openai.responses.protocol"
 
 
 def activate() -> str | None:
@@ -14,3 +23,42 @@ def activate() -> str | None:
     if os.environ.get("UNIT_EXECUTOR") != "1":
         return None
     return "unit_executor.platform.UnitPlatform"
+
+
+def check_requests() -> None:
+    """Refuse what the unit does not serve on /v1/responses before its stream starts (UNIT_EXECUTOR=1 only).
+
+    The platform's `validate_request` refuses it for every endpoint, but a streamed Responses request
+    reaches it only after vLLM has answered 200 and sent `response.created`: the client got a stream cut
+    after `response.in_progress` instead of a 400 (twenty-fifth session's cold review). The sampling
+    parameters are built earlier, in `ResponsesRequest.to_sampling_params`, where a ValueError is a 400
+    in vLLM 0.16 (its own `except ValueError`) and in later ones (the app's ValueError handler). vLLM
+    loads general plugins in every process, more than once (vllm/plugins/__init__.py
+    `load_general_plugins`): the wrap is made once.
+    """
+    if os.environ.get("UNIT_EXECUTOR") != "1":
+        return
+    try:
+        protocol = __import__(RESPONSES_PROTOCOL, fromlist=["ResponsesRequest"])
+        request_class = protocol.ResponsesRequest
+    except (ImportError, AttributeError) as error:  # a vLLM without the Responses API: nothing to guard
+        logger.warning("unit: no %s.ResponsesRequest (%s): /v1/responses is not checked early", RESPONSES_PROTOCOL,
+                       error)
+        return
+    original = request_class.to_sampling_params
+    if getattr(original, "unit_checked", False):
+        return
+    request_class.to_sampling_params = _checked(original)
+
+
+def _checked(to_sampling_params: Any) -> Any:
+    @functools.wraps(to_sampling_params)
+    def checked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from unit_executor import device_sampling
+
+        params = to_sampling_params(self, *args, **kwargs)
+        device_sampling.refuse_unhonoured(params)
+        return params
+
+    checked.unit_checked = True  # type: ignore[attr-defined]
+    return checked
