@@ -236,3 +236,54 @@ def test_a_dead_engines_answers_are_held_past_the_proxys_worst_case_gate_close()
     5.5 s after the engine died (watchdog 0.5 + session end 1 + interval + check timeout)."""
     worst = 0.5 + 1.0 + _proxy_default("health_interval_seconds") + _proxy_default("health_timeout_seconds")
     assert 1.5 * worst <= backend.DEAD_ANSWER_SECONDS, (backend.DEAD_ANSWER_SECONDS, worst)
+
+
+# -- what a vllm-neuron unit does not serve: INVALID_ARG before the engine ------------------------------------------
+
+
+_LAYOUT = Path(__file__).resolve().parent / "fixtures"  # neuron_config.json in NxDI's format, an on-device sampler
+
+
+def test_what_the_device_sampler_ignores_is_invalid_arg_before_the_engine(monkeypatch):
+    """Twenty-fifth session's cold review: the refusal came from the unit platform inside `engine.generate`, an
+    INTERNAL error with a traceback per request. Now `sampling_params` refuses it with the device-sampling message.
+    vLLM's SamplingParams stands in as a dataclass of the fields the check reads (vLLM 0.16.0
+    `vllm/sampling_params.py:139-247`)."""
+    import dataclasses
+    import types
+
+    @dataclasses.dataclass
+    class SamplingParams:
+        max_tokens: int | None = 16
+        temperature: float = 1.0
+        logit_bias: dict | None = None
+        bad_words: list | None = None
+        allowed_token_ids: list | None = None
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=SamplingParams))
+    monkeypatch.setenv("UNIT_BASE_PLATFORM", "vllm_neuron.platform.NeuronPlatform")
+    monkeypatch.setenv("NEURON_COMPILED_ARTIFACTS", str(_LAYOUT))
+    # logprobs are not in this backend's allowlist at all (its answers carry none): refused before, by name.
+    for asked, name in (({"logit_bias": {"5": 1.0}}, "logit_bias"), ({"bad_words": ["x"]}, "bad_words"),
+                        ({"allowed_token_ids": [1, 2]}, "allowed_token_ids")):
+        with pytest.raises(backend.RequestError, match=f"^{name} not served: this unit samples on its Neuron devices"):
+            backend.sampling_params({"max_tokens": 4, **asked})
+    assert backend.sampling_params({"max_tokens": 4, "temperature": 0.5}).temperature == 0.5
+    monkeypatch.setenv("UNIT_BASE_PLATFORM", "vllm.platforms.cpu.CpuPlatform")  # make e2e-triton's: served
+    monkeypatch.setenv("NEURON_COMPILED_ARTIFACTS", "")
+    assert backend.sampling_params({"logit_bias": {"5": 1.0}}).logit_bias == {5: 1.0}
+
+
+@needs_vllm
+def test_the_device_sampling_refusal_is_invalid_arg_with_real_vllm(monkeypatch):
+    monkeypatch.setenv("UNIT_BASE_PLATFORM", "vllm_neuron.platform.NeuronPlatform")
+    monkeypatch.setenv("NEURON_COMPILED_ARTIFACTS", str(_LAYOUT))
+    got = _run_backend([{"max_tokens": 4, "guided_decoding": '{"regex": "a+"}'}, {"max_tokens": 4, "bad_words": "x"},
+                        {"max_tokens": 4, "temperature": 0.5, "top_k": 5}])
+    assert got["init_error"] is None, got
+    guided, bad_words, fine = got["answers"]
+    for answer, name in ((guided, "structured outputs"), (bad_words, "bad_words")):
+        assert answer.get("error", [None])[0] == "INVALID_ARG", answer
+        assert answer["error"][1].startswith(f"{name}") and "this unit samples on its Neuron devices" in \
+            answer["error"][1], answer
+    assert fine["params"]["max_tokens"] == "4", fine  # what the device honours reaches the engine

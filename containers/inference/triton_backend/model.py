@@ -277,11 +277,25 @@ def sampling_params(parameters: dict[str, Any], allowed: frozenset[str] = ALLOWE
             from vllm.sampling_params import StructuredOutputsParams
 
             values["structured_outputs"] = StructuredOutputsParams(**values["structured_outputs"])
-        return SamplingParams(**values)
+        params = SamplingParams(**values)
     except (TypeError, ValueError) as error:
         if isinstance(error, RequestError):
             raise
         raise RequestError(f"invalid sampling parameters: {error}") from None
+    refuse_unhonoured(params)
+    return params
+
+
+def refuse_unhonoured(params: Any) -> None:
+    """What this unit does not serve (unit_executor.device_sampling: on a vllm-neuron unit, what its sampler ignores)
+    as a RequestError, INVALID_ARG, before the engine: the unit platform's own check raises it inside `generate`,
+    where it was an internal error with a traceback in the log for every such request."""
+    from unit_executor import device_sampling
+
+    try:
+        device_sampling.refuse_unhonoured(params)
+    except device_sampling.UnhonouredSampling as refusal:
+        raise RequestError(str(refusal)) from None
 
 
 def engine_args_from_file(path: str, known: set[str] | None = None) -> dict[str, Any]:
