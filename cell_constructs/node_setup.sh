@@ -25,12 +25,12 @@ FAILED="$STATE_DIR/failed"
 READY_DIR=/run/node-setup
 READY="$READY_DIR/ready"
 IMDS=http://169.254.169.254/latest
-# Steps that reach the network (the EFA installer's download and its package installs, mdadm) try
-# NETWORK_TRIES times, NETWORK_RETRY_SECONDS apart, about 10 minutes in all: on a first boot the NAT
-# gateway's route, a security group rule or a repository mirror may not answer yet, and a failed
-# setup is final (the node stays out of service until an operator acts).
-NETWORK_TRIES=10
+# Network steps (the EFA installer's download and run, mdadm's install) try again every
+# NETWORK_RETRY_SECONDS within one budget of waits for the whole setup: a late NAT route, security
+# group rule or mirror must not fail a first boot for good (docs/cell-lifecycle.md).
 NETWORK_RETRY_SECONDS=60
+NETWORK_RETRY_BUDGET=540
+TRIES=0
 
 # To the serial console (EC2 GetConsoleOutput) and the journal; never fails the setup itself.
 log() {
@@ -54,20 +54,22 @@ fail() {
   exit 1
 }
 
-# retry <what> <command...>: the command until it succeeds, at most NETWORK_TRIES times.
+# retry <what> <command...>: until it succeeds or the budget is spent; TRIES: how many runs.
 retry() {
-  local what=$1 try=1
+  local what=$1
   shift
+  TRIES=1
   until "$@"; do
-    [ "$try" -lt "$NETWORK_TRIES" ] || return 1
-    log "$what failed (try $try of $NETWORK_TRIES); trying again in ${NETWORK_RETRY_SECONDS}s"
+    [ "$NETWORK_RETRY_BUDGET" -ge "$NETWORK_RETRY_SECONDS" ] || return 1
+    NETWORK_RETRY_BUDGET=$((NETWORK_RETRY_BUDGET - NETWORK_RETRY_SECONDS))
+    log "$what failed (try $TRIES); trying again in ${NETWORK_RETRY_SECONDS}s (${NETWORK_RETRY_BUDGET}s of retries left)"
     sleep "$NETWORK_RETRY_SECONDS"
-    try=$((try + 1))
+    TRIES=$((TRIES + 1))
   done
 }
 
 after_tries() {
-  echo "$NETWORK_TRIES tries ${NETWORK_RETRY_SECONDS}s apart"
+  echo "$TRIES tries, the setup's retry time spent"
 }
 
 # Containers share the host network (EFA), so the hop limit cannot keep them from IMDS and the
@@ -84,14 +86,13 @@ efa_ok() {
   /opt/amazon/efa/bin/fi_info -p efa >/dev/null 2>&1
 }
 
-# The installer's own package installs (kernel-devel and the like, from the AMI's repository) are
-# network steps too; it skips what an earlier try installed.
+# Retried as a whole (its dnf installs reach the network); it skips what an earlier try installed.
 efa_installer() {
   (cd aws-efa-installer && ./efa_installer.sh -y)
 }
 
 # EFA: the AMI's own, or the pinned installer verified by its SHA-256 before it runs. A download
-# that stalls (under 10 KB/s for a minute) or cannot connect in 10 s is a failed try.
+# that cannot connect in 10 s, stalls (under 10 KB/s for a minute) or takes 10 minutes is a failed try.
 ensure_efa() {
   efa_ok && return 0
   [ -n "$EFA_INSTALLER_SHA256" ] || fail 'the AMI has no EFA and node.efa_installer_sha256 is null'
@@ -99,8 +100,9 @@ ensure_efa() {
   work=$(mktemp -d) || fail 'no temporary directory for the EFA installer'
   cd "$work" || fail "cannot enter $work"
   retry 'EFA installer download' curl -fsSL --connect-timeout 10 --speed-limit 10240 --speed-time 60 \
+    --max-time 600 \
     -o "$tarball" "https://efa-installer.amazonaws.com/$tarball" \
-    || fail "EFA installer download failed ($tarball, $(after_tries))"
+    || fail "EFA installer download failed ($tarball; $(after_tries))"
   echo "$EFA_INSTALLER_SHA256  $tarball" | sha256sum -c - >/dev/null 2>&1 \
     || fail "EFA installer checksum mismatch ($tarball is not node.efa_installer_sha256)"
   tar -xf "$tarball" || fail 'EFA installer unpack failed'

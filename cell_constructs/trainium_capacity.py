@@ -299,7 +299,8 @@ class TrainiumCapacity(Construct):
             launch_first=rolling_update == "launch-first",
         )
         # A node's first boot needs, besides the NAT route (`_nodes`), what only a DependsOn orders before it: the
-        # group's self rules, without which the EFA installer's self test (fi_pingpong) fails, and the policy its
+        # group's self rules, which the EFA installer's self test (fi_pingpong over the device) may need (AWS requires
+        # them for EFA's OS bypass; unverified for a node's own loopback), and the policy its
         # failure report is put with. The launch template names the group and the role, not these.
         self.auto_scaling_group.node.add_dependency(self.security_group, setup_report_policy)
         self.setup_failure_alarm = self._setup_failure_alarm(setup_report)

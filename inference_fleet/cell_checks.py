@@ -54,7 +54,9 @@ TEMPLATE_BYTES_PER_EXTRA_AZ = 4_000
 # deletion-protection custom resource and its policy).
 ROUTER_ENDPOINT_RESOURCES = 11
 # Boot, ECS registration and the placement controller's sweep before a replaced node's
-# unit starts loading; CloudFormation waits at most 1 h for a rolling-update signal
+# unit starts loading (a network that does not answer at first adds up to node_setup.sh's
+# retry budget, 9 min of waits, beyond it: not counted here, docs/cell-lifecycle.md);
+# CloudFormation waits at most 1 h for a rolling-update signal
 # (PauseTime, https://docs.aws.amazon.com/AWSCloudFormation/latest/UserGuide/aws-attribute-updatepolicy.html).
 NODE_BOOT_SECONDS = 900
 SIGNAL_WAIT_LIMIT_SECONDS = 3600
