@@ -504,7 +504,7 @@ def check_request_refusals(h: Harness) -> None:
         shutil.copy(fixture / "neuron_config.json", layout)  # NxDI's format, with an on-device sampler
         done = subprocess.run([str(ENGINE_PYTHON), str(script), layout], capture_output=True, text=True,
                               timeout=h.left(300), check=False)
-    name = "0b. device-sampling refusals with vLLM's own request classes (responses before its stream)"
+    name = "0b. device-sampling refusals with vLLM's own request classes"
     try:
         result = json.loads(done.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
@@ -514,6 +514,15 @@ def check_request_refusals(h: Harness) -> None:
     wrong = [case for case, got in result["cases"].items() if not got["ok"]]
     h.report.check(name, not wrong and "unit" in result["general_plugins"],
                    f"wrong: {wrong}" if wrong else f"{len(result['cases'])} cases as expected")
+
+
+def check_responses_wrapped(h: Harness, leader_log: Path) -> None:
+    """The running unit's API server loaded the unit's general plugin and wrapped ResponsesRequest.to_sampling_params
+    (its INFO line, tagged with the API server's process by vLLM): the check 0b refuses, in the server that serves."""
+    wrapped = [line for line in leader_log.read_text(errors="replace").splitlines()
+               if line.startswith("(APIServer pid=") and "unit: /v1/responses is checked before its stream" in line]
+    h.report.check("1. the leader's API server checks /v1/responses before its stream (the unit's general plugin)",
+                   bool(wrapped), wrapped[0] if wrapped else f"no such line in {leader_log}")
 
 
 def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order: str = "together",
@@ -550,6 +559,7 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
     check_ready_phase(h, unit, spec, loss)
     assert unit.leader.current is not None and unit.follower.current is not None
     check_formation_manifest(h, unit.leader.current.log_path, unit.follower.current.log_path, compiled.key)
+    check_responses_wrapped(h, unit.leader.current.log_path)
 
     # 2. Completion and streamed chat completion through the proxy; the same text twice.
     driver = OpenAIDriver(base, timeout=h.left(300))
