@@ -12,7 +12,8 @@ import os
 from typing import Any
 
 # Under "vllm": vLLM's logging configuration prints its own loggers' INFO (vllm/logger.py DEFAULT_LOGGING_CONFIG),
-# each line tagged with its process (make e2e reads the API server's line).
+# each line tagged with its process (make e2e reads it; vLLM 0.32's API server configures logging only after it has
+# loaded its general plugins, so its own line is not printed there).
 logger = logging.getLogger("vllm.unit_executor.plugin")
 WRAPPED = "unit: /v1/responses is checked before its stream (ResponsesRequest.to_sampling_params wrapped)"
 
