@@ -504,7 +504,7 @@ def check_request_refusals(h: Harness) -> None:
         shutil.copy(fixture / "neuron_config.json", layout)  # NxDI's format, with an on-device sampler
         done = subprocess.run([str(ENGINE_PYTHON), str(script), layout], capture_output=True, text=True,
                               timeout=h.left(300), check=False)
-    name = "0b. device-sampling refusals with vLLM's own request classes (responses before its stream)"
+    name = "0b. device-sampling refusals with vLLM's own request classes"
     try:
         result = json.loads(done.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
@@ -514,6 +514,17 @@ def check_request_refusals(h: Harness) -> None:
     wrong = [case for case, got in result["cases"].items() if not got["ok"]]
     h.report.check(name, not wrong and "unit" in result["general_plugins"],
                    f"wrong: {wrong}" if wrong else f"{len(result['cases'])} cases as expected")
+
+
+def check_responses_wrapped(h: Harness, leader_log: Path) -> None:
+    """The running unit's vLLM loads the unit's general plugin, which wraps ResponsesRequest.to_sampling_params: its
+    INFO line from the engine core or a worker. The API server wraps too (its general plugins load while its
+    arguments are parsed, vLLM 0.32 `engine/arg_utils.py`), but before vLLM 0.32 configures logging
+    (`entrypoints/cli/main.py:116`), so its INFO line is not printed; check 0b runs that same load."""
+    wrapped = [line for line in leader_log.read_text(errors="replace").splitlines()
+               if "unit: /v1/responses is checked before its stream" in line]
+    h.report.check("1. the unit's vLLM loads its general plugin (the /v1/responses wrap logged)",
+                   bool(wrapped), wrapped[0] if wrapped else f"no such line in {leader_log}")
 
 
 def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order: str = "together",
@@ -550,6 +561,7 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
     check_ready_phase(h, unit, spec, loss)
     assert unit.leader.current is not None and unit.follower.current is not None
     check_formation_manifest(h, unit.leader.current.log_path, unit.follower.current.log_path, compiled.key)
+    check_responses_wrapped(h, unit.leader.current.log_path)
 
     # 2. Completion and streamed chat completion through the proxy; the same text twice.
     driver = OpenAIDriver(base, timeout=h.left(300))

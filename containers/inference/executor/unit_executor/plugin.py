@@ -11,7 +11,11 @@ import logging
 import os
 from typing import Any
 
-logger = logging.getLogger(__name__)
+# Under "vllm": vLLM's logging configuration prints its own loggers' INFO (vllm/logger.py DEFAULT_LOGGING_CONFIG),
+# each line tagged with its process (make e2e reads it; vLLM 0.32's API server configures logging only after it has
+# loaded its general plugins, so its own line is not printed there).
+logger = logging.getLogger("vllm.unit_executor.plugin")
+WRAPPED = "unit: /v1/responses is checked before its stream (ResponsesRequest.to_sampling_params wrapped)"
 
 # vLLM's Responses request, whose sampling parameters are built before a streamed answer starts (vLLM 0.16.0
 # `entrypoints/openai/responses/serving.py:449-451`, inside `try ... except ValueError` :433-513, which answers 400).
@@ -51,6 +55,7 @@ def check_requests() -> None:
     if getattr(original, "unit_checked", False):
         return
     request_class.to_sampling_params = _checked(original)
+    logger.info(WRAPPED)
 
 
 def _checked(to_sampling_params: Any) -> Any:
