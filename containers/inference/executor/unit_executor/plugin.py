@@ -7,13 +7,14 @@ platform, when importing most of vLLM would be circular.
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import os
 from typing import Any
 
 # Under "vllm": vLLM's logging configuration prints its own loggers' INFO (vllm/logger.py DEFAULT_LOGGING_CONFIG),
 # each line tagged with its process (make e2e reads it; vLLM 0.32's API server configures logging only after it has
-# loaded its general plugins, so its own line is not printed there).
+# loaded its general plugins, so its own line is not printed there; 0.16 configures it at import, logger.py:243).
 logger = logging.getLogger("vllm.unit_executor.plugin")
 WRAPPED = "unit: /v1/responses is checked before its stream (ResponsesRequest.to_sampling_params wrapped)"
 
@@ -43,8 +44,7 @@ def check_requests() -> None:
     if os.environ.get("UNIT_EXECUTOR") != "1":
         return
     try:
-        protocol = __import__(RESPONSES_PROTOCOL, fromlist=["ResponsesRequest"])
-        request_class = protocol.ResponsesRequest
+        request_class = importlib.import_module(RESPONSES_PROTOCOL).ResponsesRequest
     # A vLLM without the Responses API, or one whose import fails in this process: the engine must still start;
     # the platform's validate_request still refuses such a request, only after a streamed answer started.
     except Exception as error:
