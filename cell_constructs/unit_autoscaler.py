@@ -69,7 +69,8 @@ SERVICE_TIMEOUT_SECONDS = 300
 ROLES = ("leader", "followers")
 
 
-def policy_document(min_units: int, max_units: int, nodes: int, scaling: ScalingConfig) -> dict[str, object]:
+def policy_document(min_units: int, max_units: int, nodes: int, scaling: ScalingConfig,
+                    start_deadline_seconds: int) -> dict[str, object]:
     """The decision's Policy as the function reads it (environment POLICY)."""
     data = {
         "min_units": min_units, "max_units": max_units, "nodes": nodes,
@@ -78,6 +79,7 @@ def policy_document(min_units: int, max_units: int, nodes: int, scaling: Scaling
         "scale_out_cooldown_s": scaling.scale_out_cooldown_seconds,
         "scale_in_cooldown_s": scaling.scale_in_cooldown_seconds,
         "capacity_backoff_s": scaling.capacity_backoff_seconds,
+        "start_deadline_s": start_deadline_seconds,
     }
     return data
 
@@ -97,6 +99,7 @@ class UnitAutoscaler(Construct):
         max_units: int,
         nodes: int,
         scaling: ScalingConfig,
+        start_deadline_seconds: int,
         admission_capacity: int,
         proxy_namespace: str,
         metrics_namespace: str,
@@ -138,7 +141,8 @@ class UnitAutoscaler(Construct):
                 "PROXY_NAMESPACE": proxy_namespace,
                 "AUTOSCALER_NAMESPACE": metrics_namespace,
                 "ADMISSION_CAPACITY": str(admission_capacity),
-                "POLICY": json.dumps(policy_document(min_units, max_units, nodes, scaling), sort_keys=True),
+                "POLICY": json.dumps(policy_document(min_units, max_units, nodes, scaling,
+                                                              start_deadline_seconds), sort_keys=True),
             },
         )
         self.function.node.add_dependency(self.policy)

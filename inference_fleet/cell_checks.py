@@ -178,6 +178,14 @@ def _capacity_issues(i: int, cell: CellConfig) -> Iterable[ConfigIssue]:
                               "a capacity block has no instance to spare for launch-first; use terminate-first")
 
 
+def start_deadline_seconds(fleet: FleetConfig, cell: CellConfig) -> int:
+    """The autoscaler's start deadline for the cell's units (decision.stalled): the fleet file's, or
+    twice a replaced node's start (boot + the startup budget), so that a unit whose node was lost
+    and replaced within its budget still forms before it."""
+    chosen = cell.resolved_scaling.start_deadline_seconds
+    return chosen if chosen is not None else 2 * (NODE_BOOT_SECONDS + fleet.serving.startup_budget_seconds)
+
+
 def check_startup_budget(fleet: FleetConfig) -> Iterable[ConfigIssue]:
     serving = fleet.serving
     budget = serving.startup_budget_seconds
@@ -195,6 +203,15 @@ def check_startup_budget(fleet: FleetConfig) -> Iterable[ConfigIssue]:
             f"budget + {NODE_BOOT_SECONDS} s of node boot exceeds CloudFormation's {SIGNAL_WAIT_LIMIT_SECONDS} s "
             "rolling-update wait for a replaced node's signal",
         )
+    start = NODE_BOOT_SECONDS + budget
+    for index, cell in enumerate(fleet.cells):
+        chosen = cell.scaling.start_deadline_seconds if cell.scaling is not None else None
+        if chosen is not None and chosen < start:
+            yield ConfigIssue(
+                f"cells[{index}].scaling.start_deadline_seconds", chosen,
+                f"below node boot ({NODE_BOOT_SECONDS} s) + serving.startup_budget_seconds ({budget}) = {start}: "
+                "the autoscaler would restart units still forming within their budget",
+            )
     if fleet.unit.instance_type in config.CATALOGUE:
         model_gib = fleet.model.parameters_billion * 1e9 * fleet.model.bytes_per_param / 2**30
         store = fleet.unit.instance.instance_store_gib

@@ -425,6 +425,13 @@ class ScalingConfig(_Strict):
         description="After instances could not be obtained: wait this long, doubled on each further failure "
         "(capped at 8x), before asking again.",
     )
+    start_deadline_seconds: int | None = Field(
+        default=None, ge=1800, le=86400,
+        description="A unit that has all its instances and has not served this long after its activation (or "
+        "the last deploy's end) is stalled: stopped, its instances released, and started again on fresh ones. "
+        "Default: twice node boot (15 min) + serving.startup_budget_seconds (90 min with the default budget); "
+        "at least node boot + the startup budget.",
+    )
 
 
 class CellConfig(_Strict):

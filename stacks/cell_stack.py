@@ -38,7 +38,7 @@ from cell_constructs.trainium_capacity import CapacitySource, EfaSetup, NodeSetu
 from cell_constructs.unit_autoscaler import UnitAutoscaler
 from cell_constructs.unit_load_balancer import UnitLoadBalancer
 from cell_constructs.verifier_access import VerifierAccess
-from inference_fleet.cell_checks import SIGNAL_WAIT_LIMIT_SECONDS
+from inference_fleet.cell_checks import SIGNAL_WAIT_LIMIT_SECONDS, start_deadline_seconds
 from inference_fleet.config import CellConfig, FleetConfig
 from inference_fleet.unit_spec import (
     build_unit_spec,
@@ -404,7 +404,8 @@ class CellStack(Stack):
             self, "Autoscaler",
             cluster=self.cluster, auto_scaling_group=self.capacity.auto_scaling_group, cell_name=cell.name,
             min_units=cell.resolved_min_units, max_units=cell.resolved_max_units, nodes=fleet.unit.nodes,
-            scaling=cell.resolved_scaling, admission_capacity=fleet.max_inflight_requests,
+            scaling=cell.resolved_scaling, start_deadline_seconds=start_deadline_seconds(fleet, cell),
+            admission_capacity=fleet.max_inflight_requests,
             proxy_namespace=proxy_metrics_namespace(fleet), metrics_namespace=f"{fleet.name}/UnitAutoscaler",
             log_retention=_RETENTION[fleet.serving.log_retention_days], encryption_key=self.key,
             config_digest=digest,

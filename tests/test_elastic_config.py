@@ -46,6 +46,15 @@ def test_a_scaling_policy_is_read(raw: dict) -> None:
     assert (scaling.target_load, scaling.ttft_p90_ms, scaling.scale_in_cooldown_seconds) == (0.6, 2000, 900)
 
 
+def test_the_start_deadline_is_twice_a_replaced_nodes_start_unless_set(raw: dict) -> None:
+    from inference_fleet.cell_checks import start_deadline_seconds
+
+    fleet = parse_fleet(cell_with(raw, min_units=1, max_units=4))
+    assert start_deadline_seconds(fleet, fleet.cells[0]) == 2 * (900 + 1800)
+    fleet = parse_fleet(cell_with(raw, min_units=1, max_units=4, scaling={"start_deadline_seconds": 3000}))
+    assert start_deadline_seconds(fleet, fleet.cells[0]) == 3000
+
+
 @pytest.mark.parametrize(
     ("fields", "expected"),
     [
@@ -60,6 +69,11 @@ def test_a_scaling_policy_is_read(raw: dict) -> None:
         ({"units": 2, "scaling": {}}, "cells[0].scaling = {}: the cell has a fixed number of units (2)"),
         ({"min_units": 1, "max_units": 4, "scaling": {"target_load": 1.5}}, "cells[0].scaling.target_load = 1.5"),
         ({"min_units": 1, "max_units": 4, "scaling": {"cooldown": 5}}, "cells[0].scaling.cooldown"),
+        ({"min_units": 1, "max_units": 4, "scaling": {"start_deadline_seconds": 2400}},
+         "cells[0].scaling.start_deadline_seconds = 2400: below node boot (900 s) + serving.startup_budget_seconds "
+         "(1800) = 2700: the autoscaler would restart units still forming within their budget"),
+        ({"min_units": 1, "max_units": 4, "scaling": {"start_deadline_seconds": 600}},
+         "cells[0].scaling.start_deadline_seconds = 600"),
         ({"min_units": 2, "max_units": 4, "min_units_available": 3},
          "cells[0].min_units_available = 3: at most the cell's min_units (2)"),
     ],

@@ -238,3 +238,16 @@ def test_the_fingerprint_changes_with_any_literal_and_lists_each_reference_once(
     changed = {**service, "LoadBalancers": [{"TargetGroupArn": {"Ref": "Group"}, "ContainerPort": 8081}]}
     assert unit_autoscaler.services_fingerprint([changed, other])["Digest"] != fingerprint["Digest"]
     assert unit_autoscaler.services_fingerprint([dict(reversed(service.items())), other]) == fingerprint
+
+
+def test_the_function_reads_the_fleets_start_deadline(elastic) -> None:
+    """The synthesized POLICY is what the handler reads (`Settings.from_env`), with the start deadline
+    derived from the fleet: twice node boot + the startup budget (decision.stalled)."""
+    from unit_autoscaler.handler import Settings
+
+    _, raw = elastic
+    (function,) = [r for r in resources(raw, "AWS::Lambda::Function").values()
+                   if r["Properties"].get("Handler") == "unit_autoscaler.handler.handler"]
+    env = {k: v for k, v in function["Properties"]["Environment"]["Variables"].items() if isinstance(v, str)}
+    env.update(CLUSTER="c", GROUP="g", STACK="s")  # references in the template
+    assert Settings.from_env(env).policy.start_deadline_s == 2 * (900 + 1800)

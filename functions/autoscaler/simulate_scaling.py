@@ -24,6 +24,9 @@ The world is a model, stated here so the figures can be judged:
 - a formation fails with probability `--formation-failure` and is retried after
   `FORMATION_RETRY_S`; a serving unit loses its formation at `--reforms-per-day` (a member
   lost) and is unhealthy (UnitHealthy 0, no traffic) for `FORMATION_RETRY_S`;
+- the instances a unit gets hold a host at fault with probability `--bad-instances` (0 by
+  default): every formation on them fails (a member never ready, named and not blamed, so
+  the placement controller quarantines nothing) until the unit gets other instances;
 - a unit deactivated drains for the ALB deregistration delay + one minute of streams,
   then its instances are released;
 - time to first token p90: a base of 400 ms inflated as 1 / (1 - utilisation) (a
@@ -128,6 +131,7 @@ class Faults:
     gap: float = 0.02
     formation_failure: float = 0.1
     reforms_per_day: float = 0.5  # per serving unit
+    bad_instances: float = 0.0  # share of launches that get a host on which the unit never forms
     refused: tuple[tuple[float, float], ...] = ((11.0, 12.0),)  # hours [from, to) when launches are refused
 
     def refuses(self, t: float) -> bool:
@@ -148,6 +152,7 @@ class SimUnit:
     until: float = 0.0
     served: bool = False  # served in its current life (truth, for the invariants)
     activated: float | None = None  # its last activation (the handler's TAG_ACTIVATED)
+    bad_host: bool = False  # its instances hold a host on which it never forms (Faults.bad_instances)
 
     @property
     def desired(self) -> bool:
@@ -211,8 +216,10 @@ class World:
                     unit.until = now + ASG_RETRY_S
                 else:
                     unit.state, unit.until = "forming", now + self.startup_s
+                    # Drawn only when the fault is on: the other faults' draws stay as they were.
+                    unit.bad_host = self.faults.bad_instances > 0 and self.rng.random() < self.faults.bad_instances
             elif unit.state in ("forming", "reforming") and now >= unit.until:
-                if self.rng.random() < self.faults.formation_failure:
+                if unit.bad_host or self.rng.random() < self.faults.formation_failure:
                     unit.until = now + FORMATION_RETRY_S
                 else:
                     unit.state, unit.served = "serving", True
@@ -284,7 +291,8 @@ class World:
                              labelled_instances=nodes if unit.has_instances else 0, served=served)
             units.append(Unit(unit.index, phase, tuple(u for u, _ in seen),
                               running_tasks=nodes if unit.has_instances and unit.state != "releasing" else 0,
-                              instances=nodes if unit.has_instances else 0, health=tuple(health)))
+                              instances=nodes if unit.has_instances else 0, health=tuple(health),
+                              activated_at=unit.activated))
         ttft = self._visible(self.ttft_history, minute, None)
         return Observation(now=now, units=tuple(units), last_scale_out=self.last_out, last_scale_in=self.last_in,
                            capacity_failures=tuple(self.failures), ttft_p90_ms=tuple(ttft))
@@ -298,16 +306,17 @@ class World:
                 unit.state, unit.served, unit.until, unit.activated = "launching", False, now, now
             self.last_out = now
             self.advance_launches(now)
-        elif decision.action == "deactivate":
+        elif decision.action in ("deactivate", "restart"):
             for unit in chosen:
                 unit.state, unit.until = "draining", now + self.drain_s
-            self.last_in = now
+            if decision.action == "deactivate":
+                self.last_in = now
         elif decision.action == "cancel":
             for unit in chosen:
                 unit.state = "releasing" if unit.has_instances else "dormant"
         elif decision.action == "release":
             for unit in chosen:
-                unit.state, unit.served = "dormant", False
+                unit.state, unit.served, unit.bad_host = "dormant", False, False
         if obs is not None:
             self.latch = served_latch(obs, decision)
 
@@ -320,6 +329,7 @@ class World:
                     unit.until = now + ASG_RETRY_S
                 else:
                     unit.state, unit.until = "forming", now + self.startup_s
+                    unit.bad_host = self.faults.bad_instances > 0 and self.rng.random() < self.faults.bad_instances
 
     def active(self) -> int:
         return sum(u.desired for u in self.units)
@@ -346,7 +356,7 @@ class Result:
 
     @property
     def scaling_actions(self) -> int:
-        return self.count("activate") + self.count("deactivate") + self.count("cancel")
+        return self.count("activate") + self.count("deactivate") + self.count("cancel") + self.count("restart")
 
     @property
     def units_activated(self) -> int:
@@ -409,7 +419,7 @@ def engine_batch(path: Path) -> float:
 
 
 def policy_from_fleet(path: Path, cell_name: str | None) -> tuple[Policy, float, float, float]:
-    from inference_fleet.cell_checks import NODE_BOOT_SECONDS
+    from inference_fleet.cell_checks import NODE_BOOT_SECONDS, start_deadline_seconds
     from inference_fleet.checks import load_fleet
 
     fleet = load_fleet(path)
@@ -421,7 +431,7 @@ def policy_from_fleet(path: Path, cell_name: str | None) -> tuple[Policy, float,
         min_units=cell.resolved_min_units, max_units=cell.resolved_max_units, nodes=fleet.unit.nodes,
         target_load=scaling.target_load, scale_in_margin=scaling.scale_in_margin, ttft_p90_ms=scaling.ttft_p90_ms,
         scale_out_cooldown_s=scaling.scale_out_cooldown_seconds, scale_in_cooldown_s=scaling.scale_in_cooldown_seconds,
-        capacity_backoff_s=scaling.capacity_backoff_seconds,
+        capacity_backoff_s=scaling.capacity_backoff_seconds, start_deadline_s=start_deadline_seconds(fleet, cell),
     )
     startup = NODE_BOOT_SECONDS + fleet.serving.startup_budget_seconds
     drain = fleet.serving.unit_deregistration_delay_seconds + 60.0
@@ -446,7 +456,10 @@ def summary_line(name: str, results: Sequence[Result]) -> str:
     saved = 1 - sum(r.unit_hours for r in results) / sum(r.static_unit_hours for r in results)
     return (f"{name}: {mean(lambda r: r.scaling_actions)} actions ({mean(lambda r: r.count('activate'))} "
             f"activations of {mean(lambda r: r.units_activated)} units, {mean(lambda r: r.count('deactivate'))} "
-            f"drains, {mean(lambda r: r.count('cancel'))} cancelled), {mean(lambda r: r.violated_minutes)} min "
+            f"drains, {mean(lambda r: r.count('cancel'))} cancelled"
+            + (f", {mean(lambda r: r.count('restart'))} stalled restarted" if any(r.count("restart") for r in results)
+               else "")
+            + f"), {mean(lambda r: r.violated_minutes)} min "
             f"over objective ({mean(lambda r: r.refused_minutes)} refused for capacity; static "
             f"{mean(lambda r: r.static_violated_minutes)}), {mean(lambda r: r.unit_hours, 1)} unit-hours (static "
             f"{mean(lambda r: r.static_unit_hours, 1)}, {saved:.0%} saved)" + (f", mean of {n} seeds" if n > 1 else ""))
@@ -506,6 +519,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="probability that a formation fails (retried after 10 min)")
     parser.add_argument("--reforms-per-day", type=float, default=Faults.reforms_per_day,
                         help="formations lost per serving unit and day")
+    parser.add_argument("--bad-instances", type=float, default=Faults.bad_instances,
+                        help="probability that a unit's instances hold a host on which it never forms")
+    parser.add_argument("--no-start-deadline", action="store_true",
+                        help="no start deadline (scaling.start_deadline_seconds): stalled units are never restarted")
     parser.add_argument("--refused", type=_hours_window, action="append",
                         help="hours FROM-TO in which launches are refused for capacity (repeatable; default 11-12)")
     parser.add_argument("--no-faults", action="store_true", help="no lag beyond a minute, gaps or failures")
@@ -514,6 +531,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--seeds must be at least 1, got {args.seeds}")
     if not 0 <= args.gap < 1 or not 0 <= args.formation_failure < 1 or args.metric_lag < 1:
         parser.error("--gap and --formation-failure must be in [0, 1), --metric-lag at least 1 minute")
+    if not 0 <= args.bad_instances <= 1:
+        parser.error(f"--bad-instances must be in [0, 1], got {args.bad_instances}")
     policy, capacity, startup, drain = policy_from_fleet(args.config, args.cell)
     batch = engine_batch(args.config)
     if args.startup_minutes is not None:
@@ -522,9 +541,12 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 < args.target_load <= 1:
             parser.error(f"--target-load must be in (0, 1], got {args.target_load}")
         policy = replace(policy, target_load=args.target_load)
+    if args.no_start_deadline:
+        policy = replace(policy, start_deadline_s=None)
     faults = NO_FAULTS if args.no_faults else Faults(
         metric_lag_min=args.metric_lag, gap=args.gap, formation_failure=args.formation_failure,
-        reforms_per_day=args.reforms_per_day, refused=tuple(args.refused or Faults.refused))
+        reforms_per_day=args.reforms_per_day, bad_instances=args.bad_instances,
+        refused=tuple(args.refused or Faults.refused))
     hours, offset = (6.0, 8.0) if args.quick else (24.0, 0.0)
     print(f"policy: {policy}")
     print(f"unit admission capacity {capacity:.0f} requests, engine batch {batch:.0f}, "

@@ -51,6 +51,7 @@ from unit_launcher import evidence  # noqa: E402
 from unit_launcher.rendezvous import longest_silent  # noqa: E402
 from unit_proxy.canary import CanaryGate  # noqa: E402
 
+from inference_fleet.cell_checks import start_deadline_seconds  # noqa: E402
 from inference_fleet.config import CellConfig, FleetConfig  # noqa: E402
 from inference_fleet.simulation import aws_api  # noqa: E402
 from inference_fleet.simulation.model import JITTER, JITTERED, AwsModel  # noqa: E402
@@ -153,6 +154,7 @@ class Cell:
         self.last_scale_out: float | None = None
         self.last_scale_in: float | None = None
         self.deploy_queue: list[str] = []
+        self.deploy_finished: float | None = None  # the last deployment's end (the autoscaler's deployed_at)
         self.figures: dict[str, float] = {"requests_offered": 0.0, "requests_refused": 0.0, "unit_hours": 0.0,
                                           "max_units_down": 0.0, "unit_minutes_down": 0.0,
                                           "requests_to_broken_units": 0.0}
@@ -175,7 +177,8 @@ class Cell:
                 target_load=scaling.target_load, scale_in_margin=scaling.scale_in_margin,
                 ttft_p90_ms=None, scale_out_cooldown_s=scaling.scale_out_cooldown_seconds,
                 scale_in_cooldown_s=scaling.scale_in_cooldown_seconds,
-                capacity_backoff_s=scaling.capacity_backoff_seconds)
+                capacity_backoff_s=scaling.capacity_backoff_seconds,
+                start_deadline_s=start_deadline_seconds(fleet, cell))
         self.unit_rps = fleet.max_inflight_requests / self.model.v("request_seconds")
 
     # ---- the event loop -------------------------------------------------------------------
@@ -1081,6 +1084,7 @@ class Cell:
     def _deploy_next(self) -> None:
         if not self.deploy_queue:
             self.note("deployment complete")
+            self.deploy_finished = self.now
             return
         unit = self.units[self.deploy_queue.pop(0)]
         unit.revision += 1
@@ -1213,12 +1217,15 @@ class Cell:
             served = asd.has_served(unit.index in self.latched, health, self.wall(), unix(unit.activated))
             phase = asd.phase_of(desired_tasks=unit.leader_desired + unit.follower_desired, running_tasks=running,
                                  labelled_instances=labelled, served=served)
-            units.append(asd.Unit(unit.index, phase, load, running_tasks=running, instances=labelled, health=health))
+            units.append(asd.Unit(unit.index, phase, load, running_tasks=running, instances=labelled, health=health,
+                                  activated_at=unix(unit.activated)))
         failures = tuple(EPOCH + t for t in self.capacity_failures if self.now - t <= CAPACITY_LOOKBACK_S)
         busy = "UPDATE_IN_PROGRESS" if self.roll.active or self.deploy_queue else None
         return asd.Observation(now=self.wall(), units=tuple(units), stack_busy=busy,
                                last_scale_out=unix(self.last_scale_out), last_scale_in=unix(self.last_scale_in),
                                capacity_failures=failures,
+                               deployed_at=unix(max((t for t in (self.roll.finished, self.deploy_finished)
+                                                     if t is not None), default=None)),
                                unlabelled_instances=len(as_handler.unlabelled_live(*self._group_view(),
                                                                                     self._unusable())))
 
@@ -1232,10 +1239,12 @@ class Cell:
             return
         self.note(f"autoscaler {decision.action} {[f'u{i}' for i in decision.units]}: {decision.reason}")
         chosen = [self.units[f"u{i}"] for i in decision.units]
-        if decision.action in ("cancel", "deactivate"):
+        if decision.action in ("cancel", "deactivate", "restart"):
             for unit in chosen:
-                if unit.session is not None and unit.session.state == "serving" and decision.action == "cancel":
-                    self.violate("I2 serving units", f"the autoscaler cancels {unit.uid}, a unit that serves")
+                if (unit.session is not None and unit.session.state == "serving"
+                        and decision.action in ("cancel", "restart")):
+                    self.violate("I2 serving units",
+                                 f"the autoscaler {decision.action}s {unit.uid}, a unit that serves")
             serving_after = sum(1 for u in self.units.values() if self.in_service(u) and u not in chosen)
             if decision.action == "deactivate" and serving_after < self.min_units:
                 self.violate("I2 serving units", f"the autoscaler drains {chosen[0].uid}: {serving_after} serving "
@@ -1247,7 +1256,7 @@ class Cell:
             self.desired += len(chosen) * self.nodes
             self.last_scale_out = self.now
             self.asg_converge()
-        elif decision.action in ("deactivate", "cancel"):
+        elif decision.action in ("deactivate", "cancel", "restart"):
             for unit in chosen:
                 lacking = self.nodes - sum(1 for i in self.live_instances() if i.attributes.get("unit") == unit.uid)
                 unit.leader_desired = unit.follower_desired = 0
@@ -1256,7 +1265,8 @@ class Cell:
                     self.stop_task_planned(task, f"autoscaler {decision.action}")
                 if decision.action == "cancel":
                     self.desired -= max(0, lacking)
-            self.last_scale_in = self.now
+            if decision.action != "restart":  # the handler records no time for a restart
+                self.last_scale_in = self.now
         elif decision.action == "release":
             for unit in chosen:
                 for inst in [i for i in self.live_instances() if i.attributes.get("unit") == unit.uid]:

@@ -37,6 +37,7 @@ def policies(draw: st.DrawFn) -> Policy:
         scale_out_cooldown_s=draw(st.floats(60, 900)), scale_in_cooldown_s=draw(st.floats(60, 3600)),
         scale_out_window_s=out_window, scale_in_window_s=out_window * draw(st.sampled_from([1, 2, 6])),
         scale_out_minutes=draw(st.integers(1, min(2, round(out_window / 60)))),
+        start_deadline_s=draw(st.none() | st.floats(1800, 20000)),
     )
 
 
@@ -55,7 +56,8 @@ def units(draw: st.DrawFn, policy: Policy) -> tuple[Unit, ...]:
         phase = phase_of(desired_tasks=desired, running_tasks=running, labelled_instances=instances,
                          served=draw(st.booleans()))
         load = draw(histories(policy.window_minutes)) if phase in ("serving", "draining") else ()
-        made.append(Unit(index, phase, load, running_tasks=running, instances=instances))
+        made.append(Unit(index, phase, load, running_tasks=running, instances=instances,
+                         activated_at=draw(st.none() | st.floats(0, 1e6))))
     return tuple(made)
 
 
@@ -68,7 +70,7 @@ def situations(draw: st.DrawFn) -> tuple[Policy, Observation]:
         now=now, units=draw(units(policy)), last_scale_out=draw(past), last_scale_in=draw(past),
         capacity_failures=tuple(draw(st.lists(st.floats(0, now), max_size=3))),
         ttft_p90_ms=draw(histories(policy.window_minutes, 0, 10000)),
-        unlabelled_instances=draw(st.integers(0, 2 * policy.nodes)),
+        unlabelled_instances=draw(st.integers(0, 2 * policy.nodes)), deployed_at=draw(past),
     )
     return policy, obs
 
@@ -77,7 +79,7 @@ def active_after(obs: Observation, decision) -> int:
     active = sum(u.phase in ACTIVE for u in obs.units)
     if decision.action == "activate":
         return active + len(decision.units)
-    if decision.action in ("deactivate", "cancel"):
+    if decision.action in ("deactivate", "cancel", "restart"):
         return active - len(decision.units)
     return active
 
@@ -93,8 +95,25 @@ def test_never_below_min_or_above_max(situation) -> None:
         assert after <= policy.max_units
     if decision.action in ("deactivate", "cancel"):
         assert after >= policy.min_units, decision
-    if policy.min_units <= active <= policy.max_units:
+    if policy.min_units <= active <= policy.max_units and decision.action != "restart":
+        # A restart may go below min_units: the unit it stops serves nothing (and is started again).
         assert policy.min_units <= after <= policy.max_units
+
+
+@settings(max_examples=400, deadline=None)
+@given(situations())
+def test_only_a_unit_past_its_start_deadline_with_all_its_instances_is_restarted(situation) -> None:
+    policy, obs = situation
+    decision = decide(policy, obs)
+    if decision.action != "restart":
+        return
+    (unit,) = [u for u in obs.units if u.index in decision.units]
+    begun = max(t for t in (unit.activated_at, obs.deployed_at) if t is not None)
+    assert unit.phase == "starting" and unit.instances >= policy.nodes
+    assert policy.start_deadline_s is not None and obs.now - begun >= policy.start_deadline_s
+    assert not [u for u in obs.units if u.phase == "releasing"]  # release goes first
+    backoff = backoff_until(policy, obs.capacity_failures)
+    assert backoff is None or obs.now >= backoff  # capacity refused: instances kept
 
 
 @settings(max_examples=400, deadline=None)
@@ -512,3 +531,65 @@ def test_policy_bounds_are_checked() -> None:
     assert POLICY.out_minutes == 5 and POLICY.in_minutes == WINDOW == POLICY.window_minutes
     assert quantile([3, 1, 2], 0.5) == 2 and quantile([1, 2, 3, 4], 0.5) == 2 and quantile([5], 0.9) == 5
     assert math.isclose(quantile([float(i) for i in range(10)], 0.9), 8.0)
+
+
+DEADLINE = Policy(min_units=1, max_units=3, nodes=2, start_deadline_s=5400)
+HOUR = 3600.0
+
+
+def stall(now: float = 100 * 60.0, activated: float | None = 0.0, instances: int = 2,
+          deployed: float | None = None, failures: tuple[float, ...] = (), **more: Unit) -> Decision:
+    """u0 serves, lightly loaded; u1 starts, activated at `activated`, with `instances` of 2; never healthy."""
+    window = DEADLINE.window_minutes
+    units = (Unit(0, "serving", (0.2,) * window, running_tasks=2, instances=2, health=(1.0,) * window),
+             Unit(1, "starting", (0.0,) * window, running_tasks=2, instances=instances, health=(0.0,) * window,
+                  activated_at=activated), *more.values())
+    obs = Observation(now=now, units=units, last_scale_out=activated, capacity_failures=failures,
+                      deployed_at=deployed)
+    return decide(DEADLINE, obs)
+
+
+def test_a_stalled_unit_is_restarted_at_its_deadline_not_before() -> None:
+    """Seen failing before the start deadline existed: the unit was held `starting` for ever."""
+    assert stall(now=89 * 60.0).action == "hold"
+    decision = stall(now=90 * 60.0)
+    assert (decision.action, decision.units) == ("restart", (1,))
+    assert decision.metrics["StalledUnits"] == 1.0
+
+
+@pytest.mark.parametrize(("case", "kwargs"), [
+    ("it lacks an instance", {"instances": 1}),
+    ("its activation and the last deploy are unknown", {"activated": None}),
+    ("a deploy ended an hour ago", {"deployed": 100 * 60.0 - HOUR}),
+])
+def test_a_starting_unit_is_not_judged_stalled(case: str, kwargs: dict) -> None:
+    assert stall(**kwargs).action == "hold", case
+
+
+def test_the_last_deploy_starts_the_deadline_of_a_unit_with_no_activation_time() -> None:
+    """A unit the deploy started (the counts resource, an operator) has no activation record."""
+    assert stall(activated=None, deployed=0.0).action == "restart"
+
+
+def test_a_stalled_unit_keeps_its_instances_during_a_capacity_backoff() -> None:
+    decision = stall(failures=(100 * 60.0 - 120,))
+    assert decision.action == "hold" and "instances kept: in capacity backoff" in decision.reason
+
+
+def test_a_release_goes_before_a_restart() -> None:
+    decision = stall(u2=Unit(2, "releasing", instances=2))
+    assert (decision.action, decision.units) == ("release", (2,))
+
+
+def test_no_start_deadline_no_restart() -> None:
+    window = DEADLINE.window_minutes
+    obs = Observation(now=10 * HOUR, units=(
+        Unit(0, "starting", (0.0,) * window, running_tasks=2, instances=2, health=(0.0,) * window, activated_at=0.0),))
+    policy = Policy(min_units=1, max_units=3, nodes=2)
+    assert decide(policy, obs).action == "hold"
+    assert decide(DEADLINE, obs).action == "restart"
+
+
+def test_a_start_deadline_shorter_than_a_start_is_refused() -> None:
+    with pytest.raises(ValueError, match="start_deadline_s"):
+        Policy(min_units=1, max_units=3, nodes=2, start_deadline_s=600)

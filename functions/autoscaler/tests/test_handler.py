@@ -909,3 +909,70 @@ def test_the_activation_record_keeps_the_window_and_its_size() -> None:
     assert len(capped) <= aws.TAG_VALUE_MAX and capped.startswith(f"{int(NOW)}:0.25.50.75;")
     kept = aws.activations({aws.TAG_ACTIVATED: capped})
     assert kept and min(kept.values()) > NOW - 25 * 60  # the oldest went first
+
+
+STALL_SETTINGS = dataclasses.replace(SETTINGS, policy=dataclasses.replace(POLICY, start_deadline_s=5400))
+
+
+def stalled_cell(activated: float, deployed: float = NOW - 86400, instances: int = 2) -> Cell:
+    """u0 serves; u1 was activated at `activated`, has `instances` of its 2 nodes and has never
+    reported UnitHealthy 1 (its leader's proxy reports 0: the unit does not form)."""
+    cell = Cell()
+    cell.stack(finished=deployed)
+    names = ["i-a", "i-b", "i-c", "i-d"][: 2 + instances]
+    cell.group(4, names, served="0", **{aws.TAG_LAST_OUT: activated,
+                                        aws.TAG_ACTIVATED: f"{int(activated)}:1"})
+    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (0, 0)})
+    cell.labels(dict(zip(names, ["u0", "u0", "u1", "u1"], strict=False)))
+    cell.activities()
+    cell.metrics({"u0": (8.0, 1.0), "u1": (0.0, 0.0)})
+    return cell
+
+
+def test_a_unit_stalled_past_its_start_deadline_is_stopped_for_fresh_instances() -> None:
+    """u1 has both its instances and has not served 100 minutes after its activation (deadline 90):
+    its services go to 0 (leader first), and nothing is recorded: a restart is no scale-in, so no
+    cool-down starts. Before the start deadline the tick held, for ever (seen failing: 'hold')."""
+    cell = stalled_cell(activated=NOW - 6000)
+    cell.expect_count("u1", "leader", 0)
+    cell.expect_count("u1", "followers", 0)
+    summary = cell.run(STALL_SETTINGS)
+    assert (summary["action"], summary["units"]) == ("restart", ["u1"]), summary
+    assert "has not served 100 min after its start" in summary["reason"]
+    assert cell.emf["Restarted"] == 1.0 and cell.emf["StalledUnits"] == 1.0 and cell.emf["ScaleIn"] == 0.0
+
+
+@pytest.mark.parametrize(("case", "cell"), [
+    ("within its deadline", lambda: stalled_cell(activated=NOW - 5000)),
+    ("a deploy ended 10 min ago", lambda: stalled_cell(activated=NOW - 6000, deployed=NOW - 600)),
+    ("one of its instances missing", lambda: stalled_cell(activated=NOW - 6000, instances=1)),
+])
+def test_a_starting_unit_is_not_restarted(case: str, cell) -> None:
+    """Not before the deadline, which also runs from a deploy's end (a deploy restarts units), and not
+    while the unit waits for an instance (the group's retries; `cancel` if refused)."""
+    summary = cell().run(STALL_SETTINGS)
+    assert summary["action"] == "hold", (case, summary)
+    assert summary["phases"]["u1"] == "starting"
+
+
+def test_an_activation_keeps_the_start_time_of_a_unit_still_starting() -> None:
+    """u2 is activated while u1, activated 40 minutes ago (before the 30-minute window), still starts:
+    the new record keeps u1's time, from which its start deadline runs. Before, only the window's
+    activations were kept, u1's time was dropped and u1 could never be judged stalled (seen failing:
+    the record was u2's alone)."""
+    activated = NOW - 2400
+    cell = Cell()
+    cell.stack()
+    cell.group(4, ["i-a", "i-b", "i-c", "i-d"], served="0", **{aws.TAG_LAST_OUT: activated,
+                                                               aws.TAG_ACTIVATED: f"{int(activated)}:1"})
+    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (0, 0)})
+    cell.labels({"i-a": "u0", "i-b": "u0", "i-c": "u1", "i-d": "u1"})
+    cell.activities()
+    cell.metrics({"u0": (48.0, 1.0), "u1": (0.0, 0.0)})  # 1.5 units of load: 3 needed, 2 active
+    cell.expect_desired(6)
+    cell.expect_tag(aws.TAG_LAST_OUT)
+    cell.expect_activated(f"{int(NOW)}:2;{int(activated)}:1")
+    cell.expect_count("u2", "leader", 1)
+    cell.expect_count("u2", "followers", 1)
+    summary = cell.run(STALL_SETTINGS)
+    assert (summary["action"], summary["units"]) == ("activate", ["u2"]), summary

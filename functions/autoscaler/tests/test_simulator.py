@@ -88,3 +88,22 @@ def test_the_world_reports_vllms_waiting_requests_among_those_in_flight() -> Non
     world.record(1, 24.0)
     assert world.history[0][0] == (1.0, 1.0)
     assert world.history[0][1] == (pytest.approx(0.9 * 24 / 32), 1.0)
+
+
+def test_a_unit_on_instances_where_it_never_forms_is_restarted_and_serves() -> None:
+    """One launch in five gets a host on which the unit never forms (`Faults.bad_instances`). With the
+    start deadline every such unit is restarted on fresh instances, and each restart ends in a unit
+    that serves or is drained; without it the unit holds its instances for the rest of the day and
+    the cell misses its objective for longer (docs/autoscaling.md "A unit that never forms")."""
+    from dataclasses import replace
+
+    curve = day_curve(40, 160)
+    faults = Faults(refused=(), bad_instances=0.2)
+    policy, capacity, startup, drain = policy_from_fleet(ELASTIC_FLEET, None)
+    runs = {deadline: simulate(str(deadline), curve, replace(policy, start_deadline_s=deadline), capacity=capacity,
+                               startup_s=startup, drain_s=drain, faults=faults, seed=2)  # seed 1 draws no bad host
+            for deadline in (policy.start_deadline_s, None)}
+    bound, unbounded = runs[policy.start_deadline_s], runs[None]
+    assert bound.count("restart") >= 1 and unbounded.count("restart") == 0
+    assert bound.violated_minutes < unbounded.violated_minutes, (bound.violated_minutes, unbounded.violated_minutes)
+    assert bound.unit_hours <= unbounded.unit_hours

@@ -65,9 +65,10 @@ TAG_LAST_IN = "unit-autoscaler:last-scale-in"
 TAG_SERVED = "unit-autoscaler:served"
 # When each unit was last activated ("1800000000:2.3;1800000300:4"), for the units activated
 # within the metric window: a UnitHealthy 1 before a unit's own activation is its previous
-# life's (decision.has_served). Older activations are dropped (no minute of the window is
+# life's (decision.has_served); and for the units still starting, whose start deadline runs
+# from it (decision.stalled). Other older activations are dropped (no minute of the window is
 # before them), and so are the oldest when the value would pass 256 characters (those units
-# then read their whole window, as before this tag).
+# then read their whole window, as before this tag, and are never judged stalled).
 TAG_ACTIVATED = "unit-autoscaler:activated"
 TAG_VALUE_MAX = 256
 DESCRIBE_SERVICES_PER_CALL = 10
@@ -401,11 +402,12 @@ def activations(tags: Mapping[str, str]) -> dict[int, float]:
     return found
 
 
-def activations_value(activated: Mapping[int, float], since: float) -> str:
-    """TAG_ACTIVATED's value: activations at or after `since`, newest first, within TAG_VALUE_MAX."""
+def activations_value(activated: Mapping[int, float], since: float, keep: Collection[int] = ()) -> str:
+    """TAG_ACTIVATED's value: activations at or after `since`, and those of the units in `keep` (still
+    starting: their start deadline runs from it, `decision.stalled`), newest first, within TAG_VALUE_MAX."""
     by_time: dict[int, list[int]] = {}
     for unit, when in activated.items():
-        if when >= since:
+        if when >= since or unit in keep:
             by_time.setdefault(int(when), []).append(unit)
     value = ""
     for when in sorted(by_time, reverse=True):

@@ -15,7 +15,11 @@ load), the stack's state, the last scaling times and the recent capacity failure
   decrementing the desired capacity;
 - `cancel` activations that could not get instances: their services to 0 and the desired
   capacity down by the instances they lack (no launch retried in a loop). Only a unit that
-  never served and lacks instances is cancelled, and never below `min_units`.
+  never served and lacks instances is cancelled, and never below `min_units`;
+- `restart` a stalled unit: one that has all its instances but has not served within
+  `start_deadline_s` of its activation (or of the last deploy's end): its services to 0, as a
+  drain, so that its instances are released and the load rules start it again on fresh ones
+  (`stalled`).
 
 A unit that has served stays `serving` until the autoscaler drains it: a missing or failed
 health minute does not make it `starting` again (the handler keeps a "served" latch on the
@@ -39,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Phase = Literal["dormant", "starting", "serving", "draining", "releasing"]
-ActionKind = Literal["hold", "activate", "deactivate", "release", "cancel"]
+ActionKind = Literal["hold", "activate", "deactivate", "release", "cancel", "restart"]
 # Phases in which a unit holds instances (and costs unit-hours).
 HOLDS_INSTANCES: frozenset[str] = frozenset({"starting", "serving", "draining", "releasing"})
 ACTIVE: frozenset[str] = frozenset({"starting", "serving"})
@@ -50,6 +54,9 @@ MINUTE_S = 60.0
 SCALE_IN_QUANTILE = 0.9
 # Scale-in needs reports for at least this share of its window: thin data never scales in.
 SCALE_IN_MIN_COVERAGE = 0.5
+# No unit starts in less (a Trainium node boots for some 15 minutes before its unit's fetch,
+# join and load): a shorter start deadline is a mistake, refused.
+MIN_START_DEADLINE_S = 1800.0
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,9 @@ class Policy:
     scale_out_window_s: float = 300.0
     scale_in_window_s: float = 1800.0
     scale_out_minutes: int = 2
+    # A unit that has all its instances and has not served this long after its activation is
+    # stalled and restarted on fresh instances (`stalled`); None: never (the cell stack sets it).
+    start_deadline_s: float | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_units <= self.max_units:
@@ -82,6 +92,9 @@ class Policy:
         if not 1 <= self.scale_out_minutes <= self.out_minutes:
             raise ValueError(f"need 1 <= scale_out_minutes ({self.scale_out_minutes}) <= the minutes of "
                              f"scale_out_window_s ({self.out_minutes})")
+        if self.start_deadline_s is not None and self.start_deadline_s < MIN_START_DEADLINE_S:
+            raise ValueError(f"need start_deadline_s ({self.start_deadline_s}) >= {MIN_START_DEADLINE_S:.0f} "
+                             "or None")
 
     @property
     def out_minutes(self) -> int:
@@ -140,6 +153,7 @@ class Unit:
     running_tasks: int = 0
     instances: int | None = None  # instances labelled for the unit (None: not known)
     health: Series = ()  # UnitHealthy minimum per minute, newest first
+    activated_at: float | None = None  # its last activation (the handler's TAG_ACTIVATED; None: not known)
 
     @property
     def unit_id(self) -> str:
@@ -158,6 +172,7 @@ class Observation:
     # registered, or not yet labelled; handler.unlabelled_live): launched, so not refused.
     unlabelled_instances: int = 0
     ttft_p90_ms: Series = ()  # the cell's TTFT p90 per minute, newest first
+    deployed_at: float | None = None  # when the cell's stack last finished an operation (a deploy)
 
 
 @dataclass(frozen=True)
@@ -364,6 +379,30 @@ def _cancellable(policy: Policy, obs: Observation, starting: Sequence[Unit], act
     return chosen
 
 
+def stalled(policy: Policy, obs: Observation, starting: Sequence[Unit]) -> list[Unit]:
+    """Starting units that have all their instances and have not served within the start deadline.
+
+    The deadline runs from the later of the unit's activation and the last deploy's end (a deploy
+    restarts units): a unit activated by the deploy itself, or by an operator, has no activation
+    time but still one start to make. Neither known: never stalled. A unit that lacks instances
+    waits for them (the group's retries, `cancel`); once they are all there, it is judged from
+    its activation, so a node replaced late in a start that was already past its budget does
+    not buy the unit another deadline. Such a unit's launcher retries its formation on the same
+    instances for ever (its fetch failing, `artifacts`; a member never ready, `form_timeout`:
+    named, not blamed, so never quarantined); only fresh instances clear a host at fault. Before
+    this bound it held its instances, counted as capacity and held every scale-in for good.
+    """
+    if policy.start_deadline_s is None:
+        return []
+    found = []
+    for unit in starting:
+        begun = max((t for t in (unit.activated_at, obs.deployed_at) if t is not None), default=None)
+        if (begun is not None and unit.instances is not None and unit.instances >= policy.nodes
+                and obs.now - begun >= policy.start_deadline_s):
+            found.append(unit)
+    return found
+
+
 def _draining_below(draining: Sequence[Unit], dormant: Sequence[Unit]) -> Unit | None:
     """A unit still draining below the lowest dormant one, which an activation must wait for.
 
@@ -392,9 +431,11 @@ def decide(policy: Policy, obs: Observation) -> Decision:
     total_in = cell_in_load(policy, units)
     cell_load = total / len(serving) if serving else 0.0
     need = min(max(needed_units(policy, total), policy.min_units), policy.max_units)
+    stuck = stalled(policy, obs, starting)
     metrics = {
         "ActiveUnits": float(active), "ServingUnits": float(len(serving)), "StartingUnits": float(len(starting)),
         "DrainingUnits": float(len(draining) + len(releasing)), "NeededUnits": float(need), "CellLoad": cell_load,
+        "StalledUnits": float(len(stuck)),
     }
 
     def out(action: ActionKind, reason: str, chosen: Sequence[Unit] = ()) -> Decision:
@@ -420,6 +461,15 @@ def decide(policy: Policy, obs: Observation) -> Decision:
                    "instances it still holds", releasing[: policy.min_units - active])
     if releasing:
         return out("release", "tasks stopped after the drain: releasing the unit's instances", releasing[:1])
+    if stuck:
+        late = (obs.now - max(t for t in (stuck[0].activated_at, obs.deployed_at) if t is not None)) / MINUTE_S
+        why = (f"{stuck[0].unit_id} has all its instances and has not served {late:.0f} min after its start "
+               f"(start_deadline_s {policy.start_deadline_s:.0f})")
+        if in_backoff:
+            # Capacity is being refused: instances given back now may not come back.
+            return out("hold", f"{why}; its instances kept: in capacity backoff until {backoff:.0f}")
+        return out("restart", f"{why}: stopped, its instances to be released and the unit started again on "
+                   "fresh ones", stuck[:1])
     below = _draining_below(draining, dormant)
     wait = f"; waiting for {below.unit_id} to be drained and released first" if below else ""
 

@@ -12,7 +12,9 @@ asks `decision.decide` for at most one action and carries it out:
   stopping on its instances: `aws.stopping_tasks`), lift the protection of its instances
   and terminate them, decrementing the desired capacity;
 - cancel: instances could not be obtained for units that never served: their services to 0
-  and the desired capacity down by the instances they lack (no launch retried in a loop).
+  and the desired capacity down by the instances they lack (no launch retried in a loop);
+- restart: a stalled unit (`decision.stalled`): its services to 0; once its tasks have
+  stopped, `release` gives its instances back and the unit is started again on fresh ones.
 
 Before deciding, a tick finishes any half-done activation or deactivation (`finish_half_done`):
 the actions are several calls, and a tick that died between the leader's and the followers'
@@ -128,7 +130,7 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
     latched, activated = aws.served_units(group.tags), aws.activations(group.tags)
     served = frozenset(index for index, unit_id in enumerate(settings.unit_ids)
                        if has_served(index in latched, metrics[unit_id].healthy, now, activated.get(index)))
-    units = unit_views(settings, services, labelled, metrics, served, {})
+    units = unit_views(settings, services, labelled, metrics, served, {}, activated)
     # The counts cannot see a task still stopping (`aws.stopping_tasks`): before anything is released
     # (a unit that looks stopped, unlabelled instances no unit needs), ECS is asked which instances hold one.
     if (any(u.phase == "releasing" for u in units)
@@ -136,26 +138,28 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
         stopping = aws.stopping_tasks(clients.ecs, settings.cluster, retry)
         held = {view.hosts[arn]: count for arn, count in stopping.items() if arn in view.hosts}
         if held:
-            units = unit_views(settings, services, labelled, metrics, served, held)
+            units = unit_views(settings, services, labelled, metrics, served, held, activated)
             busy |= set(held)
     # A deploy restarts units: count its end as a scaling event for the scale-in cool-down.
     last_in = max((t for t in (_tag_time(group.tags, aws.TAG_LAST_IN), last_update) if t is not None), default=None)
     obs = Observation(
         now=now, units=tuple(units), last_scale_out=_tag_time(group.tags, aws.TAG_LAST_OUT), last_scale_in=last_in,
         capacity_failures=tuple(t for t, _ in failures), ttft_p90_ms=ttft,
-        unlabelled_instances=len(unlabelled_live(group, attributes, view.unusable)),
+        unlabelled_instances=len(unlabelled_live(group, attributes, view.unusable)), deployed_at=last_update,
     )
     context.update(services=services, labelled=labelled, failures=failures, served=latched, activated=activated,
-                   unlabelled=unlabelled_beyond_need(settings, group, attributes, units, busy))
+                   unlabelled=unlabelled_beyond_need(settings, group, attributes, units, busy),
+                   starting={u.index for u in units if u.phase == "starting"})
     return obs, context
 
 
 def unit_views(settings: Settings, services: Mapping[tuple[str, str], aws.ServiceView],
                labelled: Mapping[str, list[str]], metrics: Mapping[str, aws.UnitMetrics], served: frozenset[int],
-               held: Mapping[str, int]) -> list[Unit]:
+               held: Mapping[str, int], activated: Mapping[int, float] | None = None) -> list[Unit]:
     """Every unit's phase and load. A unit's running tasks are its services' running and pending ones
     plus the tasks still stopping on its labelled instances (`held`: EC2 instance id -> count): a unit
-    whose leader's target is still deregistering is draining, not stopped."""
+    whose leader's target is still deregistering is draining, not stopped. `activated`: the units'
+    activation times (TAG_ACTIVATED)."""
     units = []
     for index, unit_id in enumerate(settings.unit_ids):
         roles = [services.get((unit_id, role)) for role in ("leader", "followers")]
@@ -166,7 +170,7 @@ def unit_views(settings: Settings, services: Mapping[tuple[str, str], aws.Servic
         phase = phase_of(desired_tasks=desired, running_tasks=running, labelled_instances=instances,
                          served=index in served)
         units.append(Unit(index, phase, utilisation(m, settings.capacity), running_tasks=running,
-                          instances=instances, health=m.healthy))
+                          instances=instances, health=m.healthy, activated_at=(activated or {}).get(index)))
     return units
 
 
@@ -284,8 +288,11 @@ def act(settings: Settings, clients: Clients, decision: Decision, context: Mappi
             aws.set_desired_capacity(clients.autoscaling, settings.group, desired, retry)
         aws.record_time(clients.autoscaling, settings.group, aws.TAG_LAST_OUT, now, retry)
         activated = {**context.get("activated", {}), **dict.fromkeys(decision.units, now)}
+        # Kept beyond the window for the units still starting: their start deadline runs from it.
         window_start = now - settings.policy.window_minutes * MINUTE_S
-        aws.record_activated(clients.autoscaling, settings.group, aws.activations_value(activated, window_start), retry)
+        keep = set(decision.units) | set(context.get("starting", ()))
+        aws.record_activated(clients.autoscaling, settings.group,
+                             aws.activations_value(activated, window_start, keep), retry)
         done["desired_capacity"] = desired
         for unit_id in unit_ids:
             set_role(unit_id, "leader", 1)
@@ -302,6 +309,12 @@ def act(settings: Settings, clients: Clients, decision: Decision, context: Mappi
         instances = [i for unit_id in unit_ids for i in labelled.get(unit_id, [])]
         done["released"] = aws.release_instances(clients.autoscaling, settings.group, instances, retry,
                                                  group.in_service)
+    elif decision.action == "restart":
+        # Nothing recorded: a restart is not a scale-in (no cool-down), and the unit's phase
+        # (draining, then releasing) carries it to `release` and a new activation.
+        for unit_id in unit_ids:
+            set_role(unit_id, "leader", 0)
+            set_role(unit_id, "followers", 0)
     elif decision.action == "cancel":
         for unit_id in unit_ids:
             set_role(unit_id, "leader", 0)
@@ -331,7 +344,7 @@ def release_unlabelled(settings: Settings, clients: Clients, decision: Decision,
 def emf(settings: Settings, decision: Decision, failures: int, now: float, **fields: Any) -> str:
     metrics = {**decision.metrics, "CapacityFailures": float(failures),
                "ScaleOut": float(decision.action == "activate"), "ScaleIn": float(decision.action == "deactivate"),
-               "Cancelled": float(decision.action == "cancel")}
+               "Cancelled": float(decision.action == "cancel"), "Restarted": float(decision.action == "restart")}
     return json.dumps({
         "_aws": {"Timestamp": int(now * 1000), "CloudWatchMetrics": [{
             "Namespace": settings.namespace, "Dimensions": [["Cell"]],
