@@ -169,7 +169,7 @@ class UnitAutoscaler(Construct):
                         "Config": config_digest},
         )
         self.counts.node.add_dependency(self.function)
-        self.errors_alarm, self.capacity_alarm = self._alarms()
+        self.errors_alarm, self.capacity_alarm, self.stalled_alarm = self._alarms()
 
     def desired_count(self, unit_id: str, role: str) -> int | float:
         """A unit service's DesiredCount: an attribute of the custom resource (a number token)."""
@@ -270,7 +270,7 @@ class UnitAutoscaler(Construct):
         )
         return policy
 
-    def _alarms(self) -> tuple[cloudwatch.Alarm, cloudwatch.Alarm]:
+    def _alarms(self) -> tuple[cloudwatch.Alarm, cloudwatch.Alarm, cloudwatch.Alarm]:
         errors = cloudwatch.Alarm(
             self, "ErrorsAlarm",
             alarm_description=f"The unit autoscaler of cell {self.cell_name} fails: units are not scaled",
@@ -288,8 +288,20 @@ class UnitAutoscaler(Construct):
             comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
             treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
         )
+        stalled = cloudwatch.Alarm(
+            self, "StalledAlarm",
+            alarm_description=f"A unit of cell {self.cell_name} had all its instances and did not serve within "
+                              "its start deadline: restarted on fresh instances. Again and again: a failure that is "
+                              "not the hosts' (artifacts, permissions; the launcher's session-end events say which)",
+            metric=cloudwatch.Metric(namespace=self.metrics_namespace, metric_name="Restarted",
+                                     dimensions_map={"Cell": self.cell_name}, statistic="Sum",
+                                     period=Duration.minutes(5)),
+            threshold=1, evaluation_periods=1,
+            comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
+            treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+        )
         # Their NIST CloudWatchAlarmAction acknowledgements are where they are wired (stacks/cell_stack.py).
-        return errors, capacity
+        return errors, capacity, stalled
 
     def capacity_failures_metric(self) -> cloudwatch.Metric:
         return cloudwatch.Metric(namespace=self.metrics_namespace, metric_name="CapacityFailures",

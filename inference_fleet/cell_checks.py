@@ -180,10 +180,12 @@ def _capacity_issues(i: int, cell: CellConfig) -> Iterable[ConfigIssue]:
 
 def start_deadline_seconds(fleet: FleetConfig, cell: CellConfig) -> int:
     """The autoscaler's start deadline for the cell's units (decision.stalled): the fleet file's, or
-    twice a replaced node's start (boot + the startup budget), so that a unit whose node was lost
-    and replaced within its budget still forms before it."""
+    room for one replaced node: a node lost at the end of the unit's own start (boot + the startup
+    budget), seen and relaunched (up to a node boot's time again), then booted and started (boot +
+    budget): 2 x (boot + budget) + boot, 105 min with the default budget."""
     chosen = cell.resolved_scaling.start_deadline_seconds
-    return chosen if chosen is not None else 2 * (NODE_BOOT_SECONDS + fleet.serving.startup_budget_seconds)
+    start = NODE_BOOT_SECONDS + fleet.serving.startup_budget_seconds
+    return chosen if chosen is not None else 2 * start + NODE_BOOT_SECONDS
 
 
 def check_startup_budget(fleet: FleetConfig) -> Iterable[ConfigIssue]:

@@ -427,10 +427,10 @@ class ScalingConfig(_Strict):
     )
     start_deadline_seconds: int | None = Field(
         default=None, ge=1800, le=86400,
-        description="A unit that has all its instances and has not served this long after its activation (or "
-        "the last deploy's end) is stalled: stopped, its instances released, and started again on fresh ones. "
-        "Default: twice node boot (15 min) + serving.startup_budget_seconds (90 min with the default budget); "
-        "at least node boot + the startup budget.",
+        description="A unit that has all its instances, reports that it does not serve, and has not served this "
+        "long after its activation (or the last stack operation's end) is stalled: its instances are replaced by "
+        "fresh ones. Default: 2 x (node boot (15 min) + serving.startup_budget_seconds) + node boot (105 min with "
+        "the default budget: room for one replaced node); at least node boot + the startup budget.",
     )
 
 

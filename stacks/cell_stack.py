@@ -422,6 +422,8 @@ class CellStack(Stack):
                 f"Read, not notified: part of the cell's rollout gate (the pipeline's stage condition); {shown}"))
             acknowledge(self.autoscaler.capacity_alarm, (
                 "NIST.800.53.R5-CloudWatchAlarmAction", f"Read, not notified: {shown}"))
+            acknowledge(self.autoscaler.stalled_alarm, (
+                "NIST.800.53.R5-CloudWatchAlarmAction", f"Read, not notified: {shown}"))
         alarms = CellAlarms(
             self, "Alarms",
             stack_name=self.stack_name,
@@ -440,12 +442,14 @@ class CellStack(Stack):
                 # An autoscaler that keeps failing (new code, say) stops the rollout.
                 **({"autoscaler-errors": self.autoscaler.errors_alarm} if self.autoscaler else {}),
             },
-            # On the dashboard only: running out of Trainium capacity is no fault of the deployment, and a
+            # On the dashboard only: running out of Trainium capacity is no fault of the deployment, a
             # unit task that failed to start for a reason no rule knows asks an operator for a rule
-            # (TopologyPlacement._unmatched_start_failures_alarm).
+            # (TopologyPlacement._unmatched_start_failures_alarm), and a stalled unit is restarted by the
+            # autoscaler (a release whose units do not form trips the gate's units floor and failed-sessions alarms).
             watched_alarms={
                 "placement-unmatched-start-failures": self.placement.unmatched_start_failures_alarm,
-                **({"autoscaler-capacity": self.autoscaler.capacity_alarm} if self.autoscaler else {}),
+                **({"autoscaler-capacity": self.autoscaler.capacity_alarm,
+                    "autoscaler-stalled": self.autoscaler.stalled_alarm} if self.autoscaler else {}),
             },
             metrics_namespace=proxy_metrics_namespace(fleet),
             unit_events_namespace=unit_metrics_namespace(fleet),

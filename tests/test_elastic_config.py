@@ -46,11 +46,11 @@ def test_a_scaling_policy_is_read(raw: dict) -> None:
     assert (scaling.target_load, scaling.ttft_p90_ms, scaling.scale_in_cooldown_seconds) == (0.6, 2000, 900)
 
 
-def test_the_start_deadline_is_twice_a_replaced_nodes_start_unless_set(raw: dict) -> None:
+def test_the_start_deadline_has_room_for_one_replaced_node_unless_set(raw: dict) -> None:
     from inference_fleet.cell_checks import start_deadline_seconds
 
     fleet = parse_fleet(cell_with(raw, min_units=1, max_units=4))
-    assert start_deadline_seconds(fleet, fleet.cells[0]) == 2 * (900 + 1800)
+    assert start_deadline_seconds(fleet, fleet.cells[0]) == 2 * (900 + 1800) + 900
     fleet = parse_fleet(cell_with(raw, min_units=1, max_units=4, scaling={"start_deadline_seconds": 3000}))
     assert start_deadline_seconds(fleet, fleet.cells[0]) == 3000
 

@@ -211,6 +211,12 @@ def test_capacity_and_error_alarms(elastic) -> None:
         "Dimensions": [{"Name": "Cell", "Value": "dev"}], "Statistic": "Sum", "Threshold": 1,
     })
     template.has_resource_properties("AWS::CloudWatch::Alarm", {"MetricName": "Errors", "Threshold": 3})
+    # A unit restarted for not forming within its start deadline (decision.stalled): on the dashboard.
+    template.has_resource_properties("AWS::CloudWatch::Alarm", {
+        "Namespace": "Rufus/UnitAutoscaler", "MetricName": "Restarted",
+        "Dimensions": [{"Name": "Cell", "Value": "dev"}], "Statistic": "Sum", "Threshold": 1,
+        "TreatMissingData": "notBreaching",
+    })
 
 
 def test_the_placement_controller_labels_max_units(elastic) -> None:
@@ -242,7 +248,7 @@ def test_the_fingerprint_changes_with_any_literal_and_lists_each_reference_once(
 
 def test_the_function_reads_the_fleets_start_deadline(elastic) -> None:
     """The synthesized POLICY is what the handler reads (`Settings.from_env`), with the start deadline
-    derived from the fleet: twice node boot + the startup budget (decision.stalled)."""
+    derived from the fleet: 2 x (node boot + the startup budget) + node boot (decision.stalled)."""
     from unit_autoscaler.handler import Settings
 
     _, raw = elastic
@@ -250,4 +256,12 @@ def test_the_function_reads_the_fleets_start_deadline(elastic) -> None:
                    if r["Properties"].get("Handler") == "unit_autoscaler.handler.handler"]
     env = {k: v for k, v in function["Properties"]["Environment"]["Variables"].items() if isinstance(v, str)}
     env.update(CLUSTER="c", GROUP="g", STACK="s")  # references in the template
-    assert Settings.from_env(env).policy.start_deadline_s == 2 * (900 + 1800)
+    assert Settings.from_env(env).policy.start_deadline_s == 2 * (900 + 1800) + 900
+
+
+def test_a_stalled_restart_is_watched_not_in_the_rollout_gate(synth_elastic) -> None:
+    """The autoscaler heals a stalled unit itself; a release whose units never form trips the gate's
+    own alarms (units floor, failed sessions). So the Restarted alarm is on the dashboard only."""
+    stack: CellStack = synth_elastic.stacks[STACK]
+    assert stack.alarms.watched_alarms["autoscaler-stalled"] is stack.autoscaler.stalled_alarm
+    assert "autoscaler-stalled" not in stack.alarms.component_alarms

@@ -303,14 +303,21 @@ class World:
         chosen = [self.units[i] for i in decision.units]
         if decision.action == "activate":
             for unit in chosen:
+                if unit.has_instances:  # below min_units, on the instances it still holds: the same hosts
+                    unit.state, unit.served, unit.until, unit.activated = "forming", False, now + self.startup_s, now
+                    continue
                 unit.state, unit.served, unit.until, unit.activated = "launching", False, now, now
             self.last_out = now
             self.advance_launches(now)
-        elif decision.action in ("deactivate", "restart"):
+        elif decision.action == "deactivate":
             for unit in chosen:
                 unit.state, unit.until = "draining", now + self.drain_s
-            if decision.action == "deactivate":
-                self.last_in = now
+            self.last_in = now
+        elif decision.action == "restart":
+            # Its instances replaced (the group launches new ones); its services stay on.
+            for unit in chosen:
+                unit.state, unit.until, unit.activated, unit.bad_host = "launching", now, now, False
+            self.advance_launches(now)
         elif decision.action == "cancel":
             for unit in chosen:
                 unit.state = "releasing" if unit.has_instances else "dormant"

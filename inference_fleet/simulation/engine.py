@@ -1256,7 +1256,13 @@ class Cell:
             self.desired += len(chosen) * self.nodes
             self.last_scale_out = self.now
             self.asg_converge()
-        elif decision.action in ("deactivate", "cancel", "restart"):
+        elif decision.action == "restart":
+            # The handler terminates the unit's instances without decrementing: the group replaces them.
+            for unit in chosen:
+                unit.activated = self.now
+                for inst in [i for i in self.live_instances() if i.attributes.get("unit") == unit.uid]:
+                    self.terminate(inst, replace=True)
+        elif decision.action in ("deactivate", "cancel"):
             for unit in chosen:
                 lacking = self.nodes - sum(1 for i in self.live_instances() if i.attributes.get("unit") == unit.uid)
                 unit.leader_desired = unit.follower_desired = 0
@@ -1265,14 +1271,13 @@ class Cell:
                     self.stop_task_planned(task, f"autoscaler {decision.action}")
                 if decision.action == "cancel":
                     self.desired -= max(0, lacking)
-            if decision.action != "restart":  # the handler records no time for a restart
-                self.last_scale_in = self.now
+            self.last_scale_in = self.now
         elif decision.action == "release":
             for unit in chosen:
                 for inst in [i for i in self.live_instances() if i.attributes.get("unit") == unit.uid]:
                     self.desired -= 1
                     self.terminate(inst, replace=False)
-        if decision.action not in ("activate", "cancel"):  # never with a busy stack: decide holds then
+        if decision.action not in ("activate", "cancel", "restart"):  # never with a busy stack: decide holds then
             self._release_unlabelled(obs)
 
     def _group_view(self) -> tuple[as_aws.GroupView, dict[str, dict[str, str]]]:

@@ -56,7 +56,8 @@ def units(draw: st.DrawFn, policy: Policy) -> tuple[Unit, ...]:
         phase = phase_of(desired_tasks=desired, running_tasks=running, labelled_instances=instances,
                          served=draw(st.booleans()))
         load = draw(histories(policy.window_minutes)) if phase in ("serving", "draining") else ()
-        made.append(Unit(index, phase, load, running_tasks=running, instances=instances,
+        health = draw(st.lists(st.sampled_from([None, 0.0, 1.0]), max_size=policy.window_minutes).map(tuple))
+        made.append(Unit(index, phase, load, running_tasks=running, instances=instances, health=health,
                          activated_at=draw(st.none() | st.floats(0, 1e6))))
     return tuple(made)
 
@@ -108,12 +109,40 @@ def test_only_a_unit_past_its_start_deadline_with_all_its_instances_is_restarted
     if decision.action != "restart":
         return
     (unit,) = [u for u in obs.units if u.index in decision.units]
-    begun = max(t for t in (unit.activated_at, obs.deployed_at) if t is not None)
+    own = unit.activated_at if unit.activated_at is not None else obs.last_scale_out
+    begun = max(t for t in (own, obs.deployed_at) if t is not None)
     assert unit.phase == "starting" and unit.instances >= policy.nodes
     assert policy.start_deadline_s is not None and obs.now - begun >= policy.start_deadline_s
+    reports = [h for h in unit.health[: policy.out_span] if h is not None]
+    assert len(reports) >= policy.scale_out_minutes and not any(reports)  # it says it does not serve
     assert not [u for u in obs.units if u.phase == "releasing"]  # release goes first
+    assert all(u.phase in ACTIVE for u in obs.units if u.index < unit.index)  # the replacements reach it
     backoff = backoff_until(policy, obs.capacity_failures)
     assert backoff is None or obs.now >= backoff  # capacity refused: instances kept
+
+
+@settings(max_examples=300, deadline=None)
+@given(situations(), st.data())
+def test_a_stalled_unit_is_restarted_when_nothing_comes_first(situation, data) -> None:
+    """One unit made stalled (starting, all its instances, UnitHealthy 0, long past its deadline) in a random
+    cell: it, or a lower stalled unit, is restarted unless a release, a cancel or a capacity backoff comes
+    first or a lower unit is not active (its replacements would be labelled for that one)."""
+    import dataclasses
+
+    policy, obs = situation
+    policy = dataclasses.replace(policy, start_deadline_s=5400.0)
+    index = data.draw(st.integers(0, policy.max_units - 1))
+    stuck = Unit(index, "starting", (0.0,) * policy.window_minutes, running_tasks=policy.nodes,
+                 instances=policy.nodes, health=(0.0,) * policy.window_minutes, activated_at=0.0)
+    units = tuple(stuck if u.index == index else u for u in obs.units)
+    obs = dataclasses.replace(obs, now=max(obs.now, 6000.0), units=units, stack_busy=None, deployed_at=None)
+    decision = decide(policy, obs)
+    backoff = backoff_until(policy, obs.capacity_failures)
+    blocked = (any(u.phase == "releasing" for u in units) or decision.action == "cancel"
+               or (backoff is not None and obs.now < backoff)
+               or any(u.phase not in ACTIVE for u in units if u.index < index))
+    if not blocked:
+        assert decision.action == "restart" and decision.units[0] <= index, decision
 
 
 @settings(max_examples=400, deadline=None)
@@ -535,18 +564,19 @@ def test_policy_bounds_are_checked() -> None:
 
 DEADLINE = Policy(min_units=1, max_units=3, nodes=2, start_deadline_s=5400)
 HOUR = 3600.0
+WINDOW = DEADLINE.window_minutes
 
 
 def stall(now: float = 100 * 60.0, activated: float | None = 0.0, instances: int = 2,
-          deployed: float | None = None, failures: tuple[float, ...] = (), **more: Unit) -> Decision:
-    """u0 serves, lightly loaded; u1 starts, activated at `activated`, with `instances` of 2; never healthy."""
-    window = DEADLINE.window_minutes
-    units = (Unit(0, "serving", (0.2,) * window, running_tasks=2, instances=2, health=(1.0,) * window),
-             Unit(1, "starting", (0.0,) * window, running_tasks=2, instances=instances, health=(0.0,) * window,
+          deployed: float | None = None, failures: tuple[float, ...] = (), last_out: float | None = 0.0,
+          health: tuple[float | None, ...] = (0.0,) * WINDOW, policy: Policy = DEADLINE, **more: Unit) -> Decision:
+    """u0 serves, lightly loaded; u1 starts, activated at `activated`, with `instances` of 2, reporting `health`."""
+    units = (Unit(0, "serving", (0.2,) * WINDOW, running_tasks=2, instances=2, health=(1.0,) * WINDOW),
+             Unit(1, "starting", (0.0,) * WINDOW, running_tasks=2, instances=instances, health=health,
                   activated_at=activated), *more.values())
-    obs = Observation(now=now, units=units, last_scale_out=activated, capacity_failures=failures,
+    obs = Observation(now=now, units=units, last_scale_out=last_out, capacity_failures=failures,
                       deployed_at=deployed)
-    return decide(DEADLINE, obs)
+    return decide(policy, obs)
 
 
 def test_a_stalled_unit_is_restarted_at_its_deadline_not_before() -> None:
@@ -559,21 +589,35 @@ def test_a_stalled_unit_is_restarted_at_its_deadline_not_before() -> None:
 
 @pytest.mark.parametrize(("case", "kwargs"), [
     ("it lacks an instance", {"instances": 1}),
-    ("its activation and the last deploy are unknown", {"activated": None}),
+    ("nothing is known of its start", {"activated": None, "last_out": None}),
     ("a deploy ended an hour ago", {"deployed": 100 * 60.0 - HOUR}),
+    ("no activation record, and the last scale-out was an hour ago", {"activated": None, "last_out": 40 * 60.0}),
+    ("it reports nothing (a metric outage, no leader task)", {"health": (None,) * WINDOW}),
+    ("one report in the newest minutes", {"health": (None, None, 0.0) + (None,) * (WINDOW - 3)}),
+    ("it reported UnitHealthy 1 in the newest minutes, not latched yet", {"health": (None, 1.0, 0.0, 0.0)}),
 ])
 def test_a_starting_unit_is_not_judged_stalled(case: str, kwargs: dict) -> None:
+    """Not without evidence that it does not serve: UnitHealthy 0 in two of the newest minutes, 1 in none
+    (the review found a unit with no health reports restarted while it served). A unit with no activation
+    record counts from the last scale-out (its record may have been cut at 256 characters)."""
     assert stall(**kwargs).action == "hold", case
 
 
 def test_the_last_deploy_starts_the_deadline_of_a_unit_with_no_activation_time() -> None:
     """A unit the deploy started (the counts resource, an operator) has no activation record."""
-    assert stall(activated=None, deployed=0.0).action == "restart"
+    assert stall(activated=None, last_out=None, deployed=0.0).action == "restart"
 
 
 def test_a_stalled_unit_keeps_its_instances_during_a_capacity_backoff() -> None:
     decision = stall(failures=(100 * 60.0 - 120,))
-    assert decision.action == "hold" and "instances kept: in capacity backoff" in decision.reason
+    assert decision.action == "hold" and "u1 stalled, its instances kept: in capacity backoff" in decision.reason
+
+
+def test_the_capacity_backoff_does_not_hold_the_max_units_bound() -> None:
+    """A stalled unit in backoff is skipped, not a hold for everything (review): above max_units, a drain."""
+    policy = Policy(min_units=1, max_units=1, nodes=2, start_deadline_s=5400)
+    decision = stall(failures=(100 * 60.0 - 120,), policy=policy)
+    assert (decision.action, decision.units) == ("deactivate", (0,))
 
 
 def test_a_release_goes_before_a_restart() -> None:
@@ -581,10 +625,40 @@ def test_a_release_goes_before_a_restart() -> None:
     assert (decision.action, decision.units) == ("release", (2,))
 
 
-def test_no_start_deadline_no_restart() -> None:
+@pytest.mark.parametrize("phase", ["dormant", "draining", "releasing"])
+def test_no_restart_while_a_lower_unit_would_take_the_replacements(phase: str) -> None:
+    """The placement controller labels arriving instances for the lowest unit with no member: with u1 below
+    the stalled u2 not active, the replacements would go to u1."""
     window = DEADLINE.window_minutes
+    units = (Unit(0, "serving", (0.2,) * window, running_tasks=2, instances=2, health=(1.0,) * window),
+             Unit(1, phase, instances=2 if phase == "releasing" else 0, running_tasks=2 if phase == "draining" else 0),
+             Unit(2, "starting", (0.0,) * window, running_tasks=2, instances=2, health=(0.0,) * window,
+                  activated_at=0.0))
+    policy = Policy(min_units=1, max_units=3, nodes=2, start_deadline_s=5400)
+    decision = decide(policy, Observation(now=100 * 60.0, units=units, last_scale_out=0.0))
+    assert decision.action != "restart"
+    if decision.action == "hold":
+        assert f"u2 stalled, not restarted: u1 below it is {phase}" in decision.reason
+
+
+def test_a_stalled_unit_the_cell_needs_for_min_units_is_restarted_and_stays_active() -> None:
+    """min_units 1 and the only unit stalled: it is restarted (its instances replaced, its services kept on).
+    The first version stopped its services; released below min_units it was started again on the same
+    instances, every 90 minutes for ever (review: the group's MinSize refuses the release)."""
+    policy = Policy(min_units=1, max_units=3, nodes=2, start_deadline_s=5400)
+    only = Unit(0, "starting", (0.0,) * WINDOW, running_tasks=2, instances=2, health=(0.0,) * WINDOW, activated_at=0.0)
+    decision = decide(policy, Observation(now=100 * 60.0, units=(only,), last_scale_out=0.0))
+    assert (decision.action, decision.units) == ("restart", (0,))
+    # The next ticks: its old instances leave, the replacements boot; it is active, waiting, not stalled.
+    waiting = Unit(0, "starting", (0.0,) * WINDOW, running_tasks=0, instances=0, health=(0.0,) * WINDOW,
+                   activated_at=100 * 60.0)
+    later = decide(policy, Observation(now=110 * 60.0, units=(waiting,), last_scale_out=0.0))
+    assert later.action == "hold", later
+
+
+def test_no_start_deadline_no_restart() -> None:
     obs = Observation(now=10 * HOUR, units=(
-        Unit(0, "starting", (0.0,) * window, running_tasks=2, instances=2, health=(0.0,) * window, activated_at=0.0),))
+        Unit(0, "starting", (0.0,) * WINDOW, running_tasks=2, instances=2, health=(0.0,) * WINDOW, activated_at=0.0),))
     policy = Policy(min_units=1, max_units=3, nodes=2)
     assert decide(policy, obs).action == "hold"
     assert decide(DEADLINE, obs).action == "restart"

@@ -929,16 +929,24 @@ def stalled_cell(activated: float, deployed: float = NOW - 86400, instances: int
     return cell
 
 
-def test_a_unit_stalled_past_its_start_deadline_is_stopped_for_fresh_instances() -> None:
-    """u1 has both its instances and has not served 100 minutes after its activation (deadline 90):
-    its services go to 0 (leader first), and nothing is recorded: a restart is no scale-in, so no
-    cool-down starts. Before the start deadline the tick held, for ever (seen failing: 'hold')."""
+def test_a_unit_stalled_past_its_start_deadline_gets_fresh_instances() -> None:
+    """u1 has both its instances, reports UnitHealthy 0, and has not served 100 minutes after its
+    activation (deadline 90): its start time is written anew, then its instances are unprotected
+    and terminated without decrementing the group, which launches replacements. Its services stay
+    on (the Stubber would refuse an UpdateService) and no scaling time is written. Before the start
+    deadline the tick held, for ever (seen failing: 'hold'); the first version of the restart set
+    its services to 0 and, below min_units, started it again on the same instances (review)."""
     cell = stalled_cell(activated=NOW - 6000)
-    cell.expect_count("u1", "leader", 0)
-    cell.expect_count("u1", "followers", 0)
+    cell.expect_activated(f"{int(NOW)}:1")
+    cell.autoscaling.add_response("set_instance_protection", {}, {
+        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-c", "i-d"], "ProtectedFromScaleIn": False})
+    for instance in ("i-c", "i-d"):
+        cell.autoscaling.add_response("terminate_instance_in_auto_scaling_group", {}, {
+            "InstanceId": instance, "ShouldDecrementDesiredCapacity": False})
     summary = cell.run(STALL_SETTINGS)
     assert (summary["action"], summary["units"]) == ("restart", ["u1"]), summary
     assert "has not served 100 min after its start" in summary["reason"]
+    assert summary["done"] == {"replaced": 2}
     assert cell.emf["Restarted"] == 1.0 and cell.emf["StalledUnits"] == 1.0 and cell.emf["ScaleIn"] == 0.0
 
 

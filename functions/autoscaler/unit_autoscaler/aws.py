@@ -66,9 +66,9 @@ TAG_SERVED = "unit-autoscaler:served"
 # When each unit was last activated ("1800000000:2.3;1800000300:4"), for the units activated
 # within the metric window: a UnitHealthy 1 before a unit's own activation is its previous
 # life's (decision.has_served); and for the units still starting, whose start deadline runs
-# from it (decision.stalled). Other older activations are dropped (no minute of the window is
-# before them), and so are the oldest when the value would pass 256 characters (those units
-# then read their whole window, as before this tag, and are never judged stalled).
+# from it (decision.start_of). Other older activations are dropped (no minute of the window is
+# before them), and so are the oldest of the others when the value would pass 256 characters
+# (those units then read their whole window, as before this tag).
 TAG_ACTIVATED = "unit-autoscaler:activated"
 TAG_VALUE_MAX = 256
 DESCRIBE_SERVICES_PER_CALL = 10
@@ -404,19 +404,22 @@ def activations(tags: Mapping[str, str]) -> dict[int, float]:
 
 def activations_value(activated: Mapping[int, float], since: float, keep: Collection[int] = ()) -> str:
     """TAG_ACTIVATED's value: activations at or after `since`, and those of the units in `keep` (still
-    starting: their start deadline runs from it, `decision.stalled`), newest first, within TAG_VALUE_MAX."""
+    starting: their start deadline runs from it, `decision.start_of`), newest first, within TAG_VALUE_MAX.
+    When they do not all fit, the kept units' times go in first, then the newest of the others."""
     by_time: dict[int, list[int]] = {}
     for unit, when in activated.items():
         if when >= since or unit in keep:
             by_time.setdefault(int(when), []).append(unit)
-    value = ""
-    for when in sorted(by_time, reverse=True):
-        part = f"{when}:{'.'.join(str(u) for u in sorted(by_time[when]))}"
-        candidate = f"{value};{part}" if value else part
-        if len(candidate) > TAG_VALUE_MAX:
+
+    def part(when: int) -> str:
+        return f"{when}:{'.'.join(str(u) for u in sorted(by_time[when]))}"
+
+    chosen: list[int] = []
+    for when in sorted(by_time, key=lambda t: (not set(by_time[t]) & set(keep), -t)):
+        if len(";".join(part(t) for t in [*chosen, when])) > TAG_VALUE_MAX:
             break
-        value = candidate
-    return value
+        chosen.append(when)
+    return ";".join(part(when) for when in sorted(chosen, reverse=True))
 
 
 # -- writes ------------------------------------------------------------------------
@@ -452,8 +455,11 @@ def _already_leaving(error: ClientError) -> bool:
 
 
 def release_instances(autoscaling: BaseClient, group: str, instance_ids: Sequence[str], retry: Retry,
-                      in_service: Collection[str]) -> int:
-    """Lift the scale-in protection of exactly these instances, then terminate each, decrementing the group.
+                      in_service: Collection[str], decrement: bool = True) -> int:
+    """Lift the scale-in protection of exactly these instances, then terminate each, decrementing the group
+    (`decrement` False: not, and the group launches a replacement for each: "If you do not specify the
+    option to decrement the desired capacity, Amazon EC2 Auto Scaling launches instances to replace the
+    ones that are terminated", https://docs.aws.amazon.com/autoscaling/ec2/APIReference/API_TerminateInstanceInAutoScalingGroup.html).
 
     Only instances the group lists InService (`in_service`, from the same tick's read) are
     touched: one already terminating (a retried tick, a health replacement) would fail
@@ -478,7 +484,7 @@ def release_instances(autoscaling: BaseClient, group: str, instance_ids: Sequenc
     for instance_id in ids:
         try:
             retry.call(autoscaling.terminate_instance_in_auto_scaling_group, InstanceId=instance_id,
-                       ShouldDecrementDesiredCapacity=True)
+                       ShouldDecrementDesiredCapacity=decrement)
             released += 1
         except ClientError as error:
             # ScalingActivityInProgress: the group is busy; the next tick tries again.

@@ -16,10 +16,10 @@ load), the stack's state, the last scaling times and the recent capacity failure
 - `cancel` activations that could not get instances: their services to 0 and the desired
   capacity down by the instances they lack (no launch retried in a loop). Only a unit that
   never served and lacks instances is cancelled, and never below `min_units`;
-- `restart` a stalled unit: one that has all its instances but has not served within
-  `start_deadline_s` of its activation (or of the last deploy's end): its services to 0, as a
-  drain, so that its instances are released and the load rules start it again on fresh ones
-  (`stalled`).
+- `restart` a stalled unit: one that has all its instances, reports that it does not serve,
+  and has not served within `start_deadline_s` of its start (`stalled`, `start_of`): its
+  instances are terminated without decrementing the group, which launches fresh ones for it;
+  its services stay on (`_restartable`).
 
 A unit that has served stays `serving` until the autoscaler drains it: a missing or failed
 health minute does not make it `starting` again (the handler keeps a "served" latch on the
@@ -379,28 +379,61 @@ def _cancellable(policy: Policy, obs: Observation, starting: Sequence[Unit], act
     return chosen
 
 
-def stalled(policy: Policy, obs: Observation, starting: Sequence[Unit]) -> list[Unit]:
-    """Starting units that have all their instances and have not served within the start deadline.
+def start_of(unit: Unit, obs: Observation) -> float | None:
+    """When a starting unit's start deadline began: the later of its activation and the last stack
+    operation's end (a deploy may restart units). A unit with no activation record (one the deploy
+    started, or whose record was lost) counts from the group's last scale-out, which no activation by
+    the autoscaler precedes. None: nothing known, never stalled."""
+    own = unit.activated_at if unit.activated_at is not None else obs.last_scale_out
+    return max((t for t in (own, obs.deployed_at) if t is not None), default=None)
 
-    The deadline runs from the later of the unit's activation and the last deploy's end (a deploy
-    restarts units): a unit activated by the deploy itself, or by an operator, has no activation
-    time but still one start to make. Neither known: never stalled. A unit that lacks instances
-    waits for them (the group's retries, `cancel`); once they are all there, it is judged from
-    its activation, so a node replaced late in a start that was already past its budget does
-    not buy the unit another deadline. Such a unit's launcher retries its formation on the same
-    instances for ever (its fetch failing, `artifacts`; a member never ready, `form_timeout`:
-    named, not blamed, so never quarantined); only fresh instances clear a host at fault. Before
-    this bound it held its instances, counted as capacity and held every scale-in for good.
+
+def stalled(policy: Policy, obs: Observation, starting: Sequence[Unit]) -> list[Unit]:
+    """Starting units that have all their instances, report that they do not serve, and are past the deadline.
+
+    Such a unit's launcher retries its formation on the same instances for ever (its fetch
+    failing, `artifacts`; a member never ready, `form_timeout`: named, not blamed, so never
+    quarantined); only fresh instances clear a host at fault. Before this bound it held its
+    instances, counted as capacity and held every scale-in for good. Evidence is required:
+    its proxy reported UnitHealthy 0 in at least `scale_out_minutes` of the newest minutes
+    (`out_span`), and 1 in none (a unit that reports nothing, in a metric outage or with no
+    leader task, is not judged: lacking data the controller holds). A unit that lacks an instance waits
+    for it (the group's retries; `cancel` on a refusal). Its deadline runs from `start_of`, not
+    from its last instance's arrival: a node replaced after the unit was already past its
+    budget buys it no new deadline (the default deadline has room for one replacement).
     """
     if policy.start_deadline_s is None:
         return []
     found = []
     for unit in starting:
-        begun = max((t for t in (unit.activated_at, obs.deployed_at) if t is not None), default=None)
-        if (begun is not None and unit.instances is not None and unit.instances >= policy.nodes
-                and obs.now - begun >= policy.start_deadline_s):
+        begun = start_of(unit, obs)
+        health = _known(unit.health, policy.out_span)
+        if (begun is not None and obs.now - begun >= policy.start_deadline_s
+                and unit.instances is not None and unit.instances >= policy.nodes
+                and len(health) >= policy.scale_out_minutes and not any(health)):
             found.append(unit)
     return found
+
+
+def _restartable(stuck: Sequence[Unit], units: Sequence[Unit], in_backoff: bool) -> tuple[Unit | None, str]:
+    """The stalled unit to restart now, or None and why not.
+
+    A restart replaces the unit's instances (the group launches one for each terminated), and the
+    placement controller labels arriving instances for the lowest unit with no member
+    (placement_controller.assignment, rule 3): the replacements reach this unit only when every
+    unit below it is active. One below that is dormant, draining or releasing would take them.
+    In capacity backoff the instances are kept: replacements may not come.
+    """
+    if not stuck:
+        return None, ""
+    unit = stuck[0]
+    if in_backoff:
+        return None, f"{unit.unit_id} stalled, its instances kept: in capacity backoff"
+    lower = [u for u in units if u.index < unit.index and u.phase not in ACTIVE]
+    if lower:
+        return None, (f"{unit.unit_id} stalled, not restarted: {lower[0].unit_id} below it is {lower[0].phase} "
+                      "and would be labelled with the replacements")
+    return unit, ""
 
 
 def _draining_below(draining: Sequence[Unit], dormant: Sequence[Unit]) -> Unit | None:
@@ -461,15 +494,12 @@ def decide(policy: Policy, obs: Observation) -> Decision:
                    "instances it still holds", releasing[: policy.min_units - active])
     if releasing:
         return out("release", "tasks stopped after the drain: releasing the unit's instances", releasing[:1])
-    if stuck:
-        late = (obs.now - max(t for t in (stuck[0].activated_at, obs.deployed_at) if t is not None)) / MINUTE_S
-        why = (f"{stuck[0].unit_id} has all its instances and has not served {late:.0f} min after its start "
-               f"(start_deadline_s {policy.start_deadline_s:.0f})")
-        if in_backoff:
-            # Capacity is being refused: instances given back now may not come back.
-            return out("hold", f"{why}; its instances kept: in capacity backoff until {backoff:.0f}")
-        return out("restart", f"{why}: stopped, its instances to be released and the unit started again on "
-                   "fresh ones", stuck[:1])
+    restart, not_restarted = _restartable(stuck, units, in_backoff)
+    if restart is not None:
+        late = (obs.now - (start_of(restart, obs) or obs.now)) / MINUTE_S
+        return out("restart", f"{restart.unit_id} has all its instances and has not served {late:.0f} min after "
+                   f"its start (start_deadline_s {policy.start_deadline_s:.0f}): its instances replaced, the "
+                   "group launching fresh ones for it", [restart])
     below = _draining_below(draining, dormant)
     wait = f"; waiting for {below.unit_id} to be drained and released first" if below else ""
 
@@ -527,7 +557,8 @@ def decide(policy: Policy, obs: Observation) -> Decision:
     if settled_in and fits and ttft_comfortable and cooled:
         return out("deactivate", f"load {total_in:.2f} (p90 of {policy.in_minutes} min) fits {active - 1} units",
                    [_least_loaded(policy, serving)])
-    return out("hold", f"load {total:.2f} on {active} active units (need {need})")
+    note = f"; {not_restarted}" if not_restarted else ""
+    return out("hold", f"load {total:.2f} on {active} active units (need {need}){note}")
 
 
 def ttft_after_scale_in(ttft: float, load: float, active: int) -> float:

@@ -13,8 +13,9 @@ asks `decision.decide` for at most one action and carries it out:
   and terminate them, decrementing the desired capacity;
 - cancel: instances could not be obtained for units that never served: their services to 0
   and the desired capacity down by the instances they lack (no launch retried in a loop);
-- restart: a stalled unit (`decision.stalled`): its services to 0; once its tasks have
-  stopped, `release` gives its instances back and the unit is started again on fresh ones.
+- restart: a stalled unit (`decision.stalled`): its activation time written anew, then its
+  instances terminated without decrementing the group, which launches fresh ones for it; its
+  services stay on.
 
 Before deciding, a tick finishes any half-done activation or deactivation (`finish_half_done`):
 the actions are several calls, and a tick that died between the leader's and the followers'
@@ -310,11 +311,19 @@ def act(settings: Settings, clients: Clients, decision: Decision, context: Mappi
         done["released"] = aws.release_instances(clients.autoscaling, settings.group, instances, retry,
                                                  group.in_service)
     elif decision.action == "restart":
-        # Nothing recorded: a restart is not a scale-in (no cool-down), and the unit's phase
-        # (draining, then releasing) carries it to `release` and a new activation.
-        for unit_id in unit_ids:
-            set_role(unit_id, "leader", 0)
-            set_role(unit_id, "followers", 0)
+        # The new start time first: a tick that dies after some terminations leaves a unit that lacks
+        # instances (never stalled) with a fresh deadline. No scaling time: a restart is neither a
+        # scale-out nor a scale-in (no cool-down), and the services stay on: the tasks are placed
+        # again once the placement controller labels the replacements for the unit (`_restartable`).
+        activated = {**context.get("activated", {}), **dict.fromkeys(decision.units, now)}
+        window_start = now - settings.policy.window_minutes * MINUTE_S
+        keep = set(decision.units) | set(context.get("starting", ()))
+        aws.record_activated(clients.autoscaling, settings.group,
+                             aws.activations_value(activated, window_start, keep), retry)
+        labelled = context.get("labelled", {})
+        instances = [i for unit_id in unit_ids for i in labelled.get(unit_id, [])]
+        done["replaced"] = aws.release_instances(clients.autoscaling, settings.group, instances, retry,
+                                                 group.in_service, decrement=False)
     elif decision.action == "cancel":
         for unit_id in unit_ids:
             set_role(unit_id, "leader", 0)
@@ -333,9 +342,9 @@ def act(settings: Settings, clients: Clients, decision: Decision, context: Mappi
 def release_unlabelled(settings: Settings, clients: Clients, decision: Decision, context: Mapping[str, Any],
                        retry: aws.Retry) -> int:
     """Release the unlabelled instances no unit needs (`unlabelled_beyond_need`), except in a tick that
-    changed the desired capacity from its own read (activate, cancel): the next tick reads again."""
+    changed the group from its own read (activate, cancel, restart): the next tick reads again."""
     unlabelled = context.get("unlabelled") or []
-    if not unlabelled or decision.action in ("activate", "cancel"):
+    if not unlabelled or decision.action in ("activate", "cancel", "restart"):
         return 0
     LOG.warning("releasing unlabelled instances no unit needs: %s", ", ".join(unlabelled))
     return aws.release_instances(clients.autoscaling, settings.group, unlabelled, retry, context["group"].in_service)
