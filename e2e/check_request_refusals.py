@@ -5,8 +5,10 @@ e2e's unit runs on vLLM's CPU platform, where nothing is refused, so the refusal
 here, as a vllm-neuron unit with an on-device sampler would make them: vLLM's general plugins
 loaded as the launcher's environment admits them (UNIT_EXECUTOR=1, VLLM_PLUGINS=unit), then real
 `ChatCompletionRequest`, `CompletionRequest` and `ResponsesRequest` objects, built from what
-clients send, turned into sampling parameters by vLLM's own `to_sampling_params`. Reads the
-compiled layout's directory as its only argument; prints one JSON object: each case's outcome.
+clients send, turned into sampling parameters by vLLM's own `to_sampling_params` (or
+`to_beam_search_params`), which the plugin wraps: the refusal comes where vLLM builds them, before
+any answer starts. Reads the compiled layout's directory as its only argument; prints one JSON
+object: each case's outcome. Check 0c sends such requests to a running server.
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ CASES: list[tuple[str, str, dict[str, Any], str]] = [
     ("chat, logprobs true", "chat", {"logprobs": True}, "logprobs"),
     ("chat, json_object", "chat", {"response_format": {"type": "json_object"}}, "structured outputs"),
     ("chat, logit_bias", "chat", {"logit_bias": {"42": -100}}, "logit_bias"),
+    ("chat, use_beam_search", "chat", {"use_beam_search": True, "n": 2}, "use_beam_search"),
     ("completion, the SDK's defaults", "completion", {}, ""),
     ("completion, echo", "completion", {"echo": True}, ""),
     ("completion, logprobs 0", "completion", {"logprobs": 0}, "logprobs"),
     ("completion, echo with logprobs", "completion", {"echo": True, "logprobs": 1}, "prompt_logprobs"),
+    ("completion, use_beam_search", "completion", {"use_beam_search": True, "n": 2}, "use_beam_search"),
     ("responses, the SDK's defaults", "responses", {}, ""),
     ("responses, streamed", "responses", {"stream": True}, ""),
     ("responses, streamed with output logprobs", "responses",
@@ -48,21 +52,23 @@ def sampling_params(endpoint: str, fields: dict[str, Any]) -> Any:
     from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
     if endpoint == "chat":
-        return ChatCompletionRequest(model="m", messages=CHAT, **fields).to_sampling_params(16, {})
-    if endpoint == "completion":
-        return CompletionRequest(model="m", prompt="hi", **fields).to_sampling_params(16, {})
-    return ResponsesRequest(model="m", input="hi", **fields).to_sampling_params(16, {})
+        request = ChatCompletionRequest(model="m", messages=CHAT, **fields)
+    elif endpoint == "completion":
+        request = CompletionRequest(model="m", prompt="hi", **fields)
+    else:
+        return ResponsesRequest(model="m", input="hi", **fields).to_sampling_params(16, {})
+    # As the servers choose (vLLM 0.32 chat_completion/serving.py:352-360): beam search has its own parameters.
+    if fields.get("use_beam_search"):
+        return request.to_beam_search_params(16, {})
+    return request.to_sampling_params(16, {})
 
 
 def outcome(endpoint: str, fields: dict[str, Any]) -> str:
-    """The refusal's message, or "" when served. For Responses, vLLM's own `to_sampling_params` (wrapped by the
-    general plugin) refuses; for the others the platform's `validate_request` does, with these params."""
+    """The refusal's message, or "" when served: vLLM's own methods, as the general plugin wrapped them, refuse."""
     from unit_executor import device_sampling
 
     try:
-        params = sampling_params(endpoint, fields)
-        if endpoint != "responses":
-            device_sampling.refuse_unhonoured(params)
+        sampling_params(endpoint, fields)
     except device_sampling.UnhonouredSampling as refusal:
         return str(refusal)
     return ""

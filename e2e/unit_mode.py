@@ -49,6 +49,7 @@ from harness import (
     wait_until,
 )
 from procs import Proc, Supervisor
+from refusals_http import check_refusals_over_http
 from s3_loopback import Fetched, Hosts, LoopbackS3, Upload, fetched, fetched_after_release, spare_ready
 from sampling_step import run_temperature
 
@@ -516,14 +517,14 @@ def check_request_refusals(h: Harness) -> None:
                    f"wrong: {wrong}" if wrong else f"{len(result['cases'])} cases as expected")
 
 
-def check_responses_wrapped(h: Harness, leader_log: Path) -> None:
-    """The running unit's vLLM loads the unit's general plugin, which wraps ResponsesRequest.to_sampling_params: its
-    INFO line from the engine core or a worker. The API server wraps too (its general plugins load while its
+def check_requests_wrapped(h: Harness, leader_log: Path) -> None:
+    """The running unit's vLLM loads the unit's general plugin, which wraps the request classes' to_sampling_params:
+    its INFO line from the engine core or a worker. The API server wraps too (its general plugins load while its
     arguments are parsed, vLLM 0.32 `engine/arg_utils.py`), but before vLLM 0.32 configures logging
     (`entrypoints/cli/main.py:116`), so its INFO line is not printed; check 0b runs that same load."""
     wrapped = [line for line in leader_log.read_text(errors="replace").splitlines()
-               if "unit: /v1/responses is checked before its stream" in line]
-    h.report.check("1. the unit's vLLM loads its general plugin (the /v1/responses wrap logged)",
+               if "unit: requests are checked before their stream" in line]
+    h.report.check("1. the unit's vLLM loads its general plugin (the request classes' wrap logged)",
                    bool(wrapped), wrapped[0] if wrapped else f"no such line in {leader_log}")
 
 
@@ -548,6 +549,7 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
                                         f"(shards at {SHARD_RATE / 2**10:.0f} KiB/s)"}
     check_rendered_commands(h, spec)
     check_request_refusals(h)
+    check_refusals_over_http(h)
     r.facts["unit_spec"] = {k: spec[k] for k in ("unit_id", "size", "engine", "rendezvous")}
     r.facts["stop_order"] = stop_order
     unit = Unit(h, ports, spec, s3)
@@ -561,7 +563,7 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
     check_ready_phase(h, unit, spec, loss)
     assert unit.leader.current is not None and unit.follower.current is not None
     check_formation_manifest(h, unit.leader.current.log_path, unit.follower.current.log_path, compiled.key)
-    check_responses_wrapped(h, unit.leader.current.log_path)
+    check_requests_wrapped(h, unit.leader.current.log_path)
 
     # 2. Completion and streamed chat completion through the proxy; the same text twice.
     driver = OpenAIDriver(base, timeout=h.left(300))

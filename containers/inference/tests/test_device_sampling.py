@@ -152,63 +152,110 @@ def test_every_request_goes_through_the_platforms_check_and_then_this_one(unit_p
     assert calls == ["hello", "again", "inputs", "more"]
 
 
-# -- /v1/responses: refused before its stream starts ---------------------------------------------------------------
+# -- refused where vLLM builds the sampling parameters, before any stream starts ------------------------------------
+
+
+PROTOCOL_MODULES = {
+    "ChatCompletionRequest": "vllm.entrypoints.openai.chat_completion.protocol",
+    "CompletionRequest": "vllm.entrypoints.openai.completion.protocol",
+    "ResponsesRequest": "vllm.entrypoints.openai.responses.protocol",
+}
+
+
+def _request_class(name: str, beam: bool) -> type:
+    """A vLLM request class as far as the general plugin touches it: `to_sampling_params` (vLLM 0.16.0
+    `entrypoints/openai/responses/protocol.py:292`, chat's and completion's alike) returning the params a request
+    carries, and for chat and completion `to_beam_search_params`."""
+    def to_sampling_params(self, default_max_tokens: int, default_sampling_params: dict | None = None):
+        return self.params
+
+    def to_beam_search_params(self, max_tokens: int, default_sampling_params: dict | None = None):
+        return {"beam_width": 2}
+
+    methods = {"__init__": lambda self, params: setattr(self, "params", params),
+               "to_sampling_params": to_sampling_params}
+    if beam:
+        methods["to_beam_search_params"] = to_beam_search_params
+    return type(name, (), methods)
 
 
 @pytest.fixture
-def responses_protocol(monkeypatch):
-    """vLLM's Responses protocol module as far as the general plugin touches it: `ResponsesRequest.to_sampling_params`
-    (vLLM 0.16.0 `entrypoints/openai/responses/protocol.py:292`), here returning the params a request carries."""
-    class ResponsesRequest:
-        def __init__(self, params: SamplingParams) -> None:
-            self.params = params
-
-        def to_sampling_params(self, default_max_tokens: int, default_sampling_params: dict | None = None):
-            return self.params
-
-    names = ["vllm", "vllm.entrypoints", "vllm.entrypoints.openai", "vllm.entrypoints.openai.responses"]
-    for name in names:
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    protocol = types.ModuleType("vllm.entrypoints.openai.responses.protocol")
-    protocol.ResponsesRequest = ResponsesRequest
-    monkeypatch.setitem(sys.modules, protocol.__name__, protocol)
+def protocols(monkeypatch):
+    """The three request classes in their vLLM modules (fakes in sys.modules), UNIT_EXECUTOR=1."""
+    made = {}
+    for name, module in PROTOCOL_MODULES.items():
+        parts = module.split(".")
+        for depth in range(1, len(parts)):
+            package = ".".join(parts[:depth])
+            if package not in sys.modules or not hasattr(sys.modules[package], "__path__"):
+                monkeypatch.setitem(sys.modules, package, types.ModuleType(package))
+        fake = types.ModuleType(module)
+        made[name] = _request_class(name, beam=name != "ResponsesRequest")
+        setattr(fake, name, made[name])
+        monkeypatch.setitem(sys.modules, module, fake)
     monkeypatch.setenv("UNIT_EXECUTOR", "1")
-    return ResponsesRequest
+    return made
 
 
-def test_a_streamed_responses_request_is_refused_where_its_sampling_parameters_are_built(
-        tmp_path, monkeypatch, responses_protocol):
-    """Twenty-fifth session's cold review: the platform's `validate_request` ran after vLLM had answered 200 and
-    started the stream, so the client saw a stream cut after `response.in_progress`. The general plugin wraps
-    `to_sampling_params`, which vLLM calls before the stream, inside its `except ValueError` (a 400)."""
+@pytest.mark.parametrize("name", list(PROTOCOL_MODULES))
+def test_a_request_is_refused_where_its_sampling_parameters_are_built(tmp_path, monkeypatch, protocols, name):
+    """Twenty-fifth session's cold review (/v1/responses) and this session's `make e2e` check 0c (a streamed chat on
+    vLLM 0.32 got a 200 and then a 500 event with no message): the platform's `validate_request` may run after vLLM
+    has answered 200. The general plugin wraps `to_sampling_params`, which vLLM calls before it answers, where a
+    ValueError is a 400. Seen failing with the plugin that wrapped ResponsesRequest only (chat, completion)."""
     from unit_executor import plugin
 
+    request = protocols[name]
     monkeypatch.setenv("NEURON_COMPILED_ARTIFACTS", _layout(tmp_path, sampler=True))
     plugin.check_requests()
     plugin.check_requests()  # vLLM loads general plugins in every process, and may again: wrapped once
-    assert responses_protocol.to_sampling_params.__wrapped__.__name__ == "to_sampling_params"
-    assert not hasattr(responses_protocol.to_sampling_params.__wrapped__, "__wrapped__")
+    assert request.to_sampling_params.__wrapped__.__name__ == "to_sampling_params"
+    assert not hasattr(request.to_sampling_params.__wrapped__, "__wrapped__")
     with pytest.raises(ValueError, match=r"^logprobs not served: this unit samples on its Neuron devices"):
-        responses_protocol(chat(logprobs=True, top_logprobs=2)).to_sampling_params(16, {})
-    assert responses_protocol(chat(temperature=0.5)).to_sampling_params(16, {}).temperature == 0.5
+        request(chat(logprobs=True, top_logprobs=2)).to_sampling_params(16, {})
+    assert request(chat(temperature=0.5)).to_sampling_params(16, {}).temperature == 0.5
     monkeypatch.setenv("NEURON_COMPILED_ARTIFACTS", _layout(tmp_path, sampler=False))
-    assert responses_protocol(chat(logprobs=True)).to_sampling_params(16).logprobs == 0  # the host serves them
+    assert request(chat(logprobs=True)).to_sampling_params(16).logprobs == 0  # the host serves them
 
 
-def test_the_responses_check_is_made_only_for_a_unit(monkeypatch, responses_protocol):
+@pytest.mark.parametrize("name", ["ChatCompletionRequest", "CompletionRequest"])
+def test_beam_search_is_refused_on_a_unit_that_samples_on_its_devices(tmp_path, monkeypatch, protocols, name):
+    """vLLM's beam search asks the engine for log probabilities the device's sampler does not return: before, a
+    streamed chat with use_beam_search got an error event naming logprobs it never sent."""
     from unit_executor import plugin
 
-    original = responses_protocol.to_sampling_params
+    request = protocols[name]
+    plugin.check_requests()
+    monkeypatch.setenv("NEURON_COMPILED_ARTIFACTS", _layout(tmp_path, sampler=True))
+    with pytest.raises(ValueError, match=r"^use_beam_search not served: this unit samples on its Neuron devices"):
+        request(chat()).to_beam_search_params(16, {})
+    monkeypatch.setenv("NEURON_COMPILED_ARTIFACTS", _layout(tmp_path, sampler=False))
+    assert request(chat()).to_beam_search_params(16, {}) == {"beam_width": 2}
+
+
+def test_the_wrap_is_logged_naming_the_classes(protocols, caplog):
+    from unit_executor import plugin
+
+    with caplog.at_level("INFO", logger="vllm.unit_executor.plugin"):
+        plugin.check_requests()
+    assert caplog.messages == [f"{plugin.WRAPPED} (ChatCompletionRequest, CompletionRequest, ResponsesRequest)"]
+
+
+def test_the_check_is_made_only_for_a_unit(monkeypatch, protocols):
+    from unit_executor import plugin
+
+    original = protocols["ChatCompletionRequest"].to_sampling_params
     monkeypatch.delenv("UNIT_EXECUTOR")
     plugin.check_requests()
-    assert responses_protocol.to_sampling_params is original
+    assert protocols["ChatCompletionRequest"].to_sampling_params is original
     monkeypatch.setenv("UNIT_EXECUTOR", "1")
-    monkeypatch.delitem(sys.modules, "vllm.entrypoints.openai.responses.protocol")
-    monkeypatch.setitem(sys.modules, "vllm.entrypoints.openai.responses.protocol", None)  # a vLLM without it
-    plugin.check_requests()  # nothing to guard: no error, the engine starts
-    broken = types.ModuleType("vllm.entrypoints.openai.responses.protocol")
+    module = PROTOCOL_MODULES["ResponsesRequest"]
+    monkeypatch.setitem(sys.modules, module, None)  # a vLLM without it
+    plugin.check_requests()  # nothing to guard there: no error, the engine starts, the others are wrapped
+    assert protocols["ChatCompletionRequest"].to_sampling_params is not original
+    broken = types.ModuleType(module)
     broken.__getattr__ = lambda name: (_ for _ in ()).throw(RuntimeError("partially initialised"))
-    monkeypatch.setitem(sys.modules, broken.__name__, broken)
+    monkeypatch.setitem(sys.modules, module, broken)
     plugin.check_requests()  # an import that fails otherwise in some process: the engine starts all the same
 
 

@@ -104,3 +104,15 @@ def refuse_unhonoured(params: Any, compiled_dir: str | None = None) -> None:
             f"{', '.join(names)} not served: this unit samples on its Neuron devices, which honour only "
             "temperature, top_k and top_p; send the request without them (a fleet compiled with "
             "unit.on_device_sampling: false samples on the host and serves them)")
+
+
+def refuse_beam_search(compiled_dir: str | None = None) -> None:
+    """Raise UnhonouredSampling for `use_beam_search` on a unit that samples on its devices: vLLM's beam search asks
+    the engine for each step's log probabilities, 2 x the beam width (vLLM 0.16.0
+    `entrypoints/openai/engine/serving.py:299`), which the device's sampler does not return (before, a streamed chat
+    got an error event naming logprobs the client never sent)."""
+    if samples_on_device(compiled_dir if compiled_dir is not None else os.environ.get("NEURON_COMPILED_ARTIFACTS")):
+        raise UnhonouredSampling(
+            "use_beam_search not served: this unit samples on its Neuron devices, which return no log probabilities "
+            "for beam search to rank its beams by; send the request without it (a fleet compiled with "
+            "unit.on_device_sampling: false samples on the host)")

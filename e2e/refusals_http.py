@@ -1,0 +1,133 @@
+"""Check 0c: a running vLLM server refuses what a unit sampling on its devices cannot serve, with a 400 before any
+stream starts.
+
+Check 0b proves the refusals in vLLM's own request classes; this one sends requests over HTTP to a real
+`vllm serve` (the engine venv's vLLM 0.32 on CPU, the tiny model, one process) started with the environment the
+launcher gives a unit (UNIT_EXECUTOR=1, VLLM_PLUGINS=unit: the unit platform and the general plugin) and
+NEURON_COMPILED_ARTIFACTS naming a compiled layout with an on-device sampler (the launcher's fixture, NxD
+Inference's format). The e2e unit itself cannot show it: it runs with no compiled layout, where nothing is refused.
+Each refused request is streamed, the case where a late refusal reached the client as a 200 and an error event
+(vLLM 0.32 validates a streamed chat only inside the engine's generator: the first run of this check saw a 500
+event with no message); two served requests show the server answers what it can.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import shutil
+import signal
+import tempfile
+import time
+from typing import Any
+
+from harness import (
+    CHAT,
+    ENGINE_PYTHON,
+    MODEL_NAME,
+    PROMPT,
+    ROOT,
+    VLLM_ENTRY,
+    Harness,
+    engine_environment,
+    free_port,
+    http_get,
+    vllm_engine_args,
+    wait_until,
+)
+from procs import Proc
+
+FIXTURE = ROOT / "containers" / "inference" / "tests" / "fixtures" / "neuron_config.json"
+MAX_MODEL_LEN = 256
+SCHEMA = {"type": "json_schema", "name": "answer", "schema": {"type": "object"}}
+ON_DEVICE = "not served: this unit samples on its Neuron devices"
+
+# (case, path, body, the start of the refusal's message: "" for a request that must be served)
+CASES: list[tuple[str, str, dict[str, Any], str]] = [
+    ("chat, streamed, logprobs", "/v1/chat/completions",
+     {"messages": CHAT, "stream": True, "logprobs": True, "max_tokens": 4}, f"logprobs {ON_DEVICE}"),
+    ("chat, streamed, use_beam_search", "/v1/chat/completions",
+     {"messages": CHAT, "stream": True, "use_beam_search": True, "n": 2, "max_tokens": 4},
+     f"use_beam_search {ON_DEVICE}"),
+    ("completion, streamed, logprobs", "/v1/completions",
+     {"prompt": PROMPT, "stream": True, "logprobs": 1, "max_tokens": 4}, f"logprobs {ON_DEVICE}"),
+    ("responses, streamed, output logprobs", "/v1/responses",
+     {"input": PROMPT, "stream": True, "top_logprobs": 2, "include": ["message.output_text.logprobs"],
+      "max_output_tokens": 4}, f"logprobs {ON_DEVICE}"),
+    ("responses, streamed, json_schema", "/v1/responses",
+     {"input": PROMPT, "stream": True, "text": {"format": SCHEMA}, "max_output_tokens": 4},
+     f"structured outputs (response_format, guided decoding) {ON_DEVICE}"),
+    ("chat, streamed, the SDK's defaults", "/v1/chat/completions",
+     {"messages": CHAT, "stream": True, "max_tokens": 4, "temperature": 0}, ""),
+    ("responses, streamed, the SDK's defaults", "/v1/responses",
+     {"input": PROMPT, "stream": True, "max_output_tokens": 4, "temperature": 0}, ""),
+]
+
+
+def post(port: int, path: str, body: dict[str, Any], timeout: float) -> tuple[int, str, str]:
+    """Status, content type and the whole body (a stream read to its end) of a POST on loopback."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        connection.request("POST", path, json.dumps({"model": MODEL_NAME, **body}),
+                           {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, response.getheader("content-type", ""), response.read().decode(errors="replace")
+    finally:
+        connection.close()
+
+
+def verdict(refused: str, status: int, content_type: str, text: str) -> tuple[bool, str]:
+    """Whether the answer is the expected one: a JSON 400 whose message starts with `refused`, or a served stream."""
+    if refused:
+        try:
+            message = json.loads(text)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = None
+        ok = status == 400 and content_type.startswith("application/json") and str(message).startswith(refused)
+        return ok, f"{status} {content_type}: {(message if message is not None else text)[:160]}"
+    error_event = '"error"' in text
+    served = status == 200 and content_type.startswith("text/event-stream") and not error_event
+    return served, f"{status} {content_type}: {len(text)} bytes" + (", an error event" if error_event else "")
+
+
+def stop(server: Proc) -> None:
+    """SIGTERM (vLLM shuts its engine core down), then SIGKILL whatever of its tree is left after 30 s: the tree is
+    read first, since a child outliving its parent is no longer found under it."""
+    tree = server.tree()
+    server.signal(signal.SIGTERM)
+    server.wait(30)
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def check_refusals_over_http(h: Harness) -> None:
+    """0c. A `vllm serve` with the unit's plugins and an on-device-sampling layout answers each case as expected."""
+    r = h.report
+    name = "0c. device-sampling refusals over HTTP: 400 before any stream, from a running vLLM server"
+    port = free_port()
+    with tempfile.TemporaryDirectory() as layout:
+        shutil.copy(FIXTURE, layout)
+        env = {**os.environ, **engine_environment(h.cache), "UNIT_EXECUTOR": "1", "VLLM_PLUGINS": "unit",
+               "UNIT_BASE_PLATFORM": "vllm.platforms.cpu.CpuPlatform", "NEURON_COMPILED_ARTIFACTS": layout}
+        argv = [str(ENGINE_PYTHON), str(VLLM_ENTRY), "serve", str(h.model_dir), "--served-model-name", MODEL_NAME,
+                "--host", "127.0.0.1", "--port", str(port), *vllm_engine_args(MAX_MODEL_LEN)]
+        started = time.monotonic()
+        server = h.table.start("refusal-server", argv, env)
+        try:
+            wait_until("refusal server /health 200",
+                       lambda: not server.alive() or http_get(f"http://127.0.0.1:{port}/health")[0] == 200,
+                       h.left(300), 0.5)
+            if not server.alive():
+                r.check(name, False, f"the server exited; its log: {server.log_path}")
+                return
+            r.figure("refusal_server_start_s", time.monotonic() - started)
+            results = {case: verdict(refused, *post(port, path, body, h.left(120)))
+                       for case, path, body, refused in CASES}
+        finally:
+            stop(server)
+    r.facts["refusals_over_http"] = {case: detail for case, (_, detail) in results.items()}
+    wrong = [f"{case}: {detail}" for case, (ok, detail) in results.items() if not ok]
+    r.check(name, not wrong, "; ".join(wrong) if wrong else f"{len(results)} cases as expected")
