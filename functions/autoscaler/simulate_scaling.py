@@ -316,7 +316,9 @@ class World:
         elif decision.action == "restart":
             # Its instances replaced (the group launches new ones); its services stay on.
             for unit in chosen:
+                # A new life, as an activation's (the autoscaler judged it never served; it may have, unseen).
                 unit.state, unit.until, unit.activated, unit.bad_host = "launching", now, now, False
+                unit.served = False
             self.advance_launches(now)
         elif decision.action == "cancel":
             for unit in chosen:

@@ -354,8 +354,11 @@ def cell_in_load(policy: Policy, units: Sequence[Unit]) -> float | None:
 
 
 def _cancellable(policy: Policy, obs: Observation, starting: Sequence[Unit], active: int) -> list[Unit]:
-    """Starting units whose launch was refused since the last scale-out, highest first, never below min_units.
+    """Starting units whose launch was refused since it was asked for, highest first, never below min_units.
 
+    A unit's launch: the last scale-out, or its own restart after it (`activated_at`, written by a
+    restart and by no scale-out; an older refusal, of another launch, must not cancel the
+    replacements of a restart, review of the twenty-seventh session).
     Only units that never served (phase `starting`) and lack instances, and only as many as
     the cell is short: what the active units lack (by their labels) beyond the live unlabelled
     instances of the group. Labels appear only when an instance has booted and registered, so
@@ -364,14 +367,20 @@ def _cancellable(policy: Policy, obs: Observation, starting: Sequence[Unit], act
     the placement controller labels arriving instances lowest unit first, so they are the ones
     left short. Never below min_units.
     """
-    if obs.last_scale_out is None or not obs.capacity_failures or max(obs.capacity_failures) < obs.last_scale_out:
+    if not obs.capacity_failures:
         return []
+    newest = max(obs.capacity_failures)
+
+    def refused(unit: Unit) -> bool:
+        launched = max((t for t in (obs.last_scale_out, unit.activated_at) if t is not None), default=None)
+        return launched is not None and newest >= launched
+
     lack = {u.index: policy.nodes - (u.instances or 0) for u in starting if (u.instances or 0) < policy.nodes}
     serving_lack = sum(max(0, policy.nodes - u.instances) for u in obs.units
                        if u.phase == "serving" and u.instances is not None)
     short = sum(lack.values()) + serving_lack - obs.unlabelled_instances
     chosen: list[Unit] = []
-    for unit in sorted((u for u in starting if u.index in lack), key=lambda u: -u.index):
+    for unit in sorted((u for u in starting if u.index in lack and refused(u)), key=lambda u: -u.index):
         if short <= 0 or len(chosen) >= max(0, active - policy.min_units):
             break
         chosen.append(unit)
