@@ -211,10 +211,10 @@ def test_capacity_and_error_alarms(elastic) -> None:
         "Dimensions": [{"Name": "Cell", "Value": "dev"}], "Statistic": "Sum", "Threshold": 1,
     })
     template.has_resource_properties("AWS::CloudWatch::Alarm", {"MetricName": "Errors", "Threshold": 3})
-    # A unit restarted for not forming within its start deadline (decision.stalled): on the dashboard.
+    # A unit stalled past its start deadline (decision.stalled), restarted or held: on the dashboard.
     template.has_resource_properties("AWS::CloudWatch::Alarm", {
-        "Namespace": "Rufus/UnitAutoscaler", "MetricName": "Restarted",
-        "Dimensions": [{"Name": "Cell", "Value": "dev"}], "Statistic": "Sum", "Threshold": 1,
+        "Namespace": "Rufus/UnitAutoscaler", "MetricName": "StalledUnits",
+        "Dimensions": [{"Name": "Cell", "Value": "dev"}], "Statistic": "Maximum", "Threshold": 1,
         "TreatMissingData": "notBreaching",
     })
 
