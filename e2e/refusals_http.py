@@ -1,14 +1,14 @@
 """Check 0c: a running vLLM server refuses what a unit sampling on its devices cannot serve, with a 400 before any
 stream starts.
 
-Check 0b proves the refusals in vLLM's own request classes; this one sends requests over HTTP to a real
-`vllm serve` (the engine venv's vLLM 0.32 on CPU, the tiny model, one process) started with the environment the
-launcher gives a unit (UNIT_EXECUTOR=1, VLLM_PLUGINS=unit: the unit platform and the general plugin) and
+Check 0b proves the refusals in vLLM's own request classes; this one sends requests over HTTP to a real `vllm serve`
+(the engine venv's vLLM 0.32 on CPU, the tiny model; an API server and its engine core) started with the environment
+the launcher gives a unit (UNIT_EXECUTOR=1, VLLM_PLUGINS=unit: the unit platform and the general plugin) and
 NEURON_COMPILED_ARTIFACTS naming a compiled layout with an on-device sampler (the launcher's fixture, NxD
 Inference's format). The e2e unit itself cannot show it: it runs with no compiled layout, where nothing is refused.
-Each refused request is streamed, the case where a late refusal reached the client as a 200 and an error event
-(vLLM 0.32 validates a streamed chat only inside the engine's generator: the first run of this check saw a 500
-event with no message); two served requests show the server answers what it can.
+Each refused request is streamed, the case where a late refusal reached the client as a 200 and an error event (vLLM
+0.32 validates a streamed chat only inside the engine's generator: the first run of this check saw a 500 event with
+no message); two served requests show the server answers what it can.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import shutil
 import signal
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from harness import (
@@ -78,6 +79,30 @@ def post(port: int, path: str, body: dict[str, Any], timeout: float) -> tuple[in
         connection.close()
 
 
+def events(text: str) -> list[str]:
+    """The `data:` payloads of an SSE body, in order."""
+    return [line[len("data:"):].strip() for line in text.splitlines() if line.startswith("data:")]
+
+
+def stream_problem(text: str) -> str | None:
+    """Why a served stream is not a whole, clean answer: an error event (a JSON event with a non-null `error`, or
+    `type` "error"), or no end (chat and completions: `[DONE]`; Responses: a `response.completed` event)."""
+    payloads = events(text)
+    ended = False
+    for payload in payloads:
+        if payload == "[DONE]":
+            ended = True
+            continue
+        try:
+            event = json.loads(payload)
+        except ValueError:
+            return f"an event that is not JSON: {payload[:80]}"
+        if isinstance(event, dict) and (event.get("error") is not None or event.get("type") == "error"):
+            return f"an error event: {payload[:120]}"
+        ended = ended or (isinstance(event, dict) and event.get("type") == "response.completed")
+    return None if ended else f"no end among {len(payloads)} events"
+
+
 def verdict(refused: str, status: int, content_type: str, text: str) -> tuple[bool, str]:
     """Whether the answer is the expected one: a JSON 400 whose message starts with `refused`, or a served stream."""
     if refused:
@@ -86,21 +111,31 @@ def verdict(refused: str, status: int, content_type: str, text: str) -> tuple[bo
         except (ValueError, KeyError, TypeError):
             message = None
         ok = status == 400 and content_type.startswith("application/json") and str(message).startswith(refused)
-        return ok, f"{status} {content_type}: {(message if message is not None else text)[:160]}"
-    error_event = '"error"' in text
-    served = status == 200 and content_type.startswith("text/event-stream") and not error_event
-    return served, f"{status} {content_type}: {len(text)} bytes" + (", an error event" if error_event else "")
+        return ok, f"{status} {content_type}: {str(message if message is not None else text)[:160]}"
+    problem = None if status == 200 and content_type.startswith("text/event-stream") else "not a 200 stream"
+    problem = problem or stream_problem(text)
+    return problem is None, f"{status} {content_type}: {len(text)} bytes" + (f", {problem}" if problem else "")
+
+
+def _started(pid: int) -> str | None:
+    """A process's start time (field 22 of /proc/<pid>/stat), or None when it is gone: a pid reused later differs."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
 
 
 def stop(server: Proc) -> None:
     """SIGTERM (vLLM shuts its engine core down), then SIGKILL whatever of its tree is left after 30 s: the tree is
-    read first, since a child outliving its parent is no longer found under it."""
-    tree = server.tree()
+    read first (a child outliving its parent is no longer found under it), with each start time, so that a pid
+    reused since is never signalled."""
+    tree = {pid: _started(pid) for pid in server.tree()}
     server.signal(signal.SIGTERM)
     server.wait(30)
-    for pid in tree:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
+    for pid, started in tree.items():
+        if started is not None and _started(pid) == started:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def check_refusals_over_http(h: Harness) -> None:
@@ -117,17 +152,31 @@ def check_refusals_over_http(h: Harness) -> None:
         started = time.monotonic()
         server = h.table.start("refusal-server", argv, env)
         try:
-            wait_until("refusal server /health 200",
-                       lambda: not server.alive() or http_get(f"http://127.0.0.1:{port}/health")[0] == 200,
-                       h.left(300), 0.5)
+            # A failure here is this check's, recorded with the server's log; the run goes on to the unit.
+            try:
+                wait_until("refusal server /health 200",
+                           lambda: not server.alive() or http_get(f"http://127.0.0.1:{port}/health")[0] == 200,
+                           h.left(300), 0.5)
+            except TimeoutError as error:
+                r.check(name, False, f"{error}; its log: {server.log_path}")
+                return
             if not server.alive():
                 r.check(name, False, f"the server exited; its log: {server.log_path}")
                 return
             r.figure("refusal_server_start_s", time.monotonic() - started)
-            results = {case: verdict(refused, *post(port, path, body, h.left(120)))
-                       for case, path, body, refused in CASES}
+            results = {case: answer(port, path, body, refused, h.left(120)) for case, path, body, refused in CASES}
         finally:
             stop(server)
     r.facts["refusals_over_http"] = {case: detail for case, (_, detail) in results.items()}
     wrong = [f"{case}: {detail}" for case, (ok, detail) in results.items() if not ok]
-    r.check(name, not wrong, "; ".join(wrong) if wrong else f"{len(results)} cases as expected")
+    r.check(name, not wrong, "; ".join(wrong) + f"; the server's log: {server.log_path}" if wrong
+            else f"{len(results)} cases as expected")
+
+
+def answer(port: int, path: str, body: dict[str, Any], refused: str, timeout: float) -> tuple[bool, str]:
+    """One case's verdict; a request that fails on the wire (timeout, connection reset) is a wrong case, not an
+    aborted run."""
+    try:
+        return verdict(refused, *post(port, path, body, timeout))
+    except (OSError, http.client.HTTPException) as error:
+        return False, f"{type(error).__name__}: {error}"

@@ -495,7 +495,7 @@ def check_rendered_commands(h: Harness, spec: dict[str, Any]) -> None:
 def check_request_refusals(h: Harness) -> None:
     """What a vllm-neuron unit with an on-device sampler refuses, checked with vLLM's own request classes
     (check_request_refusals.py): the SDK's defaults pass on every endpoint, each unhonoured parameter is refused,
-    and /v1/responses is refused where its sampling parameters are built, before its stream starts."""
+    in `to_sampling_params` or `to_beam_search_params`, where vLLM builds them, before any answer starts."""
     import subprocess
     import tempfile
 

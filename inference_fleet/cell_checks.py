@@ -59,6 +59,9 @@ ROUTER_ENDPOINT_RESOURCES = 11
 # CloudFormation waits at most 1 h for a rolling-update signal
 # (PauseTime, https://docs.aws.amazon.com/AWSCloudFormation/latest/UserGuide/aws-attribute-updatepolicy.html).
 NODE_BOOT_SECONDS = 900
+# How late a unit's first UnitHealthy 1 may reach the autoscaler (EMF through CloudWatch Logs; the simulator
+# assumes 2 minutes, docs/autoscaling.md "Not verified"): a start deadline leaves at least this after a start.
+METRIC_LAG_MARGIN_SECONDS = 600
 SIGNAL_WAIT_LIMIT_SECONDS = 3600
 # Share of the instance store the model may fill (file system overhead, partial downloads).
 CACHE_FILL_LIMIT = 0.9
@@ -205,14 +208,16 @@ def check_startup_budget(fleet: FleetConfig) -> Iterable[ConfigIssue]:
             f"budget + {NODE_BOOT_SECONDS} s of node boot exceeds CloudFormation's {SIGNAL_WAIT_LIMIT_SECONDS} s "
             "rolling-update wait for a replaced node's signal",
         )
-    start = NODE_BOOT_SECONDS + budget
+    # A unit that forms in the last minutes of its budget reports its first UnitHealthy 1 through CloudWatch's lag.
+    start = NODE_BOOT_SECONDS + budget + METRIC_LAG_MARGIN_SECONDS
     for index, cell in enumerate(fleet.cells):
         chosen = cell.scaling.start_deadline_seconds if cell.scaling is not None else None
         if chosen is not None and chosen < start:
             yield ConfigIssue(
                 f"cells[{index}].scaling.start_deadline_seconds", chosen,
-                f"below node boot ({NODE_BOOT_SECONDS} s) + serving.startup_budget_seconds ({budget}) = {start}: "
-                "the autoscaler would restart units still forming within their budget",
+                f"below node boot ({NODE_BOOT_SECONDS} s) + serving.startup_budget_seconds ({budget}) + "
+                f"{METRIC_LAG_MARGIN_SECONDS} s of metric lag = {start}: the autoscaler would restart units "
+                "still forming within their budget",
             )
     if fleet.unit.instance_type in config.CATALOGUE:
         model_gib = fleet.model.parameters_billion * 1e9 * fleet.model.bytes_per_param / 2**30

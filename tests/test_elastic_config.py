@@ -51,8 +51,8 @@ def test_the_start_deadline_has_room_for_one_replaced_node_unless_set(raw: dict)
 
     fleet = parse_fleet(cell_with(raw, min_units=1, max_units=4))
     assert start_deadline_seconds(fleet, fleet.cells[0]) == 2 * (900 + 1800) + 900
-    fleet = parse_fleet(cell_with(raw, min_units=1, max_units=4, scaling={"start_deadline_seconds": 3000}))
-    assert start_deadline_seconds(fleet, fleet.cells[0]) == 3000
+    fleet = parse_fleet(cell_with(raw, min_units=1, max_units=4, scaling={"start_deadline_seconds": 4000}))
+    assert start_deadline_seconds(fleet, fleet.cells[0]) == 4000
 
 
 @pytest.mark.parametrize(
@@ -69,9 +69,9 @@ def test_the_start_deadline_has_room_for_one_replaced_node_unless_set(raw: dict)
         ({"units": 2, "scaling": {}}, "cells[0].scaling = {}: the cell has a fixed number of units (2)"),
         ({"min_units": 1, "max_units": 4, "scaling": {"target_load": 1.5}}, "cells[0].scaling.target_load = 1.5"),
         ({"min_units": 1, "max_units": 4, "scaling": {"cooldown": 5}}, "cells[0].scaling.cooldown"),
-        ({"min_units": 1, "max_units": 4, "scaling": {"start_deadline_seconds": 2400}},
-         "cells[0].scaling.start_deadline_seconds = 2400: below node boot (900 s) + serving.startup_budget_seconds "
-         "(1800) = 2700: the autoscaler would restart units still forming within their budget"),
+        ({"min_units": 1, "max_units": 4, "scaling": {"start_deadline_seconds": 3000}},
+         "cells[0].scaling.start_deadline_seconds = 3000: below node boot (900 s) + serving.startup_budget_seconds "
+         "(1800) + 600 s of metric lag = 3300: the autoscaler would restart units still forming within their budget"),
         ({"min_units": 1, "max_units": 4, "scaling": {"start_deadline_seconds": 600}},
          "cells[0].scaling.start_deadline_seconds = 600"),
         ({"min_units": 2, "max_units": 4, "min_units_available": 3},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -126,8 +127,6 @@ def test_a_stalled_unit_is_restarted_when_nothing_comes_first(situation, data) -
     """One unit made stalled (starting, all its instances, UnitHealthy 0, long past its deadline) in a random
     cell: it, or a lower stalled unit, is restarted unless a release, a cancel or a capacity backoff comes
     first or a lower unit is not active (its replacements would be labelled for that one)."""
-    import dataclasses
-
     policy, obs = situation
     policy = dataclasses.replace(policy, start_deadline_s=5400.0)
     index = data.draw(st.integers(0, policy.max_units - 1))
@@ -259,6 +258,10 @@ def test_under_faults_no_serving_unit_is_stopped_and_min_units_holds(
     deliberate drain above min_units."""
     hours = 6.0
     demand = with_noise(day_curve(peak / 4, peak), noise, seed, int(hours * 60) + 1)
+    if policy.start_deadline_s is not None:
+        # The fleet file's rule: a deadline leaves a whole start and 10 min of metric lag (cell_checks); shorter,
+        # a unit that forms in the world's startup_s is restarted with its first 1 still in the lag.
+        policy = dataclasses.replace(policy, start_deadline_s=max(policy.start_deadline_s, startup_min * 60 + 600))
 
     def check(world: World, obs: Observation, decision) -> None:
         active = world.active()
@@ -269,8 +272,12 @@ def test_under_faults_no_serving_unit_is_stopped_and_min_units_holds(
                 assert not unit.served, (obs.now, decision)
             if decision.action == "deactivate":
                 assert unit.state in ("serving", "reforming") and active > policy.min_units, (obs.now, decision)
-            if decision.action == "restart":  # replaces the instances of a unit that does not serve
-                assert unit.state in ("forming", "reforming"), (obs.now, unit.state, decision)
+            if decision.action == "restart":  # replaces the instances of a unit that does not serve...
+                # ...or that formed after the newest zero it was judged by, its 1s in the metric lag or missing (a
+                # formation retried past the deadline: `until` is when it formed). Unseeable; bounded here.
+                lag_s = (world_faults.metric_lag_min + policy.out_minutes) * 60
+                formed_lately = unit.state == "serving" and obs.now - unit.until <= lag_s
+                assert unit.state in ("forming", "reforming") or formed_lately, (obs.now, unit, decision)
 
     simulate("faults", demand, policy, capacity=32.0, startup_s=startup_min * 60, drain_s=180.0, hours=hours,
              start_h=8.0, faults=world_faults, seed=seed, check=check)

@@ -404,9 +404,11 @@ def stalled(policy: Policy, obs: Observation, starting: Sequence[Unit]) -> list[
     failing, `artifacts`; a member never ready, `form_timeout`: named, not blamed, so never
     quarantined); only fresh instances clear a host at fault. Before this bound it held its
     instances, counted as capacity and held every scale-in for good. Evidence is required:
-    its proxy reported UnitHealthy 0 in at least `scale_out_minutes` of the newest minutes
-    (`out_span`), and 1 in none (a unit that reports nothing, in a metric outage or with no
-    leader task, is not judged: lacking data the controller holds). A unit that lacks an instance waits
+    its proxy reported UnitHealthy 0 in at least `scale_out_minutes` of the newest `out_minutes`,
+    and 1 in none of `out_span` (a unit that reports nothing, in a metric outage or with no
+    leader task, is not judged: lacking data the controller holds). A unit that forms after its
+    newest zero, its 1s still in the metric lag or missing, can be restarted: within the lag and
+    `out_minutes` of forming, at its deadline only (the faults property bounds it). A unit that lacks an instance waits
     for it (the group's retries; `cancel` on a refusal). Its deadline runs from `start_of`, not
     from its last instance's arrival: a node replaced after the unit was already past its
     budget buys it no new deadline (the default deadline has room for one replacement).
@@ -416,10 +418,10 @@ def stalled(policy: Policy, obs: Observation, starting: Sequence[Unit]) -> list[
     found = []
     for unit in starting:
         begun = start_of(unit, obs)
-        health = _known(unit.health, policy.out_span)
+        recent = _known(unit.health, policy.out_minutes)  # the newest minutes: no older zeros of its formation
         if (begun is not None and obs.now - begun >= policy.start_deadline_s
                 and unit.instances is not None and unit.instances >= policy.nodes
-                and len(health) >= policy.scale_out_minutes and not any(health)):
+                and len(recent) >= policy.scale_out_minutes and not any(_known(unit.health, policy.out_span))):
             found.append(unit)
     return found
 

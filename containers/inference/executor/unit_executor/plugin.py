@@ -68,7 +68,8 @@ def _wrap(module: str, name: str) -> bool:
         original = getattr(request_class, method, None)
         if original is not None and not getattr(original, "unit_checked", False):
             setattr(request_class, method, _checked(original, check))
-    return True
+    # Listed in the log line only when its sampling parameters are checked (a class without the method is not).
+    return getattr(getattr(request_class, "to_sampling_params", None), "unit_checked", False)
 
 
 def _refuse_unhonoured(params: Any) -> None:
