@@ -288,12 +288,7 @@ def act(settings: Settings, clients: Clients, decision: Decision, context: Mappi
         if desired != group.desired:
             aws.set_desired_capacity(clients.autoscaling, settings.group, desired, retry)
         aws.record_time(clients.autoscaling, settings.group, aws.TAG_LAST_OUT, now, retry)
-        activated = {**context.get("activated", {}), **dict.fromkeys(decision.units, now)}
-        # Kept beyond the window for the units still starting: their start deadline runs from it.
-        window_start = now - settings.policy.window_minutes * MINUTE_S
-        keep = set(decision.units) | set(context.get("starting", ()))
-        aws.record_activated(clients.autoscaling, settings.group,
-                             aws.activations_value(activated, window_start, keep), retry)
+        record_activation(settings, clients, context, decision.units, now, retry)
         done["desired_capacity"] = desired
         for unit_id in unit_ids:
             set_role(unit_id, "leader", 1)
@@ -315,11 +310,7 @@ def act(settings: Settings, clients: Clients, decision: Decision, context: Mappi
         # instances (never stalled) with a fresh deadline. No scaling time: a restart is neither a
         # scale-out nor a scale-in (no cool-down), and the services stay on: the tasks are placed
         # again once the placement controller labels the replacements for the unit (`_restartable`).
-        activated = {**context.get("activated", {}), **dict.fromkeys(decision.units, now)}
-        window_start = now - settings.policy.window_minutes * MINUTE_S
-        keep = set(decision.units) | set(context.get("starting", ()))
-        aws.record_activated(clients.autoscaling, settings.group,
-                             aws.activations_value(activated, window_start, keep), retry)
+        record_activation(settings, clients, context, decision.units, now, retry)
         labelled = context.get("labelled", {})
         instances = [i for unit_id in unit_ids for i in labelled.get(unit_id, [])]
         done["replaced"] = aws.release_instances(clients.autoscaling, settings.group, instances, retry,
@@ -337,6 +328,17 @@ def act(settings: Settings, clients: Clients, decision: Decision, context: Mappi
             aws.set_desired_capacity(clients.autoscaling, settings.group, desired, retry)
             done["desired_capacity"] = desired
     return done
+
+
+def record_activation(settings: Settings, clients: Clients, context: Mapping[str, Any], units: Collection[int],
+                      now: float, retry: aws.Retry) -> None:
+    """Write `units`' activation time `now` into TAG_ACTIVATED (an activation, or a restart: their start deadline
+    runs from it). The window's other activations are kept, and beyond the window those of units still starting."""
+    activated = {**context.get("activated", {}), **dict.fromkeys(units, now)}
+    window_start = now - settings.policy.window_minutes * MINUTE_S
+    keep = set(units) | set(context.get("starting", ()))
+    value = aws.activations_value(activated, window_start, keep)
+    aws.record_activated(clients.autoscaling, settings.group, value, retry)
 
 
 def release_unlabelled(settings: Settings, clients: Clients, decision: Decision, context: Mapping[str, Any],
