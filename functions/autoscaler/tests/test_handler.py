@@ -950,6 +950,41 @@ def test_a_unit_stalled_past_its_start_deadline_gets_fresh_instances() -> None:
     assert cell.emf["Restarted"] == 1.0 and cell.emf["StalledUnits"] == 1.0 and cell.emf["ScaleIn"] == 0.0
 
 
+def test_a_restart_cut_short_by_a_busy_group_protects_the_instance_it_could_not_replace() -> None:
+    """The group refuses i-d's termination (ScalingActivityInProgress: i-c's replacement is under way).
+    i-d stays in u1 until u1's next deadline, so it gets its scale-in protection back; before, it stayed
+    unprotected, and a cancel's lower desired capacity could take it (seen failing: no such call)."""
+    cell = stalled_cell(activated=NOW - 6000)
+    cell.expect_activated(f"{int(NOW)}:1")
+    cell.autoscaling.add_response("set_instance_protection", {}, {
+        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-c", "i-d"], "ProtectedFromScaleIn": False})
+    cell.autoscaling.add_response("terminate_instance_in_auto_scaling_group", {}, {
+        "InstanceId": "i-c", "ShouldDecrementDesiredCapacity": False})
+    cell.autoscaling.add_client_error(
+        "terminate_instance_in_auto_scaling_group", "ScalingActivityInProgress",
+        service_message="Scaling activity 1234 is in progress and blocks this action.",
+        expected_params={"InstanceId": "i-d", "ShouldDecrementDesiredCapacity": False})
+    cell.autoscaling.add_response("set_instance_protection", {}, {
+        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-d"], "ProtectedFromScaleIn": True})
+    summary = cell.run(STALL_SETTINGS)
+    assert (summary["action"], summary["done"]) == ("restart", {"replaced": 1}), summary
+
+
+def test_a_release_cut_short_by_a_busy_group_is_tried_again_unprotected() -> None:
+    """A release (scale-in) refused as busy leaves the instance unprotected: it is its unit's to give
+    back, and the next tick terminates it."""
+    cell = release_cell({"i-c": "InService", "i-d": "InService"})
+    cell.autoscaling.add_response("set_instance_protection", {}, {
+        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-c", "i-d"], "ProtectedFromScaleIn": False})
+    cell.autoscaling.add_response("terminate_instance_in_auto_scaling_group", {}, {
+        "InstanceId": "i-c", "ShouldDecrementDesiredCapacity": True})
+    cell.autoscaling.add_client_error(
+        "terminate_instance_in_auto_scaling_group", "ScalingActivityInProgress",
+        service_message="Scaling activity 1234 is in progress and blocks this action.",
+        expected_params={"InstanceId": "i-d", "ShouldDecrementDesiredCapacity": True})
+    assert cell.run()["done"] == {"released": 1}
+
+
 @pytest.mark.parametrize(("case", "cell"), [
     ("within its deadline", lambda: stalled_cell(activated=NOW - 5000)),
     ("a deploy ended 10 min ago", lambda: stalled_cell(activated=NOW - 6000, deployed=NOW - 600)),

@@ -465,6 +465,7 @@ def release_instances(autoscaling: BaseClient, group: str, instance_ids: Sequenc
     touched: one already terminating (a retried tick, a health replacement) would fail
     SetInstanceProtection with a ValidationError (guardian/riff-raff#510 filters the same way).
     An instance that leaves between the read and the call is tolerated (`ALREADY_LEAVING`).
+    A replacement the group refuses while busy (ScalingActivityInProgress) gets its protection back.
     """
     ids = sorted(i for i in set(instance_ids) if i in in_service)
     if skipped := sorted(set(instance_ids) - set(ids)):
@@ -480,18 +481,35 @@ def release_instances(autoscaling: BaseClient, group: str, instance_ids: Sequenc
         # One of them left since the read; the others are unprotected one by one.
         LOG.warning("SetInstanceProtection %s: %s", ids, error)
         ids = [i for i in ids if _unprotect_one(autoscaling, group, i, retry)]
-    released = 0
+    released, busy = 0, []
     for instance_id in ids:
         try:
             retry.call(autoscaling.terminate_instance_in_auto_scaling_group, InstanceId=instance_id,
                        ShouldDecrementDesiredCapacity=decrement)
             released += 1
         except ClientError as error:
-            # ScalingActivityInProgress: the group is busy; the next tick tries again.
+            # ScalingActivityInProgress: the group is busy; a release is tried again next tick.
             if error_code(error) != "ScalingActivityInProgress" and not _already_leaving(error):
                 raise
             LOG.warning("instance %s: %s", instance_id, error)
+            if error_code(error) == "ScalingActivityInProgress":
+                busy.append(instance_id)
+    if busy and not decrement:
+        # A replacement cut short is not tried again before the unit's next deadline, and until then the
+        # instance stays in its unit: unprotected, the group's own scale-in (a cancel's lower desired
+        # capacity) could take it from under the unit instead of a free instance.
+        _protect(autoscaling, group, busy, retry)
     return released
+
+
+def _protect(autoscaling: BaseClient, group: str, instance_ids: Sequence[str], retry: Retry) -> None:
+    try:
+        retry.call(autoscaling.set_instance_protection, AutoScalingGroupName=group, InstanceIds=list(instance_ids),
+                   ProtectedFromScaleIn=True)
+    except ClientError as error:
+        if not _already_leaving(error):
+            raise
+        LOG.warning("SetInstanceProtection %s: %s", instance_ids, error)
 
 
 def _unprotect_one(autoscaling: BaseClient, group: str, instance_id: str, retry: Retry) -> bool:
