@@ -101,6 +101,32 @@ def test_old_autoscaler_cancels_serving_units_in_a_metric_gap():
     assert "cancels" in verdict["first"]["first"] and "a unit that serves" in verdict["first"]["first"]
 
 
+def test_a_unit_that_never_forms_gets_fresh_instances_and_then_serves():
+    """Both instances of the scale-out's unit are hosts where every fetch fails: nothing is quarantined
+    (`artifacts` implicates no host), the autoscaler restarts the unit once at its start deadline, and
+    the placement controller gives the replacements to it, on which it forms."""
+    doc = run("unit-never-forms.yaml", ELASTIC, seeds=3)
+    for seed in doc["per_seed"]:
+        figures = seed["figures"]
+        assert [r.split()[1] for r in figures["restarts"]] == ["u2"], figures
+        assert figures["serving_at_end"] == ["u0", "u1", "u2"] and figures["quarantined"] == [], figures
+
+
+def no_start_deadline(policy, obs):
+    """Before the twenty-seventh session (main 664423d): no start deadline; a unit that never forms stays
+    `starting` on its instances."""
+    from unit_autoscaler import decision
+
+    return decision.decide(dataclasses.replace(policy, start_deadline_s=None), obs)
+
+
+def test_without_the_start_deadline_the_unit_never_serves():
+    doc = run("unit-never-forms.yaml", ELASTIC, hooks=engine.Hooks(decide=no_start_deadline))
+    figures = doc["per_seed"][0]["figures"]
+    assert figures["restarts"] == [] and figures["serving_at_end"] == ["u0", "u1"], figures
+    assert figures["units_down_by_hour"][1:] == [1, 1, 1, 1, 1], figures  # u2 down from its start to the end
+
+
 def old_ready_instances(settings, view, new, elbv2, retry):
     """87efc36 (issue 20 items 4, 5): a new instance is signalled when it is a member of a unit whose
     leader is a healthy target; an instance no unit needs (launch-first, a new spare) never is."""
@@ -165,7 +191,8 @@ def test_a_signal_rule_that_signals_every_new_instance_at_once_has_two_units_out
 
 # ---- every scenario of simulations/ holds every invariant on today's code, 3 seeds each ----------------
 
-CONFIGS = {"ami-change-large.yaml": LARGE, "metric-gap.yaml": ELASTIC, "capacity-refusal.yaml": ELASTIC}
+CONFIGS = {"ami-change-large.yaml": LARGE, "metric-gap.yaml": ELASTIC, "capacity-refusal.yaml": ELASTIC,
+           "unit-never-forms.yaml": ELASTIC}
 SLOW = {"day-36-units.yaml"}  # run once below, timed
 
 

@@ -145,6 +145,8 @@ class Cell:
         self.named: set[str] = set()  # instances a fault event acted on (not "healthy")
         self.devices_lost: set[str] = set()  # instances that lost a device after boot (`device_lost`)
         self.bad_hosts: dict[str, int] = {}  # iid -> times
+        self.unformable_left = 0  # how many of the group's next launches are hosts where every fetch fails
+        self.restarts: list[tuple[float, str]] = []  # the autoscaler's restarts: (time, unit)
         self.recoveries: list[dict[str, Any]] = []
         self._open_failures: dict[str, list[tuple[float, str]]] = {}
         self.metric_gaps: list[tuple[float, float, str]] = []
@@ -277,6 +279,11 @@ class Cell:
             return None
         inst = self._new_instance()
         self.note(f"launch {inst.iid} (launch template v{inst.version})")
+        if self.unformable_left > 0:
+            self.unformable_left -= 1
+            inst.unformable = True
+            self.named.add(inst.iid)
+            self.note(f"{inst.iid} is a host where every fetch fails (unformable_launches)")
         self.after(self.model.v("asg_in_service"), self._in_service, inst)
         self.after(self.vary("instance_boot"), self._register, inst)
         roll = self.roll
@@ -630,7 +637,17 @@ class Cell:
             return
         session.state, session.released_at = "fetching", self.now
         fetch = max((0.0 if t.inst.cached else self.vary("fetch_per_node")) for t in session.members)
+        failing = next((t for t in session.members if t.inst.unformable), None)
+        if failing is not None:
+            self.after(fetch, self._fetch_failed, unit, session, failing)
+            return
         self.after(fetch, self._ready, unit, session)
+
+    def _fetch_failed(self, unit: Unit, session: Session, task: Task) -> None:
+        """The launcher ends the session `artifacts`: naming the follower whose fetch failed, nobody for
+        the leader's own (unit_launcher, failures.NOT_IMPLICATING_CAUSES)."""
+        if unit.session is session and session.state == "fetching":
+            self.end_session(unit, "artifacts", None if task is session.leader else task, None)
 
     def _ready(self, unit: Unit, session: Session) -> None:
         if unit.session is not session or session.state != "fetching":
@@ -1071,6 +1088,9 @@ class Cell:
         self.end_session(unit, cause, task, None)
         self._check_quarantine(inst)
 
+    def _do_unformable_launches(self, event: Event) -> None:
+        self.unformable_left += event.times
+
     def _do_ami_change(self, event: Event) -> None:
         if self.roll.active:
             self.note("rolling update already in progress: the new change waits (not modelled)")
@@ -1260,6 +1280,7 @@ class Cell:
             # The handler terminates the unit's instances without decrementing: the group replaces them.
             for unit in chosen:
                 unit.activated = self.now
+                self.restarts.append((self.now, unit.uid))
                 for inst in [i for i in self.live_instances() if i.attributes.get("unit") == unit.uid]:
                     self.terminate(inst, replace=True)
         elif decision.action in ("deactivate", "cancel"):

@@ -119,6 +119,8 @@ def seed_report(result: SeedResult, timeline: bool = False) -> dict[str, Any]:
                                  if sim.roll.finished is not None and sim.roll.started is not None else None}
     figures["time_to_serve_again_s"] = [round(r["seconds"], 1) for r in sim.recoveries]
     figures["units_down_by_hour"] = sim.down_by_hour
+    figures["restarts"] = [f"{clock(t)} {uid}" for t, uid in sim.restarts]
+    figures["serving_at_end"] = sorted(u.uid for u in sim.units.values() if sim.in_service(u))
     doc = {
         "seed": result.seed,
         "wall_seconds": round(result.wall_seconds, 3),

@@ -37,6 +37,9 @@ KINDS: Mapping[str, tuple[frozenset[str], frozenset[str]]] = {
     # A Neuron device node of the target's instance disappears after boot: every unit task started there
     # afterwards stops before its launcher runs (ECS stop code TaskFailedToStart).
     "device_lost": (frozenset({"target"}), frozenset()),
+    # The next `times` instances the group launches are hosts on which a member's fetch fails every time
+    # (`artifacts`, which implicates no host): a unit with a member there never forms.
+    "unformable_launches": (frozenset({"times"}), frozenset()),
     "ami_change": (frozenset(), frozenset()),
     "deploy": (frozenset(), frozenset()),
     "capacity_refusal": (frozenset({"for"}), frozenset()),

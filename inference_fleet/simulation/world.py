@@ -78,6 +78,8 @@ class Instance:
     leaving: bool = False  # terminating with managed draining
     # A device node gone after boot (scenario `device_lost`): unit tasks started here stop before they run.
     device_lost: bool = False
+    # A host on which every fetch fails (scenario `unformable_launches`): a unit with a member here never forms.
+    unformable: bool = False
     start_failures: int = 0
 
     @property
