@@ -102,14 +102,28 @@ def test_old_autoscaler_cancels_serving_units_in_a_metric_gap():
 
 
 def test_a_unit_that_never_forms_gets_fresh_instances_and_then_serves():
-    """Both instances of the scale-out's unit are hosts where every fetch fails: nothing is quarantined
-    (`artifacts` implicates no host), the autoscaler restarts the unit once at its start deadline, and
-    the placement controller gives the replacements to it, on which it forms."""
+    """The scale-out's unit gets hosts where every fetch fails, and so do their replacements: nothing is
+    quarantined (`artifacts` implicates no host), the autoscaler restarts the unit at its start deadline
+    (105 min) and again at twice that after the restart, and the placement controller gives each pair of
+    replacements to it; it forms on the third."""
     doc = run("unit-never-forms.yaml", ELASTIC, seeds=3)
     for seed in doc["per_seed"]:
         figures = seed["figures"]
-        assert [r.split()[1] for r in figures["restarts"]] == ["u2"], figures
+        assert figures["restarts"] == ["+2h48m00s u2", "+6h18m00s u2"], figures
         assert figures["serving_at_end"] == ["u0", "u1", "u2"] and figures["quarantined"] == [], figures
+
+
+def no_restart_backoff(policy, obs):
+    """The twenty-seventh session's rule: every restart waits the same deadline."""
+    from unit_autoscaler import decision
+
+    units = tuple(dataclasses.replace(u, restarts=0) for u in obs.units)
+    return decision.decide(policy, dataclasses.replace(obs, units=units))
+
+
+def test_without_the_restart_backoff_the_second_restart_comes_a_deadline_after_the_first():
+    figures = run("unit-never-forms.yaml", ELASTIC, hooks=engine.Hooks(decide=no_restart_backoff))["per_seed"][0]
+    assert figures["figures"]["restarts"] == ["+2h48m00s u2", "+4h33m00s u2"], figures["figures"]
 
 
 def no_start_deadline(policy, obs):
@@ -124,7 +138,7 @@ def test_without_the_start_deadline_the_unit_never_serves():
     doc = run("unit-never-forms.yaml", ELASTIC, hooks=engine.Hooks(decide=no_start_deadline))
     figures = doc["per_seed"][0]["figures"]
     assert figures["restarts"] == [] and figures["serving_at_end"] == ["u0", "u1"], figures
-    assert figures["units_down_by_hour"][1:] == [1, 1, 1, 1, 1], figures  # u2 down from its start to the end
+    assert figures["units_down_by_hour"][1:] == [1] * 8, figures  # u2 down from its start to the end
 
 
 def old_ready_instances(settings, view, new, elbv2, retry):

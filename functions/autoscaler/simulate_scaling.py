@@ -152,6 +152,7 @@ class SimUnit:
     until: float = 0.0
     served: bool = False  # served in its current life (truth, for the invariants)
     activated: float | None = None  # its last activation (the handler's TAG_ACTIVATED)
+    restarts: int = 0  # restarts since that activation (TAG_ACTIVATED's count)
     bad_host: bool = False  # its instances hold a host on which it never forms (Faults.bad_instances)
 
     @property
@@ -292,7 +293,7 @@ class World:
             units.append(Unit(unit.index, phase, tuple(u for u, _ in seen),
                               running_tasks=nodes if unit.has_instances and unit.state != "releasing" else 0,
                               instances=nodes if unit.has_instances else 0, health=tuple(health),
-                              activated_at=unit.activated))
+                              activated_at=unit.activated, restarts=unit.restarts))
         ttft = self._visible(self.ttft_history, minute, None)
         return Observation(now=now, units=tuple(units), last_scale_out=self.last_out, last_scale_in=self.last_in,
                            capacity_failures=tuple(self.failures), ttft_p90_ms=tuple(ttft))
@@ -303,6 +304,7 @@ class World:
         chosen = [self.units[i] for i in decision.units]
         if decision.action == "activate":
             for unit in chosen:
+                unit.restarts = 0
                 if unit.has_instances:  # below min_units, on the instances it still holds: the same hosts
                     unit.state, unit.served, unit.until, unit.activated = "forming", False, now + self.startup_s, now
                     continue
@@ -318,7 +320,7 @@ class World:
             for unit in chosen:
                 # A new life, as an activation's (the autoscaler judged it never served; it may have, unseen).
                 unit.state, unit.until, unit.activated, unit.bad_host = "launching", now, now, False
-                unit.served = False
+                unit.served, unit.restarts = False, unit.restarts + 1
             self.advance_launches(now)
         elif decision.action == "cancel":
             for unit in chosen:

@@ -1238,7 +1238,7 @@ class Cell:
             phase = asd.phase_of(desired_tasks=unit.leader_desired + unit.follower_desired, running_tasks=running,
                                  labelled_instances=labelled, served=served)
             units.append(asd.Unit(unit.index, phase, load, running_tasks=running, instances=labelled, health=health,
-                                  activated_at=unix(unit.activated)))
+                                  activated_at=unix(unit.activated), restarts=unit.restarts))
         failures = tuple(EPOCH + t for t in self.capacity_failures if self.now - t <= CAPACITY_LOOKBACK_S)
         busy = "UPDATE_IN_PROGRESS" if self.roll.active or self.deploy_queue else None
         return asd.Observation(now=self.wall(), units=tuple(units), stack_busy=busy,
@@ -1273,13 +1273,14 @@ class Cell:
             for unit in chosen:
                 unit.leader_desired, unit.follower_desired = 1, self.nodes - 1
                 unit.down_since, unit.down_cause, unit.activated = self.now, "forming", self.now
+                unit.restarts = 0
             self.desired += len(chosen) * self.nodes
             self.last_scale_out = self.now
             self.asg_converge()
         elif decision.action == "restart":
             # The handler terminates the unit's instances without decrementing: the group replaces them.
             for unit in chosen:
-                unit.activated = self.now
+                unit.activated, unit.restarts = self.now, unit.restarts + 1
                 self.restarts.append((self.now, unit.uid))
                 for inst in [i for i in self.live_instances() if i.attributes.get("unit") == unit.uid]:
                     self.terminate(inst, replace=True)

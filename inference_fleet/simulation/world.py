@@ -138,6 +138,7 @@ class Unit:
     down_cause: str = "forming"  # planned, unplanned, forming
     served_ever: bool = False
     activated: float | None = None  # its last activation by the autoscaler (the handler's TAG_ACTIVATED)
+    restarts: int = 0  # the autoscaler's restarts since that activation (TAG_ACTIVATED's count)
 
 
 @dataclass

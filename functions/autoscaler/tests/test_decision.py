@@ -17,6 +17,7 @@ from unit_autoscaler.decision import (
     Policy,
     Unit,
     backoff_until,
+    deadline_of,
     decide,
     has_served,
     phase_of,
@@ -589,11 +590,13 @@ WINDOW = DEADLINE.window_minutes
 
 def stall(now: float = 100 * 60.0, activated: float | None = 0.0, instances: int = 2,
           deployed: float | None = None, failures: tuple[float, ...] = (), last_out: float | None = 0.0,
-          health: tuple[float | None, ...] = (0.0,) * WINDOW, policy: Policy = DEADLINE, **more: Unit) -> Decision:
-    """u0 serves, lightly loaded; u1 starts, activated at `activated`, with `instances` of 2, reporting `health`."""
+          health: tuple[float | None, ...] = (0.0,) * WINDOW, policy: Policy = DEADLINE, restarts: int = 0,
+          **more: Unit) -> Decision:
+    """u0 serves, lightly loaded; u1 starts, activated (or restarted `restarts` times, the last) at `activated`,
+    with `instances` of 2, reporting `health`."""
     units = (Unit(0, "serving", (0.2,) * WINDOW, running_tasks=2, instances=2, health=(1.0,) * WINDOW),
              Unit(1, "starting", (0.0,) * WINDOW, running_tasks=2, instances=instances, health=health,
-                  activated_at=activated), *more.values())
+                  activated_at=activated, restarts=restarts), *more.values())
     obs = Observation(now=now, units=units, last_scale_out=last_out, capacity_failures=failures,
                       deployed_at=deployed)
     return decide(policy, obs)
@@ -605,6 +608,19 @@ def test_a_stalled_unit_is_restarted_at_its_deadline_not_before() -> None:
     decision = stall(now=90 * 60.0)
     assert (decision.action, decision.units) == ("restart", (1,))
     assert decision.metrics["StalledUnits"] == 1.0
+
+
+def test_each_restart_doubles_the_next_deadline_up_to_a_day() -> None:
+    """A unit that fresh instances did not help waits twice as long before the next (its failure may not be the
+    hosts'); before, every restart came one deadline after the last, each giving back Trainium instances."""
+    assert stall(now=179 * 60.0, restarts=1).action == "hold"
+    assert stall(now=180 * 60.0, restarts=1).action == "restart"
+    assert stall(now=359 * 60.0, restarts=2).action == "hold"
+    assert stall(now=360 * 60.0, restarts=2).action == "restart"
+    assert [deadline_of(DEADLINE, Unit(1, "starting", restarts=k)) for k in (0, 1, 4, 5, 60)] == [
+        5400.0, 10800.0, 86400.0, 86400.0, 86400.0]
+    long = dataclasses.replace(DEADLINE, start_deadline_s=86400.0)  # the longest the fleet file allows
+    assert deadline_of(long, Unit(1, "starting", restarts=3)) == 86400.0
 
 
 @pytest.mark.parametrize(("case", "kwargs"), [

@@ -914,14 +914,15 @@ def test_the_activation_record_keeps_the_window_and_its_size() -> None:
 STALL_SETTINGS = dataclasses.replace(SETTINGS, policy=dataclasses.replace(POLICY, start_deadline_s=5400))
 
 
-def stalled_cell(activated: float, deployed: float = NOW - 86400, instances: int = 2) -> Cell:
-    """u0 serves; u1 was activated at `activated`, has `instances` of its 2 nodes and has never
-    reported UnitHealthy 1 (its leader's proxy reports 0: the unit does not form)."""
+def stalled_cell(activated: float, deployed: float = NOW - 86400, instances: int = 2, unit: str = "1") -> Cell:
+    """u0 serves; u1 was activated at `activated` (`unit`: its part of the record, `1r1` once restarted),
+    has `instances` of its 2 nodes and has never reported UnitHealthy 1 (its leader's proxy reports 0:
+    the unit does not form)."""
     cell = Cell()
     cell.stack(finished=deployed)
     names = ["i-a", "i-b", "i-c", "i-d"][: 2 + instances]
     cell.group(4, names, served="0", **{aws.TAG_LAST_OUT: activated,
-                                        aws.TAG_ACTIVATED: f"{int(activated)}:1"})
+                                        aws.TAG_ACTIVATED: f"{int(activated)}:{unit}"})
     cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (0, 0)})
     cell.labels(dict(zip(names, ["u0", "u0", "u1", "u1"], strict=False)))
     cell.activities()
@@ -937,7 +938,7 @@ def test_a_unit_stalled_past_its_start_deadline_gets_fresh_instances() -> None:
     deadline the tick held, for ever (seen failing: 'hold'); the first version of the restart set
     its services to 0 and, below min_units, started it again on the same instances (review)."""
     cell = stalled_cell(activated=NOW - 6000)
-    cell.expect_activated(f"{int(NOW)}:1")
+    cell.expect_activated(f"{int(NOW)}:1r1")
     cell.autoscaling.add_response("set_instance_protection", {}, {
         "AutoScalingGroupName": GROUP, "InstanceIds": ["i-c", "i-d"], "ProtectedFromScaleIn": False})
     for instance in ("i-c", "i-d"):
@@ -955,7 +956,7 @@ def test_a_restart_cut_short_by_a_busy_group_protects_the_instance_it_could_not_
     i-d stays in u1 until u1's next deadline, so it gets its scale-in protection back; before, it stayed
     unprotected, and a cancel's lower desired capacity could take it (seen failing: no such call)."""
     cell = stalled_cell(activated=NOW - 6000)
-    cell.expect_activated(f"{int(NOW)}:1")
+    cell.expect_activated(f"{int(NOW)}:1r1")
     cell.autoscaling.add_response("set_instance_protection", {}, {
         "AutoScalingGroupName": GROUP, "InstanceIds": ["i-c", "i-d"], "ProtectedFromScaleIn": False})
     cell.autoscaling.add_response("terminate_instance_in_auto_scaling_group", {}, {
@@ -983,6 +984,35 @@ def test_a_release_cut_short_by_a_busy_group_is_tried_again_unprotected() -> Non
         service_message="Scaling activity 1234 is in progress and blocks this action.",
         expected_params={"InstanceId": "i-d", "ShouldDecrementDesiredCapacity": True})
     assert cell.run()["done"] == {"released": 1}
+
+
+def test_a_unit_restarted_before_waits_twice_as_long_and_its_count_goes_on() -> None:
+    """u1 was restarted once (`1r1`) 100 minutes ago: its deadline is now 180 minutes, so the tick holds
+    (before: restarted again every 90 minutes, each a Trainium launch, for a failure fresh instances do not
+    fix; seen failing: 'restart'). 190 minutes after, it is restarted a second time, recorded `1r2`."""
+    summary = stalled_cell(activated=NOW - 6000, unit="1r1").run(STALL_SETTINGS)
+    assert summary["action"] == "hold" and summary["phases"]["u1"] == "starting", summary
+    cell = stalled_cell(activated=NOW - 11400, unit="1r1")
+    cell.expect_activated(f"{int(NOW)}:1r2")
+    cell.autoscaling.add_response("set_instance_protection", {}, {
+        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-c", "i-d"], "ProtectedFromScaleIn": False})
+    for instance in ("i-c", "i-d"):
+        cell.autoscaling.add_response("terminate_instance_in_auto_scaling_group", {}, {
+            "InstanceId": instance, "ShouldDecrementDesiredCapacity": False})
+    summary = cell.run(STALL_SETTINGS)
+    assert summary["action"] == "restart" and "deadline 10800 s, restart 2 since its activation" in summary["reason"]
+
+
+def test_the_activation_record_reads_and_writes_restart_counts() -> None:
+    """`3r2`: unit 3, restarted twice since its activation; an activation writes a unit without a count, and
+    an older handler's record (no counts) reads as none."""
+    value = aws.activations_value({1: NOW, 3: NOW - 60, 4: NOW - 60}, NOW - 1800, restarts={3: 2, 1: 0})
+    assert value == f"{int(NOW)}:1;{int(NOW - 60)}:3r2.4"
+    tags = {aws.TAG_ACTIVATED: value}
+    assert aws.activations(tags) == {1: NOW, 3: NOW - 60, 4: NOW - 60}
+    assert aws.restart_counts(tags) == {3: 2}
+    assert aws.restart_counts({aws.TAG_ACTIVATED: f"{int(NOW)}:1.2"}) == {}
+    assert aws.activations({aws.TAG_ACTIVATED: "12:3x1.2r;13:2r1"}) == {2: 13.0}  # malformed parts skipped
 
 
 @pytest.mark.parametrize(("case", "cell"), [

@@ -111,19 +111,20 @@ def test_a_unit_on_instances_where_it_never_forms_is_restarted_and_serves() -> N
 
 def test_a_cells_only_unit_that_never_forms_gets_fresh_instances_each_time() -> None:
     """min_units = max_units = 1, and every launch gets a host on which the unit never forms: activated
-    once, then each restart replaces its instances (a launch), 8 hours long; the unit is never started
-    again on the hosts it held. The first version stopped its services; released below min_units, it
-    was started again on the same instances (review): in this world an activation of a unit that holds
-    instances, which forms on them or not as they are."""
+    once, then each restart replaces its instances (a launch), each a deadline twice the last after the
+    one before (90, 180, 360 min), 12 hours long; the unit is never started again on the hosts it held.
+    The first version stopped its services; released below min_units, it was started again on the same
+    instances (review): in this world an activation of a unit that holds instances, which forms on them
+    or not as they are."""
     from simulate_scaling import World
     from unit_autoscaler.decision import Policy, decide
 
     policy = Policy(min_units=1, max_units=1, nodes=2, start_deadline_s=5400)
     faults = Faults(metric_lag_min=1, gap=0.0, formation_failure=0.0, reforms_per_day=0.0, refused=(),
                     bad_instances=1.0)
-    world = World.start(policy, 32.0, 2700.0, 660.0, 0, faults, minutes=8 * 60)
-    actions, held_again = [], 0
-    for minute in range(8 * 60):
+    world = World.start(policy, 32.0, 2700.0, 660.0, 0, faults, minutes=12 * 60)
+    actions, held_again, restarted = [], 0, []
+    for minute in range(12 * 60):
         now = minute * 60.0
         world.advance(now)
         obs = world.observe(now, 10.0)
@@ -131,6 +132,8 @@ def test_a_cells_only_unit_that_never_forms_gets_fresh_instances_each_time() -> 
         if decision.action != "hold":
             actions.append(decision.action)
             held_again += decision.action == "activate" and world.units[0].has_instances
+            restarted += [minute] if decision.action == "restart" else []
         world.apply(now, decision, obs)
-    assert actions[0] == "activate" and actions.count("restart") >= 3, actions
+    assert actions[0] == "activate" and actions.count("restart") == 3, actions
+    assert [b - a for a, b in itertools.pairwise(restarted)] == [180, 360], restarted
     assert held_again == 0 and set(actions[1:]) == {"restart"}, actions

@@ -389,30 +389,50 @@ def served_units(tags: Mapping[str, str]) -> frozenset[int]:
     return frozenset(found)
 
 
-def activations(tags: Mapping[str, str]) -> dict[int, float]:
-    """Each unit's last activation time as the group's TAG_ACTIVATED lists it (malformed parts skipped)."""
-    found: dict[int, float] = {}
+# A unit in TAG_ACTIVATED: its index, and after a restart `r` and the number of restarts since its
+# activation (`3r2`: unit 3, restarted twice), which its next start deadline doubles with
+# (`decision.deadline_of`). An older handler skips a part it cannot read (that unit's time with it).
+_ACTIVATED_UNIT = re.compile(r"^(\d+)(?:r(\d+))?$")
+
+
+def _activated_parts(tags: Mapping[str, str]) -> dict[int, tuple[float, int]]:
+    """Each unit's newest (activation time, restarts) in TAG_ACTIVATED, malformed parts skipped."""
+    found: dict[int, tuple[float, int]] = {}
     for group in tags.get(TAG_ACTIVATED, "").split(";"):
         when, _, units = group.partition(":")
         if not when.strip().isdigit():
             continue
         for part in units.split("."):
-            if part.strip().isdigit():
-                found[int(part)] = max(found.get(int(part), 0.0), float(when))
+            match = _ACTIVATED_UNIT.match(part.strip())
+            if match and float(when) >= found.get(int(match[1]), (0.0, 0))[0]:
+                found[int(match[1])] = (float(when), int(match[2] or 0))
     return found
 
 
-def activations_value(activated: Mapping[int, float], since: float, keep: Collection[int] = ()) -> str:
+def activations(tags: Mapping[str, str]) -> dict[int, float]:
+    """Each unit's last activation (or restart) time as the group's TAG_ACTIVATED lists it."""
+    return {unit: when for unit, (when, _) in _activated_parts(tags).items()}
+
+
+def restart_counts(tags: Mapping[str, str]) -> dict[int, int]:
+    """Each unit's restarts since its activation, as TAG_ACTIVATED lists them (units never restarted left out)."""
+    return {unit: count for unit, (_, count) in _activated_parts(tags).items() if count}
+
+
+def activations_value(activated: Mapping[int, float], since: float, keep: Collection[int] = (),
+                      restarts: Mapping[int, int] | None = None) -> str:
     """TAG_ACTIVATED's value: activations at or after `since`, and those of the units in `keep` (still
     starting: their start deadline runs from it, `decision.start_of`), newest first, within TAG_VALUE_MAX.
-    When they do not all fit, the kept units' times go in first, then the newest of the others."""
+    When they do not all fit, the kept units' times go in first, then the newest of the others.
+    `restarts`: each unit's restarts since its activation, written after its index (`3r2`)."""
+    counts = restarts or {}
     by_time: dict[int, list[int]] = {}
     for unit, when in activated.items():
         if when >= since or unit in keep:
             by_time.setdefault(int(when), []).append(unit)
 
     def part(when: int) -> str:
-        return f"{when}:{'.'.join(str(u) for u in sorted(by_time[when]))}"
+        return f"{when}:" + ".".join(f"{u}r{counts[u]}" if counts.get(u) else str(u) for u in sorted(by_time[when]))
 
     chosen: list[int] = []
     for when in sorted(by_time, key=lambda t: (not set(by_time[t]) & set(keep), -t)):

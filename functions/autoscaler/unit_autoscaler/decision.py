@@ -57,6 +57,10 @@ SCALE_IN_MIN_COVERAGE = 0.5
 # No unit starts in less (a Trainium node boots for some 15 minutes before its unit's fetch,
 # join and load): a shorter start deadline is a mistake, refused.
 MIN_START_DEADLINE_S = 1800.0
+# Each restart of a unit that fresh instances did not help doubles its next deadline, up to a day:
+# a failure that is not the hosts' (missing artifacts, a permission) is not fixed by new instances,
+# and each restart gives back Trainium instances that the group may not get again.
+RESTART_DEADLINE_CAP_S = 86400.0
 
 
 @dataclass(frozen=True)
@@ -154,6 +158,7 @@ class Unit:
     instances: int | None = None  # instances labelled for the unit (None: not known)
     health: Series = ()  # UnitHealthy minimum per minute, newest first
     activated_at: float | None = None  # its last activation (the handler's TAG_ACTIVATED; None: not known)
+    restarts: int = 0  # restarts since that activation (TAG_ACTIVATED), each doubling its start deadline
 
     @property
     def unit_id(self) -> str:
@@ -397,6 +402,15 @@ def start_of(unit: Unit, obs: Observation) -> float | None:
     return max((t for t in (own, obs.deployed_at) if t is not None), default=None)
 
 
+def deadline_of(policy: Policy, unit: Unit) -> float | None:
+    """The unit's start deadline: `start_deadline_s`, doubled for each restart since its activation, at most
+    RESTART_DEADLINE_CAP_S (or the configured deadline, if longer). None: no deadline."""
+    if policy.start_deadline_s is None:
+        return None
+    cap = max(policy.start_deadline_s, RESTART_DEADLINE_CAP_S)
+    return min(policy.start_deadline_s * 2.0 ** min(unit.restarts, 16), cap)
+
+
 def stalled(policy: Policy, obs: Observation, starting: Sequence[Unit]) -> list[Unit]:
     """Starting units that have all their instances, report that they do not serve, and are past the deadline.
 
@@ -411,15 +425,16 @@ def stalled(policy: Policy, obs: Observation, starting: Sequence[Unit]) -> list[
     `out_minutes` of forming, at its deadline only (the faults property bounds it). A unit that lacks an instance waits
     for it (the group's retries; `cancel` on a refusal). Its deadline runs from `start_of`, not
     from its last instance's arrival: a node replaced after the unit was already past its
-    budget buys it no new deadline (the default deadline has room for one replacement).
+    budget buys it no new deadline (the default deadline has room for one replacement). A unit
+    restarted before waits twice as long each time (`deadline_of`).
     """
     if policy.start_deadline_s is None:
         return []
     found = []
     for unit in starting:
-        begun = start_of(unit, obs)
+        begun, deadline = start_of(unit, obs), deadline_of(policy, unit)
         recent = _known(unit.health, policy.out_minutes)  # the newest minutes: no older zeros of its formation
-        if (begun is not None and obs.now - begun >= policy.start_deadline_s
+        if (begun is not None and deadline is not None and obs.now - begun >= deadline
                 and unit.instances is not None and unit.instances >= policy.nodes
                 and len(recent) >= policy.scale_out_minutes and not any(_known(unit.health, policy.out_span))):
             found.append(unit)
@@ -508,9 +523,11 @@ def decide(policy: Policy, obs: Observation) -> Decision:
     restart, not_restarted = _restartable(stuck, units, in_backoff)
     if restart is not None:
         late = (obs.now - (start_of(restart, obs) or obs.now)) / MINUTE_S
+        deadline = deadline_of(policy, restart) or 0.0
+        again = f", restart {restart.restarts + 1} since its activation" if restart.restarts else ""
         return out("restart", f"{restart.unit_id} has all its instances and has not served {late:.0f} min after "
-                   f"its start (start_deadline_s {policy.start_deadline_s:.0f}): its instances replaced, the "
-                   "group launching fresh ones for it", [restart])
+                   f"its start (deadline {deadline:.0f} s{again}): its instances replaced, the group launching "
+                   "fresh ones for it", [restart])
     below = _draining_below(draining, dormant)
     wait = f"; waiting for {below.unit_id} to be drained and released first" if below else ""
 

@@ -129,9 +129,10 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
     metrics, ttft = aws.proxy_metrics(clients.cloudwatch, settings.proxy_namespace, settings.cell,
                                       settings.unit_ids, now, retry, minutes=settings.policy.window_minutes)
     latched, activated = aws.served_units(group.tags), aws.activations(group.tags)
+    restarts = aws.restart_counts(group.tags)
     served = frozenset(index for index, unit_id in enumerate(settings.unit_ids)
                        if has_served(index in latched, metrics[unit_id].healthy, now, activated.get(index)))
-    units = unit_views(settings, services, labelled, metrics, served, {}, activated)
+    units = unit_views(settings, services, labelled, metrics, served, {}, activated, restarts)
     # The counts cannot see a task still stopping (`aws.stopping_tasks`): before anything is released
     # (a unit that looks stopped, unlabelled instances no unit needs), ECS is asked which instances hold one.
     if (any(u.phase == "releasing" for u in units)
@@ -139,7 +140,7 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
         stopping = aws.stopping_tasks(clients.ecs, settings.cluster, retry)
         held = {view.hosts[arn]: count for arn, count in stopping.items() if arn in view.hosts}
         if held:
-            units = unit_views(settings, services, labelled, metrics, served, held, activated)
+            units = unit_views(settings, services, labelled, metrics, served, held, activated, restarts)
             busy |= set(held)
     # A deploy restarts units: count its end as a scaling event for the scale-in cool-down.
     last_in = max((t for t in (_tag_time(group.tags, aws.TAG_LAST_IN), last_update) if t is not None), default=None)
@@ -149,6 +150,7 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
         unlabelled_instances=len(unlabelled_live(group, attributes, view.unusable)), deployed_at=last_update,
     )
     context.update(services=services, labelled=labelled, failures=failures, served=latched, activated=activated,
+                   restarts=restarts,
                    unlabelled=unlabelled_beyond_need(settings, group, attributes, units, busy),
                    starting={u.index for u in units if u.phase == "starting"})
     return obs, context
@@ -156,11 +158,12 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
 
 def unit_views(settings: Settings, services: Mapping[tuple[str, str], aws.ServiceView],
                labelled: Mapping[str, list[str]], metrics: Mapping[str, aws.UnitMetrics], served: frozenset[int],
-               held: Mapping[str, int], activated: Mapping[int, float] | None = None) -> list[Unit]:
+               held: Mapping[str, int], activated: Mapping[int, float] | None = None,
+               restarts: Mapping[int, int] | None = None) -> list[Unit]:
     """Every unit's phase and load. A unit's running tasks are its services' running and pending ones
     plus the tasks still stopping on its labelled instances (`held`: EC2 instance id -> count): a unit
-    whose leader's target is still deregistering is draining, not stopped. `activated`: the units'
-    activation times (TAG_ACTIVATED)."""
+    whose leader's target is still deregistering is draining, not stopped. `activated`, `restarts`: the
+    units' activation times and restarts since (TAG_ACTIVATED)."""
     units = []
     for index, unit_id in enumerate(settings.unit_ids):
         roles = [services.get((unit_id, role)) for role in ("leader", "followers")]
@@ -171,7 +174,8 @@ def unit_views(settings: Settings, services: Mapping[tuple[str, str], aws.Servic
         phase = phase_of(desired_tasks=desired, running_tasks=running, labelled_instances=instances,
                          served=index in served)
         units.append(Unit(index, phase, utilisation(m, settings.capacity), running_tasks=running,
-                          instances=instances, health=m.healthy, activated_at=(activated or {}).get(index)))
+                          instances=instances, health=m.healthy, activated_at=(activated or {}).get(index),
+                          restarts=(restarts or {}).get(index, 0)))
     return units
 
 
@@ -310,7 +314,7 @@ def act(settings: Settings, clients: Clients, decision: Decision, context: Mappi
         # instances (never stalled) with a fresh deadline. No scaling time: a restart is neither a
         # scale-out nor a scale-in (no cool-down), and the services stay on: the tasks are placed
         # again once the placement controller labels the replacements for the unit (`_restartable`).
-        record_activation(settings, clients, context, decision.units, now, retry)
+        record_activation(settings, clients, context, decision.units, now, retry, restarted=True)
         labelled = context.get("labelled", {})
         instances = [i for unit_id in unit_ids for i in labelled.get(unit_id, [])]
         done["replaced"] = aws.release_instances(clients.autoscaling, settings.group, instances, retry,
@@ -331,13 +335,17 @@ def act(settings: Settings, clients: Clients, decision: Decision, context: Mappi
 
 
 def record_activation(settings: Settings, clients: Clients, context: Mapping[str, Any], units: Collection[int],
-                      now: float, retry: aws.Retry) -> None:
+                      now: float, retry: aws.Retry, restarted: bool = False) -> None:
     """Write `units`' activation time `now` into TAG_ACTIVATED (an activation, or a restart: their start deadline
-    runs from it). The window's other activations are kept, and beyond the window those of units still starting."""
+    runs from it). The window's other activations are kept, and beyond the window those of units still starting.
+    A restart counts one more restart for its units (their next deadline doubles); an activation starts at none."""
     activated = {**context.get("activated", {}), **dict.fromkeys(units, now)}
+    counts = dict(context.get("restarts", {}))
+    for unit in units:
+        counts[unit] = counts.get(unit, 0) + 1 if restarted else 0
     window_start = now - settings.policy.window_minutes * MINUTE_S
     keep = set(units) | set(context.get("starting", ()))
-    value = aws.activations_value(activated, window_start, keep)
+    value = aws.activations_value(activated, window_start, keep, counts)
     aws.record_activated(clients.autoscaling, settings.group, value, retry)
 
 
