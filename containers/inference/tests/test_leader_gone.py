@@ -74,3 +74,27 @@ async def test_a_follower_stalled_after_the_release_knows_it_by_its_own_clock(tm
         async with aiohttp.ClientSession() as http:
             ended = await asyncio.wait_for(rendezvous.heartbeat_loop(http, parse_spec(data), release, "i-f1"), 20)
     assert ended.self_stalled and "itself was stalled for 8" in ended.reason, ended.reason
+
+
+@pytest.mark.parametrize(("stalled_s", "blames_the_leader"), [(8.0, False), (0.0, True)])
+async def test_a_follower_stalled_past_the_loss_limit_does_not_blame_a_restarted_leader(
+    tmp_path, h, stalled_s, blames_the_leader
+):
+    """The follower was frozen 8 s (loss limit 2 s): its leader lost it (`heartbeat_loss`, the leader's own
+    report), exited, and ECS started a new leader, which answers its next heartbeat 409 session_changed.
+    Before, that answer was `leader_restarted` with self_stalled False whatever the stall, and the follower
+    published an event that counts against the leader's host at once (seen failing: self_stalled False for the
+    8 s stall; the twenty-eighth session's review). Not stalled, the restarted leader is still reported."""
+    spec = parse_spec(h.cpu_spec(2, record_dir=tmp_path, follower_loss_seconds=2.0, heartbeat_interval_seconds=0.2))
+    new_leader = rendezvous.LeaderSession(spec, "127.0.0.1", "i-leader")  # another session than the follower's
+    server = await rendezvous.start_server(new_leader, "127.0.0.1")
+    try:
+        release = rendezvous.Release("127.0.0.1", "s-old", 1, 2, [])
+        object.__setattr__(release, "received_at", time.monotonic() - stalled_s)
+        async with aiohttp.ClientSession() as http:
+            ended = await asyncio.wait_for(rendezvous.heartbeat_loop(http, spec, release, "i-f1"), 20)
+    finally:
+        await server.cleanup()
+    assert ended.cause == rendezvous.LEADER_RESTARTED, ended.reason
+    assert ended.self_stalled is not blames_the_leader, ended.reason
+    assert ("itself was stalled for 8" in ended.reason) is not blames_the_leader, ended.reason

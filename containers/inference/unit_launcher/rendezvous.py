@@ -269,7 +269,14 @@ class LeaderSession:
         """End the session. `deliberate`: the leader was asked to stop (SIGTERM), nothing failed.
 
         `cause` and `ended_by` say how and by whom, for the failure evidence; the first
-        call wins, as for the reason."""
+        call wins, as for the reason. While the leader stops on request (`stop_requested`: its
+        engine is being stopped before the session's deliberate end), whatever else ends the
+        session is that stop: the leader's engine going breaks the collectives, so a follower
+        whose engine exits then (`member_left` with its status, which the placement controller
+        counts against its host at once) or falls silent says nothing about its host."""
+        if self.stop_requested and not deliberate and self.end_reason is None:
+            reason = f"leader received SIGTERM; while its engine stopped: {reason}"
+            deliberate, cause, ended_by, evidence = True, "unknown", None, None
         if self.end_reason is None:
             self.end_reason = reason
             self.deliberate_end = deliberate
@@ -1051,17 +1058,22 @@ class _Stalls:
         return over
 
 
-def _ended_by_leader(release: Release, data: Any, first_step: FirstStep) -> SessionEnd:
+def _ended_by_leader(
+    release: Release, data: Any, first_step: FirstStep, stalled: float = 0.0, limit: float = float("inf")
+) -> SessionEnd:
     doc = data if isinstance(data, dict) else {}
     if doc.get("reason") == "session_changed":
         # The leader's address answers, but not for this session: a leader process runs one
         # session, so the leader died and a new launcher took its place before the loss
-        # limit. The old one wrote nothing; this follower's record is the only trace.
-        return SessionEnd(
-            f"leader {release.leader_addr} restarted: session {release.session_id} is gone ({doc.get('error')})",
-            cause=LEADER_RESTARTED,
-            serving_since=first_step.at,
-        )
+        # limit. The old one wrote nothing; this follower's record is the only trace. Unless
+        # this node was itself stalled for half the loss limit or more: then the old leader
+        # most likely lost it first (`heartbeat_loss`, its own report) and exited, and ECS
+        # started the new one, which blames nobody (as `_leader_unreachable`).
+        reason = f"leader {release.leader_addr} restarted: session {release.session_id} is gone ({doc.get('error')})"
+        self_stalled = stalled >= limit / 2
+        if self_stalled:
+            reason += f"; this node itself was stalled for {stalled:.1f} s"
+        return SessionEnd(reason, cause=LEADER_RESTARTED, serving_since=first_step.at, self_stalled=self_stalled)
     return SessionEnd(
         f"leader {release.leader_addr} ended session {release.session_id}: {doc.get('error', data)}",
         deliberate=bool(doc.get("deliberate")),
@@ -1120,7 +1132,8 @@ async def heartbeat_loop(
             async with http.post(url, json=body, timeout=timeout) as response:
                 data = await response.json(content_type=None)
             if response.status != 200:
-                return _ended_by_leader(release, data, first_step)
+                stalls.note(started, max(interval, 1.0))
+                return _ended_by_leader(release, data, first_step, stalls.longest, limit)
             if isinstance(data, dict) and data.get("start"):
                 readiness.go.set()
             if stalls.note(started, max(interval, 1.0)) < limit / 2:

@@ -1,0 +1,55 @@
+"""The leader stopped on purpose (SIGTERM: a deployment, a scale-in, a drained instance): whatever ends
+the session while its engine stops is that stop, not a follower's failure. A real LeaderSession serving
+on loopback, a real engine child process, the real `leave` call of a follower."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+from unit_launcher import rendezvous, runner
+from unit_launcher.engine import Engine
+from unit_launcher.spec import parse_spec
+
+
+class _Stopped:
+    """runner._Signals with SIGTERM already received."""
+
+    def __init__(self) -> None:
+        self.stop = asyncio.Event()
+        self.stop.set()
+
+
+async def test_a_follower_whose_engine_exits_while_the_leader_stops_on_purpose_is_not_blamed(tmp_path, h):
+    """The leader's engine takes a second to stop; meanwhile the follower's engine exits (status 1: the
+    collective broke when the leader's went) and its launcher leaves with that status. Before, the leave
+    ended the session first, `member_left` naming the follower, which the placement controller counts against
+    the follower's host at once, and the leader exited 5 (unit lost) on every deployment where this happens
+    (seen failing: cause member_left, status 5; the twenty-eighth session's review)."""
+    spec = parse_spec(h.cpu_spec(2, record_dir=tmp_path))
+    session = rendezvous.LeaderSession(spec, "127.0.0.1", "i-leader")
+    session.members["i-f1"] = rendezvous.Member("127.0.0.2", "i-f1", 0.0, 1e12, ready=True)
+    session.mark_ready()
+    server = await rendezvous.start_server(session, "127.0.0.1")
+    engine = Engine(["sh", "-c", "trap 'sleep 1; exit 0' TERM; sleep 100 & wait"], {"PATH": "/usr/bin:/bin"})
+    await engine.start()
+    await asyncio.sleep(0.2)
+
+    async def follower_engine_exits() -> bool:
+        await asyncio.sleep(0.3)
+        async with aiohttp.ClientSession() as http:
+            release = rendezvous.Release("127.0.0.1", session.session_id, 1, 2, [])
+            return await rendezvous.leave(http, spec, release, "i-f1", "engine exited with status 1",
+                                          {"exit_status": 1, "log_tail": ["collective broken"]})
+
+    try:
+        leaving = asyncio.ensure_future(follower_engine_exits())
+        status = await runner._serve_until_end(spec, session, engine, _Stopped())
+        await leaving
+    finally:
+        await server.cleanup()
+    runner._settle_cause(session)
+    assert session.deliberate_end and session.cause == "deliberate_stop", (session.cause, session.end_reason)
+    assert session.ended_by is None and session.cause not in runner.LOST_CAUSES
+    assert status == 0
+    assert session.end_reason.startswith("leader received SIGTERM; while its engine stopped: follower")
