@@ -98,3 +98,29 @@ async def test_a_follower_stalled_past_the_loss_limit_does_not_blame_a_restarted
     assert ended.cause == rendezvous.LEADER_RESTARTED, ended.reason
     assert ended.self_stalled is not blames_the_leader, ended.reason
     assert ("itself was stalled for 8" in ended.reason) is not blames_the_leader, ended.reason
+
+
+@pytest.mark.timeout(90)
+def test_a_leader_whose_engine_cannot_start_says_so_and_blames_no_host(tmp_path, unit_nodes, h):
+    """The unit forms, then the leader's engine command is missing (an image or configuration fault, the same on
+    every host). Before, the launcher died with a traceback, wrote no record and told no follower, and the
+    follower reported the leader's host (`leader_unreachable`, or `leader_restarted` at once when ECS restarted
+    the task; seen failing: no record, the follower's event named the leader; the twenty-eighth session's review).
+    Now the session ends `engine_start_failed` naming nobody, the followers are told, and the leader exits 2."""
+    spec = h.cpu_spec(2, record_dir=tmp_path, follower_loss_seconds=3.0)
+    broken = {**spec, "engine": {**spec["engine"], "command": [str(tmp_path / "no-such-engine")]}}
+    leader = unit_nodes(broken, "leader", "i-leader")
+    follower = unit_nodes({**spec, "state_dir": str(tmp_path / "f1-state")}, "follower", "i-f1")
+    assert leader.wait(40) == 2, leader.log
+    follower.wait(40)
+    [event] = _session_ends(leader.log)
+    assert (event["cause"], event["ended_by"]) == ("engine_start_failed", None), event
+    assert "could not start" in event["reason"] and "no-such-engine" in event["reason"]
+    assert _session_ends(follower.log) == [], follower.log  # nothing published against the leader
+    [kept] = evidence.read_history(evidence.history_path(tmp_path / "f1-state", "test", "u0"))
+    assert kept["cause"] == "engine_start_failed", kept
+
+
+def _session_ends(log: str) -> list[dict]:
+    return [json.loads(line) for line in log.splitlines()
+            if line.startswith('{"') and '"event": "unit_session_end"' in line]

@@ -50,6 +50,9 @@ EXIT_CONFIG = 2  # bad spec, role or environment
 EXIT_FORM_TIMEOUT = 3  # the unit did not form (someone missing, leader not found, refused)
 EXIT_ARTIFACTS = 4  # artifacts missing or not matching the layout
 EXIT_UNIT_LOST = 5  # the session ended because another member was lost or left, or a step overran
+# The leader's plan or engine command failed after the unit formed: the image or the configuration,
+# the same on every host (placement_controller.failures.NOT_IMPLICATING_CAUSES).
+ENGINE_START_FAILED = "engine_start_failed"
 # A unit that lost a member cannot drain: its collectives are stuck. Stop the engine fast.
 LOST_STOP_SECONDS = 3.0
 # Longest wait for a cancelled fetch's threads to stop (they stop at the transfer's next chunk).
@@ -475,8 +478,7 @@ async def _steps_to_report(session: rendezvous.LeaderSession, heartbeat_interval
 
 
 async def _serve(spec: UnitSpec, session: rendezvous.LeaderSession, engine: Engine, signals: _Signals) -> int:
-    """Run the engine until the session ends; the leader's exit status."""
-    await engine.start()
+    """Run the started engine until the session ends; the leader's exit status."""
     reporter = asyncio.ensure_future(_report_steps(spec, session, _steps_report_interval(os.environ)))
     try:
         return await _serve_until_end(spec, session, engine, signals)
@@ -608,8 +610,13 @@ async def run_leader(spec: UnitSpec, me: Identity, bind: str, engine_env: Mappin
                 await session.tell_followers(2 * spec.rendezvous.heartbeat_interval + 1)
             return status
         _announce_formed(spec, session)
-        node_plan = _leader_plan(spec, me, session, engine_env)
-        engine = Engine(node_plan.argv, _engine_env(node_plan))
+        engine = await _start_engine(spec, me, session, engine_env)
+        if engine is None:
+            # Told "stopping" with the cause: silence would have the followers blame this host
+            # (`leader_unreachable`, or `leader_restarted` at once when ECS restarts this task).
+            await session.tell_followers(2 * spec.rendezvous.heartbeat_interval + 1)
+            status = EXIT_CONFIG
+            return status
         status = await _serve(spec, session, engine, signals)
         await session.tell_followers(2 * spec.rendezvous.heartbeat_interval + 1)
         _settle_cause(session)
@@ -626,6 +633,20 @@ async def run_leader(spec: UnitSpec, me: Identity, bind: str, engine_env: Mappin
             _record_session_end(spec, session, engine, status)
         await runner.cleanup()
         shutil.rmtree(session.step_dir, ignore_errors=True)
+
+
+async def _start_engine(spec: UnitSpec, me: Identity, session: rendezvous.LeaderSession,
+                        engine_env: Mapping[str, str] | None) -> Engine | None:
+    """The leader's engine, started; None when its plan or its command fails, the session then ended
+    `engine_start_failed` (before, the launcher died with a traceback, wrote no record and told no follower)."""
+    try:
+        node_plan = _leader_plan(spec, me, session, engine_env)
+        engine = Engine(node_plan.argv, _engine_env(node_plan))
+        await engine.start()
+    except (OSError, ValueError, RuntimeError) as error:
+        session.end(f"the leader's engine could not start: {error}", cause=ENGINE_START_FAILED)
+        return None
+    return engine
 
 
 def _announce_formed(spec: UnitSpec, session: rendezvous.LeaderSession) -> None:

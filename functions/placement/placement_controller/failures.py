@@ -84,6 +84,9 @@ NOT_IMPLICATING_CAUSES: Mapping[str, str] = {
     "divergence": "a follower sampled other tokens than the leader's node: with two nodes nothing says which one "
                   "is wrong, and random on-device sampling per node (a configuration) diverges on every host alike",
     "unknown": "the launcher's fallback when no cause was set: nothing says which node failed",
+    "engine_start_failed": "the leader's plan or engine command failed after the unit formed: the image or the "
+                           "configuration, the same on every host (the ECS deployment circuit breaker sees the task "
+                           "exit 2)",
     "session_changed": "a follower's own history record when the leader refused its heartbeat, never logged",
 }
 # ECS attribute values: at most 128 characters of letters, digits, - _ . @ / \\ : and
