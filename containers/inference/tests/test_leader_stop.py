@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
-from unit_launcher import rendezvous, runner
+from unit_launcher import evidence, rendezvous, runner
 from unit_launcher.engine import Engine
+from unit_launcher.identity import Identity
 from unit_launcher.spec import parse_spec
 
 
@@ -45,11 +46,37 @@ async def test_a_follower_whose_engine_exits_while_the_leader_stops_on_purpose_i
     try:
         leaving = asyncio.ensure_future(follower_engine_exits())
         status = await runner._serve_until_end(spec, session, engine, _Stopped())
-        await leaving
+        answer = await leaving
     finally:
         await server.cleanup()
+    assert answer is not None and answer.deliberate and answer.cause == "deliberate_stop", answer
     runner._settle_cause(session)
     assert session.deliberate_end and session.cause == "deliberate_stop", (session.cause, session.end_reason)
     assert session.ended_by is None and session.cause not in runner.LOST_CAUSES
     assert status == 0
     assert session.end_reason.startswith("leader received SIGTERM; while its engine stopped: follower")
+
+
+async def test_a_follower_whose_engine_exits_after_a_deliberate_end_records_the_stop(tmp_path, h):
+    """The session has ended on purpose (the leader stopping on request) when this follower's engine exits, before
+    its next heartbeat heard it: the leader answers its leave 410 `deliberate`. Before, `leave` kept only whether
+    someone answered, and the follower recorded `member_engine_exit` in its history (a failure a next leader on
+    this instance backs off for) and exited with its engine's status (seen failing: exit 1)."""
+    spec = parse_spec(h.cpu_spec(2, record_dir=tmp_path))
+    session = rendezvous.LeaderSession(spec, "127.0.0.1", "i-leader")
+    session.members["i-f1"] = rendezvous.Member("127.0.0.2", "i-f1", 0.0, 1e12, ready=True)
+    session.mark_ready()
+    session.end("leader received SIGTERM", deliberate=True)
+    server = await rendezvous.start_server(session, "127.0.0.1")
+    release = rendezvous.Release("127.0.0.1", session.session_id, 1, 2, [])
+    crash = runner._Crash(1, ["collective broken"], rendezvous.FirstStep())
+    beats: asyncio.Future[rendezvous.SessionEnd] = asyncio.get_running_loop().create_future()
+    try:
+        async with aiohttp.ClientSession() as http:
+            status = await runner._engine_exited(http, spec, Identity("127.0.0.2", "i-f1"), release, crash, beats,
+                                                 tmp_path / "steps")
+    finally:
+        await server.cleanup()
+    assert status == 0
+    [kept] = evidence.read_history(evidence.history_path(spec.history_dir, "test", "u0"))
+    assert kept["cause"] == "deliberate_stop" and "engine exited meanwhile" in kept["reason"], kept

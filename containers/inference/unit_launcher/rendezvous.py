@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
 import logging
 import time
 import uuid
@@ -1152,6 +1153,16 @@ async def heartbeat_loop(
         stalls.note(started, interval)
 
 
+@dataclass(frozen=True)
+class LeaveAnswer:
+    """This session's leader heard a member leave: whether the session had ended on purpose already
+    (or ended so now: the leader stopping on request), and its cause."""
+
+    deliberate: bool = False
+    cause: str = ""
+    error: str = ""
+
+
 async def leave(
     http: aiohttp.ClientSession,
     spec: UnitSpec,
@@ -1159,10 +1170,10 @@ async def leave(
     instance_id: str,
     reason: str,
     evidence: dict[str, Any] | None = None,
-) -> bool:
+) -> LeaveAnswer | None:
     """Tell the leader this member is going (with its evidence: exit status, the engine's
-    last lines), so the session ends now rather than after the loss timeout. True when
-    this session's leader answered."""
+    last lines), so the session ends now rather than after the loss timeout. The leader's
+    answer when this session's leader heard it, else None."""
     url = f"http://{release.leader_addr}:{spec.rendezvous.port}/heartbeat"
     body = {
         "session_id": release.session_id,
@@ -1173,8 +1184,15 @@ async def leave(
     }
     try:
         async with http.post(url, json=body, timeout=aiohttp.ClientTimeout(total=2)) as response:
-            await response.read()
+            raw = await response.read()
     except (aiohttp.ClientError, TimeoutError):
-        return False
+        return None
     # 409: a leader answers, but not this session's (it restarted): nobody heard this node.
-    return response.status != 409
+    if response.status == 409:
+        return None
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        doc = None
+    doc = doc if isinstance(doc, dict) else {}
+    return LeaveAnswer(doc.get("deliberate") is True, str(doc.get("cause") or ""), str(doc.get("error") or ""))

@@ -881,7 +881,13 @@ async def _leader_gone(
     follower's own would blame the wrong node and leave the leader's loss unreported."""
     why = f"engine exited with status {crash.status}"
     said = {"exit_status": crash.status, "log_tail": crash.tail}
-    if await rendezvous.leave(http, spec, release, me.instance_id, why, said):
+    if answer := await rendezvous.leave(http, spec, release, me.instance_id, why, said):
+        if answer.deliberate:
+            # The session had ended on purpose (the leader stopping on request, a drain) before this
+            # engine's exit reached it: the exit is that stop's, not this host's failure.
+            return rendezvous.SessionEnd(
+                f"the leader ended the session on purpose ({answer.error}); this follower's engine exited "
+                f"meanwhile ({why})", deliberate=True, cause=answer.cause, serving_since=crash.first_step.at)
         return None
     r = spec.rendezvous
     with contextlib.suppress(TimeoutError):
@@ -900,9 +906,9 @@ async def _engine_exited(
     """This follower's engine exited on its own: leave the unit, and record whose failure it was."""
     gone = await _leader_gone(http, spec, me, release, crash, beats)
     if gone is not None:
-        log.error("unit session over: %s", gone.reason)
+        log.log(logging.INFO if gone.deliberate else logging.ERROR, "unit session over: %s", gone.reason)
         _record_follower_end(spec, me, release, gone, step_dir)
-        return EXIT_UNIT_LOST
+        return 0 if gone.deliberate else EXIT_UNIT_LOST
     why = f"engine exited with status {crash.status}"
     log.error("%s: follower leaves the unit", why)
     # Served as long as its own steps say: a record of 0 s here would make a next leader
