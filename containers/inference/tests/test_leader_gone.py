@@ -76,16 +76,18 @@ async def test_a_follower_stalled_after_the_release_knows_it_by_its_own_clock(tm
     assert ended.self_stalled and "itself was stalled for 8" in ended.reason, ended.reason
 
 
-@pytest.mark.parametrize(("stalled_s", "blames_the_leader"), [(8.0, False), (0.0, True)])
+@pytest.mark.parametrize(("stalled_s", "blames_the_leader"), [(8.0, False), (0.0, True), (2.5, True)])
 async def test_a_follower_stalled_past_the_loss_limit_does_not_blame_a_restarted_leader(
     tmp_path, h, stalled_s, blames_the_leader
 ):
-    """The follower was frozen 8 s (loss limit 2 s): its leader lost it (`heartbeat_loss`, the leader's own
+    """The follower was frozen 8 s (loss limit 4 s): its leader lost it (`heartbeat_loss`, the leader's own
     report), exited, and ECS started a new leader, which answers its next heartbeat 409 session_changed.
     Before, that answer was `leader_restarted` with self_stalled False whatever the stall, and the follower
     published an event that counts against the leader's host at once (seen failing: self_stalled False for the
-    8 s stall; the twenty-eighth session's review). Not stalled, the restarted leader is still reported."""
-    spec = parse_spec(h.cpu_spec(2, record_dir=tmp_path, follower_loss_seconds=2.0, heartbeat_interval_seconds=0.2))
+    8 s stall; the twenty-eighth session's review). Not stalled, or stalled 2.5 s (the old leader heard nothing
+    for 2.5 s + a heartbeat's 1 s bound, under its limit: it cannot have lost this node), the restarted leader is
+    still reported (the first version of the fix took half the limit, 2 s, as for an unreachable leader)."""
+    spec = parse_spec(h.cpu_spec(2, record_dir=tmp_path, follower_loss_seconds=4.0, heartbeat_interval_seconds=0.2))
     new_leader = rendezvous.LeaderSession(spec, "127.0.0.1", "i-leader")  # another session than the follower's
     server = await rendezvous.start_server(new_leader, "127.0.0.1")
     try:
@@ -119,6 +121,25 @@ def test_a_leader_whose_engine_cannot_start_says_so_and_blames_no_host(tmp_path,
     assert _session_ends(follower.log) == [], follower.log  # nothing published against the leader
     [kept] = evidence.read_history(evidence.history_path(tmp_path / "f1-state", "test", "u0"))
     assert kept["cause"] == "engine_start_failed", kept
+
+
+@pytest.mark.timeout(90)
+def test_a_follower_whose_engine_cannot_start_says_so_and_its_host_is_not_blamed(tmp_path, unit_nodes, h):
+    """The follower's engine command is missing. Before, its launcher died with a traceback after the release, and
+    the leader found it silent (`heartbeat_loss`) or restarted (`member_restarted`), both counted against its host
+    (seen failing: the follower exited 1, a traceback). Now it leaves with the cause, the leader ends
+    the session `engine_start_failed` naming it (no host implicated), and the follower exits 2."""
+    spec = h.cpu_spec(2, record_dir=tmp_path, follower_loss_seconds=3.0)
+    broken = {**spec, "engine": {**spec["engine"], "command": [str(tmp_path / "no-such-engine")]},
+              "state_dir": str(tmp_path / "f1-state")}
+    leader = unit_nodes(spec, "leader", "i-leader")
+    follower = unit_nodes(broken, "follower", "i-f1")
+    assert follower.wait(40) == 2, follower.log
+    leader.wait(40)
+    [event] = _session_ends(leader.log)
+    assert (event["cause"], event["ended_by"]["instance_id"]) == ("engine_start_failed", "i-f1"), event
+    [kept] = evidence.read_history(evidence.history_path(tmp_path / "f1-state", "test", "u0"))
+    assert kept["cause"] == "engine_start_failed" and "no-such-engine" in kept["reason"], kept
 
 
 def _session_ends(log: str) -> list[dict]:

@@ -5,6 +5,7 @@ on loopback, a real engine child process, the real `leave` call of a follower.""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aiohttp
 from unit_launcher import evidence, rendezvous, runner
@@ -54,7 +55,23 @@ async def test_a_follower_whose_engine_exits_while_the_leader_stops_on_purpose_i
     assert session.deliberate_end and session.cause == "deliberate_stop", (session.cause, session.end_reason)
     assert session.ended_by is None and session.cause not in runner.LOST_CAUSES
     assert status == 0
-    assert session.end_reason.startswith("leader received SIGTERM; while its engine stopped: follower")
+    assert session.end_reason.startswith("leader received SIGTERM; while its engine stopped, follower")
+
+
+def test_a_follower_silent_since_before_the_stop_is_still_lost(tmp_path, h):
+    """The stop turns only a leave that arrives during it into the stop: a follower silent past the loss limit,
+    its silence begun before the SIGTERM (ECS stops a leader whose /health stays 503 while its unit is not whole),
+    is still `heartbeat_loss` naming it (the first version of the fix made every end during the stop deliberate:
+    the twenty-eighth session's second review)."""
+    spec = parse_spec(h.cpu_spec(2, record_dir=tmp_path))  # loss limit 3 s
+    session = rendezvous.LeaderSession(spec, "127.0.0.1", "i-leader")
+    session.members["i-f1"] = rendezvous.Member("127.0.0.2", "i-f1", 0.0, 1e12, ready=True)
+    session.mark_ready()
+    session.members["i-f1"].last_seen = time.monotonic() - 4.0
+    session.stop_requested = True
+    session.check_liveness()
+    assert (session.cause, session.deliberate_end) == ("heartbeat_loss", False), session.end_reason
+    assert session.ended_by is not None and session.ended_by.instance_id == "i-f1"
 
 
 async def test_a_follower_whose_engine_exits_after_a_deliberate_end_records_the_stop(tmp_path, h):

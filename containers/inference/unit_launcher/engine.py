@@ -76,6 +76,11 @@ def exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+class EngineStartError(RuntimeError):
+    """The engine's command cannot be run (missing, not executable): the image or the configuration. A failed fork
+    (out of memory, too many processes) is an OSError of the host, not this."""
+
+
 class Engine:
     """One engine child process."""
 
@@ -133,7 +138,7 @@ class Engine:
                 stderr=asyncio.subprocess.STDOUT,
             )
         except (FileNotFoundError, PermissionError) as error:
-            raise RuntimeError(f"cannot start engine {self.argv[0]!r}: {error}") from None
+            raise EngineStartError(f"cannot start engine {self.argv[0]!r}: {error}") from None
         assert self.process.stdout is not None
         self._copier = asyncio.ensure_future(self._copy_output(self.process.stdout))
         log.info("engine started, pid %d", self.process.pid)

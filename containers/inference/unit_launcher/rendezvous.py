@@ -270,14 +270,7 @@ class LeaderSession:
         """End the session. `deliberate`: the leader was asked to stop (SIGTERM), nothing failed.
 
         `cause` and `ended_by` say how and by whom, for the failure evidence; the first
-        call wins, as for the reason. While the leader stops on request (`stop_requested`: its
-        engine is being stopped before the session's deliberate end), whatever else ends the
-        session is that stop: the leader's engine going breaks the collectives, so a follower
-        whose engine exits then (`member_left` with its status, which the placement controller
-        counts against its host at once) or falls silent says nothing about its host."""
-        if self.stop_requested and not deliberate and self.end_reason is None:
-            reason = f"leader received SIGTERM; while its engine stopped: {reason}"
-            deliberate, cause, ended_by, evidence = True, "unknown", None, None
+        call wins, as for the reason."""
         if self.end_reason is None:
             self.end_reason = reason
             self.deliberate_end = deliberate
@@ -673,16 +666,26 @@ class LeaderSession:
             return web.json_response(
                 self._stopping_reply(), status=410
             )
+        if body.get("leaving") and self.stop_requested:
+            # The leader stops on request (SIGTERM) and stops its engine before its deliberate end: that
+            # breaks the collectives, so a follower whose engine exits now says nothing about its host
+            # (as `member_left` with a status, the placement controller would count it against it at
+            # once). Only the leave is read so: a silence that began before the stop stays evidence.
+            member.told_stop = True
+            self.end(f"leader received SIGTERM; while its engine stopped, follower {member.describe()} left: "
+                     f"{body['leaving']}", deliberate=True)
+            return web.json_response(self._stopping_reply(), status=410)
         if body.get("leaving"):
             member.told_stop = True
             said = member.left_evidence or {}
             stopped = bool(said.get("deliberate"))
-            left = said["cause"] if said.get("cause") in ("artifacts", "artifacts_mismatch") else "member_left"
+            left = said["cause"] if said.get("cause") in LEAVING_CAUSES else "member_left"
             self.end(
                 f"follower {member.describe()} left: {body['leaving']}",
                 # A follower stopped on purpose (its instance drained or replaced) is not a
                 # failure; one that could not fetch its artifacts says so (cause "artifacts"), or
-                # refused them (cause "artifacts_mismatch", unit_launcher.artifact_manifest).
+                # refused them (cause "artifacts_mismatch", unit_launcher.artifact_manifest), or
+                # could not start its engine (cause "engine_start_failed", runner._run_engine).
                 cause="member_stopped" if stopped else left,
                 ended_by=member,
                 evidence=member.left_evidence,
@@ -1017,6 +1020,12 @@ LEADER_UNREACHABLE = "leader_unreachable"
 LEADER_RESTARTED = "leader_restarted"
 # Causes by which a follower finds its leader gone (it reports the leader, rank 0).
 LEADER_GONE = (LEADER_UNREACHABLE, LEADER_RESTARTED)
+# A member's plan or engine command failed after the unit formed: the image or the configuration
+# (placement_controller.failures.NOT_IMPLICATING_CAUSES).
+ENGINE_START_FAILED = "engine_start_failed"
+# What a leaving follower may give as the session's cause (its evidence's `cause`); anything else
+# that leaves is `member_left`.
+LEAVING_CAUSES = ("artifacts", "artifacts_mismatch", ENGINE_START_FAILED)
 
 
 @dataclass
@@ -1060,18 +1069,19 @@ class _Stalls:
 
 
 def _ended_by_leader(
-    release: Release, data: Any, first_step: FirstStep, stalled: float = 0.0, limit: float = float("inf")
+    release: Release, data: Any, first_step: FirstStep, stalled: float = 0.0, lost_after: float = float("inf")
 ) -> SessionEnd:
     doc = data if isinstance(data, dict) else {}
     if doc.get("reason") == "session_changed":
         # The leader's address answers, but not for this session: a leader process runs one
         # session, so the leader died and a new launcher took its place before the loss
         # limit. The old one wrote nothing; this follower's record is the only trace. Unless
-        # this node was itself stalled for half the loss limit or more: then the old leader
-        # most likely lost it first (`heartbeat_loss`, its own report) and exited, and ECS
-        # started the new one, which blames nobody (as `_leader_unreachable`).
+        # this node was itself stalled long enough (`lost_after`) for the old leader to lose it
+        # first (`heartbeat_loss`, its own report) and exit, ECS starting the new one: then
+        # nobody is blamed here. A shorter stall cannot have cost the old leader this node, and
+        # the restart is reported.
         reason = f"leader {release.leader_addr} restarted: session {release.session_id} is gone ({doc.get('error')})"
-        self_stalled = stalled >= limit / 2
+        self_stalled = stalled >= lost_after
         if self_stalled:
             reason += f"; this node itself was stalled for {stalled:.1f} s"
         return SessionEnd(reason, cause=LEADER_RESTARTED, serving_since=first_step.at, self_stalled=self_stalled)
@@ -1134,7 +1144,9 @@ async def heartbeat_loop(
                 data = await response.json(content_type=None)
             if response.status != 200:
                 stalls.note(started, max(interval, 1.0))
-                return _ended_by_leader(release, data, first_step, stalls.longest, limit)
+                # The old leader heard nothing for the stall plus a heartbeat's bound: past its limit
+                # only when the stall is at least the limit less that bound.
+                return _ended_by_leader(release, data, first_step, stalls.longest, limit - max(interval, 1.0))
             if isinstance(data, dict) and data.get("start"):
                 readiness.go.set()
             if stalls.note(started, max(interval, 1.0)) < limit / 2:
@@ -1159,7 +1171,7 @@ class LeaveAnswer:
     (or ended so now: the leader stopping on request), and its cause."""
 
     deliberate: bool = False
-    cause: str = ""
+    cause: str | None = None
     error: str = ""
 
 
@@ -1195,4 +1207,5 @@ async def leave(
     except ValueError:
         doc = None
     doc = doc if isinstance(doc, dict) else {}
-    return LeaveAnswer(doc.get("deliberate") is True, str(doc.get("cause") or ""), str(doc.get("error") or ""))
+    cause = doc.get("cause") if isinstance(doc.get("cause"), str) else None
+    return LeaveAnswer(doc.get("deliberate") is True, cause, str(doc.get("error") or ""))

@@ -40,7 +40,7 @@ from unit_launcher import (
     triton_env,
     waits,
 )
-from unit_launcher.engine import Engine
+from unit_launcher.engine import Engine, EngineStartError
 from unit_launcher.identity import DiscoveryError, Identity, IdentityError, discover_leader, resolve_identity
 from unit_launcher.spec import SpecError, UnitSpec
 
@@ -50,9 +50,7 @@ EXIT_CONFIG = 2  # bad spec, role or environment
 EXIT_FORM_TIMEOUT = 3  # the unit did not form (someone missing, leader not found, refused)
 EXIT_ARTIFACTS = 4  # artifacts missing or not matching the layout
 EXIT_UNIT_LOST = 5  # the session ended because another member was lost or left, or a step overran
-# The leader's plan or engine command failed after the unit formed: the image or the configuration,
-# the same on every host (placement_controller.failures.NOT_IMPLICATING_CAUSES).
-ENGINE_START_FAILED = "engine_start_failed"
+ENGINE_START_FAILED = rendezvous.ENGINE_START_FAILED  # a plan or engine command that failed: image or configuration
 # A unit that lost a member cannot drain: its collectives are stuck. Stop the engine fast.
 LOST_STOP_SECONDS = 3.0
 # Longest wait for a cancelled fetch's threads to stop (they stop at the transfer's next chunk).
@@ -643,7 +641,7 @@ async def _start_engine(spec: UnitSpec, me: Identity, session: rendezvous.Leader
         node_plan = _leader_plan(spec, me, session, engine_env)
         engine = Engine(node_plan.argv, _engine_env(node_plan))
         await engine.start()
-    except (OSError, ValueError, RuntimeError) as error:
+    except (plan.PlanError, EngineStartError) as error:
         session.end(f"the leader's engine could not start: {error}", cause=ENGINE_START_FAILED)
         return None
     return engine
@@ -887,7 +885,8 @@ async def _leader_gone(
             # engine's exit reached it: the exit is that stop's, not this host's failure.
             return rendezvous.SessionEnd(
                 f"the leader ended the session on purpose ({answer.error}); this follower's engine exited "
-                f"meanwhile ({why})", deliberate=True, cause=answer.cause, serving_since=crash.first_step.at)
+                f"meanwhile ({why})", deliberate=True, cause=answer.cause or evidence.DELIBERATE,
+                serving_since=crash.first_step.at)
         return None
     r = spec.rendezvous
     with contextlib.suppress(TimeoutError):
@@ -996,18 +995,28 @@ async def _run_engine(
 ) -> int:
     """Every member is ready: run this node's engine until the session or the engine ends."""
     step_dir = steps.step_dir(spec.unit_id, release.session_id, release.rank)
-    node_plan = plan.build_plan(
-        spec,
-        "follower",
-        release.rank,
-        leader_addr=release.leader_addr,
-        host_ip=me.host_ip,
-        session_id=release.session_id,
-        step_dir=str(step_dir),
-    )
-    engine = Engine(node_plan.argv, _engine_env(node_plan))
     try:
+        node_plan = plan.build_plan(
+            spec,
+            "follower",
+            release.rank,
+            leader_addr=release.leader_addr,
+            host_ip=me.host_ip,
+            session_id=release.session_id,
+            step_dir=str(step_dir),
+        )
+        engine = Engine(node_plan.argv, _engine_env(node_plan))
         await engine.start()
+    except (plan.PlanError, EngineStartError) as error:
+        # As the leader's (`_start_engine`): said to the leader, which ends the session with this cause
+        # and names this node without blaming its host; before, a traceback, and the leader found this
+        # node silent or restarted (`heartbeat_loss`, `member_restarted`: its host blamed).
+        why = f"the follower's engine could not start: {error}"
+        log.error("%s", why)
+        await rendezvous.leave(http, spec, release, me.instance_id, why, {"cause": ENGINE_START_FAILED})
+        _follower_record(spec, release, ENGINE_START_FAILED, why, None)
+        return EXIT_CONFIG
+    try:
         health.serve(release.session_id)
         engine_exit = asyncio.ensure_future(engine.wait())
         await _first(asyncio.shield(engine_exit), asyncio.shield(beats), signals.stop.wait())

@@ -971,6 +971,30 @@ def test_a_restart_cut_short_by_a_busy_group_protects_the_instance_it_could_not_
     assert (summary["action"], summary["done"]) == ("restart", {"replaced": 1}), summary
 
 
+def test_a_restart_that_replaced_nothing_puts_the_record_back() -> None:
+    """Every termination refused as busy: nothing was replaced, so the activation record goes back to what it was
+    (the next tick tries again), instead of a new start time and a doubled deadline on the same hosts (review:
+    seen failing, no second CreateOrUpdateTags). Each instance gets its protection back on its own."""
+    cell = stalled_cell(activated=NOW - 6000)
+    cell.expect_activated(f"{int(NOW)}:1r1")
+    cell.autoscaling.add_response("set_instance_protection", {}, {
+        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-c", "i-d"], "ProtectedFromScaleIn": False})
+    for instance in ("i-c", "i-d"):
+        cell.autoscaling.add_client_error(
+            "terminate_instance_in_auto_scaling_group", "ScalingActivityInProgress",
+            service_message="Scaling activity 1234 is in progress and blocks this action.",
+            expected_params={"InstanceId": instance, "ShouldDecrementDesiredCapacity": False})
+    cell.autoscaling.add_client_error(
+        "set_instance_protection", "ValidationError",
+        service_message="The instance i-c is not in InService or EnteringStandby or Standby.",
+        expected_params={"AutoScalingGroupName": GROUP, "InstanceIds": ["i-c"], "ProtectedFromScaleIn": True})
+    cell.autoscaling.add_response("set_instance_protection", {}, {
+        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-d"], "ProtectedFromScaleIn": True})
+    cell.expect_activated(f"{int(NOW - 6000)}:1")
+    summary = cell.run(STALL_SETTINGS)
+    assert (summary["action"], summary["done"]) == ("restart", {"replaced": 0}), summary
+
+
 def test_a_release_cut_short_by_a_busy_group_is_tried_again_unprotected() -> None:
     """A release (scale-in) refused as busy leaves the instance unprotected: it is its unit's to give
     back, and the next tick terminates it."""

@@ -523,13 +523,16 @@ def release_instances(autoscaling: BaseClient, group: str, instance_ids: Sequenc
 
 
 def _protect(autoscaling: BaseClient, group: str, instance_ids: Sequence[str], retry: Retry) -> None:
-    try:
-        retry.call(autoscaling.set_instance_protection, AutoScalingGroupName=group, InstanceIds=list(instance_ids),
-                   ProtectedFromScaleIn=True)
-    except ClientError as error:
-        if not _already_leaving(error):
-            raise
-        LOG.warning("SetInstanceProtection %s: %s", instance_ids, error)
+    """Each instance protected on its own, an error logged, not raised: the tick has already terminated
+    others, and its record and metrics must still be written; one instance leaving meanwhile must not
+    leave the others unprotected."""
+    for instance_id in instance_ids:
+        try:
+            retry.call(autoscaling.set_instance_protection, AutoScalingGroupName=group, InstanceIds=[instance_id],
+                       ProtectedFromScaleIn=True)
+        except ClientError as error:
+            LOG.error("SetInstanceProtection %s (protecting again after a refused replacement): %s", instance_id,
+                      error)
 
 
 def _unprotect_one(autoscaling: BaseClient, group: str, instance_id: str, retry: Retry) -> bool:

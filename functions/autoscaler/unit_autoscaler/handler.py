@@ -319,6 +319,10 @@ def act(settings: Settings, clients: Clients, decision: Decision, context: Mappi
         instances = [i for unit_id in unit_ids for i in labelled.get(unit_id, [])]
         done["replaced"] = aws.release_instances(clients.autoscaling, settings.group, instances, retry,
                                                  group.in_service, decrement=False)
+        if not done["replaced"]:
+            # Nothing replaced (the group busy with every one): the record as it was, so the next tick
+            # tries again, not a new deadline, doubled, on the same hosts (review of the doubling).
+            aws.record_activated(clients.autoscaling, settings.group, group.tags.get(aws.TAG_ACTIVATED, ""), retry)
     elif decision.action == "cancel":
         for unit_id in unit_ids:
             set_role(unit_id, "leader", 0)
