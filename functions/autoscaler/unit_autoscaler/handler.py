@@ -13,9 +13,11 @@ asks `decision.decide` for at most one action and carries it out:
   and terminate them, decrementing the desired capacity;
 - cancel: instances could not be obtained for units that never served: their services to 0
   and the desired capacity down by the instances they lack (no launch retried in a loop);
-- restart: a stalled unit (`decision.stalled`): its activation time written anew, then its
-  instances terminated without decrementing the group, which launches fresh ones for it; its
-  services stay on.
+- restart: a stalled unit (`decision.stalled`): its activation time written anew with one
+  more restart (its next deadline doubles, `decision.deadline_of`), then its instances
+  terminated without decrementing the group, which launches fresh ones for it; its services
+  stay on. One the group refuses as busy gets its protection back; when none was replaced,
+  the record is put back as it was.
 
 Before deciding, a tick finishes any half-done activation or deactivation (`finish_half_done`):
 the actions are several calls, and a tick that died between the leader's and the followers'
