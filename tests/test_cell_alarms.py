@@ -17,7 +17,7 @@ from aws_cdk import App, Duration, Environment, Stack
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_elasticloadbalancingv2 as elbv2
 from aws_cdk import aws_logs as logs
-from aws_cdk.assertions import Annotations, Match, Template
+from aws_cdk.assertions import Template
 from unit_launcher import evidence
 
 from cell_constructs.cell_alarms import NEUTRAL_CAUSES, CellAlarms, rollout_gate_name
@@ -367,15 +367,30 @@ def test_an_elastic_cell_that_can_be_at_one_unit_counts_only_serving_minutes() -
         _cell_alarms(units=4, min_units_available=0, min_units=5)
 
 
+def _synth_warnings(synth, stack_name: str) -> list[str]:
+    """The warnings synthesis wrote for the stack, read from the cloud assembly it wrote (manifest.json names each
+    artifact's metadata, inline or in its `additionalMetadataFile`). Not through `assertions.Annotations`: under
+    jsii 1.142's lazy submodule loading, its proxy of a `MetadataEntry` raised "Unknown interface:
+    aws-cdk-lib.cloud_assembly_schema.MetadataEntry" once in a clean clone's full run (jsii
+    `_reference_map.py:254` looks the struct up as an interface when its type was not registered yet; not
+    reproduced alone; compare aws/aws-cdk#33211, aws/jsii#5179)."""
+    manifest = json.loads((synth.outdir / "manifest.json").read_text())
+    artifact = manifest["artifacts"][synth.stacks[stack_name].artifact_id]
+    metadata = artifact.get("metadata") or {}
+    if "additionalMetadataFile" in artifact:
+        metadata = {**metadata, **json.loads((synth.outdir / artifact["additionalMetadataFile"]).read_text())}
+    return [str(entry["data"]) for entries in metadata.values() for entry in entries
+            if entry.get("type") == "aws:cdk:warning"]
+
+
 def test_a_one_unit_cell_says_at_synth_that_its_updates_are_outages(synth_default, synth_large) -> None:
-    warnings = Annotations.from_stack(synth_default.stacks["Rufus-Cell-dev"]).find_warning(
-        "*", Match.string_like_regexp("Cell dev has one unit: every update"))
+    warnings = [w for w in _synth_warnings(synth_default, "Rufus-Cell-dev")
+                if w.startswith("Cell dev has one unit: every update")]
     assert len(warnings) == 1
-    text = warnings[0].entry.data
+    text = warnings[0]
     assert "503" in text and "not rolled back" in text and "docs/cell-lifecycle.md" in text
     for name in LARGE_STACKS:
-        assert not Annotations.from_stack(synth_large.stacks[name]).find_warning(
-            "*", Match.string_like_regexp("one unit"))
+        assert not [w for w in _synth_warnings(synth_large, name) if "one unit" in w], name
 
 
 @pytest.mark.parametrize("stack_name", LARGE_STACKS)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from unit_launcher import artifact_manifest as am
+from unit_launcher.artifacts import FetchCancelled
 from unit_launcher.spec import parse_spec
 
 EXIT_ARTIFACTS = 4
@@ -173,7 +175,7 @@ def test_a_file_matched_once_is_not_hashed_again_until_it_is_written(tmp_path, m
     am.check_node(manifest, tmp_path, 1, planned=_planned(manifest), expected_key=None)
     hashed: list[str] = []
     real = am.sha256_file
-    monkeypatch.setattr(am, "sha256_file", lambda path: hashed.append(path.name) or real(path))
+    monkeypatch.setattr(am, "sha256_file", lambda path, cancel=None: hashed.append(path.name) or real(path, cancel))
     am.check_node(manifest, tmp_path, 1, planned=_planned(manifest), expected_key=None)
     assert hashed == []  # a restart does not read 400 GB again
     shard = tmp_path / "neuron/L/weights/tp3_sharded_checkpoint.safetensors"
@@ -183,6 +185,20 @@ def test_a_file_matched_once_is_not_hashed_again_until_it_is_written(tmp_path, m
     with pytest.raises(am.ArtifactMismatch, match=r"tp3_sharded_checkpoint\.safetensors: SHA-256"):
         am.check_node(manifest, tmp_path, 1, planned=_planned(manifest), expected_key=None)
     assert hashed == ["tp3_sharded_checkpoint.safetensors"]
+
+
+def test_a_node_told_to_stop_stops_hashing_and_records_nothing(tmp_path):
+    """The fetch's cancel stops the check too, within a chunk: before, a node told to stop during the check of a
+    first fetch (hundreds of GiB) hashed on until the end, in a thread its process could not exit without, past
+    ECS's stop timeout (seen failing: the check completed; the twenty-eighth session's review)."""
+    manifest = _compiled(tmp_path)
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(FetchCancelled, match=r"hashing .* cancelled"):
+        am.check_node(manifest, tmp_path, 1, planned=_planned(manifest), expected_key=None, cancel=cancel)
+    verified = tmp_path / am._Verified.NAME
+    assert not verified.exists() or "tp3" not in verified.read_text()  # nothing recorded as matching
+    am.check_node(manifest, tmp_path, 1, planned=_planned(manifest), expected_key=None, cancel=threading.Event())
 
 
 def test_another_key_or_layout_is_refused_before_any_file_is_read(tmp_path):

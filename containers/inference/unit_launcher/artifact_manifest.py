@@ -29,7 +29,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
 from unit_launcher import plan
-from unit_launcher.artifacts import ArtifactError
+from unit_launcher.artifacts import ArtifactError, FetchCancelled
 from unit_launcher.spec import UnitSpec
 
 FORMAT = "inference-fleet/compiled-artifacts/v1"
@@ -155,10 +155,14 @@ def compute_key(inputs: KeyInputs) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Path, cancel: threading.Event | None = None) -> str:
+    """The file's SHA-256; FetchCancelled within a chunk (8 MiB) of `cancel` being set: a node told to
+    stop does not first hash the rest of a first fetch (hundreds of GiB, minutes)."""
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         for chunk in iter(lambda: handle.read(8 << 20), b""):
+            if cancel is not None and cancel.is_set():
+                raise FetchCancelled(f"hashing {path} cancelled")
             digest.update(chunk)
     return digest.hexdigest()
 
@@ -251,7 +255,8 @@ def layout_differences(manifest: Manifest, planned: dict[str, Any]) -> list[str]
 
 
 def check_node(
-    manifest: Manifest, root: Path, node_rank: int | None, *, planned: dict[str, Any], expected_key: str | None
+    manifest: Manifest, root: Path, node_rank: int | None, *, planned: dict[str, Any], expected_key: str | None,
+    cancel: threading.Event | None = None,
 ) -> None:
     """Refuse (ArtifactMismatch) unless the manifest is the planned one and this node's files match it.
 
@@ -272,7 +277,7 @@ def check_node(
     verified = _Verified(root)
     # Side by side: hashlib releases the GIL on large updates, so threads hash at disk speed.
     with ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
-        futures = {rel: pool.submit(_check_file, root / rel, rel, entry, verified)
+        futures = {rel: pool.submit(_check_file, root / rel, rel, entry, verified, cancel)
                    for rel, entry in sorted(files.items())}
         try:
             for rel in sorted(futures):
@@ -321,7 +326,8 @@ class _Verified:
             os.replace(tmp, self.path)
 
 
-def _check_file(path: Path, rel: str, entry: FileEntry, verified: _Verified) -> None:
+def _check_file(path: Path, rel: str, entry: FileEntry, verified: _Verified,
+                cancel: threading.Event | None = None) -> None:
     try:
         stat = path.stat()
     except FileNotFoundError:
@@ -333,7 +339,7 @@ def _check_file(path: Path, rel: str, entry: FileEntry, verified: _Verified) -> 
     if verified.known(rel, stat, entry.sha256):
         return
     try:
-        digest = sha256_file(path)
+        digest = sha256_file(path, cancel)
     except OSError as error:
         raise ArtifactMismatch(f"{rel}: cannot read {path}: {error}") from None
     if digest != entry.sha256:

@@ -111,13 +111,14 @@ def fetch_artifacts(
     layout_dir = plan.layout_dir(spec)
     if layout_dir:
         artifacts.check_layout(Path(layout_dir), plan.neuron_config(spec, 0))
-    check_manifest(spec, rank)
+    check_manifest(spec, rank, cancel)
 
 
-def check_manifest(spec: UnitSpec, rank: int | None) -> None:
+def check_manifest(spec: UnitSpec, rank: int | None, cancel: threading.Event | None = None) -> None:
     """This node's artifacts against their manifest: the planned key and layout, every file's size
     and SHA-256 (artifact_manifest.ArtifactMismatch, cause `artifacts_mismatch`). `rank` -1: the
-    shared files only; None: every node's. Before any engine starts, so nothing is ever compiled."""
+    shared files only; None: every node's. Before any engine starts, so nothing is ever compiled.
+    `cancel`: the fetch's, which stops the hashing too (artifacts.FetchCancelled)."""
     path = artifact_manifest.manifest_path(spec)
     required = spec.engine.device == "neuron" or spec.model.require_manifest or spec.model.artifacts_key is not None
     if not required and not path.is_file():
@@ -130,7 +131,8 @@ def check_manifest(spec: UnitSpec, rank: int | None) -> None:
     for node_rank in ranks or [None]:
         try:
             artifact_manifest.check_node(
-                manifest, Path(spec.model.local_dir), node_rank, planned=planned, expected_key=spec.model.artifacts_key
+                manifest, Path(spec.model.local_dir), node_rank, planned=planned, expected_key=spec.model.artifacts_key,
+                cancel=cancel,
             )
         except artifact_manifest.FileMismatch as error:
             if spec.model.artifacts_s3_uri is None:  # the operator's own files, not a fetched copy: kept
