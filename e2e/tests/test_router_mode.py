@@ -30,7 +30,9 @@ def test_cell_loss_is_hidden_and_evacuation_drains(kill: str, tmp_path: Path) ->
     # Without `502` in retry-on, the requests in flight to A's engine when it died came back 502.
     assert loss["failed_unstarted"] == 0, loss["failed_unstarted_detail"]
     assert loss["stop_sending_to_a_s"] <= 2.0
-    assert router_mode._streams_on_a_ok(loss), loss
+    # The fields the verdict reads, short enough for pytest not to cut them (it failed once under a loaded full run
+    # with the whole dict cut to its first keys; passed alone six times).
+    assert router_mode._streams_on_a_ok(loss), {k: v for k, v in loss.items() if "on_a" in k}
     assert evac["streams_on_b_at_evacuation"] > 0
     assert evac["streams_on_b_completed"] == evac["streams_on_b_at_evacuation"]
     assert evac["router_new_requests_to_b_after_drain"] == 0
