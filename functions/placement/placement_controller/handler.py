@@ -360,16 +360,25 @@ def _signal(
     plan: Plan,
     by_instance: Mapping[str, aws.ContainerInstance],
     records: Mapping[tuple[str, str], str],
+    labels: Mapping[str, str | None],
     retry: aws.Retry,
 ) -> list[str] | None:
-    """Rolling-update signals for the new instances that serve again or are ready spares (None: not configured)."""
+    """Rolling-update signals for the new instances that serve again or are ready spares (None: not configured).
+
+    Judged on the attributes as this run leaves them: its launcher records and its unit labels (`labels`,
+    container instance ARN -> label). Before, the labels were the run's first read: a new instance this run
+    made the spare still looked unlabelled, "free capacity no unit needs", and was signalled before its spare
+    task had even started (a terminate-first roll of a cell with spares; a cold review's repro)."""
     signal_settings = signals.SignalSettings.from_env(os.environ)
     if signal_settings is None or clients.cloudformation is None or clients.elbv2 is None:
         return None
     known = {}
     for instance_id, ci in by_instance.items():
-        written = {name: value for (i, name), value in records.items() if i == instance_id}
-        known[instance_id] = dataclasses.replace(ci, attributes={**ci.attributes, **written}) if written else ci
+        attributes = {**ci.attributes, **{name: v for (i, name), v in records.items() if i == instance_id}}
+        attributes.pop(UNIT_ATTRIBUTE, None)
+        if (unit := labels.get(ci.arn, ci.attributes.get(UNIT_ATTRIBUTE))) is not None:
+            attributes[UNIT_ATTRIBUTE] = unit
+        known[instance_id] = dataclasses.replace(ci, attributes=attributes)
     view = signals.CellView(units=plan.units, container_instances=known, missing=plan.missing, spares=plan.spares,
                             spare_nodes=settings.spare_nodes)
     return signals.signal_ready_instances(
@@ -555,7 +564,7 @@ def reconcile(
             **start_report,
         }
     )
-    signalled = _signal(settings, clients, plan, by_instance, records, retry)
+    signalled = _signal(settings, clients, plan, by_instance, records, labels, retry)
     if signalled is not None:
         summary["signalled"] = signalled
     _publish(settings, plan, summary, emit)

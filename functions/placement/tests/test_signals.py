@@ -226,6 +226,31 @@ def test_a_new_instance_that_became_the_spare_is_signalled_once_its_spare_task_h
     cell.done()
 
 
+def test_a_new_instance_made_the_spare_in_this_run_waits_for_its_spare_ready():
+    """Terminate-first with spares: u0 took the old spare i-s and formed with it; the new i-n registers with no
+    attributes, and this run makes it the spare. Before, the signal rule read i-n's labels from the run's first
+    read, took it for free capacity no unit needs and signalled it at once, before its spare task had started
+    (seen failing: signalled ['i-n']; a cold review's repro). It waits for its spare_ready now."""
+    cell = Cell()
+    cell.group("3", {"i-a": "2", "i-s": "2", "i-n": "3"})
+    session = f"u0@{NOW - 900}"
+    cell.containers([container("i-a", NOW - 86400, unit="u0", unit_placement="topology", unit_session=session),
+                     container("i-s", NOW - 86400, unit="u0", unit_placement="topology", spare_ready=str(NOW - 9000),
+                               unit_session=session),
+                     {**container("i-n", NOW - 60), "runningTasksCount": 0}])
+    cell.topology(["i-a", "i-n", "i-s"])
+    fresh = {**container("i-n", NOW - 60), "runningTasksCount": 0}  # the re-read before its label is written
+    cell.stubs["ecs"].add_response("describe_container_instances", {"containerInstances": [fresh], "failures": []},
+                                   {"cluster": CLUSTER, "containerInstances": [arn("i-n")]})
+    cell.put(("i-n", "unit", "spare"))
+    cell.stubs["ecs"].add_response("list_tasks", {"taskArns": []}, {
+        "cluster": CLUSTER, "family": WITH_SPARE.spare_task_family, "desiredStatus": "RUNNING", "maxResults": 100})
+    cell.updating()
+    cell.healthy("i-a")
+    summary = cell.run(WITH_SPARE)
+    assert summary["signalled"] == [] and summary["spares"] == ["i-n"], summary
+
+
 def test_a_cached_spare_waits_for_the_unit_that_took_the_old_spare_to_serve():
     cis = {i: aws.ContainerInstance(arn(i), i, "ACTIVE", True, 1, 0, {"unit": "u0"}) for i in ("i-a", "i-s")}
     cis["i-n"] = aws.ContainerInstance(arn("i-n"), "i-n", "ACTIVE", True, 1, 0,
