@@ -391,7 +391,9 @@ def assign_spares(instances: Sequence[Instance], units: int, nodes_per_unit: int
         if inst.unit in members:
             members[inst.unit].append(inst)
     need = {unit: nodes_per_unit - len(group) for unit, group in members.items() if 0 < len(group) < nodes_per_unit}
-    spares = {inst.instance_id: inst for inst in instances if inst.unit == SPARE_UNIT}
+    # A busy spare (its agent briefly away) is not given: its label would not be written this run, yet the
+    # plan would count it as the unit's member and no cold instance would fill the gap (a cold review).
+    spares = {inst.instance_id: inst for inst in instances if inst.unit == SPARE_UNIT and not inst.busy}
     given: dict[str, str] = {}
     while spares and need:
         _, spare_id, unit = min(

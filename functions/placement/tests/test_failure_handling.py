@@ -126,6 +126,16 @@ def test_the_same_block_wins_over_a_lower_id_and_warm_over_a_nearer_cold_instanc
     assert plan.spares == ("i-c",)  # the cold instance becomes the new spare
 
 
+def test_a_spare_that_cannot_be_moved_now_is_not_given():
+    """Its agent briefly away (busy): the run would not write its label, yet the plan counted it as u0's member, so
+    no cold instance filled the gap until the agent's grace had passed (seen failing: {'i-9': 'u0'})."""
+    survivors = [Instance("i-a", ("t", "m1", "b1"), "u0", busy=True)]
+    away = Instance("i-9", ("t", "m1", "b1"), SPARE_UNIT, busy=True)
+    other = Instance("i-0", ("t", "m2", "b9"), SPARE_UNIT)
+    assert assign_spares([*survivors, away, other], 1, 2) == {"i-0": "u0"}
+    assert assign_spares([*survivors, away], 1, 2) == {}
+
+
 def _event(**overrides) -> dict:
     event = {
         "event": "unit_session_end",
