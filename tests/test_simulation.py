@@ -169,6 +169,21 @@ def test_old_signals_never_signal_the_launch_first_or_spare_replacement(monkeypa
     assert "no SUCCESS signal" in verdict["first"]["first"] and "within PauseTime" in verdict["first"]["first"]
 
 
+def test_old_signals_signal_a_new_spare_before_its_model_is_cached(monkeypatch):
+    """main 4988956: the signal rule read the labels of the run's first read, so a new instance made the spare in
+    the same run looked like free capacity and was signalled before its spare task had the model (a cold review
+    found it with Stubbers; the simulation could not see it before its DescribeTasks answered task ids)."""
+    from placement_controller import handler as pc_handler
+
+    real = pc_handler._signal
+    monkeypatch.setattr(pc_handler, "_signal", lambda settings, clients, plan, by_instance, records, labels, retry:
+                        real(settings, clients, plan, by_instance, records, {}, retry))
+    doc = run("ami-change-terminate-first-spare.yaml", seeds=3)
+    verdict = doc["invariants"]["I5 rolling update"]
+    assert not verdict["held"], render(doc)
+    assert "a spare the cell needs, its model not cached yet" in verdict["first"]["first"]
+
+
 def test_the_placement_controller_stopping_a_serving_unit_violates_i2(monkeypatch):
     """I2's "no controller stops a unit that serves" was checked for the autoscaler only: a placement
     controller rule that replaced a serving unit's host (SetInstanceHealth) held every invariant."""

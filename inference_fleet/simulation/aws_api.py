@@ -66,11 +66,20 @@ class Ecs(_Api):
         return {}
 
     def describe_tasks(self, cluster: str, tasks: list[str]) -> dict:
-        found = [self.cell.tasks[arn] for arn in tasks if arn in self.cell.tasks]
-        visible = [t for t in found if t.visible(self.cell.now, self.cell.model.v("stopped_task_visible"))]
+        """Tasks by full ARN or by task id: "A list of up to 100 task IDs or full ARN entries"
+        (https://docs.aws.amazon.com/AmazonECS/latest/APIReference/API_DescribeTasks.html). The
+        controller asks by id for a spare's `spare_ready` line; before, only ARNs were found here, so
+        the simulation never recorded a spare as ready."""
+        by_id = {arn.rsplit("/", 1)[-1]: arn for arn in self.cell.tasks}
+        window = self.cell.model.v("stopped_task_visible")
+        answered = {}
+        for asked in tasks:
+            task = self.cell.tasks.get(asked) or self.cell.tasks.get(by_id.get(asked, ""))
+            if task is not None and task.visible(self.cell.now, window):
+                answered[asked] = task
         return {"tasks": [{"taskArn": t.arn, "containerInstanceArn": t.inst.ci_arn, "lastStatus": t.state,
-                           "desiredStatus": self.cell.desired_status(t)} for t in visible],
-                "failures": [{"arn": a, "reason": "MISSING"} for a in tasks if a not in {t.arn for t in visible}]}
+                           "desiredStatus": self.cell.desired_status(t)} for t in answered.values()],
+                "failures": [{"arn": a, "reason": "MISSING"} for a in tasks if a not in answered]}
 
     def list_tasks(self, cluster: str, desiredStatus: str = "RUNNING", containerInstance: str | None = None,
                    family: str | None = None, maxResults: int = 100, nextToken: str = "") -> dict:

@@ -1384,9 +1384,16 @@ class Cell:
             ok = self.in_service(unit) and session is not None and inst.task in session.members
         else:
             ok = all(self.in_service(u) for u in active)
+        spares = [i for i in self.live_instances() if i.attributes.get("unit") == "spare"]
+        uncached = unit is None and inst.attributes.get("unit") == "spare" and not inst.cached
+        if uncached and len(spares) <= self.spare_nodes:
+            # One of the spares the cell needs: ready capacity only once its spare task has the model
+            # (signals.capacity_ready); before that, the next batch leaves the cell without a cached spare.
+            ok, where = False, "a spare the cell needs, its model not cached yet"
+        elif not ok:
+            where = f"unit {unit.uid} has not formed with it" if unit is not None else "not every unit serves"
         if not ok:
             down = [u.uid for u in active if not self.in_service(u)]
-            where = f"unit {unit.uid} has not formed with it" if unit is not None else "not every unit serves"
             self.violate("I5 rolling update", f"signal for {iid} while its unit is not whole: {where} "
                          f"(units not serving: {', '.join(down) or 'none'})")
 
