@@ -50,7 +50,6 @@ EXIT_CONFIG = 2  # bad spec, role or environment
 EXIT_FORM_TIMEOUT = 3  # the unit did not form (someone missing, leader not found, refused)
 EXIT_ARTIFACTS = 4  # artifacts missing or not matching the layout
 EXIT_UNIT_LOST = 5  # the session ended because another member was lost or left, or a step overran
-ENGINE_START_FAILED = rendezvous.ENGINE_START_FAILED  # a plan or engine command that failed: image or configuration
 # A unit that lost a member cannot drain: its collectives are stuck. Stop the engine fast.
 LOST_STOP_SECONDS = 3.0
 # Longest wait for a cancelled fetch's threads to stop (they stop at the transfer's next chunk).
@@ -644,7 +643,7 @@ async def _start_engine(spec: UnitSpec, me: Identity, session: rendezvous.Leader
         engine = Engine(node_plan.argv, _engine_env(node_plan))
         await engine.start()
     except (plan.PlanError, EngineStartError) as error:
-        session.end(f"the leader's engine could not start: {error}", cause=ENGINE_START_FAILED)
+        session.end(f"the leader's engine could not start: {error}", cause=rendezvous.ENGINE_START_FAILED)
         return None
     return engine
 
@@ -1015,8 +1014,8 @@ async def _run_engine(
         # node silent or restarted (`heartbeat_loss`, `member_restarted`: its host blamed).
         why = f"the follower's engine could not start: {error}"
         log.error("%s", why)
-        await rendezvous.leave(http, spec, release, me.instance_id, why, {"cause": ENGINE_START_FAILED})
-        _follower_record(spec, release, ENGINE_START_FAILED, why, None)
+        await rendezvous.leave(http, spec, release, me.instance_id, why, {"cause": rendezvous.ENGINE_START_FAILED})
+        _follower_record(spec, release, rendezvous.ENGINE_START_FAILED, why, None)
         return EXIT_CONFIG
     try:
         health.serve(release.session_id)

@@ -930,6 +930,21 @@ def stalled_cell(activated: float, deployed: float = NOW - 86400, instances: int
     return cell
 
 
+def expect_terminations(cell: Cell, decrement: bool, busy: tuple[str, ...] = (), instances=("i-c", "i-d")) -> None:
+    """The release or replacement of `instances`: their protection lifted at once, then each terminated
+    (`decrement`: a release; not: a replacement), those in `busy` refused as the group is busy."""
+    cell.autoscaling.add_response("set_instance_protection", {}, {
+        "AutoScalingGroupName": GROUP, "InstanceIds": list(instances), "ProtectedFromScaleIn": False})
+    for instance in instances:
+        params = {"InstanceId": instance, "ShouldDecrementDesiredCapacity": decrement}
+        if instance in busy:
+            cell.autoscaling.add_client_error(
+                "terminate_instance_in_auto_scaling_group", "ScalingActivityInProgress",
+                service_message="Scaling activity 1234 is in progress and blocks this action.", expected_params=params)
+        else:
+            cell.autoscaling.add_response("terminate_instance_in_auto_scaling_group", {}, params)
+
+
 def test_a_unit_stalled_past_its_start_deadline_gets_fresh_instances() -> None:
     """u1 has both its instances, reports UnitHealthy 0, and has not served 100 minutes after its
     activation (deadline 90): its start time is written anew, then its instances are unprotected
@@ -939,11 +954,7 @@ def test_a_unit_stalled_past_its_start_deadline_gets_fresh_instances() -> None:
     its services to 0 and, below min_units, started it again on the same instances (review)."""
     cell = stalled_cell(activated=NOW - 6000)
     cell.expect_activated(f"{int(NOW)}:1r1")
-    cell.autoscaling.add_response("set_instance_protection", {}, {
-        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-c", "i-d"], "ProtectedFromScaleIn": False})
-    for instance in ("i-c", "i-d"):
-        cell.autoscaling.add_response("terminate_instance_in_auto_scaling_group", {}, {
-            "InstanceId": instance, "ShouldDecrementDesiredCapacity": False})
+    expect_terminations(cell, decrement=False)
     summary = cell.run(STALL_SETTINGS)
     assert (summary["action"], summary["units"]) == ("restart", ["u1"]), summary
     assert "has not served 100 min after its start" in summary["reason"]
@@ -957,14 +968,7 @@ def test_a_restart_cut_short_by_a_busy_group_protects_the_instance_it_could_not_
     unprotected, and a cancel's lower desired capacity could take it (seen failing: no such call)."""
     cell = stalled_cell(activated=NOW - 6000)
     cell.expect_activated(f"{int(NOW)}:1r1")
-    cell.autoscaling.add_response("set_instance_protection", {}, {
-        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-c", "i-d"], "ProtectedFromScaleIn": False})
-    cell.autoscaling.add_response("terminate_instance_in_auto_scaling_group", {}, {
-        "InstanceId": "i-c", "ShouldDecrementDesiredCapacity": False})
-    cell.autoscaling.add_client_error(
-        "terminate_instance_in_auto_scaling_group", "ScalingActivityInProgress",
-        service_message="Scaling activity 1234 is in progress and blocks this action.",
-        expected_params={"InstanceId": "i-d", "ShouldDecrementDesiredCapacity": False})
+    expect_terminations(cell, decrement=False, busy=("i-d",))
     cell.autoscaling.add_response("set_instance_protection", {}, {
         "AutoScalingGroupName": GROUP, "InstanceIds": ["i-d"], "ProtectedFromScaleIn": True})
     summary = cell.run(STALL_SETTINGS)
@@ -977,13 +981,7 @@ def test_a_restart_that_replaced_nothing_puts_the_record_back() -> None:
     seen failing, no second CreateOrUpdateTags). Each instance gets its protection back on its own."""
     cell = stalled_cell(activated=NOW - 6000)
     cell.expect_activated(f"{int(NOW)}:1r1")
-    cell.autoscaling.add_response("set_instance_protection", {}, {
-        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-c", "i-d"], "ProtectedFromScaleIn": False})
-    for instance in ("i-c", "i-d"):
-        cell.autoscaling.add_client_error(
-            "terminate_instance_in_auto_scaling_group", "ScalingActivityInProgress",
-            service_message="Scaling activity 1234 is in progress and blocks this action.",
-            expected_params={"InstanceId": instance, "ShouldDecrementDesiredCapacity": False})
+    expect_terminations(cell, decrement=False, busy=("i-c", "i-d"))
     cell.autoscaling.add_client_error(
         "set_instance_protection", "ValidationError",
         service_message="The instance i-c is not in InService or EnteringStandby or Standby.",
@@ -999,14 +997,7 @@ def test_a_release_cut_short_by_a_busy_group_is_tried_again_unprotected() -> Non
     """A release (scale-in) refused as busy leaves the instance unprotected: it is its unit's to give
     back, and the next tick terminates it."""
     cell = release_cell({"i-c": "InService", "i-d": "InService"})
-    cell.autoscaling.add_response("set_instance_protection", {}, {
-        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-c", "i-d"], "ProtectedFromScaleIn": False})
-    cell.autoscaling.add_response("terminate_instance_in_auto_scaling_group", {}, {
-        "InstanceId": "i-c", "ShouldDecrementDesiredCapacity": True})
-    cell.autoscaling.add_client_error(
-        "terminate_instance_in_auto_scaling_group", "ScalingActivityInProgress",
-        service_message="Scaling activity 1234 is in progress and blocks this action.",
-        expected_params={"InstanceId": "i-d", "ShouldDecrementDesiredCapacity": True})
+    expect_terminations(cell, decrement=True, busy=("i-d",))
     assert cell.run()["done"] == {"released": 1}
 
 
@@ -1018,11 +1009,7 @@ def test_a_unit_restarted_before_waits_twice_as_long_and_its_count_goes_on() -> 
     assert summary["action"] == "hold" and summary["phases"]["u1"] == "starting", summary
     cell = stalled_cell(activated=NOW - 11400, unit="1r1")
     cell.expect_activated(f"{int(NOW)}:1r2")
-    cell.autoscaling.add_response("set_instance_protection", {}, {
-        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-c", "i-d"], "ProtectedFromScaleIn": False})
-    for instance in ("i-c", "i-d"):
-        cell.autoscaling.add_response("terminate_instance_in_auto_scaling_group", {}, {
-            "InstanceId": instance, "ShouldDecrementDesiredCapacity": False})
+    expect_terminations(cell, decrement=False)
     summary = cell.run(STALL_SETTINGS)
     assert summary["action"] == "restart" and "deadline 10800 s, restart 2 since its activation" in summary["reason"]
 
