@@ -31,7 +31,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -446,18 +446,20 @@ def _group_updating(clients: Clients, retry: aws.Retry) -> bool:
     )
 
 
-def _serving_units(clients: Clients, seen: unformed.UnformedObservation, retry: aws.Retry) -> set[str]:
-    """Units with a member that is a healthy target: they serve, whatever the records say.
+def _serving(clients: Clients, retry: aws.Retry) -> Callable[[Sequence[str]], bool]:
+    """Whether one of some instances is a healthy target of the units' target group; the group's health is
+    read once a run, and only when asked (a unit with a member that has not formed)."""
+    read: list[set[str]] = []
 
-    The gate keeps a leader unhealthy while its unit is not whole, so a unit with a member that never
-    formed is not among them (but for the minutes its old session drains). The guard is for a record
-    that never came (a log delivery lost to the dead-letter queue): a member of a serving unit is never
-    replaced for it."""
-    signal_settings = signals.SignalSettings.from_env(os.environ)
-    if signal_settings is None or clients.elbv2 is None:
-        return set()
-    healthy = signals.healthy_targets(clients.elbv2, signal_settings.target_group_arn, retry)
-    return {unit for unit, ids in seen.members.items() if healthy.intersection(ids)}
+    def serving(members: Sequence[str]) -> bool:
+        if not read:
+            signal_settings = signals.SignalSettings.from_env(os.environ)
+            configured = signal_settings is not None and clients.elbv2 is not None
+            read.append(signals.healthy_targets(clients.elbv2, signal_settings.target_group_arn, retry)
+                        if configured else set())
+        return bool(read[0].intersection(members))
+
+    return serving
 
 
 def _replace_unformed(
@@ -471,26 +473,33 @@ def _replace_unformed(
 ) -> tuple[list[str], list[str]]:
     """Mark the members past their deadline (`unformed`), within the quarantine cap; (marked, deferred).
 
-    The unit's new count goes to the members that stay only once the group took the mark: a mark refused
-    doubles nothing."""
-    serving = _serving_units(clients, seen, retry) if seen.overdue else set()
-    overdue = [(late, i) for late, i, unit in seen.overdue if unit not in serving]
-    if not overdue:
+    The count of each unit is raised before its marks and put back when the group took none of them."""
+    if not seen.overdue:
         return [], []
     budget = settings.quarantine.max_instances - ecs_health.replacing(group, marked)
     updating = budget > 0 and _group_updating(clients, retry)
-    chosen, deferred = ecs_health.choose(overdue, budget, updating)
-    done = [i for i in chosen if aws.mark_unhealthy(clients.autoscaling, i, retry)]
+    chosen, deferred = ecs_health.choose([(late, i) for late, i, _ in seen.overdue], budget, updating)
     units = {i: unit for _, i, unit in seen.overdue}
-    for instance_id in done:
-        LOG.warning("%s: never formed with unit %s, which served before, within its deadline; replaced",
-                    instance_id, units[instance_id])
     for instance_id in deferred:
         LOG.warning("%s: never formed with unit %s within its deadline; replacement deferred (%s)", instance_id,
                     units[instance_id], "rolling update in progress" if updating else "replacement cap reached")
-    counts = unformed.after_replacement(seen, {i: units[i] for i in done})
-    aws.put_attributes(clients.ecs, settings.cluster,
-                       [_attribute(JOINED_ATTRIBUTE, by_instance[i].arn, v) for i, v in sorted(counts.items())], retry)
+    if not chosen:
+        return [], deferred
+
+    def joined(values: Mapping[str, str]) -> list[dict[str, str]]:
+        return [_attribute(JOINED_ATTRIBUTE, by_instance[i].arn, v) for i, v in sorted(values.items())]
+
+    aws.put_attributes(clients.ecs, settings.cluster, joined(unformed.raised(seen, {units[i] for i in chosen})), retry)
+    done = [i for i in chosen if aws.mark_unhealthy(clients.autoscaling, i, retry)]
+    for instance_id in done:
+        LOG.warning("%s: never formed with unit %s, which served before, within its deadline; replaced",
+                    instance_id, units[instance_id])
+    refused = {units[i] for i in chosen} - {units[i] for i in done}
+    if refused:
+        values, had_none = unformed.put_back(seen, refused)
+        aws.put_attributes(clients.ecs, settings.cluster, joined(values), retry)
+        aws.delete_attributes(clients.ecs, settings.cluster,
+                              [_attribute(JOINED_ATTRIBUTE, by_instance[i].arn) for i in had_none], retry)
     return done, deferred
 
 
@@ -609,7 +618,8 @@ def reconcile(
 
     known = {i: ci for i, ci in _as_left(by_instance, records, labels).items() if i in managed}
     unit_of = {i: ci.attributes.get(UNIT_ATTRIBUTE) for i, ci in known.items()}
-    joined = unformed.observe(settings.unformed, known, unit_of, plan.missing, group, step.in_quarantine | gone, now)
+    joined = unformed.observe(settings.unformed, known, unit_of, plan.missing, group, step.in_quarantine | gone, now,
+                              serving=_serving(clients, retry))
     puts += [_attribute(JOINED_ATTRIBUTE, by_instance[i].arn, v) for i, v in sorted(joined.writes.items())]
     deletes += [_attribute(JOINED_ATTRIBUTE, by_instance[i].arn) for i in joined.deletes]
 

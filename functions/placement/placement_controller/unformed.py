@@ -25,12 +25,14 @@ deadline, `unit_autoscaler/decision.py`; a deployment's circuit breaker): no mem
 evidence of a host fault there.
 
 State lives on each member's container instance as the ECS attribute `unit-joined`,
-`<unit>@<joined at, Unix seconds>[:<replacements>]`: the first run that sees the instance
-labelled for the unit writes it (with the unit's count, so the count outlives the members
-that carried it), a member that leaves the unit loses it. The unit's count is the highest
-on its members; a replacement writes it, plus one, on every member that stays. Same
-reasons as `agent-disconnected-since` (`ecs_health.py`): no table, a replacement starts
-clean, runs are serialised.
+`<unit>@<clock start, Unix seconds>[:<replacements>]`: written on a member that has not
+formed in a unit that formed before, and, while the count is above 0, on every member (the
+count outlives the members that carried it); a member that leaves the unit loses it. The
+clock starts when the first run sees the member join, and again at each run that finds its
+unit not whole or serving. The unit's count is the highest on its members; before a mark
+it is raised on every member of the unit (a run that dies after the mark keeps the raise),
+and put back if the group refuses the mark. Same reasons as `agent-disconnected-since`
+(`ecs_health.py`): no table, a replacement starts clean, runs are serialised.
 
 Marks share the quarantine cap (`ecs_health.replacing`) and none is made while the group's
 rolling update waits for signals: an instance replaced outside the update's batch would
@@ -39,7 +41,7 @@ take a second unit down.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
 from placement_controller import aws
@@ -100,6 +102,10 @@ class UnformedObservation:
     members: dict[str, list[str]] = field(default_factory=dict)
     now: float = 0.0
 
+    @property
+    def now_s(self) -> int:
+        return int(self.now)
+
 
 def _unit(label: str | None) -> str | None:
     return label if label and label != SPARE_UNIT else None
@@ -113,9 +119,11 @@ def observe(
     group: Mapping[str, aws.GroupInstance],
     excluded: Set[str],
     now: float,
+    serving: Callable[[Sequence[str]], bool] = lambda _members: False,
 ) -> UnformedObservation:
     """Read and update the records of the managed instances (`instances` by EC2 id, `labels` as this run
-    leaves them) and list the members past their deadline."""
+    leaves them) and list the members past their deadline. `serving(members)`: whether one of them is a
+    healthy target (asked only for a unit with a member that has not formed)."""
     seen = UnformedObservation(now=now)
     for instance_id, ci in sorted(instances.items()):
         if (unit := _unit(labels.get(instance_id))) is not None:
@@ -123,7 +131,7 @@ def observe(
         elif JOINED_ATTRIBUTE in ci.attributes:
             seen.deletes.append(instance_id)
     for unit, ids in sorted(seen.members.items()):
-        _observe_unit(policy, seen, unit, ids, instances, not missing.get(unit), group, excluded, now)
+        _observe_unit(policy, seen, unit, ids, instances, not missing.get(unit), serving, group, excluded)
     seen.overdue.sort(key=lambda item: (-item[0], item[1]))
     return seen
 
@@ -135,38 +143,43 @@ def _observe_unit(
     ids: list[str],
     instances: Mapping[str, aws.ContainerInstance],
     whole: bool,
+    serving: Callable[[Sequence[str]], bool],
     group: Mapping[str, aws.GroupInstance],
     excluded: Set[str],
-    now: float,
 ) -> None:
     """One unit: its records, and its overdue members.
 
     Written only where they say something: on a member that has not formed in a unit that formed
-    before (when the first run saw it so), and the unit's count on every member while it is above 0.
-    A unit none of whose members formed is left as it is (module doc). The deadline runs from the
-    latest join: only a whole unit can form, so a member waiting for another node (the group could
-    not launch it) is not held to account for the wait."""
+    before, and the unit's count on every member while it is above 0. A unit none of whose members
+    formed keeps its own records (module doc); a record of another unit goes. A member's clock runs
+    only while its unit is whole and does not serve: until then each run starts it again. Only a whole
+    unit can form, so a member waiting for another node (the group could not launch it) is not held
+    to account for the wait; and a unit that serves formed with every member, whatever the records say
+    (a `unit-session` record whose log delivery was lost: the member would look new)."""
+    found = {i: parse(instances[i].attributes.get(JOINED_ATTRIBUTE)) for i in ids}
     formed = {i for i in ids if session_member(instances[i], unit)}
     if not formed:
+        seen.deletes += [i for i in ids if found[i] is not None and found[i].unit != unit]
         return
-    found = {i: parse(instances[i].attributes.get(JOINED_ATTRIBUTE)) for i in ids}
     mine = {i: r for i, r in found.items() if r is not None and r.unit == unit}
     count = max((r.replacements for r in mine.values()), default=0)
     if whole and formed == set(ids):
         count = 0  # whole, and every member formed in it: the count starts over
+    joining = [i for i in ids if i not in formed]
+    waiting = not whole or (bool(joining) and serving(ids))
     for i in ids:
         if i in formed and not count:
             if JOINED_ATTRIBUTE in instances[i].attributes:
                 seen.deletes.append(i)
             continue
-        seen.records[i] = Joined(unit, mine[i].at if i in mine else int(now), count)
+        restart = i not in mine or (waiting and i not in formed)
+        seen.records[i] = Joined(unit, seen.now_s if restart else mine[i].at, count)
         if seen.records[i] != found[i]:
             seen.writes[i] = seen.records[i].encode()
     deadline = policy.deadline(count)
-    joining = [i for i in ids if i not in formed]
-    if deadline is None or not whole or not joining:
+    if deadline is None or waiting or not joining:
         return
-    late = now - max(seen.records[i].at for i in joining) - deadline
+    late = seen.now - max(seen.records[i].at for i in joining) - deadline
     if late >= 0:
         seen.overdue += [(late, i, unit) for i in joining if i not in excluded and _watched(group.get(i))]
 
@@ -176,15 +189,21 @@ def _watched(member: aws.GroupInstance | None) -> bool:
     return member is not None and member.lifecycle == "InService" and member.health == "Healthy"
 
 
-def after_replacement(seen: UnformedObservation, replaced: Mapping[str, str]) -> dict[str, str]:
-    """`unit-joined` values that carry each replaced unit's new count to the members that stay.
-
-    `replaced`: EC2 instance id -> its unit, the members this run reported Unhealthy."""
+def raised(seen: UnformedObservation, units: Set[str]) -> dict[str, str]:
+    """`unit-joined` values with each unit's count plus one, for every member of the units (those about to be
+    marked included). Written before the marks: a run that dies after a mark still leaves the raise."""
     writes: dict[str, str] = {}
-    for unit in sorted(set(replaced.values())):
+    for unit in sorted(units):
         count = max((r.replacements for r in seen.records.values() if r.unit == unit), default=0) + 1
-        for i in sorted(seen.members.get(unit, ())):
-            if i not in replaced:
-                record = seen.records.get(i)
-                writes[i] = Joined(unit, record.at if record else int(seen.now), count).encode()
+        for i in seen.members.get(unit, ()):
+            record = seen.records.get(i)
+            writes[i] = Joined(unit, record.at if record else seen.now_s, count).encode()
     return writes
+
+
+def put_back(seen: UnformedObservation, units: Set[str]) -> tuple[dict[str, str], list[str]]:
+    """The records of the units' members as this run left them before `raised`: values to write again, and
+    the instances that had none (a mark refused doubles nothing)."""
+    members = [i for unit in sorted(units) for i in seen.members.get(unit, ())]
+    return ({i: seen.records[i].encode() for i in members if i in seen.records},
+            [i for i in members if i not in seen.records])

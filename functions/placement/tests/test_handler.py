@@ -1287,8 +1287,9 @@ def test_a_member_that_never_formed_in_a_unit_that_served_is_replaced_and_the_un
     monkeypatch.delenv("SIGNAL_STACK", raising=False)
     cell = Cell()
     never_formed_unit(cell, DEADLINE + 1)
+    # The unit's count, raised on every member before the mark (a run that dies after it keeps the raise).
+    joined_put(cell, ("i-0a", f"u0@{NOW}:1"), ("i-0b", f"u0@{NOW - DEADLINE - 1}:1"))
     health_call(cell, "i-0b")
-    joined_put(cell, ("i-0a", f"u0@{NOW}:1"))  # the count goes to the member that stays
     summary = run_at_now(cell)
     assert summary["never_formed_replaced"] == ["i-0b"] and summary["marked_unhealthy"] == ["i-0b"]
     metrics = next(line for line in emf_lines(cell) if "Unit" not in line)
@@ -1307,8 +1308,13 @@ def test_a_member_the_group_will_not_mark_doubles_nothing(monkeypatch):
     monkeypatch.delenv("SIGNAL_STACK", raising=False)
     cell = Cell()
     never_formed_unit(cell, DEADLINE + 1)
+    joined_put(cell, ("i-0a", f"u0@{NOW}:1"), ("i-0b", f"u0@{NOW - DEADLINE - 1}:1"))
     cell.autoscaling.add_client_error("set_instance_health", "ValidationError", "not in the group")
-    summary = run_at_now(cell)  # no PutAttributes queued: the count is not raised
+    # Put back as they were: i-0b's record, and none on i-0a.
+    joined_put(cell, ("i-0b", f"u0@{NOW - DEADLINE - 1}"))
+    cell.ecs.add_response("delete_attributes", {"attributes": []},
+                          {"cluster": CLUSTER, "attributes": delete("i-0a", "unit-joined")})
+    summary = run_at_now(cell)
     assert summary["never_formed_replaced"] == []
 
 
@@ -1347,6 +1353,7 @@ def test_a_member_of_a_unit_that_serves_is_not_replaced_whatever_its_records_say
         elb.add_response("describe_target_health", {"TargetHealthDescriptions": [
             {"Target": {"Id": "i-0a", "Port": 8080}, "TargetHealth": {"State": "healthy"}}]},
             {"TargetGroupArn": "arn:tg"})
+        joined_put(cell, ("i-0b", f"u0@{NOW}"))  # its clock starts again: the unit serves
         cfn.add_response(  # the signal rule's question (no update: nothing to signal)
             "describe_stack_resource",
             {"StackResourceDetail": {"LogicalResourceId": "TrainiumNodesASG1",

@@ -11,9 +11,10 @@ from placement_controller.unformed import (
     JOINED_ATTRIBUTE,
     Joined,
     UnformedPolicy,
-    after_replacement,
     observe,
     parse,
+    put_back,
+    raised,
 )
 
 NOW = 1_800_000_000
@@ -28,10 +29,12 @@ def ci(instance: str, **attributes: str) -> aws.ContainerInstance:
 
 
 def cell(*instances: aws.ContainerInstance, missing: dict[str, int] | None = None, excluded: frozenset = frozenset(),
-         group: dict[str, aws.GroupInstance] | None = None, now: float = NOW, policy: UnformedPolicy = POLICY):
+         group: dict[str, aws.GroupInstance] | None = None, now: float = NOW, policy: UnformedPolicy = POLICY,
+         healthy: frozenset = frozenset()):
     by_id = {i.ec2_instance_id: i for i in instances}
     labels = {i: c.attributes.get("unit") for i, c in by_id.items()}
-    return observe(policy, by_id, labels, missing or {}, group or dict.fromkeys(by_id, IN_SERVICE), excluded, now)
+    return observe(policy, by_id, labels, missing or {}, group or dict.fromkeys(by_id, IN_SERVICE), excluded, now,
+                   serving=lambda members: bool(healthy.intersection(members)))
 
 
 def leader(**more: str) -> aws.ContainerInstance:
@@ -57,17 +60,29 @@ def test_a_unit_none_of_whose_members_formed_is_left_to_its_start():
     assert seen.writes == {} and seen.overdue == [] and seen.deletes == []
 
 
-def test_a_member_waiting_for_a_node_the_group_could_not_launch_is_not_overdue():
+def test_a_member_waiting_for_a_node_the_group_could_not_launch_is_not_overdue_and_its_clock_starts_again():
     late = ci("i-b", unit="u0", unit_joined=f"u0@{NOW - 2 * DEADLINE}")
-    assert cell(leader(), late, missing={"u0": 1}).overdue == []
+    seen = cell(leader(), late, missing={"u0": 1})
+    assert seen.overdue == [] and seen.writes == {"i-b": f"u0@{NOW}"}
 
 
-def test_the_deadline_runs_from_the_latest_join():
-    # i-b waited 2 deadlines for i-c (the unit was not whole); i-c joined 10 min ago: the unit has been
-    # whole for 10 minutes.
-    seen = cell(leader(), ci("i-b", unit="u0", unit_joined=f"u0@{NOW - 2 * DEADLINE}"),
-                ci("i-c", unit="u0", unit_joined=f"u0@{NOW - 600}"))
-    assert seen.overdue == []
+def test_the_clock_runs_from_when_the_unit_became_whole_also_through_a_member_that_formed():
+    """A cold review's repro: i-b waited 3 h for a node; i-c, which formed in u0 before (a drained instance
+    back, a spare given back), completes it. Before, i-b was overdue in that same run."""
+    waiting = ci("i-b", unit="u0", unit_joined=f"u0@{NOW - 10800}")
+    assert cell(leader(), waiting, missing={"u0": 1}, now=NOW - 300).writes == {"i-b": f"u0@{NOW - 300}"}
+    back = ci("i-c", unit="u0", unit_session="u0@1")
+    seen = cell(leader(), ci("i-b", unit="u0", unit_joined=f"u0@{NOW - 300}"), back)
+    assert seen.overdue == [] and seen.writes == {}
+
+
+def test_a_unit_that_serves_holds_no_member_to_account_whatever_the_records_say():
+    """A record whose delivery was lost: the unit serves (a healthy target), so i-b formed in it. Its clock
+    starts again each run the unit serves, so a later unhealthy moment does not find it overdue at once."""
+    stuck = ci("i-b", unit="u0", unit_joined=f"u0@{NOW - 2 * DEADLINE}")
+    seen = cell(leader(), stuck, healthy=frozenset({"i-a"}))
+    assert seen.overdue == [] and seen.writes == {"i-b": f"u0@{NOW}"}
+    assert cell(leader(), stuck).overdue == [(DEADLINE, "i-b", "u0")]  # not serving: overdue
 
 
 def test_each_replacement_doubles_the_next_deadline_up_to_a_day():
@@ -107,12 +122,22 @@ def test_an_instance_no_longer_in_a_unit_loses_its_record():
     assert sorted(seen.deletes) == ["i-f", "i-s"]
 
 
-def test_a_replacement_carries_the_count_plus_one_to_the_members_that_stay():
+def test_the_count_is_raised_on_every_member_and_put_back_as_it_was():
     seen = cell(leader(), ci("i-c", unit="u0", unit_session=f"u0@{NOW - 86400}"),
                 ci("i-b", unit="u0", unit_joined=f"u0@{NOW - DEADLINE}"))
     assert [i for _, i, _ in seen.overdue] == ["i-b"]
-    assert after_replacement(seen, {"i-b": "u0"}) == {"i-a": f"u0@{NOW}:1", "i-c": f"u0@{NOW}:1"}
-    assert after_replacement(seen, {}) == {}
+    assert raised(seen, {"u0"}) == {"i-a": f"u0@{NOW}:1", "i-b": f"u0@{NOW - DEADLINE}:1", "i-c": f"u0@{NOW}:1"}
+    assert put_back(seen, {"u0"}) == ({"i-b": f"u0@{NOW - DEADLINE}"}, ["i-a", "i-c"])
+    assert raised(seen, set()) == {} and put_back(seen, set()) == ({}, [])
+
+
+def test_a_record_of_another_unit_goes_in_a_unit_that_never_formed():
+    """A cold review's repro: i-x carried u0's count 3 into u1 (no member formed); back in u0 later, the old
+    count raised u0's backoff. Now the record goes."""
+    seen = cell(ci("i-x", unit="u1", unit_joined=f"u0@{NOW - 99}:3"), ci("i-y", unit="u1"))
+    assert seen.deletes == ["i-x"] and seen.writes == {}
+    kept = cell(ci("i-x", unit="u1", unit_joined=f"u1@{NOW - 99}:3"), ci("i-y", unit="u1"))
+    assert kept.deletes == [] and kept.writes == {}  # its own unit's record stays (the count)
 
 
 @given(st.text(min_size=1, max_size=20).filter(lambda u: "@" not in u), st.integers(0, 2**40), st.integers(0, 99))
