@@ -91,6 +91,9 @@ class FailureHandling:
     spare_nodes: int = 0
     # An instance whose ECS agent stays away this long is replaced (fleet: serving.agent_disconnected_minutes).
     agent_disconnected: Duration = Duration.minutes(10)  # noqa: RUF009 - Duration is immutable
+    # A member that joined a unit that served and never formed in it is replaced this long after it
+    # joined, doubled per replacement of the same unit (the start deadline: cell_checks.start_deadline_seconds).
+    unformed_deadline: Duration = Duration.minutes(105)  # noqa: RUF009 - Duration is immutable
 
     def environment(self) -> dict[str, str]:
         return {
@@ -99,6 +102,7 @@ class FailureHandling:
             "QUARANTINE_MAX_INSTANCES": str(self.quarantine_max_instances),
             "SPARE_NODES": str(self.spare_nodes),
             "AGENT_DISCONNECTED_SECONDS": str(int(self.agent_disconnected.to_seconds())),
+            "UNFORMED_DEADLINE_SECONDS": str(int(self.unformed_deadline.to_seconds())),
         }
 
 

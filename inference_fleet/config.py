@@ -431,7 +431,8 @@ class ScalingConfig(_Strict):
         "long after its activation (or the last stack operation's end) is stalled: its instances are replaced by "
         "fresh ones. Default: 2 x (node boot (15 min) + serving.startup_budget_seconds) + node boot (105 min with "
         "the default budget: room for one replaced node); at least node boot + the startup budget + 10 min. Each "
-        "restart of the same unit doubles its next deadline, up to a day.",
+        "restart of the same unit doubles its next deadline, up to a day. The placement controller holds a member "
+        "that joined a unit that served, and never formed in it, to the same deadline (fixed cells: the default).",
     )
 
 

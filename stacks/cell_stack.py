@@ -172,6 +172,7 @@ class CellStack(Stack):
                 quarantine_max_instances=serving.quarantine_max_instances,
                 spare_nodes=cell.spare_nodes,
                 agent_disconnected=Duration.minutes(serving.agent_disconnected_minutes),
+                unformed_deadline=Duration.seconds(start_deadline_seconds(fleet, cell)),
             ),
         )
         self.namespace = servicediscovery.PrivateDnsNamespace(

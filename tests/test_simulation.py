@@ -7,6 +7,7 @@ import dataclasses
 import heapq
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -567,12 +568,36 @@ def test_a_bad_host_whose_unit_clocks_are_behind_is_still_quarantined():
     assert held(doc, "I3 quarantine"), "\n".join(render(doc))
 
 
-@pytest.mark.xfail(strict=True, reason="known gap (docs/autoscaling.md, 'Residual: the launcher's own backoff is "
-                   "not read'): a unit that served is latched serving; when it never forms again nothing restarts it")
-def test_a_serving_unit_whose_replaced_follower_never_forms_serves_again():
-    doc = simulate(load_scenario(SIMULATIONS / "known" / "serving-unit-never-forms-again.yaml"), ELASTIC, 3, None)
-    assert all(v["held"] for v in doc["invariants"].values()), "\n".join(render(doc))
-    assert all("u1" in seed["figures"]["serving_at_end"] for seed in doc["per_seed"]), doc["per_seed"][0]["figures"]
+def minutes(clock_and_what: str) -> float:
+    """`+2h38m35s i-0004e409ca` -> 158.6 (the report's clock)."""
+    h, m, sec = (int(x) for x in re.match(r"\+(\d+)h(\d+)m(\d+)s", clock_and_what).groups())
+    return h * 60 + m + sec / 60
+
+
+@pytest.mark.parametrize("config", [None, ELASTIC], ids=["fixed", "elastic"])
+def test_a_replaced_follower_that_never_forms_is_replaced_and_the_next_deadline_doubles(config):
+    """u0 served; its follower's instance dies at +40 min, and the group's next two launches are hosts where
+    every fetch fails. The placement controller replaces each 105 min, then 210 min, after it joined (the
+    first run after it registered, about +51 min and +2h50m); the third host forms. Nothing is quarantined
+    and, in the elastic cell, the autoscaler restarts nothing (its latch keeps u0 `serving`). Until the
+    twenty-ninth session the unit stayed down to the end (the known gap, an expected failure in `make test`,
+    which passed once the controller's rule was in: seen as a strict xfail's XPASS)."""
+    doc = run("replaced-follower-never-forms.yaml", config, seeds=3)
+    for seed in doc["per_seed"]:
+        figures = seed["figures"]
+        first, second = (minutes(entry) for entry in figures["never_formed_replaced"])
+        assert 150 <= first <= 165 and 370 <= second <= 390, figures["never_formed_replaced"]
+        assert "u0" in figures["serving_at_end"], figures
+        assert figures["quarantined"] == [] and figures["restarts"] == [], figures
+
+
+def test_without_the_rule_a_replaced_follower_that_never_forms_leaves_its_unit_down(monkeypatch):
+    """The code before (no member is ever replaced for not forming): u0 never serves again."""
+    from placement_controller import unformed
+
+    monkeypatch.setattr(unformed.UnformedPolicy, "deadline", lambda _policy, _count: None)
+    figures = run("replaced-follower-never-forms.yaml", ELASTIC)["per_seed"][0]["figures"]
+    assert figures["never_formed_replaced"] == [] and "u0" not in figures["serving_at_end"], figures
 
 
 def test_make_simulate_cell_takes_a_spaced_config_and_defaults_to_one_seed(tmp_path):

@@ -273,6 +273,7 @@ def test_deployment_package_holds_only_the_runtime_code(synthesized):
         "placement_controller/signals.py",
         "placement_controller/start_failures.py",
         "placement_controller/topology.py",
+        "placement_controller/unformed.py",
     ]
 
 
@@ -418,6 +419,8 @@ def test_unit_failures_reach_the_function_from_the_unit_log_group_only(with_fail
     assert (env["QUARANTINE_FAILURES"], env["QUARANTINE_WINDOW_SECONDS"], env["SPARE_NODES"]) == ("2", "1800", "2")
     # ECS-reported broken hosts: default grace, replaced with the quarantine's SetInstanceHealth grant.
     assert env["AGENT_DISCONNECTED_SECONDS"] == "600"
+    # A member that never formed in a unit that served: the default start deadline (105 min).
+    assert env["UNFORMED_DEADLINE_SECONDS"] == "6300"
     assert env["SPARE_TASK_FAMILY"] == "rufus-dev-spare" and "TRIGGER_QUEUE_URL" in env
     # Asynchronous invocations (the log deliveries) that fail land in an encrypted queue.
     assert "TargetArn" in function["Properties"]["DeadLetterConfig"]

@@ -259,6 +259,19 @@ def test_the_function_reads_the_fleets_start_deadline(elastic) -> None:
     assert Settings.from_env(env).policy.start_deadline_s == 2 * (900 + 1800) + 900
 
 
+def test_the_placement_controller_holds_a_member_that_never_forms_to_the_same_deadline(elastic, synth_default) -> None:
+    """A member that joined a unit that served and never formed in it (placement_controller/unformed.py) is
+    replaced after the autoscaler's start deadline: in an elastic cell and in a fixed cell (no autoscaler)."""
+    _, raw = elastic
+    placement = [r["Properties"]["Environment"]["Variables"] for r in resources(raw, "AWS::Lambda::Function").values()
+                 if r["Properties"].get("Handler") == "placement_controller.handler.handler"]
+    assert [env["UNFORMED_DEADLINE_SECONDS"] for env in placement] == [str(2 * (900 + 1800) + 900)]
+    fixed = synth_default.template_json(STACK)
+    placement = [r["Properties"]["Environment"]["Variables"] for r in resources(fixed, "AWS::Lambda::Function").values()
+                 if r["Properties"].get("Handler") == "placement_controller.handler.handler"]
+    assert [env["UNFORMED_DEADLINE_SECONDS"] for env in placement] == [str(2 * (900 + 1800) + 900)]
+
+
 def test_a_stalled_restart_is_watched_not_in_the_rollout_gate(synth_elastic) -> None:
     """The autoscaler heals a stalled unit itself; a release whose units never form trips the gate's
     own alarms (units floor, failed sessions). So the Restarted alarm is on the dashboard only."""

@@ -44,6 +44,7 @@ for _extra in (ROOT / "functions" / "placement", ROOT / "functions" / "autoscale
 from placement_controller import aws as pc_aws  # noqa: E402
 from placement_controller import handler as pc_handler  # noqa: E402
 from placement_controller.failures import QUARANTINE_ATTRIBUTE, QuarantinePolicy  # noqa: E402
+from placement_controller.unformed import UnformedPolicy  # noqa: E402
 from unit_autoscaler import aws as as_aws  # noqa: E402
 from unit_autoscaler import decision as asd  # noqa: E402
 from unit_autoscaler import handler as as_handler  # noqa: E402
@@ -147,6 +148,8 @@ class Cell:
         self.bad_hosts: dict[str, int] = {}  # iid -> times
         self.unformable_left = 0  # how many of the group's next launches are hosts where every fetch fails
         self.restarts: list[tuple[float, str]] = []  # the autoscaler's restarts: (time, unit)
+        # The placement controller's replacements of members that never formed: (time, instance id).
+        self.never_formed_replaced: list[tuple[float, str]] = []
         self.recoveries: list[dict[str, Any]] = []
         self._open_failures: dict[str, list[tuple[float, str]]] = {}
         self.metric_gaps: list[tuple[float, float, str]] = []
@@ -168,6 +171,7 @@ class Cell:
             metrics_namespace="Sim", spare_nodes=self.spare_nodes, spare_task_family=SPARE_FAMILY,
             quarantine=QuarantinePolicy(serving.quarantine_failures, serving.quarantine_window_minutes * 60,
                                         serving.quarantine_max_instances),
+            unformed=UnformedPolicy(start_deadline_seconds(fleet, cell)),
         )
         self.clients = pc_handler.Clients(ec2=aws_api.Ec2(self), ecs=aws_api.Ecs(self),
                                           autoscaling=aws_api.AutoScaling(self),
@@ -836,7 +840,9 @@ class Cell:
         retry = pc_aws.Retry(sleep=lambda _s: None, rng=random.Random(0))
         self.controller_runs += 1
         with _quiet(), _env(SIGNAL_ENV):
-            pc_handler.reconcile(self.settings, self.clients, event, retry, lambda _line: None, now=self.wall())
+            summary = pc_handler.reconcile(self.settings, self.clients, event, retry, lambda _line: None,
+                                           now=self.wall())
+        self.never_formed_replaced += [(self.now, iid) for iid in summary["never_formed_replaced"]]
 
     # ---- CloudFormation rolling update -------------------------------------------------------------
 

@@ -120,6 +120,7 @@ def seed_report(result: SeedResult, timeline: bool = False) -> dict[str, Any]:
     figures["time_to_serve_again_s"] = [round(r["seconds"], 1) for r in sim.recoveries]
     figures["units_down_by_hour"] = sim.down_by_hour
     figures["restarts"] = [f"{clock(t)} {uid}" for t, uid in sim.restarts]
+    figures["never_formed_replaced"] = [f"{clock(t)} {iid}" for t, iid in sim.never_formed_replaced]
     figures["serving_at_end"] = sorted(u.uid for u in sim.units.values() if sim.in_service(u))
     doc = {
         "seed": result.seed,

@@ -31,13 +31,13 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from botocore.client import BaseClient
 
-from placement_controller import aws, ecs_health, forward, signals
+from placement_controller import aws, ecs_health, forward, signals, unformed
 from placement_controller.assignment import (
     MAX_NODES_PER_UNIT,
     MAX_UNITS,
@@ -60,6 +60,7 @@ from placement_controller.failures import (
 )
 from placement_controller.quarantine import QuarantineStep, quarantine_step
 from placement_controller.start_failures import start_failures_from_records
+from placement_controller.unformed import JOINED_ATTRIBUTE, UnformedPolicy
 
 LOG = logging.getLogger(__name__)
 LOG.setLevel(logging.INFO)
@@ -84,6 +85,7 @@ class Settings:
     # Task definition family of the cell's spare service: its task leaves a spare given to a unit.
     spare_task_family: str = ""
     ecs_health: EcsHealthPolicy = EcsHealthPolicy()  # noqa: RUF009 - frozen, shared safely
+    unformed: UnformedPolicy = UnformedPolicy()  # noqa: RUF009 - frozen, shared safely
 
     @property
     def cluster_name(self) -> str:
@@ -123,6 +125,9 @@ class Settings:
             spare_task_family=env.get("SPARE_TASK_FAMILY", "").strip(),
             ecs_health=EcsHealthPolicy(
                 disconnected_seconds=number("AGENT_DISCONNECTED_SECONDS", 86400, default=600, lowest=60),
+            ),
+            unformed=UnformedPolicy(
+                deadline_seconds=number("UNFORMED_DEADLINE_SECONDS", 86400, default=6300, lowest=1800),
             ),
         )
         if problems:
@@ -167,7 +172,8 @@ def _attribute(name: str, target: str, value: str | None = None) -> dict[str, st
 
 def _clear(instance: aws.ContainerInstance) -> list[dict[str, str]]:
     return [
-        _attribute(name, instance.arn) for name in (UNIT_ATTRIBUTE, PLACEMENT_ATTRIBUTE) if name in instance.attributes
+        _attribute(name, instance.arn)
+        for name in (UNIT_ATTRIBUTE, PLACEMENT_ATTRIBUTE, JOINED_ATTRIBUTE) if name in instance.attributes
     ]
 
 
@@ -372,6 +378,21 @@ def _signal(
     signal_settings = signals.SignalSettings.from_env(os.environ)
     if signal_settings is None or clients.cloudformation is None or clients.elbv2 is None:
         return None
+    known = _as_left(by_instance, records, labels)
+    view = signals.CellView(units=plan.units, container_instances=known, missing=plan.missing, spares=plan.spares,
+                            spare_nodes=settings.spare_nodes)
+    return signals.signal_ready_instances(
+        signal_settings, settings.auto_scaling_group, view,
+        clients.cloudformation, clients.autoscaling, clients.elbv2, retry,
+    )
+
+
+def _as_left(
+    by_instance: Mapping[str, aws.ContainerInstance],
+    records: Mapping[tuple[str, str], str],
+    labels: Mapping[str, str | None],
+) -> dict[str, aws.ContainerInstance]:
+    """The container instances (by EC2 id) with this run's launcher records and unit labels in."""
     known = {}
     for instance_id, ci in by_instance.items():
         attributes = {**ci.attributes, **{name: v for (i, name), v in records.items() if i == instance_id}}
@@ -379,12 +400,7 @@ def _signal(
         if (unit := labels.get(ci.arn, ci.attributes.get(UNIT_ATTRIBUTE))) is not None:
             attributes[UNIT_ATTRIBUTE] = unit
         known[instance_id] = dataclasses.replace(ci, attributes=attributes)
-    view = signals.CellView(units=plan.units, container_instances=known, missing=plan.missing, spares=plan.spares,
-                            spare_nodes=settings.spare_nodes)
-    return signals.signal_ready_instances(
-        signal_settings, settings.auto_scaling_group, view,
-        clients.cloudformation, clients.autoscaling, clients.elbv2, retry,
-    )
+    return known
 
 
 def _quarantine_writes(
@@ -419,6 +435,74 @@ def _agent_attribute_writes(
     return puts, deletes
 
 
+def _group_updating(clients: Clients, retry: aws.Retry) -> bool:
+    """Whether the group's rolling update may be waiting for signals (asked only when there is something to
+    mark: a run with nothing to replace makes no extra call)."""
+    signal_settings = signals.SignalSettings.from_env(os.environ)
+    return (
+        signal_settings is not None
+        and clients.cloudformation is not None
+        and signals.group_updating(signal_settings, clients.cloudformation, retry)
+    )
+
+
+def _serving(clients: Clients, retry: aws.Retry) -> Callable[[Sequence[str]], bool]:
+    """Whether one of some instances is a healthy target of the units' target group; the group's health is
+    read once a run, and only when asked (a unit with a member that has not formed)."""
+    read: list[set[str]] = []
+
+    def serving(members: Sequence[str]) -> bool:
+        if not read:
+            signal_settings = signals.SignalSettings.from_env(os.environ)
+            configured = signal_settings is not None and clients.elbv2 is not None
+            read.append(signals.healthy_targets(clients.elbv2, signal_settings.target_group_arn, retry)
+                        if configured else set())
+        return bool(read[0].intersection(members))
+
+    return serving
+
+
+def _replace_unformed(
+    settings: Settings,
+    clients: Clients,
+    seen: unformed.UnformedObservation,
+    by_instance: Mapping[str, aws.ContainerInstance],
+    group: Mapping[str, aws.GroupInstance],
+    marked: list[str],
+    retry: aws.Retry,
+) -> tuple[list[str], list[str]]:
+    """Mark the members past their deadline (`unformed`), within the quarantine cap; (marked, deferred).
+
+    The count of each unit is raised before its marks and put back when the group took none of them."""
+    if not seen.overdue:
+        return [], []
+    budget = settings.quarantine.max_instances - ecs_health.replacing(group, marked)
+    updating = budget > 0 and _group_updating(clients, retry)
+    chosen, deferred = ecs_health.choose([(late, i) for late, i, _ in seen.overdue], budget, updating)
+    units = {i: unit for _, i, unit in seen.overdue}
+    for instance_id in deferred:
+        LOG.warning("%s: never formed with unit %s within its deadline; replacement deferred (%s)", instance_id,
+                    units[instance_id], "rolling update in progress" if updating else "replacement cap reached")
+    if not chosen:
+        return [], deferred
+
+    def joined(values: Mapping[str, str]) -> list[dict[str, str]]:
+        return [_attribute(JOINED_ATTRIBUTE, by_instance[i].arn, v) for i, v in sorted(values.items())]
+
+    aws.put_attributes(clients.ecs, settings.cluster, joined(unformed.raised(seen, {units[i] for i in chosen})), retry)
+    done = [i for i in chosen if aws.mark_unhealthy(clients.autoscaling, i, retry)]
+    for instance_id in done:
+        LOG.warning("%s: never formed with unit %s, which served before, within its deadline; replaced",
+                    instance_id, units[instance_id])
+    refused = {units[i] for i in chosen} - {units[i] for i in done}
+    if refused:
+        values, had_none = unformed.put_back(seen, refused)
+        aws.put_attributes(clients.ecs, settings.cluster, joined(values), retry)
+        aws.delete_attributes(clients.ecs, settings.cluster,
+                              [_attribute(JOINED_ATTRIBUTE, by_instance[i].arn) for i in had_none], retry)
+    return done, deferred
+
+
 def _replace_disconnected(
     settings: Settings,
     clients: Clients,
@@ -431,14 +515,7 @@ def _replace_disconnected(
     if not seen.broken:
         return [], []
     budget = settings.quarantine.max_instances - ecs_health.replacing(group, marked)
-    signal_settings = signals.SignalSettings.from_env(os.environ)
-    # Only asked when there is something to mark: a run with nothing to replace makes no extra call.
-    updating = (
-        budget > 0
-        and signal_settings is not None
-        and clients.cloudformation is not None
-        and signals.group_updating(signal_settings, clients.cloudformation, retry)
-    )
+    updating = budget > 0 and _group_updating(clients, retry)
     chosen, deferred = ecs_health.choose(seen.broken, budget, updating)
     done = [i for i in chosen if aws.mark_unhealthy(clients.autoscaling, i, retry)]
     for instance_id in deferred:
@@ -539,19 +616,30 @@ def reconcile(
             deletes.extend(more_deletes)
             labels[fresh.arn] = unit
 
+    known = {i: ci for i, ci in _as_left(by_instance, records, labels).items() if i in managed}
+    unit_of = {i: ci.attributes.get(UNIT_ATTRIBUTE) for i, ci in known.items()}
+    joined = unformed.observe(settings.unformed, known, unit_of, plan.missing, group, step.in_quarantine | gone, now,
+                              serving=_serving(clients, retry))
+    puts += [_attribute(JOINED_ATTRIBUTE, by_instance[i].arn, v) for i, v in sorted(joined.writes.items())]
+    deletes += [_attribute(JOINED_ATTRIBUTE, by_instance[i].arn) for i in joined.deletes]
+
     # Deletes first: a label moving from one instance to another is never on both at once.
     deleted = aws.delete_attributes(clients.ecs, settings.cluster, deletes, retry)
     written = aws.put_attributes(clients.ecs, settings.cluster, puts, retry)
     stopped = _stop_spare_tasks(settings, clients, labels, retry)
     unhealthy = _mark_unhealthy(settings, clients, step, group, retry)
     disconnected, disconnected_deferred = _replace_disconnected(settings, clients, agents, group, unhealthy, retry)
+    never_formed, never_formed_deferred = _replace_unformed(
+        settings, clients, joined, by_instance, group, unhealthy + disconnected, retry)
     summary = _summary(settings, plan, topology, left, skipped, written, deleted, retry.retried)
     summary.update(
         {
             "quarantined": dict(sorted(step.quarantined_now.items())),
             "in_quarantine": sorted(step.holding),  # out and not yet replaced (what the cap counts)
             "quarantine_deferred": step.deferred,
-            "marked_unhealthy": unhealthy + disconnected,
+            "marked_unhealthy": unhealthy + disconnected + never_formed,
+            "never_formed_replaced": never_formed,
+            "never_formed_deferred": never_formed_deferred,
             "agent_disconnected_replaced": disconnected,
             "agent_disconnected_deferred": disconnected_deferred,
             "agent_disconnected_first_seen": sorted(agents.first_seen),
@@ -677,6 +765,9 @@ def _publish(settings: Settings, plan: Plan, summary: Mapping[str, Any], emit: C
                 "SparesAssigned": len(summary.get("spares_assigned", {})),
                 "AgentDisconnectedReplaced": len(summary.get("agent_disconnected_replaced", [])),
                 "AgentDisconnectedDeferred": len(summary.get("agent_disconnected_deferred", [])),
+                # Members replaced for never forming in a unit that served (unformed.py).
+                "NeverFormedReplaced": len(summary.get("never_formed_replaced", [])),
+                "NeverFormedDeferred": len(summary.get("never_formed_deferred", [])),
                 # Unit tasks ECS could not start: blamed on their host, not (image pull, secrets, ...),
                 # and those whose reason no rule knows (start_failures.py: look at them and add a rule).
                 "TaskStartFailuresHost": len(summary.get("task_start_failures_host", {})),

@@ -986,18 +986,16 @@ def test_no_replacement_while_another_instance_is_being_replaced(monkeypatch):
     assert summary["agent_disconnected_replaced"] == [] and summary["agent_disconnected_deferred"] == ["i-0b"]
 
 
-def test_no_replacement_while_the_group_rolling_update_waits_for_signals(monkeypatch):
+def run_during_a_rolling_update(cell: Cell, monkeypatch) -> dict:
+    """One run while CloudFormation updates the group (DescribeStackResource: UPDATE_IN_PROGRESS), asked once."""
     import dataclasses
 
     for name, value in (("SIGNAL_STACK", "Rufus-Cell-dev"), ("SIGNAL_RESOURCE", "TrainiumNodesASG1"),
                         ("TARGET_GROUP_ARN", "arn:tg")):
         monkeypatch.setenv(name, value)
-    cell = Cell()
     cloudformation = boto3.client("cloudformation", region_name=REGION,
                                   config=Config(signature_version=UNSIGNED))
     clients = dataclasses.replace(cell.clients, cloudformation=cloudformation)
-    unit_of_two(cell, container("i-0a", running=1, unit="u0", unit_placement="topology"),
-                disconnected("i-0b", NOW - GRACE - 1))
     with Stubber(cloudformation) as cfn:
         cfn.add_response(
             "describe_stack_resource",
@@ -1009,6 +1007,14 @@ def test_no_replacement_while_the_group_rolling_update_waits_for_signals(monkeyp
         )
         summary = run_at_now(cell, clients)
         cfn.assert_no_pending_responses()
+    return summary
+
+
+def test_no_replacement_while_the_group_rolling_update_waits_for_signals(monkeypatch):
+    cell = Cell()
+    unit_of_two(cell, container("i-0a", running=1, unit="u0", unit_placement="topology"),
+                disconnected("i-0b", NOW - GRACE - 1))
+    summary = run_during_a_rolling_update(cell, monkeypatch)
     assert summary["agent_disconnected_replaced"] == [] and summary["agent_disconnected_deferred"] == ["i-0b"]
 
 
@@ -1091,6 +1097,10 @@ def test_the_agent_grace_comes_from_the_environment():
     assert Settings.from_env({**env, "AGENT_DISCONNECTED_SECONDS": "900"}).ecs_health.disconnected_seconds == 900
     with pytest.raises(ValueError, match="AGENT_DISCONNECTED_SECONDS = '5'"):
         Settings.from_env({**env, "AGENT_DISCONNECTED_SECONDS": "5"})
+    assert Settings.from_env(env).unformed.deadline_seconds == 6300
+    assert Settings.from_env({**env, "UNFORMED_DEADLINE_SECONDS": "4000"}).unformed.deadline_seconds == 4000
+    with pytest.raises(ValueError, match="UNFORMED_DEADLINE_SECONDS = '600': must be an integer from 1800 to 86400"):
+        Settings.from_env({**env, "UNFORMED_DEADLINE_SECONDS": "600"})
 
 
 # -- unit tasks ECS could not start (start_failures.py) -----------------------------------
@@ -1252,3 +1262,107 @@ def test_an_unknown_reason_is_reported_and_published_not_counted(caplog):
     assert any(task in r.getMessage() and "no rule knows" in r.getMessage() for r in caplog.records)
     metrics = next(line for line in emf_lines(cell) if "Unit" not in line)
     assert metrics["TaskStartFailuresUnmatched"] == 1
+
+
+# ---- members that never form with a unit that served (unformed.py) --------------------------------------
+
+DEADLINE = SETTINGS.unformed.deadline_seconds
+
+
+def joined_put(cell: Cell, *values: tuple[str, str]) -> None:
+    writes = [{"name": "unit-joined", "value": v, "targetType": "container-instance", "targetId": arn(i)}
+              for i, v in values]
+    cell.ecs.add_response("put_attributes", {"attributes": writes}, {"cluster": CLUSTER, "attributes": writes})
+
+
+def never_formed_unit(cell: Cell, since: int) -> None:
+    """u0 served (i-0a holds the launcher's record of a session of u0); i-0b joined `since` seconds ago
+    and never formed in it."""
+    unit_of_two(cell, container("i-0a", running=1, unit="u0", unit_placement="topology",
+                                unit_session=f"u0@{NOW - 86400}"),
+                container("i-0b", running=1, unit="u0", unit_placement="topology", unit_joined=f"u0@{NOW - since}"))
+
+
+def test_a_member_that_never_formed_in_a_unit_that_served_is_replaced_and_the_unit_counts_it(monkeypatch):
+    monkeypatch.delenv("SIGNAL_STACK", raising=False)
+    cell = Cell()
+    never_formed_unit(cell, DEADLINE + 1)
+    # The unit's count, raised on every member before the mark (a run that dies after it keeps the raise).
+    joined_put(cell, ("i-0a", f"u0@{NOW}:1"), ("i-0b", f"u0@{NOW - DEADLINE - 1}:1"))
+    health_call(cell, "i-0b")
+    summary = run_at_now(cell)
+    assert summary["never_formed_replaced"] == ["i-0b"] and summary["marked_unhealthy"] == ["i-0b"]
+    metrics = next(line for line in emf_lines(cell) if "Unit" not in line)
+    assert metrics["NeverFormedReplaced"] == 1
+
+
+def test_a_member_within_its_deadline_is_left_alone(monkeypatch):
+    monkeypatch.delenv("SIGNAL_STACK", raising=False)
+    cell = Cell()
+    never_formed_unit(cell, DEADLINE - 60)
+    summary = run_at_now(cell)
+    assert summary["never_formed_replaced"] == [] and summary["never_formed_deferred"] == []
+
+
+def test_a_member_the_group_will_not_mark_doubles_nothing(monkeypatch):
+    monkeypatch.delenv("SIGNAL_STACK", raising=False)
+    cell = Cell()
+    never_formed_unit(cell, DEADLINE + 1)
+    joined_put(cell, ("i-0a", f"u0@{NOW}:1"), ("i-0b", f"u0@{NOW - DEADLINE - 1}:1"))
+    cell.autoscaling.add_client_error("set_instance_health", "ValidationError", "not in the group")
+    # Put back as they were: i-0b's record, and none on i-0a.
+    joined_put(cell, ("i-0b", f"u0@{NOW - DEADLINE - 1}"))
+    cell.ecs.add_response("delete_attributes", {"attributes": []},
+                          {"cluster": CLUSTER, "attributes": delete("i-0a", "unit-joined")})
+    summary = run_at_now(cell)
+    assert summary["never_formed_replaced"] == []
+
+
+def test_no_never_formed_replacement_while_the_group_rolling_update_waits_for_signals(monkeypatch):
+    cell = Cell()
+    never_formed_unit(cell, DEADLINE + 1)
+    summary = run_during_a_rolling_update(cell, monkeypatch)
+    assert summary["never_formed_replaced"] == [] and summary["never_formed_deferred"] == ["i-0b"]
+
+
+def test_a_member_new_to_a_unit_that_served_is_recorded_when_first_seen(monkeypatch):
+    monkeypatch.delenv("SIGNAL_STACK", raising=False)
+    cell = Cell()
+    unit_of_two(cell, container("i-0a", running=1, unit="u0", unit_placement="topology",
+                                unit_session=f"u0@{NOW - 86400}"),
+                container("i-0b", running=1, unit="u0", unit_placement="topology"))
+    joined_put(cell, ("i-0b", f"u0@{NOW}"))
+    assert run_at_now(cell)["never_formed_replaced"] == []
+
+
+def test_a_member_of_a_unit_that_serves_is_not_replaced_whatever_its_records_say(monkeypatch):
+    """i-0b's `unit-session` record never came (a log delivery lost), but u0's leader is a healthy target:
+    the unit serves, so i-0b formed in it."""
+    import dataclasses
+
+    for name, value in (("SIGNAL_STACK", "Rufus-Cell-dev"), ("SIGNAL_RESOURCE", "TrainiumNodesASG1"),
+                        ("TARGET_GROUP_ARN", "arn:tg")):
+        monkeypatch.setenv(name, value)
+    cell = Cell()
+    never_formed_unit(cell, DEADLINE + 1)
+    config = Config(signature_version=UNSIGNED)
+    clients = dataclasses.replace(cell.clients, cloudformation=boto3.client("cloudformation", region_name=REGION,
+                                                                          config=config),
+                                  elbv2=boto3.client("elbv2", region_name=REGION, config=config))
+    with Stubber(clients.elbv2) as elb, Stubber(clients.cloudformation) as cfn:
+        elb.add_response("describe_target_health", {"TargetHealthDescriptions": [
+            {"Target": {"Id": "i-0a", "Port": 8080}, "TargetHealth": {"State": "healthy"}}]},
+            {"TargetGroupArn": "arn:tg"})
+        joined_put(cell, ("i-0b", f"u0@{NOW}"))  # its clock starts again: the unit serves
+        cfn.add_response(  # the signal rule's question (no update: nothing to signal)
+            "describe_stack_resource",
+            {"StackResourceDetail": {"LogicalResourceId": "TrainiumNodesASG1",
+                                     "ResourceType": "AWS::AutoScaling::AutoScalingGroup",
+                                     "LastUpdatedTimestamp": "2026-01-01T00:00:00Z",
+                                     "ResourceStatus": "UPDATE_COMPLETE"}},
+            {"StackName": "Rufus-Cell-dev", "LogicalResourceId": "TrainiumNodesASG1"},
+        )
+        summary = run_at_now(cell, clients)
+        elb.assert_no_pending_responses()
+        cfn.assert_no_pending_responses()
+    assert summary["never_formed_replaced"] == [] and summary["never_formed_deferred"] == []

@@ -145,11 +145,11 @@ def _signal_env(monkeypatch):
         monkeypatch.setenv(name, value)
 
 
-def _replaced_follower(**b_attributes: str) -> Cell:
+def _replaced_follower(a_attributes: dict[str, str] | None = None, **b_attributes: str) -> Cell:
     """u0 = i-a (leader, old, a healthy target) + i-b (new, its follower task running)."""
     cell = Cell()
     cell.group("3", {"i-a": "2", "i-b": "3"})
-    cell.containers([container("i-a", NOW - 86400, unit="u0", unit_placement="topology"),
+    cell.containers([container("i-a", NOW - 86400, unit="u0", unit_placement="topology", **(a_attributes or {})),
                      container("i-b", NOW - 1200, unit="u0", unit_placement="topology", **b_attributes)])
     cell.topology(["i-a", "i-b"])
     return cell
@@ -188,7 +188,8 @@ def test_a_new_follower_is_signalled_once_its_unit_formed_again_with_it_and_serv
 
 
 def test_a_session_record_signals_on_a_later_run_and_only_for_its_own_unit():
-    cell = _replaced_follower(unit_session=f"u0@{NOW - 700}")
+    # The leader i-a was a member of the same session: it holds the same record.
+    cell = _replaced_follower({"unit_session": f"u0@{NOW - 700}"}, unit_session=f"u0@{NOW - 700}")
     cell.updating()
     cell.healthy("i-a")
     cell.signal("i-b")

@@ -1,0 +1,209 @@
+"""Members that never form with their unit: a host that joined a unit that served, and never served in it.
+
+A unit that served and then lost a node gets a new instance (a spare, or the group's
+replacement), labelled for the unit. If the unit never forms again with it, nothing else
+acts: its launchers' failures may implicate no host (`artifacts`, `form_timeout`: a fetch
+that fails on this host only looks like S3 or the configuration, `failures.py`), so no
+quarantine; an elastic cell's autoscaler latches a unit that served as `serving` and never
+restarts it; a fixed cell has no autoscaler. The unit stayed down for good (the cell
+simulation's known gap until the twenty-ninth session: 320 unit-minutes down in 6 hours;
+now `simulations/replaced-follower-never-forms.yaml`). This is the one loop every cell
+has, so the bound lives here.
+
+The rule: a member of a unit that formed before (another member holds the launcher's
+`unit-session` record of the unit), which has no such record itself (it never formed with
+the unit since it joined), `deadline_seconds` after it joined, is reported Unhealthy to its
+group (SetInstanceHealth), which replaces it. Each such replacement of the same unit
+doubles the next one's deadline, up to a day: a cause no host fixes (a shard object
+missing from S3, a permission) gives back a Trainium instance after 105 minutes, then
+210, 420, ... by default, not every 105 minutes for ever, and the group may not get the
+capacity back. The count starts over once the unit is whole again with every member
+formed in it.
+
+A unit none of whose members ever formed is left to its start (the autoscaler's start
+deadline, `unit_autoscaler/decision.py`; a deployment's circuit breaker): no member is
+evidence of a host fault there.
+
+State lives on each member's container instance as the ECS attribute `unit-joined`,
+`<unit>@<clock start, Unix seconds>[:<replacements>]`: written on a member that has not
+formed in a unit that formed before, and, while the count is above 0, on every member (the
+count outlives the members that carried it); a member that leaves the unit loses it. The
+clock starts when the first run sees the member join, and again at each run that finds its
+unit not whole or serving. The unit's count is the highest on its members; before a mark
+it is raised on every member of the unit (a run that dies after the mark keeps the raise),
+and put back if the group refuses the mark. Same reasons as `agent-disconnected-since`
+(`ecs_health.py`): no table, a replacement starts clean, runs are serialised.
+
+Marks share the quarantine cap (`ecs_health.replacing`) and none is made while the group's
+rolling update waits for signals: an instance replaced outside the update's batch would
+take a second unit down.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence, Set
+from dataclasses import dataclass, field
+
+from placement_controller import aws
+from placement_controller.assignment import SPARE_UNIT
+from placement_controller.signals import session_member
+
+JOINED_ATTRIBUTE = "unit-joined"
+# The longest deadline, however many replacements: a day, as the autoscaler's restarts
+# (decision.RESTART_DEADLINE_CAP_S).
+DEADLINE_CAP_SECONDS = 86400
+
+
+@dataclass(frozen=True)
+class UnformedPolicy:
+    """How long a member may stay in a unit that served without forming in it (None: never replaced)."""
+
+    deadline_seconds: int | None = 6300
+
+    def deadline(self, replacements: int) -> float | None:
+        if self.deadline_seconds is None:
+            return None
+        return float(min(self.deadline_seconds * 2 ** min(replacements, 32), DEADLINE_CAP_SECONDS))
+
+
+@dataclass(frozen=True)
+class Joined:
+    """A parsed `unit-joined` value."""
+
+    unit: str
+    at: int
+    replacements: int = 0
+
+    def encode(self) -> str:
+        return f"{self.unit}@{self.at}" + (f":{self.replacements}" if self.replacements else "")
+
+
+def parse(value: str | None) -> Joined | None:
+    unit, _, rest = (value or "").rpartition("@")
+    at, _, count = rest.partition(":")
+    if not unit or not at.isdigit() or (count and not count.isdigit()):
+        return None
+    return Joined(unit, int(at), int(count or 0))
+
+
+@dataclass
+class UnformedObservation:
+    """What one run saw: records to write or delete, and the members past their deadline."""
+
+    # EC2 instance id -> `unit-joined` value to write.
+    writes: dict[str, str] = field(default_factory=dict)
+    # EC2 instance ids whose `unit-joined` goes (no longer in a unit).
+    deletes: list[str] = field(default_factory=list)
+    # (seconds past the deadline, EC2 instance id, unit), longest overdue first.
+    overdue: list[tuple[float, str, str]] = field(default_factory=list)
+    # EC2 instance id -> its record as this run leaves it (members that need none are not in it).
+    records: dict[str, Joined] = field(default_factory=dict)
+    # Unit -> its members as this run leaves the labels.
+    members: dict[str, list[str]] = field(default_factory=dict)
+    now: float = 0.0
+
+    @property
+    def now_s(self) -> int:
+        return int(self.now)
+
+
+def _unit(label: str | None) -> str | None:
+    return label if label and label != SPARE_UNIT else None
+
+
+def observe(
+    policy: UnformedPolicy,
+    instances: Mapping[str, aws.ContainerInstance],
+    labels: Mapping[str, str | None],
+    missing: Mapping[str, int],
+    group: Mapping[str, aws.GroupInstance],
+    excluded: Set[str],
+    now: float,
+    serving: Callable[[Sequence[str]], bool] = lambda _members: False,
+) -> UnformedObservation:
+    """Read and update the records of the managed instances (`instances` by EC2 id, `labels` as this run
+    leaves them) and list the members past their deadline. `serving(members)`: whether one of them is a
+    healthy target (asked only for a unit with a member that has not formed)."""
+    seen = UnformedObservation(now=now)
+    for instance_id, ci in sorted(instances.items()):
+        if (unit := _unit(labels.get(instance_id))) is not None:
+            seen.members.setdefault(unit, []).append(instance_id)
+        elif JOINED_ATTRIBUTE in ci.attributes:
+            seen.deletes.append(instance_id)
+    for unit, ids in sorted(seen.members.items()):
+        _observe_unit(policy, seen, unit, ids, instances, not missing.get(unit), serving, group, excluded)
+    seen.overdue.sort(key=lambda item: (-item[0], item[1]))
+    return seen
+
+
+def _observe_unit(
+    policy: UnformedPolicy,
+    seen: UnformedObservation,
+    unit: str,
+    ids: list[str],
+    instances: Mapping[str, aws.ContainerInstance],
+    whole: bool,
+    serving: Callable[[Sequence[str]], bool],
+    group: Mapping[str, aws.GroupInstance],
+    excluded: Set[str],
+) -> None:
+    """One unit: its records, and its overdue members.
+
+    Written only where they say something: on a member that has not formed in a unit that formed
+    before, and the unit's count on every member while it is above 0. A unit none of whose members
+    formed keeps its own records (module doc); a record of another unit goes. A member's clock runs
+    only while its unit is whole and does not serve: until then each run starts it again. Only a whole
+    unit can form, so a member waiting for another node (the group could not launch it) is not held
+    to account for the wait; and a unit that serves formed with every member, whatever the records say
+    (a `unit-session` record whose log delivery was lost: the member would look new)."""
+    found = {i: parse(instances[i].attributes.get(JOINED_ATTRIBUTE)) for i in ids}
+    formed = {i for i in ids if session_member(instances[i], unit)}
+    if not formed:
+        seen.deletes += [i for i in ids if found[i] is not None and found[i].unit != unit]
+        return
+    mine = {i: r for i, r in found.items() if r is not None and r.unit == unit}
+    count = max((r.replacements for r in mine.values()), default=0)
+    if whole and formed == set(ids):
+        count = 0  # whole, and every member formed in it: the count starts over
+    joining = [i for i in ids if i not in formed]
+    waiting = not whole or (bool(joining) and serving(ids))
+    for i in ids:
+        if i in formed and not count:
+            if JOINED_ATTRIBUTE in instances[i].attributes:
+                seen.deletes.append(i)
+            continue
+        restart = i not in mine or (waiting and i not in formed)
+        seen.records[i] = Joined(unit, seen.now_s if restart else mine[i].at, count)
+        if seen.records[i] != found[i]:
+            seen.writes[i] = seen.records[i].encode()
+    deadline = policy.deadline(count)
+    if deadline is None or waiting or not joining:
+        return
+    late = seen.now - max(seen.records[i].at for i in joining) - deadline
+    if late >= 0:
+        seen.overdue += [(late, i, unit) for i in joining if i not in excluded and _watched(group.get(i))]
+
+
+def _watched(member: aws.GroupInstance | None) -> bool:
+    """In service and counted healthy by its group (an Unhealthy one is being replaced already)."""
+    return member is not None and member.lifecycle == "InService" and member.health == "Healthy"
+
+
+def raised(seen: UnformedObservation, units: Set[str]) -> dict[str, str]:
+    """`unit-joined` values with each unit's count plus one, for every member of the units (those about to be
+    marked included). Written before the marks: a run that dies after a mark still leaves the raise."""
+    writes: dict[str, str] = {}
+    for unit in sorted(units):
+        count = max((r.replacements for r in seen.records.values() if r.unit == unit), default=0) + 1
+        for i in seen.members.get(unit, ()):
+            record = seen.records.get(i)
+            writes[i] = Joined(unit, record.at if record else seen.now_s, count).encode()
+    return writes
+
+
+def put_back(seen: UnformedObservation, units: Set[str]) -> tuple[dict[str, str], list[str]]:
+    """The records of the units' members as this run left them before `raised`: values to write again, and
+    the instances that had none (a mark refused doubles nothing)."""
+    members = [i for unit in sorted(units) for i in seen.members.get(unit, ())]
+    return ({i: seen.records[i].encode() for i in members if i in seen.records},
+            [i for i in members if i not in seen.records])

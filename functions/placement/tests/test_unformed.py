@@ -1,0 +1,154 @@
+"""The rule for members that never form with a unit that served (placement_controller/unformed.py)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from placement_controller import aws
+from placement_controller.unformed import (
+    DEADLINE_CAP_SECONDS,
+    JOINED_ATTRIBUTE,
+    Joined,
+    UnformedPolicy,
+    observe,
+    parse,
+    put_back,
+    raised,
+)
+
+NOW = 1_800_000_000
+DEADLINE = 6300
+POLICY = UnformedPolicy(DEADLINE)
+IN_SERVICE = aws.GroupInstance("InService", "Healthy")
+
+
+def ci(instance: str, **attributes: str) -> aws.ContainerInstance:
+    return aws.ContainerInstance(f"arn:{instance}", instance, "ACTIVE", True, 1, 0,
+                                 {name.replace("_", "-"): v for name, v in attributes.items()})
+
+
+def cell(*instances: aws.ContainerInstance, missing: dict[str, int] | None = None, excluded: frozenset = frozenset(),
+         group: dict[str, aws.GroupInstance] | None = None, now: float = NOW, policy: UnformedPolicy = POLICY,
+         healthy: frozenset = frozenset()):
+    by_id = {i.ec2_instance_id: i for i in instances}
+    labels = {i: c.attributes.get("unit") for i, c in by_id.items()}
+    return observe(policy, by_id, labels, missing or {}, group or dict.fromkeys(by_id, IN_SERVICE), excluded, now,
+                   serving=lambda members: bool(healthy.intersection(members)))
+
+
+def leader(**more: str) -> aws.ContainerInstance:
+    """u0's old member: it formed (the launcher's record of a session of u0)."""
+    return ci("i-a", unit="u0", unit_session=f"u0@{NOW - 86400}", **more)
+
+
+def test_a_member_new_to_a_unit_that_served_gets_its_join_time_and_no_one_else_a_record():
+    seen = cell(leader(), ci("i-b", unit="u0"))
+    assert seen.writes == {"i-b": f"u0@{NOW}"} and seen.overdue == [] and seen.deletes == []
+
+
+@pytest.mark.parametrize("since", [DEADLINE - 1, DEADLINE, DEADLINE + 600])
+def test_a_member_is_overdue_at_the_deadline_after_it_joined(since):
+    seen = cell(leader(), ci("i-b", unit="u0", unit_joined=f"u0@{NOW - since}"))
+    assert seen.writes == {}
+    assert seen.overdue == ([] if since < DEADLINE else [(since - DEADLINE, "i-b", "u0")])
+
+
+def test_a_unit_none_of_whose_members_formed_is_left_to_its_start():
+    # A unit starting (the autoscaler's start deadline): nothing recorded, nothing overdue.
+    seen = cell(ci("i-a", unit="u0"), ci("i-b", unit="u0", unit_joined=f"u0@{NOW - 10 * DEADLINE}"))
+    assert seen.writes == {} and seen.overdue == [] and seen.deletes == []
+
+
+def test_a_member_waiting_for_a_node_the_group_could_not_launch_is_not_overdue_and_its_clock_starts_again():
+    late = ci("i-b", unit="u0", unit_joined=f"u0@{NOW - 2 * DEADLINE}")
+    seen = cell(leader(), late, missing={"u0": 1})
+    assert seen.overdue == [] and seen.writes == {"i-b": f"u0@{NOW}"}
+
+
+def test_the_clock_runs_from_when_the_unit_became_whole_also_through_a_member_that_formed():
+    """A cold review's repro: i-b waited 3 h for a node; i-c, which formed in u0 before (a drained instance
+    back, a spare given back), completes it. Before, i-b was overdue in that same run."""
+    waiting = ci("i-b", unit="u0", unit_joined=f"u0@{NOW - 10800}")
+    assert cell(leader(), waiting, missing={"u0": 1}, now=NOW - 300).writes == {"i-b": f"u0@{NOW - 300}"}
+    back = ci("i-c", unit="u0", unit_session="u0@1")
+    seen = cell(leader(), ci("i-b", unit="u0", unit_joined=f"u0@{NOW - 300}"), back)
+    assert seen.overdue == [] and seen.writes == {}
+
+
+def test_a_unit_that_serves_holds_no_member_to_account_whatever_the_records_say():
+    """A record whose delivery was lost: the unit serves (a healthy target), so i-b formed in it. Its clock
+    starts again each run the unit serves, so a later unhealthy moment does not find it overdue at once."""
+    stuck = ci("i-b", unit="u0", unit_joined=f"u0@{NOW - 2 * DEADLINE}")
+    seen = cell(leader(), stuck, healthy=frozenset({"i-a"}))
+    assert seen.overdue == [] and seen.writes == {"i-b": f"u0@{NOW}"}
+    assert cell(leader(), stuck).overdue == [(DEADLINE, "i-b", "u0")]  # not serving: overdue
+
+
+def test_each_replacement_doubles_the_next_deadline_up_to_a_day():
+    assert [POLICY.deadline(k) for k in (0, 1, 2, 3, 4, 99)] == [6300, 12600, 25200, 50400, 86400, 86400]
+    assert UnformedPolicy(None).deadline(0) is None
+    counted = ci("i-b", unit="u0", unit_joined=f"u0@{NOW - DEADLINE - 60}:1")
+    assert cell(leader(unit_joined=f"u0@{NOW - 86400}:1"), counted).overdue == []
+    assert cell(leader(), ci("i-b", unit="u0", unit_joined=f"u0@{NOW - 2 * DEADLINE}:1")).overdue == [
+        (0, "i-b", "u0")]
+
+
+def test_a_new_member_takes_the_units_count():
+    seen = cell(leader(unit_joined=f"u0@{NOW - 86400}:2"), ci("i-b", unit="u0"))
+    assert seen.writes == {"i-b": f"u0@{NOW}:2"}
+
+
+def test_the_count_starts_over_once_the_unit_is_whole_and_every_member_formed_in_it():
+    seen = cell(leader(unit_joined=f"u0@{NOW - 86400}:2"),
+                ci("i-b", unit="u0", unit_session=f"u0@{NOW - 60}", unit_joined=f"u0@{NOW - 3600}:2"))
+    assert seen.writes == {} and sorted(seen.deletes) == ["i-a", "i-b"] and seen.overdue == []
+
+
+def test_a_quarantined_or_already_unhealthy_member_is_not_overdue():
+    stuck = ci("i-b", unit="u0", unit_joined=f"u0@{NOW - 2 * DEADLINE}")
+    assert cell(leader(), stuck, excluded=frozenset({"i-b"})).overdue == []
+    unhealthy = {"i-a": IN_SERVICE, "i-b": aws.GroupInstance("InService", "Unhealthy")}
+    assert cell(leader(), stuck, group=unhealthy).overdue == []
+
+
+def test_a_record_of_another_unit_is_a_new_join():
+    seen = cell(leader(), ci("i-b", unit="u0", unit_joined=f"u3@{NOW - 2 * DEADLINE}"))
+    assert seen.writes == {"i-b": f"u0@{NOW}"} and seen.overdue == []
+
+
+def test_an_instance_no_longer_in_a_unit_loses_its_record():
+    seen = cell(leader(), ci("i-s", unit="spare", unit_joined=f"u0@{NOW - 99}"), ci("i-f", unit_joined="u0@1"))
+    assert sorted(seen.deletes) == ["i-f", "i-s"]
+
+
+def test_the_count_is_raised_on_every_member_and_put_back_as_it_was():
+    seen = cell(leader(), ci("i-c", unit="u0", unit_session=f"u0@{NOW - 86400}"),
+                ci("i-b", unit="u0", unit_joined=f"u0@{NOW - DEADLINE}"))
+    assert [i for _, i, _ in seen.overdue] == ["i-b"]
+    assert raised(seen, {"u0"}) == {"i-a": f"u0@{NOW}:1", "i-b": f"u0@{NOW - DEADLINE}:1", "i-c": f"u0@{NOW}:1"}
+    assert put_back(seen, {"u0"}) == ({"i-b": f"u0@{NOW - DEADLINE}"}, ["i-a", "i-c"])
+    assert raised(seen, set()) == {} and put_back(seen, set()) == ({}, [])
+
+
+def test_a_record_of_another_unit_goes_in_a_unit_that_never_formed():
+    """A cold review's repro: i-x carried u0's count 3 into u1 (no member formed); back in u0 later, the old
+    count raised u0's backoff. Now the record goes."""
+    seen = cell(ci("i-x", unit="u1", unit_joined=f"u0@{NOW - 99}:3"), ci("i-y", unit="u1"))
+    assert seen.deletes == ["i-x"] and seen.writes == {}
+    kept = cell(ci("i-x", unit="u1", unit_joined=f"u1@{NOW - 99}:3"), ci("i-y", unit="u1"))
+    assert kept.deletes == [] and kept.writes == {}  # its own unit's record stays (the count)
+
+
+@given(st.text(min_size=1, max_size=20).filter(lambda u: "@" not in u), st.integers(0, 2**40), st.integers(0, 99))
+def test_a_record_reads_back_as_written(unit, at, count):
+    assert parse(Joined(unit, at, count).encode()) == Joined(unit, at, count)
+
+
+@pytest.mark.parametrize("value", [None, "", "u0", "u0@", "u0@x", "@123", "u0@12:x", "u0@-1"])
+def test_an_unreadable_record_is_no_record(value):
+    assert parse(value) is None
+
+
+def test_the_attribute_name_and_cap_are_what_the_docs_say():
+    assert JOINED_ATTRIBUTE == "unit-joined" and DEADLINE_CAP_SECONDS == 86400
