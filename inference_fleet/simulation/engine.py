@@ -1084,6 +1084,20 @@ class Cell:
         inst.device_lost = True
         self.devices_lost.add(inst.iid)
 
+    def _do_cache_corrupt(self, event: Event) -> None:
+        """The target's model cache goes bad and every fetch there fails from now on (a disk that corrupts
+        what it writes): its serving session ends `artifacts_mismatch` naming it, and each later session
+        `artifacts`; neither implicates a host (failures.NOT_IMPLICATING_CAUSES)."""
+        if self._missing(event):
+            return
+        inst, task = self.resolve(event.target)
+        assert inst is not None
+        inst.unformable, inst.cached = True, False
+        self.note(f"{inst.iid}: its model cache is corrupt, every fetch there fails (cache_corrupt)")
+        unit = self._unit_of(inst)
+        if unit is not None and unit.session is not None and task in unit.session.members:
+            self.end_session(unit, "artifacts_mismatch", None if task is unit.session.leader else task, None)
+
     def _bad_host_failure(self, unit: Unit, session: Session, task: Task) -> None:
         inst = task.inst
         if unit.session is not session or session.state != "serving" or inst.bad_left <= 0:

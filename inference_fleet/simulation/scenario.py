@@ -40,6 +40,9 @@ KINDS: Mapping[str, tuple[frozenset[str], frozenset[str]]] = {
     # The next `times` instances the group launches are hosts on which a member's fetch fails every time
     # (`artifacts`, which implicates no host): a unit with a member there never forms.
     "unformable_launches": (frozenset({"times"}), frozenset()),
+    # The target's model cache goes bad and every fetch there fails from then on: its session ends
+    # `artifacts_mismatch`, each later one `artifacts` (neither implicates a host).
+    "cache_corrupt": (frozenset({"target"}), frozenset()),
     "ami_change": (frozenset(), frozenset()),
     "deploy": (frozenset(), frozenset()),
     "capacity_refusal": (frozenset({"for"}), frozenset()),
