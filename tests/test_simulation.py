@@ -586,6 +586,16 @@ def test_the_cache_corrupt_fault_ends_the_session_and_every_later_one_on_its_hos
         assert figures["never_formed_replaced"] == [] and figures["unit_minutes_down"] > 300, figures
 
 
+def test_a_deployment_whose_artifacts_are_missing_gives_back_no_host():
+    """A configuration fault fails every fetch of the new revision: no host is at fault, and none is replaced
+    or quarantined; u0 stays down (the operator's to fix)."""
+    doc = run("deploy-missing-artifacts.yaml", seeds=3)
+    for seed in doc["per_seed"]:
+        figures = seed["figures"]
+        assert figures["never_formed_replaced"] == [] and figures["quarantined"] == [], figures
+        assert figures["serving_at_end"] == [], figures
+
+
 def minutes(clock_and_what: str) -> float:
     """`+2h38m35s i-0004e409ca` -> 158.6 (the report's clock)."""
     h, m, sec = (int(x) for x in re.match(r"\+(\d+)h(\d+)m(\d+)s", clock_and_what).groups())

@@ -147,6 +147,10 @@ class Cell:
         self.devices_lost: set[str] = set()  # instances that lost a device after boot (`device_lost`)
         self.bad_hosts: dict[str, int] = {}  # iid -> times
         self.unformable_left = 0  # how many of the group's next launches are hosts where every fetch fails
+        # A deploy's revision whose objects are missing from the bucket (`deploy` with `missing_artifacts`): every
+        # fetch of a unit at or above it fails. Modelled as the leader's own (nobody named); on AWS each
+        # follower's fetch before it joins fails too, naming itself (runner._fetch_before_joining).
+        self.missing_from_revision: int | None = None
         self.restarts: list[tuple[float, str]] = []  # the autoscaler's restarts: (time, unit)
         # The placement controller's replacements of members that never formed: (time, instance id).
         self.never_formed_replaced: list[tuple[float, str]] = []
@@ -642,6 +646,8 @@ class Cell:
         session.state, session.released_at = "fetching", self.now
         fetch = max((0.0 if t.inst.cached else self.vary("fetch_per_node")) for t in session.members)
         failing = next((t for t in session.members if t.inst.unformable), None)
+        if self.missing_from_revision is not None and unit.revision >= self.missing_from_revision:
+            failing = session.leader
         if failing is not None:
             self.after(fetch, self._fetch_failed, unit, session, failing)
             return
@@ -1118,6 +1124,9 @@ class Cell:
         self.start_roll()
 
     def _do_deploy(self, event: Event) -> None:
+        if event.missing_artifacts:
+            self.missing_from_revision = max(u.revision for u in self.units.values()) + 1
+            self.note("the deploy's artifacts are missing from the bucket: every fetch of the new revision fails")
         self.deploy_queue = [u.uid for u in self.units.values() if u.leader_desired]
         self._deploy_next()
 

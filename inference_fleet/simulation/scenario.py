@@ -44,7 +44,8 @@ KINDS: Mapping[str, tuple[frozenset[str], frozenset[str]]] = {
     # `artifacts_mismatch`, each later one `artifacts` (neither implicates a host).
     "cache_corrupt": (frozenset({"target"}), frozenset()),
     "ami_change": (frozenset(), frozenset()),
-    "deploy": (frozenset(), frozenset()),
+    # missing_artifacts: true: the new revision's objects are not in the bucket (every fetch of it fails).
+    "deploy": (frozenset(), frozenset({"missing_artifacts"})),
     "capacity_refusal": (frozenset({"for"}), frozenset()),
     "metric_gap": (frozenset({"for"}), frozenset({"metric"})),
     "clock_skew": (frozenset({"target", "seconds"}), frozenset()),
@@ -80,6 +81,7 @@ class Event:
     noise_pct: float = 0.0
     metric: str = "all"
     scope: str = "task"
+    missing_artifacts: bool = False  # `deploy`: the new revision's objects are not in the bucket
     line: int = 0  # position in the events list, for messages
 
 
@@ -178,6 +180,10 @@ def _event(raw: Any, index: int, duration: float, problems: list[str]) -> Event 
         if raw["scope"] not in ("task", "instance"):
             problems.append(f"{where}.scope: {raw['scope']!r}; allowed: task, instance")
         fields["scope"] = raw["scope"]
+    if "missing_artifacts" in raw:
+        if not isinstance(raw["missing_artifacts"], bool):
+            problems.append(f"{where}.missing_artifacts: {raw['missing_artifacts']!r}; allowed: true, false")
+        fields["missing_artifacts"] = raw["missing_artifacts"] is True
     if kind == "metric_gap":
         metric = raw.get("metric", "all")
         if metric not in METRICS:
