@@ -665,7 +665,8 @@ class Cell:
         for task in session.members:
             task.inst.cached = True
         session.state = "loading"
-        self.log_line({"event": "unit_session_formed", "unit_id": unit.uid, "session_id": session.sid,
+        self.log_line({"event": "unit_session_formed", "unit_id": unit.uid, "revision": str(unit.revision),
+                       "session_id": session.sid,
                        "released_at": EPOCH + (session.released_at or self.now) + session.leader.inst.skew,
                        "members": self._members(session)})
         self.after(self.vary("load_and_warmup"), self._serving, unit, session)

@@ -63,10 +63,12 @@ def _spare_ready(document: Mapping[str, Any], log_event: Mapping[str, Any]) -> d
 
 
 def _members(document: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The members' ranks and ids (task ARNs on ECS), nothing else."""
+    """The members' ranks and ids (task ARNs on ECS) and, where the line says it, whether each was ready
+    (its artifacts in place: a fetch that worked, placement_controller/unformed.py), nothing else."""
     members = document.get("members")
     return [
-        {"rank": m.get("rank"), "instance_id": m.get("instance_id")}
+        {"rank": m.get("rank"), "instance_id": m.get("instance_id"),
+         **({"ready": m["ready"]} if isinstance(m.get("ready"), bool) else {})}
         for m in (members if isinstance(members, list) else [])
         if isinstance(m, Mapping)
     ]
