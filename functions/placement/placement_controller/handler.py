@@ -348,7 +348,9 @@ def _launcher_records(
     lists ready, is cleared. Members are task ARNs or ids on ECS (one DescribeTasks for all), EC2 instance
     ids in tests."""
     wanted: list[tuple[str, str, str]] = []  # (member, attribute, value)
-    said: list[tuple[str, str, tuple[str, str, float] | None]] = []  # (member, doubt|clear, failure), in order
+    # (the line's time, member, doubt|clear, failure): folded in the lines' order of time, not the queue's (each
+    # log stream comes by its own delivery: a follower's own line may come after a later one of its leader).
+    said: list[tuple[float, str, str, tuple[str, str, float] | None]] = []
     for record in signals.records(event):
         detail = record.get("detail")
         if record.get("source") != EVENT_SOURCE or not isinstance(detail, Mapping):
@@ -362,16 +364,17 @@ def _launcher_records(
                 named = [str(m["instance_id"]) for m in detail.get("members") or []
                          if isinstance(m, Mapping) and m.get("instance_id")]
                 wanted += [(member, signals.SESSION_ATTRIBUTE, value) for member in named]
-                said += [(member, "clear", None) for member in named]
-            else:
-                said += [(member, "clear", None) for member in unformed.ready_members(detail)]
+                said += [(float(detail["released_at"]), member, "clear", None) for member in named]
+            elif detail.get("event") == "unit_session_end":
+                when = float(detail.get("ended_at") or 0)
+                said += [(when, member, "clear", None) for member in unformed.ready_members(detail)]
                 if (failure := unformed.fetch_failure(detail)) is not None:
-                    said.append((failure[0], "doubt", failure[1:]))
+                    said.append((when, failure[0], "doubt", failure[1:]))
         except (KeyError, TypeError, ValueError):
             LOG.warning("ignored a malformed %s record: %s", detail.get("event"), detail)
     by_instance = {ci.ec2_instance_id: ci for ci in container_instances}
     by_arn = {ci.arn: ci for ci in container_instances}
-    members = {member for member, _, _ in wanted} | {member for member, _, _ in said}
+    members = {member for member, _, _ in wanted} | {member for _, member, _, _ in said}
     tasks = sorted(member for member in members if member not in by_instance)
     hosts = aws.task_container_instances(clients.ecs, settings.cluster, tasks, retry) if tasks else {}
     # DescribeTasks answers with full ARNs; a member given by its task id is found by the ARN's last part.
@@ -381,7 +384,7 @@ def _launcher_records(
         ci = by_instance.get(member) or by_arn.get(hosts.get(member, ""))
         if ci is not None and ci.attributes.get(name) != value:
             found.values[(ci.ec2_instance_id, name)] = value
-    for member, kind, failure in said:
+    for _, member, kind, failure in sorted(said, key=lambda line: line[0]):
         ci = by_instance.get(member) or by_arn.get(hosts.get(member, ""))
         if ci is None:
             continue

@@ -125,11 +125,20 @@ def fetch_failure(detail: Mapping[str, Any]) -> tuple[str, str, str, float] | No
 
 
 def ready_members(detail: Mapping[str, Any]) -> Iterable[str]:
-    """The members a session end lists as ready (their artifacts in place: their fetch worked)."""
-    if detail.get("event") != "unit_session_end" or not isinstance(detail.get("members"), list):
+    """The members a session end shows with their artifacts in place (their fetch worked): those it lists
+    `ready` in a session that was released (`released_at` set), but the one whose own fetch the line says failed.
+
+    Only a released session: the leader lists itself ready from its session's start, before its own fetch
+    (rendezvous.LeaderSession, rank 0), and releases the unit only once that fetch worked; a follower is ready
+    only after the release (its heartbeat once its shards are in place). A cold review's finding: a leader's
+    own failing line cleared its doubt."""
+    if (detail.get("event") != "unit_session_end" or not isinstance(detail.get("members"), list)
+            or detail.get("released_at") is None):
         return []
+    failed = fetch_failure(detail)
     return [str(m["instance_id"]) for m in detail["members"]
-            if isinstance(m, Mapping) and m.get("ready") is True and m.get("instance_id")]
+            if isinstance(m, Mapping) and m.get("ready") is True and m.get("instance_id")
+            and (failed is None or str(m["instance_id"]) != failed[0])]
 
 
 def fetch_failed_since_formed(record: str | None, unit: str, revision: str, ended_at: float) -> bool:
@@ -219,27 +228,35 @@ def _observe_unit(
     to account for the wait; and a unit that serves formed with every member, whatever the records say
     (a `unit-session` record whose log delivery was lost: the member would look new)."""
     found = {i: parse(instances[i].attributes.get(JOINED_ATTRIBUTE)) for i in ids}
+    never = {i for i in ids if not session_member(instances[i], unit)}
+    if never == set(ids):
+        seen.deletes += [i for i in ids if found[i] is not None and found[i].unit != unit]
+        return
     doubts, clears = evidence
     doubted = {i for i in ids if i not in clears
                and (i in doubts or (found[i] is not None and found[i].unit == unit and found[i].doubt))}
-    formed = {i for i in ids if session_member(instances[i], unit) and i not in doubted}
-    if not formed:
-        seen.deletes += [i for i in ids if found[i] is not None and found[i].unit != unit]
-        return
+    # A doubt singles a host out only when it is the one member of its unit in doubt and nothing else is
+    # unformed there: two members whose fetches fail alike point at a common cause (S3, IAM, an endpoint:
+    # every fetch lists the bucket), and beside a member that never formed the unit cannot form anyway, so
+    # nothing says the doubted one is at fault (two cold-review findings). The other doubts stay recorded,
+    # their clocks held at the start until they single a host out.
+    held = doubted if len(doubted) == 1 and not never else set()
+    joining = [i for i in ids if i in never or i in held]
     mine = {i: r for i, r in found.items() if r is not None and r.unit == unit}
     count = max((r.replacements for r in mine.values()), default=0)
-    if whole and formed == set(ids):
+    if whole and not joining and not doubted:
         count = 0  # whole, and every member formed in it: the count starts over
-    joining = [i for i in ids if i not in formed]
     waiting = not whole or (bool(joining) and serving(ids))
     for i in ids:
-        if i in formed and not count:
+        if i not in joining and i not in doubted and not count:
             if JOINED_ATTRIBUTE in instances[i].attributes:
                 seen.deletes.append(i)
             continue
-        # A doubt starts its clock when it is first seen (a member that was waiting keeps its own).
+        # A member's clock starts when the first run sees it join (or doubts it), and again at each run that
+        # does not hold it to account (its unit not whole, or serving; a doubt that singles nobody out).
         fresh_doubt = i in doubted and not (i in mine and mine[i].doubt)
-        restart = i not in mine or fresh_doubt or (waiting and i not in formed)
+        stopped = (i in joining and waiting) or (i in doubted and i not in held)
+        restart = i not in mine or fresh_doubt or stopped
         seen.records[i] = Joined(unit, seen.now_s if restart else mine[i].at, count, i in doubted)
         if seen.records[i] != found[i]:
             seen.writes[i] = seen.records[i].encode()

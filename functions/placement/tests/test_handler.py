@@ -1369,11 +1369,11 @@ def test_a_member_of_a_unit_that_serves_is_not_replaced_whatever_its_records_say
 
 
 def session_end(member: str, revision: str, ended_at: float, cause: str = "artifacts",
-                ready: tuple[str, ...] = ()) -> dict:
+                ready: tuple[str, ...] = (), released_at: float | None = None) -> dict:
     """A follower's session end as the log subscription enqueues it (members: EC2 instance ids in tests)."""
     line = {"source": "unit-launcher", "detail-type": "Unit Session End", "id": "7",
             "detail": {"event": "unit_session_end", "cell": "dev", "unit_id": "u0", "revision": revision,
-                       "session_id": "5e56", "cause": cause, "ended_at": ended_at,
+                       "session_id": "5e56", "cause": cause, "ended_at": ended_at, "released_at": released_at,
                        "ended_by": {"instance_id": member, "address": "10.0.0.2"},
                        "members": [{"rank": 0, "instance_id": "i-0a", "ready": "i-0a" in ready},
                                    {"rank": 1, "instance_id": member, "ready": member in ready}]}}
@@ -1419,7 +1419,7 @@ def test_a_doubted_member_a_later_session_end_lists_ready_is_cleared(monkeypatch
     cell.ecs.add_response("delete_attributes", {"attributes": []},
                           {"cluster": CLUSTER, "attributes": delete("i-0b", "unit-joined")})
     summary = run_event_at_now(cell, session_end("i-0b", "abc123", NOW - 30, cause="form_timeout",
-                                                 ready=("i-0a", "i-0b")))
+                                                 ready=("i-0a", "i-0b"), released_at=NOW - 300))
     assert summary["never_formed_replaced"] == [] and summary["fetch_doubted"] == []
 
 
@@ -1430,3 +1430,15 @@ def test_a_doubted_member_past_the_deadline_is_replaced(monkeypatch):
     joined_put(cell, ("i-0a", f"u0@{NOW}:1"), ("i-0b", f"u0@{NOW - DEADLINE - 1}:1!"))
     health_call(cell, "i-0b")
     assert run_at_now(cell)["never_formed_replaced"] == ["i-0b"]
+
+
+def test_lines_are_folded_in_their_order_of_time_not_the_queues(monkeypatch):
+    """A cold review's repro: a follower's own failure (its stream) queued after a later leader line listing it
+    ready (the leader's stream); the older doubt won. Now the later line decides."""
+    monkeypatch.delenv("SIGNAL_STACK", raising=False)
+    cell = Cell()
+    formed_unit_of_two(cell)
+    late = session_end("i-0b", "abc123", NOW - 900)["Records"] + session_end(
+        "i-0b", "abc123", NOW - 30, cause="form_timeout", ready=("i-0a", "i-0b"), released_at=NOW - 300)["Records"]
+    event = {"Records": list(reversed(late))}  # the ready line first in the queue, the older failure after it
+    assert run_event_at_now(cell, event)["fetch_doubted"] == []

@@ -163,11 +163,11 @@ def test_the_attribute_name_and_cap_are_what_the_docs_say():
 # ---- a member whose own fetch fails after it formed: the doubt ---------------------------------------
 
 def end(cause: str, *, ended_by: str | None = None, revision: str = "abc123", ended_at: float = NOW,
-        ready: tuple[str, ...] = ()) -> dict:
+        ready: tuple[str, ...] = (), released_at: float | None = None) -> dict:
     """A session end as the launcher writes it (unit_launcher/evidence.py session_event), rank 0 the leader."""
     return {"event": "unit_session_end", "unit_id": "u0", "revision": revision, "cause": cause,
             "ended_by": {"instance_id": ended_by, "address": "10.0.0.2"} if ended_by else None,
-            "ended_at": ended_at,
+            "ended_at": ended_at, "released_at": released_at,
             "members": [{"rank": 0, "instance_id": "task-l", "ready": "task-l" in ready},
                         {"rank": 1, "instance_id": "task-f", "ready": "task-f" in ready}]}
 
@@ -180,8 +180,16 @@ def test_a_fetch_failure_names_the_follower_it_names_else_the_leader_that_report
     assert fetch_failure({"event": "unit_session_formed", "cause": "artifacts"}) is None
 
 
-def test_a_session_end_says_who_was_ready():
-    assert list(ready_members(end("form_timeout", ready=("task-l",)))) == ["task-l"]
+def test_a_session_end_says_who_was_ready_only_once_released_and_never_the_one_that_failed():
+    released = NOW - 300
+    assert list(ready_members(end("form_timeout", ready=("task-l", "task-f"), released_at=released))) == [
+        "task-l", "task-f"]
+    # The leader lists itself ready from its session's start, before its own fetch (a cold review's finding):
+    # a session never released says nothing, and its own failing line never clears it.
+    assert list(ready_members(end("artifacts", ready=("task-l",)))) == []
+    assert list(ready_members(end("deliberate_stop", ready=("task-l",)))) == []
+    assert list(ready_members(end("artifacts", ready=("task-l", "task-f"), ended_by="task-f",
+                                  released_at=released))) == ["task-l"]
     assert list(ready_members({"event": "unit_session_formed", "members": [{"instance_id": "x", "ready": True}]})) == []
 
 
@@ -234,3 +242,25 @@ def test_a_raised_count_keeps_the_doubt():
     assert [i for _, i, _ in seen.overdue] == ["i-b"]
     assert raised(seen, {"u0"}) == {"i-a": f"u0@{NOW}:1", "i-b": f"u0@{NOW - DEADLINE}:1!"}
     assert put_back(seen, {"u0"}) == ({"i-b": f"u0@{NOW - DEADLINE}!"}, ["i-a"])
+
+
+def test_two_members_in_doubt_point_at_a_common_cause_and_neither_is_held_to_account():
+    """A cold review's repro: a fetch outage of the whole cell (every fetch lists the bucket) doubted every member
+    one after another; all but the last were replaced. Now neither is overdue, both doubts stay recorded with
+    their clocks held, and once one clears the other's clock starts then."""
+    a = leader(unit_joined=f"u0@{NOW - 2 * DEADLINE}!")
+    b = ci("i-b", unit="u0", unit_session=f"u0@{NOW - 86400}", unit_joined=f"u0@{NOW - 2 * DEADLINE}!")
+    both = cell(a, b)
+    assert both.overdue == [] and both.writes == {"i-a": f"u0@{NOW}!", "i-b": f"u0@{NOW}!"}
+    one = cell(leader(unit_joined=f"u0@{NOW}!"), ci("i-b", unit="u0", unit_session=f"u0@{NOW - 86400}",
+                                                   unit_joined=f"u0@{NOW}!"), clears={"i-a"}, now=NOW + 60)
+    assert one.writes == {} and one.deletes == ["i-a"] and one.overdue == []
+
+
+def test_beside_a_member_that_never_formed_a_doubt_singles_nobody_out():
+    """A cold review's repro: a healthy follower doubted after one transient error, then a new host that never
+    joins: both were replaced. Now only the one that never formed is."""
+    doubted = ci("i-b", unit="u0", unit_session=f"u0@{NOW - 86400}", unit_joined=f"u0@{NOW - 2 * DEADLINE}!")
+    new = ci("i-c", unit="u0", unit_joined=f"u0@{NOW - DEADLINE}")
+    seen = cell(leader(), doubted, new)
+    assert [i for _, i, _ in seen.overdue] == ["i-c"]
