@@ -30,8 +30,9 @@ FORMED_DETAIL_TYPE = "Unit Session Formed"
 LOG = logging.getLogger(__name__)
 MESSAGE_GROUP = "cell"
 # What the controller reads of an event; the engine's log tail and step records stay in the log.
+# `released_at` with `members[].ready`: a released session's members that had their artifacts (unformed.py).
 KEPT_FIELDS = ("event", "cell", "unit_id", "revision", "session_id", "cause", "ended_by", "exit_status", "ended_at",
-               "reported_by")
+               "reported_by", "released_at")
 REASON_LIMIT = 500
 
 

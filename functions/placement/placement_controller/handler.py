@@ -326,10 +326,10 @@ class LauncherRecords:
 
     # (EC2 instance id, attribute) -> new value: `spare-ready`, `unit-session`.
     values: dict[tuple[str, str], str]
-    # Members whose own fetch failed since they formed, and members shown formed or ready since (the later
-    # line decides for an instance named in both): unformed.observe's evidence.
-    doubts: set[str]
-    clears: set[str]
+    # Members whose own fetch failed since they formed (-> the unit), and members shown formed or ready since
+    # (-> the line's time); the later line decides for an instance named in both: unformed.observe's evidence.
+    doubts: dict[str, str]
+    clears: dict[str, float]
 
 
 def _launcher_records(
@@ -348,9 +348,10 @@ def _launcher_records(
     lists ready, is cleared. Members are task ARNs or ids on ECS (one DescribeTasks for all), EC2 instance
     ids in tests."""
     wanted: list[tuple[str, str, str]] = []  # (member, attribute, value)
-    # (the line's time, member, doubt|clear, failure): folded in the lines' order of time, not the queue's (each
-    # log stream comes by its own delivery: a follower's own line may come after a later one of its leader).
-    said: list[tuple[float, str, str, tuple[str, str, float] | None]] = []
+    # (the line's time, member, its failure or None for a clear): folded in the lines' order of time, not the
+    # queue's (each log stream comes by its own delivery: a follower's own line may come after a later one of its
+    # leader).
+    said: list[tuple[float, str, tuple[str, str, float] | None]] = []
     for record in signals.records(event):
         detail = record.get("detail")
         if record.get("source") != EVENT_SOURCE or not isinstance(detail, Mapping):
@@ -364,27 +365,27 @@ def _launcher_records(
                 named = [str(m["instance_id"]) for m in detail.get("members") or []
                          if isinstance(m, Mapping) and m.get("instance_id")]
                 wanted += [(member, signals.SESSION_ATTRIBUTE, value) for member in named]
-                said += [(float(detail["released_at"]), member, "clear", None) for member in named]
+                said += [(float(detail["released_at"]), member, None) for member in named]
             elif detail.get("event") == "unit_session_end":
                 when = float(detail.get("ended_at") or 0)
-                said += [(when, member, "clear", None) for member in unformed.ready_members(detail)]
+                said += [(when, member, None) for member in unformed.ready_members(detail)]
                 if (failure := unformed.fetch_failure(detail)) is not None:
-                    said.append((when, failure[0], "doubt", failure[1:]))
+                    said.append((when, failure[0], failure[1:]))
         except (KeyError, TypeError, ValueError):
             LOG.warning("ignored a malformed %s record: %s", detail.get("event"), detail)
     by_instance = {ci.ec2_instance_id: ci for ci in container_instances}
     by_arn = {ci.arn: ci for ci in container_instances}
-    members = {member for member, _, _ in wanted} | {member for _, member, _, _ in said}
+    members = {member for member, _, _ in wanted} | {member for _, member, _ in said}
     tasks = sorted(member for member in members if member not in by_instance)
     hosts = aws.task_container_instances(clients.ecs, settings.cluster, tasks, retry) if tasks else {}
     # DescribeTasks answers with full ARNs; a member given by its task id is found by the ARN's last part.
     hosts.update({arn.rsplit("/", 1)[-1]: host for arn, host in list(hosts.items())})
-    found = LauncherRecords({}, set(), set())
+    found = LauncherRecords({}, {}, {})
     for member, name, value in wanted:
         ci = by_instance.get(member) or by_arn.get(hosts.get(member, ""))
         if ci is not None and ci.attributes.get(name) != value:
             found.values[(ci.ec2_instance_id, name)] = value
-    for _, member, kind, failure in sorted(said, key=lambda line: line[0]):
+    for when, member, failure in sorted(said, key=lambda line: line[0]):
         ci = by_instance.get(member) or by_arn.get(hosts.get(member, ""))
         if ci is None:
             continue
@@ -394,8 +395,12 @@ def _launcher_records(
                                       ci.attributes.get(signals.SESSION_ATTRIBUTE))
             if not unformed.fetch_failed_since_formed(record, *failure):
                 continue
-        (found.doubts if kind == "doubt" else found.clears).add(instance_id)
-        (found.clears if kind == "doubt" else found.doubts).discard(instance_id)
+        if failure is not None:
+            found.doubts[instance_id] = failure[0]
+            found.clears.pop(instance_id, None)
+        else:
+            found.clears[instance_id] = when
+            found.doubts.pop(instance_id, None)
     return found
 
 

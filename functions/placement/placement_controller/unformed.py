@@ -186,13 +186,14 @@ def observe(
     excluded: Set[str],
     now: float,
     serving: Callable[[Sequence[str]], bool] = lambda _members: False,
-    doubts: Set[str] = frozenset(),
-    clears: Set[str] = frozenset(),
+    doubts: Mapping[str, str] | None = None,
+    clears: Mapping[str, float] | None = None,
 ) -> UnformedObservation:
     """Read and update the records of the managed instances (`instances` by EC2 id, `labels` as this run
     leaves them) and list the members past their deadline. `serving(members)`: whether one of them is a
-    healthy target (asked only for a unit with a member that has not formed). `doubts`: members whose own fetch
-    failed since they formed, by this run's triggers; `clears`: members they show formed or ready since."""
+    healthy target (asked only for a unit with a member that has not formed). `doubts`: member -> the unit whose
+    revision its own fetch failed under since it formed, by this run's triggers; `clears`: member -> the time of
+    the line that shows it formed or ready since."""
     seen = UnformedObservation(now=now)
     for instance_id, ci in sorted(instances.items()):
         if (unit := _unit(labels.get(instance_id))) is not None:
@@ -201,7 +202,7 @@ def observe(
             seen.deletes.append(instance_id)
     for unit, ids in sorted(seen.members.items()):
         _observe_unit(policy, seen, unit, ids, instances, not missing.get(unit), serving, group, excluded,
-                      (doubts, clears))
+                      (doubts or {}, clears or {}))
     seen.overdue.sort(key=lambda item: (-item[0], item[1]))
     return seen
 
@@ -216,7 +217,7 @@ def _observe_unit(
     serving: Callable[[Sequence[str]], bool],
     group: Mapping[str, aws.GroupInstance],
     excluded: Set[str],
-    evidence: tuple[Set[str], Set[str]] = (frozenset(), frozenset()),
+    evidence: tuple[Mapping[str, str], Mapping[str, float]] = ({}, {}),
 ) -> None:
     """One unit: its records, and its overdue members.
 
@@ -233,8 +234,12 @@ def _observe_unit(
         seen.deletes += [i for i in ids if found[i] is not None and found[i].unit != unit]
         return
     doubts, clears = evidence
-    doubted = {i for i in ids if i not in clears
-               and (i in doubts or (found[i] is not None and found[i].unit == unit and found[i].doubt))}
+    recorded = {i for i in ids if found[i] is not None and found[i].unit == unit and found[i].doubt}
+    # A clear no older than the doubt it meets: a line delivered late (each log stream comes by its own
+    # delivery) does not undo a doubt a newer failure raised (the doubt's time is the controller's, the line's
+    # the launcher's: both follow the Amazon Time Sync Service on EC2 and Lambda).
+    cleared = {i for i, at in clears.items() if not (i in recorded and at <= found[i].at)}
+    doubted = {i for i in ids if i not in cleared and (doubts.get(i) == unit or i in recorded)}
     # A doubt singles a host out only when it is the one member of its unit in doubt and nothing else is
     # unformed there: two members whose fetches fail alike point at a common cause (S3, IAM, an endpoint:
     # every fetch lists the bucket), and beside a member that never formed the unit cannot form anyway, so

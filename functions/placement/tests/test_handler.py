@@ -1442,3 +1442,24 @@ def test_lines_are_folded_in_their_order_of_time_not_the_queues(monkeypatch):
         "i-0b", "abc123", NOW - 30, cause="form_timeout", ready=("i-0a", "i-0b"), released_at=NOW - 300)["Records"]
     event = {"Records": list(reversed(late))}  # the ready line first in the queue, the older failure after it
     assert run_event_at_now(cell, event)["fetch_doubted"] == []
+
+
+def test_a_released_session_end_clears_a_doubt_through_the_forwarder(monkeypatch):
+    """A third cold review's finding (high): the forwarder dropped `released_at`, so no session end ever cleared a
+    doubt in production (the tests built the queue message by hand). Here the launcher's own line goes through
+    `forward.trigger_message`, as the log subscription sends it, and clears the doubt."""
+    from placement_controller import forward
+
+    monkeypatch.delenv("SIGNAL_STACK", raising=False)
+    cell = Cell()
+    formed_unit_of_two(cell, unit_joined=f"u0@{NOW - 2 * DEADLINE}!")
+    cell.ecs.add_response("delete_attributes", {"attributes": []},
+                          {"cluster": CLUSTER, "attributes": delete("i-0b", "unit-joined")})
+    line = {"event": "unit_session_end", "cell": "dev", "unit_id": "u0", "revision": "abc123", "session_id": "5e57",
+            "cause": "form_timeout", "ended_at": NOW - 30, "released_at": NOW - 300, "ended_by": None,
+            "reason": "members not ready", "members": [
+                {"rank": 0, "address": "10.0.0.1", "instance_id": "i-0a", "ready": True, "alive": True},
+                {"rank": 1, "address": "10.0.0.2", "instance_id": "i-0b", "ready": True, "alive": True}]}
+    message = forward.trigger_message({"id": "41", "message": json.dumps(line), "logStream": "u0-leader/x/abc"})
+    summary = run_event_at_now(cell, {"Records": [{"body": json.dumps(message)}]})
+    assert summary["never_formed_replaced"] == [] and summary["fetch_doubted"] == []

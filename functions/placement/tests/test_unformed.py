@@ -38,8 +38,8 @@ def cell(*instances: aws.ContainerInstance, missing: dict[str, int] | None = Non
     by_id = {i.ec2_instance_id: i for i in instances}
     labels = {i: c.attributes.get("unit") for i, c in by_id.items()}
     return observe(policy, by_id, labels, missing or {}, group or dict.fromkeys(by_id, IN_SERVICE), excluded, now,
-                   serving=lambda members: bool(healthy.intersection(members)), doubts=doubts or set(),
-                   clears=clears or set())
+                   serving=lambda members: bool(healthy.intersection(members)),
+                   doubts=dict.fromkeys(doubts or (), "u0"), clears=dict.fromkeys(clears or (), now))
 
 
 def leader(**more: str) -> aws.ContainerInstance:
@@ -264,3 +264,24 @@ def test_beside_a_member_that_never_formed_a_doubt_singles_nobody_out():
     new = ci("i-c", unit="u0", unit_joined=f"u0@{NOW - DEADLINE}")
     seen = cell(leader(), doubted, new)
     assert [i for _, i, _ in seen.overdue] == ["i-c"]
+
+
+def test_a_clear_older_than_the_doubt_it_meets_does_not_undo_it():
+    """A third cold review's finding: a leader's line listing a member ready, delivered late on its own stream,
+    undid a doubt a newer failure (on the member's stream) had raised in an earlier run."""
+    by_id = {c.ec2_instance_id: c for c in formed_pair(unit_joined=f"u0@{NOW - 600}!")}
+    labels = {i: "u0" for i in by_id}
+    group = dict.fromkeys(by_id, IN_SERVICE)
+    late = observe(POLICY, by_id, labels, {}, group, frozenset(), NOW, clears={"i-b": NOW - 900.0})
+    assert late.records["i-b"].doubt and late.deletes == []
+    newer = observe(POLICY, by_id, labels, {}, group, frozenset(), NOW, clears={"i-b": NOW - 60.0})
+    assert "i-b" not in newer.records and newer.deletes == ["i-b"]
+
+
+def test_a_doubt_counts_in_the_unit_whose_revision_failed_only():
+    """A third cold review's finding: a doubt raised for u0 landed in u1 after a relabel."""
+    by_id = {c.ec2_instance_id: c for c in (ci("i-a", unit="u1", unit_session=f"u1@{NOW - 86400}"),
+                                              ci("i-b", unit="u1", unit_session=f"u1@{NOW - 86400}"))}
+    seen = observe(POLICY, by_id, {i: "u1" for i in by_id}, {}, dict.fromkeys(by_id, IN_SERVICE), frozenset(), NOW,
+                   doubts={"i-b": "u0"})
+    assert seen.writes == {} and seen.overdue == []
