@@ -42,6 +42,7 @@ for _extra in (ROOT / "functions" / "placement", ROOT / "functions" / "autoscale
         sys.path.append(str(_extra))
 
 from placement_controller import aws as pc_aws  # noqa: E402
+from placement_controller import forward  # noqa: E402
 from placement_controller import handler as pc_handler  # noqa: E402
 from placement_controller.failures import QUARANTINE_ATTRIBUTE, QuarantinePolicy  # noqa: E402
 from placement_controller.unformed import UnformedPolicy  # noqa: E402
@@ -168,6 +169,7 @@ class Cell:
                                           "max_units_down": 0.0, "unit_minutes_down": 0.0,
                                           "requests_to_broken_units": 0.0}
         self._seq_ids = 0
+        self._log_seq = 0
         self.down_by_hour: list[int] = []  # most units down in each hour of the scenario
         self._first_whole: float | None = None
         self.settings = pc_handler.Settings(
@@ -665,7 +667,8 @@ class Cell:
         for task in session.members:
             task.inst.cached = True
         session.state = "loading"
-        self.log_line({"event": "unit_session_formed", "unit_id": unit.uid, "session_id": session.sid,
+        self.log_line({"event": "unit_session_formed", "unit_id": unit.uid, "revision": str(unit.revision),
+                       "session_id": session.sid,
                        "released_at": EPOCH + (session.released_at or self.now) + session.leader.inst.skew,
                        "members": self._members(session)})
         self.after(self.vary("load_and_warmup"), self._serving, unit, session)
@@ -824,9 +827,13 @@ class Cell:
     # ---- the controller --------------------------------------------------------------------------
 
     def log_line(self, detail: dict[str, Any]) -> None:
-        """A launcher log line the subscription brings to the controller (as forward.py enqueues it)."""
-        record = {"source": "unit-launcher", "detail-type": str(detail.get("event")), "detail": detail}
-        self.at(self.now + self.vary("log_delivery"), self.trigger_controller, record)
+        """A launcher log line the subscription brings to the controller, through the real forwarder
+        (forward.trigger_message: what it keeps of a line is what the controller sees)."""
+        self._log_seq += 1
+        stream = f"sim/launcher/{detail.get('task_id') or 'unit'}"  # a spare's task id is its stream's last part
+        record = forward.trigger_message({"id": str(self._log_seq), "message": json.dumps(detail), "logStream": stream})
+        if record is not None:
+            self.at(self.now + self.vary("log_delivery"), self.trigger_controller, record)
 
     def trigger_controller(self, record: dict[str, Any]) -> None:
         self.pending_records.append(record)

@@ -30,8 +30,9 @@ FORMED_DETAIL_TYPE = "Unit Session Formed"
 LOG = logging.getLogger(__name__)
 MESSAGE_GROUP = "cell"
 # What the controller reads of an event; the engine's log tail and step records stay in the log.
+# `released_at` with `members[].ready`: a released session's members that had their artifacts (unformed.py).
 KEPT_FIELDS = ("event", "cell", "unit_id", "revision", "session_id", "cause", "ended_by", "exit_status", "ended_at",
-               "reported_by")
+               "reported_by", "released_at")
 REASON_LIMIT = 500
 
 
@@ -63,10 +64,12 @@ def _spare_ready(document: Mapping[str, Any], log_event: Mapping[str, Any]) -> d
 
 
 def _members(document: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The members' ranks and ids (task ARNs on ECS), nothing else."""
+    """The members' ranks and ids (task ARNs on ECS) and, where the line says it, whether each was ready
+    (its artifacts in place: a fetch that worked, placement_controller/unformed.py), nothing else."""
     members = document.get("members")
     return [
-        {"rank": m.get("rank"), "instance_id": m.get("instance_id")}
+        {"rank": m.get("rank"), "instance_id": m.get("instance_id"),
+         **({"ready": m["ready"]} if isinstance(m.get("ready"), bool) else {})}
         for m in (members if isinstance(members, list) else [])
         if isinstance(m, Mapping)
     ]

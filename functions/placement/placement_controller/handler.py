@@ -320,19 +320,38 @@ def _quarantine(
     )
 
 
+@dataclass
+class LauncherRecords:
+    """What the triggers' launcher lines say, per instance (`_launcher_records`)."""
+
+    # (EC2 instance id, attribute) -> new value: `spare-ready`, `unit-session`.
+    values: dict[tuple[str, str], str]
+    # Members whose own fetch failed since they formed (-> the unit), and members shown formed or ready since
+    # (-> the line's time); the later line decides for an instance named in both: unformed.observe's evidence.
+    doubts: dict[str, str]
+    clears: dict[str, float]
+
+
 def _launcher_records(
     settings: Settings,
     clients: Clients,
     container_instances: list[aws.ContainerInstance],
     event: Mapping[str, Any],
     retry: aws.Retry,
-) -> dict[tuple[str, str], str]:
-    """(EC2 instance id, attribute) -> new value, from the triggers' `spare_ready` and `unit_session_formed` lines.
+) -> LauncherRecords:
+    """The triggers' `spare_ready`, `unit_session_formed` and `unit_session_end` lines, per instance.
 
-    A spare task's readiness goes to its instance (`spare-ready`: when); a released session
-    to each member's instance (`unit-session`: `<unit>@<released_at>`). Members are task
-    ARNs or ids on ECS (one DescribeTasks for all), EC2 instance ids in tests."""
+    A spare task's readiness goes to its instance (`spare-ready`: when); a released session to each
+    member's instance (`unit-session`: `<unit>@<released_at>/<revision>`). A member whose own fetch or
+    check failed (`unformed.fetch_failure`) under the revision it formed with, after that formation, is
+    doubted (`unformed.fetch_failed_since_formed`); one a later formation names, or a later session end
+    lists ready, is cleared. Members are task ARNs or ids on ECS (one DescribeTasks for all), EC2 instance
+    ids in tests."""
     wanted: list[tuple[str, str, str]] = []  # (member, attribute, value)
+    # (the line's time, member, its failure or None for a clear): folded in the lines' order of time, not the
+    # queue's (each log stream comes by its own delivery: a follower's own line may come after a later one of its
+    # leader).
+    said: list[tuple[float, str, tuple[str, str, float] | None]] = []
     for record in signals.records(event):
         detail = record.get("detail")
         if record.get("source") != EVENT_SOURCE or not isinstance(detail, Mapping):
@@ -341,23 +360,48 @@ def _launcher_records(
             if detail.get("event") == "spare_ready" and detail.get("task_id"):
                 wanted.append((str(detail["task_id"]), signals.SPARE_READY_ATTRIBUTE, f"{float(detail['time']):.0f}"))
             elif detail.get("event") == "unit_session_formed" and detail.get("unit_id"):
-                value = f"{detail['unit_id']}@{float(detail['released_at']):.0f}"
-                wanted += [(str(m["instance_id"]), signals.SESSION_ATTRIBUTE, value)
-                           for m in detail.get("members") or [] if isinstance(m, Mapping) and m.get("instance_id")]
+                value = unformed.session_value(str(detail["unit_id"]), float(detail["released_at"]),
+                                               str(detail.get("revision") or ""))
+                named = [str(m["instance_id"]) for m in detail.get("members") or []
+                         if isinstance(m, Mapping) and m.get("instance_id")]
+                wanted += [(member, signals.SESSION_ATTRIBUTE, value) for member in named]
+                said += [(float(detail["released_at"]), member, None) for member in named]
+            elif detail.get("event") == "unit_session_end":
+                when = float(detail.get("ended_at") or 0)
+                said += [(when, member, None) for member in unformed.ready_members(detail)]
+                if (failure := unformed.fetch_failure(detail)) is not None:
+                    said.append((when, failure[0], failure[1:]))
         except (KeyError, TypeError, ValueError):
             LOG.warning("ignored a malformed %s record: %s", detail.get("event"), detail)
     by_instance = {ci.ec2_instance_id: ci for ci in container_instances}
     by_arn = {ci.arn: ci for ci in container_instances}
-    tasks = sorted({member for member, _, _ in wanted if member not in by_instance})
+    members = {member for member, _, _ in wanted} | {member for _, member, _ in said}
+    tasks = sorted(member for member in members if member not in by_instance)
     hosts = aws.task_container_instances(clients.ecs, settings.cluster, tasks, retry) if tasks else {}
     # DescribeTasks answers with full ARNs; a member given by its task id is found by the ARN's last part.
     hosts.update({arn.rsplit("/", 1)[-1]: host for arn, host in list(hosts.items())})
-    values: dict[tuple[str, str], str] = {}
+    found = LauncherRecords({}, {}, {})
     for member, name, value in wanted:
         ci = by_instance.get(member) or by_arn.get(hosts.get(member, ""))
         if ci is not None and ci.attributes.get(name) != value:
-            values[(ci.ec2_instance_id, name)] = value
-    return values
+            found.values[(ci.ec2_instance_id, name)] = value
+    for when, member, failure in sorted(said, key=lambda line: line[0]):
+        ci = by_instance.get(member) or by_arn.get(hosts.get(member, ""))
+        if ci is None:
+            continue
+        instance_id = ci.ec2_instance_id
+        if failure is not None:
+            record = found.values.get((instance_id, signals.SESSION_ATTRIBUTE),
+                                      ci.attributes.get(signals.SESSION_ATTRIBUTE))
+            if not unformed.fetch_failed_since_formed(record, *failure):
+                continue
+        if failure is not None:
+            found.doubts[instance_id] = failure[0]
+            found.clears.pop(instance_id, None)
+        else:
+            found.clears[instance_id] = when
+            found.doubts.pop(instance_id, None)
+    return found
 
 
 def _signal(
@@ -594,7 +638,8 @@ def reconcile(
     # ECS has no conditional PutAttributes: re-read the instances about to change and
     # leave alone any that took a (unit) task since the first read.
     puts = _quarantine_writes(step, by_instance)
-    records = _launcher_records(settings, clients, container_instances, event, retry)
+    launcher = _launcher_records(settings, clients, container_instances, event, retry)
+    records = launcher.values
     puts += [_attribute(name, by_instance[i].arn, v) for (i, name), v in sorted(records.items())]
     agent_puts, agent_deletes = _agent_attribute_writes(agents, by_instance)
     puts += agent_puts
@@ -619,7 +664,7 @@ def reconcile(
     known = {i: ci for i, ci in _as_left(by_instance, records, labels).items() if i in managed}
     unit_of = {i: ci.attributes.get(UNIT_ATTRIBUTE) for i, ci in known.items()}
     joined = unformed.observe(settings.unformed, known, unit_of, plan.missing, group, step.in_quarantine | gone, now,
-                              serving=_serving(clients, retry))
+                              serving=_serving(clients, retry), doubts=launcher.doubts, clears=launcher.clears)
     puts += [_attribute(JOINED_ATTRIBUTE, by_instance[i].arn, v) for i, v in sorted(joined.writes.items())]
     deletes += [_attribute(JOINED_ATTRIBUTE, by_instance[i].arn) for i in joined.deletes]
 
@@ -649,6 +694,7 @@ def reconcile(
             "spare_tasks_stopped": stopped,
             "spares_ready": sorted(i for i, name in records if name == signals.SPARE_READY_ATTRIBUTE),
             "sessions_recorded": sorted(i for i, name in records if name == signals.SESSION_ATTRIBUTE),
+            "fetch_doubted": sorted(launcher.doubts),
             **start_report,
         }
     )

@@ -41,17 +41,29 @@ take a second unit down.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence, Set
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
+from typing import Any
 
 from placement_controller import aws
 from placement_controller.assignment import SPARE_UNIT
+from placement_controller.failures import reporter
 from placement_controller.signals import session_member
 
 JOINED_ATTRIBUTE = "unit-joined"
+# Session ends that say a member's own model artifacts failed: its fetch, or the check of what it holds
+# (failures.NOT_IMPLICATING_CAUSES).
+FETCH_CAUSES = frozenset({"artifacts", "artifacts_mismatch"})
+# A failure counts against a formation only this long after it: the two times come from two clocks (a
+# follower's own event before it joins is timed by the follower, the formation by the leader).
+FORMATION_MARGIN_SECONDS = 300
 # The longest deadline, however many replacements: a day, as the autoscaler's restarts
 # (decision.RESTART_DEADLINE_CAP_S).
 DEADLINE_CAP_SECONDS = 86400
+# A revision in a record: the stack's hash (12 hex digits, stacks/cell_stack.py `_revision`), within what an ECS
+# attribute value allows.
+_REVISION = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -73,17 +85,71 @@ class Joined:
     unit: str
     at: int
     replacements: int = 0
+    # Its own fetch failed since it formed (`!`): it counts as a member that has not formed.
+    doubt: bool = False
 
     def encode(self) -> str:
-        return f"{self.unit}@{self.at}" + (f":{self.replacements}" if self.replacements else "")
+        return (f"{self.unit}@{self.at}" + (f":{self.replacements}" if self.replacements else "")
+                + ("!" if self.doubt else ""))
 
 
 def parse(value: str | None) -> Joined | None:
-    unit, _, rest = (value or "").rpartition("@")
+    text = value or ""
+    doubt = text.endswith("!")
+    unit, _, rest = text.removesuffix("!").rpartition("@")
     at, _, count = rest.partition(":")
     if not unit or not at.isdigit() or (count and not count.isdigit()):
         return None
-    return Joined(unit, int(at), int(count or 0))
+    return Joined(unit, int(at), int(count or 0), doubt)
+
+
+def session_value(unit: str, released_at: float, revision: str) -> str:
+    """The `unit-session` record of a released session: `<unit>@<released_at>/<revision>` (no `/` part for a
+    line without a revision)."""
+    revision = revision if _REVISION.fullmatch(revision) else ""
+    return f"{unit}@{released_at:.0f}" + (f"/{revision}" if revision else "")
+
+
+def fetch_failure(detail: Mapping[str, Any]) -> tuple[str, str, str, float] | None:
+    """(member, unit, revision, ended_at) of a session end that says a member's own artifacts failed, or None.
+
+    The member is the follower `ended_by` names (its fetch failed after the release, or before it joined: its
+    own event), else the one that reports it: the leader's own fetch (`ended_by` null)."""
+    if detail.get("event") != "unit_session_end" or detail.get("cause") not in FETCH_CAUSES:
+        return None
+    ended_by = detail.get("ended_by")
+    member = (ended_by.get("instance_id") if isinstance(ended_by, Mapping) else None) or reporter(detail)
+    if not member or not detail.get("unit_id"):
+        return None
+    return str(member), str(detail["unit_id"]), str(detail.get("revision") or ""), float(detail["ended_at"])
+
+
+def ready_members(detail: Mapping[str, Any]) -> Iterable[str]:
+    """The members a session end shows with their artifacts in place (their fetch worked): those it lists
+    `ready` in a session that was released (`released_at` set), but the one whose own fetch the line says failed.
+
+    Only a released session: the leader lists itself ready from its session's start, before its own fetch
+    (rendezvous.LeaderSession, rank 0), and releases the unit only once that fetch worked; a follower is ready
+    only after the release (its heartbeat once its shards are in place). A cold review's finding: a leader's
+    own failing line cleared its doubt."""
+    if (detail.get("event") != "unit_session_end" or not isinstance(detail.get("members"), list)
+            or detail.get("released_at") is None):
+        return []
+    failed = fetch_failure(detail)
+    return [str(m["instance_id"]) for m in detail["members"]
+            if isinstance(m, Mapping) and m.get("ready") is True and m.get("instance_id")
+            and (failed is None or str(m["instance_id"]) != failed[0])]
+
+
+def fetch_failed_since_formed(record: str | None, unit: str, revision: str, ended_at: float) -> bool:
+    """Whether a member's own fetch failed under the revision its `unit-session` record says it formed `unit`
+    with, after that formation (by FORMATION_MARGIN_SECONDS). A failure under another revision (a deployment
+    whose artifacts are missing fails every member's own fetch of the new revision) or against a record
+    without a revision (written before the revision was in it) says nothing about the host."""
+    name, _, rest = (record or "").rpartition("@")
+    released, _, formed_with = rest.partition("/")
+    return (name == unit and bool(formed_with) and formed_with == revision and released.isdigit()
+            and ended_at > int(released) + FORMATION_MARGIN_SECONDS)
 
 
 @dataclass
@@ -120,10 +186,14 @@ def observe(
     excluded: Set[str],
     now: float,
     serving: Callable[[Sequence[str]], bool] = lambda _members: False,
+    doubts: Mapping[str, str] | None = None,
+    clears: Mapping[str, float] | None = None,
 ) -> UnformedObservation:
     """Read and update the records of the managed instances (`instances` by EC2 id, `labels` as this run
     leaves them) and list the members past their deadline. `serving(members)`: whether one of them is a
-    healthy target (asked only for a unit with a member that has not formed)."""
+    healthy target (asked only for a unit with a member that has not formed). `doubts`: member -> the unit whose
+    revision its own fetch failed under since it formed, by this run's triggers; `clears`: member -> the time of
+    the line that shows it formed or ready since."""
     seen = UnformedObservation(now=now)
     for instance_id, ci in sorted(instances.items()):
         if (unit := _unit(labels.get(instance_id))) is not None:
@@ -131,7 +201,8 @@ def observe(
         elif JOINED_ATTRIBUTE in ci.attributes:
             seen.deletes.append(instance_id)
     for unit, ids in sorted(seen.members.items()):
-        _observe_unit(policy, seen, unit, ids, instances, not missing.get(unit), serving, group, excluded)
+        _observe_unit(policy, seen, unit, ids, instances, not missing.get(unit), serving, group, excluded,
+                      (doubts or {}, clears or {}))
     seen.overdue.sort(key=lambda item: (-item[0], item[1]))
     return seen
 
@@ -146,6 +217,7 @@ def _observe_unit(
     serving: Callable[[Sequence[str]], bool],
     group: Mapping[str, aws.GroupInstance],
     excluded: Set[str],
+    evidence: tuple[Mapping[str, str], Mapping[str, float]] = ({}, {}),
 ) -> None:
     """One unit: its records, and its overdue members.
 
@@ -157,23 +229,40 @@ def _observe_unit(
     to account for the wait; and a unit that serves formed with every member, whatever the records say
     (a `unit-session` record whose log delivery was lost: the member would look new)."""
     found = {i: parse(instances[i].attributes.get(JOINED_ATTRIBUTE)) for i in ids}
-    formed = {i for i in ids if session_member(instances[i], unit)}
-    if not formed:
+    never = {i for i in ids if not session_member(instances[i], unit)}
+    if never == set(ids):
         seen.deletes += [i for i in ids if found[i] is not None and found[i].unit != unit]
         return
+    doubts, clears = evidence
+    recorded = {i for i in ids if found[i] is not None and found[i].unit == unit and found[i].doubt}
+    # A clear no older than the doubt it meets: a line delivered late (each log stream comes by its own
+    # delivery) does not undo a doubt a newer failure raised (the doubt's time is the controller's, the line's
+    # the launcher's: both follow the Amazon Time Sync Service on EC2 and Lambda).
+    cleared = {i for i, at in clears.items() if not (i in recorded and at <= found[i].at)}
+    doubted = {i for i in ids if i not in cleared and (doubts.get(i) == unit or i in recorded)}
+    # A doubt singles a host out only when it is the one member of its unit in doubt and nothing else is
+    # unformed there: two members whose fetches fail alike point at a common cause (S3, IAM, an endpoint:
+    # every fetch lists the bucket), and beside a member that never formed the unit cannot form anyway, so
+    # nothing says the doubted one is at fault (two cold-review findings). The other doubts stay recorded,
+    # their clocks held at the start until they single a host out.
+    held = doubted if len(doubted) == 1 and not never else set()
+    joining = [i for i in ids if i in never or i in held]
     mine = {i: r for i, r in found.items() if r is not None and r.unit == unit}
     count = max((r.replacements for r in mine.values()), default=0)
-    if whole and formed == set(ids):
+    if whole and not joining and not doubted:
         count = 0  # whole, and every member formed in it: the count starts over
-    joining = [i for i in ids if i not in formed]
     waiting = not whole or (bool(joining) and serving(ids))
     for i in ids:
-        if i in formed and not count:
+        if i not in joining and i not in doubted and not count:
             if JOINED_ATTRIBUTE in instances[i].attributes:
                 seen.deletes.append(i)
             continue
-        restart = i not in mine or (waiting and i not in formed)
-        seen.records[i] = Joined(unit, seen.now_s if restart else mine[i].at, count)
+        # A member's clock starts when the first run sees it join (or doubts it), and again at each run that
+        # does not hold it to account (its unit not whole, or serving; a doubt that singles nobody out).
+        fresh_doubt = i in doubted and not (i in mine and mine[i].doubt)
+        stopped = (i in joining and waiting) or (i in doubted and i not in held)
+        restart = i not in mine or fresh_doubt or stopped
+        seen.records[i] = Joined(unit, seen.now_s if restart else mine[i].at, count, i in doubted)
         if seen.records[i] != found[i]:
             seen.writes[i] = seen.records[i].encode()
     deadline = policy.deadline(count)
@@ -197,7 +286,8 @@ def raised(seen: UnformedObservation, units: Set[str]) -> dict[str, str]:
         count = max((r.replacements for r in seen.records.values() if r.unit == unit), default=0) + 1
         for i in seen.members.get(unit, ()):
             record = seen.records.get(i)
-            writes[i] = Joined(unit, record.at if record else seen.now_s, count).encode()
+            writes[i] = Joined(unit, record.at if record else seen.now_s, count,
+                               record.doubt if record else False).encode()
     return writes
 
 

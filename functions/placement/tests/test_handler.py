@@ -1366,3 +1366,100 @@ def test_a_member_of_a_unit_that_serves_is_not_replaced_whatever_its_records_say
         elb.assert_no_pending_responses()
         cfn.assert_no_pending_responses()
     assert summary["never_formed_replaced"] == [] and summary["never_formed_deferred"] == []
+
+
+def session_end(member: str, revision: str, ended_at: float, cause: str = "artifacts",
+                ready: tuple[str, ...] = (), released_at: float | None = None) -> dict:
+    """A follower's session end as the log subscription enqueues it (members: EC2 instance ids in tests)."""
+    line = {"source": "unit-launcher", "detail-type": "Unit Session End", "id": "7",
+            "detail": {"event": "unit_session_end", "cell": "dev", "unit_id": "u0", "revision": revision,
+                       "session_id": "5e56", "cause": cause, "ended_at": ended_at, "released_at": released_at,
+                       "ended_by": {"instance_id": member, "address": "10.0.0.2"},
+                       "members": [{"rank": 0, "instance_id": "i-0a", "ready": "i-0a" in ready},
+                                   {"rank": 1, "instance_id": member, "ready": member in ready}]}}
+    return {"Records": [{"body": json.dumps(line)}]}
+
+
+def formed_unit_of_two(cell: Cell, **b: str) -> None:
+    """u0 = i-0a + i-0b, both members of its session released at NOW - 3600 with revision abc123."""
+    record = f"u0@{NOW - 3600}/abc123"
+    unit_of_two(cell, container("i-0a", running=1, unit="u0", unit_placement="topology", unit_session=record),
+                container("i-0b", running=1, unit="u0", unit_placement="topology", unit_session=record, **b))
+
+
+def run_event_at_now(cell: Cell, event: dict) -> dict:
+    with cell.active():
+        return reconcile(SETTINGS, cell.clients, event, aws.Retry(), cell.lines.append, now=NOW)
+
+
+def test_a_member_whose_own_fetch_failed_after_it_formed_is_doubted_and_its_clock_starts(monkeypatch):
+    """Its cache went bad: it has not formed since (the cache-corrupt scenario's rule)."""
+    monkeypatch.delenv("SIGNAL_STACK", raising=False)
+    cell = Cell()
+    formed_unit_of_two(cell)
+    joined_put(cell, ("i-0b", f"u0@{NOW}!"))
+    summary = run_event_at_now(cell, session_end("i-0b", "abc123", NOW - 60))
+    assert summary["fetch_doubted"] == ["i-0b"] and summary["never_formed_replaced"] == []
+
+
+def test_a_fetch_failure_under_a_new_revision_says_nothing_about_the_host(monkeypatch):
+    """A deployment whose artifacts are missing fails every fetch of the new revision: nobody is doubted."""
+    monkeypatch.delenv("SIGNAL_STACK", raising=False)
+    cell = Cell()
+    formed_unit_of_two(cell)
+    assert run_event_at_now(cell, session_end("i-0b", "def456", NOW - 60))["fetch_doubted"] == []
+
+
+def test_a_doubted_member_a_later_session_end_lists_ready_is_cleared(monkeypatch):
+    """A cold review's finding: one transient fetch error doubted a healthy host for good; a later session
+    whose end lists it ready (its fetch worked) clears the doubt, whatever ended that session."""
+    monkeypatch.delenv("SIGNAL_STACK", raising=False)
+    cell = Cell()
+    formed_unit_of_two(cell, unit_joined=f"u0@{NOW - 2 * DEADLINE}!")
+    cell.ecs.add_response("delete_attributes", {"attributes": []},
+                          {"cluster": CLUSTER, "attributes": delete("i-0b", "unit-joined")})
+    summary = run_event_at_now(cell, session_end("i-0b", "abc123", NOW - 30, cause="form_timeout",
+                                                 ready=("i-0a", "i-0b"), released_at=NOW - 300))
+    assert summary["never_formed_replaced"] == [] and summary["fetch_doubted"] == []
+
+
+def test_a_doubted_member_past_the_deadline_is_replaced(monkeypatch):
+    monkeypatch.delenv("SIGNAL_STACK", raising=False)
+    cell = Cell()
+    formed_unit_of_two(cell, unit_joined=f"u0@{NOW - DEADLINE - 1}!")
+    joined_put(cell, ("i-0a", f"u0@{NOW}:1"), ("i-0b", f"u0@{NOW - DEADLINE - 1}:1!"))
+    health_call(cell, "i-0b")
+    assert run_at_now(cell)["never_formed_replaced"] == ["i-0b"]
+
+
+def test_lines_are_folded_in_their_order_of_time_not_the_queues(monkeypatch):
+    """A cold review's repro: a follower's own failure (its stream) queued after a later leader line listing it
+    ready (the leader's stream); the older doubt won. Now the later line decides."""
+    monkeypatch.delenv("SIGNAL_STACK", raising=False)
+    cell = Cell()
+    formed_unit_of_two(cell)
+    late = session_end("i-0b", "abc123", NOW - 900)["Records"] + session_end(
+        "i-0b", "abc123", NOW - 30, cause="form_timeout", ready=("i-0a", "i-0b"), released_at=NOW - 300)["Records"]
+    event = {"Records": list(reversed(late))}  # the ready line first in the queue, the older failure after it
+    assert run_event_at_now(cell, event)["fetch_doubted"] == []
+
+
+def test_a_released_session_end_clears_a_doubt_through_the_forwarder(monkeypatch):
+    """A third cold review's finding (high): the forwarder dropped `released_at`, so no session end ever cleared a
+    doubt in production (the tests built the queue message by hand). Here the launcher's own line goes through
+    `forward.trigger_message`, as the log subscription sends it, and clears the doubt."""
+    from placement_controller import forward
+
+    monkeypatch.delenv("SIGNAL_STACK", raising=False)
+    cell = Cell()
+    formed_unit_of_two(cell, unit_joined=f"u0@{NOW - 2 * DEADLINE}!")
+    cell.ecs.add_response("delete_attributes", {"attributes": []},
+                          {"cluster": CLUSTER, "attributes": delete("i-0b", "unit-joined")})
+    line = {"event": "unit_session_end", "cell": "dev", "unit_id": "u0", "revision": "abc123", "session_id": "5e57",
+            "cause": "form_timeout", "ended_at": NOW - 30, "released_at": NOW - 300, "ended_by": None,
+            "reason": "members not ready", "members": [
+                {"rank": 0, "address": "10.0.0.1", "instance_id": "i-0a", "ready": True, "alive": True},
+                {"rank": 1, "address": "10.0.0.2", "instance_id": "i-0b", "ready": True, "alive": True}]}
+    message = forward.trigger_message({"id": "41", "message": json.dumps(line), "logStream": "u0-leader/x/abc"})
+    summary = run_event_at_now(cell, {"Records": [{"body": json.dumps(message)}]})
+    assert summary["never_formed_replaced"] == [] and summary["fetch_doubted"] == []

@@ -178,7 +178,8 @@ def test_a_new_follower_is_signalled_once_its_unit_formed_again_with_it_and_serv
     # The leader's line reached the controller (this run's trigger); the unit serves again.
     cell = _replaced_follower()
     cell.tasks(("leader", "i-a"), ("follower", "i-b"))
-    cell.put(("i-a", "unit-session", f"u0@{NOW - 700}"), ("i-b", "unit-session", f"u0@{NOW - 700}"))
+    # The record names the revision the session formed with (unformed.session_value).
+    cell.put(("i-a", "unit-session", f"u0@{NOW - 700}/r1"), ("i-b", "unit-session", f"u0@{NOW - 700}/r1"))
     cell.updating()
     cell.healthy("i-a")
     cell.signal("i-b")
@@ -389,3 +390,20 @@ def test_a_formed_line_is_forwarded_with_its_members():
     assert message["detail"]["members"] == [{"rank": 0, "instance_id": task_arn("leader")},
                                             {"rank": 1, "instance_id": task_arn("follower")}]
     assert message["detail"]["released_at"] == NOW - 700.4
+
+
+def test_a_session_end_is_forwarded_with_who_was_ready():
+    """The launcher's session end lists each member's `ready` (rendezvous `status()`, runner session_event):
+    the controller clears a member's fetch doubt with it (unformed.py); nothing else of a member is kept."""
+    from placement_controller import forward
+
+    line = {"event": "unit_session_end", "cell": "dev", "unit_id": "u0", "revision": "r1", "session_id": "5e55",
+            "cause": "form_timeout", "ended_at": NOW, "members": [
+                {"rank": 0, "address": "10.0.0.10", "instance_id": task_arn("leader"), "ready": True, "fetch": None},
+                {"rank": 1, "address": "10.0.0.11", "instance_id": task_arn("follower"), "ready": False},
+                {"rank": 2, "instance_id": task_arn("other")}]}
+    message = forward.trigger_message({"id": "40", "message": json.dumps(line), "logStream": "u0-leader/x/abc"})
+    assert message is not None and message["detail"]["members"] == [
+        {"rank": 0, "instance_id": task_arn("leader"), "ready": True},
+        {"rank": 1, "instance_id": task_arn("follower"), "ready": False},
+        {"rank": 2, "instance_id": task_arn("other")}]

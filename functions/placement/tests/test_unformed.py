@@ -11,10 +11,14 @@ from placement_controller.unformed import (
     JOINED_ATTRIBUTE,
     Joined,
     UnformedPolicy,
+    fetch_failed_since_formed,
+    fetch_failure,
     observe,
     parse,
     put_back,
     raised,
+    ready_members,
+    session_value,
 )
 
 NOW = 1_800_000_000
@@ -30,11 +34,12 @@ def ci(instance: str, **attributes: str) -> aws.ContainerInstance:
 
 def cell(*instances: aws.ContainerInstance, missing: dict[str, int] | None = None, excluded: frozenset = frozenset(),
          group: dict[str, aws.GroupInstance] | None = None, now: float = NOW, policy: UnformedPolicy = POLICY,
-         healthy: frozenset = frozenset()):
+         healthy: frozenset = frozenset(), doubts: set | None = None, clears: set | None = None):
     by_id = {i.ec2_instance_id: i for i in instances}
     labels = {i: c.attributes.get("unit") for i, c in by_id.items()}
     return observe(policy, by_id, labels, missing or {}, group or dict.fromkeys(by_id, IN_SERVICE), excluded, now,
-                   serving=lambda members: bool(healthy.intersection(members)))
+                   serving=lambda members: bool(healthy.intersection(members)),
+                   doubts=dict.fromkeys(doubts or (), "u0"), clears=dict.fromkeys(clears or (), now))
 
 
 def leader(**more: str) -> aws.ContainerInstance:
@@ -140,9 +145,10 @@ def test_a_record_of_another_unit_goes_in_a_unit_that_never_formed():
     assert kept.deletes == [] and kept.writes == {}  # its own unit's record stays (the count)
 
 
-@given(st.text(min_size=1, max_size=20).filter(lambda u: "@" not in u), st.integers(0, 2**40), st.integers(0, 99))
-def test_a_record_reads_back_as_written(unit, at, count):
-    assert parse(Joined(unit, at, count).encode()) == Joined(unit, at, count)
+@given(st.text(min_size=1, max_size=20).filter(lambda u: "@" not in u), st.integers(0, 2**40), st.integers(0, 99),
+       st.booleans())
+def test_a_record_reads_back_as_written(unit, at, count, doubt):
+    assert parse(Joined(unit, at, count, doubt).encode()) == Joined(unit, at, count, doubt)
 
 
 @pytest.mark.parametrize("value", [None, "", "u0", "u0@", "u0@x", "@123", "u0@12:x", "u0@-1"])
@@ -152,3 +158,130 @@ def test_an_unreadable_record_is_no_record(value):
 
 def test_the_attribute_name_and_cap_are_what_the_docs_say():
     assert JOINED_ATTRIBUTE == "unit-joined" and DEADLINE_CAP_SECONDS == 86400
+
+
+# ---- a member whose own fetch fails after it formed: the doubt ---------------------------------------
+
+def end(cause: str, *, ended_by: str | None = None, revision: str = "abc123", ended_at: float = NOW,
+        ready: tuple[str, ...] = (), released_at: float | None = None) -> dict:
+    """A session end as the launcher writes it (unit_launcher/evidence.py session_event), rank 0 the leader."""
+    return {"event": "unit_session_end", "unit_id": "u0", "revision": revision, "cause": cause,
+            "ended_by": {"instance_id": ended_by, "address": "10.0.0.2"} if ended_by else None,
+            "ended_at": ended_at, "released_at": released_at,
+            "members": [{"rank": 0, "instance_id": "task-l", "ready": "task-l" in ready},
+                        {"rank": 1, "instance_id": "task-f", "ready": "task-f" in ready}]}
+
+
+def test_a_fetch_failure_names_the_follower_it_names_else_the_leader_that_reports_it():
+    assert fetch_failure(end("artifacts", ended_by="task-f")) == ("task-f", "u0", "abc123", NOW)
+    assert fetch_failure(end("artifacts_mismatch")) == ("task-l", "u0", "abc123", NOW)  # the leader's own
+    assert fetch_failure(end("engine_exit", ended_by="task-f")) is None
+    assert fetch_failure(end("form_timeout")) is None
+    assert fetch_failure({"event": "unit_session_formed", "cause": "artifacts"}) is None
+
+
+def test_a_session_end_says_who_was_ready_only_once_released_and_never_the_one_that_failed():
+    released = NOW - 300
+    assert list(ready_members(end("form_timeout", ready=("task-l", "task-f"), released_at=released))) == [
+        "task-l", "task-f"]
+    # The leader lists itself ready from its session's start, before its own fetch (a cold review's finding):
+    # a session never released says nothing, and its own failing line never clears it.
+    assert list(ready_members(end("artifacts", ready=("task-l",)))) == []
+    assert list(ready_members(end("deliberate_stop", ready=("task-l",)))) == []
+    assert list(ready_members(end("artifacts", ready=("task-l", "task-f"), ended_by="task-f",
+                                  released_at=released))) == ["task-l"]
+    assert list(ready_members({"event": "unit_session_formed", "members": [{"instance_id": "x", "ready": True}]})) == []
+
+
+def test_the_session_record_names_the_revision_it_formed_with():
+    assert session_value("u0", NOW + 0.4, "abc123") == f"u0@{NOW}/abc123"
+    assert session_value("u0", NOW, "") == f"u0@{NOW}"
+    assert session_value("u0", NOW, "bad value!") == f"u0@{NOW}"  # not a revision an attribute may hold
+
+
+@pytest.mark.parametrize(("record", "revision", "ended_at", "doubts"), [
+    (f"u0@{NOW - 600}/abc123", "abc123", NOW, True),       # its own fetch failed after it formed, same revision
+    (f"u0@{NOW - 600}/abc123", "def456", NOW, False),      # another revision: a deployment's fault, not the host's
+    (f"u0@{NOW + 60}/abc123", "abc123", NOW, False),       # it formed again after the failure
+    (f"u0@{NOW - 120}/abc123", "abc123", NOW, False),      # within the margin: two clocks (a review's finding)
+    (f"u0@{NOW - 600}", "abc123", NOW, False),             # a record without a revision (written before) says nothing
+    (f"u1@{NOW - 600}/abc123", "abc123", NOW, False),      # another unit's record
+    (None, "abc123", NOW, False),
+])
+def test_a_member_is_doubted_only_for_a_failure_under_the_revision_it_formed_with_well_after_it(
+        record, revision, ended_at, doubts):
+    assert fetch_failed_since_formed(record, "u0", revision, ended_at) is doubts
+
+
+def formed_pair(**b: str):
+    return leader(), ci("i-b", unit="u0", unit_session=f"u0@{NOW - 86400}", **b)
+
+
+def test_a_doubted_member_counts_as_not_formed_from_when_the_doubt_came():
+    seen = cell(*formed_pair(), doubts={"i-b"})
+    assert seen.writes == {"i-b": f"u0@{NOW}!"} and seen.overdue == []
+    later = cell(*formed_pair(unit_joined=f"u0@{NOW - DEADLINE}!"), doubts={"i-b"})  # another failure: same clock
+    assert later.writes == {} and later.overdue == [(0, "i-b", "u0")]
+
+
+def test_a_doubt_is_cleared_by_a_formation_or_a_ready_member():
+    seen = cell(*formed_pair(unit_joined=f"u0@{NOW - DEADLINE}!"), clears={"i-b"})
+    assert seen.overdue == [] and seen.deletes == ["i-b"]
+    # Whole with every member formed again: the doubt and the unit's count go.
+    cleared = cell(leader(unit_joined=f"u0@{NOW - 600}:2"), formed_pair(unit_joined=f"u0@{NOW - 600}:2!")[1],
+                   clears={"i-b"})
+    assert cleared.writes == {} and sorted(cleared.deletes) == ["i-a", "i-b"]
+    # Not whole: the count stays on both, the doubt goes.
+    waiting = cell(leader(unit_joined=f"u0@{NOW - 600}:2"), formed_pair(unit_joined=f"u0@{NOW - 600}:2!")[1],
+                   clears={"i-b"}, missing={"u0": 1})
+    assert waiting.writes == {"i-b": f"u0@{NOW - 600}:2"}
+
+
+def test_a_raised_count_keeps_the_doubt():
+    seen = cell(*formed_pair(unit_joined=f"u0@{NOW - DEADLINE}!"))
+    assert [i for _, i, _ in seen.overdue] == ["i-b"]
+    assert raised(seen, {"u0"}) == {"i-a": f"u0@{NOW}:1", "i-b": f"u0@{NOW - DEADLINE}:1!"}
+    assert put_back(seen, {"u0"}) == ({"i-b": f"u0@{NOW - DEADLINE}!"}, ["i-a"])
+
+
+def test_two_members_in_doubt_point_at_a_common_cause_and_neither_is_held_to_account():
+    """A cold review's repro: a fetch outage of the whole cell (every fetch lists the bucket) doubted every member
+    one after another; all but the last were replaced. Now neither is overdue, both doubts stay recorded with
+    their clocks held, and once one clears the other's clock starts then."""
+    a = leader(unit_joined=f"u0@{NOW - 2 * DEADLINE}!")
+    b = ci("i-b", unit="u0", unit_session=f"u0@{NOW - 86400}", unit_joined=f"u0@{NOW - 2 * DEADLINE}!")
+    both = cell(a, b)
+    assert both.overdue == [] and both.writes == {"i-a": f"u0@{NOW}!", "i-b": f"u0@{NOW}!"}
+    one = cell(leader(unit_joined=f"u0@{NOW}!"), ci("i-b", unit="u0", unit_session=f"u0@{NOW - 86400}",
+                                                   unit_joined=f"u0@{NOW}!"), clears={"i-a"}, now=NOW + 60)
+    assert one.writes == {} and one.deletes == ["i-a"] and one.overdue == []
+
+
+def test_beside_a_member_that_never_formed_a_doubt_singles_nobody_out():
+    """A cold review's repro: a healthy follower doubted after one transient error, then a new host that never
+    joins: both were replaced. Now only the one that never formed is."""
+    doubted = ci("i-b", unit="u0", unit_session=f"u0@{NOW - 86400}", unit_joined=f"u0@{NOW - 2 * DEADLINE}!")
+    new = ci("i-c", unit="u0", unit_joined=f"u0@{NOW - DEADLINE}")
+    seen = cell(leader(), doubted, new)
+    assert [i for _, i, _ in seen.overdue] == ["i-c"]
+
+
+def test_a_clear_older_than_the_doubt_it_meets_does_not_undo_it():
+    """A third cold review's finding: a leader's line listing a member ready, delivered late on its own stream,
+    undid a doubt a newer failure (on the member's stream) had raised in an earlier run."""
+    by_id = {c.ec2_instance_id: c for c in formed_pair(unit_joined=f"u0@{NOW - 600}!")}
+    labels = {i: "u0" for i in by_id}
+    group = dict.fromkeys(by_id, IN_SERVICE)
+    late = observe(POLICY, by_id, labels, {}, group, frozenset(), NOW, clears={"i-b": NOW - 900.0})
+    assert late.records["i-b"].doubt and late.deletes == []
+    newer = observe(POLICY, by_id, labels, {}, group, frozenset(), NOW, clears={"i-b": NOW - 60.0})
+    assert "i-b" not in newer.records and newer.deletes == ["i-b"]
+
+
+def test_a_doubt_counts_in_the_unit_whose_revision_failed_only():
+    """A third cold review's finding: a doubt raised for u0 landed in u1 after a relabel."""
+    by_id = {c.ec2_instance_id: c for c in (ci("i-a", unit="u1", unit_session=f"u1@{NOW - 86400}"),
+                                              ci("i-b", unit="u1", unit_session=f"u1@{NOW - 86400}"))}
+    seen = observe(POLICY, by_id, {i: "u1" for i in by_id}, {}, dict.fromkeys(by_id, IN_SERVICE), frozenset(), NOW,
+                   doubts={"i-b": "u0"})
+    assert seen.writes == {} and seen.overdue == []
