@@ -24,8 +24,17 @@ A unit none of whose members ever formed is left to its start (the autoscaler's 
 deadline, `unit_autoscaler/decision.py`; a deployment's circuit breaker): no member is
 evidence of a host fault there.
 
+A member that formed can be doubted: a session end says its own fetch or check failed
+(`FETCH_CAUSES`) under the revision its `unit-session` record says it formed with, more than
+`FORMATION_MARGIN_SECONDS` after that formation (a cache or disk gone bad). A later
+formation naming it, or a later session end of a released session listing it `ready`,
+clears the doubt. A doubt holds its member to account like one that never formed, but only
+when it is the unit's one member in doubt and no member never formed: two in doubt point at
+a common cause (an S3, IAM or endpoint outage fails every fetch). A failure under another
+revision (a deployment whose artifacts are missing) doubts nobody.
+
 State lives on each member's container instance as the ECS attribute `unit-joined`,
-`<unit>@<clock start, Unix seconds>[:<replacements>]`: written on a member that has not
+`<unit>@<clock start, Unix seconds>[:<replacements>][!]` (`!`: in doubt): written on a member that has not
 formed in a unit that formed before, and, while the count is above 0, on every member (the
 count outlives the members that carried it); a member that leaves the unit loses it. The
 clock starts when the first run sees the member join, and again at each run that finds its
