@@ -394,8 +394,7 @@ def _launcher_records(
             record = found.values.get((instance_id, signals.SESSION_ATTRIBUTE),
                                       ci.attributes.get(signals.SESSION_ATTRIBUTE))
             if not unformed.fetch_failed_since_formed(record, *failure):
-                continue
-        if failure is not None:
+                continue  # not under the revision it formed with, or not after that formation: says nothing
             found.doubts[instance_id] = failure[0]
             found.clears.pop(instance_id, None)
         else:
