@@ -245,8 +245,10 @@ def _observe_unit(
     doubts, clears = evidence
     recorded = {i for i in ids if found[i] is not None and found[i].unit == unit and found[i].doubt}
     # A clear no older than the doubt it meets: a line delivered late (each log stream comes by its own
-    # delivery) does not undo a doubt a newer failure raised (the doubt's time is the controller's, the line's
-    # the launcher's: both follow the Amazon Time Sync Service on EC2 and Lambda).
+    # delivery) does not undo a doubt a newer failure raised. The doubt's time is the controller's (Lambda),
+    # the line's the launcher's (EC2, kept by the Amazon Time Sync Service,
+    # https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/set-time.html); that Lambda's clock is as close is
+    # assumed, not documented: a clear within the skew of its doubt may be taken or not.
     cleared = {i for i, at in clears.items() if not (i in recorded and at <= found[i].at)}
     doubted = {i for i in ids if i not in cleared and (doubts.get(i) == unit or i in recorded)}
     # A doubt singles a host out only when it is the one member of its unit in doubt and nothing else is
