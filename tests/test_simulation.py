@@ -142,7 +142,7 @@ def test_without_the_start_deadline_the_unit_never_serves():
     assert figures["units_down_by_hour"][1:] == [1] * 8, figures  # u2 down from its start to the end
 
 
-def old_ready_instances(settings, view, new, elbv2, retry):
+def old_ready_instances(settings, view, new, elbv2, retry, **_):
     """87efc36 (issue 20 items 4, 5): a new instance is signalled when it is a member of a unit whose
     leader is a healthy target; an instance no unit needs (launch-first, a new spare) never is."""
     from placement_controller import signals
@@ -177,8 +177,8 @@ def test_old_signals_signal_a_new_spare_before_its_model_is_cached(monkeypatch):
     from placement_controller import handler as pc_handler
 
     real = pc_handler._signal
-    monkeypatch.setattr(pc_handler, "_signal", lambda settings, clients, plan, by_instance, records, labels, retry:
-                        real(settings, clients, plan, by_instance, records, {}, retry))
+    monkeypatch.setattr(pc_handler, "_signal", lambda settings, clients, plan, by_instance, records, labels, retry,
+                        **kwargs: real(settings, clients, plan, by_instance, records, {}, retry, **kwargs))
     doc = run("ami-change-terminate-first-spare.yaml", seeds=3)
     verdict = doc["invariants"]["I5 rolling update"]
     assert not verdict["held"], render(doc)
@@ -211,7 +211,7 @@ def test_a_signal_rule_that_signals_every_new_instance_at_once_has_two_units_out
     from placement_controller import signals
 
     monkeypatch.setattr(signals, "ready_instances",
-                        lambda settings, view, new, elbv2, retry: {i: "on sight" for i in sorted(new)})
+                        lambda settings, view, new, elbv2, retry, **_: {i: "on sight" for i in sorted(new)})
     doc = run("ami-change-terminate-first.yaml")
     verdict = doc["invariants"]["I1 planned operations"]
     assert not verdict["held"], "\n".join(render(doc))

@@ -31,7 +31,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -411,6 +411,7 @@ def _signal(
     records: Mapping[tuple[str, str], str],
     labels: Mapping[str, str | None],
     retry: aws.Retry,
+    healthy: Callable[[], set[str]] | None = None,
 ) -> list[str] | None:
     """Rolling-update signals for the new instances that serve again or are ready spares (None: not configured).
 
@@ -426,7 +427,7 @@ def _signal(
                             spare_nodes=settings.spare_nodes)
     return signals.signal_ready_instances(
         signal_settings, settings.auto_scaling_group, view,
-        clients.cloudformation, clients.autoscaling, clients.elbv2, retry,
+        clients.cloudformation, clients.autoscaling, clients.elbv2, retry, healthy=healthy,
     )
 
 
@@ -489,20 +490,20 @@ def _group_updating(clients: Clients, retry: aws.Retry) -> bool:
     )
 
 
-def _serving(clients: Clients, retry: aws.Retry) -> Callable[[Sequence[str]], bool]:
-    """Whether one of some instances is a healthy target of the units' target group; the group's health is
-    read once a run, and only when asked (a unit with a member that has not formed)."""
+def _healthy_targets(clients: Clients, retry: aws.Retry) -> Callable[[], set[str]]:
+    """The healthy targets of the units' target group, read at most once a run and only when asked (a unit with
+    a member that has not formed; the rolling-update signals): both ask within the same run."""
     read: list[set[str]] = []
 
-    def serving(members: Sequence[str]) -> bool:
+    def healthy() -> set[str]:
         if not read:
             signal_settings = signals.SignalSettings.from_env(os.environ)
             configured = signal_settings is not None and clients.elbv2 is not None
             read.append(signals.healthy_targets(clients.elbv2, signal_settings.target_group_arn, retry)
                         if configured else set())
-        return bool(read[0].intersection(members))
+        return read[0]
 
-    return serving
+    return healthy
 
 
 def _replace_unformed(
@@ -660,10 +661,12 @@ def reconcile(
             deletes.extend(more_deletes)
             labels[fresh.arn] = unit
 
+    healthy = _healthy_targets(clients, retry)
     known = {i: ci for i, ci in _as_left(by_instance, records, labels).items() if i in managed}
     unit_of = {i: ci.attributes.get(UNIT_ATTRIBUTE) for i, ci in known.items()}
     joined = unformed.observe(settings.unformed, known, unit_of, plan.missing, group, step.in_quarantine | gone, now,
-                              serving=_serving(clients, retry), doubts=launcher.doubts, clears=launcher.clears)
+                              serving=lambda members: bool(healthy().intersection(members)),
+                              doubts=launcher.doubts, clears=launcher.clears)
     puts += [_attribute(JOINED_ATTRIBUTE, by_instance[i].arn, v) for i, v in sorted(joined.writes.items())]
     deletes += [_attribute(JOINED_ATTRIBUTE, by_instance[i].arn) for i in joined.deletes]
 
@@ -697,7 +700,7 @@ def reconcile(
             **start_report,
         }
     )
-    signalled = _signal(settings, clients, plan, by_instance, records, labels, retry)
+    signalled = _signal(settings, clients, plan, by_instance, records, labels, retry, healthy=healthy)
     if signalled is not None:
         summary["signalled"] = signalled
     _publish(settings, plan, summary, emit)

@@ -59,7 +59,7 @@ DescribeTasks, which takes task ids or ARNs
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,9 +189,11 @@ def capacity_ready(view: CellView, instance_id: str) -> str | None:
 
 
 def ready_instances(
-    settings: SignalSettings, view: CellView, new: set[str], elbv2: BaseClient, retry: aws.Retry
+    settings: SignalSettings, view: CellView, new: set[str], elbv2: BaseClient, retry: aws.Retry,
+    healthy: Callable[[], set[str]] | None = None,
 ) -> dict[str, str]:
-    """New instance id -> why it may be signalled (rules in the module doc)."""
+    """New instance id -> why it may be signalled (rules in the module doc). `healthy`: the run's one read of
+    the target group's healthy targets, when the run has one (else read here)."""
     ready: dict[str, str] = {}
     capacity = {i: why for i in sorted(new.intersection(view.spares)) if (why := capacity_ready(view, i))}
     waiting = {
@@ -201,11 +203,11 @@ def ready_instances(
     }
     if not capacity and not waiting:
         return ready
-    healthy = healthy_targets(elbv2, settings.target_group_arn, retry)
-    if capacity and _every_unit_serves(view, healthy, new):
+    healthy_now = healthy() if healthy is not None else healthy_targets(elbv2, settings.target_group_arn, retry)
+    if capacity and _every_unit_serves(view, healthy_now, new):
         ready.update({i: f"{why}, every unit serving" for i, why in capacity.items()})
     for unit, members in sorted(waiting.items()):
-        if not healthy.intersection(members):
+        if not healthy_now.intersection(members):
             continue
         for instance_id in sorted(new.intersection(members)):
             ci = view.container_instances.get(instance_id)
@@ -222,13 +224,14 @@ def signal_ready_instances(
     autoscaling: BaseClient,
     elbv2: BaseClient,
     retry: aws.Retry,
+    healthy: Callable[[], set[str]] | None = None,
 ) -> list[str]:
     """Signal SUCCESS for the new instances that serve again (or are warm spares) while the group updates."""
     if not group_updating(settings, cloudformation, retry):
         return []
     new = current_version_instances(autoscaling, group, retry)
     signalled: list[str] = []
-    for instance_id, why in ready_instances(settings, view, new, elbv2, retry).items():
+    for instance_id, why in ready_instances(settings, view, new, elbv2, retry, healthy=healthy).items():
         try:
             retry.call(
                 cloudformation.signal_resource,

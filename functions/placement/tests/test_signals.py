@@ -407,3 +407,14 @@ def test_a_session_end_is_forwarded_with_who_was_ready():
         {"rank": 0, "instance_id": task_arn("leader"), "ready": True},
         {"rank": 1, "instance_id": task_arn("follower"), "ready": False},
         {"rank": 2, "instance_id": task_arn("other")}]
+
+
+def test_a_run_reads_the_target_health_once_for_the_never_formed_rule_and_the_signals():
+    """The rule for members that never formed (is their unit serving?) and the signal rule ask the same
+    question in one run: one DescribeTargetHealth (the re-read of this session's change; before, two)."""
+    cell = _replaced_follower({"unit_session": f"u0@{NOW - 86400}"})  # i-b new, not formed yet
+    cell.healthy("i-a")  # the old session still serves while its replaced follower drains: one answer only
+    cell.put(("i-b", "unit-joined", f"u0@{NOW}"))  # its clock starts again: the unit serves
+    cell.updating()
+    assert cell.run(ONE_UNIT)["signalled"] == []
+    cell.done()
