@@ -454,6 +454,8 @@ class Running:
         self.state.stopping = True
         proc = self.process
         if proc.returncode is None:
+            if not soft:
+                await self._count_the_ring()
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGUSR1 if soft else signal.SIGTERM)
             self.stop_listening()
@@ -461,6 +463,7 @@ class Running:
                 async with asyncio.timeout(timeout):
                     if soft:
                         await self._streams_done(proc)
+                        await self._count_the_ring()
                         with contextlib.suppress(ProcessLookupError):
                             proc.send_signal(signal.SIGTERM)
                     await proc.wait()
@@ -470,6 +473,30 @@ class Running:
                     proc.kill()
                 await proc.wait()
         return proc.returncode
+
+    async def _count_the_ring(self) -> None:
+        """Before the SIGTERM that ends HAProxy's worker (it dies at once: src/haproxy.c of v2.6.0 handles
+        SIGUSR1 only), count the log lines the follower has not: those still in the ring die with the worker.
+        The drain's last stream is one: HAProxy counts it out of the backend (`beconn`) before it writes its
+        line (src/stream.c:2521 and 2560 of v2.6.0), so _streams_done can end before the line reaches the
+        follower. The follower stops, then the ring is read whole (`show events <ring>` without `-w`,
+        management guide 9.3) through the master CLI, which still reaches a soft-stopping worker. A line
+        written between the read and the SIGTERM (a request on a client connection kept alive into the
+        soft stop) is not counted."""
+        follower, task = self.state.log_follower, next((t for t in self.tasks if t.get_name() == "log"), None)
+        if follower is None or task is None or task.done():
+            return
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        try:
+            ring = await RuntimeApi(self.paths.master_socket, prefix="@1 ").command_bytes(f"show events {LOG_RING}")
+        except RuntimeApiError as exc:
+            log.warning("could not read HAProxy's log ring before stopping it (%s): the requests of the lines "
+                        "the agent had not read yet are not counted", exc)
+            return
+        if not follower.count_unread(ring):
+            log.warning("the log ring no longer holds the last lines the agent counted: the requests of the "
+                        "lines it had not read yet are not counted")
 
     async def _streams_done(self, proc: asyncio.subprocess.Process) -> None:
         """Wait until the stopping worker's engine backend has no stream (master CLI): the
@@ -503,8 +530,9 @@ class Running:
         self.stop_listening()
         follower = next((t for t in self.tasks if t.get_name() == "log"), None)
         if follower is not None:
-            # HAProxy is gone: the follower reads its last lines up to the end of the stream (it
-            # pauses between reads), so the final EMF counts them.
+            # HAProxy is gone: a follower still running (HAProxy died on its own; a stop counts the
+            # ring before its SIGTERM, _count_the_ring) reads its last lines up to the end of the
+            # stream (it pauses between reads), so the final EMF counts them.
             await asyncio.wait({follower}, timeout=_FOLLOW_END_SECONDS)
         emf = [t for t in self.tasks if t.get_name() == "emf"]
         others = [t for t in self.tasks if t.get_name() != "emf"]

@@ -16,6 +16,8 @@ in the latency histogram (docs/contracts.md). HAProxy writes each line
 into a ring buffer and never waits for its reader; the agent follows the ring with the
 runtime API's `show events <ring> -w -n` (management guide 9.3), which streams new lines on
 one connection (a reader more than the ring behind loses the oldest lines, never requests).
+Before the agent stops HAProxy's worker, which takes the ring with it, it counts what the
+follower had not read from one read of the whole ring (`unread`).
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ CLIENT_GONE = 499
 # again. `set timeout cli` (management guide 9.3) sets it for this session only, in seconds;
 # HAProxy's timers are milliseconds below 2^31 (~24.8 days, src/cli.c), so about 23 days.
 FOLLOW_TIMEOUT_SECONDS = 2_000_000
+# How much of what it has counted the follower keeps, to find its place in the ring when HAProxy is
+# stopped (unread): about 1,300 lines, so a later place matches only if the same 1,300 lines repeat.
+TAIL_BYTES = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -162,6 +167,28 @@ def feed(telemetry: Telemetry, data: bytes, now: float | None = None) -> None:
             record(telemetry, rec, now)
 
 
+def _lines(data: bytes) -> bytes:
+    """The non-empty lines of `data`, each with its newline: the ring's lines, without the empty
+    lines the CLI writes around them (the answer to `set timeout cli`, the end of an answer)."""
+    return b"".join(line + b"\n" for line in data.split(b"\n") if line)
+
+
+def unread(tail: bytes, ring: bytes) -> bytes | None:
+    """The lines of `ring` (the ring's whole content, `show events <ring>`) after those a follower counted,
+    `tail` being the end of what it counted (LogFollower.tail); None when the tail is not in the ring (the
+    follower was more than the ring behind, or HAProxy is not the one it followed): nothing can be placed.
+
+    The place is the tail's last occurrence: identical lines are common, but a place found too late would
+    need the whole tail (TAIL_BYTES) to repeat after it; then the lines in between are not counted."""
+    ring = _lines(ring)
+    # A full tail may begin inside a line: from its first whole one.
+    counted = _lines(tail.partition(b"\n")[2] if len(tail) >= TAIL_BYTES else tail)
+    if not counted:
+        return ring  # nothing counted yet: a first stream starts at the ring's oldest line as well (run)
+    at = (b"\n" + ring).rfind(b"\n" + counted)  # at a line's start
+    return None if at < 0 else ring[at + len(counted):]
+
+
 # How long a catch-up waits for more lines before it calls the stream drained.
 _DRAINED_SECONDS = 0.01
 
@@ -179,6 +206,7 @@ class LogFollower:
         self._wake = asyncio.Event()
         self._waiters: list[asyncio.Future[None]] = []
         self._asked = False  # the ring was asked for once: a new stream seeks to its end (run)
+        self.tail = b""  # the last TAIL_BYTES of the lines counted (unread)
 
     async def catch_up(self, timeout: float = 0.5) -> None:
         """Return once the lines HAProxy has written so far are counted (or after `timeout`)."""
@@ -206,6 +234,15 @@ class LogFollower:
             self._release()
             return None
 
+    def count_unread(self, ring: bytes) -> bool:
+        """Count the lines of `ring` (its whole content, read once this follower is stopped) that it had
+        not counted; False when its place is not found there (nothing counted)."""
+        rest = unread(self.tail, ring)
+        if rest is None:
+            return False
+        feed(self.telemetry, rest)
+        return True
+
     async def _stream(self, reader: asyncio.StreamReader, transport: Any) -> None:
         """Between reads the transport is paused: asyncio would otherwise read the socket each
         time HAProxy writes a line (a wake-up and a read(2) per request, measured with strace)."""
@@ -219,7 +256,10 @@ class LogFollower:
             data = pending + data
             cut = data.rfind(b"\n") + 1
             pending = data[cut:]
-            feed(self.telemetry, data[:cut])
+            counted = data[:cut]
+            feed(self.telemetry, counted)
+            if counted:
+                self.tail = (self.tail + counted)[-TAIL_BYTES:] if cut < TAIL_BYTES else counted[-TAIL_BYTES:]
             if not self._waiters:
                 transport.pause_reading()
                 await wait_set(self._wake, READ_PAUSE_SECONDS)
