@@ -16,6 +16,12 @@ from unit_proxy.telemetry import Telemetry
 from .conftest import LOOPBACK, FakeEngine, FakeLauncher, proxy_settings, wait_until
 
 
+async def _completions(session: aiohttp.ClientSession, url: str, times: int) -> None:
+    for _ in range(times):
+        async with session.post(f"{url}/v1/completions", json={"model": "m", "prompt": "y"}) as resp:
+            assert resp.status == 200
+
+
 async def _gate_open(running: agent.Running) -> None:
     await wait_until(lambda: running.state.health.last.checked_at > 0, what="the first launcher check")
     await wait_until(lambda: running.state.pushed == running.state.gate_map(), what="the gate pushed")
@@ -104,9 +110,7 @@ async def test_lines_the_follower_has_not_read_when_haproxy_is_stopped_are_count
         url = f"http://{LOOPBACK}:{running.port}"
         async with aiohttp.ClientSession() as session:
             await _gate_open(running)
-            for _ in range(5):
-                async with session.post(f"{url}/v1/completions", json={"model": "m", "prompt": "y"}) as resp:
-                    assert resp.status == 200
+            await _completions(session, url, 5)
     finally:
         await running.close()
     assert running.state.telemetry.requests_total == 5
@@ -143,9 +147,7 @@ async def test_lines_still_in_the_ring_when_haproxy_is_stopped_are_counted(
             await _gate_open(running)
             await running.state.log_follower.catch_up()  # read now: the next read is 10 s away
             await asyncio.gather(*(_refusals(running.port, 5_000) for _ in range(4)))
-            for _ in range(5):
-                async with session.post(f"{url}/v1/completions", json={"model": "m", "prompt": "y"}) as resp:
-                    assert resp.status == 200
+            await _completions(session, url, 5)
     finally:
         await running.close()
     assert running.state.telemetry.requests_total == 5
