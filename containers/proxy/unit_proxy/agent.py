@@ -454,6 +454,8 @@ class Running:
         self.state.stopping = True
         proc = self.process
         if proc.returncode is None:
+            if not soft:
+                await self._count_the_ring()
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGUSR1 if soft else signal.SIGTERM)
             self.stop_listening()
@@ -461,6 +463,7 @@ class Running:
                 async with asyncio.timeout(timeout):
                     if soft:
                         await self._streams_done(proc)
+                        await self._count_the_ring()
                         with contextlib.suppress(ProcessLookupError):
                             proc.send_signal(signal.SIGTERM)
                     await proc.wait()
@@ -470,6 +473,42 @@ class Running:
                     proc.kill()
                 await proc.wait()
         return proc.returncode
+
+    async def _count_the_ring(self) -> None:
+        """Before the SIGTERM that ends HAProxy's worker, count the log lines the follower has not: those
+        still in the ring die with the worker, which has no SIGTERM handler (src/haproxy.c:3067-3076 of
+        v2.6.0; the master forwards the signal, src/mworker.c:269-279). The drain's last stream is one:
+        HAProxy counts it out of the backend (`beconn`) before it writes its line (src/stream.c:2521 and
+        2560), so _streams_done can end before the line reaches the follower. The ring is read whole
+        (`show events <ring>` without `-w`, management guide 9.3) through the master CLI, which still
+        reaches a soft-stopping worker; only once the follower's place is found there does the follower
+        stop, and the lines after its place are counted. Otherwise (the worker already gone, an answer
+        cut short, the place not found) the follower goes on and reads what reaches it, as before. A line
+        written between the read and the SIGTERM (a request on a client connection kept alive into the
+        soft stop) is not counted."""
+        follower, task = self.state.log_follower, next((t for t in self.tasks if t.get_name() == "log"), None)
+        if follower is None or task is None or self.process.returncode is not None:
+            return
+        try:
+            ring = await RuntimeApi(self.paths.master_socket, prefix="@1 ").command_bytes(f"show events {LOG_RING}")
+        except RuntimeApiError as exc:
+            log.warning("could not read HAProxy's log ring before stopping it (%s): the requests of the lines "
+                        "the agent has not read by then are not counted", exc)
+            return
+        if not haproxy_log.whole_ring(ring):
+            log.warning("HAProxy's answer for its log ring was not the whole ring (%r): the requests of the lines "
+                        "the agent has not read when HAProxy stops are not counted", ring[-120:])
+            return
+        rest = haproxy_log.unread(follower.tail, ring)
+        if rest is None:
+            log.warning("the agent's last counted log lines are not in HAProxy's log ring: the requests of the "
+                        "lines it has not read when HAProxy stops are not counted")
+            return
+        if not rest:
+            return  # counted up to the end: the follower reads on to the stream's end (close)
+        task.cancel()  # no await since the place was found: the follower has counted nothing more
+        await asyncio.gather(task, return_exceptions=True)
+        haproxy_log.feed(follower.telemetry, rest)
 
     async def _streams_done(self, proc: asyncio.subprocess.Process) -> None:
         """Wait until the stopping worker's engine backend has no stream (master CLI): the
@@ -503,8 +542,9 @@ class Running:
         self.stop_listening()
         follower = next((t for t in self.tasks if t.get_name() == "log"), None)
         if follower is not None:
-            # HAProxy is gone: the follower reads its last lines up to the end of the stream (it
-            # pauses between reads), so the final EMF counts them.
+            # HAProxy is gone: a follower still running (HAProxy died on its own; a stop counts the
+            # ring before its SIGTERM, _count_the_ring) reads its last lines up to the end of the
+            # stream (it pauses between reads), so the final EMF counts them.
             await asyncio.wait({follower}, timeout=_FOLLOW_END_SECONDS)
         emf = [t for t in self.tasks if t.get_name() == "emf"]
         others = [t for t in self.tasks if t.get_name() != "emf"]

@@ -15,7 +15,10 @@ its JSON at once when the generation is done), so it adds no TTFT sample: its wh
 in the latency histogram (docs/contracts.md). HAProxy writes each line
 into a ring buffer and never waits for its reader; the agent follows the ring with the
 runtime API's `show events <ring> -w -n` (management guide 9.3), which streams new lines on
-one connection (a reader more than the ring behind loses the oldest lines, never requests).
+one connection (a reader stuck a whole ring behind makes HAProxy drop the new lines, never
+requests: src/ring.c:161-170 of v2.6.0). Before the agent stops HAProxy's worker, which takes
+the ring with it, it counts what the follower had not read from one read of the whole ring
+(`unread`).
 """
 
 from __future__ import annotations
@@ -56,6 +59,12 @@ CLIENT_GONE = 499
 # again. `set timeout cli` (management guide 9.3) sets it for this session only, in seconds;
 # HAProxy's timers are milliseconds below 2^31 (~24.8 days, src/cli.c), so about 23 days.
 FOLLOW_TIMEOUT_SECONDS = 2_000_000
+# How much of what it has counted the follower keeps, to find its place in the ring when HAProxy is
+# stopped (unread): about 2,000 lines, so a later place matches only if the same 2,000 lines repeat.
+TAIL_BYTES = 1 << 16
+# Put in the tail when the follower follows again from the ring's end (`-n`): the lines between are
+# not counted, so the tail before it says nothing of its place (a NUL is never in a log line).
+GAP = b"\x00\n"
 
 
 @dataclass(frozen=True)
@@ -162,6 +171,55 @@ def feed(telemetry: Telemetry, data: bytes, now: float | None = None) -> None:
             record(telemetry, rec, now)
 
 
+def _lines(data: bytes) -> bytes:
+    """The non-empty lines of `data`, each with its newline: the ring's lines, without the empty
+    lines the CLI writes around them (the answer to `set timeout cli`, the end of an answer)."""
+    return b"".join(line + b"\n" for line in data.split(b"\n") if line)
+
+
+def whole_ring(answer: bytes) -> bool:
+    """Whether a `show events <ring>` answer is the ring's whole content: its lines, then the empty
+    line that ends a CLI answer, or that line alone for an empty ring (measured with HAProxy 2.6.12).
+    An answer cut short, the master CLI's empty answer while the worker exits, or an error such as
+    "Can't find the target PID matching the prefix" is not."""
+    return answer == b"\n" or answer.endswith(b"\n\n")
+
+
+def _last_index(haystack: bytes, needle: bytes) -> int:
+    """`haystack.rfind(needle)` in linear time: CPython's rfind has a quadratic worst case (a tail
+    of many identical lines), its find on long needles does not (the two-way algorithm, 3.10+)."""
+    at = haystack[::-1].find(needle[::-1])
+    return at if at < 0 else len(haystack) - at - len(needle)
+
+
+def unread(tail: bytes, ring: bytes) -> bytes | None:
+    """The lines of `ring` (the ring's whole content, `whole_ring`) after those a follower counted,
+    `tail` being the end of what it counted (LogFollower.tail): b"" when the follower has counted up to
+    the ring's end or past it; None when its place cannot be found (its tail is no longer in the ring,
+    or it followed again from the ring's end and has counted nothing since: `GAP`).
+
+    The place is the tail's last occurrence, so no line is ever counted twice; identical lines make a
+    later place possible (a run of them as long as the tail, repeated after it), and then the lines
+    in between are not counted. Under a load whose lines are all the same (a flood of one refusal,
+    a synthetic engine) that is every line the follower had not read."""
+    ring = _lines(ring)
+    if GAP in tail:
+        tail = tail.rpartition(GAP)[2]
+        if not _lines(tail):
+            return None
+    elif len(tail) >= TAIL_BYTES:
+        tail = tail.partition(b"\n")[2]  # a full tail may begin inside a line: from its first whole one
+    counted = _lines(tail)
+    if not counted:
+        return ring  # nothing counted yet: a first stream starts at the ring's oldest line as well (run)
+    at = _last_index(b"\n" + ring, b"\n" + counted)  # at a line's start
+    if at >= 0:
+        return ring[at + len(counted):]
+    # Counted past the ring's end (lines written after the ring was read): its last lines are in the tail.
+    last = ring[-4096:].partition(b"\n")[2] if len(ring) > 4096 else ring
+    return b"" if last and (b"\n" + last) in (b"\n" + counted) else None
+
+
 # How long a catch-up waits for more lines before it calls the stream drained.
 _DRAINED_SECONDS = 0.01
 
@@ -179,9 +237,13 @@ class LogFollower:
         self._wake = asyncio.Event()
         self._waiters: list[asyncio.Future[None]] = []
         self._asked = False  # the ring was asked for once: a new stream seeks to its end (run)
+        self.tail = b""  # the last TAIL_BYTES of the lines counted, GAP after a reconnect (unread)
+        self._ended = False  # run has returned: a catch-up has nothing to wait for
 
     async def catch_up(self, timeout: float = 0.5) -> None:
         """Return once the lines HAProxy has written so far are counted (or after `timeout`)."""
+        if self._ended:
+            return
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         self._wake.set()
@@ -219,7 +281,10 @@ class LogFollower:
             data = pending + data
             cut = data.rfind(b"\n") + 1
             pending = data[cut:]
-            feed(self.telemetry, data[:cut])
+            counted = data[:cut]
+            if counted:  # before the counting: a count that fails half-way is never counted again (unread)
+                self.tail = (self.tail + counted)[-TAIL_BYTES:] if cut < TAIL_BYTES else counted[-TAIL_BYTES:]
+            feed(self.telemetry, counted)
             if not self._waiters:
                 transport.pause_reading()
                 await wait_set(self._wake, READ_PAUSE_SECONDS)
@@ -245,6 +310,8 @@ class LogFollower:
                     continue
                 try:
                     seek_end = " -n" if self._asked else ""
+                    if self._asked:
+                        self.tail = GAP
                     command = f"set timeout cli {FOLLOW_TIMEOUT_SECONDS}; show events {self.ring} -w{seek_end}\n"
                     writer.write(command.encode())
                     self._asked = True
@@ -262,4 +329,5 @@ class LogFollower:
                     return
                 await asyncio.sleep(0.1)
         finally:
+            self._ended = True
             self._release()

@@ -44,6 +44,10 @@ class RuntimeApi:
 
     async def command(self, line: str) -> str:
         """Send one command line; returns HAProxy's answer."""
+        return (await self.command_bytes(line)).decode("utf-8", "replace")
+
+    async def command_bytes(self, line: str) -> bytes:
+        """`command`, the answer as HAProxy wrote it (the log ring's lines, compared byte for byte)."""
         try:
             async with asyncio.timeout(_TIMEOUT):
                 reader, writer = await asyncio.open_unix_connection(self.socket_path)
@@ -58,7 +62,7 @@ class RuntimeApi:
                     writer.close()
         except (OSError, TimeoutError) as exc:
             raise RuntimeApiError(f"runtime API {self.socket_path}: {exc or type(exc).__name__}") from None
-        return data.decode("utf-8", "replace")
+        return data
 
     async def set_map(self, map_path: str, key: str, value: str) -> None:
         answer = await self.command(f"set map {escape(map_path)} {escape(key)} {escape(value)}")
