@@ -568,6 +568,39 @@ def test_a_bad_host_whose_unit_clocks_are_behind_is_still_quarantined():
     assert held(doc, "I3 quarantine"), "\n".join(render(doc))
 
 
+def test_a_host_marked_unhealthy_during_a_rolling_update_is_replaced_only_once_the_update_ends():
+    """The cell's UpdatePolicy suspends ReplaceUnhealthy (CDK's default SuspendProcesses, in the synthesized
+    template): the simulation replaced a host marked Unhealthy within 30 s even while the group was updating."""
+    scenario = parse_scenario({"name": "x", "duration": "1h"})
+    fleet, cell = fleet_for(scenario, None)
+    sim = engine.Cell(fleet, cell, scenario, 1)
+    sim.start()
+    host = sim.live_instances()[0]
+
+    def terminating() -> bool:
+        return any(action == sim.terminate and args[0] is host for _, _, action, args in sim._queue)
+
+    sim.roll.active = True
+    sim.mark_unhealthy(host)
+    assert host.health == "Unhealthy" and not terminating()
+    sim.roll.active = False
+    sim._resume_processes()
+    assert terminating()
+
+
+def test_a_host_quarantined_during_a_rolling_update_leaves_its_unit_and_the_roll_goes_on():
+    """A host goes bad just after an AMI roll starts. Its quarantine comes while the group updates, so the
+    group keeps it to the update's end (the test above). Its unit task ran on there, and the unit formed again
+    with the quarantined host (I3) and ran out of PauseTime (I5) in seeds 1 and 3 (seen with the controller's
+    stop patched out). The controller now stops the tasks on an instance in quarantine: the unit forms on the
+    roll's free new instance and the roll completes."""
+    doc = run("bad-host-during-roll.yaml", seeds=3)
+    assert held(doc, "I3 quarantine") and held(doc, "I5 rolling update"), render(doc)
+    seeds = [seed["figures"] for seed in doc["per_seed"]]
+    assert [bool(f["quarantined"]) for f in seeds] == [True, False, True], seeds  # seed 2: the roll took it first
+    assert all(f["rolling_update"]["finished_at"] and f["serving_at_end"] == ["u0"] for f in seeds), seeds
+
+
 def test_a_member_whose_cache_goes_bad_after_it_served_is_replaced():
     """The follower's own fetch fails under the revision it formed u0 with: the controller doubts it (it has not
     formed since), and the rule for members that never formed replaces it 105 min after the first such failure.

@@ -470,6 +470,33 @@ def _mark_unhealthy(
     return marked
 
 
+def _stop_quarantined_tasks(
+    settings: Settings, clients: Clients, step: QuarantineStep, by_instance: Mapping[str, aws.ContainerInstance],
+    group: Mapping[str, aws.GroupInstance], retry: aws.Retry,
+) -> list[str]:
+    """Stop the tasks still running on an instance in quarantine, so that its unit forms again without it.
+
+    The group replaces a quarantined instance (_mark_unhealthy), and ECS managed draining stops its tasks first.
+    But while CloudFormation updates the group, ReplaceUnhealthy is suspended (the cell's UpdatePolicy keeps CDK's
+    default SuspendProcesses, in the synthesized template;
+    https://docs.aws.amazon.com/autoscaling/ec2/userguide/understand-how-suspending-processes-affects-other-processes.html)
+    and the instance stays until the update ends. Its unit task ran on there, and the unit formed again with the
+    host the quarantine had taken out (the cell simulation, a bad host during an AMI roll). Its label is gone, so
+    ECS places the stopped task where the unit's label now is (a spare, a free instance), or waits for one. The
+    launcher takes the stop as a deliberate one, which counts against no host. One ListTasks a run for each
+    instance in quarantine that ECS says still holds a task."""
+    stopped = []
+    for instance_id in sorted(step.in_quarantine):
+        ci, member = by_instance.get(instance_id), group.get(instance_id)
+        if ci is None or not ci.scheduled or member is None or member.lifecycle not in aws.LIVE_LIFECYCLE_STATES:
+            continue
+        for task in aws.running_tasks_on(clients.ecs, settings.cluster, ci.arn, retry):
+            aws.stop_task(clients.ecs, settings.cluster, task,
+                          f"placement controller: instance {instance_id} is in quarantine", retry)
+            stopped.append(task)
+    return stopped
+
+
 def _agent_attribute_writes(
     seen: EcsHealthObservation, by_instance: Mapping[str, aws.ContainerInstance]
 ) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
@@ -675,6 +702,7 @@ def reconcile(
     written = aws.put_attributes(clients.ecs, settings.cluster, puts, retry)
     stopped = _stop_spare_tasks(settings, clients, labels, retry)
     unhealthy = _mark_unhealthy(settings, clients, step, group, retry)
+    quarantine_stops = _stop_quarantined_tasks(settings, clients, step, by_instance, group, retry)
     disconnected, disconnected_deferred = _replace_disconnected(settings, clients, agents, group, unhealthy, retry)
     never_formed, never_formed_deferred = _replace_unformed(
         settings, clients, joined, by_instance, group, unhealthy + disconnected, retry)
@@ -694,6 +722,7 @@ def reconcile(
             "unresolved_failures": step.unresolved,
             "spares_assigned": dict(sorted(gifts.items())),
             "spare_tasks_stopped": stopped,
+            "quarantined_tasks_stopped": quarantine_stops,
             "spares_ready": sorted(i for i, name in records if name == signals.SPARE_READY_ATTRIBUTE),
             "sessions_recorded": sorted(i for i, name in records if name == signals.SESSION_ATTRIBUTE),
             "fetch_doubted": sorted(launcher.doubts),
@@ -809,6 +838,8 @@ def _publish(settings: Settings, plan: Plan, summary: Mapping[str, Any], emit: C
                 "Quarantines": len(summary.get("quarantined", {})),
                 "InstancesInQuarantine": len(summary.get("in_quarantine", [])),
                 "QuarantinesDeferred": len(summary.get("quarantine_deferred", [])),
+                # Tasks stopped on an instance in quarantine the group has not replaced yet (a rolling update).
+                "QuarantinedTasksStopped": len(summary.get("quarantined_tasks_stopped", [])),
                 "UnitFailuresCounted": summary.get("failures_counted", 0),
                 "SparesAssigned": len(summary.get("spares_assigned", {})),
                 "AgentDisconnectedReplaced": len(summary.get("agent_disconnected_replaced", [])),

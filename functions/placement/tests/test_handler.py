@@ -685,12 +685,13 @@ def test_a_host_failing_a_third_time_is_quarantined_and_its_unit_gets_the_neares
         "set_instance_health", {},
         {"InstanceId": "i-0b", "HealthStatus": "Unhealthy", "ShouldRespectGracePeriod": False},
     )
+    quarantined_tasks(cell, "i-0b", [TASK_B])
     event = {"Records": [failure_record(TASK_B, NOW - 4.6)]}
     retry = aws.Retry(sleep=cell.delays.append)
     with cell.active():
         summary = reconcile(SPARE_SETTINGS, cell.clients, event, retry, cell.lines.append, now=NOW)
 
-    assert summary["quarantined"] == {"i-0b": reason}
+    assert summary["quarantined"] == {"i-0b": reason} and summary["quarantined_tasks_stopped"] == [TASK_B]
     assert summary["marked_unhealthy"] == ["i-0b"] and summary["cleared"] == ["i-0b"]
     assert summary["spares_assigned"] == {"i-0s": "u0"}
     assert summary["units"]["u0"] == {"instances": ["i-0a", "i-0s"], "score": 3, "missing": 0}
@@ -698,6 +699,7 @@ def test_a_host_failing_a_third_time_is_quarantined_and_its_unit_gets_the_neares
     assert summary["spares"] == ["i-0t"]
     metrics = next(line for line in emf_lines(cell) if "Unit" not in line)
     assert (metrics["Quarantines"], metrics["InstancesInQuarantine"], metrics["SparesAssigned"]) == (1, 1, 1)
+    assert metrics["QuarantinedTasksStopped"] == 1
     assert metrics["UnitFailuresCounted"] == 1
 
 
@@ -713,6 +715,20 @@ def spare_tasks(cell: Cell, where: dict[str, str]) -> None:
     if tasks:
         cell.ecs.add_response("describe_tasks", {"tasks": tasks, "failures": []},
                               {"cluster": CLUSTER, "tasks": [t["taskArn"] for t in tasks]})
+
+
+def quarantined_tasks(cell: Cell, instance: str, tasks: list[str]) -> None:
+    """The stop of the tasks still running on an instance in quarantine: ListTasks of its container
+    instance (desired RUNNING), then StopTask of each."""
+    cell.ecs.add_response(
+        "list_tasks", {"taskArns": tasks},
+        {"cluster": CLUSTER, "containerInstance": arn(instance), "desiredStatus": "RUNNING", "maxResults": 100},
+    )
+    for task in tasks:
+        cell.ecs.add_response(
+            "stop_task", {"task": {"taskArn": task}},
+            {"cluster": CLUSTER, "task": task, "reason": f"placement controller: instance {instance} is in quarantine"},
+        )
 
 
 def test_a_spare_task_left_on_an_instance_a_unit_took_is_stopped_by_a_later_run():
@@ -752,7 +768,8 @@ def test_after_the_quarantine_the_replacement_becomes_the_new_spare_and_nothing_
     spare = [{"name": "unit", "value": "spare", "targetType": "container-instance", "targetId": arn("i-0n")}]
     cell.ecs.add_response("put_attributes", {"attributes": spare}, {"cluster": CLUSTER, "attributes": spare})
     spare_tasks(cell, {})  # the spare service has not placed one on i-0n yet
-    # No SetInstanceHealth: the group already counts i-0b unhealthy.
+    # No SetInstanceHealth: the group already counts i-0b unhealthy. Its task is long gone (ListTasks: none).
+    quarantined_tasks(cell, "i-0b", [])
     summary = cell.run({"source": "aws.events", "detail-type": "Scheduled Event"}, settings=SPARE_SETTINGS)
     assert summary["in_quarantine"] == ["i-0b"] and summary["quarantined"] == {}
     assert summary["spares"] == ["i-0n"] and summary["marked_unhealthy"] == []
@@ -778,6 +795,7 @@ def test_a_quarantined_host_that_left_the_group_no_longer_holds_the_cap():
     reason = f"3 unit failures in 60 min: last member_engine_exit of u0 at {NOW - 5}"
     expect_quarantine(cell, "i-0b", f"{NOW - 5} {NOW - 100} {NOW - 900}", reason)
     health_call(cell, "i-0b")
+    quarantined_tasks(cell, "i-0b", [TASK_B])
     event = {"Records": [failure_record(TASK_B, NOW - 4.6)]}
     with cell.active():
         summary = reconcile(SETTINGS, cell.clients, event, aws.Retry(), cell.lines.append, now=NOW)
