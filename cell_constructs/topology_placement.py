@@ -298,7 +298,8 @@ class TopologyPlacement(Construct):
                 iam.PolicyStatement(
                     # The cluster's tasks whose desired status is STOPPED (aws.stopping_tasks): a unit's
                     # instance keeps its label while its task drains; with spares, the spare family's
-                    # running tasks (aws.running_tasks_of_family). ListTasks authorizes on the
+                    # running tasks (aws.running_tasks_of_family); the running tasks of an instance in
+                    # quarantine (aws.running_tasks_on, its container instance). ListTasks authorizes on the
                     # container-instance resource type with the ecs:cluster condition key; a listing of
                     # the whole cluster names no instance, so "*" limited by the condition, as
                     # aws/aws-cdk#3199 and awsdocs/amazon-ecs-developer-guide#211 grant it.
