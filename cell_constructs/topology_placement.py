@@ -298,7 +298,8 @@ class TopologyPlacement(Construct):
                 iam.PolicyStatement(
                     # The cluster's tasks whose desired status is STOPPED (aws.stopping_tasks): a unit's
                     # instance keeps its label while its task drains; with spares, the spare family's
-                    # running tasks (aws.running_tasks_of_family). ListTasks authorizes on the
+                    # running tasks (aws.running_tasks_of_family); the running tasks of an instance in
+                    # quarantine (aws.running_tasks_on, its container instance). ListTasks authorizes on the
                     # container-instance resource type with the ecs:cluster condition key; a listing of
                     # the whole cluster names no instance, so "*" limited by the condition, as
                     # aws/aws-cdk#3199 and awsdocs/amazon-ecs-developer-guide#211 grant it.
@@ -312,6 +313,14 @@ class TopologyPlacement(Construct):
                     sid="QuarantineInThisGroup",
                     actions=["autoscaling:SetInstanceHealth"],
                     resources=[group_arn],
+                ),
+                iam.PolicyStatement(
+                    # The tasks still running on an instance in quarantine (handler._stop_quarantined_tasks,
+                    # found by the ListTasks above) and, with spares, a spare's task on an instance a unit
+                    # took (handler._stop_spare_tasks).
+                    sid="StopTasksOfThisCluster",
+                    actions=["ecs:StopTask"],
+                    resources=[self._tasks_arn],
                 ),
             ],
         )
@@ -329,8 +338,9 @@ class TopologyPlacement(Construct):
             ),
             (
                 f"AwsSolutions-IAM5[Resource::{nag_resource_text(stack, self._tasks_arn)}]",
-                "Tasks of this cluster only (DescribeTasks of the task a unit failure names, and with spares "
-                "StopTask of a spare's task): task ids are not known before the tasks start",
+                "Tasks of this cluster only (DescribeTasks of the task a unit failure names; StopTask of the "
+                "tasks on an instance in quarantine and, with spares, of a spare's task on an instance a unit "
+                "took): task ids are not known before the tasks start",
             ),
             (
                 f"AwsSolutions-IAM5[Resource::{nag_resource_text(stack, group_arn)}]",
@@ -626,14 +636,8 @@ class TopologyPlacement(Construct):
             detail={"taskDefinitionArn": [{"anything-but": {"prefix": spare_definitions}}]}
         )
         # The spare tasks are found by ListTasks of the family on the whole cluster (the sweep in
-        # handler._stop_spare_tasks), which "StoppingTasksOfThisCluster" already allows.
-        self.policy.add_statements(
-            iam.PolicyStatement(
-                sid="StopSpareTasksOnThisCluster",
-                actions=["ecs:StopTask"],
-                resources=[self._tasks_arn],
-            ),
-        )
+        # handler._stop_spare_tasks), which "StoppingTasksOfThisCluster" already allows, and stopped as
+        # "StopTasksOfThisCluster" allows.
 
     def signal_replacements(self, *, group_logical_id: str, target_group_arn: str) -> None:
         """Let the controller send the Trainium group's rolling-update signals.

@@ -374,7 +374,7 @@ def test_quarantine_and_spare_permissions_are_scoped_to_this_cell(with_failure_h
     assert "container-instance/" in json.dumps(attributes["Resource"][1])
     for sid, action, kind in (
         ("FailedTasksOfThisCluster", "ecs:DescribeTasks", ":task/"),
-        ("StopSpareTasksOnThisCluster", "ecs:StopTask", ":task/"),
+        ("StopTasksOfThisCluster", "ecs:StopTask", ":task/"),
     ):
         assert by_sid[sid]["Action"] == action
         resource = json.dumps(by_sid[sid]["Resource"])

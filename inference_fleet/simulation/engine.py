@@ -321,8 +321,22 @@ class Cell:
         if inst.health == "Unhealthy":
             return
         inst.health = "Unhealthy"
+        if self.roll.active:
+            # The cell's rolling update suspends ReplaceUnhealthy (CDK's default SuspendProcesses, in the
+            # synthesized template): the mark stays, and the group replaces the instance once the update ends.
+            self.note(f"{inst.iid} marked Unhealthy: the group replaces it after the rolling update "
+                      "(ReplaceUnhealthy suspended)")
+            return
         self.note(f"{inst.iid} marked Unhealthy: the group replaces it")
         self.after(self.model.v("asg_replace_delay"), self.terminate, inst, True)
+
+    def _resume_processes(self) -> None:
+        """The rolling update is over (complete, or failed: its rollback is not modelled): the group replaces
+        the instances marked Unhealthy meanwhile."""
+        for inst in self.live_instances():
+            if inst.health == "Unhealthy":
+                self.note(f"{inst.iid} is Unhealthy: the group replaces it now that the rolling update is over")
+                self.after(self.model.v("asg_replace_delay"), self.terminate, inst, True)
 
     def terminate(self, inst: Instance, replace: bool) -> None:
         """Termination with ECS managed draining: tasks are stopped first, then the instance goes."""
@@ -667,6 +681,8 @@ class Cell:
         for task in session.members:
             task.inst.cached = True
         session.state = "loading"
+        if out := [t.inst.iid for t in session.members if t.inst.iid in self.quarantined]:
+            self.violate("I3 quarantine", f"{unit.uid} formed with {', '.join(out)}, in quarantine")
         self.log_line({"event": "unit_session_formed", "unit_id": unit.uid, "revision": str(unit.revision),
                        "session_id": session.sid,
                        "released_at": EPOCH + (session.released_at or self.now) + session.leader.inst.skew,
@@ -878,6 +894,7 @@ class Cell:
         if not old:
             roll.active, roll.resource_status, roll.finished = False, "UPDATE_COMPLETE", self.now
             self.note("rolling update complete")
+            self._resume_processes()
             return
         roll.batches += 1
         roll.generation += 1
@@ -923,6 +940,7 @@ class Cell:
             self.note(what)
             if not refused:
                 self.violate("I5 rolling update", what)
+            self._resume_processes()
 
     # ---- scenario events --------------------------------------------------------------------------
 

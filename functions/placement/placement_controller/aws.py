@@ -342,6 +342,14 @@ def running_tasks_of_family(ecs: BaseClient, cluster: str, family: str, retry: R
     return task_container_instances(ecs, cluster, arns, retry) if arns else {}
 
 
+def running_tasks_on(ecs: BaseClient, cluster: str, container_instance: str, retry: Retry) -> list[str]:
+    """The ARNs of the tasks on one container instance whose desired status is RUNNING (ListTasks
+    `containerInstance` with `desiredStatus`,
+    https://docs.aws.amazon.com/AmazonECS/latest/APIReference/API_ListTasks.html)."""
+    return _ecs_list(ecs.list_tasks, "taskArns", retry, cluster=cluster, containerInstance=container_instance,
+                     desiredStatus="RUNNING")
+
+
 def stop_task(ecs: BaseClient, cluster: str, task: str, reason: str, retry: Retry) -> None:
     """StopTask; `reason` is cut to the 255 characters the API takes."""
     retry.call(ecs.stop_task, cluster=cluster, task=task, reason=reason[:255])

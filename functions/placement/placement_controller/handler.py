@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from botocore.client import BaseClient
+from botocore.exceptions import ClientError
 
 from placement_controller import aws, ecs_health, forward, signals, unformed
 from placement_controller.assignment import (
@@ -470,6 +471,53 @@ def _mark_unhealthy(
     return marked
 
 
+def _stop_quarantined_tasks(
+    settings: Settings, clients: Clients, step: QuarantineStep, known: Mapping[str, aws.ContainerInstance],
+    group: Mapping[str, aws.GroupInstance], healthy: Callable[[], set[str]], retry: aws.Retry,
+) -> list[str]:
+    """Stop the tasks still running on an instance in quarantine, so that its unit forms again without it.
+
+    The group replaces a quarantined instance (_mark_unhealthy), and ECS managed draining stops its tasks first.
+    But while CloudFormation updates the group, ReplaceUnhealthy is suspended (the cell's UpdatePolicy keeps CDK's
+    default SuspendProcesses, in the synthesized template;
+    https://docs.aws.amazon.com/autoscaling/ec2/userguide/understand-how-suspending-processes-affects-other-processes.html)
+    and the instance stays until the update ends. Its unit task ran on there, and the unit formed again with the
+    host the quarantine had taken out (the cell simulation, a bad host during an AMI roll). Its label is gone, so
+    ECS places the stopped task where the unit's label now is (a spare, a free instance), or waits for one. The
+    launcher takes the stop as a deliberate one, which counts against no host.
+
+    Not while the host's unit serves with it (its last formation, the `unit-session` record, shared with a healthy
+    target): a quarantine held back by the cap is taken later, when the unit may have formed again; it is stopped
+    once the unit no longer serves. One ListTasks a run for each instance in quarantine, still in the group, that
+    ECS says holds a task; a refused call is logged and the run goes on (the next run tries again)."""
+    stopped = []
+    for instance_id in sorted(step.in_quarantine):
+        ci, member = known.get(instance_id), group.get(instance_id)
+        if ci is None or not ci.scheduled or member is None or member.lifecycle not in aws.LIVE_LIFECYCLE_STATES:
+            continue
+        if _serves_with(ci, known, healthy):
+            continue
+        try:
+            for task in aws.running_tasks_on(clients.ecs, settings.cluster, ci.arn, retry):
+                aws.stop_task(clients.ecs, settings.cluster, task,
+                              f"placement controller: instance {instance_id} is in quarantine", retry)
+                stopped.append(task)
+        except ClientError as exc:
+            LOG.warning("could not stop the tasks on %s, in quarantine: %s", instance_id, exc)
+    return stopped
+
+
+def _serves_with(ci: aws.ContainerInstance, known: Mapping[str, aws.ContainerInstance],
+                 healthy: Callable[[], set[str]]) -> bool:
+    """Whether the unit formed last with this instance serves: an instance of the same formation (the same
+    `unit-session` record, its leader's included) is a healthy target."""
+    session = ci.attributes.get(signals.SESSION_ATTRIBUTE)
+    if not session:
+        return False
+    return any(other.attributes.get(signals.SESSION_ATTRIBUTE) == session and instance_id in healthy()
+               for instance_id, other in known.items())
+
+
 def _agent_attribute_writes(
     seen: EcsHealthObservation, by_instance: Mapping[str, aws.ContainerInstance]
 ) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
@@ -675,6 +723,8 @@ def reconcile(
     written = aws.put_attributes(clients.ecs, settings.cluster, puts, retry)
     stopped = _stop_spare_tasks(settings, clients, labels, retry)
     unhealthy = _mark_unhealthy(settings, clients, step, group, retry)
+    quarantine_stops = _stop_quarantined_tasks(settings, clients, step, _as_left(by_instance, records, labels), group,
+                                               healthy, retry)
     disconnected, disconnected_deferred = _replace_disconnected(settings, clients, agents, group, unhealthy, retry)
     never_formed, never_formed_deferred = _replace_unformed(
         settings, clients, joined, by_instance, group, unhealthy + disconnected, retry)
@@ -694,6 +744,7 @@ def reconcile(
             "unresolved_failures": step.unresolved,
             "spares_assigned": dict(sorted(gifts.items())),
             "spare_tasks_stopped": stopped,
+            "quarantined_tasks_stopped": quarantine_stops,
             "spares_ready": sorted(i for i, name in records if name == signals.SPARE_READY_ATTRIBUTE),
             "sessions_recorded": sorted(i for i, name in records if name == signals.SESSION_ATTRIBUTE),
             "fetch_doubted": sorted(launcher.doubts),
@@ -809,6 +860,8 @@ def _publish(settings: Settings, plan: Plan, summary: Mapping[str, Any], emit: C
                 "Quarantines": len(summary.get("quarantined", {})),
                 "InstancesInQuarantine": len(summary.get("in_quarantine", [])),
                 "QuarantinesDeferred": len(summary.get("quarantine_deferred", [])),
+                # Tasks stopped on an instance in quarantine the group has not replaced yet (a rolling update).
+                "QuarantinedTasksStopped": len(summary.get("quarantined_tasks_stopped", [])),
                 "UnitFailuresCounted": summary.get("failures_counted", 0),
                 "SparesAssigned": len(summary.get("spares_assigned", {})),
                 "AgentDisconnectedReplaced": len(summary.get("agent_disconnected_replaced", [])),

@@ -685,12 +685,13 @@ def test_a_host_failing_a_third_time_is_quarantined_and_its_unit_gets_the_neares
         "set_instance_health", {},
         {"InstanceId": "i-0b", "HealthStatus": "Unhealthy", "ShouldRespectGracePeriod": False},
     )
+    quarantined_tasks(cell, "i-0b", [TASK_B])
     event = {"Records": [failure_record(TASK_B, NOW - 4.6)]}
     retry = aws.Retry(sleep=cell.delays.append)
     with cell.active():
         summary = reconcile(SPARE_SETTINGS, cell.clients, event, retry, cell.lines.append, now=NOW)
 
-    assert summary["quarantined"] == {"i-0b": reason}
+    assert summary["quarantined"] == {"i-0b": reason} and summary["quarantined_tasks_stopped"] == [TASK_B]
     assert summary["marked_unhealthy"] == ["i-0b"] and summary["cleared"] == ["i-0b"]
     assert summary["spares_assigned"] == {"i-0s": "u0"}
     assert summary["units"]["u0"] == {"instances": ["i-0a", "i-0s"], "score": 3, "missing": 0}
@@ -698,6 +699,7 @@ def test_a_host_failing_a_third_time_is_quarantined_and_its_unit_gets_the_neares
     assert summary["spares"] == ["i-0t"]
     metrics = next(line for line in emf_lines(cell) if "Unit" not in line)
     assert (metrics["Quarantines"], metrics["InstancesInQuarantine"], metrics["SparesAssigned"]) == (1, 1, 1)
+    assert metrics["QuarantinedTasksStopped"] == 1
     assert metrics["UnitFailuresCounted"] == 1
 
 
@@ -713,6 +715,20 @@ def spare_tasks(cell: Cell, where: dict[str, str]) -> None:
     if tasks:
         cell.ecs.add_response("describe_tasks", {"tasks": tasks, "failures": []},
                               {"cluster": CLUSTER, "tasks": [t["taskArn"] for t in tasks]})
+
+
+def quarantined_tasks(cell: Cell, instance: str, tasks: list[str]) -> None:
+    """The stop of the tasks still running on an instance in quarantine: ListTasks of its container
+    instance (desired RUNNING), then StopTask of each."""
+    cell.ecs.add_response(
+        "list_tasks", {"taskArns": tasks},
+        {"cluster": CLUSTER, "containerInstance": arn(instance), "desiredStatus": "RUNNING", "maxResults": 100},
+    )
+    for task in tasks:
+        cell.ecs.add_response(
+            "stop_task", {"task": {"taskArn": task}},
+            {"cluster": CLUSTER, "task": task, "reason": f"placement controller: instance {instance} is in quarantine"},
+        )
 
 
 def test_a_spare_task_left_on_an_instance_a_unit_took_is_stopped_by_a_later_run():
@@ -744,7 +760,7 @@ def test_after_the_quarantine_the_replacement_becomes_the_new_spare_and_nothing_
     cell.group(("i-0b",), **{"i-0a": "InService", "i-0s": "InService", "i-0b": "InService", "i-0n": "Pending"})
     a = container("i-0a", running=1, unit="u0", unit_placement="topology")
     s = container("i-0s", running=1, unit="u0", unit_placement="topology")
-    b = container("i-0b", running=1, quarantine="3 unit failures in 60 min", unit_failures=f"{NOW - 5}")
+    b = container("i-0b", quarantine="3 unit failures in 60 min", unit_failures=f"{NOW - 5}")  # its task stopped
     n = container("i-0n")
     cell.containers([a, s, b, n])
     cell.topology(["i-0a", "i-0n", "i-0s"], [topo(i, "t", "m1", "b1") for i in ("i-0a", "i-0n", "i-0s")])
@@ -752,7 +768,7 @@ def test_after_the_quarantine_the_replacement_becomes_the_new_spare_and_nothing_
     spare = [{"name": "unit", "value": "spare", "targetType": "container-instance", "targetId": arn("i-0n")}]
     cell.ecs.add_response("put_attributes", {"attributes": spare}, {"cluster": CLUSTER, "attributes": spare})
     spare_tasks(cell, {})  # the spare service has not placed one on i-0n yet
-    # No SetInstanceHealth: the group already counts i-0b unhealthy.
+    # No SetInstanceHealth: the group already counts i-0b unhealthy; no ListTasks: ECS counts no task there.
     summary = cell.run({"source": "aws.events", "detail-type": "Scheduled Event"}, settings=SPARE_SETTINGS)
     assert summary["in_quarantine"] == ["i-0b"] and summary["quarantined"] == {}
     assert summary["spares"] == ["i-0n"] and summary["marked_unhealthy"] == []
@@ -778,6 +794,7 @@ def test_a_quarantined_host_that_left_the_group_no_longer_holds_the_cap():
     reason = f"3 unit failures in 60 min: last member_engine_exit of u0 at {NOW - 5}"
     expect_quarantine(cell, "i-0b", f"{NOW - 5} {NOW - 100} {NOW - 900}", reason)
     health_call(cell, "i-0b")
+    quarantined_tasks(cell, "i-0b", [TASK_B])
     event = {"Records": [failure_record(TASK_B, NOW - 4.6)]}
     with cell.active():
         summary = reconcile(SETTINGS, cell.clients, event, aws.Retry(), cell.lines.append, now=NOW)
@@ -1463,3 +1480,76 @@ def test_a_released_session_end_clears_a_doubt_through_the_forwarder(monkeypatch
     message = forward.trigger_message({"id": "41", "message": json.dumps(line), "logStream": "u0-leader/x/abc"})
     summary = run_event_at_now(cell, {"Records": [{"body": json.dumps(message)}]})
     assert summary["never_formed_replaced"] == [] and summary["fetch_doubted"] == []
+
+
+def _quarantined_member(monkeypatch, lifecycle: str = "InService") -> tuple[Cell, Clients]:
+    """u0 formed on i-0a (its leader) and i-0b, whose quarantine was taken after (held back by the cap): i-0b is
+    Unhealthy in the group and still runs its task. The run reads the target health and the stack (signals)."""
+    import dataclasses
+
+    for name, value in (("SIGNAL_STACK", "Rufus-Cell-dev"), ("SIGNAL_RESOURCE", "TrainiumNodesASG1"),
+                        ("TARGET_GROUP_ARN", "arn:tg")):
+        monkeypatch.setenv(name, value)
+    cell = Cell()
+    cell.group(("i-0b",), **{"i-0a": "InService", "i-0b": lifecycle})
+    session = f"u0@{NOW - 600}/7"
+    cell.containers([container("i-0a", running=1, unit="u0", unit_placement="topology", unit_session=session),
+                     container("i-0b", running=1, quarantine="3 unit failures in 60 min", unit_session=session,
+                               unit_failures=f"{NOW - 900}")])
+    cell.topology(["i-0a"], [topo("i-0a", "t", "m1", "b1")])
+    config = Config(signature_version=UNSIGNED)
+    clients = dataclasses.replace(cell.clients, cloudformation=boto3.client("cloudformation", region_name=REGION,
+                                                                          config=config),
+                                  elbv2=boto3.client("elbv2", region_name=REGION, config=config))
+    return cell, clients
+
+
+def _run_with_target_health(cell: Cell, clients: Clients, healthy: list[str], reads: int) -> dict:
+    with Stubber(clients.elbv2) as elb, Stubber(clients.cloudformation) as cfn:
+        for _ in range(reads):
+            elb.add_response("describe_target_health", {"TargetHealthDescriptions": [
+                {"Target": {"Id": i, "Port": 8080}, "TargetHealth": {"State": "healthy"}} for i in healthy]},
+                {"TargetGroupArn": "arn:tg"})
+        cfn.add_response(  # the signal rule's question (no update: nothing to signal)
+            "describe_stack_resource",
+            {"StackResourceDetail": {"LogicalResourceId": "TrainiumNodesASG1",
+                                     "ResourceType": "AWS::AutoScaling::AutoScalingGroup",
+                                     "LastUpdatedTimestamp": "2026-01-01T00:00:00Z",
+                                     "ResourceStatus": "UPDATE_COMPLETE"}},
+            {"StackName": "Rufus-Cell-dev", "LogicalResourceId": "TrainiumNodesASG1"},
+        )
+        summary = run_at_now(cell, clients)
+        elb.assert_no_pending_responses()
+        cfn.assert_no_pending_responses()
+    return summary
+
+
+def test_a_quarantined_host_keeps_its_task_while_its_unit_serves_with_it(monkeypatch):
+    """The review's repro (helper-155): a quarantine held back by the cap was taken once the unit had formed
+    again with the host and served, and the stop cut a serving unit. It waits for the unit's next failure."""
+    cell, clients = _quarantined_member(monkeypatch)
+    summary = _run_with_target_health(cell, clients, ["i-0a"], reads=1)
+    assert summary["quarantined_tasks_stopped"] == []
+
+
+def test_a_quarantined_host_s_task_is_stopped_once_its_unit_no_longer_serves(monkeypatch):
+    cell, clients = _quarantined_member(monkeypatch)
+    task = f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/0b"
+    quarantined_tasks(cell, "i-0b", [task])
+    summary = _run_with_target_health(cell, clients, [], reads=1)
+    assert summary["quarantined_tasks_stopped"] == [task]
+
+
+def test_a_quarantined_host_the_group_is_terminating_is_left_to_its_draining(monkeypatch):
+    """Terminating:Wait: ECS managed draining stops its tasks; and a terminated host whose agent was away keeps an
+    ACTIVE container instance with a stale task count: no ListTasks for either."""
+    cell, clients = _quarantined_member(monkeypatch, lifecycle="Terminating:Wait")
+    summary = _run_with_target_health(cell, clients, [], reads=0)
+    assert summary["quarantined_tasks_stopped"] == []
+
+
+def test_a_refused_stop_is_logged_and_the_run_goes_on(monkeypatch, caplog):
+    cell, clients = _quarantined_member(monkeypatch)
+    cell.ecs.add_client_error("list_tasks", service_error_code="AccessDeniedException", http_status_code=400)
+    summary = _run_with_target_health(cell, clients, [], reads=1)
+    assert summary["quarantined_tasks_stopped"] == [] and "could not stop the tasks on i-0b" in caplog.text
