@@ -222,3 +222,42 @@ def test_only_a_whole_answer_is_taken_for_the_ring(answer: bytes, whole: bool):
 @given(st.binary(max_size=60), st.binary(min_size=1, max_size=6))
 def test_the_last_index_is_rfind_s(haystack: bytes, needle: bytes):
     assert haproxy_log._last_index(haystack, needle) == haystack.rfind(needle)
+
+
+def test_lines_counted_after_the_tail_was_taken_are_not_counted_twice():
+    """The third review's repro (helper-157): repeated lines, and a follower that counted past the ring's end
+    (lines written after the ring was read). Its tail, taken after the read, matched inside the ring and the 101
+    lines after that place were counted twice. The tail is now taken before the read, so its place is never past
+    the ring's end, and the lines the follower counts meanwhile are left out (`after_counted`)."""
+    a, b = _ring_lines([1]), _ring_lines([2])
+    ring = a * 3000 + b + a * 100
+    late_tail = (ring + a * 2300)[-haproxy_log.TAIL_BYTES:]
+    assert haproxy_log.unread(late_tail, ring + b"\n") == b + a * 100  # the defect: 101 lines before the end
+    tail = ring[-haproxy_log.TAIL_BYTES:]  # taken before the read: it had counted the whole ring then
+    assert haproxy_log.after_counted(haproxy_log.unread(tail, ring + b"\n"), 2300) == b""
+
+
+def test_the_lines_counted_since_the_tail_was_taken_are_left_out():
+    ring = _ring_lines(list(range(100))) + b"\n"
+    rest = haproxy_log.unread(_ring_lines(list(range(50))), ring)
+    assert haproxy_log.after_counted(rest, 0) == _ring_lines(list(range(50, 100)))
+    assert haproxy_log.after_counted(rest, 20) == _ring_lines(list(range(70, 100)))
+    assert haproxy_log.after_counted(rest, 50) == haproxy_log.after_counted(rest, 80) == b""
+
+
+async def test_a_soft_stop_counts_the_lines_the_follower_has_not_read(
+    engine: FakeEngine, launcher: FakeLauncher, monkeypatch: pytest.MonkeyPatch
+):
+    """The drain's own path (the review's repro): SIGUSR1, the engine backend empty, the ring read through the
+    master CLI, then SIGTERM; the follower asleep after its first read."""
+    monkeypatch.setattr(haproxy_log, "READ_PAUSE_SECONDS", 3600.0)
+    running = await agent.start(proxy_settings(engine, launcher))
+    try:
+        url = f"http://{LOOPBACK}:{running.port}"
+        async with aiohttp.ClientSession() as session:
+            await _gate_open(running)
+            await _completions(session, url, 5)
+        assert await running.stop_haproxy(soft=True, timeout=10) == 0
+    finally:
+        await running.close()
+    assert running.state.telemetry.requests_total == 5

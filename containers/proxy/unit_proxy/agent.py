@@ -454,18 +454,19 @@ class Running:
         self.state.stopping = True
         proc = self.process
         if proc.returncode is None:
-            if not soft:
-                await self._count_the_ring()
+            unread = b"" if soft else await self._count_the_ring()
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGUSR1 if soft else signal.SIGTERM)
+            haproxy_log.feed(self.state.telemetry, unread)
             self.stop_listening()
             try:
                 async with asyncio.timeout(timeout):
                     if soft:
                         await self._streams_done(proc)
-                        await self._count_the_ring()
+                        unread = await self._count_the_ring()
                         with contextlib.suppress(ProcessLookupError):
                             proc.send_signal(signal.SIGTERM)
+                        haproxy_log.feed(self.state.telemetry, unread)  # after the signal: it counts no later
                     await proc.wait()
             except TimeoutError:
                 self.killed = True
@@ -474,41 +475,47 @@ class Running:
                 await proc.wait()
         return proc.returncode
 
-    async def _count_the_ring(self) -> None:
-        """Before the SIGTERM that ends HAProxy's worker, count the log lines the follower has not: those
-        still in the ring die with the worker, which has no SIGTERM handler (src/haproxy.c:3067-3076 of
-        v2.6.0; the master forwards the signal, src/mworker.c:269-279). The drain's last stream is one:
-        HAProxy counts it out of the backend (`beconn`) before it writes its line (src/stream.c:2521 and
-        2560), so _streams_done can end before the line reaches the follower. The ring is read whole
-        (`show events <ring>` without `-w`, management guide 9.3) through the master CLI, which still
-        reaches a soft-stopping worker; only once the follower's place is found there does the follower
-        stop, and the lines after its place are counted. Otherwise (the worker already gone, an answer
-        cut short, the place not found) the follower goes on and reads what reaches it, as before. A line
-        written between the read and the SIGTERM (a request on a client connection kept alive into the
-        soft stop) is not counted."""
+    async def _count_the_ring(self) -> bytes:
+        """Before the SIGTERM that ends HAProxy's worker, the log lines the follower has not counted (the caller
+        counts them once the signal is sent): those still in the ring die with the worker, which has no SIGTERM
+        handler (src/haproxy.c:3067-3076 of v2.6.0; the master forwards the signal, src/mworker.c:269-279).
+        The drain's last stream is one: HAProxy counts it out of the backend (`beconn`) before it writes its
+        line (src/stream.c:2521 and 2560), so _streams_done can end before the line reaches the follower.
+
+        The follower's tail is taken first, then the ring is read whole (`show events <ring>` without `-w`,
+        management guide 9.3) through the master CLI, which still reaches a soft-stopping worker: every line of
+        the tail was written before the read, so its place is in the ring, never past its end (where, among
+        repeated lines, a match found too early counted lines twice: the third review). The lines after that
+        place, less those the follower counted meanwhile, are the follower's to count: it stops, and they are
+        returned. Otherwise (the worker already gone, an answer cut short, the place not found, a new stream
+        meanwhile) the follower goes on and reads what reaches it, as before. A line written between the read
+        and the SIGTERM (a request on a client connection kept alive into the soft stop) is not counted."""
         follower, task = self.state.log_follower, next((t for t in self.tasks if t.get_name() == "log"), None)
         if follower is None or task is None or self.process.returncode is not None:
-            return
+            return b""
+        tail, lines, streams = follower.tail, follower.lines, follower.streams
         try:
             ring = await RuntimeApi(self.paths.master_socket, prefix="@1 ").command_bytes(f"show events {LOG_RING}")
         except RuntimeApiError as exc:
             log.warning("could not read HAProxy's log ring before stopping it (%s): the requests of the lines "
                         "the agent has not read by then are not counted", exc)
-            return
+            return b""
         if not haproxy_log.whole_ring(ring):
             log.warning("HAProxy's answer for its log ring was not the whole ring (%r): the requests of the lines "
                         "the agent has not read when HAProxy stops are not counted", ring[-120:])
-            return
-        rest = haproxy_log.unread(follower.tail, ring)
-        if rest is None:
-            log.warning("the agent's last counted log lines are not in HAProxy's log ring: the requests of the "
-                        "lines it has not read when HAProxy stops are not counted")
-            return
+            return b""
+        rest = haproxy_log.unread(tail, ring)
+        if rest is None or follower.streams != streams:
+            log.warning("the agent could not find its place in HAProxy's log ring (it followed the ring again "
+                        "from its end, or it is a whole ring behind): the requests of the lines it has not read "
+                        "when HAProxy stops are not counted")
+            return b""
+        rest = haproxy_log.after_counted(rest, follower.lines - lines)
         if not rest:
-            return  # counted up to the end: the follower reads on to the stream's end (close)
-        task.cancel()  # no await since the place was found: the follower has counted nothing more
+            return b""  # counted up to the end: the follower reads on to the stream's end (close)
+        task.cancel()  # no await since the lines counted were read: the follower counts nothing more
         await asyncio.gather(task, return_exceptions=True)
-        haproxy_log.feed(follower.telemetry, rest)
+        return rest
 
     async def _streams_done(self, proc: asyncio.subprocess.Process) -> None:
         """Wait until the stopping worker's engine backend has no stream (master CLI): the

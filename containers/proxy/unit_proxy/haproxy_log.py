@@ -198,9 +198,11 @@ def unread(tail: bytes, ring: bytes) -> bytes | None:
     the ring's end or past it; None when its place cannot be found (its tail is no longer in the ring,
     or it followed again from the ring's end and has counted nothing since: `GAP`).
 
-    The place is the tail's last occurrence, so no line is ever counted twice; identical lines make a
-    later place possible (a run of them as long as the tail, repeated after it), and then the lines
-    in between are not counted. Under a load whose lines are all the same (a flood of one refusal,
+    The place is the tail's last occurrence. With a tail taken before the ring was read, its true place
+    is in the ring, so the place found is that one or later, and no line is counted twice (taken after,
+    a follower past the ring's end could be placed inside it among repeated lines: the third review).
+    Identical lines make a later place possible (a run of them as long as the tail, repeated after it),
+    and then the lines in between are not counted. Under a load whose lines are all the same (a flood of one refusal,
     a synthetic engine) that is every line the follower had not read."""
     ring = _lines(ring)
     if GAP in tail:
@@ -218,6 +220,13 @@ def unread(tail: bytes, ring: bytes) -> bytes | None:
     # Counted past the ring's end (lines written after the ring was read): its last lines are in the tail.
     last = ring[-4096:].partition(b"\n")[2] if len(ring) > 4096 else ring
     return b"" if last and (b"\n" + last) in (b"\n" + counted) else None
+
+
+def after_counted(rest: bytes, since: int) -> bytes:
+    """`rest` (unread's lines) without its first `since` lines: those a follower counted after its tail was
+    taken, the tail being taken before the ring was read (so never placed past the ring's end)."""
+    parts = rest.split(b"\n", since)
+    return b"" if len(parts) <= since else parts[-1]
 
 
 # How long a catch-up waits for more lines before it calls the stream drained.
@@ -238,6 +247,8 @@ class LogFollower:
         self._waiters: list[asyncio.Future[None]] = []
         self._asked = False  # the ring was asked for once: a new stream seeks to its end (run)
         self.tail = b""  # the last TAIL_BYTES of the lines counted, GAP after a reconnect (unread)
+        self.lines = 0  # the lines counted, the CLI's empty answer lines at each stream's start included
+        self.streams = 0  # the streams asked for (a new one follows from the ring's end)
         self._ended = False  # run has returned: a catch-up has nothing to wait for
 
     async def catch_up(self, timeout: float = 0.5) -> None:
@@ -284,6 +295,7 @@ class LogFollower:
             counted = data[:cut]
             if counted:  # before the counting: a count that fails half-way is never counted again (unread)
                 self.tail = (self.tail + counted)[-TAIL_BYTES:] if cut < TAIL_BYTES else counted[-TAIL_BYTES:]
+                self.lines += counted.count(b"\n")
             feed(self.telemetry, counted)
             if not self._waiters:
                 transport.pause_reading()
@@ -310,6 +322,7 @@ class LogFollower:
                     continue
                 try:
                     seek_end = " -n" if self._asked else ""
+                    self.streams += 1
                     if self._asked:
                         self.tail = GAP
                     command = f"set timeout cli {FOLLOW_TIMEOUT_SECONDS}; show events {self.ring} -w{seek_end}\n"
