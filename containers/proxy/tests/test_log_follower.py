@@ -4,6 +4,7 @@ request line HAProxy writes, including those written before its stream began."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 import pytest
@@ -25,6 +26,27 @@ async def _completions(session: aiohttp.ClientSession, url: str, times: int) -> 
 async def _gate_open(running: agent.Running) -> None:
     await wait_until(lambda: running.state.health.last.checked_at > 0, what="the first launcher check")
     await wait_until(lambda: running.state.pushed == running.state.gate_map(), what="the gate pushed")
+
+
+async def _counted_through_a_stop(
+    engine: FakeEngine, launcher: FakeLauncher, before: Callable[[agent.Running], Awaitable[None]] | None = None,
+    soft_stop: bool = False,
+) -> int:
+    """5 completions through a started agent (after `before`), then its stop (after a soft stop of HAProxy, the
+    drain's own path, when asked): the requests it counted."""
+    running = await agent.start(proxy_settings(engine, launcher))
+    try:
+        url = f"http://{LOOPBACK}:{running.port}"
+        async with aiohttp.ClientSession() as session:
+            await _gate_open(running)
+            if before is not None:
+                await before(running)
+            await _completions(session, url, 5)
+        if soft_stop:
+            assert await running.stop_haproxy(soft=True, timeout=10) == 0
+    finally:
+        await running.close()
+    return running.state.telemetry.requests_total
 
 
 async def test_a_line_written_before_the_first_stream_is_counted(engine: FakeEngine, launcher: FakeLauncher):
@@ -96,8 +118,8 @@ async def test_a_failed_read_is_logged_and_the_counting_goes_on(
 async def test_lines_the_follower_has_not_read_when_haproxy_is_stopped_are_counted(
     engine: FakeEngine, launcher: FakeLauncher, monkeypatch: pytest.MonkeyPatch
 ):
-    """A stop ends HAProxy's worker with SIGTERM, which it does not handle (src/haproxy.c of v2.6.0
-    registers SIGUSR1's soft stop only), so it dies at once: a log line still in the ring, not yet
+    """A stop ends HAProxy's worker with SIGTERM, for which it has no handler (src/haproxy.c:3067-3076
+    of v2.6.0), so it dies at once: a log line still in the ring, not yet
     sent to the follower, was lost with it. The drain sends that SIGTERM once the engine backend
     has no stream left, and HAProxy counts a stream out of its backend (`beconn`) before it writes
     the stream's log line (src/stream.c:2521 and 2560 of v2.6.0), so under load the last stream's
@@ -105,15 +127,7 @@ async def test_lines_the_follower_has_not_read_when_haproxy_is_stopped_are_count
     `test_drain.py::test_a_stream_ending_long_after_the_last_log_line_is_counted`). Here the
     follower sleeps after its first read, so the lines wait in the ring and its socket."""
     monkeypatch.setattr(haproxy_log, "READ_PAUSE_SECONDS", 3600.0)
-    running = await agent.start(proxy_settings(engine, launcher))
-    try:
-        url = f"http://{LOOPBACK}:{running.port}"
-        async with aiohttp.ClientSession() as session:
-            await _gate_open(running)
-            await _completions(session, url, 5)
-    finally:
-        await running.close()
-    assert running.state.telemetry.requests_total == 5
+    assert await _counted_through_a_stop(engine, launcher) == 5
 
 
 async def _refusals(port: int, count: int) -> None:
@@ -140,17 +154,12 @@ async def test_lines_still_in_the_ring_when_haproxy_is_stopped_are_counted(
     holds; before, the 5 requests were never counted (0 of 5, seen failing)."""
     monkeypatch.setattr(haproxy_log, "READ_PAUSE_SECONDS", 10.0)
     monkeypatch.setattr(agent, "_FOLLOW_END_SECONDS", 30.0)
-    running = await agent.start(proxy_settings(engine, launcher))
-    try:
-        url = f"http://{LOOPBACK}:{running.port}"
-        async with aiohttp.ClientSession() as session:
-            await _gate_open(running)
-            await running.state.log_follower.catch_up()  # read now: the next read is 10 s away
-            await asyncio.gather(*(_refusals(running.port, 5_000) for _ in range(4)))
-            await _completions(session, url, 5)
-    finally:
-        await running.close()
-    assert running.state.telemetry.requests_total == 5
+
+    async def fill_its_socket(running: agent.Running) -> None:
+        await running.state.log_follower.catch_up()  # read now: the next read is 10 s away
+        await asyncio.gather(*(_refusals(running.port, 5_000) for _ in range(4)))
+
+    assert await _counted_through_a_stop(engine, launcher, fill_its_socket) == 5
 
 
 def _ring_lines(numbers: list[int]) -> bytes:
@@ -251,13 +260,4 @@ async def test_a_soft_stop_counts_the_lines_the_follower_has_not_read(
     """The drain's own path (the review's repro): SIGUSR1, the engine backend empty, the ring read through the
     master CLI, then SIGTERM; the follower asleep after its first read."""
     monkeypatch.setattr(haproxy_log, "READ_PAUSE_SECONDS", 3600.0)
-    running = await agent.start(proxy_settings(engine, launcher))
-    try:
-        url = f"http://{LOOPBACK}:{running.port}"
-        async with aiohttp.ClientSession() as session:
-            await _gate_open(running)
-            await _completions(session, url, 5)
-        assert await running.stop_haproxy(soft=True, timeout=10) == 0
-    finally:
-        await running.close()
-    assert running.state.telemetry.requests_total == 5
+    assert await _counted_through_a_stop(engine, launcher, soft_stop=True) == 5

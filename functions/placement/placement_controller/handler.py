@@ -710,7 +710,8 @@ def reconcile(
             labels[fresh.arn] = unit
 
     healthy = _healthy_targets(clients, retry)
-    known = {i: ci for i, ci in _as_left(by_instance, records, labels).items() if i in managed}
+    as_left = _as_left(by_instance, records, labels)
+    known = {i: ci for i, ci in as_left.items() if i in managed}
     unit_of = {i: ci.attributes.get(UNIT_ATTRIBUTE) for i, ci in known.items()}
     joined = unformed.observe(settings.unformed, known, unit_of, plan.missing, group, step.in_quarantine | gone, now,
                               serving=lambda members: bool(healthy().intersection(members)),
@@ -723,8 +724,7 @@ def reconcile(
     written = aws.put_attributes(clients.ecs, settings.cluster, puts, retry)
     stopped = _stop_spare_tasks(settings, clients, labels, retry)
     unhealthy = _mark_unhealthy(settings, clients, step, group, retry)
-    quarantine_stops = _stop_quarantined_tasks(settings, clients, step, _as_left(by_instance, records, labels), group,
-                                               healthy, retry)
+    quarantine_stops = _stop_quarantined_tasks(settings, clients, step, as_left, group, healthy, retry)
     disconnected, disconnected_deferred = _replace_disconnected(settings, clients, agents, group, unhealthy, retry)
     never_formed, never_formed_deferred = _replace_unformed(
         settings, clients, joined, by_instance, group, unhealthy + disconnected, retry)

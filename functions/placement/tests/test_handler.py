@@ -1352,26 +1352,28 @@ def test_a_member_new_to_a_unit_that_served_is_recorded_when_first_seen(monkeypa
     assert run_at_now(cell)["never_formed_replaced"] == []
 
 
-def test_a_member_of_a_unit_that_serves_is_not_replaced_whatever_its_records_say(monkeypatch):
-    """i-0b's `unit-session` record never came (a log delivery lost), but u0's leader is a healthy target:
-    the unit serves, so i-0b formed in it."""
+def _signal_clients(cell: Cell, monkeypatch) -> Clients:
+    """The cell's clients with the rolling-update signals configured (a stack, its group, the target group)."""
     import dataclasses
 
     for name, value in (("SIGNAL_STACK", "Rufus-Cell-dev"), ("SIGNAL_RESOURCE", "TrainiumNodesASG1"),
                         ("TARGET_GROUP_ARN", "arn:tg")):
         monkeypatch.setenv(name, value)
-    cell = Cell()
-    never_formed_unit(cell, DEADLINE + 1)
     config = Config(signature_version=UNSIGNED)
-    clients = dataclasses.replace(cell.clients, cloudformation=boto3.client("cloudformation", region_name=REGION,
-                                                                          config=config),
-                                  elbv2=boto3.client("elbv2", region_name=REGION, config=config))
+    return dataclasses.replace(cell.clients, cloudformation=boto3.client("cloudformation", region_name=REGION,
+                                                                       config=config),
+                               elbv2=boto3.client("elbv2", region_name=REGION, config=config))
+
+
+def _run_with_target_health(cell: Cell, clients: Clients, healthy: list[str], reads: int) -> dict:
+    """One run that reads the target health `reads` times (`healthy` the healthy targets) and asks whether the
+    group updates (the signal rule: no update, nothing to signal)."""
     with Stubber(clients.elbv2) as elb, Stubber(clients.cloudformation) as cfn:
-        elb.add_response("describe_target_health", {"TargetHealthDescriptions": [
-            {"Target": {"Id": "i-0a", "Port": 8080}, "TargetHealth": {"State": "healthy"}}]},
-            {"TargetGroupArn": "arn:tg"})
-        joined_put(cell, ("i-0b", f"u0@{NOW}"))  # its clock starts again: the unit serves
-        cfn.add_response(  # the signal rule's question (no update: nothing to signal)
+        for _ in range(reads):
+            elb.add_response("describe_target_health", {"TargetHealthDescriptions": [
+                {"Target": {"Id": i, "Port": 8080}, "TargetHealth": {"State": "healthy"}} for i in healthy]},
+                {"TargetGroupArn": "arn:tg"})
+        cfn.add_response(
             "describe_stack_resource",
             {"StackResourceDetail": {"LogicalResourceId": "TrainiumNodesASG1",
                                      "ResourceType": "AWS::AutoScaling::AutoScalingGroup",
@@ -1382,6 +1384,17 @@ def test_a_member_of_a_unit_that_serves_is_not_replaced_whatever_its_records_say
         summary = run_at_now(cell, clients)
         elb.assert_no_pending_responses()
         cfn.assert_no_pending_responses()
+    return summary
+
+
+def test_a_member_of_a_unit_that_serves_is_not_replaced_whatever_its_records_say(monkeypatch):
+    """i-0b's `unit-session` record never came (a log delivery lost), but u0's leader is a healthy target:
+    the unit serves, so i-0b formed in it."""
+    cell = Cell()
+    never_formed_unit(cell, DEADLINE + 1)
+    clients = _signal_clients(cell, monkeypatch)
+    joined_put(cell, ("i-0b", f"u0@{NOW}"))  # its clock starts again: the unit serves
+    summary = _run_with_target_health(cell, clients, ["i-0a"], reads=1)
     assert summary["never_formed_replaced"] == [] and summary["never_formed_deferred"] == []
 
 
@@ -1485,11 +1498,6 @@ def test_a_released_session_end_clears_a_doubt_through_the_forwarder(monkeypatch
 def _quarantined_member(monkeypatch, lifecycle: str = "InService") -> tuple[Cell, Clients]:
     """u0 formed on i-0a (its leader) and i-0b, whose quarantine was taken after (held back by the cap): i-0b is
     Unhealthy in the group and still runs its task. The run reads the target health and the stack (signals)."""
-    import dataclasses
-
-    for name, value in (("SIGNAL_STACK", "Rufus-Cell-dev"), ("SIGNAL_RESOURCE", "TrainiumNodesASG1"),
-                        ("TARGET_GROUP_ARN", "arn:tg")):
-        monkeypatch.setenv(name, value)
     cell = Cell()
     cell.group(("i-0b",), **{"i-0a": "InService", "i-0b": lifecycle})
     session = f"u0@{NOW - 600}/7"
@@ -1497,31 +1505,7 @@ def _quarantined_member(monkeypatch, lifecycle: str = "InService") -> tuple[Cell
                      container("i-0b", running=1, quarantine="3 unit failures in 60 min", unit_session=session,
                                unit_failures=f"{NOW - 900}")])
     cell.topology(["i-0a"], [topo("i-0a", "t", "m1", "b1")])
-    config = Config(signature_version=UNSIGNED)
-    clients = dataclasses.replace(cell.clients, cloudformation=boto3.client("cloudformation", region_name=REGION,
-                                                                          config=config),
-                                  elbv2=boto3.client("elbv2", region_name=REGION, config=config))
-    return cell, clients
-
-
-def _run_with_target_health(cell: Cell, clients: Clients, healthy: list[str], reads: int) -> dict:
-    with Stubber(clients.elbv2) as elb, Stubber(clients.cloudformation) as cfn:
-        for _ in range(reads):
-            elb.add_response("describe_target_health", {"TargetHealthDescriptions": [
-                {"Target": {"Id": i, "Port": 8080}, "TargetHealth": {"State": "healthy"}} for i in healthy]},
-                {"TargetGroupArn": "arn:tg"})
-        cfn.add_response(  # the signal rule's question (no update: nothing to signal)
-            "describe_stack_resource",
-            {"StackResourceDetail": {"LogicalResourceId": "TrainiumNodesASG1",
-                                     "ResourceType": "AWS::AutoScaling::AutoScalingGroup",
-                                     "LastUpdatedTimestamp": "2026-01-01T00:00:00Z",
-                                     "ResourceStatus": "UPDATE_COMPLETE"}},
-            {"StackName": "Rufus-Cell-dev", "LogicalResourceId": "TrainiumNodesASG1"},
-        )
-        summary = run_at_now(cell, clients)
-        elb.assert_no_pending_responses()
-        cfn.assert_no_pending_responses()
-    return summary
+    return cell, _signal_clients(cell, monkeypatch)
 
 
 def test_a_quarantined_host_keeps_its_task_while_its_unit_serves_with_it(monkeypatch):
