@@ -59,6 +59,7 @@ DescribeTasks, which takes task ids or ARNs
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,11 +81,16 @@ class SignalSettings:
     stack: str
     resource: str
     target_group_arn: str
+    # The group's PauseTime in seconds (`SIGNAL_PAUSE_SECONDS`; None: every ready new instance is signalled).
+    pause_seconds: float | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> SignalSettings | None:
         values = [env.get(name, "").strip() for name in ("SIGNAL_STACK", "SIGNAL_RESOURCE", "TARGET_GROUP_ARN")]
-        return cls(*values) if all(values) else None
+        pause = env.get("SIGNAL_PAUSE_SECONDS", "").strip()
+        if not all(values):
+            return None
+        return cls(*values, pause_seconds=float(pause) if pause.isdigit() and int(pause) > 0 else None)
 
 
 @dataclass(frozen=True)
@@ -216,6 +222,23 @@ def ready_instances(
     return ready
 
 
+def awaited(settings: SignalSettings, view: CellView, instance_id: str, now: float) -> bool:
+    """Whether CloudFormation may still be waiting for this new instance's signal.
+
+    It waits for a batch's signals for PauseTime from the batch's start, when it launches the batch's instances
+    (https://docs.aws.amazon.com/AWSCloudFormation/latest/UserGuide/aws-attribute-updatepolicy.html: "the
+    amount of time that CloudFormation should wait for the Auto Scaling group to receive the required number of
+    valid signals from added or replaced instances"). An instance registers with ECS after its launch, so one
+    that registered more than PauseTime ago was launched earlier still: its batch has its signal, or has
+    failed. Every run signalled every ready new instance again, relying on CloudFormation ignoring the
+    repeats: 2,286 SignalResource calls for a 26-batch roll of the large cell in the cell simulation, up to one
+    call per new instance a run late in a roll (a 36-unit cell has 72). An instance ECS gives no registration
+    time for is signalled, as before."""
+    ci = view.container_instances.get(instance_id)
+    registered = ci.registered_at if ci is not None else None
+    return settings.pause_seconds is None or registered is None or now - registered <= settings.pause_seconds
+
+
 def signal_ready_instances(
     settings: SignalSettings,
     group: str,
@@ -225,13 +248,18 @@ def signal_ready_instances(
     elbv2: BaseClient,
     retry: aws.Retry,
     healthy: Callable[[], set[str]] | None = None,
+    now: float | None = None,
 ) -> list[str]:
-    """Signal SUCCESS for the new instances that serve again (or are warm spares) while the group updates."""
+    """Signal SUCCESS for the new instances that serve again (or are warm spares) while the group updates, and
+    that CloudFormation may still be waiting for (`awaited`)."""
     if not group_updating(settings, cloudformation, retry):
         return []
     new = current_version_instances(autoscaling, group, retry)
+    at = time.time() if now is None else now
     signalled: list[str] = []
     for instance_id, why in ready_instances(settings, view, new, elbv2, retry, healthy=healthy).items():
+        if not awaited(settings, view, instance_id, at):
+            continue
         try:
             retry.call(
                 cloudformation.signal_resource,
