@@ -639,7 +639,7 @@ class TopologyPlacement(Construct):
         # handler._stop_spare_tasks), which "StoppingTasksOfThisCluster" already allows, and stopped as
         # "StopTasksOfThisCluster" allows.
 
-    def signal_replacements(self, *, group_logical_id: str, target_group_arn: str) -> None:
+    def signal_replacements(self, *, group_logical_id: str, target_group_arn: str, pause_seconds: int) -> None:
         """Let the controller send the Trainium group's rolling-update signals.
 
         During an update of the group (AMI or launch template change) CloudFormation waits
@@ -647,12 +647,16 @@ class TopologyPlacement(Construct):
         instance once it is a member of a session of its unit (the launcher's
         `unit_session_formed` line) and the unit's leader is healthy in the target group, or
         once it is a warm spare with the model cached and every unit serves
-        (placement_controller/signals.py).
+        (placement_controller/signals.py). `pause_seconds` is the group's PauseTime: an instance that
+        registered longer ago than that is not signalled again (signals.awaited).
         """
+        if pause_seconds < 1:
+            raise ValueError(f"pause_seconds must be >= 1, got {pause_seconds}")
         stack = Stack.of(self)
         self.function.add_environment("SIGNAL_STACK", stack.stack_name)
         self.function.add_environment("SIGNAL_RESOURCE", group_logical_id)
         self.function.add_environment("TARGET_GROUP_ARN", target_group_arn)
+        self.function.add_environment("SIGNAL_PAUSE_SECONDS", str(pause_seconds))
         self.policy.add_statements(
             iam.PolicyStatement(
                 sid="SignalThisStacksGroup",

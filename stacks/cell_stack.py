@@ -203,6 +203,7 @@ class CellStack(Stack):
         self.placement.signal_replacements(
             group_logical_id=self.get_logical_id(self.capacity.auto_scaling_group.node.default_child),
             target_group_arn=self.load_balancer.target_group.target_group_arn,
+            pause_seconds=SIGNAL_WAIT_LIMIT_SECONDS,
         )
         self.autoscaler = self._autoscaler() if cell.elastic else None
         self.alarms = self._alarms()

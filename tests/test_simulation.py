@@ -205,6 +205,32 @@ def test_the_placement_controller_stopping_a_serving_unit_violates_i2(monkeypatc
     assert "a unit that serves: SetInstanceHealth Unhealthy" in verdict["first"]["first"]
 
 
+def test_the_signal_window_covers_a_pause_time_that_starts_once_the_old_instance_is_gone(monkeypatch):
+    """When CloudFormation starts a batch's PauseTime is unverified. A cold review's variant (helper-159): terminate-
+    first, the replacement launched as the old instance starts draining, the wait counted only once it is gone, a
+    25-minute drain and a 40-minute load. A new instance signalled only within one PauseTime of its registration
+    failed the update (I5, every seed; seen with AWAITED_PAUSE_TIMES = 1); the old rule, signalling every run,
+    completed it. Two PauseTimes complete it too."""
+    gone = engine.Cell._gone
+
+    def pause_time_from_the_change(self, inst):
+        roll = self.roll
+        old = roll.active and roll.mode == "terminate-first" and inst.iid == roll.terminating
+        gone(self, inst)
+        if old and not roll.signalled:
+            roll.generation += 1
+            roll.deadline = self.now + self.model.v("pause_time")
+            self.at(roll.deadline, self._pause_expired, roll.generation)
+
+    monkeypatch.setattr(engine.Cell, "_gone", pause_time_from_the_change)
+    model = dataclasses.replace(AwsModel(), terminate_first_launch_at_start=Behaviour(1, "variant", "variant"),
+                                load_and_warmup=Behaviour(2400, "variant", "variant"),
+                                stream_tail=Behaviour(1500, "variant", "variant"))
+    doc = simulate(load_scenario(SIMULATIONS / "ami-change-terminate-first.yaml"), None, 3, None, model=model)
+    assert held(doc, "I5 rolling update"), render(doc)
+    assert all(seed["figures"]["rolling_update"]["finished_at"] for seed in doc["per_seed"])
+
+
 def test_a_signal_rule_that_signals_every_new_instance_at_once_has_two_units_out(monkeypatch):
     """I1's count (two units out for planned operations at once) can fail: with every new instance
     signalled on sight, CloudFormation terminates the next unit's instance while the last one re-forms."""

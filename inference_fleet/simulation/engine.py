@@ -249,6 +249,7 @@ class Cell:
         for _ in range(self.desired):
             inst = self._new_instance()
             inst.lifecycle, inst.registered, inst.image, inst.cached = "InService", True, True, True
+            inst.registered_at = -86400.0  # registered a day before the scenario starts
         for event in self.scenario.events:
             self.at(event.at, self.apply_event, event)
         self.after(0, self.ecs_schedule)
@@ -308,7 +309,7 @@ class Cell:
     def _register(self, inst: Instance) -> None:
         if inst.lifecycle == "Terminated":
             return
-        inst.registered = True
+        inst.registered, inst.registered_at = True, self.now
         self.note(f"{inst.iid} registered with ECS")
         self.trigger_controller(self._ci_event(inst, "ACTIVE"))
         self.after(self.model.v("ecs_scheduler_delay"), self.ecs_schedule)
@@ -397,6 +398,7 @@ class Cell:
                 "agentConnected": inst.agent and inst.up,
                 "runningTasksCount": sum(1 for t in held if not t.stopping),
                 "pendingTasksCount": sum(1 for t in held if t.state == "PENDING"),
+                "registeredAt": datetime.fromtimestamp(EPOCH + inst.registered_at, UTC),
                 "attributes": [{"name": k, "value": v} for k, v in sorted(inst.attributes.items())]}
 
     @staticmethod
@@ -868,7 +870,7 @@ class Cell:
         event = {"Records": [{"body": json.dumps(r)} for r in records]}
         retry = pc_aws.Retry(sleep=lambda _s: None, rng=random.Random(0))
         self.controller_runs += 1
-        with _quiet(), _env(SIGNAL_ENV):
+        with _quiet(), _env({**SIGNAL_ENV, "SIGNAL_PAUSE_SECONDS": f"{self.model.v('pause_time'):.0f}"}):
             summary = pc_handler.reconcile(self.settings, self.clients, event, retry, lambda _line: None,
                                            now=self.wall())
         self.never_formed_replaced += [(self.now, iid) for iid in summary["never_formed_replaced"]]

@@ -60,6 +60,7 @@ class Instance:
     lifecycle: str = "Pending"
     health: str = "Healthy"
     registered: bool = False
+    registered_at: float = 0.0  # scenario time of the ECS registration
     ecs_status: str = "ACTIVE"
     agent: bool = True
     up: bool = True

@@ -27,6 +27,7 @@ import random
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from typing import Any
 
 from botocore.client import BaseClient
@@ -124,6 +125,8 @@ class ContainerInstance:
     # runningTasksCount ("tasks ... that have a desired status (desiredStatus) of RUNNING") nor
     # pendingTasksCount ("tasks ... in the PENDING status"), botocore 1.44.8 ecs/2014-11-13 ContainerInstance.
     stopping_tasks: int = 0
+    # DescribeContainerInstances `registeredAt` (Unix seconds), None when ECS gives none.
+    registered_at: float | None = None
 
     @property
     def scheduled(self) -> bool:
@@ -169,7 +172,17 @@ def _parse_container_instance(raw: Mapping[str, Any]) -> ContainerInstance:
         running_tasks=int(raw.get("runningTasksCount", 0)),
         pending_tasks=int(raw.get("pendingTasksCount", 0)),
         attributes={a["name"]: a.get("value") for a in raw.get("attributes", [])},
+        registered_at=_seconds(raw.get("registeredAt")),
     )
+
+
+def _seconds(value: Any) -> float | None:
+    """A timestamp of an AWS answer (botocore parses it to a datetime) as Unix seconds."""
+    if isinstance(value, datetime):
+        return value.timestamp()
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return None
 
 
 def describe_container_instances(

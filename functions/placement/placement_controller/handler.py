@@ -413,6 +413,7 @@ def _signal(
     labels: Mapping[str, str | None],
     retry: aws.Retry,
     healthy: Callable[[], set[str]] | None = None,
+    now: float | None = None,
 ) -> list[str] | None:
     """Rolling-update signals for the new instances that serve again or are ready spares (None: not configured).
 
@@ -428,7 +429,7 @@ def _signal(
                             spare_nodes=settings.spare_nodes)
     return signals.signal_ready_instances(
         signal_settings, settings.auto_scaling_group, view,
-        clients.cloudformation, clients.autoscaling, clients.elbv2, retry, healthy=healthy,
+        clients.cloudformation, clients.autoscaling, clients.elbv2, retry, healthy=healthy, now=now,
     )
 
 
@@ -751,7 +752,7 @@ def reconcile(
             **start_report,
         }
     )
-    signalled = _signal(settings, clients, plan, by_instance, records, labels, retry, healthy=healthy)
+    signalled = _signal(settings, clients, plan, by_instance, records, labels, retry, healthy=healthy, now=now)
     if signalled is not None:
         summary["signalled"] = signalled
     _publish(settings, plan, summary, emit)

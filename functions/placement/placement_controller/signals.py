@@ -59,6 +59,7 @@ DescribeTasks, which takes task ids or ARNs
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +74,8 @@ LOG = logging.getLogger(__name__)
 UPDATING = frozenset({"UPDATE_IN_PROGRESS", "CREATE_IN_PROGRESS"})
 SPARE_READY_ATTRIBUTE = "spare-ready"
 SESSION_ATTRIBUTE = "unit-session"
+# A new instance is signalled until it registered this many PauseTimes ago (`awaited`).
+AWAITED_PAUSE_TIMES = 2
 
 
 @dataclass(frozen=True)
@@ -80,11 +83,31 @@ class SignalSettings:
     stack: str
     resource: str
     target_group_arn: str
+    # The group's PauseTime in seconds (`SIGNAL_PAUSE_SECONDS`; None: every ready new instance is signalled).
+    pause_seconds: float | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> SignalSettings | None:
         values = [env.get(name, "").strip() for name in ("SIGNAL_STACK", "SIGNAL_RESOURCE", "TARGET_GROUP_ARN")]
-        return cls(*values) if all(values) else None
+        if not all(values):
+            return None
+        return cls(*values, pause_seconds=_pause_seconds(env.get("SIGNAL_PAUSE_SECONDS", "")))
+
+
+def _pause_seconds(text: str) -> float | None:
+    """SIGNAL_PAUSE_SECONDS: whole seconds above 0 (the cell stack writes the group's PauseTime). Unset: every ready
+    new instance is signalled on every run; a value that is not one is logged and treated as unset."""
+    if not text.strip():
+        return None
+    try:
+        value = int(text.strip(), 10)
+    except ValueError:
+        value = 0
+    if value < 1:
+        LOG.warning("SIGNAL_PAUSE_SECONDS=%r is not a whole number of seconds above 0: every ready new instance "
+                    "is signalled on every run", text)
+        return None
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -216,6 +239,30 @@ def ready_instances(
     return ready
 
 
+def awaited(settings: SignalSettings, view: CellView, instance_id: str, now: float) -> bool:
+    """Whether CloudFormation may still be waiting for this new instance's signal.
+
+    It waits for a batch's signals for PauseTime (the UpdatePolicy page: "the amount of time that CloudFormation
+    should wait for the Auto Scaling group to receive the required number of valid signals from added or
+    replaced instances",
+    https://docs.aws.amazon.com/AWSCloudFormation/latest/UserGuide/aws-attribute-updatepolicy.html), counted
+    "after making a change to a batch of instances". When that count starts is not documented: at the batch's
+    start, or, terminate-first, only once the old instance has drained and gone (docs/cell-lifecycle.md,
+    unverified either way), while the new instance may be launched and registered with ECS before. The drain is
+    bounded by the leader's stop budget (23 min), under the PauseTime, so the batch's wait ends within two
+    PauseTimes of the new instance's ECS registration (`registeredAt`, after its launch, after the batch's
+    start). Past that, its batch has its signal or has failed, and the instance is not signalled again. Every
+    run signalled every ready new instance again to the update's end, relying on CloudFormation ignoring the
+    repeats: 2,286 SignalResource calls for a 26-batch roll of the large cell in the cell simulation, up to 26
+    a run (a 36-unit cell has 72 instances). An instance ECS gives no registration time for is signalled, as
+    before. With one PauseTime instead of two, a cold review's simulation variant (the wait starting once the
+    old instance is gone, a long drain and a slow load) failed the update that main completes."""
+    ci = view.container_instances.get(instance_id)
+    registered = ci.registered_at if ci is not None else None
+    return (settings.pause_seconds is None or registered is None
+            or now - registered <= AWAITED_PAUSE_TIMES * settings.pause_seconds)
+
+
 def signal_ready_instances(
     settings: SignalSettings,
     group: str,
@@ -225,13 +272,18 @@ def signal_ready_instances(
     elbv2: BaseClient,
     retry: aws.Retry,
     healthy: Callable[[], set[str]] | None = None,
+    now: float | None = None,
 ) -> list[str]:
-    """Signal SUCCESS for the new instances that serve again (or are warm spares) while the group updates."""
+    """Signal SUCCESS for the new instances that serve again (or are warm spares) while the group updates, and
+    that CloudFormation may still be waiting for (`awaited`)."""
     if not group_updating(settings, cloudformation, retry):
         return []
     new = current_version_instances(autoscaling, group, retry)
+    at = time.time() if now is None else now
     signalled: list[str] = []
     for instance_id, why in ready_instances(settings, view, new, elbv2, retry, healthy=healthy).items():
+        if not awaited(settings, view, instance_id, at):
+            continue
         try:
             retry.call(
                 cloudformation.signal_resource,

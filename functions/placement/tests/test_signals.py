@@ -206,6 +206,35 @@ def test_a_session_record_signals_on_a_later_run_and_only_for_its_own_unit():
                                        elb, aws.Retry()) == {}
 
 
+@pytest.mark.parametrize(("registered", "signalled"), [(NOW - 7200, ["i-b"]), (NOW - 7201, [])])
+def test_an_instance_registered_two_pause_times_ago_is_not_signalled_again(monkeypatch, registered, signalled):
+    """CloudFormation waits for a batch's signal for PauseTime, counted from the batch's start or, at the latest,
+    once the old instance has drained (within a PauseTime): within two PauseTimes of the new instance's
+    registration. Every run signalled every ready new instance again: 2,286 SignalResource calls for the large
+    cell's 26-batch roll in the cell simulation. One registered longer ago is left alone."""
+    monkeypatch.setenv("SIGNAL_PAUSE_SECONDS", "3600")
+    cell = Cell()
+    cell.group("3", {"i-a": "2", "i-b": "3"})
+    record = f"u0@{NOW - 700}"
+    cell.containers([container("i-a", NOW - 86400, unit="u0", unit_placement="topology", unit_session=record),
+                     container("i-b", registered, unit="u0", unit_placement="topology", unit_session=record)])
+    cell.topology(["i-a", "i-b"])
+    cell.updating()
+    cell.healthy("i-a")
+    if signalled:
+        cell.signal("i-b")
+    assert cell.run(ONE_UNIT)["signalled"] == signalled
+    cell.done()
+
+
+@pytest.mark.parametrize(("value", "pause"), [("3600", 3600.0), (" 3600 ", 3600.0), ("", None), ("0", None),
+                                             ("1h", None), ("3600.0", None), ("\u00b2", None), ("-5", None)])
+def test_the_pause_time_comes_from_the_environment(value, pause):
+    env = {"SIGNAL_STACK": STACK, "SIGNAL_RESOURCE": RESOURCE, "TARGET_GROUP_ARN": TARGET_GROUP,
+           "SIGNAL_PAUSE_SECONDS": value}
+    assert signals.SignalSettings.from_env(env).pause_seconds == pause
+
+
 def test_a_new_instance_that_became_the_spare_is_signalled_once_its_spare_task_has_the_model_cached():
     # The spare i-s took the replaced node's place in u0; the new i-n is the spare now. Its
     # spare task logged spare_ready; the log subscription brought the line as a trigger.
