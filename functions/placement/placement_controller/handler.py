@@ -458,13 +458,25 @@ def _quarantine_writes(
 
 
 def _mark_unhealthy(
-    settings: Settings, clients: Clients, step: QuarantineStep, group: Mapping[str, aws.GroupInstance], retry: aws.Retry
+    settings: Settings, clients: Clients, step: QuarantineStep, group: Mapping[str, aws.GroupInstance],
+    serves: Callable[[str], bool], retry: aws.Retry,
 ) -> list[str]:
-    """Every instance in quarantine that its group still counts healthy is reported unhealthy (again, if need be)."""
+    """Every instance in quarantine that its group still counts healthy is reported unhealthy (again, if need be).
+
+    Not while the unit formed last with it serves (`_serving_check`), as for the stop of its tasks: the group
+    replaces an Unhealthy instance, and ECS managed draining stops the serving unit's task with it. A quarantine
+    held back by the cap is taken later, once the unit may have formed again with the host and serve; the mark
+    then marked a serving unit's member (the cell simulation, `known/deferred-quarantine-of-a-serving-unit.yaml`,
+    I2). It is marked, and its tasks are stopped, at the first run after its unit stops serving (the host's next
+    failure, or any other end); having no label from the quarantine on, it takes no unit's task after that."""
     marked = []
     for instance_id in sorted(step.in_quarantine):
         member = group.get(instance_id)
         if member is None or member.lifecycle not in aws.LIVE_LIFECYCLE_STATES or member.health == "Unhealthy":
+            continue
+        if serves(instance_id):
+            LOG.warning("%s is in quarantine, but the unit formed last with it serves: it is marked once the unit "
+                        "stops serving", instance_id)
             continue
         if aws.mark_unhealthy(clients.autoscaling, instance_id, retry):
             marked.append(instance_id)
@@ -473,7 +485,7 @@ def _mark_unhealthy(
 
 def _stop_quarantined_tasks(
     settings: Settings, clients: Clients, step: QuarantineStep, known: Mapping[str, aws.ContainerInstance],
-    group: Mapping[str, aws.GroupInstance], healthy: Callable[[], set[str]], retry: aws.Retry,
+    group: Mapping[str, aws.GroupInstance], serves: Callable[[str], bool], retry: aws.Retry,
 ) -> list[str]:
     """Stop the tasks still running on an instance in quarantine, so that its unit forms again without it.
 
@@ -486,16 +498,16 @@ def _stop_quarantined_tasks(
     ECS places the stopped task where the unit's label now is (a spare, a free instance), or waits for one. The
     launcher takes the stop as a deliberate one, which counts against no host.
 
-    Not while the host's unit serves with it (its last formation, the `unit-session` record, shared with a healthy
-    target): a quarantine held back by the cap is taken later, when the unit may have formed again; it is stopped
-    once the unit no longer serves. One ListTasks a run for each instance in quarantine, still in the group, that
-    ECS says holds a task; a refused call is logged and the run goes on (the next run tries again)."""
+    Not while the host's unit serves with it (`_serving_check`): a quarantine held back by the cap is taken later,
+    when the unit may have formed again; it is stopped once the unit no longer serves. One ListTasks a run for each
+    instance in quarantine, still in the group, that ECS says holds a task; a refused call is logged and the run
+    goes on (the next run tries again)."""
     stopped = []
     for instance_id in sorted(step.in_quarantine):
         ci, member = known.get(instance_id), group.get(instance_id)
         if ci is None or not ci.scheduled or member is None or member.lifecycle not in aws.LIVE_LIFECYCLE_STATES:
             continue
-        if _serves_with(ci, known, healthy):
+        if serves(instance_id):
             continue
         try:
             for task in aws.running_tasks_on(clients.ecs, settings.cluster, ci.arn, retry):
@@ -507,15 +519,45 @@ def _stop_quarantined_tasks(
     return stopped
 
 
-def _serves_with(ci: aws.ContainerInstance, known: Mapping[str, aws.ContainerInstance],
-                 healthy: Callable[[], set[str]]) -> bool:
-    """Whether the unit formed last with this instance serves: an instance of the same formation (the same
-    `unit-session` record, its leader's included) is a healthy target."""
-    session = ci.attributes.get(signals.SESSION_ATTRIBUTE)
-    if not session:
-        return False
-    return any(other.attributes.get(signals.SESSION_ATTRIBUTE) == session and instance_id in healthy()
-               for instance_id, other in known.items())
+def _serving_check(known: Mapping[str, aws.ContainerInstance], healthy: Callable[[], set[str]],
+                   event: Mapping[str, Any]) -> Callable[[str], bool]:
+    """Whether the unit formed last with an instance (by EC2 id) serves: an instance of the same formation (the
+    same `unit-session` record, its leader's included) is a healthy target, and no session end this run brings
+    names that formation.
+
+    The session end decides when the run has it: the log line reaches the controller in seconds (subscription,
+    forwarder, queue), while the ALB takes two failed checks 10 s apart to call the leader unhealthy
+    (UnhealthyThresholdCount 2, HealthCheckInterval 10 s, in the cell's template): a run set off by the failure
+    that ends the session would see the target still healthy and put off the quarantine's mark and stop to the
+    next run (the 5-minute sweep at the latest)."""
+    ended = _ended_formations(event)
+
+    def serves(instance_id: str) -> bool:
+        session = (known[instance_id].attributes.get(signals.SESSION_ATTRIBUTE)
+                   if instance_id in known else None)
+        if not session or session in ended:
+            return False
+        return any(other.attributes.get(signals.SESSION_ATTRIBUTE) == session and other_id in healthy()
+                   for other_id, other in known.items())
+
+    return serves
+
+
+def _ended_formations(event: Mapping[str, Any]) -> set[str]:
+    """The `unit-session` records of the released sessions whose end this run's triggers bring (the launcher's
+    `unit_session_end` lines carry the session's `released_at` and revision, as its `unit_session_formed` line)."""
+    ended = set()
+    for record in signals.records(event):
+        detail = record.get("detail")
+        if record.get("source") != EVENT_SOURCE or not isinstance(detail, Mapping):
+            continue
+        if detail.get("event") == "unit_session_end" and detail.get("unit_id") and detail.get("released_at"):
+            try:
+                ended.add(unformed.session_value(str(detail["unit_id"]), float(detail["released_at"]),
+                                                 str(detail.get("revision") or "")))
+            except (TypeError, ValueError):
+                continue
+    return ended
 
 
 def _agent_attribute_writes(
@@ -723,8 +765,9 @@ def reconcile(
     deleted = aws.delete_attributes(clients.ecs, settings.cluster, deletes, retry)
     written = aws.put_attributes(clients.ecs, settings.cluster, puts, retry)
     stopped = _stop_spare_tasks(settings, clients, labels, retry)
-    unhealthy = _mark_unhealthy(settings, clients, step, group, retry)
-    quarantine_stops = _stop_quarantined_tasks(settings, clients, step, as_left, group, healthy, retry)
+    serves = _serving_check(as_left, healthy, event)
+    unhealthy = _mark_unhealthy(settings, clients, step, group, serves, retry)
+    quarantine_stops = _stop_quarantined_tasks(settings, clients, step, as_left, group, serves, retry)
     disconnected, disconnected_deferred = _replace_disconnected(settings, clients, agents, group, unhealthy, retry)
     never_formed, never_formed_deferred = _replace_unformed(
         settings, clients, joined, by_instance, group, unhealthy + disconnected, retry)

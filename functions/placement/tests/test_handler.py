@@ -1365,9 +1365,10 @@ def _signal_clients(cell: Cell, monkeypatch) -> Clients:
                                elbv2=boto3.client("elbv2", region_name=REGION, config=config))
 
 
-def _run_with_target_health(cell: Cell, clients: Clients, healthy: list[str], reads: int) -> dict:
-    """One run that reads the target health `reads` times (`healthy` the healthy targets) and asks whether the
-    group updates (the signal rule: no update, nothing to signal)."""
+def _run_with_target_health(cell: Cell, clients: Clients, healthy: list[str], reads: int,
+                            event: dict | None = None) -> dict:
+    """One run (of `event`'s triggers) that reads the target health `reads` times (`healthy` the healthy targets)
+    and asks whether the group updates (the signal rule: no update, nothing to signal)."""
     with Stubber(clients.elbv2) as elb, Stubber(clients.cloudformation) as cfn:
         for _ in range(reads):
             elb.add_response("describe_target_health", {"TargetHealthDescriptions": [
@@ -1381,7 +1382,8 @@ def _run_with_target_health(cell: Cell, clients: Clients, healthy: list[str], re
                                      "ResourceStatus": "UPDATE_COMPLETE"}},
             {"StackName": "Rufus-Cell-dev", "LogicalResourceId": "TrainiumNodesASG1"},
         )
-        summary = run_at_now(cell, clients)
+        with cell.active():
+            summary = reconcile(SETTINGS, clients, event or {}, aws.Retry(), cell.lines.append, now=NOW)
         elb.assert_no_pending_responses()
         cfn.assert_no_pending_responses()
     return summary
@@ -1495,11 +1497,12 @@ def test_a_released_session_end_clears_a_doubt_through_the_forwarder(monkeypatch
     assert summary["never_formed_replaced"] == [] and summary["fetch_doubted"] == []
 
 
-def _quarantined_member(monkeypatch, lifecycle: str = "InService") -> tuple[Cell, Clients]:
+def _quarantined_member(monkeypatch, lifecycle: str = "InService", marked: bool = True) -> tuple[Cell, Clients]:
     """u0 formed on i-0a (its leader) and i-0b, whose quarantine was taken after (held back by the cap): i-0b is
-    Unhealthy in the group and still runs its task. The run reads the target health and the stack (signals)."""
+    Unhealthy in the group (unless not `marked` yet) and still runs its task. The run reads the target health and
+    the stack (signals)."""
     cell = Cell()
-    cell.group(("i-0b",), **{"i-0a": "InService", "i-0b": lifecycle})
+    cell.group(("i-0b",) if marked else (), **{"i-0a": "InService", "i-0b": lifecycle})
     session = f"u0@{NOW - 600}/7"
     cell.containers([container("i-0a", running=1, unit="u0", unit_placement="topology", unit_session=session),
                      container("i-0b", running=1, quarantine="3 unit failures in 60 min", unit_session=session,
@@ -1522,6 +1525,37 @@ def test_a_quarantined_host_s_task_is_stopped_once_its_unit_no_longer_serves(mon
     quarantined_tasks(cell, "i-0b", [task])
     summary = _run_with_target_health(cell, clients, [], reads=1)
     assert summary["quarantined_tasks_stopped"] == [task]
+
+
+def test_a_quarantined_host_is_not_marked_unhealthy_while_its_unit_serves_with_it(monkeypatch):
+    """The cell simulation's known gap (`known/deferred-quarantine-of-a-serving-unit.yaml`, I2): a quarantine held
+    back by the cap, taken once the unit had formed again with the host, marked it Unhealthy at once, and the
+    group's replacement (ECS managed draining) would stop the serving unit's task. The mark waits, as the stop."""
+    cell, clients = _quarantined_member(monkeypatch, marked=False)
+    summary = _run_with_target_health(cell, clients, ["i-0a"], reads=1)
+    assert summary["marked_unhealthy"] == [] and summary["quarantined_tasks_stopped"] == []
+
+
+def test_a_quarantined_host_is_marked_unhealthy_once_its_unit_no_longer_serves(monkeypatch):
+    cell, clients = _quarantined_member(monkeypatch, marked=False)
+    health_call(cell, "i-0b")
+    task = f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/0b"
+    quarantined_tasks(cell, "i-0b", [task])
+    summary = _run_with_target_health(cell, clients, [], reads=1)
+    assert summary["marked_unhealthy"] == ["i-0b"] and summary["quarantined_tasks_stopped"] == [task]
+
+
+def test_a_run_that_brings_the_end_of_the_host_s_formation_marks_it_before_the_target_turns_unhealthy(monkeypatch):
+    """The session end reaches the controller in seconds; the ALB calls the leader unhealthy after two failed
+    checks 10 s apart. With the serving guard alone, the run set off by the end saw the leader still healthy and
+    put the mark and the stop off to the next run."""
+    cell, clients = _quarantined_member(monkeypatch, marked=False)
+    health_call(cell, "i-0b")
+    task = f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/0b"
+    quarantined_tasks(cell, "i-0b", [task])
+    end = session_end("i-0b", "7", NOW - 5, cause="divergence", released_at=NOW - 600)
+    summary = _run_with_target_health(cell, clients, ["i-0a"], reads=0, event=end)
+    assert summary["marked_unhealthy"] == ["i-0b"] and summary["quarantined_tasks_stopped"] == [task]
 
 
 def test_a_quarantined_host_the_group_is_terminating_is_left_to_its_draining(monkeypatch):
