@@ -629,6 +629,17 @@ def test_a_held_back_quarantine_does_not_cut_a_serving_unit():
     assert held(doc, "I2 serving units"), render(doc)
 
 
+def test_a_held_quarantine_does_not_keep_a_later_bad_host_in():
+    """A cold review's repro (helper-158): the held-back scenario and a third bad host at +4h. The second host's
+    quarantine, held while its unit served with it, counted under the cap for as long as that unit served, so the
+    third bad host failed four times and was never quarantined (I3, seed 1; held on main, where the held host was
+    marked at once and replaced). A host its unit still serves with holds no place under the cap."""
+    known = yaml.safe_load((SIMULATIONS / "known" / "deferred-quarantine-of-a-serving-unit.yaml").read_text())
+    third = {"at": "4h", "do": "bad_host", "target": "u0.follower1", "times": 4}
+    doc = simulate(parse_scenario({**known, "events": [*known["events"], third]}), None, 1, None)
+    assert held(doc, "I3 quarantine") and held(doc, "I2 serving units"), render(doc)
+
+
 def test_a_member_whose_cache_goes_bad_after_it_served_is_replaced():
     """The follower's own fetch fails under the revision it formed u0 with: the controller doubts it (it has not
     formed since), and the rule for members that never formed replaces it 105 min after the first such failure.

@@ -65,6 +65,9 @@ from placement_controller.unformed import JOINED_ATTRIBUTE, UnformedPolicy
 
 LOG = logging.getLogger(__name__)
 LOG.setLevel(logging.INFO)
+# A session end newer than this (by its `ended_at`) decides whether a formation still serves before the target
+# health does: the ALB calls a leader unhealthy after two failed checks 10 s apart (the cell's target group).
+ENDED_RECENTLY_SECONDS = 120
 
 UNIT_ATTRIBUTE = "unit"
 PLACEMENT_ATTRIBUTE = "unit-placement"
@@ -308,8 +311,10 @@ def _quarantine(
     now: float,
     start_failures: list[Failure],
     group: Mapping[str, aws.GroupInstance],
+    healthy: Callable[[], set[str]],
 ) -> QuarantineStep:
     failures = failures_from_records(signals.records(event)) + start_failures
+    by_instance = {ci.ec2_instance_id: ci for ci in container_instances}
     return quarantine_step(
         settings.quarantine,
         container_instances,
@@ -318,6 +323,7 @@ def _quarantine(
         now,
         group=set(group),
         replaced=ecs_health.being_replaced(group),
+        serving=_serving_check(by_instance, healthy, event, now),
     )
 
 
@@ -520,7 +526,7 @@ def _stop_quarantined_tasks(
 
 
 def _serving_check(known: Mapping[str, aws.ContainerInstance], healthy: Callable[[], set[str]],
-                   event: Mapping[str, Any]) -> Callable[[str], bool]:
+                   event: Mapping[str, Any], now: float) -> Callable[[str], bool]:
     """Whether the unit formed last with an instance (by EC2 id) serves: an instance of the same formation (the
     same `unit-session` record, its leader's included) is a healthy target, and no session end this run brings
     names that formation.
@@ -529,8 +535,10 @@ def _serving_check(known: Mapping[str, aws.ContainerInstance], healthy: Callable
     forwarder, queue), while the ALB takes two failed checks 10 s apart to call the leader unhealthy
     (UnhealthyThresholdCount 2, HealthCheckInterval 10 s, in the cell's template): a run set off by the failure
     that ends the session would see the target still healthy and put off the quarantine's mark and stop to the
-    next run (the 5-minute sweep at the latest)."""
-    ended = _ended_formations(event)
+    next run (the 5-minute sweep at the latest). Only an end of the last ENDED_RECENTLY_SECONDS counts: an older
+    line says no more than the target health, and a line that came that late could be of an older formation than
+    the one the host's record will name once the newer formation's line arrives (a cold review)."""
+    ended = _ended_formations(event, now)
 
     def serves(instance_id: str) -> bool:
         session = (known[instance_id].attributes.get(signals.SESSION_ATTRIBUTE)
@@ -543,9 +551,10 @@ def _serving_check(known: Mapping[str, aws.ContainerInstance], healthy: Callable
     return serves
 
 
-def _ended_formations(event: Mapping[str, Any]) -> set[str]:
-    """The `unit-session` records of the released sessions whose end this run's triggers bring (the launcher's
-    `unit_session_end` lines carry the session's `released_at` and revision, as its `unit_session_formed` line)."""
+def _ended_formations(event: Mapping[str, Any], now: float) -> set[str]:
+    """The `unit-session` records of the released sessions whose end this run's triggers bring, ended within the
+    last ENDED_RECENTLY_SECONDS (the launcher's `unit_session_end` lines carry the session's `released_at` and
+    revision, as its `unit_session_formed` line, and `ended_at`, on the writer's clock)."""
     ended = set()
     for record in signals.records(event):
         detail = record.get("detail")
@@ -553,6 +562,8 @@ def _ended_formations(event: Mapping[str, Any]) -> set[str]:
             continue
         if detail.get("event") == "unit_session_end" and detail.get("unit_id") and detail.get("released_at"):
             try:
+                if abs(now - float(detail.get("ended_at") or 0)) > ENDED_RECENTLY_SECONDS:
+                    continue
                 ended.add(unformed.session_value(str(detail["unit_id"]), float(detail["released_at"]),
                                                  str(detail.get("revision") or "")))
             except (TypeError, ValueError):
@@ -675,7 +686,8 @@ def reconcile(
     container_instances = [aws.with_stopping(ci, stopping) for ci in container_instances]
     by_instance = {ci.ec2_instance_id: ci for ci in container_instances}
     start_failures, start_report = _start_failures(settings, container_instances, group, gone, event)
-    step = _quarantine(settings, clients, container_instances, event, retry, now, start_failures, group)
+    healthy = _healthy_targets(clients, retry)
+    step = _quarantine(settings, clients, container_instances, event, retry, now, start_failures, group, healthy)
     agents = ecs_health.observe(settings.ecs_health, container_instances, group, step.in_quarantine | gone, now)
 
     deletes: list[dict[str, str]] = []
@@ -751,7 +763,6 @@ def reconcile(
             deletes.extend(more_deletes)
             labels[fresh.arn] = unit
 
-    healthy = _healthy_targets(clients, retry)
     as_left = _as_left(by_instance, records, labels)
     known = {i: ci for i, ci in as_left.items() if i in managed}
     unit_of = {i: ci.attributes.get(UNIT_ATTRIBUTE) for i, ci in known.items()}
@@ -765,7 +776,7 @@ def reconcile(
     deleted = aws.delete_attributes(clients.ecs, settings.cluster, deletes, retry)
     written = aws.put_attributes(clients.ecs, settings.cluster, puts, retry)
     stopped = _stop_spare_tasks(settings, clients, labels, retry)
-    serves = _serving_check(as_left, healthy, event)
+    serves = _serving_check(as_left, healthy, event, now)
     unhealthy = _mark_unhealthy(settings, clients, step, group, serves, retry)
     quarantine_stops = _stop_quarantined_tasks(settings, clients, step, as_left, group, serves, retry)
     disconnected, disconnected_deferred = _replace_disconnected(settings, clients, agents, group, unhealthy, retry)
@@ -776,6 +787,7 @@ def reconcile(
         {
             "quarantined": dict(sorted(step.quarantined_now.items())),
             "in_quarantine": sorted(step.holding),  # out and not yet replaced (what the cap counts)
+            "quarantine_held": sorted(step.held),  # in quarantine, its unit still serving with it
             "quarantine_deferred": step.deferred,
             "marked_unhealthy": unhealthy + disconnected + never_formed,
             "never_formed_replaced": never_formed,

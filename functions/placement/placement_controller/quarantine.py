@@ -49,6 +49,8 @@ class QuarantineStep:
     in_quarantine: set[str] = field(default_factory=set)
     # Those of them still in the Auto Scaling group: the ones the cap counts (out, not yet replaced).
     holding: set[str] = field(default_factory=set)
+    # Those of them the cap does not count: their unit still serves with them (`serving`).
+    held: set[str] = field(default_factory=set)
     deferred: list[str] = field(default_factory=list)
     unresolved: list[str] = field(default_factory=list)
     counted: int = 0
@@ -111,6 +113,7 @@ def quarantine_step(
     now: float,
     group: Collection[str] | None = None,
     replaced: Collection[str] = (),
+    serving: Callable[[str], bool] | None = None,
 ) -> QuarantineStep:
     """Record each new failure on its instance; quarantine the instances whose counted failures reach the limit.
 
@@ -130,11 +133,20 @@ def quarantine_step(
     down with the runtime. `replaced` are the instances the group is replacing for another cause
     (an ECS agent that stayed away) or starting: they take places under the same cap, one cap
     for every host out (ecs_health.being_replaced).
+
+    An instance in quarantine whose unit still serves with it (`serving`, the handler's `_serving_check`) is not
+    out, and holds no place: a quarantine held back by the cap is taken after its unit may have formed again with
+    the host, and the controller leaves such a host, unmarked, to its unit until the unit stops serving. Counted,
+    it held the cap for as long as the unit served, every later quarantine of the cell deferred meanwhile (a cold
+    review's repro: a third bad host never quarantined). So once that unit ends, with another quarantine taken
+    meanwhile, two hosts can be out at once under a cap of one.
     """
     step = QuarantineStep()
     by_arn = {ci.arn: ci for ci in container_instances}
     step.in_quarantine = {ci.ec2_instance_id for ci in container_instances if QUARANTINE_ATTRIBUTE in ci.attributes}
-    step.holding = {i for i in step.in_quarantine if group is None or i in group}
+    in_group = {i for i in step.in_quarantine if group is None or i in group}
+    step.held = {i for i in in_group if i not in replaced and serving is not None and serving(i)}
+    step.holding = in_group - step.held
     out = step.holding | set(replaced)
     own = {ci.ec2_instance_id: parse_times(ci.attributes.get(FAILURES_ATTRIBUTE)) for ci in container_instances}
     marks = {ci.ec2_instance_id: blame.parse_marks(ci.attributes.get(blame.ACCUSED_ATTRIBUTE))

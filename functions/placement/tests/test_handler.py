@@ -1558,6 +1558,41 @@ def test_a_run_that_brings_the_end_of_the_host_s_formation_marks_it_before_the_t
     assert summary["marked_unhealthy"] == ["i-0b"] and summary["quarantined_tasks_stopped"] == [task]
 
 
+def test_a_quarantined_host_its_unit_still_serves_with_does_not_hold_the_cap(monkeypatch):
+    """A cold review's finding (helper-158): the held host counted under the cap (1) for as long as its unit served
+    with it, which can be for good, and every later quarantine of the cell was deferred meanwhile (a third bad host
+    in the cell simulation, never quarantined). It is not out while its unit serves: the next one is taken."""
+    cell = Cell()
+    cell.group(**{"i-0a": "InService", "i-0b": "InService", "i-0l": "InService", "i-0q": "InService"})
+    session = f"u1@{NOW - 600}/7"
+    cell.containers([
+        container("i-0a", running=1, unit="u0", unit_placement="topology"),
+        container("i-0b", running=1, unit="u0", unit_placement="topology", unit_failures=f"{NOW - 100} {NOW - 900}"),
+        container("i-0l", running=1, unit="u1", unit_placement="topology", unit_session=session),
+        container("i-0q", running=1, quarantine="3 unit failures in 60 min", unit_session=session)])
+    cell.ecs.add_response("describe_tasks", {"tasks": [{"taskArn": TASK_B, "containerInstanceArn": arn("i-0b")}],
+                                             "failures": []}, {"cluster": CLUSTER, "tasks": [TASK_B]})
+    cell.topology(["i-0a", "i-0l"], [topo("i-0a", "t", "m1", "b1"), topo("i-0l", "t", "m1", "b1")])
+    reason = f"3 unit failures in 60 min: last member_engine_exit of u0 at {NOW - 5}"
+    expect_quarantine(cell, "i-0b", f"{NOW - 5} {NOW - 100} {NOW - 900}", reason)
+    health_call(cell, "i-0b")
+    quarantined_tasks(cell, "i-0b", [TASK_B])
+    clients = _signal_clients(cell, monkeypatch)
+    summary = _run_with_target_health(cell, clients, ["i-0l"], reads=1,
+                                      event={"Records": [failure_record(TASK_B, NOW - 4.6)]})
+    assert summary["quarantined"] == {"i-0b": reason} and summary["quarantine_held"] == ["i-0q"], summary
+    assert summary["marked_unhealthy"] == ["i-0b"] and summary["in_quarantine"] == ["i-0b"], summary
+
+
+def test_a_session_end_older_than_the_target_health_s_lag_does_not_decide(monkeypatch):
+    """A cold review's finding: a line that came late could end an older formation than the one the host serves in
+    (the newer formation's own line not arrived yet). Past ENDED_RECENTLY_SECONDS the target health decides."""
+    cell, clients = _quarantined_member(monkeypatch, marked=False)
+    end = session_end("i-0b", "7", NOW - 121, cause="divergence", released_at=NOW - 600)
+    summary = _run_with_target_health(cell, clients, ["i-0a"], reads=1, event=end)
+    assert summary["marked_unhealthy"] == [] and summary["quarantined_tasks_stopped"] == []
+
+
 def test_a_quarantined_host_the_group_is_terminating_is_left_to_its_draining(monkeypatch):
     """Terminating:Wait: ECS managed draining stops its tasks; and a terminated host whose agent was away keeps an
     ACTIVE container instance with a stale task count: no ListTasks for either."""
