@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from botocore.client import BaseClient
-from botocore.exceptions import ClientError
+from botocore.exceptions import BotoCoreError, ClientError
 
 from placement_controller import aws, ecs_health, forward, signals, unformed
 from placement_controller.assignment import (
@@ -323,8 +323,22 @@ def _quarantine(
         now,
         group=set(group),
         replaced=ecs_health.being_replaced(group),
-        serving=_serving_check(by_instance, healthy, event, now),
+        serving=_serving_or_unknown(_serving_check(by_instance, healthy, event, now)),
     )
+
+
+def _serving_or_unknown(serves: Callable[[str], bool]) -> Callable[[str], bool]:
+    """`serves`, False when the target health cannot be read: only a quarantine's release asks this early in a
+    run, and a release can wait for the next run, while a failed read would stop this one before its writes."""
+
+    def serving(instance_id: str) -> bool:
+        try:
+            return serves(instance_id)
+        except (ClientError, BotoCoreError) as exc:
+            LOG.warning("could not read the target health (%s): no quarantine ends this run", exc)
+            return False
+
+    return serving
 
 
 @dataclass
@@ -690,7 +704,8 @@ def reconcile(
     step = _quarantine(settings, clients, container_instances, event, retry, now, start_failures, group, healthy)
     agents = ecs_health.observe(settings.ecs_health, container_instances, group, step.in_quarantine | gone, now)
 
-    deletes: list[dict[str, str]] = []
+    # A quarantine that ends (quarantine.quarantine_step): the instance is an ordinary one again.
+    deletes = [_attribute(QUARANTINE_ATTRIBUTE, by_instance[i].arn) for i in step.released]
     managed: dict[str, aws.ContainerInstance] = {}
     left: list[str] = []
     for ci in container_instances:
@@ -787,7 +802,7 @@ def reconcile(
         {
             "quarantined": dict(sorted(step.quarantined_now.items())),
             "in_quarantine": sorted(step.holding),  # out and not yet replaced (what the cap counts)
-            "quarantine_held": sorted(step.held),  # in quarantine, its unit still serving with it
+            "quarantine_released": step.released,
             "quarantine_deferred": step.deferred,
             "marked_unhealthy": unhealthy + disconnected + never_formed,
             "never_formed_replaced": never_formed,
@@ -915,6 +930,8 @@ def _publish(settings: Settings, plan: Plan, summary: Mapping[str, Any], emit: C
                 "Quarantines": len(summary.get("quarantined", {})),
                 "InstancesInQuarantine": len(summary.get("in_quarantine", [])),
                 "QuarantinesDeferred": len(summary.get("quarantine_deferred", [])),
+                # Quarantines ended: the unit served with the host until its failures aged out (quarantine.py).
+                "QuarantinesReleased": len(summary.get("quarantine_released", [])),
                 # Tasks stopped on an instance in quarantine the group has not replaced yet (a rolling update).
                 "QuarantinedTasksStopped": len(summary.get("quarantined_tasks_stopped", [])),
                 "UnitFailuresCounted": summary.get("failures_counted", 0),

@@ -1506,7 +1506,7 @@ def _quarantined_member(monkeypatch, lifecycle: str = "InService", marked: bool 
     session = f"u0@{NOW - 600}/7"
     cell.containers([container("i-0a", running=1, unit="u0", unit_placement="topology", unit_session=session),
                      container("i-0b", running=1, quarantine="3 unit failures in 60 min", unit_session=session,
-                               unit_failures=f"{NOW - 900}")])
+                               unit_failures=f"{NOW - 300} {NOW - 600} {NOW - 900}")])
     cell.topology(["i-0a"], [topo("i-0a", "t", "m1", "b1")])
     return cell, _signal_clients(cell, monkeypatch)
 
@@ -1558,10 +1558,9 @@ def test_a_run_that_brings_the_end_of_the_host_s_formation_marks_it_before_the_t
     assert summary["marked_unhealthy"] == ["i-0b"] and summary["quarantined_tasks_stopped"] == [task]
 
 
-def test_a_quarantined_host_its_unit_still_serves_with_does_not_hold_the_cap(monkeypatch):
-    """A cold review's finding (helper-158): the held host counted under the cap (1) for as long as its unit served
-    with it, which can be for good, and every later quarantine of the cell was deferred meanwhile (a third bad host
-    in the cell simulation, never quarantined). It is not out while its unit serves: the next one is taken."""
+def _held_and_a_new_third_failure(monkeypatch, held_failures: str, healthy: list[str]) -> tuple[Cell, Clients]:
+    """u1 = i-0l (leader, a healthy target) + i-0q, in quarantine but unmarked (its unit serves with it), with
+    `held_failures`; u0's follower i-0b fails a third time (this run's trigger)."""
     cell = Cell()
     cell.group(**{"i-0a": "InService", "i-0b": "InService", "i-0l": "InService", "i-0q": "InService"})
     session = f"u1@{NOW - 600}/7"
@@ -1569,19 +1568,46 @@ def test_a_quarantined_host_its_unit_still_serves_with_does_not_hold_the_cap(mon
         container("i-0a", running=1, unit="u0", unit_placement="topology"),
         container("i-0b", running=1, unit="u0", unit_placement="topology", unit_failures=f"{NOW - 100} {NOW - 900}"),
         container("i-0l", running=1, unit="u1", unit_placement="topology", unit_session=session),
-        container("i-0q", running=1, quarantine="3 unit failures in 60 min", unit_session=session)])
+        container("i-0q", running=1, quarantine="3 unit failures in 60 min", unit_session=session,
+                  unit_failures=held_failures)])
     cell.ecs.add_response("describe_tasks", {"tasks": [{"taskArn": TASK_B, "containerInstanceArn": arn("i-0b")}],
                                              "failures": []}, {"cluster": CLUSTER, "tasks": [TASK_B]})
-    cell.topology(["i-0a", "i-0l"], [topo("i-0a", "t", "m1", "b1"), topo("i-0l", "t", "m1", "b1")])
-    reason = f"3 unit failures in 60 min: last member_engine_exit of u0 at {NOW - 5}"
-    expect_quarantine(cell, "i-0b", f"{NOW - 5} {NOW - 100} {NOW - 900}", reason)
-    health_call(cell, "i-0b")
-    quarantined_tasks(cell, "i-0b", [TASK_B])
-    clients = _signal_clients(cell, monkeypatch)
+    return cell, _signal_clients(cell, monkeypatch)
+
+
+def test_a_quarantined_host_its_unit_serves_with_holds_the_cap_while_its_failures_count(monkeypatch):
+    """One host out at a time: the held host counts under the cap (1), so the third failure of i-0b is deferred.
+    Not counting it (the first answer to a cold review's finding) let held hosts pile up, each taken while the cap
+    looked free, and all be marked at once when their units ended (the next review: three out under a cap of 1)."""
+    cell, clients = _held_and_a_new_third_failure(monkeypatch, f"{NOW - 1200} {NOW - 1500} {NOW - 1800}", ["i-0l"])
+    cell.topology(["i-0a", "i-0b", "i-0l"], [topo(i, "t", "m1", "b1") for i in ("i-0a", "i-0b", "i-0l")])
+    times = [{"name": "unit-failures", "value": f"{NOW - 5} {NOW - 100} {NOW - 900}",
+              "targetType": "container-instance", "targetId": arn("i-0b")}]
+    cell.ecs.add_response("put_attributes", {"attributes": times}, {"cluster": CLUSTER, "attributes": times})
     summary = _run_with_target_health(cell, clients, ["i-0l"], reads=1,
                                       event={"Records": [failure_record(TASK_B, NOW - 4.6)]})
-    assert summary["quarantined"] == {"i-0b": reason} and summary["quarantine_held"] == ["i-0q"], summary
-    assert summary["marked_unhealthy"] == ["i-0b"] and summary["in_quarantine"] == ["i-0b"], summary
+    assert summary["quarantined"] == {} and summary["quarantine_deferred"] == ["i-0b"], summary
+    assert summary["in_quarantine"] == ["i-0q"] and summary["marked_unhealthy"] == [], summary
+
+
+def test_a_quarantine_ends_once_its_unit_served_with_the_host_until_its_failures_aged_out(monkeypatch):
+    """A cold review's finding (helper-158): the held host held the cap for as long as its unit served with it,
+    which can be for good, and a later bad host was never quarantined. Its unit served with it a whole window since
+    its failures: the quarantine ends (its attribute deleted) and the cap takes the next host."""
+    cell, clients = _held_and_a_new_third_failure(monkeypatch, f"{NOW - 3700} {NOW - 4000} {NOW - 4300}", ["i-0l"])
+    cell.topology(["i-0a", "i-0l", "i-0q"], [topo(i, "t", "m1", "b1") for i in ("i-0a", "i-0l", "i-0q")])
+    reason = f"3 unit failures in 60 min: last member_engine_exit of u0 at {NOW - 5}"
+    cell.ecs.add_response("delete_attributes", {"attributes": []}, {"cluster": CLUSTER, "attributes": [
+        *delete("i-0q", "quarantine"), *delete("i-0b", "unit", "unit-placement")]})
+    writes = [{"name": name, "value": value, "targetType": "container-instance", "targetId": arn("i-0b")}
+              for name, value in (("unit-failures", f"{NOW - 5} {NOW - 100} {NOW - 900}"), ("quarantine", reason))]
+    cell.ecs.add_response("put_attributes", {"attributes": writes}, {"cluster": CLUSTER, "attributes": writes})
+    health_call(cell, "i-0b")
+    quarantined_tasks(cell, "i-0b", [TASK_B])
+    summary = _run_with_target_health(cell, clients, ["i-0l"], reads=1,
+                                      event={"Records": [failure_record(TASK_B, NOW - 4.6)]})
+    assert summary["quarantine_released"] == ["i-0q"] and summary["quarantined"] == {"i-0b": reason}, summary
+    assert summary["in_quarantine"] == ["i-0b"] and summary["marked_unhealthy"] == ["i-0b"], summary
 
 
 def test_a_session_end_older_than_the_target_health_s_lag_does_not_decide(monkeypatch):
