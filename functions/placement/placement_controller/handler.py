@@ -48,6 +48,7 @@ from placement_controller.assignment import (
     Instance,
     Plan,
     plan_cell,
+    unit_ids,
 )
 from placement_controller.blame import ACCUSED_ATTRIBUTE
 from placement_controller.ecs_health import DISCONNECTED_ATTRIBUTE, EcsHealthObservation, EcsHealthPolicy
@@ -323,20 +324,22 @@ def _quarantine(
         now,
         group=set(group),
         replaced=ecs_health.being_replaced(group),
-        serving=_serving_or_unknown(_serving_check(by_instance, healthy, event, now)),
+        serving=_serving_or_unknown(_serving_check(by_instance, healthy, event, now), False,
+                                    "the end of a quarantine"),
     )
 
 
-def _serving_or_unknown(serves: Callable[[str], bool]) -> Callable[[str], bool]:
-    """`serves`, False when the target health cannot be read: only a quarantine's release asks this early in a
-    run, and a release can wait for the next run, while a failed read would stop this one before its writes."""
+def _serving_or_unknown(serves: Callable[[str], bool], unknown: bool, what: str) -> Callable[[str], bool]:
+    """`serves`, or `unknown` when the target health cannot be read (logged: `what` waits for the next run).
+    The release asks it before the run's writes, the mark and the stop after them: a failed read stopped the run
+    there, before the mark, which needs no target health when no unit serves with the host (a cold review)."""
 
     def serving(instance_id: str) -> bool:
         try:
             return serves(instance_id)
         except (ClientError, BotoCoreError) as exc:
-            LOG.warning("could not read the target health (%s): no quarantine ends this run", exc)
-            return False
+            LOG.warning("could not read the target health (%s): %s waits for the next run", exc, what)
+            return unknown
 
     return serving
 
@@ -468,6 +471,22 @@ def _as_left(
     return known
 
 
+def _restored_labels(settings: Settings, step: QuarantineStep, by_instance: Mapping[str, aws.ContainerInstance],
+                     managed: Mapping[str, aws.ContainerInstance]) -> dict[str, str]:
+    """The unit label each host whose quarantine ends gets back (EC2 id -> unit): the unit of its `unit-session`
+    record, which still serves with it. Without it, the plan left the busy, unlabelled host alone and counted its
+    unit a node short for as long as it served: the unit's label went to a free instance that sat idle, and with
+    a released leader the rule for members that never formed replaced healthy hosts (a cold review's repro)."""
+    units = set(unit_ids(settings.units))
+    restored = {}
+    for instance_id in step.released:
+        record = str(by_instance[instance_id].attributes.get(signals.SESSION_ATTRIBUTE) or "")
+        unit = record.rpartition("@")[0]
+        if instance_id in managed and unit in units:
+            restored[instance_id] = unit
+    return restored
+
+
 def _quarantine_writes(
     step: QuarantineStep, by_instance: Mapping[str, aws.ContainerInstance]
 ) -> list[dict[str, str]]:
@@ -551,18 +570,41 @@ def _serving_check(known: Mapping[str, aws.ContainerInstance], healthy: Callable
     that ends the session would see the target still healthy and put off the quarantine's mark and stop to the
     next run (the 5-minute sweep at the latest). Only an end of the last ENDED_RECENTLY_SECONDS counts: an older
     line says no more than the target health, and a line that came that late could be of an older formation than
-    the one the host's record will name once the newer formation's line arrives (a cold review)."""
+    the one the host's record will name once the newer formation's line arrives (a cold review). Nor does it
+    serve when this run brings another formation of its unit (`unit_session_formed`): the records as first read
+    (the quarantine step's view) do not have it yet, and the leader's target, healthy for the new formation,
+    was taken for the host's own (a cold review's repro: a host released and made a spare unmarked)."""
     ended = _ended_formations(event, now)
+    formed = _formed_this_run(event)
 
     def serves(instance_id: str) -> bool:
         session = (known[instance_id].attributes.get(signals.SESSION_ATTRIBUTE)
                    if instance_id in known else None)
         if not session or session in ended:
             return False
+        unit = session.rpartition("@")[0]
+        if any(record != session and record.rpartition("@")[0] == unit for record in formed):
+            return False
         return any(other.attributes.get(signals.SESSION_ATTRIBUTE) == session and other_id in healthy()
                    for other_id, other in known.items())
 
     return serves
+
+
+def _formed_this_run(event: Mapping[str, Any]) -> set[str]:
+    """The `unit-session` records of the formations whose `unit_session_formed` line this run's triggers bring."""
+    formed = set()
+    for record in signals.records(event):
+        detail = record.get("detail")
+        if record.get("source") != EVENT_SOURCE or not isinstance(detail, Mapping):
+            continue
+        if detail.get("event") == "unit_session_formed" and detail.get("unit_id"):
+            try:
+                formed.add(unformed.session_value(str(detail["unit_id"]), float(detail["released_at"]),
+                                                  str(detail.get("revision") or "")))
+            except (KeyError, TypeError, ValueError):
+                continue
+    return formed
 
 
 def _ended_formations(event: Mapping[str, Any], now: float) -> set[str]:
@@ -728,6 +770,9 @@ def reconcile(
             deletes.extend(_clear(ci))
             left.append(ci.ec2_instance_id)
 
+    restored = _restored_labels(settings, step, by_instance, managed)
+    managed.update({i: dataclasses.replace(managed[i], attributes={**managed[i].attributes, UNIT_ATTRIBUTE: unit})
+                    for i, unit in restored.items()})
     topology = aws.network_paths(clients.ec2, managed, retry)
     stopping_units = _units_still_stopping(managed.values())
     instances = [
@@ -755,6 +800,9 @@ def reconcile(
     # ECS has no conditional PutAttributes: re-read the instances about to change and
     # leave alone any that took a (unit) task since the first read.
     puts = _quarantine_writes(step, by_instance)
+    puts += [_attribute(name, by_instance[i].arn, value) for i, unit in sorted(restored.items())
+             for name, value in ((UNIT_ATTRIBUTE, unit), (PLACEMENT_ATTRIBUTE, PLACEMENT_TOPOLOGY
+                                                          if topology.paths.get(i) else PLACEMENT_FALLBACK))]
     launcher = _launcher_records(settings, clients, container_instances, event, retry)
     records = launcher.values
     puts += [_attribute(name, by_instance[i].arn, v) for (i, name), v in sorted(records.items())]
@@ -764,6 +812,7 @@ def reconcile(
     skipped: list[str] = []
     # Each instance's unit label once this run's writes are in (the sweep of spare tasks reads it).
     labels = {ci.arn: ci.attributes.get(UNIT_ATTRIBUTE) for ci in container_instances}
+    labels.update({by_instance[i].arn: unit for i, unit in restored.items()})
     if changing:
         for read in aws.describe_container_instances(clients.ecs, settings.cluster, list(changing), retry):
             fresh = aws.with_stopping(read, stopping)
@@ -791,7 +840,8 @@ def reconcile(
     deleted = aws.delete_attributes(clients.ecs, settings.cluster, deletes, retry)
     written = aws.put_attributes(clients.ecs, settings.cluster, puts, retry)
     stopped = _stop_spare_tasks(settings, clients, labels, retry)
-    serves = _serving_check(as_left, healthy, event, now)
+    serves = _serving_or_unknown(_serving_check(as_left, healthy, event, now), True,
+                                 "the mark and the stop of a quarantined host")
     unhealthy = _mark_unhealthy(settings, clients, step, group, serves, retry)
     quarantine_stops = _stop_quarantined_tasks(settings, clients, step, as_left, group, serves, retry)
     disconnected, disconnected_deferred = _replace_disconnected(settings, clients, agents, group, unhealthy, retry)

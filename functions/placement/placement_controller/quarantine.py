@@ -137,7 +137,7 @@ def quarantine_step(
     A quarantine held back by the cap may be taken after its unit formed again with the host, and the controller
     leaves such a host, unmarked, to its unit while that unit serves with it (the handler's `_serving_check`,
     `serving` here). It holds its place under the cap meanwhile. Once its counted failures no longer reach the
-    limit while its unit still serves with it (it served a whole window since), its quarantine ends
+    limit while its unit still serves with it (the oldest aged out of the window and its settling), its quarantine ends
     (`released`): else it held the cap for as long as the unit served, which can be for good, and every later
     quarantine of the cell was deferred (a cold review's repro: a third bad host never quarantined). Not
     counting it under the cap instead let held hosts pile up, each taken when the cap looked free, and all be

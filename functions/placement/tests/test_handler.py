@@ -1599,8 +1599,11 @@ def test_a_quarantine_ends_once_its_unit_served_with_the_host_until_its_failures
     reason = f"3 unit failures in 60 min: last member_engine_exit of u0 at {NOW - 5}"
     cell.ecs.add_response("delete_attributes", {"attributes": []}, {"cluster": CLUSTER, "attributes": [
         *delete("i-0q", "quarantine"), *delete("i-0b", "unit", "unit-placement")]})
-    writes = [{"name": name, "value": value, "targetType": "container-instance", "targetId": arn("i-0b")}
-              for name, value in (("unit-failures", f"{NOW - 5} {NOW - 100} {NOW - 900}"), ("quarantine", reason))]
+    writes = [{"name": name, "value": value, "targetType": "container-instance", "targetId": arn(instance)}
+              for instance, name, value in (("i-0b", "unit-failures", f"{NOW - 5} {NOW - 100} {NOW - 900}"),
+                                            ("i-0b", "quarantine", reason),
+                                            # its unit's label back: it still runs u1's task
+                                            ("i-0q", "unit", "u1"), ("i-0q", "unit-placement", "topology"))]
     cell.ecs.add_response("put_attributes", {"attributes": writes}, {"cluster": CLUSTER, "attributes": writes})
     health_call(cell, "i-0b")
     quarantined_tasks(cell, "i-0b", [TASK_B])
@@ -1608,6 +1611,73 @@ def test_a_quarantine_ends_once_its_unit_served_with_the_host_until_its_failures
                                       event={"Records": [failure_record(TASK_B, NOW - 4.6)]})
     assert summary["quarantine_released"] == ["i-0q"] and summary["quarantined"] == {"i-0b": reason}, summary
     assert summary["in_quarantine"] == ["i-0b"] and summary["marked_unhealthy"] == ["i-0b"], summary
+
+
+def _aged_quarantine(monkeypatch, unhealthy: bool = False) -> tuple[Cell, Clients]:
+    """u1 = i-0l (leader) + i-0q, in quarantine (Unhealthy in the group if `unhealthy`), both with the record of
+    the formation u1 had with i-0q; i-0q's failures have aged out of the window."""
+    cell = Cell()
+    cell.group(("i-0q",) if unhealthy else (), **{"i-0l": "InService", "i-0q": "InService"})
+    session = f"u1@{NOW - 7200}/7"
+    cell.containers([container("i-0l", running=1, unit="u1", unit_placement="topology", unit_session=session),
+                     container("i-0q", running=1, quarantine="3 unit failures in 60 min", unit_session=session,
+                               unit_failures=f"{NOW - 3700} {NOW - 4000} {NOW - 4300}")])
+    cell.topology(["i-0l"], [topo("i-0l", "t", "m1", "b1")])
+    return cell, _signal_clients(cell, monkeypatch)
+
+
+def test_a_quarantined_host_its_group_replaces_stays_in_quarantine_when_its_failures_age_out(monkeypatch):
+    """Marked Unhealthy (during a rolling update the group keeps it to the update's end): it is out, whatever the
+    target health says; only a host its unit still serves with, unmarked, leaves quarantine."""
+    cell, clients = _aged_quarantine(monkeypatch, unhealthy=True)
+    summary = _run_with_target_health(cell, clients, ["i-0l"], reads=1)
+    assert summary["quarantine_released"] == [] and summary["in_quarantine"] == ["i-0q"], summary
+
+
+def test_a_quarantined_host_its_unit_no_longer_serves_with_stays_in_quarantine_and_is_marked(monkeypatch):
+    cell, clients = _aged_quarantine(monkeypatch)
+    health_call(cell, "i-0q")
+    task = f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/0q"
+    quarantined_tasks(cell, "i-0q", [task])
+    summary = _run_with_target_health(cell, clients, [], reads=1)
+    assert summary["quarantine_released"] == [] and summary["marked_unhealthy"] == ["i-0q"], summary
+
+
+def test_a_formation_of_its_unit_this_run_brings_keeps_a_host_in_quarantine(monkeypatch):
+    """A cold review's repro (helper-161): u1 formed again without i-0q, and this run brings the line; the leader's
+    record as first read is still the old formation's, its target healthy for the new one: i-0q was released
+    and made a spare, unmarked. The new formation decides: i-0q stays in quarantine and is marked."""
+    cell, clients = _aged_quarantine(monkeypatch)
+    new = f"u1@{NOW - 60}/7"
+    line = {"source": "unit-launcher", "detail-type": "Unit Session Formed", "id": "9",
+            "detail": {"event": "unit_session_formed", "cell": "dev", "unit_id": "u1", "revision": "7",
+                       "session_id": "5e5f", "released_at": NOW - 60,
+                       "members": [{"rank": 0, "instance_id": "i-0l"}]}}  # (its new follower's record aside)
+    record = [{"name": "unit-session", "value": new, "targetType": "container-instance", "targetId": arn("i-0l")}]
+    cell.ecs.add_response("put_attributes", {"attributes": record}, {"cluster": CLUSTER, "attributes": record})
+    health_call(cell, "i-0q")
+    task = f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/0q"
+    quarantined_tasks(cell, "i-0q", [task])
+    summary = _run_with_target_health(cell, clients, ["i-0l"], reads=0, event={"Records": [{"body": json.dumps(line)}]})
+    assert summary["quarantine_released"] == [] and summary["marked_unhealthy"] == ["i-0q"], summary
+
+
+def test_an_unreadable_target_health_ends_no_quarantine_and_marks_nothing_the_run_goes_on(monkeypatch, caplog):
+    """Both reads refused: no release (before the writes), and the mark and the stop wait (after them) rather than
+    mark a host whose unit may serve with it; the run itself completes."""
+    cell, clients = _aged_quarantine(monkeypatch)
+    with Stubber(clients.elbv2) as elb, Stubber(clients.cloudformation) as cfn:
+        for _ in range(2):
+            elb.add_client_error("describe_target_health", "AccessDenied", "no", 403)
+        cfn.add_response("describe_stack_resource", {"StackResourceDetail": {
+            "LogicalResourceId": "TrainiumNodesASG1", "ResourceType": "AWS::AutoScaling::AutoScalingGroup",
+            "LastUpdatedTimestamp": "2026-01-01T00:00:00Z", "ResourceStatus": "UPDATE_COMPLETE"}},
+            {"StackName": "Rufus-Cell-dev", "LogicalResourceId": "TrainiumNodesASG1"})
+        with cell.active():
+            summary = reconcile(SETTINGS, clients, {}, aws.Retry(), cell.lines.append, now=NOW)
+        elb.assert_no_pending_responses()
+    assert summary["quarantine_released"] == [] and summary["marked_unhealthy"] == [], summary
+    assert "the end of a quarantine waits" in caplog.text and "the mark and the stop" in caplog.text
 
 
 def test_a_session_end_older_than_the_target_health_s_lag_does_not_decide(monkeypatch):
