@@ -633,7 +633,8 @@ def test_a_held_quarantine_does_not_keep_a_later_bad_host_in():
     """A cold review's repro (helper-158): the held-back scenario and a third bad host at +4h. The second host's
     quarantine, held while its unit served with it, counted under the cap for as long as that unit served, so the
     third bad host failed four times and was never quarantined (I3, seed 1; held on main, where the held host was
-    marked at once and replaced). A host its unit still serves with holds no place under the cap."""
+    marked at once and replaced). The held host's quarantine now ends once its unit has served with it until its
+    failures aged out, which frees the cap."""
     known = yaml.safe_load((SIMULATIONS / "known" / "deferred-quarantine-of-a-serving-unit.yaml").read_text())
     third = {"at": "4h", "do": "bad_host", "target": "u0.follower1", "times": 4}
     doc = simulate(parse_scenario({**known, "events": [*known["events"], third]}), None, 1, None)

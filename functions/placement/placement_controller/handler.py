@@ -482,7 +482,8 @@ def _restored_labels(settings: Settings, step: QuarantineStep, by_instance: Mapp
     for instance_id in step.released:
         record = str(by_instance[instance_id].attributes.get(signals.SESSION_ATTRIBUTE) or "")
         unit = record.rpartition("@")[0]
-        if instance_id in managed and unit in units:
+        # Only a host that still runs a task (its unit's): one whose task has gone is free, as any other.
+        if instance_id in managed and managed[instance_id].scheduled and unit in units:
             restored[instance_id] = unit
     return restored
 
@@ -571,9 +572,13 @@ def _serving_check(known: Mapping[str, aws.ContainerInstance], healthy: Callable
     next run (the 5-minute sweep at the latest). Only an end of the last ENDED_RECENTLY_SECONDS counts: an older
     line says no more than the target health, and a line that came that late could be of an older formation than
     the one the host's record will name once the newer formation's line arrives (a cold review). Nor does it
-    serve when this run brings another formation of its unit (`unit_session_formed`): the records as first read
-    (the quarantine step's view) do not have it yet, and the leader's target, healthy for the new formation,
-    was taken for the host's own (a cold review's repro: a host released and made a spare unmarked)."""
+    serve when this run brings a later formation of its unit (`unit_session_formed`, released after the host's
+    record): the records as first read (the quarantine step's view) do not have it yet, and the leader's target,
+    healthy for the new formation, was taken for the host's own (a cold review's repro: a host released and made
+    a spare unmarked). Only a later one: an earlier formation's line, late or in the same batch, said a unit
+    that serves with the host did not, and the host was marked and stopped (the next review). A later formation
+    with the host in it says "no" too in the step's view (no release that run); in the mark's view the host's
+    record is that formation's."""
     ended = _ended_formations(event, now)
     formed = _formed_this_run(event)
 
@@ -582,13 +587,22 @@ def _serving_check(known: Mapping[str, aws.ContainerInstance], healthy: Callable
                    if instance_id in known else None)
         if not session or session in ended:
             return False
-        unit = session.rpartition("@")[0]
-        if any(record != session and record.rpartition("@")[0] == unit for record in formed):
+        if any(_later_formation_of_the_same_unit(record, session) for record in formed):
             return False
         return any(other.attributes.get(signals.SESSION_ATTRIBUTE) == session and other_id in healthy()
                    for other_id, other in known.items())
 
     return serves
+
+
+def _later_formation_of_the_same_unit(record: str, session: str) -> bool:
+    """Whether `record` (`<unit>@<released_at>[/<revision>]`) is of the same unit as `session`, released after it
+    (both released_at on their leaders' clocks)."""
+    unit, _, rest = record.partition("@")
+    own_unit, _, own_rest = session.partition("@")
+    released, own_released = rest.partition("/")[0], own_rest.partition("/")[0]
+    return (unit == own_unit and released.isdigit() and own_released.isdigit()
+            and int(released) > int(own_released))
 
 
 def _formed_this_run(event: Mapping[str, Any]) -> set[str]:

@@ -1626,6 +1626,22 @@ def _aged_quarantine(monkeypatch, unhealthy: bool = False) -> tuple[Cell, Client
     return cell, _signal_clients(cell, monkeypatch)
 
 
+def test_a_quarantine_that_ends_gives_no_label_of_a_unit_the_cell_no_longer_has(monkeypatch):
+    """Its record names u9 (a unit of a larger cell before a scale-in): the quarantine ends, no label is put."""
+    cell = Cell()
+    cell.group(**{"i-0l": "InService", "i-0q": "InService"})
+    session = f"u9@{NOW - 7200}/7"
+    cell.containers([container("i-0l", running=1, unit_session=session),
+                     container("i-0q", running=1, quarantine="3 unit failures in 60 min", unit_session=session,
+                               unit_failures=f"{NOW - 3700} {NOW - 4000} {NOW - 4300}")])
+    cell.topology(["i-0l", "i-0q"], [topo(i, "t", "m1", "b1") for i in ("i-0l", "i-0q")])
+    cell.ecs.add_response("delete_attributes", {"attributes": []},
+                          {"cluster": CLUSTER, "attributes": delete("i-0q", "quarantine")})
+    clients = _signal_clients(cell, monkeypatch)
+    summary = _run_with_target_health(cell, clients, ["i-0l"], reads=1)
+    assert summary["quarantine_released"] == ["i-0q"], summary
+
+
 def test_a_quarantined_host_its_group_replaces_stays_in_quarantine_when_its_failures_age_out(monkeypatch):
     """Marked Unhealthy (during a rolling update the group keeps it to the update's end): it is out, whatever the
     target health says; only a host its unit still serves with, unmarked, leaves quarantine."""
@@ -1660,6 +1676,54 @@ def test_a_formation_of_its_unit_this_run_brings_keeps_a_host_in_quarantine(monk
     quarantined_tasks(cell, "i-0q", [task])
     summary = _run_with_target_health(cell, clients, ["i-0l"], reads=0, event={"Records": [{"body": json.dumps(line)}]})
     assert summary["quarantine_released"] == [] and summary["marked_unhealthy"] == ["i-0q"], summary
+
+
+def _formed_line(released_at: float, *members: str) -> dict:
+    """u0's `unit_session_formed` line as the forwarder enqueues it (members: EC2 instance ids in tests)."""
+    return {"body": json.dumps({"source": "unit-launcher", "detail-type": "Unit Session Formed", "id": f"{released_at}",
+                                "detail": {"event": "unit_session_formed", "cell": "dev", "unit_id": "u0",
+                                           "revision": "7", "session_id": f"s{released_at}", "released_at": released_at,
+                                           "members": [{"rank": r, "instance_id": m} for r, m in enumerate(members)]}})}
+
+
+def _serving_with_a_quarantined_follower(monkeypatch, record: float,
+                                         leader: float | None = None) -> tuple[Cell, Clients]:
+    """u0 = i-0a (leader, a healthy target) + i-0b, in quarantine, unmarked, failures counting; i-0b recorded with
+    u0's formation released at `record`, i-0a with the one at `leader` (the same by default)."""
+    cell = Cell()
+    cell.group(**{"i-0a": "InService", "i-0b": "InService"})
+    cell.containers([container("i-0a", running=1, unit="u0", unit_placement="topology",
+                               unit_session=f"u0@{record if leader is None else leader:.0f}/7"),
+                     container("i-0b", running=1, quarantine="3 unit failures in 60 min",
+                               unit_session=f"u0@{record:.0f}/7",
+                               unit_failures=f"{NOW - 300} {NOW - 600} {NOW - 900}")])
+    cell.topology(["i-0a"], [topo("i-0a", "t", "m1", "b1")])
+    return cell, _signal_clients(cell, monkeypatch)
+
+
+def test_two_formations_with_the_host_in_one_batch_do_not_mark_it_while_the_later_serves(monkeypatch):
+    """A cold review's repro (helper-162): u0 formed twice with i-0a and i-0b, and one batch brings both lines (a
+    failed run's batch coming back). The earlier formation's line said u0 no longer served with i-0b: marked and
+    stopped while the later one served. Only a later formation says so."""
+    cell, clients = _serving_with_a_quarantined_follower(monkeypatch, NOW - 1200)
+    later = f"u0@{NOW - 600}/7"
+    records = [{"name": "unit-session", "value": later, "targetType": "container-instance", "targetId": arn(i)}
+               for i in ("i-0a", "i-0b")]
+    cell.ecs.add_response("put_attributes", {"attributes": records}, {"cluster": CLUSTER, "attributes": records})
+    event = {"Records": [_formed_line(NOW - 900, "i-0a", "i-0b"), _formed_line(NOW - 600, "i-0a", "i-0b")]}
+    summary = _run_with_target_health(cell, clients, ["i-0a"], reads=1, event=event)
+    assert summary["marked_unhealthy"] == [] and summary["quarantined_tasks_stopped"] == [], summary
+
+
+def test_a_healthy_target_of_another_formation_does_not_hold_a_quarantined_host(monkeypatch):
+    """Only a healthy target of the host's own formation holds its mark: i-0a leads a later formation of u0 (its
+    record already written), without i-0b."""
+    cell, clients = _serving_with_a_quarantined_follower(monkeypatch, NOW - 1200, leader=NOW - 600)
+    health_call(cell, "i-0b")
+    task = f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/0b"
+    quarantined_tasks(cell, "i-0b", [task])
+    summary = _run_with_target_health(cell, clients, ["i-0a"], reads=1)
+    assert summary["marked_unhealthy"] == ["i-0b"] and summary["quarantined_tasks_stopped"] == [task], summary
 
 
 def test_an_unreadable_target_health_ends_no_quarantine_and_marks_nothing_the_run_goes_on(monkeypatch, caplog):
