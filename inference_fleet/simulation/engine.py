@@ -385,6 +385,9 @@ class Cell:
                     self.quarantined[inst.iid] = self.now
                     self.note(f"controller quarantines {inst.iid}: {value}")
                     self._check_quarantine(inst)
+                if name == QUARANTINE_ATTRIBUTE and value is None:
+                    self.note(f"controller ends the quarantine of {inst.iid}: its unit served with it until its "
+                              "failures aged out")
                 if name == "unit":
                     self.after(self.model.v("ecs_scheduler_delay"), self.ecs_schedule)
                 return
@@ -683,7 +686,7 @@ class Cell:
         for task in session.members:
             task.inst.cached = True
         session.state = "loading"
-        if out := [t.inst.iid for t in session.members if t.inst.iid in self.quarantined]:
+        if out := [t.inst.iid for t in session.members if QUARANTINE_ATTRIBUTE in t.inst.attributes]:
             self.violate("I3 quarantine", f"{unit.uid} formed with {', '.join(out)}, in quarantine")
         self.log_line({"event": "unit_session_formed", "unit_id": unit.uid, "revision": str(unit.revision),
                        "session_id": session.sid,

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from botocore.client import BaseClient
-from botocore.exceptions import ClientError
+from botocore.exceptions import BotoCoreError, ClientError
 
 from placement_controller import aws, ecs_health, forward, signals, unformed
 from placement_controller.assignment import (
@@ -48,6 +48,7 @@ from placement_controller.assignment import (
     Instance,
     Plan,
     plan_cell,
+    unit_ids,
 )
 from placement_controller.blame import ACCUSED_ATTRIBUTE
 from placement_controller.ecs_health import DISCONNECTED_ATTRIBUTE, EcsHealthObservation, EcsHealthPolicy
@@ -65,6 +66,9 @@ from placement_controller.unformed import JOINED_ATTRIBUTE, UnformedPolicy
 
 LOG = logging.getLogger(__name__)
 LOG.setLevel(logging.INFO)
+# A session end newer than this (by its `ended_at`) decides whether a formation still serves before the target
+# health does: the ALB calls a leader unhealthy after two failed checks 10 s apart (the cell's target group).
+ENDED_RECENTLY_SECONDS = 120
 
 UNIT_ATTRIBUTE = "unit"
 PLACEMENT_ATTRIBUTE = "unit-placement"
@@ -308,8 +312,10 @@ def _quarantine(
     now: float,
     start_failures: list[Failure],
     group: Mapping[str, aws.GroupInstance],
+    healthy: Callable[[], set[str]],
 ) -> QuarantineStep:
     failures = failures_from_records(signals.records(event)) + start_failures
+    by_instance = {ci.ec2_instance_id: ci for ci in container_instances}
     return quarantine_step(
         settings.quarantine,
         container_instances,
@@ -318,7 +324,24 @@ def _quarantine(
         now,
         group=set(group),
         replaced=ecs_health.being_replaced(group),
+        serving=_serving_or_unknown(_serving_check(by_instance, healthy, event, now), False,
+                                    "the end of a quarantine"),
     )
+
+
+def _serving_or_unknown(serves: Callable[[str], bool], unknown: bool, what: str) -> Callable[[str], bool]:
+    """`serves`, or `unknown` when the target health cannot be read (logged: `what` waits for the next run).
+    The release asks it before the run's writes, the mark and the stop after them: a failed read stopped the run
+    there, before the mark, which needs no target health when no unit serves with the host (a cold review)."""
+
+    def serving(instance_id: str) -> bool:
+        try:
+            return serves(instance_id)
+        except (ClientError, BotoCoreError) as exc:
+            LOG.warning("could not read the target health (%s): %s waits for the next run", exc, what)
+            return unknown
+
+    return serving
 
 
 @dataclass
@@ -449,6 +472,23 @@ def _as_left(
     return known
 
 
+def _restored_labels(settings: Settings, step: QuarantineStep, by_instance: Mapping[str, aws.ContainerInstance],
+                     managed: Mapping[str, aws.ContainerInstance]) -> dict[str, str]:
+    """The unit label each host whose quarantine ends gets back (EC2 id -> unit): the unit of its `unit-session`
+    record, which still serves with it. Without it, the plan left the busy, unlabelled host alone and counted its
+    unit a node short for as long as it served: the unit's label went to a free instance that sat idle, and with
+    a released leader the rule for members that never formed replaced healthy hosts (a cold review's repro)."""
+    units = set(unit_ids(settings.units))
+    restored = {}
+    for instance_id in step.released:
+        record = str(by_instance[instance_id].attributes.get(signals.SESSION_ATTRIBUTE) or "")
+        unit = record.rpartition("@")[0]
+        # Only a host that still runs a task (its unit's): one whose task has gone is free, as any other.
+        if instance_id in managed and managed[instance_id].scheduled and unit in units:
+            restored[instance_id] = unit
+    return restored
+
+
 def _quarantine_writes(
     step: QuarantineStep, by_instance: Mapping[str, aws.ContainerInstance]
 ) -> list[dict[str, str]]:
@@ -459,13 +499,25 @@ def _quarantine_writes(
 
 
 def _mark_unhealthy(
-    settings: Settings, clients: Clients, step: QuarantineStep, group: Mapping[str, aws.GroupInstance], retry: aws.Retry
+    settings: Settings, clients: Clients, step: QuarantineStep, group: Mapping[str, aws.GroupInstance],
+    serves: Callable[[str], bool], retry: aws.Retry,
 ) -> list[str]:
-    """Every instance in quarantine that its group still counts healthy is reported unhealthy (again, if need be)."""
+    """Every instance in quarantine that its group still counts healthy is reported unhealthy (again, if need be).
+
+    Not while the unit formed last with it serves (`_serving_check`), as for the stop of its tasks: the group
+    replaces an Unhealthy instance, and ECS managed draining stops the serving unit's task with it. A quarantine
+    held back by the cap is taken later, once the unit may have formed again with the host and serve; the mark
+    then marked a serving unit's member (the cell simulation, `known/deferred-quarantine-of-a-serving-unit.yaml`,
+    I2). It is marked, and its tasks are stopped, at the first run after its unit stops serving (the host's next
+    failure, or any other end); having no label from the quarantine on, it takes no unit's task after that."""
     marked = []
     for instance_id in sorted(step.in_quarantine):
         member = group.get(instance_id)
         if member is None or member.lifecycle not in aws.LIVE_LIFECYCLE_STATES or member.health == "Unhealthy":
+            continue
+        if serves(instance_id):
+            LOG.warning("%s is in quarantine, but the unit formed last with it serves: it is marked once the unit "
+                        "stops serving", instance_id)
             continue
         if aws.mark_unhealthy(clients.autoscaling, instance_id, retry):
             marked.append(instance_id)
@@ -474,7 +526,7 @@ def _mark_unhealthy(
 
 def _stop_quarantined_tasks(
     settings: Settings, clients: Clients, step: QuarantineStep, known: Mapping[str, aws.ContainerInstance],
-    group: Mapping[str, aws.GroupInstance], healthy: Callable[[], set[str]], retry: aws.Retry,
+    group: Mapping[str, aws.GroupInstance], serves: Callable[[str], bool], retry: aws.Retry,
 ) -> list[str]:
     """Stop the tasks still running on an instance in quarantine, so that its unit forms again without it.
 
@@ -487,16 +539,16 @@ def _stop_quarantined_tasks(
     ECS places the stopped task where the unit's label now is (a spare, a free instance), or waits for one. The
     launcher takes the stop as a deliberate one, which counts against no host.
 
-    Not while the host's unit serves with it (its last formation, the `unit-session` record, shared with a healthy
-    target): a quarantine held back by the cap is taken later, when the unit may have formed again; it is stopped
-    once the unit no longer serves. One ListTasks a run for each instance in quarantine, still in the group, that
-    ECS says holds a task; a refused call is logged and the run goes on (the next run tries again)."""
+    Not while the host's unit serves with it (`_serving_check`): a quarantine held back by the cap is taken later,
+    when the unit may have formed again; it is stopped once the unit no longer serves. One ListTasks a run for each
+    instance in quarantine, still in the group, that ECS says holds a task; a refused call is logged and the run
+    goes on (the next run tries again)."""
     stopped = []
     for instance_id in sorted(step.in_quarantine):
         ci, member = known.get(instance_id), group.get(instance_id)
         if ci is None or not ci.scheduled or member is None or member.lifecycle not in aws.LIVE_LIFECYCLE_STATES:
             continue
-        if _serves_with(ci, known, healthy):
+        if serves(instance_id):
             continue
         try:
             for task in aws.running_tasks_on(clients.ecs, settings.cluster, ci.arn, retry):
@@ -508,15 +560,86 @@ def _stop_quarantined_tasks(
     return stopped
 
 
-def _serves_with(ci: aws.ContainerInstance, known: Mapping[str, aws.ContainerInstance],
-                 healthy: Callable[[], set[str]]) -> bool:
-    """Whether the unit formed last with this instance serves: an instance of the same formation (the same
-    `unit-session` record, its leader's included) is a healthy target."""
-    session = ci.attributes.get(signals.SESSION_ATTRIBUTE)
-    if not session:
-        return False
-    return any(other.attributes.get(signals.SESSION_ATTRIBUTE) == session and instance_id in healthy()
-               for instance_id, other in known.items())
+def _serving_check(known: Mapping[str, aws.ContainerInstance], healthy: Callable[[], set[str]],
+                   event: Mapping[str, Any], now: float) -> Callable[[str], bool]:
+    """Whether the unit formed last with an instance (by EC2 id) serves: an instance of the same formation (the
+    same `unit-session` record, its leader's included) is a healthy target, and no session end this run brings
+    names that formation.
+
+    The session end decides when the run has it: the log line reaches the controller in seconds (subscription,
+    forwarder, queue), while the ALB takes two failed checks 10 s apart to call the leader unhealthy
+    (UnhealthyThresholdCount 2, HealthCheckInterval 10 s, in the cell's template): a run set off by the failure
+    that ends the session would see the target still healthy and put off the quarantine's mark and stop to the
+    next run (the 5-minute sweep at the latest). Only an end of the last ENDED_RECENTLY_SECONDS counts: an older
+    line says no more than the target health, and a line that came that late could be of an older formation than
+    the one the host's record will name once the newer formation's line arrives (a cold review). Nor does it
+    serve when this run brings a later formation of its unit (`unit_session_formed`, released after the host's
+    record): the records as first read (the quarantine step's view) do not have it yet, and the leader's target,
+    healthy for the new formation, was taken for the host's own (a cold review's repro: a host released and made
+    a spare unmarked). Only a later one: an earlier formation's line, late or in the same batch, said a unit
+    that serves with the host did not, and the host was marked and stopped (the next review). A later formation
+    with the host in it says "no" too in the step's view (no release that run); in the mark's view the host's
+    record is that formation's."""
+    ended = _ended_formations(event, now)
+    formed = _formed_this_run(event)
+
+    def serves(instance_id: str) -> bool:
+        session = (known[instance_id].attributes.get(signals.SESSION_ATTRIBUTE)
+                   if instance_id in known else None)
+        if not session or session in ended:
+            return False
+        if any(_later_formation_of_the_same_unit(record, session) for record in formed):
+            return False
+        return any(other.attributes.get(signals.SESSION_ATTRIBUTE) == session and other_id in healthy()
+                   for other_id, other in known.items())
+
+    return serves
+
+
+def _later_formation_of_the_same_unit(record: str, session: str) -> bool:
+    """Whether `record` (`<unit>@<released_at>[/<revision>]`) is of the same unit as `session`, released after it
+    (both released_at on their leaders' clocks)."""
+    unit, _, rest = record.partition("@")
+    own_unit, _, own_rest = session.partition("@")
+    released, own_released = rest.partition("/")[0], own_rest.partition("/")[0]
+    return (unit == own_unit and released.isdigit() and own_released.isdigit()
+            and int(released) > int(own_released))
+
+
+def _formed_this_run(event: Mapping[str, Any]) -> set[str]:
+    """The `unit-session` records of the formations whose `unit_session_formed` line this run's triggers bring."""
+    formed = set()
+    for record in signals.records(event):
+        detail = record.get("detail")
+        if record.get("source") != EVENT_SOURCE or not isinstance(detail, Mapping):
+            continue
+        if detail.get("event") == "unit_session_formed" and detail.get("unit_id"):
+            try:
+                formed.add(unformed.session_value(str(detail["unit_id"]), float(detail["released_at"]),
+                                                  str(detail.get("revision") or "")))
+            except (KeyError, TypeError, ValueError):
+                continue
+    return formed
+
+
+def _ended_formations(event: Mapping[str, Any], now: float) -> set[str]:
+    """The `unit-session` records of the released sessions whose end this run's triggers bring, ended within the
+    last ENDED_RECENTLY_SECONDS (the launcher's `unit_session_end` lines carry the session's `released_at` and
+    revision, as its `unit_session_formed` line, and `ended_at`, on the writer's clock)."""
+    ended = set()
+    for record in signals.records(event):
+        detail = record.get("detail")
+        if record.get("source") != EVENT_SOURCE or not isinstance(detail, Mapping):
+            continue
+        if detail.get("event") == "unit_session_end" and detail.get("unit_id") and detail.get("released_at"):
+            try:
+                if abs(now - float(detail.get("ended_at") or 0)) > ENDED_RECENTLY_SECONDS:
+                    continue
+                ended.add(unformed.session_value(str(detail["unit_id"]), float(detail["released_at"]),
+                                                 str(detail.get("revision") or "")))
+            except (TypeError, ValueError):
+                continue
+    return ended
 
 
 def _agent_attribute_writes(
@@ -634,10 +757,12 @@ def reconcile(
     container_instances = [aws.with_stopping(ci, stopping) for ci in container_instances]
     by_instance = {ci.ec2_instance_id: ci for ci in container_instances}
     start_failures, start_report = _start_failures(settings, container_instances, group, gone, event)
-    step = _quarantine(settings, clients, container_instances, event, retry, now, start_failures, group)
+    healthy = _healthy_targets(clients, retry)
+    step = _quarantine(settings, clients, container_instances, event, retry, now, start_failures, group, healthy)
     agents = ecs_health.observe(settings.ecs_health, container_instances, group, step.in_quarantine | gone, now)
 
-    deletes: list[dict[str, str]] = []
+    # A quarantine that ends (quarantine.quarantine_step): the instance is an ordinary one again.
+    deletes = [_attribute(QUARANTINE_ATTRIBUTE, by_instance[i].arn) for i in step.released]
     managed: dict[str, aws.ContainerInstance] = {}
     left: list[str] = []
     for ci in container_instances:
@@ -660,6 +785,9 @@ def reconcile(
             deletes.extend(_clear(ci))
             left.append(ci.ec2_instance_id)
 
+    restored = _restored_labels(settings, step, by_instance, managed)
+    managed.update({i: dataclasses.replace(managed[i], attributes={**managed[i].attributes, UNIT_ATTRIBUTE: unit})
+                    for i, unit in restored.items()})
     topology = aws.network_paths(clients.ec2, managed, retry)
     stopping_units = _units_still_stopping(managed.values())
     instances = [
@@ -687,6 +815,9 @@ def reconcile(
     # ECS has no conditional PutAttributes: re-read the instances about to change and
     # leave alone any that took a (unit) task since the first read.
     puts = _quarantine_writes(step, by_instance)
+    puts += [_attribute(name, by_instance[i].arn, value) for i, unit in sorted(restored.items())
+             for name, value in ((UNIT_ATTRIBUTE, unit), (PLACEMENT_ATTRIBUTE, PLACEMENT_TOPOLOGY
+                                                          if topology.paths.get(i) else PLACEMENT_FALLBACK))]
     launcher = _launcher_records(settings, clients, container_instances, event, retry)
     records = launcher.values
     puts += [_attribute(name, by_instance[i].arn, v) for (i, name), v in sorted(records.items())]
@@ -696,6 +827,7 @@ def reconcile(
     skipped: list[str] = []
     # Each instance's unit label once this run's writes are in (the sweep of spare tasks reads it).
     labels = {ci.arn: ci.attributes.get(UNIT_ATTRIBUTE) for ci in container_instances}
+    labels.update({by_instance[i].arn: unit for i, unit in restored.items()})
     if changing:
         for read in aws.describe_container_instances(clients.ecs, settings.cluster, list(changing), retry):
             fresh = aws.with_stopping(read, stopping)
@@ -710,7 +842,6 @@ def reconcile(
             deletes.extend(more_deletes)
             labels[fresh.arn] = unit
 
-    healthy = _healthy_targets(clients, retry)
     as_left = _as_left(by_instance, records, labels)
     known = {i: ci for i, ci in as_left.items() if i in managed}
     unit_of = {i: ci.attributes.get(UNIT_ATTRIBUTE) for i, ci in known.items()}
@@ -724,8 +855,10 @@ def reconcile(
     deleted = aws.delete_attributes(clients.ecs, settings.cluster, deletes, retry)
     written = aws.put_attributes(clients.ecs, settings.cluster, puts, retry)
     stopped = _stop_spare_tasks(settings, clients, labels, retry)
-    unhealthy = _mark_unhealthy(settings, clients, step, group, retry)
-    quarantine_stops = _stop_quarantined_tasks(settings, clients, step, as_left, group, healthy, retry)
+    serves = _serving_or_unknown(_serving_check(as_left, healthy, event, now), True,
+                                 "the mark and the stop of a quarantined host")
+    unhealthy = _mark_unhealthy(settings, clients, step, group, serves, retry)
+    quarantine_stops = _stop_quarantined_tasks(settings, clients, step, as_left, group, serves, retry)
     disconnected, disconnected_deferred = _replace_disconnected(settings, clients, agents, group, unhealthy, retry)
     never_formed, never_formed_deferred = _replace_unformed(
         settings, clients, joined, by_instance, group, unhealthy + disconnected, retry)
@@ -734,6 +867,7 @@ def reconcile(
         {
             "quarantined": dict(sorted(step.quarantined_now.items())),
             "in_quarantine": sorted(step.holding),  # out and not yet replaced (what the cap counts)
+            "quarantine_released": step.released,
             "quarantine_deferred": step.deferred,
             "marked_unhealthy": unhealthy + disconnected + never_formed,
             "never_formed_replaced": never_formed,
@@ -861,6 +995,8 @@ def _publish(settings: Settings, plan: Plan, summary: Mapping[str, Any], emit: C
                 "Quarantines": len(summary.get("quarantined", {})),
                 "InstancesInQuarantine": len(summary.get("in_quarantine", [])),
                 "QuarantinesDeferred": len(summary.get("quarantine_deferred", [])),
+                # Quarantines ended: the unit served with the host until its failures aged out (quarantine.py).
+                "QuarantinesReleased": len(summary.get("quarantine_released", [])),
                 # Tasks stopped on an instance in quarantine the group has not replaced yet (a rolling update).
                 "QuarantinedTasksStopped": len(summary.get("quarantined_tasks_stopped", [])),
                 "UnitFailuresCounted": summary.get("failures_counted", 0),

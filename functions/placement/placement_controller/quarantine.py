@@ -49,6 +49,8 @@ class QuarantineStep:
     in_quarantine: set[str] = field(default_factory=set)
     # Those of them still in the Auto Scaling group: the ones the cap counts (out, not yet replaced).
     holding: set[str] = field(default_factory=set)
+    # Instances whose quarantine this run ends: their unit served with them until their failures aged out.
+    released: list[str] = field(default_factory=list)
     deferred: list[str] = field(default_factory=list)
     unresolved: list[str] = field(default_factory=list)
     counted: int = 0
@@ -111,6 +113,7 @@ def quarantine_step(
     now: float,
     group: Collection[str] | None = None,
     replaced: Collection[str] = (),
+    serving: Callable[[str], bool] | None = None,
 ) -> QuarantineStep:
     """Record each new failure on its instance; quarantine the instances whose counted failures reach the limit.
 
@@ -130,12 +133,20 @@ def quarantine_step(
     down with the runtime. `replaced` are the instances the group is replacing for another cause
     (an ECS agent that stayed away) or starting: they take places under the same cap, one cap
     for every host out (ecs_health.being_replaced).
+
+    A quarantine held back by the cap may be taken after its unit formed again with the host, and the controller
+    leaves such a host, unmarked, to its unit while that unit serves with it (the handler's `_serving_check`,
+    `serving` here). It holds its place under the cap meanwhile. Once its counted failures no longer reach the
+    limit while its unit still serves with it (the oldest aged out of the window and its settling), its quarantine ends
+    (`released`): else it held the cap for as long as the unit served, which can be for good, and every later
+    quarantine of the cell was deferred (a cold review's repro: a third bad host never quarantined). Not
+    counting it under the cap instead let held hosts pile up, each taken when the cap looked free, and all be
+    marked at once when their units ended (the next review's repro: three out under a cap of one).
     """
     step = QuarantineStep()
     by_arn = {ci.arn: ci for ci in container_instances}
     step.in_quarantine = {ci.ec2_instance_id for ci in container_instances if QUARANTINE_ATTRIBUTE in ci.attributes}
     step.holding = {i for i in step.in_quarantine if group is None or i in group}
-    out = step.holding | set(replaced)
     own = {ci.ec2_instance_id: parse_times(ci.attributes.get(FAILURES_ATTRIBUTE)) for ci in container_instances}
     marks = {ci.ec2_instance_id: blame.parse_marks(ci.attributes.get(blame.ACCUSED_ATTRIBUTE))
              for ci in container_instances}
@@ -159,6 +170,15 @@ def quarantine_step(
     kept_own = {i: recent(times, now, policy) for i, times in own.items()}
     kept_marks = {i: {m for m in held if now - m.at < horizon} for i, held in marks.items()}
     tallies = blame.tally(kept_own, kept_marks, now)
+    if serving is not None:
+        step.released = sorted(i for i in step.holding - set(replaced)
+                               if not reaches_quarantine(tallies[i].counted, now, policy) and serving(i))
+        step.in_quarantine -= set(step.released)
+        step.holding -= set(step.released)
+        for instance_id in step.released:
+            LOG.warning("%s leaves quarantine: its unit served with it until its failures no longer reach the "
+                        "limit", instance_id)
+    out = step.holding | set(replaced)
     over = sorted(
         (i for i, t in tallies.items() if i not in step.in_quarantine and (group is None or i in group)
          and reaches_quarantine(t.counted, now, policy)),

@@ -1365,9 +1365,10 @@ def _signal_clients(cell: Cell, monkeypatch) -> Clients:
                                elbv2=boto3.client("elbv2", region_name=REGION, config=config))
 
 
-def _run_with_target_health(cell: Cell, clients: Clients, healthy: list[str], reads: int) -> dict:
-    """One run that reads the target health `reads` times (`healthy` the healthy targets) and asks whether the
-    group updates (the signal rule: no update, nothing to signal)."""
+def _run_with_target_health(cell: Cell, clients: Clients, healthy: list[str], reads: int,
+                            event: dict | None = None) -> dict:
+    """One run (of `event`'s triggers) that reads the target health `reads` times (`healthy` the healthy targets)
+    and asks whether the group updates (the signal rule: no update, nothing to signal)."""
     with Stubber(clients.elbv2) as elb, Stubber(clients.cloudformation) as cfn:
         for _ in range(reads):
             elb.add_response("describe_target_health", {"TargetHealthDescriptions": [
@@ -1381,7 +1382,8 @@ def _run_with_target_health(cell: Cell, clients: Clients, healthy: list[str], re
                                      "ResourceStatus": "UPDATE_COMPLETE"}},
             {"StackName": "Rufus-Cell-dev", "LogicalResourceId": "TrainiumNodesASG1"},
         )
-        summary = run_at_now(cell, clients)
+        with cell.active():
+            summary = reconcile(SETTINGS, clients, event or {}, aws.Retry(), cell.lines.append, now=NOW)
         elb.assert_no_pending_responses()
         cfn.assert_no_pending_responses()
     return summary
@@ -1495,15 +1497,16 @@ def test_a_released_session_end_clears_a_doubt_through_the_forwarder(monkeypatch
     assert summary["never_formed_replaced"] == [] and summary["fetch_doubted"] == []
 
 
-def _quarantined_member(monkeypatch, lifecycle: str = "InService") -> tuple[Cell, Clients]:
+def _quarantined_member(monkeypatch, lifecycle: str = "InService", marked: bool = True) -> tuple[Cell, Clients]:
     """u0 formed on i-0a (its leader) and i-0b, whose quarantine was taken after (held back by the cap): i-0b is
-    Unhealthy in the group and still runs its task. The run reads the target health and the stack (signals)."""
+    Unhealthy in the group (unless not `marked` yet) and still runs its task. The run reads the target health and
+    the stack (signals)."""
     cell = Cell()
-    cell.group(("i-0b",), **{"i-0a": "InService", "i-0b": lifecycle})
+    cell.group(("i-0b",) if marked else (), **{"i-0a": "InService", "i-0b": lifecycle})
     session = f"u0@{NOW - 600}/7"
     cell.containers([container("i-0a", running=1, unit="u0", unit_placement="topology", unit_session=session),
                      container("i-0b", running=1, quarantine="3 unit failures in 60 min", unit_session=session,
-                               unit_failures=f"{NOW - 900}")])
+                               unit_failures=f"{NOW - 300} {NOW - 600} {NOW - 900}")])
     cell.topology(["i-0a"], [topo("i-0a", "t", "m1", "b1")])
     return cell, _signal_clients(cell, monkeypatch)
 
@@ -1522,6 +1525,232 @@ def test_a_quarantined_host_s_task_is_stopped_once_its_unit_no_longer_serves(mon
     quarantined_tasks(cell, "i-0b", [task])
     summary = _run_with_target_health(cell, clients, [], reads=1)
     assert summary["quarantined_tasks_stopped"] == [task]
+
+
+def test_a_quarantined_host_is_not_marked_unhealthy_while_its_unit_serves_with_it(monkeypatch):
+    """The cell simulation's known gap (`known/deferred-quarantine-of-a-serving-unit.yaml`, I2): a quarantine held
+    back by the cap, taken once the unit had formed again with the host, marked it Unhealthy at once, and the
+    group's replacement (ECS managed draining) would stop the serving unit's task. The mark waits, as the stop."""
+    cell, clients = _quarantined_member(monkeypatch, marked=False)
+    summary = _run_with_target_health(cell, clients, ["i-0a"], reads=1)
+    assert summary["marked_unhealthy"] == [] and summary["quarantined_tasks_stopped"] == []
+
+
+def test_a_quarantined_host_is_marked_unhealthy_once_its_unit_no_longer_serves(monkeypatch):
+    cell, clients = _quarantined_member(monkeypatch, marked=False)
+    health_call(cell, "i-0b")
+    task = f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/0b"
+    quarantined_tasks(cell, "i-0b", [task])
+    summary = _run_with_target_health(cell, clients, [], reads=1)
+    assert summary["marked_unhealthy"] == ["i-0b"] and summary["quarantined_tasks_stopped"] == [task]
+
+
+def test_a_run_that_brings_the_end_of_the_host_s_formation_marks_it_before_the_target_turns_unhealthy(monkeypatch):
+    """The session end reaches the controller in seconds; the ALB calls the leader unhealthy after two failed
+    checks 10 s apart. With the serving guard alone, the run set off by the end saw the leader still healthy and
+    put the mark and the stop off to the next run."""
+    cell, clients = _quarantined_member(monkeypatch, marked=False)
+    health_call(cell, "i-0b")
+    task = f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/0b"
+    quarantined_tasks(cell, "i-0b", [task])
+    end = session_end("i-0b", "7", NOW - 5, cause="divergence", released_at=NOW - 600)
+    summary = _run_with_target_health(cell, clients, ["i-0a"], reads=0, event=end)
+    assert summary["marked_unhealthy"] == ["i-0b"] and summary["quarantined_tasks_stopped"] == [task]
+
+
+def _held_and_a_new_third_failure(monkeypatch, held_failures: str, healthy: list[str]) -> tuple[Cell, Clients]:
+    """u1 = i-0l (leader, a healthy target) + i-0q, in quarantine but unmarked (its unit serves with it), with
+    `held_failures`; u0's follower i-0b fails a third time (this run's trigger)."""
+    cell = Cell()
+    cell.group(**{"i-0a": "InService", "i-0b": "InService", "i-0l": "InService", "i-0q": "InService"})
+    session = f"u1@{NOW - 600}/7"
+    cell.containers([
+        container("i-0a", running=1, unit="u0", unit_placement="topology"),
+        container("i-0b", running=1, unit="u0", unit_placement="topology", unit_failures=f"{NOW - 100} {NOW - 900}"),
+        container("i-0l", running=1, unit="u1", unit_placement="topology", unit_session=session),
+        container("i-0q", running=1, quarantine="3 unit failures in 60 min", unit_session=session,
+                  unit_failures=held_failures)])
+    cell.ecs.add_response("describe_tasks", {"tasks": [{"taskArn": TASK_B, "containerInstanceArn": arn("i-0b")}],
+                                             "failures": []}, {"cluster": CLUSTER, "tasks": [TASK_B]})
+    return cell, _signal_clients(cell, monkeypatch)
+
+
+def test_a_quarantined_host_its_unit_serves_with_holds_the_cap_while_its_failures_count(monkeypatch):
+    """One host out at a time: the held host counts under the cap (1), so the third failure of i-0b is deferred.
+    Not counting it (the first answer to a cold review's finding) let held hosts pile up, each taken while the cap
+    looked free, and all be marked at once when their units ended (the next review: three out under a cap of 1)."""
+    cell, clients = _held_and_a_new_third_failure(monkeypatch, f"{NOW - 1200} {NOW - 1500} {NOW - 1800}", ["i-0l"])
+    cell.topology(["i-0a", "i-0b", "i-0l"], [topo(i, "t", "m1", "b1") for i in ("i-0a", "i-0b", "i-0l")])
+    times = [{"name": "unit-failures", "value": f"{NOW - 5} {NOW - 100} {NOW - 900}",
+              "targetType": "container-instance", "targetId": arn("i-0b")}]
+    cell.ecs.add_response("put_attributes", {"attributes": times}, {"cluster": CLUSTER, "attributes": times})
+    summary = _run_with_target_health(cell, clients, ["i-0l"], reads=1,
+                                      event={"Records": [failure_record(TASK_B, NOW - 4.6)]})
+    assert summary["quarantined"] == {} and summary["quarantine_deferred"] == ["i-0b"], summary
+    assert summary["in_quarantine"] == ["i-0q"] and summary["marked_unhealthy"] == [], summary
+
+
+def test_a_quarantine_ends_once_its_unit_served_with_the_host_until_its_failures_aged_out(monkeypatch):
+    """A cold review's finding (helper-158): the held host held the cap for as long as its unit served with it,
+    which can be for good, and a later bad host was never quarantined. Its unit served with it a whole window since
+    its failures: the quarantine ends (its attribute deleted) and the cap takes the next host."""
+    cell, clients = _held_and_a_new_third_failure(monkeypatch, f"{NOW - 3700} {NOW - 4000} {NOW - 4300}", ["i-0l"])
+    cell.topology(["i-0a", "i-0l", "i-0q"], [topo(i, "t", "m1", "b1") for i in ("i-0a", "i-0l", "i-0q")])
+    reason = f"3 unit failures in 60 min: last member_engine_exit of u0 at {NOW - 5}"
+    cell.ecs.add_response("delete_attributes", {"attributes": []}, {"cluster": CLUSTER, "attributes": [
+        *delete("i-0q", "quarantine"), *delete("i-0b", "unit", "unit-placement")]})
+    writes = [{"name": name, "value": value, "targetType": "container-instance", "targetId": arn(instance)}
+              for instance, name, value in (("i-0b", "unit-failures", f"{NOW - 5} {NOW - 100} {NOW - 900}"),
+                                            ("i-0b", "quarantine", reason),
+                                            # its unit's label back: it still runs u1's task
+                                            ("i-0q", "unit", "u1"), ("i-0q", "unit-placement", "topology"))]
+    cell.ecs.add_response("put_attributes", {"attributes": writes}, {"cluster": CLUSTER, "attributes": writes})
+    health_call(cell, "i-0b")
+    quarantined_tasks(cell, "i-0b", [TASK_B])
+    summary = _run_with_target_health(cell, clients, ["i-0l"], reads=1,
+                                      event={"Records": [failure_record(TASK_B, NOW - 4.6)]})
+    assert summary["quarantine_released"] == ["i-0q"] and summary["quarantined"] == {"i-0b": reason}, summary
+    assert summary["in_quarantine"] == ["i-0b"] and summary["marked_unhealthy"] == ["i-0b"], summary
+
+
+def _aged_quarantine(monkeypatch, unhealthy: bool = False) -> tuple[Cell, Clients]:
+    """u1 = i-0l (leader) + i-0q, in quarantine (Unhealthy in the group if `unhealthy`), both with the record of
+    the formation u1 had with i-0q; i-0q's failures have aged out of the window."""
+    cell = Cell()
+    cell.group(("i-0q",) if unhealthy else (), **{"i-0l": "InService", "i-0q": "InService"})
+    session = f"u1@{NOW - 7200}/7"
+    cell.containers([container("i-0l", running=1, unit="u1", unit_placement="topology", unit_session=session),
+                     container("i-0q", running=1, quarantine="3 unit failures in 60 min", unit_session=session,
+                               unit_failures=f"{NOW - 3700} {NOW - 4000} {NOW - 4300}")])
+    cell.topology(["i-0l"], [topo("i-0l", "t", "m1", "b1")])
+    return cell, _signal_clients(cell, monkeypatch)
+
+
+def test_a_quarantine_that_ends_gives_no_label_of_a_unit_the_cell_no_longer_has(monkeypatch):
+    """Its record names u9 (a unit of a larger cell before a scale-in): the quarantine ends, no label is put."""
+    cell = Cell()
+    cell.group(**{"i-0l": "InService", "i-0q": "InService"})
+    session = f"u9@{NOW - 7200}/7"
+    cell.containers([container("i-0l", running=1, unit_session=session),
+                     container("i-0q", running=1, quarantine="3 unit failures in 60 min", unit_session=session,
+                               unit_failures=f"{NOW - 3700} {NOW - 4000} {NOW - 4300}")])
+    cell.topology(["i-0l", "i-0q"], [topo(i, "t", "m1", "b1") for i in ("i-0l", "i-0q")])
+    cell.ecs.add_response("delete_attributes", {"attributes": []},
+                          {"cluster": CLUSTER, "attributes": delete("i-0q", "quarantine")})
+    clients = _signal_clients(cell, monkeypatch)
+    summary = _run_with_target_health(cell, clients, ["i-0l"], reads=1)
+    assert summary["quarantine_released"] == ["i-0q"], summary
+
+
+def test_a_quarantined_host_its_group_replaces_stays_in_quarantine_when_its_failures_age_out(monkeypatch):
+    """Marked Unhealthy (during a rolling update the group keeps it to the update's end): it is out, whatever the
+    target health says; only a host its unit still serves with, unmarked, leaves quarantine."""
+    cell, clients = _aged_quarantine(monkeypatch, unhealthy=True)
+    summary = _run_with_target_health(cell, clients, ["i-0l"], reads=1)
+    assert summary["quarantine_released"] == [] and summary["in_quarantine"] == ["i-0q"], summary
+
+
+def test_a_quarantined_host_its_unit_no_longer_serves_with_stays_in_quarantine_and_is_marked(monkeypatch):
+    cell, clients = _aged_quarantine(monkeypatch)
+    health_call(cell, "i-0q")
+    task = f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/0q"
+    quarantined_tasks(cell, "i-0q", [task])
+    summary = _run_with_target_health(cell, clients, [], reads=1)
+    assert summary["quarantine_released"] == [] and summary["marked_unhealthy"] == ["i-0q"], summary
+
+
+def test_a_formation_of_its_unit_this_run_brings_keeps_a_host_in_quarantine(monkeypatch):
+    """A cold review's repro (helper-161): u1 formed again without i-0q, and this run brings the line; the leader's
+    record as first read is still the old formation's, its target healthy for the new one: i-0q was released
+    and made a spare, unmarked. The new formation decides: i-0q stays in quarantine and is marked."""
+    cell, clients = _aged_quarantine(monkeypatch)
+    new = f"u1@{NOW - 60}/7"
+    line = {"source": "unit-launcher", "detail-type": "Unit Session Formed", "id": "9",
+            "detail": {"event": "unit_session_formed", "cell": "dev", "unit_id": "u1", "revision": "7",
+                       "session_id": "5e5f", "released_at": NOW - 60,
+                       "members": [{"rank": 0, "instance_id": "i-0l"}]}}  # (its new follower's record aside)
+    record = [{"name": "unit-session", "value": new, "targetType": "container-instance", "targetId": arn("i-0l")}]
+    cell.ecs.add_response("put_attributes", {"attributes": record}, {"cluster": CLUSTER, "attributes": record})
+    health_call(cell, "i-0q")
+    task = f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/0q"
+    quarantined_tasks(cell, "i-0q", [task])
+    summary = _run_with_target_health(cell, clients, ["i-0l"], reads=0, event={"Records": [{"body": json.dumps(line)}]})
+    assert summary["quarantine_released"] == [] and summary["marked_unhealthy"] == ["i-0q"], summary
+
+
+def _formed_line(released_at: float, *members: str) -> dict:
+    """u0's `unit_session_formed` line as the forwarder enqueues it (members: EC2 instance ids in tests)."""
+    return {"body": json.dumps({"source": "unit-launcher", "detail-type": "Unit Session Formed", "id": f"{released_at}",
+                                "detail": {"event": "unit_session_formed", "cell": "dev", "unit_id": "u0",
+                                           "revision": "7", "session_id": f"s{released_at}", "released_at": released_at,
+                                           "members": [{"rank": r, "instance_id": m} for r, m in enumerate(members)]}})}
+
+
+def _serving_with_a_quarantined_follower(monkeypatch, record: float,
+                                         leader: float | None = None) -> tuple[Cell, Clients]:
+    """u0 = i-0a (leader, a healthy target) + i-0b, in quarantine, unmarked, failures counting; i-0b recorded with
+    u0's formation released at `record`, i-0a with the one at `leader` (the same by default)."""
+    cell = Cell()
+    cell.group(**{"i-0a": "InService", "i-0b": "InService"})
+    cell.containers([container("i-0a", running=1, unit="u0", unit_placement="topology",
+                               unit_session=f"u0@{record if leader is None else leader:.0f}/7"),
+                     container("i-0b", running=1, quarantine="3 unit failures in 60 min",
+                               unit_session=f"u0@{record:.0f}/7",
+                               unit_failures=f"{NOW - 300} {NOW - 600} {NOW - 900}")])
+    cell.topology(["i-0a"], [topo("i-0a", "t", "m1", "b1")])
+    return cell, _signal_clients(cell, monkeypatch)
+
+
+def test_two_formations_with_the_host_in_one_batch_do_not_mark_it_while_the_later_serves(monkeypatch):
+    """A cold review's repro (helper-162): u0 formed twice with i-0a and i-0b, and one batch brings both lines (a
+    failed run's batch coming back). The earlier formation's line said u0 no longer served with i-0b: marked and
+    stopped while the later one served. Only a later formation says so."""
+    cell, clients = _serving_with_a_quarantined_follower(monkeypatch, NOW - 1200)
+    later = f"u0@{NOW - 600}/7"
+    records = [{"name": "unit-session", "value": later, "targetType": "container-instance", "targetId": arn(i)}
+               for i in ("i-0a", "i-0b")]
+    cell.ecs.add_response("put_attributes", {"attributes": records}, {"cluster": CLUSTER, "attributes": records})
+    event = {"Records": [_formed_line(NOW - 900, "i-0a", "i-0b"), _formed_line(NOW - 600, "i-0a", "i-0b")]}
+    summary = _run_with_target_health(cell, clients, ["i-0a"], reads=1, event=event)
+    assert summary["marked_unhealthy"] == [] and summary["quarantined_tasks_stopped"] == [], summary
+
+
+def test_a_healthy_target_of_another_formation_does_not_hold_a_quarantined_host(monkeypatch):
+    """Only a healthy target of the host's own formation holds its mark: i-0a leads a later formation of u0 (its
+    record already written), without i-0b."""
+    cell, clients = _serving_with_a_quarantined_follower(monkeypatch, NOW - 1200, leader=NOW - 600)
+    health_call(cell, "i-0b")
+    task = f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/0b"
+    quarantined_tasks(cell, "i-0b", [task])
+    summary = _run_with_target_health(cell, clients, ["i-0a"], reads=1)
+    assert summary["marked_unhealthy"] == ["i-0b"] and summary["quarantined_tasks_stopped"] == [task], summary
+
+
+def test_an_unreadable_target_health_ends_no_quarantine_and_marks_nothing_the_run_goes_on(monkeypatch, caplog):
+    """Both reads refused: no release (before the writes), and the mark and the stop wait (after them) rather than
+    mark a host whose unit may serve with it; the run itself completes."""
+    cell, clients = _aged_quarantine(monkeypatch)
+    with Stubber(clients.elbv2) as elb, Stubber(clients.cloudformation) as cfn:
+        for _ in range(2):
+            elb.add_client_error("describe_target_health", "AccessDenied", "no", 403)
+        cfn.add_response("describe_stack_resource", {"StackResourceDetail": {
+            "LogicalResourceId": "TrainiumNodesASG1", "ResourceType": "AWS::AutoScaling::AutoScalingGroup",
+            "LastUpdatedTimestamp": "2026-01-01T00:00:00Z", "ResourceStatus": "UPDATE_COMPLETE"}},
+            {"StackName": "Rufus-Cell-dev", "LogicalResourceId": "TrainiumNodesASG1"})
+        with cell.active():
+            summary = reconcile(SETTINGS, clients, {}, aws.Retry(), cell.lines.append, now=NOW)
+        elb.assert_no_pending_responses()
+    assert summary["quarantine_released"] == [] and summary["marked_unhealthy"] == [], summary
+    assert "the end of a quarantine waits" in caplog.text and "the mark and the stop" in caplog.text
+
+
+def test_a_session_end_older_than_the_target_health_s_lag_does_not_decide(monkeypatch):
+    """A cold review's finding: a line that came late could end an older formation than the one the host serves in
+    (the newer formation's own line not arrived yet). Past ENDED_RECENTLY_SECONDS the target health decides."""
+    cell, clients = _quarantined_member(monkeypatch, marked=False)
+    end = session_end("i-0b", "7", NOW - 121, cause="divergence", released_at=NOW - 600)
+    summary = _run_with_target_health(cell, clients, ["i-0a"], reads=1, event=end)
+    assert summary["marked_unhealthy"] == [] and summary["quarantined_tasks_stopped"] == []
 
 
 def test_a_quarantined_host_the_group_is_terminating_is_left_to_its_draining(monkeypatch):
