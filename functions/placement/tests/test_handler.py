@@ -1497,17 +1497,22 @@ def test_a_released_session_end_clears_a_doubt_through_the_forwarder(monkeypatch
     assert summary["never_formed_replaced"] == [] and summary["fetch_doubted"] == []
 
 
-def _quarantined_member(monkeypatch, lifecycle: str = "InService", marked: bool = True) -> tuple[Cell, Clients]:
-    """u0 formed on i-0a (its leader) and i-0b, whose quarantine was taken after (held back by the cap): i-0b is
-    Unhealthy in the group (unless not `marked` yet) and still runs its task. The run reads the target health and
-    the stack (signals)."""
+def _quarantined_member(monkeypatch, lifecycle: str = "InService", marked: bool = True, *, unit: str = "u0",
+                        leader: str = "i-0a", host: str = "i-0b", released: float = NOW - 600,
+                        leader_released: float | None = None,
+                        failures: tuple[float, ...] = (NOW - 300, NOW - 600, NOW - 900)) -> tuple[Cell, Clients]:
+    """`unit` formed on `leader` and `host` (by default u0 on i-0a and i-0b), whose quarantine was taken after (held
+    back by the cap): `host` is Unhealthy in the group (unless not `marked` yet) and still runs its task; both carry
+    the record of the formation released at `released` (the leader that of `leader_released` when given), `host`
+    its failure times. The run reads the target health and the stack (signals)."""
     cell = Cell()
-    cell.group(("i-0b",) if marked else (), **{"i-0a": "InService", "i-0b": lifecycle})
-    session = f"u0@{NOW - 600}/7"
-    cell.containers([container("i-0a", running=1, unit="u0", unit_placement="topology", unit_session=session),
-                     container("i-0b", running=1, quarantine="3 unit failures in 60 min", unit_session=session,
-                               unit_failures=f"{NOW - 300} {NOW - 600} {NOW - 900}")])
-    cell.topology(["i-0a"], [topo("i-0a", "t", "m1", "b1")])
+    cell.group((host,) if marked else (), **{leader: "InService", host: lifecycle})
+    record = f"{unit}@{released:.0f}/7"
+    cell.containers([container(leader, running=1, unit=unit, unit_placement="topology",
+                               unit_session=record if leader_released is None else f"{unit}@{leader_released:.0f}/7"),
+                     container(host, running=1, quarantine="3 unit failures in 60 min", unit_session=record,
+                               unit_failures=" ".join(f"{t:.0f}" for t in failures))])
+    cell.topology([leader], [topo(leader, "t", "m1", "b1")])
     return cell, _signal_clients(cell, monkeypatch)
 
 
@@ -1616,14 +1621,8 @@ def test_a_quarantine_ends_once_its_unit_served_with_the_host_until_its_failures
 def _aged_quarantine(monkeypatch, unhealthy: bool = False) -> tuple[Cell, Clients]:
     """u1 = i-0l (leader) + i-0q, in quarantine (Unhealthy in the group if `unhealthy`), both with the record of
     the formation u1 had with i-0q; i-0q's failures have aged out of the window."""
-    cell = Cell()
-    cell.group(("i-0q",) if unhealthy else (), **{"i-0l": "InService", "i-0q": "InService"})
-    session = f"u1@{NOW - 7200}/7"
-    cell.containers([container("i-0l", running=1, unit="u1", unit_placement="topology", unit_session=session),
-                     container("i-0q", running=1, quarantine="3 unit failures in 60 min", unit_session=session,
-                               unit_failures=f"{NOW - 3700} {NOW - 4000} {NOW - 4300}")])
-    cell.topology(["i-0l"], [topo("i-0l", "t", "m1", "b1")])
-    return cell, _signal_clients(cell, monkeypatch)
+    return _quarantined_member(monkeypatch, marked=unhealthy, unit="u1", leader="i-0l", host="i-0q",
+                               released=NOW - 7200, failures=(NOW - 3700, NOW - 4000, NOW - 4300))
 
 
 def test_a_quarantine_that_ends_gives_no_label_of_a_unit_the_cell_no_longer_has(monkeypatch):
@@ -1690,15 +1689,7 @@ def _serving_with_a_quarantined_follower(monkeypatch, record: float,
                                          leader: float | None = None) -> tuple[Cell, Clients]:
     """u0 = i-0a (leader, a healthy target) + i-0b, in quarantine, unmarked, failures counting; i-0b recorded with
     u0's formation released at `record`, i-0a with the one at `leader` (the same by default)."""
-    cell = Cell()
-    cell.group(**{"i-0a": "InService", "i-0b": "InService"})
-    cell.containers([container("i-0a", running=1, unit="u0", unit_placement="topology",
-                               unit_session=f"u0@{record if leader is None else leader:.0f}/7"),
-                     container("i-0b", running=1, quarantine="3 unit failures in 60 min",
-                               unit_session=f"u0@{record:.0f}/7",
-                               unit_failures=f"{NOW - 300} {NOW - 600} {NOW - 900}")])
-    cell.topology(["i-0a"], [topo("i-0a", "t", "m1", "b1")])
-    return cell, _signal_clients(cell, monkeypatch)
+    return _quarantined_member(monkeypatch, marked=False, released=record, leader_released=leader)
 
 
 def test_two_formations_with_the_host_in_one_batch_do_not_mark_it_while_the_later_serves(monkeypatch):
