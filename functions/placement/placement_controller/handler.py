@@ -366,7 +366,8 @@ def _launcher_records(
     """The triggers' `spare_ready`, `unit_session_formed` and `unit_session_end` lines, per instance.
 
     A spare task's readiness goes to its instance (`spare-ready`: when); a released session to each
-    member's instance (`unit-session`: `<unit>@<released_at>/<revision>`). A member whose own fetch or
+    member's instance (`unit-session`: `<unit>@<released_at>/<revision>`), never back to an earlier formation of
+    the same unit (a late line: each log stream comes by its own delivery). A member whose own fetch or
     check failed (`unformed.fetch_failure`) under the revision it formed with, after that formation, is
     doubted (`unformed.fetch_failed_since_formed`); one a later formation names, or a later session end
     lists ready, is cleared. Members are task ARNs or ids on ECS (one DescribeTasks for all), EC2 instance
@@ -407,8 +408,14 @@ def _launcher_records(
     found = LauncherRecords({}, {}, {})
     for member, name, value in wanted:
         ci = by_instance.get(member) or by_arn.get(hosts.get(member, ""))
-        if ci is not None and ci.attributes.get(name) != value:
-            found.values[(ci.ec2_instance_id, name)] = value
+        if ci is None:
+            continue
+        key = (ci.ec2_instance_id, name)
+        current = found.values.get(key, ci.attributes.get(name))
+        if name == signals.SESSION_ATTRIBUTE and _later_formation_of_the_same_unit(str(current or ""), value):
+            continue  # a late line of an earlier formation (each log stream comes by its own delivery)
+        if current != value:
+            found.values[key] = value
     for when, member, failure in sorted(said, key=lambda line: line[0]):
         ci = by_instance.get(member) or by_arn.get(hosts.get(member, ""))
         if ci is None:

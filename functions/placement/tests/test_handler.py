@@ -1706,6 +1706,17 @@ def test_two_formations_with_the_host_in_one_batch_do_not_mark_it_while_the_late
     assert summary["marked_unhealthy"] == [] and summary["quarantined_tasks_stopped"] == [], summary
 
 
+def test_a_late_line_of_an_earlier_formation_leaves_the_records_and_the_host_alone(monkeypatch):
+    """A cold review's repro (helper-162): u0 serves in its formation of NOW - 600 with i-0a and i-0b (in quarantine,
+    unmarked); a late line of its formation of NOW - 900 comes (each log stream by its own delivery). The leader's
+    record went back to the earlier formation, so nothing healthy shared i-0b's: i-0b was marked and its task
+    stopped while its unit served (seen: marked ['i-0b']). A record now only moves forward within a unit."""
+    cell, clients = _serving_with_a_quarantined_follower(monkeypatch, NOW - 600)
+    summary = _run_with_target_health(cell, clients, ["i-0a"], reads=1,
+                                      event={"Records": [_formed_line(NOW - 900, "i-0a")]})
+    assert summary["sessions_recorded"] == [] and summary["marked_unhealthy"] == [], summary
+
+
 def test_a_healthy_target_of_another_formation_does_not_hold_a_quarantined_host(monkeypatch):
     """Only a healthy target of the host's own formation holds its mark: i-0a leads a later formation of u0 (its
     record already written), without i-0b."""
