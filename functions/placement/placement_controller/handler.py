@@ -570,25 +570,18 @@ def _stop_quarantined_tasks(
 def _serving_check(known: Mapping[str, aws.ContainerInstance], healthy: Callable[[], set[str]],
                    event: Mapping[str, Any], now: float) -> Callable[[str], bool]:
     """Whether the unit formed last with an instance (by EC2 id) serves: an instance of the same formation (the
-    same `unit-session` record, its leader's included) is a healthy target, and no session end this run brings
-    names that formation.
+    same `unit-session` record, its leader's included) is a healthy target.
 
-    The session end decides when the run has it: the log line reaches the controller in seconds (subscription,
-    forwarder, queue), while the ALB takes two failed checks 10 s apart to call the leader unhealthy
-    (UnhealthyThresholdCount 2, HealthCheckInterval 10 s, in the cell's template): a run set off by the failure
-    that ends the session would see the target still healthy and put off the quarantine's mark and stop to the
-    next run (the 5-minute sweep at the latest). Only an end of the last ENDED_RECENTLY_SECONDS counts: an older
-    line says no more than the target health, and a line that came that late could be of an older formation than
-    the one the host's record will name once the newer formation's line arrives (a cold review). Nor does it
-    serve when this run brings a later formation of its unit (`unit_session_formed`, released after the host's
-    record): the records as first read (the quarantine step's view) do not have it yet, and the leader's target,
-    healthy for the new formation, was taken for the host's own (a cold review's repro: a host released and made
-    a spare unmarked). Only a later one: an earlier formation's line, late or in the same batch, said a unit
-    that serves with the host did not, and the host was marked and stopped (the next review). A later formation
-    with the host in it says "no" too in the step's view (no release that run); in the mark's view the host's
-    record is that formation's."""
-    ended = _ended_formations(event, now)
-    formed = _formed_this_run(event)
+    The run's own triggers decide first, as the target health lags them: the ALB calls a leader unhealthy after
+    two failed checks 10 s apart (UnhealthyThresholdCount 2, HealthCheckInterval 10 s, in the cell's template),
+    while a launcher line reaches the controller in seconds. So the formation does not serve when the triggers
+    bring its end (ended within ENDED_RECENTLY_SECONDS: an older line says no more than the target health, and
+    may be of an older formation than the one the host's record will name), or a later formation of its unit
+    (released after the host's record: the records as first read do not have it yet, and its healthy leader
+    would pass for the host's; an earlier formation's line, late or in the same batch, says nothing)."""
+    ended = {_session_record(d) for d in _launcher_lines(event, "unit_session_end")
+             if d.get("released_at") and abs(now - float(d.get("ended_at") or 0)) <= ENDED_RECENTLY_SECONDS}
+    formed = {_session_record(d) for d in _launcher_lines(event, "unit_session_formed")}
 
     def serves(instance_id: str) -> bool:
         session = (known[instance_id].attributes.get(signals.SESSION_ATTRIBUTE)
@@ -613,40 +606,28 @@ def _later_formation_of_the_same_unit(record: str, session: str) -> bool:
             and int(released) > int(own_released))
 
 
-def _formed_this_run(event: Mapping[str, Any]) -> set[str]:
-    """The `unit-session` records of the formations whose `unit_session_formed` line this run's triggers bring."""
-    formed = set()
+def _launcher_lines(event: Mapping[str, Any], name: str) -> list[Mapping[str, Any]]:
+    """The launcher lines named `name` among this run's triggers that name their unit and release time, and whose
+    times are numbers (a malformed line is skipped)."""
+    lines = []
     for record in signals.records(event):
         detail = record.get("detail")
         if record.get("source") != EVENT_SOURCE or not isinstance(detail, Mapping):
             continue
-        if detail.get("event") == "unit_session_formed" and detail.get("unit_id"):
-            try:
-                formed.add(unformed.session_value(str(detail["unit_id"]), float(detail["released_at"]),
-                                                  str(detail.get("revision") or "")))
-            except (KeyError, TypeError, ValueError):
-                continue
-    return formed
-
-
-def _ended_formations(event: Mapping[str, Any], now: float) -> set[str]:
-    """The `unit-session` records of the released sessions whose end this run's triggers bring, ended within the
-    last ENDED_RECENTLY_SECONDS (the launcher's `unit_session_end` lines carry the session's `released_at` and
-    revision, as its `unit_session_formed` line, and `ended_at`, on the writer's clock)."""
-    ended = set()
-    for record in signals.records(event):
-        detail = record.get("detail")
-        if record.get("source") != EVENT_SOURCE or not isinstance(detail, Mapping):
+        if detail.get("event") != name or not detail.get("unit_id") or detail.get("released_at") is None:
             continue
-        if detail.get("event") == "unit_session_end" and detail.get("unit_id") and detail.get("released_at"):
-            try:
-                if abs(now - float(detail.get("ended_at") or 0)) > ENDED_RECENTLY_SECONDS:
-                    continue
-                ended.add(unformed.session_value(str(detail["unit_id"]), float(detail["released_at"]),
-                                                 str(detail.get("revision") or "")))
-            except (TypeError, ValueError):
-                continue
-    return ended
+        try:
+            float(detail["released_at"]), float(detail.get("ended_at") or 0)
+        except (TypeError, ValueError):
+            continue
+        lines.append(detail)
+    return lines
+
+
+def _session_record(detail: Mapping[str, Any]) -> str:
+    """The `unit-session` record of the formation a launcher line names (`unformed.session_value`)."""
+    return unformed.session_value(str(detail["unit_id"]), float(detail["released_at"]),
+                                  str(detail.get("revision") or ""))
 
 
 def _agent_attribute_writes(
