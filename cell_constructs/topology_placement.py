@@ -648,7 +648,7 @@ class TopologyPlacement(Construct):
         `unit_session_formed` line) and the unit's leader is healthy in the target group, or
         once it is a warm spare with the model cached and every unit serves
         (placement_controller/signals.py). `pause_seconds` is the group's PauseTime: an instance that
-        registered longer ago than that is not signalled again (signals.awaited).
+        registered longer ago than two of them is not signalled again (signals.awaited).
         """
         if pause_seconds < 1:
             raise ValueError(f"pause_seconds must be >= 1, got {pause_seconds}")

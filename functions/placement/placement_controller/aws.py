@@ -125,7 +125,9 @@ class ContainerInstance:
     # runningTasksCount ("tasks ... that have a desired status (desiredStatus) of RUNNING") nor
     # pendingTasksCount ("tasks ... in the PENDING status"), botocore 1.44.8 ecs/2014-11-13 ContainerInstance.
     stopping_tasks: int = 0
-    # DescribeContainerInstances `registeredAt` (Unix seconds), None when ECS gives none.
+    # DescribeContainerInstances `registeredAt` ("the Unix timestamp for the time when the container instance was
+    # registered", botocore 1.44.18 ecs/2014-11-13 ContainerInstance; botocore parses it to a datetime), in Unix
+    # seconds; None when ECS gives none.
     registered_at: float | None = None
 
     @property
@@ -172,17 +174,8 @@ def _parse_container_instance(raw: Mapping[str, Any]) -> ContainerInstance:
         running_tasks=int(raw.get("runningTasksCount", 0)),
         pending_tasks=int(raw.get("pendingTasksCount", 0)),
         attributes={a["name"]: a.get("value") for a in raw.get("attributes", [])},
-        registered_at=_seconds(raw.get("registeredAt")),
+        registered_at=raw["registeredAt"].timestamp() if isinstance(raw.get("registeredAt"), datetime) else None,
     )
-
-
-def _seconds(value: Any) -> float | None:
-    """A timestamp of an AWS answer (botocore parses it to a datetime) as Unix seconds."""
-    if isinstance(value, datetime):
-        return value.timestamp()
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    return None
 
 
 def describe_container_instances(
