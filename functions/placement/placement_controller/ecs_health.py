@@ -113,9 +113,10 @@ def being_replaced(group: Mapping[str, aws.GroupInstance]) -> set[str]:
     return {i for i, g in group.items() if g.health == "Unhealthy" or g.lifecycle in STARTING_LIFECYCLE_STATES}
 
 
-def replacing(group: Mapping[str, aws.GroupInstance], marked: Sequence[str]) -> int:
-    """How many instances are out now: `being_replaced`, and those just marked."""
-    return len(being_replaced(group) | set(marked))
+def replacing(group: Mapping[str, aws.GroupInstance], out: Sequence[str]) -> int:
+    """How many instances are out now: `being_replaced`, and `out` (those just marked, and those in quarantine
+    the group still counts healthy: their mark comes when their unit stops serving with them)."""
+    return len(being_replaced(group) | set(out))
 
 
 def choose(broken: Sequence[tuple[float, str]], budget: int, updating: bool) -> tuple[list[str], list[str]]:

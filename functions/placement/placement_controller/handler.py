@@ -672,7 +672,7 @@ def _replace_unformed(
     seen: unformed.UnformedObservation,
     by_instance: Mapping[str, aws.ContainerInstance],
     group: Mapping[str, aws.GroupInstance],
-    marked: list[str],
+    out: list[str],
     retry: aws.Retry,
 ) -> tuple[list[str], list[str]]:
     """Mark the members past their deadline (`unformed`), within the quarantine cap; (marked, deferred).
@@ -680,7 +680,7 @@ def _replace_unformed(
     The count of each unit is raised before its marks and put back when the group took none of them."""
     if not seen.overdue:
         return [], []
-    budget = settings.quarantine.max_instances - ecs_health.replacing(group, marked)
+    budget = settings.quarantine.max_instances - ecs_health.replacing(group, out)
     updating = budget > 0 and _group_updating(clients, retry)
     chosen, deferred = ecs_health.choose([(late, i) for late, i, _ in seen.overdue], budget, updating)
     units = {i: unit for _, i, unit in seen.overdue}
@@ -712,13 +712,13 @@ def _replace_disconnected(
     clients: Clients,
     seen: EcsHealthObservation,
     group: Mapping[str, aws.GroupInstance],
-    marked: list[str],
+    out: list[str],
     retry: aws.Retry,
 ) -> tuple[list[str], list[str]]:
     """Mark instances whose agent stayed away past the grace, within the quarantine cap; (marked, deferred)."""
     if not seen.broken:
         return [], []
-    budget = settings.quarantine.max_instances - ecs_health.replacing(group, marked)
+    budget = settings.quarantine.max_instances - ecs_health.replacing(group, out)
     updating = budget > 0 and _group_updating(clients, retry)
     chosen, deferred = ecs_health.choose(seen.broken, budget, updating)
     done = [i for i in chosen if aws.mark_unhealthy(clients.autoscaling, i, retry)]
@@ -847,9 +847,12 @@ def reconcile(
                                  "the mark and the stop of a quarantined host")
     unhealthy = _mark_unhealthy(settings, clients, step, group, serves, retry)
     quarantine_stops = _stop_quarantined_tasks(settings, clients, step, as_left, group, serves, retry)
-    disconnected, disconnected_deferred = _replace_disconnected(settings, clients, agents, group, unhealthy, retry)
+    # One cap for every host out: a quarantined host its unit still serves with is not Unhealthy in the group yet,
+    # but it will be marked when that unit ends, whatever else is out by then.
+    out = sorted(step.holding | set(unhealthy))
+    disconnected, disconnected_deferred = _replace_disconnected(settings, clients, agents, group, out, retry)
     never_formed, never_formed_deferred = _replace_unformed(
-        settings, clients, joined, by_instance, group, unhealthy + disconnected, retry)
+        settings, clients, joined, by_instance, group, out + disconnected, retry)
     summary = _summary(settings, plan, topology, left, skipped, written, deleted, retry.retried)
     summary.update(
         {

@@ -1500,19 +1500,22 @@ def test_a_released_session_end_clears_a_doubt_through_the_forwarder(monkeypatch
 def _quarantined_member(monkeypatch, lifecycle: str = "InService", marked: bool = True, *, unit: str = "u0",
                         leader: str = "i-0a", host: str = "i-0b", released: float = NOW - 600,
                         leader_released: float | None = None,
-                        failures: tuple[float, ...] = (NOW - 300, NOW - 600, NOW - 900)) -> tuple[Cell, Clients]:
+                        failures: tuple[float, ...] = (NOW - 300, NOW - 600, NOW - 900),
+                        others: tuple[dict, ...] = ()) -> tuple[Cell, Clients]:
     """`unit` formed on `leader` and `host` (by default u0 on i-0a and i-0b), whose quarantine was taken after (held
     back by the cap): `host` is Unhealthy in the group (unless not `marked` yet) and still runs its task; both carry
     the record of the formation released at `released` (the leader that of `leader_released` when given), `host`
-    its failure times. The run reads the target health and the stack (signals)."""
+    its failure times. `others` are more container instances, InService in the group. The run reads the target
+    health and the stack (signals)."""
     cell = Cell()
-    cell.group((host,) if marked else (), **{leader: "InService", host: lifecycle})
+    more = [c["ec2InstanceId"] for c in others]
+    cell.group((host,) if marked else (), **{leader: "InService", host: lifecycle}, **dict.fromkeys(more, "InService"))
     record = f"{unit}@{released:.0f}/7"
     cell.containers([container(leader, running=1, unit=unit, unit_placement="topology",
                                unit_session=record if leader_released is None else f"{unit}@{leader_released:.0f}/7"),
                      container(host, running=1, quarantine="3 unit failures in 60 min", unit_session=record,
-                               unit_failures=" ".join(f"{t:.0f}" for t in failures))])
-    cell.topology([leader], [topo(leader, "t", "m1", "b1")])
+                               unit_failures=" ".join(f"{t:.0f}" for t in failures)), *others])
+    cell.topology([leader, *more], [topo(i, "t", "m1", "b1") for i in (leader, *more)])
     return cell, _signal_clients(cell, monkeypatch)
 
 
@@ -1548,6 +1551,28 @@ def test_a_quarantined_host_is_marked_unhealthy_once_its_unit_no_longer_serves(m
     quarantined_tasks(cell, "i-0b", [task])
     summary = _run_with_target_health(cell, clients, [], reads=1)
     assert summary["marked_unhealthy"] == ["i-0b"] and summary["quarantined_tasks_stopped"] == [task]
+
+
+def test_a_held_host_counts_under_the_cap_of_the_replacement_for_an_agent_that_stayed_away(monkeypatch):
+    """A cold review's finding (helper-158, medium): a quarantined host its unit still serves with is not Unhealthy
+    in the group, and the replacement for an agent that stayed away counted hosts out by the group alone: i-0c was
+    marked while i-0b was held, and i-0b's mark when its unit ends made two out under a cap of one. One cap for every
+    host out: i-0c waits until i-0b is replaced."""
+    away = {**container("i-0c", running=1, unit="u1", unit_placement="topology",
+                        agent_disconnected_since=f"{NOW - GRACE - 1:.0f}"), "agentConnected": False}
+    other = container("i-0d", running=1, unit="u1", unit_placement="topology")
+    cell, clients = _quarantined_member(monkeypatch, marked=False, others=(away, other))
+    summary = _run_with_target_health(cell, clients, ["i-0a"], reads=1)
+    assert summary["marked_unhealthy"] == [] and summary["agent_disconnected_deferred"] == ["i-0c"], summary
+
+
+def test_a_held_host_counts_under_the_cap_of_the_replacement_for_a_member_that_never_formed(monkeypatch):
+    """The same finding for the other replacement: u1's i-0d never formed within its deadline while i-0b is held."""
+    leader = container("i-0c", running=1, unit="u1", unit_placement="topology", unit_session=f"u1@{NOW - 86400}")
+    late = container("i-0d", running=1, unit="u1", unit_placement="topology", unit_joined=f"u1@{NOW - DEADLINE - 1}")
+    cell, clients = _quarantined_member(monkeypatch, marked=False, others=(leader, late))
+    summary = _run_with_target_health(cell, clients, ["i-0a"], reads=1)
+    assert summary["marked_unhealthy"] == [] and summary["never_formed_deferred"] == ["i-0d"], summary
 
 
 def test_a_run_that_brings_the_end_of_the_host_s_formation_marks_it_before_the_target_turns_unhealthy(monkeypatch):
