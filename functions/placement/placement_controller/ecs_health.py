@@ -19,7 +19,9 @@ replaced (Unhealthy in the group, a new instance still Pending, or marked by thi
 once, and none while the group's rolling update waits for signals (a replacement outside
 the update's batch would take a second unit down while the update waits for the first).
 The cap counts an instance until its replacement is InService, not until the replacement's
-unit serves again (that would need the target health per unit).
+unit serves again (that would need the target health per unit). A quarantined host its unit still
+serves with is not out and not counted; its own mark, once its unit ends, waits for room under the
+same cap (handler._mark_unhealthy).
 """
 
 from __future__ import annotations
@@ -113,10 +115,9 @@ def being_replaced(group: Mapping[str, aws.GroupInstance]) -> set[str]:
     return {i for i, g in group.items() if g.health == "Unhealthy" or g.lifecycle in STARTING_LIFECYCLE_STATES}
 
 
-def replacing(group: Mapping[str, aws.GroupInstance], out: Sequence[str]) -> int:
-    """How many instances are out now: `being_replaced`, and `out` (those just marked, and those in quarantine
-    the group still counts healthy: their mark comes when their unit stops serving with them)."""
-    return len(being_replaced(group) | set(out))
+def replacing(group: Mapping[str, aws.GroupInstance], marked: Sequence[str]) -> int:
+    """How many instances are out now: `being_replaced`, and those just marked."""
+    return len(being_replaced(group) | set(marked))
 
 
 def choose(broken: Sequence[tuple[float, str]], budget: int, updating: bool) -> tuple[list[str], list[str]]:

@@ -516,8 +516,16 @@ def _mark_unhealthy(
     held back by the cap is taken later, once the unit may have formed again with the host and serve; the mark
     then marked a serving unit's member (the cell simulation, `known/deferred-quarantine-of-a-serving-unit.yaml`,
     I2). It is marked, and its tasks are stopped, at the first run after its unit stops serving (the host's next
-    failure, or any other end); having no label from the quarantine on, it takes no unit's task after that."""
-    marked = []
+    failure, or any other end); having no label from the quarantine on, it takes no unit's task after that.
+
+    A quarantine taken in an earlier run and not marked yet (held while its unit served, or a mark the group
+    refused) is marked only within the cap (`ecs_health.replacing`): the replacements for an agent that stayed away
+    or a member that never formed do not count it (a host that serves is not out), so one of them may have started
+    meanwhile, and marking both put two hosts out under a cap of one (a cold review's finding). Its tasks are stopped
+    all the same; its mark waits until that replacement is in service. Counting the held host in their cap instead
+    kept a unit that was already down waiting for a serving host's quarantine to end (up to a window, the next
+    review's repro)."""
+    marked: list[str] = []
     for instance_id in sorted(step.in_quarantine):
         member = group.get(instance_id)
         if member is None or member.lifecycle not in aws.LIVE_LIFECYCLE_STATES or member.health == "Unhealthy":
@@ -525,6 +533,11 @@ def _mark_unhealthy(
         if serves(instance_id):
             LOG.warning("%s is in quarantine, but the unit formed last with it serves: it is marked once the unit "
                         "stops serving", instance_id)
+            continue
+        out = ecs_health.replacing(group, marked)
+        if instance_id not in step.quarantined_now and out >= settings.quarantine.max_instances:
+            LOG.warning("%s is in quarantine, but %d instances are out already (being replaced or started): it is "
+                        "marked once the cap allows", instance_id, out)
             continue
         if aws.mark_unhealthy(clients.autoscaling, instance_id, retry):
             marked.append(instance_id)
@@ -672,7 +685,7 @@ def _replace_unformed(
     seen: unformed.UnformedObservation,
     by_instance: Mapping[str, aws.ContainerInstance],
     group: Mapping[str, aws.GroupInstance],
-    out: list[str],
+    marked: list[str],
     retry: aws.Retry,
 ) -> tuple[list[str], list[str]]:
     """Mark the members past their deadline (`unformed`), within the quarantine cap; (marked, deferred).
@@ -680,7 +693,7 @@ def _replace_unformed(
     The count of each unit is raised before its marks and put back when the group took none of them."""
     if not seen.overdue:
         return [], []
-    budget = settings.quarantine.max_instances - ecs_health.replacing(group, out)
+    budget = settings.quarantine.max_instances - ecs_health.replacing(group, marked)
     updating = budget > 0 and _group_updating(clients, retry)
     chosen, deferred = ecs_health.choose([(late, i) for late, i, _ in seen.overdue], budget, updating)
     units = {i: unit for _, i, unit in seen.overdue}
@@ -712,13 +725,13 @@ def _replace_disconnected(
     clients: Clients,
     seen: EcsHealthObservation,
     group: Mapping[str, aws.GroupInstance],
-    out: list[str],
+    marked: list[str],
     retry: aws.Retry,
 ) -> tuple[list[str], list[str]]:
     """Mark instances whose agent stayed away past the grace, within the quarantine cap; (marked, deferred)."""
     if not seen.broken:
         return [], []
-    budget = settings.quarantine.max_instances - ecs_health.replacing(group, out)
+    budget = settings.quarantine.max_instances - ecs_health.replacing(group, marked)
     updating = budget > 0 and _group_updating(clients, retry)
     chosen, deferred = ecs_health.choose(seen.broken, budget, updating)
     done = [i for i in chosen if aws.mark_unhealthy(clients.autoscaling, i, retry)]
@@ -847,12 +860,9 @@ def reconcile(
                                  "the mark and the stop of a quarantined host")
     unhealthy = _mark_unhealthy(settings, clients, step, group, serves, retry)
     quarantine_stops = _stop_quarantined_tasks(settings, clients, step, as_left, group, serves, retry)
-    # One cap for every host out: a quarantined host its unit still serves with is not Unhealthy in the group yet,
-    # but it will be marked when that unit ends, whatever else is out by then.
-    out = sorted(step.holding | set(unhealthy))
-    disconnected, disconnected_deferred = _replace_disconnected(settings, clients, agents, group, out, retry)
+    disconnected, disconnected_deferred = _replace_disconnected(settings, clients, agents, group, unhealthy, retry)
     never_formed, never_formed_deferred = _replace_unformed(
-        settings, clients, joined, by_instance, group, out + disconnected, retry)
+        settings, clients, joined, by_instance, group, unhealthy + disconnected, retry)
     summary = _summary(settings, plan, topology, left, skipped, written, deleted, retry.retried)
     summary.update(
         {
