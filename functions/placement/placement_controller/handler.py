@@ -522,7 +522,8 @@ def _mark_unhealthy(
     refused) is marked only within the cap (`ecs_health.replacing`): the replacements for an agent that stayed away
     or a member that never formed do not count it (a host that serves is not out), so one of them may have started
     meanwhile, and marking both put two hosts out under a cap of one (a cold review's finding). Its tasks are stopped
-    all the same; its mark waits until that replacement is in service. Counting the held host in their cap instead
+    all the same; its mark waits until fewer than the cap's instances are Unhealthy or starting in the group (that
+    replacement in service, or whatever else fills the cap gone). Counting the held host in their cap instead
     kept a unit that was already down waiting for a serving host's quarantine to end (up to a window, the next
     review's repro)."""
     marked: list[str] = []
@@ -534,7 +535,7 @@ def _mark_unhealthy(
             LOG.warning("%s is in quarantine, but the unit formed last with it serves: it is marked once the unit "
                         "stops serving", instance_id)
             continue
-        out = ecs_health.replacing(group, marked)
+        out = len((ecs_health.being_replaced(group) | set(marked)) - {instance_id})  # (a Pending host is counted)
         if instance_id not in step.quarantined_now and out >= settings.quarantine.max_instances:
             LOG.warning("%s is in quarantine, but %d instances are out already (being replaced or started): it is "
                         "marked once the cap allows", instance_id, out)

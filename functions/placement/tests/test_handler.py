@@ -1557,10 +1557,11 @@ def test_a_quarantined_host_is_marked_unhealthy_once_its_unit_no_longer_serves(m
     assert summary["marked_unhealthy"] == ["i-0b"] and summary["quarantined_tasks_stopped"] == [task]
 
 
-def test_a_held_quarantine_is_marked_within_the_cap_once_its_unit_ends(monkeypatch):
+def test_a_held_quarantine_waits_for_the_cap_once_its_unit_ends(monkeypatch):
     """A cold review's finding (helper-158, medium): a quarantined host its unit serves with is not out, so the
     replacement for an agent that stayed away may start meanwhile (i-0c, Unhealthy in the group); when the unit
-    ended, i-0b was marked at once: two hosts out under a cap of one. Its tasks are stopped; its mark waits."""
+    ended, i-0b was marked at once: two hosts out under a cap of one. Its tasks are stopped; its mark waits (with
+    nothing out it is marked: `test_a_quarantined_host_is_marked_unhealthy_once_its_unit_no_longer_serves`)."""
     away = {**container("i-0c"), "agentConnected": False}  # its label went in an earlier run
     other = container("i-0d", running=1, unit="u1", unit_placement="topology")
     cell, clients = _quarantined_member(monkeypatch, marked=False, others=(away, other), replacing=("i-0c",))
@@ -1569,6 +1570,17 @@ def test_a_held_quarantine_is_marked_within_the_cap_once_its_unit_ends(monkeypat
     summary = _run_with_target_health(cell, clients, [], reads=1)
     assert summary["marked_unhealthy"] == [] and summary["quarantined_tasks_stopped"] == [task], summary
     assert summary["in_quarantine"] == ["i-0b"], summary
+
+
+def test_a_quarantined_host_still_starting_does_not_count_against_its_own_mark(monkeypatch):
+    """A review's low finding (helper-165): `being_replaced` counts a Pending host, the quarantined one too, so under
+    a cap of one it waited for itself."""
+    cell, clients = _quarantined_member(monkeypatch, lifecycle="Pending", marked=False)
+    health_call(cell, "i-0b")
+    task = f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/0b"
+    quarantined_tasks(cell, "i-0b", [task])
+    summary = _run_with_target_health(cell, clients, [], reads=1)
+    assert summary["marked_unhealthy"] == ["i-0b"], summary
 
 
 def test_an_agent_that_stayed_away_is_replaced_while_a_held_host_s_unit_serves(monkeypatch):
