@@ -19,7 +19,9 @@ replaced (Unhealthy in the group, a new instance still Pending, or marked by thi
 once, and none while the group's rolling update waits for signals (a replacement outside
 the update's batch would take a second unit down while the update waits for the first).
 The cap counts an instance until its replacement is InService, not until the replacement's
-unit serves again (that would need the target health per unit).
+unit serves again (that would need the target health per unit). A quarantined host its unit still
+serves with is not out and not counted; its own mark, once its unit ends, waits for room under the
+same cap (handler._mark_unhealthy).
 """
 
 from __future__ import annotations

@@ -516,8 +516,17 @@ def _mark_unhealthy(
     held back by the cap is taken later, once the unit may have formed again with the host and serve; the mark
     then marked a serving unit's member (the cell simulation, `known/deferred-quarantine-of-a-serving-unit.yaml`,
     I2). It is marked, and its tasks are stopped, at the first run after its unit stops serving (the host's next
-    failure, or any other end); having no label from the quarantine on, it takes no unit's task after that."""
-    marked = []
+    failure, or any other end); having no label from the quarantine on, it takes no unit's task after that.
+
+    A quarantine taken in an earlier run and not marked yet (held while its unit served, or a mark the group
+    refused) is marked only within the cap (`ecs_health.replacing`): the replacements for an agent that stayed away
+    or a member that never formed do not count it (a host that serves is not out), so one of them may have started
+    meanwhile, and marking both put two hosts out under a cap of one (a cold review's finding). Its tasks are stopped
+    all the same; its mark waits until fewer than the cap's instances are Unhealthy or starting in the group (that
+    replacement in service, or whatever else fills the cap gone). Counting the held host in their cap instead
+    kept a unit that was already down waiting for a serving host's quarantine to end (up to a window, the next
+    review's repro)."""
+    marked: list[str] = []
     for instance_id in sorted(step.in_quarantine):
         member = group.get(instance_id)
         if member is None or member.lifecycle not in aws.LIVE_LIFECYCLE_STATES or member.health == "Unhealthy":
@@ -525,6 +534,11 @@ def _mark_unhealthy(
         if serves(instance_id):
             LOG.warning("%s is in quarantine, but the unit formed last with it serves: it is marked once the unit "
                         "stops serving", instance_id)
+            continue
+        out = len((ecs_health.being_replaced(group) | set(marked)) - {instance_id})  # (a Pending host is counted)
+        if instance_id not in step.quarantined_now and out >= settings.quarantine.max_instances:
+            LOG.warning("%s is in quarantine, but %d instances are out already (being replaced or started): it is "
+                        "marked once the cap allows", instance_id, out)
             continue
         if aws.mark_unhealthy(clients.autoscaling, instance_id, retry):
             marked.append(instance_id)

@@ -1366,22 +1366,24 @@ def _signal_clients(cell: Cell, monkeypatch) -> Clients:
 
 
 def _run_with_target_health(cell: Cell, clients: Clients, healthy: list[str], reads: int,
-                            event: dict | None = None) -> dict:
+                            event: dict | None = None, stack_reads: int = 1) -> dict:
     """One run (of `event`'s triggers) that reads the target health `reads` times (`healthy` the healthy targets)
-    and asks whether the group updates (the signal rule: no update, nothing to signal)."""
+    and asks `stack_reads` times whether the group updates (the signal rule, and a replacement within the cap: no
+    update)."""
     with Stubber(clients.elbv2) as elb, Stubber(clients.cloudformation) as cfn:
         for _ in range(reads):
             elb.add_response("describe_target_health", {"TargetHealthDescriptions": [
                 {"Target": {"Id": i, "Port": 8080}, "TargetHealth": {"State": "healthy"}} for i in healthy]},
                 {"TargetGroupArn": "arn:tg"})
-        cfn.add_response(
-            "describe_stack_resource",
-            {"StackResourceDetail": {"LogicalResourceId": "TrainiumNodesASG1",
-                                     "ResourceType": "AWS::AutoScaling::AutoScalingGroup",
-                                     "LastUpdatedTimestamp": "2026-01-01T00:00:00Z",
-                                     "ResourceStatus": "UPDATE_COMPLETE"}},
-            {"StackName": "Rufus-Cell-dev", "LogicalResourceId": "TrainiumNodesASG1"},
-        )
+        for _ in range(stack_reads):
+            cfn.add_response(
+                "describe_stack_resource",
+                {"StackResourceDetail": {"LogicalResourceId": "TrainiumNodesASG1",
+                                         "ResourceType": "AWS::AutoScaling::AutoScalingGroup",
+                                         "LastUpdatedTimestamp": "2026-01-01T00:00:00Z",
+                                         "ResourceStatus": "UPDATE_COMPLETE"}},
+                {"StackName": "Rufus-Cell-dev", "LogicalResourceId": "TrainiumNodesASG1"},
+            )
         with cell.active():
             summary = reconcile(SETTINGS, clients, event or {}, aws.Retry(), cell.lines.append, now=NOW)
         elb.assert_no_pending_responses()
@@ -1500,19 +1502,24 @@ def test_a_released_session_end_clears_a_doubt_through_the_forwarder(monkeypatch
 def _quarantined_member(monkeypatch, lifecycle: str = "InService", marked: bool = True, *, unit: str = "u0",
                         leader: str = "i-0a", host: str = "i-0b", released: float = NOW - 600,
                         leader_released: float | None = None,
-                        failures: tuple[float, ...] = (NOW - 300, NOW - 600, NOW - 900)) -> tuple[Cell, Clients]:
+                        failures: tuple[float, ...] = (NOW - 300, NOW - 600, NOW - 900),
+                        others: tuple[dict, ...] = (), replacing: tuple[str, ...] = ()) -> tuple[Cell, Clients]:
     """`unit` formed on `leader` and `host` (by default u0 on i-0a and i-0b), whose quarantine was taken after (held
     back by the cap): `host` is Unhealthy in the group (unless not `marked` yet) and still runs its task; both carry
     the record of the formation released at `released` (the leader that of `leader_released` when given), `host`
-    its failure times. The run reads the target health and the stack (signals)."""
+    its failure times. `others` are more container instances, InService in the group (Unhealthy: those in
+    `replacing`, their agents away: no longer placed). The run reads the target health and the stack (signals)."""
     cell = Cell()
-    cell.group((host,) if marked else (), **{leader: "InService", host: lifecycle})
+    more = [c["ec2InstanceId"] for c in others]
+    cell.group(((host,) if marked else ()) + replacing, **{leader: "InService", host: lifecycle},
+               **dict.fromkeys(more, "InService"))
     record = f"{unit}@{released:.0f}/7"
     cell.containers([container(leader, running=1, unit=unit, unit_placement="topology",
                                unit_session=record if leader_released is None else f"{unit}@{leader_released:.0f}/7"),
                      container(host, running=1, quarantine="3 unit failures in 60 min", unit_session=record,
-                               unit_failures=" ".join(f"{t:.0f}" for t in failures))])
-    cell.topology([leader], [topo(leader, "t", "m1", "b1")])
+                               unit_failures=" ".join(f"{t:.0f}" for t in failures)), *others])
+    placed = [leader, *(i for i in more if i not in replacing)]  # a host being replaced (agent away) is not
+    cell.topology(placed, [topo(i, "t", "m1", "b1") for i in placed])
     return cell, _signal_clients(cell, monkeypatch)
 
 
@@ -1548,6 +1555,45 @@ def test_a_quarantined_host_is_marked_unhealthy_once_its_unit_no_longer_serves(m
     quarantined_tasks(cell, "i-0b", [task])
     summary = _run_with_target_health(cell, clients, [], reads=1)
     assert summary["marked_unhealthy"] == ["i-0b"] and summary["quarantined_tasks_stopped"] == [task]
+
+
+def test_a_held_quarantine_waits_for_the_cap_once_its_unit_ends(monkeypatch):
+    """A cold review's finding (helper-158, medium): a quarantined host its unit serves with is not out, so the
+    replacement for an agent that stayed away may start meanwhile (i-0c, Unhealthy in the group); when the unit
+    ended, i-0b was marked at once: two hosts out under a cap of one. Its tasks are stopped; its mark waits (with
+    nothing out it is marked: `test_a_quarantined_host_is_marked_unhealthy_once_its_unit_no_longer_serves`)."""
+    away = {**container("i-0c"), "agentConnected": False}  # its label went in an earlier run
+    other = container("i-0d", running=1, unit="u1", unit_placement="topology")
+    cell, clients = _quarantined_member(monkeypatch, marked=False, others=(away, other), replacing=("i-0c",))
+    task = f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/0b"
+    quarantined_tasks(cell, "i-0b", [task])
+    summary = _run_with_target_health(cell, clients, [], reads=1)
+    assert summary["marked_unhealthy"] == [] and summary["quarantined_tasks_stopped"] == [task], summary
+    assert summary["in_quarantine"] == ["i-0b"], summary
+
+
+def test_a_quarantined_host_still_starting_does_not_count_against_its_own_mark(monkeypatch):
+    """A review's low finding (helper-165): `being_replaced` counts a Pending host, the quarantined one too, so under
+    a cap of one it waited for itself."""
+    cell, clients = _quarantined_member(monkeypatch, lifecycle="Pending", marked=False)
+    health_call(cell, "i-0b")
+    task = f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/0b"
+    quarantined_tasks(cell, "i-0b", [task])
+    summary = _run_with_target_health(cell, clients, [], reads=1)
+    assert summary["marked_unhealthy"] == ["i-0b"], summary
+
+
+def test_an_agent_that_stayed_away_is_replaced_while_a_held_host_s_unit_serves(monkeypatch):
+    """The other answer to that finding, taken first and withdrawn after its review (helper-163): counting the held
+    host under the replacements' cap kept u1, down with i-0c's agent away, waiting for i-0b's quarantine to end
+    (up to a window) though i-0b serves. The mark of i-0b waits instead (above)."""
+    away = {**container("i-0c", running=1, unit="u1", unit_placement="topology",
+                        agent_disconnected_since=f"{NOW - GRACE - 1:.0f}"), "agentConnected": False}
+    other = container("i-0d", running=1, unit="u1", unit_placement="topology")
+    cell, clients = _quarantined_member(monkeypatch, marked=False, others=(away, other))
+    health_call(cell, "i-0c")
+    summary = _run_with_target_health(cell, clients, ["i-0a"], reads=1, stack_reads=2)
+    assert summary["agent_disconnected_replaced"] == ["i-0c"] and summary["marked_unhealthy"] == ["i-0c"], summary
 
 
 def test_a_run_that_brings_the_end_of_the_host_s_formation_marks_it_before_the_target_turns_unhealthy(monkeypatch):
