@@ -54,7 +54,7 @@ def free_port() -> int:
 
 def unit_config(workdir: Path, port: int, upstream_port: int, unit_id: str = "u0") -> tuple[str, tuple[str, ...]]:
     """The agent's rendered config and HAProxy options, listening on `port` instead of an fd; `unit_id` as the cell
-    stack sets UNIT_ID (every engine answer gets its X-Served-By-Unit header), "" for none."""
+    stack sets UNIT_ID (streamed answers get its X-Served-By-Unit header), "" for none."""
     from unit_proxy.haproxy_config import (
         ENGINE_HEALTH_LUA,
         HAPROXY_OPTIONS,

@@ -174,6 +174,6 @@ def run_verify(h: Harness, unit: Any, step: str = "2c", destructive: bool = True
         # the kit judged the followers' stop against the streams it knows the stopped unit drained.
         figures = leader_stop.figures
         h.report.check(f"{step}. acceptance kit 7b: every stream named the stopped unit (X-Served-By-Unit)",
-                       figures.get("unit_streams") == figures.get("streams") and leader_stop.status == "pass",
-                       f"{figures.get('unit_streams')} of {figures.get('streams')} stream(s); {leader_stop.status}")
+                       figures.get("named_streams") == figures.get("streams") and leader_stop.status == "pass",
+                       f"{figures.get('named_streams')} of {figures.get('streams')} stream(s); {leader_stop.status}")
     print(report.table(), flush=True)

@@ -539,6 +539,39 @@ def test_leader_stop_stops_the_leader_of_a_unit_that_answers_a_stream() -> None:
     assert result.status == "pass" and "2 of them u1's" in result.detail, result.detail
 
 
+@dataclasses.dataclass
+class SlowStop(DrainingCell):
+    """A stop call that returns only after `delay` s (ECS StopTask, and the SIGTERM after it, take time)."""
+
+    delay: float = 2.0
+
+    def stop_task(self, task: Task, reason: str) -> None:
+        time.sleep(self.delay)
+        super().stop_task(task, reason)
+
+
+def test_a_stream_that_ends_during_the_stop_call_is_not_a_drain() -> None:
+    """A review's finding (helper-164): the stop's time was taken before the call, so a stream of the stopped unit
+    that ended while the call ran counted as drained, and the followers, stopped at once, passed."""
+    with fake_unit("openai", token_delay=0.1, served_by=("u0", "u1")) as server:
+        adapter = SlowStop(server.url, running=two_units(), followers_early=True, health={"u0": 200, "u1": 200})
+        result = checks_faults.check_leader_stop(context(server, adapter, max_seq_len=80, units=["u0", "u1"]))
+    assert result.status == "not_run" and "none of the 2 stream(s) was seen in flight on u0" in result.detail, \
+        result.detail
+
+
+@pytest.mark.parametrize(("served_by", "named"), [((), 0), (("u0",), 1)], ids=["old proxy", "named"])
+def test_the_streams_named_by_the_header_are_counted_apart_from_the_one_unit_fallback(
+        served_by: tuple[str, ...], named: int) -> None:
+    """A review's finding (helper-164): in a cell of one unit every stream is the unit's, header or not, so the e2e
+    check that the proxy named the unit could not fail; `named_streams` counts the header alone."""
+    with fake_unit("openai", token_delay=0.1, served_by=served_by) as server:
+        adapter = DrainingCell(server.url, running=two_tasks())
+        result = checks_faults.check_leader_stop(context(server, adapter, max_seq_len=80))
+    assert result.status == "pass", result.detail
+    assert (result.figures["unit_streams"], result.figures["named_streams"]) == (1, named)
+
+
 def test_report_json_and_markdown(tmp_path: Path) -> None:
     report = Report(cell="dev", adapter="fake", destructive=False)
     report.checks = [CheckResult("1-serving", "pass", Measured(1, "units serving"), "ok"),

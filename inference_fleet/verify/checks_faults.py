@@ -133,6 +133,10 @@ def check_follower_stop(ctx: Context) -> CheckResult:
                        figures)
 
 
+# After the first stream of 7b starts, how long the others get to start before the leader is chosen and stopped.
+STARTS_SPREAD_SECONDS = 30.0
+
+
 @dataclass
 class Streams:
     """Long streamed chats sent at once (one per unit: least outstanding requests spreads them)."""
@@ -143,8 +147,13 @@ class Streams:
     threads: list[threading.Thread]
 
     def wait_started(self, timeout: float) -> bool:
-        """Wait until every stream started or ended (at most `timeout` in all); whether one started."""
+        """Wait until one stream started (at most `timeout`), then until every stream started or ended, but at most
+        STARTS_SPREAD_SECONDS more: a late one must not keep the stop waiting while the others end. Whether one
+        started."""
         deadline = time.monotonic() + timeout
+        while not any(e.is_set() for e in self.started) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        deadline = min(deadline, time.monotonic() + STARTS_SPREAD_SECONDS)
         for event in self.started:
             event.wait(max(0.0, deadline - time.monotonic()))
         return any(r.chunks for r in self.results)
@@ -152,7 +161,7 @@ class Streams:
     def in_flight_units(self) -> set[str]:
         """The units that answer a stream still in flight, as their proxies name them (SERVED_BY_UNIT_HEADER)."""
         return {r.served_by for r, done in zip(self.results, self.done_at, strict=True)
-                if r.served_by and r.chunks and not done}
+                if r.served_by and r.chunks and not r.done and not done}
 
 
 def _streams(ctx: Context, count: int, max_tokens: int) -> Streams:
@@ -221,6 +230,8 @@ def check_leader_stop(ctx: Context) -> CheckResult:
     followers = [t for t in ctx.adapter.tasks(leader.unit_id) if t.role == "follower"]
     stopped_at = time.time()
     ctx.adapter.stop_task(leader, "inference-fleet verify --destructive: leader stop")
+    # A stream that ended before the stop call returned may have ended before the stop began: not a drain.
+    stop_returned = time.time()
     for t in streams.threads:
         t.join(ctx.recovery_timeout_seconds)
     results = streams.results
@@ -228,7 +239,7 @@ def check_leader_stop(ctx: Context) -> CheckResult:
     # The followers are judged against the end of the stopped unit's own streams: another unit's stream may end
     # later, and the stopped unit's followers rightly stop before it.
     own_done = max((streams.done_at[i] for i in own), default=0.0)
-    drained = own_done > stopped_at
+    drained = own_done > stop_returned
     wait = 2 * ctx.expect.follower_loss_seconds + 120
     _wait(lambda: all(v is not None for v in _stopped_at(ctx, followers).values()), wait, interval)
     stops_at = _stopped_at(ctx, followers)
@@ -257,7 +268,9 @@ def check_leader_stop(ctx: Context) -> CheckResult:
         problems.append(f"{leader.unit_id} did not serve again within {ctx.recovery_timeout_seconds:g} s")
     drain = (own_done if drained else max(streams.done_at)) - stopped_at
     stops = [round(at - stopped_at, 1) for at in stops_at.values() if at is not None]
+    named = sum(r.served_by == leader.unit_id for r in results)  # by the header itself, not the one-unit fallback
     figures = {"unit": leader.unit_id, "leader": leader.task_id, "streams": len(results), "unit_streams": len(own),
+               "named_streams": named,
                "max_tokens": max_tokens, "streams_done_s": round(drain, 1), "followers_stopped_s": stops,
                "serving_again_s": None if to_serving is None else round(time.time() - stopped_at, 1)}
     whose = f", {len(own)} of them {leader.unit_id}'s, the last of those" if drained else ", the last"

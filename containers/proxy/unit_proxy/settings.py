@@ -253,7 +253,7 @@ class Settings:
                 raise SettingsError(name, value, "at most 255 printable characters")
         if unit_id and not UNIT_ID.fullmatch(unit_id):
             raise SettingsError("UNIT_ID", unit_id, "1 to 64 letters, digits, '.', '_' or '-', the first a letter or "
-                                "digit (it is written into every answer's X-Served-By-Unit header)")
+                                "digit (it is written into the X-Served-By-Unit header of streamed answers)")
         if (namespace or cell) and not all((namespace, cell, unit_id)):
             missing = [n for n, v in (("METRICS_NAMESPACE", namespace), ("CELL", cell), ("UNIT_ID", unit_id)) if not v]
             raise SettingsError(
@@ -330,7 +330,7 @@ ENVIRONMENT: tuple[tuple[str, str, str], ...] = (
     ("DRAIN_TIMEOUT_SECONDS", f"{_D.drain_timeout_seconds:g}", "longest wait for in-flight streams after that"),
     ("METRICS_NAMESPACE", "(unset)", "EMF namespace; with CELL and UNIT_ID, or neither it nor CELL"),
     ("CELL", "(unset)", "EMF dimension Cell"),
-    ("UNIT_ID", "(unset)", "the unit: EMF dimension Unit, and the X-Served-By-Unit header of the engine's answers"),
+    ("UNIT_ID", "(unset)", "the unit: EMF dimension Unit, and the X-Served-By-Unit header of streamed answers"),
     ("HEALTH_INTERVAL_SECONDS", f"{_D.health_interval_seconds:g}", "period of the engine and launcher checks"),
     ("HEALTH_TIMEOUT_SECONDS", f"{_D.health_timeout_seconds:g}", "timeout of each check"),
     ("EMF_INTERVAL_SECONDS", f"{_D.emf_interval_seconds:g}", "period of the EMF lines"),
