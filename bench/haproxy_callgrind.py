@@ -52,8 +52,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def unit_config(workdir: Path, port: int, upstream_port: int) -> tuple[str, tuple[str, ...]]:
-    """The agent's rendered config and HAProxy options, listening on `port` instead of an fd."""
+def unit_config(workdir: Path, port: int, upstream_port: int, unit_id: str = "u0") -> tuple[str, tuple[str, ...]]:
+    """The agent's rendered config and HAProxy options, listening on `port` instead of an fd; `unit_id` as the cell
+    stack sets UNIT_ID (streamed answers get its X-Served-By-Unit header), "" for none."""
     from unit_proxy.haproxy_config import (
         ENGINE_HEALTH_LUA,
         HAPROXY_OPTIONS,
@@ -65,7 +66,8 @@ def unit_config(workdir: Path, port: int, upstream_port: int) -> tuple[str, tupl
     from unit_proxy.settings import Settings
 
     settings = replace(
-        Settings(), launcher_status_url="", workers=1, upstream_url=f"http://{LOOPBACK}:{upstream_port}"
+        Settings(), launcher_status_url="", workers=1, upstream_url=f"http://{LOOPBACK}:{upstream_port}",
+        unit_id=unit_id,
     )
     paths = Paths(str(workdir), 3)
     Path(paths.gate_map).write_text(map_file(initial_map(False)))
@@ -195,7 +197,7 @@ async def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
     port, upstream_port = free_port(), free_port()
     options: tuple[str, ...] = ()
     if args.config == "unit":
-        text, options = unit_config(workdir, port, upstream_port)
+        text, options = unit_config(workdir, port, upstream_port, args.unit_id)
     elif args.config == "raw":
         text = file_config(HERE / "haproxy.cfg.template", port, upstream_port)
     else:
@@ -284,6 +286,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--token-ms", type=float, default=5.0, help="--stream: between tokens (each its own read)")
     parser.add_argument("--print-config", action="store_true")
     parser.add_argument("--no-log-reader", action="store_true", help="unit: nobody reads the log ring")
+    parser.add_argument("--unit-id", default="u0", help="unit: UNIT_ID as the cell stack sets it ('' for none)")
     parser.add_argument("--haproxy-options", default="", help="HAProxy's options for a config file (e.g. -dMglobal)")
     args = parser.parse_args(argv)
     if args.requests < 1 or args.connections < 1 or args.warmup < 0:

@@ -435,6 +435,8 @@ async def start_targets(
         "PROXY_WORKERS": str(args.workers),
         "DRAIN_SECONDS": "0",
         "DRAIN_TIMEOUT_SECONDS": "5",
+        # As the cell stack sets it: streamed answers name the unit (X-Served-By-Unit).
+        "UNIT_ID": "u0",
     }
     procs.start("proxy", [sys.executable, "-m", "unit_proxy"], proxy_cpus, proxy_env)
     nginx_conf = render(

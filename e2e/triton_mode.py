@@ -165,7 +165,7 @@ def run_triton(h: Harness, kit_destructive: bool = False) -> None:
     require_manifest(spec, compiled)
     model = triton_model_name(parse_spec(spec, "e2e triton spec"))
     r.facts["unit_spec"] = {k: spec[k] for k in ("unit_id", "size", "engine", "rendezvous")}
-    proxy = proxy_env(ports, "triton", f"http://127.0.0.1:{metrics_port}/metrics")
+    proxy = proxy_env(ports, "triton", f"http://127.0.0.1:{metrics_port}/metrics", unit_id=spec["unit_id"])
     unit = Unit(h, ports, spec, s3, proxy=proxy)
     base = f"http://127.0.0.1:{ports.proxy}"
 

@@ -166,7 +166,8 @@ def launcher_env(spec: dict[str, Any], role: str, instance_id: str) -> dict[str,
     return env
 
 
-def proxy_env(ports: UnitPorts, frontend: str = "openai", metrics_url: str | None = None) -> dict[str, str]:
+def proxy_env(ports: UnitPorts, frontend: str = "openai", metrics_url: str | None = None,
+              unit_id: str = "") -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update({
         "PROXY_HOST": "127.0.0.1",
@@ -185,6 +186,8 @@ def proxy_env(ports: UnitPorts, frontend: str = "openai", metrics_url: str | Non
     })
     if metrics_url is not None:
         env["ENGINE_METRICS_URL"] = metrics_url
+    if unit_id:  # as the cell stack sets it: streamed answers name the unit (the kit's 7b reads it)
+        env["UNIT_ID"] = unit_id
     return env
 
 
@@ -206,7 +209,8 @@ class Unit:
         self.spares: dict[str, Proc] = {}
         self.leader = Supervisor("leader", self._starter("leader", lambda: "leader-1"))
         self.follower = Supervisor("follower", self._starter("follower", self._place_follower))
-        self.proxy: Proc = h.table.start("proxy", [sys.executable, "-m", "unit_proxy"], proxy or proxy_env(ports))
+        self.proxy: Proc = h.table.start("proxy", [sys.executable, "-m", "unit_proxy"],
+                                         proxy or proxy_env(ports, unit_id=spec["unit_id"]))
         self.health_url = f"http://127.0.0.1:{ports.proxy}/health"
         self.status_url = f"http://127.0.0.1:{ports.rendezvous}/status"
 

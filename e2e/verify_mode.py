@@ -168,4 +168,12 @@ def run_verify(h: Harness, unit: Any, step: str = "2c", destructive: bool = True
     h.report.check(f"{step}. acceptance kit ({label.replace('_', '-')}): no check failed "
                    f"({counts['pass']} passed, {counts['not_run']} not run)", report.passed,
                    "; ".join(failed)[:1500])
+    leader_stop = next((c for c in report.checks if c.check_id == "7b-leader-stop" and c.figures), None)
+    if leader_stop is not None:
+        # The unit's proxy names it in each streamed answer (X-Served-By-Unit, UNIT_ID as the cell stack sets it):
+        # the kit judged the followers' stop against the streams it knows the stopped unit drained.
+        figures = leader_stop.figures
+        h.report.check(f"{step}. acceptance kit 7b: every stream named the stopped unit (X-Served-By-Unit)",
+                       figures.get("named_streams") == figures.get("streams") and leader_stop.status == "pass",
+                       f"{figures.get('named_streams')} of {figures.get('streams')} stream(s); {leader_stop.status}")
     print(report.table(), flush=True)

@@ -455,17 +455,19 @@ class DrainingCell(FakeAdapter):
 
     followers_early: bool = False
     leader_stopped_at: float | None = None
+    stopped_unit: str = ""
 
     def stop_task(self, task: Task, reason: str) -> None:
         super().stop_task(task, reason)
         if task.role == "leader":
             self.leader_stopped_at = time.time()
+            self.stopped_unit = task.unit_id
 
     def task_times(self, task_ids: list[str]) -> dict[str, TaskTimes]:
         if self.leader_stopped_at is None:
             return {}
         at = self.leader_stopped_at if self.followers_early else time.time()
-        for task in self.running.get("u0", []):
+        for task in self.running.get(self.stopped_unit, []):
             if task.role == "follower" and task.task_id not in self.times:
                 self.times[task.task_id] = TaskTimes(stopped=at)
         return super().task_times(task_ids)
@@ -496,14 +498,78 @@ def test_leader_stop_streams_complete_with_length_and_followers_stop_after(
 def test_leader_stop_in_a_cell_of_two_units_does_not_judge_followers_by_another_units_streams() -> None:
     """Regression: with two units the load balancer may send both streams to u1; u0's leader, stopped with none,
     stops its followers at once, before u1's streams end, and 7b failed "followers stopped before the leader
-    drained" on a healthy cell."""
+    drained" on a healthy cell. Here no answer names its unit (a proxy image before X-Served-By-Unit)."""
     with fake_unit("openai", token_delay=0.1) as server:
         adapter = DrainingCell(server.url, running=two_tasks(), followers_early=True, health={"u0": 200, "u1": 200})
         result = checks_faults.check_leader_stop(context(server, adapter, max_seq_len=80, units=["u0", "u1"]))
     # Not failed, and not a pass either: the stopped unit's drain was not seen (this session's diff review).
     assert result.status == "not_run", result.detail
-    assert "2 stream(s) completed" in result.detail and "in a cell of 2 units the streams' units are not known" \
-        in result.detail
+    assert "2 stream(s) completed, the last" in result.detail and "no answer named its unit" in result.detail
+
+
+def two_units() -> dict[str, list[Task]]:
+    return {u: [Task(f"arn:task/{u}l", u, "leader"), Task(f"arn:task/{u}f", u, "follower")] for u in ("u0", "u1")}
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+@pytest.mark.parametrize(("early", "status", "words"), [
+    pytest.param(False, "pass", "2 stream(s) completed, 1 of them u0's", id="drained"),
+    pytest.param(True, "fail", "followers stopped before the leader drained: ['arn:task/u0f']", id="early"),
+])
+def test_leader_stop_in_a_cell_of_two_units_judges_the_stopped_units_own_streams(
+        frontend: str, early: bool, status: str, words: str) -> None:
+    """The units' proxies name their unit in each streamed answer (X-Served-By-Unit): 7b knows which streams the
+    stopped unit drained and judges its followers against them. Before, a cell of several units was never a pass
+    (`not_run`, its streams' units unknown), so the kit never checked the drain order where production runs."""
+    with fake_unit(frontend, token_delay=0.1, served_by=("u1", "u0")) as server:
+        adapter = DrainingCell(server.url, running=two_units(), followers_early=early, health={"u0": 200, "u1": 200})
+        result = checks_faults.check_leader_stop(context(server, adapter, max_seq_len=80, units=["u0", "u1"]))
+    assert adapter.stopped == ["arn:task/u0l"]
+    assert result.status == status and words in result.detail, result.detail
+    assert result.figures["unit_streams"] == 1
+
+
+def test_leader_stop_stops_the_leader_of_a_unit_that_answers_a_stream() -> None:
+    """Both streams went to u1 (the load balancer's choice): u1's leader is stopped, not u0's, which would have had
+    nothing to drain (and the check nothing to judge)."""
+    with fake_unit("openai", token_delay=0.1, served_by=("u1",)) as server:
+        adapter = DrainingCell(server.url, running=two_units(), health={"u0": 200, "u1": 200})
+        result = checks_faults.check_leader_stop(context(server, adapter, max_seq_len=80, units=["u0", "u1"]))
+    assert adapter.stopped == ["arn:task/u1l"]
+    assert result.status == "pass" and "2 of them u1's" in result.detail, result.detail
+
+
+@dataclasses.dataclass
+class SlowStop(DrainingCell):
+    """A stop call that returns only after `delay` s (ECS StopTask, and the SIGTERM after it, take time)."""
+
+    delay: float = 2.0
+
+    def stop_task(self, task: Task, reason: str) -> None:
+        time.sleep(self.delay)
+        super().stop_task(task, reason)
+
+
+def test_a_stream_that_ends_during_the_stop_call_is_not_a_drain() -> None:
+    """A review's finding (helper-164): the stop's time was taken before the call, so a stream of the stopped unit
+    that ended while the call ran counted as drained, and the followers, stopped at once, passed."""
+    with fake_unit("openai", token_delay=0.1, served_by=("u0", "u1")) as server:
+        adapter = SlowStop(server.url, running=two_units(), followers_early=True, health={"u0": 200, "u1": 200})
+        result = checks_faults.check_leader_stop(context(server, adapter, max_seq_len=80, units=["u0", "u1"]))
+    assert result.status == "not_run" and "none of the 2 stream(s) was seen in flight on u0" in result.detail, \
+        result.detail
+
+
+@pytest.mark.parametrize(("served_by", "named"), [((), 0), (("u0",), 1)], ids=["old proxy", "named"])
+def test_the_streams_named_by_the_header_are_counted_apart_from_the_one_unit_fallback(
+        served_by: tuple[str, ...], named: int) -> None:
+    """A review's finding (helper-164): in a cell of one unit every stream is the unit's, header or not, so the e2e
+    check that the proxy named the unit could not fail; `named_streams` counts the header alone."""
+    with fake_unit("openai", token_delay=0.1, served_by=served_by) as server:
+        adapter = DrainingCell(server.url, running=two_tasks())
+        result = checks_faults.check_leader_stop(context(server, adapter, max_seq_len=80))
+    assert result.status == "pass", result.detail
+    assert (result.figures["unit_streams"], result.figures["named_streams"]) == (1, named)
 
 
 def test_report_json_and_markdown(tmp_path: Path) -> None:

@@ -87,8 +87,9 @@ def test_an_unknown_model_lists_none_and_a_refused_request_keeps_its_status() ->
 def test_a_stream_is_read_to_its_finish_reason() -> None:
     with FakeTriton() as server:
         chunks: list[int] = []
-        streamed = TritonHttp(server.url, MODEL, 10).stream_chat(MODEL, "Tell a long story.", max_tokens=5,
-                                                                  on_chunk=chunks.append, extra={"ignore_eos": True})
+        streamed = TritonHttp(server.url, MODEL, 10).stream_chat(
+            MODEL, "Tell a long story.", max_tokens=5, on_chunk=lambda so_far: chunks.append(so_far.chunks),
+            extra={"ignore_eos": True})
     assert streamed.ok, streamed.error
     assert streamed.finish_reason == "length" and streamed.chunks == 5 and chunks == [1, 2, 3, 4, 5]
     assert streamed.usage == {"completion_tokens": 5} and streamed.first_token_seconds is not None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import itertools
 import json
 import random
 import re
@@ -20,12 +21,14 @@ import ssl
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 from inference_fleet.verify.adapter import Expectations, LogEvent, MetricSeries, Task, TaskTimes
+from inference_fleet.verify.http_base import SERVED_BY_UNIT_HEADER
 from inference_fleet.verify.openai_http import OpenAIHttp
 from inference_fleet.verify.serving_client import ServingClient
 from inference_fleet.verify.triton_http import TritonHttp
@@ -42,7 +45,14 @@ class Knobs:
     honour_seed: bool = True
     max_model_len: int = 256
     finish_reason: str = "length"  # of a stream's last event ("abort": vLLM's for a request it aborted)
+    # Streamed answers name these units in turn in X-Served-By-Unit, as the units' proxies behind a load balancer
+    # do (unit_proxy.haproxy_config SERVED_BY_UNIT_HEADER); none: no header (a proxy image before it).
+    served_by: tuple[str, ...] = ()
     requests: list[dict[str, Any]] = field(default_factory=list)
+    streams: Iterator[int] = field(default_factory=itertools.count)  # numbers the streamed answers (thread-safe)
+
+    def next_unit(self) -> str | None:
+        return self.served_by[next(self.streams) % len(self.served_by)] if self.served_by else None
 
 
 def _words(prompt: Any, seed: int | None, honour: bool, n: int, temperature: float = 1.0) -> list[str]:
@@ -94,10 +104,7 @@ class _Handler(BaseHTTPRequestHandler):
             time.sleep(self.knobs.first_token_delay)
             self._json(200, {"choices": [{"text": " ".join(words), "finish_reason": "length"}]})
             return
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
+        self._stream_headers("text/event-stream")
         time.sleep(self.knobs.first_token_delay)
         for i, word in enumerate(words):
             last = i == len(words) - 1
@@ -108,6 +115,15 @@ class _Handler(BaseHTTPRequestHandler):
         self._chunk(f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': len(words)}})}\n\n")
         self._chunk("data: [DONE]\n\n")
         self.wfile.write(b"0\r\n\r\n")
+
+    def _stream_headers(self, content_type: str) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Transfer-Encoding", "chunked")
+        unit = self.knobs.next_unit()
+        if unit is not None:
+            self.send_header(SERVED_BY_UNIT_HEADER, unit)
+        self.end_headers()
 
     def _chunk(self, text: str) -> None:
         data = text.encode()
@@ -241,10 +257,7 @@ class _TritonHandler(_Handler):
             text = (query.prompt if query.prepend_input else "") + " ".join(words)
             self._answer(query, text, "length", len(words), streamed=match[1] == "generate_stream")
             return
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
+        self._stream_headers("text/event-stream; charset=utf-8")
         for i, word in enumerate(words):
             if i == self.knobs.stream_error_after:
                 self._chunk(f"data: {json.dumps({'error': 'the vLLM engine is dead: EngineDeadError'})}\n\n")

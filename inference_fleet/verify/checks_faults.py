@@ -133,25 +133,51 @@ def check_follower_stop(ctx: Context) -> CheckResult:
                        figures)
 
 
+# After the first stream of 7b starts, how long the others get to start before the leader is chosen and stopped.
+STARTS_SPREAD_SECONDS = 30.0
+
+
 @dataclass
 class Streams:
     """Long streamed chats sent at once (one per unit: least outstanding requests spreads them)."""
 
     results: list[Streamed]
     done_at: list[float]
-    first: threading.Event
+    started: list[threading.Event]  # the stream's first chunk came, or it ended without one
     threads: list[threading.Thread]
+
+    def wait_started(self, timeout: float) -> bool:
+        """Wait until one stream started (at most `timeout`), then until every stream started or ended, but at most
+        STARTS_SPREAD_SECONDS more: a late one must not keep the stop waiting while the others end. Whether one
+        started."""
+        deadline = time.monotonic() + timeout
+        while not any(e.is_set() for e in self.started) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        deadline = min(deadline, time.monotonic() + STARTS_SPREAD_SECONDS)
+        for event in self.started:
+            event.wait(max(0.0, deadline - time.monotonic()))
+        return any(r.chunks for r in self.results)
+
+    def in_flight_units(self) -> set[str]:
+        """The units that answer a stream still in flight, as their proxies name them (SERVED_BY_UNIT_HEADER)."""
+        return {r.served_by for r, done in zip(self.results, self.done_at, strict=True)
+                if r.served_by and r.chunks and not r.done and not done}
 
 
 def _streams(ctx: Context, count: int, max_tokens: int) -> Streams:
-    streams = Streams([Streamed(status=None) for _ in range(count)], [0.0] * count, threading.Event(), [])
+    streams = Streams([Streamed(status=None) for _ in range(count)], [0.0] * count,
+                      [threading.Event() for _ in range(count)], [])
+
+    def chunk(i: int, so_far: Streamed) -> None:
+        streams.results[i] = so_far
+        streams.started[i].set()
 
     def one(i: int) -> None:
         streams.results[i] = ctx.client.stream_chat(
-            ctx.served_model(), "Tell a long story.", max_tokens, on_chunk=lambda n: streams.first.set(),
+            ctx.served_model(), "Tell a long story.", max_tokens, on_chunk=lambda so_far: chunk(i, so_far),
             extra={"ignore_eos": True}, timeout=ctx.recovery_timeout_seconds)
         streams.done_at[i] = time.time()
-        streams.first.set()
+        streams.started[i].set()
 
     streams.threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(count)]
     for t in streams.threads:
@@ -164,50 +190,75 @@ def _stopped_at(ctx: Context, tasks: list[Task]) -> dict[str, float | None]:
     return {t.task_id: (times[t.task_id].stopped if t.task_id in times else None) for t in tasks}
 
 
+def _leader_with_a_stream(ctx: Context, streams: Streams) -> Task | None:
+    """The leader task of the first unit (fleet order) that answers a stream in flight; else the first leader."""
+    busy = streams.in_flight_units()
+    for unit_id in (u for u in ctx.expect.units if u in busy):
+        leader = next((t for t in ctx.adapter.tasks(unit_id) if t.role == "leader"), None)
+        if leader is not None:
+            return leader
+    return _pick(ctx, "leader")
+
+
+def _own_streams(ctx: Context, streams: Streams, unit_id: str) -> list[int]:
+    """The streams the stopped unit answered: those its proxy names it in; in a cell of one unit, every stream when
+    no proxy names a unit (a proxy image before SERVED_BY_UNIT_HEADER)."""
+    named = [i for i, r in enumerate(streams.results) if r.served_by == unit_id]
+    if named or len(ctx.expect.units) > 1 or any(r.served_by for r in streams.results):
+        return named
+    return list(range(len(streams.results)))
+
+
 def check_leader_stop(ctx: Context) -> CheckResult:
     """7b. Stop a leader task while streams are in flight: every stream completes (finish_reason
-    `length`), and the unit's followers stop only after the leader drained (the last stream
-    ended); then the unit serves again."""
+    `length`), and the unit's followers stop only after the leader drained (the last of its streams
+    ended); then the unit serves again. In a cell of several units the leader stopped is one whose
+    unit answers a stream (its proxy names the unit in each streamed answer's X-Served-By-Unit)."""
     interval = _interval(ctx)
     unit0 = ctx.expect.units[0]
     if _wait(lambda: ctx.adapter.unit_health(unit0) == 200, ctx.recovery_timeout_seconds, interval) is None:
         return CheckResult("7b-leader-stop", "fail", Measured(None, "s"), f"{unit0} is not serving before the stop")
-    leader = _pick(ctx, "leader")
+    if _pick(ctx, "leader") is None:
+        return not_run("7b-leader-stop", "no leader task running", "s")
+    max_tokens = max(16, min(ctx.expect.max_seq_len - 64, 1024))
+    streams = _streams(ctx, len(ctx.expect.units), max_tokens)
+    if not streams.wait_started(ctx.client.timeout):
+        return CheckResult("7b-leader-stop", "fail", Measured(None, "s"), "no stream started")
+    leader = _leader_with_a_stream(ctx, streams)
     if leader is None:
         return not_run("7b-leader-stop", "no leader task running", "s")
     followers = [t for t in ctx.adapter.tasks(leader.unit_id) if t.role == "follower"]
-    max_tokens = max(16, min(ctx.expect.max_seq_len - 64, 1024))
-    streams = _streams(ctx, len(ctx.expect.units), max_tokens)
-    if not streams.first.wait(ctx.client.timeout):
-        return CheckResult("7b-leader-stop", "fail", Measured(None, "s"), "no stream started")
     stopped_at = time.time()
     ctx.adapter.stop_task(leader, "inference-fleet verify --destructive: leader stop")
+    # A stream that ended before the stop call returned may have ended before the stop began: not a drain.
+    stop_returned = time.time()
     for t in streams.threads:
         t.join(ctx.recovery_timeout_seconds)
     results = streams.results
-    streams_done = max(streams.done_at)
+    own = _own_streams(ctx, streams, leader.unit_id)
+    # The followers are judged against the end of the stopped unit's own streams: another unit's stream may end
+    # later, and the stopped unit's followers rightly stop before it.
+    own_done = max((streams.done_at[i] for i in own), default=0.0)
+    drained = own_done > stop_returned
     wait = 2 * ctx.expect.follower_loss_seconds + 120
     _wait(lambda: all(v is not None for v in _stopped_at(ctx, followers).values()), wait, interval)
     stops_at = _stopped_at(ctx, followers)
     problems = []
     note = ""
-    # Only in a cell of one unit are the streams known to be the stopped unit's: with more, the load balancer's
-    # nodes pick units on their own, the stopped one may have had none and stop its followers at once, before
-    # another unit's stream ends. There a follower that stopped before its leader drained shows as that leader's
-    # broken stream (every stream must end with `length`).
-    single = len(ctx.expect.units) == 1
     broken = [f"{r.status} {r.finish_reason} {r.error}" for r in results if not r.ok or r.finish_reason != "length"]
     if broken:
         problems.append(f"streams not completed: {broken}")
-    if streams_done <= stopped_at:
+    if max(streams.done_at) <= stopped_at:
         problems.append("no stream was still in flight when the leader was stopped (inconclusive)")
-    elif not single:
-        note = (f"; inconclusive, not a pass: in a cell of {len(ctx.expect.units)} units the streams' units are not "
-                "known, so whether the stopped unit drained one before its followers stopped was not seen (a stream "
-                "cut short would have failed)")
+    elif not drained:
+        note = (f"; inconclusive, not a pass: none of the {len(results)} stream(s) was seen in flight on "
+                f"{leader.unit_id} when its leader stopped"
+                + ("" if any(r.served_by for r in results) else
+                   " (no answer named its unit: a proxy image before the X-Served-By-Unit header)")
+                + ", so its drain before its followers stopped was not seen (a stream cut short would have failed)")
     never = [t for t, at in stops_at.items() if at is None]
     # One second of slack: the stream's end is seen by the kit after the leader wrote it.
-    early = [t for t, at in stops_at.items() if single and at is not None and at < streams_done - 1]
+    early = [t for t, at in stops_at.items() if drained and at is not None and at < own_done - 1]
     if never:
         problems.append(f"followers still running {wait:g} s after the streams ended: {never}")
     elif early:
@@ -215,15 +266,18 @@ def check_leader_stop(ctx: Context) -> CheckResult:
     to_serving = _wait(lambda: ctx.adapter.unit_health(leader.unit_id) == 200, ctx.recovery_timeout_seconds, interval)
     if to_serving is None:
         problems.append(f"{leader.unit_id} did not serve again within {ctx.recovery_timeout_seconds:g} s")
-    drain = streams_done - stopped_at
+    drain = (own_done if drained else max(streams.done_at)) - stopped_at
     stops = [round(at - stopped_at, 1) for at in stops_at.values() if at is not None]
-    figures = {"unit": leader.unit_id, "leader": leader.task_id, "streams": len(results), "max_tokens": max_tokens,
-               "streams_done_s": round(drain, 1), "followers_stopped_s": stops,
+    named = sum(r.served_by == leader.unit_id for r in results)  # by the header itself, not the one-unit fallback
+    figures = {"unit": leader.unit_id, "leader": leader.task_id, "streams": len(results), "unit_streams": len(own),
+               "named_streams": named,
+               "max_tokens": max_tokens, "streams_done_s": round(drain, 1), "followers_stopped_s": stops,
                "serving_again_s": None if to_serving is None else round(time.time() - stopped_at, 1)}
-    detail = "; ".join(problems) or (f"{len(results)} stream(s) completed {drain:.1f} s after the stop; followers "
-                                     f"stopped at {stops} s; serving again after {figures['serving_again_s']} s"
-                                     + note)
-    # Several units and nothing broken: whether the stopped unit had a stream to drain is not known, so the
-    # followers' order was not put to the test (not a pass; a broken stream or a unit not back still fails).
-    status: Status = "fail" if problems else "pass" if single else "not_run"
+    whose = f", {len(own)} of them {leader.unit_id}'s, the last of those" if drained else ", the last"
+    detail = "; ".join(problems) or (f"{len(results)} stream(s) completed{whose} {drain:.1f} s after the stop; "
+                                     f"followers stopped at {stops} s; serving again after "
+                                     f"{figures['serving_again_s']} s" + note)
+    # Nothing broken but the stopped unit's drain not seen: the followers' order was not put to the test (not a
+    # pass; a broken stream or a unit not back still fails).
+    status: Status = "fail" if problems else "pass" if drained else "not_run"
     return CheckResult("7b-leader-stop", status, Measured(drain, "s to drain"), detail, figures)

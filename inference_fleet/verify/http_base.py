@@ -30,6 +30,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+# The header a unit's proxy puts on its streamed answers, naming the unit (unit_proxy.haproxy_config
+# SERVED_BY_UNIT_HEADER; docs/contracts.md): check 7b tells the stopped unit's streams by it.
+SERVED_BY_UNIT_HEADER = "X-Served-By-Unit"
+
 
 @dataclass
 class Answer:
@@ -51,6 +55,7 @@ class Streamed:
     prompt_tokens: int | None = None  # the prompt's token count where the server says it (Triton: num_input_tokens)
     error: str = ""
     done: bool = False  # the stream's own end marker arrived (OpenAI: `[DONE]`; Triton: a finish reason)
+    served_by: str | None = None  # the unit that answered (SERVED_BY_UNIT_HEADER), where the unit's proxy names it
 
     @property
     def ok(self) -> bool:
@@ -140,6 +145,7 @@ class HttpClient:
         try:
             with self._opener.open(self._request(path, body), timeout=timeout or self.timeout) as response:
                 result.status = response.status
+                result.served_by = response.headers.get(SERVED_BY_UNIT_HEADER)
                 for raw in response:
                     read_line(raw, result, started)
         except urllib.error.HTTPError as error:

@@ -38,7 +38,7 @@ class OpenAIHttp(HttpClient):
             text = str(answer.body["choices"][0].get("text", ""))
         return answer, text
 
-    def stream(self, path: str, body: dict[str, Any], on_chunk: Callable[[int], None] | None = None,
+    def stream(self, path: str, body: dict[str, Any], on_chunk: Callable[[Streamed], None] | None = None,
                timeout: float | None = None) -> Streamed:
         """POST a streaming request and read it to the end; the time to the first token is the
         time to the first event that carries text (or, for max_tokens 1, to the first event)."""
@@ -50,7 +50,7 @@ class OpenAIHttp(HttpClient):
         return result
 
     @staticmethod
-    def _event(raw: bytes, result: Streamed, started: float, on_chunk: Callable[[int], None] | None) -> None:
+    def _event(raw: bytes, result: Streamed, started: float, on_chunk: Callable[[Streamed], None] | None) -> None:
         data = sse_data(raw)
         if data is None:
             return
@@ -72,13 +72,13 @@ class OpenAIHttp(HttpClient):
                 result.text += piece
                 result.chunks += 1
                 if on_chunk is not None:
-                    on_chunk(result.chunks)
+                    on_chunk(result)
             result.finish_reason = choice.get("finish_reason") or result.finish_reason
             if choice.get("finish_reason") in ABORTED:
                 aborted(result, choice["finish_reason"])
 
     def stream_chat(self, model: str, content: str, max_tokens: int, temperature: float = 0.0,
-                    on_chunk: Callable[[int], None] | None = None, extra: dict[str, Any] | None = None,
+                    on_chunk: Callable[[Streamed], None] | None = None, extra: dict[str, Any] | None = None,
                     timeout: float | None = None) -> Streamed:
         body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
                 "temperature": temperature, **(extra or {})}

@@ -34,9 +34,10 @@ class ServingClient(Protocol):
         """One answer and its generated text (the prompt not repeated)."""
 
     def stream_chat(self, model: str, content: str, max_tokens: int, temperature: float = 0.0,
-                    on_chunk: Callable[[int], None] | None = None, extra: dict[str, Any] | None = None,
+                    on_chunk: Callable[[Streamed], None] | None = None, extra: dict[str, Any] | None = None,
                     timeout: float | None = None) -> Streamed:
-        """A streamed answer to `content`, read to its end marker; `extra`: more sampling parameters."""
+        """A streamed answer to `content`, read to its end marker; `extra`: more sampling parameters; `on_chunk` is
+        called with the answer so far after each chunk of text (its `served_by` known from the first)."""
 
     def stream_completion(self, model: str, prompt: str | list[int], max_tokens: int,
                           timeout: float | None = None, count_prompt: bool = False) -> Streamed:

@@ -98,7 +98,7 @@ class TritonHttp(HttpClient):
         return answer, text
 
     def stream(self, model: str, text: str, max_tokens: int, temperature: float = 0.0,
-               on_chunk: Callable[[int], None] | None = None, extra: dict[str, Any] | None = None,
+               on_chunk: Callable[[Streamed], None] | None = None, extra: dict[str, Any] | None = None,
                timeout: float | None = None, count_prompt: bool = False) -> Streamed:
         """A generate_stream read to its end; the time to the first token is the time to the first event
         that carries text or a finish reason. `count_prompt` asks for the prompt's token count: only check 3
@@ -114,7 +114,7 @@ class TritonHttp(HttpClient):
         return result
 
     @staticmethod
-    def _event(raw: bytes, result: Streamed, started: float, on_chunk: Callable[[int], None] | None) -> None:
+    def _event(raw: bytes, result: Streamed, started: float, on_chunk: Callable[[Streamed], None] | None) -> None:
         data = sse_data(raw)
         if data is None or result.done:
             return
@@ -145,14 +145,14 @@ class TritonHttp(HttpClient):
             result.text += piece
             result.chunks += 1
             if on_chunk is not None:
-                on_chunk(result.chunks)
+                on_chunk(result)
         if finish:
             result.finish_reason, result.done = finish, True
             if finish in ABORTED:
                 aborted(result, finish)
 
     def stream_chat(self, model: str, content: str, max_tokens: int, temperature: float = 0.0,
-                    on_chunk: Callable[[int], None] | None = None, extra: dict[str, Any] | None = None,
+                    on_chunk: Callable[[Streamed], None] | None = None, extra: dict[str, Any] | None = None,
                     timeout: float | None = None) -> Streamed:
         """The streamed request of the checks' chats: `generate_stream` of the text as it is (no chat template)."""
         return self.stream(model, content, max_tokens, temperature, on_chunk, extra, timeout)

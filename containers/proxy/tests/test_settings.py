@@ -47,7 +47,10 @@ def test_triton_frontend_and_overrides():
         ({"FRONTEND": "grpc"}, "'openai' or 'triton'"),
         ({"UPSTREAM_URL": "127.0.0.1:8000"}, "UPSTREAM_URL='127.0.0.1:8000' is not allowed: an http://"),
         ({"DRAIN_TIMEOUT_SECONDS": "-1"}, "DRAIN_TIMEOUT_SECONDS"),
-        ({"CELL": "dev"}, "METRICS_NAMESPACE, CELL and UNIT_ID are set together"),
+        ({"CELL": "dev"}, "METRICS_NAMESPACE and CELL are set together and with UNIT_ID"),
+        ({"CELL": "dev", "METRICS_NAMESPACE": "Rufus/UnitProxy"}, "UNIT_ID='' is not allowed: METRICS_NAMESPACE"),
+        ({"UNIT_ID": "u 0"}, "UNIT_ID='u 0' is not allowed: 1 to 64 letters, digits"),
+        ({"UNIT_ID": "u0'"}, "UNIT_ID=\"u0'\" is not allowed"),
         ({"PROXY_WORKERS": "0"}, "PROXY_WORKERS='0' is not allowed: an integer from 1 to 64"),
         ({"PROXY_WORKERS": "four"}, "PROXY_WORKERS='four'"),
         ({"PROXY_ADMIN_PORT": "8080"}, "a port other than PROXY_PORT (8080)"),
@@ -110,3 +113,9 @@ def test_the_body_limit_must_fit_the_buffer():
     for bad in ("relative/dir", "/with space", "/q'uote", "/" + "x" * 90):
         with pytest.raises(SettingsError, match="RUNTIME_DIR"):
             Settings.from_env({"RUNTIME_DIR": bad})
+
+
+def test_a_unit_id_alone_names_the_unit_without_emf():
+    """UNIT_ID without METRICS_NAMESPACE and CELL: the streamed answers name the unit (X-Served-By-Unit), no EMF."""
+    s = Settings.from_env({"UNIT_ID": "u3"})
+    assert s.unit_id == "u3" and not s.emf_enabled

@@ -123,3 +123,35 @@ async def test_triton_front_end_routes_and_health(engine: FakeEngine, make_proxy
             assert resp.status == 404  # OpenAI routes are not served by the Triton front end
     assert [e["text_output"] for e in events] == ["tok0 ", "tok1 ", "tok2 "]
     assert engine.started == 1
+
+
+@pytest.mark.parametrize(
+    ("frontend", "stream_path", "body"),
+    [
+        ("openai", "/v1/completions", {"model": "m", "prompt": "x", "stream": True}),
+        ("triton", "/v2/models/llm/generate_stream", {"text_input": "x", "parameters": {"stream": True}}),
+    ],
+)
+async def test_a_streamed_answer_names_its_unit(engine: FakeEngine, make_proxy: ProxyFactory, frontend: str,
+                                                stream_path: str, body: dict):
+    """X-Served-By-Unit (UNIT_ID) on the engine's streamed answers, which the acceptance kit's 7b attributes its
+    streams to units by (inference_fleet/verify/checks_faults.py); not on the others (on every answer it cost about
+    1,600 instructions a request, the test that keeps it to streams about 180: haproxy_config.sse_first_byte_rules)."""
+    from unit_proxy.haproxy_config import SERVED_BY_UNIT_HEADER as PROXY_HEADER
+
+    from inference_fleet.verify.http_base import SERVED_BY_UNIT_HEADER
+    from inference_fleet.verify.openai_http import OpenAIHttp
+
+    assert SERVED_BY_UNIT_HEADER == PROXY_HEADER
+    proxy = await make_proxy(frontend=frontend, unit_id="u3")
+    await wait_until(lambda: proxy.state.health.healthy, what="the unit healthy")
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{proxy.url}{stream_path}", json=body, headers={"x-tokens": "2"}) as resp:
+            assert resp.status == 200 and resp.headers.getall(PROXY_HEADER) == ["u3"]
+            await resp.read()
+        plain = "/v1/models" if frontend == "openai" else "/v2/health/ready"
+        async with session.get(f"{proxy.url}{plain}") as resp:
+            assert resp.status == 200 and PROXY_HEADER not in resp.headers
+    if frontend == "openai":  # the kit's own client reads it
+        streamed = await asyncio.to_thread(OpenAIHttp(proxy.url, 10).stream_chat, "m", "x", 2)
+        assert streamed.ok and streamed.served_by == "u3", streamed

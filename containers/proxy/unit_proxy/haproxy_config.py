@@ -61,6 +61,10 @@ ERROR_VAR = "txn.herr"
 # inside the refusal's own body, where the body names its type: one rule less on every
 # request than a `set-var` rule with the refusal's condition repeated.
 OUTCOME_UNAVAILABLE = "%[str(unit_unavailable),set-var(txn.outcome)]"
+# The response header naming the unit that answered a stream (settings.unit_id; docs/contracts.md): the
+# acceptance kit's 7b tells the stopped unit's streams from the others' by it, as the router's
+# X-Served-By-Cell names the cell (router_config.SERVED_BY_HEADER).
+SERVED_BY_UNIT_HEADER = "X-Served-By-Unit"
 # The ring HAProxy logs each request to (3.9 "Rings"): 4 MiB, about 80,000 lines of lag.
 LOG_RING = "agentlog"
 LOG_RING_BYTES = 4 * 1024 * 1024
@@ -655,11 +659,18 @@ def sse_first_byte_rules(settings: Settings) -> list[str]:
     4283-4292), so it is longer than `timeout server` (first_byte_wait): an engine silent for
     UPSTREAM_READ_TIMEOUT_SECONDS before its first body byte gets HAProxy's 504 either way; it
     was a 200 whose body was cut, as the headers had left."""
-    return [
+    rules = [
         f"    http-response wait-for-body time {_seconds(first_byte_wait(settings))} at-least 1",
         f"    http-response set-var({FIRST_BYTE_VAR}) date(0,ms),sub({REQUEST_DATE_VAR})"
         " if { res.fhdr(content-type) -m beg -i text/event-stream } { res.body_len gt 0 }",
     ]
+    if settings.unit_id:
+        # The same streams name their unit (SERVED_BY_UNIT_HEADER), tested by the variable the rule above set: on
+        # every answer, the header cost about 1,600 instructions a request (3 % of a completion), the test about
+        # 180 (callgrind, docs/proxy.md). `add-header`: the engine sends no such header of its own.
+        rules.append(f"    http-response add-header {SERVED_BY_UNIT_HEADER} {_q(settings.unit_id)}"
+                     f" if {{ var({FIRST_BYTE_VAR}) -m found }}")
+    return rules
 
 
 def _agent_backends(settings: Settings, paths: Paths) -> list[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -51,6 +52,8 @@ CANARY_FAILED_PATH = "/canary-failed"
 # Where the proxy reports that it drained for a follower whose task is stopping (the launcher's
 # unit_launcher.rendezvous DRAINED_PATH, answered on loopback only).
 DRAINED_PATH = "/drained"
+# A unit id (the cell stack's `u<n>`): plain text in a header value and a HAProxy config word.
+UNIT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 class SettingsError(ValueError):
@@ -245,15 +248,18 @@ class Settings:
         namespace = env.get("METRICS_NAMESPACE", "").strip()
         cell = env.get("CELL", "").strip()
         unit_id = env.get("UNIT_ID", "").strip()
-        for name, value in (("METRICS_NAMESPACE", namespace), ("CELL", cell), ("UNIT_ID", unit_id)):
+        for name, value in (("METRICS_NAMESPACE", namespace), ("CELL", cell)):
             if len(value) > 255 or any(ord(c) < 32 for c in value):
                 raise SettingsError(name, value, "at most 255 printable characters")
-        if any((namespace, cell, unit_id)) and not all((namespace, cell, unit_id)):
+        if unit_id and not UNIT_ID.fullmatch(unit_id):
+            raise SettingsError("UNIT_ID", unit_id, "1 to 64 letters, digits, '.', '_' or '-', the first a letter or "
+                                "digit (it is written into the X-Served-By-Unit header of streamed answers)")
+        if (namespace or cell) and not all((namespace, cell, unit_id)):
             missing = [n for n, v in (("METRICS_NAMESPACE", namespace), ("CELL", cell), ("UNIT_ID", unit_id)) if not v]
             raise SettingsError(
                 missing[0],
                 "",
-                "METRICS_NAMESPACE, CELL and UNIT_ID are set together (EMF needs all three) or not at all",
+                "METRICS_NAMESPACE and CELL are set together and with UNIT_ID (EMF needs all three), or not at all",
             )
         workers = _int(env, "PROXY_WORKERS", cls.workers, 1, MAX_WORKERS)
         port = _int(env, "PROXY_PORT", cls.port, 1, 65535)
@@ -322,9 +328,9 @@ ENVIRONMENT: tuple[tuple[str, str, str], ...] = (
     ("MAX_INFLIGHT", str(_D.max_inflight), "admission limit; 429 beyond"),
     ("DRAIN_SECONDS", f"{_D.drain_seconds:g}", "keep serving new requests this long after SIGTERM"),
     ("DRAIN_TIMEOUT_SECONDS", f"{_D.drain_timeout_seconds:g}", "longest wait for in-flight streams after that"),
-    ("METRICS_NAMESPACE", "(unset)", "EMF namespace; with CELL and UNIT_ID, all three or none"),
+    ("METRICS_NAMESPACE", "(unset)", "EMF namespace; with CELL and UNIT_ID, or neither it nor CELL"),
     ("CELL", "(unset)", "EMF dimension Cell"),
-    ("UNIT_ID", "(unset)", "EMF dimension Unit"),
+    ("UNIT_ID", "(unset)", "the unit: EMF dimension Unit, and the X-Served-By-Unit header of streamed answers"),
     ("HEALTH_INTERVAL_SECONDS", f"{_D.health_interval_seconds:g}", "period of the engine and launcher checks"),
     ("HEALTH_TIMEOUT_SECONDS", f"{_D.health_timeout_seconds:g}", "timeout of each check"),
     ("EMF_INTERVAL_SECONDS", f"{_D.emf_interval_seconds:g}", "period of the EMF lines"),
