@@ -132,7 +132,7 @@ simulate-cell: venv ## simulate one cell through a scenario SCENARIO=simulations
 # credentials), and VERIFY_ARGS=--destructive stops tasks. Exit 6: a check failed.
 VERIFY_ARGS ?=
 CELL ?=
-verify-cell: venv ## the acceptance kit against a deployed cell CELL=name [CONFIG=...] [VERIFY_ARGS=--destructive --report x.json]
+verify-cell: venv ## the acceptance kit against a deployed cell CELL=name CONFIG=fleet.yaml [VERIFY_ARGS=--destructive --report x.json]
 	@test -n "$$CELL" || { echo "CELL is not set: make verify-cell CELL=dev" >&2; exit 2; }
 	$(WITH_AWS) $(BIN)/python -m inference_fleet verify --cell "$$CELL" \
 	  $${CONFIG:+--config "$$CONFIG"} $(VERIFY_ARGS)

@@ -128,7 +128,10 @@ def _parser() -> argparse.ArgumentParser:
         if add_arguments is not None:
             add_arguments(sub)
         sub.set_defaults(run=run)
-    commands.add_parser("reference", help="print the fleet file reference").set_defaults(run=_reference)
+    # No --config: the reference is of the fleet file's fields, not of one fleet.
+    reference_help = "print the fleet file reference (every field: type, bounds, default; as docs/fleet-reference.md)"
+    commands.add_parser("reference", help=reference_help, description=reference_help, epilog=exit_codes.EPILOG,
+                        formatter_class=argparse.RawDescriptionHelpFormatter).set_defaults(run=_reference)
     return parser
 
 

@@ -13,6 +13,7 @@ Defaults live in this module and nowhere else; constructs receive resolved value
 from __future__ import annotations
 
 import datetime
+import difflib
 import ipaddress
 import re
 from collections.abc import Iterable
@@ -1044,6 +1045,50 @@ REMOVED_FIELDS = {
 }
 
 
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The models a field's annotation holds: a model, or one inside Optional, a union, a tuple, a list or a dict."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [model for arg in get_args(annotation) for model in _models_in(arg)]
+
+
+def _fields_at(loc: tuple[int | str, ...]) -> list[str] | None:
+    """The field names allowed at `loc` (a path into the fleet file), or None where the path does not lead to one
+    model (a dict's keys, a union of models)."""
+    model: type[BaseModel] = FleetConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        models = _models_in(field.annotation) if field is not None else []
+        if len(models) != 1:
+            return None
+        model = models[0]
+    return sorted(model.model_fields)
+
+
+def _unknown_field(loc: tuple[int | str, ...]) -> str:
+    """An unknown field's message: the allowed name it is closest to, else every allowed name here."""
+    allowed = _fields_at(loc[:-1]) or []
+    close = difflib.get_close_matches(str(loc[-1]), allowed, n=1, cutoff=0.6) if loc else []
+    if close:
+        hint = f"did you mean {close[0]}?"
+    elif allowed:
+        hint = f"allowed here: {', '.join(allowed)}"
+    else:
+        hint = "check the spelling"
+    return f"unknown field: {hint} (docs/fleet-reference.md)"
+
+
+# pydantic's words for a value of the wrong shape, in the fleet file's terms (YAML).
+_SHAPES = {
+    "tuple_type": "a list is needed (YAML: one `- item` line each, or [a, b])",
+    "list_type": "a list is needed (YAML: one `- item` line each, or [a, b])",
+    "model_type": "a mapping of fields is needed (YAML: one `name: value` line each, indented under this key)",
+    "dict_type": "a mapping is needed (YAML: one `key: value` line each, indented under this key)",
+}
+
+
 def _clean_loc(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
     """The field path without pydantic's internal union/constraint tags."""
     return tuple(p for p in loc if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
@@ -1061,9 +1106,9 @@ def _pydantic_issues(error: ValidationError) -> list[ConfigIssue]:
         if e["type"] == "string_pattern_mismatch":
             message = f"does not match the allowed pattern {e['ctx']['pattern']}"
         elif e["type"] == "extra_forbidden":
-            message = REMOVED_FIELDS.get(
-                _location(loc), "unknown field (check the spelling; see docs/fleet-reference.md)"
-            )
+            message = REMOVED_FIELDS.get(_location(loc)) or _unknown_field(loc)
+        elif e["type"] in _SHAPES:
+            message = _SHAPES[e["type"]]
         elif e["type"] in ("int_parsing", "int_type"):
             # YAML reads 1e30 as text: say what is wanted, not how parsing failed.
             message = "a whole number is needed"

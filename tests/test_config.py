@@ -118,7 +118,26 @@ def test_missing_field_names_its_path(raw: dict) -> None:
 
 def test_misspelt_field_is_refused(raw: dict) -> None:
     raw["unit"]["node"] = 2
-    assert "unit.node = 2: unknown field" in str(error_of(raw))
+    assert "unit.node = 2: unknown field: did you mean nodes?" in str(error_of(raw))
+
+
+def test_an_unknown_field_far_from_any_lists_the_allowed_ones(raw: dict) -> None:
+    """A newcomer's walkthrough (thirty-second session): the message named no field, so a user had to go to the
+    reference to learn what the place takes."""
+    raw["cells"][0]["zzz"] = 1
+    message = str(error_of(raw))
+    assert "cells[0].zzz = 1: unknown field: allowed here: " in message and "trainium_az" in message
+
+
+@pytest.mark.parametrize(("where", "value", "words"), [
+    ("cells", {"name": "dev"}, "cells = {'name': 'dev'}: a list is needed (YAML: one `- item` line each"),
+    ("model", 5, "model = 5: a mapping of fields is needed (YAML: one `name: value` line each"),
+])
+def test_a_value_of_the_wrong_shape_says_the_yaml_shape_needed(raw: dict, where: str, value: object,
+                                                               words: str) -> None:
+    """pydantic said "Input should be a valid tuple" or "a valid dictionary or instance of ModelConfig"."""
+    raw[where] = value
+    assert words in str(error_of(raw))
 
 
 def test_bad_pattern_says_what_is_allowed(raw: dict) -> None:
