@@ -381,6 +381,28 @@ def test_scale_in_drains_the_least_loaded_unit_after_the_cooldown() -> None:
     assert (decision.action, decision.units) == ("deactivate", (1,))
 
 
+def test_no_scale_in_while_a_unit_that_served_is_down() -> None:
+    """A defect hunt's repro (thirty-second session), the observation the cell simulation gave `decide` at +47m
+    (`follower-instance-lost.yaml`, elastic fleet, seed 1): u0 lost a follower 17 min ago and re-forms (its proxy
+    up: load 0, UnitHealthy 0); u1 carries all it can (1.0, the rest refused); u2, activated 30 min ago, joined 3 min
+    ago. The long window's load looked like it fit two units, and u2's forming zeros tied with u0's: u2, the unit
+    that serves, was drained, one serving unit left under min_units 2. Now nothing is drained while u0 is down."""
+    policy = Policy(min_units=2, max_units=12, nodes=2, target_load=0.7, scale_in_margin=0.2)
+    lag = (None, None)
+    u0 = Unit(0, "serving", lag + (0.0,) * 15 + (1.0,) * 13, instances=2, health=lag + (0.0,) * 15 + (1.0,) * 13)
+    u1 = Unit(1, "serving", lag + (1.0,) * 28, instances=2, health=lag + (1.0,) * 28)
+    u2 = Unit(2, "serving", lag + (1.0,) + (0.0,) * 14 + (None,) * 13, instances=2,
+              health=lag + (1.0,) + (0.0,) * 14 + (None,) * 13, activated_at=1e5 - 1800)
+    obs = Observation(now=1e5, units=(u0, u1, u2, *(Unit(i, "dormant") for i in range(3, 12))),
+                      last_scale_out=1e5 - 1800)
+    decision = decide(policy, obs)
+    assert decision.action == "hold" and "no scale-in while u0 is down" in decision.reason, decision
+    # Once u0 serves again, the same cell scales in as before (by load).
+    healthy = dataclasses.replace(u0, health=lag + (1.0,) * 28, load=lag + (0.1,) * 28)
+    decision = decide(policy, dataclasses.replace(obs, units=(healthy, *obs.units[1:])))
+    assert decision.action == "deactivate", decision
+
+
 def test_missing_load_reports_never_scale_in_nor_out() -> None:
     """No report from any unit: the controller lacks data and holds (no units launched on an outage)."""
     units = (Unit(0, "serving"), Unit(1, "serving"), Unit(2, "dormant"))

@@ -1060,3 +1060,24 @@ def test_an_activation_keeps_the_start_time_of_a_unit_still_starting() -> None:
     cell.expect_count("u2", "followers", 1)
     summary = cell.run(STALL_SETTINGS)
     assert (summary["action"], summary["units"]) == ("activate", ["u2"]), summary
+
+
+def test_a_tick_drains_nothing_while_a_unit_that_served_is_down() -> None:
+    """The defect hunt's repro through a whole tick (`decision.test_no_scale_in_while_a_unit_that_served_is_down`):
+    u0 down and re-forming, u1 full, u2 just joined. The old code drained u2 (its first write, CreateOrUpdateTags,
+    was refused by the Stubber, which has none queued)."""
+    settings = dataclasses.replace(SETTINGS, policy=dataclasses.replace(SETTINGS.policy, min_units=2, max_units=3,
+                                                                        target_load=0.8))
+    cell = Cell()
+    cell.stack()
+    cell.group(6, [f"i-{n}" for n in range(6)], served="0,1,2",
+               **{aws.TAG_LAST_OUT: NOW - 1800, aws.TAG_ACTIVATED: f"{int(NOW - 1800)}:2"})
+    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (2, 2)})
+    cell.labels({f"i-{n}": f"u{n // 2}" for n in range(6)})
+    cell.activities()
+    lag = [None, None]
+    cell.metrics({"u0": lag + [(0.0, 0.0)] * 15 + [(32.0, 1.0)] * 13,
+                  "u1": lag + [(32.0, 1.0)] * 28,
+                  "u2": lag + [(32.0, 1.0)] + [(0.0, 0.0)] * 14 + [None] * 13})
+    summary = cell.run(settings)
+    assert summary["action"] == "hold" and "no scale-in while u0 is down" in summary["reason"], summary

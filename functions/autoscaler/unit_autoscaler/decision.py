@@ -580,13 +580,28 @@ def decide(policy: Policy, obs: Observation) -> Decision:
         policy.ttft_p90_ms is None or ttft_in is None or not fits
         or ttft_after_scale_in(ttft_in, total_in or 0.0, active) <= policy.ttft_p90_ms * (1 - policy.scale_in_margin)
     )
-    settled_in = active > policy.min_units and serving and not starting and not draining
+    # A unit that served and is down now (re-forming after a lost node) carries nothing while it still counts as
+    # active, and the load the others could not take was refused, not measured: the long window's load then looks
+    # like it fits one unit fewer. Its zeros also tie with those of a unit that just joined, and the drain took the
+    # joined one (a defect hunt's repro: `follower-instance-lost.yaml` on the elastic fleet, one serving unit left
+    # under min_units 2 in 5 of 20 seeds). No scale-in until it serves again (or the placement controller replaces
+    # a member that never forms in it).
+    down = [u for u in serving if _down(policy, u)]
+    settled_in = active > policy.min_units and serving and not starting and not draining and not down
     cooled = last_action is None or obs.now - last_action >= policy.scale_in_cooldown_s
     if settled_in and fits and ttft_comfortable and cooled:
         return out("deactivate", f"load {total_in:.2f} (p90 of {policy.in_minutes} min) fits {active - 1} units",
                    [_least_loaded(policy, serving)])
     note = f"; {not_restarted}" if not_restarted else ""
+    if down and fits:
+        note += f"; no scale-in while {', '.join(u.unit_id for u in down)} is down (UnitHealthy 0)"
     return out("hold", f"load {total:.2f} on {active} active units (need {need}){note}")
+
+
+def _down(policy: Policy, unit: Unit) -> bool:
+    """Whether a unit's newest known UnitHealthy minute (within the scale-out span) says it is not whole."""
+    known = _known(unit.health, policy.out_span)
+    return bool(known) and known[0] != 1.0
 
 
 def ttft_after_scale_in(ttft: float, load: float, active: int) -> float:
