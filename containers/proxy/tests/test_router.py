@@ -665,3 +665,22 @@ async def _all_up(session: aiohttp.ClientSession, admin: int) -> None:
         await asyncio.sleep(0.05)
     raise AssertionError("the router's cells never all UP")
 
+
+
+async def test_a_cell_timing_out_is_named_in_the_routers_own_answer(cells, tmp_path: Path) -> None:
+    """A defect hunt (thirty-second session): a cell silent past ROUTER_TIMEOUT_SECONDS gets HAProxy's 504, which
+    carried no X-Served-By-Cell (an `http-response` rule does not apply to HAProxy's own answers): neither the client
+    nor the operator could tell which cell timed out."""
+    a, b = cells
+    router = await _router(a, b, tmp_path, ROUTER_TIMEOUT_SECONDS="1", ROUTER_WEIGHTS="b=0")
+    try:
+        await asyncio.sleep(0.5)
+        a.hold.clear()
+        url = f"http://{LOOPBACK}:{router.port}/v1/completions"
+        async with aiohttp.ClientSession() as session, session.post(url, data=b"{}") as resp:
+            await resp.read()
+            status, named = resp.status, resp.headers.get("X-Served-By-Cell")
+        assert (status, named) == (504, "a")
+    finally:
+        a.hold.set()
+        await router.close()

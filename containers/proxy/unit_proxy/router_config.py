@@ -30,6 +30,8 @@ from unit_proxy.settings import MAX_BUFFER_BYTES, MIN_BUFFER_BYTES, SettingsErro
 CELL_NAME = re.compile(r"^[a-z][a-z0-9-]{0,23}$")
 BACKEND = "cells"
 SERVED_BY_HEADER = "X-Served-By-Cell"
+# How long a cell keeps its last resolved address while the VPC resolver fails (`_resolvers`).
+DNS_HOLD_FAILED = "1h"
 # 5.2 "weight": 0 to 256; 0 takes a cell out of the choice (it is still checked).
 MAX_WEIGHT = 256
 DEFAULT_WEIGHT = 100
@@ -347,8 +349,15 @@ def _resolvers(settings: RouterSettings) -> list[str]:
     if all(_is_ip(cell.host) for cell in settings.cells):
         return []
     # 5.3.2 "parse-resolv-conf": the VPC's resolver (the task's /etc/resolv.conf); "hold valid": how long
-    # an answer is used; ALB DNS records have a 60 s TTL.
-    return ["resolvers vpc", "    parse-resolv-conf", "    hold valid 10s", "    accepted_payload_size 8192", ""]
+    # an answer is used; ALB DNS records have a 60 s TTL. 5.3.2 "hold <status>": a server is taken DOWN
+    # (`MAINT (resolution)`) once no valid answer came within that status's period, 30 s by default: a
+    # resolver silent for about 30 s took every DNS-named cell out and the router answered 503 to all, though
+    # the cells still served at the addresses it had (a defect hunt, thirty-second session,
+    # test_router_dns.py). An hour: the last address is kept and the health checks decide, as they do for an
+    # address that went stale (a deleted cell's name, NXDOMAIN, fails its checks too).
+    holds = [f"    hold {status} {DNS_HOLD_FAILED}" for status in ("nx", "refused", "timeout", "other")]
+    return ["resolvers vpc", "    parse-resolv-conf", "    hold valid 10s", *holds, "    accepted_payload_size 8192",
+            ""]
 
 
 HEALTH_RULE = "    http-request return status 200 content-type text/plain string ok if { path /router/health }"
@@ -481,8 +490,11 @@ def render(settings: RouterSettings, paths: RouterPaths) -> str:
         # and 505) or connection errors in a row take the cell out at once, before the next check.
         f"    default-server inter {inter} fastinter {fast_inter_ms(settings)} downinter {inter} fall {settings.fall} "
         f"rise {rise_checks(settings)} observe layer7 error-limit {settings.error_limit} on-error mark-down",
-        # Which cell answered (issue 26), replacing any such header from upstream.
-        f"    http-response set-header {SERVED_BY_HEADER} %[srv_name]",
+        # Which cell answered (issue 26), replacing any such header from upstream; `http-after-response`, so
+        # HAProxy's own answers about a cell (its 504 when the cell is silent, its 502) name it too (4.2: these
+        # rules apply to all responses; an `http-response` rule missed them: a defect hunt, thirty-second
+        # session). None when no cell was chosen (the 503 with every cell out).
+        f"    http-after-response set-header {SERVED_BY_HEADER} %[srv_name] if {{ srv_name -m found }}",
         # The 429s each cell answers (its units at their in-flight limit), per server id, for the agent
         # (unit_proxy.router, `_steer_from_full`): 4.2 "stick-table", "http-response track-sc0",
         # "sc-inc-gpc0"; 7.3.3 "srv_id". A retried answer never gets here (HAProxy 2.6 retries before
