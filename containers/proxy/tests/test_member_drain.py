@@ -134,3 +134,22 @@ def test_the_decisions_without_http():
     assert not drain.report_due(200.0, idle=True)
     # A new session forgets the old drain.
     assert not drain.observe({"session_id": "s2"}, 300.0) and not drain.active and drain.admitting(300.0)
+
+
+async def test_the_draining_gauge_returns_to_0_once_a_new_session_ends_a_follower_drain(
+    make_proxy: ProxyFactory, launcher: FakeLauncher
+) -> None:
+    """A defect hunt (thirty-second session): `unit_proxy_draining` stayed 1 for the container's life after a
+    follower's drain, though the proxy served again: dashboards read the leader as draining."""
+    from .conftest import gate_pushed
+
+    proxy = await make_proxy(drain_seconds=0, drain_timeout_seconds=1)
+    launcher.status["drain_requested"] = REQUEST
+    await wait_until(lambda: launcher.drained_reports, what="the drained report")
+    launcher.status.update(session_id="s-2", state="serving", drain_requested=None)
+    await wait_until(lambda: proxy.state.health.healthy, what="healthy again")
+    await gate_pushed(proxy)
+    async with aiohttp.ClientSession() as session, session.get(proxy.admin_url + "/metrics") as resp:
+        text = await resp.text()
+    line = next(m for m in text.splitlines() if m.startswith("unit_proxy_draining "))
+    assert line.endswith(" 0.0"), line

@@ -359,6 +359,11 @@ async def push_gate(state: ProxyState, api: RuntimeApi, paths: Paths) -> None:
         except RuntimeApiError as exc:
             if not state.stopping:  # a stopping HAProxy has closed its runtime API
                 log.warning("gate not pushed to HAProxy: %s", exc)
+            # HAProxy may have applied it (an answer lost or late: the 2 s timeout): what it holds is not known,
+            # so the key is pushed again next round, and /health (pushed == wanted) waits for it. Keeping the old
+            # value left HAProxy closed for good while /health said 200, once the unit was whole again (a
+            # defect hunt, thirty-second session).
+            state.pushed.pop(key, None)
             return
         if key == GateMap.UNIT:
             log.info("unit gate: %s", value)

@@ -246,6 +246,9 @@ class HealthMonitor:
             self.on_check(result)
         self.telemetry.set_engine_load(load)
         self.telemetry.set_healthy(self.state.healthy)
+        # 1 while the proxy drains, for SIGTERM or for a stopping follower; a follower's drain ends with the
+        # new session (the gauge stayed 1 for the container's life: a defect hunt, thirty-second session).
+        self.telemetry.set_draining(self.state.draining or self.state.member_draining)
         if was != self.state.healthy:
             log.log(
                 logging.INFO if self.state.healthy else logging.WARNING,

@@ -195,7 +195,7 @@ class Telemetry:
         self.unit_restarts = Counter(
             "unit_proxy_unit_restarts", "Changes of the launcher session id (unit re-formed)", registry=r
         )
-        self.draining = Gauge("unit_proxy_draining", "1 after SIGTERM", registry=r)
+        self.draining = Gauge("unit_proxy_draining", "1 while draining (SIGTERM, or a stopping follower)", registry=r)
         self.engine = EngineLoad()
         self.healthy = False
         self.restarts_total = 0
@@ -270,8 +270,8 @@ class Telemetry:
 
     # -- background checks ---------------------------------------------------------------
 
-    def set_draining(self) -> None:
-        self.draining.set(1)
+    def set_draining(self, draining: bool = True) -> None:
+        self.draining.set(1 if draining else 0)
 
     def set_engine_load(self, load: EngineLoad) -> None:
         self.engine = load
