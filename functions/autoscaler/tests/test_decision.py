@@ -403,6 +403,30 @@ def test_no_scale_in_while_a_unit_that_served_is_down() -> None:
     assert decision.action == "deactivate", decision
 
 
+def test_a_unit_whose_proxy_went_silent_counts_as_down() -> None:
+    """The cold review of the first form (helper-171): u0's proxy stopped reporting (its leader instance lost), so
+    no UnitHealthy minute said it was down; its missing load read as full and the drain took u2, a healthy unit,
+    again. A serving unit with neither health nor load reported in the scale-out span is down too."""
+    policy = Policy(min_units=2, max_units=12, nodes=2, target_load=0.7, scale_in_margin=0.2)
+    silent = (None,) * 12 + (0.0,) * 16
+    u0 = Unit(0, "serving", silent, instances=1, health=silent)
+    u1 = Unit(1, "serving", (0.2,) * 28, instances=2, health=(1.0,) * 28)
+    u2 = Unit(2, "serving", (0.1,) * 28, instances=2, health=(1.0,) * 28)
+    obs = Observation(now=1e5, units=(u0, u1, u2, *(Unit(i, "dormant") for i in range(3, 12))),
+                      last_scale_out=1e5 - 3600)
+    decision = decide(policy, obs)
+    assert decision.action == "hold" and "no scale-in while u0 is down" in decision.reason, decision
+
+
+def test_the_hold_names_a_down_unit_only_when_it_is_what_holds() -> None:
+    """The review's low finding: min_units alone held, and the reason blamed the down unit."""
+    policy = Policy(min_units=2, max_units=12, nodes=2, target_load=0.7, scale_in_margin=0.2)
+    u0 = Unit(0, "serving", (0.0,) * 28, instances=2, health=(0.0,) * 28)
+    u1 = Unit(1, "serving", (0.3,) * 28, instances=2, health=(1.0,) * 28)
+    decision = decide(policy, Observation(now=1e5, units=(u0, u1, Unit(2, "dormant")), last_scale_out=1e5 - 3600))
+    assert decision.action == "hold" and "down" not in decision.reason, decision
+
+
 def test_missing_load_reports_never_scale_in_nor_out() -> None:
     """No report from any unit: the controller lacks data and holds (no units launched on an outage)."""
     units = (Unit(0, "serving"), Unit(1, "serving"), Unit(2, "dormant"))

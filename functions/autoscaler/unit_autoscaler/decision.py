@@ -587,21 +587,28 @@ def decide(policy: Policy, obs: Observation) -> Decision:
     # under min_units 2 in 5 of 20 seeds). No scale-in until it serves again (or the placement controller replaces
     # a member that never forms in it).
     down = [u for u in serving if _down(policy, u)]
-    settled_in = active > policy.min_units and serving and not starting and not draining and not down
+    settled_in = active > policy.min_units and serving and not starting and not draining
     cooled = last_action is None or obs.now - last_action >= policy.scale_in_cooldown_s
     if settled_in and fits and ttft_comfortable and cooled:
-        return out("deactivate", f"load {total_in:.2f} (p90 of {policy.in_minutes} min) fits {active - 1} units",
-                   [_least_loaded(policy, serving)])
+        if not down:
+            return out("deactivate", f"load {total_in:.2f} (p90 of {policy.in_minutes} min) fits {active - 1} units",
+                       [_least_loaded(policy, serving)])
+        names = " and ".join(u.unit_id for u in down)
+        note = f"; no scale-in while {names} {'is' if len(down) == 1 else 'are'} down (UnitHealthy 0, or no report)"
+        return out("hold", f"load {total:.2f} on {active} active units (need {need}){note}")
     note = f"; {not_restarted}" if not_restarted else ""
-    if down and fits:
-        note += f"; no scale-in while {', '.join(u.unit_id for u in down)} is down (UnitHealthy 0)"
     return out("hold", f"load {total:.2f} on {active} active units (need {need}){note}")
 
 
 def _down(policy: Policy, unit: Unit) -> bool:
-    """Whether a unit's newest known UnitHealthy minute (within the scale-out span) says it is not whole."""
+    """Whether a unit that served is not whole now: its newest known UnitHealthy minute within the scale-out span
+    is not 1, or its proxy reported nothing there, neither health nor load (it runs on the unit's leader: a lost
+    leader instance reports nothing, and its missing load reads as full, so the drain took a healthy unit instead:
+    the cold review of the first form)."""
     known = _known(unit.health, policy.out_span)
-    return bool(known) and known[0] != 1.0
+    if known:
+        return known[0] != 1.0
+    return not _known(unit.load, policy.out_span)
 
 
 def ttft_after_scale_in(ttft: float, load: float, active: int) -> float:
