@@ -398,3 +398,36 @@ async def test_a_mismatch_that_outlives_two_heartbeats_without_a_step_is_reporte
     assert reported["lockstep"] is False
     agreed = await runner._steps_to_report(_Statuses(_status(40, True)), 0.01)
     assert agreed["lockstep"] is True
+
+
+HUNT_POLICY = evidence.BackoffPolicy(base_seconds=15, cap_seconds=300, reset_seconds=600)
+
+
+def _hunt_record(session, cause="heartbeat_loss", served=5.0, ended_at=1000.0):
+    return {"session_id": session, "cause": cause, "served_seconds": served, "ended_at": ended_at}
+
+
+def test_backoff_counts_from_the_last_failure_not_from_a_later_deliberate_stop():
+    """A defect hunt (thirty-second session): the wait counted from the last record, so a deploy during the wait
+    restarted it (230 s instead of the 30 s left)."""
+    # Five failures in a row, the last at t=1000 (wait 240 s: until 1240). A deployment stops
+    # the leader that waits out that backoff at t=1200 (a neutral record). The new task starts
+    # at t=1210: per docs/self-healing.md ("the wait counts from the ended_at of ... the session
+    # that just failed") and Backoff.until's comment ("counts from the last failure") it may
+    # form at 1240, i.e. 30 s more.
+    records = [_hunt_record(str(i), ended_at=900 + 25 * i) for i in range(5)]
+    records[-1]["ended_at"] = 1000.0
+    records.append(_hunt_record("deploy", cause=evidence.DELIBERATE, served=0.0, ended_at=1200.0))
+    backoff = evidence.backoff_for(records, HUNT_POLICY, now=1210)
+    assert backoff.failures_in_a_row == 5
+    assert backoff.remaining(now=1210) == pytest.approx(30), backoff  # got 230 s: the wait restarts
+
+
+def test_backoff_never_lapses_while_neutral_stops_keep_coming():
+    """The same hunt: deliberate stops kept the count from lapsing after cap + reset quiet."""
+    # Failures long ago (t=1000), then only deliberate stops (redeploys, drains): "a unit quiet for
+    # longer than cap + reset since its last failure starts afresh". At t=1000+2000 the last failure is
+    # 2000 s old (> 900 s), but a deliberate stop at t=2990 keeps the count alive.
+    records = [_hunt_record("a", ended_at=990), _hunt_record("b", ended_at=1000),
+               _hunt_record("stop", cause=evidence.DELIBERATE, served=0.0, ended_at=2990)]
+    assert evidence.backoff_for(records, HUNT_POLICY, now=3000).failures_in_a_row == 0

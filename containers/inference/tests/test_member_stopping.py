@@ -164,3 +164,28 @@ def test_sigusr1_during_start_up_is_remembered_never_fatal(tmp_path, unit_nodes,
     time.sleep(0.3)
     follower.signal(signal.SIGUSR1)
     assert follower.wait(10) == 0, follower.log
+
+
+async def test_a_join_with_the_leaders_own_instance_id_after_release_is_refused_and_ends_nothing(tmp_path, h):
+    """A defect hunt (thirty-second session): after the release such a join ended the session as member_restarted
+    naming the leader's host (rank 0), which the placement controller counts against it; before the release it
+    is refused as a duplicate."""
+    spec = parse_spec(h.cpu_spec(2, record_dir=tmp_path))
+    session = rendezvous.LeaderSession(spec, "10.0.0.1", "i-leader")
+    session.mark_ready()
+    follower = rendezvous.Member("10.0.0.2", "i-f1", time.monotonic(), time.monotonic(), incarnation="x")
+    session.members["i-f1"] = follower
+    session._maybe_release()
+    assert session.released.is_set()
+
+    class Req:
+        remote = "10.0.0.9"
+
+        async def json(self):
+            return {"cell": spec.cell, "unit_id": spec.unit_id, "revision": spec.revision,
+                    "address": "10.0.0.1", "instance_id": "i-leader", "incarnation": "other"}
+
+    response = await session._join(Req())
+    # Before the release the same join is refused as "duplicate" and ends nothing.
+    assert session.end_reason is None, (session.cause, session.ended_by and session.ended_by.describe(),
+                                        response.status)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
+import threading
 import time
 from pathlib import Path
 
@@ -157,3 +159,53 @@ def test_sigterm_to_the_leader_in_the_ready_phase_stops_the_fetching_follower_to
     [own] = _history(follow)
     assert own["cause"] == "deliberate_stop", own
     assert not (tmp_path / "i-leader.json").exists() and not (tmp_path / "i-f1.json").exists()
+
+
+class BlackHoleS3:
+    """An S3 endpoint that accepts connections and never answers (a stalled S3 / a black-holed route)."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.conns = []
+        self.asked = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            self.asked.set()
+
+    def env(self):
+        return {"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{self.port}", "AWS_ACCESS_KEY_ID": "test",
+                "AWS_SECRET_ACCESS_KEY": "test", "AWS_REGION": "us-east-1"}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("role", ["leader", "follower"])
+def test_a_node_stopped_while_its_s3_fetch_is_stalled_exits_promptly(tmp_path, unit_nodes, h, role):
+    """A defect hunt (thirty-second session): the fetch ran in asyncio's default executor, which asyncio.run joins
+    without a bound; a node stopped while S3 stalled ran on until botocore gave up (175 s and more) or ECS's
+    SIGKILL. Now its own daemon thread, as the Cloud Map lookup's."""
+    spec = h.cpu_spec(2, record_dir=tmp_path)
+    spec["model"].update(artifacts_s3_uri="s3://models/m/", local_dir=str(tmp_path / "cache"))
+    s3 = BlackHoleS3()
+    node = unit_nodes(spec, role, f"i-{role}", extra_env=s3.env())
+    assert s3.asked.wait(60), node.log  # the fetch's ListObjectsV2 is in flight
+    time.sleep(1)
+    started = time.monotonic()
+    node.signal(signal.SIGTERM)
+    # _Fetch.stop waits FETCH_CANCEL_SECONDS (10 s) at most; ECS kills a leader task 30 s after SIGTERM by default.
+    try:
+        status = node.process.wait(25)
+    except Exception:
+        node.process.wait(150)
+        raise AssertionError(f"{role} still running 25 s after SIGTERM; exited after "
+                             f"{time.monotonic() - started:.0f} s; log tail:\n{node.log[-1500:]}") from None
+    assert status == 0

@@ -119,7 +119,9 @@ class Backoff:
 def backoff_for(records: list[dict[str, Any]], policy: BackoffPolicy, now: float | None = None) -> Backoff:
     now = time.time() if now is None else now
     n = failures_in_a_row(records, policy)
-    last = records[-1] if records else None
+    # The last failure, not the last record: a deliberate stop (a deploy during the wait) restarted the wait and,
+    # coming again and again, kept the count from ever lapsing (a defect hunt, thirty-second session).
+    last = next((r for r in reversed(records) if r.get("cause") not in NEUTRAL), None)
     if n and last is not None and now - float(last.get("ended_at", 0)) > policy.cap_seconds + policy.reset_seconds:
         n = 0  # quiet for longer than any backoff and the reset time: start afresh
     seconds = policy.wait(n)

@@ -560,6 +560,11 @@ class LeaderSession:
         incarnation = str(body.get("incarnation", ""))
         if (instance_id, incarnation) in self.withdrawn:
             return self._refuse_withdrawn(who)
+        if instance_id == self.instance_id:
+            # Before the released branch: there the leader's own member (incarnation "") looked like a restarted
+            # follower, ending a serving session as member_restarted and naming the leader's host (a defect hunt,
+            # thirty-second session), which the placement controller counts against that host.
+            return self._refuse("duplicate", f"{who} has the leader's own instance id")
         member = self.members.get(instance_id)
         if self.released.is_set():
             if member is not None and self.state != STOPPING and member.incarnation != incarnation:
@@ -580,8 +585,6 @@ class LeaderSession:
                 f"is {self.state} with {self.describe_members()}; a new member joins "
                 "the next session",
             )
-        if instance_id == self.instance_id:
-            return self._refuse("duplicate", f"{who} has the leader's own instance id")
         now = time.monotonic()
         if member is None:
             self.prune_forming()

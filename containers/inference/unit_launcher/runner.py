@@ -165,7 +165,11 @@ class _Fetch:
 
     def __init__(self, spec: UnitSpec, rank: int, progress: Callable[[int, int], None] | None = None) -> None:
         self.cancel = threading.Event()
-        self.task = asyncio.ensure_future(asyncio.to_thread(self._run, spec, rank, progress))
+        # Its own daemon thread, as the Cloud Map lookup's (_LeaderLookup): asyncio.to_thread's executor is joined
+        # without a bound when asyncio.run ends, so a node stopped while S3 stalled (the cancel flag is read only
+        # between calls and as bytes arrive) exited only when botocore's retries of 60 s reads gave up, minutes
+        # after SIGTERM, or at ECS's SIGKILL (a defect hunt, thirty-second session).
+        self.task = asyncio.ensure_future(waits.in_daemon_thread(self._run, spec, rank, progress))
 
     def _run(self, spec: UnitSpec, rank: int, progress: Callable[[int, int], None] | None) -> None:
         fetch_artifacts(spec, rank, self.cancel, progress)
