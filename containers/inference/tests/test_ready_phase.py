@@ -3,6 +3,7 @@ and the unit starts when every member is ready. Real launchers, moto's S3 behind
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
@@ -161,43 +162,70 @@ def test_sigterm_to_the_leader_in_the_ready_phase_stops_the_fetching_follower_to
     assert not (tmp_path / "i-leader.json").exists() and not (tmp_path / "i-f1.json").exists()
 
 
-class BlackHoleS3:
-    """An S3 endpoint that accepts connections and never answers (a stalled S3 / a black-holed route)."""
+# One 1 KiB object under s3://models/m/, as S3's ListObjectsV2 answers it.
+_LISTING = (b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+            b"<Name>models</Name><Prefix>m/</Prefix><KeyCount>1</KeyCount><MaxKeys>1000</MaxKeys>"
+            b"<IsTruncated>false</IsTruncated><Contents><Key>m/config.json</Key>"
+            b"<LastModified>2024-01-01T00:00:00.000Z</LastModified><ETag>&quot;0123456789abcdef0123456789abcdef&quot;"
+            b"</ETag><Size>1024</Size><StorageClass>STANDARD</StorageClass></Contents></ListBucketResult>")
 
-    def __init__(self):
+
+class StallingS3:
+    """An S3 endpoint on loopback that stalls (accepts and never answers): every request (`stall="list"`), or
+    only the download, HEAD and GET of the one object its listing names (`stall="download"`)."""
+
+    def __init__(self, stall: str) -> None:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(64)
         self.port = self.sock.getsockname()[1]
-        self.conns = []
-        self.asked = threading.Event()
+        self.stall = stall
+        self.asked = threading.Event()  # a stalled request is in flight
         threading.Thread(target=self._accept, daemon=True).start()
 
-    def _accept(self):
+    def _accept(self) -> None:
         while True:
             try:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
-            self.conns.append(conn)
-            self.asked.set()
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
-    def env(self):
+    def _serve(self, conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        return
+                    head += chunk
+                if self.stall == "download" and b"list-type=2" in head.split(b"\r\n", 1)[0]:
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/xml\r\nContent-Length: "
+                                 + str(len(_LISTING)).encode() + b"\r\n\r\n" + _LISTING)
+                    continue
+                self.asked.set()
+                time.sleep(10**6)  # held open, never answered
+
+    def env(self) -> dict[str, str]:
         return {"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{self.port}", "AWS_ACCESS_KEY_ID": "test",
                 "AWS_SECRET_ACCESS_KEY": "test", "AWS_REGION": "us-east-1"}
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.parametrize("stall", ["list", "download"])
 @pytest.mark.parametrize("role", ["leader", "follower"])
-def test_a_node_stopped_while_its_s3_fetch_is_stalled_exits_promptly(tmp_path, unit_nodes, h, role):
+def test_a_node_stopped_while_its_s3_fetch_is_stalled_exits_promptly(tmp_path, unit_nodes, h, role, stall):
     """A defect hunt (thirty-second session): the fetch ran in asyncio's default executor, which asyncio.run joins
     without a bound; a node stopped while S3 stalled ran on until botocore gave up (175 s and more) or ECS's
-    SIGKILL. Now its own daemon thread, as the Cloud Map lookup's."""
+    SIGKILL. Its own daemon thread fixed a stalled listing; its cold review found a stalled download kept the node
+    alive all the same (s3transfer's worker threads, joined at exit): the process now ends with os._exit once a
+    fetch was abandoned (`runner.exit_code`)."""
     spec = h.cpu_spec(2, record_dir=tmp_path)
     spec["model"].update(artifacts_s3_uri="s3://models/m/", local_dir=str(tmp_path / "cache"))
-    s3 = BlackHoleS3()
+    s3 = StallingS3(stall)
     node = unit_nodes(spec, role, f"i-{role}", extra_env=s3.env())
-    assert s3.asked.wait(60), node.log  # the fetch's ListObjectsV2 is in flight
+    assert s3.asked.wait(60), node.log  # the stalled request is in flight
     time.sleep(1)
     started = time.monotonic()
     node.signal(signal.SIGTERM)

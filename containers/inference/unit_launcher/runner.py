@@ -159,6 +159,24 @@ def prepare_node(spec: UnitSpec, rank: int) -> None:
                                       Path(spec.model.local_dir))
 
 
+# Set once a fetch was left running at a stop (`_Fetch.stop`): the process then ends with os._exit (`exit_code`).
+FETCH_ABANDONED = threading.Event()
+
+
+def exit_code(code: int) -> int:
+    """`code`, or the process ends now with it when a fetch was abandoned: s3transfer's and artifacts.fetch's
+    worker threads are not daemons and the interpreter joins them at exit without a bound, so a node stopped while
+    a download stalled ran on until botocore's retries of 60 s reads gave up, past ECS's SIGKILL (a cold review's
+    repro, thirty-second session). Its records and log lines are written by then; they are flushed first."""
+    if not FETCH_ABANDONED.is_set():
+        return code
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 class _Fetch:
     """This node's fetch (and its view of the layout) in a thread, cancellable: a node told to
     stop, or whose session ended, does not first finish a download of minutes."""
@@ -190,6 +208,13 @@ class _Fetch:
         started = time.monotonic()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(asyncio.shield(self.task), FETCH_CANCEL_SECONDS)
+        if not self.task.done():
+            # A call that stalls reads no chunk, so the cancel is not seen: the process exits without it
+            # (`exit_code`), or the transfer's worker threads, which the interpreter joins at exit, kept it alive.
+            FETCH_ABANDONED.set()
+            log.warning("artifact fetch did not stop within %g s (a stalled S3 call): the node exits without it",
+                        FETCH_CANCEL_SECONDS)
+            return
         log.info("artifact fetch cancelled (stopped in %.1f s)", time.monotonic() - started)
 
 
@@ -1086,7 +1111,7 @@ def run(role: str, spec: UnitSpec, env: Mapping[str, str]) -> int:
                 log.error("Triton front end: %s", error)
                 return EXIT_CONFIG
             log.info("Triton's Python stub embeds %s (PATH and LD_LIBRARY_PATH set)", spec.engine.triton_python)
-        return asyncio.run(run_leader(spec, me, env.get("UNIT_BIND_ADDR", "0.0.0.0"), engine_env))
+        return exit_code(asyncio.run(run_leader(spec, me, env.get("UNIT_BIND_ADDR", "0.0.0.0"), engine_env)))
     if role == "follower":
-        return asyncio.run(run_follower(spec, me, env))
+        return exit_code(asyncio.run(run_follower(spec, me, env)))
     raise SpecError(f"UNIT_ROLE={role!r} not allowed; allowed: leader, follower")
