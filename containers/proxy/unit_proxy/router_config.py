@@ -348,9 +348,11 @@ def _is_ip(host: str) -> bool:
 def _resolvers(settings: RouterSettings) -> list[str]:
     if all(_is_ip(cell.host) for cell in settings.cells):
         return []
-    # 5.3.2 "parse-resolv-conf": the VPC's resolver (the task's /etc/resolv.conf); "hold valid": how long
-    # an answer is used; ALB DNS records have a 60 s TTL. 5.3.2 "hold <status>": a server is taken DOWN
-    # (`MAINT (resolution)`) once no valid answer came within that status's period, 30 s by default: a
+    # 5.3.2 "parse-resolv-conf": the VPC's resolver (the task's /etc/resolv.conf). A server's name is
+    # resolved again every `timeout resolve` (1 s by default; ALB DNS records have a 60 s TTL); "hold valid"
+    # applies only to do-resolve actions, not to servers (5.3.2), and is kept as it was. "hold <status>": a
+    # server is taken DOWN (`MAINT (resolution)`) once no valid answer came within that status's period, 30 s
+    # by default: a
     # resolver silent for about 30 s took every DNS-named cell out and the router answered 503 to all, though
     # the cells still served at the addresses it had (a defect hunt, thirty-second session,
     # test_router_dns.py). An hour: the last address is kept and the health checks decide, as they do for an
