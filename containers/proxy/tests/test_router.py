@@ -126,6 +126,7 @@ class FakeCell:
         self.coin = random.Random(26)
         self.hold = asyncio.Event()
         self.hold.set()
+        self.headers: dict[str, str] = {}  # added to every POST answered 200
 
     async def start(self) -> web.AppRunner:
         app = web.Application(client_max_size=8 * 1024 * 1024)
@@ -153,7 +154,7 @@ class FakeCell:
         if self.down or (self.fail_every and self.posts % self.fail_every == 0):
             return web.json_response({"error": {"type": "unit_unavailable"}}, status=503)
         await self.hold.wait()
-        return web.json_response({"cell": self.name})
+        return web.json_response({"cell": self.name}, headers=self.headers)
 
 
 @pytest.fixture
@@ -683,4 +684,20 @@ async def test_a_cell_timing_out_is_named_in_the_routers_own_answer(cells, tmp_p
         assert (status, named) == (504, "a")
     finally:
         a.hold.set()
+        await router.close()
+
+
+async def test_a_cells_own_served_by_header_is_replaced_not_repeated(cells, tmp_path: Path) -> None:
+    """X-Served-By-Cell names the cell the router chose, whatever the cell sends (helper-171 checked it by hand
+    after the rule became `http-after-response set-header`; this keeps it checked)."""
+    a, b = cells
+    a.headers = {"X-Served-By-Cell": "forged"}
+    router = await _router(a, b, tmp_path, ROUTER_WEIGHTS="b=0")
+    try:
+        await asyncio.sleep(0.5)
+        url = f"http://{LOOPBACK}:{router.port}/v1/completions"
+        async with aiohttp.ClientSession() as session, session.post(url, data=b"{}") as resp:
+            await resp.read()
+            assert resp.status == 200 and resp.headers.getall("X-Served-By-Cell") == ["a"], resp.headers
+    finally:
         await router.close()
