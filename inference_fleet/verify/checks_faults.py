@@ -145,14 +145,14 @@ class Streams:
     done_at: list[float]
     started: list[threading.Event]  # the stream's first chunk came, or it ended without one
     threads: list[threading.Thread]
+    first: threading.Event = field(default_factory=threading.Event)  # one of `started` is set
 
     def wait_started(self, timeout: float) -> bool:
         """Wait until one stream started (at most `timeout`), then until every stream started or ended, but at most
         STARTS_SPREAD_SECONDS more: a late one must not keep the stop waiting while the others end. Whether one
         started."""
         deadline = time.monotonic() + timeout
-        while not any(e.is_set() for e in self.started) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        self.first.wait(timeout)
         deadline = min(deadline, time.monotonic() + STARTS_SPREAD_SECONDS)
         for event in self.started:
             event.wait(max(0.0, deadline - time.monotonic()))
@@ -171,6 +171,7 @@ def _streams(ctx: Context, count: int, max_tokens: int) -> Streams:
     def chunk(i: int, so_far: Streamed) -> None:
         streams.results[i] = so_far
         streams.started[i].set()
+        streams.first.set()
 
     def one(i: int) -> None:
         streams.results[i] = ctx.client.stream_chat(
@@ -178,6 +179,7 @@ def _streams(ctx: Context, count: int, max_tokens: int) -> Streams:
             extra={"ignore_eos": True}, timeout=ctx.recovery_timeout_seconds)
         streams.done_at[i] = time.time()
         streams.started[i].set()
+        streams.first.set()
 
     streams.threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(count)]
     for t in streams.threads:

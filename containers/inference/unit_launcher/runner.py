@@ -165,7 +165,9 @@ FETCH_ABANDONED = threading.Event()
 
 def exit_code(code: int) -> int:
     """`code`, or the process ends now with it when a fetch was abandoned: s3transfer's and artifacts.fetch's
-    worker threads are not daemons and the interpreter joins them at exit without a bound, so a node stopped while
+    worker threads (concurrent.futures.ThreadPoolExecutor: s3transfer 0.19.3 futures.py BoundedExecutor.EXECUTOR_CLS;
+    artifacts.fetch's pool) are not daemons and the interpreter joins them at exit without a bound (CPython 3.11
+    Lib/concurrent/futures/thread.py `_python_exit`, as `waits.in_daemon_thread` says), so a node stopped while
     a download stalled ran on until botocore's retries of 60 s reads gave up, past ECS's SIGKILL (a cold review's
     repro, thirty-second session). Its records and log lines are written by then; they are flushed first."""
     if not FETCH_ABANDONED.is_set():

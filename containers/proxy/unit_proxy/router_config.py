@@ -352,9 +352,8 @@ def _resolvers(settings: RouterSettings) -> list[str]:
     # resolved again every `timeout resolve` (1 s by default; ALB DNS records have a 60 s TTL); "hold valid"
     # applies only to do-resolve actions, not to servers (5.3.2), and is kept as it was. "hold <status>": a
     # server is taken DOWN (`MAINT (resolution)`) once no valid answer came within that status's period, 30 s
-    # by default: a
-    # resolver silent for about 30 s took every DNS-named cell out and the router answered 503 to all, though
-    # the cells still served at the addresses it had (a defect hunt, thirty-second session,
+    # by default: a resolver silent for about 30 s took every DNS-named cell out and the router answered 503 to
+    # all, though the cells still served at the addresses it had (a defect hunt, thirty-second session,
     # test_router_dns.py). An hour: the last address is kept and the health checks decide, as they do for an
     # address that went stale (a deleted cell's name, NXDOMAIN, fails its checks too).
     holds = [f"    hold {status} {DNS_HOLD_FAILED}" for status in ("nx", "refused", "timeout", "other")]

@@ -115,9 +115,10 @@ def being_replaced(group: Mapping[str, aws.GroupInstance]) -> set[str]:
     return {i for i, g in group.items() if g.health == "Unhealthy" or g.lifecycle in STARTING_LIFECYCLE_STATES}
 
 
-def replacing(group: Mapping[str, aws.GroupInstance], marked: Sequence[str]) -> int:
-    """How many instances are out now: `being_replaced`, and those just marked."""
-    return len(being_replaced(group) | set(marked))
+def replacing(group: Mapping[str, aws.GroupInstance], marked: Sequence[str], other_than: str | None = None) -> int:
+    """How many instances are out now: `being_replaced`, and those just marked; not counting `other_than` (a host
+    about to be marked, which counts itself while it is still Pending)."""
+    return len((being_replaced(group) | set(marked)) - {other_than})
 
 
 def choose(broken: Sequence[tuple[float, str]], budget: int, updating: bool) -> tuple[list[str], list[str]]:

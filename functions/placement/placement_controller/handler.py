@@ -535,7 +535,7 @@ def _mark_unhealthy(
             LOG.warning("%s is in quarantine, but the unit formed last with it serves: it is marked once the unit "
                         "stops serving", instance_id)
             continue
-        out = len((ecs_health.being_replaced(group) | set(marked)) - {instance_id})  # (a Pending host is counted)
+        out = ecs_health.replacing(group, marked, other_than=instance_id)
         if instance_id not in step.quarantined_now and out >= settings.quarantine.max_instances:
             LOG.warning("%s is in quarantine, but %d instances are out already (being replaced or started): it is "
                         "marked once the cap allows", instance_id, out)

@@ -944,6 +944,17 @@ def health_call(cell: Cell, instance: str) -> None:
     )
 
 
+def group_status(cfn: Stubber, status: str) -> None:
+    """CloudFormation's answer about the cell's group resource (the signal rule and the replacements ask)."""
+    cfn.add_response(
+        "describe_stack_resource",
+        {"StackResourceDetail": {"LogicalResourceId": "TrainiumNodesASG1",
+                                 "ResourceType": "AWS::AutoScaling::AutoScalingGroup",
+                                 "LastUpdatedTimestamp": "2026-01-01T00:00:00Z", "ResourceStatus": status}},
+        {"StackName": "Rufus-Cell-dev", "LogicalResourceId": "TrainiumNodesASG1"},
+    )
+
+
 def run_at_now(cell: Cell, clients: Clients | None = None) -> dict:
     with cell.active():
         return reconcile(SETTINGS, clients or cell.clients, {}, aws.Retry(), cell.lines.append, now=NOW)
@@ -1014,14 +1025,7 @@ def run_during_a_rolling_update(cell: Cell, monkeypatch) -> dict:
                                   config=Config(signature_version=UNSIGNED))
     clients = dataclasses.replace(cell.clients, cloudformation=cloudformation)
     with Stubber(cloudformation) as cfn:
-        cfn.add_response(
-            "describe_stack_resource",
-            {"StackResourceDetail": {"LogicalResourceId": "TrainiumNodesASG1",
-                                     "ResourceType": "AWS::AutoScaling::AutoScalingGroup",
-                                     "LastUpdatedTimestamp": "2026-01-01T00:00:00Z",
-                                     "ResourceStatus": "UPDATE_IN_PROGRESS"}},
-            {"StackName": "Rufus-Cell-dev", "LogicalResourceId": "TrainiumNodesASG1"},
-        )
+        group_status(cfn, "UPDATE_IN_PROGRESS")
         summary = run_at_now(cell, clients)
         cfn.assert_no_pending_responses()
     return summary
@@ -1376,14 +1380,7 @@ def _run_with_target_health(cell: Cell, clients: Clients, healthy: list[str], re
                 {"Target": {"Id": i, "Port": 8080}, "TargetHealth": {"State": "healthy"}} for i in healthy]},
                 {"TargetGroupArn": "arn:tg"})
         for _ in range(stack_reads):
-            cfn.add_response(
-                "describe_stack_resource",
-                {"StackResourceDetail": {"LogicalResourceId": "TrainiumNodesASG1",
-                                         "ResourceType": "AWS::AutoScaling::AutoScalingGroup",
-                                         "LastUpdatedTimestamp": "2026-01-01T00:00:00Z",
-                                         "ResourceStatus": "UPDATE_COMPLETE"}},
-                {"StackName": "Rufus-Cell-dev", "LogicalResourceId": "TrainiumNodesASG1"},
-            )
+            group_status(cfn, "UPDATE_COMPLETE")
         with cell.active():
             summary = reconcile(SETTINGS, clients, event or {}, aws.Retry(), cell.lines.append, now=NOW)
         elb.assert_no_pending_responses()
@@ -1781,10 +1778,7 @@ def test_an_unreadable_target_health_ends_no_quarantine_and_marks_nothing_the_ru
     with Stubber(clients.elbv2) as elb, Stubber(clients.cloudformation) as cfn:
         for _ in range(2):
             elb.add_client_error("describe_target_health", "AccessDenied", "no", 403)
-        cfn.add_response("describe_stack_resource", {"StackResourceDetail": {
-            "LogicalResourceId": "TrainiumNodesASG1", "ResourceType": "AWS::AutoScaling::AutoScalingGroup",
-            "LastUpdatedTimestamp": "2026-01-01T00:00:00Z", "ResourceStatus": "UPDATE_COMPLETE"}},
-            {"StackName": "Rufus-Cell-dev", "LogicalResourceId": "TrainiumNodesASG1"})
+        group_status(cfn, "UPDATE_COMPLETE")
         with cell.active():
             summary = reconcile(SETTINGS, clients, {}, aws.Retry(), cell.lines.append, now=NOW)
         elb.assert_no_pending_responses()
