@@ -42,6 +42,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from unit_proxy.router_config import HARD_STOP_SECONDS
 from unit_proxy.router_ssm import (
     REPORT_STALE_SECONDS,
     TaskReport,
@@ -331,7 +332,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --local: the router's admin URL; wait until it reports the cell empty")
     parser.add_argument("--wait", action="store_true",
                         help="on AWS: wait until every router task reports the cell empty (its streams finished)")
-    parser.add_argument("--timeout", type=float, default=960.0,
+    parser.add_argument("--timeout", type=float, default=HARD_STOP_SECONDS + 60.0,
                         help="longest wait for --status-url or --wait (s; default: the router's 905 s hard stop and "
                              "a minute)")
     parser.add_argument("--force", action="store_true", help="evacuate even the last cell of a router")

@@ -10,8 +10,12 @@ stack's (stacks/cell_stack.py): the cells of one wave deploy in parallel; inside
 the units update one at a time (each unit's services depend on the previous unit's),
 so a cell takes `units x unit restart time` and a wave takes its largest cell's time
 plus the bake time. While a wave deploys, each of its cells has exactly one unit down,
-so the fleet serves `total units - cells in the wave`. Waiting for an approval or a
-deployment window is not estimated: it is listed as a gate.
+so the fleet serves `total units - cells in the wave`. A cell the pipeline evacuates before its update
+(`pipeline.evacuate`, router_checks.pipeline_evacuations) serves no routed request from its evacuation to
+its restore, and its wave's `Restore-<wave>` stage bakes again for the wave's bake time after the restore
+(stacks/pipeline_stack.py). Waiting for an approval or a deployment window is not estimated: it is listed
+as a gate; the evacuation's wait for the cell's streams (at most stacks.evacuation.WAIT_SECONDS) is not
+counted either: it lasts as long as the longest stream.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from inference_fleet.config import ConfigIssue, FleetConfig
+from inference_fleet.router_checks import pipeline_evacuations
 
 DEFAULT_UNIT_RESTART_MINUTES = 30.0
 # CodePipeline takes at most 5 rules in one stage condition, and a stage has one OnSuccess
@@ -55,6 +60,7 @@ class WavePlan:
     units: int
     deploy_minutes: float
     bake_minutes: int
+    restore_bake_minutes: int  # the Restore-<wave> stage's second bake (0: no cell of the wave evacuated)
     manual_approval: bool
     deployment_window: str | None
     wave_minutes: float
@@ -97,23 +103,28 @@ def plan_rollout(fleet: FleetConfig, unit_restart_minutes: float = DEFAULT_UNIT_
     if not unit_restart_minutes > 0:
         raise ValueError(f"unit_restart_minutes must be > 0, got {unit_restart_minutes}")
     fleet_units = sum(c.resolved_max_units for c in fleet.cells)
+    evacuated = {c.name for c in pipeline_evacuations(fleet)}
     waves: list[WavePlan] = []
     elapsed = 0.0
     for wave in fleet.waves:
         cells = fleet.cells_of_wave(wave.name)
         deploy = max(c.resolved_max_units for c in cells) * unit_restart_minutes
-        elapsed += deploy + wave.bake_minutes
+        restore = wave.bake_minutes if any(c.name in evacuated for c in cells) else 0
+        # One unit down in each cell; an evacuated cell serves no routed request at all.
+        out = sum(c.resolved_max_units if c.name in evacuated else 1 for c in cells)
+        elapsed += deploy + wave.bake_minutes + restore
         waves.append(WavePlan(
             name=wave.name,
             cells=tuple(c.name for c in cells),
             units=sum(c.resolved_max_units for c in cells),
             deploy_minutes=deploy,
             bake_minutes=wave.bake_minutes,
+            restore_bake_minutes=restore,
             manual_approval=wave.manual_approval,
             deployment_window=wave.deployment_window,
-            wave_minutes=deploy + wave.bake_minutes,
+            wave_minutes=deploy + wave.bake_minutes + restore,
             cumulative_minutes=elapsed,
-            units_serving_floor=fleet_units - len(cells),
+            units_serving_floor=fleet_units - out,
             fleet_units=fleet_units,
         ))
     return RolloutPlan(fleet=fleet.name, unit_restart_minutes=unit_restart_minutes,
@@ -127,11 +138,13 @@ def hours(minutes: float) -> str:
 
 
 def render(plan: RolloutPlan) -> str:
-    header = ("wave", "cells", "units", "deploy", "bake", "gates", "wave time", "cumulative", "capacity floor")
+    header = ("wave", "cells", "units", "deploy", "bake", "restore bake", "gates", "wave time", "cumulative",
+              "capacity floor")
     rows = [header]
     for w in plan.waves:
+        restore = hours(w.restore_bake_minutes) if w.restore_bake_minutes else "-"
         rows.append((
-            w.name, ", ".join(w.cells), str(w.units), hours(w.deploy_minutes), hours(w.bake_minutes), w.gates,
+            w.name, ", ".join(w.cells), str(w.units), hours(w.deploy_minutes), hours(w.bake_minutes), restore, w.gates,
             hours(w.wave_minutes), hours(w.cumulative_minutes),
             f"{w.units_serving_floor}/{w.fleet_units} ({w.capacity_floor:.1%})",
         ))
@@ -147,5 +160,7 @@ def render(plan: RolloutPlan) -> str:
         f"lowest capacity: {plan.lowest.units_serving_floor}/{plan.fleet_units} units "
         f"({plan.lowest.capacity_floor:.1%}) during wave {plan.lowest.name}",
         "(cells of a wave deploy in parallel; units of a cell update one at a time, one unit down per cell)",
+        *(["(an evacuated cell serves no routed request until its restore; its wave bakes again after it)"]
+          if any(w.restore_bake_minutes for w in plan.waves) else []),
     ]
     return "\n".join(lines)

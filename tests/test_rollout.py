@@ -62,8 +62,10 @@ def test_rendered_table(large_fleet) -> None:
     text = render(plan_rollout(large_fleet, 30))
     lines = text.splitlines()
     assert lines[0] == "Rollout plan for fleet Rufus: 2 wave(s), 18 unit(s), unit restart 30 min"
-    assert lines[3].split() == ["canary", "use2-a", "6", "3h00", "1h30", "-", "4h30", "4h30", "17/18", "(94.4%)"]
-    assert lines[4].split()[:9] == ["main", "use2-b,", "usw2-a", "12", "3h00", "2h00", "approval,", "window", "*"]
+    assert lines[3].split() == ["canary", "use2-a", "6", "3h00", "1h30", "-", "-", "4h30", "4h30", "17/18",
+                                "(94.4%)"]
+    assert lines[4].split()[:10] == ["main", "use2-b,", "usw2-a", "12", "3h00", "2h00", "-", "approval,", "window",
+                                     "*"]
     assert lines[4].split()[-4:] == ["5h00", "9h30", "16/18", "(88.9%)"]
     assert "total: 9h30 plus waits for approvals and deployment windows" in lines
     assert "lowest capacity: 16/18 units (88.9%) during wave main" in lines
@@ -80,6 +82,34 @@ def test_cli_json(capsys) -> None:
     # 6 x 45 = 270 + 90 = 360; then 270 + 120 = 390; total 750.
     assert [w["cumulative_minutes"] for w in data["waves"]] == [360, 750]
     assert data["total_minutes"] == 750 and data["unit_restart_minutes"] == 45
+
+
+EVACUATION = ROOT / "tests" / "fleets" / "pipeline_evacuation.yaml"
+
+
+def test_a_wave_with_an_evacuated_cell_counts_its_restore_bake() -> None:
+    """A defect hunt (thirty-third session): the pipeline follows a wave with an evacuated cell by `Restore-<wave>`,
+    which bakes again for the wave's bake_minutes (stacks/pipeline_stack.py); the plan said 90 min for the canary.
+    By hand, 30 min restarts: canary (dev, 1 unit, evacuated in one-unit mode) 30 + 60 + 60 = 150; main (prod, 2
+    units, not evacuated) 60 + 60 = 120; cumulative 270. Floors: 3 - 1 in both waves."""
+    plan = plan_rollout(parse_fleet(yaml.safe_load(EVACUATION.read_text())), 30)
+    assert [(w.wave_minutes, w.cumulative_minutes) for w in plan.waves] == [(150, 150), (120, 270)]
+    assert [(w.bake_minutes, w.restore_bake_minutes, w.wave_minutes, w.cumulative_minutes, w.units_serving_floor)
+            for w in plan.waves] == [(60, 60, 150, 150, 2), (60, 0, 120, 270, 2)]
+    lines = render(plan).splitlines()
+    assert lines[3].split()[:8] == ["canary", "dev", "1", "0h30", "1h00", "1h00", "-", "2h30"]
+    assert lines[4].split()[5] == "-"  # main: no restore bake
+    assert lines[-1].startswith("(an evacuated cell serves no routed request until its restore")
+
+
+def test_an_evacuated_cell_of_several_units_is_out_whole_for_the_capacity_floor() -> None:
+    """pipeline.evacuate all: prod (2 units) is evacuated too, so while main deploys the fleet serves 3 - 2."""
+    data = yaml.safe_load(EVACUATION.read_text())
+    data["pipeline"]["evacuate"] = "all"
+    plan = plan_rollout(parse_fleet(data), 30)
+    assert [w.units_serving_floor for w in plan.waves] == [2, 1]
+    assert [w.restore_bake_minutes for w in plan.waves] == [60, 60]
+    assert plan.total_minutes == 150 + 180
 
 
 def test_plan_rejects_a_non_positive_restart_time(large_fleet) -> None:
