@@ -94,6 +94,8 @@ efa_installer() {
 # EFA: the AMI's own, or the pinned installer verified by its SHA-256 before it runs. A download
 # that cannot connect in 10 s, stalls (under 10 KB/s for a minute) or takes 10 minutes is a failed try.
 ensure_efa() {
+  # fi_info opens every verbs device: wait for udev to make them
+  udevadm settle --timeout=60 >/dev/null 2>&1
   efa_ok && return 0
   [ -n "$EFA_INSTALLER_SHA256" ] || fail 'the AMI has no EFA and node.efa_installer_sha256 is null'
   local tarball="aws-efa-installer-$EFA_INSTALLER_VERSION.tar.gz" work
@@ -191,13 +193,14 @@ build_cache() {
 
 # Host network mode: give tasks their task role, not the instance role; the awslogs driver their
 # execution role's credentials (ecs-init's default, written down: the instance role may write only
-# to the cell's log groups, TrainiumCapacity.allow_awslogs). The capacity provider's own user data
-# appends ECS_CLUSTER.
+# to the cell's log groups, TrainiumCapacity.allow_awslogs). Task cgroups set: else the agent may
+# run tasks outside ecstasks.slice (docs). The capacity provider's user data appends ECS_CLUSTER.
 ecs_config() {
   local line
   mkdir -p /etc/ecs || fail 'cannot create /etc/ecs'
   for line in ECS_ENABLE_TASK_IAM_ROLE=true ECS_ENABLE_TASK_IAM_ROLE_NETWORK_HOST=true \
-    ECS_ENABLE_AWSLOGS_EXECUTIONROLE_OVERRIDE=true ECS_IMAGE_PULL_BEHAVIOR=prefer-cached; do
+    ECS_ENABLE_AWSLOGS_EXECUTIONROLE_OVERRIDE=true ECS_IMAGE_PULL_BEHAVIOR=prefer-cached \
+    ECS_ENABLE_TASK_CPU_MEM_LIMIT=true; do
     grep -qxF "$line" /etc/ecs/ecs.config 2>/dev/null || echo "$line" >>/etc/ecs/ecs.config \
       || fail 'cannot write /etc/ecs/ecs.config'
   done

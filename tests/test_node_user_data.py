@@ -340,6 +340,18 @@ def test_default_node_with_efa_in_the_ami_sets_up_and_lets_the_ecs_agent_start(d
     assert "systemctl start ecstasks.slice" in node.calls
 
 
+def test_a_node_pins_the_task_cgroup_the_imds_rule_matches(default_user_data, tmp_path) -> None:
+    """A defect hunt (thirty-third session): the IMDS rule matches ecstasks.slice, where the ECS agent puts task
+    containers only with task cgroups on; left at its default, the agent turns them off by itself (an old Docker,
+    a cgroup it cannot set up, old tasks in its state) and starts tasks anyway (aws/amazon-ecs-agent at 8dfceca6
+    agent/app/agent_capability.go, agent_unix.go cgroupInit, agent_compatibility_linux.go). Set explicitly, it
+    refuses to start instead, as the compile host's does. Old code: the setting missing from ecs.config."""
+    node = Node(tmp_path)
+    result = run_user_data(node, default_user_data)
+    assert node.ready(result), node.console + result.stderr
+    assert "ECS_ENABLE_TASK_CPU_MEM_LIMIT=true" in node.file("/etc/ecs/ecs.config").splitlines()
+
+
 def test_default_fleet_installs_the_pinned_efa_installer_when_the_ami_has_none(default_user_data, tmp_path) -> None:
     """Old code: `the AMI has no EFA and node.efa_installer_sha256 is not set`, then power-off."""
     node = Node(tmp_path, ami_has_efa=False)
@@ -587,6 +599,31 @@ def test_a_device_udev_makes_late_is_waited_for(default_user_data, tmp_path) -> 
     result = run_user_data(node, default_user_data)
     assert node.ready(result), node.console + result.stderr
     assert node.calls.count("sleep 5") == 1
+
+
+def test_a_reboot_checks_efa_only_after_udev_has_made_the_devices(default_user_data, tmp_path) -> None:
+    """A defect hunt (thirty-third session): on a later boot node-setup.service runs after network-online.target,
+    and `ensure_efa` asked fi_info (libfabric's efa provider opens each /dev/infiniband/uverbsN) before udev's
+    queue was waited for: a verbs device not made yet sent the node to download and run the EFA installer again,
+    and with the download not answering, out of service for good. Old code: the installer's download tried."""
+    node = Node(tmp_path)
+    assert node.ready(run_user_data(node, default_user_data)), node.console
+    # fi_info as libfabric's efa provider behaves: no verbs device node, no efa provider.
+    fi_info = node.root / "upper/opt/amazon/efa/bin/fi_info"
+    fi_info.write_text("#!/bin/sh\n[ -c /dev/infiniband/uverbs0 ] || { echo 'fi_getinfo: -61' >&2; exit 1; }\n")
+    # This boot the EFA driver binds while udev works through its queue: the nodes exist once `udevadm settle`
+    # returns (the fake settle makes them), as task_devices assumes.
+    efa = [d for d in node.text("devices").splitlines() if "uverbs" in d]
+    (node.state / "devices").write_text("".join(f"{d}\n" for d in node.text("devices").splitlines() if d not in efa))
+    (node.state / "late-devices").write_text("".join(f"{d}\n" for d in efa))
+    (node.bin / "udevadm").write_text(
+        '#!/bin/bash\necho "udevadm $*" >> "$FAKE_STATE/calls"\n'
+        'if [ "$1" = settle ] && [ -e "$FAKE_STATE/late-devices" ]; then\n'
+        '  while read -r path major minor; do mkdir -p "${path%/*}"; mknod "$path" c "$major" "$minor"; done '
+        '< "$FAKE_STATE/late-devices"\n  rm "$FAKE_STATE/late-devices"\nfi\n')
+    result = node.reboot()
+    assert node.ready(result), node.console + result.stderr
+    assert "efa-installer.amazonaws.com" not in node.calls
 
 
 def test_the_node_checks_exactly_the_devices_the_task_definitions_pass(synth_default, default_user_data,
