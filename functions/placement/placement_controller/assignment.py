@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from placement_controller.topology import NetworkPath, common_depth, unit_score
 
@@ -55,6 +55,7 @@ class Instance:
     path: NetworkPath | None = None
     unit: str | None = None
     busy: bool = False
+    cached: bool = False  # a spare whose spare task reported the model in its cache (signals.spare_ready)
 
 
 @dataclass(frozen=True)
@@ -377,12 +378,14 @@ def assign_spares(instances: Sequence[Instance], units: int, nodes_per_unit: int
 
     A unit lost nodes when fewer than `nodes_per_unit` instances carry its label but some
     still do (a unit with none left is grouped afresh by `plan_topology`). Each step takes
+    a spare with the model cached before one whose spare task is still fetching it, then
     the spare that meets its unit's surviving members deepest (nearest first), the lower
     instance id and then the earlier unit on a tie, until the units are whole or the
     spares run out. So every spare given to a unit is at least as near to it as any
-    spare left over. Warm spares go before cold free instances, even a nearer cold one:
-    a spare has the model in its cache, so the unit serves again in its load time
-    instead of a download plus its load time.
+    spare left over that is as warm. Warm spares go before cold free instances, even a
+    nearer cold one: a spare has the model in its cache, so the unit serves again in its
+    load time instead of a download plus its load time; one still fetching is given only
+    when no cached spare is left (it has a head start on a cold instance).
     """
     _check(instances, units, nodes_per_unit)
     ids = unit_ids(units)
@@ -396,8 +399,8 @@ def assign_spares(instances: Sequence[Instance], units: int, nodes_per_unit: int
     spares = {inst.instance_id: inst for inst in instances if inst.unit == SPARE_UNIT and not inst.busy}
     given: dict[str, str] = {}
     while spares and need:
-        _, spare_id, unit = min(
-            (-meet_depth(members[unit], spare), spare_id, unit)
+        _, _, spare_id, unit = min(
+            (not spare.cached, -meet_depth(members[unit], spare), spare_id, unit)
             for unit in need
             for spare_id, spare in spares.items()
         )
@@ -422,7 +425,7 @@ def plan_cell(
     candidates = [inst for inst in instances if inst.instance_id not in out]
     gifts = assign_spares(candidates, units, nodes_per_unit)
     fixed = [
-        Instance(inst.instance_id, inst.path, gifts[inst.instance_id], busy=True) if inst.instance_id in gifts else inst
+        replace(inst, unit=gifts[inst.instance_id], busy=True) if inst.instance_id in gifts else inst
         for inst in candidates
     ]
     return gifts, plan_topology(fixed, units, nodes_per_unit)

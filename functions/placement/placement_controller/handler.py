@@ -799,6 +799,7 @@ def reconcile(
             unit=ci.attributes.get(UNIT_ATTRIBUTE),
             busy=(not _movable(ci) or _briefly_away(settings, ci, now, agents)
                   or ci.attributes.get(UNIT_ATTRIBUTE) in stopping_units),
+            cached=signals.spare_ready(ci),
         )
         for instance_id, ci in managed.items()
     ]

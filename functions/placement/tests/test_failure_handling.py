@@ -62,7 +62,8 @@ def cells_with_spares(draw: st.DrawFn) -> tuple[list[Instance], int, int, set[st
         for _ in range(draw(st.integers(0, nodes))):
             instances.append(Instance(f"i-{next(serial):04d}", draw(path), unit, busy=draw(st.booleans())))
     for _ in range(draw(st.integers(0, 5))):  # warm spares: a spare task runs there, yet movable
-        instances.append(Instance(f"i-{next(serial):04d}", draw(path), SPARE_UNIT, busy=False))
+        instances.append(Instance(f"i-{next(serial):04d}", draw(path), SPARE_UNIT, busy=False,
+                                  cached=draw(st.booleans())))
     for _ in range(draw(st.integers(0, 4))):  # cold free instances, just launched
         instances.append(Instance(f"i-{next(serial):04d}", draw(path), None, busy=False))
     ids = [inst.instance_id for inst in instances]
@@ -93,8 +94,12 @@ def test_spares_are_assigned_nearest_first(cell):
     for spare_id, unit in gifts.items():
         assert spare_id in spares  # only warm spares are given by this step
         assert 0 < len(survivors[unit]) < nodes  # only to a unit that lost nodes
-        got = meet_depth(survivors[unit], spares[spare_id])
-        assert all(got >= meet_depth(survivors[unit], other) for other in left_over)
+        got = spares[spare_id]
+        # None left over has the model cached while the one given is still fetching it; among those as warm,
+        # none is nearer.
+        assert got.cached or not any(other.cached for other in left_over)
+        assert all(meet_depth(survivors[unit], got) >= meet_depth(survivors[unit], other)
+                   for other in left_over if other.cached == got.cached)
     # A unit still short of nodes means every spare was given.
     short = [u for u, members in survivors.items() if 0 < len(members) + Counter(gifts.values())[u] < nodes]
     assert not short or not left_over
@@ -124,6 +129,18 @@ def test_the_same_block_wins_over_a_lower_id_and_warm_over_a_nearer_cold_instanc
     gifts, plan = plan_cell([*survivors, far, cold], 1, 2)
     assert gifts == {"i-0": "u0"} and plan.units["u0"] == ("i-0", "i-a")
     assert plan.spares == ("i-c",)  # the cold instance becomes the new spare
+
+
+def test_a_spare_with_the_model_cached_goes_before_a_nearer_one_still_fetching():
+    """A defect hunt (thirty-third session): two spares, i-9 near u0's survivor but its spare task still fetching
+    the model (no `spare-ready`), i-0 farther with the model cached. docs/placement.md promises the cached one
+    ("a spare has the model in its cache"); the plan gave the nearer, still fetching. Old code: {'i-9': 'u0'}."""
+    survivors = [Instance("i-a", ("t", "m1", "b1"), "u0", busy=True)]
+    fetching = Instance("i-9", ("t", "m1", "b1"), SPARE_UNIT)
+    cached = Instance("i-0", ("t", "m2", "b9"), SPARE_UNIT, cached=True)
+    assert assign_spares([*survivors, fetching, cached], 1, 2) == {"i-0": "u0"}
+    # With no cached spare left, the one still fetching has a head start on a cold instance.
+    assert assign_spares([*survivors, fetching, Instance("i-c", ("t", "m1", "b1"), None)], 1, 2) == {"i-9": "u0"}
 
 
 def test_a_spare_that_cannot_be_moved_now_is_not_given():

@@ -6,6 +6,7 @@ references; the Stubber also checks every request against the service models.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -1808,3 +1809,29 @@ def test_a_refused_stop_is_logged_and_the_run_goes_on(monkeypatch, caplog):
     cell.ecs.add_client_error("list_tasks", service_error_code="AccessDeniedException", http_status_code=400)
     summary = _run_with_target_health(cell, clients, [], reads=1)
     assert summary["quarantined_tasks_stopped"] == [] and "could not stop the tasks on i-0b" in caplog.text
+
+
+def test_a_unit_that_lost_a_node_gets_the_spare_with_the_model_cached_not_a_nearer_one_still_fetching():
+    """A defect hunt (thirty-third session): u0 lost i-0b. i-0s, near u0's survivor, was labelled spare a minute ago
+    (its spare task still fetching: no `spare-ready`); i-0t, farther, logged `spare_ready` long ago. The plan did not
+    read `spare-ready` and gave i-0s (old code: DescribeContainerInstances of 0s where 0t's was expected)."""
+    settings = dataclasses.replace(SPARE_SETTINGS, spare_nodes=2)
+    cell = Cell()
+    cell.group(**{"i-0a": "InService", "i-0s": "InService", "i-0t": "InService"})
+    a = container("i-0a", running=1, unit="u0", unit_placement="topology")
+    s = container("i-0s", running=1, unit="spare")
+    t = container("i-0t", running=1, unit="spare", spare_ready=f"{NOW - 7200}")
+    cell.containers([a, s, t])
+    cell.topology(["i-0a", "i-0s", "i-0t"],
+                  [topo("i-0a", "t", "m1", "b1"), topo("i-0s", "t", "m1", "b1"), topo("i-0t", "t", "m2", "b7")])
+    cell.describe([t])
+    labels = put("i-0t", "u0", "topology")
+    cell.ecs.add_response("put_attributes", {"attributes": labels}, {"cluster": CLUSTER, "attributes": labels})
+    spare_tasks(cell, {"5pare": "i-0s", "5pare2": "i-0t"})
+    warm_task = f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/5pare2"
+    cell.ecs.add_response(
+        "stop_task", {"task": {"taskArn": warm_task}},
+        {"cluster": CLUSTER, "task": warm_task, "reason": "placement controller: this spare now belongs to a unit"},
+    )
+    summary = cell.run({"source": "aws.events", "detail-type": "Scheduled Event"}, settings=settings)
+    assert summary["spares_assigned"] == {"i-0t": "u0"}
