@@ -592,6 +592,33 @@ def test_a_run_after_a_failed_one_on_the_same_instance_starts_its_passes_from_no
     assert "manifest key" in capsys.readouterr().out
 
 
+def test_a_second_job_on_the_same_host_keys_and_lists_only_what_the_prefix_holds(s3, tmp_path, monkeypatch, capsys):
+    """Regression (found by the thirty-third session's defect hunt): /compile is the instance's host volume, kept
+    for the queue's next job there, and its checkpoint fetch kept every file an earlier job had fetched. One the
+    prefix no longer holds entered the key and the manifest's shared files, which the job does not upload (they
+    are already beside it), so every node refused the layout ("listed in the manifest, missing on this node").
+    The job now removes from its checkpoint what the prefix does not hold, and nothing outside the checkpoint."""
+    s3.put_object(Bucket=BUCKET, Key=PREFIX + "generation_config.json", Body=b'{"temperature": 0.6}')
+    assert compile_run.main(_job_environment(DEFAULT, tmp_path, monkeypatch)) == 0, capsys.readouterr().err
+    # A new revision under the prefix (`aws s3 sync --delete`: one file gone, one changed), compiled again with
+    # --replace on the same host: /compile as the first job left it, with a fetch's .part cut short, and a file
+    # of the work dir that is not the checkpoint's.
+    s3.delete_object(Bucket=BUCKET, Key=PREFIX + "generation_config.json")
+    s3.put_object(Bucket=BUCKET, Key=PREFIX + "tokenizer.json", Body=b'{"revision": 2}')
+    work = tmp_path / "compile"
+    (work / "checkpoint" / "config.json.part").write_bytes(b"half a file")
+    (work / "notes.txt").write_text("the operator's")
+    assert compile_run.main(_job_environment(DEFAULT, tmp_path, monkeypatch, replace=True)) == 0, \
+        capsys.readouterr().err
+    layout = f"neuron/{layout_key(load_fleet(str(DEFAULT)))}/"
+    manifest = am.parse(json.loads(s3.get_object(Bucket=BUCKET, Key=PREFIX + layout + am.MANIFEST_NAME)["Body"].read()))
+    assert set(manifest.inputs.checkpoint) == {"config.json", "tokenizer.json", "model-00001-of-00001.safetensors"}
+    listed = {**manifest.shared, **{p: e for n in manifest.nodes for p, e in n.files.items()}}
+    missing = sorted(rel for rel in listed if PREFIX + rel not in _objects(s3))
+    assert not missing, f"the manifest lists files not in S3 (every node refuses them): {missing}"
+    assert (work / "notes.txt").read_text() == "the operator's"
+
+
 def test_the_batch_job_without_a_checkpoint_under_the_artifacts_prefix_says_where_to_put_it(
         s3, tmp_path, monkeypatch, capsys):
     for name in ("config.json", "tokenizer.json", "model-00001-of-00001.safetensors"):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from pathlib import Path
 
 import boto3
 import pytest
+from botocore.exceptions import ClientError
 from moto import mock_aws
 from unit_launcher import artifacts
 
@@ -208,3 +210,82 @@ def test_a_presharded_node_fetches_no_checkpoint_subfolder(s3, tmp_path):
     assert not (tmp_path / "original").exists()
     assert (tmp_path / "neuron" / LAYOUT / "weights" / "tp0_sharded_checkpoint.safetensors").exists()
     assert (tmp_path / "config.json").exists() and (tmp_path / "tokenizer.json").exists()
+
+
+class NotMd5Etags:
+    """The moto client, answering ListObjectsV2 and HeadObject with the ETag S3 gives an SSE-KMS object: 32 hex
+    digits without '-', not the MD5 of its data ("encrypted by SSE-C or SSE-KMS, have ETags that are not an MD5
+    digest of their object data", https://docs.aws.amazon.com/AmazonS3/latest/API/API_Object.html). moto always
+    answers the MD5; the encryption HeadObject reports is moto's own, from the PutObject. `head_error`: what
+    HeadObject raises instead."""
+
+    def __init__(self, client, head_error: Exception | None = None):
+        self._client, self._head_error = client, head_error
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+    @staticmethod
+    def etag(key: str) -> str:
+        return '"' + hashlib.md5(f"kms:{key}".encode()).hexdigest() + '"'
+
+    def get_paginator(self, name):
+        real = self._client.get_paginator(name)
+        etag = self.etag
+
+        class Paginator:
+            def paginate(self, **kwargs):
+                for page in real.paginate(**kwargs):
+                    for item in page.get("Contents", []):
+                        item["ETag"] = etag(item["Key"])
+                    yield page
+
+        return Paginator()
+
+    def head_object(self, **kwargs):
+        if self._head_error is not None:
+            raise self._head_error
+        return {**self._client.head_object(**kwargs), "ETag": self.etag(kwargs["Key"])}
+
+
+@pytest.mark.parametrize(("encryption", "accepted"), [
+    ("aws:kms", True), ("aws:kms:dsse", True), ("AES256", False), (None, False)])
+def test_an_object_whose_etag_is_not_its_md5_is_judged_by_how_s3_encrypts_it(encryption, accepted, s3, tmp_path):
+    """Regression (found by the thirty-third session's defect hunt): every single-part ETag was taken for an MD5,
+    so from an SSE-KMS bucket (model.artifacts_kms_key_arn, or a default aws:kms encryption) every intact
+    download was refused: no node and no compile job fetched anything. An SSE-KMS or DSSE-KMS object is now not
+    judged by its ETag; a plaintext or SSE-S3 one whose download does not give its ETag's MD5 is still refused."""
+    client, objects = s3
+    extra = {"ServerSideEncryption": encryption} if encryption else {}
+    for key, body in objects.items():
+        client.put_object(Bucket=BUCKET, Key=key, Body=body, **extra)
+    if not accepted:
+        with pytest.raises(artifacts.ArtifactError, match=r"s3://.*/llama/\S+: MD5 does not match its ETag"):
+            artifacts.fetch(NotMd5Etags(client), URI, tmp_path, layout=LAYOUT)
+        assert not list(tmp_path.rglob("*.part"))
+        return
+    result = artifacts.fetch(NotMd5Etags(client), URI, tmp_path, layout=LAYOUT)
+    assert result.downloaded == 5
+    assert (tmp_path / "config.json").read_bytes() == objects["llama/config.json"]
+    # The listing's ETag is what the fetch records: a second fetch skips every file.
+    assert artifacts.fetch(NotMd5Etags(client), URI, tmp_path, layout=LAYOUT).skipped == 5
+
+
+def test_an_object_replaced_during_the_fetch_or_a_refused_head_object_is_refused_naming_it(s3, tmp_path):
+    """The ETag HeadObject gives must be the listing's: another one means the object changed since the listing.
+    A HeadObject S3 refuses is an ArtifactError naming the object, not a traceback."""
+    client, objects = s3
+    for key, body in objects.items():
+        client.put_object(Bucket=BUCKET, Key=key, Body=body, ServerSideEncryption="aws:kms")
+
+    class Replaced(NotMd5Etags):
+        def head_object(self, **kwargs):
+            return {**super().head_object(**kwargs), "ETag": '"' + "0" * 32 + '"'}
+
+    with pytest.raises(artifacts.ArtifactError, match=r"llama/\S+: MD5 does not match its ETag"):
+        artifacts.fetch(Replaced(client), URI, tmp_path, layout=LAYOUT)
+    denied = ClientError({"Error": {"Code": "403", "Message": "Forbidden"}}, "HeadObject")
+    with pytest.raises(artifacts.ArtifactError,
+                       match=r"cannot read how s3://.*/llama/\S+ is encrypted \(HeadObject\): ClientError: .*403"):
+        artifacts.fetch(NotMd5Etags(client, denied), URI, tmp_path, layout=LAYOUT)
+    assert not list(tmp_path.rglob("*.part"))

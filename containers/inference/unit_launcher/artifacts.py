@@ -6,7 +6,9 @@ top-level files and its own layout only; when the layout carries presharded weig
 (`weights/tp<rank>_sharded_checkpoint.safetensors`, NxD Inference's `save_sharded_checkpoint`),
 it fetches only its own ranks' shards and not the full checkpoint's weight files.
 Objects already present with the size and ETag recorded by an earlier fetch are
-skipped; single-part objects are checked against their MD5 ETag after download.
+skipped; single-part objects are checked against their MD5 ETag after download, except those S3
+encrypts with a KMS key, whose ETag is not their MD5 (`_etag_is_md5`): those rest on their size and,
+for what a node serves, the compile manifest's SHA-256 (artifact_manifest.check_node).
 Transfers run concurrently (boto3's transfer manager splits large objects into ranged
 parts) and progress is logged. A fetch is cancellable (`cancel`): the transfer stops at its
 next chunk, so a node told to stop (SIGTERM) does not first finish a download of minutes.
@@ -54,6 +56,7 @@ class S3Object:
 
     @property
     def md5(self) -> str | None:
+        """The ETag, when it can be an MD5 (not a multipart one); whether it is, S3's encryption decides."""
         etag = self.etag.strip('"')
         return None if "-" in etag else etag
 
@@ -64,6 +67,8 @@ class FetchResult:
     skipped: int
     bytes_downloaded: int
     seconds: float
+    # Every selected object's path under the local dir, fetched or already there: what the prefix holds.
+    files: tuple[str, ...] = ()
 
 
 def split_uri(uri: str) -> tuple[str, str]:
@@ -275,6 +280,29 @@ def prepare_node_layout(
     return node_dir
 
 
+# What HeadObject's ServerSideEncryption says for a KMS key (SSE-KMS, and DSSE-KMS, its two-layer form).
+_KMS_ENCRYPTION = ("aws:kms", "aws:kms:dsse")
+
+
+def _etag_is_md5(client: Any, bucket: str, obj: S3Object) -> bool:
+    """Whether a single-part object's ETag is its MD5, asked of S3 only when the download's MD5 differs.
+
+    S3: objects "encrypted by SSE-C or SSE-KMS, have ETags that are not an MD5 digest of their object
+    data"; plaintext and SSE-S3 ones do (S3 API reference, Object, ETag:
+    https://docs.aws.amazon.com/AmazonS3/latest/API/API_Object.html). The listing does not say how an
+    object is encrypted; HeadObject's ServerSideEncryption does. HeadObject needs s3:GetObject
+    (https://docs.aws.amazon.com/AmazonS3/latest/API/API_HeadObject.html, "Permissions"), which both roles
+    that fetch have on the prefix (the units' task role, stacks/cell_stack.py; the compile job's,
+    cell_constructs/compile_batch.py), and boto3's download_file already sends one per object (s3transfer
+    0.19.3, the image's pin, download.py:379). DSSE-KMS is taken as SSE-KMS (the page names only SSE-KMS:
+    unverified). SSE-C needs no case: a GET of such an object must carry the customer key's headers
+    (API_GetObject.html, SSECustomerAlgorithm), which this fetch never sends, so its download fails first.
+    An ETag other than the listing's means the object was replaced during the fetch: refused as before.
+    """
+    head = client.head_object(Bucket=bucket, Key=obj.key)
+    return head.get("ETag") != obj.etag or head.get("ServerSideEncryption") not in _KMS_ENCRYPTION
+
+
 def _md5(path: Path) -> str:
     digest = hashlib.md5(usedforsecurity=False)
     with path.open("rb") as handle:
@@ -431,9 +459,16 @@ def _fetch(
         if size != obj.size:
             partial.unlink(missing_ok=True)
             raise ArtifactError(f"s3://{bucket}/{obj.key}: got {size} bytes, expected {obj.size}")
-        if obj.md5 and _md5(partial) != obj.md5:
-            partial.unlink(missing_ok=True)
-            raise ArtifactError(f"s3://{bucket}/{obj.key}: MD5 does not match its ETag {obj.etag}")
+        if obj.md5 is not None and _md5(partial) != obj.md5:
+            try:
+                refused = _etag_is_md5(client, bucket, obj)
+            except (ClientError, BotoCoreError) as error:
+                partial.unlink(missing_ok=True)
+                raise ArtifactError(f"cannot read how s3://{bucket}/{obj.key} is encrypted (HeadObject): "
+                                    f"{type(error).__name__}: {error}") from None
+            if refused:
+                partial.unlink(missing_ok=True)
+                raise ArtifactError(f"s3://{bucket}/{obj.key}: MD5 does not match its ETag {obj.etag}")
         os.replace(partial, target)
         return obj
 
@@ -459,4 +494,4 @@ def _fetch(
         skipped,
         seconds,
     )
-    return FetchResult(len(todo), skipped, total, seconds)
+    return FetchResult(len(todo), skipped, total, seconds, tuple(obj.key[len(prefix) :] for obj in objects))

@@ -23,7 +23,7 @@ from typing import Any
 
 from unit_launcher import artifact_manifest as am
 from unit_launcher import self_check
-from unit_launcher.artifacts import ArtifactError, fetch, split_uri
+from unit_launcher.artifacts import MANIFEST, ArtifactError, fetch, split_uri
 
 log = logging.getLogger("unit_launcher.compile")
 
@@ -118,7 +118,8 @@ def key_inputs(job: Job, checkpoint: Path) -> am.KeyInputs:
 def clear_outputs(job: Job, out_root: Path) -> None:
     """Remove what an earlier run left in this job's output and work directories (a failed pass, or
     another layout's job on the same instance): a pass must start from nothing, or a stale shard or
-    model.pt would be taken for its own. The checkpoint is kept (its fetch skips verified files)."""
+    model.pt would be taken for its own. The checkpoint is kept (its fetch skips verified files; what the
+    prefix no longer holds is removed after it, `remove_unlisted`)."""
     work_dirs = [Path(one.env[_PASS_WORK_DIR]) for one in job.passes if _PASS_WORK_DIR in one.env]
     for path in (out_root, *(Path(one.out_dir) for one in job.passes), *work_dirs):
         if path.is_dir():
@@ -348,13 +349,33 @@ def execute(job: Job, checkpoint: Path, work: Path, inputs: am.KeyInputs, *, cli
     return 0
 
 
+def remove_unlisted(checkpoint: Path, listed: tuple[str, ...]) -> None:
+    """Remove every file of the fetched checkpoint that the artifacts prefix does not hold now.
+
+    /compile is a host volume of the compile instance (cell_constructs/compile_batch.py), kept from one
+    job Batch runs there to the next (as `clear_outputs` says). A file deleted from the prefix since an
+    earlier job there (a new revision synced with --delete), or the `.part` of a fetch cut short, would
+    be hashed into the key and listed in the manifest's shared files, which this job does not upload
+    (they are "already beside it"), and every node would refuse the layout for a listed file missing in
+    S3. Only files under `checkpoint` go, the fetch's own record (artifacts.MANIFEST) kept; rglob does
+    not enter a linked directory, and unlinking a link leaves its target.
+    """
+    keep = {*listed, MANIFEST}
+    for path in sorted(checkpoint.rglob("*")):
+        relative = path.relative_to(checkpoint).as_posix()
+        if (path.is_symlink() or path.is_file()) and relative not in keep:
+            log.info("removing %s from the checkpoint: not under the artifacts prefix now", relative)
+            path.unlink()
+
+
 def run_request(request: Request, client: Any) -> int:
     """The Batch job: fetch the checkpoint beside `neuron/` under the artifacts URI, then `execute`."""
     work = Path(request.work_dir)
     checkpoint = work / "checkpoint"
     log.info("fetching the checkpoint of %s into %s", request.artifacts_uri, checkpoint)
     # layout None: every object but neuron/*; keep_checkpoint: the weights are what the passes shard.
-    fetch(client, request.artifacts_uri, checkpoint, keep_checkpoint=True)
+    fetched = fetch(client, request.artifacts_uri, checkpoint, keep_checkpoint=True)
+    remove_unlisted(checkpoint, fetched.files)
     if not any(p.is_file() and not p.name.startswith(".") for p in checkpoint.iterdir()):
         raise CompileError(f"no checkpoint under {request.artifacts_uri} (outside neuron/): upload the Hugging Face "
                            f"checkpoint there first, e.g. aws s3 sync <checkpoint dir> {request.artifacts_uri}")
