@@ -78,6 +78,20 @@ def test_an_aborted_stream_is_an_error_and_fails_serving(finish: str) -> None:
     assert result.status == "fail" and "streamed chat: 200" in result.detail and "aborted" in result.detail
 
 
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_a_stream_that_failed_mid_way_is_not_ok_and_fails_serving(frontend: str) -> None:
+    """vLLM 0.32.0's OpenAI server writes a generation that failed after the 200 as `data: {"error": {...}}` then
+    `data: [DONE]`, with no choice naming a finish reason (openai_http.py's docstring); Triton as an error event.
+    Regression (found by the thirty-third session's defect hunt): the OpenAI client skipped a document without
+    `choices`, so the stream counted as served and check 1 passed."""
+    with fake_unit(frontend, stream_error_after=1) as server:
+        streamed = fake_client(server).stream_chat(MODEL, "x", max_tokens=8)
+        result = checks_serving.check_serving(context(server))
+    assert streamed.status == 200 and streamed.chunks == 1 and not streamed.ok
+    assert "error in the stream" in streamed.error
+    assert result.status == "fail" and "error in the stream" in result.detail, result.detail
+
+
 def test_agreement_passes_and_sends_a_burst_at_temperature_above_zero() -> None:
     with FakeOpenAI() as server:
         result = checks_serving.check_agreement(context(server), burst=6)
