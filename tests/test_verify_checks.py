@@ -574,6 +574,34 @@ def test_a_stream_that_ends_during_the_stop_call_is_not_a_drain() -> None:
         result.detail
 
 
+@pytest.mark.parametrize(("finish", "status", "words"), [
+    ("length", "not_run", "all 1 stream(s) had ended before u0's leader was stopped"),
+    ("stop", "fail", "streams not completed: ['200 stop ']"),
+])
+def test_a_leader_stopped_after_every_stream_ended_is_not_run_as_documented(
+        monkeypatch: pytest.MonkeyPatch, finish: str, status: str, words: str) -> None:
+    """docs/verifying.md, 7b: where no stream of the stopped unit was in flight when the stop call returned, the check
+    fails on a broken stream or a unit not back, and is otherwise `not_run`. Regression (found by the thirty-third
+    session's defect hunt): with every stream ended (completed, `length`) before the stop and the unit back, the
+    code said "(inconclusive)" but failed the check (exit 6)."""
+    real = checks_faults._leader_with_a_stream
+
+    def late(ctx: Context, streams: checks_faults.Streams) -> Task | None:  # the stop comes after the stream ended
+        for t in streams.threads:
+            t.join(5)
+        time.sleep(0.1)
+        return real(ctx, streams)
+
+    monkeypatch.setattr(checks_faults, "_leader_with_a_stream", late)
+    with fake_unit("openai", finish_reason=finish) as server:
+        adapter = DrainingCell(server.url, running=two_tasks())
+        result = checks_faults.check_leader_stop(context(server, adapter, max_seq_len=80))
+    assert adapter.stopped == ["arn:task/l"]
+    assert result.status == status and words in result.detail, (result.status, result.detail)
+    if status == "not_run":
+        assert "s before the stop" in result.detail and result.measured.value is None
+
+
 @pytest.mark.parametrize(("served_by", "named"), [((), 0), (("u0",), 1)], ids=["old proxy", "named"])
 def test_the_streams_named_by_the_header_are_counted_apart_from_the_one_unit_fallback(
         served_by: tuple[str, ...], named: int) -> None:
