@@ -11,6 +11,7 @@ import json
 import re
 import ssl
 import subprocess
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -20,9 +21,11 @@ import boto3
 import pytest
 from botocore.stub import ANY, Stubber
 
-from inference_fleet.verify import checks_serving, runner
-from inference_fleet.verify.adapter import CellUnreachable, Task
-from inference_fleet.verify.aws import AwsAdapter, widget_queries
+from inference_fleet.verify import checks_cell, checks_serving, runner
+from inference_fleet.verify.adapter import CellUnreachable, LogEvent, Task, TaskTimes
+from inference_fleet.verify.aws import AwsAdapter, metric_period, widget_queries
+from inference_fleet.verify.context import Context
+from inference_fleet.verify.openai_http import OpenAIHttp
 from tests.verify_fakes import FakeOpenAI, expectations
 
 SNAPSHOT = Path(__file__).parent / "__snapshots__" / "test_snapshots" / "test_default_fleet_stacks[Rufus-Cell-dev].json"
@@ -259,8 +262,69 @@ def test_metric_reads_get_metric_data(adapter: Any) -> None:
             "Metric": {"Namespace": "Rufus/UnitProxy", "MetricName": "Requests",
                        "Dimensions": [{"Name": "Cell", "Value": "dev"}, {"Name": "Unit", "Value": "u0"}]},
             "Period": 60, "Stat": "Sum"}}], "StartTime": ANY, "EndTime": ANY})
-    series = cell.metric("Rufus/UnitProxy", "Requests", {"Cell": "dev", "Unit": "u0"}, 1764590000.0)
+    series = cell.metric("Rufus/UnitProxy", "Requests", {"Cell": "dev", "Unit": "u0"}, time.time() - 600)
     assert series.values == [1.0, 2.0] and series.namespace == "Rufus/UnitProxy"
+
+
+DAY = 86400
+
+
+@pytest.mark.parametrize(("age", "period"), [
+    (600, 60), (14 * DAY, 60),
+    (15 * DAY - 1800, 300),  # within METRIC_PERIOD_MARGIN_SECONDS of the boundary: the call lands past it
+    (20 * DAY, 300), (62 * DAY, 300),
+    (63 * DAY - 1800, 3600), (64 * DAY, 3600), (365 * DAY, 3600),
+])
+def test_the_metric_period_fits_the_start_times_age(age: float, period: int) -> None:
+    """GetMetricData's MetricStat.Period for a start more than 3 h ago: 15 d or less, a multiple of 60; 15-63 d, of
+    300; older, of 3600; else no data point comes back (aws.py METRIC_PERIODS cites the page)."""
+    now = 1_800_000_000.0
+    assert metric_period(now - age, now) == period
+
+
+class _CloudWatchAsDocumented:
+    """GetMetricData as the API reference states it (MetricStat.Period, botocore's cloudwatch service-2.json): "If
+    the StartTime parameter specifies a time stamp that is greater than 3 hours ago, you must specify the period as
+    follows or no data points in that time range is returned: ... Start time between 15 and 63 days ago - Use a
+    multiple of 300 seconds". The metric has a data point for the session end."""
+
+    def __init__(self) -> None:
+        self.periods: list[int] = []
+
+    def get_metric_data(self, **kwargs: Any) -> dict[str, Any]:
+        age_days = (datetime.now(UTC) - kwargs["StartTime"]).total_seconds() / DAY
+        out = []
+        for q in kwargs["MetricDataQueries"]:
+            period = q["MetricStat"]["Period"]
+            self.periods.append(period)
+            fits = age_days <= 15 or (age_days <= 63 and period % 300 == 0) or period % 3600 == 0
+            out.append({"Id": q["Id"], "Values": [1.0] if fits else [], "StatusCode": "Complete"})
+        return {"MetricDataResults": out}
+
+
+def test_a_session_end_older_than_15_days_is_not_read_as_missing_evidence(
+        adapter: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A canary whose last session ended 20 days ago and whose replacement tasks have run since (the gate runs on
+    every commit; most leave the tasks running): check 6 reads the session-end event (the log group keeps 30 days)
+    and asks UnitSessionEnds from that time. Regression (found by the thirty-third session's defect hunt): the
+    period was always 60 s, for which CloudWatch returns no data point past 15 days, and the part failed "no data
+    ... although their session-end events are in the log" on every run."""
+    cell, _ = adapter
+    cloudwatch = _CloudWatchAsDocumented()
+    monkeypatch.setitem(cell._clients, "cloudwatch", cloudwatch)
+    ended = time.time() - 20 * DAY
+    leader, follower = "arn:aws:ecs:us-east-1:1:task/c/aaaa", "arn:aws:ecs:us-east-1:1:task/c/bbbb"
+    monkeypatch.setattr(cell, "tasks", lambda unit: [Task(leader, unit, "leader"), Task(follower, unit, "follower")])
+    monkeypatch.setattr(cell, "task_times", lambda ids: {t: TaskTimes(created=ended + 20, started=ended + 60)
+                                                         for t in ids})
+    end = LogEvent({"event": "unit_session_end", "unit_id": "u0", "session_id": "s1", "cause": "member_lost",
+                    "serving_since": ended - 3600}, "aaaa", ended)
+    monkeypatch.setattr(cell, "events", lambda event, since, unit_id=None:
+                        [end] if event == "unit_session_end" and since <= ended else [])
+    ctx = Context(cell, expectations(log_retention_days=30), OpenAIHttp("http://unused"))
+    status, detail = checks_cell._launcher_metrics(ctx)
+    assert status == "pass", (status, detail, cloudwatch.periods)
+    assert cloudwatch.periods == [300]
 
 
 def resolved_dashboard_body() -> dict[str, Any]:

@@ -78,6 +78,20 @@ def test_an_aborted_stream_is_an_error_and_fails_serving(finish: str) -> None:
     assert result.status == "fail" and "streamed chat: 200" in result.detail and "aborted" in result.detail
 
 
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_a_stream_that_failed_mid_way_is_not_ok_and_fails_serving(frontend: str) -> None:
+    """vLLM 0.32.0's OpenAI server writes a generation that failed after the 200 as `data: {"error": {...}}` then
+    `data: [DONE]`, with no choice naming a finish reason (openai_http.py's docstring); Triton as an error event.
+    Regression (found by the thirty-third session's defect hunt): the OpenAI client skipped a document without
+    `choices`, so the stream counted as served and check 1 passed."""
+    with fake_unit(frontend, stream_error_after=1) as server:
+        streamed = fake_client(server).stream_chat(MODEL, "x", max_tokens=8)
+        result = checks_serving.check_serving(context(server))
+    assert streamed.status == 200 and streamed.chunks == 1 and not streamed.ok
+    assert "error in the stream" in streamed.error
+    assert result.status == "fail" and "error in the stream" in result.detail, result.detail
+
+
 def test_agreement_passes_and_sends_a_burst_at_temperature_above_zero() -> None:
     with FakeOpenAI() as server:
         result = checks_serving.check_agreement(context(server), burst=6)
@@ -558,6 +572,34 @@ def test_a_stream_that_ends_during_the_stop_call_is_not_a_drain() -> None:
         result = checks_faults.check_leader_stop(context(server, adapter, max_seq_len=80, units=["u0", "u1"]))
     assert result.status == "not_run" and "none of the 2 stream(s) was seen in flight on u0" in result.detail, \
         result.detail
+
+
+@pytest.mark.parametrize(("finish", "status", "words"), [
+    ("length", "not_run", "all 1 stream(s) had ended before u0's leader was stopped"),
+    ("stop", "fail", "streams not completed: ['200 stop ']"),
+])
+def test_a_leader_stopped_after_every_stream_ended_is_not_run_as_documented(
+        monkeypatch: pytest.MonkeyPatch, finish: str, status: str, words: str) -> None:
+    """docs/verifying.md, 7b: where no stream of the stopped unit was in flight when the stop call returned, the check
+    fails on a broken stream or a unit not back, and is otherwise `not_run`. Regression (found by the thirty-third
+    session's defect hunt): with every stream ended (completed, `length`) before the stop and the unit back, the
+    code said "(inconclusive)" but failed the check (exit 6)."""
+    real = checks_faults._leader_with_a_stream
+
+    def late(ctx: Context, streams: checks_faults.Streams) -> Task | None:  # the stop comes after the stream ended
+        for t in streams.threads:
+            t.join(5)
+        time.sleep(0.1)
+        return real(ctx, streams)
+
+    monkeypatch.setattr(checks_faults, "_leader_with_a_stream", late)
+    with fake_unit("openai", finish_reason=finish) as server:
+        adapter = DrainingCell(server.url, running=two_tasks())
+        result = checks_faults.check_leader_stop(context(server, adapter, max_seq_len=80))
+    assert adapter.stopped == ["arn:task/l"]
+    assert result.status == status and words in result.detail, (result.status, result.detail)
+    if status == "not_run":
+        assert "s before the stop" in result.detail and result.measured.value is None
 
 
 @pytest.mark.parametrize(("served_by", "named"), [((), 0), (("u0",), 1)], ids=["old proxy", "named"])

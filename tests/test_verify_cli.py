@@ -37,6 +37,17 @@ def test_usage_errors_exit_2_and_an_unknown_cell_exits_3(tmp_path: Path) -> None
     assert "Traceback" not in unknown.stderr + bad.stderr + wildcard.stderr
 
 
+def test_a_malformed_region_is_a_usage_error_not_a_traceback(tmp_path: Path) -> None:
+    """Regression (found by the thirty-third session's defect hunt): `--region` was taken as it was, and botocore
+    refused a malformed name when the adapter made its clients (botocore.utils.validate_region_name ->
+    InvalidRegionError), outside the adapter's _call: a traceback and exit 1 where a usage error exits 2."""
+    done = verify("--cell", "dev", "--region", "us east 2", "--report", str(tmp_path / "out.json"), tmp=tmp_path)
+    assert "Traceback" not in done.stderr, done.stderr[-600:]
+    assert done.returncode == 2, (done.returncode, done.stderr[-300:])
+    assert "argument --region: 'us east 2': not an AWS region; did you mean us-east-2?" in done.stderr
+    assert not (tmp_path / "out.json").exists()
+
+
 def test_an_unreachable_cell_fails_every_check_and_writes_both_reports(tmp_path: Path) -> None:
     done = verify("--cell", "dev", "--report", str(tmp_path / "out.json"), tmp=tmp_path)
     assert done.returncode == 6, done.stderr
@@ -45,6 +56,22 @@ def test_an_unreachable_cell_fails_every_check_and_writes_both_reports(tmp_path:
     assert all("cell not reachable" in c["detail"] and "credentials" in c["detail"] for c in report["checks"])
     assert (tmp_path / "out.md").read_text().startswith("# Acceptance kit: cell dev (aws): FAILED")
     assert "dev (aws): 0 passed, 8 failed, 0 not run" in done.stdout
+
+
+def test_a_report_path_that_cannot_be_written_is_refused_before_the_run(tmp_path: Path) -> None:
+    """Regression (found by the thirty-third session's defect hunt): `--report` was checked only when the report was
+    written, after the run (with --destructive, two unit restarts), which then ended with exit 8 and no report."""
+    (tmp_path / "a-file").write_text("x\n")
+    done = verify("--cell", "dev", "--report", str(tmp_path / "a-file" / "out.json"), tmp=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, (done.returncode, done.stderr[-300:])
+    assert f"error: --report {tmp_path / 'a-file' / 'out.json'}: the report could not be written there" in done.stderr
+    assert "cell not reachable" not in done.stdout + done.stderr  # refused before the run
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text("name: Rufus\n")
+    (tmp_path / "fleet.verify-report.json").write_text("notes\n")
+    taken = verify("--cell", "dev", "--report", str(fleet), tmp=tmp_path)
+    assert taken.returncode == 2 and "hold files that are no report of this kit" in taken.stderr, taken.stderr[-300:]
+    assert fleet.read_text() == "name: Rufus\n"
 
 
 def test_help_lists_exit_status_6() -> None:

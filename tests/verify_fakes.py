@@ -45,6 +45,9 @@ class Knobs:
     honour_seed: bool = True
     max_model_len: int = 256
     finish_reason: str = "length"  # of a stream's last event ("abort": vLLM's for a request it aborted)
+    # Events sent before the generation fails (the stream answered 200): vLLM's error event, then [DONE]
+    # (inference_fleet/verify/openai_http.py's docstring); Triton's error event (FakeTriton).
+    stream_error_after: int | None = None
     # Streamed answers name these units in turn in X-Served-By-Unit, as the units' proxies behind a load balancer
     # do (unit_proxy.haproxy_config SERVED_BY_UNIT_HEADER); none: no header (a proxy image before it).
     served_by: tuple[str, ...] = ()
@@ -107,12 +110,17 @@ class _Handler(BaseHTTPRequestHandler):
         self._stream_headers("text/event-stream")
         time.sleep(self.knobs.first_token_delay)
         for i, word in enumerate(words):
+            if i == self.knobs.stream_error_after:  # vLLM 0.32.0's ErrorResponse of a GenerationError, then [DONE]
+                error = {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}
+                self._chunk(f"data: {json.dumps({'error': error})}\n\n")
+                break
             last = i == len(words) - 1
             choice = {"delta": {"content": word + " "}} if chat else {"text": word + " "}
             choice["finish_reason"] = self.knobs.finish_reason if last else None
             self._chunk(f"data: {json.dumps({'choices': [choice]})}\n\n")
             time.sleep(self.knobs.token_delay)
-        self._chunk(f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': len(words)}})}\n\n")
+        else:
+            self._chunk(f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': len(words)}})}\n\n")
         self._chunk("data: [DONE]\n\n")
         self.wfile.write(b"0\r\n\r\n")
 
@@ -180,7 +188,6 @@ backend = _backend()
 @dataclass
 class TritonKnobs(Knobs):
     model: str = MODEL
-    stream_error_after: int | None = None  # events sent before an error event (the stream answered 200)
     no_finish: bool = False  # the stream ends without the last response (no finish reason)
     # The model's tokenizer: a prompt of n characters is int(n * tokens_per_char) + special_tokens tokens; the model
     # says that count (num_input_tokens) when asked. `reports_input_tokens` off is this package's backend before it

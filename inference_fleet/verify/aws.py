@@ -67,6 +67,25 @@ _SINGLE = {
 _EVENT_NAME = re.compile(r"^[a-z_]+$")
 _TARGET_STATES = {"healthy": 200}
 
+# GetMetricData returns no data point for a start time more than 3 hours ago unless the period fits the start
+# time's age: "between 3 hours and 15 days ago - Use a multiple of 60 seconds", "between 15 and 63 days ago - ...
+# 300 seconds", "greater than 63 days ago - ... 3600 seconds" (MetricStat.Period,
+# https://docs.aws.amazon.com/AmazonCloudWatch/latest/APIReference/API_MetricStat.html; the same text in
+# botocore 1.44.18's cloudwatch service-2.json). CloudWatch keeps a 1-minute point 15 days, then its 5-minute
+# aggregate 63 days, then its 1-hour aggregate 455 days (GetMetricData,
+# https://docs.aws.amazon.com/AmazonCloudWatch/latest/APIReference/API_GetMetricData.html).
+METRIC_PERIODS = ((15 * 86400, 60), (63 * 86400, 300))  # (start time's age up to, period)
+METRIC_PERIOD_OLDEST = 3600
+# The period is chosen before the call reaches CloudWatch: a start this close under a boundary already takes the
+# coarser period, which is a multiple of the finer one and so fits either side.
+METRIC_PERIOD_MARGIN_SECONDS = 3600
+
+
+def metric_period(since: float, now: float) -> int:
+    """The GetMetricData period for a start time `since`: the finest that returns data for its age (METRIC_PERIODS)."""
+    age = now - since + METRIC_PERIOD_MARGIN_SECONDS
+    return next((period for oldest, period in METRIC_PERIODS if age <= oldest), METRIC_PERIOD_OLDEST)
+
 
 def _ts(value: Any) -> float | None:
     if isinstance(value, datetime):
@@ -256,7 +275,7 @@ class AwsAdapter:
         query = {"Id": "m0", "ReturnData": True, "MetricStat": {
             "Metric": {"Namespace": namespace, "MetricName": name,
                        "Dimensions": [{"Name": k, "Value": v} for k, v in dimensions.items()]},
-            "Period": 60, "Stat": statistic}}
+            "Period": metric_period(since, time.time()), "Stat": statistic}}
         return MetricSeries(f"{namespace} {name} {dimensions}", self._metric_data([query], since).get("m0", []),
                             namespace)
 

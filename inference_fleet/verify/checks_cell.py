@@ -207,6 +207,9 @@ def _launcher_metrics(ctx: Context) -> tuple[str, str]:
     for event in ends:
         newest[str(event.doc.get("unit_id"))] = event
     empty = []
+    # An end read from the log is at most serving.log_retention_days old (365 at most, config.py), and CloudWatch
+    # keeps the metric's 1-hour aggregate 455 days (aws.py METRIC_PERIODS): its data point outlives the log line,
+    # so an end the kit can read is never too old to judge. The adapter picks the period that reaches it.
     for unit_id, event in newest.items():
         series = ctx.adapter.metric(ctx.expect.unit_metrics_namespace, "UnitSessionEnds",
                                     {"Cell": ctx.expect.cell, "Unit": unit_id}, event.timestamp - 120)

@@ -15,8 +15,10 @@ from pathlib import Path
 from inference_fleet import exit_codes
 from inference_fleet.checks import load_fleet
 from inference_fleet.config import CellConfig, DnsName, FleetConfig
+from inference_fleet.regions import region_problem
 from inference_fleet.verify.adapter import expectations
 from inference_fleet.verify.aws import AwsAdapter
+from inference_fleet.verify.report import unwritable
 from inference_fleet.verify.runner import run_kit
 
 HELP = "check a deployed cell against the docs' claims (the first-deploy acceptance kit)"
@@ -42,13 +44,23 @@ def _dns_name(text: str) -> str:
                                          "and -, dot-separated, no wildcard (e.g. inference.example.com)") from None
 
 
+def _region(text: str) -> str:
+    """A region of the fleet file's list (inference_fleet/regions.py): botocore refuses a malformed name only when
+    the adapter makes its clients (InvalidRegionError), and the fleet's cells may name no other region."""
+    problem = region_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(f"{text!r}: {problem} (a region's name looks like us-east-2)")
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cell", required=True, help="the cell to check (its name in the fleet file)")
     parser.add_argument("--destructive", action="store_true",
                         help="also stop a follower task, then a leader task (ECS StopTask), and measure the recovery")
     parser.add_argument("--report", type=Path, default=Path("verify-report.json"),
                         help="JSON report path (default verify-report.json); the Markdown goes beside it (.md)")
-    parser.add_argument("--region", help="the cell's region (default: the fleet file's)")
+    parser.add_argument("--region", type=_region,
+                        help="the cell's region, an AWS region name such as us-east-2 (default: the fleet file's)")
     parser.add_argument("--tls-name", type=_dns_name,
                         help="the DNS name the cell's certificate covers, to verify it against (default: the fleet "
                         "file's cells[].tls_name, else the name a router gives it in routers[].tls_names)")
@@ -74,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --cell {args.cell!r}: no such cell in the fleet file; its cells: "
               f"{', '.join(c.name for c in fleet.cells)}", file=sys.stderr)
         return exit_codes.CONFIG
+    if (problem := unwritable(args.report)) is not None:
+        print(f"error: {problem} (checked before the run; allowed: a path in a folder you can write)", file=sys.stderr)
+        return exit_codes.USAGE
     adapter = AwsAdapter(fleet.cell_stack_name(cell), args.region or cell.region, tls_name=tls_name(args, fleet, cell))
     report = run_kit(adapter, expectations(fleet, cell), destructive=args.destructive,
                      request_timeout=args.request_timeout, settle_seconds=20.0, evidence_wait=args.evidence_wait,

@@ -1,7 +1,15 @@
 """vLLM's OpenAI API of a unit (`serving.frontend: openai`): models, completions, streamed chats.
 
 Server-sent events are read line by line as vLLM's OpenAI server writes them (`data: {...}`
-lines, `data: [DONE]` at the end). The HTTP part (TLS names, timing, statuses) is
+lines, `data: [DONE]` at the end). A request whose generation fails after the answer's 200 is an
+event `data: {"error": {"message", "type", "param", "code"}}` followed by `data: [DONE]`, with no
+choice naming a finish reason: vLLM 0.32.0 (the e2e's pinned engine),
+vllm/entrypoints/openai/chat_completion/serving.py `chat_completion_stream_generator` and
+completion/serving.py `completion_stream_generator`, their `except GenerationError` (raised by
+`_raise_if_error` for a finish reason "error", vllm/entrypoints/generate/base/serving.py) and
+`except Exception` branches, then the final `[DONE]`; the event's shape is `ErrorResponse`
+(vllm/entrypoints/serve/engine/protocol.py). So an `error` key is a stream error, as it is in
+`triton_http.py`: the stream ended, but was not served. The HTTP part (TLS names, timing, statuses) is
 `http_base.HttpClient`'s; the checks see this through `serving_client.ServingClient`.
 """
 
@@ -61,6 +69,12 @@ class OpenAIHttp(HttpClient):
             doc = json.loads(data)
         except ValueError:
             result.error = f"not JSON in the stream: {data[:120]}"
+            return
+        if not isinstance(doc, dict):
+            result.error = f"not a JSON object in the stream: {data[:120]}"
+            return
+        if "error" in doc:  # generation failed after the 200 (module docstring); the [DONE] after it ends the stream
+            result.error = result.error or f"error in the stream: {str(doc['error'])[:300]}"
             return
         if doc.get("usage"):
             result.usage = dict(doc["usage"])

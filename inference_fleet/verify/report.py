@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -121,19 +122,44 @@ class Report:
         both are kept and the report goes beside them, to <stem>.verify-report.json and .md (said on stderr), so
         that a run of many minutes is neither lost nor written over the user's file.
         """
-        if not _replaceable(path):
-            fallback = path.with_name(f"{path.stem}.verify-report.json")
-            if not _replaceable(fallback):
-                raise FileExistsError(f"--report {path} and {fallback} hold files that are no report of this kit; "
-                                      "give another --report path")
+        target = report_path(path)
+        if target != path:
             print(f"warning: --report {path}: {path} or {path.with_suffix('.md')} is no report of this kit and is "
-                  f"kept; the report is written to {fallback} instead", file=sys.stderr)
-            path = fallback
+                  f"kept; the report is written to {target} instead", file=sys.stderr)
+            path = target
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.to_json(), indent=2, default=str) + "\n")
         markdown = path.with_suffix(".md")
         markdown.write_text(self.markdown())
         return path, markdown
+
+
+def report_path(path: Path) -> Path:
+    """Where the JSON of `--report path` goes (Report.write): `path`, or <stem>.verify-report.json beside it when
+    `path` holds something else; FileExistsError when that does too."""
+    if _replaceable(path):
+        return path
+    fallback = path.with_name(f"{path.stem}.verify-report.json")
+    if not _replaceable(fallback):
+        raise FileExistsError(f"--report {path} and {fallback} hold files that are no report of this kit; "
+                              "give another --report path")
+    return fallback
+
+
+def unwritable(path: Path) -> str | None:
+    """Why the report of `--report path` could not be written, or None: checked before a run of many minutes (some
+    destructive), which would otherwise end without its report. Makes the folder, as Report.write would."""
+    try:
+        target = report_path(path)
+    except FileExistsError as error:
+        return str(error)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=target.parent):  # the folder takes a new file
+            pass
+    except OSError as error:
+        return f"--report {path}: the report could not be written there: {error}"
+    return None
 
 
 def _replaceable(path: Path) -> bool:
