@@ -37,15 +37,19 @@ from inference_fleet.compile_job import (
 )
 from inference_fleet.compile_job import environment as compile_environment
 from inference_fleet.config import (
+    SERVING_PORT_FIELDS,
     CellConfig,
     ConfigError,
     ConfigIssue,
     FleetConfig,
+    ServingConfig,
     az_id_prefix,
     is_az_id,
     parse_model,
+    ports_text,
     read_fleet_file,
     repository_path,
+    taken_ports,
 )
 from inference_fleet.planner.fit import check_fit
 from inference_fleet.rollout import check_wave_sizes
@@ -175,15 +179,20 @@ def parse_fleet(data: Any, source: str = "<dict>") -> FleetConfig:
     return validate_fleet(parse_model(data, source), source)
 
 
+# Fields the derived checks build on (DERIVED_CHECKS): an issue on one of them skips those checks.
+_UNDERLYING = ("model.", "unit.", *(f"serving.{name}" for name in SERVING_PORT_FIELDS))
+
+
 def validate_fleet(fleet: FleetConfig, source: str = "<dict>") -> FleetConfig:
     """Run every rule on a fleet model; returns it unchanged or raises ConfigError.
 
     The planner's fit builds on the model's shape and the unit's layout, so when either is
     wrong it is not run: a wrong num_kv_heads is blamed on num_kv_heads, not on a memory plan
-    computed from it.
+    computed from it. The compile host check also builds the unit spec, which holds the serving
+    ports: a refused port is named on its serving.* field, not again in the launcher's words.
     """
     issues = [issue for check in CHECKS for issue in check(fleet)]
-    if not any(issue.path.startswith(("model.", "unit.")) for issue in issues):
+    if not any(issue.path.startswith(_UNDERLYING) for issue in issues):
         issues += [issue for check in DERIVED_CHECKS for issue in check(fleet)]
     if issues:
         raise ConfigError(source, issues)
@@ -431,26 +440,34 @@ def _check_verify_gate(fleet: FleetConfig) -> Iterable[ConfigIssue]:
 
 def _check_serving(fleet: FleetConfig) -> Iterable[ConfigIssue]:
     s = fleet.serving
-    ports = {
-        "engine_port": s.engine_port,
-        "proxy_port": s.proxy_port,
-        "rendezvous_port": s.rendezvous_port,
-        "master_port": s.master_port,
-        "neuron_rt_port": s.neuron_rt_port,
-    }
-    owner: dict[int, str] = {}
-    for name, port in ports.items():
-        if port in owner:
-            yield ConfigIssue(
-                f"serving.{name}", port, f"same as serving.{owner[port]}; host networking needs distinct ports"
-            )
-        owner.setdefault(port, name)
+    yield from _serving_port_issues(s)
     if s.restart_backoff_cap_seconds < s.restart_backoff_base_seconds:
         yield ConfigIssue(
             "serving.restart_backoff_cap_seconds", s.restart_backoff_cap_seconds,
             f"below serving.restart_backoff_base_seconds ({s.restart_backoff_base_seconds}): the cap is the "
             "longest wait, at least the first one",
         )
+
+
+def _serving_port_issues(s: ServingConfig) -> Iterable[ConfigIssue]:
+    """Unit tasks run with host networking: each serving port needs the instance's port to itself, apart from the
+    other serving ports and from the ports every node already uses (config.taken_ports, with their owners)."""
+    taken = taken_ports(s.frontend)
+    allowed = (f"allowed: 1024 to 65535 except {ports_text(taken)} (with frontend {s.frontend}) "
+               "and the other serving ports")
+    owner: dict[int, str] = {}
+    for name in SERVING_PORT_FIELDS:
+        port = getattr(s, name)
+        if port in taken:
+            yield ConfigIssue(
+                f"serving.{name}", port, f"taken on every node by {taken[port]}; host networking shares the "
+                f"instance's ports; {allowed}",
+            )
+        elif port in owner:
+            yield ConfigIssue(
+                f"serving.{name}", port, f"same as serving.{owner[port]}; host networking needs distinct ports"
+            )
+        owner.setdefault(port, name)
 
 
 def _check_frontend(fleet: FleetConfig) -> Iterable[ConfigIssue]:

@@ -52,11 +52,12 @@ from unit_launcher.compile_run import (  # noqa: F401  (the runtime half, re-exp
     shared_checkpoint_files,
     upload,
 )
-from unit_launcher.spec import UnitSpec, parse_spec
+from unit_launcher.spec import SpecError, UnitSpec, parse_spec
 
 from inference_fleet.config import (
     COMPILE_START_LIMIT_HOURS,
     BaseImagesConfig,
+    ConfigError,
     ConfigIssue,
     FleetConfig,
     az_id_prefix,
@@ -76,8 +77,20 @@ _DEFAULT_TAG = BaseImagesConfig().neuron_vllm_tag
 
 
 def unit_spec(fleet: FleetConfig) -> UnitSpec:
-    """The unit spec of the fleet's first unit: the layout every unit of the fleet serves."""
-    return parse_spec(build_unit_spec(fleet, fleet.cells[0], 0, revision="compile"), "the fleet's unit spec")
+    """The unit spec of the fleet's first unit: the layout every unit of the fleet serves.
+
+    Raises ConfigError when the launcher's model refuses it: a rule of the launcher the fleet checks do not hold
+    is then still a fleet error (exit 3, one line per problem), never a SpecError's traceback."""
+    try:
+        return parse_spec(build_unit_spec(fleet, fleet.cells[0], 0, revision="compile"), "the fleet's unit spec")
+    except SpecError as error:
+        # The first line names the source; each problem follows on a line of its own, "  - <where>: <what>".
+        problems = "; ".join(line.strip().removeprefix("- ") for line in str(error).splitlines()[1:])
+        raise ConfigError("the fleet's unit spec", [ConfigIssue(
+            "<unit spec>", f"{fleet.cells[0].name}/u0",
+            f"the launcher (unit_launcher/spec.py) refuses the unit spec built from this fleet's model, unit and "
+            f"serving fields: {problems}",
+        )]) from None
 
 
 def _known_stack(tag: str) -> re.Match[str] | None:
@@ -385,6 +398,8 @@ def check_compile_host(fleet: FleetConfig) -> list[ConfigIssue]:
         size = len(json.dumps(submit_request(fleet), separators=(",", ":")).encode())
     except CompileError:  # no request to size: an SDK without a known engine stack or FP8 (their own checks say so)
         size = 0
+    except ConfigError as error:  # the launcher refuses the unit spec (compile_job.unit_spec): reported, not raised
+        return [*issues, *error.issues]
     if size > MAX_SUBMIT_JOB_BYTES:
         issues.append(ConfigIssue(
             "unit.nodes", fleet.unit.nodes,

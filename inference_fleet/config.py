@@ -33,6 +33,8 @@ from pydantic import (
     ValidationInfo,
     field_validator,
 )
+from unit_launcher.spec import EngineSpec
+from unit_proxy.settings import Settings as ProxySettings
 
 from inference_fleet.catalogue import CATALOGUE, InstanceType
 from inference_fleet.regions import region_problem
@@ -612,6 +614,68 @@ UNIT_UNHEALTHY_THRESHOLD = 2
 UNIT_DETECTION_SECONDS = UNIT_HEALTH_CHECK_INTERVAL_SECONDS * (UNIT_UNHEALTHY_THRESHOLD + 1)
 
 
+# Host ports every node of a cell already uses, with their owners. Unit tasks run with host networking
+# (cell_constructs/inference_unit.py, NetworkMode.HOST): a serving.* port is a port of the instance itself, so one
+# of these collides with its owner on every node. checks._check_serving refuses them, naming the owner. Ports below
+# 1024 (22, SSH, which ECS also reserves) are outside the port fields' bounds already.
+#
+# The proxy's admin listener, 127.0.0.1:8081 (/ready, /load, /metrics): the cell stack never sets PROXY_ADMIN_PORT
+# (stacks/cell_stack.py `proxy_environment`), so the port is the proxy's own default, read from it here; the proxy
+# refuses to start with PROXY_PORT equal to it (unit_proxy/settings.py `Settings.from_env`).
+PROXY_ADMIN_PORT: int = ProxySettings.admin_port
+# Triton's metrics listener on the leader, with serving.frontend triton: the launcher passes the unit spec's
+# engine.triton_metrics_port as --metrics-port (unit_launcher/plan.py); the fleet leaves it at its default, read
+# from the launcher's model here, and the launcher refuses a spec whose ports collide with it (spec.py `_consistent`).
+TRITON_METRICS_PORT: int = EngineSpec.model_fields["triton_metrics_port"].default
+# "The default reserved ports are 22 for SSH, the Docker ports 2375 and 2376, and the Amazon ECS container agent
+# ports 51678-51680" (PortMapping.hostPort, https://docs.aws.amazon.com/AmazonECS/latest/APIReference/
+# API_PortMapping.html): a task with a host port mapping on one is never placed. The proxy, rendezvous and engine
+# ports are the unit tasks' port mappings (cell_constructs/inference_unit.py). The agent also listens on 51678 (its
+# introspection API, https://docs.aws.amazon.com/AmazonECS/latest/developerguide/ecs-agent-introspection.html) and
+# 51679 (task credentials: aws/amazon-ecs-agent README, "Set up necessary rules to enable IAM roles for tasks", DNATs
+# 169.254.170.2:80 to 127.0.0.1:51679; host-network tasks use it, node_setup.sh ECS_ENABLE_TASK_IAM_ROLE_NETWORK_HOST),
+# so master_port and neuron_rt_port, which are not mapped, keep off the whole list too. Whether anything listens on
+# 2375, 2376 or 51680 of the ECS-optimized AMI is not verified here: that ECS reserves them is reason enough.
+_ECS_RESERVED = "reserved by ECS on every container instance"
+NODE_PORTS: dict[int, str] = {
+    2375: f"{_ECS_RESERVED} (Docker)",
+    2376: f"{_ECS_RESERVED} (Docker over TLS)",
+    PROXY_ADMIN_PORT: "the unit proxy's admin listener (127.0.0.1, PROXY_ADMIN_PORT)",
+    51678: f"{_ECS_RESERVED} (the ECS container agent's introspection API)",
+    51679: f"{_ECS_RESERVED} (the ECS container agent's task credentials endpoint)",
+    51680: f"{_ECS_RESERVED} (for the ECS container agent)",
+}
+TRITON_PORTS: dict[int, str] = {
+    TRITON_METRICS_PORT:
+        "Triton's metrics listener on the leader (127.0.0.1, the launcher's engine.triton_metrics_port)",
+}
+# The serving fields that are host ports, in the order their issues are reported.
+SERVING_PORT_FIELDS: tuple[str, ...] = ("engine_port", "proxy_port", "rendezvous_port", "master_port", "neuron_rt_port")
+
+
+def taken_ports(frontend: str) -> dict[int, str]:
+    """The host ports a node already uses with this front end, each with its owner."""
+    return {**NODE_PORTS, **(TRITON_PORTS if frontend == "triton" else {})}
+
+
+def ports_text(ports: Iterable[int]) -> str:
+    """Ports as a short list, runs joined: 2375-2376, 8081, 51678-51680."""
+    runs: list[list[int]] = []
+    for port in sorted(ports):
+        if runs and port == runs[-1][-1] + 1:
+            runs[-1].append(port)
+        else:
+            runs.append([port])
+    return ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
+
+
+# What every serving port may not be (the fields' descriptions, so the reference says it).
+_PORT_RULE = (
+    f" Not {ports_text(NODE_PORTS)} (taken on every node), not {ports_text(TRITON_PORTS)} with frontend triton, "
+    "and none of the other serving ports."
+)
+
+
 class ServingConfig(_Strict):
     """Ports, timeouts and limits of the serving path; the defaults suit long token streams."""
 
@@ -619,18 +683,21 @@ class ServingConfig(_Strict):
         default="openai", description="Leader API front end: vLLM's OpenAI server or Triton with the vLLM backend."
     )
     engine_port: int = Field(
-        default=8000, ge=1024, le=65535, description="Engine HTTP API on the leader (loopback use)."
+        default=8000, ge=1024, le=65535, description="Engine HTTP API on the leader (loopback use)." + _PORT_RULE
     )
-    proxy_port: int = Field(default=8080, ge=1024, le=65535, description="Proxy port: the ALB target.")
+    proxy_port: int = Field(default=8080, ge=1024, le=65535, description="Proxy port: the ALB target." + _PORT_RULE)
     rendezvous_port: int = Field(
         default=29400,
         ge=1024,
         le=65535,
-        description="Launcher rendezvous, heartbeat and status endpoint on the leader.",
+        description="Launcher rendezvous, heartbeat and status endpoint on the leader." + _PORT_RULE,
     )
-    master_port: int = Field(default=29500, ge=1024, le=65535, description="torch.distributed (vLLM --master-port).")
+    master_port: int = Field(
+        default=29500, ge=1024, le=65535, description="torch.distributed (vLLM --master-port)." + _PORT_RULE
+    )
     neuron_rt_port: int = Field(
-        default=62182, ge=1024, le=65535, description="Neuron runtime root communicator (NEURON_RT_ROOT_COMM_ID)."
+        default=62182, ge=1024, le=65535,
+        description="Neuron runtime root communicator (NEURON_RT_ROOT_COMM_ID)." + _PORT_RULE,
     )
     alb_idle_timeout_seconds: int = Field(
         default=900, ge=60, le=4000, description="ALB idle timeout; longer than any silent gap in a stream."

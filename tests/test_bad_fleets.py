@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 BAD = ROOT / "tests" / "fleets" / "bad"
 FILES = sorted(BAD.glob("*.yaml"))
 # A few of every kind, run as real processes (each costs an interpreter start, and app.py a jsii start).
-SUBPROCESS = ("region-typo", "not-utf8", "duplicate-key", "inf-response", "kv-heads-above-heads", "syntax-error")
+SUBPROCESS = ("region-typo", "not-utf8", "duplicate-key", "inf-response", "kv-heads-above-heads", "syntax-error",
+              "port-triton-metrics")
 
 
 def expected(path: Path) -> str:

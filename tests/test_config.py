@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from inference_fleet import cli, compile_job, config, exit_codes
 from inference_fleet.checks import fleet_warnings, load_fleet, parse_fleet, placeholder_warnings, vpc_quota_warnings
-from inference_fleet.config import DEFAULT_CONFIG, ConfigError, read_fleet_file
+from inference_fleet.config import DEFAULT_CONFIG, ConfigError, ConfigIssue, parse_model, read_fleet_file
+from inference_fleet.reference import markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -332,3 +334,93 @@ def test_more_vpcs_or_nat_addresses_than_an_accounts_default_quotas_is_a_warning
     assert vpc_quota_warnings(load_fleet(str(DEFAULT_CONFIG))) == []
     assert [w.path for w in fleet_warnings(fleet)][-4:] == [
         "111111111111/ap-northeast-1", "111111111111/us-east-1", "111111111111/us-east-2", "111111111111/us-west-2"]
+
+
+# -- Serving ports a node already uses (found by a defect hunt, thirty-third session) --------------------------------
+
+SERVING_PORTS = ("engine_port", "proxy_port", "rendezvous_port", "master_port", "neuron_rt_port")
+
+
+def serving_port_issue(raw: dict, **serving: object) -> ConfigIssue:
+    raw["serving"] = serving
+    (issue,) = error_of(raw).issues
+    return issue
+
+
+@pytest.mark.parametrize("field", SERVING_PORTS)
+def test_a_triton_fleet_refuses_tritons_metrics_port_on_the_serving_field(raw: dict, field: str) -> None:
+    """The launcher serves Triton's metrics on 8002 of the leader (unit_spec engine.triton_metrics_port); a serving
+    port there made `validate`, `plan` and `cdk synth` raise the launcher's SpecError (a traceback, exit 1) naming
+    engine.* keys. Refused on the serving.* field; with frontend openai 8002 is free."""
+    issue = serving_port_issue(raw, frontend="triton", **{field: 8002})
+    assert issue.path == f"serving.{field}"
+    assert "Triton's metrics listener" in issue.problem
+    assert "allowed: 1024 to 65535 except 2375-2376, 8002, 8081, 51678-51680 (with frontend triton)" in issue.problem
+    raw["serving"]["frontend"] = "openai"
+    assert getattr(parse_fleet(raw, "test").serving, field) == 8002
+
+
+def test_validate_exits_3_without_a_traceback_for_tritons_metrics_port(tmp_path: Path, raw: dict, capsys) -> None:
+    raw["serving"] = {"frontend": "triton", "engine_port": 8002}
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert cli.main(["validate", "--config", str(path)]) == exit_codes.CONFIG
+    err = capsys.readouterr().err
+    assert "serving.engine_port = 8002: taken on every node by Triton's metrics listener" in err
+    assert "Traceback" not in err and "engine.triton_metrics_port = 8002" not in err  # not in the launcher's words
+
+
+def test_a_unit_spec_the_launcher_refuses_is_a_config_error(raw: dict, tmp_path: Path, capsys, monkeypatch) -> None:
+    """Any refusal of the launcher's model (unit_launcher.spec.SpecError) that the fleet checks do not hold is a
+    ConfigError from compile_job.unit_spec, so it cannot escape validate as a traceback: shown by taking Triton's
+    port off the fleet's list, which leaves the launcher's own rule to refuse it."""
+    raw["serving"] = {"frontend": "triton", "engine_port": 8002}
+    with pytest.raises(ConfigError) as caught:
+        compile_job.unit_spec(parse_model(raw, "test"))
+    (issue,) = caught.value.issues
+    assert issue.path == "<unit spec>"
+    assert "engine.triton_metrics_port = 8002: same as engine.port" in issue.problem
+    monkeypatch.setattr(config, "TRITON_PORTS", {})
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert cli.main(["validate", "--config", str(path)]) == exit_codes.CONFIG
+    assert "<unit spec> = 'dev/u0': the launcher (unit_launcher/spec.py) refuses" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field", SERVING_PORTS)
+def test_a_serving_port_on_the_proxys_admin_port_is_refused(raw: dict, field: str) -> None:
+    issue = serving_port_issue(raw, **{field: 8081})
+    assert issue.path == f"serving.{field}"
+    assert "the unit proxy's admin listener" in issue.problem
+    assert "allowed: 1024 to 65535 except 2375-2376, 8081, 51678-51680 (with frontend openai)" in issue.problem
+
+
+def test_the_proxy_admin_port_on_the_list_is_the_one_every_proxy_listens_on(raw: dict) -> None:
+    """The list reads the proxy's default (the cell stack never sets PROXY_ADMIN_PORT), and the proxy started as the
+    cell stack starts it (stacks/cell_stack.py `proxy_environment`) with PROXY_PORT on it refuses to start: the
+    fleet accepted proxy_port 8081 before, and every unit's proxy then exited."""
+    from unit_proxy.settings import Settings, SettingsError
+
+    assert config.PROXY_ADMIN_PORT == 8081 == Settings().admin_port
+    fleet = parse_fleet(raw, "test")
+    env = {"PROXY_PORT": str(config.PROXY_ADMIN_PORT), "FRONTEND": fleet.serving.frontend,
+           "UPSTREAM_URL": f"http://127.0.0.1:{fleet.serving.engine_port}"}
+    with pytest.raises(SettingsError, match="PROXY_ADMIN_PORT"):
+        Settings.from_env(env)
+
+
+@pytest.mark.parametrize("field", SERVING_PORTS)
+@pytest.mark.parametrize("port", [2375, 2376, 51678, 51679, 51680])
+def test_a_serving_port_ecs_reserves_on_every_container_instance_is_refused(raw: dict, field: str, port: int) -> None:
+    """ECS reserves 22, 2375, 2376 and 51678-51680 on every container instance (PortMapping.hostPort): a unit task
+    mapping one (proxy, rendezvous, engine ports) is never placed, and the agent listens on 51678 and 51679."""
+    issue = serving_port_issue(raw, **{field: port})
+    assert issue.path == f"serving.{field}"
+    assert "reserved by ECS on every container instance" in issue.problem
+
+
+def test_the_serving_ports_rule_is_in_the_reference() -> None:
+    text = markdown()
+    for field in SERVING_PORTS:
+        (row,) = [line for line in text.splitlines() if line.startswith(f"| `{field}` |")]
+        assert "Not 2375-2376, 8081, 51678-51680 (taken on every node), not 8002 with frontend triton" in row
