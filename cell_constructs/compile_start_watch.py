@@ -18,7 +18,8 @@ an EventBridge event when a job becomes RUNNABLE ("Anytime that an existing (pre
 states, an event is created", detail.status and detail.jobQueue as in DescribeJobs,
 https://docs.aws.amazon.com/batch/latest/userguide/batch_job_events.html); a rule starts this state machine with
 the job's id, which waits the limit, reads the job, and if it is still SUBMITTED, PENDING or RUNNABLE and no other
-job of the queue is STARTING or RUNNING (the queue runs one job at a time: else it waits again) calls
+job of the queue is STARTING or RUNNING (the queue runs one job at a time: else it waits again; and once more, a full
+limit, at the first idle check after a busy one, since the job ahead may have ended just before it) calls
 TerminateJob ("Jobs that have not progressed to the STARTING state are cancelled"; the reason "is returned by
 future DescribeJobs operations on the job", https://docs.aws.amazon.com/cli/latest/reference/batch/terminate-job.html)
 with Batch's own statusReason quoted, and fails. The pipeline's `batch:submitJob.sync` then ends with that job
@@ -61,12 +62,12 @@ BATCH_REASON_ROOM = 300
 def cancel_reason(hours: int, stack_name: str, batch_reason: str = "{}") -> str:
     """The job's statusReason once cancelled: what happened, Batch's own statusReason before (`batch_reason`, a
     States.Format placeholder by default) and where to look (TerminateJob: <= 1024 chars)."""
-    return (f"{stack_name}: not started {hours} h {GRACE_MINUTES} min after it became RUNNABLE, with no other job "
-            f"of the queue starting or running; cancelled. Batch statusReason before: {batch_reason}. Likely causes: "
-            "the setup of the compile host failed, so its ECS agent never started (aws ec2 get-console-output of the "
-            "compute environment instance shows compile-host-setup: FAILED and the step), or no capacity for the "
-            "compile instance types (the activities of the Auto Scaling group). See docs/compiled-artifacts.md, "
-            "Bounded wait.")
+    return (f"{stack_name}: not started {hours} h {GRACE_MINUTES} min after it became RUNNABLE (or after the job "
+            f"ahead of it in the queue ended), with no other job of the queue starting or running; cancelled. Batch "
+            f"statusReason before: {batch_reason}. Likely causes: the setup of the compile host failed, so its ECS "
+            "agent never started (aws ec2 get-console-output of the compute environment instance shows "
+            "compile-host-setup: FAILED and the step), or no capacity for the compile instance types (the activities "
+            "of the Auto Scaling group). See docs/compiled-artifacts.md, Bounded wait.")
 
 
 def watch_input(job_id: str, wait_seconds: int) -> dict[str, object]:
@@ -143,19 +144,27 @@ class CompileStartWatch(Construct):
         queue_busy = sfn.Condition.or_(*(sfn.Condition.number_greater_than(f"$.Queue.{s.title()}.Count", 0)
                                          for s in BUSY))
         check_queue = busy[0]
+        # The job ahead may end just before a check, and Batch then takes seconds to minutes (a new instance if the
+        # old one was scaled in) to place this one: a check that finds the queue idle after a busy one waits a
+        # full limit more rather than cancel a job that had no time to start ($.SeenBusy: the last check's).
+        seen_busy, idle_once = (sfn.Pass(self, name, result=sfn.Result.from_boolean(value), result_path="$.SeenBusy")
+                                for name, value in (("MarkSeenBusy", True), ("IdleAfterBusy", False)))
+        just_freed = sfn.Choice(self, "JustFreed", comment="Idle after a busy check: one more full limit").when(
+            sfn.Condition.boolean_equals("$.SeenBusy", True), idle_once.next(wait)).otherwise(batch_reason)
         busy[0].next(busy[1]).next(sfn.Choice(self, "QueueBusy", comment="Behind another job: wait again").when(
-            queue_busy, wait).otherwise(batch_reason))
+            queue_busy, seen_busy.next(wait)).otherwise(just_freed))
         not_started = sfn.Condition.or_(*(sfn.Condition.string_equals("$.Job.Status", s) for s in NOT_STARTED))
         started = sfn.Succeed(self, "StartedInTime", comment="STARTING or later: the job's timeout bounds it")
-        definition = wait.next(describe).next(
+        never_busy = sfn.Pass(self, "NotSeenBusy", result=sfn.Result.from_boolean(False), result_path="$.SeenBusy")
+        definition = never_busy.next(wait).next(describe).next(
             sfn.Choice(self, "Started").when(not_started, check_queue).otherwise(started))
         log_group = logs.LogGroup(self, "Logs", encryption_key=key, retention=logs.RetentionDays.THREE_MONTHS,
                                   removal_policy=RemovalPolicy.RETAIN)
         # No execution timeout: a timeout would end the watch without cancelling, the very failure it exists for.
-        # The loop is bounded all the same: it waits again only while a job of the queue is STARTING or RUNNING,
-        # and each of those ends within its attempt timeout (the job definition's, compile_job.host_needs), the
-        # queue running one job at a time; a Standard workflow also ends after one year at most
-        # (https://docs.aws.amazon.com/step-functions/latest/dg/service-quotas.html).
+        # The loop is bounded all the same: it waits again only while a job of the queue is STARTING or RUNNING
+        # (and once more after), and each of those ends within its attempt timeout (the job definition's,
+        # compile_job.host_needs), the queue running one job at a time; a Standard workflow also ends after one
+        # year at most (https://docs.aws.amazon.com/step-functions/latest/dg/service-quotas.html).
         machine = sfn.StateMachine(
             self, "StateMachine", definition_body=sfn.DefinitionBody.from_chainable(definition), tracing_enabled=True,
             logs=sfn.LogOptions(destination=log_group, level=sfn.LogLevel.ALL, include_execution_data=True),

@@ -177,6 +177,12 @@ def _check(fleet: FleetConfig, request_out: str | None = None) -> int:
     if manifest is None:
         raise compile_job.CompileError(f"{destination}{am.MANIFEST_NAME} does not exist: compile this layout first "
                                        "(python -m inference_fleet compile); every unit would refuse to start")
+    if isinstance(manifest, am.Replacing):
+        # Not built, but not the Compile stage's either: its job would compile over a replace an operator started.
+        raise compile_job.CompileError(
+            f"{destination}: {manifest.describe()}; every unit would refuse to start. Let that compile end, or "
+            "compile the layout again (python -m inference_fleet compile --submit --replace), then set "
+            "model.artifacts_key to the key its manifest gives (compile --check prints it)")
     if fleet.model.artifacts_key and manifest.key != fleet.model.artifacts_key:
         raise compile_job.CompileError(f"{destination}: manifest key {manifest.key}, fleet model.artifacts_key "
                                        f"{fleet.model.artifacts_key}: every unit would refuse to start")

@@ -530,6 +530,115 @@ def test_replace_writes_the_manifest_only_over_the_one_it_read(tmp_path, checkpo
     assert s3.get_object(Bucket=bucket, Key=key)["Body"].read() == b'{"written by": "the other compile"}'
 
 
+class _WritesAfterHead(_RacingClient):
+    """Another compile writes its manifest between this job's last read of the manifest (HeadObject) and its
+    first write."""
+
+    def head_object(self, **kwargs):
+        answer = self._client.head_object(**kwargs)
+        self._client.put_object(Bucket=self._bucket, Key=self._key, Body=self._body)
+        return answer
+
+    def upload_file(self, *args, **kwargs):
+        raise AssertionError("a file was uploaded after the race was lost")
+
+
+def test_the_replace_marker_is_written_only_over_the_manifest_read(tmp_path, checkpoint, s3):
+    """The marker's own write is conditional (If-Match the ETag read at the start): a manifest written just
+    before it stays, and no file of this job is uploaded."""
+    fleet, job, bucket, key = _race_job(tmp_path, checkpoint)
+    work = tmp_path / "work"
+    (checkpoint / "tokenizer.json").write_text('{"earlier": true}')
+    assert compile_run.execute(job, checkpoint, work, compile_run.key_inputs(job, checkpoint), client=s3,
+                               artifacts_uri=fleet.model.artifacts_s3_uri) == 0
+    (checkpoint / "tokenizer.json").write_text("{}")
+    racing = _WritesAfterHead(s3, bucket, key, b'{"written by": "the other compile"}')
+    with pytest.raises(compile_run.CompileError, match="S3 refused the conditional write: PreconditionFailed"):
+        compile_run.execute(job, checkpoint, work, compile_run.key_inputs(job, checkpoint), client=racing,
+                            artifacts_uri=fleet.model.artifacts_s3_uri, replace=True)
+    assert s3.get_object(Bucket=bucket, Key=key)["Body"].read() == b'{"written by": "the other compile"}'
+
+
+class _FailsAfterFirstUpload:
+    """S3 whose second upload_file fails (the job timed out, the connection dropped, an S3 error after retries)."""
+
+    def __init__(self, client):
+        self._client, self._count = client, 0
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+    def upload_file(self, *args, **kwargs):
+        self._count += 1
+        if self._count == 2:
+            raise OSError("upload interrupted")
+        return self._client.upload_file(*args, **kwargs)
+
+
+def _interrupted_replace(tmp_path: Path, checkpoint: Path, s3):
+    """K1 compiled and uploaded; then a --replace with another checkpoint (K2) interrupted after its first file
+    (config.json, K2's now). Returns _race_job's four, K1's inputs and K2's key; the checkpoint is K1's again."""
+    fleet, job, bucket, key = _race_job(tmp_path, checkpoint)
+    work = tmp_path / "work"
+    k1_inputs = compile_run.key_inputs(job, checkpoint)
+    assert compile_run.execute(job, checkpoint, work, k1_inputs, client=s3,
+                               artifacts_uri=fleet.model.artifacts_s3_uri) == 0
+    original = (checkpoint / "config.json").read_text()
+    (checkpoint / "config.json").write_text('{"model_type": "llama", "k2": true}')
+    k2_inputs = compile_run.key_inputs(job, checkpoint)
+    with pytest.raises(OSError, match="upload interrupted"):
+        compile_run.execute(job, checkpoint, work, k2_inputs, client=_FailsAfterFirstUpload(s3),
+                            artifacts_uri=fleet.model.artifacts_s3_uri, replace=True)
+    (checkpoint / "config.json").write_text(original)
+    return fleet, job, bucket, key, k1_inputs, am.compute_key(k2_inputs)
+
+
+def _node_spec(fleet, local_dir: Path, key: str):
+    data = json.loads(parse_spec(compile_job.unit_spec(fleet).model_dump()).model_dump_json())
+    data["model"].update(local_dir=str(local_dir), cache_marker=None, artifacts_key=key)
+    data["region"] = "us-east-1"
+    return parse_spec(data)
+
+
+def test_a_rerun_of_the_deployed_key_repairs_what_an_interrupted_replace_overwrote(tmp_path, checkpoint, s3):
+    """Regression (defect hunt, thirty-third session): a --replace interrupted partway through its upload left the
+    old manifest (K1) over some files of the new compile (K2); every node deployed with K1 refused them, and
+    compiling K1 again said "already built with key K1; nothing to compile" and exited 0, so only deleting the
+    manifest by hand got out. The replace now writes a marker over the manifest before its first file, and a
+    compile over the marker builds the layout again."""
+    fleet, job, bucket, key, k1_inputs, _ = _interrupted_replace(tmp_path, checkpoint, s3)
+    k1 = am.compute_key(k1_inputs)
+    # The operator goes back to the deployed key K1 and runs the compile again (with --replace, even).
+    assert compile_run.execute(job, checkpoint, tmp_path / "work", k1_inputs, client=s3,
+                               artifacts_uri=fleet.model.artifacts_s3_uri, replace=True) == 0
+    assert am.parse(json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())).key == k1
+    # What every node of the cells deployed with K1 does at its next start.
+    runner.fetch_artifacts(_node_spec(fleet, tmp_path / "node0", k1), 0)
+
+
+def test_an_interrupted_replace_leaves_a_layout_nodes_and_the_check_take_as_not_built(tmp_path, checkpoint, s3,
+                                                                                      capsys):
+    """The marker the interrupted replace left: nodes of either key refuse it naming the replace (not a file
+    mismatch), the pipeline's check fails the build rather than pass the old key or compile over it, and the
+    replace's own key compiles again without --replace (units of any key refuse the marker already)."""
+    fleet, job, _, _, k1_inputs, k2 = _interrupted_replace(tmp_path, checkpoint, s3)
+    k1 = am.compute_key(k1_inputs)
+    being_replaced = f"a compile of key {k2} began uploading over the artifacts of key {k1}"
+    for key in (k1, k2):
+        with pytest.raises(am.BeingReplaced, match=being_replaced):
+            runner.fetch_artifacts(_node_spec(fleet, tmp_path / f"node-{key[:4]}", key), 0)
+    request = tmp_path / "compile-request.json"
+    assert main(["compile", "--config", str(DEFAULT), "--check", "--request-out", str(request)]) == exit_codes.COMPILE
+    err = capsys.readouterr().err
+    assert being_replaced in err and "Traceback" not in err and not request.exists(), err
+    (checkpoint / "config.json").write_text('{"model_type": "llama", "k2": true}')
+    k2_inputs = compile_run.key_inputs(job, checkpoint)
+    assert compile_run.execute(job, checkpoint, tmp_path / "work", k2_inputs, client=s3,
+                               artifacts_uri=fleet.model.artifacts_s3_uri) == 0
+    assert being_replaced in capsys.readouterr().out
+    runner.fetch_artifacts(_node_spec(fleet, tmp_path / "node-k2", k2), 0)
+
+
 def test_a_new_layouts_missing_manifest_is_none_to_a_role_that_lists_only_its_prefix():
     """HeadObject of a missing manifest is a bare 403 to the Batch job's role (its s3:ListBucket has an
     s3:prefix condition): the upload's re-check must read that as 'no manifest', as read_manifest does,

@@ -263,6 +263,12 @@ class Asl:
             return _present(data, rule["Variable"]) == rule["IsPresent"]
         if set(rule) == {"Variable", "NumericGreaterThan"}:
             return _path(data, rule["Variable"]) > rule["NumericGreaterThan"]
+        # BooleanEquals: a JSONPath Choice rule's comparison operator
+        # (https://docs.aws.amazon.com/step-functions/latest/dg/state-choice.html, "Choice Rules (JSONPath)").
+        if set(rule) == {"Variable", "BooleanEquals"}:
+            value = _path(data, rule["Variable"])
+            assert isinstance(value, bool), f"{rule['Variable']} is {value!r}, not a boolean"
+            return value == rule["BooleanEquals"]
         assert set(rule) == {"Variable", "StringEquals"}, rule
         return _path(data, rule["Variable"]) == rule["StringEquals"]
 
@@ -443,11 +449,31 @@ def test_a_job_waiting_behind_a_running_job_is_not_cancelled(synth_default):
     asl, (outcome, _), terminated = _run(template, rounds, cancel=False)
     assert outcome == "Succeed" and not terminated, asl.visited
     assert len(asl.waited) == 3, asl.waited
-    # Once the queue is idle and the job still waits, it is cancelled, a full limit after the last check.
-    asl, (outcome, (error, _)), terminated = _run(template, [("RUNNABLE", {"RUNNING": 1}), ("RUNNABLE", {})],
-                                                  cancel=True)
+    # Once the queue has been idle a full limit and the job still waits, it is cancelled: at the second idle check
+    # after a busy one (changed on purpose in the thirty-third session: it was the first idle check, which cancelled
+    # a job whose predecessor had just ended; test_a_job_whose_predecessor_just_ended_gets_its_own_limit_...).
+    rounds = [("RUNNABLE", {"RUNNING": 1}), ("RUNNABLE", {}), ("RUNNABLE", {})]
+    asl, (outcome, (error, _)), terminated = _run(template, rounds, cancel=True)
     assert (outcome, error, terminated["jobId"]) == ("Fail", "CompileJobNotStarted", JOB)
-    assert len(asl.waited) == 2, asl.waited
+    assert len(asl.waited) == 3, asl.waited
+    # Busy again after an idle check: the idle check after that one gives the job a full limit again.
+    rounds = [("RUNNABLE", {"RUNNING": 1}), ("RUNNABLE", {}), ("RUNNABLE", {"STARTING": 1}), ("RUNNABLE", {}),
+              ("RUNNABLE", {})]
+    asl, (outcome, _), terminated = _run(template, rounds, cancel=True)
+    assert outcome == "Fail" and terminated["jobId"] == JOB and len(asl.waited) == 5, asl.waited
+
+
+def test_a_job_whose_predecessor_just_ended_gets_its_own_limit_before_it_is_cancelled(synth_default):
+    """Regression (defect hunt, thirty-third session): at the first check (2 h 15 min) the job ahead (the pipeline's
+    compile) still RUNS; it ends just before the second check; at that check the job is still RUNNABLE (Batch has
+    not placed it yet: seconds to minutes, a new instance if the old one was scaled in), the queue idle. The watch
+    cancelled it there, its reason saying it had not started 2 h 15 min after it could; it now waits one more full
+    limit, and the job starts during it."""
+    template = synth_default.template_json(compile_job.stack_name(synth_default.fleet))
+    rounds = [("RUNNABLE", {"RUNNING": 1}), ("RUNNABLE", {}), ("STARTING", {})]
+    asl, (outcome, _), terminated = _run(template, rounds, cancel=False)
+    assert outcome == "Succeed" and not terminated, asl.visited
+    assert len(asl.waited) == 3 and "IdleAfterBusy" in asl.visited, asl.visited
 
 
 def test_the_watch_has_no_execution_timeout_that_would_end_it_without_cancelling(synth_default):

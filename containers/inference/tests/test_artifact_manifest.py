@@ -142,6 +142,24 @@ def test_a_manifest_that_is_not_one_is_refused_naming_the_field(tmp_path, change
     assert "s3://m/neuron/L/artifacts-manifest.json" in str(caught.value)
 
 
+def test_a_replace_marker_is_refused_as_being_replaced_and_a_bad_one_naming_the_field(tmp_path):
+    """The marker a compile writes over the manifest before it overwrites the layout's files (compile_run.upload):
+    a node reading it refuses the layout naming both keys; a marker with a field missing is refused like a bad
+    manifest. Interrupted-replace flows: tests/test_compile.py."""
+    where = "s3://m/neuron/L/artifacts-manifest.json"
+    data = json.loads(am.dumps_replacing("1" * 64, "2" * 64))
+    assert am.replacing(data) == am.Replacing(format=am.REPLACING_FORMAT, key="1" * 64, replaced="2" * 64)
+    with pytest.raises(am.BeingReplaced) as caught:
+        am.parse(data, where)
+    for named in (where, f"a compile of key {'1' * 64}", f"artifacts of key {'2' * 64}", "interrupted"):
+        assert named in str(caught.value)
+    del data["replaced"]
+    with pytest.raises(am.ManifestError, match="replaced: Field required") as caught:
+        am.parse(data, where)
+    assert where in str(caught.value)
+    assert am.replacing(json.loads(am.dumps(_compiled(tmp_path)))) is None
+
+
 def test_a_shard_of_a_rank_outside_the_world_is_refused_at_build(tmp_path):
     manifest = _compiled(tmp_path)
     (tmp_path / "neuron/L/weights/tp7_sharded_checkpoint.safetensors").write_bytes(b"x")

@@ -12,6 +12,11 @@ The launcher refuses to start an engine on anything else (`check_node`): a manif
 not the one its unit spec names, whose layout is not its own plan, or a local file whose size or
 SHA-256 differs from the manifest, each ends the session with cause `artifacts_mismatch` naming
 the field or file. Format and fields: docs/contracts.md "Compiled artifacts manifest".
+
+A compile that uploads over a layout's manifest first writes a marker in its place (`Replacing`): the
+files it is about to overwrite are then vouched for by nothing, so an interrupted replace leaves a
+layout every reader takes as not built (nodes refuse it, `BeingReplaced`) rather than the old
+manifest over some of the new files.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from unit_launcher.artifacts import ArtifactError, FetchCancelled
 from unit_launcher.spec import UnitSpec
 
 FORMAT = "inference-fleet/compiled-artifacts/v1"
+# The marker a compile writes over a layout's manifest before it overwrites the layout's files (compile_run.upload).
+REPLACING_FORMAT = "inference-fleet/compiled-artifacts-being-replaced/v1"
 MANIFEST_NAME = "artifacts-manifest.json"
 # NxD Inference's presharded weights (application_base.py `load_weights`, docs/compiled-artifacts.md).
 SHARD = re.compile(r"(?:^|/)weights/tp(\d+)_sharded_checkpoint\.safetensors$")
@@ -57,6 +64,10 @@ class FileMismatch(ArtifactMismatch):
 
 class ManifestError(ArtifactMismatch):
     """A manifest that is not one: unreadable, not of this format, or inconsistent with itself."""
+
+
+class BeingReplaced(ArtifactMismatch):
+    """The layout's manifest is a compile's `Replacing` marker: no file under the layout is vouched for."""
 
 
 class _Strict(BaseModel):
@@ -143,6 +154,41 @@ class Manifest(_Strict):
         return self
 
 
+class Replacing(_Strict):
+    """What stands in a layout's manifest while a compile overwrites the layout's files, and after, if it was
+    interrupted: `key` the compile's own, `replaced` the key of the last complete manifest there."""
+
+    format: str
+    key: Sha256
+    replaced: Sha256
+
+    @model_validator(mode="after")
+    def _format(self) -> Replacing:
+        if self.format != REPLACING_FORMAT:
+            raise ValueError(f"format {self.format!r} not allowed; allowed: {REPLACING_FORMAT!r}")
+        return self
+
+    def describe(self) -> str:
+        return (f"being replaced: a compile of key {self.key} began uploading over the artifacts of key "
+                f"{self.replaced} and has not written its manifest (it is uploading now, or it was interrupted), so "
+                "no file under the layout is vouched for")
+
+
+def replacing(data: Any, where: str = "manifest") -> Replacing | None:
+    """The marker, when `data` has its format; None for anything else (a manifest, or something to refuse)."""
+    if not (isinstance(data, dict) and data.get("format") == REPLACING_FORMAT):
+        return None
+    try:
+        return Replacing.model_validate(data)
+    except ValidationError as error:
+        raise ManifestError(f"{where} is not a valid replace marker ({REPLACING_FORMAT}): {_problems(error)}") from None
+
+
+def dumps_replacing(key: str, replaced: str) -> str:
+    return json.dumps(Replacing(format=REPLACING_FORMAT, key=key, replaced=replaced).model_dump(), indent=1,
+                      sort_keys=True) + "\n"
+
+
 def _check_relative(path: str) -> None:
     pure = PurePosixPath(path)
     if pure.is_absolute() or ".." in pure.parts or not path or "\\" in path:
@@ -172,14 +218,21 @@ def file_entry(path: Path) -> FileEntry:
 
 
 def parse(data: Any, where: str = "manifest") -> Manifest:
-    """A manifest from its JSON value; anything else is a ManifestError naming each bad field."""
+    """A manifest from its JSON value; a replace marker is BeingReplaced, anything else a ManifestError naming
+    each bad field."""
+    if (marker := replacing(data, where)) is not None:
+        raise BeingReplaced(f"{where}: {marker.describe()}. No engine starts on them: once that compile has "
+                            f"ended, deploy with its key ({marker.key}), or compile the layout again "
+                            "(`python -m inference_fleet compile --submit --replace`)")
     try:
         return Manifest.model_validate(data)
     except ValidationError as error:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']}" for e in error.errors()
-        )
-        raise ManifestError(f"{where} is not a valid compiled-artifacts manifest ({FORMAT}): {problems}") from None
+        raise ManifestError(
+            f"{where} is not a valid compiled-artifacts manifest ({FORMAT}): {_problems(error)}") from None
+
+
+def _problems(error: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']}" for e in error.errors())
 
 
 def load(path: Path) -> Manifest:

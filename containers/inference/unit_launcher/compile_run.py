@@ -178,12 +178,13 @@ def shared_checkpoint_files(out_root: Path) -> tuple[str, ...]:
     return tuple(sorted(p.name for p in out_root.iterdir() if p.is_file() and p.name != am.MANIFEST_NAME))
 
 
-def existing_manifest(client: Any, destination: str) -> am.Manifest | None:
+def existing_manifest(client: Any, destination: str) -> am.Manifest | am.Replacing | None:
     return read_manifest(client, destination)[0]
 
 
-def read_manifest(client: Any, destination: str) -> tuple[am.Manifest | None, str | None]:
-    """The manifest under `destination` and its ETag, or (None, None) when there is none."""
+def read_manifest(client: Any, destination: str) -> tuple[am.Manifest | am.Replacing | None, str | None]:
+    """The manifest under `destination` (or the marker of a replace that has not ended) and its ETag, or
+    (None, None) when there is none."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     bucket, prefix = split_uri(destination)
@@ -205,7 +206,7 @@ def read_manifest(client: Any, destination: str) -> tuple[am.Manifest | None, st
     except ValueError as error:
         raise CompileError(f"{where} is not readable JSON ({error}): not a manifest this package wrote; "
                            f"remove it (aws s3 rm {where}) and compile the layout again") from None
-    return am.parse(data, where), etag
+    return am.replacing(data, where) or am.parse(data, where), etag
 
 
 # What S3 answers a conditional write whose condition no longer holds: 412 PreconditionFailed, 409
@@ -271,7 +272,7 @@ _READ_HINTS = {
 
 
 def upload(client: Any, out_root: Path, uri: str, manifest: am.Manifest, layout_name: str,
-           *, shared: bool = True, manifest_etag: str | None = None) -> int:
+           *, shared: bool = True, manifest_etag: str | None = None, replaced: str | None = None) -> int:
     """Every file the manifest lists, then the manifest itself (a partial upload has none, and the
     launcher refuses artifacts without one). ChecksumAlgorithm SHA256 makes S3 check each request's
     bytes on arrival; what it stores is the object's SHA-256 only for a single-part upload: upload_file
@@ -290,9 +291,14 @@ def upload(client: Any, out_root: Path, uri: str, manifest: am.Manifest, layout_
     start (None: there was none). The manifest is checked unchanged before the files go (a compile that ended
     during this one's hours of passes), and written with a conditional write, If-Match that ETag or
     If-None-Match * (https://docs.aws.amazon.com/AmazonS3/latest/userguide/conditional-writes.html), so a
-    compile that uploaded meanwhile keeps its manifest and this one fails naming the race."""
-    from botocore.exceptions import ClientError
+    compile that uploaded meanwhile keeps its manifest and this one fails naming the race.
 
+    Over an existing manifest (`replaced`: the key of the last complete one there), a replace marker
+    (am.Replacing) is written first, with If-Match that ETag, and the manifest last with If-Match the
+    marker's ETag (PutObject's answer, https://docs.aws.amazon.com/AmazonS3/latest/API/API_PutObject.html,
+    "ETag"): the old manifest stops vouching for the layout before its first file is overwritten, so an
+    interrupted replace leaves the marker, which nodes refuse and every compile takes as not built, not the
+    old manifest over some of the new files. A first upload needs none: without a manifest it is not built."""
     bucket, prefix = split_uri(uri)
     layout_dir = f"neuron/{layout_name}/"
     key = f"{prefix}{layout_dir}{am.MANIFEST_NAME}"
@@ -300,20 +306,37 @@ def upload(client: Any, out_root: Path, uri: str, manifest: am.Manifest, layout_
     now = _manifest_etag(client, bucket, key)
     if now != manifest_etag:
         raise _race(where, manifest_etag, f"ETag {now}" if now else "none")
+    condition_etag = manifest_etag
+    if manifest_etag is not None:
+        if replaced is None:
+            raise CompileError(f"an upload over {where} (ETag {manifest_etag}) needs the key of the manifest it "
+                               "replaces, for its marker")
+        marker = am.dumps_replacing(manifest.key, replaced)
+        condition_etag = _put_conditionally(client, bucket, key, marker, manifest_etag, where, manifest_etag)
     shared_files = [rel for rel in manifest.shared if shared or rel.startswith(layout_dir)]
     files = sorted({*shared_files, *(p for n in manifest.nodes for p in n.files)})
     for rel in files:
         client.upload_file(str(out_root / rel), bucket, prefix + rel, ExtraArgs={"ChecksumAlgorithm": "SHA256"})
-    condition = {"IfMatch": manifest_etag} if manifest_etag else {"IfNoneMatch": "*"}
+    _put_conditionally(client, bucket, key, am.dumps(manifest), condition_etag, where, manifest_etag)
+    return len(files) + 1
+
+
+def _put_conditionally(client: Any, bucket: str, key: str, body: str, etag: str | None, where: str,
+                       read_etag: str | None) -> str | None:
+    """PutObject of `body` only over the object of ETag `etag` (None: only where there is none); its new ETag.
+    `read_etag`: the one this job read at its start, for the race's message."""
+    from botocore.exceptions import ClientError
+
+    condition = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
     try:
-        client.put_object(Bucket=bucket, Key=key, Body=am.dumps(manifest).encode(), ChecksumAlgorithm="SHA256",
-                          **condition)
+        answer = client.put_object(Bucket=bucket, Key=key, Body=body.encode(), ChecksumAlgorithm="SHA256",
+                                   **condition)
     except ClientError as error:
         code = str(error.response.get("Error", {}).get("Code"))
         if code in _RACE_CODES:
-            raise _race(where, manifest_etag, f"S3 refused the conditional write: {code}") from None
+            raise _race(where, read_etag, f"S3 refused the conditional write: {code}") from None
         raise
-    return len(files) + 1
+    return answer.get("ETag")
 
 
 def execute(job: Job, checkpoint: Path, work: Path, inputs: am.KeyInputs, *, client: Any | None, artifacts_uri: str,
@@ -325,16 +348,22 @@ def execute(job: Job, checkpoint: Path, work: Path, inputs: am.KeyInputs, *, cli
             f"these inputs give key {key}, the fleet's model.artifacts_key is {expected_key}: the checkpoint, "
             "layout, image or compiler arguments differ from those the fleet names; set model.artifacts_key to "
             "the new key (or unset it) once these artifacts are the ones to deploy")
-    etag = None
+    etag = replaced = None
     if client is not None:
         existing, etag = read_manifest(client, job.destination)
-        if existing is not None and existing.key == key:
+        if isinstance(existing, am.Replacing):
+            # Units of any key already refuse these files (the marker), so compiling over it breaks none.
+            print(f"{job.destination}: {existing.describe()}; compiling key {key} over it")
+            replaced = existing.replaced
+        elif existing is not None and existing.key == key:
             print(f"{job.destination}: already built with key {key}; nothing to compile")
             return 0
-        if existing is not None and not replace:
+        elif existing is not None and not replace:
             raise CompileError(
                 f"{job.destination} holds artifacts of key {existing.key}, not {key}; units deployed with it would "
                 "refuse to start on new ones: pass --replace to upload anyway")
+        elif existing is not None:
+            replaced = existing.key
     out_root = work / "artifacts"
     clear_outputs(job, out_root)
     run_passes(job)
@@ -344,7 +373,7 @@ def execute(job: Job, checkpoint: Path, work: Path, inputs: am.KeyInputs, *, cli
     print(f"layout {job.layout_name}: manifest key {manifest.key}, written under {out_root}")
     if client is not None:
         count = upload(client, out_root, artifacts_uri, manifest, job.layout_name, shared=upload_shared,
-                       manifest_etag=etag)
+                       manifest_etag=etag, replaced=replaced)
         print(f"uploaded {count} objects to {artifacts_uri} (the manifest last)")
     return 0
 
