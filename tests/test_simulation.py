@@ -248,7 +248,8 @@ def test_a_signal_rule_that_signals_every_new_instance_at_once_has_two_units_out
 # ---- every scenario of simulations/ holds every invariant on today's code, 3 seeds each ----------------
 
 CONFIGS = {"ami-change-large.yaml": LARGE, "metric-gap.yaml": ELASTIC, "capacity-refusal.yaml": ELASTIC,
-           "unit-never-forms.yaml": ELASTIC}
+           "unit-never-forms.yaml": ELASTIC, "down-unit-capacity-outage.yaml": ELASTIC,
+           "down-unit-short-outage-load-returns.yaml": ELASTIC}
 SLOW = {"day-36-units.yaml"}  # run once below, timed
 
 

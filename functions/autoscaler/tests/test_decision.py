@@ -418,6 +418,36 @@ def test_a_unit_whose_proxy_went_silent_counts_as_down() -> None:
     assert decision.action == "hold" and "no scale-in while u0 is down" in decision.reason, decision
 
 
+def test_a_cell_wide_metric_gap_drains_no_healthy_unit_while_one_is_down() -> None:
+    """Guards the hold against a form tried in the thirty-third session (drain the down unit first when no other
+    serving unit ran full): its cold review (helper-183) found a 12-minute gap on every proxy made every unit read as
+    down, so "no other unit ran full" held whatever u1 did, and the drain took u2, the healthy unit that had just
+    joined (the missing loads tie at full, the highest index wins). u0 is really down, u1 at its cap all along."""
+    policy = Policy(min_units=2, max_units=12, nodes=2, target_load=0.7, scale_in_margin=0.2)
+    gap = (None,) * 12
+    u0 = Unit(0, "serving", gap + (0.0,) * 18, instances=1, health=gap + (0.0,) * 18)
+    u1 = Unit(1, "serving", gap + (1.0,) * 18, instances=2, health=gap + (1.0,) * 18)
+    u2 = Unit(2, "serving", gap + (0.05,) * 3 + (0.0,) * 15, instances=2, health=gap + (1.0,) * 3 + (0.0,) * 15)
+    obs = Observation(now=1e5, units=(u0, u1, u2, *(Unit(i, "dormant") for i in range(3, 12))),
+                      last_scale_out=1e5 - 7200)
+    decision = decide(policy, obs)
+    assert decision.action == "hold", decision
+
+
+def test_two_units_down_and_one_serving_drains_none() -> None:
+    """Guards the hold against the same tried form: u0 and u1 lost followers in an outage, u2 serves alone, far from
+    full; draining u0 "first" left one serving unit under min_units 2 (the simulation's I2, 5 of 5 seeds)."""
+    policy = Policy(min_units=2, max_units=12, nodes=2, target_load=0.7, scale_in_margin=0.2)
+    lag = (None, None)
+    u0 = Unit(0, "serving", lag + (0.0,) * 28, instances=1, health=lag + (0.0,) * 28)
+    u1 = Unit(1, "serving", lag + (0.0,) * 28, instances=1, health=lag + (0.0,) * 28)
+    u2 = Unit(2, "serving", lag + (0.3,) * 28, instances=2, health=lag + (1.0,) * 28)
+    obs = Observation(now=1e5, units=(u0, u1, u2, *(Unit(i, "dormant") for i in range(3, 12))),
+                      last_scale_out=1e5 - 7200)
+    decision = decide(policy, obs)
+    assert decision.action == "hold" and "no scale-in while u0 and u1 are down" in decision.reason, decision
+
+
 def test_the_hold_names_a_down_unit_only_when_it_is_what_holds() -> None:
     """The review's low finding: min_units alone held, and the reason blamed the down unit."""
     policy = Policy(min_units=2, max_units=12, nodes=2, target_load=0.7, scale_in_margin=0.2)
