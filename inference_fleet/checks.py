@@ -37,6 +37,7 @@ from inference_fleet.compile_job import (
 )
 from inference_fleet.compile_job import environment as compile_environment
 from inference_fleet.config import (
+    EPHEMERAL_PORTS,
     SERVING_PORT_FIELDS,
     CellConfig,
     ConfigError,
@@ -453,8 +454,9 @@ def _serving_port_issues(s: ServingConfig) -> Iterable[ConfigIssue]:
     """Unit tasks run with host networking: each serving port needs the instance's port to itself, apart from the
     other serving ports and from the ports every node already uses (config.taken_ports, with their owners)."""
     taken = taken_ports(s.frontend)
-    allowed = (f"allowed: 1024 to 65535 except {ports_text(taken)} (with frontend {s.frontend}) "
-               "and the other serving ports")
+    low, high = EPHEMERAL_PORTS
+    allowed = (f"allowed: 1024 to {low - 1} or {high + 1} to 65535, except {ports_text(taken)} (with frontend "
+               f"{s.frontend}) and the other serving ports")
     owner: dict[int, str] = {}
     for name in SERVING_PORT_FIELDS:
         port = getattr(s, name)
@@ -462,6 +464,12 @@ def _serving_port_issues(s: ServingConfig) -> Iterable[ConfigIssue]:
             yield ConfigIssue(
                 f"serving.{name}", port, f"taken on every node by {taken[port]}; host networking shares the "
                 f"instance's ports; {allowed}",
+            )
+        elif low <= port <= high:
+            yield ConfigIssue(
+                f"serving.{name}", port, f"in Linux's ephemeral port range {low}-{high}, from which every outbound "
+                "connection of the node takes its local port, so the listener may find it held (ECS: do not "
+                f"specify a host port there); {allowed}",
             )
         elif port in owner:
             yield ConfigIssue(

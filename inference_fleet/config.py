@@ -649,6 +649,13 @@ TRITON_PORTS: dict[int, str] = {
     TRITON_METRICS_PORT:
         "Triton's metrics listener on the leader (127.0.0.1, the launcher's engine.triton_metrics_port)",
 }
+# Linux's ephemeral ports (net.ipv4.ip_local_port_range's default, "32768 60999": the kernel's
+# Documentation/networking/ip-sysctl.rst), from which every outbound socket of the node takes its local port (the
+# S3 fetch's connections, the engine's own): a listener there can find its port held when it binds. ECS:
+# "Do not attempt to specify a host port in the ephemeral port range as these are reserved for automatic
+# assignment. In general, ports below 32768 are outside of the ephemeral port range" (PortMapping.hostPort, the page
+# above). That the ECS-optimized AL2023 AMI keeps the kernel's default range is not verified here.
+EPHEMERAL_PORTS: tuple[int, int] = (32768, 60999)
 # The serving fields that are host ports, in the order their issues are reported.
 SERVING_PORT_FIELDS: tuple[str, ...] = ("engine_port", "proxy_port", "rendezvous_port", "master_port", "neuron_rt_port")
 
@@ -672,7 +679,7 @@ def ports_text(ports: Iterable[int]) -> str:
 # What every serving port may not be (the fields' descriptions, so the reference says it).
 _PORT_RULE = (
     f" Not {ports_text(NODE_PORTS)} (taken on every node), not {ports_text(TRITON_PORTS)} with frontend triton, "
-    "and none of the other serving ports."
+    f"not {EPHEMERAL_PORTS[0]}-{EPHEMERAL_PORTS[1]} (Linux's ephemeral ports), and none of the other serving ports."
 )
 
 

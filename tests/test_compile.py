@@ -685,3 +685,21 @@ def test_validate_accepts_exactly_the_tags_whose_engine_stack_the_compile_record
         assert [i.path for i in refused] == ["base_images.neuron_vllm_tag"], tag
     else:
         assert refused == [], tag
+
+
+def test_a_second_compile_of_the_same_key_over_a_left_marker_loses_the_marker_race(tmp_path, checkpoint, s3):
+    """The cold review of the marker (helper-186): an interrupted replace of K2 left the marker (K2, K1); two
+    compiles of K2 start over it, and the other writes its marker first. With the same bytes (so the same ETag, an
+    MD5 for plaintext and SSE-S3 objects) this job's If-Match held and it uploaded every file over the other's. Each
+    marker now carries its writer: the condition fails before the first file."""
+    fleet, job, bucket, key, k1_inputs, k2 = _interrupted_replace(tmp_path, checkpoint, s3)
+    k1 = am.compute_key(k1_inputs)
+    left = json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    assert left["key"] == k2 and left["replaced"] == k1
+    (checkpoint / "config.json").write_text('{"model_type": "llama", "k2": true}')
+    k2_inputs = compile_run.key_inputs(job, checkpoint)
+    other_marker = am.dumps_replacing(k2, k1, "another-writer").encode()
+    racing = _WritesAfterHead(s3, bucket, key, other_marker)
+    with pytest.raises(compile_run.CompileError, match="conditional write"):
+        compile_run.execute(job, checkpoint, tmp_path / "work", k2_inputs, client=racing,
+                            artifacts_uri=fleet.model.artifacts_s3_uri)

@@ -355,7 +355,7 @@ def test_a_triton_fleet_refuses_tritons_metrics_port_on_the_serving_field(raw: d
     issue = serving_port_issue(raw, frontend="triton", **{field: 8002})
     assert issue.path == f"serving.{field}"
     assert "Triton's metrics listener" in issue.problem
-    assert "allowed: 1024 to 65535 except 2375-2376, 8002, 8081, 51678-51680 (with frontend triton)" in issue.problem
+    assert "allowed: 1024 to 32767 or 61000 to 65535, except 2375-2376, 8002, 8081, 51678-51680 (with frontend triton)" in issue.problem
     raw["serving"]["frontend"] = "openai"
     assert getattr(parse_fleet(raw, "test").serving, field) == 8002
 
@@ -392,7 +392,7 @@ def test_a_serving_port_on_the_proxys_admin_port_is_refused(raw: dict, field: st
     issue = serving_port_issue(raw, **{field: 8081})
     assert issue.path == f"serving.{field}"
     assert "the unit proxy's admin listener" in issue.problem
-    assert "allowed: 1024 to 65535 except 2375-2376, 8081, 51678-51680 (with frontend openai)" in issue.problem
+    assert "allowed: 1024 to 32767 or 61000 to 65535, except 2375-2376, 8081, 51678-51680 (with frontend openai)" in issue.problem
 
 
 def test_the_proxy_admin_port_on_the_list_is_the_one_every_proxy_listens_on(raw: dict) -> None:
@@ -419,8 +419,26 @@ def test_a_serving_port_ecs_reserves_on_every_container_instance_is_refused(raw:
     assert "reserved by ECS on every container instance" in issue.problem
 
 
+@pytest.mark.parametrize("field", SERVING_PORTS)
+@pytest.mark.parametrize("port", [32768, 40000, 60999])
+def test_a_serving_port_in_linuxs_ephemeral_range_is_refused(raw: dict, field: str, port: int) -> None:
+    """The cold review of the port rule (helper-186): the same ECS page says not to map a host port in the ephemeral
+    range (32768-60999, Linux's default): every outbound socket of a host-network node takes its local port from
+    there, so a listener may find its port held. Old code: accepted (DID NOT RAISE)."""
+    issue = serving_port_issue(raw, **{field: port})
+    assert issue.path == f"serving.{field}"
+    assert "ephemeral port range 32768-60999" in issue.problem
+    assert "allowed: 1024 to 32767 or 61000 to 65535" in issue.problem
+
+
+def test_the_ports_next_to_the_ephemeral_range_are_accepted(raw: dict) -> None:
+    fleet = parse_fleet({**raw, "serving": {**raw.get("serving", {}), "proxy_port": 32767, "master_port": 61000}}, "t")
+    assert (fleet.serving.proxy_port, fleet.serving.master_port) == (32767, 61000)
+
+
 def test_the_serving_ports_rule_is_in_the_reference() -> None:
     text = markdown()
     for field in SERVING_PORTS:
         (row,) = [line for line in text.splitlines() if line.startswith(f"| `{field}` |")]
         assert "Not 2375-2376, 8081, 51678-51680 (taken on every node), not 8002 with frontend triton" in row
+        assert "not 32768-60999 (Linux's ephemeral ports)" in row

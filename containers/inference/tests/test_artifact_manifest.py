@@ -149,6 +149,7 @@ def test_a_replace_marker_is_refused_as_being_replaced_and_a_bad_one_naming_the_
     where = "s3://m/neuron/L/artifacts-manifest.json"
     data = json.loads(am.dumps_replacing("1" * 64, "2" * 64))
     assert am.replacing(data) == am.Replacing(format=am.REPLACING_FORMAT, key="1" * 64, replaced="2" * 64)
+    assert am.replacing(json.loads(am.dumps_replacing("1" * 64, "2" * 64, "ab12"))).writer == "ab12"
     with pytest.raises(am.BeingReplaced) as caught:
         am.parse(data, where)
     for named in (where, f"a compile of key {'1' * 64}", f"artifacts of key {'2' * 64}", "interrupted"):

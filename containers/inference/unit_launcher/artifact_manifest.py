@@ -161,6 +161,9 @@ class Replacing(_Strict):
     format: str
     key: Sha256
     replaced: Sha256
+    # One per upload (a random hex): two compiles of the same key over the same left marker write different bytes,
+    # so different ETags, and the If-Match of the one that wrote second fails before its first file (helper-186).
+    writer: str | None = None
 
     @model_validator(mode="after")
     def _format(self) -> Replacing:
@@ -184,9 +187,9 @@ def replacing(data: Any, where: str = "manifest") -> Replacing | None:
         raise ManifestError(f"{where} is not a valid replace marker ({REPLACING_FORMAT}): {_problems(error)}") from None
 
 
-def dumps_replacing(key: str, replaced: str) -> str:
-    return json.dumps(Replacing(format=REPLACING_FORMAT, key=key, replaced=replaced).model_dump(), indent=1,
-                      sort_keys=True) + "\n"
+def dumps_replacing(key: str, replaced: str, writer: str | None = None) -> str:
+    return json.dumps(Replacing(format=REPLACING_FORMAT, key=key, replaced=replaced, writer=writer).model_dump(),
+                      indent=1, sort_keys=True) + "\n"
 
 
 def _check_relative(path: str) -> None:

@@ -17,6 +17,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -311,7 +312,7 @@ def upload(client: Any, out_root: Path, uri: str, manifest: am.Manifest, layout_
         if replaced is None:
             raise CompileError(f"an upload over {where} (ETag {manifest_etag}) needs the key of the manifest it "
                                "replaces, for its marker")
-        marker = am.dumps_replacing(manifest.key, replaced)
+        marker = am.dumps_replacing(manifest.key, replaced, uuid.uuid4().hex)
         condition_etag = _put_conditionally(client, bucket, key, marker, manifest_etag, where, manifest_etag)
     shared_files = [rel for rel in manifest.shared if shared or rel.startswith(layout_dir)]
     files = sorted({*shared_files, *(p for n in manifest.nodes for p in n.files)})
