@@ -695,3 +695,20 @@ def test_a_unit_whose_compile_request_exceeds_batchs_payload_limit_is_refused():
     many = fleet.model_copy(update={"unit": fleet.unit.model_copy(update={"nodes": 32})})
     issues = [i for i in compile_job.check_compile_host(many) if i.path == "unit.nodes"]
     assert len(issues) == 1 and "over AWS Batch's SubmitJob payload limit of 30,720" in issues[0].problem
+
+
+def test_a_listed_key_whose_path_is_not_its_text_is_kept(tmp_path) -> None:
+    """The cold review of remove_unlisted (helper-184): `llama/original//params.json` is fetched to
+    `original/params.json`; compared by the key's text, it was removed after every fetch and downloaded again."""
+    from moto import mock_aws
+    from unit_launcher.artifacts import fetch
+
+    with mock_aws():
+        s3 = boto3.client("s3", region_name="us-east-1")
+        s3.create_bucket(Bucket="bkt-review")
+        for key in ("llama/config.json", "llama/original//params.json"):
+            s3.put_object(Bucket="bkt-review", Key=key, Body=b"{}")
+        checkpoint = tmp_path / "checkpoint"
+        fetched = fetch(s3, "s3://bkt-review/llama", checkpoint, keep_checkpoint=True)
+        compile_run.remove_unlisted(checkpoint, fetched.files)
+    assert (checkpoint / "original" / "params.json").is_file(), "the prefix lists it, yet it was removed"

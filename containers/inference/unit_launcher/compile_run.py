@@ -390,7 +390,8 @@ def remove_unlisted(checkpoint: Path, listed: tuple[str, ...]) -> None:
     S3. Only files under `checkpoint` go, the fetch's own record (artifacts.MANIFEST) kept; rglob does
     not enter a linked directory, and unlinking a link leaves its target.
     """
-    keep = {*listed, MANIFEST}
+    # As the fetch writes them (root / relative): a key's text may differ from its path (`a//b` is `a/b`).
+    keep = {(checkpoint / rel).relative_to(checkpoint).as_posix() for rel in (*listed, MANIFEST)}
     for path in sorted(checkpoint.rglob("*")):
         relative = path.relative_to(checkpoint).as_posix()
         if (path.is_symlink() or path.is_file()) and relative not in keep:
