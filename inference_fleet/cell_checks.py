@@ -145,6 +145,12 @@ def check_cells_deployable(fleet: FleetConfig) -> Iterable[ConfigIssue]:
             )
         if cell.certificate_arn and cell.plain_http:
             yield ConfigIssue(f"cells[{i}].plain_http", True, "set either certificate_arn or plain_http, not both")
+        elif cell.internet_facing and cell.plain_http:
+            # A defect hunt (thirty-third session): accepted, the cell was a public ALB with an HTTP:80 listener.
+            yield ConfigIssue(f"cells[{i}].plain_http", True,
+                              "not with internet_facing: a public load balancer serving plain HTTP sends prompts and "
+                              "completions across the internet in clear text; set certificate_arn (and tls_name) "
+                              "instead, or internet_facing: false")
         if cell.tls_name and not cell.certificate_arn:
             yield ConfigIssue(f"cells[{i}].tls_name", cell.tls_name,
                               "only with certificate_arn: a cell without a certificate serves plain HTTP; remove it")

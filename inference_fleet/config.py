@@ -498,7 +498,8 @@ class CellConfig(_Strict):
     )
     plain_http: bool = Field(
         default=False,
-        description="Serve plain HTTP on port 80 without a certificate (prompts cross the VPC in clear text).",
+        description="Serve plain HTTP on port 80 without a certificate (prompts cross the VPC in clear text). Not "
+        "with internet_facing.",
     )
     tls_name: DnsName | None = Field(
         default=None,
