@@ -184,6 +184,22 @@ class StepRecorder:
             self._write()
 
 
+    def failed(self) -> None:
+        """The oldest call in flight raised: it leaves the flight, and its step does not count as completed.
+
+        vLLM's worker loop drops an exception raised on a rank that is not the output rank and reads the next
+        broadcast (v1/executor/multiproc_executor.py, `_execute_worker_rpc`, vLLM 0.32; `worker_busy_loop`,
+        0.16): such a follower goes on heartbeating while the leader waits for it in the step's collective. Counted
+        as completed (as before the thirty-third session), the step bound named the leader's own node as behind and
+        no follower (a defect hunt). A failed sampling call undoes its step's count the same way."""
+        with self._lock:
+            if self._inflight:
+                _, first = self._inflight.pop(0)
+                if not first:
+                    self.completed = max(0, self.completed - 1)
+            self._write()
+
+
 def read_record(path: str | os.PathLike[str]) -> StepState | None:
     """The record at `path`, or None when it does not exist (yet) or is not a record."""
     try:

@@ -36,8 +36,10 @@ class UnitWorker(_Base):  # type: ignore[misc, valid-type]
         recorder.step(scheduler_output_digest(scheduler_output))
         try:
             output = super().execute_model(scheduler_output, *args, **kwargs)
-        finally:
-            recorder.done()
+        except BaseException:
+            recorder.failed()  # not completed: the step bound names this node (StepRecorder.failed)
+            raise
+        recorder.done()
         # Runners that sample inside execute_model return the tokens here; vLLM's split path and
         # vllm-neuron 3afb0a92 (`neuronx_distributed_model_runner.py:697-778`) return None and
         # sample in sample_tokens. An output naming no request is not chained (sampled_output_digest).
@@ -51,8 +53,10 @@ class UnitWorker(_Base):  # type: ignore[misc, valid-type]
         recorder.begin()
         try:
             output = super().sample_tokens(*args, **kwargs)
-        finally:
-            recorder.done()
+        except BaseException:
+            recorder.failed()
+            raise
+        recorder.done()
         _record_output(recorder, output)
         return output
 
