@@ -799,3 +799,23 @@ def test_report_keeps_a_file_that_is_no_report(tmp_path: Path, capsys: pytest.Ca
     assert notes.read_text() == "my notes\n"
     # A .md path would be its own Markdown: refused the same way.
     assert report.write(tmp_path / "x.md")[0] == tmp_path / "x.verify-report.json"
+
+
+def test_7b_not_run_with_every_stream_ended_reports_no_negative_drain_figure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cold review (helper-185): 280b709 said "No negative drain figure": measured was None, but
+    figures.streams_done_s (into the JSON report
+    and the e2e's facts) is still the negative time."""
+    real = checks_faults._leader_with_a_stream
+
+    def late(ctx: Context, streams: checks_faults.Streams) -> Task | None:
+        for t in streams.threads:
+            t.join(5)
+        time.sleep(0.1)
+        return real(ctx, streams)
+
+    monkeypatch.setattr(checks_faults, "_leader_with_a_stream", late)
+    with fake_unit("openai", finish_reason="length") as server:
+        adapter = DrainingCell(server.url, running=two_tasks())
+        result = checks_faults.check_leader_stop(context(server, adapter, max_seq_len=80))
+    assert result.status == "not_run" and result.measured.value is None
+    assert result.figures["streams_done_s"] is None or result.figures["streams_done_s"] >= 0, result.figures

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from inference_fleet.verify.report import Report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,3 +81,26 @@ def test_help_lists_exit_status_6() -> None:
     done = subprocess.run([sys.executable, "-m", "inference_fleet", "verify", "--help"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "6    verify: a check failed on the cell" in done.stdout
+
+
+def test_a_previous_report_that_cannot_be_overwritten_is_refused_before_the_run(tmp_path: Path) -> None:
+    """The cold review of the pre-run check (helper-185): --report names a previous report of the kit (so
+    report_path keeps it) that this user cannot write (another
+    user's, mode 444): the folder takes a new file, so unwritable() passes, the run happens, and the write fails
+    after it: exit 8, the report lost -- the defect 0f1cdc8 fixed, by another path."""
+    folder = tmp_path / "reports"
+    folder.mkdir()
+    Report("dev", "aws", False).write(folder / "out.json")  # the previous run's report
+    (folder / "out.json").chmod(0o444)
+    (folder / "out.md").chmod(0o444)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_EC2_METADATA_DISABLED="true", AWS_CONFIG_FILE=str(tmp_path / "none"),
+               AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"))
+    # As root, drop the capability that ignores file modes (a user's run).
+    prefix = (["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner"]
+              if os.geteuid() == 0 and shutil.which("setpriv") else [])
+    done = subprocess.run([*prefix, sys.executable, "-m", "inference_fleet", "verify", "--config",
+                           str(ROOT / "config" / "default.yaml"), "--cell", "dev",
+                           "--report", str(folder / "out.json")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, (done.returncode, done.stdout[-400:], done.stderr[-400:])

@@ -274,7 +274,8 @@ def check_leader_stop(ctx: Context) -> CheckResult:
     named = sum(r.served_by == leader.unit_id for r in results)  # by the header itself, not the one-unit fallback
     figures = {"unit": leader.unit_id, "leader": leader.task_id, "streams": len(results), "unit_streams": len(own),
                "named_streams": named,
-               "max_tokens": max_tokens, "streams_done_s": round(drain, 1), "followers_stopped_s": stops,
+               "max_tokens": max_tokens, "streams_done_s": round(drain, 1) if drain >= 0 else None,
+               "followers_stopped_s": stops,
                "serving_again_s": None if to_serving is None else round(time.time() - stopped_at, 1)}
     whose = f", {len(own)} of them {leader.unit_id}'s, the last of those" if drained else ", the last"
     when = f"{drain:.1f} s after the stop" if drain >= 0 else f"{-drain:.1f} s before the stop"

@@ -157,6 +157,12 @@ def unwritable(path: Path) -> str | None:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=target.parent):  # the folder takes a new file
             pass
+        # A report of an earlier run is written over in place: it must open for writing too (one left read-only,
+        # or owned by another user, lost this run's report after the run: the cold review, helper-185).
+        for existing in (target, target.with_suffix(".md")):
+            if existing.exists():
+                with existing.open("r+"):  # not truncated: the earlier report stays until the run writes its own
+                    pass
     except OSError as error:
         return f"--report {path}: the report could not be written there: {error}"
     return None
