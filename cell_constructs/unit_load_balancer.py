@@ -8,6 +8,8 @@ each proxy's /health, which is 200 only while the whole unit is up.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from aws_cdk import ArnFormat, Duration, RemovalPolicy, Stack
 from aws_cdk import aws_certificatemanager as acm
 from aws_cdk import aws_ec2 as ec2
@@ -48,14 +50,18 @@ class UnitLoadBalancer(Construct):
         health_check_path: str = HEALTH_CHECK_PATH,
         health_check_port: int | None = None,
         owner: str = "cell",
+        privatelink_accounts: Sequence[str] = (),
     ) -> None:
         """`target_type`, `health_check_path`, `health_check_port` (default: the target port) and `owner`
         (named in acknowledgements) default to the cell's ALB; the cell router's stack passes its own (IP
-        targets: Fargate tasks, `/router/health` on its health listener)."""
+        targets: Fargate tasks, `/router/health` on its health listener). `privatelink_accounts`: the accounts
+        whose interface endpoints reach this ALB through a router endpoint (cell_constructs/router_endpoint.py),
+        named in the acknowledgements that say who reaches it; empty for an ALB no router fronts."""
         super().__init__(scope, construct_id)
         self._encryption_key, self._log_retention = encryption_key, log_retention
         self._target_type, self._health_check_path, self._owner = target_type, health_check_path, owner
         self._health_check_port = health_check_port
+        self._reach = self._who_reaches(sorted(set(privatelink_accounts)))
         self._deletion_protection = deletion_protection
         self.web_acl: wafv2.CfnWebACL | None = None
         self.waf_logs: logs.LogGroup | None = None
@@ -201,12 +207,29 @@ class UnitLoadBalancer(Construct):
                 open=False,
             )
             no_tls = (
-                f"No certificate_arn is configured for this {self._owner}: plain HTTP, reachable only from the "
-                "configured client CIDRs; set certificate_arn to serve HTTPS"
+                f"No certificate_arn is configured for this {self._owner}: plain HTTP, {self._reach}; "
+                "set certificate_arn to serve HTTPS"
             )
             acknowledge(self.load_balancer, ("NIST.800.53.R5-ALBHttpToHttpsRedirection", no_tls))
             acknowledge(listener, ("NIST.800.53.R5-ELBv2ACMCertificateRequired", no_tls))
         return listener
+
+    @staticmethod
+    def _who_reaches(privatelink_accounts: list[str]) -> str:
+        """Who reaches the ALB, for the acknowledgements: the client CIDRs, and any router endpoint's callers."""
+        if not privatelink_accounts:
+            return "reachable only from the configured client CIDRs"
+        # The router endpoint's ingress rule admits the NLB's subnets whatever client_cidrs says, and its
+        # endpoint service (acceptance not required) admits these accounts' roots: any VPC of theirs with an
+        # interface endpoint of the service reaches this ALB (docs/router.md, "Cross-VPC path").
+        accounts = ", ".join(privatelink_accounts)
+        return (
+            "reachable from the configured client CIDRs and, through the router endpoint's PrivateLink "
+            f"endpoint service (acceptance not required), from an interface endpoint in any VPC of account "
+            f"{accounts}, which the service admits: the cell routers' account, this cell's own (a router "
+            "fronts cells of one account), where creating an endpoint takes that account's IAM permission "
+            "(ec2:CreateVpcEndpoint); the routers' internal ALBs admit only their own client CIDRs"
+        )
 
     def _guard(self, internet_facing: bool, client_cidrs: list[str]) -> None:
         """Internet-facing: a web ACL of AWS managed rules; internal: reachable from the client CIDRs only."""
@@ -227,7 +250,7 @@ class UnitLoadBalancer(Construct):
                 self.load_balancer,
                 (
                     "NIST.800.53.R5-ALBWAFEnabled",
-                    "Internal ALB reachable only from the configured client CIDRs (the application tier); "
+                    f"Internal ALB {self._reach} (the application tier); "
                     "AWS managed body-size rules would reject long prompts",
                 ),
             )

@@ -258,6 +258,8 @@ class CellStack(Stack):
             deletion_protection=cell.deletion_protection,
             encryption_key=self.key,
             log_retention=_RETENTION[serving.log_retention_days],
+            # Named in the ALB's acknowledgements: who else reaches it, through the router endpoint.
+            privatelink_accounts=[self.fleet.router_account(r) for r in self.fleet.routers_of(cell)],
         )
         load_balancer.load_balancer.connections.allow_to(
             self.capacity.security_group, ec2.Port.tcp(serving.proxy_port), "ALB to unit proxies"

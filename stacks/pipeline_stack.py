@@ -27,11 +27,14 @@ from __future__ import annotations
 import shlex
 from typing import NamedTuple
 
+import jsii
 from aws_cdk import (
+    Aspects,
     CfnCapabilities,
     DefaultStackSynthesizer,
     Duration,
     Environment,
+    IAspect,
     RemovalPolicy,
     Stack,
     Tags,
@@ -43,7 +46,7 @@ from aws_cdk import aws_iam as iam
 from aws_cdk import aws_kms as kms
 from aws_cdk import aws_logs as logs
 from aws_cdk import aws_s3 as s3
-from constructs import Construct
+from constructs import Construct, IConstruct
 from unit_launcher.artifact_manifest import MANIFEST_NAME
 from unit_launcher.artifacts import split_uri
 
@@ -256,6 +259,7 @@ class PipelineStack(Stack):
         self._harden_replication_buckets()
         self._grant_gate_reads()
         self._set_cross_account_gate_roles()
+        self._scope_replication_key_grants()
         self._acknowledge_generated_policies()
 
     @property
@@ -621,6 +625,29 @@ class PipelineStack(Stack):
                                  f"This bucket is itself the pipeline's artifact copy for cells in {region}; "
                                  "its objects are rebuilt by any pipeline execution"))
 
+    def _replication_keys(self) -> list[str]:
+        """The keys the pipeline role's replication grant covers: every key of this account in each replication
+        region (the support stacks are of this account: the key policies CDK writes admit `<account>:root`)."""
+        return [f"arn:{self.partition}:kms:{region}:{self.account}:key/*"
+                for region in sorted(self.pipeline.cross_region_support)]
+
+    def _scope_replication_key_grants(self) -> None:
+        """CDK grants the pipeline role kms:Decrypt/Encrypt/... on '*' for each replication bucket's key: the
+        key is in another region's stack, so its ARN cannot be referenced (aws-kms key-grants.js, `actions`:
+        a cross-environment grantee gets `resourceArns: ["*"]`; aws-cdk-lib 2.275.0). The rendered policy
+        names this account's keys in the replication regions instead of every key of every account: KMS
+        authorizes a key by its key ARN even when the caller names it by alias, and `key/*` with a region and
+        account is "all KMS keys in the US West (Oregon) Region of an account"
+        (https://docs.aws.amazon.com/kms/latest/developerguide/cmks-in-iam-policies.html).
+
+        Found by the thirty-third session's defect hunt (tests/test_pipeline_stack.py,
+        test_the_pipeline_roles_kms_grant_is_scoped_to_the_replication_regions)."""
+        if not self.pipeline.cross_region_support:
+            return
+        policy = self.pipeline.role.node.find_child("DefaultPolicy")
+        # An aspect: it runs once every action's grant is in the policy, before the template is written.
+        Aspects.of(policy).add(_ScopeKmsWildcard(policy, self._replication_keys()))
+
     # -- policy checks -----------------------------------------------------------------
 
     def _acknowledge_generated_policies(self) -> None:
@@ -679,11 +706,40 @@ class PipelineStack(Stack):
                 f"CDK-generated read/write grant on the pipeline's replication bucket in {region}"))
         # One acknowledgement of Resource::* on the pipeline role, naming each statement that has it.
         on_any = [GATE_READ_FINDING[1]] if any(not self._cross_account(g) for g in self._gates()) else []
-        if self.pipeline.cross_region_support:
-            on_any.append("CDK grants kms:Encrypt/Decrypt on '*' for the replication buckets' keys in other regions, "
-                          "whose ARNs this stack cannot reference; each key's own policy admits only this account")
         if on_any:
             acknowledge(self.pipeline.role, (GATE_READ_FINDING[0], "; ".join(on_any)))
+        for key in self._replication_keys():
+            acknowledge(self.pipeline.role, (f"AwsSolutions-IAM5[Resource::{key}]", self._replication_key_reason(key)))
+
+    def _replication_key_reason(self, keys: str) -> str:
+        """Why the replication grant may cover every key of this account in its region, naming the others."""
+        region = keys.split(":")[3]
+        others = sorted(c.name for c in self.fleet.cells if c.account == self.account and c.region == region)
+        also = (f"it also covers the keys of cells {', '.join(others)} (their key policies delegate to this "
+                "account's root)" if others else "no cell of this fleet has a key there")
+        return (f"CDK-generated kms:Decrypt/Encrypt/GenerateDataKey*/ReEncrypt* for the pipeline's replication "
+                f"bucket key in {region}, whose ARN this stack cannot reference (another region's stack): scoped "
+                f"from '*' to this account's keys in {region}; {also}. The replication key's own policy admits "
+                "this account and, to decrypt, the CDK deploy roles of the cell accounts deploying from it")
+
+
+@jsii.implements(IAspect)
+class _ScopeKmsWildcard:
+    """Rewrites the kms statement on '*' of one policy to name the given key ARNs instead of '*'."""
+
+    def __init__(self, policy: iam.Policy, keys: list[str]) -> None:
+        self.policy, self.keys = policy, keys
+
+    def visit(self, node: IConstruct) -> None:
+        if node.node.path != self.policy.node.default_child.node.path:
+            return
+        rendered = Stack.of(node).resolve(self.policy.document)
+        for statement in rendered["Statement"]:
+            actions = statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]
+            resources = statement["Resource"] if isinstance(statement["Resource"], list) else [statement["Resource"]]
+            if "*" in resources and all(a.startswith("kms:") for a in actions):
+                statement["Resource"] = [*self.keys, *(r for r in resources if r != "*")]
+        node.add_property_override("PolicyDocument", rendered)
 
 
 def _bootstrap_role(scope: Construct, construct_id: str, arn: str) -> iam.IRole:

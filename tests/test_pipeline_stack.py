@@ -713,3 +713,26 @@ def test_the_build_runs_no_target_that_needs_the_test_tools(synth) -> None:
         assert "tools" not in _closure(target, rules), f"make {target} needs `tools` (haproxy 2.6 from bookworm)"
     assert targets[:1] == ["synth"], commands
     assert {"venv", "cli"} <= _closure("synth", rules)
+
+
+def test_the_pipeline_roles_kms_grant_is_scoped_to_the_replication_regions(large_synth) -> None:
+    """CDK grants the pipeline role kms:Decrypt/Encrypt/... on '*' for the replication key in us-west-2 (its ARN
+    is in another region's stack); '*' covered every key whose policy admits account 222222222222, the cell keys
+    of use2-a and use2-b among them, and its reason said 'each key's own policy admits only this account' while
+    the replication key's policy admits 333333333333's deploy role too (found by the thirty-third session's
+    defect hunt). The grant names this account's keys in us-west-2, and its reason says what that covers."""
+    statements = _statements(large_synth.templates[large_synth.fleet.pipeline_stack_name])
+    on_any = [s for s in statements if "*" in _listify(s["Resource"])
+              and any(a.startswith("kms:") for a in _listify(s["Action"]))]
+    assert on_any == []
+    replication = "arn:aws:kms:us-west-2:222222222222:key/*"
+    (grant,) = [s for s in statements if replication in _listify(s["Resource"])]
+    assert {"kms:Decrypt", "kms:Encrypt", "kms:GenerateDataKey*", "kms:ReEncrypt*"} <= set(grant["Action"])
+    artifact = large_synth.stacks[large_synth.fleet.pipeline_stack_name].artifact_id
+    metadata = json.loads((large_synth.outdir / f"{artifact}.metadata.json").read_text())
+    reasons = {rule: reason for entry in metadata["/Rufus-Pipeline/PipelineRole"]
+               if entry["type"] == "aws:cdk:acknowledged-rules" for rule, reason in entry["data"].items()}
+    reason = reasons[f"Annotation::AwsSolutions-IAM5[Resource::{replication}]"]
+    assert "admits only this account" not in reason and "no cell of this fleet has a key there" in reason, reason
+    assert "deploy roles" in reason, reason
+    assert "replication" not in reasons.get("Annotation::AwsSolutions-IAM5[Resource::*]", "")

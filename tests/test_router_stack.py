@@ -407,3 +407,30 @@ def test_the_router_logs_without_blocking(synth_router) -> None:
     (container,) = task["ContainerDefinitions"]
     options = container["LogConfiguration"]["Options"]
     assert options["mode"] == "non-blocking"
+
+
+def _alb_reasons(synth, stack: str) -> dict[str, str]:
+    """The acknowledgements on the cell's ALB and its listener, read from the cloud assembly's metadata."""
+    metadata = json.loads((synth.outdir / f"{synth.stacks[stack].artifact_id}.metadata.json").read_text())
+    return {rule.removeprefix("Annotation::"): reason for path, entries in metadata.items()
+            if path.startswith(f"/{stack}/LoadBalancer/Alb") for entry in entries
+            if entry["type"] == "aws:cdk:acknowledged-rules" for rule, reason in entry["data"].items()}
+
+
+@pytest.mark.parametrize(("cell", "rules"), [
+    ("Rufus-Cell-dev", {"NIST.800.53.R5-ALBWAFEnabled", "NIST.800.53.R5-ALBHttpToHttpsRedirection",
+                        "NIST.800.53.R5-ELBv2ACMCertificateRequired"}),
+    ("Rufus-Cell-prod", {"NIST.800.53.R5-ALBWAFEnabled"}),
+])
+def test_a_fronted_cells_alb_reasons_name_the_privatelink_path(synth_router, cell: str, rules: set[str]) -> None:
+    """A fronted cell's ALB admits the router endpoint NLB's subnets and its endpoint service (acceptance not
+    required) admits account 111111111111: its reasons say so, not 'reachable only from the configured client
+    CIDRs' (found by the thirty-third session's defect hunt); cell solo's, no router in front, still do."""
+    reasons = _alb_reasons(synth_router, cell)
+    assert rules <= reasons.keys(), sorted(reasons)
+    for rule in rules:
+        assert "reachable only from" not in reasons[rule], (rule, reasons[rule])
+        assert "PrivateLink" in reasons[rule] and "account 111111111111" in reasons[rule], (rule, reasons[rule])
+    solo = _alb_reasons(synth_router, "Rufus-Cell-solo")
+    assert "reachable only from the configured client CIDRs" in solo["NIST.800.53.R5-ALBWAFEnabled"]
+    assert "PrivateLink" not in " ".join(solo.values())
