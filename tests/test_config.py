@@ -355,7 +355,8 @@ def test_a_triton_fleet_refuses_tritons_metrics_port_on_the_serving_field(raw: d
     issue = serving_port_issue(raw, frontend="triton", **{field: 8002})
     assert issue.path == f"serving.{field}"
     assert "Triton's metrics listener" in issue.problem
-    assert "allowed: 1024 to 32767 or 61000 to 65535, except 2375-2376, 8002, 8081, 51678-51680 (with frontend triton)" in issue.problem
+    assert ("allowed: 1024 to 32767 or 61000 to 65535, except 2375-2376, 8002, 8081, 51678-51680 (with frontend "
+            "triton)" in issue.problem)
     raw["serving"]["frontend"] = "openai"
     assert getattr(parse_fleet(raw, "test").serving, field) == 8002
 
@@ -392,7 +393,8 @@ def test_a_serving_port_on_the_proxys_admin_port_is_refused(raw: dict, field: st
     issue = serving_port_issue(raw, **{field: 8081})
     assert issue.path == f"serving.{field}"
     assert "the unit proxy's admin listener" in issue.problem
-    assert "allowed: 1024 to 32767 or 61000 to 65535, except 2375-2376, 8081, 51678-51680 (with frontend openai)" in issue.problem
+    assert ("allowed: 1024 to 32767 or 61000 to 65535, except 2375-2376, 8081, 51678-51680 (with frontend openai)"
+            in issue.problem)
 
 
 def test_the_proxy_admin_port_on_the_list_is_the_one_every_proxy_listens_on(raw: dict) -> None:
