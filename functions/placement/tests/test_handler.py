@@ -676,12 +676,8 @@ def test_a_host_failing_a_third_time_is_quarantined_and_its_unit_gets_the_neares
     cell.describe([s])
     reason = f"3 unit failures in 60 min: last member_engine_exit of u0 at {NOW - 5}"
     expect_quarantine(cell, "i-0b", f"{NOW - 5} {NOW - 100} {NOW - 900}", reason, *put("i-0s", "u0", "topology"))
-    spare_task = f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/5pare"
     spare_tasks(cell, {"5pare": "i-0s", "5pare2": "i-0t"})  # the far spare's task stays
-    cell.ecs.add_response(
-        "stop_task", {"task": {"taskArn": spare_task}},
-        {"cluster": CLUSTER, "task": spare_task, "reason": "placement controller: this spare now belongs to a unit"},
-    )
+    spare_task = stop_spare_task(cell, "5pare")
     cell.autoscaling.add_response(
         "set_instance_health", {},
         {"InstanceId": "i-0b", "HealthStatus": "Unhealthy", "ShouldRespectGracePeriod": False},
@@ -718,6 +714,16 @@ def spare_tasks(cell: Cell, where: dict[str, str]) -> None:
                               {"cluster": CLUSTER, "tasks": [t["taskArn"] for t in tasks]})
 
 
+def stop_spare_task(cell: Cell, task: str) -> str:
+    """The StopTask of the spare task `task` (its id) on an instance a unit took; returns its ARN."""
+    task_arn = f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/{task}"
+    cell.ecs.add_response(
+        "stop_task", {"task": {"taskArn": task_arn}},
+        {"cluster": CLUSTER, "task": task_arn, "reason": "placement controller: this spare now belongs to a unit"},
+    )
+    return task_arn
+
+
 def quarantined_tasks(cell: Cell, instance: str, tasks: list[str]) -> None:
     """The stop of the tasks still running on an instance in quarantine: ListTasks of its container
     instance (desired RUNNING), then StopTask of each."""
@@ -746,11 +752,7 @@ def test_a_spare_task_left_on_an_instance_a_unit_took_is_stopped_by_a_later_run(
     cell.containers([a, s, t])
     cell.topology(["i-0a", "i-0s", "i-0t"], [topo(i, "t", "m1", "b1") for i in ("i-0a", "i-0s", "i-0t")])
     spare_tasks(cell, {"5pare": "i-0s", "5pare2": "i-0t"})
-    stray = f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/5pare"
-    cell.ecs.add_response(
-        "stop_task", {"task": {"taskArn": stray}},
-        {"cluster": CLUSTER, "task": stray, "reason": "placement controller: this spare now belongs to a unit"},
-    )
+    stray = stop_spare_task(cell, "5pare")
     summary = cell.run({"source": "aws.events", "detail-type": "Scheduled Event"}, settings=SPARE_SETTINGS)
     assert summary["spare_tasks_stopped"] == [stray]
     assert summary["units"]["u0"]["instances"] == ["i-0a", "i-0s"] and summary["spares"] == ["i-0t"]
@@ -1828,10 +1830,6 @@ def test_a_unit_that_lost_a_node_gets_the_spare_with_the_model_cached_not_a_near
     labels = put("i-0t", "u0", "topology")
     cell.ecs.add_response("put_attributes", {"attributes": labels}, {"cluster": CLUSTER, "attributes": labels})
     spare_tasks(cell, {"5pare": "i-0s", "5pare2": "i-0t"})
-    warm_task = f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/5pare2"
-    cell.ecs.add_response(
-        "stop_task", {"task": {"taskArn": warm_task}},
-        {"cluster": CLUSTER, "task": warm_task, "reason": "placement controller: this spare now belongs to a unit"},
-    )
+    warm_task = stop_spare_task(cell, "5pare2")
     summary = cell.run({"source": "aws.events", "detail-type": "Scheduled Event"}, settings=settings)
-    assert summary["spares_assigned"] == {"i-0t": "u0"}
+    assert summary["spares_assigned"] == {"i-0t": "u0"} and summary["spare_tasks_stopped"] == [warm_task]
