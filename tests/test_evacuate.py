@@ -511,3 +511,16 @@ async def test_evacuate_wait_against_a_router_process_and_a_local_ssm(
         await router.wait()
         for runner in runners:
             await runner.cleanup()
+
+
+def test_the_timeout_default_is_the_routers_hard_stop_and_a_minute_as_the_pipeline_waits() -> None:
+    """The help said "the router's 905 s hard stop and a minute" and the pipeline waits WAIT_SECONDS (965 s); the
+    default was 960 (a defect hunt's nit, thirty-third session)."""
+    import argparse
+
+    from inference_fleet import evacuate
+    from stacks.evacuation import WAIT_SECONDS
+
+    parser = argparse.ArgumentParser()
+    evacuate.add_arguments(parser)
+    assert parser.parse_args(["--cell", "dev"]).timeout == WAIT_SECONDS == 965
