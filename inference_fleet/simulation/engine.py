@@ -501,6 +501,9 @@ class Cell:
             return
         task.state = "RUNNING"
         if task.role == "spare":
+            # As the spare role (unit_launcher/spare.py): `spare_fetching` at start, `spare_ready` once cached.
+            self.log_line({"event": "spare_fetching", "task_id": task.arn.rsplit("/", 1)[-1],
+                           "time": self.wall(task.inst)})
             fetch = 0.0 if task.inst.cached else self.vary("fetch_per_node")
             self.after(fetch, self._spare_ready, task)
         elif task.role == "leader":
