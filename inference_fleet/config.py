@@ -176,7 +176,11 @@ class ModelConfig(_Strict):
     """The model every unit serves, and the shape facts the planner needs."""
 
     name: Annotated[str, StringConstraints(min_length=1, max_length=200)] = Field(
-        description="Served model name (the `model` of OpenAI requests), e.g. meta-llama/Llama-3.1-70B-Instruct."
+        description="Served model name (the `model` of OpenAI requests), e.g. meta-llama/Llama-3.1-70B-Instruct. "
+        "Not starting with '.': the node's copy is `/opt/models/NAME`, NAME with '/' as '--'. With "
+        "serving.frontend: triton its last path part is the Triton model's name and directory "
+        "(Llama-3.1-70B-Instruct): 1 to 255 ASCII letters, digits, '.', '_' and '-', not starting with '.' or '-' "
+        "(checked on load)."
     )
     artifacts_s3_uri: Annotated[str, StringConstraints(pattern=r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$")] = (
         Field(description="S3 prefix holding weights and Neuron-compiled artifacts, s3://bucket/prefix/.")
