@@ -39,7 +39,7 @@ from cell_constructs.unit_autoscaler import UnitAutoscaler
 from cell_constructs.unit_load_balancer import UnitLoadBalancer
 from cell_constructs.verifier_access import VerifierAccess
 from inference_fleet.cell_checks import SIGNAL_WAIT_LIMIT_SECONDS, start_deadline_seconds
-from inference_fleet.config import CellConfig, FleetConfig
+from inference_fleet.config import CellConfig, FleetConfig, ServingConfig
 from inference_fleet.unit_spec import (
     build_unit_spec,
     container_environment,
@@ -89,6 +89,33 @@ def proxy_metrics_namespace(fleet: FleetConfig) -> str:
 def node_metrics_namespace(fleet: FleetConfig) -> str:
     """Where a node whose setup failed reports NodeSetupFailed (cell_constructs/node_setup.sh)."""
     return f"{fleet.name}/Node"
+
+
+# The unit proxy's idle and silence limits sit this far above the ALB's idle timeout (as the proxy's
+# 905 s default above the ALB's default 900 s, and the router's timeouts above its cells' ALBs:
+# router_stack.TIMEOUT_MARGIN_SECONDS), so the ALB, not the proxy, ends an idle or silent connection.
+PROXY_IDLE_MARGIN_SECONDS = 5
+
+
+def proxy_idle_timeouts(serving: ServingConfig) -> dict[str, str]:
+    """The proxy's KEEPALIVE_TIMEOUT_SECONDS and UPSTREAM_READ_TIMEOUT_SECONDS from the ALB's idle timeout.
+
+    Keep-alive: AWS advises to "configure the idle timeout of your application to be larger than the
+    idle timeout configured for the load balancer", else the ALB may send a request on a connection the
+    target is closing and answer 502
+    (https://docs.aws.amazon.com/elasticloadbalancing/latest/application/edit-load-balancer-attributes.html#connection-idle-timeout);
+    HAProxy's `timeout client`, the larger of this and WRITE_TIMEOUT_SECONDS, follows it
+    (unit_proxy/haproxy_config.client_timeout). The proxy's 905 s default was left in place whatever
+    `alb_idle_timeout_seconds` (up to 4000 s) said.
+
+    Engine silence: the fleet lets a non-streamed completion take up to the idle timeout
+    (cell_checks.check_alarm_defaults, the target-response-p99 gate), and vLLM sends such an answer
+    whole, so the engine is silent all along; the proxy's 600 s default answered 504 to longer ones. The
+    ALB cuts a connection silent for its idle timeout anyway, so a limit just above it cuts nothing the
+    ALB would have let through; the SSE first-byte wait (`time` = this + 1 s) stays above `timeout server`.
+    """
+    limit = serving.alb_idle_timeout_seconds + PROXY_IDLE_MARGIN_SECONDS
+    return {"KEEPALIVE_TIMEOUT_SECONDS": str(limit), "UPSTREAM_READ_TIMEOUT_SECONDS": str(limit)}
 
 
 
@@ -368,6 +395,9 @@ class CellStack(Stack):
             "METRICS_NAMESPACE": proxy_metrics_namespace(fleet),
             "CELL": cell.name,
             "UNIT_ID": unit_id,
+            # Above the ALB's idle timeout: no 502 on an idle connection, no 504 on a completion the
+            # fleet allows (proxy_idle_timeouts).
+            **proxy_idle_timeouts(serving),
         }
         return MultiNodeInferenceUnit(
             self, f"Unit{index}",
