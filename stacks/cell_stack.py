@@ -28,7 +28,13 @@ from cell_constructs.cell_alarms import CellAlarms
 from cell_constructs.deletion_protection import protect_after
 from cell_constructs.encryption import allow_cloudwatch_logs, artifacts_key_statement
 from cell_constructs.gate_reader import PipelineTrust
-from cell_constructs.inference_unit import MultiNodeInferenceUnit, UnitImages, UnitPorts
+from cell_constructs.inference_unit import (
+    ENGINE_STOP_TIMEOUT,
+    MultiNodeInferenceUnit,
+    UnitImages,
+    UnitPorts,
+    follower_release_bound,
+)
 from cell_constructs.nag import acknowledge
 from cell_constructs.network import CellNetwork
 from cell_constructs.router_endpoint import RouterEndpoint
@@ -116,6 +122,32 @@ def proxy_idle_timeouts(serving: ServingConfig) -> dict[str, str]:
     """
     limit = serving.alb_idle_timeout_seconds + PROXY_IDLE_MARGIN_SECONDS
     return {"KEEPALIVE_TIMEOUT_SECONDS": str(limit), "UPSTREAM_READ_TIMEOUT_SECONDS": str(limit)}
+
+
+def update_outage_seconds(fleet: FleetConfig) -> tuple[int, int, int]:
+    """A one-unit cell's 503s during an update of its unit: (at least, old tasks' stop at most, at most), in s.
+
+    From the start of the leader's target's drain until the new unit serves: ECS waits the
+    deregistration delay before it sends SIGTERM (the figures assume the whole delay, even for an idle
+    target: unverified, docs/cell-lifecycle.md "The leader's stop budget"); then the old tasks stop,
+    and the new ones wait on the same instances until they have (host ports and memory reservations
+    collide: "Follower stop"). The leader's proxy keeps its admission window even with nothing to
+    drain, at most its stop timeout, then the engine has ENGINE_STOP_TIMEOUT; a follower is released
+    at most `follower_release_bound` after its stop began, then its engine has ENGINE_STOP_TIMEOUT.
+    The new unit then has its start-up budget. The least leaves out the new unit's start-up.
+    """
+    serving = fleet.serving
+    delay = serving.unit_deregistration_delay_seconds
+    engine_stop = int(ENGINE_STOP_TIMEOUT.to_seconds())
+    stop = serving.proxy_drain_bound_seconds + engine_stop
+    if fleet.unit.nodes > 1:
+        release = follower_release_bound(
+            deregistration_delay=Duration.seconds(delay),
+            leader_drain=Duration.seconds(serving.proxy_drain_bound_seconds),
+            follower_loss=Duration.seconds(serving.follower_loss_seconds),
+        )
+        stop = max(stop, int(release.to_seconds()) + engine_stop - delay)
+    return delay + serving.admission_window_seconds, stop, delay + stop + serving.startup_budget_seconds
 
 
 
@@ -509,12 +541,16 @@ class CellStack(Stack):
         if cell.resolved_min_units != 1:
             return
         at_one = "has one unit" if not cell.elastic else "can be at one unit (min_units: 1)"
+        least, stop, most = update_outage_seconds(self.fleet)
         Annotations.of(self).add_warning_v2(
             "inference-fleet:one-unit-cell-update-outage",
             f"Cell {cell.name} {at_one}: every update of its unit's tasks (a new image, model, layout or "
-            f"environment) stops the unit before its new tasks start, so clients get 503 for up to the "
-            f"deregistration delay plus the start-up budget ({serving.unit_deregistration_delay_seconds} s + "
-            f"{serving.startup_budget_seconds} s). This planned outage is not rolled back: the cell's 5xx alarm "
+            f"environment) stops the unit before its new tasks start, so clients get 503 from the drain of its "
+            f"target until the new unit serves: at least {least} s plus the new unit's start-up (the "
+            f"{serving.unit_deregistration_delay_seconds} s deregistration delay, then the old proxy's "
+            f"{serving.admission_window_seconds} s admission window), at most {most} s (the delay, the old tasks' "
+            f"stop, up to {stop} s, and the {serving.startup_budget_seconds} s start-up budget). "
+            "This planned outage is not rolled back: the cell's 5xx alarm "
             "counts only minutes with a healthy unit. For updates without an outage give the cell 2 units or "
             "more (units, or min_units when elastic); see docs/cell-lifecycle.md, \"One-unit cells\".",
         )
