@@ -712,7 +712,11 @@ class ServingConfig(_Strict):
         description="Neuron runtime root communicator (NEURON_RT_ROOT_COMM_ID)." + _PORT_RULE,
     )
     alb_idle_timeout_seconds: int = Field(
-        default=900, ge=60, le=4000, description="ALB idle timeout; longer than any silent gap in a stream."
+        default=900, ge=60, le=4000,
+        description="ALB idle timeout; longer than any silent gap in a stream, and the longest a non-streamed "
+        "completion may take. The cell stack sets the unit proxies' KEEPALIVE_TIMEOUT_SECONDS and "
+        "UPSTREAM_READ_TIMEOUT_SECONDS 5 s above it, so the ALB ends an idle or silent connection first "
+        "(docs/proxy.md, \"Timeouts behind the cell's ALB\").",
     )
     health_check_grace_seconds: int = Field(
         default=2400,

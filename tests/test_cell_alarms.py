@@ -468,6 +468,34 @@ def test_a_one_unit_cell_says_at_synth_that_its_updates_are_outages(synth_defaul
         assert not [w for w in _synth_warnings(synth_large, name) if "one unit" in w], name
 
 
+def test_the_one_unit_outage_warning_counts_the_old_tasks_stop(synth_default) -> None:
+    """After the deregistration delay the old leader's proxy still stops (its admission window even with no
+    stream, up to its stop timeout) and then its engine (ENGINE_STOP_TIMEOUT); a follower is released at most
+    `follower_release_bound` after its stop began, then its engine stops; the new unit tasks wait on the same
+    instances until the old ones have stopped (docs/cell-lifecycle.md, "Follower stop"). Defect (thirty-fourth
+    session's hunt): the warning said "for up to the deregistration delay plus the start-up budget", leaving
+    the old tasks' stop out."""
+    from cell_constructs.inference_unit import ENGINE_STOP_TIMEOUT, follower_release_bound
+
+    fleet = synth_default.fleet
+    serving = fleet.serving
+    (text,) = [w for w in _synth_warnings(synth_default, "Rufus-Cell-dev") if w.startswith("Cell dev has one unit")]
+    delay, engine_stop = serving.unit_deregistration_delay_seconds, ENGINE_STOP_TIMEOUT.to_seconds()
+    leader_stop = serving.proxy_drain_bound_seconds + engine_stop
+    release = follower_release_bound(
+        deregistration_delay=Duration.seconds(delay), leader_drain=Duration.seconds(serving.proxy_drain_bound_seconds),
+        follower_loss=Duration.seconds(serving.follower_loss_seconds),
+    ).to_seconds()
+    assert fleet.unit.nodes > 1  # the default unit has a follower, whose stop ends last
+    old_stop = max(leader_stop, release + engine_stop - delay)
+    least = delay + serving.admission_window_seconds
+    most = delay + old_stop + serving.startup_budget_seconds
+    stated = re.search(r"at least (\d+) s plus the new unit's start-up .* at most (\d+) s", text)
+    assert stated, f"the warning gives no range that counts the old tasks' stop ({least} s to {most:g} s): {text!r}"
+    assert (int(stated[1]), int(stated[2])) == (least, most), text
+    assert f"up to {old_stop:g} s" in text, text
+
+
 @pytest.mark.parametrize("stack_name", LARGE_STACKS)
 def test_percentile_alarms_evaluate_few_samples_and_gate_only_the_rollout(synth_large, stack_name: str) -> None:
     """A p99 over fewer than 1000 samples a minute is about their maximum: as an ECS deployment alarm,
