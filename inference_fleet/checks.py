@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from unit_launcher.spec import triton_model_name_problem
+
 from inference_fleet.catalogue import CATALOGUE
 from inference_fleet.cell_checks import (
     check_alarm_defaults,
@@ -56,6 +58,7 @@ from inference_fleet.planner.fit import check_fit
 from inference_fleet.rollout import check_wave_sizes
 from inference_fleet.router_checks import check_pipeline_evacuation, check_routers
 from inference_fleet.subnets import ALB_SUBNET_MAX_PREFIX, subnet_layout
+from inference_fleet.unit_spec import MODEL_CACHE_PATH
 
 FleetCheck = Callable[[FleetConfig], Iterable[ConfigIssue]]
 
@@ -411,6 +414,25 @@ def _gate_prefix_issues(fleet: FleetConfig) -> Iterable[ConfigIssue]:
                 )
 
 
+def _check_model_name(fleet: FleetConfig) -> Iterable[ConfigIssue]:
+    """model.name names folders on the nodes: the model's copy in the cache (unit_spec.build_unit_spec: '/' as '--')
+    on every front end, and with Triton the model's directory in Triton's model repository (its last path part,
+    unit_launcher.spec.triton_model_for). A name that is no folder of its own there is refused here, before synth;
+    the launcher's spec refuses a bad Triton name too, so such a unit would never form after a deploy."""
+    name = fleet.model.name
+    if name.startswith("."):
+        folder = name.replace("/", "--")
+        what = {".": "the model cache itself", "..": "the cache's parent, off the cache volume"}.get(
+            folder, "a hidden entry beside the cache's own (.instance-store, .unit-state)")
+        yield ConfigIssue(
+            "model.name", name,
+            f"starts with '.': the node's copy of the model, {MODEL_CACHE_PATH}/{folder}, would be {what}; "
+            "allowed: a name that starts with a letter, digit or '_', e.g. meta-llama/Llama-3.1-8B-Instruct",
+        )
+    elif fleet.serving.frontend == "triton" and (problem := triton_model_name_problem(name)):
+        yield ConfigIssue("model.name", name, f"with serving.frontend: triton {problem}")
+
+
 def _check_verify_gate(fleet: FleetConfig) -> Iterable[ConfigIssue]:
     """The gate is a CodeBuild project of the pipeline's account in the canary's VPC, found through an
     SSM parameter: both regional and of one account (stacks/verify_gate.py). Either front end may be
@@ -501,7 +523,8 @@ def _check_frontend(fleet: FleetConfig) -> Iterable[ConfigIssue]:
 # The order is the order of the messages: the fleet's own rules, then the planner's, then the pipeline's,
 # then whether each cell can be deployed and run on AWS (inference_fleet.cell_checks).
 CHECKS: tuple[FleetCheck, ...] = (
-    _check_model, _check_unit, _check_cells, _check_waves, _check_verify_gate, _check_serving, _check_frontend,
+    _check_model, _check_model_name, _check_unit, _check_cells, _check_waves, _check_verify_gate, _check_serving,
+    _check_frontend,
     check_wave_sizes,
     check_cells_deployable, check_startup_budget, check_alarm_defaults, check_quarantine,
     check_spares_in_fixed_cells, check_efa_installer_pin, check_routers, check_pipeline_evacuation,

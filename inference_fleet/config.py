@@ -176,7 +176,11 @@ class ModelConfig(_Strict):
     """The model every unit serves, and the shape facts the planner needs."""
 
     name: Annotated[str, StringConstraints(min_length=1, max_length=200)] = Field(
-        description="Served model name (the `model` of OpenAI requests), e.g. meta-llama/Llama-3.1-70B-Instruct."
+        description="Served model name (the `model` of OpenAI requests), e.g. meta-llama/Llama-3.1-70B-Instruct. "
+        "Not starting with '.': the node's copy is `/opt/models/NAME`, NAME with '/' as '--'. With "
+        "serving.frontend: triton its last path part is the Triton model's name and directory "
+        "(Llama-3.1-70B-Instruct): 1 to 255 ASCII letters, digits, '.', '_' and '-', not starting with '.' or '-' "
+        "(checked on load)."
     )
     artifacts_s3_uri: Annotated[str, StringConstraints(pattern=r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$")] = (
         Field(description="S3 prefix holding weights and Neuron-compiled artifacts, s3://bucket/prefix/.")
@@ -708,7 +712,11 @@ class ServingConfig(_Strict):
         description="Neuron runtime root communicator (NEURON_RT_ROOT_COMM_ID)." + _PORT_RULE,
     )
     alb_idle_timeout_seconds: int = Field(
-        default=900, ge=60, le=4000, description="ALB idle timeout; longer than any silent gap in a stream."
+        default=900, ge=60, le=4000,
+        description="ALB idle timeout; longer than any silent gap in a stream, and the longest a non-streamed "
+        "completion may take. The cell stack sets the unit proxies' KEEPALIVE_TIMEOUT_SECONDS and "
+        "UPSTREAM_READ_TIMEOUT_SECONDS 5 s above it, so the ALB ends an idle or silent connection first "
+        "(docs/proxy.md, \"Timeouts behind the cell's ALB\").",
     )
     health_check_grace_seconds: int = Field(
         default=2400,

@@ -28,7 +28,13 @@ from cell_constructs.cell_alarms import CellAlarms
 from cell_constructs.deletion_protection import protect_after
 from cell_constructs.encryption import allow_cloudwatch_logs, artifacts_key_statement
 from cell_constructs.gate_reader import PipelineTrust
-from cell_constructs.inference_unit import MultiNodeInferenceUnit, UnitImages, UnitPorts
+from cell_constructs.inference_unit import (
+    ENGINE_STOP_TIMEOUT,
+    MultiNodeInferenceUnit,
+    UnitImages,
+    UnitPorts,
+    follower_release_bound,
+)
 from cell_constructs.nag import acknowledge
 from cell_constructs.network import CellNetwork
 from cell_constructs.router_endpoint import RouterEndpoint
@@ -39,7 +45,7 @@ from cell_constructs.unit_autoscaler import UnitAutoscaler
 from cell_constructs.unit_load_balancer import UnitLoadBalancer
 from cell_constructs.verifier_access import VerifierAccess
 from inference_fleet.cell_checks import SIGNAL_WAIT_LIMIT_SECONDS, start_deadline_seconds
-from inference_fleet.config import CellConfig, FleetConfig
+from inference_fleet.config import CellConfig, FleetConfig, ServingConfig
 from inference_fleet.unit_spec import (
     build_unit_spec,
     container_environment,
@@ -89,6 +95,59 @@ def proxy_metrics_namespace(fleet: FleetConfig) -> str:
 def node_metrics_namespace(fleet: FleetConfig) -> str:
     """Where a node whose setup failed reports NodeSetupFailed (cell_constructs/node_setup.sh)."""
     return f"{fleet.name}/Node"
+
+
+# The unit proxy's idle and silence limits sit this far above the ALB's idle timeout (as the proxy's
+# 905 s default above the ALB's default 900 s, and the router's timeouts above its cells' ALBs:
+# router_stack.TIMEOUT_MARGIN_SECONDS), so the ALB, not the proxy, ends an idle or silent connection.
+PROXY_IDLE_MARGIN_SECONDS = 5
+
+
+def proxy_idle_timeouts(serving: ServingConfig) -> dict[str, str]:
+    """The proxy's KEEPALIVE_TIMEOUT_SECONDS and UPSTREAM_READ_TIMEOUT_SECONDS from the ALB's idle timeout.
+
+    Keep-alive: AWS advises to "configure the idle timeout of your application to be larger than the
+    idle timeout configured for the load balancer", else the ALB may send a request on a connection the
+    target is closing and answer 502
+    (https://docs.aws.amazon.com/elasticloadbalancing/latest/application/edit-load-balancer-attributes.html#connection-idle-timeout);
+    HAProxy's `timeout client`, the larger of this and WRITE_TIMEOUT_SECONDS, follows it
+    (unit_proxy/haproxy_config.client_timeout). The proxy's 905 s default was left in place whatever
+    `alb_idle_timeout_seconds` (up to 4000 s) said.
+
+    Engine silence: the fleet lets a non-streamed completion take up to the idle timeout
+    (cell_checks.check_alarm_defaults, the target-response-p99 gate), and vLLM sends such an answer
+    whole, so the engine is silent all along; the proxy's 600 s default answered 504 to longer ones. The
+    ALB cuts a connection silent for its idle timeout anyway, so a limit just above it cuts nothing the
+    ALB would have let through; the SSE first-byte wait (`time` = this + 1 s) stays above `timeout server`.
+    """
+    limit = serving.alb_idle_timeout_seconds + PROXY_IDLE_MARGIN_SECONDS
+    return {"KEEPALIVE_TIMEOUT_SECONDS": str(limit), "UPSTREAM_READ_TIMEOUT_SECONDS": str(limit)}
+
+
+def update_outage_seconds(fleet: FleetConfig) -> tuple[int, int, int]:
+    """A one-unit cell's 503s during an update of its unit: (at least, old tasks' stop at most, at most), in s.
+
+    From the start of the leader's target's drain until the new unit serves: ECS waits the
+    deregistration delay before it sends SIGTERM (the figures assume the whole delay, even for an idle
+    target: unverified, docs/cell-lifecycle.md "The leader's stop budget"); then the old tasks stop,
+    and the new ones wait on the same instances until they have (host ports and memory reservations
+    collide: "Follower stop"). The leader's proxy keeps its admission window even with nothing to
+    drain, at most its stop timeout, then the engine has ENGINE_STOP_TIMEOUT; a follower is released
+    at most `follower_release_bound` after its stop began, then its engine has ENGINE_STOP_TIMEOUT.
+    The new unit then has its start-up budget. The least leaves out the new unit's start-up.
+    """
+    serving = fleet.serving
+    delay = serving.unit_deregistration_delay_seconds
+    engine_stop = int(ENGINE_STOP_TIMEOUT.to_seconds())
+    stop = serving.proxy_drain_bound_seconds + engine_stop
+    if fleet.unit.nodes > 1:
+        release = follower_release_bound(
+            deregistration_delay=Duration.seconds(delay),
+            leader_drain=Duration.seconds(serving.proxy_drain_bound_seconds),
+            follower_loss=Duration.seconds(serving.follower_loss_seconds),
+        )
+        stop = max(stop, int(release.to_seconds()) + engine_stop - delay)
+    return delay + serving.admission_window_seconds, stop, delay + stop + serving.startup_budget_seconds
 
 
 
@@ -368,6 +427,9 @@ class CellStack(Stack):
             "METRICS_NAMESPACE": proxy_metrics_namespace(fleet),
             "CELL": cell.name,
             "UNIT_ID": unit_id,
+            # Above the ALB's idle timeout: no 502 on an idle connection, no 504 on a completion the
+            # fleet allows (proxy_idle_timeouts).
+            **proxy_idle_timeouts(serving),
         }
         return MultiNodeInferenceUnit(
             self, f"Unit{index}",
@@ -479,12 +541,16 @@ class CellStack(Stack):
         if cell.resolved_min_units != 1:
             return
         at_one = "has one unit" if not cell.elastic else "can be at one unit (min_units: 1)"
+        least, stop, most = update_outage_seconds(self.fleet)
         Annotations.of(self).add_warning_v2(
             "inference-fleet:one-unit-cell-update-outage",
             f"Cell {cell.name} {at_one}: every update of its unit's tasks (a new image, model, layout or "
-            f"environment) stops the unit before its new tasks start, so clients get 503 for up to the "
-            f"deregistration delay plus the start-up budget ({serving.unit_deregistration_delay_seconds} s + "
-            f"{serving.startup_budget_seconds} s). This planned outage is not rolled back: the cell's 5xx alarm "
+            f"environment) stops the unit before its new tasks start, so clients get 503 from the drain of its "
+            f"target until the new unit serves: at least {least} s plus the new unit's start-up (the "
+            f"{serving.unit_deregistration_delay_seconds} s deregistration delay, then the old proxy's "
+            f"{serving.admission_window_seconds} s admission window), at most {most} s (the delay, the old tasks' "
+            f"stop, up to {stop} s, and the {serving.startup_budget_seconds} s start-up budget). "
+            "This planned outage is not rolled back: the cell's 5xx alarm "
             "counts only minutes with a healthy unit. For updates without an outage give the cell 2 units or "
             "more (units, or min_units when elastic); see docs/cell-lifecycle.md, \"One-unit cells\".",
         )

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 from aws_cdk.assertions import Match, Template
+from unit_proxy.haproxy_config import client_timeout, first_byte_wait
+from unit_proxy.settings import Settings
 
 from cell_constructs.trainium_capacity import efa_network_interfaces
 from inference_fleet.catalogue import CATALOGUE
+from inference_fleet.checks import parse_fleet
+from inference_fleet.config import read_fleet_file
 
 LARGE_STACKS = ["Rufus-Cell-use2-a", "Rufus-Cell-use2-b", "Rufus-Cell-usw2-a"]
 
@@ -229,6 +234,58 @@ def test_load_balancer_is_internal_with_streaming_settings(synth_large) -> None:
     assert group_attributes["load_balancing.algorithm.type"] == "least_outstanding_requests"
     # A leader's streams get the delay: drain_timeout_seconds (tests/test_leader_stop.py).
     assert group_attributes["deregistration_delay.timeout_seconds"] == "600"
+
+
+def _alb_idle_and_proxy_settings(template: Template) -> tuple[int, Settings]:
+    """The cell ALB's idle timeout and the settings its leaders' proxies read from their environment."""
+    alb = only(template, "AWS::ElasticLoadBalancingV2::LoadBalancer")["Properties"]
+    idle = int({a["Key"]: a["Value"] for a in alb["LoadBalancerAttributes"]}["idle_timeout.timeout_seconds"])
+    tasks = [t for k, t in resources(template, "AWS::ECS::TaskDefinition").items() if "LeaderTask" in k]
+    proxies = [c for t in tasks for c in t["Properties"]["ContainerDefinitions"] if c["Name"] == "proxy"]
+    assert proxies, "no leader proxy"
+    envs = [{e["Name"]: e["Value"] for e in c.get("Environment", [])} for c in proxies]
+    timeouts = {(e.get("KEEPALIVE_TIMEOUT_SECONDS"), e.get("UPSTREAM_READ_TIMEOUT_SECONDS")) for e in envs}
+    assert len(timeouts) == 1, f"the units' proxies differ in their timeouts: {timeouts}"
+    return idle, Settings.from_env(envs[0])
+
+
+@pytest.mark.parametrize("idle", [60, 1800, 4000])
+def test_the_proxys_keepalive_outlasts_the_albs_idle_timeout(idle: int, synth) -> None:
+    """The fleet accepts serving.alb_idle_timeout_seconds of 60-4000 s and the ALB gets it. AWS: "configure the
+    idle timeout of your application to be larger than the idle timeout configured for the load balancer.
+    Otherwise ... the load balancer sends an HTTP 502" (ALB guide, "Edit attributes", Connection idle
+    timeout). Defect (thirty-fourth session's hunt): the stack never set KEEPALIVE_TIMEOUT_SECONDS, so the
+    proxy kept its 905 s default (HAProxy's `timeout http-keep-alive` and `timeout client`) under a longer
+    idle timeout."""
+    raw, _ = read_fleet_file(None)
+    raw = copy.deepcopy(raw)
+    raw.setdefault("serving", {})["alb_idle_timeout_seconds"] = idle
+    result = synth(parse_fleet(raw), pinned=True)
+    alb_idle, settings = _alb_idle_and_proxy_settings(result.templates["Rufus-Cell-dev"])
+    assert alb_idle == idle
+    assert settings.keepalive_timeout_seconds > alb_idle and client_timeout(settings) > alb_idle, (
+        f"the ALB keeps idle target connections {alb_idle} s, the proxy's HAProxy closes them after "
+        f"{settings.keepalive_timeout_seconds:g} s (timeout http-keep-alive) / {client_timeout(settings):g} s "
+        "(timeout client): the ALB can send a request on a connection the proxy is closing -> 502"
+    )
+
+
+@pytest.mark.parametrize("fleet", ["synth_default", "synth_large"])
+def test_a_non_streamed_completion_may_take_the_albs_idle_timeout(fleet: str, request) -> None:
+    """The fleet's contract (cell_checks.check_alarm_defaults, the target-response-p99 gate): a normal
+    non-streamed completion may take up to serving.alb_idle_timeout_seconds, and vLLM sends it whole, so
+    the engine is silent that long. Defect (thirty-fourth session's hunt): the stack never set
+    UPSTREAM_READ_TIMEOUT_SECONDS, so HAProxy's `timeout server` stayed at 600 s and answered 504 to a
+    completion of 600-900 s the default fleet allows. The SSE first-byte wait stays above it."""
+    synthesized = request.getfixturevalue(fleet)
+    for name in [n for n in synthesized.templates if n.startswith("Rufus-Cell-")]:
+        alb_idle, settings = _alb_idle_and_proxy_settings(synthesized.templates[name])
+        assert settings.upstream_read_timeout_seconds >= alb_idle, (
+            f"{name}: the proxy answers 504 after {settings.upstream_read_timeout_seconds:g} s of engine silence "
+            f"(timeout server), below the ALB idle timeout {alb_idle} s that the fleet promises a non-streamed "
+            "completion"
+        )
+        assert first_byte_wait(settings) > settings.upstream_read_timeout_seconds, name
 
 
 def test_https_listener_when_a_certificate_is_configured(synth_large) -> None:

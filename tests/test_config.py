@@ -232,6 +232,43 @@ def test_triton_front_end_runs_on_the_built_image_and_refuses_a_pinned_image_wit
     assert parse_fleet(data, "test").serving.frontend == "triton"
 
 
+@pytest.mark.parametrize("name", ["meta-llama/..", "meta-llama/.", "/", "meta-llama/Llama 3", "meta-llama/-x"])
+def test_a_triton_fleet_refuses_a_model_name_that_is_no_triton_model_directory(raw: dict, name: str) -> None:
+    """With serving.frontend: triton the last path part of model.name is the Triton model's directory in the model
+    repository (unit_launcher.plan.triton_model_name). Until the thirty-fourth session's defect hunt only its length
+    was checked: 'meta-llama/..' deployed, the launcher wrote config.pbtxt outside the repository and the unit never
+    formed. Refused on load now, naming model.name and what is allowed; the OpenAI front end takes the name as is."""
+    raw["model"]["name"] = name
+    raw.setdefault("serving", {})["frontend"] = "triton"
+    (issue,) = error_of(raw).issues
+    assert issue.path == "model.name" and issue.value == name
+    assert "with serving.frontend: triton" in issue.problem
+    assert "allowed: 1 to 255 ASCII letters, digits, '.', '_' and '-', not starting with '.' or '-'" in issue.problem
+    raw["serving"]["frontend"] = "openai"
+    assert parse_fleet(raw, "test").model.name == name
+
+
+@pytest.mark.parametrize("name", ["meta-llama/Llama-3.1-8B-Instruct", "Qwen/Qwen2.5-7B", "gpt2"])
+def test_a_triton_fleet_serves_hugging_face_names(raw: dict, name: str) -> None:
+    raw["model"]["name"] = name
+    raw.setdefault("serving", {})["frontend"] = "triton"
+    assert parse_fleet(raw, "test").model.name == name
+
+
+@pytest.mark.parametrize(("name", "folder"), [(".", "/opt/models/."), ("..", "/opt/models/.."),
+                                              (".instance-store", "/opt/models/.instance-store")])
+@pytest.mark.parametrize("frontend", ["openai", "triton"])
+def test_a_model_name_starting_with_a_dot_is_refused_on_every_front_end(raw: dict, name, folder, frontend) -> None:
+    """The node's copy of the model is /opt/models/<model.name, '/' as '--'> (unit_spec.build_unit_spec) on either
+    front end: '..' put it off the cache volume, '.' on the cache's root, '.instance-store' on the cache's marker
+    file. Found while fixing the Triton name defect of the thirty-fourth session's hunt; refused on load now."""
+    raw["model"]["name"] = name
+    raw.setdefault("serving", {})["frontend"] = frontend
+    (issue,) = error_of(raw).issues
+    assert issue.path == "model.name" and f"starts with '.': the node's copy of the model, {folder}," in issue.problem
+    assert "allowed: a name that starts with a letter, digit or '_'" in issue.problem
+
+
 def test_a_new_efa_installer_version_needs_its_own_checksum() -> None:
     """Pinning another installer version while keeping the default's SHA-256 would fail every node's setup
     (checksum mismatch at boot); refused at load, naming node.efa_installer_sha256."""

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from botocore.exceptions import ClientError
 
-from inference_fleet.simulation import engine
+from inference_fleet.simulation import aws_api, engine
 from inference_fleet.simulation.model import AwsModel, Behaviour
 from inference_fleet.simulation.runner import fleet_for, render, simulate
 from inference_fleet.simulation.scenario import ScenarioError, load_scenario, parse_scenario
@@ -688,6 +689,82 @@ def test_without_the_doubt_a_member_whose_cache_goes_bad_leaves_its_unit_down(mo
     figures = run("cache-corrupt-member.yaml")["per_seed"][0]["figures"]
     assert figures["serving_at_end"] == [] and figures["never_formed_replaced"] == [], figures
     assert figures["unit_minutes_down"] > 300, figures
+
+
+# ECS attribute rules (https://docs.aws.amazon.com/AmazonECS/latest/APIReference/API_Attribute.html), written out
+# here rather than taken from the simulated ECS's own check.
+ECS_NAME = re.compile(r"[A-Za-z0-9_./\\-]{1,128}")
+ECS_VALUE = re.compile(r"[A-Za-z0-9_.@/\\: -]{1,128}")
+
+
+def test_every_attribute_the_controller_writes_in_cache_corrupt_member_is_one_ecs_accepts(monkeypatch):
+    """A defect hunt in the thirty-fourth session: the doubt on u0's follower was written `u0@<time>!`. ECS allows
+    no `!` in a value, so on AWS that PutAttributes, the run and each retry of its triggers would fail, and the
+    replacement this scenario measures would never come; the simulated ECS took any value."""
+    written = []
+
+    class Recording(aws_api.Ecs):
+        def put_attributes(self, cluster, attributes):
+            written.extend((a["name"], a["value"]) for a in attributes)
+            return super().put_attributes(cluster, attributes)
+
+    monkeypatch.setattr(aws_api, "Ecs", Recording)
+    figures = run("cache-corrupt-member.yaml")["per_seed"][0]["figures"]
+    refused = sorted({(n, v) for n, v in written
+                      if not ECS_NAME.fullmatch(n) or not ECS_VALUE.fullmatch(v) or v != v.strip(" ")})
+    assert refused == [], f"PutAttributes would be refused by ECS for {refused}"
+    assert any(n == "unit-joined" and v.endswith("/doubt") for n, v in written)  # the doubt was written
+    assert figures["never_formed_replaced"] and figures["serving_at_end"] == ["u0"], figures
+
+
+OK_VALUE = "u0@1800000000:2/doubt"
+
+
+@pytest.mark.parametrize(("attributes", "code"), [
+    ([("unit-joined", OK_VALUE), ("unit-joined", "u0@1800000000!")], "InvalidParameterException"),  # the old doubt
+    ([("unit-joined", OK_VALUE), ("unit-accused", " u0")], "InvalidParameterException"),
+    ([("unit-joined", OK_VALUE), ("unit-accused", "u0 ")], "InvalidParameterException"),
+    ([("unit-joined", OK_VALUE), ("unit-accused", "")], "InvalidParameterException"),
+    ([("unit-joined", OK_VALUE), ("unit-accused", "x" * 129)], "InvalidParameterException"),
+    ([("unit-joined", OK_VALUE), ("unit joined", "u0")], "InvalidParameterException"),  # no space in a name
+    ([("unit-joined", OK_VALUE), ("unit:joined", "u0")], "InvalidParameterException"),  # nor a colon
+    ([(f"custom-{n}", "x") for n in range(11)], "InvalidParameterException"),  # 11 in one call
+    ([(f"custom-{n}", "x") for n in range(10)], "AttributeLimitExceededException"),  # 10 beside the labels
+], ids=["bang", "leading-space", "trailing-space", "empty", "129", "name-space", "name-colon", "11-per-call",
+        "11-per-instance"])
+def test_the_simulated_ecs_refuses_an_attribute_ecs_refuses_and_writes_nothing_of_the_call(attributes, code):
+    """PutAttributes: names and values as API_Attribute.html allows, "up to 10 attributes in a single call", "up to
+    10 custom attributes for each resource" (API_PutAttributes.html). The error codes are assumed (aws_api.py)."""
+    sim = _serving_cell()
+    inst = sim.units["u0"].session.leader.inst
+    before = dict(inst.attributes)
+    with pytest.raises(ClientError) as refused:
+        sim.clients.ecs.put_attributes(cluster=engine.CLUSTER, attributes=[
+            {"name": name, "targetId": inst.ci_arn, "value": value} for name, value in attributes])
+    assert refused.value.response["Error"]["Code"] == code and "allowed" in str(refused.value)
+    assert inst.attributes == before
+
+
+def test_the_simulated_ecs_takes_every_character_ecs_allows_and_refuses_11_deletes_in_one_call():
+    sim = _serving_cell()
+    inst = sim.units["u0"].session.leader.inst
+    value = "a-Z_0.9@/\\: x" + "y" * 115
+    sim.clients.ecs.put_attributes(cluster=engine.CLUSTER, attributes=[
+        {"name": "A-z_0/9\\.x" + "y" * 118, "targetId": inst.ci_arn, "value": value}])
+    assert len(value) == 128 and value in inst.attributes.values()
+    with pytest.raises(ClientError, match="11 attributes in one call"):
+        sim.clients.ecs.delete_attributes(cluster=engine.CLUSTER, attributes=[
+            {"name": f"custom-{n}", "targetId": inst.ci_arn} for n in range(11)])
+
+
+def test_a_record_ecs_would_refuse_fails_the_scenario(monkeypatch):
+    """The old doubt (`!`) put back: the simulated ECS refuses it as ECS would, and the run fails (on AWS the
+    trigger batch would be retried and go to the dead-letter queue; the simulation stops)."""
+    from placement_controller import unformed
+
+    monkeypatch.setattr(unformed, "DOUBT_SUFFIX", "!")
+    with pytest.raises(ClientError, match=r"value 'u0@\d+!' of attribute unit-joined: allowed are"):
+        run("cache-corrupt-member.yaml")
 
 
 def test_a_deployment_whose_artifacts_are_missing_gives_back_no_host():

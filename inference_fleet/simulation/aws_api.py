@@ -3,18 +3,66 @@
 The controller's own `handler.reconcile` runs unchanged against these objects in place of
 boto3 clients: each method takes the keyword arguments botocore takes and answers with the
 fields the controller reads (their service models are cited in the controller's modules).
-Pagination is not modelled (one page holds everything), nor throttling.
+Pagination is not modelled (one page holds everything), nor throttling. ECS attributes are held to
+the rules ECS documents (`_check_attributes`): botocore's model has no pattern for them, so neither
+Stubber nor moto refuses a value ECS would.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from botocore.exceptions import ClientError
 
+# https://docs.aws.amazon.com/AmazonECS/latest/APIReference/API_Attribute.html: a name is 1-128 letters, numbers,
+# hyphens, underscores, forward slashes, back slashes or periods; a value 1-128 letters, numbers, hyphens,
+# underscores, periods, at signs, forward slashes, back slashes, colons or spaces, and "can't start or end with a
+# space".
+ATTRIBUTE_NAME = re.compile(r"[A-Za-z0-9_./\\-]{1,128}")
+ATTRIBUTE_VALUE = re.compile(r"[A-Za-z0-9_.@/\\: -]{1,128}")
+NAME_RULE = "1-128 letters, numbers, - _ / \\ ."
+VALUE_RULE = "1-128 letters, numbers, - _ . @ / \\ : or spaces, not starting or ending with a space"
+# "You can specify up to 10 attributes in a single call" and "up to 10 custom attributes for each resource"
+# (https://docs.aws.amazon.com/AmazonECS/latest/APIReference/API_PutAttributes.html); DeleteAttributes: "up to 10
+# attributes for each request" (https://docs.aws.amazon.com/AmazonECS/latest/APIReference/API_DeleteAttributes.html).
+ATTRIBUTES_PER_CALL = 10
+CUSTOM_ATTRIBUTES_PER_RESOURCE = 10
+
 
 def _validation(message: str, operation: str) -> ClientError:
     return ClientError({"Error": {"Code": "ValidationError", "Message": message}}, operation)
+
+
+def _ecs_error(code: str, message: str, operation: str) -> ClientError:
+    return ClientError({"Error": {"Code": code, "Message": message}, "ResponseMetadata": {"HTTPStatusCode": 400}},
+                       operation)
+
+
+def _attribute_problem(attribute: Mapping[str, Any], with_value: bool) -> str | None:
+    """What is wrong with one attribute of a call, or None."""
+    name, value = attribute.get("name"), attribute.get("value")
+    if not isinstance(name, str) or not ATTRIBUTE_NAME.fullmatch(name):
+        return f"attribute name {name!r}: allowed are {NAME_RULE}"
+    if with_value and value is not None and (not isinstance(value, str) or not ATTRIBUTE_VALUE.fullmatch(value)
+                                             or value != value.strip(" ")):
+        return f"value {value!r} of attribute {name}: allowed are {VALUE_RULE}"
+    return None
+
+
+def _check_attributes(attributes: list[dict[str, str]], operation: str, with_value: bool) -> None:
+    """Refuse the whole call as ECS would: more than 10 attributes, or one outside the documented rules.
+
+    The error code is an assumption: both operations list InvalidParameterException ("The specified parameter
+    isn't valid") among their errors (botocore 1.44.18, ecs/2014-11-13), but which code a bad value gets, and
+    that nothing of the call is written, are neither documented nor observed here."""
+    if len(attributes) > ATTRIBUTES_PER_CALL:
+        raise _ecs_error("InvalidParameterException", f"{len(attributes)} attributes in one call: at most "
+                         f"{ATTRIBUTES_PER_CALL} are allowed", operation)
+    for attribute in attributes:
+        if (problem := _attribute_problem(attribute, with_value)) is not None:
+            raise _ecs_error("InvalidParameterException", problem, operation)
 
 
 class _Api:
@@ -56,11 +104,28 @@ class Ecs(_Api):
                                        if i.ci_arn in wanted and i.registered], "failures": []}
 
     def put_attributes(self, cluster: str, attributes: list[dict[str, str]]) -> dict:
+        _check_attributes(attributes, "PutAttributes", with_value=True)
+        self._check_custom_attribute_limit(attributes)
         for attribute in attributes:
             self.cell.set_attribute(attribute["targetId"], attribute["name"], attribute.get("value"))
         return {}
 
+    def _check_custom_attribute_limit(self, attributes: Iterable[dict[str, str]]) -> None:
+        """AttributeLimitExceededException, "You can apply up to 10 custom attributes for each resource"
+        (API_PutAttributes.html, Errors). The simulated instances hold custom attributes only."""
+        by_arn = {i.ci_arn: i for i in self.cell.instances.values()}
+        names: dict[str, set[str]] = {}
+        for attribute in attributes:
+            if (inst := by_arn.get(attribute["targetId"])) is not None:
+                names.setdefault(inst.ci_arn, set(inst.attributes)).add(attribute["name"])
+        for arn, held in sorted(names.items()):
+            if len(held) > CUSTOM_ATTRIBUTES_PER_RESOURCE:
+                raise _ecs_error("AttributeLimitExceededException",
+                                 f"{arn} would hold {len(held)} custom attributes ({', '.join(sorted(held))}): "
+                                 f"at most {CUSTOM_ATTRIBUTES_PER_RESOURCE} are allowed", "PutAttributes")
+
     def delete_attributes(self, cluster: str, attributes: list[dict[str, str]]) -> dict:
+        _check_attributes(attributes, "DeleteAttributes", with_value=False)
         for attribute in attributes:
             self.cell.set_attribute(attribute["targetId"], attribute["name"], None)
         return {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import PurePosixPath
 
 import pytest
 from google.protobuf import text_format
@@ -287,6 +288,37 @@ def test_triton_leader_renders_a_model_repository_that_matches_tritons_schema():
     # Followers of a Triton unit run the headless vLLM engine.
     follower = plans.build_plan(spec, "follower", 1, leader_addr="10.0.0.5", host_ip="10.0.0.6")
     assert follower.argv[:2] == ["vllm", "serve"] and "--headless" in follower.argv and not follower.files
+
+
+@pytest.mark.parametrize("name", ["org/..", "org/.", "..", "/", "org/a b"])
+def test_a_triton_model_name_that_is_no_directory_of_its_own_is_refused_by_name(name):
+    """The last path part of model.name is the Triton model's directory in the model repository. Until the
+    thirty-fourth session's defect hunt it was used unchecked: 'org/..' wrote config.pbtxt and 1/model.json outside
+    the repository, 'org/.' wrote config.pbtxt into its root, and the unit never formed. Refused by name now; the
+    OpenAI server takes the name as a string only (--served-model-name), so it is not checked there."""
+    raw = neuron_spec(engine={"max_num_seqs": 4, "frontend": "triton"})
+    raw["model"]["name"] = name
+    with pytest.raises(SpecError, match=r"model\.name = .*: with engine\.frontend triton .*allowed: 1 to 255 ASCII"):
+        parse_spec(raw)
+    raw["engine"]["frontend"] = "openai"
+    assert parse_spec(raw).model.name == name
+
+
+@pytest.mark.parametrize(
+    ("name", "model"),
+    [("meta-llama/Llama-3.1-8B-Instruct", "Llama-3.1-8B-Instruct"), ("Qwen/Qwen2.5-7B", "Qwen2.5-7B"),
+     ("gpt2", "gpt2")],
+)
+def test_every_triton_file_stays_in_its_model_directory(name, model):
+    """Hugging Face names are accepted, and the launcher writes exactly the model's two files inside its directory."""
+    raw = neuron_spec(engine={"max_num_seqs": 4, "frontend": "triton"})
+    raw["model"]["name"] = name
+    spec = parse_spec(raw)
+    node = plans.build_plan(spec, "leader", 0, leader_addr="10.0.0.1", host_ip="10.0.0.1")
+    repo = PurePosixPath(spec.engine.triton_model_repository)
+    assert sorted(PurePosixPath(path).relative_to(repo).parts for path in node.files) == [
+        (model, "1", "model.json"), (model, "config.pbtxt")]
+    assert f'name: "{model}"' in node.files[str(repo / model / "config.pbtxt")]
 
 
 def test_triton_leader_runs_the_images_backends_with_metrics_and_a_drain_within_the_stop_timeout():

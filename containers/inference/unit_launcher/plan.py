@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import jinja2
 
-from unit_launcher.spec import UnitSpec
+from unit_launcher.spec import UnitSpec, triton_model_for
 
 Role = Literal["leader", "follower"]
 
@@ -267,11 +267,6 @@ def triton_exit_timeout(spec: UnitSpec) -> int:
 def triton_model_name(spec: UnitSpec) -> str:
     """Triton model names are directory names: keep the last path part of the served name."""
     return triton_model_for(spec.model.name)
-
-
-def triton_model_for(served_name: str) -> str:
-    """The Triton model name of a served model name (model.name of the fleet file; the kit's too)."""
-    return served_name.rstrip("/").rsplit("/", 1)[-1]
 
 
 def render_triton_config(spec: UnitSpec) -> str:

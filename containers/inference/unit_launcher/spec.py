@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -28,6 +29,40 @@ LAUNCHER_ENV = frozenset({
     "VLLM_HOST_IP", "VLLM_PLUGINS", "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS",
 })
 LAUNCHER_ENV_PREFIX = "UNIT_"
+
+# With frontend triton the model is served under the last path part of model.name (triton_model_for), and that name
+# is its directory in Triton's model repository: Triton takes each subdirectory of the repository as a model, and a
+# config.pbtxt `name` must match its directory. Sources, pinned (2.73.0; the image's 2.51.0 not read):
+# triton-inference-server/server@e1db8a603d863b1317ee859bdeea2be19959462e docs/user_guide/model_repository.md:36-74
+# and docs/user_guide/model_configuration.md:72-74; triton-inference-server/core@
+# 73aad7c3348d040c7087d57837d75822c488495e src/model_repository_manager/model_repository_manager.cc:1219-1221, whose
+# local file system lists every entry but "." and ".." (src/filesystem/implementations/local.h:156-160).
+# Triton documents no character set for model names; this one is conservative: the characters of Hugging Face
+# repository names (ASCII letters, digits, '.', '_', '-'; huggingface_hub 2.4.0 utils/_validators.py
+# validate_repo_id), no leading '.' (so never '.', '..' or a hidden directory) or '-', at most 255 characters (Linux
+# NAME_MAX), none of which needs escaping in config.pbtxt or in Triton's /v2/models/<m>/... routes (server
+# src/http_server.cc:1183-1184).
+TRITON_MODEL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
+TRITON_MODEL_NAME_ALLOWED = (
+    "1 to 255 ASCII letters, digits, '.', '_' and '-', not starting with '.' or '-' (meta-llama/Llama-3.1-8B-Instruct "
+    "is served as Llama-3.1-8B-Instruct)"
+)
+
+
+def triton_model_for(served_name: str) -> str:
+    """The Triton model name of a served model name (model.name of the fleet file; the kit's too)."""
+    return served_name.rstrip("/").rsplit("/", 1)[-1]
+
+
+def triton_model_name_problem(served_name: str) -> str | None:
+    """Why the Triton model name of `served_name` cannot be a model directory of Triton's repository; None if it can."""
+    name = triton_model_for(served_name)
+    if TRITON_MODEL_NAME.fullmatch(name):
+        return None
+    return (
+        f"its last path part {name!r} is the Triton model's name and its directory in the model repository, where "
+        f"the launcher writes config.pbtxt and 1/model.json; allowed: {TRITON_MODEL_NAME_ALLOWED}"
+    )
 
 
 class SpecError(ValueError):
@@ -250,6 +285,8 @@ class UnitSpec(_Strict):
         }
         if self.engine.frontend == "triton":
             ports["engine.triton_metrics_port"] = self.engine.triton_metrics_port
+            if problem := triton_model_name_problem(self.model.name):
+                problems.append(f"model.name = {self.model.name!r}: with engine.frontend triton {problem}")
         problems += self._extra_env_problems()
         seen: dict[int, str] = {}
         for name, port in ports.items():

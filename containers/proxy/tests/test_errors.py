@@ -7,8 +7,11 @@ import socket
 
 import aiohttp
 import pytest
+from unit_proxy import haproxy_log
+from unit_proxy.telemetry import Telemetry
 
 from .conftest import LOOPBACK, FakeEngine, ProxyFactory, gate_pushed, wait_until
+from .raw_http import STREAMING, Conn, Cut, completion
 
 
 def free_port() -> int:
@@ -77,6 +80,134 @@ async def test_engine_stall_before_answer_is_504(make_proxy: ProxyFactory, engin
     assert 'unit_proxy_upstream_errors_total{kind="timeout"} 1.0' in text
     assert 'unit_proxy_requests_total{code="504"} 1.0' in text
 
+
+class RawAnswerEngine:
+    """An engine that answers every request (not its health and metrics probes, 200) with the
+    raw `pieces`, a pause between two, then closes: answers HAProxy may refuse."""
+
+    def __init__(self, *pieces: bytes) -> None:
+        self.pieces = pieces
+        self.requests = 0
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self.serve, LOOPBACK, 0)
+        return f"http://{LOOPBACK}:{self.server.sockets[0].getsockname()[1]}"
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                if head.startswith((b"GET /health", b"GET /metrics")):
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                    await writer.drain()
+                    continue
+                self.requests += 1
+                for i, piece in enumerate(self.pieces):
+                    if i:
+                        await asyncio.sleep(0.1)  # the pieces before have left HAProxy
+                    writer.write(piece)
+                    await writer.drain()
+                return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return
+        finally:
+            writer.close()
+
+    def close(self) -> None:
+        self.server.close()
+
+
+SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    ("answer", "seen", "termination", "kind"),
+    [
+        ((b"HTTP/1.1 200 OK\r\nContent-Length: abc\r\n\r\nhello",), (502, False), b"PH", "invalid"),
+        ((b"HTTP/1.1 2x0 OK\r\nContent-Length: 2\r\n\r\nok",), (502, False), b"PH", "invalid"),
+        # More header lines than tune.http.maxhdr (128, haproxy_config.MAX_HEADERS).
+        ((b"HTTP/1.1 200 OK\r\n" + b"X-A: b\r\n" * 200 + b"Content-Length: 2\r\n\r\nok",), (502, False), b"PH",
+         "invalid"),
+        # A bad first chunk: the headers are held until the first body byte (wait-for-body).
+        ((SSE_HEAD, b"zz\r\ndata\r\n"), (502, False), b"PH", "invalid"),
+        # A bad chunk once the headers have left: the stream is cut, logged SD (not PD) by 2.6.
+        ((SSE_HEAD, b"6\r\ndata: \r\n", b"zz\r\nxx\r\n"), (200, True), b"SD", "cut"),
+    ],
+    ids=["bad-content-length", "bad-status", "too-many-headers", "bad-first-chunk", "bad-later-chunk"],
+)
+async def test_an_engine_answer_haproxy_refuses_is_an_upstream_error(
+    make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch,
+    answer: tuple[bytes, ...], seen: tuple[int, bool], termination: bytes, kind: str,
+):
+    """HAProxy answers an engine answer head it refuses with its own 502 and logs `PH` (2.6
+    configuration manual 8.5). docs/contracts.md counts such 502s in UpstreamErrors ("502/504s
+    and cut streams made by the proxy"); haproxy_log counted only `s`/`S` states, so they were
+    plain 502s (found by the thirty-fourth session's defect hunt). Now kind `invalid`."""
+    lines: list[bytes] = []
+    real_feed = haproxy_log.feed
+
+    def feed(telemetry, data, now=None):  # the log lines as the follower reads them off the ring
+        lines.extend(line for line in data.split(b"\n") if line.split()[6:7] == [b"engine"])
+        real_feed(telemetry, data, now)
+
+    monkeypatch.setattr(haproxy_log, "feed", feed)
+    engine = RawAnswerEngine(*answer)
+    url = await engine.start()
+    try:
+        proxy = await make_proxy(upstream_url=url, launcher_status_url="")
+        async with await Conn.open(port_of(proxy.url)) as conn:
+            await conn.send(completion(body=STREAMING, close=True))
+            try:
+                got = (await conn.response(timeout=5)).status, False
+            except Cut as cut:
+                got = cut.answer.status, True
+        assert engine.requests == 1
+        assert got == seen
+        telemetry = proxy.state.telemetry
+        await wait_until(lambda: sum(telemetry.codes.values()) == 1, what="the request counted")
+        (line,) = lines
+        assert line.split()[5][:2] == termination, line
+        text = telemetry.prometheus_text().decode()
+        assert f'unit_proxy_upstream_errors_total{{kind="{kind}"}} 1.0' in text, (line, telemetry.codes)
+        assert f'unit_proxy_requests_total{{code="{seen[0]}"}} 1.0' in text
+        assert telemetry._interval.upstream_errors == 1  # the EMF UpstreamErrors
+    finally:
+        engine.close()
+
+
+# The kinds of unit_proxy_upstream_errors_total (haproxy_log.record).
+KINDS = ("connect", "timeout", "reset", "cut", "invalid")
+
+
+@pytest.mark.parametrize(
+    ("line", "kinds", "unavailable"),
+    [
+        (b"502 2 -1 -1 210 PH-- engine - -", {"invalid": 1}, 0),  # measured above
+        # The same while the unit goes down: the http-error body sets the outcome, the status is
+        # re-set to 503 (measured); counted like an `SH` then, an error and a refusal.
+        (b"503 0 -1 -1 259 PH-- engine unit_unavailable -", {"invalid": 1}, 1),
+        (b"503 2 -1 -1 464 LH-- engine unit_unavailable -", {}, 1),  # the gate's own 503 (http-response return)
+        (b"400 5 -1 -1 200 PH-- engine - -", {}, 0),  # the client's bad request body, before the answer
+        (b"200 40 30 2 100 PD-- engine - -", {}, 0),  # the same once the answer started (2.6: PD)
+        (b"502 1 -1 -1 210 RC-- engine - -", {}, 0),  # the proxy out of sockets (its 503, re-set 502)
+        (b"500 1 -1 -1 210 IH-- engine - -", {}, 0),  # the proxy's internal error
+        (b"503 1 -1 -1 210 PC-- engine - -", {}, 0),  # the proxy's own connection limit
+        (b"502 5 0 -1 120 SH-- engine - -", {"reset": 1}, 0),
+    ],
+)
+def test_which_termination_states_are_upstream_errors(line: bytes, kinds: dict[str, int], unavailable: int):
+    """A line the proxy made of an engine answer it refused (`PH`, a 5xx) is an upstream error;
+    the client's bad body, the proxy's own limits and failures (R, I, `PC`) and the gate's 503 are not
+    (2.6 configuration manual 8.5; haproxy_log.INVALID). Each line alone and three alike at once."""
+    for data in (line + b"\n", (line + b"\n") * 3):
+        telemetry = Telemetry(lambda: 0)
+        haproxy_log.feed(telemetry, data)
+        times = data.count(b"\n")
+        counted = {k: int(telemetry.upstream_errors.labels(k)._value.get()) for k in KINDS}
+        assert {k: v for k, v in counted.items() if v} == {k: v * times for k, v in kinds.items()}, line
+        assert telemetry._interval.upstream_errors == sum(kinds.values()) * times
+        assert telemetry.unavailable_total == unavailable * times
+        assert sum(telemetry.codes.values()) == times
 
 async def test_engine_error_status_passes_through(make_proxy: ProxyFactory):
     proxy = await make_proxy()

@@ -52,6 +52,19 @@ READ_PAUSE_SECONDS = 0.05
 _READ_BYTES = 1 << 20
 # 499: the client went away (nginx's convention, kept from the Python data path).
 CLIENT_GONE = 499
+# The upstream error kind of an engine answer HAProxy refused, termination state `PH` (2.6
+# configuration manual 8.5: "The proxy blocked the server's response, because it was invalid,
+# incomplete, dangerous"): a bad status line or Content-Length, a header name with a space, more
+# header lines than `tune.http.maxhdr`, a bad first chunk (held by `wait-for-body`). HAProxy answers
+# 502 itself, 503 unit_unavailable while the unit goes down (measured on 2.6.12: test_errors.py;
+# `return_bad_res` of http_wait_for_response and http_process_res_common, src/http_ana.c:1723-1748
+# and 2042-2063 of v2.6.0). Only with a 5xx: a `PH` 400 is the client's bad request body
+# (http_request_forward_body, src/http_ana.c:1207-1225). Not `PD`: 2.6 logs an engine's bad chunk
+# after the headers `SD`, a cut (http_response_forward_body, src/http_ana.c:2323-2338; measured),
+# and `PD` only for the client's bad request body once the answer has started. Nor `R` or `I` (8.5:
+# the proxy's own resources exhausted, its internal error): no failure of the engine's; such lines
+# count by their code only.
+INVALID = "invalid"
 # The follower's own session timeout. HAProxy 2.6 closes a stats socket session after 10 s
 # without activity (`stats timeout`, configuration manual 3.1; src/cli.c `cli_alloc_fe`), which
 # dropped the follower 10 s after the last log line: lines written before it followed again were
@@ -129,6 +142,8 @@ def record(telemetry: Telemetry, rec: LogRecord, now: float | None = None) -> No
     elif first in "sS":
         kind = "connect" if second == "C" else ("timeout" if first == "s" else ("reset" if second == "H" else "cut"))
         telemetry.upstream_error(kind)
+    elif first == "P" and second == "H" and status >= 500:
+        telemetry.upstream_error(INVALID)
     latency = max(rec.active_ms, 0) / 1000.0
     ttft = ttft_seconds(rec.ttft_ms)
     started = None if ttft is None or now is None else now - latency
@@ -150,7 +165,8 @@ def feed(telemetry: Telemetry, data: bytes, now: float | None = None) -> None:
         now = time.time()
     for line, count in Counter(data.split(b"\n")).items():
         parts = line.split()
-        if len(parts) == FIELDS and parts[7] == b"-" and parts[6] == b"engine" and parts[5][:1] not in b"CcsSK":
+        # The termination states `record` reads (499s, upstream errors) take the slow path.
+        if len(parts) == FIELDS and parts[7] == b"-" and parts[6] == b"engine" and parts[5][:1] not in b"CcsSKP":
             try:
                 status, active, ttft_ms = int(parts[0]), int(parts[1]), _ttft_field(parts[8])
             except ValueError:

@@ -34,7 +34,8 @@ a common cause (an S3, IAM or endpoint outage fails every fetch). A failure unde
 revision (a deployment whose artifacts are missing) doubts nobody.
 
 State lives on each member's container instance as the ECS attribute `unit-joined`,
-`<unit>@<clock start, Unix seconds>[:<replacements>][!]` (`!`: in doubt): written on a member that has not
+`<unit>@<clock start, Unix seconds>[:<replacements>][/doubt]` (`/doubt`: in doubt; until the thirty-fourth
+session a `!`, which ECS does not allow in a value, so the write was refused): written on a member that has not
 formed in a unit that formed before, and, while the count is above 0, on every member (the
 count outlives the members that carried it); a member that leaves the unit loses it. The
 clock starts when the first run sees the member join, and again at each run that finds its
@@ -61,6 +62,11 @@ from placement_controller.failures import reporter
 from placement_controller.signals import session_member
 
 JOINED_ATTRIBUTE = "unit-joined"
+# A doubt on a `unit-joined` record. ECS allows in a value only letters, digits, `-_.@/\:` and spaces
+# (https://docs.aws.amazon.com/AmazonECS/latest/APIReference/API_Attribute.html): the `!` written until the
+# thirty-fourth session is not among them (found by a defect hunt: ECS would refuse the write, and the run).
+DOUBT_SUFFIX = "/doubt"
+_OLD_DOUBT_SUFFIX = "!"
 # Session ends that say a member's own model artifacts failed: its fetch, or the check of what it holds
 # (failures.NOT_IMPLICATING_CAUSES).
 FETCH_CAUSES = frozenset({"artifacts", "artifacts_mismatch"})
@@ -94,22 +100,24 @@ class Joined:
     unit: str
     at: int
     replacements: int = 0
-    # Its own fetch failed since it formed (`!`): it counts as a member that has not formed.
+    # Its own fetch failed since it formed (DOUBT_SUFFIX): it counts as a member that has not formed.
     doubt: bool = False
 
     def encode(self) -> str:
         return (f"{self.unit}@{self.at}" + (f":{self.replacements}" if self.replacements else "")
-                + ("!" if self.doubt else ""))
+                + (DOUBT_SUFFIX if self.doubt else ""))
 
 
 def parse(value: str | None) -> Joined | None:
-    text = value or ""
-    doubt = text.endswith("!")
-    unit, _, rest = text.removesuffix("!").rpartition("@")
-    at, _, count = rest.partition(":")
+    """The record a value holds, or None. The old doubt suffix `!` is read too: ECS documents that a value may
+    not hold it (so no deployed cell should have one), but that ECS refuses it is documented, not observed;
+    should one have been stored, its member keeps its doubt and its clock."""
+    unit, _, rest = (value or "").rpartition("@")
+    suffix = next((s for s in (DOUBT_SUFFIX, _OLD_DOUBT_SUFFIX) if rest.endswith(s)), "")
+    at, _, count = rest.removesuffix(suffix).partition(":")
     if not unit or not at.isdigit() or (count and not count.isdigit()):
         return None
-    return Joined(unit, int(at), int(count or 0), doubt)
+    return Joined(unit, int(at), int(count or 0), bool(suffix))
 
 
 def session_value(unit: str, released_at: float, revision: str) -> str:

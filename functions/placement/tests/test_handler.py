@@ -1431,7 +1431,7 @@ def test_a_member_whose_own_fetch_failed_after_it_formed_is_doubted_and_its_cloc
     monkeypatch.delenv("SIGNAL_STACK", raising=False)
     cell = Cell()
     formed_unit_of_two(cell)
-    joined_put(cell, ("i-0b", f"u0@{NOW}!"))
+    joined_put(cell, ("i-0b", f"u0@{NOW}/doubt"))
     summary = run_event_at_now(cell, session_end("i-0b", "abc123", NOW - 60))
     assert summary["fetch_doubted"] == ["i-0b"] and summary["never_formed_replaced"] == []
 
@@ -1449,7 +1449,7 @@ def test_a_doubted_member_a_later_session_end_lists_ready_is_cleared(monkeypatch
     whose end lists it ready (its fetch worked) clears the doubt, whatever ended that session."""
     monkeypatch.delenv("SIGNAL_STACK", raising=False)
     cell = Cell()
-    formed_unit_of_two(cell, unit_joined=f"u0@{NOW - 2 * DEADLINE}!")
+    formed_unit_of_two(cell, unit_joined=f"u0@{NOW - 2 * DEADLINE}/doubt")
     cell.ecs.add_response("delete_attributes", {"attributes": []},
                           {"cluster": CLUSTER, "attributes": delete("i-0b", "unit-joined")})
     summary = run_event_at_now(cell, session_end("i-0b", "abc123", NOW - 30, cause="form_timeout",
@@ -1460,8 +1460,8 @@ def test_a_doubted_member_a_later_session_end_lists_ready_is_cleared(monkeypatch
 def test_a_doubted_member_past_the_deadline_is_replaced(monkeypatch):
     monkeypatch.delenv("SIGNAL_STACK", raising=False)
     cell = Cell()
-    formed_unit_of_two(cell, unit_joined=f"u0@{NOW - DEADLINE - 1}!")
-    joined_put(cell, ("i-0a", f"u0@{NOW}:1"), ("i-0b", f"u0@{NOW - DEADLINE - 1}:1!"))
+    formed_unit_of_two(cell, unit_joined=f"u0@{NOW - DEADLINE - 1}/doubt")
+    joined_put(cell, ("i-0a", f"u0@{NOW}:1"), ("i-0b", f"u0@{NOW - DEADLINE - 1}:1/doubt"))
     health_call(cell, "i-0b")
     assert run_at_now(cell)["never_formed_replaced"] == ["i-0b"]
 
@@ -1486,7 +1486,7 @@ def test_a_released_session_end_clears_a_doubt_through_the_forwarder(monkeypatch
 
     monkeypatch.delenv("SIGNAL_STACK", raising=False)
     cell = Cell()
-    formed_unit_of_two(cell, unit_joined=f"u0@{NOW - 2 * DEADLINE}!")
+    formed_unit_of_two(cell, unit_joined=f"u0@{NOW - 2 * DEADLINE}/doubt")
     cell.ecs.add_response("delete_attributes", {"attributes": []},
                           {"cluster": CLUSTER, "attributes": delete("i-0b", "unit-joined")})
     line = {"event": "unit_session_end", "cell": "dev", "unit_id": "u0", "revision": "abc123", "session_id": "5e57",

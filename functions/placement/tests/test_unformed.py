@@ -151,7 +151,18 @@ def test_a_record_reads_back_as_written(unit, at, count, doubt):
     assert parse(Joined(unit, at, count, doubt).encode()) == Joined(unit, at, count, doubt)
 
 
-@pytest.mark.parametrize("value", [None, "", "u0", "u0@", "u0@x", "@123", "u0@12:x", "u0@-1"])
+def test_a_doubt_is_written_with_characters_ecs_allows_and_the_old_form_still_reads():
+    """A defect hunt (thirty-fourth session): the doubt was a trailing `!`, which ECS does not allow in a value
+    (API_Attribute.html), so PutAttributes would refuse the record and the run. The old form is still read: that
+    ECS refuses it is documented, not observed, and a member holding one keeps its doubt and clock."""
+    assert Joined("u0", NOW, 2, doubt=True).encode() == f"u0@{NOW}:2/doubt"
+    assert Joined("u0", NOW, doubt=True).encode() == f"u0@{NOW}/doubt"
+    assert parse(f"u0@{NOW}:2!") == parse(f"u0@{NOW}:2/doubt") == Joined("u0", NOW, 2, doubt=True)
+    assert parse(f"u0@{NOW}!") == Joined("u0", NOW, 0, doubt=True)
+
+
+@pytest.mark.parametrize("value", [None, "", "u0", "u0@", "u0@x", "@123", "u0@12:x", "u0@-1", "u0@12/d",
+                                   "u0@12/doubt:3"])
 def test_an_unreadable_record_is_no_record(value):
     assert parse(value) is None
 
@@ -219,48 +230,48 @@ def formed_pair(**b: str):
 
 def test_a_doubted_member_counts_as_not_formed_from_when_the_doubt_came():
     seen = cell(*formed_pair(), doubts={"i-b"})
-    assert seen.writes == {"i-b": f"u0@{NOW}!"} and seen.overdue == []
-    later = cell(*formed_pair(unit_joined=f"u0@{NOW - DEADLINE}!"), doubts={"i-b"})  # another failure: same clock
+    assert seen.writes == {"i-b": f"u0@{NOW}/doubt"} and seen.overdue == []
+    later = cell(*formed_pair(unit_joined=f"u0@{NOW - DEADLINE}/doubt"), doubts={"i-b"})  # another failure: same clock
     assert later.writes == {} and later.overdue == [(0, "i-b", "u0")]
 
 
 def test_a_doubt_is_cleared_by_a_formation_or_a_ready_member():
-    seen = cell(*formed_pair(unit_joined=f"u0@{NOW - DEADLINE}!"), clears={"i-b"})
+    seen = cell(*formed_pair(unit_joined=f"u0@{NOW - DEADLINE}/doubt"), clears={"i-b"})
     assert seen.overdue == [] and seen.deletes == ["i-b"]
     # Whole with every member formed again: the doubt and the unit's count go.
-    cleared = cell(leader(unit_joined=f"u0@{NOW - 600}:2"), formed_pair(unit_joined=f"u0@{NOW - 600}:2!")[1],
+    cleared = cell(leader(unit_joined=f"u0@{NOW - 600}:2"), formed_pair(unit_joined=f"u0@{NOW - 600}:2/doubt")[1],
                    clears={"i-b"})
     assert cleared.writes == {} and sorted(cleared.deletes) == ["i-a", "i-b"]
     # Not whole: the count stays on both, the doubt goes.
-    waiting = cell(leader(unit_joined=f"u0@{NOW - 600}:2"), formed_pair(unit_joined=f"u0@{NOW - 600}:2!")[1],
+    waiting = cell(leader(unit_joined=f"u0@{NOW - 600}:2"), formed_pair(unit_joined=f"u0@{NOW - 600}:2/doubt")[1],
                    clears={"i-b"}, missing={"u0": 1})
     assert waiting.writes == {"i-b": f"u0@{NOW - 600}:2"}
 
 
 def test_a_raised_count_keeps_the_doubt():
-    seen = cell(*formed_pair(unit_joined=f"u0@{NOW - DEADLINE}!"))
+    seen = cell(*formed_pair(unit_joined=f"u0@{NOW - DEADLINE}/doubt"))
     assert [i for _, i, _ in seen.overdue] == ["i-b"]
-    assert raised(seen, {"u0"}) == {"i-a": f"u0@{NOW}:1", "i-b": f"u0@{NOW - DEADLINE}:1!"}
-    assert put_back(seen, {"u0"}) == ({"i-b": f"u0@{NOW - DEADLINE}!"}, ["i-a"])
+    assert raised(seen, {"u0"}) == {"i-a": f"u0@{NOW}:1", "i-b": f"u0@{NOW - DEADLINE}:1/doubt"}
+    assert put_back(seen, {"u0"}) == ({"i-b": f"u0@{NOW - DEADLINE}/doubt"}, ["i-a"])
 
 
 def test_two_members_in_doubt_point_at_a_common_cause_and_neither_is_held_to_account():
     """A cold review's repro: a fetch outage of the whole cell (every fetch lists the bucket) doubted every member
     one after another; all but the last were replaced. Now neither is overdue, both doubts stay recorded with
     their clocks held, and once one clears the other's clock starts then."""
-    a = leader(unit_joined=f"u0@{NOW - 2 * DEADLINE}!")
-    b = ci("i-b", unit="u0", unit_session=f"u0@{NOW - 86400}", unit_joined=f"u0@{NOW - 2 * DEADLINE}!")
+    a = leader(unit_joined=f"u0@{NOW - 2 * DEADLINE}/doubt")
+    b = ci("i-b", unit="u0", unit_session=f"u0@{NOW - 86400}", unit_joined=f"u0@{NOW - 2 * DEADLINE}/doubt")
     both = cell(a, b)
-    assert both.overdue == [] and both.writes == {"i-a": f"u0@{NOW}!", "i-b": f"u0@{NOW}!"}
-    one = cell(leader(unit_joined=f"u0@{NOW}!"), ci("i-b", unit="u0", unit_session=f"u0@{NOW - 86400}",
-                                                   unit_joined=f"u0@{NOW}!"), clears={"i-a"}, now=NOW + 60)
+    assert both.overdue == [] and both.writes == {"i-a": f"u0@{NOW}/doubt", "i-b": f"u0@{NOW}/doubt"}
+    one = cell(leader(unit_joined=f"u0@{NOW}/doubt"), ci("i-b", unit="u0", unit_session=f"u0@{NOW - 86400}",
+                                                   unit_joined=f"u0@{NOW}/doubt"), clears={"i-a"}, now=NOW + 60)
     assert one.writes == {} and one.deletes == ["i-a"] and one.overdue == []
 
 
 def test_beside_a_member_that_never_formed_a_doubt_singles_nobody_out():
     """A cold review's repro: a healthy follower doubted after one transient error, then a new host that never
     joins: both were replaced. Now only the one that never formed is."""
-    doubted = ci("i-b", unit="u0", unit_session=f"u0@{NOW - 86400}", unit_joined=f"u0@{NOW - 2 * DEADLINE}!")
+    doubted = ci("i-b", unit="u0", unit_session=f"u0@{NOW - 86400}", unit_joined=f"u0@{NOW - 2 * DEADLINE}/doubt")
     new = ci("i-c", unit="u0", unit_joined=f"u0@{NOW - DEADLINE}")
     seen = cell(leader(), doubted, new)
     assert [i for _, i, _ in seen.overdue] == ["i-c"]
@@ -269,7 +280,7 @@ def test_beside_a_member_that_never_formed_a_doubt_singles_nobody_out():
 def test_a_clear_older_than_the_doubt_it_meets_does_not_undo_it():
     """A third cold review's finding: a leader's line listing a member ready, delivered late on its own stream,
     undid a doubt a newer failure (on the member's stream) had raised in an earlier run."""
-    by_id = {c.ec2_instance_id: c for c in formed_pair(unit_joined=f"u0@{NOW - 600}!")}
+    by_id = {c.ec2_instance_id: c for c in formed_pair(unit_joined=f"u0@{NOW - 600}/doubt")}
     labels = {i: "u0" for i in by_id}
     group = dict.fromkeys(by_id, IN_SERVICE)
     late = observe(POLICY, by_id, labels, {}, group, frozenset(), NOW, clears={"i-b": NOW - 900.0})
