@@ -360,6 +360,9 @@ class LauncherRecords:
 # revision deploy or a restart starts a new spare task on the same instance: an earlier task's "<time>" no longer
 # says the model the unit needs is cached), "<time>" once the model is cached (signals.spare_ready).
 SPARE_RECORDS = {"spare_fetching": "fetching@", "spare_ready": ""}
+# A spare line's time is a Unix time; 2**34 s is the year 2514. Beyond it the record could pass ECS's 128 characters
+# (API_Attribute.html), and a refused PutAttributes fails the whole run.
+SPARE_TIME_LIMIT = 2.0**34
 
 
 def _spare_line_order(value: object) -> tuple[float, int]:
@@ -401,7 +404,10 @@ def _launcher_records(
             continue
         try:
             if detail.get("event") in SPARE_RECORDS and detail.get("task_id"):
-                value = f"{SPARE_RECORDS[detail['event']]}{float(detail['time']):.0f}"
+                when = float(detail["time"])
+                if not 0 <= when < SPARE_TIME_LIMIT:  # nan and inf too: a value ECS would refuse fails the run
+                    raise ValueError(f"time {when}")
+                value = f"{SPARE_RECORDS[detail['event']]}{when:.0f}"
                 wanted.append((str(detail["task_id"]), signals.SPARE_READY_ATTRIBUTE, value))
             elif detail.get("event") == "unit_session_formed" and detail.get("unit_id"):
                 value = unformed.session_value(str(detail["unit_id"]), float(detail["released_at"]),
