@@ -70,14 +70,14 @@ TRIGGER_MAX_RECEIVES = 5
 _NAMESPACE = re.compile(r"^[A-Za-z0-9._/#:-]{1,255}$")
 # What the subscription sends to the controller: the launcher's session ends that are not
 # deliberate (unit_launcher/evidence.py), the leader's "unit released" line
-# (`unit_session_formed`, docs/contracts.md) and the spare role's "model cached" line
+# (`unit_session_formed`, docs/contracts.md) and the spare role's "fetching" and "model cached" lines
 # (unit_launcher/spare.py). The controller decides which failures implicate a host
 # (blame.py) and which new instances a rolling update may count as done (signals.py). JSON
 # filter patterns combine conditions with && and || and group them with parentheses
 # (https://docs.aws.amazon.com/AmazonCloudWatch/latest/logs/FilterAndPatternSyntax.html).
 UNIT_FAILURE_PATTERN = (
     '{ (($.event = "unit_session_end") && ($.cause != "deliberate_stop")) || ($.event = "unit_session_formed")'
-    ' || ($.event = "spare_ready") }'
+    ' || ($.event = "spare_fetching") || ($.event = "spare_ready") }'
 )
 
 

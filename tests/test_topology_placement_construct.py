@@ -400,7 +400,7 @@ def test_unit_failures_reach_the_function_from_the_unit_log_group_only(with_fail
         {
             "FilterPattern": (
                 '{ (($.event = "unit_session_end") && ($.cause != "deliberate_stop")) || '
-                '($.event = "unit_session_formed") || ($.event = "spare_ready") }'
+                '($.event = "unit_session_formed") || ($.event = "spare_fetching") || ($.event = "spare_ready") }'
             ),
             "LogGroupName": {"Ref": Match.string_like_regexp("UnitLogs")},
             "DestinationArn": {"Fn::GetAtt": [Match.string_like_regexp("PlacementFunction"), "Arn"]},

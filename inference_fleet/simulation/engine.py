@@ -107,6 +107,11 @@ class Cell:
         self.model = model or AwsModel()
         self.hooks = hooks or Hooks()
         self.rng = random.Random(seed)
+        # The delivery delays of the spare tasks' `spare_fetching` lines (thirty-fourth session) come from their own
+        # stream: drawn from the main one, they moved every later draw, and each figure of the scenarios with spares
+        # became another sample (20 seeds of bad-host-spare and follower-instance-lost-spare: identical to the
+        # figures before the line with this stream, not with the main one).
+        self.fetching_rng = random.Random(f"{seed}/spare_fetching")
         self.now = 0.0
         self._queue: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self._seq = 0
@@ -199,10 +204,10 @@ class Cell:
         self._seq += 1
         heapq.heappush(self._queue, (max(when, self.now), self._seq, action, args))
 
-    def vary(self, name: str) -> float:
+    def vary(self, name: str, rng: random.Random | None = None) -> float:
         """A modelled duration, drawn within +-JITTER of its value (model.JITTERED) or as it is."""
         value = self.model.v(name)
-        return value * self.rng.uniform(1 - JITTER, 1 + JITTER) if name in JITTERED else value
+        return value * (rng or self.rng).uniform(1 - JITTER, 1 + JITTER) if name in JITTERED else value
 
     def wall(self, inst: Instance | None = None) -> float:
         """Unix time now, on `inst`'s clock (None: a correct clock, the AWS services' and the Lambdas')."""
@@ -501,6 +506,9 @@ class Cell:
             return
         task.state = "RUNNING"
         if task.role == "spare":
+            # As the spare role (unit_launcher/spare.py): `spare_fetching` at start, `spare_ready` once cached.
+            self.log_line({"event": "spare_fetching", "task_id": task.arn.rsplit("/", 1)[-1],
+                           "time": self.wall(task.inst)}, rng=self.fetching_rng)
             fetch = 0.0 if task.inst.cached else self.vary("fetch_per_node")
             self.after(fetch, self._spare_ready, task)
         elif task.role == "leader":
@@ -847,14 +855,14 @@ class Cell:
 
     # ---- the controller --------------------------------------------------------------------------
 
-    def log_line(self, detail: dict[str, Any]) -> None:
+    def log_line(self, detail: dict[str, Any], rng: random.Random | None = None) -> None:
         """A launcher log line the subscription brings to the controller, through the real forwarder
         (forward.trigger_message: what it keeps of a line is what the controller sees)."""
         self._log_seq += 1
         stream = f"sim/launcher/{detail.get('task_id') or 'unit'}"  # a spare's task id is its stream's last part
         record = forward.trigger_message({"id": str(self._log_seq), "message": json.dumps(detail), "logStream": stream})
         if record is not None:
-            self.at(self.now + self.vary("log_delivery"), self.trigger_controller, record)
+            self.at(self.now + self.vary("log_delivery", rng), self.trigger_controller, record)
 
     def trigger_controller(self, record: dict[str, Any]) -> None:
         self.pending_records.append(record)

@@ -28,9 +28,11 @@ def test_a_spare_process_fetches_then_idles_until_sigterm(tmp_path, h):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
-        line = process.stdout.readline()  # blocks until the spare is ready
-        ready = json.loads(line)
+        fetching = json.loads(process.stdout.readline())  # at once: the controller's record is stale from now on
+        ready = json.loads(process.stdout.readline())  # blocks until the spare is ready
+        assert fetching["event"] == "spare_fetching" and fetching["cell"] == "test"
         assert ready["event"] == "spare_ready" and ready["cell"] == "test" and ready["local_dir"] == str(tmp_path)
+        assert fetching["time"] <= ready["time"] and ready["fetch_seconds"] >= 0
         time.sleep(0.5)
         assert process.poll() is None  # idles, healthy: the launcher process stays up
         process.send_signal(signal.SIGTERM)
@@ -59,7 +61,8 @@ def test_a_failed_fetch_exits_for_a_restart_and_sigterm_mid_fetch_stops_at_once(
     started = time.monotonic()
     out = io.StringIO()
     assert run_spare(spec, stop=stop, fetch=slow, out=out) == 0
-    assert slow_started.is_set() and time.monotonic() - started < 5 and out.getvalue() == ""
+    said = [json.loads(line)["event"] for line in out.getvalue().splitlines()]
+    assert slow_started.is_set() and time.monotonic() - started < 5 and said == ["spare_fetching"]
 
 
 def test_sigterm_stops_a_spare_process_in_the_middle_of_its_s3_fetch_at_once(tmp_path, unit_nodes, h, slow_s3):

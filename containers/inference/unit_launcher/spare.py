@@ -4,7 +4,10 @@ A cell with `spare_nodes` keeps that many instances beyond its units, labelled
 `unit = spare` by the placement controller; the cell's spare service runs one task of
 this role on each (UNIT_ROLE=spare). It fetches every rank's artifacts (it does not know
 which rank of which unit it will replace) into the instance's model cache, the same host
-path the unit tasks mount, says so in one JSON log line, and waits. When a unit loses a
+path the unit tasks mount, says so in one JSON log line (`spare_ready`), and waits. It says
+`spare_fetching` first: the controller's record of the instance then no longer says "cached" for an
+earlier spare task (a revision deploy starts new spare tasks on the same instances; until they have
+fetched the new model, the old task's `spare_ready` is stale). When a unit loses a
 node, the controller gives the unit this instance and stops this task; the unit's task
 that ECS then places here finds the artifacts already in the cache (the fetch skips
 objects whose size and ETag match), so the unit serves again in its load time.
@@ -70,6 +73,8 @@ def run_spare(
     """Prefetch, report ready, idle until stopped."""
     stop = stop if stop is not None else stop_on_sigterm()
     started = time.monotonic()
+    out = out or sys.stdout
+    _say("spare_fetching", spec, out)
     outcome: dict[str, Any] = {}
 
     def work() -> None:
@@ -92,21 +97,21 @@ def run_spare(
     if "error" in outcome:
         log.error("the spare could not fetch the model: %s", outcome["error"])
         return EXIT_ARTIFACTS
-    _ready(spec, time.monotonic() - started, out or sys.stdout)
+    _say("spare_ready", spec, out, fetch_seconds=round(time.monotonic() - started, 3))
     stop.wait()
     return 0
 
 
-def _ready(spec: UnitSpec, seconds: float, out: TextIO) -> None:
-    """One JSON line in the task's log: this spare has the model in its cache."""
-    event = {
-        "event": "spare_ready",
+def _say(event: str, spec: UnitSpec, out: TextIO, **more: Any) -> None:
+    """One JSON line in the task's log: this spare is fetching the model, or has it in its cache."""
+    document = {
+        "event": event,
         "cell": spec.cell,
         "revision": spec.revision,
         "model": spec.model.name,
         "local_dir": spec.model.local_dir,
-        "fetch_seconds": round(seconds, 3),
         "time": time.time(),
+        **more,
     }
-    out.write(json.dumps(event, sort_keys=True) + "\n")
+    out.write(json.dumps(document, sort_keys=True) + "\n")
     out.flush()

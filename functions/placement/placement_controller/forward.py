@@ -2,7 +2,7 @@
 
 A subscription filter on the cell's task log group invokes the function with the
 launcher's `unit_session_end` and `unit_session_formed` lines and the spare role's
-`spare_ready` lines (CloudWatch Logs sends them base64-encoded and gzipped, https://docs.aws.amazon.com/AmazonCloudWatch/latest/logs/SubscriptionFilters.html#LambdaFunctionExample).
+`spare_fetching` and `spare_ready` lines (CloudWatch Logs sends them base64-encoded and gzipped, https://docs.aws.amazon.com/AmazonCloudWatch/latest/logs/SubscriptionFilters.html#LambdaFunctionExample).
 This path only enqueues: each event becomes one message of the trigger queue's single
 message group, so the quarantine is decided by a normal, serialised run and never
 overlaps with another. The log event id is the deduplication id: a subscription that
@@ -25,6 +25,8 @@ from placement_controller import aws
 from placement_controller.failures import EVENT_DETAIL_TYPE, EVENT_SOURCE
 
 SPARE_DETAIL_TYPE = "Spare Ready"
+SPARE_FETCHING_DETAIL_TYPE = "Spare Fetching"
+SPARE_EVENTS = {"spare_fetching": SPARE_FETCHING_DETAIL_TYPE, "spare_ready": SPARE_DETAIL_TYPE}
 FORMED_DETAIL_TYPE = "Unit Session Formed"
 
 LOG = logging.getLogger(__name__)
@@ -51,11 +53,11 @@ def log_events(event: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return [{**e, "logStream": stream} for e in payload.get("logEvents", []) if isinstance(e, Mapping)]
 
 
-def _spare_ready(document: Mapping[str, Any], log_event: Mapping[str, Any]) -> dict[str, Any]:
-    """A spare task's `spare_ready` line: the task is the last part of its awslogs stream name
+def _spare(document: Mapping[str, Any], log_event: Mapping[str, Any]) -> dict[str, Any]:
+    """A spare task's `spare_fetching` or `spare_ready` line: the task is the last part of its awslogs stream name
     (`prefix/container/task-id`, https://docs.aws.amazon.com/AmazonECS/latest/developerguide/using_awslogs.html)."""
     return {
-        "event": "spare_ready",
+        "event": document.get("event"),
         "cell": document.get("cell"),
         "revision": document.get("revision"),
         "time": document.get("time"),
@@ -82,9 +84,9 @@ def trigger_message(log_event: Mapping[str, Any]) -> dict[str, Any] | None:
     except ValueError:
         return None
     event_id = str(log_event.get("id", ""))
-    if isinstance(document, Mapping) and document.get("event") == "spare_ready":
-        return {"source": EVENT_SOURCE, "detail-type": SPARE_DETAIL_TYPE, "id": event_id,
-                "detail": _spare_ready(document, log_event)}
+    if isinstance(document, Mapping) and document.get("event") in SPARE_EVENTS:
+        return {"source": EVENT_SOURCE, "detail-type": SPARE_EVENTS[str(document["event"])], "id": event_id,
+                "detail": _spare(document, log_event)}
     if isinstance(document, Mapping) and document.get("event") == "unit_session_formed":
         detail = {key: document.get(key) for key in ("event", "cell", "unit_id", "revision", "session_id",
                                                       "released_at")}

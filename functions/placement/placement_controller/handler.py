@@ -356,6 +356,26 @@ class LauncherRecords:
     clears: dict[str, float]
 
 
+# A spare task's lines as its instance's `spare-ready` record: "fetching@<time>" from the moment it starts (a
+# revision deploy or a restart starts a new spare task on the same instance: an earlier task's "<time>" no longer
+# says the model the unit needs is cached), "<time>" once the model is cached (signals.spare_ready).
+SPARE_RECORDS = {"spare_fetching": "fetching@", "spare_ready": ""}
+# A spare line's time is a Unix time; 2**34 s is the year 2514. Beyond it the record could pass ECS's 128 characters
+# (API_Attribute.html), and a refused PutAttributes fails the whole run.
+SPARE_TIME_LIMIT = 2.0**34
+
+
+def _spare_line_order(value: object) -> tuple[float, int]:
+    """Where a `spare-ready` record stands among an instance's spare lines: its time (the spare node's clock, so
+    the later of two is the current spare task's), then "cached" after "fetching" in the same second (a task's
+    `spare_ready` always follows its own `spare_fetching`). None or unreadable: before everything."""
+    text = str(value or "")
+    try:
+        return float(text.rpartition("@")[2]), int("@" not in text)
+    except ValueError:
+        return float("-inf"), 0
+
+
 def _launcher_records(
     settings: Settings,
     clients: Clients,
@@ -365,7 +385,8 @@ def _launcher_records(
 ) -> LauncherRecords:
     """The triggers' `spare_ready`, `unit_session_formed` and `unit_session_end` lines, per instance.
 
-    A spare task's readiness goes to its instance (`spare-ready`: when); a released session to each
+    A spare task's readiness goes to its instance (`spare-ready`: when; `fetching@<when>` from the task's
+    `spare_fetching` line, the later line of the instance's spare tasks kept); a released session to each
     member's instance (`unit-session`: `<unit>@<released_at>/<revision>`), never back to an earlier formation of
     the same unit (a late line: each log stream comes by its own delivery). A member whose own fetch or
     check failed (`unformed.fetch_failure`) under the revision it formed with, after that formation, is
@@ -382,8 +403,12 @@ def _launcher_records(
         if record.get("source") != EVENT_SOURCE or not isinstance(detail, Mapping):
             continue
         try:
-            if detail.get("event") == "spare_ready" and detail.get("task_id"):
-                wanted.append((str(detail["task_id"]), signals.SPARE_READY_ATTRIBUTE, f"{float(detail['time']):.0f}"))
+            if detail.get("event") in SPARE_RECORDS and detail.get("task_id"):
+                when = float(detail["time"])
+                if not 0 <= when < SPARE_TIME_LIMIT:  # nan and inf too: a value ECS would refuse fails the run
+                    raise ValueError(f"time {when}")
+                value = f"{SPARE_RECORDS[detail['event']]}{when:.0f}"
+                wanted.append((str(detail["task_id"]), signals.SPARE_READY_ATTRIBUTE, value))
             elif detail.get("event") == "unit_session_formed" and detail.get("unit_id"):
                 value = unformed.session_value(str(detail["unit_id"]), float(detail["released_at"]),
                                                str(detail.get("revision") or ""))
@@ -414,6 +439,8 @@ def _launcher_records(
         current = found.values.get(key, ci.attributes.get(name))
         if name == signals.SESSION_ATTRIBUTE and _later_formation_of_the_same_unit(str(current or ""), value):
             continue  # a late line of an earlier formation (each log stream comes by its own delivery)
+        if name == signals.SPARE_READY_ATTRIBUTE and _spare_line_order(value) < _spare_line_order(current):
+            continue  # an earlier spare task's line, come late (each task's log stream comes by its own delivery)
         if current != value:
             found.values[key] = value
     for when, member, failure in sorted(said, key=lambda line: line[0]):
@@ -461,6 +488,14 @@ def _signal(
         signal_settings, settings.auto_scaling_group, view,
         clients.cloudformation, clients.autoscaling, clients.elbv2, retry, healthy=healthy, now=now,
     )
+
+
+def _cached(ci: aws.ContainerInstance, records: Mapping[tuple[str, str], str]) -> bool:
+    """`signals.spare_ready` with this run's spare lines in."""
+    value = records.get((ci.ec2_instance_id, signals.SPARE_READY_ATTRIBUTE))
+    if value is not None:
+        ci = dataclasses.replace(ci, attributes={**ci.attributes, signals.SPARE_READY_ATTRIBUTE: value})
+    return signals.spare_ready(ci)
 
 
 def _as_left(
@@ -790,6 +825,9 @@ def reconcile(
     restored = _restored_labels(settings, step, by_instance, managed)
     managed.update({i: dataclasses.replace(managed[i], attributes={**managed[i].attributes, UNIT_ATTRIBUTE: unit})
                     for i, unit in restored.items()})
+    # Read before the plan: a spare's `spare_ready` line in the same batch as a unit's loss counts for that loss.
+    launcher = _launcher_records(settings, clients, container_instances, event, retry)
+    records = launcher.values
     topology = aws.network_paths(clients.ec2, managed, retry)
     stopping_units = _units_still_stopping(managed.values())
     instances = [
@@ -799,7 +837,7 @@ def reconcile(
             unit=ci.attributes.get(UNIT_ATTRIBUTE),
             busy=(not _movable(ci) or _briefly_away(settings, ci, now, agents)
                   or ci.attributes.get(UNIT_ATTRIBUTE) in stopping_units),
-            cached=signals.spare_ready(ci),
+            cached=_cached(ci, records),
         )
         for instance_id, ci in managed.items()
     ]
@@ -821,8 +859,6 @@ def reconcile(
     puts += [_attribute(name, by_instance[i].arn, value) for i, unit in sorted(restored.items())
              for name, value in ((UNIT_ATTRIBUTE, unit), (PLACEMENT_ATTRIBUTE, PLACEMENT_TOPOLOGY
                                                           if topology.paths.get(i) else PLACEMENT_FALLBACK))]
-    launcher = _launcher_records(settings, clients, container_instances, event, retry)
-    records = launcher.values
     puts += [_attribute(name, by_instance[i].arn, v) for (i, name), v in sorted(records.items())]
     agent_puts, agent_deletes = _agent_attribute_writes(agents, by_instance)
     puts += agent_puts

@@ -17,6 +17,7 @@ import pkgutil
 import re
 
 import placement_controller
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from placement_controller import aws, blame, ecs_health, handler
@@ -96,17 +97,29 @@ def test_the_first_sighting_of_a_disconnected_agent_is_a_value_ecs_accepts(now):
 
 
 @FAST
-@given(st.floats(0, 2**34), UNITS, st.floats(0, 2**34), st.text())
-def test_the_launchers_records_are_values_ecs_accepts(ready_at, unit, released_at, revision):
-    """`spare-ready` and `unit-session` as `handler._launcher_records` makes them from the lines (members by EC2
-    instance id: no DescribeTasks)."""
+@given(st.floats(0, 2**34, exclude_max=True), UNITS, st.floats(0, 2**34), st.text(),
+       st.floats(0, 2**34, exclude_max=True))
+def test_the_launchers_records_are_values_ecs_accepts(ready_at, unit, released_at, revision, fetching_at):
+    """`spare-ready` (both kinds) and `unit-session` as `handler._launcher_records` makes them from the lines
+    (members by EC2 instance id: no DescribeTasks)."""
     lines = [{"event": "spare_ready", "task_id": "i-0a", "time": ready_at},
              {"event": "unit_session_formed", "unit_id": unit, "released_at": released_at, "revision": revision,
-              "members": [{"instance_id": "i-0b"}]}]
+              "members": [{"instance_id": "i-0b"}]},
+             {"event": "spare_fetching", "task_id": "i-0c", "time": fetching_at}]
     event = {"Records": [{"body": json.dumps({"source": EVENT_SOURCE, "detail": d})} for d in lines]}
-    instances = [aws.ContainerInstance(f"arn:{i}", i, "ACTIVE", True, 1, 0, {}) for i in ("i-0a", "i-0b")]
+    instances = [aws.ContainerInstance(f"arn:{i}", i, "ACTIVE", True, 1, 0, {}) for i in ("i-0a", "i-0b", "i-0c")]
     found = handler._launcher_records(SETTINGS, None, instances, event, aws.Retry())
-    assert len(found.values) == 2 and all(accepted(v) for v in found.values.values()), found.values
+    assert len(found.values) == 3 and all(accepted(v) for v in found.values.values()), found.values
+
+
+@pytest.mark.parametrize("when", [1e300, float("inf"), float("nan"), -1.0, "soon"])
+def test_a_spare_line_whose_time_is_no_unix_time_is_ignored_not_written(when):
+    """A value over 128 characters (1e300 written whole) or "inf" would be refused by ECS and fail the run's whole
+    PutAttributes (the other records and labels with it): such a line is ignored as malformed."""
+    line = {"event": "spare_ready", "task_id": "i-0a", "time": when}
+    event = {"Records": [{"body": json.dumps({"source": EVENT_SOURCE, "detail": line})}]}
+    instances = [aws.ContainerInstance("arn:i-0a", "i-0a", "ACTIVE", True, 1, 0, {})]
+    assert handler._launcher_records(SETTINGS, None, instances, event, aws.Retry()).values == {}
 
 
 def test_the_labels_are_values_ecs_accepts():

@@ -1798,6 +1798,96 @@ def test_a_session_end_older_than_the_target_health_s_lag_does_not_decide(monkey
     assert summary["marked_unhealthy"] == [] and summary["quarantined_tasks_stopped"] == []
 
 
+def spare_line(event: str, task: str, when: float, line_id: str = "1") -> dict:
+    """A spare task's `spare_fetching` or `spare_ready` line as the forwarder enqueues it (forward._spare)."""
+    return {"body": json.dumps({"source": "unit-launcher", "detail-type": "Spare", "id": line_id,
+                                "detail": {"event": event, "cell": "dev", "time": when, "task_id": task}})}
+
+
+def spare_record(instance: str, value: str) -> dict:
+    return {"name": "spare-ready", "value": value, "targetType": "container-instance", "targetId": arn(instance)}
+
+
+def _two_spares_one_near(cell: Cell, near_record: str) -> None:
+    """u0 lost i-0b; i-0s is a spare near its survivor i-0a, with `near_record`; i-0t, farther, logged `spare_ready`
+    an hour ago and its spare task 5pare2 still runs."""
+    cell.group(**{"i-0a": "InService", "i-0s": "InService", "i-0t": "InService"})
+    a = container("i-0a", running=1, unit="u0", unit_placement="topology")
+    s = container("i-0s", running=1, unit="spare", spare_ready=near_record)
+    t = container("i-0t", running=1, unit="spare", spare_ready=f"{NOW - 3600}")
+    cell.containers([a, s, t])
+    cell.topology(["i-0a", "i-0s", "i-0t"],
+                  [topo("i-0a", "t", "m1", "b1"), topo("i-0s", "t", "m1", "b1"), topo("i-0t", "t", "m2", "b7")])
+
+
+def test_a_spare_whose_new_spare_task_is_fetching_again_is_not_taken_for_cached():
+    """A revision deploy (or a restart) starts a new spare task on the same instance: it fetches the new model, and
+    the instance's `spare-ready` is the old task's. The new task's `spare_fetching` line now records `fetching@<time>`
+    on the instance, so the unit that lost a node gets the farther spare that has the model cached. Before (the
+    thirty-third session's Left list): the line was not forwarded and the stale record made i-0s "cached" and nearer
+    (old code: DescribeContainerInstances of 0s where 0t's was expected)."""
+    settings = dataclasses.replace(SPARE_SETTINGS, spare_nodes=2)
+    cell = Cell()
+    _two_spares_one_near(cell, f"{NOW - 7200}")
+    cell.ecs.add_response("describe_tasks", {"tasks": [{"taskArn": f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/"
+                                                                    "5pare3", "containerInstanceArn": arn("i-0s")}],
+                                             "failures": []}, {"cluster": CLUSTER, "tasks": ["5pare3"]})
+    t = container("i-0t", running=1, unit="spare", spare_ready=f"{NOW - 3600}")
+    cell.describe([t])
+    writes = [spare_record("i-0s", f"fetching@{NOW - 60}"), *put("i-0t", "u0", "topology")]
+    cell.ecs.add_response("put_attributes", {"attributes": writes}, {"cluster": CLUSTER, "attributes": writes})
+    spare_tasks(cell, {"5pare2": "i-0t", "5pare3": "i-0s"})
+    warm_task = stop_spare_task(cell, "5pare2")
+    summary = cell.run({"Records": [spare_line("spare_fetching", "5pare3", NOW - 60.4)]}, settings=settings)
+    assert summary["spares_assigned"] == {"i-0t": "u0"} and summary["spare_tasks_stopped"] == [warm_task]
+
+
+def test_a_spare_ready_line_in_the_same_batch_as_the_loss_counts_for_it():
+    """i-0s (near) had its spare task restarted: `fetching@`; its `spare_ready` comes in the batch of the run that
+    plans u0's lost node. The plan reads the batch's records first, so i-0s, cached now and nearer, is given (before:
+    the records were read after the plan, and the farther i-0t was given)."""
+    settings = dataclasses.replace(SPARE_SETTINGS, spare_nodes=2)
+    cell = Cell()
+    _two_spares_one_near(cell, f"fetching@{NOW - 300}")
+    cell.ecs.add_response("describe_tasks", {"tasks": [{"taskArn": f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/"
+                                                                    "5pare3", "containerInstanceArn": arn("i-0s")}],
+                                             "failures": []}, {"cluster": CLUSTER, "tasks": ["5pare3"]})
+    s = container("i-0s", running=1, unit="spare", spare_ready=f"fetching@{NOW - 300}")
+    cell.describe([s])
+    writes = [spare_record("i-0s", f"{NOW - 30}"), *put("i-0s", "u0", "topology")]
+    cell.ecs.add_response("put_attributes", {"attributes": writes}, {"cluster": CLUSTER, "attributes": writes})
+    spare_tasks(cell, {"5pare2": "i-0t", "5pare3": "i-0s"})
+    warm_task = stop_spare_task(cell, "5pare3")
+    summary = cell.run({"Records": [spare_line("spare_ready", "5pare3", NOW - 30.2)]}, settings=settings)
+    assert summary["spares_assigned"] == {"i-0s": "u0"} and summary["spare_tasks_stopped"] == [warm_task]
+
+
+def test_an_earlier_spare_tasks_line_come_late_does_not_overwrite_the_current_ones():
+    """Each task's log stream comes by its own delivery: the old task's `spare_ready` (an hour ago) arrives after the
+    new task's `spare_fetching` is recorded. The instance's record keeps the later line; and a task's `spare_ready` in
+    the same second as its own `spare_fetching` (a cache already complete) is "cached"."""
+    from placement_controller.handler import _spare_line_order
+
+    assert _spare_line_order(f"{NOW - 3600}") < _spare_line_order(f"fetching@{NOW - 60}")
+    assert _spare_line_order(f"fetching@{NOW}") < _spare_line_order(f"{NOW}")
+    assert _spare_line_order(None) == _spare_line_order("garbage") < _spare_line_order(f"{NOW - 3600}")
+    settings = dataclasses.replace(SPARE_SETTINGS, spare_nodes=2)
+    cell = Cell()
+    cell.group(**{"i-0a": "InService", "i-0b": "InService", "i-0s": "InService"})
+    a = container("i-0a", running=1, unit="u0", unit_placement="topology")
+    b = container("i-0b", running=1, unit="u0", unit_placement="topology")
+    s = container("i-0s", running=1, unit="spare", spare_ready=f"fetching@{NOW - 60}")
+    cell.containers([a, b, s])
+    cell.topology(["i-0a", "i-0b", "i-0s"],
+                  [topo("i-0a", "t", "m1", "b1"), topo("i-0b", "t", "m1", "b1"), topo("i-0s", "t", "m1", "b1")])
+    cell.ecs.add_response("describe_tasks", {"tasks": [{"taskArn": f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/"
+                                                                    "5pare", "containerInstanceArn": arn("i-0s")}],
+                                             "failures": []}, {"cluster": CLUSTER, "tasks": ["5pare"]})
+    spare_tasks(cell, {"5pare3": "i-0s"})
+    summary = cell.run({"Records": [spare_line("spare_ready", "5pare", NOW - 3600.3)]}, settings=settings)
+    assert summary["spares_ready"] == [] and summary["spares_assigned"] == {}
+
+
 def test_a_quarantined_host_the_group_is_terminating_is_left_to_its_draining(monkeypatch):
     """Terminating:Wait: ECS managed draining stops its tasks; and a terminated host whose agent was away keeps an
     ACTIVE container instance with a stale task count: no ListTasks for either."""

@@ -395,7 +395,7 @@ def test_an_sqs_batch_is_unwrapped_into_its_events():
     assert [r.get("source") for r in signals.records(batch)] == [None, "aws.events"]
 
 
-def test_a_spare_ready_line_is_forwarded_with_its_task_from_the_stream_name():
+def test_a_spare_ready_or_fetching_line_is_forwarded_with_its_task_from_the_stream_name():
     from placement_controller import forward
 
     line = {"event": "spare_ready", "cell": "dev", "revision": "r1", "model": "m", "local_dir": "/opt/models",
@@ -404,6 +404,11 @@ def test_a_spare_ready_line_is_forwarded_with_its_task_from_the_stream_name():
                                        "logStream": "spare/spare/0123456789abcdef0123456789abcdef"})
     assert message is not None and message["detail-type"] == "Spare Ready"
     assert message["detail"]["task_id"] == "0123456789abcdef0123456789abcdef"
+    fetching = forward.trigger_message({"id": "36", "message": json.dumps({**line, "event": "spare_fetching"}),
+                                        "logStream": "spare/spare/0123456789abcdef0123456789abcdef"})
+    assert fetching is not None and fetching["detail-type"] == "Spare Fetching"
+    assert fetching["detail"]["event"] == "spare_fetching"
+    assert fetching["detail"]["task_id"] == message["detail"]["task_id"]
     assert forward.trigger_message({"id": "38", "message": json.dumps({"event": "boot"})}) is None
 
 
