@@ -300,15 +300,21 @@ def test_the_execution_policy_lists_name_exactly_the_types_the_stacks_create(syn
     left out Lambda, SQS, SSM and EventBridge; the compile stack's left out Step Functions, Lambda and EventBridge: an
     execution policy written from them fails the first deploy. An internet-facing cell does use WAF (a newcomer's
     walkthrough, thirty-second session), and a router stack is deployed into its cells' account by hand with the
-    same bootstrap: both are checked now."""
-    cells, compiles = set(), set()
+    same bootstrap: both are checked now. The pipeline stack's own types were in no list until the thirty-fourth
+    session (its first deploy failed on CodePipeline and CodeBuild)."""
+    cells, compiles, pipelines = set(), set(), set()
     more = [synth_fleet(pin_images(load_fleet(FLEETS / name)), tmp_path_factory.mktemp(name))
-            for name in ("internet_facing.yaml", "router.yaml")]
+            for name in ("internet_facing.yaml", "router.yaml", "pipeline_two_routers.yaml")]
     for fleet in (synth_default, synth_large, synth_elastic, *more):
         for cell in fleet.fleet.cells:
             cells |= _cfn_namespaces(fleet.template_json(fleet.fleet.cell_stack_name(cell)))
         for router in fleet.fleet.routers:
             cells |= _cfn_namespaces(fleet.template_json(fleet.fleet.router_stack_name(router)))
         compiles |= _cfn_namespaces(fleet.template_json(f"{fleet.fleet.name}-Compile"))
+        for name in fleet.templates:  # the pipeline stack and its support stacks in the other regions
+            if name.startswith(f"{fleet.fleet.name}-Pipeline"):
+                pipelines |= _cfn_namespaces(fleet.template_json(name))
     assert _listed_types("policies are what CloudFormation may create in the cell") == cells
     assert _listed_types("its execution policies must also allow") == compiles
+    # Regression (a defect hunt of the deploy path, thirty-fourth session): CodePipeline and CodeBuild were in no list.
+    assert _listed_types("runs CloudFormation as that same `cfn-exec-role`") == pipelines
