@@ -919,7 +919,10 @@ def reconcile(
             "spares_assigned": dict(sorted(gifts.items())),
             "spare_tasks_stopped": stopped,
             "quarantined_tasks_stopped": quarantine_stops,
-            "spares_ready": sorted(i for i, name in records if name == signals.SPARE_READY_ATTRIBUTE),
+            "spares_ready": sorted(i for (i, name), v in records.items()
+                                   if name == signals.SPARE_READY_ATTRIBUTE and v.isdigit()),
+            "spares_fetching": sorted(i for (i, name), v in records.items()
+                                      if name == signals.SPARE_READY_ATTRIBUTE and not v.isdigit()),
             "sessions_recorded": sorted(i for i, name in records if name == signals.SESSION_ATTRIBUTE),
             "fetch_doubted": sorted(launcher.doubts),
             **start_report,

@@ -1840,6 +1840,8 @@ def test_a_spare_whose_new_spare_task_is_fetching_again_is_not_taken_for_cached(
     warm_task = stop_spare_task(cell, "5pare2")
     summary = cell.run({"Records": [spare_line("spare_fetching", "5pare3", NOW - 60.4)]}, settings=settings)
     assert summary["spares_assigned"] == {"i-0t": "u0"} and summary["spare_tasks_stopped"] == [warm_task]
+    # The run summary does not call a spare that only started fetching ready (a cold review: it did).
+    assert (summary["spares_ready"], summary["spares_fetching"]) == ([], ["i-0s"])
 
 
 def test_a_spare_ready_line_in_the_same_batch_as_the_loss_counts_for_it():

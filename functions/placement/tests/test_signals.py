@@ -452,3 +452,26 @@ def test_a_run_reads_the_target_health_once_for_the_never_formed_rule_and_the_si
     cell.updating()
     assert cell.run(ONE_UNIT)["signalled"] == []
     cell.done()
+
+
+def test_a_spare_given_to_a_unit_while_still_fetching_must_form_with_it_before_a_new_spare_is_signalled():
+    """An old instance given to u0 while its spare task was fetching carries `spare-ready = fetching@...` since the
+    thirty-fourth session: it joined the unit during the roll as any spare given to it, so the new spare i-n is
+    signalled only once u0 formed with it (a `unit-session` of u0). Before, it carried no record and counted as
+    formed at once, while u0 may still have served its old session (a cold review's probe, kept as a test)."""
+    def ci(instance: str, **attrs: str) -> aws.ContainerInstance:
+        return aws.ContainerInstance(f"arn:{instance}", instance, "ACTIVE", True, 1, 0, attrs)
+
+    def view(given: dict[str, str]) -> signals.CellView:
+        return signals.CellView(
+            units={"u0": ["i-a", "i-s"]},
+            container_instances={"i-a": ci("i-a", unit="u0"), "i-s": ci("i-s", unit="u0", **given),
+                                 "i-n": ci("i-n", unit="spare", **{"spare-ready": "100"})},
+            spares=["i-n"], spare_nodes=1)
+
+    settings = signals.SignalSettings("s", "r", "tg")
+    fetching = {"spare-ready": "fetching@50"}
+    assert list(signals.ready_instances(settings, view(fetching), {"i-n"}, None, None, healthy=lambda: {"i-a"})) == []
+    formed = {**fetching, "unit-session": "u0@60"}
+    assert list(signals.ready_instances(settings, view(formed), {"i-n"}, None, None,
+                                        healthy=lambda: {"i-a"})) == ["i-n"]
