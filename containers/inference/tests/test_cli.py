@@ -105,6 +105,19 @@ def test_bad_spec_messages(capsys, monkeypatch):
     assert "no unit spec: set UNIT_SPEC" in capsys.readouterr().err
 
 
+def test_the_log_level_is_taken_in_any_case_and_a_bad_one_is_exit_2_not_a_traceback():
+    """docs/contracts.md: UNIT_LOG_LEVEL (default INFO); a bad environment is exit 2 with a message. `debug`
+    once reached logging.basicConfig as is: ValueError, a traceback and exit 1, the engine's own status
+    (a defect hunt, thirty-fourth session)."""
+    lower = launcher("run", env={"UNIT_ROLE": "worker", "UNIT_LOG_LEVEL": "debug"})
+    # Taken: the launcher goes on to its next check (the role) and refuses that instead.
+    assert "Traceback" not in lower.stderr, lower.stderr[-600:]
+    assert lower.returncode == 2 and "UNIT_ROLE='worker' not allowed" in lower.stderr, lower.stderr[-600:]
+    bad = launcher("run", env={"UNIT_ROLE": "leader", "UNIT_LOG_LEVEL": "verbose"})
+    assert (bad.returncode, bad.stderr) == (2, "error: UNIT_LOG_LEVEL='verbose' not allowed; allowed: DEBUG, INFO, "
+                                               "WARNING, ERROR, CRITICAL (any case; default INFO)\n")
+
+
 # -- the command line's conventions: --version, run --help, usage errors, a closed pipe ------------
 
 PACKAGE = REPO / "containers" / "inference"

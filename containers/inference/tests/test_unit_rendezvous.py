@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import random
+import re
 import signal
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
+from unit_launcher import rendezvous
 
 pytestmark = pytest.mark.timeout(90)
 
 EXIT_FORM_TIMEOUT, EXIT_UNIT_LOST = 3, 5
+CONTRACTS = Path(__file__).resolve().parents[3] / "docs" / "contracts.md"
 
 
 def _serving(h, port: int, size: int):
@@ -212,3 +218,90 @@ def test_a_stray_node_does_not_end_a_session_whose_members_answer(tmp_path, unit
     assert leader.process.poll() is None
     again = _serving(h, spec["rendezvous"]["port"], 2)
     assert again is not None and again["session_id"] == status["session_id"]
+
+
+def _post(port: int, path: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        raw = error.read()
+        try:
+            return error.code, json.loads(raw)
+        except ValueError:
+            return error.code, {"raw": raw.decode(errors="replace")[:200]}
+
+
+def test_a_join_with_a_bad_wait_seconds_is_refused_400_and_not_counted(tmp_path, unit_nodes, h):
+    """docs/contracts.md, `POST /join`: bad input is 400 naming the field. A `wait_seconds` that is not a
+    number was a 500 from float() after the joiner had been counted: in a unit of 2 it took the follower's
+    place and released the unit with a member that never read its release (a defect hunt, thirty-fourth
+    session)."""
+    spec = h.cpu_spec(2, record_dir=tmp_path)
+    port = spec["rendezvous"]["port"]
+    unit_nodes(spec, "leader", "i-leader")
+    h.wait_for(lambda: h.get_status(port), 20, "the leader's /status")
+    join = {"cell": spec["cell"], "unit_id": spec["unit_id"], "revision": spec["revision"], "address": "127.0.0.9",
+            "instance_id": "i-ghost", "incarnation": "x"}
+    for bad in (None, "soon", "5", -1, True, [5], float("nan"), float("inf")):
+        status, doc = _post(port, "/join", {**join, "wait_seconds": bad})
+        after = h.get_status(port)
+        assert ([m["instance_id"] for m in after["members"]], after["state"], status) == (["i-leader"], "forming",
+                                                                                           400), (bad, doc)
+        assert "wait_seconds" in doc["error"] and "allowed: a finite number of seconds >= 0, or absent" in \
+            doc["error"], doc
+    # A number is taken as before (0: answered at once).
+    status, doc = _post(port, "/join", {**join, "wait_seconds": 0})
+    assert status == 200 and "i-ghost" in [m["instance_id"] for m in doc["members"]], doc
+
+
+def test_a_join_whose_ids_are_not_text_is_refused_400_and_not_counted(tmp_path, unit_nodes, h):
+    """The same pattern as `wait_seconds`: `_body` took a number for any required field, and a numeric
+    `instance_id` completing the unit met the release's sort of the followers by address, then instance id:
+    TypeError, a 500, and the number counted as a member (found checking the other handlers after the defect
+    hunt of the thirty-fourth session)."""
+    spec = h.cpu_spec(3, record_dir=tmp_path)
+    port = spec["rendezvous"]["port"]
+    unit_nodes(spec, "leader", "i-leader")
+    h.wait_for(lambda: h.get_status(port), 20, "the leader's /status")
+    join = {"cell": spec["cell"], "unit_id": spec["unit_id"], "revision": spec["revision"], "address": "127.0.0.9",
+            "incarnation": "x", "wait_seconds": 0}
+    # Joined, and the leader has its artifacts: the next member releases the unit.
+    h.wait_for(lambda: _post(port, "/join", {**join, "instance_id": "i-f1"})[1]["leader_ready"], 20, "leader ready")
+    status, doc = _post(port, "/join", {**join, "instance_id": 7})
+    after = h.get_status(port)  # sorts the members the same way: it failed too, for the proxy's unit gate
+    assert after is not None and status == 400, (status, doc, after)
+    assert [m["instance_id"] for m in after["members"]] == ["i-leader", "i-f1"], after
+    assert doc["error"] == "missing or invalid fields: instance_id", doc
+
+
+def _refusals(function: ast.AST, methods: dict[str, ast.FunctionDef | ast.AsyncFunctionDef]) -> set[str]:
+    """The `reason`s of the 409s `function` answers: the first argument of its `self._refuse(...)` calls, and
+    of those of the methods it calls (`self._refuse_withdrawn(...)`)."""
+    reasons: set[str] = set()
+    for node in ast.walk(function):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                isinstance(node.func.value, ast.Name) and node.func.value.id == "self":
+            if node.func.attr == "_refuse" and isinstance(node.args[0], ast.Constant):
+                reasons.add(node.args[0].value)
+            elif node.func.attr in methods and node.func.attr != function.name:
+                reasons |= _refusals(methods[node.func.attr], methods)
+    return reasons
+
+
+def test_the_contract_names_every_refusal_the_rendezvous_endpoint_answers():
+    """A client or runbook switches on the 409 `reason`: docs/contracts.md names each one `/join` answers, and
+    every other one the endpoint answers. `duplicate` (a join with the leader's own instance id) was missing
+    (a defect hunt, thirty-fourth session)."""
+    tree = ast.parse(Path(rendezvous.__file__).read_text())
+    leader = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "LeaderSession")
+    methods = {n.name: n for n in leader.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+    text = " ".join(CONTRACTS.read_text().split())
+    listed = re.search(r"`POST /join` \{.*?409 with `reason` ((?:`\w+`\|?)+)", text)
+    assert listed, "docs/contracts.md: no `POST /join` ... 409 with `reason` `a`|`b` list"
+    assert set(re.findall(r"`(\w+)`", listed.group(1))) == _refusals(methods["_join"], methods)
+    every = set().union(*(_refusals(m, methods) for m in methods.values()))
+    assert {"session_changed", "not_serving", "no_drain_requested"} <= every
+    assert not {reason for reason in every if f"`{reason}`" not in text}

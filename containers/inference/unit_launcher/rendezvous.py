@@ -42,6 +42,7 @@ import asyncio
 import ipaddress
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import Mapping
@@ -146,6 +147,18 @@ def _sort_key(member: Member) -> tuple[Any, ...]:
     except ValueError:
         address = (1, member.address)
     return (*address, member.instance_id)
+
+
+def _join_wait(body: dict[str, Any]) -> float:
+    """How long a /join is held open: its `wait_seconds` (a finite number >= 0; absent: JOIN_POLL_SECONDS),
+    at most JOIN_POLL_SECONDS. Anything else is a 400 naming the field, as `_body`'s checks answer: it was a
+    500 from float() after the joiner had been counted, which could complete and release the unit with a
+    member that never read its release (a defect hunt, thirty-fourth session)."""
+    value = body.get("wait_seconds", JOIN_POLL_SECONDS)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        error = f"invalid field: wait_seconds {value!r:.40}; allowed: a finite number of seconds >= 0, or absent"
+        raise web.HTTPBadRequest(text=json.dumps({"error": error}), content_type="application/json")
+    return min(float(value), JOIN_POLL_SECONDS)
 
 
 @dataclass
@@ -526,9 +539,9 @@ class LeaderSession:
             raise web.HTTPBadRequest(
                 text='{"error": "body is not JSON"}', content_type="application/json"
             ) from None
-        missing = [
-            k for k in required if not isinstance(body, dict) or not isinstance(body.get(k), str | int)
-        ]
+        # Text only: every client sends these as strings, and a number taken as an instance id once met the
+        # release's and /status's sort of the members (str against int): a 500 after it was counted.
+        missing = [k for k in required if not isinstance(body, dict) or not isinstance(body.get(k), str)]
         if missing:
             raise web.HTTPBadRequest(
                 text=f'{{"error": "missing or invalid fields: {", ".join(missing)}"}}',
@@ -542,6 +555,7 @@ class LeaderSession:
 
     async def _join(self, request: web.Request) -> web.Response:
         body = await self._body(request, ("cell", "unit_id", "revision", "address", "instance_id"))
+        wait = _join_wait(body)  # before any state changes: a bad join must not be counted
         spec = self.spec
         who = f"{body['address']} ({body['instance_id']})"
         if (body["cell"], body["unit_id"]) != (spec.cell, spec.unit_id):
@@ -599,7 +613,6 @@ class LeaderSession:
             log.info("joined: %s (%d/%d)", who, len(self.members), spec.size)
         member.address, member.last_seen, member.incarnation = str(body["address"]), now, incarnation
         self._maybe_release()
-        wait = max(0.0, min(float(body.get("wait_seconds", JOIN_POLL_SECONDS)), JOIN_POLL_SECONDS))
         member.open_requests += 1
         try:
             await asyncio.wait_for(self._released_or_ended(), wait)

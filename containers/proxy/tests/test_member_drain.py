@@ -153,3 +153,30 @@ async def test_the_draining_gauge_returns_to_0_once_a_new_session_ends_a_followe
         text = await resp.text()
     line = next(m for m in text.splitlines() if m.startswith("unit_proxy_draining "))
     assert line.endswith(" 0.0"), line
+
+
+async def test_load_and_ready_say_draining_while_the_proxy_drains_for_a_stopping_follower(
+    make_proxy: ProxyFactory, launcher: FakeLauncher
+) -> None:
+    """A defect hunt (thirty-fourth session): `/load` and `/ready` `draining` said false through a follower's
+    drain (SIGTERM only), while /health was 503 "draining: ..." and the unit_proxy_draining gauge 1. They now
+    say what the gauge says, and go back to false with it when a new session ends the drain."""
+
+    async def admin(session: aiohttp.ClientSession) -> tuple[str, bool, bool]:
+        async with session.get(proxy.admin_url + "/metrics") as resp:
+            gauge = next(m for m in (await resp.text()).splitlines() if m.startswith("unit_proxy_draining "))
+        async with session.get(proxy.admin_url + "/load") as resp:
+            load = (await resp.json())["draining"]
+        async with session.get(proxy.admin_url + "/ready") as resp:
+            ready = (await resp.json())["draining"]
+        return gauge, load, ready
+
+    proxy = await make_proxy(drain_seconds=30, drain_timeout_seconds=30)
+    async with aiohttp.ClientSession() as session:
+        assert await admin(session) == ("unit_proxy_draining 0.0", False, False)
+        launcher.status["drain_requested"] = REQUEST
+        await wait_until(_is(lambda: health(session, proxy.url), 503), timeout=3, what="/health 503 for the drain")
+        assert await admin(session) == ("unit_proxy_draining 1.0", True, True)
+        launcher.status.update(session_id="s-2", state="serving", drain_requested=None)
+        await wait_until(lambda: proxy.state.health.healthy, what="healthy again")
+        assert await admin(session) == ("unit_proxy_draining 0.0", False, False)

@@ -236,7 +236,7 @@ def ready_doc(state: ProxyState) -> tuple[int, dict[str, Any]]:
     doc: dict[str, Any] = {
         "healthy": not reasons,
         "reasons": reasons,
-        "draining": health.draining,
+        "draining": health.any_draining,
         "engine": {"ok": last.engine_ok, "detail": last.engine_detail},
         "unit": {"ok": last.unit_ok, "detail": last.unit_detail, "launcher_status": last.launcher},
         # Why data requests are refused with 503 unit_unavailable now; null: they are served.
@@ -260,7 +260,7 @@ def ready_doc(state: ProxyState) -> tuple[int, dict[str, Any]]:
 def load_doc(state: ProxyState) -> dict[str, Any]:
     doc = state.telemetry.load_json()
     doc["max_inflight"] = state.settings.max_inflight
-    doc["draining"] = state.health.draining
+    doc["draining"] = state.health.any_draining
     launcher = state.health.last.launcher or {}
     doc["unit_last_failure"] = launcher.get("last_failure")
     doc["unit_backoff"] = launcher.get("backoff")

@@ -78,6 +78,12 @@ class HealthState:
         return self.member_drain is not None and self.member_drain.active
 
     @property
+    def any_draining(self) -> bool:
+        """The proxy drains, for SIGTERM or for a stopping follower: what the unit_proxy_draining gauge and
+        `draining` of /load and /ready say (those two said SIGTERM only: a defect hunt, thirty-fourth session)."""
+        return self.draining or self.member_draining
+
+    @property
     def canary_ok(self) -> bool | None:
         """The last canary's verdict: None until one finished in this session."""
         verdict = self.canary.verdict if self.canary is not None else None
@@ -248,7 +254,7 @@ class HealthMonitor:
         self.telemetry.set_healthy(self.state.healthy)
         # 1 while the proxy drains, for SIGTERM or for a stopping follower; a follower's drain ends with the
         # new session (the gauge stayed 1 for the container's life: a defect hunt, thirty-second session).
-        self.telemetry.set_draining(self.state.draining or self.state.member_draining)
+        self.telemetry.set_draining(self.state.any_draining)
         if was != self.state.healthy:
             log.log(
                 logging.INFO if self.state.healthy else logging.WARNING,

@@ -11,6 +11,7 @@ its causes are read from its source: every string that can become a session's `c
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,8 @@ from placement_controller.failures import (
     failure_from_event,
 )
 
-LAUNCHER = Path(__file__).resolve().parents[3] / "containers" / "inference" / "unit_launcher"
+ROOT = Path(__file__).resolve().parents[3]
+LAUNCHER = ROOT / "containers" / "inference" / "unit_launcher"
 CLASSIFIED = IMPLICATING_CAUSES | IMPLICATING_WITH_EXIT_STATUS | set(NOT_IMPLICATING_CAUSES)
 
 
@@ -125,6 +127,33 @@ def test_every_launcher_cause_is_decided_on():
     assert CLASSIFIED - CONTROLLER_CAUSES - causes == set(), (
         "the launcher no longer writes these: remove them from failures.py"
     )
+
+
+# Causes no session-end line carries: the fallback no code path reaches, and a follower's history record
+# (docs/self-healing.md lists them; the event's contract does not).
+NOT_LOGGED = {"unknown", "session_changed"}
+
+
+def _named(text: str) -> set[str]:
+    return set(re.findall(r"`([a-z_]+)`", text))
+
+
+def test_the_docs_name_every_cause_the_launcher_writes():
+    """Dashboards, alarms and runbooks switch on `cause`: docs/contracts.md (the event's `cause` row),
+    docs/runtime.md and docs/self-healing.md (its table) name exactly the causes the launcher writes.
+    `engine_start_failed` was missing from the first two (a defect hunt, thirty-fourth session)."""
+    causes = launcher_causes()
+    docs = ROOT / "docs"
+    row = next(line for line in (docs / "contracts.md").read_text().splitlines()
+               if line.startswith("| `cause`, `reason` |"))
+    assert _named(row) & CLASSIFIED == causes - NOT_LOGGED, "docs/contracts.md, the unit_session_end `cause` row"
+    runtime = " ".join((docs / "runtime.md").read_text().split())
+    passage = re.search(r"The leader writes the causes (.*?) Each cause, and whether", runtime)
+    assert passage and _named(passage.group(1)) & CLASSIFIED == causes - NOT_LOGGED, "docs/runtime.md"
+    healing = (docs / "self-healing.md").read_text()
+    table = healing[healing.index("| `cause` | meaning |"):].split("\n\n")[0]
+    first = {m for line in table.splitlines()[2:] for m in re.findall(r"^\| `([a-z_]+)` \|", line)}
+    assert first == causes, "docs/self-healing.md, the table of causes"
 
 
 def test_the_controllers_own_causes_are_classified_and_never_written_by_the_launcher():
