@@ -1,11 +1,13 @@
-"""A follower stopped on purpose while it joins (its join answer not yet read): the leader must
-not count it as lost. Real follower processes against a leader on loopback; the interleavings
-are made deterministic by the leader's backoff (the follower is a member, not yet released) and
-by holding the leader's release answer until the follower has been stopped."""
+"""A follower stopped on purpose while it joins (its join answer not yet read), or that gives up
+at its own join deadline: the leader must not count it as lost. Real follower processes against
+a leader on loopback; the interleavings are made deterministic by the leader's backoff (the
+follower is a member, not yet released) and by holding the leader's release answer until the
+follower has been stopped (or has given up)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 from pathlib import Path
@@ -138,6 +140,58 @@ async def test_a_follower_killed_while_its_release_answer_is_in_flight_is_still_
         assert session.ended_by is not None and session.ended_by.instance_id == "i-f1"
 
 
+async def test_a_follower_that_gave_up_joining_is_not_released_and_then_blamed(tmp_path, unit_nodes, h):
+    """Unit of 3, the leader ready and waiting for its second follower (its host still being replaced).
+    Follower f1 joined early; its own join deadline (counted from its own discovery, earlier than the
+    leader's, which starts after the leader's fetch and backoff) expires and it exits 3 (form timeout,
+    nothing wrong with its host). ECS restarts it on the same host as a new task (new task ARN, f1b).
+    The leader must not release a session that counts the departed f1 and then end it as
+    `heartbeat_loss` naming f1 (an accusation the placement controller counts against f1's host).
+    Found by a defect hunt in the thirty-fourth session."""
+    # A loss limit above f1b's start-up: the old leader still counted f1 when f1b joined.
+    spec = h.cpu_spec(3, record_dir=tmp_path, join_timeout_seconds=4, follower_loss_seconds=6.0)
+    async with _HeldLeader(spec) as leader:
+        leader.let_go.set()  # nothing held: every answer goes out at once
+        session = leader.session
+        f1 = unit_nodes({**spec, "state_dir": str(tmp_path / "f1-state")}, "follower", "i-f1")
+        assert await _exit_status(f1, 30) == 3, f1.log  # its join deadline: EXIT_FORM_TIMEOUT
+        assert "did not form" in f1.log
+        f1b = unit_nodes({**spec, "state_dir": str(tmp_path / "f1-state")}, "follower", "i-f1b")
+        # Either the unit stays forming (2 of 3: leader and f1b), or it is released and ends.
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not session.ended.is_set():
+            await asyncio.sleep(0.1)
+        f1b.stop()
+        assert not (session.cause == "heartbeat_loss" and session.ended_by
+                    and session.ended_by.instance_id == "i-f1"), (
+            f"the leader released a session with the follower that had already given up and exited, then "
+            f"blamed it: {session.cause}: {session.end_reason}; members at release: {session.describe_members()}")
+        assert "i-f1" not in session.members, session.describe_members()
+
+
+async def test_a_follower_that_gave_up_with_its_release_answer_lost_ends_the_session_as_a_form_timeout(
+    tmp_path: Path, unit_nodes, h
+):
+    """Released by its own join, the answer never read (held past the follower's request timeout:
+    a lost answer), and the follower's join deadline passed meanwhile: it exits 3 and withdraws.
+    The session ends at once as `form_timeout`, naming nobody, as the leader's own join deadline
+    does; never as `heartbeat_loss` naming the follower once the loss limit has passed."""
+    # The loss limit far above the follower's request timeout (rendezvous.JOIN_POLL_SECONDS + 5 s).
+    spec = h.cpu_spec(2, record_dir=tmp_path, join_timeout_seconds=2, follower_loss_seconds=40.0)
+    async with _HeldLeader(spec) as leader:
+        follower = unit_nodes({**spec, "state_dir": str(tmp_path / "f1-state")}, "follower", "i-f1")
+        await asyncio.wait_for(leader.holding.wait(), 20)
+        session = leader.session
+        assert session.released.is_set() and session.members["i-f1"].rank == 1  # counted, answer held
+        assert await _exit_status(follower, 30) == 3, follower.log  # gave up: EXIT_FORM_TIMEOUT
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(session.ended.wait(), 5)
+        assert (session.cause, session.deliberate_end, session.ended_by) == ("form_timeout", False, None), (
+            f"the session still counts the follower that gave up: {session.cause}: {session.end_reason}; "
+            f"members: {session.describe_members()}")
+        assert "i-f1" in session.end_reason and "gave up joining" in session.end_reason, session.end_reason
+
+
 async def _post(http: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dict]:
     async with http.post(url, json=body) as response:
         return response.status, await response.json(content_type=None)
@@ -181,6 +235,10 @@ async def test_a_withdrawal_that_overtakes_its_join_keeps_that_join_out(tmp_path
             assert (code, answer["reason"]) == (409, "wrong_unit"), answer
             code, answer = await _post(http, base + rendezvous.WITHDRAW_PATH, {**withdrawal, "incarnation": ""})
             assert code == 400 and "incarnation" in answer["error"], answer
+            code, answer = await _post(http, base + rendezvous.WITHDRAW_PATH,
+                                       {**withdrawal, "incarnation": "p3", "cause": "bored"})
+            assert code == 400 and "'bored'" in answer["error"] and "form_timeout" in answer["error"], answer
+            assert session.members["i-f1"].incarnation == "p3"  # refused: still a member
 
             # Anyone on the port may post withdrawals: the leader keeps the newest WITHDRAWN_KEPT.
             for n in range(rendezvous.WITHDRAWN_KEPT + 10):

@@ -142,7 +142,10 @@ def test_follower_of_another_revision_is_refused(tmp_path, unit_nodes, h):
 def test_missing_member_times_out_naming_who_joined_and_how_many_are_missing(tmp_path, unit_nodes, h):
     spec = h.cpu_spec(3, record_dir=tmp_path, join_timeout_seconds=2.5)
     leader = unit_nodes(spec, "leader", "i-leader")
-    follower = unit_nodes(spec, "follower", "i-f1")
+    # The follower's own deadline after the leader's: one that gives up first withdraws its join
+    # (a defect hunt, thirty-fourth session), and the leader would count 1/3.
+    later = {**spec, "rendezvous": {**spec["rendezvous"], "join_timeout_seconds": 8}}
+    follower = unit_nodes(later, "follower", "i-f1")
     assert leader.wait(20) == EXIT_FORM_TIMEOUT, leader.log
     assert "unit u0 did not form within 2.5 s: 2/3 members joined" in leader.log
     assert "127.0.0.1 (i-f1)" in leader.log and "missing 1 follower(s)" in leader.log

@@ -34,6 +34,14 @@ session at once as `member_stopping`, deliberate (its engines cannot have starte
 said ready). Either way the leader refuses any later `/join` of that launcher process, as the
 cut-short join may arrive after the withdrawal. A follower that dies says nothing, and stays
 lost.
+
+A follower whose own join deadline passes (or whose leader lookup fails meanwhile) withdraws
+the same way before it exits 3, with cause `form_timeout`: it gave up, and a leader that
+still counted it would release it with the next joiner (ECS's restart of the same follower
+is another task, another member) and then find it silent, `heartbeat_loss` naming a
+healthy host. A forming member is dropped; a released one (its answer lost or late) ends
+the session at once as `form_timeout`, naming nobody, as the leader's own join deadline
+does (a defect hunt, thirty-fourth session).
 """
 
 from __future__ import annotations
@@ -73,6 +81,10 @@ DRAINED_PATH = "/drained"
 MEMBER_STOPPING = "member_stopping"
 # Where a follower stopped while it joins withdraws its join (it may already be a member).
 WITHDRAW_PATH = "/withdraw"
+# The unit did not form by the join deadline (the leader's own, or a follower's that gave up joining).
+FORM_TIMEOUT = "form_timeout"
+# Why a follower withdraws: its task is stopping, or its own join deadline passed.
+WITHDRAW_CAUSES = (MEMBER_STOPPING, FORM_TIMEOUT)
 # Withdrawn launcher processes a leader remembers (the oldest forgotten first): a unit has a few members,
 # and a withdrawal needs no membership, so the record must not grow with whatever is posted to the port.
 WITHDRAWN_KEPT = 64
@@ -754,24 +766,33 @@ class LeaderSession:
         return web.json_response({"ended": True, "cause": self.cause, "reason": self.end_reason})
 
     async def _withdraw(self, request: web.Request) -> web.Response:
-        """POST {cell, unit_id, instance_id, incarnation, reason} from a follower stopped while it joined."""
+        """POST {cell, unit_id, instance_id, incarnation, reason, cause} from a follower stopped while it
+        joined, or that gave up joining at its own deadline."""
         body = await self._body(request, ("cell", "unit_id", "instance_id", "incarnation"))
         if not body["incarnation"]:
             raise web.HTTPBadRequest(text='{"error": "incarnation must name the launcher process that joined"}',
                                      content_type="application/json")
+        # Absent: a follower of a version that withdrew only when stopped.
+        cause = body.get("cause", MEMBER_STOPPING)
+        if cause not in WITHDRAW_CAUSES:
+            raise web.HTTPBadRequest(
+                text=json.dumps({"error": f"cause {cause!r} is not one of {', '.join(WITHDRAW_CAUSES)}"}),
+                content_type="application/json")
         if (body["cell"], body["unit_id"]) != (self.spec.cell, self.spec.unit_id):
             return self._refuse("wrong_unit", f"{body['instance_id']} withdraws from unit {body['unit_id']} of cell "
                                               f"{body['cell']}; this is the leader of unit {self.spec.unit_id} of "
                                               f"cell {self.spec.cell}")
-        member = self.withdraw(str(body["instance_id"]), str(body["incarnation"]), str(body.get("reason") or "stop"))
+        member = self.withdraw(str(body["instance_id"]), str(body["incarnation"]), str(body.get("reason") or "stop"),
+                               cause=cause)
         return web.json_response({"member": member is not None, "ended": member is not None and self.ended.is_set(),
                                   "state": self.state, "cause": self.cause})
 
-    def withdraw(self, instance_id: str, incarnation: str, reason: str) -> Member | None:
-        """A follower's launcher process was stopped while it joined: it never read this leader's
-        answer. Refuse its joins from now on; drop it if forming, else end the session for it as a
-        deliberate stop (the first cause wins: a session that already ended keeps its own).
-        Returns the member it was, or None when this leader did not count it."""
+    def withdraw(self, instance_id: str, incarnation: str, reason: str, cause: str = MEMBER_STOPPING) -> Member | None:
+        """A follower's launcher process was stopped while it joined (`member_stopping`), or gave up
+        at its own join deadline (`form_timeout`): it never read this leader's answer. Refuse its
+        joins from now on; drop it if forming, else end the session for it (the first cause wins: a
+        session that already ended keeps its own). Returns the member it was, or None when this
+        leader did not count it."""
         self.withdrawn[(instance_id, incarnation)] = None
         while len(self.withdrawn) > WITHDRAWN_KEPT:  # anyone on the port may post: keep it bounded
             del self.withdrawn[next(iter(self.withdrawn))]
@@ -785,6 +806,12 @@ class LeaderSession:
             del self.members[instance_id]
             return member
         # Released, but it never read the release, so never said ready: no engine started, nothing to drain.
+        if cause == FORM_TIMEOUT:
+            # Nothing says its host failed (its answer came late or was lost): named in words only,
+            # as the leader's own form timeout names nobody (placement_controller.failures).
+            self.end(f"unit {self.spec.unit_id} did not form for follower {member.describe()}: it gave up "
+                     f"joining ({reason}) and withdrew before it read the release", cause=FORM_TIMEOUT)
+            return member
         self.end(
             f"follower {member.describe()} is stopping (its task was told to stop); session ended at once: "
             f"it withdrew its join ({reason}) before it read the release",
@@ -1004,13 +1031,14 @@ WITHDRAW_SECONDS = 2.0
 
 
 async def withdraw(http: aiohttp.ClientSession, spec: UnitSpec, leaders: set[str], *, instance_id: str,
-                   reason: str) -> list[str]:
-    """This node was stopped while it joined: tell every leader it asked, at once, that this
-    launcher process withdraws (a leader may already count it, or have released it with its
-    answer in flight), so that its end is recorded as a stop, not as a lost member. Returns the
-    leaders that counted it; one that cannot be reached is logged (it will find the node silent)."""
+                   reason: str, cause: str = MEMBER_STOPPING) -> list[str]:
+    """This node was stopped while it joined (`member_stopping`), or gave up at its own join
+    deadline (`form_timeout`): tell every leader it asked, at once, that this launcher process
+    withdraws (a leader may already count it, or have released it with its answer in flight or
+    lost), so that its end is recorded as what it was, not as a lost member. Returns the leaders
+    that counted it; one that cannot be reached is logged (it will find the node silent)."""
     body = {"incarnation": INCARNATION, "cell": spec.cell, "unit_id": spec.unit_id, "instance_id": instance_id,
-            "reason": reason}
+            "reason": reason, "cause": cause}
 
     async def tell(leader: str) -> bool:
         url = f"http://{leader}:{spec.rendezvous.port}{WITHDRAW_PATH}"

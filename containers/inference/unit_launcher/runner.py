@@ -769,8 +769,25 @@ async def _run_follower(spec: UnitSpec, me: Identity, env: Mapping[str, str], si
             release = joining.result()
         except (rendezvous.JoinError, DiscoveryError) as error:
             log.error("%s", error)
+            await _withdraw_given_up(http, spec, me, asked, error)
             return EXIT_FORM_TIMEOUT
         return await _follow(http, spec, me, release, signals, health)
+
+
+async def _withdraw_given_up(http: aiohttp.ClientSession, spec: UnitSpec, me: Identity, asked: set[str],
+                             error: Exception) -> None:
+    """This follower gives up joining (its join deadline passed, or its leader lookup failed):
+    a leader it asked may still count it (a member since its first /join, or released with the
+    answer lost or late). Unsaid, that leader would release it with the next joiner (ECS's
+    restart of this follower is another task, another member) and record it lost
+    (`heartbeat_loss`), an accusation against this healthy host (a defect hunt, thirty-fourth
+    session). At most `rendezvous.WITHDRAW_SECONDS`, as on a stop."""
+    gave_up = ("its leader lookup failed" if isinstance(error, DiscoveryError)
+               else f"its join deadline of {spec.rendezvous.join_timeout_seconds:g} s passed")
+    counted = await rendezvous.withdraw(http, spec, asked, instance_id=me.instance_id, reason=gave_up,
+                                        cause=rendezvous.FORM_TIMEOUT)
+    if counted:
+        log.info("withdrew from leader %s: %s", ", ".join(counted), gave_up)
 
 
 async def _fetch_before_joining(spec: UnitSpec, me: Identity, signals: _Signals) -> int | None:
