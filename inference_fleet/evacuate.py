@@ -12,7 +12,7 @@ evacuated set from (docs/router.md "Evacuation", docs/contracts.md "Router param
   operators evacuating at the same instant race (last write wins; Parameter Store has no
   conditional write), so the command reads it back and says what it holds. With `--wait` it then
   reads every router task's report (`<prefix>/tasks/<id>`, GetParametersByPath) until each live
-  task says it applied that version and has no stream left on the cell.
+  task says it applied that version and has no stream left on the cell, or does not front the cell.
 - locally (`--local FILE`), the router's ROUTER_EVACUATION_FILE, written atomically
   (rename); with `--status-url` the command waits until the router reports the cell empty.
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -228,9 +229,22 @@ def task_reports(ssm: Any, path: str) -> list[tuple[str, datetime, str]]:
             return found
 
 
+def _undone(task: str, report: TaskReport, prefix: str, cell: str) -> EvacuateError:
+    """A task at the version written or later that does not drain the cell. With `fronts` in its report the task
+    fronts the cell (empty_at skipped it otherwise), so an evacuation written since restored it. A report without
+    `fronts` (a router agent older than the field) may also come from a task that does not front the cell: both
+    causes are named, and the wait still fails, since an undo would send the cell router traffic again."""
+    applied = f"router task {task} applied version {report.version} of {prefix}/evacuated"
+    if report.fronts is None:
+        return EvacuateError(f"{applied} and does not drain {cell}: another evacuation was written since, or the "
+                             f"task does not front {cell} (its report does not say which cells it fronts: a router "
+                             "image older than the report's `fronts` field; redeploy the router)")
+    return EvacuateError(f"{applied}, which no longer evacuates {cell}: another evacuation was written since")
+
+
 def empty_at(ssm: Any, prefix: str, cell: str, version: int, now: datetime) -> tuple[bool, list[str]]:
     """Whether every live router task (a report younger than REPORT_STALE_SECONDS) applied `version` or a
-    later one and has no stream left on the cell; and what each task says."""
+    later one and has no stream left on the cell, or does not front it; and what each task says."""
     live, said = 0, []
     for name, modified, value in task_reports(ssm, reports_path(prefix)):
         age = (now - modified).total_seconds()
@@ -244,9 +258,13 @@ def empty_at(ssm: Any, prefix: str, cell: str, version: int, now: datetime) -> t
         except (ValueError, KeyError, TypeError):
             said.append(f"{task}: unreadable report {value[:60]!r}")
             return False, said
+        if report.fronts is not None and cell not in report.fronts:
+            # Its HAProxy has no server for the cell (ROUTER_CELLS leaves it out: the router stack not yet
+            # deployed with the cell, or an old task of a rolling deploy): it carries none of its traffic.
+            said.append(f"{task}: does not front {cell}, nothing to drain")
+            continue
         if report.version >= version and cell not in report.evacuated:
-            raise EvacuateError(f"router task {task} applied version {report.version} of {prefix}/evacuated, "
-                                f"which no longer evacuates {cell}: another evacuation was written since")
+            raise _undone(task, report, prefix, cell)
         if report.version < version:
             said.append(f"{task}: still at version {report.version}")
             return False, said
@@ -323,6 +341,18 @@ def wait_empty(status_url: str, cell: str, timeout: float) -> float:
         time.sleep(0.2)
 
 
+def _timeout_seconds(text: str) -> float:
+    """--timeout: a finite number of seconds above 0. argparse's `float` took `nan`, `inf` and negatives; with
+    nan or inf `clock() - start > timeout` is never true and `--wait` never gave up."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text} s is not allowed; allowed: a finite number of seconds above 0")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cell", required=True, help="the cell to evacuate (cells[].name)")
     parser.add_argument("--undo", action="store_true", help="send new requests to the cell again")
@@ -332,7 +362,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --local: the router's admin URL; wait until it reports the cell empty")
     parser.add_argument("--wait", action="store_true",
                         help="on AWS: wait until every router task reports the cell empty (its streams finished)")
-    parser.add_argument("--timeout", type=float, default=HARD_STOP_SECONDS + 60.0,
+    parser.add_argument("--timeout", type=_timeout_seconds, default=HARD_STOP_SECONDS + 60.0,
                         help="longest wait for --status-url or --wait (s; default: the router's 905 s hard stop and "
                              "a minute)")
     parser.add_argument("--force", action="store_true", help="evacuate even the last cell of a router")

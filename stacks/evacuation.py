@@ -7,8 +7,9 @@ runs `Evacuate-<cell>` before `Deploy-<cell>`:
     python -m inference_fleet evacuate --config <fleet file> --cell <cell> --wait
 
 It writes the cell into each fronting router's SSM parameter and waits until every live router
-task reports the cell applied and empty (its streams finished; unit_proxy.router_ssm), so the
-update's outage reaches no client. A stage `Restore-<wave>` after the wave's bake runs
+task reports the cell applied and empty (its streams finished; unit_proxy.router_ssm), or does not front it
+(a router not yet deployed with the cell: this pipeline does not deploy routers), so the update's outage reaches
+no client. A stage `Restore-<wave>` after the wave's bake runs
 `Restore-<cell>` (`--undo`), which leaves the cell evacuated when a newer execution (the pipeline runs in
 SUPERSEDED mode) has entered the wave's stage since and started its own `Evacuate-<cell>`: the newer
 execution's restore follows its bake (`inference_fleet.evacuate.newer_evacuation`; it reads the pipeline's

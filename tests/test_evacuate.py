@@ -22,6 +22,8 @@ import pytest
 import yaml
 from aiohttp import web
 from botocore.stub import Stubber
+from unit_proxy.router import RouterState, SsmSource
+from unit_proxy.router_config import RouterSettings
 from unit_proxy.router_ssm import TaskReport
 
 from inference_fleet import evacuate, exit_codes
@@ -374,11 +376,13 @@ TASKS = "/inference-fleet/Rufus/router/us-east-2/tasks"
 NOW = datetime(2026, 12, 1, 22, 0, tzinfo=UTC)
 
 
-def _reports(*reports: tuple[str, int, list[str], list[str], float]) -> dict[str, Any]:
-    """GetParametersByPath's answer: (task, version, evacuated, empty, age in s) per report."""
+def _reports(*reports: tuple[str, int, list[str], list[str], float],
+             fronts: tuple[str, ...] | None = ("dev", "prod")) -> dict[str, Any]:
+    """GetParametersByPath's answer: (task, version, evacuated, empty, age in s) per report, each task fronting
+    `fronts` (None: a report of a router agent older than the field, which did not say)."""
     return {"Parameters": [
         {"Name": f"{TASKS}/{task}", "Type": "String", "Version": 3, "LastModifiedDate": NOW - timedelta(seconds=age),
-         "Value": TaskReport(task, version, evacuated, empty).to_json()}
+         "Value": TaskReport(task, version, evacuated, empty, None if fronts is None else list(fronts)).to_json()}
         for task, version, evacuated, empty, age in reports]}
 
 
@@ -410,7 +414,16 @@ def test_wait_until_every_live_task_reports_the_cell_empty(fleet: FleetConfig) -
 def test_wait_fails_when_the_cell_was_restored_meanwhile_or_no_task_reports(fleet: FleetConfig) -> None:
     ssm, stub = _ssm()
     stub.add_response("get_parameters_by_path", _reports(("t1", 6, [], [], 1)), expected_params={"Path": TASKS})
-    with stub, pytest.raises(EvacuateError, match="no longer evacuates prod"):
+    with stub, pytest.raises(EvacuateError, match=r"no longer evacuates prod: another evacuation was written since$"):
+        _wait(fleet, ssm)
+    # A report that does not say which cells its task fronts (a router image older than the field): the wait
+    # still fails, and says both what it may be and what to do.
+    ssm, stub = _ssm()
+    stub.add_response("get_parameters_by_path", _reports(("t1", 6, [], [], 1), fronts=None),
+                      expected_params={"Path": TASKS})
+    with stub, pytest.raises(EvacuateError, match=r"and does not drain prod: another evacuation was written since, "
+                                                  r"or the task does not front prod \(its report does not say which "
+                                                  r"cells it fronts.*redeploy the router\)$"):
         _wait(fleet, ssm)
     ssm, stub = _ssm()
     for _ in range(3):
@@ -418,6 +431,102 @@ def test_wait_fails_when_the_cell_was_restored_meanwhile_or_no_task_reports(flee
                           expected_params={"Path": TASKS})
     with stub, pytest.raises(EvacuateError, match="no router task reported in the last 180 s"):
         _wait(fleet, ssm, timeout=6)
+
+
+class _IdleApi:
+    """The runtime API of a router whose cells are up and idle (no stream anywhere)."""
+
+    def __init__(self, cells: list[str]) -> None:
+        self.cells = cells
+
+    async def show_stat(self) -> list[dict[str, str]]:
+        return [{"pxname": "cells", "svname": name, "status": "UP", "weight": "100", "scur": "0", "stot": "0",
+                 "wredis": "0"} for name in self.cells]
+
+    async def command(self, command: str) -> str:
+        return ""
+
+
+class _OneParameter:
+    """The agent's SsmClient read/write, holding the `evacuated` parameter and the reports in memory."""
+
+    def __init__(self, value: str, version: int) -> None:
+        self.value, self.version, self.reports = value, version, {}
+
+    def read(self, name: str) -> tuple[str, int]:
+        return self.value, self.version
+
+    def write(self, name: str, value: str) -> None:
+        self.reports[name] = value
+
+
+async def _report_of_a_task_fronting(cells: list[str], parameter: str, version: int) -> str:
+    """The report the router agent's own code (RouterState, SsmSource) writes after one SSM poll of `parameter`
+    at `version` and one look at HAProxy, with ROUTER_CELLS naming `cells`."""
+    settings = RouterSettings.from_env({"ROUTER_CELLS": ",".join(f"{c}=http://127.0.0.1:{i + 1}"
+                                                                 for i, c in enumerate(cells))})
+    state = RouterState(settings, _IdleApi(cells))  # type: ignore[arg-type]
+    client = _OneParameter(parameter, version)
+    source = SsmSource(client, NAME, f"{TASKS}/t1", "t1")  # type: ignore[arg-type]
+    await source.poll(state)
+    await state.refresh()
+    await source.write_report(state, asyncio.get_running_loop().time())
+    return client.reports[f"{TASKS}/t1"]
+
+
+def test_a_router_task_that_does_not_front_the_cell_yet_is_not_an_undo(fleet: FleetConfig) -> None:
+    """Regression (found by the thirty-fourth session's defect hunt): the fleet file names prod under the router,
+    but a task still runs with ROUTER_CELLS=dev (the router stack is deployed by hand after the cells,
+    docs/deploying.md, or an old task of a rolling deploy). The agent ignores the name it does not front
+    (router_ssm.parse_evacuated), so its report at the new version had `evacuated: []`, and the wait failed at
+    once, exit 7, saying "another evacuation was written since": nobody had. Now the report says which cells the
+    task fronts, and one that does not front prod carries none of its traffic: empty for it. A task of the new
+    revision that fronts prod still waits for its streams."""
+    parameter = json.dumps({"evacuated": ["prod"]})
+    old_task = asyncio.run(_report_of_a_task_fronting(["dev"], parameter, 5))
+    new_task = asyncio.run(_report_of_a_task_fronting(["dev", "prod"], parameter, 5))
+    assert TaskReport.from_json(old_task) == TaskReport("t1", 5, [], [], fronts=["dev"])
+    assert TaskReport.from_json(new_task) == TaskReport("t1", 5, ["prod"], ["prod"], fronts=["dev", "prod"])
+
+    def reports(*values: str) -> dict[str, Any]:
+        return {"Parameters": [{"Name": f"{TASKS}/t{i}", "Type": "String", "Version": 2, "LastModifiedDate": NOW,
+                                "Value": value} for i, value in enumerate(values)]}
+
+    ssm, stub = _ssm()
+    stub.add_response("get_parameters_by_path", reports(old_task), expected_params={"Path": TASKS})
+    with stub:
+        assert _wait(fleet, ssm) == 5  # one look
+    # With a task that fronts prod and still has a stream on it, the wait goes on until that one is empty.
+    streaming = TaskReport("t9", 5, ["prod"], [], fronts=["dev", "prod"]).to_json()
+    ssm, stub = _ssm()
+    stub.add_response("get_parameters_by_path", reports(old_task, streaming), expected_params={"Path": TASKS})
+    stub.add_response("get_parameters_by_path", reports(old_task, new_task), expected_params={"Path": TASKS})
+    with stub:
+        assert _wait(fleet, ssm) == 10  # two looks
+    stub.assert_no_pending_responses()
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "-5", "0", "soon"])
+def test_a_timeout_that_is_not_a_finite_number_above_0_is_a_usage_error(
+        value: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Regression (found by the thirty-fourth session's defect hunt): `--timeout` was `type=float`, so argparse
+    took `nan` and `inf` (and negatives); `clock() - start > nan` is never true, so `--wait --timeout nan` never
+    gave up (a CodeBuild job until its own 30-minute timeout, an operator's shell for ever). Now a usage error,
+    exit 2, before anything is read or written."""
+    config = tmp_path / "fleet.yaml"
+    config.write_text(yaml.safe_dump(_raw()))
+
+    def reached_aws(*args: Any) -> int:
+        pytest.fail(f"--timeout={value} was accepted: the command went on to AWS")
+
+    monkeypatch.setattr(evacuate, "_run_on_aws", reached_aws)  # so that no call leaves the machine, either way
+    with pytest.raises(SystemExit) as exited:
+        main(["evacuate", "--config", str(config), "--cell", "prod", "--wait", f"--timeout={value}"])
+    assert exited.value.code == exit_codes.USAGE == 2
+    said = (f"{value!r} is not a number of seconds" if value == "soon" else
+            f"{value} s is not allowed; allowed: a finite number of seconds above 0")
+    err = capsys.readouterr().err
+    assert f"error: argument --timeout: {said}\n" in err, err
 
 
 class _Cell:

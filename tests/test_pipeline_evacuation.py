@@ -379,18 +379,27 @@ def test_the_build_commands_evacuate_wait_and_restore_against_a_local_ssm(
     assert dry.returncode == 0, dry.stderr
     # A router task that has applied version 1 and drained dev: the wait ends at its first look.
     ssm.put_parameter(Name=f"{REPORTS}/task-1", Type="String",
-                      Value=TaskReport("task-1", 1, ["dev"], ["dev"]).to_json())
+                      Value=TaskReport("task-1", 1, ["dev"], ["dev"], fronts=["dev", "prod"]).to_json())
     evacuate = next(a for a in _stage(template, "Wave-canary")["Actions"] if a["Name"] == "Evacuate-dev")
     done = run(build, **_environment(evacuate))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "cell dev empty at every router task" in done.stdout
     assert f"--timeout {WAIT_SECONDS}" in build
     assert json.loads(ssm.get_parameter(Name=PARAMETER)["Parameter"]["Value"]) == {"evacuated": ["dev"]}
-    # A task that has applied a later version without dev: the wait fails at once, exit 7, and so the build.
+    # A task that does not front dev (the router stack not yet deployed with it: the pipeline does not deploy
+    # routers) sends dev nothing: the wait ends (it was exit 7, "another evacuation was written since": the
+    # thirty-fourth session's defect hunt).
     ssm.put_parameter(Name=f"{REPORTS}/task-1", Type="String", Overwrite=True,
-                      Value=TaskReport("task-1", 9, [], []).to_json())
+                      Value=TaskReport("task-1", 2, [], [], fronts=["prod"]).to_json())
     done = run(build, **_environment(evacuate))
-    assert done.returncode == 7 and "no longer evacuates dev" in done.stderr, done.stdout + done.stderr
+    assert done.returncode == 0 and "cell dev empty at every router task" in done.stdout, done.stdout + done.stderr
+    # A task that fronts dev and has applied a later version without it: the wait fails at once, exit 7, and so
+    # the build.
+    ssm.put_parameter(Name=f"{REPORTS}/task-1", Type="String", Overwrite=True,
+                      Value=TaskReport("task-1", 9, [], [], fronts=["dev", "prod"]).to_json())
+    done = run(build, **_environment(evacuate))
+    assert done.returncode == 7 and "no longer evacuates dev: another evacuation was written since\n" in done.stderr, \
+        done.stdout + done.stderr
     # The restore, with no newer execution in the wave's stage: it restores.
     local_codepipeline.stages[:] = [_in_stage("Wave-canary", THIS, "Succeeded"),
                                     _in_stage("Restore-canary", THIS, "InProgress")]

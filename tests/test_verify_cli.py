@@ -40,6 +40,16 @@ def test_usage_errors_exit_2_and_an_unknown_cell_exits_3(tmp_path: Path) -> None
     assert "Traceback" not in unknown.stderr + bad.stderr + wildcard.stderr
 
 
+def test_a_request_timeout_of_0_is_a_usage_error(tmp_path: Path) -> None:
+    """Regression (found by the thirty-fourth session's defect hunt, checking the CLI's other number options):
+    `--request-timeout 0` was taken ("allowed: 0 to 7200"); urllib's socket is then non-blocking and every
+    request of the kit failed at once with no answer ("Operation now in progress"). Now a usage error, exit 2."""
+    done = verify("--cell", "dev", "--request-timeout", "0", "--report", str(tmp_path / "out.json"), tmp=tmp_path)
+    assert done.returncode == 2, (done.returncode, done.stderr[-300:])
+    assert "argument --request-timeout: 0 s is out of range; allowed: more than 0, at most 7200" in done.stderr
+    assert not (tmp_path / "out.json").exists()
+
+
 def test_a_malformed_region_is_a_usage_error_not_a_traceback(tmp_path: Path) -> None:
     """Regression (found by the thirty-third session's defect hunt): `--region` was taken as it was, and botocore
     refused a malformed name when the adapter made its clients (botocore.utils.validate_region_name ->

@@ -34,6 +34,19 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _request_seconds(text: str) -> float:
+    """--request-timeout: above 0. At 0 urllib's socket is non-blocking ("If zero is given, the socket is put in
+    non-blocking mode", https://docs.python.org/3/library/socket.html#socket.socket.settimeout) and every request
+    failed at once with no answer (http_base.HttpClient.call: "Operation now in progress")."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value <= 7200:  # nan and inf fail it too
+        raise argparse.ArgumentTypeError(f"{text} s is out of range; allowed: more than 0, at most 7200")
+    return value
+
+
 def _dns_name(text: str) -> str:
     from pydantic import TypeAdapter, ValidationError
 
@@ -66,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "file's cells[].tls_name, else the name a router gives it in routers[].tls_names)")
     parser.add_argument("--evidence-wait", type=_seconds, default=180.0,
                         help="longest wait for EMF metrics to appear in CloudWatch (default 180 s)")
-    parser.add_argument("--request-timeout", type=_seconds, default=300.0,
+    parser.add_argument("--request-timeout", type=_request_seconds, default=300.0,
                         help="longest wait for one HTTP request (default 300 s)")
 
 

@@ -149,7 +149,7 @@ async def test_an_ssm_evacuation_drains_the_cell_reports_it_empty_and_survives_s
     try:
         # No parameter yet: nothing evacuated, and the task reports version 0.
         await _until(lambda: _report(prefix, "task-1") is not None, what="the first report")
-        assert _report(prefix, "task-1") == TaskReport("task-1", 0, [], [])
+        assert _report(prefix, "task-1") == TaskReport("task-1", 0, [], [], fronts=["a", "b"])
         await _until(lambda: all(c.status == "UP" for c in state.cells.values()), timeout=20, what="both cells UP")
         async with aiohttp.ClientSession() as session:
             b.hold.clear()  # a request stays in flight on b
@@ -280,7 +280,9 @@ async def test_a_cell_no_longer_fronted_in_the_parameter_is_ignored_and_the_task
     """A cell evacuated, then removed from `routers[].cells` and the router redeployed: the parameter still
     names it. It was an error (`unknown cells ['old']`), so every new task kept /router/health 503 forever
     (ECS replacing tasks, the deployment rolled back). Now the name is logged and ignored; the fronted cells
-    named there are still drained."""
+    named there are still drained. The task's report says which cells it fronts, so `evacuate --wait` can tell
+    the ignored name from an undo (the thirty-fourth session's defect hunt: without `fronts`, a task that does
+    not front the cell read as "another evacuation was written since")."""
     a, b = cells
     prefix = parameter_prefix("Gone", REGION)
     _client().put_parameter(Name=evacuation_parameter(prefix), Value=json.dumps({"evacuated": ["old", "b"]}),
@@ -300,8 +302,21 @@ async def test_a_cell_no_longer_fronted_in_the_parameter_is_ignored_and_the_task
             assert resp.status == 200
         ignored = [r.getMessage() for r in caplog.records if "evacuation_names_ignored" in r.getMessage()]
         assert len(ignored) == 1 and '"old"' in ignored[0], ignored
+        await _until(lambda: _report(prefix, "gone-1") is not None, what="the report")
+        report = _report(prefix, "gone-1")
+        assert (report.evacuated, report.fronts) == (["b"], ["a", "b"]), report
     finally:
         await router.close()
+
+
+def test_a_report_from_an_agent_older_than_fronts_still_reads() -> None:
+    """Reports written by a router image from before the `fronts` field (a rolling deploy, a router not
+    redeployed) parse with `fronts` None, which `evacuate --wait` reads as "not known": it may front the cell."""
+    old = '{"empty": [], "evacuated": ["b"], "task": "t1", "version": 3}'
+    assert TaskReport.from_json(old) == TaskReport("t1", 3, ["b"], [], fronts=None)
+    assert TaskReport.from_json(old).to_json() == old  # written back as the older agent wrote it
+    new = TaskReport("t1", 3, ["b"], ["b"], fronts=["a", "b"])
+    assert TaskReport.from_json(new.to_json()) == new
 
 
 async def test_the_task_id_comes_from_the_ecs_task_metadata(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -402,7 +402,8 @@ class RouterState:
 
     def report(self, task_id: str) -> TaskReport:
         return TaskReport(task=task_id, version=self.version, evacuated=sorted(self.evacuated),
-                          empty=sorted(name for name in self.evacuated if self.cells[name].empty))
+                          empty=sorted(name for name in self.evacuated if self.cells[name].empty),
+                          fronts=sorted(self.cells))
 
 
 async def poll_loop(state: RouterState) -> None:

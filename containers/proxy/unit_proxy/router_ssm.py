@@ -10,7 +10,7 @@ never imports inference_fleet). Per router (one per region), under
   ROUTER_SSM_POLL_SECONDS. Not a CloudFormation resource, on purpose: a stack update would write
   its template value back over an evacuation.
 - `<prefix>/tasks/<task id>`: each router task's report, `TaskReport` below: the version of
-  `evacuated` it applied and which evacuated cells have no stream left on it. Written when that
+  `evacuated` it applied, the cells it fronts and which evacuated cells have no stream left on it. Written when that
   changes and at least every REPORT_HEARTBEAT_SECONDS (each write is a new version; Parameter Store
   keeps the 100 newest and deletes the oldest unlabelled one: botocore's SSM reference,
   ParameterMaxVersionLimitExceeded); deleted when the task exits cleanly, after the write in
@@ -85,21 +85,29 @@ def parse_evacuated(text: str, cells: set[str], where: str) -> tuple[frozenset[s
 @dataclass(frozen=True)
 class TaskReport:
     """What one router task says about evacuation: the `evacuated` version it applied (0: the parameter
-    does not exist), the cells it drains, and those of them with no stream left on it."""
+    does not exist), the cells it drains, those of them with no stream left on it, and the cells it fronts
+    (its ROUTER_CELLS). `fronts` tells `evacuate --wait` a cell this task does not front, so never drains
+    (parse_evacuated ignores its name), from one an evacuation written since has restored. None: a report
+    written by a router agent older than the field (thirty-fourth session), which fronts cells unknown here."""
 
     task: str
     version: int
     evacuated: list[str] = field(default_factory=list)
     empty: list[str] = field(default_factory=list)
+    fronts: list[str] | None = None
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        doc = asdict(self)
+        if self.fronts is None:  # the older agent's format, as it wrote it
+            del doc["fronts"]
+        return json.dumps(doc, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> TaskReport:
         doc = json.loads(text)
+        fronts = doc.get("fronts")
         return cls(task=str(doc["task"]), version=int(doc["version"]), evacuated=list(doc.get("evacuated", [])),
-                   empty=list(doc.get("empty", [])))
+                   empty=list(doc.get("empty", [])), fronts=None if fronts is None else list(fronts))
 
 
 class SsmClient:
