@@ -128,13 +128,17 @@ def update_outage_seconds(fleet: FleetConfig) -> tuple[int, int, int]:
     """A one-unit cell's 503s during an update of its unit: (at least, old tasks' stop at most, at most), in s.
 
     From the start of the leader's target's drain until the new unit serves: ECS waits the
-    deregistration delay before it sends SIGTERM (the figures assume the whole delay, even for an idle
-    target: unverified, docs/cell-lifecycle.md "The leader's stop budget"); then the old tasks stop,
-    and the new ones wait on the same instances until they have (host ports and memory reservations
-    collide: "Follower stop"). The leader's proxy keeps its admission window even with nothing to
-    drain, at most its stop timeout, then the engine has ENGINE_STOP_TIMEOUT; a follower is released
-    at most `follower_release_bound` after its stop began, then its engine has ENGINE_STOP_TIMEOUT.
-    The new unit then has its start-up budget. The least leaves out the new unit's start-up.
+    deregistration delay before it sends SIGTERM; then the old tasks stop, and the new ones wait on
+    the same instances until they have (host ports and memory reservations collide: "Follower stop").
+    The leader's proxy keeps its admission window even with nothing to drain, at most its stop
+    timeout, then the engine has ENGINE_STOP_TIMEOUT; a follower is released at most
+    `follower_release_bound` after its stop began, then its engine has ENGINE_STOP_TIMEOUT. The new
+    unit then has its start-up budget. The least leaves out the new unit's start-up, and the delay:
+    "If a deregistering target has no in-flight requests and no active connections, Elastic Load
+    Balancing immediately completes the deregistration process, without waiting for the
+    deregistration delay to elapse" (awsdocs/elb-application-load-balancers-user-guide@fb242939,
+    doc_source/load-balancer-target-groups.md, "Deregistration delay"); whether ECS then stops the
+    tasks before the delay's end is unverified (docs/cell-lifecycle.md, "The leader's stop budget").
     """
     serving = fleet.serving
     delay = serving.unit_deregistration_delay_seconds
@@ -147,7 +151,7 @@ def update_outage_seconds(fleet: FleetConfig) -> tuple[int, int, int]:
             follower_loss=Duration.seconds(serving.follower_loss_seconds),
         )
         stop = max(stop, int(release.to_seconds()) + engine_stop - delay)
-    return delay + serving.admission_window_seconds, stop, delay + stop + serving.startup_budget_seconds
+    return serving.admission_window_seconds, stop, delay + stop + serving.startup_budget_seconds
 
 
 
@@ -542,13 +546,15 @@ class CellStack(Stack):
             return
         at_one = "has one unit" if not cell.elastic else "can be at one unit (min_units: 1)"
         least, stop, most = update_outage_seconds(self.fleet)
+        delay = serving.unit_deregistration_delay_seconds
         Annotations.of(self).add_warning_v2(
             "inference-fleet:one-unit-cell-update-outage",
             f"Cell {cell.name} {at_one}: every update of its unit's tasks (a new image, model, layout or "
             f"environment) stops the unit before its new tasks start, so clients get 503 from the drain of its "
-            f"target until the new unit serves: at least {least} s plus the new unit's start-up (the "
-            f"{serving.unit_deregistration_delay_seconds} s deregistration delay, then the old proxy's "
-            f"{serving.admission_window_seconds} s admission window), at most {most} s (the delay, the old tasks' "
+            f"target until the new unit serves: as little as {least} s plus the new unit's start-up (the old "
+            f"proxy's admission window, when the old unit has no request in flight and no connection open and "
+            f"the load balancer ends the deregistration at once), {delay + least} s plus the start-up when the "
+            f"{delay} s deregistration delay runs out, at most {most} s (the delay, the old tasks' "
             f"stop, up to {stop} s, and the {serving.startup_budget_seconds} s start-up budget). "
             "This planned outage is not rolled back: the cell's 5xx alarm "
             "counts only minutes with a healthy unit. For updates without an outage give the cell 2 units or "

@@ -85,11 +85,19 @@ def test_alarm_metrics_watch_the_right_signals(synth_large) -> None:
     assert alarms["Rufus-Cell-use2-b-target-response-p99"]["MetricName"] == "TargetResponseTime"
     rate = alarms["Rufus-Cell-use2-b-alb-5xx-rate"]["Metrics"]
     (expression,) = [m for m in rate if "Expression" in m]
+    failed = "FILL(elb500, 0) + FILL(elb502, 0) + FILL(elb503, 0) + FILL(elb504, 0)"
     assert expression["Expression"] == (
-        "IF(FILL(requests, 0) + FILL(elb5xx, 0) > 0, "
-        "100 * (FILL(elb5xx, 0) + FILL(target5xx, 0)) / (FILL(requests, 0) + FILL(elb5xx, 0)), 0)")
-    assert {m["MetricStat"]["Metric"]["MetricName"] for m in rate if "MetricStat" in m} == {
-        "RequestCount", "HTTPCode_ELB_5XX_Count", "HTTPCode_Target_5XX_Count"}
+        f"IF(FILL(requests, 0) + {failed} > 0, "
+        f"100 * ({failed} + FILL(target5xx, 0)) / (FILL(requests, 0) + {failed}), 0)")
+    # The load balancer's own answers by code; its 5xx total holds the client-caused 501/505/561 too.
+    stats = {m["Id"]: m["MetricStat"] for m in rate if "MetricStat" in m}
+    assert {i: s["Metric"]["MetricName"] for i, s in stats.items()} == {
+        "requests": "RequestCount", "elb500": "HTTPCode_ELB_500_Count", "elb502": "HTTPCode_ELB_502_Count",
+        "elb503": "HTTPCode_ELB_503_Count", "elb504": "HTTPCode_ELB_504_Count",
+        "target5xx": "HTTPCode_Target_5XX_Count"}
+    for stat in stats.values():
+        assert (stat["Metric"]["Namespace"], stat["Stat"], stat["Period"]) == ("AWS/ApplicationELB", "Sum", 60)
+        assert [d["Name"] for d in stat["Metric"]["Dimensions"]] == ["LoadBalancer"]
 
 
 @pytest.mark.parametrize("stack_name", LARGE_STACKS)
@@ -346,16 +354,37 @@ def _evaluate(alarm: dict, minute: dict[str, float | None]) -> float | None:
 # doc_source/load-balancer-cloudwatch-metrics.md); the live page
 # (https://docs.aws.amazon.com/elasticloadbalancing/latest/application/load-balancer-cloudwatch-metrics.html)
 # now says "only incremented for requests where the load balancer node was able to choose a
-# target" (as quoted by the defect hunt; not in the stored copy read here). Its 503 for a target
-# group without registered targets ("The target groups for the load balancer have no registered
-# targets", load-balancer-troubleshooting.md) is in HTTPCode_ELB_5XX_Count only.
+# target" (as at fb242939 of the same repository). Its 503 for a target group without registered
+# targets ("The target groups for the load balancer have no registered targets",
+# load-balancer-troubleshooting.md) is in HTTPCode_ELB_503_Count (and the 5XX total) only.
 #
+# The load balancer publishes a count of its own answers per code only for 500, 502, 503 and 504
+# (HTTPCode_ELB_500_Count ... HTTPCode_ELB_504_Count); HTTPCode_ELB_5XX_Count sums all its 5xx,
+# the client-caused 501, 505 and 561 among them (awsdocs/elb-application-load-balancers-user-guide
+# @fb242939, load-balancer-cloudwatch-metrics.md, load-balancer-troubleshooting.md).
+ALB_OWN_CODE_METRICS = (500, 502, 503, 504)
+
+
+def _alb_minute(requests: float | None, target5xx: float | None = None, **own: float) -> dict[str, float | None]:
+    """One minute of the ALB's metrics as CloudWatch holds them, for `_evaluate` (None: no data point).
+
+    `own` counts the load balancer's own answers by code (elb503=70.0, elb501=1.0): elb5xx sums them
+    all, elb500 ... elb504 hold theirs. A count without a nonzero value has no data point ("Reporting
+    criteria: There is a nonzero value", load-balancer-cloudwatch-metrics.md)."""
+    def count(value: float) -> float | None:
+        return value or None
+
+    minute = {"requests": requests, "target5xx": target5xx, "elb5xx": count(sum(own.values()))}
+    minute.update({f"elb{code}": count(own.get(f"elb{code}", 0.0)) for code in ALB_OWN_CODE_METRICS})
+    return minute
+
+
 # One minute of a one-unit cell's update under traffic, 120 requests: the leader's target is
 # draining or gone (the load balancer answers 70 with 503, out of RequestCount), then the new
 # proxy answers 50 with 503 unit_unavailable (RequestCount 50).
-OUTAGE_MINUTE = {"requests": 50.0, "elb5xx": 70.0, "target5xx": 50.0, "healthy": None}
+OUTAGE_MINUTE = {**_alb_minute(50.0, target5xx=50.0, elb503=70.0), "healthy": None}
 # The unit serves again but the new revision answers 5xx to one request in ten.
-BAD_REVISION_MINUTE = {"requests": 100.0, "elb5xx": None, "target5xx": 10.0, "healthy": 1.0}
+BAD_REVISION_MINUTE = {**_alb_minute(100.0, target5xx=10.0), "healthy": 1.0}
 
 
 def test_a_one_unit_update_under_traffic_does_not_roll_back(synth_default) -> None:
@@ -373,6 +402,8 @@ def test_a_one_unit_update_under_traffic_does_not_roll_back(synth_default) -> No
     assert _evaluate(alarm, {**OUTAGE_MINUTE, "healthy": 0.0}) <= threshold
     # ... and still rolls back a revision that serves errors.
     assert _evaluate(alarm, BAD_REVISION_MINUTE) > threshold
+    # An alarm on metric math may fetch at most 10 metrics (CloudWatch's alarm limits).
+    assert len([m for m in alarm["Metrics"] if "MetricStat" in m]) == 7
 
 
 @pytest.mark.parametrize("stack_name", LARGE_STACKS)
@@ -399,7 +430,7 @@ def test_an_elastic_cell_that_can_be_at_one_unit_counts_only_serving_minutes() -
 # no registered target: the load balancer answers all 120 requests 503 and chooses no target for
 # any, so RequestCount is 0 for the minute or, "reported if there are registered targets", has
 # no data point.
-EMPTY_TARGET_GROUP_MINUTE = {"requests": 0.0, "elb5xx": 120.0, "target5xx": None}
+EMPTY_TARGET_GROUP_MINUTE = _alb_minute(0.0, elb503=120.0)
 
 
 @pytest.mark.parametrize("requests", [0.0, None], ids=["requests-0", "requests-absent"])
@@ -428,18 +459,50 @@ def test_the_5xx_share_counts_the_load_balancers_answers_once() -> None:
     _, template = _cell_alarms(units=4, min_units_available=3)
     alarm = _alarms_by_name(template)["Rufus-Cell-test-alb-5xx-rate"]
     # Quiet minutes: no data for anything is 0, not a division by zero.
-    assert _evaluate(alarm, {"requests": None, "elb5xx": None, "target5xx": None}) == 0
-    assert _evaluate(alarm, {"requests": 0.0, "elb5xx": None, "target5xx": None}) == 0
+    assert _evaluate(alarm, _alb_minute(None)) == 0
+    assert _evaluate(alarm, _alb_minute(0.0)) == 0
     # Served minutes: 3 target 5xx of 200 requests, with 1 load-balancer 503 besides.
-    assert _evaluate(alarm, {"requests": 200.0, "elb5xx": None, "target5xx": 3.0}) == 1.5
-    assert _evaluate(alarm, {"requests": 199.0, "elb5xx": 1.0, "target5xx": 3.0}) == 2
+    assert _evaluate(alarm, _alb_minute(200.0, target5xx=3.0)) == 1.5
+    assert _evaluate(alarm, _alb_minute(199.0, target5xx=3.0, elb503=1.0)) == 2
     # Two target timeouts answered 504 among 100 requests: 2/102.
-    assert _evaluate(alarm, {"requests": 100.0, "elb5xx": 2.0, "target5xx": None}) == pytest.approx(100 * 2 / 102)
+    assert _evaluate(alarm, _alb_minute(100.0, elb504=2.0)) == pytest.approx(100 * 2 / 102)
     # The dashboard's "5xx % of requests" graph draws the same share.
     (dashboard,) = template.find_resources("AWS::CloudWatch::Dashboard").values()
     body = "".join(p for p in dashboard["Properties"]["DashboardBody"]["Fn::Join"][1] if isinstance(p, str))
     (math,) = [m["Expression"] for m in alarm["Metrics"] if "Expression" in m]
     assert '"title":"5xx % of requests"' in body and f'"expression":"{math}"' in body
+
+
+
+@pytest.mark.parametrize("code", [501, 505, 561])
+def test_a_client_caused_5xx_of_the_load_balancer_is_not_a_cell_failure(code: int) -> None:
+    """The load balancer answers some 5xx itself for the client's request, with no target involved: 501 to
+    a Transfer-Encoding other than chunked or identity, 505 to an unexpected HTTP version (an HTTP/2
+    request on an HTTP/1 connection), 561 when the identity provider of an authenticate rule returns an
+    error (the cells have none) (load-balancer-troubleshooting.md at fb242939). All are in
+    HTTPCode_ELB_5XX_Count, none has a count of its own. Regression (a cold review in the thirty-fourth
+    session): the share divided by RequestCount + HTTPCode_ELB_5XX_Count, so a quiet minute in a cell of
+    several units with one such answer read 100 % (before that fix, no data), and five such minutes in a
+    row put the ECS deployment alarm in ALARM."""
+    alarms, template = _cell_alarms(units=4, min_units_available=3)
+    alarm = _alarms_by_name(template)["Rufus-Cell-test-alb-5xx-rate"]
+    threshold = alarm["Threshold"]
+    assert alarms.alarms["alb-5xx-rate"] in alarms.deployment_alarms
+    quiet = _evaluate(alarm, _alb_minute(None, **{f"elb{code}": 1.0}))
+    assert quiet <= threshold, f"one client's {code} in a quiet minute reads {quiet} % (threshold {threshold} %)"
+    # Among served requests it is no failure either: 3 target 5xx of 200 requests stay 1.5 %.
+    assert _evaluate(alarm, _alb_minute(200.0, target5xx=3.0, **{f"elb{code}": 5.0})) == 1.5
+
+
+@pytest.mark.parametrize("code", [500, 503])
+def test_the_load_balancers_own_failures_count_in_a_quiet_minute(code: int) -> None:
+    """503: the target group has no registered target; 500: the web ACL of an internet-facing cell
+    failed to run (load-balancer-troubleshooting.md at fb242939; the cells have no authenticate
+    listener rule, the other cause given). Both come before a target is chosen, so RequestCount
+    leaves them out: a minute answered only so reads 100 %."""
+    _, template = _cell_alarms(units=4, min_units_available=3)
+    alarm = _alarms_by_name(template)["Rufus-Cell-test-alb-5xx-rate"]
+    assert _evaluate(alarm, _alb_minute(None, **{f"elb{code}": 3.0})) == 100
 
 
 def _synth_warnings(synth, stack_name: str) -> list[str]:
@@ -474,7 +537,14 @@ def test_the_one_unit_outage_warning_counts_the_old_tasks_stop(synth_default) ->
     `follower_release_bound` after its stop began, then its engine stops; the new unit tasks wait on the same
     instances until the old ones have stopped (docs/cell-lifecycle.md, "Follower stop"). Defect (thirty-fourth
     session's hunt): the warning said "for up to the deregistration delay plus the start-up budget", leaving
-    the old tasks' stop out."""
+    the old tasks' stop out.
+
+    The least is the old proxy's admission window, not the delay plus it: "If a deregistering target has no
+    in-flight requests and no active connections, Elastic Load Balancing immediately completes the
+    deregistration process, without waiting for the deregistration delay to elapse"
+    (awsdocs/elb-application-load-balancers-user-guide@fb242939, load-balancer-target-groups.md). Regression
+    (a cold review in the thirty-fourth session): the warning said "at least 630 s", which docs/cell-lifecycle.md's
+    table already qualified."""
     from cell_constructs.inference_unit import ENGINE_STOP_TIMEOUT, follower_release_bound
 
     fleet = synth_default.fleet
@@ -488,11 +558,13 @@ def test_the_one_unit_outage_warning_counts_the_old_tasks_stop(synth_default) ->
     ).to_seconds()
     assert fleet.unit.nodes > 1  # the default unit has a follower, whose stop ends last
     old_stop = max(leader_stop, release + engine_stop - delay)
-    least = delay + serving.admission_window_seconds
+    least = serving.admission_window_seconds
     most = delay + old_stop + serving.startup_budget_seconds
-    stated = re.search(r"at least (\d+) s plus the new unit's start-up .* at most (\d+) s", text)
-    assert stated, f"the warning gives no range that counts the old tasks' stop ({least} s to {most:g} s): {text!r}"
-    assert (int(stated[1]), int(stated[2])) == (least, most), text
+    stated = re.search(r"as little as (\d+) s plus the new unit's start-up .* (\d+) s plus the start-up when the "
+                       r"(\d+) s deregistration delay runs out, at most (\d+) s", text)
+    assert stated, (f"the warning gives no range from the admission window ({least} s, an idle target's "
+                    f"deregistration ends at once) to {most:g} s: {text!r}")
+    assert tuple(int(g) for g in stated.groups()) == (least, delay + least, delay, most), text
     assert f"up to {old_stop:g} s" in text, text
 
 

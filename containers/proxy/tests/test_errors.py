@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import struct
+import time
 
 import aiohttp
 import pytest
@@ -79,6 +81,102 @@ async def test_engine_stall_before_answer_is_504(make_proxy: ProxyFactory, engin
     text = proxy.state.telemetry.prometheus_text().decode()
     assert 'unit_proxy_upstream_errors_total{kind="timeout"} 1.0' in text
     assert 'unit_proxy_requests_total{code="504"} 1.0' in text
+
+
+class SilentEngine:
+    """An engine that reads each request (not its health and metrics probes, 200) and never answers, as
+    vLLM computing a non-streamed completion, which it sends whole; it notes when and how HAProxy
+    ends the connection: `eof` (a FIN) or `reset` (an RST)."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.ended = asyncio.Event()
+        self.ended_at = 0.0
+        self.how = ""
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self.serve, LOOPBACK, 0)
+        return f"http://{LOOPBACK}:{self.server.sockets[0].getsockname()[1]}"
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                if head.startswith((b"GET /health", b"GET /metrics")):
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                    await writer.drain()
+                    continue
+                length = next(int(line.split(b":")[1]) for line in head.lower().split(b"\r\n")
+                              if line.startswith(b"content-length:"))
+                await reader.readexactly(length)
+                self.requests += 1
+                try:
+                    self.how = "eof" if not await reader.read(1) else "data"
+                except ConnectionResetError:
+                    self.how = "reset"
+                self.ended_at = time.monotonic()
+                self.ended.set()
+                return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return
+        finally:
+            writer.close()
+
+    def close(self) -> None:
+        self.server.close()
+
+
+@pytest.mark.parametrize("leaving", ["close", "half-close", "reset"])
+async def test_a_client_leaving_a_silent_non_streamed_request_drops_it_at_once(
+    make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch, leaving: str,
+):
+    """Behind the cell's ALB, `timeout server` is the ALB idle timeout + 5 s, so the ALB cuts a silent
+    engine first: it answers the client its own 504 and ends its connection to the proxy. The proxy
+    must then drop the engine request at once (vLLM frees its slot), not hold it to `timeout server`.
+    Measured (a cold review in the thirty-fourth session, HAProxy 2.6.12): whether the client side
+    closes, half-closes or resets, HAProxy resets the engine connection at once, logs `CH`/`CD` (the
+    client aborted before the answer) and the proxy counts a 499, no upstream error."""
+    lines: list[bytes] = []
+    real_feed = haproxy_log.feed
+
+    def feed(telemetry, data, now=None):  # the log lines as the follower reads them off the ring
+        lines.extend(line for line in data.split(b"\n") if line.split()[6:7] == [b"engine"])
+        real_feed(telemetry, data, now)
+
+    monkeypatch.setattr(haproxy_log, "feed", feed)
+    engine = SilentEngine()
+    url = await engine.start()
+    try:
+        proxy = await make_proxy(upstream_url=url, launcher_status_url="", upstream_read_timeout_seconds=4.0)
+        body = b'{"model": "m", "prompt": "x", "max_tokens": 5}'
+        sock = socket.create_connection((LOOPBACK, port_of(proxy.url)))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: unit\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+        await wait_until(lambda: engine.requests == 1, what="the engine to get the request")
+        await asyncio.sleep(0.3)
+        left_at = time.monotonic()
+        if leaving == "half-close":
+            sock.shutdown(socket.SHUT_WR)
+        elif leaving == "reset":
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()
+        else:
+            sock.close()
+        async with asyncio.timeout(8):
+            await engine.ended.wait()
+        assert engine.ended_at - left_at < 1.0, (
+            f"the engine request was held {engine.ended_at - left_at:.1f} s after the client left "
+            "(timeout server 4 s)")
+        assert engine.how == "reset", engine.how
+        telemetry = proxy.state.telemetry
+        await wait_until(lambda: sum(telemetry.codes.values()) == 1, what="the request counted")
+        (line,) = lines
+        assert line.split()[5][:2] == (b"CD" if leaving == "reset" else b"CH"), line
+        assert telemetry.codes == {499: 1}
+        assert telemetry._interval.upstream_errors == 0
+        sock.close()
+    finally:
+        engine.close()
 
 
 class RawAnswerEngine:
