@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -115,7 +116,19 @@ def test_the_log_level_is_taken_in_any_case_and_a_bad_one_is_exit_2_not_a_traceb
     assert lower.returncode == 2 and "UNIT_ROLE='worker' not allowed" in lower.stderr, lower.stderr[-600:]
     bad = launcher("run", env={"UNIT_ROLE": "leader", "UNIT_LOG_LEVEL": "verbose"})
     assert (bad.returncode, bad.stderr) == (2, "error: UNIT_LOG_LEVEL='verbose' not allowed; allowed: DEBUG, INFO, "
-                                               "WARNING, ERROR, CRITICAL (any case; default INFO)\n")
+                                               "WARNING, ERROR, CRITICAL (any case; also WARN, FATAL, NOTSET; "
+                                               "default INFO)\n")
+
+
+@pytest.mark.parametrize(("value", "level"), [("WARN", "WARNING"), ("warn", "WARNING"), ("FATAL", "CRITICAL"),
+                                              ("NOTSET", "NOTSET"), ("Error", "ERROR")])
+def test_the_level_names_logging_took_before_the_check_are_still_taken(value, level):
+    """logging.basicConfig took WARN, FATAL and NOTSET (logging's own names) before the level was checked: a
+    launcher with UNIT_LOG_LEVEL=WARN must still start (a cold review, thirty-fourth session: the check refused
+    it with exit 2)."""
+    from unit_launcher.cli import _log_level
+
+    assert _log_level(value) == level and logging.getLevelName(level) != f"Level {level}"
 
 
 # -- the command line's conventions: --version, run --help, usage errors, a closed pipe ------------

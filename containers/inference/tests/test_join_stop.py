@@ -250,3 +250,51 @@ async def test_a_withdrawal_that_overtakes_its_join_keeps_that_join_out(tmp_path
                 session.withdrawn
     finally:
         await runner.cleanup()
+
+
+async def test_a_stop_that_comes_with_the_join_deadline_is_withdrawn_as_a_stop(tmp_path, h, monkeypatch):
+    """The lookup path takes a stop that comes with the lookup's failure for a stop (exit 0, deliberate_stop); the
+    give-up path did not: a SIGTERM arriving as the join deadline passed was withdrawn as `form_timeout` (a released
+    session then ended non-deliberately, a unit failure) and the follower exited 3 (a cold review, thirty-fourth
+    session; seen failing: `(3, ['form_timeout'])`)."""
+    import os
+
+    from unit_launcher import runner
+    from unit_launcher.identity import Identity
+
+    spec = parse_spec(h.cpu_spec(2, record_dir=tmp_path))
+    sent: list[str] = []
+
+    async def fetched(*_args, **_kwargs):
+        return None
+
+    class Lookup:
+        def __init__(self, *_args) -> None:
+            pass
+
+        async def __call__(self) -> list[str]:
+            return ["127.0.0.1"]
+
+    async def join(*_args, asked=None, **_kwargs):
+        asked.add("127.0.0.1")
+        os.kill(os.getpid(), signal.SIGTERM)  # the stop arrives as the deadline passes
+        raise rendezvous.JoinError("deadline passed")
+
+    async def withdraw(_http, _spec, _leaders, *, instance_id, reason, cause=rendezvous.MEMBER_STOPPING):
+        sent.append(cause)
+        return []
+
+    monkeypatch.setattr(runner, "_fetch_before_joining", fetched)
+    monkeypatch.setattr(runner, "_LeaderLookup", Lookup)
+    monkeypatch.setattr(rendezvous, "join", join)
+    monkeypatch.setattr(rendezvous, "withdraw", withdraw)
+    signals = runner._Signals()
+    try:
+        status = await runner._run_follower(spec, Identity("127.0.0.1", "i-f1"),
+                                            {"UNIT_HEALTH_FILE": str(tmp_path / "hf")}, signals)
+        await asyncio.sleep(0.05)
+        stopped = signals.stop.is_set()
+    finally:
+        signals.close()
+    assert stopped
+    assert (status, sent) == (0, [rendezvous.MEMBER_STOPPING]), (status, sent)

@@ -85,7 +85,8 @@ RUN_ENVIRONMENT: tuple[tuple[str, str], ...] = (
     ("UNIT_LEADER_ADDR", "the leader's address (local runs; default: Cloud Map discovery)"),
     ("UNIT_BIND_ADDR", "leader's rendezvous listen address (default 0.0.0.0)"),
     ("UNIT_HEALTH_FILE", "where the node's state file is written (default /tmp/unit-launcher.state)"),
-    ("UNIT_LOG_LEVEL", "log level: DEBUG, INFO, WARNING, ERROR or CRITICAL, any case (default INFO)"),
+    ("UNIT_LOG_LEVEL", "log level: DEBUG, INFO, WARNING, ERROR or CRITICAL (or WARN, FATAL, NOTSET), any case "
+                       "(default INFO)"),
     ("UNIT_SELF_CHECK_IMDS", "host:port the self-check tries instead of IMDS 169.254.169.254:80 (tests)"),
     ("AWS_EC2_METADATA_DISABLED", "true without UNIT_SELF_CHECK_IMDS: the IMDS self-check is not tried (fails)"),
     ("UNIT_STEPS_REPORT_SECONDS", "how often the leader publishes its unit_steps line (default 60)"),
@@ -106,12 +107,15 @@ EXIT_CLOSED_PIPE = 141
 # The levels UNIT_LOG_LEVEL may name, in any case: logging.basicConfig takes only these upper-case names
 # (or numbers) and raises ValueError on `debug`, which would end the launcher with a traceback and exit 1.
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# Also taken, as logging.basicConfig took them before the level was checked (logging's own aliases and NOTSET;
+# a cold review: UNIT_LOG_LEVEL=WARN worked and must go on working).
+LOG_LEVEL_ALIASES = {"WARN": "WARNING", "FATAL": "CRITICAL", "NOTSET": "NOTSET"}
 
 
 def _log_level(value: str) -> str | None:
-    """`value` as the level name logging takes, or None when it names no level in LOG_LEVELS."""
+    """`value` as the level name logging takes, or None when it names no level logging knows."""
     name = value.strip().upper()
-    return name if name in LOG_LEVELS else None
+    return name if name in LOG_LEVELS else LOG_LEVEL_ALIASES.get(name)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,7 +172,8 @@ def _main(argv: list[str] | None) -> int:
     level = _log_level(os.environ.get("UNIT_LOG_LEVEL", "INFO"))
     if level is None:
         print(f"error: UNIT_LOG_LEVEL={os.environ['UNIT_LOG_LEVEL']!r} not allowed; allowed: "
-              f"{', '.join(LOG_LEVELS)} (any case; default INFO)", file=sys.stderr)
+              f"{', '.join(LOG_LEVELS)} (any case; also {', '.join(LOG_LEVEL_ALIASES)}; default INFO)",
+              file=sys.stderr)
         return 2
     logging.basicConfig(
         level=level,

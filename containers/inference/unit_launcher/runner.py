@@ -768,6 +768,13 @@ async def _run_follower(spec: UnitSpec, me: Identity, env: Mapping[str, str], si
         try:
             release = joining.result()
         except (rendezvous.JoinError, DiscoveryError) as error:
+            if signals.any_stop():  # the stop came with the deadline: a stop all the same (a cold review)
+                why = signals.why()
+                counted = await rendezvous.withdraw(http, spec, asked, instance_id=me.instance_id, reason=why)
+                said = f"; withdrew from leader {', '.join(counted)}" if counted else ""
+                _local_record(spec, me, "deliberate_stop",
+                              f"follower received {why} as it gave up joining ({error}){said}")
+                return 0
             log.error("%s", error)
             await _withdraw_given_up(http, spec, me, asked, error)
             return EXIT_FORM_TIMEOUT

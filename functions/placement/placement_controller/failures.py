@@ -73,8 +73,10 @@ NOT_IMPLICATING_CAUSES: Mapping[str, str] = {
     "member_stopped": "a follower was stopped on purpose (its instance drained or replaced)",
     "member_stopping": "a follower's task was stopping (its instance drained, a StopTask): the unit drained and "
                        "the leader ended the session for it; ended_by names that follower, which did not fail",
-    "form_timeout": "ended_by is null: the members that did not join never named themselves, and those "
-                    "not ready in time (named in the reason) were fetching: a slow link, not a failed host",
+    "form_timeout": "ended_by is null: the members that did not join never named themselves, those "
+                    "not ready in time (named in the reason) were fetching: a slow link, not a failed host, "
+                    "and a released follower that withdrew at its own join deadline had waited for members "
+                    "that were missing",
     "artifacts": "a fetch failed (S3 error or refusal, retries exhausted, missing objects, a layout that "
                  "does not match, no room in the cache): ended_by is null for the leader's own fetch and "
                  "names a follower whose fetch failed, but S3 or the configuration fails every host alike",
