@@ -44,6 +44,8 @@ from inference_fleet.unit_spec import layout_key
 # the job's logs: the ECS node set of a cell's network.
 _INTERFACE_ENDPOINTS = ECS_NODE_ENDPOINTS
 VPC_CIDR = "10.250.0.0/16"
+# AWS Batch UpdatePolicy.JobExecutionTimeoutMinutes' maximum (API_UpdatePolicy.html, its current text).
+UPDATE_TIMEOUT_MAX_MINUTES = 7200
 ROOT_DEVICE = "/dev/xvda"  # the root device of the ECS-optimized Amazon Linux 2023 AMI
 
 # The instance's boot script: user data installs and runs it, compile-host-setup.service runs it at every boot.
@@ -241,6 +243,14 @@ class CompileBatch(Construct):
             images=[batch.EcsMachineImage(image_type=batch.EcsMachineImageType.ECS_AL2023)],
             launch_template=launch_template, security_groups=[self.security_group],
             allocation_strategy=batch.AllocationStrategy.BEST_FIT_PROGRESSIVE,
+            # An infrastructure update (the pinned template version below, instance types, subnets, security group)
+            # gives the jobs running on the old instances this long before it replaces them, 30 min unless set
+            # (https://docs.aws.amazon.com/batch/latest/APIReference/API_UpdatePolicy.html). A compile runs for
+            # hours: the job's own timeout, so a `<Fleet>-Compile` deploy during a compile no longer cuts it (a
+            # defect hunt, thirty-fourth session). The page's current text allows 1-7200 minutes; older copies say
+            # 360, which a compile timeout of 7 h and more would pass (unverified which the service enforces).
+            update_timeout=Duration.minutes(min(needs.timeout_hours * 60, UPDATE_TIMEOUT_MAX_MINUTES)),
+            terminate_on_update=False,
         )
         # Pin the template's version: Batch re-reads a launch template only on an infrastructure update, which a
         # change of the environment's LaunchTemplate starts (https://docs.aws.amazon.com/batch/latest/APIReference/

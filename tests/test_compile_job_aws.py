@@ -81,6 +81,11 @@ def test_the_compile_stack_sizes_its_instances_volume_and_timeout_from_the_host_
         gib = compile_job.COMPILE_INSTANCE_TYPES[name][1]
         assert gib * 2**30 >= needs.memory_gb * 1e9 + compile_job.BATCH_MEMORY_RESERVE_GIB * 2**30
     assert resources["Ec2Configuration"] == [{"ImageType": "ECS_AL2023"}]
+    # An infrastructure update (a new launch template version, instance types, subnets) gives a running compile its
+    # whole timeout, not Batch's default 30 min (API_UpdatePolicy.html; a defect hunt, thirty-fourth session: seen
+    # failing, `UpdatePolicy` absent, so 30 min for a job that may run 420 or 660).
+    assert environment["ReplaceComputeEnvironment"] is False
+    assert environment["UpdatePolicy"] == {"JobExecutionTimeoutMinutes": hours * 60, "TerminateJobsOnUpdate": False}
 
     launch = _one(template, "AWS::EC2::LaunchTemplate")["LaunchTemplateData"]
     assert launch["MetadataOptions"]["HttpTokens"] == "required"
