@@ -5,7 +5,8 @@ standard input (each as the launcher renders it: `[*engine.command, "serve", mod
 parses each with the parser `vllm serve` builds (`ServeSubcommand.subparser_init`, then
 `validate_parsed_serve_args`, then `EngineArgs.from_cli_args`), and prints, per argv, the
 engine arguments vLLM ended up with, or the parser's error. An argument vLLM does not know
-fails here, not in a container on ECS.
+fails here, not in a container on ECS. With `--options` it prints instead every option string of
+that parser with its destination (what `engine.extra_args` is checked against).
 """
 
 from __future__ import annotations
@@ -21,16 +22,29 @@ FIELDS = (
 )
 
 
-def parse(argv: list[str]) -> dict[str, Any]:
-    from vllm.engine.arg_utils import EngineArgs
+def serve_parser() -> tuple[Any, Any]:
+    """vLLM's top parser with its `serve` subcommand, and that subcommand's own parser."""
     from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    serve_at = argv.index("serve")
     top = FlexibleArgumentParser(prog="vllm")
     subparsers = top.add_subparsers(dest="subparser")
     ServeSubcommand().subparser_init(subparsers)
+    return top, subparsers.choices["serve"]
+
+
+def options() -> list[list[str]]:
+    """[option string, dest] of every option of `vllm serve`."""
+    _, serve = serve_parser()
+    return sorted([option, action.dest] for option, action in serve._option_string_actions.items())
+
+
+def parse(argv: list[str]) -> dict[str, Any]:
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
+
+    serve_at = argv.index("serve")
+    top, _ = serve_parser()
     try:
         args = top.parse_args(argv[serve_at:])
     except SystemExit as error:
@@ -45,6 +59,9 @@ def parse(argv: list[str]) -> dict[str, Any]:
 
 
 def main() -> int:
+    if sys.argv[1:] == ["--options"]:
+        json.dump(options(), sys.stdout)
+        return 0
     argvs = json.load(sys.stdin)
     out = []
     for argv in argvs:

@@ -112,8 +112,9 @@ def build_e2e_spec(h: Harness, ports: UnitPorts, follower_loss_seconds: float | 
         command=[str(ENGINE_PYTHON), str(VLLM_ENTRY)],
         host="127.0.0.1", port=ports.engine, master_port=ports.master, max_num_seqs=4,
         tensor_parallel_size=2,
-        # --shutdown-timeout: on SIGTERM vLLM drains in-flight requests instead of aborting them.
-        extra_args=["--enforce-eager", "--disable-log-stats", "--shutdown-timeout", "60"],
+        # --shutdown-timeout: on SIGTERM vLLM drains in-flight requests instead of aborting them. No
+        # --disable-log-stats: the spec refuses it (it stops the vllm: gauges the proxy's load report reads).
+        extra_args=["--enforce-eager", "--shutdown-timeout", "60"],
         # VLLM_HOST_IP is the launcher's to render (spec.LAUNCHER_ENV), from UNIT_HOST_IP (loopback here).
         extra_env={k: v for k, v in engine_environment(h.cache).items() if k != "VLLM_HOST_IP"},
         stop_timeout_seconds=90,

@@ -10,7 +10,14 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 from unit_launcher import plan as plans
-from unit_launcher.spec import LAUNCHER_ENV, LAUNCHER_ENV_PREFIX, SpecError, load_spec_from_env, parse_spec
+from unit_launcher.spec import (
+    LAUNCHER_ARGS,
+    LAUNCHER_ENV,
+    LAUNCHER_ENV_PREFIX,
+    SpecError,
+    load_spec_from_env,
+    parse_spec,
+)
 
 
 def neuron_spec(**overrides) -> dict:
@@ -157,14 +164,14 @@ def test_leader_serves_http_on_loopback_and_extra_args_and_env_are_appended():
             engine={
                 "max_num_seqs": 8,
                 "port": 8001,
-                "extra_args": ["--enable-prefix-caching"],
+                "extra_args": ["--uvicorn-log-level=warning"],
                 "extra_env": {"NEURON_RT_LOG_LEVEL": "WARNING"},
             }
         )
     )
     node = plans.build_plan(spec, "leader", 0, leader_addr="10.0.0.5", host_ip="10.0.0.5")
     assert "--host=127.0.0.1" in node.argv and "--port=8001" in node.argv and "--headless" not in node.argv
-    assert node.argv[-1] == "--enable-prefix-caching"
+    assert node.argv[-1] == "--uvicorn-log-level=warning"
     assert node.env["UNIT_RANK"] == "0" and node.env["NEURON_RT_LOG_LEVEL"] == "WARNING"
 
 
@@ -191,6 +198,89 @@ def test_the_reserved_environment_is_exactly_what_the_launcher_renders():
     renders would refuse an operator's variable for nothing."""
     rendered = _rendered_env_names()
     assert {n for n in rendered if not n.startswith(LAUNCHER_ENV_PREFIX)} == set(LAUNCHER_ENV)
+
+
+def _rendered_option_names() -> set[str]:
+    """Every engine option the launcher renders (`--name` without dashes), over the variants of engine.j2's branches:
+    the options of each `vllm serve` argv (`--no-x` is x) and the keys of the Triton leader's model.json."""
+    variants = [
+        neuron_spec(),  # two nodes, compiled layout
+        neuron_spec(model={"layout": None, "dtype": "float8_e4m3"}),  # --additional-config, --quantization
+        neuron_spec(engine={"max_num_seqs": 4, "frontend": "triton"}),
+        neuron_spec(engine={"device": "cpu", "max_num_seqs": 4}),
+    ]
+    names: set[str] = set()
+    for variant in variants:
+        spec = parse_spec(variant)
+        for role, rank in (("leader", 0), ("follower", 1)):
+            node = plans.build_plan(spec, role, rank, leader_addr="10.0.0.5", host_ip="10.0.0.6")
+            for path, text in node.files.items():
+                if path.endswith("/model.json"):
+                    names |= {key.replace("_", "-") for key in json.loads(text)}
+            if node.argv[0] == "vllm":
+                options = [a[2:].split("=", 1)[0] for a in node.argv if a.startswith("--")]
+                names |= {o[3:] if o.startswith("no-") else o for o in options}
+    return names
+
+
+def test_the_reserved_options_are_exactly_what_the_launcher_renders():
+    """spec.LAUNCHER_ARGS is read from engine.j2's `arg`/`flag` lines: each option rendered is in it (so none can
+    be replaced through engine.extra_args), and each in it is rendered by some unit (none is refused for nothing)."""
+    assert _rendered_option_names() == set(LAUNCHER_ARGS)
+
+
+@pytest.mark.parametrize("extra", [
+    ["--enable-prefix-caching"],  # vllm-neuron asserts a block size: every Neuron engine dies at start
+    ["--host=0.0.0.0"],  # the leader's engine answers on the host's address, around the proxy
+    ["--node-rank=0"],  # every follower claims rank 0
+    # The other forms vLLM's own parser reads as one of the launcher's options (vLLM 0.32.0, e2e/tests).
+    ["--enforce-eager", "--host", "0.0.0.0"],
+    ["--ho=0.0.0.0"],  # argparse's abbreviation
+    ["--node_rank=0"],  # vLLM reads _ as -
+    ["-r0"], ["-r", "0"], ["-n", "3"], ["-t", "4"], ["-tp=4"], ["-qawq"],
+    ["--no-enable-prefix-caching"], ["--no-enable-prefix"],
+    ["--additional-config.override_neuron_config.tp_degree=8"],  # merged into --additional-config's JSON
+    ["--headless"], ["--nnodes=4"], ["--model", "/elsewhere"],
+])
+def test_extra_args_may_not_replace_what_the_launcher_renders(extra):
+    """engine.extra_env may not replace a variable the launcher renders (spec.LAUNCHER_ENV, refused by name), but
+    engine.extra_args, appended after the rendered options (or merged into Triton's model.json), replaced them
+    silently: argparse keeps the last value, so `--host=0.0.0.0` made the leader's engine answer on the host's
+    address, around the proxy's gate. Found by the thirty-fourth session's defect hunt; refused when the spec is
+    read."""
+    for frontend in ("openai", "triton"):
+        with pytest.raises(SpecError, match=r"extra_args: .* sets --[a-z-]+.* renders itself.*allowed: options other"):
+            parse_spec(neuron_spec(engine={"max_num_seqs": 32, "frontend": frontend, "extra_args": extra}))
+
+
+def test_prefix_caching_on_neuron_is_refused_with_its_reason():
+    """On Neuron the launcher turns it off (docs/neuron-multi-node.md, "Prefix caching off"); on cpu, where it leaves
+    it to vLLM, the option is still the launcher's (one set of options for every unit, as LAUNCHER_ENV)."""
+    with pytest.raises(SpecError, match=r"'--enable-prefix-caching' sets --enable-prefix-caching, .*neuron asserts"):
+        parse_spec(neuron_spec(engine={"max_num_seqs": 32, "extra_args": ["--enable-prefix-caching"]}))
+    with pytest.raises(SpecError, match=r"sets --enable-prefix-caching, .*renders itself") as cpu:
+        parse_spec(neuron_spec(engine={"device": "cpu", "max_num_seqs": 4, "extra_args": ["--enable-prefix-caching"]}))
+    assert "vllm-neuron" not in str(cpu.value)
+
+
+@pytest.mark.parametrize("frontend", ["openai", "triton"])
+@pytest.mark.parametrize("extra", [["--disable-log-stats"], ["--disable_log_stats"], ["--disable-log-st"]])
+def test_disable_log_stats_is_refused_with_either_front_end(frontend, extra):
+    """--disable-log-stats stops vLLM's stat loggers (vLLM 0.16.0 v1/engine/async_llm.py:159-168,228,255), so the
+    vllm:num_requests_waiting gauge the proxy's load report and QueueDepth read (unit_proxy/health.py QUEUE_METRIC)
+    is never set. The plan refused it with frontend triton only and rendered it into `vllm serve` with frontend
+    openai (the thirty-fourth session's defect hunt); now the spec refuses it for both, in one place."""
+    with pytest.raises(SpecError, match=r"engine\.extra_args: .* is --disable-log-stats: it stops vLLM's stat"):
+        parse_spec(neuron_spec(engine={"max_num_seqs": 32, "frontend": frontend, "extra_args": extra}))
+
+
+def test_extra_args_that_are_not_the_launchers_are_rendered_after_its_own():
+    """What the e2e unit passes, and options that merely look like the launcher's, go through unchanged."""
+    extra = ["--enforce-eager", "--shutdown-timeout", "60", "-O3", "-pp", "1", "--no-disable-log-stats",
+             "--max-num-batched-tokens=512", "--hf-overrides.max_position_embeddings=4096"]
+    spec = parse_spec(neuron_spec(engine={"device": "cpu", "max_num_seqs": 4, "extra_args": extra}))
+    node = plans.build_plan(spec, "follower", 1, leader_addr="10.0.0.5", host_ip="10.0.0.6")
+    assert node.argv[-len(extra):] == extra and "--node-rank=1" in node.argv
 
 
 @pytest.mark.parametrize("name", ["NEURON_RT_ROOT_COMM_ID", "VLLM_PLUGINS", "FI_PROVIDER", "UNIT_RANK", "UNIT_OTHER"])
@@ -256,7 +346,7 @@ def test_triton_leader_renders_a_model_repository_that_matches_tritons_schema():
             engine={
                 "max_num_seqs": 32,
                 "frontend": "triton",
-                "extra_args": ["--enable-prefix-caching", "--block-size", "32"],
+                "extra_args": ["--seed", "7"],
             }
         )
     )
@@ -283,7 +373,7 @@ def test_triton_leader_renders_a_model_repository_that_matches_tritons_schema():
     assert model_json["model"] == "/opt/models/llama" and model_json["tensor_parallel_size"] == 2
     assert (model_json["nnodes"], model_json["node_rank"], model_json["master_addr"]) == (2, 0, "10.0.0.5")
     assert node.env["NEURON_COMPILED_ARTIFACTS"].endswith("/L1.node0")
-    assert model_json["enable_prefix_caching"] is True and model_json["block_size"] == 32
+    assert model_json["enable_prefix_caching"] is False and model_json["seed"] == 7
     assert "port" not in model_json
     # Followers of a Triton unit run the headless vLLM engine.
     follower = plans.build_plan(spec, "follower", 1, leader_addr="10.0.0.5", host_ip="10.0.0.6")
@@ -388,9 +478,7 @@ def test_spec_errors_name_the_field_and_the_rule():
     assert load_spec_from_env({"UNIT_SPEC": json.dumps(neuron_spec())}).unit_id == "u1"
 
 
-def test_triton_extra_args_take_no_prefixes_and_refuse_disable_log_stats():
+def test_triton_extra_args_take_no_prefixes():
     """`--no-x` is `vllm serve`'s way to set a boolean x false; model.json must say x: false, not no_x: true."""
-    assert plans.extra_args_to_engine_args(["--no-enable-prefix-caching", "--max-num-batched-tokens", "512"]) == {
-        "enable_prefix_caching": False, "max_num_batched_tokens": 512}
-    with pytest.raises(plans.PlanError, match="disable-log-stats is not allowed with frontend triton"):
-        plans.extra_args_to_engine_args(["--disable-log-stats"])
+    assert plans.extra_args_to_engine_args(["--no-enable-chunked-prefill", "--max-num-batched-tokens", "512"]) == {
+        "enable_chunked_prefill": False, "max_num_batched_tokens": 512}

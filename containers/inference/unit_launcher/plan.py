@@ -178,11 +178,8 @@ def extra_args_to_engine_args(extra: tuple[str, ...] | list[str]) -> dict[str, A
         if name.startswith("no-") and parsed is True:
             # `vllm serve`'s boolean options are argparse BooleanOptionalAction: `--no-x` sets x false.
             name, parsed = name[3:], False
-        key = name.replace("-", "_")
-        if key == "disable_log_stats" and parsed:
-            raise PlanError("engine.extra_args: --disable-log-stats is not allowed with frontend triton: "
-                            "it stops the vllm: gauges the proxy's load report reads")
-        result[key] = parsed
+        # The spec refuses the launcher's own options and --disable-log-stats (spec.extra_arg_options).
+        result[name.replace("-", "_")] = parsed
         i += 1
     return result
 
@@ -252,6 +249,7 @@ def build_plan(
         for name, value in args.items():
             argv += _cli(name, value)
         argv += ["--" + f for f in flags]
+        # Last: none sets an option rendered above (the spec refuses those, spec.LAUNCHER_ARGS).
         argv += list(spec.engine.extra_args)
     node_config = context["neuron_config"] if spec.engine.device == "neuron" else None
     return LaunchPlan(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from importlib.resources import files
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -29,6 +30,55 @@ LAUNCHER_ENV = frozenset({
     "VLLM_HOST_IP", "VLLM_PLUGINS", "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS",
 })
 LAUNCHER_ENV_PREFIX = "UNIT_"
+
+
+def _rendered_options() -> frozenset[str]:
+    """Every engine option engine.j2 can render (its `arg name=` and `flag name` lines, over all its branches)."""
+    text = files("unit_launcher").joinpath("templates", "engine.j2").read_text()
+    return frozenset(name.replace("_", "-") for name in re.findall(r"^(?:arg|flag) ([a-z_]+)\b", text, re.MULTILINE))
+
+
+# The engine options the launcher renders, `--name` without its dashes (tests/test_plan.py renders every variant
+# against this set). engine.extra_args come after them on `vllm serve`'s command line, whose parser keeps the last
+# value, and with frontend triton they are merged into the same model.json: so an extra arg may not set one, in any
+# form vLLM's parser reads (below). Refused for every unit, as LAUNCHER_ENV is: the options are the launcher's.
+LAUNCHER_ARGS = _rendered_options()
+# vLLM's short forms of those (vLLM 0.16.0 engine/arg_utils.py:670,796-797,799; 0.32.0 :967,1145-1146,1177).
+LAUNCHER_ARG_SHORT = {"-q": "quantization", "-n": "nnodes", "-r": "node-rank", "-tp": "tensor-parallel-size"}
+# Stops vLLM's stat loggers, Prometheus's included (vLLM 0.16.0 v1/engine/async_llm.py:159-168,228,255;
+# entrypoints/openai/api_server.py:309): the vllm: gauges the unit proxy's load report and QueueDepth read
+# (unit_proxy/health.py QUEUE_METRIC) are never set. With either front end.
+STATS_OFF_ARG = "disable-log-stats"
+
+
+def _long_option_names(key: str) -> list[str]:
+    """The refused long options `--key` sets, as vLLM's parser reads it: exactly, as `--no-key` of a launcher
+    option (argparse BooleanOptionalAction), or abbreviated (argparse's allow_abbrev, on in vLLM's parser: 0.32.0
+    parses `--ho=0.0.0.0` as `--host`; no vLLM option is a proper prefix of a launcher option, e2e/tests)."""
+    def matching(stem: str, names: frozenset[str]) -> list[str]:
+        return [stem] if stem in names else sorted(n for n in names if n.startswith(stem))
+
+    refused = LAUNCHER_ARGS | {STATS_OFF_ARG}
+    if found := matching(key, refused):
+        return found
+    return matching(key[3:], LAUNCHER_ARGS) if key.startswith("no-") and len(key) > 3 else []
+
+
+def extra_arg_options(token: str) -> list[str]:
+    """The refused options (LAUNCHER_ARGS, STATS_OFF_ARG; `--name` without its dashes) that one engine.extra_args
+    item sets, as vLLM's `vllm serve` parser reads it; [] for other options and for values."""
+    if token.startswith("--"):
+        # vLLM reads `_` as `-` in a name and `--name.key=v` as part of --name's JSON (vLLM 0.16.0
+        # utils/argparse_utils.py:228-231,314; 0.32.0 :339-342,425).
+        key = token[2:].split("=", 1)[0].split(".", 1)[0].replace("_", "-")
+        return _long_option_names(key) if key else []
+    if not token.startswith("-") or len(token) < 2:
+        return []
+    key = token.split("=", 1)[0]
+    # argparse: `-r0` is -r with the value 0, and `-t` abbreviates -tp (vLLM 0.32.0 parses both so).
+    return [name for short, name in LAUNCHER_ARG_SHORT.items()
+            if short.startswith(key) or (len(short) == 2 and key.startswith(short))]
+
 
 # With frontend triton the model is served under the last path part of model.name (triton_model_for), and that name
 # is its directory in Triton's model repository: Triton takes each subdirectory of the repository as a model, and a
@@ -288,6 +338,7 @@ class UnitSpec(_Strict):
             if problem := triton_model_name_problem(self.model.name):
                 problems.append(f"model.name = {self.model.name!r}: with engine.frontend triton {problem}")
         problems += self._extra_env_problems()
+        problems += self._extra_args_problems()
         seen: dict[int, str] = {}
         for name, port in ports.items():
             if port in seen:
@@ -319,6 +370,40 @@ class UnitSpec(_Strict):
                     "node's one worker drives every NeuronCore of the node (instance.cores_per_node)"
                 )
         return problems
+
+    def _extra_args_problems(self) -> list[str]:
+        problems = []
+        for token in self.engine.extra_args:
+            names = extra_arg_options(token)
+            if names == [STATS_OFF_ARG]:
+                problems.append(
+                    f"engine.extra_args: {token!r} is --{STATS_OFF_ARG}: it stops vLLM's stat loggers, so the vllm: "
+                    f"gauges the unit proxy's load report and QueueDepth read are never set"
+                )
+            elif names:
+                problems.append(
+                    f"engine.extra_args: {token!r} sets {' or '.join('--' + n for n in names)}, which the launcher "
+                    f"renders itself (templates/engine.j2): coming last, this one would replace the launcher's value "
+                    f"(the engine's parser keeps the last value, Triton's model.json the last key)"
+                    + self._rendered_option_reason(names)
+                )
+        if problems:
+            options = ", ".join("--" + n for n in sorted(LAUNCHER_ARGS))
+            problems.append(
+                f"engine.extra_args allowed: options other than {options} and --{STATS_OFF_ARG}, in none of the "
+                f"forms vLLM's parser reads (--name=value, --name value, --no-name, underscores for dashes, "
+                f"--name.key=value, an abbreviation, {', '.join(LAUNCHER_ARG_SHORT)})"
+            )
+        return problems
+
+    def _rendered_option_reason(self, names: list[str]) -> str:
+        """The rendered option's own reason, where one more than 'it is the launcher's' matters."""
+        if "enable-prefix-caching" in names and self.engine.device == "neuron":
+            # docs/neuron-multi-node.md, "Prefix caching off".
+            return (" (on neuron it renders --no-enable-prefix-caching: with prefix caching on vllm-neuron asserts a "
+                    "block size and every engine dies at start, and with a --block-size the runner uses a block KV "
+                    "layout the compile job does not build)")
+        return ""
 
     @property
     def tensor_parallel_size(self) -> int:
