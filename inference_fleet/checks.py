@@ -40,6 +40,7 @@ from inference_fleet.compile_job import (
 from inference_fleet.compile_job import environment as compile_environment
 from inference_fleet.config import (
     EPHEMERAL_PORTS,
+    NEURON_MAX_PROMPT_TOKENS,
     SERVING_PORT_FIELDS,
     CellConfig,
     ConfigError,
@@ -62,15 +63,6 @@ from inference_fleet.unit_spec import MODEL_CACHE_PATH
 
 FleetCheck = Callable[[FleetConfig], Iterable[ConfigIssue]]
 
-# The longest prompt a Neuron unit can schedule. vllm-neuron's platform hook turns chunked prefill off and sets
-# the scheduler's token budget to 131072 whatever was asked (whn09/vllm-neuron@3afb0a920fa9679e87da935999bf29fb8846641b
-# vllm_neuron/platform.py:358,363; vllm-project/vllm-neuron@a5ef7c88c3e4e44bea9af9051d8fb113588c0a21 :183,188),
-# after vLLM 0.16 checked max_num_batched_tokens >= max_model_len (config/scheduler.py:242-256). A waiting prompt
-# longer than the budget ends the scheduling pass (v1/core/sched/scheduler.py:659-665) and vllm-neuron's scheduler
-# hides the running decodes while anything waits (core/scheduler.py:95-109): the whole unit stops. Refused here
-# rather than raised after the hook: 131072 is the only budget the plugin runs with, and a prefill above it is one
-# step longer than any the plugin sets up for (docs/neuron-multi-node.md, "Longest prompt").
-NEURON_MAX_PROMPT_TOKENS = 131_072
 
 
 def load_fleet(path: str | Path | None = None) -> FleetConfig:

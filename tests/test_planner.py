@@ -396,6 +396,28 @@ def test_no_unit_fits_within_the_node_limit():
     assert result.nodes is None and result.candidates == []
 
 
+def test_the_sequence_parallel_hint_names_only_lengths_a_fleet_can_hold():
+    """The hint's nearest multiples of tp were bounded below only: near the top, the one above was over 131072,
+    which the same load refuses (a defect hunt, thirty-fourth session; seen failing: 131000 on 3 x trn2, tp 192,
+    said "nearest: 130944 or 131136"). `plan --suggest` (suggestion._no_fit) the same."""
+    from inference_fleet.config import NEURON_MAX_PROMPT_TOKENS
+    from inference_fleet.planner.suggestion import _no_fit
+
+    data = fleet_data(LLAMA_405B, 131000, nodes=3, context_parallel_degree=3, data_parallel_degree=3,
+                      max_concurrent_sequences=3)
+    with pytest.raises(ConfigError) as caught:
+        parse_fleet(data, "hint")
+    (issue,) = [i for i in caught.value.issues if i.path == "model.max_seq_len"]
+    nearest = [int(n) for n in re.search(r"nearest: ([0-9 or]+)\)", issue.problem).group(1).split(" or ")]
+    assert nearest == [130944], issue.problem
+    shape = planner.ModelShape.from_config(parse_fleet(fleet_data(LLAMA_405B, 8192), "shape").model)
+    suggested = planner.suggest(shape, CATALOGUE["trn2.48xlarge"], 3, 131000, max_nodes=3)
+    assert suggested.nodes is None and suggested.unsplit_tps
+    text = _no_fit(suggested)
+    hinted = [int(n) for n in re.findall(r"\b(\d{6})\b", text.split("e.g.")[-1])]
+    assert hinted and all(n <= NEURON_MAX_PROMPT_TOKENS for n in hinted), text
+
+
 # ---------------------------------------------------------------------------
 # Estimate
 

@@ -17,7 +17,7 @@ import math
 from collections.abc import Iterable, Iterator
 
 from inference_fleet.catalogue import CATALOGUE, InstanceType
-from inference_fleet.config import ConfigIssue, FleetConfig, ModelConfig
+from inference_fleet.config import NEURON_MAX_PROMPT_TOKENS, ConfigIssue, FleetConfig, ModelConfig
 from inference_fleet.planner.roofline import estimate
 from inference_fleet.planner.shape import (
     GIB,
@@ -75,10 +75,11 @@ def _sp_fits_seq(layout: Layout) -> bool:
     return not SEQUENCE_PARALLEL or layout.seq_len % layout.tp == 0
 
 
-def _multiples_near(value: int, step: int, low: int) -> list[int]:
-    """The multiples of `step` just below (if at least `low`) and just above `value`."""
+def _multiples_near(value: int, step: int, low: int, high: int = NEURON_MAX_PROMPT_TOKENS) -> list[int]:
+    """The multiples of `step` just below and just above `value` that a fleet can hold (`low` to `high`: a hint
+    above the longest prompt Neuron takes was refused by the same load, a defect hunt in the thirty-fourth session)."""
     below = value // step * step
-    return [m for m in (below, below + step) if m >= low]
+    return [m for m in (below, below + step) if low <= m <= high]
 
 
 def _phases(layout: Layout) -> tuple[tuple[str, str, int, int, str], ...]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inference_fleet.catalogue import InstanceType
+from inference_fleet.config import NEURON_MAX_PROMPT_TOKENS
 from inference_fleet.planner.fit import DEFAULT_MAX_NODES, layouts, minimal_nodes, violations
 from inference_fleet.planner.roofline import DEFAULT_PROMPT_TOKENS, EFFICIENCY, Estimate, estimate
 from inference_fleet.planner.shape import GIB, Layout, MemoryPlan, ModelShape, memory_plan
@@ -95,7 +96,8 @@ def _no_fit(result: Suggestion) -> str:
     close = result.closest
     if close is None and result.unsplit_tps:
         tps = result.unsplit_tps
-        nearest = sorted({m for tp in tps for m in (result.seq_len // tp * tp, (result.seq_len // tp + 1) * tp) if m})
+        nearest = sorted({m for tp in tps for m in (result.seq_len // tp * tp, (result.seq_len // tp + 1) * tp)
+                          if 0 < m <= NEURON_MAX_PROMPT_TOKENS})
         return (f"{text}: --seq-len {result.seq_len} is a multiple of no tp of {result.max_nodes} node(s) "
                 f"({', '.join(map(str, tps))}), and NxD Inference's sequence parallelism needs the context length to "
                 f"divide by tp (docs/planner.md \"Checks\"); use a multiple, e.g. {' or '.join(map(str, nearest[:4]))}")
