@@ -1,6 +1,6 @@
 """The canary's schedule and verdict (`unit_proxy.canary.CanaryGate`) with a clock passed in:
-warm-up, idle-only passes, retries with backoff whether busy or not, refused and accepted
-reports, sessions."""
+warm-up, idle-only passes, retries with backoff whether busy or not, only failures that ran
+idle reported, refused and accepted reports, sessions."""
 
 from __future__ import annotations
 
@@ -57,3 +57,24 @@ def test_a_passing_unit_that_stops_being_whole_warms_up_again():
     assert not gate.should_start(15, whole=False, idle=True)
     assert not gate.should_start(20, whole=True, idle=True)  # whole again: one interval first
     assert gate.should_start(30, whole=True, idle=True)
+
+
+def test_a_failure_that_ran_busy_holds_health_but_is_not_due_for_a_report():
+    """Thirty-fourth session's defect hunt: a canary that had users' requests beside it may
+    only have waited for a batch slot; its failure fails /health, is not to be reported, and
+    the retries keep their schedule; the first failure that ran idle is due for a report."""
+    gate = CanaryGate(interval=60, timeout=60, retry=5)
+    gate.should_start(0, whole=True, idle=True)
+    assert gate.should_start(60, whole=True, idle=True)
+    gate.finish(False, "one-token completion took over 60 s", 60, now=120, wall=0, idle=False)
+    assert gate.failing and not gate.report_due
+    assert "with requests in flight: not reported" in (gate.reason(120) or "")
+    assert gate.doc(120)["idle"] is False
+    assert gate.should_start(125, whole=True, idle=False)  # the retry runs busy: a pass would show recovery
+    gate.finish(False, "one-token completion took over 60 s", 60, now=185, wall=0, idle=False)
+    assert not gate.report_due and gate.failures_in_a_row == 2
+    assert gate.should_start(195, whole=True, idle=True)
+    gate.finish(False, "one-token completion took over 60 s", 60, now=255, wall=0)  # idle throughout
+    assert gate.report_due and "not reported" not in (gate.reason(255) or "")
+    gate.finish(True, "ok", 0.1, now=275, wall=0)
+    assert not gate.report_due and gate.reason(275) is None

@@ -58,7 +58,7 @@ from unit_proxy.haproxy_config import (
     render,
 )
 from unit_proxy.health import HealthMonitor, HealthState, stale_limit
-from unit_proxy.runtime_api import RuntimeApi, RuntimeApiError, backend_streams, engine_streams
+from unit_proxy.runtime_api import RuntimeApi, RuntimeApiError, backend_streams, engine_streams, engine_taken
 from unit_proxy.settings import Settings
 from unit_proxy.slow_readers import SlowReaderWatchdog
 from unit_proxy.telemetry import Telemetry, write_emf
@@ -175,6 +175,9 @@ class ProxyState:
         self.gate_unit = bool(settings.launcher_status_url)  # no launcher: nothing to gate on
         self.telemetry = Telemetry(self.reported_inflight)
         self.inflight = 0  # the engine backend's current streams, from `show stat`
+        # Requests the engine has taken (`show stat` stot), from the same read; None after a failed read,
+        # so the canary never takes a stale count for a quiet engine (health.HealthMonitor._ran_idle).
+        self.engine_taken: int | None = None
         self.changed = asyncio.Event()  # a check round or the drain: push the gate now
         self.haproxy_pid: int | None = None
         self.pushed: dict[str, str] = {}
@@ -332,15 +335,18 @@ def internal_app(state: ProxyState) -> web.Application:
 
 
 async def refresh_stats(state: ProxyState, api: RuntimeApi) -> None:
-    """In-flight requests: the engine backend's current streams (`show stat` scur)."""
+    """In-flight requests: the engine backend's current streams (`show stat` scur), and the
+    requests it has taken so far (stot)."""
     try:
         rows = await api.show_stat()
     except RuntimeApiError as exc:
         log.debug("show stat failed: %s", exc)
+        state.engine_taken = None
         return
     streams = engine_streams(rows)
     if streams is not None:
         state.inflight = streams
+    state.engine_taken = engine_taken(rows)
 
 
 async def push_gate(state: ProxyState, api: RuntimeApi, paths: Paths) -> None:
@@ -675,6 +681,7 @@ async def start(settings: Settings) -> Running:
     monitor = HealthMonitor(
         settings, state.health, state.telemetry, on_check=lambda _result: state.changed.set(),
         idle=lambda: state.reported_inflight() == 0, refresh=lambda: refresh_stats(state, api),
+        taken=lambda: state.engine_taken,
     )
     running.tasks.append(asyncio.create_task(monitor.run(), name="health"))
     running.tasks.append(asyncio.create_task(gate_loop(state, api, paths), name="gate"))

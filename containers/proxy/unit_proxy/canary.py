@@ -24,6 +24,7 @@ class CanaryVerdict:
     seconds: float  # how long the attempt took
     at: float  # time.monotonic() when it ended
     wall: float  # time.time() when it ended
+    idle: bool = True  # no user request was in flight at any moment of the attempt
 
 
 class CanaryGate:
@@ -39,10 +40,18 @@ class CanaryGate:
       beside the traffic. While the unit is not whole no attempt starts, but a pending
       retry keeps its time.
     - A failed verdict fails `/health` until an attempt passes or the session changes.
+    - Only an attempt that ran idle throughout (no user request in flight from its start to
+      its end: `finish(idle=True)`) proves the engine failed: only its failure is to be
+      reported (`report_due`). A busy one may have waited for a batch slot behind the
+      users' requests (vLLM admits a waiting request only while fewer than max_num_seqs
+      run, and MAX_INFLIGHT defaults to max_num_seqs): its failure holds `/health` like
+      any failure, so the load balancer sends the unit no new requests and an idle moment
+      comes, but it is not reported; the retries go on until one passes or one fails idle.
+      A busy unit is judged by the executor's step bound, not by the canary.
     - Once the launcher accepted a report (it ends the session), no attempt runs for that
       session. A refused report (the launcher ignores a failure while the unit is
       degraded, forming or stopping) changes nothing: the retry decides, and its failure,
-      if the unit then serves whole, is reported again.
+      if the unit then serves whole and idle, is reported again.
     """
 
     def __init__(self, interval: float, timeout: float, retry: float) -> None:
@@ -84,10 +93,13 @@ class CanaryGate:
         self.in_flight_since = now
         return True
 
-    def finish(self, ok: bool, detail: str, seconds: float, now: float, wall: float) -> CanaryVerdict:
-        """Record an attempt's outcome and schedule the next one."""
+    def finish(
+        self, ok: bool, detail: str, seconds: float, now: float, wall: float, idle: bool = True
+    ) -> CanaryVerdict:
+        """Record an attempt's outcome and schedule the next one. `idle`: no user request was
+        in flight at any moment from the attempt's start to its end."""
         self.in_flight_since = None
-        self.verdict = CanaryVerdict(ok=ok, detail=detail, seconds=seconds, at=now, wall=wall)
+        self.verdict = CanaryVerdict(ok=ok, detail=detail, seconds=seconds, at=now, wall=wall, idle=idle)
         if ok:
             self.failures_in_a_row = 0
             self._due = now + self.interval
@@ -102,6 +114,12 @@ class CanaryGate:
         self.in_flight_since = None
         if self._due is not None and self._due <= now:
             self._due = now + (self.backoff() if self.failing else self.interval)
+
+    @property
+    def report_due(self) -> bool:
+        """Whether the latest verdict is a failure to report to the launcher: one that ran
+        idle throughout, so no user request can have held the canary back."""
+        return self.failing and self.verdict is not None and self.verdict.idle
 
     def backoff(self) -> float:
         """Wait before the next retry after `failures_in_a_row` failures."""
@@ -126,7 +144,9 @@ class CanaryGate:
             then = f"retry in {max(0.0, self._due - now):.1f} s"
         else:
             then = "retry once the unit is whole"
-        return f"canary: {verdict.detail} ({now - verdict.at:.1f} s ago, {self.failures_in_a_row} in a row; {then})"
+        busy = "" if verdict.idle else ", with requests in flight: not reported"
+        return (f"canary: {verdict.detail} ({now - verdict.at:.1f} s ago{busy}, {self.failures_in_a_row} in a row; "
+                f"{then})")
 
     def doc(self, now: float) -> dict[str, Any]:
         """For `/ready`: the last verdict with its time, the attempt in flight, the schedule."""
@@ -136,6 +156,7 @@ class CanaryGate:
             "detail": None if verdict is None else verdict.detail,
             "seconds": None if verdict is None else round(verdict.seconds, 3),
             "at": None if verdict is None else verdict.wall,
+            "idle": None if verdict is None else verdict.idle,
             "age_s": None if verdict is None else round(now - verdict.at, 3),
             "failures_in_a_row": self.failures_in_a_row,
             "in_flight_s": None if self.in_flight_since is None else round(now - self.in_flight_since, 3),

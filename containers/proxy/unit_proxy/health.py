@@ -189,18 +189,24 @@ class HealthMonitor:
         on_check: Callable[[CheckResult], None] | None = None,
         idle: Callable[[], bool] | None = None,
         refresh: Callable[[], Awaitable[None]] | None = None,
+        taken: Callable[[], int | None] | None = None,
     ) -> None:
         """`on_check` is called with every completed round (the supervisor publishes the
         unit verdict to its workers with it); `idle` says whether no request is in flight
         (the deep-liveness canary runs only then, retries of a failed one excepted; None: no
         canary); `refresh` runs with every round's checks (the agent reads HAProxy's in-flight
-        count with it, so `idle` is as fresh as the round)."""
+        count with it, so `idle` is as fresh as the round); `taken` is how many requests the
+        engine has taken so far, as of the last refresh (HAProxy's `stot` of the engine
+        server), or None when not known: with `idle` at an attempt's start and end it tells
+        whether a user request was in flight at any moment of the attempt (None: never known,
+        so no canary failure is reported)."""
         self.settings = settings
         self.refresh = refresh
         self.state = state
         self.telemetry = telemetry
         self.on_check = on_check
         self.idle = idle
+        self.taken = taken
         self._canary_model: str | None = None
         self._canary_task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -361,14 +367,34 @@ class HealthMonitor:
         if gate is None or self.idle is None or (self._canary_task is not None and not self._canary_task.done()):
             return
         whole = last.engine_ok and last.unit_ok and not self.state.draining and not self.state.member_draining
-        if gate.should_start(time.monotonic(), whole, whole and self.idle()):
-            self._canary_task = asyncio.create_task(self._canary_attempt(gate, self._session_id), name="canary")
+        idle = whole and self.idle()
+        if gate.should_start(time.monotonic(), whole, idle):
+            mark = self._quiet_mark() if idle else None
+            self._canary_task = asyncio.create_task(self._canary_attempt(gate, self._session_id, mark), name="canary")
 
-    async def _canary_attempt(self, gate: CanaryGate, session_id: str | None) -> None:
+    def _quiet_mark(self) -> int | None:
+        """The engine's count of requests taken, read while none is in flight: an attempt
+        that ends with the same count and still none in flight ran idle throughout."""
+        return self.taken() if self.taken is not None and self.idle is not None and self.idle() else None
+
+    async def _ran_idle(self, mark: int | None) -> bool:
+        """Whether no user request was in flight at any moment of an attempt that started
+        idle at `mark`: none in flight when it started (`mark` read then) and when it ended
+        (read afresh now), and none taken by the engine in between (HAProxy counts a stream
+        in its server's `stot` when it connects it to the server: src/backend.c
+        back_try_conn_req, srv_inc_sess_ctr, HAProxy v2.6.0
+        a1efc048bf8a5e14466dbe7317e73117e8d66176). The canary itself bypasses HAProxy."""
+        if mark is None:
+            return False
+        await self._refresh()
+        return self._quiet_mark() == mark
+
+    async def _canary_attempt(self, gate: CanaryGate, session_id: str | None, mark: int | None) -> None:
         """One attempt: the probe under the canary's own timeout, its verdict recorded, a
-        failure logged and reported to the launcher."""
+        failure logged and, if it ran idle throughout, reported to the launcher."""
         try:
             ok, detail, seconds = await self._canary()
+            idle = await self._ran_idle(mark)
         except Exception:  # a bug in the probe is not the engine's failure
             log.exception("canary attempt failed")
             gate.abandon(time.monotonic())
@@ -378,13 +404,19 @@ class HealthMonitor:
             gate.abandon(time.monotonic())
             return
         was_failing = gate.failing
-        gate.finish(ok, detail, seconds, time.monotonic(), time.time())
+        gate.finish(ok, detail, seconds, time.monotonic(), time.time(), idle=idle)
         if ok:
             if was_failing:
                 log.info("canary passes again: %s", detail)
             return
-        log.error(json.dumps({"event": "canary_failed", "detail": detail, "seconds": round(seconds, 3),
-                              "failures_in_a_row": gate.failures_in_a_row, "session_id": session_id}))
+        # A busy attempt may have waited for a batch slot behind the users' requests: its
+        # failure holds /health (CanaryGate) but proves nothing about the engine.
+        log.log(logging.ERROR if idle else logging.WARNING, json.dumps({
+            "event": "canary_failed", "detail": detail, "seconds": round(seconds, 3), "idle": idle,
+            "failures_in_a_row": gate.failures_in_a_row, "session_id": session_id}))
+        if not gate.report_due:
+            log.warning("failed canary not reported: requests were in flight during it; the canary is retried")
+            return
         report = await self._report_canary(session_id, detail)
         if report is not None:
             gate.reported(*report)

@@ -103,3 +103,12 @@ def engine_streams(rows: list[dict[str, str]]) -> int | None:
         return None
     scur, qcur = server.get("scur", ""), server.get("qcur", "") or "0"
     return int(scur) + int(qcur) if scur.isdigit() and qcur.isdigit() else None
+
+
+def engine_taken(rows: list[dict[str, str]]) -> int | None:
+    """Requests the engine has taken since HAProxy started: `stot` of the engine server's
+    `vllm` row (a stream counts when HAProxy connects it to the server, not while it waits in
+    a queue: src/backend.c back_try_conn_req, srv_inc_sess_ctr, v2.6.0), or None without one."""
+    server = next((r for r in rows if r.get("pxname") == "engine" and r.get("svname") == "vllm"), None)
+    stot = "" if server is None else server.get("stot", "")
+    return int(stot) if stot.isdigit() else None
