@@ -44,7 +44,8 @@ from inference_fleet.unit_spec import layout_key
 # the job's logs: the ECS node set of a cell's network.
 _INTERFACE_ENDPOINTS = ECS_NODE_ENDPOINTS
 VPC_CIDR = "10.250.0.0/16"
-# AWS Batch UpdatePolicy.JobExecutionTimeoutMinutes' maximum (API_UpdatePolicy.html, its current text).
+# AWS Batch UpdatePolicy.jobExecutionTimeoutMinutes' maximum: botocore 1.44.18's Batch model (batch/2016-08-10,
+# shape JobExecutionTimeoutMinutes: min 1, max 7200), as API_UpdatePolicy.html's current text.
 UPDATE_TIMEOUT_MAX_MINUTES = 7200
 ROOT_DEVICE = "/dev/xvda"  # the root device of the ECS-optimized Amazon Linux 2023 AMI
 
@@ -247,8 +248,11 @@ class CompileBatch(Construct):
             # gives the jobs running on the old instances this long before it replaces them, 30 min unless set
             # (https://docs.aws.amazon.com/batch/latest/APIReference/API_UpdatePolicy.html). A compile runs for
             # hours: the job's own timeout, so a `<Fleet>-Compile` deploy during a compile no longer cuts it (a
-            # defect hunt, thirty-fourth session). The page's current text allows 1-7200 minutes; older copies say
-            # 360, which a compile timeout of 7 h and more would pass (unverified which the service enforces).
+            # defect hunt, thirty-fourth session). 1-7200 minutes (UPDATE_TIMEOUT_MAX_MINUTES; copies of the page
+            # from before say 360). Unverified on AWS (docs/compiled-artifacts.md): whether CloudFormation's update
+            # waits while the environment is UPDATING (then a deploy waits for a running compile: the trade chosen),
+            # and whether the policy reaches Batch on the stack's create (CreateComputeEnvironment has no
+            # updatePolicy member in botocore's model; UpdateComputeEnvironment has).
             update_timeout=Duration.minutes(min(needs.timeout_hours * 60, UPDATE_TIMEOUT_MAX_MINUTES)),
             terminate_on_update=False,
         )

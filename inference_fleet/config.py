@@ -34,6 +34,7 @@ from pydantic import (
     field_validator,
 )
 from unit_launcher.spec import EngineSpec
+from unit_proxy.router_ssm import MAX_FRONTED_CELLS, STANDARD_VALUE_MAX
 from unit_proxy.settings import Settings as ProxySettings
 
 from inference_fleet.catalogue import CATALOGUE, InstanceType
@@ -941,7 +942,8 @@ class RouterConfig(_Strict):
     region: Region = Field(description="Region of the router; it fronts cells of this region.")
     cells: tuple[CellName, ...] = Field(
         min_length=1, description="Names of the cells it fronts (cells[].name), of the router's region unless "
-        "cross_region is set.",
+        f"cross_region is set; at most {MAX_FRONTED_CELLS} (each router task's evacuation report, an SSM "
+        "parameter, names them all).",
     )
     weights: dict[CellName, Annotated[int, Field(ge=0, le=ROUTER_MAX_WEIGHT)]] | None = Field(
         default=None,
@@ -997,6 +999,20 @@ class RouterConfig(_Strict):
     alarms: RouterAlarmsConfig = Field(
         default=RouterAlarmsConfig(), description="Alarm thresholds (see **routers[].alarms**)."
     )
+
+    @field_validator("cells")
+    @classmethod
+    def _fit_the_report(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        """Each router task writes a report naming every cell it fronts (unit_proxy.router_ssm.TaskReport), up to
+        three times over when all are evacuated; SSM refuses one over a Standard parameter's 4 KB, and
+        `evacuate --wait` then sees no task (a cold review in the thirty-fourth session)."""
+        if len(value) > MAX_FRONTED_CELLS:
+            raise ValueError(
+                f"{len(value)} cells; allowed: at most {MAX_FRONTED_CELLS}: each router task's evacuation report names "
+                f"every cell it fronts, up to three times over, in an SSM parameter of {STANDARD_VALUE_MAX} characters "
+                f"at most (Standard tier); {MAX_FRONTED_CELLS} cells of the longest names fit with room to spare, and "
+                "a report SSM refuses leaves `evacuate --wait` seeing no task")
+        return value
 
     @field_validator("vpc_cidr")
     @classmethod

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import sys
@@ -66,6 +65,10 @@ class EvacuateError(Exception):
 # How often `--wait` reads the task reports (GetParametersByPath shares Parameter Store's default throughput
 # with the routers' GetParameter: docs/router.md "Evacuation").
 WAIT_POLL_SECONDS = 5.0
+# The longest --timeout: a day, 89 times the pipeline's 965 s (stacks/evacuation.py WAIT_SECONDS, in a build of
+# 30 min) and under CodeBuild's longest build, 36 h (botocore's CodeBuild model: BuildTimeOut 5-2160 minutes). A
+# finite number far beyond it (1e300 s) was a wait that never ended; a longer wait is the command run again.
+TIMEOUT_MAX_SECONDS = 86_400.0
 
 
 def action_name(cell: str, undo: bool) -> str:
@@ -274,7 +277,8 @@ def empty_at(ssm: Any, prefix: str, cell: str, version: int, now: datetime) -> t
         said.append(f"{task}: {cell} empty")
     if not live:
         said.append(f"no router task reported in the last {REPORT_STALE_SECONDS:.0f} s: are the routers running "
-                    "with ROUTER_SSM_PREFIX set?")
+                    "with ROUTER_SSM_PREFIX set, and can they write their reports (an `evacuation_report_error` in "
+                    "the router's log says why not)?")
     return live > 0, said
 
 
@@ -342,14 +346,16 @@ def wait_empty(status_url: str, cell: str, timeout: float) -> float:
 
 
 def _timeout_seconds(text: str) -> float:
-    """--timeout: a finite number of seconds above 0. argparse's `float` took `nan`, `inf` and negatives; with
-    nan or inf `clock() - start > timeout` is never true and `--wait` never gave up."""
+    """--timeout: more than 0 and at most TIMEOUT_MAX_SECONDS. argparse's `float` took `nan`, `inf` and negatives;
+    with nan or inf `clock() - start > timeout` is never true and `--wait` never gave up, and 1e300, finite, was
+    the same (a cold review in the thirty-fourth session)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text} s is not allowed; allowed: a finite number of seconds above 0")
+    if not 0 < value <= TIMEOUT_MAX_SECONDS:  # nan fails it too
+        raise argparse.ArgumentTypeError(f"{text} s is not allowed; allowed: more than 0, at most "
+                                         f"{TIMEOUT_MAX_SECONDS:.0f} (a day)")
     return value
 
 
@@ -363,8 +369,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wait", action="store_true",
                         help="on AWS: wait until every router task reports the cell empty (its streams finished)")
     parser.add_argument("--timeout", type=_timeout_seconds, default=HARD_STOP_SECONDS + 60.0,
-                        help="longest wait for --status-url or --wait (s; default: the router's 905 s hard stop and "
-                             "a minute)")
+                        help="longest wait for --status-url or --wait (s, more than 0, at most 86400; default: the "
+                             "router's 905 s hard stop and a minute)")
     parser.add_argument("--force", action="store_true", help="evacuate even the last cell of a router")
     pipeline = parser.add_argument_group(
         "in the rollout pipeline's Restore-<cell> action (all three, with --undo): leave the cell evacuated when a "

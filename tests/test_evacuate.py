@@ -429,8 +429,29 @@ def test_wait_fails_when_the_cell_was_restored_meanwhile_or_no_task_reports(flee
     for _ in range(3):
         stub.add_response("get_parameters_by_path", _reports(("old", 5, ["prod"], ["prod"], 900)),
                           expected_params={"Path": TASKS})
-    with stub, pytest.raises(EvacuateError, match="no router task reported in the last 180 s"):
+    # It names the router's log event for a report SSM refuses (a cold review in the thirty-fourth session).
+    with stub, pytest.raises(EvacuateError, match=r"no router task reported in the last 180 s: .*can they write "
+                                                  r"their reports \(an `evacuation_report_error` in the router's log"):
         _wait(fleet, ssm, timeout=6)
+
+
+@pytest.mark.parametrize("value", [
+    json.dumps({"task": "t1", "version": 5, "evacuated": [], "empty": [], "fronts": "dev,prod"}), "[]"])
+def test_a_report_whose_fronts_is_not_a_list_is_unreadable_not_a_task_that_does_not_front_the_cell(
+        fleet: FleetConfig, value: str) -> None:
+    """Regression (a cold review in the thirty-fourth session): TaskReport.from_json took `list(fronts)`, so a
+    string `fronts` ("dev,prod") became its characters, the task read as not fronting prod, and the wait ended at
+    once, "empty", with the task's streams on prod not waited for. Now an unreadable report, which the wait waits
+    on (fails closed, here after its timeout). A report that is not a JSON object raised AttributeError through
+    the wait (a traceback) since `fronts` was added; now unreadable too."""
+    ssm, stub = _ssm()
+    page = {"Parameters": [{"Name": f"{TASKS}/t1", "Type": "String", "Version": 2, "LastModifiedDate": NOW,
+                            "Value": value}]}
+    for _ in range(20):
+        stub.add_response("get_parameters_by_path", page, expected_params={"Path": TASKS})
+    with stub, pytest.raises(EvacuateError, match=r"not reported empty by every router task after 30 s: "
+                                                  r"us-east-2: t1: unreadable report"):
+        _wait(fleet, ssm, timeout=30)
 
 
 class _IdleApi:
@@ -524,9 +545,29 @@ def test_a_timeout_that_is_not_a_finite_number_above_0_is_a_usage_error(
         main(["evacuate", "--config", str(config), "--cell", "prod", "--wait", f"--timeout={value}"])
     assert exited.value.code == exit_codes.USAGE == 2
     said = (f"{value!r} is not a number of seconds" if value == "soon" else
-            f"{value} s is not allowed; allowed: a finite number of seconds above 0")
+            f"{value} s is not allowed; allowed: more than 0, at most 86400 (a day)")
     err = capsys.readouterr().err
     assert f"error: argument --timeout: {said}\n" in err, err
+
+
+@pytest.mark.parametrize("value", ["1e300", "1e308", "86401"])
+def test_a_timeout_of_more_than_a_day_is_a_usage_error(
+        value: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Regression (a cold review in the thirty-fourth session): `--timeout 1e300` is finite and above 0, so it
+    passed the check that refused `inf`, and `--wait` never gave up either. Now at most a day (86,400 s, 89 times
+    the pipeline's 965 s), else a usage error, exit 2, naming the range."""
+    config = tmp_path / "fleet.yaml"
+    config.write_text(yaml.safe_dump(_raw()))
+    monkeypatch.setattr(evacuate, "_run_on_aws", lambda *args: pytest.fail(f"--timeout={value} was accepted"))
+    with pytest.raises(SystemExit) as exited:
+        main(["evacuate", "--config", str(config), "--cell", "prod", "--wait", f"--timeout={value}"])
+    assert exited.value.code == exit_codes.USAGE == 2
+    err = capsys.readouterr().err
+    assert f"error: argument --timeout: {value} s is not allowed; allowed: more than 0, at most 86400 (a day)\n" \
+        in err, err
+    parser = argparse.ArgumentParser()
+    evacuate.add_arguments(parser)
+    assert parser.parse_args(["--cell", "dev", "--timeout", "86400"]).timeout == 86400  # a day is allowed
 
 
 class _Cell:

@@ -10,9 +10,11 @@ import copy
 from typing import Any
 
 import pytest
+from unit_proxy.router_config import CELL_NAME
+from unit_proxy.router_ssm import MAX_FRONTED_CELLS
 
 from inference_fleet.checks import parse_fleet
-from inference_fleet.config import ConfigError, read_fleet_file
+from inference_fleet.config import CellName, ConfigError, read_fleet_file
 
 
 @pytest.fixture
@@ -63,6 +65,29 @@ def test_every_router_mistake_at_once(raw: dict[str, Any]) -> None:
         "routers[0].cells[1]", "routers[0].cells[2]", "routers[0].weights.zz", "routers[0].certificate_arn",
     ]
     assert "no such cell; cells: ['dev']" in str(caught.value)
+
+
+def test_a_router_fronts_at_most_40_cells(raw: dict[str, Any]) -> None:
+    """Regression (a cold review in the thirty-fourth session): each router task's SSM report names every cell it
+    fronts (`fronts`, and `evacuated` and `empty` when they are evacuated), and PutParameter refuses a Standard
+    parameter over 4 KB: about 48 cells with all but one evacuated had no report, and `evacuate --wait` gave up
+    after 965 s, "no router task reported". Now the fleet file allows MAX_FRONTED_CELLS (40, whose worst report
+    containers/proxy/tests/test_router_ssm.py computes), naming the field and the limit; the corpus has
+    tests/fleets/bad/router-too-many-cells.yaml."""
+    names = [f"cell-{i:02d}" for i in range(41)]
+    raw["routers"] = [{"region": "us-east-2", "cells": names, "plain_http": True}]
+    with pytest.raises(ConfigError) as caught:
+        parse_fleet(raw)
+    assert [i.path for i in caught.value.issues] == ["routers[0].cells"]
+    assert "41 cells; allowed: at most 40: each router task's evacuation report names every cell it fronts" \
+        in str(caught.value)
+    raw["routers"][0]["cells"] = names[:MAX_FRONTED_CELLS]  # the count is allowed: only the names are unknown
+    with pytest.raises(ConfigError) as caught:
+        parse_fleet(raw)
+    assert "routers[0].cells" not in [i.path for i in caught.value.issues]
+    assert {i.path for i in caught.value.issues} == {f"routers[0].cells[{j}]" for j in range(MAX_FRONTED_CELLS)}
+    # The worst report is computed with the router's cell-name pattern: the fleet file's is the same.
+    assert CellName.__metadata__[0].pattern == CELL_NAME.pattern
 
 
 def test_unknown_router_field_is_refused(raw: dict[str, Any]) -> None:

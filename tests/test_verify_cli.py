@@ -8,6 +8,7 @@ botocore gives up before it sends anything.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -15,6 +16,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from inference_fleet.verify import cli as verify_cli
 from inference_fleet.verify.report import Report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,8 +50,17 @@ def test_a_request_timeout_of_0_is_a_usage_error(tmp_path: Path) -> None:
     request of the kit failed at once with no answer ("Operation now in progress"). Now a usage error, exit 2."""
     done = verify("--cell", "dev", "--request-timeout", "0", "--report", str(tmp_path / "out.json"), tmp=tmp_path)
     assert done.returncode == 2, (done.returncode, done.stderr[-300:])
-    assert "argument --request-timeout: 0 s is out of range; allowed: more than 0, at most 7200" in done.stderr
+    assert "argument --request-timeout: 0 s is out of range; allowed: 1 to 7200" in done.stderr
     assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.parametrize("value", ["1e-9", "0.000001", "0.5", "7201", "nan"])
+def test_a_request_timeout_that_ends_at_once_is_refused_like_0(value: str) -> None:
+    """Regression (a cold review in the thirty-fourth session): the check that refused 0 took 1e-9 s, with which
+    every request of the kit ends on its timeout at once, as at 0. Now 1 to 7200 s, the message naming the range."""
+    with pytest.raises(argparse.ArgumentTypeError, match=f"^{value} s is out of range; allowed: 1 to 7200$"):
+        verify_cli._request_seconds(value)
+    assert verify_cli._request_seconds("1") == 1.0 and verify_cli._request_seconds("7200") == 7200.0
 
 
 def test_a_malformed_region_is_a_usage_error_not_a_traceback(tmp_path: Path) -> None:

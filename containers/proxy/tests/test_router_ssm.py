@@ -28,10 +28,13 @@ import boto3
 import pytest
 import unit_proxy.router as router_module
 from aiohttp import web
+from botocore.exceptions import ClientError
 from moto.server import ThreadedMotoServer
-from unit_proxy.router import RunningRouter, start, task_id
-from unit_proxy.router_config import RouterSettings
+from unit_proxy.router import RouterState, RunningRouter, start, task_id
+from unit_proxy.router_config import CELL_NAME, RouterSettings
 from unit_proxy.router_ssm import (
+    MAX_FRONTED_CELLS,
+    STANDARD_VALUE_MAX,
     EvacuationValueError,
     SsmClient,
     TaskReport,
@@ -317,6 +320,124 @@ def test_a_report_from_an_agent_older_than_fronts_still_reads() -> None:
     assert TaskReport.from_json(old).to_json() == old  # written back as the older agent wrote it
     new = TaskReport("t1", 3, ["b"], ["b"], fronts=["a", "b"])
     assert TaskReport.from_json(new.to_json()) == new
+
+
+@pytest.mark.parametrize(("field", "value"), [("fronts", "dev,prod"), ("evacuated", "prod"), ("empty", {"prod": 1}),
+                                               ("fronts", ["dev", 5])])
+def test_a_report_whose_names_are_not_a_list_of_strings_is_not_read(field: str, value: Any) -> None:
+    """Regression (a cold review in the thirty-fourth session): `from_json` took `list(value)`, so a `fronts` of
+    "dev,prod" read as the names "d", "e", "v", ... and `evacuate --wait` counted the task as not fronting prod.
+    Now ValueError, which the wait reads as an unreadable report (tests/test_evacuate.py); so is a report that is
+    not a JSON object (it was AttributeError, which the wait did not catch)."""
+    doc = {"task": "t1", "version": 3, "evacuated": ["prod"], "empty": [], "fronts": ["dev", "prod"], field: value}
+    with pytest.raises(ValueError, match=f"report field '{field}': expected a list of cell names"):
+        TaskReport.from_json(json.dumps(doc))
+    for text in ("[]", '"t1"', "5"):
+        with pytest.raises(ValueError, match="a report is a JSON object"):
+            TaskReport.from_json(text)
+
+
+class _Idle:
+    """The runtime API of a router with no stream on any cell."""
+
+    async def show_stat(self) -> list[dict[str, str]]:
+        return []
+
+    async def command(self, command: str) -> str:
+        return ""
+
+
+def _longest_names(count: int) -> list[str]:
+    """`count` cell names of the longest length CELL_NAME (the fleet file's pattern) allows."""
+    longest = max(n for n in range(1, 64) if CELL_NAME.fullmatch("a" * n))
+    names = [f"c{i:03d}".ljust(longest, "x") for i in range(count)]
+    assert all(CELL_NAME.fullmatch(name) for name in names) and longest == 24
+    return names
+
+
+def _worst_report(count: int) -> str:
+    """The report RouterState writes with `count` cells of the longest names, every one evacuated and empty, the
+    version at a 64-bit maximum and a 72-character task id (router.task_id's fallback: a 64-character host name,
+    Linux's longest, "-" and a 7-digit pid; an ECS task id has 32)."""
+    names = _longest_names(count)
+    settings = RouterSettings.from_env({"ROUTER_CELLS": ",".join(f"{n}=http://127.0.0.1:{i + 1}"
+                                                                 for i, n in enumerate(names))})
+    state = RouterState(settings, _Idle())  # type: ignore[arg-type]
+    state.evacuated, state.version = frozenset(names), 2**63 - 1
+    for name in names:
+        state.cells[name].evacuated = state.cells[name].empty = True
+    return state.report("h" * 64 + "-4194304").to_json()
+
+
+def test_the_report_of_a_router_at_its_most_cells_fits_a_standard_parameter() -> None:
+    """Regression (a cold review in the thirty-fourth session): the report names every fronted cell in `fronts`
+    (since that session's defect hunt), and PutParameter refuses a Standard parameter over 4 KB (botocore's SSM
+    model, PutParameterRequest.Value), so a router of about 48 cells with all but one evacuated, or 146 with one,
+    had no report and `evacuate --wait` gave up after 965 s, "no router task reported". The fleet file now allows
+    MAX_FRONTED_CELLS under a router (inference_fleet.config, tests/fleets/bad/router-too-many-cells.yaml): its
+    worst report, every cell evacuated and empty, fits with room for a new field."""
+    worst = len(_worst_report(MAX_FRONTED_CELLS))
+    assert worst == 3514 and STANDARD_VALUE_MAX - worst >= 500, worst  # the figures router_ssm's comment gives
+    assert len(_worst_report(47)) > STANDARD_VALUE_MAX >= len(_worst_report(46))  # where the limit falls
+
+
+def _standard_tier(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SsmClient.write with Parameter Store's Standard-tier limit, which moto (the local SSM) does not apply
+    (moto/ssm/models.py put_parameter checks no value size): a value over STANDARD_VALUE_MAX is refused as SSM
+    refuses it, a ValidationException (the message as quoted in public reports; unverified word for word)."""
+    write = SsmClient.write
+
+    def standard(self: SsmClient, name: str, value: str) -> None:
+        if len(value) > STANDARD_VALUE_MAX:
+            raise ClientError({"Error": {"Code": "ValidationException", "Message": "Standard tier parameters support "
+                                         "a maximum parameter value of 4096 characters."}}, "PutParameter")
+        write(self, name, value)
+
+    monkeypatch.setattr(SsmClient, "write", standard)
+
+
+async def test_a_refused_report_write_is_logged_once_saying_what_it_means(
+        cells: tuple[FakeCell, FakeCell], ssm_env: dict[str, Any],  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Regression (a cold review in the thirty-fourth session): a router of 60 cells (ROUTER_CELLS is not capped;
+    the fleet file is) with 58 evacuated: once they are empty its report passes 4 KB and SSM refuses it. The agent
+    logged "router SSM poll failed" and a traceback at every poll, never saying that `evacuate --wait` cannot see
+    the task. Now one `evacuation_report_error` naming the parameter, the size and the limit; the task serves on,
+    and the next write that lands says so."""
+    a, b = cells
+    prefix = parameter_prefix("Big", REGION)
+    _standard_tier(monkeypatch)
+    many = _longest_names(58)
+    settings = RouterSettings.from_env({
+        "ROUTER_CELLS": ",".join([f"a={a.url}", f"b={b.url}", *(f"{name}={a.url}" for name in many)]),
+        "ROUTER_HOST": LOOPBACK, "ROUTER_PORT": "0", "ROUTER_ADMIN_PORT": "0", "ROUTER_CHECK_INTERVAL_MS": "1000",
+        **NO_ALB, "ROUTER_SSM_PREFIX": prefix, "ROUTER_SSM_POLL_SECONDS": "1", "ROUTER_TASK_ID": "big-1",
+        **ssm_env["env"]})
+    caplog.set_level(logging.WARNING, logger="unit_proxy.router")
+    name = evacuation_parameter(prefix)
+    _client().put_parameter(Name=name, Value=json.dumps({"evacuated": many}), Type="String")
+
+    def said(event: str) -> list[dict[str, Any]]:
+        return [json.loads(r.getMessage()) for r in caplog.records if f'"event": "{event}"' in r.getMessage()]
+
+    router = await start(settings)
+    try:
+        await _until(lambda: said("evacuation_report_error"), timeout=20, what="the refused report logged")
+        await asyncio.sleep(2.5)  # two more polls, each refused again
+        [error] = said("evacuation_report_error")
+        assert error["parameter"] == report_parameter(prefix, "big-1") and error["chars"] > STANDARD_VALUE_MAX
+        assert "ValidationException" in error["error"], error
+        assert f"over the {STANDARD_VALUE_MAX} of a Standard SSM parameter" in error["effect"], error
+        assert "no router task reported" in error["effect"], error
+        assert not [r for r in caplog.records if "router SSM poll failed" in r.getMessage()]
+        assert router.state.ready and router.state.evacuated == frozenset(many)  # it serves on, evacuation applied
+        # The evacuation undone, the report fits again: written, and the log says so.
+        _client().put_parameter(Name=name, Value=json.dumps({"evacuated": []}), Type="String", Overwrite=True)
+        await _until(lambda: said("evacuation_report_recovered"), timeout=10, what="the report written again")
+        report = _report(prefix, "big-1")
+        assert report is not None and report.evacuated == [] and len(report.fronts or []) == 60
+    finally:
+        await router.close()
 
 
 async def test_the_task_id_comes_from_the_ecs_task_metadata(monkeypatch: pytest.MonkeyPatch) -> None:

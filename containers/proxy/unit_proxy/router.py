@@ -70,6 +70,8 @@ from unit_proxy.router_config import BACKEND, HARD_STOP_SECONDS, RouterPaths, Ro
 from unit_proxy.router_metrics import LastStat, emf_loop
 from unit_proxy.router_ssm import (
     REPORT_HEARTBEAT_SECONDS,
+    REPORT_STALE_SECONDS,
+    STANDARD_VALUE_MAX,
     EvacuationValueError,
     SsmClient,
     TaskReport,
@@ -442,6 +444,7 @@ class SsmSource:
     written: TaskReport | None = None
     written_at: float = 0.0
     writing: asyncio.Future[None] | None = None  # the last report write (write_report), awaited before the delete
+    write_error: str | None = None  # why the last report write failed (logged once: _report_refused)
 
     async def poll(self, state: RouterState) -> None:
         """Read the evacuated cells and apply them; an error is logged once and the last state is kept."""
@@ -469,11 +472,35 @@ class SsmSource:
         report = state.report(self.task_id)
         if report == self.written and now - self.written_at < REPORT_HEARTBEAT_SECONDS:
             return
+        value = report.to_json()
         # Kept and shielded: the stop cancels the SSM loop, and a write cut loose that way still lands (its thread
         # finishes the call), possibly after the delete. delete_report waits for it first.
-        self.writing = asyncio.ensure_future(in_daemon_thread(self.client.write, self.report_name, report.to_json()))
-        await asyncio.shield(self.writing)
+        self.writing = asyncio.ensure_future(in_daemon_thread(self.client.write, self.report_name, value))
+        try:
+            await asyncio.shield(self.writing)
+        except Exception as exc:  # tried again at the next poll (nothing counts as written)
+            self._report_refused(value, exc)
+            return
+        if self.write_error:
+            log.warning(json.dumps({"event": "evacuation_report_recovered", "parameter": self.report_name}))
+        self.write_error = None
         self.written, self.written_at = report, now
+
+    def _report_refused(self, value: str, exc: Exception) -> None:
+        """Log a failed report write once per cause, saying what it means for `evacuate --wait`. It was a
+        traceback at every poll ("router SSM poll failed") that did not (a cold review in the thirty-fourth
+        session: a report over 4 KB, refused, left the wait to end after 965 s with "no router task reported")."""
+        error = f"{type(exc).__name__}: {exc}"
+        if error == self.write_error:
+            return
+        self.write_error = error
+        size = (f"; the report is {len(value)} characters, over the {STANDARD_VALUE_MAX} of a Standard SSM parameter "
+                "(fewer cells in ROUTER_CELLS)" if len(value) > STANDARD_VALUE_MAX else "")
+        log.error(json.dumps({
+            "event": "evacuation_report_error", "parameter": self.report_name, "chars": len(value), "error": error,
+            "effect": f"evacuate --wait counts this task as gone once its last report is {REPORT_STALE_SECONDS:.0f} s "
+                      "old: it does not wait for this task's streams, and with no task reporting it gives up after "
+                      f"its timeout, 'no router task reported'{size}"}))
 
     async def delete_report(self, bound: float) -> None:
         """Delete this task's report once the write in flight, if any, has landed: the delete is the last word.

@@ -14,7 +14,8 @@ never imports inference_fleet). Per router (one per region), under
   changes and at least every REPORT_HEARTBEAT_SECONDS (each write is a new version; Parameter Store
   keeps the 100 newest and deletes the oldest unlabelled one: botocore's SSM reference,
   ParameterMaxVersionLimitExceeded); deleted when the task exits cleanly, after the write in
-  flight if any has landed (unit_proxy.router.SsmSource.delete_report). The
+  flight if any has landed (unit_proxy.router.SsmSource.delete_report). A Standard parameter holds 4 KB:
+  hence MAX_FRONTED_CELLS; a write refused is logged once (`evacuation_report_error`). The
   evacuate command's `--wait` reads them all (GetParametersByPath) and counts a task whose report
   is older than REPORT_STALE_SECONDS as gone.
 
@@ -42,6 +43,18 @@ REPORT_HEARTBEAT_SECONDS = 60.0
 REPORT_STALE_SECONDS = 3 * REPORT_HEARTBEAT_SECONDS
 # Parameter names: letters, digits and `_.-/` (PutParameter's Name constraints).
 _NAME_PART = re.compile(r"[^a-zA-Z0-9_.-]")
+# A Standard parameter's value holds 4 KB (botocore 1.44.18's SSM model, PutParameterRequest.Value: "Standard
+# parameters have a value limit of 4 KB"); the agent writes its report without a Tier, so in the default Standard
+# tier a longer one is refused (ValidationException) and the task has no report for `evacuate --wait` to read.
+# json.dumps writes ASCII (non-ASCII escaped), so characters are bytes here.
+STANDARD_VALUE_MAX = 4096
+# The most cells a router fronts (the fleet file's `routers[].cells`, checked by inference_fleet.config): a report
+# names every fronted cell in `fronts`, and again in `evacuated` and `empty` when all are evacuated and drained.
+# With 40 names of 24 characters (CELL_NAME's longest), a 72-character task id (the host-name fallback of
+# router.task_id; an ECS task id has 32) and a 19-digit version that report is 3,514 characters, 582 under
+# STANDARD_VALUE_MAX: room for a new field; 47 cells would pass it (a cold review in the thirty-fourth session;
+# containers/proxy/tests/test_router_ssm.py::test_the_report_of_a_router_at_its_most_cells_fits_a_standard_parameter).
+MAX_FRONTED_CELLS = 40
 
 
 class EvacuationValueError(ValueError):
@@ -104,10 +117,24 @@ class TaskReport:
 
     @classmethod
     def from_json(cls, text: str) -> TaskReport:
+        """The report in `text`; ValueError (or KeyError, TypeError) when it is not one, which `evacuate --wait`
+        reads as unreadable and waits on."""
         doc = json.loads(text)
+        if not isinstance(doc, dict):  # `doc.get` below raised AttributeError, which `--wait` did not catch
+            raise ValueError(f"a report is a JSON object, not {type(doc).__name__}")
         fronts = doc.get("fronts")
-        return cls(task=str(doc["task"]), version=int(doc["version"]), evacuated=list(doc.get("evacuated", [])),
-                   empty=list(doc.get("empty", [])), fronts=None if fronts is None else list(fronts))
+        return cls(task=str(doc["task"]), version=int(doc["version"]), evacuated=_names(doc, "evacuated"),
+                   empty=_names(doc, "empty"), fronts=None if fronts is None else _names(doc, "fronts"))
+
+
+def _names(doc: dict[str, Any], key: str) -> list[str]:
+    """A list of cell names (absent: none). `list()` of a string made one name per character, so a `fronts` of
+    "dev,prod" read as a task fronting neither dev nor prod: empty for `--wait` (a cold review in the
+    thirty-fourth session)."""
+    names = doc.get(key, [])
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        raise ValueError(f"report field {key!r}: expected a list of cell names, got {names!r:.60}")
+    return list(names)
 
 
 class SsmClient:
