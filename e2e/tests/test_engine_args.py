@@ -48,13 +48,14 @@ def test_neuron_and_cpu_commands_parse_as_planned() -> None:
 
 def test_extra_args_are_refused_exactly_for_the_options_the_launcher_renders() -> None:
     """Every option string of the installed vLLM's `vllm serve` parser that sets one of the launcher's rendered
-    options (or disable_log_stats) is refused in engine.extra_args (its short forms included), and no other is
-    (no real option is taken for an abbreviation of a launcher's). `--no-disable-log-stats` turns stats on: allowed."""
-    from unit_launcher.spec import LAUNCHER_ARGS, STATS_OFF_ARG, extra_arg_options
+    options (or disable_log_stats, or config: a config file) is refused in engine.extra_args (its short forms
+    included), and no other is (no real option is taken for an abbreviation of a launcher's).
+    `--no-disable-log-stats` turns stats on: allowed."""
+    from unit_launcher.spec import CONFIG_FILE_ARG, LAUNCHER_ARGS, STATS_OFF_ARG, extra_arg_options
 
     done = subprocess.run([str(ENGINE_PYTHON), str(E2E / "check_engine_args.py"), "--options"],
                           capture_output=True, text=True, timeout=600, check=True)
-    dests = {n.replace("-", "_") for n in LAUNCHER_ARGS | {STATS_OFF_ARG}}
+    dests = {n.replace("-", "_") for n in LAUNCHER_ARGS | {STATS_OFF_ARG, CONFIG_FILE_ARG}}
     table = json.loads(done.stdout)
     expected = {o for o, dest in table if dest in dests} - {"--no-" + STATS_OFF_ARG}
     assert {o for o, _ in table if extra_arg_options(o)} == expected

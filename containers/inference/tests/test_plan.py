@@ -274,6 +274,17 @@ def test_disable_log_stats_is_refused_with_either_front_end(frontend, extra):
         parse_spec(neuron_spec(engine={"max_num_seqs": 32, "frontend": frontend, "extra_args": extra}))
 
 
+@pytest.mark.parametrize("extra", [["--config", "/etc/serve.yaml"], ["--config=/etc/serve.yaml"],
+                                   ["--conf", "/etc/serve.yaml"]])
+def test_a_config_file_in_extra_args_is_refused(extra):
+    """vLLM reads a `--config` file's options as command-line ones (0.32.0 `_pull_args_from_config`): a file with
+    `disable-log-stats: true` passed every check (a cold review, thirty-fourth session; seen failing: no SpecError).
+    `--config-format` and other options that only begin alike are not refused."""
+    with pytest.raises(SpecError, match=r"is --config: vLLM reads a config file's options"):
+        parse_spec(neuron_spec(engine={"max_num_seqs": 32, "extra_args": extra}))
+    parse_spec(neuron_spec(engine={"max_num_seqs": 32, "extra_args": ["--config-format", "auto"]}))
+
+
 def test_extra_args_that_are_not_the_launchers_are_rendered_after_its_own():
     """What the e2e unit passes, and options that merely look like the launcher's, go through unchanged."""
     extra = ["--enforce-eager", "--shutdown-timeout", "60", "-O3", "-pp", "1", "--no-disable-log-stats",

@@ -49,6 +49,10 @@ LAUNCHER_ARG_SHORT = {"-q": "quantization", "-n": "nnodes", "-r": "node-rank", "
 # entrypoints/openai/api_server.py:309): the vllm: gauges the unit proxy's load report and QueueDepth read
 # (unit_proxy/health.py QUEUE_METRIC) are never set. With either front end.
 STATS_OFF_ARG = "disable-log-stats"
+# vLLM reads `--config <file.yaml>`'s options as if given before the command line's (0.32.0 utils/argparse_utils.py
+# `_pull_args_from_config`): the launcher's own options still win, but the file could set what extra_args may not
+# (--disable-log-stats; an option the launcher renders only for other units). A cold review, thirty-fourth session.
+CONFIG_FILE_ARG = "config"
 
 
 def _long_option_names(key: str) -> list[str]:
@@ -58,7 +62,7 @@ def _long_option_names(key: str) -> list[str]:
     def matching(stem: str, names: frozenset[str]) -> list[str]:
         return [stem] if stem in names else sorted(n for n in names if n.startswith(stem))
 
-    refused = LAUNCHER_ARGS | {STATS_OFF_ARG}
+    refused = LAUNCHER_ARGS | {STATS_OFF_ARG, CONFIG_FILE_ARG}
     if found := matching(key, refused):
         return found
     return matching(key[3:], LAUNCHER_ARGS) if key.startswith("no-") and len(key) > 3 else []
@@ -375,7 +379,12 @@ class UnitSpec(_Strict):
         problems = []
         for token in self.engine.extra_args:
             names = extra_arg_options(token)
-            if names == [STATS_OFF_ARG]:
+            if names == [CONFIG_FILE_ARG]:
+                problems.append(
+                    f"engine.extra_args: {token!r} is --{CONFIG_FILE_ARG}: vLLM reads a config file's options as "
+                    f"command-line ones, past these checks; give each option in extra_args itself"
+                )
+            elif names == [STATS_OFF_ARG]:
                 problems.append(
                     f"engine.extra_args: {token!r} is --{STATS_OFF_ARG}: it stops vLLM's stat loggers, so the vllm: "
                     f"gauges the unit proxy's load report and QueueDepth read are never set"
@@ -390,7 +399,8 @@ class UnitSpec(_Strict):
         if problems:
             options = ", ".join("--" + n for n in sorted(LAUNCHER_ARGS))
             problems.append(
-                f"engine.extra_args allowed: options other than {options} and --{STATS_OFF_ARG}, in none of the "
+                f"engine.extra_args allowed: options other than {options}, --{STATS_OFF_ARG} and "
+                f"--{CONFIG_FILE_ARG}, in none of the "
                 f"forms vLLM's parser reads (--name=value, --name value, --no-name, underscores for dashes, "
                 f"--name.key=value, an abbreviation, {', '.join(LAUNCHER_ARG_SHORT)})"
             )

@@ -59,22 +59,26 @@ def test_a_passing_unit_that_stops_being_whole_warms_up_again():
     assert gate.should_start(30, whole=True, idle=True)
 
 
-def test_a_failure_that_ran_busy_holds_health_but_is_not_due_for_a_report():
-    """Thirty-fourth session's defect hunt: a canary that had users' requests beside it may
-    only have waited for a batch slot; its failure fails /health, is not to be reported, and
-    the retries keep their schedule; the first failure that ran idle is due for a report."""
+def test_a_late_failure_beside_users_neither_fails_health_nor_is_due_for_a_report():
+    """Thirty-fourth session's defect hunt and its cold review: a canary that ran late beside users' requests may
+    only have waited for a batch slot; its failure is not to be reported and does not fail /health (a 503 would let
+    the load balancer and ECS replace the leader's task); the retries keep their schedule; the first late failure
+    that ran idle is due for a report, and so is an error answer even beside users."""
+    late = "one-token completion took over 60 s"
     gate = CanaryGate(interval=60, timeout=60, retry=5)
     gate.should_start(0, whole=True, idle=True)
     assert gate.should_start(60, whole=True, idle=True)
-    gate.finish(False, "one-token completion took over 60 s", 60, now=120, wall=0, idle=False)
-    assert gate.failing and not gate.report_due
-    assert "with requests in flight: not reported" in (gate.reason(120) or "")
-    assert gate.doc(120)["idle"] is False
+    gate.finish(False, late, 60, now=120, wall=0, idle=False, late=True)
+    assert gate.failing and not gate.report_due and gate.reason(120) is None
+    assert (gate.doc(120)["idle"], gate.doc(120)["late"]) == (False, True)
     assert gate.should_start(125, whole=True, idle=False)  # the retry runs busy: a pass would show recovery
-    gate.finish(False, "one-token completion took over 60 s", 60, now=185, wall=0, idle=False)
+    gate.finish(False, late, 60, now=185, wall=0, idle=False, late=True)
     assert not gate.report_due and gate.failures_in_a_row == 2
     assert gate.should_start(195, whole=True, idle=True)
-    gate.finish(False, "one-token completion took over 60 s", 60, now=255, wall=0)  # idle throughout
-    assert gate.report_due and "not reported" not in (gate.reason(255) or "")
+    gate.finish(False, late, 60, now=255, wall=0, late=True)  # idle throughout
+    assert gate.report_due and "with requests in flight" not in (gate.reason(255) or "x")
     gate.finish(True, "ok", 0.1, now=275, wall=0)
     assert not gate.report_due and gate.reason(275) is None
+    assert gate.should_start(335, whole=True, idle=True)
+    gate.finish(False, "one-token completion answered 500", 0.2, now=336, wall=0, idle=False)  # an answer: proof
+    assert gate.report_due and "answered 500" in (gate.reason(336) or "")

@@ -25,6 +25,13 @@ class CanaryVerdict:
     at: float  # time.monotonic() when it ended
     wall: float  # time.time() when it ended
     idle: bool = True  # no user request was in flight at any moment of the attempt
+    late: bool = False  # it failed by running out of time (not by an answer or an error)
+
+    @property
+    def proves_failure(self) -> bool:
+        """A failure that says the engine failed: an error or wrong answer, or lateness with the engine idle. A late
+        attempt beside users' requests may only have waited for a batch slot."""
+        return not self.ok and (self.idle or not self.late)
 
 
 class CanaryGate:
@@ -40,14 +47,16 @@ class CanaryGate:
       beside the traffic. While the unit is not whole no attempt starts, but a pending
       retry keeps its time.
     - A failed verdict fails `/health` until an attempt passes or the session changes.
-    - Only an attempt that ran idle throughout (no user request in flight from its start to
-      its end: `finish(idle=True)`) proves the engine failed: only its failure is to be
-      reported (`report_due`). A busy one may have waited for a batch slot behind the
-      users' requests (vLLM admits a waiting request only while fewer than max_num_seqs
-      run, and MAX_INFLIGHT defaults to max_num_seqs): its failure holds `/health` like
-      any failure, so the load balancer sends the unit no new requests and an idle moment
-      comes, but it is not reported; the retries go on until one passes or one fails idle.
-      A busy unit is judged by the executor's step bound, not by the canary.
+    - A failure proves the engine failed (`CanaryVerdict.proves_failure`) when the engine
+      answered wrongly or with an error, or when the attempt ran late with no user request in
+      flight from its start to its end (`finish(idle=True)`). Only such a failure is reported
+      (`report_due`) and fails `/health`. A late attempt beside users' requests may only have
+      waited for a batch slot (vLLM admits a waiting request only while fewer than
+      max_num_seqs run, and MAX_INFLIGHT defaults to max_num_seqs): it is logged, not
+      reported, and it does not fail `/health` either: a 503 there would make the load
+      balancer mark the unit's target unhealthy within two checks (20 s) and ECS replace the
+      leader's task, ending a healthy session after all (a cold review, thirty-fourth
+      session). The retries go on; a busy unit is judged by the executor's step bound.
     - Once the launcher accepted a report (it ends the session), no attempt runs for that
       session. A refused report (the launcher ignores a failure while the unit is
       degraded, forming or stopping) changes nothing: the retry decides, and its failure,
@@ -94,12 +103,13 @@ class CanaryGate:
         return True
 
     def finish(
-        self, ok: bool, detail: str, seconds: float, now: float, wall: float, idle: bool = True
+        self, ok: bool, detail: str, seconds: float, now: float, wall: float, idle: bool = True, late: bool = False
     ) -> CanaryVerdict:
         """Record an attempt's outcome and schedule the next one. `idle`: no user request was
-        in flight at any moment from the attempt's start to its end."""
+        in flight at any moment from the attempt's start to its end; `late`: it failed by
+        running out of time."""
         self.in_flight_since = None
-        self.verdict = CanaryVerdict(ok=ok, detail=detail, seconds=seconds, at=now, wall=wall, idle=idle)
+        self.verdict = CanaryVerdict(ok=ok, detail=detail, seconds=seconds, at=now, wall=wall, idle=idle, late=late)
         if ok:
             self.failures_in_a_row = 0
             self._due = now + self.interval
@@ -117,9 +127,8 @@ class CanaryGate:
 
     @property
     def report_due(self) -> bool:
-        """Whether the latest verdict is a failure to report to the launcher: one that ran
-        idle throughout, so no user request can have held the canary back."""
-        return self.failing and self.verdict is not None and self.verdict.idle
+        """Whether the latest verdict is a failure to report to the launcher: one that proves the engine failed."""
+        return self.verdict is not None and self.verdict.proves_failure
 
     def backoff(self) -> float:
         """Wait before the next retry after `failures_in_a_row` failures."""
@@ -134,7 +143,7 @@ class CanaryGate:
     def reason(self, now: float) -> str | None:
         """Why the canary fails `/health` now, or None."""
         verdict = self.verdict
-        if verdict is None or verdict.ok:
+        if verdict is None or not verdict.proves_failure:
             return None
         if self._ended:
             then = "the launcher ends the session"
@@ -144,7 +153,7 @@ class CanaryGate:
             then = f"retry in {max(0.0, self._due - now):.1f} s"
         else:
             then = "retry once the unit is whole"
-        busy = "" if verdict.idle else ", with requests in flight: not reported"
+        busy = "" if verdict.idle else ", with requests in flight"
         return (f"canary: {verdict.detail} ({now - verdict.at:.1f} s ago{busy}, {self.failures_in_a_row} in a row; "
                 f"{then})")
 
@@ -157,6 +166,7 @@ class CanaryGate:
             "seconds": None if verdict is None else round(verdict.seconds, 3),
             "at": None if verdict is None else verdict.wall,
             "idle": None if verdict is None else verdict.idle,
+            "late": None if verdict is None else verdict.late,
             "age_s": None if verdict is None else round(now - verdict.at, 3),
             "failures_in_a_row": self.failures_in_a_row,
             "in_flight_s": None if self.in_flight_since is None else round(now - self.in_flight_since, 3),

@@ -393,7 +393,7 @@ class HealthMonitor:
         """One attempt: the probe under the canary's own timeout, its verdict recorded, a
         failure logged and, if it ran idle throughout, reported to the launcher."""
         try:
-            ok, detail, seconds = await self._canary()
+            ok, detail, seconds, late = await self._canary()
             idle = await self._ran_idle(mark)
         except Exception:  # a bug in the probe is not the engine's failure
             log.exception("canary attempt failed")
@@ -404,18 +404,19 @@ class HealthMonitor:
             gate.abandon(time.monotonic())
             return
         was_failing = gate.failing
-        gate.finish(ok, detail, seconds, time.monotonic(), time.time(), idle=idle)
+        gate.finish(ok, detail, seconds, time.monotonic(), time.time(), idle=idle, late=late)
         if ok:
             if was_failing:
                 log.info("canary passes again: %s", detail)
             return
-        # A busy attempt may have waited for a batch slot behind the users' requests: its
-        # failure holds /health (CanaryGate) but proves nothing about the engine.
-        log.log(logging.ERROR if idle else logging.WARNING, json.dumps({
-            "event": "canary_failed", "detail": detail, "seconds": round(seconds, 3), "idle": idle,
+        # A late attempt beside users' requests may have waited for a batch slot: it proves
+        # nothing about the engine (CanaryGate), is not reported and does not fail /health.
+        proved = gate.report_due
+        log.log(logging.ERROR if proved else logging.WARNING, json.dumps({
+            "event": "canary_failed", "detail": detail, "seconds": round(seconds, 3), "idle": idle, "late": late,
             "failures_in_a_row": gate.failures_in_a_row, "session_id": session_id}))
-        if not gate.report_due:
-            log.warning("failed canary not reported: requests were in flight during it; the canary is retried")
+        if not proved:
+            log.warning("failed canary not reported: it ran late with requests in flight; the canary is retried")
             return
         report = await self._report_canary(session_id, detail)
         if report is not None:
@@ -444,10 +445,10 @@ class HealthMonitor:
                     "" if accepted else "; not accepted, the canary is retried")
         return accepted, f"{resp.status} {answer}"
 
-    async def _canary(self) -> tuple[bool, str, float]:
+    async def _canary(self) -> tuple[bool, str, float, bool]:
         """The probe: the first model (once), then a one-token completion (OpenAI) or
         generate (Triton); the whole attempt bounded by CANARY_TIMEOUT_SECONDS (not by the
-        checks' timeout)."""
+        checks' timeout). The last item: whether it failed by running out of time."""
         base = self.settings.upstream_url
         started = time.monotonic()
         limit = self.settings.canary_timeout_seconds
@@ -456,12 +457,12 @@ class HealthMonitor:
         try:
             async with asyncio.timeout(limit):
                 if self.settings.frontend == "triton":
-                    return await self._one_token_triton(base, timeout, started)
-                return await self._one_token(base, timeout, started)
+                    return (*await self._one_token_triton(base, timeout, started), False)
+                return (*await self._one_token(base, timeout, started), False)
         except TimeoutError:
-            return False, f"one-token completion took over {limit:g} s", time.monotonic() - started
+            return False, f"one-token completion took over {limit:g} s", time.monotonic() - started, True
         except (aiohttp.ClientError, ValueError, LookupError) as exc:
-            return False, f"one-token completion failed: {_describe(exc)}", time.monotonic() - started
+            return False, f"one-token completion failed: {_describe(exc)}", time.monotonic() - started, False
 
     async def _one_token(self, base: str, timeout: aiohttp.ClientTimeout, started: float) -> tuple[bool, str, float]:
         assert self._session is not None
