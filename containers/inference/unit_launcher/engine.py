@@ -201,7 +201,11 @@ class Engine:
             return None
         if self.running:
             log.info("stopping engine (SIGTERM, %.0f s grace)", timeout)
-            self.process.send_signal(signal.SIGTERM)
+            # os.kill, not Process.send_signal: Popen.send_signal polls first and can reap an engine that
+            # has just exited before asyncio's child watcher, which then reports 255 (unit_proxy.agent.signal_child).
+            if self.process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.process.pid, signal.SIGTERM)
             try:
                 await asyncio.wait_for(self._exited(), timeout)
             except TimeoutError:

@@ -65,6 +65,7 @@ from unit_proxy.agent import (
     died_while_stopping,
     haproxy_exits_first,
     shut_listener,
+    signal_child,
 )
 from unit_proxy.router_config import BACKEND, HARD_STOP_SECONDS, RouterPaths, RouterSettings, render
 from unit_proxy.router_metrics import LastStat, emf_loop
@@ -642,8 +643,7 @@ class RunningRouter:
             await self._read_counters()  # a hard stop takes them away at once
             if self.stat is not None:
                 self.stat.stopping = True
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGUSR1 if soft else signal.SIGTERM)
+            signal_child(proc, signal.SIGUSR1 if soft else signal.SIGTERM)
         # From the signal on, the worker's stats socket is closed: the poll loop could only log a refusal per poll.
         self.task.cancel()
         await asyncio.gather(self.task, return_exceptions=True)
@@ -666,8 +666,7 @@ class RunningRouter:
                     await proc.wait()
             except TimeoutError:
                 self.killed = True
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
+                signal_child(proc, signal.SIGKILL)
                 await proc.wait()
         await self._last_emf_line()
         await self.runner.cleanup()
@@ -682,8 +681,7 @@ async def _first_read(stat: LastStat, process: asyncio.subprocess.Process) -> No
     try:
         await stat.read()
     except RuntimeApiError as exc:
-        with contextlib.suppress(ProcessLookupError):
-            process.kill()
+        signal_child(process, signal.SIGKILL)
         await process.wait()
         raise StartError(f"haproxy's master CLI did not give the worker's counters at start: {exc}") from None
 
