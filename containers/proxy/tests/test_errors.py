@@ -83,10 +83,38 @@ async def test_engine_stall_before_answer_is_504(make_proxy: ProxyFactory, engin
     assert 'unit_proxy_requests_total{code="504"} 1.0' in text
 
 
-class SilentEngine:
-    """An engine that reads each request (not its health and metrics probes, 200) and never answers, as
-    vLLM computing a non-streamed completion, which it sends whole; it notes when and how HAProxy
-    ends the connection: `eof` (a FIN) or `reset` (an RST)."""
+class _RawEngine:
+    """A raw engine on loopback: its health and metrics probes get 200; `answer` handles each other request (its
+    head read), on one connection, which it closes after."""
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, LOOPBACK, 0)
+        return f"http://{LOOPBACK}:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                if not head.startswith((b"GET /health", b"GET /metrics")):
+                    await self.answer(head, reader, writer)
+                    return
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return
+        finally:
+            writer.close()
+
+    async def answer(self, head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.server.close()
+
+
+class SilentEngine(_RawEngine):
+    """Reads each request and never answers, as vLLM computing a non-streamed completion, which it sends whole;
+    it notes when and how HAProxy ends the connection: `eof` (a FIN) or `reset` (an RST)."""
 
     def __init__(self) -> None:
         self.requests = 0
@@ -94,36 +122,17 @@ class SilentEngine:
         self.ended_at = 0.0
         self.how = ""
 
-    async def start(self) -> str:
-        self.server = await asyncio.start_server(self.serve, LOOPBACK, 0)
-        return f"http://{LOOPBACK}:{self.server.sockets[0].getsockname()[1]}"
-
-    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def answer(self, head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        length = next(int(line.split(b":")[1]) for line in head.lower().split(b"\r\n")
+                      if line.startswith(b"content-length:"))
+        await reader.readexactly(length)
+        self.requests += 1
         try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                if head.startswith((b"GET /health", b"GET /metrics")):
-                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-                    await writer.drain()
-                    continue
-                length = next(int(line.split(b":")[1]) for line in head.lower().split(b"\r\n")
-                              if line.startswith(b"content-length:"))
-                await reader.readexactly(length)
-                self.requests += 1
-                try:
-                    self.how = "eof" if not await reader.read(1) else "data"
-                except ConnectionResetError:
-                    self.how = "reset"
-                self.ended_at = time.monotonic()
-                self.ended.set()
-                return
-        except (asyncio.IncompleteReadError, ConnectionError):
-            return
-        finally:
-            writer.close()
-
-    def close(self) -> None:
-        self.server.close()
+            self.how = "eof" if not await reader.read(1) else "data"
+        except ConnectionResetError:
+            self.how = "reset"
+        self.ended_at = time.monotonic()
+        self.ended.set()
 
 
 @pytest.mark.parametrize("leaving", ["close", "half-close", "reset"])
@@ -179,40 +188,21 @@ async def test_a_client_leaving_a_silent_non_streamed_request_drops_it_at_once(
         engine.close()
 
 
-class RawAnswerEngine:
-    """An engine that answers every request (not its health and metrics probes, 200) with the
-    raw `pieces`, a pause between two, then closes: answers HAProxy may refuse."""
+class RawAnswerEngine(_RawEngine):
+    """Answers every request with the raw `pieces`, a pause between two, then closes: answers HAProxy may
+    refuse."""
 
     def __init__(self, *pieces: bytes) -> None:
         self.pieces = pieces
         self.requests = 0
 
-    async def start(self) -> str:
-        self.server = await asyncio.start_server(self.serve, LOOPBACK, 0)
-        return f"http://{LOOPBACK}:{self.server.sockets[0].getsockname()[1]}"
-
-    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                if head.startswith((b"GET /health", b"GET /metrics")):
-                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-                    await writer.drain()
-                    continue
-                self.requests += 1
-                for i, piece in enumerate(self.pieces):
-                    if i:
-                        await asyncio.sleep(0.1)  # the pieces before have left HAProxy
-                    writer.write(piece)
-                    await writer.drain()
-                return
-        except (asyncio.IncompleteReadError, ConnectionError):
-            return
-        finally:
-            writer.close()
-
-    def close(self) -> None:
-        self.server.close()
+    async def answer(self, head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.requests += 1
+        for i, piece in enumerate(self.pieces):
+            if i:
+                await asyncio.sleep(0.1)  # the pieces before have left HAProxy
+            writer.write(piece)
+            await writer.drain()
 
 
 SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"

@@ -1820,25 +1820,38 @@ def _two_spares_one_near(cell: Cell, near_record: str) -> None:
                   [topo("i-0a", "t", "m1", "b1"), topo("i-0s", "t", "m1", "b1"), topo("i-0t", "t", "m2", "b7")])
 
 
+def spare_task_found(cell: Cell, task: str, instance: str) -> None:
+    """DescribeTasks of a spare line's task, asked by its id (the awslogs stream name's last part)."""
+    described = {"taskArn": f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/{task}",
+                 "containerInstanceArn": arn(instance)}
+    cell.ecs.add_response("describe_tasks", {"tasks": [described], "failures": []},
+                          {"cluster": CLUSTER, "tasks": [task]})
+
+
+def _u0_gets_a_spare_after_a_spare_line(near_record: str, line: dict, given: str, record: str) -> tuple[dict, str]:
+    """u0 lost i-0b (`_two_spares_one_near`, i-0s's record `near_record`); the run brings `line` of i-0s's spare task
+    5pare3, records `record` on i-0s and gives `given` to u0 (its spare task stopped). The summary and that task."""
+    settings = dataclasses.replace(SPARE_SETTINGS, spare_nodes=2)
+    cell = Cell()
+    _two_spares_one_near(cell, near_record)
+    spare_task_found(cell, "5pare3", "i-0s")
+    records = {"i-0s": near_record, "i-0t": f"{NOW - 3600}"}
+    cell.describe([container(given, running=1, unit="spare", spare_ready=records[given])])
+    writes = [spare_record("i-0s", record), *put(given, "u0", "topology")]
+    cell.ecs.add_response("put_attributes", {"attributes": writes}, {"cluster": CLUSTER, "attributes": writes})
+    spare_tasks(cell, {"5pare2": "i-0t", "5pare3": "i-0s"})
+    stopped = stop_spare_task(cell, {"i-0t": "5pare2", "i-0s": "5pare3"}[given])
+    return cell.run({"Records": [line]}, settings=settings), stopped
+
+
 def test_a_spare_whose_new_spare_task_is_fetching_again_is_not_taken_for_cached():
     """A revision deploy (or a restart) starts a new spare task on the same instance: it fetches the new model, and
     the instance's `spare-ready` is the old task's. The new task's `spare_fetching` line now records `fetching@<time>`
     on the instance, so the unit that lost a node gets the farther spare that has the model cached. Before (the
     thirty-third session's Left list): the line was not forwarded and the stale record made i-0s "cached" and nearer
     (old code: DescribeContainerInstances of 0s where 0t's was expected)."""
-    settings = dataclasses.replace(SPARE_SETTINGS, spare_nodes=2)
-    cell = Cell()
-    _two_spares_one_near(cell, f"{NOW - 7200}")
-    cell.ecs.add_response("describe_tasks", {"tasks": [{"taskArn": f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/"
-                                                                    "5pare3", "containerInstanceArn": arn("i-0s")}],
-                                             "failures": []}, {"cluster": CLUSTER, "tasks": ["5pare3"]})
-    t = container("i-0t", running=1, unit="spare", spare_ready=f"{NOW - 3600}")
-    cell.describe([t])
-    writes = [spare_record("i-0s", f"fetching@{NOW - 60}"), *put("i-0t", "u0", "topology")]
-    cell.ecs.add_response("put_attributes", {"attributes": writes}, {"cluster": CLUSTER, "attributes": writes})
-    spare_tasks(cell, {"5pare2": "i-0t", "5pare3": "i-0s"})
-    warm_task = stop_spare_task(cell, "5pare2")
-    summary = cell.run({"Records": [spare_line("spare_fetching", "5pare3", NOW - 60.4)]}, settings=settings)
+    summary, warm_task = _u0_gets_a_spare_after_a_spare_line(
+        f"{NOW - 7200}", spare_line("spare_fetching", "5pare3", NOW - 60.4), "i-0t", f"fetching@{NOW - 60}")
     assert summary["spares_assigned"] == {"i-0t": "u0"} and summary["spare_tasks_stopped"] == [warm_task]
     # The run summary does not call a spare that only started fetching ready (a cold review: it did).
     assert (summary["spares_ready"], summary["spares_fetching"]) == ([], ["i-0s"])
@@ -1848,19 +1861,8 @@ def test_a_spare_ready_line_in_the_same_batch_as_the_loss_counts_for_it():
     """i-0s (near) had its spare task restarted: `fetching@`; its `spare_ready` comes in the batch of the run that
     plans u0's lost node. The plan reads the batch's records first, so i-0s, cached now and nearer, is given (before:
     the records were read after the plan, and the farther i-0t was given)."""
-    settings = dataclasses.replace(SPARE_SETTINGS, spare_nodes=2)
-    cell = Cell()
-    _two_spares_one_near(cell, f"fetching@{NOW - 300}")
-    cell.ecs.add_response("describe_tasks", {"tasks": [{"taskArn": f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/"
-                                                                    "5pare3", "containerInstanceArn": arn("i-0s")}],
-                                             "failures": []}, {"cluster": CLUSTER, "tasks": ["5pare3"]})
-    s = container("i-0s", running=1, unit="spare", spare_ready=f"fetching@{NOW - 300}")
-    cell.describe([s])
-    writes = [spare_record("i-0s", f"{NOW - 30}"), *put("i-0s", "u0", "topology")]
-    cell.ecs.add_response("put_attributes", {"attributes": writes}, {"cluster": CLUSTER, "attributes": writes})
-    spare_tasks(cell, {"5pare2": "i-0t", "5pare3": "i-0s"})
-    warm_task = stop_spare_task(cell, "5pare3")
-    summary = cell.run({"Records": [spare_line("spare_ready", "5pare3", NOW - 30.2)]}, settings=settings)
+    summary, warm_task = _u0_gets_a_spare_after_a_spare_line(
+        f"fetching@{NOW - 300}", spare_line("spare_ready", "5pare3", NOW - 30.2), "i-0s", f"{NOW - 30}")
     assert summary["spares_assigned"] == {"i-0s": "u0"} and summary["spare_tasks_stopped"] == [warm_task]
 
 
@@ -1882,9 +1884,7 @@ def test_an_earlier_spare_tasks_line_come_late_does_not_overwrite_the_current_on
     cell.containers([a, b, s])
     cell.topology(["i-0a", "i-0b", "i-0s"],
                   [topo("i-0a", "t", "m1", "b1"), topo("i-0b", "t", "m1", "b1"), topo("i-0s", "t", "m1", "b1")])
-    cell.ecs.add_response("describe_tasks", {"tasks": [{"taskArn": f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/"
-                                                                    "5pare", "containerInstanceArn": arn("i-0s")}],
-                                             "failures": []}, {"cluster": CLUSTER, "tasks": ["5pare"]})
+    spare_task_found(cell, "5pare", "i-0s")
     spare_tasks(cell, {"5pare3": "i-0s"})
     summary = cell.run({"Records": [spare_line("spare_ready", "5pare", NOW - 3600.3)]}, settings=settings)
     assert summary["spares_ready"] == [] and summary["spares_assigned"] == {}
