@@ -79,3 +79,22 @@ def test_a_stream_that_outran_the_kill_is_not_a_loss_but_one_loss_is_needed() ->
     assert not router_mode._streams_on_a_ok({**base, "streams_on_a_completed": 0})  # one neither: hung or lost
     assert not router_mode._streams_on_a_ok({"streams_in_flight_on_a": 1, "streams_on_a_ended_with_error": 0,
                                              "streams_on_a_completed": 1})
+
+
+def test_a_failed_start_leaves_the_processes_states_and_logs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """Stop 58's CI run failed with only "timed out ... both cells UP" (the logs went with their temporary
+    directory): a failed run now says which process exited and what the router saw, and main prints the logs."""
+    env = router_mode.Cell.proxy_env
+
+    def broken_b(cell: router_mode.Cell) -> dict[str, str]:
+        return {**env(cell), **({"UPSTREAM_URL": "http://127.0.0.1:0"} if cell.name == "b" else {})}
+
+    monkeypatch.setattr(router_mode.Cell, "proxy_env", broken_b)
+    with pytest.raises(TimeoutError, match="both cells UP"):
+        asyncio.run(router_mode.run(router_mode.Options(startup=3.0), tmp_path))
+    router_mode.print_logs(tmp_path)
+    err = capsys.readouterr().err
+    assert "proxy-b: exited 2" in err and "proxy-a: running" in err, err
+    assert '"b": {"status": "DOWN' in err, err
+    assert "--- proxy-b.log" in err and "UPSTREAM_URL='http://127.0.0.1:0' is not allowed" in err, err
