@@ -289,8 +289,10 @@ class TopologyPlacement(Construct):
                     resources=[self.delivery_dead_letter_queue.queue_arn],
                 ),
                 iam.PolicyStatement(
-                    # The task a unit failure names -> the container instance it ran on; and the tasks
-                    # still stopping -> the instances they hold (listed below).
+                    # The task a unit failure names -> the container instance it ran on; the tasks
+                    # still stopping -> the instances they hold (listed below); with spares, a spare line's
+                    # task -> its instance, and the spare family's running tasks -> where they run and since
+                    # when (handler._spare_tasks, listed below).
                     sid="FailedTasksOfThisCluster",
                     actions=["ecs:DescribeTasks"],
                     resources=[self._tasks_arn],
@@ -317,7 +319,7 @@ class TopologyPlacement(Construct):
                 iam.PolicyStatement(
                     # The tasks still running on an instance in quarantine (handler._stop_quarantined_tasks,
                     # found by the ListTasks above) and, with spares, a spare's task on an instance a unit
-                    # took (handler._stop_spare_tasks).
+                    # took (found by handler._spare_tasks, stopped by handler._stop_spare_tasks).
                     sid="StopTasksOfThisCluster",
                     actions=["ecs:StopTask"],
                     resources=[self._tasks_arn],
@@ -635,9 +637,10 @@ class TopologyPlacement(Construct):
         self.unit_tasks_failed_to_start.add_event_pattern(
             detail={"taskDefinitionArn": [{"anything-but": {"prefix": spare_definitions}}]}
         )
-        # The spare tasks are found by ListTasks of the family on the whole cluster (the sweep in
-        # handler._stop_spare_tasks), which "StoppingTasksOfThisCluster" already allows, and stopped as
-        # "StopTasksOfThisCluster" allows.
+        # The spare tasks are found by ListTasks of the family on the whole cluster, once a run before the
+        # plan (handler._spare_tasks: a spare's record counts as cached only while its task runs there),
+        # which "StoppingTasksOfThisCluster" already allows, and those on an instance a unit took are
+        # stopped (handler._stop_spare_tasks) as "StopTasksOfThisCluster" allows.
 
     def signal_replacements(self, *, group_logical_id: str, target_group_arn: str, pause_seconds: int) -> None:
         """Let the controller send the Trainium group's rolling-update signals.

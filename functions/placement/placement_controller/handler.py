@@ -32,7 +32,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -474,7 +474,7 @@ def _signal(
     retry: aws.Retry,
     healthy: Callable[[], set[str]] | None = None,
     now: float | None = None,
-    spare_tasks: Sequence[aws.RunningTask] | None = None,
+    spare_tasks: SpareTasks | None = None,
 ) -> list[str] | None:
     """Rolling-update signals for the new instances that serve again or are ready spares (None: not configured).
 
@@ -486,7 +486,7 @@ def _signal(
     if signal_settings is None or clients.cloudformation is None or clients.elbv2 is None:
         return None
     known = _as_left(by_instance, records, labels)
-    cached = frozenset(i for i, ci in known.items() if _cached(ci, {}, spare_tasks))
+    cached = frozenset(i for i, ci in known.items() if _cached(ci, {}, spare_tasks or NO_SPARE_FAMILY))
     view = signals.CellView(units=plan.units, container_instances=known, missing=plan.missing, spares=plan.spares,
                             spare_nodes=settings.spare_nodes, cached=cached)
     return signals.signal_ready_instances(
@@ -495,8 +495,21 @@ def _signal(
     )
 
 
-def _cached(ci: aws.ContainerInstance, records: Mapping[tuple[str, str], str],
-            spare_tasks: Sequence[aws.RunningTask] | None) -> bool:
+@dataclass(frozen=True, slots=True)
+class SpareTasks:
+    """This run's read of the spare service's tasks whose desired status is RUNNING (`_spare_tasks`)."""
+
+    running: tuple[aws.RunningTask, ...] = ()
+    # False: no spare family configured (a `spare-ready` record counts alone, nothing is swept).
+    configured: bool = True
+    # The read failed (refused, throttled past the retries): which spare tasks run is unknown this run.
+    error: str | None = None
+
+
+NO_SPARE_FAMILY = SpareTasks(configured=False)
+
+
+def _cached(ci: aws.ContainerInstance, records: Mapping[tuple[str, str], str], spare_tasks: SpareTasks) -> bool:
     """`signals.spare_ready` with this run's spare lines in, and written by the spare task running there now.
 
     A record stays on the instance when its task stops: after a revision deploy (new spare tasks fetch the new
@@ -506,16 +519,20 @@ def _cached(ci: aws.ContainerInstance, records: Mapping[tuple[str, str], str],
     this instance. A record an older controller wrote names no task: it counts when a spare task there was created
     (ECS's clock) no later than the line's time (the node's; EC2 instances keep time by the Amazon Time Sync
     Service, https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/set-time.html), i.e. it can be that task's.
-    `spare_tasks` None (no spare family configured): the record alone."""
+    No spare family configured: the record alone. The spare tasks unknown (their read failed): no record counts,
+    the safe side (the nearest spare by topology, as with no record; a cold review: the failed read stopped the
+    run before its writes)."""
     value = records.get((ci.ec2_instance_id, signals.SPARE_READY_ATTRIBUTE))
     if value is not None:
         ci = dataclasses.replace(ci, attributes={**ci.attributes, signals.SPARE_READY_ATTRIBUTE: value})
     if not signals.spare_ready(ci):
         return False
-    if spare_tasks is None:
+    if not spare_tasks.configured:
         return True
+    if spare_tasks.error is not None:
+        return False
     record = signals.spare_record(ci.attributes.get(signals.SPARE_READY_ATTRIBUTE))
-    here = [task for task in spare_tasks if task.host == ci.arn]
+    here = [task for task in spare_tasks.running if task.host == ci.arn]
     if record is not None and record.task is not None:
         return any(task.task_id == record.task for task in here)
     return record is not None and any(task.created_at is not None and task.created_at <= record.time
@@ -945,8 +962,9 @@ def reconcile(
             "spares_assigned": dict(sorted(gifts.items())),
             "spare_tasks_stopped": stopped,
             "quarantined_tasks_stopped": quarantine_stops,
-            "spares_ready": _spare_records_of(records, cached=True),
-            "spares_fetching": _spare_records_of(records, cached=False),
+            "spares_ready": _spares_ready(instances, records),
+            "spares_fetching": _spares_fetching(records),
+            "spare_tasks_unread": spare_tasks.error,
             "sessions_recorded": sorted(i for i, name in records if name == signals.SESSION_ATTRIBUTE),
             "fetch_doubted": sorted(launcher.doubts),
             **start_report,
@@ -960,26 +978,42 @@ def reconcile(
     return summary
 
 
-def _spare_records_of(records: Mapping[tuple[str, str], str], cached: bool) -> list[str]:
-    """The instances this run records as cached (or as fetching): the run summary's word."""
+def _spares_ready(instances: Iterable[Instance], records: Mapping[tuple[str, str], str]) -> list[str]:
+    """The spares this run records as cached that the plan counts as cached (`_cached`): the run summary's word.
+    Not the record's form alone: a late `spare_ready` line of a stopped spare task is recorded but counts for
+    nothing, and the summary called its spare ready (a cold review)."""
+    return sorted(inst.instance_id for inst in instances
+                  if inst.cached and (inst.instance_id, signals.SPARE_READY_ATTRIBUTE) in records)
+
+
+def _spares_fetching(records: Mapping[tuple[str, str], str]) -> list[str]:
+    """The instances this run records as fetching (`fetching@...`): the run summary's word."""
     return sorted(i for (i, name), v in records.items() if name == signals.SPARE_READY_ATTRIBUTE
-                  and (record := signals.spare_record(v)) is not None and record.cached == cached)
+                  and (record := signals.spare_record(v)) is not None and not record.cached)
 
 
-def _spare_tasks(settings: Settings, clients: Clients, retry: aws.Retry) -> list[aws.RunningTask] | None:
-    """The spare service's tasks whose desired status is RUNNING (None: no spare family configured).
+def _spare_tasks(settings: Settings, clients: Clients, retry: aws.Retry) -> SpareTasks:
+    """The spare service's tasks whose desired status is RUNNING.
 
     Read once a run, before the plan: `_cached` checks each spare's record against them, and
     `_stop_spare_tasks` stops those on an instance labelled with a unit. One ListTasks (DescribeTasks too when
-    spare tasks run)."""
+    spare tasks run). A failed read is logged and kept in the run summary (`spare_tasks_unread`), and the run goes
+    on: no spare counts as cached and the sweep waits for the next run. Raised, it stopped the run before any
+    write, the labels of the units that lost a node too (a cold review; a refused ListTasks of a quarantined
+    host's tasks is let go the same way, `_stop_quarantined_tasks`)."""
     if not settings.spare_task_family:
-        return None
-    return aws.running_tasks_of_family(clients.ecs, settings.cluster, settings.spare_task_family, retry)
+        return NO_SPARE_FAMILY
+    try:
+        running = aws.running_tasks_of_family(clients.ecs, settings.cluster, settings.spare_task_family, retry)
+    except (ClientError, BotoCoreError) as exc:
+        LOG.warning("could not read the spare tasks (%s): no spare counts as cached this run, and the spare tasks "
+                    "on instances a unit took are stopped by a later run", exc)
+        return SpareTasks(error=str(exc))
+    return SpareTasks(running=tuple(running))
 
 
 def _stop_spare_tasks(
-    settings: Settings, clients: Clients, tasks: Sequence[aws.RunningTask] | None,
-    labels: Mapping[str, str | None], retry: aws.Retry,
+    settings: Settings, clients: Clients, tasks: SpareTasks, labels: Mapping[str, str | None], retry: aws.Retry,
 ) -> list[str]:
     """Stop every spare task on an instance labelled with a unit, so the spare service starts one on a spare.
 
@@ -991,7 +1025,7 @@ def _stop_spare_tasks(
     run again with the label already written, and a spare task ECS was placing while the label
     changed (or after this run's read of the spare tasks, `_spare_tasks`) appears only later.
     """
-    stray = sorted(task.arn for task in tasks or () if labels.get(task.host) not in (None, "", SPARE_UNIT))
+    stray = sorted(task.arn for task in tasks.running if labels.get(task.host) not in (None, "", SPARE_UNIT))
     for task in stray:
         aws.stop_task(clients.ecs, settings.cluster, task, "placement controller: this spare now belongs to a unit",
                       retry)

@@ -191,8 +191,9 @@ def spare_ready(ci: aws.ContainerInstance) -> bool:
     The record is an attribute of this container instance, written only for a spare task
     that ran on it (DescribeTasks `containerInstanceArn`), and a new instance is a new
     container instance: the record is its own. Its time (the spare node's clock) is not
-    compared with ECS's `registeredAt`: two clocks, and nothing to gain. Whether the task that wrote it is
-    still the one running there is the handler's part (`handler._cached`, `CellView.cached`)."""
+    compared with ECS's `registeredAt` here: two clocks, and nothing to gain. Whether the task that wrote it is
+    still the one running there is the handler's part (`handler._cached`, `CellView.cached`), which for a record
+    without a task id (an older controller's) does compare its time with the running task's `createdAt`."""
     record = spare_record(ci.attributes.get(SPARE_READY_ATTRIBUTE))
     return ci.attributes.get("unit") == SPARE_UNIT and record is not None and record.cached
 

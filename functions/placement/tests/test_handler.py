@@ -1962,3 +1962,84 @@ def test_a_spares_cached_record_counts_only_while_the_spare_task_that_wrote_it_r
     warm_task = stop_spare_task(cell, {"i-0t": "5pare2", "i-0s": "5pare3"}[given])
     summary = cell.run({"source": "aws.events", "detail-type": "Scheduled Event"}, settings=settings)
     assert summary["spares_assigned"] == {given: "u0"} and summary["spare_tasks_stopped"] == [warm_task]
+
+
+def _refuse_the_spare_tasks(cell: Cell, code: str) -> None:
+    """The ListTasks of the spare family fails with `code` on every attempt (the Retry makes 6)."""
+    for _ in range(1 if code == "AccessDeniedException" else aws.Retry().attempts):
+        cell.ecs.add_client_error("list_tasks", service_error_code=code, http_status_code=400, expected_params={
+            "cluster": CLUSTER, "family": "rufus-dev-spare", "desiredStatus": "RUNNING", "maxResults": 100})
+
+
+@pytest.mark.parametrize("code", ["AccessDeniedException", "ThrottlingException"])
+def test_a_refused_read_of_the_spare_tasks_does_not_keep_a_unit_that_lost_a_node_from_its_spare(code, caplog):
+    """A cold review of the thirty-fifth session (its test_REVIEW_..., taken): the spare tasks' ListTasks had moved
+    before the plan and nothing caught its error, so a refused or throttled read failed the run before any write:
+    u0, which lost i-0b, got no spare and the batch's records were lost too (SQS runs it again into the same error).
+    Before, the read came after the writes and only the stop failed. Seen failing on main: ClientError (ListTasks)
+    raised out of reconcile. Now the run goes on, writes the label, stops nothing and says why."""
+    settings = dataclasses.replace(SPARE_SETTINGS, spare_nodes=1)
+    cell = Cell()
+    cell.group(**{"i-0a": "InService", "i-0s": "InService"})
+    a = container("i-0a", running=1, unit="u0", unit_placement="topology")
+    s = container("i-0s", running=1, unit="spare", spare_ready=f"{NOW - 7200}/5pare")
+    cell.containers([a, s])
+    cell.topology(["i-0a", "i-0s"], [topo("i-0a", "t", "m1", "b1"), topo("i-0s", "t", "m1", "b1")])
+    _refuse_the_spare_tasks(cell, code)
+    cell.describe([s])
+    labels = put("i-0s", "u0", "topology")
+    cell.ecs.add_response("put_attributes", {"attributes": labels}, {"cluster": CLUSTER, "attributes": labels})
+    summary = cell.run({"source": "aws.events", "detail-type": "Scheduled Event"}, settings=settings)
+    assert summary["spares_assigned"] == {"i-0s": "u0"} and summary["spare_tasks_stopped"] == []
+    assert code in summary["spare_tasks_unread"] and "could not read the spare tasks" in caplog.text
+
+
+def test_with_the_spare_tasks_unknown_no_spare_counts_as_cached_the_nearest_is_given():
+    """The safe side of a failed read: a record is believed only while the task that wrote it runs there, which is
+    unknown, so u0 gets the spare nearest its survivor (i-0s, no record) as if no spare had one, not i-0t, farther,
+    whose record may be a stopped task's (its cache then holds another revision's model)."""
+    settings = dataclasses.replace(SPARE_SETTINGS, spare_nodes=2)
+    cell = Cell()
+    _two_spares_one_near(cell, f"fetching@{NOW - 60}/5pare3")
+    _refuse_the_spare_tasks(cell, "AccessDeniedException")
+    cell.describe([container("i-0s", running=1, unit="spare", spare_ready=f"fetching@{NOW - 60}/5pare3")])
+    labels = put("i-0s", "u0", "topology")
+    cell.ecs.add_response("put_attributes", {"attributes": labels}, {"cluster": CLUSTER, "attributes": labels})
+    summary = cell.run({"source": "aws.events", "detail-type": "Scheduled Event"}, settings=settings)
+    assert summary["spares_assigned"] == {"i-0s": "u0"} and summary["spare_tasks_stopped"] == []
+
+
+def test_the_run_summary_does_not_call_ready_a_spare_whose_record_the_plan_does_not_count():
+    """A cold review (its test_REVIEW_..., taken): a late `spare_ready` line of i-0s's earlier spare task 5pare1
+    (stopped by a revision deploy; DescribeTasks still answers for it) arrives while 5pare3 runs there and has not
+    logged yet. The plan rightly does not count i-0s cached (u0 gets i-0t), but the summary's `spares_ready` listed
+    i-0s: it read the record's form, not the rule `_cached` applies. Seen failing on main: AssertionError ['i-0s']."""
+    settings = dataclasses.replace(SPARE_SETTINGS, spare_nodes=2)
+    cell = Cell()
+    _two_spares_one_near(cell, f"fetching@{NOW - 900}/5pare1")
+    spare_task_found(cell, "5pare1", "i-0s")  # stopped, still described (ECS keeps it about an hour)
+    spare_tasks(cell, {"5pare2": "i-0t", "5pare3": "i-0s"}, created={"5pare3": NOW - 20})
+    cell.describe([container("i-0t", running=1, unit="spare", spare_ready=f"{NOW - 3600}")])
+    writes = [spare_record("i-0s", f"{NOW - 600}/5pare1"), *put("i-0t", "u0", "topology")]
+    cell.ecs.add_response("put_attributes", {"attributes": writes}, {"cluster": CLUSTER, "attributes": writes})
+    warm_task = stop_spare_task(cell, "5pare2")
+    summary = cell.run({"Records": [spare_line("spare_ready", "5pare1", NOW - 600)]}, settings=settings)
+    assert summary["spares_assigned"] == {"i-0t": "u0"} and summary["spare_tasks_stopped"] == [warm_task]
+    assert (summary["spares_ready"], summary["spares_fetching"]) == ([], [])
+    assert summary["spare_tasks_unread"] is None
+
+
+def test_the_run_summary_calls_ready_a_spare_whose_record_its_running_task_wrote():
+    """The other side of the summary's word: the line of the spare task running there is ready."""
+    settings = dataclasses.replace(SPARE_SETTINGS, spare_nodes=2)
+    cell = Cell()
+    _two_spares_one_near(cell, f"fetching@{NOW - 900}/5pare3")
+    spare_task_found(cell, "5pare3", "i-0s")
+    spare_tasks(cell, {"5pare2": "i-0t", "5pare3": "i-0s"}, created={"5pare3": NOW - 1000})
+    cell.describe([container("i-0s", running=1, unit="spare", spare_ready=f"fetching@{NOW - 900}/5pare3")])
+    writes = [spare_record("i-0s", f"{NOW - 600}/5pare3"), *put("i-0s", "u0", "topology")]
+    cell.ecs.add_response("put_attributes", {"attributes": writes}, {"cluster": CLUSTER, "attributes": writes})
+    warm_task = stop_spare_task(cell, "5pare3")
+    summary = cell.run({"Records": [spare_line("spare_ready", "5pare3", NOW - 600)]}, settings=settings)
+    assert summary["spares_assigned"] == {"i-0s": "u0"} and summary["spare_tasks_stopped"] == [warm_task]
+    assert summary["spares_ready"] == ["i-0s"]

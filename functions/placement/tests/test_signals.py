@@ -477,17 +477,22 @@ def test_a_spare_given_to_a_unit_while_still_fetching_must_form_with_it_before_a
                                         healthy=lambda: {"i-a"})) == ["i-n"]
 
 
-@pytest.mark.parametrize(("running", "signalled"), [("5pare", ["i-n"]), ("5pare2", [])])
+@pytest.mark.parametrize(("running", "signalled"), [("5pare", ["i-n"]), ("5pare2", []), (None, [])])
 def test_a_new_spare_is_signalled_only_by_the_record_of_the_spare_task_running_there(running, signalled):
     """i-n, the new spare, carries `<time>/5pare`: signalled while 5pare runs there; once ECS replaced it by 5pare2
-    (a revision deploy, a restart) that has not logged yet, its model for the new task is not known cached."""
+    (a revision deploy, a restart) that has not logged yet, its model for the new task is not known cached. None:
+    the read of the spare tasks refused, so which runs is unknown: not signalled this run (the run goes on)."""
     cell = Cell()
     cell.group("3", {"i-a": "2", "i-s": "2", "i-n": "3"})
     cell.containers([container("i-a", NOW - 86400, unit="u0", unit_placement="topology"),
                      container("i-s", NOW - 86400, unit="u0", unit_placement="topology"),
                      container("i-n", NOW - 1200, unit="spare", spare_ready=f"{NOW - 60}/5pare")])
     cell.topology(["i-a", "i-n", "i-s"])
-    cell.spare_tasks((running, "i-n"))
+    if running is None:
+        cell.stubs["ecs"].add_client_error("list_tasks", service_error_code="AccessDeniedException",
+                                           http_status_code=400)
+    else:
+        cell.spare_tasks((running, "i-n"))
     cell.updating()
     cell.healthy("i-a")
     for instance in signalled:
