@@ -11,7 +11,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import boto3
 import pytest
 from botocore.stub import Stubber
-from unit_launcher.identity import DiscoveryError, DiscoveryStopped, IdentityError, discover_leader, resolve_identity
+from unit_launcher.identity import (
+    DiscoveryError,
+    DiscoveryStopped,
+    IdentityError,
+    IdentityStopped,
+    discover_leader,
+    resolve_identity,
+)
 
 TASK_ARN = "arn:aws:ecs:us-east-2:111111111111:task/Rufus-dev/0123456789abcdef0123456789abcdef"
 
@@ -87,6 +94,28 @@ def test_unreachable_metadata_endpoint_is_a_clear_error(metadata):
         resolve_identity({"ECS_CONTAINER_METADATA_URI_V4": url}, metadata_attempts=2, metadata_backoff=0.01)
     with pytest.raises(IdentityError, match=r"ECS_CONTAINER_METADATA_URI_V4 is not set .* UNIT_INSTANCE_ID not given"):
         resolve_identity({"UNIT_HOST_IP": "127.0.0.1"})
+
+
+def test_a_stop_ends_the_metadata_retries_at_the_next_pause(metadata):
+    """The agent lagging the task's start (404s): the retries' backoff (0.5 s doubling, about 25 s in all)
+    ended only in IdentityError, a SIGTERM meanwhile killed the launcher. A stop now ends them at once."""
+    url, served = metadata  # serves 404 for everything
+    pauses: list[float] = []
+
+    def pause(seconds: float) -> bool:
+        pauses.append(seconds)
+        return len(pauses) > 2  # the stop comes during the first retry's backoff
+
+    with pytest.raises(IdentityStopped):
+        resolve_identity({"ECS_CONTAINER_METADATA_URI_V4": url}, pause=pause)
+    assert pauses == [0, 0.5, 0] and served["hits"] == ["/v4/abc"]
+
+
+def test_a_stop_before_the_first_read_reads_nothing(metadata):
+    url, served = metadata
+    with pytest.raises(IdentityStopped):
+        resolve_identity({"ECS_CONTAINER_METADATA_URI_V4": url}, pause=lambda seconds: True)
+    assert served["hits"] == []
 
 
 class FakeTime:

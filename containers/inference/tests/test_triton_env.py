@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,38 @@ def test_the_leader_exits_2_before_forming_when_the_stub_cannot_embed_the_engine
     env = {**base, "UNIT_HOST_IP": "127.0.0.1", "UNIT_INSTANCE_ID": "i-0test"}
     assert runner.run("leader", parse_spec(json.dumps(doc)), env) == runner.EXIT_CONFIG == 2
     assert "Triton front end:" in caplog.text
+
+
+def _hanging_image(tmp_path: Path) -> tuple[str, str, Path]:
+    """(python, backend directory, pid file) of an engine Python whose probe never answers."""
+    python, backends, _base = _image(tmp_path)
+    pid_file = tmp_path / "probe.pid"
+    _script(Path(python), f"echo $$ > {pid_file}\nexec sleep 60\n")
+    return python, backends, pid_file
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_stop_ends_the_probe_at_once_and_kills_it(tmp_path):
+    """The probe's wait (up to 120 s) ignored the node's stop, and the probe outlived a launcher killed meanwhile."""
+    python, backends, pid_file = _hanging_image(tmp_path)
+    started = time.monotonic()
+    with pytest.raises(triton_env.TritonEnvStopped):
+        triton_env.stub_environment(python, backends, dict(os.environ),
+                                    stopped=lambda: pid_file.exists() and time.monotonic() - started > 0.3)
+    assert time.monotonic() - started < 5
+    assert _gone(int(pid_file.read_text()))
+
+
+def test_a_probe_that_never_answers_is_an_error_naming_it(tmp_path, monkeypatch):
+    """It was subprocess.TimeoutExpired, uncaught: the launcher ended with a traceback (exit 1), not EXIT_CONFIG."""
+    python, backends, pid_file = _hanging_image(tmp_path)
+    monkeypatch.setattr(triton_env, "PROBE_SECONDS", 0.5)
+    with pytest.raises(triton_env.TritonEnvError, match=r"did not answer the probe within 0\.5 s"):
+        triton_env.stub_environment(python, backends, dict(os.environ))
+    assert _gone(int(pid_file.read_text()))

@@ -22,7 +22,7 @@ import logging
 import os
 import sys
 
-from unit_launcher import __version__
+from unit_launcher import __version__, stop_signals
 from unit_launcher import plan as plans
 from unit_launcher.spec import SpecError, UnitSpec, load_spec_file, load_spec_from_env, parse_spec
 
@@ -169,6 +169,8 @@ def _main(argv: list[str] | None) -> int:
     p.add_argument("--host-ip", help="this node's address to render (default placeholder HOST_IP)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
+    if args.command != "run":
+        stop_signals.restore_defaults()  # only `run` acts on a stop itself (unit_launcher.stop_signals)
     level = _log_level(os.environ.get("UNIT_LOG_LEVEL", "INFO"))
     if level is None:
         print(f"error: UNIT_LOG_LEVEL={os.environ['UNIT_LOG_LEVEL']!r} not allowed; allowed: "

@@ -30,6 +30,10 @@ class DiscoveryError(RuntimeError):
     """The unit's leader could not be found before the deadline."""
 
 
+class IdentityStopped(Exception):
+    """A stop signal came while this node read its identity (its task is stopping): not a failure."""
+
+
 class DiscoveryStopped(Exception):
     """The lookup was stopped (its node is stopping): not a failure."""
 
@@ -54,20 +58,37 @@ def _get_json(url: str, timeout: float) -> Any:
         return json.loads(response.read())
 
 
+def _sleep(seconds: float) -> bool:
+    time.sleep(seconds)
+    return False
+
+
 def fetch_task_metadata(
-    base_url: str, *, timeout: float = 2.0, attempts: int = 5, backoff: float = 0.5
+    base_url: str, *, timeout: float = 2.0, attempts: int = 5, backoff: float = 0.5,
+    pause: Callable[[float], bool] = _sleep,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Container and task documents of metadata v4; retried because the agent may lag task start."""
+    """Container and task documents of metadata v4; retried because the agent may lag task start.
+
+    `pause(seconds)` waits between tries and says whether the node is stopping (IdentityStopped
+    then, also once a read in flight ends: each read is bounded by `timeout`)."""
     last: Exception | None = None
     for attempt in range(attempts):
+        if pause(0):
+            break
         try:
-            return _get_json(base_url, timeout), _get_json(base_url.rstrip("/") + "/task", timeout)
+            container = _get_json(base_url, timeout)
+            if pause(0):
+                break
+            return container, _get_json(base_url.rstrip("/") + "/task", timeout)
         except (urllib.error.URLError, OSError, json.JSONDecodeError) as error:
             last = error
-            time.sleep(backoff * (2**attempt))
-    raise IdentityError(
-        f"ECS task metadata endpoint {base_url} did not answer after {attempts} attempts: {last}"
-    )
+            if pause(backoff * (2**attempt)):
+                break
+    else:
+        raise IdentityError(
+            f"ECS task metadata endpoint {base_url} did not answer after {attempts} attempts: {last}"
+        )
+    raise IdentityStopped(f"stopped while reading ECS task metadata at {base_url}")
 
 
 def resolve_identity(
@@ -76,8 +97,10 @@ def resolve_identity(
     metadata_timeout: float = 2.0,
     metadata_attempts: int = 5,
     metadata_backoff: float = 0.5,
+    pause: Callable[[float], bool] = _sleep,
 ) -> Identity:
-    """Host IP and instance id: explicit overrides first, then ECS task metadata v4."""
+    """Host IP and instance id: explicit overrides first, then ECS task metadata v4 (`pause`:
+    as fetch_task_metadata's, which raises IdentityStopped when it says the node is stopping)."""
     host_ip = env.get("UNIT_HOST_IP") or None
     instance_id = env.get("UNIT_INSTANCE_ID") or None
     if host_ip and instance_id:
@@ -94,7 +117,7 @@ def resolve_identity(
             f"and {' and '.join(missing)} not given"
         )
     container, task = fetch_task_metadata(
-        base, timeout=metadata_timeout, attempts=metadata_attempts, backoff=metadata_backoff
+        base, timeout=metadata_timeout, attempts=metadata_attempts, backoff=metadata_backoff, pause=pause
     )
     if not instance_id:
         instance_id = task.get("TaskARN") or ""

@@ -36,12 +36,20 @@ from unit_launcher import (
     rendezvous,
     self_check,
     steps,
+    stop_signals,
     task_stop,
     triton_env,
     waits,
 )
 from unit_launcher.engine import Engine, EngineStartError
-from unit_launcher.identity import DiscoveryError, Identity, IdentityError, discover_leader, resolve_identity
+from unit_launcher.identity import (
+    DiscoveryError,
+    Identity,
+    IdentityError,
+    IdentityStopped,
+    discover_leader,
+    resolve_identity,
+)
 from unit_launcher.spec import SpecError, UnitSpec
 
 log = logging.getLogger("unit_launcher")
@@ -230,11 +238,14 @@ class _Signals:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        for sig in stop_signals.received():  # recorded during start-up (unit_launcher.stop_signals)
+            self._on_signal(sig)
         task_stop.install()  # already done by __main__; here for a launcher run from Python
         self._unsubscribe = task_stop.subscribe(lambda: loop.call_soon_threadsafe(self._on_task_stopping))
 
     def _on_signal(self, sig: int) -> None:
-        log.info("received %s: stopping", signal.Signals(sig).name)
+        if not self.stop.is_set():
+            log.info("received %s: stopping", signal.Signals(sig).name)
         self.stop.set()
 
     def _on_task_stopping(self) -> None:
@@ -367,7 +378,8 @@ async def _fetch_own(spec: UnitSpec, session: rendezvous.LeaderSession, signals:
     if fetch is None or not fetch.task.done():
         if fetch is not None:
             await fetch.stop()
-        session.end("leader received SIGTERM while it fetched its artifacts", deliberate=True)
+        when = "while it fetched its artifacts" if fetch is not None else "before it fetched its artifacts"
+        session.end(f"leader received SIGTERM {when}", deliberate=True)
         return 0
     error = fetch.error()
     if error is not None:
@@ -812,8 +824,8 @@ async def _fetch_before_joining(spec: UnitSpec, me: Identity, signals: _Signals)
     if fetch is None or not fetch.task.done():
         if fetch is not None:
             await fetch.stop()
-        _local_record(spec, me, "deliberate_stop",
-                      f"follower received {signals.why()} before it joined (fetching artifacts)")
+        doing = "fetching artifacts" if fetch is not None else "starting up"
+        _local_record(spec, me, "deliberate_stop", f"follower received {signals.why()} before it joined ({doing})")
         return 0
     error = fetch.error()
     if error is None:
@@ -1109,8 +1121,15 @@ def _self_check(spec: UnitSpec, role: str, me: Identity, env: Mapping[str, str])
 
 
 def run(role: str, spec: UnitSpec, env: Mapping[str, str]) -> int:
+    """One node's life. A stop signal during its start-up (recorded by unit_launcher.stop_signals) ends the
+    waits here and is replayed by `_Signals`: the node stops as at its loop's start (a record, exit 0), or,
+    before it knows its identity, which every record names, with exit 0 and a log line only."""
     try:
-        me = resolve_identity(env)
+        me = resolve_identity(env, pause=stop_signals.pause)
+    except IdentityStopped as stopped:
+        log.info("received %s before this node knew its identity (%s): exits 0 with no record "
+                 "(a record names its node)", stop_signals.names(), stopped)
+        return 0
     except IdentityError as error:
         log.error("%s", error)
         return EXIT_CONFIG
@@ -1127,17 +1146,30 @@ def run(role: str, spec: UnitSpec, env: Mapping[str, str]) -> int:
     _self_check(spec, role, me, env)
     if role == "leader":
         engine_env = None
-        if spec.engine.frontend == "triton":
+        if spec.engine.frontend == "triton" and not stop_signals.stopped():
             # Before the unit forms: a stub that cannot embed the engine's Python is the image's fault,
             # not the unit's (unit_launcher.triton_env).
             try:
                 engine_env = triton_env.stub_environment(
-                    spec.engine.triton_python, spec.engine.triton_backend_directory, env)
+                    spec.engine.triton_python, spec.engine.triton_backend_directory, env, stop_signals.stopped)
+            except triton_env.TritonEnvStopped:
+                pass  # the leader's loop stops at once: the stop is replayed before anything starts
             except triton_env.TritonEnvError as error:
                 log.error("Triton front end: %s", error)
                 return EXIT_CONFIG
-            log.info("Triton's Python stub embeds %s (PATH and LD_LIBRARY_PATH set)", spec.engine.triton_python)
-        return exit_code(asyncio.run(run_leader(spec, me, env.get("UNIT_BIND_ADDR", "0.0.0.0"), engine_env)))
+            else:
+                log.info("Triton's Python stub embeds %s (PATH and LD_LIBRARY_PATH set)", spec.engine.triton_python)
+        return exit_code(_in_loop(run_leader(spec, me, env.get("UNIT_BIND_ADDR", "0.0.0.0"), engine_env)))
     if role == "follower":
-        return exit_code(asyncio.run(run_follower(spec, me, env)))
+        return exit_code(_in_loop(run_follower(spec, me, env)))
     raise SpecError(f"UNIT_ROLE={role!r} not allowed; allowed: leader, follower")
+
+
+def _in_loop(main: Any) -> int:
+    """asyncio.run(main). Its loop gives SIGTERM and SIGINT their default actions back when it closes:
+    recorded again (when `python -m unit_launcher` recorded them), a stop during the exit is not fatal."""
+    try:
+        return int(asyncio.run(main))
+    finally:
+        if stop_signals.installed():
+            stop_signals.remember_early()

@@ -18,6 +18,9 @@ enough: the transfer's thread pools are joined when the interpreter exits, so th
 went on downloading until the fetch finished (minutes), and ECS SIGKILLed it at the stop
 timeout.
 
+A SIGTERM before these handlers (while the launcher imports its modules) is recorded
+(unit_launcher.stop_signals) and replayed here: the spare exits 0 before it fetches.
+
 Exit status: 0 after SIGTERM; EXIT_ARTIFACTS when the fetch fails (ECS starts it again).
 """
 
@@ -32,6 +35,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from unit_launcher import stop_signals
 from unit_launcher.spec import UnitSpec
 
 log = logging.getLogger("unit_launcher.spare")
@@ -43,7 +47,8 @@ FETCH_CANCEL_SECONDS = 10.0
 
 
 def stop_on_sigterm() -> threading.Event:
-    """An event set by SIGTERM or SIGINT (ECS stops a task with SIGTERM)."""
+    """An event set by SIGTERM or SIGINT (ECS stops a task with SIGTERM), already set when one came
+    during the launcher's start-up (recorded by unit_launcher.stop_signals)."""
     stop = threading.Event()
 
     def _on_signal(sig: int, _frame: object) -> None:
@@ -52,6 +57,9 @@ def stop_on_sigterm() -> threading.Event:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _on_signal)
+    if stop_signals.stopped():
+        log.info("received %s during start-up: the spare stops", stop_signals.names())
+        stop.set()
     return stop
 
 
@@ -72,6 +80,8 @@ def run_spare(
 ) -> int:
     """Prefetch, report ready, idle until stopped."""
     stop = stop if stop is not None else stop_on_sigterm()
+    if stop.is_set():  # stopped during start-up: nothing fetched, nothing to say
+        return 0
     started = time.monotonic()
     out = out or sys.stdout
     _say("spare_fetching", spec, out)

@@ -33,12 +33,17 @@ import json
 import os
 import re
 import subprocess
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from unit_launcher.plan import PlanError
 
 STUB = "triton_python_backend_stub"
+# Longest the probe of the engine's Python may take (a cold start of a big environment from a slow disk).
+PROBE_SECONDS = 120.0
+# How often the probe's wait looks whether the node is stopping.
+PROBE_POLL_SECONDS = 0.05
 _PROBE = (
     "import json, sys, sysconfig\n"
     "try:\n    import numpy; np = numpy.__version__\nexcept Exception as e:\n    np = 'none: ' + repr(e)\n"
@@ -52,14 +57,38 @@ class TritonEnvError(PlanError):
     """Triton's Python stub could not run the engine's Python; the message says what to fix."""
 
 
-def _probe(python: str) -> dict[str, str]:
+class TritonEnvStopped(Exception):
+    """The node was told to stop during the check (its probe ended): not the image's fault."""
+
+
+def _never() -> bool:
+    return False
+
+
+def _probe(python: str, stopped: Callable[[], bool] = _never) -> dict[str, str]:
+    """The engine's Python's facts. A stop ends the probe at once and kills its process: waited out
+    (up to PROBE_SECONDS), a SIGTERM came only after it, and a launcher killed meanwhile left it running."""
     try:
-        done = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=120, check=False)
+        process = subprocess.Popen([python, "-c", _PROBE], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     except (FileNotFoundError, PermissionError) as error:
         raise TritonEnvError(f"engine.triton_python {python!r} cannot run: {error}") from None
-    if done.returncode != 0:
-        raise TritonEnvError(f"engine.triton_python {python!r} failed: {done.stderr.strip()[-500:]}")
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    with process:
+        deadline = time.monotonic() + PROBE_SECONDS
+        while True:
+            try:
+                stdout, stderr = process.communicate(timeout=PROBE_POLL_SECONDS)
+                break
+            except subprocess.TimeoutExpired:
+                if stopped() or time.monotonic() >= deadline:
+                    process.kill()
+                    process.communicate()
+                    if stopped():
+                        raise TritonEnvStopped(f"stopped while probing {python}") from None
+                    raise TritonEnvError(f"engine.triton_python {python!r} did not answer the probe within "
+                                         f"{PROBE_SECONDS:g} s") from None
+    if process.returncode != 0:
+        raise TritonEnvError(f"engine.triton_python {python!r} failed: {stderr.strip()[-500:]}")
+    return dict(json.loads(stdout.strip().splitlines()[-1]))
 
 
 def _prepend(first: str, rest: str | None) -> str:
@@ -77,8 +106,10 @@ def linked_libpython(stub: Path, env: Mapping[str, str]) -> tuple[str, str] | No
     return None
 
 
-def stub_environment(python: str, backend_directory: str, base: Mapping[str, str]) -> dict[str, str]:
-    """PATH and LD_LIBRARY_PATH for tritonserver so that its Python stub embeds `python`, checked."""
+def stub_environment(python: str, backend_directory: str, base: Mapping[str, str],
+                     stopped: Callable[[], bool] = _never) -> dict[str, str]:
+    """PATH and LD_LIBRARY_PATH for tritonserver so that its Python stub embeds `python`, checked;
+    TritonEnvStopped when `stopped()` says the node is stopping during the probe."""
     if Path(python).name != "python3":
         raise TritonEnvError(
             f"engine.triton_python {python!r}: the stub looks up 'python3' on PATH; name the python3 of the "
@@ -87,7 +118,7 @@ def stub_environment(python: str, backend_directory: str, base: Mapping[str, str
     if not stub.is_file():
         raise TritonEnvError(f"{stub} missing: the image installs the stub of its Python's version there "
                              "(containers/inference/Dockerfile)")
-    info = _probe(python)
+    info = _probe(python, stopped)
     if info.get("shared") != 1 and not str(info.get("ldlibrary", "")).endswith(".so"):
         raise TritonEnvError(f"{python} (Python {info['patch']}) has no shared libpython: the stub cannot embed it")
     if not str(info["numpy"]).startswith("1."):
