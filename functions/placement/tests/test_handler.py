@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
@@ -869,6 +870,7 @@ def test_a_log_delivery_is_only_enqueued(monkeypatch):
 
     line = {"event": "unit_session_end", "unit_id": "u0", "session_id": "s9", "cause": "step_timeout",
             "ended_by": {"rank": 2, "address": "10.0.0.12", "instance_id": TASK_B}, "ended_at": NOW,
+            "forwarded_at": 1,  # the launcher's word for it does not count: the forwarder's clock does
             "log_tail": ["x" * 1000] * 50, "_aws": {"CloudWatchMetrics": []}, "reason": "r" * 2000,
             "members": [{"rank": 0, "address": "10.0.0.10", "instance_id": TASK_A, "heartbeat_age": 0.0},
                         {"rank": 2, "address": "10.0.0.12", "instance_id": TASK_B, "heartbeat_age": 31.0}]}
@@ -895,12 +897,16 @@ def test_a_log_delivery_is_only_enqueued(monkeypatch):
         monkeypatch.setattr(sqs, "send_message", lambda **kw: (sent.append(kw["MessageBody"]), original(**kw))[1])
         monkeypatch.setenv("TRIGGER_QUEUE_URL", queue)
         monkeypatch.setattr(handler, "_clients", lambda: Clients(ec2=None, ecs=None, autoscaling=None, sqs=sqs))
+        before = int(time.time())
         assert handler.handler(event, None) == {"forwarded": 1}
+        after = time.time()
         stub.assert_no_pending_responses()
     body = json.loads(sent[0])
     assert "log_tail" not in body["detail"] and len(body["detail"]["reason"]) == 500
+    # The forwarder's own clock goes along: the controller bounds the launcher's ended_at by it (counted_time).
+    assert before <= body["detail"]["forwarded_at"] <= after
     # What the next run reads back from the queue.
-    [failure] = failures.failures_from_records(handler.signals.records({"Records": [{"body": sent[0]}]}))
+    [failure] = failures.failures_from_records(handler.signals.records({"Records": [{"body": sent[0]}]}), NOW)
     assert (failure.suspect, failure.cause, failure.unit) == (TASK_B, "step_timeout", "u0")
     # Who wrote it goes along (the leader, rank 0): the quarantine reads both sides of a session.
     assert body["detail"]["members"][0] == {"rank": 0, "instance_id": TASK_A} and failure.accuser == TASK_A
