@@ -98,9 +98,13 @@ def test_the_event_is_one_emf_line_with_the_unit_metrics():
 
 @pytest.mark.timeout(150)
 def test_a_unit_that_loses_the_same_follower_twice_records_it_and_backs_off(tmp_path, unit_nodes, h):
-    """Real launchers: follower killed, evidence names it; the next session waits out the backoff."""
-    base = 6
-    spec = h.cpu_spec(2, record_dir=tmp_path, backoff_base_seconds=base, backoff_cap_seconds=10)
+    """Real launchers: follower killed, evidence names it; the next session waits out the backoff.
+
+    The base outlasts a launcher's start on a loaded machine: with 6 s, a second leader that took longer to
+    start (load 18 on 2 cores, this session's make test beside stress runs) found the wait already over and
+    never logged it, and the test failed though the launcher was right."""
+    base = 15
+    spec = h.cpu_spec(2, record_dir=tmp_path, backoff_base_seconds=base, backoff_cap_seconds=2 * base)
     port = spec["rendezvous"]["port"]
     history = evidence.history_path(spec["state_dir"], spec["cell"], spec["unit_id"])
 
@@ -128,8 +132,10 @@ def test_a_unit_that_loses_the_same_follower_twice_records_it_and_backs_off(tmp_
         assert last["ended_by"]["instance_id"] == "i-follower", last
         assert last["cause"] in ("member_lost", "heartbeat_loss", "member_left"), last
         assert '"event": "unit_session_end"' in leader.log
-    # After two failures in a row the next leader would wait 2 x base (capped at 10).
-    assert evidence.backoff_for(evidence.read_history(history), evidence.BackoffPolicy(base, 10, 600)).seconds == 10
+    # After two failures in a row the next leader would wait 2 x base (the cap), and no more with a lower cap.
+    assert evidence.backoff_for(evidence.read_history(history), evidence.BackoffPolicy(base, 2 * base, 600)).seconds \
+        == 2 * base
+    assert evidence.backoff_for(evidence.read_history(history), evidence.BackoffPolicy(base, 20, 600)).seconds == 20
 
 
 def _ended_session(tmp_path: Path, h, *, follower_left: dict | None = None, history: tuple[dict, ...] = ()):
@@ -173,7 +179,8 @@ def test_a_leader_engine_exit_names_the_leader_with_its_status(tmp_path: Path, h
 
 @pytest.mark.timeout(60)
 def test_the_backoff_leaves_the_status_once_waited_out_and_the_last_failure_stays(tmp_path, unit_nodes, h):
-    spec = h.cpu_spec(2, record_dir=tmp_path, backoff_base_seconds=4, backoff_cap_seconds=4)
+    # 15 s: longer than a launcher's start on a loaded machine (with 4 s it was over before the leader read it).
+    spec = h.cpu_spec(2, record_dir=tmp_path, backoff_base_seconds=15, backoff_cap_seconds=15)
     port = spec["rendezvous"]["port"]
     history = evidence.history_path(spec["state_dir"], spec["cell"], spec["unit_id"])
     evidence.append_history(history, _record("s0", ended_at=time.time()))
@@ -185,7 +192,7 @@ def test_the_backoff_leaves_the_status_once_waited_out_and_the_last_failure_stay
 
     waiting = h.wait_for(lambda: in_state("backoff"), 20, "the leader backing off")
     assert waiting["backoff"]["failures_in_a_row"] == 1 and waiting["last_failure"]["session_id"] == "s0"
-    forming = h.wait_for(lambda: in_state("forming"), 20, "the leader forming after its wait")
+    forming = h.wait_for(lambda: in_state("forming"), 30, "the leader forming after its wait")
     # No stale wait in /status (and so in the proxy's /load) once it is over; the failure stays.
     assert forming["backoff"] is None and forming["last_failure"]["session_id"] == "s0"
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import os
 import random
@@ -493,6 +494,36 @@ async def test_sigterm_lets_a_stream_finish_then_exits_0(cells: tuple[FakeCell, 
             await proc.wait()
 
 
+async def test_a_sigterm_during_start_up_soft_stops_once_started(cells: tuple[FakeCell, FakeCell],
+                                                                 tmp_path: Path) -> None:
+    """ECS may stop a task while it starts. The admin listener answers, and HAProxy may serve, before the loop's
+    signal handlers are in place: a SIGTERM then took the default action and killed the router (exit -15; seen
+    as a test_sigterm_lets_a_stream_finish_then_exits_0 flake at load 18), HAProxy with it. Here HAProxy starts
+    2 s late (a wrapper) and the SIGTERM comes while start() waits for it: the router finishes its start, then
+    soft-stops (exit 0)."""
+    a, b = cells
+    slow = tmp_path / "haproxy"
+    slow.write_text(f'#!/bin/sh\nsleep 2\nexec {shutil.which("haproxy")} "$@"\n')
+    slow.chmod(0o755)
+    proc, _port, admin = await _router_process(a, b, UNIT_PROXY_HAPROXY=str(slow))
+    try:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(400):  # the admin listener is up before HAProxy starts (start())
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with session.get(f"http://{LOOPBACK}:{admin}/status"):
+                        break
+                await asyncio.sleep(0.025)
+            proc.send_signal(signal.SIGTERM)
+            code = await asyncio.wait_for(proc.wait(), 30)
+            err = (await proc.stderr.read()).decode()
+            assert code == 0, err
+            assert "a stop signal came during start-up" in err and "router listening" in err, err
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
 async def test_the_soft_stop_logs_no_runtime_api_error(
         cells: tuple[FakeCell, FakeCell], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """From the soft stop on, the worker's stats socket is closed (measured: connection refused): the poll loop,
@@ -643,13 +674,15 @@ async def test_haproxy_dying_during_the_stop_is_exit_1(cells: tuple[FakeCell, Fa
             await proc.wait()
 
 
-async def _router_process(a: FakeCell, b: FakeCell) -> tuple[asyncio.subprocess.Process, int, int]:
+async def _router_process(a: FakeCell, b: FakeCell, **extra: str) -> tuple[asyncio.subprocess.Process, int, int]:
     """The shipped entry (`python -m unit_proxy.router`) in front of `a` and `b`: the process, its data and admin
     ports."""
     port, admin = _free_port(), _free_port()
     env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/bin"), "ROUTER_CELLS": f"a={a.url},b={b.url}",
            "ROUTER_HOST": LOOPBACK, "ROUTER_PORT": str(port), "ROUTER_ADMIN_PORT": str(admin),
-           "ROUTER_CHECK_INTERVAL_MS": "200"}
+           "ROUTER_CHECK_INTERVAL_MS": "200", **extra}
+    if "PYTHONPATH" in os.environ:  # the package under test, not only the one installed in the venv
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "unit_proxy.router", env=env,
                                                 stderr=asyncio.subprocess.PIPE)
     return proc, port, admin

@@ -55,6 +55,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from unit_proxy import stop_signals
 from unit_proxy.agent import (
     BindError,
     StartError,
@@ -750,6 +751,9 @@ async def serve(settings: RouterSettings) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    if stop_signals.received():  # during start-up, HAProxy perhaps already serving (main, stop_signals.py)
+        log.warning("a stop signal came during start-up: stopping now")
+        stop.set()
     if await haproxy_exits_first(running.process, stop):
         log.error("haproxy exited with code %s: exiting 1", running.process.returncode)
         await running.close()
@@ -760,6 +764,12 @@ async def serve(settings: RouterSettings) -> int:
 
 
 def main() -> int:
+    # From here on a SIGTERM (ECS's stop) waits for `serve`, which then soft-stops: the admin listener answers
+    # and HAProxy serves before start() returns and the loop's handlers are in place, so its default action
+    # killed the router (init process enabled: it is not PID 1) and, through PDEATHSIG, HAProxy with the
+    # requests in flight (a test_router flake on a loaded machine: exit -15 with a stream held). Before this
+    # line (the imports) nothing runs yet, and dying at once loses nothing.
+    stop_signals.remember_early()
     if len(sys.argv) > 1:
         print("usage: python -m unit_proxy.router (settings from the environment: ROUTER_CELLS, ROUTER_WEIGHTS, "
               "ROUTER_PORT, ...; docs/router.md)", file=sys.stderr if sys.argv[1] not in ("-h", "--help") else None)

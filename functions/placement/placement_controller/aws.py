@@ -337,15 +337,40 @@ def mark_unhealthy(autoscaling: BaseClient, instance_id: str, retry: Retry) -> b
     return True
 
 
-def running_tasks_of_family(ecs: BaseClient, cluster: str, family: str, retry: Retry) -> dict[str, str]:
-    """Task ARN -> container instance ARN of the family's tasks whose desired status is RUNNING.
+@dataclass(frozen=True, slots=True)
+class RunningTask:
+    """A task whose desired status is RUNNING, where it is and since when ECS has it."""
+
+    arn: str
+    host: str  # its container instance's ARN
+    # DescribeTasks `createdAt`, "the time when the task entered the PENDING state"
+    # (https://docs.aws.amazon.com/AmazonECS/latest/APIReference/API_Task.html; botocore parses it to a datetime),
+    # in Unix seconds on ECS's clock; None when ECS gives none.
+    created_at: float | None = None
+
+    @property
+    def task_id(self) -> str:
+        """The ARN's last part: the id in the task's awslogs stream name (`prefix/container/task-id`)."""
+        return self.arn.rsplit("/", 1)[-1]
+
+
+def running_tasks_of_family(ecs: BaseClient, cluster: str, family: str, retry: Retry) -> list[RunningTask]:
+    """The family's tasks whose desired status is RUNNING, by ARN.
 
     ListTasks filters by `family` and `desiredStatus` together
     (https://docs.aws.amazon.com/AmazonECS/latest/APIReference/API_ListTasks.html); DescribeTasks
-    says where each runs (`task_container_instances`).
+    says where each runs and when it was created.
     """
     arns = _ecs_list(ecs.list_tasks, "taskArns", retry, cluster=cluster, family=family, desiredStatus="RUNNING")
-    return task_container_instances(ecs, cluster, arns, retry) if arns else {}
+    found: list[RunningTask] = []
+    for batch in chunks(sorted(set(arns)), DESCRIBE_PER_CALL):
+        response = retry.call(ecs.describe_tasks, cluster=cluster, tasks=list(batch))
+        for failure in response.get("failures", []):
+            LOG.warning("task %s: %s", failure.get("arn"), failure.get("reason"))
+        found += [RunningTask(t["taskArn"], t["containerInstanceArn"],
+                              t["createdAt"].timestamp() if isinstance(t.get("createdAt"), datetime) else None)
+                  for t in response.get("tasks", []) if t.get("taskArn") and t.get("containerInstanceArn")]
+    return sorted(found, key=lambda task: task.arn)
 
 
 def running_tasks_on(ecs: BaseClient, cluster: str, container_instance: str, retry: Retry) -> list[str]:

@@ -29,9 +29,10 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -356,10 +357,13 @@ class LauncherRecords:
     clears: dict[str, float]
 
 
-# A spare task's lines as its instance's `spare-ready` record: "fetching@<time>" from the moment it starts (a
-# revision deploy or a restart starts a new spare task on the same instance: an earlier task's "<time>" no longer
-# says the model the unit needs is cached), "<time>" once the model is cached (signals.spare_ready).
-SPARE_RECORDS = {"spare_fetching": "fetching@", "spare_ready": ""}
+# A spare task's lines as its instance's `spare-ready` record (signals.SpareRecord): "fetching@<time>/<task-id>" from
+# the moment it starts (a revision deploy or a restart starts a new spare task on the same instance: an earlier
+# task's record no longer says the model the unit needs is cached), "<time>/<task-id>" once the model is cached.
+SPARE_RECORDS = {"spare_fetching": False, "spare_ready": True}
+# The task id of a spare line (its awslogs stream name's last part: 32 hex digits, or an older ARN format's UUID),
+# kept in the record only when it is one ECS takes in an attribute value (API_Attribute.html) and short enough.
+SPARE_TASK_ID = re.compile(r"[A-Za-z0-9-]{1,64}")
 # A spare line's time is a Unix time; 2**34 s is the year 2514. Beyond it the record could pass ECS's 128 characters
 # (API_Attribute.html), and a refused PutAttributes fails the whole run.
 SPARE_TIME_LIMIT = 2.0**34
@@ -369,11 +373,8 @@ def _spare_line_order(value: object) -> tuple[float, int]:
     """Where a `spare-ready` record stands among an instance's spare lines: its time (the spare node's clock, so
     the later of two is the current spare task's), then "cached" after "fetching" in the same second (a task's
     `spare_ready` always follows its own `spare_fetching`). None or unreadable: before everything."""
-    text = str(value or "")
-    try:
-        return float(text.rpartition("@")[2]), int("@" not in text)
-    except ValueError:
-        return float("-inf"), 0
+    record = signals.spare_record(value)
+    return (float("-inf"), 0) if record is None else (record.time, int(record.cached))
 
 
 def _launcher_records(
@@ -404,10 +405,12 @@ def _launcher_records(
             continue
         try:
             if detail.get("event") in SPARE_RECORDS and detail.get("task_id"):
-                when = float(detail["time"])
+                when, task = float(detail["time"]), str(detail["task_id"])
                 if not 0 <= when < SPARE_TIME_LIMIT:  # nan and inf too: a value ECS would refuse fails the run
                     raise ValueError(f"time {when}")
-                value = f"{SPARE_RECORDS[detail['event']]}{when:.0f}"
+                if not SPARE_TASK_ID.fullmatch(task):
+                    raise ValueError(f"task id {task!r}")
+                value = signals.SpareRecord(SPARE_RECORDS[detail["event"]], when, task).encode()
                 wanted.append((str(detail["task_id"]), signals.SPARE_READY_ATTRIBUTE, value))
             elif detail.get("event") == "unit_session_formed" and detail.get("unit_id"):
                 value = unformed.session_value(str(detail["unit_id"]), float(detail["released_at"]),
@@ -471,6 +474,7 @@ def _signal(
     retry: aws.Retry,
     healthy: Callable[[], set[str]] | None = None,
     now: float | None = None,
+    spare_tasks: Sequence[aws.RunningTask] | None = None,
 ) -> list[str] | None:
     """Rolling-update signals for the new instances that serve again or are ready spares (None: not configured).
 
@@ -482,20 +486,40 @@ def _signal(
     if signal_settings is None or clients.cloudformation is None or clients.elbv2 is None:
         return None
     known = _as_left(by_instance, records, labels)
+    cached = frozenset(i for i, ci in known.items() if _cached(ci, {}, spare_tasks))
     view = signals.CellView(units=plan.units, container_instances=known, missing=plan.missing, spares=plan.spares,
-                            spare_nodes=settings.spare_nodes)
+                            spare_nodes=settings.spare_nodes, cached=cached)
     return signals.signal_ready_instances(
         signal_settings, settings.auto_scaling_group, view,
         clients.cloudformation, clients.autoscaling, clients.elbv2, retry, healthy=healthy, now=now,
     )
 
 
-def _cached(ci: aws.ContainerInstance, records: Mapping[tuple[str, str], str]) -> bool:
-    """`signals.spare_ready` with this run's spare lines in."""
+def _cached(ci: aws.ContainerInstance, records: Mapping[tuple[str, str], str],
+            spare_tasks: Sequence[aws.RunningTask] | None) -> bool:
+    """`signals.spare_ready` with this run's spare lines in, and written by the spare task running there now.
+
+    A record stays on the instance when its task stops: after a revision deploy (new spare tasks fetch the new
+    model on the same instances) it said "cached" from the old task's stop until the new task's `spare_fetching`
+    line came (placement, image pull, start, delivery), and for good when the new task failed before it logged
+    (helper-206's review). So: the record's task must be among the spare tasks whose desired status is RUNNING on
+    this instance. A record an older controller wrote names no task: it counts when a spare task there was created
+    (ECS's clock) no later than the line's time (the node's; EC2 instances keep time by the Amazon Time Sync
+    Service, https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/set-time.html), i.e. it can be that task's.
+    `spare_tasks` None (no spare family configured): the record alone."""
     value = records.get((ci.ec2_instance_id, signals.SPARE_READY_ATTRIBUTE))
     if value is not None:
         ci = dataclasses.replace(ci, attributes={**ci.attributes, signals.SPARE_READY_ATTRIBUTE: value})
-    return signals.spare_ready(ci)
+    if not signals.spare_ready(ci):
+        return False
+    if spare_tasks is None:
+        return True
+    record = signals.spare_record(ci.attributes.get(signals.SPARE_READY_ATTRIBUTE))
+    here = [task for task in spare_tasks if task.host == ci.arn]
+    if record is not None and record.task is not None:
+        return any(task.task_id == record.task for task in here)
+    return record is not None and any(task.created_at is not None and task.created_at <= record.time
+                                      for task in here)
 
 
 def _as_left(
@@ -828,6 +852,8 @@ def reconcile(
     # Read before the plan: a spare's `spare_ready` line in the same batch as a unit's loss counts for that loss.
     launcher = _launcher_records(settings, clients, container_instances, event, retry)
     records = launcher.values
+    # Before the plan too: a spare counts as cached only by the record of the spare task running there now.
+    spare_tasks = _spare_tasks(settings, clients, retry)
     topology = aws.network_paths(clients.ec2, managed, retry)
     stopping_units = _units_still_stopping(managed.values())
     instances = [
@@ -837,7 +863,7 @@ def reconcile(
             unit=ci.attributes.get(UNIT_ATTRIBUTE),
             busy=(not _movable(ci) or _briefly_away(settings, ci, now, agents)
                   or ci.attributes.get(UNIT_ATTRIBUTE) in stopping_units),
-            cached=_cached(ci, records),
+            cached=_cached(ci, records, spare_tasks),
         )
         for instance_id, ci in managed.items()
     ]
@@ -893,7 +919,7 @@ def reconcile(
     # Deletes first: a label moving from one instance to another is never on both at once.
     deleted = aws.delete_attributes(clients.ecs, settings.cluster, deletes, retry)
     written = aws.put_attributes(clients.ecs, settings.cluster, puts, retry)
-    stopped = _stop_spare_tasks(settings, clients, labels, retry)
+    stopped = _stop_spare_tasks(settings, clients, spare_tasks, labels, retry)
     serves = _serving_or_unknown(_serving_check(as_left, healthy, event, now), True,
                                  "the mark and the stop of a quarantined host")
     unhealthy = _mark_unhealthy(settings, clients, step, group, serves, retry)
@@ -919,24 +945,41 @@ def reconcile(
             "spares_assigned": dict(sorted(gifts.items())),
             "spare_tasks_stopped": stopped,
             "quarantined_tasks_stopped": quarantine_stops,
-            "spares_ready": sorted(i for (i, name), v in records.items()
-                                   if name == signals.SPARE_READY_ATTRIBUTE and v.isdigit()),
-            "spares_fetching": sorted(i for (i, name), v in records.items()
-                                      if name == signals.SPARE_READY_ATTRIBUTE and not v.isdigit()),
+            "spares_ready": _spare_records_of(records, cached=True),
+            "spares_fetching": _spare_records_of(records, cached=False),
             "sessions_recorded": sorted(i for i, name in records if name == signals.SESSION_ATTRIBUTE),
             "fetch_doubted": sorted(launcher.doubts),
             **start_report,
         }
     )
-    signalled = _signal(settings, clients, plan, by_instance, records, labels, retry, healthy=healthy, now=now)
+    signalled = _signal(settings, clients, plan, by_instance, records, labels, retry, healthy=healthy, now=now,
+                        spare_tasks=spare_tasks)
     if signalled is not None:
         summary["signalled"] = signalled
     _publish(settings, plan, summary, emit)
     return summary
 
 
+def _spare_records_of(records: Mapping[tuple[str, str], str], cached: bool) -> list[str]:
+    """The instances this run records as cached (or as fetching): the run summary's word."""
+    return sorted(i for (i, name), v in records.items() if name == signals.SPARE_READY_ATTRIBUTE
+                  and (record := signals.spare_record(v)) is not None and record.cached == cached)
+
+
+def _spare_tasks(settings: Settings, clients: Clients, retry: aws.Retry) -> list[aws.RunningTask] | None:
+    """The spare service's tasks whose desired status is RUNNING (None: no spare family configured).
+
+    Read once a run, before the plan: `_cached` checks each spare's record against them, and
+    `_stop_spare_tasks` stops those on an instance labelled with a unit. One ListTasks (DescribeTasks too when
+    spare tasks run)."""
+    if not settings.spare_task_family:
+        return None
+    return aws.running_tasks_of_family(clients.ecs, settings.cluster, settings.spare_task_family, retry)
+
+
 def _stop_spare_tasks(
-    settings: Settings, clients: Clients, labels: Mapping[str, str | None], retry: aws.Retry
+    settings: Settings, clients: Clients, tasks: Sequence[aws.RunningTask] | None,
+    labels: Mapping[str, str | None], retry: aws.Retry,
 ) -> list[str]:
     """Stop every spare task on an instance labelled with a unit, so the spare service starts one on a spare.
 
@@ -946,12 +989,9 @@ def _stop_spare_tasks(
     (unverified; nothing in the API moves one), so the controller stops it. Swept every run, not
     only in the run that relabels: a run that fails between its PutAttributes and its StopTask is
     run again with the label already written, and a spare task ECS was placing while the label
-    changed appears only later. One ListTasks a run (DescribeTasks too when spare tasks run).
+    changed (or after this run's read of the spare tasks, `_spare_tasks`) appears only later.
     """
-    if not settings.spare_task_family:
-        return []
-    tasks = aws.running_tasks_of_family(clients.ecs, settings.cluster, settings.spare_task_family, retry)
-    stray = sorted(task for task, host in tasks.items() if labels.get(host) not in (None, "", SPARE_UNIT))
+    stray = sorted(task.arn for task in tasks or () if labels.get(task.host) not in (None, "", SPARE_UNIT))
     for task in stray:
         aws.stop_task(clients.ecs, settings.cluster, task, "placement controller: this spare now belongs to a unit",
                       retry)

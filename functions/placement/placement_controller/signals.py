@@ -42,7 +42,7 @@ template version (DescribeAutoScalingGroups `Instances[].LaunchTemplate.Version`
   (`forward.py`; the task id is the last part of the awslogs stream name
   `prefix/container/task-id`,
   https://docs.aws.amazon.com/AmazonECS/latest/developerguide/using_awslogs.html), and
-  keeps it on the instance as the ECS attribute `spare-ready` (Unix seconds).
+  keeps it on the instance as the ECS attribute `spare-ready` (`SpareRecord`: Unix seconds and the task id).
 
 API fields (botocore service models elbv2 2015-12-01, autoscaling 2011-01-01, ecs
 2014-11-13, cloudformation 2010-05-15): `TargetDescription.Id` ("If the target type of the
@@ -120,6 +120,9 @@ class CellView:
     # The plan's free instances no unit needs, labelled `spare` when the cell keeps spares.
     spares: Sequence[str] = ()
     spare_nodes: int = 0
+    # The spares whose record is cached and was written by the spare task running there now (handler._cached);
+    # None: the record alone decides (`spare_ready`).
+    cached: frozenset[str] | None = None
 
 
 def current_version_instances(autoscaling: BaseClient, group: str, retry: aws.Retry) -> set[str]:
@@ -153,15 +156,45 @@ def group_updating(settings: SignalSettings, cloudformation: BaseClient, retry: 
     return detail.get("ResourceStatus") in UPDATING
 
 
+@dataclass(frozen=True)
+class SpareRecord:
+    """An instance's `spare-ready` record: `[fetching@]<time>[/<task-id>]`.
+
+    `fetching@` from the spare task's `spare_fetching` line, none from its `spare_ready` line (the model cached);
+    the time is the line's (the spare node's clock, Unix seconds). The task id names the spare task that wrote it
+    (thirty-fifth session): a record without one was written by an older controller."""
+
+    cached: bool
+    time: float
+    task: str | None = None
+
+    def encode(self) -> str:
+        return f"{'' if self.cached else FETCHING_PREFIX}{self.time:.0f}{f'/{self.task}' if self.task else ''}"
+
+
+FETCHING_PREFIX = "fetching@"
+
+
+def spare_record(value: object) -> SpareRecord | None:
+    """The record's reading, or None when there is none or it is not one."""
+    text = str(value or "")
+    body = text.removeprefix(FETCHING_PREFIX)
+    when, slash, task = body.partition("/")
+    if not when.isdigit() or (slash and not task):
+        return None
+    return SpareRecord(cached=body == text, time=float(when), task=task or None)
+
+
 def spare_ready(ci: aws.ContainerInstance) -> bool:
     """A spare whose spare task reported the model cached.
 
     The record is an attribute of this container instance, written only for a spare task
     that ran on it (DescribeTasks `containerInstanceArn`), and a new instance is a new
     container instance: the record is its own. Its time (the spare node's clock) is not
-    compared with ECS's `registeredAt`: two clocks, and nothing to gain."""
-    value = str(ci.attributes.get(SPARE_READY_ATTRIBUTE) or "")
-    return ci.attributes.get("unit") == SPARE_UNIT and value.isdigit()
+    compared with ECS's `registeredAt`: two clocks, and nothing to gain. Whether the task that wrote it is
+    still the one running there is the handler's part (`handler._cached`, `CellView.cached`)."""
+    record = spare_record(ci.attributes.get(SPARE_READY_ATTRIBUTE))
+    return ci.attributes.get("unit") == SPARE_UNIT and record is not None and record.cached
 
 
 def session_member(ci: aws.ContainerInstance, unit: str) -> bool:
@@ -207,7 +240,8 @@ def capacity_ready(view: CellView, instance_id: str) -> str | None:
     labelled = [i for i in view.spares
                 if i in view.container_instances and view.container_instances[i].attributes.get("unit") == SPARE_UNIT]
     if ci.attributes.get("unit") == SPARE_UNIT and len(labelled) <= view.spare_nodes:
-        return "a warm spare with the model cached" if spare_ready(ci) else None
+        cached = spare_ready(ci) if view.cached is None else instance_id in view.cached
+        return "a warm spare with the model cached" if cached else None
     return "free capacity no unit needs"
 
 

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from placement_controller import aws, blame, ecs_health, handler
 from placement_controller.assignment import PLACEMENT_FALLBACK, PLACEMENT_TOPOLOGY, SPARE_UNIT, unit_ids
 from placement_controller.failures import EVENT_SOURCE, Failure, QuarantinePolicy, format_times, quarantine_reason
+from placement_controller.signals import SpareRecord, spare_record
 from placement_controller.unformed import Joined, session_value
 
 ECS_NAME = re.compile(r"[A-Za-z0-9_./\\-]{1,128}")
@@ -124,3 +125,21 @@ def test_a_spare_line_whose_time_is_no_unix_time_is_ignored_not_written(when):
 
 def test_the_labels_are_values_ecs_accepts():
     assert all(accepted(v) for v in (*unit_ids(1000), SPARE_UNIT, PLACEMENT_TOPOLOGY, PLACEMENT_FALLBACK))
+
+
+@FAST
+@given(st.booleans(), st.floats(0, 2**34, exclude_max=True), st.one_of(st.text(), st.uuids().map(str),
+                                                                       st.text("0123456789abcdef", min_size=32,
+                                                                               max_size=32)))
+def test_a_spare_record_with_its_task_id_is_a_value_ecs_accepts_or_the_line_is_ignored(ready, when, task):
+    """The task id comes from the awslogs stream name (forward._spare): written only when it is one ECS takes, and
+    read back as written (signals.spare_record)."""
+    line = {"event": "spare_ready" if ready else "spare_fetching", "task_id": task, "time": when}
+    event = {"Records": [{"body": json.dumps({"source": EVENT_SOURCE, "detail": line})}]}
+    instances = [aws.ContainerInstance(f"arn:{task}", task, "ACTIVE", True, 1, 0, {})]
+    values = list(handler._launcher_records(SETTINGS, None, instances, event, aws.Retry()).values.values())
+    assert all(accepted(v) for v in values), values
+    if handler.SPARE_TASK_ID.fullmatch(task):
+        assert values and spare_record(values[0]) == SpareRecord(ready, float(f"{when:.0f}"), task)
+    else:
+        assert values == []

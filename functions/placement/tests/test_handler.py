@@ -11,6 +11,7 @@ import json
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from datetime import UTC, datetime
 
 import boto3
 import pytest
@@ -674,10 +675,10 @@ def test_a_host_failing_a_third_time_is_quarantined_and_its_unit_gets_the_neares
         ["i-0a", "i-0s", "i-0t"],
         [topo("i-0a", "t", "m1", "b1"), topo("i-0s", "t", "m1", "b1"), topo("i-0t", "t", "m2", "b7")],
     )
+    spare_tasks(cell, {"5pare": "i-0s", "5pare2": "i-0t"})  # the far spare's task stays
     cell.describe([s])
     reason = f"3 unit failures in 60 min: last member_engine_exit of u0 at {NOW - 5}"
     expect_quarantine(cell, "i-0b", f"{NOW - 5} {NOW - 100} {NOW - 900}", reason, *put("i-0s", "u0", "topology"))
-    spare_tasks(cell, {"5pare": "i-0s", "5pare2": "i-0t"})  # the far spare's task stays
     spare_task = stop_spare_task(cell, "5pare")
     cell.autoscaling.add_response(
         "set_instance_health", {},
@@ -701,10 +702,12 @@ def test_a_host_failing_a_third_time_is_quarantined_and_its_unit_gets_the_neares
     assert metrics["UnitFailuresCounted"] == 1
 
 
-def spare_tasks(cell: Cell, where: dict[str, str]) -> None:
-    """The sweep of the spare service's tasks: ListTasks (its family, desired RUNNING) and
-    DescribeTasks of what it lists; `where`: task id -> instance id."""
-    tasks = [{"taskArn": f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/{task}", "containerInstanceArn": arn(i)}
+def spare_tasks(cell: Cell, where: dict[str, str], created: dict[str, float] | None = None) -> None:
+    """The sweep of the spare service's tasks (before the plan): ListTasks (its family, desired RUNNING) and
+    DescribeTasks of what it lists; `where`: task id -> instance id, `created`: task id -> its `createdAt` (a day
+    before NOW unless given)."""
+    tasks = [{"taskArn": f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/rufus-dev/{task}", "containerInstanceArn": arn(i),
+              "createdAt": datetime.fromtimestamp((created or {}).get(task, NOW - 86400), UTC)}
              for task, i in sorted(where.items())]
     cell.ecs.add_response(
         "list_tasks", {"taskArns": [t["taskArn"] for t in tasks]},
@@ -768,10 +771,10 @@ def test_after_the_quarantine_the_replacement_becomes_the_new_spare_and_nothing_
     n = container("i-0n")
     cell.containers([a, s, b, n])
     cell.topology(["i-0a", "i-0n", "i-0s"], [topo(i, "t", "m1", "b1") for i in ("i-0a", "i-0n", "i-0s")])
+    spare_tasks(cell, {})  # the spare service has not placed one on i-0n yet
     cell.describe([n])
     spare = [{"name": "unit", "value": "spare", "targetType": "container-instance", "targetId": arn("i-0n")}]
     cell.ecs.add_response("put_attributes", {"attributes": spare}, {"cluster": CLUSTER, "attributes": spare})
-    spare_tasks(cell, {})  # the spare service has not placed one on i-0n yet
     # No SetInstanceHealth: the group already counts i-0b unhealthy; no ListTasks: ECS counts no task there.
     summary = cell.run({"source": "aws.events", "detail-type": "Scheduled Event"}, settings=SPARE_SETTINGS)
     assert summary["in_quarantine"] == ["i-0b"] and summary["quarantined"] == {}
@@ -844,10 +847,10 @@ def test_failures_below_the_limit_are_only_recorded_and_unknown_members_reported
         {"cluster": CLUSTER, "tasks": [gone_task]},
     )
     cell.topology(["i-0a", "i-0b"], [topo("i-0a", "t", "m", "b"), topo("i-0b", "t", "m", "b")])
+    spare_tasks(cell, {})
     times = [{"name": "unit-failures", "value": str(NOW - 60), "targetType": "container-instance",
               "targetId": arn("i-0b")}]
     cell.ecs.add_response("put_attributes", {"attributes": times}, {"cluster": CLUSTER, "attributes": times})
-    spare_tasks(cell, {})
     event = {"Records": [failure_record("i-0b", NOW - 60), failure_record(gone_task, NOW - 30)]}
     with cell.active():
         summary = reconcile(SPARE_SETTINGS, cell.clients, event, aws.Retry(), cell.lines.append, now=NOW)
@@ -1841,11 +1844,11 @@ def _u0_gets_a_spare_after_a_spare_line(near_record: str, line: dict, given: str
     cell = Cell()
     _two_spares_one_near(cell, near_record)
     spare_task_found(cell, "5pare3", "i-0s")
+    spare_tasks(cell, {"5pare2": "i-0t", "5pare3": "i-0s"})
     records = {"i-0s": near_record, "i-0t": f"{NOW - 3600}"}
     cell.describe([container(given, running=1, unit="spare", spare_ready=records[given])])
     writes = [spare_record("i-0s", record), *put(given, "u0", "topology")]
     cell.ecs.add_response("put_attributes", {"attributes": writes}, {"cluster": CLUSTER, "attributes": writes})
-    spare_tasks(cell, {"5pare2": "i-0t", "5pare3": "i-0s"})
     stopped = stop_spare_task(cell, {"i-0t": "5pare2", "i-0s": "5pare3"}[given])
     return cell.run({"Records": [line]}, settings=settings), stopped
 
@@ -1857,7 +1860,7 @@ def test_a_spare_whose_new_spare_task_is_fetching_again_is_not_taken_for_cached(
     thirty-third session's Left list): the line was not forwarded and the stale record made i-0s "cached" and nearer
     (old code: DescribeContainerInstances of 0s where 0t's was expected)."""
     summary, warm_task = _u0_gets_a_spare_after_a_spare_line(
-        f"{NOW - 7200}", spare_line("spare_fetching", "5pare3", NOW - 60.4), "i-0t", f"fetching@{NOW - 60}")
+        f"{NOW - 7200}", spare_line("spare_fetching", "5pare3", NOW - 60.4), "i-0t", f"fetching@{NOW - 60}/5pare3")
     assert summary["spares_assigned"] == {"i-0t": "u0"} and summary["spare_tasks_stopped"] == [warm_task]
     # The run summary does not call a spare that only started fetching ready (a cold review: it did).
     assert (summary["spares_ready"], summary["spares_fetching"]) == ([], ["i-0s"])
@@ -1868,7 +1871,7 @@ def test_a_spare_ready_line_in_the_same_batch_as_the_loss_counts_for_it():
     plans u0's lost node. The plan reads the batch's records first, so i-0s, cached now and nearer, is given (before:
     the records were read after the plan, and the farther i-0t was given)."""
     summary, warm_task = _u0_gets_a_spare_after_a_spare_line(
-        f"fetching@{NOW - 300}", spare_line("spare_ready", "5pare3", NOW - 30.2), "i-0s", f"{NOW - 30}")
+        f"fetching@{NOW - 300}", spare_line("spare_ready", "5pare3", NOW - 30.2), "i-0s", f"{NOW - 30}/5pare3")
     assert summary["spares_assigned"] == {"i-0s": "u0"} and summary["spare_tasks_stopped"] == [warm_task]
 
 
@@ -1924,10 +1927,44 @@ def test_a_unit_that_lost_a_node_gets_the_spare_with_the_model_cached_not_a_near
     cell.containers([a, s, t])
     cell.topology(["i-0a", "i-0s", "i-0t"],
                   [topo("i-0a", "t", "m1", "b1"), topo("i-0s", "t", "m1", "b1"), topo("i-0t", "t", "m2", "b7")])
+    spare_tasks(cell, {"5pare": "i-0s", "5pare2": "i-0t"})
     cell.describe([t])
     labels = put("i-0t", "u0", "topology")
     cell.ecs.add_response("put_attributes", {"attributes": labels}, {"cluster": CLUSTER, "attributes": labels})
-    spare_tasks(cell, {"5pare": "i-0s", "5pare2": "i-0t"})
     warm_task = stop_spare_task(cell, "5pare2")
     summary = cell.run({"source": "aws.events", "detail-type": "Scheduled Event"}, settings=settings)
     assert summary["spares_assigned"] == {"i-0t": "u0"} and summary["spare_tasks_stopped"] == [warm_task]
+
+
+@pytest.mark.parametrize(("near_record", "near_tasks", "given"), [
+    # A revision deploy: ECS stopped i-0s's old spare task 5pare1 and placed 5pare3, which has not logged yet.
+    (f"{NOW - 7200}/5pare1", {"5pare3": NOW - 20}, "i-0t"),
+    # The same with the record an older controller wrote (no task id): 5pare3 was created after its line.
+    (f"{NOW - 7200}", {"5pare3": NOW - 20}, "i-0t"),
+    # The old task stopped, the new one not placed yet (or it failed before it logged and is not running).
+    (f"{NOW - 7200}", {}, "i-0t"),
+    (f"{NOW - 7200}/5pare1", {}, "i-0t"),
+    # The record's own task still runs there: cached, and nearer.
+    (f"{NOW - 7200}/5pare3", {"5pare3": NOW - 9000}, "i-0s"),
+    # An older controller's record whose task may have written it (created before the line): still read as cached.
+    (f"{NOW - 7200}", {"5pare3": NOW - 9000}, "i-0s"),
+])
+def test_a_spares_cached_record_counts_only_while_the_spare_task_that_wrote_it_runs_there(near_record, near_tasks,
+                                                                                          given):
+    """helper-206's review: a spare's record still said "cached" between its old spare task's stop and the new
+    task's first `spare_fetching` line (placement, image pull, start, delivery), or for good when the new task failed
+    before it logged; u0, which lost i-0b, got the nearer i-0s, whose cache holds the old revision's model, and
+    waited for its download instead of taking the farther i-0t, cached by its running task 5pare2. Seen failing on
+    the old controller (its sweep of the spare tasks after the writes, main's order of calls):
+    DescribeContainerInstances of 0s where 0t's was expected."""
+    settings = dataclasses.replace(SPARE_SETTINGS, spare_nodes=2)
+    cell = Cell()
+    _two_spares_one_near(cell, near_record)
+    spare_tasks(cell, {"5pare2": "i-0t", **{task: "i-0s" for task in near_tasks}}, created=near_tasks)
+    records = {"i-0s": near_record, "i-0t": f"{NOW - 3600}"}
+    cell.describe([container(given, running=1, unit="spare", spare_ready=records[given])])
+    labels = put(given, "u0", "topology")
+    cell.ecs.add_response("put_attributes", {"attributes": labels}, {"cluster": CLUSTER, "attributes": labels})
+    warm_task = stop_spare_task(cell, {"i-0t": "5pare2", "i-0s": "5pare3"}[given])
+    summary = cell.run({"source": "aws.events", "detail-type": "Scheduled Event"}, settings=settings)
+    assert summary["spares_assigned"] == {given: "u0"} and summary["spare_tasks_stopped"] == [warm_task]

@@ -120,7 +120,8 @@ class Cell:
         arns = [task_arn(name) for name, _ in placed]
         self.stubs["ecs"].add_response("list_tasks", {"taskArns": arns}, {
             "cluster": CLUSTER, "family": WITH_SPARE.spare_task_family, "desiredStatus": "RUNNING", "maxResults": 100})
-        self.tasks(*placed)
+        if placed:
+            self.tasks(*placed)
 
     def signal(self, instance: str) -> None:
         self.stubs["cloudformation"].add_response("signal_resource", {}, {
@@ -245,8 +246,8 @@ def test_a_new_instance_that_became_the_spare_is_signalled_once_its_spare_task_h
                      container("i-n", NOW - 1200, unit="spare")])
     cell.topology(["i-a", "i-n", "i-s"])
     cell.tasks(("5pare", "i-n"), by_id=True)
-    cell.put(("i-n", "spare-ready", str(NOW - 60)))
-    cell.spare_tasks(("5pare", "i-n"))  # on the spare: stays
+    cell.spare_tasks(("5pare", "i-n"))  # on the spare: stays (read before the plan)
+    cell.put(("i-n", "spare-ready", f"{NOW - 60}/5pare"))
     cell.updating()
     cell.healthy("i-a")  # u0, which took the old spare i-s, serves again
     cell.signal("i-n")
@@ -270,12 +271,11 @@ def test_a_new_instance_made_the_spare_in_this_run_waits_for_its_spare_ready():
                                unit_session=session),
                      {**container("i-n", NOW - 60), "runningTasksCount": 0}])
     cell.topology(["i-a", "i-n", "i-s"])
+    cell.spare_tasks()  # read before the plan
     fresh = {**container("i-n", NOW - 60), "runningTasksCount": 0}  # the re-read before its label is written
     cell.stubs["ecs"].add_response("describe_container_instances", {"containerInstances": [fresh], "failures": []},
                                    {"cluster": CLUSTER, "containerInstances": [arn("i-n")]})
     cell.put(("i-n", "unit", "spare"))
-    cell.stubs["ecs"].add_response("list_tasks", {"taskArns": []}, {
-        "cluster": CLUSTER, "family": WITH_SPARE.spare_task_family, "desiredStatus": "RUNNING", "maxResults": 100})
     cell.updating()
     cell.healthy("i-a")
     summary = cell.run(WITH_SPARE)
@@ -475,3 +475,22 @@ def test_a_spare_given_to_a_unit_while_still_fetching_must_form_with_it_before_a
     formed = {**fetching, "unit-session": "u0@60"}
     assert list(signals.ready_instances(settings, view(formed), {"i-n"}, None, None,
                                         healthy=lambda: {"i-a"})) == ["i-n"]
+
+
+@pytest.mark.parametrize(("running", "signalled"), [("5pare", ["i-n"]), ("5pare2", [])])
+def test_a_new_spare_is_signalled_only_by_the_record_of_the_spare_task_running_there(running, signalled):
+    """i-n, the new spare, carries `<time>/5pare`: signalled while 5pare runs there; once ECS replaced it by 5pare2
+    (a revision deploy, a restart) that has not logged yet, its model for the new task is not known cached."""
+    cell = Cell()
+    cell.group("3", {"i-a": "2", "i-s": "2", "i-n": "3"})
+    cell.containers([container("i-a", NOW - 86400, unit="u0", unit_placement="topology"),
+                     container("i-s", NOW - 86400, unit="u0", unit_placement="topology"),
+                     container("i-n", NOW - 1200, unit="spare", spare_ready=f"{NOW - 60}/5pare")])
+    cell.topology(["i-a", "i-n", "i-s"])
+    cell.spare_tasks((running, "i-n"))
+    cell.updating()
+    cell.healthy("i-a")
+    for instance in signalled:
+        cell.signal(instance)
+    assert cell.run(WITH_SPARE)["signalled"] == signalled
+    cell.done(unused=() if signalled else ("elbv2",))  # no instance ready: the target health is not read
