@@ -590,8 +590,9 @@ def test_the_served_latch_is_kept_while_the_stack_is_busy_as_the_autoscaler_keep
 
 
 def test_a_bad_host_whose_unit_clocks_are_behind_is_still_quarantined():
-    """Both instances 50 min behind, then one is a bad host: the controller counts each failure at the launcher's
-    ended_at bounded by the forwarder's clock (failures.counted_time), so the three failures stay in one window and
+    """Both instances 50 min behind, then one is a bad host: the controller trusts the launcher's ended_at only within
+    a band of the forwarder's clock (failures.counted_time); 50 min behind is out of it, each failure counts 5 min
+    before it was forwarded, so the three failures stay in one window and
     the host is quarantined in every seed, with bad-host.yaml's figures. Until the thirty-fifth session a known gap,
     a strict xfail that turned XPASS with this change (seen)."""
     doc = run("clock-behind-bad-host.yaml", seeds=3)

@@ -5,11 +5,12 @@ launcher's `unit_session_end` and `unit_session_formed` lines and the spare role
 `spare_fetching` and `spare_ready` lines (CloudWatch Logs sends them base64-encoded and gzipped, https://docs.aws.amazon.com/AmazonCloudWatch/latest/logs/SubscriptionFilters.html#LambdaFunctionExample).
 This path only enqueues: each event becomes one message of the trigger queue's single
 message group, so the quarantine is decided by a normal, serialised run and never
-overlaps with another. The log event id is the deduplication id: a subscription that
-delivers a batch twice within five minutes enqueues it once. A session end carries the time
-it was forwarded (`forwarded_at`, this function's clock, not the launcher's): the controller
-bounds the launcher's `ended_at` by it (failures.counted_time), and in the body it stays the
-same when the trigger queue retries the batch or its dead letters are redriven.
+overlaps with another. The log event id is the deduplication id (else the body's hash without
+`forwarded_at`): a subscription that delivers a batch twice within five minutes enqueues it once.
+A session end carries the time it was forwarded (`forwarded_at`, this function's clock, not the
+launcher's): the controller trusts the launcher's `ended_at` only within a band before it
+(failures.counted_time), and in the body it stays the same when the trigger queue retries the
+batch or its dead letters are redriven.
 """
 
 from __future__ import annotations
@@ -123,15 +124,23 @@ def forward(event: Mapping[str, Any], sqs: BaseClient, queue_url: str, retry: aw
         message = trigger_message(log_event, forwarded_at)
         if message is None:
             continue
-        body = json.dumps(message, sort_keys=True)
         retry.call(
             sqs.send_message,
             QueueUrl=queue_url,
-            MessageBody=body,
+            MessageBody=json.dumps(message, sort_keys=True),
             MessageGroupId=MESSAGE_GROUP,
-            # At most 128 characters; a CloudWatch log event id is a 56-digit number.
-            MessageDeduplicationId=(message["id"] or hashlib.sha256(body.encode()).hexdigest())[:128],
+            MessageDeduplicationId=deduplication_id(message),
         )
         sent += 1
     LOG.info("forwarded %d unit session ends and spare reports to the trigger queue", sent)
     return {"forwarded": sent}
+
+
+def deduplication_id(message: Mapping[str, Any]) -> str:
+    """The log event id, else the SHA-256 of the body as the line gave it: without `forwarded_at`,
+    which differs between a delivery and its retry a minute later, the one the FIFO queue's 5 min
+    deduplication is there to drop. At most 128 characters; a CloudWatch log event id is a 56-digit number."""
+    if message["id"]:
+        return str(message["id"])[:128]
+    detail = {k: v for k, v in message["detail"].items() if k != "forwarded_at"}
+    return hashlib.sha256(json.dumps({**message, "detail": detail}, sort_keys=True).encode()).hexdigest()

@@ -315,7 +315,7 @@ def _quarantine(
     group: Mapping[str, aws.GroupInstance],
     healthy: Callable[[], set[str]],
 ) -> QuarantineStep:
-    failures = failures_from_records(signals.records(event), now) + start_failures
+    failures = failures_from_records(signals.records(event)) + start_failures
     by_instance = {ci.ec2_instance_id: ci for ci in container_instances}
     return quarantine_step(
         settings.quarantine,

@@ -66,7 +66,7 @@ class Controller:
             for i in self.instances
         ]
         hosts = {task(i): f"arn:ci/{i}" for i in self.instances}
-        step = quarantine_step(self.policy, cis, failures_from_records(records, now),
+        step = quarantine_step(self.policy, cis, failures_from_records(records),
                                lambda tasks: {t: hosts[t] for t in tasks if t in hosts}, now)
         accusations = getattr(step, "accusations", {})
         for name, values in ((FAILURES_ATTRIBUTE, step.failure_times), (ACCUSED_ATTRIBUTE, accusations),

@@ -176,7 +176,7 @@ def test_which_session_ends_implicate_a_member():
     assert failure_from_event(_event(ended_by=None)) is None
     assert failure_from_event(_event(ended_at="soon")) is None
     records = [{"source": "unit-launcher", "detail": _event()}] * 2 + [{"source": "aws.ecs", "detail": {}}]
-    assert len(failures_from_records(records, NOW)) == 1
+    assert len(failures_from_records(records)) == 1
 
 
 @FAST

@@ -909,10 +909,46 @@ def test_a_log_delivery_is_only_enqueued(monkeypatch):
     # The forwarder's own clock goes along: the controller bounds the launcher's ended_at by it (counted_time).
     assert before <= body["detail"]["forwarded_at"] <= after
     # What the next run reads back from the queue.
-    [failure] = failures.failures_from_records(handler.signals.records({"Records": [{"body": sent[0]}]}), NOW)
+    [failure] = failures.failures_from_records(handler.signals.records({"Records": [{"body": sent[0]}]}))
     assert (failure.suspect, failure.cause, failure.unit) == (TASK_B, "step_timeout", "u0")
     # Who wrote it goes along (the leader, rank 0): the quarantine reads both sides of a session.
     assert body["detail"]["members"][0] == {"rank": 0, "instance_id": TASK_A} and failure.accuser == TASK_A
+
+
+def test_the_fallback_deduplication_id_does_not_change_with_the_forwarders_clock(monkeypatch):
+    """MessageDeduplicationId is the log event id, else the SHA-256 of the body. 786e870 put `forwarded_at` (the
+    invocation's clock) in that body, so a delivery retried a minute later (Lambda's asynchronous retry after a
+    partial send) got another hash and was enqueued twice, inside the 5 min window meant to drop it. The hash leaves
+    `forwarded_at` out; another line still gets another id. CloudWatch Logs gives every event an id: the fallback
+    is for one that has none."""
+    import base64
+    import gzip
+
+    from placement_controller import forward
+
+    def delivery(session: str) -> dict:
+        line = {"event": "unit_session_end", "unit_id": "u0", "session_id": session, "cause": "step_timeout",
+                "ended_by": {"rank": 1, "instance_id": TASK_B}, "ended_at": NOW, "members": []}
+        payload = {"messageType": "DATA_MESSAGE", "logGroup": "g", "logStream": "u0/inference/abc",
+                   "logEvents": [{"timestamp": 1, "message": json.dumps(line)}]}
+        return {"awslogs": {"data": base64.b64encode(gzip.compress(json.dumps(payload).encode())).decode()}}
+
+    sqs = boto3.client("sqs", region_name=REGION, config=Config(signature_version=UNSIGNED))
+    queue = f"https://sqs.{REGION}.amazonaws.com/{ACCOUNT}/placement-triggers.fifo"
+    ids: list[str] = []
+    original = sqs.send_message
+    monkeypatch.setattr(sqs, "send_message", lambda **kw: (ids.append(kw["MessageDeduplicationId"]), original(**kw))[1])
+    with Stubber(sqs) as stub:
+        for _ in range(3):
+            stub.add_response("send_message", {"MessageId": "m", "MD5OfMessageBody": "x"},
+                              {"QueueUrl": queue, "MessageBody": ANY, "MessageGroupId": "cell",
+                               "MessageDeduplicationId": ANY})
+        # The invocation, Lambda's first asynchronous retry a minute later, then another session's line.
+        for at, session in ((NOW, "s1"), (NOW + 60, "s1"), (NOW + 60, "s2")):
+            monkeypatch.setattr(time, "time", lambda at=at: float(at))
+            forward.forward(delivery(session), sqs, queue, aws.Retry())
+        stub.assert_no_pending_responses()
+    assert ids[0] == ids[1] != ids[2], ids
 
 
 def test_settings_read_quarantine_and_spares_with_defaults():
