@@ -860,9 +860,15 @@ class Cell:
         (forward.trigger_message: what it keeps of a line is what the controller sees)."""
         self._log_seq += 1
         stream = f"sim/launcher/{detail.get('task_id') or 'unit'}"  # a spare's task id is its stream's last part
-        record = forward.trigger_message({"id": str(self._log_seq), "message": json.dumps(detail), "logStream": stream})
+        log_event = {"id": str(self._log_seq), "message": json.dumps(detail), "logStream": stream}
+        if forward.trigger_message(log_event) is not None:
+            self.at(self.now + self.vary("log_delivery", rng), self._forwarded, log_event)
+
+    def _forwarded(self, log_event: dict[str, Any]) -> None:
+        """The forwarder's message of a line as it reaches the queue, stamped with its clock (a correct one)."""
+        record = forward.trigger_message(log_event, forwarded_at=self.wall())
         if record is not None:
-            self.at(self.now + self.vary("log_delivery", rng), self.trigger_controller, record)
+            self.trigger_controller(record)
 
     def trigger_controller(self, record: dict[str, Any]) -> None:
         self.pending_records.append(record)

@@ -12,8 +12,13 @@ The failure times of an instance are kept on the instance itself, in the ECS att
 `unit-failures` (Unix seconds separated by spaces): the controller already reads and
 writes its container instances' attributes, runs are serialised by the FIFO queue (no
 lost update), and the record goes with the instance when it leaves (a replacement starts
-clean). A failure's time is the session's own `ended_at`, not the time the controller
-sees it, so a batch that is delivered twice counts once: times are a set.
+clean). A failure's time is the session's own `ended_at` when the forwarder enqueued the report
+at most LATE_SECONDS after it and not more than EARLY_SECONDS before it (`forwarded_at`, stamped
+on the function's clock; `counted_time`); a time outside that band is a launcher clock ahead or behind (or a
+delivery that late) and counts at a bound of `forwarded_at`. Both inputs travel in the message
+body, so a batch retried or redriven computes the same time again, and a log line forwarded
+twice within the band gives the same time twice: times are a set, and it counts once
+(docs/placement.md, "The time a failure counts at", with the one case that counts twice).
 """
 
 from __future__ import annotations
@@ -103,6 +108,23 @@ ATTRIBUTE_VALUE_LIMIT = 128
 # https://docs.aws.amazon.com/lambda/latest/dg/invocation-async-error-handling.html) and a
 # sweep period (5 min).
 SETTLE_SECONDS = 600
+# How long after a session's end its report may reach the forwarder and still count at the
+# launcher's own `ended_at`: CloudWatch Logs' delivery is near real time, the forwarder's quick
+# asynchronous retries take 1 + 2 min, and a skew of up to 30 min held in the simulation
+# (docs/simulation.md). Inside this band every copy of a log line, forwarded at any time within
+# it, counts at the same second (a set of times holds it once); a wider band would trust clocks
+# further behind, a narrower one would give two copies of a late-ish line two times.
+LATE_SECONDS = 900
+# How far after `forwarded_at` an `ended_at` may be and still count as given: clocks that agree to
+# a second or so (the Amazon Time Sync Service) and a delivery faster than their difference, or the
+# forwarder's time cut to whole seconds, put a sane clock's `ended_at` a second or two after it;
+# counted at `forwarded_at`, two copies of that line forwarded apart would count at two times.
+EARLY_SECONDS = 60
+# Where an `ended_at` further behind than LATE_SECONDS counts: this long before `forwarded_at`.
+# Half of SETTLE_SECONDS, so that an accusation counted there still waits as long after its own
+# arrival as the other side's report may take to arrive after the session's end
+# (docs/placement.md, "The time a failure counts at").
+DELIVERY_SECONDS = SETTLE_SECONDS // 2
 _NOT_IN_VALUE = re.compile(r"[^A-Za-z0-9_.@/\\: -]+")
 
 
@@ -131,8 +153,32 @@ class QuarantinePolicy:
     max_instances: int = 1
 
 
+def counted_time(reported: int, forwarded_at: int) -> int:
+    """The time a reported failure counts at: its `ended_at` when in the band from LATE_SECONDS
+    before `forwarded_at` (the forwarder's clock when it enqueued the report) to EARLY_SECONDS
+    after it; `forwarded_at` when later (a clock ahead: in view past its window, an accusation that
+    never settles); `forwarded_at - DELIVERY_SECONDS` when earlier (a clock behind: aged out before
+    the failures that follow it, the simulation's clock-behind-bad-host)."""
+    if reported > forwarded_at + EARLY_SECONDS:
+        return forwarded_at
+    if reported < forwarded_at - LATE_SECONDS:
+        return forwarded_at - DELIVERY_SECONDS
+    return reported
+
+
+def _forwarded_at(event: Mapping[str, Any]) -> int | None:
+    """The forwarder's stamp, or None: a report enqueued before the forwarder stamped them counts at
+    its own `ended_at`, as it did then (the run's clock would move a redriven one to the redrive)."""
+    try:
+        return int(float(event["forwarded_at"]))
+    except (KeyError, TypeError, ValueError, OverflowError):
+        return None
+
+
 def failure_from_event(event: Mapping[str, Any]) -> Failure | None:
-    """The failure a session-end event reports, or None when it implicates no member."""
+    """The failure a session-end event reports, or None when it implicates no member.
+
+    Its `ended_at` is the time it counts at (`counted_time`, when the event says when it was forwarded)."""
     if event.get("event") != "unit_session_end":
         return None
     cause = str(event.get("cause") or "")
@@ -145,8 +191,10 @@ def failure_from_event(event: Mapping[str, Any]) -> Failure | None:
         return None
     try:
         ended_at = int(float(event.get("ended_at")))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
+    if (forwarded_at := _forwarded_at(event)) is not None:
+        ended_at = counted_time(ended_at, forwarded_at)
     return Failure(
         unit=str(event.get("unit_id") or ""),
         session_id=str(event.get("session_id") or ""),
@@ -171,7 +219,8 @@ def reporter(event: Mapping[str, Any]) -> str:
 
 
 def failures_from_records(records: Iterable[Mapping[str, Any]]) -> list[Failure]:
-    """The failures among the trigger records (other records are EventBridge events).
+    """The failures among the trigger records (other records are EventBridge events), each at the
+    time it counts at (`counted_time`).
 
     One per report: both sides' reports of one session are kept (the leader's and its rank 1
     follower's), since `blame` reads them together; a report delivered twice counts once."""
@@ -207,8 +256,11 @@ def recent(times: Iterable[int], now: float, policy: QuarantinePolicy) -> list[i
 
     An accusation counts only once settled (SETTLE_SECONDS after its session ended),
     so the times are kept that much longer than the window; whether K of them fall in one
-    window is `reaches_quarantine`'s question, measured between the failures themselves."""
-    return sorted((t for t in set(times) if now - t < policy.window_seconds + SETTLE_SECONDS), reverse=True)
+    window is `reaches_quarantine`'s question, measured between the failures themselves. Each
+    failure given counts, also two at the same second: an instance's own times are a set already
+    (a report delivered twice counts once), and two accusations of different sessions counted at the
+    same second (`counted_time`) are two failures."""
+    return sorted((t for t in times if now - t < policy.window_seconds + SETTLE_SECONDS), reverse=True)
 
 
 def reaches_quarantine(times: Iterable[int], now: float, policy: QuarantinePolicy) -> bool:

@@ -5,8 +5,12 @@ launcher's `unit_session_end` and `unit_session_formed` lines and the spare role
 `spare_fetching` and `spare_ready` lines (CloudWatch Logs sends them base64-encoded and gzipped, https://docs.aws.amazon.com/AmazonCloudWatch/latest/logs/SubscriptionFilters.html#LambdaFunctionExample).
 This path only enqueues: each event becomes one message of the trigger queue's single
 message group, so the quarantine is decided by a normal, serialised run and never
-overlaps with another. The log event id is the deduplication id: a subscription that
-delivers a batch twice within five minutes enqueues it once.
+overlaps with another. The log event id is the deduplication id (else the body's hash without
+`forwarded_at`): a subscription that delivers a batch twice within five minutes enqueues it once.
+A session end carries the time it was forwarded (`forwarded_at`, this function's clock, not the
+launcher's): the controller trusts the launcher's `ended_at` only within a band before it
+(failures.counted_time), and in the body it stays the same when the trigger queue retries the
+batch or its dead letters are redriven.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import gzip
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -77,8 +82,10 @@ def _members(document: Mapping[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def trigger_message(log_event: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The trigger-queue message of one log line, or None when it is none of the launcher's events."""
+def trigger_message(log_event: Mapping[str, Any], forwarded_at: float | None = None) -> dict[str, Any] | None:
+    """The trigger-queue message of one log line, or None when it is none of the launcher's events.
+
+    A session end gets `forwarded_at` (whole Unix seconds) when given: `forward` gives its own clock."""
     try:
         document = json.loads(str(log_event.get("message", "")))
     except ValueError:
@@ -99,6 +106,8 @@ def trigger_message(log_event: Mapping[str, Any]) -> dict[str, Any] | None:
     # sides' reports of a session together (placement_controller/blame.py).
     detail["members"] = _members(document)
     detail["reason"] = str(document.get("reason") or "")[:REASON_LIMIT]
+    if forwarded_at is not None:
+        detail["forwarded_at"] = int(forwarded_at)
     return {
         "source": EVENT_SOURCE,
         "detail-type": EVENT_DETAIL_TYPE,
@@ -110,19 +119,28 @@ def trigger_message(log_event: Mapping[str, Any]) -> dict[str, Any] | None:
 def forward(event: Mapping[str, Any], sqs: BaseClient, queue_url: str, retry: aws.Retry) -> dict[str, Any]:
     """Enqueue every session end of the delivery; returns how many."""
     sent = 0
+    forwarded_at = time.time()
     for log_event in log_events(event):
-        message = trigger_message(log_event)
+        message = trigger_message(log_event, forwarded_at)
         if message is None:
             continue
-        body = json.dumps(message, sort_keys=True)
         retry.call(
             sqs.send_message,
             QueueUrl=queue_url,
-            MessageBody=body,
+            MessageBody=json.dumps(message, sort_keys=True),
             MessageGroupId=MESSAGE_GROUP,
-            # At most 128 characters; a CloudWatch log event id is a 56-digit number.
-            MessageDeduplicationId=(message["id"] or hashlib.sha256(body.encode()).hexdigest())[:128],
+            MessageDeduplicationId=deduplication_id(message),
         )
         sent += 1
     LOG.info("forwarded %d unit session ends and spare reports to the trigger queue", sent)
     return {"forwarded": sent}
+
+
+def deduplication_id(message: Mapping[str, Any]) -> str:
+    """The log event id, else the SHA-256 of the body as the line gave it: without `forwarded_at`,
+    which differs between a delivery and its retry a minute later, the one the FIFO queue's 5 min
+    deduplication is there to drop. At most 128 characters; a CloudWatch log event id is a 56-digit number."""
+    if message["id"]:
+        return str(message["id"])[:128]
+    detail = {k: v for k, v in message["detail"].items() if k != "forwarded_at"}
+    return hashlib.sha256(json.dumps({**message, "detail": detail}, sort_keys=True).encode()).hexdigest()

@@ -76,9 +76,13 @@ class Controller:
         self.quarantined += [(now, i) for i in step.quarantined_now]
 
     def replay(self, deliveries: list[tuple[float, dict]], batches: list[bool], sweeps: list[float]) -> None:
-        """Deliveries in time order; `batches[k]` joins delivery k to the previous run's batch."""
+        """Deliveries in time order; `batches[k]` joins delivery k to the previous run's batch.
+
+        Each report carries the time it was delivered as the forwarder's `forwarded_at` (forward.py stamps it; the
+        controller bounds `ended_at` by it, failures.counted_time; a controller before that ignores it)."""
         runs: list[tuple[float, list[dict]]] = []
-        for k, (at, record) in enumerate(sorted(deliveries, key=lambda d: d[0])):
+        for k, (at, sent) in enumerate(sorted(deliveries, key=lambda d: d[0])):
+            record = {**sent, "detail": {**sent["detail"], "forwarded_at": int(at)}}
             if runs and k < len(batches) and batches[k]:
                 runs[-1] = (at, [*runs[-1][1], record])  # the batch runs once its last message is in
             else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from datetime import UTC, datetime
@@ -872,6 +873,7 @@ def test_a_log_delivery_is_only_enqueued(monkeypatch):
 
     line = {"event": "unit_session_end", "unit_id": "u0", "session_id": "s9", "cause": "step_timeout",
             "ended_by": {"rank": 2, "address": "10.0.0.12", "instance_id": TASK_B}, "ended_at": NOW,
+            "forwarded_at": 1,  # the launcher's word for it does not count: the forwarder's clock does
             "log_tail": ["x" * 1000] * 50, "_aws": {"CloudWatchMetrics": []}, "reason": "r" * 2000,
             "members": [{"rank": 0, "address": "10.0.0.10", "instance_id": TASK_A, "heartbeat_age": 0.0},
                         {"rank": 2, "address": "10.0.0.12", "instance_id": TASK_B, "heartbeat_age": 31.0}]}
@@ -898,15 +900,55 @@ def test_a_log_delivery_is_only_enqueued(monkeypatch):
         monkeypatch.setattr(sqs, "send_message", lambda **kw: (sent.append(kw["MessageBody"]), original(**kw))[1])
         monkeypatch.setenv("TRIGGER_QUEUE_URL", queue)
         monkeypatch.setattr(handler, "_clients", lambda: Clients(ec2=None, ecs=None, autoscaling=None, sqs=sqs))
+        before = int(time.time())
         assert handler.handler(event, None) == {"forwarded": 1}
+        after = time.time()
         stub.assert_no_pending_responses()
     body = json.loads(sent[0])
     assert "log_tail" not in body["detail"] and len(body["detail"]["reason"]) == 500
+    # The forwarder's own clock goes along: the controller bounds the launcher's ended_at by it (counted_time).
+    assert before <= body["detail"]["forwarded_at"] <= after
     # What the next run reads back from the queue.
     [failure] = failures.failures_from_records(handler.signals.records({"Records": [{"body": sent[0]}]}))
     assert (failure.suspect, failure.cause, failure.unit) == (TASK_B, "step_timeout", "u0")
     # Who wrote it goes along (the leader, rank 0): the quarantine reads both sides of a session.
     assert body["detail"]["members"][0] == {"rank": 0, "instance_id": TASK_A} and failure.accuser == TASK_A
+
+
+def test_the_fallback_deduplication_id_does_not_change_with_the_forwarders_clock(monkeypatch):
+    """MessageDeduplicationId is the log event id, else the SHA-256 of the body. 786e870 put `forwarded_at` (the
+    invocation's clock) in that body, so a delivery retried a minute later (Lambda's asynchronous retry after a
+    partial send) got another hash and was enqueued twice, inside the 5 min window meant to drop it. The hash leaves
+    `forwarded_at` out; another line still gets another id. CloudWatch Logs gives every event an id: the fallback
+    is for one that has none."""
+    import base64
+    import gzip
+
+    from placement_controller import forward
+
+    def delivery(session: str) -> dict:
+        line = {"event": "unit_session_end", "unit_id": "u0", "session_id": session, "cause": "step_timeout",
+                "ended_by": {"rank": 1, "instance_id": TASK_B}, "ended_at": NOW, "members": []}
+        payload = {"messageType": "DATA_MESSAGE", "logGroup": "g", "logStream": "u0/inference/abc",
+                   "logEvents": [{"timestamp": 1, "message": json.dumps(line)}]}
+        return {"awslogs": {"data": base64.b64encode(gzip.compress(json.dumps(payload).encode())).decode()}}
+
+    sqs = boto3.client("sqs", region_name=REGION, config=Config(signature_version=UNSIGNED))
+    queue = f"https://sqs.{REGION}.amazonaws.com/{ACCOUNT}/placement-triggers.fifo"
+    ids: list[str] = []
+    original = sqs.send_message
+    monkeypatch.setattr(sqs, "send_message", lambda **kw: (ids.append(kw["MessageDeduplicationId"]), original(**kw))[1])
+    with Stubber(sqs) as stub:
+        for _ in range(3):
+            stub.add_response("send_message", {"MessageId": "m", "MD5OfMessageBody": "x"},
+                              {"QueueUrl": queue, "MessageBody": ANY, "MessageGroupId": "cell",
+                               "MessageDeduplicationId": ANY})
+        # The invocation, Lambda's first asynchronous retry a minute later, then another session's line.
+        for at, session in ((NOW, "s1"), (NOW + 60, "s1"), (NOW + 60, "s2")):
+            monkeypatch.setattr(time, "time", lambda at=at: float(at))
+            forward.forward(delivery(session), sqs, queue, aws.Retry())
+        stub.assert_no_pending_responses()
+    assert ids[0] == ids[1] != ids[2], ids
 
 
 def test_settings_read_quarantine_and_spares_with_defaults():
