@@ -11,11 +11,13 @@ import json
 import os
 import re
 import signal
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+from unit_proxy.runtime_api import RuntimeApi
 
 from .conftest import FakeEngine, FakeLauncher, wait_until
 from .test_drain import ProxyURL, _is, health, proxy_process
@@ -250,3 +252,18 @@ def _sample(text: str, name: str) -> float:
     match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
     assert match, f"{name} not in /metrics"
     return float(match.group(1))
+
+
+async def test_health_is_503_while_haproxy_counts_the_agent_down(engine: FakeEngine, launcher: FakeLauncher):
+    """HAProxy's check of the agent's /gate down (here forced: `set server ... state maint`; on a
+    starved machine, `fall` checks over `timeout check`) closes the data path: /health must say so."""
+    runtime_dir = tempfile.mkdtemp(prefix="up-gate-")
+    async with proxy_process(engine, launcher, RUNTIME_DIR=runtime_dir, **STEADY) as (url, _proc), fresh() as session:
+        await wait_until(lambda: _is(health(session, url), 200), timeout=20, what="the proxy to be healthy")
+        runtime = RuntimeApi(str(Path(runtime_dir) / "admin.sock"))
+        await runtime.command("set server agent_gate/agent state maint")
+        async with session.get(f"{url}/v1/models") as resp:
+            assert resp.status == 503 and "agent is not answering" in await resp.text()
+        assert await health(session, url) == 503
+        await runtime.command("set server agent_gate/agent state ready")
+        await wait_until(lambda: _is(health(session, url), 200), timeout=5, what="/health 200 again")
