@@ -1,6 +1,7 @@
 """REVIEW (cold review of 47b35ad/71b50cc, thirty-fifth session): stops during the launcher's start-up.
 
-Each test here names a defect the review found in the fix and FAILS on main (xfail strict, reason "REVIEW ...").
+Each test here names a defect the review found in the fix; each failed so on 71b50cc (xfail strict there), and
+passes since the fix (branch fix-early-review: triton_env, identity via runner._start_up_pause, spare.SignalStop).
 Real launcher processes (`unit_nodes`) where the launcher's behaviour is at stake; triton_env in-process where
 only the probe's wait is.
 """
