@@ -1,4 +1,4 @@
-"""REVIEW (cold review of 47b35ad/71b50cc, thirty-fifth session): stops during the launcher's start-up.
+"""Stops during the launcher's start-up that a cold review of the early-signal fix found (thirty-fifth session).
 
 Each test here names a defect the review found in the fix; each failed so on 71b50cc (xfail strict there), and
 passes since the fix (branch fix-early-review: triton_env, identity via runner._start_up_pause, spare.SignalStop).
