@@ -20,6 +20,7 @@ class _Stopped:
     def __init__(self) -> None:
         self.stop = asyncio.Event()
         self.stop.set()
+        self.name = "SIGTERM"
 
 
 async def test_a_follower_whose_engine_exits_while_the_leader_stops_on_purpose_is_not_blamed(tmp_path, h):

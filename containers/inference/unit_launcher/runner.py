@@ -235,6 +235,7 @@ class _Signals:
     def __init__(self) -> None:
         self.stop = asyncio.Event()
         self.task_stopping = asyncio.Event()
+        self.name = "SIGTERM"  # the stop signal's, for records and logs: the first one received
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
@@ -245,7 +246,8 @@ class _Signals:
 
     def _on_signal(self, sig: int) -> None:
         if not self.stop.is_set():
-            log.info("received %s: stopping", signal.Signals(sig).name)
+            self.name = signal.Signals(sig).name
+            log.info("received %s: stopping", self.name)
         self.stop.set()
 
     def _on_task_stopping(self) -> None:
@@ -262,7 +264,7 @@ class _Signals:
 
     def why(self) -> str:
         """Which stop came, for a follower's record of a stop before it joined."""
-        return "SIGTERM" if self.stop.is_set() else "SIGUSR1 (its task is stopping)"
+        return self.name if self.stop.is_set() else "SIGUSR1 (its task is stopping)"
 
     def close(self) -> None:
         self._unsubscribe()
@@ -379,7 +381,7 @@ async def _fetch_own(spec: UnitSpec, session: rendezvous.LeaderSession, signals:
         if fetch is not None:
             await fetch.stop()
         when = "while it fetched its artifacts" if fetch is not None else "before it fetched its artifacts"
-        session.end(f"leader received SIGTERM {when}", deliberate=True)
+        session.end(f"leader received {signals.name} {when}", deliberate=True)
         return 0
     error = fetch.error()
     if error is not None:
@@ -544,7 +546,7 @@ async def _serve_until_end(
     if signals.stop.is_set():
         session.stop_requested = True  # a step cut short by the stop is not a lost unit
         status = await engine.stop(spec.engine.stop_timeout_seconds) or 0
-        session.end("leader received SIGTERM", deliberate=True)
+        session.end(f"leader received {signals.name}", deliberate=True)
         return status
     if session.deliberate_end:
         # A stopping follower asked the unit to drain, and it has (member_stopping): the
@@ -1043,7 +1045,7 @@ async def _get_ready(
         if readiness.go.is_set() and not signals.stop.is_set() and not beats.done():
             return None
     if signals.stop.is_set():
-        why = "follower received SIGTERM before its engine started"
+        why = f"follower received {signals.name} before its engine started"
         await rendezvous.leave(http, spec, release, me.instance_id, why, {"deliberate": True})
         _follower_record(spec, release, "deliberate_stop", why, None)
         log.info("%s", why)
@@ -1093,7 +1095,7 @@ async def _run_engine(
             return await _engine_exited(http, spec, me, release, crash, beats, step_dir)
         if signals.stop.is_set():
             await rendezvous.leave(
-                http, spec, release, me.instance_id, "follower received SIGTERM", {"deliberate": True}
+                http, spec, release, me.instance_id, f"follower received {signals.name}", {"deliberate": True}
             )
             return await engine.stop(spec.engine.stop_timeout_seconds) or 0
         ended = beats.result()
@@ -1120,15 +1122,28 @@ def _self_check(spec: UnitSpec, role: str, me: Identity, env: Mapping[str, str])
         log.warning("self-check %s failed: %s (expected %s)", check.name, check.measured, check.expected)
 
 
+def _start_up_pause(role: str) -> Callable[[float], bool]:
+    """The start-up waits' pause: ends on a recorded stop signal and, for a follower, on SIGUSR1 too (its task
+    is stopping: a stop before it joined, docs/contracts.md; the metadata reads read on ~25 s, a cold review)."""
+    if role == "follower":
+        return lambda seconds: stop_signals.pause(seconds, also=task_stop.received)
+    return stop_signals.pause
+
+
+def _early_stop_names() -> str:
+    """The stop that ended the start-up, for its log line."""
+    return stop_signals.names() if stop_signals.stopped() else "SIGUSR1 (its task is stopping)"
+
+
 def run(role: str, spec: UnitSpec, env: Mapping[str, str]) -> int:
     """One node's life. A stop signal during its start-up (recorded by unit_launcher.stop_signals) ends the
     waits here and is replayed by `_Signals`: the node stops as at its loop's start (a record, exit 0), or,
     before it knows its identity, which every record names, with exit 0 and a log line only."""
     try:
-        me = resolve_identity(env, pause=stop_signals.pause)
+        me = resolve_identity(env, pause=_start_up_pause(role))
     except IdentityStopped as stopped:
         log.info("received %s before this node knew its identity (%s): exits 0 with no record "
-                 "(a record names its node)", stop_signals.names(), stopped)
+                 "(a record names its node)", _early_stop_names(), stopped)
         return 0
     except IdentityError as error:
         log.error("%s", error)

@@ -18,8 +18,9 @@ enough: the transfer's thread pools are joined when the interpreter exits, so th
 went on downloading until the fetch finished (minutes), and ECS SIGKILLed it at the stop
 timeout.
 
-A SIGTERM before these handlers (while the launcher imports its modules) is recorded
-(unit_launcher.stop_signals) and replayed here: the spare exits 0 before it fetches.
+SIGTERM and SIGINT are recorded from the launcher's first line on (unit_launcher.stop_signals) and
+the spare's stop (`SignalStop`) reads that record: one during the imports ends the spare with 0 before
+it fetches.
 
 Exit status: 0 after SIGTERM; EXIT_ARTIFACTS when the fetch fails (ECS starts it again).
 """
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 import sys
 import threading
 import time
@@ -46,21 +46,33 @@ POLL_SECONDS = 1.0
 FETCH_CANCEL_SECONDS = 10.0
 
 
-def stop_on_sigterm() -> threading.Event:
-    """An event set by SIGTERM or SIGINT (ECS stops a task with SIGTERM), already set when one came
+class SignalStop(threading.Event):
+    """A stop event that also reads as set once SIGTERM or SIGINT was recorded (unit_launcher.stop_signals).
+
+    The signal handler only appends to stop_signals' list: a handler that set a `threading.Event` took
+    the event's lock, which the main thread holds inside `wait`, and a SIGTERM landing there deadlocked the
+    spare until ECS's SIGKILL (a cold review). So `is_set` also asks the record and `wait` polls it."""
+
+    def is_set(self) -> bool:
+        return super().is_set() or stop_signals.stopped()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.is_set():
+            remaining = stop_signals.POLL_SECONDS if deadline is None else deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            super().wait(min(stop_signals.POLL_SECONDS, remaining))
+        return True
+
+
+def stop_on_sigterm() -> SignalStop:
+    """A stop set by SIGTERM or SIGINT (ECS stops a task with SIGTERM), already set when one came
     during the launcher's start-up (recorded by unit_launcher.stop_signals)."""
-    stop = threading.Event()
-
-    def _on_signal(sig: int, _frame: object) -> None:
-        log.info("received %s: the spare stops", signal.Signals(sig).name)
-        stop.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _on_signal)
+    stop_signals.remember_early()  # already done by `python -m unit_launcher`; here for a spare run from Python
     if stop_signals.stopped():
         log.info("received %s during start-up: the spare stops", stop_signals.names())
-        stop.set()
-    return stop
+    return SignalStop()
 
 
 def _fetch_all_ranks(spec: UnitSpec, cancel: threading.Event) -> None:
@@ -102,13 +114,15 @@ def run_spare(
             # `stop` is the fetch's cancel too: wait (bounded) for the transfer to stop.
             worker.join(FETCH_CANCEL_SECONDS)
             how = "still running" if worker.is_alive() else "cancelled"
-            log.info("stopped while fetching the model (fetch %s)", how)
+            log.info("received %s: the spare stopped while fetching the model (fetch %s)",
+                     stop_signals.names() if stop_signals.stopped() else "a stop", how)
             return 0
     if "error" in outcome:
         log.error("the spare could not fetch the model: %s", outcome["error"])
         return EXIT_ARTIFACTS
     _say("spare_ready", spec, out, fetch_seconds=round(time.monotonic() - started, 3))
     stop.wait()
+    log.info("received %s: the spare stops", stop_signals.names() if stop_signals.stopped() else "a stop")
     return 0
 
 

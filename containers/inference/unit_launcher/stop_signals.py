@@ -1,6 +1,7 @@
-"""SIGTERM and SIGINT that arrive before the launcher's own handlers (`runner._Signals`, `spare.stop_on_sigterm`).
+"""SIGTERM and SIGINT that arrive before the launcher's own handlers (`runner._Signals`; the spare reads the record).
 
-Those handlers exist only once the node's event loop (or the spare's wait) runs. Before that the
+The node's handlers exist only once its event loop runs (the spare keeps this module's handler and
+reads the record: `spare.SignalStop`). Before that the
 launcher imports its modules (about 1 s), reads its identity from ECS task metadata (retried with
 backoff, up to about 25 s when the ECS agent lags the task's start), runs its self-checks and, for a
 Triton leader, probes the engine's Python (a subprocess, up to `triton_env.PROBE_SECONDS`). The unit
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable
 from types import FrameType
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -63,10 +65,15 @@ def names() -> str:
     return ", ".join(signal.Signals(s).name for s in _received) or "no signal"
 
 
-def pause(seconds: float) -> bool:
-    """Sleep up to `seconds`, less when a stop is recorded meanwhile: whether a stop was recorded."""
+def _never() -> bool:
+    return False
+
+
+def pause(seconds: float, also: Callable[[], bool] = _never) -> bool:
+    """Sleep up to `seconds`, less when a stop is recorded meanwhile or `also()` turns true (a follower's
+    SIGUSR1, unit_launcher.task_stop): whether either did."""
     deadline = time.monotonic() + seconds
-    while not _received:
+    while not (_received or also()):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return False

@@ -29,9 +29,11 @@ and LD_LIBRARY_PATH to start tritonserver with; anything wrong is a TritonEnvErr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Mapping
@@ -44,6 +46,8 @@ STUB = "triton_python_backend_stub"
 PROBE_SECONDS = 120.0
 # How often the probe's wait looks whether the node is stopping.
 PROBE_POLL_SECONDS = 0.05
+# Longest the pipes of a killed probe are read for what it wrote last.
+PROBE_DRAIN_SECONDS = 1.0
 _PROBE = (
     "import json, sys, sysconfig\n"
     "try:\n    import numpy; np = numpy.__version__\nexcept Exception as e:\n    np = 'none: ' + repr(e)\n"
@@ -66,10 +70,14 @@ def _never() -> bool:
 
 
 def _probe(python: str, stopped: Callable[[], bool] = _never) -> dict[str, str]:
-    """The engine's Python's facts. A stop ends the probe at once and kills its process: waited out
+    """The engine's Python's facts. A stop ends the probe at once and kills its process group: waited out
     (up to PROBE_SECONDS), a SIGTERM came only after it, and a launcher killed meanwhile left it running."""
     try:
-        process = subprocess.Popen([python, "-c", _PROBE], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # Its own process group, so that a kill reaches whatever the probe started (a `python3` that is a
+        # wrapper script holds the pipes in its child): killing the probe alone left that child running and
+        # the drain of the pipes waited for it (a cold review).
+        process = subprocess.Popen([python, "-c", _PROBE], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   start_new_session=True)
     except (FileNotFoundError, PermissionError) as error:
         raise TritonEnvError(f"engine.triton_python {python!r} cannot run: {error}") from None
     with process:
@@ -80,15 +88,28 @@ def _probe(python: str, stopped: Callable[[], bool] = _never) -> dict[str, str]:
                 break
             except subprocess.TimeoutExpired:
                 if stopped() or time.monotonic() >= deadline:
-                    process.kill()
-                    process.communicate()
+                    _kill(process)
                     if stopped():
                         raise TritonEnvStopped(f"stopped while probing {python}") from None
                     raise TritonEnvError(f"engine.triton_python {python!r} did not answer the probe within "
                                          f"{PROBE_SECONDS:g} s") from None
+    # The probe may have ended by the launcher's own stop (a signal to a whole process group reaches both):
+    # its status then says nothing about the image (a cold review: exit 2 for a stopped leader).
+    if stopped():
+        raise TritonEnvStopped(f"stopped while probing {python} (the probe exited {process.returncode})")
     if process.returncode != 0:
         raise TritonEnvError(f"engine.triton_python {python!r} failed: {stderr.strip()[-500:]}")
     return dict(json.loads(stdout.strip().splitlines()[-1]))
+
+
+def _kill(process: subprocess.Popen[str]) -> None:
+    """Kill the probe's process group and drain its pipes for at most PROBE_DRAIN_SECONDS (a descendant that
+    left the group may hold them open: the Popen's exit closes them and waits for the probe itself)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.kill()  # the probe itself, whatever became of its group (a no-op once it ended)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.communicate(timeout=PROBE_DRAIN_SECONDS)
 
 
 def _prepend(first: str, rest: str | None) -> str:

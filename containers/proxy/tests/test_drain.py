@@ -39,6 +39,9 @@ async def proxy_process(
     admin_port = free_port()
     full_env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        # The code under test: without it the child imports the venv's editable install (/work/main's
+        # unit_proxy), whatever worktree the tests run from.
+        "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
         "PROXY_HOST": LOOPBACK,
         "PROXY_PORT": str(port),
         "PROXY_ADMIN_PORT": str(admin_port),

@@ -11,15 +11,25 @@ import json
 import os
 import re
 import signal
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+from unit_proxy.runtime_api import RuntimeApi
 
 from .conftest import FakeEngine, FakeLauncher, wait_until
 from .test_drain import ProxyURL, _is, health, proxy_process
 from .test_emf import check_emf
+
+# The tests that assert every data request is served need a unit that stays whole throughout. With
+# proxy_process's HEALTH_INTERVAL_SECONDS 0.1 the checks' timeout defaults to 0.4 s (settings.py), and
+# one launcher answer later than that (the fake launcher answers from the test's own event loop; a
+# 2-core machine under `make test` starves either side) made a round find the unit not whole: the gate
+# closed and the first request after /health 200 got 503 unit_unavailable "unit not whole" (Content-Length
+# 130; /health turned 503 with the same round). A late check is not what these tests are about.
+STEADY = {"HEALTH_TIMEOUT_SECONDS": "5"}
 
 
 def fresh() -> aiohttp.ClientSession:
@@ -50,7 +60,7 @@ def _kill_all(pids: list[int]) -> None:
 async def test_admission_limit_is_global_across_threads(engine: FakeEngine, launcher: FakeLauncher):
     limit = 6
     async with (
-        proxy_process(engine, launcher, PROXY_WORKERS="2", MAX_INFLIGHT=str(limit)) as (url, _proc),
+        proxy_process(engine, launcher, PROXY_WORKERS="2", MAX_INFLIGHT=str(limit), **STEADY) as (url, _proc),
         fresh() as session,
     ):
         await wait_until(lambda: _is(health(session, url), 200), timeout=20, what="the proxy to be healthy")
@@ -84,8 +94,22 @@ async def test_admission_limit_is_global_across_threads(engine: FakeEngine, laun
             assert resp.status == 200
 
 
+async def test_steady_checks_ride_out_a_late_launcher_answer(engine: FakeEngine, launcher: FakeLauncher):
+    """STEADY's reason: the launcher's answer held 0.6 s (a starved machine) right after /health
+    turned 200; the unit stays whole and the data path serves on."""
+    async with proxy_process(engine, launcher, PROXY_WORKERS="2", **STEADY) as (url, _proc), fresh() as session:
+        await wait_until(lambda: _is(health(session, url), 200), timeout=20, what="the proxy to be healthy")
+        launcher.hold_answers()
+        try:
+            await asyncio.sleep(0.6)
+            async with session.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x"}) as resp:
+                assert resp.status == 200, await resp.text()
+        finally:
+            launcher.release_answers()
+
+
 async def test_whole_proxy_answers_health_and_metrics(engine: FakeEngine, launcher: FakeLauncher):
-    async with proxy_process(engine, launcher, PROXY_WORKERS="3") as (url, _proc), fresh() as session:
+    async with proxy_process(engine, launcher, PROXY_WORKERS="3", **STEADY) as (url, _proc), fresh() as session:
         await wait_until(lambda: _is(health(session, url), 200), timeout=20, what="the proxy to be healthy")
         await wait_until(lambda: _alive(url, 3), timeout=20, what="HAProxy with three threads")
         for _ in range(12):
@@ -185,7 +209,9 @@ async def _models(session: aiohttp.ClientSession, url: str) -> int:
 
 
 async def test_emf_is_written_once_per_interval(engine: FakeEngine, launcher: FakeLauncher):
-    async with proxy_process(engine, launcher, PROXY_WORKERS="3", EMF_INTERVAL_SECONDS="0.3", DRAIN_SECONDS="0") as (
+    async with proxy_process(
+        engine, launcher, PROXY_WORKERS="3", EMF_INTERVAL_SECONDS="0.3", DRAIN_SECONDS="0", **STEADY
+    ) as (
         url,
         proc,
     ):
@@ -226,3 +252,18 @@ def _sample(text: str, name: str) -> float:
     match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
     assert match, f"{name} not in /metrics"
     return float(match.group(1))
+
+
+async def test_health_is_503_while_haproxy_counts_the_agent_down(engine: FakeEngine, launcher: FakeLauncher):
+    """HAProxy's check of the agent's /gate down (here forced: `set server ... state maint`; on a
+    starved machine, `fall` checks over `timeout check`) closes the data path: /health must say so."""
+    runtime_dir = tempfile.mkdtemp(prefix="up-gate-")
+    async with proxy_process(engine, launcher, RUNTIME_DIR=runtime_dir, **STEADY) as (url, _proc), fresh() as session:
+        await wait_until(lambda: _is(health(session, url), 200), timeout=20, what="the proxy to be healthy")
+        runtime = RuntimeApi(str(Path(runtime_dir) / "admin.sock"))
+        await runtime.command("set server agent_gate/agent state maint")
+        async with session.get(f"{url}/v1/models") as resp:
+            assert resp.status == 503 and "agent is not answering" in await resp.text()
+        assert await health(session, url) == 503
+        await runtime.command("set server agent_gate/agent state ready")
+        await wait_until(lambda: _is(health(session, url), 200), timeout=5, what="/health 200 again")

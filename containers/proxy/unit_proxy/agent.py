@@ -58,7 +58,14 @@ from unit_proxy.haproxy_config import (
     render,
 )
 from unit_proxy.health import HealthMonitor, HealthState, stale_limit
-from unit_proxy.runtime_api import RuntimeApi, RuntimeApiError, backend_streams, engine_streams, engine_taken
+from unit_proxy.runtime_api import (
+    RuntimeApi,
+    RuntimeApiError,
+    agent_gate_up,
+    backend_streams,
+    engine_streams,
+    engine_taken,
+)
 from unit_proxy.settings import Settings
 from unit_proxy.slow_readers import SlowReaderWatchdog
 from unit_proxy.telemetry import Telemetry, write_emf
@@ -307,12 +314,18 @@ def admin_app(state: ProxyState, api: RuntimeApi) -> web.Application:
     return app
 
 
-def internal_app(state: ProxyState) -> web.Application:
+def internal_app(state: ProxyState, api: RuntimeApi | None = None) -> web.Application:
     """HAProxy's view of the agent: the data port's /health, and /gate (the agent's liveness:
-    200 while its check rounds are fresh)."""
+    200 while its check rounds are fresh). `api`: HAProxy's runtime API, read by /health."""
 
     async def health(request: web.Request) -> web.Response:
         status, text = health_answer(state, detail=False)
+        if status == 200 and state.gate_unit and api is not None and not await agent_gate_up(api):
+            # HAProxy's own check of /gate failed `fall` times (a starved agent or HAProxy): its
+            # `agent_alive` term refuses data requests (503 "agent is not answering") until a check
+            # passes, so /health must not say 200 meanwhile (measured: 2 of 25 starts under a CPU quota
+            # answered 503 right after /health 200, /health 200 again after; a defect hunt, 35th session).
+            status, text = 503, "unhealthy: unit gate not open yet\n"
         if status == 200 and state.pushed != state.gate_map():
             # The round found the unit whole but the gate push is a moment behind (the gate
             # itself, or `down` and the error bodies after an engine recovered on an open gate):
@@ -649,7 +662,7 @@ async def start(settings: Settings) -> Running:
         await _site(admin, lambda: web.TCPSite(admin, settings.admin_host, settings.admin_port, reuse_address=True),
                     f"{settings.admin_host}:{settings.admin_port}")
         runners.append(admin)
-        internal = web.AppRunner(internal_app(state), access_log=None, handle_signals=False, shutdown_timeout=0.5)
+        internal = web.AppRunner(internal_app(state, api), access_log=None, handle_signals=False, shutdown_timeout=0.5)
         await _site(internal, lambda: web.UnixSite(internal, paths.agent_socket), paths.agent_socket)
         runners.append(internal)
         initial = initial_map(state.gate_unit)

@@ -112,3 +112,16 @@ def engine_taken(rows: list[dict[str, str]]) -> int | None:
     server = next((r for r in rows if r.get("pxname") == "engine" and r.get("svname") == "vllm"), None)
     stot = "" if server is None else server.get("stot", "")
     return int(stot) if stot.isdigit() else None
+
+
+async def agent_gate_up(api: RuntimeApi) -> bool:
+    """Whether HAProxy counts the agent's gate check up now: the `agent_gate` server's `status` in
+    `show stat` starts with UP ("UP", or "UP 1/3" while it is going down and still counted by
+    `nbsrv`, what the data path's `agent_alive` reads; management guide 9.1, field 17 "status").
+    False when it cannot be read."""
+    try:
+        rows = await api.show_stat()
+    except RuntimeApiError:
+        return False
+    row = next((r for r in rows if r.get("pxname") == "agent_gate" and r.get("svname") == "agent"), None)
+    return row is not None and row.get("status", "").startswith("UP")
