@@ -607,7 +607,7 @@ def test_without_the_bound_a_bad_host_whose_unit_clocks_are_behind_escapes(monke
     third failure the first looks older than the window and its settling (70 min), and the host escapes."""
     from placement_controller import failures
 
-    monkeypatch.setattr(failures, "counted_time", lambda reported, _seen: reported)
+    monkeypatch.setattr(failures, "counted_time", lambda reported, _forwarded_at: reported)
     doc = run("clock-behind-bad-host.yaml")
     assert not held(doc, "I3 quarantine") and doc["per_seed"][0]["figures"]["quarantined"] == []
 

@@ -9,7 +9,9 @@ self-checks (an IMDS connect of up to 0.5 s) and, for a Triton leader, probes th
 cell_constructs/inference_unit.py), so the launcher is not PID 1 and a SIGTERM there takes its
 default action: the launcher dies by signal 15 (exit 143 in ECS), not exit 0 with its stop
 recorded as docs/contracts.md ("Launcher exit status") promises for a node stopped before it joined.
-Every test here failed so on the unfixed launcher (returncode -15). Now `python -m unit_launcher` records
+The SIGTERM tests here failed so on the unfixed launcher (returncode -15); the SIGINT test came with a cold
+review of the fix (71b50cc recorded a SIGINT as "received SIGTERM"), and the last one keeps the default stop for the
+commands other than `run`. Now `python -m unit_launcher` records
 the signal first thing, the start-up waits end on it, and the node's handlers replay it.
 
 Real launcher processes (`python -m unit_launcher run`); the task metadata endpoint is a loopback

@@ -131,7 +131,7 @@ def test_a_follower_told_its_task_is_stopping_while_it_reads_its_identity_stops(
                                  "ECS_CONTAINER_METADATA_URI_V4": held_metadata.url})
     assert held_metadata.asked.wait(30), node.log
     node.signal(signal.SIGUSR1)
-    status = node.wait(STOP_SECONDS)  # AssertionError "still running" on main
+    status = node.wait(STOP_SECONDS)  # AssertionError "still running" on 71b50cc
     assert status == 0, f"returncode {status}; log:\n{node.log}"
 
 

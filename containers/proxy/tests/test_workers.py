@@ -10,6 +10,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import signal
 import tempfile
 import time
@@ -257,13 +258,18 @@ def _sample(text: str, name: str) -> float:
 async def test_health_is_503_while_haproxy_counts_the_agent_down(engine: FakeEngine, launcher: FakeLauncher):
     """HAProxy's check of the agent's /gate down (here forced: `set server ... state maint`; on a
     starved machine, `fall` checks over `timeout check`) closes the data path: /health must say so."""
-    runtime_dir = tempfile.mkdtemp(prefix="up-gate-")
-    async with proxy_process(engine, launcher, RUNTIME_DIR=runtime_dir, **STEADY) as (url, _proc), fresh() as session:
-        await wait_until(lambda: _is(health(session, url), 200), timeout=20, what="the proxy to be healthy")
-        runtime = RuntimeApi(str(Path(runtime_dir) / "admin.sock"))
-        await runtime.command("set server agent_gate/agent state maint")
-        async with session.get(f"{url}/v1/models") as resp:
-            assert resp.status == 503 and "agent is not answering" in await resp.text()
-        assert await health(session, url) == 503
-        await runtime.command("set server agent_gate/agent state ready")
-        await wait_until(lambda: _is(health(session, url), 200), timeout=5, what="/health 200 again")
+    runtime_dir = tempfile.mkdtemp(prefix="up-gate-")  # short: a unix socket's path has 107 bytes at most
+    try:
+        async with (proxy_process(engine, launcher, RUNTIME_DIR=runtime_dir, **STEADY) as (url, _proc),
+                    fresh() as session):
+            await wait_until(lambda: _is(health(session, url), 200), timeout=20, what="the proxy to be healthy")
+            runtime = RuntimeApi(str(Path(runtime_dir) / "admin.sock"))
+            await runtime.command("set server agent_gate/agent state maint")
+            async with session.get(f"{url}/v1/models") as resp:
+                assert resp.status == 503 and "agent is not answering" in await resp.text()
+            async with session.get(f"{url}/health") as resp:
+                assert resp.status == 503 and "gate check down" in await resp.text()
+            await runtime.command("set server agent_gate/agent state ready")
+            await wait_until(lambda: _is(health(session, url), 200), timeout=5, what="/health 200 again")
+    finally:
+        shutil.rmtree(runtime_dir, ignore_errors=True)

@@ -325,7 +325,7 @@ def internal_app(state: ProxyState, api: RuntimeApi | None = None) -> web.Applic
             # `agent_alive` term refuses data requests (503 "agent is not answering") until a check
             # passes, so /health must not say 200 meanwhile (measured: 2 of 25 starts under a CPU quota
             # answered 503 right after /health 200, /health 200 again after; a defect hunt, 35th session).
-            status, text = 503, "unhealthy: unit gate not open yet\n"
+            status, text = 503, "unhealthy: HAProxy counts the agent's gate check down\n"
         if status == 200 and state.pushed != state.gate_map():
             # The round found the unit whole but the gate push is a moment behind (the gate
             # itself, or `down` and the error bodies after an engine recovered on an open gate):

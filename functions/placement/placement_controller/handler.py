@@ -386,11 +386,11 @@ def _launcher_records(
 ) -> LauncherRecords:
     """The triggers' `spare_ready`, `unit_session_formed` and `unit_session_end` lines, per instance.
 
-    A spare task's readiness goes to its instance (`spare-ready`: when; `fetching@<when>` from the task's
-    `spare_fetching` line, the later line of the instance's spare tasks kept); a released session to each
-    member's instance (`unit-session`: `<unit>@<released_at>/<revision>`), never back to an earlier formation of
-    the same unit (a late line: each log stream comes by its own delivery). A member whose own fetch or
-    check failed (`unformed.fetch_failure`) under the revision it formed with, after that formation, is
+    A spare task's readiness goes to its instance (`spare-ready`: `<when>/<task-id>`; `fetching@<when>/<task-id>`
+    from the task's `spare_fetching` line, the later line of the instance's spare tasks kept; signals.SpareRecord);
+    a released session to each member's instance (`unit-session`: `<unit>@<released_at>/<revision>`), never back to
+    an earlier formation of the same unit (a late line: each log stream comes by its own delivery). A member whose
+    own fetch or check failed (`unformed.fetch_failure`) under the revision it formed with, after that formation, is
     doubted (`unformed.fetch_failed_since_formed`); one a later formation names, or a later session end
     lists ready, is cleared. Members are task ARNs or ids on ECS (one DescribeTasks for all), EC2 instance
     ids in tests."""

@@ -1991,7 +1991,7 @@ def test_a_spares_cached_record_counts_only_while_the_spare_task_that_wrote_it_r
     task's first `spare_fetching` line (placement, image pull, start, delivery), or for good when the new task failed
     before it logged; u0, which lost i-0b, got the nearer i-0s, whose cache holds the old revision's model, and
     waited for its download instead of taking the farther i-0t, cached by its running task 5pare2. Seen failing on
-    the old controller (its sweep of the spare tasks after the writes, main's order of calls):
+    the old controller (its sweep of the spare tasks after the writes, 67b6deb's order of calls):
     DescribeContainerInstances of 0s where 0t's was expected."""
     settings = dataclasses.replace(SPARE_SETTINGS, spare_nodes=2)
     cell = Cell()
@@ -2018,8 +2018,9 @@ def test_a_refused_read_of_the_spare_tasks_does_not_keep_a_unit_that_lost_a_node
     """A cold review of the thirty-fifth session (its test_REVIEW_..., taken): the spare tasks' ListTasks had moved
     before the plan and nothing caught its error, so a refused or throttled read failed the run before any write:
     u0, which lost i-0b, got no spare and the batch's records were lost too (SQS runs it again into the same error).
-    Before, the read came after the writes and only the stop failed. Seen failing on main: ClientError (ListTasks)
-    raised out of reconcile. Now the run goes on, writes the label, stops nothing and says why."""
+    Before, the read came after the writes and only the stop failed. Seen failing on 86241bd (main then):
+    ClientError (ListTasks) raised out of reconcile. Now the run goes on, writes the label, stops nothing and says
+    why."""
     settings = dataclasses.replace(SPARE_SETTINGS, spare_nodes=1)
     cell = Cell()
     cell.group(**{"i-0a": "InService", "i-0s": "InService"})
@@ -2055,7 +2056,8 @@ def test_the_run_summary_does_not_call_ready_a_spare_whose_record_the_plan_does_
     """A cold review (its test_REVIEW_..., taken): a late `spare_ready` line of i-0s's earlier spare task 5pare1
     (stopped by a revision deploy; DescribeTasks still answers for it) arrives while 5pare3 runs there and has not
     logged yet. The plan rightly does not count i-0s cached (u0 gets i-0t), but the summary's `spares_ready` listed
-    i-0s: it read the record's form, not the rule `_cached` applies. Seen failing on main: AssertionError ['i-0s']."""
+    i-0s: it read the record's form, not the rule `_cached` applies. Seen failing on 86241bd (main then):
+    AssertionError ['i-0s']."""
     settings = dataclasses.replace(SPARE_SETTINGS, spare_nodes=2)
     cell = Cell()
     _two_spares_one_near(cell, f"fetching@{NOW - 900}/5pare1")
