@@ -340,3 +340,40 @@ def cloud_map() -> Iterator[Callable[[list[list[str] | str]], LoopbackCloudMap]]
     yield start
     for fake in started:
         fake.stop()
+
+
+# A task metadata endpoint that holds its answers (the ECS agent lagging): the early-stop tests' fixture.
+class _HeldMetadata:
+    """A task metadata endpoint (v4) that takes requests and answers none within `hold` seconds."""
+
+    def __init__(self, hold: float = 30.0) -> None:
+        asked = self.asked = threading.Event()
+        released = self.released = threading.Event()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                asked.set()
+                released.wait(hold)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/v4/container"
+
+    def stop(self) -> None:
+        self.released.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def held_metadata() -> Iterator[_HeldMetadata]:
+    server = _HeldMetadata()
+    yield server
+    server.stop()

@@ -19,16 +19,13 @@ server that holds the request, so the SIGTERM lands while the launcher waits for
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import signal
 import stat
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -43,42 +40,6 @@ def _records(tmp_path: Path) -> list[dict]:
     """The unit history records the node wrote (cpu_spec's state_dir)."""
     return [json.loads(line) for path in (tmp_path / ".unit-state").glob("*.failures.jsonl")
             for line in path.read_text().splitlines()]
-
-
-class _HeldMetadata:
-    """A task metadata endpoint (v4) that takes requests and answers none within `hold` seconds."""
-
-    def __init__(self, hold: float = 30.0) -> None:
-        asked = self.asked = threading.Event()
-        released = self.released = threading.Event()
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                asked.set()
-                released.wait(hold)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}/v4/container"
-
-    def stop(self) -> None:
-        self.released.set()
-        self.server.shutdown()
-        self.server.server_close()
-
-
-@pytest.fixture
-def held_metadata() -> Iterator[_HeldMetadata]:
-    server = _HeldMetadata()
-    yield server
-    server.stop()
 
 
 @pytest.mark.parametrize("role", ["leader", "follower"])

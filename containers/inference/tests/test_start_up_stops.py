@@ -14,9 +14,7 @@ import signal
 import stat
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -86,41 +84,6 @@ def test_a_stop_signal_that_also_ends_the_probe_is_still_a_stop(tmp_path, unit_n
     print(f"triton leader, SIGINT to launcher and probe: returncode {status}")
     assert status == 0, f"returncode {status}; log:\n{node.log}"
     assert [r["cause"] for r in _records(tmp_path)] == ["deliberate_stop"], node.log
-
-
-class _HeldMetadata:
-    """A task metadata endpoint that answers nothing within `hold` seconds (the ECS agent lagging)."""
-
-    def __init__(self, hold: float = 30.0) -> None:
-        import http.server
-
-        asked = self.asked = threading.Event()
-        released = self.released = threading.Event()
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                asked.set()
-                released.wait(hold)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v4/container"
-
-    def stop(self) -> None:
-        self.released.set()
-        self.server.shutdown()
-        self.server.server_close()
-
-
-@pytest.fixture
-def held_metadata() -> Iterator[_HeldMetadata]:
-    server = _HeldMetadata()
-    yield server
-    server.stop()
 
 
 def test_a_follower_told_its_task_is_stopping_while_it_reads_its_identity_stops(unit_nodes, h, tmp_path,
