@@ -46,6 +46,13 @@ RESOURCES_PER_EXTRA_AZ = 12
 # 3,976 bytes an AZ beyond two. The figures below round each up; 36 units at two AZs. Indented, a
 # cell passed 1 MB at about 23 units (1,490,744 bytes at 38).
 CFN_TEMPLATE_BYTES_LIMIT = 1_000_000
+# A fleet with a `pipeline:` deploys its cells through CodePipeline's CloudFormation action
+# (stacks/pipeline_stack.py `_deploy_action`), which takes the template from the pipeline's artifact,
+# not from CDK's upload. Unverified: that action is reported to accept only 512 KB
+# (aws-cloudformation/cloudformation-coverage-roadmap#1023, filed by AWS on 2022-01-04 and open; the
+# CodePipeline quotas page names no template size). Bounded by the smaller figure, a large cell is
+# refused before synthesis instead of failing in a wave of the rollout (thirty-sixth session).
+PIPELINE_TEMPLATE_BYTES_LIMIT = 512_000
 TEMPLATE_BYTES_BASE = 100_000
 TEMPLATE_BYTES_PER_UNIT = 25_000
 TEMPLATE_BYTES_PER_EXTRA_AZ = 4_000
@@ -92,12 +99,18 @@ def base_resources(fronted: bool = False, azs: int = 2) -> int:
             + RESOURCES_PER_EXTRA_AZ * max(azs - 2, 0))
 
 
-def max_units_per_cell(fronted: bool = False, azs: int = 2) -> int:
+def template_bytes_limit(pipeline: bool = False) -> int:
+    """The largest cell template its deployment takes: `cdk deploy` (CDK's upload to S3), or the pipeline's
+    CloudFormation action when `pipeline`."""
+    return PIPELINE_TEMPLATE_BYTES_LIMIT if pipeline else CFN_TEMPLATE_BYTES_LIMIT
+
+
+def max_units_per_cell(fronted: bool = False, azs: int = 2, pipeline: bool = False) -> int:
     """Units one cell stack can hold under CloudFormation's resource and template size limits
-    (fewer when a router fronts it or its load balancer spans more AZs)."""
+    (fewer when a router fronts it, its load balancer spans more AZs, or the pipeline deploys it)."""
     by_resources = (CFN_RESOURCE_LIMIT - base_resources(fronted, azs)) // RESOURCES_PER_UNIT
     base_bytes = TEMPLATE_BYTES_BASE + TEMPLATE_BYTES_PER_EXTRA_AZ * max(azs - 2, 0)
-    by_size = (CFN_TEMPLATE_BYTES_LIMIT - base_bytes) // TEMPLATE_BYTES_PER_UNIT
+    by_size = (template_bytes_limit(pipeline) - base_bytes) // TEMPLATE_BYTES_PER_UNIT
     return min(by_resources, by_size)
 
 
@@ -122,14 +135,17 @@ def check_cells_deployable(fleet: FleetConfig) -> Iterable[ConfigIssue]:
                 + (f" (or fewer alb_azs: {len(cell.resolved_alb_azs)} AZs make it smaller)"
                    if len(cell.resolved_alb_azs) > 2 else ""),
             )
-        fronted, azs = bool(fleet.routers_of(cell)), len(cell.resolved_alb_azs)
-        limit = max_units_per_cell(fronted, azs)
+        fronted, azs, pipeline = bool(fleet.routers_of(cell)), len(cell.resolved_alb_azs), fleet.pipeline is not None
+        limit = max_units_per_cell(fronted, azs, pipeline)
         if cell.resolved_max_units > limit:
             yield ConfigIssue(
                 f"cells[{i}].{'max_units' if cell.max_units is not None else 'units'}",
                 cell.resolved_max_units,
                 f"a cell stack holds at most {limit} units: CloudFormation allows {CFN_RESOURCE_LIMIT} resources "
-                f"and a {CFN_TEMPLATE_BYTES_LIMIT:,}-byte template per stack, a cell uses about "
+                f"and a {template_bytes_limit(pipeline):,}-byte template per stack"
+                + (" when the pipeline deploys it (its CloudFormation action; `cdk deploy` takes "
+                   f"{CFN_TEMPLATE_BYTES_LIMIT:,})" if pipeline else "")
+                + ", a cell uses about "
                 f"{base_resources(fronted, azs)} resources"
                 + (" (with its router endpoint)" if fronted else "")
                 + f" plus {RESOURCES_PER_UNIT} and about {TEMPLATE_BYTES_PER_UNIT:,} bytes per unit"

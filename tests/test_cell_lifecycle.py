@@ -332,11 +332,24 @@ def test_subnet_too_small_for_the_efa_interfaces_is_refused(raw: dict) -> None:
 
 
 def test_units_beyond_the_stack_resource_limit_are_refused(raw: dict) -> None:
+    raw.pop("pipeline")
     limit = cell_checks.max_units_per_cell()
     raw["cells"][0].update(units=limit + 1)
     message = error_text(raw)
     assert f"cells[0].units = {limit + 1}: a cell stack holds at most {limit} units" in message
     assert "CloudFormation allows 500 resources and a 1,000,000-byte template per stack" in message
+
+
+def test_units_beyond_the_pipeline_actions_template_limit_are_refused(raw: dict) -> None:
+    assert "pipeline" in raw
+    limit = cell_checks.max_units_per_cell(pipeline=True)
+    raw["cells"][0].update(units=limit + 1)
+    message = error_text(raw)
+    assert f"cells[0].units = {limit + 1}: a cell stack holds at most {limit} units" in message
+    assert ("a 512,000-byte template per stack when the pipeline deploys it (its CloudFormation action; "
+            "`cdk deploy` takes 1,000,000)") in message
+    raw["cells"][0].update(units=limit, vpc_cidr="10.10.0.0/16")
+    assert parse_fleet(raw, "test.yaml").cells[0].units == limit
 
 
 def test_resource_figures_cover_the_synthesized_cells(synth_large, synth_default) -> None:
