@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from unit_proxy.agent import ProxyState, Running, start
+from unit_proxy.runtime_api import RuntimeApi
 from unit_proxy.settings import Settings
 
 from .fake_stream import CuedStreams, sse
@@ -304,10 +305,11 @@ async def launcher() -> AsyncIterator[FakeLauncher]:
 class RunningProxy:
     """`url`: the data listener (the ALB's port); `admin_url`: /ready, /load, /metrics."""
 
-    def __init__(self, url: str, admin_url: str, state: ProxyState) -> None:
+    def __init__(self, url: str, admin_url: str, state: ProxyState, api: RuntimeApi | None = None) -> None:
         self.url = url
         self.admin_url = admin_url
         self.state = state
+        self.api = api  # HAProxy's runtime API
 
 
 ProxyFactory = Callable[..., Awaitable[RunningProxy]]
@@ -350,11 +352,32 @@ async def make_proxy(engine: FakeEngine, launcher: FakeLauncher) -> AsyncIterato
         if wait_checked and settings.launcher_status_url:
             await wait_until(lambda: state.health.last.checked_at > 0, what="the first launcher check")
             await wait_until(lambda: state.pushed == state.gate_map(), what="the gate pushed into HAProxy")
-        return RunningProxy(f"http://{LOOPBACK}:{running.port}", f"http://{LOOPBACK}:{running.admin_port}", state)
+            await wait_until(lambda: gate_check_fully_up(running.api), what="HAProxy's check of the agent fully up")
+        return RunningProxy(f"http://{LOOPBACK}:{running.port}", f"http://{LOOPBACK}:{running.admin_port}", state,
+                            running.api)
 
     yield factory
     for running in started:
         await running.close()
+
+
+# HAProxy starts a checked server "up, but will fall down at first failure" (its check health = rise,
+# haproxy src/server.c srv_settings_cpy, v2.6): until a few checks of the agent's /gate have passed, one
+# check that outlasts its timeout (the in-process agent shares the test's event loop; a loaded 2-core
+# machine stalls it) takes agent_gate DOWN and the data path answers 503 "the unit proxy agent is not
+# answering" (test_streaming failed so under `make test`, thirty-sixth session). Fully up (health
+# rise + fall - 1 = 3, haproxy_config.py's "rise 1 fall 3"), it takes `fall` failed checks in a row.
+GATE_CHECK_FULL_HEALTH = 3
+
+
+async def gate_check_fully_up(api: RuntimeApi) -> bool:
+    """Whether HAProxy's check of the agent's /gate is at full health (`show servers state`,
+    srv_check_health; management guide 9.3)."""
+    lines = (await api.command("show servers state agent_gate")).splitlines()
+    header = next((line[2:].split() for line in lines if line.startswith("# ")), [])
+    rows = [dict(zip(header, line.split(), strict=False)) for line in lines[1:] if line and not line.startswith("#")]
+    row = next((r for r in rows if r.get("srv_name") == "agent"), {})
+    return row.get("srv_check_health", "").isdigit() and int(row["srv_check_health"]) >= GATE_CHECK_FULL_HEALTH
 
 
 async def gate_pushed(proxy: RunningProxy, what: str = "the gate pushed into HAProxy") -> None:

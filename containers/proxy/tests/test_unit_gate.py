@@ -5,14 +5,18 @@ HAProxy (a map the agent sets through the runtime API); real HTTP on 127.0.0.1."
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
 
 import aiohttp
+import pytest
+from aiohttp import web
+from unit_proxy import agent
 from unit_proxy.health import CheckResult, HealthState
 
-from .conftest import FakeEngine, FakeLauncher, ProxyFactory, gate_pushed, wait_until
+from .conftest import FakeEngine, FakeLauncher, ProxyFactory, gate_check_fully_up, gate_pushed, wait_until
 from .test_drain import ProxyURL, _is, health, proxy_process
 from .test_workers import _alive, _sample, fresh, ready
 
@@ -235,3 +239,32 @@ async def _gate_open(url: ProxyURL) -> bool:
 async def _unavailable_logged(session: aiohttp.ClientSession, url: ProxyURL, n: int) -> bool:
     async with session.get(f"{url.admin}/load") as resp:
         return (await resp.json())["unit_unavailable_total"] == n
+
+
+async def test_the_proxy_fixture_returns_once_haproxy_counts_the_agent_fully_up(
+        make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The harness (conftest.make_proxy), not the product: HAProxy's first check of the agent's /gate
+    outlasting its timeout took agent_gate DOWN right after the fixture returned, and the test's first
+    request got 503 "the unit proxy agent is not answering" (test_streaming, `make test` on a loaded
+    machine). Here the first /gate answer is held past the check's 0.5 s timeout."""
+    build, held = agent.internal_app, []
+
+    def slow_first_gate(state: agent.ProxyState, api: Any = None) -> web.Application:
+        app = build(state, api)
+
+        @web.middleware
+        async def hold(request: web.Request, handler: Any) -> web.StreamResponse:
+            if request.path == "/gate" and not held:
+                held.append(request)
+                await asyncio.sleep(0.8)
+            return await handler(request)
+
+        app.middlewares.append(hold)
+        return app
+
+    monkeypatch.setattr(agent, "internal_app", slow_first_gate)
+    proxy = await make_proxy()
+    assert held, "the first check of /gate never came"
+    assert proxy.api is not None and await gate_check_fully_up(proxy.api)
+    async with aiohttp.ClientSession() as session, session.get(proxy.url + "/v1/models") as response:
+        assert response.status == 200, await response.text()
