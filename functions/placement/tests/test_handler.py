@@ -2087,3 +2087,26 @@ def test_the_run_summary_calls_ready_a_spare_whose_record_its_running_task_wrote
     summary = cell.run({"Records": [spare_line("spare_ready", "5pare3", NOW - 600)]}, settings=settings)
     assert summary["spares_assigned"] == {"i-0s": "u0"} and summary["spare_tasks_stopped"] == [warm_task]
     assert summary["spares_ready"] == ["i-0s"]
+
+
+def test_during_a_roll_the_unit_the_roll_took_a_node_from_goes_before_a_unit_short_of_a_held_quarantine(
+        monkeypatch):
+    """Terminate-first roll, two units of two: u0's host i-0q is in quarantine and the group keeps it to the
+    update's end (ReplaceUnhealthy suspended); the roll took u1's other node, u1's launcher task on i-0c stopped
+    with its session, and the roll's new instance i-0n arrived. Both go to u1, which forms again and is signalled
+    for; u0 waits for the update's end. Before, u0 took one of them and u1 could not form: two units out at once,
+    and the roll went on while u0 was down (the cell simulation, quarantine-during-terminate-first-roll.yaml)."""
+    cell = Cell()
+    cell.group(("i-0q",), **{i: "InService" for i in ("i-0a", "i-0q", "i-0c", "i-0n")})
+    cell.containers([container("i-0a", running=1, unit="u0", unit_placement="topology", unit_session="u0@200/1"),
+                     container("i-0q", quarantine="3 unit failures", unit_session="u0@200/1"),
+                     container("i-0c", unit="u1", unit_placement="topology", unit_session="u1@100/1"),
+                     container("i-0n")])
+    cell.topology(["i-0a", "i-0c", "i-0n"], [topo(i, "t", "m", "b") for i in ("i-0a", "i-0c", "i-0n")])
+    new = [*put("i-0n", "u1", "topology"), {"name": "unit-joined", "value": f"u1@{NOW:.0f}",
+                                            "targetType": "container-instance", "targetId": arn("i-0n")}]
+    cell.describe([container("i-0n")])
+    cell.ecs.add_response("put_attributes", {"attributes": new}, {"cluster": CLUSTER, "attributes": new})
+    summary = run_during_a_rolling_update(cell, monkeypatch)
+    assert summary["units"]["u1"]["instances"] == ["i-0c", "i-0n"], summary["units"]
+    assert summary["units"]["u0"]["instances"] == ["i-0a"], summary["units"]
