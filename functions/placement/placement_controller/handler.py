@@ -767,7 +767,19 @@ def _short_of_a_held_host(settings: Settings, clients: Clients, retry: aws.Retry
     busy = Counter(inst.unit for inst in instances if inst.busy)
     contest = (any(not inst.busy for inst in instances)
                and any(busy[unit] < settings.nodes_per_unit for unit in unit_ids(settings.units) if unit not in units))
-    return units if units and contest and _group_updating(clients, retry) else set()
+    return units if units and contest and _updating_or_not_known(clients, retry) else set()
+
+
+def _updating_or_not_known(clients: Clients, retry: aws.Retry) -> bool:
+    """`_group_updating`, or False when CloudFormation cannot be asked (logged): the plan is then the one without
+    the roll's order. Asked before the plan, a refused or throttled call raised stopped the run before any write,
+    the label of the unit that lost a node too (a cold review; the same rule as `_spare_tasks`)."""
+    try:
+        return _group_updating(clients, retry)
+    except (ClientError, BotoCoreError) as exc:
+        LOG.warning("could not read whether the group is updating (%s): no unit waits for a held quarantined host "
+                    "this run", exc)
+        return False
 
 
 def _held_for_their_units(instances: Sequence[Instance], managed: Mapping[str, aws.ContainerInstance],

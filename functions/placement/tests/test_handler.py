@@ -2110,3 +2110,45 @@ def test_during_a_roll_the_unit_the_roll_took_a_node_from_goes_before_a_unit_sho
     summary = run_during_a_rolling_update(cell, monkeypatch)
     assert summary["units"]["u1"]["instances"] == ["i-0c", "i-0n"], summary["units"]
     assert summary["units"]["u0"]["instances"] == ["i-0a"], summary["units"]
+
+
+def _a_roll_with_a_unit_short_of_a_held_quarantine(cell: Cell, survivor_label: str = "u1") -> None:
+    """The cell of the test above: u0 formed last with i-0q, in quarantine and held by the group to the update's end;
+    u1's survivor i-0c is free (its launcher task stopped with the session) and carries `survivor_label`."""
+    cell.group(("i-0q",), **{i: "InService" for i in ("i-0a", "i-0q", "i-0c", "i-0n")})
+    cell.containers([container("i-0a", running=1, unit="u0", unit_placement="topology", unit_session="u0@200/1"),
+                     container("i-0q", quarantine="3 unit failures", unit_session="u0@200/1"),
+                     container("i-0c", unit=survivor_label, unit_placement="topology", unit_session="u1@100/1"),
+                     container("i-0n")])
+    cell.topology(["i-0a", "i-0c", "i-0n"], [topo(i, "t", "m", "b") for i in ("i-0a", "i-0c", "i-0n")])
+
+
+@pytest.mark.parametrize("code", ["AccessDenied", "Throttling"])
+def test_a_refused_read_of_the_group_status_does_not_stop_the_run_before_its_writes(code, monkeypatch, caplog):
+    """A cold review of roll-gap (d675529): `_short_of_a_held_host` asks DescribeStackResource before the plan and
+    nothing caught its error, so a refused or throttled call (6 attempts) failed the run before any write, the label
+    of the unit that lost a node too (the rule `_spare_tasks` states: a read before the plan must not stop the run).
+    Seen failing on d675529: ClientError (DescribeStackResource) raised out of reconcile. Now the run goes on as if
+    the group were not updating (the plan before roll-gap) and says why."""
+    import dataclasses
+
+    for name, value in (("SIGNAL_STACK", "Rufus-Cell-dev"), ("SIGNAL_RESOURCE", "TrainiumNodesASG1"),
+                        ("TARGET_GROUP_ARN", "arn:tg")):
+        monkeypatch.setenv(name, value)
+    cell = Cell()
+    _a_roll_with_a_unit_short_of_a_held_quarantine(cell)
+    # The plan before roll-gap: u0, which lost a node, is completed first (with u1's survivor).
+    cell.describe([container("i-0c", unit="u1", unit_placement="topology", unit_session="u1@100/1")])
+    labels = [*put("i-0c", "u0", "topology"), {"name": "unit-joined", "value": f"u0@{NOW:.0f}",
+                                               "targetType": "container-instance", "targetId": arn("i-0c")}]
+    cell.ecs.add_response("put_attributes", {"attributes": labels}, {"cluster": CLUSTER, "attributes": labels})
+    cloudformation = boto3.client("cloudformation", region_name=REGION, config=Config(signature_version=UNSIGNED))
+    with Stubber(cloudformation) as cfn:
+        for _ in range(1 if code == "AccessDenied" else aws.Retry().attempts):
+            cfn.add_client_error("describe_stack_resource", service_error_code=code, http_status_code=400)
+        with cell.active():
+            summary = reconcile(SETTINGS, dataclasses.replace(cell.clients, cloudformation=cloudformation), {},
+                                aws.Retry(sleep=cell.delays.append), cell.lines.append, now=NOW)
+        cfn.assert_no_pending_responses()
+    assert summary["units"]["u0"]["instances"] == ["i-0a", "i-0c"], summary["units"]
+    assert "could not read whether the group is updating" in caplog.text
