@@ -389,7 +389,8 @@ def meet_depth(members: Sequence[Instance], candidate: Instance) -> int:
 
 
 def assign_spares(
-    instances: Sequence[Instance], units: int, nodes_per_unit: int, last: Collection[str] = ()
+    instances: Sequence[Instance], units: int, nodes_per_unit: int, last: Collection[str] = (),
+    held: Collection[str] = (),
 ) -> dict[str, str]:
     """Warm spares (`unit == spare`) for the units that lost nodes: spare instance id -> unit.
 
@@ -403,7 +404,9 @@ def assign_spares(
     nearer cold one: a spare has the model in its cache, so the unit serves again in its
     load time instead of a download plus its load time; one still fetching is given only
     when no cached spare is left (it has a head start on a cold instance). The units in `last`
-    come after every other unit that lost nodes, before all of these (`plan_cell`).
+    come after every other unit that lost nodes, before all of these, and never take a spare in `held`
+    (`plan_cell`): a survivor of a unit the roll took a node from is labelled a spare when no group is
+    formed for it, and given to a unit in `last` as a spare it left that unit out all the same (a cold review).
     """
     _check(instances, units, nodes_per_unit)
     ids = unit_ids(units)
@@ -417,11 +420,11 @@ def assign_spares(
     spares = {inst.instance_id: inst for inst in instances if inst.unit == SPARE_UNIT and not inst.busy}
     given: dict[str, str] = {}
     while spares and need:
-        _, _, _, spare_id, unit = min(
-            (unit in last, not spare.cached, -meet_depth(members[unit], spare), spare_id, unit)
-            for unit in need
-            for spare_id, spare in spares.items()
-        )
+        pairs = [(unit in last, not spare.cached, -meet_depth(members[unit], spare), spare_id, unit)
+                 for unit in need for spare_id, spare in spares.items() if unit not in last or spare_id not in held]
+        if not pairs:
+            break
+        _, _, _, spare_id, unit = min(pairs)
         given[spare_id] = unit
         del spares[spare_id]
         need[unit] -= 1
@@ -448,7 +451,7 @@ def plan_cell(
     """
     out = set(excluded)
     candidates = [inst for inst in instances if inst.instance_id not in out]
-    gifts = assign_spares(candidates, units, nodes_per_unit, last)
+    gifts = assign_spares(candidates, units, nodes_per_unit, last, held)
     fixed = [
         replace(inst, unit=gifts[inst.instance_id], busy=True) if inst.instance_id in gifts else inst
         for inst in candidates

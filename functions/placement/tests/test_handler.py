@@ -1003,9 +1003,9 @@ def group_status(cfn: Stubber, status: str) -> None:
     )
 
 
-def run_at_now(cell: Cell, clients: Clients | None = None) -> dict:
+def run_at_now(cell: Cell, clients: Clients | None = None, settings: Settings = SETTINGS) -> dict:
     with cell.active():
-        return reconcile(SETTINGS, clients or cell.clients, {}, aws.Retry(), cell.lines.append, now=NOW)
+        return reconcile(settings, clients or cell.clients, {}, aws.Retry(), cell.lines.append, now=NOW)
 
 
 def test_a_disconnected_agent_is_first_recorded_not_replaced(monkeypatch):
@@ -1062,7 +1062,7 @@ def test_no_replacement_while_another_instance_is_being_replaced(monkeypatch):
     assert summary["agent_disconnected_replaced"] == [] and summary["agent_disconnected_deferred"] == ["i-0b"]
 
 
-def run_during_a_rolling_update(cell: Cell, monkeypatch) -> dict:
+def run_during_a_rolling_update(cell: Cell, monkeypatch, settings: Settings = SETTINGS) -> dict:
     """One run while CloudFormation updates the group (DescribeStackResource: UPDATE_IN_PROGRESS), asked once."""
     import dataclasses
 
@@ -1074,7 +1074,7 @@ def run_during_a_rolling_update(cell: Cell, monkeypatch) -> dict:
     clients = dataclasses.replace(cell.clients, cloudformation=cloudformation)
     with Stubber(cloudformation) as cfn:
         group_status(cfn, "UPDATE_IN_PROGRESS")
-        summary = run_at_now(cell, clients)
+        summary = run_at_now(cell, clients, settings)
         cfn.assert_no_pending_responses()
     return summary
 
@@ -2152,3 +2152,24 @@ def test_a_refused_read_of_the_group_status_does_not_stop_the_run_before_its_wri
         cfn.assert_no_pending_responses()
     assert summary["units"]["u0"]["instances"] == ["i-0a", "i-0c"], summary["units"]
     assert "could not read whether the group is updating" in caplog.text
+
+
+def test_during_a_roll_a_unit_short_of_a_held_quarantine_takes_no_survivor_labelled_a_spare(monkeypatch):
+    """A cold review of roll-gap (d675529), a cell with spares: u1's survivor i-0c, alone a run before (no group
+    for u1 yet), was left over and so labelled a spare. `_held_for_their_units` holds it for u1, but the warm spares
+    went to the units that lost nodes before the plan, u0 (in `last`) included, and `held` was not asked there: u0
+    took i-0c and u1 could not form with the roll's new instance i-0n, the two units out the change meant to
+    prevent. Seen failing on d675529: PutAttributes wrote i-0c -> u0 and i-0n -> spare. Now u1 forms with both."""
+    settings = dataclasses.replace(SPARE_SETTINGS, units=2, spare_nodes=1)
+    cell = Cell()
+    _a_roll_with_a_unit_short_of_a_held_quarantine(cell, survivor_label="spare")
+    spare_tasks(cell, {})
+    cell.describe([container("i-0c", unit="spare", unit_placement="topology", unit_session="u1@100/1"),
+                   container("i-0n")])
+    new = [*put("i-0c", "u1", "topology"), *put("i-0n", "u1", "topology")]
+    new += [{"name": "unit-joined", "value": f"u1@{NOW:.0f}", "targetType": "container-instance", "targetId": arn(i)}
+            for i in ("i-0n",)]  # i-0c formed u1 before (its record): not a new member
+    cell.ecs.add_response("put_attributes", {"attributes": new}, {"cluster": CLUSTER, "attributes": new})
+    summary = run_during_a_rolling_update(cell, monkeypatch, settings)
+    assert summary["units"]["u1"]["instances"] == ["i-0c", "i-0n"], summary["units"]
+    assert summary["units"]["u0"]["instances"] == ["i-0a"] and summary["spares_assigned"] == {}, summary["units"]
