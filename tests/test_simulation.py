@@ -651,11 +651,20 @@ def test_a_host_quarantined_during_a_rolling_update_leaves_its_unit_and_the_roll
 
 # Known gaps of a quarantine during a rolling update, shown once the model kept a host marked Unhealthy to the
 # update's end (ReplaceUnhealthy suspended); the model before replaced it at once and held all three.
-@pytest.mark.xfail(strict=True, reason="known gap (docs/simulation.md): in a terminate-first roll the cell is a node "
-                   "short to the update's end, and the roll's new instances go to the quarantined unit too")
 def test_a_quarantine_during_a_terminate_first_roll_takes_out_one_unit_at_most():
+    """The roll's new instances went to the quarantined unit as well as to the units the roll took a node from: two
+    units out at once (I1, I2 in seeds 1 and 3 on main at 0841c46). While the group updates, the placement controller
+    now completes a unit short of a held quarantined host after every other unit (`handler._short_of_a_held_host`)."""
     doc = simulate(load_scenario(SIMULATIONS / "known" / "quarantine-during-terminate-first-roll.yaml"), None, 3, None)
-    assert held(doc, "I1 planned operations"), render(doc)
+    assert held(doc, "I1 planned operations") and held(doc, "I2 serving units"), render(doc)
+
+
+@pytest.mark.xfail(strict=True, reason="known gap (docs/simulation.md): once the quarantined unit has no member, a "
+                   "new instance no unit holds is signalled while it is down (the signal rule counts units with "
+                   "members; I5 asks every unit)")
+def test_a_quarantine_during_a_terminate_first_roll_signals_no_instance_while_a_unit_is_down():
+    doc = simulate(load_scenario(SIMULATIONS / "known" / "quarantine-during-terminate-first-roll.yaml"), None, 3, None)
+    assert held(doc, "I5 rolling update"), render(doc)
 
 
 @pytest.mark.xfail(strict=True, reason="known gap (docs/simulation.md): the first quarantine holds the cap until the "

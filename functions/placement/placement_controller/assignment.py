@@ -36,7 +36,7 @@ Instances of unknown topology join at the root, after the known ones, and are ma
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from placement_controller.topology import NetworkPath, common_depth, unit_score
@@ -220,9 +220,11 @@ def _complete_partial_units(
     pool: dict[str, Instance],
     units_to_fill: int,
     strategy: Callable[[int, int, bool, int, str], tuple[int | str, ...]],
+    skip: Collection[str] = (),
 ) -> dict[str, list[Instance]]:
-    """Fill units that lost nodes from the free pool (which loses the picked instances)."""
-    need = {unit: nodes_per_unit - len(fixed[unit]) for unit in ids if 0 < len(fixed[unit]) < nodes_per_unit}
+    """Fill units that lost nodes, but those in `skip`, from the free pool (which loses the picked instances)."""
+    need = {unit: nodes_per_unit - len(fixed[unit]) for unit in ids
+            if 0 < len(fixed[unit]) < nodes_per_unit and unit not in skip}
     chosen: dict[str, list[Instance]] = {unit: [] for unit in need}
     value = _GroupingValue(pool.values(), nodes_per_unit, units_to_fill)
     anchors = {unit: [inst.path for inst in fixed[unit]] for unit in need}
@@ -342,8 +344,12 @@ def _group_empty_units(
     return _label_groups(selected, empty)
 
 
-def plan_topology(instances: Sequence[Instance], units: int, nodes_per_unit: int) -> Plan:
-    """Group the free instances into units by network topology (rules in the module doc)."""
+def plan_topology(
+    instances: Sequence[Instance], units: int, nodes_per_unit: int, last: Collection[str] = (),
+    held: Collection[str] = (),
+) -> Plan:
+    """Group the free instances into units by network topology (rules in the module doc). The units in `last`
+    that lost nodes are completed after rule 3, and never with the free instances in `held` (`plan_cell`)."""
     _check(instances, units, nodes_per_unit)
     ids = unit_ids(units)
     fixed, free = _split(instances, ids)
@@ -351,8 +357,17 @@ def plan_topology(instances: Sequence[Instance], units: int, nodes_per_unit: int
     best: tuple[int, dict[str, list[Instance]]] | None = None
     for strategy in _STRATEGIES.values():
         pool = {inst.instance_id: inst for inst in sorted(free, key=lambda inst: inst.instance_id)}
-        chosen = _complete_partial_units(ids, nodes_per_unit, fixed, pool, len(empty), strategy)
-        chosen.update(_group_empty_units(pool, empty, nodes_per_unit))
+        first = [unit for unit in empty if unit not in last]
+        chosen = _complete_partial_units(ids, nodes_per_unit, fixed, pool, len(first), strategy, last)
+        chosen.update(_group_empty_units(pool, first, nodes_per_unit))
+        if last:
+            # Then the units in `last`, never with a held instance: what is left after every other unit.
+            taken = {inst.instance_id for group in chosen.values() for inst in group}
+            rest = {i: inst for i, inst in pool.items() if i not in held and i not in taken}
+            then = [unit for unit in empty if unit in last]
+            chosen.update(_complete_partial_units(ids, nodes_per_unit, fixed, rest, len(then), strategy,
+                                                  set(ids) - set(last)))
+            chosen.update(_group_empty_units(rest, then, nodes_per_unit))
         total = sum(unit_score(inst.path for inst in [*fixed[u], *chosen.get(u, ())]) for u in ids)
         if best is None or total > best[0]:
             best = (total, chosen)
@@ -373,7 +388,10 @@ def meet_depth(members: Sequence[Instance], candidate: Instance) -> int:
     return min(common_depth(m.path, candidate.path) for m in members if m.path)
 
 
-def assign_spares(instances: Sequence[Instance], units: int, nodes_per_unit: int) -> dict[str, str]:
+def assign_spares(
+    instances: Sequence[Instance], units: int, nodes_per_unit: int, last: Collection[str] = (),
+    held: Collection[str] = (),
+) -> dict[str, str]:
     """Warm spares (`unit == spare`) for the units that lost nodes: spare instance id -> unit.
 
     A unit lost nodes when fewer than `nodes_per_unit` instances carry its label but some
@@ -385,7 +403,10 @@ def assign_spares(instances: Sequence[Instance], units: int, nodes_per_unit: int
     spare left over that is as warm. Warm spares go before cold free instances, even a
     nearer cold one: a spare has the model in its cache, so the unit serves again in its
     load time instead of a download plus its load time; one still fetching is given only
-    when no cached spare is left (it has a head start on a cold instance).
+    when no cached spare is left (it has a head start on a cold instance). The units in `last`
+    come after every other unit that lost nodes, before all of these, and never take a spare in `held`
+    (`plan_cell`): a survivor of a unit the roll took a node from is labelled a spare when no group is
+    formed for it, and given to a unit in `last` as a spare it left that unit out all the same (a cold review).
     """
     _check(instances, units, nodes_per_unit)
     ids = unit_ids(units)
@@ -399,11 +420,11 @@ def assign_spares(instances: Sequence[Instance], units: int, nodes_per_unit: int
     spares = {inst.instance_id: inst for inst in instances if inst.unit == SPARE_UNIT and not inst.busy}
     given: dict[str, str] = {}
     while spares and need:
-        _, _, spare_id, unit = min(
-            (not spare.cached, -meet_depth(members[unit], spare), spare_id, unit)
-            for unit in need
-            for spare_id, spare in spares.items()
-        )
+        pairs = [(unit in last, not spare.cached, -meet_depth(members[unit], spare), spare_id, unit)
+                 for unit in need for spare_id, spare in spares.items() if unit not in last or spare_id not in held]
+        if not pairs:
+            break
+        _, _, _, spare_id, unit = min(pairs)
         given[spare_id] = unit
         del spares[spare_id]
         need[unit] -= 1
@@ -413,19 +434,26 @@ def assign_spares(instances: Sequence[Instance], units: int, nodes_per_unit: int
 
 
 def plan_cell(
-    instances: Sequence[Instance], units: int, nodes_per_unit: int, excluded: Iterable[str] = ()
+    instances: Sequence[Instance], units: int, nodes_per_unit: int, excluded: Iterable[str] = (),
+    last: Collection[str] = (), held: Collection[str] = (),
 ) -> tuple[dict[str, str], Plan]:
     """The whole placement of a run: warm spares to units that lost nodes, then `plan_topology`.
 
     `excluded` (quarantined instances) take no part at all. The spares given to units are
     fixed members of those units in the plan, so the grouping never takes them back.
+    `last`: units that lost nodes that are served after every other unit, the units without
+    busy members (rule 3) included, and never with the free instances in `held`, each the
+    last formation's member of a unit without busy members (the handler's
+    `_short_of_a_held_host`: a unit short of a host in quarantine that the group keeps to a
+    rolling update's end; a node for it before the unit the roll took a node from left two
+    units out, and the roll went on while the quarantined one was down).
     Returns the spares given (instance id -> unit) and the plan.
     """
     out = set(excluded)
     candidates = [inst for inst in instances if inst.instance_id not in out]
-    gifts = assign_spares(candidates, units, nodes_per_unit)
+    gifts = assign_spares(candidates, units, nodes_per_unit, last, held)
     fixed = [
         replace(inst, unit=gifts[inst.instance_id], busy=True) if inst.instance_id in gifts else inst
         for inst in candidates
     ]
-    return gifts, plan_topology(fixed, units, nodes_per_unit)
+    return gifts, plan_topology(fixed, units, nodes_per_unit, last, held)

@@ -32,7 +32,8 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -740,6 +741,65 @@ def _group_updating(clients: Clients, retry: aws.Retry) -> bool:
     )
 
 
+def _short_of_a_held_host(settings: Settings, clients: Clients, retry: aws.Retry, step: QuarantineStep,
+                          by_instance: Mapping[str, aws.ContainerInstance],
+                          managed: Mapping[str, aws.ContainerInstance], instances: Sequence[Instance]) -> set[str]:
+    """The units whose last formation had a host that is in quarantine and that the group still holds, while the
+    group updates: the plan completes them after every other unit that lost nodes (`assignment.plan_cell`).
+
+    While CloudFormation updates the group, ReplaceUnhealthy is suspended (`_stop_quarantined_tasks`), so such a
+    host stays, unreplaced, to the update's end. A terminate-first roll leaves no headroom: the cell is a node
+    short meanwhile, and some unit has to be out until then. Given the roll's new instance, the quarantined host's
+    unit served again and was signalled for, while the unit the roll had taken a node from stayed down; the next
+    batch then took another unit's node: two units out at once, and signals while one was down (the cell simulation,
+    `quarantine-during-terminate-first-roll.yaml`). Served last, that unit is the one out, the roll's units form
+    again one at a time, and the group brings its node at the update's end. A unit formed since without the host
+    (a later `unit-session` record of it elsewhere) is short of something else and is not put last. One
+    DescribeStackResource, only in a run where it can matter: such a unit, a free instance, and another unit short
+    of busy members."""
+    records = {i: str(ci.attributes.get(signals.SESSION_ATTRIBUTE) or "") for i, ci in by_instance.items()}
+    units = set()
+    for instance_id in step.holding:
+        record = records.get(instance_id, "")
+        unit = record.rpartition("@")[0]
+        if unit and not any(_later_formation_of_the_same_unit(records[i], record) for i in managed):
+            units.add(unit)
+    busy = Counter(inst.unit for inst in instances if inst.busy)
+    contest = (any(not inst.busy for inst in instances)
+               and any(busy[unit] < settings.nodes_per_unit for unit in unit_ids(settings.units) if unit not in units))
+    return units if units and contest and _updating_or_not_known(clients, retry) else set()
+
+
+def _updating_or_not_known(clients: Clients, retry: aws.Retry) -> bool:
+    """`_group_updating`, or False when CloudFormation cannot be asked (logged): the plan is then the one without
+    the roll's order. Asked before the plan, a refused or throttled call raised stopped the run before any write,
+    the label of the unit that lost a node too (a cold review; the same rule as `_spare_tasks`)."""
+    try:
+        return _group_updating(clients, retry)
+    except (ClientError, BotoCoreError) as exc:
+        LOG.warning("could not read whether the group is updating (%s): no unit waits for a held quarantined host "
+                    "this run", exc)
+        return False
+
+
+def _held_for_their_units(instances: Sequence[Instance], managed: Mapping[str, aws.ContainerInstance],
+                          last: Collection[str]) -> set[str]:
+    """The free instances whose `unit-session` record names a unit with no busy member that is not in `last`: a
+    unit's last formation, out of it (the roll took its other member, and its launcher's task stopped with the
+    session). The units in `last` do not take them (`assignment.plan_cell`): the roll's new instance comes to form
+    that unit with it, and a unit in `last` that took it first left that unit out too (the cell simulation)."""
+    if not last:
+        return set()
+    busy_units = {inst.unit for inst in instances if inst.busy}
+    held = set()
+    for inst in instances:
+        record = str(managed[inst.instance_id].attributes.get(signals.SESSION_ATTRIBUTE) or "")
+        unit = record.rpartition("@")[0]
+        if not inst.busy and unit and unit not in last and unit not in busy_units:
+            held.add(inst.instance_id)
+    return held
+
+
 def _healthy_targets(clients: Clients, retry: aws.Retry) -> Callable[[], set[str]]:
     """The healthy targets of the units' target group, read at most once a run and only when asked (a unit with
     a member that has not formed; the rolling-update signals): both ask within the same run."""
@@ -885,7 +945,9 @@ def reconcile(
         for instance_id, ci in managed.items()
     ]
     # Warm spares first, to the units that lost a node; then the topology grouping.
-    gifts, plan = plan_cell(instances, settings.units, settings.nodes_per_unit, step.in_quarantine)
+    last = _short_of_a_held_host(settings, clients, retry, step, by_instance, managed, instances)
+    gifts, plan = plan_cell(instances, settings.units, settings.nodes_per_unit, step.in_quarantine, last,
+                            _held_for_their_units(instances, managed, last))
 
     changing: dict[str, tuple[str | None, str | None]] = {}
     for inst in instances:

@@ -14,6 +14,7 @@ from placement_controller.assignment import (
     PLACEMENT_TOPOLOGY,
     Instance,
     Plan,
+    plan_cell,
     plan_fallback,
     plan_topology,
     unit_ids,
@@ -262,3 +263,13 @@ def test_new_instances_form_the_lowest_unit_without_members() -> None:
     more = [Instance("i-n0", ("a", "b", "c9"), unit="u0", busy=True), Instance("i-n1", ("a", "b", "c9"),
             unit="u0", busy=True), Instance("i-m0", ("a", "b", "c8")), Instance("i-m1", ("a", "b", "c7"))]
     assert set(plan_topology(busy + more, 4, 2).assigned.values()) == {"u2"}
+
+
+def test_a_unit_in_last_takes_no_held_instance_labelled_a_spare():
+    """A cold review of roll-gap (d675529): `held` kept u1's survivor i-c from u0 (in `last`) in the grouping, but
+    not among the warm spares, which go first: labelled a spare (left over a run before), it was given to u0.
+    Seen failing on d675529: gifts {'i-c': 'u0'}."""
+    path = ("t", "m", "b")
+    instances = [Instance("i-a", path, "u0", busy=True), Instance("i-c", path, "spare"), Instance("i-n", path)]
+    gifts, plan = plan_cell(instances, 2, 2, last={"u0"}, held={"i-c"})
+    assert gifts == {} and plan.units == {"u0": ("i-a",), "u1": ("i-c", "i-n")}, (gifts, plan.units)

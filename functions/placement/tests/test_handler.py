@@ -1003,9 +1003,9 @@ def group_status(cfn: Stubber, status: str) -> None:
     )
 
 
-def run_at_now(cell: Cell, clients: Clients | None = None) -> dict:
+def run_at_now(cell: Cell, clients: Clients | None = None, settings: Settings = SETTINGS) -> dict:
     with cell.active():
-        return reconcile(SETTINGS, clients or cell.clients, {}, aws.Retry(), cell.lines.append, now=NOW)
+        return reconcile(settings, clients or cell.clients, {}, aws.Retry(), cell.lines.append, now=NOW)
 
 
 def test_a_disconnected_agent_is_first_recorded_not_replaced(monkeypatch):
@@ -1062,7 +1062,7 @@ def test_no_replacement_while_another_instance_is_being_replaced(monkeypatch):
     assert summary["agent_disconnected_replaced"] == [] and summary["agent_disconnected_deferred"] == ["i-0b"]
 
 
-def run_during_a_rolling_update(cell: Cell, monkeypatch) -> dict:
+def run_during_a_rolling_update(cell: Cell, monkeypatch, settings: Settings = SETTINGS) -> dict:
     """One run while CloudFormation updates the group (DescribeStackResource: UPDATE_IN_PROGRESS), asked once."""
     import dataclasses
 
@@ -1074,7 +1074,7 @@ def run_during_a_rolling_update(cell: Cell, monkeypatch) -> dict:
     clients = dataclasses.replace(cell.clients, cloudformation=cloudformation)
     with Stubber(cloudformation) as cfn:
         group_status(cfn, "UPDATE_IN_PROGRESS")
-        summary = run_at_now(cell, clients)
+        summary = run_at_now(cell, clients, settings)
         cfn.assert_no_pending_responses()
     return summary
 
@@ -2087,3 +2087,89 @@ def test_the_run_summary_calls_ready_a_spare_whose_record_its_running_task_wrote
     summary = cell.run({"Records": [spare_line("spare_ready", "5pare3", NOW - 600)]}, settings=settings)
     assert summary["spares_assigned"] == {"i-0s": "u0"} and summary["spare_tasks_stopped"] == [warm_task]
     assert summary["spares_ready"] == ["i-0s"]
+
+
+def test_during_a_roll_the_unit_the_roll_took_a_node_from_goes_before_a_unit_short_of_a_held_quarantine(
+        monkeypatch):
+    """Terminate-first roll, two units of two: u0's host i-0q is in quarantine and the group keeps it to the
+    update's end (ReplaceUnhealthy suspended); the roll took u1's other node, u1's launcher task on i-0c stopped
+    with its session, and the roll's new instance i-0n arrived. Both go to u1, which forms again and is signalled
+    for; u0 waits for the update's end. Before, u0 took one of them and u1 could not form: two units out at once,
+    and the roll went on while u0 was down (the cell simulation, quarantine-during-terminate-first-roll.yaml)."""
+    cell = Cell()
+    cell.group(("i-0q",), **{i: "InService" for i in ("i-0a", "i-0q", "i-0c", "i-0n")})
+    cell.containers([container("i-0a", running=1, unit="u0", unit_placement="topology", unit_session="u0@200/1"),
+                     container("i-0q", quarantine="3 unit failures", unit_session="u0@200/1"),
+                     container("i-0c", unit="u1", unit_placement="topology", unit_session="u1@100/1"),
+                     container("i-0n")])
+    cell.topology(["i-0a", "i-0c", "i-0n"], [topo(i, "t", "m", "b") for i in ("i-0a", "i-0c", "i-0n")])
+    new = [*put("i-0n", "u1", "topology"), {"name": "unit-joined", "value": f"u1@{NOW:.0f}",
+                                            "targetType": "container-instance", "targetId": arn("i-0n")}]
+    cell.describe([container("i-0n")])
+    cell.ecs.add_response("put_attributes", {"attributes": new}, {"cluster": CLUSTER, "attributes": new})
+    summary = run_during_a_rolling_update(cell, monkeypatch)
+    assert summary["units"]["u1"]["instances"] == ["i-0c", "i-0n"], summary["units"]
+    assert summary["units"]["u0"]["instances"] == ["i-0a"], summary["units"]
+
+
+def _a_roll_with_a_unit_short_of_a_held_quarantine(cell: Cell, survivor_label: str = "u1") -> None:
+    """The cell of the test above: u0 formed last with i-0q, in quarantine and held by the group to the update's end;
+    u1's survivor i-0c is free (its launcher task stopped with the session) and carries `survivor_label`."""
+    cell.group(("i-0q",), **{i: "InService" for i in ("i-0a", "i-0q", "i-0c", "i-0n")})
+    cell.containers([container("i-0a", running=1, unit="u0", unit_placement="topology", unit_session="u0@200/1"),
+                     container("i-0q", quarantine="3 unit failures", unit_session="u0@200/1"),
+                     container("i-0c", unit=survivor_label, unit_placement="topology", unit_session="u1@100/1"),
+                     container("i-0n")])
+    cell.topology(["i-0a", "i-0c", "i-0n"], [topo(i, "t", "m", "b") for i in ("i-0a", "i-0c", "i-0n")])
+
+
+@pytest.mark.parametrize("code", ["AccessDenied", "Throttling"])
+def test_a_refused_read_of_the_group_status_does_not_stop_the_run_before_its_writes(code, monkeypatch, caplog):
+    """A cold review of roll-gap (d675529): `_short_of_a_held_host` asks DescribeStackResource before the plan and
+    nothing caught its error, so a refused or throttled call (6 attempts) failed the run before any write, the label
+    of the unit that lost a node too (the rule `_spare_tasks` states: a read before the plan must not stop the run).
+    Seen failing on d675529: ClientError (DescribeStackResource) raised out of reconcile. Now the run goes on as if
+    the group were not updating (the plan before roll-gap) and says why."""
+    import dataclasses
+
+    for name, value in (("SIGNAL_STACK", "Rufus-Cell-dev"), ("SIGNAL_RESOURCE", "TrainiumNodesASG1"),
+                        ("TARGET_GROUP_ARN", "arn:tg")):
+        monkeypatch.setenv(name, value)
+    cell = Cell()
+    _a_roll_with_a_unit_short_of_a_held_quarantine(cell)
+    # The plan before roll-gap: u0, which lost a node, is completed first (with u1's survivor).
+    cell.describe([container("i-0c", unit="u1", unit_placement="topology", unit_session="u1@100/1")])
+    labels = [*put("i-0c", "u0", "topology"), {"name": "unit-joined", "value": f"u0@{NOW:.0f}",
+                                               "targetType": "container-instance", "targetId": arn("i-0c")}]
+    cell.ecs.add_response("put_attributes", {"attributes": labels}, {"cluster": CLUSTER, "attributes": labels})
+    cloudformation = boto3.client("cloudformation", region_name=REGION, config=Config(signature_version=UNSIGNED))
+    with Stubber(cloudformation) as cfn:
+        for _ in range(1 if code == "AccessDenied" else aws.Retry().attempts):
+            cfn.add_client_error("describe_stack_resource", service_error_code=code, http_status_code=400)
+        with cell.active():
+            summary = reconcile(SETTINGS, dataclasses.replace(cell.clients, cloudformation=cloudformation), {},
+                                aws.Retry(sleep=cell.delays.append), cell.lines.append, now=NOW)
+        cfn.assert_no_pending_responses()
+    assert summary["units"]["u0"]["instances"] == ["i-0a", "i-0c"], summary["units"]
+    assert "could not read whether the group is updating" in caplog.text
+
+
+def test_during_a_roll_a_unit_short_of_a_held_quarantine_takes_no_survivor_labelled_a_spare(monkeypatch):
+    """A cold review of roll-gap (d675529), a cell with spares: u1's survivor i-0c, alone a run before (no group
+    for u1 yet), was left over and so labelled a spare. `_held_for_their_units` holds it for u1, but the warm spares
+    went to the units that lost nodes before the plan, u0 (in `last`) included, and `held` was not asked there: u0
+    took i-0c and u1 could not form with the roll's new instance i-0n, the two units out the change meant to
+    prevent. Seen failing on d675529: PutAttributes wrote i-0c -> u0 and i-0n -> spare. Now u1 forms with both."""
+    settings = dataclasses.replace(SPARE_SETTINGS, units=2, spare_nodes=1)
+    cell = Cell()
+    _a_roll_with_a_unit_short_of_a_held_quarantine(cell, survivor_label="spare")
+    spare_tasks(cell, {})
+    cell.describe([container("i-0c", unit="spare", unit_placement="topology", unit_session="u1@100/1"),
+                   container("i-0n")])
+    new = [*put("i-0c", "u1", "topology"), *put("i-0n", "u1", "topology")]
+    new += [{"name": "unit-joined", "value": f"u1@{NOW:.0f}", "targetType": "container-instance", "targetId": arn(i)}
+            for i in ("i-0n",)]  # i-0c formed u1 before (its record): not a new member
+    cell.ecs.add_response("put_attributes", {"attributes": new}, {"cluster": CLUSTER, "attributes": new})
+    summary = run_during_a_rolling_update(cell, monkeypatch, settings)
+    assert summary["units"]["u1"]["instances"] == ["i-0c", "i-0n"], summary["units"]
+    assert summary["units"]["u0"]["instances"] == ["i-0a"] and summary["spares_assigned"] == {}, summary["units"]
