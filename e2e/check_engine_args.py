@@ -6,7 +6,8 @@ parses each with the parser `vllm serve` builds (`ServeSubcommand.subparser_init
 `validate_parsed_serve_args`, then `EngineArgs.from_cli_args`), and prints, per argv, the
 engine arguments vLLM ended up with, or the parser's error. An argument vLLM does not know
 fails here, not in a container on ECS. With `--options` it prints instead every option string of
-that parser with its destination (what `engine.extra_args` is checked against).
+that parser with its destination (what `engine.extra_args` is checked against). With `--with-options` it
+does both in one process ({"parsed": [...], "options": [...]}): importing vLLM is most of a run's time.
 """
 
 from __future__ import annotations
@@ -62,15 +63,19 @@ def main() -> int:
     if sys.argv[1:] == ["--options"]:
         json.dump(options(), sys.stdout)
         return 0
-    argvs = json.load(sys.stdin)
+    parsed = parse_all(json.load(sys.stdin))
+    json.dump({"parsed": parsed, "options": options()} if sys.argv[1:] == ["--with-options"] else parsed, sys.stdout)
+    return 0
+
+
+def parse_all(argvs: list[list[str]]) -> list[dict[str, Any]]:
     out = []
     for argv in argvs:
         try:
             out.append(parse(argv))
         except Exception as error:  # reported to the caller, who fails the check
             out.append({"error": f"{type(error).__name__}: {error}"})
-    json.dump(out, sys.stdout)
-    return 0
+    return out
 
 
 if __name__ == "__main__":

@@ -10,8 +10,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import locale
+import os
+import subprocess
 import sys
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -92,26 +97,61 @@ def test_utf8_locale_makes_open_decode_utf8():
 
 # --- The backend class itself, with the real vLLM imports (SamplingParams, AsyncEngineArgs) and a
 # recording stand-in engine: runs under the engine's Python (.e2e/venv, `make e2e`), skipped without it.
+# One harness process per module imports vLLM once and forks a fresh child per job (triton_backend_harness.py
+# --serve); the tests are one xdist group so that, under `pytest -n`, one worker pays that import.
 _ENGINE_PYTHON = Path(__file__).resolve().parents[3] / ".e2e" / "venv" / "bin" / "python"
 _HARNESS = Path(__file__).resolve().parent / "triton_backend_harness.py"
-needs_vllm = pytest.mark.skipif(not _ENGINE_PYTHON.exists(), reason="no .e2e/venv (vLLM): runs after make e2e")
+_NO_VLLM = pytest.mark.skipif(not _ENGINE_PYTHON.exists(), reason="no .e2e/venv (vLLM): runs after make e2e")
 
 
-def _run_backend(requests: list[dict], engine_args: dict | None = None) -> dict:
-    import subprocess
+def needs_vllm(test: Callable[..., None]) -> Callable[..., None]:
+    return _NO_VLLM(pytest.mark.xdist_group("triton_backend_vllm")(test))
 
-    job = {"model": str(_PATH), "requests": requests, "engine_args": engine_args or {"model": "m"}}
-    done = subprocess.run([str(_ENGINE_PYTHON), str(_HARNESS)], input=json.dumps(job), capture_output=True,
-                          text=True, timeout=300, cwd="/tmp")
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+
+@pytest.fixture(scope="module")
+def backend_server() -> Iterator[tuple[subprocess.Popen, IO[str]]]:
+    with tempfile.TemporaryFile("w+") as stderr:
+        server = subprocess.Popen([str(_ENGINE_PYTHON), str(_HARNESS), "--serve"], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=stderr, text=True, cwd="/tmp")
+        try:
+            ready = server.stdout.readline()
+            assert ready.strip() == '{"ready": true}', _tail(stderr) + ready
+            yield server, stderr
+        finally:
+            server.stdin.close()
+            server.wait(timeout=60)
+
+
+def _tail(stderr: IO[str]) -> str:
+    stderr.flush()
+    stderr.seek(0)
+    return stderr.read()[-3000:]
+
+
+@pytest.fixture
+def run_backend(backend_server) -> Callable[..., dict]:
+    """Runs one job in a fresh process (forked by the harness) with this test's environment at the call."""
+    server, stderr = backend_server
+
+    def run(requests: list[dict], engine_args: dict | None = None) -> dict:
+        job = {"model": str(_PATH), "requests": requests, "engine_args": engine_args or {"model": "m"},
+               "env": dict(os.environ)}
+        server.stdin.write(json.dumps(job) + "\n")
+        server.stdin.flush()
+        line = server.stdout.readline()
+        assert line, _tail(stderr)  # the server is gone
+        got = json.loads(line)
+        assert "harness_error" not in got, got["harness_error"] + _tail(stderr)
+        return got
+
+    return run
 
 
 @needs_vllm
-def test_private_sampling_fields_are_refused_before_the_engine_sees_them():
+def test_private_sampling_fields_are_refused_before_the_engine_sees_them(run_backend):
     """`_bad_words_token_ids: [[]]` killed vLLM's engine (IndexError in the sampler); `output_kind` DELTA
     broke the streamed slicing. Both must be a 400 naming the field, and never reach the engine."""
-    got = _run_backend([{"max_tokens": 4, "_bad_words_token_ids": [[]]}, {"max_tokens": 4, "output_kind": 1},
+    got = run_backend([{"max_tokens": 4, "_bad_words_token_ids": [[]]}, {"max_tokens": 4, "output_kind": 1},
                         {"max_tokens": 4, "n": 2}, {"max_tokens": 4, "temperature": 0}])
     assert got["init_error"] is None, got
     bad_words, output_kind, n, fine = got["answers"]
@@ -123,11 +163,11 @@ def test_private_sampling_fields_are_refused_before_the_engine_sees_them():
 
 
 @needs_vllm
-def test_sampling_values_of_the_wrong_type_never_reach_the_engine():
+def test_sampling_values_of_the_wrong_type_never_reach_the_engine(run_backend):
     """`seed: 1.5`, "1.5" or 2**64 reached the worker's `generator.manual_seed(seed)` (EngineDeadError: the
     unit went down); fractional max_tokens/min_tokens were taken; `null` was a TypeError text; "False" was
     truthy; a string bad_words was split into letters; guided_decoding was refused."""
-    got = _run_backend([{"seed": 1.5}, {"seed": "1.5"}, {"seed": 2**64}, {"max_tokens": 16.5}, {"min_tokens": 2.5},
+    got = run_backend([{"seed": 1.5}, {"seed": "1.5"}, {"seed": 2**64}, {"max_tokens": 16.5}, {"min_tokens": 2.5},
                         {"max_tokens": 4, "temperature": None, "seed": None, "stop": None},
                         {"max_tokens": 4, "seed": "7", "ignore_eos": "False", "bad_words": "foo",
                          "stop_token_ids": "5"},
@@ -146,15 +186,15 @@ def test_sampling_values_of_the_wrong_type_never_reach_the_engine():
 
 
 @needs_vllm
-def test_the_backend_spawns_vllms_workers_as_vllm_serve_does():
-    assert _run_backend([])["env"]["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+def test_the_backend_spawns_vllms_workers_as_vllm_serve_does(run_backend):
+    assert run_backend([])["env"]["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
 
 
 @needs_vllm
-def test_model_json_keys_that_are_no_engine_arguments_are_refused_by_name():
-    got = _run_backend([], {"model": "m", "enable_auto_tool_choice": True})
+def test_model_json_keys_that_are_no_engine_arguments_are_refused_by_name(run_backend):
+    got = run_backend([], {"model": "m", "enable_auto_tool_choice": True})
     assert got["init_error"] and "enable_auto_tool_choice" in got["init_error"], got
-    got = _run_backend([], {"model": "m", "disable_log_stats": True})
+    got = run_backend([], {"model": "m", "disable_log_stats": True})
     assert got["init_error"] and "disable_log_stats" in got["init_error"], got
 
 
@@ -275,10 +315,10 @@ def test_what_the_device_sampler_ignores_is_invalid_arg_before_the_engine(monkey
 
 
 @needs_vllm
-def test_the_device_sampling_refusal_is_invalid_arg_with_real_vllm(monkeypatch):
+def test_the_device_sampling_refusal_is_invalid_arg_with_real_vllm(monkeypatch, run_backend):
     monkeypatch.setenv("UNIT_BASE_PLATFORM", "vllm_neuron.platform.NeuronPlatform")
     monkeypatch.setenv("NEURON_COMPILED_ARTIFACTS", str(_LAYOUT))
-    got = _run_backend([{"max_tokens": 4, "guided_decoding": '{"regex": "a+"}'}, {"max_tokens": 4, "bad_words": "x"},
+    got = run_backend([{"max_tokens": 4, "guided_decoding": '{"regex": "a+"}'}, {"max_tokens": 4, "bad_words": "x"},
                         {"max_tokens": 4, "temperature": 0.5, "top_k": 5}])
     assert got["init_error"] is None, got
     guided, bad_words, fine = got["answers"]

@@ -3,6 +3,11 @@ pb_utils and a recording stand-in engine; used by test_triton_backend.py under t
 
 stdin: {"model": <model.py path>, "engine_args": {...}, "requests": [<request parameters>, ...]}
 stdout: {"init_error": str|null, "env": {...}, "answers": [{"error": [code, msg]} | {"params": {...}}]}
+
+With `--serve` it is a fork server: importing vLLM takes 20-60 s of CPU, which each job paid again (six jobs,
+the slowest part of the suite). It imports vLLM once, then per stdin line (a job as above, plus "env": the
+environment the job runs in) forks a child that takes that environment and runs the job as a fresh process
+would, and writes one stdout line (the answer, or {"harness_error": ...}).
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import os
 import sys
 import tempfile
 import time
@@ -93,8 +99,8 @@ class Request:
         return self.sender
 
 
-def main() -> None:
-    job = json.load(sys.stdin)
+def run(job: dict) -> dict:
+    """One job in this process: the backend module loaded afresh, a new model, the job's requests."""
     sys.modules["triton_python_backend_utils"] = _pb()
     spec = importlib.util.spec_from_file_location("triton_vllm_backend", job["model"])
     backend = importlib.util.module_from_spec(spec)
@@ -112,8 +118,6 @@ def main() -> None:
                               "model_version": "1"})
         except Exception as error:
             out["init_error"] = f"{type(error).__name__}: {error}"
-    import os
-
     out["env"] = {"VLLM_WORKER_MULTIPROC_METHOD": os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")}
     if out["init_error"] is None:
         for parameters in job.get("requests", []):
@@ -132,7 +136,57 @@ def main() -> None:
                                                   ("max_tokens", "n", "output_kind", "bad_words_token_ids", "seed",
                                                    "ignore_eos", "bad_words", "stop_token_ids",
                                                    "structured_outputs")}})
-    print(json.dumps(out))
+    return out
+
+
+# What vLLM reads while it is imported (its platform: plugins, UNIT_EXECUTOR): a job whose environment differs
+# there would not get what a fresh process gets, so the server refuses it.
+_IMPORT_TIME_ENV = ("VLLM_", "UNIT_EXECUTOR")
+
+
+def _import_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(_IMPORT_TIME_ENV)}
+
+
+def _answer_in_child(job: dict, imported_with: dict[str, str]) -> None:
+    """Forked: take the job's environment, run it, write its line, exit without running the parent's exit code."""
+    import traceback
+
+    try:
+        if _import_env(job["env"]) != imported_with:
+            raise RuntimeError(f"job env {_import_env(job['env'])} != the server's at import {imported_with}")
+        os.environ.clear()
+        os.environ.update(job["env"])
+        line = json.dumps(run(job))
+    except BaseException:
+        line = json.dumps({"harness_error": traceback.format_exc()})
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+    os._exit(0)  # the backend's threads are daemons; no finalize needed here
+
+
+def serve() -> None:
+    imported_with = _import_env(dict(os.environ))
+    from vllm import SamplingParams  # noqa: F401  the imports initialize and the backend's do, once
+    from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: F401
+
+    sys.stdout.write(json.dumps({"ready": True}) + "\n")
+    sys.stdout.flush()
+    for line in sys.stdin:
+        child = os.fork()
+        if child == 0:
+            _answer_in_child(json.loads(line), imported_with)
+        _, status = os.waitpid(child, 0)
+        if status != 0:  # the child died before its line (a signal, a crash in native code)
+            sys.stdout.write(json.dumps({"harness_error": f"job process ended with wait status {status}"}) + "\n")
+            sys.stdout.flush()
+
+
+def main() -> None:
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+        os._exit(0)  # stdin closed: no interpreter teardown of vLLM's modules (3 s), nothing to flush
+    print(json.dumps(run(json.load(sys.stdin))))
     os._exit(0)  # the backend's threads are daemons; no finalize needed here
 
 

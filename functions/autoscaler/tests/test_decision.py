@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import pytest
@@ -52,9 +53,17 @@ def allowed_deadline(policy: Policy, startup_s: float) -> Policy:
     return dataclasses.replace(policy, start_deadline_s=max(policy.start_deadline_s, startup_s + 600))
 
 
+# The strategies below are built once per parameter set (functools.cache), not once per unit per example: hypothesis
+# validates each new strategy object, which was most of these tests' time. The values drawn are the same.
+@functools.cache
 def histories(minutes: int, low: float = 0.0, high: float = 2.0) -> st.SearchStrategy[tuple[float | None, ...]]:
     """A metric series newest first, with gaps."""
     return st.lists(st.none() | st.floats(low, high), max_size=minutes).map(tuple)
+
+
+@functools.cache
+def health_reports(minutes: int) -> st.SearchStrategy[tuple[float | None, ...]]:
+    return st.lists(st.sampled_from([None, 0.0, 1.0]), max_size=minutes).map(tuple)
 
 
 @st.composite
@@ -67,7 +76,7 @@ def units(draw: st.DrawFn, policy: Policy) -> tuple[Unit, ...]:
         phase = phase_of(desired_tasks=desired, running_tasks=running, labelled_instances=instances,
                          served=draw(st.booleans()))
         load = draw(histories(policy.window_minutes)) if phase in ("serving", "draining") else ()
-        health = draw(st.lists(st.sampled_from([None, 0.0, 1.0]), max_size=policy.window_minutes).map(tuple))
+        health = draw(health_reports(policy.window_minutes))
         made.append(Unit(index, phase, load, running_tasks=running, instances=instances, health=health,
                          activated_at=draw(st.none() | st.floats(0, 1e6))))
     return tuple(made)
