@@ -854,3 +854,37 @@ def test_a_key_given_twice_in_a_scenario_is_refused(tmp_path) -> None:
     path.write_text((SIMULATIONS / "ami-change.yaml").read_text() + "duration: 1m\n")
     with pytest.raises(ScenarioError, match=r"not valid YAML: .*duplicate key 'duration' \(first at line \d+\)"):
         load_scenario(path)
+
+
+# ---- after a form_timeout: who acts first on the leader's freed instance (thirty-sixth session) ----------------
+
+def _u0_after_its_form_timeout(model: AwsModel) -> tuple[engine.Cell, list]:
+    """`down-unit-capacity-outage.yaml` to +1h20m: u0's follower instance was lost at 30 m, no launch succeeds, and
+    u0's leader reached its join deadline (+1h10m); what u0's leader instance and its proxy's minutes look like."""
+    scenario = load_scenario(SIMULATIONS / "down-unit-capacity-outage.yaml")
+    fleet, cell = fleet_for(scenario, ELASTIC)
+    sim = engine.Cell(fleet, cell, scenario, 1, model=model)
+    sim.start()
+    _advance(sim, 4800.0)
+    assert any("u0 session" in text and "form_timeout" in text for _, text in sim.timeline)
+    return sim, sim.minute_series["u0"][-5:]
+
+
+def test_a_lone_leader_freed_by_its_form_timeout_loses_its_label_before_ecs_starts_it_again():
+    """The launcher exits 3 and the leader task stops (the launcher is essential); the stop's container-instance
+    event reaches the real placement controller (5 s) before the service scheduler places the new leader task (10 s,
+    both assumed): an instance of a unit with no busy member is free, one instance makes no unit, so its `unit` label
+    goes, the leader task has nowhere to run and u0's proxy reports nothing."""
+    sim, minutes = _u0_after_its_form_timeout(AwsModel())
+    labelled = [i.iid for i in sim.live_instances() if i.attributes.get("unit") == "u0"]
+    assert labelled == [] and sim.units["u0"].session is None
+    assert minutes == [(None, None)] * 5
+
+
+def test_with_the_scheduler_first_the_leader_starts_again_and_its_proxy_reports_unit_healthy_0():
+    """The other order (the scheduler places the task before the controller runs): the instance is busy and keeps
+    its label, the leader forms again and its proxy reports UnitHealthy 0 every minute."""
+    scheduler_first = dataclasses.replace(AwsModel(), ecs_scheduler_delay=Behaviour(1, "", "sensitivity"))
+    sim, minutes = _u0_after_its_form_timeout(scheduler_first)
+    assert sim.units["u0"].session is not None and sim.units["u0"].session.state == "waiting"
+    assert minutes == [(0.0, 0.0)] * 5
