@@ -1081,3 +1081,65 @@ def test_a_tick_drains_nothing_while_a_unit_that_served_is_down() -> None:
                   "u2": lag + [(32.0, 1.0)] + [(0.0, 0.0)] * 14 + [None] * 13})
     summary = cell.run(settings)
     assert summary["action"] == "hold" and "no scale-in while u0 is down" in summary["reason"], summary
+
+
+# -- API faults part way through an action (the autoscaler defect hunt) ---------------
+
+
+def throttle(cell: Cell, operation: str, params: dict, times: int = 5) -> None:
+    """`times` ThrottlingExceptions of one call: with Retry's 5 attempts, the call fails and the tick with it."""
+    for _ in range(times):
+        cell.autoscaling.add_client_error(operation, "Throttling", service_message="Rate exceeded",
+                                          http_status_code=400, expected_params=params)
+
+
+def test_a_restart_whose_unprotection_fails_puts_the_record_back() -> None:
+    """SetInstanceProtection throttled out: no instance was replaced, yet the tick had already written u1's new
+    start time with one more restart (`1r1`). Before, that record stayed: u1 kept its failed hosts for a doubled
+    deadline (3 h instead of the next tick's retry), and its count of restarts went up for a restart that never
+    happened (seen failing: the record's restore, a second CreateOrUpdateTags, never sent)."""
+    cell = stalled_cell(activated=NOW - 6000)
+    cell.expect_activated(f"{int(NOW)}:1r1")
+    throttle(cell, "set_instance_protection",
+             {"AutoScalingGroupName": GROUP, "InstanceIds": ["i-c", "i-d"], "ProtectedFromScaleIn": False})
+    cell.expect_activated(f"{int(NOW - 6000)}:1")
+    with pytest.raises(ClientError, match="Throttling"):
+        cell.run(STALL_SETTINGS)
+    cell.autoscaling.assert_no_pending_responses()
+
+
+def test_a_restart_whose_first_termination_fails_protects_its_instances_and_puts_the_record_back() -> None:
+    """Both instances unprotected, then TerminateInstanceInAutoScalingGroup throttled out on the first: nothing
+    replaced. The instances stay u1's, so they get their protection back (as when the group refuses one as busy),
+    and the record goes back. Before: both left unprotected with a fresh, doubled deadline (seen failing)."""
+    cell = stalled_cell(activated=NOW - 6000)
+    cell.expect_activated(f"{int(NOW)}:1r1")
+    cell.autoscaling.add_response("set_instance_protection", {}, {
+        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-c", "i-d"], "ProtectedFromScaleIn": False})
+    throttle(cell, "terminate_instance_in_auto_scaling_group",
+             {"InstanceId": "i-c", "ShouldDecrementDesiredCapacity": False})
+    for instance in ("i-c", "i-d"):
+        cell.autoscaling.add_response("set_instance_protection", {}, {
+            "AutoScalingGroupName": GROUP, "InstanceIds": [instance], "ProtectedFromScaleIn": True})
+    cell.expect_activated(f"{int(NOW - 6000)}:1")
+    with pytest.raises(ClientError, match="Throttling"):
+        cell.run(STALL_SETTINGS)
+    cell.autoscaling.assert_no_pending_responses()
+
+
+def test_a_restart_that_replaced_one_before_failing_keeps_its_new_record() -> None:
+    """i-c replaced, i-d's termination throttled out: u1 now lacks an instance (never stalled while it does), and
+    its new start time stands; i-d, still u1's, gets its protection back."""
+    cell = stalled_cell(activated=NOW - 6000)
+    cell.expect_activated(f"{int(NOW)}:1r1")
+    cell.autoscaling.add_response("set_instance_protection", {}, {
+        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-c", "i-d"], "ProtectedFromScaleIn": False})
+    cell.autoscaling.add_response("terminate_instance_in_auto_scaling_group", {}, {
+        "InstanceId": "i-c", "ShouldDecrementDesiredCapacity": False})
+    throttle(cell, "terminate_instance_in_auto_scaling_group",
+             {"InstanceId": "i-d", "ShouldDecrementDesiredCapacity": False})
+    cell.autoscaling.add_response("set_instance_protection", {}, {
+        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-d"], "ProtectedFromScaleIn": True})
+    with pytest.raises(ClientError, match="Throttling"):
+        cell.run(STALL_SETTINGS)
+    cell.autoscaling.assert_no_pending_responses()

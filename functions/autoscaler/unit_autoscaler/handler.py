@@ -319,12 +319,18 @@ def act(settings: Settings, clients: Clients, decision: Decision, context: Mappi
         record_activation(settings, clients, context, decision.units, now, retry, restarted=True)
         labelled = context.get("labelled", {})
         instances = [i for unit_id in unit_ids for i in labelled.get(unit_id, [])]
-        done["replaced"] = aws.release_instances(clients.autoscaling, settings.group, instances, retry,
-                                                 group.in_service, decrement=False)
-        if not done["replaced"]:
-            # Nothing replaced (the group busy with every one): the record as it was, so the next tick
-            # tries again, not a new deadline, doubled, on the same hosts (review of the doubling).
-            aws.record_activated(clients.autoscaling, settings.group, group.tags.get(aws.TAG_ACTIVATED, ""), retry)
+        replaced: list[str] = []
+        try:
+            aws.release_instances(clients.autoscaling, settings.group, instances, retry, group.in_service,
+                                  decrement=False, terminated=replaced)
+        finally:
+            if not replaced:
+                # Nothing replaced (the group busy with every one, or a call failed before the first
+                # termination): the record as it was, so the next tick tries again, not a new deadline,
+                # doubled, on the same hosts (review of the doubling; the autoscaler defect hunt).
+                aws.record_activated(clients.autoscaling, settings.group, group.tags.get(aws.TAG_ACTIVATED, ""),
+                                     retry)
+        done["replaced"] = len(replaced)
     elif decision.action == "cancel":
         for unit_id in unit_ids:
             set_role(unit_id, "leader", 0)
