@@ -1143,3 +1143,55 @@ def test_a_restart_that_replaced_one_before_failing_keeps_its_new_record() -> No
     with pytest.raises(ClientError, match="Throttling"):
         cell.run(STALL_SETTINGS)
     cell.autoscaling.assert_no_pending_responses()
+
+
+def half_done_activation(failures: tuple[tuple[float, str], ...] = (), last_out: float = NOW - 60) -> Cell:
+    """The tick at `last_out` activated u2 (desired 4 -> 6, LAST_OUT and u2's activation written), then its
+    UpdateService(leader) was throttled out: u2's services are at 0, its two instances are InService, booting
+    (not registered with ECS yet, so unlabelled), and the load still wants a third unit."""
+    cell = Cell()
+    cell.stack()
+    cell.group(6, [f"i-{n}" for n in range(6)], served="0,1",
+               **{aws.TAG_LAST_OUT: last_out, aws.TAG_LAST_IN: NOW - 7200, aws.TAG_ACTIVATED: f"{int(last_out)}:2"})
+    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (0, 0)})
+    return cell
+
+
+def test_an_activation_cut_short_before_its_services_is_finished() -> None:
+    """Before: nothing finished it (`finish_half_done` knew only a leader and followers that disagree). u2 read
+    as dormant, the scale-out cool-down held the activation, and the two instances launched for u2 were released
+    as unlabelled instances no unit needs (seen failing: 'released_unlabelled': 2, no UpdateService): Trainium
+    capacity given back, then asked for again once the cool-down ended. Now the next tick sets u2's services, and
+    the instances are kept for it."""
+    cell = half_done_activation()
+    cell.activities()
+    cell.expect_count("u2", "leader", 1)
+    cell.expect_count("u2", "followers", 1)
+    cell.labels({f"i-{n}": f"u{n // 2}" for n in range(4)})
+    cell.metrics({"u0": (30.0, 1.0), "u1": (30.0, 1.0)})
+    summary = cell.run()
+    assert summary["done"] == {"finished": ["u2/leader=1", "u2/followers=1"]}, summary
+    assert summary["action"] == "hold" and summary["phases"]["u2"] == "starting", summary
+
+
+@pytest.mark.parametrize("case", ["refused since", "cool-down over"])
+def test_a_cancelled_or_old_activation_is_not_finished(case: str) -> None:
+    """A unit at 0 after its activation was cancelled (a refusal since the scale-out), or whose scale-out is older
+    than the cool-down (an operator's or a deploy's 0 since), is left as it is: no UpdateService."""
+    if case == "refused since":
+        cell = half_done_activation()
+        cell.activities((NOW - 30, REFUSAL))
+    else:
+        cell = half_done_activation(last_out=NOW - 600)
+        cell.activities()
+    cell.labels({f"i-{n}": f"u{n // 2}" for n in range(4)})
+    cell.stopping()
+    cell.metrics({"u0": (8.0, 1.0), "u1": (8.0, 1.0)})
+    # Nothing wants i-4 and i-5: released, as before.
+    cell.autoscaling.add_response("set_instance_protection", {}, {
+        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-4", "i-5"], "ProtectedFromScaleIn": False})
+    for instance in ("i-4", "i-5"):
+        cell.autoscaling.add_response("terminate_instance_in_auto_scaling_group", {}, {
+            "InstanceId": instance, "ShouldDecrementDesiredCapacity": True})
+    summary = cell.run()
+    assert "finished" not in summary["done"], summary
