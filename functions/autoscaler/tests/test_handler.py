@@ -1195,3 +1195,28 @@ def test_a_cancelled_or_old_activation_is_not_finished(case: str) -> None:
             "InstanceId": instance, "ShouldDecrementDesiredCapacity": True})
     summary = cell.run()
     assert "finished" not in summary["done"], summary
+
+
+def test_a_restart_whose_unprotection_one_by_one_fails_protects_what_it_unprotected() -> None:
+    """i-d leaves between the read and the restart (SetInstanceProtection of both refused for it), i-c is then
+    unprotected on its own, and i-d's own call is throttled out: the tick raises with nothing terminated. i-c is
+    still u1's, so it gets its protection back and the record goes back. Before (review of the defect hunt): the
+    protection was given back only to instances unprotected by the one call for all, and i-c stayed unprotected,
+    for the group's own scale-in to take from under u1 (seen failing: no SetInstanceProtection of i-c, True)."""
+    cell = stalled_cell(activated=NOW - 6000)
+    cell.expect_activated(f"{int(NOW)}:1r1")
+    cell.autoscaling.add_client_error(
+        "set_instance_protection", "ValidationError",
+        service_message="The instance i-d is not in InService or EnteringStandby or Standby.",
+        expected_params={"AutoScalingGroupName": GROUP, "InstanceIds": ["i-c", "i-d"],
+                         "ProtectedFromScaleIn": False})
+    cell.autoscaling.add_response("set_instance_protection", {}, {
+        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-c"], "ProtectedFromScaleIn": False})
+    throttle(cell, "set_instance_protection",
+             {"AutoScalingGroupName": GROUP, "InstanceIds": ["i-d"], "ProtectedFromScaleIn": False})
+    cell.autoscaling.add_response("set_instance_protection", {}, {
+        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-c"], "ProtectedFromScaleIn": True})
+    cell.expect_activated(f"{int(NOW - 6000)}:1")
+    with pytest.raises(ClientError, match="Throttling"):
+        cell.run(STALL_SETTINGS)
+    cell.autoscaling.assert_no_pending_responses()

@@ -496,23 +496,17 @@ def release_instances(autoscaling: BaseClient, group: str, instance_ids: Sequenc
         LOG.warning("not InService in group %s (already leaving): %s", group, ", ".join(skipped))
     if not ids:
         return 0
-    try:
-        retry.call(autoscaling.set_instance_protection, AutoScalingGroupName=group, InstanceIds=ids,
-                   ProtectedFromScaleIn=False)
-    except ClientError as error:
-        if not _already_leaving(error):
-            raise
-        # One of them left since the read; the others are unprotected one by one.
-        LOG.warning("SetInstanceProtection %s: %s", ids, error)
-        ids = [i for i in ids if _unprotect_one(autoscaling, group, i, retry)]
     done = [] if terminated is None else terminated
+    unprotected: list[str] = []
     busy: list[str] = []
     try:
-        busy = _terminate_each(autoscaling, ids, decrement, retry, done)
+        _unprotect(autoscaling, group, ids, retry, unprotected)
+        busy = _terminate_each(autoscaling, unprotected, decrement, retry, done)
     except Exception:
         if not decrement:
-            # A replacement cut short by an error: the instances not terminated stay in their unit (below).
-            _protect(autoscaling, group, [i for i in ids if i not in done], retry)
+            # A replacement cut short by an error: the instances not terminated stay in their unit (below),
+            # also those unprotected one by one before a later one's call failed (review of the defect hunt).
+            _protect(autoscaling, group, [i for i in unprotected if i not in done], retry)
         raise
     if busy and not decrement:
         # A replacement cut short is not tried again before the unit's next deadline, and until then the
@@ -552,6 +546,24 @@ def _protect(autoscaling: BaseClient, group: str, instance_ids: Sequence[str], r
         except ClientError as error:
             LOG.error("SetInstanceProtection %s (protecting again after a refused replacement): %s", instance_id,
                       error)
+
+
+def _unprotect(autoscaling: BaseClient, group: str, ids: Sequence[str], retry: Retry,
+               unprotected: list[str]) -> None:
+    """Lift the protection of `ids`, appending to `unprotected` each one lifted (so that a caller knows them when
+    this raises): all in one call, or, when one of them left since the read, the others one by one."""
+    try:
+        retry.call(autoscaling.set_instance_protection, AutoScalingGroupName=group, InstanceIds=list(ids),
+                   ProtectedFromScaleIn=False)
+    except ClientError as error:
+        if not _already_leaving(error):
+            raise
+        LOG.warning("SetInstanceProtection %s: %s", ids, error)
+        for instance_id in ids:
+            if _unprotect_one(autoscaling, group, instance_id, retry):
+                unprotected.append(instance_id)
+        return
+    unprotected.extend(ids)
 
 
 def _unprotect_one(autoscaling: BaseClient, group: str, instance_id: str, retry: Retry) -> bool:
