@@ -1081,3 +1081,142 @@ def test_a_tick_drains_nothing_while_a_unit_that_served_is_down() -> None:
                   "u2": lag + [(32.0, 1.0)] + [(0.0, 0.0)] * 14 + [None] * 13})
     summary = cell.run(settings)
     assert summary["action"] == "hold" and "no scale-in while u0 is down" in summary["reason"], summary
+
+
+# -- API faults part way through an action (the autoscaler defect hunt) ---------------
+
+
+def throttle(cell: Cell, operation: str, params: dict, times: int = 5) -> None:
+    """`times` ThrottlingExceptions of one call: with Retry's 5 attempts, the call fails and the tick with it."""
+    for _ in range(times):
+        cell.autoscaling.add_client_error(operation, "Throttling", service_message="Rate exceeded",
+                                          http_status_code=400, expected_params=params)
+
+
+def test_a_restart_whose_unprotection_fails_puts_the_record_back() -> None:
+    """SetInstanceProtection throttled out: no instance was replaced, yet the tick had already written u1's new
+    start time with one more restart (`1r1`). Before, that record stayed: u1 kept its failed hosts for a doubled
+    deadline (3 h instead of the next tick's retry), and its count of restarts went up for a restart that never
+    happened (seen failing: the record's restore, a second CreateOrUpdateTags, never sent)."""
+    cell = stalled_cell(activated=NOW - 6000)
+    cell.expect_activated(f"{int(NOW)}:1r1")
+    throttle(cell, "set_instance_protection",
+             {"AutoScalingGroupName": GROUP, "InstanceIds": ["i-c", "i-d"], "ProtectedFromScaleIn": False})
+    cell.expect_activated(f"{int(NOW - 6000)}:1")
+    with pytest.raises(ClientError, match="Throttling"):
+        cell.run(STALL_SETTINGS)
+    cell.autoscaling.assert_no_pending_responses()
+
+
+def test_a_restart_whose_first_termination_fails_protects_its_instances_and_puts_the_record_back() -> None:
+    """Both instances unprotected, then TerminateInstanceInAutoScalingGroup throttled out on the first: nothing
+    replaced. The instances stay u1's, so they get their protection back (as when the group refuses one as busy),
+    and the record goes back. Before: both left unprotected with a fresh, doubled deadline (seen failing)."""
+    cell = stalled_cell(activated=NOW - 6000)
+    cell.expect_activated(f"{int(NOW)}:1r1")
+    cell.autoscaling.add_response("set_instance_protection", {}, {
+        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-c", "i-d"], "ProtectedFromScaleIn": False})
+    throttle(cell, "terminate_instance_in_auto_scaling_group",
+             {"InstanceId": "i-c", "ShouldDecrementDesiredCapacity": False})
+    for instance in ("i-c", "i-d"):
+        cell.autoscaling.add_response("set_instance_protection", {}, {
+            "AutoScalingGroupName": GROUP, "InstanceIds": [instance], "ProtectedFromScaleIn": True})
+    cell.expect_activated(f"{int(NOW - 6000)}:1")
+    with pytest.raises(ClientError, match="Throttling"):
+        cell.run(STALL_SETTINGS)
+    cell.autoscaling.assert_no_pending_responses()
+
+
+def test_a_restart_that_replaced_one_before_failing_keeps_its_new_record() -> None:
+    """i-c replaced, i-d's termination throttled out: u1 now lacks an instance (never stalled while it does), and
+    its new start time stands; i-d, still u1's, gets its protection back."""
+    cell = stalled_cell(activated=NOW - 6000)
+    cell.expect_activated(f"{int(NOW)}:1r1")
+    cell.autoscaling.add_response("set_instance_protection", {}, {
+        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-c", "i-d"], "ProtectedFromScaleIn": False})
+    cell.autoscaling.add_response("terminate_instance_in_auto_scaling_group", {}, {
+        "InstanceId": "i-c", "ShouldDecrementDesiredCapacity": False})
+    throttle(cell, "terminate_instance_in_auto_scaling_group",
+             {"InstanceId": "i-d", "ShouldDecrementDesiredCapacity": False})
+    cell.autoscaling.add_response("set_instance_protection", {}, {
+        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-d"], "ProtectedFromScaleIn": True})
+    with pytest.raises(ClientError, match="Throttling"):
+        cell.run(STALL_SETTINGS)
+    cell.autoscaling.assert_no_pending_responses()
+
+
+def half_done_activation(failures: tuple[tuple[float, str], ...] = (), last_out: float = NOW - 60) -> Cell:
+    """The tick at `last_out` activated u2 (desired 4 -> 6, LAST_OUT and u2's activation written), then its
+    UpdateService(leader) was throttled out: u2's services are at 0, its two instances are InService, booting
+    (not registered with ECS yet, so unlabelled), and the load still wants a third unit."""
+    cell = Cell()
+    cell.stack()
+    cell.group(6, [f"i-{n}" for n in range(6)], served="0,1",
+               **{aws.TAG_LAST_OUT: last_out, aws.TAG_LAST_IN: NOW - 7200, aws.TAG_ACTIVATED: f"{int(last_out)}:2"})
+    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (0, 0)})
+    return cell
+
+
+def test_an_activation_cut_short_before_its_services_is_finished() -> None:
+    """Before: nothing finished it (`finish_half_done` knew only a leader and followers that disagree). u2 read
+    as dormant, the scale-out cool-down held the activation, and the two instances launched for u2 were released
+    as unlabelled instances no unit needs (seen failing: 'released_unlabelled': 2, no UpdateService): Trainium
+    capacity given back, then asked for again once the cool-down ended. Now the next tick sets u2's services, and
+    the instances are kept for it."""
+    cell = half_done_activation()
+    cell.activities()
+    cell.expect_count("u2", "leader", 1)
+    cell.expect_count("u2", "followers", 1)
+    cell.labels({f"i-{n}": f"u{n // 2}" for n in range(4)})
+    cell.metrics({"u0": (30.0, 1.0), "u1": (30.0, 1.0)})
+    summary = cell.run()
+    assert summary["done"] == {"finished": ["u2/leader=1", "u2/followers=1"]}, summary
+    assert summary["action"] == "hold" and summary["phases"]["u2"] == "starting", summary
+
+
+@pytest.mark.parametrize("case", ["refused since", "cool-down over"])
+def test_a_cancelled_or_old_activation_is_not_finished(case: str) -> None:
+    """A unit at 0 after its activation was cancelled (a refusal since the scale-out), or whose scale-out is older
+    than the cool-down (an operator's or a deploy's 0 since), is left as it is: no UpdateService."""
+    if case == "refused since":
+        cell = half_done_activation()
+        cell.activities((NOW - 30, REFUSAL))
+    else:
+        cell = half_done_activation(last_out=NOW - 600)
+        cell.activities()
+    cell.labels({f"i-{n}": f"u{n // 2}" for n in range(4)})
+    cell.stopping()
+    cell.metrics({"u0": (8.0, 1.0), "u1": (8.0, 1.0)})
+    # Nothing wants i-4 and i-5: released, as before.
+    cell.autoscaling.add_response("set_instance_protection", {}, {
+        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-4", "i-5"], "ProtectedFromScaleIn": False})
+    for instance in ("i-4", "i-5"):
+        cell.autoscaling.add_response("terminate_instance_in_auto_scaling_group", {}, {
+            "InstanceId": instance, "ShouldDecrementDesiredCapacity": True})
+    summary = cell.run()
+    assert "finished" not in summary["done"], summary
+
+
+def test_a_restart_whose_unprotection_one_by_one_fails_protects_what_it_unprotected() -> None:
+    """i-d leaves between the read and the restart (SetInstanceProtection of both refused for it), i-c is then
+    unprotected on its own, and i-d's own call is throttled out: the tick raises with nothing terminated. i-c is
+    still u1's, so it gets its protection back and the record goes back. Before (review of the defect hunt): the
+    protection was given back only to instances unprotected by the one call for all, and i-c stayed unprotected,
+    for the group's own scale-in to take from under u1 (seen failing: no SetInstanceProtection of i-c, True)."""
+    cell = stalled_cell(activated=NOW - 6000)
+    cell.expect_activated(f"{int(NOW)}:1r1")
+    cell.autoscaling.add_client_error(
+        "set_instance_protection", "ValidationError",
+        service_message="The instance i-d is not in InService or EnteringStandby or Standby.",
+        expected_params={"AutoScalingGroupName": GROUP, "InstanceIds": ["i-c", "i-d"],
+                         "ProtectedFromScaleIn": False})
+    cell.autoscaling.add_response("set_instance_protection", {}, {
+        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-c"], "ProtectedFromScaleIn": False})
+    throttle(cell, "set_instance_protection",
+             {"AutoScalingGroupName": GROUP, "InstanceIds": ["i-d"], "ProtectedFromScaleIn": False})
+    cell.autoscaling.add_response("set_instance_protection", {}, {
+        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-c"], "ProtectedFromScaleIn": True})
+    cell.expect_activated(f"{int(NOW - 6000)}:1")
+    with pytest.raises(ClientError, match="Throttling"):
+        cell.run(STALL_SETTINGS)
+    cell.autoscaling.assert_no_pending_responses()

@@ -475,7 +475,8 @@ def _already_leaving(error: ClientError) -> bool:
 
 
 def release_instances(autoscaling: BaseClient, group: str, instance_ids: Sequence[str], retry: Retry,
-                      in_service: Collection[str], decrement: bool = True) -> int:
+                      in_service: Collection[str], decrement: bool = True,
+                      terminated: list[str] | None = None) -> int:
     """Lift the scale-in protection of exactly these instances, then terminate each, decrementing the group
     (`decrement` False: not, and the group launches a replacement for each: "If you do not specify the
     option to decrement the desired capacity, Amazon EC2 Auto Scaling launches instances to replace the
@@ -485,28 +486,45 @@ def release_instances(autoscaling: BaseClient, group: str, instance_ids: Sequenc
     touched: one already terminating (a retried tick, a health replacement) would fail
     SetInstanceProtection with a ValidationError (guardian/riff-raff#510 filters the same way).
     An instance that leaves between the read and the call is tolerated (`ALREADY_LEAVING`).
-    A replacement the group refuses while busy (ScalingActivityInProgress) gets its protection back.
+    A replacement the group refuses while busy (ScalingActivityInProgress) gets its protection back, and so
+    does every one not yet terminated when a call raises part way (throttled out, refused): they stay their
+    unit's. `terminated`: appended each instance as its termination is accepted, so that a caller still knows
+    what was done when this raises.
     """
     ids = sorted(i for i in set(instance_ids) if i in in_service)
     if skipped := sorted(set(instance_ids) - set(ids)):
         LOG.warning("not InService in group %s (already leaving): %s", group, ", ".join(skipped))
     if not ids:
         return 0
+    done = [] if terminated is None else terminated
+    unprotected: list[str] = []
+    busy: list[str] = []
     try:
-        retry.call(autoscaling.set_instance_protection, AutoScalingGroupName=group, InstanceIds=ids,
-                   ProtectedFromScaleIn=False)
-    except ClientError as error:
-        if not _already_leaving(error):
-            raise
-        # One of them left since the read; the others are unprotected one by one.
-        LOG.warning("SetInstanceProtection %s: %s", ids, error)
-        ids = [i for i in ids if _unprotect_one(autoscaling, group, i, retry)]
-    released, busy = 0, []
+        _unprotect(autoscaling, group, ids, retry, unprotected)
+        busy = _terminate_each(autoscaling, unprotected, decrement, retry, done)
+    except Exception:
+        if not decrement:
+            # A replacement cut short by an error: the instances not terminated stay in their unit (below),
+            # also those unprotected one by one before a later one's call failed (review of the defect hunt).
+            _protect(autoscaling, group, [i for i in unprotected if i not in done], retry)
+        raise
+    if busy and not decrement:
+        # A replacement cut short is not tried again before the unit's next deadline, and until then the
+        # instance stays in its unit: unprotected, the group's own scale-in (a cancel's lower desired
+        # capacity) could take it from under the unit instead of a free instance.
+        _protect(autoscaling, group, busy, retry)
+    return len(done)
+
+
+def _terminate_each(autoscaling: BaseClient, ids: Sequence[str], decrement: bool, retry: Retry,
+                    done: list[str]) -> list[str]:
+    """Terminate each instance, appending to `done` those accepted; returns those refused as the group is busy."""
+    busy = []
     for instance_id in ids:
         try:
             retry.call(autoscaling.terminate_instance_in_auto_scaling_group, InstanceId=instance_id,
                        ShouldDecrementDesiredCapacity=decrement)
-            released += 1
+            done.append(instance_id)
         except ClientError as error:
             # ScalingActivityInProgress: the group is busy; a release is tried again next tick.
             if error_code(error) != "ScalingActivityInProgress" and not _already_leaving(error):
@@ -514,12 +532,7 @@ def release_instances(autoscaling: BaseClient, group: str, instance_ids: Sequenc
             LOG.warning("instance %s: %s", instance_id, error)
             if error_code(error) == "ScalingActivityInProgress":
                 busy.append(instance_id)
-    if busy and not decrement:
-        # A replacement cut short is not tried again before the unit's next deadline, and until then the
-        # instance stays in its unit: unprotected, the group's own scale-in (a cancel's lower desired
-        # capacity) could take it from under the unit instead of a free instance.
-        _protect(autoscaling, group, busy, retry)
-    return released
+    return busy
 
 
 def _protect(autoscaling: BaseClient, group: str, instance_ids: Sequence[str], retry: Retry) -> None:
@@ -533,6 +546,24 @@ def _protect(autoscaling: BaseClient, group: str, instance_ids: Sequence[str], r
         except ClientError as error:
             LOG.error("SetInstanceProtection %s (protecting again after a refused replacement): %s", instance_id,
                       error)
+
+
+def _unprotect(autoscaling: BaseClient, group: str, ids: Sequence[str], retry: Retry,
+               unprotected: list[str]) -> None:
+    """Lift the protection of `ids`, appending to `unprotected` each one lifted (so that a caller knows them when
+    this raises): all in one call, or, when one of them left since the read, the others one by one."""
+    try:
+        retry.call(autoscaling.set_instance_protection, AutoScalingGroupName=group, InstanceIds=list(ids),
+                   ProtectedFromScaleIn=False)
+    except ClientError as error:
+        if not _already_leaving(error):
+            raise
+        LOG.warning("SetInstanceProtection %s: %s", ids, error)
+        for instance_id in ids:
+            if _unprotect_one(autoscaling, group, instance_id, retry):
+                unprotected.append(instance_id)
+        return
+    unprotected.extend(ids)
 
 
 def _unprotect_one(autoscaling: BaseClient, group: str, instance_id: str, retry: Retry) -> bool:

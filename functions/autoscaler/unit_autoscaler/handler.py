@@ -21,7 +21,8 @@ asks `decision.decide` for at most one action and carries it out:
 
 Before deciding, a tick finishes any half-done activation or deactivation (`finish_half_done`):
 the actions are several calls, and a tick that died between the leader's and the followers'
-UpdateService must not leave a unit half on forever.
+UpdateService must not leave a unit half on forever; nor one that died after raising the group
+and writing the activation's records, before either UpdateService (`unfinished_activations`).
 
 The tick also keeps the served latch (`aws.TAG_SERVED`): every unit seen serving since its
 activation, so that a missing or failed health minute never turns a serving unit back into
@@ -122,12 +123,13 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
     if aws.STACK_BUSY.search(status):
         return Observation(now=now, units=(), stack_busy=status), context
     services = aws.unit_services(clients.ecs, settings.cluster, retry)
-    services, finished = finish_half_done(settings, clients, services, retry)
+    failures = aws.capacity_failures(clients.autoscaling, settings.group, retry, now - CAPACITY_LOOKBACK_S)
+    cut_short = unfinished_activations(settings, group, services, failures, now)
+    services, finished = finish_half_done(settings, clients, services, retry, cut_short)
     context["finished"] = finished
     view = aws.instance_attributes(clients.ecs, settings.cluster, retry)
     attributes, busy = view.attributes, set(view.busy)
     labelled = aws.unit_instances(attributes)
-    failures = aws.capacity_failures(clients.autoscaling, settings.group, retry, now - CAPACITY_LOOKBACK_S)
     metrics, ttft = aws.proxy_metrics(clients.cloudwatch, settings.proxy_namespace, settings.cell,
                                       settings.unit_ids, now, retry, minutes=settings.policy.window_minutes)
     latched, activated = aws.served_units(group.tags), aws.activations(group.tags)
@@ -181,9 +183,36 @@ def unit_views(settings: Settings, services: Mapping[tuple[str, str], aws.Servic
     return units
 
 
+def unfinished_activations(settings: Settings, group: aws.GroupView,
+                           services: Mapping[tuple[str, str], aws.ServiceView],
+                           failures: Collection[tuple[float, str]], now: float) -> list[str]:
+    """Units the last scale-out activated whose services are both still at 0: the tick died after raising the
+    group and writing its records (`act`: the desired capacity, TAG_LAST_OUT, TAG_ACTIVATED, then the services).
+
+    Left so, the unit reads as dormant, the scale-out cool-down holds its activation, and the instances
+    launched for it are released as unlabelled ones no unit needs (`unlabelled_beyond_need`), to be asked
+    for again after the cool-down. The records tell the activation apart: the unit's activation time is the
+    last scale-out's, no scale-in since. Not finished: an activation cancelled (a refusal since the
+    scale-out: a cancel sets the services to 0 and writes no record), or older than the scale-out cool-down
+    (the next tick, a minute later, finds a cut-short one; a 0 set since by an operator or a deploy stands).
+    """
+    last_out, last_in = _tag_time(group.tags, aws.TAG_LAST_OUT), _tag_time(group.tags, aws.TAG_LAST_IN)
+    if (last_out is None or now - last_out > settings.policy.scale_out_cooldown_s
+            or (last_in is not None and last_in >= last_out) or any(t >= last_out for t, _ in failures)):
+        return []
+    activated = aws.activations(group.tags)
+    off = [unit_id for index, unit_id in enumerate(settings.unit_ids) if activated.get(index) == last_out]
+    return [unit_id for unit_id in off
+            if all((s := services.get((unit_id, role))) is not None and s.desired == 0
+                   for role in ("leader", "followers"))]
+
+
 def finish_half_done(settings: Settings, clients: Clients, services: Mapping[tuple[str, str], aws.ServiceView],
-                     retry: aws.Retry) -> tuple[dict[tuple[str, str], aws.ServiceView], list[str]]:
+                     retry: aws.Retry, cut_short: Collection[str] = ()
+                     ) -> tuple[dict[tuple[str, str], aws.ServiceView], list[str]]:
     """Bring each unit's followers in line with its leader: returns the services as they are now, and what was set.
+    `cut_short`: units whose activation stopped before either service was set (`unfinished_activations`):
+    their leader is set to 1 first, and the followers follow.
 
     Every action sets the leader first (activate: leader 1, then followers nodes - 1;
     deactivate and cancel: leader 0, then followers 0), so the leader's desired count is the
@@ -197,6 +226,14 @@ def finish_half_done(settings: Settings, clients: Clients, services: Mapping[tup
     """
     now = dict(services)
     finished: list[str] = []
+    for unit_id in cut_short:
+        leader = now[(unit_id, "leader")]
+        aws.set_service_count(clients.ecs, settings.cluster, leader.arn, 1, retry)
+        now[(unit_id, "leader")] = dataclasses.replace(leader, desired=1)
+        finished.append(f"{unit_id}/leader=1")
+        LOG.warning("unit %s: activated at the last scale-out, its services still at 0: finishing the activation",
+                    unit_id)
+    services = dict(now)
     for unit_id in settings.unit_ids:
         leader, followers = services.get((unit_id, "leader")), services.get((unit_id, "followers"))
         if leader is None or followers is None:
@@ -319,12 +356,18 @@ def act(settings: Settings, clients: Clients, decision: Decision, context: Mappi
         record_activation(settings, clients, context, decision.units, now, retry, restarted=True)
         labelled = context.get("labelled", {})
         instances = [i for unit_id in unit_ids for i in labelled.get(unit_id, [])]
-        done["replaced"] = aws.release_instances(clients.autoscaling, settings.group, instances, retry,
-                                                 group.in_service, decrement=False)
-        if not done["replaced"]:
-            # Nothing replaced (the group busy with every one): the record as it was, so the next tick
-            # tries again, not a new deadline, doubled, on the same hosts (review of the doubling).
-            aws.record_activated(clients.autoscaling, settings.group, group.tags.get(aws.TAG_ACTIVATED, ""), retry)
+        replaced: list[str] = []
+        try:
+            aws.release_instances(clients.autoscaling, settings.group, instances, retry, group.in_service,
+                                  decrement=False, terminated=replaced)
+        finally:
+            if not replaced:
+                # Nothing replaced (the group busy with every one, or a call failed before the first
+                # termination): the record as it was, so the next tick tries again, not a new deadline,
+                # doubled, on the same hosts (review of the doubling; the autoscaler defect hunt).
+                aws.record_activated(clients.autoscaling, settings.group, group.tags.get(aws.TAG_ACTIVATED, ""),
+                                     retry)
+        done["replaced"] = len(replaced)
     elif decision.action == "cancel":
         for unit_id in unit_ids:
             set_role(unit_id, "leader", 0)
