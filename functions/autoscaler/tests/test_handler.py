@@ -36,9 +36,10 @@ Minutes = tuple[float | None, float | None] | list[tuple[float | None, float | N
 MINUTE_END = NOW // 60 * 60  # the window ends at the start of the current minute
 
 
-def series(qid: str, values: list[float | None]) -> dict:
-    """A MetricDataResult: the minutes that have a value, newest first, with their timestamps."""
-    kept = [(MINUTE_END - 60 * (k + 1), v) for k, v in enumerate(values) if v is not None]
+def series(qid: str, values: list[float | None], end: float = MINUTE_END) -> dict:
+    """A MetricDataResult: the minutes that have a value, newest first, with their timestamps (the window
+    ending at `end`)."""
+    kept = [(end - 60 * (k + 1), v) for k, v in enumerate(values) if v is not None]
     return {"Id": qid, "Timestamps": [datetime.fromtimestamp(t, UTC) for t, _ in kept],
             "Values": [v for _, v in kept], "StatusCode": "Complete"}
 
@@ -58,12 +59,12 @@ class Cell:
         self.ecs = Stubber(self.clients.ecs)
         self.lines: list[str] = []
 
-    def run(self, settings: Settings = SETTINGS) -> dict:
+    def run(self, settings: Settings = SETTINGS, now: float = NOW) -> dict:
         with ExitStack() as stack:
             stubbers = (self.autoscaling, self.cloudformation, self.cloudwatch, self.ecs)
             for stubber in stubbers:
                 stack.enter_context(stubber)
-            summary = tick(settings, self.clients, NOW, aws.Retry(sleep=lambda s: None), self.lines.append)
+            summary = tick(settings, self.clients, now, aws.Retry(sleep=lambda s: None), self.lines.append)
             for stubber in stubbers:
                 stubber.assert_no_pending_responses()
         return summary
@@ -175,21 +176,21 @@ class Cell:
             for n, (t, message) in enumerate(failures)
         ]}, {"AutoScalingGroupName": GROUP, "MaxRecords": 50})
 
-    def metrics(self, loads: dict[str, Minutes], ttft: float | None = None) -> None:
+    def metrics(self, loads: dict[str, Minutes], ttft: float | None = None, end: float = MINUTE_END) -> None:
         """unit -> (inflight, healthy) in every minute of the window, or a list of them newest first
         (None, or None in a pair: no datapoint that minute). As CloudWatch answers: newest first,
-        each value with its minute's timestamp, minutes without data left out."""
+        each value with its minute's timestamp, minutes without data left out. `end`: the tick's minute."""
         window = POLICY.window_minutes
-        results = [series("ttft", [ttft] * window)]
+        results = [series("ttft", [ttft] * window, end)]
         for index in range(POLICY.max_units):
             minutes = loads.get(f"u{index}", (None, None))
             per_minute = minutes if isinstance(minutes, list) else [minutes] * window
             pairs = [m if m is not None else (None, None) for m in per_minute]
             inflight = [i for i, _ in pairs]
-            results += [series(f"inflight{index}", inflight),
-                        series(f"waiting{index}", [None if i is None else 0.0 for i in inflight]),
-                        series(f"kv{index}", [None if i is None else 0.1 for i in inflight]),
-                        series(f"healthy{index}", [h for _, h in pairs])]
+            results += [series(f"inflight{index}", inflight, end),
+                        series(f"waiting{index}", [None if i is None else 0.0 for i in inflight], end),
+                        series(f"kv{index}", [None if i is None else 0.1 for i in inflight], end),
+                        series(f"healthy{index}", [h for _, h in pairs], end)]
         self.cloudwatch.add_response("get_metric_data", {"MetricDataResults": results},
                                      {"MetricDataQueries": ANY, "StartTime": ANY, "EndTime": ANY,
                                       "ScanBy": "TimestampDescending"})
@@ -214,9 +215,9 @@ class Cell:
             "ResourceId": GROUP, "ResourceType": "auto-scaling-group", "Key": aws.TAG_ACTIVATED, "Value": value,
             "PropagateAtLaunch": False}]})
 
-    def expect_tag(self, key: str) -> None:
+    def expect_tag(self, key: str, at: float = NOW) -> None:
         self.autoscaling.add_response("create_or_update_tags", {}, {"Tags": [{
-            "ResourceId": GROUP, "ResourceType": "auto-scaling-group", "Key": key, "Value": str(int(NOW)),
+            "ResourceId": GROUP, "ResourceType": "auto-scaling-group", "Key": key, "Value": str(int(at)),
             "PropagateAtLaunch": False}]})
 
 
@@ -1195,6 +1196,96 @@ def test_a_cancelled_or_old_activation_is_not_finished(case: str) -> None:
             "InstanceId": instance, "ShouldDecrementDesiredCapacity": True})
     summary = cell.run()
     assert "finished" not in summary["done"], summary
+
+
+def operator_stopped_cell(activated: str, followers: int) -> Cell:
+    """u2 activated at NOW - 120 (desired 4 -> 6, i-4 and i-5 InService, booting: not registered); since, an
+    operator set its leader to 0 (UpdateService); its followers at `followers`. u0 and u1 serve a load that
+    still wants a third unit (held by the scale-out cool-down). No capacity refusal."""
+    cell = Cell()
+    cell.stack()
+    cell.group(6, [f"i-{n}" for n in range(6)], served="0,1",
+               **{aws.TAG_LAST_OUT: NOW - 120, aws.TAG_LAST_IN: NOW - 7200, aws.TAG_ACTIVATED: activated})
+    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (0, 0, followers, 0)})
+    cell.activities()
+    return cell
+
+
+def release_booting(cell: Cell) -> None:
+    """i-4 and i-5, launched for u2, no unit waits for now: released (the unlabelled rule)."""
+    cell.stopping()
+    cell.autoscaling.add_response("set_instance_protection", {}, {
+        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-4", "i-5"], "ProtectedFromScaleIn": False})
+    for instance in ("i-4", "i-5"):
+        cell.autoscaling.add_response("terminate_instance_in_auto_scaling_group", {}, {
+            "InstanceId": instance, "ShouldDecrementDesiredCapacity": True})
+
+
+def test_an_operators_stop_of_a_just_activated_unit_stands(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three ticks, the group's TAG_ACTIVATED carried from one to the next: u2 activated (NOW - 120); an operator
+    sets its leader to 0; the next tick turns its followers off (leader 0 is the unit's intended state,
+    `finish_half_done`); the tick after must leave it off. Before (the cold review's finding 2): that tick saw
+    both at 0 with u2's activation time the last scale-out's, inside the cool-down, took it for an activation
+    cut short (`unfinished_activations`) and set the leader back to 1 (seen failing: UpdateService u2-leader 1
+    where none was stubbed). Now the repair tick records the stop: u2's activation time becomes its own."""
+    tags = {aws.TAG_ACTIVATED: ""}
+    monkeypatch.setattr(aws, "record_activated", lambda _client, _group, value, _retry: tags.update(
+        {aws.TAG_ACTIVATED: value}))
+    activation = NOW - 120
+    cell = Cell()
+    cell.stack()
+    cell.group(4, [f"i-{n}" for n in range(4)], served="0,1",
+               **{aws.TAG_LAST_OUT: NOW - 7200, aws.TAG_LAST_IN: NOW - 7200})
+    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (0, 0)})
+    cell.labels({f"i-{n}": f"u{n // 2}" for n in range(4)})
+    cell.activities()
+    cell.metrics({"u0": (30.0, 1.0), "u1": (30.0, 1.0)}, end=activation)
+    cell.expect_desired(6)
+    cell.expect_tag(aws.TAG_LAST_OUT, at=activation)
+    cell.expect_count("u2", "leader", 1)
+    cell.expect_count("u2", "followers", 1)
+    assert cell.run(now=activation)["action"] == "activate" and tags[aws.TAG_ACTIVATED] == f"{int(activation)}:2"
+
+    cell = operator_stopped_cell(tags[aws.TAG_ACTIVATED], followers=1)
+    cell.expect_count("u2", "followers", 0)
+    cell.labels({f"i-{n}": f"u{n // 2}" for n in range(4)})
+    cell.metrics({"u0": (30.0, 1.0), "u1": (30.0, 1.0)}, end=NOW - 60)
+    release_booting(cell)
+    summary = cell.run(now=NOW - 60)
+    assert summary["done"]["finished"] == ["u2/followers=0"] and summary["phases"]["u2"] == "dormant", summary
+
+    cell = Cell()
+    cell.stack()
+    cell.group(4, [f"i-{n}" for n in range(4)], served="0,1",
+               **{aws.TAG_LAST_OUT: activation, aws.TAG_LAST_IN: NOW - 7200,
+                  aws.TAG_ACTIVATED: tags[aws.TAG_ACTIVATED]})
+    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (0, 0)})
+    cell.labels({f"i-{n}": f"u{n // 2}" for n in range(4)})
+    cell.activities()
+    cell.metrics({"u0": (30.0, 1.0), "u1": (30.0, 1.0)})
+    summary = cell.run()
+    assert "finished" not in summary["done"] and summary["phases"]["u2"] == "dormant", summary
+    assert summary["action"] == "hold" and "cool-down" in summary["reason"], summary
+    assert tags[aws.TAG_ACTIVATED] == f"{int(NOW - 60)}:2"
+
+
+def test_the_stop_is_recorded_before_the_followers_and_keeps_the_other_records() -> None:
+    """The record is written before the followers' UpdateService (a tick that dies between them leaves the stop
+    recorded; the next tick repeats only the followers), u2's time only: u1's record and its restart count kept."""
+    record = {"ResourceId": GROUP, "ResourceType": "auto-scaling-group", "Key": aws.TAG_ACTIVATED,
+              "Value": f"{int(NOW)}:2;{int(NOW - 2400)}:1r1", "PropagateAtLaunch": False}
+    cell = operator_stopped_cell(f"{int(NOW - 120)}:2;{int(NOW - 2400)}:1r1", followers=1)
+    throttle(cell, "create_or_update_tags", {"Tags": [record]})
+    with pytest.raises(ClientError, match="Throttling"):
+        cell.run()  # no UpdateService of the followers: none is stubbed
+
+    cell = operator_stopped_cell(f"{int(NOW - 120)}:2;{int(NOW - 2400)}:1r1", followers=1)
+    cell.expect_activated(record["Value"])
+    cell.expect_count("u2", "followers", 0)
+    cell.labels({f"i-{n}": f"u{n // 2}" for n in range(4)})
+    cell.metrics({"u0": (30.0, 1.0), "u1": (30.0, 1.0)})
+    release_booting(cell)
+    assert cell.run()["done"]["finished"] == ["u2/followers=0"]
 
 
 def test_a_restart_whose_unprotection_one_by_one_fails_protects_what_it_unprotected() -> None:

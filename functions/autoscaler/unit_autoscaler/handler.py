@@ -23,6 +23,8 @@ Before deciding, a tick finishes any half-done activation or deactivation (`fini
 the actions are several calls, and a tick that died between the leader's and the followers'
 UpdateService must not leave a unit half on forever; nor one that died after raising the group
 and writing the activation's records, before either UpdateService (`unfinished_activations`).
+A just-activated unit whose leader an operator set to 0 gets its stop recorded (`record_stops`),
+so that the tick after does not take it for such a cut-short activation.
 
 The tick also keeps the served latch (`aws.TAG_SERVED`): every unit seen serving since its
 activation, so that a missing or failed health minute never turns a serving unit back into
@@ -125,6 +127,9 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
     services = aws.unit_services(clients.ecs, settings.cluster, retry)
     failures = aws.capacity_failures(clients.autoscaling, settings.group, retry, now - CAPACITY_LOOKBACK_S)
     cut_short = unfinished_activations(settings, group, services, failures, now)
+    # Before the repair that turns their followers off: a tick that dies between the two still has the record.
+    group = record_stops(settings, clients, group, services, failures, now, retry)
+    context["group"] = group
     services, finished = finish_half_done(settings, clients, services, retry, cut_short)
     context["finished"] = finished
     view = aws.instance_attributes(clients.ecs, settings.cluster, retry)
@@ -183,6 +188,23 @@ def unit_views(settings: Settings, services: Mapping[tuple[str, str], aws.Servic
     return units
 
 
+def _last_activated(settings: Settings, group: aws.GroupView, failures: Collection[tuple[float, str]],
+                    now: float) -> list[str]:
+    """Units whose activation record is the last scale-out's, while that activation may still be one a tick cut
+    short: within the scale-out cool-down, no scale-in and no capacity refusal since (`unfinished_activations`)."""
+    last_out, last_in = _tag_time(group.tags, aws.TAG_LAST_OUT), _tag_time(group.tags, aws.TAG_LAST_IN)
+    if (last_out is None or now - last_out > settings.policy.scale_out_cooldown_s
+            or (last_in is not None and last_in >= last_out) or any(t >= last_out for t, _ in failures)):
+        return []
+    activated = aws.activations(group.tags)
+    return [unit_id for index, unit_id in enumerate(settings.unit_ids) if activated.get(index) == last_out]
+
+
+def _desired(services: Mapping[tuple[str, str], aws.ServiceView], unit_id: str, role: str) -> int | None:
+    service = services.get((unit_id, role))
+    return None if service is None else service.desired
+
+
 def unfinished_activations(settings: Settings, group: aws.GroupView,
                            services: Mapping[tuple[str, str], aws.ServiceView],
                            failures: Collection[tuple[float, str]], now: float) -> list[str]:
@@ -193,18 +215,39 @@ def unfinished_activations(settings: Settings, group: aws.GroupView,
     launched for it are released as unlabelled ones no unit needs (`unlabelled_beyond_need`), to be asked
     for again after the cool-down. The records tell the activation apart: the unit's activation time is the
     last scale-out's, no scale-in since. Not finished: an activation cancelled (a refusal since the
-    scale-out: a cancel sets the services to 0 and writes no record), or older than the scale-out cool-down
-    (the next tick, a minute later, finds a cut-short one; a 0 set since by an operator or a deploy stands).
+    scale-out: a cancel sets the services to 0 and writes no record), one an operator stopped (its leader set
+    to 0 and seen so by a tick: `record_stops` moved its activation time off the scale-out's), or one older
+    than the scale-out cool-down (the next tick, a minute later, finds a cut-short one).
     """
-    last_out, last_in = _tag_time(group.tags, aws.TAG_LAST_OUT), _tag_time(group.tags, aws.TAG_LAST_IN)
-    if (last_out is None or now - last_out > settings.policy.scale_out_cooldown_s
-            or (last_in is not None and last_in >= last_out) or any(t >= last_out for t, _ in failures)):
-        return []
-    activated = aws.activations(group.tags)
-    off = [unit_id for index, unit_id in enumerate(settings.unit_ids) if activated.get(index) == last_out]
-    return [unit_id for unit_id in off
-            if all((s := services.get((unit_id, role))) is not None and s.desired == 0
-                   for role in ("leader", "followers"))]
+    return [unit_id for unit_id in _last_activated(settings, group, failures, now)
+            if _desired(services, unit_id, "leader") == 0 and _desired(services, unit_id, "followers") == 0]
+
+
+def record_stops(settings: Settings, clients: Clients, group: aws.GroupView,
+                 services: Mapping[tuple[str, str], aws.ServiceView], failures: Collection[tuple[float, str]],
+                 now: float, retry: aws.Retry) -> aws.GroupView:
+    """Record the stop of a unit the last scale-out activated whose leader is now at 0 and its followers not
+    (an operator's UpdateService; `finish_half_done` turns the followers off next): its activation time
+    becomes `now`. Returns the group with the tags as written.
+
+    Without it the next tick saw both services at 0 with the scale-out's record, as after a tick cut short
+    before either service (`unfinished_activations`), and set the leader back to 1, undoing the operator
+    (the cold review's finding 2). Only these units' times change, only in the cool-down where the records
+    could be misread, and only to a time after their activation: the other readers of TAG_ACTIVATED judge
+    a unit whose services are on (`decision.start_of`, `has_served`, `_cancellable`, `stalled`), and for one
+    an operator turns on again its life begins after the stop, not at the scale-out. Its restarts are kept.
+    """
+    stopped = [unit_id for unit_id in _last_activated(settings, group, failures, now)
+               if _desired(services, unit_id, "leader") == 0 and (_desired(services, unit_id, "followers") or 0) > 0]
+    if not stopped:
+        return group
+    activated = {**aws.activations(group.tags), **dict.fromkeys((settings.unit_ids.index(u) for u in stopped), now)}
+    # Every record kept as it is (no window pruned here: `record_activation` prunes with the phases known).
+    value = aws.activations_value(activated, 0.0, set(activated), aws.restart_counts(group.tags))
+    aws.record_activated(clients.autoscaling, settings.group, value, retry)
+    LOG.warning("unit %s: leader set to 0 after its activation (an operator): its stop recorded, not finished",
+                ", ".join(stopped))
+    return dataclasses.replace(group, tags={**group.tags, aws.TAG_ACTIVATED: value})
 
 
 def finish_half_done(settings: Settings, clients: Clients, services: Mapping[tuple[str, str], aws.ServiceView],
@@ -222,7 +265,8 @@ def finish_half_done(settings: Settings, clients: Clients, services: Mapping[tup
     disagree with what was started (a separate tag could be written and the action not, or
     the reverse), it needs no extra state, and CloudFormation's counts and an operator's
     UpdateService on the leader are read the same way. Only on/off is repaired, not exact
-    counts: a unit with both services on is left as it is.
+    counts: a unit with both services on is left as it is. (An operator's 0 on a just-activated
+    unit's leader would look cut short once its followers are off too: `record_stops`, run before.)
     """
     now = dict(services)
     finished: list[str] = []
