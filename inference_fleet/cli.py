@@ -211,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
         # Started with stdout closed (`validate >&-`): Python sets sys.stdout to None and print() drops the text.
         print("error: standard output is closed: nothing could be printed", file=sys.stderr)
         return exit_codes.IO_ERROR
+    if hasattr(sys.stdout, "reconfigure"):
+        # Under a locale that is not UTF-8 (LANG=en_US.ISO-8859-1, PYTHONIOENCODING=ascii) the reference's em dash or
+        # a non-ASCII model name raised UnicodeEncodeError: such characters are escaped (\u2014), as on stderr.
+        sys.stdout.reconfigure(errors="backslashreplace")
     try:
         try:
             return _run(argv)
@@ -220,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
         return _closed_pipe()
     except OSError as error:  # `reference > /dev/full`: [Errno 28] No space left on device
         return _io_error(error)
+    except KeyboardInterrupt:
+        exit_codes.end_interrupted()
+        return exit_codes.INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -4,6 +4,10 @@ Scripts tell the cases apart: a mistake on the command line (2, argparse's own s
 fleet file that is refused (3), the output closed early by the reader (141).
 """
 
+import os
+import signal
+import sys
+
 OK = 0
 # `plan --suggest` found no unit size that fits the model (the output says why); an
 # unexpected crash also ends with 1, as any Python program does.
@@ -21,6 +25,9 @@ IO_ERROR = 8
 # The reader closed the pipe (`... | head -1`): the status a shell reports for a process
 # ended by SIGPIPE (128 + 13), as `cat` or `grep` would give; nothing is printed.
 CLOSED_PIPE = 141
+# Ctrl-C (SIGINT): one line on stderr, then the process ends by SIGINT itself, which a shell reports as 130
+# (128 + 2), so that a calling script or loop sees the interrupt and stops too.
+INTERRUPTED = 130
 
 EPILOG = f"""exit status:
   {OK}    done
@@ -32,4 +39,20 @@ EPILOG = f"""exit status:
   {VERIFY}    verify: a check failed on the cell (the table and the report say which and why)
   {EVACUATE}    evacuate: refused or not finished (no router fronts the cell, none would be left, a wait timed out)
   {IO_ERROR}    the output or a file could not be written or read (stdout closed, disk full): the message says which
+  {INTERRUPTED}  interrupted (Ctrl-C, SIGINT): stopped before it finished (simulate: no report)
   {CLOSED_PIPE}  the output was closed early (e.g. piped into head); nothing else is printed"""
+
+
+def end_interrupted() -> None:
+    """Ctrl-C reached the command (KeyboardInterrupt): say so in one line instead of Python's traceback, then
+    end by SIGINT as Python itself does for an uncaught KeyboardInterrupt since 3.8 (bpo-1054041; the shell's 130),
+    so that a calling shell loop stops too."""
+    print("interrupted (Ctrl-C): stopped before it finished", file=sys.stderr)
+    try:
+        if sys.stdout is not None:
+            sys.stdout.flush()  # what was printed before the interrupt still reaches the reader
+    except (OSError, ValueError):
+        pass
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
+    raise SystemExit(INTERRUPTED)  # only where the signal did not end the process

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -263,3 +265,89 @@ def test_validate_names_every_stack_a_first_deploy_asks_for() -> None:
     assert done.returncode == exit_codes.OK, done.stderr
     names = [line.split(":")[0] for line in done.stdout.splitlines()]
     assert names == ["Rufus-Cell-dev", "Rufus-Compile", "Rufus-Pipeline"], done.stdout
+
+
+def write_scenario(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "scenario.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+HUGE = str(10**400)  # a YAML integer no float holds
+
+
+@pytest.mark.parametrize(("events", "duration", "message"), [
+    ("[]", HUGE, "  - duration: at most 7 days"),
+    (f"[{{at: {HUGE}, do: ami_change}}]", "1h", "  - events[0].at: " + HUGE + " is after the scenario's end (3600 s)"),
+    (f"[{{at: -{HUGE}, do: ami_change}}]", "1h", "  - events[0].at: -" + HUGE + " must be at least 0"),
+])
+def test_a_scenario_integer_past_a_float_is_refused_not_a_traceback(tmp_path: Path, events: str, duration: str,
+                                                                    message: str) -> None:
+    # Regression: parse_duration's float(10**400) raised OverflowError: a traceback and exit 1.
+    scenario = write_scenario(tmp_path, f"name: x\nduration: {duration}\nevents: {events}\n")
+    done = fleet_cli("simulate", "--scenario", scenario, "--report", str(tmp_path / "r.json"))
+    assert done.returncode == exit_codes.CONFIG, done.stderr
+    assert message in done.stderr.splitlines(), done.stderr
+
+
+def test_a_scenario_nested_too_deeply_is_refused_not_a_traceback(tmp_path: Path) -> None:
+    # Regression: PyYAML's composer recursed past Python's limit: a RecursionError traceback and exit 1 (the fleet
+    # file's reader caught it, load_scenario did not).
+    scenario = write_scenario(tmp_path, "name: " + "[" * 100_000 + "]" * 100_000 + "\n")
+    done = fleet_cli("simulate", "--scenario", scenario, "--report", str(tmp_path / "r.json"))
+    assert done.returncode == exit_codes.CONFIG, done.stderr
+    assert done.stderr == f"error: {scenario}: not valid YAML: nested too deeply\n"
+
+
+def test_a_scenario_that_is_a_fifo_is_refused_not_waited_on(tmp_path: Path) -> None:
+    # Regression: `--scenario FIFO` blocked in read_text until a writer came (this test timed out); a fleet file
+    # that is a FIFO was already refused at once.
+    fifo = tmp_path / "scenario.yaml"
+    os.mkfifo(fifo)
+    done = subprocess.run([sys.executable, "-m", "inference_fleet", "simulate", "--scenario", str(fifo), "--report",
+                           str(tmp_path / "r.json")], cwd=ROOT, capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == exit_codes.CONFIG, done.stderr
+    assert "it is a named pipe (FIFO), not a regular file; give a scenario file" in done.stderr
+
+
+def test_ctrl_c_mid_run_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    # Regression: SIGINT during a simulation printed a KeyboardInterrupt traceback. The process still ends by SIGINT
+    # (the shell's 130), as Python's own default does, so that a calling loop stops.
+    argv = [sys.executable, "-m", "inference_fleet", "simulate", "--scenario", "simulations/day-36-units.yaml",
+            "--config", "tests/fleets/large.yaml", "--seeds", "20", "--report", str(tmp_path / "r.json")]
+    with subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) as run:
+        time.sleep(4)  # past the imports, into the seeds (one seed takes seconds)
+        run.send_signal(signal.SIGINT)
+        stdout, stderr = run.communicate(timeout=60)
+    assert run.returncode == -signal.SIGINT, (run.returncode, stderr)
+    assert stderr == "interrupted (Ctrl-C): stopped before it finished\n"
+    assert not (tmp_path / "r.json").exists() and not stdout
+
+
+@pytest.mark.parametrize(("encoding", "argv", "escaped"), [
+    ("latin-1", ["reference"], "\\u2014"),  # the em dash of each section's heading
+    ("ascii", ["plan", "--config", "{fleet}"], "Instruct-\\xfc"),  # a model name with an umlaut
+])
+def test_a_stdout_that_is_not_utf8_gets_escapes_not_a_traceback(tmp_path: Path, encoding: str, argv: list[str],
+                                                                  escaped: str) -> None:
+    # Regression: under a locale that is not UTF-8 (here as PYTHONIOENCODING) print() raised UnicodeEncodeError:
+    # a traceback and exit 1, where stderr already escaped such characters.
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text((ROOT / "config" / "default.yaml").read_text().replace(
+        "name: meta-llama/Llama-3.1-405B-Instruct", "name: meta-llama/Llama-3.1-405B-Instruct-\u00fc"))
+    done = subprocess.run([sys.executable, "-m", "inference_fleet", *(a.format(fleet=fleet) for a in argv)], cwd=ROOT,
+                          env={**os.environ, "PYTHONIOENCODING": encoding}, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == exit_codes.OK, done.stderr
+    assert escaped in done.stdout and "Traceback" not in done.stderr
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_report_that_cannot_be_written_keeps_the_verdicts(tmp_path: Path) -> None:
+    # Regression: the report was written before the verdicts were printed: a write that failed after the run (a full
+    # disk; /dev/full passes the path checks) printed only "input/output failed" and the run was lost.
+    done = fleet_cli("simulate", "--scenario", "simulations/hang.yaml", "--report", "/dev/full")
+    assert done.returncode == exit_codes.IO_ERROR, done.stderr
+    assert "I2 serving units: held" in done.stdout.splitlines()
+    assert done.stderr.startswith("error: the report could not be written to /dev/full: No space left on device")

@@ -49,17 +49,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Runs the scenario; a refused scenario or fleet raises ConfigError (exit 3 in cli._run)."""
-    from inference_fleet.simulation.runner import render, simulate
+    from inference_fleet.simulation.runner import render, simulate, write_report
     from inference_fleet.simulation.scenario import load_scenario
 
     scenario = load_scenario(args.scenario)
-    doc = simulate(scenario, args.config, args.seeds, args.report, timeline=args.timeline)
+    # The verdicts are printed before the report is written: a report that cannot be written (a full disk, a
+    # device) loses no run, which can take minutes.
+    doc = simulate(scenario, args.config, args.seeds, None, timeline=args.timeline)
     for line in render(doc):
         print(line)
     for seed in doc["per_seed"] if args.timeline else ():
         print(f"time line of seed {seed['seed']}:")
         for line in seed["timeline"]:
             print(f"  {line}")
+    sys.stdout.flush()  # the verdicts reach the reader before a report error's line
+    try:
+        write_report(doc, args.report)
+    except OSError as error:
+        print(f"error: the report could not be written to {args.report}: {error.strerror or error}; the verdicts "
+              "above are the run's (write the report elsewhere with --report FILE)", file=sys.stderr)
+        return exit_codes.IO_ERROR
     print(f"report: {args.report}", file=sys.stderr)
     violated = any(not v["held"] for v in doc["invariants"].values())
     return exit_codes.VIOLATED if violated else exit_codes.OK

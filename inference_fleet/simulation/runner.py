@@ -198,8 +198,13 @@ def simulate(scenario: Scenario, config: str | None, seeds: int, out: Path | Non
     results = [run_seed(scenario, fleet, cell, base + k, hooks=hooks, model=model) for k in range(seeds)]
     doc = report(scenario, fleet, cell, results, timeline)
     if out is not None:
-        out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+        write_report(doc, out)
     return doc
 
 
-__all__ = ["INVARIANTS", "ConfigError", "ScenarioError", "fleet_for", "render", "simulate"]
+def write_report(doc: Mapping[str, Any], out: Path) -> None:
+    """The report as JSON at `out` (OSError when it cannot be written)."""
+    out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+
+
+__all__ = ["INVARIANTS", "ConfigError", "ScenarioError", "fleet_for", "render", "simulate", "write_report"]

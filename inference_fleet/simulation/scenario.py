@@ -52,6 +52,7 @@ KINDS: Mapping[str, tuple[frozenset[str], frozenset[str]]] = {
 }
 METRICS = ("all", "load", "health")
 MAX_DURATION_S = 7 * 86400.0
+_HUGE_S = 1e300  # beyond every bound on a duration, and still a float
 
 
 class ScenarioError(ValueError):
@@ -101,7 +102,9 @@ def parse_duration(value: Any, where: str, problems: list[str], *, allow_zero: b
     if isinstance(value, bool):
         match = None
     elif isinstance(value, int | float):
-        seconds = float(value)
+        # An integer past a float's range (10**400) is clamped, not converted (OverflowError): the bounds below
+        # refuse it as too long (or negative).
+        seconds = float(value) if isinstance(value, float) else float(max(-_HUGE_S, min(value, _HUGE_S)))
         match = math.isfinite(seconds)  # YAML's .nan and .inf are floats too
     else:
         match = _DURATION.match(str(value)) if isinstance(value, str) else None
@@ -244,9 +247,24 @@ def parse_scenario(data: Any, source: str = "<dict>") -> Scenario:
                     dict(fleet), source)
 
 
+def _not_a_regular_file(path: Path) -> str | None:
+    """What an existing path that is neither a regular file nor a directory is (a directory's read names itself)."""
+    if path.is_fifo():
+        return "a named pipe (FIFO)"
+    if path.is_socket():
+        return "a socket"
+    if path.is_char_device() or path.is_block_device():
+        return "a device"
+    return None
+
+
 def load_scenario(path: str | Path) -> Scenario:
     """Read and check a scenario file."""
     source = str(path)
+    if (kind := _not_a_regular_file(Path(path))) is not None:
+        # A FIFO would block the read until a writer came (a device might never end): refused, as a fleet file's is.
+        raise ScenarioError(f"{source}: cannot read the scenario file: it is {kind}, not a regular file; give a "
+                            "scenario file (simulations/*.yaml)")
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
@@ -255,4 +273,6 @@ def load_scenario(path: str | Path) -> Scenario:
         data = load_yaml_strictly(text)  # as the fleet file: a key given twice is refused, not the last one kept
     except yaml.YAMLError as error:
         raise ScenarioError(f"{source}: not valid YAML: {error}") from None
+    except RecursionError:  # [[[[...]]]] thousands deep: PyYAML's composer recurses once a level
+        raise ScenarioError(f"{source}: not valid YAML: nested too deeply") from None
     return parse_scenario(data, source)
