@@ -310,6 +310,16 @@ def test_a_scenario_that_is_a_fifo_is_refused_not_waited_on(tmp_path: Path) -> N
     assert "it is a named pipe (FIFO), not a regular file; give a scenario file" in done.stderr
 
 
+def test_a_scenario_path_that_cannot_be_examined_is_a_scenario_error_not_an_io_failure(tmp_path: Path) -> None:
+    # Regression (the cold re-read of the thirty-sixth session): the FIFO check's stat raised what Path.is_fifo does
+    # not swallow (ENAMETOOLONG; EACCES for a user under a directory it cannot search) before the read's own
+    # handling: "input/output failed" and exit 8, where the path was refused as a scenario file (exit 3) before.
+    scenario = str(tmp_path / ("a" * 300 + ".yaml"))
+    done = fleet_cli("simulate", "--scenario", scenario, "--report", str(tmp_path / "r.json"))
+    assert done.returncode == exit_codes.CONFIG, done.stderr
+    assert done.stderr.startswith(f"error: {scenario}: cannot read the scenario file: [Errno 36] File name too long")
+
+
 def test_ctrl_c_mid_run_is_one_line_not_a_traceback(tmp_path: Path) -> None:
     # Regression: SIGINT during a simulation printed a KeyboardInterrupt traceback. The process still ends by SIGINT
     # (the shell's 130), as Python's own default does, so that a calling loop stops.

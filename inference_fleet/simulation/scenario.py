@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -248,12 +249,18 @@ def parse_scenario(data: Any, source: str = "<dict>") -> Scenario:
 
 
 def _not_a_regular_file(path: Path) -> str | None:
-    """What an existing path that is neither a regular file nor a directory is (a directory's read names itself)."""
-    if path.is_fifo():
+    """What an existing path that is neither a regular file nor a directory is (a directory's read names itself).
+    None when it cannot be examined: Path.is_fifo raises what it does not swallow (ENAMETOOLONG, EACCES), and the
+    read below reports that as a scenario it cannot read, not as an output failure."""
+    try:
+        mode = path.stat().st_mode
+    except (OSError, ValueError):
+        return None
+    if stat.S_ISFIFO(mode):
         return "a named pipe (FIFO)"
-    if path.is_socket():
+    if stat.S_ISSOCK(mode):
         return "a socket"
-    if path.is_char_device() or path.is_block_device():
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
         return "a device"
     return None
 

@@ -322,7 +322,9 @@ def internal_app(state: ProxyState, api: RuntimeApi | None = None) -> web.Applic
         status, text = health_answer(state, detail=False)
         if status == 200 and state.gate_unit and api is not None and not await agent_gate_up(api):
             # HAProxy's own check of /gate failed `fall` times, or once after HAProxy started (a server
-            # starts "up, but will fall down at first failure", src/server.c, v2.6) (a starved agent or HAProxy): its
+            # starts "up, but will fall down at first failure", src/server.c, v2.6) (a starved agent or HAProxy). Not
+            # waited for here: the load balancer sends a new target requests only after 2 answers 200 10 s apart
+            # (unit_load_balancer.py), 5 of HAProxy's 2 s checks, by which the check is at full health. Its
             # `agent_alive` term refuses data requests (503 "agent is not answering") until a check
             # passes, so /health must not say 200 meanwhile (measured: 2 of 25 starts under a CPU quota
             # answered 503 right after /health 200, /health 200 again after; a defect hunt, 35th session).
