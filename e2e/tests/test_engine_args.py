@@ -20,9 +20,8 @@ sys.path.insert(0, str(E2E))
 from harness import ENGINE_PYTHON  # noqa: E402
 from unit_mode import neuron_platform_problem, rendered_plans  # noqa: E402
 
-# One xdist group: both tests read one run of check_engine_args.py (importing vLLM is most of its time).
-pytestmark = [pytest.mark.skipif(not ENGINE_PYTHON.exists(), reason="no .e2e/venv: checked by make e2e step 0"),
-              pytest.mark.xdist_group("engine_args")]
+# Both tests read one run of check_engine_args.py (importing vLLM is most of its time), once per xdist worker.
+pytestmark = pytest.mark.skipif(not ENGINE_PYTHON.exists(), reason="no .e2e/venv: checked by make e2e step 0")
 
 
 @pytest.fixture(scope="module")

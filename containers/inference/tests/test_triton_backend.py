@@ -98,14 +98,15 @@ def test_utf8_locale_makes_open_decode_utf8():
 # --- The backend class itself, with the real vLLM imports (SamplingParams, AsyncEngineArgs) and a
 # recording stand-in engine: runs under the engine's Python (.e2e/venv, `make e2e`), skipped without it.
 # One harness process per module imports vLLM once and forks a fresh child per job (triton_backend_harness.py
-# --serve); the tests are one xdist group so that, under `pytest -n`, one worker pays that import.
+# --serve): under `pytest -n`, once per worker that runs one of these tests. (Pinning them to one worker with
+# `xdist_group` does nothing with pytest 9.2 and pytest-xdist 3.8: pytest-dev/pytest-xdist#1386, open.)
 _ENGINE_PYTHON = Path(__file__).resolve().parents[3] / ".e2e" / "venv" / "bin" / "python"
 _HARNESS = Path(__file__).resolve().parent / "triton_backend_harness.py"
 _NO_VLLM = pytest.mark.skipif(not _ENGINE_PYTHON.exists(), reason="no .e2e/venv (vLLM): runs after make e2e")
 
 
 def needs_vllm(test: Callable[..., None]) -> Callable[..., None]:
-    return _NO_VLLM(pytest.mark.xdist_group("triton_backend_vllm")(test))
+    return _NO_VLLM(test)
 
 
 @pytest.fixture(scope="module")
