@@ -1474,3 +1474,45 @@ def test_the_launches_of_a_starting_unit_are_not_counted_for_the_next() -> None:
     cell.expect_count("u3", "followers", 1)
     summary = cell.run(FOUR_UNITS)
     assert (summary["action"], summary["units"], asked) == ("activate", ["u3"], [8]), summary
+
+
+def test_an_instance_above_the_desired_capacity_is_not_counted_twice() -> None:
+    """The group holds one instance above its desired capacity (4 desired, 5 live: all protected from scale-in,
+    after a lowering that raced a launch, or an operator's lower DesiredCapacity: "its desired capacity is
+    decremented. However, the Auto Scaling group can't terminate the required number of instances",
+    https://docs.aws.amazon.com/autoscaling/ec2/userguide/ec2-auto-scaling-instance-protection.html); that
+    instance, i-4, is registered, unlabelled and idle. u2's activation counts i-4 as one of its two nodes, so the
+    group must launch one: desired 6 (5 live + 1). Counting i-4 as spare and raising from the desired capacity (4)
+    set 5, which launches nothing: u2 got i-4 alone and stayed starting for good (no refusal to cancel it, never
+    all its instances to be stalled)."""
+    cell = Cell()
+    loaded_cell(cell, NOW, 4, members=5)
+    cell.labels({**{f"i-{n}": f"u{n // 2}" for n in range(4)}, "i-4": None})
+    cell.stopping()
+    cell.metrics({"u0": (20.0, 1.0), "u1": (20.0, 1.0)})
+    cell.expect_desired(6)
+    cell.expect_scale_out(f"{int(NOW)}:2")
+    cell.expect_count("u2", "leader", 1)
+    cell.expect_count("u2", "followers", 1)
+    summary = cell.run(FOUR_UNITS)
+    assert (summary["action"], summary["units"], summary["done"]["desired_capacity"]) == ("activate", ["u2"], 6)
+
+
+def test_a_give_back_the_group_refuses_as_busy_leaves_the_hold_tick_whole() -> None:
+    """The hold tick's give-back (`test_a_raise_cut_short_then_refused_is_given_back`) runs while the group is
+    retrying the refused launches: SetDesiredCapacity can answer ScalingActivityInProgress ("Scaling activity ...
+    is in progress and blocks this action", aws/aws-cli#2226). A hold tick made no write before the give-back:
+    raising there failed the whole tick, every minute the group stayed busy (no EMF line with the capacity
+    failures, no served latch written, the ErrorsAlarm). The give-back is tried again next tick instead."""
+    cell = Cell()
+    first_tick_dies_at(cell, "records", NOW - 120)
+    loaded_cell(cell, NOW, 6, refusals=((NOW - 90, REFUSAL),))
+    cell.labels({f"i-{n}": f"u{n // 2}" for n in range(4)})
+    cell.metrics({"u0": (20.0, 1.0), "u1": (20.0, 1.0)})
+    cell.autoscaling.add_client_error("set_desired_capacity", "ScalingActivityInProgress", http_status_code=400,
+                                      service_message="Scaling activity a-1 is in progress and blocks this action",
+                                      expected_params={"AutoScalingGroupName": GROUP, "DesiredCapacity": 4,
+                                                       "HonorCooldown": False})
+    summary = cell.run(FOUR_UNITS)
+    assert summary["action"] == "hold" and "given_back" not in summary["done"], summary
+    assert cell.emf["CapacityFailures"] == 1.0, cell.emf

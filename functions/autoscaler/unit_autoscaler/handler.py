@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from botocore.client import BaseClient
+from botocore.exceptions import ClientError
 
 from unit_autoscaler import aws, counts
 from unit_autoscaler.decision import (
@@ -398,7 +399,10 @@ def act(settings: Settings, clients: Clients, decision: Decision, context: Mappi
         labelled = context.get("labelled", {})
         lacking = sum(max(0, nodes - len(labelled.get(unit_id, []))) for unit_id in unit_ids)
         spare = min(lacking, context.get("spare", 0))
-        desired = min(group.desired + lacking - spare, group.max_size)
+        # From what the group holds, not its desired capacity: an instance above it (protected from scale-in,
+        # the group cannot take it back) is counted in `spare` when unlabelled; raised from the desired capacity,
+        # it was discounted twice and a launch the unit needs never asked for.
+        desired = min(max(group.desired, len(group.live_instances)) + lacking - spare, group.max_size)
         if spare:
             LOG.warning("activation: %d of the %d instances lacked already in the group (launched or asked for, "
                         "no unit waiting for them)", spare, lacking)
@@ -513,7 +517,15 @@ def give_back_unclaimed(settings: Settings, clients: Clients, decision: Decision
     if desired >= group.desired:
         return 0
     LOG.warning("desired capacity %d -> %d: launches refused that no unit waits for", group.desired, desired)
-    aws.set_desired_capacity(clients.autoscaling, settings.group, desired, retry)
+    try:
+        aws.set_desired_capacity(clients.autoscaling, settings.group, desired, retry)
+    except ClientError as error:
+        # The group busy with the very launches it retries (ScalingActivityInProgress, ResourceContention): the
+        # next tick reads again and tries; raised, it failed the hold tick (its EMF line, the served latch).
+        if aws.error_code(error) not in ("ScalingActivityInProgress", "ResourceContention"):
+            raise
+        LOG.warning("desired capacity not lowered, tried again next tick: %s", error)
+        return 0
     return group.desired - desired
 
 
