@@ -100,7 +100,8 @@ class Cell:
         ]}, {"StackName": STACK})
 
     def group(self, desired: int, instances: list[str], served: str | None = None,
-              states: dict[str, str] | None = None, unhealthy: tuple[str, ...] = (), **tags: float | str) -> None:
+              states: dict[str, str] | None = None, unhealthy: tuple[str, ...] = (), max_size: int = 6,
+              **tags: float | str) -> None:
         """The group; `served`: the served latch tag's value (None: no such tag); `states`: more
         instances with their lifecycle state (the others are InService); `unhealthy`: HealthStatus."""
         lifecycle = {**dict.fromkeys(instances, "InService"), **(states or {})}
@@ -111,7 +112,7 @@ class Cell:
             listed.append({"ResourceId": GROUP, "ResourceType": "auto-scaling-group", "Key": aws.TAG_SERVED,
                            "Value": served, "PropagateAtLaunch": False})
         self.autoscaling.add_response("describe_auto_scaling_groups", {"AutoScalingGroups": [{
-            "AutoScalingGroupName": GROUP, "MinSize": 2, "MaxSize": 6, "DesiredCapacity": desired,
+            "AutoScalingGroupName": GROUP, "MinSize": 2, "MaxSize": max_size, "DesiredCapacity": desired,
             "DefaultCooldown": 300, "AvailabilityZones": [f"{REGION}a"], "HealthCheckType": "EC2",
             "CreatedTime": datetime(2026, 1, 1, tzinfo=UTC),
             "Instances": [{"InstanceId": i, "AvailabilityZone": f"{REGION}a", "LifecycleState": state,
@@ -215,6 +216,13 @@ class Cell:
             "ResourceId": GROUP, "ResourceType": "auto-scaling-group", "Key": aws.TAG_ACTIVATED, "Value": value,
             "PropagateAtLaunch": False}]})
 
+    def expect_scale_out(self, activated: str, at: float = NOW) -> None:
+        """An activation's two records, the scale-out time and the activations, in one CreateOrUpdateTags."""
+        self.autoscaling.add_response("create_or_update_tags", {}, {"Tags": [
+            {"ResourceId": GROUP, "ResourceType": "auto-scaling-group", "Key": key, "Value": value,
+             "PropagateAtLaunch": False}
+            for key, value in ((aws.TAG_LAST_OUT, str(int(at))), (aws.TAG_ACTIVATED, activated))]})
+
     def expect_tag(self, key: str, at: float = NOW) -> None:
         self.autoscaling.add_response("create_or_update_tags", {}, {"Tags": [{
             "ResourceId": GROUP, "ResourceType": "auto-scaling-group", "Key": key, "Value": str(int(at)),
@@ -232,8 +240,7 @@ def test_a_loaded_cell_activates_the_lowest_dormant_unit_instances_first() -> No
     cell.activities()
     cell.metrics({"u1": (30.0, 1.0)})
     cell.expect_desired(4)
-    cell.expect_tag(aws.TAG_LAST_OUT)
-    cell.expect_activated(f"{int(NOW)}:0")
+    cell.expect_scale_out(f"{int(NOW)}:0")
     cell.expect_count("u0", "leader", 1)
     cell.expect_count("u0", "followers", 1)
     summary = cell.run()
@@ -257,8 +264,7 @@ def test_min_units_raised_activates_the_unit_on_the_instances_the_group_launched
     cell.stopping()  # u1's instances are free: nothing stopping there
     cell.activities()
     cell.metrics({"u0": (8.0, 1.0)})
-    cell.expect_tag(aws.TAG_LAST_OUT)
-    cell.expect_activated(f"{int(NOW)}:1")
+    cell.expect_scale_out(f"{int(NOW)}:1")
     cell.expect_count("u1", "leader", 1)
     cell.expect_count("u1", "followers", 1)
     summary = cell.run(settings)
@@ -1055,8 +1061,7 @@ def test_an_activation_keeps_the_start_time_of_a_unit_still_starting() -> None:
     cell.activities()
     cell.metrics({"u0": (48.0, 1.0), "u1": (0.0, 0.0)})  # 1.5 units of load: 3 needed, 2 active
     cell.expect_desired(6)
-    cell.expect_tag(aws.TAG_LAST_OUT)
-    cell.expect_activated(f"{int(NOW)}:2;{int(activated)}:1")
+    cell.expect_scale_out(f"{int(NOW)}:2;{int(activated)}:1")
     cell.expect_count("u2", "leader", 1)
     cell.expect_count("u2", "followers", 1)
     summary = cell.run(STALL_SETTINGS)
@@ -1229,8 +1234,7 @@ def test_an_operators_stop_of_a_just_activated_unit_stands(monkeypatch: pytest.M
     cut short (`unfinished_activations`) and set the leader back to 1 (seen failing: UpdateService u2-leader 1
     where none was stubbed). Now the repair tick records the stop: u2's activation time becomes its own."""
     tags = {aws.TAG_ACTIVATED: ""}
-    monkeypatch.setattr(aws, "record_activated", lambda _client, _group, value, _retry: tags.update(
-        {aws.TAG_ACTIVATED: value}))
+    monkeypatch.setattr(aws, "record_tags", lambda _client, _group, written, _retry: tags.update(written))
     activation = NOW - 120
     cell = Cell()
     cell.stack()
@@ -1241,10 +1245,10 @@ def test_an_operators_stop_of_a_just_activated_unit_stands(monkeypatch: pytest.M
     cell.activities()
     cell.metrics({"u0": (30.0, 1.0), "u1": (30.0, 1.0)}, end=activation)
     cell.expect_desired(6)
-    cell.expect_tag(aws.TAG_LAST_OUT, at=activation)
     cell.expect_count("u2", "leader", 1)
     cell.expect_count("u2", "followers", 1)
     assert cell.run(now=activation)["action"] == "activate" and tags[aws.TAG_ACTIVATED] == f"{int(activation)}:2"
+    assert tags[aws.TAG_LAST_OUT] == str(int(activation))
 
     cell = operator_stopped_cell(tags[aws.TAG_ACTIVATED], followers=1)
     cell.expect_count("u2", "followers", 0)
@@ -1311,3 +1315,204 @@ def test_a_restart_whose_unprotection_one_by_one_fails_protects_what_it_unprotec
     with pytest.raises(ClientError, match="Throttling"):
         cell.run(STALL_SETTINGS)
     cell.autoscaling.assert_no_pending_responses()
+
+
+# -- an activation cut short at each of its calls, then the next tick (raise the group once) ----------------
+
+ACTIVATION_STEPS = ("desired", "records", "leader", "followers")
+# Four units of two nodes (MaxSize 8): u2 and u3 dormant, so that the group has room for a second raise.
+FOUR_UNITS = dataclasses.replace(SETTINGS, policy=dataclasses.replace(POLICY, max_units=4))
+
+
+def record_raises(cell: Cell, ceiling: int) -> list[int]:
+    """Every SetDesiredCapacity the cell's client sends (accepted or refused), in order; one above `ceiling`
+    (what the cell's units need) fails the test there, naming it."""
+    asked: list[int] = []
+
+    def seen(params: dict, **_: object) -> None:
+        asked.append(params["DesiredCapacity"])
+        if params["DesiredCapacity"] > ceiling:
+            raise AssertionError(f"SetDesiredCapacity {params['DesiredCapacity']} above the {ceiling} the units "
+                                 f"need (asked so far: {asked})")
+
+    cell.clients.autoscaling.meta.events.register("provide-client-params.auto-scaling.SetDesiredCapacity", seen)
+    return asked
+
+
+def loaded_cell(cell: Cell, at: float, desired: int, pending: tuple[str, ...] = (),
+                services: tuple[int, int] = (0, 0), refusals: tuple[tuple[float, str], ...] = (),
+                members: int = 4, **tags: float | str) -> None:
+    """u0 and u1 serve a load that wants a third unit (i-0 to i-3 theirs); u2 dormant, or with `services`
+    (leader, followers desired); u3 dormant; `pending`: instances launched, not registered with ECS yet;
+    `members`: how many of i-0 to i-3 are still live."""
+    cell.stack()
+    cell.group(desired, [f"i-{n}" for n in range(members)], served="0,1", states=dict.fromkeys(pending, "Pending"),
+               max_size=8, **{aws.TAG_LAST_IN: NOW - 7200, **({aws.TAG_LAST_OUT: NOW - 7200} | tags)})
+    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (services[0], 0, services[1], 0), "u3": (0, 0)})
+    cell.activities(*refusals)
+
+
+def first_tick_dies_at(cell: Cell, step: str, at: float) -> None:
+    """The activation of u2 at `at` (desired 4 -> 6, its records, leader 1, followers 1) with `step`'s call failing:
+    SetDesiredCapacity refused as the group is busy (not retried), the others throttled out (5 attempts)."""
+    loaded_cell(cell, at, 4)
+    cell.labels({f"i-{n}": f"u{n // 2}" for n in range(4)})
+    cell.metrics({"u0": (20.0, 1.0), "u1": (20.0, 1.0)}, end=at)
+    records = {"Tags": [{"ResourceId": GROUP, "ResourceType": "auto-scaling-group", "Key": key, "Value": value,
+                         "PropagateAtLaunch": False}
+                        for key, value in ((aws.TAG_LAST_OUT, str(int(at))), (aws.TAG_ACTIVATED, f"{int(at)}:2"))]}
+    calls = [(cell.autoscaling, "set_desired_capacity",
+              {"AutoScalingGroupName": GROUP, "DesiredCapacity": 6, "HonorCooldown": False}, {}),
+             (cell.autoscaling, "create_or_update_tags", records, {}),
+             (cell.ecs, "update_service", {"cluster": CLUSTER, "service": service_arn("u2", "leader"),
+                                           "desiredCount": 1}, {"service": {}}),
+             (cell.ecs, "update_service", {"cluster": CLUSTER, "service": service_arn("u2", "followers"),
+                                           "desiredCount": 1}, {"service": {}})]
+    failing = ACTIVATION_STEPS.index(step)
+    for stubber, operation, params, response in calls[:failing]:
+        stubber.add_response(operation, response, params)
+    stubber, operation, params, _ = calls[failing]
+    if step == "desired":
+        stubber.add_client_error(operation, "ScalingActivityInProgress", http_status_code=400,
+                                 service_message="Scaling activities in progress", expected_params=params)
+    else:
+        for _ in range(5):
+            stubber.add_client_error(operation, "Throttling", service_message="Rate exceeded", http_status_code=400,
+                                     expected_params=params)
+    with pytest.raises(ClientError):
+        cell.run(FOUR_UNITS, now=at)
+    for done in (cell.autoscaling, cell.cloudformation, cell.cloudwatch, cell.ecs):
+        done.assert_no_pending_responses()
+
+
+@pytest.mark.parametrize("step", ACTIVATION_STEPS)
+def test_an_activation_cut_short_at_any_call_raises_the_group_once(step: str) -> None:
+    """A tick activating u2 dies at `step`; the next tick, a minute later, with the load unchanged. The group must
+    be raised for u2 once: 4 -> 6, never 8. Before: a tick that died after SetDesiredCapacity and before its
+    records (the scale-out time: a throttled CreateOrUpdateTags, a Lambda timeout) left u2 dormant with no
+    cool-down, and the next tick raised the group again by u2's two nodes (seen failing, `records`:
+    SetDesiredCapacity 8, two more Trainium launches, released as surplus once InService). A refused
+    SetDesiredCapacity leaves no record (no cool-down for a raise never made): the next tick raises."""
+    cell = Cell()
+    asked = record_raises(cell, ceiling=6)
+    first = NOW - 60
+    first_tick_dies_at(cell, step, first)
+    raised = step != "desired"
+    written = step in ("leader", "followers")
+    recorded = {aws.TAG_LAST_OUT: first, aws.TAG_ACTIVATED: f"{int(first)}:2"} if written else {}
+    loaded_cell(cell, NOW, 6 if raised else 4, ("i-4", "i-5") if raised else (),
+                services=(int(step == "followers"), 0), **recorded)
+    if step in ("leader", "followers"):  # the records say an activation: finished, before any other ECS read
+        if step == "leader":
+            cell.expect_count("u2", "leader", 1)
+        cell.expect_count("u2", "followers", 1)
+    cell.labels({f"i-{n}": f"u{n // 2}" for n in range(4)})
+    cell.metrics({"u0": (20.0, 1.0), "u1": (20.0, 1.0)})
+    if step == "desired":
+        cell.expect_desired(6)
+    if step in ("desired", "records"):
+        cell.expect_scale_out(f"{int(NOW)}:2")
+        cell.expect_count("u2", "leader", 1)
+        cell.expect_count("u2", "followers", 1)
+    summary = cell.run(FOUR_UNITS)
+    assert asked == ([6, 6] if step == "desired" else [6]), asked
+    if step in ("desired", "records"):
+        assert (summary["action"], summary["units"]) == ("activate", ["u2"]), summary
+        assert summary["done"]["desired_capacity"] == 6, summary
+    else:
+        assert summary["action"] == "hold" and summary["phases"]["u2"] == "starting", summary
+
+
+def test_a_raise_cut_short_then_refused_is_given_back() -> None:
+    """The tick raised the group for u2 (4 -> 6) and died before its records; the group's launches for it are
+    refused. The next tick holds (capacity backoff), u2 dormant. Before: nothing gave the raise back (no unit
+    was starting, so no cancel): the group kept retrying the two launches through the outage, each refusal
+    restarting the backoff, and launched instances nobody needed once capacity came back (seen failing: no
+    SetDesiredCapacity, asked [6]). Now the hold tick lowers the group to its live instances."""
+    cell = Cell()
+    asked = record_raises(cell, ceiling=6)
+    first_tick_dies_at(cell, "records", NOW - 120)
+    loaded_cell(cell, NOW, 6, refusals=((NOW - 90, REFUSAL),))
+    cell.labels({f"i-{n}": f"u{n // 2}" for n in range(4)})
+    cell.metrics({"u0": (20.0, 1.0), "u1": (20.0, 1.0)})
+    cell.expect_desired(4)
+    summary = cell.run(FOUR_UNITS)
+    assert asked == [6, 4], asked
+    assert summary["action"] == "hold" and "backoff" in summary["reason"], summary
+    assert summary["done"] == {"given_back": 2} and summary["phases"]["u2"] == "dormant", summary
+
+
+@pytest.mark.parametrize("case", ["no refusal since the scale-out", "a serving unit lacks it"])
+def test_launches_under_way_or_lacked_are_not_given_back(case: str) -> None:
+    """Desired capacity above the live instances is kept when no refusal is newer than the last scale-out (the
+    launches may be under way: 4 -> 6 at NOW - 240, the instances not listed yet), or when an active unit lacks
+    it (u1 lost i-3, the group's launch of its replacement refused: the unit's, not unclaimed)."""
+    cell = Cell()
+    if case == "no refusal since the scale-out":
+        loaded_cell(cell, NOW, 6, refusals=((NOW - 600, REFUSAL),), **{aws.TAG_LAST_OUT: NOW - 240})
+        cell.labels({f"i-{n}": f"u{n // 2}" for n in range(4)})
+    else:
+        loaded_cell(cell, NOW, 4, refusals=((NOW - 90, REFUSAL),), members=3)
+        cell.labels({f"i-{n}": f"u{n // 2}" for n in range(3)})
+    cell.metrics({"u0": (20.0, 1.0), "u1": (20.0, 1.0)})
+    summary = cell.run(FOUR_UNITS)  # the Stubber refuses any SetDesiredCapacity
+    assert "given_back" not in summary["done"], summary
+
+
+def test_the_launches_of_a_starting_unit_are_not_counted_for_the_next() -> None:
+    """u2, activated 10 minutes ago, is starting on two instances still booting (Pending, unlabelled); the load
+    wants a fourth unit. Those instances are u2's: u3's activation raises the group by its own two nodes."""
+    cell = Cell()
+    asked = record_raises(cell, ceiling=8)
+    loaded_cell(cell, NOW, 6, ("i-4", "i-5"), services=(1, 1),
+                **{aws.TAG_LAST_OUT: NOW - 600, aws.TAG_ACTIVATED: f"{int(NOW - 600)}:2"})
+    cell.labels({f"i-{n}": f"u{n // 2}" for n in range(4)})
+    cell.metrics({"u0": (30.0, 1.0), "u1": (30.0, 1.0)})
+    cell.expect_desired(8)
+    cell.expect_scale_out(f"{int(NOW)}:3;{int(NOW - 600)}:2")
+    cell.expect_count("u3", "leader", 1)
+    cell.expect_count("u3", "followers", 1)
+    summary = cell.run(FOUR_UNITS)
+    assert (summary["action"], summary["units"], asked) == ("activate", ["u3"], [8]), summary
+
+
+def test_an_instance_above_the_desired_capacity_is_not_counted_twice() -> None:
+    """The group holds one instance above its desired capacity (4 desired, 5 live: all protected from scale-in,
+    after a lowering that raced a launch, or an operator's lower DesiredCapacity: "its desired capacity is
+    decremented. However, the Auto Scaling group can't terminate the required number of instances",
+    https://docs.aws.amazon.com/autoscaling/ec2/userguide/ec2-auto-scaling-instance-protection.html); that
+    instance, i-4, is registered, unlabelled and idle. u2's activation counts i-4 as one of its two nodes, so the
+    group must launch one: desired 6 (5 live + 1). Counting i-4 as spare and raising from the desired capacity (4)
+    set 5, which launches nothing: u2 got i-4 alone and stayed starting for good (no refusal to cancel it, never
+    all its instances to be stalled)."""
+    cell = Cell()
+    loaded_cell(cell, NOW, 4, members=5)
+    cell.labels({**{f"i-{n}": f"u{n // 2}" for n in range(4)}, "i-4": None})
+    cell.stopping()
+    cell.metrics({"u0": (20.0, 1.0), "u1": (20.0, 1.0)})
+    cell.expect_desired(6)
+    cell.expect_scale_out(f"{int(NOW)}:2")
+    cell.expect_count("u2", "leader", 1)
+    cell.expect_count("u2", "followers", 1)
+    summary = cell.run(FOUR_UNITS)
+    assert (summary["action"], summary["units"], summary["done"]["desired_capacity"]) == ("activate", ["u2"], 6)
+
+
+def test_a_give_back_the_group_refuses_as_busy_leaves_the_hold_tick_whole() -> None:
+    """The hold tick's give-back (`test_a_raise_cut_short_then_refused_is_given_back`) runs while the group is
+    retrying the refused launches: SetDesiredCapacity can answer ScalingActivityInProgress ("Scaling activity ...
+    is in progress and blocks this action", aws/aws-cli#2226). A hold tick made no write before the give-back:
+    raising there failed the whole tick, every minute the group stayed busy (no EMF line with the capacity
+    failures, no served latch written, the ErrorsAlarm). The give-back is tried again next tick instead."""
+    cell = Cell()
+    first_tick_dies_at(cell, "records", NOW - 120)
+    loaded_cell(cell, NOW, 6, refusals=((NOW - 90, REFUSAL),))
+    cell.labels({f"i-{n}": f"u{n // 2}" for n in range(4)})
+    cell.metrics({"u0": (20.0, 1.0), "u1": (20.0, 1.0)})
+    cell.autoscaling.add_client_error("set_desired_capacity", "ScalingActivityInProgress", http_status_code=400,
+                                      service_message="Scaling activity a-1 is in progress and blocks this action",
+                                      expected_params={"AutoScalingGroupName": GROUP, "DesiredCapacity": 4,
+                                                       "HonorCooldown": False})
+    summary = cell.run(FOUR_UNITS)
+    assert summary["action"] == "hold" and "given_back" not in summary["done"], summary
+    assert cell.emf["CapacityFailures"] == 1.0, cell.emf

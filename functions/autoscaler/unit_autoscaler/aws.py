@@ -578,25 +578,26 @@ def _unprotect_one(autoscaling: BaseClient, group: str, instance_id: str, retry:
     return True
 
 
+def record_tags(autoscaling: BaseClient, group: str, tags: Mapping[str, str], retry: Retry) -> None:
+    """Write these tags on the group in one CreateOrUpdateTags call ("One or more tags"; a key that exists is
+    overwritten: https://docs.aws.amazon.com/autoscaling/ec2/APIReference/API_CreateOrUpdateTags.html). One call
+    leaves the tick no point to die between two records (whether AWS could apply part of one call is unverified)."""
+    retry.call(autoscaling.create_or_update_tags, Tags=[{
+        "ResourceId": group, "ResourceType": "auto-scaling-group", "Key": key, "Value": value,
+        "PropagateAtLaunch": False,
+    } for key, value in tags.items()])
+
+
 def record_time(autoscaling: BaseClient, group: str, key: str, now: float, retry: Retry) -> None:
     """Remember a scaling time on the group itself (the function keeps no state between ticks)."""
-    retry.call(autoscaling.create_or_update_tags, Tags=[{
-        "ResourceId": group, "ResourceType": "auto-scaling-group", "Key": key, "Value": str(int(now)),
-        "PropagateAtLaunch": False,
-    }])
+    record_tags(autoscaling, group, {key: str(int(now))}, retry)
 
 
 def record_activated(autoscaling: BaseClient, group: str, value: str, retry: Retry) -> None:
     """Write the units' activation times (see TAG_ACTIVATED; `activations_value`)."""
-    retry.call(autoscaling.create_or_update_tags, Tags=[{
-        "ResourceId": group, "ResourceType": "auto-scaling-group", "Key": TAG_ACTIVATED, "Value": value,
-        "PropagateAtLaunch": False,
-    }])
+    record_tags(autoscaling, group, {TAG_ACTIVATED: value}, retry)
 
 
 def record_served(autoscaling: BaseClient, group: str, served: frozenset[int], retry: Retry) -> None:
     """Write the served latch (see TAG_SERVED)."""
-    retry.call(autoscaling.create_or_update_tags, Tags=[{
-        "ResourceId": group, "ResourceType": "auto-scaling-group", "Key": TAG_SERVED,
-        "Value": ",".join(str(i) for i in sorted(served)), "PropagateAtLaunch": False,
-    }])
+    record_tags(autoscaling, group, {TAG_SERVED: ",".join(str(i) for i in sorted(served))}, retry)

@@ -4,7 +4,8 @@ A tick (EventBridge schedule, every minute) reads the cell (stack state, unit se
 unit labels of the instances, the group, recent capacity failures, the proxies' metrics),
 asks `decision.decide` for at most one action and carries it out:
 
-- activate: desired capacity + nodes per unit (new instances are protected from scale-in
+- activate: desired capacity + the nodes its units lack beyond what the group already holds or is
+  launching for no unit (`spare_capacity`; new instances are protected from scale-in
   from launch; the placement controller labels them with the lowest dormant unit ids),
   then leader 1, followers nodes - 1;
 - deactivate: leader 0, then followers 0 (ECS sends SIGTERM; the proxy drains);
@@ -48,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from botocore.client import BaseClient
+from botocore.exceptions import ClientError
 
 from unit_autoscaler import aws, counts
 from unit_autoscaler.decision import (
@@ -161,6 +163,7 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
     context.update(services=services, labelled=labelled, failures=failures, served=latched, activated=activated,
                    restarts=restarts,
                    unlabelled=unlabelled_beyond_need(settings, group, attributes, units, busy),
+                   spare=spare_capacity(settings, group, attributes, units, view.unusable, busy),
                    starting={u.index for u in units if u.phase == "starting"})
     return obs, context
 
@@ -327,20 +330,42 @@ def unlabelled_beyond_need(settings: Settings, group: aws.GroupView, attributes:
     unregistered one is still booting, some 15 min from it), and only a registered one can be
     labelled by the placement controller between this tick's read and its termination.
     """
-    # A unit's labelled instances counted among the group's live ones only: a member that is
-    # terminating keeps its label in ECS for a while, and its replacement (InService, not yet
-    # registered, so unlabelled) is exactly what the unit is waiting for.
-    live = set(group.live_instances)
-    labelled = {unit_id: sum(1 for i, attrs in attributes.items() if attrs.get("unit") == unit_id and i in live)
-                for unit_id in settings.unit_ids}
-    active = [u for u in units if u.phase in ("starting", "serving")]
-    need = sum(max(0, settings.policy.nodes - labelled[u.unit_id]) for u in active)
+    need = active_lack(settings, group, attributes, units)
     free = [i for i in group.in_service if i not in busy
             and not attributes.get(i, {}).get("unit") and "quarantine" not in attributes.get(i, {})]
     surplus = min(len(free) - need, group.desired - group.min_size)
     if surplus <= 0:
         return []
     return sorted(free, key=lambda i: (i in attributes, i))[:surplus]
+
+
+def active_lack(settings: Settings, group: aws.GroupView, attributes: Mapping[str, Mapping[str, str]],
+                units: list[Unit]) -> int:
+    """The instances the active units (starting or serving) lack. A unit's labelled instances are counted among
+    the group's live ones only: a member that is terminating keeps its label in ECS for a while, and its
+    replacement (InService, not yet registered, so unlabelled) is exactly what the unit is waiting for."""
+    live = set(group.live_instances)
+    labelled = {unit_id: sum(1 for i, attrs in attributes.items() if attrs.get("unit") == unit_id and i in live)
+                for unit_id in settings.unit_ids}
+    return sum(max(0, settings.policy.nodes - labelled[u.unit_id]) for u in units if u.phase in ("starting", "serving"))
+
+
+def spare_capacity(settings: Settings, group: aws.GroupView, attributes: Mapping[str, Mapping[str, str]],
+                   units: list[Unit], unusable: Collection[str] = (), busy: Collection[str] = ()) -> int:
+    """Capacity the group already holds or is launching that no active unit is waiting for: an activation
+    raises the group only by what its units lack beyond it (`act`).
+
+    The group's desired capacity not yet launched (DesiredCapacity above its live instances: launches under
+    way, or refused and retried by the group) plus its live instances that carry no `unit` label and can take a
+    unit's task (`unlabelled_live`, idle), less what the active units lack. A tick that raised the group and died
+    before its records (the scale-out time, the activation) left exactly this: the next tick saw the unit still
+    dormant and raised the group again by the unit's nodes (Trainium launches billed, then released as surplus
+    once InService). Read from the group, not from a record the tick writes: it holds whether the tick died
+    before or after any of its calls. The launches of a restart or of a lost member's replacement are lacked by
+    an active unit, so they are never spare."""
+    asked = max(0, group.desired - len(group.live_instances))
+    free = [i for i in unlabelled_live(group, attributes, unusable) if i not in busy]
+    return max(0, asked + len(free) - active_lack(settings, group, attributes, units))
 
 
 def utilisation(metrics: aws.UnitMetrics, capacity: int) -> tuple[float | None, ...]:
@@ -369,13 +394,26 @@ def act(settings: Settings, clients: Clients, decision: Decision, context: Mappi
     if decision.action == "activate":
         # Only the instances the units lack: a unit activated on the instances it still holds
         # (below min_units, `decide`) needs none.
+        # Beyond the capacity the group already has for no active unit (`spare_capacity`): a raise made by a
+        # tick that died before its records is counted, not made again.
         labelled = context.get("labelled", {})
         lacking = sum(max(0, nodes - len(labelled.get(unit_id, []))) for unit_id in unit_ids)
-        desired = min(group.desired + lacking, group.max_size)
+        spare = min(lacking, context.get("spare", 0))
+        # From what the group holds, not its desired capacity: an instance above it (protected from scale-in,
+        # the group cannot take it back) is counted in `spare` when unlabelled; raised from the desired capacity,
+        # it was discounted twice and a launch the unit needs never asked for.
+        desired = min(max(group.desired, len(group.live_instances)) + lacking - spare, group.max_size)
+        if spare:
+            LOG.warning("activation: %d of the %d instances lacked already in the group (launched or asked for, "
+                        "no unit waiting for them)", spare, lacking)
         if desired != group.desired:
             aws.set_desired_capacity(clients.autoscaling, settings.group, desired, retry)
-        aws.record_time(clients.autoscaling, settings.group, aws.TAG_LAST_OUT, now, retry)
-        record_activation(settings, clients, context, decision.units, now, retry)
+        # The raise first, then its two records in one call: a tick that dies between the raise and the records
+        # leaves a raise the next tick counts (`spare_capacity`), and no cool-down for a raise never made (a
+        # refused SetDesiredCapacity, ScalingActivityInProgress or ResourceContention, fails the tick first).
+        aws.record_tags(clients.autoscaling, settings.group, {
+            aws.TAG_LAST_OUT: str(int(now)),
+            aws.TAG_ACTIVATED: activation_value(settings, context, decision.units, now)}, retry)
         done["desired_capacity"] = desired
         for unit_id in unit_ids:
             set_role(unit_id, "leader", 1)
@@ -429,7 +467,14 @@ def act(settings: Settings, clients: Clients, decision: Decision, context: Mappi
 
 def record_activation(settings: Settings, clients: Clients, context: Mapping[str, Any], units: Collection[int],
                       now: float, retry: aws.Retry, restarted: bool = False) -> None:
-    """Write `units`' activation time `now` into TAG_ACTIVATED (an activation, or a restart: their start deadline
+    """Write `units`' activation time `now` into TAG_ACTIVATED (`activation_value`)."""
+    aws.record_activated(clients.autoscaling, settings.group,
+                         activation_value(settings, context, units, now, restarted), retry)
+
+
+def activation_value(settings: Settings, context: Mapping[str, Any], units: Collection[int], now: float,
+                     restarted: bool = False) -> str:
+    """TAG_ACTIVATED with `units`' activation time `now` (an activation, or a restart: their start deadline
     runs from it). The window's other activations are kept, and beyond the window those of units still starting.
     A restart counts one more restart for its units (their next deadline doubles); an activation starts at none."""
     activated = {**context.get("activated", {}), **dict.fromkeys(units, now)}
@@ -438,8 +483,7 @@ def record_activation(settings: Settings, clients: Clients, context: Mapping[str
         counts[unit] = counts.get(unit, 0) + 1 if restarted else 0
     window_start = now - settings.policy.window_minutes * MINUTE_S
     keep = set(units) | set(context.get("starting", ()))
-    value = aws.activations_value(activated, window_start, keep, counts)
-    aws.record_activated(clients.autoscaling, settings.group, value, retry)
+    return aws.activations_value(activated, window_start, keep, counts)
 
 
 def release_unlabelled(settings: Settings, clients: Clients, decision: Decision, context: Mapping[str, Any],
@@ -451,6 +495,38 @@ def release_unlabelled(settings: Settings, clients: Clients, decision: Decision,
         return 0
     LOG.warning("releasing unlabelled instances no unit needs: %s", ", ".join(unlabelled))
     return aws.release_instances(clients.autoscaling, settings.group, unlabelled, retry, context["group"].in_service)
+
+
+def give_back_unclaimed(settings: Settings, clients: Clients, decision: Decision, context: Mapping[str, Any],
+                        retry: aws.Retry) -> int:
+    """Lower the desired capacity by launches the group keeps being refused that no unit waits for; returns by
+    how many. Only in a tick that holds, releases nothing, and has seen a capacity refusal newer than the last
+    scale-out: a raise whose tick died before its records (`spare_capacity`), then refused, belongs to no unit,
+    so no cancel gives it back; the group retried the launch through the whole outage, each refusal restarting
+    the autoscaler's capacity backoff, and launched an instance nobody needed once capacity came back. Only the
+    part not launched (DesiredCapacity above the live instances, which also keeps the group from terminating
+    any), never below MinSize; a launch an active unit lacks (a restart, a lost member's replacement) is kept."""
+    group: aws.GroupView = context["group"]
+    if decision.action != "hold" or context.get("unlabelled") or "spare" not in context:
+        return 0
+    last_out = _tag_time(group.tags, aws.TAG_LAST_OUT)
+    if not any(last_out is None or t > last_out for t, _ in context.get("failures", [])):
+        return 0
+    asked = group.desired - len(group.live_instances)
+    desired = max(group.desired - min(asked, context["spare"]), len(group.live_instances), group.min_size)
+    if desired >= group.desired:
+        return 0
+    LOG.warning("desired capacity %d -> %d: launches refused that no unit waits for", group.desired, desired)
+    try:
+        aws.set_desired_capacity(clients.autoscaling, settings.group, desired, retry)
+    except ClientError as error:
+        # The group busy with the very launches it retries (ScalingActivityInProgress, ResourceContention): the
+        # next tick reads again and tries; raised, it failed the hold tick (its EMF line, the served latch).
+        if aws.error_code(error) not in ("ScalingActivityInProgress", "ResourceContention"):
+            raise
+        LOG.warning("desired capacity not lowered, tried again next tick: %s", error)
+        return 0
+    return group.desired - desired
 
 
 def emf(settings: Settings, decision: Decision, failures: int, now: float, **fields: Any) -> str:
@@ -472,6 +548,8 @@ def tick(settings: Settings, clients: Clients, now: float, retry: aws.Retry,
     done = act(settings, clients, decision, context, now, retry) if decision.action != "hold" else {}
     if context.get("finished"):
         done["finished"] = context["finished"]
+    if given := give_back_unclaimed(settings, clients, decision, context, retry):
+        done["given_back"] = given
     if released := release_unlabelled(settings, clients, decision, context, retry):
         done["released_unlabelled"] = released
     if not obs.stack_busy:
