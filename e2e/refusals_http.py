@@ -21,6 +21,7 @@ import shutil
 import signal
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -138,35 +139,56 @@ def stop(server: Proc) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
-def check_refusals_over_http(h: Harness) -> None:
-    """0c. A `vllm serve` with the unit's plugins and an on-device-sampling layout answers each case as expected."""
+@dataclass
+class RefusalServer:
+    """Check 0c's `vllm serve`, started by `start_refusal_server` and judged by `check_refusals_over_http`."""
+
+    server: Proc
+    port: int
+    layout: tempfile.TemporaryDirectory[str]
+    started: float
+
+    def close(self) -> None:
+        stop(self.server)
+        self.layout.cleanup()
+
+
+def start_refusal_server(h: Harness) -> RefusalServer:
+    """Start check 0c's server and return at once. Its start (an API server and an engine core, each importing
+    vLLM: about 100 s on the 2-core machine, single-threaded imports) then runs beside checks 0 and 0b, which each
+    import vLLM in one process too: two cores, two imports at a time, about a minute less of the run."""
+    port = free_port()
+    layout = tempfile.TemporaryDirectory()
+    shutil.copy(FIXTURE, layout.name)
+    env = {**os.environ, **engine_environment(h.cache), "UNIT_EXECUTOR": "1", "VLLM_PLUGINS": "unit",
+           "UNIT_BASE_PLATFORM": "vllm.platforms.cpu.CpuPlatform", "NEURON_COMPILED_ARTIFACTS": layout.name}
+    argv = [str(ENGINE_PYTHON), str(VLLM_ENTRY), "serve", str(h.model_dir), "--served-model-name", MODEL_NAME,
+            "--host", "127.0.0.1", "--port", str(port), *vllm_engine_args(MAX_MODEL_LEN)]
+    return RefusalServer(h.table.start("refusal-server", argv, env), port, layout, time.monotonic())
+
+
+def check_refusals_over_http(h: Harness, started: RefusalServer) -> None:
+    """0c. A `vllm serve` with the unit's plugins and an on-device-sampling layout answers each case as expected;
+    the server is stopped and its layout removed whatever happens."""
     r = h.report
     name = "0c. device-sampling refusals over HTTP: 400 before any stream, from a running vLLM server"
-    port = free_port()
-    with tempfile.TemporaryDirectory() as layout:
-        shutil.copy(FIXTURE, layout)
-        env = {**os.environ, **engine_environment(h.cache), "UNIT_EXECUTOR": "1", "VLLM_PLUGINS": "unit",
-               "UNIT_BASE_PLATFORM": "vllm.platforms.cpu.CpuPlatform", "NEURON_COMPILED_ARTIFACTS": layout}
-        argv = [str(ENGINE_PYTHON), str(VLLM_ENTRY), "serve", str(h.model_dir), "--served-model-name", MODEL_NAME,
-                "--host", "127.0.0.1", "--port", str(port), *vllm_engine_args(MAX_MODEL_LEN)]
-        started = time.monotonic()
-        server = h.table.start("refusal-server", argv, env)
+    server, port = started.server, started.port
+    try:
+        # A failure here is this check's, recorded with the server's log; the run goes on to the unit.
         try:
-            # A failure here is this check's, recorded with the server's log; the run goes on to the unit.
-            try:
-                wait_until("refusal server /health 200",
-                           lambda: not server.alive() or http_get(f"http://127.0.0.1:{port}/health")[0] == 200,
-                           h.left(300), 0.5)
-            except TimeoutError as error:
-                r.check(name, False, f"{error}; its log: {server.log_path}")
-                return
-            if not server.alive():
-                r.check(name, False, f"the server exited; its log: {server.log_path}")
-                return
-            r.figure("refusal_server_start_s", time.monotonic() - started)
-            results = {case: answer(port, path, body, refused, h.left(120)) for case, path, body, refused in CASES}
-        finally:
-            stop(server)
+            wait_until("refusal server /health 200",
+                       lambda: not server.alive() or http_get(f"http://127.0.0.1:{port}/health")[0] == 200,
+                       h.left(300), 0.5)
+        except TimeoutError as error:
+            r.check(name, False, f"{error}; its log: {server.log_path}")
+            return
+        if not server.alive():
+            r.check(name, False, f"the server exited; its log: {server.log_path}")
+            return
+        r.figure("refusal_server_start_s", time.monotonic() - started.started)
+        results = {case: answer(port, path, body, refused, h.left(120)) for case, path, body, refused in CASES}
+    finally:
+        started.close()
     r.facts["refusals_over_http"] = {case: detail for case, (_, detail) in results.items()}
     wrong = [f"{case}: {detail}" for case, (ok, detail) in results.items() if not ok]
     r.check(name, not wrong, "; ".join(wrong) + f"; the server's log: {server.log_path}" if wrong

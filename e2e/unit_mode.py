@@ -35,7 +35,14 @@ from pathlib import Path
 from typing import Any
 
 import frontend_bench
-from artifacts_steps import check_formation_manifest, compile_identity, report_compiled, require_manifest, run_refusals
+from artifacts_steps import (
+    Compiled,
+    check_formation_manifest,
+    compile_identity,
+    report_compiled,
+    require_manifest,
+    run_refusals,
+)
 from harness import (
     ENGINE_PYTHON,
     MODEL_NAME,
@@ -49,7 +56,7 @@ from harness import (
     wait_until,
 )
 from procs import Proc, Supervisor
-from refusals_http import check_refusals_over_http
+from refusals_http import check_refusals_over_http, start_refusal_server
 from s3_loopback import Fetched, Hosts, LoopbackS3, Upload, fetched, fetched_after_release, spare_ready
 from sampling_step import run_temperature
 
@@ -533,6 +540,25 @@ def check_requests_wrapped(h: Harness, leader_log: Path) -> None:
                    bool(wrapped), wrapped[0] if wrapped else f"no such line in {leader_log}")
 
 
+def stage_artifacts(h: Harness, spec: dict[str, Any], s3: LoopbackS3, loss: float) -> tuple[Compiled, Upload]:
+    """The CPU engine's compile is the identity: checkpoint + shards + their manifest, which the unit requires;
+    staged in the loopback S3 and named in the spec. The follower's shard takes longer than the loss limit through
+    the slowed link (the ready phase's check)."""
+    per_node = int(spec["instance"]["cores_per_node"])
+    shards = {0: LEADER_SHARD_BYTES, per_node: int(SHARD_RATE * loss * SHARD_OVER_LOSS)}
+    compiled = compile_identity(h, spec, shards)
+    report_compiled(h, compiled)
+    upload = s3.upload(compiled.root)
+    spec["model"]["artifacts_s3_uri"] = upload.uri
+    require_manifest(spec, compiled)
+    h.report.facts["model_artifacts"] = {
+        "uri": upload.uri, "objects": upload.objects, "bytes": upload.bytes,
+        "shards": {f"tp{rank}": size for rank, size in shards.items()},
+        "s3": f"moto server on {s3.moto_url}, launchers through the slowed link {s3.url} "
+              f"(shards at {SHARD_RATE / 2**10:.0f} KiB/s)"}
+    return compiled, upload
+
+
 def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order: str = "together",
              steps: tuple[str, ...] = STEPS) -> None:
     r = h.report
@@ -540,21 +566,16 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
     s3 = LoopbackS3(h.table, h.left(60), shard_rate=SHARD_RATE)
     spec = build_e2e_spec(h, ports, follower_loss_seconds, "s3://placeholder/")
     loss = float(spec["rendezvous"]["follower_loss_seconds"])
-    per_node = int(spec["instance"]["cores_per_node"])
-    shards = {0: LEADER_SHARD_BYTES, per_node: int(SHARD_RATE * loss * SHARD_OVER_LOSS)}
-    # The CPU engine's compile is the identity: checkpoint + shards + their manifest, which the unit requires.
-    compiled = compile_identity(h, spec, shards)
-    report_compiled(h, compiled)
-    upload = s3.upload(compiled.root)
-    spec["model"]["artifacts_s3_uri"] = upload.uri
-    require_manifest(spec, compiled)
-    r.facts["model_artifacts"] = {"uri": upload.uri, "objects": upload.objects, "bytes": upload.bytes,
-                                  "shards": {f"tp{rank}": size for rank, size in shards.items()},
-                                  "s3": f"moto server on {s3.moto_url}, launchers through the slowed link {s3.url} "
-                                        f"(shards at {SHARD_RATE / 2**10:.0f} KiB/s)"}
-    check_rendered_commands(h, spec)
-    check_request_refusals(h)
-    check_refusals_over_http(h)
+    # Check 0c's server starts first, so that its start runs beside the build and checks 0 and 0b.
+    refusal_server = start_refusal_server(h)
+    try:
+        compiled, upload = stage_artifacts(h, spec, s3, loss)
+        check_rendered_commands(h, spec)
+        check_request_refusals(h)
+    except BaseException:
+        refusal_server.close()
+        raise
+    check_refusals_over_http(h, refusal_server)
     r.facts["unit_spec"] = {k: spec[k] for k in ("unit_id", "size", "engine", "rendezvous")}
     r.facts["stop_order"] = stop_order
     unit = Unit(h, ports, spec, s3)
@@ -626,6 +647,7 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
     # gone: its replacement is a new instance with an empty model cache (no spare yet).
     follower_proc = unit.follower.current
     assert follower_proc is not None
+    follower_starts = unit.follower.starts
     unit.follower_host = "follower-2"
     probes: list[Probe] = []
     stop_probes = threading.Event()
@@ -654,6 +676,12 @@ def run_unit(h: Harness, follower_loss_seconds: float | None = None, stop_order:
     r.check("3. leader exits after follower loss", leader_exit.code is not None, f"exit code {leader_exit.code}")
     if router is not None:
         router.finish()  # 7: the figures around the kill; cell B and the router stop
+
+    # 4a's warm spare starts on its own instance once the lost follower's task has been placed on the new one
+    # (the spare is not there to be given to step 4's unit): its fetch through the slowed link (some 40 s) runs
+    # while the unit backs off and forms again, as a spare's prefetch runs long before a loss on AWS.
+    unit.follower.wait_for_start(follower_starts + 1, h.left(60))
+    unit.start_spare("spare-1")
 
     # 4. Recovery: the supervisor restarts both; a new session serves the same answer.
     try:
@@ -810,7 +838,7 @@ def run_spare_case(h: Harness, unit: Unit, spec: dict[str, Any], upload: Upload)
     placement controller gives the unit the spare's instance and ECS stops the spare task
     there; the follower's task placed on it finds the model in the cache."""
     r = h.report
-    spare = unit.start_spare("spare-1")
+    spare = unit.spares.get("spare-1") or unit.start_spare("spare-1")
     with contextlib.suppress(TimeoutError):  # judged below, with the spare's log named
         wait_until("the spare reports ready", lambda: spare_ready(spare.log_path) is not None or not spare.alive(),
                    h.left(300), 0.25)

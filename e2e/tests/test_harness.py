@@ -136,3 +136,54 @@ def test_session_end_event_is_read_from_the_leaders_log_as_the_launcher_writes_i
     assert got is not None and got["cause"] == "member_stopping" and got["ended_by"] == {"rank": 1}
     assert got["restart_backoff_seconds"] == 0
     assert unit_mode.session_end_event(log, "s-none") is None
+
+
+def _fake_model_builder(tmp_path: Path) -> tuple[Path, Path]:
+    """A stand-in for make_tiny_model.py under the engine's Python: writes a file, prints its summary line, and
+    counts its runs."""
+    runs = tmp_path / "runs"
+    script = tmp_path / "engine-python"
+    script.write_text(f"""#!{PY}
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[-1]); out.mkdir(parents=True)
+(out / "model.safetensors").write_bytes(b"w")
+with open({str(runs)!r}, "a") as f: f.write("run\\n")
+print("progress")
+print(json.dumps({{"path": str(out), "seed": 1234}}))
+""")
+    script.chmod(0o755)
+    return script, runs
+
+
+def test_the_tiny_model_is_built_once_and_copied_into_each_run(tmp_path, monkeypatch):
+    import harness
+
+    script, runs = _fake_model_builder(tmp_path)
+    monkeypatch.setattr(harness, "ENGINE_PYTHON", script)
+    monkeypatch.setattr(harness, "E2E_DIR", tmp_path / ".e2e")
+    models = []
+    for n in range(2):
+        h = harness.Harness("unit", tmp_path / f"run-{n}", 60, None)
+        h.build_model()
+        models.append(h)
+    assert runs.read_text().count("run") == 1
+    for h in models:
+        assert (h.model_dir / "model.safetensors").read_bytes() == b"w"
+        assert h.report.facts["model"]["path"] == str(h.model_dir)
+        assert h.report.facts["model"]["seed"] == 1234
+
+
+def test_a_model_build_cut_short_is_built_again(tmp_path, monkeypatch):
+    import harness
+
+    script, runs = _fake_model_builder(tmp_path)
+    monkeypatch.setattr(harness, "ENGINE_PYTHON", script)
+    monkeypatch.setattr(harness, "E2E_DIR", tmp_path / ".e2e")
+    half = harness.model_cache_dir() / "model"
+    half.mkdir(parents=True)
+    (half / "model.safetensors").write_bytes(b"half")  # no stamp: the build was cut short
+    h = harness.Harness("unit", tmp_path / "run", 60, None)
+    h.build_model()
+    assert runs.read_text().count("run") == 1
+    assert (h.model_dir / "model.safetensors").read_bytes() == b"w"
