@@ -476,6 +476,7 @@ def _signal(
     healthy: Callable[[], set[str]] | None = None,
     now: float | None = None,
     spare_tasks: SpareTasks | None = None,
+    updating: Callable[[], bool] | None = None,
 ) -> list[str] | None:
     """Rolling-update signals for the new instances that serve again or are ready spares (None: not configured).
 
@@ -493,6 +494,7 @@ def _signal(
     return signals.signal_ready_instances(
         signal_settings, settings.auto_scaling_group, view,
         clients.cloudformation, clients.autoscaling, clients.elbv2, retry, healthy=healthy, now=now,
+        updating=updating,
     )
 
 
@@ -565,8 +567,7 @@ def _restored_labels(settings: Settings, step: QuarantineStep, by_instance: Mapp
     units = set(unit_ids(settings.units))
     restored = {}
     for instance_id in step.released:
-        record = str(by_instance[instance_id].attributes.get(signals.SESSION_ATTRIBUTE) or "")
-        unit = record.rpartition("@")[0]
+        unit = signals.session_unit(by_instance[instance_id].attributes.get(signals.SESSION_ATTRIBUTE))
         # Only a host that still runs a task (its unit's): one whose task has gone is free, as any other.
         if instance_id in managed and managed[instance_id].scheduled and unit in units:
             restored[instance_id] = unit
@@ -690,9 +691,8 @@ def _serving_check(known: Mapping[str, aws.ContainerInstance], healthy: Callable
 def _later_formation_of_the_same_unit(record: str, session: str) -> bool:
     """Whether `record` (`<unit>@<released_at>[/<revision>]`) is of the same unit as `session`, released after it
     (both released_at on their leaders' clocks)."""
-    unit, _, rest = record.partition("@")
-    own_unit, _, own_rest = session.partition("@")
-    released, own_released = rest.partition("/")[0], own_rest.partition("/")[0]
+    unit, released, _ = signals.session_parts(record)
+    own_unit, own_released, _ = signals.session_parts(session)
     return (unit == own_unit and released.isdigit() and own_released.isdigit()
             and int(released) > int(own_released))
 
@@ -730,18 +730,37 @@ def _agent_attribute_writes(
     return puts, deletes
 
 
-def _group_updating(clients: Clients, retry: aws.Retry) -> bool:
-    """Whether the group's rolling update may be waiting for signals (asked only when there is something to
-    mark: a run with nothing to replace makes no extra call)."""
-    signal_settings = signals.SignalSettings.from_env(os.environ)
-    return (
-        signal_settings is not None
-        and clients.cloudformation is not None
-        and signals.group_updating(signal_settings, clients.cloudformation, retry)
-    )
+def _group_updating(clients: Clients, retry: aws.Retry) -> Callable[[], bool]:
+    """Whether the group's rolling update may be waiting for signals: one DescribeStackResource a run at most, and
+    only when asked (a run with nothing to mark, order or signal makes no call), as `_healthy_targets`.
+
+    Up to four steps ask within one run (the roll's order, the replacements of disconnected and of never-formed
+    members, the signals), and the answer cannot usefully change meanwhile; each asked CloudFormation again, from
+    the account's CloudFormation quota that deploys use too. A refused or throttled read (past `aws.Retry`) is kept
+    as well and raised to every step that asks: each keeps its own rule for it (`_updating_or_not_known` logs it
+    and goes on as if not updating; the replacements and the signals raise, as when their own read failed), and
+    CloudFormation is not asked again within the run."""
+    answer: list[bool | ClientError | BotoCoreError] = []
+
+    def updating() -> bool:
+        if not answer:
+            signal_settings = signals.SignalSettings.from_env(os.environ)
+            if signal_settings is None or clients.cloudformation is None:
+                answer.append(False)
+            else:
+                try:
+                    answer.append(signals.group_updating(signal_settings, clients.cloudformation, retry))
+                except (ClientError, BotoCoreError) as exc:
+                    answer.append(exc)
+        result = answer[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    return updating
 
 
-def _short_of_a_held_host(settings: Settings, clients: Clients, retry: aws.Retry, step: QuarantineStep,
+def _short_of_a_held_host(settings: Settings, updating: Callable[[], bool], step: QuarantineStep,
                           by_instance: Mapping[str, aws.ContainerInstance],
                           managed: Mapping[str, aws.ContainerInstance], instances: Sequence[Instance]) -> set[str]:
     """The units whose last formation had a host that is in quarantine and that the group still holds, while the
@@ -754,28 +773,29 @@ def _short_of_a_held_host(settings: Settings, clients: Clients, retry: aws.Retry
     batch then took another unit's node: two units out at once, and signals while one was down (the cell simulation,
     `quarantine-during-terminate-first-roll.yaml`). Served last, that unit is the one out, the roll's units form
     again one at a time, and the group brings its node at the update's end. A unit formed since without the host
-    (a later `unit-session` record of it elsewhere) is short of something else and is not put last. One
-    DescribeStackResource, only in a run where it can matter: such a unit, a free instance, and another unit short
-    of busy members."""
+    (a later `unit-session` record of it elsewhere) is short of something else and is not put last. The run's one
+    DescribeStackResource (`_group_updating`) is asked here only in a run where it can matter: such a unit, a free
+    instance, and another unit short of busy members."""
     records = {i: str(ci.attributes.get(signals.SESSION_ATTRIBUTE) or "") for i, ci in by_instance.items()}
     units = set()
     for instance_id in step.holding:
         record = records.get(instance_id, "")
-        unit = record.rpartition("@")[0]
+        unit = signals.session_unit(record)
         if unit and not any(_later_formation_of_the_same_unit(records[i], record) for i in managed):
             units.add(unit)
     busy = Counter(inst.unit for inst in instances if inst.busy)
     contest = (any(not inst.busy for inst in instances)
                and any(busy[unit] < settings.nodes_per_unit for unit in unit_ids(settings.units) if unit not in units))
-    return units if units and contest and _updating_or_not_known(clients, retry) else set()
+    return units if units and contest and _updating_or_not_known(updating) else set()
 
 
-def _updating_or_not_known(clients: Clients, retry: aws.Retry) -> bool:
-    """`_group_updating`, or False when CloudFormation cannot be asked (logged): the plan is then the one without
-    the roll's order. Asked before the plan, a refused or throttled call raised stopped the run before any write,
-    the label of the unit that lost a node too (a cold review; the same rule as `_spare_tasks`)."""
+def _updating_or_not_known(updating: Callable[[], bool]) -> bool:
+    """The run's `updating` (`_group_updating`), or False when CloudFormation cannot be asked (logged): the plan is
+    then the one without the roll's order. Asked before the plan, a refused or throttled call raised stopped the
+    run before any write, the label of the unit that lost a node too (a cold review; the same rule as
+    `_spare_tasks`). The failure stays the run's answer: a later step that asks raises it (`_group_updating`)."""
     try:
-        return _group_updating(clients, retry)
+        return updating()
     except (ClientError, BotoCoreError) as exc:
         LOG.warning("could not read whether the group is updating (%s): no unit waits for a held quarantined host "
                     "this run", exc)
@@ -793,8 +813,7 @@ def _held_for_their_units(instances: Sequence[Instance], managed: Mapping[str, a
     busy_units = {inst.unit for inst in instances if inst.busy}
     held = set()
     for inst in instances:
-        record = str(managed[inst.instance_id].attributes.get(signals.SESSION_ATTRIBUTE) or "")
-        unit = record.rpartition("@")[0]
+        unit = signals.session_unit(managed[inst.instance_id].attributes.get(signals.SESSION_ATTRIBUTE))
         if not inst.busy and unit and unit not in last and unit not in busy_units:
             held.add(inst.instance_id)
     return held
@@ -824,6 +843,7 @@ def _replace_unformed(
     group: Mapping[str, aws.GroupInstance],
     marked: list[str],
     retry: aws.Retry,
+    group_updating: Callable[[], bool],
 ) -> tuple[list[str], list[str]]:
     """Mark the members past their deadline (`unformed`), within the quarantine cap; (marked, deferred).
 
@@ -831,7 +851,7 @@ def _replace_unformed(
     if not seen.overdue:
         return [], []
     budget = settings.quarantine.max_instances - ecs_health.replacing(group, marked)
-    updating = budget > 0 and _group_updating(clients, retry)
+    updating = budget > 0 and group_updating()
     chosen, deferred = ecs_health.choose([(late, i) for late, i, _ in seen.overdue], budget, updating)
     units = {i: unit for _, i, unit in seen.overdue}
     for instance_id in deferred:
@@ -864,12 +884,13 @@ def _replace_disconnected(
     group: Mapping[str, aws.GroupInstance],
     marked: list[str],
     retry: aws.Retry,
+    group_updating: Callable[[], bool],
 ) -> tuple[list[str], list[str]]:
     """Mark instances whose agent stayed away past the grace, within the quarantine cap; (marked, deferred)."""
     if not seen.broken:
         return [], []
     budget = settings.quarantine.max_instances - ecs_health.replacing(group, marked)
-    updating = budget > 0 and _group_updating(clients, retry)
+    updating = budget > 0 and group_updating()
     chosen, deferred = ecs_health.choose(seen.broken, budget, updating)
     done = [i for i in chosen if aws.mark_unhealthy(clients.autoscaling, i, retry)]
     for instance_id in deferred:
@@ -896,6 +917,7 @@ def reconcile(
     by_instance = {ci.ec2_instance_id: ci for ci in container_instances}
     start_failures, start_report = _start_failures(settings, container_instances, group, gone, event)
     healthy = _healthy_targets(clients, retry)
+    updating = _group_updating(clients, retry)
     step = _quarantine(settings, clients, container_instances, event, retry, now, start_failures, group, healthy)
     agents = ecs_health.observe(settings.ecs_health, container_instances, group, step.in_quarantine | gone, now)
 
@@ -945,7 +967,7 @@ def reconcile(
         for instance_id, ci in managed.items()
     ]
     # Warm spares first, to the units that lost a node; then the topology grouping.
-    last = _short_of_a_held_host(settings, clients, retry, step, by_instance, managed, instances)
+    last = _short_of_a_held_host(settings, updating, step, by_instance, managed, instances)
     gifts, plan = plan_cell(instances, settings.units, settings.nodes_per_unit, step.in_quarantine, last,
                             _held_for_their_units(instances, managed, last))
 
@@ -1003,9 +1025,10 @@ def reconcile(
                                  "the mark and the stop of a quarantined host")
     unhealthy = _mark_unhealthy(settings, clients, step, group, serves, retry)
     quarantine_stops = _stop_quarantined_tasks(settings, clients, step, as_left, group, serves, retry)
-    disconnected, disconnected_deferred = _replace_disconnected(settings, clients, agents, group, unhealthy, retry)
+    disconnected, disconnected_deferred = _replace_disconnected(settings, clients, agents, group, unhealthy, retry,
+                                                                updating)
     never_formed, never_formed_deferred = _replace_unformed(
-        settings, clients, joined, by_instance, group, unhealthy + disconnected, retry)
+        settings, clients, joined, by_instance, group, unhealthy + disconnected, retry, updating)
     summary = _summary(settings, plan, topology, left, skipped, written, deleted, retry.retried)
     summary.update(
         {
@@ -1033,7 +1056,7 @@ def reconcile(
         }
     )
     signalled = _signal(settings, clients, plan, by_instance, records, labels, retry, healthy=healthy, now=now,
-                        spare_tasks=spare_tasks)
+                        spare_tasks=spare_tasks, updating=updating)
     if signalled is not None:
         summary["signalled"] = signalled
     _publish(settings, plan, summary, emit)

@@ -198,10 +198,25 @@ def spare_ready(ci: aws.ContainerInstance) -> bool:
     return ci.attributes.get("unit") == SPARE_UNIT and record is not None and record.cached
 
 
+def session_parts(record: str | None) -> tuple[str, str, str]:
+    """(unit, released_at, revision) of a `unit-session` record, `<unit>@<released_at>[/<revision>]` (written by
+    `unformed.session_value`), as text, "" for a part it lacks (all three for none or a value without `@`). The
+    one reading of the format, for every step that asks which unit a host last formed with, and when."""
+    unit, at, rest = (record or "").rpartition("@")
+    if not at:
+        return "", "", ""
+    released, _, revision = rest.partition("/")
+    return unit, released, revision
+
+
+def session_unit(record: str | None) -> str:
+    """The unit a `unit-session` record names ("" for none: `session_parts`)."""
+    return session_parts(record)[0]
+
+
 def session_member(ci: aws.ContainerInstance, unit: str) -> bool:
     """The instance was a member of a released session of `unit` (the launcher's record)."""
-    record = str(ci.attributes.get(SESSION_ATTRIBUTE) or "")
-    return record.rpartition("@")[0] == unit
+    return session_unit(ci.attributes.get(SESSION_ATTRIBUTE)) == unit
 
 
 def _formed_with(view: CellView, unit: str, instance_id: str, new: set[str]) -> bool:
@@ -308,10 +323,12 @@ def signal_ready_instances(
     retry: aws.Retry,
     healthy: Callable[[], set[str]] | None = None,
     now: float | None = None,
+    updating: Callable[[], bool] | None = None,
 ) -> list[str]:
     """Signal SUCCESS for the new instances that serve again (or are warm spares) while the group updates, and
-    that CloudFormation may still be waiting for (`awaited`)."""
-    if not group_updating(settings, cloudformation, retry):
+    that CloudFormation may still be waiting for (`awaited`). `updating`: the run's one read of whether the group
+    updates (`handler._group_updating`), when the run has one (else read here)."""
+    if not (updating() if updating is not None else group_updating(settings, cloudformation, retry)):
         return []
     new = current_version_instances(autoscaling, group, retry)
     at = time.time() if now is None else now

@@ -59,7 +59,7 @@ from typing import Any
 from placement_controller import aws
 from placement_controller.assignment import SPARE_UNIT
 from placement_controller.failures import reporter
-from placement_controller.signals import session_member
+from placement_controller.signals import session_member, session_parts
 
 JOINED_ATTRIBUTE = "unit-joined"
 # A doubt on a `unit-joined` record. ECS allows in a value only letters, digits, `-_.@/\:` and spaces
@@ -163,8 +163,7 @@ def fetch_failed_since_formed(record: str | None, unit: str, revision: str, ende
     with, after that formation (by FORMATION_MARGIN_SECONDS). A failure under another revision (a deployment
     whose artifacts are missing fails every member's own fetch of the new revision) or against a record
     without a revision (written before the revision was in it) says nothing about the host."""
-    name, _, rest = (record or "").rpartition("@")
-    released, _, formed_with = rest.partition("/")
+    name, released, formed_with = session_parts(record)
     return (name == unit and bool(formed_with) and formed_with == revision and released.isdigit()
             and ended_at > int(released) + FORMATION_MARGIN_SECONDS)
 

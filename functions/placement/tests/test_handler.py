@@ -1418,17 +1418,16 @@ def _signal_clients(cell: Cell, monkeypatch) -> Clients:
 
 
 def _run_with_target_health(cell: Cell, clients: Clients, healthy: list[str], reads: int,
-                            event: dict | None = None, stack_reads: int = 1) -> dict:
+                            event: dict | None = None) -> dict:
     """One run (of `event`'s triggers) that reads the target health `reads` times (`healthy` the healthy targets)
-    and asks `stack_reads` times whether the group updates (the signal rule, and a replacement within the cap: no
-    update)."""
+    and asks once whether the group updates (no update; the run's one read, whichever steps ask:
+    `handler._group_updating`)."""
     with Stubber(clients.elbv2) as elb, Stubber(clients.cloudformation) as cfn:
         for _ in range(reads):
             elb.add_response("describe_target_health", {"TargetHealthDescriptions": [
                 {"Target": {"Id": i, "Port": 8080}, "TargetHealth": {"State": "healthy"}} for i in healthy]},
                 {"TargetGroupArn": "arn:tg"})
-        for _ in range(stack_reads):
-            group_status(cfn, "UPDATE_COMPLETE")
+        group_status(cfn, "UPDATE_COMPLETE")
         with cell.active():
             summary = reconcile(SETTINGS, clients, event or {}, aws.Retry(), cell.lines.append, now=NOW)
         elb.assert_no_pending_responses()
@@ -1637,7 +1636,7 @@ def test_an_agent_that_stayed_away_is_replaced_while_a_held_host_s_unit_serves(m
     other = container("i-0d", running=1, unit="u1", unit_placement="topology")
     cell, clients = _quarantined_member(monkeypatch, marked=False, others=(away, other))
     health_call(cell, "i-0c")
-    summary = _run_with_target_health(cell, clients, ["i-0a"], reads=1, stack_reads=2)
+    summary = _run_with_target_health(cell, clients, ["i-0a"], reads=1)
     assert summary["agent_disconnected_replaced"] == ["i-0c"] and summary["marked_unhealthy"] == ["i-0c"], summary
 
 
@@ -2152,6 +2151,76 @@ def test_a_refused_read_of_the_group_status_does_not_stop_the_run_before_its_wri
         cfn.assert_no_pending_responses()
     assert summary["units"]["u0"]["instances"] == ["i-0a", "i-0c"], summary["units"]
     assert "could not read whether the group is updating" in caplog.text
+
+
+def test_one_run_asks_cloudformation_once_whatever_number_of_steps_need_to_know_whether_the_group_updates(
+        monkeypatch):
+    """Every step that needs to know whether the group updates asks the run's one read (`handler._group_updating`):
+    the roll's order (u0 short of its held quarantined host i-0q), the replacement of a disconnected agent (u2's
+    i-0e), of a member that never formed (u3's i-0g) and the signals. Each sent its own DescribeStackResource, from
+    the account's CloudFormation quota that deploys use too. Seen failing on main: the Stubber had no response for
+    the second call (the disconnected agent's). One response is queued here, and the run uses it for all four."""
+    for name, value in (("SIGNAL_STACK", "Rufus-Cell-dev"), ("SIGNAL_RESOURCE", "TrainiumNodesASG1"),
+                        ("TARGET_GROUP_ARN", "arn:tg")):
+        monkeypatch.setenv(name, value)
+    settings = dataclasses.replace(SETTINGS, units=4, quarantine=dataclasses.replace(SETTINGS.quarantine,
+                                                                                      max_instances=3))
+    cell = Cell()
+    away = {**container("i-0e", running=1, unit="u2", unit_placement="topology",
+                        agent_disconnected_since=f"{NOW - GRACE - 1:.0f}"), "agentConnected": False}
+    cell.group(("i-0q",), **{i: "InService" for i in ("i-0a", "i-0q", "i-0c", "i-0n", "i-0d", "i-0e", "i-0f",
+                                                       "i-0g")})
+    cell.containers([container("i-0a", running=1, unit="u0", unit_placement="topology", unit_session="u0@200/1"),
+                     container("i-0q", quarantine="3 unit failures", unit_session="u0@200/1"),
+                     container("i-0c", unit="u1", unit_placement="topology", unit_session="u1@100/1"),
+                     container("i-0n"),
+                     container("i-0d", running=1, unit="u2", unit_placement="topology"), away,
+                     container("i-0f", running=1, unit="u3", unit_placement="topology",
+                               unit_session=f"u3@{NOW - 86400}"),
+                     container("i-0g", running=1, unit="u3", unit_placement="topology",
+                               unit_joined=f"u3@{NOW - DEADLINE - 1}")])
+    hosts = ["i-0a", "i-0c", "i-0d", "i-0e", "i-0f", "i-0g", "i-0n"]
+    cell.topology(hosts, [topo(i, "t", "m", "b") for i in hosts])
+    cell.describe([container("i-0n")])
+    new = [*put("i-0n", "u1", "topology"), {"name": "unit-joined", "value": f"u1@{NOW:.0f}",
+                                            "targetType": "container-instance", "targetId": arn("i-0n")}]
+    cell.ecs.add_response("put_attributes", {"attributes": new}, {"cluster": CLUSTER, "attributes": new})
+    # The signals, told the group updates, read which instances are new (none here: the roll is the plan's part).
+    cell.autoscaling.add_response("describe_auto_scaling_groups", {"AutoScalingGroups": []},
+                                  {"AutoScalingGroupNames": [GROUP]})
+    clients = _signal_clients(cell, monkeypatch)
+    with Stubber(clients.elbv2) as elb, Stubber(clients.cloudformation) as cfn:
+        group_status(cfn, "UPDATE_IN_PROGRESS")
+        elb.add_response("describe_target_health", {"TargetHealthDescriptions": []}, {"TargetGroupArn": "arn:tg"})
+        with cell.active():
+            summary = reconcile(settings, clients, {}, aws.Retry(), cell.lines.append, now=NOW)
+        elb.assert_no_pending_responses()
+        cfn.assert_no_pending_responses()
+    assert summary["units"]["u1"]["instances"] == ["i-0c", "i-0n"], summary["units"]  # the roll's order
+    assert summary["agent_disconnected_deferred"] == ["i-0e"] and summary["never_formed_deferred"] == ["i-0g"]
+    assert summary["signalled"] == [], summary
+
+
+def test_a_refused_read_of_the_group_status_is_the_run_s_answer_for_every_step_that_asks(monkeypatch, caplog):
+    """The run's one read failed (refused) when the roll's order asked: that step logs it and the plan goes on
+    without the order (the test above), and the signals, which raise when they cannot know, raise the same failure
+    after the run's writes without asking CloudFormation again (`handler._group_updating`). Before, they asked a
+    second time."""
+    cell = Cell()
+    _a_roll_with_a_unit_short_of_a_held_quarantine(cell)
+    cell.describe([container("i-0c", unit="u1", unit_placement="topology", unit_session="u1@100/1")])
+    labels = [*put("i-0c", "u0", "topology"), {"name": "unit-joined", "value": f"u0@{NOW:.0f}",
+                                               "targetType": "container-instance", "targetId": arn("i-0c")}]
+    cell.ecs.add_response("put_attributes", {"attributes": labels}, {"cluster": CLUSTER, "attributes": labels})
+    clients = _signal_clients(cell, monkeypatch)
+    with Stubber(clients.elbv2) as elb, Stubber(clients.cloudformation) as cfn:
+        cfn.add_client_error("describe_stack_resource", service_error_code="AccessDenied", http_status_code=400)
+        elb.add_response("describe_target_health", {"TargetHealthDescriptions": []}, {"TargetGroupArn": "arn:tg"})
+        with cell.active(), pytest.raises(ClientError, match="AccessDenied"):
+            reconcile(SETTINGS, clients, {}, aws.Retry(), cell.lines.append, now=NOW)
+        cfn.assert_no_pending_responses()
+        elb.assert_no_pending_responses()
+    assert caplog.text.count("could not read whether the group is updating") == 1
 
 
 def test_during_a_roll_a_unit_short_of_a_held_quarantine_takes_no_survivor_labelled_a_spare(monkeypatch):

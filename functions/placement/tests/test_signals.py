@@ -499,3 +499,20 @@ def test_a_new_spare_is_signalled_only_by_the_record_of_the_spare_task_running_t
         cell.signal(instance)
     assert cell.run(WITH_SPARE)["signalled"] == signalled
     cell.done(unused=() if signalled else ("elbv2",))  # no instance ready: the target health is not read
+
+
+@pytest.mark.parametrize(("record", "parts"), [
+    (f"u3@{NOW}/abc123", ("u3", str(NOW), "abc123")),  # unformed.session_value's record
+    (f"u0@{NOW}", ("u0", str(NOW), "")),  # a line without a revision
+    (None, ("", "", "")), ("", ("", "", "")),  # no record
+    ("u0", ("", "", "")), (str(NOW), ("", "", "")),  # not a record: names no unit, no time
+])
+def test_a_unit_session_record_is_read_in_one_place(record, parts):
+    """`signals.session_parts`/`session_unit`: the one reading of `<unit>@<released_at>[/<revision>]` (the handler's
+    three readings of the unit, `session_member`'s, `_later_formation_of_the_same_unit`'s and
+    `unformed.fetch_failed_since_formed`'s were each their own)."""
+    from placement_controller import unformed
+
+    assert signals.session_parts(record) == parts and signals.session_unit(record) == parts[0]
+    if parts[1]:  # what the writer writes, the reader reads back
+        assert signals.session_parts(unformed.session_value(parts[0], float(parts[1]), parts[2])) == parts
