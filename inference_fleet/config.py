@@ -38,6 +38,7 @@ from unit_proxy.router_ssm import MAX_FRONTED_CELLS, STANDARD_VALUE_MAX
 from unit_proxy.settings import Settings as ProxySettings
 
 from inference_fleet.catalogue import CATALOGUE, InstanceType
+from inference_fleet.input_files import not_a_readable_file
 from inference_fleet.regions import region_problem
 from inference_fleet.schedule import cron_problem
 
@@ -189,7 +190,8 @@ class ModelConfig(_Strict):
 
     name: Annotated[str, StringConstraints(min_length=1, max_length=200)] = Field(
         description="Served model name (the `model` of OpenAI requests), e.g. meta-llama/Llama-3.1-70B-Instruct. "
-        "Not starting with '.': the node's copy is `/opt/models/NAME`, NAME with '/' as '--'. With "
+        "Printable characters (no control or invisible ones: NUL, newline, tab) and not starting with '.': the "
+        "node's copy is `/opt/models/NAME`, NAME with '/' as '--', a folder name of at most 255 bytes in UTF-8. With "
         "serving.frontend: triton its last path part is the Triton model's name and directory "
         "(Llama-3.1-70B-Instruct): 1 to 255 ASCII letters, digits, '.', '_' and '-', not starting with '.' or '-' "
         "(checked on load)."
@@ -1300,25 +1302,22 @@ def parse_yaml(text: str, source: str) -> dict[str, Any]:
     return data
 
 
-def _not_a_file(path: Path) -> str:
-    """What a path that is no regular file is, for the message (a FIFO would block a read until a writer comes)."""
-    if path.is_dir():
-        return "is a directory; give the fleet file (e.g. config/default.yaml)"
-    if path.exists():
-        kind = ("a named pipe (FIFO)" if path.is_fifo() else "a socket" if path.is_socket()
-                else "a device" if path.is_block_device() or path.is_char_device() else "not a regular file")
-        return f"is {kind}, not a regular file; give the fleet file"
-    if path.is_symlink():
-        return "is a symbolic link to nothing (dangling)"
-    return "no such file"
+def _not_a_file(path: str | Path) -> str | None:
+    """Why path cannot be read as the fleet file, with what to give instead, or None (input_files says why)."""
+    if (problem := not_a_readable_file(path)) is None:
+        return None
+    if problem in ("is a directory", "is an empty path"):
+        return f"{problem}; give the fleet file (e.g. config/default.yaml)"
+    return f"{problem}; give the fleet file" if problem.endswith("not a regular file") else problem
 
 
 def read_fleet_file(path: str | Path | None = None) -> tuple[dict[str, Any], str]:
     """The parsed YAML mapping of a fleet file (None: the embedded default) and its name for messages."""
-    path = DEFAULT_CONFIG if path is None else Path(path)
-    source = str(path)
-    if not path.is_file():
-        raise ConfigError(source, [ConfigIssue("<file>", source, _not_a_file(path))])
+    given = DEFAULT_CONFIG if path is None else path
+    source = str(given) or "''"  # as given: Path("") would be "."
+    if (problem := _not_a_file(given)) is not None:
+        raise ConfigError(source, [ConfigIssue("<file>", str(given), problem)])
+    path = Path(given)
     try:
         raw = path.read_bytes()
     except OSError as error:

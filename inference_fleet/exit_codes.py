@@ -15,7 +15,7 @@ NO_FIT = 1
 # `simulate`: an invariant was violated in at least one seed (each is printed with its time line).
 VIOLATED = 4
 USAGE = 2  # argparse exits 2 on a usage error: unknown command or option, bad value
-CONFIG = 3  # the fleet file is refused; every issue is printed with its field path
+CONFIG = 3  # the fleet file is refused (its path too: input_files.py); every issue is printed with its field path
 COMPILE = 5  # `compile` could not render or run its job, or refused to replace other artifacts
 VERIFY = 6  # `verify`: at least one check of the acceptance kit failed (its report says which)
 EVACUATE = 7  # `evacuate` refused (no router fronts the cell, or none would be left) or could not finish
@@ -33,7 +33,8 @@ EPILOG = f"""exit status:
   {OK}    done
   {NO_FIT}    plan --suggest found no unit that fits
   {USAGE}    usage error (unknown command or option, bad option value)
-  {CONFIG}    the fleet file (or simulate's scenario file) is refused: each issue is printed
+  {CONFIG}    the fleet file (or simulate's scenario file) is refused, or its path names no readable file (no such
+       file, a directory, a FIFO, a name too long): each issue is printed
   {VIOLATED}    simulate: an invariant was violated (printed with its first counterexample)
   {COMPILE}    compile: the job could not be rendered or run (the message says what to change)
   {VERIFY}    verify: a check failed on the cell (the table and the report say which and why)

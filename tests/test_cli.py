@@ -192,6 +192,10 @@ def test_a_full_output_is_one_line_not_a_traceback(command: str) -> None:
     ("/no/such/dir/r.json", "argument --report: directory /no/such/dir does not exist"),
     ("tests", "argument --report: tests is a directory; give the report's file name, e.g. "
               "tests/simulate-cell-report.json"),
+    # Regression (thirty-seventh session's probe): Path.is_dir raised ENAMETOOLONG, which argparse lets through:
+    # "input/output failed", exit 8, before the run; and "" was called a directory (Path("") is ".").
+    ("a" * 300, "argument --report: " + "a" * 300 + " cannot be examined (File name too long); give a report path"),
+    ("", "argument --report: an empty path; give the report's file name, e.g. simulate-cell-report.json"),
 ])
 def test_simulate_checks_its_report_path_before_the_run(report: str, message: str) -> None:
     # Regression: the path was first used after the whole run: FileNotFoundError / IsADirectoryError traceback.
@@ -317,7 +321,42 @@ def test_a_scenario_path_that_cannot_be_examined_is_a_scenario_error_not_an_io_f
     scenario = str(tmp_path / ("a" * 300 + ".yaml"))
     done = fleet_cli("simulate", "--scenario", scenario, "--report", str(tmp_path / "r.json"))
     assert done.returncode == exit_codes.CONFIG, done.stderr
-    assert done.stderr.startswith(f"error: {scenario}: cannot read the scenario file: [Errno 36] File name too long")
+    assert done.stderr.startswith(f"error: {scenario}: cannot read the scenario file: the path cannot be examined "
+                                  "(File name too long")
+
+
+def _looping_link(tmp_path: Path) -> Path:
+    (tmp_path / "one.yaml").symlink_to(tmp_path / "two.yaml")
+    (tmp_path / "two.yaml").symlink_to(tmp_path / "one.yaml")
+    return tmp_path / "one.yaml"
+
+
+@pytest.mark.parametrize(("make_path", "said"), [
+    (lambda tmp: tmp / ("a" * 300 + ".yaml"), "the path cannot be examined (File name too long"),
+    (_looping_link, "the path cannot be examined (Too many levels of symbolic links"),
+])
+def test_a_fleet_path_that_cannot_be_examined_exits_3_as_a_scenario_path_does(make_path, said, tmp_path: Path) -> None:
+    # Regression: Path.is_file swallows ENOENT and ELOOP but raises ENAMETOOLONG (and EACCES on a parent a user
+    # cannot search), which reached main's OSError handler: "input/output failed", exit 8, where the scenario's
+    # path was exit 3 since the thirty-sixth session. A link loop was reported as "a symbolic link to nothing".
+    path = str(make_path(tmp_path))
+    for args in (("validate", "--config", path), ("simulate", "--scenario", path)):
+        done = fleet_cli(*args)
+        assert done.returncode == exit_codes.CONFIG, (args, done.stderr)
+        assert said in done.stderr and "Traceback" not in done.stderr, (args, done.stderr)
+
+
+def test_an_empty_fleet_or_scenario_path_is_named_so_not_the_working_directory() -> None:
+    # Regression (thirty-seventh session's probe): `--config ""` said "<file> = '.': is a directory", and
+    # `--scenario ""` printed "error: : cannot read the scenario file: [Errno 21] Is a directory: ''".
+    done = fleet_cli("validate", "--config", "")
+    assert done.returncode == exit_codes.CONFIG, done.stderr
+    assert done.stderr == ("error: invalid fleet config '':\n  - <file> = '': is an empty path; give the fleet file "
+                           "(e.g. config/default.yaml)\n")
+    done = fleet_cli("simulate", "--scenario", "")
+    assert done.returncode == exit_codes.CONFIG, done.stderr
+    assert done.stderr == ("error: '': cannot read the scenario file: it is an empty path; give a scenario file "
+                           "(simulations/*.yaml)\n")
 
 
 def test_ctrl_c_mid_run_is_one_line_not_a_traceback(tmp_path: Path) -> None:

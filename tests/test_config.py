@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +18,7 @@ from inference_fleet import cli, compile_job, config, exit_codes
 from inference_fleet.checks import fleet_warnings, load_fleet, parse_fleet, placeholder_warnings, vpc_quota_warnings
 from inference_fleet.config import DEFAULT_CONFIG, ConfigError, ConfigIssue, parse_model, read_fleet_file
 from inference_fleet.reference import markdown
+from inference_fleet.simulation.scenario import ScenarioError, load_scenario
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -269,6 +272,35 @@ def test_a_model_name_starting_with_a_dot_is_refused_on_every_front_end(raw: dic
     assert "allowed: a name that starts with a letter, digit or '_'" in issue.problem
 
 
+@pytest.mark.parametrize(("name", "said"), [
+    ("meta-llama/Llama\x00-3", "holds '\\x00' (U+0000), a control or invisible character"),
+    ("meta-llama/Llama-3\nInstruct", "holds '\\n' (U+000A), a control or invisible character"),
+    ("Llama\t3", "holds '\\t' (U+0009)"),
+    ("Llama\u200b3", "holds '\\u200b' (U+200B)"),
+    ("\U0001F999" * 200, "would be a name of 800 bytes in UTF-8, longer than Linux allows (NAME_MAX)"),
+    ("\u00e9" * 128, "would be a name of 256 bytes in UTF-8"),
+    ("a/" * 85 + "b", "would be a name of 256 bytes in UTF-8"),  # each '/' is the folder's '--'
+])
+@pytest.mark.parametrize("frontend", ["openai", "triton"])
+def test_a_model_name_no_engine_command_line_or_cache_folder_takes_is_refused(raw: dict, name: str, said: str,
+                                                                              frontend: str) -> None:
+    """Regression (thirty-seventh session): model.name took NUL, newlines and 200 four-byte characters (only its
+    length in characters was checked). It is the engine's --served-model-name=NAME (an argv string holds no NUL) and
+    the cache folder /opt/models/<NAME, '/' as '--'> (255 bytes, NAME_MAX): refused on load, on either front end."""
+    raw["model"]["name"] = name
+    raw.setdefault("serving", {})["frontend"] = frontend
+    (issue,) = error_of(raw).issues
+    assert issue.path == "model.name" and issue.value == name
+    assert said in issue.problem and "allowed: printable characters" in issue.problem, issue.problem
+
+
+@pytest.mark.parametrize("name", ["\u00e9" * 127 + "x", "a/" * 84 + "bcd", "my model v2", "Llama-3-\u00fcber"])
+def test_a_model_name_of_printable_characters_whose_folder_fits_is_served(raw: dict, name: str) -> None:
+    raw["model"]["name"] = name
+    assert len(name.replace("/", "--").encode()) <= 255
+    assert parse_fleet(raw, "test").model.name == name
+
+
 def test_a_new_efa_installer_version_needs_its_own_checksum() -> None:
     """Pinning another installer version while keeping the default's SHA-256 would fail every node's setup
     (checksum mismatch at boot); refused at load, naming node.efa_installer_sha256."""
@@ -292,6 +324,28 @@ def test_a_removed_field_says_what_replaced_it_not_to_check_the_spelling() -> No
     (issue,) = caught.value.issues
     assert issue.path == "serving.deregistration_delay_seconds"
     assert "serving.drain_timeout_seconds" in issue.problem and "spelling" not in issue.problem
+
+
+def test_a_path_under_a_directory_that_cannot_be_searched_is_refused_alike(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # Regression: Path.is_file raised the stat's EACCES (a parent the user cannot search; seen as user nobody under a
+    # chmod 000 directory: "input/output failed", exit 8). Faked here since the tests may run as root, whom a mode
+    # does not stop. The fleet file and a scenario file are refused by the same function, with the same words.
+    locked = tmp_path / "locked" / "fleet.yaml"
+    real_stat = Path.stat
+
+    def stat(path: Path, **kwargs: object) -> os.stat_result:
+        if path == locked:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_stat(path, **kwargs)
+
+    monkeypatch.setattr(Path, "stat", stat)
+    said = "the path cannot be examined (Permission denied: a directory on it cannot be searched by this user)"
+    with pytest.raises(ConfigError) as caught:
+        read_fleet_file(locked)
+    assert [(issue.path, issue.problem) for issue in caught.value.issues] == [("<file>", said)]
+    with pytest.raises(ScenarioError, match=re.escape(f"cannot read the scenario file: {said}; give a scenario")):
+        load_scenario(locked)
 
 
 def test_a_config_path_that_is_no_file_says_what_it_is(tmp_path: Path) -> None:

@@ -24,8 +24,20 @@ def _seeds(text: str) -> int:
 
 
 def _report_path(text: str) -> Path:
-    """--report, checked before the run (which can take minutes) rather than when the report is written."""
-    path = Path(text)
+    """--report, checked before the run (which can take minutes) rather than when the report is written. A path the
+    checks cannot examine (a name too long; EACCES on a parent) is refused as a bad option value (exit 2) like the
+    others: Path.is_dir raises those errors, which argparse would let through as an output failure (exit 8)."""
+    if not text:  # Path("") is ".", the working directory: it would be called a directory
+        raise argparse.ArgumentTypeError("an empty path; give the report's file name, e.g. " + DEFAULT_REPORT)
+    try:
+        return _writable_report(text, Path(text))
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"{text} cannot be examined ({error.strerror or error}); give a report "
+                                         f"path that can be written, e.g. {DEFAULT_REPORT}") from None
+
+
+def _writable_report(text: str, path: Path) -> Path:
+    """path, or ArgumentTypeError saying why the report could not be written there."""
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a directory; give the report's file name, e.g. "
                                          f"{path / DEFAULT_REPORT}")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import re
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 import yaml
 
 from inference_fleet.config import load_yaml_strictly
+from inference_fleet.input_files import not_a_readable_file
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -248,29 +248,17 @@ def parse_scenario(data: Any, source: str = "<dict>") -> Scenario:
                     dict(fleet), source)
 
 
-def _not_a_regular_file(path: Path) -> str | None:
-    """What an existing path that is neither a regular file nor a directory is (a directory's read names itself).
-    None when it cannot be examined: Path.is_fifo raises what it does not swallow (ENAMETOOLONG, EACCES), and the
-    read below reports that as a scenario it cannot read, not as an output failure."""
-    try:
-        mode = path.stat().st_mode
-    except (OSError, ValueError):
-        return None
-    if stat.S_ISFIFO(mode):
-        return "a named pipe (FIFO)"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    return None
+def _subject(problem: str) -> str:
+    """input_files' phrase as a clause: "is a directory" becomes "it is a directory"; "no such file" stays."""
+    return f"it {problem}" if problem.startswith("is ") else problem
 
 
 def load_scenario(path: str | Path) -> Scenario:
     """Read and check a scenario file."""
-    source = str(path)
-    if (kind := _not_a_regular_file(Path(path))) is not None:
-        # A FIFO would block the read until a writer came (a device might never end): refused, as a fleet file's is.
-        raise ScenarioError(f"{source}: cannot read the scenario file: it is {kind}, not a regular file; give a "
+    source = str(path) or "''"  # an empty path named as such in the message
+    if (problem := not_a_readable_file(path)) is not None:
+        # Refused before the read, as a fleet file is (input_files.py: a FIFO would block the read until a writer came).
+        raise ScenarioError(f"{source}: cannot read the scenario file: {_subject(problem)}; give a "
                             "scenario file (simulations/*.yaml)")
     try:
         text = Path(path).read_text(encoding="utf-8")
