@@ -888,3 +888,74 @@ def test_with_the_scheduler_first_the_leader_starts_again_and_its_proxy_reports_
     sim, minutes = _u0_after_its_form_timeout(scheduler_first)
     assert sim.units["u0"].session is not None and sim.units["u0"].session.state == "waiting"
     assert minutes == [(0.0, 0.0)] * 5
+
+
+# ---- the autoscaler's raise: the handler's own decision (spare capacity) ---------------------------------
+
+def _elastic_cell_with_an_idle_unlabelled_instance() -> engine.Cell:
+    """The elastic cell (2 units of 2 nodes) serving, with one more instance InService, registered and idle:
+    launched for no unit (a raise whose tick died before its records, a cancelled activation's), so it carries
+    no label (the controller labels whole groups of `nodes`). The autoscaler is kept off while it boots, or it
+    releases the instance first (`unlabelled_beyond_need`)."""
+    scenario = parse_scenario({"name": "steady", "duration": "3h", "seed": 1,
+                               "events": [{"at": "0s", "do": "load", "curve": "constant", "level": 0.05}]})
+    fleet, cell = fleet_for(scenario, ELASTIC)
+    sim = engine.Cell(fleet, cell, scenario, 1)
+    sim.start()
+    _advance(sim, 1500.0)
+    assert all(sim.units[u].session.state == "serving" for u in ("u0", "u1")) and not sim.units["u2"].leader_desired
+    sim.elastic = False
+    sim.desired += 1
+    sim.asg_converge()
+    _advance(sim, 2700.0)
+    sim.elastic = True
+    return sim
+
+
+def test_the_simulations_raise_is_the_handlers_with_an_idle_unlabelled_instance():
+    """The simulation raised its group by `nodes` per activated unit, its own copy of the activation (main before
+    this session): with an idle unlabelled instance live, it launched one instance more than the handler, which
+    raises by what the units lack beyond the group's spare capacity (`spare_capacity`)."""
+    from unittest import mock
+
+    from unit_autoscaler import aws as as_aws
+    from unit_autoscaler import decision as asd
+    from unit_autoscaler import handler
+
+    sim = _elastic_cell_with_an_idle_unlabelled_instance()
+    group, attributes = sim._group_view()
+    idle = [i for i in handler.unlabelled_live(group, attributes) if i in group.in_service and i in attributes]
+    assert len(idle) == 1 and group.desired == len(group.live_instances) == 5
+    # The handler's act on the same cell, read as its `observe` reads it.
+    obs = sim.observation()
+    settings = handler.Settings("sim", "sim", "sim", "sim", "", "", 1, sim.policy)
+    context = {"group": group, "labelled": as_aws.unit_instances(attributes),
+               "spare": handler.spare_capacity(settings, group, attributes, list(obs.units), sim._unusable())}
+    decision = asd.Decision("activate", "test", units=(2,))
+    clients = handler.Clients(*(mock.MagicMock() for _ in range(4)))
+    done = handler.act(settings, clients, decision, context, engine.EPOCH + sim.now, as_aws.Retry(attempts=1))
+    assert done["desired_capacity"] == 6  # u2 lacks 2 nodes, 1 of them the idle instance
+    sim.hooks = engine.Hooks(decide=lambda policy, observation: decision)
+    sim.autoscale()
+    assert sim.desired == done["desired_capacity"]
+
+
+def test_the_simulation_gives_back_a_refused_launch_no_unit_waits_for_as_the_handler_does():
+    """A launch asked for no unit (a raise whose tick died before its records) and refused for capacity: the
+    handler's hold tick lowers the desired capacity by it (`give_back_unclaimed`); the simulation kept it, and the
+    group retried it through the whole outage (main before this session)."""
+    from unit_autoscaler import decision as asd
+
+    scenario = parse_scenario({"name": "steady", "duration": "3h", "seed": 1,
+                               "events": [{"at": "0s", "do": "load", "curve": "constant", "level": 0.05}]})
+    fleet, cell = fleet_for(scenario, ELASTIC)
+    sim = engine.Cell(fleet, cell, scenario, 1)
+    sim.start()
+    _advance(sim, 1500.0)
+    sim.refused_until = sim.now + 3600.0
+    sim.desired += 1
+    sim.asg_converge()
+    assert sim.capacity_failures and sim.desired == 5
+    sim.hooks = engine.Hooks(decide=lambda policy, observation: asd.Decision("hold", "test"))
+    sim.autoscale()
+    assert sim.desired == 4

@@ -1326,9 +1326,12 @@ class Cell:
         obs = self.observation()
         decision = self.hooks.decide(self.policy, obs)
         self.latched = asd.latch_after(obs, decision, self.latched)  # kept while the stack is busy, as the handler
+        # The handler reads the cell before deciding (`observe`); with the stack busy it reads no spare capacity.
+        context = None if obs.stack_busy else self._autoscaler_context(obs)
         if decision.action == "hold":
-            if not obs.stack_busy:
-                self._release_unlabelled(obs)
+            if context is not None:
+                self._give_back_unclaimed(decision, context)
+                self._release_unlabelled(context)
             return
         self.note(f"autoscaler {decision.action} {[f'u{i}' for i in decision.units]}: {decision.reason}")
         chosen = [self.units[f"u{i}"] for i in decision.units]
@@ -1347,7 +1350,12 @@ class Cell:
                 unit.leader_desired, unit.follower_desired = 1, self.nodes - 1
                 unit.down_since, unit.down_cause, unit.activated = self.now, "forming", self.now
                 unit.restarts = 0
-            self.desired += len(chosen) * self.nodes
+            # The handler's raise (`activation_raise`): what the units lack beyond the group's spare capacity.
+            assert context is not None  # decide never activates with the stack busy
+            self.desired, spare, _ = as_handler.activation_raise(
+                self._as_settings(), context["group"], context, [u.uid for u in chosen])
+            if spare:
+                self.note(f"autoscaler raise: {spare} instance(s) the units lack already in the group")
             self.last_scale_out = self.now
             self.asg_converge()
         elif decision.action == "restart":
@@ -1372,16 +1380,22 @@ class Cell:
                 for inst in [i for i in self.live_instances() if i.attributes.get("unit") == unit.uid]:
                     self.desired -= 1
                     self.terminate(inst, replace=False)
-        if decision.action not in ("activate", "cancel", "restart"):  # never with a busy stack: decide holds then
-            self._release_unlabelled(obs)
+        if decision.action not in ("activate", "cancel", "restart") and not obs.stack_busy:
+            # Read again after the action, as before this session (the handler releases what it read before it:
+            # one difference left, docs/simulation.md).
+            self._release_unlabelled(self._autoscaler_context(obs))
 
     def _group_view(self) -> tuple[as_aws.GroupView, dict[str, dict[str, str]]]:
         """The group and the registered instances' ECS attributes, as the autoscaler's handler reads them."""
         live = self.live_instances()
+        # MinSize and MaxSize as the cell stack sets them (stacks/cell_stack.py, TrainiumCapacity: the spares are
+        # part of the group, launch-first has one instance of headroom). TAG_LAST_OUT as `act` writes it.
+        headroom = 1 if self.roll.mode == "launch-first" else 0
+        tags = {} if self.last_scale_out is None else {as_aws.TAG_LAST_OUT: str(int(EPOCH + self.last_scale_out))}
         group = as_aws.GroupView(
-            desired=self.desired, max_size=self.max_units * self.nodes, tags={},
+            desired=self.desired, max_size=self.max_units * self.nodes + self.spare_nodes + headroom, tags=tags,
             live_instances=tuple(i.iid for i in live if i.lifecycle in as_aws.LIVE_STATES),
-            min_size=self.min_units * self.nodes,
+            min_size=self.min_units * self.nodes + self.spare_nodes,
             in_service=tuple(i.iid for i in live if i.lifecycle == "InService" and i.health == "Healthy"),
             unhealthy=tuple(i.iid for i in live if i.health == "Unhealthy"))
         attributes = {i.iid: {k: str(v) for k, v in i.attributes.items()} for i in live if i.registered}
@@ -1392,14 +1406,36 @@ class Cell:
         return {i.iid for i in self.live_instances()
                 if i.registered and (i.ecs_status != "ACTIVE" or not (i.agent and i.up))}
 
-    def _release_unlabelled(self, obs: asd.Observation) -> None:
+    def _as_settings(self) -> as_handler.Settings:
+        return as_handler.Settings("sim", "sim", "sim", "sim", "", "", 1, self.policy)
+
+    def _autoscaler_context(self, obs: asd.Observation) -> dict[str, Any]:
+        """What the handler's `observe` gives its actions beside the observation, read from the simulated cell
+        with the handler's own functions: the group, the labelled instances, the capacity refusals, the
+        unlabelled instances no unit waits for (`unlabelled_beyond_need`) and the spare capacity
+        (`spare_capacity`)."""
+        group, attributes = self._group_view()
+        units = list(obs.units)
+        busy = {i.iid for i in self.live_instances() if i.task is not None and i.task.state != "STOPPED"}
+        settings = self._as_settings()
+        return {"group": group, "labelled": as_aws.unit_instances(attributes),
+                "failures": [(EPOCH + t, "InsufficientInstanceCapacity") for t in self.capacity_failures
+                             if self.now - t <= CAPACITY_LOOKBACK_S],
+                "unlabelled": as_handler.unlabelled_beyond_need(settings, group, attributes, units, busy),
+                "spare": as_handler.spare_capacity(settings, group, attributes, units, self._unusable(), busy)}
+
+    def _give_back_unclaimed(self, decision: asd.Decision, context: dict[str, Any]) -> None:
+        """The handler's give-back (`unclaimed_desired`, called as it is): a hold tick after a capacity refusal
+        lowers the desired capacity by launches not made that no active unit lacks."""
+        desired = as_handler.unclaimed_desired(decision, context)
+        if desired < self.desired:
+            self.note(f"autoscaler gives back {self.desired - desired} launch(es) refused that no unit waits for")
+            self.desired = desired
+
+    def _release_unlabelled(self, context: dict[str, Any]) -> None:
         """The handler's rule for unlabelled instances no unit waits for (`unlabelled_beyond_need`, called
         as it is), on the simulated group: each is terminated, decrementing the desired capacity."""
-        group, attributes = self._group_view()
-        live = self.live_instances()
-        settings = as_handler.Settings("sim", "sim", "sim", "sim", "", "", 1, self.policy)
-        busy = {i.iid for i in live if i.task is not None and i.task.state != "STOPPED"}
-        for iid in as_handler.unlabelled_beyond_need(settings, group, attributes, list(obs.units), busy):
+        for iid in context["unlabelled"]:
             self.note(f"autoscaler releases {iid}: unlabelled, no unit waits for it")
             self.desired -= 1
             self.terminate(self.instances[iid], replace=False)

@@ -396,13 +396,7 @@ def act(settings: Settings, clients: Clients, decision: Decision, context: Mappi
         # (below min_units, `decide`) needs none.
         # Beyond the capacity the group already has for no active unit (`spare_capacity`): a raise made by a
         # tick that died before its records is counted, not made again.
-        labelled = context.get("labelled", {})
-        lacking = sum(max(0, nodes - len(labelled.get(unit_id, []))) for unit_id in unit_ids)
-        spare = min(lacking, context.get("spare", 0))
-        # From what the group holds, not its desired capacity: an instance above it (protected from scale-in,
-        # the group cannot take it back) is counted in `spare` when unlabelled; raised from the desired capacity,
-        # it was discounted twice and a launch the unit needs never asked for.
-        desired = min(max(group.desired, len(group.live_instances)) + lacking - spare, group.max_size)
+        desired, spare, lacking = activation_raise(settings, group, context, unit_ids)
         if spare:
             LOG.warning("activation: %d of the %d instances lacked already in the group (launched or asked for, "
                         "no unit waiting for them)", spare, lacking)
@@ -465,6 +459,21 @@ def act(settings: Settings, clients: Clients, decision: Decision, context: Mappi
     return done
 
 
+def activation_raise(settings: Settings, group: aws.GroupView, context: Mapping[str, Any],
+                     unit_ids: Collection[str]) -> tuple[int, int, int]:
+    """The desired capacity an activation of `unit_ids` sets; with how many of the instances they lack the group
+    already holds for no unit (`spare_capacity`, context["spare"]) and how many they lack. A decision, no call:
+    the cell simulation raises its group with it (inference_fleet/simulation/engine.py)."""
+    labelled = context.get("labelled", {})
+    lacking = sum(max(0, settings.policy.nodes - len(labelled.get(unit_id, []))) for unit_id in unit_ids)
+    spare = min(lacking, context.get("spare", 0))
+    # From what the group holds, not its desired capacity: an instance above it (protected from scale-in,
+    # the group cannot take it back) is counted in `spare` when unlabelled; raised from the desired capacity,
+    # it was discounted twice and a launch the unit needs never asked for.
+    desired = min(max(group.desired, len(group.live_instances)) + lacking - spare, group.max_size)
+    return desired, spare, lacking
+
+
 def record_activation(settings: Settings, clients: Clients, context: Mapping[str, Any], units: Collection[int],
                       now: float, retry: aws.Retry, restarted: bool = False) -> None:
     """Write `units`' activation time `now` into TAG_ACTIVATED (`activation_value`)."""
@@ -507,13 +516,7 @@ def give_back_unclaimed(settings: Settings, clients: Clients, decision: Decision
     part not launched (DesiredCapacity above the live instances, which also keeps the group from terminating
     any), never below MinSize; a launch an active unit lacks (a restart, a lost member's replacement) is kept."""
     group: aws.GroupView = context["group"]
-    if decision.action != "hold" or context.get("unlabelled") or "spare" not in context:
-        return 0
-    last_out = _tag_time(group.tags, aws.TAG_LAST_OUT)
-    if not any(last_out is None or t > last_out for t, _ in context.get("failures", [])):
-        return 0
-    asked = group.desired - len(group.live_instances)
-    desired = max(group.desired - min(asked, context["spare"]), len(group.live_instances), group.min_size)
+    desired = unclaimed_desired(decision, context)
     if desired >= group.desired:
         return 0
     LOG.warning("desired capacity %d -> %d: launches refused that no unit waits for", group.desired, desired)
@@ -527,6 +530,20 @@ def give_back_unclaimed(settings: Settings, clients: Clients, decision: Decision
         LOG.warning("desired capacity not lowered, tried again next tick: %s", error)
         return 0
     return group.desired - desired
+
+
+def unclaimed_desired(decision: Decision, context: Mapping[str, Any]) -> int:
+    """The desired capacity `give_back_unclaimed` sets: the group's own when it gives nothing back. A decision,
+    no call: the cell simulation lowers its group with it (inference_fleet/simulation/engine.py)."""
+    group: aws.GroupView = context["group"]
+    if decision.action != "hold" or context.get("unlabelled") or "spare" not in context:
+        return group.desired
+    last_out = _tag_time(group.tags, aws.TAG_LAST_OUT)
+    if not any(last_out is None or t > last_out for t, _ in context.get("failures", [])):
+        return group.desired
+    asked = group.desired - len(group.live_instances)
+    return min(group.desired,
+               max(group.desired - min(asked, context["spare"]), len(group.live_instances), group.min_size))
 
 
 def emf(settings: Settings, decision: Decision, failures: int, now: float, **fields: Any) -> str:
