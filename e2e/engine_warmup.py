@@ -33,6 +33,7 @@ from harness import (
     engine_environment,
     free_port,
     http_get,
+    node_cores,
     vllm_engine_args,
     wait_until,
 )
@@ -79,8 +80,9 @@ def start_raw_pair(h: Harness, name: str = "raw") -> RawPair:
     leader_argv = [str(ENGINE_PYTHON), str(VLLM_ENTRY), *common, "--node-rank", "0",
                    "--host", "127.0.0.1", "--port", str(api)]
     follower_argv = [str(ENGINE_PYTHON), str(VLLM_ENTRY), *common, "--node-rank", "1", "--headless"]
-    leader = Supervisor(f"{name}-leader", lambda: h.table.start(f"{name}-leader", leader_argv, env))
-    follower = Supervisor(f"{name}-follower", lambda: h.table.start(f"{name}-follower", follower_argv, env))
+    leader_env, follower_env = {**env, **node_cores(0)}, {**env, **node_cores(1)}  # a core per node, as the unit's
+    leader = Supervisor(f"{name}-leader", lambda: h.table.start(f"{name}-leader", leader_argv, leader_env))
+    follower = Supervisor(f"{name}-follower", lambda: h.table.start(f"{name}-follower", follower_argv, follower_env))
     leader.begin()
     follower.begin()
     return RawPair(leader, follower, api)

@@ -53,6 +53,7 @@ from harness import (
     engine_environment,
     free_port,
     http_get,
+    node_cores,
     wait_until,
 )
 from procs import Proc, Supervisor
@@ -171,6 +172,8 @@ def launcher_env(spec: dict[str, Any], role: str, instance_id: str) -> dict[str,
     })
     if role == "follower":
         env["UNIT_LEADER_ADDR"] = "127.0.0.1"
+    # The launcher hands its environment to the engine (runner._engine_env): each node's worker on its own core.
+    env.update(node_cores(1 if role == "follower" else 0))
     return env
 
 

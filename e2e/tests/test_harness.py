@@ -187,3 +187,16 @@ def test_a_model_build_cut_short_is_built_again(tmp_path, monkeypatch):
     h.build_model()
     assert runs.read_text().count("run") == 1
     assert (h.model_dir / "model.safetensors").read_bytes() == b"w"
+
+
+def test_each_simulated_node_binds_its_vllm_worker_to_a_core_of_its_own(monkeypatch):
+    import harness
+    import unit_mode
+
+    monkeypatch.setattr(harness.os, "sched_getaffinity", lambda pid: {2, 5})
+    spec = {"region": "us-east-1"}
+    leader = unit_mode.launcher_env(spec, "leader", "i-1")["VLLM_CPU_OMP_THREADS_BIND"]
+    follower = unit_mode.launcher_env(spec, "follower", "i-2")["VLLM_CPU_OMP_THREADS_BIND"]
+    assert (leader, follower) == ("2", "5")
+    monkeypatch.setattr(harness.os, "sched_getaffinity", lambda pid: {3})
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in unit_mode.launcher_env(spec, "follower", "i-3")
