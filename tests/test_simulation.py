@@ -959,3 +959,38 @@ def test_the_simulation_gives_back_a_refused_launch_no_unit_waits_for_as_the_han
     sim.hooks = engine.Hooks(decide=lambda policy, observation: asd.Decision("hold", "test"))
     sim.autoscale()
     assert sim.desired == 4
+
+
+def test_the_simulations_cancel_gives_back_what_the_handler_gives_back():
+    """u2's activation got one of its two instances launched (booting, unlabelled) and the other refused: the
+    cancel gives back the launch not made. The handler lowers the desired capacity by what the unit lacks, never
+    below the live instances (`cancel_desired`: 6 -> 5, the booting instance kept and released next tick as
+    unlabelled); the simulation subtracted the lack itself (main before this session: 6 -> 4, below the 5 live)."""
+    from unittest import mock
+
+    from unit_autoscaler import aws as as_aws
+    from unit_autoscaler import decision as asd
+    from unit_autoscaler import handler
+
+    scenario = parse_scenario({"name": "steady", "duration": "3h", "seed": 1,
+                               "events": [{"at": "0s", "do": "load", "curve": "constant", "level": 0.05}]})
+    fleet, cell = fleet_for(scenario, ELASTIC)
+    sim = engine.Cell(fleet, cell, scenario, 1)
+    sim.start()
+    _advance(sim, 1500.0)
+    sim.elastic = False
+    sim.desired += 1  # one launch made for no unit yet: u2's activation counts it as spare
+    sim.asg_converge()
+    sim.refused_until = sim.now + 3600.0
+    sim.hooks = engine.Hooks(decide=lambda policy, observation: asd.Decision("activate", "test", units=(2,)))
+    sim.autoscale()
+    group, _ = sim._group_view()
+    assert sim.capacity_failures and (group.desired, len(group.live_instances)) == (6, 5)
+    cancel = asd.Decision("cancel", "test", units=(2,))
+    context = sim._autoscaler_context(sim.observation())
+    clients = handler.Clients(*(mock.MagicMock() for _ in range(4)))
+    done = handler.act(sim._as_settings(), clients, cancel, context, engine.EPOCH + sim.now, as_aws.Retry(attempts=1))
+    sim.hooks = engine.Hooks(decide=lambda policy, observation: cancel)
+    sim.autoscale()
+    assert done["desired_capacity"] == 5
+    assert sim.desired == done["desired_capacity"]

@@ -1367,13 +1367,16 @@ class Cell:
                     self.terminate(inst, replace=True)
         elif decision.action in ("deactivate", "cancel"):
             for unit in chosen:
-                lacking = self.nodes - sum(1 for i in self.live_instances() if i.attributes.get("unit") == unit.uid)
                 unit.leader_desired = unit.follower_desired = 0
                 unit.down_since, unit.down_cause = None, ""
                 for task in [t for t in self.tasks.values() if t.unit == unit.uid and t.state != "STOPPED"]:
                     self.stop_task_planned(task, f"autoscaler {decision.action}")
-                if decision.action == "cancel":
-                    self.desired -= max(0, lacking)
+            if decision.action == "cancel":
+                # The handler's give-back (`cancel_desired`), from the group as read before the action: the
+                # instances the units lack, never below the live instances.
+                assert context is not None  # decide never cancels with the stack busy
+                self.desired = as_handler.cancel_desired(self._as_settings(), context["group"], context,
+                                                         [u.uid for u in chosen])
             self.last_scale_in = self.now
         elif decision.action == "release":
             for unit in chosen:

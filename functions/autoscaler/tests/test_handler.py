@@ -271,6 +271,36 @@ def test_min_units_raised_activates_the_unit_on_the_instances_the_group_launched
     assert (summary["action"], summary["units"]) == ("activate", ["u1"])
 
 
+def test_a_unit_activated_on_instances_still_terminating_gets_a_launch_for_each() -> None:
+    """min_units 2, u0 and u2 served: u1 was released last tick (its instances terminated, the group decremented)
+    and an operator then stopped u2 (leader and followers 0, its tasks stopping). u1's instances are in
+    Terminating:Wait, held by ECS managed draining's lifecycle hook, and ECS still lists them with their `unit`
+    attribute, so u1 reads `releasing`, and with one active unit below min_units it is activated "on the
+    instances it still holds". Counted from the labels it lacked none: no SetDesiredCapacity (main: the Stubber
+    got CreateOrUpdateTags where it expected it), its instances left, and u1 stayed starting for good, lacking
+    both nodes, never restarted (`test_a_starting_unit_is_not_restarted`, one of its instances missing) and never
+    cancelled (nothing launched, nothing refused), holding every scale-in. Counted among the group's live
+    instances, as `active_lack` counts them, it lacks 2: the group is raised by 2."""
+    settings = dataclasses.replace(SETTINGS, policy=dataclasses.replace(POLICY, min_units=2))
+    cell = Cell()
+    cell.stack()
+    cell.group(4, ["i-a", "i-b", "i-e", "i-f"], served="0",
+               states={"i-c": "Terminating:Wait", "i-d": "Terminating:Wait"}, **{aws.TAG_LAST_OUT: NOW - 7200})
+    cell.services({"u0": (2, 2), "u1": (0, 0), "u2": (0, 2)})
+    cell.labels({"i-a": "u0", "i-b": "u0", "i-c": "u1", "i-d": "u1", "i-e": "u2", "i-f": "u2"},
+                running={"i-e": 1, "i-f": 1}, status={"i-c": "DRAINING", "i-d": "DRAINING"})
+    cell.stopping()
+    cell.activities()
+    cell.metrics({"u0": (8.0, 1.0)})
+    cell.expect_desired(6)
+    cell.expect_scale_out(f"{int(NOW)}:1")
+    cell.expect_count("u1", "leader", 1)
+    cell.expect_count("u1", "followers", 1)
+    summary = cell.run(settings)
+    assert (summary["action"], summary["units"]) == ("activate", ["u1"])
+    assert summary["done"]["desired_capacity"] == 6
+
+
 def test_an_idle_cell_drains_its_least_loaded_unit_leader_first() -> None:
     cell = Cell()
     cell.stack()

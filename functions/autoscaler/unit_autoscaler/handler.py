@@ -344,10 +344,24 @@ def active_lack(settings: Settings, group: aws.GroupView, attributes: Mapping[st
     """The instances the active units (starting or serving) lack. A unit's labelled instances are counted among
     the group's live ones only: a member that is terminating keeps its label in ECS for a while, and its
     replacement (InService, not yet registered, so unlabelled) is exactly what the unit is waiting for."""
+    labelled = aws.unit_instances(attributes)
+    return lacked(settings, group, labelled, [u.unit_id for u in units if u.phase in ("starting", "serving")])
+
+
+def lacked(settings: Settings, group: aws.GroupView, labelled: Mapping[str, Collection[str]],
+           unit_ids: Collection[str]) -> int:
+    """The instances `unit_ids` lack: `nodes` each, less their labelled instances the group holds live (Pending*,
+    InService: `aws.LIVE_STATES`). The one count of `active_lack`, `activation_raise` and `cancel_desired`.
+
+    ECS keeps a container instance and its `unit` attribute while the group terminates the instance (Terminating,
+    or Terminating:Wait while the capacity provider's managed draining holds it: docs/autoscaling.md, "Live labels
+    only"; how long ECS lists it after is unverified). Counted from the
+    labels alone, a unit released a minute ago and activated again below min_units read as holding all its
+    instances: no launch was asked for, its instances left, and it stayed starting for good (never stalled, as it
+    never has them all; never cancelled, as nothing is refused)."""
     live = set(group.live_instances)
-    labelled = {unit_id: sum(1 for i, attrs in attributes.items() if attrs.get("unit") == unit_id and i in live)
-                for unit_id in settings.unit_ids}
-    return sum(max(0, settings.policy.nodes - labelled[u.unit_id]) for u in units if u.phase in ("starting", "serving"))
+    return sum(max(0, settings.policy.nodes - sum(1 for i in labelled.get(unit_id, ()) if i in live))
+               for unit_id in unit_ids)
 
 
 def spare_capacity(settings: Settings, group: aws.GroupView, attributes: Mapping[str, Mapping[str, str]],
@@ -448,11 +462,7 @@ def act(settings: Settings, clients: Clients, decision: Decision, context: Mappi
         for unit_id in unit_ids:
             set_role(unit_id, "leader", 0)
             set_role(unit_id, "followers", 0)
-        # Give back the instances the cancelled units lack, not those of units kept for min_units
-        # (the group keeps retrying their launch); the ones they got are released next tick.
-        labelled = context.get("labelled", {})
-        lacking = sum(max(0, nodes - len(labelled.get(unit_id, []))) for unit_id in unit_ids)
-        desired = max(len(group.live_instances), group.desired - lacking)
+        desired = cancel_desired(settings, group, context, unit_ids)
         if desired < group.desired:
             aws.set_desired_capacity(clients.autoscaling, settings.group, desired, retry)
             done["desired_capacity"] = desired
@@ -464,14 +474,23 @@ def activation_raise(settings: Settings, group: aws.GroupView, context: Mapping[
     """The desired capacity an activation of `unit_ids` sets; with how many of the instances they lack the group
     already holds for no unit (`spare_capacity`, context["spare"]) and how many they lack. A decision, no call:
     the cell simulation raises its group with it (inference_fleet/simulation/engine.py)."""
-    labelled = context.get("labelled", {})
-    lacking = sum(max(0, settings.policy.nodes - len(labelled.get(unit_id, []))) for unit_id in unit_ids)
+    lacking = lacked(settings, group, context.get("labelled", {}), unit_ids)
     spare = min(lacking, context.get("spare", 0))
     # From what the group holds, not its desired capacity: an instance above it (protected from scale-in,
     # the group cannot take it back) is counted in `spare` when unlabelled; raised from the desired capacity,
     # it was discounted twice and a launch the unit needs never asked for.
     desired = min(max(group.desired, len(group.live_instances)) + lacking - spare, group.max_size)
     return desired, spare, lacking
+
+
+def cancel_desired(settings: Settings, group: aws.GroupView, context: Mapping[str, Any],
+                   unit_ids: Collection[str]) -> int:
+    """The desired capacity a cancel of `unit_ids` sets: lowered by the instances they lack (`lacked`), never below
+    the live instances (a launch made is kept; the ones they got are released next tick). Not those of units kept
+    for min_units: the group keeps retrying their launch. A decision, no call: the cell simulation lowers its
+    group with it (inference_fleet/simulation/engine.py)."""
+    lacking = lacked(settings, group, context.get("labelled", {}), unit_ids)
+    return min(group.desired, max(len(group.live_instances), group.desired - lacking))
 
 
 def record_activation(settings: Settings, clients: Clients, context: Mapping[str, Any], units: Collection[int],
