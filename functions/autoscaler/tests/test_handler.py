@@ -301,6 +301,34 @@ def test_a_unit_activated_on_instances_still_terminating_gets_a_launch_for_each(
     assert summary["done"]["desired_capacity"] == 6
 
 
+@pytest.mark.parametrize("launches", [{"i-g": "Pending", "i-h": "Pending"}, {}], ids=["pending", "not-yet-listed"])
+def test_an_activation_on_terminating_instances_repeated_after_a_tick_died_raises_no_more(launches: dict) -> None:
+    """The tick after `test_a_unit_activated_on_instances_still_terminating_gets_a_launch_for_each` died between
+    its raise (4 -> 6) and its records: u1 still reads `releasing` (its labels on the Terminating:Wait instances),
+    below min_units it is activated again and still lacks both nodes in live labels. The raise already made is
+    what tells this tick the launches are under way: two Pending, unlabelled instances (`unlabelled_live`), or,
+    before the group lists them, DesiredCapacity 6 above 4 live; both are `spare_capacity` no active unit lacks.
+    Raised again, the group launched two Trainium instances more, released as surplus once InService."""
+    settings = dataclasses.replace(SETTINGS, policy=dataclasses.replace(POLICY, min_units=2))
+    cell = Cell()
+    cell.stack()
+    cell.group(6, ["i-a", "i-b", "i-e", "i-f"], served="0",
+               states={"i-c": "Terminating:Wait", "i-d": "Terminating:Wait", **launches}, max_size=8,
+               **{aws.TAG_LAST_OUT: NOW - 7200})  # room above 6: MaxSize must not be what stops a second raise
+    cell.services({"u0": (2, 2), "u1": (0, 0), "u2": (0, 2)})
+    cell.labels({"i-a": "u0", "i-b": "u0", "i-c": "u1", "i-d": "u1", "i-e": "u2", "i-f": "u2"},
+                running={"i-e": 1, "i-f": 1}, status={"i-c": "DRAINING", "i-d": "DRAINING"})
+    cell.stopping()
+    cell.activities()
+    cell.metrics({"u0": (8.0, 1.0)})
+    cell.expect_scale_out(f"{int(NOW)}:1")  # no SetDesiredCapacity queued: the Stubber refuses one
+    cell.expect_count("u1", "leader", 1)
+    cell.expect_count("u1", "followers", 1)
+    summary = cell.run(settings)
+    assert (summary["action"], summary["units"]) == ("activate", ["u1"])
+    assert summary["done"]["desired_capacity"] == 6
+
+
 def test_an_idle_cell_drains_its_least_loaded_unit_leader_first() -> None:
     cell = Cell()
     cell.stack()
