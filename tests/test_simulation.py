@@ -305,14 +305,20 @@ def _advance(sim: engine.Cell, until: float) -> None:
     sim.now = until
 
 
-def _serving_cell() -> engine.Cell:
-    """The default cell, 25 min into a constant load: its unit serves."""
+def _steady_cell(fleet_file: Path | None, level: float) -> engine.Cell:
+    """A simulated cell of `fleet_file` (None: the default fleet) 25 min into a constant load of `level`."""
     scenario = parse_scenario({"name": "steady", "duration": "3h", "seed": 1,
-                               "events": [{"at": "0s", "do": "load", "curve": "constant", "level": 0.5}]})
-    fleet, cell = fleet_for(scenario, None)
+                               "events": [{"at": "0s", "do": "load", "curve": "constant", "level": level}]})
+    fleet, cell = fleet_for(scenario, fleet_file)
     sim = engine.Cell(fleet, cell, scenario, 1)
     sim.start()
     _advance(sim, 1500.0)
+    return sim
+
+
+def _serving_cell() -> engine.Cell:
+    """The default cell, 25 min into a constant load: its unit serves."""
+    sim = _steady_cell(None, 0.5)
     assert sim.units["u0"].session is not None and sim.units["u0"].session.state == "serving"
     return sim
 
@@ -897,12 +903,7 @@ def _elastic_cell_with_an_idle_unlabelled_instance() -> engine.Cell:
     launched for no unit (a raise whose tick died before its records, a cancelled activation's), so it carries
     no label (the controller labels whole groups of `nodes`). The autoscaler is kept off while it boots, or it
     releases the instance first (`unlabelled_beyond_need`)."""
-    scenario = parse_scenario({"name": "steady", "duration": "3h", "seed": 1,
-                               "events": [{"at": "0s", "do": "load", "curve": "constant", "level": 0.05}]})
-    fleet, cell = fleet_for(scenario, ELASTIC)
-    sim = engine.Cell(fleet, cell, scenario, 1)
-    sim.start()
-    _advance(sim, 1500.0)
+    sim = _steady_cell(ELASTIC, 0.05)
     assert all(sim.units[u].session.state == "serving" for u in ("u0", "u1")) and not sim.units["u2"].leader_desired
     sim.elastic = False
     sim.desired += 1
@@ -927,13 +928,11 @@ def test_the_simulations_raise_is_the_handlers_with_an_idle_unlabelled_instance(
     idle = [i for i in handler.unlabelled_live(group, attributes) if i in group.in_service and i in attributes]
     assert len(idle) == 1 and group.desired == len(group.live_instances) == 5
     # The handler's act on the same cell, read as its `observe` reads it.
-    obs = sim.observation()
-    settings = handler.Settings("sim", "sim", "sim", "sim", "", "", 1, sim.policy)
-    context = {"group": group, "labelled": as_aws.unit_instances(attributes),
-               "spare": handler.spare_capacity(settings, group, attributes, list(obs.units), sim._unusable())}
+    context = sim._autoscaler_context(sim.observation())
     decision = asd.Decision("activate", "test", units=(2,))
     clients = handler.Clients(*(mock.MagicMock() for _ in range(4)))
-    done = handler.act(settings, clients, decision, context, engine.EPOCH + sim.now, as_aws.Retry(attempts=1))
+    done = handler.act(sim._as_settings(), clients, decision, context, engine.EPOCH + sim.now,
+                       as_aws.Retry(attempts=1))
     assert done["desired_capacity"] == 6  # u2 lacks 2 nodes, 1 of them the idle instance
     sim.hooks = engine.Hooks(decide=lambda policy, observation: decision)
     sim.autoscale()
@@ -946,12 +945,7 @@ def test_the_simulation_gives_back_a_refused_launch_no_unit_waits_for_as_the_han
     group retried it through the whole outage (main before this session)."""
     from unit_autoscaler import decision as asd
 
-    scenario = parse_scenario({"name": "steady", "duration": "3h", "seed": 1,
-                               "events": [{"at": "0s", "do": "load", "curve": "constant", "level": 0.05}]})
-    fleet, cell = fleet_for(scenario, ELASTIC)
-    sim = engine.Cell(fleet, cell, scenario, 1)
-    sim.start()
-    _advance(sim, 1500.0)
+    sim = _steady_cell(ELASTIC, 0.05)
     sim.refused_until = sim.now + 3600.0
     sim.desired += 1
     sim.asg_converge()
@@ -972,12 +966,7 @@ def test_the_simulations_cancel_gives_back_what_the_handler_gives_back():
     from unit_autoscaler import decision as asd
     from unit_autoscaler import handler
 
-    scenario = parse_scenario({"name": "steady", "duration": "3h", "seed": 1,
-                               "events": [{"at": "0s", "do": "load", "curve": "constant", "level": 0.05}]})
-    fleet, cell = fleet_for(scenario, ELASTIC)
-    sim = engine.Cell(fleet, cell, scenario, 1)
-    sim.start()
-    _advance(sim, 1500.0)
+    sim = _steady_cell(ELASTIC, 0.05)
     sim.elastic = False
     sim.desired += 1  # one launch made for no unit yet: u2's activation counts it as spare
     sim.asg_converge()

@@ -10,6 +10,7 @@ import dataclasses
 import json
 from contextlib import ExitStack
 from datetime import UTC, datetime
+from typing import Any
 
 import boto3
 import pytest
@@ -271,6 +272,23 @@ def test_min_units_raised_activates_the_unit_on_the_instances_the_group_launched
     assert (summary["action"], summary["units"]) == ("activate", ["u1"])
 
 
+def _u1_released_onto_terminating_instances(desired: int, launches: dict | None = None, **group: Any) -> Cell:
+    """u0 serving, u2 stopped by an operator (followers left), u1 released a tick ago: its two labelled instances
+    in Terminating:Wait (ECS managed draining), `launches` more in the group's states; the group at `desired`."""
+    cell = Cell()
+    cell.stack()
+    cell.group(desired, ["i-a", "i-b", "i-e", "i-f"], served="0",
+               states={"i-c": "Terminating:Wait", "i-d": "Terminating:Wait", **(launches or {})}, **group,
+               **{aws.TAG_LAST_OUT: NOW - 7200})
+    cell.services({"u0": (2, 2), "u1": (0, 0), "u2": (0, 2)})
+    cell.labels({"i-a": "u0", "i-b": "u0", "i-c": "u1", "i-d": "u1", "i-e": "u2", "i-f": "u2"},
+                running={"i-e": 1, "i-f": 1}, status={"i-c": "DRAINING", "i-d": "DRAINING"})
+    cell.stopping()
+    cell.activities()
+    cell.metrics({"u0": (8.0, 1.0)})
+    return cell
+
+
 def test_a_unit_activated_on_instances_still_terminating_gets_a_launch_for_each() -> None:
     """min_units 2, u0 and u2 served: u1 was released last tick (its instances terminated, the group decremented)
     and an operator then stopped u2 (leader and followers 0, its tasks stopping). u1's instances are in
@@ -282,16 +300,7 @@ def test_a_unit_activated_on_instances_still_terminating_gets_a_launch_for_each(
     cancelled (nothing launched, nothing refused), holding every scale-in. Counted among the group's live
     instances, as `active_lack` counts them, it lacks 2: the group is raised by 2."""
     settings = dataclasses.replace(SETTINGS, policy=dataclasses.replace(POLICY, min_units=2))
-    cell = Cell()
-    cell.stack()
-    cell.group(4, ["i-a", "i-b", "i-e", "i-f"], served="0",
-               states={"i-c": "Terminating:Wait", "i-d": "Terminating:Wait"}, **{aws.TAG_LAST_OUT: NOW - 7200})
-    cell.services({"u0": (2, 2), "u1": (0, 0), "u2": (0, 2)})
-    cell.labels({"i-a": "u0", "i-b": "u0", "i-c": "u1", "i-d": "u1", "i-e": "u2", "i-f": "u2"},
-                running={"i-e": 1, "i-f": 1}, status={"i-c": "DRAINING", "i-d": "DRAINING"})
-    cell.stopping()
-    cell.activities()
-    cell.metrics({"u0": (8.0, 1.0)})
+    cell = _u1_released_onto_terminating_instances(4)
     cell.expect_desired(6)
     cell.expect_scale_out(f"{int(NOW)}:1")
     cell.expect_count("u1", "leader", 1)
@@ -310,17 +319,8 @@ def test_an_activation_on_terminating_instances_repeated_after_a_tick_died_raise
     before the group lists them, DesiredCapacity 6 above 4 live; both are `spare_capacity` no active unit lacks.
     Raised again, the group launched two Trainium instances more, released as surplus once InService."""
     settings = dataclasses.replace(SETTINGS, policy=dataclasses.replace(POLICY, min_units=2))
-    cell = Cell()
-    cell.stack()
-    cell.group(6, ["i-a", "i-b", "i-e", "i-f"], served="0",
-               states={"i-c": "Terminating:Wait", "i-d": "Terminating:Wait", **launches}, max_size=8,
-               **{aws.TAG_LAST_OUT: NOW - 7200})  # room above 6: MaxSize must not be what stops a second raise
-    cell.services({"u0": (2, 2), "u1": (0, 0), "u2": (0, 2)})
-    cell.labels({"i-a": "u0", "i-b": "u0", "i-c": "u1", "i-d": "u1", "i-e": "u2", "i-f": "u2"},
-                running={"i-e": 1, "i-f": 1}, status={"i-c": "DRAINING", "i-d": "DRAINING"})
-    cell.stopping()
-    cell.activities()
-    cell.metrics({"u0": (8.0, 1.0)})
+    # Room above 6: MaxSize must not be what stops a second raise.
+    cell = _u1_released_onto_terminating_instances(6, launches, max_size=8)
     cell.expect_scale_out(f"{int(NOW)}:1")  # no SetDesiredCapacity queued: the Stubber refuses one
     cell.expect_count("u1", "leader", 1)
     cell.expect_count("u1", "followers", 1)

@@ -2122,6 +2122,15 @@ def _a_roll_with_a_unit_short_of_a_held_quarantine(cell: Cell, survivor_label: s
     cell.topology(["i-0a", "i-0c", "i-0n"], [topo(i, "t", "m", "b") for i in ("i-0a", "i-0c", "i-0n")])
 
 
+def _expect_u0_completed_with_u1s_survivor(cell: Cell) -> None:
+    """The plan without the roll's order: u0, which lost a node, is completed first, with i-0c (u1's survivor of
+    the roll)."""
+    cell.describe([container("i-0c", unit="u1", unit_placement="topology", unit_session="u1@100/1")])
+    labels = [*put("i-0c", "u0", "topology"), {"name": "unit-joined", "value": f"u0@{NOW:.0f}",
+                                               "targetType": "container-instance", "targetId": arn("i-0c")}]
+    cell.ecs.add_response("put_attributes", {"attributes": labels}, {"cluster": CLUSTER, "attributes": labels})
+
+
 @pytest.mark.parametrize("code", ["AccessDenied", "Throttling"])
 def test_a_refused_read_of_the_group_status_does_not_stop_the_run_before_its_writes(code, monkeypatch, caplog):
     """A cold review of roll-gap (d675529): `_short_of_a_held_host` asks DescribeStackResource before the plan and
@@ -2137,10 +2146,7 @@ def test_a_refused_read_of_the_group_status_does_not_stop_the_run_before_its_wri
     cell = Cell()
     _a_roll_with_a_unit_short_of_a_held_quarantine(cell)
     # The plan before roll-gap: u0, which lost a node, is completed first (with u1's survivor).
-    cell.describe([container("i-0c", unit="u1", unit_placement="topology", unit_session="u1@100/1")])
-    labels = [*put("i-0c", "u0", "topology"), {"name": "unit-joined", "value": f"u0@{NOW:.0f}",
-                                               "targetType": "container-instance", "targetId": arn("i-0c")}]
-    cell.ecs.add_response("put_attributes", {"attributes": labels}, {"cluster": CLUSTER, "attributes": labels})
+    _expect_u0_completed_with_u1s_survivor(cell)
     cloudformation = boto3.client("cloudformation", region_name=REGION, config=Config(signature_version=UNSIGNED))
     with Stubber(cloudformation) as cfn:
         for _ in range(1 if code == "AccessDenied" else aws.Retry().attempts):
@@ -2208,10 +2214,7 @@ def test_a_refused_read_of_the_group_status_is_the_run_s_answer_for_every_step_t
     second time."""
     cell = Cell()
     _a_roll_with_a_unit_short_of_a_held_quarantine(cell)
-    cell.describe([container("i-0c", unit="u1", unit_placement="topology", unit_session="u1@100/1")])
-    labels = [*put("i-0c", "u0", "topology"), {"name": "unit-joined", "value": f"u0@{NOW:.0f}",
-                                               "targetType": "container-instance", "targetId": arn("i-0c")}]
-    cell.ecs.add_response("put_attributes", {"attributes": labels}, {"cluster": CLUSTER, "attributes": labels})
+    _expect_u0_completed_with_u1s_survivor(cell)
     clients = _signal_clients(cell, monkeypatch)
     with Stubber(clients.elbv2) as elb, Stubber(clients.cloudformation) as cfn:
         cfn.add_client_error("describe_stack_resource", service_error_code="AccessDenied", http_status_code=400)
