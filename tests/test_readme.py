@@ -320,3 +320,17 @@ def test_the_execution_policy_lists_name_exactly_the_types_the_stacks_create(syn
     assert _listed_types("its execution policies must also allow") == compiles
     # Regression (a defect hunt of the deploy path, thirty-fourth session): CodePipeline and CodeBuild were in no list.
     assert _listed_types("runs CloudFormation as that same `cfn-exec-role`") == pipelines
+
+
+def test_step_0_names_the_lambda_concurrency_an_elastic_cell_needs(synth_elastic) -> None:
+    """Lambda leaves 100 of an account's concurrency unreserved ("You can reserve up to the Unreserved account
+    concurrency value that is shown, minus 100", docs.aws.amazon.com/lambda/latest/dg/configuration-concurrency.html),
+    so a cell whose functions reserve R needs a quota of 100 + R, which a new account may not have. Step 0 checks the
+    quotas a first deploy needs; until a walk of the deploy docs in the thirty-eighth session it left Lambda's out,
+    though an elastic cell's autoscaler reserves 1 and Lambda refuses a reservation beyond that floor."""
+    template = synth_elastic.template_json(synth_elastic.fleet.cell_stack_name(synth_elastic.fleet.cells[0]))
+    reserved = sum(r["Properties"].get("ReservedConcurrentExecutions", 0) for r in template["Resources"].values()
+                   if r["Type"] == "AWS::Lambda::Function")
+    assert reserved >= 1
+    step_0 = " ".join(_section(DOCS / "deploying.md", "## Deploying a cell").split("\n1. ")[0].split())
+    assert "--service-code lambda" in step_0 and f"*Concurrent executions* >= {100 + reserved}" in step_0
