@@ -458,3 +458,24 @@ def test_a_report_to_a_piped_stdout_is_written_there() -> None:
     assert done.returncode == exit_codes.OK, done.stderr
     assert "I2 serving units: held" in done.stdout.splitlines()
     assert json.loads(done.stdout[done.stdout.index("\n{") + 1:])["scenario"] == "hang"
+
+
+@pytest.mark.parametrize("stream", ["/dev/stdout", "/dev/stderr"])
+def test_a_report_to_a_standard_stream_that_is_a_file_keeps_what_the_file_held(tmp_path: Path, stream: str) -> None:
+    # Regression (review of the thirty-eighth session, helper-260): `--report /dev/stdout >> log` opened the stream's
+    # file anew with truncation (Path.write_text), so the log's earlier lines and the verdicts just printed were
+    # lost, the report alone left. The report is now written through the stream's own open file (its offset, its
+    # append mode), after what was printed.
+    log = tmp_path / "log.txt"
+    log.write_text("an earlier line\n")
+    with log.open("a") as handle:
+        done = subprocess.run([sys.executable, "-m", "inference_fleet", "simulate", "--scenario",
+                               "simulations/hang.yaml", "--report", stream], cwd=ROOT, text=True, timeout=120,
+                              check=False, **({"stdout": handle, "stderr": subprocess.PIPE} if stream == "/dev/stdout"
+                                              else {"stdout": subprocess.PIPE, "stderr": handle}))
+    assert done.returncode == exit_codes.OK, done.stderr
+    text = log.read_text()
+    assert text.startswith("an earlier line\n"), text[:200]
+    assert json.loads(text[text.index("\n{") + 1:text.rindex("}") + 1])["scenario"] == "hang"
+    if stream == "/dev/stdout":
+        assert "I2 serving units: held" in text.splitlines()

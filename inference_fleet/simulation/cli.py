@@ -59,6 +59,8 @@ def _report_path(text: str) -> ReportTarget:
         raise argparse.ArgumentTypeError("an empty path; give the report's file name, e.g. " + DEFAULT_REPORT)
     try:
         path = _writable_report(text, Path(text))
+        if (stream := STANDARD_STREAMS.get(text)) is not None:
+            return ReportTarget(path, os.dup(stream))
         return ReportTarget(path, _fifo_write_end(text, path))
     except OSError as error:
         raise argparse.ArgumentTypeError(f"{text} cannot be examined ({error.strerror or error}); give a report "
@@ -76,6 +78,13 @@ def _writable_report(text: str, path: Path) -> Path:
     if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise argparse.ArgumentTypeError(f"{text} cannot be written (no permission)")
     return path
+
+
+# A report sent to the command's own stdout or stderr is written through that descriptor (a duplicate: the same open
+# file, its offset and append mode), after what was printed. Opened anew by its name, a stream that is a file was
+# truncated (`--report /dev/stdout >> log` left the report alone: the log's lines and the verdicts were lost).
+STANDARD_STREAMS = {"/dev/stdout": 1, "/dev/fd/1": 1, "/proc/self/fd/1": 1,
+                    "/dev/stderr": 2, "/dev/fd/2": 2, "/proc/self/fd/2": 2}
 
 
 def _fifo_write_end(text: str, path: Path) -> int | None:

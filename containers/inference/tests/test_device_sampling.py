@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import pickle
 import sys
 import types
 from pathlib import Path
@@ -349,3 +350,18 @@ def test_without_vllm_a_refusal_is_a_value_error_with_the_parameter(tmp_path):
         device_sampling.refuse_unhonoured(chat(logit_bias={1: 1.0}), _layout(tmp_path, sampler=True))
     assert type(refused.value).__mro__[1:] == (ValueError, Exception, BaseException, object)
     assert refused.value.parameter == "logit_bias" and str(refused.value).startswith("logit_bias not served")
+
+
+@pytest.mark.parametrize("base", [None, ValueError, _ClientError])
+def test_a_refusal_survives_pickling(tmp_path, with_vllm, base):
+    """Regression (review of the thirty-eighth session, helper-260): with `parameter` a required keyword, unpickling
+    called UnhonouredSampling(message) and raised TypeError (missing keyword-only argument), where the plain
+    ValueError of before, and vLLM's own VLLMValidationError, round-trip: an exception sent from one process to
+    another (multiprocessing, a pickled result) is unpickled there."""
+    if base is not None:
+        with_vllm(base)
+    with pytest.raises(device_sampling.UnhonouredSampling) as refused:
+        device_sampling.refuse_unhonoured(chat(logit_bias={1: 1.0}), _layout(tmp_path, sampler=True))
+    copied = pickle.loads(pickle.dumps(refused.value))
+    assert type(copied) is type(refused.value) and copied.parameter == "logit_bias"
+    assert str(copied) == str(refused.value)

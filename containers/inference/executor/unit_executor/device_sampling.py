@@ -70,7 +70,9 @@ class UnhonouredSampling(*_BASES):  # type: ignore[misc]
     """A request asks for what the device's sampler does not do (a ValueError: vLLM answers 400), naming the
     request's parameter (`parameter`: the OpenAI error's `param` where vLLM's validation error is the base)."""
 
-    def __init__(self, message: str, *, parameter: str) -> None:
+    # parameter has a default: unpickling (BaseException.__reduce__) calls the class with `args` alone, then restores
+    # __dict__, which holds the parameter; a required keyword made that a TypeError in the receiving process.
+    def __init__(self, message: str, *, parameter: str | None = None) -> None:
         if _VLLM_ERROR is not None:
             super().__init__(message, parameter=parameter)
         else:
