@@ -365,3 +365,10 @@ def test_a_refusal_survives_pickling(tmp_path, with_vllm, base):
     copied = pickle.loads(pickle.dumps(refused.value))
     assert type(copied) is type(refused.value) and copied.parameter == "logit_bias"
     assert str(copied) == str(refused.value)
+
+
+def test_every_name_a_refusal_can_give_has_its_request_field():
+    """PARAMETER repeats unhonoured()'s names: each must be there (a missing one is the name itself, not a 500)."""
+    everything = types.SimpleNamespace(logprobs=1, prompt_logprobs=1, structured_outputs=object(), logit_bias={1: 1.0},
+                                       allowed_token_ids=[1], bad_words=["x"])
+    assert device_sampling.unhonoured(everything) == list(device_sampling.PARAMETER)

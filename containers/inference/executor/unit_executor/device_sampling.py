@@ -150,7 +150,9 @@ def refuse_unhonoured(params: Any, compiled_dir: str | None = None) -> None:
         raise UnhonouredSampling(
             f"{', '.join(names)} not served: this unit samples on its Neuron devices, which honour only "
             "temperature, top_k and top_p; send the request without them (a fleet compiled with "
-            "unit.on_device_sampling: false samples on the host and serves them)", parameter=PARAMETER[names[0]])
+            "unit.on_device_sampling: false samples on the host and serves them)",
+            # .get: a name added to unhonoured() without its field here must not turn the 400 into a KeyError's 500.
+            parameter=PARAMETER.get(names[0], names[0]))
 
 
 def refuse_beam_search(compiled_dir: str | None = None) -> None:
