@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from unit_launcher.spec import triton_model_name_problem
+from unit_launcher.spec import model_name_problem, triton_model_name_problem
 
 from inference_fleet.catalogue import CATALOGUE
 from inference_fleet.cell_checks import (
@@ -406,37 +406,13 @@ def _gate_prefix_issues(fleet: FleetConfig) -> Iterable[ConfigIssue]:
                 )
 
 
-# model.name goes, as it is, to the engine's command line (`--served-model-name=NAME`, unit_launcher/templates/
-# engine.j2: an argv string holds no NUL, execve refuses it), to the node's cache folder (one path component: NAME
-# with '/' as '--'; Linux NAME_MAX, 255 bytes), to the cell stack's Description (CloudFormation: at most 1024 bytes,
-# docs.aws.amazon.com/AWSCloudFormation/latest/UserGuide/template-description-structure.html; with a folder within
-# 255 bytes the description stays under 400), to the launcher's log lines and to the `model` of OpenAI requests (JSON:
-# any string). No resource name, tag or metric dimension holds it. A control or invisible character (NUL, newline,
-# tab, a zero-width space) would fail the command line or hide in a log line and a client's request: refused.
-MODEL_FOLDER_MAX_BYTES = 255
-MODEL_NAME_ALLOWED = ("printable characters (no control or invisible ones: NUL, newline, tab, zero-width), whose cache "
-                      f"folder, the name with '/' as '--', is at most {MODEL_FOLDER_MAX_BYTES} bytes in UTF-8, e.g. "
-                      "meta-llama/Llama-3.1-8B-Instruct")
-
-
-def model_name_problem(name: str) -> str | None:
-    """Why model.name cannot be served under that name by every use above, or None."""
-    if bad := next((char for char in name if not char.isprintable()), None):
-        return f"holds {bad!r} (U+{ord(bad):04X}), a control or invisible character; allowed: {MODEL_NAME_ALLOWED}"
-    folder = name.replace("/", "--")
-    if (size := len(folder.encode("utf-8"))) > MODEL_FOLDER_MAX_BYTES:
-        return (f"its folder on the nodes, {MODEL_CACHE_PATH}/<name with '/' as '--'>, would be a name of {size} "
-                f"bytes in UTF-8, longer than Linux allows (NAME_MAX); allowed: {MODEL_NAME_ALLOWED}")
-    return None
-
-
 def _check_model_name(fleet: FleetConfig) -> Iterable[ConfigIssue]:
     """model.name names folders on the nodes: the model's copy in the cache (unit_spec.build_unit_spec: '/' as '--')
     on every front end, and with Triton the model's directory in Triton's model repository (its last path part,
     unit_launcher.spec.triton_model_for). A name that is no folder of its own there is refused here, before synth;
     the launcher's spec refuses a bad Triton name too, so such a unit would never form after a deploy."""
     name = fleet.model.name
-    if problem := model_name_problem(name):
+    if problem := model_name_problem(name, MODEL_CACHE_PATH):
         yield ConfigIssue("model.name", name, problem)
     elif name.startswith("."):
         folder = name.replace("/", "--")

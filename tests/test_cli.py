@@ -5,6 +5,7 @@ quietly. Real processes, as a user runs them.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -400,3 +401,81 @@ def test_a_report_that_cannot_be_written_keeps_the_verdicts(tmp_path: Path) -> N
     assert done.returncode == exit_codes.IO_ERROR, done.stderr
     assert "I2 serving units: held" in done.stdout.splitlines()
     assert done.stderr.startswith("error: the report could not be written to /dev/full: No space left on device")
+
+
+def test_a_report_fifo_that_no_process_reads_is_refused_before_the_run(tmp_path: Path) -> None:
+    # Regression: the path checks passed a FIFO, and after the whole run (minutes on a large fleet) opening it to write
+    # the report waited for a reader that never came (this test timed out). A probe opens it without waiting
+    # (open(2): O_WRONLY | O_NONBLOCK on a FIFO no process reads fails with ENXIO) and refuses it as a bad value.
+    fifo = tmp_path / "report.json"
+    os.mkfifo(fifo)
+    done = subprocess.run([sys.executable, "-m", "inference_fleet", "simulate", "--scenario", "simulations/hang.yaml",
+                           "--report", str(fifo)], cwd=ROOT, capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == exit_codes.USAGE, done.stderr
+    assert f"argument --report: {fifo} is a named pipe (FIFO) that no process reads" in done.stderr
+    assert not done.stdout and "Traceback" not in done.stderr
+
+
+def test_a_report_fifo_with_a_reader_gets_the_report(tmp_path: Path) -> None:
+    # The probe's write end is the one the report is written through: closed after the probe, it would end a reader
+    # such as `cat FIFO` (end of file once no writer is left) and the report's later open would wait again.
+    fifo = tmp_path / "report.json"
+    os.mkfifo(fifo)
+    held = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # a reader before the run, as `cat FIFO &` is
+    try:
+        child = subprocess.Popen([sys.executable, "-m", "inference_fleet", "simulate", "--scenario",
+                                  "simulations/hang.yaml", "--report", str(fifo)], cwd=ROOT, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        out, err = child.communicate(timeout=60)
+        report = os.read(held, 1 << 20)
+    finally:
+        os.close(held)
+    assert child.returncode == exit_codes.OK, err
+    assert "I2 serving units: held" in out.splitlines() and f"report: {fifo}" in err
+    assert json.loads(report)["scenario"] == "hang"
+
+
+def test_the_report_fifos_write_end_stays_open_from_the_check_to_the_write(tmp_path: Path) -> None:
+    from inference_fleet.simulation.cli import _report_path
+
+    fifo = tmp_path / "report.json"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        target = _report_path(str(fifo))
+        # A writer is still open: the reader waits (EAGAIN) rather than seeing the end of the file (b"").
+        with pytest.raises(BlockingIOError):
+            os.read(reader, 1)
+        target.close()
+        assert os.read(reader, 1) == b""
+    finally:
+        os.close(reader)
+
+
+def test_a_report_to_a_piped_stdout_is_written_there() -> None:
+    # /dev/stdout is a pipe here (a FIFO to stat), one that is read: the FIFO probe lets it through.
+    done = fleet_cli("simulate", "--scenario", "simulations/hang.yaml", "--report", "/dev/stdout")
+    assert done.returncode == exit_codes.OK, done.stderr
+    assert "I2 serving units: held" in done.stdout.splitlines()
+    assert json.loads(done.stdout[done.stdout.index("\n{") + 1:])["scenario"] == "hang"
+
+
+@pytest.mark.parametrize("stream", ["/dev/stdout", "/dev/stderr"])
+def test_a_report_to_a_standard_stream_that_is_a_file_keeps_what_the_file_held(tmp_path: Path, stream: str) -> None:
+    # Regression (review of the thirty-eighth session, helper-260): `--report /dev/stdout >> log` opened the stream's
+    # file anew with truncation (Path.write_text), so the log's earlier lines and the verdicts just printed were
+    # lost, the report alone left. The report is now written through the stream's own open file (its offset, its
+    # append mode), after what was printed.
+    log = tmp_path / "log.txt"
+    log.write_text("an earlier line\n")
+    with log.open("a") as handle:
+        done = subprocess.run([sys.executable, "-m", "inference_fleet", "simulate", "--scenario",
+                               "simulations/hang.yaml", "--report", stream], cwd=ROOT, text=True, timeout=120,
+                              check=False, **({"stdout": handle, "stderr": subprocess.PIPE} if stream == "/dev/stdout"
+                                              else {"stdout": subprocess.PIPE, "stderr": handle}))
+    assert done.returncode == exit_codes.OK, done.stderr
+    text = log.read_text()
+    assert text.startswith("an earlier line\n"), text[:200]
+    assert json.loads(text[text.index("\n{") + 1:text.rindex("}") + 1])["scenario"] == "hang"
+    if stream == "/dev/stdout":
+        assert "I2 serving units: held" in text.splitlines()

@@ -301,6 +301,21 @@ def test_a_model_name_of_printable_characters_whose_folder_fits_is_served(raw: d
     assert parse_fleet(raw, "test").model.name == name
 
 
+def test_the_fleet_file_and_the_launcher_refuse_a_model_name_by_one_rule(raw: dict) -> None:
+    """The launcher's spec (a spec written by hand) applies the fleet file's model.name rule: one function, kept in
+    unit_launcher/spec.py because the fleet code imports the launcher's rules and never the other way
+    (tests/test_import_graph.py); both say the nodes' cache the same."""
+    from unit_launcher import spec
+
+    from inference_fleet import checks, unit_spec
+
+    assert checks.model_name_problem is spec.model_name_problem
+    assert unit_spec.MODEL_CACHE_PATH == spec.MODEL_CACHE
+    raw["model"]["name"] = "Llama\x003"
+    (issue,) = error_of(raw).issues
+    assert issue.problem == spec.model_name_problem("Llama\x003")
+
+
 def test_a_new_efa_installer_version_needs_its_own_checksum() -> None:
     """Pinning another installer version while keeping the default's SHA-256 would fail every node's setup
     (checksum mismatch at boot); refused at load, naming node.efa_installer_sha256."""

@@ -202,9 +202,15 @@ def simulate(scenario: Scenario, config: str | None, seeds: int, out: Path | Non
     return doc
 
 
+def report_text(doc: Mapping[str, Any]) -> str:
+    """The report as the JSON text written to the report file."""
+    return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+
+
 def write_report(doc: Mapping[str, Any], out: Path) -> None:
     """The report as JSON at `out` (OSError when it cannot be written)."""
-    out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    out.write_text(report_text(doc))
 
 
-__all__ = ["INVARIANTS", "ConfigError", "ScenarioError", "fleet_for", "render", "simulate", "write_report"]
+__all__ = ["INVARIANTS", "ConfigError", "ScenarioError", "fleet_for", "render", "report_text", "simulate",
+           "write_report"]

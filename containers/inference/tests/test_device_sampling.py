@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import pickle
 import sys
 import types
 from pathlib import Path
@@ -267,3 +268,107 @@ def test_the_general_plugin_is_registered_under_the_name_the_launcher_admits():
     project = tomllib.loads((Path(__file__).parents[1] / "executor" / "pyproject.toml").read_text())["project"]
     assert project["entry-points"]["vllm.general_plugins"] == {"unit": "unit_executor.plugin:check_requests"}
     assert project["entry-points"]["vllm.platform_plugins"] == {"unit": "unit_executor.plugin:activate"}
+
+
+# -- the OpenAI error's `param`: vLLM's own validation error where vLLM is installed --------------------------------
+
+
+def _vllm_exceptions(base: type[Exception]) -> types.ModuleType:
+    """A `vllm.exceptions` whose VLLMValidationError takes what vLLM 0.16.0's does (keyword-only `parameter` and
+    `value`, https://docs.vllm.ai/en/v0.16.0/api/vllm/exceptions/) and, like it, adds them to its text; `base` is
+    ValueError as in 0.16.0, or a client-error class as in later versions (VLLMClientError, not a ValueError)."""
+    module = types.ModuleType("vllm.exceptions")
+
+    class VLLMValidationError(base):  # type: ignore[misc, valid-type]
+        def __init__(self, message: str, *, parameter: str | None = None, value: object = None) -> None:
+            super().__init__(message)
+            self.parameter = parameter
+            self.value = value
+
+        def __str__(self) -> str:
+            return f"{super().__str__()} (parameter={self.parameter})" if self.parameter else super().__str__()
+
+    module.VLLMValidationError = VLLMValidationError
+    return module
+
+
+@pytest.fixture
+def with_vllm(monkeypatch):
+    """device_sampling imported afresh over a fake vLLM (`base`: its validation error's base); afresh again after."""
+    def install(base: type[Exception]) -> type[Exception]:
+        package = types.ModuleType("vllm")
+        package.__path__ = []
+        monkeypatch.setitem(sys.modules, "vllm", package)
+        module = _vllm_exceptions(base)
+        monkeypatch.setitem(sys.modules, "vllm.exceptions", module)
+        importlib.reload(device_sampling)
+        return module.VLLMValidationError
+
+    yield install
+    monkeypatch.undo()
+    importlib.reload(device_sampling)
+
+
+class _ClientError(Exception):
+    """As vLLM's VLLMClientError of later versions: an Exception, not a ValueError."""
+
+
+@pytest.mark.parametrize("base", [ValueError, _ClientError])
+@pytest.mark.parametrize(("params", "parameter"), [
+    (chat(logprobs=True), "logprobs"),
+    (SamplingParams(logprobs=0, logit_bias={1: 1.0}), "logprobs"),  # several: the first named
+    (chat(structured_outputs=types.SimpleNamespace(json_object=True)), "response_format"),
+    (chat(logit_bias={42: -100.0}), "logit_bias"),
+    (chat(allowed_token_ids=[1, 2]), "allowed_token_ids"),
+    (chat(bad_words=["x"]), "bad_words"),
+])
+def test_a_refusal_is_vllms_validation_error_naming_the_parameter(tmp_path, with_vllm, base, params, parameter):
+    """Regression (thirty-eighth session): the refusal was a plain ValueError, so vLLM's OpenAI servers answered 400
+    with `param: null`; they fill `param` from a VLLMValidationError's `parameter`. Seen failing: not a
+    VLLMValidationError. Its text stays the refusal's own (vLLM's __str__ would add "(parameter=...)"), and it stays
+    a ValueError, which the unit platform's validate_request relies on for the 400."""
+    validation_error = with_vllm(base)
+    with pytest.raises(validation_error) as refused:
+        device_sampling.refuse_unhonoured(params, _layout(tmp_path, sampler=True))
+    assert refused.value.parameter == parameter and isinstance(refused.value, ValueError)
+    assert str(refused.value).endswith("samples on the host and serves them)"), str(refused.value)
+
+
+def test_prompt_logprobs_and_beam_search_name_theirs(tmp_path, with_vllm, monkeypatch):
+    validation_error = with_vllm(ValueError)
+    monkeypatch.setenv("UNIT_BASE_PLATFORM", "vllm_neuron.platform.NeuronPlatform")
+    with pytest.raises(validation_error) as refused:
+        device_sampling.refuse_unhonoured(SamplingParams(prompt_logprobs=1), _layout(tmp_path, sampler=False))
+    assert refused.value.parameter == "prompt_logprobs"
+    with pytest.raises(validation_error) as refused:
+        device_sampling.refuse_beam_search(_layout(tmp_path, sampler=True))
+    assert refused.value.parameter == "use_beam_search" and "parameter=" not in str(refused.value)
+
+
+def test_without_vllm_a_refusal_is_a_value_error_with_the_parameter(tmp_path):
+    with pytest.raises(device_sampling.UnhonouredSampling) as refused:
+        device_sampling.refuse_unhonoured(chat(logit_bias={1: 1.0}), _layout(tmp_path, sampler=True))
+    assert type(refused.value).__mro__[1:] == (ValueError, Exception, BaseException, object)
+    assert refused.value.parameter == "logit_bias" and str(refused.value).startswith("logit_bias not served")
+
+
+@pytest.mark.parametrize("base", [None, ValueError, _ClientError])
+def test_a_refusal_survives_pickling(tmp_path, with_vllm, base):
+    """Regression (review of the thirty-eighth session, helper-260): with `parameter` a required keyword, unpickling
+    called UnhonouredSampling(message) and raised TypeError (missing keyword-only argument), where the plain
+    ValueError of before, and vLLM's own VLLMValidationError, round-trip: an exception sent from one process to
+    another (multiprocessing, a pickled result) is unpickled there."""
+    if base is not None:
+        with_vllm(base)
+    with pytest.raises(device_sampling.UnhonouredSampling) as refused:
+        device_sampling.refuse_unhonoured(chat(logit_bias={1: 1.0}), _layout(tmp_path, sampler=True))
+    copied = pickle.loads(pickle.dumps(refused.value))
+    assert type(copied) is type(refused.value) and copied.parameter == "logit_bias"
+    assert str(copied) == str(refused.value)
+
+
+def test_every_name_a_refusal_can_give_has_its_request_field():
+    """PARAMETER repeats unhonoured()'s names: each must be there (a missing one is the name itself, not a 500)."""
+    everything = types.SimpleNamespace(logprobs=1, prompt_logprobs=1, structured_outputs=object(), logit_bias={1: 1.0},
+                                       allowed_token_ids=[1], bad_words=["x"])
+    assert device_sampling.unhonoured(everything) == list(device_sampling.PARAMETER)

@@ -405,6 +405,27 @@ def test_a_triton_model_name_that_is_no_directory_of_its_own_is_refused_by_name(
     assert parse_spec(raw).model.name == name
 
 
+@pytest.mark.parametrize(("name", "said"), [
+    ("meta-llama/Llama\x00-3", "holds '\\x00' (U+0000), a control or invisible character"),
+    ("meta-llama/Llama-3\nInstruct", "holds '\\n' (U+000A), a control or invisible character"),
+    ("Llama\u200b3", "holds '\\u200b' (U+200B)"),
+    ("\U0001F999" * 200, "would be a name of 800 bytes in UTF-8, longer than Linux allows (NAME_MAX)"),
+])
+@pytest.mark.parametrize("frontend", ["openai", "triton"])
+def test_a_model_name_no_engine_command_line_takes_is_refused_by_the_launcher(name: str, said: str,
+                                                                             frontend: str) -> None:
+    """Regression (thirty-eighth session): the fleet file refused such a model.name (inference_fleet/checks.py) but
+    a spec written by hand reached the engine's --served-model-name=NAME, where an argv string holds no NUL (the
+    engine's exec fails with ValueError: embedded null byte) and a newline splits the launcher's log lines. The
+    launcher now applies the same rule, the one function (unit_launcher/spec.py model_name_problem)."""
+    raw = neuron_spec(engine={"max_num_seqs": 4, "frontend": frontend})
+    raw["model"]["name"] = name
+    with pytest.raises(SpecError) as error:
+        parse_spec(raw)
+    (line,) = [line for line in str(error.value).splitlines() if line.startswith("  - ")]
+    assert line.startswith("  - model.name: ") and said in line and "allowed: printable characters" in line, line
+
+
 @pytest.mark.parametrize(
     ("name", "model"),
     [("meta-llama/Llama-3.1-8B-Instruct", "Llama-3.1-8B-Instruct"), ("Qwen/Qwen2.5-7B", "Qwen2.5-7B"),

@@ -15,7 +15,15 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 Port = Annotated[int, Field(ge=1024, le=65535)]
 EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
@@ -84,6 +92,33 @@ def extra_arg_options(token: str) -> list[str]:
             if short.startswith(key) or (len(short) == 2 and key.startswith(short))]
 
 
+# model.name goes, as it is, to the engine's command line (`--served-model-name=NAME`, templates/engine.j2: an argv
+# string holds no NUL, execve refuses it), to the node's cache folder (one path component: NAME with '/' as '--',
+# inference_fleet/unit_spec.py; Linux NAME_MAX, 255 bytes), to the cell stack's Description (CloudFormation: at most
+# 1024 bytes, docs.aws.amazon.com/AWSCloudFormation/latest/UserGuide/template-description-structure.html; with a
+# folder within 255 bytes the description stays under 400), to the launcher's log lines and to the `model` of OpenAI
+# requests (JSON: any string). No resource name, tag or metric dimension holds it. A control or invisible character
+# (NUL, newline, tab, a zero-width space) would fail the command line or hide in a log line and a client's request:
+# refused. One rule for both readers: the fleet file's check (inference_fleet/checks.py, which imports this package's
+# rules, never the other way) and this spec's, for a spec written by hand.
+MODEL_FOLDER_MAX_BYTES = 255
+MODEL_NAME_ALLOWED = ("printable characters (no control or invisible ones: NUL, newline, tab, zero-width), whose cache "
+                      f"folder, the name with '/' as '--', is at most {MODEL_FOLDER_MAX_BYTES} bytes in UTF-8, e.g. "
+                      "meta-llama/Llama-3.1-8B-Instruct")
+MODEL_CACHE = "/opt/models"  # the nodes' model cache (the cell stack's inference_fleet/unit_spec.py MODEL_CACHE_PATH)
+
+
+def model_name_problem(name: str, cache: str = MODEL_CACHE) -> str | None:
+    """Why model.name cannot be served under that name by every use above, or None."""
+    if bad := next((char for char in name if not char.isprintable()), None):
+        return f"holds {bad!r} (U+{ord(bad):04X}), a control or invisible character; allowed: {MODEL_NAME_ALLOWED}"
+    folder = name.replace("/", "--")
+    if (size := len(folder.encode("utf-8"))) > MODEL_FOLDER_MAX_BYTES:
+        return (f"its folder on the nodes, {cache}/<name with '/' as '--'>, would be a name of {size} "
+                f"bytes in UTF-8, longer than Linux allows (NAME_MAX); allowed: {MODEL_NAME_ALLOWED}")
+    return None
+
+
 # With frontend triton the model is served under the last path part of model.name (triton_model_for), and that name
 # is its directory in Triton's model repository: Triton takes each subdirectory of the repository as a model, and a
 # config.pbtxt `name` must match its directory. Sources, pinned (2.73.0; the image's 2.51.0 not read):
@@ -139,7 +174,7 @@ class ModelSpec(_Strict):
         description="S3 prefix to fetch before the engine starts; None: local_dir is used as is.",
     )
     local_dir: Annotated[str, StringConstraints(min_length=1)] = Field(
-        default="/opt/models/model",
+        default=f"{MODEL_CACHE}/model",
         description="Local copy of the artifacts; the engine loads the model from here.",
     )
     layout: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]+$")] | None = Field(
@@ -163,6 +198,15 @@ class ModelSpec(_Strict):
     )
     dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3"] = "bfloat16"
     max_seq_len: int = Field(ge=16)
+
+    @field_validator("name")
+    @classmethod
+    def _servable_name(cls, name: str) -> str:
+        # The fleet file's rule (model_name_problem): a spec written by hand with a NUL or newline in the name must
+        # stop here, naming the field, not at the engine's exec or in a split log line.
+        if problem := model_name_problem(name):
+            raise ValueError(problem)
+        return name
 
 
 class InstanceSpec(_Strict):

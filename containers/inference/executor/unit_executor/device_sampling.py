@@ -41,8 +41,48 @@ from typing import Any
 LAYOUT_FILE = "neuron_config.json"  # NxD Inference's, in every compiled layout (unit_launcher.artifacts)
 
 
-class UnhonouredSampling(ValueError):
-    """A request asks for what the device's sampler does not do (a ValueError: vLLM answers 400)."""
+def _vllm_validation_error() -> type[Exception] | None:
+    """vLLM's VLLMValidationError, or None where vLLM is not installed (these tests, the launcher's environment).
+
+    vLLM's OpenAI servers copy its `parameter` into the error's `param`; a plain ValueError answers 400 with `param:
+    null` (`OpenAIServing.create_error_response` tests `isinstance(exc, VLLMValidationError)`: read at
+    vllm-project/vllm@00bd1493b3e82d6c13c68ee8a0e1c5a96707e190 `vllm/entrypoints/openai/engine/serving.py`, not at
+    v0.16.0's tag, whose sources were not to be had here). 0.16.0 (the image) takes `VLLMValidationError(message, *,
+    parameter=None, value=None)` and derives it from ValueError (https://docs.vllm.ai/en/v0.16.0/api/vllm/exceptions/);
+    later versions derive it from VLLMClientError, an Exception but no ValueError (the VLLMError hierarchy of
+    vllm-project/vllm#49665, named in #50256; not read here)."""
+    try:
+        from vllm.exceptions import VLLMValidationError
+    except Exception:  # an import that fails in some process must not stop the engine: a plain ValueError then
+        return None
+    return VLLMValidationError
+
+
+_VLLM_ERROR = _vllm_validation_error()
+# Always a ValueError too: the unit platform's validate_request and the plugin's wrap rely on vLLM's `except
+# ValueError` (a 400) for versions whose VLLMValidationError is not one.
+_BASES: tuple[type[Exception], ...] = (
+    (ValueError,) if _VLLM_ERROR is None
+    else (_VLLM_ERROR,) if issubclass(_VLLM_ERROR, ValueError) else (_VLLM_ERROR, ValueError))
+
+
+class UnhonouredSampling(*_BASES):  # type: ignore[misc]
+    """A request asks for what the device's sampler does not do (a ValueError: vLLM answers 400), naming the
+    request's parameter (`parameter`: the OpenAI error's `param` where vLLM's validation error is the base)."""
+
+    # parameter has a default: unpickling (BaseException.__reduce__) calls the class with `args` alone, then restores
+    # __dict__, which holds the parameter; a required keyword made that a TypeError in the receiving process.
+    def __init__(self, message: str, *, parameter: str | None = None) -> None:
+        if _VLLM_ERROR is not None:
+            super().__init__(message, parameter=parameter)
+        else:
+            super().__init__(message)
+            self.parameter = parameter
+
+    def __str__(self) -> str:
+        # The refusal's own text: vLLM's __str__ appends "(parameter=...)", and this text is also the Triton
+        # backend's RequestError and what `make e2e` compares.
+        return str(self.args[0]) if self.args else ""
 
 
 @functools.cache
@@ -59,6 +99,13 @@ def samples_on_device(compiled_dir: str | None) -> bool:
     nested = config.get("neuron_config") if isinstance(config, dict) else None
     # NxDI and vllm-neuron test the key with `is not None` (runner :230), not for truth.
     return isinstance(nested, dict) and nested.get("on_device_sampling_config") is not None
+
+
+# The request field each refusal names as the OpenAI error's `param` (structured outputs: OpenAI's response_format;
+# vLLM's structured_outputs and guided_* fields land in the same sampling parameter).
+PARAMETER = {"logprobs": "logprobs", "prompt_logprobs": "prompt_logprobs",
+             "structured outputs (response_format, guided decoding)": "response_format", "logit_bias": "logit_bias",
+             "allowed_token_ids": "allowed_token_ids", "bad_words": "bad_words"}
 
 
 def unhonoured(params: Any) -> list[str]:
@@ -96,14 +143,16 @@ def refuse_unhonoured(params: Any, compiled_dir: str | None = None) -> None:
         raise UnhonouredSampling(
             "prompt_logprobs not served: vllm-neuron returns no prompt log probabilities, whether the unit samples "
             "on its devices or on the host; send the request without them (and without `echo` with `logprobs` on "
-            "/v1/completions)")
+            "/v1/completions)", parameter="prompt_logprobs")
     if not samples_on_device(compiled_dir if compiled_dir is not None else os.environ.get("NEURON_COMPILED_ARTIFACTS")):
         return
     if names := unhonoured(params):
         raise UnhonouredSampling(
             f"{', '.join(names)} not served: this unit samples on its Neuron devices, which honour only "
             "temperature, top_k and top_p; send the request without them (a fleet compiled with "
-            "unit.on_device_sampling: false samples on the host and serves them)")
+            "unit.on_device_sampling: false samples on the host and serves them)",
+            # .get: a name added to unhonoured() without its field here must not turn the 400 into a KeyError's 500.
+            parameter=PARAMETER.get(names[0], names[0]))
 
 
 def refuse_beam_search(compiled_dir: str | None = None) -> None:
@@ -115,4 +164,4 @@ def refuse_beam_search(compiled_dir: str | None = None) -> None:
         raise UnhonouredSampling(
             "use_beam_search not served: this unit samples on its Neuron devices, which return no log probabilities "
             "for beam search to rank its beams by; send the request without it (a fleet compiled with "
-            "unit.on_device_sampling: false samples on the host)")
+            "unit.on_device_sampling: false samples on the host)", parameter="use_beam_search")
