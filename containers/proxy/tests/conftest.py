@@ -1,5 +1,6 @@
 """Fixtures of the proxy tests: a scriptable engine, a fake launcher and a proxy (the agent in
-the test's event loop, HAProxy as its child process), all real HTTP servers on 127.0.0.1."""
+the test's event loop, HAProxy as its child process), all real HTTP servers on 127.0.0.1; a
+client with CPU work of its own runs on its own loop (`on_client_thread`)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import pytest
@@ -398,6 +399,24 @@ async def wait_until(predicate: Callable[[], Any], timeout: float = 5.0, what: s
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         await asyncio.sleep(0.02)
+
+
+T = TypeVar("T")
+
+
+async def on_client_thread(work: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """Run a test client's `work` on an event loop of its own, in a thread; its result.
+
+    The in-process agent and the fake engine and launcher serve on the test's loop, where
+    production's clients are other processes. A client whose own CPU work held that loop held
+    up the agent with it: the OpenAI SDK's first request in a process (its lazy imports, about
+    0.15 s of CPU in one piece) held the loop 1.2 to 1.9 s on a loaded machine, HAProxy's check
+    of /gate timed out `fall` times (503 "the unit proxy agent is not answering"), or the health
+    round's requests outlived their timeout (503 "unit not whole", "health checks are stale"):
+    test_streaming failed so in 9 of 20 cold runs sharing one core with six CPU burners, 0 of
+    20 on this thread (thirty-eighth session). On a thread it shares only the GIL, which a
+    waiting thread gets within the switch interval (5 ms, sys.getswitchinterval)."""
+    return await asyncio.to_thread(lambda: asyncio.run(work()))
 
 
 # -- request bursts and per-process CPU (the cost tests: test_haproxy_cost.py, test_agent_cost.py) --

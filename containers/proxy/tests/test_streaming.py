@@ -10,8 +10,10 @@ import time
 import aiohttp
 import openai
 import pytest
+from openai.pagination import AsyncPage
+from openai.types import Completion, Model
 
-from .conftest import FakeEngine, ProxyFactory, wait_until
+from .conftest import FakeEngine, ProxyFactory, on_client_thread, wait_until
 
 
 def client(url: str) -> openai.AsyncOpenAI:
@@ -22,16 +24,20 @@ async def test_openai_client_streams_chat_without_buffering(engine: FakeEngine, 
     proxy = await make_proxy()
     arrivals: list[float] = []
     texts: list[str] = []
-    async with client(proxy.url) as c:
-        stream = await c.chat.completions.create(
-            model="m",
-            messages=[{"role": "user", "content": "hi"}],
-            stream=True,
-            extra_headers={"x-tokens": "5", "x-gap": "0.1"},
-        )
-        async for chunk in stream:
-            arrivals.append(time.monotonic())
-            texts.append(chunk.choices[0].delta.content or "")
+
+    async def stream_chat() -> None:
+        async with client(proxy.url) as c:
+            stream = await c.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": "hi"}],
+                stream=True,
+                extra_headers={"x-tokens": "5", "x-gap": "0.1"},
+            )
+            async for chunk in stream:
+                arrivals.append(time.monotonic())
+                texts.append(chunk.choices[0].delta.content or "")
+
+    await on_client_thread(stream_chat)
     assert texts == [f"tok{i} " for i in range(5)]
     # The engine spaces tokens 0.1 s apart: a buffering proxy would deliver them together.
     assert arrivals[-1] - arrivals[0] > 0.25, arrivals
@@ -40,11 +46,15 @@ async def test_openai_client_streams_chat_without_buffering(engine: FakeEngine, 
 
 async def test_openai_client_completions_stream_and_plain(engine: FakeEngine, make_proxy: ProxyFactory):
     proxy = await make_proxy()
-    async with client(proxy.url) as c:
-        stream = await c.completions.create(model="m", prompt="hello", stream=True, extra_headers={"x-tokens": "3"})
-        texts = [chunk.choices[0].text async for chunk in stream]
-        plain = await c.completions.create(model="m", prompt="hello", extra_headers={"x-tokens": "3"})
-        models = await c.models.list()
+
+    async def use() -> tuple[list[str], Completion, AsyncPage[Model]]:
+        async with client(proxy.url) as c:
+            stream = await c.completions.create(model="m", prompt="hello", stream=True, extra_headers={"x-tokens": "3"})
+            texts = [chunk.choices[0].text async for chunk in stream]
+            plain = await c.completions.create(model="m", prompt="hello", extra_headers={"x-tokens": "3"})
+            return texts, plain, await c.models.list()
+
+    texts, plain, models = await on_client_thread(use)
     assert texts == ["tok0 ", "tok1 ", "tok2 "]
     assert plain.choices[0].text == "tok0 tok1 tok2 "
     assert [m.id for m in models.data] == ["m"]
@@ -78,14 +88,18 @@ async def test_engine_crash_mid_stream_cuts_the_client_stream(engine: FakeEngine
     client raises APIError either way, never a silent success."""
     proxy = await make_proxy()
     received: list[str] = []
-    async with client(proxy.url) as c:
-        stream = await c.completions.create(
-            model="m", prompt="x", stream=True, extra_headers={"x-cue": "crash", "x-tokens": "10"}
-        )
-        with pytest.raises(openai.APIError):
-            async with asyncio.timeout(5):  # a hang fails the test instead of blocking it
-                async for chunk in stream:
-                    received.append(chunk.choices[0].text)
+
+    async def read_cut_stream() -> None:
+        async with client(proxy.url) as c:
+            stream = await c.completions.create(
+                model="m", prompt="x", stream=True, extra_headers={"x-cue": "crash", "x-tokens": "10"}
+            )
+            with pytest.raises(openai.APIError):
+                async with asyncio.timeout(5):  # a hang fails the test instead of blocking it
+                    async for chunk in stream:
+                        received.append(chunk.choices[0].text)
+
+    await on_client_thread(read_cut_stream)
     assert received == ["tok0 ", "tok1 "]
     await wait_until(lambda: proxy.state.telemetry.load_json()["requests_total"] == 1, what="the request logged")
     metrics = proxy.state.telemetry.prometheus_text().decode()

@@ -16,7 +16,15 @@ from aiohttp import web
 from unit_proxy import agent
 from unit_proxy.health import CheckResult, HealthState
 
-from .conftest import FakeEngine, FakeLauncher, ProxyFactory, gate_check_fully_up, gate_pushed, wait_until
+from .conftest import (
+    FakeEngine,
+    FakeLauncher,
+    ProxyFactory,
+    gate_check_fully_up,
+    gate_pushed,
+    on_client_thread,
+    wait_until,
+)
 from .test_drain import ProxyURL, _is, health, proxy_process
 from .test_workers import _alive, _sample, fresh, ready
 
@@ -268,3 +276,25 @@ async def test_the_proxy_fixture_returns_once_haproxy_counts_the_agent_fully_up(
     assert proxy.api is not None and await gate_check_fully_up(proxy.api)
     async with aiohttp.ClientSession() as session, session.get(proxy.url + "/v1/models") as response:
         assert response.status == 200, await response.text()
+
+
+async def test_a_client_holding_its_own_loop_leaves_the_agent_answering(
+        make_proxy: ProxyFactory, caplog: pytest.LogCaptureFixture) -> None:
+    """The harness (conftest.on_client_thread), not the product: a client's CPU work on the test's loop held up the
+    in-process agent beside it, and a stream got 503 (test_streaming: the OpenAI SDK's first request, seconds on a
+    loaded machine). Here the client holds the CPU for 2.5 s, past what HAProxy takes to count the agent down
+    (fall 3 times timeout check 0.5 s and inter 0.05 s) and past the health round's 0.5 s timeout, then asks."""
+    proxy = await make_proxy()
+
+    async def busy_then_ask() -> tuple[int, str]:
+        end = time.monotonic() + 2.5
+        while time.monotonic() < end:  # CPU work: the GIL held, but for the interpreter's switches
+            pass
+        async with aiohttp.ClientSession() as session, session.get(proxy.url + "/v1/models") as response:
+            return response.status, await response.text()
+
+    status, text = await on_client_thread(busy_then_ask)
+    assert proxy.api is not None
+    gate = next(r for r in await proxy.api.show_stat() if r["pxname"] == "agent_gate" and r["svname"] == "agent")
+    lost = [r.getMessage() for r in caplog.records if "unit health LOST" in r.getMessage()]
+    assert (status, gate["chkdown"], lost) == (200, "0", []), text
