@@ -155,7 +155,8 @@ class Unit:
     phase: Phase
     load: Series = ()  # utilisation per minute, newest first
     running_tasks: int = 0
-    instances: int | None = None  # instances labelled for the unit (None: not known)
+    # Instances labelled for the unit that the group holds live, not terminating (None: not known).
+    instances: int | None = None
     health: Series = ()  # UnitHealthy minimum per minute, newest first
     activated_at: float | None = None  # its last activation (the handler's TAG_ACTIVATED; None: not known)
     restarts: int = 0  # restarts since that activation (TAG_ACTIVATED), each doubling its start deadline
@@ -198,7 +199,9 @@ def phase_of(*, desired_tasks: int, running_tasks: int, labelled_instances: int,
     that served is `serving` whatever its newest minute says: a missing datapoint is no
     evidence, and a unit that lost health is healed by the launcher and the placement
     controller, not cancelled. running_tasks counts pending ones, and
-    the tasks still stopping on the unit's instances (the handler's `unit_views`).
+    the tasks still stopping on the unit's instances (the handler's `unit_views`). labelled_instances
+    counts only those the group holds live: a unit whose labels are all on instances the group is
+    terminating has nothing left to release, and is `dormant` (docs/autoscaling.md, "Live labels only").
     """
     if desired_tasks > 0:
         return "serving" if served else "starting"
@@ -365,7 +368,7 @@ def _cancellable(policy: Policy, obs: Observation, starting: Sequence[Unit], act
     restart and by no scale-out; an older refusal, of another launch, must not cancel the
     replacements of a restart, review of the twenty-seventh session).
     Only units that never served (phase `starting`) and lack instances, and only as many as
-    the cell is short: what the active units lack (by their labels) beyond the live unlabelled
+    the cell is short: what the active units lack (by their live labels) beyond the live unlabelled
     instances of the group. Labels appear only when an instance has booted and registered, so
     a unit whose instances are booting looks empty; a refusal of another launch (a lost node's
     replacement) that the group then retried must not cancel it. The highest units go first:
