@@ -157,6 +157,9 @@ class Unit:
     running_tasks: int = 0
     # Instances labelled for the unit that the group holds live, not terminating (None: not known).
     instances: int | None = None
+    # All its labelled instances, those the group is terminating too (ECS keeps their labels for a while): the
+    # stall rule's count (`stalled`). None: as `instances`.
+    labelled: int | None = None
     health: Series = ()  # UnitHealthy minimum per minute, newest first
     activated_at: float | None = None  # its last activation (the handler's TAG_ACTIVATED; None: not known)
     restarts: int = 0  # restarts since that activation (TAG_ACTIVATED), each doubling its start deadline
@@ -428,8 +431,13 @@ def stalled(policy: Policy, obs: Observation, starting: Sequence[Unit]) -> list[
     `out_minutes` of forming, at its deadline only (the faults property bounds it). A unit that lacks an instance waits
     for it (the group's retries; `cancel` on a refusal). Its deadline runs from `start_of`, not
     from its last instance's arrival: a node replaced after the unit was already past its
-    budget buys it no new deadline (the default deadline has room for one replacement). A unit
-    restarted before waits twice as long each time (`deadline_of`).
+    budget buys it no new deadline (the default deadline has room for one replacement). So a
+    member the group is terminating still counts as held (`Unit.labelled`, not the live
+    `instances`): waiting for its replacement would only restart the unit when it arrived, that
+    fresh instance terminated too (review of the thirty-eighth session). But one live member at
+    least: a restart replaces only those (`release` touches InService instances), so with every
+    member leaving it would replace nothing and take the tick, each tick until their labels go. A
+    unit restarted before waits twice as long each time (`deadline_of`).
     """
     if policy.start_deadline_s is None:
         return []
@@ -437,8 +445,9 @@ def stalled(policy: Policy, obs: Observation, starting: Sequence[Unit]) -> list[
     for unit in starting:
         begun, deadline = start_of(unit, obs), deadline_of(policy, unit)
         recent = _known(unit.health, policy.out_minutes)  # the newest minutes: no older zeros of its formation
+        held = unit.labelled if unit.labelled is not None else unit.instances
         if (begun is not None and deadline is not None and obs.now - begun >= deadline
-                and unit.instances is not None and unit.instances >= policy.nodes
+                and held is not None and held >= policy.nodes and (unit.instances or 0) > 0
                 and len(recent) >= policy.scale_out_minutes and not any(_known(unit.health, policy.out_span))):
             found.append(unit)
     return found

@@ -147,7 +147,8 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
     # The counts cannot see a task still stopping (`aws.stopping_tasks`): before anything is released
     # (a unit that looks stopped, unlabelled instances no unit needs), ECS is asked which instances hold one.
     # Also for a unit at rest whose labels are all on instances the group is terminating: a task still
-    # stopping there keeps it draining (as before, and as the cell simulation counts it), not dormant.
+    # stopping there keeps it draining (as before), not dormant. (The cell simulation counts such a task by
+    # its own unit, label or not.)
     if (any(labelled.get(u.unit_id) and u.phase in ("releasing", "dormant") for u in units)
             or unlabelled_beyond_need(settings, group, attributes, units, busy)):
         stopping = aws.stopping_tasks(clients.ecs, settings.cluster, retry)
@@ -177,9 +178,10 @@ def unit_views(settings: Settings, group: aws.GroupView, services: Mapping[tuple
     """Every unit's phase and load. A unit's running tasks are its services' running and pending ones
     plus the tasks still stopping on its labelled instances (`held`: EC2 instance id -> count): a unit
     whose leader's target is still deregistering is draining, not stopped. Its instances are its labelled
-    ones the group holds live (`live_labelled`): the phase (`releasing` or `dormant`), the cancel and the
-    stall rules count what the unit can still run on, as an activation does (`lacked`). `activated`,
-    `restarts`: the units' activation times and restarts since (TAG_ACTIVATED)."""
+    ones the group holds live (`live_labelled`): the phase (`releasing` or `dormant`) and the cancel count
+    what the unit can still run on, as an activation does (`lacked`). The stall rule counts all its labels
+    (`Unit.labelled`): a member being replaced buys a unit past its deadline no wait (`decision.stalled`).
+    `activated`, `restarts`: the units' activation times and restarts since (TAG_ACTIVATED)."""
     units = []
     for index, unit_id in enumerate(settings.unit_ids):
         roles = [services.get((unit_id, role)) for role in ("leader", "followers")]
@@ -191,8 +193,8 @@ def unit_views(settings: Settings, group: aws.GroupView, services: Mapping[tuple
         phase = phase_of(desired_tasks=desired, running_tasks=running, labelled_instances=instances,
                          served=index in served)
         units.append(Unit(index, phase, utilisation(m, settings.capacity), running_tasks=running,
-                          instances=instances, health=m.healthy, activated_at=(activated or {}).get(index),
-                          restarts=(restarts or {}).get(index, 0)))
+                          instances=instances, labelled=len(labelled.get(unit_id, [])), health=m.healthy,
+                          activated_at=(activated or {}).get(index), restarts=(restarts or {}).get(index, 0)))
     return units
 
 
@@ -355,12 +357,13 @@ def active_lack(settings: Settings, group: aws.GroupView, attributes: Mapping[st
 
 def live_labelled(group: aws.GroupView, labelled: Mapping[str, Collection[str]], unit_id: str) -> int:
     """How many of `unit_id`'s labelled instances the group holds live (Pending*, InService: `aws.LIVE_STATES`):
-    the one count of a unit's instances (`unit_views`: its phase, the cancel and stall rules; `lacked`).
+    the count of a unit's instances (`unit_views`: its phase and the cancel; `lacked`), not the stall rule's.
 
     ECS keeps a container instance and its `unit` attribute while the group terminates the instance (Terminating,
     or Terminating:Wait while the capacity provider's managed draining holds it: docs/autoscaling.md, "Live labels
     only"; how long ECS lists it after is unverified). The placement controller counts only live members too (it
-    clears the labels of the others on its next run)."""
+    clears the labels of the others on its next run). An InService instance marked Unhealthy is live here, as the
+    placement controller keeps its label, though `release` does not touch it (a known residual, same doc)."""
     live = set(group.live_instances)
     return sum(1 for i in labelled.get(unit_id, ()) if i in live)
 
