@@ -73,11 +73,13 @@ def units(draw: st.DrawFn, policy: Policy) -> tuple[Unit, ...]:
         desired = draw(st.integers(0, 3))
         running = draw(st.integers(0, 3))
         instances = draw(st.integers(0, policy.nodes))
+        leaving = draw(st.integers(0, 1))  # a labelled instance the group is terminating: not one of `instances`
         phase = phase_of(desired_tasks=desired, running_tasks=running, labelled_instances=instances,
                          served=draw(st.booleans()))
         load = draw(histories(policy.window_minutes)) if phase in ("serving", "draining") else ()
         health = draw(health_reports(policy.window_minutes))
-        made.append(Unit(index, phase, load, running_tasks=running, instances=instances, health=health,
+        made.append(Unit(index, phase, load, running_tasks=running, instances=instances,
+                         labelled=instances + leaving, health=health,
                          activated_at=draw(st.none() | st.floats(0, 1e6))))
     return tuple(made)
 
@@ -130,7 +132,9 @@ def test_only_a_unit_past_its_start_deadline_with_all_its_instances_is_restarted
     (unit,) = [u for u in obs.units if u.index in decision.units]
     own = unit.activated_at if unit.activated_at is not None else obs.last_scale_out
     begun = max(t for t in (own, obs.deployed_at) if t is not None)
-    assert unit.phase == "starting" and unit.instances >= policy.nodes
+    # All its labels, a member being replaced too: waiting for the replacement would not move its deadline.
+    assert unit.phase == "starting" and unit.labelled is not None and unit.labelled >= policy.nodes
+    assert unit.instances  # one live member at least: a restart replaces only those
     assert policy.start_deadline_s is not None and obs.now - begun >= policy.start_deadline_s
     reports = [h for h in unit.health[: policy.out_span] if h is not None]
     assert len(reports) >= policy.scale_out_minutes and not any(reports)  # it says it does not serve

@@ -67,7 +67,11 @@ class Cell:
                 stack.enter_context(stubber)
             summary = tick(settings, self.clients, now, aws.Retry(sleep=lambda s: None), self.lines.append)
             for stubber in stubbers:
-                stubber.assert_no_pending_responses()
+                try:
+                    stubber.assert_no_pending_responses()
+                except AssertionError as error:  # a call expected and not made: say what the tick did instead
+                    raise AssertionError(f"{error} The tick: {summary['action']} {summary.get('units')}, "
+                                         f"{summary.get('reason')!r}") from None
         return summary
 
     @property
@@ -293,12 +297,13 @@ def test_a_unit_activated_on_instances_still_terminating_gets_a_launch_for_each(
     """min_units 2, u0 and u2 served: u1 was released last tick (its instances terminated, the group decremented)
     and an operator then stopped u2 (leader and followers 0, its tasks stopping). u1's instances are in
     Terminating:Wait, held by ECS managed draining's lifecycle hook, and ECS still lists them with their `unit`
-    attribute, so u1 reads `releasing`, and with one active unit below min_units it is activated "on the
+    attribute, so u1 read `releasing`, and with one active unit below min_units it was activated "on the
     instances it still holds". Counted from the labels it lacked none: no SetDesiredCapacity (main: the Stubber
     got CreateOrUpdateTags where it expected it), its instances left, and u1 stayed starting for good, lacking
     both nodes, never restarted (`test_a_starting_unit_is_not_restarted`, one of its instances missing) and never
     cancelled (nothing launched, nothing refused), holding every scale-in. Counted among the group's live
-    instances, as `active_lack` counts them, it lacks 2: the group is raised by 2."""
+    instances, as `active_lack` counts them, it lacks 2: the group is raised by 2. (Since the phase counts live
+    labels too, u1 reads `dormant` and is activated as the lowest dormant unit below min_units: the same raise.)"""
     settings = dataclasses.replace(SETTINGS, policy=dataclasses.replace(POLICY, min_units=2))
     cell = _u1_released_onto_terminating_instances(4)
     cell.expect_desired(6)
@@ -313,8 +318,8 @@ def test_a_unit_activated_on_instances_still_terminating_gets_a_launch_for_each(
 @pytest.mark.parametrize("launches", [{"i-g": "Pending", "i-h": "Pending"}, {}], ids=["pending", "not-yet-listed"])
 def test_an_activation_on_terminating_instances_repeated_after_a_tick_died_raises_no_more(launches: dict) -> None:
     """The tick after `test_a_unit_activated_on_instances_still_terminating_gets_a_launch_for_each` died between
-    its raise (4 -> 6) and its records: u1 still reads `releasing` (its labels on the Terminating:Wait instances),
-    below min_units it is activated again and still lacks both nodes in live labels. The raise already made is
+    its raise (4 -> 6) and its records: u1 (no live label, `dormant`) is activated again below min_units and
+    still lacks both nodes in live labels. The raise already made is
     what tells this tick the launches are under way: two Pending, unlabelled instances (`unlabelled_live`), or,
     before the group lists them, DesiredCapacity 6 above 4 live; both are `spare_capacity` no active unit lacks.
     Raised again, the group launched two Trainium instances more, released as surplus once InService."""
@@ -327,6 +332,58 @@ def test_an_activation_on_terminating_instances_repeated_after_a_tick_died_raise
     summary = cell.run(settings)
     assert (summary["action"], summary["units"]) == ("activate", ["u1"])
     assert summary["done"]["desired_capacity"] == 6
+
+
+def _u1_drained_under_load(cell: Cell, at: float, desired: int, u1_state: str,
+                           stopping: dict[str, str] | None = None) -> None:
+    """One tick's reads at `at`: u0 serves a load that wants a second unit; u1 was drained 10 minutes ago (no task
+    left, but those in `stopping`), its labelled instances i-c and i-d `u1_state` in the group (ECS draining them
+    once they terminate)."""
+    terminating = u1_state.startswith("Terminating")
+    cell.stack()
+    cell.group(desired, ["i-a", "i-b"], served="0", states=dict.fromkeys(("i-c", "i-d"), u1_state),
+               **{aws.TAG_LAST_OUT: NOW - 7200, aws.TAG_LAST_IN: NOW - 600})
+    cell.services({"u0": (2, 2), "u1": (0, 0), "u2": (0, 0)})
+    cell.labels({"i-a": "u0", "i-b": "u0", "i-c": "u1", "i-d": "u1"},
+                status=dict.fromkeys(("i-c", "i-d"), "DRAINING") if terminating else None)
+    cell.stopping(stopping)
+    cell.activities()
+    cell.metrics({"u0": (30.0, 1.0)}, end=at // 60 * 60)
+
+
+def test_a_unit_whose_labels_are_all_on_terminating_instances_is_dormant_not_released_again() -> None:
+    """Tick 1 releases the drained u1 (its instances terminated, the group decremented 4 -> 2). Tick 2, a minute
+    later: i-c and i-d are Terminating:Wait (ECS managed draining) and ECS still lists them with u1's label, which
+    the placement controller clears on its next run (it counts live members only). The load wants a second unit.
+    Before: u1 read `releasing` by its labels, and `release` goes before anything else: tick 2 released nothing
+    (both instances already leaving) and took the tick's one action, as every tick did until the labels went, so
+    the scale-out waited (seen failing: the release, the activation's SetDesiredCapacity never sent). Counted
+    among the group's live instances, as the activation counts them (`lacked`), u1 has none: it is dormant, the
+    lowest, and activated with a launch for each of its nodes."""
+    cell = Cell()
+    _u1_drained_under_load(cell, NOW - 60, 4, "InService")
+    expect_terminations(cell, decrement=True)
+    summary = cell.run(now=NOW - 60)
+    assert (summary["action"], summary["done"]) == ("release", {"released": 2}), summary
+    _u1_drained_under_load(cell, NOW, 2, "Terminating:Wait")
+    cell.expect_desired(4)
+    cell.expect_scale_out(f"{int(NOW)}:1")
+    cell.expect_count("u1", "leader", 1)
+    cell.expect_count("u1", "followers", 1)
+    summary = cell.run()
+    assert (summary["action"], summary["units"]) == ("activate", ["u1"]), summary
+    assert summary["phases"]["u1"] == "dormant" and summary["done"]["desired_capacity"] == 4, summary
+
+
+def test_a_task_still_stopping_on_a_terminating_instance_keeps_its_unit_draining() -> None:
+    """As before live labels: u1's labels are all on instances the group is terminating, but a task of u1 is still
+    stopping on i-c. The unit is `draining` (ECS is still asked, as for a unit at rest with labels), and no unit
+    above it is activated until it is gone (`_draining_below`)."""
+    cell = Cell()
+    _u1_drained_under_load(cell, NOW, 2, "Terminating:Wait", stopping={"i-c": "DEACTIVATING"})
+    summary = cell.run()  # the Stubber refuses any write
+    assert summary["action"] == "hold" and summary["phases"]["u1"] == "draining", summary
+    assert "waiting for u1 to be drained" in summary["reason"], summary
 
 
 def test_an_idle_cell_drains_its_least_loaded_unit_leader_first() -> None:
@@ -584,6 +641,47 @@ def test_an_activation_whose_instances_are_booting_is_kept_when_the_refusal_was_
     summary = cell.run()  # the Stubber would refuse the cancel's UpdateService calls
     assert summary["action"] == "hold", summary
     assert summary["phases"] == {"u0": "serving", "u1": "serving", "u2": "starting"}
+
+
+def test_a_serving_units_terminating_member_does_not_hide_a_refusal() -> None:
+    """u0's i-b is being replaced (Terminating:Wait, its label still in ECS), its replacement i-r booting (Pending,
+    unlabelled). u1, activated 4 minutes ago, has i-c; the launch of its second node was refused. i-r is u0's:
+    counted by its labels u0 lacked nothing, so i-r read as on its way to u1, the cell as short of nothing, and
+    u1 waited on a launch the group kept retrying until the placement controller cleared i-b's label (seen
+    failing: hold). Counted by live labels, u0 lacks one: u1 is cancelled and its missing node given back."""
+    cell = Cell()
+    cell.stack()
+    cell.group(4, ["i-a", "i-c"], served="0", states={"i-b": "Terminating:Wait", "i-r": "Pending"},
+               unhealthy=("i-b",), **{aws.TAG_LAST_OUT: NOW - 240, aws.TAG_ACTIVATED: f"{int(NOW - 240)}:1"})
+    cell.services({"u0": (1, 1, 1, 0), "u1": (1, 1, 1, 0), "u2": (0, 0)})
+    cell.labels({"i-a": "u0", "i-b": "u0", "i-c": "u1"}, status={"i-b": "DRAINING"})
+    cell.activities((NOW - 100, REFUSAL))
+    cell.metrics({"u0": (16.0, 1.0)})
+    cell.expect_count("u1", "leader", 0)
+    cell.expect_count("u1", "followers", 0)
+    cell.expect_desired(3)
+    summary = cell.run()
+    assert (summary["action"], summary["units"]) == ("cancel", ["u1"]), summary
+
+
+def test_a_cancel_never_lowers_the_group_below_its_min_size() -> None:
+    """An operator lowered DesiredCapacity 4 -> 3 while u1's two launches were refused, and u0's i-b is being
+    replaced (Terminating:Wait): one live instance. The cancel of u1 lowers the group by the two nodes u1 lacks,
+    never below the live instances, 1: below MinSize 2, which SetDesiredCapacity refuses, failing the tick (seen
+    failing: DesiredCapacity 1 sent). MinSize is the floor, as for the give-back (`unclaimed_desired`)."""
+    cell = Cell()
+    cell.stack()
+    cell.group(3, ["i-a"], served="0", states={"i-b": "Terminating:Wait"}, unhealthy=("i-b",),
+               **{aws.TAG_LAST_OUT: NOW - 240, aws.TAG_ACTIVATED: f"{int(NOW - 240)}:1"})
+    cell.services({"u0": (1, 1, 1, 0), "u1": (1, 0, 1, 0), "u2": (0, 0)})
+    cell.labels({"i-a": "u0", "i-b": "u0"}, status={"i-b": "DRAINING"})
+    cell.activities((NOW - 100, REFUSAL))
+    cell.metrics({"u0": (16.0, 1.0)})
+    cell.expect_count("u1", "leader", 0)
+    cell.expect_count("u1", "followers", 0)
+    cell.expect_desired(2)
+    summary = cell.run()
+    assert (summary["action"], summary["units"], summary["done"]["desired_capacity"]) == ("cancel", ["u1"], 2)
 
 
 @pytest.mark.parametrize("unusable", ["disconnected", "draining", "unhealthy"])
@@ -979,15 +1077,17 @@ def test_the_activation_record_keeps_the_window_and_its_size() -> None:
 STALL_SETTINGS = dataclasses.replace(SETTINGS, policy=dataclasses.replace(POLICY, start_deadline_s=5400))
 
 
-def stalled_cell(activated: float, deployed: float = NOW - 86400, instances: int = 2, unit: str = "1") -> Cell:
+def stalled_cell(activated: float, deployed: float = NOW - 86400, instances: int = 2, unit: str = "1",
+                 terminating: tuple[str, ...] = ()) -> Cell:
     """u0 serves; u1 was activated at `activated` (`unit`: its part of the record, `1r1` once restarted),
     has `instances` of its 2 nodes and has never reported UnitHealthy 1 (its leader's proxy reports 0:
-    the unit does not form)."""
+    the unit does not form). `terminating`: of those, the ones the group is replacing (their labels kept)."""
     cell = Cell()
     cell.stack(finished=deployed)
     names = ["i-a", "i-b", "i-c", "i-d"][: 2 + instances]
-    cell.group(4, names, served="0", **{aws.TAG_LAST_OUT: activated,
-                                        aws.TAG_ACTIVATED: f"{int(activated)}:{unit}"})
+    cell.group(4, [n for n in names if n not in terminating], served="0",
+               states=dict.fromkeys(terminating, "Terminating:Wait"),
+               **{aws.TAG_LAST_OUT: activated, aws.TAG_ACTIVATED: f"{int(activated)}:{unit}"})
     cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (0, 0)})
     cell.labels(dict(zip(names, ["u0", "u0", "u1", "u1"], strict=False)))
     cell.activities()
@@ -1025,6 +1125,31 @@ def test_a_unit_stalled_past_its_start_deadline_gets_fresh_instances() -> None:
     assert "has not served 100 min after its start" in summary["reason"]
     assert summary["done"] == {"replaced": 2}
     assert cell.emf["Restarted"] == 1.0 and cell.emf["StalledUnits"] == 1.0 and cell.emf["ScaleIn"] == 0.0
+
+
+def test_a_unit_past_its_deadline_whose_member_is_being_replaced_is_restarted_at_once() -> None:
+    """u1 is past its deadline, reports UnitHealthy 0, and the group is terminating its i-d (Terminating:Wait, the
+    label still in ECS). Tick 1 restarts it at once: i-c replaced (i-d is already leaving, its replacement under
+    way), the record `1r1`, a new deadline, doubled. Tick 2, 15 minutes later: i-e and i-f, the replacements, are
+    u1's and it still does not serve, within that deadline: kept. Counted by live labels, tick 1 held ("waiting for
+    i-d's replacement", seen failing: the restart's calls left in the queue, the tick `hold`), and a replacement
+    buys a unit past its deadline no new one: once labelled, the next tick restarted u1, terminating i-c and the
+    fresh i-e (cold review, helper-259: one Trainium launch and ~15 minutes more than restarting at once)."""
+    cell = stalled_cell(activated=NOW - 6000, terminating=("i-d",))
+    cell.expect_activated(f"{int(NOW)}:1r1")
+    expect_terminations(cell, decrement=False, instances=("i-c",))
+    summary = cell.run(STALL_SETTINGS)
+    assert (summary["action"], summary["units"], summary["done"]) == ("restart", ["u1"], {"replaced": 1}), summary
+    later = NOW + 900
+    cell.stack(finished=NOW - 86400)
+    cell.group(4, ["i-a", "i-b", "i-e", "i-f"], served="0",
+               **{aws.TAG_LAST_OUT: NOW - 6000, aws.TAG_ACTIVATED: f"{int(NOW)}:1r1"})
+    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (0, 0)})
+    cell.labels({"i-a": "u0", "i-b": "u0", "i-e": "u1", "i-f": "u1"})
+    cell.activities()
+    cell.metrics({"u0": (8.0, 1.0), "u1": (0.0, 0.0)}, end=later // 60 * 60)
+    summary = cell.run(STALL_SETTINGS, now=later)
+    assert summary["action"] == "hold" and summary["phases"]["u1"] == "starting", summary
 
 
 def test_a_restart_cut_short_by_a_busy_group_protects_the_instance_it_could_not_replace() -> None:
@@ -1095,10 +1220,14 @@ def test_the_activation_record_reads_and_writes_restart_counts() -> None:
     ("within its deadline", lambda: stalled_cell(activated=NOW - 5000)),
     ("a deploy ended 10 min ago", lambda: stalled_cell(activated=NOW - 6000, deployed=NOW - 600)),
     ("one of its instances missing", lambda: stalled_cell(activated=NOW - 6000, instances=1)),
+    ("all its instances terminating", lambda: stalled_cell(activated=NOW - 6000, terminating=("i-c", "i-d"))),
 ])
 def test_a_starting_unit_is_not_restarted(case: str, cell) -> None:
     """Not before the deadline, which also runs from a deploy's end (a deploy restarts units), and not
-    while the unit waits for an instance (the group's retries; `cancel` if refused)."""
+    while the unit waits for an instance (the group's retries; `cancel` if refused). Nor when every member is
+    being replaced already (their labels still in ECS): the restart would replace nothing (`release` touches
+    InService instances only), put its record back and take the tick, each tick until the labels go (seen
+    failing: the restart's CreateOrUpdateTags)."""
     summary = cell().run(STALL_SETTINGS)
     assert summary["action"] == "hold", (case, summary)
     assert summary["phases"]["u1"] == "starting"

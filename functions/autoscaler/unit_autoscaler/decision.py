@@ -155,7 +155,11 @@ class Unit:
     phase: Phase
     load: Series = ()  # utilisation per minute, newest first
     running_tasks: int = 0
-    instances: int | None = None  # instances labelled for the unit (None: not known)
+    # Instances labelled for the unit that the group holds live, not terminating (None: not known).
+    instances: int | None = None
+    # All its labelled instances, those the group is terminating too (ECS keeps their labels for a while): the
+    # stall rule's count (`stalled`). None: as `instances`.
+    labelled: int | None = None
     health: Series = ()  # UnitHealthy minimum per minute, newest first
     activated_at: float | None = None  # its last activation (the handler's TAG_ACTIVATED; None: not known)
     restarts: int = 0  # restarts since that activation (TAG_ACTIVATED), each doubling its start deadline
@@ -198,7 +202,9 @@ def phase_of(*, desired_tasks: int, running_tasks: int, labelled_instances: int,
     that served is `serving` whatever its newest minute says: a missing datapoint is no
     evidence, and a unit that lost health is healed by the launcher and the placement
     controller, not cancelled. running_tasks counts pending ones, and
-    the tasks still stopping on the unit's instances (the handler's `unit_views`).
+    the tasks still stopping on the unit's instances (the handler's `unit_views`). labelled_instances
+    counts only those the group holds live: a unit whose labels are all on instances the group is
+    terminating has nothing left to release, and is `dormant` (docs/autoscaling.md, "Live labels only").
     """
     if desired_tasks > 0:
         return "serving" if served else "starting"
@@ -365,7 +371,7 @@ def _cancellable(policy: Policy, obs: Observation, starting: Sequence[Unit], act
     restart and by no scale-out; an older refusal, of another launch, must not cancel the
     replacements of a restart, review of the twenty-seventh session).
     Only units that never served (phase `starting`) and lack instances, and only as many as
-    the cell is short: what the active units lack (by their labels) beyond the live unlabelled
+    the cell is short: what the active units lack (by their live labels) beyond the live unlabelled
     instances of the group. Labels appear only when an instance has booted and registered, so
     a unit whose instances are booting looks empty; a refusal of another launch (a lost node's
     replacement) that the group then retried must not cancel it. The highest units go first:
@@ -425,8 +431,13 @@ def stalled(policy: Policy, obs: Observation, starting: Sequence[Unit]) -> list[
     `out_minutes` of forming, at its deadline only (the faults property bounds it). A unit that lacks an instance waits
     for it (the group's retries; `cancel` on a refusal). Its deadline runs from `start_of`, not
     from its last instance's arrival: a node replaced after the unit was already past its
-    budget buys it no new deadline (the default deadline has room for one replacement). A unit
-    restarted before waits twice as long each time (`deadline_of`).
+    budget buys it no new deadline (the default deadline has room for one replacement). So a
+    member the group is terminating still counts as held (`Unit.labelled`, not the live
+    `instances`): waiting for its replacement would only restart the unit when it arrived, that
+    fresh instance terminated too (review of the thirty-eighth session). But one live member at
+    least: a restart replaces only those (`release` touches InService instances), so with every
+    member leaving it would replace nothing and take the tick, each tick until their labels go. A
+    unit restarted before waits twice as long each time (`deadline_of`).
     """
     if policy.start_deadline_s is None:
         return []
@@ -434,8 +445,9 @@ def stalled(policy: Policy, obs: Observation, starting: Sequence[Unit]) -> list[
     for unit in starting:
         begun, deadline = start_of(unit, obs), deadline_of(policy, unit)
         recent = _known(unit.health, policy.out_minutes)  # the newest minutes: no older zeros of its formation
+        held = unit.labelled if unit.labelled is not None else unit.instances
         if (begun is not None and deadline is not None and obs.now - begun >= deadline
-                and unit.instances is not None and unit.instances >= policy.nodes
+                and held is not None and held >= policy.nodes and (unit.instances or 0) > 0
                 and len(recent) >= policy.scale_out_minutes and not any(_known(unit.health, policy.out_span))):
             found.append(unit)
     return found

@@ -143,15 +143,18 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
     restarts = aws.restart_counts(group.tags)
     served = frozenset(index for index, unit_id in enumerate(settings.unit_ids)
                        if has_served(index in latched, metrics[unit_id].healthy, now, activated.get(index)))
-    units = unit_views(settings, services, labelled, metrics, served, {}, activated, restarts)
+    units = unit_views(settings, group, services, labelled, metrics, served, {}, activated, restarts)
     # The counts cannot see a task still stopping (`aws.stopping_tasks`): before anything is released
     # (a unit that looks stopped, unlabelled instances no unit needs), ECS is asked which instances hold one.
-    if (any(u.phase == "releasing" for u in units)
+    # Also for a unit at rest whose labels are all on instances the group is terminating: a task still
+    # stopping there keeps it draining (as before), not dormant. (The cell simulation counts such a task by
+    # its own unit, label or not.)
+    if (any(labelled.get(u.unit_id) and u.phase in ("releasing", "dormant") for u in units)
             or unlabelled_beyond_need(settings, group, attributes, units, busy)):
         stopping = aws.stopping_tasks(clients.ecs, settings.cluster, retry)
         held = {view.hosts[arn]: count for arn, count in stopping.items() if arn in view.hosts}
         if held:
-            units = unit_views(settings, services, labelled, metrics, served, held, activated, restarts)
+            units = unit_views(settings, group, services, labelled, metrics, served, held, activated, restarts)
             busy |= set(held)
     # A deploy restarts units: count its end as a scaling event for the scale-in cool-down.
     last_in = max((t for t in (_tag_time(group.tags, aws.TAG_LAST_IN), last_update) if t is not None), default=None)
@@ -168,26 +171,30 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
     return obs, context
 
 
-def unit_views(settings: Settings, services: Mapping[tuple[str, str], aws.ServiceView],
+def unit_views(settings: Settings, group: aws.GroupView, services: Mapping[tuple[str, str], aws.ServiceView],
                labelled: Mapping[str, list[str]], metrics: Mapping[str, aws.UnitMetrics], served: frozenset[int],
                held: Mapping[str, int], activated: Mapping[int, float] | None = None,
                restarts: Mapping[int, int] | None = None) -> list[Unit]:
     """Every unit's phase and load. A unit's running tasks are its services' running and pending ones
     plus the tasks still stopping on its labelled instances (`held`: EC2 instance id -> count): a unit
-    whose leader's target is still deregistering is draining, not stopped. `activated`, `restarts`: the
-    units' activation times and restarts since (TAG_ACTIVATED)."""
+    whose leader's target is still deregistering is draining, not stopped. Its instances are its labelled
+    ones the group holds live (`live_labelled`): the phase (`releasing` or `dormant`) and the cancel count
+    what the unit can still run on, as an activation does (`lacked`). The stall rule counts all its labels
+    (`Unit.labelled`): a member being replaced buys a unit past its deadline no wait (`decision.stalled`).
+    `activated`, `restarts`: the units' activation times and restarts since (TAG_ACTIVATED)."""
     units = []
     for index, unit_id in enumerate(settings.unit_ids):
         roles = [services.get((unit_id, role)) for role in ("leader", "followers")]
         desired = sum(s.desired for s in roles if s)
+        # A stopping task is the unit's by its host's label, which stays true while the group terminates the host.
         running = sum(s.running for s in roles if s) + sum(held.get(i, 0) for i in labelled.get(unit_id, []))
         m = metrics[unit_id]
-        instances = len(labelled.get(unit_id, []))
+        instances = live_labelled(group, labelled, unit_id)
         phase = phase_of(desired_tasks=desired, running_tasks=running, labelled_instances=instances,
                          served=index in served)
         units.append(Unit(index, phase, utilisation(m, settings.capacity), running_tasks=running,
-                          instances=instances, health=m.healthy, activated_at=(activated or {}).get(index),
-                          restarts=(restarts or {}).get(index, 0)))
+                          instances=instances, labelled=len(labelled.get(unit_id, [])), health=m.healthy,
+                          activated_at=(activated or {}).get(index), restarts=(restarts or {}).get(index, 0)))
     return units
 
 
@@ -348,20 +355,28 @@ def active_lack(settings: Settings, group: aws.GroupView, attributes: Mapping[st
     return lacked(settings, group, labelled, [u.unit_id for u in units if u.phase in ("starting", "serving")])
 
 
-def lacked(settings: Settings, group: aws.GroupView, labelled: Mapping[str, Collection[str]],
-           unit_ids: Collection[str]) -> int:
-    """The instances `unit_ids` lack: `nodes` each, less their labelled instances the group holds live (Pending*,
-    InService: `aws.LIVE_STATES`). The one count of `active_lack`, `activation_raise` and `cancel_desired`.
+def live_labelled(group: aws.GroupView, labelled: Mapping[str, Collection[str]], unit_id: str) -> int:
+    """How many of `unit_id`'s labelled instances the group holds live (Pending*, InService: `aws.LIVE_STATES`):
+    the count of a unit's instances (`unit_views`: its phase and the cancel; `lacked`), not the stall rule's.
 
     ECS keeps a container instance and its `unit` attribute while the group terminates the instance (Terminating,
     or Terminating:Wait while the capacity provider's managed draining holds it: docs/autoscaling.md, "Live labels
-    only"; how long ECS lists it after is unverified). Counted from the
-    labels alone, a unit released a minute ago and activated again below min_units read as holding all its
-    instances: no launch was asked for, its instances left, and it stayed starting for good (never stalled, as it
-    never has them all; never cancelled, as nothing is refused)."""
+    only"; how long ECS lists it after is unverified). The placement controller counts only live members too (it
+    clears the labels of the others on its next run). An InService instance marked Unhealthy is live here, as the
+    placement controller keeps its label, though `release` does not touch it (a known residual, same doc)."""
     live = set(group.live_instances)
-    return sum(max(0, settings.policy.nodes - sum(1 for i in labelled.get(unit_id, ()) if i in live))
-               for unit_id in unit_ids)
+    return sum(1 for i in labelled.get(unit_id, ()) if i in live)
+
+
+def lacked(settings: Settings, group: aws.GroupView, labelled: Mapping[str, Collection[str]],
+           unit_ids: Collection[str]) -> int:
+    """The instances `unit_ids` lack: `nodes` each, less their live labelled instances (`live_labelled`). The one
+    count of `active_lack`, `activation_raise` and `cancel_desired`.
+
+    Counted from the labels alone, a unit released a minute ago and activated again below min_units read as
+    holding all its instances: no launch was asked for, its instances left, and it stayed starting for good
+    (never stalled, as it never has them all; never cancelled, as nothing is refused)."""
+    return sum(max(0, settings.policy.nodes - live_labelled(group, labelled, unit_id)) for unit_id in unit_ids)
 
 
 def spare_capacity(settings: Settings, group: aws.GroupView, attributes: Mapping[str, Mapping[str, str]],
@@ -486,11 +501,13 @@ def activation_raise(settings: Settings, group: aws.GroupView, context: Mapping[
 def cancel_desired(settings: Settings, group: aws.GroupView, context: Mapping[str, Any],
                    unit_ids: Collection[str]) -> int:
     """The desired capacity a cancel of `unit_ids` sets: lowered by the instances they lack (`lacked`), never below
-    the live instances (a launch made is kept; the ones they got are released next tick). Not those of units kept
-    for min_units: the group keeps retrying their launch. A decision, no call: the cell simulation lowers its
-    group with it (inference_fleet/simulation/engine.py)."""
+    the live instances (a launch made is kept; the ones they got are released next tick) or MinSize (a desired
+    capacity below it is refused, and the tick failed: reached when the lack counts launches never asked for, as
+    after an activation capped at MaxSize or an operator's lower DesiredCapacity, with instances terminating).
+    Not those of units kept for min_units: the group keeps retrying their launch. A decision, no call: the cell
+    simulation lowers its group with it (inference_fleet/simulation/engine.py)."""
     lacking = lacked(settings, group, context.get("labelled", {}), unit_ids)
-    return min(group.desired, max(len(group.live_instances), group.desired - lacking))
+    return min(group.desired, max(len(group.live_instances), group.desired - lacking, group.min_size))
 
 
 def record_activation(settings: Settings, clients: Clients, context: Mapping[str, Any], units: Collection[int],
