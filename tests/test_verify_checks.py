@@ -602,6 +602,33 @@ def test_a_leader_stopped_after_every_stream_ended_is_not_run_as_documented(
         assert "s before the stop" in result.detail and result.measured.value is None
 
 
+@pytest.mark.parametrize(("finish", "status", "words"), [
+    ("length", "not_run", "inconclusive, not a pass: all 1 stream(s) had ended before a leader could be stopped, "
+     "so no leader was stopped"),
+    ("stop", "fail", "streams not completed: ['200 stop ']; all 1 stream(s) had ended"),
+])
+def test_no_leader_is_stopped_when_every_stream_ended_before_the_choice(
+        monkeypatch: pytest.MonkeyPatch, finish: str, status: str, words: str) -> None:
+    """Regression (the thirty-eighth session): with every stream ended when the leader was chosen, 7b stopped it all
+    the same, restarting a unit (up to the start-up budget) for a result known beforehand, `not_run`. The kit now
+    sees that no stream is open and stops nothing; a stream that did not complete still fails."""
+    real = checks_faults.Streams.wait_started
+
+    def ended(self: checks_faults.Streams, timeout: float) -> bool:
+        started = real(self, timeout)
+        for t in self.threads:
+            t.join(5)
+        return started
+
+    monkeypatch.setattr(checks_faults.Streams, "wait_started", ended)
+    with fake_unit("openai", finish_reason=finish) as server:
+        adapter = DrainingCell(server.url, running=two_tasks())
+        result = checks_faults.check_leader_stop(context(server, adapter, max_seq_len=80))
+    assert adapter.stopped == []
+    assert result.status == status and words in result.detail, (result.status, result.detail)
+    assert result.measured.value is None and result.figures["leader"] is None
+
+
 @pytest.mark.parametrize(("served_by", "named"), [((), 0), (("u0",), 1)], ids=["old proxy", "named"])
 def test_the_streams_named_by_the_header_are_counted_apart_from_the_one_unit_fallback(
         served_by: tuple[str, ...], named: int) -> None:

@@ -158,6 +158,10 @@ class Streams:
             event.wait(max(0.0, deadline - time.monotonic()))
         return any(r.chunks for r in self.results)
 
+    def any_open(self) -> bool:
+        """Whether a stream has not ended yet (in flight, or not started)."""
+        return any(not done and not r.done for r, done in zip(self.results, self.done_at, strict=True))
+
     def in_flight_units(self) -> set[str]:
         """The units that answer a stream still in flight, as their proxies name them (SERVED_BY_UNIT_HEADER)."""
         return {r.served_by for r, done in zip(self.results, self.done_at, strict=True)
@@ -211,6 +215,25 @@ def _own_streams(ctx: Context, streams: Streams, unit_id: str) -> list[int]:
     return list(range(len(streams.results)))
 
 
+def _broken(results: list[Streamed]) -> list[str]:
+    return [f"{r.status} {r.finish_reason} {r.error}" for r in results if not r.ok or r.finish_reason != "length"]
+
+
+def _every_stream_ended(streams: Streams, max_tokens: int) -> CheckResult:
+    """7b when every stream ended before a leader was chosen: no leader is stopped. The stop would restart a unit
+    (up to the start-up budget) for a result known beforehand, `not_run` (no drain to see); until the thirty-eighth
+    session the kit stopped it anyway. A stream that did not complete still fails the check."""
+    broken = _broken(streams.results)
+    count = len(streams.results)
+    why = (f"all {count} stream(s) had ended before a leader could be stopped, so no leader was stopped (its drain "
+           "before its followers stopped could not be seen)")
+    figures = {"unit": None, "leader": None, "streams": count, "max_tokens": max_tokens}
+    if broken:
+        return CheckResult("7b-leader-stop", "fail", Measured(None, "s"), f"streams not completed: {broken}; {why}",
+                           figures)
+    return CheckResult("7b-leader-stop", "not_run", Measured(None, "s"), f"inconclusive, not a pass: {why}", figures)
+
+
 def check_leader_stop(ctx: Context) -> CheckResult:
     """7b. Stop a leader task while streams are in flight: every stream completes (finish_reason
     `length`), and the unit's followers stop only after the leader drained (the last of its streams
@@ -226,6 +249,8 @@ def check_leader_stop(ctx: Context) -> CheckResult:
     streams = _streams(ctx, len(ctx.expect.units), max_tokens)
     if not streams.wait_started(ctx.client.timeout):
         return CheckResult("7b-leader-stop", "fail", Measured(None, "s"), "no stream started")
+    if not streams.any_open():
+        return _every_stream_ended(streams, max_tokens)
     leader = _leader_with_a_stream(ctx, streams)
     if leader is None:
         return not_run("7b-leader-stop", "no leader task running", "s")
@@ -247,7 +272,7 @@ def check_leader_stop(ctx: Context) -> CheckResult:
     stops_at = _stopped_at(ctx, followers)
     problems = []
     note = ""
-    broken = [f"{r.status} {r.finish_reason} {r.error}" for r in results if not r.ok or r.finish_reason != "length"]
+    broken = _broken(results)
     if broken:
         problems.append(f"streams not completed: {broken}")
     if max(streams.done_at) <= stopped_at:  # as below, with no stream at all: not a failure (docs/verifying.md 7b)
