@@ -553,6 +553,41 @@ def test_leader_stop_stops_the_leader_of_a_unit_that_answers_a_stream() -> None:
     assert result.status == "pass" and "2 of them u1's" in result.detail, result.detail
 
 
+def _dev_of(fleet: Any) -> Any:
+    return next(c for c in fleet.cells if c.name == "dev")
+
+
+def test_the_kit_knows_an_elastic_cells_units_up_to_max_units_and_judges_min_units(elastic_fleet: Any) -> None:
+    expect = fleet_expectations(elastic_fleet, _dev_of(elastic_fleet))  # cell dev: min_units 2, max_units 12
+    assert expect.units == ["u0", "u1"]
+    assert expect.elastic_units == [f"u{i}" for i in range(2, 12)]
+
+
+def test_only_an_elastic_unit_with_tasks_is_live() -> None:
+    """7a and 7b count the units a request may reach: one at 0 tasks is left out (no check judges it)."""
+    running = {"u0": two_tasks()["u0"], "u2": [Task("arn:task/u2l", "u2", "leader")]}
+    ctx = Context(FakeAdapter("http://unused", running=running), expectations(elastic_units=["u1", "u2", "u3"]),
+                  OpenAIHttp("http://unused"))
+    assert checks_faults.live_units(ctx) == ["u0", "u2"]
+
+
+def test_leader_stop_stops_the_leader_of_an_elastic_unit_above_min_units_that_answers_the_streams(
+        elastic_fleet: Any) -> None:
+    """Regression (the thirty-eighth session): the kit listed an elastic cell's min_units only, so a stream that a
+    unit above them answered counted for none: with every stream on u2, 7b stopped u0's leader (nothing in flight)
+    and reported `not_run`. The units up to max_units are known now; those with tasks get a stream each, and the
+    leader of the one that answers a stream is stopped. The units at 0 (u3 to u11) are left alone."""
+    expect = dataclasses.replace(fleet_expectations(elastic_fleet, _dev_of(elastic_fleet)), max_seq_len=80)
+    running = {u: [Task(f"arn:task/{u}l", u, "leader"), Task(f"arn:task/{u}f", u, "follower")]
+               for u in ("u0", "u1", "u2")}
+    with fake_unit("openai", token_delay=0.1, served_by=("u2",)) as server:
+        adapter = DrainingCell(server.url, running=running, health={"u0": 200, "u1": 200, "u2": 200})
+        ctx = Context(adapter, expect, fake_client(server), settle_seconds=0.0, recovery_timeout_seconds=5.0)
+        result = checks_faults.check_leader_stop(ctx)
+    assert adapter.stopped == ["arn:task/u2l"]
+    assert result.status == "pass" and "3 stream(s) completed, 3 of them u2's" in result.detail, result.detail
+
+
 @dataclasses.dataclass
 class SlowStop(DrainingCell):
     """A stop call that returns only after `delay` s (ECS StopTask, and the SIGTERM after it, take time)."""
@@ -600,6 +635,33 @@ def test_a_leader_stopped_after_every_stream_ended_is_not_run_as_documented(
     assert result.status == status and words in result.detail, (result.status, result.detail)
     if status == "not_run":
         assert "s before the stop" in result.detail and result.measured.value is None
+
+
+@pytest.mark.parametrize(("finish", "status", "words"), [
+    ("length", "not_run", "inconclusive, not a pass: all 1 stream(s) had ended before a leader could be stopped, "
+     "so no leader was stopped"),
+    ("stop", "fail", "streams not completed: ['200 stop ']; all 1 stream(s) had ended"),
+])
+def test_no_leader_is_stopped_when_every_stream_ended_before_the_choice(
+        monkeypatch: pytest.MonkeyPatch, finish: str, status: str, words: str) -> None:
+    """Regression (the thirty-eighth session): with every stream ended when the leader was chosen, 7b stopped it all
+    the same, restarting a unit (up to the start-up budget) for a result known beforehand, `not_run`. The kit now
+    sees that no stream is open and stops nothing; a stream that did not complete still fails."""
+    real = checks_faults.Streams.wait_started
+
+    def ended(self: checks_faults.Streams, timeout: float) -> bool:
+        started = real(self, timeout)
+        for t in self.threads:
+            t.join(5)
+        return started
+
+    monkeypatch.setattr(checks_faults.Streams, "wait_started", ended)
+    with fake_unit("openai", finish_reason=finish) as server:
+        adapter = DrainingCell(server.url, running=two_tasks())
+        result = checks_faults.check_leader_stop(context(server, adapter, max_seq_len=80))
+    assert adapter.stopped == []
+    assert result.status == status and words in result.detail, (result.status, result.detail)
+    assert result.measured.value is None and result.figures["leader"] is None
 
 
 @pytest.mark.parametrize(("served_by", "named"), [((), 0), (("u0",), 1)], ids=["old proxy", "named"])

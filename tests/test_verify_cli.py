@@ -127,3 +127,78 @@ def test_a_previous_report_that_cannot_be_overwritten_is_refused_before_the_run(
                            "--report", str(folder / "out.json")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, (done.returncode, done.stdout[-400:], done.stderr[-400:])
+
+
+def test_a_report_fifo_that_no_process_reads_is_refused_before_the_run(tmp_path: Path) -> None:
+    """Regression (the thirty-eighth session): a FIFO is no report of the kit, so its report went quietly to
+    <stem>.verify-report.json beside it, after the run, and a reader of the FIFO got nothing. As simulate --report
+    (output_files.py): a FIFO that no process reads is refused before the run, exit 2."""
+    fifo = tmp_path / "report.json"
+    os.mkfifo(fifo)
+    done = verify("--cell", "dev", "--report", str(fifo), tmp=tmp_path)
+    assert done.returncode == 2, (done.returncode, done.stderr[-400:])
+    assert f"error: --report {fifo} is a named pipe (FIFO) that no process reads" in done.stderr
+    assert "cell not reachable" not in done.stdout + done.stderr  # refused before the run
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]
+
+
+def test_a_report_fifo_with_a_reader_gets_the_json_and_nothing_is_written_beside_it(tmp_path: Path) -> None:
+    fifo = tmp_path / "report.json"
+    os.mkfifo(fifo)
+    held = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # a reader before the run, as `cat FIFO &` is
+    try:
+        done = verify("--cell", "dev", "--report", str(fifo), tmp=tmp_path)
+        report = os.read(held, 1 << 20)
+    finally:
+        os.close(held)
+    assert done.returncode == 6, (done.returncode, done.stderr[-400:])
+    assert json.loads(report)["cell"] == "dev"
+    assert f"report: {fifo} (the JSON alone: no Markdown beside a stream)" in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]  # no .md, no <stem>.verify-report.json
+
+
+@pytest.mark.parametrize("stream", ["/dev/stdout", "/dev/stderr"])
+def test_a_report_to_a_standard_stream_is_written_through_it_after_the_table(tmp_path: Path, stream: str) -> None:
+    """Regression (the thirty-eighth session): `--report /dev/stdout` is no report of the kit, so the report went to
+    a file /dev/stdout.verify-report.json (and .md), made in /dev when run as root. It is now written through the
+    stream itself (a dup: its offset and append mode), after the table, so `>> log` keeps the log's lines."""
+    log = tmp_path / "log.txt"
+    log.write_text("an earlier line\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_EC2_METADATA_DISABLED="true", AWS_CONFIG_FILE=str(tmp_path / "none"),
+               AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"))
+    command = [sys.executable, "-m", "inference_fleet", "verify", "--config", str(ROOT / "config" / "default.yaml"),
+               "--cell", "dev", "--report", stream]
+    with log.open("a") as handle:
+        done = subprocess.run(command, cwd=ROOT, env=env, text=True, timeout=120, check=False,
+                              **({"stdout": handle, "stderr": subprocess.PIPE} if stream == "/dev/stdout"
+                                 else {"stdout": subprocess.PIPE, "stderr": handle}))
+    assert done.returncode == 6, (done.returncode, (done.stderr or done.stdout)[-400:])
+    text = log.read_text()
+    assert text.startswith("an earlier line\n"), text[:200]
+    assert json.loads(text[text.index("\n{") + 1:text.rindex("}") + 1])["cell"] == "dev"
+    if stream == "/dev/stdout":
+        assert text.index("dev (aws): 0 passed, 8 failed") < text.index("\n{")  # the table, then the report
+    assert not Path(f"{stream}.verify-report.json").exists() and not Path(f"{stream}.verify-report.md").exists()
+
+
+def test_a_report_to_a_piped_stdout_follows_the_table(tmp_path: Path) -> None:
+    done = verify("--cell", "dev", "--report", "/dev/stdout", tmp=tmp_path)
+    assert done.returncode == 6, (done.returncode, done.stderr[-400:])
+    table, _, report = done.stdout.partition("\n{")
+    assert "dev (aws): 0 passed, 8 failed, 0 not run" in table
+    assert json.loads("{" + report)["counts"]["fail"] == 8
+
+
+def test_a_report_path_that_is_a_device_or_a_socket_is_refused(tmp_path: Path) -> None:
+    """Such a path is no report of the kit: its report went to <stem>.verify-report.json beside it (for a device,
+    in /dev). Refused before the run instead, naming what to give."""
+    import stat
+
+    sock = tmp_path / "report.json"
+    os.mknod(sock, stat.S_IFSOCK | 0o600)  # an unprivileged mknod may make a socket (mknod(2))
+    done = verify("--cell", "dev", "--report", str(sock), tmp=tmp_path)
+    assert done.returncode == 2, (done.returncode, done.stderr[-400:])
+    assert (f"error: --report {sock} is a device or a socket, not a file; give a file such as verify-report.json, "
+            "/dev/stdout, or a FIFO that a process reads") in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]

@@ -69,7 +69,7 @@ class Expectations:
     """What the fleet file says the cell must do: the figures the checks compare with."""
 
     cell: str
-    units: list[str]
+    units: list[str]  # the units every check judges: those always there (an elastic cell's min_units)
     nodes: int
     max_seq_len: int
     step_timeout_seconds: float
@@ -87,6 +87,11 @@ class Expectations:
     doc_formation_minutes: tuple[float, float] = (14, 16)
     # How long the cell's log group keeps the launchers' events (serving.log_retention_days).
     log_retention_days: int = 30
+    # An elastic cell's units above min_units (u<min_units> to u<max_units - 1>): their ECS services exist at 0 tasks
+    # too (cell_stack.py makes one per unit up to max_units). No check judges them (one at 0 would fail every check
+    # that judges a unit); those with running tasks are counted where the load balancer may send a request to them
+    # (7a, 7b: checks_faults.live_units).
+    elastic_units: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -108,6 +113,7 @@ def expectations(fleet: FleetConfig, cell: CellConfig) -> Expectations:
         frontend=serving.frontend,
         triton_model=triton_model_for(fleet.model.name) if serving.frontend == "triton" else "",
         log_retention_days=serving.log_retention_days,
+        elastic_units=[f"u{i}" for i in range(cell.resolved_min_units, cell.resolved_max_units)],
     )
 
 

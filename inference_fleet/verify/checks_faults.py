@@ -62,6 +62,15 @@ def _pick(ctx: Context, role: str) -> Task | None:
     return None
 
 
+def live_units(ctx: Context) -> list[str]:
+    """The units a request through the load balancer may reach: the expected ones, and an elastic cell's units above
+    min_units that have running tasks (one at 0 tasks serves nothing, and no check judges it). Until the thirty-eighth
+    session the destructive checks knew the expected ones only: a stream an elastic unit answered counted for none,
+    and 7a's probes answered 200 by it while the stopped unit was half failed the check of a cell of one expected
+    unit."""
+    return [*ctx.expect.units, *(u for u in ctx.expect.elastic_units if ctx.adapter.tasks(u))]
+
+
 def _interval(ctx: Context) -> float:
     return float(getattr(ctx.adapter, "poll_seconds", 1.0))
 
@@ -75,6 +84,7 @@ def check_follower_stop(ctx: Context) -> CheckResult:
         return not_run("7a-follower-stop", "no follower task running (a one-node unit, or the unit is down)", "s")
     unit = follower.unit_id
     interval = _interval(ctx)
+    alone = len(live_units(ctx)) == 1  # no other unit may answer the probes while this one is half
     with Probes(ctx) as probes:
         stopped_at = time.time()
         ctx.adapter.stop_task(follower, "inference-fleet verify --destructive: follower stop")
@@ -113,11 +123,11 @@ def check_follower_stop(ctx: Context) -> CheckResult:
                     ctx.adapter.events("unit_session_formed", ended, unit)), default=last_503)
     after_end = [(at, s) for at, s in probes.seen if ended <= at <= reformed]
     refused_from = next((at for at, s in after_end if s == 503), None)
-    allowed = {503} if len(ctx.expect.units) == 1 else {200, 503}
+    allowed = {503} if alone else {200, 503}
     during = [s for at, s in after_end if refused_from is not None and at >= refused_from]
     figures["probes_after_the_end"] = {str(s): [st for _, st in after_end].count(s) for s in {s for _, s in after_end}}
     figures["half_window_s"] = round(reformed - ended, 1)
-    if after_end and refused_from is None and len(ctx.expect.units) == 1:
+    if after_end and refused_from is None and alone:
         problems.append(f"no request was refused between the session's end and the next formation "
                         f"({len(after_end)} answered {sorted({str(s) for _, s in after_end})})")
     elif any(s not in allowed for s in during):
@@ -158,6 +168,10 @@ class Streams:
             event.wait(max(0.0, deadline - time.monotonic()))
         return any(r.chunks for r in self.results)
 
+    def any_open(self) -> bool:
+        """Whether a stream has not ended yet (in flight, or not started)."""
+        return any(not done and not r.done for r, done in zip(self.results, self.done_at, strict=True))
+
     def in_flight_units(self) -> set[str]:
         """The units that answer a stream still in flight, as their proxies name them (SERVED_BY_UNIT_HEADER)."""
         return {r.served_by for r, done in zip(self.results, self.done_at, strict=True)
@@ -195,20 +209,39 @@ def _stopped_at(ctx: Context, tasks: list[Task]) -> dict[str, float | None]:
 def _leader_with_a_stream(ctx: Context, streams: Streams) -> Task | None:
     """The leader task of the first unit (fleet order) that answers a stream in flight; else the first leader."""
     busy = streams.in_flight_units()
-    for unit_id in (u for u in ctx.expect.units if u in busy):
+    for unit_id in (u for u in [*ctx.expect.units, *ctx.expect.elastic_units] if u in busy):
         leader = next((t for t in ctx.adapter.tasks(unit_id) if t.role == "leader"), None)
         if leader is not None:
             return leader
     return _pick(ctx, "leader")
 
 
-def _own_streams(ctx: Context, streams: Streams, unit_id: str) -> list[int]:
-    """The streams the stopped unit answered: those its proxy names it in; in a cell of one unit, every stream when
-    no proxy names a unit (a proxy image before SERVED_BY_UNIT_HEADER)."""
+def _own_streams(streams: Streams, unit_id: str, several: bool) -> list[int]:
+    """The streams the stopped unit answered: those its proxy names it in; in a cell of one unit (not `several`
+    live units), every stream when no proxy names a unit (a proxy image before SERVED_BY_UNIT_HEADER)."""
     named = [i for i, r in enumerate(streams.results) if r.served_by == unit_id]
-    if named or len(ctx.expect.units) > 1 or any(r.served_by for r in streams.results):
+    if named or several or any(r.served_by for r in streams.results):
         return named
     return list(range(len(streams.results)))
+
+
+def _broken(results: list[Streamed]) -> list[str]:
+    return [f"{r.status} {r.finish_reason} {r.error}" for r in results if not r.ok or r.finish_reason != "length"]
+
+
+def _every_stream_ended(streams: Streams, max_tokens: int) -> CheckResult:
+    """7b when every stream ended before a leader was chosen: no leader is stopped. The stop would restart a unit
+    (up to the start-up budget) for a result known beforehand, `not_run` (no drain to see); until the thirty-eighth
+    session the kit stopped it anyway. A stream that did not complete still fails the check."""
+    broken = _broken(streams.results)
+    count = len(streams.results)
+    why = (f"all {count} stream(s) had ended before a leader could be stopped, so no leader was stopped (its drain "
+           "before its followers stopped could not be seen)")
+    figures = {"unit": None, "leader": None, "streams": count, "max_tokens": max_tokens}
+    if broken:
+        return CheckResult("7b-leader-stop", "fail", Measured(None, "s"), f"streams not completed: {broken}; {why}",
+                           figures)
+    return CheckResult("7b-leader-stop", "not_run", Measured(None, "s"), f"inconclusive, not a pass: {why}", figures)
 
 
 def check_leader_stop(ctx: Context) -> CheckResult:
@@ -223,9 +256,12 @@ def check_leader_stop(ctx: Context) -> CheckResult:
     if _pick(ctx, "leader") is None:
         return not_run("7b-leader-stop", "no leader task running", "s")
     max_tokens = max(16, min(ctx.expect.max_seq_len - 64, 1024))
-    streams = _streams(ctx, len(ctx.expect.units), max_tokens)
+    units = live_units(ctx)
+    streams = _streams(ctx, len(units), max_tokens)
     if not streams.wait_started(ctx.client.timeout):
         return CheckResult("7b-leader-stop", "fail", Measured(None, "s"), "no stream started")
+    if not streams.any_open():
+        return _every_stream_ended(streams, max_tokens)
     leader = _leader_with_a_stream(ctx, streams)
     if leader is None:
         return not_run("7b-leader-stop", "no leader task running", "s")
@@ -237,7 +273,7 @@ def check_leader_stop(ctx: Context) -> CheckResult:
     for t in streams.threads:
         t.join(ctx.recovery_timeout_seconds)
     results = streams.results
-    own = _own_streams(ctx, streams, leader.unit_id)
+    own = _own_streams(streams, leader.unit_id, len(units) > 1)
     # The followers are judged against the end of the stopped unit's own streams: another unit's stream may end
     # later, and the stopped unit's followers rightly stop before it.
     own_done = max((streams.done_at[i] for i in own), default=0.0)
@@ -247,7 +283,7 @@ def check_leader_stop(ctx: Context) -> CheckResult:
     stops_at = _stopped_at(ctx, followers)
     problems = []
     note = ""
-    broken = [f"{r.status} {r.finish_reason} {r.error}" for r in results if not r.ok or r.finish_reason != "length"]
+    broken = _broken(results)
     if broken:
         problems.append(f"streams not completed: {broken}")
     if max(streams.done_at) <= stopped_at:  # as below, with no stream at all: not a failure (docs/verifying.md 7b)

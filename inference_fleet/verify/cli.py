@@ -15,6 +15,7 @@ from pathlib import Path
 from inference_fleet import exit_codes
 from inference_fleet.checks import load_fleet
 from inference_fleet.config import CellConfig, DnsName, FleetConfig
+from inference_fleet.output_files import ReportTarget, stream_target
 from inference_fleet.regions import region_problem
 from inference_fleet.verify.adapter import expectations
 from inference_fleet.verify.aws import AwsAdapter
@@ -22,6 +23,7 @@ from inference_fleet.verify.report import unwritable
 from inference_fleet.verify.runner import run_kit
 
 HELP = "check a deployed cell against the docs' claims (the first-deploy acceptance kit)"
+DEFAULT_REPORT = "verify-report.json"
 
 
 def _seconds(text: str) -> float:
@@ -72,8 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cell", required=True, help="the cell to check (its name in the fleet file)")
     parser.add_argument("--destructive", action="store_true",
                         help="also stop a follower task, then a leader task (ECS StopTask), and measure the recovery")
-    parser.add_argument("--report", type=Path, default=Path("verify-report.json"),
-                        help="JSON report path (default verify-report.json); the Markdown goes beside it (.md)")
+    parser.add_argument("--report", type=Path, default=Path(DEFAULT_REPORT),
+                        help=f"JSON report path (default {DEFAULT_REPORT}); the Markdown goes beside it (.md); "
+                        "/dev/stdout, /dev/stderr or a FIFO a process reads get the JSON alone")
     parser.add_argument("--region", type=_region,
                         help="the cell's region, an AWS region name such as us-east-2 (default: the fleet file's)")
     parser.add_argument("--tls-name", type=_dns_name,
@@ -101,14 +104,40 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --cell {args.cell!r}: no such cell in the fleet file; its cells: "
               f"{', '.join(c.name for c in fleet.cells)}", file=sys.stderr)
         return exit_codes.CONFIG
-    if (problem := unwritable(args.report)) is not None:
+    stream, problem = _report_target(args.report)
+    if problem is not None:
         print(f"error: {problem} (checked before the run; allowed: a path in a folder you can write)", file=sys.stderr)
         return exit_codes.USAGE
     adapter = AwsAdapter(fleet.cell_stack_name(cell), args.region or cell.region, tls_name=tls_name(args, fleet, cell))
     report = run_kit(adapter, expectations(fleet, cell), destructive=args.destructive,
                      request_timeout=args.request_timeout, settle_seconds=20.0, evidence_wait=args.evidence_wait,
                      log=lambda line: print(line, file=sys.stderr, flush=True))
-    json_path, md_path = report.write(args.report)
-    print(report.table())
-    print(f"report: {json_path} and {md_path}")
+    # The table is printed before the report is written: a report sent to stdout comes after it, and a report that
+    # cannot be written loses no verdict.
+    print(report.table(), flush=True)
+    if stream is not None:
+        try:
+            stream.write(report.json_text())
+        finally:
+            stream.close()
+        print(f"report: {stream} (the JSON alone: no Markdown beside a stream)", file=sys.stderr)
+    else:
+        json_path, md_path = report.write(args.report)
+        print(f"report: {json_path} and {md_path}")
     return exit_codes.OK if report.passed else exit_codes.VERIFY
+
+
+def _report_target(path: Path) -> tuple[ReportTarget | None, str | None]:
+    """Where --report goes, checked before the run (some minutes, with --destructive two unit restarts): the
+    command's stdout or stderr, or a FIFO a process reads, written through its descriptor (as simulate --report:
+    output_files.py), or None for a path the report's rules for a file apply to (Report.write); and the problem
+    that refuses it, or None. Until the thirty-eighth session a FIFO or /dev/stdout went the way of any path that is
+    no report of this kit, to <stem>.verify-report.json beside it: a reader of the FIFO got nothing, and
+    `--report /dev/stdout` made /dev/stdout.verify-report.json (in /dev, as root)."""
+    try:
+        stream = stream_target(str(path), DEFAULT_REPORT)
+    except argparse.ArgumentTypeError as error:
+        return None, f"--report {error}"
+    except OSError as error:
+        return None, f"--report {path}: the path cannot be examined ({error.strerror or error})"
+    return stream, None if stream is not None else unwritable(path)

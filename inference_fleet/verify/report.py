@@ -115,6 +115,10 @@ class Report:
             lines += [f"| {cid} | {k} | {str(v).replace('|', '/')} |" for cid, k, v in figures]
         return "\n".join(lines) + "\n"
 
+    def json_text(self) -> str:
+        """The JSON report as written to its file (or through a stream: verify/cli.py)."""
+        return json.dumps(self.to_json(), indent=2, default=str) + "\n"
+
     def write(self, path: Path) -> tuple[Path, Path]:
         """The JSON at `path` and the Markdown beside it (same stem, .md); returns both paths.
 
@@ -128,7 +132,7 @@ class Report:
                   f"kept; the report is written to {target} instead", file=sys.stderr)
             path = target
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_json(), indent=2, default=str) + "\n")
+        path.write_text(self.json_text())
         markdown = path.with_suffix(".md")
         markdown.write_text(self.markdown())
         return path, markdown
@@ -148,8 +152,13 @@ def report_path(path: Path) -> Path:
 
 def unwritable(path: Path) -> str | None:
     """Why the report of `--report path` could not be written, or None: checked before a run of many minutes (some
-    destructive), which would otherwise end without its report. Makes the folder, as Report.write would."""
+    destructive), which would otherwise end without its report. Makes the folder, as Report.write would. A path that
+    is a device or a socket is refused: its <stem>.verify-report.json would be made beside it, in /dev (as root);
+    the command's stdout and stderr and a FIFO are written through before this applies (verify/cli.py)."""
     try:
+        if path.exists() and not (path.is_file() or path.is_dir()):
+            return (f"--report {path} is a device or a socket, not a file; give a file such as verify-report.json, "
+                    "/dev/stdout, or a FIFO that a process reads")
         target = report_path(path)
     except FileExistsError as error:
         return str(error)
