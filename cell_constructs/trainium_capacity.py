@@ -50,6 +50,13 @@ ECS_TASKS_CGROUP = "ecstasks.slice"
 TASK_DEVICE_WAIT_SECONDS = 60
 # What a failed node reports (node_setup.sh `report`), read by the cell's node-setup alarm.
 NODE_SETUP_FAILED_METRIC = "NodeSetupFailed"
+# What a node whose setup succeeded reports while its ECS agent has not registered AGENT_GRACE_SECONDS after it
+# (node_setup.sh `report`), read by the cell's agent alarm (docs/cell-lifecycle.md, "An ECS agent that never
+# registers"). The grace: the agent registers within a minute or two of the setup's end on a sound node (ecs-init
+# starts it, it registers before anything else); 10 minutes leave room for a slow start and the instance role's
+# first use, and keep a node that will never serve from billing unnoticed for longer than that plus a report period.
+NODE_AGENT_UNREGISTERED_METRIC = "NodeAgentUnregistered"
+AGENT_GRACE_SECONDS = 600
 # EC2 refuses user data larger than 16 KB before base64
 # (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/user-data.html).
 USER_DATA_LIMIT_BYTES = 16 * 1024
@@ -167,6 +174,7 @@ def node_setup_config(efa: EfaSetup, report: NodeSetupReport, task_devices: Sequ
         "CELL": report.cell,
         "TASK_DEVICES": " ".join(task_devices),
         "DEVICE_WAIT_SECONDS": str(TASK_DEVICE_WAIT_SECONDS),
+        "AGENT_GRACE_SECONDS": str(AGENT_GRACE_SECONDS),
     }
     return "".join(f"{name}={shlex.quote(value)}\n" for name, value in values.items())
 
@@ -206,14 +214,14 @@ ConditionPathExists=/run/node-setup/ready
 """,
     f"/etc/systemd/system/{ECS_TASKS_CGROUP}": TASKS_SLICE_UNIT,
     "/etc/systemd/system/node-setup-report.service": """[Unit]
-Description=Report a failed node setup to CloudWatch (NodeSetupFailed)
+Description=Report a failed node setup or ECS agent to CloudWatch
 
 [Service]
 Type=oneshot
 ExecStart=/usr/local/sbin/node-setup report
 """,
     "/etc/systemd/system/node-setup-report.timer": """[Unit]
-Description=Report a failed node setup every 3 minutes while it stays failed
+Description=Report a failed setup or ECS agent every 3 minutes
 
 [Timer]
 OnActiveSec=10s
@@ -304,6 +312,7 @@ class TrainiumCapacity(Construct):
         # failure report is put with. The launch template names the group and the role, not these.
         self.auto_scaling_group.node.add_dependency(self.security_group, setup_report_policy)
         self.setup_failure_alarm = self._setup_failure_alarm(setup_report)
+        self.agent_unregistered_alarm = self._agent_unregistered_alarm(setup_report)
 
     def _placement_group(self, source: CapacitySource) -> ec2.IPlacementGroup:
         """The cluster placement group the nodes launch into: the one the reservation was made in, or the cell's own.
@@ -567,7 +576,7 @@ class TrainiumCapacity(Construct):
         return group, provider
 
     def _allow_setup_report(self, role: iam.Role, report: NodeSetupReport) -> iam.ManagedPolicy:
-        """The node may put its NodeSetupFailed metric, in its own namespace only."""
+        """The node may put its NodeSetupFailed and NodeAgentUnregistered metrics, in its own namespace only."""
         policy = iam.ManagedPolicy(
             self,
             "SetupReportPolicy",
@@ -607,6 +616,33 @@ class TrainiumCapacity(Construct):
             metric=cloudwatch.Metric(
                 namespace=report.namespace,
                 metric_name=NODE_SETUP_FAILED_METRIC,
+                dimensions_map={"Cell": report.cell},
+                statistic="Maximum",
+                period=Duration.minutes(5),
+            ),
+            watched_by="Watched by the rollout pipeline's alarm conditions (the cell's rollout gate) and the cell "
+            "dashboard",
+        )
+
+    def _agent_unregistered_alarm(self, report: NodeSetupReport) -> cloudwatch.Alarm:
+        """A node set up but its ECS agent has not registered with the cluster (part of the rollout gate).
+
+        Nothing else tells: with no container instance the placement controller never sees the node (its agent
+        rule, `ecs_health`, watches container instances), the group's EC2 health check passes, and the unit
+        autoscaler counts the live unlabelled instance as capacity a starting unit waits for (docs/cell-lifecycle.md,
+        "An ECS agent that never registers"). Such a node reports every 3 minutes from AGENT_GRACE_SECONDS after
+        its setup until its agent registers, as a failed setup does (`_setup_failure_alarm`).
+        """
+        return watched_alarm(
+            self,
+            "NodeAgentUnregisteredAlarm",
+            description="A Trainium node set up, but its ECS agent has not registered with the cell's cluster "
+            f"{AGENT_GRACE_SECONDS // 60} min after: it serves nothing, and the autoscaler counts it as capacity. "
+            "Reason: `aws ec2 get-console-output` (node-setup: ECS agent not registered, with ecs.service's state and "
+            "exit status) or `journalctl -u ecs`; terminate the instance or repair it (docs/cell-lifecycle.md)",
+            metric=cloudwatch.Metric(
+                namespace=report.namespace,
+                metric_name=NODE_AGENT_UNREGISTERED_METRIC,
                 dimensions_map={"Cell": report.cell},
                 statistic="Maximum",
                 period=Duration.minutes(5),
