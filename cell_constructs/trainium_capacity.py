@@ -16,6 +16,7 @@ time, launch-first or terminate-first (docs/cell-lifecycle.md).
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -153,6 +154,32 @@ def heredoc(path: str, body: str, *, mode: str = "0644") -> list[str]:
     return [f"cat > {path} <<'{marker}'", *body.rstrip("\n").split("\n"), marker, f"chmod {mode} {path}"]
 
 
+# A comment line shellcheck reads: kept, so the installed script lints as the repository's does.
+_SHELLCHECK_DIRECTIVE = "# shellcheck "
+
+
+def without_comment_lines(script: str) -> str:
+    """`script` as user data embeds it: its full-line comments (the shebang and shellcheck's directives kept) and
+    blank lines dropped, which frees some 5 KB of EC2's 16 KB of user data. Sound only while no such line is data,
+    inside a here-document or a multi-line string: node_setup.sh has neither (a here-document is refused here; a
+    test compares the function bash parses from both texts, tests/test_node_user_data.py). The repository's file
+    keeps its comments."""
+    if re.search(r"(?<!<)<<(?!<)", script):
+        raise ValueError("the script has a here-document, whose comment-like lines may be data: embed it whole")
+    lines = script.split("\n")
+    kept = [line for number, line in enumerate(lines) if not _dropped(line, first=number == 0)]
+    return "\n".join(kept)
+
+
+def _dropped(line: str, *, first: bool) -> bool:
+    stripped = line.strip()
+    if not stripped:
+        return True
+    if first and stripped.startswith("#!"):
+        return False
+    return stripped.startswith("#") and not stripped.startswith(_SHELLCHECK_DIRECTIVE)
+
+
 def node_setup_config(efa: EfaSetup, report: NodeSetupReport, task_devices: Sequence[str]) -> str:
     """/etc/node-setup/node-setup.conf: the values node_setup.sh reads, shell-quoted.
 
@@ -191,7 +218,9 @@ Before=slices.target
 # from starting, systemd.unit(5)) and its ready file, which only a successful run of this boot writes
 # (/run is emptied at each boot). The first boot runs node-setup from user data instead: ecs.service
 # starts after cloud-final (amazon-ecs-agent packaging/amazon-linux-ami-integrated/ecs.service), and the
-# drop-in's condition is read when its start job runs.
+# drop-in's condition is read when its start job runs. node-setup-report.service has a start timeout: a oneshot
+# has none by default (systemd.service(5), TimeoutStartSec=), so one run hung on a stalled CloudWatch connection
+# would hold the unit "activating" and the timer would start no other run this boot.
 _UNITS = {
     "/etc/systemd/system/node-setup.service": """[Unit]
 Description=Trainium node setup (IMDS rule, EFA, model cache) before the ECS agent
@@ -218,6 +247,7 @@ Description=Report a failed node setup or ECS agent to CloudWatch
 
 [Service]
 Type=oneshot
+TimeoutStartSec=120
 ExecStart=/usr/local/sbin/node-setup report
 """,
     "/etc/systemd/system/node-setup-report.timer": """[Unit]
@@ -245,7 +275,7 @@ def _node_user_data(efa: EfaSetup, report: NodeSetupReport, task_devices: Sequen
         "set -uo pipefail",
         "mkdir -p /etc/node-setup /usr/local/sbin /etc/systemd/system/ecs.service.d",
         *heredoc("/etc/node-setup/node-setup.conf", node_setup_config(efa, report, task_devices)),
-        *heredoc("/usr/local/sbin/node-setup", NODE_SETUP_SCRIPT.read_text(), mode="0755"),
+        *heredoc("/usr/local/sbin/node-setup", without_comment_lines(NODE_SETUP_SCRIPT.read_text()), mode="0755"),
     ]
     for path, body in _UNITS.items():
         commands += heredoc(path, body)

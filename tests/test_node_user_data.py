@@ -35,6 +35,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from cell_constructs.trainium_capacity import NODE_SETUP_SCRIPT, without_comment_lines
 from inference_fleet.checks import load_fleet, parse_fleet
 from inference_fleet.config import DEFAULT_CONFIG
 from tests.conftest import synth_fleet
@@ -825,6 +826,60 @@ def test_single_disk_cache_needs_no_raid(default_user_data, tmp_path) -> None:
 def test_user_data_fits_ec2s_limit(default_user_data) -> None:
     # EC2 refuses user data over 16 KB before base64 (AWS EC2 user guide, "Run commands at launch").
     assert len(default_user_data.encode()) <= 16 * 1024
+
+
+def _bash_function_of(script: str) -> str:
+    """`script` as bash parses it: the body of a function bash prints back, which holds no comment but every
+    string and here-document as read."""
+    result = subprocess.run(["bash", "-c", 'eval "f() {\n$1\n}" && declare -f f', "parse", script],
+                            capture_output=True, text=True, check=True)
+    return result.stdout
+
+
+def test_the_installed_script_is_the_repository_file_without_its_comment_lines(default_user_data, tmp_path) -> None:
+    """User data embeds node_setup.sh without its full-line comments and blank lines (the shebang and shellcheck's
+    directives kept), and bash parses the two alike: no dropped line was data of a string or here-document. Old
+    code: embedded whole, 4.9 KB of comments in EC2's 16 KB."""
+    node = Node(tmp_path)
+    assert node.ready(run_user_data(node, default_user_data))
+    installed, original = node.file("/usr/local/sbin/node-setup"), NODE_SETUP_SCRIPT.read_text()
+    kept = [line for number, line in enumerate(original.splitlines())
+            if line.strip() and (number == 0 or not line.lstrip().startswith("#")
+                                 or line.lstrip().startswith("# shellcheck "))]
+    assert installed.splitlines() == kept
+    assert installed.startswith("#!/bin/bash\n") and len(original) - len(installed) > 4000
+    (tmp_path / "installed").write_text(installed)
+    syntax = subprocess.run(["bash", "-n", str(tmp_path / "installed")], capture_output=True, text=True, check=False)
+    assert syntax.returncode == 0, syntax.stderr
+    assert _bash_function_of(installed) == _bash_function_of(original)
+
+
+def test_the_parse_comparison_sees_a_dropped_line_that_was_data() -> None:
+    """The check above would catch a comment-like line inside a multi-line string (dropped, it changes the string)."""
+    script = 'echo "one\n# data, not a comment\ntwo"\n# a comment\n'
+    dropped = 'echo "one\ntwo"\n'
+    assert _bash_function_of(script) != _bash_function_of(dropped)
+    assert _bash_function_of(script) == _bash_function_of('echo "one\n# data, not a comment\ntwo"\n')
+
+
+def test_a_script_with_a_here_document_is_not_stripped() -> None:
+    """A here-document's lines are data, comment-like or not: such a script must be embedded whole."""
+    with pytest.raises(ValueError, match="here-document"):
+        without_comment_lines("#!/bin/bash\ncat <<EOF\n# data\nEOF\n")
+    assert without_comment_lines('#!/bin/bash\n# why\n\n  # indented\ngrep -q x <<<"$y"  # kept\n') == (
+        '#!/bin/bash\ngrep -q x <<<"$y"  # kept')
+
+
+def test_a_hung_report_does_not_stop_the_timer_for_the_boot(default_user_data, tmp_path) -> None:
+    """A oneshot has no start timeout by default (systemd.service(5), TimeoutStartSec=): a report hung on a stalled
+    connection would keep the unit activating, and the timer would start no other run. Old code: no timeout."""
+    node = Node(tmp_path)
+    run_user_data(node, default_user_data)
+    (timeout,) = re.findall(r"^TimeoutStartSec=(\d+)$", node.file("/etc/systemd/system/node-setup-report.service"),
+                            flags=re.M)
+    (period,) = re.findall(r"^OnUnitActiveSec=(\d+)s$", node.file("/etc/systemd/system/node-setup-report.timer"),
+                           flags=re.M)
+    assert 0 < int(timeout) < int(period)
 
 
 def test_shellcheck_is_clean_on_the_user_data_and_the_installed_script(default_user_data, tmp_path) -> None:
