@@ -4,7 +4,7 @@
 #
 #   node-setup          the IMDS block rule, EFA, every device the unit tasks are given, the model cache
 #                       on the instance store, ecs.config
-#   node-setup report   while the node's setup has failed: put NodeSetupFailed=1 to CloudWatch
+#   node-setup report   put NodeSetupFailed (or NodeAgentUnregistered, `unregistered`) =1 to CloudWatch
 #
 # A failed step keeps the node out of service instead of powering it off: the ECS agent is not
 # started (ecs.service requires node-setup.service and /run/node-setup/ready), the reason goes to
@@ -24,6 +24,7 @@ STATE_DIR=/var/lib/node-setup
 FAILED="$STATE_DIR/failed"
 READY_DIR=/run/node-setup
 READY="$READY_DIR/ready"
+REGISTERED="$READY_DIR/registered"
 IMDS=http://169.254.169.254/latest
 # Network steps (the EFA installer's download and run, mdadm's install) try again every
 # NETWORK_RETRY_SECONDS within one budget of waits for the whole setup: a late NAT route, security
@@ -220,13 +221,25 @@ setup() {
   model_cache
   ecs_config
   { mkdir -p "$READY_DIR" && touch "$READY"; } || fail "cannot write $READY"
+  systemctl enable --now node-setup-report.timer >/dev/null 2>&1
   log "done"
+}
+
+# Set up AGENT_GRACE_SECONDS ago, the ECS agent not seen registered since (its introspection API: its ARN).
+unregistered() {
+  [ -e "$READY" ] && [ ! -e "$REGISTERED" ] || return 1
+  if grep -q '"ContainerInstanceArn": *"arn:' <<<"$(curl -fs -m 5 http://localhost:51678/v1/metadata)"; then
+    touch "$REGISTERED"
+    return 1
+  fi
+  [ $(($(date +%s) - $(stat -c %Y "$READY"))) -ge "$AGENT_GRACE_SECONDS" ] || return 1
+  log "ECS agent not registered: $(systemctl show -p ActiveState,ExecMainStatus,NRestarts ecs | tr '\n' ' ')"
 }
 
 # CloudWatch PutMetricData (query API) signed by curl with the instance role's credentials.
 report() {
-  [ -e "$FAILED" ] || return 0
-  local token region domain role creds key secret session
+  local metric=NodeSetupFailed token region domain role creds key secret session
+  [ -e "$FAILED" ] || { unregistered || return 0; metric=NodeAgentUnregistered; }
   token=$(curl -fsS -X PUT -H 'X-aws-ec2-metadata-token-ttl-seconds: 300' "$IMDS/api/token") || return 1
   imds() { curl -fsS -H "X-aws-ec2-metadata-token: $token" "$IMDS/meta-data/$1"; }
   region=$(imds placement/region) && domain=$(imds services/domain) \
@@ -237,7 +250,7 @@ report() {
     -H "x-amz-security-token: $session" \
     --data-urlencode Action=PutMetricData --data-urlencode Version=2010-08-01 \
     --data-urlencode "Namespace=$METRIC_NAMESPACE" \
-    --data-urlencode MetricData.member.1.MetricName=NodeSetupFailed \
+    --data-urlencode "MetricData.member.1.MetricName=$metric" \
     --data-urlencode MetricData.member.1.Value=1 \
     --data-urlencode MetricData.member.1.Dimensions.member.1.Name=Cell \
     --data-urlencode "MetricData.member.1.Dimensions.member.1.Value=$CELL" \

@@ -16,6 +16,7 @@ time, launch-first or terminate-first (docs/cell-lifecycle.md).
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,6 +51,13 @@ ECS_TASKS_CGROUP = "ecstasks.slice"
 TASK_DEVICE_WAIT_SECONDS = 60
 # What a failed node reports (node_setup.sh `report`), read by the cell's node-setup alarm.
 NODE_SETUP_FAILED_METRIC = "NodeSetupFailed"
+# What a node whose setup succeeded reports while its ECS agent has not registered AGENT_GRACE_SECONDS after it
+# (node_setup.sh `report`), read by the cell's agent alarm (docs/cell-lifecycle.md, "An ECS agent that never
+# registers"). The grace: the agent registers within a minute or two of the setup's end on a sound node (ecs-init
+# starts it, it registers before anything else); 10 minutes leave room for a slow start and the instance role's
+# first use, and keep a node that will never serve from billing unnoticed for longer than that plus a report period.
+NODE_AGENT_UNREGISTERED_METRIC = "NodeAgentUnregistered"
+AGENT_GRACE_SECONDS = 600
 # EC2 refuses user data larger than 16 KB before base64
 # (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/user-data.html).
 USER_DATA_LIMIT_BYTES = 16 * 1024
@@ -146,6 +154,32 @@ def heredoc(path: str, body: str, *, mode: str = "0644") -> list[str]:
     return [f"cat > {path} <<'{marker}'", *body.rstrip("\n").split("\n"), marker, f"chmod {mode} {path}"]
 
 
+# A comment line shellcheck reads: kept, so the installed script lints as the repository's does.
+_SHELLCHECK_DIRECTIVE = "# shellcheck "
+
+
+def without_comment_lines(script: str) -> str:
+    """`script` as user data embeds it: its full-line comments (the shebang and shellcheck's directives kept) and
+    blank lines dropped, which frees some 5 KB of EC2's 16 KB of user data. Sound only while no such line is data,
+    inside a here-document or a multi-line string: node_setup.sh has neither (a here-document is refused here; a
+    test compares the function bash parses from both texts, tests/test_node_user_data.py). The repository's file
+    keeps its comments."""
+    if re.search(r"(?<!<)<<(?!<)", script):
+        raise ValueError("the script has a here-document, whose comment-like lines may be data: embed it whole")
+    lines = script.split("\n")
+    kept = [line for number, line in enumerate(lines) if not _dropped(line, first=number == 0)]
+    return "\n".join(kept)
+
+
+def _dropped(line: str, *, first: bool) -> bool:
+    stripped = line.strip()
+    if not stripped:
+        return True
+    if first and stripped.startswith("#!"):
+        return False
+    return stripped.startswith("#") and not stripped.startswith(_SHELLCHECK_DIRECTIVE)
+
+
 def node_setup_config(efa: EfaSetup, report: NodeSetupReport, task_devices: Sequence[str]) -> str:
     """/etc/node-setup/node-setup.conf: the values node_setup.sh reads, shell-quoted.
 
@@ -167,6 +201,7 @@ def node_setup_config(efa: EfaSetup, report: NodeSetupReport, task_devices: Sequ
         "CELL": report.cell,
         "TASK_DEVICES": " ".join(task_devices),
         "DEVICE_WAIT_SECONDS": str(TASK_DEVICE_WAIT_SECONDS),
+        "AGENT_GRACE_SECONDS": str(AGENT_GRACE_SECONDS),
     }
     return "".join(f"{name}={shlex.quote(value)}\n" for name, value in values.items())
 
@@ -183,7 +218,9 @@ Before=slices.target
 # from starting, systemd.unit(5)) and its ready file, which only a successful run of this boot writes
 # (/run is emptied at each boot). The first boot runs node-setup from user data instead: ecs.service
 # starts after cloud-final (amazon-ecs-agent packaging/amazon-linux-ami-integrated/ecs.service), and the
-# drop-in's condition is read when its start job runs.
+# drop-in's condition is read when its start job runs. node-setup-report.service has a start timeout: a oneshot
+# has none by default (systemd.service(5), TimeoutStartSec=), so one run hung on a stalled CloudWatch connection
+# would hold the unit "activating" and the timer would start no other run this boot.
 _UNITS = {
     "/etc/systemd/system/node-setup.service": """[Unit]
 Description=Trainium node setup (IMDS rule, EFA, model cache) before the ECS agent
@@ -206,14 +243,15 @@ ConditionPathExists=/run/node-setup/ready
 """,
     f"/etc/systemd/system/{ECS_TASKS_CGROUP}": TASKS_SLICE_UNIT,
     "/etc/systemd/system/node-setup-report.service": """[Unit]
-Description=Report a failed node setup to CloudWatch (NodeSetupFailed)
+Description=Report a failed node setup or ECS agent to CloudWatch
 
 [Service]
 Type=oneshot
+TimeoutStartSec=120
 ExecStart=/usr/local/sbin/node-setup report
 """,
     "/etc/systemd/system/node-setup-report.timer": """[Unit]
-Description=Report a failed node setup every 3 minutes while it stays failed
+Description=Report a failed setup or ECS agent every 3 minutes
 
 [Timer]
 OnActiveSec=10s
@@ -237,7 +275,7 @@ def _node_user_data(efa: EfaSetup, report: NodeSetupReport, task_devices: Sequen
         "set -uo pipefail",
         "mkdir -p /etc/node-setup /usr/local/sbin /etc/systemd/system/ecs.service.d",
         *heredoc("/etc/node-setup/node-setup.conf", node_setup_config(efa, report, task_devices)),
-        *heredoc("/usr/local/sbin/node-setup", NODE_SETUP_SCRIPT.read_text(), mode="0755"),
+        *heredoc("/usr/local/sbin/node-setup", without_comment_lines(NODE_SETUP_SCRIPT.read_text()), mode="0755"),
     ]
     for path, body in _UNITS.items():
         commands += heredoc(path, body)
@@ -304,6 +342,7 @@ class TrainiumCapacity(Construct):
         # failure report is put with. The launch template names the group and the role, not these.
         self.auto_scaling_group.node.add_dependency(self.security_group, setup_report_policy)
         self.setup_failure_alarm = self._setup_failure_alarm(setup_report)
+        self.agent_unregistered_alarm = self._agent_unregistered_alarm(setup_report)
 
     def _placement_group(self, source: CapacitySource) -> ec2.IPlacementGroup:
         """The cluster placement group the nodes launch into: the one the reservation was made in, or the cell's own.
@@ -567,7 +606,7 @@ class TrainiumCapacity(Construct):
         return group, provider
 
     def _allow_setup_report(self, role: iam.Role, report: NodeSetupReport) -> iam.ManagedPolicy:
-        """The node may put its NodeSetupFailed metric, in its own namespace only."""
+        """The node may put its NodeSetupFailed and NodeAgentUnregistered metrics, in its own namespace only."""
         policy = iam.ManagedPolicy(
             self,
             "SetupReportPolicy",
@@ -607,6 +646,33 @@ class TrainiumCapacity(Construct):
             metric=cloudwatch.Metric(
                 namespace=report.namespace,
                 metric_name=NODE_SETUP_FAILED_METRIC,
+                dimensions_map={"Cell": report.cell},
+                statistic="Maximum",
+                period=Duration.minutes(5),
+            ),
+            watched_by="Watched by the rollout pipeline's alarm conditions (the cell's rollout gate) and the cell "
+            "dashboard",
+        )
+
+    def _agent_unregistered_alarm(self, report: NodeSetupReport) -> cloudwatch.Alarm:
+        """A node set up but its ECS agent has not registered with the cluster (part of the rollout gate).
+
+        Nothing else tells: with no container instance the placement controller never sees the node (its agent
+        rule, `ecs_health`, watches container instances), the group's EC2 health check passes, and the unit
+        autoscaler counts the live unlabelled instance as capacity a starting unit waits for (docs/cell-lifecycle.md,
+        "An ECS agent that never registers"). Such a node reports every 3 minutes from AGENT_GRACE_SECONDS after
+        its setup until its agent registers, as a failed setup does (`_setup_failure_alarm`).
+        """
+        return watched_alarm(
+            self,
+            "NodeAgentUnregisteredAlarm",
+            description="A Trainium node set up, but its ECS agent has not registered with the cell's cluster "
+            f"{AGENT_GRACE_SECONDS // 60} min after: it serves nothing, and the autoscaler counts it as capacity. "
+            "Reason: `aws ec2 get-console-output` (node-setup: ECS agent not registered, with ecs.service's state and "
+            "exit status) or `journalctl -u ecs`; terminate the instance or repair it (docs/cell-lifecycle.md)",
+            metric=cloudwatch.Metric(
+                namespace=report.namespace,
+                metric_name=NODE_AGENT_UNREGISTERED_METRIC,
                 dimensions_map={"Cell": report.cell},
                 statistic="Maximum",
                 period=Duration.minutes(5),

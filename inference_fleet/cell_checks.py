@@ -29,10 +29,10 @@ SPARE_NODES = 1
 # templates (about 107 + 9.5 per unit; tests/test_cell_lifecycle.py keeps them true). The fixed part is
 # the largest variant (internet-facing with WAF, gate reader role, both images built, the verify
 # gate's group and parameter, the deletion-protection custom resource with its function, role, policy and
-# log group, the rule for unit tasks that failed to start and the alarm on those no rule knows: 127 resources
-# with one unit, tests/test_fleet_strictness.py).
+# log group, the rule for unit tasks that failed to start and the alarm on those no rule knows, the alarm on a node
+# whose ECS agent never registered: 128 resources with one unit, tests/test_fleet_strictness.py).
 CFN_RESOURCE_LIMIT = 500
-CELL_BASE_RESOURCES = 117
+CELL_BASE_RESOURCES = 118
 RESOURCES_PER_UNIT = 10
 # Each AZ beyond two adds a subnet, a route table, its association and a route in each of the three
 # subnet groups (cell_constructs/network.py; counted in the synthesized templates).

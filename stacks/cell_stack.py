@@ -509,6 +509,8 @@ class CellStack(Stack):
                 "placement-quarantine": self.placement.quarantine_alarm,
                 # A node whose setup failed stays out of service: the gate holds the rollout.
                 "node-setup-failed": self.capacity.setup_failure_alarm,
+                # A node whose ECS agent never registered serves nothing either (docs/cell-lifecycle.md).
+                "node-agent-unregistered": self.capacity.agent_unregistered_alarm,
                 # An autoscaler that keeps failing (new code, say) stops the rollout.
                 **({"autoscaler-errors": self.autoscaler.errors_alarm} if self.autoscaler else {}),
             },

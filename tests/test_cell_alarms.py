@@ -108,10 +108,10 @@ def test_composite_gate_fires_on_any_cell_alarm(synth_large, stack_name: str) ->
     rule = json.dumps(gate["Properties"]["AlarmRule"])
     for logical_id in _logical_ids(template).values():
         assert f'"{logical_id}", "Arn"' in rule
-    # ... and on the placement controller's four alarms and the failed node setup alarm.
-    assert rule.count(" OR ") == len(DOCUMENTED) + 5 - 1 and " AND " not in rule
+    # ... and on the placement controller's four alarms, the failed node setup alarm and the unregistered agent's.
+    assert rule.count(" OR ") == len(DOCUMENTED) + 6 - 1 and " AND " not in rule
     for placement in ("PlacementErrorsAlarm", "PlacementDeadLettersAlarm", "PlacementBacklogAlarm",
-                      "PlacementQuarantineAlarm", "TrainiumNodeSetupFailedAlarm"):
+                      "PlacementQuarantineAlarm", "TrainiumNodeSetupFailedAlarm", "TrainiumNodeAgentUnregisteredAlarm"):
         assert f'"{placement}' in rule
 
 

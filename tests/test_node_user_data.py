@@ -35,6 +35,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from cell_constructs.trainium_capacity import NODE_SETUP_SCRIPT, without_comment_lines
 from inference_fleet.checks import load_fleet, parse_fleet
 from inference_fleet.config import DEFAULT_CONFIG
 from tests.conftest import synth_fleet
@@ -85,7 +86,9 @@ _FAKES = {
     'if [ -e "$FAKE_STATE/late-devices" ]; then\n'
     '  while read -r path major minor; do mkdir -p "${path%/*}"; mknod "$path" c "$major" "$minor"; done '
     '< "$FAKE_STATE/late-devices"\n  rm "$FAKE_STATE/late-devices"\nfi\n',
+    # `show` prints what $FAKE_STATE/show holds (the ECS agent's unit state a test gives it).
     "systemctl": 'echo "systemctl $*" >> "$FAKE_STATE/calls"\n'
+    '[ "$1" = show ] && cat "$FAKE_STATE/show" 2>/dev/null\n'
     '[ "$1" = start ] && [ -e "$FAKE_STATE/fail-start-$2" ] && exit 1\nexit 0\n',
     "iptables": 'echo "iptables $*" >> "$FAKE_STATE/calls"\nrules="$FAKE_STATE/boot/iptables"\n'
     'op=$1; shift\ncase $op in\n  -C) grep -qxF -- "$*" "$rules" 2>/dev/null ;;\n'
@@ -125,7 +128,8 @@ _FAKES = {
     "dnf": 'echo "dnf $*" >> "$FAKE_STATE/calls"\n[ -e "$FAKE_STATE/dnf-fails" ] && exit 1\n' + _OUTAGE.format(
         host="repository", error="echo \"Error: Failed to download metadata for repo \'amazonlinux\'\" >&2; exit 1")
     + 'case " $* " in *" mdadm "*) cp "$FAKE_STATE/mdadm.package" "$FAKE_BIN/mdadm" ;; esac\n',
-    # The EFA installer download, and IMDS and CloudWatch for the failure report.
+    # The EFA installer download, IMDS and CloudWatch for the failure report, and the ECS agent's introspection API
+    # (what $FAKE_STATE/agent-metadata holds; no file: the agent does not answer, connection refused).
     "curl": 'echo "curl $*" >> "$FAKE_STATE/calls"\nargs=("$@"); out=; url=\n'
     'while [ $# -gt 0 ]; do case $1 in -o) out=$2; shift ;; http*) url=$1 ;; esac; shift; done\n'
     'case $url in\n'
@@ -134,6 +138,7 @@ _FAKES = {
         error='echo "curl: (6) Could not resolve host: efa-installer.amazonaws.com" >&2; exit 6')
     + '    [ -e "$FAKE_STATE/efa-tarball" ] || exit 22\n'
     '    cp "$FAKE_STATE/efa-tarball" "$out" ;;\n'
+    '  http://localhost:51678/v1/metadata) cat "$FAKE_STATE/agent-metadata" 2>/dev/null || exit 7 ;;\n'
     '  */api/token) echo TOKEN ;;\n  */placement/region) echo us-east-2 ;;\n'
     '  */services/domain) echo amazonaws.com ;;\n  */iam/security-credentials/) echo node-role ;;\n'
     '  */iam/security-credentials/node-role) printf \'{\\n  "Code" : "Success",\\n  "AccessKeyId" : "ASIAKEY",'
@@ -567,6 +572,87 @@ def test_a_healthy_node_reports_nothing(default_user_data, tmp_path) -> None:
     assert "monitoring" not in node.calls
 
 
+# -- a node set up whose ECS agent never registers ------------------------------------------
+
+# The agent's introspection answer once registered (https://docs.aws.amazon.com/AmazonECS/latest/developerguide/
+# ecs-agent-introspection.html), as Go's encoding/json writes it: no spaces.
+REGISTERED = ('{"Cluster":"Rufus-Cell-dev-Cluster","ContainerInstanceArn":"arn:aws:ecs:us-east-2:111111111111:'
+              'container-instance/Rufus-Cell-dev-Cluster/0123456789abcdef0123456789abcdef",'
+              '"Version":"Amazon ECS Agent - v1.89.0 (abcdef12)"}')
+# The agent's terminal exit (5, ecs.service's RestartPreventExitStatus) as `systemctl show -p ...` prints it.
+AGENT_EXITED = "ActiveState=failed\nExecMainStatus=5\nNRestarts=0\n"
+
+
+def _unit_command(node: Node, unit: str) -> str:
+    (command,) = re.findall(r"^ExecStart=(.+)$", node.file(f"/etc/systemd/system/{unit}") or "", flags=re.M)
+    return command
+
+
+def boot_then_report(node: Node, ready_seconds_ago: int, *between: str) -> subprocess.CompletedProcess:
+    """A boot: node-setup.service's run, its ready file dated `ready_seconds_ago`, then node-setup-report.service's
+    run after each shell step of `between` (none: one report)."""
+    setup, report = _unit_command(node, "node-setup.service"), _unit_command(node, "node-setup-report.service")
+    steps = [f"{setup} || exit 9", f'touch -d "@$(( $(date +%s) - {ready_seconds_ago} ))" /run/node-setup/ready',
+             *[f"{step}; {report}" for step in between or (":",)]]
+    return node.boot("bash", "-c", "\n".join(steps))
+
+
+def test_a_node_set_up_starts_its_report_timer(default_user_data, tmp_path) -> None:
+    """The timer that reports runs on every node, not only on a failed one: an ECS agent may fail after the setup.
+    Old code: enabled only by a failed setup."""
+    node = Node(tmp_path)
+    result = run_user_data(node, default_user_data)
+    assert node.ready(result) and "systemctl enable --now node-setup-report.timer" in node.calls, node.calls
+    assert "OnUnitActiveSec=180s" in node.file("/etc/systemd/system/node-setup-report.timer")
+
+
+@pytest.mark.parametrize("metadata", [None, '{"Cluster":"Rufus-Cell-dev-Cluster","ContainerInstanceArn":null}'],
+                         ids=["agent-not-answering", "answering-without-an-arn"])
+def test_a_node_whose_ecs_agent_never_registers_reports_it(default_user_data, tmp_path, metadata: str | None) -> None:
+    """Set up, ready 10 min ago, and no container instance ARN from the agent: NodeAgentUnregistered with the
+    instance role, and ecs.service's state on the console. Old code: nothing reported (no failed setup)."""
+    node = Node(tmp_path)
+    run_user_data(node, default_user_data)
+    if metadata is not None:
+        (node.state / "agent-metadata").write_text(metadata)
+    (node.state / "show").write_text(AGENT_EXITED)
+    result = boot_then_report(node, 600)
+    assert result.returncode == 0, result.stderr
+    put = node.text("putmetric")
+    for part in ("--aws-sigv4 aws:amz:us-east-2:monitoring", "Namespace=Rufus/Node",
+                 "MetricName=NodeAgentUnregistered", "Dimensions.member.1.Value=dev"):
+        assert part in put, (part, put)
+    assert "node-setup: ECS agent not registered: ActiveState=failed ExecMainStatus=5 NRestarts=0" in node.console
+    assert "systemctl show -p ActiveState,ExecMainStatus,NRestarts ecs" in node.calls
+
+
+def test_an_agent_within_its_grace_is_not_reported(default_user_data, tmp_path) -> None:
+    node = Node(tmp_path)
+    run_user_data(node, default_user_data)
+    boot_then_report(node, 540)
+    assert "localhost:51678/v1/metadata" in node.calls  # asked, not registered, but within the grace
+    assert "monitoring" not in node.calls and "not registered" not in node.console
+
+
+def test_an_agent_seen_registered_is_not_reported_again_until_the_next_boot(default_user_data, tmp_path) -> None:
+    """Once registered, an agent that stops answering (its update, a restart) is the placement controller's to judge
+    (`agent-disconnected-since`), not a node that never registered; the next boot is judged anew."""
+    node = Node(tmp_path)
+    run_user_data(node, default_user_data)
+    (node.state / "agent-metadata").write_text(REGISTERED)
+    boot_then_report(node, 3600, ":", 'rm "$FAKE_STATE/agent-metadata"')
+    assert node.calls.count("localhost:51678") == 1 and "monitoring" not in node.calls, node.calls
+    boot_then_report(node, 3600)
+    assert "MetricName=NodeAgentUnregistered" in node.text("putmetric")
+
+
+def test_a_failed_setup_reports_that_and_not_the_agent(default_user_data, tmp_path) -> None:
+    node = Node(tmp_path, disks=0)
+    run_user_data(node, default_user_data)
+    node.boot("/usr/local/sbin/node-setup", "report")
+    assert "MetricName=NodeSetupFailed" in node.text("putmetric") and "51678" not in node.calls
+
+
 # -- every device the unit tasks are given is on the node before the ECS agent starts ---------
 
 
@@ -742,6 +828,60 @@ def test_user_data_fits_ec2s_limit(default_user_data) -> None:
     assert len(default_user_data.encode()) <= 16 * 1024
 
 
+def _bash_function_of(script: str) -> str:
+    """`script` as bash parses it: the body of a function bash prints back, which holds no comment but every
+    string and here-document as read."""
+    result = subprocess.run(["bash", "-c", 'eval "f() {\n$1\n}" && declare -f f', "parse", script],
+                            capture_output=True, text=True, check=True)
+    return result.stdout
+
+
+def test_the_installed_script_is_the_repository_file_without_its_comment_lines(default_user_data, tmp_path) -> None:
+    """User data embeds node_setup.sh without its full-line comments and blank lines (the shebang and shellcheck's
+    directives kept), and bash parses the two alike: no dropped line was data of a string or here-document. Old
+    code: embedded whole, 4.9 KB of comments in EC2's 16 KB."""
+    node = Node(tmp_path)
+    assert node.ready(run_user_data(node, default_user_data))
+    installed, original = node.file("/usr/local/sbin/node-setup"), NODE_SETUP_SCRIPT.read_text()
+    kept = [line for number, line in enumerate(original.splitlines())
+            if line.strip() and (number == 0 or not line.lstrip().startswith("#")
+                                 or line.lstrip().startswith("# shellcheck "))]
+    assert installed.splitlines() == kept
+    assert installed.startswith("#!/bin/bash\n") and len(original) - len(installed) > 4000
+    (tmp_path / "installed").write_text(installed)
+    syntax = subprocess.run(["bash", "-n", str(tmp_path / "installed")], capture_output=True, text=True, check=False)
+    assert syntax.returncode == 0, syntax.stderr
+    assert _bash_function_of(installed) == _bash_function_of(original)
+
+
+def test_the_parse_comparison_sees_a_dropped_line_that_was_data() -> None:
+    """The check above would catch a comment-like line inside a multi-line string (dropped, it changes the string)."""
+    script = 'echo "one\n# data, not a comment\ntwo"\n# a comment\n'
+    dropped = 'echo "one\ntwo"\n'
+    assert _bash_function_of(script) != _bash_function_of(dropped)
+    assert _bash_function_of(script) == _bash_function_of('echo "one\n# data, not a comment\ntwo"\n')
+
+
+def test_a_script_with_a_here_document_is_not_stripped() -> None:
+    """A here-document's lines are data, comment-like or not: such a script must be embedded whole."""
+    with pytest.raises(ValueError, match="here-document"):
+        without_comment_lines("#!/bin/bash\ncat <<EOF\n# data\nEOF\n")
+    assert without_comment_lines('#!/bin/bash\n# why\n\n  # indented\ngrep -q x <<<"$y"  # kept\n') == (
+        '#!/bin/bash\ngrep -q x <<<"$y"  # kept')
+
+
+def test_a_hung_report_does_not_stop_the_timer_for_the_boot(default_user_data, tmp_path) -> None:
+    """A oneshot has no start timeout by default (systemd.service(5), TimeoutStartSec=): a report hung on a stalled
+    connection would keep the unit activating, and the timer would start no other run. Old code: no timeout."""
+    node = Node(tmp_path)
+    run_user_data(node, default_user_data)
+    (timeout,) = re.findall(r"^TimeoutStartSec=(\d+)$", node.file("/etc/systemd/system/node-setup-report.service"),
+                            flags=re.M)
+    (period,) = re.findall(r"^OnUnitActiveSec=(\d+)s$", node.file("/etc/systemd/system/node-setup-report.timer"),
+                           flags=re.M)
+    assert 0 < int(timeout) < int(period)
+
+
 def test_shellcheck_is_clean_on_the_user_data_and_the_installed_script(default_user_data, tmp_path) -> None:
     shellcheck = shutil.which("shellcheck")
     assert shellcheck, "shellcheck is not installed (apt-get install -y shellcheck; see the Makefile's setup)"
@@ -755,10 +895,11 @@ def test_shellcheck_is_clean_on_the_user_data_and_the_installed_script(default_u
         assert result.returncode == 0, result.stdout
 
 
-def test_the_node_setup_alarm_is_in_the_rollout_gate(synth_default) -> None:
+@pytest.mark.parametrize("metric", ["NodeSetupFailed", "NodeAgentUnregistered"])
+def test_the_node_alarms_are_in_the_rollout_gate(synth_default, metric: str) -> None:
     template = synth_default.template_json(DEV)
     alarms = {k: v for k, v in template["Resources"].items() if v["Type"] == "AWS::CloudWatch::Alarm"}
-    (alarm_id,) = [k for k, v in alarms.items() if v["Properties"].get("MetricName") == "NodeSetupFailed"]
+    (alarm_id,) = [k for k, v in alarms.items() if v["Properties"].get("MetricName") == metric]
     props = alarms[alarm_id]["Properties"]
     assert props["Namespace"] == "Rufus/Node" and props["Dimensions"] == [{"Name": "Cell", "Value": "dev"}]
     assert props["Period"] == 300 and props["Statistic"] == "Maximum" and props["Threshold"] == 1
