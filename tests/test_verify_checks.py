@@ -563,11 +563,13 @@ def test_the_kit_knows_an_elastic_cells_units_up_to_max_units_and_judges_min_uni
     assert expect.elastic_units == [f"u{i}" for i in range(2, 12)]
 
 
-def test_only_an_elastic_unit_with_tasks_is_live() -> None:
-    """7a and 7b count the units a request may reach: one at 0 tasks is left out (no check judges it)."""
-    running = {"u0": two_tasks()["u0"], "u2": [Task("arn:task/u2l", "u2", "leader")]}
-    ctx = Context(FakeAdapter("http://unused", running=running), expectations(elastic_units=["u1", "u2", "u3"]),
-                  OpenAIHttp("http://unused"))
+def test_only_an_elastic_unit_that_serves_is_live() -> None:
+    """7a and 7b count the units a request may reach: one at 0 tasks is left out (no check judges it), and so is one
+    whose tasks do not serve yet (u3: activated, its target not healthy)."""
+    running = {"u0": two_tasks()["u0"], "u2": [Task("arn:task/u2l", "u2", "leader")],
+               "u3": [Task("arn:task/u3l", "u3", "leader")]}
+    adapter = FakeAdapter("http://unused", running=running, health={"u0": 200, "u2": 200, "u3": 503})
+    ctx = Context(adapter, expectations(elastic_units=["u1", "u2", "u3"]), OpenAIHttp("http://unused"))
     assert checks_faults.live_units(ctx) == ["u0", "u2"]
 
 
@@ -628,6 +630,8 @@ def test_a_leader_stopped_after_every_stream_ended_is_not_run_as_documented(
         return real(ctx, streams)
 
     monkeypatch.setattr(checks_faults, "_leader_with_a_stream", late)
+    # The streams end right after the kit's last look before the stop (the race it cannot close): it sees them open.
+    monkeypatch.setattr(checks_faults.Streams, "any_open", lambda self: True)
     with fake_unit("openai", finish_reason=finish) as server:
         adapter = DrainingCell(server.url, running=two_tasks())
         result = checks_faults.check_leader_stop(context(server, adapter, max_seq_len=80))
@@ -662,6 +666,27 @@ def test_no_leader_is_stopped_when_every_stream_ended_before_the_choice(
     assert adapter.stopped == []
     assert result.status == status and words in result.detail, (result.status, result.detail)
     assert result.measured.value is None and result.figures["leader"] is None
+
+
+def test_no_leader_is_stopped_when_the_last_stream_ends_while_the_leader_is_chosen(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cold review's finding (helper-265): every stream was seen ended only before the leader was chosen, and the
+    choice takes the adapter's calls (ListTasks, on AWS): a stream that ended meanwhile left a leader stopped with
+    nothing in flight (a unit restart for `not_run`). The kit looks again right before the stop."""
+    real = checks_faults._leader_with_a_stream
+
+    def slow_choice(ctx: Context, streams: checks_faults.Streams) -> Any:
+        leader = real(ctx, streams)
+        for t in streams.threads:  # the streams end while the choice's calls run
+            t.join(5)
+        return leader
+
+    monkeypatch.setattr(checks_faults, "_leader_with_a_stream", slow_choice)
+    with fake_unit("openai", token_delay=0.05, served_by=("u0",)) as server:
+        adapter = DrainingCell(server.url, running=two_tasks())
+        result = checks_faults.check_leader_stop(context(server, adapter, max_seq_len=80))
+    assert adapter.stopped == []
+    assert result.status == "not_run" and "no leader was stopped" in result.detail, (result.status, result.detail)
 
 
 @pytest.mark.parametrize(("served_by", "named"), [((), 0), (("u0",), 1)], ids=["old proxy", "named"])
@@ -876,6 +901,7 @@ def test_7b_not_run_with_every_stream_ended_reports_no_negative_drain_figure(mon
         return real(ctx, streams)
 
     monkeypatch.setattr(checks_faults, "_leader_with_a_stream", late)
+    monkeypatch.setattr(checks_faults.Streams, "any_open", lambda self: True)  # they end right after the last look
     with fake_unit("openai", finish_reason="length") as server:
         adapter = DrainingCell(server.url, running=two_tasks())
         result = checks_faults.check_leader_stop(context(server, adapter, max_seq_len=80))

@@ -202,3 +202,28 @@ def test_a_report_path_that_is_a_device_or_a_socket_is_refused(tmp_path: Path) -
     assert (f"error: --report {sock} is a device or a socket, not a file; give a file such as verify-report.json, "
             "/dev/stdout, or a FIFO that a process reads") in done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]
+
+
+def test_a_report_fifo_whose_reader_left_during_the_run_is_an_io_error_with_the_verdicts_kept(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A cold review's finding (helper-265): the FIFO's write failed with EPIPE when its reader had gone during the
+    run, and the command line's handler read that as its own stdout closed: exit 141, not a word that the report was
+    lost. As simulate --report: one line naming the report, exit 8, the table printed before."""
+    from inference_fleet import cli, exit_codes
+
+    fifo = tmp_path / "report.json"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+
+    def run_kit(*_: object, **__: object) -> Report:
+        os.close(reader)  # the reader goes away during the run
+        return Report("dev", "aws", False)
+
+    monkeypatch.setattr(verify_cli, "run_kit", run_kit)
+    monkeypatch.setattr(verify_cli, "AwsAdapter", lambda *_, **__: None)
+    code = cli.main(["verify", "--config", str(ROOT / "config" / "default.yaml"), "--cell", "dev",
+                     "--report", str(fifo)])
+    out, err = capsys.readouterr()
+    assert code == exit_codes.IO_ERROR, (code, err)
+    assert f"error: the report could not be written to {fifo}: Broken pipe; the verdicts above are the run's" in err
+    assert "dev (aws): 0 passed" in out

@@ -154,7 +154,7 @@ def test_events_and_emf_metrics_are_read_from_the_launchers_own_lines(tmp_path: 
 
 
 def stand_in_follower_stop(tmp_path: Path, drain_seconds: float, gate_lag: float, half_status: int,
-                           frontend: str = "openai") -> CheckResult:
+                           frontend: str = "openai", elastic: list[LocalTask] | None = None) -> CheckResult:
     """A stand-in unit (real processes, a real HTTP server for the proxy) that behaves as the
     launcher and proxy document: when the follower's task stops, /health turns 503 and new
     requests are still served for `drain_seconds` (the proxy's DRAIN_SECONDS); the leader then
@@ -162,7 +162,8 @@ def stand_in_follower_stop(tmp_path: Path, drain_seconds: float, gate_lag: float
     `gate_lag` (the proxy's gate closes at its next check round), then 503, then `half_status`
     (503 in a correct unit) until a new follower task joins: the leader writes
     `unit_session_formed` and the unit serves again. The probes go in `frontend`'s API (4-token
-    completions, or Triton's `generate`)."""
+    completions, or Triton's `generate`). `elastic`: tasks of an elastic cell's unit u1 (above min_units), which has
+    no healthy target (not serving)."""
     started = Started(tmp_path)
     with fake_unit(frontend) as server:
         try:
@@ -191,9 +192,9 @@ def stand_in_follower_stop(tmp_path: Path, drain_seconds: float, gate_lag: float
                 server.knobs.status, server.knobs.health = 200, None
 
             threading.Thread(target=play_the_unit, daemon=True).start()
-            adapter = LocalAdapter(server.url, {"u0": server.url + "/health"}, lambda: started.tasks)
-            ctx = Context(adapter, unit_expectations(server), fake_client(server, 5), settle_seconds=0.2,
-                          recovery_timeout_seconds=20)
+            adapter = LocalAdapter(server.url, {"u0": server.url + "/health"}, lambda: started.tasks + (elastic or []))
+            expect = unit_expectations(server, elastic_units=["u1"] if elastic else [])
+            ctx = Context(adapter, expect, fake_client(server, 5), settle_seconds=0.2, recovery_timeout_seconds=20)
             result = checks_faults.check_follower_stop(ctx)
             assert server.knobs.requests, "no probe reached the unit"
             return result
@@ -218,6 +219,16 @@ def test_follower_stop_check_passes_on_a_unit_that_drains_then_refuses(tmp_path:
 def test_follower_stop_check_fails_when_a_half_unit_answers(tmp_path: Path, frontend: str) -> None:
     result = stand_in_follower_stop(tmp_path, drain_seconds=0.0, gate_lag=0.0, half_status=200, frontend=frontend)
     assert result.status == "fail" and "requests while the unit was half got ['200', '503']" in result.detail
+
+
+def test_an_elastic_unit_not_serving_yet_does_not_excuse_a_half_unit_answering(tmp_path: Path) -> None:
+    """A cold review's finding (helper-265): 7a counted an elastic unit above min_units as one the probes may reach
+    once it had tasks, so a unit just activated (its tasks listed, their instances some 15 minutes away) made 200s
+    from the half unit "another unit's" and the check passed. Only a unit that serves (a healthy target) counts."""
+    pending = [LocalTask("i-u1-leader", "u1", "leader", 0, tmp_path / "none.log", time.time(), lambda: None)]
+    result = stand_in_follower_stop(tmp_path, drain_seconds=0.0, gate_lag=0.0, half_status=200, elastic=pending)
+    assert result.status == "fail" and "requests while the unit was half got ['200', '503']" in result.detail, \
+        result.detail
 
 
 def test_the_read_only_kit_through_a_real_unit_proxy(tmp_path: Path) -> None:

@@ -89,8 +89,8 @@ class Expectations:
     log_retention_days: int = 30
     # An elastic cell's units above min_units (u<min_units> to u<max_units - 1>): their ECS services exist at 0 tasks
     # too (cell_stack.py makes one per unit up to max_units). No check judges them (one at 0 would fail every check
-    # that judges a unit); those with running tasks are counted where the load balancer may send a request to them
-    # (7a, 7b: checks_faults.live_units).
+    # that judges a unit); those that serve (a healthy target) are counted where the load balancer may send a request
+    # to them (7a, 7b: checks_faults.live_units).
     elastic_units: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 

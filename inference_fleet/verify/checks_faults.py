@@ -64,11 +64,13 @@ def _pick(ctx: Context, role: str) -> Task | None:
 
 def live_units(ctx: Context) -> list[str]:
     """The units a request through the load balancer may reach: the expected ones, and an elastic cell's units above
-    min_units that have running tasks (one at 0 tasks serves nothing, and no check judges it). Until the thirty-eighth
-    session the destructive checks knew the expected ones only: a stream an elastic unit answered counted for none,
-    and 7a's probes answered 200 by it while the stopped unit was half failed the check of a cell of one expected
-    unit."""
-    return [*ctx.expect.units, *(u for u in ctx.expect.elastic_units if ctx.adapter.tasks(u))]
+    min_units that serve (a healthy target; one at 0 tasks serves nothing, and no check judges it). Until the
+    thirty-eighth session the destructive checks knew the expected ones only: a stream an elastic unit answered
+    counted for none, and 7a's probes answered 200 by it while the stopped unit was half failed the check of a cell
+    of one expected unit. Counted by their tasks at first, a unit just activated (its tasks listed, waiting some 15
+    minutes for their instances) let a half unit's 200s pass 7a (a cold review of that change,
+    `tests/test_verify_checks.py::test_an_elastic_unit_not_serving_yet_does_not_excuse_a_half_unit_answering`)."""
+    return [*ctx.expect.units, *(u for u in ctx.expect.elastic_units if ctx.adapter.unit_health(u) == 200)]
 
 
 def _interval(ctx: Context) -> float:
@@ -99,6 +101,8 @@ def check_follower_stop(ctx: Context) -> CheckResult:
             return healthy
 
         to_serving = None if to_503 is None else _wait(serving, ctx.recovery_timeout_seconds, interval)
+    # And after: an elastic unit that began to serve meanwhile may have answered the probes too.
+    alone = alone and len(live_units(ctx)) == 1
     figures: dict[str, object] = {"unit": unit, "follower": follower.task_id, "to_503_s": to_503,
                                   "to_serving_s": None if to_serving is None else round(
                                       time.time() - stopped_at, 1)}
@@ -266,6 +270,8 @@ def check_leader_stop(ctx: Context) -> CheckResult:
     if leader is None:
         return not_run("7b-leader-stop", "no leader task running", "s")
     followers = [t for t in ctx.adapter.tasks(leader.unit_id) if t.role == "follower"]
+    if not streams.any_open():  # the last ones ended while the leader was chosen (the adapter's calls take time)
+        return _every_stream_ended(streams, max_tokens)
     stopped_at = time.time()
     ctx.adapter.stop_task(leader, "inference-fleet verify --destructive: leader stop")
     # A stream that ended before the stop call returned may have ended before the stop began: not a drain.

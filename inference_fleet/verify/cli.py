@@ -115,15 +115,22 @@ def run(args: argparse.Namespace) -> int:
     # The table is printed before the report is written: a report sent to stdout comes after it, and a report that
     # cannot be written loses no verdict.
     print(report.table(), flush=True)
-    if stream is not None:
-        try:
-            stream.write(report.json_text())
-        finally:
-            stream.close()
-        print(f"report: {stream} (the JSON alone: no Markdown beside a stream)", file=sys.stderr)
-    else:
-        json_path, md_path = report.write(args.report)
-        print(f"report: {json_path} and {md_path}")
+    try:
+        if stream is not None:
+            try:
+                stream.write(report.json_text())
+            finally:
+                stream.close()
+            print(f"report: {stream} (the JSON alone: no Markdown beside a stream)", file=sys.stderr)
+        else:
+            json_path, md_path = report.write(args.report)
+            print(f"report: {json_path} and {md_path}")
+    except OSError as error:
+        # As simulate --report: a FIFO's reader gone during the run (EPIPE), a full disk. Left to the command line's
+        # handler, EPIPE read as the command's own stdout closed: exit 141 and not a word that the report was lost.
+        print(f"error: the report could not be written to {stream or args.report}: {error.strerror or error}; the "
+              "verdicts above are the run's (write the report elsewhere with --report FILE)", file=sys.stderr)
+        return exit_codes.IO_ERROR
     return exit_codes.OK if report.passed else exit_codes.VERIFY
 
 
