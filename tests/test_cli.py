@@ -479,3 +479,21 @@ def test_a_report_to_a_standard_stream_that_is_a_file_keeps_what_the_file_held(t
     assert json.loads(text[text.index("\n{") + 1:text.rindex("}") + 1])["scenario"] == "hang"
     if stream == "/dev/stdout":
         assert "I2 serving units: held" in text.splitlines()
+
+
+@pytest.mark.parametrize("stream", ["/dev/stdout", "/dev/stderr", "/proc/self/fd/1"])
+def test_a_report_to_a_standard_stream_is_taken_from_a_user_who_cannot_write_in_dev(monkeypatch: pytest.MonkeyPatch,
+                                                                                   stream: str) -> None:
+    # Regression (cold read of the thirty-eighth session): the file checks ran before the stream's, and /dev (root's,
+    # 0755) or /proc/self/fd (0500) is no directory another user may write in, so any user but root had
+    # `--report /dev/stdout` refused "cannot be written (no permission)". os.access answers here as for such a user.
+    from inference_fleet.simulation import cli as simulation_cli
+
+    real_access = os.access
+    monkeypatch.setattr(simulation_cli.os, "access", lambda path, mode: (
+        False if str(path) in ("/dev", "/proc/self/fd") else real_access(path, mode)))
+    target = simulation_cli._report_path(stream)
+    try:
+        assert target.is_stream and str(target) == stream
+    finally:
+        target.close()

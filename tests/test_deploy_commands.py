@@ -134,7 +134,10 @@ def _stack_names() -> set[str]:
 
 
 def _cdk_commands() -> list[tuple[str, str]]:
-    return [(page, c) for page, c in _all_commands() if re.match(r"^npx cdk (deploy|destroy)\b", c)]
+    # With or without npx (the pages name the pipeline's deploy as `cdk deploy <Fleet>-Pipeline` too): a deploy or
+    # destroy of a named stack, not a mention of the command or of an option (`cdk deploy --all`).
+    return [(page, c.removeprefix("npx ")) for page, c in _all_commands()
+            if re.match(r"^(npx )?cdk (deploy|destroy) (-c |[^-\s])", c)]
 
 
 def test_every_cdk_deploy_and_destroy_names_the_fleet_file() -> None:
@@ -150,7 +153,7 @@ def test_every_stack_a_cdk_command_names_is_one_a_fleet_builds() -> None:
     known = _stack_names()
     unknown = []
     for page, command in _cdk_commands():
-        words = command.split()[3:]
+        words = command.split()[2:]
         stacks = [w for i, w in enumerate(words) if not w.startswith("-") and (i == 0 or words[i - 1] != "-c")]
         unknown += [f"{page}: `{command}`: {s}" for s in stacks if s not in known]
     assert not unknown, unknown

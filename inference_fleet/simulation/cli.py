@@ -31,8 +31,9 @@ def _report_path(text: str) -> ReportTarget:
     if not text:  # Path("") is ".", the working directory: it would be called a directory
         raise argparse.ArgumentTypeError("an empty path; give the report's file name, e.g. " + DEFAULT_REPORT)
     try:
-        path = _writable_report(text, Path(text))
-        return stream_target(text, DEFAULT_REPORT) or ReportTarget(path)
+        # A stream first: its parent (/dev, /proc/self/fd) is no directory a user other than root may write in, and
+        # a FIFO is written through, not created there; the file checks are for a file's path only.
+        return stream_target(text, DEFAULT_REPORT) or ReportTarget(_writable_report(text, Path(text)))
     except OSError as error:
         raise argparse.ArgumentTypeError(f"{text} cannot be examined ({error.strerror or error}); give a report "
                                          f"path that can be written, e.g. {DEFAULT_REPORT}") from None
