@@ -10,7 +10,8 @@ controller then groups them into units by topology. Capacity reservations are us
 
 Each node sets itself up with node_setup.sh (IMDS rule, EFA, instance-store cache) on its
 first boot and every boot after; a node whose setup fails stays out of service and reports
-NodeSetupFailed, which this construct alarms on. Rolling updates replace one instance at a
+NodeSetupFailed, and one whose ECS agent does not register reports NodeAgentUnregistered: this
+construct alarms on both. Rolling updates replace one instance at a
 time, launch-first or terminate-first (docs/cell-lifecycle.md).
 """
 
@@ -269,7 +270,8 @@ def _node_user_data(efa: EfaSetup, report: NodeSetupReport, task_devices: Sequen
     The setup itself (IMDS rule, EFA, model cache, ecs.config) lives in node_setup.sh, so that a
     reboot runs exactly what the first boot ran. A node whose setup fails stays running but out of
     service (no ECS agent) and reports NodeSetupFailed; it is not powered off, which would make
-    Auto Scaling replace it over and over (docs/cell-lifecycle.md, "Failed node setup").
+    Auto Scaling replace it over and over (docs/cell-lifecycle.md, "Failed node setup"). One set up
+    whose ECS agent has not registered AGENT_GRACE_SECONDS later reports NodeAgentUnregistered.
     """
     commands = [
         "set -uo pipefail",
@@ -637,21 +639,13 @@ class TrainiumCapacity(Construct):
         holds a data point while it stays failed; terminated or repaired, the data stop and the alarm
         returns to OK.
         """
-        return watched_alarm(
-            self,
+        return self._node_alarm(
             "NodeSetupFailedAlarm",
-            description="A Trainium node's setup failed: it runs without the ECS agent and serves nothing. "
+            NODE_SETUP_FAILED_METRIC,
+            report,
+            "A Trainium node's setup failed: it runs without the ECS agent and serves nothing. "
             "Reason: `aws ec2 get-console-output` (node-setup FAILED) or /var/lib/node-setup/failed; "
             "terminate the instance (the group launches another) or repair it (docs/cell-lifecycle.md)",
-            metric=cloudwatch.Metric(
-                namespace=report.namespace,
-                metric_name=NODE_SETUP_FAILED_METRIC,
-                dimensions_map={"Cell": report.cell},
-                statistic="Maximum",
-                period=Duration.minutes(5),
-            ),
-            watched_by="Watched by the rollout pipeline's alarm conditions (the cell's rollout gate) and the cell "
-            "dashboard",
         )
 
     def _agent_unregistered_alarm(self, report: NodeSetupReport) -> cloudwatch.Alarm:
@@ -663,16 +657,26 @@ class TrainiumCapacity(Construct):
         "An ECS agent that never registers"). Such a node reports every 3 minutes from AGENT_GRACE_SECONDS after
         its setup until its agent registers, as a failed setup does (`_setup_failure_alarm`).
         """
-        return watched_alarm(
-            self,
+        return self._node_alarm(
             "NodeAgentUnregisteredAlarm",
-            description="A Trainium node set up, but its ECS agent has not registered with the cell's cluster "
+            NODE_AGENT_UNREGISTERED_METRIC,
+            report,
+            "A Trainium node set up, but its ECS agent has not registered with the cell's cluster "
             f"{AGENT_GRACE_SECONDS // 60} min after: it serves nothing, and the autoscaler counts it as capacity. "
             "Reason: `aws ec2 get-console-output` (node-setup: ECS agent not registered, with ecs.service's state and "
             "exit status) or `journalctl -u ecs`; terminate the instance or repair it (docs/cell-lifecycle.md)",
+        )
+
+    def _node_alarm(self, alarm_id: str, metric_name: str, report: NodeSetupReport,
+                    description: str) -> cloudwatch.Alarm:
+        """An alarm on a metric the nodes put themselves (node_setup.sh `report`): any data point in 5 minutes."""
+        return watched_alarm(
+            self,
+            alarm_id,
+            description=description,
             metric=cloudwatch.Metric(
                 namespace=report.namespace,
-                metric_name=NODE_AGENT_UNREGISTERED_METRIC,
+                metric_name=metric_name,
                 dimensions_map={"Cell": report.cell},
                 statistic="Maximum",
                 period=Duration.minutes(5),
