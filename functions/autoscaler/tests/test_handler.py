@@ -211,6 +211,11 @@ class Cell:
         self.ecs.add_response("update_service", {"service": {"serviceArn": service_arn(unit, role)}}, {
             "cluster": CLUSTER, "service": service_arn(unit, role), "desiredCount": count})
 
+    def expect_stopped(self, unit: str) -> None:
+        """The unit's services set to 0, leader first (a deactivation, a cancel or a restart)."""
+        self.expect_count(unit, "leader", 0)
+        self.expect_count(unit, "followers", 0)
+
     def expect_served(self, value: str) -> None:
         self.autoscaling.add_response("create_or_update_tags", {}, {"Tags": [{
             "ResourceId": GROUP, "ResourceType": "auto-scaling-group", "Key": aws.TAG_SERVED, "Value": value,
@@ -395,8 +400,7 @@ def test_an_idle_cell_drains_its_least_loaded_unit_leader_first() -> None:
     cell.labels({"i-a": "u0", "i-b": "u0", "i-c": "u1", "i-d": "u1"})
     cell.activities()
     cell.metrics({"u0": (2.0, 1.0), "u1": (1.0, 1.0)})
-    cell.expect_count("u1", "leader", 0)
-    cell.expect_count("u1", "followers", 0)
+    cell.expect_stopped("u1")
     cell.expect_tag(aws.TAG_LAST_IN)
     cell.expect_served("0")  # u1 drains: its next life starts unserved
     assert cell.run()["units"] == ["u1"]
@@ -498,8 +502,7 @@ def test_refused_capacity_is_recorded_and_the_activation_cancelled() -> None:
                "requested (us-east-2a). InsufficientInstanceCapacity")
     cell.activities((NOW - 60, message))
     cell.metrics({"u1": (32.0, 1.0)})
-    cell.expect_count("u0", "leader", 0)
-    cell.expect_count("u0", "followers", 0)
+    cell.expect_stopped("u0")
     cell.expect_desired(2)
     summary = cell.run()
     assert summary["action"] == "cancel" and summary["capacity_failures"] == [message]
@@ -616,8 +619,7 @@ def test_a_refused_activation_is_cancelled_but_never_below_min_units() -> None:
     cell.labels({})
     cell.activities((NOW - 200, REFUSAL))
     cell.metrics({})
-    cell.expect_count("u1", "leader", 0)
-    cell.expect_count("u1", "followers", 0)
+    cell.expect_stopped("u1")
     cell.expect_desired(2)
     summary = cell.run()
     assert (summary["action"], summary["units"]) == ("cancel", ["u1"])
@@ -657,8 +659,7 @@ def test_a_serving_units_terminating_member_does_not_hide_a_refusal() -> None:
     cell.labels({"i-a": "u0", "i-b": "u0", "i-c": "u1"}, status={"i-b": "DRAINING"})
     cell.activities((NOW - 100, REFUSAL))
     cell.metrics({"u0": (16.0, 1.0)})
-    cell.expect_count("u1", "leader", 0)
-    cell.expect_count("u1", "followers", 0)
+    cell.expect_stopped("u1")
     cell.expect_desired(3)
     summary = cell.run()
     assert (summary["action"], summary["units"]) == ("cancel", ["u1"]), summary
@@ -677,8 +678,7 @@ def test_a_cancel_never_lowers_the_group_below_its_min_size() -> None:
     cell.labels({"i-a": "u0", "i-b": "u0"}, status={"i-b": "DRAINING"})
     cell.activities((NOW - 100, REFUSAL))
     cell.metrics({"u0": (16.0, 1.0)})
-    cell.expect_count("u1", "leader", 0)
-    cell.expect_count("u1", "followers", 0)
+    cell.expect_stopped("u1")
     cell.expect_desired(2)
     summary = cell.run()
     assert (summary["action"], summary["units"], summary["done"]["desired_capacity"]) == ("cancel", ["u1"], 2)
@@ -702,8 +702,7 @@ def test_an_unlabelled_instance_that_cannot_take_tasks_does_not_hide_a_refusal(u
                 connected={"i-x": False} if unusable == "disconnected" else None)
     cell.activities((NOW - 200, REFUSAL))
     cell.metrics({"u0": (16.0, 1.0)})
-    cell.expect_count("u1", "leader", 0)
-    cell.expect_count("u1", "followers", 0)
+    cell.expect_stopped("u1")
     summary = cell.run()
     assert (summary["action"], summary["units"]) == ("cancel", ["u1"]), summary
 
