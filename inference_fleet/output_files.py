@@ -34,11 +34,6 @@ class ReportTarget:
     def __str__(self) -> str:
         return str(self.path)
 
-    @property
-    def is_stream(self) -> bool:
-        """Written through a descriptor (a standard stream or a FIFO), not opened as a file by its path."""
-        return self.fd is not None
-
     def write(self, text: str) -> None:
         """The report's text at the path, or through the FIFO's write end (OSError when it cannot be written)."""
         if self.fd is None:

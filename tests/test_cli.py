@@ -494,6 +494,6 @@ def test_a_report_to_a_standard_stream_is_taken_from_a_user_who_cannot_write_in_
         False if str(path) in ("/dev", "/proc/self/fd") else real_access(path, mode)))
     target = simulation_cli._report_path(stream)
     try:
-        assert target.is_stream and str(target) == stream
+        assert target.fd is not None and str(target) == stream
     finally:
         target.close()
