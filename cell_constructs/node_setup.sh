@@ -209,7 +209,9 @@ ecs_config() {
 }
 
 setup() {
-  rm -f "$READY"
+  # A re-run (an operator's, after a repair) judges the agent anew: an old record would keep one that never comes
+  # back from being reported.
+  rm -f "$READY" "$REGISTERED"
   if [ -e "$FAILED" ]; then
     # Stay out of service across reboots: an operator clears the record to try again.
     log "an earlier setup failed ($(cat "$FAILED")); remove $FAILED and start node-setup.service to retry"

@@ -667,6 +667,21 @@ def test_an_agent_seen_registered_is_not_reported_again_until_the_next_boot(defa
     assert "MetricName=NodeAgentUnregistered" in node.text("putmetric")
 
 
+def test_a_setup_run_again_in_the_same_boot_judges_the_agent_anew(default_user_data, tmp_path) -> None:
+    """An operator's re-run of the setup (after a repair) clears the boot's registration record: an agent that does
+    not come back is reported once its grace has passed. Old code: the record of the agent before the re-run kept the
+    node silent until the next boot."""
+    node = Node(tmp_path)
+    run_user_data(node, default_user_data)
+    (node.state / "agent-metadata").write_text(REGISTERED)
+    setup, report = _unit_command(node, "node-setup.service"), _unit_command(node, "node-setup-report.service")
+    node.boot("bash", "-c", "\n".join([
+        f"{setup} || exit 9", report, 'rm "$FAKE_STATE/agent-metadata"', f"{setup} || exit 9",
+        'touch -d "@$(( $(date +%s) - 600 ))" /run/node-setup/ready', report]))
+    assert node.calls.count("localhost:51678") == 2, node.calls
+    assert "MetricName=NodeAgentUnregistered" in node.text("putmetric")
+
+
 REPORT_TIMER = "node-setup-report.timer"
 
 
