@@ -4,7 +4,8 @@
 #
 #   node-setup          the IMDS block rule, EFA, every device the unit tasks are given, the model cache
 #                       on the instance store, ecs.config
-#   node-setup report   put NodeSetupFailed (or NodeAgentUnregistered, `unregistered`) =1 to CloudWatch
+#   node-setup report   put NodeSetupFailed (or NodeAgentUnregistered, `unregistered`) =1 to CloudWatch; once
+#                       the agent registered, stop the report timer until the next boot
 #
 # A failed step keeps the node out of service instead of powering it off: the ECS agent is not
 # started (ecs.service requires node-setup.service and /run/node-setup/ready), the reason goes to
@@ -208,7 +209,9 @@ ecs_config() {
 }
 
 setup() {
-  rm -f "$READY"
+  # A re-run (an operator's, after a repair) judges the agent anew: an old record would keep one that never comes
+  # back from being reported.
+  rm -f "$READY" "$REGISTERED"
   if [ -e "$FAILED" ]; then
     # Stay out of service across reboots: an operator clears the record to try again.
     log "an earlier setup failed ($(cat "$FAILED")); remove $FAILED and start node-setup.service to retry"
@@ -236,10 +239,24 @@ unregistered() {
   log "ECS agent not registered: $(systemctl show -p ActiveState,ExecMainStatus,NRestarts ecs | tr '\n' ' ')"
 }
 
+# The agent registered this boot and the setup has not failed: nothing is left to report until the next boot, so the
+# timer stops rather than run this every 3 minutes for good. Stopped, not disabled: it stays enabled, so the next
+# boot starts it (timers.target) with /run, and so the record, empty: that boot's agent is judged anew. --no-block:
+# the stop job is queued, not waited for, from the very service the timer started; stopping a timer leaves the
+# service it started running (Triggers= propagates no stop), so this run ends as it would have.
+quiet_until_next_boot() {
+  [ -e "$REGISTERED" ] || return 0
+  if systemctl --no-block stop node-setup-report.timer; then
+    log "ECS agent registered; node-setup-report.timer stopped until the next boot"
+  else
+    log "ECS agent registered; cannot stop node-setup-report.timer"
+  fi
+}
+
 # CloudWatch PutMetricData (query API) signed by curl with the instance role's credentials.
 report() {
   local metric=NodeSetupFailed token region domain role creds key secret session
-  [ -e "$FAILED" ] || { unregistered || return 0; metric=NodeAgentUnregistered; }
+  [ -e "$FAILED" ] || { unregistered || { quiet_until_next_boot; return 0; }; metric=NodeAgentUnregistered; }
   token=$(curl -fsS -X PUT -H 'X-aws-ec2-metadata-token-ttl-seconds: 300' "$IMDS/api/token") || return 1
   imds() { curl -fsS -H "X-aws-ec2-metadata-token: $token" "$IMDS/meta-data/$1"; }
   region=$(imds placement/region) && domain=$(imds services/domain) \

@@ -271,7 +271,8 @@ def _node_user_data(efa: EfaSetup, report: NodeSetupReport, task_devices: Sequen
     reboot runs exactly what the first boot ran. A node whose setup fails stays running but out of
     service (no ECS agent) and reports NodeSetupFailed; it is not powered off, which would make
     Auto Scaling replace it over and over (docs/cell-lifecycle.md, "Failed node setup"). One set up
-    whose ECS agent has not registered AGENT_GRACE_SECONDS later reports NodeAgentUnregistered.
+    whose ECS agent has not registered AGENT_GRACE_SECONDS later reports NodeAgentUnregistered; one whose
+    agent registered stops its report timer until the next boot.
     """
     commands = [
         "set -uo pipefail",
@@ -655,7 +656,9 @@ class TrainiumCapacity(Construct):
         rule, `ecs_health`, watches container instances), the group's EC2 health check passes, and the unit
         autoscaler counts the live unlabelled instance as capacity a starting unit waits for (docs/cell-lifecycle.md,
         "An ECS agent that never registers"). Such a node reports every 3 minutes from AGENT_GRACE_SECONDS after
-        its setup until its agent registers, as a failed setup does (`_setup_failure_alarm`).
+        its setup until its agent registers, as a failed setup does (`_setup_failure_alarm`). Once its agent
+        registered, a node that has not failed stops node-setup-report.timer until the next boot, which starts it
+        again (node_setup.sh `quiet_until_next_boot`).
         """
         return self._node_alarm(
             "NodeAgentUnregisteredAlarm",

@@ -1,9 +1,10 @@
 """Where a report named on the command line (`--report PATH`) is written when PATH is a stream rather than a file.
 
 Shared by `simulate --report` (simulation/cli.py) and `verify --report` (verify/cli.py): the command's own stdout or
-stderr is written through a duplicate of its descriptor, and a FIFO through the write end opened when the option is
-checked, before a run of minutes; a FIFO that no process reads is refused then. Each command keeps its own rules for
-a path that is a file. This module imports nothing of the package, so both may import it.
+stderr is written through a duplicate of its descriptor, a FIFO through the write end opened when the option is
+checked, before a run of minutes (a FIFO that no process reads is refused then), and the null device through its own
+write end, which discards the report (an operator's `--report /dev/null`). Each command keeps its own rules for a
+path that is a file, or another device. This module imports nothing of the package, so both may import it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class ReportTarget:
 
     path: Path
     fd: int | None = None
+    discards: bool = False  # the null device: the report is written to nothing
 
     def __str__(self) -> str:
         return str(self.path)
@@ -48,15 +50,31 @@ class ReportTarget:
 
 
 def stream_target(text: str, example: str) -> ReportTarget | None:
-    """The target of `--report text` when it is the command's stdout or stderr (STANDARD_STREAMS) or a FIFO read by
-    a process; None for any other path (the caller's rules for a file apply). ArgumentTypeError for a FIFO that no
-    process reads (`example` is the file name the message suggests instead); OSError when the path cannot be
-    examined."""
+    """The target of `--report text` when it is the command's stdout or stderr (STANDARD_STREAMS), the null device or
+    a FIFO read by a process; None for any other path (the caller's rules for a file apply). ArgumentTypeError for a
+    FIFO that no process reads (`example` is the file name the message suggests instead); OSError when the path
+    cannot be examined."""
     path = Path(text)
     if (stream := STANDARD_STREAMS.get(text)) is not None:
         return ReportTarget(path, os.dup(stream))
+    if (null := null_device_write_end(path)) is not None:
+        return ReportTarget(path, null, discards=True)
     fd = fifo_write_end(text, path, example)
     return None if fd is None else ReportTarget(path, fd)
+
+
+def null_device_write_end(path: Path) -> int | None:
+    """For the null device, its write end opened now; None for any other path. Written through, not as a file: as a
+    file, verify refused it as a device (its report would go to <stem>.verify-report.json beside it, in /dev) and
+    simulate asked for write permission on /dev, which only root has. Recognised as the device (the character device
+    os.devnull is, by its device number), not by name: a link to it discards too, and another device stays the
+    command's to judge."""
+    if not path.exists():
+        return None
+    found = path.stat()
+    if not stat.S_ISCHR(found.st_mode) or found.st_rdev != os.stat(os.devnull).st_rdev:
+        return None
+    return os.open(path, os.O_WRONLY)
 
 
 def fifo_write_end(text: str, path: Path, example: str) -> int | None:

@@ -481,6 +481,26 @@ def test_a_report_to_a_standard_stream_that_is_a_file_keeps_what_the_file_held(t
         assert "I2 serving units: held" in text.splitlines()
 
 
+def test_a_report_to_dev_null_is_discarded(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The operator's way to discard the report, as verify takes it (output_files.py): written through the device's
+    # own descriptor. Regression (the thirty-ninth session): simulate took /dev/null as a file, so only root could
+    # (os.access on /dev): any other user had it refused "cannot be written (no permission)".
+    done = fleet_cli("simulate", "--scenario", "simulations/hang.yaml", "--report", os.devnull)
+    assert done.returncode == exit_codes.OK, done.stderr
+    assert "I2 serving units: held" in done.stdout.splitlines() and f"report: {os.devnull}" in done.stderr
+    assert Path(os.devnull).is_char_device()
+    from inference_fleet.simulation import cli as simulation_cli
+
+    real_access = os.access
+    monkeypatch.setattr(simulation_cli.os, "access", lambda path, mode: (
+        False if str(path) == "/dev" else real_access(path, mode)))
+    target = simulation_cli._report_path(os.devnull)
+    try:
+        assert target.fd is not None and target.discards
+    finally:
+        target.close()
+
+
 @pytest.mark.parametrize("stream", ["/dev/stdout", "/dev/stderr", "/proc/self/fd/1"])
 def test_a_report_to_a_standard_stream_is_taken_from_a_user_who_cannot_write_in_dev(monkeypatch: pytest.MonkeyPatch,
                                                                                    stream: str) -> None:

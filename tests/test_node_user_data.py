@@ -86,10 +86,19 @@ _FAKES = {
     'if [ -e "$FAKE_STATE/late-devices" ]; then\n'
     '  while read -r path major minor; do mkdir -p "${path%/*}"; mknod "$path" c "$major" "$minor"; done '
     '< "$FAKE_STATE/late-devices"\n  rm "$FAKE_STATE/late-devices"\nfi\n',
-    # `show` prints what $FAKE_STATE/show holds (the ECS agent's unit state a test gives it).
+    # `show` prints what $FAKE_STATE/show holds (the ECS agent's unit state a test gives it). Units enabled
+    # ($FAKE_STATE/enabled-<unit>, on the root volume) and active this boot ($FAKE_STATE/boot/active-<unit>): start,
+    # stop, enable [--now], disable [--now]; options such as --no-block are skipped.
     "systemctl": 'echo "systemctl $*" >> "$FAKE_STATE/calls"\n'
     '[ "$1" = show ] && cat "$FAKE_STATE/show" 2>/dev/null\n'
-    '[ "$1" = start ] && [ -e "$FAKE_STATE/fail-start-$2" ] && exit 1\nexit 0\n',
+    '[ "$1" = start ] && [ -e "$FAKE_STATE/fail-start-$2" ] && exit 1\n'
+    'verb=; now=; units=()\nfor arg in "$@"; do case $arg in --now) now=1 ;; -*) ;; '
+    '*) if [ -z "$verb" ]; then verb=$arg; else units+=("$arg"); fi ;; esac; done\n'
+    'for unit in "${units[@]}"; do case $verb in\n'
+    '  start) touch "$FAKE_STATE/boot/active-$unit" ;;\n  stop) rm -f "$FAKE_STATE/boot/active-$unit" ;;\n'
+    '  enable) touch "$FAKE_STATE/enabled-$unit"; [ -z "$now" ] || touch "$FAKE_STATE/boot/active-$unit" ;;\n'
+    '  disable) rm -f "$FAKE_STATE/enabled-$unit"; [ -z "$now" ] || rm -f "$FAKE_STATE/boot/active-$unit" ;;\n'
+    'esac; done\nexit 0\n',
     "iptables": 'echo "iptables $*" >> "$FAKE_STATE/calls"\nrules="$FAKE_STATE/boot/iptables"\n'
     'op=$1; shift\ncase $op in\n  -C) grep -qxF -- "$*" "$rules" 2>/dev/null ;;\n'
     '  -I) [ -e "$FAKE_STATE/iptables-broken" ] && exit 1; echo "$*" >> "$rules" ;;\n  *) exit 2 ;;\nesac\n',
@@ -168,6 +177,10 @@ while read -r path major minor; do
   mkdir -p "${path%/*}"
   if [ "$major" = file ]; then : > "$path"; else mknod "$path" c "$major" "$minor"; fi
 done < "$FAKE_STATE/devices"
+# timers.target: every timer enabled on the root volume starts at boot.
+for enabled in "$FAKE_STATE"/enabled-*.timer; do
+  if [ -e "$enabled" ]; then touch "$FAKE_STATE/boot/active-${enabled##*/enabled-}"; fi
+done
 set +e
 "$@"
 """
@@ -271,6 +284,14 @@ class Node:
     @property
     def console(self) -> str:
         return self.text("console")
+
+    def active(self, unit: str) -> bool:
+        """Whether `unit` was left running at the end of the last boot's command (the fake systemctl's record)."""
+        return (self.state / "boot" / f"active-{unit}").exists()
+
+    def enabled(self, unit: str) -> bool:
+        """Whether `unit` is enabled, so that the next boot starts it."""
+        return (self.state / f"enabled-{unit}").exists()
 
     def ready(self, result: subprocess.CompletedProcess) -> bool:
         """Whether ecs.service may start after this boot: its drop-in's ConditionPathExists file exists."""
@@ -644,6 +665,69 @@ def test_an_agent_seen_registered_is_not_reported_again_until_the_next_boot(defa
     assert node.calls.count("localhost:51678") == 1 and "monitoring" not in node.calls, node.calls
     boot_then_report(node, 3600)
     assert "MetricName=NodeAgentUnregistered" in node.text("putmetric")
+
+
+def test_a_setup_run_again_in_the_same_boot_judges_the_agent_anew(default_user_data, tmp_path) -> None:
+    """An operator's re-run of the setup (after a repair) clears the boot's registration record: an agent that does
+    not come back is reported once its grace has passed. Old code: the record of the agent before the re-run kept the
+    node silent until the next boot."""
+    node = Node(tmp_path)
+    run_user_data(node, default_user_data)
+    (node.state / "agent-metadata").write_text(REGISTERED)
+    setup, report = _unit_command(node, "node-setup.service"), _unit_command(node, "node-setup-report.service")
+    node.boot("bash", "-c", "\n".join([
+        f"{setup} || exit 9", report, 'rm "$FAKE_STATE/agent-metadata"', f"{setup} || exit 9",
+        'touch -d "@$(( $(date +%s) - 600 ))" /run/node-setup/ready', report]))
+    assert node.calls.count("localhost:51678") == 2, node.calls
+    assert "MetricName=NodeAgentUnregistered" in node.text("putmetric")
+
+
+REPORT_TIMER = "node-setup-report.timer"
+
+
+def test_a_registered_node_stops_its_report_timer_until_the_next_boot(default_user_data, tmp_path) -> None:
+    """Once the agent's ARN is recorded there is nothing left to report this boot: the timer stops instead of running
+    `node-setup report` every 3 minutes for good. Stopped, not disabled: the record is on /run, so the next boot
+    starts the timer again (timers.target) and judges its agent anew. Old code: the timer ran on forever."""
+    node = Node(tmp_path)
+    assert node.ready(run_user_data(node, default_user_data)) and node.active(REPORT_TIMER)
+    (node.state / "agent-metadata").write_text(REGISTERED)
+    boot_then_report(node, 60)
+    assert not node.active(REPORT_TIMER), node.calls
+    assert node.enabled(REPORT_TIMER) and "monitoring" not in node.calls
+    assert "node-setup: ECS agent registered" in node.console
+    (node.state / "agent-metadata").unlink()
+    boot_then_report(node, 600, ":", ":")
+    assert node.active(REPORT_TIMER) and node.calls.count("https://monitoring.") == 2, node.calls
+    assert "MetricName=NodeAgentUnregistered" in node.text("putmetric")
+
+
+def test_a_node_registered_then_failed_in_the_same_boot_reports_the_failure(default_user_data, tmp_path) -> None:
+    """The registration record does not silence a setup that fails later in the boot (an operator's re-run): the failed
+    setup starts the timer again and the failure, checked first, is reported on every run."""
+    node = Node(tmp_path)
+    run_user_data(node, default_user_data)
+    (node.state / "agent-metadata").write_text(REGISTERED)
+    boot_then_report(node, 60, ":", 'touch "$FAKE_STATE/fail-start-ecstasks.slice"; /usr/local/sbin/node-setup', ":")
+    assert node.active(REPORT_TIMER) and node.calls.count("https://monitoring.") == 2, node.calls
+    assert "MetricName=NodeSetupFailed" in node.text("putmetric")
+
+
+@pytest.mark.parametrize(("disks", "ready_seconds_ago", "puts"), [(0, 0, 2), (4, 600, 2), (4, 540, 0)],
+                         ids=["failed-setup", "agent-unregistered", "agent-within-its-grace"])
+def test_a_node_with_something_to_report_keeps_its_timer(default_user_data, tmp_path, disks: int,
+                                                         ready_seconds_ago: int, puts: int) -> None:
+    """A failed node and one whose agent has not registered report on every run (each alarm needs a data point in
+    every 5-minute period); one within its grace is asked again on the next run."""
+    node = Node(tmp_path, disks=disks)
+    run_user_data(node, default_user_data)
+    setup, report = _unit_command(node, "node-setup.service"), _unit_command(node, "node-setup-report.service")
+    if disks:
+        boot_then_report(node, ready_seconds_ago, ":", ":")
+    else:
+        node.boot("bash", "-c", f"{setup}; {report}; {report}")
+    assert node.active(REPORT_TIMER) and node.enabled(REPORT_TIMER), node.calls
+    assert node.calls.count("https://monitoring.") == puts, node.calls
 
 
 def test_a_failed_setup_reports_that_and_not_the_agent(default_user_data, tmp_path) -> None:

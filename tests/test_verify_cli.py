@@ -190,6 +190,29 @@ def test_a_report_to_a_piped_stdout_follows_the_table(tmp_path: Path) -> None:
     assert json.loads("{" + report)["counts"]["fail"] == 8
 
 
+def test_a_report_to_dev_null_is_discarded_and_no_file_is_made(tmp_path: Path) -> None:
+    """Regression (the thirty-ninth session): `simulate --report /dev/null` discarded the report, but verify refused
+    it before the run as a device ("is a device or a socket, not a file"), exit 2. The null device is now taken by
+    both, through the shared output_files.py: the run's table, the report written to nothing, no file beside it."""
+    done = verify("--cell", "dev", "--report", os.devnull, tmp=tmp_path)
+    assert done.returncode == 6, (done.returncode, done.stderr[-400:])
+    assert "dev (aws): 0 passed, 8 failed, 0 not run" in done.stdout and "{" not in done.stdout
+    assert f"report: {os.devnull} (discarded)" in done.stderr
+    assert not Path(f"{os.devnull}.verify-report.json").exists() and not Path(f"{os.devnull}.verify-report.md").exists()
+    assert Path(os.devnull).is_char_device()
+
+
+@pytest.mark.parametrize("device", ["/dev/zero", "/dev/full"])
+def test_a_report_path_that_is_another_character_device_is_still_refused(tmp_path: Path, device: str) -> None:
+    if not Path(device).exists():
+        pytest.skip(f"needs {device}")
+    done = verify("--cell", "dev", "--report", device, tmp=tmp_path)
+    assert done.returncode == 2, (done.returncode, done.stderr[-400:])
+    assert f"error: --report {device} is a device or a socket, not a file" in done.stderr
+    assert "cell not reachable" not in done.stdout + done.stderr  # refused before the run
+    assert not Path(f"{device}.verify-report.json").exists()
+
+
 def test_a_report_path_that_is_a_device_or_a_socket_is_refused(tmp_path: Path) -> None:
     """Such a path is no report of the kit: its report went to <stem>.verify-report.json beside it (for a device,
     in /dev). Refused before the run instead, naming what to give."""
@@ -200,7 +223,7 @@ def test_a_report_path_that_is_a_device_or_a_socket_is_refused(tmp_path: Path) -
     done = verify("--cell", "dev", "--report", str(sock), tmp=tmp_path)
     assert done.returncode == 2, (done.returncode, done.stderr[-400:])
     assert (f"error: --report {sock} is a device or a socket, not a file; give a file such as verify-report.json, "
-            "/dev/stdout, or a FIFO that a process reads") in done.stderr
+            "/dev/stdout, or a FIFO that a process reads (/dev/null discards the report)") in done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]
 
 

@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeline", action="store_true",
                         help="print each seed's whole time line (and keep it in the report)")
     parser.add_argument("--report", type=_report_path, default=DEFAULT_REPORT,
-                        help=f"where to write the report (default {DEFAULT_REPORT})")
+                        help=f"where to write the report (default {DEFAULT_REPORT}); /dev/null discards it")
 
 
 def run(args: argparse.Namespace) -> int:

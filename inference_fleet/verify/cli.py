@@ -76,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also stop a follower task, then a leader task (ECS StopTask), and measure the recovery")
     parser.add_argument("--report", type=Path, default=Path(DEFAULT_REPORT),
                         help=f"JSON report path (default {DEFAULT_REPORT}); the Markdown goes beside it (.md); "
-                        "/dev/stdout, /dev/stderr or a FIFO a process reads get the JSON alone")
+                        "/dev/stdout, /dev/stderr or a FIFO a process reads get the JSON alone; /dev/null discards it")
     parser.add_argument("--region", type=_region,
                         help="the cell's region, an AWS region name such as us-east-2 (default: the fleet file's)")
     parser.add_argument("--tls-name", type=_dns_name,
@@ -121,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
                 stream.write(report.json_text())
             finally:
                 stream.close()
-            print(f"report: {stream} (the JSON alone: no Markdown beside a stream)", file=sys.stderr)
+            note = "discarded" if stream.discards else "the JSON alone: no Markdown beside a stream"
+            print(f"report: {stream} ({note})", file=sys.stderr)
         else:
             json_path, md_path = report.write(args.report)
             print(f"report: {json_path} and {md_path}")
@@ -136,11 +137,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _report_target(path: Path) -> tuple[ReportTarget | None, str | None]:
     """Where --report goes, checked before the run (some minutes, with --destructive two unit restarts): the
-    command's stdout or stderr, or a FIFO a process reads, written through its descriptor (as simulate --report:
-    output_files.py), or None for a path the report's rules for a file apply to (Report.write); and the problem
-    that refuses it, or None. Until the thirty-eighth session a FIFO or /dev/stdout went the way of any path that is
-    no report of this kit, to <stem>.verify-report.json beside it: a reader of the FIFO got nothing, and
-    `--report /dev/stdout` made /dev/stdout.verify-report.json (in /dev, as root)."""
+    command's stdout or stderr, a FIFO a process reads or the null device, written through its descriptor (as
+    simulate --report: output_files.py), or None for a path the report's rules for a file apply to (Report.write);
+    and the problem that refuses it, or None. Until the thirty-eighth session a FIFO or /dev/stdout went the way of
+    any path that is no report of this kit, to <stem>.verify-report.json beside it: a reader of the FIFO got
+    nothing, and `--report /dev/stdout` made /dev/stdout.verify-report.json (in /dev, as root). Until the
+    thirty-ninth, /dev/null was refused as a device."""
     try:
         stream = stream_target(str(path), DEFAULT_REPORT)
     except argparse.ArgumentTypeError as error:

@@ -154,11 +154,12 @@ def unwritable(path: Path) -> str | None:
     """Why the report of `--report path` could not be written, or None: checked before a run of many minutes (some
     destructive), which would otherwise end without its report. Makes the folder, as Report.write would. A path that
     is a device or a socket is refused: its <stem>.verify-report.json would be made beside it, in /dev (as root);
-    the command's stdout and stderr and a FIFO are written through before this applies (verify/cli.py)."""
+    the command's stdout and stderr, a FIFO and the null device are written through before this applies
+    (verify/cli.py)."""
     try:
         if path.exists() and not (path.is_file() or path.is_dir()):
             return (f"--report {path} is a device or a socket, not a file; give a file such as verify-report.json, "
-                    "/dev/stdout, or a FIFO that a process reads")
+                    "/dev/stdout, or a FIFO that a process reads (/dev/null discards the report)")
         target = report_path(path)
     except FileExistsError as error:
         return str(error)
