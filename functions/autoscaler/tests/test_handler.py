@@ -19,7 +19,7 @@ from botocore.config import Config
 from botocore.exceptions import ClientError, ConnectionClosedError, EndpointConnectionError, ReadTimeoutError
 from botocore.stub import ANY, Stubber
 from placement_controller.assignment import Instance, plan_cell
-from unit_autoscaler import aws, counts
+from unit_autoscaler import aws, counts, handler
 from unit_autoscaler.decision import Policy
 from unit_autoscaler.handler import Clients, Settings, tick
 
@@ -174,12 +174,19 @@ class Cell:
             self.ecs.add_response("describe_tasks", {"tasks": tasks, "failures": []},
                                   {"cluster": CLUSTER, "tasks": [t["taskArn"] for t in tasks]})
 
-    def activities(self, *failures: tuple[float, str]) -> None:
+    def activities(self, *failures: tuple[float, str], launches: dict[str, float] | None = None,
+                   terminations: tuple[float, ...] = ()) -> None:
+        """DescribeScalingActivities, newest first: launches refused (`failures`: time, message), instances launched
+        (`launches`: instance -> the launch's start, Successful) and other finished activities (`terminations`)."""
+        listed = [(t, "Failed", "Launching a new EC2 instance.  Status Reason: " + message, message)
+                  for t, message in failures]
+        listed += [(t, "Successful", f"Launching a new EC2 instance: {i}", None) for i, t in (launches or {}).items()]
+        listed += [(t, "Successful", f"Terminating EC2 instance: i-old{n}", None) for n, t in enumerate(terminations)]
         self.autoscaling.add_response("describe_scaling_activities", {"Activities": [
             {"ActivityId": f"a{n}", "AutoScalingGroupName": GROUP, "Cause": "user request",
-             "StartTime": datetime.fromtimestamp(t, UTC), "StatusCode": "Failed", "StatusMessage": message,
-             "Description": "Launching a new EC2 instance.  Status Reason: " + message}
-            for n, (t, message) in enumerate(failures)
+             "StartTime": datetime.fromtimestamp(t, UTC), "StatusCode": status, "Description": description,
+             **({"StatusMessage": message} if message is not None else {})}
+            for n, (t, status, description, message) in enumerate(sorted(listed, key=lambda a: -a[0]))
         ]}, {"AutoScalingGroupName": GROUP, "MaxRecords": 50})
 
     def metrics(self, loads: dict[str, Minutes], ttft: float | None = None, end: float = MINUTE_END) -> None:
@@ -1702,3 +1709,166 @@ def test_a_give_back_the_group_refuses_as_busy_leaves_the_hold_tick_whole() -> N
     summary = cell.run(FOUR_UNITS)
     assert summary["action"] == "hold" and "given_back" not in summary["done"], summary
     assert cell.emf["CapacityFailures"] == 1.0, cell.emf
+
+
+# -- instances that never register (a failed node setup, an ECS agent that never registers) -------------
+
+AGED = NOW - handler.UNREGISTERED_AFTER_S - 60  # launched 41 minutes ago: a sound node has registered long since
+
+
+def waiting_on(cell: Cell, dud_launched: float | None, desired: int = 2, pending: tuple[str, ...] = (),
+               terminations: tuple[float, ...] = ()) -> None:
+    """u0 (two nodes), activated 50 minutes ago, is starting: i-good has registered (free, unlabelled: the placement
+    controller labels only whole groups of free instances), i-dud is InService and no container instance (its setup
+    failed, or its agent never registered). `dud_launched`: when i-dud's launch started (None: not listed)."""
+    cell.stack()
+    cell.group(desired, ["i-good", "i-dud"], states=dict.fromkeys(pending, "Pending"),
+               **{aws.TAG_LAST_OUT: NOW - 3000, aws.TAG_ACTIVATED: f"{int(NOW - 3000)}:0"})
+    cell.services({"u0": (1, 0, 1, 0), "u1": (0, 0), "u2": (0, 0)})
+    cell.labels({"i-good": None})
+    cell.activities(launches=None if dud_launched is None else {"i-dud": dud_launched}, terminations=terminations)
+    cell.metrics({})
+
+
+def test_a_starting_unit_waiting_on_an_instance_that_never_registered_gets_a_launch_in_its_place() -> None:
+    """Before: i-dud counted as one still booting, for good (`unlabelled_live`): u0 lacked nothing the group did not
+    hold, so nothing was launched; never labelled, u0 was never stalled (the stall rule needs all its instances) nor
+    cancelled (nothing refused), and held every scale-in (docs/cell-lifecycle.md, "An ECS agent that never
+    registers"). Now, 40 minutes after its launch, i-dud is no capacity: the group is raised by one, once (the next
+    tick reads the launch asked for), and i-dud is kept, unlabelled and protected, for an operator."""
+    cell = Cell()
+    waiting_on(cell, AGED)
+    cell.expect_desired(3)
+    summary = cell.run()
+    assert (summary["action"], summary["phases"]["u0"]) == ("hold", "starting"), summary
+    assert summary["done"] == {"launched_for_unregistered": 1} and summary["unregistered"] == ["i-dud"], summary
+    assert cell.emf["UnregisteredInstances"] == 1.0
+    # A minute later the launch is under way (i-new Pending): nothing more is asked for, nothing released.
+    cell = Cell()
+    waiting_on(cell, AGED, desired=3, pending=("i-new",))
+    assert cell.run(now=NOW + 60)["done"] == {}
+
+
+@pytest.mark.parametrize("launched", [NOW - 1200, NOW - handler.UNREGISTERED_AFTER_S + 60, None],
+                         ids=["20-min", "a-minute-before-the-bound", "age-unknown"])
+def test_an_unregistered_instance_that_may_still_register_counts_as_capacity(launched: float | None) -> None:
+    """Launched 20 minutes ago, or a minute short of UNREGISTERED_AFTER_S, i-dud may be a node still booting (setup
+    with the EFA installer and its retries, then the agent): u0 waits for it as before, nothing launched. With no
+    activity listed at all its age is unknown, and it counts as before."""
+    cell = Cell()
+    cell.stack()
+    cell.group(2, ["i-good", "i-dud"], **{aws.TAG_LAST_OUT: NOW - 3000, aws.TAG_ACTIVATED: f"{int(NOW - 3000)}:0"})
+    cell.services({"u0": (1, 0, 1, 0), "u1": (0, 0), "u2": (0, 0)})
+    cell.labels({"i-good": None})
+    cell.activities(launches=None if launched is None else {"i-dud": launched})
+    cell.metrics({})
+    summary = cell.run()  # the Stubber refuses any SetDesiredCapacity
+    assert summary["done"] == {} and summary["unregistered"] == [], summary
+
+
+def test_an_instance_that_never_registered_and_that_no_unit_needs_is_kept_for_an_operator() -> None:
+    """u0 got its launch in i-dud's place (i-new) and is whole; i-dud is beyond what any unit needs. Before it was
+    released as surplus (unprotected and terminated, decrementing: seen on the old code). Now it is kept: a failed
+    node stays out of service rather than be replaced over and over (docs/cell-lifecycle.md, "Failed node setup"),
+    its console output and journal tell the operator why, and kept it holds its place in the group, which bounds the
+    launches made for such instances (`unregistered_replacements`). The EMF line counts it."""
+    cell = Cell()
+    cell.stack()
+    cell.group(3, ["i-good", "i-new", "i-dud"], **{aws.TAG_LAST_OUT: NOW - 3000,
+                                                   aws.TAG_ACTIVATED: f"{int(NOW - 3000)}:0"})
+    cell.services({"u0": (1, 1, 1, 1), "u1": (0, 0), "u2": (0, 0)})
+    cell.labels({"i-good": "u0", "i-new": "u0"}, running={"i-good": 1, "i-new": 1})
+    cell.activities(launches={"i-good": NOW - 3000, "i-dud": NOW - 3000, "i-new": NOW - 600})
+    cell.metrics({"u0": [(0.0, 0.0)] * 5 + [None] * 25})
+    summary = cell.run()  # the Stubber refuses SetInstanceProtection and TerminateInstanceInAutoScalingGroup
+    assert (summary["action"], summary["done"], summary["unregistered"]) == ("hold", {}, ["i-dud"]), summary
+    assert cell.emf["UnregisteredInstances"] == 1.0
+
+
+@pytest.mark.parametrize("oldest, launches", [(NOW - 3000, 1), (NOW - 600, 0)],
+                         ids=["50-span-50-min", "50-span-10-min"])
+def test_a_launch_not_among_the_newest_50_activities_is_bounded_by_the_oldest(oldest: float, launches: int) -> None:
+    """i-dud's launch is not among the 50 activities listed (DescribeScalingActivities returns the newest first, and
+    those of the last six weeks only): it started no later than the oldest one listed. When that is 50 minutes ago,
+    i-dud is past UNREGISTERED_AFTER_S and u0 gets a launch in its place; when the 50 span only the last 10 minutes
+    (a busy group: refusals retried every few minutes), its age is not known to be past the bound and it counts as
+    capacity, until the activities say more."""
+    cell = Cell()
+    step = (NOW - 60 - oldest) / 49
+    waiting_on(cell, None, terminations=tuple(NOW - 60 - step * n for n in range(50)))
+    if launches:
+        cell.expect_desired(2 + launches)
+    summary = cell.run()
+    assert summary["done"] == ({"launched_for_unregistered": 1} if launches else {}), summary
+
+
+@pytest.mark.parametrize("duds, desired", [(2, 4), (4, None)], ids=["a-unit-s-worth", "more"])
+def test_launches_for_instances_that_never_registered_stop_past_a_units_worth(duds: int, desired: int | None) -> None:
+    """Both of u0's instances never registered: a launch for each (2 -> 4). If those fail alike (an AMI, the
+    instance role, an ecs.config that keeps every agent out), the group holds 4, more than a unit has nodes: no more
+    launches (the node alarms, in the rollout gate, name the cause); at most 2 x nodes such instances, whatever
+    max_units (MaxSize 6 here would allow two more)."""
+    cell = Cell()
+    instances = [f"i-d{n}" for n in range(duds)]
+    cell.stack()
+    cell.group(duds, instances, **{aws.TAG_LAST_OUT: NOW - 6000, aws.TAG_ACTIVATED: f"{int(NOW - 6000)}:0"})
+    cell.services({"u0": (1, 0, 1, 0), "u1": (0, 0), "u2": (0, 0)})
+    cell.labels({})
+    cell.activities(launches=dict.fromkeys(instances, AGED))
+    cell.metrics({})
+    if desired is not None:
+        cell.expect_desired(desired)
+    summary = cell.run()
+    assert summary["unregistered"] == instances, summary
+    assert summary["done"] == ({"launched_for_unregistered": duds} if desired else {}), summary
+
+
+def test_a_refused_launch_in_place_of_an_unregistered_instance_cancels_the_unit() -> None:
+    """u1 (above min_units) waits on i-dud; the launch asked for in its place (desired 5, 4 live) is refused. Before,
+    i-dud counted among the unlabelled instances on their way, the cell read as short of nothing, and u1 was not
+    cancelled (seen failing: hold): the refusal hid for good. Now u1 is cancelled as any refused activation; the
+    launch it lacks is given back (never below the live instances), i-good goes as surplus next tick, i-dud stays."""
+    cell = Cell()
+    cell.stack()
+    cell.group(5, ["i-0", "i-1", "i-good", "i-dud"], served="0",
+               **{aws.TAG_LAST_OUT: NOW - 3000, aws.TAG_ACTIVATED: f"{int(NOW - 3000)}:1"})
+    cell.services({"u0": (2, 2), "u1": (1, 0, 1, 0), "u2": (0, 0)})
+    cell.labels({"i-0": "u0", "i-1": "u0", "i-good": None}, running={"i-0": 1, "i-1": 1})
+    cell.activities((NOW - 100, REFUSAL), launches={"i-good": NOW - 3000, "i-dud": NOW - 3000})
+    cell.metrics({"u0": (8.0, 1.0)})
+    cell.expect_stopped("u1")
+    cell.expect_desired(4)
+    summary = cell.run()
+    assert (summary["action"], summary["units"]) == ("cancel", ["u1"]), summary
+
+
+def test_a_launch_in_place_of_an_unregistered_instance_refused_as_busy_is_asked_again_next_tick() -> None:
+    """As the give-back: SetDesiredCapacity refused with ScalingActivityInProgress is logged and tried again next
+    tick; raised, it would fail the hold tick (its EMF line, the served latch)."""
+    cell = Cell()
+    waiting_on(cell, AGED)
+    cell.autoscaling.add_client_error("set_desired_capacity", "ScalingActivityInProgress", http_status_code=400,
+                                      service_message="Scaling activity a-1 is in progress and blocks this action",
+                                      expected_params={"AutoScalingGroupName": GROUP, "DesiredCapacity": 3,
+                                                       "HonorCooldown": False})
+    summary = cell.run()
+    assert summary["action"] == "hold" and summary["done"] == {}, summary
+
+
+def test_the_activities_give_each_launch_and_the_oldest_finished_one() -> None:
+    """A failed launch names no instance; an activity still in progress is listed first whatever its start
+    ("Activities still in progress are described first"), so it bounds nothing."""
+    cell = Cell()
+    cell.autoscaling.add_response("describe_scaling_activities", {"Activities": [
+        {"ActivityId": "a0", "AutoScalingGroupName": GROUP, "Cause": "c", "StatusCode": "InProgress",
+         "StartTime": datetime.fromtimestamp(NOW - 90000, UTC), "Description": "Launching a new EC2 instance: i-p"},
+        {"ActivityId": "a1", "AutoScalingGroupName": GROUP, "Cause": "c", "StatusCode": "Successful",
+         "StartTime": datetime.fromtimestamp(NOW - 300, UTC), "Description": "Launching a new EC2 instance: i-0abc"},
+        {"ActivityId": "a2", "AutoScalingGroupName": GROUP, "Cause": "c", "StatusCode": "Failed",
+         "StartTime": datetime.fromtimestamp(NOW - 600, UTC), "StatusMessage": REFUSAL,
+         "Description": "Launching a new EC2 instance.  Status Reason: " + REFUSAL},
+    ]}, {"AutoScalingGroupName": GROUP, "MaxRecords": 50})
+    with cell.autoscaling:
+        found = aws.scaling_activities(cell.clients.autoscaling, GROUP, aws.Retry(), NOW - 86400)
+    assert found.launched == {"i-p": NOW - 90000, "i-0abc": NOW - 300}
+    assert found.oldest == NOW - 600 and found.failures == [(NOW - 600, REFUSAL)]
