@@ -1872,3 +1872,27 @@ def test_the_activities_give_each_launch_and_the_oldest_finished_one() -> None:
         found = aws.scaling_activities(cell.clients.autoscaling, GROUP, aws.Retry(), NOW - 86400)
     assert found.launched == {"i-p": NOW - 90000, "i-0abc": NOW - 300}
     assert found.oldest == NOW - 600 and found.failures == [(NOW - 600, REFUSAL)]
+
+
+def test_an_instance_named_by_a_recent_activity_in_other_words_is_not_judged_by_the_oldest() -> None:
+    """The oldest finished activity bounds only a launch that is not listed (the newer 50 pushed it out). An instance
+    the activities do name, in words other than "Launching a new EC2 instance: i-..." (one attached to the group, a
+    launch worded otherwise), was in the group no earlier than that activity began: 5 minutes ago here, so it may
+    still register and counts as capacity. Before, it took the oldest activity's start (3 days ago) and got a launch
+    in its place at once (seen failing: SetDesiredCapacity 3, unexpected)."""
+    young = "i-0a1b2c3d4e5f60718"
+    cell = Cell()
+    cell.stack()
+    cell.group(2, ["i-good", young], **{aws.TAG_LAST_OUT: NOW - 3000, aws.TAG_ACTIVATED: f"{int(NOW - 3000)}:0"})
+    cell.services({"u0": (1, 0, 1, 0), "u1": (0, 0), "u2": (0, 0)})
+    cell.labels({"i-good": None})
+    cell.autoscaling.add_response("describe_scaling_activities", {"Activities": [
+        {"ActivityId": "a1", "AutoScalingGroupName": GROUP, "Cause": "c", "StatusCode": "Successful",
+         "StartTime": datetime.fromtimestamp(NOW - 300, UTC),
+         "Description": f"Attaching an existing EC2 instance: {young}"},
+        {"ActivityId": "a2", "AutoScalingGroupName": GROUP, "Cause": "c", "StatusCode": "Successful",
+         "StartTime": datetime.fromtimestamp(NOW - 3 * 86400, UTC), "Description": "Terminating EC2 instance: i-0ff"},
+    ]}, {"AutoScalingGroupName": GROUP, "MaxRecords": 50})
+    cell.metrics({})
+    summary = cell.run()  # the Stubber refuses any SetDesiredCapacity
+    assert (summary["done"], summary["unregistered"]) == ({}, []), summary

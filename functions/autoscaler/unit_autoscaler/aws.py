@@ -58,6 +58,10 @@ LIVE_STATES = frozenset({"InService", "Pending", "Pending:Wait", "Pending:Procee
 # troubleshooting example, there with StatusCode Failed). Any status: its StartTime is when the launch began. A warm
 # pool's launch ("... into warm pool: i-...") is not one (the cell has no warm pool).
 LAUNCH_DESCRIPTION = re.compile(r"Launching a new EC2 instance: (i-[0-9A-Za-z]+)")
+# Any instance an activity's Description names, whatever the wording: the activity began no earlier than that instance
+# was in the group (an attach, a move out of Standby, a launch worded otherwise), so its start bounds the instance's
+# age from below. Not the oldest activity listed: the instance's own is listed, and newer.
+NAMED_INSTANCE = re.compile(r"\b(i-[0-9a-f]{8,17})\b")
 # Activity StatusCode values of an activity that has ended (Activity, Amazon EC2 Auto Scaling API Reference).
 FINISHED_ACTIVITY = frozenset({"Successful", "Failed", "Cancelled"})
 # The placement controller's record of a disconnected ECS agent on a container instance (its own constant:
@@ -313,10 +317,13 @@ def scaling_activities(autoscaling: BaseClient, group: str, retry: Retry, since:
     botocore 1.44.18 autoscaling/2011-01-01 `ActivitiesType`; newest first, which the refusals rely on as well), and
     only those "started within the last six weeks can be returned" (`DescribeScalingActivitiesType`): a launch not
     listed among the finished ones started no later than the oldest finished one listed (a launch that fell off the
-    50 or the six weeks; an instance attached to the group by hand has no launch of its own and is misjudged so)."""
+    50 or the six weeks). An instance named only by an activity worded otherwise (attached to the group by hand, a
+    launch worded otherwise) takes that activity's start (`NAMED_INSTANCE`): its own activity is listed, so the oldest
+    one listed is no bound for it."""
     response = retry.call(autoscaling.describe_scaling_activities, AutoScalingGroupName=group, MaxRecords=50)
     failures: list[tuple[float, str]] = []
     launched: dict[str, float] = {}
+    named: dict[str, float] = {}
     finished: list[float] = []
     for activity in response.get("Activities", []):
         message = f"{activity.get('StatusMessage', '')} {activity.get('Description', '')}"
@@ -326,9 +333,15 @@ def scaling_activities(autoscaling: BaseClient, group: str, retry: Retry, since:
             failures.append((start, str(activity.get("StatusMessage", ""))))
         if activity.get("StatusCode") in FINISHED_ACTIVITY:
             finished.append(start)
-        if launch := LAUNCH_DESCRIPTION.match(str(activity.get("Description", ""))):
+        description = str(activity.get("Description", ""))
+        if launch := LAUNCH_DESCRIPTION.match(description):
             launched[launch[1]] = min(start, launched.get(launch[1], start))
-    return Activities(failures, launched, min(finished, default=None))
+        for instance_id in NAMED_INSTANCE.findall(description):
+            named[instance_id] = min(start, named.get(instance_id, start))
+    # An instance named only in an activity worded otherwise: that activity's start, not the oldest one's (which
+    # bounds only a launch not listed at all; applied to one listed, it judged an instance attached or launched
+    # minutes ago as 40 minutes old).
+    return Activities(failures, {**named, **launched}, min(finished, default=None))
 
 
 Series = tuple[float | None, ...]  # one value per minute, newest first; None: no datapoint
