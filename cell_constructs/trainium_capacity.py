@@ -63,6 +63,11 @@ AGENT_GRACE_SECONDS = 600
 # functions/autoscaler/unit_autoscaler/handler.py), said in both node alarms: the operator's action depends on it.
 ELASTIC_CELL_NOTE = ("In an elastic cell the unit autoscaler, once a sound node would have registered, has a launch "
                      "made in its place for a unit that waits for it, and keeps it for you (never terminates it).")
+# How to terminate such a node, in both kinds of cell. Never decrementing: the alarms fire before the autoscaler judges
+# the node (UNREGISTERED_AFTER_S), and a decrement then takes the waiting unit's launch away for good (nothing is left
+# to judge, nothing was refused); an extra launch the autoscaler no longer needs is released as surplus.
+TERMINATE_NOTE = ("terminate the instance with `aws autoscaling terminate-instance-in-auto-scaling-group "
+                  "--no-should-decrement-desired-capacity` (the group launches another)")
 # EC2 refuses user data larger than 16 KB before base64
 # (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/user-data.html).
 USER_DATA_LIMIT_BYTES = 16 * 1024
@@ -650,8 +655,7 @@ class TrainiumCapacity(Construct):
             "A Trainium node's setup failed: it runs without the ECS agent and serves nothing. "
             f"{ELASTIC_CELL_NOTE} "
             "Reason: `aws ec2 get-console-output` (node-setup FAILED) or /var/lib/node-setup/failed; "
-            "terminate the instance (the group launches another; in an elastic cell decrement the desired capacity) "
-            "or repair it (docs/cell-lifecycle.md)",
+            f"{TERMINATE_NOTE} or repair it (docs/cell-lifecycle.md)",
         )
 
     def _agent_unregistered_alarm(self, report: NodeSetupReport) -> cloudwatch.Alarm:
@@ -672,8 +676,7 @@ class TrainiumCapacity(Construct):
             "A Trainium node set up, but its ECS agent has not registered with the cell's cluster "
             f"{AGENT_GRACE_SECONDS // 60} min after: it serves nothing. {ELASTIC_CELL_NOTE} "
             "Reason: `aws ec2 get-console-output` (node-setup: ECS agent not registered, with ecs.service's state and "
-            "exit status) or `journalctl -u ecs`; terminate the instance (in an elastic cell decrementing the desired "
-            "capacity) or repair it (docs/cell-lifecycle.md)",
+            f"exit status) or `journalctl -u ecs`; {TERMINATE_NOTE} or repair it (docs/cell-lifecycle.md)",
         )
 
     def _node_alarm(self, alarm_id: str, metric_name: str, report: NodeSetupReport,

@@ -1896,3 +1896,25 @@ def test_an_instance_named_by_a_recent_activity_in_other_words_is_not_judged_by_
     cell.metrics({})
     summary = cell.run()  # the Stubber refuses any SetDesiredCapacity
     assert (summary["done"], summary["unregistered"]) == ({}, []), summary
+
+
+@pytest.mark.parametrize("decrement", [True, False], ids=["decremented", "not-decremented"])
+def test_an_unregistered_instance_terminated_with_a_decrement_leaves_its_unit_waiting(decrement: bool) -> None:
+    """The node alarms fire before UNREGISTERED_AFTER_S as a rule (an agent's 10 minutes after the setup's end), so
+    an operator who terminates the instance then must not decrement the desired capacity. Decremented (4 -> 3), u1
+    (above min_units) lacks i-dud's place with nothing asked for, no instance left to judge and nothing refused: no
+    tick launches for it, and it stays starting for good, holding every scale-in (what the first version of the
+    alarms told operators of elastic cells to do). Not decremented, the group launches the replacement (i-new,
+    Pending) and nothing more is asked; had the autoscaler already launched in its place, the extra is released as
+    surplus. The tick is the same; what differs is whether u1's second node is on its way."""
+    cell = Cell()
+    cell.stack()
+    cell.group(3 if decrement else 4, ["i-0", "i-1", "i-good"], served="0",
+               states=None if decrement else {"i-new": "Pending"},
+               **{aws.TAG_LAST_OUT: NOW - 1500, aws.TAG_ACTIVATED: f"{int(NOW - 1500)}:1"})
+    cell.services({"u0": (2, 2), "u1": (1, 0, 1, 0), "u2": (0, 0)})
+    cell.labels({"i-0": "u0", "i-1": "u0", "i-good": None}, running={"i-0": 1, "i-1": 1})
+    cell.activities(launches={"i-good": NOW - 1500})
+    cell.metrics({"u0": (8.0, 1.0)})
+    summary = cell.run()  # no SetDesiredCapacity either way
+    assert (summary["action"], summary["phases"]["u1"], summary["done"]) == ("hold", "starting", {}), summary
