@@ -1918,3 +1918,20 @@ def test_an_unregistered_instance_terminated_with_a_decrement_leaves_its_unit_wa
     cell.metrics({"u0": (8.0, 1.0)})
     summary = cell.run()  # no SetDesiredCapacity either way
     assert (summary["action"], summary["phases"]["u1"], summary["done"]) == ("hold", "starting", {}), summary
+
+
+def test_at_max_size_no_launch_is_made_in_place_of_an_unregistered_instance() -> None:
+    """A known limit, pinned (docs/autoscaling.md, "Instances that never register"): u2, the third of max_units 3,
+    waits on i-dud while the group is at MaxSize 6 (max_units x nodes, terminate-first): the launch in its place is
+    capped, and u2 waits as before the rule until an operator terminates i-dud."""
+    cell = Cell()
+    cell.stack()
+    cell.group(6, ["i-0", "i-1", "i-2", "i-3", "i-good", "i-dud"], served="0,1",
+               **{aws.TAG_LAST_OUT: NOW - 3000, aws.TAG_ACTIVATED: f"{int(NOW - 3000)}:2"})
+    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (1, 0, 1, 0)})
+    cell.labels({"i-0": "u0", "i-1": "u0", "i-2": "u1", "i-3": "u1", "i-good": None},
+                running={"i-0": 1, "i-1": 1, "i-2": 1, "i-3": 1})
+    cell.activities(launches={"i-dud": AGED})
+    cell.metrics({"u0": (8.0, 1.0), "u1": (8.0, 1.0)})
+    summary = cell.run()  # no SetDesiredCapacity: 7 > MaxSize
+    assert (summary["phases"]["u2"], summary["done"], summary["unregistered"]) == ("starting", {}, ["i-dud"]), summary
