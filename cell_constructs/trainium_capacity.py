@@ -62,7 +62,8 @@ AGENT_GRACE_SECONDS = 600
 # What an elastic cell's unit autoscaler does with a node that never registers (its UNREGISTERED_AFTER_S rule,
 # functions/autoscaler/unit_autoscaler/handler.py), said in both node alarms: the operator's action depends on it.
 ELASTIC_CELL_NOTE = ("In an elastic cell the unit autoscaler, once a sound node would have registered, has a launch "
-                     "made in its place for a unit that waits for it, and keeps it for you (never terminates it).")
+                     "made in its place for a unit that waits for it, keeps it while a unit still lacks instances, "
+                     "then terminates it as surplus (read why before).")
 # How to terminate such a node, in both kinds of cell. Never decrementing: the alarms fire before the autoscaler judges
 # the node (UNREGISTERED_AFTER_S), and a decrement then takes the waiting unit's launch away for good (nothing is left
 # to judge, nothing was refused); an extra launch the autoscaler no longer needs is released as surplus.
@@ -664,10 +665,10 @@ class TrainiumCapacity(Construct):
         Nothing else names the cause: with no container instance the placement controller never sees the node (its
         agent rule, `ecs_health`, watches container instances), and the group's EC2 health check passes. An elastic
         cell's unit autoscaler counts the live unlabelled instance as capacity a starting unit waits for until a
-        sound node would have registered (UNREGISTERED_AFTER_S after its launch), then has a launch made in its place
-        and keeps it (docs/cell-lifecycle.md, "An ECS agent that never registers"). Such a node reports every 3
-        minutes from AGENT_GRACE_SECONDS after its setup until its agent registers, as a failed setup does
-        (`_setup_failure_alarm`).
+        sound node would have registered (UNREGISTERED_AFTER_S after its launch), then has a launch made in its place,
+        keeps it while a unit lacks instances and releases it as surplus after (docs/cell-lifecycle.md, "An ECS agent
+        that never registers"). Such a node reports every 3 minutes from AGENT_GRACE_SECONDS after its setup until its
+        agent registers, as a failed setup does (`_setup_failure_alarm`).
         """
         return self._node_alarm(
             "NodeAgentUnregisteredAlarm",

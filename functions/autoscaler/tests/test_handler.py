@@ -106,7 +106,7 @@ class Cell:
 
     def group(self, desired: int, instances: list[str], served: str | None = None,
               states: dict[str, str] | None = None, unhealthy: tuple[str, ...] = (), max_size: int = 6,
-              **tags: float | str) -> None:
+              min_size: int = 2, **tags: float | str) -> None:
         """The group; `served`: the served latch tag's value (None: no such tag); `states`: more
         instances with their lifecycle state (the others are InService); `unhealthy`: HealthStatus."""
         lifecycle = {**dict.fromkeys(instances, "InService"), **(states or {})}
@@ -117,7 +117,7 @@ class Cell:
             listed.append({"ResourceId": GROUP, "ResourceType": "auto-scaling-group", "Key": aws.TAG_SERVED,
                            "Value": served, "PropagateAtLaunch": False})
         self.autoscaling.add_response("describe_auto_scaling_groups", {"AutoScalingGroups": [{
-            "AutoScalingGroupName": GROUP, "MinSize": 2, "MaxSize": max_size, "DesiredCapacity": desired,
+            "AutoScalingGroupName": GROUP, "MinSize": min_size, "MaxSize": max_size, "DesiredCapacity": desired,
             "DefaultCooldown": 300, "AvailabilityZones": [f"{REGION}a"], "HealthCheckType": "EC2",
             "CreatedTime": datetime(2026, 1, 1, tzinfo=UTC),
             "Instances": [{"InstanceId": i, "AvailabilityZone": f"{REGION}a", "LifecycleState": state,
@@ -1735,7 +1735,8 @@ def test_a_starting_unit_waiting_on_an_instance_that_never_registered_gets_a_lau
     hold, so nothing was launched; never labelled, u0 was never stalled (the stall rule needs all its instances) nor
     cancelled (nothing refused), and held every scale-in (docs/cell-lifecycle.md, "An ECS agent that never
     registers"). Now, 40 minutes after its launch, i-dud is no capacity: the group is raised by one, once (the next
-    tick reads the launch asked for), and i-dud is kept, unlabelled and protected, for an operator."""
+    tick reads the launch asked for), and i-dud is kept, unlabelled and protected, while u0 waits (released once u0
+    has formed: `test_an_unregistered_instance_is_released_once_its_unit_formed_on_the_launch_in_its_place`)."""
     cell = Cell()
     waiting_on(cell, AGED)
     cell.expect_desired(3)
@@ -1766,23 +1767,156 @@ def test_an_unregistered_instance_that_may_still_register_counts_as_capacity(lau
     assert summary["done"] == {} and summary["unregistered"] == [], summary
 
 
-def test_an_instance_that_never_registered_and_that_no_unit_needs_is_kept_for_an_operator() -> None:
-    """u0 got its launch in i-dud's place (i-new) and is whole; i-dud is beyond what any unit needs. Before it was
-    released as surplus (unprotected and terminated, decrementing: seen on the old code). Now it is kept: a failed
-    node stays out of service rather than be replaced over and over (docs/cell-lifecycle.md, "Failed node setup"),
-    its console output and journal tell the operator why, and kept it holds its place in the group, which bounds the
-    launches made for such instances (`unregistered_replacements`). The EMF line counts it."""
+def expect_released(cell: Cell, *instances: str) -> None:
+    """The surplus release (`release_unlabelled`), as before the rule: ListTasks for tasks still stopping, then
+    exactly these instances unprotected and each terminated, decrementing the desired capacity."""
+    cell.stopping()
+    cell.autoscaling.add_response("set_instance_protection", {}, {
+        "AutoScalingGroupName": GROUP, "InstanceIds": sorted(instances), "ProtectedFromScaleIn": False})
+    for instance in sorted(instances):
+        cell.autoscaling.add_response("terminate_instance_in_auto_scaling_group", {}, {
+            "InstanceId": instance, "ShouldDecrementDesiredCapacity": True})
+
+
+def formed_on_the_replacement(cell: Cell, labelled: bool, at: float, served: bool = False,
+                              instances: tuple[str, ...] = ("i-good", "i-new", "i-dud")) -> None:
+    """After `test_a_starting_unit_waiting_on_an_instance_that_never_registered_gets_a_launch_in_its_place`: i-new,
+    launched in i-dud's place, has registered; `labelled`: the placement controller has labelled it and i-good for
+    u0 (else both free); `served`: u0 serves (its latch). The group at desired 3 with i-dud, 2 without it."""
+    cell.stack()
+    cell.group(len(instances), list(instances), served="0" if served else None,
+               **{aws.TAG_LAST_OUT: NOW - 3000, aws.TAG_ACTIVATED: f"{int(NOW - 3000)}:0"})
+    cell.services({"u0": (1, 1, 1, 1) if labelled else (1, 0, 1, 0), "u1": (0, 0), "u2": (0, 0)})
+    unit = "u0" if labelled else None
+    cell.labels({"i-good": unit, "i-new": unit}, running={"i-good": 1, "i-new": 1} if labelled else None)
+    cell.activities(launches={"i-good": NOW - 3000, "i-dud": NOW - 3000, "i-new": NOW + 60})
+    cell.metrics({"u0": (8.0, 1.0)} if served else {}, end=at // 60 * 60)
+
+
+def test_an_unregistered_instance_is_released_once_its_unit_formed_on_the_launch_in_its_place() -> None:
+    """The single instance that never registered, to its end. u0 got a launch in i-dud's place (desired 2 -> 3,
+    `test_a_starting_unit_waiting_on_an_instance_that_never_registered_gets_a_launch_in_its_place`). While u0 still
+    lacks instances (i-new registered, not labelled yet) i-dud is kept: nothing released, nothing raised. Once the
+    placement controller has labelled i-good and i-new for u0, no active unit lacks an instance, and i-dud is surplus:
+    unprotected and terminated, decrementing (3 -> 2), by the release path as before the rule. Then nothing more.
+    Before (autoscaler-unregistered-review), i-dud was kept for good, holding a place of MaxSize and a Trainium
+    instance's bill (seen failing there in the second tick: "2 responses remaining in queue. The tick: hold [],
+    'load 0.00 on 1 active units (need 1)'", i-dud's unprotection and termination not made)."""
+    cell = Cell()
+    formed_on_the_replacement(cell, labelled=False, at=NOW + 1500)
+    summary = cell.run(now=NOW + 1500)  # the Stubber refuses any release or SetDesiredCapacity
+    assert (summary["done"], summary["unregistered"], summary["phases"]["u0"]) == ({}, ["i-dud"], "starting")
+    cell = Cell()
+    formed_on_the_replacement(cell, labelled=True, at=NOW + 1560)
+    expect_released(cell, "i-dud")
+    summary = cell.run(now=NOW + 1560)
+    assert (summary["action"], summary["done"]) == ("hold", {"released_unlabelled": 1}), summary
+    cell = Cell()
+    formed_on_the_replacement(cell, labelled=True, at=NOW + 1800, served=True, instances=("i-good", "i-new"))
+    summary = cell.run(now=NOW + 1800)
+    assert (summary["action"], summary["done"], summary["unregistered"]) == ("hold", {}, []), summary
+
+
+def test_an_unregistered_instance_no_unit_waits_for_is_released_as_before_the_rule() -> None:
+    """u1 waited on i-dud and is no longer active (its activation cancelled on a refused launch, or stopped: the tick
+    sees the same, u1's services at 0); u0 is whole. Nothing lacks an instance, so i-good and i-dud are both
+    surplus and released, decrementing (4 -> 2), as before the rule. Before (autoscaler-unregistered-review) i-dud
+    was kept for good (seen failing there: SetInstanceProtection "Expected parameters: ... 'InstanceIds': ['i-dud',
+    'i-good'] ... but received: ... 'InstanceIds': ['i-good']")."""
     cell = Cell()
     cell.stack()
-    cell.group(3, ["i-good", "i-new", "i-dud"], **{aws.TAG_LAST_OUT: NOW - 3000,
-                                                   aws.TAG_ACTIVATED: f"{int(NOW - 3000)}:0"})
-    cell.services({"u0": (1, 1, 1, 1), "u1": (0, 0), "u2": (0, 0)})
-    cell.labels({"i-good": "u0", "i-new": "u0"}, running={"i-good": 1, "i-new": 1})
-    cell.activities(launches={"i-good": NOW - 3000, "i-dud": NOW - 3000, "i-new": NOW - 600})
-    cell.metrics({"u0": [(0.0, 0.0)] * 5 + [None] * 25})
-    summary = cell.run()  # the Stubber refuses SetInstanceProtection and TerminateInstanceInAutoScalingGroup
-    assert (summary["action"], summary["done"], summary["unregistered"]) == ("hold", {}, ["i-dud"]), summary
-    assert cell.emf["UnregisteredInstances"] == 1.0
+    cell.group(4, ["i-0", "i-1", "i-good", "i-dud"], served="0",
+               **{aws.TAG_LAST_OUT: NOW - 3000, aws.TAG_ACTIVATED: f"{int(NOW - 3000)}:1"})
+    cell.services({"u0": (2, 2), "u1": (0, 0), "u2": (0, 0)})
+    cell.labels({"i-0": "u0", "i-1": "u0", "i-good": None}, running={"i-0": 1, "i-1": 1})
+    cell.activities((NOW - 100, REFUSAL), launches={"i-good": NOW - 3000, "i-dud": NOW - 3000})
+    cell.metrics({"u0": (8.0, 1.0)})
+    expect_released(cell, "i-dud", "i-good")
+    summary = cell.run(now=NOW + 60)
+    assert (summary["action"], summary["done"]) == ("hold", {"released_unlabelled": 2}), summary
+    assert summary["unregistered"] == ["i-dud"] and cell.emf["UnregisteredInstances"] == 1.0
+
+
+def test_a_surplus_bounded_by_min_size_takes_the_unregistered_instance_not_a_sound_one() -> None:
+    """An operator raised MinSize to 5 and the group launched i-boot (InService 10 minutes, not registered yet: a
+    sound node booting); u0 and u1 are whole. One instance is surplus (desired 6, MinSize 5): i-dud, which will
+    never serve, not i-boot, though both lack a container instance and i-boot sorts first by id (the order before the
+    rule). Before (autoscaler-unregistered-review) i-dud was kept and the sound i-boot released in its place (seen
+    failing there: SetInstanceProtection "Expected parameters: ... 'InstanceIds': ['i-dud'] ... but received: ...
+    'InstanceIds': ['i-boot']")."""
+    cell = Cell()
+    cell.stack()
+    cell.group(6, ["i-0", "i-1", "i-2", "i-3", "i-boot", "i-dud"], served="0,1", min_size=5,
+               **{aws.TAG_LAST_OUT: NOW - 3000, aws.TAG_ACTIVATED: f"{int(NOW - 3000)}:1"})
+    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (0, 0)})
+    cell.labels({"i-0": "u0", "i-1": "u0", "i-2": "u1", "i-3": "u1"},
+                running={"i-0": 1, "i-1": 1, "i-2": 1, "i-3": 1})
+    cell.activities(launches={"i-dud": AGED, "i-boot": NOW - 600})
+    cell.metrics({"u0": (8.0, 1.0), "u1": (8.0, 1.0)})
+    expect_released(cell, "i-dud")
+    summary = cell.run()
+    assert (summary["done"], summary["unregistered"]) == ({"released_unlabelled": 1}, ["i-dud"]), summary
+
+
+def test_unregistered_instances_are_kept_while_their_unit_waits_under_a_fault_every_launch_shares() -> None:
+    """Every launch never registers (a bad AMI, the instance role, ecs.config). Tick by tick: 40 minutes after the
+    scale-out u0's two instances are judged and two launches are made in their place (2 -> 4); a minute later they
+    are Pending and nothing more is asked; 40 minutes after them all four are judged, more than a unit's nodes: no
+    launch, and none released, as u0 still lacks both its nodes; hours later the same. Released while u0 waits,
+    each would be launched again and judged again 40 minutes later, for good (a fault every launch shares); kept, the
+    group holds 2 x nodes of them until the operator acts (the node alarms). Seen failing with every unregistered
+    instance released whatever the units lack (`kept` empty in `unlabelled_beyond_need`): "Error getting response
+    stub for operation ListTasks: Unexpected API Call", the release of two of them begun in the third tick."""
+    duds = ["i-d0", "i-d1"]
+    again = ["i-d2", "i-d3"]
+
+    def at(now: float, desired: int, instances: list[str], states: dict[str, str] | None = None) -> dict:
+        cell = Cell()
+        cell.stack()
+        cell.group(desired, instances, states=states,
+                   **{aws.TAG_LAST_OUT: NOW - 2500, aws.TAG_ACTIVATED: f"{int(NOW - 2500)}:0"})
+        cell.services({"u0": (1, 0, 1, 0), "u1": (0, 0), "u2": (0, 0)})
+        cell.labels({})
+        cell.activities(launches={**dict.fromkeys(duds, NOW - 2500), **dict.fromkeys(again, NOW + 60)})
+        cell.metrics({}, end=now // 60 * 60)
+        if now == NOW:
+            cell.expect_desired(4)
+        return cell.run(now=now)
+
+    assert at(NOW, 2, duds)["done"] == {"launched_for_unregistered": 2}
+    assert at(NOW + 120, 4, duds, dict.fromkeys(again, "Pending"))["done"] == {}
+    for later in (NOW + 2520, NOW + 8 * 3600):
+        summary = at(later, 4, duds + again)
+        assert (summary["done"], summary["unregistered"], summary["phases"]["u0"]) == (
+            {}, duds + again, "starting"), summary
+
+
+def test_a_surplus_unregistered_instance_goes_before_the_give_back_and_neither_fights_the_other() -> None:
+    """A launch refused after the last scale-out that no unit waits for (desired 4, 3 live) and i-dud, surplus (u0
+    whole). The tick releases i-dud (decrementing: 4 -> 3) and gives nothing back, as any tick that releases
+    (`unclaimed_desired`); the next tick, i-dud gone, gives the refused launch back (3 -> 2). Each lowers the desired
+    capacity by its own instance or launch, from the group as read. Before (autoscaler-unregistered-review) the first
+    tick gave back and i-dud stayed (seen failing there: "Error getting response stub for operation
+    SetDesiredCapacity: Operation mismatch: found response for SetInstanceProtection")."""
+    def cell_with(desired: int, instances: list[str]) -> Cell:
+        cell = Cell()
+        cell.stack()
+        cell.group(desired, instances, served="0", **{aws.TAG_LAST_OUT: NOW - 3000,
+                                                      aws.TAG_ACTIVATED: f"{int(NOW - 3000)}:0"})
+        cell.services({"u0": (2, 2), "u1": (0, 0), "u2": (0, 0)})
+        cell.labels({"i-0": "u0", "i-1": "u0"}, running={"i-0": 1, "i-1": 1})
+        return cell
+
+    cell = cell_with(4, ["i-0", "i-1", "i-dud"])
+    cell.activities((NOW - 100, REFUSAL), launches={"i-dud": AGED})
+    cell.metrics({"u0": (8.0, 1.0)})
+    expect_released(cell, "i-dud")
+    assert cell.run()["done"] == {"released_unlabelled": 1}
+    cell = cell_with(3, ["i-0", "i-1"])
+    cell.activities((NOW - 100, REFUSAL))
+    cell.metrics({"u0": (8.0, 1.0)})
+    cell.expect_desired(2)
+    assert cell.run(now=NOW + 60)["done"] == {"given_back": 1}
 
 
 @pytest.mark.parametrize("oldest, launches", [(NOW - 3000, 1), (NOW - 600, 0)],
@@ -1827,7 +1961,9 @@ def test_a_refused_launch_in_place_of_an_unregistered_instance_cancels_the_unit(
     """u1 (above min_units) waits on i-dud; the launch asked for in its place (desired 5, 4 live) is refused. Before,
     i-dud counted among the unlabelled instances on their way, the cell read as short of nothing, and u1 was not
     cancelled (seen failing: hold): the refusal hid for good. Now u1 is cancelled as any refused activation; the
-    launch it lacks is given back (never below the live instances), i-good goes as surplus next tick, i-dud stays."""
+    launch it lacks is given back (never below the live instances); the next tick nothing lacks an instance and
+    i-good and i-dud go as surplus
+    (`test_an_unregistered_instance_no_unit_waits_for_is_released_as_before_the_rule`)."""
     cell = Cell()
     cell.stack()
     cell.group(5, ["i-0", "i-1", "i-good", "i-dud"], served="0",
@@ -1923,7 +2059,8 @@ def test_an_unregistered_instance_terminated_with_a_decrement_leaves_its_unit_wa
 def test_at_max_size_no_launch_is_made_in_place_of_an_unregistered_instance() -> None:
     """A known limit, pinned (docs/autoscaling.md, "Instances that never register"): u2, the third of max_units 3,
     waits on i-dud while the group is at MaxSize 6 (max_units x nodes, terminate-first): the launch in its place is
-    capped, and u2 waits as before the rule until an operator terminates i-dud."""
+    capped, and i-dud is kept while u2 waits, so u2 waits as on main (where i-dud counted as one still booting) until
+    an operator terminates i-dud without decrementing."""
     cell = Cell()
     cell.stack()
     cell.group(6, ["i-0", "i-1", "i-2", "i-3", "i-good", "i-dud"], served="0,1",
@@ -1933,5 +2070,40 @@ def test_at_max_size_no_launch_is_made_in_place_of_an_unregistered_instance() ->
                 running={"i-0": 1, "i-1": 1, "i-2": 1, "i-3": 1})
     cell.activities(launches={"i-dud": AGED})
     cell.metrics({"u0": (8.0, 1.0), "u1": (8.0, 1.0)})
-    summary = cell.run()  # no SetDesiredCapacity: 7 > MaxSize
+    summary = cell.run()  # no SetDesiredCapacity (7 > MaxSize), no release (u2 lacks both its nodes)
     assert (summary["phases"]["u2"], summary["done"], summary["unregistered"]) == ("starting", {}, ["i-dud"]), summary
+
+
+def test_an_unregistered_instance_no_unit_needs_leaves_max_size_to_the_last_units_activation() -> None:
+    """The cold review's regression (autoscaler-unregistered-review kept every such instance for good): i-dud is
+    left over, no unit waits for it (u0 and u1 whole, u2 dormant). Kept, it held a place of MaxSize 6, and the
+    activation of u2, the max_units-th unit, was capped at one launch (5 live + 2 > 6): u2 never labelled, stalled
+    or cancelled, holding every scale-in. Now it is released as surplus (5 -> 4), as on main, and u2's activation
+    gets both its launches (4 -> 6). Seen failing there in the first tick: "2 responses remaining in queue. The
+    tick: hold [], 'load 0.50 on 2 active units (need 1)'"."""
+    def cell_with(desired: int, instances: list[str], loaded: float) -> Cell:
+        cell = Cell()
+        cell.stack()
+        cell.group(desired, instances, served="0,1", **{aws.TAG_LAST_OUT: NOW - 7200, aws.TAG_LAST_IN: NOW - 7200})
+        cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (0, 0)})
+        cell.labels({"i-0": "u0", "i-1": "u0", "i-2": "u1", "i-3": "u1"},
+                    running={"i-0": 1, "i-1": 1, "i-2": 1, "i-3": 1})
+        if "i-dud" in instances:
+            cell.stopping()
+        cell.activities(launches={"i-dud": NOW - 7200})
+        cell.metrics({"u0": (loaded, 1.0), "u1": (loaded, 1.0)})
+        return cell
+
+    cell = cell_with(5, ["i-0", "i-1", "i-2", "i-3", "i-dud"], 8.0)
+    cell.autoscaling.add_response("set_instance_protection", {}, {
+        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-dud"], "ProtectedFromScaleIn": False})
+    cell.autoscaling.add_response("terminate_instance_in_auto_scaling_group", {}, {
+        "InstanceId": "i-dud", "ShouldDecrementDesiredCapacity": True})
+    assert cell.run()["done"] == {"released_unlabelled": 1}
+    cell = cell_with(4, ["i-0", "i-1", "i-2", "i-3"], 30.0)
+    cell.expect_desired(6)
+    cell.expect_scale_out(f"{int(NOW + 60)}:2", at=NOW + 60)
+    cell.expect_count("u2", "leader", 1)
+    cell.expect_count("u2", "followers", 1)
+    summary = cell.run(now=NOW + 60)
+    assert (summary["action"], summary["units"], summary["done"]["desired_capacity"]) == ("activate", ["u2"], 6)

@@ -30,8 +30,8 @@ so that the tick after does not take it for such a cut-short activation.
 A tick that holds also lowers the desired capacity by launches refused that no unit waits for
 (`give_back_unclaimed`), or raises it by one launch in place of each instance that never registered
 with ECS (`unregistered_instances`: InService, no container instance, UNREGISTERED_AFTER_S after its
-launch) that an active unit waits for (`replace_unregistered`); such an instance is kept, never
-released, for an operator.
+launch) that an active unit waits for (`replace_unregistered`); such an instance is kept while an
+active unit lacks instances, then released as surplus (`unlabelled_beyond_need`).
 
 The tick also keeps the served latch (`aws.TAG_SERVED`): every unit seen serving since its
 activation, so that a missing or failed health minute never turns a serving unit back into
@@ -81,7 +81,8 @@ CAPACITY_METRIC_WINDOW_S = 120.0
 # An InService instance of the group that is no ECS container instance this long after its launch is taken for a
 # node that will never serve: its setup failed, or its ECS agent never registers (docs/cell-lifecycle.md, "Failed
 # node setup", "An ECS agent that never registers"). It is no longer counted as capacity a unit may still get, the
-# unit waiting for it gets a launch in its place (`unregistered_replacements`), and it is kept for an operator. The
+# unit waiting for it gets a launch in its place (`unregistered_replacements`), and it is kept while an active unit
+# lacks instances, then released as surplus (`unlabelled_beyond_need`). The
 # node's own budget: 15 min from launch to registration (NODE_BOOT_SECONDS, inference_fleet/cell_checks.py: boot, the
 # setup with the EFA installer, the agent), up to 9 min more of the setup's network retry waits
 # (NETWORK_RETRY_BUDGET, cell_constructs/node_setup.sh), and the 10 min a set-up node's agent is given before the node
@@ -186,7 +187,7 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
     )
     if unregistered:
         LOG.warning("launched %d min ago or more, InService, and no ECS container instance (its setup failed or its "
-                    "agent never registered): %s; not counted as capacity, kept for an operator",
+                    "agent never registered): %s; not counted as capacity, kept while an active unit lacks instances",
                     UNREGISTERED_AFTER_S // 60, ", ".join(unregistered))
     context.update(services=services, labelled=labelled, failures=failures, served=latched, activated=activated,
                    restarts=restarts, unregistered=unregistered,
@@ -382,19 +383,25 @@ def unlabelled_beyond_need(settings: Settings, group: aws.GroupView, attributes:
     Unregistered instances go first: a registered one is ready to serve the unit that waits (an
     unregistered one is still booting, some 15 min from it), and only a registered one can be
     labelled by the placement controller between this tick's read and its termination.
-    An instance that never registered (`unregistered`, `unregistered_instances`) is neither counted nor released:
-    kept for an operator, as the node keeps itself out of service rather than power off (docs/cell-lifecycle.md,
-    "Failed node setup": its console output and journal tell why; terminated, it would be launched again, and again
-    for a cause every launch shares), and kept, it holds a place of the group's MaxSize, which bounds the launches
-    made for such instances (`unregistered_replacements`).
+    An instance that never registered (`unregistered`, `unregistered_instances`) is neither counted nor released
+    while an active unit lacks instances (`active_lack`): the launch in its place is under way or made
+    (`unregistered_replacements`), the operator has it (console output, journal) while the unit waits, and, kept, it
+    is what bounds those launches under a fault every launch shares (released, each 40 minutes would bring one more
+    launch in its place, then its release). Once no active unit lacks an instance it is surplus like any other, as
+    before the rule, and goes first, ahead of the unregistered ones still booting (it will never serve). Kept for
+    good (the rule's first version), it held a place of MaxSize, and a later activation of the max_units-th unit
+    got one launch too few and waited for good.
     """
     need = active_lack(settings, group, attributes, units)
-    free = [i for i in group.in_service if i not in busy and i not in unregistered
+    kept = set(unregistered) if need > 0 else set()
+    free = [i for i in group.in_service if i not in busy and i not in kept
             and not attributes.get(i, {}).get("unit") and "quarantine" not in attributes.get(i, {})]
     surplus = min(len(free) - need, group.desired - group.min_size)
     if surplus <= 0:
         return []
-    return sorted(free, key=lambda i: (i in attributes, i))[:surplus]
+    # The ones that never registered first, then the others still unregistered, then the registered ones: with the
+    # surplus bounded by MinSize, never a sound instance in place of one that will never serve.
+    return sorted(free, key=lambda i: (i not in unregistered, i in attributes, i))[:surplus]
 
 
 def active_lack(settings: Settings, group: aws.GroupView, attributes: Mapping[str, Mapping[str, str]],
@@ -462,9 +469,11 @@ def unregistered_replacements(settings: Settings, group: aws.GroupView, attribut
     placement controller sees no container instance). None while the group holds more such instances than a unit
     has nodes: past one unit's worth the cause is likely every launch's (an AMI, the instance role, ecs.config; the
     node alarms, in the rollout gate, name it), and each launch would be one more Trainium instance that will not
-    register either. Each is kept (`unlabelled_beyond_need`), so it still counts here: launches are made while the
-    group holds at most `nodes` of them, each time at most one per instance, and a systematic fault stops with at
-    most 2 x `nodes` of them in the group (whatever `max_units`), the group's MaxSize bounding it besides."""
+    register either. Each is kept while an active unit lacks instances (`unlabelled_beyond_need`), which is whenever
+    this launches, so it still counts here: launches are made while the group holds at most `nodes` of them, each
+    time at most one per instance, and a systematic fault stops with at most 2 x `nodes` of them in the group
+    (whatever `max_units`), the group's MaxSize bounding it besides. None once no active unit lacks instances: then
+    they are surplus, released, and nothing here launches."""
     if not unregistered or len(unregistered) > settings.policy.nodes:
         return 0
     asked = max(0, group.desired - len(group.live_instances))
@@ -662,8 +671,10 @@ def replace_unregistered(settings: Settings, clients: Clients, decision: Decisio
     """Raise the desired capacity by the launches the active units lack only because instances never registered
     (`unregistered_replacements`); returns by how many. Only in a tick that holds: the other actions change the
     group from the tick's own read. The group launches; the placement controller labels the new instance with the
-    free registered ones; the instance that never registered stays, unlabelled and protected. Read from the group
-    each tick: once raised, the launch asked for covers the lack, and no later tick raises again for it."""
+    free registered ones; the instance that never registered stays, unlabelled and protected, until no active unit
+    lacks instances, and is then released as surplus (`unlabelled_beyond_need`: never in a tick that raises here,
+    which needs a unit that lacks). Read from the group each tick: once raised, the launch asked for covers the
+    lack, and no later tick raises again for it."""
     group: aws.GroupView = context["group"]
     desired = unregistered_desired(decision, context)
     if desired <= group.desired:
