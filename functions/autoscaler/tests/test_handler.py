@@ -2107,3 +2107,24 @@ def test_an_unregistered_instance_no_unit_needs_leaves_max_size_to_the_last_unit
     cell.expect_count("u2", "followers", 1)
     summary = cell.run(now=NOW + 60)
     assert (summary["action"], summary["units"], summary["done"]["desired_capacity"]) == ("activate", ["u2"], 6)
+
+
+def test_a_kept_unregistered_instance_counts_toward_another_waiting_units_bound() -> None:
+    """A known limit, pinned (docs/autoscaling.md, "Instances that never register", the bound): u1 formed on the
+    launch made in i-dud1's place (i-new), and u2, activated meanwhile, waits on two instances that never registered
+    (i-d2, i-d3); MaxSize 8 has room. i-dud1 is kept, as u2 lacks instances, so the group holds three such instances,
+    more than a unit's nodes: no launch for u2, and u2 waits (never labelled, stalled or cancelled) until the operator
+    terminates them without decrementing, as under a fault every launch shares, which three of five launches failing
+    may be. Main launched none either (it counted each as one still booting: u1 and u2 both waited)."""
+    cell = Cell()
+    cell.stack()
+    cell.group(7, ["i-0", "i-1", "i-2", "i-new", "i-dud1", "i-d2", "i-d3"], served="0,1", max_size=8,
+               **{aws.TAG_LAST_OUT: NOW - 2500, aws.TAG_ACTIVATED: f"{int(NOW - 2500)}:2;{int(NOW - 4000)}:1"})
+    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (1, 0, 1, 0)})
+    cell.labels({"i-0": "u0", "i-1": "u0", "i-2": "u1", "i-new": "u1"},
+                running={"i-0": 1, "i-1": 1, "i-2": 1, "i-new": 1})
+    cell.activities(launches={"i-dud1": NOW - 4000, "i-new": NOW - 1500, "i-d2": NOW - 2500, "i-d3": NOW - 2500})
+    cell.metrics({"u0": (8.0, 1.0), "u1": (8.0, 1.0)})
+    summary = cell.run()  # no SetDesiredCapacity (3 > nodes), no release (u2 lacks both its nodes)
+    assert (summary["phases"]["u2"], summary["done"], summary["unregistered"]) == (
+        "starting", {}, ["i-dud1", "i-d2", "i-d3"]), summary
