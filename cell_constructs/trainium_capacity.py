@@ -63,7 +63,7 @@ AGENT_GRACE_SECONDS = 600
 # functions/autoscaler/unit_autoscaler/handler.py), said in both node alarms: the operator's action depends on it.
 ELASTIC_CELL_NOTE = ("In an elastic cell the unit autoscaler, once a sound node would have registered, has a launch "
                      "made in its place for a unit that waits for it, keeps it while a unit still lacks instances, "
-                     "then terminates it as surplus (read why before).")
+                     "then terminates it as surplus: read the reason from it before then (its console output stays readable for a while after, its journal does not).")
 # How to terminate such a node, in both kinds of cell. Never decrementing: the alarms fire before the autoscaler judges
 # the node (UNREGISTERED_AFTER_S), and a decrement then takes the waiting unit's launch away for good (nothing is left
 # to judge, nothing was refused); an extra launch the autoscaler no longer needs is released as surplus.
