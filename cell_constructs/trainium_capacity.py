@@ -59,6 +59,17 @@ NODE_SETUP_FAILED_METRIC = "NodeSetupFailed"
 # first use, and keep a node that will never serve from billing unnoticed for longer than that plus a report period.
 NODE_AGENT_UNREGISTERED_METRIC = "NodeAgentUnregistered"
 AGENT_GRACE_SECONDS = 600
+# What an elastic cell's unit autoscaler does with a node that never registers (its UNREGISTERED_AFTER_S rule,
+# functions/autoscaler/unit_autoscaler/handler.py), said in both node alarms: the operator's action depends on it.
+ELASTIC_CELL_NOTE = ("In an elastic cell the unit autoscaler, once a sound node would have registered, has a launch "
+                     "made in its place for a unit that waits for it, keeps it while a unit still lacks instances, "
+                     "then terminates it as surplus: read the reason from it before then (its console output stays "
+                     "readable for a while after, its journal does not).")
+# How to terminate such a node, in both kinds of cell. Never decrementing: the alarms fire before the autoscaler judges
+# the node (UNREGISTERED_AFTER_S), and a decrement then takes the waiting unit's launch away for good (nothing is left
+# to judge, nothing was refused); an extra launch the autoscaler no longer needs is released as surplus.
+TERMINATE_NOTE = ("terminate the instance with `aws autoscaling terminate-instance-in-auto-scaling-group "
+                  "--no-should-decrement-desired-capacity` (the group launches another)")
 # EC2 refuses user data larger than 16 KB before base64
 # (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/user-data.html).
 USER_DATA_LIMIT_BYTES = 16 * 1024
@@ -645,29 +656,32 @@ class TrainiumCapacity(Construct):
             NODE_SETUP_FAILED_METRIC,
             report,
             "A Trainium node's setup failed: it runs without the ECS agent and serves nothing. "
+            f"{ELASTIC_CELL_NOTE} "
             "Reason: `aws ec2 get-console-output` (node-setup FAILED) or /var/lib/node-setup/failed; "
-            "terminate the instance (the group launches another) or repair it (docs/cell-lifecycle.md)",
+            f"{TERMINATE_NOTE} or repair it (docs/cell-lifecycle.md)",
         )
 
     def _agent_unregistered_alarm(self, report: NodeSetupReport) -> cloudwatch.Alarm:
         """A node set up but its ECS agent has not registered with the cluster (part of the rollout gate).
 
-        Nothing else tells: with no container instance the placement controller never sees the node (its agent
-        rule, `ecs_health`, watches container instances), the group's EC2 health check passes, and the unit
-        autoscaler counts the live unlabelled instance as capacity a starting unit waits for (docs/cell-lifecycle.md,
-        "An ECS agent that never registers"). Such a node reports every 3 minutes from AGENT_GRACE_SECONDS after
-        its setup until its agent registers, as a failed setup does (`_setup_failure_alarm`). Once its agent
-        registered, a node that has not failed stops node-setup-report.timer until the next boot, which starts it
-        again (node_setup.sh `quiet_until_next_boot`).
+        Nothing else names the cause: with no container instance the placement controller never sees the node (its
+        agent rule, `ecs_health`, watches container instances), and the group's EC2 health check passes. An elastic
+        cell's unit autoscaler counts the live unlabelled instance as capacity a starting unit waits for until a
+        sound node would have registered (UNREGISTERED_AFTER_S after its launch), then has a launch made in its place,
+        keeps it while a unit lacks instances and releases it as surplus after (docs/cell-lifecycle.md, "An ECS agent
+        that never registers"). Such a node reports every 3 minutes from AGENT_GRACE_SECONDS after its setup until its
+        agent registers, as a failed setup does (`_setup_failure_alarm`).
+        Once its agent registered, a node that has not failed stops node-setup-report.timer until the next boot, which
+        starts it again (node_setup.sh `quiet_until_next_boot`).
         """
         return self._node_alarm(
             "NodeAgentUnregisteredAlarm",
             NODE_AGENT_UNREGISTERED_METRIC,
             report,
             "A Trainium node set up, but its ECS agent has not registered with the cell's cluster "
-            f"{AGENT_GRACE_SECONDS // 60} min after: it serves nothing, and the autoscaler counts it as capacity. "
+            f"{AGENT_GRACE_SECONDS // 60} min after: it serves nothing. {ELASTIC_CELL_NOTE} "
             "Reason: `aws ec2 get-console-output` (node-setup: ECS agent not registered, with ecs.service's state and "
-            "exit status) or `journalctl -u ecs`; terminate the instance or repair it (docs/cell-lifecycle.md)",
+            f"exit status) or `journalctl -u ecs`; {TERMINATE_NOTE} or repair it (docs/cell-lifecycle.md)",
         )
 
     def _node_alarm(self, alarm_id: str, metric_name: str, report: NodeSetupReport,

@@ -622,3 +622,21 @@ def test_the_documented_defaults_and_deployment_alarms_are_the_templates(synth_l
     watched = {a["Ref"] for a in service["Properties"]["DeploymentConfiguration"]["Alarms"]["AlarmNames"]}
     assert {key: deployment for key, (_, deployment) in documented.items()} == {
         key: "yes" if logical_id in watched else "no" for key, (logical_id, _) in alarms.items()}
+
+
+def test_the_node_alarms_tell_the_operator_to_terminate_without_decrementing(synth_large) -> None:
+    """They fire before the unit autoscaler judges the instance (40 minutes after its launch) as a rule: a
+    termination that decrements the desired capacity then takes the waiting unit's launch away for good, and
+    nothing launches for it again (functions/autoscaler/tests/test_handler.py
+    `test_an_unregistered_instance_terminated_with_a_decrement_leaves_its_unit_waiting`). Without the
+    decrement the group launches a replacement, and an extra one the autoscaler no longer needs is released."""
+    template = synth_large.templates["Rufus-Cell-use2-a"]
+    alarms = template.find_resources("AWS::CloudWatch::Alarm")
+    found = 0
+    for logical_id, alarm in alarms.items():
+        if logical_id.startswith(("TrainiumNodeSetupFailedAlarm", "TrainiumNodeAgentUnregisteredAlarm")):
+            description = alarm["Properties"]["AlarmDescription"]
+            assert "--no-should-decrement-desired-capacity" in description, description
+            assert "decrement the desired" not in description and "decrementing the desired" not in description
+            found += 1
+    assert found == 2

@@ -143,6 +143,47 @@ def test_without_the_start_deadline_the_unit_never_serves():
     assert figures["units_down_by_hour"][1:] == [1] * 8, figures  # u2 down from its start to the end
 
 
+def test_a_unit_waiting_on_a_node_that_never_registers_gets_a_launch_in_its_place_and_serves():
+    """The scale-out's unit gets one instance that never registers with ECS (InService, no container instance).
+    40 minutes (UNREGISTERED_AFTER_S) after the launch the autoscaler raises the group by one, the placement controller
+    labels the new instance with the free one, and the unit serves; the instance that never registered is kept while
+    the unit lacks instances and released as surplus once it has them (+1h55m), once, by its id."""
+    doc = simulate(load_scenario(SIMULATIONS / "unregistered-node.yaml"), ELASTIC, 3, None, timeline=True)
+    for seed in doc["per_seed"]:
+        figures = seed["figures"]
+        assert figures["serving_at_end"] == ["u0", "u1", "u2"], figures
+        assert figures["units_down_by_hour"][3:] == [0, 0], figures
+        never = [line.split()[1] for line in seed["timeline"] if line.endswith("(unregistered_launches)")]
+        released = [line.split()[3].rstrip(":") for line in seed["timeline"] if "autoscaler releases" in line]
+        assert len(never) == 1 and released == never, seed["timeline"]
+
+
+def test_without_the_rule_for_nodes_that_never_register_the_unit_never_serves(monkeypatch):
+    """The autoscaler before it (an instance never judged unregistered: counted as one still booting, for good):
+    u2 is never labelled, never stalled, never cancelled, and waits to the end of the run."""
+    from unit_autoscaler import handler
+
+    monkeypatch.setattr(handler, "UNREGISTERED_AFTER_S", float("inf"))
+    figures = run("unregistered-node.yaml", ELASTIC)["per_seed"][0]["figures"]
+    assert figures["serving_at_end"] == ["u0", "u1"] and figures["units_down_by_hour"][1:] == [1] * 4, figures
+
+
+def test_launches_for_nodes_that_never_register_stop_at_twice_a_units_nodes():
+    """Every launch from 30 minutes on never registers (a bad AMI, the instance role, ecs.config): the scale-out's
+    two instances, then one launch in place of each, which fail alike; then no more in the 8 hours (4 > nodes), and
+    none of the four released while u2 waits (no churn)."""
+    scenario = parse_scenario({"name": "every launch unregistered", "duration": "8h", "seed": 1, "events": [
+        {"at": "0s", "do": "load", "curve": "constant", "level": 0.1},
+        {"at": "30m", "do": "unregistered_launches", "times": 100},
+        {"at": "1h", "do": "load", "curve": "constant", "level": 0.15}]})
+    doc = simulate(scenario, ELASTIC, 1, None, timeline=True)
+    launches = [line for line in doc["per_seed"][0]["timeline"] if " launch i-" in line]
+    assert len(launches) == 4, launches
+    # Kept while u2 still lacks its nodes: released, each would be launched again 40 minutes later, for good.
+    assert not [line for line in doc["per_seed"][0]["timeline"] if "autoscaler releases" in line]
+    assert all(v["held"] for v in doc["invariants"].values()), "\n".join(render(doc))
+
+
 def old_ready_instances(settings, view, new, elbv2, retry, **_):
     """87efc36 (issue 20 items 4, 5): a new instance is signalled when it is a member of a unit whose
     leader is a healthy target; an instance no unit needs (launch-first, a new spare) never is."""
@@ -250,7 +291,7 @@ def test_a_signal_rule_that_signals_every_new_instance_at_once_has_two_units_out
 
 CONFIGS = {"ami-change-large.yaml": LARGE, "metric-gap.yaml": ELASTIC, "capacity-refusal.yaml": ELASTIC,
            "unit-never-forms.yaml": ELASTIC, "down-unit-capacity-outage.yaml": ELASTIC,
-           "down-unit-short-outage-load-returns.yaml": ELASTIC}
+           "down-unit-short-outage-load-returns.yaml": ELASTIC, "unregistered-node.yaml": ELASTIC}
 SLOW = {"day-36-units.yaml"}  # run once below, timed
 
 

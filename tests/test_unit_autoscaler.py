@@ -278,3 +278,20 @@ def test_a_stalled_restart_is_watched_not_in_the_rollout_gate(synth_elastic) -> 
     stack: CellStack = synth_elastic.stacks[STACK]
     assert stack.alarms.watched_alarms["autoscaler-stalled"] is stack.autoscaler.stalled_alarm
     assert "autoscaler-stalled" not in stack.alarms.component_alarms
+
+
+def test_an_instance_is_judged_never_registered_only_past_the_nodes_own_budget() -> None:
+    """The autoscaler stops counting an InService instance without a container instance as capacity
+    UNREGISTERED_AFTER_S after its launch (unit_autoscaler.handler). A sound node must have registered by then: boot,
+    setup and registration (NODE_BOOT_SECONDS), the setup's network retry waits (node_setup.sh NETWORK_RETRY_BUDGET)
+    and the grace the node gives its agent before it reports itself (AGENT_GRACE_SECONDS). The three live in three
+    places; this keeps the bound above their sum when one of them grows."""
+    from unit_autoscaler.handler import UNREGISTERED_AFTER_S
+
+    from cell_constructs.trainium_capacity import AGENT_GRACE_SECONDS, NODE_SETUP_SCRIPT
+    from inference_fleet.cell_checks import NODE_BOOT_SECONDS
+
+    budget = re.search(r"^NETWORK_RETRY_BUDGET=(\d+)$", NODE_SETUP_SCRIPT.read_text(), re.MULTILINE)
+    assert budget is not None
+    budget_s = NODE_BOOT_SECONDS + int(budget[1]) + AGENT_GRACE_SECONDS
+    assert budget_s <= UNREGISTERED_AFTER_S, (budget_s, UNREGISTERED_AFTER_S)

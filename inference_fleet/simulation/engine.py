@@ -153,6 +153,7 @@ class Cell:
         self.devices_lost: set[str] = set()  # instances that lost a device after boot (`device_lost`)
         self.bad_hosts: dict[str, int] = {}  # iid -> times
         self.unformable_left = 0  # how many of the group's next launches are hosts where every fetch fails
+        self.unregistered_left = 0  # how many of the group's next launches never register with ECS
         # A deploy's revision whose objects are missing from the bucket (`deploy` with `missing_artifacts`): every
         # fetch of a unit at or above it fails. Modelled as the leader's own (nobody named); on AWS each
         # follower's fetch before it joins fails too, naming itself (runner._fetch_before_joining).
@@ -300,6 +301,11 @@ class Cell:
             inst.unformable = True
             self.named.add(inst.iid)
             self.note(f"{inst.iid} is a host where every fetch fails (unformable_launches)")
+        if self.unregistered_left > 0:
+            self.unregistered_left -= 1
+            inst.never_registers = True
+            self.named.add(inst.iid)
+            self.note(f"{inst.iid} never registers with ECS (unregistered_launches)")
         self.after(self.model.v("asg_in_service"), self._in_service, inst)
         self.after(self.vary("instance_boot"), self._register, inst)
         roll = self.roll
@@ -312,7 +318,7 @@ class Cell:
             inst.lifecycle = "InService"
 
     def _register(self, inst: Instance) -> None:
-        if inst.lifecycle == "Terminated":
+        if inst.lifecycle == "Terminated" or inst.never_registers:
             return
         inst.registered, inst.registered_at = True, self.now
         self.note(f"{inst.iid} registered with ECS")
@@ -1161,6 +1167,9 @@ class Cell:
     def _do_unformable_launches(self, event: Event) -> None:
         self.unformable_left += event.times
 
+    def _do_unregistered_launches(self, event: Event) -> None:
+        self.unregistered_left += event.times
+
     def _do_ami_change(self, event: Event) -> None:
         if self.roll.active:
             self.note("rolling update already in progress: the new change waits (not modelled)")
@@ -1320,7 +1329,8 @@ class Cell:
                                deployed_at=unix(max((t for t in (self.roll.finished, self.deploy_finished)
                                                      if t is not None), default=None)),
                                unlabelled_instances=len(as_handler.unlabelled_live(*self._group_view(),
-                                                                                    self._unusable())))
+                                                                                    self._unusable(),
+                                                                                    self._unregistered())))
 
     def autoscale(self) -> None:
         obs = self.observation()
@@ -1330,7 +1340,8 @@ class Cell:
         context = None if obs.stack_busy else self._autoscaler_context(obs)
         if decision.action == "hold":
             if context is not None:
-                self._give_back_unclaimed(decision, context)
+                if not self._give_back_unclaimed(decision, context):
+                    self._replace_unregistered(decision, context)
                 self._release_unlabelled(context)
             return
         self.note(f"autoscaler {decision.action} {[f'u{i}' for i in decision.units]}: {decision.reason}")
@@ -1404,6 +1415,13 @@ class Cell:
         attributes = {i.iid: {k: str(v) for k, v in i.attributes.items()} for i in live if i.registered}
         return group, attributes
 
+    def _unregistered(self) -> list[str]:
+        """The handler's instances that never registered (`unregistered_instances`, called as it is), each launch's
+        time known exactly (the handler reads it from the scaling activities)."""
+        group, attributes = self._group_view()
+        launched = {i.iid: EPOCH + i.launched for i in self.live_instances()}
+        return as_handler.unregistered_instances(group, attributes, launched, None, self.wall())
+
     def _unusable(self) -> set[str]:
         """Registered instances that can take no task (the handler's `InstanceView.unusable`)."""
         return {i.iid for i in self.live_instances()
@@ -1421,19 +1439,37 @@ class Cell:
         units = list(obs.units)
         busy = {i.iid for i in self.live_instances() if i.task is not None and i.task.state != "STOPPED"}
         settings = self._as_settings()
+        unregistered = self._unregistered()
         return {"group": group, "labelled": as_aws.unit_instances(attributes),
                 "failures": [(EPOCH + t, "InsufficientInstanceCapacity") for t in self.capacity_failures
                              if self.now - t <= CAPACITY_LOOKBACK_S],
-                "unlabelled": as_handler.unlabelled_beyond_need(settings, group, attributes, units, busy),
-                "spare": as_handler.spare_capacity(settings, group, attributes, units, self._unusable(), busy)}
+                "unregistered": unregistered,
+                "unlabelled": as_handler.unlabelled_beyond_need(settings, group, attributes, units, busy,
+                                                                unregistered),
+                "spare": as_handler.spare_capacity(settings, group, attributes, units, self._unusable(), busy,
+                                                   unregistered),
+                "replacements": as_handler.unregistered_replacements(settings, group, attributes, units,
+                                                                     unregistered)}
 
-    def _give_back_unclaimed(self, decision: asd.Decision, context: dict[str, Any]) -> None:
+    def _give_back_unclaimed(self, decision: asd.Decision, context: dict[str, Any]) -> bool:
         """The handler's give-back (`unclaimed_desired`, called as it is): a hold tick after a capacity refusal
-        lowers the desired capacity by launches not made that no active unit lacks."""
+        lowers the desired capacity by launches not made that no active unit lacks. Whether it did."""
         desired = as_handler.unclaimed_desired(decision, context)
         if desired < self.desired:
             self.note(f"autoscaler gives back {self.desired - desired} launch(es) refused that no unit waits for")
             self.desired = desired
+            return True
+        return False
+
+    def _replace_unregistered(self, decision: asd.Decision, context: dict[str, Any]) -> None:
+        """The handler's launch in place of instances that never registered (`unregistered_desired`, called as it
+        is): a hold tick raises the desired capacity by what the active units lack only because of them."""
+        desired = as_handler.unregistered_desired(decision, context)
+        if desired > self.desired:
+            self.note(f"autoscaler raises the group {self.desired} -> {desired} in place of instance(s) that never "
+                      f"registered: {', '.join(context['unregistered'])}")
+            self.desired = desired
+            self.asg_converge()
 
     def _release_unlabelled(self, context: dict[str, Any]) -> None:
         """The handler's rule for unlabelled instances no unit waits for (`unlabelled_beyond_need`, called

@@ -41,6 +41,9 @@ KINDS: Mapping[str, tuple[frozenset[str], frozenset[str]]] = {
     # The next `times` instances the group launches are hosts on which a member's fetch fails every time
     # (`artifacts`, which implicates no host): a unit with a member there never forms.
     "unformable_launches": (frozenset({"times"}), frozenset()),
+    # The next `times` instances the group launches never register with ECS (their setup failed, or their agent
+    # never registers): InService and healthy in the group, no container instance, for good.
+    "unregistered_launches": (frozenset({"times"}), frozenset()),
     # The target's model cache goes bad and every fetch there fails from then on: its session ends
     # `artifacts_mismatch`, each later one `artifacts` (neither implicates a host).
     "cache_corrupt": (frozenset({"target"}), frozenset()),

@@ -81,6 +81,8 @@ class Instance:
     device_lost: bool = False
     # A host on which every fetch fails (scenario `unformable_launches`): a unit with a member here never forms.
     unformable: bool = False
+    # Never registers with ECS (scenario `unregistered_launches`): a failed setup, or an agent that never registers.
+    never_registers: bool = False
     start_failures: int = 0
 
     @property

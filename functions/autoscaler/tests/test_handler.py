@@ -19,7 +19,7 @@ from botocore.config import Config
 from botocore.exceptions import ClientError, ConnectionClosedError, EndpointConnectionError, ReadTimeoutError
 from botocore.stub import ANY, Stubber
 from placement_controller.assignment import Instance, plan_cell
-from unit_autoscaler import aws, counts
+from unit_autoscaler import aws, counts, handler
 from unit_autoscaler.decision import Policy
 from unit_autoscaler.handler import Clients, Settings, tick
 
@@ -106,7 +106,7 @@ class Cell:
 
     def group(self, desired: int, instances: list[str], served: str | None = None,
               states: dict[str, str] | None = None, unhealthy: tuple[str, ...] = (), max_size: int = 6,
-              **tags: float | str) -> None:
+              min_size: int = 2, **tags: float | str) -> None:
         """The group; `served`: the served latch tag's value (None: no such tag); `states`: more
         instances with their lifecycle state (the others are InService); `unhealthy`: HealthStatus."""
         lifecycle = {**dict.fromkeys(instances, "InService"), **(states or {})}
@@ -117,7 +117,7 @@ class Cell:
             listed.append({"ResourceId": GROUP, "ResourceType": "auto-scaling-group", "Key": aws.TAG_SERVED,
                            "Value": served, "PropagateAtLaunch": False})
         self.autoscaling.add_response("describe_auto_scaling_groups", {"AutoScalingGroups": [{
-            "AutoScalingGroupName": GROUP, "MinSize": 2, "MaxSize": max_size, "DesiredCapacity": desired,
+            "AutoScalingGroupName": GROUP, "MinSize": min_size, "MaxSize": max_size, "DesiredCapacity": desired,
             "DefaultCooldown": 300, "AvailabilityZones": [f"{REGION}a"], "HealthCheckType": "EC2",
             "CreatedTime": datetime(2026, 1, 1, tzinfo=UTC),
             "Instances": [{"InstanceId": i, "AvailabilityZone": f"{REGION}a", "LifecycleState": state,
@@ -174,12 +174,19 @@ class Cell:
             self.ecs.add_response("describe_tasks", {"tasks": tasks, "failures": []},
                                   {"cluster": CLUSTER, "tasks": [t["taskArn"] for t in tasks]})
 
-    def activities(self, *failures: tuple[float, str]) -> None:
+    def activities(self, *failures: tuple[float, str], launches: dict[str, float] | None = None,
+                   terminations: tuple[float, ...] = ()) -> None:
+        """DescribeScalingActivities, newest first: launches refused (`failures`: time, message), instances launched
+        (`launches`: instance -> the launch's start, Successful) and other finished activities (`terminations`)."""
+        listed = [(t, "Failed", "Launching a new EC2 instance.  Status Reason: " + message, message)
+                  for t, message in failures]
+        listed += [(t, "Successful", f"Launching a new EC2 instance: {i}", None) for i, t in (launches or {}).items()]
+        listed += [(t, "Successful", f"Terminating EC2 instance: i-old{n}", None) for n, t in enumerate(terminations)]
         self.autoscaling.add_response("describe_scaling_activities", {"Activities": [
             {"ActivityId": f"a{n}", "AutoScalingGroupName": GROUP, "Cause": "user request",
-             "StartTime": datetime.fromtimestamp(t, UTC), "StatusCode": "Failed", "StatusMessage": message,
-             "Description": "Launching a new EC2 instance.  Status Reason: " + message}
-            for n, (t, message) in enumerate(failures)
+             "StartTime": datetime.fromtimestamp(t, UTC), "StatusCode": status, "Description": description,
+             **({"StatusMessage": message} if message is not None else {})}
+            for n, (t, status, description, message) in enumerate(sorted(listed, key=lambda a: -a[0]))
         ]}, {"AutoScalingGroupName": GROUP, "MaxRecords": 50})
 
     def metrics(self, loads: dict[str, Minutes], ttft: float | None = None, end: float = MINUTE_END) -> None:
@@ -1702,3 +1709,422 @@ def test_a_give_back_the_group_refuses_as_busy_leaves_the_hold_tick_whole() -> N
     summary = cell.run(FOUR_UNITS)
     assert summary["action"] == "hold" and "given_back" not in summary["done"], summary
     assert cell.emf["CapacityFailures"] == 1.0, cell.emf
+
+
+# -- instances that never register (a failed node setup, an ECS agent that never registers) -------------
+
+AGED = NOW - handler.UNREGISTERED_AFTER_S - 60  # launched 41 minutes ago: a sound node has registered long since
+
+
+def waiting_on(cell: Cell, dud_launched: float | None, desired: int = 2, pending: tuple[str, ...] = (),
+               terminations: tuple[float, ...] = ()) -> None:
+    """u0 (two nodes), activated 50 minutes ago, is starting: i-good has registered (free, unlabelled: the placement
+    controller labels only whole groups of free instances), i-dud is InService and no container instance (its setup
+    failed, or its agent never registered). `dud_launched`: when i-dud's launch started (None: not listed)."""
+    cell.stack()
+    cell.group(desired, ["i-good", "i-dud"], states=dict.fromkeys(pending, "Pending"),
+               **{aws.TAG_LAST_OUT: NOW - 3000, aws.TAG_ACTIVATED: f"{int(NOW - 3000)}:0"})
+    cell.services({"u0": (1, 0, 1, 0), "u1": (0, 0), "u2": (0, 0)})
+    cell.labels({"i-good": None})
+    cell.activities(launches=None if dud_launched is None else {"i-dud": dud_launched}, terminations=terminations)
+    cell.metrics({})
+
+
+def test_a_starting_unit_waiting_on_an_instance_that_never_registered_gets_a_launch_in_its_place() -> None:
+    """Before: i-dud counted as one still booting, for good (`unlabelled_live`): u0 lacked nothing the group did not
+    hold, so nothing was launched; never labelled, u0 was never stalled (the stall rule needs all its instances) nor
+    cancelled (nothing refused), and held every scale-in (docs/cell-lifecycle.md, "An ECS agent that never
+    registers"). Now, 40 minutes after its launch, i-dud is no capacity: the group is raised by one, once (the next
+    tick reads the launch asked for), and i-dud is kept, unlabelled and protected, while u0 waits (released once u0
+    has formed: `test_an_unregistered_instance_is_released_once_its_unit_formed_on_the_launch_in_its_place`)."""
+    cell = Cell()
+    waiting_on(cell, AGED)
+    cell.expect_desired(3)
+    summary = cell.run()
+    assert (summary["action"], summary["phases"]["u0"]) == ("hold", "starting"), summary
+    assert summary["done"] == {"launched_for_unregistered": 1} and summary["unregistered"] == ["i-dud"], summary
+    assert cell.emf["UnregisteredInstances"] == 1.0
+    # A minute later the launch is under way (i-new Pending): nothing more is asked for, nothing released.
+    cell = Cell()
+    waiting_on(cell, AGED, desired=3, pending=("i-new",))
+    assert cell.run(now=NOW + 60)["done"] == {}
+
+
+@pytest.mark.parametrize("launched", [NOW - 1200, NOW - handler.UNREGISTERED_AFTER_S + 60, None],
+                         ids=["20-min", "a-minute-before-the-bound", "age-unknown"])
+def test_an_unregistered_instance_that_may_still_register_counts_as_capacity(launched: float | None) -> None:
+    """Launched 20 minutes ago, or a minute short of UNREGISTERED_AFTER_S, i-dud may be a node still booting (setup
+    with the EFA installer and its retries, then the agent): u0 waits for it as before, nothing launched. With no
+    activity listed at all its age is unknown, and it counts as before."""
+    cell = Cell()
+    cell.stack()
+    cell.group(2, ["i-good", "i-dud"], **{aws.TAG_LAST_OUT: NOW - 3000, aws.TAG_ACTIVATED: f"{int(NOW - 3000)}:0"})
+    cell.services({"u0": (1, 0, 1, 0), "u1": (0, 0), "u2": (0, 0)})
+    cell.labels({"i-good": None})
+    cell.activities(launches=None if launched is None else {"i-dud": launched})
+    cell.metrics({})
+    summary = cell.run()  # the Stubber refuses any SetDesiredCapacity
+    assert summary["done"] == {} and summary["unregistered"] == [], summary
+
+
+def expect_released(cell: Cell, *instances: str) -> None:
+    """The surplus release (`release_unlabelled`), as before the rule: ListTasks for tasks still stopping, then
+    exactly these instances unprotected and each terminated, decrementing the desired capacity."""
+    cell.stopping()
+    cell.autoscaling.add_response("set_instance_protection", {}, {
+        "AutoScalingGroupName": GROUP, "InstanceIds": sorted(instances), "ProtectedFromScaleIn": False})
+    for instance in sorted(instances):
+        cell.autoscaling.add_response("terminate_instance_in_auto_scaling_group", {}, {
+            "InstanceId": instance, "ShouldDecrementDesiredCapacity": True})
+
+
+def formed_on_the_replacement(cell: Cell, labelled: bool, at: float, served: bool = False,
+                              instances: tuple[str, ...] = ("i-good", "i-new", "i-dud")) -> None:
+    """After `test_a_starting_unit_waiting_on_an_instance_that_never_registered_gets_a_launch_in_its_place`: i-new,
+    launched in i-dud's place, has registered; `labelled`: the placement controller has labelled it and i-good for
+    u0 (else both free); `served`: u0 serves (its latch). The group at desired 3 with i-dud, 2 without it."""
+    cell.stack()
+    cell.group(len(instances), list(instances), served="0" if served else None,
+               **{aws.TAG_LAST_OUT: NOW - 3000, aws.TAG_ACTIVATED: f"{int(NOW - 3000)}:0"})
+    cell.services({"u0": (1, 1, 1, 1) if labelled else (1, 0, 1, 0), "u1": (0, 0), "u2": (0, 0)})
+    unit = "u0" if labelled else None
+    cell.labels({"i-good": unit, "i-new": unit}, running={"i-good": 1, "i-new": 1} if labelled else None)
+    cell.activities(launches={"i-good": NOW - 3000, "i-dud": NOW - 3000, "i-new": NOW + 60})
+    cell.metrics({"u0": (8.0, 1.0)} if served else {}, end=at // 60 * 60)
+
+
+def test_an_unregistered_instance_is_released_once_its_unit_formed_on_the_launch_in_its_place() -> None:
+    """The single instance that never registered, to its end. u0 got a launch in i-dud's place (desired 2 -> 3,
+    `test_a_starting_unit_waiting_on_an_instance_that_never_registered_gets_a_launch_in_its_place`). While u0 still
+    lacks instances (i-new registered, not labelled yet) i-dud is kept: nothing released, nothing raised. Once the
+    placement controller has labelled i-good and i-new for u0, no active unit lacks an instance, and i-dud is surplus:
+    unprotected and terminated, decrementing (3 -> 2), by the release path as before the rule. Then nothing more.
+    Before (autoscaler-unregistered-review), i-dud was kept for good, holding a place of MaxSize and a Trainium
+    instance's bill (seen failing there in the second tick: "2 responses remaining in queue. The tick: hold [],
+    'load 0.00 on 1 active units (need 1)'", i-dud's unprotection and termination not made)."""
+    cell = Cell()
+    formed_on_the_replacement(cell, labelled=False, at=NOW + 1500)
+    summary = cell.run(now=NOW + 1500)  # the Stubber refuses any release or SetDesiredCapacity
+    assert (summary["done"], summary["unregistered"], summary["phases"]["u0"]) == ({}, ["i-dud"], "starting")
+    cell = Cell()
+    formed_on_the_replacement(cell, labelled=True, at=NOW + 1560)
+    expect_released(cell, "i-dud")
+    summary = cell.run(now=NOW + 1560)
+    assert (summary["action"], summary["done"]) == ("hold", {"released_unlabelled": 1}), summary
+    cell = Cell()
+    formed_on_the_replacement(cell, labelled=True, at=NOW + 1800, served=True, instances=("i-good", "i-new"))
+    summary = cell.run(now=NOW + 1800)
+    assert (summary["action"], summary["done"], summary["unregistered"]) == ("hold", {}, []), summary
+
+
+def test_an_unregistered_instance_no_unit_waits_for_is_released_as_before_the_rule() -> None:
+    """u1 waited on i-dud and is no longer active (its activation cancelled on a refused launch, or stopped: the tick
+    sees the same, u1's services at 0); u0 is whole. Nothing lacks an instance, so i-good and i-dud are both
+    surplus and released, decrementing (4 -> 2), as before the rule. Before (autoscaler-unregistered-review) i-dud
+    was kept for good (seen failing there: SetInstanceProtection "Expected parameters: ... 'InstanceIds': ['i-dud',
+    'i-good'] ... but received: ... 'InstanceIds': ['i-good']")."""
+    cell = Cell()
+    cell.stack()
+    cell.group(4, ["i-0", "i-1", "i-good", "i-dud"], served="0",
+               **{aws.TAG_LAST_OUT: NOW - 3000, aws.TAG_ACTIVATED: f"{int(NOW - 3000)}:1"})
+    cell.services({"u0": (2, 2), "u1": (0, 0), "u2": (0, 0)})
+    cell.labels({"i-0": "u0", "i-1": "u0", "i-good": None}, running={"i-0": 1, "i-1": 1})
+    cell.activities((NOW - 100, REFUSAL), launches={"i-good": NOW - 3000, "i-dud": NOW - 3000})
+    cell.metrics({"u0": (8.0, 1.0)})
+    expect_released(cell, "i-dud", "i-good")
+    summary = cell.run(now=NOW + 60)
+    assert (summary["action"], summary["done"]) == ("hold", {"released_unlabelled": 2}), summary
+    assert summary["unregistered"] == ["i-dud"] and cell.emf["UnregisteredInstances"] == 1.0
+
+
+def test_a_surplus_bounded_by_min_size_takes_the_unregistered_instance_not_a_sound_one() -> None:
+    """An operator raised MinSize to 5 and the group launched i-boot (InService 10 minutes, not registered yet: a
+    sound node booting); u0 and u1 are whole. One instance is surplus (desired 6, MinSize 5): i-dud, which will
+    never serve, not i-boot, though both lack a container instance and i-boot sorts first by id (the order before the
+    rule). Before (autoscaler-unregistered-review) i-dud was kept and the sound i-boot released in its place (seen
+    failing there: SetInstanceProtection "Expected parameters: ... 'InstanceIds': ['i-dud'] ... but received: ...
+    'InstanceIds': ['i-boot']")."""
+    cell = Cell()
+    cell.stack()
+    cell.group(6, ["i-0", "i-1", "i-2", "i-3", "i-boot", "i-dud"], served="0,1", min_size=5,
+               **{aws.TAG_LAST_OUT: NOW - 3000, aws.TAG_ACTIVATED: f"{int(NOW - 3000)}:1"})
+    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (0, 0)})
+    cell.labels({"i-0": "u0", "i-1": "u0", "i-2": "u1", "i-3": "u1"},
+                running={"i-0": 1, "i-1": 1, "i-2": 1, "i-3": 1})
+    cell.activities(launches={"i-dud": AGED, "i-boot": NOW - 600})
+    cell.metrics({"u0": (8.0, 1.0), "u1": (8.0, 1.0)})
+    expect_released(cell, "i-dud")
+    summary = cell.run()
+    assert (summary["done"], summary["unregistered"]) == ({"released_unlabelled": 1}, ["i-dud"]), summary
+
+
+def test_unregistered_instances_are_kept_while_their_unit_waits_under_a_fault_every_launch_shares() -> None:
+    """Every launch never registers (a bad AMI, the instance role, ecs.config). Tick by tick: 40 minutes after the
+    scale-out u0's two instances are judged and two launches are made in their place (2 -> 4); a minute later they
+    are Pending and nothing more is asked; 40 minutes after them all four are judged, more than a unit's nodes: no
+    launch, and none released, as u0 still lacks both its nodes; hours later the same. Released while u0 waits,
+    each would be launched again and judged again 40 minutes later, for good (a fault every launch shares); kept, the
+    group holds 2 x nodes of them until the operator acts (the node alarms). Seen failing with every unregistered
+    instance released whatever the units lack (`kept` empty in `unlabelled_beyond_need`): "Error getting response
+    stub for operation ListTasks: Unexpected API Call", the release of two of them begun in the third tick."""
+    duds = ["i-d0", "i-d1"]
+    again = ["i-d2", "i-d3"]
+
+    def at(now: float, desired: int, instances: list[str], states: dict[str, str] | None = None) -> dict:
+        cell = Cell()
+        cell.stack()
+        cell.group(desired, instances, states=states,
+                   **{aws.TAG_LAST_OUT: NOW - 2500, aws.TAG_ACTIVATED: f"{int(NOW - 2500)}:0"})
+        cell.services({"u0": (1, 0, 1, 0), "u1": (0, 0), "u2": (0, 0)})
+        cell.labels({})
+        cell.activities(launches={**dict.fromkeys(duds, NOW - 2500), **dict.fromkeys(again, NOW + 60)})
+        cell.metrics({}, end=now // 60 * 60)
+        if now == NOW:
+            cell.expect_desired(4)
+        return cell.run(now=now)
+
+    assert at(NOW, 2, duds)["done"] == {"launched_for_unregistered": 2}
+    assert at(NOW + 120, 4, duds, dict.fromkeys(again, "Pending"))["done"] == {}
+    for later in (NOW + 2520, NOW + 8 * 3600):
+        summary = at(later, 4, duds + again)
+        assert (summary["done"], summary["unregistered"], summary["phases"]["u0"]) == (
+            {}, duds + again, "starting"), summary
+
+
+def test_a_surplus_unregistered_instance_goes_before_the_give_back_and_neither_fights_the_other() -> None:
+    """A launch refused after the last scale-out that no unit waits for (desired 4, 3 live) and i-dud, surplus (u0
+    whole). The tick releases i-dud (decrementing: 4 -> 3) and gives nothing back, as any tick that releases
+    (`unclaimed_desired`); the next tick, i-dud gone, gives the refused launch back (3 -> 2). Each lowers the desired
+    capacity by its own instance or launch, from the group as read. Before (autoscaler-unregistered-review) the first
+    tick gave back and i-dud stayed (seen failing there: "Error getting response stub for operation
+    SetDesiredCapacity: Operation mismatch: found response for SetInstanceProtection")."""
+    def cell_with(desired: int, instances: list[str]) -> Cell:
+        cell = Cell()
+        cell.stack()
+        cell.group(desired, instances, served="0", **{aws.TAG_LAST_OUT: NOW - 3000,
+                                                      aws.TAG_ACTIVATED: f"{int(NOW - 3000)}:0"})
+        cell.services({"u0": (2, 2), "u1": (0, 0), "u2": (0, 0)})
+        cell.labels({"i-0": "u0", "i-1": "u0"}, running={"i-0": 1, "i-1": 1})
+        return cell
+
+    cell = cell_with(4, ["i-0", "i-1", "i-dud"])
+    cell.activities((NOW - 100, REFUSAL), launches={"i-dud": AGED})
+    cell.metrics({"u0": (8.0, 1.0)})
+    expect_released(cell, "i-dud")
+    assert cell.run()["done"] == {"released_unlabelled": 1}
+    cell = cell_with(3, ["i-0", "i-1"])
+    cell.activities((NOW - 100, REFUSAL))
+    cell.metrics({"u0": (8.0, 1.0)})
+    cell.expect_desired(2)
+    assert cell.run(now=NOW + 60)["done"] == {"given_back": 1}
+
+
+@pytest.mark.parametrize("oldest, launches", [(NOW - 3000, 1), (NOW - 600, 0)],
+                         ids=["50-span-50-min", "50-span-10-min"])
+def test_a_launch_not_among_the_newest_50_activities_is_bounded_by_the_oldest(oldest: float, launches: int) -> None:
+    """i-dud's launch is not among the 50 activities listed (DescribeScalingActivities returns the newest first, and
+    those of the last six weeks only): it started no later than the oldest one listed. When that is 50 minutes ago,
+    i-dud is past UNREGISTERED_AFTER_S and u0 gets a launch in its place; when the 50 span only the last 10 minutes
+    (a busy group: refusals retried every few minutes), its age is not known to be past the bound and it counts as
+    capacity, until the activities say more."""
+    cell = Cell()
+    step = (NOW - 60 - oldest) / 49
+    waiting_on(cell, None, terminations=tuple(NOW - 60 - step * n for n in range(50)))
+    if launches:
+        cell.expect_desired(2 + launches)
+    summary = cell.run()
+    assert summary["done"] == ({"launched_for_unregistered": 1} if launches else {}), summary
+
+
+@pytest.mark.parametrize("duds, desired", [(2, 4), (4, None)], ids=["a-unit-s-worth", "more"])
+def test_launches_for_instances_that_never_registered_stop_past_a_units_worth(duds: int, desired: int | None) -> None:
+    """Both of u0's instances never registered: a launch for each (2 -> 4). If those fail alike (an AMI, the
+    instance role, an ecs.config that keeps every agent out), the group holds 4, more than a unit has nodes: no more
+    launches (the node alarms, in the rollout gate, name the cause); at most 2 x nodes such instances, whatever
+    max_units (MaxSize 6 here would allow two more)."""
+    cell = Cell()
+    instances = [f"i-d{n}" for n in range(duds)]
+    cell.stack()
+    cell.group(duds, instances, **{aws.TAG_LAST_OUT: NOW - 6000, aws.TAG_ACTIVATED: f"{int(NOW - 6000)}:0"})
+    cell.services({"u0": (1, 0, 1, 0), "u1": (0, 0), "u2": (0, 0)})
+    cell.labels({})
+    cell.activities(launches=dict.fromkeys(instances, AGED))
+    cell.metrics({})
+    if desired is not None:
+        cell.expect_desired(desired)
+    summary = cell.run()
+    assert summary["unregistered"] == instances, summary
+    assert summary["done"] == ({"launched_for_unregistered": duds} if desired else {}), summary
+
+
+def test_a_refused_launch_in_place_of_an_unregistered_instance_cancels_the_unit() -> None:
+    """u1 (above min_units) waits on i-dud; the launch asked for in its place (desired 5, 4 live) is refused. Before,
+    i-dud counted among the unlabelled instances on their way, the cell read as short of nothing, and u1 was not
+    cancelled (seen failing: hold): the refusal hid for good. Now u1 is cancelled as any refused activation; the
+    launch it lacks is given back (never below the live instances); the next tick nothing lacks an instance and
+    i-good and i-dud go as surplus
+    (`test_an_unregistered_instance_no_unit_waits_for_is_released_as_before_the_rule`)."""
+    cell = Cell()
+    cell.stack()
+    cell.group(5, ["i-0", "i-1", "i-good", "i-dud"], served="0",
+               **{aws.TAG_LAST_OUT: NOW - 3000, aws.TAG_ACTIVATED: f"{int(NOW - 3000)}:1"})
+    cell.services({"u0": (2, 2), "u1": (1, 0, 1, 0), "u2": (0, 0)})
+    cell.labels({"i-0": "u0", "i-1": "u0", "i-good": None}, running={"i-0": 1, "i-1": 1})
+    cell.activities((NOW - 100, REFUSAL), launches={"i-good": NOW - 3000, "i-dud": NOW - 3000})
+    cell.metrics({"u0": (8.0, 1.0)})
+    cell.expect_stopped("u1")
+    cell.expect_desired(4)
+    summary = cell.run()
+    assert (summary["action"], summary["units"]) == ("cancel", ["u1"]), summary
+
+
+def test_a_launch_in_place_of_an_unregistered_instance_refused_as_busy_is_asked_again_next_tick() -> None:
+    """As the give-back: SetDesiredCapacity refused with ScalingActivityInProgress is logged and tried again next
+    tick; raised, it would fail the hold tick (its EMF line, the served latch)."""
+    cell = Cell()
+    waiting_on(cell, AGED)
+    cell.autoscaling.add_client_error("set_desired_capacity", "ScalingActivityInProgress", http_status_code=400,
+                                      service_message="Scaling activity a-1 is in progress and blocks this action",
+                                      expected_params={"AutoScalingGroupName": GROUP, "DesiredCapacity": 3,
+                                                       "HonorCooldown": False})
+    summary = cell.run()
+    assert summary["action"] == "hold" and summary["done"] == {}, summary
+
+
+def test_the_activities_give_each_launch_and_the_oldest_finished_one() -> None:
+    """A failed launch names no instance; an activity still in progress is listed first whatever its start
+    ("Activities still in progress are described first"), so it bounds nothing."""
+    cell = Cell()
+    cell.autoscaling.add_response("describe_scaling_activities", {"Activities": [
+        {"ActivityId": "a0", "AutoScalingGroupName": GROUP, "Cause": "c", "StatusCode": "InProgress",
+         "StartTime": datetime.fromtimestamp(NOW - 90000, UTC), "Description": "Launching a new EC2 instance: i-p"},
+        {"ActivityId": "a1", "AutoScalingGroupName": GROUP, "Cause": "c", "StatusCode": "Successful",
+         "StartTime": datetime.fromtimestamp(NOW - 300, UTC), "Description": "Launching a new EC2 instance: i-0abc"},
+        {"ActivityId": "a2", "AutoScalingGroupName": GROUP, "Cause": "c", "StatusCode": "Failed",
+         "StartTime": datetime.fromtimestamp(NOW - 600, UTC), "StatusMessage": REFUSAL,
+         "Description": "Launching a new EC2 instance.  Status Reason: " + REFUSAL},
+    ]}, {"AutoScalingGroupName": GROUP, "MaxRecords": 50})
+    with cell.autoscaling:
+        found = aws.scaling_activities(cell.clients.autoscaling, GROUP, aws.Retry(), NOW - 86400)
+    assert found.launched == {"i-p": NOW - 90000, "i-0abc": NOW - 300}
+    assert found.oldest == NOW - 600 and found.failures == [(NOW - 600, REFUSAL)]
+
+
+def test_an_instance_named_by_a_recent_activity_in_other_words_is_not_judged_by_the_oldest() -> None:
+    """The oldest finished activity bounds only a launch that is not listed (the newer 50 pushed it out). An instance
+    the activities do name, in words other than "Launching a new EC2 instance: i-..." (one attached to the group, a
+    launch worded otherwise), was in the group no earlier than that activity began: 5 minutes ago here, so it may
+    still register and counts as capacity. Before, it took the oldest activity's start (3 days ago) and got a launch
+    in its place at once (seen failing: SetDesiredCapacity 3, unexpected)."""
+    young = "i-0a1b2c3d4e5f60718"
+    cell = Cell()
+    cell.stack()
+    cell.group(2, ["i-good", young], **{aws.TAG_LAST_OUT: NOW - 3000, aws.TAG_ACTIVATED: f"{int(NOW - 3000)}:0"})
+    cell.services({"u0": (1, 0, 1, 0), "u1": (0, 0), "u2": (0, 0)})
+    cell.labels({"i-good": None})
+    cell.autoscaling.add_response("describe_scaling_activities", {"Activities": [
+        {"ActivityId": "a1", "AutoScalingGroupName": GROUP, "Cause": "c", "StatusCode": "Successful",
+         "StartTime": datetime.fromtimestamp(NOW - 300, UTC),
+         "Description": f"Attaching an existing EC2 instance: {young}"},
+        {"ActivityId": "a2", "AutoScalingGroupName": GROUP, "Cause": "c", "StatusCode": "Successful",
+         "StartTime": datetime.fromtimestamp(NOW - 3 * 86400, UTC), "Description": "Terminating EC2 instance: i-0ff"},
+    ]}, {"AutoScalingGroupName": GROUP, "MaxRecords": 50})
+    cell.metrics({})
+    summary = cell.run()  # the Stubber refuses any SetDesiredCapacity
+    assert (summary["done"], summary["unregistered"]) == ({}, []), summary
+
+
+@pytest.mark.parametrize("decrement", [True, False], ids=["decremented", "not-decremented"])
+def test_an_unregistered_instance_terminated_with_a_decrement_leaves_its_unit_waiting(decrement: bool) -> None:
+    """The node alarms fire before UNREGISTERED_AFTER_S as a rule (an agent's 10 minutes after the setup's end), so
+    an operator who terminates the instance then must not decrement the desired capacity. Decremented (4 -> 3), u1
+    (above min_units) lacks i-dud's place with nothing asked for, no instance left to judge and nothing refused: no
+    tick launches for it, and it stays starting for good, holding every scale-in (what the first version of the
+    alarms told operators of elastic cells to do). Not decremented, the group launches the replacement (i-new,
+    Pending) and nothing more is asked; had the autoscaler already launched in its place, the extra is released as
+    surplus. The tick is the same; what differs is whether u1's second node is on its way."""
+    cell = Cell()
+    cell.stack()
+    cell.group(3 if decrement else 4, ["i-0", "i-1", "i-good"], served="0",
+               states=None if decrement else {"i-new": "Pending"},
+               **{aws.TAG_LAST_OUT: NOW - 1500, aws.TAG_ACTIVATED: f"{int(NOW - 1500)}:1"})
+    cell.services({"u0": (2, 2), "u1": (1, 0, 1, 0), "u2": (0, 0)})
+    cell.labels({"i-0": "u0", "i-1": "u0", "i-good": None}, running={"i-0": 1, "i-1": 1})
+    cell.activities(launches={"i-good": NOW - 1500})
+    cell.metrics({"u0": (8.0, 1.0)})
+    summary = cell.run()  # no SetDesiredCapacity either way
+    assert (summary["action"], summary["phases"]["u1"], summary["done"]) == ("hold", "starting", {}), summary
+
+
+def test_at_max_size_no_launch_is_made_in_place_of_an_unregistered_instance() -> None:
+    """A known limit, pinned (docs/autoscaling.md, "Instances that never register"): u2, the third of max_units 3,
+    waits on i-dud while the group is at MaxSize 6 (max_units x nodes, terminate-first): the launch in its place is
+    capped, and i-dud is kept while u2 waits, so u2 waits as on main (where i-dud counted as one still booting) until
+    an operator terminates i-dud without decrementing."""
+    cell = Cell()
+    cell.stack()
+    cell.group(6, ["i-0", "i-1", "i-2", "i-3", "i-good", "i-dud"], served="0,1",
+               **{aws.TAG_LAST_OUT: NOW - 3000, aws.TAG_ACTIVATED: f"{int(NOW - 3000)}:2"})
+    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (1, 0, 1, 0)})
+    cell.labels({"i-0": "u0", "i-1": "u0", "i-2": "u1", "i-3": "u1", "i-good": None},
+                running={"i-0": 1, "i-1": 1, "i-2": 1, "i-3": 1})
+    cell.activities(launches={"i-dud": AGED})
+    cell.metrics({"u0": (8.0, 1.0), "u1": (8.0, 1.0)})
+    summary = cell.run()  # no SetDesiredCapacity (7 > MaxSize), no release (u2 lacks both its nodes)
+    assert (summary["phases"]["u2"], summary["done"], summary["unregistered"]) == ("starting", {}, ["i-dud"]), summary
+
+
+def test_an_unregistered_instance_no_unit_needs_leaves_max_size_to_the_last_units_activation() -> None:
+    """The cold review's regression (autoscaler-unregistered-review kept every such instance for good): i-dud is
+    left over, no unit waits for it (u0 and u1 whole, u2 dormant). Kept, it held a place of MaxSize 6, and the
+    activation of u2, the max_units-th unit, was capped at one launch (5 live + 2 > 6): u2 never labelled, stalled
+    or cancelled, holding every scale-in. Now it is released as surplus (5 -> 4), as on main, and u2's activation
+    gets both its launches (4 -> 6). Seen failing there in the first tick: "2 responses remaining in queue. The
+    tick: hold [], 'load 0.50 on 2 active units (need 1)'"."""
+    def cell_with(desired: int, instances: list[str], loaded: float) -> Cell:
+        cell = Cell()
+        cell.stack()
+        cell.group(desired, instances, served="0,1", **{aws.TAG_LAST_OUT: NOW - 7200, aws.TAG_LAST_IN: NOW - 7200})
+        cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (0, 0)})
+        cell.labels({"i-0": "u0", "i-1": "u0", "i-2": "u1", "i-3": "u1"},
+                    running={"i-0": 1, "i-1": 1, "i-2": 1, "i-3": 1})
+        if "i-dud" in instances:
+            cell.stopping()
+        cell.activities(launches={"i-dud": NOW - 7200})
+        cell.metrics({"u0": (loaded, 1.0), "u1": (loaded, 1.0)})
+        return cell
+
+    cell = cell_with(5, ["i-0", "i-1", "i-2", "i-3", "i-dud"], 8.0)
+    cell.autoscaling.add_response("set_instance_protection", {}, {
+        "AutoScalingGroupName": GROUP, "InstanceIds": ["i-dud"], "ProtectedFromScaleIn": False})
+    cell.autoscaling.add_response("terminate_instance_in_auto_scaling_group", {}, {
+        "InstanceId": "i-dud", "ShouldDecrementDesiredCapacity": True})
+    assert cell.run()["done"] == {"released_unlabelled": 1}
+    cell = cell_with(4, ["i-0", "i-1", "i-2", "i-3"], 30.0)
+    cell.expect_desired(6)
+    cell.expect_scale_out(f"{int(NOW + 60)}:2", at=NOW + 60)
+    cell.expect_count("u2", "leader", 1)
+    cell.expect_count("u2", "followers", 1)
+    summary = cell.run(now=NOW + 60)
+    assert (summary["action"], summary["units"], summary["done"]["desired_capacity"]) == ("activate", ["u2"], 6)
+
+
+def test_a_kept_unregistered_instance_counts_toward_another_waiting_units_bound() -> None:
+    """A known limit, pinned (docs/autoscaling.md, "Instances that never register", the bound): u1 formed on the
+    launch made in i-dud1's place (i-new), and u2, activated meanwhile, waits on two instances that never registered
+    (i-d2, i-d3); MaxSize 8 has room. i-dud1 is kept, as u2 lacks instances, so the group holds three such instances,
+    more than a unit's nodes: no launch for u2, and u2 waits (never labelled, stalled or cancelled) until the operator
+    terminates them without decrementing, as under a fault every launch shares, which three of five launches failing
+    may be. Main launched none either (it counted each as one still booting: u1 and u2 both waited)."""
+    cell = Cell()
+    cell.stack()
+    cell.group(7, ["i-0", "i-1", "i-2", "i-new", "i-dud1", "i-d2", "i-d3"], served="0,1", max_size=8,
+               **{aws.TAG_LAST_OUT: NOW - 2500, aws.TAG_ACTIVATED: f"{int(NOW - 2500)}:2;{int(NOW - 4000)}:1"})
+    cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (1, 0, 1, 0)})
+    cell.labels({"i-0": "u0", "i-1": "u0", "i-2": "u1", "i-new": "u1"},
+                running={"i-0": 1, "i-1": 1, "i-2": 1, "i-new": 1})
+    cell.activities(launches={"i-dud1": NOW - 4000, "i-new": NOW - 1500, "i-d2": NOW - 2500, "i-d3": NOW - 2500})
+    cell.metrics({"u0": (8.0, 1.0), "u1": (8.0, 1.0)})
+    summary = cell.run()  # no SetDesiredCapacity (3 > nodes), no release (u2 lacks both its nodes)
+    assert (summary["phases"]["u2"], summary["done"], summary["unregistered"]) == (
+        "starting", {}, ["i-dud1", "i-d2", "i-d3"]), summary

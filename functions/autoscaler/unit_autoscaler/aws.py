@@ -53,6 +53,17 @@ CAPACITY_MESSAGE = re.compile(
     re.IGNORECASE,
 )
 LIVE_STATES = frozenset({"InService", "Pending", "Pending:Wait", "Pending:Proceed"})
+# A scaling activity that launched an instance: Description "Launching a new EC2 instance: i-4ba0837f" (botocore
+# 1.44.18 autoscaling/2011-01-01 examples-1.json, DescribeScalingActivities; the same in the Auto Scaling user guide's
+# troubleshooting example, there with StatusCode Failed). Any status: its StartTime is when the launch began. A warm
+# pool's launch ("... into warm pool: i-...") is not one (the cell has no warm pool).
+LAUNCH_DESCRIPTION = re.compile(r"Launching a new EC2 instance: (i-[0-9A-Za-z]+)")
+# Any instance an activity's Description names, whatever the wording: the activity began no earlier than that instance
+# was in the group (an attach, a move out of Standby, a launch worded otherwise), so its start bounds the instance's
+# age from below. Not the oldest activity listed: the instance's own is listed, and newer.
+NAMED_INSTANCE = re.compile(r"\b(i-[0-9a-f]{8,17})\b")
+# Activity StatusCode values of an activity that has ended (Activity, Amazon EC2 Auto Scaling API Reference).
+FINISHED_ACTIVITY = frozenset({"Successful", "Failed", "Cancelled"})
 # The placement controller's record of a disconnected ECS agent on a container instance (its own constant:
 # placement_controller/ecs_health.py DISCONNECTED_ATTRIBUTE; tests/test_handler.py holds the two equal).
 DISCONNECTED_ATTRIBUTE = "agent-disconnected-since"
@@ -287,17 +298,50 @@ def group_state(autoscaling: BaseClient, group: str, retry: Retry) -> GroupView:
     )
 
 
-def capacity_failures(autoscaling: BaseClient, group: str, retry: Retry, since: float) -> list[tuple[float, str]]:
-    """Launches refused for capacity since `since`: (time, message), newest first."""
+@dataclass(frozen=True)
+class Activities:
+    """What the group's newest scaling activities tell the autoscaler (`scaling_activities`)."""
+
+    failures: list[tuple[float, str]]  # launches refused for capacity: (time, message), newest first
+    launched: dict[str, float]  # EC2 instance id -> when the activity that launched it started
+    # When the oldest finished activity listed started (None: none listed): an instance whose launch is not
+    # listed was launched no later (the activities are listed newest first).
+    oldest: float | None = None
+
+
+def scaling_activities(autoscaling: BaseClient, group: str, retry: Retry, since: float) -> Activities:
+    """The group's newest 50 scaling activities: the launches refused for capacity since `since`, when each instance
+    listed was launched, and when the oldest finished one listed started.
+
+    "Activities are sorted by start time. Activities still in progress are described first" (DescribeScalingActivities,
+    botocore 1.44.18 autoscaling/2011-01-01 `ActivitiesType`; newest first, which the refusals rely on as well), and
+    only those "started within the last six weeks can be returned" (`DescribeScalingActivitiesType`): a launch not
+    listed among the finished ones started no later than the oldest finished one listed (a launch that fell off the
+    50 or the six weeks). An instance named only by an activity worded otherwise (attached to the group by hand, a
+    launch worded otherwise) takes that activity's start (`NAMED_INSTANCE`): its own activity is listed, so the oldest
+    one listed is no bound for it."""
     response = retry.call(autoscaling.describe_scaling_activities, AutoScalingGroupName=group, MaxRecords=50)
-    failures = []
+    failures: list[tuple[float, str]] = []
+    launched: dict[str, float] = {}
+    named: dict[str, float] = {}
+    finished: list[float] = []
     for activity in response.get("Activities", []):
         message = f"{activity.get('StatusMessage', '')} {activity.get('Description', '')}"
         start = _epoch(activity.get("StartTime", 0))
         refused = activity.get("StatusCode") in ("Failed", "Cancelled") and CAPACITY_MESSAGE.search(message)
         if refused and start >= since:
             failures.append((start, str(activity.get("StatusMessage", ""))))
-    return failures
+        if activity.get("StatusCode") in FINISHED_ACTIVITY:
+            finished.append(start)
+        description = str(activity.get("Description", ""))
+        if launch := LAUNCH_DESCRIPTION.match(description):
+            launched[launch[1]] = min(start, launched.get(launch[1], start))
+        for instance_id in NAMED_INSTANCE.findall(description):
+            named[instance_id] = min(start, named.get(instance_id, start))
+    # An instance named only in an activity worded otherwise: that activity's start, not the oldest one's (which
+    # bounds only a launch not listed at all; applied to one listed, it judged an instance attached or launched
+    # minutes ago as 40 minutes old).
+    return Activities(failures, {**named, **launched}, min(finished, default=None))
 
 
 Series = tuple[float | None, ...]  # one value per minute, newest first; None: no datapoint

@@ -178,7 +178,8 @@ class Observation:
     last_scale_in: float | None = None
     capacity_failures: tuple[float, ...] = ()  # times of launches refused for capacity, any order
     # Live instances of the group with no unit label that a unit may still get (booting, not yet
-    # registered, or not yet labelled; handler.unlabelled_live): launched, so not refused.
+    # registered, or not yet labelled; handler.unlabelled_live): launched, so not refused. Not one that
+    # never registered (handler.unregistered_instances): it hid the refusal of its replacement.
     unlabelled_instances: int = 0
     ttft_p90_ms: Series = ()  # the cell's TTFT p90 per minute, newest first
     deployed_at: float | None = None  # when the cell's stack last finished an operation (a deploy)

@@ -27,6 +27,12 @@ and writing the activation's records, before either UpdateService (`unfinished_a
 A just-activated unit whose leader an operator set to 0 gets its stop recorded (`record_stops`),
 so that the tick after does not take it for such a cut-short activation.
 
+A tick that holds also lowers the desired capacity by launches refused that no unit waits for
+(`give_back_unclaimed`), or raises it by one launch in place of each instance that never registered
+with ECS (`unregistered_instances`: InService, no container instance, UNREGISTERED_AFTER_S after its
+launch) that an active unit waits for (`replace_unregistered`); such an instance is kept while an
+active unit lacks instances, then released as surplus (`unlabelled_beyond_need`).
+
 The tick also keeps the served latch (`aws.TAG_SERVED`): every unit seen serving since its
 activation, so that a missing or failed health minute never turns a serving unit back into
 a starting one that a capacity refusal could cancel.
@@ -72,6 +78,19 @@ LOG.setLevel(logging.INFO)
 # newer than the last scale-out, not on this lookback.
 CAPACITY_LOOKBACK_S = 86400.0
 CAPACITY_METRIC_WINDOW_S = 120.0
+# An InService instance of the group that is no ECS container instance this long after its launch is taken for a
+# node that will never serve: its setup failed, or its ECS agent never registers (docs/cell-lifecycle.md, "Failed
+# node setup", "An ECS agent that never registers"). It is no longer counted as capacity a unit may still get, the
+# unit waiting for it gets a launch in its place (`unregistered_replacements`), and it is kept while an active unit
+# lacks instances, then released as surplus (`unlabelled_beyond_need`). The
+# node's own budget: 15 min from launch to registration (NODE_BOOT_SECONDS, inference_fleet/cell_checks.py: boot, the
+# setup with the EFA installer, the agent), up to 9 min more of the setup's network retry waits
+# (NETWORK_RETRY_BUDGET, cell_constructs/node_setup.sh), and the 10 min a set-up node's agent is given before the node
+# reports itself unregistered (AGENT_GRACE_SECONDS, cell_constructs/trainium_capacity.py): 34 min; 40 leave room for
+# the installer's own retried runs beyond the waits (tests/test_unit_autoscaler.py holds it above the sum). Too short,
+# a slow sound node gets a launch it did not need (released as surplus once both have registered); too long, the
+# unit waits that much longer.
+UNREGISTERED_AFTER_S = 2400.0
 
 
 @dataclass(frozen=True)
@@ -127,7 +146,8 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
     if aws.STACK_BUSY.search(status):
         return Observation(now=now, units=(), stack_busy=status), context
     services = aws.unit_services(clients.ecs, settings.cluster, retry)
-    failures = aws.capacity_failures(clients.autoscaling, settings.group, retry, now - CAPACITY_LOOKBACK_S)
+    activities = aws.scaling_activities(clients.autoscaling, settings.group, retry, now - CAPACITY_LOOKBACK_S)
+    failures = activities.failures
     cut_short = unfinished_activations(settings, group, services, failures, now)
     # Before the repair that turns their followers off: a tick that dies between the two still has the record.
     group = record_stops(settings, clients, group, services, failures, now, retry)
@@ -137,6 +157,7 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
     view = aws.instance_attributes(clients.ecs, settings.cluster, retry)
     attributes, busy = view.attributes, set(view.busy)
     labelled = aws.unit_instances(attributes)
+    unregistered = unregistered_instances(group, attributes, activities.launched, activities.oldest, now)
     metrics, ttft = aws.proxy_metrics(clients.cloudwatch, settings.proxy_namespace, settings.cell,
                                       settings.unit_ids, now, retry, minutes=settings.policy.window_minutes)
     latched, activated = aws.served_units(group.tags), aws.activations(group.tags)
@@ -150,7 +171,7 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
     # stopping there keeps it draining (as before), not dormant. (The cell simulation counts such a task by
     # its own unit, label or not.)
     if (any(labelled.get(u.unit_id) and u.phase in ("releasing", "dormant") for u in units)
-            or unlabelled_beyond_need(settings, group, attributes, units, busy)):
+            or unlabelled_beyond_need(settings, group, attributes, units, busy, unregistered)):
         stopping = aws.stopping_tasks(clients.ecs, settings.cluster, retry)
         held = {view.hosts[arn]: count for arn, count in stopping.items() if arn in view.hosts}
         if held:
@@ -161,12 +182,18 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
     obs = Observation(
         now=now, units=tuple(units), last_scale_out=_tag_time(group.tags, aws.TAG_LAST_OUT), last_scale_in=last_in,
         capacity_failures=tuple(t for t, _ in failures), ttft_p90_ms=ttft,
-        unlabelled_instances=len(unlabelled_live(group, attributes, view.unusable)), deployed_at=last_update,
+        unlabelled_instances=len(unlabelled_live(group, attributes, view.unusable, unregistered)),
+        deployed_at=last_update,
     )
+    if unregistered:
+        LOG.warning("launched %d min ago or more, InService, and no ECS container instance (its setup failed or its "
+                    "agent never registered): %s; not counted as capacity, kept while an active unit lacks instances",
+                    UNREGISTERED_AFTER_S // 60, ", ".join(unregistered))
     context.update(services=services, labelled=labelled, failures=failures, served=latched, activated=activated,
-                   restarts=restarts,
-                   unlabelled=unlabelled_beyond_need(settings, group, attributes, units, busy),
-                   spare=spare_capacity(settings, group, attributes, units, view.unusable, busy),
+                   restarts=restarts, unregistered=unregistered,
+                   unlabelled=unlabelled_beyond_need(settings, group, attributes, units, busy, unregistered),
+                   spare=spare_capacity(settings, group, attributes, units, view.unusable, busy, unregistered),
+                   replacements=unregistered_replacements(settings, group, attributes, units, unregistered),
                    starting={u.index for u in units if u.phase == "starting"})
     return obs, context
 
@@ -304,7 +331,7 @@ def finish_half_done(settings: Settings, clients: Clients, services: Mapping[tup
 
 
 def unlabelled_live(group: aws.GroupView, attributes: Mapping[str, Mapping[str, str]],
-                    unusable: Collection[str] = ()) -> list[str]:
+                    unusable: Collection[str] = (), unregistered: Collection[str] = ()) -> list[str]:
     """Live instances of the group (pending or in service) without a `unit` label that a unit may still get.
 
     An instance is labelled only after it has booted and its ECS agent registered (some 15
@@ -312,16 +339,36 @@ def unlabelled_live(group: aws.GroupView, attributes: Mapping[str, Mapping[str, 
     instances were launched, so no refusal was theirs (`decision._cancellable`). Left out: the
     ones that can take no task, whose label the placement controller took or never gives
     (quarantined; the group counting it Unhealthy; ECS draining it or its agent away, `unusable`;
-    a first sighting of a disconnected agent recorded, `agent-disconnected-since`): counted, they
-    hid a refusal of the launch a unit waits for."""
+    a first sighting of a disconnected agent recorded, `agent-disconnected-since`; no container
+    instance long after its launch, `unregistered`): counted, they hid a refusal of the launch a
+    unit waits for, and an instance that never registers hid for good that the unit lacked it."""
     return [i for i in group.live_instances
-            if i not in group.unhealthy and i not in unusable
+            if i not in group.unhealthy and i not in unusable and i not in unregistered
             and not attributes.get(i, {}).get("unit")
             and not {"quarantine", aws.DISCONNECTED_ATTRIBUTE} & set(attributes.get(i, {}))]
 
 
+def unregistered_instances(group: aws.GroupView, attributes: Mapping[str, Mapping[str, str]],
+                           launched: Mapping[str, float], oldest: float | None, now: float) -> list[str]:
+    """InService, Healthy instances that are no ECS container instance (`attributes` lists every one) and were
+    launched UNREGISTERED_AFTER_S ago or more: nodes whose setup failed or whose agent never registers.
+
+    The launch time is the scaling activity's that launched the instance (`aws.scaling_activities`); one not among
+    the activities listed was launched no later than the oldest finished one (`oldest`), which bounds its age from
+    below; nothing listed, its age is unknown and it is not judged (counted as capacity, as before). No
+    ec2:DescribeInstances: it has no resource-level scope (docs/cell-lifecycle.md). An Unhealthy one is left out: the
+    group replaces it. `launched`, `oldest`: Unix times."""
+    found = []
+    for instance_id in group.in_service:
+        since = launched.get(instance_id, oldest)
+        if instance_id not in attributes and since is not None and now - since >= UNREGISTERED_AFTER_S:
+            found.append(instance_id)
+    return found
+
+
 def unlabelled_beyond_need(settings: Settings, group: aws.GroupView, attributes: Mapping[str, Mapping[str, str]],
-                           units: list[Unit], busy: Collection[str] = ()) -> list[str]:
+                           units: list[Unit], busy: Collection[str] = (),
+                           unregistered: Collection[str] = ()) -> list[str]:
     """InService instances with no `unit` label that no active unit is waiting for: to be released.
 
     The placement controller labels only whole groups of `nodes` free instances (and a unit
@@ -336,14 +383,25 @@ def unlabelled_beyond_need(settings: Settings, group: aws.GroupView, attributes:
     Unregistered instances go first: a registered one is ready to serve the unit that waits (an
     unregistered one is still booting, some 15 min from it), and only a registered one can be
     labelled by the placement controller between this tick's read and its termination.
+    An instance that never registered (`unregistered`, `unregistered_instances`) is neither counted nor released
+    while an active unit lacks instances (`active_lack`): the launch in its place is under way or made
+    (`unregistered_replacements`), the operator has it (console output, journal) while the unit waits, and, kept, it
+    is what bounds those launches under a fault every launch shares (released, each 40 minutes would bring one more
+    launch in its place, then its release). Once no active unit lacks an instance it is surplus like any other, as
+    before the rule, and goes first, ahead of the unregistered ones still booting (it will never serve). Kept for
+    good (the rule's first version), it held a place of MaxSize, and a later activation of the max_units-th unit
+    got one launch too few and waited for good.
     """
     need = active_lack(settings, group, attributes, units)
-    free = [i for i in group.in_service if i not in busy
+    kept = set(unregistered) if need > 0 else set()
+    free = [i for i in group.in_service if i not in busy and i not in kept
             and not attributes.get(i, {}).get("unit") and "quarantine" not in attributes.get(i, {})]
     surplus = min(len(free) - need, group.desired - group.min_size)
     if surplus <= 0:
         return []
-    return sorted(free, key=lambda i: (i in attributes, i))[:surplus]
+    # The ones that never registered first, then the others still unregistered, then the registered ones: with the
+    # surplus bounded by MinSize, never a sound instance in place of one that will never serve.
+    return sorted(free, key=lambda i: (i not in unregistered, i in attributes, i))[:surplus]
 
 
 def active_lack(settings: Settings, group: aws.GroupView, attributes: Mapping[str, Mapping[str, str]],
@@ -380,7 +438,8 @@ def lacked(settings: Settings, group: aws.GroupView, labelled: Mapping[str, Coll
 
 
 def spare_capacity(settings: Settings, group: aws.GroupView, attributes: Mapping[str, Mapping[str, str]],
-                   units: list[Unit], unusable: Collection[str] = (), busy: Collection[str] = ()) -> int:
+                   units: list[Unit], unusable: Collection[str] = (), busy: Collection[str] = (),
+                   unregistered: Collection[str] = ()) -> int:
     """Capacity the group already holds or is launching that no active unit is waiting for: an activation
     raises the group only by what its units lack beyond it (`act`).
 
@@ -393,8 +452,33 @@ def spare_capacity(settings: Settings, group: aws.GroupView, attributes: Mapping
     before or after any of its calls. The launches of a restart or of a lost member's replacement are lacked by
     an active unit, so they are never spare."""
     asked = max(0, group.desired - len(group.live_instances))
-    free = [i for i in unlabelled_live(group, attributes, unusable) if i not in busy]
+    free = [i for i in unlabelled_live(group, attributes, unusable, unregistered) if i not in busy]
     return max(0, asked + len(free) - active_lack(settings, group, attributes, units))
+
+
+def unregistered_replacements(settings: Settings, group: aws.GroupView, attributes: Mapping[str, Mapping[str, str]],
+                              units: list[Unit], unregistered: Collection[str]) -> int:
+    """How many launches the active units lack only because instances never registered (`unregistered_instances`):
+    what they lack (`active_lack`) beyond the launches asked for and every other live unlabelled instance (booting,
+    free, or being replaced by the group: an Unhealthy or quarantined one), at most one per such instance.
+
+    Before, such an instance counted as one still booting, for good: a starting unit of two nodes with one registered
+    and one that never would was never labelled (the placement controller labels whole groups of free instances),
+    never stalled (the stall rule needs all its instances) nor cancelled (nothing refused), nothing was launched in
+    its place, and every scale-in was held. The group does not replace it (it passes the EC2 health check; the
+    placement controller sees no container instance). None while the group holds more such instances than a unit
+    has nodes: past one unit's worth the cause is likely every launch's (an AMI, the instance role, ecs.config; the
+    node alarms, in the rollout gate, name it), and each launch would be one more Trainium instance that will not
+    register either. Each is kept while an active unit lacks instances (`unlabelled_beyond_need`), which is whenever
+    this launches, so it still counts here: launches are made while the group holds at most `nodes` of them, each
+    time at most one per instance, and a systematic fault stops with at most 2 x `nodes` of them in the group
+    (whatever `max_units`), the group's MaxSize bounding it besides. None once no active unit lacks instances: then
+    they are surplus, released, and nothing here launches."""
+    if not unregistered or len(unregistered) > settings.policy.nodes:
+        return 0
+    asked = max(0, group.desired - len(group.live_instances))
+    others = [i for i in group.live_instances if i not in unregistered and not attributes.get(i, {}).get("unit")]
+    return max(0, min(len(unregistered), active_lack(settings, group, attributes, units) - asked - len(others)))
 
 
 def utilisation(metrics: aws.UnitMetrics, capacity: int) -> tuple[float | None, ...]:
@@ -582,10 +666,52 @@ def unclaimed_desired(decision: Decision, context: Mapping[str, Any]) -> int:
                max(group.desired - min(asked, context["spare"]), len(group.live_instances), group.min_size))
 
 
-def emf(settings: Settings, decision: Decision, failures: int, now: float, **fields: Any) -> str:
+def replace_unregistered(settings: Settings, clients: Clients, decision: Decision, context: Mapping[str, Any],
+                         retry: aws.Retry) -> int:
+    """Raise the desired capacity by the launches the active units lack only because instances never registered
+    (`unregistered_replacements`); returns by how many. Only in a tick that holds: the other actions change the
+    group from the tick's own read. The group launches; the placement controller labels the new instance with the
+    free registered ones; the instance that never registered stays, unlabelled and protected, until no active unit
+    lacks instances, and is then released as surplus (`unlabelled_beyond_need`: never in a tick that raises here,
+    which needs a unit that lacks). Read from the group each tick: once raised, the launch asked for covers the
+    lack, and no later tick raises again for it."""
+    group: aws.GroupView = context["group"]
+    desired = unregistered_desired(decision, context)
+    if desired <= group.desired:
+        return 0
+    LOG.warning("desired capacity %d -> %d: a launch in place of each instance that never registered and that an "
+                "active unit waits for (%s)", group.desired, desired, ", ".join(context["unregistered"]))
+    try:
+        aws.set_desired_capacity(clients.autoscaling, settings.group, desired, retry)
+    except ClientError as error:
+        # As for the give-back: the group busy (ScalingActivityInProgress, ResourceContention) is asked again next tick.
+        if aws.error_code(error) not in ("ScalingActivityInProgress", "ResourceContention"):
+            raise
+        LOG.warning("desired capacity not raised, tried again next tick: %s", error)
+        return 0
+    return desired - group.desired
+
+
+def unregistered_desired(decision: Decision, context: Mapping[str, Any]) -> int:
+    """The desired capacity `replace_unregistered` sets: the group's own when it launches nothing. From the live
+    instances when they are above the desired capacity (as `activation_raise`), never above MaxSize. A decision, no
+    call: the cell simulation raises its group with it (inference_fleet/simulation/engine.py)."""
+    group: aws.GroupView = context["group"]
+    wanted = context.get("replacements", 0)
+    if decision.action != "hold" or not wanted:
+        return group.desired
+    return max(group.desired, min(max(group.desired, len(group.live_instances)) + wanted, group.max_size))
+
+
+def emf(settings: Settings, decision: Decision, failures: int, now: float, unregistered: int | None = None,
+        **fields: Any) -> str:
+    """The tick's EMF line. `unregistered`: instances that never registered (`unregistered_instances`); None when the
+    tick did not read them (the stack busy), and then no datapoint."""
     metrics = {**decision.metrics, "CapacityFailures": float(failures),
                "ScaleOut": float(decision.action == "activate"), "ScaleIn": float(decision.action == "deactivate"),
                "Cancelled": float(decision.action == "cancel"), "Restarted": float(decision.action == "restart")}
+    if unregistered is not None:
+        metrics["UnregisteredInstances"] = float(unregistered)
     return json.dumps({
         "_aws": {"Timestamp": int(now * 1000), "CloudWatchMetrics": [{
             "Namespace": settings.namespace, "Dimensions": [["Cell"]],
@@ -603,6 +729,8 @@ def tick(settings: Settings, clients: Clients, now: float, retry: aws.Retry,
         done["finished"] = context["finished"]
     if given := give_back_unclaimed(settings, clients, decision, context, retry):
         done["given_back"] = given
+    elif replaced := replace_unregistered(settings, clients, decision, context, retry):
+        done["launched_for_unregistered"] = replaced
     if released := release_unlabelled(settings, clients, decision, context, retry):
         done["released_unlabelled"] = released
     if not obs.stack_busy:
@@ -615,11 +743,12 @@ def tick(settings: Settings, clients: Clients, now: float, retry: aws.Retry,
         "action": decision.action, "units": [f"u{i}" for i in decision.units], "reason": decision.reason,
         "phases": {u.unit_id: u.phase for u in obs.units}, "done": done,
         "capacity_failures": [m for _, m in recent], "stack_status": context.get("stack_status"),
+        "unregistered": context.get("unregistered", []),
     }
     if recent:
         LOG.error("instances could not be obtained: %s", "; ".join(m for _, m in recent))
-    emit(emf(settings, decision, len(recent), now, message=f"{decision.action}: {decision.reason}",
-             summary=summary))
+    emit(emf(settings, decision, len(recent), now, None if obs.stack_busy else len(summary["unregistered"]),
+             message=f"{decision.action}: {decision.reason}", summary=summary))
     return summary
 
 
