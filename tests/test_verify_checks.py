@@ -23,6 +23,7 @@ from inference_fleet.verify.adapter import expectations as fleet_expectations
 from inference_fleet.verify.aws import widget_queries
 from inference_fleet.verify.claims import CLAIMS
 from inference_fleet.verify.context import Context
+from inference_fleet.verify.judged import BelowFloor, judge, resolve
 from inference_fleet.verify.openai_http import OpenAIHttp
 from inference_fleet.verify.report import SCHEMA, CheckResult, Measured, Report
 from inference_fleet.verify.runner import run_kit
@@ -557,20 +558,114 @@ def _dev_of(fleet: Any) -> Any:
     return next(c for c in fleet.cells if c.name == "dev")
 
 
-def test_the_kit_knows_an_elastic_cells_units_up_to_max_units_and_judges_min_units(elastic_fleet: Any) -> None:
+def test_the_kit_knows_an_elastic_cells_units_up_to_max_units_and_reads_which_to_judge(elastic_fleet: Any) -> None:
+    """An elastic cell's judged units are not in the fleet file: the autoscaler picks them (judged.py)."""
     expect = fleet_expectations(elastic_fleet, _dev_of(elastic_fleet))  # cell dev: min_units 2, max_units 12
-    assert expect.units == ["u0", "u1"]
-    assert expect.elastic_units == [f"u{i}" for i in range(2, 12)]
+    assert (expect.units, expect.min_units) == ([], 2)
+    assert expect.elastic_units == expect.all_units == [f"u{i}" for i in range(12)]
+
+
+def test_a_fixed_cell_judges_every_unit_without_asking_the_cell_which_are_active(large_fleet: Any) -> None:
+    """Nothing changes for a fixed cell: every unit of the fleet file is judged, and the cell is not asked which units
+    are active (no DescribeServices on AWS)."""
+    cell = large_fleet.cell("use2-a")  # units: 6
+    expect = fleet_expectations(large_fleet, cell)
+    assert (expect.units, expect.elastic_units, expect.min_units) == ([f"u{i}" for i in range(6)], [], 0)
+
+    class NotAsked(FakeAdapter):
+        def leader_desired(self, unit_ids: list[str]) -> dict[str, int | None]:
+            raise AssertionError("a fixed cell's active units were asked for")
+
+    with FakeOpenAI() as server:
+        adapter = NotAsked(server.url, running=two_tasks())
+        report = run_kit(adapter, expectations(units=["u0"]), settle_seconds=0.0, steps_report_seconds=0.3,
+                         log=lambda _: None)
+    assert report.judged == {"units": ["u0"], "because": "a fixed cell: every unit of the fleet file"}
+    assert {c.check_id: c.status for c in report.checks}["1-serving"] == "pass"
+    assert "units judged: u0 (a fixed cell: every unit of the fleet file)" in report.table()
 
 
 def test_only_an_elastic_unit_that_serves_is_live() -> None:
-    """7a and 7b count the units a request may reach: one at 0 tasks is left out (no check judges it), and so is one
-    whose tasks do not serve yet (u3: activated, its target not healthy)."""
+    """7a and 7b count the units a request may reach: one at 0 tasks is left out, and so is one whose tasks do not
+    serve yet (u3: activated, its target not healthy), judged (u3) or not (u1; u2 serves, activated during the
+    run)."""
     running = {"u0": two_tasks()["u0"], "u2": [Task("arn:task/u2l", "u2", "leader")],
                "u3": [Task("arn:task/u3l", "u3", "leader")]}
     adapter = FakeAdapter("http://unused", running=running, health={"u0": 200, "u2": 200, "u3": 503})
-    ctx = Context(adapter, expectations(elastic_units=["u1", "u2", "u3"]), OpenAIHttp("http://unused"))
-    assert checks_faults.live_units(ctx) == ["u0", "u2"]
+    expect = expectations(units=["u0", "u3"], elastic_units=["u0", "u1", "u2", "u3"], min_units=2)
+    assert checks_faults.live_units(Context(adapter, expect, OpenAIHttp("http://unused"))) == ["u0", "u2"]
+
+
+def serving_cell(url: str, units: list[str], desired: dict[str, int]) -> FakeAdapter:
+    """A cell whose `units` serve and publish what a healthy unit does (self-checks, its session's formation, the
+    proxy's Requests), each leader service's desired count as given; the other units at rest (no task, no target)."""
+    running = {u: [Task(f"arn:task/{u}l", u, "leader"), Task(f"arn:task/{u}f", u, "follower")] for u in units}
+    adapter = FakeAdapter(url, health={u: 200 for u in units}, running=running, desired=desired,
+                          metrics={("Rufus/UnitProxy", "Requests", u): [1.0] for u in units})
+    for u in units:
+        for rank, task in enumerate(running[u]):
+            adapter.log({**self_check(task.task_id, rank), "unit_id": u})
+        adapter.log({"event": "unit_session_formed", "unit_id": u, "session_id": f"s-{u}"})
+    return adapter
+
+
+def elastic_dev(fleet: Any) -> Any:
+    """The elastic test fleet's cell dev (min_units 2, max_units 12), its model's length the fake unit's."""
+    return dataclasses.replace(fleet_expectations(fleet, _dev_of(fleet)), max_seq_len=256)
+
+
+def test_an_elastic_cell_serving_u1_and_u2_with_u0_at_rest_passes_judging_u1_and_u2(elastic_fleet: Any) -> None:
+    """Regression (the thirty-eighth session's review; docs/verifying.md called it a known gap): the kit judged an
+    elastic cell's u0 to u<min_units - 1>, but the autoscaler drains the least-loaded unit whatever its index
+    (decision.py `_least_loaded`), so after a scale-out to u2 and a scale-in of u0 the cell serves its min_units with
+    u1 and u2, and the kit judged u0, at rest: check 1 failed ("units not healthy: {'u0': None}"), and checks 3, 5,
+    6 with it. It judges the units the autoscaler keeps active now, read from the leader services' desired counts."""
+    with FakeOpenAI() as server:
+        adapter = serving_cell(server.url, ["u1", "u2"], desired={"u0": 0, "u1": 1, "u2": 1})
+        report = run_kit(adapter, elastic_dev(elastic_fleet), settle_seconds=0.0, steps_report_seconds=0.3,
+                         log=lambda _: None)
+    failed = {c.check_id: c.detail for c in report.checks if c.status == "fail"}
+    assert report.passed, failed
+    assert report.judged["units"] == ["u1", "u2"]
+    assert "the units its autoscaler keeps active, 2 of them" in report.judged["because"]
+    by_id = {c.check_id: c for c in report.checks}
+    assert by_id["1-serving"].figures["unit_health"] == {"u1": 200, "u2": 200}
+    assert by_id["5-node-self-checks"].detail.startswith("4 node(s)")
+    assert "units judged: u1, u2 (an elastic cell" in report.markdown()
+
+
+@pytest.mark.parametrize(("desired", "judged"), [
+    pytest.param({"u1": 1, "u2": 1}, ["u1", "u2"], id="min_units, not u0"),
+    pytest.param({"u0": 1, "u1": 1, "u2": 1, "u3": 0}, ["u0", "u1", "u2"], id="scaled out: every active unit"),
+    pytest.param({f"u{i}": 1 for i in range(12)}, [f"u{i}" for i in range(12)], id="max_units"),
+])
+def test_an_elastic_cell_judges_every_active_unit_at_least_min_units(
+        elastic_fleet: Any, desired: dict[str, int], judged: list[str]) -> None:
+    """Active: the leader service's desired count > 0, the autoscaler's own `phase_of` (starting or serving); a unit
+    the stack does not hold (None) or at 0 is at rest."""
+    adapter = FakeAdapter("http://unused", desired=desired)
+    assert judge(adapter, elastic_dev(elastic_fleet)).units == judged
+
+
+@pytest.mark.parametrize("desired", [{"u1": 1}, {}, {"u0": 0, "u1": 1, "u2": 0}])
+def test_an_elastic_cell_below_its_floor_fails_every_check_naming_the_shortfall(
+        elastic_fleet: Any, desired: dict[str, int]) -> None:
+    """Fewer active units than min_units: the kit does not judge fewer (nor units at rest to make up the number).
+    Every check fails saying the cell is below its floor, with the units active and at rest; no request is sent and
+    no task stopped, with --destructive too."""
+    with FakeOpenAI() as server:
+        adapter = serving_cell(server.url, ["u1"], desired=desired)
+        report = run_kit(adapter, elastic_dev(elastic_fleet), destructive=True, settle_seconds=0.0,
+                         steps_report_seconds=0.3, log=lambda _: None)
+    active = "u1" if desired.get("u1") else "none"
+    words = (f"the elastic cell is below its floor: {int(bool(desired.get('u1')))} active unit(s), min_units 2 "
+             f"(active (leader service desired count > 0): {active}; at rest (0): ")
+    assert [c.status for c in report.checks] == ["fail"] * len(CLAIMS)
+    assert all(words in c.detail for c in report.checks), report.checks[0].detail
+    assert report.judged["units"] == [] and words in report.judged["because"]
+    assert server.knobs.requests == [] and adapter.stopped == []
+    with pytest.raises(BelowFloor, match="below its floor"):
+        judge(adapter, elastic_dev(elastic_fleet))
 
 
 def test_leader_stop_stops_the_leader_of_an_elastic_unit_above_min_units_that_answers_the_streams(
@@ -579,11 +674,15 @@ def test_leader_stop_stops_the_leader_of_an_elastic_unit_above_min_units_that_an
     unit above them answered counted for none: with every stream on u2, 7b stopped u0's leader (nothing in flight)
     and reported `not_run`. The units up to max_units are known now; those with tasks get a stream each, and the
     leader of the one that answers a stream is stopped. The units at 0 (u3 to u11) are left alone."""
-    expect = dataclasses.replace(fleet_expectations(elastic_fleet, _dev_of(elastic_fleet)), max_seq_len=80)
     running = {u: [Task(f"arn:task/{u}l", u, "leader"), Task(f"arn:task/{u}f", u, "follower")]
                for u in ("u0", "u1", "u2")}
     with fake_unit("openai", token_delay=0.1, served_by=("u2",)) as server:
-        adapter = DrainingCell(server.url, running=running, health={"u0": 200, "u1": 200, "u2": 200})
+        adapter = DrainingCell(server.url, running=running, health={"u0": 200, "u1": 200, "u2": 200},
+                               desired={"u0": 1, "u1": 1})
+        # u2 activated after the kit's start: not judged (its list is read then), live once it serves.
+        expect, _ = resolve(adapter, dataclasses.replace(fleet_expectations(elastic_fleet, _dev_of(elastic_fleet)),
+                                                         max_seq_len=80))
+        assert expect.units == ["u0", "u1"]
         ctx = Context(adapter, expect, fake_client(server), settle_seconds=0.0, recovery_timeout_seconds=5.0)
         result = checks_faults.check_leader_stop(ctx)
     assert adapter.stopped == ["arn:task/u2l"]

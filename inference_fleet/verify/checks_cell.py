@@ -132,7 +132,7 @@ def check_formation(ctx: Context) -> CheckResult:
 
 
 def _running_tasks(ctx: Context) -> tuple[list[tuple[str, Task, float | None]], list[str]]:
-    """The expected units' tasks that run, each with its creation time, and those ECS has not started yet
+    """The judged units' tasks that run, each with its creation time, and those ECS has not started yet
     (PENDING: a replacement waiting for its instance; ListTasks' RUNNING desired status lists them too). A task
     whose times are unknown counts as running."""
     tasks = [(u, t) for u in ctx.expect.units for t in ctx.adapter.tasks(u)]

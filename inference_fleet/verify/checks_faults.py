@@ -63,14 +63,19 @@ def _pick(ctx: Context, role: str) -> Task | None:
 
 
 def live_units(ctx: Context) -> list[str]:
-    """The units a request through the load balancer may reach: the expected ones, and an elastic cell's units above
-    min_units that serve (a healthy target; one at 0 tasks serves nothing, and no check judges it). Until the
-    thirty-eighth session the destructive checks knew the expected ones only: a stream an elastic unit answered
-    counted for none, and 7a's probes answered 200 by it while the stopped unit was half failed the check of a cell
-    of one expected unit. Counted by their tasks at first, a unit just activated (its tasks listed, waiting some 15
-    minutes for their instances) let a half unit's 200s pass 7a (a cold review of that change,
-    `tests/test_verify_checks.py::test_an_elastic_unit_not_serving_yet_does_not_excuse_a_half_unit_answering`)."""
-    return [*ctx.expect.units, *(u for u in ctx.expect.elastic_units if ctx.adapter.unit_health(u) == 200)]
+    """The units a request through the load balancer may reach, in fleet order: a fixed cell's every unit; of an
+    elastic cell, those that serve (a healthy target), judged or not (one at 0 tasks serves nothing, and one the
+    autoscaler activated during the run is not judged: judged.py). Until the thirty-eighth session the destructive
+    checks knew the judged ones only: a stream an elastic unit answered counted for none, and 7a's probes answered
+    200 by it while the stopped unit was half failed the check of a cell of one judged unit. Counted by their tasks
+    at first, a unit just activated (its tasks listed, waiting some 15 minutes for their instances) let a half
+    unit's 200s pass 7a (a cold review of that change,
+    `tests/test_verify_checks.py::test_an_elastic_unit_not_serving_yet_does_not_excuse_a_half_unit_answering`); a
+    judged one is counted by its health too, since the thirty-ninth session judges an elastic cell's active units,
+    a unit activated just before the run among them."""
+    if not ctx.expect.elastic_units:
+        return list(ctx.expect.units)
+    return [u for u in ctx.expect.elastic_units if ctx.adapter.unit_health(u) == 200]
 
 
 def _interval(ctx: Context) -> float:
@@ -213,7 +218,7 @@ def _stopped_at(ctx: Context, tasks: list[Task]) -> dict[str, float | None]:
 def _leader_with_a_stream(ctx: Context, streams: Streams) -> Task | None:
     """The leader task of the first unit (fleet order) that answers a stream in flight; else the first leader."""
     busy = streams.in_flight_units()
-    for unit_id in (u for u in [*ctx.expect.units, *ctx.expect.elastic_units] if u in busy):
+    for unit_id in (u for u in ctx.expect.all_units if u in busy):
         leader = next((t for t in ctx.adapter.tasks(unit_id) if t.role == "leader"), None)
         if leader is not None:
             return leader
