@@ -10,8 +10,8 @@ u<min_units - 1>, and a kit that judged those judged a unit at rest (0 tasks): e
 The signal is the leader service's desired count > 0, not the unit's health:
 - it is the autoscaler's own record of which units are active (decision.py `phase_of`: desired tasks > 0 is
   `starting` or `serving`, and the min_units floor counts exactly those; handler.py `finish_half_done`: "the
-  leader's desired count is the unit's intended state", set first by every action), written by it alone (the
-  desired-counts custom resource writes back what it finds, counts.py);
+  leader's desired count is the unit's intended state", set first by every action; an operator's UpdateService is
+  read the same way), and CloudFormation writes back what it finds (the desired-counts custom resource, counts.py);
 - it does not change with a unit's health. A unit that should serve and does not (a lost follower, a leader being
   replaced, a broken engine) stays judged and fails, named, where a health read at the start would drop it from the
   list and pass on the others; and the kit's own fault checks (7a, 7b) take units down on purpose.
