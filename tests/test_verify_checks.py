@@ -689,6 +689,49 @@ def test_leader_stop_stops_the_leader_of_an_elastic_unit_above_min_units_that_an
     assert result.status == "pass" and "3 stream(s) completed, 3 of them u2's" in result.detail, result.detail
 
 
+def starting_u0(url: str, **cell: Any) -> tuple[dict[str, list[Task]], dict[str, Any]]:
+    """An elastic cell whose autoscaler re-activated u0 (the lowest dormant unit first, decision.py) after it had
+    drained it: u0, u1 and u2 active and judged, u0's tasks listed but its target not healthy (its instances still
+    booting), u1 and u2 serving."""
+    running = {u: [Task(f"arn:task/{u}l", u, "leader"), Task(f"arn:task/{u}f", u, "follower")]
+               for u in ("u0", "u1", "u2")}
+    return running, {"url": url, "running": running, "health": {"u0": 503, "u1": 200, "u2": 200},
+                     "desired": {"u0": 1, "u1": 1, "u2": 1}, **cell}
+
+
+def test_follower_stop_stops_a_follower_of_a_judged_unit_that_serves_not_of_one_starting(
+        elastic_fleet: Any) -> None:
+    """Regression (review of the thirty-ninth session): an elastic cell's judged units are its active ones, a unit
+    activated just before the run among them, and 7a stopped the follower of the first judged unit that had one,
+    serving or not: u0's, still starting, whose stop proves nothing (it was not serving) and sets its start back.
+    It stops a follower of a judged unit that serves (u1)."""
+    with fake_unit("openai") as server:
+        _, cell = starting_u0(server.url)
+        adapter = FakeAdapter(**cell)
+        expect, _ = resolve(adapter, dataclasses.replace(elastic_dev(elastic_fleet), max_seq_len=80))
+        assert expect.units == ["u0", "u1", "u2"]
+        ctx = Context(adapter, expect, fake_client(server), settle_seconds=0.0, recovery_timeout_seconds=0.5)
+        checks_faults.check_follower_stop(ctx)
+    assert adapter.stopped == ["arn:task/u1f"]
+
+
+def test_leader_stop_does_not_wait_for_a_judged_unit_still_starting(elastic_fleet: Any) -> None:
+    """Regression (review of the thirty-ninth session): 7b waited for the first judged unit to serve before it
+    began (up to the recovery timeout, 30 min from the command line) and then failed "u0 is not serving before the
+    stop", on a cell whose u1 and u2 serve, when u0 was the unit a scale-out had just activated. It needs a judged
+    unit that serves, and stops the leader of the one that answers the streams (u1)."""
+    with fake_unit("openai", token_delay=0.1, served_by=("u1",)) as server:
+        _, cell = starting_u0(server.url)
+        adapter = DrainingCell(**cell)
+        expect, _ = resolve(adapter, dataclasses.replace(elastic_dev(elastic_fleet), max_seq_len=80))
+        ctx = Context(adapter, expect, fake_client(server), settle_seconds=0.0, recovery_timeout_seconds=3.0)
+        started = time.monotonic()
+        result = checks_faults.check_leader_stop(ctx)
+    assert adapter.stopped == ["arn:task/u1l"], result.detail
+    assert result.status == "pass" and "2 stream(s) completed, 2 of them u1's" in result.detail, result.detail
+    assert time.monotonic() - started < 3.0
+
+
 @dataclasses.dataclass
 class SlowStop(DrainingCell):
     """A stop call that returns only after `delay` s (ECS StopTask, and the SIGTERM after it, take time)."""
