@@ -580,7 +580,7 @@ def test_a_fixed_cell_judges_every_unit_without_asking_the_cell_which_are_active
         adapter = NotAsked(server.url, running=two_tasks())
         report = run_kit(adapter, expectations(units=["u0"]), settle_seconds=0.0, steps_report_seconds=0.3,
                          log=lambda _: None)
-    assert report.judged == {"units": ["u0"], "because": "a fixed cell: every unit of the fleet file"}
+    assert report.judged == {"units": ["u0"], "because": "a fixed cell: every unit of the fleet file", "not_judged": []}
     assert {c.check_id: c.status for c in report.checks}["1-serving"] == "pass"
     assert "units judged: u0 (a fixed cell: every unit of the fleet file)" in report.table()
 
@@ -627,24 +627,78 @@ def test_an_elastic_cell_serving_u1_and_u2_with_u0_at_rest_passes_judging_u1_and
     failed = {c.check_id: c.detail for c in report.checks if c.status == "fail"}
     assert report.passed, failed
     assert report.judged["units"] == ["u1", "u2"]
-    assert "the units its autoscaler keeps active, 2 of them" in report.judged["because"]
+    assert "its serving units, 2 of them, at least min_units" in report.judged["because"]
     by_id = {c.check_id: c for c in report.checks}
     assert by_id["1-serving"].figures["unit_health"] == {"u1": 200, "u2": 200}
     assert by_id["5-node-self-checks"].detail.startswith("4 node(s)")
     assert "units judged: u1, u2 (an elastic cell" in report.markdown()
 
 
-@pytest.mark.parametrize(("desired", "judged"), [
-    pytest.param({"u1": 1, "u2": 1}, ["u1", "u2"], id="min_units, not u0"),
-    pytest.param({"u0": 1, "u1": 1, "u2": 1, "u3": 0}, ["u0", "u1", "u2"], id="scaled out: every active unit"),
-    pytest.param({f"u{i}": 1 for i in range(12)}, [f"u{i}" for i in range(12)], id="max_units"),
+def activated_not_serving(adapter: FakeAdapter, unit: str) -> FakeAdapter:
+    """`unit` activated (its leader service at 1, its tasks listed) and not serving: its target not healthy, its
+    instances still booting or its formation not done."""
+    adapter.desired[unit] = 1
+    adapter.health[unit] = 503
+    adapter.running[unit] = [Task(f"arn:task/{unit}l", unit, "leader"), Task(f"arn:task/{unit}f", unit, "follower")]
+    return adapter
+
+
+def test_a_unit_activated_just_before_the_run_above_the_floor_is_named_not_judged(elastic_fleet: Any) -> None:
+    """Regression (the cold review of the thirty-ninth session, HIGH): the pipeline's verify gate runs the kit right
+    after the canary's deploy; the autoscaler holds while the stack updates, so a scale-out that built up fires just
+    after it, and the unit it activates (u2: desired 1, serving some 15 minutes later) was judged: check 1 failed
+    ("units not healthy ... {'u2': 503}") and the gate rolled the wave back, on a cell serving its min_units (u0, u1).
+    The serving units are judged when min_units of them serve; u2 is named in the report, not judged."""
+    with FakeOpenAI() as server:
+        adapter = activated_not_serving(serving_cell(server.url, ["u0", "u1"], desired={"u0": 1, "u1": 1}), "u2")
+        report = run_kit(adapter, elastic_dev(elastic_fleet), settle_seconds=0.0, steps_report_seconds=0.3,
+                         log=lambda _: None)
+    failed = {c.check_id: c.detail for c in report.checks if c.status == "fail"}
+    assert report.passed, failed
+    assert (report.judged["units"], report.judged["not_judged"]) == (["u0", "u1"], ["u2"])
+    assert "active, not serving: not judged, the floor is met: u2" in report.judged["because"]
+    assert "active, not serving: not judged, the floor is met: u2" in report.table()
+    assert {c.check_id: c for c in report.checks}["1-serving"].figures["unit_health"] == {"u0": 200, "u1": 200}
+
+
+def test_fewer_units_serving_than_min_units_judges_every_active_unit_and_check_1_names_the_one_not_serving(
+        elastic_fleet: Any) -> None:
+    """min_units 2, u0 serving, u1 active and not serving: the cell does not serve its floor, so both are judged and
+    check 1 fails naming u1 (the shortfall shows as the units that do not serve, not as a list cut to those that
+    do)."""
+    with FakeOpenAI() as server:
+        adapter = activated_not_serving(serving_cell(server.url, ["u0"], desired={"u0": 1}), "u1")
+        report = run_kit(adapter, elastic_dev(elastic_fleet), settle_seconds=0.0, steps_report_seconds=0.3,
+                         log=lambda _: None)
+    assert (report.judged["units"], report.judged["not_judged"]) == (["u0", "u1"], [])
+    assert "1 serving unit(s), fewer than min_units 2: every active unit is judged" in report.judged["because"]
+    serving = {c.check_id: c for c in report.checks}["1-serving"]
+    assert serving.status == "fail" and "units not healthy behind the entry point: {'u1': 503}" in serving.detail, \
+        serving.detail
+
+
+@pytest.mark.parametrize(("desired", "serving", "judged", "named"), [
+    pytest.param({"u1": 1, "u2": 1}, ["u1", "u2"], ["u1", "u2"], [], id="min_units, not u0"),
+    pytest.param({"u0": 1, "u1": 1, "u2": 1, "u3": 0}, ["u0", "u1", "u2"], ["u0", "u1", "u2"], [],
+                 id="scaled out: every serving unit"),
+    pytest.param({f"u{i}": 1 for i in range(12)}, [f"u{i}" for i in range(12)], [f"u{i}" for i in range(12)], [],
+                 id="max_units"),
+    pytest.param({"u0": 1, "u1": 1, "u2": 1, "u5": 1}, ["u1", "u5"], ["u1", "u5"], ["u0", "u2"],
+                 id="min_units serving: the active ones not serving named, not judged"),
+    pytest.param({"u0": 1, "u1": 1, "u2": 1}, ["u2"], ["u0", "u1", "u2"], [],
+                 id="fewer serving than min_units: every active unit"),
+    pytest.param({"u0": 1, "u3": 1}, [], ["u0", "u3"], [], id="none serving: every active unit"),
 ])
-def test_an_elastic_cell_judges_every_active_unit_at_least_min_units(
-        elastic_fleet: Any, desired: dict[str, int], judged: list[str]) -> None:
-    """Active: the leader service's desired count > 0, the autoscaler's own `phase_of` (starting or serving); a unit
-    the stack does not hold (None) or at 0 is at rest."""
-    adapter = FakeAdapter("http://unused", desired=desired)
-    assert judge(adapter, elastic_dev(elastic_fleet)).units == judged
+def test_an_elastic_cell_judges_its_serving_units_when_min_units_serve_else_every_active_unit(
+        elastic_fleet: Any, desired: dict[str, int], serving: list[str], judged: list[str], named: list[str]) -> None:
+    """Active: the leader service's desired count > 0 (judged.py: the autoscaler's min_units floor counts these); a
+    unit the stack does not hold (None) or at 0 is at rest. Serving: active with a healthy target (unit_health 200).
+    At least min_units (2) serving: those are judged, the other active ones named in `not_judged`; fewer: every
+    active unit, so check 1 names those that do not serve."""
+    adapter = FakeAdapter("http://unused", desired=desired, health={u: 200 if u in serving else 503 for u in desired})
+    chosen = judge(adapter, elastic_dev(elastic_fleet))
+    assert (chosen.units, chosen.not_judged) == (judged, named)
+    assert (f"active, not serving: not judged, the floor is met: {', '.join(named)}" in chosen.because) == bool(named)
 
 
 @pytest.mark.parametrize("desired", [{"u1": 1}, {}, {"u0": 0, "u1": 1, "u2": 0}])
@@ -691,12 +745,18 @@ def test_leader_stop_stops_the_leader_of_an_elastic_unit_above_min_units_that_an
 
 def starting_u0(url: str, **cell: Any) -> tuple[dict[str, list[Task]], dict[str, Any]]:
     """An elastic cell whose autoscaler re-activated u0 (the lowest dormant unit first, decision.py) after it had
-    drained it: u0, u1 and u2 active and judged, u0's tasks listed but its target not healthy (its instances still
-    booting), u1 and u2 serving."""
+    drained it: u0, u1 and u2 active, u0's tasks listed but its target not healthy (its instances still booting), u1
+    and u2 serving. Judged, all three, on a cell of min_units 3 (`min_units_3`): fewer serve (judged.py); with
+    min_units 2 u0 is named, not judged."""
     running = {u: [Task(f"arn:task/{u}l", u, "leader"), Task(f"arn:task/{u}f", u, "follower")]
                for u in ("u0", "u1", "u2")}
     return running, {"url": url, "running": running, "health": {"u0": 503, "u1": 200, "u2": 200},
                      "desired": {"u0": 1, "u1": 1, "u2": 1}, **cell}
+
+
+def min_units_3(fleet: Any) -> Any:
+    """The elastic cell dev with min_units 3: with two units serving, every active unit is judged (judged.py)."""
+    return dataclasses.replace(elastic_dev(fleet), max_seq_len=80, min_units=3)
 
 
 def test_follower_stop_stops_a_follower_of_a_judged_unit_that_serves_not_of_one_starting(
@@ -708,7 +768,7 @@ def test_follower_stop_stops_a_follower_of_a_judged_unit_that_serves_not_of_one_
     with fake_unit("openai") as server:
         _, cell = starting_u0(server.url)
         adapter = FakeAdapter(**cell)
-        expect, _ = resolve(adapter, dataclasses.replace(elastic_dev(elastic_fleet), max_seq_len=80))
+        expect, _ = resolve(adapter, min_units_3(elastic_fleet))
         assert expect.units == ["u0", "u1", "u2"]
         ctx = Context(adapter, expect, fake_client(server), settle_seconds=0.0, recovery_timeout_seconds=0.5)
         checks_faults.check_follower_stop(ctx)
@@ -723,7 +783,8 @@ def test_leader_stop_does_not_wait_for_a_judged_unit_still_starting(elastic_flee
     with fake_unit("openai", token_delay=0.1, served_by=("u1",)) as server:
         _, cell = starting_u0(server.url)
         adapter = DrainingCell(**cell)
-        expect, _ = resolve(adapter, dataclasses.replace(elastic_dev(elastic_fleet), max_seq_len=80))
+        expect, _ = resolve(adapter, min_units_3(elastic_fleet))
+        assert expect.units == ["u0", "u1", "u2"]
         ctx = Context(adapter, expect, fake_client(server), settle_seconds=0.0, recovery_timeout_seconds=3.0)
         started = time.monotonic()
         result = checks_faults.check_leader_stop(ctx)

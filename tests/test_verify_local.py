@@ -165,7 +165,8 @@ def stand_in_follower_stop(tmp_path: Path, drain_seconds: float, gate_lag: float
     (503 in a correct unit) until a new follower task joins: the leader writes
     `unit_session_formed` and the unit serves again. The probes go in `frontend`'s API (4-token
     completions, or Triton's `generate`). `elastic`: tasks of an elastic cell's unit u1, which has no healthy target
-    (activated, not serving yet): the kit judges it with u0 (both active, judged.py), as it does at its start."""
+    (activated, not serving yet), in a cell of min_units 2: fewer serve, so the kit judges it with u0 (judged.py), as
+    it does at its start."""
     started = Started(tmp_path)
     with fake_unit(frontend) as server:
         try:
@@ -196,9 +197,9 @@ def stand_in_follower_stop(tmp_path: Path, drain_seconds: float, gate_lag: float
             threading.Thread(target=play_the_unit, daemon=True).start()
             adapter = LocalAdapter(server.url, {"u0": server.url + "/health"}, lambda: started.tasks + (elastic or []))
             expect = unit_expectations(server)
-            if elastic:  # u1's leader task is listed: active, judged with u0 (judged.py), its target not healthy
+            if elastic:  # u1's leader task is listed: active, its target not healthy; judged, one serving of 2
                 expect, _ = resolve(adapter, dataclasses.replace(expect, units=[], elastic_units=["u0", "u1"],
-                                                                 min_units=1))
+                                                                 min_units=2))
                 assert expect.units == ["u0", "u1"]
             ctx = Context(adapter, expect, fake_client(server, 5), settle_seconds=0.2, recovery_timeout_seconds=20)
             result = checks_faults.check_follower_stop(ctx)
@@ -231,7 +232,8 @@ def test_an_elastic_unit_not_serving_yet_does_not_excuse_a_half_unit_answering(t
     """A cold review's finding (helper-265): 7a counted an elastic unit above min_units as one the probes may reach
     once it had tasks, so a unit just activated (its tasks listed, their instances some 15 minutes away) made 200s
     from the half unit "another unit's" and the check passed. Only a unit that serves (a healthy target) counts,
-    judged or not: since the thirty-ninth session an elastic cell's active units are judged, this one among them."""
+    judged or not: an elastic cell with fewer than min_units serving has its active units judged (judged.py), this
+    one among them."""
     pending = [LocalTask("i-u1-leader", "u1", "leader", 0, tmp_path / "none.log", time.time(), lambda: None)]
     result = stand_in_follower_stop(tmp_path, drain_seconds=0.0, gate_lag=0.0, half_status=200, elastic=pending)
     assert result.status == "fail" and "requests while the unit was half got ['200', '503']" in result.detail, \

@@ -233,7 +233,11 @@ class AwsAdapter:
 
     def leader_desired(self, unit_ids: list[str]) -> dict[str, int | None]:
         """Each unit's leader service's desired count (DescribeServices, by the service names the stack lists);
-        None for a unit whose leader service the stack does not hold or ECS does not know (a `MISSING` failure)."""
+        None for a unit whose leader service the stack does not hold, ECS does not know (a `MISSING` failure) or
+        knows as deleted: a service not ACTIVE (DRAINING, INACTIVE: "Services in the DRAINING or INACTIVE status can
+        still be viewed with the DescribeServices API operation", DeleteService, botocore 1.44.18's ecs
+        service-2.json): a deleted service, whose count says nothing of the unit. The autoscaler reads ACTIVE
+        services only too (functions/autoscaler/unit_autoscaler/aws.py `unit_services`)."""
         names = {u: str(arn).split("/")[-1] for u in unit_ids
                  if (arn := self.found()["services"].get((u, "leader"))) is not None}
         wanted = list(dict.fromkeys(names.values()))
@@ -241,7 +245,8 @@ class AwsAdapter:
         for i in range(0, len(wanted), DESCRIBE_SERVICES_PER_CALL):
             page = self._call("ecs", "describe_services", cluster=self.found()["cluster"],
                               services=wanted[i:i + DESCRIBE_SERVICES_PER_CALL])
-            counts.update({str(s["serviceName"]): int(s.get("desiredCount", 0)) for s in page.get("services", [])})
+            counts.update({str(s["serviceName"]): int(s.get("desiredCount", 0)) for s in page.get("services", [])
+                           if s.get("status") == "ACTIVE"})
         return {u: counts.get(names[u]) if u in names else None for u in unit_ids}
 
     def stop_task(self, task: Task, reason: str) -> None:

@@ -55,10 +55,11 @@ def _wait(what: Callable[[], bool], timeout: float, interval: float) -> float | 
 
 
 def _serving_first(ctx: Context) -> list[str]:
-    """The judged units, those that serve (a healthy target) first, each group in fleet order. An elastic cell's
-    judged units are its active ones (judged.py), a unit the autoscaler activated just before the run among them:
-    its tasks are listed while it is still starting, and a stop of one of them proves nothing (it did not serve)
-    and sets its start back (review of the thirty-ninth session)."""
+    """The judged units, those that serve (a healthy target) now first, each group in fleet order. An elastic
+    cell's judged units served at the kit's start when min_units of them did; when fewer did, they are its active
+    ones (judged.py), a unit activated just before the run and still starting among them, and any judged unit may
+    have lost its health since. A starting unit's tasks are listed, and a stop of one of them proves nothing (it did
+    not serve) and sets its start back (review of the thirty-ninth session)."""
     health = {u: ctx.adapter.unit_health(u) for u in ctx.expect.units}
     return sorted(ctx.expect.units, key=lambda u: health[u] != 200)
 
@@ -81,8 +82,9 @@ def live_units(ctx: Context) -> list[str]:
     at first, a unit just activated (its tasks listed, waiting some 15 minutes for their instances) let a half
     unit's 200s pass 7a (a cold review of that change,
     `tests/test_verify_checks.py::test_an_elastic_unit_not_serving_yet_does_not_excuse_a_half_unit_answering`); a
-    judged one is counted by its health too, since the thirty-ninth session judges an elastic cell's active units,
-    a unit activated just before the run among them."""
+    judged one is counted by its health too: with fewer than min_units serving at the kit's start an elastic cell's
+    judged units are its active ones, serving or not (judged.py), and a judged unit may lose its health during the
+    run."""
     if not ctx.expect.elastic_units:
         return list(ctx.expect.units)
     return [u for u in ctx.expect.elastic_units if ctx.adapter.unit_health(u) == 200]
@@ -270,10 +272,11 @@ def check_leader_stop(ctx: Context) -> CheckResult:
     ended); then the unit serves again. In a cell of several units the leader stopped is one whose
     unit answers a stream (its proxy names the unit in each streamed answer's X-Served-By-Unit)."""
     interval = _interval(ctx)
-    # A judged unit that serves, not the first one: that may be a unit activated just before the run, still starting
-    # (check 1 names it), and waiting for it held 7b up to the recovery timeout and then failed it on a cell whose
-    # other units served (review of the thirty-ninth session). 7a's unit, stopped just before, is back by now or
-    # 7a failed.
+    # A judged unit that serves, not the first one: with fewer than min_units serving at the kit's start the judged
+    # units are the active ones (judged.py), and the first may be a unit activated just before the run, still
+    # starting (check 1 names it); waiting for it held 7b up to the recovery timeout and then failed it on a cell
+    # whose other units served (review of the thirty-ninth session). 7a's unit, stopped just before, is back by now
+    # or 7a failed.
     def any_serving() -> bool:
         return any(ctx.adapter.unit_health(u) == 200 for u in ctx.expect.units)
 

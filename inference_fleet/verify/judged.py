@@ -1,4 +1,4 @@
-"""Which units the kit judges: a fixed cell's every unit; an elastic cell's active units, read from the cell once.
+"""Which units the kit judges: a fixed cell's every unit; an elastic cell's serving units, read from the cell once.
 
 An elastic cell's template holds u0 to u<max_units - 1>, each with its ECS services (cell_stack.py). The unit
 autoscaler activates a unit by setting its leader service's desired count to 1 (its followers' to nodes - 1) and
@@ -7,28 +7,36 @@ min_units active, but which ones is its choice: a scale-in drains the least-load
 (decision.py `_least_loaded`). So after a scale-out and a scale-in the active units need not be u0 to
 u<min_units - 1>, and a kit that judged those judged a unit at rest (0 tasks): every check that judges a unit failed.
 
-The signal is the leader service's desired count > 0, not the unit's health:
-- it is the autoscaler's own record of which units are active (decision.py `phase_of`: desired tasks > 0 is
-  `starting` or `serving`, and the min_units floor counts exactly those; handler.py `finish_half_done`: "the
-  leader's desired count is the unit's intended state", set first by every action; an operator's UpdateService is
-  read the same way), and CloudFormation writes back what it finds (the desired-counts custom resource, counts.py);
-- it does not change with a unit's health. A unit that should serve and does not (a lost follower, a leader being
-  replaced, a broken engine) stays judged and fails, named, where a health read at the start would drop it from the
-  list and pass on the others; and the kit's own fault checks (7a, 7b) take units down on purpose.
-A unit activated by a scale-out just before the run is judged too, from its activation, and fails check 1 until it
-serves (its instances' boot and the unit's formation, within serving.startup_budget_seconds): run the kit again once
-it serves (docs/verifying.md).
+Active: the leader service's desired count > 0. The leader's count, not the leader's and the followers' summed as
+`phase_of` sums them: every tick brings the followers in line with the leader (`finish_half_done`, handler.py
+`observe`) before it reads a unit's phase, so the min_units floor counts the units whose leader is on; a leader at 0
+with its followers still up is a deactivation a tick did not finish, its followers set to 0 on the next tick and its
+leader task already being stopped (its service wants none), and judging it would fail it for a drain. (The AWS
+adapter reads the leader services only: aws.py `leader_desired`.) CloudFormation writes
+back what it finds (the desired-counts custom resource, counts.py), and an operator's UpdateService on the leader is
+read the same way.
 
-Fewer active units than min_units is the cell below its floor: the kit fails every check saying so, rather than
-judge fewer units (runner.run_kit). The list is read once, at the start: a unit the autoscaler activates during the
-run is not judged (7a and 7b count it once it serves: checks_faults.live_units), one it deactivates then fails the
-health parts of checks 1 and 2, named.
+Serving: an active unit whose target is healthy (`unit_health` 200), read once here, before any check. The pipeline's
+verify gate runs the kit right after the canary's deploy, and the autoscaler holds while the stack updates, so a
+scale-out that built up fires just after it: the unit it activates is active at the kit's start and serves some 15
+minutes later (its instances' boot and its formation). Judged, it failed check 1 and the gate rolled the wave back
+(docs/rollout-pipeline.md), for a cell that served its floor (the cold review of the thirty-ninth session).
+
+So: with at least min_units serving units, those are judged, and the active ones not serving are named in the report
+(`not_judged`, and `because`) and not judged: the floor is the cell's contract, and a unit above it that does not
+serve, starting or broken, is owned by the autoscaler's stall rule (decision.py `stalled`: restarted on fresh
+instances past scaling.start_deadline_seconds) and the cell's alarms. With fewer serving units than min_units every
+active unit is judged, so the shortfall shows as check failures naming the units that do not serve (check 1: "units
+not healthy"); with fewer active units than min_units the cell is below its floor and every check fails saying so
+(BelowFloor, runner.run_kit), rather than judge fewer units or units at rest. The list is read once, at the start: a
+unit the autoscaler activates during the run is not judged (7a and 7b count it once it serves:
+checks_faults.live_units), one it deactivates then fails the health parts of checks 1 and 2, named.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from inference_fleet.verify.adapter import CellAdapter, Expectations
@@ -40,13 +48,15 @@ class BelowFloor(Exception):
 
 @dataclass(frozen=True)
 class Judged:
-    """The units the checks judge, and why those (for the report)."""
+    """The units the checks judge, and why those (for the report); `not_judged`: an elastic cell's active units left
+    out because they did not serve at the start while at least min_units others did."""
 
     units: list[str]
     because: str
+    not_judged: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {"units": self.units, "because": self.because}
+        return {"units": self.units, "because": self.because, "not_judged": self.not_judged}
 
 
 def _names(units: list[str]) -> str:
@@ -54,21 +64,33 @@ def _names(units: list[str]) -> str:
 
 
 def judge(adapter: CellAdapter, expect: Expectations) -> Judged:
-    """The units to judge: a fixed cell's every unit (no call to the cell); an elastic cell's whose leader service's
-    desired count is above 0, all of them, at least min_units (else BelowFloor)."""
+    """The units to judge: a fixed cell's every unit (no call to the cell). An elastic cell's serving units (active:
+    leader service desired count > 0; and a healthy target) when at least min_units serve, the other active ones
+    named in `not_judged`; else every active unit, at least min_units of them (else BelowFloor)."""
     if not expect.elastic_units:
         return Judged(list(expect.units), "a fixed cell: every unit of the fleet file")
     counts = adapter.leader_desired(expect.elastic_units)
     active = [u for u in expect.elastic_units if (counts.get(u) or 0) > 0]
     unknown = [u for u in expect.elastic_units if counts.get(u) is None]
     rest = [u for u in expect.elastic_units if u not in active and u not in unknown]
-    seen = (f"active (leader service desired count > 0): {_names(active)}; at rest (0): {_names(rest)}"
-            + (f"; no leader service found: {_names(unknown)}" if unknown else ""))
-    if len(active) < expect.min_units:
+    at_rest = f"at rest (0): {_names(rest)}" + (f"; no leader service found: {_names(unknown)}" if unknown else "")
+    if len(active) < expect.min_units:  # fewer serving too: no health read
         raise BelowFloor(f"the elastic cell is below its floor: {len(active)} active unit(s), min_units "
-                         f"{expect.min_units} ({seen}); no check judges fewer units than min_units")
-    return Judged(active, f"an elastic cell ({expect.min_units} to {len(expect.elastic_units)} units): the units its "
-                          f"autoscaler keeps active, {len(active)} of them; {seen}")
+                         f"{expect.min_units} (active (leader service desired count > 0): {_names(active)}; "
+                         f"{at_rest}); no check judges fewer units than min_units")
+    health = {u: adapter.unit_health(u) for u in active}
+    serving = [u for u in active if health[u] == 200]
+    idle = [u for u in active if u not in serving]
+    seen = (f"active (leader service desired count > 0): {_names(active)}, serving (a healthy target) of them: "
+            f"{_names(serving)}; {at_rest}")
+    cell = f"an elastic cell ({expect.min_units} to {len(expect.elastic_units)} units)"
+    if len(serving) >= expect.min_units:
+        left = f"; active, not serving: not judged, the floor is met: {_names(idle)}" if idle else ""
+        return Judged(serving, f"{cell}: its serving units, {len(serving)} of them, at least min_units{left}; {seen}",
+                      not_judged=idle)
+    return Judged(active, f"{cell}: {len(serving)} serving unit(s), fewer than min_units {expect.min_units}: every "
+                          f"active unit is judged, {len(active)} of them, those not serving failing ({_names(idle)}); "
+                          f"{seen}")
 
 
 def resolve(adapter: CellAdapter, expect: Expectations) -> tuple[Expectations, Judged]:

@@ -20,7 +20,7 @@ from inference_fleet.verify import checks_cell, checks_faults, checks_serving
 from inference_fleet.verify.adapter import CellAdapter, CellUnreachable, Expectations
 from inference_fleet.verify.claims import CLAIMS
 from inference_fleet.verify.context import Context
-from inference_fleet.verify.judged import BelowFloor, resolve
+from inference_fleet.verify.judged import BelowFloor, Judged, resolve
 from inference_fleet.verify.report import CheckResult, Measured, Report, not_run
 from inference_fleet.verify.serving_client import serving_client
 
@@ -46,8 +46,9 @@ def context(adapter: CellAdapter, expect: Expectations, endpoint: str, *, reques
             settle_seconds: float = 15.0, recovery_timeout: float = 1800.0,
             steps_report_seconds: float = 60.0) -> Context:
     """What every check runs with: the units they judge, read from the cell once here (judged.resolve: an elastic
-    cell's active units; BelowFloor when fewer than min_units are); the requests are the front end's own (OpenAI,
-    or Triton's KServe v2 generate), an HTTPS cell's certificate checked against the name it covers (aws.py)."""
+    cell's serving units, or its active ones when fewer than min_units serve; BelowFloor when fewer than min_units
+    are active); the requests are the front end's own (OpenAI, or Triton's KServe v2 generate), an HTTPS cell's
+    certificate checked against the name it covers (aws.py)."""
     expect, judged = resolve(adapter, expect)
     client = serving_client(expect, endpoint, request_timeout, tls_name=getattr(adapter, "tls_name", None))
     return Context(adapter, expect, client, settle_seconds=settle_seconds,
@@ -100,7 +101,7 @@ def run_kit(adapter: CellAdapter, expect: Expectations, *, destructive: bool = F
     except (CellUnreachable, BelowFloor) as error:
         why = str(error) if isinstance(error, BelowFloor) else f"cell not reachable: {error}"
         if isinstance(error, BelowFloor):
-            report.judged = {"units": [], "because": why}
+            report.judged = Judged([], why).to_json()
         log(f"[verify] no check runs: {why}")
         for claim in CLAIMS:
             report.checks.append(CheckResult(claim.check_id, "fail", Measured(None, ""), why))
