@@ -677,6 +677,54 @@ def test_fewer_units_serving_than_min_units_judges_every_active_unit_and_check_1
         serving.detail
 
 
+def scaled_in_after_check_1(adapter: FakeAdapter, unit: str) -> Callable[[str], None]:
+    """A kit log that plays the autoscaler's scale-in of `unit` once check 1 has passed: its leader service (then
+    its followers) set to 0, its tasks stopped, its target gone (aws.py unit_health: no leader task, 503)."""
+    def log(line: str) -> None:
+        if line.startswith("[verify] 1-serving:"):
+            adapter.desired[unit] = 0
+            adapter.health[unit] = 503
+            adapter.running.pop(unit, None)
+    return log
+
+
+def test_a_judged_unit_the_autoscaler_scales_in_during_the_run_is_named_not_failed(elastic_fleet: Any) -> None:
+    """Regression (cold review of kit-serving-units-2): with more than min_units serving at the start every serving
+    unit is judged, and a scale-in during the run (the autoscaler drains the least-loaded one, whatever its index;
+    it never goes below min_units) failed the kit: check 2 at the kit's end ("units not healthy: {'u2': 503}") and
+    check 6 (u2 formed more than a day ago, its tasks gone: no `unit_session_formed` in the window). The cell still
+    serves its floor; main, which judged u0 and u1, passed. A judged unit whose leader service is at 0 when a check
+    would fail it, the floor still met by the other judged units, is named, not failed."""
+    day = 86400.0
+    with FakeOpenAI() as server:
+        adapter = serving_cell(server.url, ["u0", "u1", "u2"], desired={"u0": 1, "u1": 1, "u2": 1})
+        for task in adapter.running["u2"]:  # u2 has served for two days
+            adapter.times[task.task_id] = TaskTimes(created=time.time() - 2 * day, started=time.time() - 2 * day)
+        formed = next(e for e in adapter.logged if e.doc.get("event") == "unit_session_formed"
+                      and e.doc.get("unit_id") == "u2")
+        adapter.logged.remove(formed)
+        adapter.log(formed.doc, at=time.time() - 2 * day + 900)
+        report = run_kit(adapter, elastic_dev(elastic_fleet), settle_seconds=0.0, steps_report_seconds=0.3,
+                         log=scaled_in_after_check_1(adapter, "u2"))
+    failed = {c.check_id: c.detail for c in report.checks if c.status == "fail"}
+    assert report.passed, failed
+    assert report.judged["units"] == ["u0", "u1", "u2"]
+    by_id = {c.check_id: c for c in report.checks}
+    assert "u2: deactivated during the run (leader service desired count 0), not judged" in by_id["2-agreement"].detail
+    assert "u2: deactivated during the run" in by_id["6-evidence"].detail
+
+
+def test_a_judged_unit_set_to_0_below_the_floor_still_fails(elastic_fleet: Any) -> None:
+    """The other side: a judged unit set to 0 during the run that leaves fewer than min_units judged units active (an
+    operator's UpdateService, a cell losing its floor) is not excused: check 2 fails naming it."""
+    with FakeOpenAI() as server:
+        adapter = serving_cell(server.url, ["u0", "u1"], desired={"u0": 1, "u1": 1})
+        report = run_kit(adapter, elastic_dev(elastic_fleet), settle_seconds=0.0, steps_report_seconds=0.3,
+                         log=scaled_in_after_check_1(adapter, "u1"))
+    agreement = {c.check_id: c for c in report.checks}["2-agreement"]
+    assert agreement.status == "fail" and "units not healthy: {'u1': 503}" in agreement.detail, agreement.detail
+
+
 @pytest.mark.parametrize(("desired", "serving", "judged", "named"), [
     pytest.param({"u1": 1, "u2": 1}, ["u1", "u2"], ["u1", "u2"], [], id="min_units, not u0"),
     pytest.param({"u0": 1, "u1": 1, "u2": 1, "u3": 0}, ["u0", "u1", "u2"], ["u0", "u1", "u2"], [],

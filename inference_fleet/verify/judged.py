@@ -18,9 +18,11 @@ read the same way.
 
 Serving: an active unit whose target is healthy (`unit_health` 200), read once here, before any check. The pipeline's
 verify gate runs the kit right after the canary's deploy, and the autoscaler holds while the stack updates, so a
-scale-out that built up fires just after it: the unit it activates is active at the kit's start and serves some 15
-minutes later (its instances' boot and its formation). Judged, it failed check 1 and the gate rolled the wave back
-(docs/rollout-pipeline.md), for a cell that served its floor (the cold review of the thirty-ninth session).
+scale-out that built up fires once the scale-out cool-down from the deploy's end has passed (the end counts as an
+action, decision.py; 5 min by default, 1 min at least), which can be before the kit starts: the unit it activates
+is then active at the kit's start and serves some 15 minutes later (its instances' boot and its formation).
+Judged, it failed check 1 and the gate rolled the wave back (docs/rollout-pipeline.md), for a cell that served its
+floor (the cold review of the thirty-ninth session).
 
 So: with at least min_units serving units, those are judged, and the active ones not serving are named in the report
 (`not_judged`, and `because`) and not judged: the floor is the cell's contract, and a unit above it that does not
@@ -30,12 +32,14 @@ active unit is judged, so the shortfall shows as check failures naming the units
 not healthy"); with fewer active units than min_units the cell is below its floor and every check fails saying so
 (BelowFloor, runner.run_kit), rather than judge fewer units or units at rest. The list is read once, at the start: a
 unit the autoscaler activates during the run is not judged (7a and 7b count it once it serves:
-checks_faults.live_units), one it deactivates then fails the health parts of checks 1 and 2, named.
+checks_faults.live_units); one it deactivates then, the floor held, is named where a check would fail it
+(`deactivated`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,3 +101,32 @@ def resolve(adapter: CellAdapter, expect: Expectations) -> tuple[Expectations, J
     """`expect` with the units to judge (judge), read once: the kit's runner does it at the start (runner.context)."""
     judged = judge(adapter, expect)
     return dataclasses.replace(expect, units=judged.units), judged
+
+
+# How a check names a judged unit it leaves out because it was deactivated after the kit's start (`deactivated`).
+DEACTIVATED = "deactivated during the run (leader service desired count 0), not judged"
+
+
+def deactivated(adapter: CellAdapter, expect: Expectations, failing: Collection[str]) -> list[str]:
+    """Of `failing` (judged units a check is about to fail), those an elastic cell's autoscaler deactivated since the
+    kit's start: their leader service's desired count is 0 now (or the service is gone), while the judged units still
+    active are at least min_units. Read only when a check would fail a unit (no call otherwise).
+
+    Why: the list is read once, and with more than min_units serving every serving unit is judged, so a scale-in
+    during the run (the least-loaded unit, whatever its index; never below min_units: decision.py) failed the kit on
+    a cell serving its floor: check 2's health at the kit's end, and check 6's formation event of a unit formed more
+    than a day ago, its tasks gone (the cold review of kit-serving-units-2; main judged u0 to u<min_units - 1> and
+    so passed unless the drained unit was one of them). A judged unit set to 0 that leaves fewer than min_units
+    judged units active is the cell losing its floor: not excused."""
+    if not expect.elastic_units or not failing:
+        return []
+    counts = adapter.leader_desired(list(expect.units))
+    gone = [u for u in expect.units if (counts.get(u) or 0) <= 0]
+    if len(expect.units) - len(gone) < expect.min_units:
+        return []
+    return [u for u in failing if u in gone]
+
+
+def deactivated_note(units: list[str]) -> str:
+    """The words a check adds for the units `deactivated` left out ("" for none)."""
+    return "".join(f"; {u}: {DEACTIVATED}" for u in units)
