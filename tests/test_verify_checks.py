@@ -677,11 +677,13 @@ def test_fewer_units_serving_than_min_units_judges_every_active_unit_and_check_1
         serving.detail
 
 
-def scaled_in_after_check_1(adapter: FakeAdapter, unit: str) -> Callable[[str], None]:
-    """A kit log that plays the autoscaler's scale-in of `unit` once check 1 has passed: its leader service (then
-    its followers) set to 0, its tasks stopped, its target gone (aws.py unit_health: no leader task, 503)."""
+def scaled_in_after_check_1(adapter: FakeAdapter, unit: str, after: str = "[verify] 1-serving:"
+                            ) -> Callable[[str], None]:
+    """A kit log that plays the autoscaler's scale-in of `unit` once the kit logs `after` (check 1's verdict by
+    default): its leader service (then its followers) set to 0, its tasks stopped, its target gone (aws.py
+    unit_health: no leader task, 503)."""
     def log(line: str) -> None:
-        if line.startswith("[verify] 1-serving:"):
+        if line.startswith(after):
             adapter.desired[unit] = 0
             adapter.health[unit] = 503
             adapter.running.pop(unit, None)
@@ -712,6 +714,26 @@ def test_a_judged_unit_the_autoscaler_scales_in_during_the_run_is_named_not_fail
     by_id = {c.check_id: c for c in report.checks}
     assert "u2: deactivated during the run (leader service desired count 0), not judged" in by_id["2-agreement"].detail
     assert "u2: deactivated during the run" in by_id["6-evidence"].detail
+
+
+def test_a_judged_unit_scaled_in_right_after_the_judging_is_named_by_check_1_and_the_proxy_requests(
+        elastic_fleet: Any) -> None:
+    """Cold review of the change above: a scale-in between the judging and check 1 (the unit served when the kit
+    read it; its leader service set to 0 just after) reaches check 1's health read and check 6's proxy `Requests`
+    too, and the unit, its target deregistered before the kit's first request, has no `Requests` data. Both name it
+    (judged.deactivated); no test covered those two places (either could lose the call and every test passed)."""
+    with FakeOpenAI() as server:
+        adapter = serving_cell(server.url, ["u0", "u1", "u2"], desired={"u0": 1, "u1": 1, "u2": 1})
+        del adapter.metrics[("Rufus/UnitProxy", "Requests", "u2")]  # it answered none of the kit's requests
+        report = run_kit(adapter, elastic_dev(elastic_fleet), settle_seconds=0.0, steps_report_seconds=0.3,
+                         log=scaled_in_after_check_1(adapter, "u2", after="[verify] units judged:"))
+    failed = {c.check_id: c.detail for c in report.checks if c.status == "fail"}
+    assert report.passed, failed
+    by_id = {c.check_id: c for c in report.checks}
+    assert by_id["1-serving"].detail.startswith("2 of 2 unit(s) healthy"), by_id["1-serving"].detail
+    assert "u2: deactivated during the run (leader service desired count 0), not judged" in by_id["1-serving"].detail
+    assert "Requests: data for every unit; u2: deactivated during the run" in by_id["6-evidence"].detail, \
+        by_id["6-evidence"].detail
 
 
 def test_a_judged_unit_set_to_0_below_the_floor_still_fails(elastic_fleet: Any) -> None:
