@@ -44,6 +44,10 @@ TASK_READS = ("ecs:DescribeTasks",)
 # container-instance resource, arn:...:container-instance/<cluster-name>/<id> (Service Authorization Reference:
 # https://docs.aws.amazon.com/service-authorization/latest/reference/list_amazonelasticcontainerservice.html).
 CONTAINER_INSTANCE_READS = ("ecs:DescribeContainerInstances",)
+# On an elastic cell the kit reads its units' leader services' desired counts (aws.py leader_desired: which units the
+# autoscaler keeps active, inference_fleet/verify/judged.py). A service's ARN is service/<cluster name>/<service name>
+# (the same reference).
+SERVICE_READS = ("ecs:DescribeServices",)
 LOG_READS = ("logs:FilterLogEvents",)
 # No resource-level permissions exist for these (Service Authorization Reference: Elastic Load Balancing V2,
 # CloudWatch): "*".
@@ -124,6 +128,7 @@ class VerifyGate(Construct):
             iam.PolicyStatement(actions=list(TASK_READS), resources=[arn("ecs", "task", f"{name}-*/*")]),
             iam.PolicyStatement(actions=list(CONTAINER_INSTANCE_READS),
                                 resources=[arn("ecs", "container-instance", f"{name}-*/*")]),
+            iam.PolicyStatement(actions=list(SERVICE_READS), resources=[arn("ecs", "service", f"{name}-*/*")]),
             iam.PolicyStatement(actions=list(LOG_READS), resources=[
                 arn("logs", "log-group", f"{name}-*", ArnFormat.COLON_RESOURCE_NAME),
                 arn("logs", "log-group", f"{name}-*:log-stream:*", ArnFormat.COLON_RESOURCE_NAME)]),
@@ -148,6 +153,7 @@ class VerifyGate(Construct):
              "The cell's stack, any of its stack ids (the id suffix changes when the stack is replaced)"),
             *((f"AwsSolutions-IAM5[Resource::arn:{where.format(service=service)}:{resource}]", cell_scoped)
               for service, resource in (("ecs", f"task/{name}-*/*"), ("ecs", f"container-instance/{name}-*/*"),
+                                        ("ecs", f"service/{name}-*/*"),
                                         ("logs", f"log-group:{name}-*"),
                                         ("logs", f"log-group:{name}-*:log-stream:*"))),
             ("AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:ec2:<AWS::Region>:<AWS::AccountId>:network-interface/*]",

@@ -370,3 +370,128 @@ def test_dashboard_series_carry_the_widget_title_and_namespace(adapter: Any) -> 
         ("Queue depth (max): u0", [3.0], "Rufus/UnitProxy"), ("Queue depth (max): u1", [], "Rufus/UnitProxy")]
     queries, _ = widget_queries(widget["properties"])
     assert queries[1]["MetricStat"]["Metric"]["Dimensions"][1] == {"Name": "Unit", "Value": "u1"}  # "." expanded
+
+
+def leader_service(i: int) -> str:
+    """Unit i's leader service name (u0's: LEADER_SERVICE's)."""
+    return LEADER_SERVICE.split("/")[-1] if i == 0 else f"Rufus-Cell-dev-Unit{i}LeaderService-{i}"
+
+
+def stub_elastic_stack(stubs: dict[str, Stubber], units: int, listeners: list[dict[str, Any]] | None = None,
+                       dns: str = "internal-x.elb.amazonaws.com") -> None:
+    """The default cell's resources with the ECS services of units u1 to u<units - 1> beside u0's, as an elastic
+    cell's stack holds them up to max_units (logical ids Unit<i>LeaderService<hash>, the snapshot's u0 pattern)."""
+    resources = [{"LogicalResourceId": k, "ResourceType": t, "PhysicalResourceId": physical(k, t),
+                  "ResourceStatus": "CREATE_COMPLETE", "LastUpdatedTimestamp": datetime(2026, 12, 1, tzinfo=UTC)}
+                 for k, t in snapshot_resources().items()]
+    for i in range(1, units):
+        for role in ("Leader", "Followers"):
+            name = leader_service(i) if role == "Leader" else f"Rufus-Cell-dev-Unit{i}FollowersService-{i}"
+            resources.append({"LogicalResourceId": f"Unit{i}{role}Service{i:08X}", "ResourceType": "AWS::ECS::Service",
+                              "PhysicalResourceId": f"arn:aws:ecs:us-east-1:111111111111:service/{CLUSTER}/{name}",
+                              "ResourceStatus": "CREATE_COMPLETE",
+                              "LastUpdatedTimestamp": datetime(2026, 12, 1, tzinfo=UTC)})
+    stubs["cloudformation"].add_response("list_stack_resources", {"StackResourceSummaries": resources},
+                                         {"StackName": STACK})
+    stubs["elbv2"].add_response("describe_load_balancers", {"LoadBalancers": [{"LoadBalancerArn": LB_ARN,
+                                                                               "DNSName": dns}]},
+                                {"LoadBalancerArns": [LB_ARN]})
+    stubs["elbv2"].add_response("describe_listeners", {"Listeners": listeners or [{"Protocol": "HTTP", "Port": 80}]},
+                                {"LoadBalancerArn": LB_ARN})
+
+
+def stub_describe_services(stubs: dict[str, Stubber], desired: dict[int, int],
+                           status: dict[int, str] | None = None) -> None:
+    """DescribeServices of the leader services of `desired`'s units, ten a call, answering their desired counts and
+    their status (ACTIVE unless `status` says otherwise)."""
+    indexes = sorted(desired)
+    for start in range(0, len(indexes), 10):
+        chunk = indexes[start:start + 10]
+        services = [{"serviceName": leader_service(i), "desiredCount": desired[i],
+                     "status": (status or {}).get(i, "ACTIVE"),
+                     "serviceArn": f"arn:aws:ecs:us-east-1:111111111111:service/{CLUSTER}/{leader_service(i)}"}
+                    for i in chunk]
+        stubs["ecs"].add_response("describe_services", {"services": services, "failures": []},
+                                  {"cluster": CLUSTER, "services": [leader_service(i) for i in chunk]})
+
+
+def test_an_elastic_cells_leader_desired_counts_are_read_ten_services_a_call(adapter: Any) -> None:
+    """DescribeServices takes at most 10 services: a cell of 12 units is read in two calls. A unit the stack holds no
+    leader service of is None (not active)."""
+    cell, stubs = adapter
+    stub_elastic_stack(stubs, 12)
+    desired = {i: int(i in (1, 2)) for i in range(12)}
+    stub_describe_services(stubs, desired)
+    counts = cell.leader_desired([f"u{i}" for i in range(13)])
+    assert counts == {**{f"u{i}": desired[i] for i in range(12)}, "u12": None}
+
+
+def test_a_deleted_leader_services_count_is_not_read_as_active(adapter: Any) -> None:
+    """Review of the thirty-ninth session (low): DescribeServices answers a deleted service too, DRAINING or INACTIVE
+    ("Services in the DRAINING or INACTIVE status can still be viewed with the DescribeServices API operation",
+    DeleteService, botocore 1.44.18), with a desired count; the kit read it as the unit's, so a unit whose leader
+    service was deleted counted as active. Only an ACTIVE service's count is read, as the autoscaler reads them
+    (unit_autoscaler/aws.py `unit_services`); a deleted one is no leader service (None)."""
+    cell, stubs = adapter
+    stub_elastic_stack(stubs, 4)
+    stub_describe_services(stubs, {0: 1, 1: 1, 2: 1, 3: 0}, status={1: "INACTIVE", 2: "DRAINING"})
+    assert cell.leader_desired(["u0", "u1", "u2", "u3"]) == {"u0": 1, "u1": None, "u2": None, "u3": 0}
+
+
+def stub_unit_health_of(stubs: dict[str, Stubber], i: int) -> None:
+    """One read of unit i's health (unit_health): its leader task's instance, a healthy target."""
+    task = f"arn:aws:ecs:us-east-1:111111111111:task/{CLUSTER}/leader{i}"
+    stubs["ecs"].add_response("list_tasks", {"taskArns": [task]},
+                              {"cluster": CLUSTER, "serviceName": leader_service(i), "desiredStatus": "RUNNING"})
+    stubs["ecs"].add_response("describe_tasks", {"tasks": [{"taskArn": task, "containerInstanceArn": f"ci/{i}"}]},
+                              {"cluster": CLUSTER, "tasks": [task]})
+    stubs["ecs"].add_response("describe_container_instances",
+                              {"containerInstances": [{"containerInstanceArn": f"ci/{i}", "ec2InstanceId": f"i-{i}"}]},
+                              {"cluster": CLUSTER, "containerInstances": [f"ci/{i}"]})
+    stubs["elbv2"].add_response("describe_target_health", {"TargetHealthDescriptions": [
+        {"Target": {"Id": f"i-{i}", "Port": 8080}, "TargetHealth": {"State": "healthy"}}]}, {"TargetGroupArn": TG_ARN})
+
+
+def stub_no_leader_task(stubs: dict[str, Stubber], i: int) -> None:
+    """One read of unit i's health while its leader task is not listed yet (just activated): 503, one call."""
+    stubs["ecs"].add_response("list_tasks", {"taskArns": []},
+                              {"cluster": CLUSTER, "serviceName": leader_service(i), "desiredStatus": "RUNNING"})
+
+
+def test_an_elastic_cell_serving_u1_and_u2_is_judged_by_its_leader_services_not_u0(
+        adapter: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The thirty-eighth session's known gap on AWS: an elastic cell (min_units 2) whose autoscaler drained u0 and
+    keeps u1 and u2 active, and has just activated u3 (its leader task not listed yet). The kit reads the leader
+    services' desired counts and the active units' health once, at the start, and judges u1 and u2 (their targets'
+    health, check 1), naming u3 (not serving, the floor met); u0, at 0, is never asked for, nor u3 again (the
+    Stubber would refuse a call it does not expect)."""
+    cell, stubs = adapter
+    with FakeOpenAI() as server:
+        stub_elastic_stack(stubs, 4, [{"Protocol": "HTTP", "Port": server.port}], dns="localhost")
+        stub_describe_services(stubs, {0: 0, 1: 1, 2: 1, 3: 1})
+        for i in (1, 2):  # the choice (judged.py)
+            stub_unit_health_of(stubs, i)
+        stub_no_leader_task(stubs, 3)
+        for i in (1, 2):  # check 1
+            stub_unit_health_of(stubs, i)
+        serving_only(monkeypatch)
+        expect = expectations(units=[], elastic_units=["u0", "u1", "u2", "u3"], min_units=2)
+        report = runner.run_kit(cell, expect, request_timeout=10, steps_report_seconds=0.3, log=lambda _: None)
+    check = next(c for c in report.checks if c.check_id == "1-serving")
+    assert check.status == "pass" and check.figures["unit_health"] == {"u1": 200, "u2": 200}, check.detail
+    assert (report.judged["units"], report.judged["not_judged"]) == (["u1", "u2"], ["u3"])
+    assert "at rest (0): u0" in report.judged["because"]
+    stubs["ecs"].assert_no_pending_responses()
+    stubs["elbv2"].assert_no_pending_responses()
+
+
+def test_an_elastic_cell_whose_services_cannot_be_read_fails_every_check_as_unreachable(adapter: Any) -> None:
+    """A role without ecs:DescribeServices (the gate's before the thirty-ninth session) cannot tell which units are
+    active: no check judges a guess, each fails naming the refused call."""
+    cell, stubs = adapter
+    stub_elastic_stack(stubs, 3)
+    stubs["ecs"].add_client_error("describe_services", "AccessDeniedException", "not authorized")
+    expect = expectations(units=[], elastic_units=["u0", "u1", "u2"], min_units=2)
+    report = runner.run_kit(cell, expect, request_timeout=10, steps_report_seconds=0.3, log=lambda _: None)
+    assert {c.status for c in report.checks} == {"fail"}
+    assert all("cell not reachable: ecs describe_services: AccessDeniedException" in c.detail for c in report.checks)

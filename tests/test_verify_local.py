@@ -5,6 +5,7 @@ files as the launcher writes them, and the follower-stop check run end to end on
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -20,6 +21,7 @@ from unit_launcher import evidence
 from inference_fleet.verify import checks_faults
 from inference_fleet.verify.adapter import Task
 from inference_fleet.verify.context import Context
+from inference_fleet.verify.judged import resolve
 from inference_fleet.verify.local import LocalAdapter, LocalTask, StopTimes
 from inference_fleet.verify.report import CheckResult
 from inference_fleet.verify.runner import run_kit
@@ -162,8 +164,9 @@ def stand_in_follower_stop(tmp_path: Path, drain_seconds: float, gate_lag: float
     `gate_lag` (the proxy's gate closes at its next check round), then 503, then `half_status`
     (503 in a correct unit) until a new follower task joins: the leader writes
     `unit_session_formed` and the unit serves again. The probes go in `frontend`'s API (4-token
-    completions, or Triton's `generate`). `elastic`: tasks of an elastic cell's unit u1 (above min_units), which has
-    no healthy target (not serving)."""
+    completions, or Triton's `generate`). `elastic`: tasks of an elastic cell's unit u1, which has no healthy target
+    (activated, not serving yet), in a cell of min_units 2: fewer serve, so the kit judges it with u0 (judged.py), as
+    it does at its start."""
     started = Started(tmp_path)
     with fake_unit(frontend) as server:
         try:
@@ -193,7 +196,11 @@ def stand_in_follower_stop(tmp_path: Path, drain_seconds: float, gate_lag: float
 
             threading.Thread(target=play_the_unit, daemon=True).start()
             adapter = LocalAdapter(server.url, {"u0": server.url + "/health"}, lambda: started.tasks + (elastic or []))
-            expect = unit_expectations(server, elastic_units=["u1"] if elastic else [])
+            expect = unit_expectations(server)
+            if elastic:  # u1's leader task is listed: active, its target not healthy; judged, one serving of 2
+                expect, _ = resolve(adapter, dataclasses.replace(expect, units=[], elastic_units=["u0", "u1"],
+                                                                 min_units=2))
+                assert expect.units == ["u0", "u1"]
             ctx = Context(adapter, expect, fake_client(server, 5), settle_seconds=0.2, recovery_timeout_seconds=20)
             result = checks_faults.check_follower_stop(ctx)
             assert server.knobs.requests, "no probe reached the unit"
@@ -224,7 +231,9 @@ def test_follower_stop_check_fails_when_a_half_unit_answers(tmp_path: Path, fron
 def test_an_elastic_unit_not_serving_yet_does_not_excuse_a_half_unit_answering(tmp_path: Path) -> None:
     """A cold review's finding (helper-265): 7a counted an elastic unit above min_units as one the probes may reach
     once it had tasks, so a unit just activated (its tasks listed, their instances some 15 minutes away) made 200s
-    from the half unit "another unit's" and the check passed. Only a unit that serves (a healthy target) counts."""
+    from the half unit "another unit's" and the check passed. Only a unit that serves (a healthy target) counts,
+    judged or not: an elastic cell with fewer than min_units serving has its active units judged (judged.py), this
+    one among them."""
     pending = [LocalTask("i-u1-leader", "u1", "leader", 0, tmp_path / "none.log", time.time(), lambda: None)]
     result = stand_in_follower_stop(tmp_path, drain_seconds=0.0, gate_lag=0.0, half_status=200, elastic=pending)
     assert result.status == "fail" and "requests while the unit was half got ['200', '503']" in result.detail, \

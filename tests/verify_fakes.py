@@ -355,6 +355,8 @@ class FakeAdapter:
     stopped: list[str] = field(default_factory=list)
     name: str = "fake"
     poll_seconds: float = 0.05
+    # Each unit's leader service's desired count (an elastic cell's active units: 1); a unit not named: None.
+    desired: dict[str, int] = field(default_factory=dict)
 
     def describe(self) -> dict[str, Any]:
         return {"endpoint": self.url}
@@ -364,6 +366,9 @@ class FakeAdapter:
 
     def unit_health(self, unit_id: str) -> int | None:
         return self.health.get(unit_id)
+
+    def leader_desired(self, unit_ids: list[str]) -> dict[str, int | None]:
+        return {u: self.desired.get(u) for u in unit_ids}
 
     def tasks(self, unit_id: str) -> list[Task]:
         return list(self.running.get(unit_id, []))

@@ -69,7 +69,9 @@ class Expectations:
     """What the fleet file says the cell must do: the figures the checks compare with."""
 
     cell: str
-    units: list[str]  # the units every check judges: those always there (an elastic cell's min_units)
+    # The units every check judges: a fixed cell's every unit; an elastic cell's are resolved from the cell once, at
+    # the kit's start (judged.resolve, through runner.context): until then none.
+    units: list[str]
     nodes: int
     max_seq_len: int
     step_timeout_seconds: float
@@ -87,20 +89,29 @@ class Expectations:
     doc_formation_minutes: tuple[float, float] = (14, 16)
     # How long the cell's log group keeps the launchers' events (serving.log_retention_days).
     log_retention_days: int = 30
-    # An elastic cell's units above min_units (u<min_units> to u<max_units - 1>): their ECS services exist at 0 tasks
-    # too (cell_stack.py makes one per unit up to max_units). No check judges them (one at 0 would fail every check
-    # that judges a unit); those that serve (a healthy target) are counted where the load balancer may send a request
-    # to them (7a, 7b: checks_faults.live_units).
+    # An elastic cell's every unit, u0 to u<max_units - 1> (cell_stack.py makes the ECS services of each, at 0 tasks
+    # while the unit is not active), and the fewest its autoscaler keeps active; a fixed cell: none and 0. Which of
+    # them the checks judge is the autoscaler's choice, read from the cell (judged.py); those not judged that serve
+    # (a healthy target) are counted where the load balancer may send a request to them (7a, 7b:
+    # checks_faults.live_units).
     elastic_units: list[str] = field(default_factory=list)
+    min_units: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def all_units(self) -> list[str]:
+        """Every unit the cell's template holds, in fleet order: an elastic cell's up to max_units, a fixed cell's."""
+        return self.elastic_units or self.units
 
 
 def expectations(fleet: FleetConfig, cell: CellConfig) -> Expectations:
-    """The expectations of one cell of a fleet (the units that are always there: min_units when elastic)."""
+    """The expectations of one cell of a fleet: a fixed cell's units, or an elastic cell's bounds (the units judged
+    are then read from the cell at the kit's start: judged.resolve)."""
     serving = fleet.serving
+    elastic = [f"u{i}" for i in range(cell.resolved_max_units)] if cell.elastic else []
     return Expectations(
         cell=cell.name,
-        units=[f"u{i}" for i in range(cell.resolved_min_units)],
+        units=[] if cell.elastic else [f"u{i}" for i in range(cell.resolved_min_units)],
         nodes=fleet.unit.nodes,
         max_seq_len=fleet.model.max_seq_len,
         step_timeout_seconds=float(serving.step_timeout_seconds),
@@ -113,7 +124,8 @@ def expectations(fleet: FleetConfig, cell: CellConfig) -> Expectations:
         frontend=serving.frontend,
         triton_model=triton_model_for(fleet.model.name) if serving.frontend == "triton" else "",
         log_retention_days=serving.log_retention_days,
-        elastic_units=[f"u{i}" for i in range(cell.resolved_min_units, cell.resolved_max_units)],
+        elastic_units=elastic,
+        min_units=cell.resolved_min_units if cell.elastic else 0,
     )
 
 
@@ -132,6 +144,11 @@ class CellAdapter(Protocol):
 
     def unit_health(self, unit_id: str) -> int | None:
         """The unit's health as its load balancer target sees it: 200 healthy, 503 not, None unknown."""
+
+    def leader_desired(self, unit_ids: list[str]) -> dict[str, int | None]:
+        """Each unit's leader service's desired count (ECS DescribeServices): what the unit autoscaler sets to 1 to
+        activate a unit and to 0 to deactivate it. None: the adapter knows no such service. Asked of an elastic
+        cell only (judged.py)."""
 
     def tasks(self, unit_id: str) -> list[Task]:
         """The unit's running tasks (leader first)."""

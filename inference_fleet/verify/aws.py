@@ -18,6 +18,8 @@ Calls (the pipeline's gate grants exactly these, `REQUIRED_ACTIONS`):
 - cloudformation:ListStackResources; elasticloadbalancing:DescribeLoadBalancers,
   DescribeListeners, DescribeTargetHealth;
 - ecs:ListTasks, DescribeTasks, DescribeContainerInstances (and ecs:StopTask with --destructive);
+  ecs:DescribeServices on an elastic cell (its units' leader services' desired counts: which units are active,
+  judged.py);
 - logs:FilterLogEvents on the unit log group, with a JSON filter pattern `{ $.event = "…" }`
   (https://docs.aws.amazon.com/AmazonCloudWatch/latest/logs/FilterAndPatternSyntax.html);
 - cloudwatch:GetMetricData, GetDashboard.
@@ -48,6 +50,7 @@ REQUIRED_ACTIONS = (
     "ecs:ListTasks",
     "ecs:DescribeTasks",
     "ecs:DescribeContainerInstances",
+    "ecs:DescribeServices",
     "logs:FilterLogEvents",
     "cloudwatch:GetMetricData",
     "cloudwatch:GetDashboard",
@@ -63,6 +66,9 @@ _SINGLE = {
     "log_group": ("AWS::Logs::LogGroup", re.compile(rf"^UnitLogs{_HASH}$")),
     "dashboard": ("AWS::CloudWatch::Dashboard", re.compile(rf"Dashboard{_HASH}$")),
 }
+# "You may specify up to 10 services to describe in a single operation" (DescribeServices `services`, botocore
+# 1.44.18's ecs service-2.json).
+DESCRIBE_SERVICES_PER_CALL = 10
 # Filter patterns allow letters, digits and _ in the event name we put in them.
 _EVENT_NAME = re.compile(r"^[a-z_]+$")
 _TARGET_STATES = {"healthy": 200}
@@ -224,6 +230,24 @@ class AwsAdapter:
         states = [d["TargetHealth"]["State"] for d in health.get("TargetHealthDescriptions", [])
                   if d["Target"]["Id"] in ec2_ids]
         return 200 if "healthy" in states else 503
+
+    def leader_desired(self, unit_ids: list[str]) -> dict[str, int | None]:
+        """Each unit's leader service's desired count (DescribeServices, by the service names the stack lists);
+        None for a unit whose leader service the stack does not hold, ECS does not know (a `MISSING` failure) or
+        knows as deleted: a service not ACTIVE (DRAINING, INACTIVE: "Services in the DRAINING or INACTIVE status can
+        still be viewed with the DescribeServices API operation", DeleteService, botocore 1.44.18's ecs
+        service-2.json): a deleted service, whose count says nothing of the unit. The autoscaler reads ACTIVE
+        services only too (functions/autoscaler/unit_autoscaler/aws.py `unit_services`)."""
+        names = {u: str(arn).split("/")[-1] for u in unit_ids
+                 if (arn := self.found()["services"].get((u, "leader"))) is not None}
+        wanted = list(dict.fromkeys(names.values()))
+        counts: dict[str, int] = {}
+        for i in range(0, len(wanted), DESCRIBE_SERVICES_PER_CALL):
+            page = self._call("ecs", "describe_services", cluster=self.found()["cluster"],
+                              services=wanted[i:i + DESCRIBE_SERVICES_PER_CALL])
+            counts.update({str(s["serviceName"]): int(s.get("desiredCount", 0)) for s in page.get("services", [])
+                           if s.get("status") == "ACTIVE"})
+        return {u: counts.get(names[u]) if u in names else None for u in unit_ids}
 
     def stop_task(self, task: Task, reason: str) -> None:
         self._call("ecs", "stop_task", cluster=self.found()["cluster"], task=task.task_id, reason=reason[:255])

@@ -14,6 +14,7 @@ from typing import Any
 
 from inference_fleet.verify.adapter import DASHBOARD_PERIOD_SECONDS, LogEvent, MetricSeries, Task, TaskTimes
 from inference_fleet.verify.context import Context
+from inference_fleet.verify.judged import deactivated, deactivated_note
 from inference_fleet.verify.report import CheckResult, Measured, not_run
 
 # How far back the kit looks for the launchers' events when it knows no running task's creation time.
@@ -132,7 +133,7 @@ def check_formation(ctx: Context) -> CheckResult:
 
 
 def _running_tasks(ctx: Context) -> tuple[list[tuple[str, Task, float | None]], list[str]]:
-    """The expected units' tasks that run, each with its creation time, and those ECS has not started yet
+    """The judged units' tasks that run, each with its creation time, and those ECS has not started yet
     (PENDING: a replacement waiting for its instance; ListTasks' RUNNING desired status lists them too). A task
     whose times are unknown counts as running."""
     tasks = [(u, t) for u in ctx.expect.units for t in ctx.adapter.tasks(u)]
@@ -192,9 +193,12 @@ def _proxy_metrics(ctx: Context, since: float) -> tuple[str, str]:
     if all(s.values is None for s in series.values()):
         return ("not_run", "proxy EMF: not readable here (no EMF namespace set)")
     empty = [u for u, s in series.items() if not s.values or sum(s.values) <= 0]
+    gone = deactivated(ctx.adapter, ctx.expect, empty)
+    empty = [u for u in empty if u not in gone]
     if empty:
-        return ("fail", f"proxy EMF {PROXY_REQUESTS}: no data for {empty} after the kit's requests")
-    return ("pass", f"proxy EMF {PROXY_REQUESTS}: data for every unit")
+        return ("fail", f"proxy EMF {PROXY_REQUESTS}: no data for {empty} after the kit's requests"
+                + deactivated_note(gone))
+    return ("pass", f"proxy EMF {PROXY_REQUESTS}: data for every unit" + deactivated_note(gone))
 
 
 def _launcher_metrics(ctx: Context) -> tuple[str, str]:
@@ -230,12 +234,17 @@ def _formed_events(ctx: Context) -> tuple[str, str]:
         since, gone = evidence_since(ctx, [unit_id])
         if not ctx.adapter.events("unit_session_formed", since, unit_id):
             (expired if gone else missing).append(unit_id)
+    # A unit the autoscaler drained during the run has no task left to date its formation from (the last day is read).
+    off = deactivated(ctx.adapter, ctx.expect, missing + expired)
+    missing, expired = [u for u in missing if u not in off], [u for u in expired if u not in off]
+    note = deactivated_note(off)
     if missing:
-        return ("fail", f"no unit_session_formed event in the log for {missing} since their tasks were created")
+        return ("fail", f"no unit_session_formed event in the log for {missing} since their tasks were created"
+                + note)
     if expired:
         return ("not_run", f"unit_session_formed of {expired}: their tasks run since before the log group's "
-                           f"retention ({ctx.expect.log_retention_days} days)")
-    return ("pass", "unit_session_formed events in the log for every unit since its tasks were created")
+                           f"retention ({ctx.expect.log_retention_days} days)" + note)
+    return ("pass", "unit_session_formed events in the log for every unit since its tasks were created" + note)
 
 
 # The dashboard labels each per-unit series with its unit id (cell_alarms.py `proxy_metric`),

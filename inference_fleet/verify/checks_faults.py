@@ -54,8 +54,19 @@ def _wait(what: Callable[[], bool], timeout: float, interval: float) -> float | 
     return None
 
 
+def _serving_first(ctx: Context) -> list[str]:
+    """The judged units, those that serve (a healthy target) now first, each group in fleet order. An elastic
+    cell's judged units served at the kit's start when min_units of them did; when fewer did, they are its active
+    ones (judged.py), a unit activated just before the run and still starting among them, and any judged unit may
+    have lost its health since. A starting unit's tasks are listed, and a stop of one of them proves nothing (it did
+    not serve) and sets its start back (review of the thirty-ninth session)."""
+    health = {u: ctx.adapter.unit_health(u) for u in ctx.expect.units}
+    return sorted(ctx.expect.units, key=lambda u: health[u] != 200)
+
+
 def _pick(ctx: Context, role: str) -> Task | None:
-    for unit_id in ctx.expect.units:
+    """A task of `role` of a judged unit, one that serves if any does (`_serving_first`)."""
+    for unit_id in _serving_first(ctx):
         for task in ctx.adapter.tasks(unit_id):
             if task.role == role:
                 return task
@@ -63,14 +74,20 @@ def _pick(ctx: Context, role: str) -> Task | None:
 
 
 def live_units(ctx: Context) -> list[str]:
-    """The units a request through the load balancer may reach: the expected ones, and an elastic cell's units above
-    min_units that serve (a healthy target; one at 0 tasks serves nothing, and no check judges it). Until the
-    thirty-eighth session the destructive checks knew the expected ones only: a stream an elastic unit answered
-    counted for none, and 7a's probes answered 200 by it while the stopped unit was half failed the check of a cell
-    of one expected unit. Counted by their tasks at first, a unit just activated (its tasks listed, waiting some 15
-    minutes for their instances) let a half unit's 200s pass 7a (a cold review of that change,
-    `tests/test_verify_checks.py::test_an_elastic_unit_not_serving_yet_does_not_excuse_a_half_unit_answering`)."""
-    return [*ctx.expect.units, *(u for u in ctx.expect.elastic_units if ctx.adapter.unit_health(u) == 200)]
+    """The units a request through the load balancer may reach, in fleet order: a fixed cell's every unit; of an
+    elastic cell, those that serve (a healthy target), judged or not (one at 0 tasks serves nothing, and one the
+    autoscaler activated during the run is not judged: judged.py). Until the thirty-eighth session the destructive
+    checks knew the judged ones only: a stream an elastic unit answered counted for none, and 7a's probes answered
+    200 by it while the stopped unit was half failed the check of a cell of one judged unit. Counted by their tasks
+    at first, a unit just activated (its tasks listed, waiting some 15 minutes for their instances) let a half
+    unit's 200s pass 7a (a cold review of that change,
+    `tests/test_verify_checks.py::test_an_elastic_unit_not_serving_yet_does_not_excuse_a_half_unit_answering`); a
+    judged one is counted by its health too: with fewer than min_units serving at the kit's start an elastic cell's
+    judged units are its active ones, serving or not (judged.py), and a judged unit may lose its health during the
+    run."""
+    if not ctx.expect.elastic_units:
+        return list(ctx.expect.units)
+    return [u for u in ctx.expect.elastic_units if ctx.adapter.unit_health(u) == 200]
 
 
 def _interval(ctx: Context) -> float:
@@ -211,9 +228,10 @@ def _stopped_at(ctx: Context, tasks: list[Task]) -> dict[str, float | None]:
 
 
 def _leader_with_a_stream(ctx: Context, streams: Streams) -> Task | None:
-    """The leader task of the first unit (fleet order) that answers a stream in flight; else the first leader."""
+    """The leader task of the first unit (fleet order) that answers a stream in flight; else a judged unit's leader,
+    one that serves if any does (`_pick`)."""
     busy = streams.in_flight_units()
-    for unit_id in (u for u in [*ctx.expect.units, *ctx.expect.elastic_units] if u in busy):
+    for unit_id in (u for u in ctx.expect.all_units if u in busy):
         leader = next((t for t in ctx.adapter.tasks(unit_id) if t.role == "leader"), None)
         if leader is not None:
             return leader
@@ -254,9 +272,17 @@ def check_leader_stop(ctx: Context) -> CheckResult:
     ended); then the unit serves again. In a cell of several units the leader stopped is one whose
     unit answers a stream (its proxy names the unit in each streamed answer's X-Served-By-Unit)."""
     interval = _interval(ctx)
-    unit0 = ctx.expect.units[0]
-    if _wait(lambda: ctx.adapter.unit_health(unit0) == 200, ctx.recovery_timeout_seconds, interval) is None:
-        return CheckResult("7b-leader-stop", "fail", Measured(None, "s"), f"{unit0} is not serving before the stop")
+    # A judged unit that serves, not the first one: with fewer than min_units serving at the kit's start the judged
+    # units are the active ones (judged.py), and the first may be a unit activated just before the run, still
+    # starting (check 1 names it); waiting for it held 7b up to the recovery timeout and then failed it on a cell
+    # whose other units served (review of the thirty-ninth session). 7a's unit, stopped just before, is back by now
+    # or 7a failed.
+    def any_serving() -> bool:
+        return any(ctx.adapter.unit_health(u) == 200 for u in ctx.expect.units)
+
+    if _wait(any_serving, ctx.recovery_timeout_seconds, interval) is None:
+        return CheckResult("7b-leader-stop", "fail", Measured(None, "s"),
+                           f"no judged unit ({', '.join(ctx.expect.units)}) is serving before the stop")
     if _pick(ctx, "leader") is None:
         return not_run("7b-leader-stop", "no leader task running", "s")
     max_tokens = max(16, min(ctx.expect.max_seq_len - 64, 1024))

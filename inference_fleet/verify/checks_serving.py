@@ -8,6 +8,7 @@ adapter; none needs shell access to a task.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import secrets
 import threading
@@ -15,6 +16,7 @@ import time
 
 from inference_fleet.verify.adapter import LogEvent
 from inference_fleet.verify.context import Context
+from inference_fleet.verify.judged import DEACTIVATED, deactivated, deactivated_note
 from inference_fleet.verify.report import CheckResult, Measured, Status, not_run
 
 PROMPT = "The inference unit forms when"
@@ -63,18 +65,30 @@ def check_serving(ctx: Context) -> CheckResult:
     if not chat.ok or not chat.text:
         problems.append(f"{label['stream']}: {chat.status} {chat.error or 'no text'}")
     health = {u: ctx.adapter.unit_health(u) for u in ctx.expect.units}
-    unhealthy = {u: h for u, h in health.items() if h != 200}
+    unhealthy, gone = _unhealthy(ctx, health)
     if unhealthy:
         problems.append(f"units not healthy behind the entry point: {unhealthy}")
-    serving = len(health) - len(unhealthy)
+    serving = len(health) - len(unhealthy) - len(gone)
     figures = {"api": ctx.client.api, "model": ctx.model, "completion_s": round(completion.seconds, 3),
                "chat_first_token_s": chat.first_token_seconds, "chat_s": round(chat.seconds, 3),
                "unit_health": health}
-    detail = "; ".join(problems) or (f"{serving} of {len(health)} unit(s) healthy; model {ctx.model}; "
+    detail = "; ".join(problems) or (f"{serving} of {len(health) - len(gone)} unit(s) healthy; model {ctx.model}; "
                                      f"{label['completion']} {completion.seconds:.2f} s, "
                                      f"{label['stream']} {chat.seconds:.2f} s")
+    detail += deactivated_note(gone)
     return CheckResult("1-serving", "fail" if problems else "pass", Measured(serving, "units serving"), detail,
                        figures)
+
+
+def _unhealthy(ctx: Context, health: dict[str, int | None] | None = None) -> tuple[dict[str, int | None], list[str]]:
+    """The judged units not healthy now (or in `health`, read already), less those an elastic cell's autoscaler
+    deactivated since the kit's start while the floor holds (judged.deactivated): those are returned apart, named,
+    not failed."""
+    if health is None:
+        health = {u: ctx.adapter.unit_health(u) for u in ctx.expect.units}
+    unhealthy = {u: h for u, h in health.items() if h != 200}
+    gone = deactivated(ctx.adapter, ctx.expect, unhealthy)
+    return {u: h for u, h in unhealthy.items() if u not in gone}, gone
 
 
 def _burst(ctx: Context, count: int, max_tokens: int) -> list[int | None]:
@@ -127,7 +141,7 @@ def check_agreement(ctx: Context, burst: int = 8, max_tokens: int = 24) -> Check
     if first.status != 200 or second.status != 200 or not text1 or not text2:
         problems.append(f"the greedy request twice: {first.status} {text1!r} / {second.status} {text2!r}")
     problems += disagreed
-    unhealthy = {u: h for u in ctx.expect.units if (h := ctx.adapter.unit_health(u)) != 200}
+    unhealthy, gone = _unhealthy(ctx)
     if unhealthy:
         problems.append(f"after the burst, units not healthy: {unhealthy}")
     same = text1 == text2
@@ -136,6 +150,7 @@ def check_agreement(ctx: Context, burst: int = 8, max_tokens: int = 24) -> Check
             "bit-identical online, e.g. when other requests share its batch)")
     detail = "; ".join(problems) or (f"{count} requests at temperature 0.8 served, no session ended by "
                                      f"divergence or step_timeout; {pair}")
+    detail += deactivated_note(gone)
     return CheckResult("2-agreement", "fail" if problems else "pass", Measured(served, "requests agreed"), detail,
                        {"burst": count, "disagreements": disagreed, "since": since,
                         "greedy_text": text1, "greedy_pair_identical": same})
@@ -161,19 +176,22 @@ def confirm_agreement(ctx: Context, result: CheckResult, until: float | None, he
     """Check 2 again at the kit's end, from the burst on: a leader ends a diverged session only after stopping its
     engine and telling its followers (seconds), and logs reach CloudWatch later still, so a disagreement at the
     burst's last heartbeat can outlast check 2's wait. Up to `until` (the destructive checks' start: they end
-    sessions on purpose); with `health`, every unit must still be healthy (a read-only run stops nothing)."""
+    sessions on purpose); with `health`, every judged unit must still be healthy (a read-only run stops nothing), but
+    one an elastic cell's autoscaler deactivated since the start with the floor held, named (judged.deactivated)."""
     since = result.figures.get("since")
     if not isinstance(since, int | float):
         return result
     named = set(result.figures.get("disagreements") or [])
     late = [d for d in _disagreements(ctx, since, until) if d not in named]
+    gone: list[str] = []
     if health:
-        unhealthy = {u: h for u in ctx.expect.units if (h := ctx.adapter.unit_health(u)) != 200}
+        unhealthy, gone = _unhealthy(ctx)
         late += [f"at the kit's end, units not healthy: {unhealthy}"] if unhealthy else []
+    note = deactivated_note([u for u in gone if f"{u}: {DEACTIVATED}" not in result.detail])  # not named by check 2
     if not late:
-        return result
+        return dataclasses.replace(result, detail=result.detail + note) if note else result
     detail = "; ".join(late) if result.status == "pass" else result.detail + "; " + "; ".join(late)
-    return CheckResult(result.check_id, "fail", result.measured, f"found at the kit's end: {detail}",
+    return CheckResult(result.check_id, "fail", result.measured, f"found at the kit's end: {detail}{note}",
                        {**result.figures, "found_at_end": late}, seconds=result.seconds)
 
 

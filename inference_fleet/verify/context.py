@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from inference_fleet.verify.adapter import CellAdapter, Expectations
+from inference_fleet.verify.judged import Judged
 from inference_fleet.verify.serving_client import ServingClient
 
 
@@ -25,6 +26,8 @@ class Context:
     steps_report_seconds: float = 60.0
     # How long a destructive check waits for a unit to serve again.
     recovery_timeout_seconds: float = 1800.0
+    # Which units `expect.units` holds and why (runner.context resolves them once: judged.py); None: as given.
+    judged: Judged | None = None
 
     def served_model(self) -> str:
         if self.model is None:

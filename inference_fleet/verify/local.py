@@ -100,6 +100,12 @@ class LocalAdapter:
         except (OSError, TimeoutError):
             return None
 
+    def leader_desired(self, unit_ids: list[str]) -> dict[str, int | None]:
+        """The harness's supervisors play the services: a unit's leader is wanted (1) when the harness runs its
+        proxy (a health URL) or a leader task of it, else 0."""
+        leaders = {t.unit_id for t in self._tasks() if t.role == "leader" and t.stopped() is None}
+        return {u: 1 if u in self._health or u in leaders else 0 for u in unit_ids}
+
     # -- tasks ------------------------------------------------------------------------
 
     def tasks(self, unit_id: str) -> list[Task]:

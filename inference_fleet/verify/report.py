@@ -71,6 +71,8 @@ class Report:
     finished_at: float | None = None
     checks: list[CheckResult] = field(default_factory=list)
     target: dict[str, Any] = field(default_factory=dict)  # what the kit ran against (endpoint, stack, units)
+    # The units the checks judged and why ({"units", "because"}: judged.Judged; an elastic cell's are read from it).
+    judged: dict[str, Any] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -84,7 +86,8 @@ class Report:
         return {
             "schema": SCHEMA, "cell": self.cell, "adapter": self.adapter, "destructive": self.destructive,
             "started_at": self.started_at, "finished_at": self.finished_at, "passed": self.passed,
-            "counts": self.counts(), "target": self.target, "checks": [c.to_json() for c in self.checks],
+            "counts": self.counts(), "target": self.target, "judged": self.judged,
+            "checks": [c.to_json() for c in self.checks],
         }
 
     def table(self) -> str:
@@ -99,12 +102,20 @@ class Report:
         counts = self.counts()
         lines.append(f"{self.cell} ({self.adapter}): {counts['pass']} passed, {counts['fail']} failed, "
                      f"{counts['not_run']} not run")
+        if self.judged:
+            lines.append(self._judged_line())
         return "\n".join(lines)
+
+    def _judged_line(self) -> str:
+        return f"units judged: {', '.join(self.judged.get('units') or []) or 'none'} ({self.judged.get('because')})"
 
     def markdown(self) -> str:
         verdict = "PASSED" if self.passed else "FAILED"
         lines = [f"{MARKDOWN_TITLE} cell {self.cell} ({self.adapter}{', destructive' if self.destructive else ''}): "
-                 f"{verdict}", "", "| check | status | measured | detail | settles |", "|---|---|---|---|---|"]
+                 f"{verdict}", ""]
+        if self.judged:
+            lines += [self._judged_line(), ""]
+        lines += ["| check | status | measured | detail | settles |", "|---|---|---|---|---|"]
         for c in self.checks:
             claim = BY_ID[c.check_id]
             lines.append(f"| {c.check_id}: {claim.title} | {c.status} | {_figure(c.measured)} | "

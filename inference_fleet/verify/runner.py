@@ -4,9 +4,11 @@ Order: the read-only checks that send requests (1-3) and read self-checks (5); w
 `destructive`, the fault checks (7a, 7b); then the checks that read what the others
 produced (4 formation, 6 evidence: the destructive stops end sessions whose events they
 read). A check that raises is a failure with the error as its detail; a cell the adapter
-cannot reach fails every check. A caller that already ran a check against the same cell (the
-e2e's follower stop is the kit's 7a, e2e/verify_mode.py) passes its result in `done`: the check
-is not run again, its result goes into the report as it is.
+cannot reach, or an elastic cell below its floor (fewer active units than min_units: judged.py),
+fails every check. The units judged are read once, at the start (`context`), and named in the
+report. A caller that already ran a check against the same cell (the e2e's follower stop is the
+kit's 7a, e2e/verify_mode.py) passes its result in `done`: the check is not run again, its result
+goes into the report as it is.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from inference_fleet.verify import checks_cell, checks_faults, checks_serving
 from inference_fleet.verify.adapter import CellAdapter, CellUnreachable, Expectations
 from inference_fleet.verify.claims import CLAIMS
 from inference_fleet.verify.context import Context
+from inference_fleet.verify.judged import BelowFloor, Judged, resolve
 from inference_fleet.verify.report import CheckResult, Measured, Report, not_run
 from inference_fleet.verify.serving_client import serving_client
 
@@ -42,11 +45,15 @@ def _plan(destructive: bool, evidence_wait: float) -> list[tuple[str, Check]]:
 def context(adapter: CellAdapter, expect: Expectations, endpoint: str, *, request_timeout: float = 120.0,
             settle_seconds: float = 15.0, recovery_timeout: float = 1800.0,
             steps_report_seconds: float = 60.0) -> Context:
-    """What every check runs with; the requests are the front end's own (OpenAI, or Triton's KServe v2
-    generate), an HTTPS cell's certificate checked against the name it covers (aws.py)."""
+    """What every check runs with: the units they judge, read from the cell once here (judged.resolve: an elastic
+    cell's serving units, or its active ones when fewer than min_units serve; BelowFloor when fewer than min_units
+    are active); the requests are the front end's own (OpenAI, or Triton's KServe v2 generate), an HTTPS cell's
+    certificate checked against the name it covers (aws.py)."""
+    expect, judged = resolve(adapter, expect)
     client = serving_client(expect, endpoint, request_timeout, tls_name=getattr(adapter, "tls_name", None))
     return Context(adapter, expect, client, settle_seconds=settle_seconds,
-                   recovery_timeout_seconds=recovery_timeout, steps_report_seconds=steps_report_seconds)
+                   recovery_timeout_seconds=recovery_timeout, steps_report_seconds=steps_report_seconds,
+                   judged=judged)
 
 
 def run_check(ctx: Context, check_id: str, check: Check, log: Callable[[str], None] = print) -> CheckResult:
@@ -89,14 +96,20 @@ def run_kit(adapter: CellAdapter, expect: Expectations, *, destructive: bool = F
     try:
         report.target = adapter.describe()
         endpoint = adapter.endpoint()
-    except CellUnreachable as error:
+        ctx = context(adapter, expect, endpoint, request_timeout=request_timeout, settle_seconds=settle_seconds,
+                      recovery_timeout=recovery_timeout, steps_report_seconds=steps_report_seconds)
+    except (CellUnreachable, BelowFloor) as error:
+        why = str(error) if isinstance(error, BelowFloor) else f"cell not reachable: {error}"
+        if isinstance(error, BelowFloor):
+            report.judged = Judged([], why).to_json()
+        log(f"[verify] no check runs: {why}")
         for claim in CLAIMS:
-            report.checks.append(CheckResult(claim.check_id, "fail", Measured(None, ""),
-                                             f"cell not reachable: {error}"))
+            report.checks.append(CheckResult(claim.check_id, "fail", Measured(None, ""), why))
         report.finished_at = time.time()
         return report
-    ctx = context(adapter, expect, endpoint, request_timeout=request_timeout, settle_seconds=settle_seconds,
-                  recovery_timeout=recovery_timeout, steps_report_seconds=steps_report_seconds)
+    if ctx.judged is not None:
+        report.judged = ctx.judged.to_json()
+        log(f"[verify] units judged: {', '.join(ctx.judged.units) or 'none'} ({ctx.judged.because})")
     results: dict[str, CheckResult] = {}
     faults_from: float | None = None
     for check_id, check in _plan(destructive, evidence_wait):
