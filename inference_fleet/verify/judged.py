@@ -27,7 +27,9 @@ floor (the cold review of the thirty-ninth session).
 So: with at least min_units serving units, those are judged, and the active ones not serving are named in the report
 (`not_judged`, and `because`) and not judged: the floor is the cell's contract, and a unit above it that does not
 serve, starting or broken, is owned by the autoscaler's stall rule (decision.py `stalled`: restarted on fresh
-instances past scaling.start_deadline_seconds) and the cell's alarms. With fewer serving units than min_units every
+instances past scaling.start_deadline_seconds; one waiting on a node that never registers, which that rule never
+restarts, by the launch made in its place, handler.py `unregistered_replacements`, and the node alarms in the rollout
+gate). With fewer serving units than min_units every
 active unit is judged, so the shortfall shows as check failures naming the units that do not serve (check 1: "units
 not healthy"); with fewer active units than min_units the cell is below its floor and every check fails saying so
 (BelowFloor, runner.run_kit), rather than judge fewer units or units at rest. The list is read once, at the start: a

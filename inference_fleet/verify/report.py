@@ -71,7 +71,8 @@ class Report:
     finished_at: float | None = None
     checks: list[CheckResult] = field(default_factory=list)
     target: dict[str, Any] = field(default_factory=dict)  # what the kit ran against (endpoint, stack, units)
-    # The units the checks judged and why ({"units", "because"}: judged.Judged; an elastic cell's are read from it).
+    # The units the checks judged and why ({"units", "because", "not_judged"}: judged.Judged; an elastic cell's are read
+    # from it).
     judged: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -1989,6 +1989,11 @@ def test_a_launch_in_place_of_an_unregistered_instance_refused_as_busy_is_asked_
                                                        "HonorCooldown": False})
     summary = cell.run()
     assert summary["action"] == "hold" and summary["done"] == {}, summary
+    # The next tick, the group no longer busy, reads the same lack and asks again (nothing was recorded of the try).
+    cell = Cell()
+    waiting_on(cell, AGED)
+    cell.expect_desired(3)
+    assert cell.run(now=NOW + 60)["done"] == {"launched_for_unregistered": 1}
 
 
 def test_the_activities_give_each_launch_and_the_oldest_finished_one() -> None:

@@ -640,16 +640,24 @@ def give_back_unclaimed(settings: Settings, clients: Clients, decision: Decision
     if desired >= group.desired:
         return 0
     LOG.warning("desired capacity %d -> %d: launches refused that no unit waits for", group.desired, desired)
+    if not set_desired_unless_busy(settings, clients, desired, retry, "lowered"):
+        return 0
+    return group.desired - desired
+
+
+def set_desired_unless_busy(settings: Settings, clients: Clients, desired: int, retry: aws.Retry, change: str) -> bool:
+    """SetDesiredCapacity from a hold tick (the give-back, the launch in place of an instance that never registered);
+    False when the group is busy (ScalingActivityInProgress, ResourceContention: with the very launches it retries,
+    say): the next tick reads again and tries. Raised, it failed the hold tick (its EMF line, the served latch).
+    `change`: the word the log line uses ("lowered", "raised")."""
     try:
         aws.set_desired_capacity(clients.autoscaling, settings.group, desired, retry)
     except ClientError as error:
-        # The group busy with the very launches it retries (ScalingActivityInProgress, ResourceContention): the
-        # next tick reads again and tries; raised, it failed the hold tick (its EMF line, the served latch).
         if aws.error_code(error) not in ("ScalingActivityInProgress", "ResourceContention"):
             raise
-        LOG.warning("desired capacity not lowered, tried again next tick: %s", error)
-        return 0
-    return group.desired - desired
+        LOG.warning("desired capacity not %s, tried again next tick: %s", change, error)
+        return False
+    return True
 
 
 def unclaimed_desired(decision: Decision, context: Mapping[str, Any]) -> int:
@@ -681,13 +689,7 @@ def replace_unregistered(settings: Settings, clients: Clients, decision: Decisio
         return 0
     LOG.warning("desired capacity %d -> %d: a launch in place of each instance that never registered and that an "
                 "active unit waits for (%s)", group.desired, desired, ", ".join(context["unregistered"]))
-    try:
-        aws.set_desired_capacity(clients.autoscaling, settings.group, desired, retry)
-    except ClientError as error:
-        # As for the give-back: the group busy (ScalingActivityInProgress, ResourceContention) is asked again next tick.
-        if aws.error_code(error) not in ("ScalingActivityInProgress", "ResourceContention"):
-            raise
-        LOG.warning("desired capacity not raised, tried again next tick: %s", error)
+    if not set_desired_unless_busy(settings, clients, desired, retry, "raised"):
         return 0
     return desired - group.desired
 
