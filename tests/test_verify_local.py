@@ -155,6 +155,12 @@ def test_events_and_emf_metrics_are_read_from_the_launchers_own_lines(tmp_path: 
     assert adapter.dashboard(0) is None
 
 
+# How long the stand-in unit refuses (503) between its gate closing and `half_status`: the check needs a probe to see
+# it, and probes go every 0.5 s plus their own time. 0.8 s caught one 503 per run here, and none once each probe took
+# 0.35 s longer (a loaded machine: the thirty-ninth session's review of the kit, 6 of 6 runs failed); 2 s holds 2-3.
+REFUSING_SECONDS = 2.0
+
+
 def stand_in_follower_stop(tmp_path: Path, drain_seconds: float, gate_lag: float, half_status: int,
                            frontend: str = "openai", elastic: list[LocalTask] | None = None) -> CheckResult:
     """A stand-in unit (real processes, a real HTTP server for the proxy) that behaves as the
@@ -185,7 +191,7 @@ def stand_in_follower_stop(tmp_path: Path, drain_seconds: float, gate_lag: float
                                    "ended_by": {"rank": 1, "instance_id": follower.task_id}}, "Rufus/Unit", out)
                 time.sleep(gate_lag)
                 server.knobs.status = 503
-                time.sleep(0.8)
+                time.sleep(REFUSING_SECONDS)
                 server.knobs.status = half_status
                 time.sleep(1.2)
                 started.start("i-f2", "follower")
