@@ -61,6 +61,10 @@ NODE_AGENT_UNREGISTERED_METRIC = "NodeAgentUnregistered"
 AGENT_GRACE_SECONDS = 600
 # What an elastic cell's unit autoscaler does with a node that never registers (its UNREGISTERED_AFTER_S rule,
 # functions/autoscaler/unit_autoscaler/handler.py), said in both node alarms: the operator's action depends on it.
+# The console output outlives the instance: EC2 posts it "shortly after an instance transition state (start, stop,
+# reboot, or terminate)" and keeps it "for at least one hour after the most recent post" (GetConsoleOutput,
+# https://docs.aws.amazon.com/AWSEC2/latest/APIReference/API_GetConsoleOutput.html); the journal lives on the
+# instance's root volume (deleted with it if the AMI's mapping says DeleteOnTermination, as is usual: unverified here).
 ELASTIC_CELL_NOTE = ("In an elastic cell the unit autoscaler, once a sound node would have registered, has a launch "
                      "made in its place for a unit that waits for it, keeps it while a unit still lacks instances, "
                      "then terminates it as surplus: read the reason from it before then (its console output stays "
