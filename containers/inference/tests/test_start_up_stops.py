@@ -43,6 +43,17 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _dies_within(pid: int, seconds: float) -> bool:
+    """A SIGKILL is delivered at once but acted on when the process next runs: on a loaded machine it can still
+    show as running for a moment after the kill (CI stop 62 read it too early)."""
+    deadline = time.monotonic() + seconds
+    while _alive(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def _triton_image(tmp_path: Path, probe_body: str) -> tuple[str, str]:
     python = tmp_path / "venv" / "bin" / "python3"
     _script(python, probe_body)
@@ -64,7 +75,7 @@ def test_a_stop_ends_the_probe_at_once_even_when_the_probe_has_a_child(tmp_path)
     print(f"stop during a probe with a child: TritonEnvStopped after {took:.2f} s; grandchild alive: "
           f"{_alive(grandchild)}")
     assert took < 3, f"the stop waited {took:.1f} s for the probe's grandchild to close its pipes"
-    assert not _alive(grandchild), "the probe's grandchild outlived the probe's kill"
+    assert _dies_within(grandchild, 2.0), "the probe's grandchild outlived the probe's kill"
 
 
 def test_a_stop_signal_that_also_ends_the_probe_is_still_a_stop(tmp_path, unit_nodes, h):
