@@ -78,21 +78,49 @@ def test_the_log_reader_waits_for_the_stats_socket(tmp_path: Path):
     assert asyncio.run(run()) == b"ok\n"
 
 
+def _named(name: str) -> int | None:
+    """The pid of a live process whose command name is `name` (None if there is none)."""
+    for entry in proctree.PROC.iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "comm").read_text().strip() == name:
+                    return int(entry.name)
+            except OSError:
+                continue
+    return None
+
+
 def test_other_load_counts_processes_outside_the_benchmark():
     """A process burning CPU beside the benchmark (not its descendant: started detached, so
-    init adopts it) shows in the run's `other_load`, by its command name."""
+    init adopts it) shows in the run's `other_load`, by its command name, with the CPU it used.
+
+    Compared with the CPU /proc says the spinner used over the same window, not with a fixed
+    share of a core: on a loaded 2-core machine (load 14) it got 0.17 s of its second, and a
+    `>= 0.2` bound failed a whole `make test` (fortieth session)."""
     spin = (
         "open('/proc/self/comm', 'w').write('otherload_spin')\n"
-        "import time\nt = time.time()\nwhile time.time() - t < 3: pass\n"
+        "import time\nt = time.time()\nwhile time.time() - t < 30: pass\n"
     )
     subprocess.run(["sh", "-c", f'"{sys.executable}" -c "{spin}" >/dev/null 2>&1 &'], check=True, timeout=10)
-    time.sleep(0.3)
-    before = proctree.all_stats()
-    time.sleep(1.0)
-    after = proctree.all_stats()
+    deadline = time.monotonic() + 20
+    while (pid := _named("otherload_spin")) is None:
+        assert time.monotonic() < deadline, "the spinner never started"
+        time.sleep(0.05)
+    try:
+        before = proctree.all_stats()
+        time.sleep(1.0)
+        after = proctree.all_stats()
+    finally:
+        os.kill(pid, 9)
+    used = round(after[pid].own - before[pid].own, 2)
     load = other_load(before, after, 1.0)
-    assert load["busiest"].get("otherload_spin", 0) >= 0.2, load
-    assert load["cpu_seconds_per_second"] >= 0.2, load
+    assert used > 0, f"the spinner used no CPU in a second: {load}"
+    busiest = load["busiest"]
+    # Five processes busier than the spinner can crowd it out of the five busiest: then it used
+    # no more than the fifth did.
+    assert busiest.get("otherload_spin") == used or (len(busiest) == 5 and used <= min(busiest.values())), \
+        (used, load)
+    assert load["cpu_seconds_per_second"] >= used - 0.01, (used, load)
 
 
 @needs_tools
