@@ -464,7 +464,9 @@ def test_an_elastic_cell_serving_u1_and_u2_is_judged_by_its_leader_services_not_
     keeps u1 and u2 active, and has just activated u3 (its leader task not listed yet). The kit reads the leader
     services' desired counts and the active units' health once, at the start, and judges u1 and u2 (their targets'
     health, check 1), naming u3 (not serving, the floor met); u0, at 0, is never asked for, nor u3 again (the
-    Stubber would refuse a call it does not expect)."""
+    Stubber would refuse a call it does not expect). The judged units' leader services are read again while the
+    checks run (judged.OffWatch: one seen at 0 and above again was drained and activated again), by the same
+    DescribeServices the gate role has."""
     cell, stubs = adapter
     with FakeOpenAI() as server:
         stub_elastic_stack(stubs, 4, [{"Protocol": "HTTP", "Port": server.port}], dns="localhost")
@@ -472,6 +474,8 @@ def test_an_elastic_cell_serving_u1_and_u2_is_judged_by_its_leader_services_not_
         for i in (1, 2):  # the choice (judged.py)
             stub_unit_health_of(stubs, i)
         stub_no_leader_task(stubs, 3)
+        for _ in range(2):  # the judged units' leader services, watched: as the run starts, and before check 1
+            stub_describe_services(stubs, {1: 1, 2: 1})
         for i in (1, 2):  # check 1
             stub_unit_health_of(stubs, i)
         serving_only(monkeypatch)

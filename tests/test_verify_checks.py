@@ -23,7 +23,7 @@ from inference_fleet.verify.adapter import expectations as fleet_expectations
 from inference_fleet.verify.aws import widget_queries
 from inference_fleet.verify.claims import CLAIMS
 from inference_fleet.verify.context import Context
-from inference_fleet.verify.judged import BelowFloor, judge, resolve
+from inference_fleet.verify.judged import BelowFloor, OffWatch, judge, resolve
 from inference_fleet.verify.openai_http import OpenAIHttp
 from inference_fleet.verify.report import SCHEMA, CheckResult, Measured, Report
 from inference_fleet.verify.runner import run_kit
@@ -261,6 +261,55 @@ def test_step_bound_fails_on_a_longest_step_above_half_the_bound_and_falls_back_
                                                              step_timeout_seconds=30.0))
     assert result.status == "fail" and result.measured.value == 16.0, result.detail
     assert "time to first token" in result.figures["source"] and "no unit_steps line of u1" in result.detail
+
+
+def test_step_bound_names_a_judged_unit_drained_during_the_run_not_as_a_silent_one(elastic_fleet: Any) -> None:
+    """Regression (residual 3 of the thirty-ninth session's reviews): a judged unit the autoscaler drained during the
+    run writes no `unit_steps` line after the prompt; check 3 named it with the silent units ("no unit_steps line of
+    u2 written within ..."), as if its leader had stopped reporting. It is named as drained (judged.excuse); its
+    figure is still unknown, so the prompt's time to first token still bounds the step (the prompt may have been
+    its last answer)."""
+    with FakeOpenAI() as server:
+        adapter = FakeAdapter(server.url, health={"u0": 200, "u1": 200, "u2": 503},
+                              desired={"u0": 1, "u1": 1, "u2": 0})
+        with leader_writing_unit_steps(adapter, {"u0": 2.0, "u1": 1.0}, every=0.1):
+            result = checks_serving.check_step_bound(context(
+                server, adapter, units=["u0", "u1", "u2"], elastic_units=["u0", "u1", "u2", "u3"], min_units=2,
+                step_timeout_seconds=30.0))
+    assert result.status == "pass", result.detail
+    assert "no unit_steps line of" not in result.detail, result.detail
+    assert "u2: deactivated during the run (leader service desired count 0), not judged" in result.detail
+    assert "time to first token" in result.figures["source"]
+
+
+def test_step_bound_takes_the_longest_step_of_a_session_that_ended_after_the_prompt() -> None:
+    """A unit whose session ends after the prompt (drained by a scale-in, or its engine gone) writes no `unit_steps`
+    line after it, but its `unit_session_end` carries the session's longest step (steps.broadcast, the figure its
+    `unit_steps` lines carry: unit_launcher/evidence.py `longest_step_seconds`). It is read, not replaced by the
+    time to first token; a longest step above half the bound there fails as any."""
+    with FakeOpenAI() as server:
+        adapter = FakeAdapter(server.url, health={"u0": 200, "u1": 200})
+        stop = threading.Event()
+
+        def end_u1() -> None:  # after the prompt was answered: the check's `done` is before it
+            while not stop.wait(0.1):
+                if any(r.get("max_tokens") == 1 for r in server.knobs.requests):
+                    time.sleep(0.05)
+                    adapter.log({"event": "unit_session_end", "unit_id": "u1", "session_id": "s-u1",
+                                 "cause": "deliberate_stop", "ended_at": time.time(),
+                                 "steps": {"broadcast": {"completed": 40, "longest_step_seconds": 16.0}}})
+                    return
+
+        ender = threading.Thread(target=end_u1, daemon=True)
+        ender.start()
+        with leader_writing_unit_steps(adapter, {"u0": 2.0}, every=0.1):
+            result = checks_serving.check_step_bound(context(server, adapter, units=["u0", "u1"],
+                                                             step_timeout_seconds=30.0))
+        stop.set()
+        ender.join()
+    assert result.status == "fail" and result.measured.value == 16.0, result.detail
+    assert result.figures["longest_step_s_by_unit"] == {"u0": 2.0, "u1": 16.0}
+    assert result.figures["source"].startswith("the session's longest step")
 
 
 def test_step_bound_draws_a_new_prompt_head_each_run() -> None:
@@ -580,7 +629,8 @@ def test_a_fixed_cell_judges_every_unit_without_asking_the_cell_which_are_active
         adapter = NotAsked(server.url, running=two_tasks())
         report = run_kit(adapter, expectations(units=["u0"]), settle_seconds=0.0, steps_report_seconds=0.3,
                          log=lambda _: None)
-    assert report.judged == {"units": ["u0"], "because": "a fixed cell: every unit of the fleet file", "not_judged": []}
+    assert report.judged == {"units": ["u0"], "because": "a fixed cell: every unit of the fleet file", "not_judged": [],
+                             "deactivated": [], "reactivated": []}
     assert {c.check_id: c.status for c in report.checks}["1-serving"] == "pass"
     assert "units judged: u0 (a fixed cell: every unit of the fleet file)" in report.table()
 
@@ -714,6 +764,8 @@ def test_a_judged_unit_the_autoscaler_scales_in_during_the_run_is_named_not_fail
     by_id = {c.check_id: c for c in report.checks}
     assert "u2: deactivated during the run (leader service desired count 0), not judged" in by_id["2-agreement"].detail
     assert "u2: deactivated during the run" in by_id["6-evidence"].detail
+    assert report.judged["deactivated"] == ["u2"] and report.judged["reactivated"] == []
+    assert "deactivated during the run, not judged: u2" in report.table()
 
 
 def test_a_judged_unit_scaled_in_right_after_the_judging_is_named_by_check_1_and_the_proxy_requests(
@@ -737,7 +789,7 @@ def test_a_judged_unit_scaled_in_right_after_the_judging_is_named_by_check_1_and
 
 
 def test_a_judged_unit_set_to_0_below_the_floor_still_fails(elastic_fleet: Any) -> None:
-    """The other side: a judged unit set to 0 during the run that leaves fewer than min_units judged units active (an
+    """The other side: a judged unit set to 0 during the run that leaves fewer than min_units units serving (an
     operator's UpdateService, a cell losing its floor) is not excused: check 2 fails naming it."""
     with FakeOpenAI() as server:
         adapter = serving_cell(server.url, ["u0", "u1"], desired={"u0": 1, "u1": 1})
@@ -745,6 +797,124 @@ def test_a_judged_unit_set_to_0_below_the_floor_still_fails(elastic_fleet: Any) 
                          log=scaled_in_after_check_1(adapter, "u1"))
     agreement = {c.check_id: c for c in report.checks}["2-agreement"]
     assert agreement.status == "fail" and "units not healthy: {'u1': 503}" in agreement.detail, agreement.detail
+
+
+def scale_in(adapter: FakeAdapter, unit: str) -> None:
+    """The autoscaler's scale-in of `unit` as the kit sees it: its leader service at 0, its tasks stopped, its target
+    gone (aws.py unit_health: no leader task, 503)."""
+    adapter.desired[unit] = 0
+    adapter.health[unit] = 503
+    adapter.running.pop(unit, None)
+
+
+def formed_two_days_ago(adapter: FakeAdapter, unit: str) -> None:
+    """`unit` has served for two days: its tasks created then, its session's formation logged then."""
+    day = 86400.0
+    for task in adapter.running[unit]:
+        adapter.times[task.task_id] = TaskTimes(created=time.time() - 2 * day, started=time.time() - 2 * day)
+    formed = next(e for e in adapter.logged if e.doc.get("event") == "unit_session_formed"
+                  and e.doc.get("unit_id") == unit)
+    adapter.logged.remove(formed)
+    adapter.log(formed.doc, at=time.time() - 2 * day + 900)
+
+
+def test_a_judged_unit_scaled_in_while_a_unit_not_judged_holds_the_floor_is_named_not_failed(
+        elastic_fleet: Any) -> None:
+    """Regression (residual 1 of the thirty-ninth session's reviews): min_units 2, u0 and u1 serve at the start and
+    are judged, u2 is active and still starting (not judged). u2 serves during the run and the autoscaler scales in
+    u1, the least loaded: the cell holds its floor with u0 and u2 (the autoscaler's own count, decision.py `active`,
+    counts every unit whose leader is on, judged by the kit or not). The excuse counted the judged units still
+    active, 1 < min_units, so check 2 failed ("units not healthy: {'u1': 503}"). It counts the units active and
+    serving now, judged or not."""
+    with FakeOpenAI() as server:
+        adapter = activated_not_serving(serving_cell(server.url, ["u0", "u1"], desired={"u0": 1, "u1": 1}), "u2")
+
+        def log(line: str) -> None:
+            if line.startswith("[verify] 1-serving:"):
+                adapter.health["u2"] = 200  # u2 formed and serves
+                scale_in(adapter, "u1")
+
+        report = run_kit(adapter, elastic_dev(elastic_fleet), settle_seconds=0.0, steps_report_seconds=0.3, log=log)
+    failed = {c.check_id: c.detail for c in report.checks if c.status == "fail"}
+    assert report.passed, failed
+    assert (report.judged["units"], report.judged["not_judged"]) == (["u0", "u1"], ["u2"])
+    by_id = {c.check_id: c for c in report.checks}
+    assert "u1: deactivated during the run (leader service desired count 0), not judged" in by_id["2-agreement"].detail
+    assert report.judged["deactivated"] == ["u1"] and report.judged["reactivated"] == []
+
+
+def test_a_judged_unit_set_to_0_while_the_unit_in_its_place_does_not_serve_still_fails(elastic_fleet: Any) -> None:
+    """The other side of the count: u1 set to 0 during the run (an operator's UpdateService reads as the autoscaler's
+    scale-in) while u2, active, does not serve: the cell serves one unit, below its floor. u1 is not excused, and
+    the detail says why; the autoscaler itself never drains a unit while another is starting or down
+    (decision.py `settled_in`, `down`), so a healthy cell never meets this."""
+    with FakeOpenAI() as server:
+        adapter = activated_not_serving(serving_cell(server.url, ["u0", "u1"], desired={"u0": 1, "u1": 1}), "u2")
+        report = run_kit(adapter, elastic_dev(elastic_fleet), settle_seconds=0.0, steps_report_seconds=0.3,
+                         log=scaled_in_after_check_1(adapter, "u1"))
+    agreement = {c.check_id: c for c in report.checks}["2-agreement"]
+    assert agreement.status == "fail" and "units not healthy: {'u1': 503}" in agreement.detail, agreement.detail
+    assert ("u1: leader service set to 0 during the run, not excused: 1 unit(s) active and serving now (u0), "
+            "fewer than min_units 2") in agreement.detail, agreement.detail
+    assert report.judged["deactivated"] == []
+
+
+def test_a_judged_unit_drained_and_activated_again_during_the_run_is_named_not_failed(elastic_fleet: Any) -> None:
+    """Regression (residual 2 of the thirty-ninth session's reviews): a judged unit the autoscaler scales in and
+    activates again during the run (a scale-out after the cool-down: the lowest-index dormant unit first) is active
+    when the kit reads it at its end, so it was not "deactivated", and it failed: check 2 at the kit's end ("units
+    not healthy: {'u2': 503}": its new instances boot) and check 6 (no `unit_session_formed` since: it has not
+    formed again). Its leader service was seen at 0 during the run (the kit samples the judged units' counts), so
+    its new life is an activation during the run, which the kit never judges; the floor is held by u0 and u1."""
+    with FakeOpenAI() as server:
+        adapter = serving_cell(server.url, ["u0", "u1", "u2"], desired={"u0": 1, "u1": 1, "u2": 1})
+        formed_two_days_ago(adapter, "u2")
+
+        def log(line: str) -> None:
+            if line.startswith("[verify] 1-serving:"):
+                scale_in(adapter, "u2")
+            elif line.startswith("[verify] 2-agreement:"):
+                adapter.desired["u2"] = 1  # activated again: no task yet, its instances booting
+
+        report = run_kit(adapter, elastic_dev(elastic_fleet), settle_seconds=0.0, steps_report_seconds=0.3, log=log)
+    failed = {c.check_id: c.detail for c in report.checks if c.status == "fail"}
+    assert report.passed, failed
+    by_id = {c.check_id: c for c in report.checks}
+    reactivated = "u2: deactivated and activated again during the run (leader service desired count 0, then above), " \
+                  "not judged"
+    assert reactivated in by_id["2-agreement"].detail and reactivated in by_id["6-evidence"].detail
+    assert report.judged["reactivated"] == ["u2"] and report.judged["deactivated"] == []
+
+
+def test_a_judged_unit_whose_tasks_are_replaced_during_the_run_is_not_excused(elastic_fleet: Any) -> None:
+    """The other side: a unit whose tasks ECS replaces (an engine exit, a failed health check) keeps its leader
+    service at 1: nothing says it was drained, so its 503 at the kit's end fails check 2."""
+    with FakeOpenAI() as server:
+        adapter = serving_cell(server.url, ["u0", "u1", "u2"], desired={"u0": 1, "u1": 1, "u2": 1})
+
+        def log(line: str) -> None:
+            if line.startswith("[verify] 1-serving:"):
+                adapter.health["u2"] = 503
+
+        report = run_kit(adapter, elastic_dev(elastic_fleet), settle_seconds=0.0, steps_report_seconds=0.3, log=log)
+    agreement = {c.check_id: c for c in report.checks}["2-agreement"]
+    assert agreement.status == "fail" and "units not healthy: {'u2': 503}" in agreement.detail, agreement.detail
+    assert "not judged" not in agreement.detail
+
+
+def test_the_watch_sees_a_leader_service_at_0_between_two_reads() -> None:
+    """A drain and an activation again take minutes (the tasks' stop, the instances' release, the scale-out
+    cool-down: 1 min at least), and the kit's checks read the counts only where they would fail a unit: the watch
+    samples the judged units' counts meanwhile (judged.OffWatch, every WATCH_SECONDS on a run)."""
+    adapter = FakeAdapter("http://unused", desired={"u0": 1, "u1": 1})
+    watch = OffWatch(adapter, ["u0", "u1"], interval=0.01)
+    with watch:
+        adapter.desired["u1"] = 0
+        deadline = time.monotonic() + 5
+        while "u1" not in watch.seen_off() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        adapter.desired["u1"] = 1
+    assert watch.seen_off() == {"u1"}
 
 
 @pytest.mark.parametrize(("desired", "serving", "judged", "named"), [
