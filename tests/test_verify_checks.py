@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from inference_fleet.verify import checks_cell, checks_faults, checks_serving
-from inference_fleet.verify.adapter import MetricSeries, Task, TaskTimes
+from inference_fleet.verify.adapter import LogEvent, MetricSeries, Task, TaskTimes
 from inference_fleet.verify.adapter import expectations as fleet_expectations
 from inference_fleet.verify.aws import widget_queries
 from inference_fleet.verify.claims import CLAIMS
@@ -263,6 +263,28 @@ def test_step_bound_fails_on_a_longest_step_above_half_the_bound_and_falls_back_
     assert "time to first token" in result.figures["source"] and "no unit_steps line of u1" in result.detail
 
 
+@dataclasses.dataclass
+class LinesOnFirstRead(FakeAdapter):
+    """A cell whose leaders write their lines after the prompt was answered: each line of `on_read` is logged, dated
+    now (`at`; a session end's `ended_at`), at the check's first read of its event and unit (None: a read of every
+    unit). Check 3 reads only after it dated the answer (`done`), so the line is newer than that on a loaded machine
+    too: a writer thread, or a line logged when the fake server saw the prompt, raced the check's own clock (a line
+    dated before `done` is not read; 50 ms of the main thread descheduled failed the test)."""
+
+    on_read: dict[tuple[str, str | None], dict[str, Any]] = dataclasses.field(default_factory=dict)
+
+    def events(self, event: str, since: float, unit_id: str | None = None) -> list[LogEvent]:
+        doc = self.on_read.pop((event, unit_id), None)
+        if doc is not None:
+            now = time.time()
+            self.log({**doc, "ended_at" if event == "unit_session_end" else "at": now}, at=now)
+        return super().events(event, since, unit_id)
+
+
+def steps_line(unit: str, longest: float) -> dict[str, Any]:
+    return {"event": "unit_steps", "unit_id": unit, "steps": 40, "completed": 40, "longest_step_seconds": longest}
+
+
 def test_step_bound_names_a_judged_unit_drained_during_the_run_not_as_a_silent_one(elastic_fleet: Any) -> None:
     """Regression (residual 3 of the thirty-ninth session's reviews): a judged unit the autoscaler drained during the
     run writes no `unit_steps` line after the prompt; check 3 named it with the silent units ("no unit_steps line of
@@ -270,12 +292,13 @@ def test_step_bound_names_a_judged_unit_drained_during_the_run_not_as_a_silent_o
     figure is still unknown, so the prompt's time to first token still bounds the step (the prompt may have been
     its last answer)."""
     with FakeOpenAI() as server:
-        adapter = FakeAdapter(server.url, health={"u0": 200, "u1": 200, "u2": 503},
-                              desired={"u0": 1, "u1": 1, "u2": 0})
-        with leader_writing_unit_steps(adapter, {"u0": 2.0, "u1": 1.0}, every=0.1):
-            result = checks_serving.check_step_bound(context(
-                server, adapter, units=["u0", "u1", "u2"], elastic_units=["u0", "u1", "u2", "u3"], min_units=2,
-                step_timeout_seconds=30.0))
+        adapter = LinesOnFirstRead(server.url, health={"u0": 200, "u1": 200, "u2": 503},
+                                   desired={"u0": 1, "u1": 1, "u2": 0},
+                                   on_read={("unit_steps", "u0"): steps_line("u0", 2.0),
+                                            ("unit_steps", "u1"): steps_line("u1", 1.0)})
+        result = checks_serving.check_step_bound(context(
+            server, adapter, units=["u0", "u1", "u2"], elastic_units=["u0", "u1", "u2", "u3"], min_units=2,
+            step_timeout_seconds=30.0))
     assert result.status == "pass", result.detail
     assert "no unit_steps line of" not in result.detail, result.detail
     assert "u2: deactivated during the run (leader service desired count 0), not judged" in result.detail
@@ -287,26 +310,14 @@ def test_step_bound_takes_the_longest_step_of_a_session_that_ended_after_the_pro
     line after it, but its `unit_session_end` carries the session's longest step (steps.broadcast, the figure its
     `unit_steps` lines carry: unit_launcher/evidence.py `longest_step_seconds`). It is read, not replaced by the
     time to first token; a longest step above half the bound there fails as any."""
+    ended = {"event": "unit_session_end", "unit_id": "u1", "session_id": "s-u1", "cause": "deliberate_stop",
+             "steps": {"broadcast": {"completed": 40, "longest_step_seconds": 16.0}}}
     with FakeOpenAI() as server:
-        adapter = FakeAdapter(server.url, health={"u0": 200, "u1": 200})
-        stop = threading.Event()
-
-        def end_u1() -> None:  # after the prompt was answered: the check's `done` is before it
-            while not stop.wait(0.1):
-                if any(r.get("max_tokens") == 1 for r in server.knobs.requests):
-                    time.sleep(0.05)
-                    adapter.log({"event": "unit_session_end", "unit_id": "u1", "session_id": "s-u1",
-                                 "cause": "deliberate_stop", "ended_at": time.time(),
-                                 "steps": {"broadcast": {"completed": 40, "longest_step_seconds": 16.0}}})
-                    return
-
-        ender = threading.Thread(target=end_u1, daemon=True)
-        ender.start()
-        with leader_writing_unit_steps(adapter, {"u0": 2.0}, every=0.1):
-            result = checks_serving.check_step_bound(context(server, adapter, units=["u0", "u1"],
-                                                             step_timeout_seconds=30.0))
-        stop.set()
-        ender.join()
+        adapter = LinesOnFirstRead(server.url, health={"u0": 200, "u1": 200},
+                                   on_read={("unit_steps", "u0"): steps_line("u0", 2.0),
+                                            ("unit_session_end", None): ended})
+        result = checks_serving.check_step_bound(context(server, adapter, units=["u0", "u1"],
+                                                         step_timeout_seconds=30.0))
     assert result.status == "fail" and result.measured.value == 16.0, result.detail
     assert result.figures["longest_step_s_by_unit"] == {"u0": 2.0, "u1": 16.0}
     assert result.figures["source"].startswith("the session's longest step")
@@ -773,7 +784,7 @@ def test_a_judged_unit_scaled_in_right_after_the_judging_is_named_by_check_1_and
     """Cold review of the change above: a scale-in between the judging and check 1 (the unit served when the kit
     read it; its leader service set to 0 just after) reaches check 1's health read and check 6's proxy `Requests`
     too, and the unit, its target deregistered before the kit's first request, has no `Requests` data. Both name it
-    (judged.deactivated); no test covered those two places (either could lose the call and every test passed)."""
+    (judged.excuse); no test covered those two places (either could lose the call and every test passed)."""
     with FakeOpenAI() as server:
         adapter = serving_cell(server.url, ["u0", "u1", "u2"], desired={"u0": 1, "u1": 1, "u2": 1})
         del adapter.metrics[("Rufus/UnitProxy", "Requests", "u2")]  # it answered none of the kit's requests
