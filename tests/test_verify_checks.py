@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 
 from inference_fleet.verify import checks_cell, checks_faults, checks_serving
-from inference_fleet.verify.adapter import LogEvent, MetricSeries, Task, TaskTimes
+from inference_fleet.verify.adapter import CellUnreachable, LogEvent, MetricSeries, Task, TaskTimes
 from inference_fleet.verify.adapter import expectations as fleet_expectations
 from inference_fleet.verify.aws import widget_queries
 from inference_fleet.verify.claims import CLAIMS
 from inference_fleet.verify.context import Context
-from inference_fleet.verify.judged import BelowFloor, OffWatch, judge, resolve
+from inference_fleet.verify.judged import BelowFloor, OffWatch, excuse, judge, resolve
 from inference_fleet.verify.openai_http import OpenAIHttp
 from inference_fleet.verify.report import SCHEMA, CheckResult, Measured, Report
 from inference_fleet.verify.runner import run_kit
@@ -926,6 +926,70 @@ def test_the_watch_sees_a_leader_service_at_0_between_two_reads() -> None:
             time.sleep(0.01)
         adapter.desired["u1"] = 1
     assert watch.seen_off() == {"u1"}
+
+
+def test_a_judged_unit_whose_leader_service_is_not_found_then_active_is_not_excused_as_activated_again(
+        elastic_fleet: Any) -> None:
+    """Review of kit-mid-review: the watch counted a leader service not found (None; aws.py `leader_desired` says so
+    of a DRAINING or INACTIVE service too: a deleted one) as one at 0, so a unit whose service could not be read
+    and then read active was excused as "deactivated and activated again". The autoscaler never deletes a service
+    (handler.py `act` sets counts only): only an explicit 0 of an ACTIVE service is a drain. Not excused, u2's 503
+    at the kit's end fails check 2."""
+    with FakeOpenAI() as server:
+        adapter = serving_cell(server.url, ["u0", "u1", "u2"], desired={"u0": 1, "u1": 1, "u2": 1})
+
+        def log(line: str) -> None:
+            if line.startswith("[verify] 1-serving:"):
+                del adapter.desired["u2"]  # no ACTIVE leader service found (None)
+                adapter.health["u2"] = 503
+            elif line.startswith("[verify] 2-agreement:"):
+                adapter.desired["u2"] = 1
+
+        report = run_kit(adapter, elastic_dev(elastic_fleet), settle_seconds=0.0, steps_report_seconds=0.3, log=log)
+    agreement = {c.check_id: c for c in report.checks}["2-agreement"]
+    assert agreement.status == "fail" and "units not healthy: {'u2': 503}" in agreement.detail, agreement.detail
+    assert "activated again" not in agreement.detail and report.judged["reactivated"] == []
+
+
+def test_the_watch_records_an_explicit_0_only() -> None:
+    """A leader service at 0 is seen; one not found (None) is not, whoever read the counts (a sample, a check)."""
+    adapter = FakeAdapter("http://unused", desired={"u0": 1, "u1": 0})
+    watch = OffWatch(adapter, ["u0", "u1", "u2"])
+    watch.sample()
+    watch.note({"u0": None, "u2": None})
+    assert watch.seen_off() == {"u1"}
+
+
+@dataclasses.dataclass
+class CountsRefused(FakeAdapter):
+    """A cell whose leader services cannot be read while `refused` (an AWS error on DescribeServices)."""
+
+    refused: bool = True
+
+    def leader_desired(self, unit_ids: list[str]) -> dict[str, int | None]:
+        if self.refused:
+            raise CellUnreachable("ecs describe_services: ThrottlingException: Rate exceeded")
+        return super().leader_desired(unit_ids)
+
+
+def test_a_watch_whose_every_sample_failed_says_so_where_a_unit_active_again_would_be_excused() -> None:
+    """Review of kit-mid-review: with every sample of the watch failed, a unit drained and activated again during the
+    run reads as one never drained; the check that fails it says the watch read nothing (once), and does not excuse
+    it. One sample read: nothing said."""
+    adapter = CountsRefused("http://unused", health={"u0": 200, "u1": 200, "u2": 503},
+                            desired={"u0": 1, "u1": 1, "u2": 1})
+    expect = expectations(units=["u0", "u1", "u2"], elastic_units=["u0", "u1", "u2"], min_units=2)
+    watch = OffWatch(adapter, expect.units)
+    for _ in range(3):
+        watch.sample()
+    adapter.refused = False  # the check's own read answers
+    found = excuse(adapter, expect, ["u2"], watch)
+    assert "u2" not in found and found.notes == [
+        "the judged units' leader services were not read during the run (all 3 sample(s) failed, the last: ecs "
+        "describe_services: ThrottlingException: Rate exceeded), so a unit drained and activated again is not told "
+        "apart: not excused as such"]
+    watch.sample()
+    assert excuse(adapter, expect, ["u2"], watch).notes == []
 
 
 @pytest.mark.parametrize(("desired", "serving", "judged", "named"), [

@@ -139,11 +139,16 @@ class Excused:
 
 
 class OffWatch:
-    """The judged units of an elastic cell whose leader service the kit saw at 0 (or gone) since its start: sampled
-    every `interval` seconds in the background while it runs (`with watch:`), before each check (runner.run_kit),
-    and wherever a check reads the counts (`excuse`). A unit at 0 and above again is one drained and activated
-    again during the run (`excuse`, REACTIVATED); an ECS task replacement, an engine exit or the kit's own StopTask
-    never sets that count, so they are never read so."""
+    """The judged units of an elastic cell whose leader service the kit saw at 0 since its start: sampled every
+    `interval` seconds in the background while it runs (`with watch:`), before each check (runner.run_kit), and
+    wherever a check reads the counts (`excuse`). A unit at 0 and above again is one drained and activated again
+    during the run (`excuse`, REACTIVATED); an ECS task replacement, an engine exit or the kit's own StopTask never
+    sets that count, so they are never read so.
+
+    Seen at 0: an explicit desired count 0 of an ACTIVE service, the one thing the autoscaler's scale-in writes
+    (handler.py `act` sets counts, it never deletes a service). A service not found, DRAINING or INACTIVE (None:
+    aws.py `leader_desired`) is no evidence of a drain: a unit whose service was deleted and read active again was
+    excused as "activated again" on that alone (the review of kit-mid-review)."""
 
     def __init__(self, adapter: CellAdapter, units: list[str], interval: float = WATCH_SECONDS) -> None:
         self._adapter, self._units, self._interval = adapter, list(units), interval
@@ -151,18 +156,37 @@ class OffWatch:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._samples = self._failed = 0
+        self._error = ""
 
     def note(self, counts: Mapping[str, int | None]) -> None:
-        """Record the judged units at 0 (or with no service) in counts read by anyone."""
+        """Record the judged units whose leader service reads desired count 0 in counts read by anyone (None, no
+        ACTIVE service: not recorded)."""
         with self._lock:
-            self._off.update(u for u in self._units if u in counts and (counts[u] or 0) <= 0)
+            self._off.update(u for u in self._units if counts.get(u) == 0)
 
     def sample(self) -> None:
-        """Read the counts once; a failed read is skipped (the checks' own reads name an unreachable cell)."""
+        """Read the counts once; a failed read is skipped (the checks' own reads name an unreachable cell), and
+        counted (`blind`)."""
         try:
-            self.note(self._adapter.leader_desired(self._units))
-        except Exception:  # a sample is best effort: the run goes on
+            counts = self._adapter.leader_desired(self._units)
+        except Exception as error:  # a sample is best effort: the run goes on
+            with self._lock:
+                self._samples, self._failed, self._error = self._samples + 1, self._failed + 1, str(error)
             return
+        with self._lock:
+            self._samples += 1
+        self.note(counts)
+
+    def blind(self) -> str:
+        """Empty while some sample read the counts (or none was taken); else why none did, for a check's detail: a
+        unit drained and activated again cannot then be told from one that never was (`excuse`)."""
+        with self._lock:
+            if not self._samples or self._failed < self._samples:
+                return ""
+            return (f"the judged units' leader services were not read during the run (all {self._samples} "
+                    f"sample(s) failed, the last: {self._error}), so a unit drained and activated again is not "
+                    "told apart: not excused as such")
 
     def seen_off(self) -> set[str]:
         with self._lock:
@@ -189,7 +213,8 @@ def excuse(adapter: CellAdapter, expect: Expectations, failing: Collection[str],
     """Of `failing` (judged units a check is about to fail), those an elastic cell's autoscaler took out of service
     since the kit's start, the floor held without them: deactivated (their leader service's desired count is 0 now,
     or the service is gone) or deactivated and activated again (above 0 now, and `watch` saw it at 0 during the
-    run). Read only when a check would fail a unit (no call otherwise).
+    run; with every sample of `watch` failed, a note says so: OffWatch.blind). Read only when a check would fail a
+    unit (no call otherwise).
 
     Why: the list is read once, and with more than min_units serving every serving unit is judged, so a scale-in
     during the run (the least-loaded unit, whatever its index; never below min_units: decision.py) failed the kit on
@@ -214,12 +239,16 @@ def excuse(adapter: CellAdapter, expect: Expectations, failing: Collection[str],
     seen = watch.seen_off() if watch is not None else set()
     out = {u: DEACTIVATED if (counts.get(u) or 0) <= 0 else REACTIVATED for u in failing
            if u in expect.units and ((counts.get(u) or 0) <= 0 or u in seen)}
+    # Active now and never seen at 0: with every sample of the watch failed, that says nothing; said once.
+    unseen = [u for u in failing if u in expect.units and u not in out]
+    unread = watch.blind() if watch is not None and unseen else ""
+    blind = [unread] if unread else []
     if not out:
-        return Excused()
+        return Excused(notes=blind)
     others = [u for u in expect.elastic_units if (counts.get(u) or 0) > 0 and u not in out]
     serving = [u for u in others if adapter.unit_health(u) == 200]
     if len(serving) < expect.min_units:
         return Excused(notes=[f"{_names(list(out))}: leader service set to 0 during the run, not excused: "
                               f"{len(serving)} unit(s) active and serving now ({_names(serving)}), fewer than "
-                              f"min_units {expect.min_units}"])
-    return Excused(out, [f"{u}: {why}" for u, why in out.items()])
+                              f"min_units {expect.min_units}", *blind])
+    return Excused(out, [*(f"{u}: {why}" for u, why in out.items()), *blind])
