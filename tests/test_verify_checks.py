@@ -6,12 +6,10 @@ names; the report is written and read back.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -215,67 +213,24 @@ def test_step_bound_fails_when_the_first_token_takes_more_than_half_the_bound() 
     assert result.status == "fail" and isinstance(result.measured.value, float) and result.measured.value >= 0.8
 
 
-@contextlib.contextmanager
-def leader_writing_unit_steps(adapter: FakeAdapter, longest: dict[str, float], every: float) -> Iterator[None]:
-    """Each unit's leader as the launcher runs it: a `unit_steps` line every `every` seconds (60 s on a cell,
-    unit_launcher/runner.py), with the session's longest completed step so far."""
-    stop = threading.Event()
-
-    def write() -> None:
-        while not stop.wait(every):
-            for unit, value in longest.items():
-                adapter.log({"event": "unit_steps", "unit_id": unit, "at": time.time(), "steps": 40,
-                             "completed": 40, "longest_step_seconds": value})
-
-    writer = threading.Thread(target=write, daemon=True)
-    writer.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        writer.join()
-
-
-def test_step_bound_waits_for_the_unit_steps_line_written_after_the_prompt() -> None:
-    """The leader writes its line every 60 s: read right after the prompt there is none yet (the kit's first
-    version then always fell back to the time to first token, saying no figure is published). The check waits
-    for the first line newer than the prompt, which holds the prompt's prefill, and judges that; an older line
-    (here 0.5 s, written before the prompt) does not count."""
-    with FakeOpenAI() as server:
-        adapter = FakeAdapter(server.url, health={"u0": 200, "u1": 200})
-        adapter.log({"event": "unit_steps", "unit_id": "u0", "at": time.time() - 5, "completed": 3,
-                     "longest_step_seconds": 0.5})
-        with leader_writing_unit_steps(adapter, {"u0": 9.5, "u1": 2.0}, every=0.2):
-            result = checks_serving.check_step_bound(context(server, adapter, units=["u0", "u1"],
-                                                             step_timeout_seconds=30.0))
-    assert result.status == "pass", result.detail
-    assert result.measured.value == 9.5 and result.figures["source"].startswith("the session's longest step")
-    assert result.figures["longest_step_s_by_unit"] == {"u0": 9.5, "u1": 2.0}
-
-
-def test_step_bound_fails_on_a_longest_step_above_half_the_bound_and_falls_back_for_a_silent_unit() -> None:
-    with FakeOpenAI() as server:
-        adapter = FakeAdapter(server.url, health={"u0": 200, "u1": 200})
-        with leader_writing_unit_steps(adapter, {"u0": 16.0}, every=0.1):
-            result = checks_serving.check_step_bound(context(server, adapter, units=["u0", "u1"],
-                                                             step_timeout_seconds=30.0))
-    assert result.status == "fail" and result.measured.value == 16.0, result.detail
-    assert "time to first token" in result.figures["source"] and "no unit_steps line of u1" in result.detail
-
-
 @dataclasses.dataclass
-class LinesOnFirstRead(FakeAdapter):
+class LinesOnRead(FakeAdapter):
     """A cell whose leaders write their lines after the prompt was answered: each line of `on_read` is logged, dated
     now (`at`; a session end's `ended_at`), at the check's first read of its event and unit (None: a read of every
-    unit). Check 3 reads only after it dated the answer (`done`), so the line is newer than that on a loaded machine
-    too: a writer thread, or a line logged when the fake server saw the prompt, raced the check's own clock (a line
-    dated before `done` is not read; 50 ms of the main thread descheduled failed the test)."""
+    unit), or at a later read: after `reads_before` reads of them found nothing. Check 3 reads only after it dated
+    the answer (`done`), so the line is newer than that on a loaded machine too: a writer thread, or a line logged
+    when the fake server saw the prompt, raced the check's own clock (a line dated before `done` is not read: 50 ms
+    of the main thread descheduled failed a test; a writer thread writing every 0.2 s against the check's 0.3 s
+    wait missed it when delayed 0.1 s)."""
 
     on_read: dict[tuple[str, str | None], dict[str, Any]] = dataclasses.field(default_factory=dict)
+    reads_before: dict[tuple[str, str | None], int] = dataclasses.field(default_factory=dict)
 
     def events(self, event: str, since: float, unit_id: str | None = None) -> list[LogEvent]:
-        doc = self.on_read.pop((event, unit_id), None)
-        if doc is not None:
+        key = (event, unit_id)
+        if self.reads_before.get(key, 0) > 0:
+            self.reads_before[key] -= 1
+        elif (doc := self.on_read.pop(key, None)) is not None:
             now = time.time()
             self.log({**doc, "ended_at" if event == "unit_session_end" else "at": now}, at=now)
         return super().events(event, since, unit_id)
@@ -285,6 +240,40 @@ def steps_line(unit: str, longest: float) -> dict[str, Any]:
     return {"event": "unit_steps", "unit_id": unit, "steps": 40, "completed": 40, "longest_step_seconds": longest}
 
 
+def test_step_bound_waits_for_the_unit_steps_line_written_after_the_prompt() -> None:
+    """The leader writes its line every 60 s: read right after the prompt there is none yet (the kit's first
+    version then always fell back to the time to first token, saying no figure is published). The check waits
+    for the first line newer than the prompt, which holds the prompt's prefill, and judges that; an older line
+    (here 0.5 s, written before the prompt by its `at`, its log timestamp later: delivered late) does not count.
+    u0's line comes at the check's second read of it, so a check that reads once fails; the wait is long (all
+    found, the check returns at once) so that a main thread descheduled between its reads still reads again."""
+    with FakeOpenAI() as server:
+        adapter = LinesOnRead(server.url, health={"u0": 200, "u1": 200},
+                              on_read={("unit_steps", "u0"): steps_line("u0", 9.5),
+                                       ("unit_steps", "u1"): steps_line("u1", 2.0)},
+                              reads_before={("unit_steps", "u0"): 1})
+        adapter.log({"event": "unit_steps", "unit_id": "u0", "at": time.time() - 5, "completed": 3,
+                     "longest_step_seconds": 0.5}, at=time.time() + 3600)
+        ctx = dataclasses.replace(context(server, adapter, units=["u0", "u1"], step_timeout_seconds=30.0),
+                                  steps_report_seconds=60.0)
+        result = checks_serving.check_step_bound(ctx)
+    assert result.status == "pass", result.detail
+    assert result.measured.value == 9.5 and result.figures["source"].startswith("the session's longest step")
+    assert result.figures["longest_step_s_by_unit"] == {"u0": 9.5, "u1": 2.0}
+
+
+def test_step_bound_fails_on_a_longest_step_above_half_the_bound_and_falls_back_for_a_silent_unit() -> None:
+    """u0's line (16 s, above half the 30 s bound) comes at the check's first read; u1 writes none: the check waits
+    its 0.3 s for it (nothing to race), then takes the time to first token for u1 with u0's figure."""
+    with FakeOpenAI() as server:
+        adapter = LinesOnRead(server.url, health={"u0": 200, "u1": 200},
+                              on_read={("unit_steps", "u0"): steps_line("u0", 16.0)})
+        result = checks_serving.check_step_bound(context(server, adapter, units=["u0", "u1"],
+                                                         step_timeout_seconds=30.0))
+    assert result.status == "fail" and result.measured.value == 16.0, result.detail
+    assert "time to first token" in result.figures["source"] and "no unit_steps line of u1" in result.detail
+
+
 def test_step_bound_names_a_judged_unit_drained_during_the_run_not_as_a_silent_one(elastic_fleet: Any) -> None:
     """Regression (residual 3 of the thirty-ninth session's reviews): a judged unit the autoscaler drained during the
     run writes no `unit_steps` line after the prompt; check 3 named it with the silent units ("no unit_steps line of
@@ -292,10 +281,10 @@ def test_step_bound_names_a_judged_unit_drained_during_the_run_not_as_a_silent_o
     figure is still unknown, so the prompt's time to first token still bounds the step (the prompt may have been
     its last answer)."""
     with FakeOpenAI() as server:
-        adapter = LinesOnFirstRead(server.url, health={"u0": 200, "u1": 200, "u2": 503},
-                                   desired={"u0": 1, "u1": 1, "u2": 0},
-                                   on_read={("unit_steps", "u0"): steps_line("u0", 2.0),
-                                            ("unit_steps", "u1"): steps_line("u1", 1.0)})
+        adapter = LinesOnRead(server.url, health={"u0": 200, "u1": 200, "u2": 503},
+                              desired={"u0": 1, "u1": 1, "u2": 0},
+                              on_read={("unit_steps", "u0"): steps_line("u0", 2.0),
+                                       ("unit_steps", "u1"): steps_line("u1", 1.0)})
         result = checks_serving.check_step_bound(context(
             server, adapter, units=["u0", "u1", "u2"], elastic_units=["u0", "u1", "u2", "u3"], min_units=2,
             step_timeout_seconds=30.0))
@@ -313,9 +302,9 @@ def test_step_bound_takes_the_longest_step_of_a_session_that_ended_after_the_pro
     ended = {"event": "unit_session_end", "unit_id": "u1", "session_id": "s-u1", "cause": "deliberate_stop",
              "steps": {"broadcast": {"completed": 40, "longest_step_seconds": 16.0}}}
     with FakeOpenAI() as server:
-        adapter = LinesOnFirstRead(server.url, health={"u0": 200, "u1": 200},
-                                   on_read={("unit_steps", "u0"): steps_line("u0", 2.0),
-                                            ("unit_session_end", None): ended})
+        adapter = LinesOnRead(server.url, health={"u0": 200, "u1": 200},
+                              on_read={("unit_steps", "u0"): steps_line("u0", 2.0),
+                                       ("unit_session_end", None): ended})
         result = checks_serving.check_step_bound(context(server, adapter, units=["u0", "u1"],
                                                          step_timeout_seconds=30.0))
     assert result.status == "fail" and result.measured.value == 16.0, result.detail
