@@ -940,6 +940,24 @@ def test_a_judged_unit_whose_leader_service_is_not_found_then_active_is_not_excu
     assert "activated again" not in agreement.detail and report.judged["reactivated"] == []
 
 
+def test_a_judged_unit_whose_leader_service_is_gone_at_the_checks_read_is_not_excused(elastic_fleet: Any) -> None:
+    """A leader service not found at a check's own read (deleted: DRAINING, INACTIVE or missing) was read as a drain
+    and excused with the floor held; the autoscaler only sets counts (handler.py `act`), so a deleted service is an
+    operator's or a broken deploy's doing: u2's 503 at the kit's end fails check 2, as the watch's rule has it."""
+    with FakeOpenAI() as server:
+        adapter = serving_cell(server.url, ["u0", "u1", "u2"], desired={"u0": 1, "u1": 1, "u2": 1})
+
+        def log(line: str) -> None:
+            if line.startswith("[verify] 1-serving:"):
+                del adapter.desired["u2"]  # no ACTIVE leader service found (None)
+                adapter.health["u2"] = 503
+
+        report = run_kit(adapter, elastic_dev(elastic_fleet), settle_seconds=0.0, steps_report_seconds=0.3, log=log)
+    agreement = {c.check_id: c for c in report.checks}["2-agreement"]
+    assert agreement.status == "fail" and "units not healthy: {'u2': 503}" in agreement.detail, agreement.detail
+    assert "deactivated" not in agreement.detail and report.judged["deactivated"] == []
+
+
 def test_the_watch_records_an_explicit_0_only() -> None:
     """A leader service at 0 is seen; one not found (None) is not, whoever read the counts (a sample, a check)."""
     adapter = FakeAdapter("http://unused", desired={"u0": 1, "u1": 0})

@@ -211,10 +211,10 @@ class OffWatch:
 def excuse(adapter: CellAdapter, expect: Expectations, failing: Collection[str],
            watch: OffWatch | None = None) -> Excused:
     """Of `failing` (judged units a check is about to fail), those an elastic cell's autoscaler took out of service
-    since the kit's start, the floor held without them: deactivated (their leader service's desired count is 0 now,
-    or the service is gone) or deactivated and activated again (above 0 now, and `watch` saw it at 0 during the
-    run; with every sample of `watch` failed, a note says so: OffWatch.blind). Read only when a check would fail a
-    unit (no call otherwise).
+    since the kit's start, the floor held without them: deactivated (their leader service's desired count is 0 now;
+    a service gone is no drain, not excused) or deactivated and activated again (above 0 now, and `watch` saw it at
+    0 during the run; with every sample of `watch` failed, a note says so: OffWatch.blind). Read only when a check
+    would fail a unit (no call otherwise).
 
     Why: the list is read once, and with more than min_units serving every serving unit is judged, so a scale-in
     during the run (the least-loaded unit, whatever its index; never below min_units: decision.py) failed the kit on
@@ -237,8 +237,10 @@ def excuse(adapter: CellAdapter, expect: Expectations, failing: Collection[str],
     if watch is not None:
         watch.note(counts)
     seen = watch.seen_off() if watch is not None else set()
-    out = {u: DEACTIVATED if (counts.get(u) or 0) <= 0 else REACTIVATED for u in failing
-           if u in expect.units and ((counts.get(u) or 0) <= 0 or u in seen)}
+    # An explicit 0 only, as the watch records: a service not found (None: also a DRAINING or INACTIVE one,
+    # aws.py `leader_desired`) was deleted, which the autoscaler never does (handler.py `act` sets counts only).
+    out = {u: DEACTIVATED if counts.get(u) == 0 else REACTIVATED for u in failing
+           if u in expect.units and (counts.get(u) == 0 or (u in seen and (counts.get(u) or 0) > 0))}
     # Active now and never seen at 0: with every sample of the watch failed, that says nothing; said once.
     unseen = [u for u in failing if u in expect.units and u not in out]
     unread = watch.blind() if watch is not None and unseen else ""
