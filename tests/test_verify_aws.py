@@ -25,6 +25,7 @@ from inference_fleet.verify import checks_cell, checks_serving, runner
 from inference_fleet.verify.adapter import CellUnreachable, LogEvent, Task, TaskTimes
 from inference_fleet.verify.aws import AwsAdapter, metric_period, widget_queries
 from inference_fleet.verify.context import Context
+from inference_fleet.verify.judged import OffWatch
 from inference_fleet.verify.openai_http import OpenAIHttp
 from tests.verify_fakes import FakeOpenAI, expectations
 
@@ -438,6 +439,18 @@ def test_a_deleted_leader_services_count_is_not_read_as_active(adapter: Any) -> 
     assert cell.leader_desired(["u0", "u1", "u2", "u3"]) == {"u0": 1, "u1": None, "u2": None, "u3": 0}
 
 
+def test_the_watch_sees_an_active_leader_service_at_0_not_a_deleted_or_unlisted_one(adapter: Any) -> None:
+    """Review of kit-mid-review: the watch (judged.OffWatch) took a leader service DRAINING, INACTIVE or not in the
+    stack (None) as one at 0, the evidence of a drain by which a unit read active again is excused. The autoscaler
+    only sets counts (handler.py `act`): an ACTIVE service at 0 is seen, the others are not."""
+    cell, stubs = adapter
+    stub_elastic_stack(stubs, 4)
+    stub_describe_services(stubs, {0: 0, 1: 0, 2: 0, 3: 1}, status={1: "DRAINING", 2: "INACTIVE"})
+    watch = OffWatch(cell, ["u0", "u1", "u2", "u3", "u4"])
+    watch.sample()
+    assert watch.seen_off() == {"u0"}
+
+
 def stub_unit_health_of(stubs: dict[str, Stubber], i: int) -> None:
     """One read of unit i's health (unit_health): its leader task's instance, a healthy target."""
     task = f"arn:aws:ecs:us-east-1:111111111111:task/{CLUSTER}/leader{i}"
@@ -464,7 +477,9 @@ def test_an_elastic_cell_serving_u1_and_u2_is_judged_by_its_leader_services_not_
     keeps u1 and u2 active, and has just activated u3 (its leader task not listed yet). The kit reads the leader
     services' desired counts and the active units' health once, at the start, and judges u1 and u2 (their targets'
     health, check 1), naming u3 (not serving, the floor met); u0, at 0, is never asked for, nor u3 again (the
-    Stubber would refuse a call it does not expect)."""
+    Stubber would refuse a call it does not expect). The judged units' leader services are read again while the
+    checks run (judged.OffWatch: one seen at 0 and above again was drained and activated again), by the same
+    DescribeServices the gate role has."""
     cell, stubs = adapter
     with FakeOpenAI() as server:
         stub_elastic_stack(stubs, 4, [{"Protocol": "HTTP", "Port": server.port}], dns="localhost")
@@ -472,6 +487,8 @@ def test_an_elastic_cell_serving_u1_and_u2_is_judged_by_its_leader_services_not_
         for i in (1, 2):  # the choice (judged.py)
             stub_unit_health_of(stubs, i)
         stub_no_leader_task(stubs, 3)
+        for _ in range(2):  # the judged units' leader services, watched: as the run starts, and before check 1
+            stub_describe_services(stubs, {1: 1, 2: 1})
         for i in (1, 2):  # check 1
             stub_unit_health_of(stubs, i)
         serving_only(monkeypatch)

@@ -14,7 +14,6 @@ from typing import Any
 
 from inference_fleet.verify.adapter import DASHBOARD_PERIOD_SECONDS, LogEvent, MetricSeries, Task, TaskTimes
 from inference_fleet.verify.context import Context
-from inference_fleet.verify.judged import deactivated, deactivated_note
 from inference_fleet.verify.report import CheckResult, Measured, not_run
 
 # How far back the kit looks for the launchers' events when it knows no running task's creation time.
@@ -193,12 +192,11 @@ def _proxy_metrics(ctx: Context, since: float) -> tuple[str, str]:
     if all(s.values is None for s in series.values()):
         return ("not_run", "proxy EMF: not readable here (no EMF namespace set)")
     empty = [u for u, s in series.items() if not s.values or sum(s.values) <= 0]
-    gone = deactivated(ctx.adapter, ctx.expect, empty)
+    gone = ctx.excuse(empty)
     empty = [u for u in empty if u not in gone]
     if empty:
-        return ("fail", f"proxy EMF {PROXY_REQUESTS}: no data for {empty} after the kit's requests"
-                + deactivated_note(gone))
-    return ("pass", f"proxy EMF {PROXY_REQUESTS}: data for every unit" + deactivated_note(gone))
+        return ("fail", f"proxy EMF {PROXY_REQUESTS}: no data for {empty} after the kit's requests" + gone.note)
+    return ("pass", f"proxy EMF {PROXY_REQUESTS}: data for every unit" + gone.note)
 
 
 def _launcher_metrics(ctx: Context) -> tuple[str, str]:
@@ -234,10 +232,11 @@ def _formed_events(ctx: Context) -> tuple[str, str]:
         since, gone = evidence_since(ctx, [unit_id])
         if not ctx.adapter.events("unit_session_formed", since, unit_id):
             (expired if gone else missing).append(unit_id)
-    # A unit the autoscaler drained during the run has no task left to date its formation from (the last day is read).
-    off = deactivated(ctx.adapter, ctx.expect, missing + expired)
+    # A unit the autoscaler drained during the run has no task left to date its formation from (the last day is read);
+    # one it activated again has not formed again yet (its instances boot): judged.excuse.
+    off = ctx.excuse(missing + expired)
     missing, expired = [u for u in missing if u not in off], [u for u in expired if u not in off]
-    note = deactivated_note(off)
+    note = off.note
     if missing:
         return ("fail", f"no unit_session_formed event in the log for {missing} since their tasks were created"
                 + note)

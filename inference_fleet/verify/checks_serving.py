@@ -16,7 +16,7 @@ import time
 
 from inference_fleet.verify.adapter import LogEvent
 from inference_fleet.verify.context import Context
-from inference_fleet.verify.judged import DEACTIVATED, deactivated, deactivated_note
+from inference_fleet.verify.judged import Excused
 from inference_fleet.verify.report import CheckResult, Measured, Status, not_run
 
 PROMPT = "The inference unit forms when"
@@ -68,26 +68,26 @@ def check_serving(ctx: Context) -> CheckResult:
     unhealthy, gone = _unhealthy(ctx, health)
     if unhealthy:
         problems.append(f"units not healthy behind the entry point: {unhealthy}")
-    serving = len(health) - len(unhealthy) - len(gone)
+    serving = len(health) - len(unhealthy) - len(gone.units)
     figures = {"api": ctx.client.api, "model": ctx.model, "completion_s": round(completion.seconds, 3),
                "chat_first_token_s": chat.first_token_seconds, "chat_s": round(chat.seconds, 3),
                "unit_health": health}
-    detail = "; ".join(problems) or (f"{serving} of {len(health) - len(gone)} unit(s) healthy; model {ctx.model}; "
-                                     f"{label['completion']} {completion.seconds:.2f} s, "
+    detail = "; ".join(problems) or (f"{serving} of {len(health) - len(gone.units)} unit(s) healthy; model "
+                                     f"{ctx.model}; {label['completion']} {completion.seconds:.2f} s, "
                                      f"{label['stream']} {chat.seconds:.2f} s")
-    detail += deactivated_note(gone)
+    detail += gone.note
     return CheckResult("1-serving", "fail" if problems else "pass", Measured(serving, "units serving"), detail,
                        figures)
 
 
-def _unhealthy(ctx: Context, health: dict[str, int | None] | None = None) -> tuple[dict[str, int | None], list[str]]:
+def _unhealthy(ctx: Context, health: dict[str, int | None] | None = None) -> tuple[dict[str, int | None], Excused]:
     """The judged units not healthy now (or in `health`, read already), less those an elastic cell's autoscaler
-    deactivated since the kit's start while the floor holds (judged.deactivated): those are returned apart, named,
-    not failed."""
+    deactivated since the kit's start (or deactivated and activated again) while the floor holds (judged.excuse):
+    those are returned apart, named, not failed."""
     if health is None:
         health = {u: ctx.adapter.unit_health(u) for u in ctx.expect.units}
     unhealthy = {u: h for u, h in health.items() if h != 200}
-    gone = deactivated(ctx.adapter, ctx.expect, unhealthy)
+    gone = ctx.excuse(unhealthy)
     return {u: h for u, h in unhealthy.items() if u not in gone}, gone
 
 
@@ -150,7 +150,7 @@ def check_agreement(ctx: Context, burst: int = 8, max_tokens: int = 24) -> Check
             "bit-identical online, e.g. when other requests share its batch)")
     detail = "; ".join(problems) or (f"{count} requests at temperature 0.8 served, no session ended by "
                                      f"divergence or step_timeout; {pair}")
-    detail += deactivated_note(gone)
+    detail += gone.note
     return CheckResult("2-agreement", "fail" if problems else "pass", Measured(served, "requests agreed"), detail,
                        {"burst": count, "disagreements": disagreed, "since": since,
                         "greedy_text": text1, "greedy_pair_identical": same})
@@ -177,17 +177,18 @@ def confirm_agreement(ctx: Context, result: CheckResult, until: float | None, he
     engine and telling its followers (seconds), and logs reach CloudWatch later still, so a disagreement at the
     burst's last heartbeat can outlast check 2's wait. Up to `until` (the destructive checks' start: they end
     sessions on purpose); with `health`, every judged unit must still be healthy (a read-only run stops nothing), but
-    one an elastic cell's autoscaler deactivated since the start with the floor held, named (judged.deactivated)."""
+    one an elastic cell's autoscaler deactivated (or deactivated and activated again) since the start with the floor
+    held, named (judged.excuse)."""
     since = result.figures.get("since")
     if not isinstance(since, int | float):
         return result
     named = set(result.figures.get("disagreements") or [])
     late = [d for d in _disagreements(ctx, since, until) if d not in named]
-    gone: list[str] = []
+    gone = Excused()
     if health:
         unhealthy, gone = _unhealthy(ctx)
         late += [f"at the kit's end, units not healthy: {unhealthy}"] if unhealthy else []
-    note = deactivated_note([u for u in gone if f"{u}: {DEACTIVATED}" not in result.detail])  # not named by check 2
+    note = "".join(f"; {n}" for n in gone.notes if n not in result.detail)  # not named by check 2
     if not late:
         return dataclasses.replace(result, detail=result.detail + note) if note else result
     detail = "; ".join(late) if result.status == "pass" else result.detail + "; " + "; ".join(late)
@@ -238,20 +239,47 @@ def _text_prompt(ctx: Context, model: str, salt: int) -> tuple[str, str, bool]:
             f"sized by a {PROBE_CHARS}-character probe that made {probe.prompt_tokens} tokens", True)
 
 
+def _steps_after(ctx: Context, unit: str, done: float) -> float | None:
+    """The unit's session's longest completed step from its first `unit_steps` line written after `done`."""
+    for event in ctx.adapter.events(STEPS_EVENT, done, unit):
+        at, longest = event.doc.get("at"), event.doc.get("longest_step_seconds")
+        if isinstance(at, int | float) and at >= done and event.doc.get("completed") \
+                and isinstance(longest, int | float):
+            return float(longest)
+    return None
+
+
+def _ended_after(ctx: Context, done: float) -> dict[str, float]:
+    """Per unit, the longest completed step of its session that ended after `done`, from its `unit_session_end`
+    (steps.broadcast: the figure its `unit_steps` lines carry, unit_launcher/evidence.py `longest_step_seconds`); one
+    read for every unit. A session that ends before its next line (drained by a scale-in, or its engine gone) writes
+    none after the prompt; until the residuals of the thirty-ninth session its figure was left out and the time to
+    first token taken in its place, so a longest step above the margin in it passed unseen."""
+    found: dict[str, float] = {}
+    for event in ctx.adapter.events("unit_session_end", done):
+        ended = event.doc.get("ended_at")
+        broadcast = (event.doc.get("steps") or {}).get("broadcast") or {}
+        longest = broadcast.get("longest_step_seconds")
+        if isinstance(ended, int | float) and ended >= done and broadcast.get("completed") \
+                and isinstance(longest, int | float):
+            found.setdefault(str(event.doc.get("unit_id")), float(longest))
+    return found
+
+
 def _longest_after(ctx: Context, done: float) -> dict[str, float]:
-    """Per unit, the session's longest completed step from its first `unit_steps` line written after `done`
-    (so the prompt's prefill is in it, if that unit served it). The line comes every steps_report_seconds
-    and the kit reads it from the log: wait up to that plus settle_seconds."""
+    """Per unit, the session's longest completed step from its first `unit_steps` line written after `done`, or
+    from the end of its session after `done` (so the prompt's prefill is in it, if that unit served it). The line
+    comes every steps_report_seconds and the kit reads it from the log: wait up to that plus settle_seconds."""
     deadline = time.monotonic() + ctx.steps_report_seconds + ctx.settle_seconds
     found: dict[str, float] = {}
     while True:
         for unit in [u for u in ctx.expect.units if u not in found]:
-            for event in ctx.adapter.events(STEPS_EVENT, done, unit):
-                at, longest = event.doc.get("at"), event.doc.get("longest_step_seconds")
-                if isinstance(at, int | float) and at >= done and event.doc.get("completed") \
-                        and isinstance(longest, int | float):
-                    found[unit] = float(longest)
-                    break
+            longest = _steps_after(ctx, unit, done)
+            if longest is not None:
+                found[unit] = longest
+        if len(found) < len(ctx.expect.units):
+            ended = _ended_after(ctx, done)
+            found.update({u: ended[u] for u in ctx.expect.units if u not in found and u in ended})
         if len(found) == len(ctx.expect.units) or time.monotonic() >= deadline:
             return found
         time.sleep(ctx.adapter.poll_seconds)
@@ -261,9 +289,10 @@ def check_step_bound(ctx: Context) -> CheckResult:
     """3. One prompt of max_seq_len - 1 tokens and one token out (prompt + completion = max_seq_len):
     its prefill is the longest step a healthy unit runs. The measure is each unit's longest completed
     step of its session, from the first `unit_steps` line its leader writes after the prompt was
-    answered (every 60 s while serving; the value its EMF `LongestStepSeconds` publishes). When a unit
-    writes none in time, the time to the prompt's first token, which bounds its prefill step from
-    above, is taken with the longest steps the others reported. Pass: at most half of
+    answered (every 60 s while serving; the value its EMF `LongestStepSeconds` publishes), or from its
+    session's end after it. When a unit writes none in time, the time to the prompt's first token, which
+    bounds its prefill step from above, is taken with the longest steps the others reported (a unit an
+    elastic cell's autoscaler drained during the run is named so: judged.excuse). Pass: at most half of
     `serving.step_timeout_seconds`. The prompt's head is drawn anew each run (SALT_LENGTH).
 
     A front end that takes text only (Triton's generate: no token-id input) gets text (long_text). Where
@@ -296,6 +325,10 @@ def check_step_bound(ctx: Context) -> CheckResult:
         f", {counted} tokens" if counted is not None else "")
     published = _longest_after(ctx, time.time())
     missing = [u for u in ctx.expect.units if u not in published]
+    # A unit drained during the run writes no line: named so, not as silent (judged.excuse). Its figure is unknown
+    # all the same (the prompt may have been among its last answers), so the time to first token still bounds it.
+    gone = ctx.excuse(missing)
+    silent = [u for u in missing if u not in gone]
     if not missing:
         longest, source = max(published.values()), f"the session's longest step ({STEPS_EVENT} longest_step_seconds)"
     else:
@@ -305,10 +338,11 @@ def check_step_bound(ctx: Context) -> CheckResult:
     ok = longest <= STEP_MARGIN * bound
     detail = (f"longest step {longest:.2f} s ({source}) against the bound {bound:g} s "
               f"(pass: at most {STEP_MARGIN:g} x the bound); prompt {described}")
-    if missing:
-        detail += (f"; no {STEPS_EVENT} line of {', '.join(missing)} written within "
+    if silent:
+        detail += (f"; no {STEPS_EVENT} line of {', '.join(silent)} written within "
                    f"{ctx.steps_report_seconds + ctx.settle_seconds:g} s after the prompt (the leader writes one "
                    f"every {ctx.steps_report_seconds:g} s while serving)")
+    detail += gone.note
     status: Status = "pass" if ok else "fail"
     if ok and counted != longest_prompt:
         status = "not_run"

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from inference_fleet.verify.adapter import CellAdapter, Expectations
-from inference_fleet.verify.judged import Judged
+from inference_fleet.verify.judged import Excused, Judged, OffWatch, excuse
 from inference_fleet.verify.serving_client import ServingClient
 
 
@@ -28,6 +29,18 @@ class Context:
     recovery_timeout_seconds: float = 1800.0
     # Which units `expect.units` holds and why (runner.context resolves them once: judged.py); None: as given.
     judged: Judged | None = None
+    # An elastic cell's judged units seen with their leader service at 0 during the run (judged.OffWatch); None: not
+    # watched (a fixed cell, or a check run alone: then a unit activated again is never excused).
+    watch: OffWatch | None = None
+    # The judged units the checks left out (judged.excuse), by what they were when last read: for the report.
+    excused: dict[str, str] = field(default_factory=dict)
+
+    def excuse(self, failing: Collection[str]) -> Excused:
+        """Of `failing`, the judged units the autoscaler took out of service during the run, the floor held
+        (judged.excuse); recorded for the report's `judged`."""
+        found = excuse(self.adapter, self.expect, failing, self.watch)
+        self.excused.update(found.units)
+        return found
 
     def served_model(self) -> str:
         if self.model is None:

@@ -71,8 +71,8 @@ class Report:
     finished_at: float | None = None
     checks: list[CheckResult] = field(default_factory=list)
     target: dict[str, Any] = field(default_factory=dict)  # what the kit ran against (endpoint, stack, units)
-    # The units the checks judged and why ({"units", "because", "not_judged"}: judged.Judged; an elastic cell's are read
-    # from it).
+    # The units the checks judged and why ({"units", "because", "not_judged", "deactivated", "reactivated"}:
+    # judged.Judged; an elastic cell's are read from it, and those a check left out during the run: judged.excuse).
     judged: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -108,7 +108,12 @@ class Report:
         return "\n".join(lines)
 
     def _judged_line(self) -> str:
-        return f"units judged: {', '.join(self.judged.get('units') or []) or 'none'} ({self.judged.get('because')})"
+        line = f"units judged: {', '.join(self.judged.get('units') or []) or 'none'} ({self.judged.get('because')})"
+        for key, words in (("deactivated", "deactivated during the run"),
+                           ("reactivated", "deactivated and activated again during the run")):
+            if self.judged.get(key):
+                line += f"; {words}, not judged: {', '.join(self.judged[key])}"
+        return line
 
     def markdown(self) -> str:
         verdict = "PASSED" if self.passed else "FAILED"

@@ -13,6 +13,7 @@ goes into the report as it is.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping
 
@@ -20,7 +21,7 @@ from inference_fleet.verify import checks_cell, checks_faults, checks_serving
 from inference_fleet.verify.adapter import CellAdapter, CellUnreachable, Expectations
 from inference_fleet.verify.claims import CLAIMS
 from inference_fleet.verify.context import Context
-from inference_fleet.verify.judged import BelowFloor, Judged, resolve
+from inference_fleet.verify.judged import BelowFloor, Judged, OffWatch, resolve
 from inference_fleet.verify.report import CheckResult, Measured, Report, not_run
 from inference_fleet.verify.serving_client import serving_client
 
@@ -51,9 +52,10 @@ def context(adapter: CellAdapter, expect: Expectations, endpoint: str, *, reques
     certificate checked against the name it covers (aws.py)."""
     expect, judged = resolve(adapter, expect)
     client = serving_client(expect, endpoint, request_timeout, tls_name=getattr(adapter, "tls_name", None))
+    watch = OffWatch(adapter, expect.units) if expect.elastic_units else None
     return Context(adapter, expect, client, settle_seconds=settle_seconds,
                    recovery_timeout_seconds=recovery_timeout, steps_report_seconds=steps_report_seconds,
-                   judged=judged)
+                   judged=judged, watch=watch)
 
 
 def run_check(ctx: Context, check_id: str, check: Check, log: Callable[[str], None] = print) -> CheckResult:
@@ -112,15 +114,21 @@ def run_kit(adapter: CellAdapter, expect: Expectations, *, destructive: bool = F
         log(f"[verify] units judged: {', '.join(ctx.judged.units) or 'none'} ({ctx.judged.because})")
     results: dict[str, CheckResult] = {}
     faults_from: float | None = None
-    for check_id, check in _plan(destructive, evidence_wait):
-        if check_id.startswith("7") and faults_from is None:
-            faults_from = time.time()
-        if done and check_id in done:
-            results[check_id] = done[check_id]
-            log(f"[verify] {check_id}: {done[check_id].status} (run earlier by the caller)")
-            continue
-        results[check_id] = run_check(ctx, check_id, check, log)
-    _confirm_agreement(ctx, results, faults_from, destructive, log)
+    # An elastic cell's judged units' leader services, watched while the checks run (judged.OffWatch).
+    with ctx.watch or contextlib.nullcontext():
+        for check_id, check in _plan(destructive, evidence_wait):
+            if check_id.startswith("7") and faults_from is None:
+                faults_from = time.time()
+            if done and check_id in done:
+                results[check_id] = done[check_id]
+                log(f"[verify] {check_id}: {done[check_id].status} (run earlier by the caller)")
+                continue
+            if ctx.watch is not None:
+                ctx.watch.sample()
+            results[check_id] = run_check(ctx, check_id, check, log)
+        _confirm_agreement(ctx, results, faults_from, destructive, log)
+    if ctx.judged is not None:
+        report.judged = ctx.judged.to_json(ctx.excused)
     for claim in CLAIMS:
         report.checks.append(results.get(claim.check_id) or not_run(claim.check_id, "destructive checks need "
                                                                     "--destructive"))
