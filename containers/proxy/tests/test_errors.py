@@ -270,17 +270,17 @@ KINDS = ("connect", "timeout", "reset", "cut", "invalid")
 @pytest.mark.parametrize(
     ("line", "kinds", "unavailable"),
     [
-        (b"502 2 -1 -1 210 PH-- engine - -", {"invalid": 1}, 0),  # measured above
+        (b"502 2 -1 -1 210 PH-- engine - - 2", {"invalid": 1}, 0),  # measured above
         # The same while the unit goes down: the http-error body sets the outcome, the status is
         # re-set to 503 (measured); counted like an `SH` then, an error and a refusal.
-        (b"503 0 -1 -1 259 PH-- engine unit_unavailable -", {"invalid": 1}, 1),
-        (b"503 2 -1 -1 464 LH-- engine unit_unavailable -", {}, 1),  # the gate's own 503 (http-response return)
-        (b"400 5 -1 -1 200 PH-- engine - -", {}, 0),  # the client's bad request body, before the answer
-        (b"200 40 30 2 100 PD-- engine - -", {}, 0),  # the same once the answer started (2.6: PD)
-        (b"502 1 -1 -1 210 RC-- engine - -", {}, 0),  # the proxy out of sockets (its 503, re-set 502)
-        (b"500 1 -1 -1 210 IH-- engine - -", {}, 0),  # the proxy's internal error
-        (b"503 1 -1 -1 210 PC-- engine - -", {}, 0),  # the proxy's own connection limit
-        (b"502 5 0 -1 120 SH-- engine - -", {"reset": 1}, 0),
+        (b"503 0 -1 -1 259 PH-- engine unit_unavailable - 0", {"invalid": 1}, 1),
+        (b"503 2 -1 -1 464 LH-- engine unit_unavailable - 2", {}, 1),  # the gate's own 503 (http-response return)
+        (b"400 5 -1 -1 200 PH-- engine - - 5", {}, 0),  # the client's bad request body, before the answer
+        (b"200 40 30 2 100 PD-- engine - - 40", {}, 0),  # the same once the answer started (2.6: PD)
+        (b"502 1 -1 -1 210 RC-- engine - - 1", {}, 0),  # the proxy out of sockets (its 503, re-set 502)
+        (b"500 1 -1 -1 210 IH-- engine - - 1", {}, 0),  # the proxy's internal error
+        (b"503 1 -1 -1 210 PC-- engine - - 1", {}, 0),  # the proxy's own connection limit
+        (b"502 5 0 -1 120 SH-- engine - - 5", {"reset": 1}, 0),
     ],
 )
 def test_which_termination_states_are_upstream_errors(line: bytes, kinds: dict[str, int], unavailable: int):
