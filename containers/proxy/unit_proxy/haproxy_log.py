@@ -169,7 +169,8 @@ def feed(telemetry: Telemetry, data: bytes, now: float | None = None) -> None:
     groups them in C; Python then parses each distinct line once, not each request). The common
     line (an engine answer that ended normally, no outcome) is counted without a LogRecord.
 
-    A streamed answer's TTFT is dated at its request's start, `now - %Ta` (Telemetry.request_done):
+    A streamed answer's TTFT is dated at its request's start, `now` minus its latency (`latency_ms`,
+    Telemetry.request_done):
     the line carries no date of its own (a date field would make every line distinct), and it is
     read at most READ_PAUSE_SECONDS (plus the time to count a read) after HAProxy wrote it, so
     the start is dated that much late at most while the follower keeps up."""
