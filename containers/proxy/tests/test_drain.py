@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 from unit_proxy import agent
 
-from .conftest import LOOPBACK, FakeEngine, FakeLauncher, children, proxy_settings, wait_until
+from .conftest import LOOPBACK, FakeEngine, FakeLauncher, children, connection_refused, proxy_settings, wait_until
 from .test_emf import check_emf
 from .test_errors import free_port
 
@@ -154,21 +154,6 @@ async def _is(status_coro, expected: int) -> bool:
     return await status_coro == expected
 
 
-async def _refused(port: int) -> bool:
-    """Whether a new connection to the data port is refused now; accepted, it is closed at once; reset (the
-    shut listener resets those still in its queue), it is not refused yet. A connection that neither
-    completes nor is refused within 2 s (the defect: left to hang) fails."""
-    try:
-        async with asyncio.timeout(2):
-            _, writer = await asyncio.open_connection(LOOPBACK, port)
-    except ConnectionRefusedError:
-        return True
-    except ConnectionResetError:
-        return False
-    writer.close()
-    return False
-
-
 async def test_a_stream_ending_long_after_the_last_log_line_is_counted(engine: FakeEngine, launcher: FakeLauncher):
     """The agent follows HAProxy's log ring on the stats socket, whose sessions HAProxy 2.6 closes after
     10 s without activity (src/cli.c `cli_alloc_fe`): the follower was dropped 10 s after the last log
@@ -208,7 +193,7 @@ async def test_new_connections_are_refused_after_the_admission_window(engine: Fa
             # Waited for, not slept: a fixed 1.5 s was the agent's stop on an idle machine, not on a loaded one.
             # The defect, a connection accepted by the kernel for HAProxy's master, is refused only once the
             # stream has ended and the agent closes its own copy of the socket.
-            await wait_until(lambda: _refused(port), timeout=15, what="new connections refused")
+            await wait_until(lambda: connection_refused(port), timeout=15, what="new connections refused")
             assert engine.finished == 0, "refused only once the stream in flight had ended"
             rest = await asyncio.wait_for(stream.read(), 15)  # the stream in flight goes on
             assert rest.rstrip().endswith(b"data: [DONE]") and b"tok15" in rest
@@ -289,7 +274,7 @@ async def test_haproxy_dying_during_the_drain_is_exit_1(engine: FakeEngine, laun
             # The soft stop has begun (it shuts the listener right after its SIGUSR1; the stream holds it):
             # a fixed 1 s could end before a loaded agent took the SIGTERM, and HAProxy's death then
             # came before the stop ("the data path is gone").
-            await wait_until(lambda: _refused(int(url.rsplit(":", 1)[1])), timeout=15, what="the soft stop")
+            await wait_until(lambda: connection_refused(int(url.rsplit(":", 1)[1])), timeout=15, what="the soft stop")
             master = next(p for p in children(proc.pid) if Path(f"/proc/{p}/comm").read_text().strip() == "haproxy")
             os.kill(master if killed == "master" else children(master)[0], signal.SIGKILL)
             assert await asyncio.wait_for(proc.wait(), 20) == 1

@@ -32,7 +32,7 @@ from unit_proxy.router import EvacuationFileError, RunningRouter, read_evacuatio
 from unit_proxy.router_config import RouterPaths, RouterSettings, render, rise_checks
 from unit_proxy.settings import SettingsError
 
-from .conftest import children
+from .conftest import children, connection_refused, wait_until
 
 LOOPBACK = "127.0.0.1"
 # The "cells" here are single processes on loopback: no load balancer may still be sending to a failing unit,
@@ -561,24 +561,9 @@ async def test_a_soft_stop_right_after_the_start_reaches_haproxy(
     assert await router.close(soft=True, timeout=5) == 0
 
 
-async def _until_refused(port: int, seconds: float = 15.0) -> None:
-    """Until a new connection to `port` is refused (one accepted meanwhile is closed at once; one reset, as the
-    shut listener resets those still in its queue, is tried again); fails after `seconds`, or at once on a
-    connection that neither completes nor is refused within 2 s (left to hang)."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + seconds
-    while True:
-        try:
-            async with asyncio.timeout(2):
-                _, writer = await asyncio.open_connection(LOOPBACK, port)
-        except ConnectionRefusedError:
-            return
-        except ConnectionResetError:
-            pass
-        else:
-            writer.close()
-        assert loop.time() < end, f"new connections to port {port} still accepted {seconds} s after the stop"
-        await asyncio.sleep(0.05)
+async def _until_refused(port: int) -> None:
+    """Until a new connection to `port` is refused (conftest.connection_refused), at most 15 s."""
+    await wait_until(lambda: connection_refused(port), timeout=15, what=f"new connections to port {port} refused")
 
 
 def _free_port() -> int:
