@@ -33,12 +33,16 @@ def streamed(rng: random.Random, n: int) -> list[bytes]:
     lines = []
     for _ in range(n):
         active, ttft = rng.randint(1000, 120_000), rng.randint(50, 3000)
-        lines.append(f"200 {active} {active - ttft} 1 24500 ---- engine - {active - ttft}".encode())
+        lines.append(f"200 {active} {active - ttft} 1 24500 ---- engine - {active - ttft} {active}".encode())
     return lines
 
 
 def plain(rng: random.Random, n: int) -> list[bytes]:
-    return [f"200 {rng.randint(0, 3)} 0 {rng.randint(0, 2)} 245 ---- engine - -".encode() for _ in range(n)]
+    lines = []
+    for _ in range(n):
+        active = rng.randint(0, 3)
+        lines.append(f"200 {active} 0 {rng.randint(0, 2)} 245 ---- engine - - {active}".encode())
+    return lines
 
 
 def run(make: Callable[[random.Random, int], list[bytes]], rng: random.Random) -> float:

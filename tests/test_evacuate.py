@@ -614,9 +614,9 @@ async def test_evacuate_wait_against_a_router_process_and_a_local_ssm(
         monkeypatch.setenv(name, value)
     dev, prod = _Cell("dev"), _Cell("prod")
     runners = [await dev.start(), await prod.start()]
-    port = _port()
+    port, admin = _port(), _port()
     env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/bin"), "ROUTER_CELLS": f"dev={dev.url},prod={prod.url}",
-           "ROUTER_HOST": "127.0.0.1", "ROUTER_PORT": str(port), "ROUTER_ADMIN_PORT": str(_port()),
+           "ROUTER_HOST": "127.0.0.1", "ROUTER_PORT": str(port), "ROUTER_ADMIN_PORT": str(admin),
            # Cells on loopback have no load balancer whose detection time a rejoin waits out (docs/router.md).
            "ROUTER_CHECK_INTERVAL_MS": "1000", "ROUTER_REJOIN_SECONDS": "0.5",
            "ROUTER_SSM_PREFIX": "/inference-fleet/Rufus/router/us-east-2",
@@ -629,10 +629,13 @@ async def test_evacuate_wait_against_a_router_process_and_a_local_ssm(
                 async with session.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x"}) as resp:
                     return (await resp.json())["cell"]
 
-            for _ in range(200):  # the router is up and has reported once
+            loop = asyncio.get_running_loop()
+            up_by = loop.time() + 60  # a loaded machine takes seconds to start it (Python, botocore, HAProxy)
+            while True:  # the router is up and serves
                 with contextlib.suppress(aiohttp.ClientError):
                     if await post():
                         break
+                assert loop.time() < up_by, "the router did not serve within 60 s"
                 await asyncio.sleep(0.05)
             prod.hold.clear()
             in_flight = asyncio.create_task(post())
@@ -644,7 +647,11 @@ async def test_evacuate_wait_against_a_router_process_and_a_local_ssm(
             command = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "inference_fleet", "evacuate", "--config", str(config), "--cell", "prod",
                 "--wait", "--timeout", "60", env={**os.environ, **aws}, stdout=asyncio.subprocess.PIPE)
-            await asyncio.sleep(7)  # several router polls and at least one look by the command
+            # Its first line says what it wrote; then the router drains prod at its next poll (1 s). Both waited
+            # for: a fixed 7 s was all a loaded machine had to start the command (boto3) and let the router act.
+            written = await asyncio.wait_for(command.stdout.readline(), 60)
+            await _until_evacuated(session, admin, "prod")
+            await asyncio.sleep(6)  # at least one more look by the command (every 5 s) with the stream held
             assert command.returncode is None, "the command returned while a stream was still in flight on prod"
             assert [await post() for _ in range(5)] == ["dev"] * 5  # drained already
             released = asyncio.get_running_loop().time()
@@ -654,13 +661,25 @@ async def test_evacuate_wait_against_a_router_process_and_a_local_ssm(
             # A figure, not a bound: the router's report (poll 1 s here, 2 s by default) and the command's look (5 s).
             took = asyncio.get_running_loop().time() - released
             print(f"evacuate --wait returned {took:.1f} s after the stream ended")
-            out = (await command.stdout.read()).decode()
+            out = (written + await command.stdout.read()).decode()
         assert "(version 1)" in out and "cell prod empty at every router task" in out, out
     finally:
         router.kill()
         await router.wait()
         for runner in runners:
             await runner.cleanup()
+
+
+async def _until_evacuated(session: aiohttp.ClientSession, admin: int, cell: str, seconds: float = 60) -> None:
+    """Until the router's admin /status says `cell` is evacuated (drained in HAProxy: RouterState.apply)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + seconds
+    while True:
+        async with session.get(f"http://127.0.0.1:{admin}/status") as resp:
+            if cell in (await resp.json())["evacuated"]:
+                return
+        assert loop.time() < end, f"the router did not evacuate {cell} within {seconds} s"
+        await asyncio.sleep(0.2)
 
 
 def test_the_timeout_default_is_the_routers_hard_stop_and_a_minute_as_the_pipeline_waits() -> None:

@@ -78,49 +78,51 @@ def test_the_log_reader_waits_for_the_stats_socket(tmp_path: Path):
     assert asyncio.run(run()) == b"ok\n"
 
 
-def _named(name: str) -> int | None:
-    """The pid of a live process whose command name is `name` (None if there is none)."""
-    for entry in proctree.PROC.iterdir():
-        if entry.name.isdigit():
-            try:
-                if (entry / "comm").read_text().strip() == name:
-                    return int(entry.name)
-            except OSError:
-                continue
-    return None
-
-
 def test_other_load_counts_processes_outside_the_benchmark():
     """A process burning CPU beside the benchmark (not its descendant: started detached, so
     init adopts it) shows in the run's `other_load`, by its command name, with the CPU it used.
 
-    Compared with the CPU /proc says the spinner used over the same window, not with a fixed
-    share of a core: on a loaded 2-core machine (load 14) it got 0.17 s of its second, and a
-    `>= 0.2` bound failed a whole `make test` (fortieth session)."""
+    How much CPU it gets is the machine's to say: 0.18 s in a second at load 14 on two cores, where
+    at least 0.2 was asked (a stress run); so the test waits for it to run under its name (its
+    interpreter's start is slow on such a machine too) and asks for what /proc says it used (a
+    bound of 0.2 failed a whole `make test` at load 14). Its name is this process's own: another
+    run of this test beside it must not add to it."""
+    name = f"olspin{os.getpid() % 1_000_000}"
     spin = (
-        "open('/proc/self/comm', 'w').write('otherload_spin')\n"
-        "import time\nt = time.time()\nwhile time.time() - t < 30: pass\n"
+        f"open('/proc/self/comm', 'w').write('{name}')\n"
+        "import time\nt = time.time()\nwhile time.time() - t < 60: pass\n"
     )
     subprocess.run(["sh", "-c", f'"{sys.executable}" -c "{spin}" >/dev/null 2>&1 &'], check=True, timeout=10)
-    deadline = time.monotonic() + 20
-    while (pid := _named("otherload_spin")) is None:
-        assert time.monotonic() < deadline, "the spinner never started"
-        time.sleep(0.05)
+    spinner = None
     try:
+        deadline = time.monotonic() + 20
+        while spinner is None and time.monotonic() < deadline:
+            spinner = next((p for p in proctree.PROC.glob("[0-9]*") if _comm(p) == name), None)
+            time.sleep(0.05)
+        assert spinner is not None, f"the spinner never ran as {name}"
+        pid = int(spinner.name)
         before = proctree.all_stats()
         time.sleep(1.0)
         after = proctree.all_stats()
     finally:
-        os.kill(pid, 9)
-    used = round(after[pid].own - before[pid].own, 2)
+        if spinner is not None:
+            subprocess.run(["kill", "-9", spinner.name], check=False)
     load = other_load(before, after, 1.0)
-    assert used > 0, f"the spinner used no CPU in a second: {load}"
+    used = after[pid].own - before[pid].own
+    assert used > 0, f"the spinner got no CPU in 1 s: {load}"
     busiest = load["busiest"]
-    # Five processes busier than the spinner can crowd it out of the five busiest: then it used
-    # no more than the fifth did.
-    assert busiest.get("otherload_spin") == used or (len(busiest) == 5 and used <= min(busiest.values())), \
-        (used, load)
-    assert load["cpu_seconds_per_second"] >= used - 0.01, (used, load)
+    # Five processes busier than the spinner can crowd it out of the five busiest (a loaded
+    # machine): then it used no more than the fifth did.
+    assert busiest.get(name) == pytest.approx(used, abs=0.011) or (
+        len(busiest) == 5 and used <= min(busiest.values()) + 0.011), (used, load)
+    assert load["cpu_seconds_per_second"] >= used - 0.011, load
+
+
+def _comm(proc_dir: Path) -> str:
+    try:
+        return (proc_dir / "comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 @needs_tools

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -328,11 +329,16 @@ def test_old_placement_never_blames_a_host_whose_unit_tasks_cannot_start(monkeyp
 
 
 def test_a_day_of_a_36_unit_cell_runs_within_the_bound():
+    cpu = time.process_time()
     doc = run("day-36-units.yaml")
+    cpu = time.process_time() - cpu
     assert all(v["held"] for v in doc["invariants"].values()), "\n".join(render(doc))
     assert doc["units"] == 36
-    # The target is 10 s on one core (docs/simulation.md measures about 1.2 s); a loaded CI machine gets 3x.
-    assert doc["figures"]["wall_seconds_max"] < 30
+    # The target is 10 s on one core (docs/simulation.md: 2.3-2.7 s of CPU measured, 1.8 s on an idle machine),
+    # checked on this process's CPU, not the wall time, which the machine's other work stretches: 22.3 s of wall
+    # time for 2.4 s of CPU at load 10 on two cores, and the 30 s wall bound failed once in CI at load 12. A
+    # sanity bound, four times the measured CPU; the speed target is measured by hand (docs/simulation.md, Timing).
+    assert cpu < 10, f"the 36-unit day took {cpu:.1f} s of CPU ({doc['figures']['wall_seconds_max']} s of wall time)"
 
 
 # ---- ECS's view of a task it is stopping (cold review of the ECS placement/stop interplay, item 2) ---------

@@ -401,6 +401,22 @@ async def wait_until(predicate: Callable[[], Any], timeout: float = 5.0, what: s
         await asyncio.sleep(0.02)
 
 
+async def connection_refused(port: int) -> bool:
+    """Whether a new connection to `port` on loopback is refused now, for `wait_until` after a stop: one
+    accepted is closed at once, and one reset (the shut listener resets those still in its queue) is not
+    refused yet. A connection that neither completes nor is refused within 2 s (the defect of a stop: the
+    kernel accepts it for a process that keeps the listening socket, and it hangs) fails the test."""
+    try:
+        async with asyncio.timeout(2):
+            _, writer = await asyncio.open_connection(LOOPBACK, port)
+    except ConnectionRefusedError:
+        return True
+    except ConnectionResetError:
+        return False
+    writer.close()
+    return False
+
+
 T = TypeVar("T")
 
 

@@ -130,19 +130,21 @@ def test_identical_log_lines_are_counted_at_once_and_exactly():
     from unit_proxy.telemetry import TTFT_BUCKETS, Telemetry
 
     kinds = [
-        b"200 3 0 1 245 ---- engine - -",
-        b"200 812 805 0 1245 ---- engine - 12",  # a stream: its first byte 12 ms in
-        b"200 812 805 0 1245 ---- engine - -3",  # the wall clock stepped back between its dates: 0
-        b"404 0 0 -1 180 LR-- data - -",
-        b"429 0 0 -1 190 LR-- data rejected -",
-        b"429 0 0 -1 190 LR-- data - -",  # the admission refusal as logged now (no outcome)
-        b"429 5 0 4 90 ---- engine - -",  # the engine's own 429: proxied, not a refusal
-        b"503 0 0 -1 190 LR-- data unit_unavailable -",
-        b"503 9 0 8 190 ---- engine unit_unavailable -",
-        b"200 40 30 2 100 CD-- engine - 20",
-        b"502 5 0 -1 120 SH-- engine - -",
-        b"504 5 0 -1 120 sH-- engine - -",
-        b"200 3 0 1 245 ---- engine -",  # a line of the old format: not counted
+        b"200 3 0 1 245 ---- engine - - 3",
+        b"200 812 805 0 1245 ---- engine - 12 812",  # a stream: its first byte 12 ms in
+        b"200 812 805 0 1245 ---- engine - -3 812",  # the wall clock stepped back between its dates: 0
+        b"404 0 0 -1 180 LR-- data - - -",
+        b"429 0 0 -1 190 LR-- data rejected - -",
+        b"429 0 0 -1 190 LR-- data - - -",  # the admission refusal as logged now (no outcome)
+        b"429 5 0 4 90 ---- engine - - 5",  # the engine's own 429: proxied, not a refusal
+        b"503 0 0 -1 190 LR-- data unit_unavailable - 0",
+        b"503 9 0 8 190 ---- engine unit_unavailable - 9",
+        b"200 40 30 2 100 CD-- engine - 20 40",
+        b"502 5 0 -1 120 SH-- engine - - 5",
+        b"504 5 0 -1 120 sH-- engine - - 5",
+        b"200 300 805 0 1245 ---- engine - 12 812",  # a starved HAProxy: %Ta lost time, the wall clock not
+        b"400 0 0 -1 190 PR-- data - - -",  # refused before the frontend's rules: no wall-clock span
+        b"200 3 0 1 245 ---- engine - -",  # a line of the old format: not counted
         b"not a log line",
     ]
     lines = [kinds[(i * 5) % len(kinds)] if i % 5 else kinds[0] for i in range(3000)]
@@ -164,17 +166,18 @@ def test_identical_log_lines_are_counted_at_once_and_exactly():
             list(t._late_ttft), [r.seen for r in late], [len(r.values) for r in late],
         )
     assert grouped.snapshot == one_by_one.snapshot  # type: ignore[attr-defined]
-    assert grouped.codes[200] == sum(map(lines.count, kinds[:3]))
+    assert grouped.codes[200] == sum(map(lines.count, (*kinds[:3], kinds[12])))
     assert grouped.rejected_total == lines.count(kinds[4]) + lines.count(kinds[5]) > 0
     assert grouped.codes[429] == lines.count(kinds[6]) > 0
     # TTFT: the streamed answers only (the last field), the client gone after its first byte too.
-    streams = lines.count(kinds[1]), lines.count(kinds[2]), lines.count(kinds[9])
+    streams = lines.count(kinds[1]), lines.count(kinds[2]), lines.count(kinds[9]), lines.count(kinds[12])
     assert grouped.ttft.counts[bisect.bisect_left(TTFT_BUCKETS, 0.012)] >= streams[0] > 0
     assert sum(grouped.ttft.counts) == sum(streams)
-    assert round(grouped.ttft.total, 6) == round(0.012 * streams[0] + 0.020 * streams[2], 6)
+    assert round(grouped.ttft.total, 6) == round(0.012 * (streams[0] + streams[3]) + 0.020 * streams[2], 6)
     # Dated at their start: the 812 ms streams in the first interval (written 0.4 s before the
-    # read), the 40 ms ones in the current interval.
-    assert {k: r.seen for k, r in grouped._late_ttft.items()} == {int((read - 0.4) * 1000): streams[0] + streams[1]}
+    # read; the starved one by its wall-clock span, not its 300 ms %Ta), the 40 ms ones in the current interval.
+    assert {k: r.seen for k, r in grouped._late_ttft.items()} == {
+        int((read - 0.4) * 1000): streams[0] + streams[1] + streams[3]}
     assert grouped._interval.ttft_ms.seen == streams[2]
 
 

@@ -120,9 +120,9 @@ def test_ttft_samples_are_dated_at_their_requests_start():
     t.request_done(200, 0.3, 1.0, started=base + 11)  # started in the current interval
     t.request_done(200, 0.4, 9000.0, started=base - 7200)  # before every kept interval: its minute
     t.request_done(200, None, 2.0, started=base + 1)  # no TTFT (not streamed): nothing dated
-    # Through the log line: %Ta 3 s, first byte 0.2 s after the request's start, read at base + 12: it
-    # started at base + 9.
-    feed(t, b"200 3000 2990 1 100 ---- engine - 200\n", now=base + 12)
+    # Through the log line: 3 s on the wall clock (%Ta 1 s: a starved HAProxy's `now` lost 2 s, LOG_FORMAT),
+    # first byte 0.2 s after the request's start, read at base + 12: it started at base + 9.
+    feed(t, b"200 1000 990 1 100 ---- engine - 200 3000\n", now=base + 12)
     events = t.emf_events("Rufus/UnitProxy", "dev", "u0", now=base + 15)
     by_stamp: dict[int, list[float]] = {}
     for event in events:

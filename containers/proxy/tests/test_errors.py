@@ -270,17 +270,17 @@ KINDS = ("connect", "timeout", "reset", "cut", "invalid")
 @pytest.mark.parametrize(
     ("line", "kinds", "unavailable"),
     [
-        (b"502 2 -1 -1 210 PH-- engine - -", {"invalid": 1}, 0),  # measured above
+        (b"502 2 -1 -1 210 PH-- engine - - 2", {"invalid": 1}, 0),  # measured above
         # The same while the unit goes down: the http-error body sets the outcome, the status is
         # re-set to 503 (measured); counted like an `SH` then, an error and a refusal.
-        (b"503 0 -1 -1 259 PH-- engine unit_unavailable -", {"invalid": 1}, 1),
-        (b"503 2 -1 -1 464 LH-- engine unit_unavailable -", {}, 1),  # the gate's own 503 (http-response return)
-        (b"400 5 -1 -1 200 PH-- engine - -", {}, 0),  # the client's bad request body, before the answer
-        (b"200 40 30 2 100 PD-- engine - -", {}, 0),  # the same once the answer started (2.6: PD)
-        (b"502 1 -1 -1 210 RC-- engine - -", {}, 0),  # the proxy out of sockets (its 503, re-set 502)
-        (b"500 1 -1 -1 210 IH-- engine - -", {}, 0),  # the proxy's internal error
-        (b"503 1 -1 -1 210 PC-- engine - -", {}, 0),  # the proxy's own connection limit
-        (b"502 5 0 -1 120 SH-- engine - -", {"reset": 1}, 0),
+        (b"503 0 -1 -1 259 PH-- engine unit_unavailable - 0", {"invalid": 1}, 1),
+        (b"503 2 -1 -1 464 LH-- engine unit_unavailable - 2", {}, 1),  # the gate's own 503 (http-response return)
+        (b"400 5 -1 -1 200 PH-- engine - - 5", {}, 0),  # the client's bad request body, before the answer
+        (b"200 40 30 2 100 PD-- engine - - 40", {}, 0),  # the same once the answer started (2.6: PD)
+        (b"502 1 -1 -1 210 RC-- engine - - 1", {}, 0),  # the proxy out of sockets (its 503, re-set 502)
+        (b"500 1 -1 -1 210 IH-- engine - - 1", {}, 0),  # the proxy's internal error
+        (b"503 1 -1 -1 210 PC-- engine - - 1", {}, 0),  # the proxy's own connection limit
+        (b"502 5 0 -1 120 SH-- engine - - 5", {"reset": 1}, 0),
     ],
 )
 def test_which_termination_states_are_upstream_errors(line: bytes, kinds: dict[str, int], unavailable: int):
@@ -296,6 +296,33 @@ def test_which_termination_states_are_upstream_errors(line: bytes, kinds: dict[s
         assert telemetry._interval.upstream_errors == sum(kinds.values()) * times
         assert telemetry.unavailable_total == unavailable * times
         assert sum(telemetry.codes.values()) == times
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b"200 300 295 0 1245 CD-- engine - 12 812",  # the client gone after its first byte: a 499
+        b"502 300 0 -1 120 SH-- engine - - 812",  # an upstream reset
+        b"503 300 0 299 190 ---- engine unit_unavailable - 812",  # the engine's own 503 while the unit goes down
+    ],
+)
+def test_a_line_read_field_by_field_takes_the_wall_clock_latency_too(line: bytes):
+    """The lines `feed` leaves to `record` (a termination state or an outcome it reads) take the larger of
+    %Ta and the wall-clock span (the last field) as the fast path does: a starved HAProxy's %Ta (300 ms
+    here) lost the time the request took on the wall clock (812 ms, haproxy_config.LOG_FORMAT). A
+    stream's TTFT is dated from that latency: its start, 0.812 s before the read."""
+    telemetry = Telemetry(lambda: 0)
+    started: list[float | None] = []
+    done = telemetry.request_done
+
+    def request_done(status: int, ttft: float | None, latency: float, count: int = 1, start: float | None = None):
+        started.append(start)
+        done(status, ttft, latency, count, start)
+
+    telemetry.request_done = request_done  # type: ignore[method-assign]
+    haproxy_log.feed(telemetry, line + b"\n", now=1000.0)
+    assert round(telemetry.latency.total, 6) == 0.812
+    assert started == [(1000.0 - 0.812) if line.split()[8] != b"-" else None]
+
 
 async def test_engine_error_status_passes_through(make_proxy: ProxyFactory):
     proxy = await make_proxy()

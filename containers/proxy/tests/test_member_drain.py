@@ -25,6 +25,15 @@ def _is(awaitable, value):
     return check
 
 
+async def _refused(session: aiohttp.ClientSession, url: str) -> bool:
+    """A new completion: True if refused 503 unit_unavailable, False if served."""
+    async with session.post(f"{url}/v1/completions", json={"model": "m", "prompt": "y"}) as resp:
+        if resp.status == 200:
+            return False
+        assert resp.status == 503 and (await resp.json())["error"]["type"] == "unit_unavailable", resp.status
+        return True
+
+
 async def _start_stream(session: aiohttp.ClientSession, url: str, tokens: int, gap: float):
     stream = await session.post(
         f"{url}/v1/completions",
@@ -42,7 +51,7 @@ async def test_a_drain_request_turns_health_503_lets_the_stream_finish_then_repo
     proxy = await make_proxy(drain_seconds=0.3, drain_timeout_seconds=20)
     async with aiohttp.ClientSession() as session:
         assert await health(session, proxy.url) == 200
-        stream = await _start_stream(session, proxy.url, tokens=20, gap=0.1)
+        stream = await _start_stream(session, proxy.url, tokens=40, gap=0.1)
 
         launcher.status["drain_requested"] = REQUEST
         await wait_until(_is(lambda: health(session, proxy.url), 503), timeout=2, what="/health 503")
@@ -50,13 +59,14 @@ async def test_a_drain_request_turns_health_503_lets_the_stream_finish_then_repo
             assert "draining: follower rank 1 (10.0.1.6, i-1) is stopping" in await resp.text()
         assert launcher.drained_reports == []  # a stream is in flight
 
-        # Past DRAIN_SECONDS a new request is refused; the stream goes on.
-        await asyncio.sleep(0.5)
-        async with session.post(f"{proxy.url}/v1/completions", json={"model": "m", "prompt": "y"}) as resp:
-            assert resp.status == 503 and (await resp.json())["error"]["type"] == "unit_unavailable"
+        # Past DRAIN_SECONDS a new request is refused while the stream (4 s) goes on. Waited for: the refusal
+        # is pushed by the first check round after the 0.3 s window, which a loaded machine can delay past
+        # a fixed 0.5 s. Without it, the only refusal is the session's end after the drained report.
+        await wait_until(lambda: _refused(session, proxy.url), timeout=5, what="a new request refused")
+        assert engine.finished == 0, "refused only once the stream in flight had ended"
         rest = await asyncio.wait_for(stream.read(), 10)
         finished = time.monotonic()
-        assert rest.rstrip().endswith(b"data: [DONE]") and b"tok19" in rest  # the stream finished whole
+        assert rest.rstrip().endswith(b"data: [DONE]") and b"tok39" in rest  # the stream finished whole
 
         await wait_until(lambda: launcher.drained_reports, timeout=3, what="the drained report")
         reported_at, report = launcher.drained_reports[0]
@@ -104,10 +114,13 @@ async def test_a_multi_worker_proxy_drains_for_a_stopping_follower_without_exiti
         aiohttp.ClientSession() as session,
     ):
         await wait_until(_is(lambda: health(session, url), 200), timeout=15, what="the proxy to be healthy")
-        stream = await _start_stream(session, url, tokens=20, gap=0.1)
+        stream = await _start_stream(session, url, tokens=40, gap=0.1)
         launcher.status["drain_requested"] = REQUEST
         await wait_until(_is(lambda: health(session, url), 503), timeout=2, what="/health 503")
-        await asyncio.sleep(1.0)
+        # Past DRAIN_SECONDS (0.5 s) the first refusal while the stream (4 s) runs, waited for (a fixed 1 s
+        # once); then every worker refuses.
+        await wait_until(lambda: _refused(session, url), timeout=5, what="a new request refused")
+        assert engine.finished == 0, "refused only once the stream in flight had ended"
         statuses = []
         for _ in range(6):  # whichever worker takes it
             async with session.post(f"{url}/v1/completions", json={"model": "m", "prompt": "y"}) as resp:

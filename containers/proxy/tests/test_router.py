@@ -32,7 +32,7 @@ from unit_proxy.router import EvacuationFileError, RunningRouter, read_evacuatio
 from unit_proxy.router_config import RouterPaths, RouterSettings, render, rise_checks
 from unit_proxy.settings import SettingsError
 
-from .conftest import children
+from .conftest import children, connection_refused, wait_until
 
 LOOPBACK = "127.0.0.1"
 # The "cells" here are single processes on loopback: no load balancer may still be sending to a failing unit,
@@ -478,13 +478,11 @@ async def test_sigterm_lets_a_stream_finish_then_exits_0(cells: tuple[FakeCell, 
             pending = await _held_post(session, port, a, b)
             assert a.posts + b.posts == 1, (await proc.stderr.read(4096)).decode() if proc.returncode else "no request"
             proc.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.5)
+            # New connections are refused, not accepted by the kernel for HAProxy's master, which keeps
+            # the listening socket it inherited, and left to hang. Waited for: a fixed 0.5 s could end
+            # before a loaded router had taken the SIGTERM.
+            await _until_refused(port)
             assert proc.returncode is None  # the stream holds it
-            # New connections are refused at once, not accepted by the kernel for HAProxy's master,
-            # which keeps the listening socket it inherited, and left to hang.
-            with pytest.raises(ConnectionRefusedError):
-                _, writer = await asyncio.open_connection(LOOPBACK, port)
-                writer.close()
             a.hold.set()
             b.hold.set()
             assert (await pending)[0] == 200
@@ -561,6 +559,11 @@ async def test_a_soft_stop_right_after_the_start_reaches_haproxy(
     monkeypatch.setattr("unit_proxy.agent.HAPROXY", str(wrapper))
     router = await _router(a, b, tmp_path)
     assert await router.close(soft=True, timeout=5) == 0
+
+
+async def _until_refused(port: int) -> None:
+    """Until a new connection to `port` is refused (conftest.connection_refused), at most 15 s."""
+    await wait_until(lambda: connection_refused(port), timeout=15, what=f"new connections to port {port} refused")
 
 
 def _free_port() -> int:
@@ -661,7 +664,10 @@ async def test_haproxy_dying_during_the_stop_is_exit_1(cells: tuple[FakeCell, Fa
             await _all_up(session, admin)
             pending = await _held_post(session, port, a, b)
             proc.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.5)  # the soft stop waits for the held request
+            # The soft stop has begun (it shuts the listener after its SIGUSR1) and waits for the held
+            # request: a fixed 0.5 s could end before a loaded router took the SIGTERM, and HAProxy's
+            # death then came before the stop ("haproxy exited ... exiting 1", not "during the stop").
+            await _until_refused(port)
             master = next(p for p in children(proc.pid) if Path(f"/proc/{p}/comm").read_text().strip() == "haproxy")
             os.kill(master if killed == "master" else children(master)[0], signal.SIGKILL)
             assert await asyncio.wait_for(proc.wait(), 20) == 1

@@ -157,6 +157,30 @@ async def test_a_haproxy_stall_after_the_first_token_leaves_the_ttft_alone(
     assert count == 1 and 0.5 <= total < 1.0, (count, total)
 
 
+async def test_a_haproxy_stall_during_a_request_is_in_its_latency(engine: FakeEngine, make_proxy: ProxyFactory):
+    """HAProxy's worker frozen for 1 s (SIGSTOP) while the engine prepares a 1.5 s answer: the request took
+    1.5 s, and its latency says so. %Ta, HAProxy's `now`, does not advance over a poll that returned more
+    than 100 ms late (the stall above), so the latency was about 0.5 s; a loaded machine starves HAProxy
+    the same way (seen as test_non_streamed_answers_add_no_ttft reading 0.278 s for a 0.5 s answer, and a
+    stream's TTFT dated 0.9 s late, which is dated from the latency: its log line's date minus it)."""
+    proxy = await make_proxy()
+    worker = children(proxy.state.haproxy_pid)[0]
+    engine.slow_seconds = 1.5
+    async with aiohttp.ClientSession() as session:
+        answer = asyncio.ensure_future(session.post(f"{proxy.url}/v1/completions", json={"model": "m", "prompt": "x"},
+                                                    headers={"x-cue": "slow"}))
+        await wait_until(lambda: engine.slow_in_flight == 1, timeout=5, what="the request at the engine")
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(1.0)
+        finally:
+            os.kill(worker, signal.SIGCONT)
+        async with await answer as resp:
+            assert resp.status == 200 and (await resp.json())["choices"]
+    metrics = await _logged(proxy.admin_url, 1)
+    assert metrics["unit_proxy_request_latency_seconds_sum"] >= 1.5, metrics["unit_proxy_request_latency_seconds_sum"]
+
+
 async def test_triton_stream_ttft(launcher: FakeLauncher):
     """The Triton front end: generate_stream's SSE (text/event-stream; charset=utf-8) is timed the same way."""
     triton = FakeTriton()

@@ -81,7 +81,13 @@ FIRST_BYTE_VAR = "txn.fb"
 # returned more than 100 ms after its timeout (2.6 src/clock.c `clock_update_date`, "big
 # jump forwards"), where `date` does: a HAProxy starved for a second during a stream (measured
 # with SIGSTOP) had that second taken out of its TTFT, 0 for a first event at 0.5 s.
-LOG_FORMAT = "%ST %Ta %Td %Tr %B %tsc %b %[var(txn.outcome)] %[var(" + FIRST_BYTE_VAR + ")]"
+# The tenth field is the latency on the same wall clock: the log line's date minus the request's
+# ("-" for a request refused before the frontend's rules: no REQUEST_DATE_VAR). %Ta lost the
+# stalls the same way (a loaded machine starves HAProxy: 0.28 s for a 0.5 s answer, and a
+# stream's TTFT, dated at the log line minus the latency, dated 0.9 s late); the agent takes
+# the larger of the two (haproxy_log.latency_ms), as %Ta also counts the request head's arrival.
+LOG_FORMAT = ("%ST %Ta %Td %Tr %B %tsc %b %[var(txn.outcome)] %[var(" + FIRST_BYTE_VAR + ")]"
+              " %[date(0,ms),sub(" + REQUEST_DATE_VAR + ")]")
 # HAProxy's command-line options besides the config file (management guide 3 "Starting
 # HAProxy", "-dM"): its process-wide pool of freed objects on. A buffer is `tune.bufsize`
 # (1.1 MB by default here, REQUEST_BUFFER_BYTES), twice the per-thread object cache of 2.6

@@ -3,14 +3,16 @@ into the proxy's request metrics (counts by code, TTFT and latency, refusals, en
 
 The line format is `haproxy_config.LOG_FORMAT` (HAProxy 2.6 configuration manual, 8.2.6
 "Custom log format"; timers 8.4 "Timing events"; termination state 8.5 "Session state at
-disconnection"): `%ST %Ta %Td %Tr %B %tsc %b %[var(txn.outcome)] <TTFT, ms>`.
+disconnection"): `%ST %Ta %Td %Tr %B %tsc %b %[var(txn.outcome)] <TTFT, ms> <latency, ms>`.
 
 Time to first token is counted for streamed answers (Content-Type text/event-stream) only: the
-last field, the request's start (its headers taken in) to the first body byte of the answer, both
+ninth field, the request's start (its headers taken in) to the first body byte of the answer, both
 wall-clock dates taken by HAProxy (haproxy_config.LOG_FORMAT, sse_first_byte_rules).
 `%Ta`, the latency, runs from the first byte of the request (for a keep-alive request, once the
 previous one ended: the idle time before it is left out, src/log.c:2485 and src/mux_h1.c:3007-3008,
-3408-3411 of 2.6.12) to the log line. A non-streamed answer has no first token before its end (vLLM sends
+3408-3411 of 2.6.12) to the log line; it is HAProxy's `now`, which loses the time HAProxy was starved
+of CPU, so the latency is the larger of it and the last field, the same span on the wall clock from the
+request's headers taken in (`latency_ms`). A non-streamed answer has no first token before its end (vLLM sends
 its JSON at once when the generation is done), so it adds no TTFT sample: its whole time is
 in the latency histogram (docs/contracts.md). HAProxy writes each line
 into a ring buffer and never waits for its reader; the agent follows the ring with the
@@ -91,20 +93,31 @@ class LogRecord:
     backend: str
     outcome: str  # "-" or the txn.outcome variable: unit_unavailable (rejected: see record)
     ttft_ms: int  # a streamed answer's request start to its first body byte (-1: not streamed)
+    wall_ms: int = -1  # the request's headers taken in to the log line, wall clock (-1: refused before)
 
 
 # Fields of a log line (haproxy_config.LOG_FORMAT).
-FIELDS = 9
+FIELDS = 10
+
+
+def latency_ms(active: int, wall: bytes | str) -> int:
+    """A request's latency: %Ta, or the wall-clock span when larger. %Ta is HAProxy's `now`, which
+    does not advance over a poll that returned more than 100 ms after its timeout (2.6 src/clock.c
+    `clock_update_date`): a starved HAProxy took that time out of it (measured with SIGSTOP:
+    0.48 s for a 1.5 s answer). The wall span starts at the headers, after %Ta's first byte."""
+    if wall in ("-", b"-"):
+        return active
+    return max(active, int(wall))
 
 
 def _ttft_field(field: str | bytes) -> int:
-    """The last field: the TTFT in ms, or -1 ("-": not streamed). A wall clock stepped back
+    """The ninth field: the TTFT in ms, or -1 ("-": not streamed). A wall clock stepped back
     between the two dates could make it negative: 0 then."""
     return -1 if field in ("-", b"-") else max(int(field), 0)
 
 
 def ttft_seconds(ttft_ms: int) -> float | None:
-    """The last field in seconds; None when not a streamed answer."""
+    """The ninth field in seconds; None when not a streamed answer."""
     return None if ttft_ms < 0 else ttft_ms / 1000.0
 
 
@@ -115,7 +128,7 @@ def parse(line: str) -> LogRecord | None:
     try:
         return LogRecord(
             int(parts[0]), int(parts[1]), int(parts[2]), int(parts[3]), int(parts[4]), parts[5], parts[6], parts[7],
-            _ttft_field(parts[8]),
+            _ttft_field(parts[8]), -1 if parts[9] == "-" else int(parts[9]),
         )
     except ValueError:
         return None
@@ -144,7 +157,7 @@ def record(telemetry: Telemetry, rec: LogRecord, now: float | None = None) -> No
         telemetry.upstream_error(kind)
     elif first == "P" and second == "H" and status >= 500:
         telemetry.upstream_error(INVALID)
-    latency = max(rec.active_ms, 0) / 1000.0
+    latency = max(rec.active_ms, rec.wall_ms, 0) / 1000.0
     ttft = ttft_seconds(rec.ttft_ms)
     started = None if ttft is None or now is None else now - latency
     telemetry.request_done(status, ttft, latency, 1, started)
@@ -156,7 +169,8 @@ def feed(telemetry: Telemetry, data: bytes, now: float | None = None) -> None:
     groups them in C; Python then parses each distinct line once, not each request). The common
     line (an engine answer that ended normally, no outcome) is counted without a LogRecord.
 
-    A streamed answer's TTFT is dated at its request's start, `now - %Ta` (Telemetry.request_done):
+    A streamed answer's TTFT is dated at its request's start, `now` minus its latency (`latency_ms`,
+    Telemetry.request_done):
     the line carries no date of its own (a date field would make every line distinct), and it is
     read at most READ_PAUSE_SECONDS (plus the time to count a read) after HAProxy wrote it, so
     the start is dated that much late at most while the follower keeps up."""
@@ -168,7 +182,7 @@ def feed(telemetry: Telemetry, data: bytes, now: float | None = None) -> None:
         # The termination states `record` reads (499s, upstream errors) take the slow path.
         if len(parts) == FIELDS and parts[7] == b"-" and parts[6] == b"engine" and parts[5][:1] not in b"CcsSKP":
             try:
-                status, active, ttft_ms = int(parts[0]), int(parts[1]), _ttft_field(parts[8])
+                status, active, ttft_ms = int(parts[0]), latency_ms(int(parts[1]), parts[9]), _ttft_field(parts[8])
             except ValueError:
                 pass
             else:
