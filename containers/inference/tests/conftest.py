@@ -131,10 +131,28 @@ class Node:
         if self.process.poll() is None:
             self.process.send_signal(sig)
 
+    def wait_catches(self, sig: int, timeout: float = 30.0) -> None:
+        """Until the launcher handles `sig` (`python -m unit_launcher`'s first lines ran). A fixed sleep before an
+        early signal is no such wait: 0.3 s after the start, a loaded machine had not yet run them (CI: -10)."""
+        deadline = time.monotonic() + timeout
+        while not catches(self.process.pid, sig):
+            assert time.monotonic() < deadline and self.process.poll() is None, f"never started; log:\n{self.log}"
+            time.sleep(0.001)  # at once: the tests signal it while it still imports its modules
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait(10)
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler for `sig` (the SigCgt mask of /proc/<pid>/status)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    caught = next(int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(caught >> (sig - 1) & 1)
 
 
 def get_status(port: int, timeout: float = 1.0) -> dict[str, Any] | None:
