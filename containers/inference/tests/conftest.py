@@ -29,15 +29,25 @@ HANG = "hang"
 
 
 def free_ports(count: int) -> list[int]:
-    sockets, ports = [], []
-    for _ in range(count):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        sockets.append(s)
-        ports.append(s.getsockname()[1])
-    for s in sockets:
-        s.close()
-    return ports
+    """Loopback ports nobody else is handed before this test's processes bind them (seconds later on a loaded
+    machine). Found free and closed, a port is free for the next bind to port 0 anywhere: another xdist worker's
+    server or launcher took one once (test_leader_gone.py's `_no_leader`). Each is left in TIME_WAIT instead, as
+    e2e/router_mode.py's free_port does: for TIME_WAIT's 60 s no bind to port 0 gets it, while a listener with
+    SO_REUSEADDR may bind it, as every one here does (the leader's aiohttp site, moto's and the slow link's
+    http.server). Not for a process that binds without SO_REUSEADDR."""
+    return [_held_in_time_wait() for _ in range(count)]
+
+
+def _held_in_time_wait() -> int:
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        port: int = server.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)):
+            accepted, _ = server.accept()
+            accepted.close()  # the side that closes first holds TIME_WAIT: this port's side
+    return port
 
 
 def cpu_spec(size: int, *, record_dir: Path, revision: str = "rev-a", **rendezvous: Any) -> dict[str, Any]:
