@@ -33,13 +33,16 @@ def free_ports(count: int) -> list[int]:
     machine). Found free and closed, a port is free for the next bind to port 0 anywhere: another xdist worker's
     server or launcher took one once (test_leader_gone.py's `_no_leader`). Each is left in TIME_WAIT instead, as
     e2e/router_mode.py's free_port does: for TIME_WAIT's 60 s no bind to port 0 gets it, while a listener with
-    SO_REUSEADDR may bind it, as every one here does (the leader's aiohttp site, moto's and the slow link's
-    http.server). Not for a process that binds without SO_REUSEADDR."""
+    SO_REUSEADDR may bind it, as every one here does (the leader's aiohttp site, moto's werkzeug server and the
+    slow link's http.server: allow_reuse_address); the stand-in engine binds none of its ports. Not for a process
+    that binds without SO_REUSEADDR (EADDRINUSE for those 60 s). bench_unit.py's _ports, the same for its runs."""
     return [_held_in_time_wait() for _ in range(count)]
 
 
 def _held_in_time_wait() -> int:
     with socket.socket() as server:
+        # The TIME_WAIT left keeps this: Linux lets a later listener's SO_REUSEADDR past a TIME_WAIT only if that
+        # had it too (else EADDRINUSE; test_ports.py).
         server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         server.bind(("127.0.0.1", 0))
         server.listen(1)
