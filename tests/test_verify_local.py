@@ -221,7 +221,9 @@ def test_follower_stop_check_passes_on_a_unit_that_drains_then_refuses(tmp_path:
     engines of both nodes (the unit is still whole): no fault; after the first refusal only 503
     until the next session forms. (Regression: the e2e unit failed the first versions of the
     check, which counted from /health 503 and then from the session's end.)"""
-    result = stand_in_follower_stop(tmp_path, drain_seconds=1.2, gate_lag=0.6, half_status=503, frontend=frontend)
+    # The gate closes 2 s after the end: a probe must land there to answer 200 (the unit still whole) after the end.
+    # With 0.6 s none did once each probe took 0.35 s longer (a loaded machine), and the test failed ({'503'}).
+    result = stand_in_follower_stop(tmp_path, drain_seconds=1.2, gate_lag=2.0, half_status=503, frontend=frontend)
     assert result.status == "pass", result.detail
     assert result.figures["evidence"][0]["cause"] == "member_stopping"
     assert set(result.figures["probes_after_the_end"]) == {"200", "503"}

@@ -29,15 +29,28 @@ HANG = "hang"
 
 
 def free_ports(count: int) -> list[int]:
-    sockets, ports = [], []
-    for _ in range(count):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        sockets.append(s)
-        ports.append(s.getsockname()[1])
-    for s in sockets:
-        s.close()
-    return ports
+    """Loopback ports nobody else is handed before this test's processes bind them (seconds later on a loaded
+    machine). Found free and closed, a port is free for the next bind to port 0 anywhere: another xdist worker's
+    server or launcher took one once (test_leader_gone.py's `_no_leader`). Each is left in TIME_WAIT instead, as
+    e2e/router_mode.py's free_port does: for TIME_WAIT's 60 s no bind to port 0 gets it, while a listener with
+    SO_REUSEADDR may bind it, as every one here does (the leader's aiohttp site, moto's werkzeug server and the
+    slow link's http.server: allow_reuse_address); the stand-in engine binds none of its ports. Not for a process
+    that binds without SO_REUSEADDR (EADDRINUSE for those 60 s). bench_unit.py's _ports, the same for its runs."""
+    return [_held_in_time_wait() for _ in range(count)]
+
+
+def _held_in_time_wait() -> int:
+    with socket.socket() as server:
+        # The TIME_WAIT left keeps this: Linux lets a later listener's SO_REUSEADDR past a TIME_WAIT only if that
+        # had it too (else EADDRINUSE; test_ports.py).
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        port: int = server.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)):
+            accepted, _ = server.accept()
+            accepted.close()  # the side that closes first holds TIME_WAIT: this port's side
+    return port
 
 
 def cpu_spec(size: int, *, record_dir: Path, revision: str = "rev-a", **rendezvous: Any) -> dict[str, Any]:
@@ -131,10 +144,28 @@ class Node:
         if self.process.poll() is None:
             self.process.send_signal(sig)
 
+    def wait_catches(self, sig: int, timeout: float = 30.0) -> None:
+        """Until the launcher handles `sig` (`python -m unit_launcher`'s first lines ran). A fixed sleep before an
+        early signal is no such wait: 0.3 s after the start, a loaded machine had not yet run them (CI: -10)."""
+        deadline = time.monotonic() + timeout
+        while not catches(self.process.pid, sig):
+            assert time.monotonic() < deadline and self.process.poll() is None, f"never started; log:\n{self.log}"
+            time.sleep(0.001)  # at once: the tests signal it while it still imports its modules
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait(10)
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler for `sig` (the SigCgt mask of /proc/<pid>/status)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    caught = next(int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(caught >> (sig - 1) & 1)
 
 
 def get_status(port: int, timeout: float = 1.0) -> dict[str, Any] | None:

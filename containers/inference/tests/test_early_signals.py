@@ -64,16 +64,6 @@ def test_a_sigterm_while_the_launcher_reads_its_identity_ends_it_with_0(tmp_path
     assert _records(tmp_path) == []
 
 
-def _catches(pid: int, sig: int) -> bool:
-    """Whether process `pid` has a handler for `sig` (the SigCgt mask of /proc/<pid>/status)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
-    caught = next(int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigCgt:"))
-    return bool(caught >> (sig - 1) & 1)
-
-
 @pytest.mark.parametrize("role", ["spare", "leader", "follower"])
 def test_a_sigterm_right_after_the_launcher_started_ends_it_with_0(tmp_path, unit_nodes, h, role):
     """ECS stops a task just started (a spare the controller hands to a unit, a deployment rolled back):
@@ -82,13 +72,9 @@ def test_a_sigterm_right_after_the_launcher_started_ends_it_with_0(tmp_path, uni
     spare and the follower, up to 1.2 s for the leader). Seen failing: returncode -15 for every role."""
     spec = h.cpu_spec(2, record_dir=tmp_path)
     node = unit_nodes(spec, role, "i-early")
-    pid = node.process.pid
-    deadline = time.monotonic() + 30
     # SIGTERM's bit, not SIGUSR1's: __main__ catches SIGUSR1 first, and a SIGTERM sent between the two
     # lines would take its default action (a flaky -15, not the defect under test).
-    while not _catches(pid, signal.SIGTERM):
-        assert time.monotonic() < deadline and node.process.poll() is None, f"never started; log:\n{node.log}"
-        time.sleep(0.001)
+    node.wait_catches(signal.SIGTERM)
 
     node.signal(signal.SIGTERM)
     status = node.wait(STOP_SECONDS)

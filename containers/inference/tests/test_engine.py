@@ -110,7 +110,9 @@ def test_a_leader_whose_engine_exits_leaving_a_child_on_its_output_ends_the_sess
     spec = h.cpu_spec(2, record_dir=tmp_path)
     leader = unit_nodes(spec, "leader", "i-leader", extra_env={
         "STANDIN_EXIT_AFTER": "1", "STANDIN_EXIT_CODE": "7", "STANDIN_ORPHAN_SECONDS": "60"})
-    follower = unit_nodes(spec, "follower", "i-f1")
+    # The follower keeps its own instance's history: in the leader's, its short copy of the session's end (no
+    # ended_by), written first on a loaded machine, kept the leader's record out (one record per session).
+    follower = unit_nodes({**spec, "state_dir": str(tmp_path / "follower-state")}, "follower", "i-f1")
     record_path = tmp_path / "i-leader.json"
     h.wait_for(record_path.exists, 20, "the leader's engine started")
     record = json.loads(record_path.read_text())

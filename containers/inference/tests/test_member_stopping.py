@@ -80,7 +80,8 @@ def test_a_stopping_follower_drains_the_unit_then_every_member_exits_0_with_no_f
 def test_a_follower_whose_task_stops_before_it_joined_stops_with_nothing_to_drain(tmp_path, unit_nodes, h):
     spec = h.cpu_spec(2, record_dir=tmp_path, join_timeout_seconds=30)
     follower = unit_nodes(spec, "follower", "i-f1")  # no leader: it keeps trying to join
-    time.sleep(1.5)
+    # Its health file says joining: its loop runs (not a fixed sleep, which a loaded machine can outlast).
+    h.wait_for((tmp_path / "i-f1.state").exists, 30, f"the follower joining; log:\n{follower.log}")
     follower.signal(signal.SIGUSR1)
     assert follower.wait(10) == 0, follower.log
     assert "SIGUSR1" in follower.log
@@ -161,9 +162,13 @@ def test_sigusr1_during_start_up_is_remembered_never_fatal(tmp_path, unit_nodes,
     acts on the signal once its loop runs."""
     spec = h.cpu_spec(2, record_dir=tmp_path, join_timeout_seconds=30)
     follower = unit_nodes(spec, "follower", "i-f1")
-    time.sleep(0.3)
+    # Once __main__'s first lines ran, not after a fixed 0.3 s: a loaded machine had not run them by then (CI:
+    # the signal's default action, -10, before the handler the test is about was installed).
+    follower.wait_catches(signal.SIGUSR1)
+    started_up = follower.log  # read before the signal: nothing logged yet means it came during the start-up
     follower.signal(signal.SIGUSR1)
     assert follower.wait(10) == 0, follower.log
+    assert " unit_launcher" not in started_up, f"the signal came after the start-up, not during it:\n{started_up}"
 
 
 async def test_a_join_with_the_leaders_own_instance_id_after_release_is_refused_and_ends_nothing(tmp_path, h):

@@ -16,6 +16,11 @@ import pytest
 pytestmark = pytest.mark.timeout(120)
 
 EXIT_FORM_TIMEOUT = 3
+# Longest a node stopped mid-fetch may take to exit here: far below the minute's download a fetch that ignored
+# the stop ran on for, and above a loaded machine's stop (2.3-2.6 s for a leader here at load 9; 8.9 s beside
+# `pytest -n 2` and two busy loops, where 5 s failed). Above `_Fetch.stop`'s own 10 s bound too, so the tests also
+# read that the fetch was cancelled, not abandoned at that bound.
+STOP_SECONDS = 15.0
 # Bytes per second of the slowed link, for shard objects only.
 RATE = 256 << 10
 
@@ -101,7 +106,8 @@ def test_sigterm_stops_a_leader_in_the_middle_of_its_fetch_promptly_with_a_recor
     leader.signal(signal.SIGTERM)
     stopped = time.monotonic()
     assert leader.wait(20) == 0, leader.log
-    assert time.monotonic() - stopped < 5, leader.log
+    assert time.monotonic() - stopped < STOP_SECONDS, leader.log
+    assert "artifact fetch cancelled" in leader.log
     [record] = _history(lead)
     assert record["cause"] == "deliberate_stop"
     assert "SIGTERM while it fetched its artifacts" in record["reason"]
@@ -135,7 +141,7 @@ def test_sigterm_to_a_follower_fetching_in_the_ready_phase_stops_it_promptly_as_
     follower.signal(signal.SIGTERM)
     stopped = time.monotonic()
     assert follower.wait(20) == 0, follower.log
-    assert time.monotonic() - stopped < 5, follower.log
+    assert time.monotonic() - stopped < STOP_SECONDS, follower.log
     assert "artifact fetch cancelled" in follower.log
     [own] = _history(follow)
     assert own["cause"] == "deliberate_stop" and "SIGTERM before its engine started" in own["reason"], own
@@ -153,7 +159,7 @@ def test_sigterm_to_the_leader_in_the_ready_phase_stops_the_fetching_follower_to
     assert leader.wait(20) == 0, leader.log
     # The follower hears a deliberate "stopping" on its next heartbeat and cancels its fetch.
     assert follower.wait(20) == 0, follower.log
-    assert time.monotonic() - stopped < 8, leader.log + follower.log
+    assert time.monotonic() - stopped < STOP_SECONDS, leader.log + follower.log
     assert "artifact fetch cancelled" in follower.log
     [record] = _history(lead)
     assert record["cause"] == "deliberate_stop", record

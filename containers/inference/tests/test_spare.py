@@ -82,6 +82,9 @@ def test_sigterm_stops_a_spare_process_in_the_middle_of_its_s3_fetch_at_once(tmp
     spare.signal(signal.SIGTERM)
     stopped = time.monotonic()
     assert spare.wait(30) == 0, spare.log
-    assert time.monotonic() - stopped < 10, spare.log
+    # Far below the minute's download, above a loaded machine's stop: a leader's such stop took 8.9 s beside
+    # `pytest -n 2` and two busy loops (test_ready_phase.STOP_SECONDS). Cancelled, not left at the spare's 10 s bound.
+    assert time.monotonic() - stopped < 15, spare.log
+    assert "(fetch cancelled)" in spare.log, spare.log
     assert "spare_ready" not in spare.log and "Traceback" not in spare.log, spare.log
     assert not (tmp_path / "spare-cache" / "weights" / "tp0_sharded_checkpoint.safetensors").exists()
