@@ -7,21 +7,34 @@ today's supervisor and its workers. Counting only a process and its direct child
 misses the grandchildren, which is where HAProxy does its work under the agent.
 
 What is counted for a root pid (proc(5), /proc/<pid>/stat fields 14-17):
-- every live process whose parent chain reaches the root: utime + stime (all its threads);
+- every live process whose parent chain reaches the root: its CPU time, all its threads;
 - plus each of those processes' cutime + cstime: the CPU of descendants that have exited
   and been waited for, so that a worker replaced between two samples is not lost.
-The root's own CPU (utime + stime, children excluded) is reported apart: for the unit
-proxy it is the agent's own cost.
+The root's own CPU (children excluded) is reported apart: for the unit proxy it is the
+agent's own cost.
+
+A live process's CPU time is read from its process CPU-time clock (clock_getcpuclockid(3),
+clock_gettime(2)), in nanoseconds: the thread group's sum_exec_runtime, exited threads
+included. utime + stime in /proc/<pid>/stat is the same quantity (the kernel scales the two
+to sum to it, cputime_adjust) but in clock ticks, each truncated: 10 ms steps, and a tree
+that used under a tick or two between two samples read 0 (a --quick point on a loaded
+machine did: tests/test_proxy_bench.py). /proc/<pid>/schedstat is no substitute: it is the
+main thread only, and an exited thread's time is in no /proc/<pid>/task entry. Waited-for
+children (cutime + cstime) exist in ticks only. utime + stime stays the fallback when the
+clock cannot be read (the process exited between the two reads).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 PROC = Path("/proc")
 TICKS = os.sysconf("SC_CLK_TCK")
+_LIBC = ctypes.CDLL(None)  # the C library Python runs on: clock_getcpuclockid(3)
 
 
 @dataclass(frozen=True)
@@ -30,7 +43,7 @@ class Stat:
 
     pid: int
     ppid: int
-    own: float  # utime + stime
+    own: float  # all its threads' CPU (the process CPU-time clock; utime + stime as a fallback)
     reaped: float  # cutime + cstime: waited-for children, with their own waited-for children
     started: int  # clock ticks after boot: with the pid, names one process (pids are reused)
 
@@ -39,9 +52,21 @@ class Stat:
 class TreeCpu:
     """One sample of a process tree's CPU time, in seconds since each process started."""
 
-    root: float  # the root's own utime + stime
+    root: float  # the root's own CPU (its threads, not its children)
     tree: float  # the root and its live descendants, with their waited-for children
     pids: tuple[int, ...]
+
+
+def process_cpu(pid: int) -> float | None:
+    """Seconds of CPU the process `pid` has used, all its threads (live and exited), to the
+    nanosecond; None when it cannot be read (the process is gone)."""
+    clock = ctypes.c_int()
+    if _LIBC.clock_getcpuclockid(pid, ctypes.byref(clock)) != 0:  # returns an errno, sets none
+        return None
+    try:
+        return time.clock_gettime_ns(clock.value) / 1e9
+    except OSError:
+        return None
 
 
 def read_stat(pid: int, proc: Path = PROC) -> Stat | None:
@@ -54,7 +79,10 @@ def read_stat(pid: int, proc: Path = PROC) -> Stat | None:
     fields = text.rsplit(")", 1)[1].split()
     # fields[0] is field 3 (state): ppid is field 4, utime..cstime fields 14-17, starttime field 22.
     utime, stime, cutime, cstime = (int(v) for v in fields[11:15])
-    return Stat(pid, int(fields[1]), (utime + stime) / TICKS, (cutime + cstime) / TICKS, int(fields[19]))
+    # The clock names a live process of this machine: not one of another /proc tree.
+    own = process_cpu(pid) if proc == PROC else None
+    own = (utime + stime) / TICKS if own is None else own
+    return Stat(pid, int(fields[1]), own, (cutime + cstime) / TICKS, int(fields[19]))
 
 
 def all_stats(proc: Path = PROC) -> dict[int, Stat]:

@@ -547,7 +547,9 @@ async def measure_run(
                 if target in roots:
                     used = after[target].tree - before[target].tree
                     result.cpu_seconds = round(used, 3)
-                    result.cpu_us_per_token = round(used * 1e6 / result.tokens, 2) if result.tokens else float("nan")
+                    # No CPU counted is no figure (null in the report), not a free token.
+                    per_token = used * 1e6 / result.tokens if result.tokens and used > 0 else float("nan")
+                    result.cpu_us_per_token = round(per_token, 2)
                 if target == "proxy":
                     agent = after["proxy"].root - before["proxy"].root
                     result.agent_cpu_seconds = round(agent, 3)

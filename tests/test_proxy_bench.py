@@ -67,6 +67,42 @@ def test_tree_cpu_counts_grandchildren_and_exited_children_apart_from_the_root()
         root.wait(timeout=10)
 
 
+def _wait_sleeping(pid: int) -> None:
+    """Until `pid` blocks (state S): a running task's latest CPU is not yet in its clock."""
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "S":
+        assert time.monotonic() < deadline, f"{pid} never blocked"
+        time.sleep(0.01)
+
+
+def test_tree_cpu_counts_work_under_one_clock_tick():
+    # A quick point on a loaded machine: a target whose tree used a few ms between two samples.
+    # utime + stime in clock ticks (10 ms, truncated) read that as 0 or 10 ms, and a --quick
+    # bench reported 0 us CPU per token for a target that had served hundreds of requests.
+    burn = (
+        "import sys, time\nprint('ready', flush=True)\nsys.stdin.readline()\n"
+        "t = time.process_time()\nwhile time.process_time() - t < 0.003: pass\n"
+        "print('burnt', flush=True)\nsys.stdin.readline()\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", burn], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert child.stdout.readline() == b"ready\n"
+        _wait_sleeping(child.pid)
+        before = proctree.sample(child.pid)
+        child.stdin.write(b"go\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == b"burnt\n"
+        _wait_sleeping(child.pid)
+        after = proctree.sample(child.pid)
+        used = after.tree - before.tree
+        # 3 ms burnt and a little I/O: never a whole tick, never none.
+        assert 0.003 <= used < 0.009, used
+        assert after.root - before.root == pytest.approx(used)  # the root is the whole tree here
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+
+
 def test_a_process_tree_sample_of_a_gone_process_is_empty():
     gone = proctree.sample(2**22 + 1)  # above pid_max's ceiling: never a live pid
     assert (gone.root, gone.tree, gone.pids) == (0.0, 0, ())
@@ -164,6 +200,8 @@ def test_quick_bench_runs_end_to_end_and_reports_every_figure(tmp_path):
         for figures in (run["figures"][target], doc["median"][target]):
             for name in TARGET_RULES:
                 assert finite(figures[name]), (target, name, figures)
+            # Counted in ns (process CPU-time clocks), a target that served requests used some CPU:
+            # in 10 ms ticks a loaded quick point read 0 (test_tree_cpu_counts_work_under_one_clock_tick).
             assert figures["requests_per_cpu_second"] > 0 and figures["cpu_us_per_token"] > 0, figures
             assert figures["errors"] == 0, figures
     for figure in ("agent_cpu_per_load_second", "agent_share_of_cpu"):
