@@ -162,6 +162,11 @@ def test_events_and_emf_metrics_are_read_from_the_launchers_own_lines(tmp_path: 
 # it, and probes go every 0.5 s plus their own time. 0.8 s caught one 503 per run here, and none once each probe took
 # 0.35 s longer (a loaded machine: the thirty-ninth session's review of the kit, 6 of 6 runs failed); 2 s holds 2-3.
 REFUSING_SECONDS = 2.0
+# How long the stand-in unit then answers `half_status` before it forms again. A 200 is the half unit's when it came
+# back before the formation, so a whole probe (its 0.5 s wait, its send, its answer and the kit taking it) must fit in
+# it: 1.2 s did until 7a judged a 200 by when it was sent; then probes 0.9 s late (a loaded machine) let a half unit
+# pass (`test_a_half_unit_answering_fails_on_a_loaded_kit_machine`). 3 s holds probes up to 1.2 s late.
+HALF_SECONDS = 3.0
 
 
 class HeldProbe:
@@ -187,9 +192,23 @@ class HeldProbe:
         return client
 
 
+def lagging(client: ServingClient, lag: float) -> ServingClient:
+    """`client` whose completions (the probes) come back `lag` s after their answer did: a probing thread a loaded
+    machine runs late (the thirty-ninth session's review saw each probe take 0.35 s longer at a load of 14)."""
+    send = client.completion
+
+    def completion(*args: Any, **kwargs: Any) -> Answer:
+        answer = send(*args, **kwargs)
+        time.sleep(lag)
+        return answer
+
+    client.completion = completion  # type: ignore[method-assign]
+    return client
+
+
 def stand_in_follower_stop(tmp_path: Path, drain_seconds: float, gate_lag: float, half_status: int,
                            frontend: str = "openai", elastic: list[LocalTask] | None = None,
-                           held: HeldProbe | None = None) -> CheckResult:
+                           held: HeldProbe | None = None, lag: float = 0.0) -> CheckResult:
     """A stand-in unit (real processes, a real HTTP server for the proxy) that behaves as the
     launcher and proxy document: when the follower's task stops, /health turns 503 and new
     requests are still served for `drain_seconds` (the proxy's DRAIN_SECONDS); the leader then
@@ -200,7 +219,8 @@ def stand_in_follower_stop(tmp_path: Path, drain_seconds: float, gate_lag: float
     completions, or Triton's `generate`). `elastic`: tasks of an elastic cell's unit u1, which has no healthy target
     (activated, not serving yet), in a cell of min_units 2: fewer serve, so the kit judges it with u0 (judged.py), as
     it does at its start. `held`: the probe sent first once the unit is half and refusing is held until the unit
-    serves again (after the 1.2 s of `half_status`)."""
+    serves again (after HALF_SECONDS of `half_status`). `lag`: each probe comes back that much after its answer
+    (`lagging`)."""
     started = Started(tmp_path)
     with fake_unit(frontend) as server:
         try:
@@ -221,7 +241,7 @@ def stand_in_follower_stop(tmp_path: Path, drain_seconds: float, gate_lag: float
                 server.knobs.status = 503
                 time.sleep(REFUSING_SECONDS)
                 server.knobs.status = half_status
-                time.sleep(1.2)
+                time.sleep(HALF_SECONDS)
                 if held:  # the next probe, stamped while the unit is half, is sent once it serves again
                     held.armed.set()
                     held.holding.wait(10)
@@ -240,7 +260,7 @@ def stand_in_follower_stop(tmp_path: Path, drain_seconds: float, gate_lag: float
                 expect, _ = resolve(adapter, dataclasses.replace(expect, units=[], elastic_units=["u0", "u1"],
                                                                  min_units=2))
                 assert expect.units == ["u0", "u1"]
-            client = fake_client(server, 5)
+            client = lagging(fake_client(server, 5), lag) if lag else fake_client(server, 5)
             ctx = Context(adapter, expect, held.hold(client) if held else client, settle_seconds=0.2,
                           recovery_timeout_seconds=20)
             result = checks_faults.check_follower_stop(ctx)
@@ -294,6 +314,16 @@ def test_a_half_unit_answering_fails_with_a_probe_held_across_the_formation(tmp_
     assert held.holding.is_set(), "no probe was held"
     assert result.status == "fail" and "requests while the unit was half got ['200', '503']" in result.detail, \
         result.detail
+
+
+def test_a_half_unit_answering_fails_on_a_loaded_kit_machine(tmp_path: Path) -> None:
+    """Regression (the fortieth session's review of 7a): a 200 counts as the half unit's when it came back before the
+    formation, so the stand-in's half unit must answer 200 long enough for a whole probe, lag included, to fit. With
+    1.2 s of it (HALF_SECONDS), probes coming back 0.9 s late (a loaded machine) mostly got their 200 after the
+    formation and the check passed a unit that answered while half (3 of 3 runs)."""
+    result = stand_in_follower_stop(tmp_path, drain_seconds=0.0, gate_lag=0.0, half_status=200, lag=0.9)
+    assert result.status == "fail" and "requests while the unit was half got ['200', '503']" in result.detail, \
+        (result.detail, result.figures)
 
 
 def test_an_elastic_unit_not_serving_yet_does_not_excuse_a_half_unit_answering(tmp_path: Path) -> None:
