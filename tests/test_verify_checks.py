@@ -488,13 +488,21 @@ def test_7a_judges_a_200_by_when_it_came_back_not_when_it_was_sent() -> None:
                                     True).problems == []
 
 
-def test_7a_no_refusal_counts_only_probes_answered_before_the_formation() -> None:
-    """A unit that refused nothing while half fails when a probe came back inside the window; a probe sent inside it
-    and answered 200 after the formation (held) is the whole unit's answer, not evidence that nothing was refused."""
+def test_7a_no_refusal_counts_every_probe_sent_in_the_window() -> None:
+    """A unit alone that refused nothing while half fails. Every probe sent in the window counts, whenever it came
+    back: the review of the fortieth session's change, which counted those answered before the formation only, so a
+    run whose only probe sent while half hung there and came back 200 after the formation (the gate never closed; the
+    client waits up to 120 s, a half window lasts as long as a follower task's start) passed, no refusal seen. A kit
+    that saw none fails as before: it has no evidence that the unit refused."""
     half = checks_faults.judge_half(probes((150.0, 150.1, 200)), 100.0, 200.0, alone=True)
     assert half.problems == ["no request was refused between the session's end and the next formation "
                              "(1 answered ['200'])"]
-    assert checks_faults.judge_half(probes((150.0, 230.0, 200)), 100.0, 200.0, alone=True).problems == []
+    half = checks_faults.judge_half(probes((101.0, 230.0, 200)), 100.0, 200.0, alone=True)
+    assert half.problems == ["no request was refused between the session's end and the next formation "
+                             "(1 answered ['200'])"]
+    assert (half.within, len(half.across)) == ([], 1)
+    # Other units live: a 200 may be theirs, and no refusal is required.
+    assert checks_faults.judge_half(probes((101.0, 230.0, 200)), 100.0, 200.0, alone=False).problems == []
     # Sent before the end: not in the window at all, whenever it came back.
     assert checks_faults.judge_half(probes((99.0, 150.0, 200)), 100.0, 200.0, alone=True).problems == []
 

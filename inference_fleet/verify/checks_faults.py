@@ -110,7 +110,7 @@ def _interval(ctx: Context) -> float:
 class Half:
     """What 7a's probes say of the time its unit was half (`judge_half`)."""
 
-    within: list[Probe]  # sent after the session's end, answered before the next formation
+    within: list[Probe]  # sent after the session's end, answered no later than the next formation
     across: list[Probe]  # sent after the end and before the formation, answered after it
     during: list[int | None]  # the statuses of those within from the first refusal on
     allowed: set[int]
@@ -136,7 +136,11 @@ def judge_half(seen: list[Probe], ended: float, reformed: float, alone: bool) ->
     test_a_probe_sent_late_and_answered_after_the_formation_is_not_a_half_answer). A half unit that wrongly answers 200
     does so before the formation, to every probe that reaches it while half; only one whose answer is still on its way
     at the formation is let go. Probes go one after another, so every probe after the first refusal was sent after that
-    refusal came back. "No request refused" (alone) likewise counts the probes answered inside the window only.
+    refusal came back. "No request refused" (alone) counts every probe sent inside the window, whenever it came back:
+a 200 after the formation does not show that the unit refused while half (one that hung there through the gate left
+open, the client waiting up to its timeout, would be the only probe sent then); counting those answered before the
+formation only, the change above passed such a run (its review: tests/test_verify_checks.py::
+test_7a_no_refusal_counts_every_probe_sent_in_the_window).
 
     Clocks: `ended` and `reformed` are the leader's (its events' `ended_at`, `released_at`), the probes' times the
     kit's. A kit clock behind the leader's by more than the time from a formation to the first 200 after it (the new
@@ -154,9 +158,9 @@ def judge_half(seen: list[Probe], ended: float, reformed: float, alone: bool) ->
     allowed = {503} if alone else {200, 503}
     during = [p.status for p in within if refused_from is not None and p.sent >= refused_from]
     problems = []
-    if within and refused_from is None and alone:
+    if after_end and refused_from is None and alone:
         problems.append(f"no request was refused between the session's end and the next formation "
-                        f"({len(within)} answered {sorted({str(p.status) for p in within})})")
+                        f"({len(after_end)} answered {sorted({str(p.status) for p in after_end})})")
     elif any(s not in allowed for s in during):
         problems.append(f"requests while the unit was half got {sorted({str(s) for s in during})}, "
                         f"only {sorted(allowed)} allowed")
