@@ -512,6 +512,50 @@ def test_follower_stop_fails_without_an_event_naming_the_follower(frontend: str)
     assert server.knobs.requests  # the probes reached the unit in its front end's API
 
 
+def probes(*seen: tuple[float, float, int | None]) -> list[checks_faults.Probe]:
+    """7a's probes as (sent, answered, status), the session having ended at 100 and formed again at 200."""
+    return [checks_faults.Probe(*p) for p in seen]
+
+
+def test_7a_judges_a_200_by_when_it_came_back_not_when_it_was_sent() -> None:
+    """Regression (the fortieth session's flake hunt): a probe sent while the unit was half but held (a loaded
+    machine, a slow connection set-up) came back 200 after the formation, from the whole unit; judged by its send time
+    it failed a healthy unit. 200s from the half unit, answered before the formation, still fail, including one that
+    came back at the very formation time; a 503 opens the window whenever it came back; with other units live a 200
+    is allowed."""
+    refused, held_200 = (110.0, 110.1, 503), (190.0, 260.0, 200)
+    assert checks_faults.judge_half(probes(refused, held_200), 100.0, 200.0, alone=True).problems == []
+    for half_200 in [(150.0, 150.1, 200), (199.0, 200.0, 200)]:
+        half = checks_faults.judge_half(probes(refused, half_200, held_200), 100.0, 200.0, alone=True)
+        assert half.problems == ["requests while the unit was half got ['200', '503'], only [503] allowed"]
+        assert (len(half.within), len(half.across)) == (2, 1)
+        assert checks_faults.judge_half(probes(refused, half_200), 100.0, 200.0, alone=False).problems == []
+    # A 200 during the drain, before the first refusal (sent before it), is the whole unit's.
+    assert checks_faults.judge_half(probes((101.0, 101.1, 200), refused), 100.0, 200.0, True).problems == []
+    # A refusal held across the formation still opens the window (no 200 comes back before the formation after it).
+    assert checks_faults.judge_half(probes((101.0, 101.1, 200), (190.0, 205.0, 503)), 100.0, 200.0,
+                                    True).problems == []
+
+
+def test_7a_no_refusal_counts_every_probe_sent_in_the_window() -> None:
+    """A unit alone that refused nothing while half fails. Every probe sent in the window counts, whenever it came
+    back: the review of the fortieth session's change, which counted those answered before the formation only, so a
+    run whose only probe sent while half hung there and came back 200 after the formation (the gate never closed; the
+    client waits up to 120 s, a half window lasts as long as a follower task's start) passed, no refusal seen. A kit
+    that saw none fails as before: it has no evidence that the unit refused."""
+    half = checks_faults.judge_half(probes((150.0, 150.1, 200)), 100.0, 200.0, alone=True)
+    assert half.problems == ["no request was refused between the session's end and the next formation "
+                             "(1 answered ['200'])"]
+    half = checks_faults.judge_half(probes((101.0, 230.0, 200)), 100.0, 200.0, alone=True)
+    assert half.problems == ["no request was refused between the session's end and the next formation "
+                             "(1 answered ['200'])"]
+    assert (half.within, len(half.across)) == ([], 1)
+    # Other units live: a 200 may be theirs, and no refusal is required.
+    assert checks_faults.judge_half(probes((101.0, 230.0, 200)), 100.0, 200.0, alone=False).problems == []
+    # Sent before the end: not in the window at all, whenever it came back.
+    assert checks_faults.judge_half(probes((99.0, 150.0, 200)), 100.0, 200.0, alone=True).problems == []
+
+
 @dataclasses.dataclass
 class DrainingCell(FakeAdapter):
     """A unit whose leader task is stopped: its followers stop once the leader drained (the first time the

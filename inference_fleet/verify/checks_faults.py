@@ -19,19 +19,31 @@ from inference_fleet.verify.http_base import Streamed
 from inference_fleet.verify.report import CheckResult, Measured, Status, not_run
 
 
+@dataclass(frozen=True)
+class Probe:
+    """One probe: when the kit sent it and when its answer (or failure) came back, by the kit's clock. The proxy
+    answered it somewhere in between; a thread the machine does not run, or a slow connection set-up, may hold it
+    long after `sent` (the fortieth session's flake hunt)."""
+
+    sent: float
+    answered: float
+    status: int | None
+
+
 @dataclass
 class Probes:
-    """Completions sent through the entry point every half second while a fault runs."""
+    """Completions sent through the entry point every half second while a fault runs, one after the other (one
+    thread: a probe is sent only after the one before came back)."""
 
     ctx: Context
-    seen: list[tuple[float, int | None]] = field(default_factory=list)  # (start time, status)
+    seen: list[Probe] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
 
     def run(self) -> None:
         while not self.stop.is_set():
-            at = time.time()
+            sent = time.time()
             answer, _ = self.ctx.client.completion(self.ctx.served_model(), "half unit?", max_tokens=4)
-            self.seen.append((at, answer.status))
+            self.seen.append(Probe(sent, time.time(), answer.status))
             self.stop.wait(0.5)
 
     def __enter__(self) -> Probes:
@@ -94,6 +106,67 @@ def _interval(ctx: Context) -> float:
     return float(getattr(ctx.adapter, "poll_seconds", 1.0))
 
 
+@dataclass
+class Half:
+    """What 7a's probes say of the time its unit was half (`judge_half`)."""
+
+    within: list[Probe]  # sent after the session's end, answered no later than the next formation
+    across: list[Probe]  # sent after the end and before the formation, answered after it
+    during: list[int | None]  # the statuses of those within from the first refusal on
+    allowed: set[int]
+    problems: list[str]
+
+
+def _counts(probes: list[Probe]) -> dict[str, int]:
+    statuses = [str(p.status) for p in probes]
+    return {s: statuses.count(s) for s in set(statuses)}
+
+
+def judge_half(seen: list[Probe], ended: float, reformed: float, alone: bool) -> Half:
+    """7a's rule on its probes. The unit is half from its session's end (`ended`) until the next session forms
+    (`reformed`). Right after the end the proxy may still admit a request (a stopping follower's unit drains and serves
+    for DRAIN_SECONDS; the gate closes at the proxy's next check round), so the window opens at the first request
+    refused after the end: a 503 to a probe SENT at or after `ended` (the refusal came after the end; when its answer
+    came back does not matter, a refusal is never a half unit's fault). From then on a 200 is an answer from a half unit
+    when its answer came back no later than `reformed`: the proxy answered it before the unit formed again. One sent
+    before the formation but answered after it proves nothing: the proxy's gate opens only after the formation, and the
+    whole unit answers 200 once the new session's engines run; until the fortieth session's flake hunt a probe held
+    between its stamp and its send (a loaded machine, a slow connection set-up) and answered 200 by the whole unit
+    failed a healthy unit (tests/test_verify_local.py::
+    test_a_probe_sent_late_and_answered_after_the_formation_is_not_a_half_answer). A half unit that wrongly answers 200
+    does so before the formation, to every probe that reaches it while half; only one whose answer is still on its way
+    at the formation is let go. Probes go one after another, so every probe after the first refusal was sent after that
+    refusal came back. "No request refused" (alone) counts every probe sent inside the window, whenever it came back:
+a 200 after the formation does not show that the unit refused while half (one that hung there through the gate left
+open, the client waiting up to its timeout, would be the only probe sent then); counting those answered before the
+formation only, the change above passed such a run (its review: tests/test_verify_checks.py::
+test_7a_no_refusal_counts_every_probe_sent_in_the_window).
+
+    Clocks: `ended` and `reformed` are the leader's (its events' `ended_at`, `released_at`), the probes' times the
+    kit's. A kit clock behind the leader's by more than the time from a formation to the first 200 after it (the new
+    session's engines start first, and the proxy's gate opens at its next check round: seconds at least on a unit; well
+    under a millisecond in the local stand-in, which shares the kit's clock) would judge the whole unit's 200 half; one
+    ahead by d lets a half unit's 200 answered in the last d before the formation go. At the end, a kit clock ahead
+    counts probes sent up to d before the end as after it (a whole, draining unit refuses none: no refusal to open the
+    window early), one behind misses a refusal in the first d after it (the window opens at a later one). The rule
+    relies on NTP-kept clocks, which agree within milliseconds (Amazon Time Sync on the nodes), far inside those
+    spans."""
+    after_end = [p for p in seen if ended <= p.sent <= reformed]
+    within = [p for p in after_end if p.answered <= reformed]
+    across = [p for p in after_end if p.answered > reformed]
+    refused_from = next((p.sent for p in after_end if p.status == 503), None)
+    allowed = {503} if alone else {200, 503}
+    during = [p.status for p in within if refused_from is not None and p.sent >= refused_from]
+    problems = []
+    if after_end and refused_from is None and alone:
+        problems.append(f"no request was refused between the session's end and the next formation "
+                        f"({len(after_end)} answered {sorted({str(p.status) for p in after_end})})")
+    elif any(s not in allowed for s in during):
+        problems.append(f"requests while the unit was half got {sorted({str(s) for s in during})}, "
+                        f"only {sorted(allowed)} allowed")
+    return Half(within, across, during, allowed, problems)
+
+
 def check_follower_stop(ctx: Context) -> CheckResult:
     """7a. Stop one follower task: time to 503, time to serving again, only 503 while the unit is
     half (from its session's end until it serves again; a cell of one unit: with more units the
@@ -134,32 +207,20 @@ def check_follower_stop(ctx: Context) -> CheckResult:
     figures["evidence"] = [{k: e.doc.get(k) for k in ("cause", "reason", "session_id")} for e in naming]
     if len(naming) != 1:
         problems.append(f"{len(naming)} session-end event(s) name the stopped follower {follower.task_id} (1 expected)")
-    # The unit is half from its session's end until the next session forms. Right after the end
-    # the proxy may still admit a request (a stopping follower's unit drains and serves for
-    # DRAIN_SECONDS; the gate closes at the proxy's next check round), so the window opens at the
-    # first request refused after the end: from then on a 200 before the next session formed is
-    # an answer from a half unit.
     ended = float(naming[0].doc.get("ended_at") or naming[0].timestamp) if naming else stopped_at + (to_503 or 0)
     reformed = min((float(e.doc.get("released_at") or e.timestamp) for e in
                     ctx.adapter.events("unit_session_formed", ended, unit)), default=last_503)
-    after_end = [(at, s) for at, s in probes.seen if ended <= at <= reformed]
-    refused_from = next((at for at, s in after_end if s == 503), None)
-    allowed = {503} if alone else {200, 503}
-    during = [s for at, s in after_end if refused_from is not None and at >= refused_from]
-    figures["probes_after_the_end"] = {str(s): [st for _, st in after_end].count(s) for s in {s for _, s in after_end}}
+    half = judge_half(probes.seen, ended, reformed, alone)
+    problems += half.problems
+    figures["probes_after_the_end"] = _counts(half.within)
+    figures["probes_answered_after_the_formation"] = _counts(half.across)
     figures["half_window_s"] = round(reformed - ended, 1)
-    if after_end and refused_from is None and alone:
-        problems.append(f"no request was refused between the session's end and the next formation "
-                        f"({len(after_end)} answered {sorted({str(s) for _, s in after_end})})")
-    elif any(s not in allowed for s in during):
-        problems.append(f"requests while the unit was half got {sorted({str(s) for s in during})}, "
-                        f"only {sorted(allowed)} allowed")
-    other = sorted({str(s) for _, s in probes.seen if s not in (200, 503)})
+    other = sorted({str(p.status) for p in probes.seen if p.status not in (200, 503)})
     if other:
         problems.append(f"requests during the stop got {other} (a unit answers 200 while whole, else 503)")
     detail = "; ".join(problems) or (f"{unit}: 503 after {to_503:.1f} s, serving again after "
-                                     f"{figures['to_serving_s']} s, {len(during)} request(s) while half, all "
-                                     f"{sorted(allowed)}; evidence: {naming[0].doc.get('cause')}")
+                                     f"{figures['to_serving_s']} s, {len(half.during)} request(s) while half, all "
+                                     f"{sorted(half.allowed)}; evidence: {naming[0].doc.get('cause')}")
     return CheckResult("7a-follower-stop", "fail" if problems else "pass", Measured(to_503, "s to 503"), detail,
                        figures)
 
