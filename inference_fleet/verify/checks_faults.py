@@ -137,10 +137,10 @@ def judge_half(seen: list[Probe], ended: float, reformed: float, alone: bool) ->
     does so before the formation, to every probe that reaches it while half; only one whose answer is still on its way
     at the formation is let go. Probes go one after another, so every probe after the first refusal was sent after that
     refusal came back. "No request refused" (alone) counts every probe sent inside the window, whenever it came back:
-a 200 after the formation does not show that the unit refused while half (one that hung there through the gate left
-open, the client waiting up to its timeout, would be the only probe sent then); counting those answered before the
-formation only, the change above passed such a run (its review: tests/test_verify_checks.py::
-test_7a_no_refusal_counts_every_probe_sent_in_the_window).
+    a 200 after the formation does not show that the unit refused while half (one that hung there through the gate left
+    open, the client waiting up to its timeout, would be the only probe sent then); counting those answered before the
+    formation only, the change above passed such a run (its review: tests/test_verify_checks.py::
+    test_7a_no_refusal_counts_every_probe_sent_in_the_window).
 
     Clocks: `ended` and `reformed` are the leader's (its events' `ended_at`, `released_at`), the probes' times the
     kit's. A kit clock behind the leader's by more than the time from a formation to the first 200 after it (the new

@@ -169,7 +169,7 @@ def test_identical_log_lines_are_counted_at_once_and_exactly():
     assert grouped.codes[200] == sum(map(lines.count, (*kinds[:3], kinds[12])))
     assert grouped.rejected_total == lines.count(kinds[4]) + lines.count(kinds[5]) > 0
     assert grouped.codes[429] == lines.count(kinds[6]) > 0
-    # TTFT: the streamed answers only (the last field), the client gone after its first byte too.
+    # TTFT: the streamed answers only (the ninth field), the client gone after its first byte too.
     streams = lines.count(kinds[1]), lines.count(kinds[2]), lines.count(kinds[9]), lines.count(kinds[12])
     assert grouped.ttft.counts[bisect.bisect_left(TTFT_BUCKETS, 0.012)] >= streams[0] > 0
     assert sum(grouped.ttft.counts) == sum(streams)

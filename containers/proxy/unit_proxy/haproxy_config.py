@@ -75,7 +75,7 @@ REQUEST_DATE_VAR = "txn.rq"
 # which its first body byte reached HAProxy minus REQUEST_DATE_VAR (sse_first_byte_rules).
 FIRST_BYTE_VAR = "txn.fb"
 # Log line fields, space separated (8.2.6 "Custom log format"; parsed by unit_proxy.haproxy_log).
-# The last field is FIRST_BYTE_VAR ("-" when unset: not a streamed answer). Both of its dates
+# The ninth field is FIRST_BYTE_VAR ("-" when unset: not a streamed answer). Both of its dates
 # are the wall clock (7.3.2 "date", the thread's `date`): it was %Ta minus the first byte's
 # date to the log's, and %Ta is HAProxy's `now`, which does not advance over a poll that
 # returned more than 100 ms after its timeout (2.6 src/clock.c `clock_update_date`, "big
