@@ -280,3 +280,16 @@ def test_wait_workers_waits_for_haproxys_worker_threads_not_the_old_workers_fiel
         master.terminate()
         master.wait(10)
 
+
+
+def test_the_agent_log_cost_bench_runs_and_prints_both_figures():
+    """docs/proxy.md cites `python bench/agent_log_cost.py` (the agent's CPU per log line): run whole
+    here (about 4 s) so that it cannot rot; its figures are read by a person, not judged."""
+    done = subprocess.run([sys.executable, "bench/agent_log_cost.py"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    kinds = {}
+    for line in done.stdout.splitlines():
+        name, _, rest = line.partition(": ")
+        kinds[name] = float(rest.split(" us a line")[0])
+    assert set(kinds) == {"streamed", "plain"} and all(v > 0 for v in kinds.values()), done.stdout
