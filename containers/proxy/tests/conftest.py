@@ -401,6 +401,20 @@ async def wait_until(predicate: Callable[[], Any], timeout: float = 5.0, what: s
         await asyncio.sleep(0.02)
 
 
+async def cells_checked(router: Any, timeout: float = 10.0) -> None:
+    """Until the router's HAProxy has passed a check of every cell (`show stat` status `UP`, not `UP 1/2`).
+    HAProxy starts each server at health == rise, "up, but will fall down at first failure" (src/server.c,
+    srv_settings_cpy), and a failed check below rise + fall - 1 drops it to DOWN (src/check.c,
+    set_server_check_status): one check slower than `timeout check` (the check interval) before the first pass
+    takes the cell out for ROUTER_REJOIN_SECONDS. A test that needs every cell up waits for this first: a CI run
+    had cell b's first 200 ms check time out and every request go to a (stop 62)."""
+    try:
+        await wait_until(lambda: all(cell.status == "UP" for cell in router.state.cells.values()), timeout=timeout,
+                         what="a passed check of every cell")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {router.state.status_doc()}") from None
+
+
 async def connection_refused(port: int) -> bool:
     """Whether a new connection to `port` on loopback is refused now, for `wait_until` after a stop: one
     accepted is closed at once, and one reset (the shut listener resets those still in its queue) is not

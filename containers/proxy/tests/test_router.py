@@ -32,7 +32,7 @@ from unit_proxy.router import EvacuationFileError, RunningRouter, read_evacuatio
 from unit_proxy.router_config import RouterPaths, RouterSettings, render, rise_checks
 from unit_proxy.settings import SettingsError
 
-from .conftest import children, connection_refused, wait_until
+from .conftest import cells_checked, children, connection_refused, wait_until
 
 LOOPBACK = "127.0.0.1"
 # The "cells" here are single processes on loopback: no load balancer may still be sending to a failing unit,
@@ -174,7 +174,13 @@ async def _router(a: FakeCell, b: FakeCell, tmp_path: Path, **env: str) -> Runni
         "ROUTER_CELLS": f"a={a.url},b={b.url}", "ROUTER_HOST": LOOPBACK, "ROUTER_PORT": "0", "ROUTER_ADMIN_PORT": "0",
         "ROUTER_EVACUATION_FILE": str(tmp_path / "evacuation.json"), "ROUTER_POLL_SECONDS": "0.05",
         "ROUTER_CHECK_INTERVAL_MS": "200", **NO_ALB, **env})
-    return await start(replace(settings))
+    router = await start(replace(settings))
+    try:
+        await cells_checked(router)
+    except BaseException:
+        await router.close()
+        raise
+    return router
 
 
 async def _post(session: aiohttp.ClientSession, port: int, size: int = 10) -> tuple[int, str | None]:

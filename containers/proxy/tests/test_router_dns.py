@@ -21,6 +21,7 @@ import unit_proxy.router as router_module
 from unit_proxy.router import start
 from unit_proxy.router_config import RouterSettings
 
+from .conftest import cells_checked
 from .test_router import LOOPBACK, NO_ALB, FakeCell, _post, cells  # noqa: F401 (fixtures)
 
 
@@ -73,10 +74,7 @@ async def test_a_dns_outage_does_not_take_healthy_cells_out(cells, tmp_path: Pat
     router = await start(replace(settings))
     try:
         async with aiohttp.ClientSession() as session:
-            for _ in range(100):
-                if all(c.status.startswith("UP") for c in router.state.cells.values()):
-                    break
-                await asyncio.sleep(0.1)
+            await cells_checked(router)
             assert [await _post(session, router.port) for _ in range(4)].count((200, "a")) >= 1
             dns.answering = False  # the resolver stops answering; the cells keep serving at their addresses
             began, answers = time.monotonic(), []

@@ -23,6 +23,7 @@ from unit_proxy.router_metrics import METRICS, LastStat, RouterMetrics, emf_loop
 from unit_proxy.runtime_api import RuntimeApiError
 from unit_proxy.settings import SettingsError
 
+from .conftest import cells_checked
 from .test_router import NO_ALB, FakeCell, _post, cells  # noqa: F401 - `cells` is a fixture
 
 LOOPBACK = "127.0.0.1"
@@ -71,6 +72,7 @@ async def router(tmp_path: Path) -> AsyncIterator[tuple[RunningRouter, Cell, Cel
     })
     running = await start(settings)
     try:
+        await cells_checked(running)  # both up before a test sends requests (conftest.cells_checked)
         yield running, a, b
     finally:
         await running.close()
