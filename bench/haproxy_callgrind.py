@@ -34,7 +34,6 @@ import asyncio
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,14 +41,16 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from loopback_ports import held_port
+
 HERE = Path(__file__).resolve().parent
 LOOPBACK = "127.0.0.1"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
+    """loopback_ports.held_port: no bind to port 0 gets it before HAProxy or bench.upstream binds it (both set
+    SO_REUSEADDR, as it needs)."""
+    return held_port()
 
 
 def unit_config(workdir: Path, port: int, upstream_port: int, unit_id: str = "u0") -> tuple[str, tuple[str, ...]]:

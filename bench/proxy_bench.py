@@ -50,7 +50,6 @@ import re
 import resource
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -65,6 +64,7 @@ import aiohttp
 import uvloop
 
 from bench import proctree
+from loopback_ports import held_port
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = ROOT / "bench-report-proxy.json"
@@ -87,9 +87,9 @@ DEBIAN_PACKAGES = {"nginx": "nginx-light", "wrk": "wrk", "haproxy": "haproxy"}
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
+    """loopback_ports.held_port: no bind to port 0 gets it before its process binds it. Every binder here sets
+    SO_REUSEADDR, as it needs: bench.upstream, the unit proxy, nginx and HAProxy (loopback_ports lists the sources)."""
+    return held_port()
 
 
 def percentile(values: list[float], q: float) -> float:

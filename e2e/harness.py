@@ -12,8 +12,8 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -22,7 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# The repository root, last: its loopback_ports (`python e2e/run_e2e.py` puts only e2e/ on sys.path).
+sys.path.append(str(Path(__file__).resolve().parent.parent))
+
 from procs import ProcessTable
+
+from loopback_ports import kept_port
 
 ROOT = Path(__file__).resolve().parent.parent
 E2E_DIR = ROOT / ".e2e"
@@ -38,9 +43,14 @@ NOISE_NOTE = ("2-core machine shared with other jobs (other test suites may run 
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port no bind to port 0 gets before the run's process binds it (loopback_ports.kept_port: held,
+    and held again every 20 s until a listener has it; the unit's ports are bound minutes after they are picked).
+    Found free and closed, it went to the next bind to port 0 on the machine: vLLM's own get_open_port, moto,
+    another job, another pick of this run. Every binder of these ports sets SO_REUSEADDR, as a held port needs:
+    vLLM's API server, torch's TCPStore on the master port, the launcher, the unit proxy, the router, moto, the
+    slow link, Triton (loopback_ports lists the sources); the Neuron runtime port is bound by none on CPU (kept
+    for the whole run: a renewal every 20 s)."""
+    return kept_port()
 
 
 def http_get(url: str, timeout: float = 2.0) -> tuple[int | None, bytes]:

@@ -28,7 +28,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -38,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from harness import free_port  # loopback_ports.held_port: a port no bind to port 0 gets before its process binds it
 
 from inference_fleet.evacuate import wait_empty, write_local
 
@@ -47,30 +47,6 @@ LOOPBACK = "127.0.0.1"
 HEADER = "X-Served-By-Cell"
 # A timing figure: reported against its target, never the exit status (main).
 TIMING_ROW = "p99 TTFB during loss / before"
-
-
-def free_port() -> int:
-    """A loopback port nobody else is handed until one of this run's processes binds it.
-
-    A port merely found free and closed (bind to 0, close) is free for anyone until the process it is
-    meant for binds it, seconds later on a loaded machine: the kernel hands it out again to the next
-    bind to port 0 (its own pick among ~14,000, measured: 42 of 20,000 runs of this file's 8 picks got
-    one port twice), and a second process on it then fails to bind and never comes up. Here the port
-    is left in TIME_WAIT instead (a connection to it, closed from its side first): for the 60 s of
-    TIME_WAIT the kernel gives it to no bind to port 0 (nor, read from its source, not measured, to a
-    connect()'s source port: that skips ports whose bind bucket a bind made), while a
-    listener with SO_REUSEADDR may bind it, as every process of this run does (bind_data_port,
-    aiohttp's reuse_address, bench.upstream's) (measured: 0 of 30,000 binds to port 0 got one of 50
-    held ports; test_router_mode.py)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
-        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        server.bind((LOOPBACK, 0))
-        server.listen(1)
-        port: int = server.getsockname()[1]
-        with socket.create_connection((LOOPBACK, port)):
-            accepted, _ = server.accept()
-            accepted.close()  # the side that closes first holds TIME_WAIT: this port's side
-    return port
 
 
 def _env(**extra: str) -> dict[str, str]:

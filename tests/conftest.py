@@ -123,17 +123,15 @@ def synth_router(router_fleet: FleetConfig, tmp_path_factory: pytest.TempPathFac
 def local_ssm() -> Iterator[dict[str, str]]:
     """Systems Manager on loopback (moto's server in a thread), its state emptied before and after: moto
     keeps it per process, across servers. Yields the environment that points botocore at it."""
-    import socket
     import urllib.request
 
     from moto.server import ThreadedMotoServer
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    # Port 0, read back once bound: a port picked here and closed could be another process's by the time moto
+    # binds it, and then start() waits forever (moto 5.2.5 sets its ready event only after a successful bind).
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
-    endpoint = f"http://127.0.0.1:{port}"
+    endpoint = f"http://127.0.0.1:{server.get_host_and_port()[1]}"
 
     def reset() -> None:
         urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST"), timeout=10).close()

@@ -35,6 +35,7 @@ from inference_fleet.checks import load_fleet, parse_fleet
 from inference_fleet.cli import main
 from inference_fleet.config import ConfigError, az_id_prefix, parse_model
 from inference_fleet.unit_spec import layout_key
+from loopback_ports import held_port
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE = ROOT / "tests" / "fixtures" / "nxdi" / "fake_inference_demo.py"
@@ -274,9 +275,7 @@ def _job_environment(fleet_file: Path, tmp_path: Path, monkeypatch, **changes) -
         monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     # The job first measures whether it reaches the instance metadata service: a closed port on loopback
     # here (nothing in a test may send a packet to the link-local address).
-    with socket.socket() as closed:
-        closed.bind(("127.0.0.1", 0))
-        imds = f"127.0.0.1:{closed.getsockname()[1]}"
+    imds = f"127.0.0.1:{held_port()}"
     return {compile_run.JOB_ENV: json.dumps(data), "UNIT_SELF_CHECK_IMDS": imds}
 
 

@@ -10,7 +10,6 @@ import contextlib
 import copy
 import json
 import os
-import socket
 import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -31,6 +30,7 @@ from inference_fleet.checks import parse_fleet
 from inference_fleet.cli import main
 from inference_fleet.config import FleetConfig, read_fleet_file
 from inference_fleet.evacuate import EvacuateError, Written, evacuate_on_aws, wait_empty_on_aws, write_local
+from loopback_ports import held_port
 
 NAME = "/inference-fleet/Rufus/router/us-east-2/evacuated"
 
@@ -177,9 +177,7 @@ def test_an_unreachable_endpoint_is_exit_7(tmp_path: Path, monkeypatch: pytest.M
     no answer at all) is exit 7 too, not a traceback."""
     config = tmp_path / "fleet.yaml"
     config.write_text(yaml.safe_dump(_raw()))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed once the socket is: connections are refused
+    port = held_port()  # nothing listens: connections are refused
     for name, value in {"AWS_ENDPOINT_URL_SSM": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "x",
                         "AWS_SECRET_ACCESS_KEY": "x", "AWS_MAX_ATTEMPTS": "1", "AWS_EC2_METADATA_DISABLED": "true",
                         "AWS_CONFIG_FILE": str(tmp_path / "none"), "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none")
@@ -596,12 +594,6 @@ class _Cell:
         return runner
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def test_evacuate_wait_against_a_router_process_and_a_local_ssm(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, local_ssm: dict[str, str]) -> None:
     """The whole chain on loopback: `evacuate --wait` (boto3) writes moto's SSM; the router process
@@ -614,7 +606,7 @@ async def test_evacuate_wait_against_a_router_process_and_a_local_ssm(
         monkeypatch.setenv(name, value)
     dev, prod = _Cell("dev"), _Cell("prod")
     runners = [await dev.start(), await prod.start()]
-    port, admin = _port(), _port()
+    port, admin = held_port(), held_port()
     env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/bin"), "ROUTER_CELLS": f"dev={dev.url},prod={prod.url}",
            "ROUTER_HOST": "127.0.0.1", "ROUTER_PORT": str(port), "ROUTER_ADMIN_PORT": str(admin),
            # Cells on loopback have no load balancer whose detection time a rejoin waits out (docs/router.md).

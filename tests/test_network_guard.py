@@ -6,6 +6,8 @@ import socket
 
 import pytest
 
+from loopback_ports import held_port
+
 
 def test_a_connect_beyond_loopback_fails_naming_the_address() -> None:
     with socket.socket() as s, pytest.raises(ConnectionRefusedError, match=r"169\.254\.169\.254.*leave the machine"):
@@ -19,13 +21,7 @@ def test_loopback_connects() -> None:
     with socket.create_server(("127.0.0.1", 0)) as server, socket.socket() as s:
         s.connect(server.getsockname())
     with socket.socket() as s:
-        assert s.connect_ex(("127.0.0.1", _closed_port())) != 0  # refused by the kernel, not by the guard
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        assert s.connect_ex(("127.0.0.1", held_port())) != 0  # refused by the kernel, not by the guard
 
 
 def test_a_name_lookup_fails_unless_it_is_loopback() -> None:

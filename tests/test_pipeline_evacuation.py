@@ -14,7 +14,6 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -316,12 +315,6 @@ def _commands(template: dict, phase: str) -> str:
     _, project = _project(template)
     spec = json.loads(project["Properties"]["Source"]["BuildSpec"])
     return "\n".join(spec["phases"][phase]["commands"]) + "\n"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _source_directory(tmp_path: Path, template: dict, env: dict[str, str]) -> Any:

@@ -361,14 +361,9 @@ def test_the_read_only_kit_through_a_real_unit_proxy(tmp_path: Path) -> None:
     """The kit's HTTP checks through the production proxy (`python -m unit_proxy`, HAProxy 2.6)
     in front of a stand-in engine: /v1/models, a completion, a streamed chat, the burst, the
     seeded pair and the max_seq_len prompt all pass HAProxy's rules and reach the engine."""
-    import socket
+    from loopback_ports import held_port
 
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return int(s.getsockname()[1])
-
-    port, admin = free_port(), free_port()
+    port, admin = held_port(), held_port()
     with FakeOpenAI() as engine:
         env = {**{k: v for k, v in os.environ.items() if not k.startswith("AWS_")},
                "PROXY_HOST": "127.0.0.1", "PROXY_PORT": str(port), "PROXY_ADMIN_PORT": str(admin),

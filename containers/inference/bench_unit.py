@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,32 +29,21 @@ from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
+# The repository root, last: its loopback_ports (a script run from anywhere puts only its own folder on sys.path).
+sys.path.append(str(Path(__file__).resolve().parents[2]))
+
+from loopback_ports import held_port
+
 HERE = Path(__file__).resolve().parent
 STANDIN = HERE / "tests" / "standin_engine.py"
 
 
 def _ports(count: int) -> list[int]:
     """Loopback ports no other bind is handed before this run's launchers bind them, seconds later on a loaded
-    machine (`make test` runs this beside the other suites). Found free and closed, a port goes to the next bind
-    to port 0 on the machine; each is left in TIME_WAIT instead, which no bind to port 0 gets for 60 s, while the
-    leader's rendezvous site binds it (aiohttp's reuse_address, SO_REUSEADDR; the stand-in engine binds none).
-    The launcher tests' conftest.free_ports does the same (not importable from here: tests/test_ports.py checks
-    both)."""
-    return [_held_in_time_wait() for _ in range(count)]
-
-
-def _held_in_time_wait() -> int:
-    with socket.socket() as server:
-        # SO_REUSEADDR here too: the TIME_WAIT left keeps it, and a later listener's SO_REUSEADDR is honoured
-        # only against a TIME_WAIT socket that had it (Linux: EADDRINUSE otherwise).
-        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        server.bind(("127.0.0.1", 0))
-        server.listen(1)
-        port: int = server.getsockname()[1]
-        with socket.create_connection(("127.0.0.1", port)):
-            accepted, _ = server.accept()
-            accepted.close()  # the side that closes first holds TIME_WAIT: this port's side
-    return port
+    machine (`make test` runs this beside the other suites): loopback_ports.held_port. The leader's rendezvous
+    site binds with SO_REUSEADDR (aiohttp's reuse_address), as a held port needs; the stand-in engine binds none.
+    tests/test_ports.py checks this run's ports."""
+    return [held_port() for _ in range(count)]
 
 
 def _spec(size: int, record_dir: Path, loss: float, heartbeat: float) -> dict:

@@ -7,7 +7,6 @@ import http.server
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from loopback_ports import held_port
+
 STANDIN = Path(__file__).with_name("standin_engine.py")
 # A loopback port nothing listens on (tcpmux): where the launchers' self-check looks for IMDS in tests.
 CLOSED_LOOPBACK_PORT = "127.0.0.1:1"
@@ -30,27 +31,11 @@ HANG = "hang"
 
 def free_ports(count: int) -> list[int]:
     """Loopback ports nobody else is handed before this test's processes bind them (seconds later on a loaded
-    machine). Found free and closed, a port is free for the next bind to port 0 anywhere: another xdist worker's
-    server or launcher took one once (test_leader_gone.py's `_no_leader`). Each is left in TIME_WAIT instead, as
-    e2e/router_mode.py's free_port does: for TIME_WAIT's 60 s no bind to port 0 gets it, while a listener with
-    SO_REUSEADDR may bind it, as every one here does (the leader's aiohttp site, moto's werkzeug server and the
-    slow link's http.server: allow_reuse_address); the stand-in engine binds none of its ports. Not for a process
-    that binds without SO_REUSEADDR (EADDRINUSE for those 60 s). bench_unit.py's _ports, the same for its runs."""
-    return [_held_in_time_wait() for _ in range(count)]
-
-
-def _held_in_time_wait() -> int:
-    with socket.socket() as server:
-        # The TIME_WAIT left keeps this: Linux lets a later listener's SO_REUSEADDR past a TIME_WAIT only if that
-        # had it too (else EADDRINUSE; test_ports.py).
-        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        server.bind(("127.0.0.1", 0))
-        server.listen(1)
-        port: int = server.getsockname()[1]
-        with socket.create_connection(("127.0.0.1", port)):
-            accepted, _ = server.accept()
-            accepted.close()  # the side that closes first holds TIME_WAIT: this port's side
-    return port
+    machine): loopback_ports.held_port. Found free and closed, a port went to the next bind to port 0 anywhere:
+    another xdist worker's server or launcher took one once (test_leader_gone.py's `_no_leader`). Every binder
+    here sets SO_REUSEADDR, as a held port needs: the leader's aiohttp site, moto's werkzeug server, the slow
+    link's http.server; the stand-in engine binds none of its ports."""
+    return [held_port() for _ in range(count)]
 
 
 def cpu_spec(size: int, *, record_dir: Path, revision: str = "rev-a", **rendezvous: Any) -> dict[str, Any]:

@@ -1,6 +1,8 @@
 """The loopback ports of the launcher tests (conftest.free_ports) and of the unit benchmark they run
 (bench_unit.py, test_bench_unit.py): picked before the launchers start, bound by them seconds later, and handed
-to no other bind meanwhile (tests run in parallel, `pytest -n 2`; `make test` runs every suite beside them)."""
+to no other bind meanwhile (tests run in parallel, `pytest -n 2`; `make test` runs every suite beside them). Both
+take them from loopback_ports.held_port (tests/test_loopback_ports.py); this checks that each caller does, the
+benchmark from its own folder as it runs."""
 
 from __future__ import annotations
 

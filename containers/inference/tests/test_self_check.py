@@ -19,6 +19,8 @@ from unit_launcher import artifact_manifest as am
 from unit_launcher import self_check
 from unit_launcher.spec import parse_spec
 
+from loopback_ports import held_port
+
 # A compiled layout's key inputs (as in test_artifact_manifest), shrunk to 4 ranks over 2 nodes.
 LAYOUT = {
     "model": "m", "instance_type": "trn2.48xlarge", "nodes": 2, "tp_degree": 4, "cp_degree": 1,
@@ -59,11 +61,7 @@ def listener():
 
 
 def closed_port() -> str:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()  # bound, never listening, now closed: a connect is refused
-    return f"127.0.0.1:{port}"
+    return f"127.0.0.1:{held_port()}"  # nothing listens, nor can a bind to port 0 start to: a connect is refused
 
 
 def fake_dev(root: Path, neuron: int, uverbs: int, extra: tuple[str, ...] = ()) -> Path:

@@ -27,15 +27,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from loopback_ports import held_port
+
 LOOPBACK = "127.0.0.1"
 PROXY_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _PROBES = frozenset((b"/health", b"/metrics"))
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
+    """A loopback port for a proxy process, its admin listener, an engine or a closed port: loopback_ports.held_port,
+    which no bind to port 0 gets before the process binds it (the proxy binds with SO_REUSEADDR, as it needs)."""
+    return held_port()
 
 
 @dataclass

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tomllib
@@ -18,13 +17,9 @@ import pytest
 import unit_proxy
 from unit_proxy.settings import ENVIRONMENT, Settings
 
+from .raw_http import free_port
+
 HERE = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def quiet_env() -> dict[str, str]:

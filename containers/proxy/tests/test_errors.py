@@ -13,13 +13,7 @@ from unit_proxy import haproxy_log
 from unit_proxy.telemetry import Telemetry
 
 from .conftest import LOOPBACK, FakeEngine, ProxyFactory, gate_pushed, wait_until
-from .raw_http import STREAMING, Conn, Cut, completion
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
+from .raw_http import STREAMING, Conn, Cut, completion, free_port
 
 
 async def post(url: str, cue: str, stream: bool = False, **kwargs) -> tuple[int, dict, aiohttp.ClientResponse]:

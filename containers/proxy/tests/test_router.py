@@ -32,6 +32,8 @@ from unit_proxy.router import EvacuationFileError, RunningRouter, read_evacuatio
 from unit_proxy.router_config import RouterPaths, RouterSettings, render, rise_checks
 from unit_proxy.settings import SettingsError
 
+from loopback_ports import held_port
+
 from .conftest import cells_checked, children, connection_refused, wait_until
 
 LOOPBACK = "127.0.0.1"
@@ -572,12 +574,6 @@ async def _until_refused(port: int) -> None:
     await wait_until(lambda: connection_refused(port), timeout=15, what=f"new connections to port {port} refused")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
-
-
 def test_an_evacuation_file_that_is_not_utf8_is_a_file_error_not_a_dead_poll_loop(tmp_path) -> None:
     # UnicodeDecodeError is a ValueError, not an OSError: it escaped read_evacuation and ended the
     # router's poll loop (no more evacuation, restore or ejection while the router kept serving).
@@ -627,7 +623,7 @@ def test_haproxy_arms_tcp_keepalive_on_its_connection_to_a_cell(tmp_path: Path) 
                 peer_port.append(addr[1])
 
     threading.Thread(target=serve, daemon=True).start()
-    port = _free_port()
+    port = held_port()
     text = render(RouterSettings.from_env({"ROUTER_CELLS": f"a=http://{LOOPBACK}:{cell_port}"}),
                   RouterPaths(str(tmp_path), 3)).replace("bind fd@3", f"bind {LOOPBACK}:{port}")
     (tmp_path / "c.cfg").write_text(text)
@@ -691,7 +687,7 @@ async def test_haproxy_dying_during_the_stop_is_exit_1(cells: tuple[FakeCell, Fa
 async def _router_process(a: FakeCell, b: FakeCell, **extra: str) -> tuple[asyncio.subprocess.Process, int, int]:
     """The shipped entry (`python -m unit_proxy.router`) in front of `a` and `b`: the process, its data and admin
     ports."""
-    port, admin = _free_port(), _free_port()
+    port, admin = held_port(), held_port()
     env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/bin"), "ROUTER_CELLS": f"a={a.url},b={b.url}",
            "ROUTER_HOST": LOOPBACK, "ROUTER_PORT": str(port), "ROUTER_ADMIN_PORT": str(admin),
            "ROUTER_CHECK_INTERVAL_MS": "200", **extra}

@@ -47,23 +47,21 @@ from unit_proxy.router_ssm import (
 )
 from unit_proxy.settings import SettingsError
 
+from loopback_ports import held_port
+
 from .test_router import LOOPBACK, NO_ALB, FakeCell, _post, cells  # noqa: F401 - `cells` is a fixture
 
 REGION = "us-east-2"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def ssm_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     """A local SSM on loopback and the environment that points botocore at it."""
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address=LOOPBACK, port=port, verbose=False)
+    # Port 0, read back once bound: a port picked and closed here could be another process's by the time moto
+    # binds it, and then start() waits forever (moto 5.2.5 sets its ready event only after a successful bind).
+    server = ThreadedMotoServer(ip_address=LOOPBACK, port=0, verbose=False)
     server.start()
+    port = server.get_host_and_port()[1]
     _reset(port)  # moto keeps its state per process, across servers
     env = {"AWS_ENDPOINT_URL_SSM": f"http://{LOOPBACK}:{port}", "AWS_ACCESS_KEY_ID": "testing",
            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": REGION, "AWS_EC2_METADATA_DISABLED": "true"}
@@ -75,6 +73,13 @@ def ssm_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     yield local
     _reset(port)
     local["server"].stop()  # the test may have replaced it (a restart on the same port)
+
+
+def _stop(ssm_env: dict[str, Any]) -> None:
+    """Stop the local SSM, its port held until it starts again there (loopback_ports.held_port): free for the
+    seconds it is down, the port could go to another bind to port 0, and moto's restart would wait forever."""
+    ssm_env["server"].stop()
+    held_port(ssm_env["port"])
 
 
 def _reset(port: int) -> None:
@@ -196,7 +201,7 @@ async def test_an_ssm_evacuation_drains_the_cell_reports_it_empty_and_survives_s
             await _until(lambda: state.ssm_error is not None, what="the bad value seen")
             assert "not JSON" in state.ssm_error and state.evacuated == frozenset({"b"})
             # SSM unreachable: the same.
-            ssm_env["server"].stop()
+            _stop(ssm_env)
             await _until(lambda: state.ssm_error is not None and "not JSON" not in state.ssm_error, what="SSM down")
             assert state.evacuated == frozenset({"b"})
             assert [await _post(session, router.port) for _ in range(5)] == [(200, "a")] * 5
@@ -218,7 +223,7 @@ async def test_the_shipped_router_reads_ssm_and_deletes_its_report_on_sigterm(
     a, b = cells
     prefix = parameter_prefix("Proc", REGION)
     _client().put_parameter(Name=evacuation_parameter(prefix), Value='{"evacuated": ["a"]}', Type="String")
-    port, admin = _free_port(), _free_port()
+    port, admin = held_port(), held_port()
     env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/bin"), "ROUTER_CELLS": f"a={a.url},b={b.url}",
            "ROUTER_HOST": LOOPBACK, "ROUTER_PORT": str(port), "ROUTER_ADMIN_PORT": str(admin),
            "ROUTER_CHECK_INTERVAL_MS": "1000", **NO_ALB, "ROUTER_SSM_PREFIX": prefix, "ROUTER_SSM_POLL_SECONDS": "1",
@@ -259,7 +264,7 @@ async def test_the_router_is_not_healthy_before_its_first_ssm_read(
     (the ALB fails open when every target is unhealthy) gets 503, it used to be routed with nothing evacuated."""
     a, b = cells
     prefix = parameter_prefix("Ready", REGION)
-    ssm_env["server"].stop()
+    _stop(ssm_env)
     settings = RouterSettings.from_env({
         "ROUTER_CELLS": f"a={a.url},b={b.url}", "ROUTER_HOST": LOOPBACK, "ROUTER_PORT": "0",
         "ROUTER_ADMIN_PORT": "0", "ROUTER_CHECK_INTERVAL_MS": "1000", **NO_ALB, "ROUTER_SSM_PREFIX": prefix,
@@ -467,7 +472,7 @@ async def test_the_task_id_comes_from_the_ecs_task_metadata(monkeypatch: pytest.
     try:
         monkeypatch.setenv("ECS_CONTAINER_METADATA_URI_V4", f"http://{LOOPBACK}:{runner.addresses[0][1]}/v4/abc")
         assert await task_id(settings) == "0f1e2d3c4b5a"
-        monkeypatch.setenv("ECS_CONTAINER_METADATA_URI_V4", f"http://{LOOPBACK}:{_free_port()}/v4/abc")
+        monkeypatch.setenv("ECS_CONTAINER_METADATA_URI_V4", f"http://{LOOPBACK}:{held_port()}/v4/abc")
         assert await task_id(settings) == f"{socket.gethostname()}-{os.getpid()}"
         assert await task_id(RouterSettings.from_env({"ROUTER_CELLS": "a=http://127.0.0.1:1",
                                                       "ROUTER_TASK_ID": "mine"})) == "mine"
