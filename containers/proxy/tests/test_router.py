@@ -605,7 +605,8 @@ def _tcp_timer(local_port: int) -> tuple[int, float]:
 def _checked_once(admin_socket: str, name: str, timeout: float) -> None:
     """Until HAProxy (its stats socket) has passed a check of cell `name` (`show stat` status `UP`, not the `UP 1/2`
     it starts with, conftest.cells_checked): a first check slower than its 1 s timeout took the only cell DOWN
-    and the request got HAProxy's 503 ("the request never reached the cell", seen with that check held 1.2 s)."""
+    and a request sent after that got HAProxy's 503 ("the request never reached the cell", seen with that check
+    held 1.2 s and the request sent 1.1 s after the listener answered, as a stalled test process would)."""
     import time
 
     deadline, status = time.monotonic() + timeout, None
