@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from unit_proxy.agent import ProxyState, Running, start
+from unit_proxy.router_config import RouterSettings, fast_inter_ms, rise_checks
 from unit_proxy.runtime_api import RuntimeApi
 from unit_proxy.settings import Settings
 
@@ -401,15 +402,30 @@ async def wait_until(predicate: Callable[[], Any], timeout: float = 5.0, what: s
         await asyncio.sleep(0.02)
 
 
-async def cells_checked(router: Any, timeout: float = 10.0) -> None:
+def first_check_bound(settings: RouterSettings) -> float:
+    """Seconds within which a router's HAProxy has passed a check of every cell that answers its checks: the
+    first check (within one interval of the start, its timeout the interval: `timeout check`) and, should that
+    one fail (the case `cells_checked` is for), the cell's way back: a check every `downinter` until one
+    passes, then `rise` passes in a row every `fastinter` (src/server.c srv_getinter, src/check.c
+    set_server_check_status, v2.6.0). With 10 s more for a loaded machine. 10 s in all missed it with a 1 s
+    interval and a rise of 17 (`DOWN 16/17` at the bound, a first check held 1.2 s)."""
+    inter = settings.check_interval_ms / 1000
+    back = inter + (rise_checks(settings) - 1) * fast_inter_ms(settings) / 1000
+    return 10.0 + 2 * inter + back
+
+
+async def cells_checked(router: Any, timeout: float | None = None) -> None:
     """Until the router's HAProxy has passed a check of every cell (`show stat` status `UP`, not `UP 1/2`).
     HAProxy starts each server at health == rise, "up, but will fall down at first failure" (src/server.c,
     srv_settings_cpy), and a failed check below rise + fall - 1 drops it to DOWN (src/check.c,
     set_server_check_status): one check slower than `timeout check` (the check interval) before the first pass
     takes the cell out for ROUTER_REJOIN_SECONDS. A test that needs every cell up waits for this first: a CI run
-    had cell b's first 200 ms check time out and every request go to a (stop 62)."""
+    had cell b's first 200 ms check time out and every request go to a (stop 62). `timeout`: by default
+    `first_check_bound` of the router's settings. A cell with weight 0 reads `UP` too (only the admin DRAIN
+    state reads `DRAIN`, src/stats.c stats_fill_sv_stats_computestate); an evacuated or full one never does."""
+    bound = first_check_bound(router.state.settings) if timeout is None else timeout
     try:
-        await wait_until(lambda: all(cell.status == "UP" for cell in router.state.cells.values()), timeout=timeout,
+        await wait_until(lambda: all(cell.status == "UP" for cell in router.state.cells.values()), timeout=bound,
                          what="a passed check of every cell")
     except AssertionError as exc:
         raise AssertionError(f"{exc}: {router.state.status_doc()}") from None

@@ -30,11 +30,12 @@ import pytest
 from aiohttp import web
 from unit_proxy.router import EvacuationFileError, RunningRouter, read_evacuation, start, table_counts
 from unit_proxy.router_config import RouterPaths, RouterSettings, render, rise_checks
+from unit_proxy.runtime_api import RuntimeApi, RuntimeApiError
 from unit_proxy.settings import SettingsError
 
 from loopback_ports import held_port
 
-from .conftest import cells_checked, children, connection_refused, wait_until
+from .conftest import cells_checked, children, connection_refused, first_check_bound, wait_until
 
 LOOPBACK = "127.0.0.1"
 # The "cells" here are single processes on loopback: no load balancer may still be sending to a failing unit,
@@ -597,6 +598,22 @@ def _tcp_timer(local_port: int) -> tuple[int, float]:
     raise AssertionError(f"no established socket on local port {local_port} in /proc/net/tcp")
 
 
+def _checked_once(admin_socket: str, name: str, timeout: float) -> None:
+    """Until HAProxy (its stats socket) has passed a check of cell `name` (`show stat` status `UP`, not the `UP 1/2`
+    it starts with, conftest.cells_checked): a first check slower than its 1 s timeout took the only cell DOWN
+    and a request sent after that got HAProxy's 503 ("the request never reached the cell", seen with that check
+    held 1.2 s and the request sent 1.1 s after the listener answered, as a stalled test process would)."""
+    import time
+
+    deadline, status = time.monotonic() + timeout, None
+    while status != "UP":
+        assert time.monotonic() < deadline, f"HAProxy passed no check of {name} in {timeout} s: {status}"
+        time.sleep(0.05)
+        with contextlib.suppress(RuntimeApiError):
+            rows = asyncio.run(RuntimeApi(admin_socket).show_stat())
+            status = next((r["status"] for r in rows if r.get("pxname") == "cells" and r.get("svname") == name), None)
+
+
 def test_haproxy_arms_tcp_keepalive_on_its_connection_to_a_cell(tmp_path: Path) -> None:
     """What `render` ships, run: while a cell is silent on a request, HAProxy's connection to it has the
     keep-alive timer armed for srvtcpka-idle (60 s), where without `option srvtcpka` it has no timer at all."""
@@ -624,8 +641,9 @@ def test_haproxy_arms_tcp_keepalive_on_its_connection_to_a_cell(tmp_path: Path) 
 
     threading.Thread(target=serve, daemon=True).start()
     port = held_port()
-    text = render(RouterSettings.from_env({"ROUTER_CELLS": f"a=http://{LOOPBACK}:{cell_port}"}),
-                  RouterPaths(str(tmp_path), 3)).replace("bind fd@3", f"bind {LOOPBACK}:{port}")
+    # NO_ALB: a cell whose first check failed is back after 2 passes, not 30 s (_checked_once).
+    settings = RouterSettings.from_env({"ROUTER_CELLS": f"a=http://{LOOPBACK}:{cell_port}", **NO_ALB})
+    text = render(settings, RouterPaths(str(tmp_path), 3)).replace("bind fd@3", f"bind {LOOPBACK}:{port}")
     (tmp_path / "c.cfg").write_text(text)
     proc = subprocess.Popen(["haproxy", "-db", "-f", str(tmp_path / "c.cfg")], stderr=subprocess.PIPE)
     try:
@@ -637,6 +655,7 @@ def test_haproxy_arms_tcp_keepalive_on_its_connection_to_a_cell(tmp_path: Path) 
             except OSError:
                 time.sleep(0.05)
         assert client is not None, "haproxy did not listen"
+        _checked_once(str(tmp_path / "admin.sock"), "a", first_check_bound(settings))
         client.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-length: 2\r\n\r\n{}")
         for _ in range(100):
             if peer_port:
@@ -684,13 +703,18 @@ async def test_haproxy_dying_during_the_stop_is_exit_1(cells: tuple[FakeCell, Fa
             await proc.wait()
 
 
+# The shipped entry's checks here: every 200 ms, and a cell whose first check failed is back after 2 passes
+# (NO_ALB); with the default 30 s rejoin such a cell stayed out past `_all_up`'s wait (seen: "never all UP").
+PROCESS_CHECKS = {"ROUTER_CHECK_INTERVAL_MS": "200", **NO_ALB}
+
+
 async def _router_process(a: FakeCell, b: FakeCell, **extra: str) -> tuple[asyncio.subprocess.Process, int, int]:
     """The shipped entry (`python -m unit_proxy.router`) in front of `a` and `b`: the process, its data and admin
     ports."""
     port, admin = held_port(), held_port()
     env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/bin"), "ROUTER_CELLS": f"a={a.url},b={b.url}",
-           "ROUTER_HOST": LOOPBACK, "ROUTER_PORT": str(port), "ROUTER_ADMIN_PORT": str(admin),
-           "ROUTER_CHECK_INTERVAL_MS": "200", **extra}
+           "ROUTER_HOST": LOOPBACK, "ROUTER_PORT": str(port), "ROUTER_ADMIN_PORT": str(admin), **PROCESS_CHECKS,
+           **extra}
     if "PYTHONPATH" in os.environ:  # the package under test, not only the one installed in the venv
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "unit_proxy.router", env=env,
@@ -699,16 +723,18 @@ async def _router_process(a: FakeCell, b: FakeCell, **extra: str) -> tuple[async
 
 
 async def _all_up(session: aiohttp.ClientSession, admin: int) -> None:
-    for _ in range(200):
-        try:
+    """Until the process's `GET /status` says HAProxy passed a check of every cell (conftest.cells_checked)."""
+    timeout = first_check_bound(_settings(**PROCESS_CHECKS))
+    loop = asyncio.get_running_loop()
+    end, cells = loop.time() + timeout, None
+    while loop.time() < end:
+        with contextlib.suppress(aiohttp.ClientError):
             async with session.get(f"http://{LOOPBACK}:{admin}/status") as resp:
-                if all(c["status"] == "UP" for c in (await resp.json())["cells"].values()):
-                    return
-        except aiohttp.ClientError:
-            pass
+                cells = {name: c["status"] for name, c in (await resp.json())["cells"].items()}
+            if all(status == "UP" for status in cells.values()):
+                return
         await asyncio.sleep(0.05)
-    raise AssertionError("the router's cells never all UP")
-
+    raise AssertionError(f"the router's cells never all UP in {timeout} s: {cells}")
 
 
 async def test_a_cell_timing_out_is_named_in_the_routers_own_answer(cells, tmp_path: Path) -> None:

@@ -49,6 +49,7 @@ from unit_proxy.settings import SettingsError
 
 from loopback_ports import held_port
 
+from .conftest import first_check_bound
 from .test_router import LOOPBACK, NO_ALB, FakeCell, _post, cells  # noqa: F401 - `cells` is a fixture
 
 REGION = "us-east-2"
@@ -234,6 +235,9 @@ async def test_the_shipped_router_reads_ssm_and_deletes_its_report_on_sigterm(
         await _until(lambda: (_report(prefix, "proc-1") or TaskReport("", 0)).empty == ["a"], timeout=20,
                      what="the process's report: a evacuated and empty")
         async with aiohttp.ClientSession() as session:
+            # b takes every request only once HAProxy passed a check of it (conftest.cells_checked): its first
+            # check timing out (1 s) took it DOWN and the requests below got 503 until it was back.
+            await _checked(session, admin, "b", first_check_bound(RouterSettings.from_env(env)))
             assert [await _post(session, port) for _ in range(6)] == [(200, "b")] * 6
             assert a.posts == 0
             # A stream held on b: the soft stop waits for it, and the report must be gone before that wait
@@ -255,6 +259,18 @@ async def test_the_shipped_router_reads_ssm_and_deletes_its_report_on_sigterm(
             await proc.wait()
         elif proc.returncode:
             print((await proc.stderr.read()).decode())
+
+
+async def _checked(session: aiohttp.ClientSession, admin: int, name: str, timeout: float) -> None:
+    """Until the router process's `GET /status` says HAProxy passed a check of cell `name` (status `UP`)."""
+    loop = asyncio.get_running_loop()
+    end, status = loop.time() + timeout, None
+    while status != "UP":
+        assert loop.time() < end, f"timed out after {timeout} s waiting for a passed check of {name}: {status}"
+        with contextlib.suppress(aiohttp.ClientError):
+            async with session.get(f"http://{LOOPBACK}:{admin}/status") as resp:
+                status = (await resp.json())["cells"][name]["status"]
+        await asyncio.sleep(0.05)
 
 
 async def test_the_router_is_not_healthy_before_its_first_ssm_read(
