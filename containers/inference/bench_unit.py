@@ -36,6 +36,8 @@ from loopback_ports import held_port
 
 HERE = Path(__file__).resolve().parent
 STANDIN = HERE / "tests" / "standin_engine.py"
+# The leader's warning when it waits out a restart backoff before the unit forms (unit_launcher.runner).
+BACKOFF_LINE = "before it forms again"
 
 
 def _ports(count: int) -> list[int]:
@@ -124,6 +126,9 @@ def one_run(size: int, loss: float, heartbeat: float) -> dict[str, float]:
             last_up = max(_log_time(work / f"{n}.log", f"role {'leader' if n == 'leader' else 'follower'}")
                           for n in names)
             released_at = _log_time(work / "leader.log", "unit released")
+            # Whether this run's leader waited out a restart backoff (its warning, runner._wait_out_backoff):
+            # a run must not, each keeps its own history (_spec).
+            backed_off = BACKOFF_LINE in (work / "leader.log").read_text()
             time.sleep(max(3 * heartbeat, 0.5))
             victim = names[-1]
             procs[victim].send_signal(signal.SIGKILL)
@@ -133,7 +138,7 @@ def one_run(size: int, loss: float, heartbeat: float) -> dict[str, float]:
             return {"release_s": t_release - started, "release_after_last_node_up_s": released_at - last_up,
                     "engines_started_s": t_engines - started, "leader_exit_after_kill_s": t_leader - killed,
                     "all_exit_after_kill_s": t_all - killed,
-                    "leader_status": procs["leader"].returncode}
+                    "leader_status": procs["leader"].returncode, "backed_off": backed_off}
         finally:
             for proc in procs.values():
                 if proc.poll() is None:
@@ -165,6 +170,8 @@ def main() -> int:
             values = [r[key] for r in results]
             print(f"  size {size}: {key:29s} {statistics.median(values):6.2f} s [{min(values):.2f}-{max(values):.2f}]")
         print(f"  size {size}: leader exit status after the kill: {sorted({r['leader_status'] for r in results})}")
+        print(f"  size {size}: runs whose leader waited out a restart backoff: "
+              f"{sum(r['backed_off'] for r in results)} of {len(results)}")
     return 0
 
 

@@ -161,14 +161,18 @@ def get_status(port: int, timeout: float = 1.0) -> dict[str, Any] | None:
         return None
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+def wait_for(
+    predicate: Callable[[], Any], timeout: float, what: str | Callable[[], str], interval: float = 0.05
+) -> Any:
+    """`predicate`'s first true value within `timeout` s. `what` names what was awaited; a callable is called only
+    on a timeout, so that what it reads (a node's log) is read then, not before the wait."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout} s waiting for {what() if callable(what) else what}")
 
 
 @pytest.fixture(autouse=True)

@@ -113,7 +113,7 @@ def test_a_sigterm_while_a_triton_leader_probes_its_python_ends_it_and_the_probe
     spec = h.cpu_spec(1, record_dir=tmp_path)
     spec["engine"].update(frontend="triton", triton_python=str(python), triton_backend_directory=str(backends))
     node = unit_nodes(spec, "leader", "i-triton")
-    h.wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(), 30, f"the probe; log:\n{node.log}")
+    h.wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(), 30, lambda: f"the probe; log:\n{node.log}")
     probe = int(pid_file.read_text())
 
     started = time.monotonic()
@@ -141,9 +141,10 @@ def test_a_sigint_during_start_up_is_recorded_as_sigint(tmp_path, unit_nodes, h,
         spec["engine"].update(frontend="triton", triton_python=str(python), triton_backend_directory=str(backends))
     node = unit_nodes(spec, role, "i-sigint")
     if role == "leader":
-        h.wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(), 30, f"the probe; log:\n{node.log}")
+        h.wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(), 30,
+                   lambda: f"the probe; log:\n{node.log}")
     else:
-        h.wait_for(lambda: "self_check" in node.log, 30, f"the self-check; log:\n{node.log}")
+        h.wait_for(lambda: "self_check" in node.log, 30, lambda: f"the self-check; log:\n{node.log}")
 
     node.signal(signal.SIGINT)
     status = node.wait(STOP_SECONDS)

@@ -33,8 +33,10 @@ def test_a_follower_stopped_while_the_leader_backs_off_is_not_counted_lost(tmp_p
     """The follower joined while the leader waited out its backoff (a member, not released) and was
     stopped there. Its replacement must form the unit with the leader; the stopped follower must
     not be released into the session and then reported silent (`heartbeat_loss`)."""
-    # A backoff long enough that the follower joins and is stopped well within it, on a loaded machine too.
-    spec = h.cpu_spec(2, record_dir=tmp_path, backoff_base_seconds=10, backoff_cap_seconds=10,
+    # A backoff long enough that the follower joins and is stopped well within it, on a loaded machine too. It runs
+    # from the failure recorded below, so both launchers' start-up comes out of it: with 10 s, 2.4 s were left when
+    # the follower had joined beside `pytest -n 2` and two busy loops (load 12), against the 2 s asked below.
+    spec = h.cpu_spec(2, record_dir=tmp_path, backoff_base_seconds=20, backoff_cap_seconds=20,
                       follower_loss_seconds=5.0)
     port = spec["rendezvous"]["port"]
     history = evidence.history_path(spec["state_dir"], spec["cell"], spec["unit_id"])
@@ -42,13 +44,22 @@ def test_a_follower_stopped_while_the_leader_backs_off_is_not_counted_lost(tmp_p
                                       "ended_at": time.time(), "served_seconds": 0.0})
     leader = unit_nodes(spec, "leader", "i-leader")
     stopped = unit_nodes({**spec, "state_dir": str(tmp_path / "f1-state")}, "follower", "i-f1")
-    joined = h.wait_for(lambda: (s := h.get_status(port)) and "i-f1" in _members(s) and s, 20,
-                        "the follower joined while the leader backs off")
+    # The state, not the follower's first join: it may join while the leader still fetches its own artifacts
+    # (`forming`), before the backoff begins (seen beside `pytest -n 2` and two busy loops at load 10).
+    joined = h.wait_for(
+        lambda: (s := h.get_status(port)) and "i-f1" in _members(s) and s["state"] == rendezvous.BACKOFF and s, 20,
+        "the follower a member while the leader backs off")
     # The interleaving: a member, not released, and not about to be before the stop is handled.
-    assert joined["state"] == rendezvous.BACKOFF and joined["backoff"]["until"] - time.time() > 2, joined
+    assert joined["backoff"]["until"] - time.time() > 2, joined
 
     stopped.signal(signal.SIGTERM)
     assert stopped.wait(10) == 0, stopped.log
+    # Dropped by its withdrawal, during the backoff. Without one it stays a member until a newcomer's join finds it
+    # silent for follower_loss_seconds (`prune_forming`): the replacement below then took its place whenever it
+    # joined that late, and the rest of this test passed with no withdrawal sent.
+    left = h.wait_for(lambda: (s := h.get_status(port)) and "i-f1" not in _members(s) and s, 5,
+                      lambda: f"the stopped follower dropped by the leader; leader's log:\n{leader.log}")
+    assert left["state"] == rendezvous.BACKOFF, left
     replacement = unit_nodes({**spec, "state_dir": str(tmp_path / "f2-state")}, "follower", "i-f2")
 
     def settled():

@@ -80,8 +80,10 @@ def test_a_stopping_follower_drains_the_unit_then_every_member_exits_0_with_no_f
 def test_a_follower_whose_task_stops_before_it_joined_stops_with_nothing_to_drain(tmp_path, unit_nodes, h):
     spec = h.cpu_spec(2, record_dir=tmp_path, join_timeout_seconds=30)
     follower = unit_nodes(spec, "follower", "i-f1")  # no leader: it keeps trying to join
-    # Its health file says joining: its loop runs (not a fixed sleep, which a loaded machine can outlast).
-    h.wait_for((tmp_path / "i-f1.state").exists, 30, f"the follower joining; log:\n{follower.log}")
+    # Its health file, written as its run begins (its stop handlers in place): not a fixed sleep, which a loaded
+    # machine can outlast.
+    health = tmp_path / "i-f1.state"
+    h.wait_for(health.exists, 30, lambda: f"the follower's health file {health.name}; its log:\n{follower.log}")
     follower.signal(signal.SIGUSR1)
     assert follower.wait(10) == 0, follower.log
     assert "SIGUSR1" in follower.log

@@ -76,14 +76,18 @@ def test_a_follower_fetching_its_shards_longer_than_the_loss_limit_is_not_lost(t
 def test_followers_not_ready_within_the_join_deadline_end_as_form_timeout_naming_them(
     tmp_path, unit_nodes, h, slow_s3
 ):
-    spec = h.cpu_spec(2, record_dir=tmp_path, follower_loss_seconds=3.0, join_timeout_seconds=6)
+    # The follower must join, be released, list the bucket and have some of its shard before the leader's deadline
+    # (counted from the leader's own fetch): with 6 s it had 2 s of fetching left beside `pytest -n 2` and two busy
+    # loops (load 12). 15 s, still far below the minute its shard takes, which the follower must not wait out.
+    join_timeout = 15
+    spec = h.cpu_spec(2, record_dir=tmp_path, follower_loss_seconds=3.0, join_timeout_seconds=join_timeout)
     s3 = slow_s3(RATE)
     uri = s3.put(_presharded(2, slow_rank=1, slow_seconds=60))
     lead = _on_s3(h, spec, uri, tmp_path / "leader-cache")
     leader = unit_nodes(lead, "leader", "i-leader", extra_env=s3.env())
     follower = unit_nodes(_on_s3(h, spec, uri, tmp_path / "f1-cache"), "follower", "i-f1", extra_env=s3.env())
-    assert leader.wait(30) == EXIT_FORM_TIMEOUT, leader.log
-    assert "did not start within 6 s: followers not ready: rank 1 127.0.0.1 (i-f1), fetched" in leader.log
+    assert leader.wait(join_timeout + 30) == EXIT_FORM_TIMEOUT, leader.log
+    assert f"did not start within {join_timeout} s: followers not ready: rank 1 127.0.0.1 (i-f1), fetched" in leader.log
     # The follower hears "stopping", cancels its fetch (a minute's worth) and exits at once.
     assert follower.wait(15) == EXIT_FORM_TIMEOUT, follower.log
     assert "artifact fetch cancelled" in follower.log

@@ -84,7 +84,7 @@ def test_a_stop_signal_that_also_ends_the_probe_is_still_a_stop(tmp_path, unit_n
     spec = h.cpu_spec(1, record_dir=tmp_path)
     spec["engine"].update(frontend="triton", triton_python=python, triton_backend_directory=backends)
     node = unit_nodes(spec, "leader", "i-triton")
-    h.wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(), 30, f"the probe; log:\n{node.log}")
+    h.wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(), 30, lambda: f"the probe; log:\n{node.log}")
     probe = int(pid_file.read_text())
 
     # What a signal to the launcher's process group does: both get it, the launcher first.
