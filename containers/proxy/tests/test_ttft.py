@@ -76,7 +76,9 @@ async def test_ttft_of_keep_alive_requests_starts_at_each_request(engine: FakeEn
                 assert b"[DONE]" in await resp.read()
             await asyncio.sleep(1.0)  # idle on the kept connection
     count, total = _ttft(await _logged(proxy.admin_url, 2))
-    assert count == 2 and 1.5 <= total < 1.8, (count, total)
+    # Below 2.4 s: the idle second counted into the second request's TTFT gives 2.5 s or more. It was 1.8 s, and a
+    # run beside ten busy loops (load 14) took 1.936 s with the idle time left out (helper-294).
+    assert count == 2 and 1.5 <= total < 2.4, (count, total)
 
 
 async def test_non_streamed_answers_add_no_ttft(engine: FakeEngine, make_proxy: ProxyFactory):
@@ -251,7 +253,9 @@ async def test_a_long_streams_ttft_is_dated_at_its_start_not_its_end(engine: Fak
     assert ended - first > 2.5, "the stream must outlast several intervals"
     assert len(samples) == 1, samples
     stamp, ttft_ms = samples[0]
-    assert 200 <= ttft_ms < 500, ttft_ms
+    # Below 1.5 s: a TTFT taken at the stream's end is 2.7 s or more (the check above). It was 500 ms, and a run
+    # beside ten busy loops (load 14) measured 964 ms for this 200 ms first event (helper-294).
+    assert 200 <= ttft_ms < 1500, ttft_ms
     assert sent <= stamp <= first + interval, (
         f"TTFT dated {stamp - sent:.2f} s after the request was sent; its first byte came at "
         f"{first - sent:.2f} s, the stream ended at {ended - sent:.2f} s (EMF interval {interval} s)"
