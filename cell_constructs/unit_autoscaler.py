@@ -228,6 +228,12 @@ class UnitAutoscaler(Construct):
                     conditions={"ArnEquals": {"ecs:cluster": cluster.cluster_arn}}),
                 iam.PolicyStatement(sid="ScaleThisClustersServices",
                                     actions=["ecs:DescribeServices", "ecs:UpdateService"], resources=[services]),
+                # DescribeServices with include=["TAGS"] (unit_autoscaler/aws.py `unit_services`): whether ECS also
+                # authorizes ListTagsForResource for it is unverified (the API reference and the Service
+                # Authorization Reference do not say), and a denial would fail every tick; it reads only the
+                # tags that the describe returns anyway, on this cluster's services.
+                iam.PolicyStatement(sid="ReadThisClustersServiceTags", actions=["ecs:ListTagsForResource"],
+                                    resources=[services]),
                 iam.PolicyStatement(sid="ListThisClustersInstances", actions=["ecs:ListContainerInstances"],
                                     resources=[cluster.cluster_arn]),
                 iam.PolicyStatement(sid="ReadUnitLabels", actions=["ecs:DescribeContainerInstances"],
