@@ -930,6 +930,98 @@ def test_a_judged_unit_drained_and_activated_again_during_the_run_is_named_not_f
     assert report.judged["reactivated"] == ["u2"] and report.judged["deactivated"] == []
 
 
+def new_tasks(adapter: FakeAdapter, unit: str, created: float) -> list[Task]:
+    """`unit`'s tasks started anew, created at `created` (its leader service set back above 0 on the instances it
+    still holds, or ECS's replacements): running, their target not healthy yet (the unit forms minutes later), their
+    `node_self_check` lines not in the log yet (written within seconds of the start, readable through CloudWatch Logs
+    later still)."""
+    tasks = [Task(f"arn:task/{unit}l-2", unit, "leader"), Task(f"arn:task/{unit}f-2", unit, "follower")]
+    adapter.running[unit] = tasks
+    for task in tasks:
+        adapter.times[task.task_id] = TaskTimes(created=created, started=created + 1)
+    adapter.health[unit] = 503
+    return tasks
+
+
+def brought_back_before_check_5(adapter: FakeAdapter, unit: str, lines: list[dict[str, object]] | None = None,
+                                drained: bool = True) -> Callable[[str], None]:
+    """A kit log that plays `unit` drained after check 1 (`drained`; else left at 1: its tasks replaced by ECS) and
+    brought back after check 3, its new tasks running at check 5, created then (the kit's clock: after its start);
+    `lines`: the new tasks' self-check lines already in the log (dated then), none by default."""
+    def log(line: str) -> None:
+        if line.startswith("[verify] 1-serving:") and drained:
+            scale_in(adapter, unit)
+        elif line.startswith("[verify] 3-step-bound:"):
+            adapter.desired[unit] = 1
+            new_tasks(adapter, unit, time.time())
+            for doc in lines or []:
+                adapter.log({**doc, "unit_id": unit})
+    return log
+
+
+def test_a_unit_brought_back_whose_self_check_lines_are_not_in_the_log_yet_is_named_not_failed(
+        elastic_fleet: Any) -> None:
+    """Regression (residual 1 of the fortieth session): a judged unit drained and activated again during the run is
+    not judged (a new activation), but check 5 did not ask: once its new tasks ran and before their self-check
+    lines reached CloudWatch Logs, check 5 failed ("u2 leader arn:task/u2l-2: no self-check event") on a cell
+    serving its floor with u0 and u1, every other check naming u2. Its tasks run that early when its leader service
+    is set back above 0 before its instances are released (an operator's 0 then 1, which the kit reads as the
+    autoscaler's; the autoscaler's own activation of it waits for the release and new instances: docs/verifying.md).
+    A task of such a unit created since the kit's start, without its line, is named, not judged (judged.excuse)."""
+    with FakeOpenAI() as server:
+        adapter = serving_cell(server.url, ["u0", "u1", "u2"], desired={"u0": 1, "u1": 1, "u2": 1})
+        report = run_kit(adapter, elastic_dev(elastic_fleet), settle_seconds=0.0, steps_report_seconds=0.3,
+                         log=brought_back_before_check_5(adapter, "u2"))
+    failed = {c.check_id: c.detail for c in report.checks if c.status == "fail"}
+    assert report.passed, failed
+    five = {c.check_id: c for c in report.checks}["5-node-self-checks"]
+    assert five.status == "pass" and five.detail.startswith("4 node(s)"), five.detail
+    assert ("no self-check event yet, created since the kit's start on a unit not judged: ['u2 leader "
+            "arn:task/u2l-2', 'u2 follower arn:task/u2f-2']") in five.detail, five.detail
+    assert "u2: deactivated and activated again during the run" in five.detail, five.detail
+    assert report.judged["reactivated"] == ["u2"]
+
+
+@pytest.mark.parametrize(("drained", "lines", "words"), [
+    pytest.param(True, [self_check("arn:task/u2l-2", 0), self_check("arn:task/u2f-2", 1, bad="imds_unreachable")],
+                 "u2 rank 1: imds_unreachable: x (expected y)", id="brought back, a node's self-check failed"),
+    pytest.param(False, None, "u2 leader arn:task/u2l-2: no self-check event", id="tasks replaced, never drained"),
+])
+def test_a_unit_brought_back_is_still_failed_by_a_failed_self_check_and_a_replaced_task_is_not_excused(
+        elastic_fleet: Any, drained: bool, lines: list[dict[str, object]] | None, words: str) -> None:
+    """The other side of the excuse: a line that is there is judged, whatever the unit (a node of a unit brought
+    back that can reach IMDS is broken, and the release with it); a unit whose tasks ECS replaced during the run
+    (its leader service never at 0: an engine exit, a failed health check) is not excused, its new task without a
+    line fails as before."""
+    with FakeOpenAI() as server:
+        adapter = serving_cell(server.url, ["u0", "u1", "u2"], desired={"u0": 1, "u1": 1, "u2": 1})
+        report = run_kit(adapter, elastic_dev(elastic_fleet), settle_seconds=0.0, steps_report_seconds=0.3,
+                         log=brought_back_before_check_5(adapter, "u2", lines, drained))
+    five = {c.check_id: c for c in report.checks}["5-node-self-checks"]
+    assert five.status == "fail" and words in five.detail, five.detail
+    assert "not judged" not in five.detail, five.detail
+
+
+def test_a_drained_units_task_older_than_the_run_without_its_self_check_still_fails(elastic_fleet: Any) -> None:
+    """Only a task created since the kit's start is a new activation's: u2's task that ran before the run and never
+    published its line (its node's launcher broken before the kit came), still stopping at check 5 after a drain,
+    fails check 5 as it did; its drain does not hide it."""
+    with FakeOpenAI() as server:
+        adapter = serving_cell(server.url, ["u0", "u1", "u2"], desired={"u0": 1, "u1": 1, "u2": 1})
+        formed_two_days_ago(adapter, "u2")
+        adapter.logged = [e for e in adapter.logged if e.doc.get("instance_id") != "arn:task/u2f"]  # never wrote it
+
+        def log(line: str) -> None:
+            if line.startswith("[verify] 1-serving:"):
+                adapter.desired["u2"] = 0  # drained: its tasks still stopping (the leader drains first)
+                adapter.health["u2"] = 503
+
+        report = run_kit(adapter, elastic_dev(elastic_fleet), settle_seconds=0.0, steps_report_seconds=0.3, log=log)
+    five = {c.check_id: c for c in report.checks}["5-node-self-checks"]
+    assert five.status == "fail" and "u2 follower arn:task/u2f: no self-check event" in five.detail, five.detail
+    assert report.judged["deactivated"] == ["u2"]  # checks 2 and 6 named it
+
+
 def test_a_judged_unit_whose_tasks_are_replaced_during_the_run_is_not_excused(elastic_fleet: Any) -> None:
     """The other side: a unit whose tasks ECS replaces (an engine exit, a failed health check) keeps its leader
     service at 1: nothing says it was drained, so its 503 at the kit's end fails check 2."""

@@ -116,9 +116,12 @@ def resolve(adapter: CellAdapter, expect: Expectations) -> tuple[Expectations, J
 # activated again (a new activation during the run, which the kit never judges).
 DEACTIVATED = "deactivated during the run (leader service desired count 0), not judged"
 REACTIVATED = "deactivated and activated again during the run (leader service desired count 0, then above), not judged"
-# How often a run samples the judged units' leader services (OffWatch): a drain and an activation again take minutes
-# (the tasks' stop, the instances' release, then the scale-out cool-down after the scale-in: 1 min at least,
-# scaling.scale_out_cooldown_seconds), so a count at 0 is seen.
+# How often a run samples the judged units' leader services (OffWatch). The autoscaler's drain and activation again of
+# one unit keep its leader at 0 for the scale-out cool-down (scaling.scale_out_cooldown_seconds, 60 s at least) from
+# the start of the tick that drained (handler.py `act` records it before its UpdateService), and the unit is released
+# first (decision.py `decide` activates dormant units only); its activations below min_units skip both, but then the
+# floor `excuse` counts does not hold. A count set to 0 and back within one interval (an operator's) is not seen: the
+# unit fails as one whose leader task was replaced, the count at 1 at every read (docs/verifying.md).
 WATCH_SECONDS = 20.0
 
 
