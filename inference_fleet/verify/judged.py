@@ -120,8 +120,8 @@ REACTIVATED = "deactivated and activated again during the run (leader service de
 # one unit keep its leader at 0 for the scale-out cool-down (scaling.scale_out_cooldown_seconds, 60 s at least) from
 # the start of the tick that drained (handler.py `act` records it before its UpdateService), and the unit is released
 # first (decision.py `decide` activates dormant units only); its activations below min_units skip both, but then the
-# floor `excuse` counts does not hold. A count set to 0 and back within one interval (an operator's) is not seen: the
-# unit fails as one whose leader task was replaced, the count at 1 at every read (docs/verifying.md).
+# floor `excuse` counts does not hold. A count set to 0 and back within one interval (an operator's) may go unseen:
+# the unit fails as one whose leader task was replaced, the count at 1 at every read (docs/verifying.md).
 WATCH_SECONDS = 20.0
 
 
