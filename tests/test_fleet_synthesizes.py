@@ -167,9 +167,9 @@ def _capacity_provider_name(template: dict[str, Any], stack_name: str) -> str:
     return provider["Properties"].get("Name") or stack_name
 
 
-@pytest.mark.parametrize("name", ["EcsInference", "AWSRufus"])
+@pytest.mark.parametrize("name", ["EcsInference", "FargateFleet"])
 def test_a_fleet_named_like_a_reserved_prefix_gets_a_capacity_provider_name_ecs_accepts(name: str, tmp_path) -> None:
-    # Regression: the fleet name pattern allows "Ecs..." and "AWS..."; aws-cdk-lib 2.275.0 renames the provider only
+    # Regression: the fleet name pattern allows "Ecs..." and "Fargate..."; aws-cdk-lib 2.275.0 renames the provider only
     # for a lowercase stack name (aws-ecs/lib/cluster.js /^(?!aws|ecs|fargate).+/), so CloudFormation named it
     # "EcsInference-Cell-dev-..." and the cell's create failed on it after its Trainium instances had launched.
     data = copy.deepcopy(BASE)
