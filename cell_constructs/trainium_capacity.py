@@ -58,6 +58,12 @@ NODE_SETUP_FAILED_METRIC = "NodeSetupFailed"
 # starts it, it registers before anything else); 10 minutes leave room for a slow start and the instance role's
 # first use, and keep a node that will never serve from billing unnoticed for longer than that plus a report period.
 NODE_AGENT_UNREGISTERED_METRIC = "NodeAgentUnregistered"
+
+# ECS refuses a capacity provider name prefixed "aws", "ecs" or "fargate", in any case: CreateCapacityProvider's
+# "The name cannot be prefixed with \"aws\", \"ecs\", or \"fargate\"" for a stack named EcsCp (aws/aws-cdk#36584,
+# open). An unnamed provider gets CloudFormation's name, which begins with the stack name, and aws-cdk-lib 2.275.0
+# names it itself only when that prefix is lowercase (aws-ecs/lib/cluster.js, /^(?!aws|ecs|fargate).+/).
+RESERVED_CAPACITY_PROVIDER_PREFIX = re.compile(r"(?i)(aws|ecs|fargate)")
 AGENT_GRACE_SECONDS = 600
 # What an elastic cell's unit autoscaler does with a node that never registers (its UNREGISTERED_AFTER_S rule,
 # functions/autoscaler/unit_autoscaler/handler.py), said in both node alarms: the operator's action depends on it.
@@ -303,6 +309,16 @@ def _node_user_data(efa: EfaSetup, report: NodeSetupReport, task_devices: Sequen
         "/usr/local/sbin/node-setup",
     ]
     return commands
+
+
+def capacity_provider_name(stack_name: str) -> str | None:
+    """The cell's capacity provider name when CloudFormation's own would be refused, else None (its own, so the
+    provider of a cell already deployed is not replaced). A stack's name is unique in its account and region, as a
+    capacity provider's must be; a named provider cannot be replaced by CloudFormation, which only a new group
+    (a replaced AutoScalingGroupArn) would ask of it."""
+    if not RESERVED_CAPACITY_PROVIDER_PREFIX.match(stack_name):
+        return None
+    return f"cp-{stack_name}-trainium"
 
 
 class TrainiumCapacity(Construct):
@@ -612,6 +628,7 @@ class TrainiumCapacity(Construct):
             self,
             "CapacityProvider",
             auto_scaling_group=group,
+            capacity_provider_name=capacity_provider_name(Stack.of(self).stack_name),
             # Units are pinned to instances by attribute; the group is sized by the fleet
             # file (units x nodes), not by ECS managed scaling.
             enable_managed_scaling=False,

@@ -340,6 +340,23 @@ class BaseImagesConfig(_Strict):
     )
 
 
+# SSM refuses a parameter name prefixed "aws" or "ssm", case-insensitive (PutParameter's naming constraints,
+# https://docs.aws.amazon.com/systems-manager/latest/APIReference/API_PutParameter.html); the cell stacks write
+# /<Fleet>-Cell-<cell>/verify/network and .../router/endpoint-service. moto 5.2.5 applies the rule to a path's first
+# level (tests/test_fleet_name_prefix.py); on AWS that is read from the rule, not seen.
+_SSM_RESERVED_PREFIXES = ("aws", "ssm")
+
+
+def _fleet_name(value: str) -> str:
+    prefix = next((p for p in _SSM_RESERVED_PREFIXES if value.lower().startswith(p)), None)
+    if prefix:
+        raise ValueError(
+            f"begins with {prefix!r} (in any case): every cell stack writes SSM parameters under "
+            f"/{value}-Cell-<cell>/, and SSM refuses a parameter name prefixed aws or ssm, case-insensitive, so the "
+            "cell's create would fail; choose a name that begins otherwise")
+    return value
+
+
 def _placement_group_name(value: str) -> str:
     """An EC2 placement group name: up to 255 ASCII characters (CreatePlacementGroup GroupName,
     https://docs.aws.amazon.com/AWSEC2/latest/APIReference/API_CreatePlacementGroup.html); the launch
@@ -1030,8 +1047,9 @@ class RouterConfig(_Strict):
 class FleetConfig(_Strict):
     """The whole fleet description: one YAML file."""
 
-    name: Annotated[str, StringConstraints(pattern=r"^[A-Z][A-Za-z0-9]{0,23}$")] = Field(
-        description="Prefix of every stack name, e.g. Rufus -> Rufus-Cell-dev."
+    name: Annotated[str, StringConstraints(pattern=r"^[A-Z][A-Za-z0-9]{0,23}$"), AfterValidator(_fleet_name)] = Field(
+        description="Prefix of every stack name, e.g. Rufus -> Rufus-Cell-dev; "
+        "not beginning with aws or ssm (any case)."
     )
     model: ModelConfig = Field(description="The model (see **model**).")
     unit: UnitConfig = Field(description="The unit layout (see **unit**).")

@@ -15,6 +15,7 @@ import copy
 import importlib.util
 import io
 import ipaddress
+import re
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +153,46 @@ def test_long_names_in_another_account_synthesize(tmp_path: Path) -> None:
     roles = synthesized.templates[f"{'F' * 24}-Cell-{'c' * 24}"].find_resources("AWS::IAM::Role")
     names = [r["Properties"]["RoleName"] for r in roles.values() if isinstance(r["Properties"].get("RoleName"), str)]
     assert names and all(len(name) <= IAM_ROLE_NAME_MAX for name in names), names
+
+
+# ECS refuses a capacity provider name prefixed "aws", "ecs" or "fargate" in any case ("The name cannot be prefixed
+# with \"aws\", \"ecs\", or \"fargate\"", CreateCapacityProvider's error for a stack named EcsCp in
+# aws/aws-cdk#36584); an unnamed one gets CloudFormation's name, which begins with the stack name.
+RESERVED_PROVIDER_PREFIX = re.compile(r"(?i)(aws|ecs|fargate)")
+
+
+def _capacity_provider_name(template: dict[str, Any], stack_name: str) -> str:
+    """The name the cell's capacity provider is created with: its Name, else one that begins with the stack name."""
+    (provider,) = [r for r in template["Resources"].values() if r["Type"] == "AWS::ECS::CapacityProvider"]
+    return provider["Properties"].get("Name") or stack_name
+
+
+@pytest.mark.parametrize("name", ["EcsInference", "FargateFleet"])
+def test_a_fleet_named_like_a_reserved_prefix_gets_a_capacity_provider_name_ecs_accepts(name: str, tmp_path) -> None:
+    # Regression: the fleet name pattern allows "Ecs..." and "Fargate..."; aws-cdk-lib 2.275.0 renames the provider only
+    # for a lowercase stack name (aws-ecs/lib/cluster.js /^(?!aws|ecs|fargate).+/), so CloudFormation named it
+    # "EcsInference-Cell-dev-..." and the cell's create failed on it after its Trainium instances had launched.
+    data = copy.deepcopy(BASE)
+    data["name"] = name
+    synthesized = _synthesizes_or_refused(data, tmp_path)
+    assert synthesized is not None, f"fleet name {name} is refused"
+    stack = synthesized.fleet.cell_stack_name(synthesized.fleet.cells[0])
+    template = synthesized.template_json(stack)
+    provider = _capacity_provider_name(template, stack)
+    assert not RESERVED_PROVIDER_PREFIX.match(provider), f"ECS refuses the capacity provider name {provider!r}"
+    assert re.fullmatch(r"[A-Za-z0-9_-]{1,255}", provider), provider
+    # Still referenced, not named: the cluster's association (which every service depends on) waits for it.
+    (logical_id,) = [k for k, r in template["Resources"].items() if r["Type"] == "AWS::ECS::CapacityProvider"]
+    (association,) = [r for r in template["Resources"].values()
+                      if r["Type"] == "AWS::ECS::ClusterCapacityProviderAssociations"]
+    assert association["Properties"]["CapacityProviders"] == [{"Ref": logical_id}]
+
+
+def test_the_default_fleet_capacity_provider_keeps_cloudformation_s_name(synth_default) -> None:
+    # A name set where none was would replace the provider of every cell already deployed.
+    resources = synth_default.template_json("Rufus-Cell-dev")["Resources"]
+    (provider,) = [r for r in resources.values() if r["Type"] == "AWS::ECS::CapacityProvider"]
+    assert "Name" not in provider["Properties"]
 
 
 @pytest.fixture
