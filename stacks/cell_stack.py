@@ -472,7 +472,9 @@ class CellStack(Stack):
         digest = autoscaler_config_digest(fleet, cell)
         return UnitAutoscaler(
             self, "Autoscaler",
-            cluster=self.cluster, auto_scaling_group=self.capacity.auto_scaling_group, cell_name=cell.name,
+            cluster=self.cluster, auto_scaling_group=self.capacity.auto_scaling_group,
+            # Every cell has its units' ALB and target group (`_load_balancer`, built before this).
+            target_group=self.load_balancer.target_group, cell_name=cell.name,
             min_units=cell.resolved_min_units, max_units=cell.resolved_max_units, nodes=fleet.unit.nodes,
             scaling=cell.resolved_scaling, start_deadline_seconds=start_deadline_seconds(fleet, cell),
             admission_capacity=fleet.max_inflight_requests,
