@@ -177,6 +177,7 @@ class UnitAutoscaler(Construct):
         )
         self.counts.node.add_dependency(self.function)
         self.errors_alarm, self.capacity_alarm, self.stalled_alarm = self._alarms()
+        self.held_serving_alarm = self._held_serving_alarm()
 
     def desired_count(self, unit_id: str, role: str) -> int | float:
         """A unit service's DesiredCount: an attribute of the custom resource (a number token)."""
@@ -257,8 +258,9 @@ class UnitAutoscaler(Construct):
                              "cloudwatch:GetMetricData"],
                     resources=["*"]),
                 # Before a restart: is the stalled unit's leader a healthy target (unit_autoscaler/handler.py
-                # `leader_targets`)? DescribeTargetHealth has no resource-level permissions, as the placement
-                # controller's grant of it says (cell_constructs/topology_placement.py, ReadUnitHealth): "*", and
+                # `leader_targets`)? DescribeTargetHealth has no resource-level permissions (Service Authorization
+                # Reference, as iann0036/iam-dataset aws/iam_definition.json at 08eff2d7 has it: resource_type ""),
+                # as the placement controller's grant of it says (topology_placement.py, ReadUnitHealth): "*", and
                 # no other Elastic Load Balancing action. The function names its own target group (TARGET_GROUP_ARN).
                 iam.PolicyStatement(
                     sid="ReadLeaderTargetHealth", actions=["elasticloadbalancing:DescribeTargetHealth"],
@@ -320,6 +322,30 @@ class UnitAutoscaler(Construct):
         )
         # Their NIST CloudWatchAlarmAction acknowledgements are where they are wired (stacks/cell_stack.py).
         return errors, capacity, stalled
+
+    def _held_serving_alarm(self) -> cloudwatch.Alarm:
+        """A stalled unit held every minute for 15 because its leader is a healthy target (StalledServing).
+
+        The race the hold is for lasts a few ticks: the unit's first healthy minute reaches the tick after the
+        metric lag and latches it as served. Held for 15 minutes in a row, UnitHealthy and the target health
+        disagree in a way the race does not explain (a /health that blips 503 for seconds every minute reads 0
+        as the minute's minimum while the target group, which needs 2 failed checks, keeps it healthy; or the
+        proxy's EMF of that unit is wrong), and the unit is never restarted: StalledUnits does not count it, so
+        StalledAlarm says nothing (cold review of a602fed). On the dashboard, as StalledAlarm: the unit serves."""
+        return cloudwatch.Alarm(
+            self, "HeldServingAlarm",
+            alarm_description=f"A unit of cell {self.cell_name} read stalled on UnitHealthy in every minute for 15, "
+                              "and was not restarted because the load balancer calls its leader a healthy target: "
+                              "its proxy's UnitHealthy and /health disagree (a /health that fails for seconds each "
+                              "minute, or a wrong EMF); the autoscaler counts it starting for as long",
+            metric=cloudwatch.Metric(namespace=self.metrics_namespace, metric_name="StalledServing",
+                                     dimensions_map={"Cell": self.cell_name}, statistic="Maximum",
+                                     period=Duration.minutes(1)),
+            # Each of 15 one-minute ticks: a tick that did not ask (no restart due) emits 0 and breaks the run.
+            threshold=1, evaluation_periods=15, datapoints_to_alarm=15,
+            comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
+            treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+        )
 
     def capacity_failures_metric(self) -> cloudwatch.Metric:
         return cloudwatch.Metric(namespace=self.metrics_namespace, metric_name="CapacityFailures",

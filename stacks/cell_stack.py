@@ -496,6 +496,8 @@ class CellStack(Stack):
                 "NIST.800.53.R5-CloudWatchAlarmAction", f"Read, not notified: {shown}"))
             acknowledge(self.autoscaler.stalled_alarm, (
                 "NIST.800.53.R5-CloudWatchAlarmAction", f"Read, not notified: {shown}"))
+            acknowledge(self.autoscaler.held_serving_alarm, (
+                "NIST.800.53.R5-CloudWatchAlarmAction", f"Read, not notified: {shown}"))
         alarms = CellAlarms(
             self, "Alarms",
             stack_name=self.stack_name,
@@ -523,7 +525,8 @@ class CellStack(Stack):
             watched_alarms={
                 "placement-unmatched-start-failures": self.placement.unmatched_start_failures_alarm,
                 **({"autoscaler-capacity": self.autoscaler.capacity_alarm,
-                    "autoscaler-stalled": self.autoscaler.stalled_alarm} if self.autoscaler else {}),
+                    "autoscaler-stalled": self.autoscaler.stalled_alarm,
+                    "autoscaler-held-serving": self.autoscaler.held_serving_alarm} if self.autoscaler else {}),
             },
             metrics_namespace=proxy_metrics_namespace(fleet),
             unit_events_namespace=unit_metrics_namespace(fleet),

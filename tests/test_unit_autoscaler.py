@@ -316,6 +316,24 @@ def test_a_stalled_restart_is_watched_not_in_the_rollout_gate(synth_elastic) -> 
     assert "autoscaler-stalled" not in stack.alarms.component_alarms
 
 
+def test_a_unit_held_as_serving_past_the_metric_lag_alarms_on_the_dashboard(synth_elastic) -> None:
+    """A stalled unit whose leader the load balancer calls healthy is held, counted in StalledServing and not in
+    StalledUnits. In the race it is held for a few ticks (its 1s arrive after the metric lag and latch it); held
+    every minute for 15 it is a disagreement the race cannot explain (a unit whose /health blips 503 for seconds
+    each minute: UnitHealthy's per-minute minimum 0, the target healthy between 2-check failures), and it would be
+    held for ever, never restarted (cold review of a602fed: nothing read StalledServing). On the dashboard, as
+    StalledAlarm, not in the rollout gate."""
+    stack: CellStack = synth_elastic.stacks[STACK]
+    template = synth_elastic.templates[STACK]
+    template.has_resource_properties("AWS::CloudWatch::Alarm", {
+        "Namespace": "Rufus/UnitAutoscaler", "MetricName": "StalledServing",
+        "Dimensions": [{"Name": "Cell", "Value": "dev"}], "Statistic": "Maximum", "Threshold": 1, "Period": 60,
+        "EvaluationPeriods": 15, "DatapointsToAlarm": 15, "TreatMissingData": "notBreaching",
+    })
+    assert stack.alarms.watched_alarms["autoscaler-held-serving"] is stack.autoscaler.held_serving_alarm
+    assert "autoscaler-held-serving" not in stack.alarms.component_alarms
+
+
 def test_an_instance_is_judged_never_registered_only_past_the_nodes_own_budget() -> None:
     """The autoscaler stops counting an InService instance without a container instance as capacity
     UNREGISTERED_AFTER_S after its launch (unit_autoscaler.handler). A sound node must have registered by then: boot,

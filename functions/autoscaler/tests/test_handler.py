@@ -1218,6 +1218,23 @@ def test_a_failed_target_health_read_holds_the_restart_for_the_tick(code: str, s
     assert (cell.emf["StalledUnits"], cell.emf["LeaderHealthUnread"], cell.emf["Restarted"]) == (1.0, 1.0, 0.0)
 
 
+def test_contracts_lists_every_metric_of_the_autoscalers_emf_line() -> None:
+    """docs/contracts.md names the autoscaler's EMF metrics for whoever builds on them (dashboards, alarms): every
+    name a tick's line carries, the target-health read's too (cold review of a602fed: StalledServing and
+    LeaderHealthUnread were emitted and not listed)."""
+    from pathlib import Path
+
+    cell = stalled_cell(activated=NOW - 6000)
+    cell.elbv2.add_client_error("describe_target_health", "AccessDenied", http_status_code=403,
+                                expected_params={"TargetGroupArn": TARGET_GROUP})
+    cell.run(STALL_SETTINGS)
+    names = {m["Name"] for m in cell.emf["_aws"]["CloudWatchMetrics"][0]["Metrics"]}
+    contracts = (Path(__file__).resolve().parents[3] / "docs" / "contracts.md").read_text()
+    (row,) = [line for line in contracts.splitlines() if line.startswith("| CloudWatch namespace of the autoscaler")]
+    assert {"StalledServing", "LeaderHealthUnread", "StalledUnits"} <= names
+    assert sorted(n for n in names if f"`{n}`" not in row) == []
+
+
 def test_a_stalled_unit_is_not_restarted_without_a_target_group() -> None:
     """Settings without a target group (none configured: `Settings.from_env` refuses that, this is the code's own
     guard): nothing can be read, so nothing is restarted."""
