@@ -15,7 +15,8 @@ after SERVICE_TIMEOUT_SECONDS instead of CloudFormation's default hour.
 IAM: UpdateService on this cluster's services only (the drain is reachable by this role and
 by the deployment, not by the load balancer or clients), the group's scaling writes on
 this group only, DescribeStacks on this stack only; reads without resource-level
-permissions (GetMetricData, DescribeAutoScalingGroups, DescribeScalingActivities) on `*`.
+permissions (GetMetricData, DescribeAutoScalingGroups, DescribeScalingActivities, and
+DescribeTargetHealth of the units' target group, asked before a restart) on `*`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from aws_cdk import CfnResource, Duration, IStableAnyProducer, Lazy, Stack, Toke
 from aws_cdk import aws_autoscaling as autoscaling
 from aws_cdk import aws_cloudwatch as cloudwatch
 from aws_cdk import aws_ecs as ecs
+from aws_cdk import aws_elasticloadbalancingv2 as elbv2
 from aws_cdk import aws_events as events
 from aws_cdk import aws_events_targets as targets
 from aws_cdk import aws_iam as iam
@@ -94,6 +96,7 @@ class UnitAutoscaler(Construct):
         *,
         cluster: ecs.ICluster,
         auto_scaling_group: autoscaling.AutoScalingGroup,
+        target_group: elbv2.ITargetGroup,
         cell_name: str,
         min_units: int,
         max_units: int,
@@ -107,6 +110,9 @@ class UnitAutoscaler(Construct):
         encryption_key: kms.IKey,
         config_digest: str,
     ) -> None:
+        """`target_group`: the units' target group, where every unit's leader registers (cell_constructs/
+        unit_load_balancer.py; every cell has one): the function asks it whether a stalled unit's leader is healthy
+        before restarting the unit (docs/autoscaling.md, "A unit that never forms")."""
         super().__init__(scope, construct_id)
         if not 1 <= min_units < max_units:
             raise ValueError(f"an autoscaler needs 1 <= min_units < max_units, got {min_units}, {max_units}")
@@ -141,6 +147,7 @@ class UnitAutoscaler(Construct):
                 "PROXY_NAMESPACE": proxy_namespace,
                 "AUTOSCALER_NAMESPACE": metrics_namespace,
                 "ADMISSION_CAPACITY": str(admission_capacity),
+                "TARGET_GROUP_ARN": target_group.target_group_arn,
                 "POLICY": json.dumps(policy_document(min_units, max_units, nodes, scaling,
                                                               start_deadline_seconds), sort_keys=True),
             },
@@ -149,8 +156,8 @@ class UnitAutoscaler(Construct):
         acknowledge(
             self.function,
             ("NIST.800.53.R5-LambdaInsideVPC",
-             "Calls only the ECS, Auto Scaling, CloudWatch and CloudFormation control-plane APIs and reaches "
-             "nothing inside the VPC"),
+             "Calls only the ECS, Auto Scaling, CloudWatch, CloudFormation and Elastic Load Balancing control-plane "
+             "APIs and reaches nothing inside the VPC"),
             ("NIST.800.53.R5-LambdaDLQ",
              "Invoked asynchronously by the one-minute schedule and by CloudFormation for the desired-counts "
              "resource, with retries off (EventInvokeConfig): a failed or expired tick holds nothing to replay, "
@@ -170,6 +177,7 @@ class UnitAutoscaler(Construct):
         )
         self.counts.node.add_dependency(self.function)
         self.errors_alarm, self.capacity_alarm, self.stalled_alarm = self._alarms()
+        self.held_serving_alarm = self._held_serving_alarm()
 
     def desired_count(self, unit_id: str, role: str) -> int | float:
         """A unit service's DesiredCount: an attribute of the custom resource (a number token)."""
@@ -255,6 +263,14 @@ class UnitAutoscaler(Construct):
                     actions=["autoscaling:DescribeAutoScalingGroups", "autoscaling:DescribeScalingActivities",
                              "cloudwatch:GetMetricData"],
                     resources=["*"]),
+                # Before a restart: is the stalled unit's leader a healthy target (unit_autoscaler/handler.py
+                # `leader_targets`)? DescribeTargetHealth has no resource-level permissions (Service Authorization
+                # Reference, as iann0036/iam-dataset aws/iam_definition.json at 08eff2d7 has it: resource_type ""),
+                # as the placement controller's grant of it says (topology_placement.py, ReadUnitHealth): "*", and
+                # no other Elastic Load Balancing action. The function names its own target group (TARGET_GROUP_ARN).
+                iam.PolicyStatement(
+                    sid="ReadLeaderTargetHealth", actions=["elasticloadbalancing:DescribeTargetHealth"],
+                    resources=["*"]),
             ],
         )
         acknowledge(
@@ -262,8 +278,8 @@ class UnitAutoscaler(Construct):
             ("AwsSolutions-IAM5[Resource::*]",
              "ecs:ListServices and ecs:ListTasks are limited to this cluster by the ecs:cluster condition; "
              "GetMetricData, "
-             "DescribeAutoScalingGroups and DescribeScalingActivities have no resource-level permissions and "
-             "are read-only"),
+             "DescribeAutoScalingGroups, DescribeScalingActivities and elasticloadbalancing:DescribeTargetHealth "
+             "have no resource-level permissions and are read-only"),
             (f"AwsSolutions-IAM5[Resource::{nag_resource_text(stack, services)}]",
              "The unit services of this cluster only: their names are generated by CloudFormation"),
             (f"AwsSolutions-IAM5[Resource::{nag_resource_text(stack, container_instances)}]",
@@ -297,9 +313,10 @@ class UnitAutoscaler(Construct):
         stalled = cloudwatch.Alarm(
             self, "StalledAlarm",
             alarm_description=f"A unit of cell {self.cell_name} has all its instances and did not serve within its "
-                              "start deadline: its instances are replaced (or, while a lower unit is not active or "
-                              "capacity is refused, it is held). Again and again: a failure that is not the hosts' "
-                              "(artifacts, permissions; the launcher's session-end events say which)",
+                              "start deadline: its instances are replaced (or, while a lower unit is not active, "
+                              "capacity is refused or its leader's target health cannot be read, it is held). "
+                              "Again and again: a failure that is not the hosts' (artifacts, permissions; the "
+                              "launcher's session-end events say which)",
             # StalledUnits, not Restarted: it is 1 in the tick of a restart and in every tick a stalled unit
             # is held (second review of the twenty-seventh session: a held unit alarmed nowhere).
             metric=cloudwatch.Metric(namespace=self.metrics_namespace, metric_name="StalledUnits",
@@ -311,6 +328,30 @@ class UnitAutoscaler(Construct):
         )
         # Their NIST CloudWatchAlarmAction acknowledgements are where they are wired (stacks/cell_stack.py).
         return errors, capacity, stalled
+
+    def _held_serving_alarm(self) -> cloudwatch.Alarm:
+        """A stalled unit held every minute for 15 because its leader is a healthy target (StalledServing).
+
+        The race the hold is for lasts a few ticks: the unit's first healthy minute reaches the tick after the
+        metric lag and latches it as served. Held for 15 minutes in a row, UnitHealthy and the target health
+        disagree in a way the race does not explain (a /health that blips 503 for seconds every minute reads 0
+        as the minute's minimum while the target group, which needs 2 failed checks, keeps it healthy; or the
+        proxy's EMF of that unit is wrong), and the unit is never restarted: StalledUnits does not count it, so
+        StalledAlarm says nothing (cold review of a602fed). On the dashboard, as StalledAlarm: the unit serves."""
+        return cloudwatch.Alarm(
+            self, "HeldServingAlarm",
+            alarm_description=f"A unit of cell {self.cell_name} read stalled on UnitHealthy in every minute for 15, "
+                              "and was not restarted because the load balancer calls its leader a healthy target: "
+                              "its proxy's UnitHealthy and /health disagree (a /health that fails for seconds each "
+                              "minute, or a wrong EMF); the autoscaler counts it starting for as long",
+            metric=cloudwatch.Metric(namespace=self.metrics_namespace, metric_name="StalledServing",
+                                     dimensions_map={"Cell": self.cell_name}, statistic="Maximum",
+                                     period=Duration.minutes(1)),
+            # Each of 15 one-minute ticks: a tick that did not ask (no restart due) emits 0 and breaks the run.
+            threshold=1, evaluation_periods=15, datapoints_to_alarm=15,
+            comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
+            treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+        )
 
     def capacity_failures_metric(self) -> cloudwatch.Metric:
         return cloudwatch.Metric(namespace=self.metrics_namespace, metric_name="CapacityFailures",

@@ -22,7 +22,11 @@ from constructs import Construct
 
 from cell_constructs.deletion_protection import create_unprotected, protect_after
 from cell_constructs.nag import acknowledge
-from inference_fleet.config import UNIT_HEALTH_CHECK_INTERVAL_SECONDS, UNIT_UNHEALTHY_THRESHOLD
+from inference_fleet.config import (
+    UNIT_HEALTH_CHECK_INTERVAL_SECONDS,
+    UNIT_HEALTHY_THRESHOLD,
+    UNIT_UNHEALTHY_THRESHOLD,
+)
 
 HEALTH_CHECK_PATH = "/health"
 
@@ -175,7 +179,7 @@ class UnitLoadBalancer(Construct):
                 port=str(self._health_check_port or target_port),
                 interval=Duration.seconds(UNIT_HEALTH_CHECK_INTERVAL_SECONDS),
                 timeout=Duration.seconds(5),
-                healthy_threshold_count=2,
+                healthy_threshold_count=UNIT_HEALTHY_THRESHOLD,
                 # The proxy's admission window follows these (ServingConfig.admission_window_seconds).
                 unhealthy_threshold_count=UNIT_UNHEALTHY_THRESHOLD,
                 healthy_http_codes="200",

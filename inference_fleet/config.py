@@ -645,9 +645,14 @@ class WaveConfig(_Strict):
 # is unhealthy after 2 failed checks in a row.
 UNIT_HEALTH_CHECK_INTERVAL_SECONDS = 10
 UNIT_UNHEALTHY_THRESHOLD = 2
+# ... and healthy again after 2 successful checks in a row (HealthyThresholdCount).
+UNIT_HEALTHY_THRESHOLD = 2
 # The longest a failing unit is still sent requests: UNIT_UNHEALTHY_THRESHOLD failed checks, one interval apart,
 # plus one interval for the first.
 UNIT_DETECTION_SECONDS = UNIT_HEALTH_CHECK_INTERVAL_SECONDS * (UNIT_UNHEALTHY_THRESHOLD + 1)
+# The longest a unit whose proxy answers /health 200 is not yet a healthy target: UNIT_HEALTHY_THRESHOLD successful
+# checks, one interval apart, plus one interval for the first (the autoscaler's restart guard, docs/autoscaling.md).
+UNIT_RECOVERY_SECONDS = UNIT_HEALTH_CHECK_INTERVAL_SECONDS * (UNIT_HEALTHY_THRESHOLD + 1)
 
 
 # Host ports every node of a cell already uses, with their owners. Unit tasks run with host networking

@@ -472,7 +472,9 @@ class CellStack(Stack):
         digest = autoscaler_config_digest(fleet, cell)
         return UnitAutoscaler(
             self, "Autoscaler",
-            cluster=self.cluster, auto_scaling_group=self.capacity.auto_scaling_group, cell_name=cell.name,
+            cluster=self.cluster, auto_scaling_group=self.capacity.auto_scaling_group,
+            # Every cell has its units' ALB and target group (`_load_balancer`, built before this).
+            target_group=self.load_balancer.target_group, cell_name=cell.name,
             min_units=cell.resolved_min_units, max_units=cell.resolved_max_units, nodes=fleet.unit.nodes,
             scaling=cell.resolved_scaling, start_deadline_seconds=start_deadline_seconds(fleet, cell),
             admission_capacity=fleet.max_inflight_requests,
@@ -493,6 +495,8 @@ class CellStack(Stack):
             acknowledge(self.autoscaler.capacity_alarm, (
                 "NIST.800.53.R5-CloudWatchAlarmAction", f"Read, not notified: {shown}"))
             acknowledge(self.autoscaler.stalled_alarm, (
+                "NIST.800.53.R5-CloudWatchAlarmAction", f"Read, not notified: {shown}"))
+            acknowledge(self.autoscaler.held_serving_alarm, (
                 "NIST.800.53.R5-CloudWatchAlarmAction", f"Read, not notified: {shown}"))
         alarms = CellAlarms(
             self, "Alarms",
@@ -521,7 +525,8 @@ class CellStack(Stack):
             watched_alarms={
                 "placement-unmatched-start-failures": self.placement.unmatched_start_failures_alarm,
                 **({"autoscaler-capacity": self.autoscaler.capacity_alarm,
-                    "autoscaler-stalled": self.autoscaler.stalled_alarm} if self.autoscaler else {}),
+                    "autoscaler-stalled": self.autoscaler.stalled_alarm,
+                    "autoscaler-held-serving": self.autoscaler.held_serving_alarm} if self.autoscaler else {}),
             },
             metrics_namespace=proxy_metrics_namespace(fleet),
             unit_events_namespace=unit_metrics_namespace(fleet),

@@ -192,9 +192,45 @@ def test_the_role_scales_only_this_cells_services_and_group(elastic) -> None:
     assert statements["ReadThisClustersTasks"]["Action"] == "ecs:DescribeTasks"
     assert ":task/" in json.dumps(statements["ReadThisClustersTasks"]["Resource"])
     wildcard = [sid for sid, s in statements.items() if s["Resource"] == "*"]
-    assert sorted(wildcard) == ["ListThisClustersServices", "ListThisClustersTasks", "ReadWithoutResourceScope"]
+    assert sorted(wildcard) == ["ListThisClustersServices", "ListThisClustersTasks", "ReadLeaderTargetHealth",
+                                "ReadWithoutResourceScope"]
     assert all(a.split(":")[1].startswith(("Describe", "GetMetricData"))
                for a in statements["ReadWithoutResourceScope"]["Action"])
+
+
+def test_the_role_reads_the_target_health_and_nothing_else_of_the_load_balancer(elastic) -> None:
+    """Before a restart the function asks whether the stalled unit's leader is a healthy target
+    (unit_autoscaler/handler.py `leader_targets`): DescribeTargetHealth alone, read-only, on "*" (no
+    resource-level permissions for it), allowed and not denied by any condition; no other Elastic Load
+    Balancing action anywhere in the role (a register or deregister would reach the clients' path)."""
+    _, raw = elastic
+    statements = policy_statements(raw)
+    read = statements["ReadLeaderTargetHealth"]
+    assert (read["Effect"], read["Action"], read["Resource"]) == ("Allow", "elasticloadbalancing:DescribeTargetHealth",
+                                                                  "*")
+    assert "Condition" not in read
+    actions = [a for s in statements.values() for a in ([s["Action"]] if isinstance(s["Action"], str) else s["Action"])]
+    balancer = [a for a in actions if a.startswith("elasticloadbalancing:")]
+    assert balancer == ["elasticloadbalancing:DescribeTargetHealth"]
+
+
+def test_the_function_asks_the_target_group_its_units_leaders_register_in(elastic) -> None:
+    """TARGET_GROUP_ARN is the cell's one units' target group, the one every unit's leader service registers its
+    proxy in (LoadBalancers): a healthy target there is a leader whose whole unit serves. A fixed cell has no
+    autoscaler (test_a_fixed_cell_keeps_cloudformation_owned_counts_and_no_autoscaler); every cell stack builds its
+    load balancer and target group whatever its fleet file says (stacks/cell_stack.py `_load_balancer`)."""
+    _, raw = elastic
+    (group,) = resources(raw, "AWS::ElasticLoadBalancingV2::TargetGroup")
+    (function,) = [r for r in resources(raw, "AWS::Lambda::Function").values()
+                   if r["Properties"].get("Handler") == "unit_autoscaler.handler.handler"]
+    assert function["Properties"]["Environment"]["Variables"]["TARGET_GROUP_ARN"] == {"Ref": group}
+    leaders = [s["Properties"] for s in resources(raw, "AWS::ECS::Service").values()
+               if {"Key": "unit-role", "Value": "leader"} in s["Properties"].get("Tags", [])]
+    assert len(leaders) == 12
+    assert all([lb["TargetGroupArn"] for lb in props["LoadBalancers"]] == [{"Ref": group}] for props in leaders)
+    followers = [s["Properties"] for s in resources(raw, "AWS::ECS::Service").values()
+                 if {"Key": "unit-role", "Value": "followers"} in s["Properties"].get("Tags", [])]
+    assert len(followers) == 12 and not any(props.get("LoadBalancers") for props in followers)
 
 
 def test_only_the_autoscaler_may_drain_a_unit(synth_elastic) -> None:
@@ -259,7 +295,7 @@ def test_the_function_reads_the_fleets_start_deadline(elastic) -> None:
     (function,) = [r for r in resources(raw, "AWS::Lambda::Function").values()
                    if r["Properties"].get("Handler") == "unit_autoscaler.handler.handler"]
     env = {k: v for k, v in function["Properties"]["Environment"]["Variables"].items() if isinstance(v, str)}
-    env.update(CLUSTER="c", GROUP="g", STACK="s")  # references in the template
+    env.update(CLUSTER="c", GROUP="g", STACK="s", TARGET_GROUP_ARN="tg")  # references in the template
     assert Settings.from_env(env).policy.start_deadline_s == 2 * (900 + 1800) + 900
 
 
@@ -284,6 +320,24 @@ def test_a_stalled_restart_is_watched_not_in_the_rollout_gate(synth_elastic) -> 
     assert "autoscaler-stalled" not in stack.alarms.component_alarms
 
 
+def test_a_unit_held_as_serving_past_the_metric_lag_alarms_on_the_dashboard(synth_elastic) -> None:
+    """A stalled unit whose leader the load balancer calls healthy is held, counted in StalledServing and not in
+    StalledUnits. In the race it is held for a few ticks (its 1s arrive after the metric lag and latch it); held
+    every minute for 15 it is a disagreement the race cannot explain (a unit whose /health blips 503 for seconds
+    each minute: UnitHealthy's per-minute minimum 0, the target healthy between 2-check failures), and it would be
+    held for ever, never restarted (cold review of a602fed: nothing read StalledServing). On the dashboard, as
+    StalledAlarm, not in the rollout gate."""
+    stack: CellStack = synth_elastic.stacks[STACK]
+    template = synth_elastic.templates[STACK]
+    template.has_resource_properties("AWS::CloudWatch::Alarm", {
+        "Namespace": "Rufus/UnitAutoscaler", "MetricName": "StalledServing",
+        "Dimensions": [{"Name": "Cell", "Value": "dev"}], "Statistic": "Maximum", "Threshold": 1, "Period": 60,
+        "EvaluationPeriods": 15, "DatapointsToAlarm": 15, "TreatMissingData": "notBreaching",
+    })
+    assert stack.alarms.watched_alarms["autoscaler-held-serving"] is stack.autoscaler.held_serving_alarm
+    assert "autoscaler-held-serving" not in stack.alarms.component_alarms
+
+
 def test_an_instance_is_judged_never_registered_only_past_the_nodes_own_budget() -> None:
     """The autoscaler stops counting an InService instance without a container instance as capacity
     UNREGISTERED_AFTER_S after its launch (unit_autoscaler.handler). A sound node must have registered by then: boot,
@@ -299,3 +353,38 @@ def test_an_instance_is_judged_never_registered_only_past_the_nodes_own_budget()
     assert budget is not None
     budget_s = NODE_BOOT_SECONDS + int(budget[1]) + AGENT_GRACE_SECONDS
     assert budget_s <= UNREGISTERED_AFTER_S, (budget_s, UNREGISTERED_AFTER_S)
+
+
+@pytest.mark.parametrize(("fleet_file", "cell_name"), [
+    ("router.yaml", "prod"),  # behind a cell router (its ALB a PrivateLink endpoint service), HTTPS, client CIDRs
+    ("internet_facing.yaml", "dev"),  # an internet-facing ALB in public subnets
+])
+def test_every_elastic_cell_shape_gives_its_autoscaler_the_units_target_group(fleet_file: str, cell_name: str,
+                                                                             tmp_path) -> None:
+    """The fleet file has no cell without the units' ALB: a fixed or elastic cell, fronted by a router or not,
+    internal or internet-facing, each builds one target group that its leaders register in (stacks/cell_stack.py
+    `_load_balancer`, before `_autoscaler`). Made elastic here, each shape's autoscaler reads that group and may
+    ask it, and only it (the elastic fleet is checked above)."""
+    from inference_fleet.checks import load_fleet, parse_fleet
+    from tests.conftest import FLEETS
+
+    data = pin_images(load_fleet(FLEETS / fleet_file)).model_dump(mode="json", exclude_none=True)
+    cell = next(c for c in data["cells"] if c["name"] == cell_name)
+    cell.pop("units")
+    cell.update(min_units=1, max_units=2)
+    # A cell that can be at one unit is evacuated through its routers by the pipeline; not what is tested here.
+    data.get("pipeline", {})["evacuate"] = "none"
+    fleet = parse_fleet(data, fleet_file)
+    app = App(context=CDK_CONTEXT, outdir=str(tmp_path), builtin_cloud_formation_validation=False)
+    stack = CellStack(app, fleet.cell_stack_name(fleet.cell(cell_name)), fleet=fleet, cell=fleet.cell(cell_name))
+    raw = app.synth().get_stack_by_name(stack.stack_name).template
+    # The leaders' one group (a router-fronted cell has another: its endpoint's NLB targets the ALB itself).
+    leaders = [s["Properties"] for s in resources(raw, "AWS::ECS::Service").values()
+               if {"Key": "unit-role", "Value": "leader"} in s["Properties"].get("Tags", [])]
+    (group,) = {lb["TargetGroupArn"]["Ref"] for props in leaders for lb in props["LoadBalancers"]}
+    assert len(leaders) == 2 and resources(raw, "AWS::ElasticLoadBalancingV2::TargetGroup")[group]["Properties"][
+        "TargetType"] == "instance"
+    (function,) = [r for r in resources(raw, "AWS::Lambda::Function").values()
+                   if r["Properties"].get("Handler") == "unit_autoscaler.handler.handler"]
+    assert function["Properties"]["Environment"]["Variables"]["TARGET_GROUP_ARN"] == {"Ref": group}
+    assert policy_statements(raw)["ReadLeaderTargetHealth"]["Action"] == "elasticloadbalancing:DescribeTargetHealth"

@@ -29,6 +29,9 @@ The world is a model, stated here so the figures can be judged:
   the placement controller quarantines nothing) until the unit gets other instances;
 - a unit deactivated drains for the ALB deregistration delay + one minute of streams,
   then its instances are released;
+- the load balancer calls a unit's leader a healthy target `ALB_HEALTHY_S` after the unit
+  formed (`World.leader_targets`: the target group's health checks, pessimistic), and the
+  autoscaler reads that, with no metric lag, before a restart (`decision.decide_checked`);
 - time to first token p90: a base of 400 ms inflated as 1 / (1 - utilisation) (a
   single-queue approximation), against the policy's `ttft_p90_ms` when set, else 2000 ms;
 - a minute violates the objective when requests are refused for capacity (demand above the
@@ -59,15 +62,18 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT)]
 
 from unit_autoscaler.decision import (  # noqa: E402
     Decision,
+    LeaderTargets,
     Load,
     Observation,
     Policy,
     Unit,
-    decide,
+    decide_checked,
     has_served,
     phase_of,
     served_latch,
 )
+
+from inference_fleet.config import UNIT_RECOVERY_SECONDS  # noqa: E402
 
 TICK_S = 60.0
 BASE_TTFT_MS = 400.0
@@ -76,6 +82,10 @@ ASG_RETRY_S = 300.0
 FORMATION_RETRY_S = 600.0
 CAPACITY_LOOKBACK_S = 86400.0
 ELASTIC_FLEET = ROOT / "tests" / "fleets" / "elastic.yaml"
+# A formed unit's leader is a healthy target of the cell's load balancer this long after it formed: the target
+# group's healthy threshold of checks, one interval apart, and one interval more for the first (the longest;
+# cell_constructs/unit_load_balancer.py, inference_fleet/config.py).
+ALB_HEALTHY_S = float(UNIT_RECOVERY_SECONDS)
 RULES = ("smoothed", "newest-minute")
 
 Demand = Callable[[float], float]
@@ -298,6 +308,15 @@ class World:
         return Observation(now=now, units=tuple(units), last_scale_out=self.last_out, last_scale_in=self.last_in,
                            capacity_failures=tuple(self.failures), ttft_p90_ms=tuple(ttft))
 
+    def leader_healthy(self, unit: SimUnit, now: float) -> bool:
+        """Whether the load balancer calls the unit's leader a healthy target at `now`: it serves, formed
+        (`until`, the end of its last formation) at least ALB_HEALTHY_S ago."""
+        return unit.state == "serving" and now - unit.until >= ALB_HEALTHY_S
+
+    def leader_targets(self, now: float) -> LeaderTargets:
+        """What DescribeTargetHealth tells the autoscaler at `now` (the handler's `leader_targets`)."""
+        return LeaderTargets(serving=frozenset(u.index for u in self.units if self.leader_healthy(u, now)))
+
     # -- what the autoscaler does ----------------------------------------------------
 
     def apply(self, now: float, decision: Decision, obs: Observation | None = None) -> None:
@@ -402,7 +421,7 @@ def simulate(
         world.advance(now)
         d = demand(now)
         obs = world.observe(now, d)
-        decision = decide(policy, obs)
+        decision, obs = decide_checked(policy, obs, lambda now=now: world.leader_targets(now))
         if check is not None:
             check(world, obs, decision)
         if decision.action != "hold":

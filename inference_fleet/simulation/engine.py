@@ -6,8 +6,10 @@ Who decides what (the real functions, called as they are):
   warm spares, quarantine and blame, ECS health, rolling-update signals), against the
   modelled AWS API of `aws_api.py`, on the same triggers as on AWS (ECS and Auto Scaling
   state changes, launcher log lines, its 5-minute sweep);
-- autoscaler (elastic cells): `unit_autoscaler.decision.decide`, `phase_of`, `served_latch`,
-  every minute, on the metrics the proxies would have published (with their lag and gaps);
+- autoscaler (elastic cells): `unit_autoscaler.decision.decide` (through `decide_checked`, which
+  asks the handler's `leader_targets` before a restart, against the modelled ELBv2), `phase_of`,
+  `served_latch`, every minute, on the metrics the proxies would have published (with their lag
+  and gaps);
 - launcher: the restart backoff (`unit_launcher.evidence.backoff_for`, from the history on
   the next leader's own instance, on its own clock), the member a lost session names
   (`unit_launcher.rendezvous.longest_silent`), and the session-end events
@@ -21,6 +23,7 @@ the loss limit's wall time). Everything random comes from one `random.Random(see
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import json
 import logging
@@ -1334,7 +1337,8 @@ class Cell:
 
     def autoscale(self) -> None:
         obs = self.observation()
-        decision = self.hooks.decide(self.policy, obs)
+        # As the handler's tick: a restart only once the load balancer says the unit's leader is not healthy.
+        decision, obs = asd.decide_checked(self.policy, obs, self._leader_targets, self.hooks.decide)
         self.latched = asd.latch_after(obs, decision, self.latched)  # kept while the stack is busy, as the handler
         # The handler reads the cell before deciding (`observe`); with the stack busy it reads no spare capacity.
         context = None if obs.stack_busy else self._autoscaler_context(obs)
@@ -1398,6 +1402,17 @@ class Cell:
             # Read again after the action, as before this session (the handler releases what it read before it:
             # one difference left, docs/simulation.md).
             self._release_unlabelled(self._autoscaler_context(obs))
+
+    def _leader_targets(self) -> asd.LeaderTargets:
+        """The handler's `leader_targets`, called as it is, on the modelled DescribeTargetHealth and the labels of
+        the instances ECS lists (those the group is terminating too, as the handler reads them)."""
+        labelled: dict[str, list[str]] = {}
+        for inst in self.instances.values():
+            if inst.lifecycle != "Terminated" and inst.registered and inst.attributes.get("unit"):
+                labelled.setdefault(str(inst.attributes["unit"]), []).append(inst.iid)
+        settings = dataclasses.replace(self._as_settings(), target_group_arn=SIGNAL_ENV["TARGET_GROUP_ARN"])
+        clients = as_handler.Clients(*([None] * 4), elbv2=aws_api.Elbv2(self))
+        return as_handler.leader_targets(settings, clients, labelled, as_aws.Retry(attempts=1))
 
     def _group_view(self) -> tuple[as_aws.GroupView, dict[str, dict[str, str]]]:
         """The group and the registered instances' ECS attributes, as the autoscaler's handler reads them."""

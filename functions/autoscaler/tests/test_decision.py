@@ -13,6 +13,7 @@ from simulate_scaling import Faults, World, day_curve, simulate, with_noise
 from unit_autoscaler.decision import (
     ACTIVE,
     Decision,
+    LeaderTargets,
     Load,
     Observation,
     Policy,
@@ -20,6 +21,7 @@ from unit_autoscaler.decision import (
     backoff_until,
     deadline_of,
     decide,
+    decide_checked,
     has_served,
     phase_of,
     quantile,
@@ -278,12 +280,17 @@ def faults(draw: st.DrawFn) -> Faults:
                 scale_out_cooldown_s=60.0, scale_in_cooldown_s=60.0, scale_out_window_s=300.0, scale_in_window_s=300.0,
                 scale_out_minutes=1), Faults(metric_lag_min=2, reforms_per_day=48.0),
          11, 19.0, 0.0, 22.0)  # a unit activated again read its previous life's UnitHealthy 1: drained while forming
+@example(Policy(min_units=2, max_units=4, nodes=1, start_deadline_s=3200.0),
+         Faults(metric_lag_min=2, gap=0.0, formation_failure=0.38, reforms_per_day=0.0, refused=()),
+         62481, 82.0, 0.0, 42.3)  # a unit formed a minute before the tick, its 1s in the lag: restarted, serving
 def test_under_faults_no_serving_unit_is_stopped_and_min_units_holds(
     policy, world_faults, seed, peak, noise, startup_min,
 ) -> None:
     """Random metric histories (gaps up to 95 % of minutes, lag), refusals, failed and lost formations,
-    noisy demand: the cell never goes below min_units, and a unit that served leaves only by a
-    deliberate drain above min_units."""
+    noisy demand: the cell never goes below min_units, a unit that served leaves only by a
+    deliberate drain above min_units, and no unit whose leader is a healthy target is restarted
+    (the last seen failing with `decide_checked` deciding on the metrics alone, on the third
+    example: "restarted a unit whose leader is a healthy target", the unit serving for 60 s)."""
     hours = 6.0
     demand = with_noise(day_curve(peak / 4, peak), noise, seed, int(hours * 60) + 1)
     policy = allowed_deadline(policy, startup_min * 60)
@@ -298,11 +305,13 @@ def test_under_faults_no_serving_unit_is_stopped_and_min_units_holds(
             if decision.action == "deactivate":
                 assert unit.state in ("serving", "reforming") and active > policy.min_units, (obs.now, decision)
             if decision.action == "restart":  # replaces the instances of a unit that does not serve...
-                # ...or that formed after the newest zero it was judged by, its 1s in the metric lag or missing (a
-                # formation retried past the deadline: `until` is when it formed). Unseeable; bounded here.
-                lag_s = (world_faults.metric_lag_min + policy.out_minutes) * 60
-                formed_lately = unit.state == "serving" and obs.now - unit.until <= lag_s
-                assert unit.state in ("forming", "reforming") or formed_lately, (obs.now, unit, decision)
+                # ...never of one whose leader the load balancer calls healthy, whatever its lagging or missing
+                # UnitHealthy says (`decide_checked` asks first). One that formed after the newest zero it was
+                # judged by can still be restarted only within the target group's healthy threshold of forming
+                # (ALB_HEALTHY_S; `until` is when it formed). Before, within the lag and out_minutes of forming.
+                assert not world.leader_healthy(unit, obs.now), (
+                    "restarted a unit whose leader is a healthy target", obs.now, unit, decision)
+                assert unit.state in ("forming", "reforming", "serving"), (obs.now, unit, decision)
 
     simulate("faults", demand, policy, capacity=32.0, startup_s=startup_min * 60, drain_s=180.0, hours=hours,
              start_h=8.0, faults=world_faults, seed=seed, check=check)
@@ -677,18 +686,21 @@ HOUR = 3600.0
 WINDOW = DEADLINE.window_minutes
 
 
-def stall(now: float = 100 * 60.0, activated: float | None = 0.0, instances: int = 2,
-          deployed: float | None = None, failures: tuple[float, ...] = (), last_out: float | None = 0.0,
-          health: tuple[float | None, ...] = (0.0,) * WINDOW, policy: Policy = DEADLINE, restarts: int = 0,
-          **more: Unit) -> Decision:
+def stalled_observation(now: float = 100 * 60.0, activated: float | None = 0.0, instances: int = 2,
+                        deployed: float | None = None, failures: tuple[float, ...] = (),
+                        last_out: float | None = 0.0, health: tuple[float | None, ...] = (0.0,) * WINDOW,
+                        restarts: int = 0, leaders: LeaderTargets | None = None, **more: Unit) -> Observation:
     """u0 serves, lightly loaded; u1 starts, activated (or restarted `restarts` times, the last) at `activated`,
-    with `instances` of 2, reporting `health`."""
+    with `instances` of 2, reporting `health`; `leaders`: the load balancer's word (None: not read)."""
     units = (Unit(0, "serving", (0.2,) * WINDOW, running_tasks=2, instances=2, health=(1.0,) * WINDOW),
              Unit(1, "starting", (0.0,) * WINDOW, running_tasks=2, instances=instances, health=health,
                   activated_at=activated, restarts=restarts), *more.values())
-    obs = Observation(now=now, units=units, last_scale_out=last_out, capacity_failures=failures,
-                      deployed_at=deployed)
-    return decide(policy, obs)
+    return Observation(now=now, units=units, last_scale_out=last_out, capacity_failures=failures,
+                       deployed_at=deployed, leaders=leaders)
+
+
+def stall(policy: Policy = DEADLINE, **kwargs: object) -> Decision:
+    return decide(policy, stalled_observation(**kwargs))  # type: ignore[arg-type]
 
 
 def test_a_stalled_unit_is_restarted_at_its_deadline_not_before() -> None:
@@ -697,6 +709,54 @@ def test_a_stalled_unit_is_restarted_at_its_deadline_not_before() -> None:
     decision = stall(now=90 * 60.0)
     assert (decision.action, decision.units) == ("restart", (1,))
     assert decision.metrics["StalledUnits"] == 1.0
+
+
+class Reads:
+    """A stand-in for the handler's `leader_targets`: counts its calls, answers `answer`."""
+
+    def __init__(self, answer: LeaderTargets) -> None:
+        self.answer, self.calls = answer, 0
+
+    def __call__(self) -> LeaderTargets:
+        self.calls += 1
+        return self.answer
+
+
+def test_the_load_balancer_is_asked_only_when_a_restart_is_due_and_a_healthy_leader_holds_it() -> None:
+    """The restart race closed: u1 reads stalled on its metrics (UnitHealthy 0, its 1s in the lag), but the load
+    balancer calls its leader healthy. `decide_checked` asks once, only in a tick that would restart, and the unit
+    is held with the reason named, counted as StalledServing, not StalledUnits (seen failing with the check
+    removed: 'restart')."""
+    serving = Reads(LeaderTargets(serving=frozenset({0, 1})))
+    decision, obs = decide_checked(DEADLINE, stalled_observation(now=89 * 60.0), serving)
+    assert (decision.action, serving.calls, obs.leaders) == ("hold", 0, None)  # not due: no call
+    decision, obs = decide_checked(DEADLINE, stalled_observation(), serving)
+    assert (decision.action, serving.calls, obs.leaders) == ("hold", 1, serving.answer)
+    assert "u1 stalled by UnitHealthy, not restarted: its leader is a healthy target" in decision.reason
+    assert (decision.metrics["StalledUnits"], decision.metrics["StalledServing"]) == (0.0, 1.0)
+    down = Reads(LeaderTargets(serving=frozenset({0})))  # u0's healthy leader says nothing of u1
+    decision, _ = decide_checked(DEADLINE, stalled_observation(), down)
+    assert (decision.action, decision.units, down.calls) == ("restart", (1,), 1)
+
+
+def test_a_failed_read_holds_every_stalled_unit_for_the_tick() -> None:
+    """Nothing known of the leaders: no restart this tick (a stalled unit waits a minute more; a serving one would
+    lose its replica and a whole start), the reason and LeaderHealthUnread say why, StalledUnits still counts it."""
+    decision, obs = decide_checked(DEADLINE, stalled_observation(), Reads(LeaderTargets(error="AccessDenied")))
+    assert decision.action == "hold" and obs.leaders == LeaderTargets(error="AccessDenied")
+    assert "u1 stalled, not restarted: the load balancer's target health could not be read (AccessDenied)" \
+        in decision.reason
+    assert (decision.metrics["StalledUnits"], decision.metrics["LeaderHealthUnread"]) == (1.0, 1.0)
+
+
+def test_a_stalled_unit_that_serves_does_not_shield_another_that_does_not() -> None:
+    """u1 and u2 both read stalled; u1's leader is healthy, u2's not: u2 is restarted, u1 named as held."""
+    u2 = Unit(2, "starting", (0.0,) * WINDOW, running_tasks=2, instances=2, health=(0.0,) * WINDOW,
+              activated_at=0.0)
+    policy = dataclasses.replace(DEADLINE, max_units=4)
+    decision, _ = decide_checked(policy, stalled_observation(u2=u2), Reads(LeaderTargets(serving=frozenset({0, 1}))))
+    assert (decision.action, decision.units) == ("restart", (2,)), decision
+    assert "u1 stalled by UnitHealthy, not restarted" in decision.reason
 
 
 def test_each_restart_doubles_the_next_deadline_up_to_a_day() -> None:

@@ -27,10 +27,12 @@ REGION, ACCOUNT = "us-east-2", "123456789012"
 CLUSTER = f"arn:aws:ecs:{REGION}:{ACCOUNT}:cluster/rufus-dev"
 GROUP = "rufus-dev-trainium"
 STACK = f"arn:aws:cloudformation:{REGION}:{ACCOUNT}:stack/Rufus-Cell-dev/1"
+TARGET_GROUP = f"arn:aws:elasticloadbalancing:{REGION}:{ACCOUNT}:targetgroup/Rufus-Units/0123456789abcdef"
 NOW = 1_800_000_000.0
 POLICY = Policy(min_units=1, max_units=3, nodes=2, target_load=0.5, scale_in_margin=0.2,
                 scale_out_cooldown_s=300, scale_in_cooldown_s=1800, capacity_backoff_s=600)
-SETTINGS = Settings(CLUSTER, GROUP, STACK, "dev", "Rufus/UnitProxy", "Rufus/UnitAutoscaler", 32, POLICY)
+SETTINGS = Settings(CLUSTER, GROUP, STACK, "dev", "Rufus/UnitProxy", "Rufus/UnitAutoscaler", 32, POLICY,
+                    TARGET_GROUP)
 
 
 Minutes = tuple[float | None, float | None] | list[tuple[float | None, float | None] | None]
@@ -53,16 +55,17 @@ class Cell:
     def __init__(self) -> None:
         config = Config(signature_version=UNSIGNED, retries={"total_max_attempts": 1, "mode": "standard"})
         self.clients = Clients(*(boto3.client(n, region_name=REGION, config=config)
-                                 for n in ("autoscaling", "cloudformation", "cloudwatch", "ecs")))
+                                 for n in ("autoscaling", "cloudformation", "cloudwatch", "ecs", "elbv2")))
         self.autoscaling = Stubber(self.clients.autoscaling)
         self.cloudformation = Stubber(self.clients.cloudformation)
         self.cloudwatch = Stubber(self.clients.cloudwatch)
         self.ecs = Stubber(self.clients.ecs)
+        self.elbv2 = Stubber(self.clients.elbv2)
         self.lines: list[str] = []
 
     def run(self, settings: Settings = SETTINGS, now: float = NOW) -> dict:
         with ExitStack() as stack:
-            stubbers = (self.autoscaling, self.cloudformation, self.cloudwatch, self.ecs)
+            stubbers = (self.autoscaling, self.cloudformation, self.cloudwatch, self.ecs, self.elbv2)
             for stubber in stubbers:
                 stack.enter_context(stubber)
             summary = tick(settings, self.clients, now, aws.Retry(sleep=lambda s: None), self.lines.append)
@@ -207,6 +210,17 @@ class Cell:
         self.cloudwatch.add_response("get_metric_data", {"MetricDataResults": results},
                                      {"MetricDataQueries": ANY, "StartTime": ANY, "EndTime": ANY,
                                       "ScanBy": "TimestampDescending"})
+
+    def targets(self, states: dict[str, str]) -> None:
+        """DescribeTargetHealth of the units' target group: instance -> its target's state (the leaders' instances;
+        a follower's instance is no target). Asked only before a restart."""
+        self.elbv2.add_response("describe_target_health", {"TargetHealthDescriptions": [
+            {"Target": {"Id": i, "Port": 8080}, "HealthCheckPort": "8080",
+             "TargetHealth": {"State": state, **({} if state == "healthy" else {
+                 "Reason": {"initial": "Elb.InitialHealthChecking", "unused": "Target.NotRegistered",
+                            "draining": "Target.DeregistrationInProgress"}.get(state, "Target.ResponseCodeMismatch"),
+                 "Description": "Health checks failed with these codes: [503]"})}}
+            for i, state in states.items()]}, {"TargetGroupArn": TARGET_GROUP})
 
     # -- writes -------------------------------------------------------------------
 
@@ -1041,12 +1055,13 @@ def test_a_failed_read_still_answers_cloudformation() -> None:
     assert body["Status"] == "FAILED" and "AccessDenied" in body["Reason"]
 
 
-@pytest.mark.parametrize("missing", ["CLUSTER", "POLICY"])
+@pytest.mark.parametrize("missing", ["CLUSTER", "POLICY", "TARGET_GROUP_ARN"])
 def test_settings_name_what_is_missing(missing: str) -> None:
     env = {"CLUSTER": CLUSTER, "GROUP": GROUP, "STACK": STACK, "CELL": "dev", "PROXY_NAMESPACE": "a",
-           "AUTOSCALER_NAMESPACE": "b", "ADMISSION_CAPACITY": "32",
+           "AUTOSCALER_NAMESPACE": "b", "ADMISSION_CAPACITY": "32", "TARGET_GROUP_ARN": TARGET_GROUP,
            "POLICY": json.dumps({"min_units": 1, "max_units": 3, "nodes": 2})}
     assert Settings.from_env(env).policy.max_units == 3
+    assert Settings.from_env(env).target_group_arn == TARGET_GROUP
     env[missing] = ""
     with pytest.raises(ValueError, match=missing):
         Settings.from_env(env)
@@ -1084,7 +1099,7 @@ STALL_SETTINGS = dataclasses.replace(SETTINGS, policy=dataclasses.replace(POLICY
 
 
 def stalled_cell(activated: float, deployed: float = NOW - 86400, instances: int = 2, unit: str = "1",
-                 terminating: tuple[str, ...] = ()) -> Cell:
+                 terminating: tuple[str, ...] = (), u0_inflight: float = 8.0) -> Cell:
     """u0 serves; u1 was activated at `activated` (`unit`: its part of the record, `1r1` once restarted),
     has `instances` of its 2 nodes and has never reported UnitHealthy 1 (its leader's proxy reports 0:
     the unit does not form). `terminating`: of those, the ones the group is replacing (their labels kept)."""
@@ -1097,8 +1112,12 @@ def stalled_cell(activated: float, deployed: float = NOW - 86400, instances: int
     cell.services({"u0": (2, 2), "u1": (2, 2), "u2": (0, 0)})
     cell.labels(dict(zip(names, ["u0", "u0", "u1", "u1"], strict=False)))
     cell.activities()
-    cell.metrics({"u0": (8.0, 1.0), "u1": (0.0, 0.0)})
+    cell.metrics({"u0": (u0_inflight, 1.0), "u1": (0.0, 0.0)})
     return cell
+
+
+# Before a restart: u0's leader (on i-a) a healthy target, u1's (on i-c) answering 503 while it does not form.
+LEADERS_U1_DOWN = {"i-a": "healthy", "i-c": "unhealthy"}
 
 
 def expect_terminations(cell: Cell, decrement: bool, busy: tuple[str, ...] = (), instances=("i-c", "i-d")) -> None:
@@ -1124,6 +1143,7 @@ def test_a_unit_stalled_past_its_start_deadline_gets_fresh_instances() -> None:
     deadline the tick held, for ever (seen failing: 'hold'); the first version of the restart set
     its services to 0 and, below min_units, started it again on the same instances (review)."""
     cell = stalled_cell(activated=NOW - 6000)
+    cell.targets(LEADERS_U1_DOWN)
     cell.expect_activated(f"{int(NOW)}:1r1")
     expect_terminations(cell, decrement=False)
     summary = cell.run(STALL_SETTINGS)
@@ -1131,6 +1151,114 @@ def test_a_unit_stalled_past_its_start_deadline_gets_fresh_instances() -> None:
     assert "has not served 100 min after its start" in summary["reason"]
     assert summary["done"] == {"replaced": 2}
     assert cell.emf["Restarted"] == 1.0 and cell.emf["StalledUnits"] == 1.0 and cell.emf["ScaleIn"] == 0.0
+
+
+def test_a_stalled_unit_whose_leader_is_a_healthy_target_is_not_restarted() -> None:
+    """u1 reads stalled on its metrics (UnitHealthy 0 in its newest minutes, 100 minutes after its start), but it
+    formed since: the load balancer, asked just before the restart, calls its leader (i-c) healthy, so its proxy's
+    /health is 200, the whole unit up. Its first 1s are still in the metric lag. The tick holds, says why, and
+    counts it as StalledServing, not StalledUnits (no StalledAlarm for a unit that serves). Before, it was
+    restarted: a serving replica thrown away and a whole start more (seen failing with `decide_checked` deciding on
+    the metrics alone, as the tick did before: "UnStubbedResponseError: Error getting response stub for operation
+    CreateOrUpdateTags: Unexpected API Call", the restart's new record)."""
+    cell = stalled_cell(activated=NOW - 6000)
+    cell.targets({"i-a": "healthy", "i-c": "healthy"})
+    summary = cell.run(STALL_SETTINGS)
+    assert summary["action"] == "hold" and summary["phases"]["u1"] == "starting", summary
+    assert "u1 stalled by UnitHealthy, not restarted: its leader is a healthy target" in summary["reason"], summary
+    assert summary["leaders"] == {"serving": ["u0", "u1"], "error": None}
+    assert (cell.emf["StalledUnits"], cell.emf["StalledServing"], cell.emf["Restarted"]) == (0.0, 1.0, 0.0)
+
+
+def test_a_stalled_unit_held_as_serving_leaves_the_tick_to_its_other_rules() -> None:
+    """As a stalled unit held in capacity backoff: the load needs a third unit (u0 at 1.5 units' load, u1 held as
+    serving), so the tick activates u2 instead of holding."""
+    cell = stalled_cell(activated=NOW - 6000, u0_inflight=48.0)
+    cell.targets({"i-a": "healthy", "i-c": "healthy"})
+    cell.expect_desired(6)
+    cell.expect_scale_out(f"{int(NOW)}:2;{int(NOW - 6000)}:1")
+    cell.expect_count("u2", "leader", 1)
+    cell.expect_count("u2", "followers", 1)
+    summary = cell.run(STALL_SETTINGS)
+    assert (summary["action"], summary["units"]) == ("activate", ["u2"]), summary
+
+
+@pytest.mark.parametrize(("case", "state"), [
+    ("registering", "initial"), ("answering 503", "unhealthy"), ("deregistered", "draining"),
+    ("not registered", "unused"), ("not listed", None)])
+def test_a_stalled_unit_whose_leader_is_not_healthy_is_restarted(case: str, state: str | None) -> None:
+    """Only `healthy` holds the restart: a leader target in any other state, or none at all (its task never
+    started), is no evidence that the unit serves."""
+    cell = stalled_cell(activated=NOW - 6000)
+    cell.targets({"i-a": "healthy", **({"i-c": state} if state else {})})
+    cell.expect_activated(f"{int(NOW)}:1r1")
+    expect_terminations(cell, decrement=False)
+    summary = cell.run(STALL_SETTINGS)
+    assert (summary["action"], summary["units"]) == ("restart", ["u1"]), (case, summary)
+    assert summary["leaders"] == {"serving": ["u0"], "error": None}
+
+
+@pytest.mark.parametrize(("code", "status", "times"), [
+    ("AccessDenied", 403, 1), ("Throttling", 400, 5), ("HealthUnavailable", 500, 5)])
+def test_a_failed_target_health_read_holds_the_restart_for_the_tick(code: str, status: int, times: int) -> None:
+    """DescribeTargetHealth refused (a missing permission), throttled or failing past the retries: nothing is
+    known of u1's leader, and a restart of a unit that serves costs that replica and a whole start, while a hold
+    costs one tick of a unit already past its deadline. So the tick holds, says why, and counts it
+    (LeaderHealthUnread; u1 still counts in StalledUnits: a read that keeps failing raises the StalledAlarm). The
+    tick does not fail: its latch, its EMF line and its other rules go on (the next tick reads again)."""
+    cell = stalled_cell(activated=NOW - 6000)
+    for _ in range(times):
+        cell.elbv2.add_client_error("describe_target_health", code, service_message=f"{code} for the test",
+                                    http_status_code=status, expected_params={"TargetGroupArn": TARGET_GROUP})
+    summary = cell.run(STALL_SETTINGS)
+    assert summary["action"] == "hold", summary
+    assert f"u1 stalled, not restarted: the load balancer's target health could not be read ({code})" \
+        in summary["reason"], summary
+    assert summary["leaders"] == {"serving": [], "error": code}
+    assert (cell.emf["StalledUnits"], cell.emf["LeaderHealthUnread"], cell.emf["Restarted"]) == (1.0, 1.0, 0.0)
+
+
+def test_contracts_lists_every_metric_of_the_autoscalers_emf_line() -> None:
+    """docs/contracts.md names the autoscaler's EMF metrics for whoever builds on them (dashboards, alarms): every
+    name a tick's line carries, the target-health read's too (cold review of a602fed: StalledServing and
+    LeaderHealthUnread were emitted and not listed)."""
+    from pathlib import Path
+
+    cell = stalled_cell(activated=NOW - 6000)
+    cell.elbv2.add_client_error("describe_target_health", "AccessDenied", http_status_code=403,
+                                expected_params={"TargetGroupArn": TARGET_GROUP})
+    cell.run(STALL_SETTINGS)
+    names = {m["Name"] for m in cell.emf["_aws"]["CloudWatchMetrics"][0]["Metrics"]}
+    contracts = (Path(__file__).resolve().parents[3] / "docs" / "contracts.md").read_text()
+    (row,) = [line for line in contracts.splitlines() if line.startswith("| CloudWatch namespace of the autoscaler")]
+    assert {"StalledServing", "LeaderHealthUnread", "StalledUnits"} <= names
+    assert sorted(n for n in names if f"`{n}`" not in row) == []
+
+
+def test_a_stalled_unit_is_not_restarted_without_a_target_group() -> None:
+    """Settings without a target group (none configured: `Settings.from_env` refuses that, this is the code's own
+    guard): nothing can be read, so nothing is restarted."""
+    cell = stalled_cell(activated=NOW - 6000)
+    summary = cell.run(dataclasses.replace(STALL_SETTINGS, target_group_arn=""))
+    assert summary["action"] == "hold" and summary["leaders"]["error"] == "no target group configured", summary
+
+
+def test_the_target_health_is_read_as_the_placement_controller_reads_it() -> None:
+    """One DescribeTargetHealth of the whole group; healthy means the state `healthy` only. The placement controller
+    reads the same group the same way (placement_controller.signals.healthy_targets) for its quarantine hold and its
+    rolling-update signals: both answers are held equal here, on every state botocore's model lists."""
+    from placement_controller import signals
+
+    states = ["healthy", "initial", "unhealthy", "unhealthy.draining", "unused", "draining", "unavailable"]
+    answers = []
+    for read in (aws.healthy_targets, signals.healthy_targets):
+        cell = Cell()
+        cell.targets({f"i-{state}": state for state in states} | {"i-other": "healthy"})
+        with cell.elbv2:
+            answers.append(read(cell.clients.elbv2, TARGET_GROUP, aws.Retry(sleep=lambda s: None)))
+    assert answers[0] == answers[1] == {"i-healthy", "i-other"}
+    model = boto3.client("elbv2", region_name=REGION).meta.service_model
+    assert sorted(model.shape_for("TargetHealthStateEnum").enum) == sorted(states)
 
 
 def test_a_unit_past_its_deadline_whose_member_is_being_replaced_is_restarted_at_once() -> None:
@@ -1142,6 +1270,7 @@ def test_a_unit_past_its_deadline_whose_member_is_being_replaced_is_restarted_at
     buys a unit past its deadline no new one: once labelled, the next tick restarted u1, terminating i-c and the
     fresh i-e (cold review, helper-259: one Trainium launch and ~15 minutes more than restarting at once)."""
     cell = stalled_cell(activated=NOW - 6000, terminating=("i-d",))
+    cell.targets(LEADERS_U1_DOWN)
     cell.expect_activated(f"{int(NOW)}:1r1")
     expect_terminations(cell, decrement=False, instances=("i-c",))
     summary = cell.run(STALL_SETTINGS)
@@ -1163,6 +1292,7 @@ def test_a_restart_cut_short_by_a_busy_group_protects_the_instance_it_could_not_
     i-d stays in u1 until u1's next deadline, so it gets its scale-in protection back; before, it stayed
     unprotected, and a cancel's lower desired capacity could take it (seen failing: no such call)."""
     cell = stalled_cell(activated=NOW - 6000)
+    cell.targets(LEADERS_U1_DOWN)
     cell.expect_activated(f"{int(NOW)}:1r1")
     expect_terminations(cell, decrement=False, busy=("i-d",))
     cell.autoscaling.add_response("set_instance_protection", {}, {
@@ -1176,6 +1306,7 @@ def test_a_restart_that_replaced_nothing_puts_the_record_back() -> None:
     (the next tick tries again), instead of a new start time and a doubled deadline on the same hosts (review:
     seen failing, no second CreateOrUpdateTags). Each instance gets its protection back on its own."""
     cell = stalled_cell(activated=NOW - 6000)
+    cell.targets(LEADERS_U1_DOWN)
     cell.expect_activated(f"{int(NOW)}:1r1")
     expect_terminations(cell, decrement=False, busy=("i-c", "i-d"))
     cell.autoscaling.add_client_error(
@@ -1204,6 +1335,7 @@ def test_a_unit_restarted_before_waits_twice_as_long_and_its_count_goes_on() -> 
     summary = stalled_cell(activated=NOW - 6000, unit="1r1").run(STALL_SETTINGS)
     assert summary["action"] == "hold" and summary["phases"]["u1"] == "starting", summary
     cell = stalled_cell(activated=NOW - 11400, unit="1r1")
+    cell.targets(LEADERS_U1_DOWN)
     cell.expect_activated(f"{int(NOW)}:1r2")
     expect_terminations(cell, decrement=False)
     summary = cell.run(STALL_SETTINGS)
@@ -1298,6 +1430,7 @@ def test_a_restart_whose_unprotection_fails_puts_the_record_back() -> None:
     deadline (3 h instead of the next tick's retry), and its count of restarts went up for a restart that never
     happened (seen failing: the record's restore, a second CreateOrUpdateTags, never sent)."""
     cell = stalled_cell(activated=NOW - 6000)
+    cell.targets(LEADERS_U1_DOWN)
     cell.expect_activated(f"{int(NOW)}:1r1")
     throttle(cell, "set_instance_protection",
              {"AutoScalingGroupName": GROUP, "InstanceIds": ["i-c", "i-d"], "ProtectedFromScaleIn": False})
@@ -1312,6 +1445,7 @@ def test_a_restart_whose_first_termination_fails_protects_its_instances_and_puts
     replaced. The instances stay u1's, so they get their protection back (as when the group refuses one as busy),
     and the record goes back. Before: both left unprotected with a fresh, doubled deadline (seen failing)."""
     cell = stalled_cell(activated=NOW - 6000)
+    cell.targets(LEADERS_U1_DOWN)
     cell.expect_activated(f"{int(NOW)}:1r1")
     cell.autoscaling.add_response("set_instance_protection", {}, {
         "AutoScalingGroupName": GROUP, "InstanceIds": ["i-c", "i-d"], "ProtectedFromScaleIn": False})
@@ -1330,6 +1464,7 @@ def test_a_restart_that_replaced_one_before_failing_keeps_its_new_record() -> No
     """i-c replaced, i-d's termination throttled out: u1 now lacks an instance (never stalled while it does), and
     its new start time stands; i-d, still u1's, gets its protection back."""
     cell = stalled_cell(activated=NOW - 6000)
+    cell.targets(LEADERS_U1_DOWN)
     cell.expect_activated(f"{int(NOW)}:1r1")
     cell.autoscaling.add_response("set_instance_protection", {}, {
         "AutoScalingGroupName": GROUP, "InstanceIds": ["i-c", "i-d"], "ProtectedFromScaleIn": False})
@@ -1492,6 +1627,7 @@ def test_a_restart_whose_unprotection_one_by_one_fails_protects_what_it_unprotec
     protection was given back only to instances unprotected by the one call for all, and i-c stayed unprotected,
     for the group's own scale-in to take from under u1 (seen failing: no SetInstanceProtection of i-c, True)."""
     cell = stalled_cell(activated=NOW - 6000)
+    cell.targets(LEADERS_U1_DOWN)
     cell.expect_activated(f"{int(NOW)}:1r1")
     cell.autoscaling.add_client_error(
         "set_instance_protection", "ValidationError",

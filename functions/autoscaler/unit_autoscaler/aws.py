@@ -259,6 +259,33 @@ def stopping_tasks(ecs: BaseClient, cluster: str, retry: Retry) -> dict[str, int
     return found
 
 
+# DescribeTargetHealth's `TargetHealth.State` of a target that passes its health checks and gets requests. The
+# others (botocore 1.44.18 elbv2/2015-12-01 TargetHealthStateEnum: initial, unhealthy, unhealthy.draining, unused,
+# draining, unavailable) are not serving: `initial` while the load balancer registers the target or sends it "the
+# minimum number of health checks required to determine its health status", `unused` for a target not registered
+# (or on a terminated instance), `draining` while it is deregistered
+# (https://docs.aws.amazon.com/elasticloadbalancing/latest/APIReference/API_TargetHealth.html).
+HEALTHY_TARGET = "healthy"
+
+
+def healthy_targets(elbv2: BaseClient, target_group_arn: str, retry: Retry) -> set[str]:
+    """The ids of the target group's targets in state `healthy` (EC2 instance ids: the units' target group is of
+    target type instance, and a target's `Id` is then the instance id, botocore 1.44.18 elbv2 TargetDescription).
+
+    One DescribeTargetHealth without `Targets`: "the health of [...] all of your targets" in the group
+    (https://docs.aws.amazon.com/elasticloadbalancing/latest/APIReference/API_DescribeTargetHealth.html); the call
+    is not paginated (botocore 1.44.18: no NextToken in its output, no paginator for it). The placement controller
+    reads the same group the same way for its quarantine hold and its rolling-update signals
+    (placement_controller/signals.py `healthy_targets`; functions/autoscaler/tests/test_handler.py holds the two to
+    the same answer)."""
+    response = retry.call(elbv2.describe_target_health, TargetGroupArn=target_group_arn)
+    return {
+        str(d["Target"]["Id"])
+        for d in response.get("TargetHealthDescriptions", [])
+        if d.get("TargetHealth", {}).get("State") == HEALTHY_TARGET and d.get("Target", {}).get("Id")
+    }
+
+
 def unit_instances(attributes: Mapping[str, Mapping[str, str]]) -> dict[str, list[str]]:
     """unit -> EC2 instance ids whose container instance carries that `unit` attribute."""
     units: dict[str, list[str]] = {}

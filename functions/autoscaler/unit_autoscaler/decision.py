@@ -19,7 +19,8 @@ load), the stack's state, the last scaling times and the recent capacity failure
 - `restart` a stalled unit: one that has all its instances, reports that it does not serve,
   and has not served within `start_deadline_s` of its start (`stalled`, `start_of`): its
   instances are terminated without decrementing the group, which launches fresh ones for it;
-  its services stay on (`_restartable`).
+  its services stay on (`_restartable`). Never a unit whose leader the cell's load balancer
+  calls healthy, read with no metric lag just before (`decide_checked`, `LeaderTargets`).
 
 A unit that has served stays `serving` until the autoscaler drains it: a missing or failed
 health minute does not make it `starting` again (the handler keeps a "served" latch on the
@@ -36,9 +37,10 @@ holds scale-out and `scale_in_cooldown_s` holds scale-in.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -170,6 +172,21 @@ class Unit:
 
 
 @dataclass(frozen=True)
+class LeaderTargets:
+    """What the cell's load balancer says of the units' leaders now: no metric lag (`decide_checked`).
+
+    `serving`: the units with a labelled instance that is a healthy target of the units' target group
+    (only leader tasks register there, by instance id, and only on their unit's instances: the handler's
+    `leader_targets`). A leader's proxy answers the health check 200 only while the whole unit is up and
+    its canary passes (docs/contracts.md), so such a unit serves, whatever its lagging UnitHealthy says.
+    `error`: the read failed (refused, throttled past the retries): nothing is known, and every unit may
+    serve."""
+
+    serving: frozenset[int] = frozenset()
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class Observation:
     now: float
     units: tuple[Unit, ...]
@@ -183,6 +200,8 @@ class Observation:
     unlabelled_instances: int = 0
     ttft_p90_ms: Series = ()  # the cell's TTFT p90 per minute, newest first
     deployed_at: float | None = None  # when the cell's stack last finished an operation (a deploy)
+    # The load balancer's word on the leaders, read only before a restart (`decide_checked`); None: not read.
+    leaders: LeaderTargets | None = None
 
 
 @dataclass(frozen=True)
@@ -428,8 +447,9 @@ def stalled(policy: Policy, obs: Observation, starting: Sequence[Unit]) -> list[
     its proxy reported UnitHealthy 0 in at least `scale_out_minutes` of the newest `out_minutes`,
     and 1 in none of `out_span` (a unit that reports nothing, in a metric outage or with no
     leader task, is not judged: lacking data the controller holds). A unit that forms after its
-    newest zero, its 1s still in the metric lag or missing, can be restarted: within the lag and
-    `out_minutes` of forming, at its deadline only (the faults property bounds it). A unit that lacks an instance waits
+    newest zero, its 1s still in the metric lag or missing, is judged stalled here: the load
+    balancer's word, read with no lag before a restart, holds it (`_restartable`, `decide_checked`;
+    before, it was restarted within the lag and `out_minutes` of forming). A unit that lacks an instance waits
     for it (the group's retries; `cancel` on a refusal). Its deadline runs from `start_of`, not
     from its last instance's arrival: a node replaced after the unit was already past its
     budget buys it no new deadline (the default deadline has room for one replacement). So a
@@ -454,25 +474,66 @@ def stalled(policy: Policy, obs: Observation, starting: Sequence[Unit]) -> list[
     return found
 
 
-def _restartable(stuck: Sequence[Unit], units: Sequence[Unit], in_backoff: bool) -> tuple[Unit | None, str]:
-    """The stalled unit to restart now, or None and why not.
+def _restartable(stuck: Sequence[Unit], units: Sequence[Unit], in_backoff: bool,
+                 leaders: LeaderTargets | None = None) -> tuple[Unit | None, str, list[Unit]]:
+    """The stalled unit to restart now, or None and why not; with the stalled units the load balancer says serve.
 
     A restart replaces the unit's instances (the group launches one for each terminated), and the
     placement controller labels arriving instances for the lowest unit with no member
     (placement_controller.assignment, rule 3): the replacements reach this unit only when every
     unit below it is active. One below that is dormant, draining or releasing would take them.
     In capacity backoff the instances are kept: replacements may not come.
+
+    `leaders` (None: not read; `decide_checked` reads it once a restart is otherwise due): a unit whose
+    leader is a healthy target serves, its UnitHealthy 1s still in the metric lag or missing, and is held;
+    restarted, it lost a serving replica and took another whole start (up to 105 min with the default
+    model). A failed read holds every stalled unit for this tick: holding a stalled unit one tick more costs
+    a minute of a unit already a deadline late, restarting a serving one costs that replica and its start.
     """
+    serving = [u for u in stuck if leaders is not None and u.index in leaders.serving]
     if not stuck:
-        return None, ""
-    unit = stuck[0]
+        return None, "", serving
+    if leaders is not None and leaders.error is not None:
+        names = " and ".join(u.unit_id for u in stuck)
+        return None, (f"{names} stalled, not restarted: the load balancer's target health could not be read "
+                      f"({leaders.error}); read again next tick"), serving
+    held = ""
+    if serving:
+        names = " and ".join(u.unit_id for u in serving)
+        held = (f"{names} stalled by UnitHealthy, not restarted: its leader is a healthy target of the load "
+                "balancer (it serves; its 1s are still in the metric lag or missing)")
+    candidates = [u for u in stuck if u not in serving]
+    if not candidates:
+        return None, held, serving
+    unit = candidates[0]
     if in_backoff:
-        return None, f"{unit.unit_id} stalled, its instances kept: in capacity backoff"
+        return None, _joined(held, f"{unit.unit_id} stalled, its instances kept: in capacity backoff"), serving
     lower = [u for u in units if u.index < unit.index and u.phase not in ACTIVE]
     if lower:
-        return None, (f"{unit.unit_id} stalled, not restarted: {lower[0].unit_id} below it is {lower[0].phase} "
-                      "and would be labelled with the replacements")
-    return unit, ""
+        return None, _joined(held, f"{unit.unit_id} stalled, not restarted: {lower[0].unit_id} below it is "
+                                   f"{lower[0].phase} and would be labelled with the replacements"), serving
+    return unit, held, serving
+
+
+def _joined(*parts: str) -> str:
+    return "; ".join(p for p in parts if p)
+
+
+def decide_checked(policy: Policy, obs: Observation, read_leaders: Callable[[], LeaderTargets],
+                   decide_with: Callable[[Policy, Observation], Decision] | None = None,
+                   ) -> tuple[Decision, Observation]:
+    """`decide`, and when it restarts a unit on the observation's metrics alone, the same with the load
+    balancer's word on the leaders (`read_leaders`, called at most once, only then): the unit is restarted
+    only if its leader is not a healthy target and the read succeeded; else the tick goes on to its other
+    rules, as when a stalled unit is held in capacity backoff. Returns the decision and the observation it
+    was made on. `decide_with`: the decision function (default `decide`; the cell simulation plugs older ones
+    in). The handler, the scaling simulator and the cell simulation all decide through here."""
+    choose = decide_with or decide
+    decision = choose(policy, obs)
+    if decision.action != "restart" or obs.leaders is not None:
+        return decision, obs
+    checked = dataclasses.replace(obs, leaders=read_leaders())
+    return choose(policy, checked), checked
 
 
 def _draining_below(draining: Sequence[Unit], dormant: Sequence[Unit]) -> Unit | None:
@@ -504,10 +565,16 @@ def decide(policy: Policy, obs: Observation) -> Decision:
     cell_load = total / len(serving) if serving else 0.0
     need = min(max(needed_units(policy, total), policy.min_units), policy.max_units)
     stuck = stalled(policy, obs, starting)
+    backoff = backoff_until(policy, obs.capacity_failures)
+    in_backoff = backoff is not None and obs.now < backoff
+    restart, not_restarted, stalled_serving = _restartable(stuck, units, in_backoff, obs.leaders)
+    unread = obs.leaders is not None and obs.leaders.error is not None and bool(stuck)
     metrics = {
         "ActiveUnits": float(active), "ServingUnits": float(len(serving)), "StartingUnits": float(len(starting)),
         "DrainingUnits": float(len(draining) + len(releasing)), "NeededUnits": float(need), "CellLoad": cell_load,
-        "StalledUnits": float(len(stuck)),
+        # A unit its leader's healthy target shows serving is not stalled (its StalledAlarm would be false).
+        "StalledUnits": float(len(stuck) - len(stalled_serving)),
+        "StalledServing": float(len(stalled_serving)), "LeaderHealthUnread": float(unread),
     }
 
     def out(action: ActionKind, reason: str, chosen: Sequence[Unit] = ()) -> Decision:
@@ -516,8 +583,6 @@ def decide(policy: Policy, obs: Observation) -> Decision:
     if obs.stack_busy:
         return out("hold", f"the cell's stack is {obs.stack_busy}: never act during a deployment")
 
-    backoff = backoff_until(policy, obs.capacity_failures)
-    in_backoff = backoff is not None and obs.now < backoff
     cancel = _cancellable(policy, obs, starting, active)
     if cancel:
         # The launch for units being activated was refused for capacity: give the request back.
@@ -533,14 +598,14 @@ def decide(policy: Policy, obs: Observation) -> Decision:
                    "instances it still holds", releasing[: policy.min_units - active])
     if releasing:
         return out("release", "tasks stopped after the drain: releasing the unit's instances", releasing[:1])
-    restart, not_restarted = _restartable(stuck, units, in_backoff)
     if restart is not None:
         late = (obs.now - (start_of(restart, obs) or obs.now)) / MINUTE_S
         deadline = deadline_of(policy, restart) or 0.0
         again = f", restart {restart.restarts + 1} since its activation" if restart.restarts else ""
-        return out("restart", f"{restart.unit_id} has all its instances and has not served {late:.0f} min after "
-                   f"its start (deadline {deadline:.0f} s{again}): its instances replaced, the group launching "
-                   "fresh ones for it", [restart])
+        return out("restart", _joined(
+            f"{restart.unit_id} has all its instances and has not served {late:.0f} min after its start (deadline "
+            f"{deadline:.0f} s{again}): its instances replaced, the group launching fresh ones for it",
+            not_restarted), [restart])
     below = _draining_below(draining, dormant)
     wait = f"; waiting for {below.unit_id} to be drained and released first" if below else ""
 

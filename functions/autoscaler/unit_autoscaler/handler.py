@@ -18,7 +18,10 @@ asks `decision.decide` for at most one action and carries it out:
   more restart (its next deadline doubles, `decision.deadline_of`), then its instances
   terminated without decrementing the group, which launches fresh ones for it; its services
   stay on. One the group refuses as busy gets its protection back; when none was replaced,
-  the record is put back as it was.
+  the record is put back as it was. Only once the cell's load balancer, asked just before
+  (`leader_targets`: one DescribeTargetHealth), says the unit's leader is not a healthy target:
+  UnitHealthy reaches the tick minutes late, the target health does not
+  (`decision.decide_checked`). A failed read holds the restart for the tick.
 
 Before deciding, a tick finishes any half-done activation or deactivation (`finish_half_done`):
 the actions are several calls, and a tick that died between the leader's and the followers'
@@ -55,17 +58,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from botocore.client import BaseClient
-from botocore.exceptions import ClientError
+from botocore.exceptions import BotoCoreError, ClientError
 
 from unit_autoscaler import aws, counts
 from unit_autoscaler.decision import (
     MINUTE_S,
     Decision,
+    LeaderTargets,
     Load,
     Observation,
     Policy,
     Unit,
-    decide,
+    decide_checked,
     has_served,
     latch_after,
     phase_of,
@@ -103,11 +107,14 @@ class Settings:
     namespace: str
     capacity: int
     policy: Policy
+    # The cell's units' target group (every unit's leader registers in it): asked before a restart. Empty: not
+    # known, and no stalled unit is restarted (`leader_targets`).
+    target_group_arn: str = ""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Settings:
         missing = [n for n in ("CLUSTER", "GROUP", "STACK", "CELL", "PROXY_NAMESPACE", "AUTOSCALER_NAMESPACE",
-                               "ADMISSION_CAPACITY", "POLICY") if not env.get(n, "").strip()]
+                               "ADMISSION_CAPACITY", "POLICY", "TARGET_GROUP_ARN") if not env.get(n, "").strip()]
         if missing:
             raise ValueError(f"unit autoscaler misconfigured: {', '.join(missing)} not set")
         try:
@@ -116,7 +123,7 @@ class Settings:
         except (TypeError, ValueError) as error:
             raise ValueError(f"unit autoscaler misconfigured: POLICY or ADMISSION_CAPACITY: {error}") from None
         return cls(env["CLUSTER"], env["GROUP"], env["STACK"], env["CELL"], env["PROXY_NAMESPACE"],
-                   env["AUTOSCALER_NAMESPACE"], capacity, policy)
+                   env["AUTOSCALER_NAMESPACE"], capacity, policy, env["TARGET_GROUP_ARN"].strip())
 
     @property
     def unit_ids(self) -> list[str]:
@@ -129,6 +136,7 @@ class Clients:
     cloudformation: BaseClient
     cloudwatch: BaseClient
     ecs: BaseClient
+    elbv2: BaseClient | None = None  # None: no target health to read (a stalled unit is then never restarted)
 
 
 def _tag_time(tags: Mapping[str, str], key: str) -> float | None:
@@ -196,6 +204,34 @@ def observe(settings: Settings, clients: Clients, now: float, retry: aws.Retry) 
                    replacements=unregistered_replacements(settings, group, attributes, units, unregistered),
                    starting={u.index for u in units if u.phase == "starting"})
     return obs, context
+
+
+def leader_targets(settings: Settings, clients: Clients, labelled: Mapping[str, Collection[str]],
+                   retry: aws.Retry) -> LeaderTargets:
+    """Which units' leaders are healthy targets of the cell's load balancer now (`decision.LeaderTargets`), read
+    just before a restart (`decision.decide_checked`): a unit with a labelled instance (`labelled`: unit -> EC2
+    instance ids, the labels on instances the group is terminating too) that is a healthy target.
+
+    Only leader tasks register in the units' target group (cell_constructs/inference_unit.py `_leader_service`,
+    host networking: by instance id), and a unit's tasks run only on instances labelled for it (`memberOf
+    attribute:unit == uN`; the placement controller moves a label only off an instance with no task,
+    placement_controller.handler `_movable`). So a healthy target on a unit's instance is that unit's leader.
+
+    A failed read (refused, throttled past `aws.Retry`, the service's HealthUnavailable) is logged and returned as
+    `error`: the stalled unit is held this tick and asked for again the next, as the placement controller does not
+    stop a quarantined host's tasks when it cannot read the target health (placement_controller.handler
+    `_serving_or_unknown`, unknown = serving)."""
+    if not settings.target_group_arn or clients.elbv2 is None:
+        LOG.error("no target group or load balancer client configured: no stalled unit is restarted")
+        return LeaderTargets(error="no target group configured")
+    try:
+        healthy = aws.healthy_targets(clients.elbv2, settings.target_group_arn, retry)
+    except (ClientError, BotoCoreError) as error:
+        LOG.error("could not read the leaders' target health (%s): no stalled unit restarted this tick", error)
+        code = aws.error_code(error) if isinstance(error, ClientError) else type(error).__name__
+        return LeaderTargets(error=code or "error")
+    return LeaderTargets(serving=frozenset(index for index, unit_id in enumerate(settings.unit_ids)
+                                           if healthy.intersection(labelled.get(unit_id, ()))))
 
 
 def unit_views(settings: Settings, group: aws.GroupView, services: Mapping[tuple[str, str], aws.ServiceView],
@@ -725,7 +761,8 @@ def emf(settings: Settings, decision: Decision, failures: int, now: float, unreg
 def tick(settings: Settings, clients: Clients, now: float, retry: aws.Retry,
          emit: Callable[[str], None]) -> dict[str, Any]:
     obs, context = observe(settings, clients, now, retry)
-    decision = decide(settings.policy, obs)
+    decision, obs = decide_checked(settings.policy, obs,
+                                   lambda: leader_targets(settings, clients, context.get("labelled", {}), retry))
     done = act(settings, clients, decision, context, now, retry) if decision.action != "hold" else {}
     if context.get("finished"):
         done["finished"] = context["finished"]
@@ -747,6 +784,8 @@ def tick(settings: Settings, clients: Clients, now: float, retry: aws.Retry,
         "capacity_failures": [m for _, m in recent], "stack_status": context.get("stack_status"),
         "unregistered": context.get("unregistered", []),
     }
+    if obs.leaders is not None:  # asked before a restart: what the load balancer said
+        summary["leaders"] = {"serving": [f"u{i}" for i in sorted(obs.leaders.serving)], "error": obs.leaders.error}
     if recent:
         LOG.error("instances could not be obtained: %s", "; ".join(m for _, m in recent))
     emit(emf(settings, decision, len(recent), now, None if obs.stack_busy else len(summary["unregistered"]),
@@ -760,7 +799,7 @@ def _clients() -> Clients:
 
     config = Config(retries={"total_max_attempts": 1, "mode": "standard"}, connect_timeout=5, read_timeout=20)
     return Clients(*(boto3.client(name, config=config)
-                     for name in ("autoscaling", "cloudformation", "cloudwatch", "ecs")))
+                     for name in ("autoscaling", "cloudformation", "cloudwatch", "ecs", "elbv2")))
 
 
 def _print(line: str) -> None:
