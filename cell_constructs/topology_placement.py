@@ -152,6 +152,7 @@ class TopologyPlacement(Construct):
             period=Duration.minutes(5),
         )
         self.errors_alarm, self.dead_letter_alarm, self.backlog_alarm = self._alarms()
+        self.delivery_failures_alarm = self._delivery_failures_alarm()
         self.quarantine_alarm = self._quarantine_alarm()
         self.unmatched_start_failures_alarm = self._unmatched_start_failures_alarm()
 
@@ -550,6 +551,47 @@ class TopologyPlacement(Construct):
                 ),
             )
         return errors, dead_letters, backlog
+
+    def _delivery_failures_alarm(self) -> cloudwatch.Alarm:
+        """EventBridge could not deliver a trigger to the queue: no run, no unit, and no other alarm says so.
+
+        A trigger that never reaches the queue reaches neither the function nor the dead-letter queue, so
+        the errors, dead-letter and backlog alarms all read 0. Whether EventBridge can deliver to a queue
+        encrypted with a key whose policy grants events.amazonaws.com under `aws:SourceAccount` (what
+        `targets.SqsQueue` writes) is unverified on AWS: the SNS developer guide says such conditions are
+        not supported in a KMS policy for EventBridge-to-encrypted topics, and nothing was found either
+        way for SQS. EventBridge counts each delivery that "failed permanently" as `FailedInvocations`,
+        dimension `RuleName` for a rule of the default bus, and sends it "only if it isn't zero"
+        (https://docs.aws.amazon.com/eventbridge/latest/userguide/eb-monitoring.html, "EventBridge
+        metrics"). A missing permission is not retried, the event is dropped at once ("Event retry policy
+        and using dead-letter queues", https://docs.aws.amazon.com/eventbridge/latest/userguide/eb-rule-dlq.html),
+        so the sweep's failure would show within its interval; whether a KMS refusal behind SendMessage counts
+        as one is unverified (retried, it would count only when the target's retry policy ends, 24 h by
+        default). One series per rule, each filled with 0 as the
+        dead-letter sum is (`_alarms`): a rule that never failed has no series at all. Not
+        InvocationsFailedToBeSentToDlq (these targets have no dead-letter queue) nor ThrottledRules
+        (throttled deliveries are retried; one that never succeeds ends in FailedInvocations).
+        """
+        ids = ("instances", "group", "startfailures", "sweep")  # the order of _triggers
+        period = Duration.minutes(5)
+        failures = {
+            id_: cloudwatch.Metric(namespace="AWS/Events", metric_name="FailedInvocations",
+                                   dimensions_map={"RuleName": rule.rule_name}, statistic="Sum", period=period)
+            for id_, rule in zip(ids, self.rules, strict=True)
+        }
+        return watched_alarm(
+            self,
+            "TriggerDeliveryFailuresAlarm",
+            description="EventBridge could not deliver placement controller triggers to the encrypted trigger "
+            "queue (a key or queue policy, say): the controller does not run and no unit forms (docs/placement.md)",
+            metric=cloudwatch.MathExpression(
+                expression=" + ".join(f"FILL({id_}, 0)" for id_ in failures),
+                using_metrics=failures,
+                label="Triggers EventBridge failed to deliver (all four rules)",
+                period=period,
+            ),
+            watched_by="Watched by the rollout pipeline's alarm conditions and the cell dashboard",
+        )
 
     def _quarantine_alarm(self) -> cloudwatch.Alarm:
         """An instance was quarantined: it is being replaced, and an operator should know why."""

@@ -511,6 +511,8 @@ class CellStack(Stack):
                 "placement-dead-letters": self.placement.dead_letter_alarm,
                 "placement-stuck": self.placement.backlog_alarm,
                 "placement-quarantine": self.placement.quarantine_alarm,
+                # Triggers EventBridge cannot deliver: the controller never runs and its other alarms read 0.
+                "placement-trigger-delivery": self.placement.delivery_failures_alarm,
                 # A node whose setup failed stays out of service: the gate holds the rollout.
                 "node-setup-failed": self.capacity.setup_failure_alarm,
                 # A node whose ECS agent never registered serves nothing either (docs/cell-lifecycle.md).

@@ -108,10 +108,11 @@ def test_composite_gate_fires_on_any_cell_alarm(synth_large, stack_name: str) ->
     rule = json.dumps(gate["Properties"]["AlarmRule"])
     for logical_id in _logical_ids(template).values():
         assert f'"{logical_id}", "Arn"' in rule
-    # ... and on the placement controller's four alarms, the failed node setup alarm and the unregistered agent's.
-    assert rule.count(" OR ") == len(DOCUMENTED) + 6 - 1 and " AND " not in rule
+    # ... and on the placement controller's five alarms, the failed node setup alarm and the unregistered agent's.
+    assert rule.count(" OR ") == len(DOCUMENTED) + 7 - 1 and " AND " not in rule
     for placement in ("PlacementErrorsAlarm", "PlacementDeadLettersAlarm", "PlacementBacklogAlarm",
-                      "PlacementQuarantineAlarm", "TrainiumNodeSetupFailedAlarm", "TrainiumNodeAgentUnregisteredAlarm"):
+                      "PlacementQuarantineAlarm", "PlacementTriggerDeliveryFailuresAlarm",
+                      "TrainiumNodeSetupFailedAlarm", "TrainiumNodeAgentUnregisteredAlarm"):
         assert f'"{placement}' in rule
 
 

@@ -400,7 +400,8 @@ def test_placement_alarms_are_in_the_gate_and_the_dashboard(synth_default) -> No
     (gate,) = resources(template, "AWS::CloudWatch::CompositeAlarm").values()
     rule = json.dumps(gate["Properties"]["AlarmRule"])
     dashboard = json.dumps(only(template, "AWS::CloudWatch::Dashboard")["Properties"]["DashboardBody"])
-    for alarm in ("PlacementErrorsAlarm", "PlacementDeadLettersAlarm", "PlacementBacklogAlarm"):
+    for alarm in ("PlacementErrorsAlarm", "PlacementDeadLettersAlarm", "PlacementBacklogAlarm",
+                  "PlacementTriggerDeliveryFailuresAlarm"):
         assert alarm in rule and alarm in dashboard
 
 

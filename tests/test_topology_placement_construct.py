@@ -526,6 +526,34 @@ def test_dead_letter_alarm_fills_each_queue_with_zero(synthesized):
     assert alarm["Properties"]["ComparisonOperator"] == "GreaterThanOrEqualToThreshold"
 
 
+def test_eventbridge_delivery_failures_of_every_trigger_rule_raise_an_alarm(synthesized):
+    """A trigger EventBridge cannot deliver to the encrypted FIFO queue (a key or queue policy condition, say)
+    never reaches the queue nor the function: the errors, dead-letter and backlog alarms all stay at 0. Only
+    EventBridge's own FailedInvocations (AWS/Events, RuleName, sent only when not zero) tells, for each of the
+    four rules; each filled with 0, as the dead-letter sum, so one rule's failures alone make the sum."""
+    template, _, _ = synthesized
+    rules = {r["Properties"].get("Description"): logical_id
+             for logical_id, r in template.find_resources("AWS::Events::Rule").items()}
+    assert len(rules) == 4
+    [alarm] = [a["Properties"] for a in template.find_resources("AWS::CloudWatch::Alarm").values()
+               if "FailedInvocations" in json.dumps(a["Properties"].get("Metrics", []))]
+    stats = {m["Id"]: m["MetricStat"] for m in alarm["Metrics"] if "MetricStat" in m}
+    for stat in stats.values():
+        assert (stat["Metric"]["Namespace"], stat["Metric"]["MetricName"]) == ("AWS/Events", "FailedInvocations")
+        assert (stat["Stat"], stat["Period"]) == ("Sum", 300)
+    watched = sorted(d["Value"]["Ref"] for s in stats.values() for d in s["Metric"]["Dimensions"]
+                     if d["Name"] == "RuleName")
+    assert watched == sorted(rules.values())
+    assert all(len(s["Metric"]["Dimensions"]) == 1 for s in stats.values())  # the default bus: RuleName only
+    [expression] = [m for m in alarm["Metrics"] if "Expression" in m]
+    assert expression["Expression"] == " + ".join(f"FILL({i}, 0)" for i in stats)
+    assert expression["ReturnData"] is True
+    assert (alarm["Threshold"], alarm["EvaluationPeriods"], alarm["ComparisonOperator"]) == (
+        1, 1, "GreaterThanOrEqualToThreshold")
+    assert alarm["TreatMissingData"] == "notBreaching"
+    assert "AlarmActions" not in alarm  # watched by the rollout gate and the dashboard (the cell stack)
+
+
 def _failed_start_rules(template: Template) -> list[dict]:
     return [r["Properties"] for r in template.find_resources("AWS::Events::Rule").values()
             if r["Properties"].get("EventPattern", {}).get("detail-type") == ["ECS Task State Change"]]
