@@ -292,8 +292,9 @@ def upload(client: Any, out_root: Path, uri: str, manifest: am.Manifest, layout_
     object. Instead, it's a calculation based on the checksum values of each individual part",
     https://docs.aws.amazon.com/AmazonS3/latest/API/API_Checksum.html, ChecksumSHA256; SHA256 has no
     full-object type for multipart uploads, table not re-read: https://docs.aws.amazon.com/AmazonS3/latest/userguide/
-    checking-object-integrity-upload.html). So nothing compares S3's value with a file's: the launcher checks
-    every fetched file against the manifest's own sha256 (artifact_manifest.check_node).
+    checking-object-integrity-upload.html). The launcher's fetch compares each part of a fetched shard with the
+    SHA-256 GetObjectAttributes lists for it (artifacts._verify, s3_checksum), and checks every fetched file
+    against the manifest's own sha256 (artifact_manifest.check_node).
     `shared=False` (the Batch job): the checkpoint's small files at the top (`build`'s `shared_outside`)
     came from `uri` itself, so they are there and are not sent again; the shared files under
     neuron/<layout>/ (the traced model.pt, neuron_config.json) are this compile's output and are sent.
