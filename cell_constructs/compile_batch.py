@@ -283,7 +283,10 @@ class CompileBatch(Construct):
                         description=f"{self.fleet.name} compile job: read the checkpoint, write the layout {layout}")
         role.add_to_policy(iam.PolicyStatement(actions=["s3:ListBucket"], resources=[f"{s3}{bucket}"],
                                                conditions={"StringLike": {"s3:prefix": [f"{prefix}*"]}}))
-        role.add_to_policy(iam.PolicyStatement(actions=["s3:GetObject"], resources=[f"{s3}{bucket}/{prefix}*"]))
+        # GetObjectAttributes: the parts of a multipart checkpoint file, whose checksums the fetch compares
+        # (unit_launcher/artifacts.py `_verify`); without a version ID it needs s3:GetObject and this.
+        role.add_to_policy(iam.PolicyStatement(actions=["s3:GetObject", "s3:GetObjectAttributes"],
+                                               resources=[f"{s3}{bucket}/{prefix}*"]))
         # Shards are uploaded in parts (boto3's transfer manager), which it aborts when an upload fails.
         role.add_to_policy(iam.PolicyStatement(actions=["s3:PutObject", "s3:AbortMultipartUpload"],
                                                resources=[f"{s3}{bucket}/{layout}*"]))

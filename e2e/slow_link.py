@@ -9,8 +9,9 @@ body of every GET whose path matches `--match` at `--rate` bytes per second, in 
 chunks, as a slow link would; everything else passes at full speed. boto3 finds it through
 AWS_ENDPOINT_URL_S3, as it finds moto's server. A client that hangs up (a cancelled fetch)
 ends its transfer at once. `--cut N` plays a faulty link instead: a matching body stops
-after N bytes and the connection closes. Used by `make e2e` (e2e/unit_mode.py) and the
-launcher's tests.
+after N bytes and the connection closes. `--flip N` plays a link that corrupts: byte N of a matching
+body (of each ranged part, for a ranged GET) is inverted, the length unchanged. Used by `make e2e`
+(e2e/unit_mode.py) and the launcher's tests.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length",
 class SlowLink(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, port: int, upstream: str, rate: float, match: str, cut: int | None = None) -> None:
+    def __init__(self, port: int, upstream: str, rate: float, match: str, cut: int | None = None,
+                 flip: int | None = None) -> None:
         target = urlsplit(upstream)
         self.upstream = (target.hostname or "127.0.0.1", target.port or 80)
-        self.rate, self.match, self.cut = rate, re.compile(match), cut
+        self.rate, self.match, self.cut, self.flip = rate, re.compile(match), cut, flip
         super().__init__(("127.0.0.1", port), _Handler)
 
 
@@ -61,13 +63,19 @@ class _Handler(BaseHTTPRequestHandler):
         for name, value in response.getheaders():
             if name.lower() not in HOP_BY_HOP:
                 self.send_header(name, value)
-        self.send_header("Content-Length", str(len(payload)))
+        # A HEAD's length is the object's, upstream's (boto3's transfer manager sizes its ranged parts by it).
+        length = response.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(payload))
+        self.send_header("Content-Length", length)
         self.end_headers()
         if self.command == "HEAD":
             return
         slow = self.command == "GET" and bool(self.server.match.search(self.path))
         if slow and self.server.cut is not None:
             payload, self.close_connection = payload[: self.server.cut], True
+        flip = self.server.flip
+        # Object bodies only: not GetObjectAttributes (`?attributes`) or other queries of the same path.
+        if slow and flip is not None and 0 <= flip < len(payload) and not urlsplit(self.path).query:
+            payload = payload[:flip] + bytes([payload[flip] ^ 0xFF]) + payload[flip + 1:]
         self._send(payload, self.server.rate if slow else 0.0)
 
     def _send(self, payload: bytes, rate: float) -> None:
@@ -94,10 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, required=True, help="bytes per second of a throttled body")
     parser.add_argument("--match", default=r"_sharded_checkpoint", help="regex on the request path to throttle")
     parser.add_argument("--cut", type=int, default=None, help="send only this many bytes of a matching body")
+    parser.add_argument("--flip", type=int, default=None, help="invert this byte of every matching body")
     args = parser.parse_args(argv)
     if args.rate <= 0:
         parser.error(f"--rate must be above 0 bytes per second, got {args.rate:g}")
-    server = SlowLink(args.port, args.upstream, args.rate, args.match, args.cut)
+    server = SlowLink(args.port, args.upstream, args.rate, args.match, args.cut, args.flip)
     print(f"slow link on 127.0.0.1:{args.port} -> {args.upstream}, {args.rate:g} B/s for {args.match!r}", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
         server.serve_forever()

@@ -280,8 +280,8 @@ FIGURE_PARAMETERS_BILLION = 405.0
 GP3_THROUGHPUT_MIBPS = 1000
 GP3_IOPS = 4000  # gp3 throughput is at most 0.25 MiB/s per provisioned IOPS: 1,000 MiB/s needs 4,000
 # Every weight byte crosses the volume four times: the checkpoint's download, its hashing for the
-# key, the manifest's hashing of the shards, the shards' upload. (The fetch also MD5-checks objects
-# uploaded in one part; `aws s3 sync` uploads a checkpoint's multi-GB files in parts: not counted.)
+# key, the manifest's hashing of the shards, the shards' upload. (The fetch's comparison of a download
+# with the checksum S3 stores is that hashing: it records the SHA-256 the key then takes, hash_record.)
 VOLUME_CROSSINGS = 4
 # The figure is one run on one host (a trn2.48xlarge, 192 vCPUs, per NxDI's 405B tutorial), not a
 # bound: the job's timeout is three times the estimate, rounded up to the hour.

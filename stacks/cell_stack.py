@@ -617,7 +617,9 @@ class CellStack(Stack):
             self, "UnitTaskPolicy", roles=[role],
             description=f"Read {model.artifacts_s3_uri}; discover leaders in {namespace_name(self.fleet, self.cell)}",
             statements=[
-                iam.PolicyStatement(actions=["s3:GetObject"], resources=[artifacts]),
+                # GetObjectAttributes: the parts of a multipart object, whose checksums the fetch compares
+                # (unit_launcher/artifacts.py `_verify`); without a version ID it needs s3:GetObject and this.
+                iam.PolicyStatement(actions=["s3:GetObject", "s3:GetObjectAttributes"], resources=[artifacts]),
                 iam.PolicyStatement(
                     actions=["s3:ListBucket"], resources=[bucket_arn],
                     conditions={"StringLike": {"s3:prefix": [f"{model.prefix}*"]}},

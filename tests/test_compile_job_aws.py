@@ -223,7 +223,8 @@ def test_the_job_role_reads_the_checkpoint_and_writes_only_its_layout(synth_defa
     assert statements == [
         {"Action": "s3:ListBucket", "Condition": {"StringLike": {"s3:prefix": [f"{PREFIX}*"]}}, "Effect": "Allow",
          "Resource": f"arn:aws:s3:::{BUCKET}"},
-        {"Action": "s3:GetObject", "Effect": "Allow", "Resource": f"arn:aws:s3:::{BUCKET}/{PREFIX}*"},
+        {"Action": ["s3:GetObject", "s3:GetObjectAttributes"], "Effect": "Allow",
+         "Resource": f"arn:aws:s3:::{BUCKET}/{PREFIX}*"},
         {"Action": ["s3:AbortMultipartUpload", "s3:PutObject"], "Effect": "Allow",
          "Resource": f"arn:aws:s3:::{BUCKET}/{layout}*"},
     ]
@@ -337,6 +338,41 @@ def test_every_file_the_batch_jobs_manifest_lists_is_in_s3_with_its_size_and_che
     for rel, entry in listed.items():
         data = s3.get_object(Bucket=BUCKET, Key=PREFIX + rel)["Body"].read()
         assert (len(data), hashlib.sha256(data).hexdigest()) == (entry.size, entry.sha256), rel
+
+
+def test_a_checkpoint_file_corrupted_on_its_way_is_refused_naming_it_before_any_pass_runs(
+        s3, tmp_path, monkeypatch, capsys):
+    """The checkpoint is in no manifest: the job keys and compiles what it fetched, and every node would then take
+    the corrupted weights' shards as verified. An SSE-KMS object's ETag is not its MD5, so until the forty-second
+    session a download whose MD5 was not its ETag was accepted on its size (seen failing: the job exited 0 and ran
+    its passes). The fetch now compares the checksum S3 stores. The transfer is corrupted here after it lands
+    (moto's in-process S3 has no link to corrupt); tests of the link itself: test_fetch_checksums.py."""
+    log = tmp_path / "passes.log"
+    monkeypatch.setenv("FAKE_NXDI_LOG", str(log))
+    weights = PREFIX + "model-00001-of-00001.safetensors"
+    s3.put_object(Bucket=BUCKET, Key=weights, Body=b"w" * 5000, ServerSideEncryption="aws:kms")
+    real = boto3.client
+
+    def corrupting(*args, **kwargs):
+        client = real(*args, **kwargs)
+        download = client.download_file
+
+        def flipped(bucket, key, filename, **more):
+            download(bucket, key, filename, **more)
+            if key == weights:
+                body = bytearray(Path(filename).read_bytes())
+                body[100] ^= 0xFF
+                Path(filename).write_bytes(bytes(body))
+        client.download_file = flipped
+        return client
+
+    monkeypatch.setattr(boto3, "client", corrupting)
+    assert compile_run.main(_job_environment(DEFAULT, tmp_path, monkeypatch)) == exit_codes.COMPILE
+    assert (f"error: s3://{BUCKET}/{weights}: the download does not match the checksum S3 stores (CRC32 of the "
+            "whole object)") in capsys.readouterr().err
+    assert not log.exists(), "a compile pass ran on the corrupted checkpoint"
+    monkeypatch.setattr(boto3, "client", real)
+    assert compile_run.main(_job_environment(DEFAULT, tmp_path, monkeypatch)) == 0, capsys.readouterr().err
 
 
 def test_the_batch_job_refuses_inputs_that_do_not_give_the_fleets_key(s3, tmp_path, monkeypatch, capsys):

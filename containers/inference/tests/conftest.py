@@ -220,17 +220,21 @@ class LoopbackS3:
 
     BUCKET = "models"
 
-    def __init__(self, log_dir: Path, rate: float, match: str, cut: int | None = None) -> None:
+    def __init__(self, log_dir: Path, rate: float, match: str, cut: int | None = None, flip: int | None = None,
+                 part_min: int | None = None) -> None:
         import boto3
 
         moto_port, link_port = free_ports(2)
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        # moto's smallest multipart part (5 MiB, as S3's, unless set): small parts keep a multipart object small.
+        moto_env = {**env, **({"S3_UPLOAD_PART_MIN_SIZE": str(part_min)} if part_min is not None else {})}
         self.procs = [
-            subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(moto_port)], env=env,
-                             stdout=(log_dir / "moto.log").open("wb"), stderr=subprocess.STDOUT),
+            subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(moto_port)],
+                             env=moto_env, stdout=(log_dir / "moto.log").open("wb"), stderr=subprocess.STDOUT),
             subprocess.Popen([sys.executable, str(SLOW_LINK), "--upstream", f"http://127.0.0.1:{moto_port}",
                               "--port", str(link_port), "--rate", str(rate), "--match", match,
-                              *(["--cut", str(cut)] if cut is not None else [])], env=env,
+                              *(["--cut", str(cut)] if cut is not None else []),
+                              *(["--flip", str(flip)] if flip is not None else [])], env=env,
                              stdout=(log_dir / "slow-link.log").open("wb"), stderr=subprocess.STDOUT),
         ]
         self.url = f"http://127.0.0.1:{link_port}"
@@ -269,8 +273,9 @@ def slow_s3(tmp_path: Path) -> Iterator[Callable[..., LoopbackS3]]:
     """Start a loopback S3 whose matching objects come through a slowed link."""
     started: list[LoopbackS3] = []
 
-    def start(rate: float, match: str = r"_sharded_checkpoint", cut: int | None = None) -> LoopbackS3:
-        s3 = LoopbackS3(tmp_path, rate, match, cut)
+    def start(rate: float, match: str = r"_sharded_checkpoint", cut: int | None = None, flip: int | None = None,
+              part_min: int | None = None) -> LoopbackS3:
+        s3 = LoopbackS3(tmp_path, rate, match, cut, flip, part_min)
         started.append(s3)
         return s3
 

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from unit_launcher import artifact_manifest as am
 from unit_launcher.artifacts import FetchCancelled
+from unit_launcher.hash_record import HashRecord
 from unit_launcher.spec import parse_spec
 
 EXIT_ARTIFACTS = 4
@@ -215,7 +216,7 @@ def test_a_node_told_to_stop_stops_hashing_and_records_nothing(tmp_path):
     cancel.set()
     with pytest.raises(FetchCancelled, match=r"hashing .* cancelled"):
         am.check_node(manifest, tmp_path, 1, planned=_planned(manifest), expected_key=None, cancel=cancel)
-    verified = tmp_path / am._Verified.NAME
+    verified = tmp_path / HashRecord.NAME
     assert not verified.exists() or "tp3" not in verified.read_text()  # nothing recorded as matching
     am.check_node(manifest, tmp_path, 1, planned=_planned(manifest), expected_key=None, cancel=threading.Event())
 

@@ -21,10 +21,8 @@ manifest over some of the new files.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 
 from unit_launcher import plan
 from unit_launcher.artifacts import ArtifactError, FetchCancelled
+from unit_launcher.hash_record import HashRecord
 from unit_launcher.spec import UnitSpec
 
 FORMAT = "inference-fleet/compiled-artifacts/v1"
@@ -330,7 +329,7 @@ def check_node(
         if not 0 <= node_rank < len(manifest.nodes):
             raise ArtifactMismatch(f"node rank {node_rank} has no slice in the manifest ({len(manifest.nodes)} nodes)")
         files.update(manifest.nodes[node_rank].files)
-    verified = _Verified(root)
+    verified = HashRecord(root)  # what the fetch (or an earlier check) read: not read again
     # Side by side: hashlib releases the GIL on large updates, so threads hash at disk speed.
     with ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
         futures = {rel: pool.submit(_check_file, root / rel, rel, entry, verified, cancel)
@@ -344,45 +343,7 @@ def check_node(
             verified.save()
 
 
-class _Verified:
-    """Files this node already hashed and found matching, by their stat (`.unit_launcher_verified.json`).
-
-    A restart after a failure checks its artifacts again; a file whose inode, size, mtime and ctime
-    are those recorded when it last matched has not been written since (a fetch replaces files,
-    which gives a new inode and ctime; ctime cannot be set back from user space), so it is not
-    hashed again. Anything else is hashed."""
-
-    NAME = ".unit_launcher_verified.json"
-
-    def __init__(self, root: Path) -> None:
-        self.path = root / self.NAME
-        try:
-            loaded = json.loads(self.path.read_text())
-            self.entries: dict[str, list[Any]] = loaded if isinstance(loaded, dict) else {}
-        except (OSError, ValueError):
-            self.entries = {}
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def _stamp(stat: os.stat_result, sha256: str) -> list[Any]:
-        return [stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, sha256]
-
-    def known(self, rel: str, stat: os.stat_result, sha256: str) -> bool:
-        with self._lock:
-            return self.entries.get(rel) == self._stamp(stat, sha256)
-
-    def record(self, rel: str, stat: os.stat_result, sha256: str) -> None:
-        with self._lock:
-            self.entries[rel] = self._stamp(stat, sha256)
-
-    def save(self) -> None:
-        with contextlib.suppress(OSError):
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.entries, sort_keys=True))
-            os.replace(tmp, self.path)
-
-
-def _check_file(path: Path, rel: str, entry: FileEntry, verified: _Verified,
+def _check_file(path: Path, rel: str, entry: FileEntry, verified: HashRecord,
                 cancel: threading.Event | None = None) -> None:
     try:
         stat = path.stat()

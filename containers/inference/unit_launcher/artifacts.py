@@ -6,9 +6,12 @@ top-level files and its own layout only; when the layout carries presharded weig
 (`weights/tp<rank>_sharded_checkpoint.safetensors`, NxD Inference's `save_sharded_checkpoint`),
 it fetches only its own ranks' shards and not the full checkpoint's weight files.
 Objects already present with the size and ETag recorded by an earlier fetch are
-skipped; single-part objects are checked against their MD5 ETag after download, except those S3
-encrypts with a KMS key, whose ETag is not their MD5 (`_etag_is_md5`): those rest on their size and,
-for what a node serves, the compile manifest's SHA-256 (artifact_manifest.check_node).
+skipped. Each download is read once against the checksum S3 stores with the object, where this image
+can compute it (s3_checksum: CRC32, SHA-1, SHA-256, SHA-512; a multipart object part by part), and a
+single-part plaintext or SSE-S3 object against its MD5 ETag (`_verify`); that read's SHA-256 is recorded
+(hash_record) for the manifest check and the compile's key, which then do not read the file again. An
+object with neither rests on its size and, for what a node serves, the compile manifest's SHA-256
+(artifact_manifest.check_node).
 Transfers run concurrently (boto3's transfer manager splits large objects into ranged
 parts) and progress is logged. A fetch is cancellable (`cancel`): the transfer stops at its
 next chunk, so a node told to stop (SIGTERM) does not first finish a download of minutes.
@@ -18,7 +21,6 @@ the launcher records as the session's cause (`artifacts`); nothing escapes as a 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -29,10 +31,11 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
-from unit_launcher import cache_check
+from unit_launcher import cache_check, s3_checksum
+from unit_launcher.hash_record import HashRecord
 
 log = logging.getLogger("unit_launcher.artifacts")
 
@@ -282,33 +285,60 @@ def prepare_node_layout(
 
 # What HeadObject's ServerSideEncryption says for a KMS key (SSE-KMS, and DSSE-KMS, its two-layer form).
 _KMS_ENCRYPTION = ("aws:kms", "aws:kms:dsse")
+# Objects above this size are fetched in ranged parts of this size, side by side (boto3's transfer manager).
+TRANSFER_PART = 64 << 20
 
 
-def _etag_is_md5(client: Any, bucket: str, obj: S3Object) -> bool:
-    """Whether a single-part object's ETag is its MD5, asked of S3 only when the download's MD5 differs.
+def _verify(client: Any, bucket: str, obj: S3Object, partial: Path, check: Callable[[], None]) -> str | None:
+    """Compare a download with the checksum S3 stores (s3_checksum) and, where the ETag is an MD5, with its ETag;
+    ArtifactError naming the object if either differs or the object changed. Returns the copy's SHA-256 when it
+    was read (None: nothing to compare it with, and it was not read).
 
-    S3: objects "encrypted by SSE-C or SSE-KMS, have ETags that are not an MD5 digest of their object
-    data"; plaintext and SSE-S3 ones do (S3 API reference, Object, ETag:
-    https://docs.aws.amazon.com/AmazonS3/latest/API/API_Object.html). The listing does not say how an
-    object is encrypted; HeadObject's ServerSideEncryption does. HeadObject needs s3:GetObject
-    (https://docs.aws.amazon.com/AmazonS3/latest/API/API_HeadObject.html, "Permissions"), which both roles
-    that fetch have on the prefix (the units' task role, stacks/cell_stack.py; the compile job's,
-    cell_constructs/compile_batch.py), and boto3's download_file already sends one per object (s3transfer
-    0.19.3, the image's pin, download.py:379). DSSE-KMS is taken as SSE-KMS (the page names only SSE-KMS:
-    unverified). SSE-C needs no case: a GET of such an object must carry the customer key's headers
-    (API_GetObject.html, SSECustomerAlgorithm), which this fetch never sends, so its download fails first.
-    An ETag other than the listing's means the object was replaced during the fetch: refused as before.
+    One HeadObject with ChecksumMode ENABLED per object (and, for a multipart object, GetObjectAttributes for
+    its parts). HeadObject needs s3:GetObject (https://docs.aws.amazon.com/AmazonS3/latest/API/API_HeadObject.html,
+    "Permissions") and, for the checksum of an object encrypted with a KMS key, kms:Decrypt (botocore 1.44.18's
+    S3 model, HeadObjectRequest ChecksumMode); GetObjectAttributes without a version ID needs s3:GetObject and
+    s3:GetObjectAttributes (its "Permissions", same model). The units' task role (stacks/cell_stack.py) and the
+    compile job's (cell_constructs/compile_batch.py) have them on the prefix, kms:Decrypt with
+    `model.artifacts_kms_key_arn`; a GetObjectAttributes refused (a bucket of another account) leaves the object
+    without a usable checksum, logged, as before. boto3's download_file sends its own HeadObject already
+    (s3transfer 0.19.3, the image's pin, download.py:379), whose answer it keeps.
+
+    The ETag is an MD5 only for a single-part plaintext or SSE-S3 object: objects "encrypted by SSE-C or SSE-KMS,
+    have ETags that are not an MD5 digest of their object data" (S3 API reference, Object, ETag:
+    https://docs.aws.amazon.com/AmazonS3/latest/API/API_Object.html); ServerSideEncryption says which. DSSE-KMS is
+    taken as SSE-KMS (the page names only SSE-KMS: unverified). SSE-C needs no case: a GET of such an object must
+    carry the customer key's headers (API_GetObject.html, SSECustomerAlgorithm), which this fetch never sends, so
+    its download fails first. An ETag other than the listing's means the object was replaced during the fetch.
     """
-    head = client.head_object(Bucket=bucket, Key=obj.key)
-    return head.get("ETag") != obj.etag or head.get("ServerSideEncryption") not in _KMS_ENCRYPTION
+    from botocore.exceptions import BotoCoreError, ClientError
 
-
-def _md5(path: Path) -> str:
-    digest = hashlib.md5(usedforsecurity=False)
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(8 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    where = f"s3://{bucket}/{obj.key}"
+    try:
+        head = client.head_object(Bucket=bucket, Key=obj.key, ChecksumMode="ENABLED")
+        if head.get("ETag") != obj.etag:
+            raise s3_checksum.Changed(f"ETag {head.get('ETag')} in HeadObject, {obj.etag} in the listing")
+        stored = s3_checksum.plan(client, bucket, obj.key, head, obj.etag, obj.size)
+    except s3_checksum.Changed as error:
+        raise ArtifactError(f"{where} changed during the fetch ({error}): the next start fetches it again") from None
+    except (ClientError, BotoCoreError) as error:
+        # botocore's message names the operation (HeadObject, GetObjectAttributes).
+        raise ArtifactError(f"cannot read the checksum and encryption of {where}: "
+                            f"{type(error).__name__}: {error}") from None
+    md5 = obj.md5 is not None and head.get("ServerSideEncryption") not in _KMS_ENCRYPTION
+    if isinstance(stored, str):
+        log.info("%s: no stored checksum usable (%s): it rests on its size%s", where, stored,
+                 " and its MD5 ETag" if md5 else ", TLS and, on a node, the manifest's SHA-256")
+        stored = None
+    if stored is None and not md5:
+        return None
+    digests = s3_checksum.read(partial, stored, md5, check)
+    if stored is not None and (differs := s3_checksum.problem(stored, digests)):
+        raise ArtifactError(f"{where}: the download does not match the checksum S3 stores ({stored.describe()}): "
+                            f"{differs}")
+    if md5 and digests.md5 != obj.md5:
+        raise ArtifactError(f"{where}: MD5 does not match its ETag {obj.etag}")
+    return digests.sha256
 
 
 def fetch(
@@ -436,18 +466,25 @@ def _fetch(
                 )
 
     config = TransferConfig(
-        max_concurrency=concurrency, multipart_threshold=64 << 20, multipart_chunksize=64 << 20
+        max_concurrency=concurrency, multipart_threshold=TRANSFER_PART, multipart_chunksize=TRANSFER_PART
     )
 
-    def one(obj: S3Object) -> S3Object:
+    def stop_if_cancelled() -> None:
+        if cancel.is_set():
+            raise FetchCancelled(f"fetch of {uri} cancelled")
+
+    def one(obj: S3Object) -> tuple[S3Object, tuple[os.stat_result, str] | None]:
         target = root / obj.key[len(prefix) :]
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(target.name + ".part")
-        if cancel.is_set():
-            raise FetchCancelled(f"fetch of {uri} cancelled")
+        stop_if_cancelled()
         try:
             client.download_file(bucket, obj.key, str(partial), Config=config, Callback=progress)
-        except FetchCancelled:
+            size = partial.stat().st_size
+            if size != obj.size:
+                raise ArtifactError(f"s3://{bucket}/{obj.key}: got {size} bytes, expected {obj.size}")
+            sha256 = _verify(client, bucket, obj, partial, stop_if_cancelled)
+        except (FetchCancelled, ArtifactError):
             partial.unlink(missing_ok=True)
             raise
         except failures as error:
@@ -455,33 +492,26 @@ def _fetch(
             raise ArtifactError(
                 f"download of s3://{bucket}/{obj.key} failed: {type(error).__name__}: {error}"
             ) from None
-        size = partial.stat().st_size
-        if size != obj.size:
-            partial.unlink(missing_ok=True)
-            raise ArtifactError(f"s3://{bucket}/{obj.key}: got {size} bytes, expected {obj.size}")
-        if obj.md5 is not None and _md5(partial) != obj.md5:
-            try:
-                refused = _etag_is_md5(client, bucket, obj)
-            except (ClientError, BotoCoreError) as error:
-                partial.unlink(missing_ok=True)
-                raise ArtifactError(f"cannot read how s3://{bucket}/{obj.key} is encrypted (HeadObject): "
-                                    f"{type(error).__name__}: {error}") from None
-            if refused:
-                partial.unlink(missing_ok=True)
-                raise ArtifactError(f"s3://{bucket}/{obj.key}: MD5 does not match its ETag {obj.etag}")
         os.replace(partial, target)
-        return obj
+        # Its stat after the rename (which sets its ctime): what the manifest check and the compile's key compare.
+        return obj, None if sha256 is None else (target.stat(), sha256)
 
+    # The SHA-256 of every file the checks read, for the manifest check and the compile's key (hash_record).
+    hashes = HashRecord(root)
     # Files run side by side; each large file is itself split into concurrent ranged parts.
     with ThreadPoolExecutor(max_workers=max(1, min(4, concurrency))) as pool:
         futures = [pool.submit(one, obj) for obj in todo]
         try:
             for future in as_completed(futures):
-                obj = future.result()
+                obj, read = future.result()
                 manifest[obj.key] = {"size": obj.size, "etag": obj.etag}
+                if read is not None:
+                    # As check_node names it: the key's text may differ from its path (`a//b` is `a/b`).
+                    hashes.record(PurePosixPath(obj.key[len(prefix) :]).as_posix(), *read)
         finally:
             for future in futures:
                 future.cancel()
+            hashes.save()
             tmp = manifest_path.with_suffix(".tmp")
             tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
             os.replace(tmp, manifest_path)

@@ -25,6 +25,7 @@ from typing import Any
 from unit_launcher import artifact_manifest as am
 from unit_launcher import self_check
 from unit_launcher.artifacts import MANIFEST, ArtifactError, fetch, split_uri
+from unit_launcher.hash_record import HashRecord
 
 log = logging.getLogger("unit_launcher.compile")
 
@@ -103,10 +104,19 @@ class Request:
 
 
 def checkpoint_entries(checkpoint: Path) -> dict[str, am.FileEntry]:
+    """Each checkpoint file's size and SHA-256. A file the fetch read against S3's checksum, unchanged since, is
+    not read again: the fetch recorded its SHA-256 (hash_record; its docstring says why that is the file's)."""
     files = sorted(p for p in checkpoint.rglob("*") if p.is_file() and not p.name.startswith("."))
     if not files:
         raise CompileError(f"--checkpoint {checkpoint}: no files (expected a Hugging Face checkpoint directory)")
-    return {p.relative_to(checkpoint).as_posix(): am.file_entry(p) for p in files}
+    known = HashRecord(checkpoint)
+    return {p.relative_to(checkpoint).as_posix(): _entry(p, p.relative_to(checkpoint).as_posix(), known)
+            for p in files}
+
+
+def _entry(path: Path, rel: str, known: HashRecord) -> am.FileEntry:
+    stat = path.stat()
+    return am.FileEntry(size=stat.st_size, sha256=known.sha256(rel, stat) or am.sha256_file(path))
 
 
 def key_inputs(job: Job, checkpoint: Path) -> am.KeyInputs:
@@ -282,8 +292,9 @@ def upload(client: Any, out_root: Path, uri: str, manifest: am.Manifest, layout_
     object. Instead, it's a calculation based on the checksum values of each individual part",
     https://docs.aws.amazon.com/AmazonS3/latest/API/API_Checksum.html, ChecksumSHA256; SHA256 has no
     full-object type for multipart uploads, table not re-read: https://docs.aws.amazon.com/AmazonS3/latest/userguide/
-    checking-object-integrity-upload.html). So nothing compares S3's value with a file's: the launcher checks
-    every fetched file against the manifest's own sha256 (artifact_manifest.check_node).
+    checking-object-integrity-upload.html). The launcher's fetch compares each part of a fetched shard with the
+    SHA-256 GetObjectAttributes lists for it (artifacts._verify, s3_checksum), and checks every fetched file
+    against the manifest's own sha256 (artifact_manifest.check_node).
     `shared=False` (the Batch job): the checkpoint's small files at the top (`build`'s `shared_outside`)
     came from `uri` itself, so they are there and are not sent again; the shared files under
     neuron/<layout>/ (the traced model.pt, neuron_config.json) are this compile's output and are sent.
@@ -387,11 +398,11 @@ def remove_unlisted(checkpoint: Path, listed: tuple[str, ...]) -> None:
     earlier job there (a new revision synced with --delete), or the `.part` of a fetch cut short, would
     be hashed into the key and listed in the manifest's shared files, which this job does not upload
     (they are "already beside it"), and every node would refuse the layout for a listed file missing in
-    S3. Only files under `checkpoint` go, the fetch's own record (artifacts.MANIFEST) kept; rglob does
-    not enter a linked directory, and unlinking a link leaves its target.
+    S3. Only files under `checkpoint` go, the fetch's own records (artifacts.MANIFEST, hash_record's SHA-256s)
+    kept; rglob does not enter a linked directory, and unlinking a link leaves its target.
     """
     # As the fetch writes them (root / relative): a key's text may differ from its path (`a//b` is `a/b`).
-    keep = {(checkpoint / rel).relative_to(checkpoint).as_posix() for rel in (*listed, MANIFEST)}
+    keep = {(checkpoint / rel).relative_to(checkpoint).as_posix() for rel in (*listed, MANIFEST, HashRecord.NAME)}
     for path in sorted(checkpoint.rglob("*")):
         relative = path.relative_to(checkpoint).as_posix()
         if (path.is_symlink() or path.is_file()) and relative not in keep:
