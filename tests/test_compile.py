@@ -4,11 +4,13 @@ accepted by the launcher's own artifact check."""
 
 from __future__ import annotations
 
+import base64
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import boto3
@@ -222,10 +224,13 @@ def test_the_job_builds_uploads_once_and_the_launcher_accepts_each_nodes_slice(t
     fleet = load_fleet(str(DEFAULT))
     prefix = "llama-3.1-405b-instruct/neuron/" + layout_key(fleet) + "/"
     head = s3.head_object(Bucket="rufus-model-artifacts-111111111111", Key=prefix + "model.pt", ChecksumMode="ENABLED")
-    assert "ChecksumSHA256" in head
     # Node 0's model.pt for every node; the passes' differ in the start rank NxD keeps in it (unread at load).
     traced = s3.get_object(Bucket="rufus-model-artifacts-111111111111", Key=prefix + "model.pt")["Body"].read()
     assert traced.endswith(b'{"start_rank_id": 0}')
+    # CRC32 (compile_run.UPLOAD_CHECKSUM) of the whole file: one PutObject here; a multipart shard's is
+    # containers/inference/tests/test_fetch_checksums.py's.
+    crc32 = base64.b64encode(zlib.crc32(traced).to_bytes(4, "big")).decode()
+    assert (head.get("ChecksumCRC32"), head.get("ChecksumSHA256")) == (crc32, None), head
     manifest = am.parse(json.loads(s3.get_object(Bucket="rufus-model-artifacts-111111111111",
                                                  Key=prefix + am.MANIFEST_NAME)["Body"].read()))
     assert manifest.key == key and len(manifest.nodes) == 2

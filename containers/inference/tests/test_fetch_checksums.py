@@ -171,6 +171,57 @@ def test_an_object_without_a_usable_stored_checksum_is_fetched_as_before_naming_
     assert "a multipart object, whose parts GetObjectAttributes did not give (AccessDenied)" in caplog.text
 
 
+SHARD = "neuron/L/weights/tp0_sharded_checkpoint.safetensors"
+
+
+class AttributesCounted:
+    """A client that counts its GetObjectAttributes requests."""
+
+    def __init__(self, client: Any) -> None:
+        self._client, self.attributes = client, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def get_object_attributes(self, **kwargs: Any) -> dict[str, Any]:
+        self.attributes += 1
+        return self._client.get_object_attributes(**kwargs)
+
+
+def test_the_compile_jobs_shards_carry_one_crc32_of_the_whole_file_which_a_nodes_fetch_compares(
+        slow_s3, tmp_path, monkeypatch):
+    """The compile job's upload (compile_run.upload, boto3's upload_file: multipart above 8 MB) to moto's S3 server on
+    loopback: a 9 MiB shard is stored with one CRC32 of the whole file (FULL_OBJECT), so a node's fetch through a
+    link that corrupts its ranged parts is refused naming that CRC32, an intact one accepted, with no
+    GetObjectAttributes. Before the forty-second session's change the shards went with SHA256, which S3 keeps as a
+    composite of the parts' SHA-256s: a node computed a second SHA-256 over every byte (bench_fetch_check.py)."""
+    monkeypatch.setattr(artifacts, "TRANSFER_PART", 1 << 20)
+    s3 = slow_s3(1 << 30, flip=100)  # the link corrupts `_sharded_checkpoint` objects
+    out = tmp_path / "out"
+    body = bytes(range(256)) * (9 << 12)  # 9 MiB: two parts, 8 MiB and 1 MiB (boto3's multipart_chunksize)
+    (out / SHARD).parent.mkdir(parents=True)
+    (out / SHARD).write_bytes(body)
+    (out / "config.json").write_text('{"model_type": "llama"}')
+    manifest = am.build(out, "neuron/L", _inputs({"config.json": am.file_entry(out / "config.json")}),
+                        shared_outside=("config.json",))
+    assert compile_run.upload(s3.client, out, "s3://models/m/", manifest, "L") == 3
+    head = s3.client.head_object(Bucket="models", Key=f"m/{SHARD}", ChecksumMode="ENABLED")
+    assert head["ETag"].endswith('-2"'), head["ETag"]  # multipart
+    assert (head.get("ChecksumType"), head.get("ChecksumCRC32"), head.get("ChecksumSHA256")) == (
+        "FULL_OBJECT", base64.b64encode(zlib.crc32(body).to_bytes(4, "big")).decode(), None), head
+
+    corrupting = AttributesCounted(boto3.client("s3", endpoint_url=s3.url, region_name="us-east-1",
+                                                aws_access_key_id="test", aws_secret_access_key="test"))
+    with pytest.raises(artifacts.ArtifactError, match=rf"s3://models/m/{SHARD.replace('.', '[.]')}: the download "
+                                                      r"does not match the checksum S3 stores \(CRC32 of the whole "
+                                                      r"object\): CRC32 \S+ of the download, \S+ stored in S3"):
+        artifacts.fetch(corrupting, "s3://models/m/", tmp_path / "bad", layout="L", ranks=range(1))
+    intact = AttributesCounted(s3.client)
+    artifacts.fetch(intact, "s3://models/m/", tmp_path / "good", layout="L", ranks=range(1))
+    assert (tmp_path / "good" / SHARD).read_bytes() == body
+    assert (corrupting.attributes, intact.attributes) == (0, 0)
+
+
 # --- in-process (moto's mock): what the checks then do not read again -----------------------------------------
 
 

@@ -282,19 +282,32 @@ _READ_HINTS = {
 }
 
 
+# Every file's checksum in S3 (upload). s3transfer 0.19.3 (the image's pin) passes ChecksumAlgorithm to PutObject,
+# CreateMultipartUpload and each UploadPart, and ChecksumType to CreateMultipartUpload and CompleteMultipartUpload
+# but not to PutObject (upload.py UPLOAD_PART_ARGS, COMPLETE_MULTIPART_ARGS, PUT_OBJECT_BLOCKLIST), where the type
+# "is always FULL_OBJECT" (botocore's S3 model, PutObjectOutput ChecksumType). Without ChecksumType, a multipart
+# CRC32 is COMPOSITE (a CRC32 of the parts' CRC32s, "-N"): a third party's capture against S3, floci-io/floci#3093,
+# also what moto 5.2.5 does (MultipartChecksumBuilder). FULL_OBJECT is offered for CRC32, CRC32C and CRC64NVME only
+# ("only available for CRC-based checksums because they can linearize", S3 User Guide "Checking object integrity",
+# as quoted in seaweedfs/seaweedfs#11403; the AWS page not read here). CRC32, not CRC32C or CRC64NVME: zlib
+# computes it, the others need awscrt, which the image's lock does not carry (s3_checksum).
+UPLOAD_CHECKSUM = {"ChecksumAlgorithm": "CRC32", "ChecksumType": "FULL_OBJECT"}
+
+
 def upload(client: Any, out_root: Path, uri: str, manifest: am.Manifest, layout_name: str,
            *, shared: bool = True, manifest_etag: str | None = None, replaced: str | None = None) -> int:
     """Every file the manifest lists, then the manifest itself (a partial upload has none, and the
-    launcher refuses artifacts without one). ChecksumAlgorithm SHA256 makes S3 check each request's
-    bytes on arrival; what it stores is the object's SHA-256 only for a single-part upload: upload_file
-    goes multipart above boto3's 8 MB multipart_threshold (every shard), and for those S3 keeps a composite
-    checksum, a SHA-256 of the parts' SHA-256s ("this value may not be a direct checksum value of the full
-    object. Instead, it's a calculation based on the checksum values of each individual part",
-    https://docs.aws.amazon.com/AmazonS3/latest/API/API_Checksum.html, ChecksumSHA256; SHA256 has no
-    full-object type for multipart uploads, table not re-read: https://docs.aws.amazon.com/AmazonS3/latest/userguide/
-    checking-object-integrity-upload.html). The launcher's fetch compares each part of a fetched shard with the
-    SHA-256 GetObjectAttributes lists for it (artifacts._verify, s3_checksum), and checks every fetched file
-    against the manifest's own sha256 (artifact_manifest.check_node).
+    launcher refuses artifacts without one). Each file with UPLOAD_CHECKSUM, CRC32 of type FULL_OBJECT:
+    S3 checks each request's bytes on arrival (botocore sends each UploadPart's CRC32), and stores one CRC32
+    of the whole file, combined from the parts' (upload_file goes multipart above boto3's 8 MB
+    multipart_threshold: every shard). A node's fetch then compares one CRC32 of the whole file beside the
+    SHA-256 it computes for the manifest check (artifacts._verify, s3_checksum.plan), and needs no
+    GetObjectAttributes. Until the forty-second session the files went with SHA256, for which S3 keeps a
+    composite of the parts' SHA-256s (SHA-256 has no full-object type), so a node computed a second SHA-256 over
+    every byte, each part's: 1.8-1.9x the SHA-256 alone on this machine, CRC32 1.2-1.3x
+    (bench_fetch_check.py, docs/compiled-artifacts.md "Cost"). Shards already uploaded with SHA256 are still
+    compared part by part: the fetch reads whatever S3 stores. The manifest's SHA-256 stays the end-to-end check
+    (artifact_manifest.check_node).
     `shared=False` (the Batch job): the checkpoint's small files at the top (`build`'s `shared_outside`)
     came from `uri` itself, so they are there and are not sent again; the shared files under
     neuron/<layout>/ (the traced model.pt, neuron_config.json) are this compile's output and are sent.
@@ -328,7 +341,7 @@ def upload(client: Any, out_root: Path, uri: str, manifest: am.Manifest, layout_
     shared_files = [rel for rel in manifest.shared if shared or rel.startswith(layout_dir)]
     files = sorted({*shared_files, *(p for n in manifest.nodes for p in n.files)})
     for rel in files:
-        client.upload_file(str(out_root / rel), bucket, prefix + rel, ExtraArgs={"ChecksumAlgorithm": "SHA256"})
+        client.upload_file(str(out_root / rel), bucket, prefix + rel, ExtraArgs=UPLOAD_CHECKSUM)
     _put_conditionally(client, bucket, key, am.dumps(manifest), condition_etag, where, manifest_etag)
     return len(files) + 1
 
@@ -340,6 +353,8 @@ def _put_conditionally(client: Any, bucket: str, key: str, body: str, etag: str 
     from botocore.exceptions import ClientError
 
     condition = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
+    # SHA256, not UPLOAD_CHECKSUM: one PutObject stores the object's own SHA-256, which is the very SHA-256 a node's
+    # fetch computes for it (s3_checksum.read computes it once for both); a CRC32 would be a second hash.
     try:
         answer = client.put_object(Bucket=bucket, Key=key, Body=body.encode(), ChecksumAlgorithm="SHA256",
                                    **condition)
