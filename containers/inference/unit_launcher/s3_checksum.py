@@ -4,8 +4,9 @@ A fetch of an object above the transfer's multipart threshold is a set of ranged
 carries no checksum of the whole object for botocore to check (botocore 1.44.18 `httpchecksum.py`
 `handle_checksum_body` also skips a composite one, "-N"); an SSE-KMS object's ETag is not its MD5, and a
 multipart one's is not any object's MD5. So the fetch reads the copy once, after it lands, against what
-S3 stores (HeadObject with ChecksumMode ENABLED; the parts of a multipart object from
-GetObjectAttributes), and records its SHA-256 for the manifest check and the compile's key (hash_record).
+S3 stores (HeadObject with ChecksumMode ENABLED; the parts of a multipart object whose checksum is a
+composite from GetObjectAttributes), and records its SHA-256 for the manifest check and the compile's key
+(hash_record).
 
 What S3 may store (botocore 1.44.18's S3 model, `ChecksumAlgorithm`: CRC32, CRC32C, SHA1, SHA256,
 CRC64NVME, SHA512, MD5, XXHASH64, XXHASH3, XXHASH128; `ChecksumType`: COMPOSITE, FULL_OBJECT):
