@@ -41,6 +41,11 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+# Run as a script (`python bench/haproxy_callgrind.py`: the docs name it by its path, and tests/test_docs_commands.py
+# runs its --help so) as well as a module
+# (`python -m bench.haproxy_callgrind`): the repository root, which holds loopback_ports, is then not on the path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from loopback_ports import held_port
 
 HERE = Path(__file__).resolve().parent
