@@ -30,9 +30,10 @@ SPARE_NODES = 1
 # the largest variant (internet-facing with WAF, gate reader role, both images built, the verify
 # gate's group and parameter, the deletion-protection custom resource with its function, role, policy and
 # log group, the rule for unit tasks that failed to start and the alarm on those no rule knows, the alarm on a node
-# whose ECS agent never registered: 128 resources with one unit, tests/test_fleet_strictness.py).
+# whose ECS agent never registered, the alarm on the placement triggers' failed deliveries: 129 resources with
+# one unit, tests/test_fleet_strictness.py).
 CFN_RESOURCE_LIMIT = 500
-CELL_BASE_RESOURCES = 118
+CELL_BASE_RESOURCES = 119
 RESOURCES_PER_UNIT = 10
 # Each AZ beyond two adds a subnet, a route table, its association and a route in each of the three
 # subnet groups (cell_constructs/network.py; counted in the synthesized templates).
