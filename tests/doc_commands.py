@@ -22,7 +22,7 @@ PYTHONS = {"python", "python3", ".venv/bin/python", ".venv/bin/python3"}
 MODULE_ROOTS = (ROOT, ROOT / "containers/inference", ROOT / "containers/inference/executor", ROOT / "containers/proxy",
                 ROOT / "functions/placement", ROOT / "functions/autoscaler")
 _FENCE = re.compile(r"^ *```[^\n]*\n(.*?)^ *```", re.MULTILINE | re.DOTALL)
-_SPAN = re.compile(r"`([^`]+)`")
+SPAN = re.compile(r"`([^`]+)`")
 _SEPARATOR = re.compile(r"\s+(?:&&|\|\||\|)\s+|;\s+")
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
 _PLACEHOLDER = re.compile(r"<[^>]*>|\.\.\.|…|[A-Z][A-Z0-9_-]*")
@@ -134,10 +134,15 @@ def _fenced_lines(text: str) -> list[tuple[int, str]]:
     return lines
 
 
+def without_fences(text: str) -> str:
+    """A page with its fenced blocks blanked, its line numbers kept."""
+    return _FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+
+
 def _spans(text: str) -> list[tuple[int, str]]:
     """Each code span outside the fenced blocks, joined onto one line, with its line number."""
-    prose = _FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)
-    return [(prose.count("\n", 0, m.start()) + 1, " ".join(m.group(1).split())) for m in _SPAN.finditer(prose)]
+    prose = without_fences(text)
+    return [(prose.count("\n", 0, m.start()) + 1, " ".join(m.group(1).split())) for m in SPAN.finditer(prose)]
 
 
 def _shorthand(words: list[str], subcommands: set[str]) -> list[str]:

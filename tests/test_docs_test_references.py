@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.doc_commands import _FENCE, _SPAN, ROOT, pages
+from tests.doc_commands import ROOT, SPAN, pages, without_fences
 
 TEST_DIRS: list[str] = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"][
     "testpaths"]
@@ -40,7 +40,7 @@ _PATH = r"(?<![\w./-])(?:[\w.-]+/)*test_\w+\.py"
 _REFERENCE = re.compile(rf"(?P<file>{_PATH})?(?:::(?:\w+::)?(?P<test>test_\w+)(?:\[[^\]]*\])?)?")
 _BARE_TEST = re.compile(r"(?P<test>test_\w+)(?:\[[^\]]*\])?")
 # A span, or a path in running text (`tests/test_bad_fleets.py` written without backticks).
-_CITATION = re.compile(rf"{_SPAN.pattern}|(?<![\w/`.-])(?:[\w.-]+/)+test_\w+\.py(?![\w`])")
+_CITATION = re.compile(rf"{SPAN.pattern}|(?<![\w/`.-])(?:[\w.-]+/)+test_\w+\.py(?![\w`])")
 _BLOCK_START = re.compile(r"\s*$|\s*(?:[-*+]|\d+\.)\s|#|\|")
 
 
@@ -81,7 +81,7 @@ def _references_in(citation: str, is_span: bool) -> list[tuple[str | None, str |
 
 def page_references(page: str, text: str) -> list[Reference]:
     """The test references of one page, in the order written (fenced blocks are commands, not citations)."""
-    prose = _FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+    prose = without_fences(text)
     lines = prose.split("\n")
     numbers = _paragraphs(lines)
     texts: dict[int, str] = {}
